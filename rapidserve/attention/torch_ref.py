@@ -1,0 +1,125 @@
+"""Reference attention backend in plain torch: runs anywhere, favours faithfulness over speed.
+
+Layouts (see rapidserve/attention/metadata.py):
+
+- ``k_cache`` / ``v_cache``: [num_blocks, num_kv_heads, block_size, head_dim], contiguous. Token ``t``
+  of sequence ``i`` lives at block ``block_tables[i, t // block_size]``, offset ``t % block_size``.
+- ``q`` (prefill): [T, num_heads, head_dim], the new tokens of all sequences laid end to end
+  (``cu_seqlens_q``). ``q`` (decode): [B, num_heads, head_dim], one token per sequence.
+- GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
+
+The attention itself is torch.nn.functional.scaled_dot_product_attention called per sequence on
+contiguous K/V gathered from the cache, with the same arguments Hugging Face transformers' "sdpa"
+attention uses (``enable_gqa`` when there is no mask, ``repeat_kv`` + boolean mask otherwise), so
+fp32 outputs match a transformers model as closely as possible.
+
+These functions read lengths on the host (``.tolist()``): they are not CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rapidserve.attention.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped."""
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"k and v must both be [T, num_kv_heads, head_dim]; got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; k has {k.shape[0]} tokens")
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks = slots // block_size
+    offsets = slots % block_size
+    # Advanced indexing on dims 0 and 2 puts the token dim first: [n, num_kv_heads, head_dim].
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[num_kv_heads, context_len, head_dim] contiguous copy of one sequence's keys or values."""
+    block_size = cache.shape[2]
+    num_used = (context_len + block_size - 1) // block_size
+    blocks = block_table[:num_used].to(torch.int64)
+    tiles = cache[blocks]  # [num_used, Hkv, block_size, D]
+    kv = tiles.permute(1, 0, 2, 3).reshape(cache.shape[1], num_used * block_size, cache.shape[3])
+    return kv[:, :context_len].contiguous()
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, Hkv, L, D] -> [B, Hkv * n_rep, L, D], kv head j serving query heads j*n_rep .. j*n_rep+n_rep-1."""
+    if n_rep == 1:
+        return x
+    b, h, seq, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, seq, d).reshape(b, h * n_rep, seq, d)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of a varlen batch of new tokens over their whole sequences in the cache.
+
+    Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` new tokens, which are the last
+    ``q_len`` of its ``context_lens[i]`` tokens; new token ``j`` attends to keys ``0 .. prefix + j``
+    with ``prefix = context_len - q_len``. Sequences with context_len 0 produce zeros.
+    Returns [T, num_heads, head_dim] in q's dtype.
+    """
+    if meta.cu_seqlens_q is None:
+        raise ValueError("prefill_attention needs meta.cu_seqlens_q (got None)")
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    cu = meta.cu_seqlens_q.tolist()
+    ctx_lens = meta.context_lens.tolist()
+    for i, ctx in enumerate(ctx_lens):
+        start, end = cu[i], cu[i + 1]
+        q_len = end - start
+        if q_len == 0 or ctx == 0:
+            continue
+        prefix = ctx - q_len
+        if prefix < 0:
+            raise ValueError(f"sequence {i}: context_len={ctx} is smaller than its q_len={q_len}")
+        # [1, Hq, q_len, D], a transposed view as in transformers.
+        qi = q[start:end].transpose(0, 1).unsqueeze(0)
+        ki = _gather_kv(k_cache, meta.block_tables[i], ctx).unsqueeze(0)
+        vi = _gather_kv(v_cache, meta.block_tables[i], ctx).unsqueeze(0)
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=q_len > 1, scale=scale,
+                                               enable_gqa=group > 1)
+        else:
+            rows = torch.arange(q_len, device=q.device)[:, None] + prefix
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qi, _repeat_kv(ki, group), _repeat_kv(vi, group),
+                                               attn_mask=mask[None, None], scale=scale)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence (q: [B, num_heads, head_dim]) attending to all its context_lens[b]
+    cached tokens. Rows with context_len 0 produce zeros. Returns [B, num_heads, head_dim]."""
+    num_heads = q.shape[1]
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    for b, ctx in enumerate(context_lens.tolist()):
+        if ctx == 0:
+            continue
+        qb = q[b].unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D]
+        kb = _gather_kv(k_cache, block_tables[b], ctx).unsqueeze(0)
+        vb = _gather_kv(v_cache, block_tables[b], ctx).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=group > 1)
+        out[b] = o[0, :, 0]
+    return out

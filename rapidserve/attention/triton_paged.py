@@ -1,0 +1,384 @@
+"""Triton paged-attention kernels (CUDA and ROCm): KV write, split-K decode, varlen prefill.
+
+Layouts (see rapidserve/attention/metadata.py):
+
+- ``k_cache`` / ``v_cache``: [num_blocks, num_kv_heads, block_size, head_dim], contiguous, so one
+  (block, kv head) page is a contiguous [block_size, head_dim] tile. Token ``t`` of sequence ``i`` is
+  at block ``block_tables[i, t // block_size]``, offset ``t % block_size``. Key tiles are gathered
+  token by token through the block table, so tile sizes are independent of block_size.
+- ``q``: [T, num_heads, head_dim] (prefill, sequences end to end) or [B, num_heads, head_dim]
+  (decode); any strides on the first two dims, the last dim must be contiguous.
+- Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
+
+Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
+shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
+slots and context lengths. Softmax runs in fp32 with exp2; fp32 inputs use IEEE (not tf32) dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rapidserve.attention.metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+# ----------------------------------------------------------------------------------------- write_kv
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    # Padding rows (slot < 0) mask every head. (The limit is folded into the head bound because the
+    # interpreter cannot broadcast a scalar boolean into a mask.)
+    live_heads = NUM_KV_HEADS * (slot >= 0).to(tl.int32)
+    mask = (h[:, None] < live_heads) & (d[None, :] < HEAD_DIM)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    dst = (block * (NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM) + h[:, None] * (BLOCK_SIZE * HEAD_DIM)
+           + offset * HEAD_DIM + d[None, :])
+    t64 = t.to(tl.int64)
+    k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim]; "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped."""
+    _check_cache(k_cache, v_cache)
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
+        raise ValueError(f"k and v must both be [T, {k_cache.shape[1]}, {k_cache.shape[3]}]; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    num_tokens = k.shape[0]
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; k has {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)
+
+
+# ------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr,
+                         qk_scale, stride_qb, stride_qh, stride_bt, num_splits,
+                         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
+    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys.
+
+    DIRECT (one split): writes the normalised output. Otherwise writes the fp32 partial output
+    ``part[b, h, split, :]`` (normalised within the split) and its log2-sum-exp ``lse[b, h, split]``.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
+    page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
+    for tile in range(tile_lo, tile_hi):
+        tok = tile * BLOCK_N + n
+        tok_mask = tok < ctx
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    has = l_i > 0.0
+    acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    row = b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads  # (b, h) flattened
+    if DIRECT:
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row * num_splits + split, lse, mask=g_mask)
+        tl.store(part_ptr + (row[:, None] * num_splits + split) * HEAD_DIM + d[None, :], acc,
+                 mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    part = tl.load(part_ptr + (row * num_splits + s[:, None]) * HEAD_DIM + d[None, :],
+                   mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, axis=0)
+    o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the Triton interpreter on CPU
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                      block_n: int, num_sms: int, waves: int = 2) -> int:
+    """Splits per (sequence, kv head): enough programs for ``waves`` x the SMs, at most one split per
+    key tile of the longest sequence the block table can hold. Depends on shapes only."""
+    max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n))
+    want = triton.cdiv(waves * num_sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, max_tiles))
+
+
+def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages)."""
+    if dtype == torch.float32:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None, block_n: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
+    context_lens[b] cached tokens; context_len 0 gives zeros. Returns [B, num_heads, head_dim].
+
+    The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
+    _check_cache(k_cache, v_cache)
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q [B, {num_heads}, {head_dim}] does not fit the cache with {num_kv_heads} "
+                         f"kv heads of head_dim {cache_head_dim} (num_heads must be a multiple of "
+                         "num_kv_heads)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+        raise ValueError(f"block_tables must be [{batch}, max_blocks] and context_lens [{batch}]; got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    block_tables = _last_dim_contiguous(block_tables)
+    group = num_heads // num_kv_heads
+    cfg_n, cfg_warps, cfg_stages = _decode_config(q.dtype, head_dim)
+    block_n = block_n or cfg_n
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
+                                       _num_sms(q.device))
+    direct = num_splits == 1
+    if direct:
+        lse = part = out  # unused
+    else:
+        lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, lse, part,
+        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
+    if not direct:
+        _decode_reduce_kernel[(batch * num_heads,)](
+            out, lse, part, num_splits, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ prefill
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
+                    qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal.
+
+    Tiles are numbered so that the first programs take the last (heaviest) query tile of every
+    sequence; tiles past a sequence's end exit at once.
+    """
+    h = tl.program_id(0)
+    pid = tl.program_id(1)
+    seq = pid % num_seqs
+    m_tile = num_m_tiles - 1 - pid // num_seqs
+    q_start = tl.load(cu_ptr + seq)
+    q_len = tl.load(cu_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len
+    kvh = h // (NUM_HEADS // NUM_KV_HEADS)
+
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
+    page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
+
+    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask.
+    end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
+    full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
+    for start in range(0, full_hi, BLOCK_N):
+        tok = start + n
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    for start in range(full_hi, end, BLOCK_N):
+        tok = start + n
+        tok_mask = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        kv_mask = tok_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (rows[:, None] * NUM_HEADS + h) * HEAD_DIM + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return 128, 64, 8, 2
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, block_m: int | None = None,
+                      block_n: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
+    """Causal varlen attention of new tokens (q [T, num_heads, head_dim], sequences laid end to end by
+    meta.cu_seqlens_q) over their sequences in the paged cache, including any cached prefix of
+    ``context_len - q_len`` tokens. Uses meta.max_seqlen_q (host int) to size the grid.
+    Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros.
+
+    The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
+    _check_cache(k_cache, v_cache)
+    if meta.cu_seqlens_q is None:
+        raise ValueError("prefill_attention needs meta.cu_seqlens_q (got None)")
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q [T, {num_heads}, {head_dim}] does not fit the cache with {num_kv_heads} "
+                         f"kv heads of head_dim {cache_head_dim} (num_heads must be a multiple of "
+                         "num_kv_heads)")
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    block_tables = _last_dim_contiguous(meta.block_tables)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim)
+    block_m, block_n = block_m or cfg_m, block_n or cfg_n
+    num_m_tiles = triton.cdiv(max(1, meta.max_seqlen_q), block_m)
+    _prefill_kernel[(num_heads, num_seqs * num_m_tiles)](
+        q, k_cache, v_cache, block_tables, meta.context_lens, meta.cu_seqlens_q, out,
+        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_seqs, num_m_tiles,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
+        num_stages=num_stages or cfg_stages)
+    return out
+
+
+def prefill_flops(q_lens: list[int], prefixes: list[int], num_heads: int, head_dim: int) -> float:
+    """Causal attention FLOPs (QK^T and PV) of a prefill batch, for benchmarks."""
+    pairs = sum(q * (q + 1) / 2 + q * p for q, p in zip(q_lens, prefixes, strict=True))
+    return 4.0 * pairs * head_dim * num_heads
+
+

@@ -1,0 +1,113 @@
+"""The `rapidserve` command line.
+
+Every flag is validated; a bad flag, model path or model file ends with a message that says what
+is allowed and exit code 2 (argparse's convention for usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rapidserve.config import DTYPES, ConfigError
+
+EXIT_USAGE = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} must be in (0, 1]")
+    return v
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None,
+                   help="a Hugging Face model folder, a .gguf file, preset:NAME, or omit for the "
+                        "embedded SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
+    g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
+    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                   help="fix the KV pool size instead of sizing it from free memory")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
+    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
+                num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
+                seed=a.seed, attention_backend=a.attention_backend)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from rapidserve.llm import LLM
+    from rapidserve.sampling_params import SamplingParams
+
+    llm = LLM(a.model, **engine_kwargs(a))
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
+    prompts = list(a.prompt)
+    tok = llm.get_tokenizer()
+    if a.chat and tok is not None:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        c = out.outputs[0]
+        print(json.dumps({"prompt": out.prompt, "text": c.text, "num_tokens": len(c.token_ids),
+                          "finish_reason": c.finish_reason}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rapidserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions offline (single process)")
+    add_model_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rapidserve.loader import ModelLoadError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ModelLoadError, ConfigError) as e:
+        print(f"rapidserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as e:  # invalid sampling parameters and the like
+        print(f"rapidserve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

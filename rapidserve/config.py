@@ -1,0 +1,178 @@
+"""The typed, frozen configuration tree.
+
+Built once (from a model folder, a GGUF file, a preset, CLI flags) and passed down. Nothing below
+the engine reads environment variables or globals for its settings: it gets one of these.
+Every validation error names the field, the value and what is allowed, so the user can fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which field and what is allowed."""
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 ("llama3") RoPE frequency scaling. `rope_type` 'llama3' is the only one supported."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self) -> None:
+        _check(self.rope_type == "llama3",
+               f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: 'llama3'")
+        _check(self.factor >= 1.0, f"rope_scaling.factor={self.factor} must be >= 1")
+        _check(self.high_freq_factor > self.low_freq_factor,
+               "rope_scaling.high_freq_factor must be greater than low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer. One set of layers serves all three families:
+
+    - llama: Llama 2/3/3.1 (optionally llama3 RoPE scaling), SmolLM2
+    - qwen2: q/k/v projections carry a bias
+    - qwen3: per-head RMSNorm on q and k before RoPE
+    """
+
+    arch: Arch
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        _check(self.arch in ARCHES, f"model arch={self.arch!r} is not supported; supported: {list(ARCHES)}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, f)
+            _check(isinstance(v, int) and v > 0, f"model {f}={v!r} must be a positive integer")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"model num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        _check(self.rms_norm_eps > 0, f"model rms_norm_eps={self.rms_norm_eps} must be > 0")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and lm_head counted once each; once in total when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        layer = attn + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.num_layers * 2 * self.kv_size * dtype_bytes
+
+    def replace(self, **kw: object) -> ModelConfig:
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool. `num_blocks=None` sizes it from free device memory."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    # On CPU there is no "free device memory": the pool takes this many bytes unless num_blocks is set.
+    cpu_kv_bytes: int = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (8, 16, 32, 64, 128),
+               f"block_size={self.block_size} is not supported; use one of 8, 16, 32, 64, 128")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0,
+               f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        _check(self.num_blocks is None or self.num_blocks > 0,
+               f"num_blocks={self.num_blocks} must be a positive integer or unset")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, f"max_num_seqs={self.max_num_seqs} must be > 0")
+        _check(self.max_num_batched_tokens > 0,
+               f"max_num_batched_tokens={self.max_num_batched_tokens} must be > 0")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model runs: device, dtype, attention backend, decode graphs."""
+
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    attention_backend: str = "auto"  # auto | torch | triton
+    use_cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype == "auto" or self.dtype in DTYPES,
+               f"dtype={self.dtype!r} is not supported; use auto or one of {list(DTYPES)}")
+        _check(self.attention_backend in ("auto", "torch", "triton"),
+               f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+               f"device={self.device!r}; use auto, cpu, cuda or cuda:N")
+        _check(len(self.graph_batch_sizes) > 0 and list(self.graph_batch_sizes) == sorted(self.graph_batch_sizes),
+               "graph_batch_sizes must be a non-empty ascending tuple")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The root of the tree: what to load and how to run it."""
+
+    model: str
+    model_config: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model_config.max_position_embeddings

@@ -1,0 +1,126 @@
+"""EngineCore: the single-process engine (scheduler + runner) behind `rapidserve.LLM`.
+
+One `step()` reads like prose: schedule, run the forward pass the schedule asks for, sample,
+record tokens, finish what stopped. It is the reference the two-process engine is compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rapidserve.block_manager import BlockManager
+from rapidserve.config import EngineConfig
+from rapidserve.loader import ModelSource
+from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+from rapidserve.sampler import make_generator
+from rapidserve.sampling_params import SamplingParams
+from rapidserve.scheduler import Scheduler
+from rapidserve.sequence import Sequence, check_stop
+
+
+class RequestError(ValueError):
+    """A request cannot be served as given (e.g. its prompt does not fit the context window)."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One new token of a sequence, as the step produced it."""
+
+    seq: Sequence
+    token_id: int
+    finish_reason: str | None
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, source: ModelSource, show_progress: bool = True) -> None:
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, source, show_progress=show_progress)
+        self.runner.capture_decode_graphs(show_progress=show_progress)
+        self.blocks = BlockManager(self.runner.kv_pool.num_blocks, cfg.cache.block_size)
+        self.scheduler = Scheduler(self.blocks, cfg.scheduler.max_num_seqs,
+                                   cfg.scheduler.max_num_batched_tokens)
+        self.eos_token_ids: tuple[int, ...] = cfg.model_config.eos_token_ids
+        self.max_model_len = cfg.max_model_len
+        self._arrivals = 0
+        # Optional extra stop check on the text (stop strings); returns a finish reason or None.
+        self.text_stop: Callable[[Sequence], str | None] | None = None
+
+    def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        vocab = self.cfg.model_config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("prompt is empty; give at least one token")
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window is "
+                               f"{self.max_model_len}, which must also hold at least one new token")
+        self._arrivals += 1
+        seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, self.runner.device)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.schedule()
+        if plan.prefill:
+            items = [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
+                                 self.blocks.table(c.seq.seq_id), c.is_last) for c in plan.prefill]
+            logits = self.runner.prefill(items)
+            for c in plan.prefill:
+                self.scheduler.on_prefill_done(c)
+            return self._sample_and_record([c.seq for c in plan.prefill if c.is_last], logits)
+        if plan.decode:
+            items = [DecodeItem(s.last_token_id, s.num_tokens - 1, self.blocks.table(s.seq_id))
+                     for s in plan.decode]
+            logits = self.runner.decode(items)
+            for s in plan.decode:
+                self.scheduler.on_decode_done(s)
+            return self._sample_and_record(plan.decode, logits)
+        return []
+
+    def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        if not seqs:
+            return []
+        self._suppress_early_stop(seqs, logits)
+        out = self.runner.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = out.token_ids.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        tops = None
+        if out.top_logprobs is not None:
+            vals, ids = out.top_logprobs
+            tops = (vals.tolist(), ids.tolist())
+        events = []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+            seq.output_token_ids.append(tok)
+            if lps is not None and seq.params.logprobs is not None:
+                seq.output_logprobs.append(lps[i])
+                k = seq.params.logprobs
+                if tops is not None and k > 0:
+                    seq.output_top_logprobs.append(list(zip(tops[1][i][:k], tops[0][i][:k], strict=True)))
+            reason = check_stop(seq, self.eos_token_ids, self.max_model_len)
+            if reason is None and self.text_stop is not None:
+                reason = self.text_stop(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            events.append(TokenEvent(seq, tok, reason))
+        return events
+
+    def _suppress_early_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Below min_tokens, EOS and stop tokens cannot be sampled."""
+        for i, s in enumerate(seqs):
+            if len(s.output_token_ids) < s.params.min_tokens:
+                banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    logits[i, list(banned)] = float("-inf")

@@ -1,0 +1,28 @@
+"""Inter-process channels: SPSC shared-memory rings carrying msgspec-encoded messages."""
+
+from rapidserve.ipc.channel import Receiver, Sender
+from rapidserve.ipc.ring import (
+    MessageTooLarge,
+    RingClosed,
+    RingError,
+    RingFull,
+    RingLayoutError,
+    ShmRing,
+    cleanup_stale,
+    new_engine_id,
+    ring_name,
+)
+
+__all__ = [
+    "MessageTooLarge",
+    "Receiver",
+    "RingClosed",
+    "RingError",
+    "RingFull",
+    "RingLayoutError",
+    "Sender",
+    "ShmRing",
+    "cleanup_stale",
+    "new_engine_id",
+    "ring_name",
+]

@@ -1,0 +1,130 @@
+"""`rapidserve.LLM`: the offline, single-process API, like vLLM's.
+
+    llm = LLM(model="preset:tiny-llama")            # or a HF folder, a .gguf, None = SmolLM2
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].token_ids, outs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from rapidserve.core import EngineCore
+from rapidserve.loader import resolve_model
+from rapidserve.outputs import CompletionOutput, RequestOutput
+from rapidserve.sampling_params import SamplingParams
+from rapidserve.sequence import Sequence as Seq
+from rapidserve.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                        max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                        block_size: int = 16, num_kv_blocks: int | None = None,
+                        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                        enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
+                        cache_dir: str | None = None) -> tuple[EngineConfig, object]:
+    """Resolve the model and assemble the frozen config tree (the one place it is built)."""
+    source = resolve_model(model, cache_dir=cache_dir)
+    mcfg = source.config
+    cfg = EngineConfig(
+        model=model or "default",
+        model_config=mcfg,
+        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                          num_blocks=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+        runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
+                            use_cuda_graphs=not enforce_eager, seed=seed),
+    )
+    return cfg, source
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", *, show_progress: bool = True,
+                 **kwargs: object) -> None:
+        cfg, source = build_engine_config(model, dtype=dtype, **kwargs)  # type: ignore[arg-type]
+        self.config = cfg
+        self.tokenizer = Tokenizer.from_source(source)  # type: ignore[arg-type]
+        self.engine = EngineCore(cfg, source, show_progress=show_progress)  # type: ignore[arg-type]
+        if self.tokenizer is not None:
+            merged = tuple(dict.fromkeys(cfg.model_config.eos_token_ids + self.tokenizer.eos_token_ids))
+            self.engine.eos_token_ids = merged
+            self.engine.text_stop = self._stop_string_hit
+        self._next_id = 0
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (a preset?): pass prompts as token-id lists")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _stop_string_hit(self, seq: Seq) -> str | None:
+        if not seq.params.stop or self.tokenizer is None:
+            return None
+        tail = self.tokenizer.decode(seq.output_token_ids[-16:], seq.params.skip_special_tokens)
+        return "stop" if any(s in tail for s in seq.params.stop) else None
+
+    def _text(self, token_ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(token_ids, params.skip_special_tokens)
+        for s in params.stop:  # stop strings are left out of the output, as in vLLM
+            cut = text.find(s)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(plist) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(plist):
+            raise ValueError(f"got {len(plist)} prompts but {len(params)} sampling_params; "
+                             "pass one SamplingParams or one per prompt")
+        requests: list[tuple[RequestOutput, list[Seq]]] = []
+        for prompt, p in zip(plist, params, strict=True):
+            text, ids = self._encode(prompt)
+            rid = str(self._next_id)
+            self._next_id += 1
+            seqs = []
+            for i in range(p.n):
+                sp = p if p.n == 1 or p.seed is None else _with_seed(p, p.seed + i)
+                seqs.append(self.engine.add(f"{rid}-{i}", ids, sp))
+            requests.append((RequestOutput(rid, text, ids), seqs))
+        total = sum(len(s) for _, s in requests)
+        bar = tqdm(total=total, desc="generating", disable=not use_tqdm, leave=False)
+        while self.engine.has_work:
+            for ev in self.engine.step():
+                if ev.finish_reason is not None:
+                    bar.update(1)
+        bar.close()
+        for req, seqs in requests:
+            for i, s in enumerate(seqs):
+                lp = s.output_logprobs if s.params.logprobs is not None else None
+                req.outputs.append(CompletionOutput(
+                    index=i, text=self._text(s.output_token_ids, s.params), token_ids=list(s.output_token_ids),
+                    cumulative_logprob=sum(lp) if lp else None, logprobs=lp,
+                    top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
+                    finish_reason=s.finish_reason))
+        return [r for r, _ in requests]
+
+
+def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(p, seed=seed)

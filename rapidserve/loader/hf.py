@@ -1,0 +1,242 @@
+"""Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
+
+Only headers are read when the folder is resolved (to check every tensor the config needs is there
+with the right shape); `weights()` then streams one tensor at a time through `safe_open`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.loader import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _rope(d: dict[str, Any], path: str) -> tuple[float, RopeScaling | None]:
+    """rope_theta and llama3 scaling from either transformers 4 (`rope_theta` + `rope_scaling`) or
+    transformers 5 (`rope_parameters`, possibly keyed by layer type) configs."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        params = params.get("full_attention") or next(iter(params.values()))
+    scaling = params if isinstance(params, dict) else d.get("rope_scaling")
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    theta = float(theta if theta is not None else 10000.0)
+    if not isinstance(scaling, dict):
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelLoadError(path, f"rope scaling type {rope_type!r} is not supported "
+                                   "(supported: none/default, llama3)")
+    try:
+        return theta, RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise ModelLoadError(path, f"invalid llama3 rope scaling {scaling}: {e}") from e
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def config_from_hf_dict(d: dict[str, Any], path: str, name: str = "model") -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json (llama, qwen2, qwen3)."""
+    arch = d.get("model_type")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ModelLoadError(path, f"model_type {arch!r} is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(path, f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
+    if d.get("mlp_bias"):
+        raise ModelLoadError(path, "mlp_bias=true is not supported")
+    try:
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        theta, scaling = _rope(d, path)
+        eos = _token_ids(d.get("eos_token_id"))
+        return ModelConfig(
+            arch=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            bos_token_id=d.get("bos_token_id") if isinstance(d.get("bos_token_id"), int) else None,
+            eos_token_ids=eos,
+            name=name,
+        )
+    except KeyError as e:
+        raise ModelLoadError(path, f"config field {e.args[0]!r} is missing") from e
+    except (TypeError, ValueError, ConfigError) as e:
+        raise ModelLoadError(path, f"invalid config: {e}") from e
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(path, f"cannot read JSON: {e}") from e
+
+
+def _chat_template(folder: str) -> str | None:
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    cfg = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(cfg):
+        return None
+    template = _read_json(cfg).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def _weight_files(folder: str) -> list[str]:
+    """The safetensors files of a folder, checking that every shard an index names exists."""
+    index = os.path.join(folder, INDEX_FILE)
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(index, "the index has no weight_map")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not os.path.isfile(os.path.join(folder, f)):
+                raise ModelLoadError(os.path.join(folder, f), f"shard {f} listed in {INDEX_FILE} is missing")
+        return [os.path.join(folder, f) for f in files]
+    if os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        return [os.path.join(folder, SINGLE_FILE)]
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if files:
+        return [os.path.join(folder, f) for f in files]
+    others = [f for f in os.listdir(folder) if f.endswith((".bin", ".pt", ".pth"))]
+    hint = f" (found {', '.join(sorted(others))}: only safetensors weights are supported)" if others else ""
+    raise ModelLoadError(folder, f"no {SINGLE_FILE} or {INDEX_FILE} in the folder{hint}")
+
+
+def read_safetensors_headers(files: Iterable[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (file, shape) over all files; a truncated or corrupt file raises naming it."""
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(file, f"truncated or corrupt safetensors file: {e}") from e
+    return found
+
+
+def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `name -> tensor` for names (name -> file) in the given order, one tensor at a time
+    (each file is opened once and memory-mapped)."""
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for name, file in names.items():
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                tensor = handles[file].get_tensor(name)
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(file, f"cannot read tensor {name}: {e}") from e
+            yield name, tensor
+
+
+def load_hf_folder(folder: str) -> ModelSource:
+    """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
+    folder = os.path.abspath(folder)
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(folder, "the folder has no config.json")
+    d = _read_json(cfg_path)
+    if not isinstance(d, dict):
+        raise ModelLoadError(cfg_path, "config.json is not a JSON object")
+    config = config_from_hf_dict(d, cfg_path, name=os.path.basename(folder.rstrip(os.sep)) or "model")
+    found = read_safetensors_headers(_weight_files(folder))
+    check_tensor_shapes({n: s for n, (_, s) in found.items()}, config, folder)
+    needed = {name: found[name][0] for name in expected_tensor_shapes(config)}
+    has_tokenizer = any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
+    dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
+    return ModelSource(
+        config=config,
+        weights=lambda: stream_safetensors(needed),
+        num_tensors=len(needed),
+        tokenizer_dir=folder if has_tokenizer else None,
+        tokenizer_file=None,
+        chat_template=_chat_template(folder),
+        description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
+                    f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
+    )
+
+
+def write_safetensors(path: str, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write a safetensors file one tensor at a time (memory stays at one tensor), atomically.
+
+    `specs` fixes the header (name -> dtype, shape) up front; `tensors` must then yield exactly
+    those tensors in the same order.
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            order = iter(specs.items())
+            for name, t in tensors:
+                want, (dtype, shape) = next(order, (None, (None, None)))
+                if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"tensor {name} {t.dtype} {list(t.shape)} does not match the "
+                                     f"header entry {want} {dtype} {shape}")
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if next(order, None) is not None:
+                raise ValueError(f"the tensor stream ended before every tensor of {path} was written")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

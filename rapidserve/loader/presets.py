@@ -1,0 +1,223 @@
+"""`preset:NAME`: real architecture shapes with deterministic random weights (for benchmarks and tests).
+
+Every tensor is drawn from its own `torch.Generator`, seeded from a hash of the preset and tensor
+names, so the weights are the same on every load and in any order, and generating them holds one
+tensor at a time. Scales keep activations O(1) over many layers in bf16: q/k/v/gate/up ~
+N(0, 1/fan_in), o/down additionally divided by 2*num_layers, norms 1 + small noise, small biases.
+
+`save_as_hf_folder` writes any ModelSource as a Hugging Face folder (config.json + safetensors) so
+transformers' own implementation can load exactly the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rapidserve.config import ModelConfig, RopeScaling
+from rapidserve.loader import ModelLoadError, ModelSource, expected_tensor_shapes
+from rapidserve.loader.hf import write_safetensors
+
+_LLAMA3 = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+               num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+               bos_token_id=128000)
+_QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643)
+
+
+def _presets() -> dict[str, ModelConfig]:
+    """The preset table (built on each call: no module-level mutable state)."""
+    c = ModelConfig
+    return {
+        "llama-3-8b": c(arch="llama", max_position_embeddings=8192, eos_token_ids=(128001, 128009),
+                        name="llama-3-8b", **_LLAMA3),
+        "llama-3.1-70b": c(arch="llama", **{**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672,
+                                           "num_layers": 80, "num_heads": 64},
+                           rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                    original_max_position_embeddings=8192),
+                           max_position_embeddings=131072, eos_token_ids=(128001, 128008, 128009),
+                           name="llama-3.1-70b"),
+        "qwen3-8b": c(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                      num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
+                      max_position_embeddings=40960, eos_token_ids=(151645,), name="qwen3-8b", **_QWEN),
+        "qwen3-14b": c(arch="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+                       num_layers=40, num_heads=40, num_kv_heads=8, head_dim=128, qk_norm=True,
+                       max_position_embeddings=40960, eos_token_ids=(151645,), name="qwen3-14b", **_QWEN),
+        "qwen2-7b": c(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                      num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, attention_bias=True,
+                      max_position_embeddings=32768, eos_token_ids=(151645,), name="qwen2-7b", **_QWEN),
+        "smollm2-135m": c(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                          bos_token_id=1, eos_token_ids=(2,), name="smollm2-135m"),
+        # Tiny models for tests: each exercises one feature of the three families.
+        "tiny-llama": c(arch="llama", vocab_size=1280, hidden_size=64, intermediate_size=160,
+                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                        rope_theta=10000.0, max_position_embeddings=1024,
+                        rope_scaling=RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                 original_max_position_embeddings=128),
+                        bos_token_id=1, eos_token_ids=(2,), name="tiny-llama"),
+        "tiny-llama-tied": c(arch="llama", vocab_size=1000, hidden_size=96, intermediate_size=192,
+                             num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                             rope_theta=100000.0, max_position_embeddings=2048, tie_word_embeddings=True,
+                             bos_token_id=1, eos_token_ids=(2,), name="tiny-llama-tied"),
+        "tiny-qwen2": c(arch="qwen2", vocab_size=1200, hidden_size=128, intermediate_size=256,
+                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True,
+                        max_position_embeddings=2048, eos_token_ids=(2, 3), name="tiny-qwen2",
+                        **{**_QWEN, "bos_token_id": 1}),
+        "tiny-qwen3": c(arch="qwen3", vocab_size=1500, hidden_size=64, intermediate_size=128,
+                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
+                        max_position_embeddings=2048, eos_token_ids=(2,), name="tiny-qwen3",
+                        **{**_QWEN, "bos_token_id": 1}),
+    }
+
+
+def list_presets() -> list[str]:
+    return list(_presets())
+
+
+def preset_config(name: str) -> ModelConfig:
+    presets = _presets()
+    if name not in presets:
+        raise ModelLoadError(f"preset:{name}", f"unknown preset {name!r}")
+    return presets[name]
+
+
+def _seed(preset: str, tensor: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{preset}/{tensor}".encode()).digest()[:8], "little") >> 1
+
+
+def preset_tensor(preset: str, config: ModelConfig, name: str, shape: tuple[int, ...],
+                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One deterministic tensor of a preset (the same for the same name, shape, device and dtype)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(_seed(preset, name))
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        x = 1.0 + 0.05 * x
+    elif name.endswith(".bias"):
+        x = 0.05 * x
+    elif name == "model.embed_tokens.weight":
+        # Tied: the embedding is also the output layer, so keep logits around hidden**0.25.
+        x = x * (config.hidden_size ** -0.25 if config.tie_word_embeddings else 1.0)
+    else:
+        std = 1.0 / math.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= math.sqrt(2 * config.num_layers)
+        x = x * std
+    return x.to(dtype)
+
+
+def load_preset(name: str, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> ModelSource:
+    """A ModelSource with the preset's shapes and deterministic random weights (no tokenizer).
+
+    Weights are generated lazily per tensor on `device` (a CUDA generator draws different numbers
+    than the CPU one, but is just as deterministic) in `dtype`.
+    """
+    config = preset_config(name)
+    shapes = expected_tensor_shapes(config)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor, shape in shapes.items():
+            yield tensor, preset_tensor(name, config, tensor, shape, device=device, dtype=dtype)
+
+    return ModelSource(
+        config=config, weights=weights, num_tensors=len(shapes), tokenizer_dir=None,
+        tokenizer_file=None, chat_template=None,
+        description=f"preset {name}: {config.arch} shapes with random weights "
+                    f"({config.num_params() / 1e9:.2f}B params)",
+    )
+
+
+def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields).
+
+    RoPE is written both the transformers 4 way (rope_theta, rope_scaling) and the transformers 5
+    way (rope_parameters); each version reads its own keys.
+    """
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rs = config.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": rs.factor,
+                "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
+                "original_max_position_embeddings": rs.original_max_position_embeddings}
+    eos: Any = list(config.eos_token_ids) if len(config.eos_token_ids) > 1 else (
+        config.eos_token_ids[0] if config.eos_token_ids else None)
+    d: dict[str, Any] = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[config.arch]],
+        "model_type": config.arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else
+        {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if config.arch != "qwen2":
+        d["attention_bias"] = config.attention_bias
+    if config.arch != "llama":
+        d["use_sliding_window"] = False
+        d["sliding_window"] = None
+        d["max_window_layers"] = config.num_layers
+    return d
+
+
+def save_as_hf_folder(source: ModelSource, path: str | os.PathLike[str],
+                      max_shard_bytes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+    """Write `source` as a Hugging Face model folder: config.json plus model.safetensors, or shards
+    of at most `max_shard_bytes` (one tensor larger than that gets a shard of its own) with
+    model.safetensors.index.json. Tensors are cast to `dtype` and streamed (one at a time).
+    The tokenizer is saved too when the source has one."""
+    out = os.fspath(path)
+    os.makedirs(out, exist_ok=True)
+    config = source.config
+    shapes = expected_tensor_shapes(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * itemsize
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    stream = ((n, t.to(dtype)) for n, t in source.weights() if n in shapes)
+    for file, names in zip(files, shards, strict=True):
+        specs = {n: (dtype, shapes[n]) for n in names}
+        write_safetensors(os.path.join(out, file), specs, (next(stream) for _ in names))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(math.prod(s) for s in shapes.values()) * itemsize},
+                 "weight_map": {n: f for f, names in zip(files, shards, strict=True) for n in names}}
+        with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config_dict(config, dtype), f, indent=2)
+    if source.tokenizer_dir is not None:
+        from rapidserve.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_source(source)
+        if tok is not None:
+            tok.hf.save_pretrained(out)

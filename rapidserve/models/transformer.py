@@ -1,0 +1,198 @@
+"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+
+The families differ only by flags of `ModelConfig`: q/k/v bias (qwen2), per-head q/k RMSNorm
+(qwen3), llama3 RoPE scaling, tied embeddings. Projections are fused (qkv, gate|up) so a layer is
+four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors.
+
+The forward pass takes a flat batch of tokens (all sequences end to end) and an
+`AttentionMetadata`; the elementwise ops and the attention backend are injected (`Ops`,
+`AttentionBackend`), torch reference versions on CPU and Triton kernels on GPUs.
+The KV cache is not owned here: each layer receives its (k_cache, v_cache) views of the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rapidserve.attention import AttentionBackend, AttentionMetadata
+from rapidserve.config import ModelConfig
+from rapidserve.models.rope import cos_sin_table
+from rapidserve.ops import Ops
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, unexpected or of the wrong shape."""
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+        self.cfg = cfg
+        self.qkv_proj = _param((qkv, h), dtype, device)
+        self.qkv_bias = _param((qkv,), dtype, device) if cfg.attention_bias else None
+        self.o_proj = _param((h, cfg.q_size), dtype, device)
+        self.q_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
+        self.k_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
+        self.gate_up_proj = _param((2 * cfg.intermediate_size, h), dtype, device)
+        self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
+        self.input_layernorm = _param((h,), dtype, device)
+        self.post_attention_layernorm = _param((h,), dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: KVCache,
+        meta: AttentionMetadata,
+        ops: Ops,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            hidden = ops.rms_norm(hidden, self.input_layernorm, eps)
+        else:
+            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
+
+        t = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = ops.rms_norm(q, self.q_norm, eps)
+            k = ops.rms_norm(k, self.k_norm, eps)
+        q, k = ops.apply_rope(q, k, positions, cos_sin)
+
+        k_cache, v_cache = kv
+        attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        scale = cfg.head_dim**-0.5
+        if meta.is_prefill:
+            o = attn.prefill_attention(q, k_cache, v_cache, meta, scale)
+        else:
+            o = attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        hidden = F.linear(o.reshape(t, cfg.q_size), self.o_proj)
+
+        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
+        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        return hidden, residual
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ops: Ops,
+        attn: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.ops, self.attn = cfg, ops, attn
+        self.dtype, self.device = dtype, device
+        self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = _param((cfg.hidden_size,), dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(
+            (cfg.vocab_size, cfg.hidden_size), dtype, device
+        )
+        n = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_sin", cos_sin_table(cfg, n, device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], for every input token."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, self.cos_sin, kv, meta, self.ops, self.attn)
+        assert residual is not None
+        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF name -> (destination tensor, row offset, rows): fused tensors take slices."""
+        cfg = self.cfg
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        out: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, cfg.vocab_size),
+            "model.norm.weight": (self.norm, 0, cfg.hidden_size),
+        }
+        if self.lm_head is not None:
+            out["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
+        for n, layer in enumerate(self.layers):
+            p = f"model.layers.{n}."
+            out[p + "self_attn.q_proj.weight"] = (layer.qkv_proj, 0, q)
+            out[p + "self_attn.k_proj.weight"] = (layer.qkv_proj, q, kv)
+            out[p + "self_attn.v_proj.weight"] = (layer.qkv_proj, q + kv, kv)
+            if layer.qkv_bias is not None:
+                out[p + "self_attn.q_proj.bias"] = (layer.qkv_bias, 0, q)
+                out[p + "self_attn.k_proj.bias"] = (layer.qkv_bias, q, kv)
+                out[p + "self_attn.v_proj.bias"] = (layer.qkv_bias, q + kv, kv)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, cfg.head_dim)
+                out[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, cfg.head_dim)
+            out[p + "self_attn.o_proj.weight"] = (layer.o_proj, 0, cfg.hidden_size)
+            out[p + "mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, i)
+            out[p + "mlp.up_proj.weight"] = (layer.gate_up_proj, i, i)
+            out[p + "mlp.down_proj.weight"] = (layer.down_proj, 0, cfg.hidden_size)
+            out[p + "input_layernorm.weight"] = (layer.input_layernorm, 0, cfg.hidden_size)
+            out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, 0, cfg.hidden_size)
+        return out
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model; every parameter must be covered exactly once."""
+        targets = self._targets()
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied checkpoints sometimes carry a copy of the embedding
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise WeightError(f"unexpected tensor {name!r} for a {self.cfg.arch} model")
+            dest, off, rows = targets[name]
+            want = (rows, *dest.shape[1:])
+            if tuple(tensor.shape) != want:
+                raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+            dest[off : off + rows].copy_(tensor, non_blocking=True)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise WeightError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}{more}")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,56 @@
+"""Reference elementwise / normalisation ops in plain torch.
+
+Each op performs the same operations, in the same order and dtypes, as Hugging Face transformers'
+Llama / Qwen modelling code, so results are bit-identical to transformers in the same dtype.
+All return new tensors and leave their inputs untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (x [..., N], weight [N]), as transformers' LlamaRMSNorm."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the residual add of a decoder layer, then its norm."""
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox / "rotate_half" rotary embedding, as transformers' apply_rotary_pos_emb.
+
+    q [T, num_heads, D], k [T, num_kv_heads, D], positions [T] (int), cos_sin_cache [max_pos, D]
+    float32 with cos in the first D/2 columns and sin in the last D/2. cos/sin are cast to q's dtype
+    first, then ``x * cos + rotate_half(x) * sin``. Returns new tensors.
+    """
+    half = cos_sin_cache.shape[-1] // 2
+    cs = cos_sin_cache[positions]  # [T, D]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1).to(q.dtype).unsqueeze(1)
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1).to(q.dtype).unsqueeze(1)
+    q_out = (q * cos) + (_rotate_half(q) * sin)
+    k_out = (k * cos) + (_rotate_half(k) * sin)
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = cat(gate, up) -> silu(gate) * up [..., I], as transformers' LlamaMLP."""
+    gate, up = x.chunk(2, dim=-1)
+    # transformers applies silu to the contiguous output of gate_proj; on CPU silu's vectorised and
+    # strided paths can differ in the last bit, so take the same (contiguous) path.
+    return F.silu(gate.contiguous()) * up

@@ -1,0 +1,198 @@
+"""Fused Triton versions of the elementwise / normalisation ops (CUDA and ROCm).
+
+Same signatures and numerics as rapidserve/ops/torch_ops.py: fp32 internal math, with results rounded
+to the tensor dtype at the same points where transformers rounds (e.g. ``weight * h.to(x.dtype)``),
+and floating-point contraction (FMA) disabled so products and sums round like torch's separate ops.
+Reduction order differs from torch, so fp32 sums can differ in the last bit.
+
+No op reads a device value on the host or allocates value-dependent memory: all are CUDA-graph safe.
+Inputs need a contiguous last dim; leading dims may be strided (e.g. q/k views of a fused qkv).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 512))
+
+
+# ----------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
+                     stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``row`` of x is at ``(row // n_inner) * stride_xo + (row % n_inner) * stride_xi``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    outer = row // n_inner
+    inner = row % n_inner
+    x = tl.load(x_ptr + outer * stride_xo + inner * stride_xi + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + outer * stride_ro + inner * stride_ri + cols, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / n_cols
+    h = h * tl.rsqrt(variance + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(x', n_inner, stride_outer, stride_inner) describing x's rows of its last dim."""
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x, x.shape[1], x.stride(0), x.stride(1)
+    if x.dim() == 2:
+        return x, 1, x.stride(0), 0
+    return x, 1, 0, 0
+
+
+def _rms_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_cols = x.shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight must be [{n_cols}] (the last dim of x); got {tuple(weight.shape)}")
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    num_rows = x.numel() // n_cols if n_cols else 0
+    if num_rows == 0:
+        return out, res_out
+    xv, n_inner, sxo, sxi = _rows_view(x)
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
+        rv, r_inner, sro, sri = _rows_view(residual)
+        if r_inner != n_inner:
+            rv, r_inner, sro, sri = _rows_view(residual.contiguous())
+    else:
+        rv, sro, sri = xv, 0, 0
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(num_rows,)](
+        xv, rv, weight, out, res_out if res_out is not None else out, n_inner, sxo, sxi, sro, sri,
+        n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+        enable_fp_fusion=False)
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (x [..., N], weight [N]); returns a new contiguous tensor."""
+    return _rms_launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) in one pass; returns new tensors."""
+    out, res_out = _rms_launch(x, residual, weight, eps)
+    assert res_out is not None
+    return out, res_out
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+@triton.jit
+def _rope_rotate(ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
+    p1 = ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rounding each product and the sum as torch does.
+    o1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
+    o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
+    tl.store(p1, o1.to(dt), mask=mask)
+    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    # cos/sin are cast to the activations' dtype first, as transformers does.
+    dt = q_ptr.dtype.element_ty
+    c = tl.load(cs_ptr + pos * (2 * HALF) + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * (2 * HALF) + HALF + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    _rope_rotate(q_ptr, t, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    _rope_rotate(k_ptr, t, stride_kt, stride_kh, c, s, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q [T, Hq, D] and k [T, Hkv, D] in one launch, IN PLACE.
+
+    Returns (q, k) (the same storage when their last dim is contiguous; otherwise rotated copies).
+    cos_sin_cache: [max_pos, D] float32, cos in the first D/2 columns, sin in the last D/2.
+    """
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, Hq, D] and k [T, Hkv, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q and k must have one dtype; got {q.dtype} and {k.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or head_dim % 2:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}] with an even head_dim; "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [{num_tokens}]; got {tuple(positions.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if num_tokens == 0:
+        return q, k
+    cache = cos_sin_cache if cos_sin_cache.is_contiguous() else cos_sin_cache.contiguous()
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_qh = triton.next_power_of_2(num_q_heads)
+    _rope_kernel[(num_tokens,)](
+        q, k, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF=half, BLOCK_QH=block_qh,
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=block_half,
+        num_warps=_warps(block_qh * block_half * 2), enable_fp_fusion=False)
+    return q, k
+
+
+# ------------------------------------------------------------------------------------ SiLU and mul
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_inter
+    gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + t * stride_xt + n_inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + t * n_inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = cat(gate, up) -> silu(gate) * up, a new tensor [..., I]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim (cat(gate, up)); got {tuple(x.shape)}")
+    n_inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], n_inter), dtype=x.dtype, device=x.device)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] == 0 or n_inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n_inter))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_inter, block))](
+        x2, out, x2.stride(0), n_inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        enable_fp_fusion=False)
+    return out

@@ -1,0 +1,267 @@
+"""ModelRunner: turns scheduled batches into forward passes on a device.
+
+Two calls for the engine: `prefill(items, stream)` and `decode(items, stream, graph_key)`. Each
+builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
+and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
+On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key:
+a graph keeps the compute partition of the stream it was captured on (FACTS.md), so the engine
+captures one set per partition configuration. No capture on CPU.
+Sampling is separate (`sample`), so the engine decides what to do with logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from rapidserve.attention import AttentionMetadata, get_attention_backend
+from rapidserve.config import EngineConfig
+from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
+from rapidserve.loader import ModelSource
+from rapidserve.models.transformer import CausalLM
+from rapidserve.ops import get_ops
+from rapidserve.sampler import Sampler, SamplerOutput
+from rapidserve.sampling_params import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    token_ids: Sequence[int]  # the new tokens of this step (a whole prompt or a chunk of it)
+    start_pos: int  # tokens of the sequence already in the cache
+    block_table: Sequence[int]  # covers start_pos + len(token_ids) tokens
+    need_logits: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeItem:
+    token_id: int
+    position: int  # of token_id; the context after this step is position + 1 tokens
+    block_table: Sequence[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} but no CUDA/ROCm GPU is visible; use --device cpu")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    batch: int
+    logits: torch.Tensor  # the graph's output buffer, [batch, vocab]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, source: ModelSource, kv_pool: KVPool | None = None,
+                 show_progress: bool = True) -> None:
+        self.cfg = cfg
+        self.mcfg = cfg.model_config
+        self.device = resolve_device(cfg.runner.device)
+        self.dtype = resolve_dtype(cfg.runner.dtype, self.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            check_ipc_shareable_allocator(self.device)
+        self.block_size = cfg.cache.block_size
+        self.max_model_len = cfg.max_model_len
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.ops = get_ops(self.device)
+        self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
+        self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                              max_positions=max(self.max_model_len, 1))
+        t0 = time.perf_counter()
+        self._load(source, show_progress)
+        self.load_seconds = time.perf_counter() - t0
+        self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
+        self.sampler = Sampler(self.device, cfg.runner.seed)
+        self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
+        self._graph_pool: object | None = None
+        self._static: dict[str, torch.Tensor] = {}
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _load(self, source: ModelSource, show_progress: bool) -> None:
+        weights: Iterator[tuple[str, torch.Tensor]] = source.weights()
+        bar = tqdm(weights, total=source.num_tensors, desc=f"loading {source.description}",
+                   unit="tensor", disable=not show_progress, leave=False)
+        self.model.load_weights(bar)
+
+    def _allocate_kv_pool(self) -> KVPool:
+        cache = self.cfg.cache
+        probe = pool_spec(self.mcfg, cache, self.dtype, 1)
+        if cache.num_blocks is not None:
+            n = cache.num_blocks
+        elif self.device.type == "cpu":
+            n = num_blocks_for_budget(cache.cpu_kv_bytes, probe.bytes_per_block, self.block_size,
+                                      self.max_model_len)
+        else:
+            n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
+                                      self.max_model_len)
+        return KVPool.allocate(pool_spec(self.mcfg, cache, self.dtype, n), self.device)
+
+    def _gpu_kv_budget(self) -> int:
+        """total * utilization - memory in use - the activation peak of the largest step."""
+        torch.cuda.synchronize()
+        tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        scratch = KVPool.allocate(pool_spec(self.mcfg, self.cfg.cache, self.dtype,
+                                            -(-tokens // self.block_size)), self.device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        item = PrefillItem([0] * tokens, 0, list(range(-(-tokens // self.block_size))))
+        self._prefill_on(scratch, [item])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        max_bs = self.cfg.runner.graph_batch_sizes[-1]
+        peak = max(peak, max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return int(total * self.cfg.cache.gpu_memory_utilization - (total - free) - peak)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        with self._on(stream):
+            return self._prefill_on(self.kv_pool, items)
+
+    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
+        bs = self.block_size
+        lens = np.array([len(it.token_ids) for it in items], dtype=np.int64)
+        starts = np.array([it.start_pos for it in items], dtype=np.int64)
+        cu = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu[1:])
+        ids = np.fromiter((t for it in items for t in it.token_ids), dtype=np.int64, count=int(cu[-1]))
+        seq_of_tok = np.repeat(np.arange(len(items)), lens)
+        positions = starts[seq_of_tok] + (np.arange(cu[-1]) - cu[seq_of_tok])
+        tables = self._table_array(items, max(len(it.block_table) for it in items))
+        slots = tables[seq_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+        ctx = (starts + lens).astype(np.int32)
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._dev(slots),
+            block_tables=self._dev(tables),
+            context_lens=self._dev(ctx),
+            cu_seqlens_q=self._dev(cu.astype(np.int32)),
+            max_seqlen_q=int(lens.max()),
+            max_context_len=int(ctx.max()),
+        )
+        hidden = self.model(self._dev(ids), self._dev(positions), pool.layers, meta)
+        want = [i for i, it in enumerate(items) if it.need_logits]
+        last = torch.as_tensor(cu[1:][want] - 1, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    # ---- decode -------------------------------------------------------------------------------
+    def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
+               graph_key: str = "default") -> torch.Tensor:
+        n = len(items)
+        graphs = self._graphs.get(graph_key)
+        with self._on(stream):
+            if graphs and n <= max(graphs):
+                g = graphs[min(b for b in graphs if b >= n)]
+                self._fill_static(items, g.batch)
+                g.graph.replay()
+                return g.logits[:n]
+            ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
+            meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
+                                     max_context_len=int(ctx.max()))
+            hidden = self.model(self._dev(ids), self._dev(pos), self.kv_pool.layers, meta)
+            return self.model.compute_logits(hidden)
+
+    def _decode_arrays(self, items: Sequence[DecodeItem], width: int) -> tuple[np.ndarray, ...]:
+        bs = self.block_size
+        ids = np.array([it.token_id for it in items], dtype=np.int64)
+        pos = np.array([it.position for it in items], dtype=np.int64)
+        tables = self._table_array(items, width)
+        slots = tables[np.arange(len(items)), pos // bs].astype(np.int64) * bs + pos % bs
+        return ids, pos, tables, (pos + 1).astype(np.int32), slots
+
+    def _fill_static(self, items: Sequence[DecodeItem], batch: int) -> None:
+        s, n = self._static, len(items)
+        ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
+        s["input_ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
+        s["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
+        s["block_tables"][:n].copy_(torch.from_numpy(tables), non_blocking=True)
+        s["context_lens"][:n].copy_(torch.from_numpy(ctx), non_blocking=True)
+        s["slot_mapping"][:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        if batch > n:  # padding rows: write nothing, attend to nothing
+            s["slot_mapping"][n:batch].fill_(-1)
+            s["context_lens"][n:batch].fill_(0)
+
+    def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
+                              show_progress: bool = True) -> None:
+        """Capture one decode graph per batch bucket on `stream` (its compute partition sticks)."""
+        if self.device.type != "cuda" or not self.cfg.runner.use_cuda_graphs or not self.attn.graph_safe:
+            return
+        sizes = list(self.cfg.runner.graph_batch_sizes)
+        if not self._static:
+            m = sizes[-1]
+            dev = self.device
+            self._static = {
+                "input_ids": torch.zeros(m, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(m, dtype=torch.int64, device=dev),
+                "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+                "context_lens": torch.zeros(m, dtype=torch.int32, device=dev),
+                "slot_mapping": torch.full((m,), -1, dtype=torch.int64, device=dev),
+            }
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        s = self._static
+        capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        graphs: dict[int, _DecodeGraph] = {}
+        for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
+                      disable=not show_progress, leave=False):
+            s["slot_mapping"][:b].fill_(-1)
+            s["context_lens"][:b].fill_(0)
+            meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
+                                     s["context_lens"][:b], max_context_len=self.max_model_len)
+
+            def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
+                return self.model.compute_logits(h)
+
+            with torch.cuda.stream(capture_stream):
+                step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
+            capture_stream.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
+                logits = step()
+            graphs[b] = _DecodeGraph(g, b, logits)
+        self._graphs[key] = graphs
+        torch.cuda.synchronize()
+
+    # ---- sampling and helpers -------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None]) -> SamplerOutput:
+        return self.sampler.sample(logits, list(params), list(generators))
+
+    def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
+        out = np.zeros((len(items), width), dtype=np.int32)
+        for i, it in enumerate(items):
+            out[i, : len(it.block_table)] = it.block_table
+        return out
+
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+        if stream is None or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)

@@ -1,0 +1,64 @@
+"""A request's state while it is generated: tokens, progress through the cache, finish state."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from rapidserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # needs (re)computation of its prompt: new, or preempted
+    RUNNING = "running"  # all tokens but the last are in the cache; decodes each step
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0  # monotonically increasing admission order (FCFS)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Tokens (prompt + outputs) whose K/V are in the cache.
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    generator: Any = None  # torch.Generator for seeded sampling; kept across steps and preemption
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
+    """Finish reason after the newest token, or None to go on (stop strings are the caller's)."""
+    p, tok = seq.params, seq.output_token_ids[-1]
+    n_out = len(seq.output_token_ids)
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and tok in eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+    if p.max_tokens is not None and n_out >= p.max_tokens:
+        return "length"
+    if seq.num_tokens >= max_model_len:
+        return "length"
+    return None

@@ -1,0 +1,79 @@
+"""A thin wrapper over a transformers tokenizer: text <-> ids, chat prompts, stop tokens."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rapidserve.loader import ModelSource
+
+
+class Tokenizer:
+    """Encode/decode and chat-template rendering for one model.
+
+    `eos_token_ids` is the union of the tokenizer's eos token and the model config's eos ids (e.g.
+    SmolLM2's `<|im_end|>`, id 2), the set generation stops on.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = (),
+                 chat_template: str | None = None) -> None:
+        self.hf = hf_tokenizer
+        ids: list[int] = [int(i) for i in eos_token_ids]
+        tok_eos = getattr(hf_tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in ids:
+            ids.append(tok_eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        own = getattr(hf_tokenizer, "chat_template", None)
+        self.chat_template: str | None = own if isinstance(own, str) and own else chat_template
+
+    @classmethod
+    def from_source(cls, source: ModelSource) -> Tokenizer | None:
+        """The model's tokenizer, or None when it has none (presets)."""
+        if source.tokenizer_dir is None:
+            return None
+        from transformers import AutoTokenizer
+
+        tok = None
+        if source.tokenizer_cache_dir is not None and os.path.isdir(source.tokenizer_cache_dir):
+            try:
+                tok = AutoTokenizer.from_pretrained(source.tokenizer_cache_dir)
+            except (OSError, ValueError):
+                tok = None  # fall back to the original files below
+        if tok is None:
+            kwargs = {"gguf_file": source.tokenizer_file} if source.tokenizer_file else {}
+            tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, **kwargs)
+        return cls(tok, source.config.eos_token_ids, source.chat_template)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce (added tokens included)."""
+        return len(self.hf)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = getattr(self.hf, "bos_token_id", None)
+        return bos if isinstance(bos, int) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn header."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; send a plain prompt "
+                             "(the completions endpoint) instead of chat messages")
+        text = self.hf.apply_chat_template([dict(m) for m in messages], chat_template=self.chat_template,
+                                           add_generation_prompt=True, tokenize=False)
+        return str(text)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of the chat prompt (add_generation_prompt=True).
+
+        The template already writes any BOS token, so the text is encoded without adding special
+        tokens, as transformers does with tokenize=True.
+        """
+        return self.encode(self.render_chat(messages), add_special_tokens=False)

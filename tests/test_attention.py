@@ -1,0 +1,399 @@
+"""Paged attention: the torch reference against a naive float64 softmax(QK^T)V on many shapes, the
+reference against transformers' own SDPA attention, and the Triton kernels against the reference
+(under the Triton interpreter on CPU, in a subprocess, and natively on a GPU).
+
+Run as a script (``TRITON_INTERPRET=1 python tests/test_attention.py write_kv|prefill|decode``) it
+performs the interpreter checks; the ``test_triton_interpreter`` test does exactly that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rapidserve.attention import AttentionMetadata, get_attention_backend
+from rapidserve.attention import torch_ref as ref
+from rapidserve.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, Hq, D] (prefill) or [B, Hq, D] (decode)
+    k_new: torch.Tensor  # [T, Hkv, D]: the keys to write this step
+    v_new: torch.Tensor
+    k_cache: torch.Tensor  # prefix already written; unwritten slots hold NaN
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    keys: list[torch.Tensor]  # per sequence [ctx, Hkv, D], every key of the sequence
+    values: list[torch.Tensor]
+    q_lens: list[int]
+
+
+def make_batch(seqs: list[tuple[int, int]], *, num_kv_heads: int, group: int, head_dim: int,
+               block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+               decode: bool = False, strided_q: bool = False) -> Batch:
+    """seqs: (q_len, prefix) per sequence; (q_len, -1) is a padding sequence (context 0, slot -1).
+    Blocks are handed out from a random permutation, spare table entries point at random blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    ctxs = [0 if p < 0 else q + p for q, p in seqs]
+    needed = [-(-c // block_size) for c in ctxs]
+    num_blocks = sum(needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(needed) + 2
+    table = perm[torch.randint(0, num_blocks, (len(seqs), width), generator=gen)].to(torch.int32)
+    nxt = 0
+    for i, n in enumerate(needed):
+        table[i, :n] = perm[nxt:nxt + n].to(torch.int32)
+        nxt += n
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return torch.randn(*s, generator=gen).to(dtype)
+
+    keys = [rnd(c, num_kv_heads, head_dim) for c in ctxs]
+    values = [rnd(c, num_kv_heads, head_dim) for c in ctxs]
+    q_lens = [q for q, _ in seqs]
+    new_slots: list[int] = []
+    k_new, v_new = [], []
+    for i, ((q_len, prefix), ctx) in enumerate(zip(seqs, ctxs, strict=True)):
+        slots = [int(table[i, t // block_size]) * block_size + t % block_size for t in range(ctx)]
+        if prefix < 0:
+            new_slots += [-1] * q_len
+            k_new.append(rnd(q_len, num_kv_heads, head_dim))
+            v_new.append(rnd(q_len, num_kv_heads, head_dim))
+            continue
+        # The cached prefix was written by an earlier step.
+        ref.write_kv(keys[i][:prefix], values[i][:prefix], k_cache, v_cache,
+                     torch.tensor(slots[:prefix], dtype=torch.int64))
+        new_slots += slots[prefix:]
+        k_new.append(keys[i][prefix:])
+        v_new.append(values[i][prefix:])
+    num_tokens = sum(q_lens)
+    num_heads = num_kv_heads * group
+    rows = len(seqs) if decode else num_tokens
+    if strided_q:  # q as a view into a wider fused-qkv style buffer
+        q = rnd(rows, (num_heads + 5) * head_dim)[:, 3 * head_dim:(3 + num_heads) * head_dim]
+        q = q.view(rows, num_heads, head_dim)
+    else:
+        q = rnd(rows, num_heads, head_dim)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        is_prefill=not decode, slot_mapping=torch.tensor(new_slots, dtype=torch.int64),
+        block_tables=table, context_lens=torch.tensor(ctxs, dtype=torch.int32),
+        cu_seqlens_q=None if decode else cu, max_seqlen_q=max(q_lens), max_context_len=max(ctxs))
+    b = Batch(q, torch.cat(k_new), torch.cat(v_new), k_cache, v_cache, meta, keys, values, q_lens)
+    if device != "cpu":
+        b = to_device(b, device)
+    return b
+
+
+def to_device(b: Batch, device: str) -> Batch:
+    m = b.meta
+    meta = AttentionMetadata(m.is_prefill, m.slot_mapping.to(device), m.block_tables.to(device),
+                             m.context_lens.to(device),
+                             None if m.cu_seqlens_q is None else m.cu_seqlens_q.to(device),
+                             m.max_seqlen_q, m.max_context_len)
+    return Batch(b.q.to(device), b.k_new.to(device), b.v_new.to(device), b.k_cache.to(device),
+                 b.v_cache.to(device), meta, b.keys, b.values, b.q_lens)
+
+
+def naive_attention(b: Batch, scale: float, decode: bool = False) -> torch.Tensor:
+    """float64 softmax(QK^T)V over the dense keys, new token j of a sequence seeing keys 0..prefix+j."""
+    out = torch.zeros(b.q.shape, dtype=torch.float64)
+    group = b.q.shape[1] // b.keys[0].shape[1] if b.keys else 1
+    start = 0
+    for i, (keys, values) in enumerate(zip(b.keys, b.values, strict=True)):
+        ctx = keys.shape[0]
+        q_len = 1 if decode else b.q_lens[i]
+        rows = slice(i, i + 1) if decode else slice(start, start + q_len)
+        start += b.q_lens[i]
+        if ctx == 0:
+            continue
+        qi = b.q[rows].double().cpu().transpose(0, 1)  # [Hq, q_len, D]
+        k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        s = qi @ k.transpose(1, 2) * scale
+        visible = torch.arange(ctx)[None, :] <= torch.arange(q_len)[:, None] + (ctx - q_len)
+        s = s.masked_fill(~visible, float("-inf"))
+        out[rows] = (torch.softmax(s, dim=-1) @ v).transpose(0, 1)
+    return out
+
+
+# (block_size, group, head_dim, num_kv_heads, [(q_len, prefix) ...]); prefix -1 = padding sequence.
+PREFILL_CASES = [
+    (16, 1, 32, 2, [(1, 0)]),
+    (16, 1, 64, 2, [(70, 0)]),
+    (16, 4, 128, 2, [(16, 0), (17, 0), (15, 0)]),
+    (16, 4, 64, 2, [(5, 16), (1, 32), (33, 48)]),
+    (16, 3, 64, 3, [(40, 0), (9, 7), (1, 50), (70, 1)]),
+    (16, 3, 32, 1, [(3, 13), (13, 3), (4, -1)]),
+    (8, 1, 32, 4, [(8, 8), (9, 7), (7, 9), (1, 0), (64, 0)]),
+    (8, 4, 128, 1, [(2, 24), (31, 33), (50, 50)]),
+    (8, 3, 64, 2, [(1, 1), (2, -1), (69, 31)]),
+    (16, 4, 32, 2, [(48, 0), (1, 47), (2, -1), (20, 44), (11, 0)]),
+    (8, 1, 64, 1, [(1, 0), (1, 8), (1, 15), (1, 16), (1, 17)]),
+    (16, 3, 128, 2, [(64, 16), (33, 0)]),
+]
+
+# (block_size, group, head_dim, num_kv_heads, [context_len ...]); 0 = padding row.
+DECODE_CASES = [
+    (16, 1, 32, 2, [1]),
+    (16, 4, 128, 2, [16, 17, 15, 32]),
+    (16, 3, 64, 3, [100, 0, 1, 48, 49]),
+    (8, 4, 64, 1, [8, 9, 7, 64, 120]),
+    (8, 1, 128, 4, [0, 3]),
+    (16, 3, 32, 2, [0, 0, 200]),
+    (8, 3, 64, 2, [33, 1, 2, 5, 70]),
+    (16, 4, 64, 2, [250, 16, 1]),
+]
+
+
+def decode_seqs(ctxs: list[int]) -> list[tuple[int, int]]:
+    return [(1, -1) if c == 0 else (1, c - 1) for c in ctxs]
+
+
+def _atol(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"p{i}" for i in range(len(PREFILL_CASES))])
+def test_torch_prefill_matches_naive(case: tuple, strided: bool) -> None:
+    bs, group, d, hkv, seqs = case
+    b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=len(seqs),
+                   strided_q=strided)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    out = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
+    assert out.shape == b.q.shape and out.dtype == b.q.dtype
+    torch.testing.assert_close(out.double(), naive_attention(b, d**-0.5), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"d{i}" for i in range(len(DECODE_CASES))])
+def test_torch_decode_matches_naive(case: tuple) -> None:
+    bs, group, d, hkv, ctxs = case
+    b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   seed=sum(ctxs), decode=True)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    out = ref.decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
+    torch.testing.assert_close(out.double(), naive_attention(b, d**-0.5, decode=True), atol=2e-5, rtol=1e-4)
+    for i, c in enumerate(ctxs):
+        if c == 0:
+            assert torch.count_nonzero(out[i]) == 0
+
+
+def test_torch_write_kv_skips_padding() -> None:
+    b = make_batch([(3, 2), (2, -1), (4, 0)], num_kv_heads=2, group=1, head_dim=32, block_size=8)
+    before = b.k_cache.clone()
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    written = (~torch.isnan(b.k_cache[:, 0, :, 0])).sum() - (~torch.isnan(before[:, 0, :, 0])).sum()
+    assert int(written) == 7  # the padding sequence's 2 tokens are not written
+
+
+def test_torch_reference_matches_transformers_sdpa() -> None:
+    """Bit-identical to transformers' sdpa_attention_forward in fp32 (prefill from empty and decode)."""
+    sdpa = pytest.importorskip("transformers.integrations.sdpa_attention")
+    hkv, group, d, n = 3, 3, 64, 37
+    module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
+    b = make_batch([(n, 0)], num_kv_heads=hkv, group=group, head_dim=d, block_size=16, seed=3)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    out = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
+    hf_q = b.q.unsqueeze(0).transpose(1, 2)  # [1, Hq, n, D], as transformers lays it out
+    hf_k = b.keys[0].unsqueeze(0).transpose(1, 2).contiguous()
+    hf_v = b.values[0].unsqueeze(0).transpose(1, 2).contiguous()
+    hf_out, _ = sdpa.sdpa_attention_forward(module, hf_q, hf_k, hf_v, None, scaling=d**-0.5)
+    assert torch.equal(out, hf_out[0])
+
+    qd = torch.randn(1, hkv * group, d)
+    dec = ref.decode_attention(qd, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
+    hf_dec, _ = sdpa.sdpa_attention_forward(module, qd.unsqueeze(2), hf_k, hf_v, None, scaling=d**-0.5)
+    torch.testing.assert_close(dec, hf_dec[:, 0], atol=1e-6, rtol=1e-6)
+
+
+def test_backend_selection() -> None:
+    cpu = torch.device("cpu")
+    assert get_attention_backend("auto", cpu).name == "torch"
+    assert get_attention_backend("torch", cpu).name == "torch"
+    with pytest.raises(ConfigError, match="needs a CUDA or ROCm GPU"):
+        get_attention_backend("triton", cpu)
+    with pytest.raises(ConfigError, match="attention_backend"):
+        get_attention_backend("flash", cpu)
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+def _interp_write_kv() -> None:
+    from rapidserve.attention import triton_paged as tp
+
+    for dtype in (torch.float32, torch.float16):
+        b = make_batch([(3, 5), (2, -1), (9, 0)], num_kv_heads=3, group=1, head_dim=64, block_size=8,
+                       dtype=dtype, seed=1)
+        kc, vc = b.k_cache.clone(), b.v_cache.clone()
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        tp.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
+        assert torch.equal(kc.nan_to_num(7.0), b.k_cache.nan_to_num(7.0)), dtype
+        assert torch.equal(vc.nan_to_num(7.0), b.v_cache.nan_to_num(7.0)), dtype
+
+
+def _interp_prefill() -> None:
+    from rapidserve.attention import triton_paged as tp
+
+    cases = [  # (block_size, group, head_dim, hkv, seqs, dtype, block_m, block_n)
+        (16, 3, 64, 3, [(40, 0), (9, 7), (1, 50), (3, -1)], torch.float32, 16, 16),
+        (8, 4, 32, 2, [(17, 16), (33, 0), (5, 3)], torch.float16, 32, 16),
+        (8, 1, 32, 1, [(70, 30), (2, 8)], torch.float32, 32, 32),
+        (16, 4, 128, 1, [(20, 12)], torch.float32, None, None),
+        (32, 2, 32, 2, [(45, 20), (3, 60), (1, -1)], torch.float16, 16, 16),  # tiles smaller than pages
+    ]
+    for bs, group, d, hkv, seqs, dtype, bm, bn in cases:
+        b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype,
+                       strided_q=True)
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        want = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
+        got = tp.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5, block_m=bm, block_n=bn)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=_atol(dtype), rtol=1e-3,
+                                   msg=lambda m, c=(bs, group, d, seqs, dtype): f"{c}: {m}")
+
+
+def _interp_decode() -> None:
+    from rapidserve.attention import triton_paged as tp
+
+    cases = [  # (block_size, group, head_dim, hkv, ctxs, dtype)
+        (16, 3, 64, 3, [100, 0, 1, 48, 49], torch.float32),
+        (8, 4, 32, 2, [8, 9, 0, 64, 120], torch.float16),
+        (16, 1, 32, 2, [33, 200], torch.float32),
+        (32, 2, 32, 1, [70, 0, 31], torch.float16),
+    ]
+    for bs, group, d, hkv, ctxs, dtype in cases:
+        b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                       dtype=dtype, decode=True, strided_q=True)
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        args = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
+        want = ref.decode_attention(*args)
+        for splits, block_n in ((None, None), (1, 16), (3, 16), (16, 32)):
+            got = tp.decode_attention(*args, num_splits=splits, block_n=block_n)
+            torch.testing.assert_close(got.float(), want.float(), atol=_atol(dtype), rtol=1e-3,
+                                       msg=lambda m, c=(bs, group, d, ctxs, dtype, splits): f"{c}: {m}")
+    assert tp.decode_num_splits(1, 8, 128, 16, 64, 132) == 32  # capped by the table's 32 tiles
+    assert tp.decode_num_splits(256, 8, 128, 16, 64, 132) == 1
+
+
+INTERP_CHECKS = {"write_kv": _interp_write_kv, "prefill": _interp_prefill, "decode": _interp_decode}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
+def test_triton_interpreter(check: str) -> None:
+    """The Triton kernels under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 is inexact)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# -------------------------------------------------------------------------------------------- GPU
+GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(16, 4, 128, 8), (16, 3, 64, 3), (8, 1, 64, 4), (32, 2, 32, 2)])
+def test_gpu_prefill_and_write_kv(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    from rapidserve.attention import triton_paged as tp
+
+    bs, group, d, hkv = shape
+    seqs = [(300, 0), (1, 700), (129, 64), (2, -1), (64, 1), (1000, 37)]
+    b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype,
+                   device="cuda", strided_q=True)
+    kc, vc = b.k_cache.clone(), b.v_cache.clone()
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    tp.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
+    assert torch.equal(kc.nan_to_num(7.0), b.k_cache.nan_to_num(7.0))
+    assert torch.equal(vc.nan_to_num(7.0), b.v_cache.nan_to_num(7.0))
+    want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, d**-0.5)
+    got = tp.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("shape", [(16, 4, 128, 8), (16, 3, 64, 3), (16, 1, 128, 4)])
+def test_gpu_decode(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    from rapidserve.attention import triton_paged as tp
+
+    bs, group, d, hkv = shape
+    ctxs = [2048, 1, 0, 17, 999, 64, 4000, 333]
+    b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   dtype=dtype, device="cuda", decode=True, strided_q=True)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    args = (b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
+    want = ref.decode_attention(b.q.float(), args[0].float(), args[1].float(), *args[2:])
+    for splits in (None, 1, 5, 64):
+        got = tp.decode_attention(b.q, *args, num_splits=splits)
+        torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay() -> None:
+    """write_kv + decode captured once, replayed with new slots and longer contexts."""
+    backend = get_attention_backend("auto", torch.device("cuda"))
+    assert backend.name == "triton" and backend.graph_safe
+    d = 128
+    b = make_batch(decode_seqs([500, 17, 0, 1200]), num_kv_heads=8, group=4, head_dim=d, block_size=16,
+                   dtype=torch.bfloat16, device="cuda", decode=True)
+    b2 = make_batch(decode_seqs([900, 1, 33, 0]), num_kv_heads=8, group=4, head_dim=d, block_size=16,
+                    dtype=torch.bfloat16, device="cuda", decode=True, seed=5)
+    width = max(b.meta.block_tables.shape[1], b2.meta.block_tables.shape[1])
+    nblk = max(b.k_cache.shape[0], b2.k_cache.shape[0])
+
+    def pad(x: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), float("nan"))])
+
+    kc, vc = pad(b.k_cache, nblk), pad(b.v_cache, nblk)
+    static = {"q": b.q.clone(), "k": b.k_new.clone(), "v": b.v_new.clone(),
+              "slots": b.meta.slot_mapping.clone(), "ctx": b.meta.context_lens.clone(),
+              "bt": torch.zeros(4, width, dtype=torch.int32, device="cuda")}
+    static["bt"][:, :b.meta.block_tables.shape[1]] = b.meta.block_tables
+
+    def step() -> torch.Tensor:
+        backend.write_kv(static["k"], static["v"], kc, vc, static["slots"])
+        return backend.decode_attention(static["q"], kc, vc, static["bt"], static["ctx"], d**-0.5)
+
+    step()  # warm up / compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for src in (b, b2):
+        kc.copy_(pad(src.k_cache, nblk))
+        vc.copy_(pad(src.v_cache, nblk))
+        static["bt"].zero_()
+        static["bt"][:, :src.meta.block_tables.shape[1]] = src.meta.block_tables
+        for name, t in (("q", src.q), ("k", src.k_new), ("v", src.v_new), ("slots", src.meta.slot_mapping),
+                        ("ctx", src.meta.context_lens)):
+            static[name].copy_(t)
+        graph.replay()
+        want = ref.decode_attention(src.q.float(), kc.float(), vc.float(), static["bt"], static["ctx"],
+                                    d**-0.5)
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=1e-2)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    for name in sys.argv[1:] or sorted(INTERP_CHECKS):
+        INTERP_CHECKS[name]()
+        print(f"{name}: ok")
