@@ -45,10 +45,11 @@ class EngineCore:
         self.eos_token_ids: tuple[int, ...] = cfg.model_config.eos_token_ids
         self.max_model_len = cfg.max_model_len
         self._arrivals = 0
+        self.num_preemptions = 0
         # Optional extra stop check on the text (stop strings); returns a finish reason or None.
         self.text_stop: Callable[[Sequence], str | None] | None = None
 
-    def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def validate(self, prompt_token_ids: list[int]) -> None:
         vocab = self.cfg.model_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("prompt is empty; give at least one token")
@@ -57,6 +58,9 @@ class EngineCore:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window is "
                                f"{self.max_model_len}, which must also hold at least one new token")
+
+    def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_token_ids)
         self._arrivals += 1
         seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
         if params.seed is not None:
@@ -74,6 +78,7 @@ class EngineCore:
 
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.schedule()
+        self.num_preemptions += len(plan.preempted)
         if plan.prefill:
             items = [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
                                  self.blocks.table(c.seq.seq_id), c.is_last) for c in plan.prefill]

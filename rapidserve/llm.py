@@ -29,7 +29,11 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
                         cache_dir: str | None = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built)."""
-    source = resolve_model(model, cache_dir=cache_dir)
+    from rapidserve.runner import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
+                           preset_dtype=resolve_dtype(dtype, dev))
     mcfg = source.config
     cfg = EngineConfig(
         model=model or "default",
@@ -96,9 +100,11 @@ class LLM:
         if len(params) != len(plist):
             raise ValueError(f"got {len(plist)} prompts but {len(params)} sampling_params; "
                              "pass one SamplingParams or one per prompt")
+        encoded = [self._encode(prompt) for prompt in plist]
+        for _, ids in encoded:  # all checked before any is added: a bad prompt leaves nothing behind
+            self.engine.validate(ids)
         requests: list[tuple[RequestOutput, list[Seq]]] = []
-        for prompt, p in zip(plist, params, strict=True):
-            text, ids = self._encode(prompt)
+        for (text, ids), p in zip(encoded, params, strict=True):
             rid = str(self._next_id)
             self._next_id += 1
             seqs = []

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
-from rapidserve.config import EngineConfig
+from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource
 from rapidserve.models.transformer import CausalLM
@@ -50,14 +50,21 @@ class DecodeItem:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name!r} but no CUDA/ROCm GPU is visible; use --device cpu")
+        raise ConfigError(f"device={name!r} but no CUDA/ROCm GPU is visible; use --device cpu")
     return dev
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
+        if name not in DTYPES:
+            raise ConfigError(f"dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
         return DTYPES[name]
     if device.type == "cpu":
         return torch.float32

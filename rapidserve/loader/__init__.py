@@ -116,18 +116,21 @@ def default_gguf_path() -> str:
     return path
 
 
-def resolve_model(spec: str | None, cache_dir: str | None = None) -> ModelSource:
+def resolve_model(spec: str | None, cache_dir: str | None = None,
+                  preset_device: str | torch.device = "cpu",
+                  preset_dtype: torch.dtype = torch.float32) -> ModelSource:
     """Turn a model spec (None/'default', 'preset:NAME', a .gguf path, an HF folder) into a source.
 
     `cache_dir` is where GGUF conversions are kept (default: $XDG_CACHE_HOME/rapidserve or
-    ~/.cache/rapidserve).
+    ~/.cache/rapidserve). Presets draw their random weights directly on `preset_device` in
+    `preset_dtype` (an 8B preset generated on the CPU in fp32 would take minutes and 32 GB).
     """
     from rapidserve.loader import gguf_loader, hf, presets
 
     if spec is None or spec == "default":
         return gguf_loader.load_gguf(default_gguf_path(), cache_dir=cache_dir)
     if spec.startswith("preset:"):
-        return presets.load_preset(spec[len("preset:"):])
+        return presets.load_preset(spec[len("preset:"):], device=preset_device, dtype=preset_dtype)
     path = os.path.abspath(os.path.expanduser(spec))
     if not os.path.exists(path):
         raise ModelLoadError(spec, "no such file or folder")

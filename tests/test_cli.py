@@ -1,0 +1,45 @@
+"""The command line: usage errors exit 2 with a message that names what is wrong; generate works."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rapidserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--model", "preset:no-such-preset"], "no-such-preset"),
+    (["--dtype", "float64"], "float64"),
+    (["--gpu-memory-utilization", "1.5"], "1.5"),
+    (["--device", "tpu"], "tpu"),
+    (["--max-num-seqs", "0"], "0"),
+    (["--model", "preset:tiny-llama", "--device", "cpu"], "no tokenizer"),  # string prompt, no tokenizer
+    (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", "100000000"], "KV cache"),
+])
+def test_usage_errors_exit_2(args: list[str], needle: str) -> None:
+    r = run("generate", "--prompt", "hi", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unsupported_model_file_lists_supported_forms(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    bad = tmp_path / "model.bin"
+    bad.write_bytes(b"\\x00" * 100)
+    r = run("generate", "--prompt", "hi", "--model", str(bad))
+    assert r.returncode == 2 and str(bad) in r.stderr and "preset:" in r.stderr
+
+
+def test_generate_chat_with_default_model() -> None:
+    r = run("generate", "--chat", "--device", "cpu", "--prompt", "What is the capital of France?")
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "Paris" in line["text"] and line["finish_reason"] == "stop"
