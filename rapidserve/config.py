@@ -164,6 +164,27 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class LaunchConfig:
+    """How the two-process engine starts, is supervised and talks (rapidserve.engine)."""
+
+    mps: str = "auto"  # auto | on | off (NVIDIA only)
+    on_worker_death: str = "restart"  # restart | shutdown
+    max_restarts: int = 3
+    startup_timeout_s: float = 900.0
+    ring_slots: int = 1024
+    ring_slot_size: int = 1024
+    stats_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
+        _check(self.on_worker_death in ("restart", "shutdown"),
+               f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
+        _check(self.startup_timeout_s > 0, f"startup_timeout_s={self.startup_timeout_s} must be > 0")
+        _check(self.ring_slots >= 8 and self.ring_slot_size >= 64 and self.ring_slot_size % 8 == 0,
+               "ring_slots must be >= 8 and ring_slot_size >= 64 and a multiple of 8")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The root of the tree: what to load and how to run it."""
 
@@ -172,6 +193,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def max_model_len(self) -> int:

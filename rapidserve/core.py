@@ -15,10 +15,10 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.loader import ModelSource
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampler import make_generator
+from rapidserve.sampler import token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.scheduler import Scheduler
-from rapidserve.sequence import Sequence, check_stop
+from rapidserve.sequence import Sequence, check_stop, early_stop_bans
 
 
 class RequestError(ValueError):
@@ -63,8 +63,6 @@ class EngineCore:
         self.validate(prompt_token_ids)
         self._arrivals += 1
         seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
-        if params.seed is not None:
-            seq.generator = make_generator(params.seed, self.runner.device)
         self.scheduler.add(seq)
         return seq
 
@@ -99,7 +97,8 @@ class EngineCore:
         if not seqs:
             return []
         self._suppress_early_stop(seqs, logits)
-        out = self.runner.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        gens = token_generators([(s.params.seed, len(s.output_token_ids)) for s in seqs], self.runner.device)
+        out = self.runner.sample(logits, [s.params for s in seqs], gens)
         tokens = out.token_ids.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
         tops = None
@@ -123,9 +122,7 @@ class EngineCore:
         return events
 
     def _suppress_early_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Below min_tokens, EOS and stop tokens cannot be sampled."""
         for i, s in enumerate(seqs):
-            if len(s.output_token_ids) < s.params.min_tokens:
-                banned = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(self.eos_token_ids))
-                if banned:
-                    logits[i, list(banned)] = float("-inf")
+            banned = early_stop_bans(s.params, len(s.output_token_ids), self.eos_token_ids)
+            if banned:
+                logits[i, banned] = float("-inf")

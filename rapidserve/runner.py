@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.sampler import Sampler, SamplerOutput
 from rapidserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rapidserve.engine.shared import SharedState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -79,8 +83,10 @@ class _DecodeGraph:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, source: ModelSource, kv_pool: KVPool | None = None,
-                 show_progress: bool = True) -> None:
+    def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
+                 show_progress: bool = True, attached: SharedState | None = None) -> None:
+        """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
+        weights and pool another process shares (`attached`), without a copy."""
         self.cfg = cfg
         self.mcfg = cfg.model_config
         self.device = resolve_device(cfg.runner.device)
@@ -95,12 +101,20 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.ops = get_ops(self.device)
         self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
-        self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                              max_positions=max(self.max_model_len, 1))
         t0 = time.perf_counter()
-        self._load(source, show_progress)
+        if attached is not None:
+            from rapidserve.engine.shared import attach_model
+
+            self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                                    max(self.max_model_len, 1), attached)
+        else:
+            if source is None:
+                raise ValueError("ModelRunner needs a model source or attached shared weights")
+            self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                  max_positions=max(self.max_model_len, 1))
+            self._load(source, show_progress)
+            self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
         self.load_seconds = time.perf_counter() - t0
-        self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
         self.sampler = Sampler(self.device, cfg.runner.seed)
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
@@ -178,19 +192,24 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------------------------
     def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
-               graph_key: str = "default") -> torch.Tensor:
+               graph_key: str = "default", input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step. `input_ids` (on the device, [len(items)]) overrides the items' token
+        ids: the engine feeds the previous step's sampled tokens without waiting for them."""
         n = len(items)
         graphs = self._graphs.get(graph_key)
         with self._on(stream):
             if graphs and n <= max(graphs):
                 g = graphs[min(b for b in graphs if b >= n)]
                 self._fill_static(items, g.batch)
+                if input_ids is not None:
+                    self._static["input_ids"][:n].copy_(input_ids)
                 g.graph.replay()
                 return g.logits[:n]
             ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
             meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
                                      max_context_len=int(ctx.max()))
-            hidden = self.model(self._dev(ids), self._dev(pos), self.kv_pool.layers, meta)
+            tokens = input_ids if input_ids is not None else self._dev(ids)
+            hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
             return self.model.compute_logits(hidden)
 
     def _decode_arrays(self, items: Sequence[DecodeItem], width: int) -> tuple[np.ndarray, ...]:

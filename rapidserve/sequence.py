@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from rapidserve.sampling_params import SamplingParams
 
@@ -28,7 +27,6 @@ class Sequence:
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    generator: Any = None  # torch.Generator for seeded sampling; kept across steps and preemption
     num_preemptions: int = 0
 
     @property
@@ -48,6 +46,12 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The sampling seed of output token `index` of a seeded request: the same in every process
+    and however the request is batched, preempted or split between prefill and decode workers."""
+    return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
+
+
 def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
     """Finish reason after the newest token, or None to go on (stop strings are the caller's)."""
     p, tok = seq.params, seq.output_token_ids[-1]
@@ -62,3 +66,11 @@ def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int
     if seq.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+def early_stop_bans(params: SamplingParams, num_outputs: int, eos_token_ids: tuple[int, ...]) -> list[int]:
+    """Token ids that may not be sampled next: below min_tokens, EOS and stop tokens are banned."""
+    if num_outputs >= params.min_tokens:
+        return []
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    return sorted(banned)

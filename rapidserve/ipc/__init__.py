@@ -1,6 +1,7 @@
 """Inter-process channels: SPSC shared-memory rings carrying msgspec-encoded messages."""
 
 from rapidserve.ipc.channel import Receiver, Sender
+from rapidserve.ipc.doorbell import DOORBELL_NAME_MAX, Doorbell, doorbell_name, wait_any
 from rapidserve.ipc.ring import (
     MessageTooLarge,
     RingClosed,
@@ -14,6 +15,8 @@ from rapidserve.ipc.ring import (
 )
 
 __all__ = [
+    "DOORBELL_NAME_MAX",
+    "Doorbell",
     "MessageTooLarge",
     "Receiver",
     "RingClosed",
@@ -23,6 +26,8 @@ __all__ = [
     "Sender",
     "ShmRing",
     "cleanup_stale",
+    "doorbell_name",
     "new_engine_id",
     "ring_name",
+    "wait_any",
 ]

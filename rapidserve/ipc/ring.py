@@ -9,17 +9,27 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import posix_ipc
+
+if TYPE_CHECKING:
+    from rapidserve.ipc.doorbell import Doorbell
 
 NAME_PREFIX = "rapidserve-"
 SHM_DIR = "/dev/shm"
 _MAGIC = int.from_bytes(b"rsvRING\x00", "little")
-_VERSION = 1
+_VERSION = 1  # a ring without a doorbell
+_VERSION_DOORBELL = 2  # same layout, plus the doorbell's name in the reserved line (see ShmRing)
 _HEADER_BYTES = 512  # 8 cache lines
 # Header word indices (8-byte words). Line 0 is written once at creation and then only read.
 _W_MAGIC, _W_VERSION, _W_SLOTS, _W_SLOT_SIZE, _W_MAX_MESSAGE, _W_CREATOR = 0, 1, 2, 3, 4, 5
 _W_HEAD, _W_TAIL, _W_RSLEEP, _W_WSLEEP, _W_CLOSED = 8, 16, 24, 32, 40  # one 64-byte line each
+_W_DOORBELL_LEN = 48  # line 6, written once by create: doorbell name length, then the name bytes
+_DOORBELL_OFF = _W_DOORBELL_LEN * 8 + 8
+DOORBELL_NAME_MAX = _HEADER_BYTES - _DOORBELL_OFF  # 120 bytes
+# reader_sleeping values: where the sleeping reader waits, so the writer posts the right semaphore
+_SLEEP_RING, _SLEEP_DOORBELL = 1, 2
 _FIRST, _LAST = 1, 2  # piece flags; a middle piece has neither, a one-piece message both
 _SINGLE = _FIRST | _LAST
 _LEN_MASK = 0xFFFFFFFF
@@ -81,6 +91,9 @@ def _pid_alive(pid: int) -> bool:
 def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
     """Unlink segments and semaphores under /dev/shm named `<prefix><pid>-...` whose pid is dead.
 
+    That covers rings (segment, ``.rd``, ``.wr``) and doorbells (``sem.<name>``) alike, since both
+    names come from `ring_name` and so carry the creating pid.
+
     Returns the /dev/shm entry names removed. Entries of live processes (this one included) stay.
     """
     removed: list[str] = []
@@ -127,6 +140,12 @@ class ShmRing:
             stamp: low 24 bits of the slot's absolute index) then slot_size payload bytes
     ======  ========================================================================
 
+    A ring created with a `doorbell` has version 2 (else 1) and records the doorbell's name in
+    line 6, written once by `create` before the magic: offset 384 holds the name's length in
+    bytes (at most `DOORBELL_NAME_MAX` = 120), 392.. the ASCII name. The version differs so that
+    code which predates doorbells refuses to attach (its writer would post only ``.rd`` and a
+    reader asleep on the doorbell would notice the message only when its nap runs out).
+
     Each mutable word has its own cache line, so the writer's and the reader's stores do not
     false-share. A message of n bytes takes ``max(1, ceil(n / slot_size))`` consecutive slots
     (first / middle / last pieces, wrapping from the last slot to slot 0); it must fit in the
@@ -164,6 +183,12 @@ class ShmRing:
     surplus posts just cause a spurious wake (after a wake it drains the count and re-checks).
     The writer blocked on a full ring does the same with writer_sleeping, tail and ``.wr``.
 
+    Doorbell. reader_sleeping also says WHERE the reader sleeps: 1 on the ring's ``.rd``
+    (`wait`, `get`), 2 on the ring's doorbell, a semaphore shared by all inbox rings of one
+    reading thread (`rapidserve.ipc.doorbell.wait_any`, which documents that protocol). After a
+    publication the writer posts ``.rd`` for 1, the doorbell for 2. The flag / re-check argument
+    above is per ring and holds unchanged; only the semaphore slept on differs.
+
     Names: segment ``/dev/shm/<name>``, semaphores ``/dev/shm/sem.<name>.rd`` / ``.wr``, all
     mode 0o600; `name` must come from `ring_name` (it embeds the creating pid, for
     `cleanup_stale`). `create` in the owner, `attach` in the peer; `close` unmaps, `unlink`
@@ -179,13 +204,18 @@ class ShmRing:
     sleeps: int
     late_wakes: int
 
+    doorbell: str | None  #: the name of the doorbell semaphore the ring's reader may sleep on
+
     def __init__(self, name: str, mm: mmap.mmap, rsem: posix_ipc.Semaphore,
-                 wsem: posix_ipc.Semaphore) -> None:
+                 wsem: posix_ipc.Semaphore, bell: posix_ipc.Semaphore | None = None,
+                 doorbell: str | None = None) -> None:
         self.name = name
         self._mm = mm
         self._buf = memoryview(mm)
         self._q = self._buf.cast("Q")
         self._rsem, self._wsem = rsem, wsem
+        self._bell = bell
+        self.doorbell = doorbell
         q = self._q
         self.slots, self.slot_size, self.max_message = q[_W_SLOTS], q[_W_SLOT_SIZE], q[_W_MAX_MESSAGE]
         self._single_max = min(self.slot_size, self.max_message)  # fast path: one-slot messages
@@ -200,8 +230,20 @@ class ShmRing:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, slots: int, slot_size: int, *, max_message: int | None = None) -> ShmRing:
-        """Create the segment and semaphores (mode 0o600); fails if the name already exists."""
+    def create(cls, name: str, slots: int, slot_size: int, *, max_message: int | None = None,
+               doorbell: str | Doorbell | None = None) -> ShmRing:
+        """Create the segment and semaphores (mode 0o600); fails if the name already exists.
+
+        `doorbell`: the name of an existing `Doorbell` (or the object) that the ring's reader
+        will sleep on in `wait_any`; it is recorded in the header, so the attaching peer uses it.
+        """
+        bell_name = None if doorbell is None else doorbell if isinstance(doorbell, str) else doorbell.name
+        bell_bytes = b""
+        if bell_name is not None:
+            bell_bytes = bell_name.encode("ascii", "replace")
+            if not _NAME_RE.match(bell_name) or len(bell_bytes) > DOORBELL_NAME_MAX:
+                raise ValueError(f"doorbell name {bell_name!r}: must be rapidserve-<pid>-... of at most "
+                                 f"{DOORBELL_NAME_MAX} characters [A-Za-z0-9_.-]")
         m = _NAME_RE.match(name)
         if m is None or int(m.group(1)) != os.getpid():
             raise ValueError(f"ring name {name!r} must be rapidserve-<this pid>-...: use ring_name()")
@@ -214,7 +256,19 @@ class ShmRing:
         if not 0 <= max_message <= capacity:
             raise ValueError(f"max_message={max_message}: must be in [0, slots*slot_size={capacity}]")
         size = _HEADER_BYTES + slots * (8 + slot_size)
-        shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+        bell = None
+        if bell_name is not None:
+            try:
+                bell = posix_ipc.Semaphore("/" + bell_name)
+            except posix_ipc.ExistentialError:
+                raise FileNotFoundError(f"no doorbell semaphore {SHM_DIR}/sem.{bell_name}: create "
+                                        f"the Doorbell before its rings") from None
+        try:
+            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+        except BaseException:
+            if bell is not None:
+                bell.close()
+            raise
         sems: list[posix_ipc.Semaphore] = []
         try:
             for suffix in (".rd", ".wr"):
@@ -226,14 +280,22 @@ class ShmRing:
             for s in sems:
                 s.unlink()
                 s.close()
+            if bell is not None:
+                bell.close()
             raise
         shm.close_fd()
         q = memoryview(mm).cast("Q")
-        q[_W_VERSION], q[_W_SLOTS], q[_W_SLOT_SIZE] = _VERSION, slots, slot_size
+        q[_W_SLOTS], q[_W_SLOT_SIZE] = slots, slot_size
         q[_W_MAX_MESSAGE], q[_W_CREATOR] = max_message, os.getpid()
+        if bell_name is None:
+            q[_W_VERSION] = _VERSION
+        else:
+            q[_W_VERSION] = _VERSION_DOORBELL
+            q[_W_DOORBELL_LEN] = len(bell_bytes)
+            mm[_DOORBELL_OFF:_DOORBELL_OFF + len(bell_bytes)] = bell_bytes
         q[_W_MAGIC] = _MAGIC  # last: attach() rejects a segment whose header is not complete
         q.release()
-        return cls(name, mm, sems[0], sems[1])
+        return cls(name, mm, sems[0], sems[1], bell, bell_name)
 
     @classmethod
     def attach(cls, name: str) -> ShmRing:
@@ -252,30 +314,43 @@ class ShmRing:
         q = memoryview(mm).cast("Q")
         try:
             magic, version, slots, slot_size, max_message = (q[i] for i in range(5))
+            bell_len = q[_W_DOORBELL_LEN]
         finally:
             q.release()
+        bell_name = None
         problem = None
         if magic != _MAGIC:
             problem = f"bad magic {magic:#x} (want {_MAGIC:#x}): not a rapidserve ring, or not initialised"
-        elif version != _VERSION:
-            problem = f"ring version {version}, this code reads version {_VERSION}"
+        elif version not in (_VERSION, _VERSION_DOORBELL):
+            problem = f"ring version {version}, this code reads versions {_VERSION} and {_VERSION_DOORBELL}"
+        elif version == _VERSION_DOORBELL and not 0 < bell_len <= DOORBELL_NAME_MAX:
+            problem = f"bad doorbell name length {bell_len} (at most {DOORBELL_NAME_MAX})"
         elif not slots or not slot_size or slot_size % 8 or max_message > slots * slot_size:
             problem = f"inconsistent header: slots={slots} slot_size={slot_size} max_message={max_message}"
         elif size < _HEADER_BYTES + slots * (8 + slot_size):
             problem = (f"truncated: header says {slots} slots of {slot_size} bytes = "
                        f"{_HEADER_BYTES + slots * (8 + slot_size)} bytes, segment has {size}")
+        if problem is None and version == _VERSION_DOORBELL:
+            bell_name = mm[_DOORBELL_OFF:_DOORBELL_OFF + bell_len].decode("ascii", "replace")
+            if not _NAME_RE.match(bell_name):
+                problem = f"bad doorbell name {bell_name!r} in the header"
         sems: list[posix_ipc.Semaphore] = []
         if problem is None:
             try:
                 sems = [posix_ipc.Semaphore("/" + name + sfx) for sfx in (".rd", ".wr")]
             except posix_ipc.ExistentialError:
                 problem = "its semaphores are missing"
+        if problem is None and bell_name is not None:
+            try:
+                sems.append(posix_ipc.Semaphore("/" + bell_name))
+            except posix_ipc.ExistentialError:
+                problem = f"its doorbell semaphore {SHM_DIR}/sem.{bell_name} is missing"
         if problem is not None:
             for s in sems:
                 s.close()
             mm.close()
             raise RingLayoutError(f"cannot attach ring {name!r}: {problem}")
-        return cls(name, mm, sems[0], sems[1])
+        return cls(name, mm, sems[0], sems[1], sems[2] if bell_name else None, bell_name)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -315,8 +390,12 @@ class ShmRing:
             head = self._put_pieces(data, n, head, timeout)
         self._w_head = head
         q[_W_HEAD] = head  # publish: everything above is visible before this store (TSO)
-        if q[_W_RSLEEP]:
-            self._rsem.release()
+        sleeping = q[_W_RSLEEP]
+        if sleeping:  # 2: asleep in wait_any on the doorbell; 1: in wait() on .rd
+            if sleeping == _SLEEP_DOORBELL and self._bell is not None:
+                self._bell.release()
+            else:
+                self._rsem.release()
 
     def try_put(self, data: bytes | bytearray | memoryview) -> bool:
         """Publish without waiting; False if the ring has no room now."""
@@ -405,6 +484,12 @@ class ShmRing:
             out.append(data)
         return out
 
+    def readable(self) -> bool:
+        """True if a get() would not block now: a message is published, or the ring is closed."""
+        q = self._q
+        self._r_head = q[_W_HEAD]
+        return self._r_head != self._r_tail or bool(q[_W_CLOSED])
+
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep until a message is available (True) or `timeout` s pass (False); consumes nothing."""
         q = self._q
@@ -462,7 +547,7 @@ class ShmRing:
             if time.monotonic() >= spin_end:
                 break
             os.sched_yield()
-        q[flag] = 1
+        q[flag] = _SLEEP_RING
         try:
             nap, posted = _FIRST_NAP_S, True
             while not cond():  # the re-check after setting the flag
@@ -497,6 +582,8 @@ class ShmRing:
         self._q[_W_CLOSED] = 1
         self._rsem.release()
         self._wsem.release()
+        if self._bell is not None:
+            self._bell.release()
 
     def close(self) -> None:
         """Unmap and close the semaphores (names stay until `unlink`). Idempotent."""
@@ -507,9 +594,14 @@ class ShmRing:
         self._mm.close()
         self._rsem.close()
         self._wsem.close()
+        if self._bell is not None:
+            self._bell.close()
 
     def unlink(self) -> None:
-        """Remove the segment and semaphore names (mappings stay valid until closed). Idempotent."""
+        """Remove the segment and semaphore names (mappings stay valid until closed). Idempotent.
+
+        The doorbell is not the ring's: its owner (`Doorbell.unlink`) removes it.
+        """
         for fn, nm in ((posix_ipc.unlink_shared_memory, ""), (posix_ipc.unlink_semaphore, ".rd"),
                        (posix_ipc.unlink_semaphore, ".wr")):
             with contextlib.suppress(posix_ipc.ExistentialError):
@@ -522,4 +614,5 @@ class ShmRing:
         self.close()
 
     def __repr__(self) -> str:
-        return f"ShmRing({self.name!r}, slots={self.slots}, slot_size={self.slot_size})"
+        bell = f", doorbell={self.doorbell!r}" if self.doorbell else ""
+        return f"ShmRing({self.name!r}, slots={self.slots}, slot_size={self.slot_size}{bell})"

@@ -1,0 +1,1 @@
+"""The two-process RAPID engine: launcher, client API, decode and prefill workers."""

@@ -1,0 +1,297 @@
+"""The decode worker: owns the weights, the KV pool and the block tables; decodes the running batch.
+
+Loop: drain the inbox, admit waiting requests (allocate their blocks, hand them to prefill), launch
+one decode step, then record the previous step's tokens while this one runs (async scheduling one
+step ahead), publish.
+
+Request states here: waiting (needs blocks) -> prefilling (KVReady sent; prefill owns the writes)
+-> running (in the decode batch) -> done. Preemption by recompute sends a running request back to
+waiting with its outputs, to be recomputed by prefill.
+
+Block ownership (DESIGN.md): only this worker changes block tables. A request's blocks are freed
+only when nothing can still write into them:
+- while prefilling, prefill writes them: an abort sends Drop and frees on Dropped or PrefillDone;
+- while a decode step that includes the request is in flight, that step writes its newest K/V: a
+  request finished or aborted meanwhile is freed once the step completes (`inflight` reaches 0), and
+  that step's token for it is dropped, so no extra token is ever emitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from rapidserve.block_manager import BlockManager, blocks_for
+from rapidserve.config import EngineConfig
+from rapidserve.engine import messages as m
+from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.runner import DecodeItem, ModelRunner
+from rapidserve.sampler import token_generators
+from rapidserve.sampling_params import SamplingParams
+from rapidserve.sequence import check_stop, early_stop_bans
+
+
+@dataclass
+class DReq:
+    req_id: str
+    prompt: list[int]
+    params: SamplingParams
+    order: int
+    outputs: list[int] = field(default_factory=list)
+    state: str = "waiting"  # waiting | prefilling | running | done
+    attempt: int = 0
+    inflight: int = 0  # launched decode steps whose token is not recorded yet (0 or 1)
+    aborting: bool = False  # abort asked while prefilling: waiting for prefill to let go
+    freed: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+
+@dataclass
+class InFlight:
+    reqs: list[DReq]
+    tokens: torch.Tensor  # [n] int64 on the device
+    host_tokens: torch.Tensor  # pinned (GPU) or plain (CPU) copy target
+    logprobs: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+
+class DecodeWorker:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...]) -> None:
+        self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
+        self.blocks = BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size)
+        self.reqs: dict[str, DReq] = {}
+        self.waiting: deque[DReq] = deque()
+        self.running: list[DReq] = []
+        self.inflight: InFlight | None = None
+        self.max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))
+        self.num_preemptions = 0
+        self._orders = 0
+        self._last_stats = 0.0
+        self._stop = False
+        self._out: list[m.TokenOut] = []
+        pinned = runner.device.type == "cuda"
+        self._host_bufs = [torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._buf = 0
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop:
+            for msg in self.io.drain():
+                self.handle(msg)
+            self.admit()
+            if self.running or self.inflight is not None:
+                self.step()
+            else:
+                self.io.wait(0.1)
+            self.publish()
+            if not self.io.others_alive():
+                return
+
+    # ---- inbox ------------------------------------------------------------------------------
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, m.NewRequest):
+            self._new(msg)
+        elif isinstance(msg, m.PrefillDone):
+            self._prefill_done(msg)
+        elif isinstance(msg, m.Dropped):
+            r = self.reqs.get(msg.req_id)
+            if r is not None and r.aborting:
+                self._finish(r, "abort")
+        elif isinstance(msg, m.Abort):
+            self._abort(msg.req_id)
+        elif isinstance(msg, m.Shutdown):
+            self._stop = True
+
+    def _new(self, msg: m.NewRequest) -> None:
+        need = blocks_for(len(msg.prompt_token_ids) + 1, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            why = (f"prompt of {len(msg.prompt_token_ids)} tokens needs {need} KV blocks; "
+                   f"the pool has {self.blocks.num_blocks}")
+            self.io.send["d2r"].send(m.Finished(msg.req_id, "error", why))
+            self.io.send["d2p"].send(m.Drop(msg.req_id))
+            return
+        self._orders += 1
+        r = DReq(msg.req_id, list(msg.prompt_token_ids), msg.params, self._orders)
+        self.reqs[r.req_id] = r
+        self.waiting.append(r)
+
+    def _prefill_done(self, msg: m.PrefillDone) -> None:
+        r = self.reqs.get(msg.req_id)
+        if r is None or r.state != "prefilling" or msg.attempt != r.attempt:
+            return
+        if r.aborting:
+            self._finish(r, "abort")
+            return
+        r.outputs.append(msg.first_token)
+        if msg.finish_reason is not None:
+            self._finish(r, msg.finish_reason, notify=False)  # the router has the reason already
+            return
+        r.state = "running"
+        self.running.append(r)
+
+    def _abort(self, req_id: str) -> None:
+        r = self.reqs.get(req_id)
+        if r is None or r.state == "done":
+            return
+        if r.state == "prefilling":
+            r.aborting = True  # freed when prefill answers Dropped or PrefillDone
+            self.io.send["d2p"].send(m.Drop(req_id))
+        elif r.state == "waiting":
+            self.waiting.remove(r)
+            self.io.send["d2p"].send(m.Drop(req_id))  # prefill forgets its copy of the request
+            self._finish(r, "abort")
+        else:
+            self._finish(r, "abort")
+
+    def _finish(self, r: DReq, reason: str, notify: bool = True) -> None:
+        """Done: out of every queue now; blocks back once no in-flight step writes them."""
+        if r in self.running:
+            self.running.remove(r)
+        r.state = "done"
+        if notify:
+            self.io.send["d2r"].send(m.Finished(r.req_id, reason))
+        self._release(r)
+
+    def _release(self, r: DReq) -> None:
+        if r.state == "done" and r.inflight == 0 and not r.freed:
+            self.blocks.free(r.req_id)
+            r.freed = True
+            del self.reqs[r.req_id]
+
+    # ---- admission: blocks for waiting requests, handed to prefill --------------------------
+    def admit(self) -> None:
+        while self.waiting:
+            r = self.waiting[0]
+            busy = len(self.running) + sum(1 for x in self.reqs.values() if x.state == "prefilling")
+            if busy >= self.max_seqs:
+                return
+            alone = busy == 0 and self.inflight is None
+            if not (self.blocks.can_allocate(r.num_tokens)
+                    or (alone and self.blocks.num_free * self.blocks.block_size >= r.num_tokens)):
+                return
+            self.waiting.popleft()
+            table = self.blocks.allocate(r.req_id, r.num_tokens)
+            r.state = "prefilling"
+            if r.outputs:  # recompute after a preemption: prompt + outputs, and the request again
+                again = m.NewRequest(r.req_id, r.prompt, r.params, 0.0)
+                self.io.send["d2p"].send(m.KVReady(r.req_id, table, r.prompt + r.outputs, r.attempt, again))
+            else:
+                self.io.send["d2p"].send(m.KVReady(r.req_id, table, [], r.attempt))
+
+    # ---- decode -----------------------------------------------------------------------------
+    def step(self) -> None:
+        if not self.running:
+            self._complete()
+            return
+        if not self._ensure_blocks():
+            self._complete()  # preemption needs a quiet pool: let the in-flight step land first
+            if not self._ensure_blocks(preempt=True) or not self.running:
+                return
+        launched = self._launch()
+        self._complete()
+        self.inflight = launched
+
+    def _tokens_needed(self, r: DReq) -> int:
+        return r.num_tokens + r.inflight
+
+    def _ensure_blocks(self, preempt: bool = False) -> bool:
+        for r in list(self.running):
+            if r not in self.running:  # preempted as a victim earlier in this pass
+                continue
+            while not self.blocks.can_grow(r.req_id, self._tokens_needed(r)):
+                if not preempt:
+                    return False
+                victim = max(self.running, key=lambda x: x.order)
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                self.blocks.grow(r.req_id, self._tokens_needed(r))
+        return True
+
+    def _preempt(self, r: DReq) -> None:
+        self.running.remove(r)
+        self.blocks.free(r.req_id)
+        r.state, r.attempt = "waiting", r.attempt + 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _launch(self) -> InFlight:
+        reqs = list(self.running)
+        prev = self.inflight
+        prev_index = {id(r): i for i, r in enumerate(prev.reqs)} if prev is not None else {}
+        items = [DecodeItem(r.outputs[-1] if not r.inflight else 0, self._tokens_needed(r) - 1,
+                            self.blocks.table(r.req_id)) for r in reqs]
+        input_ids = None
+        carried = [(i, prev_index[id(r)]) for i, r in enumerate(reqs) if r.inflight]
+        if carried and prev is not None:  # tokens of the step still in flight, straight from the device
+            input_ids = torch.tensor([it.token_id for it in items], device=self.runner.device)
+            dst = torch.tensor([c[0] for c in carried], device=self.runner.device)
+            src = torch.tensor([c[1] for c in carried], device=self.runner.device)
+            input_ids[dst] = prev.tokens[src]
+        logits = self.runner.decode(items, input_ids=input_ids)
+        index = [len(r.outputs) + r.inflight for r in reqs]  # output index of this step's token
+        for i, (r, k) in enumerate(zip(reqs, index, strict=True)):
+            banned = early_stop_bans(r.params, k, self.eos)
+            if banned:
+                logits[i, banned] = float("-inf")
+        gens = token_generators([(r.params.seed, k) for r, k in zip(reqs, index, strict=True)], self.runner.device)
+        out = self.runner.sample(logits, [r.params for r in reqs], gens)
+        host = self._host_bufs[self._buf][: len(reqs)]
+        self._buf ^= 1
+        host.copy_(out.token_ids, non_blocking=True)
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for r in reqs:
+            r.inflight += 1
+        return InFlight(reqs, out.token_ids, host, out.logprobs, event)
+
+    def _complete(self) -> None:
+        """Record the in-flight step's tokens: emit, stop, free what finished."""
+        f, self.inflight = self.inflight, None
+        if f is None:
+            return
+        if f.done is not None:
+            f.done.synchronize()
+        tokens = f.host_tokens.tolist()
+        lps = f.logprobs.tolist() if f.logprobs is not None else None
+        for i, (r, tok) in enumerate(zip(f.reqs, tokens, strict=True)):
+            r.inflight -= 1
+            if r.state != "running":  # finished or aborted after launch: its token is dropped
+                self._release(r)
+                continue
+            r.outputs.append(tok)
+            reason = check_stop_tokens(r, self.eos, self.runner.max_model_len)
+            lp = lps[i] if lps is not None and r.params.logprobs is not None else None
+            self._out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, None, reason))
+            if reason is not None:
+                self._finish(r, reason, notify=False)
+
+    # ---- publishing ---------------------------------------------------------------------------
+    def publish(self) -> None:
+        if self._out:
+            self.io.send["d2r"].send(m.TokenBatch(self._out))
+            self._out = []
+        now = time.monotonic()
+        if now - self._last_stats >= self.cfg.launch.stats_interval_s:
+            self._last_stats = now
+            prefilling = sum(1 for r in self.reqs.values() if r.state == "prefilling")
+            self.io.send["d2r"].try_send(m.Stats(len(self.running), len(self.waiting), prefilling,
+                                                 self.blocks.num_blocks, self.blocks.num_free,
+                                                 self.num_preemptions))
+
+
+def check_stop_tokens(r: DReq, eos: tuple[int, ...], max_model_len: int) -> str | None:
+    """`check_stop` for a decode-side request (same rules as the single-process engine)."""
+    from rapidserve.sequence import Sequence
+
+    seq = Sequence(r.req_id, r.prompt, r.params, output_token_ids=r.outputs)
+    return check_stop(seq, eos, max_model_len)

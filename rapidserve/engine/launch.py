@@ -1,0 +1,181 @@
+"""Starting and stopping the two worker processes, and each worker's entry point.
+
+`WorkerSet.start` creates the rings and doorbells (the router process owns their names), starts the
+decode worker (spawn), waits for its Ready, then starts the prefill worker, which attaches the
+decode worker's weights and KV pool through a one-time hand-off queue of IPC handles, and waits for
+its Ready. Either step past `startup_timeout_s` kills what started and raises.
+`WorkerSet.stop` asks both to shut down, waits briefly, kills what is left, and unlinks every
+shared-memory name. Prefill is stopped first: the owner of shared memory outlives its users.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import posix_ipc
+
+from rapidserve.config import EngineConfig
+from rapidserve.engine import messages as m
+from rapidserve.engine.worker_io import DOORBELLS, RING_LABELS, RING_TYPES, ChannelNames, WorkerIO, worker_signals
+from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, cleanup_stale, doorbell_name, new_engine_id, ring_name
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: int, handoff: Any,
+                env: dict[str, str | None]) -> None:
+    """Entry point of a worker process (spawned)."""
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    worker_signals()
+    if cfg.runner.device == "cpu" or not _has_gpu():
+        import torch  # two workers share the cores: half each
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    io = WorkerIO(who, names, parent_pid)
+    out = io.send["d2r" if who == "decode" else "p2r"]
+    try:
+        from rapidserve.loader import resolve_model
+        from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
+
+        eos = cfg.model_config.eos_token_ids
+        if who == "decode":
+            from rapidserve.engine.decode_worker import DecodeWorker
+            from rapidserve.engine.shared import export_shared
+
+            dev = resolve_device(cfg.runner.device)
+            source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
+            runner = ModelRunner(cfg, source, show_progress=False)
+            runner.capture_decode_graphs(show_progress=False)
+            handoff.put((os.getpid(), export_shared(runner.model, runner.kv_pool)))
+            out.send(m.Ready("decode", os.getpid(), {"kv_blocks": str(runner.kv_pool.num_blocks),
+                                                     "device": str(runner.device)}))
+            DecodeWorker(cfg, runner, io, eos).run()
+        else:
+            from rapidserve.engine.prefill_worker import PrefillWorker
+
+            owner_pid, shared = handoff.get(timeout=cfg.launch.startup_timeout_s)
+            io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
+            runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
+            out.send(m.Ready("prefill", os.getpid(), {"device": str(runner.device)}))
+            PrefillWorker(cfg, runner, io, eos).run()
+    except SystemExit:
+        pass
+    except BaseException as e:  # report, then die: the router fails in-flight requests
+        out.try_send(m.WorkerError(who, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        raise
+    finally:
+        if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
+            unlink_names(names)
+        io.close()
+
+
+def unlink_names(names: ChannelNames) -> None:
+    """Remove an engine's shared-memory names (idempotent; used when the router is gone)."""
+    for name in names.rings.values():
+        for fn, suffix in ((posix_ipc.unlink_shared_memory, ""), (posix_ipc.unlink_semaphore, ".rd"),
+                           (posix_ipc.unlink_semaphore, ".wr")):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                fn("/" + name + suffix)
+    for name in names.doorbells.values():
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore("/" + name)
+
+
+@dataclass
+class WorkerSet:
+    cfg: EngineConfig
+    names: ChannelNames
+    rings: dict[str, ShmRing]
+    doorbells: dict[str, Doorbell]
+    procs: dict[str, Any]
+    send: dict[str, Sender[Any]]
+    recv: dict[str, Receiver[Any]]
+    ready: dict[str, m.Ready]
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
+        cleanup_stale()
+        eid = new_engine_id()
+        doorbells = {d: Doorbell.create(doorbell_name(eid, d)) for d in DOORBELLS}
+        reader = {"r2d": "decode", "p2d": "decode", "r2p": "prefill", "d2p": "prefill",
+                  "d2r": "router", "p2r": "router"}
+        rings = {lbl: ShmRing.create(ring_name(eid, lbl), cfg.launch.ring_slots, cfg.launch.ring_slot_size,
+                                     doorbell=doorbells[reader[lbl]].name) for lbl in RING_LABELS}
+        names = ChannelNames({k: r.name for k, r in rings.items()}, {k: d.name for k, d in doorbells.items()})
+        ws = cls(cfg, names, rings, doorbells, {},
+                 {lbl: Sender(rings[lbl], RING_TYPES[lbl]) for lbl in ("r2d", "r2p")},
+                 {lbl: Receiver(rings[lbl], RING_TYPES[lbl]) for lbl in ("d2r", "p2r")}, {})
+        ctx = mp.get_context("spawn")
+        handoff = ctx.Queue()
+        try:
+            for who in ("decode", "prefill"):
+                p = ctx.Process(target=worker_main, name=f"rapidserve-{who}", daemon=True,
+                                args=(who, cfg, names, os.getpid(), handoff, env))
+                p.start()
+                ws.procs[who] = p
+                ws._await_ready(who, on_message)
+        except BaseException:
+            ws.stop(graceful=False)
+            raise
+        return ws
+
+    def _await_ready(self, who: str, on_message: Any) -> None:
+        deadline = time.monotonic() + self.cfg.launch.startup_timeout_s
+        label = "d2r" if who == "decode" else "p2r"
+        while time.monotonic() < deadline:
+            msg = self.recv[label].recv(timeout=0.2)
+            if isinstance(msg, m.Ready):
+                self.ready[who] = msg
+                return
+            if isinstance(msg, m.WorkerError):
+                raise WorkerStartError(f"the {who} worker failed to start: {msg.message}")
+            if msg is not None and on_message is not None:
+                on_message(msg)
+            if not self.procs[who].is_alive():
+                raise WorkerStartError(f"the {who} worker exited during start-up "
+                                       f"(exit code {self.procs[who].exitcode})")
+        raise WorkerStartError(f"the {who} worker was not ready after {self.cfg.launch.startup_timeout_s:.0f} s")
+
+    def dead_worker(self) -> str | None:
+        for who, p in self.procs.items():
+            if not p.is_alive():
+                return who
+        return None
+
+    def stop(self, graceful: bool = True, timeout: float = 5.0) -> None:
+        """Prefill first, then decode (the owner of shared memory goes last); then unlink names."""
+        for who, label in (("prefill", "r2p"), ("decode", "r2d")):
+            p = self.procs.get(who)
+            if p is None:
+                continue
+            if graceful and p.is_alive():
+                with contextlib.suppress(Exception):  # a closed ring must not stop the shutdown
+                    self.send[label].try_send(m.Shutdown("engine stopping"))
+                p.join(timeout)
+            if p.is_alive():
+                p.kill()
+            p.join(timeout)
+        for r in self.rings.values():
+            r.close()
+            r.unlink()
+        for d in self.doorbells.values():
+            d.close()
+            d.unlink()
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

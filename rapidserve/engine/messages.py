@@ -1,0 +1,132 @@
+"""Every message that crosses a process boundary in the RAPID engine, as declared msgspec types.
+
+Channels (one SPSC ring per direction per pair; see rapidserve/ipc/ring.py):
+
+    router  -> decode   : NewRequest, Abort, Shutdown
+    router  -> prefill  : NewRequest, Shutdown
+    decode  -> prefill  : KVReady, Drop, SetPartition
+    prefill -> decode   : PrefillDone, Dropped
+    decode  -> router   : Ready, TokenBatch, Finished, Stats, WorkerError
+    prefill -> router   : Ready, TokenBatch, WorkerError
+
+Request flow (DESIGN.md): the router sends NewRequest to both workers. Decode allocates the
+prompt's blocks and sends KVReady; prefill computes the prompt into those blocks, samples the first
+token, sends it to the router (TokenBatch) and then PrefillDone to decode, which adds the request to
+its running batch. Decode streams the other tokens to the router. An abort goes to decode only: if
+prefill holds blocks of the request, decode sends Drop and frees the blocks only when prefill answers
+Dropped (or PrefillDone, if it finished first). Only decode changes block tables.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rapidserve.sampling_params import SamplingParams
+
+
+class NewRequest(msgspec.Struct, tag=True, frozen=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float  # router's time.monotonic() at admission
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    req_id: str
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    reason: str = ""
+
+
+class KVReady(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: compute these tokens into these blocks.
+
+    `token_ids` is empty for a first prefill (prefill has the prompt from NewRequest); after a
+    preemption by recompute it holds prompt + outputs so far, all to be recomputed.
+    `attempt` counts preemptions, so a stale PrefillDone of an earlier attempt is recognised.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    token_ids: list[int] = []
+    attempt: int = 0
+    # After a preemption the request itself travels again: prefill forgets a request once it has
+    # sent PrefillDone, so it keeps no state for the requests that decode is running.
+    request: NewRequest | None = None
+
+
+class Drop(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: forget this request; answer Dropped (or PrefillDone if already done)."""
+
+    req_id: str
+
+
+class SetPartition(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: switch to this compute partition configuration at the next forward."""
+
+    config: str
+
+
+class PrefillDone(msgspec.Struct, tag=True, frozen=True):
+    req_id: str
+    attempt: int
+    first_token: int  # the token sampled from the prompt's last position
+    finish_reason: str | None  # when the first token already ends the request
+
+
+class Dropped(msgspec.Struct, tag=True, frozen=True):
+    req_id: str
+
+
+class TokenOut(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token; `index` is its position among the request's outputs (0 = first)."""
+
+    req_id: str
+    index: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True, frozen=True):
+    tokens: list[TokenOut]
+
+
+class Finished(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> router: the request is over and its blocks are free (abort acknowledged, error...)."""
+
+    req_id: str
+    reason: str  # "stop" | "length" | "abort" | "error"
+    message: str = ""
+
+
+class Stats(msgspec.Struct, tag=True, frozen=True):
+    num_running: int
+    num_waiting: int
+    num_prefilling: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    partition: str = "none"
+
+
+class Ready(msgspec.Struct, tag=True, frozen=True):
+    worker: str  # "decode" | "prefill"
+    pid: int
+    info: dict[str, str] = {}
+
+
+class WorkerError(msgspec.Struct, tag=True, frozen=True):
+    worker: str
+    message: str
+
+
+ToDecode = NewRequest | Abort | Shutdown | PrefillDone | Dropped
+ToPrefill = NewRequest | Shutdown | KVReady | Drop | SetPartition
+ToRouter = Ready | TokenBatch | Finished | Stats | WorkerError
+ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
+    NewRequest, Abort, Shutdown, KVReady, Drop, SetPartition, PrefillDone, Dropped, TokenBatch,
+    Finished, Stats, Ready, WorkerError,
+)
