@@ -60,7 +60,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             runner.capture_decode_graphs(show_progress=False)
             handoff.put((os.getpid(), export_shared(runner.model, runner.kv_pool)))
             out.send(m.Ready("decode", os.getpid(), {"kv_blocks": str(runner.kv_pool.num_blocks),
-                                                     "device": str(runner.device)}))
+                                                     "device": str(runner.device), **_memory(runner)}))
             DecodeWorker(cfg, runner, io, eos).run()
         else:
             from rapidserve.engine.prefill_worker import PrefillWorker
@@ -68,7 +68,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             owner_pid, shared = handoff.get(timeout=cfg.launch.startup_timeout_s)
             io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
             runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
-            out.send(m.Ready("prefill", os.getpid(), {"device": str(runner.device)}))
+            out.send(m.Ready("prefill", os.getpid(), {"device": str(runner.device), **_memory(runner)}))
             PrefillWorker(cfg, runner, io, eos).run()
     except SystemExit:
         pass
@@ -179,3 +179,13 @@ def _has_gpu() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def _memory(runner: Any) -> dict[str, str]:
+    """What this process holds: its own device allocations, and the weights and KV it uses."""
+    import torch
+
+    own = torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
+    weights = runner.model.weight_bytes()
+    kv = runner.kv_pool.tensor.numel() * runner.kv_pool.tensor.element_size()
+    return {"device_allocated_bytes": str(own), "weight_bytes": str(weights), "kv_bytes": str(kv)}
