@@ -80,6 +80,37 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import dataclasses
+
+    from rapidserve.config import LaunchConfig, ServerConfig
+    from rapidserve.llm import build_engine_config
+    from rapidserve.server.serve import run
+
+    ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
+    ecfg = dataclasses.replace(ecfg, launch=LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death))
+    scfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
+                        max_waiting=a.max_waiting, default_max_tokens=a.default_max_tokens)
+    return run(ecfg, scfg, source)  # type: ignore[arg-type]
+
+
+def _port(text: str) -> int:
+    v = _nonneg_int(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a TCP port (0..65535; 0 picks a free one)")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 0")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rapidserve", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--sample-seed", type=int, default=None)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (prefill and decode workers)")
+    add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sv.add_argument("--port", type=_port, default=8000)
+    sv.add_argument("--mode", default="rapid", choices=("rapid",),
+                    help="rapid: prefill and decode in two processes sharing weights and KV")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
+                    help="requests queued beyond --max-num-seqs before answering 503")
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
+    sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
+    sv.set_defaults(func=cmd_serve)
     return p
 
 

@@ -185,6 +185,28 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server (`rapidserve serve`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_waiting: int = 512  # requests queued beyond max_num_seqs before the server answers 503
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
+        _check(self.max_waiting >= 0, f"max_waiting={self.max_waiting} must be >= 0")
+        _check(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes} must be >= 1024")
+        _check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
+        _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The root of the tree: what to load and how to run it."""
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: request validation, response shapes, detokenization, the app."""

@@ -1,0 +1,135 @@
+"""Prometheus metrics of the HTTP server, named like vLLM's under the ``rapidserve:`` prefix.
+
+Every `Metrics` owns a private `CollectorRegistry`, so several servers (or tests) in one process
+never share series. Every series carries a ``model_name`` label. Exposed names:
+
+* histograms ``rapidserve:time_to_first_token_seconds``, ``rapidserve:inter_token_latency_seconds``,
+  ``rapidserve:request_time_per_output_token_seconds``, ``rapidserve:e2e_request_latency_seconds``,
+  ``rapidserve:request_prompt_tokens``, ``rapidserve:request_generation_tokens``
+  (each as ``_bucket``/``_sum``/``_count``);
+* gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting``,
+  ``rapidserve:kv_cache_usage_perc`` (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
+* counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
+  ``rapidserve:request_success_total{finished_reason="..."}``, ``rapidserve:num_preemptions_total``.
+
+prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+# Bucket boundaries as in vLLM (vllm/engine/metrics.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# Reasons pre-created at 0 so that rate() works before the first request of each kind finishes.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_P = "rapidserve:"
+
+
+class Metrics:
+    """The server's metrics for one model; render() gives the /metrics response."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg, lab = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(_P + name, doc, lab, buckets=buckets, registry=reg)
+
+        self._ttft = hist("time_to_first_token_seconds", "Time to first token in seconds.",
+                          TTFT_BUCKETS).labels(model_name)
+        self._itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens in seconds.",
+                         ITL_BUCKETS).labels(model_name)
+        self._tpot = hist("request_time_per_output_token_seconds",
+                          "Per request: (e2e - ttft) / (output tokens - 1), in seconds.",
+                          ITL_BUCKETS).labels(model_name)
+        self._e2e = hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                         E2E_BUCKETS).labels(model_name)
+        self._req_prompt = hist("request_prompt_tokens", "Prompt tokens per finished request.",
+                                TOKEN_BUCKETS).labels(model_name)
+        self._req_gen = hist("request_generation_tokens", "Output tokens per finished request.",
+                             TOKEN_BUCKETS).labels(model_name)
+
+        self._running = Gauge(_P + "num_requests_running", "Requests in the decode batch.", lab,
+                              registry=reg).labels(model_name)
+        self._waiting = Gauge(_P + "num_requests_waiting", "Requests waiting (engine and server queues).", lab,
+                              registry=reg).labels(model_name)
+        self._kv_usage = Gauge(_P + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", lab,
+                               registry=reg).labels(model_name)
+        self._partition = Gauge(_P + "partition_info", "Current compute partition (value 1 for the current config).",
+                                ["model_name", "config"], registry=reg)
+        self._partition_now: str | None = None
+
+        self._prompt_tokens = Counter(_P + "prompt_tokens", "Prompt tokens admitted.", lab,
+                                      registry=reg).labels(model_name)
+        self._gen_tokens = Counter(_P + "generation_tokens", "Output tokens of finished requests.", lab,
+                                   registry=reg).labels(model_name)
+        self._success = Counter(_P + "request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:
+            self._success.labels(model_name, reason)
+        self._preemptions = Counter(_P + "num_preemptions", "Preemptions by the engine.", lab,
+                                    registry=reg).labels(model_name)
+        self._preemptions_seen = 0
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        """A request's first output token arrived `ttft_s` seconds after the request did."""
+        self._ttft.observe(ttft_s)
+
+    def observe_token(self, itl_s: float) -> None:
+        """A later output token arrived `itl_s` seconds after the previous one of its request."""
+        self._itl.observe(itl_s)
+
+    def observe_finished(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
+                         ttft_s: float | None = None) -> None:
+        """A request finished (any reason, aborts included); counts its output tokens.
+
+        With `ttft_s` and more than one output token, also observes the time per output token
+        ``(e2e_s - ttft_s) / (num_output_tokens - 1)``.
+        """
+        self._e2e.observe(e2e_s)
+        self._req_prompt.observe(num_prompt_tokens)
+        self._req_gen.observe(num_output_tokens)
+        if num_output_tokens > 0:
+            self._gen_tokens.inc(num_output_tokens)
+        self._success.labels(self.model_name, str(finish_reason)).inc()
+        if ttft_s is not None and num_output_tokens > 1:
+            self._tpot.observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def add_prompt_tokens(self, n: int) -> None:
+        """`n` prompt tokens were admitted."""
+        if n > 0:
+            self._prompt_tokens.inc(n)
+
+    def set_engine_stats(self, num_running: int, num_waiting: int, kv_blocks_total: int, kv_blocks_free: int,
+                         num_preemptions: int, partition: str) -> None:
+        """Latest engine stats. `num_waiting` should include the server's own queue (caller sums);
+        `num_preemptions` is the engine's cumulative count (a drop is taken as an engine restart)."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
+        self._kv_usage.set(min(1.0, max(0.0, used)))
+        seen = self._preemptions_seen
+        delta = num_preemptions - seen if num_preemptions >= seen else num_preemptions
+        if delta > 0:
+            self._preemptions.inc(delta)
+        self._preemptions_seen = num_preemptions
+        if partition != self._partition_now:
+            if self._partition_now is not None:
+                self._partition.remove(self.model_name, self._partition_now)
+            self._partition.labels(self.model_name, partition).set(1)
+            self._partition_now = partition
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition body and its content type, for the /metrics response."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
