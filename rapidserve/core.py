@@ -99,20 +99,13 @@ class EngineCore:
         self._suppress_early_stop(seqs, logits)
         gens = token_generators([(s.params.seed, len(s.output_token_ids)) for s in seqs], self.runner.device)
         out = self.runner.sample(logits, [s.params for s in seqs], gens)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        tops = None
-        if out.top_logprobs is not None:
-            vals, ids = out.top_logprobs
-            tops = (vals.tolist(), ids.tolist())
         events = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+        for seq, (tok, lp, top) in zip(seqs, out.rows([s.params for s in seqs]), strict=True):
             seq.output_token_ids.append(tok)
-            if lps is not None and seq.params.logprobs is not None:
-                seq.output_logprobs.append(lps[i])
-                k = seq.params.logprobs
-                if tops is not None and k > 0:
-                    seq.output_top_logprobs.append(list(zip(tops[1][i][:k], tops[0][i][:k], strict=True)))
+            if lp is not None:
+                seq.output_logprobs.append(lp)
+            if top is not None:
+                seq.output_top_logprobs.append(top)
             reason = check_stop(seq, self.eos_token_ids, self.max_model_len)
             if reason is None and self.text_stop is not None:
                 reason = self.text_stop(seq)

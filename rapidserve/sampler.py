@@ -140,6 +140,23 @@ class SamplerOutput:
     logprobs: Tensor | None = None
     top_logprobs: tuple[Tensor, Tensor] | None = None
 
+    def rows(self, params: list[SamplingParams]) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+        """Per row, on the host: (token id, its logprob if the row asked, the row's top (id, logprob) pairs
+        if it asked for k > 0). One device-to-host copy per tensor."""
+        tokens = self.token_ids.tolist()
+        lps = self.logprobs.tolist() if self.logprobs is not None else None
+        vals = ids = None
+        if self.top_logprobs is not None:
+            vals, ids = (t.tolist() for t in self.top_logprobs)
+        out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
+        for i, (tok, p) in enumerate(zip(tokens, params, strict=True)):
+            lp = lps[i] if lps is not None and p.logprobs is not None else None
+            top = None
+            if vals is not None and ids is not None and p.logprobs:
+                top = list(zip(ids[i][: p.logprobs], vals[i][: p.logprobs], strict=True))
+            out.append((tok, lp, top))
+        return out
+
 
 class Sampler:
     """Picks the next token of every row of a logits batch. Holds the generator of unseeded rows."""

@@ -29,7 +29,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.runner import DecodeItem, ModelRunner
-from rapidserve.sampler import token_generators
+from rapidserve.sampler import SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import check_stop, early_stop_bans
 
@@ -54,10 +54,10 @@ class DReq:
 
 @dataclass
 class InFlight:
+    """A launched decode step: its sampled tokens stay on the device until the step has landed."""
+
     reqs: list[DReq]
-    tokens: torch.Tensor  # [n] int64 on the device
-    host_tokens: torch.Tensor  # pinned (GPU) or plain (CPU) copy target
-    logprobs: torch.Tensor | None
+    out: SamplerOutput  # token_ids [n] on the device feed the next step's inputs directly
     done: torch.cuda.Event | None
 
 
@@ -75,9 +75,6 @@ class DecodeWorker:
         self._last_stats = 0.0
         self._stop = False
         self._out: list[m.TokenOut] = []
-        pinned = runner.device.type == "cuda"
-        self._host_bufs = [torch.empty(self.max_seqs, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self._buf = 0
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -234,7 +231,7 @@ class DecodeWorker:
             input_ids = torch.tensor([it.token_id for it in items], device=self.runner.device)
             dst = torch.tensor([c[0] for c in carried], device=self.runner.device)
             src = torch.tensor([c[1] for c in carried], device=self.runner.device)
-            input_ids[dst] = prev.tokens[src]
+            input_ids[dst] = prev.out.token_ids[src]
         logits = self.runner.decode(items, input_ids=input_ids)
         index = [len(r.outputs) + r.inflight for r in reqs]  # output index of this step's token
         for i, (r, k) in enumerate(zip(reqs, index, strict=True)):
@@ -243,16 +240,13 @@ class DecodeWorker:
                 logits[i, banned] = float("-inf")
         gens = token_generators([(r.params.seed, k) for r, k in zip(reqs, index, strict=True)], self.runner.device)
         out = self.runner.sample(logits, [r.params for r in reqs], gens)
-        host = self._host_bufs[self._buf][: len(reqs)]
-        self._buf ^= 1
-        host.copy_(out.token_ids, non_blocking=True)
         event = None
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         for r in reqs:
             r.inflight += 1
-        return InFlight(reqs, out.token_ids, host, out.logprobs, event)
+        return InFlight(reqs, out, event)
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens: emit, stop, free what finished."""
@@ -261,17 +255,14 @@ class DecodeWorker:
             return
         if f.done is not None:
             f.done.synchronize()
-        tokens = f.host_tokens.tolist()
-        lps = f.logprobs.tolist() if f.logprobs is not None else None
-        for i, (r, tok) in enumerate(zip(f.reqs, tokens, strict=True)):
+        for r, (tok, lp, top) in zip(f.reqs, f.out.rows([r.params for r in f.reqs]), strict=True):
             r.inflight -= 1
             if r.state != "running":  # finished or aborted after launch: its token is dropped
                 self._release(r)
                 continue
             r.outputs.append(tok)
             reason = check_stop_tokens(r, self.eos, self.runner.max_model_len)
-            lp = lps[i] if lps is not None and r.params.logprobs is not None else None
-            self._out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, None, reason))
+            self._out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason))
             if reason is not None:
                 self._finish(r, reason, notify=False)
 

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from rapidserve.ipc.ring import pid_alive
+
 MpsMode = Literal["auto", "on", "off"]
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -129,11 +131,11 @@ class MpsController:
         deadline = time.monotonic() + self.stop_timeout
         while not _gone(pid, pipe_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if pid is not None and _alive(pid):  # it ignored quit: it is ours, so end it
+        if pid is not None and pid_alive(pid):  # it ignored quit: it is ours, so end it
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
             end = time.monotonic() + 2.0
-            while _alive(pid) and time.monotonic() < end:
+            while pid_alive(pid) and time.monotonic() < end:
                 time.sleep(0.05)
         shutil.rmtree(root, ignore_errors=True)
         self._ours = None
@@ -212,21 +214,7 @@ def _read_pid(pipe_dir: str) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its new parent) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def _gone(pid: int | None, pipe_dir: str) -> bool:
     if pid is not None:
-        return not _alive(pid)
+        return not pid_alive(pid)
     return not os.path.exists(os.path.join(pipe_dir, "control"))

@@ -142,22 +142,12 @@ class PrefillWorker:
                 logits[i, banned] = float("-inf")
         gens = token_generators([(j.req.params.seed, j.output_index) for j in jobs], self.runner.device)
         out = self.runner.sample(logits, [j.req.params for j in jobs], gens)
-        tokens = out.token_ids.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
-        tops = None
-        if out.top_logprobs is not None:
-            vals, ids = out.top_logprobs
-            tops = (vals.tolist(), ids.tolist())
         firsts, dones = [], []
-        for i, (j, tok) in enumerate(zip(jobs, tokens, strict=True)):
+        for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
             p = j.req.params
             seq = Sequence(j.req.req_id, j.req.prompt_token_ids, p,
                            output_token_ids=j.tokens[len(j.req.prompt_token_ids):] + [tok])
             reason = check_stop(seq, self.eos, self.runner.max_model_len)
-            lp = lps[i] if lps is not None and p.logprobs is not None else None
-            top = None
-            if tops is not None and p.logprobs:
-                top = list(zip(tops[1][i][: p.logprobs], tops[0][i][: p.logprobs], strict=True))
             firsts.append(m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason))
             dones.append(m.PrefillDone(j.req.req_id, j.attempt, tok, reason))
         self.io.send["p2r"].send(m.TokenBatch(firsts))

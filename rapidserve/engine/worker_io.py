@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rapidserve.engine import messages as m
-from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, wait_any
+from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, pid_alive, wait_any
 
 RING_LABELS = ("r2d", "r2p", "d2p", "p2d", "d2r", "p2r")
 DOORBELLS = ("decode", "prefill", "router")
@@ -42,16 +42,6 @@ class ChannelNames:
 
     rings: dict[str, str]
     doorbells: dict[str, str]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class WorkerIO:
@@ -90,9 +80,9 @@ class WorkerIO:
         if now - self._last_check < every_s:
             return True
         self._last_check = now
-        if os.getppid() != self.parent_pid or not _pid_alive(self.parent_pid):
+        if os.getppid() != self.parent_pid or not pid_alive(self.parent_pid):
             return False
-        return all(_pid_alive(p) for p in self.peer_pids)
+        return all(pid_alive(p) for p in self.peer_pids)
 
     def close(self) -> None:
         for r in self.recv.values():

@@ -11,6 +11,7 @@ from rapidserve.ipc.ring import (
     ShmRing,
     cleanup_stale,
     new_engine_id,
+    pid_alive,
     ring_name,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "cleanup_stale",
     "doorbell_name",
     "new_engine_id",
+    "pid_alive",
     "ring_name",
     "wait_any",
 ]

@@ -72,7 +72,8 @@ def ring_name(engine_id: str, label: str) -> str:
     return name
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (this process counts as alive)."""
     if pid == os.getpid():
         return True
     try:
@@ -106,7 +107,7 @@ def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
         is_sem = entry.startswith("sem.")
         base = entry[4:] if is_sem else entry
         m = pid_re.match(base)
-        if m is None or _pid_alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         try:
             if is_sem:
