@@ -1,0 +1,1 @@
+"""Adaptive resource manager: measured profiles and the pure decode/prefill partition decision."""

@@ -1,0 +1,132 @@
+"""The pure decision core of the adaptive resource manager.
+
+Each decode step boundary the engine calls `decide(state, ...)` and applies the returned
+configuration. Rules:
+
+* Prefill idle: the target is the configuration giving decode the whole GPU ("overallocated" if
+  the profile has it, else the split with the most decode units).
+* Prefill pending: among configurations whose measured decode p95 BESIDE prefill meets the SLO
+  (p95 <= margin * slo_itl_ms), the one with the highest prefill tokens/s (ties: more decode units,
+  then name). "overallocated" is only chosen when the profile says it meets the SLO that way. If none
+  meets it, the one with the lowest decode p95 beside prefill, and the reason says the SLO cannot be met.
+* Hysteresis, one uniform rule: leave the current configuration for the target only when the
+  current one has been held for `hysteresis_steps` steps, OR when the current one violates the SLO
+  in the present situation (beside-prefill p95 if prefill is pending, alone p95 if prefill is idle),
+  OR the current one is not in the profile. So prefill arriving while decode holds an overallocated
+  GPU (which starves decode on Hopper) switches at once, while prefill going idle returns decode to
+  the whole GPU only after the split was held `hysteresis_steps` steps (unless the split is too
+  slow for the SLO even alone, then at once). Oscillating inputs thus switch at most once per
+  `hysteresis_steps` steps unless safety requires it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapidserve.partition.profile import OVERALLOCATED, Entry, Profile, lookup
+
+
+@dataclass(frozen=True)
+class Decision:
+    config: str
+    reason: str
+    switched: bool = False
+    beyond_profile: bool = False  # batch/context exceeded the profiled buckets (largest used)
+
+
+@dataclass(frozen=True)
+class ManagerState:
+    config: str
+    steps_since_switch: int = 0
+
+
+def make_state(initial: str, steps_since_switch: int = 0) -> ManagerState:
+    """Start state holding `initial`; pass steps_since_switch >= hysteresis_steps to allow an early switch."""
+    if steps_since_switch < 0:
+        raise ValueError("steps_since_switch must be >= 0")
+    return ManagerState(initial, steps_since_switch)
+
+
+def full_decode_config(profile: Profile) -> str:
+    """The configuration giving decode the whole GPU."""
+    if profile.configuration(OVERALLOCATED) is not None:
+        return OVERALLOCATED
+    return max(profile.configurations, key=lambda c: (profile.effective_decode_units(c.name), c.name)).name
+
+
+def _p95(entry: Entry, prefill_pending: bool) -> float:
+    return entry.decode_ms_beside_prefill_p95 if prefill_pending else entry.decode_ms_alone_p95
+
+
+def _target(
+    profile: Profile, entries: dict[str, Entry], prefill_pending: bool, limit: float, slo_itl_ms: float
+) -> tuple[str, str]:
+    if not prefill_pending:
+        name = full_decode_config(profile)
+        return name, f"prefill idle: {name} gives decode the whole GPU"
+    meeting = [n for n, e in entries.items() if e.decode_ms_beside_prefill_p95 <= limit]
+    if meeting:
+        best = max(meeting, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_decode_units(n), n))
+        e = entries[best]
+        return best, (
+            f"prefill pending: {best} meets SLO (decode p95 beside prefill {e.decode_ms_beside_prefill_p95:g}"
+            f" ms <= {limit:g} ms) with the most prefill throughput ({e.prefill_tokens_per_s:g} tok/s)"
+        )
+    best = min(entries, key=lambda n: (entries[n].decode_ms_beside_prefill_p95, -entries[n].prefill_tokens_per_s, n))
+    return best, (
+        f"prefill pending: SLO cannot be met ({slo_itl_ms:g} ms, limit {limit:g} ms); {best} has the lowest "
+        f"decode p95 beside prefill ({entries[best].decode_ms_beside_prefill_p95:g} ms)"
+    )
+
+
+def decide(
+    state: ManagerState,
+    *,
+    decode_batch: int,
+    decode_context: int,
+    prefill_pending: bool,
+    slo_itl_ms: float,
+    profile: Profile,
+    hysteresis_steps: int = 8,
+    margin: float = 0.9,
+) -> tuple[Decision, ManagerState]:
+    """Choose the configuration for the next step. Pure: same inputs, same outputs."""
+    if slo_itl_ms <= 0:
+        raise ValueError("slo_itl_ms must be positive")
+    if not 0 < margin <= 1:
+        raise ValueError("margin must be in (0, 1]")
+    if hysteresis_steps < 0:
+        raise ValueError("hysteresis_steps must be >= 0")
+    limit = margin * slo_itl_ms
+    entries: dict[str, Entry] = {}
+    beyond = False
+    for c in profile.configurations:
+        found = lookup(profile, c.name, max(decode_batch, 1), max(decode_context, 1))
+        entries[c.name] = found.entry
+        beyond = beyond or found.beyond
+    note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
+    target, why = _target(profile, entries, prefill_pending, limit, slo_itl_ms)
+    current = state.config
+    if target == current:
+        return (
+            Decision(current, f"keep {current}: {why}{note}", False, beyond),
+            ManagerState(current, state.steps_since_switch + 1),
+        )
+    if current not in entries:
+        reason = f"switch {current} -> {target} (current not in profile): {why}{note}"
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
+    cur_p95 = _p95(entries[current], prefill_pending)
+    if cur_p95 > limit and (not prefill_pending or _p95(entries[target], True) < cur_p95):
+        reason = (
+            f"switch {current} -> {target} at once: {current} violates SLO "
+            f"(decode p95 {cur_p95:g} ms > {limit:g} ms); {why}{note}"
+        )
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
+    if state.steps_since_switch >= hysteresis_steps:
+        reason = f"switch {current} -> {target} (held {state.steps_since_switch} steps): {why}{note}"
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
+    reason = (
+        f"hold {current} (hysteresis: held {state.steps_since_switch} < {hysteresis_steps} steps); "
+        f"would switch to {target}: {why}{note}"
+    )
+    return Decision(current, reason, False, beyond), ManagerState(current, state.steps_since_switch + 1)

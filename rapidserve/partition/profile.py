@@ -1,0 +1,250 @@
+"""Versioned decode/prefill partition profiles: schema, validated loading, atomic saving, lookups.
+
+A profile holds, for each decode batch bucket x context bucket x configuration, the decode step
+latency alone and beside a running prefill (p50/p95, ms) and the prefill throughput (tokens/s)
+under that configuration. `rapidserve profile` writes them to `profiles/<gpu>__<model>.json`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1,)
+OVERALLOCATED = "overallocated"
+
+
+class ProfileError(ValueError):
+    """A profile file is unreadable, malformed, or for another GPU/model."""
+
+
+class Configuration(msgspec.Struct, frozen=True):
+    """A compute split. decode_units == 0 means overallocated: decode (and prefill) use every unit."""
+
+    name: str
+    decode_units: int
+    prefill_units: int
+
+
+class Entry(msgspec.Struct, frozen=True):
+    config: str
+    batch: int
+    context: int
+    decode_ms_alone_p50: float
+    decode_ms_alone_p95: float
+    decode_ms_beside_prefill_p50: float
+    decode_ms_beside_prefill_p95: float
+    prefill_tokens_per_s: float
+
+
+class Profile(msgspec.Struct, frozen=True):
+    gpu: str
+    model: str
+    num_compute_units: int
+    configurations: list[Configuration]
+    batch_buckets: list[int]
+    context_buckets: list[int]
+    entries: list[Entry]
+    created: str
+    source: Literal["measured", "roofline"]
+    schema_version: int = 1
+
+    def configuration(self, name: str) -> Configuration | None:
+        for c in self.configurations:
+            if c.name == name:
+                return c
+        return None
+
+    def effective_decode_units(self, name: str) -> int:
+        """Units decode may use under `name` (overallocated counts as all of them)."""
+        c = self.configuration(name)
+        if c is None:
+            raise KeyError(name)
+        return self.num_compute_units if c.decode_units == 0 else c.decode_units
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """A value rounded up to a profile bucket; beyond=True when it exceeded the largest bucket."""
+
+    bucket: int
+    beyond: bool
+
+
+def bucket_up(buckets: list[int], value: int) -> Bucketed:
+    """Round `value` up to the next bucket; beyond the largest -> the largest, flagged."""
+    if not buckets:
+        raise ValueError("no buckets")
+    i = bisect.bisect_left(buckets, value)
+    if i >= len(buckets):
+        return Bucketed(buckets[-1], True)
+    return Bucketed(buckets[i], False)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    entry: Entry
+    beyond: bool  # the batch or context exceeded the profiled buckets
+
+
+def entry_index(profile: Profile) -> dict[tuple[str, int, int], Entry]:
+    return {(e.config, e.batch, e.context): e for e in profile.entries}
+
+
+def lookup(profile: Profile, config: str, batch: int, context: int) -> Lookup:
+    """The entry for `config` at (batch, context) rounded up to the profile's buckets."""
+    b = bucket_up(profile.batch_buckets, batch)
+    c = bucket_up(profile.context_buckets, context)
+    for e in profile.entries:
+        if e.config == config and e.batch == b.bucket and e.context == c.bucket:
+            return Lookup(e, b.beyond or c.beyond)
+    raise KeyError((config, b.bucket, c.bucket))
+
+
+def _fail(path: str, field: str, msg: str) -> ProfileError:
+    return ProfileError(f"profile {path}: field `{field}`: {msg}")
+
+
+def _check_buckets(path: str, name: str, values: list[int]) -> None:
+    if not values:
+        raise _fail(path, name, "must not be empty")
+    for i, v in enumerate(values):
+        if v <= 0:
+            raise _fail(path, f"{name}[{i}]", f"must be positive, got {v}")
+        if i and v <= values[i - 1]:
+            raise _fail(path, f"{name}[{i}]", f"buckets must be strictly ascending, got {values}")
+
+
+def validate_profile(p: Profile, path: str = "<profile>") -> None:
+    """Raise ProfileError naming the file and field of the first problem found."""
+    if p.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise _fail(
+            path,
+            "schema_version",
+            f"unsupported version {p.schema_version}; supported versions: {list(SUPPORTED_SCHEMA_VERSIONS)}",
+        )
+    for field in ("gpu", "model"):
+        if not getattr(p, field):
+            raise _fail(path, field, "must not be empty")
+    if p.num_compute_units <= 0:
+        raise _fail(path, "num_compute_units", f"must be positive, got {p.num_compute_units}")
+    if not p.configurations:
+        raise _fail(path, "configurations", "must not be empty")
+    names: set[str] = set()
+    n = p.num_compute_units
+    for i, c in enumerate(p.configurations):
+        f = f"configurations[{i}]"
+        if not c.name:
+            raise _fail(path, f"{f}.name", "must not be empty")
+        if c.name in names:
+            raise _fail(path, f"{f}.name", f"duplicate configuration {c.name!r}")
+        names.add(c.name)
+        if not 0 <= c.decode_units <= n:
+            raise _fail(path, f"{f}.decode_units", f"must be within 0..{n} (num_compute_units), got {c.decode_units}")
+        if not 0 <= c.prefill_units <= n:
+            raise _fail(path, f"{f}.prefill_units", f"must be within 0..{n} (num_compute_units), got {c.prefill_units}")
+        if c.decode_units and c.decode_units + c.prefill_units > n:
+            raise _fail(
+                path,
+                f"{f}.prefill_units",
+                f"decode_units + prefill_units = {c.decode_units + c.prefill_units} exceeds num_compute_units {n}",
+            )
+    _check_buckets(path, "batch_buckets", p.batch_buckets)
+    _check_buckets(path, "context_buckets", p.context_buckets)
+    seen: set[tuple[str, int, int]] = set()
+    for i, e in enumerate(p.entries):
+        f = f"entries[{i}]"
+        if e.config not in names:
+            raise _fail(path, f"{f}.config", f"unknown configuration {e.config!r}")
+        if e.batch not in p.batch_buckets:
+            raise _fail(path, f"{f}.batch", f"{e.batch} is not one of batch_buckets")
+        if e.context not in p.context_buckets:
+            raise _fail(path, f"{f}.context", f"{e.context} is not one of context_buckets")
+        key = (e.config, e.batch, e.context)
+        if key in seen:
+            raise _fail(path, f, f"duplicate entry for config={e.config!r} batch={e.batch} context={e.context}")
+        seen.add(key)
+        for name in (
+            "decode_ms_alone_p50",
+            "decode_ms_alone_p95",
+            "decode_ms_beside_prefill_p50",
+            "decode_ms_beside_prefill_p95",
+            "prefill_tokens_per_s",
+        ):
+            v = getattr(e, name)
+            if not v > 0 or v == float("inf"):
+                raise _fail(path, f"{f}.{name}", f"must be a positive finite number, got {v}")
+        for kind in ("alone", "beside_prefill"):
+            p50 = getattr(e, f"decode_ms_{kind}_p50")
+            p95 = getattr(e, f"decode_ms_{kind}_p95")
+            if p95 < p50:
+                raise _fail(path, f"{f}.decode_ms_{kind}_p95", f"p95 {p95} is below p50 {p50}")
+    for c in p.configurations:
+        for b in p.batch_buckets:
+            for x in p.context_buckets:
+                if (c.name, b, x) not in seen:
+                    raise _fail(path, "entries", f"missing entry for config={c.name!r} batch={b} context={x}")
+
+
+def load_profile(
+    path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None
+) -> Profile:
+    """Read and validate a profile; optionally check it was measured for this GPU and model."""
+    spath = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise ProfileError(f"profile {spath}: cannot read: {exc}") from exc
+    try:
+        generic = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ProfileError(f"profile {spath}: invalid JSON: {exc}") from exc
+    if not isinstance(generic, dict):
+        raise _fail(spath, "$", "top level must be a JSON object")
+    version = generic.get("schema_version", 1)
+    if version not in SUPPORTED_SCHEMA_VERSIONS or isinstance(version, bool):
+        raise _fail(
+            spath,
+            "schema_version",
+            f"unsupported version {version!r}; supported versions: {list(SUPPORTED_SCHEMA_VERSIONS)}",
+        )
+    try:
+        prof = msgspec.json.decode(raw, type=Profile)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        field = msg.rsplit("at `", 1)[1].rstrip("`") if "at `" in msg else "$"
+        raise _fail(spath, field, msg) from exc
+    validate_profile(prof, spath)
+    mismatches = [
+        f"{what}: profile is for {have!r}, this run uses {want!r}"
+        for what, have, want in (("gpu", prof.gpu, expect_gpu), ("model", prof.model, expect_model))
+        if want is not None and have != want
+    ]
+    if mismatches:
+        field = "gpu" if mismatches[0].startswith("gpu") else "model"
+        raise _fail(spath, field, "; ".join(mismatches) + ". Run `rapidserve profile` to measure this GPU and model.")
+    return prof
+
+
+def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
+    """Validate and write atomically (temp file in the same directory, then rename)."""
+    target = Path(path)
+    validate_profile(profile, str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = msgspec.json.format(msgspec.json.encode(profile), indent=2)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,271 @@
+"""Table-driven tests of the adaptive resource manager's pure decision function (H100 numbers, FACTS.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidserve.partition.manager import Decision, ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
+
+PREFILL_TOKENS = 8192  # the prefill step of FACTS.md: an 8192-token GEMM pair
+# name -> (decode units, alone p50, alone p95, beside p50, beside p95, prefill step ms), batch 64 on 132 SMs
+H100 = {
+    "overallocated": (0, 1.40, 1.50, 35.9, 37.0, 5.6),
+    "split16": (16, 3.62, 3.80, 4.9, 5.4, 6.5),
+    "split32": (32, 2.19, 2.40, 2.93, 3.27, 7.9),
+    "split48": (48, 1.79, 1.95, 2.59, 3.75, 10.6),
+    "split64": (64, 1.60, 1.75, 2.18, 2.72, 13.9),
+}
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+CONTEXTS = [512, 2048, 8192]
+
+
+def scale(batch: int, context: int) -> float:
+    """Decode latency grows 2x for large batches or long contexts (synthetic)."""
+    return 2.0 if batch >= 128 or context >= 8192 else 1.0
+
+
+def h100_profile(names: list[str] | None = None) -> Profile:
+    names = list(H100) if names is None else names
+    configs = [Configuration(n, H100[n][0], 132 if H100[n][0] == 0 else 132 - H100[n][0]) for n in names]
+    entries = []
+    for n in names:
+        _, a50, a95, b50, b95, pf_ms = H100[n]
+        for b in BATCHES:
+            for c in CONTEXTS:
+                f = scale(b, c)
+                entries.append(Entry(n, b, c, a50 * f, a95 * f, b50 * f, b95 * f, PREFILL_TOKENS / (pf_ms / 1e3)))
+    return Profile(
+        "NVIDIA H100 80GB HBM3",
+        "llama-3-8b",
+        132,
+        configs,
+        BATCHES,
+        CONTEXTS,
+        entries,
+        "2026-11-22T00:00:00Z",
+        "measured",
+    )
+
+
+FULL = h100_profile()
+SPLITS_ONLY = h100_profile(["split16", "split32", "split48", "split64"])
+NO_32 = h100_profile(["overallocated", "split16", "split48", "split64"])
+
+
+def fresh(
+    profile: Profile, *, batch: int, prefill: bool, slo: float, margin: float = 0.9, context: int = 1024
+) -> Decision:
+    """Decision from a state that may switch freely (held long enough)."""
+    state = make_state(full_decode_config(profile), steps_since_switch=100)
+    d, _ = decide(
+        state,
+        decode_batch=batch,
+        decode_context=context,
+        prefill_pending=prefill,
+        slo_itl_ms=slo,
+        profile=profile,
+        margin=margin,
+    )
+    return d
+
+
+@pytest.mark.parametrize(
+    ("batch", "bucket", "beyond"),
+    [
+        (1, 1, False),
+        (2, 2, False),
+        (3, 4, False),
+        (5, 8, False),
+        (17, 32, False),
+        (64, 64, False),
+        (65, 128, False),
+        (129, 256, False),
+        (256, 256, False),
+        (257, 256, True),
+        (10_000, 256, True),
+    ],
+)
+def test_batch_buckets(batch: int, bucket: int, beyond: bool) -> None:
+    b = bucket_up(BATCHES, batch)
+    assert (b.bucket, b.beyond) == (bucket, beyond)
+
+
+@pytest.mark.parametrize(
+    ("profile", "batch", "prefill", "slo", "margin", "want", "cannot"),
+    [
+        # prefill idle: decode gets the whole GPU
+        (FULL, 1, False, 3.0, 0.9, "overallocated", False),
+        (FULL, 256, False, 50.0, 0.9, "overallocated", False),
+        (SPLITS_ONLY, 64, False, 5.0, 0.9, "split64", False),
+        # SLO 50 ms: overallocated meets it beside prefill (37 <= 45) and has the most prefill throughput
+        (FULL, 64, True, 50.0, 0.9, "overallocated", False),
+        (FULL, 64, True, 50.0, 1.0, "overallocated", False),
+        # batch 256: overallocated beside prefill is 74 ms > 45: best split by prefill throughput is split16
+        (FULL, 256, True, 50.0, 0.9, "split16", False),
+        # SLO 5 ms (limit 4.5): split32/48/64 meet; split32 has the most prefill throughput
+        (FULL, 64, True, 5.0, 0.9, "split32", False),
+        (FULL, 1, True, 5.0, 0.9, "split32", False),
+        (FULL, 33, True, 5.0, 0.9, "split32", False),
+        # SLO 5 without margin: split16 p95 5.4 still misses
+        (FULL, 64, True, 5.0, 1.0, "split32", False),
+        # missing split32: next best meeting SLO is split48
+        (NO_32, 64, True, 5.0, 0.9, "split48", False),
+        (SPLITS_ONLY, 64, True, 5.0, 0.9, "split32", False),
+        (SPLITS_ONLY, 64, True, 50.0, 0.9, "split16", False),
+        # SLO 3 ms, margin 1.0: only split64 (2.72) meets
+        (FULL, 64, True, 3.0, 1.0, "split64", False),
+        # SLO 3 ms, margin 0.9 (2.7 ms): none meets -> lowest p95 beside prefill, reason says so
+        (FULL, 64, True, 3.0, 0.9, "split64", True),
+        (SPLITS_ONLY, 64, True, 3.0, 0.9, "split64", True),
+        # batch 128/256 doubles latency: SLO 5 ms cannot be met
+        (FULL, 128, True, 5.0, 0.9, "split64", True),
+        (FULL, 256, True, 5.0, 0.9, "split64", True),
+        (FULL, 1000, True, 5.0, 0.9, "split64", True),
+    ],
+)
+def test_choice(
+    profile: Profile, batch: int, prefill: bool, slo: float, margin: float, want: str, cannot: bool
+) -> None:
+    d = fresh(profile, batch=batch, prefill=prefill, slo=slo, margin=margin)
+    assert d.config == want, d.reason
+    assert ("SLO cannot be met" in d.reason) == cannot
+
+
+def test_long_context_bucket_and_beyond_flag() -> None:
+    assert fresh(FULL, batch=8, prefill=True, slo=5.0, context=2048).config == "split32"
+    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096)  # -> 8192 bucket, doubled latency
+    assert d.config == "split64" and "SLO cannot be met" in d.reason and not d.beyond_profile
+    d = fresh(FULL, batch=8, prefill=True, slo=50.0, context=100_000)
+    assert d.beyond_profile and "beyond profiled buckets" in d.reason
+    assert fresh(FULL, batch=300, prefill=False, slo=50.0).beyond_profile
+
+
+def test_lookup_rounds_up() -> None:
+    found = lookup(FULL, "split32", 3, 600)
+    assert (found.entry.batch, found.entry.context, found.beyond) == (4, 2048, False)
+
+
+def test_full_decode_config() -> None:
+    assert full_decode_config(FULL) == "overallocated"
+    assert full_decode_config(SPLITS_ONLY) == "split64"
+
+
+def test_decide_is_pure() -> None:
+    s = make_state("split32", 3)
+    kw = dict(decode_batch=64, decode_context=1024, prefill_pending=True, slo_itl_ms=5.0, profile=FULL)
+    assert decide(s, **kw) == decide(s, **kw)
+    assert s == ManagerState("split32", 3)
+
+
+def run(
+    profile: Profile, state: ManagerState, inputs: list[tuple[int, bool]], slo: float, hysteresis: int = 8
+) -> tuple[list[str], ManagerState]:
+    out = []
+    for batch, prefill in inputs:
+        d, state = decide(
+            state,
+            decode_batch=batch,
+            decode_context=1024,
+            prefill_pending=prefill,
+            slo_itl_ms=slo,
+            profile=profile,
+            hysteresis_steps=hysteresis,
+        )
+        out.append(d.config)
+    return out, state
+
+
+def test_prefill_arrival_switches_at_once_when_overallocated_violates() -> None:
+    d, s = decide(
+        make_state("overallocated"),
+        decode_batch=64,
+        decode_context=1024,
+        prefill_pending=True,
+        slo_itl_ms=5.0,
+        profile=FULL,
+    )
+    assert d.config == "split32" and d.switched and "violates SLO" in d.reason
+    assert s == ManagerState("split32", 0)
+
+
+def test_no_flapping_when_prefill_oscillates() -> None:
+    inputs = [(64, i % 2 == 0) for i in range(20)]
+    configs, _ = run(FULL, make_state("overallocated"), inputs, slo=5.0)
+    # first step switches (safety), then split32 is held; it meets the SLO alone too, so idle steps
+    # don't return to overallocated until held 8 steps; at step 9 idle -> overallocated, step 10 back
+    switches = sum(a != b for a, b in zip(["overallocated"] + configs, configs, strict=False))
+    assert configs[0] == "split32"
+    assert configs[1:9] == ["split32"] * 8
+    assert switches <= 1 + 2 * (20 // 9)
+
+
+def test_no_flapping_when_batch_oscillates() -> None:
+    # batch 64 -> split32 target; batch 128 -> split64 (cannot meet). split32 at 128 violates -> switch at once;
+    # at batch 64, split64 meets the SLO (2.72 <= 4.5) so it is held by hysteresis rather than flapping back.
+    inputs = [(64, True), (128, True)] * 6
+    configs, _ = run(FULL, make_state("split32", 100), inputs, slo=5.0)
+    # held 9 steps (index 1..9), then at most one hysteresis switch back, undone at once by the next violation
+    assert configs[:10] == ["split32"] + ["split64"] * 9
+    assert configs[10:] == ["split32", "split64"]
+
+
+def test_hysteresis_switch_after_hold() -> None:
+    state = make_state("split64")  # meets SLO 5 but split32 gives prefill more
+    configs, state = run(FULL, state, [(64, True)] * 10, slo=5.0, hysteresis=8)
+    assert configs == ["split64"] * 8 + ["split32"] * 2
+    assert state == ManagerState("split32", 1)
+
+
+def test_zero_hysteresis_switches_immediately() -> None:
+    configs, _ = run(FULL, make_state("split64"), [(64, True), (64, False)], slo=5.0, hysteresis=0)
+    assert configs == ["split32", "overallocated"]
+
+
+def test_prefill_idle_returns_to_full_gpu_after_hold() -> None:
+    configs, state = run(FULL, make_state("split32"), [(64, False)] * 9, slo=5.0)
+    assert configs == ["split32"] * 8 + ["overallocated"]
+    assert state.steps_since_switch == 0
+
+
+def test_prefill_idle_switches_at_once_if_split_too_slow_alone() -> None:
+    # split16 alone at batch 64 is 3.8 ms p95 > 0.9 * 3 ms: switch to the whole GPU at once
+    d, _ = decide(
+        make_state("split16"), decode_batch=64, decode_context=1024, prefill_pending=False, slo_itl_ms=3.0, profile=FULL
+    )
+    assert d.config == "overallocated" and d.switched and "violates SLO" in d.reason
+
+
+def test_keep_counts_steps() -> None:
+    d, s = decide(
+        make_state("split32", 2),
+        decode_batch=64,
+        decode_context=1024,
+        prefill_pending=True,
+        slo_itl_ms=5.0,
+        profile=FULL,
+    )
+    assert (d.config, d.switched, s) == ("split32", False, ManagerState("split32", 3))
+    assert d.reason.startswith("keep")
+
+
+def test_unknown_current_config_switches() -> None:
+    d, _ = decide(
+        make_state("split32"), decode_batch=64, decode_context=1024, prefill_pending=True, slo_itl_ms=5.0, profile=NO_32
+    )
+    assert d.config == "split48" and d.switched and "not in profile" in d.reason
+
+
+def test_none_meets_and_current_is_best_keeps() -> None:
+    d, _ = decide(
+        make_state("split64"), decode_batch=256, decode_context=1024, prefill_pending=True, slo_itl_ms=3.0, profile=FULL
+    )
+    assert d.config == "split64" and not d.switched and "SLO cannot be met" in d.reason
+
+
+@pytest.mark.parametrize("kw", [dict(slo_itl_ms=0.0), dict(margin=0.0), dict(margin=1.5), dict(hysteresis_steps=-1)])
+def test_bad_arguments(kw: dict[str, float]) -> None:
+    args: dict = dict(decode_batch=1, decode_context=1, prefill_pending=True, slo_itl_ms=5.0, profile=FULL)
+    args.update(kw)
+    with pytest.raises(ValueError):
+        decide(make_state("split32"), **args)

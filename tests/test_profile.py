@@ -1,0 +1,176 @@
+"""Profile schema: validation errors name the file and the field; save/load round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from rapidserve.partition.profile import (
+    SUPPORTED_SCHEMA_VERSIONS,
+    Profile,
+    ProfileError,
+    bucket_up,
+    load_profile,
+    save_profile,
+)
+
+GPU, MODEL = "NVIDIA H100 80GB HBM3", "llama-3-8b"
+
+
+def good_dict() -> dict[str, Any]:
+    configs = [("overallocated", 0, 132, 35.9, 5.6), ("split32", 32, 100, 2.93, 7.9)]
+    entries = []
+    for name, _, _, beside, pf_ms in configs:
+        for b in (1, 64):
+            for c in (1024, 8192):
+                entries.append(
+                    dict(
+                        config=name,
+                        batch=b,
+                        context=c,
+                        decode_ms_alone_p50=1.4,
+                        decode_ms_alone_p95=1.5,
+                        decode_ms_beside_prefill_p50=beside,
+                        decode_ms_beside_prefill_p95=beside * 1.1,
+                        prefill_tokens_per_s=8192 / (pf_ms / 1e3),
+                    )
+                )
+    return dict(
+        schema_version=1,
+        gpu=GPU,
+        model=MODEL,
+        num_compute_units=132,
+        configurations=[dict(name=n, decode_units=d, prefill_units=p) for n, d, p, _, _ in configs],
+        batch_buckets=[1, 64],
+        context_buckets=[1024, 8192],
+        entries=entries,
+        created="2026-11-22T00:00:00Z",
+        source="measured",
+    )
+
+
+def write(tmp_path: Path, data: Any, raw: str | None = None) -> Path:
+    path = tmp_path / "h100__llama.json"
+    path.write_text(raw if raw is not None else json.dumps(data))
+    return path
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    prof = load_profile(write(tmp_path, good_dict()), GPU, MODEL)
+    out = tmp_path / "sub" / "copy.json"
+    save_profile(prof, out)
+    assert load_profile(out) == prof
+    assert prof.effective_decode_units("overallocated") == 132
+    assert [p.name for p in tmp_path.joinpath("sub").iterdir()] == ["copy.json"]  # no temp file left
+
+
+def test_save_refuses_invalid(tmp_path: Path) -> None:
+    prof = msgspec.convert(good_dict(), Profile)
+    bad = msgspec.structs.replace(prof, batch_buckets=[64, 1])
+    with pytest.raises(ProfileError, match="batch_buckets"):
+        save_profile(bad, tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def mutate(fn: Any) -> dict[str, Any]:
+    d = good_dict()
+    fn(d)
+    return d
+
+
+def setitem(path: list[Any], value: Any) -> Any:
+    def fn(d: Any) -> None:
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+
+    return fn
+
+
+CASES: list[tuple[str, Any, str]] = [
+    (
+        "wrong version",
+        setitem(["schema_version"], 2),
+        r"schema_version.*unsupported version 2.*supported versions: \[1\]",
+    ),
+    ("negative latency", setitem(["entries", 0, "decode_ms_alone_p50"], -1.0), r"entries\[0\]\.decode_ms_alone_p50"),
+    ("zero throughput", setitem(["entries", 3, "prefill_tokens_per_s"], 0.0), r"entries\[3\]\.prefill_tokens_per_s"),
+    (
+        "p95 below p50",
+        setitem(["entries", 1, "decode_ms_beside_prefill_p95"], 1.0),
+        r"entries\[1\]\.decode_ms_beside_prefill_p95.*below p50",
+    ),
+    ("missing entry", lambda d: d["entries"].pop(2), r"`entries`.*missing entry for config='overallocated' batch=64"),
+    ("duplicate entry", lambda d: d["entries"].append(dict(d["entries"][0])), r"entries\[8\].*duplicate entry"),
+    (
+        "decode units beyond total",
+        setitem(["configurations", 1, "decode_units"], 200),
+        r"configurations\[1\]\.decode_units.*0\.\.132",
+    ),
+    (
+        "split sum beyond total",
+        setitem(["configurations", 1, "prefill_units"], 120),
+        r"configurations\[1\]\.prefill_units.*exceeds num_compute_units 132",
+    ),
+    ("wrong type", setitem(["num_compute_units"], "lots"), r"num_compute_units"),
+    ("missing field", lambda d: d.pop("gpu"), r"gpu"),
+    ("bad source", setitem(["source"], "guessed"), r"source"),
+    ("buckets not ascending", setitem(["context_buckets"], [8192, 1024]), r"context_buckets\[1\].*ascending"),
+    ("entry off bucket", setitem(["entries", 0, "batch"], 2), r"entries\[0\]\.batch"),
+    ("unknown config", setitem(["entries", 0, "config"], "split99"), r"entries\[0\]\.config.*split99"),
+    ("duplicate config", setitem(["configurations", 1, "name"], "overallocated"), r"configurations\[1\]\.name"),
+]
+
+
+@pytest.mark.parametrize(("label", "fn", "pattern"), CASES, ids=[c[0] for c in CASES])
+def test_validation_errors(tmp_path: Path, label: str, fn: Any, pattern: str) -> None:
+    path = write(tmp_path, mutate(fn))
+    with pytest.raises(ProfileError, match=pattern) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_bad_json(tmp_path: Path) -> None:
+    path = write(tmp_path, None, raw='{"schema_version": 1, ')
+    with pytest.raises(ProfileError, match="invalid JSON") as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+
+
+def test_not_an_object(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="JSON object"):
+        load_profile(write(tmp_path, [1, 2]))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(tmp_path / "nope.json")
+
+
+@pytest.mark.parametrize(
+    ("gpu", "model", "pattern"),
+    [
+        ("AMD Instinct MI300X", None, r"`gpu`.*'NVIDIA H100 80GB HBM3'.*'AMD Instinct MI300X'"),
+        (None, "qwen", r"`model`.*'llama-3-8b'.*'qwen'"),
+        ("AMD Instinct MI300X", "qwen", r"`gpu`.*MI300X.*model.*qwen"),
+    ],
+)
+def test_mismatch(tmp_path: Path, gpu: str | None, model: str | None, pattern: str) -> None:
+    path = write(tmp_path, good_dict())
+    with pytest.raises(ProfileError, match=pattern) as info:
+        load_profile(path, gpu, model)
+    assert "rapidserve profile" in str(info.value) and str(path) in str(info.value)
+
+
+def test_supported_versions() -> None:
+    assert SUPPORTED_SCHEMA_VERSIONS == (1,)
+
+
+def test_bucket_up_empty() -> None:
+    with pytest.raises(ValueError):
+        bucket_up([], 1)
