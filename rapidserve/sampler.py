@@ -140,6 +140,19 @@ class SamplerOutput:
     logprobs: Tensor | None = None
     top_logprobs: tuple[Tensor, Tensor] | None = None
 
+    def to_host(self) -> SamplerOutput:
+        """A host copy. On a GPU the copies are asynchronous into pinned memory: record an event after
+        this call and wait for it before reading (the decode worker does, one step later)."""
+
+        def cp(t: Tensor) -> Tensor:
+            if t.device.type == "cpu":
+                return t
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return h.copy_(t, non_blocking=True)
+
+        top = None if self.top_logprobs is None else (cp(self.top_logprobs[0]), cp(self.top_logprobs[1]))
+        return SamplerOutput(cp(self.token_ids), None if self.logprobs is None else cp(self.logprobs), top)
+
     def rows(self, params: list[SamplingParams]) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
         """Per row, on the host: (token id, its logprob if the row asked, the row's top (id, logprob) pairs
         if it asked for k > 0). One device-to-host copy per tensor."""

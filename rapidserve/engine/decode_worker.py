@@ -57,7 +57,8 @@ class InFlight:
     """A launched decode step: its sampled tokens stay on the device until the step has landed."""
 
     reqs: list[DReq]
-    out: SamplerOutput  # token_ids [n] on the device feed the next step's inputs directly
+    out: SamplerOutput  # on the device: token_ids [n] feed the next step's inputs directly
+    host: SamplerOutput  # the same, copied to pinned host memory without waiting
     done: torch.cuda.Event | None
 
 
@@ -240,13 +241,14 @@ class DecodeWorker:
                 logits[i, banned] = float("-inf")
         gens = token_generators([(r.params.seed, k) for r, k in zip(reqs, index, strict=True)], self.runner.device)
         out = self.runner.sample(logits, [r.params for r in reqs], gens)
+        host = out.to_host()  # queued before the next step: reading it later never waits for that step
         event = None
         if self.runner.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         for r in reqs:
             r.inflight += 1
-        return InFlight(reqs, out, event)
+        return InFlight(reqs, out, host, event)
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens: emit, stop, free what finished."""
@@ -255,7 +257,7 @@ class DecodeWorker:
             return
         if f.done is not None:
             f.done.synchronize()
-        for r, (tok, lp, top) in zip(f.reqs, f.out.rows([r.params for r in f.reqs]), strict=True):
+        for r, (tok, lp, top) in zip(f.reqs, f.host.rows([r.params for r in f.reqs]), strict=True):
             r.inflight -= 1
             if r.state != "running":  # finished or aborted after launch: its token is dropped
                 self._release(r)
