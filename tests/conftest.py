@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
+
+from rapidserve.ipc import ShmRing, new_engine_id, ring_name
 
 
 def _has_gpu() -> bool:
@@ -20,3 +25,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+MakeRing = Callable[..., ShmRing]
+
+
+@pytest.fixture
+def make_ring() -> Iterator[MakeRing]:
+    """Rings created by a test, always closed and unlinked afterwards."""
+    rings: list[ShmRing] = []
+
+    def make(slots: int = 8, slot_size: int = 64, **kw: Any) -> ShmRing:
+        ring = ShmRing.create(ring_name(new_engine_id(), "test"), slots, slot_size, **kw)
+        rings.append(ring)
+        return ring
+
+    yield make
+    for ring in rings:
+        ring.close()
+        ring.unlink()

@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from conftest import MakeRing
 
 from rapidserve.ipc import (
     DOORBELL_NAME_MAX,
@@ -34,7 +35,6 @@ from rapidserve.ipc import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-MakeRing = Callable[..., ShmRing]
 _MSG = struct.Struct("<QQ")  # sequence number, time.monotonic_ns() just before the put
 
 
@@ -45,20 +45,6 @@ def bell() -> Iterator[Doorbell]:
     b.close()
     b.unlink()
 
-
-@pytest.fixture
-def make_ring() -> Iterator[MakeRing]:
-    rings: list[ShmRing] = []
-
-    def make(slots: int = 8, slot_size: int = 64, **kw: Any) -> ShmRing:
-        ring = ShmRing.create(ring_name(new_engine_id(), "test"), slots, slot_size, **kw)
-        rings.append(ring)
-        return ring
-
-    yield make
-    for ring in rings:
-        ring.close()
-        ring.unlink()
 
 
 def _words(name: str, *offsets: int) -> list[int]:

@@ -13,12 +13,13 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import posix_ipc
 import pytest
+from conftest import MakeRing
 
 from rapidserve.ipc.ring import (
     MessageTooLarge,
@@ -32,22 +33,7 @@ from rapidserve.ipc.ring import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-MakeRing = Callable[..., ShmRing]
 
-
-@pytest.fixture
-def make_ring() -> Iterator[MakeRing]:
-    rings: list[ShmRing] = []
-
-    def make(slots: int = 8, slot_size: int = 64, **kw: Any) -> ShmRing:
-        ring = ShmRing.create(ring_name(new_engine_id(), "test"), slots, slot_size, **kw)
-        rings.append(ring)
-        return ring
-
-    yield make
-    for ring in rings:
-        ring.close()
-        ring.unlink()
 
 
 @pytest.fixture

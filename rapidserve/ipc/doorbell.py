@@ -74,6 +74,7 @@ from rapidserve.ipc.ring import (
     DOORBELL_NAME_MAX,
     SHM_DIR,
     ShmRing,
+    nap_on,
     ring_name,
 )
 
@@ -219,14 +220,7 @@ def wait_any(sources: Iterable[Any], doorbell: Doorbell, timeout: float | None =
             # Long waits only after a re-check that began >= 1 ms after the flag stores (docstring).
             nap = _NAP_S if checked - flagged >= _FIRST_NAP_S else _FIRST_NAP_S
             doorbell.sleeps += 1
-            posted = False
-            try:
-                sem.acquire(nap if left is None else min(nap, left))
-                posted = True
-                while True:  # drain surplus posts, then re-check
-                    sem.acquire(0)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                pass  # timed out, or a signal: its Python handler runs at the next bytecode
+            posted = nap_on(sem, nap if left is None else min(nap, left))
         if not posted:  # a ring became ready while a wait ran out: its post was missed or late
             doorbell.late_wakes += 1
         return True

@@ -72,6 +72,19 @@ def ring_name(engine_id: str, label: str) -> str:
     return name
 
 
+def nap_on(sem: posix_ipc.Semaphore, timeout: float) -> bool:
+    """Sleep on `sem` up to `timeout` s; True if it was posted (surplus posts drained, so the caller
+    re-checks once). A timeout or a signal returns False: the signal's Python handler runs next."""
+    try:
+        sem.acquire(timeout)
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
+        return False
+    with contextlib.suppress(posix_ipc.BusyError, posix_ipc.SignalError):
+        while True:
+            sem.acquire(0)
+    return True
+
+
 def pid_alive(pid: int) -> bool:
     """The process exists and is not a zombie (this process counts as alive)."""
     if pid == os.getpid():
@@ -558,14 +571,7 @@ class ShmRing:
                 if left is not None and left <= 0:
                     return False
                 self.sleeps += 1
-                posted = False
-                try:
-                    sem.acquire(nap if left is None else min(nap, left))
-                    posted = True
-                    while True:  # drain surplus posts, then re-check
-                        sem.acquire(0)
-                except (posix_ipc.BusyError, posix_ipc.SignalError):
-                    pass  # timed out, or a signal: its Python handler runs at the next bytecode
+                posted = nap_on(sem, nap if left is None else min(nap, left))
                 nap = _NAP_S
             if not posted:  # the data came while a nap ran out: its post was missed or late
                 self.late_wakes += 1
