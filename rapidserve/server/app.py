@@ -53,7 +53,7 @@ class Choice:
 
 
 class Server:
-    def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine, tokenizer: Tokenizer,
+    def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine, tokenizer: Tokenizer | None,
                  model_name: str) -> None:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name

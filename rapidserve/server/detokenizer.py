@@ -34,10 +34,11 @@ class IncrementalDetokenizer:
     returns what was held back. Without stop strings the deltas joined equal
     `tokenizer.decode(output_ids)` (for byte-level BPE tokenizers; sentencepiece ones keep the leading
     space the prompt context gives the first token, as vLLM does). Once a stop string matched,
-    `stopped` is True, `stop_str` is the string that matched, and later calls return "".
+    `stopped` is True, `stop_str` is the string that matched, and later calls return "". Without a
+    tokenizer (None: presets, served as token ids only) every delta is "".
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
                  stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -58,7 +59,9 @@ class IncrementalDetokenizer:
         self._prefix_text = prefix
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+        if not ids or self.tokenizer is None:  # no tokenizer (presets): token ids only, no text
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _next_text(self, final: bool) -> str:
         """Text of the tokens after the read offset, if complete (or `final`); advances the offsets."""

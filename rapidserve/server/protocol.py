@@ -349,6 +349,8 @@ def parse_request(kind: str, body: bytes, ctx: ProtocolContext) -> GenRequest:
     except SamplingParamsError as e:
         m = re.match(r"(\w+)=", str(e))
         raise _bad(m.group(1) if m else None, str(e)) from None
+    if params.stop and ctx.tokenizer is None:
+        raise _bad("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
     user = _field(d, "user", None, lambda v: isinstance(v, str), "a string")
     return GenRequest(kind=kind, model=model, prompts=prompts, prompt_texts=texts, params=params,  # type: ignore[arg-type]
                       stream=stream, include_usage=include_usage, echo=echo, user=user,
@@ -467,6 +469,8 @@ def final_response(req: GenRequest, req_id: str, created: int, model: str, choic
         lp = _logprobs_for(req, tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
         out.append(chat_choice(c.index, c.text, fr, lp) if req.kind == "chat"
                    else completion_choice(c.index, echo + c.text, fr, lp))
+        if tokenizer is None:  # token-id-only serving: the output as ids (text is empty)
+            out[-1]["token_ids"] = list(c.token_ids)
     build = chat_response if req.kind == "chat" else completion_response
     return build(req_id, created, model, out, usage)
 
@@ -485,7 +489,10 @@ def stream_chunk(req: GenRequest, req_id: str, created: int, model: str, index: 
         return chat_chunk(req_id, created, model, [chat_chunk_choice(index, delta, fr, lp)])
     if tok.index == 0 and req.echo:
         delta = _echo(req, index) + delta
-    return completion_chunk(req_id, created, model, [completion_choice(index, delta, fr, lp)])
+    choice = completion_choice(index, delta, fr, lp)
+    if tokenizer is None:  # token-id-only serving: each event carries its token id (text is empty)
+        choice["token_ids"] = [tok.token_id]
+    return completion_chunk(req_id, created, model, [choice])
 
 
 def usage_chunk(req: GenRequest, req_id: str, created: int, model: str, usage: dict[str, int]) -> dict[str, Any]:

@@ -33,11 +33,12 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     from rapidserve.server.app import Server
 
     tokenizer = Tokenizer.from_source(source)
-    if tokenizer is None:
-        raise ValueError(f"model {ecfg.model!r} has no tokenizer (a preset?); the HTTP server needs one to "
-                         "turn text into tokens: serve a model folder or GGUF file")
-    merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
-    ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
+    if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
+        log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
+                    ecfg.model)
+    else:
+        merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
+        ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
     name = model_name(ecfg, source, scfg.served_model_name)
     t0 = time.monotonic()
     engine = await AsyncEngine.start(ecfg)
