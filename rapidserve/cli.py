@@ -11,7 +11,8 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from rapidserve.config import DTYPES, ConfigError
+from rapidserve.benchmark.cli import add_bench_parser
+from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError
 
 EXIT_USAGE = 2
 
@@ -56,10 +57,54 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+                   help="token budget of one forward pass. generate and rapid mode: prompts of one prefill "
+                        "batch (a longer prompt is chunked). hybrid mode: each step decodes every running "
+                        "request (one token each) and fills the rest with prompt chunks in arrival order; "
+                        "at most min(--max-num-seqs, this) requests run at once")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     g.add_argument("--seed", type=int, default=0)
+
+
+def _partition_text(text: str) -> str:
+    from rapidserve.config import PartitionConfig
+
+    try:
+        PartitionConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{v} must be a positive number")
+    return v
+
+
+def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
+    g = p.add_argument_group("compute partition (decode / prefill)")
+    if with_mode:
+        g.add_argument("--partition", default="adaptive", type=_partition_text,
+                       help="adaptive (the manager switches configurations from the profile), off (both use "
+                            "the whole GPU), or static:<decode share> (e.g. static:0.25)")
+        g.add_argument("--profile", default=None,
+                       help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, "
+                            "else a roofline estimate)")
+    g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
+    g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
+
+
+def partition_config(a: argparse.Namespace) -> object:
+    from rapidserve.config import PartitionConfig
+
+    return PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
+                                 profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms)
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -95,7 +140,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from rapidserve.server.serve import run
 
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
-    ecfg = dataclasses.replace(ecfg, launch=LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death))
+    ecfg = dataclasses.replace(ecfg, launch=LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode),
+                               partition=partition_config(a))
     scfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
                         max_waiting=a.max_waiting, default_max_tokens=a.default_max_tokens)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
@@ -124,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=_port, default=8000)
-    sv.add_argument("--mode", default="rapid", choices=("rapid",),
-                    help="rapid: prefill and decode in two processes sharing weights and KV")
+    sv.add_argument("--mode", default="rapid", choices=ENGINE_MODES,
+                    help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
+                         "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
+                         "pass per step under --max-num-batched-tokens (the baseline)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
@@ -133,7 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
+    add_partition_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    from rapidserve.partition.profile_cmd import add_profile_parser
+
+    add_profile_parser(sub, add_model_args, add_partition_args, _positive_int)
+    add_bench_parser(sub)
     return p
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Arch = Literal["llama", "qwen2", "qwen3"]
+# rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
+# mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline.
+EngineMode = Literal["rapid", "hybrid"]
+ENGINE_MODES: tuple[str, ...] = ("rapid", "hybrid")
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
@@ -174,14 +178,61 @@ class LaunchConfig:
     ring_slots: int = 1024
     ring_slot_size: int = 1024
     stats_interval_s: float = 0.25
+    mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid uses no MPS
 
     def __post_init__(self) -> None:
         _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
+        _check(self.mode in ENGINE_MODES, f"mode={self.mode!r}; use one of {list(ENGINE_MODES)}")
         _check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
         _check(self.startup_timeout_s > 0, f"startup_timeout_s={self.startup_timeout_s} must be > 0")
         _check(self.ring_slots >= 8 and self.ring_slot_size >= 64 and self.ring_slot_size % 8 == 0,
                "ring_slots must be >= 8 and ring_slot_size >= 64 and a multiple of 8")
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How decode and prefill split the GPU's compute (rapidserve.partition).
+
+    mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
+    use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
+    """
+
+    mode: str = "adaptive"  # adaptive | off | static
+    static_decode_share: float | None = None
+    backend: str = "auto"  # auto | cuda-green | hip-cumask | none
+    profile: str | None = None  # a profile file; None: profiles/<gpu>__<model>.json if present, else roofline
+    slo_itl_ms: float = 50.0
+    hysteresis_steps: int = 8
+    decode_shares: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("adaptive", "off", "static"),
+               f"partition mode={self.mode!r}; use adaptive, off or static:<decode share>")
+        _check((self.mode == "static") == (self.static_decode_share is not None),
+               "a static partition needs its decode share (static:0.25), and only a static one has it")
+        _check(self.static_decode_share is None or 0.0 < self.static_decode_share < 1.0,
+               f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
+        _check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
+               f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
+        _check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
+        _check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
+        _check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
+               f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
+
+    @classmethod
+    def parse(cls, text: str, **kw: object) -> PartitionConfig:
+        """`adaptive`, `off` or `static:<decode share>` (e.g. static:0.25), as given to --partition."""
+        if text in ("adaptive", "off"):
+            return cls(mode=text, **kw)  # type: ignore[arg-type]
+        if text.startswith("static:"):
+            try:
+                share = float(text.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError(f"--partition {text!r}: the share after static: must be a number in (0, 1), "
+                                  "e.g. static:0.25") from None
+            return cls(mode="static", static_decode_share=share, **kw)  # type: ignore[arg-type]
+        raise ConfigError(f"--partition {text!r}; use adaptive, off or static:<decode share in (0, 1)>")
 
 
 @dataclass(frozen=True)
@@ -216,6 +267,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
 
     @property
     def max_model_len(self) -> int:

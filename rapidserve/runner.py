@@ -212,6 +212,14 @@ class ModelRunner:
             hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
             return self.model.compute_logits(hidden)
 
+    def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
+        """The graph `decode()` replays for `n` sequences under `graph_key` (None: runs eager). After
+        one `decode()` call its inputs are in place, so replaying it again repeats that step."""
+        graphs = self._graphs.get(graph_key)
+        if not graphs or n > max(graphs):
+            return None
+        return graphs[min(b for b in graphs if b >= n)].graph
+
     def _decode_arrays(self, items: Sequence[DecodeItem], width: int) -> tuple[np.ndarray, ...]:
         bs = self.block_size
         ids = np.array([it.token_id for it in items], dtype=np.int64)

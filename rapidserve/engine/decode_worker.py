@@ -1,8 +1,9 @@
 """The decode worker: owns the weights, the KV pool and the block tables; decodes the running batch.
 
-Loop: drain the inbox, admit waiting requests (allocate their blocks, hand them to prefill), launch
-one decode step, then record the previous step's tokens while this one runs (async scheduling one
-step ahead), publish.
+Loop: drain the inbox, choose the compute partition for this step (the adaptive manager; a switch
+is told to prefill before any KVReady it concerns), admit waiting requests (allocate their blocks,
+hand them to prefill), launch one decode step on the partition's stream and graphs, then record the
+previous step's tokens while this one runs (async scheduling one step ahead), publish.
 
 Request states here: waiting (needs blocks) -> prefilling (KVReady sent; prefill owns the writes)
 -> running (in the decode batch) -> done. Preemption by recompute sends a running request back to
@@ -28,6 +29,8 @@ from rapidserve.block_manager import BlockManager, blocks_for
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.partition.backend import PartitionBackend, on_stream
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
@@ -63,8 +66,10 @@ class InFlight:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...]) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...],
+                 partition: DecodePartition, backend: PartitionBackend) -> None:
         self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
+        self.partition, self.backend = partition, backend
         self.blocks = BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size)
         self.reqs: dict[str, DReq] = {}
         self.waiting: deque[DReq] = deque()
@@ -82,6 +87,7 @@ class DecodeWorker:
         while not self._stop:
             for msg in self.io.drain():
                 self.handle(msg)
+            self.repartition()
             self.admit()
             if self.running or self.inflight is not None:
                 self.step()
@@ -182,6 +188,21 @@ class DecodeWorker:
             else:
                 self.io.send["d2p"].send(m.KVReady(r.req_id, table, [], r.attempt))
 
+    # ---- compute partition (adaptive manager, applied at step boundaries) ----------------------
+    def repartition(self) -> None:
+        """Decide this step's configuration before admission, so prefill hears of a switch before
+        the KVReady of the work it concerns (same ring, in order)."""
+        pending = bool(self.waiting) or any(r.state == "prefilling" for r in self.reqs.values())
+        batch = len(self.running)
+        context = sum(r.num_tokens for r in self.running) // batch if batch else 0
+        sw = self.partition.advance(batch, context, pending)
+        if sw is None:
+            return
+        old = self.backend.stream(sw.old, "decode")
+        if old is not None:  # the in-flight step ran there; its outputs feed the next step here
+            old.synchronize()
+        self.io.send["d2p"].send(m.SetPartition(sw.new))
+
     # ---- decode -----------------------------------------------------------------------------
     def step(self) -> None:
         if not self.running:
@@ -191,7 +212,8 @@ class DecodeWorker:
             self._complete()  # preemption needs a quiet pool: let the in-flight step land first
             if not self._ensure_blocks(preempt=True) or not self.running:
                 return
-        launched = self._launch()
+        with on_stream(self.backend.stream(self.partition.current, "decode")):
+            launched = self._launch()
         self._complete()
         self.inflight = launched
 
@@ -233,7 +255,7 @@ class DecodeWorker:
             dst = torch.tensor([c[0] for c in carried], device=self.runner.device)
             src = torch.tensor([c[1] for c in carried], device=self.runner.device)
             input_ids[dst] = prev.out.token_ids[src]
-        logits = self.runner.decode(items, input_ids=input_ids)
+        logits = self.runner.decode(items, input_ids=input_ids, graph_key=self.partition.current)
         index = [len(r.outputs) + r.inflight for r in reqs]  # output index of this step's token
         for i, (r, k) in enumerate(zip(reqs, index, strict=True)):
             banned = early_stop_bans(r.params, k, self.eos)
@@ -279,7 +301,8 @@ class DecodeWorker:
             prefilling = sum(1 for r in self.reqs.values() if r.state == "prefilling")
             self.io.send["d2r"].try_send(m.Stats(len(self.running), len(self.waiting), prefilling,
                                                  self.blocks.num_blocks, self.blocks.num_free,
-                                                 self.num_preemptions))
+                                                 self.num_preemptions, self.partition.current,
+                                                 self.partition.num_switches))
 
 
 def check_stop_tokens(r: DReq, eos: tuple[int, ...], max_model_len: int) -> str | None:

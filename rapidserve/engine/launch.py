@@ -6,6 +6,8 @@ decode worker's weights and KV pool through a one-time hand-off queue of IPC han
 its Ready. Either step past `startup_timeout_s` kills what started and raises.
 `WorkerSet.stop` asks both to shut down, waits briefly, kills what is left, and unlinks every
 shared-memory name. Prefill is stopped first: the owner of shared memory outlives its users.
+In hybrid mode (`LaunchConfig.mode`) one worker starts instead (`engine/hybrid_worker.py`), in the
+decode worker's seat: only the rings r2d and d2r exist, and `send_request` reaches just that one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
     out = io.send["d2r" if who == "decode" else "p2r"]
     try:
         from rapidserve.loader import resolve_model
+        from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
         from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
 
         eos = cfg.model_config.eos_token_ids
@@ -57,19 +60,24 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             dev = resolve_device(cfg.runner.device)
             source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
             runner = ModelRunner(cfg, source, show_progress=False)
-            runner.capture_decode_graphs(show_progress=False)
-            handoff.put((os.getpid(), export_shared(runner.model, runner.kv_pool)))
+            plan = resolve_plan(cfg, runner.device, runner.dtype)
+            parts = open_streams(plan.wire(), runner.device, ("decode",))
+            for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
+                runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+            handoff.put((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
             out.send(m.Ready("decode", os.getpid(), {"kv_blocks": str(runner.kv_pool.num_blocks),
-                                                     "device": str(runner.device), **_memory(runner)}))
-            DecodeWorker(cfg, runner, io, eos).run()
+                                                     "device": str(runner.device), "partition": plan.source,
+                                                     "configurations": ",".join(parts.names), **_memory(runner)}))
+            DecodeWorker(cfg, runner, io, eos, DecodePartition(cfg.partition, plan), parts).run()
         else:
             from rapidserve.engine.prefill_worker import PrefillWorker
 
-            owner_pid, shared = handoff.get(timeout=cfg.launch.startup_timeout_s)
+            owner_pid, shared, wire = handoff.get(timeout=cfg.launch.startup_timeout_s)
             io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
             runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
+            parts = open_streams(wire, runner.device, ("prefill",))
             out.send(m.Ready("prefill", os.getpid(), {"device": str(runner.device), **_memory(runner)}))
-            PrefillWorker(cfg, runner, io, eos).run()
+            PrefillWorker(cfg, runner, io, eos, parts, wire.initial).run()
     except SystemExit:
         pass
     except BaseException as e:  # report, then die: the router fails in-flight requests
@@ -111,18 +119,25 @@ class WorkerSet:
         doorbells = {d: Doorbell.create(doorbell_name(eid, d)) for d in DOORBELLS}
         reader = {"r2d": "decode", "p2d": "decode", "r2p": "prefill", "d2p": "prefill",
                   "d2r": "router", "p2r": "router"}
+        hybrid = cfg.launch.mode == "hybrid"
+        labels = ("r2d", "d2r") if hybrid else RING_LABELS
         rings = {lbl: ShmRing.create(ring_name(eid, lbl), cfg.launch.ring_slots, cfg.launch.ring_slot_size,
-                                     doorbell=doorbells[reader[lbl]].name) for lbl in RING_LABELS}
+                                     doorbell=doorbells[reader[lbl]].name) for lbl in labels}
         names = ChannelNames({k: r.name for k, r in rings.items()}, {k: d.name for k, d in doorbells.items()})
         ws = cls(cfg, names, rings, doorbells, {},
-                 {lbl: Sender(rings[lbl], RING_TYPES[lbl]) for lbl in ("r2d", "r2p")},
-                 {lbl: Receiver(rings[lbl], RING_TYPES[lbl]) for lbl in ("d2r", "p2r")}, {})
+                 {lbl: Sender(rings[lbl], RING_TYPES[lbl]) for lbl in ("r2d", "r2p") if lbl in rings},
+                 {lbl: Receiver(rings[lbl], RING_TYPES[lbl]) for lbl in ("d2r", "p2r") if lbl in rings}, {})
         ctx = mp.get_context("spawn")
         handoff = ctx.Queue()
         try:
-            for who in ("decode", "prefill"):
-                p = ctx.Process(target=worker_main, name=f"rapidserve-{who}", daemon=True,
-                                args=(who, cfg, names, os.getpid(), handoff, env))
+            for who in ("hybrid",) if hybrid else ("decode", "prefill"):
+                if who == "hybrid":
+                    from rapidserve.engine.hybrid_worker import hybrid_main
+
+                    target, args = hybrid_main, (cfg, names, os.getpid(), env)
+                else:
+                    target, args = worker_main, (who, cfg, names, os.getpid(), handoff, env)
+                p = ctx.Process(target=target, name=f"rapidserve-{who}", daemon=True, args=args)
                 p.start()
                 ws.procs[who] = p
                 ws._await_ready(who, on_message)
@@ -133,7 +148,7 @@ class WorkerSet:
 
     def _await_ready(self, who: str, on_message: Any) -> None:
         deadline = time.monotonic() + self.cfg.launch.startup_timeout_s
-        label = "d2r" if who == "decode" else "p2r"
+        label = "p2r" if who == "prefill" else "d2r"
         while time.monotonic() < deadline:
             msg = self.recv[label].recv(timeout=0.2)
             if isinstance(msg, m.Ready):
@@ -148,6 +163,12 @@ class WorkerSet:
                                        f"(exit code {self.procs[who].exitcode})")
         raise WorkerStartError(f"the {who} worker was not ready after {self.cfg.launch.startup_timeout_s:.0f} s")
 
+    def send_request(self, msg: m.NewRequest) -> None:
+        """A new request goes to every worker with a request inbox: both RAPID workers, or the hybrid one."""
+        for label in ("r2d", "r2p"):
+            if label in self.send:
+                self.send[label].send(msg)
+
     def dead_worker(self) -> str | None:
         for who, p in self.procs.items():
             if not p.is_alive():
@@ -156,7 +177,7 @@ class WorkerSet:
 
     def stop(self, graceful: bool = True, timeout: float = 5.0) -> None:
         """Prefill first, then decode (the owner of shared memory goes last); then unlink names."""
-        for who, label in (("prefill", "r2p"), ("decode", "r2d")):
+        for who, label in (("prefill", "r2p"), ("decode", "r2d"), ("hybrid", "r2d")):
             p = self.procs.get(who)
             if p is None:
                 continue

@@ -110,6 +110,7 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     kv_blocks_free: int
     num_preemptions: int
     partition: str = "none"
+    partition_switches: int = 0
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

@@ -9,7 +9,8 @@ than the budget alone is computed in budget-sized chunks over several forwards.
 Messages may overtake each other across rings (a KVReady or Drop from decode can arrive before the
 router's NewRequest), so early KVReadys are parked and Drops of unknown requests leave a tombstone.
 
-Loop: drain the inbox, run one prefill batch, publish: first tokens to the router, then PrefillDone
+Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
+forward), run one prefill batch on that partition's stream, publish: first tokens to the router, then PrefillDone
 to decode (in that order, so the router never sees a decode token before the first one).
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sampler import token_generators
 from rapidserve.sequence import Sequence, check_stop, early_stop_bans
@@ -42,14 +44,16 @@ class Job:
 
 
 class PrefillWorker:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...]) -> None:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...],
+                 backend: PartitionBackend, partition: str) -> None:
         self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
+        self.backend = backend
         self.budget = cfg.scheduler.max_num_batched_tokens
         self.pending_kv: dict[str, m.NewRequest] = {}
         self.early_kv: dict[str, m.KVReady] = {}
         self.waiting_prefill: deque[Job] = deque()
         self.tombstones: OrderedDict[str, None] = OrderedDict()
-        self.partition = "none"
+        self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._stop = False
 
     def run(self) -> None:
@@ -77,6 +81,7 @@ class PrefillWorker:
         elif isinstance(msg, m.Drop):
             self._drop(msg.req_id)
         elif isinstance(msg, m.SetPartition):
+            self.backend.stream(msg.config, "prefill")  # raises on a configuration we do not have
             self.partition = msg.config
         elif isinstance(msg, m.Shutdown):
             self._stop = True
@@ -120,6 +125,12 @@ class PrefillWorker:
         return batch
 
     def prefill_step(self) -> None:
+        """One forward on the current partition's stream. Reading the sampled tokens waits for it, so
+        the KV writes have landed before PrefillDone tells decode to read them."""
+        with on_stream(self.backend.stream(self.partition, "prefill")):
+            self._prefill_step()
+
+    def _prefill_step(self) -> None:
         batch = self.take_batch()
         items = [PrefillItem(j.tokens[j.done_tokens : j.done_tokens + n], j.done_tokens, j.blocks,
                              need_logits=j.done_tokens + n == len(j.tokens)) for j, n in batch]

@@ -248,3 +248,31 @@ def save_profile(profile: Profile, path: str | os.PathLike[str]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def slug(text: str) -> str:
+    """Lower-case, runs of other characters as one '-': 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    out = "".join(ch.lower() if ch.isalnum() else "-" for ch in text)
+    return "-".join(p for p in out.split("-") if p)
+
+
+def model_label(model: str) -> str:
+    """The model name a profile records: presets keep 'preset:NAME', paths their last component."""
+    if model in ("", "default"):
+        return "SmolLM2-135M-Instruct"
+    if model.startswith("preset:"):
+        return model
+    return os.path.basename(os.path.normpath(model))
+
+
+def profile_filename(gpu: str, model: str) -> str:
+    """`<gpu>__<model>.json`, both slugged: where `rapidserve profile` writes and the engine looks."""
+    return f"{slug(gpu)}__{slug(model_label(model))}.json"
+
+
+def default_profiles_dir() -> Path:
+    """The repository's profiles/ folder (next to the package); RAPIDSERVE_PROFILES_DIR overrides it."""
+    env = os.environ.get("RAPIDSERVE_PROFILES_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "profiles"

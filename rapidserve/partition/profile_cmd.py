@@ -1,0 +1,170 @@
+"""The `rapidserve profile` command: measure, save, plot, and check the roofline estimate against it.
+
+    rapidserve profile --model preset:llama-3-8b [--slo-itl-ms 50] [--out profiles/...json]
+
+Writes the profile (validated JSON, schema in profile.py), a PNG next to it (decode step latency
+beside prefill against the decode share, a line per batch size, the SLO drawn in; prefill tokens/s
+against the share) and `<name>.roofline.md`, the roofline model's error against these measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rapidserve.partition.profile import OVERALLOCATED, Profile
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated positive integers, e.g. 1,8,32") from None
+    if not vals or any(v <= 0 for v in vals) or list(vals) != sorted(set(vals)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give strictly ascending positive integers, e.g. 1,8,32")
+    return vals
+
+
+def _share_list(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated shares in (0, 1)") from None
+    if not vals or any(not 0 < v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every decode share must be in (0, 1)")
+    return vals
+
+
+def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None],
+                       add_partition_args: Callable[..., None], positive_int: Callable[[str], int]) -> None:
+    p = sub.add_parser("profile", help="measure decode latency vs compute share (the partition profile)")
+    add_model_args(p)
+    add_partition_args(p, with_mode=False)
+    p.add_argument("--out", default=None, help="profile path (default: profiles/<gpu>__<model>.json)")
+    p.add_argument("--batch-buckets", type=_int_list, default=(1, 8, 16, 32, 64, 128))
+    p.add_argument("--context-buckets", type=_int_list, default=(512, 2048, 8192))
+    p.add_argument("--prefill-tokens", type=positive_int, default=4096, help="tokens per concurrent prefill forward")
+    p.add_argument("--decode-shares", type=_share_list, default=(0.125, 0.25, 0.375, 0.5),
+                   help="decode shares of the splits to measure (rounded to the device's granularity)")
+    p.add_argument("--decode-reps", type=positive_int, default=20)
+    p.add_argument("--no-roofline", action="store_true", help="skip the roofline comparison")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from rapidserve.config import PartitionConfig
+    from rapidserve.llm import build_engine_config
+    from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
+    from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
+    from rapidserve.partition.profiler import ProfileSpec, run_profile
+    from rapidserve.partition.runtime import gpu_name
+    from rapidserve.runner import ModelRunner
+
+    spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)
+    longest = max(max(spec.context_buckets), spec.prefill_tokens) + a.block_size
+    cfg, source = build_engine_config(
+        a.model, dtype=a.dtype, device=a.device, max_model_len=max(longest, a.max_model_len or 0),
+        gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+        max_num_seqs=max(spec.batch_buckets), max_num_batched_tokens=spec.prefill_tokens,
+        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend)
+    cfg = dataclasses.replace(
+        cfg, runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets),
+        partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
+    runner = ModelRunner(cfg, source)
+    kind = detect_kind(runner.device) if a.partition_backend == "auto" else a.partition_backend
+    g = device_granularity(kind, runner.device)
+    configs = plan_configurations(g, a.decode_shares) if kind != "none" else [Configuration(OVERALLOCATED, 0, g.total)]
+    backend = open_backend(kind, runner.device, configs, ("decode", "prefill"))
+    gpu = gpu_name(runner.device)
+    print(f"rapidserve profile: {cfg.model} on {gpu}, backend {kind}, configurations "
+          f"{[c.name for c in configs]}, {len(configs) * len(spec.batch_buckets) * len(spec.context_buckets)} cells",
+          file=sys.stderr, flush=True)
+    run = run_profile(runner, backend, spec, gpu, cfg.model)
+    out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model)
+    save_profile(run.profile, out)
+    summary: dict[str, Any] = {"profile": str(out), "seconds": round(run.seconds, 1),
+                               "solo_prefill_tokens_per_s": round(run.solo_prefill_tokens_per_s, 1)}
+    png = out.with_suffix(".png")
+    if plot_profile(run.profile, png, a.slo_itl_ms):
+        summary["plot"] = str(png)
+    if not a.no_roofline:
+        summary["roofline"] = roofline_check(cfg, runner, run.profile, spec, out)
+    print(slo_table(run.profile, a.slo_itl_ms))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Path) -> dict[str, Any]:
+    """Predict the same table with the roofline model fed with peaks measured now; report its error."""
+    from rapidserve.partition.roofline import compare, measure_peaks, roofline_profile
+
+    peaks = measure_peaks(runner.device, runner.dtype)
+    predicted = roofline_profile(cfg.model_config, measured.gpu, measured.model, peaks, measured.configurations,
+                                 measured.batch_buckets, measured.context_buckets, spec.prefill_tokens)
+    report = compare(measured, predicted)
+    md = out.with_suffix(".roofline.md")
+    md.write_text(report.to_markdown() + "\n")
+    return {"report": str(md), **report.summary()}
+
+
+def slo_table(p: Profile, slo_itl_ms: float) -> str:
+    """Per batch bucket and context: the split giving prefill the most tokens/s with decode p95 beside
+    prefill within the SLO (what the adaptive manager would choose)."""
+    lines = [f"| batch | context | best configuration (p95 beside prefill <= {slo_itl_ms:g} ms) | decode p95 ms "
+             "| prefill tok/s |", "|---|---|---|---|---|"]
+    for b in p.batch_buckets:
+        for x in p.context_buckets:
+            cells = [e for e in p.entries if e.batch == b and e.context == x]
+            ok = [e for e in cells if e.decode_ms_beside_prefill_p95 <= slo_itl_ms]
+            if ok:
+                e = max(ok, key=lambda e: e.prefill_tokens_per_s)
+                lines.append(f"| {b} | {x} | {e.config} | {e.decode_ms_beside_prefill_p95:.2f} | "
+                             f"{e.prefill_tokens_per_s:,.0f} |")
+            else:
+                e = min(cells, key=lambda e: e.decode_ms_beside_prefill_p95)
+                lines.append(f"| {b} | {x} | none meets it (lowest: {e.config}) | "
+                             f"{e.decode_ms_beside_prefill_p95:.2f} | {e.prefill_tokens_per_s:,.0f} |")
+    return "\n".join(lines)
+
+
+def plot_profile(p: Profile, path: Path, slo_itl_ms: float) -> bool:
+    """Decode p95 beside prefill and prefill tokens/s against the decode share. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("rapidserve profile: matplotlib is not installed; no plot written (pip install matplotlib)",
+              file=sys.stderr)
+        return False
+    share = {c.name: (p.effective_decode_units(c.name) / p.num_compute_units) for c in p.configurations}
+    order = sorted(share, key=lambda n: (share[n], n != OVERALLOCATED))
+    contexts = p.context_buckets
+    fig, axes = plt.subplots(2, len(contexts), figsize=(5 * len(contexts), 8), squeeze=False)
+    for j, x in enumerate(contexts):
+        ax, ax2 = axes[0][j], axes[1][j]
+        for b in p.batch_buckets:
+            cells = {e.config: e for e in p.entries if e.batch == b and e.context == x}
+            xs = [share[n] for n in order]
+            ax.plot(xs, [cells[n].decode_ms_beside_prefill_p95 for n in order], marker="o", label=f"batch {b}")
+            ax2.plot(xs, [cells[n].prefill_tokens_per_s for n in order], marker="o", label=f"batch {b}")
+        ax.axhline(slo_itl_ms, color="red", linestyle="--", label=f"SLO {slo_itl_ms:g} ms")
+        ax.set_yscale("log")
+        ax.set_title(f"{p.model} on {p.gpu}\ncontext {x}: decode step p95 beside prefill", fontsize=9)
+        ax.set_xlabel("decode share of compute units (1.0 = overallocated)")
+        ax.set_ylabel("ms")
+        ax2.set_title(f"context {x}: prefill throughput beside decode", fontsize=9)
+        ax2.set_xlabel("decode share of compute units (1.0 = overallocated)")
+        ax2.set_ylabel("prefill tokens/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True

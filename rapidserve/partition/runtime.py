@@ -1,0 +1,166 @@
+"""The partition plan of a run, and the decode worker's side of the adaptive manager.
+
+`resolve_plan` (decode worker, at start-up) fixes the configurations and, for `adaptive`, the
+profile the manager reads: the measured `profiles/<gpu>__<model>.json` when it exists (validated,
+refused when it is for another GPU or model, or asks for splits this device cannot make), otherwise a
+roofline estimate from peaks measured now, and says so. The prefill worker receives the same
+configurations through the start-up hand-off, so both processes create identical splits.
+
+`DecodePartition` is applied at decode step boundaries: `advance()` calls the pure `decide()` and
+returns the configuration to use for the next step; the decode worker then switches its stream and
+graphs and tells prefill (SetPartition), which switches at its next forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.partition.backend import (
+    PartitionBackend,
+    Role,
+    check_configurations,
+    detect_kind,
+    device_granularity,
+    open_backend,
+    plan_configurations,
+    static_configuration,
+)
+from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.profile import (
+    OVERALLOCATED,
+    Configuration,
+    Profile,
+    default_profiles_dir,
+    load_profile,
+    model_label,
+    profile_filename,
+)
+
+ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
+ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+class PlanWire(msgspec.Struct, frozen=True):
+    """What the prefill worker needs of the plan (sent through the start-up hand-off)."""
+
+    backend: str
+    configurations: list[Configuration]
+    initial: str
+
+
+@dataclass
+class PartitionPlan:
+    backend: str  # resolved kind: cuda-green | hip-cumask | none
+    configurations: list[Configuration]
+    profile: Profile | None  # adaptive only
+    source: str  # one line for logs and Ready: where the configurations and profile came from
+
+    @property
+    def initial(self) -> str:
+        if self.profile is not None:
+            return full_decode_config(self.profile)
+        return self.configurations[0].name
+
+    def wire(self) -> PlanWire:
+        return PlanWire(self.backend, list(self.configurations), self.initial)
+
+
+def gpu_name(device: Any) -> str:
+    if getattr(device, "type", "cpu") != "cuda":
+        return "cpu"
+    import torch
+
+    return str(torch.cuda.get_device_name(device))
+
+
+def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
+    p = cfg.partition
+    kind = detect_kind(device) if p.backend == "auto" else p.backend
+    if p.mode == "off" or kind == "none":
+        why = "partition off" if p.mode == "off" else f"no partition backend on {device}"
+        return PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, why)
+    g = device_granularity(kind, device)
+    if p.mode == "static":
+        assert p.static_decode_share is not None
+        c = static_configuration(g, p.static_decode_share)
+        return PartitionPlan(kind, [c], None, f"static {c.name}: decode {c.decode_units} of {g.total} units ({kind})")
+    gpu = gpu_name(device)
+    path = Path(p.profile) if p.profile else default_profiles_dir() / profile_filename(gpu, cfg.model)
+    if path.exists() or p.profile:
+        prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model))
+        check_configurations(prof.configurations, g, f"profile {path}")
+        return PartitionPlan(kind, list(prof.configurations), prof,
+                             f"adaptive, measured profile {path} ({len(prof.configurations)} configurations, {kind})")
+    configs = plan_configurations(g, p.decode_shares)
+    prof = roofline_fallback(cfg, device, dtype, gpu, configs)
+    return PartitionPlan(kind, configs, prof, f"adaptive, ROOFLINE ESTIMATE: no profile at {path} "
+                         f"(run `rapidserve profile --model {cfg.model}` to measure one); {kind}")
+
+
+def roofline_fallback(cfg: EngineConfig, device: Any, dtype: Any, gpu: str, configs: list[Configuration]) -> Profile:
+    from rapidserve.partition.roofline import measure_peaks, roofline_profile
+
+    peaks = measure_peaks(device, dtype)
+    return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
+                            ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens)
+
+
+def open_streams(wire: PlanWire, device: Any, roles: tuple[Role, ...]) -> PartitionBackend:
+    return open_backend(wire.backend, device, wire.configurations, roles)
+
+
+@dataclass(frozen=True)
+class Switch:
+    t: float  # time.monotonic()
+    old: str
+    new: str
+    batch: int
+    context: int
+    prefill_pending: bool
+    reason: str
+
+
+@dataclass
+class DecodePartition:
+    """The decode worker's manager: current configuration, decisions, a short history of switches."""
+
+    pcfg: PartitionConfig
+    plan: PartitionPlan
+    state: ManagerState = field(init=False)
+    switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=256))
+    num_switches: int = 0
+
+    def __post_init__(self) -> None:
+        self.state = make_state(self.plan.initial)
+
+    @property
+    def current(self) -> str:
+        return self.state.config
+
+    @property
+    def adaptive(self) -> bool:
+        return self.plan.profile is not None and len(self.plan.configurations) > 1
+
+    def advance(self, batch: int, context: int, prefill_pending: bool) -> Switch | None:
+        """One step boundary: the switch to make now, or None to keep the configuration."""
+        if not self.adaptive:
+            return None
+        assert self.plan.profile is not None
+        old = self.state.config
+        idle = batch == 0  # no decode to protect: prefill gets the whole GPU at once
+        d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=context,
+                               prefill_pending=prefill_pending and not idle, slo_itl_ms=self.pcfg.slo_itl_ms,
+                               profile=self.plan.profile, hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps)
+        if d.config == old:
+            return None
+        s = Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason)
+        self.switches.append(s)
+        self.num_switches += 1
+        return s
