@@ -1,0 +1,398 @@
+"""Roofline fallback: decode/prefill latency from operator counts and the device's measured peaks.
+
+Stands in for a measured profile (`source="roofline"`), after DuetServe's attention-aware roofline:
+a step is a list of operators, each timed on `u` of the device's `N` compute units (f = u/N) as
+    t_op = max(flops / (P * e * f), bytes / bw)        (communication: link_bytes / link_bw + link_latency)
+
+with P the measured GEMM FLOP/s, e = gemm_efficiency (attention: attn_efficiency), bw the bandwidth
+that phase gets (below), and the step time the sum over operators. Operators, per GPU under TP=tp:
+
+* token-level (cost ~ tokens T; weights read once per step): add+RMSNorm x2, QKV, RoPE + KV-cache
+  write, O, gate/up, SiLU*mul, down; the embedding gather (T rows), final norm, LM head (R rows:
+  decode R=batch, prefill R=1). GEMM flops = 2*T*K*N, bytes = (K*N + T*K + T*N) * dtype_bytes.
+* sequence-level (attention, per sequence): decode over `context` cached positions:
+  flops = 4*Hq*d*context, bytes = (2*Hkv*d*context + 2*Hq*d) * dtype_bytes (the KV read dominates);
+  a prefill chunk of n tokens after `prefix` cached ones (causal):
+  flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = (2*n*Hq*d + 2*Hkv*d*(prefix+n)) * dtype_bytes.
+* communication (tp > 1): two ring all-reduces of T*h per layer, link_bytes = 2(tp-1)/tp*T*h*b,
+  and an all-gather of the logits, (tp-1)/tp*R*V*b. Zero at tp=1.
+
+Bandwidth vs compute share (fitted to FACTS.md's decode-alone table on 16/32/48/64/132 H100 SMs):
+    bw(f) = hbm_bw * bw_efficiency * share(f),   share(f) = (1+k)*f / (f+k),   k = bw_knee = 0.285
+share(1) = 1; memory bandwidth saturates with few units (share(0.25) = 0.60, share(0.5) = 0.82).
+Fit errors -4/+3/+3/+3/-5 %; a hard cap min(1, f/f_sat) fits worse (best f_sat 0.305: up to 13 %).
+
+Concurrency (solo rates r_d, r_p = bytes / solo step time break the circularity):
+* split (decode on u_d units, prefill on u_p, disjoint): units are exclusive, the memory system is
+  shared. When the two demands exceed BW = hbm_bw*bw_efficiency, each gets its proportional part:
+    bw_decode  = bw(f_d) * min(1, BW / (bw(f_d) + r_p)) / (1 + split_contention)
+    bw_prefill = bw(f_p) * min(1, BW / (bw(f_p) + r_d));  t_prefill *= 1 + prefill_contention * r_d / BW
+  split_contention (0.36): FACTS, decode beside a GEMM prefill ran 1.34-1.45x its solo time on the same
+  SMs; prefill_contention (0.47): prefill ran 1.16-1.46x its linearly scaled time, growing with r_d.
+* overallocated (both on all units): assumed kernel-granular sharing in which decode gets a fraction
+  of the GPU's time: each of its K_d kernels waits overalloc_wait of a prefill kernel
+  (t_prefill / K_p) before it runs, so t_decode' = t_decode + K_d * w * t_prefill / K_p, and prefill
+  keeps the rest: t_prefill' = t_prefill / (1 - t_decode / t_decode'). w = 0.44 fits FACTS (32 decode
+  GEMMs beside 2.46 ms prefill GEMMs: 1.40 -> 35.9 ms). That starvation is Hopper's; an AMD GPU may
+  differ: a measured profile always takes precedence.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import msgspec
+
+from rapidserve.config import ModelConfig
+from rapidserve.partition.profile import Configuration, Entry, Profile
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Peaks(msgspec.Struct, frozen=True):
+    """Measured ceilings of one device plus the model's fitted constants (defaults: H100, FACTS.md).
+
+    matmul_flops: bf16 GEMM FLOP/s on the whole device; hbm_bw: copy bandwidth, bytes/s (read+write).
+    gemm_efficiency / attn_efficiency: fraction of matmul_flops that serving-shaped GEMMs / attention
+    kernels reach (assumed: cuBLAS at K=4096-14336, FlashAttention-2-class SDPA). bw_efficiency:
+    fraction of copy bandwidth that weight/KV streaming reaches (fitted with bw_knee to FACTS.md's
+    decode chain, taking 2.98e12 B/s as that H100's copy bandwidth). The contention and overalloc
+    constants are explained in the module docstring. Defaults suit an H100; `measure_peaks` fills the
+    measured fields and keeps them, so compare() against a measured profile tells how far they carry.
+    """
+
+    matmul_flops: float
+    hbm_bw: float
+    num_compute_units: int
+    gemm_efficiency: float = 0.85
+    attn_efficiency: float = 0.5
+    bw_efficiency: float = 0.88
+    bw_knee: float = 0.285
+    split_contention: float = 0.36
+    prefill_contention: float = 0.47
+    overalloc_wait: float = 0.44
+    link_bw: float = 300e9  # bytes/s of a ring all-reduce between GPUs (NVLink-class); only used at tp > 1
+    link_latency_s: float = 10e-6
+    device: str = ""
+
+    def __post_init__(self) -> None:
+        pos = ("matmul_flops", "hbm_bw", "num_compute_units", "bw_knee", "link_bw", "overalloc_wait")
+        bad = [f"{f} must be > 0" for f in pos if not getattr(self, f) > 0]
+        eff = ("gemm_efficiency", "attn_efficiency", "bw_efficiency")
+        bad += [f"{f} must be in (0, 1]" for f in eff if not 0 < getattr(self, f) <= 1]
+        bad += [f"{f} must be >= 0" for f in ("split_contention", "prefill_contention", "link_latency_s")
+                if not getattr(self, f) >= 0]
+        if bad:
+            raise ValueError("Peaks: " + "; ".join(bad) + f" (got {self})")
+
+
+class Operator(NamedTuple):
+    """One operator of a step (per GPU), repeated `count` times (e.g. once per layer)."""
+
+    name: str
+    kind: Literal["token", "sequence", "communication"]
+    flops: float
+    weight_bytes: float
+    io_bytes: float
+    link_bytes: float = 0.0
+    count: int = 1
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.io_bytes
+
+
+def bw_share(f: float, knee: float) -> float:
+    """share(f) = (1+k)*f/(f+k): the fraction of full-device bandwidth reachable with a unit share f."""
+    f = min(max(f, 0.0), 1.0)
+    return (1 + knee) * f / (f + knee)
+
+
+def _tp_sizes(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
+    """(q heads, kv heads, intermediate, vocab) per GPU; KV heads are replicated when fewer than tp."""
+    if tp < 1 or cfg.num_heads % tp or cfg.intermediate_size % tp:
+        raise ValueError(f"tp={tp} must divide num_heads={cfg.num_heads} and intermediate_size")
+    return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.intermediate_size // tp, -(-cfg.vocab_size // tp)
+
+
+def _step_ops(
+    cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int
+) -> list[Operator]:
+    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head."""
+    heads, kv_heads, inter, vocab = _tp_sizes(cfg, tp)
+    h, d, L, T = cfg.hidden_size, cfg.head_dim, cfg.num_layers, tokens
+    q, kv = heads * d, kv_heads * d
+    bias = (q + 2 * kv) if cfg.attention_bias else 0
+    ops = [
+        Operator("embed", "token", 0.0, 0.0, 2 * T * h * b),
+        Operator("add_norm", "token", 5 * T * h, h * b, 4 * T * h * b, count=2 * L),
+        Operator("qkv_proj", "token", 2 * T * h * (q + 2 * kv), (h * (q + 2 * kv) + bias) * b,
+                 T * (h + q + 2 * kv) * b, count=L),
+        Operator("rope_kv_write", "token", 3 * T * (q + kv), (2 * d if cfg.qk_norm else 0) * b,
+                 (2 * T * (q + kv) + 2 * T * kv) * b, count=L),
+        Operator("attention", "sequence", attn_flops, 0.0, attn_io, count=L),
+        Operator("o_proj", "token", 2 * T * q * h, q * h * b, T * (q + h) * b, count=L),
+        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b, count=L),
+        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=L),
+        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=L),
+        Operator("final_norm", "token", 5 * rows * h, h * b, 4 * rows * h * b),
+        Operator("lm_head", "token", 2 * rows * h * vocab, h * vocab * b, rows * (h + vocab) * b),
+    ]
+    if tp > 1:
+        ops.append(Operator("all_reduce", "communication", 0.0, 0.0, 0.0, 2 * (tp - 1) / tp * T * h * b, 2 * L))
+        ops.append(Operator("logits_all_gather", "communication", 0.0, 0.0, 0.0, (tp - 1) / tp * rows * vocab * b))
+    return ops
+
+
+def decode_operators(
+    cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2
+) -> list[Operator]:
+    """One decode step: `batch` sequences, one new token each, attending to `context` positions each."""
+    if batch < 1 or context < 1:
+        raise ValueError(f"batch={batch} and context={context} must be >= 1")
+    (heads, kv_heads, _, _), d = _tp_sizes(cfg, tp), cfg.head_dim
+    flops = 4 * heads * d * context * batch
+    io = (2 * kv_heads * d * context + 2 * heads * d) * batch * dtype_bytes
+    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes)
+
+
+def prefill_operators(
+    cfg: ModelConfig, chunk_tokens: int, *, prefix: int = 0, tp: int = 1, dtype_bytes: int = 2
+) -> list[Operator]:
+    """One prefill chunk of one sequence: `chunk_tokens` new tokens after `prefix` cached ones (causal)."""
+    if chunk_tokens < 1 or prefix < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 and prefix={prefix} >= 0")
+    (heads, kv_heads, _, _), d, n = _tp_sizes(cfg, tp), cfg.head_dim, chunk_tokens
+    flops = 4 * heads * d * (n * prefix + n * (n + 1) / 2)
+    io = (2 * n * heads * d + 2 * kv_heads * d * (prefix + n)) * dtype_bytes
+    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes)
+
+
+def totals(ops: Sequence[Operator]) -> tuple[float, float]:
+    """(flops, HBM bytes) of a step."""
+    return sum(o.count * o.flops for o in ops), sum(o.count * o.bytes for o in ops)
+
+
+def _kernels(ops: Iterable[Operator]) -> int:
+    return sum(o.count for o in ops if o.kind != "communication")
+
+
+def _bw_alone(f: float, peaks: Peaks) -> float:
+    return peaks.hbm_bw * peaks.bw_efficiency * bw_share(f, peaks.bw_knee)
+
+
+def step_seconds(ops: Iterable[Operator], units: int, peaks: Peaks, bw: float | None = None) -> float:
+    """Sum over operators of max(compute time, memory time) on `units` units with bandwidth `bw`."""
+    if not 0 < units <= peaks.num_compute_units:
+        raise ValueError(f"units={units} must be within 1..{peaks.num_compute_units}")
+    f = units / peaks.num_compute_units
+    bw = _bw_alone(f, peaks) if bw is None else bw
+    total = 0.0
+    for o in ops:
+        if o.kind == "communication":
+            t = o.link_bytes / peaks.link_bw + peaks.link_latency_s
+        else:
+            eff = peaks.attn_efficiency if o.kind == "sequence" else peaks.gemm_efficiency
+            t = max(o.flops / (peaks.matmul_flops * eff * f), o.bytes / bw)
+        total += o.count * t
+    return total
+
+
+def decode_step_ms(
+    model_cfg: ModelConfig, batch: int, context: int, units: int, peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2
+) -> float:
+    """Decode step latency (ms) alone on `units` units."""
+    return 1e3 * step_seconds(decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=dtype_bytes), units, peaks)
+
+
+def prefill_tokens_per_s(
+    model_cfg: ModelConfig, chunk_tokens: int, units: int, peaks: Peaks, tp: int = 1, *, prefix: int = 0,
+    dtype_bytes: int = 2,
+) -> float:
+    """Prefill throughput (tokens/s) alone on `units` units, one chunk of `chunk_tokens` at a time."""
+    ops = prefill_operators(model_cfg, chunk_tokens, prefix=prefix, tp=tp, dtype_bytes=dtype_bytes)
+    return chunk_tokens / step_seconds(ops, units, peaks)
+
+
+def concurrent(
+    model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
+    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
+) -> tuple[float, float]:
+    """(decode step ms, prefill tokens/s) with both phases running; decode_units == 0: overallocated."""
+    n, b = peaks.num_compute_units, dtype_bytes
+    d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b)
+    p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b)
+    if decode_units == 0:
+        t_d, t_p = step_seconds(d_ops, n, peaks), step_seconds(p_ops, n, peaks)
+        t_d2 = t_d + _kernels(d_ops) * peaks.overalloc_wait * t_p / _kernels(p_ops)
+        return 1e3 * t_d2, prefill_chunk * (1 - t_d / t_d2) / t_p
+    if prefill_units < 1 or decode_units + prefill_units > n:
+        raise ValueError(f"split {decode_units}/{prefill_units} must have prefill units and fit in {n} units")
+    bw_d, bw_p = _bw_alone(decode_units / n, peaks), _bw_alone(prefill_units / n, peaks)
+    r_d = totals(d_ops)[1] / step_seconds(d_ops, decode_units, peaks)
+    r_p = totals(p_ops)[1] / step_seconds(p_ops, prefill_units, peaks)
+    full = peaks.hbm_bw * peaks.bw_efficiency
+    bw_d2 = bw_d * min(1.0, full / (bw_d + r_p)) / (1 + peaks.split_contention)
+    bw_p2 = bw_p * min(1.0, full / (bw_p + r_d))
+    t_p2 = step_seconds(p_ops, prefill_units, peaks, bw_p2) * (1 + peaks.prefill_contention * r_d / full)
+    return 1e3 * step_seconds(d_ops, decode_units, peaks, bw_d2), prefill_chunk / t_p2
+
+
+def decode_step_ms_beside_prefill(
+    model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
+    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
+) -> float:
+    """Decode step latency (ms) while prefill runs chunks of `prefill_chunk`; decode_units=0: overallocated."""
+    return concurrent(model_cfg, batch, context, decode_units, prefill_units, prefill_chunk, peaks, tp,
+                      dtype_bytes=dtype_bytes)[0]
+
+
+def roofline_profile(
+    model_cfg: ModelConfig, gpu_name: str, model_name: str, peaks: Peaks, configurations: Sequence[Configuration],
+    batch_buckets: Sequence[int], context_buckets: Sequence[int], prefill_chunk: int, *, tp: int = 1,
+    dtype_bytes: int = 2, p95_over_p50_alone: float = 1.1, p95_over_p50_beside: float = 1.25,
+    created: str | None = None,
+) -> Profile:
+    """A Profile (source="roofline") with every (configuration, batch, context) entry estimated.
+
+    p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of FACTS.md's split runs; alone: assumed)."""
+    entries = []
+    for c in configurations:
+        alone_units = c.decode_units or peaks.num_compute_units
+        for bb in batch_buckets:
+            for cb in context_buckets:
+                alone = decode_step_ms(model_cfg, bb, cb, alone_units, peaks, tp, dtype_bytes=dtype_bytes)
+                t_d, tps = concurrent(model_cfg, bb, cb, c.decode_units, c.prefill_units, prefill_chunk, peaks,
+                                      tp, dtype_bytes=dtype_bytes)
+                entries.append(Entry(c.name, bb, cb, alone, alone * p95_over_p50_alone, t_d,
+                                     t_d * p95_over_p50_beside, tps))
+    stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
+                   list(context_buckets), entries, stamp, "roofline")
+
+
+# (name in the report, p50 field of Entry)
+METRICS: tuple[tuple[str, str], ...] = (
+    ("decode_alone", "decode_ms_alone_p50"),
+    ("decode_beside_prefill", "decode_ms_beside_prefill_p50"),
+    ("prefill_tokens_per_s", "prefill_tokens_per_s"),
+)
+
+
+@dataclass(frozen=True)
+class EntryError:
+    """Signed relative errors (predicted - measured) / measured of one entry, per metric name."""
+
+    config: str
+    batch: int
+    context: int
+    errors: dict[str, float]
+
+
+@dataclass(frozen=True)
+class MetricStats:
+    n: int
+    median_abs: float
+    p90_abs: float
+    median_signed: float  # > 0: the model over-predicts
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    gpu: str
+    model: str
+    rows: tuple[EntryError, ...]
+    stats: dict[str, MetricStats]
+    unmatched: tuple[tuple[str, int, int], ...]  # measured entries the prediction lacks
+
+    def to_markdown(self) -> str:
+        out = [f"### Roofline error against measurements: {self.gpu} / {self.model}", "",
+               "| metric | entries | median abs | p90 abs | median signed |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {m} | {s.n} | {s.median_abs:.1%} | {s.p90_abs:.1%} | {s.median_signed:+.1%} |"
+                for m, s in self.stats.items()]
+        out += ["", "| config | batch | context | " + " | ".join(m for m, _ in METRICS) + " |",
+                "| --- " * (3 + len(METRICS)) + "|"]
+        out += [f"| {r.config} | {r.batch} | {r.context} | " + " | ".join(f"{v:+.1%}" for v in r.errors.values()) + " |"
+                for r in self.rows]
+        if self.unmatched:
+            out += ["", f"{len(self.unmatched)} measured entries have no prediction: {list(self.unmatched)[:5]}"]
+        return "\n".join(out) + "\n"
+
+
+def _p90(xs: Sequence[float]) -> float:
+    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
+def compare(measured: Profile, predicted: Profile) -> ErrorReport:
+    """Per-entry relative errors of `predicted` against `measured` (p50 latencies, tokens/s)."""
+    pred = {(e.config, e.batch, e.context): e for e in predicted.entries}
+    rows, unmatched = [], []
+    for m in measured.entries:
+        key = (m.config, m.batch, m.context)
+        p = pred.get(key)
+        if p is None:
+            unmatched.append(key)
+            continue
+        errs = {name: (getattr(p, f) - getattr(m, f)) / getattr(m, f) for name, f in METRICS}
+        rows.append(EntryError(*key, errs))
+    if not rows:
+        raise ValueError("the profiles share no (config, batch, context) entry")
+    stats = {}
+    for name, _ in METRICS:
+        signed = [r.errors[name] for r in rows]
+        absolute = [abs(x) for x in signed]
+        stats[name] = MetricStats(len(rows), statistics.median(absolute), _p90(absolute),
+                                  statistics.median(signed))
+    return ErrorReport(measured.gpu, measured.model, tuple(rows), stats, tuple(unmatched))
+
+
+def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Median wall time of `fn` over `reps` runs after two warm-ups (CUDA events on a GPU)."""
+    import torch
+
+    cuda, times = device.type == "cuda", []
+    for _ in range(2):
+        fn()
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_peaks(device: str | torch.device = "cuda", dtype: torch.dtype | None = None, *, reps: int = 5) -> Peaks:
+    """Measure GEMM FLOP/s (n x n x n: 2n^3 flops) and copy bandwidth (read + write bytes) on `device`.
+
+    Medians of `reps` timed runs. A GPU takes well under 3 s (n=8192, 256 MiB bf16 copy); CPU uses
+    small sizes (n=256, 4 MiB) so tests stay quick. The fitted constants keep their defaults.
+    """
+    import torch
+
+    dev = torch.device(device)
+    dt = torch.bfloat16 if dtype is None else dtype
+    n, elems = (8192, 1 << 27) if dev.type == "cuda" else (256, 1 << 21)
+    a, w = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
+    flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, w), reps, dev)
+    src = torch.empty(elems, device=dev, dtype=dt)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * src.element_size() / _median_seconds(lambda: dst.copy_(src), reps, dev)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return Peaks(flops, bw, props.multi_processor_count, device=props.name)
+    return Peaks(flops, bw, os.cpu_count() or 1, device="cpu")
