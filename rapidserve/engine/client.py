@@ -12,6 +12,8 @@ decode, on different rings). Every 0.2 s it also checks the workers: when one di
 request ends with `EngineError` at once, the other worker is stopped, shared memory is unlinked,
 and the engine restarts its workers (`on_worker_death="restart"`, up to `max_restarts`) or stays
 down. Nothing blocks forever: a request on a dead engine fails immediately.
+In hybrid mode (`LaunchConfig.mode`) there is one worker (`engine/hybrid_worker.py`) and one inbox
+ring; the same supervision applies to it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class _Stream:
     next_index: int = 0
     early: dict[int, m.TokenOut] = field(default_factory=dict)
     finished: bool = False
+    aborted: bool = False  # no token is yielded after an abort, even one queued before it
 
 
 class AsyncEngine:
@@ -75,6 +78,8 @@ class AsyncEngine:
     async def _start_workers(self) -> None:
         assert self.loop is not None
         platform = "cpu" if self.cfg.runner.device == "cpu" else _gpu_platform()
+        if self.mps_plan is None and self.cfg.launch.mode == "hybrid":  # one process: nothing to share
+            self.mps_plan = MpsPlan("off", False, False, None, None, "hybrid mode: one worker process, no MPS")
         if self.mps_plan is None:
             import tempfile
 
@@ -119,12 +124,11 @@ class AsyncEngine:
         stream = _Stream(asyncio.Queue())
         self.streams[req_id] = stream
         msg = m.NewRequest(req_id, list(prompt_token_ids), params, time.monotonic())
-        self.workers.send["r2d"].send(msg)
-        self.workers.send["r2p"].send(msg)
+        self.workers.send_request(msg)
         try:
             while True:
                 item = await stream.queue.get()
-                if item is None:
+                if item is None or stream.aborted:
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -139,7 +143,7 @@ class AsyncEngine:
     async def abort(self, req_id: str) -> None:
         s = self.streams.get(req_id)
         if s is not None and not s.finished and self.workers is not None:
-            s.finished = True
+            s.finished = s.aborted = True
             self.workers.send["r2d"].send(m.Abort(req_id))
             s.queue.put_nowait(None)
 

@@ -1,0 +1,224 @@
+"""The hybrid worker (`rapidserve serve --mode hybrid`): one process, Sarathi-Serve / vLLM-style
+chunked prefill, the baseline the RAPID engine is compared with.
+
+It takes the decode worker's seat on the rings: inbox `r2d` (NewRequest, Abort, Shutdown), outbox
+`d2r` (Ready, TokenBatch, Finished, Stats, WorkerError), so the router (`AsyncEngine`) is the same as
+in rapid mode. There is no prefill worker and nothing is shared with another process.
+
+Each step (`run`): the `HybridScheduler` plans decodes first, then prompt chunks up to the token
+budget; `launch` runs the plan as ONE forward pass and samples on the device; the worker reads its
+inbox while the device computes; `record` waits for the step (the one host sync of a step), appends
+the tokens, checks stops and frees what finished; `publish` sends the step's tokens in one
+TokenBatch. Forward passes:
+- decode-only plan: `ModelRunner.decode`, which replays the captured decode graph of the smallest
+  batch bucket that fits;
+- otherwise one varlen `ModelRunner.prefill` over the decodes (one-token chunks at position
+  num_tokens - 1) followed by the prompt chunks (same Triton kernels as the prefill worker). It
+  returns logits for the decodes and for the chunks that end a prompt, in `plan.sampled` order.
+Sampled tokens (and logprobs) are copied to pinned host memory without waiting, then an event is
+recorded; the host reads them only after that event.
+
+Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
+pool at once, even while a step that writes them is in flight: there is one process and one
+stream, so any later write into a reused block is queued behind that step. The in-flight token of a
+request aborted meanwhile is dropped, so no token is emitted after an abort.
+A request never outgrows the pool: its context is capped at the pool's capacity (finish reason
+"length"), so a request alone always fits and the scheduler cannot stall.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from rapidserve.block_manager import BlockManager
+from rapidserve.config import EngineConfig
+from rapidserve.engine import messages as m
+from rapidserve.engine.worker_io import ChannelNames, WorkerIO, worker_signals
+from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
+from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+from rapidserve.sampler import SamplerOutput, token_generators
+from rapidserve.sequence import Sequence, check_stop, early_stop_bans
+
+SEAT = "decode"  # whose rings and doorbell the hybrid worker uses (worker_io.INBOXES)
+
+
+@dataclass
+class Launched:
+    """A step handed to the device. `seqs`: the sequences it samples for, in logits row order."""
+
+    plan: HybridPlan
+    seqs: list[Sequence]
+    host: SamplerOutput | None  # tokens in (pinned) host memory, valid once `done`; None: no sampling
+    done: torch.cuda.Event | None  # None on CPU, where everything is finished on return
+
+
+def reject_reason(prompt: list[int], vocab_size: int, max_model_len: int, pool_tokens: int) -> str | None:
+    """Why a request cannot be served as given, or None (the server checks first; this guards
+    direct AsyncEngine users, since a bad token id would take the whole worker down)."""
+    if not prompt:
+        return "prompt is empty; give at least one token"
+    if any(not 0 <= t < vocab_size for t in prompt):
+        return f"prompt token ids must be in [0, {vocab_size})"
+    if len(prompt) >= min(max_model_len, pool_tokens):
+        return (f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and the "
+                f"KV pool holds {pool_tokens}, which must also hold at least one new token")
+    return None
+
+
+class HybridWorker:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...]) -> None:
+        self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
+        self.blocks = BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size)
+        # Running requests are capped like the decode worker's: at the largest decode graph bucket.
+        max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))
+        self.sched = HybridScheduler(self.blocks, max_seqs, cfg.scheduler.max_num_batched_tokens)
+        self.pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        self.max_model_len = min(runner.max_model_len, self.pool_tokens)
+        self.seqs: dict[str, Sequence] = {}
+        self.out = io.send["d2r"]
+        self._tokens: list[m.TokenOut] = []
+        self._arrivals = 0
+        self._last_stats = 0.0
+        self._stop = False
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop:
+            plan = self.sched.schedule()
+            step = None if plan.is_empty else self.launch(plan)
+            self.read_inbox(wait=step is None)  # while the device computes the step
+            if step is not None:
+                self.record(step)
+            self.publish()
+            if not self.io.others_alive():
+                return
+
+    # ---- inbox ------------------------------------------------------------------------------
+    def read_inbox(self, wait: bool) -> None:
+        if wait:
+            self.io.wait(0.1)
+        for msg in self.io.drain():
+            if isinstance(msg, m.NewRequest):
+                self._new(msg)
+            elif isinstance(msg, m.Abort):
+                self._abort(msg.req_id)
+            elif isinstance(msg, m.Shutdown):
+                self._stop = True
+
+    def _new(self, msg: m.NewRequest) -> None:
+        why = reject_reason(msg.prompt_token_ids, self.cfg.model_config.vocab_size, self.runner.max_model_len,
+                            self.pool_tokens)
+        if why is not None:  # request ids are unique while in flight: the router sees to it
+            self.out.send(m.Finished(msg.req_id, "error", why))
+            return
+        self._arrivals += 1
+        seq = Sequence(msg.req_id, list(msg.prompt_token_ids), msg.params, arrival=self._arrivals)
+        self.seqs[seq.seq_id] = seq
+        self.sched.add(seq)
+
+    def _abort(self, req_id: str) -> None:
+        seq = self.seqs.pop(req_id, None)
+        if seq is not None:
+            self.sched.finish(seq, "abort")
+            self.out.send(m.Finished(req_id, "abort"))
+
+    # ---- one step ---------------------------------------------------------------------------
+    def launch(self, plan: HybridPlan) -> Launched:
+        """Queue the plan's forward pass and its sampling on the device; returns without waiting."""
+        table = self.blocks.table
+        if plan.is_decode_only:
+            logits = self.runner.decode([DecodeItem(s.last_token_id, s.num_tokens - 1, table(s.seq_id))
+                                         for s in plan.decode])
+        else:
+            items = [PrefillItem([s.last_token_id], s.num_tokens - 1, table(s.seq_id)) for s in plan.decode]
+            items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
+                                  need_logits=c.samples) for c in plan.prefill]
+            logits = self.runner.prefill(items)
+        seqs = plan.sampled
+        if not seqs:  # only prompt chunks that end no prompt: nothing to sample or wait for
+            return Launched(plan, [], None, None)
+        index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
+        for i, (s, k) in enumerate(zip(seqs, index, strict=True)):
+            banned = early_stop_bans(s.params, k, self.eos)
+            if banned:
+                logits[i, banned] = float("-inf")
+        gens = token_generators([(s.params.seed, k) for s, k in zip(seqs, index, strict=True)], self.runner.device)
+        out = self.runner.sample(logits, [s.params for s in seqs], gens)
+        host = out.to_host()
+        done = None
+        if self.runner.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(plan, seqs, host, done)
+
+    def record(self, step: Launched) -> None:
+        """Wait for the step, then take its tokens: emit, stop, free what finished."""
+        if step.done is not None:
+            step.done.synchronize()
+        self.sched.complete(step.plan)
+        if step.host is None:
+            return
+        for seq, (tok, lp, top) in zip(step.seqs, step.host.rows([s.params for s in step.seqs]), strict=True):
+            if seq.is_finished:  # aborted while the step ran: its token is dropped
+                continue
+            seq.output_token_ids.append(tok)
+            reason = check_stop(seq, self.eos, self.max_model_len)
+            self._tokens.append(m.TokenOut(seq.seq_id, len(seq.output_token_ids) - 1, tok, lp, top, reason))
+            if reason is not None:  # the token carries the reason: no Finished message
+                self.sched.finish(seq, reason)
+                del self.seqs[seq.seq_id]
+
+    # ---- publishing ---------------------------------------------------------------------------
+    def publish(self) -> None:
+        if self._tokens:
+            self.out.send(m.TokenBatch(self._tokens))
+            self._tokens = []
+        now = time.monotonic()
+        if now - self._last_stats >= self.cfg.launch.stats_interval_s:
+            self._last_stats = now
+            decoding, prefilling, waiting = self.sched.counts()
+            self.out.try_send(m.Stats(num_running=decoding, num_waiting=waiting, num_prefilling=prefilling,
+                                      kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
+                                      num_preemptions=self.sched.num_preemptions))
+
+
+def hybrid_main(cfg: EngineConfig, names: ChannelNames, parent_pid: int, env: dict[str, str | None]) -> None:
+    """Entry point of the hybrid worker process (spawned by `WorkerSet.start` in hybrid mode)."""
+    from rapidserve.engine.launch import unlink_names
+    from rapidserve.loader import resolve_model
+    from rapidserve.runner import resolve_device, resolve_dtype
+
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    worker_signals()
+    io = WorkerIO(SEAT, names, parent_pid)
+    out = io.send["d2r"]
+    try:
+        dev = resolve_device(cfg.runner.device)
+        source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
+        runner = ModelRunner(cfg, source, show_progress=False)
+        runner.capture_decode_graphs(show_progress=False)
+        pool = runner.kv_pool.tensor
+        own = torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
+        out.send(m.Ready("hybrid", os.getpid(), {
+            "kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
+            "device_allocated_bytes": str(own), "weight_bytes": str(runner.model.weight_bytes()),
+            "kv_bytes": str(pool.numel() * pool.element_size())}))
+        HybridWorker(cfg, runner, io, cfg.model_config.eos_token_ids).run()
+    except SystemExit:
+        pass
+    except BaseException as e:  # report, then die: the router fails in-flight requests
+        out.try_send(m.WorkerError("hybrid", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        raise
+    finally:
+        if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
+            unlink_names(names)
+        io.close()

@@ -1,0 +1,132 @@
+"""Hybrid mode (one worker, chunked prefill mixed with decodes) behind the same AsyncEngine, on CPU:
+same greedy tokens as LLM.generate with a small budget and a small KV pool, aborts, a killed worker."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from rapidserve import LLM, SamplingParams
+from rapidserve.config import EngineConfig, LaunchConfig
+from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.hybrid_worker import reject_reason
+from rapidserve.llm import build_engine_config
+
+MODEL = "preset:tiny-llama"  # a tiny deterministic model: the test is about scheduling, not the weights
+NEW = 24
+BUDGET = 64  # small: prompts are chunked and share steps with decodes
+KV_BLOCKS = 24  # 384 tokens for 12 requests of 5-150 tokens + 24 new each: preemptions happen
+
+
+def shm_entries(pid: int) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f"rapidserve-{pid}-" in f]
+
+
+LENGTHS = [5, 150, 12, 70, 33, 90, 8, 64, 41, 120, 20, 57]  # chunked (> BUDGET) and shared steps (< BUDGET)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1280) for _ in range(n)] for n in LENGTHS]
+    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def hybrid_config() -> EngineConfig:
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=512,
+                                 max_num_batched_tokens=BUDGET)
+    return dataclasses.replace(cfg, launch=LaunchConfig(mode="hybrid", mps="off", startup_timeout_s=300,
+                                                        on_worker_death="restart"))
+
+
+async def wait_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats
+        if s is not None and s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 \
+                and s.num_prefilling == 0 and s.num_waiting == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"KV blocks not all free: {engine.stats}")
+
+
+def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_fast(
+        reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    prompts, want = reference
+
+    async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        toks = [t async for t in engine.generate(rid, prompt, params)]
+        assert [t.index for t in toks] == list(range(len(toks)))
+        if params.logprobs:
+            assert all(t.logprob is not None and len(t.top_logprobs or []) == params.logprobs for t in toks)
+        return [t.token_id for t in toks]
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(hybrid_config())
+        try:
+            assert sorted(engine.workers.procs) == ["hybrid"]  # type: ignore[union-attr]
+            greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+            tasks = [asyncio.create_task(collect(engine, f"r{i}", p, greedy.replace(logprobs=2) if i == 3 else greedy))
+                     for i, p in enumerate(prompts)]
+
+            # one request aborted while its long prompt is still being chunked ...
+            gen = engine.generate("abort-prefill", prompts[-1] * 2, greedy)
+            first = asyncio.create_task(gen.__anext__())
+            await asyncio.sleep(0)
+            await engine.abort("abort-prefill")
+            with pytest.raises(StopAsyncIteration):
+                await first
+            # ... and one while it decodes, after a few tokens: nothing comes after the abort
+            got = []
+            async for t in engine.generate("abort-decode", prompts[0], greedy):
+                got.append(t.token_id)
+                if len(got) == 3:
+                    await engine.abort("abort-decode")
+            assert len(got) == 3
+            # a prompt the worker cannot serve ends with an error, and the engine goes on
+            with pytest.raises(EngineError, match="token ids"):
+                await collect(engine, "bad", [10**9], greedy)
+
+            results = await asyncio.gather(*tasks)
+            for i, (g, w) in enumerate(zip(results, want, strict=True)):
+                assert g == w, f"request {i} (prompt of {len(prompts[i])} tokens) diverged"
+            await wait_blocks_free(engine)
+            assert engine.stats is not None and engine.stats.num_preemptions > 0  # the pool was too small
+
+            # kill -9 of the worker: in-flight requests fail at once, then a new worker comes up and serves
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            doomed = [asyncio.create_task(collect(engine, f"k{i}", p, long)) for i, p in enumerate(prompts[:3])]
+            while engine.stats is None or engine.stats.num_running == 0:  # decoding, far from done
+                await asyncio.sleep(0.005)
+            t0 = time.monotonic()
+            os.kill(engine.workers.procs["hybrid"].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+            for t in doomed:
+                with pytest.raises(EngineError, match="hybrid worker died"):
+                    await asyncio.wait_for(t, 5.0)
+            assert time.monotonic() - t0 < 2.0
+            deadline = time.monotonic() + 120
+            while not engine.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await collect(engine, "after", prompts[0], greedy) == want[0]
+            assert engine.restarts == 1 and sorted(engine.workers.procs) == ["hybrid"]  # type: ignore[union-attr]
+        finally:
+            await engine.shutdown()
+        assert shm_entries(os.getpid()) == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("prompt,why", [
+    ([], "empty"), ([5, -1], "token ids"), ([1] * 100, "context window"), ([1] * 50, None),
+])
+def test_reject_reason(prompt: list[int], why: str | None) -> None:
+    got = reject_reason(prompt, vocab_size=1000, max_model_len=100, pool_tokens=64 if len(prompt) == 100 else 512)
+    assert (got is None) if why is None else (why in (got or ""))
