@@ -186,8 +186,8 @@ class ModelRunner:
             max_context_len=int(ctx.max()),
         )
         hidden = self.model(self._dev(ids), self._dev(positions), pool.layers, meta)
-        want = [i for i, it in enumerate(items) if it.need_logits]
-        last = torch.as_tensor(cu[1:][want] - 1, device=self.device)
+        want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
+        last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))
 
     # ---- decode -------------------------------------------------------------------------------
