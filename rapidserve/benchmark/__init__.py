@@ -1,0 +1,22 @@
+"""`rapidserve bench`: a load generator and report for any OpenAI-compatible server (issue 6).
+
+Modules by concept: `arrivals` (when requests are released), `workloads` (what is sent), `client`
+(streamed HTTP requests and their timings), `stats` (per-request records, percentiles, goodput),
+`runner` (a request-rate sweep: `BenchConfig` -> result dict), `report` (JSON and markdown),
+`plot` (throughput / p99 ITL / p99 TTFT against offered load, one line per system), `cli`.
+
+In-process use (as bench/compare.py does):
+
+    import asyncio
+    from rapidserve.benchmark import BenchConfig, WorkloadSpec, run_benchmark, write_outputs
+    cfg = BenchConfig(base_url="http://127.0.0.1:8000", workload=WorkloadSpec("fixed", 4096, 64),
+                      rates=(1.0, 2.0, float("inf")), num_prompts=32, label="rapid")
+    result = asyncio.run(run_benchmark(cfg))
+    write_outputs(result, "out", "rapid_4096-64")
+"""
+
+from rapidserve.benchmark.report import load_result, to_markdown, write_outputs
+from rapidserve.benchmark.runner import BenchConfig, run_benchmark
+from rapidserve.benchmark.workloads import WorkloadSpec
+
+__all__ = ["BenchConfig", "WorkloadSpec", "load_result", "run_benchmark", "to_markdown", "write_outputs"]

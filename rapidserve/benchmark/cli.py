@@ -1,0 +1,179 @@
+"""`rapidserve bench`: load any OpenAI-compatible server, sweep request rates, write JSON + MD + PNG.
+
+    rapidserve bench --base-url http://127.0.0.1:8000 --workload fixed --input-len 4096 --output-len 64 \\
+        --request-rate 1,2,4,inf --num-prompts 64 --goodput ttft:2000 itl:100 --label rapid --out-dir out/
+
+Every flag is validated by argparse (exit 2 with what is allowed); flag combinations and a workload
+that cannot fit the server's max model length also exit 2; a server that cannot be reached exits 1.
+Failed requests do not change the exit code (0): they are counted, with their error text, in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rapidserve.benchmark.arrivals import ARRIVAL_PROCESSES, parse_rates
+from rapidserve.benchmark.stats import SLO_METRICS, parse_slos
+from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
+
+DEFAULT_NUM_PROMPTS = 100
+
+
+def _number(kind: type, lo: float, lo_open: bool = False) -> Callable[[str], Any]:
+    word = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo):
+            raise argparse.ArgumentTypeError(f"{text} must be {word} {'>' if lo_open else '>='} {lo:g}")
+        return v
+
+    return parse
+
+
+positive_int = _number(int, 1)
+nonneg_int = _number(int, 0)
+positive_float = _number(float, 0.0, lo_open=True)
+
+
+def rates_arg(text: str) -> tuple[float, ...]:
+    try:
+        return parse_rates(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def token_range_arg(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) >= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI with integers 0 <= LO < HI (token ids are drawn "
+                                         "from [LO, HI)), e.g. 1000:20000")
+    return int(m.group(1)), int(m.group(2))
+
+
+def base_url_arg(text: str) -> str:
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+class SlosAction(argparse.Action):
+    """--goodput ttft:MS tpot:MS ...: parsed into {metric: ms} or an argparse error saying what is allowed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            setattr(namespace, self.dest, parse_slos(values))
+        except ValueError as e:
+            parser.error(f"argument {option_string}: {e}")
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """The bench flags (also used by bench/compare.py for the shared ones)."""
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", type=base_url_arg, default="http://127.0.0.1:8000",
+                   help="the server's address, without /v1 (default: %(default)s)")
+    s.add_argument("--model", default=None, help="model id to ask for (default: the first of GET /v1/models)")
+    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--label", default=None, help="this system's name in reports and plots (default: the model id)")
+    s.add_argument("--timeout-s", type=positive_float, default=600.0, help="per request (default: %(default)s)")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", default="fixed", choices=WORKLOADS,
+                   help="fixed lengths, a trace-shaped length distribution (" + ", ".join(TRACES)
+                        + "), or multiturn conversations (see rapidserve/benchmark/workloads.py)")
+    w.add_argument("--input-len", type=positive_int, default=1024, help="fixed; multiturn: first turn's prompt")
+    w.add_argument("--output-len", type=positive_int, default=128, help="fixed and multiturn (each turn)")
+    w.add_argument("--num-turns", type=positive_int, default=4, help="multiturn")
+    w.add_argument("--turn-input-len", type=positive_int, default=128, help="multiturn: new tokens per later turn")
+    w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
+                   help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
+    w.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="clip sampled lengths to it (default: the server's, from /v1/models)")
+
+    a = p.add_argument_group("load")
+    a.add_argument("--request-rate", type=rates_arg, default=(math.inf,), metavar="R1,R2,...",
+                   help="requests/s, one run per rate, e.g. 1,2,4,inf (default: inf)")
+    a.add_argument("--arrival", default="poisson", choices=ARRIVAL_PROCESSES)
+    a.add_argument("--num-prompts", type=positive_int, default=None,
+                   help=f"requests (multiturn: conversations) per rate (default: {DEFAULT_NUM_PROMPTS}; "
+                        "with --duration-s: a cap)")
+    a.add_argument("--duration-s", type=positive_float, default=None,
+                   help="send the arrivals of this many seconds per rate instead of a count")
+    a.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    a.add_argument("--seed", type=nonneg_int, default=0)
+    a.add_argument("--warmup", type=nonneg_int, default=0, help="unrecorded requests sent first")
+    a.add_argument("--goodput", nargs="+", action=SlosAction, default={}, metavar="METRIC:MS",
+                   help=f"goodput bounds in ms, METRIC one of {', '.join(SLO_METRICS)} (itl: a request's "
+                        "largest inter-token gap)")
+
+
+def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add `bench` to the `rapidserve` subcommands (`sub` from ArgumentParser.add_subparsers)."""
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server over a request-rate sweep",
+                       description=__doc__.splitlines()[0])
+    add_bench_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--out-dir", default=".", help="where NAME.json, NAME.md and NAME.png go (default: .)")
+    o.add_argument("--name", default=None, help="file name stem (default: bench_<label>_<workload>)")
+    o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
+    lo, hi = a.token_range
+    spec = WorkloadSpec(name=a.workload, input_len=a.input_len, output_len=a.output_len, num_turns=a.num_turns,
+                        turn_input_len=a.turn_input_len, token_lo=lo, token_hi=hi, max_model_len=a.max_model_len)
+    spec.check()
+    return spec
+
+
+def config_from_args(a: argparse.Namespace) -> Any:
+    """BenchConfig from parsed flags; ValueError for combinations that cannot work."""
+    from rapidserve.benchmark.runner import BenchConfig
+
+    num = a.num_prompts
+    if a.duration_s is None and num is None:
+        num = DEFAULT_NUM_PROMPTS
+    if a.duration_s is not None and num is None and any(math.isinf(r) for r in a.request_rate):
+        raise ValueError("--request-rate inf sends everything at once, so with --duration-s it needs --num-prompts")
+    return BenchConfig(base_url=a.base_url, model=a.model, api_key=a.api_key, label=a.label,
+                       workload=workload_from_args(a), rates=tuple(a.request_rate), arrival=a.arrival,
+                       num_prompts=num, duration_s=a.duration_s, max_concurrency=a.max_concurrency, seed=a.seed,
+                       slos_ms=dict(a.goodput), warmup=a.warmup, timeout_s=a.timeout_s,
+                       quiet=getattr(a, "quiet", False))
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "bench"
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import aiohttp
+
+    from rapidserve.benchmark.report import workload_title, write_outputs
+    from rapidserve.benchmark.runner import run_benchmark
+
+    cfg = config_from_args(a)
+    try:
+        result = asyncio.run(run_benchmark(cfg))
+    except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+        print(f"rapidserve bench: error: cannot benchmark {a.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    name = a.name or safe_name(f"bench_{result['label']}_{workload_title(result['workload'])}")
+    paths = write_outputs(result, a.out_dir, name, plot=not a.no_plot)
+    if not a.quiet:
+        print("wrote " + ", ".join(paths.values()), flush=True)
+    return 0  # failed requests are in the report, not the exit code
+

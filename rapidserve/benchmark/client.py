@@ -1,0 +1,170 @@
+"""The HTTP side: streamed /v1/completions requests to any OpenAI-compatible server (aiohttp).
+
+Each request streams (`stream: true`, `stream_options: {"include_usage": true}`) and asks for
+exactly its output length (`max_tokens` = `min_tokens`, `ignore_eos`, greedy). A server-sent event
+with choices is a chunk; its token count is `len(token_ids)` when the server sends ids (token-id-only
+servers), else 1 if it has text, else 0 (an empty chunk carries no token and is skipped). The usage
+event's completion_tokens is the request's output count and fixes up chunks that carried several
+tokens without saying so (`stats.reconcile_chunk_tokens`).
+
+A failure is recorded with its error text: `HTTP <status>: <OpenAI error message or body>`, an error
+event inside the stream, a timeout, or the connection error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from rapidserve.benchmark.stats import RequestRecord, chunk_itls, reconcile_chunk_tokens
+
+
+@dataclass
+class Target:
+    """Where and how to send: the server's base URL (no /v1), the model id, auth and per-request limit."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    endpoint: str = "/v1/completions"
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + self.endpoint
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+@dataclass
+class Streamed:
+    """What one streamed request produced."""
+
+    record: RequestRecord
+    token_ids: list[int] | None  # the output as ids when the server sent them
+
+
+def error_text(status: int, body: str) -> str:
+    """'HTTP 400: <message>' from an OpenAI-style error body, or the body's start."""
+    msg = body.strip()
+    try:
+        d = json.loads(body)
+        err = d.get("error") if isinstance(d, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            msg = str(err["message"])
+        elif isinstance(err, str):
+            msg = err
+        elif isinstance(d, dict) and d.get("message"):
+            msg = str(d["message"])
+    except ValueError:
+        pass
+    return f"HTTP {status}: {msg[:300]}"
+
+
+def completion_payload(model: str, prompt: Sequence[int], output_len: int) -> dict[str, Any]:
+    return {"model": model, "prompt": list(prompt), "max_tokens": output_len, "min_tokens": output_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def chunk_tokens(choice: Mapping[str, Any]) -> tuple[int, list[int] | None]:
+    """(tokens this choice carries, its token ids if the server sent them)."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids), [int(t) for t in ids]
+    text = choice.get("text")
+    if text is None:  # chat-style delta
+        text = (choice.get("delta") or {}).get("content")
+    return (1 if text else 0), None
+
+
+async def stream_completion(session: aiohttp.ClientSession, target: Target, prompt: Sequence[int], output_len: int,
+                            record: RequestRecord, t0: float) -> Streamed:
+    """Send one request now and fill `record` (times relative to `t0`, a perf_counter reading)."""
+    record.prompt_tokens = len(prompt)
+    record.requested_output_tokens = output_len
+    times: list[float] = []
+    counts: list[int] = []
+    ids: list[int] | None = []
+    usage_tokens: int | None = None
+    start = time.perf_counter()
+    record.start_s = start - t0
+    try:
+        timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len),
+                                headers=target.headers(), timeout=timeout) as resp:
+            if resp.status != 200:
+                record.error = error_text(resp.status, await resp.text())
+                record.e2e_s = time.perf_counter() - start
+                return Streamed(record, None)
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                now = time.perf_counter()
+                event = json.loads(data)
+                if "error" in event:
+                    err = event["error"]
+                    record.error = "stream error: " + str(err.get("message", err) if isinstance(err, dict) else err)
+                    record.e2e_s = now - start
+                    return Streamed(record, None)
+                usage = event.get("usage")
+                if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+                    usage_tokens = int(usage["completion_tokens"])
+                n, chunk_ids = 0, None
+                for choice in event.get("choices") or ():
+                    k, cids = chunk_tokens(choice)
+                    n += k
+                    if cids is not None:
+                        chunk_ids = (chunk_ids or []) + cids
+                if n > 0:
+                    times.append(now)
+                    counts.append(n)
+                    if ids is not None and chunk_ids is not None:
+                        ids.extend(chunk_ids)
+                    else:
+                        ids = None
+            end = time.perf_counter()
+    except asyncio.TimeoutError:
+        record.error = f"timeout after {target.timeout_s:g} s"
+        record.e2e_s = time.perf_counter() - start
+        return Streamed(record, None)
+    except (aiohttp.ClientError, ValueError, OSError) as e:
+        record.error = f"{type(e).__name__}: {e}"[:300]
+        record.e2e_s = time.perf_counter() - start
+        return Streamed(record, None)
+    record.e2e_s = end - start
+    if not times:
+        record.error = "the stream carried no tokens"
+        return Streamed(record, None)
+    counts = reconcile_chunk_tokens(counts, usage_tokens)
+    record.ttft_s = times[0] - start
+    record.itl_s = chunk_itls(times, counts)
+    record.output_tokens = usage_tokens if usage_tokens is not None else sum(counts)
+    record.success = True
+    return Streamed(record, ids if ids else None)
+
+
+async def fetch_models(session: aiohttp.ClientSession, base_url: str, api_key: str | None,
+                       timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """GET /v1/models: the served models (id, and max_model_len where the server says it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with session.get(base_url.rstrip("/") + "/v1/models", headers=headers,
+                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        body = await resp.text()
+        if resp.status != 200:
+            raise ConnectionError(f"GET /v1/models: {error_text(resp.status, body)}")
+        data = json.loads(body).get("data") or []
+        return [m for m in data if isinstance(m, dict) and "id" in m]

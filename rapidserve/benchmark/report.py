@@ -1,0 +1,128 @@
+"""Writing a sweep's result: the JSON (every request + summaries), a markdown report, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from rapidserve.benchmark.arrivals import rate_label
+
+THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
+    ("req/s", "request_throughput", ".2f"), ("output tok/s", "output_throughput", ".1f"),
+    ("total tok/s", "total_token_throughput", ".1f"), ("goodput (req/s)", "goodput", ".2f"),
+    ("goodput RAPID TTFT (req/s)", "goodput_rapid_ttft", ".2f"))
+LATENCIES: tuple[tuple[str, str], ...] = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
+                                          ("E2E", "e2el_ms"))
+STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
+
+
+def jsonable(x: Any) -> Any:
+    """`x` with non-finite floats as None (JSON has no NaN or inf)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def workload_title(workload: Mapping[str, Any]) -> str:
+    """'fixed 4096:64', 'multiturn 1024:128 x4 (+128/turn)', or the trace's name."""
+    name = str(workload.get("name", "?"))
+    if name == "fixed":
+        return f"fixed {workload.get('input_len')}:{workload.get('output_len')}"
+    if name == "multiturn":
+        return (f"multiturn {workload.get('input_len')}:{workload.get('output_len')} x{workload.get('num_turns')} "
+                f"(+{workload.get('turn_input_len')}/turn)")
+    return name
+
+
+def _rate(v: float | str) -> str:
+    return rate_label(float(v))
+
+
+def to_markdown(result: Mapping[str, Any]) -> str:
+    cfg = result.get("config", {})
+    slos = cfg.get("slos_ms") or {}
+    lines = [
+        f"# rapidserve bench: {result.get('label')}", "",
+        f"- server: {result.get('base_url')}, model `{result.get('model')}`",
+        f"- workload: {workload_title(result.get('workload', {}))} ({_workload_details(result.get('workload', {}))})",
+        f"- arrivals: {cfg.get('arrival')}, {_count(cfg)} per rate, max concurrency "
+        f"{cfg.get('max_concurrency') or 'none'}, seed {cfg.get('seed')}, warm-up {cfg.get('warmup')}",
+        "- goodput: completed requests per second meeting "
+        + (", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) if slos else "(no --goodput bounds given)")
+        + "; RAPID TTFT goodput: TTFT <= 1 s per 1K prompt tokens",
+        f"- {result.get('created')}", "",
+        "| rate (req/s) | " + " | ".join(c[0] for c in THROUGHPUT_COLUMNS) + " |",
+        "|---" * (len(THROUGHPUT_COLUMNS) + 1) + "|",
+    ]
+    for run in result.get("runs", []):
+        s = run["summary"]
+        lines.append(f"| {_rate(run['rate'])} | " + " | ".join(fmt(s.get(k), f) for _, k, f in THROUGHPUT_COLUMNS)
+                     + " |")
+    lines += ["", "Latencies (ms):", "", "| rate (req/s) | metric | " + " | ".join(STATS) + " |",
+              "|---|---|" + "---|" * len(STATS)]
+    for run in result.get("runs", []):
+        for name, key in LATENCIES:
+            d = run["summary"].get(key) or {}
+            lines.append(f"| {_rate(run['rate'])} | {name} | " + " | ".join(fmt(d.get(k), ".1f") for k in STATS)
+                         + " |")
+    errors = [(run["rate"], e, n) for run in result.get("runs", []) for e, n in run["summary"]["errors"].items()]
+    if errors:
+        lines += ["", "Failures:", ""] + [f"- rate {_rate(r)}: {n} x {e}" for r, e, n in errors]
+    mismatched = [(run["rate"], run["summary"]["output_len_mismatches"]) for run in result.get("runs", [])
+                  if run["summary"].get("output_len_mismatches")]
+    if mismatched:
+        lines += ["", "Output lengths other than asked for (the server ignored ignore_eos/min_tokens?): "
+                  + ", ".join(f"rate {_rate(r)}: {n}" for r, n in mismatched)]
+    if result.get("skipped_rates"):
+        lines += ["", "Skipped (time budget): rates " + ", ".join(_rate(r) for r in result["skipped_rates"])]
+    return "\n".join(lines) + "\n"
+
+
+def _count(cfg: Mapping[str, Any]) -> str:
+    if cfg.get("duration_s") is not None:
+        cap = f" (at most {cfg['num_prompts']})" if cfg.get("num_prompts") else ""
+        return f"arrivals in {cfg['duration_s']:g} s{cap}"
+    return f"{cfg.get('num_prompts')} requests"
+
+
+def _workload_details(w: Mapping[str, Any]) -> str:
+    skip = {"name"}
+    return ", ".join(f"{k}={v}" for k, v in w.items() if k not in skip and v is not None)
+
+
+def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool = True) -> dict[str, str]:
+    """Write <out_dir>/<name>.json, .md and (with `plot`) .png; return their paths by kind."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    paths = {"json": base + ".json", "md": base + ".md"}
+    with open(paths["json"], "w") as f:
+        json.dump(jsonable(result), f, indent=1, allow_nan=False)
+        f.write("\n")
+    with open(paths["md"], "w") as f:
+        f.write(to_markdown(result))
+    if plot and result.get("runs"):
+        from rapidserve.benchmark.plot import plot_sweeps
+
+        paths["png"] = base + ".png"
+        plot_sweeps([result], paths["png"], title=f"{result.get('label')}: "
+                                                  f"{workload_title(result.get('workload', {}))}")
+    return paths
+
+
+def load_result(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)  # type: ignore[no-any-return]

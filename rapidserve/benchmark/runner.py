@@ -1,0 +1,189 @@
+"""A request-rate sweep against one server: `BenchConfig` in, a result dict (JSON-ready) out.
+
+`run_benchmark(cfg)` resolves the model (first id of GET /v1/models unless given) and the max model
+length (the server's, from /v1/models, unless given), sends `cfg.warmup` unrecorded requests, then
+runs each rate in turn: requests are released on the arrival schedule, held by the concurrency cap
+if one is set, and the rate's run ends when every request has finished. Rates not started by
+`cfg.deadline` (a time.monotonic() value) are skipped and listed.
+
+The result: {"label", "base_url", "model", "workload", "config", "runs": [{"rate", "summary",
+"requests": [...]}, ...], "skipped_rates", "created"}; rates are numbers or "inf".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from rapidserve.benchmark.arrivals import arrival_times, rate_label, rate_rng
+from rapidserve.benchmark.client import Target, fetch_models, stream_completion
+from rapidserve.benchmark.stats import RequestRecord, summarize
+from rapidserve.benchmark.workloads import WorkloadSpec, make_conversation, make_request
+
+WARMUP_SALT = 1_000_000  # warm-up prompts differ from every measured rate's
+
+
+@dataclass
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None: the first id of GET /v1/models
+    api_key: str | None = None
+    label: str | None = None  # the system's name in reports and plots (default: the model id)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    rates: tuple[float, ...] = (math.inf,)
+    arrival: str = "poisson"
+    num_prompts: int | None = 100
+    duration_s: float | None = None
+    max_concurrency: int | None = None
+    seed: int = 0
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    warmup: int = 0
+    timeout_s: float = 600.0
+    deadline: float | None = None
+    quiet: bool = False
+
+
+def rate_json(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def rate_from_json(v: float | str) -> float:
+    return float(v)
+
+
+async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
+                           sem: asyncio.Semaphore | None, t0: float, salt: int) -> list[RequestRecord]:
+    async def one(i: int, at: float) -> RequestRecord:
+        req = make_request(cfg.workload, cfg.seed, i, salt)
+        rec = RequestRecord(i, len(req.prompt), req.output_len)
+        await _sleep_until(t0 + at)
+        rec.scheduled_s = time.perf_counter() - t0
+        async with sem if sem is not None else contextlib.nullcontext():
+            await stream_completion(session, target, req.prompt, req.output_len, rec, t0)
+        return rec
+
+    return list(await asyncio.gather(*(one(i, float(at)) for i, at in enumerate(offsets))))
+
+
+async def _run_conversations(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
+                             sem: asyncio.Semaphore | None, t0: float, salt: int) -> list[RequestRecord]:
+    spec = cfg.workload
+
+    async def one(c: int, at: float) -> list[RequestRecord]:
+        conv = make_conversation(spec, cfg.seed, c, salt)
+        await _sleep_until(t0 + at)
+        history: list[int] = []
+        out: list[RequestRecord] = []
+        for turn in range(spec.num_turns):
+            prompt = conv.prompt(turn, history)
+            n_out = conv.output_lens[turn]
+            rec = RequestRecord(c * spec.num_turns + turn, len(prompt), n_out, conversation=c, turn=turn)
+            rec.scheduled_s = time.perf_counter() - t0
+            async with sem if sem is not None else contextlib.nullcontext():
+                got = await stream_completion(session, target, prompt, n_out, rec, t0)
+            out.append(rec)
+            if not rec.success:  # the conversation cannot go on without this turn
+                break
+            outputs = got.token_ids if got.token_ids is not None else conv.standin(rec.output_tokens, spec)
+            history = [*prompt, *outputs]
+        return out
+
+    runs = await asyncio.gather(*(one(c, float(at)) for c, at in enumerate(offsets)))
+    return [r for conv_records in runs for r in conv_records]
+
+
+async def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def run_rate(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, rate: float,
+                   rate_index: int) -> tuple[list[RequestRecord], float]:
+    """One run at `rate` (the `rate_index`-th of the sweep, >= 0: it salts the arrivals and the prompts'
+    tokens): its records and its wall time."""
+    offsets = arrival_times(rate, cfg.arrival, rate_rng(cfg.seed, rate_index), cfg.num_prompts, cfg.duration_s)
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    t0 = time.perf_counter()
+    run = _run_conversations if cfg.workload.name == "multiturn" else _run_single_turn
+    records = await run(session, target, cfg, offsets, sem, t0, rate_index)
+    return records, time.perf_counter() - t0
+
+
+async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tuple[Target, int | None]:
+    """The model to ask for and the server's max model length (None if it does not say)."""
+    models = await fetch_models(session, cfg.base_url, cfg.api_key)
+    if cfg.model is None and not models:
+        raise ConnectionError(f"{cfg.base_url}/v1/models lists no model: pass --model")
+    model = cfg.model if cfg.model is not None else str(models[0]["id"])
+    entry = next((m for m in models if m["id"] == model), models[0] if models else {})
+    mml = entry.get("max_model_len")
+    return Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s), (int(mml) if isinstance(mml, int) else None)
+
+
+def _log(cfg: BenchConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(msg, flush=True)
+
+
+async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the sweep; return the result dict (every request's record and each rate's summary)."""
+    limits = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=limits) as session:
+        target, server_mml = await resolve_target(session, cfg)
+        spec = cfg.workload
+        if spec.max_model_len is None and server_mml is not None:
+            spec = replace(spec, max_model_len=server_mml)
+        spec.check()
+        cfg = replace(cfg, workload=spec)
+        label = cfg.label or target.model
+        _log(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
+                  f"rates {', '.join(rate_label(r) for r in cfg.rates)}")
+        if cfg.warmup:
+            warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
+            records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT)
+            bad = [r.error for r in records if not r.success]
+            if bad:
+                raise ConnectionError(f"warm-up request failed: {bad[0]}")
+        runs: list[dict[str, Any]] = []
+        skipped: list[float | str] = []
+        for i, rate in enumerate(cfg.rates):
+            if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
+                skipped.append(rate_json(rate))
+                continue
+            records, _ = await run_rate(session, target, cfg, rate, i)
+            summary = summarize(records, cfg.slos_ms)
+            run = {"rate": rate_json(rate), "summary": summary, "requests": [r.to_json() for r in records]}
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
+            _log(cfg, "  " + one_line(rate, summary))
+    return {
+        "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
+        "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
+                   "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms,
+                   "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "rates": [rate_json(r) for r in cfg.rates],
+                   "workload_spec": asdict(spec)},
+        "runs": runs, "skipped_rates": skipped,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def one_line(rate: float, s: dict[str, Any]) -> str:
+    def ms(d: dict[str, float | None], k: str) -> str:
+        v = d.get(k)
+        return "-" if v is None else f"{v:.1f}"
+
+    return (f"rate {rate_label(rate)}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s; "
+            f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s; "
+            f"TTFT p50 {ms(s['ttft_ms'], 'median')} p99 {ms(s['ttft_ms'], 'p99')} ms; "
+            f"ITL p50 {ms(s['itl_ms'], 'median')} p99 {ms(s['itl_ms'], 'p99')} ms")
