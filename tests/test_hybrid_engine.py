@@ -31,20 +31,36 @@ def shm_entries(pid: int) -> list[str]:
 LENGTHS = [5, 150, 12, 70, 33, 90, 8, 64, 41, 120, 20, 57]  # chunked (> BUDGET) and shared steps (< BUDGET)
 
 
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 1280) for _ in range(n)] for n in LENGTHS]
+
+
+def reference_tokens(prompts: list[list[int]], device: str) -> list[list[int]]:
+    llm = LLM(MODEL, dtype="float32", device=device, show_progress=False, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 1280) for _ in range(n)] for n in LENGTHS]
-    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    prompts = make_prompts()
+    return prompts, reference_tokens(prompts, "cpu")
 
 
-def hybrid_config() -> EngineConfig:
-    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=512,
+def hybrid_config(device: str = "cpu") -> EngineConfig:
+    cfg, _ = build_engine_config(MODEL, device=device, dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=512,
                                  max_num_batched_tokens=BUDGET)
     return dataclasses.replace(cfg, launch=LaunchConfig(mode="hybrid", mps="off", startup_timeout_s=300,
                                                         on_worker_death="restart"))
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    toks = [t async for t in engine.generate(rid, prompt, params)]
+    assert [t.index for t in toks] == list(range(len(toks)))
+    if params.logprobs:
+        assert all(t.logprob is not None and len(t.top_logprobs or []) == params.logprobs for t in toks)
+    return [t.token_id for t in toks]
 
 
 async def wait_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> None:
@@ -58,16 +74,9 @@ async def wait_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> None:
     raise AssertionError(f"KV blocks not all free: {engine.stats}")
 
 
-def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_fast(
+def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_fast_and_restarts(
         reference: tuple[list[list[int]], list[list[int]]]) -> None:
     prompts, want = reference
-
-    async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-        toks = [t async for t in engine.generate(rid, prompt, params)]
-        assert [t.index for t in toks] == list(range(len(toks)))
-        if params.logprobs:
-            assert all(t.logprob is not None and len(t.top_logprobs or []) == params.logprobs for t in toks)
-        return [t.token_id for t in toks]
 
     async def main() -> None:
         engine = await AsyncEngine.start(hybrid_config())
@@ -104,7 +113,8 @@ def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_
             # kill -9 of the worker: in-flight requests fail at once, then a new worker comes up and serves
             long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
             doomed = [asyncio.create_task(collect(engine, f"k{i}", p, long)) for i, p in enumerate(prompts[:3])]
-            while engine.stats is None or engine.stats.num_running == 0:  # decoding, far from done
+            deadline = time.monotonic() + 30
+            while engine.stats.num_running == 0 and time.monotonic() < deadline:  # decoding, far from done
                 await asyncio.sleep(0.005)
             t0 = time.monotonic()
             os.kill(engine.workers.procs["hybrid"].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
@@ -120,6 +130,27 @@ def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_
         finally:
             await engine.shutdown()
         assert shm_entries(os.getpid()) == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+def test_hybrid_engine_on_gpu_matches_llm() -> None:
+    """Decode-only steps replay decode graphs, mixed steps run the Triton varlen prefill kernel (fp32:
+    a mismatch late in a sequence at near-tied logits would be numerics, not scheduling)."""
+    prompts = make_prompts()
+    want = reference_tokens(prompts, "cuda")
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(hybrid_config("cuda"))
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+            got = await asyncio.gather(*(collect(engine, f"g{i}", p, greedy) for i, p in enumerate(prompts)))
+            assert got == want
+            await wait_blocks_free(engine)
+            assert engine.stats is not None and engine.stats.num_preemptions > 0
+        finally:
+            await engine.shutdown()
 
     asyncio.run(main())
 

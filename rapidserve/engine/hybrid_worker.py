@@ -91,7 +91,7 @@ class HybridWorker:
         while not self._stop:
             plan = self.sched.schedule()
             step = None if plan.is_empty else self.launch(plan)
-            self.read_inbox(wait=step is None)  # while the device computes the step
+            self.read_inbox(wait=plan.is_empty and not plan.preempted)  # while the device computes the step
             if step is not None:
                 self.record(step)
             self.publish()

@@ -131,12 +131,12 @@ class WorkerSet:
         handoff = ctx.Queue()
         try:
             for who in ("hybrid",) if hybrid else ("decode", "prefill"):
+                target: Any = worker_main
+                args: tuple[Any, ...] = (who, cfg, names, os.getpid(), handoff, env)
                 if who == "hybrid":
                     from rapidserve.engine.hybrid_worker import hybrid_main
 
                     target, args = hybrid_main, (cfg, names, os.getpid(), env)
-                else:
-                    target, args = worker_main, (who, cfg, names, os.getpid(), handoff, env)
                 p = ctx.Process(target=target, name=f"rapidserve-{who}", daemon=True, args=args)
                 p.start()
                 ws.procs[who] = p
