@@ -5,10 +5,11 @@ A *configuration* splits the GPU's compute units (SMs / CUs) between decode and 
 run's configurations are created at start-up (creating one costs milliseconds and is not safe to do
 between steps) and each process asks for the streams of its role:
 
-* `cuda-green`: one `cuDevSmResourceSplitByCount` per split; decode takes group 0, prefill the
-  remainder. The split is deterministic, so two processes that split with the same count and take
-  complementary groups get disjoint SMs. Each group becomes a green context whose stream is wrapped
-  with `torch.cuda.ExternalStream`. Two processes only run concurrently under MPS.
+* `cuda-green`: one `cuDevSmResourceSplitByCount` per split; decode takes group 0 (aligned), prefill
+  the remainder (whatever is left, e.g. 116 of 132 SMs). The split is deterministic, so two
+  processes that split with the same count and take complementary groups get disjoint SMs. Each
+  group becomes a green context whose stream is wrapped with `torch.cuda.ExternalStream`. Two
+  processes only run concurrently under MPS.
 * `hip-cumask`: streams from `hipExtStreamCreateWithCUMask` (hip_ext): decode gets the low logical
   bits (balanced over XCDs by construction), prefill the complement.
 * `none`: one configuration (overallocated) on plain streams (CPU, or GPUs without partitioning).
@@ -92,10 +93,12 @@ def check_configurations(configs: Sequence[Configuration], g: Granularity, where
         if c.decode_units + c.prefill_units != g.total:
             raise PartitionError(f"{where}: configuration {c.name!r} splits {c.decode_units + c.prefill_units} "
                                  f"units but this device has {g.total}; re-run `rapidserve profile` on this GPU")
-        for role, n in (("decode", c.decode_units), ("prefill", c.prefill_units)):
-            if n < g.smallest or n % g.align:
-                raise PartitionError(f"{where}: configuration {c.name!r} gives {role} {n} units; this device needs "
-                                     f"multiples of {g.align}, at least {g.smallest}")
+        if c.decode_units < g.smallest or c.decode_units % g.align:
+            raise PartitionError(f"{where}: configuration {c.name!r} gives decode {c.decode_units} units; this "
+                                 f"device needs a multiple of {g.align}, at least {g.smallest}")
+        if c.prefill_units < g.min_units:  # the remainder group: any size from min_units
+            raise PartitionError(f"{where}: configuration {c.name!r} leaves prefill {c.prefill_units} units; "
+                                 f"this device needs at least {g.min_units}")
 
 
 # ---- backends ---------------------------------------------------------------------------------

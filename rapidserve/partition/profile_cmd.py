@@ -109,7 +109,10 @@ def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Pat
     report = compare(measured, predicted)
     md = out.with_suffix(".roofline.md")
     md.write_text(report.to_markdown() + "\n")
-    return {"report": str(md), **report.summary()}
+    stats = {m: {"median_abs_error": round(s.median_abs, 4), "p90_abs_error": round(s.p90_abs, 4),
+                 "median_signed_error": round(s.median_signed, 4)} for m, s in report.stats.items()}
+    return {"report": str(md), "peaks": {"matmul_flops": peaks.matmul_flops, "hbm_bw": peaks.hbm_bw,
+                                         "num_compute_units": peaks.num_compute_units}, "errors": stats}
 
 
 def slo_table(p: Profile, slo_itl_ms: float) -> str:
