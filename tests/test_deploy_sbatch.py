@@ -1,0 +1,267 @@
+"""deploy/slurm/rapidserve.sbatch run directly with bash (no Slurm) against a stand-in server.
+
+The stand-in records its argv and device environment, answers /health, and exits on SIGTERM, so
+these tests check the script's own logic quickly: GPU detection and pinning per vendor, ports,
+flag pass-through, readiness, endpoints, shutdown and failure handling. The real server under a
+real Slurm is exercised by tests/test_deploy_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "deploy" / "slurm" / "rapidserve.sbatch"
+DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
+
+FAKE_SERVER = r'''
+import http.server, json, os, signal, sys, threading
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+host = args[args.index("--host") + 1]
+mode = os.environ.get("FAKE_MODE", "ok")
+out = os.path.join(os.environ["FAKE_RECORD_DIR"], f"{port}.json")
+rec = {"argv": args, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in @DEVICE_VARS@}}
+json.dump(rec, open(out, "w"))
+if mode == "fail" and port == int(os.environ.get("FAKE_FAIL_PORT", port)):
+    print("fake: failing on purpose", flush=True)
+    sys.exit(3)
+if mode == "stuck":  # leaves a ring behind and ignores SIGTERM, like a hung server
+    open(f"/dev/shm/rapidserve-{os.getpid()}-fake-ring", "w").close()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.path == "/health" and mode != "unready"
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+
+srv = http.server.ThreadingHTTPServer((host, port), H)
+def stop(*a):
+    rec["stopped"] = True
+    json.dump(rec, open(out, "w"))
+    threading.Thread(target=srv.shutdown).start()
+if mode != "stuck":
+    signal.signal(signal.SIGTERM, stop)
+srv.serve_forever()
+print("fake: stopped", flush=True)
+'''.replace("@DEVICE_VARS@", repr(DEVICE_VARS))
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n free consecutive ports after it (checked, not reserved)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+class Run:
+    def __init__(self, proc: subprocess.Popen[str], log_root: Path, record_dir: Path, base_port: int) -> None:
+        self.proc, self.log_root, self.record_dir, self.base_port = proc, log_root, record_dir, base_port
+        self.job_dir = log_root / f"local-{proc.pid}"
+
+    def wait_ready(self, timeout: float = 30.0) -> list[str]:
+        endpoints = self.job_dir / "endpoints"
+        deadline = time.monotonic() + timeout
+        while not endpoints.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"script exited {self.proc.returncode} before ready:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not ready after {timeout} s:\n{self.output()}")
+            time.sleep(0.1)
+        return endpoints.read_text().split()
+
+    def finish(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            return "(still running)"
+        assert self.proc.stdout is not None
+        return self.proc.stdout.read()
+
+    def record(self, replica: int) -> dict[str, Any]:
+        return json.loads((self.record_dir / f"{self.base_port + replica}.json").read_text())
+
+
+@pytest.fixture()
+def run_script(tmp_path: Path) -> Iterator[Callable[..., Run]]:
+    runs: list[Run] = []
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = tmp_path / "fake_server.py"
+    fake.write_text(FAKE_SERVER)
+
+    def start(args: list[str], env: dict[str, str], replicas: int = 1, nvidia_gpus: int = 0,
+              fail_replica: int | None = None) -> Run:
+        if nvidia_gpus:
+            smi = bin_dir / "nvidia-smi"
+            lines = "".join(f'echo "GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})"\n' for i in range(nvidia_gpus))
+            smi.write_text("#!/bin/sh\n" + lines)
+            smi.chmod(0o755)
+        record_dir = tmp_path / f"records-{len(runs)}"
+        record_dir.mkdir()
+        base = free_port_block(replicas)
+        full = {k: v for k, v in os.environ.items()
+                if k not in DEVICE_VARS and not k.startswith(("SLURM_", "RAPIDSERVE_"))}
+        full.update({
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "RAPIDSERVE_BIN": f"{sys.executable} {fake}",
+            "RAPIDSERVE_HOST": "127.0.0.1",
+            "RAPIDSERVE_BASE_PORT": str(base),
+            "RAPIDSERVE_LOG_DIR": str(tmp_path / "logs"),
+            "FAKE_RECORD_DIR": str(record_dir),
+        })
+        full.update(env)
+        if fail_replica is not None:
+            full["FAKE_FAIL_PORT"] = str(base + fail_replica)
+        proc = subprocess.Popen(["bash", str(SCRIPT), *args], env=full, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        run = Run(proc, tmp_path / "logs", record_dir, base)
+        runs.append(run)
+        return run
+
+    yield start
+    for r in runs:
+        if r.proc.poll() is None:
+            os.killpg(r.proc.pid, signal.SIGKILL)
+            r.proc.wait()
+
+
+def stop(run: Run) -> tuple[int, str]:
+    run.proc.send_signal(signal.SIGTERM)
+    code = run.finish()
+    return code, run.output()
+
+
+def test_nvidia_one_replica_per_gpu_each_pinned_and_stopped_cleanly(run_script: Callable[..., Run]) -> None:
+    run = run_script(["--max-num-seqs", "8"], {"ROCR_VISIBLE_DEVICES": "7"}, replicas=2, nvidia_gpus=2)
+    endpoints = run.wait_ready()
+    assert endpoints == [f"http://127.0.0.1:{run.base_port}", f"http://127.0.0.1:{run.base_port + 1}"]
+    for i in range(2):
+        rec = run.record(i)
+        assert rec["env"]["CUDA_VISIBLE_DEVICES"] == str(i)
+        assert rec["env"]["ROCR_VISIBLE_DEVICES"] is None and rec["env"]["HIP_VISIBLE_DEVICES"] is None
+        assert rec["argv"] == ["serve", "--host", "127.0.0.1", "--port", str(run.base_port + i), "--mps", "auto",
+                               "--max-num-seqs", "8"]
+        assert (run.job_dir / f"replica-{i}.log").exists()
+    code, out = stop(run)
+    assert code == 0, out
+    for i in range(2):
+        assert run.record(i).get("stopped"), out
+        assert f"replica {i} exited with code 0" in out
+        assert "fake: stopped" in (run.job_dir / f"replica-{i}.log").read_text()
+
+
+def test_nvidia_uses_the_gpus_slurm_assigned_and_passes_mps(run_script: Callable[..., Run]) -> None:
+    env = {"CUDA_VISIBLE_DEVICES": "4,6", "RAPIDSERVE_MPS": "on"}
+    run = run_script([], env, replicas=2, nvidia_gpus=8)
+    run.wait_ready()
+    assert [run.record(i)["env"]["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["4", "6"]
+    assert run.record(0)["argv"][-2:] == ["--mps", "on"]
+    assert stop(run)[0] == 0
+
+
+def test_amd_pins_rocr_and_makes_hip_relative(run_script: Callable[..., Run]) -> None:
+    env = {"RAPIDSERVE_GPU_VENDOR": "amd", "ROCR_VISIBLE_DEVICES": "2,5", "GPU_DEVICE_ORDINAL": "2,5",
+           "HIP_VISIBLE_DEVICES": "2,5"}
+    run = run_script([], env, replicas=2)
+    run.wait_ready()
+    for i, dev in enumerate(("2", "5")):
+        e = run.record(i)["env"]
+        assert (e["ROCR_VISIBLE_DEVICES"], e["HIP_VISIBLE_DEVICES"], e["CUDA_VISIBLE_DEVICES"]) == (dev, "0", "0")
+        assert e["GPU_DEVICE_ORDINAL"] is None
+    assert stop(run)[0] == 0
+
+
+def test_cpu_serves_one_replica_with_gpus_hidden(run_script: Callable[..., Run]) -> None:
+    run = run_script(["--model", "preset:tiny"], {"RAPIDSERVE_GPU_VENDOR": "none"})
+    assert len(run.wait_ready()) == 1
+    e = run.record(0)["env"]
+    assert e["CUDA_VISIBLE_DEVICES"] == "" and e["HIP_VISIBLE_DEVICES"] == ""
+    code, out = stop(run)
+    assert code == 0 and "vendor none" in out
+
+
+def test_replica_that_dies_during_start_fails_the_job_and_stops_the_others(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "RAPIDSERVE_REPLICAS": "2", "FAKE_MODE": "fail"},
+                     replicas=2, fail_replica=1)
+    assert run.finish() == 1
+    out = run.output()
+    assert "replica 1 exited with code 3 before it was ready" in out and "fake: failing on purpose" in out, out
+    assert run.record(0).get("stopped"), out  # replica 0 was healthy or starting: it got SIGTERM
+    assert "replica 0 exited with code 0" in out
+    assert not (run.job_dir / "endpoints").exists()
+
+
+def test_not_ready_in_time(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "FAKE_MODE": "unready", "RAPIDSERVE_READY_TIMEOUT": "2"})
+    run.proc.wait(timeout=30)
+    out = run.output()
+    assert run.proc.returncode == 1 and "not healthy after 2s" in out, out
+    assert run.record(0).get("stopped"), out
+
+
+def test_cancel_while_starting_stops_the_replicas(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "FAKE_MODE": "unready"})
+    deadline = time.monotonic() + 30
+    while not (run.record_dir / f"{run.base_port}.json").exists():
+        assert time.monotonic() < deadline and run.proc.poll() is None
+        time.sleep(0.1)
+    time.sleep(0.5)  # the fake is serving 503s: the script is in its readiness loop
+    code, out = stop(run)
+    assert code == 0, out
+    assert run.record(0).get("stopped") and "replica 0 exited with code 0" in out, out
+    assert not (run.job_dir / "endpoints").exists()
+
+
+def test_hung_replica_is_killed_and_its_shared_memory_removed(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "FAKE_MODE": "stuck", "RAPIDSERVE_STOP_TIMEOUT": "1"})
+    run.wait_ready()
+    ring = Path(f"/dev/shm/rapidserve-{run.record(0)['pid']}-fake-ring")
+    assert ring.exists()
+    code, out = stop(run)
+    assert code == 1, out
+    assert "did not stop within 1s: SIGKILL" in out and "exited with code 137" in out
+    assert not ring.exists()
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RAPIDSERVE_GPU_VENDOR": "amd", "ROCR_VISIBLE_DEVICES": "0", "RAPIDSERVE_REPLICAS": "2"}, "only 1 GPUs"),
+    ({"RAPIDSERVE_MPS": "maybe"}, "RAPIDSERVE_MPS must be auto, on or off"),
+    ({"RAPIDSERVE_BASE_PORT": "80x"}, "RAPIDSERVE_BASE_PORT must be a whole number"),
+    ({"RAPIDSERVE_GPU_VENDOR": "intel"}, "RAPIDSERVE_GPU_VENDOR must be"),
+])
+def test_bad_settings_are_refused(run_script: Callable[..., Run], env: dict[str, str], message: str) -> None:
+    run = run_script([], env)
+    assert run.finish() == 2
+    assert message in run.output()
