@@ -9,8 +9,8 @@ latency a user sees while new requests are being prefilled), and reports:
   * per replica: decode tokens/s (batch x 1000 / step ms) and prefill tokens/s;
   * with --output-tokens-per-s (the demand): replicas and nodes needed, one replica per GPU.
 
-    python3 deploy/size_from_profile.py profiles/amd-instinct-mi300x__llama-3-1-8b.json \\
-        --itl-ms 40 --context 4096 --gpus-per-node 8 --output-tokens-per-s 200000
+    python3 deploy/size_from_profile.py profiles/nvidia-h100-80gb-hbm3__preset-llama-3-8b.json \\
+        --itl-ms 30 --context 4096 --gpus-per-node 8 --output-tokens-per-s 20000
 
 See docs/operations.md.
 """
