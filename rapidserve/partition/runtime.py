@@ -154,9 +154,13 @@ class DecodePartition:
             return None
         assert self.plan.profile is not None
         old = self.state.config
-        idle = batch == 0  # no decode to protect: prefill gets the whole GPU at once
-        d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=context,
-                               prefill_pending=prefill_pending and not idle, slo_itl_ms=self.pcfg.slo_itl_ms,
+        # With no decode running a switch disturbs nobody: no hysteresis. Prefill pending with an empty
+        # decode batch still gets a split sized for one sequence, not the whole GPU: the first request
+        # to finish its prefill starts decoding at once, and a prefill forward already holding every SM
+        # would stall it for the whole forward (FACTS.md: overallocated starves decode on Hopper).
+        idle = batch == 0
+        d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
+                               prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms,
                                profile=self.plan.profile, hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps)
         if d.config == old:
             return None
