@@ -24,6 +24,7 @@ import msgspec
 from rapidserve.config import EngineConfig, PartitionConfig
 from rapidserve.partition.backend import (
     PartitionBackend,
+    PartitionError,
     Role,
     check_configurations,
     detect_kind,
@@ -86,6 +87,8 @@ def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partition
     if p.mode == "off" or kind == "none":
         why = "partition off" if p.mode == "off" else f"no partition backend on {device}"
         return PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, why)
+    if getattr(device, "type", "cpu") != "cuda":  # an explicit GPU backend: say so before probing the driver
+        raise PartitionError(f"partition backend {kind!r} needs a GPU; this run is on {device}: use --partition off")
     g = device_granularity(kind, device)
     if p.mode == "static":
         assert p.static_decode_share is not None

@@ -1,0 +1,410 @@
+"""The partition plan of a run and the decode worker's manager: PartitionConfig and --partition parsing, the CLI's
+partition flags, resolve_plan on CPU, DecodePartition over a synthetic H100 profile, and the profile path helpers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import rapidserve
+from rapidserve.cli import build_parser, main, partition_config
+from rapidserve.config import ConfigError, EngineConfig, PartitionConfig
+from rapidserve.loader.presets import preset_config
+from rapidserve.partition.backend import NoPartition, PartitionError
+from rapidserve.partition.profile import (
+    OVERALLOCATED,
+    Configuration,
+    Profile,
+    default_profiles_dir,
+    model_label,
+    profile_filename,
+    slug,
+)
+from rapidserve.partition.profile_cmd import cmd_profile
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
+from tests.test_partition_manager import h100_profile
+
+CPU = torch.device("cpu")
+FULL = h100_profile()  # overallocated + split16/32/48/64 on 132 SMs
+
+
+# ---- PartitionConfig ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(mode="off"),
+        dict(mode="static", static_decode_share=0.25),
+        dict(mode="static", static_decode_share=0.999),
+        dict(backend="none"),
+        dict(backend="cuda-green"),
+        dict(backend="hip-cumask", profile="p.json"),
+        dict(hysteresis_steps=0),
+        dict(slo_itl_ms=0.5),
+        dict(decode_shares=(0.3,)),
+    ],
+)
+def test_partition_config_valid(kw: dict[str, Any]) -> None:
+    PartitionConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "pattern"),
+    [
+        (dict(mode="Adaptive"), "partition mode='Adaptive'; use adaptive, off or static"),
+        (dict(mode="static"), "needs its decode share \\(static:0.25\\)"),
+        (dict(mode="adaptive", static_decode_share=0.25), "only a static one has it"),
+        (dict(mode="off", static_decode_share=0.25), "only a static one has it"),
+        (dict(mode="static", static_decode_share=0.0), "must be in \\(0, 1\\), e.g. static:0.25"),
+        (dict(mode="static", static_decode_share=1.0), "must be in \\(0, 1\\)"),
+        (dict(mode="static", static_decode_share=-0.5), "must be in \\(0, 1\\)"),
+        (dict(backend="cuda"), "partition backend='cuda'; use auto, cuda-green, hip-cumask or none"),
+        (dict(slo_itl_ms=0.0), "slo_itl_ms=0.0 must be > 0"),
+        (dict(slo_itl_ms=-5.0), "slo_itl_ms"),
+        (dict(hysteresis_steps=-1), "hysteresis_steps=-1 must be >= 0"),
+        (dict(decode_shares=()), "non-empty tuple of shares"),
+        (dict(decode_shares=(0.25, 1.0)), "decode_shares"),
+        (dict(decode_shares=(0.0,)), "decode_shares"),
+    ],
+)
+def test_partition_config_invalid(kw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        PartitionConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "share"),
+    [
+        ("adaptive", "adaptive", None),
+        ("off", "off", None),
+        ("static:0.25", "static", 0.25),
+        ("static:.5", "static", 0.5),
+        ("static:1e-1", "static", 0.1),
+        ("static: 0.75", "static", 0.75),
+    ],
+)
+def test_partition_parse(text: str, mode: str, share: float | None) -> None:
+    p = PartitionConfig.parse(text)
+    assert (p.mode, p.static_decode_share) == (mode, share)
+
+
+def test_partition_parse_passes_keywords() -> None:
+    p = PartitionConfig.parse("static:0.25", backend="none", profile="x.json", slo_itl_ms=20.0)
+    assert p == PartitionConfig(mode="static", static_decode_share=0.25, backend="none", profile="x.json",
+                                slo_itl_ms=20.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "pattern"),
+    [
+        ("static:0", "static decode share 0.0 must be in \\(0, 1\\), e.g. static:0.25"),
+        ("static:1", "must be in \\(0, 1\\)"),
+        ("static:-0.25", "must be in \\(0, 1\\)"),
+        ("static:nan", "must be in \\(0, 1\\)"),
+        ("static:abc", "'static:abc': the share after static: must be a number in \\(0, 1\\), e.g. static:0.25"),
+        ("static:", "e.g. static:0.25"),
+        ("static:25%", "e.g. static:0.25"),
+        ("bogus", "--partition 'bogus'; use adaptive, off or static:<decode share in \\(0, 1\\)>"),
+        ("", "use adaptive, off or static"),
+        ("static", "use adaptive, off or static"),
+        ("ADAPTIVE", "use adaptive, off or static"),
+        ("on", "use adaptive, off or static"),
+    ],
+)
+def test_partition_parse_errors(text: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        PartitionConfig.parse(text)
+
+
+# ---- the command line ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["serve", "--partition", "bogus"], "argument --partition: --partition 'bogus'; use adaptive, off or static"),
+        (["serve", "--partition", "static:0"], "argument --partition: .*must be in \\(0, 1\\)"),
+        (["serve", "--partition", "static:abc"], "e.g. static:0.25"),
+        (["serve", "--partition-backend", "cuda"], "argument --partition-backend: invalid choice: 'cuda'"),
+        (["serve", "--slo-itl-ms", "0"], "argument --slo-itl-ms: 0.0 must be a positive number"),
+        (["serve", "--slo-itl-ms", "inf"], "argument --slo-itl-ms: inf must be a positive number"),
+        (["serve", "--slo-itl-ms", "fast"], "'fast' is not a number"),
+        (["profile", "--batch-buckets", "8,1"], "argument --batch-buckets: '8,1': give strictly ascending positive"),
+        (["profile", "--batch-buckets", "1,1"], "strictly ascending"),
+        (["profile", "--batch-buckets", "a,b"], "give comma-separated positive integers, e.g. 1,8,32"),
+        (["profile", "--context-buckets", "0,512"], "argument --context-buckets: .*strictly ascending positive"),
+        (["profile", "--context-buckets", ","], "strictly ascending positive"),
+        (["profile", "--decode-shares", "0.25,1"], "argument --decode-shares: .*every decode share must be in"),
+        (["profile", "--decode-shares", "x"], "comma-separated shares in \\(0, 1\\)"),
+        (["profile", "--prefill-tokens", "0"], "argument --prefill-tokens: 0 must be an integer >= 1"),
+        (["profile", "--decode-reps", "-3"], "argument --decode-reps"),
+        # profile has no --partition (it measures every configuration); argparse reads it as --partition-backend
+        (["profile", "--partition", "off"], "argument --partition-backend: invalid choice: 'off'"),
+    ],
+)
+def test_cli_partition_usage_errors(argv: list[str], pattern: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: rapidserve" in err
+    assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["serve"], PartitionConfig()),
+        (["serve", "--partition", "off"], PartitionConfig(mode="off")),
+        (["serve", "--partition", "static:0.25", "--partition-backend", "hip-cumask"],
+         PartitionConfig(mode="static", static_decode_share=0.25, backend="hip-cumask")),
+        (["serve", "--profile", "p.json", "--slo-itl-ms", "20"], PartitionConfig(profile="p.json", slo_itl_ms=20.0)),
+        (["profile", "--partition-backend", "none", "--slo-itl-ms", "7.5"],
+         PartitionConfig(backend="none", slo_itl_ms=7.5)),
+    ],
+)
+def test_cli_partition_config(argv: list[str], want: PartitionConfig) -> None:
+    assert partition_config(build_parser().parse_args(argv)) == want
+
+
+def test_cli_profile_defaults() -> None:
+    a = build_parser().parse_args(["profile", "--model", "preset:tiny-llama"])
+    assert a.func is cmd_profile
+    assert a.batch_buckets == (1, 8, 16, 32, 64, 128) and a.context_buckets == (512, 2048, 8192)
+    assert a.decode_shares == (0.125, 0.25, 0.375, 0.5) and a.prefill_tokens == 4096 and a.decode_reps == 20
+    assert a.out is None and not a.no_roofline and a.partition_backend == "auto"
+    a = build_parser().parse_args(["profile", "--batch-buckets", "1, 2,4", "--decode-shares", "0.5,0.25"])
+    assert a.batch_buckets == (1, 2, 4) and a.decode_shares == (0.5, 0.25)
+
+
+# ---- resolve_plan on CPU ------------------------------------------------------------------------
+def engine_config(**partition: Any) -> EngineConfig:
+    return EngineConfig("preset:tiny-llama", preset_config("tiny-llama"), partition=PartitionConfig(**partition))
+
+
+@pytest.mark.parametrize(
+    ("partition", "reason"),
+    [
+        (dict(), "no partition backend on cpu"),
+        (dict(mode="off"), "partition off"),
+        (dict(mode="static", static_decode_share=0.25), "no partition backend on cpu"),
+        (dict(backend="none"), "no partition backend on cpu"),
+        (dict(backend="none", profile="/nonexistent/profile.json"), "no partition backend on cpu"),
+        (dict(mode="off", backend="cuda-green"), "partition off"),  # off needs no backend at all
+        (dict(mode="off", backend="hip-cumask"), "partition off"),
+    ],
+)
+def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:
+    plan = resolve_plan(engine_config(**partition), CPU)
+    assert plan.backend == "none" and plan.profile is None and plan.source == reason
+    assert [c.name for c in plan.configurations] == [OVERALLOCATED] and plan.configurations[0].decode_units == 0
+    assert plan.initial == OVERALLOCATED
+    assert plan.wire() == PlanWire("none", [Configuration(OVERALLOCATED, 0, 0)], OVERALLOCATED)
+    streams = open_streams(plan.wire(), CPU, ("decode", "prefill"))
+    assert isinstance(streams, NoPartition) and streams.stream(OVERALLOCATED, "decode") is None
+    dp = DecodePartition(engine_config(**partition).partition, plan)
+    assert not dp.adaptive and dp.current == OVERALLOCATED and dp.advance(4, 100, True) is None
+
+
+@pytest.mark.parametrize(
+    "partition",
+    [
+        dict(backend="cuda-green"),
+        dict(backend="cuda-green", mode="static", static_decode_share=0.25),
+        dict(backend="hip-cumask"),
+        dict(backend="hip-cumask", mode="static", static_decode_share=0.25),
+        dict(backend="hip-cumask", profile="/nonexistent/profile.json"),
+    ],
+)
+def test_resolve_plan_gpu_backend_on_cpu(partition: dict[str, Any]) -> None:
+    """An explicit GPU backend on a CPU run fails at once with what to do, as open_backend does."""
+    with pytest.raises(PartitionError, match="needs a GPU; this run is on cpu: use --partition off"):
+        resolve_plan(engine_config(**partition), CPU)
+
+
+# ---- DecodePartition ----------------------------------------------------------------------------
+def adaptive_plan(profile: Profile = FULL) -> PartitionPlan:
+    return PartitionPlan("cuda-green", list(profile.configurations), profile, "synthetic H100 profile")
+
+
+IDLE_HOLD = [((32, 1024, False), None)] * 8  # the split is held hysteresis_steps (8) steps
+
+# (SLO ms, [((batch, context, prefill_pending), the configuration switched to, or None to keep)])
+SCENARIOS: dict[str, tuple[float, list[tuple[tuple[int, int, bool], str | None]]]] = {
+    # overallocated beside prefill (37 ms) violates the 4.5 ms limit: split at once; the manager keeps the split
+    # while prefill is idle for 8 steps (hysteresis), then returns decode to the whole GPU
+    "prefill arrives, then idles": (5.0, [((32, 1024, True), "split32"), *IDLE_HOLD,
+                                          ((32, 1024, False), "overallocated"), ((32, 1024, False), None)]),
+    "prefill flickers off within the hold": (5.0, [((32, 1024, True), "split32"), *IDLE_HOLD[:4],
+                                                   ((32, 1024, True), None), *IDLE_HOLD[:3],
+                                                   ((32, 1024, False), "overallocated")]),
+    # empty decode batch with prefill pending: a split for one sequence at once, no hysteresis (split64 was held
+    # 1 step of 8, so a non-empty batch keeps it)
+    "empty batch, prefill pending": (5.0, [((128, 1024, True), "split64"), ((64, 1024, True), None),
+                                           ((0, 0, True), "split32")]),
+    "empty batch from overallocated": (5.0, [((0, 0, True), "split32"), ((0, 0, True), None)]),
+    # empty decode batch with prefill idle: the whole GPU at once
+    "empty batch, prefill idle": (5.0, [((32, 1024, True), "split32"), ((0, 0, False), "overallocated")]),
+    "batch 256 at SLO 50": (50.0, [((256, 1024, True), "split16"), ((256, 1024, True), None),
+                                   ((0, 0, False), "overallocated")]),
+    # the SLO still rules an empty batch: at SLO 50 the profile says overallocated meets it beside prefill
+    "empty batch, overallocated meets SLO": (50.0, [((0, 0, True), None), ((1, 10, True), None)]),
+    "idle stays overallocated": (5.0, [((64, 1024, False), None), ((0, 0, False), None)]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_decode_partition_scenarios(name: str) -> None:
+    slo, steps = SCENARIOS[name]
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=slo, hysteresis_steps=8), adaptive_plan())
+    assert dp.adaptive and dp.current == OVERALLOCATED and dp.num_switches == 0
+    got: list[Switch] = []
+    for i, ((batch, context, pending), want) in enumerate(steps):
+        old = dp.current
+        s = dp.advance(batch, context, pending)
+        if want is None:
+            assert s is None, f"step {i}: unexpected {s}"
+            assert dp.current == old
+            continue
+        assert s is not None, f"step {i}: expected a switch to {want}"
+        assert (s.old, s.new, s.batch, s.context, s.prefill_pending) == (old, want, batch, context, pending)
+        assert s.reason.startswith(f"switch {old} -> {want}")
+        assert dp.current == want
+        assert want != OVERALLOCATED or not pending  # prefill pending never gets the whole GPU here
+        got.append(s)
+    assert dp.num_switches == len(got) and list(dp.switches) == got
+    assert all(a.t <= b.t for a, b in zip(got, got[1:], strict=False))
+
+
+def test_decode_partition_switch_reasons() -> None:
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0), adaptive_plan())
+    s = dp.advance(32, 1024, True)
+    assert s is not None and "violates SLO" in s.reason and "meets SLO" in s.reason
+    for _ in range(8):
+        assert dp.advance(32, 1024, False) is None
+    s = dp.advance(32, 1024, False)
+    assert s is not None and "held 8 steps" in s.reason and "prefill idle" in s.reason
+
+
+@pytest.mark.parametrize("hysteresis", [0, 1, 3, 8])
+def test_decode_partition_hysteresis_steps(hysteresis: int) -> None:
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0, hysteresis_steps=hysteresis), adaptive_plan())
+    assert dp.advance(32, 1024, True) is not None
+    held = 0
+    while dp.advance(32, 1024, False) is None:
+        held += 1
+        assert held <= hysteresis
+    assert held == hysteresis and dp.current == OVERALLOCATED and dp.num_switches == 2
+
+
+def test_decode_partition_history_is_bounded() -> None:
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0, hysteresis_steps=0), adaptive_plan())
+    for i in range(600):
+        assert dp.advance(32, 1024, i % 2 == 0) is not None  # no hysteresis: every step flips
+    assert dp.num_switches == 600 and len(dp.switches) == 256
+    assert dp.switches[-1].new == OVERALLOCATED
+
+
+def test_decode_partition_profile_without_overallocated() -> None:
+    prof = h100_profile(["split16", "split32", "split64"])
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0), adaptive_plan(prof))
+    assert dp.current == "split64"  # the split with the most decode units stands for the whole GPU
+    s = dp.advance(32, 1024, True)  # split64 meets (2.72 ms): hold it (hysteresis) though split32 is better
+    assert s is None
+    s = dp.advance(0, 0, True)  # empty batch: no hysteresis
+    assert s is not None and s.new == "split32"
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, "partition off"),
+        PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32"),
+        PartitionPlan("cuda-green", list(FULL.configurations), None, "several configurations, no profile"),
+        PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], h100_profile(["split32"]), "one config"),
+        PartitionPlan("cuda-green", [Configuration(OVERALLOCATED, 0, 132)], h100_profile(["overallocated"]), "one"),
+    ],
+)
+def test_decode_partition_not_adaptive(plan: PartitionPlan) -> None:
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=1.0, hysteresis_steps=0), plan)
+    assert not dp.adaptive
+    first = dp.current
+    assert first == plan.configurations[0].name
+    for batch, context, pending in [(32, 1024, True), (0, 0, True), (0, 0, False), (256, 8192, True), (1, 1, False)]:
+        assert dp.advance(batch, context, pending) is None
+    assert dp.current == first and dp.num_switches == 0 and not dp.switches
+
+
+@pytest.mark.parametrize(
+    ("plan", "initial"),
+    [
+        (adaptive_plan(), OVERALLOCATED),
+        (adaptive_plan(h100_profile(["split16", "split48"])), "split48"),
+        (PartitionPlan("cuda-green", [Configuration("split48", 48, 84), Configuration("split16", 16, 116)], None, ""),
+         "split48"),
+    ],
+)
+def test_plan_initial_and_wire(plan: PartitionPlan, initial: str) -> None:
+    assert plan.initial == initial
+    assert plan.wire() == PlanWire(plan.backend, list(plan.configurations), initial)
+
+
+# ---- profile path helpers -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+        ("AMD Instinct MI300X", "amd-instinct-mi300x"),
+        ("preset:llama-3-8b", "preset-llama-3-8b"),
+        ("  --Weird__Name!!  ", "weird-name"),
+        ("Qwen3-8B", "qwen3-8b"),
+        ("cpu", "cpu"),
+        ("", ""),
+        ("---", ""),
+    ],
+)
+def test_slug(text: str, want: str) -> None:
+    assert slug(text) == want
+
+
+@pytest.mark.parametrize(
+    ("model", "want"),
+    [
+        ("", "SmolLM2-135M-Instruct"),
+        ("default", "SmolLM2-135M-Instruct"),
+        ("preset:tiny-llama", "preset:tiny-llama"),
+        ("preset:llama-3-8b", "preset:llama-3-8b"),
+        ("/models/Meta-Llama-3-8B-Instruct", "Meta-Llama-3-8B-Instruct"),
+        ("/models/Meta-Llama-3-8B-Instruct/", "Meta-Llama-3-8B-Instruct"),
+        ("models/qwen/../Qwen3-8B", "Qwen3-8B"),
+        ("/data/llama.Q4_K_M.gguf", "llama.Q4_K_M.gguf"),
+        ("relative-folder", "relative-folder"),
+    ],
+)
+def test_model_label(model: str, want: str) -> None:
+    assert model_label(model) == want
+
+
+@pytest.mark.parametrize(
+    ("gpu", "model", "want"),
+    [
+        ("NVIDIA H100 80GB HBM3", "preset:llama-3-8b", "nvidia-h100-80gb-hbm3__preset-llama-3-8b.json"),
+        ("NVIDIA H100 80GB HBM3", "/models/Qwen3-8B/", "nvidia-h100-80gb-hbm3__qwen3-8b.json"),
+        ("AMD Instinct MI300X", "default", "amd-instinct-mi300x__smollm2-135m-instruct.json"),
+        ("cpu", "preset:tiny-llama", "cpu__preset-tiny-llama.json"),
+    ],
+)
+def test_profile_filename(gpu: str, model: str, want: str) -> None:
+    assert profile_filename(gpu, model) == want
+
+
+def test_default_profiles_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    repo_profiles = Path(rapidserve.__file__).resolve().parents[1] / "profiles"
+    monkeypatch.delenv("RAPIDSERVE_PROFILES_DIR", raising=False)
+    assert default_profiles_dir() == repo_profiles
+    monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", "")
+    assert default_profiles_dir() == repo_profiles
+    monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path / "mine"))
+    assert default_profiles_dir() == tmp_path / "mine"
