@@ -15,10 +15,9 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.loader import ModelSource
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampler import token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.scheduler import Scheduler
-from rapidserve.sequence import Sequence, check_stop, early_stop_bans
+from rapidserve.sequence import Sequence, check_stop
 
 
 class RequestError(ValueError):
@@ -96,9 +95,8 @@ class EngineCore:
     def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not seqs:
             return []
-        self._suppress_early_stop(seqs, logits)
-        gens = token_generators([(s.params.seed, len(s.output_token_ids)) for s in seqs], self.runner.device)
-        out = self.runner.sample(logits, [s.params for s in seqs], gens)
+        out = self.runner.sample_next(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs],
+                                      self.eos_token_ids)
         events = []
         for seq, (tok, lp, top) in zip(seqs, out.rows([s.params for s in seqs]), strict=True):
             seq.output_token_ids.append(tok)
@@ -113,9 +111,3 @@ class EngineCore:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq, tok, reason))
         return events
-
-    def _suppress_early_stop(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for i, s in enumerate(seqs):
-            banned = early_stop_bans(s.params, len(s.output_token_ids), self.eos_token_ids)
-            if banned:
-                logits[i, banned] = float("-inf")

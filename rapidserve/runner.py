@@ -27,8 +27,9 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks
 from rapidserve.loader import ModelSource
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
-from rapidserve.sampler import Sampler, SamplerOutput
+from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
+from rapidserve.sequence import early_stop_bans
 
 if TYPE_CHECKING:
     from rapidserve.engine.shared import SharedState
@@ -285,6 +286,17 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> SamplerOutput:
         return self.sampler.sample(logits, list(params), list(generators))
+
+    def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
+                    eos: tuple[int, ...]) -> SamplerOutput:
+        """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
+        `min_tokens` is not reached (in place), the request's seeded generator at that index."""
+        for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
+            banned = early_stop_bans(p, k, eos)
+            if banned:
+                logits[i, banned] = float("-inf")
+        gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
+        return self.sample(logits, params, gens)
 
     def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
         out = np.zeros((len(items), width), dtype=np.int32)

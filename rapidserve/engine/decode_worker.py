@@ -32,9 +32,9 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import DecodeItem, ModelRunner
-from rapidserve.sampler import SamplerOutput, token_generators
+from rapidserve.sampler import SamplerOutput
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import check_stop, early_stop_bans
+from rapidserve.sequence import check_stop
 
 
 @dataclass
@@ -257,12 +257,7 @@ class DecodeWorker:
             input_ids[dst] = prev.out.token_ids[src]
         logits = self.runner.decode(items, input_ids=input_ids, graph_key=self.partition.current)
         index = [len(r.outputs) + r.inflight for r in reqs]  # output index of this step's token
-        for i, (r, k) in enumerate(zip(reqs, index, strict=True)):
-            banned = early_stop_bans(r.params, k, self.eos)
-            if banned:
-                logits[i, banned] = float("-inf")
-        gens = token_generators([(r.params.seed, k) for r, k in zip(reqs, index, strict=True)], self.runner.device)
-        out = self.runner.sample(logits, [r.params for r in reqs], gens)
+        out = self.runner.sample_next(logits, [r.params for r in reqs], index, self.eos)
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         event = None
         if self.runner.device.type == "cuda":

@@ -38,11 +38,11 @@ import torch
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.worker_io import ChannelNames, WorkerIO, worker_signals
+from rapidserve.engine.worker_io import ChannelNames, WorkerIO, apply_env, worker_signals
 from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampler import SamplerOutput, token_generators
-from rapidserve.sequence import Sequence, check_stop, early_stop_bans
+from rapidserve.sampler import SamplerOutput
+from rapidserve.sequence import Sequence, check_stop
 
 SEAT = "decode"  # whose rings and doorbell the hybrid worker uses (worker_io.INBOXES)
 
@@ -143,12 +143,7 @@ class HybridWorker:
         if not seqs:  # only prompt chunks that end no prompt: nothing to sample or wait for
             return Launched(plan, [], None, None)
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
-        for i, (s, k) in enumerate(zip(seqs, index, strict=True)):
-            banned = early_stop_bans(s.params, k, self.eos)
-            if banned:
-                logits[i, banned] = float("-inf")
-        gens = token_generators([(s.params.seed, k) for s, k in zip(seqs, index, strict=True)], self.runner.device)
-        out = self.runner.sample(logits, [s.params for s in seqs], gens)
+        out = self.runner.sample_next(logits, [s.params for s in seqs], index, self.eos)
         host = out.to_host()
         done = None
         if self.runner.device.type == "cuda":
@@ -193,11 +188,7 @@ def hybrid_main(cfg: EngineConfig, names: ChannelNames, parent_pid: int, env: di
     from rapidserve.loader import resolve_model
     from rapidserve.runner import resolve_device, resolve_dtype
 
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    apply_env(env)
     worker_signals()
     io = WorkerIO(SEAT, names, parent_pid)
     out = io.send["d2r"]

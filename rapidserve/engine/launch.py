@@ -24,7 +24,15 @@ import posix_ipc
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.worker_io import DOORBELLS, RING_LABELS, RING_TYPES, ChannelNames, WorkerIO, worker_signals
+from rapidserve.engine.worker_io import (
+    DOORBELLS,
+    RING_LABELS,
+    RING_TYPES,
+    ChannelNames,
+    WorkerIO,
+    apply_env,
+    worker_signals,
+)
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, cleanup_stale, doorbell_name, new_engine_id, ring_name
 
 
@@ -35,11 +43,7 @@ class WorkerStartError(RuntimeError):
 def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: int, handoff: Any,
                 env: dict[str, str | None]) -> None:
     """Entry point of a worker process (spawned)."""
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    apply_env(env)
     worker_signals()
     if cfg.runner.device == "cpu" or not _has_gpu():
         import torch  # two workers share the cores: half each

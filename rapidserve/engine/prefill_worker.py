@@ -24,8 +24,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
-from rapidserve.sampler import token_generators
-from rapidserve.sequence import Sequence, check_stop, early_stop_bans
+from rapidserve.sequence import Sequence, check_stop
 
 TOMBSTONES = 4096
 
@@ -147,12 +146,7 @@ class PrefillWorker:
         import torch
 
         assert isinstance(logits, torch.Tensor)
-        for i, j in enumerate(jobs):
-            banned = early_stop_bans(j.req.params, j.output_index, self.eos)
-            if banned:
-                logits[i, banned] = float("-inf")
-        gens = token_generators([(j.req.params.seed, j.output_index) for j in jobs], self.runner.device)
-        out = self.runner.sample(logits, [j.req.params for j in jobs], gens)
+        out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs], self.eos)
         firsts, dones = [], []
         for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
             p = j.req.params

@@ -92,6 +92,15 @@ class WorkerIO:
         self.doorbell.close()
 
 
+def apply_env(env: dict[str, str | None]) -> None:
+    """Set (or, for None, remove) the variables the router chose for this worker (MPS pipes...)."""
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def worker_signals() -> None:
     """Ctrl-C belongs to the router, which shuts the workers down in order; SIGTERM ends a worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -42,7 +42,8 @@ def _share_list(text: str) -> tuple[float, ...]:
 
 def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None],
                        add_partition_args: Callable[..., None], positive_int: Callable[[str], int]) -> None:
-    p = sub.add_parser("profile", help="measure decode latency vs compute share (the partition profile)")
+    p = sub.add_parser("profile", help="measure decode latency vs compute share (the partition profile)",
+                       allow_abbrev=False)
     add_model_args(p)
     add_partition_args(p, with_mode=False)
     p.add_argument("--out", default=None, help="profile path (default: profiles/<gpu>__<model>.json)")
@@ -116,8 +117,8 @@ def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Pat
 
 
 def slo_table(p: Profile, slo_itl_ms: float) -> str:
-    """Per batch bucket and context: the split giving prefill the most tokens/s with decode p95 beside
-    prefill within the SLO (what the adaptive manager would choose)."""
+    """Per batch bucket and context: the configuration giving prefill the most tokens/s with decode p95
+    beside prefill within the SLO (the manager itself keeps a 10% margin below the SLO)."""
     lines = [f"| batch | context | best configuration (p95 beside prefill <= {slo_itl_ms:g} ms) | decode p95 ms "
              "| prefill tok/s |", "|---|---|---|---|---|"]
     for b in p.batch_buckets:
