@@ -463,3 +463,19 @@ def test_hip_cumask_backend_closes_on_mask_mismatch(fake_amd: Any) -> None:
     with pytest.raises(CuMaskMismatchError):
         HipCuMaskBackend(fake_amd, plan_configurations(MI300X, (0.25,)), ("decode",), stream_backend=fake)
     assert fake.destroyed == list(fake.masks)
+
+
+def test_hip_cumask_backend_failed_start_destroys_what_it_made(fake_amd: Any) -> None:
+    """The driver refuses the third stream: the two made before it are destroyed, the error propagates."""
+    from hip_ext.streams import HipError
+
+    class RefusesThird(FakeHip):
+        def create(self, words: Sequence[int]) -> int:
+            if len(self.masks) == 2:
+                raise HipError("hipExtStreamCreateWithCUMask", 1, "out of resources")
+            return super().create(words)
+
+    fake = RefusesThird()
+    with pytest.raises(HipError):
+        HipCuMaskBackend(fake_amd, plan_configurations(MI300X, SHARES), ("decode", "prefill"), stream_backend=fake)
+    assert len(fake.masks) == 2 and sorted(fake.destroyed) == sorted(fake.masks)

@@ -206,15 +206,20 @@ class HipCuMaskBackend(PartitionBackend):
         check_configurations(self.configurations, self.granularity, "hip-cumask")
         self._hip = stream_backend if stream_backend is not None else HipPythonBackend()
         self._masked: list[Any] = []
-        for c in self.configurations:
-            for role in roles:
-                if c.decode_units == 0:
-                    self._streams[(c.name, role)] = _plain_stream(device)
-                    continue
-                words = decode_mask(c.decode_units, total) if role == "decode" else prefill_mask(c.decode_units, total)
-                s = create_cu_mask_stream(words, self._hip)
-                self._masked.append(s)
-                self._streams[(c.name, role)] = torch.cuda.ExternalStream(int(s.handle))
+        try:
+            for c in self.configurations:
+                for role in roles:
+                    if c.decode_units == 0:
+                        self._streams[(c.name, role)] = _plain_stream(device)
+                        continue
+                    n = c.decode_units
+                    words = decode_mask(n, total) if role == "decode" else prefill_mask(n, total)
+                    s = create_cu_mask_stream(words, self._hip)
+                    self._masked.append(s)
+                    self._streams[(c.name, role)] = torch.cuda.ExternalStream(int(s.handle))
+        except BaseException:
+            self.close()  # no stream outlives a failed start-up
+            raise
 
     def close(self) -> None:
         from hip_ext.streams import destroy_stream
