@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError
+from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError, PartitionConfig
 
 EXIT_USAGE = 2
 
@@ -68,8 +68,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _partition_text(text: str) -> str:
-    from rapidserve.config import PartitionConfig
-
     try:
         PartitionConfig.parse(text)
     except ConfigError as e:
@@ -100,11 +98,16 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
     g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
 
 
-def partition_config(a: argparse.Namespace) -> object:
-    from rapidserve.config import PartitionConfig
+def partition_config(a: argparse.Namespace) -> PartitionConfig:
+    """The partition flags as a PartitionConfig. A `--profile` file is read and validated here, before
+    any model loads (ProfileError names the file and field); the engine checks its GPU and model."""
+    from rapidserve.partition.profile import load_profile
 
-    return PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
+    pcfg = PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
                                  profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms)
+    if pcfg.profile is not None:
+        load_profile(pcfg.profile)
+    return pcfg
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -139,9 +142,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
 
+    pcfg = partition_config(a)
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
     ecfg = dataclasses.replace(ecfg, launch=LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode),
-                               partition=partition_config(a))
+                               partition=pcfg)
     scfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
                         max_waiting=a.max_waiting, default_max_tokens=a.default_max_tokens)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]

@@ -213,6 +213,8 @@ class PartitionConfig:
                "a static partition needs its decode share (static:0.25), and only a static one has it")
         _check(self.static_decode_share is None or 0.0 < self.static_decode_share < 1.0,
                f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
+        _check(self.profile is None or self.mode == "adaptive",
+               f"--profile is read only by --partition adaptive (this run: {self.mode}); drop it or use adaptive")
         _check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
                f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
         _check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")

@@ -28,6 +28,9 @@ from rapidserve.partition.profile_cmd import cmd_profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
 from tests.test_partition_manager import h100_profile
 
+H100_LLAMA = str(Path(rapidserve.__file__).resolve().parents[1] / "profiles"
+                 / "nvidia-h100-80gb-hbm3__preset-llama-3-8b.json")  # a committed, measured profile
+
 CPU = torch.device("cpu")
 FULL = h100_profile()  # overallocated + split16/32/48/64 on 132 SMs
 
@@ -93,9 +96,34 @@ def test_partition_parse(text: str, mode: str, share: float | None) -> None:
 
 
 def test_partition_parse_passes_keywords() -> None:
-    p = PartitionConfig.parse("static:0.25", backend="none", profile="x.json", slo_itl_ms=20.0)
-    assert p == PartitionConfig(mode="static", static_decode_share=0.25, backend="none", profile="x.json",
-                                slo_itl_ms=20.0)
+    p = PartitionConfig.parse("static:0.25", backend="none", slo_itl_ms=20.0)
+    assert p == PartitionConfig(mode="static", static_decode_share=0.25, backend="none", slo_itl_ms=20.0)
+    p = PartitionConfig.parse("adaptive", backend="none", profile="x.json", slo_itl_ms=20.0)
+    assert p == PartitionConfig(mode="adaptive", backend="none", profile="x.json", slo_itl_ms=20.0)
+
+
+@pytest.mark.parametrize("text", ["off", "static:0.25"])
+def test_profile_only_with_adaptive(text: str) -> None:
+    with pytest.raises(ConfigError, match="--profile is read only by --partition adaptive"):
+        PartitionConfig.parse(text, profile="x.json")
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["serve", "--profile", "/nonexistent/p.json"], "profile /nonexistent/p.json: cannot read"),
+        (["serve", "--profile", "BAD"], "invalid JSON"),
+        (["serve", "--partition", "off", "--profile", "BAD"], "--profile is read only by --partition adaptive"),
+    ],
+)
+def test_serve_refuses_bad_profile_before_loading(argv: list[str], pattern: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    argv = [str(bad) if x == "BAD" else x for x in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rapidserve: error:") and pattern in err, err
 
 
 @pytest.mark.parametrize(
@@ -160,7 +188,8 @@ def test_cli_partition_usage_errors(argv: list[str], pattern: str, capsys: pytes
         (["serve", "--partition", "off"], PartitionConfig(mode="off")),
         (["serve", "--partition", "static:0.25", "--partition-backend", "hip-cumask"],
          PartitionConfig(mode="static", static_decode_share=0.25, backend="hip-cumask")),
-        (["serve", "--profile", "p.json", "--slo-itl-ms", "20"], PartitionConfig(profile="p.json", slo_itl_ms=20.0)),
+        (["serve", "--profile", H100_LLAMA, "--slo-itl-ms", "20"],
+         PartitionConfig(profile=H100_LLAMA, slo_itl_ms=20.0)),
         (["profile", "--partition-backend", "none", "--slo-itl-ms", "7.5"],
          PartitionConfig(backend="none", slo_itl_ms=7.5)),
     ],
