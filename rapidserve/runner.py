@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.attention import AttentionMetadata, get_attention_backend
+from rapidserve.attention import AttentionMetadata, get_attention_backend, split_decode_rows
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource
@@ -186,6 +186,7 @@ class ModelRunner:
             max_seqlen_q=int(lens.max()),
             max_context_len=int(ctx.max()),
         )
+        meta = split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
         hidden = self.model(self._dev(ids), self._dev(positions), pool.layers, meta)
         want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward

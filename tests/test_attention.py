@@ -397,3 +397,68 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or sorted(INTERP_CHECKS):
         INTERP_CHECKS[name]()
         print(f"{name}: ok")
+
+
+# ---------------------------------------------------------------------------------- mixed steps
+# (block_size, group, head_dim, num_kv_heads, [(q_len, prefix) ...]): one-token decodes first.
+MIXED_CASES = [
+    (16, 4, 64, 2, [(1, 40), (1, 3), (20, 0), (5, 17)]),
+    (8, 3, 32, 1, [(1, 0), (9, 7)]),
+    (8, 1, 64, 2, [(1, 15), (1, 16), (1, 1)]),  # decodes only: no prefill part
+    (16, 2, 32, 2, [(7, 0), (1, 30)]),  # a one-token row after a chunk stays in the prefill part
+]
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=[f"m{i}" for i in range(len(MIXED_CASES))])
+def test_mixed_step_splits_decodes_from_chunks(case: tuple) -> None:
+    from rapidserve.attention import attend, split_decode_rows
+
+    bs, group, d, hkv, seqs = case
+    b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=7, strided_q=True)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    meta = split_decode_rows(b.meta, b.q_lens)
+    lead = next((i for i, n in enumerate(b.q_lens) if n != 1), len(b.q_lens))
+    assert meta.num_decode_seqs == lead
+    assert (meta.prefill_part is None) == (lead in (0, len(seqs)))
+    if meta.prefill_part is not None:
+        assert meta.prefill_part.cu_seqlens_q.tolist()[0] == 0
+        assert meta.prefill_part.num_seqs == len(seqs) - lead
+    calls: list[str] = []
+    backend = get_attention_backend("torch", "cpu")
+
+    def decode(*a: object) -> torch.Tensor:
+        calls.append("decode")
+        return backend.decode_attention(*a)  # type: ignore[arg-type]
+
+    def prefill(*a: object) -> torch.Tensor:
+        calls.append("prefill")
+        return backend.prefill_attention(*a)  # type: ignore[arg-type]
+
+    spy = type(backend)("spy", backend.write_kv, prefill, decode)
+    out = attend(spy, b.q, b.k_cache, b.v_cache, meta, d**-0.5)
+    torch.testing.assert_close(out.double(), naive_attention(b, d**-0.5), atol=2e-5, rtol=1e-4)
+    want = (["decode"] if lead else []) + (["prefill"] if lead < len(seqs) else [])
+    assert calls == want
+
+
+def test_split_decode_rows_refuses_decode_metadata() -> None:
+    from rapidserve.attention import split_decode_rows
+
+    b = make_batch(decode_seqs([3, 4]), num_kv_heads=1, group=1, head_dim=32, block_size=8, decode=True)
+    with pytest.raises(ValueError, match="prefill metadata"):
+        split_decode_rows(b.meta, [1, 1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_mixed_step(dtype: torch.dtype) -> None:
+    from rapidserve.attention import attend, split_decode_rows
+
+    seqs = [(1, 4095), (1, 700), (1, 0), (512, 1024), (300, 0)]
+    b = make_batch(seqs, num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=dtype, device="cuda",
+                   strided_q=True)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    meta = split_decode_rows(b.meta, b.q_lens)
+    got = attend(get_attention_backend("triton", "cuda"), b.q, b.k_cache, b.v_cache, meta, 128**-0.5)
+    want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, 128**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)

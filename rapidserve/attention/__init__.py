@@ -7,6 +7,9 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
 - ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
   -> Tensor [B, num_heads, head_dim]``
 
+`attend` dispatches one layer's attention: decode, prefill, or a mixed step split between the two
+kernels (decode rows first).
+
 Triton is imported only when the Triton backend is requested, so CPU installs need not have it.
 """
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
 from rapidserve.config import ConfigError
 
 BACKEND_NAMES: tuple[str, ...] = ("auto", "torch", "triton")
@@ -69,4 +72,24 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
                             torch_ref.decode_attention, graph_safe=False)
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of this step's queries (keys and values already written to the cache).
+
+    A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
+    them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""
+    if not meta.is_prefill:
+        return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    nd = meta.num_decode_seqs
+    if nd == 0:
+        return attn.prefill_attention(q, k_cache, v_cache, meta, scale)
+    decoded = attn.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
+                                    scale)
+    if meta.prefill_part is None:  # every sequence adds one token
+        return decoded
+    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale)
+    return torch.cat([decoded, rest])
+
+
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend",
+           "split_decode_rows"]

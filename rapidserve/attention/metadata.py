@@ -11,11 +11,17 @@ A forward pass is either a prefill (each sequence contributes q_len >= 1 new tok
 decode (each sequence contributes exactly one token). The new tokens' K/V are written into the
 cache first (at `slot_mapping`), then attention reads every key of the sequence from the cache.
 Rows padded in for a CUDA graph have slot -1 (nothing is written) and context_len 0 (output 0).
+
+A mixed step (hybrid batching: running decodes plus prompt chunks in one pass) is a prefill whose
+first `num_decode_seqs` sequences add exactly one token each. Those rows go through the decode kernel
+(one query row per sequence) and `prefill_part` describes the remaining sequences for the prefill
+kernel, with `cu_seqlens_q` rebased to start at 0; see `rapidserve.attention.attend`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +40,28 @@ class AttentionMetadata:
     # Host-side maxima, for kernel grid sizing (prefill) and reference paths.
     max_seqlen_q: int = 1
     max_context_len: int = 0
+    # Mixed steps only: leading one-token sequences served by decode_attention, and the rest.
+    num_decode_seqs: int = 0
+    prefill_part: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+
+def split_decode_rows(meta: AttentionMetadata, q_lens: Sequence[int]) -> AttentionMetadata:
+    """Mark a prefill batch's leading one-token sequences (a mixed step's decodes) for the decode
+    kernel: sets num_decode_seqs and, when longer sequences follow, prefill_part (device slices of
+    meta, cu_seqlens_q rebased to 0; nothing is read back from the device). q_lens: host copy."""
+    if not meta.is_prefill or meta.cu_seqlens_q is None:
+        raise ValueError("split_decode_rows needs prefill metadata with cu_seqlens_q")
+    nd = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    if nd == 0:
+        return meta
+    part = None
+    if nd < len(q_lens):
+        part = AttentionMetadata(
+            is_prefill=True, slot_mapping=meta.slot_mapping[nd:], block_tables=meta.block_tables[nd:],
+            context_lens=meta.context_lens[nd:], cu_seqlens_q=meta.cu_seqlens_q[nd:] - nd,
+            max_seqlen_q=max(q_lens[nd:]), max_context_len=meta.max_context_len)
+    return replace(meta, num_decode_seqs=nd, prefill_part=part)

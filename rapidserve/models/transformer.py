@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rapidserve.attention import AttentionBackend, AttentionMetadata
+from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
 from rapidserve.config import ModelConfig
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
@@ -80,11 +80,7 @@ class DecoderLayer(nn.Module):
 
         k_cache, v_cache = kv
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        scale = cfg.head_dim**-0.5
-        if meta.is_prefill:
-            o = attn.prefill_attention(q, k_cache, v_cache, meta, scale)
-        else:
-            o = attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        o = attend(attn, q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5)
         hidden = F.linear(o.reshape(t, cfg.q_size), self.o_proj)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
