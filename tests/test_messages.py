@@ -20,6 +20,7 @@ SAMPLES = [
     m.Drop("r1"),
     m.SetPartition("split-32"),
     m.PrefillDone("r1", 1, 7, None),
+    m.PrefillDone("r1", 0, 7, None, m.TokenOut("r1", 0, 7, -0.5, [(7, -0.5)], None)),
     m.PrefillDone("r2", 0, 2, "stop"),
     m.Dropped("r1"),
     m.TokenBatch([m.TokenOut("r1", 0, 7, -0.5, [(7, -0.5), (9, -1.25)], None),

@@ -136,6 +136,8 @@ class DecodeWorker:
         if msg.finish_reason is not None:
             self._finish(r, msg.finish_reason, notify=False)  # the router has the reason already
             return
+        if msg.token is not None:  # streamed with this loop's publish, once the next step is launched
+            self._out.append(msg.token)
         r.state = "running"
         self.running.append(r)
 

@@ -68,13 +68,6 @@ class SetPartition(msgspec.Struct, tag=True, frozen=True):
     config: str
 
 
-class PrefillDone(msgspec.Struct, tag=True, frozen=True):
-    req_id: str
-    attempt: int
-    first_token: int  # the token sampled from the prompt's last position
-    finish_reason: str | None  # when the first token already ends the request
-
-
 class Dropped(msgspec.Struct, tag=True, frozen=True):
     req_id: str
 
@@ -88,6 +81,21 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+
+
+class PrefillDone(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> decode: the prompt is in the KV blocks and its next token is sampled.
+
+    `token` is that token for decode to publish when the request joins the decode batch, so the
+    client's gap to the following token is one decode step (as in vLLM's P/D disaggregation, where
+    the decode side streams every token). It is None when prefill published the token itself: it
+    ends the request (`finish_reason`)."""
+
+    req_id: str
+    attempt: int
+    first_token: int  # the token sampled from the prompt's last position
+    finish_reason: str | None  # when the first token already ends the request
+    token: TokenOut | None = None
 
 
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):

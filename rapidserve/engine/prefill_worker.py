@@ -10,8 +10,9 @@ Messages may overtake each other across rings (a KVReady or Drop from decode can
 router's NewRequest), so early KVReadys are parked and Drops of unknown requests leave a tombstone.
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
-forward), run one prefill batch on that partition's stream, publish: first tokens to the router, then PrefillDone
-to decode (in that order, so the router never sees a decode token before the first one).
+forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the
+sampled token, which decode streams when the request joins its batch (so the gap to the next token
+is one decode step); a token that ends its request goes to the router at once, before PrefillDone.
 """
 
 from __future__ import annotations
@@ -153,8 +154,11 @@ class PrefillWorker:
             seq = Sequence(j.req.req_id, j.req.prompt_token_ids, p,
                            output_token_ids=j.tokens[len(j.req.prompt_token_ids):] + [tok])
             reason = check_stop(seq, self.eos, self.runner.max_model_len)
-            firsts.append(m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason))
-            dones.append(m.PrefillDone(j.req.req_id, j.attempt, tok, reason))
-        self.io.send["p2r"].send(m.TokenBatch(firsts))
+            out = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
+            if reason is not None:  # the request ends here: the router hears it now
+                firsts.append(out)
+            dones.append(m.PrefillDone(j.req.req_id, j.attempt, tok, reason, None if reason else out))
+        if firsts:
+            self.io.send["p2r"].send(m.TokenBatch(firsts))
         for d in dones:
             self.io.send["p2d"].send(d)
