@@ -21,9 +21,14 @@ Definitions (per system and workload, over the rates of its sweep):
 - throughput at p99 ITL <= B ms: the highest output tokens/s among the rates whose p99 ITL (over every
   token of every request at that rate) is <= B and where no request failed; with that rate and its
   p99 TTFT. "-" when no rate meets it. Reported for B = 100 and 50 (--itl-bounds-ms).
-- goodput at B ms (per request): the highest, over the rates, of completed requests per second whose
-  every inter-token gap was <= B ms and whose TTFT was <= 1 s per 1K prompt tokens (RAPID-Serve's
-  TTFT rule).
+- goodput at p99 ITL <= B ms: the highest, over the rates whose p99 ITL is <= B with no failures, of
+  completed requests per second whose TTFT was <= 1 s per 1K prompt tokens (RAPID-Serve's TTFT
+  rule): the load a system carries while its token stream keeps the p99 bound.
+- strict goodput at B ms (per request): the highest, over the rates, of completed requests per second
+  whose every inter-token gap was <= B ms and whose TTFT met the same rule (one slow gap in a
+  request's stream disqualifies it).
+- versus the best hybrid: each non-hybrid system's figures divided by the highest any `hybrid*`
+  system reached on the same workload (the issue's targets: goodput >= 1.5x, peak >= 0.9x).
 GPU time: the servers start once per system (all workloads run on it); keep --num-prompts small, or use
 --duration-s for short fixed windows per rate, and --duration-budget-s to stop starting new rates and
 systems once the budget is spent (skips are listed).
@@ -115,6 +120,24 @@ def request_goodput(run: Mapping[str, Any], itl_bound_ms: float) -> float:
     return good / dur if dur > 0 else 0.0
 
 
+def ttft_goodput(run: Mapping[str, Any]) -> float:
+    """Requests/s of one rate that completed with the RAPID TTFT rule met."""
+    dur = run["summary"]["duration_s"]
+    recs = [RequestRecord.from_json(r) for r in run.get("requests", [])]
+    good = sum(1 for r in recs if r.success and meets_rapid_ttft(r))
+    return good / dur if dur > 0 else 0.0
+
+
+def best_goodput_p99(runs: Sequence[Mapping[str, Any]], itl_bound_ms: float) -> dict[str, Any] | None:
+    """The most TTFT-rule requests/s among the rates whose p99 ITL is within the bound (no failures)."""
+    ok = [r for r in runs if r["summary"]["completed"] and not r["summary"]["failed"]
+          and (p := _p99(r["summary"], "itl_ms")) is not None and p <= itl_bound_ms]
+    if not ok:
+        return None
+    g, rate = max(((ttft_goodput(r), r["rate"]) for r in ok), key=lambda x: x[0])
+    return {"goodput": g, "rate": rate}
+
+
 def best_goodput(runs: Sequence[Mapping[str, Any]], itl_bound_ms: float) -> dict[str, Any] | None:
     scored = [(request_goodput(r, itl_bound_ms), r["rate"]) for r in runs]
     if not scored:
@@ -129,9 +152,43 @@ def table_row(label: str, result: Mapping[str, Any], bounds_ms: Sequence[float])
                            "peak": peak(runs)}
     for b in bounds_ms:
         row[f"itl_le_{b:g}ms"] = best_under_itl(runs, b)
+        row[f"goodput_p99_itl_le_{b:g}ms"] = best_goodput_p99(runs, b)
         row[f"goodput_itl_le_{b:g}ms"] = best_goodput(runs, b)
     row["skipped_rates"] = list(result.get("skipped_rates", []))
     return row
+
+
+def ratio_keys(bounds_ms: Sequence[float]) -> list[str]:
+    p99 = [f"goodput_p99_itl_le_{b:g}ms" for b in bounds_ms]
+    return ["peak", *p99, *(f"goodput_itl_le_{b:g}ms" for b in bounds_ms)]
+
+
+def versus_best_hybrid(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float]) -> list[dict[str, Any]]:
+    """Per workload and non-hybrid system: its peak and goodputs over the best hybrid's (None: no hybrid
+    figure, or the hybrid's is 0)."""
+    def value(r: Mapping[str, Any], key: str) -> float | None:
+        v = r.get(key)
+        if v is None:
+            return None
+        return float(v["output_throughput"] if key == "peak" else v["goodput"])
+
+    keys = ratio_keys(bounds_ms)
+    out: list[dict[str, Any]] = []
+    for w in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == w]
+        hybrids = [r for r in mine if str(r["system"]).startswith("hybrid")]
+        if not hybrids:
+            continue
+        best = {k: max((v for r in hybrids if (v := value(r, k)) is not None), default=None) for k in keys}
+        for r in mine:
+            if r in hybrids:
+                continue
+            ratios: dict[str, Any] = {"system": r["system"], "workload": w}
+            for k in keys:
+                v, b = value(r, k), best[k]
+                ratios[k] = None if v is None or not b else v / b
+            out.append(ratios)
+    return out
 
 
 def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], meta: Mapping[str, Any]) -> str:
@@ -146,13 +203,15 @@ def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], m
 
     head = ["system", "peak out tok/s @ rate", "p99 TTFT at peak (ms)"]
     for b in bounds_ms:
-        head += [f"out tok/s @ rate, p99 ITL <= {b:g} ms", "p99 TTFT there (ms)", f"goodput ITL <= {b:g} ms (req/s)"]
+        head += [f"out tok/s @ rate, p99 ITL <= {b:g} ms", "p99 TTFT there (ms)",
+                 f"goodput, p99 ITL <= {b:g} ms (req/s)", f"strict goodput, every gap <= {b:g} ms (req/s)"]
     lines = [f"# rapidserve compare: {meta.get('model')}", "",
              f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`",
              f"- sweep: rates {meta.get('rates')}, {meta.get('per_rate')} per rate, arrivals {meta.get('arrival')}, "
              f"seed {meta.get('seed')}",
-             "- definitions: bench/compare.py's docstring (p99 ITL over all tokens of a rate; goodput: requests "
-             "with every ITL within the bound and TTFT <= 1 s per 1K prompt tokens)", ""]
+             "- definitions: bench/compare.py's docstring (p99 ITL over all tokens of a rate; goodput: TTFT-rule "
+             "requests/s at the best rate within the p99 ITL bound; strict goodput: requests with every gap within "
+             "the bound and TTFT <= 1 s per 1K prompt tokens)", ""]
     for s in meta.get("systems", []):
         lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
@@ -162,8 +221,18 @@ def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], m
             cells = [r["system"], at(r["peak"]), ttft(r["peak"])]
             for b in bounds_ms:
                 p = r[f"itl_le_{b:g}ms"]
-                cells += [at(p), ttft(p), gp(r[f"goodput_itl_le_{b:g}ms"])]
+                cells += [at(p), ttft(p), gp(r[f"goodput_p99_itl_le_{b:g}ms"]), gp(r[f"goodput_itl_le_{b:g}ms"])]
             lines.append("| " + " | ".join(cells) + " |")
+        ratios = [x for x in versus_best_hybrid(rows, bounds_ms) if x["workload"] == w]
+        if ratios:
+            rhead = ["system", "peak"] + [f"goodput p99 <= {b:g} ms" for b in bounds_ms] + \
+                [f"strict <= {b:g} ms" for b in bounds_ms]
+            lines += ["", "Versus the best hybrid on this workload (ratio of each figure to the highest any hybrid "
+                      "budget reached):", "", "| " + " | ".join(rhead) + " |", "|---" * len(rhead) + "|"]
+            keys = ratio_keys(bounds_ms)
+            for x in ratios:
+                lines.append("| " + " | ".join([x["system"]] + ["-" if x[k] is None else f"{x[k]:.2f}x"
+                                                                for k in keys]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -344,7 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                r.get("skipped_rates", []), "runs": [{"rate": x["rate"], "summary": x["summary"]} for x in r["runs"]]}
               for r in results]
     with open(base + ".json", "w") as f:
-        json.dump(jsonable({**meta, "itl_bounds_ms": a.itl_bounds_ms, "rows": rows, "sweeps": sweeps}), f, indent=1)
+        json.dump(jsonable({**meta, "itl_bounds_ms": a.itl_bounds_ms, "rows": rows,
+                            "versus_best_hybrid": versus_best_hybrid(rows, a.itl_bounds_ms), "sweeps": sweeps}),
+                  f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(to_markdown(rows, a.itl_bounds_ms, meta))
     if results:

@@ -64,6 +64,33 @@ def test_request_goodput_counts_itl_and_the_rapid_ttft_rule() -> None:
     assert best == {"goodput": pytest.approx(2.0), "rate": 2.0}
 
 
+def test_goodput_at_p99_itl_takes_the_best_rate_within_the_bound() -> None:
+    slow_ttft = req(prompt=1000, ttft=1.5)
+    sweep = [run(1.0, 100, 20, requests=[req(), req()], duration=2.0),  # 1.0 req/s
+             run(2.0, 190, 45, requests=[req(), req(), req(), slow_ttft], duration=2.0),  # 1.5 (TTFT rule)
+             run(4.0, 300, 80, requests=[req()] * 8, duration=2.0),  # 4.0 but p99 ITL 80
+             run(8.0, 320, 40, requests=[req()] * 9, failed=1, duration=2.0)]  # a failure: not counted
+    assert compare.ttft_goodput(sweep[1]) == pytest.approx(1.5)
+    assert compare.best_goodput_p99(sweep, 50) == {"goodput": pytest.approx(1.5), "rate": 2.0}
+    assert compare.best_goodput_p99(sweep, 100) == {"goodput": pytest.approx(4.0), "rate": 4.0}
+    assert compare.best_goodput_p99(sweep, 10) is None
+
+
+def test_versus_best_hybrid() -> None:
+    def row(system: str, peak: float, g100: float | None, g50: float | None) -> dict[str, Any]:
+        return {"system": system, "workload": "w", "peak": {"output_throughput": peak, "rate": 4.0,
+                                                             "p99_ttft_ms": 1.0},
+                "goodput_p99_itl_le_100ms": None if g100 is None else {"goodput": g100, "rate": 4.0},
+                "goodput_itl_le_100ms": {"goodput": 1.0, "rate": 4.0}}
+    rows = [row("rapid", 400, 6.0, None), row("hybrid-512", 300, 3.0, None), row("hybrid-8192", 440, 4.0, None),
+            {**row("other", 1, 1, None), "workload": "v"}]
+    got = compare.versus_best_hybrid(rows, [100])
+    assert got == [{"system": "rapid", "workload": "w", "peak": pytest.approx(400 / 440),
+                    "goodput_p99_itl_le_100ms": pytest.approx(1.5), "goodput_itl_le_100ms": pytest.approx(1.0)}]
+    md = compare.to_markdown([{**r, "itl_le_100ms": None} for r in rows[:3]], [100], {"model": "m"})
+    assert "| rapid | 0.91x | 1.50x | 1.00x |" in md
+
+
 def test_table_row_and_markdown() -> None:
     result = {"label": "sys", "workload": {"name": "fixed", "input_len": 4096, "output_len": 64}, "runs": SWEEP,
               "skipped_rates": [16.0]}
