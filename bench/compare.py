@@ -75,6 +75,7 @@ from rapidserve.benchmark.workloads import TRACES  # noqa: E402
 
 SYSTEMS: dict[str, str] = {
     "rapid-adaptive": "--mode rapid --partition adaptive",
+    "rapid-adaptive-slo100": "--mode rapid --partition adaptive --slo-itl-ms 100",
     "rapid-overallocated": "--mode rapid --partition off",
     "rapid-static-0.25": "--mode rapid --partition static:0.25",
     "rapid-static-0.5": "--mode rapid --partition static:0.5",

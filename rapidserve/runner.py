@@ -174,7 +174,9 @@ class ModelRunner:
         ids = np.fromiter((t for it in items for t in it.token_ids), dtype=np.int64, count=int(cu[-1]))
         seq_of_tok = np.repeat(np.arange(len(items)), lens)
         positions = starts[seq_of_tok] + (np.arange(cu[-1]) - cu[seq_of_tok])
-        tables = self._table_array(items, max(len(it.block_table) for it in items))
+        # Width rounded up to 16 entries: the kernels' integer specialisations (stride % 16) stay fixed,
+        # so steps with new table widths do not compile new kernel variants mid-serving.
+        tables = self._table_array(items, -(-max(len(it.block_table) for it in items) // 16) * 16)
         slots = tables[seq_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
         ctx = (starts + lens).astype(np.int32)
         meta = AttentionMetadata(

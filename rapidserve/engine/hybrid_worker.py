@@ -38,7 +38,7 @@ import torch
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.worker_io import ChannelNames, WorkerIO, apply_env, worker_signals
+from rapidserve.engine.worker_io import ChannelNames, WorkerIO, apply_env, settle_heap, worker_signals
 from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
@@ -203,6 +203,7 @@ def hybrid_main(cfg: EngineConfig, names: ChannelNames, parent_pid: int, env: di
             "kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
             "device_allocated_bytes": str(own), "weight_bytes": str(runner.model.weight_bytes()),
             "kv_bytes": str(pool.numel() * pool.element_size())}))
+        settle_heap()
         HybridWorker(cfg, runner, io, cfg.model_config.eos_token_ids).run()
     except SystemExit:
         pass

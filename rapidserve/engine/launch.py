@@ -31,6 +31,7 @@ from rapidserve.engine.worker_io import (
     ChannelNames,
     WorkerIO,
     apply_env,
+    settle_heap,
     worker_signals,
 )
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, cleanup_stale, doorbell_name, new_engine_id, ring_name
@@ -72,6 +73,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             out.send(m.Ready("decode", os.getpid(), {"kv_blocks": str(runner.kv_pool.num_blocks),
                                                      "device": str(runner.device), "partition": plan.source,
                                                      "configurations": ",".join(parts.names), **_memory(runner)}))
+            settle_heap()
             DecodeWorker(cfg, runner, io, eos, DecodePartition(cfg.partition, plan), parts).run()
         else:
             from rapidserve.engine.prefill_worker import PrefillWorker
@@ -81,6 +83,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
             parts = open_streams(wire, runner.device, ("prefill",))
             out.send(m.Ready("prefill", os.getpid(), {"device": str(runner.device), **_memory(runner)}))
+            settle_heap()
             PrefillWorker(cfg, runner, io, eos, parts, wire.initial).run()
     except SystemExit:
         pass
