@@ -90,6 +90,11 @@ def test_engine_matches_llm_with_preemption_and_aborts(reference: tuple[list[lis
             results = await asyncio.gather(*tasks)
             for i, (g, w) in enumerate(zip(results, want, strict=True)):
                 assert g == w, f"request {i} (prompt of {len(prompts[i])} tokens) diverged"
+            # A first token that ends its request comes from prefill; otherwise decode streams it ahead of
+            # the second: both orders give the reference tokens, each once.
+            for n in (1, 2, 3):
+                short = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                assert await collect(engine, f"short{n}", prompts[1], short) == want[1][:n]
             await wait_blocks_free(engine)
             assert engine.stats is not None and engine.stats.num_preemptions > 0  # the pool was too small
         finally:
