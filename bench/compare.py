@@ -106,36 +106,34 @@ def peak(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return _point(max(done, key=lambda r: r["summary"]["output_throughput"])) if done else None
 
 
+def within_itl(runs: Sequence[Mapping[str, Any]], bound_ms: float) -> list[Mapping[str, Any]]:
+    """The rates with completions, no failures and p99 ITL <= bound_ms."""
+    return [r for r in runs if r["summary"]["completed"] and not r["summary"]["failed"]
+            and (p := _p99(r["summary"], "itl_ms")) is not None and p <= bound_ms]
+
+
 def best_under_itl(runs: Sequence[Mapping[str, Any]], bound_ms: float) -> dict[str, Any] | None:
     """The highest output throughput among rates with no failures and p99 ITL <= bound_ms."""
-    ok = [r for r in runs if r["summary"]["completed"] and not r["summary"]["failed"]
-          and (p := _p99(r["summary"], "itl_ms")) is not None and p <= bound_ms]
+    ok = within_itl(runs, bound_ms)
     return _point(max(ok, key=lambda r: r["summary"]["output_throughput"])) if ok else None
 
 
-def request_goodput(run: Mapping[str, Any], itl_bound_ms: float) -> float:
-    """Requests/s of one rate that completed with every ITL <= bound and the RAPID TTFT rule met."""
+def request_goodput(run: Mapping[str, Any], itl_bound_ms: float | None = None) -> float:
+    """Requests/s of one rate that completed with the RAPID TTFT rule met and, given a bound, every
+    ITL within it."""
     dur = run["summary"]["duration_s"]
+    slos = {} if itl_bound_ms is None else {"itl": itl_bound_ms}
     recs = [RequestRecord.from_json(r) for r in run.get("requests", [])]
-    good = sum(1 for r in recs if meets_slos(r, {"itl": itl_bound_ms}) and meets_rapid_ttft(r))
-    return good / dur if dur > 0 else 0.0
-
-
-def ttft_goodput(run: Mapping[str, Any]) -> float:
-    """Requests/s of one rate that completed with the RAPID TTFT rule met."""
-    dur = run["summary"]["duration_s"]
-    recs = [RequestRecord.from_json(r) for r in run.get("requests", [])]
-    good = sum(1 for r in recs if r.success and meets_rapid_ttft(r))
+    good = sum(1 for r in recs if meets_slos(r, slos) and meets_rapid_ttft(r))
     return good / dur if dur > 0 else 0.0
 
 
 def best_goodput_p99(runs: Sequence[Mapping[str, Any]], itl_bound_ms: float) -> dict[str, Any] | None:
     """The most TTFT-rule requests/s among the rates whose p99 ITL is within the bound (no failures)."""
-    ok = [r for r in runs if r["summary"]["completed"] and not r["summary"]["failed"]
-          and (p := _p99(r["summary"], "itl_ms")) is not None and p <= itl_bound_ms]
+    ok = within_itl(runs, itl_bound_ms)
     if not ok:
         return None
-    g, rate = max(((ttft_goodput(r), r["rate"]) for r in ok), key=lambda x: x[0])
+    g, rate = max(((request_goodput(r), r["rate"]) for r in ok), key=lambda x: x[0])
     return {"goodput": g, "rate": rate}
 
 

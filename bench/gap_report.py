@@ -20,6 +20,7 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
+from rapidserve.benchmark.cli import positive_float  # noqa: E402
 from rapidserve.benchmark.stats import RequestRecord, percentile  # noqa: E402
 
 
@@ -44,14 +45,19 @@ def gap_rows(label: str, result: dict, bound_ms: float) -> list[list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("files", nargs="+", help="sweep result JSON files (compare_runs/*.json)")
-    p.add_argument("--bound-ms", type=float, default=50.0, help="the gap bound (default 50)")
+    p.add_argument("--bound-ms", type=positive_float, default=50.0, help="the gap bound (default 50)")
     a = p.parse_args(argv)
     head = ["system", "rate", "requests", "first gap p50", "first gap p99", "later gaps p50", "later gaps p99",
             f"first gap > {a.bound_ms:g} ms", f"a later gap > {a.bound_ms:g} ms"]
     rows: list[list[str]] = []
     for path in a.files:
-        with open(path) as f:
-            result = json.load(f)
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"{path}: not a readable sweep result JSON ({e})")
+        if not isinstance(result, dict) or not isinstance(result.get("runs"), list):
+            p.error(f"{path}: no 'runs' list; expected a sweep result from bench/compare.py or rapidserve bench")
         rows += gap_rows(str(result.get("label") or os.path.basename(path)), result, a.bound_ms)
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")

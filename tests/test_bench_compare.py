@@ -70,7 +70,7 @@ def test_goodput_at_p99_itl_takes_the_best_rate_within_the_bound() -> None:
              run(2.0, 190, 45, requests=[req(), req(), req(), slow_ttft], duration=2.0),  # 1.5 (TTFT rule)
              run(4.0, 300, 80, requests=[req()] * 8, duration=2.0),  # 4.0 but p99 ITL 80
              run(8.0, 320, 40, requests=[req()] * 9, failed=1, duration=2.0)]  # a failure: not counted
-    assert compare.ttft_goodput(sweep[1]) == pytest.approx(1.5)
+    assert compare.request_goodput(sweep[1]) == pytest.approx(1.5)
     assert compare.best_goodput_p99(sweep, 50) == {"goodput": pytest.approx(1.5), "rate": 2.0}
     assert compare.best_goodput_p99(sweep, 100) == {"goodput": pytest.approx(4.0), "rate": 4.0}
     assert compare.best_goodput_p99(sweep, 10) is None
@@ -142,3 +142,32 @@ def test_compare_two_systems_on_cpu(tmp_path) -> None:  # type: ignore[no-untype
     assert [x["summary"]["completed"] for x in sweep["runs"]] == [4, 4] and os.path.exists(sweep["path"])
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG" and "| plain |" in (tmp_path / "cmp.md").read_text()
     assert (tmp_path / "compare_logs" / "cmp__broken.log").read_text()  # the server's error is kept
+
+
+def _load_gap_report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_gap_report", os.path.join(ROOT, "bench", "gap_report.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gap_report_splits_first_and_later_gaps(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    gaps = _load_gap_report()
+    requests = [req(itl=(0.06, 0.01, 0.01)), req(itl=(0.01, 0.01, 0.07)), req(itl=(0.02, 0.02, 0.02)),
+                req(ok=False), req(itl=(0.01,))]  # the failure and the one-gap request are left out
+    result = {"label": "sys", "runs": [run(2.0, 10, 30, requests=requests)]}
+    rows = gaps.gap_rows("sys", result, 50)
+    assert len(rows) == 1 and rows[0][:3] == ["sys", "2", "3"]
+    assert rows[0][-2:] == ["33%", "33%"]  # one first gap over 50 ms, one request with a later one
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(result))
+    assert gaps.main([str(path), "--bound-ms", "50"]) == 0
+    assert "| sys | 2 | 3 |" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text('{"label": "x"}')
+    for argv in ([str(tmp_path / "bad.json")], [str(tmp_path / "missing.json")], [str(path), "--bound-ms", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            gaps.main(argv)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no 'runs' list" in err and "not a readable sweep result" in err and "--bound-ms" in err

@@ -132,12 +132,11 @@ class DecodeWorker:
         if r.aborting:
             self._finish(r, "abort")
             return
-        r.outputs.append(msg.first_token)
-        if msg.finish_reason is not None:
-            self._finish(r, msg.finish_reason, notify=False)  # the router has the reason already
+        r.outputs.append(msg.token.token_id)
+        if msg.token.finish_reason is not None:
+            self._finish(r, msg.token.finish_reason, notify=False)  # prefill sent the token to the router
             return
-        if msg.token is not None:  # streamed with this loop's publish, once the next step is launched
-            self._out.append(msg.token)
+        self._out.append(msg.token)  # streamed with this loop's publish, once the next step is launched
         r.state = "running"
         self.running.append(r)
 

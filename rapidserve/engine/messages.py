@@ -84,18 +84,15 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):
-    """Prefill -> decode: the prompt is in the KV blocks and its next token is sampled.
+    """Prefill -> decode: the prompt is in the KV blocks and `token` is the next token, sampled.
 
-    `token` is that token for decode to publish when the request joins the decode batch, so the
-    client's gap to the following token is one decode step (as in vLLM's P/D disaggregation, where
-    the decode side streams every token). It is None when prefill published the token itself: it
-    ends the request (`finish_reason`)."""
+    Decode streams `token` when the request joins its batch, so the client's gap to the following
+    token is one decode step (as in vLLM's P/D disaggregation, where the decode side streams every
+    token). A token with a `finish_reason` ends the request: prefill has sent it to the router already."""
 
     req_id: str
     attempt: int
-    first_token: int  # the token sampled from the prompt's last position
-    finish_reason: str | None  # when the first token already ends the request
-    token: TokenOut | None = None
+    token: TokenOut
 
 
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):

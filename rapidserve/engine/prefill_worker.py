@@ -157,7 +157,7 @@ class PrefillWorker:
             out = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
             if reason is not None:  # the request ends here: the router hears it now
                 firsts.append(out)
-            dones.append(m.PrefillDone(j.req.req_id, j.attempt, tok, reason, None if reason else out))
+            dones.append(m.PrefillDone(j.req.req_id, j.attempt, out))
         if firsts:
             self.io.send["p2r"].send(m.TokenBatch(firsts))
         for d in dones:
