@@ -17,8 +17,8 @@ from tests.test_server import ROOT
 INF = math.inf
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_compare", os.path.join(ROOT, "bench", "compare.py"))
+def _load(name: str = "compare") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -144,16 +144,8 @@ def test_compare_two_systems_on_cpu(tmp_path) -> None:  # type: ignore[no-untype
     assert (tmp_path / "compare_logs" / "cmp__broken.log").read_text()  # the server's error is kept
 
 
-def _load_gap_report() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gap_report", os.path.join(ROOT, "bench", "gap_report.py"))
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_gap_report_splits_first_and_later_gaps(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    gaps = _load_gap_report()
+    gaps = _load("gap_report")
     requests = [req(itl=(0.06, 0.01, 0.01)), req(itl=(0.01, 0.01, 0.07)), req(itl=(0.02, 0.02, 0.02)),
                 req(ok=False), req(itl=(0.01,))]  # the failure and the one-gap request are left out
     result = {"label": "sys", "runs": [run(2.0, 10, 30, requests=requests)]}
