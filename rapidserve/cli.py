@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError, PartitionConfig
+from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError, PartitionConfig, ServerConfig
 
 EXIT_USAGE = 2
 
@@ -85,6 +86,16 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _nonneg_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{v} must be a number >= 0")
+    return v
+
+
 def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g = p.add_argument_group("compute partition (decode / prefill)")
     if with_mode:
@@ -138,17 +149,50 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from rapidserve.config import LaunchConfig, ServerConfig
+    from rapidserve.config import LaunchConfig
     from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
 
+    scfg = server_config(a)  # before the model loads: a bad key file fails at once
     pcfg = partition_config(a)
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
-    ecfg = dataclasses.replace(ecfg, launch=LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode),
-                               partition=pcfg)
-    scfg = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
-                        max_waiting=a.max_waiting, default_max_tokens=a.default_max_tokens)
+    launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
+                          restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
+    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
+
+
+def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
+    return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
+                        served_model_name=a.served_model_name, max_waiting=a.max_waiting,
+                        max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
+                        shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
+                        keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s)
+
+
+API_KEY_ENV = "RAPIDSERVE_API_KEY"
+
+
+def api_key(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
+    """The server's API key: --api-key, else the first line of --api-key-file, else $RAPIDSERVE_API_KEY
+    (empty: none). A file that is missing, unreadable or empty is a ConfigError naming it."""
+    if a.api_key is not None:
+        if not a.api_key.strip():
+            raise ConfigError("--api-key is empty; give a key, or leave the flag out")
+        return str(a.api_key)
+    if a.api_key_file is not None:
+        try:
+            with open(a.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {a.api_key_file}: cannot read it ({e}); give a readable file "
+                              "whose first line is the key") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {a.api_key_file}: the file is empty; its first line must be the key")
+        return key
+    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
+    return key or None
 
 
 def _port(text: str) -> int:
@@ -178,13 +222,39 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
                          "pass per step under --max-num-batched-tokens (the baseline)")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    key = sv.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route but /health and /openapi.json "
+                          "(visible in `ps`: prefer --api-key-file or $RAPIDSERVE_API_KEY, read when neither "
+                          "flag is given)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="read the API key from the first line of this file")
+    sv.add_argument("--metrics-public", action="store_true",
+                    help="serve /metrics without the API key (for a Prometheus that cannot send one)")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
     sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--max-request-bytes", type=_int_at_least(1024), default=8 * 1024 * 1024,
+                    help="largest request body accepted (larger: 413)")
+    sv.add_argument("--shutdown-grace-s", type=_nonneg_float, default=10.0,
+                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they are "
+                         "ended with an error")
+    sv.add_argument("--max-connections", type=_positive_int, default=2048,
+                    help="open connections at most; beyond it the oldest idle one is closed, or the new "
+                         "one answered 503")
+    sv.add_argument("--keepalive-timeout-s", type=_positive_float, default=15.0,
+                    help="close a keep-alive connection idle for this long")
+    sv.add_argument("--header-timeout-s", type=_positive_float, default=10.0,
+                    help="close a connection whose request line and headers take longer than this")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
+    sv.add_argument("--max-restarts", type=_nonneg_int, default=5,
+                    help="worker restarts allowed in any --restart-window-s; one more death and the server "
+                         "exits non-zero for its supervisor to restart it (0: never restart)")
+    sv.add_argument("--restart-window-s", type=_positive_float, default=600.0)
+    sv.add_argument("--heartbeat-timeout-s", type=_positive_float, default=None,
+                    help="a worker silent this long is killed as hung (default: 60 on a GPU, 600 on a CPU)")
     add_partition_args(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -173,7 +173,15 @@ class LaunchConfig:
 
     mps: str = "auto"  # auto | on | off (NVIDIA only)
     on_worker_death: str = "restart"  # restart | shutdown
-    max_restarts: int = 3
+    # Restart budget: at most `max_restarts` restarts in any `restart_window_s` seconds; one more
+    # death inside the window and the engine gives up (the server then exits non-zero, so its
+    # supervisor, systemd / Kubernetes / Slurm, starts it afresh).
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    # A worker that sends nothing (its loop publishes Stats or a Heartbeat every `stats_interval_s`)
+    # for this long is taken as hung: killed and handled as a death. None: 60 s on a GPU, 600 s on
+    # a CPU, where one prefill forward of a long prompt can take minutes.
+    heartbeat_timeout_s: float | None = None
     startup_timeout_s: float = 900.0
     ring_slots: int = 1024
     ring_slot_size: int = 1024
@@ -186,6 +194,11 @@ class LaunchConfig:
         _check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
         _check(self.startup_timeout_s > 0, f"startup_timeout_s={self.startup_timeout_s} must be > 0")
+        _check(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0 (0: never restart)")
+        _check(self.restart_window_s > 0, f"restart_window_s={self.restart_window_s} must be > 0 seconds")
+        _check(self.heartbeat_timeout_s is None or self.heartbeat_timeout_s >= 10 * self.stats_interval_s,
+               f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be at least 10 x stats_interval_s "
+               f"({10 * self.stats_interval_s:g} s), or None for the default")
         _check(self.ring_slots >= 8 and self.ring_slot_size >= 64 and self.ring_slot_size % 8 == 0,
                "ring_slots must be >= 8 and ring_slot_size >= 64 and a multiple of 8")
 
@@ -239,16 +252,28 @@ class PartitionConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The OpenAI-compatible HTTP server (`rapidserve serve`)."""
+    """The OpenAI-compatible HTTP server (`rapidserve serve`).
+
+    api_key: required as `Authorization: Bearer KEY` on every route but /health and /openapi.json
+    (and /metrics with `metrics_public`). shutdown_grace_s: on SIGTERM/SIGINT in-flight requests may
+    finish for this long, then the rest end with an error. Connections: a new one must send its
+    request line and headers within `header_timeout_s`; an idle keep-alive one is closed after
+    `keepalive_timeout_s`; beyond `max_connections` the oldest idle one is closed, or the new one is
+    answered 503 when none is idle.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
     served_model_name: str | None = None
     max_waiting: int = 512  # requests queued beyond max_num_seqs before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0
+    max_connections: int = 2048
+    keepalive_timeout_s: float = 15.0
+    header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
@@ -257,6 +282,9 @@ class ServerConfig:
         _check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
+        _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
+        _check(self.keepalive_timeout_s > 0, f"keepalive_timeout_s={self.keepalive_timeout_s} must be > 0")
+        _check(self.header_timeout_s > 0, f"header_timeout_s={self.header_timeout_s} must be > 0")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,8 @@ Sampling is separate (`sample`), so the engine decides what to do with logits.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,7 +31,7 @@ from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import early_stop_bans
 
 if TYPE_CHECKING:
-    from rapidserve.engine.shared import SharedState
+    from rapidserve.model_sharing import SharedState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -104,7 +103,7 @@ class ModelRunner:
         self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
         t0 = time.perf_counter()
         if attached is not None:
-            from rapidserve.engine.shared import attach_model
+            from rapidserve.model_sharing import attach_model
 
             self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
                                                     max(self.max_model_len, 1), attached)
@@ -115,6 +114,11 @@ class ModelRunner:
                                   max_positions=max(self.max_model_len, 1))
             self._load(source, show_progress)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
+        if self.device.type == "cuda":
+            # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
+            # written on the current stream; the engine computes on partition streams that do not wait
+            # for it, so start-up ends with them written.
+            torch.cuda.synchronize(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, cfg.runner.seed)
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
@@ -162,8 +166,8 @@ class ModelRunner:
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        with self._on(stream):
-            return self._prefill_on(self.kv_pool, items)
+        """One prefill forward; on `stream` if given, ordered with the caller's stream (`_run_on`)."""
+        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items))
 
     def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
         bs = self.block_size
@@ -198,23 +202,29 @@ class ModelRunner:
     def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
                graph_key: str = "default", input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step. `input_ids` (on the device, [len(items)]) overrides the items' token
-        ids: the engine feeds the previous step's sampled tokens without waiting for them."""
+        ids: the engine feeds the previous step's sampled tokens without waiting for them. On
+        `stream` if given, ordered with the caller's stream (`_run_on`); the engine's workers instead
+        make the partition stream current themselves and pass no stream."""
+        return self._run_on(stream, lambda: self._decode_now(items, graph_key, input_ids))
+
+    def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """Everything on the current stream: the static buffers are filled on the stream that replays
+        the graph, so a replay never reads inputs another stream is still writing."""
         n = len(items)
         graphs = self._graphs.get(graph_key)
-        with self._on(stream):
-            if graphs and n <= max(graphs):
-                g = graphs[min(b for b in graphs if b >= n)]
-                self._fill_static(items, g.batch)
-                if input_ids is not None:
-                    self._static["input_ids"][:n].copy_(input_ids)
-                g.graph.replay()
-                return g.logits[:n]
-            ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
-            meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
-                                     max_context_len=int(ctx.max()))
-            tokens = input_ids if input_ids is not None else self._dev(ids)
-            hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
-            return self.model.compute_logits(hidden)
+        if graphs and n <= max(graphs):
+            g = graphs[min(b for b in graphs if b >= n)]
+            self._fill_static(items, g.batch)
+            if input_ids is not None:
+                self._static["input_ids"][:n].copy_(input_ids)
+            g.graph.replay()
+            return g.logits[:n]
+        ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
+        meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
+                                 max_context_len=int(ctx.max()))
+        tokens = input_ids if input_ids is not None else self._dev(ids)
+        hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
+        return self.model.compute_logits(hidden)
 
     def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
         """The graph `decode()` replays for `n` sequences under `graph_key` (None: runs eager). After
@@ -246,10 +256,23 @@ class ModelRunner:
 
     def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
                               show_progress: bool = True) -> None:
-        """Capture one decode graph per batch bucket on `stream` (its compute partition sticks)."""
+        """Capture one decode graph per batch bucket on `stream` (its compute partition sticks).
+
+        Stream ordering (the rule for every side stream here): the static buffers, the weights and the
+        KV pool were allocated and written on the caller's current stream, and the capture stream (a
+        new one, or a partition's non-blocking stream) does not otherwise wait for it. The caching
+        allocator recycles freed memory without clearing it, so a warm-up that overtook the zero-fill
+        of the static buffers read an earlier test's data as block tables ("index out of bounds",
+        only after other GPU work and never under CUDA_LAUNCH_BLOCKING=1). Hence: the capture stream
+        waits for the caller's stream before touching them; every fill, warm-up and capture runs on
+        the capture stream; the caller's stream waits for the capture stream at the end, so a later
+        synchronize of the caller's stream or device (export_shared) covers this work too. The
+        static buffers live as long as the runner: nothing frees them while a stream uses them.
+        """
         if self.device.type != "cuda" or not self.cfg.runner.use_cuda_graphs or not self.attn.graph_safe:
             return
         sizes = list(self.cfg.runner.graph_batch_sizes)
+        caller = torch.cuda.current_stream(self.device)
         if not self._static:
             m = sizes[-1]
             dev = self.device
@@ -263,27 +286,29 @@ class ModelRunner:
             self._graph_pool = torch.cuda.graph_pool_handle()
         s = self._static
         capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
         graphs: dict[int, _DecodeGraph] = {}
-        for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
-                      disable=not show_progress, leave=False):
-            s["slot_mapping"][:b].fill_(-1)
-            s["context_lens"][:b].fill_(0)
-            meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
-                                     s["context_lens"][:b], max_context_len=self.max_model_len)
+        with torch.cuda.stream(capture_stream):
+            for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
+                          disable=not show_progress, leave=False):
+                s["slot_mapping"][:b].fill_(-1)
+                s["context_lens"][:b].fill_(0)
+                meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
+                                         s["context_lens"][:b], max_context_len=self.max_model_len)
 
-            def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
-                h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
-                return self.model.compute_logits(h)
+                def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                    h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
+                    return self.model.compute_logits(h)
 
-            with torch.cuda.stream(capture_stream):
                 step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
-            capture_stream.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
-                logits = step()
-            graphs[b] = _DecodeGraph(g, b, logits)
+                capture_stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
+                    logits = step()
+                graphs[b] = _DecodeGraph(g, b, logits)
+        caller.wait_stream(capture_stream)
         self._graphs[key] = graphs
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.device)
 
     # ---- sampling and helpers -------------------------------------------------------------
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -294,12 +319,20 @@ class ModelRunner:
                     eos: tuple[int, ...]) -> SamplerOutput:
         """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
         `min_tokens` is not reached (in place), the request's seeded generator at that index."""
+        rows: list[int] = []
+        cols: list[int] = []
         for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
-            banned = early_stop_bans(p, k, eos)
-            if banned:
-                logits[i, banned] = float("-inf")
-        gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
-        return self.sample(logits, params, gens)
+            banned = [t for t in early_stop_bans(p, k, eos) if t < logits.shape[-1]]
+            rows += [i] * len(banned)
+            cols += banned
+        # The logits come out of an inference-mode forward (or a graph's output buffer): writing them
+        # outside inference mode raises, so the ban and the sampling run inside it.
+        with torch.inference_mode():
+            if rows:
+                logits[self._dev(np.asarray(rows, dtype=np.int64)), self._dev(np.asarray(cols, dtype=np.int64))] = \
+                    float("-inf")
+            gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
+            return self.sample(logits, params, gens)
 
     def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
         out = np.zeros((len(items), width), dtype=np.int32)
@@ -310,7 +343,23 @@ class ModelRunner:
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
 
-    def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    def _run_on(self, stream: torch.cuda.Stream | None, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`fn()` with `stream` current, ordered as if it ran on the caller's stream.
+
+        Stream ordering: `stream` first waits for the caller's stream (inputs the caller wrote, e.g.
+        `input_ids` or an earlier step's KV, are ready), and the caller's stream waits for `stream`
+        afterwards (the caller reads the logits after they are written). The logits were allocated
+        on `stream` and are freed by the caller: `record_stream` keeps the allocator from handing
+        their memory to a later allocation on `stream` before the caller's uses of them are done.
+        """
         if stream is None or self.device.type != "cuda":
-            return contextlib.nullcontext()
-        return torch.cuda.stream(stream)
+            return fn()
+        caller = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream == caller.cuda_stream:
+            return fn()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            out = fn()
+        caller.wait_stream(stream)
+        out.record_stream(caller)
+        return out

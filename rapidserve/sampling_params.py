@@ -20,6 +20,10 @@ from msgspec.structs import force_setattr
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
+# Integer bounds: every field must survive msgpack between processes (int64 at most) and the
+# device's int32 token/count tensors.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -92,7 +96,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                f"top_k={self.top_k!r} must be -1 or an integer >= 0 (0 or -1 = off)")
         _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p={self.min_p!r} must be in [0, 1] (0 = off)")
-        _check(self.seed is None or _is_int(self.seed), f"seed={self.seed!r} must be an integer or None")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX}] (int64)")
+        for name in ("n", "top_k", "max_tokens", "min_tokens"):
+            v = getattr(self, name)
+            _check(v is None or not _is_int(v) or v <= INT32_MAX, f"{name}={v!r} must be at most {INT32_MAX}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens={self.max_tokens!r} must be an integer >= 1 or None")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
@@ -102,8 +110,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
         _check(isinstance(self.stop_token_ids, tuple)
-               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids={self.stop_token_ids!r} must be a sequence of non-negative integers")
+               and all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+               f"stop_token_ids={self.stop_token_ids!r} must be a sequence of integers in [0, {INT32_MAX}]")
         _check(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP_STRINGS,
                f"stop={self.stop!r} may hold at most {MAX_STOP_STRINGS} strings")
         _check(all(isinstance(s, str) and s != "" for s in self.stop),

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rapidserve.loader import ModelSource
+from rapidserve.loader import ModelSource, load_hf_tokenizer
 
 
 class Tokenizer:
@@ -30,19 +29,9 @@ class Tokenizer:
     @classmethod
     def from_source(cls, source: ModelSource) -> Tokenizer | None:
         """The model's tokenizer, or None when it has none (presets)."""
-        if source.tokenizer_dir is None:
-            return None
-        from transformers import AutoTokenizer
-
-        tok = None
-        if source.tokenizer_cache_dir is not None and os.path.isdir(source.tokenizer_cache_dir):
-            try:
-                tok = AutoTokenizer.from_pretrained(source.tokenizer_cache_dir)
-            except (OSError, ValueError):
-                tok = None  # fall back to the original files below
+        tok = load_hf_tokenizer(source)
         if tok is None:
-            kwargs = {"gguf_file": source.tokenizer_file} if source.tokenizer_file else {}
-            tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, **kwargs)
+            return None
         return cls(tok, source.config.eos_token_ids, source.chat_template)
 
     @property

@@ -43,3 +43,30 @@ def test_generate_chat_with_default_model() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert "Paris" in line["text"] and line["finish_reason"] == "stop"
+
+
+def test_serve_flags_map_to_the_server_config() -> None:
+    from rapidserve.cli import build_parser, server_config
+
+    a = build_parser().parse_args(["serve", "--max-request-bytes", "4096", "--shutdown-grace-s", "2.5",
+                                   "--max-connections", "20", "--keepalive-timeout-s", "5", "--header-timeout-s",
+                                   "3", "--metrics-public"])
+    cfg = server_config(a, {})
+    assert (cfg.host, cfg.max_body_bytes, cfg.shutdown_grace_s, cfg.max_connections) == ("127.0.0.1", 4096, 2.5, 20)
+    assert (cfg.keepalive_timeout_s, cfg.header_timeout_s, cfg.metrics_public, cfg.api_key) == (5, 3, True, None)
+    assert server_config(build_parser().parse_args(["serve"]), {"RAPIDSERVE_API_KEY": "k"}).api_key == "k"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-request-bytes", "100"], "--max-request-bytes"),
+    (["--shutdown-grace-s", "-1"], "--shutdown-grace-s"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--keepalive-timeout-s", "0"], "--keepalive-timeout-s"),
+    (["--header-timeout-s", "soon"], "--header-timeout-s"),
+    (["--api-key", "a", "--api-key-file", "b"], "--api-key-file"),
+    (["--api-key-file", "/no/such/key-file"], "/no/such/key-file"),
+])
+def test_serve_usage_errors_exit_2(args: list[str], needle: str) -> None:
+    r = run("serve", *args, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr

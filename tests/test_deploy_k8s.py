@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rapidserve.cli import build_parser
+from rapidserve.cli import API_KEY_ENV, api_key, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
@@ -145,28 +145,39 @@ def fake_rapidserve(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "rapidserve"
-    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.write_text("#!/usr/bin/env python3\nimport json, os, sys\n"
+                    "print(json.dumps([sys.argv[1:], os.environ.get('RAPIDSERVE_API_KEY')]))\n")
     fake.chmod(0o755)
     return bin_dir
 
 
 def test_container_command_gives_rapidserve_flags_it_accepts(rendered: Rendered, tmp_path: Path) -> None:
     """Run the container's command with the rendered ConfigMap as environment (as the kubelet would)
-    against a stand-in that prints its argv, and parse that argv with rapidserve's own parser."""
+    against a stand-in that prints its argv and $RAPIDSERVE_API_KEY, and parse that argv with
+    rapidserve's own parser. The key reaches the server through its environment, never its argv."""
     name, docs = rendered
     c = container(docs)
     cm = one(docs, "ConfigMap")
     assert c["envFrom"] == [{"configMapRef": {"name": cm["metadata"]["name"]}}]
+    (key_env,) = [e for e in c["env"] if e["name"] == API_KEY_ENV]
+    assert key_env["valueFrom"]["secretKeyRef"]["name"] == "rapidserve-api-key"
     path = f"{fake_rapidserve(tmp_path)}{os.pathsep}{os.environ['PATH']}"
-    for api_key in (None, "s3cret"):
+    for key in (None, "s3cret"):
         env = {"PATH": path, **cm["data"]}
-        if api_key:
-            env["RAPIDSERVE_API_KEY"] = api_key
+        if key:
+            env[API_KEY_ENV] = key
         done = subprocess.run([*c["command"], *c["args"]], env=env, capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, done.stderr
-        argv = json.loads(done.stdout)
+        argv, seen_key = json.loads(done.stdout)
+        assert key is None or not any(key in a for a in argv), "the key must not be on the command line"
         args = build_parser().parse_args(argv)
-        assert (args.command, args.host, args.port, args.api_key) == ("serve", "0.0.0.0", 8000, api_key)
+        assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+        assert api_key(args, {API_KEY_ENV: seen_key} if seen_key else {}) == key
+        assert args.metrics_public  # Prometheus' annotation-based scrape sends no key
+        # preStop pause + grace + 2 s to stop the workers fit in the termination grace period
+        term = one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        pause = float(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert pause + args.shutdown_grace_s + 2 < term
         assert args.model is None  # the embedded model unless an overlay of the user's says otherwise
         if name == "cpu":
             assert args.device == "cpu"
@@ -229,6 +240,7 @@ def test_dockerfile_installs_with_install_sh_and_serves_on_all_interfaces(flavou
     assert cmd[0] == "rapidserve"
     args = build_parser().parse_args(cmd[1:])
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+    assert args.api_key is None and API_KEY_ENV in text  # the key comes from the environment, documented
     assert (DOCKER / f"Dockerfile.{flavour}.dockerignore").read_text().splitlines()[1] == ".git"
 
 

@@ -32,7 +32,8 @@ port = int(args[args.index("--port") + 1])
 host = args[args.index("--host") + 1]
 mode = os.environ.get("FAKE_MODE", "ok")
 out = os.path.join(os.environ["FAKE_RECORD_DIR"], f"{port}.json")
-rec = {"argv": args, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in @DEVICE_VARS@}}
+rec = {"argv": args, "pid": os.getpid(), "env": {k: os.environ.get(k) for k in @DEVICE_VARS@},
+       "api_key": os.environ.get("RAPIDSERVE_API_KEY")}
 json.dump(rec, open(out, "w"))
 if mode == "fail" and port == int(os.environ.get("FAKE_FAIL_PORT", port)):
     print("fake: failing on purpose", flush=True)
@@ -265,3 +266,43 @@ def test_bad_settings_are_refused(run_script: Callable[..., Run], env: dict[str,
     run = run_script([], env)
     assert run.finish() == 2
     assert message in run.output()
+
+
+NO_KEY = "NO API KEY"
+
+
+def test_all_interfaces_without_a_key_warns(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "RAPIDSERVE_HOST": "0.0.0.0"})
+    run.wait_ready()
+    code, out = stop(run)
+    assert code == 0 and NO_KEY in out, out
+    assert run.record(0)["api_key"] is None and "--api-key-file" not in run.record(0)["argv"]
+
+
+def test_api_key_reaches_the_servers_through_the_environment_only(run_script: Callable[..., Run]) -> None:
+    run = run_script([], {"RAPIDSERVE_GPU_VENDOR": "none", "RAPIDSERVE_HOST": "0.0.0.0",
+                          "RAPIDSERVE_API_KEY": "s3cret"})
+    run.wait_ready()
+    rec = run.record(0)
+    assert rec["api_key"] == "s3cret" and not any("s3cret" in a for a in rec["argv"])
+    code, out = stop(run)
+    assert code == 0 and NO_KEY not in out, out
+
+
+def test_api_key_file_is_passed_as_a_flag(run_script: Callable[..., Run], tmp_path: Path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("s3cret\n")
+    run = run_script(["--max-num-seqs", "2"], {"RAPIDSERVE_GPU_VENDOR": "none", "RAPIDSERVE_HOST": "0.0.0.0",
+                                               "RAPIDSERVE_API_KEY_FILE": str(key_file)})
+    run.wait_ready()
+    argv = run.record(0)["argv"]
+    assert argv[argv.index("--api-key-file") + 1] == str(key_file) and argv[-2:] == ["--max-num-seqs", "2"]
+    code, out = stop(run)
+    assert code == 0 and NO_KEY not in out, out
+
+
+def test_unreadable_api_key_file_is_refused(run_script: Callable[..., Run], tmp_path: Path) -> None:
+    run = run_script([], {"RAPIDSERVE_API_KEY_FILE": str(tmp_path / "missing")})
+    assert run.finish() == 2
+    out = run.output()
+    assert "RAPIDSERVE_API_KEY_FILE=" in out and "readable, non-empty" in out, out

@@ -22,6 +22,8 @@ SAMPLES = [
     m.PrefillDone("r1", 0, m.TokenOut("r1", 0, 7, -0.5, [(7, -0.5)], None)),
     m.PrefillDone("r2", 1, m.TokenOut("r2", 3, 2, None, None, "stop")),
     m.Dropped("r1"),
+    m.PrefillFailed("r1", 0, "RuntimeError: boom"),
+    m.Heartbeat("prefill", 3),
     m.TokenBatch([m.TokenOut("r1", 0, 7, -0.5, [(7, -0.5), (9, -1.25)], None),
                   m.TokenOut("r2", 3, 2, None, None, "length")]),
     m.Finished("r1", "abort"),

@@ -140,3 +140,22 @@ def test_output_parses_with_expected_types() -> None:
     assert types["rapidserve:partition_info"] == "gauge"
     assert types["rapidserve:prompt_tokens"] == "counter"
     assert types["rapidserve:request_success"] == "counter"
+
+
+def test_engine_restart_and_death_counters_follow_the_engine() -> None:
+    m = Metrics(MODEL)
+    assert value(m, "rapidserve:engine_restarts_total") == 0
+    assert value(m, "rapidserve:engine_worker_deaths_total") == 0
+    m.set_engine_counters(restarts_total=1, deaths_total=2)
+    m.set_engine_counters(restarts_total=1, deaths_total=2)  # read again: not summed
+    assert value(m, "rapidserve:engine_restarts_total") == 1
+    assert value(m, "rapidserve:engine_worker_deaths_total") == 2
+    m.set_engine_counters(restarts_total=3, deaths_total=3)
+    assert value(m, "rapidserve:engine_restarts_total") == 3
+    assert value(m, "rapidserve:engine_worker_deaths_total") == 3
+
+
+def test_every_finish_reason_is_exposed_from_the_start() -> None:
+    m = Metrics(MODEL)
+    for reason in ("stop", "length", "abort", "error"):
+        assert value(m, "rapidserve:request_success_total", finished_reason=reason) == 0

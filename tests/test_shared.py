@@ -14,9 +14,9 @@ import torch.multiprocessing as tmp
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.config import EngineConfig, ModelConfig
-from rapidserve.engine.shared import SharedState, SharedStateError, attach_model, export_shared, shared_bytes
 from rapidserve.kv_pool import KVPool, KVPoolSpec
 from rapidserve.llm import build_engine_config
+from rapidserve.model_sharing import SharedState, SharedStateError, attach_model, export_shared, shared_bytes
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.runner import ModelRunner, PrefillItem, resolve_dtype

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rapidserve.benchmark.report import load_result, workload_title
+from rapidserve.benchmark.results import load_result, workload_title
 
 PANELS: tuple[tuple[str, str], ...] = (("output tokens/s", "output_throughput"), ("p99 ITL (ms)", "itl_ms"),
                                        ("p99 TTFT (ms)", "ttft_ms"))

@@ -9,6 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rapidserve.benchmark.arrivals import rate_label
+from rapidserve.benchmark.results import load_result, workload_title
+
+__all__ = ["fmt", "jsonable", "load_result", "to_markdown", "workload_title", "write_outputs"]
 
 THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
@@ -35,17 +38,6 @@ def fmt(v: Any, spec: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "-"
     return format(v, spec)
-
-
-def workload_title(workload: Mapping[str, Any]) -> str:
-    """'fixed 4096:64', 'multiturn 1024:128 x4 (+128/turn)', or the trace's name."""
-    name = str(workload.get("name", "?"))
-    if name == "fixed":
-        return f"fixed {workload.get('input_len')}:{workload.get('output_len')}"
-    if name == "multiturn":
-        return (f"multiturn {workload.get('input_len')}:{workload.get('output_len')} x{workload.get('num_turns')} "
-                f"(+{workload.get('turn_input_len')}/turn)")
-    return name
 
 
 def _rate(v: float | str) -> str:
@@ -121,8 +113,3 @@ def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool
         plot_sweeps([result], paths["png"], title=f"{result.get('label')}: "
                                                   f"{workload_title(result.get('workload', {}))}")
     return paths
-
-
-def load_result(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)  # type: ignore[no-any-return]

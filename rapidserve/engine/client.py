@@ -6,12 +6,20 @@
     await engine.abort(req_id)
     await engine.shutdown()
 
-A collector thread sleeps on the router's doorbell, reads both inbox rings and hands messages to the
-event loop; tokens are delivered in index order (the first token comes from prefill, the rest from
-decode, on different rings). Every 0.2 s it also checks the workers: when one dies, every in-flight
-request ends with `EngineError` at once, the other worker is stopped, shared memory is unlinked,
-and the engine restarts its workers (`on_worker_death="restart"`, up to `max_restarts`) or stays
-down. Nothing blocks forever: a request on a dead engine fails immediately.
+A collector thread sleeps on the router's doorbell, reads the inbox rings and hands messages to the
+event loop; tokens are delivered in index order. It also supervises the workers:
+- death: a worker process that exits is noticed within 0.2 s;
+- hang: a worker that sends nothing (Stats / Heartbeat come every `stats_interval_s`) for
+  `heartbeat_timeout_s` is killed and handled as a death.
+On a death every in-flight request ends with `EngineError` at once, one log line names the worker,
+its pid and its exit code or signal, the other worker is stopped, shared memory is unlinked, and the
+workers are restarted (`on_worker_death="restart"`) while the windowed budget allows: at most
+`max_restarts` restarts in any `restart_window_s`. Past it (or with "shutdown", or when a restart
+fails) the engine gives up: `state` is "down" and `fatal` is set, so the server can exit non-zero
+for its supervisor to restart it. Nothing blocks forever: a request on an engine that is not
+ready fails immediately.
+
+States: starting -> ready -> (a death) restarting -> ready ... or -> down (gave up / shut down).
 In hybrid mode (`LaunchConfig.mode`) there is one worker (`engine/hybrid_worker.py`) and one inbox
 ring; the same supervision applies to it.
 """
@@ -21,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,9 +45,15 @@ from rapidserve.engine.mps import MpsController, MpsPlan
 from rapidserve.ipc import wait_any
 from rapidserve.sampling_params import SamplingParams
 
+log = logging.getLogger("rapidserve.engine")
+
 
 class EngineError(RuntimeError):
     """The request could not be completed: a worker died, the engine is down, or it was refused."""
+
+
+class RequestRejected(EngineError, ValueError):
+    """The request cannot be served as given (an empty prompt, a token id outside the vocabulary...)."""
 
 
 @dataclass
@@ -58,9 +74,14 @@ class AsyncEngine:
         self.stats: m.Stats | None = None
         self.mps = MpsController()
         self.mps_plan: MpsPlan | None = None
-        self.restarts = 0
+        self.state = "starting"  # starting | ready | restarting | down
+        self.restarts_total = 0  # restarts that brought the engine back
+        self.deaths_total = 0  # worker deaths and hangs noticed
+        self.fatal = asyncio.Event()  # set when the engine gives up for good (see the module doc)
         self.dead_reason: str | None = None
         self.events: list[str] = []  # supervision log: starts, deaths, restarts
+        self._restart_times: deque[float] = deque()
+        self._recovery: asyncio.Task[None] | None = None
         self._collector: threading.Thread | None = None
         self._stop_collector = threading.Event()
         self._closing = False
@@ -88,13 +109,19 @@ class AsyncEngine:
         env = self.mps_plan.worker_env()
         self.workers = await self.loop.run_in_executor(None, WorkerSet.start, self.cfg, env)
         self.dead_reason = None
-        self.events.append(f"workers ready: {sorted(self.workers.ready)}")
+        self.state = "ready"
+        pids = ", ".join(f"{who} pid {p.pid}" for who, p in self.workers.procs.items())
+        self.events.append(f"workers ready: {sorted(self.workers.ready)} ({pids})")
         self._stop_collector.clear()
         self._collector = threading.Thread(target=self._collect, name="rapidserve-collector", daemon=True)
         self._collector.start()
 
     async def shutdown(self) -> None:
         self._closing = True
+        self.state = "down"
+        if self._recovery is not None:  # a teardown or restart under way finishes first
+            await asyncio.gather(self._recovery, return_exceptions=True)
+            self.state = "down"
         await asyncio.get_running_loop().run_in_executor(None, self._teardown, True)
         self._fail_all(EngineError("the engine is shutting down"))
         self.mps.stop()
@@ -102,6 +129,7 @@ class AsyncEngine:
     def _shutdown_sync(self) -> None:
         if not self._closing:
             self._closing = True
+            self.state = "down"
             self._teardown(True)
             self.mps.stop()
 
@@ -116,11 +144,13 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------
     async def generate(self, req_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[m.TokenOut]:
-        """Tokens of one request in order; the last carries finish_reason. Raises EngineError."""
-        if self.workers is None:
-            raise EngineError(f"the engine is not running: {self.dead_reason or 'not started'}")
+        """Tokens of one request in order; the last carries finish_reason. Raises EngineError (the
+        engine is not ready, or failed the request; RequestRejected: a prompt it cannot serve)."""
+        if self.workers is None or self.state != "ready":
+            raise EngineError(f"the engine is not running ({self.state}): {self.dead_reason or 'not started'}")
         if req_id in self.streams:
             raise EngineError(f"request id {req_id!r} is already in flight")
+        check_prompt(prompt_token_ids, self.cfg.model_config.vocab_size, self.cfg.max_model_len)
         stream = _Stream(asyncio.Queue())
         self.streams[req_id] = stream
         msg = m.NewRequest(req_id, list(prompt_token_ids), params, time.monotonic())
@@ -152,17 +182,30 @@ class AsyncEngine:
         ws, loop = self.workers, self.loop
         assert ws is not None and loop is not None
         receivers = list(ws.recv.values())
+        bound = heartbeat_bound(self.cfg)
+        last_heard = {label: time.monotonic() for label in ws.recv}
+        hung: dict[str, float] = {}
         while not self._stop_collector.is_set():
             wait_any(receivers, ws.doorbells["router"], 0.2)
             msgs: list[Any] = []
-            for r in receivers:
-                msgs.extend(r.drain())
+            now = time.monotonic()
+            for label, r in ws.recv.items():
+                got = r.drain()
+                if got:
+                    last_heard[label] = now
+                    msgs.extend(got)
             if msgs:
                 loop.call_soon_threadsafe(self._dispatch, msgs)
+            for label, t in last_heard.items():
+                who = ws.writer_of(label)
+                if now - t > bound and who not in hung and ws.procs[who].is_alive():
+                    hung[who] = now - t  # a hung worker is killed, then handled as a death
+                    ws.procs[who].kill()
             dead = ws.dead_worker()
             if dead is not None and not self._stop_collector.is_set():
-                code = ws.procs[dead].exitcode
-                loop.call_soon_threadsafe(self._on_death, dead, code)
+                p = ws.procs[dead]
+                p.join(1.0)
+                loop.call_soon_threadsafe(self._on_death, dead, p.pid, p.exitcode, hung.get(dead))
                 return
 
     def _dispatch(self, msgs: list[Any]) -> None:
@@ -200,30 +243,102 @@ class AsyncEngine:
                 s.finished = True
                 s.queue.put_nowait(err)
 
-    def _on_death(self, who: str, exitcode: int | None) -> None:
-        reason = f"the {who} worker died (exit code {exitcode})"
+    def _on_death(self, who: str, pid: int | None, exitcode: int | None, silent_s: float | None) -> None:
+        """In the event loop: fail every in-flight request now, then tear down and maybe restart."""
+        if silent_s is not None:
+            reason = (f"the {who} worker stopped responding (no heartbeat for {silent_s:.1f} s; pid {pid} "
+                      f"killed)")
+        else:
+            reason = f"the {who} worker died ({describe_exit(exitcode)}, pid {pid})"
+        self.deaths_total += 1
         self.events.append(reason)
         self.dead_reason = reason
+        inflight = sum(1 for s in self.streams.values() if not s.finished)
         self._fail_all(EngineError(reason))
-        self._teardown(graceful=False)
+        log.error("%s; %d request(s) in flight failed", reason, inflight)
+        self.state = "restarting" if self._may_restart() else "down"
+        assert self.loop is not None
+        self._recovery = self.loop.create_task(self._recover())
+
+    def _may_restart(self) -> bool:
+        """The restart budget: at most max_restarts in any restart_window_s."""
+        lc = self.cfg.launch
+        if self._closing or lc.on_worker_death != "restart":
+            return False
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > lc.restart_window_s:
+            self._restart_times.popleft()
+        return len(self._restart_times) < lc.max_restarts
+
+    async def _recover(self) -> None:
+        assert self.loop is not None
+        await self.loop.run_in_executor(None, self._teardown, False)  # off the loop: joins processes
         if self._closing:
             return
-        if self.cfg.launch.on_worker_death == "restart" and self.restarts < self.cfg.launch.max_restarts:
-            self.restarts += 1
-            self.events.append(f"restarting workers ({self.restarts}/{self.cfg.launch.max_restarts})")
-            assert self.loop is not None
-            self.loop.create_task(self._restart())
-
-    async def _restart(self) -> None:
-        try:
-            await self._start_workers()
-        except Exception as e:  # noqa: BLE001 - report and stay down
-            self.dead_reason = f"restart failed: {e}"
+        while self.state == "restarting":
+            self._restart_times.append(time.monotonic())
+            t0 = time.monotonic()
+            try:
+                await self._start_workers()
+            except Exception as e:  # noqa: BLE001 - counted against the budget, reported
+                self.dead_reason = f"restart failed: {e}"
+                self.events.append(self.dead_reason)
+                log.error("%s", self.dead_reason)
+                self.state = "restarting" if self._may_restart() else "down"
+                continue
+            self.restarts_total += 1
+            msg = (f"workers restarted in {time.monotonic() - t0:.1f} s (restart {self.restarts_total}; "
+                   f"{len(self._restart_times)} in the last {self.cfg.launch.restart_window_s:.0f} s)")
+            self.events.append(msg)
+            log.warning("%s", msg)
+            return
+        if not self._closing:
+            why = (f"restart budget used up ({self.cfg.launch.max_restarts} in "
+                   f"{self.cfg.launch.restart_window_s:.0f} s)" if self.cfg.launch.on_worker_death == "restart"
+                   else "on_worker_death=shutdown")
+            self.dead_reason = f"{self.dead_reason}; giving up: {why}"
             self.events.append(self.dead_reason)
+            log.error("engine down for good: %s", self.dead_reason)
+            self.fatal.set()
+
+    @property
+    def restarts(self) -> int:
+        return self.restarts_total
 
     @property
     def running(self) -> bool:
-        return self.workers is not None
+        return self.workers is not None and self.state == "ready"
+
+
+def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt the engine can serve, or RequestRejected saying why (the server checks before this)."""
+    if not prompt:
+        raise RequestRejected("prompt_token_ids is empty; give at least one token")
+    bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise RequestRejected(f"prompt_token_ids holds {bad!r}: token ids must be integers in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise RequestRejected(f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and "
+                         "must leave room for at least one generated token")
+
+
+def heartbeat_bound(cfg: EngineConfig) -> float:
+    """Seconds of silence after which a worker is taken as hung (LaunchConfig.heartbeat_timeout_s)."""
+    if cfg.launch.heartbeat_timeout_s is not None:
+        return cfg.launch.heartbeat_timeout_s
+    return 600.0 if cfg.runner.device == "cpu" or _gpu_platform() == "cpu" else 60.0
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exit code 1', 'killed by SIGKILL', or 'no exit code' for a process's exit status."""
+    if exitcode is None:
+        return "no exit code"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _exit_on_sigterm() -> None:

@@ -28,6 +28,7 @@ import torch
 from rapidserve.block_manager import BlockManager, blocks_for
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
@@ -97,12 +98,43 @@ class DecodeWorker:
             if not self.io.others_alive():
                 return
 
+    def step(self) -> None:
+        """One decode step. A request never takes the worker down (engine/faults.py): rows whose
+        sampling raises fail alone (the others decode again next step; the step in flight still
+        lands); any other error of the step (device still usable) fails its whole batch."""
+        try:
+            self._step()
+        except RequestsFailed as e:
+            for r in e.reqs:
+                self._finish(r, "error", message=describe(e.error, "sampling"))
+            self._complete()
+        except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
+            if is_fatal(e):
+                raise
+            self._fail_batch(e)
+
+    def _fail_batch(self, e: Exception) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize()  # nothing in flight writes the blocks freed below (raises if broken)
+        f, self.inflight = self.inflight, None
+        why = describe(e, "decode step")
+        for r in list(self.running) + (f.reqs if f is not None else []):
+            r.inflight = 0
+            if r.state == "running":
+                self._finish(r, "error", message=why)
+            else:
+                self._release(r)
+
     # ---- inbox ------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
         if isinstance(msg, m.NewRequest):
             self._new(msg)
         elif isinstance(msg, m.PrefillDone):
             self._prefill_done(msg)
+        elif isinstance(msg, m.PrefillFailed):
+            r = self.reqs.get(msg.req_id)
+            if r is not None and r.state == "prefilling" and msg.attempt == r.attempt:
+                self._finish(r, "abort" if r.aborting else "error", message=msg.message)
         elif isinstance(msg, m.Dropped):
             r = self.reqs.get(msg.req_id)
             if r is not None and r.aborting:
@@ -154,13 +186,13 @@ class DecodeWorker:
         else:
             self._finish(r, "abort")
 
-    def _finish(self, r: DReq, reason: str, notify: bool = True) -> None:
+    def _finish(self, r: DReq, reason: str, notify: bool = True, message: str = "") -> None:
         """Done: out of every queue now; blocks back once no in-flight step writes them."""
         if r in self.running:
             self.running.remove(r)
         r.state = "done"
         if notify:
-            self.io.send["d2r"].send(m.Finished(r.req_id, reason))
+            self.io.send["d2r"].send(m.Finished(r.req_id, reason, message))
         self._release(r)
 
     def _release(self, r: DReq) -> None:
@@ -200,12 +232,15 @@ class DecodeWorker:
         if sw is None:
             return
         old = self.backend.stream(sw.old, "decode")
-        if old is not None:  # the in-flight step ran there; its outputs feed the next step here
+        if old is not None:
+            # Stream ordering: the step in flight ran on the old stream. Its sampled tokens, its KV
+            # writes and the graphs' static inputs (shared by every configuration's graphs) are read
+            # or overwritten by the next step on the new stream, which nothing else orders after it.
             old.synchronize()
         self.io.send["d2p"].send(m.SetPartition(sw.new))
 
     # ---- decode -----------------------------------------------------------------------------
-    def step(self) -> None:
+    def _step(self) -> None:
         if not self.running:
             self._complete()
             return
@@ -252,13 +287,27 @@ class DecodeWorker:
         input_ids = None
         carried = [(i, prev_index[id(r)]) for i, r in enumerate(reqs) if r.inflight]
         if carried and prev is not None:  # tokens of the step still in flight, straight from the device
-            input_ids = torch.tensor([it.token_id for it in items], device=self.runner.device)
-            dst = torch.tensor([c[0] for c in carried], device=self.runner.device)
-            src = torch.tensor([c[1] for c in carried], device=self.runner.device)
+            # Stream ordering: this step runs on the current partition's stream (step() made it current).
+            # The step in flight ran on this stream, or on another one that repartition() synchronized
+            # before switching, so its token_ids are written before this read. They were allocated on
+            # that stream and are freed while this step may still read them: record_stream keeps the
+            # allocator from reusing the memory there first (a no-op when it is this stream). The
+            # inputs are copied without blocking: torch.tensor(..., device=) would wait for the
+            # stream, i.e. for the step in flight, and lose the step of lookahead.
+            dev = self.runner.device
+            input_ids = torch.tensor([it.token_id for it in items]).to(dev, non_blocking=True)
+            dst = torch.tensor([c[0] for c in carried]).to(dev, non_blocking=True)
+            src = torch.tensor([c[1] for c in carried]).to(dev, non_blocking=True)
             input_ids[dst] = prev.out.token_ids[src]
+            if dev.type == "cuda":
+                prev.out.token_ids.record_stream(torch.cuda.current_stream(dev))
         logits = self.runner.decode(items, input_ids=input_ids, graph_key=self.partition.current)
         index = [len(r.outputs) + r.inflight for r in reqs]  # output index of this step's token
-        out = self.runner.sample_next(logits, [r.params for r in reqs], index, self.eos)
+        try:
+            out = sample_or_blame(self.runner, logits, [r.params for r in reqs], index, self.eos)
+        except RequestsFailed as e:
+            e.reqs = [reqs[i] for i in e.rows]
+            raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         event = None
         if self.runner.device.type == "cuda":

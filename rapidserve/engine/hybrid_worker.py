@@ -31,19 +31,31 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.worker_io import ChannelNames, WorkerIO, apply_env, settle_heap, worker_signals
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
+from rapidserve.engine.worker_io import (
+    ChannelNames,
+    WorkerIO,
+    apply_env,
+    no_named_locks,
+    settle_heap,
+    unlink_names,
+    worker_signals,
+)
 from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop
 
+T = TypeVar("T")
 SEAT = "decode"  # whose rings and doorbell the hybrid worker uses (worker_io.INBOXES)
 
 
@@ -90,13 +102,36 @@ class HybridWorker:
     def run(self) -> None:
         while not self._stop:
             plan = self.sched.schedule()
-            step = None if plan.is_empty else self.launch(plan)
+            step = None if plan.is_empty else self.guarded(plan, self.launch, plan)
             self.read_inbox(wait=plan.is_empty and not plan.preempted)  # while the device computes the step
             if step is not None:
-                self.record(step)
+                self.guarded(plan, self.record, step)
             self.publish()
             if not self.io.others_alive():
                 return
+
+    def guarded(self, plan: HybridPlan, fn: Callable[[Any], T], arg: Any) -> T | None:
+        """Run `fn(arg)` for `plan`; a request never takes the worker down (engine/faults.py). Rows
+        whose sampling raises alone fail; on any other error (device still usable) the suspects
+        fail: the requests whose prompt chunks were in the step, or, in a decode-only step, all of
+        its requests. The rest are untouched: the step was not completed, so the scheduler plans
+        their work again."""
+        try:
+            return fn(arg)
+        except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives
+            if is_fatal(e):
+                raise
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize()  # nothing in flight writes the blocks freed below
+            if isinstance(e, RequestsFailed):
+                blamed, why = e.reqs, describe(e.error, "sampling")
+            else:
+                blamed, why = [c.seq for c in plan.prefill] or list(plan.decode), describe(e, "step")
+            for seq in blamed:
+                if not seq.is_finished and self.seqs.pop(seq.seq_id, None) is not None:
+                    self.sched.finish(seq, "error")
+                    self.out.send(m.Finished(seq.seq_id, "error", why))
+            return None
 
     # ---- inbox ------------------------------------------------------------------------------
     def read_inbox(self, wait: bool) -> None:
@@ -143,7 +178,11 @@ class HybridWorker:
         if not seqs:  # only prompt chunks that end no prompt: nothing to sample or wait for
             return Launched(plan, [], None, None)
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
-        out = self.runner.sample_next(logits, [s.params for s in seqs], index, self.eos)
+        try:
+            out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos)
+        except RequestsFailed as e:
+            e.reqs = [seqs[i] for i in e.rows]
+            raise
         host = out.to_host()
         done = None
         if self.runner.device.type == "cuda":
@@ -184,12 +223,12 @@ class HybridWorker:
 
 def hybrid_main(cfg: EngineConfig, names: ChannelNames, parent_pid: int, env: dict[str, str | None]) -> None:
     """Entry point of the hybrid worker process (spawned by `WorkerSet.start` in hybrid mode)."""
-    from rapidserve.engine.launch import unlink_names
     from rapidserve.loader import resolve_model
     from rapidserve.runner import resolve_device, resolve_dtype
 
     apply_env(env)
     worker_signals()
+    no_named_locks()
     io = WorkerIO(SEAT, names, parent_pid)
     out = io.send["d2r"]
     try:

@@ -20,8 +20,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-import posix_ipc
-
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import (
@@ -31,7 +29,9 @@ from rapidserve.engine.worker_io import (
     ChannelNames,
     WorkerIO,
     apply_env,
+    no_named_locks,
     settle_heap,
+    unlink_names,
     worker_signals,
 )
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, cleanup_stale, doorbell_name, new_engine_id, ring_name
@@ -46,6 +46,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
     """Entry point of a worker process (spawned)."""
     apply_env(env)
     worker_signals()
+    no_named_locks()
     if cfg.runner.device == "cpu" or not _has_gpu():
         import torch  # two workers share the cores: half each
 
@@ -60,7 +61,7 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
         eos = cfg.model_config.eos_token_ids
         if who == "decode":
             from rapidserve.engine.decode_worker import DecodeWorker
-            from rapidserve.engine.shared import export_shared
+            from rapidserve.model_sharing import export_shared
 
             dev = resolve_device(cfg.runner.device)
             source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
@@ -69,16 +70,21 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
             parts = open_streams(plan.wire(), runner.device, ("decode",))
             for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
                 runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
-            handoff.put((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
+            state = export_shared(runner.model, runner.kv_pool)
             out.send(m.Ready("decode", os.getpid(), {"kv_blocks": str(runner.kv_pool.num_blocks),
                                                      "device": str(runner.device), "partition": plan.source,
                                                      "configurations": ",".join(parts.names), **_memory(runner)}))
+            handoff.send((os.getpid(), state, plan.wire()))  # returns once prefill has read it all
+            handoff.close()
             settle_heap()
             DecodeWorker(cfg, runner, io, eos, DecodePartition(cfg.partition, plan), parts).run()
         else:
             from rapidserve.engine.prefill_worker import PrefillWorker
 
-            owner_pid, shared, wire = handoff.get(timeout=cfg.launch.startup_timeout_s)
+            if not handoff.poll(cfg.launch.startup_timeout_s):
+                raise TimeoutError(f"no weights from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
+            owner_pid, shared, wire = handoff.recv()
+            handoff.close()
             io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
             runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
             parts = open_streams(wire, runner.device, ("prefill",))
@@ -94,18 +100,6 @@ def worker_main(who: str, cfg: EngineConfig, names: ChannelNames, parent_pid: in
         if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
             unlink_names(names)
         io.close()
-
-
-def unlink_names(names: ChannelNames) -> None:
-    """Remove an engine's shared-memory names (idempotent; used when the router is gone)."""
-    for name in names.rings.values():
-        for fn, suffix in ((posix_ipc.unlink_shared_memory, ""), (posix_ipc.unlink_semaphore, ".rd"),
-                           (posix_ipc.unlink_semaphore, ".wr")):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                fn("/" + name + suffix)
-    for name in names.doorbells.values():
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_semaphore("/" + name)
 
 
 @dataclass
@@ -135,11 +129,14 @@ class WorkerSet:
                  {lbl: Sender(rings[lbl], RING_TYPES[lbl]) for lbl in ("r2d", "r2p") if lbl in rings},
                  {lbl: Receiver(rings[lbl], RING_TYPES[lbl]) for lbl in ("d2r", "p2r") if lbl in rings}, {})
         ctx = mp.get_context("spawn")
-        handoff = ctx.Queue()
+        # The one-time hand-off of IPC handles (decode -> prefill) is a pipe: unlike a Queue it makes
+        # no named semaphore, so nothing is left in /dev/shm when a worker is killed. The router
+        # keeps no end of it once both workers have theirs.
+        rx, tx = ctx.Pipe(duplex=False)
         try:
             for who in ("hybrid",) if hybrid else ("decode", "prefill"):
                 target: Any = worker_main
-                args: tuple[Any, ...] = (who, cfg, names, os.getpid(), handoff, env)
+                args: tuple[Any, ...] = (who, cfg, names, os.getpid(), tx if who == "decode" else rx, env)
                 if who == "hybrid":
                     from rapidserve.engine.hybrid_worker import hybrid_main
 
@@ -151,6 +148,9 @@ class WorkerSet:
         except BaseException:
             ws.stop(graceful=False)
             raise
+        finally:
+            rx.close()
+            tx.close()
         return ws
 
     def _await_ready(self, who: str, on_message: Any) -> None:
@@ -175,6 +175,12 @@ class WorkerSet:
         for label in ("r2d", "r2p"):
             if label in self.send:
                 self.send[label].send(msg)
+
+    def writer_of(self, label: str) -> str:
+        """The worker that writes the router-bound ring `label` (d2r: decode or hybrid, p2r: prefill)."""
+        if label == "p2r":
+            return "prefill"
+        return "hybrid" if "hybrid" in self.procs else "decode"
 
     def dead_worker(self) -> str | None:
         for who, p in self.procs.items():

@@ -1,20 +1,21 @@
 """Every message that crosses a process boundary in the RAPID engine, as declared msgspec types.
 
-Channels (one SPSC ring per direction per pair; see rapidserve/ipc/ring.py):
+Which message rides which ring is declared once, in `engine/worker_io.py:RING_TYPES` (one SPSC ring
+per direction per pair; see rapidserve/ipc/ring.py).
 
-    router  -> decode   : NewRequest, Abort, Shutdown
-    router  -> prefill  : NewRequest, Shutdown
-    decode  -> prefill  : KVReady, Drop, SetPartition
-    prefill -> decode   : PrefillDone, Dropped
-    decode  -> router   : Ready, TokenBatch, Finished, Stats, WorkerError
-    prefill -> router   : Ready, TokenBatch, WorkerError
+Request flow (docs/architecture.md): the router sends NewRequest to both workers. Decode allocates
+the prompt's blocks and sends KVReady; prefill computes the prompt into those blocks, samples the
+first token and sends PrefillDone (carrying it) to decode, which adds the request to its running
+batch and streams that token and the rest to the router; a first token that already ends the
+request goes from prefill to the router at once. An abort goes to decode only: if prefill holds
+blocks of the request, decode sends Drop and frees the blocks only when prefill answers Dropped (or
+PrefillDone / PrefillFailed, if it got there first). Only decode changes block tables.
 
-Request flow (DESIGN.md): the router sends NewRequest to both workers. Decode allocates the
-prompt's blocks and sends KVReady; prefill computes the prompt into those blocks, samples the first
-token, sends it to the router (TokenBatch) and then PrefillDone to decode, which adds the request to
-its running batch. Decode streams the other tokens to the router. An abort goes to decode only: if
-prefill holds blocks of the request, decode sends Drop and frees the blocks only when prefill answers
-Dropped (or PrefillDone, if it finished first). Only decode changes block tables.
+Failure of one request: an exception while prefill computes or samples a request fails that
+request alone (PrefillFailed -> decode frees its blocks -> Finished(reason="error") to the router);
+the worker goes on serving. Liveness: every worker sends the router something at least every
+`stats_interval_s` (decode and hybrid: Stats; prefill: Heartbeat); silence past the heartbeat bound
+is taken as a hung worker.
 """
 
 from __future__ import annotations
@@ -95,6 +96,22 @@ class PrefillDone(msgspec.Struct, tag=True, frozen=True):
     token: TokenOut
 
 
+class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> decode: computing or sampling this request raised; decode ends it with an error
+    (and frees its blocks: prefill writes no more into them)."""
+
+    req_id: str
+    attempt: int
+    message: str
+
+
+class Heartbeat(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> router, every `stats_interval_s` while its loop turns: it is alive."""
+
+    worker: str
+    queued: int = 0  # prompts waiting for or in prefill
+
+
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):
     tokens: list[TokenOut]
 
@@ -129,10 +146,7 @@ class WorkerError(msgspec.Struct, tag=True, frozen=True):
     message: str
 
 
-ToDecode = NewRequest | Abort | Shutdown | PrefillDone | Dropped
-ToPrefill = NewRequest | Shutdown | KVReady | Drop | SetPartition
-ToRouter = Ready | TokenBatch | Finished | Stats | WorkerError
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
-    NewRequest, Abort, Shutdown, KVReady, Drop, SetPartition, PrefillDone, Dropped, TokenBatch,
-    Finished, Stats, Ready, WorkerError,
+    NewRequest, Abort, Shutdown, KVReady, Drop, SetPartition, PrefillDone, PrefillFailed, Dropped, Heartbeat,
+    TokenBatch, Finished, Stats, Ready, WorkerError,
 )

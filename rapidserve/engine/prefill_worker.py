@@ -17,11 +17,14 @@ is one decode step); a token that ends its request goes to the router at once, b
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
+from rapidserve.engine.faults import describe, is_fatal
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
@@ -55,6 +58,8 @@ class PrefillWorker:
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._stop = False
+        self._last_beat = 0.0
+        self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
 
     def run(self) -> None:
         while not self._stop:
@@ -64,8 +69,16 @@ class PrefillWorker:
                 self.prefill_step()
             else:
                 self.io.wait(0.1)
+            self.heartbeat()
             if not self.io.others_alive():
                 return
+
+    def heartbeat(self) -> None:
+        """Tell the router this loop still turns (it kills a worker that stays silent too long)."""
+        now = time.monotonic()
+        if now - self._last_beat >= self.cfg.launch.stats_interval_s:
+            self._last_beat = now
+            self.io.send["p2r"].try_send(m.Heartbeat("prefill", len(self.waiting_prefill) + len(self.pending_kv)))
 
     # ---- inbox ------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
@@ -126,24 +139,61 @@ class PrefillWorker:
 
     def prefill_step(self) -> None:
         """One forward on the current partition's stream. Reading the sampled tokens waits for it, so
-        the KV writes have landed before PrefillDone tells decode to read them."""
-        with on_stream(self.backend.stream(self.partition, "prefill")):
+        the KV writes have landed before PrefillDone tells decode to read them.
+
+        Stream ordering: a forward that samples nothing (a chunk of a long prompt) is not waited for,
+        and the next chunk reads its KV. After a SetPartition the next forward runs on another stream,
+        so that stream first waits for the one the last forward ran on."""
+        stream = self.backend.stream(self.partition, "prefill")
+        last, self._last_stream = self._last_stream, stream
+        if stream is not None and last is not None and last is not stream:
+            stream.wait_stream(last)
+        with on_stream(stream):
             self._prefill_step()
 
     def _prefill_step(self) -> None:
+        """A request never takes the worker down (engine/faults.py): if the batch raises, each of its
+        requests is run alone, and the ones that still raise fail by themselves (PrefillFailed);
+        errors that leave the device unusable (`is_fatal`) end the worker, and the router restarts it."""
         batch = self.take_batch()
+        try:
+            self._compute(batch)
+        except Exception as e:  # noqa: BLE001 - isolated below
+            if is_fatal(e):
+                raise
+            for job, n in batch if len(batch) > 1 else []:
+                try:
+                    self._compute([(job, n)])
+                except Exception as e1:  # noqa: BLE001 - this request fails alone
+                    if is_fatal(e1):
+                        raise
+                    self._fail(job, e1)
+            if len(batch) == 1:
+                self._fail(batch[0][0], e)
+
+    def _compute(self, batch: list[tuple[Job, int]]) -> None:
+        """One forward over `batch`, then sampling and publishing for the prompts it completes."""
         items = [PrefillItem(j.tokens[j.done_tokens : j.done_tokens + n], j.done_tokens, j.blocks,
                              need_logits=j.done_tokens + n == len(j.tokens)) for j, n in batch]
         logits = self.runner.prefill(items)
         finished = [j for (j, n), it in zip(batch, items, strict=True) if it.need_logits]
-        for j, n in batch:
+        firsts, dones = self._sample(finished, logits) if finished else ([], [])
+        for j, n in batch:  # only once everything above has succeeded
             j.done_tokens += n
         for j in finished:
             self.waiting_prefill.remove(j)
-        if finished:
-            self._sample_and_publish(finished, logits)
+        if firsts:
+            self.io.send["p2r"].send(m.TokenBatch(firsts))
+        for d in dones:
+            self.io.send["p2d"].send(d)
 
-    def _sample_and_publish(self, jobs: list[Job], logits: object) -> None:
+    def _fail(self, job: Job, e: BaseException) -> None:
+        if job in self.waiting_prefill:
+            self.waiting_prefill.remove(job)
+        why = describe(e, "prefill")
+        self.io.send["p2d"].send(m.PrefillFailed(job.req.req_id, job.attempt, why))
+
+    def _sample(self, jobs: list[Job], logits: object) -> tuple[list[m.TokenOut], list[m.PrefillDone]]:
         import torch
 
         assert isinstance(logits, torch.Tensor)
@@ -154,11 +204,8 @@ class PrefillWorker:
             seq = Sequence(j.req.req_id, j.req.prompt_token_ids, p,
                            output_token_ids=j.tokens[len(j.req.prompt_token_ids):] + [tok])
             reason = check_stop(seq, self.eos, self.runner.max_model_len)
-            out = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
+            first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
             if reason is not None:  # the request ends here: the router hears it now
-                firsts.append(out)
-            dones.append(m.PrefillDone(j.req.req_id, j.attempt, out))
-        if firsts:
-            self.io.send["p2r"].send(m.TokenBatch(firsts))
-        for d in dones:
-            self.io.send["p2d"].send(d)
+                firsts.append(first)
+            dones.append(m.PrefillDone(j.req.req_id, j.attempt, first))
+        return firsts, dones

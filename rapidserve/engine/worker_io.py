@@ -12,12 +12,15 @@ message arrives on any of them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import posix_ipc
 
 from rapidserve.engine import messages as m
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, pid_alive, wait_any
@@ -30,9 +33,9 @@ RING_TYPES: dict[str, Any] = {
     "r2d": m.NewRequest | m.Abort | m.Shutdown,
     "r2p": m.NewRequest | m.Shutdown,
     "d2p": m.KVReady | m.Drop | m.SetPartition | m.Shutdown,
-    "p2d": m.PrefillDone | m.Dropped | m.WorkerError,
+    "p2d": m.PrefillDone | m.PrefillFailed | m.Dropped,
     "d2r": m.Ready | m.TokenBatch | m.Finished | m.Stats | m.WorkerError,
-    "p2r": m.Ready | m.TokenBatch | m.WorkerError,
+    "p2r": m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError,
 }
 RING_READER = {label: who for who, labels in INBOXES.items() for label in labels}
 
@@ -93,6 +96,18 @@ class WorkerIO:
         self.doorbell.close()
 
 
+def unlink_names(names: ChannelNames) -> None:
+    """Remove an engine's shared-memory names (idempotent; used when the router is gone)."""
+    for name in names.rings.values():
+        for fn, suffix in ((posix_ipc.unlink_shared_memory, ""), (posix_ipc.unlink_semaphore, ".rd"),
+                           (posix_ipc.unlink_semaphore, ".wr")):
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                fn("/" + name + suffix)
+    for name in names.doorbells.values():
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore("/" + name)
+
+
 def apply_env(env: dict[str, str | None]) -> None:
     """Set (or, for None, remove) the variables the router chose for this worker (MPS pipes...)."""
     for k, v in env.items():
@@ -107,6 +122,16 @@ def settle_heap() -> None:
     so the collector's full passes during serving skip it and pause the loop less (vLLM does the same)."""
     gc.collect()
     gc.freeze()
+
+
+def no_named_locks() -> None:
+    """tqdm's first progress bar makes a multiprocessing RLock, a named POSIX semaphore
+    (/dev/shm/sem.mp-*) that a killed worker never unlinks: workers use a thread lock instead."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def worker_signals() -> None:

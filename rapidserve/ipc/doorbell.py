@@ -14,8 +14,8 @@ posts):
    ready; else it spins for `Doorbell.spin_s` (50 us; ``sched_yield`` between checks).
 2. It stores reader_sleeping = 2 ("asleep on the doorbell") in EVERY ring's header, then
    RE-CHECKS every ring; if one is ready it clears the flags and returns.
-3. It waits on the doorbell. The first waits last at most `_FIRST_NAP_S` (1 ms): a long wait
-   (`_NAP_S`, 250 ms, or what is left of the timeout) only starts after a re-check that itself
+3. It waits on the doorbell. The first waits last at most `FIRST_NAP_S` (1 ms): a long wait
+   (`NAP_S`, 250 ms, or what is left of the timeout) only starts after a re-check that itself
    started at least 1 ms after the flags were stored. After each wait it drains surplus posts
    (``acquire(0)`` until busy) and re-checks every ring.
 4. When a ring is ready (or the timeout passes) it stores reader_sleeping = 0 in every ring.
@@ -65,15 +65,15 @@ from typing import Any
 
 import posix_ipc
 
-from rapidserve.ipc.ring import (
-    _FIRST_NAP_S,
-    _NAME_RE,
-    _NAP_S,
-    _SLEEP_DOORBELL,
-    _W_RSLEEP,
+from rapidserve.ipc.ring import ShmRing
+from rapidserve.ipc.shm import (
     DOORBELL_NAME_MAX,
+    FIRST_NAP_S,
+    NAME_RE,
+    NAP_S,
     SHM_DIR,
-    ShmRing,
+    SLEEP_DOORBELL,
+    W_RSLEEP,
     nap_on,
     ring_name,
 )
@@ -113,7 +113,7 @@ class Doorbell:
     @classmethod
     def create(cls, name: str) -> Doorbell:
         """Create the semaphore (value 0, mode 0o600); fails if the name already exists."""
-        m = _NAME_RE.match(name)
+        m = NAME_RE.match(name)
         if m is None or int(m.group(1)) != os.getpid():
             raise ValueError(f"doorbell name {name!r} must be rapidserve-<this pid>-...: use doorbell_name()")
         if len(name) > DOORBELL_NAME_MAX:
@@ -205,7 +205,7 @@ def wait_any(sources: Iterable[Any], doorbell: Doorbell, timeout: float | None =
             return True
     words = [r._q for r in rings]
     for q in words:
-        q[_W_RSLEEP] = _SLEEP_DOORBELL
+        q[W_RSLEEP] = SLEEP_DOORBELL
     flagged = time.monotonic()
     sem = doorbell._sem
     try:
@@ -218,7 +218,7 @@ def wait_any(sources: Iterable[Any], doorbell: Doorbell, timeout: float | None =
             if left is not None and left <= 0:
                 return False
             # Long waits only after a re-check that began >= 1 ms after the flag stores (docstring).
-            nap = _NAP_S if checked - flagged >= _FIRST_NAP_S else _FIRST_NAP_S
+            nap = NAP_S if checked - flagged >= FIRST_NAP_S else FIRST_NAP_S
             doorbell.sleeps += 1
             posted = nap_on(sem, nap if left is None else min(nap, left))
         if not posted:  # a ring became ready while a wait ran out: its post was missed or late
@@ -226,4 +226,4 @@ def wait_any(sources: Iterable[Any], doorbell: Doorbell, timeout: float | None =
         return True
     finally:
         for q in words:
-            q[_W_RSLEEP] = 0
+            q[W_RSLEEP] = 0

@@ -9,34 +9,54 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import posix_ipc
 
-if TYPE_CHECKING:
-    from rapidserve.ipc.doorbell import Doorbell
+from rapidserve.ipc.shm import (
+    DOORBELL_NAME_MAX,
+    DOORBELL_OFF,
+    FIRST_NAP_S,
+    HEADER_BYTES,
+    MAGIC,
+    NAME_PREFIX,
+    NAME_RE,
+    NAP_S,
+    SHM_DIR,
+    SLEEP_DOORBELL,
+    SLEEP_RING,
+    VERSION,
+    VERSION_DOORBELL,
+    W_CLOSED,
+    W_CREATOR,
+    W_DOORBELL_LEN,
+    W_HEAD,
+    W_MAGIC,
+    W_MAX_MESSAGE,
+    W_RSLEEP,
+    W_SLOT_SIZE,
+    W_SLOTS,
+    W_TAIL,
+    W_VERSION,
+    W_WSLEEP,
+    nap_on,
+    ring_name,
+)
 
-NAME_PREFIX = "rapidserve-"
-SHM_DIR = "/dev/shm"
-_MAGIC = int.from_bytes(b"rsvRING\x00", "little")
-_VERSION = 1  # a ring without a doorbell
-_VERSION_DOORBELL = 2  # same layout, plus the doorbell's name in the reserved line (see ShmRing)
-_HEADER_BYTES = 512  # 8 cache lines
-# Header word indices (8-byte words). Line 0 is written once at creation and then only read.
-_W_MAGIC, _W_VERSION, _W_SLOTS, _W_SLOT_SIZE, _W_MAX_MESSAGE, _W_CREATOR = 0, 1, 2, 3, 4, 5
-_W_HEAD, _W_TAIL, _W_RSLEEP, _W_WSLEEP, _W_CLOSED = 8, 16, 24, 32, 40  # one 64-byte line each
-_W_DOORBELL_LEN = 48  # line 6, written once by create: doorbell name length, then the name bytes
-_DOORBELL_OFF = _W_DOORBELL_LEN * 8 + 8
-DOORBELL_NAME_MAX = _HEADER_BYTES - _DOORBELL_OFF  # 120 bytes
-# reader_sleeping values: where the sleeping reader waits, so the writer posts the right semaphore
-_SLEEP_RING, _SLEEP_DOORBELL = 1, 2
+# Names importers have always taken from here (the constants and helpers now live in shm.py).
+__all__ = ["DOORBELL_NAME_MAX", "NAME_PREFIX", "SHM_DIR", "MessageTooLarge", "RingClosed", "RingError", "RingFull",
+           "RingLayoutError", "ShmRing", "cleanup_stale", "nap_on", "new_engine_id", "pid_alive", "ring_name"]
+
 _FIRST, _LAST = 1, 2  # piece flags; a middle piece has neither, a one-piece message both
 _SINGLE = _FIRST | _LAST
 _LEN_MASK = 0xFFFFFFFF
 _STAMP_MASK = 0xFFFFFF
-_FIRST_NAP_S = 0.001  # first sleep after the flag is set: bounds the store-buffer race (see docstring)
-_NAP_S = 0.25  # later sleeps; every publication while the flag is set posts the semaphore anyway
-_NAME_RE = re.compile(r"^rapidserve-(\d+)-[A-Za-z0-9_.-]+$")
+
+
+class _Named(Protocol):
+    """A `Doorbell` as `ShmRing.create` sees it (ring.py does not import doorbell.py, which uses it)."""
+
+    name: str
 
 
 class RingError(Exception):
@@ -62,27 +82,6 @@ class RingClosed(RingError):
 def new_engine_id() -> str:
     """A short random token identifying one engine instance (shared by all its processes)."""
     return uuid.uuid4().hex[:12]
-
-
-def ring_name(engine_id: str, label: str) -> str:
-    """`rapidserve-<this pid>-<engine id>-<label>`: the pid lets `cleanup_stale` judge liveness."""
-    name = f"{NAME_PREFIX}{os.getpid()}-{engine_id}-{label}"
-    if not _NAME_RE.match(name) or len(name) > 200:
-        raise ValueError(f"bad ring name {name!r}: use [A-Za-z0-9_.-], at most 200 characters")
-    return name
-
-
-def nap_on(sem: posix_ipc.Semaphore, timeout: float) -> bool:
-    """Sleep on `sem` up to `timeout` s; True if it was posted (surplus posts drained, so the caller
-    re-checks once). A timeout or a signal returns False: the signal's Python handler runs next."""
-    try:
-        sem.acquire(timeout)
-    except (posix_ipc.BusyError, posix_ipc.SignalError):
-        return False
-    with contextlib.suppress(posix_ipc.BusyError, posix_ipc.SignalError):
-        while True:
-            sem.acquire(0)
-    return True
 
 
 def pid_alive(pid: int) -> bool:
@@ -191,7 +190,7 @@ class ShmRing:
     Either the reader's re-check sees the new head, or the writer's load sees the flag: both
     missing needs each side's load to pass its own older store. Even x86-TSO allows that
     (store buffer) and Python cannot emit a fence, so the reader's first wait is short
-    (`_FIRST_NAP_S`) and is followed by another head check; by then its flag store is globally
+    (`FIRST_NAP_S`) and is followed by another head check; by then its flag store is globally
     visible, so every later publication posts. A wake-up is thus at worst delayed by 1 ms in
     that nanosecond window, never lost. The reader clears the flag only when it leaves the wait;
     surplus posts just cause a spurious wake (after a wake it drains the count and re-checks).
@@ -231,13 +230,13 @@ class ShmRing:
         self._bell = bell
         self.doorbell = doorbell
         q = self._q
-        self.slots, self.slot_size, self.max_message = q[_W_SLOTS], q[_W_SLOT_SIZE], q[_W_MAX_MESSAGE]
+        self.slots, self.slot_size, self.max_message = q[W_SLOTS], q[W_SLOT_SIZE], q[W_MAX_MESSAGE]
         self._single_max = min(self.slot_size, self.max_message)  # fast path: one-slot messages
         stride = 8 + self.slot_size
-        self._words = [(_HEADER_BYTES + i * stride) // 8 for i in range(self.slots)]
-        self._offsets = [_HEADER_BYTES + i * stride + 8 for i in range(self.slots)]
-        self._w_head = self._r_head = q[_W_HEAD]
-        self._w_tail = self._r_tail = q[_W_TAIL]
+        self._words = [(HEADER_BYTES + i * stride) // 8 for i in range(self.slots)]
+        self._offsets = [HEADER_BYTES + i * stride + 8 for i in range(self.slots)]
+        self._w_head = self._r_head = q[W_HEAD]
+        self._w_tail = self._r_tail = q[W_TAIL]
         self.spin_s = 50e-6
         self.sleeps = 0  # semaphore waits by this object (statistics; not shared)
         self.late_wakes = 0  # waits that ran out although data had come: should stay ~0
@@ -245,7 +244,7 @@ class ShmRing:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, slots: int, slot_size: int, *, max_message: int | None = None,
-               doorbell: str | Doorbell | None = None) -> ShmRing:
+               doorbell: str | _Named | None = None) -> ShmRing:
         """Create the segment and semaphores (mode 0o600); fails if the name already exists.
 
         `doorbell`: the name of an existing `Doorbell` (or the object) that the ring's reader
@@ -255,10 +254,10 @@ class ShmRing:
         bell_bytes = b""
         if bell_name is not None:
             bell_bytes = bell_name.encode("ascii", "replace")
-            if not _NAME_RE.match(bell_name) or len(bell_bytes) > DOORBELL_NAME_MAX:
+            if not NAME_RE.match(bell_name) or len(bell_bytes) > DOORBELL_NAME_MAX:
                 raise ValueError(f"doorbell name {bell_name!r}: must be rapidserve-<pid>-... of at most "
                                  f"{DOORBELL_NAME_MAX} characters [A-Za-z0-9_.-]")
-        m = _NAME_RE.match(name)
+        m = NAME_RE.match(name)
         if m is None or int(m.group(1)) != os.getpid():
             raise ValueError(f"ring name {name!r} must be rapidserve-<this pid>-...: use ring_name()")
         if not 1 <= slots <= 1 << 24:
@@ -269,7 +268,7 @@ class ShmRing:
         max_message = capacity if max_message is None else max_message
         if not 0 <= max_message <= capacity:
             raise ValueError(f"max_message={max_message}: must be in [0, slots*slot_size={capacity}]")
-        size = _HEADER_BYTES + slots * (8 + slot_size)
+        size = HEADER_BYTES + slots * (8 + slot_size)
         bell = None
         if bell_name is not None:
             try:
@@ -299,15 +298,15 @@ class ShmRing:
             raise
         shm.close_fd()
         q = memoryview(mm).cast("Q")
-        q[_W_SLOTS], q[_W_SLOT_SIZE] = slots, slot_size
-        q[_W_MAX_MESSAGE], q[_W_CREATOR] = max_message, os.getpid()
+        q[W_SLOTS], q[W_SLOT_SIZE] = slots, slot_size
+        q[W_MAX_MESSAGE], q[W_CREATOR] = max_message, os.getpid()
         if bell_name is None:
-            q[_W_VERSION] = _VERSION
+            q[W_VERSION] = VERSION
         else:
-            q[_W_VERSION] = _VERSION_DOORBELL
-            q[_W_DOORBELL_LEN] = len(bell_bytes)
-            mm[_DOORBELL_OFF:_DOORBELL_OFF + len(bell_bytes)] = bell_bytes
-        q[_W_MAGIC] = _MAGIC  # last: attach() rejects a segment whose header is not complete
+            q[W_VERSION] = VERSION_DOORBELL
+            q[W_DOORBELL_LEN] = len(bell_bytes)
+            mm[DOORBELL_OFF:DOORBELL_OFF + len(bell_bytes)] = bell_bytes
+        q[W_MAGIC] = MAGIC  # last: attach() rejects a segment whose header is not complete
         q.release()
         return cls(name, mm, sems[0], sems[1], bell, bell_name)
 
@@ -319,34 +318,34 @@ class ShmRing:
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(f"no ring segment {SHM_DIR}/{name}") from None
         size = shm.size
-        if size < _HEADER_BYTES:
+        if size < HEADER_BYTES:
             shm.close_fd()
             raise RingLayoutError(f"segment {name!r} is {size} bytes, smaller than the "
-                                  f"{_HEADER_BYTES}-byte ring header: truncated or not a ring")
+                                  f"{HEADER_BYTES}-byte ring header: truncated or not a ring")
         mm = mmap.mmap(shm.fd, size)
         shm.close_fd()
         q = memoryview(mm).cast("Q")
         try:
             magic, version, slots, slot_size, max_message = (q[i] for i in range(5))
-            bell_len = q[_W_DOORBELL_LEN]
+            bell_len = q[W_DOORBELL_LEN]
         finally:
             q.release()
         bell_name = None
         problem = None
-        if magic != _MAGIC:
-            problem = f"bad magic {magic:#x} (want {_MAGIC:#x}): not a rapidserve ring, or not initialised"
-        elif version not in (_VERSION, _VERSION_DOORBELL):
-            problem = f"ring version {version}, this code reads versions {_VERSION} and {_VERSION_DOORBELL}"
-        elif version == _VERSION_DOORBELL and not 0 < bell_len <= DOORBELL_NAME_MAX:
+        if magic != MAGIC:
+            problem = f"bad magic {magic:#x} (want {MAGIC:#x}): not a rapidserve ring, or not initialised"
+        elif version not in (VERSION, VERSION_DOORBELL):
+            problem = f"ring version {version}, this code reads versions {VERSION} and {VERSION_DOORBELL}"
+        elif version == VERSION_DOORBELL and not 0 < bell_len <= DOORBELL_NAME_MAX:
             problem = f"bad doorbell name length {bell_len} (at most {DOORBELL_NAME_MAX})"
         elif not slots or not slot_size or slot_size % 8 or max_message > slots * slot_size:
             problem = f"inconsistent header: slots={slots} slot_size={slot_size} max_message={max_message}"
-        elif size < _HEADER_BYTES + slots * (8 + slot_size):
+        elif size < HEADER_BYTES + slots * (8 + slot_size):
             problem = (f"truncated: header says {slots} slots of {slot_size} bytes = "
-                       f"{_HEADER_BYTES + slots * (8 + slot_size)} bytes, segment has {size}")
-        if problem is None and version == _VERSION_DOORBELL:
-            bell_name = mm[_DOORBELL_OFF:_DOORBELL_OFF + bell_len].decode("ascii", "replace")
-            if not _NAME_RE.match(bell_name):
+                       f"{HEADER_BYTES + slots * (8 + slot_size)} bytes, segment has {size}")
+        if problem is None and version == VERSION_DOORBELL:
+            bell_name = mm[DOORBELL_OFF:DOORBELL_OFF + bell_len].decode("ascii", "replace")
+            if not NAME_RE.match(bell_name):
                 problem = f"bad doorbell name {bell_name!r} in the header"
         sems: list[posix_ipc.Semaphore] = []
         if problem is None:
@@ -374,11 +373,11 @@ class ShmRing:
 
     @property
     def closed(self) -> bool:
-        return bool(self._q[_W_CLOSED])
+        return bool(self._q[W_CLOSED])
 
     def pending_slots(self) -> int:
         """Slots published and not yet consumed (a snapshot)."""
-        return self._q[_W_HEAD] - self._q[_W_TAIL]
+        return self._q[W_HEAD] - self._q[W_TAIL]
 
     def shm_paths(self) -> list[str]:
         """The /dev/shm entries backing this ring."""
@@ -403,10 +402,10 @@ class ShmRing:
         else:
             head = self._put_pieces(data, n, head, timeout)
         self._w_head = head
-        q[_W_HEAD] = head  # publish: everything above is visible before this store (TSO)
-        sleeping = q[_W_RSLEEP]
+        q[W_HEAD] = head  # publish: everything above is visible before this store (TSO)
+        sleeping = q[W_RSLEEP]
         if sleeping:  # 2: asleep in wait_any on the doorbell; 1: in wait() on .rd
-            if sleeping == _SLEEP_DOORBELL and self._bell is not None:
+            if sleeping == SLEEP_DOORBELL and self._bell is not None:
                 self._bell.release()
             else:
                 self._rsem.release()
@@ -445,10 +444,10 @@ class ShmRing:
         q, slots = self._q, self.slots
 
         def room() -> bool:
-            self._w_tail = q[_W_TAIL]
+            self._w_tail = q[W_TAIL]
             return head + need - self._w_tail <= slots
 
-        if not self._sleep_until(room, timeout, _W_WSLEEP, self._wsem):
+        if not self._sleep_until(room, timeout, W_WSLEEP, self._wsem):
             raise RingFull(f"ring {self.name!r} full: no room for a {need}-slot message "
                            f"({slots} slots of {self.slot_size} bytes) within timeout={timeout}s")
 
@@ -458,7 +457,7 @@ class ShmRing:
         tail = self._r_tail
         q = self._q
         if tail == self._r_head:
-            head = q[_W_HEAD]
+            head = q[W_HEAD]
             if head == tail:
                 return None
             self._r_head = head
@@ -471,8 +470,8 @@ class ShmRing:
         else:
             data, tail = self._get_pieces(tail)
         self._r_tail = tail
-        q[_W_TAIL] = tail  # release the slots only after the payload was copied out
-        if q[_W_WSLEEP]:
+        q[W_TAIL] = tail  # release the slots only after the payload was copied out
+        if q[W_WSLEEP]:
             self._wsem.release()
         return data
 
@@ -484,7 +483,7 @@ class ShmRing:
         data = self.try_get()
         if data is None and timeout != 0 and self.wait(timeout):
             data = self.try_get()
-        if data is None and self._q[_W_CLOSED] and self._q[_W_HEAD] == self._r_tail:
+        if data is None and self._q[W_CLOSED] and self._q[W_HEAD] == self._r_tail:
             raise RingClosed(f"ring {self.name!r} is closed")
         return data
 
@@ -501,18 +500,18 @@ class ShmRing:
     def readable(self) -> bool:
         """True if a get() would not block now: a message is published, or the ring is closed."""
         q = self._q
-        self._r_head = q[_W_HEAD]
-        return self._r_head != self._r_tail or bool(q[_W_CLOSED])
+        self._r_head = q[W_HEAD]
+        return self._r_head != self._r_tail or bool(q[W_CLOSED])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep until a message is available (True) or `timeout` s pass (False); consumes nothing."""
         q = self._q
 
         def ready() -> bool:
-            self._r_head = q[_W_HEAD]
+            self._r_head = q[W_HEAD]
             return self._r_head != self._r_tail
 
-        return ready() or self._sleep_until(ready, timeout, _W_RSLEEP, self._rsem)
+        return ready() or self._sleep_until(ready, timeout, W_RSLEEP, self._rsem)
 
     def _get_pieces(self, tail: int) -> tuple[bytes, int]:
         parts: list[memoryview] = []
@@ -554,25 +553,25 @@ class ShmRing:
         while True:
             if cond():
                 return True
-            if q[_W_CLOSED]:
+            if q[W_CLOSED]:
                 raise RingClosed(f"ring {self.name!r} is closed")
             if timeout == 0:
                 return False
             if time.monotonic() >= spin_end:
                 break
             os.sched_yield()
-        q[flag] = _SLEEP_RING
+        q[flag] = SLEEP_RING
         try:
-            nap, posted = _FIRST_NAP_S, True
+            nap, posted = FIRST_NAP_S, True
             while not cond():  # the re-check after setting the flag
-                if q[_W_CLOSED]:
+                if q[W_CLOSED]:
                     raise RingClosed(f"ring {self.name!r} is closed")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self.sleeps += 1
                 posted = nap_on(sem, nap if left is None else min(nap, left))
-                nap = _NAP_S
+                nap = NAP_S
             if not posted:  # the data came while a nap ran out: its post was missed or late
                 self.late_wakes += 1
             return True
@@ -586,7 +585,7 @@ class ShmRing:
         The reader then gets what is pending and `RingClosed` after; a writer gets `RingClosed`
         only when it would have to wait for room (put() does not check the flag otherwise).
         """
-        self._q[_W_CLOSED] = 1
+        self._q[W_CLOSED] = 1
         self._rsem.release()
         self._wsem.release()
         if self._bell is not None:

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
-from rapidserve.loader import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 from rapidserve.loader.hf import read_safetensors_headers, stream_safetensors, write_safetensors
+from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 
 GGUF_ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 CACHE_VERSION = 1

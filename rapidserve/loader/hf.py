@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
-from rapidserve.loader import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
+from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

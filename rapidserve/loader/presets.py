@@ -20,69 +20,16 @@ from typing import Any
 
 import torch
 
-from rapidserve.config import ModelConfig, RopeScaling
-from rapidserve.loader import ModelLoadError, ModelSource, expected_tensor_shapes
+from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import write_safetensors
+from rapidserve.loader.preset_table import list_presets, preset_table
+from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
 
-_LLAMA3 = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-               num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-               bos_token_id=128000)
-_QWEN = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=151643)
-
-
-def _presets() -> dict[str, ModelConfig]:
-    """The preset table (built on each call: no module-level mutable state)."""
-    c = ModelConfig
-    return {
-        "llama-3-8b": c(arch="llama", max_position_embeddings=8192, eos_token_ids=(128001, 128009),
-                        name="llama-3-8b", **_LLAMA3),
-        "llama-3.1-70b": c(arch="llama", **{**_LLAMA3, "hidden_size": 8192, "intermediate_size": 28672,
-                                           "num_layers": 80, "num_heads": 64},
-                           rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                    original_max_position_embeddings=8192),
-                           max_position_embeddings=131072, eos_token_ids=(128001, 128008, 128009),
-                           name="llama-3.1-70b"),
-        "qwen3-8b": c(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                      num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True,
-                      max_position_embeddings=40960, eos_token_ids=(151645,), name="qwen3-8b", **_QWEN),
-        "qwen3-14b": c(arch="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
-                       num_layers=40, num_heads=40, num_kv_heads=8, head_dim=128, qk_norm=True,
-                       max_position_embeddings=40960, eos_token_ids=(151645,), name="qwen3-14b", **_QWEN),
-        "qwen2-7b": c(arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                      num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, attention_bias=True,
-                      max_position_embeddings=32768, eos_token_ids=(151645,), name="qwen2-7b", **_QWEN),
-        "smollm2-135m": c(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                          rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-                          bos_token_id=1, eos_token_ids=(2,), name="smollm2-135m"),
-        # Tiny models for tests: each exercises one feature of the three families.
-        "tiny-llama": c(arch="llama", vocab_size=1280, hidden_size=64, intermediate_size=160,
-                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                        rope_theta=10000.0, max_position_embeddings=1024,
-                        rope_scaling=RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                                 original_max_position_embeddings=128),
-                        bos_token_id=1, eos_token_ids=(2,), name="tiny-llama"),
-        "tiny-llama-tied": c(arch="llama", vocab_size=1000, hidden_size=96, intermediate_size=192,
-                             num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                             rope_theta=100000.0, max_position_embeddings=2048, tie_word_embeddings=True,
-                             bos_token_id=1, eos_token_ids=(2,), name="tiny-llama-tied"),
-        "tiny-qwen2": c(arch="qwen2", vocab_size=1200, hidden_size=128, intermediate_size=256,
-                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True,
-                        max_position_embeddings=2048, eos_token_ids=(2, 3), name="tiny-qwen2",
-                        **{**_QWEN, "bos_token_id": 1}),
-        "tiny-qwen3": c(arch="qwen3", vocab_size=1500, hidden_size=64, intermediate_size=128,
-                        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True,
-                        max_position_embeddings=2048, eos_token_ids=(2,), name="tiny-qwen3",
-                        **{**_QWEN, "bos_token_id": 1}),
-    }
-
-
-def list_presets() -> list[str]:
-    return list(_presets())
+__all__ = ["hf_config_dict", "list_presets", "load_preset", "preset_config", "preset_tensor", "save_as_hf_folder"]
 
 
 def preset_config(name: str) -> ModelConfig:
-    presets = _presets()
+    presets = preset_table()
     if name not in presets:
         raise ModelLoadError(f"preset:{name}", f"unknown preset {name!r}")
     return presets[name]
@@ -216,8 +163,6 @@ def save_as_hf_folder(source: ModelSource, path: str | os.PathLike[str],
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(hf_config_dict(config, dtype), f, indent=2)
     if source.tokenizer_dir is not None:
-        from rapidserve.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_source(source)
+        tok = load_hf_tokenizer(source)
         if tok is not None:
-            tok.hf.save_pretrained(out)
+            tok.save_pretrained(out)

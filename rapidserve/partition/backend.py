@@ -328,7 +328,16 @@ def _plain_stream(device: Any) -> Any:
 
 @contextlib.contextmanager
 def on_stream(stream: Any) -> Iterator[None]:
-    """Make `stream` current (no-op for None, i.e. CPU)."""
+    """Make `stream` current (no-op for None, i.e. CPU).
+
+    Stream ordering: this orders nothing. Partition streams are non-blocking (green-context and torch
+    side streams alike): they never wait for the default stream, nor it for them. Work on `stream`
+    may read only what was written on it, on a stream it was made to wait for (`wait_stream`, an
+    event), or before a host synchronize; memory it reads that another stream allocated and frees
+    needs `record_stream`. The engine keeps to this by ending start-up synchronized (ModelRunner,
+    capture_decode_graphs, export_shared) and by ordering a switch between partitions explicitly
+    (the decode worker synchronizes the old stream; the prefill worker's new stream waits for it).
+    """
     if stream is None:
         yield
         return

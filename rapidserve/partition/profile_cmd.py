@@ -59,7 +59,7 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 
 def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.config import PartitionConfig
-    from rapidserve.llm import build_engine_config
+    from rapidserve.config_builder import build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
     from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
     from rapidserve.partition.profiler import ProfileSpec, run_profile

@@ -9,11 +9,17 @@ queued, beyond that 503 with Retry-After); each prompt x sample becomes one engi
 tokens are detokenized incrementally (stop strings matched on the text, left out of the output);
 a stop-string match or a client that goes away aborts the engine request, which frees its KV
 blocks. One log line per request when it ends.
+
+Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
+the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
+and a non-stream request with 503 + Retry-After. Every engine request is counted once in
+`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -36,6 +42,15 @@ from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OnDelta = Callable[["Choice", str, TokenOut], Awaitable[None]]
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})  # answered without the API key
+# a stream's response once prepared (web.RequestKey from aiohttp 3.13; a plain key before)
+_STREAM_KEY: Any = (web.RequestKey("rapidserve_stream", web.StreamResponse) if hasattr(web, "RequestKey")
+                    else "rapidserve_stream")
+
+
+class ServerStopping(EngineError):
+    """The server ended the request: the shutdown grace is over, or the engine gave up."""
 
 
 @dataclass
@@ -50,6 +65,7 @@ class Choice:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
     finish_reason: str | None = None
     ttft: float | None = None
+    t_end: float | None = None  # when its engine request ended (monotonic)
 
 
 class Server:
@@ -63,6 +79,9 @@ class Server:
         self.capacity = ecfg.scheduler.max_num_seqs + cfg.max_waiting
         self.inflight = 0
         self.draining = False
+        self.ending: str | None = None  # set by end_all(): why every request still in flight was ended
+        self._active: set[asyncio.Future[Any]] = set()  # the generation of each request in flight
+        self._key = cfg.api_key.encode() if cfg.api_key is not None else None
         self._seq = itertools.count()
         self.created = int(time.time())
 
@@ -74,6 +93,7 @@ class Server:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/openapi.json", self._openapi)
         return app
 
     # ---- middleware: every failure is an OpenAI-style JSON error ----------------------------
@@ -81,36 +101,57 @@ class Server:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except proto.APIError as e:
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:
+            started = request.get(_STREAM_KEY)
+            if started is None:
+                return self._error_response(request, e)
+            # the response has begun: a second one would corrupt the body; end the one under way
+            log.exception("unhandled error on %s after its response began", request.path)
+            return started
+
+    def _error_response(self, request: web.Request, e: Exception) -> web.Response:
+        if isinstance(e, proto.APIError):
             return web.json_response(e.body(), status=e.status, headers=e.headers)
-        except web.HTTPException as e:
+        if isinstance(e, web.HTTPException):
             kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}.get(e.status, "invalid_request_error")
             msg = {404: f"no route {request.path}", 405: f"method {request.method} is not allowed on {request.path}",
                    413: f"request body is larger than {self.cfg.max_body_bytes} bytes"}.get(e.status, e.reason)
             return web.json_response(proto.APIError(e.status, msg, kind).body(), status=e.status)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:  # a bug, not bad input: logged, and the client gets a 500 body
-            log.exception("unhandled error on %s", request.path)
-            err = proto.APIError(500, "internal server error", "server_error")
-            return web.json_response(err.body(), status=500)
+        # a bug, not bad input: logged, and the client gets a 500 body
+        log.error("unhandled error on %s", request.path, exc_info=e)
+        err = proto.APIError(500, "internal server error", "server_error")
+        return web.json_response(err.body(), status=500)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = self.cfg.api_key
-        public = request.path in ("/health", "/metrics")
-        if key is not None and not public and request.headers.get("Authorization", "") != f"Bearer {key}":
+        if self._key is not None and not self._public(request.path) and not self._key_ok(request):
             raise proto.APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                  "authentication_error", code="invalid_api_key")
         return await handler(request)
 
+    def _public(self, path: str) -> bool:
+        return path in PUBLIC_PATHS or (path == "/metrics" and self.cfg.metrics_public)
+
+    def _key_ok(self, request: web.Request) -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        assert self._key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._key)
+
     # ---- simple routes ----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
-        if self.engine.running and not self.draining:
+        """200 {"status": "ok"} while the engine is ready; else 503 with the status and why:
+        starting, restarting, down (the engine gave up or stopped) or draining (the server stops)."""
+        state = self.engine.state
+        if state == "ready" and not self.draining:
             return web.json_response({"status": "ok"})
-        return web.json_response({"status": "unavailable", "reason": self.engine.dead_reason or "starting"},
-                                 status=503)
+        status = "draining" if self.draining else state
+        reason = {"starting": "the engine workers are starting",
+                  "draining": "the server is shutting down and takes no new requests"}.get(status)
+        return web.json_response({"status": status, "reason": reason or self.engine.dead_reason or status},
+                                 status=503, headers={"Retry-After": "5"})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -119,11 +160,16 @@ class Server:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         s = self.engine.stats
+        self.metrics.set_engine_counters(self.engine.restarts_total, self.engine.deaths_total)
         if s is not None:
             self.metrics.set_engine_stats(s.num_running + s.num_prefilling, s.num_waiting, s.kv_blocks_total,
                                           s.kv_blocks_free, s.num_preemptions, s.partition)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI document of every route, generated from the request and error types."""
+        return web.json_response(proto.openapi_document())
 
     # ---- generation -------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -138,7 +184,8 @@ class Server:
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.draining:
             raise proto.APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
-        req = proto.parse_request(kind, await request.read(), self.ctx)
+        proto.check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
+        req = await proto.parse_request_async(kind, await request.read(), self.ctx, max_choices=self.capacity)
         n = len(req.prompts) * req.params.n
         if self.inflight + n > self.capacity:
             raise proto.APIError(503, f"the server is at capacity ({self.capacity} requests); retry later",
@@ -151,11 +198,12 @@ class Server:
         try:
             if req.stream:
                 return await self._stream(request, req, rid, choices)
-            await asyncio.gather(*(self._run(rid, req, c, None) for c in choices))
+            await self._generate(rid, req, choices, None)
             return web.json_response(self._final(req, rid, choices))
         except EngineError as e:
-            raise proto.APIError(503, f"the engine could not complete the request: {e}", "server_error",
-                                 headers={"Retry-After": "5"}) from None
+            raise _unavailable(e) from None
+        except ValueError as e:  # the engine refused the prompt (the parser checks first)
+            raise proto.APIError(400, str(e), param="prompt") from None
         finally:
             self.inflight -= n
             out = sum(len(c.token_ids) for c in choices)
@@ -164,13 +212,64 @@ class Server:
                      rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
                      ",".join(str(c.finish_reason) for c in choices))
 
-    async def _run(self, rid: str, req: proto.GenRequest, c: Choice,
-                   on_delta: Callable[[Choice, str, TokenOut], Awaitable[None]] | None) -> None:
+    def end_all(self, reason: str) -> int:
+        """End every request in flight now (shutdown grace over, engine gone): streams get an error
+        event and [DONE], the others a 503. Returns how many were ended."""
+        self.ending = reason
+        active = list(self._active)
+        for fut in active:
+            fut.cancel()
+        return len(active)
+
+    async def _generate(self, rid: str, req: proto.GenRequest, choices: list[Choice], on_delta: OnDelta | None,
+                        prelude: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Run every choice of a request (after `prelude`, which a stream uses to begin its response);
+        the first failure ends the others. Counts each choice once in the metrics, however it ends.
+        Raises EngineError (at once when the engine is not ready; ServerStopping after end_all)."""
+        t0 = time.monotonic()
+        for c in choices:
+            self.metrics.add_prompt_tokens(len(c.prompt_ids))
+        tasks: list[asyncio.Future[None]] = []
+        group: asyncio.Future[Any] | None = None
+        failure = "abort"  # a client that went away, a cancelled handler, end_all
+        try:
+            if self.ending is not None:
+                raise ServerStopping(self.ending)
+            if self.engine.state != "ready":  # fail before a stream's response begins: a plain 503
+                raise EngineError(f"the engine is not ready ({self.engine.state}): "
+                                  f"{self.engine.dead_reason or 'try again shortly'}")
+            if prelude is not None:
+                await prelude()
+            tasks = [asyncio.ensure_future(self._run(rid, req, c, on_delta)) for c in choices]
+            group = asyncio.gather(*tasks)
+            self._active.add(group)
+            await group
+        except ServerStopping:
+            raise
+        except asyncio.CancelledError:
+            if self.ending is None or _cancelling():
+                raise
+            raise ServerStopping(self.ending) from None
+        except ConnectionResetError:
+            raise
+        except Exception:
+            failure = "error"
+            raise
+        finally:
+            if group is not None:
+                self._active.discard(group)
+            for t in tasks:
+                t.cancel()  # those still running after a failure; their engine requests are aborted
+            now = time.monotonic()
+            for c in choices:
+                self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
+                                              c.finish_reason or failure, ttft_s=c.ttft)
+
+    async def _run(self, rid: str, req: proto.GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = _sub_params(p, c.index % p.n)
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
-        self.metrics.add_prompt_tokens(len(c.prompt_ids))
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         try:
@@ -192,14 +291,15 @@ class Server:
                     c.finish_reason = tok.finish_reason
                     delta += detok.flush()
                 c.text += delta
+                if c.finish_reason is not None:
+                    c.t_end = time.monotonic()
                 if on_delta is not None:
                     await on_delta(c, delta, tok)
                 if c.finish_reason is not None:
                     break
         finally:
+            c.t_end = c.t_end or time.monotonic()
             await stream.aclose()  # aborts the engine request if it had not finished
-        self.metrics.observe_finished(time.monotonic() - t0, len(c.prompt_ids), len(c.token_ids),
-                                      c.finish_reason or "abort", ttft_s=c.ttft)
 
     def _final(self, req: proto.GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
         usage = proto.usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
@@ -207,8 +307,9 @@ class Server:
 
     async def _stream(self, request: web.Request, req: proto.GenRequest, rid: str,
                       choices: list[Choice]) -> web.StreamResponse:
+        """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
+        an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         lock = asyncio.Lock()
         created = int(time.time())
 
@@ -216,20 +317,60 @@ class Server:
             async with lock:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-        for c in choices if req.kind == "chat" else []:
-            await send(proto.chat_role_chunk(rid, created, self.model_name, c.index))
-
         async def on_delta(c: Choice, delta: str, tok: TokenOut) -> None:
             await send(proto.stream_chunk(req, rid, created, self.model_name, c.index, delta, tok,
                                           c.finish_reason, self.tok, text_offset=len(c.text) - len(delta)))
 
-        await asyncio.gather(*(self._run(rid, req, c, on_delta) for c in choices))
-        if req.include_usage:
-            usage = proto.usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
-            await send(proto.usage_chunk(req, rid, created, self.model_name, usage))
+        async def prelude() -> None:
+            await resp.prepare(request)
+            request[_STREAM_KEY] = resp
+            for c in choices if req.kind == "chat" else []:
+                await send(proto.chat_role_chunk(rid, created, self.model_name, c.index))
+
+        try:
+            await self._generate(rid, req, choices, on_delta, prelude)
+            if req.include_usage:
+                usage = proto.usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
+                await send(proto.usage_chunk(req, rid, created, self.model_name, usage))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise  # the client went away (or the handler was cancelled): nothing more can be sent
+        except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response
+            if not resp.prepared:
+                raise  # nothing sent yet: the error middleware answers it (503 for an engine error)
+            if isinstance(e, EngineError):
+                log.warning("request %s ended with an error: %s", rid, e)
+            elif not isinstance(e, (ValueError, proto.APIError)):
+                log.exception("request %s failed", rid)
+            await send({"error": _error_body(e)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _error_body(e: Exception) -> dict[str, Any]:
+    """The `error` object of an OpenAI-style error for an exception that ended a request."""
+    if isinstance(e, EngineError):
+        return _unavailable(e).body()["error"]
+    if isinstance(e, proto.APIError):
+        return e.body()["error"]
+    if isinstance(e, ValueError):
+        return proto.APIError(400, str(e), param="prompt").body()["error"]
+    return proto.APIError(500, "internal server error", "server_error").body()["error"]
+
+
+def _unavailable(e: EngineError) -> proto.APIError:
+    """503 + Retry-After for a request the engine could not complete, or the server ended."""
+    if isinstance(e, ServerStopping):
+        return proto.APIError(503, f"the request was ended: {e}", "server_error", code="server_shutting_down",
+                              headers={"Retry-After": "5"})
+    return proto.APIError(503, f"the engine could not complete the request: {e}", "server_error",
+                          code="engine_unavailable", headers={"Retry-After": "5"})
+
+
+def _cancelling() -> bool:
+    """Whether the current task itself is being cancelled (Python 3.11+; False before)."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
 
 
 def _sub_params(p: SamplingParams, j: int) -> SamplingParams:

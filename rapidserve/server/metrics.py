@@ -10,7 +10,9 @@ never share series. Every series carries a ``model_name`` label. Exposed names:
 * gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting``,
   ``rapidserve:kv_cache_usage_perc`` (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
 * counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
-  ``rapidserve:request_success_total{finished_reason="..."}``, ``rapidserve:num_preemptions_total``.
+  ``rapidserve:request_success_total{finished_reason="..."}`` (stop, length, abort: the client went
+  away or the server stopped it, error: the engine failed it), ``rapidserve:num_preemptions_total``,
+  ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``.
 
 prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
 """
@@ -81,6 +83,11 @@ class Metrics:
         self._preemptions = Counter(_P + "num_preemptions", "Preemptions by the engine.", lab,
                                     registry=reg).labels(model_name)
         self._preemptions_seen = 0
+        self._restarts = Counter(_P + "engine_restarts", "Engine worker restarts since the server started.", lab,
+                                 registry=reg).labels(model_name)
+        self._deaths = Counter(_P + "engine_worker_deaths", "Engine worker deaths since the server started.", lab,
+                               registry=reg).labels(model_name)
+        self._restarts_seen = self._deaths_seen = 0
 
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
@@ -129,6 +136,15 @@ class Metrics:
                 self._partition.remove(self.model_name, self._partition_now)
             self._partition.labels(self.model_name, partition).set(1)
             self._partition_now = partition
+
+    def set_engine_counters(self, restarts_total: int, deaths_total: int) -> None:
+        """The engine's cumulative worker restarts and deaths (they only grow)."""
+        if restarts_total > self._restarts_seen:
+            self._restarts.inc(restarts_total - self._restarts_seen)
+            self._restarts_seen = restarts_total
+        if deaths_total > self._deaths_seen:
+            self._deaths.inc(deaths_total - self._deaths_seen)
+            self._deaths_seen = deaths_total
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics response."""

@@ -1,8 +1,18 @@
-"""`rapidserve serve`: start the engine, serve HTTP, drain on SIGTERM/SIGINT and exit 0."""
+"""`rapidserve serve`: start the engine, serve HTTP until SIGTERM/SIGINT or the engine gives up.
+
+Stopping (SIGTERM or SIGINT): no new connections or requests (503, /health 503 "draining"); idle
+keep-alive connections are closed; requests in flight may finish for `shutdown_grace_s`; then every
+one still running ends with an error (a stream: error event + `data: [DONE]`; otherwise 503), the
+workers stop, and the process exits 0 within the grace + ~2 s. A second signal skips the rest of
+the grace. When the engine gives up for good (`engine.fatal`: its restart budget is used up, or
+`on_worker_death=shutdown`), the server logs why, ends what is in flight the same way at once and
+exits 1, so that its supervisor (systemd, Kubernetes, Slurm) starts it afresh.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -14,9 +24,12 @@ from aiohttp import web
 from rapidserve.config import EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.loader import ModelSource
+from rapidserve.server.connections import GuardedRunner
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
+EXIT_ENGINE_DOWN = 1
+END_WAIT_S = 1.0  # after the grace: how long ended requests get to send their last bytes
 
 
 def model_name(cfg: EngineConfig, source: ModelSource, override: str | None) -> str:
@@ -27,6 +40,33 @@ def model_name(cfg: EngineConfig, source: ModelSource, override: str | None) -> 
     if cfg.model.startswith("preset:"):
         return cfg.model
     return os.path.basename(os.path.normpath(cfg.model))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1, localhost): reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def warn_if_exposed(scfg: ServerConfig) -> bool:
+    """Log a WARNING when the server listens beyond loopback without an API key; True if it did."""
+    if scfg.api_key is not None or is_loopback(scfg.host):
+        return False
+    log.warning("NO API KEY: listening on %s without an API key, so anyone who can reach this address can "
+                "use the server; set RAPIDSERVE_API_KEY or pass --api-key-file PATH", scfg.host)
+    return True
+
+
+def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
+    """The runner of the server's app: connection limits from `scfg`, handlers cancelled when their
+    client goes away (which aborts the engine request), no access log (one line per request instead)."""
+    return GuardedRunner(app, header_timeout_s=scfg.header_timeout_s, max_connections=scfg.max_connections,
+                         handler_cancellation=True, access_log=None, keepalive_timeout=scfg.keepalive_timeout_s,
+                         shutdown_timeout=END_WAIT_S)
 
 
 async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
@@ -45,32 +85,65 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     for line in engine.events:
         log.info("%s", line)
     server = Server(scfg, ecfg, engine, tokenizer, name)
-    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    runner = make_runner(server.app(), scfg)
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)
     await site.start()
+    warn_if_exposed(scfg)
     port = runner.addresses[0][1] if runner.addresses else scfg.port
     print(f"rapidserve: serving {name} on http://{scfg.host}:{port} (ready in {time.monotonic() - t0:.1f} s)",
           flush=True)
 
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.info("%s again: ending the requests in flight now", sig.name)
+            hurry.set()
+        else:
+            log.info("%s: stopping", sig.name)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, on_signal, sig)
+    await _first(stop, engine.fatal)
+    fatal = engine.fatal.is_set() and not stop.is_set()
 
-    log.info("stopping: no new requests; waiting up to %.0f s for %d in flight", scfg.shutdown_grace_s,
-             server.inflight)
     server.draining = True
-    await site.stop()  # stop accepting connections
-    deadline = time.monotonic() + scfg.shutdown_grace_s
-    while server.inflight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    await runner.shutdown()  # cancels what is left: their engine requests are aborted
-    await runner.cleanup()
+    await site.stop()  # no new connections
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their response
+    if fatal:
+        log.error("the engine is down for good (%s): ending %d request(s) in flight and exiting with code %d",
+                  engine.dead_reason, server.inflight, EXIT_ENGINE_DOWN)
+    else:
+        log.info("stopping: no new requests; %d in flight may finish within %.1f s", server.inflight,
+                 scfg.shutdown_grace_s)
+        deadline = time.monotonic() + scfg.shutdown_grace_s
+        while server.inflight and time.monotonic() < deadline and not hurry.is_set() and not engine.fatal.is_set():
+            await _first(hurry, engine.fatal, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+    if server.inflight:
+        why = (f"the engine is down: {engine.dead_reason}" if engine.fatal.is_set()
+               else "the server is shutting down")
+        log.warning("ending %d request(s) still in flight: %s", server.end_all(why), why)
+        deadline = time.monotonic() + END_WAIT_S
+        while server.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    await runner.cleanup()  # closes what is left (each connection gets up to END_WAIT_S)
     await engine.shutdown()
     print("rapidserve: stopped", flush=True)
-    return 0
+    return EXIT_ENGINE_DOWN if fatal else 0
+
+
+async def _first(*events: asyncio.Event, timeout: float | None = None) -> None:
+    """Wait until one of `events` is set (or `timeout` seconds)."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
 
 
 def run(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:

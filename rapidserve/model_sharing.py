@@ -17,6 +17,9 @@ The prefill worker calls `attach_model(...)`: it builds a CausalLM on the meta d
 memory), wraps each shared tensor in a Parameter, recomputes the RoPE table (a plain buffer, cheap)
 on the real device and wraps the pool tensor in a KVPool. Every tensor is checked against the model
 being built (name, shape, dtype, device; on CPU, that it really is in shared memory).
+
+Layer: above the model, the ops and the KV pool, below `rapidserve.runner` (`ModelRunner` attaches
+with it) and `rapidserve.engine` (whose decode worker exports with it).
 """
 
 from __future__ import annotations
@@ -52,8 +55,16 @@ def export_shared(model: CausalLM, pool: KVPool) -> SharedState:
 
     On CUDA/ROCm nothing moves: the queue's pickler exports IPC handles. Keep `model` and `pool`
     (or the returned state) alive for as long as the other process uses them.
+
+    Stream ordering: the device is synchronized first, so every write to the weights and the pool
+    (loading, zero-fill, graph warm-ups on side streams, which their callers join into the current
+    stream) has landed before a handle exists. The importer computes on its own partition stream,
+    which nothing orders after this process's streams (torch's IPC event covers only the exporter's
+    current stream, and the importer waits on it on its own current stream, not on its partition's).
     """
     check_ipc_shareable_allocator(pool.tensor.device)
+    if pool.tensor.device.type == "cuda":
+        torch.cuda.synchronize(pool.tensor.device)
     params: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.device != pool.tensor.device:

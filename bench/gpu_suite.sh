@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The whole `pytest -m gpu` suite on a GPU machine, in one call, optionally several times in a row.
+#
+#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [-- extra pytest args]
+#
+# - Installs the wheels carried in .whl/ (if any, and msgspec / posix_ipc are missing) into /tmp/site
+#   and puts it on PYTHONPATH (the lent GPU machines lack those two and reach no registry).
+# - Runs every test file holding a `gpu` mark, in pytest's default order (tests/test_attention.py
+#   first: the order that exposed the graph-capture stream race), `-m gpu`, N times.
+# - --budget-s: a further run starts only if the last run's time still fits in S seconds overall.
+# - --timeout-s: per-test limit through pytest-timeout when it is installed (default 300).
+# - Logs go to $OUT (when set) or bench/results/gpu_suite_logs/: gpu_suite_runN.log, and the summary
+#   as gpu_suite.md / gpu_suite.json (command, GPU, date, versions, per-run counts and failures).
+# - The summary table (run, passed, failed, skipped, seconds) is printed last.
+# Exit status: 0 when every run passed with no failure or error, else 1.
+set -uo pipefail
+
+all_args="$*"
+repeat=1
+budget=0
+per_test=300
+extra=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --repeat) repeat="$2"; shift 2 ;;
+        --budget-s) budget="$2"; shift 2 ;;
+        --timeout-s) per_test="$2"; shift 2 ;;
+        --) shift; extra=("$@"); break ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+
+cd "$(dirname "$0")/.." || exit 2
+out="${OUT:-bench/results/gpu_suite_logs}"
+mkdir -p "$out"
+work="$(mktemp -d)"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_suite.sh: installing the carried wheels failed" >&2; exit 2; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | sort)
+timeout_args=()
+if "$py" -c 'import pytest_timeout' 2>/dev/null; then
+    timeout_args=(--timeout="$per_test")
+fi
+gpu="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+gpu="${gpu:-$("$py" -c 'import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")')}"
+versions="$("$py" -c 'import sys, torch, triton; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}")' 2>&1 | tail -1)"
+echo "gpu_suite: $gpu; $versions; ${#files[@]} files: ${files[*]}"
+
+t_start=$(date +%s)
+last=0
+runs=0
+for ((i = 1; i <= repeat; i++)); do
+    now=$(date +%s)
+    if [ "$budget" -gt 0 ] && [ "$i" -gt 1 ] && [ $((now - t_start + last)) -gt "$budget" ]; then
+        echo "gpu_suite: run $i not started: $((now - t_start)) s used, the last run took $last s, budget $budget s"
+        break
+    fi
+    echo "===== gpu_suite run $i/$repeat: $(date -u +%FT%TZ)"
+    t0=$(date +%s%N)
+    "$py" -m pytest -m gpu -ra -p no:cacheprovider "${timeout_args[@]}" --junitxml="$work/run$i.xml" \
+        "${files[@]}" "${extra[@]}" 2>&1 | tee "$out/gpu_suite_run$i.log"
+    ms=$((($(date +%s%N) - t0) / 1000000))
+    echo "$i $ms" >>"$work/times"
+    last=$((ms / 1000))
+    runs=$i
+done
+
+"$py" - "$work" "$out" "$runs" "$gpu" "$versions" "$all_args" <<'EOF'
+import json, sys, time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+work, out, runs, gpu, versions, args = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:7]
+times = dict(line.split() for line in (work / "times").read_text().splitlines()) if (work / "times").exists() else {}
+rows = []
+for i in range(1, runs + 1):
+    row = {"run": i, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "seconds": round(int(times.get(str(i), 0)) / 1000, 1),
+           "failures": []}
+    xml = work / f"run{i}.xml"
+    if xml.exists():
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            kinds = {c.tag for c in case}
+            if "failure" in kinds or "error" in kinds:
+                key = "failed" if "failure" in kinds else "errors"
+                row[key] += 1
+                node = case.find("failure") if "failure" in kinds else case.find("error")
+                msg = (node.get("message", "") if node is not None else "").splitlines()
+                row["failures"].append(f"{name}: {msg[0][:200] if msg else ''}")
+            elif "skipped" in kinds:
+                row["skipped"] += 1
+            else:
+                row["passed"] += 1
+    else:
+        row["errors"] = 1
+        row["failures"].append("no junit report: pytest did not finish")
+    rows.append(row)
+summary = {"command": f"bench/gpu_suite.sh {args}".strip(), "gpu": gpu, "versions": versions,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": rows}
+(out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
+table = ["| run | passed | failed | errors | skipped | seconds |", "| --- | --- | --- | --- | --- | --- |"]
+table += [f"| {r['run']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']} |" for r in rows]
+fails = [f"- run {r['run']}: {f}" for r in rows for f in r["failures"]]
+md = [f"# `pytest -m gpu` on {gpu} ({summary['date']})", "", f"`{summary['command']}`; {versions}.", "", *table]
+if fails:
+    md += ["", "Failures:", *fails]
+(out / "gpu_suite.md").write_text("\n".join(md) + "\n")
+print("\n".join(fails))
+print("\n".join(table))
+ok = rows and all(r["failed"] == 0 and r["errors"] == 0 for r in rows)
+sys.exit(0 if ok else 1)
+EOF
+status=$?
+rm -rf "$work"
+exit $status

@@ -1,0 +1,439 @@
+"""Soak a server for a long time at ~80% of its capacity and say whether it stayed healthy (issue 13).
+
+    python bench/soak.py --url http://127.0.0.1:8000 --server-pid PID --capacity-probe --duration-s 1800
+    python bench/soak.py --launch "rapidserve serve --device cpu --port 0" --rate 1 --duration-s 600 \\
+        --check-shm-after-exit --out-dir bench/results/soak
+
+Load: Poisson arrivals (seeded) at `--rate` requests/s, or at `--load-fraction` (0.8) of the completion
+rate a `--capacity-probe` measures first (closed loop at `--probe-concurrency` for `--probe-s`). A mix
+of small/medium/long prompts and outputs (soak_lib.BUCKETS) as token ids on /v1/completions, and as text
+on /v1/chat/completions where the model has a tokenizer (which also gets some requests with stop strings);
+streaming and not; client aborts (streams closed after a random number of tokens, non-stream requests
+with a short client timeout). At most
+`--concurrency` requests in flight (an arrival that finds them all busy is skipped and counted); at the
+end of the duration the in-flight ones get `--drain-s` to finish, then are cancelled (client aborts too).
+
+Every `--sample-interval-s`: RSS and open fds (sockets apart) of the server process and its descendants
+(`--server-pid`, the `--launch`ed process, or the local process listening on the URL's port), /dev/shm
+entries, the server's /metrics counters and /health.
+
+Checks (FAIL when any fails): no failed requests (non-2xx, connection errors, streams without [DONE] or
+with an error event, other finish reasons); few arrivals skipped at the cap; /metrics'
+request_success{stop,length,abort} deltas equal the client's completed-by-reason and aborted counts
+(read again for up to `--settle-s` so a late abort can land); generation_tokens delta covers the
+completed requests' tokens; no engine restarts or worker deaths; /health 200 at every sample; every process alive at
+the end; RSS and non-socket fds flat (soak_lib.flatness); sockets back to their idle count; no new
+/dev/shm entries named after the server's pids; with `--launch`: exit 0 on SIGTERM, and with
+`--check-shm-after-exit` no /dev/shm entry left behind by it (its pids, or ``sem.mp-*``).
+
+Outputs in --out-dir: soak.json (settings, every sample, counts, checks), soak.md (tables), soak.png,
+server.log (with --launch); the verdict line is printed last. Exit 0 PASS, 1 FAIL, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.parse
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import soak_lib as sl  # noqa: E402
+import soak_report  # noqa: E402
+from soak_client import Tally, capacity_probe, counters_report, open_loop  # noqa: E402
+
+from rapidserve.benchmark.cli import base_url_arg, positive_float, positive_int, token_range_arg  # noqa: E402
+from rapidserve.benchmark.client import Target, fetch_models  # noqa: E402
+
+
+class SoakError(RuntimeError):
+    """The soak could not run (server not healthy, nothing measured): a FAIL with this reason."""
+
+
+# ---------------------------------------------------------------- the server: launch, probes, samples
+
+
+class Launched:
+    """A server started by the soak (`--launch`): its output goes to `log_path`."""
+
+    def __init__(self, command: str, log_path: str) -> None:
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(shlex.split(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.url: str | None = None
+        self._found = threading.Event()
+        threading.Thread(target=self._copy, daemon=True).start()
+
+    def _copy(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.write(line)
+            self.log.flush()
+            m = re.search(r"serving \S+ on (https?://\S+)", line)
+            if m and self.url is None:
+                self.url = m.group(1).replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+                self._found.set()
+        self._found.set()
+
+    def wait_url(self, timeout_s: float) -> str:
+        if not self._found.wait(timeout_s) or self.url is None:
+            rc = self.proc.poll()
+            raise SoakError(f"the launched server {'exited with ' + str(rc) if rc is not None else 'did not start'}"
+                            f" within {timeout_s:g} s (no 'serving NAME on http://HOST:PORT' line; see server.log)")
+        return self.url
+
+    def stop(self, timeout_s: float = 90.0) -> int | None:
+        """SIGTERM, wait; SIGKILL past `timeout_s` (then None: it did not exit by itself)."""
+        rc: int | None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            rc = None
+        time.sleep(0.2)
+        self.log.close()
+        return rc
+
+
+async def get_text(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        return r.status, await r.text()
+
+
+async def wait_healthy(session: aiohttp.ClientSession, base: str, timeout_s: float) -> None:
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            status, body = await get_text(session, base + "/health", 5.0)
+            if status == 200:
+                return
+            last = f"HTTP {status}: {body[:200]}"
+        except (aiohttp.ClientError, OSError) as e:
+            last = f"{type(e).__name__}: {e}"
+        await asyncio.sleep(1.0)
+    raise SoakError(f"{base}/health did not answer 200 within {timeout_s:g} s (last: {last})")
+
+
+async def text_supported(session: aiohttp.ClientSession, target: Target) -> bool:
+    """Whether the server takes text prompts (a model with a tokenizer): one 1-token request."""
+    async with session.post(target.base_url + "/v1/completions", headers=target.headers(),
+                            json={"model": target.model, "prompt": "Hello", "max_tokens": 1},
+                            timeout=aiohttp.ClientTimeout(total=120)) as r:
+        await r.read()
+        return r.status == 200
+
+
+class Sampler:
+    """Samples of the server's processes, /dev/shm, /metrics and /health, every `interval_s`."""
+
+    def __init__(self, base: str, root_pid: int | None, tally: Tally, t0: float, duration_s: float) -> None:
+        self.base, self.root, self.tally, self.t0, self.duration_s = base, root_pid, tally, t0, duration_s
+        self.samples: list[dict[str, Any]] = []
+        self.labels: dict[int, str] = {}
+
+    async def sample(self, session: aiohttp.ClientSession, phase: str) -> dict[str, Any]:
+        s: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 3), "phase": phase}
+        try:
+            s["health"] = (await get_text(session, self.base + "/health"))[0]
+            status, body = await get_text(session, self.base + "/metrics")
+            s["metrics"] = sl.soak_counters(sl.parse_prometheus(body)) if status == 200 else None
+            if status != 200:
+                s["metrics_error"] = f"HTTP {status}"
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            s.setdefault("health", None)
+            s["metrics"], s["metrics_error"] = None, f"{type(e).__name__}: {e}"[:200]
+        pids = sl.process_tree(self.root) if self.root else []
+        if not self.labels and pids:
+            self.labels = sl.label_processes(self.root or 0, pids)
+        procs = {}
+        for p in pids:
+            st = sl.proc_stats(p)
+            if st is not None:
+                self.labels.setdefault(p, f"{sl.proc_kind(p)}-{p}")
+                procs[str(p)] = {"label": self.labels[p], **st}
+        s["procs"] = procs
+        s["shm"] = sl.shm_summary(sl.shm_entries(), pids)
+        s["client"] = self.tally.snapshot()
+        self.samples.append(s)
+        return s
+
+    def progress(self, s: dict[str, Any]) -> str:
+        c = self.tally
+        rss = ", ".join(f"{p['label']} {p['rss_mb']:.0f} MB" for p in s["procs"].values()) or "no pid"
+        fds = sum(p["fds"] for p in s["procs"].values())
+        return (f"[{s['t']:6.0f}/{self.duration_s:g} s] sent {c.sent} done {sum(c.completed.values())} "
+                f"({', '.join(f'{k} {v}' for k, v in sorted(c.completed.items())) or '-'}) "
+                f"aborted {sum(c.aborted.values())} failed {sum(c.failed.values())} in flight {c.inflight} | "
+                f"RSS {rss} | fds {fds} | shm {s['shm']['total']} | health {s['health']}")
+
+    async def run(self, session: aiohttp.ClientSession, interval_s: float, stop: asyncio.Event) -> None:
+        """Sample at t0 + k * interval_s (no drift) until `stop`."""
+        k = 0
+        while not stop.is_set():
+            s = await self.sample(session, "load")
+            print(self.progress(s), flush=True)
+            k = max(k + 1, int((time.monotonic() - self.t0) / interval_s) + 1)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, self.t0 + k * interval_s - time.monotonic()))
+
+
+def local_pid(base: str) -> int | None:
+    """The pid listening on `base`'s port when the host is this machine's loopback, else None."""
+    u = urllib.parse.urlsplit(base)
+    if u.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return None
+    return sl.pid_listening_on(u.port or (443 if u.scheme == "https" else 80))
+
+
+# ---------------------------------------------------------------- the soak
+
+
+async def soak(a: argparse.Namespace, launched: Launched | None, report: dict[str, Any]) -> None:
+    """Everything up to the final /metrics read; fills `report` as it goes (an error leaves it partial)."""
+    base = launched.wait_url(a.launch_timeout_s) if launched else a.url
+    report["url"] = base
+    tally = Tally()
+    report["client"] = tally  # replaced by its JSON at the end
+    async with aiohttp.ClientSession() as side:
+        await wait_healthy(side, base, a.health_timeout_s)
+        models = await fetch_models(side, base, a.api_key)
+        if not models:
+            raise SoakError(f"{base}/v1/models lists no model")
+        model, max_len = str(models[0]["id"]), int(models[0].get("max_model_len") or 2048)
+        target = Target(base, model, a.api_key, a.request_timeout_s)
+        text = await text_supported(side, target) if a.text == "auto" else a.text == "on"
+        root = launched.proc.pid if launched else (a.server_pid or local_pid(base))
+        mix = sl.Mix(max_len, a.max_prompt_tokens, a.max_output_tokens, a.stream_fraction,
+                     a.chat_fraction if text else 0.0, a.stop_fraction if text else 0.0, a.abort_stream_fraction,
+                     a.abort_timeout_fraction, a.abort_timeout_s, a.token_ids)
+        report["server"] = {"model": model, "max_model_len": max_len, "text_prompts": text, "pid": root}
+        print(f"soak: {base} serving {model} (max_model_len {max_len}, text prompts {'yes' if text else 'no'}), "
+              f"server pid {root or 'unknown: no RSS/fd samples'}", flush=True)
+        rate = a.rate
+        if a.capacity_probe:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=a.probe_concurrency + 8)) as ps:
+                probe = await capacity_probe(ps, target, mix, a.probe_concurrency, a.probe_s, a.drain_s, a.seed)
+            report["capacity_probe"] = probe
+            try:
+                rate = sl.target_rate(probe["capacity_rps"], a.load_fraction)
+            except ValueError as e:
+                raise SoakError(str(e)) from None
+            await asyncio.sleep(a.settle_s)
+        report["rate_rps"] = rate
+        t0 = time.monotonic()
+        sampler = Sampler(base, root, tally, t0, a.duration_s)
+        report["samples"] = sampler.samples
+        first = await sampler.sample(side, "idle-before")
+        report["shm"] = {"before": sl.shm_entries()}
+        print(f"soak: {a.duration_s:g} s of Poisson arrivals at {rate:.3f} requests/s (at most {a.concurrency} "
+              f"in flight), a sample every {a.sample_interval_s:g} s", flush=True)
+        stop = asyncio.Event()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=a.concurrency + 8)) as load:
+            sampling = asyncio.create_task(sampler.run(side, a.sample_interval_s, stop))
+            try:
+                await open_loop(load, target, mix, rate, a.duration_s, a.concurrency, a.drain_s, a.seed, tally, t0)
+            finally:
+                stop.set()
+                await sampling
+        print(f"soak: load over ({tally.sent} sent); waiting up to {a.settle_s:g} s for the counters to settle",
+              flush=True)
+        deadline = time.monotonic() + a.settle_s
+        await asyncio.sleep(min(2.0, a.settle_s))
+        while True:  # an abort the server had not yet seen may land late
+            last = await sampler.sample(side, "idle-after")
+            report["counters"] = counters_report(first["metrics"], last["metrics"], tally)
+            cmp = report["counters"]["compare"]
+            if (cmp is not None and all(c["ok"] for c in cmp.values())) or time.monotonic() >= deadline:
+                break
+            sampler.samples.pop()
+            await asyncio.sleep(1.0)
+        print(sampler.progress(last), flush=True)
+        report["shm"]["after"] = sl.shm_entries()
+        load_pids = {int(p) for s in sampler.samples if s["phase"] == "load" for p in s["procs"]}
+        first_pids = [int(p) for p in next((s["procs"] for s in sampler.samples if s["phase"] == "load"), {})]
+        report["processes"] = {"labels": {str(p): lab for p, lab in sampler.labels.items()},
+                               "seen": sorted(load_pids),
+                               "gone": [p for p in first_pids if sl.proc_stats(p) is None]}
+
+
+def finish_launched(a: argparse.Namespace, launched: Launched, report: dict[str, Any], shm_pre: list[str]) -> None:
+    """SIGTERM the launched server, wait for its whole tree, and (asked) look for what it left in /dev/shm."""
+    pids = set(sl.process_tree(launched.proc.pid)) | {launched.proc.pid}
+    pids |= {int(p) for s in report.get("samples") or [] for p in s.get("procs", {})}
+    print(f"soak: stopping the launched server (pid {launched.proc.pid}) with SIGTERM", flush=True)
+    rc = launched.stop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(sl.proc_stats(p) is not None for p in pids):
+        time.sleep(0.2)
+    report["server_exit"] = {"code": rc, "still_running": [p for p in pids if sl.proc_stats(p) is not None]}
+    if not a.check_shm_after_exit:
+        return
+    deadline = time.monotonic() + 10
+    while True:  # the resource tracker may unlink a moment after the rest has gone
+        after = sl.shm_entries()
+        new = sorted(set(after) - set(shm_pre))
+        left = sl.attributable(new, pids)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    report["shm_after_exit"] = {"before_launch": len(shm_pre), "after_exit": len(after), "new": new,
+                                "left_by_server": left}
+
+
+# ---------------------------------------------------------------- arguments and main
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} must be a fraction between 0 and 1")
+    return v
+
+
+def _seconds_range(text: str) -> tuple[float, float]:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*:\s*([0-9.]+)\s*", text)
+    try:
+        lo, hi = (float(m.group(1)), float(m.group(2))) if m else (0.0, -1.0)
+    except ValueError:
+        lo, hi = 0.0, -1.0
+    if not 0 < lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI seconds with 0 < LO <= HI, e.g. 0.1:0.5")
+    return lo, hi
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("server")
+    g.add_argument("--url", type=base_url_arg, default=None, help="base URL (default http://127.0.0.1:8000)")
+    g.add_argument("--launch", metavar="COMMAND", help="start this server command, soak it, SIGTERM it")
+    g.add_argument("--server-pid", type=positive_int, help="the server's pid (default: whoever listens on the port)")
+    g.add_argument("--check-shm-after-exit", action="store_true",
+                   help="with --launch: no /dev/shm entry left behind after the server exits")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--launch-timeout-s", type=positive_float, default=600.0)
+    g.add_argument("--health-timeout-s", type=positive_float, default=300.0)
+    g = p.add_argument_group("load")
+    g.add_argument("--duration-s", "--duration", type=positive_float, default=1800.0,
+                   help="soak duration, seconds (default 1800)")
+    rate = g.add_mutually_exclusive_group(required=True)
+    rate.add_argument("--rate", type=positive_float, help="arrival rate, requests/s")
+    rate.add_argument("--capacity-probe", action="store_true", help="measure the capacity first, load a fraction")
+    g.add_argument("--load-fraction", type=_fraction, default=None, help="with --capacity-probe (default 0.8)")
+    g.add_argument("--probe-concurrency", type=positive_int, default=8)
+    g.add_argument("--probe-s", type=positive_float, default=30.0)
+    g.add_argument("--concurrency", type=positive_int, default=64, help="most requests in flight (default 64)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("request mix")
+    g.add_argument("--stream-fraction", type=_fraction, default=0.5)
+    g.add_argument("--chat-fraction", type=_fraction, default=0.3, help="text chat requests, if the model has a "
+                   "tokenizer")
+    g.add_argument("--stop-fraction", type=_fraction, default=0.2, help="requests with stop strings, if the "
+                   "model has a tokenizer")
+    g.add_argument("--text", choices=("auto", "on", "off"), default="auto", help="text prompts (auto: probe once)")
+    g.add_argument("--abort-stream-fraction", type=_fraction, default=0.1, help="streams closed early")
+    g.add_argument("--abort-timeout-fraction", type=_fraction, default=0.05, help="non-streams given up on")
+    g.add_argument("--abort-timeout-s", type=_seconds_range, default=(0.1, 0.5), help="their client timeout, LO:HI")
+    g.add_argument("--max-prompt-tokens", type=positive_int, default=None, help="cap on the buckets' prompts")
+    g.add_argument("--max-output-tokens", type=positive_int, default=None, help="cap on the buckets' outputs")
+    g.add_argument("--token-ids", type=token_range_arg, default=(100, 5000),
+                   help="token-id prompts draw from [LO, HI) (default 100:5000; keep HI <= the vocabulary)")
+    g.add_argument("--request-timeout-s", type=positive_float, default=600.0)
+    g = p.add_argument_group("samples and checks")
+    g.add_argument("--sample-interval-s", type=positive_float, default=10.0)
+    g.add_argument("--warmup-s", type=float, default=None, help="left out of flatness (default min(120, 10%%))")
+    g.add_argument("--flat-tolerance", type=_fraction, default=0.05)
+    g.add_argument("--max-failed-fraction", type=_fraction, default=0.0)
+    g.add_argument("--max-skipped-fraction", type=_fraction, default=0.01)
+    g.add_argument("--drain-s", type=positive_float, default=60.0, help="in-flight requests' time at the end")
+    g.add_argument("--settle-s", type=positive_float, default=10.0, help="wait for the counters to settle")
+    g.add_argument("--out-dir", default=os.path.join("bench", "results", "soak"))
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = parser()
+    a = p.parse_args(argv)
+    if a.launch is not None:
+        try:
+            words = shlex.split(a.launch)
+        except ValueError as e:
+            p.error(f"--launch: {e}")
+        if not words:
+            p.error("--launch: an empty command")
+        if a.url is not None or a.server_pid is not None:
+            p.error("--launch: the launched server's URL and pid are used; leave out --url and --server-pid")
+    elif a.check_shm_after_exit:
+        p.error("--check-shm-after-exit needs --launch (a server this soak starts and stops)")
+    a.url = a.url or "http://127.0.0.1:8000"
+    if a.load_fraction is not None and not a.capacity_probe:
+        p.error("--load-fraction needs --capacity-probe (with --rate, the rate is the load)")
+    if a.load_fraction == 0:
+        p.error("--load-fraction must be > 0")
+    a.load_fraction = 0.8 if a.load_fraction is None else a.load_fraction
+    if a.sample_interval_s >= a.duration_s:
+        p.error(f"--sample-interval-s {a.sample_interval_s:g} must be shorter than --duration-s {a.duration_s:g}")
+    if a.warmup_s is None:
+        a.warmup_s = min(120.0, 0.1 * a.duration_s)
+    elif not 0 <= a.warmup_s < a.duration_s:
+        p.error(f"--warmup-s {a.warmup_s:g} must be >= 0 and shorter than --duration-s {a.duration_s:g}")
+    if a.server_pid is not None and not os.path.exists(f"/proc/{a.server_pid}"):
+        p.error(f"--server-pid {a.server_pid}: no such process")
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out_dir, exist_ok=True)
+    report: dict[str, Any] = {"settings": {k: v for k, v in vars(a).items()}, "started": time.strftime("%FT%T%z")}
+    launched: Launched | None = None
+    shm_pre = sl.shm_entries()
+    try:
+        if a.launch:
+            print(f"soak: launching {a.launch}", flush=True)
+            launched = Launched(a.launch, os.path.join(a.out_dir, "server.log"))
+        asyncio.run(soak(a, launched, report))
+    except SoakError as e:
+        report["error"] = str(e)
+    except Exception as e:  # still a report and a verdict; the traceback for a bug
+        traceback.print_exc()
+        report["error"] = f"{type(e).__name__}: {e}"
+    except KeyboardInterrupt:
+        report["error"] = "interrupted"
+    finally:
+        if launched is not None:
+            finish_launched(a, launched, report, shm_pre)
+    if isinstance(report.get("client"), Tally):
+        report["client"] = report["client"].to_json()
+    report["checks"] = soak_report.evaluate(report)
+    ok, reasons = soak_report.verdict(report)
+    report["verdict"] = {"pass": ok, "reasons": reasons}
+    paths = soak_report.write(report, a.out_dir)
+    print(soak_report.markdown(report))
+    print("soak: wrote " + ", ".join(paths), flush=True)
+    print(("PASS" if ok else "FAIL") + ": " + "; ".join(reasons), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

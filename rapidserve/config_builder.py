@@ -1,0 +1,37 @@
+"""`build_engine_config`: resolve `--model` and assemble the frozen `EngineConfig` tree (the one place it is built).
+
+Used by `rapidserve.LLM`, the CLI, the server and `rapidserve profile`. Layer: above the loader and
+the runner (whose device and dtype rules it applies), below `rapidserve.partition` and everything
+that starts an engine.
+"""
+
+from __future__ import annotations
+
+from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from rapidserve.loader import resolve_model
+
+
+def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                        max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                        block_size: int = 16, num_kv_blocks: int | None = None,
+                        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                        enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
+                        cache_dir: str | None = None) -> tuple[EngineConfig, object]:
+    """Resolve the model and assemble the frozen config tree (the one place it is built)."""
+    from rapidserve.runner import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
+                           preset_dtype=resolve_dtype(dtype, dev))
+    mcfg = source.config
+    cfg = EngineConfig(
+        model=model or "default",
+        model_config=mcfg,
+        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                          num_blocks=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=max_model_len),
+        runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
+                            use_cuda_graphs=not enforce_eager, seed=seed),
+    )
+    return cfg, source

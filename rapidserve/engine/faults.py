@@ -1,0 +1,65 @@
+"""How a worker survives a request that raises: which errors are fatal, and who is to blame.
+
+Rule: a request must never take a worker down. An exception while a worker handles one request
+fails that request (its stream ends with the error) and the worker goes on serving the rest. Only
+errors that leave the process unusable (`is_fatal`: a CUDA/HIP error or device-side assert breaks
+the context) end the worker; the router then restarts it.
+
+Blame: a request's own parameters first reach device code when its next token is sampled, so a
+batched sampling call that raises is retried row by row (`sample_or_blame`) and only the rows that
+raise alone fail (`RequestsFailed`). The prefill worker also re-runs a failed batch one request at
+a time; a decode step that fails for no single row fails its whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rapidserve.sampling_params import SamplingParams
+
+
+class RequestsFailed(Exception):
+    """These rows of a batch (indices) failed by themselves with `error`; the rest did not run."""
+
+    def __init__(self, rows: list[int], error: BaseException) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.rows, self.error = rows, error
+        self.reqs: list[Any] = []  # the requests of those rows, filled in by the worker
+
+
+def is_fatal(e: BaseException) -> bool:
+    """Whether a worker must die of `e` rather than fail the request(s) it was working on: errors
+    from the device runtime (the context is unusable afterwards) and interpreter-level exits.
+    Anything else, an out-of-memory error included, fails the request(s) and the worker goes on."""
+    if not isinstance(e, Exception):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    return type(e).__name__ == "AcceleratorError" or any(
+        k in text for k in ("CUDA error", "HIP error", "device-side assert", "illegal memory access"))
+
+
+def describe(e: BaseException, where: str) -> str:
+    """The message a failed request's client gets (bounded: it travels in a ring message)."""
+    return f"{where} failed: {type(e).__name__}: {e}"[:2000]
+
+
+def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], index: Sequence[int],
+                    eos: tuple[int, ...]) -> Any:
+    """`runner.sample_next` over the batch; if it raises (not fatally), sample each row alone and
+    raise `RequestsFailed` with the rows that still raise (all rows if none does alone)."""
+    try:
+        return runner.sample_next(logits, params, index, eos)
+    except Exception as e:  # noqa: BLE001 - blamed below
+        if is_fatal(e):
+            raise
+        first = e
+    blamed: list[int] = []
+    for i in range(len(params)):
+        try:
+            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos)
+        except Exception as e:  # noqa: BLE001 - this row fails alone
+            if is_fatal(e):
+                raise
+            blamed.append(i)
+    raise RequestsFailed(blamed or list(range(len(params))), first)

@@ -1,0 +1,56 @@
+"""What `ring.py` and `doorbell.py` share: names under /dev/shm, the ring header's word map, and sleeping.
+
+The lowest module of `rapidserve.ipc` (it imports nothing from rapidserve): `ShmRing` (ring.py) lays
+out and reads the header, and `wait_any` (doorbell.py) stores the reader_sleeping word of every ring
+it sleeps on and naps like `ShmRing.wait`. Keeping these here lets doorbell.py use ring.py without
+ring.py knowing about doorbells. The header layout and the wake-up argument are documented on
+`ShmRing` and in doorbell.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import posix_ipc
+
+NAME_PREFIX = "rapidserve-"
+SHM_DIR = "/dev/shm"
+NAME_RE = re.compile(r"^rapidserve-(\d+)-[A-Za-z0-9_.-]+$")
+
+MAGIC = int.from_bytes(b"rsvRING\x00", "little")
+VERSION = 1  # a ring without a doorbell
+VERSION_DOORBELL = 2  # same layout, plus the doorbell's name in the reserved line (see ShmRing)
+HEADER_BYTES = 512  # 8 cache lines
+# Header word indices (8-byte words). Line 0 is written once at creation and then only read.
+W_MAGIC, W_VERSION, W_SLOTS, W_SLOT_SIZE, W_MAX_MESSAGE, W_CREATOR = 0, 1, 2, 3, 4, 5
+W_HEAD, W_TAIL, W_RSLEEP, W_WSLEEP, W_CLOSED = 8, 16, 24, 32, 40  # one 64-byte line each
+W_DOORBELL_LEN = 48  # line 6, written once by create: doorbell name length, then the name bytes
+DOORBELL_OFF = W_DOORBELL_LEN * 8 + 8
+DOORBELL_NAME_MAX = HEADER_BYTES - DOORBELL_OFF  # 120 bytes
+# reader_sleeping values: where the sleeping reader waits, so the writer posts the right semaphore
+SLEEP_RING, SLEEP_DOORBELL = 1, 2
+FIRST_NAP_S = 0.001  # first sleep after the flag is set: bounds the store-buffer race (see ShmRing)
+NAP_S = 0.25  # later sleeps; every publication while the flag is set posts the semaphore anyway
+
+
+def ring_name(engine_id: str, label: str) -> str:
+    """`rapidserve-<this pid>-<engine id>-<label>`: the pid lets `cleanup_stale` judge liveness."""
+    name = f"{NAME_PREFIX}{os.getpid()}-{engine_id}-{label}"
+    if not NAME_RE.match(name) or len(name) > 200:
+        raise ValueError(f"bad ring name {name!r}: use [A-Za-z0-9_.-], at most 200 characters")
+    return name
+
+
+def nap_on(sem: posix_ipc.Semaphore, timeout: float) -> bool:
+    """Sleep on `sem` up to `timeout` s; True if it was posted (surplus posts drained, so the caller
+    re-checks once). A timeout or a signal returns False: the signal's Python handler runs next."""
+    try:
+        sem.acquire(timeout)
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
+        return False
+    with contextlib.suppress(posix_ipc.BusyError, posix_ipc.SignalError):
+        while True:
+            sem.acquire(0)
+    return True

@@ -1,0 +1,311 @@
+"""Request parsing for the generation endpoints: a request body -> one validated `GenRequest`, or `APIError`.
+
+The edge, in order; each step refuses with a 4xx naming the field before any costly work is done:
+1. headers (body.py `check_headers`, called by the server first): JSON content type (415), size (413);
+2. the body (body.py `decode_body`): UTF-8 JSON, an object, nested at most MAX_DEPTH deep, decoded into
+   the endpoint's Struct (schemas.py), which checks types and static ranges;
+3. what depends on the model and the server (`_prepare`): the model name (404), unsupported features,
+   token ids below the vocabulary size, seed + n within int64, prompts x n within the server's
+   capacity (a request that could never be admitted is a 400, not a 503), and texts no longer than
+   max_model_len * CHARS_PER_TOKEN_BOUND characters, so no huge text is ever tokenized;
+4. tokenization and the chat template (`_tokenize`), off the event loop for long inputs
+   (`parse_request_async`);
+5. the context-length check and the `SamplingParams` (`_finish`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import jinja2
+
+from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError
+from rapidserve.server.body import decode_body
+from rapidserve.server.errors import APIError, bad_request, show
+from rapidserve.server.schemas import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestBody,
+)
+from rapidserve.tokenizer import Tokenizer
+
+Kind = Literal["completion", "chat", "generate"]
+CHARS_PER_TOKEN_BOUND = 64  # no token is longer: texts beyond max_model_len * this cannot fit, untokenized
+OFFLOAD_CHARS = 4096  # inputs longer than this are tokenized in a worker thread, not on the event loop
+OFFLOAD_BYTES = 256 * 1024  # bodies larger than this are decoded and checked in a worker thread
+
+
+@dataclass(frozen=True)
+class ProtocolContext:
+    """What validation needs to know about the served model."""
+
+    tokenizer: Tokenizer | None  # None: the model has no tokenizer (presets); only token-id prompts
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    vocab_size: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One validated generation request.
+
+    - prompts: token ids, one list per prompt (completions accept a batch; chat/generate have one).
+      Each prompt is generated `params.n` times; completions choice index = prompt_idx * n + i.
+    - prompt_texts: the prompt's text where it was given as text (or, with `echo`, decoded from the
+      ids); None otherwise.
+    - include_usage: whether the response carries `usage` (always for non-streaming responses;
+      for streams only with `stream_options.include_usage`).
+    - logprobs_style: which logprobs shape to answer ("completion", "chat") or None for none.
+    """
+
+    kind: Kind
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    user: str | None = None
+    logprobs_style: Literal["completion", "chat"] | None = None
+
+
+# ---------------------------------------------------------------- what depends on the model and server
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A decoded body that passed every check that needs no tokenizer."""
+
+    kind: Kind
+    model: str
+    body: RequestBody
+    n: int
+    sources: list[str | list[int]]  # completions/generate: each prompt, as text or token ids
+    messages: list[dict[str, str]] | None  # chat: the messages for the template
+    prompt_param: str
+    work: int  # characters to tokenize (or token ids to decode for echo)
+
+
+def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
+    names = ctx.served_model_names
+    if name is None:
+        if len(names) == 1:
+            return names[0]
+        raise bad_request("model", f"'model' is required; this server serves {', '.join(names)}")
+    if name not in names:
+        raise APIError(404, f"The model {show(name)} does not exist; this server serves {', '.join(names)}",
+                       param="model", code="model_not_found")
+    return name
+
+
+def _refuse_unsupported(r: RequestBody, n: int) -> None:
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        v = getattr(r, name)
+        if v is not None and v != neutral:
+            raise bad_request(name, f"'{name}' is not supported by this server: only {neutral} or null, got {v!r}")
+    if r.logit_bias:
+        raise bad_request("logit_bias", "'logit_bias' is not supported by this server: only {} or null")
+    if isinstance(r, ChatCompletionRequest):
+        if r.tools:
+            raise bad_request("tools", "'tools' (function calling) is not supported by this server")
+        if r.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice", "'tool_choice' may only be 'none', 'auto' or null on this server")
+        if r.response_format is not None and r.response_format.type != "text":
+            raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
+    if isinstance(r, CompletionRequest):
+        if r.suffix:
+            raise bad_request("suffix", "'suffix' is not supported by this server")
+        if r.best_of is not None and r.best_of != n:
+            raise bad_request("best_of", f"'best_of' is not supported by this server: only null or equal to n ({n})")
+
+
+def _check_ids(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
+    if ids and max(ids) >= ctx.vocab_size:
+        t = next(t for t in ids if t >= ctx.vocab_size)
+        raise bad_request(param, f"'{where}' holds {t}: token ids must be integers in [0, {ctx.vocab_size})")
+
+
+def _check_prompt_tokens(n_tokens: int, where: str, param: str, ctx: ProtocolContext) -> None:
+    if n_tokens >= ctx.max_model_len:
+        raise bad_request(param, f"This model's maximum context length is {ctx.max_model_len} tokens, but '{where}' "
+                                 f"has {n_tokens} tokens (it must leave room for at least one generated token)",
+                          code="context_length_exceeded")
+
+
+def _check_text_size(chars: int, where: str, param: str, ctx: ProtocolContext) -> None:
+    limit = ctx.max_model_len * CHARS_PER_TOKEN_BOUND
+    if chars > limit:
+        raise bad_request(param, f"This model's maximum context length is {ctx.max_model_len} tokens, but '{where}' "
+                                 f"has {chars} characters: more than {limit} characters cannot fit",
+                          code="context_length_exceeded")
+
+
+def _prompt_sources(r: CompletionRequest | GenerateRequest) -> list[tuple[str, str | list[int]]]:
+    """Each prompt, as text or token ids, with its name in error messages ("prompt" or "prompt[i]")."""
+    p = r.prompt
+    if isinstance(p, str) or all(isinstance(t, int) for t in p):
+        return [("prompt", p)]  # type: ignore[list-item]
+    if all(isinstance(t, str) for t in p) or all(isinstance(t, list) for t in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad_request("prompt", f"'prompt' holds {len(p)} prompts: at most {MAX_PROMPTS} per request")
+        return [(f"prompt[{i}]", s) for i, s in enumerate(p)]  # type: ignore[misc]
+    raise bad_request("prompt", "'prompt' must be a string, a list of token ids, a list of strings or a list of "
+                                "lists of token ids (not a mix)")
+
+
+def _chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(r.messages):
+        if m.content is None and m.role != "assistant":
+            raise bad_request("messages", f"'messages[{i}].content' must be a string or a list of text parts "
+                                          "(null only for the assistant)")
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
+
+
+def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None) -> _Plan:
+    r = decode_body(kind, body)
+    model = _resolve_model(r.model, ctx)
+    n = r.n or 1
+    _refuse_unsupported(r, n)
+    if r.seed is not None and r.seed + n - 1 > SEED_MAX:
+        raise bad_request("seed", f"'seed' + n - 1 must fit in a 64-bit signed integer (sample j of n uses seed + j):"
+                                  f" with n={n}, 'seed' may be at most {SEED_MAX - n + 1}")
+    if r.stop_token_ids:
+        _check_ids(r.stop_token_ids, "stop_token_ids", "stop_token_ids", ctx)
+    if r.stop is not None and r.stop != [] and ctx.tokenizer is None:
+        raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
+    if r.stream_options is not None and not r.stream:
+        raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    messages = None
+    if isinstance(r, ChatCompletionRequest):
+        sources: list[str | list[int]] = []
+        messages = _chat_messages(r)
+        work = sum(len(m["content"]) for m in messages)
+        _check_text_size(work, "messages", "messages", ctx)
+        if ctx.tokenizer is None:
+            raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
+                                          "token ids")
+        param = "messages"
+    else:
+        named, param, work = _prompt_sources(r), "prompt", 0
+        for where, s in named:
+            if isinstance(s, str):
+                _check_text_size(len(s), where, param, ctx)
+                if ctx.tokenizer is None:
+                    raise bad_request(param, f"this model has no tokenizer: send '{where}' as a list of token ids")
+                work += len(s)
+            else:
+                _check_prompt_tokens(len(s), where, param, ctx)
+                _check_ids(s, where, param, ctx)
+                work += len(s) if getattr(r, "echo", False) else 0
+        sources = [s for _, s in named]
+    choices = max(1, len(sources)) * n
+    if max_choices is not None and choices > max_choices:
+        param = param if len(sources) > max_choices else "n"
+        raise bad_request(param, f"this request asks for {choices} sequences ({max(1, len(sources))} prompt(s) x "
+                                 f"n={n}), more than this server can ever hold at once ({max_choices} "
+                                 f"sequences: max_num_seqs + max_waiting): send at most {max_choices} per request")
+    return _Plan(kind, model, r, n, sources, messages, param, work)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- tokenization and the sampling params
+
+
+def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts' token ids and texts (echo: decoded from the ids). Slow for long inputs: run off the loop."""
+    tok = ctx.tokenizer
+    if plan.messages is not None:
+        assert tok is not None
+        try:
+            return [tok.apply_chat_template(plan.messages)], [None]
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise bad_request("messages", f"the chat template rejected 'messages': {str(e)[:200]}") from None
+    prompts = [tok.encode(s) if isinstance(s, str) else s for s in plan.sources]  # type: ignore[union-attr]
+    texts = [s if isinstance(s, str) else None for s in plan.sources]
+    if getattr(plan.body, "echo", False) and tok is not None:
+        texts = [t if t is not None else tok.decode(p) for t, p in zip(texts, prompts, strict=True)]
+    return prompts, texts
+
+
+def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx: ProtocolContext) -> GenRequest:
+    r = plan.body
+    for i, p in enumerate(prompts):
+        _check_prompt_tokens(len(p), plan.prompt_param if len(prompts) == 1 else f"{plan.prompt_param}[{i}]",
+                             plan.prompt_param, ctx)
+    max_name, requested = "max_tokens", r.max_tokens
+    logprobs: int | None = None
+    style: Literal["completion", "chat"] | None = None
+    if isinstance(r, ChatCompletionRequest):
+        if r.max_completion_tokens is not None:
+            max_name, requested = "max_completion_tokens", r.max_completion_tokens
+        if r.logprobs:
+            logprobs, style = r.top_logprobs or 0, "chat"
+        elif r.top_logprobs is not None:
+            raise bad_request("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    elif isinstance(r, CompletionRequest):
+        logprobs = r.logprobs
+        style = "completion" if logprobs is not None else None
+        if r.echo and logprobs is not None:
+            raise bad_request("echo", "'echo' with 'logprobs' would need prompt logprobs, which this server does not "
+                                      "compute")
+    elif isinstance(r, GenerateRequest) and requested is None and r.max_new_tokens is not None:
+        max_name, requested = "max_new_tokens", r.max_new_tokens
+    longest = max(len(p) for p in prompts)
+    room = ctx.max_model_len - longest
+    if requested is None:
+        max_tokens = max(1, min(ctx.default_max_tokens, room))
+    elif requested > room:
+        raise bad_request(max_name, f"'{max_name}'={requested} plus the prompt's {longest} tokens is more than this "
+                                    f"model's maximum context length of {ctx.max_model_len} tokens: ask for at most "
+                                    f"{room}", code="context_length_exceeded")
+    else:
+        max_tokens = requested
+    stop = () if r.stop is None else (r.stop,) if isinstance(r.stop, str) else tuple(r.stop)
+    try:
+        params = SamplingParams(
+            n=plan.n, temperature=1.0 if r.temperature is None else r.temperature,
+            top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
+            min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
+            stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
+            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+    except SamplingParamsError as e:
+        m = re.match(r"(\w+)=", str(e))
+        raise bad_request(m.group(1) if m else None, str(e)) from None
+    include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
+    return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
+                      stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
+                      user=r.user, logprobs_style=style)
+
+
+def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:
+    """Validate the JSON `body` of a request to the `kind` endpoint; raise `APIError` if it is invalid.
+
+    `max_choices`: the most prompts x n the server can ever hold (None: no bound). Tokenizes on the
+    calling thread; a server calls `parse_request_async`."""
+    plan = _prepare(kind, body, ctx, max_choices)
+    return _finish(plan, *_tokenize(plan, ctx), ctx)
+
+
+async def parse_request_async(kind: str, body: bytes, ctx: ProtocolContext,
+                              max_choices: int | None = None) -> GenRequest:
+    """As `parse_request`, with large bodies decoded and long inputs tokenized in the loop's executor, so
+    the event loop never waits on them."""
+    loop = asyncio.get_running_loop()
+    if len(body) > OFFLOAD_BYTES:
+        plan = await loop.run_in_executor(None, _prepare, kind, body, ctx, max_choices)
+    else:
+        plan = _prepare(kind, body, ctx, max_choices)
+    if plan.work > OFFLOAD_CHARS:
+        prompts, texts = await loop.run_in_executor(None, _tokenize, plan, ctx)
+    else:
+        prompts, texts = _tokenize(plan, ctx)
+    return _finish(plan, prompts, texts, ctx)

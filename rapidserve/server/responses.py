@@ -1,0 +1,158 @@
+"""OpenAI-compatible response shaping: the answers of the generation endpoints, as plain dicts.
+
+Choices: `completion_choice` (completions and their chunks), `chat_choice`, `chat_chunk_choice`.
+Envelopes: `*_response` (usage required) and `*_chunk` (`usage` only in the last event, choices=[]).
+`final_response` / `stream_chunk` / `usage_chunk` build a whole answer of a `GenRequest` by its kind;
+the logprobs builders (detokenizer.py) turn the engine's `TokenOut`s into the completions or chat
+logprobs shape. Errors are answered by `errors.APIError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from rapidserve.engine.messages import TokenOut
+from rapidserve.server.detokenizer import TopLogprobs, chat_logprobs, completion_logprobs
+from rapidserve.server.requests import GenRequest
+from rapidserve.tokenizer import Tokenizer
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason as OpenAI's: None while running, "length", otherwise "stop"."""
+    return None if reason is None else "length" if reason == "length" else "stop"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _envelope(obj: str, req_id: str, created: int, model: str, choices: list[dict[str, Any]],
+              usage: dict[str, int] | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": req_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        d["usage"] = usage
+    return d
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                        usage: dict[str, int]) -> dict[str, Any]:
+    return _envelope("text_completion", req_id, created, model, choices, usage)
+
+
+def completion_chunk(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage: dict[str, int] | None = None) -> dict[str, Any]:
+    return _envelope("text_completion", req_id, created, model, choices, usage)
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_response(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                  usage: dict[str, int]) -> dict[str, Any]:
+    return _envelope("chat.completion", req_id, created, model, choices, usage)
+
+
+def chat_chunk_choice(index: int, content: str | None = None, finish_reason: str | None = None,
+                      logprobs: dict[str, Any] | None = None, role: str | None = None) -> dict[str, Any]:
+    """One choice of a chat chunk: the first has role="assistant", content=""; the last an empty delta."""
+    delta = {k: v for k, v in (("role", role), ("content", content)) if v is not None}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage: dict[str, int] | None = None) -> dict[str, Any]:
+    return _envelope("chat.completion.chunk", req_id, created, model, choices, usage)
+
+
+def chat_role_chunk(req_id: str, created: int, model: str, index: int) -> dict[str, Any]:
+    """The first chat chunk of choice `index`: delta {"role": "assistant", "content": ""}."""
+    return chat_chunk(req_id, created, model, [chat_chunk_choice(index, "", role="assistant")])
+
+
+def generate_response(text: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """/generate's answer (SGLang's shape) {"text", "meta_info"}; streams send one per delta."""
+    return {"text": text, "meta_info": dict(meta)}
+
+
+# ---------------------------------------------------------------- whole responses of a GenRequest
+
+
+class ChoiceLike(Protocol):
+    """What `final_response` reads of one generated choice (the app's per-choice record)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    finish_reason: str | None
+
+
+def _logprobs_for(req: GenRequest, tokenizer: Tokenizer | None, ids: Sequence[int], lps: Sequence[float | None],
+                  tops: Sequence[TopLogprobs], text_offset: int) -> dict[str, Any] | None:
+    if tokenizer is None or req.logprobs_style is None:
+        return None
+    if req.logprobs_style == "chat":
+        return chat_logprobs(tokenizer, ids, lps, tops)
+    return completion_logprobs(tokenizer, ids, lps, tops, text_offset)
+
+
+def _echo(req: GenRequest, index: int) -> str:
+    return (req.prompt_texts[index // req.params.n] or "") if req.echo else ""
+
+
+def final_response(req: GenRequest, req_id: str, created: int, model: str, choices: Sequence[ChoiceLike],
+                   usage: dict[str, int], tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The non-streaming answer to `req`, by its kind (choices sorted by index; echo prepended)."""
+    if req.kind == "generate":
+        c = choices[0]
+        return generate_response(c.text, {"id": req_id, "finish_reason": openai_finish_reason(c.finish_reason),
+                                          **usage})
+    out = []
+    for c in sorted(choices, key=lambda c: c.index):
+        fr = openai_finish_reason(c.finish_reason)
+        echo = _echo(req, c.index)
+        lp = _logprobs_for(req, tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
+        out.append(chat_choice(c.index, c.text, fr, lp) if req.kind == "chat"
+                   else completion_choice(c.index, echo + c.text, fr, lp))
+        if tokenizer is None:  # token-id-only serving: the output as ids (text is empty)
+            out[-1]["token_ids"] = list(c.token_ids)
+    build = chat_response if req.kind == "chat" else completion_response
+    return build(req_id, created, model, out, usage)
+
+
+def stream_chunk(req: GenRequest, req_id: str, created: int, model: str, index: int, delta: str, tok: TokenOut,
+                 finish_reason: str | None, tokenizer: Tokenizer | None, text_offset: int = 0) -> dict[str, Any]:
+    """One streamed event for the token `tok` of choice `index`: `delta` is its new text.
+
+    Completions with echo get the prompt text before the first token's text. `text_offset` is the
+    length of the choice's text sent before this event (for completions' logprobs.text_offset)."""
+    fr = openai_finish_reason(finish_reason)
+    if req.kind == "generate":
+        return generate_response(delta, {"id": req_id, "finish_reason": fr})
+    lp = _logprobs_for(req, tokenizer, [tok.token_id], [tok.logprob], [tok.top_logprobs], text_offset)
+    if req.kind == "chat":
+        return chat_chunk(req_id, created, model, [chat_chunk_choice(index, delta, fr, lp)])
+    if tok.index == 0 and req.echo:
+        delta = _echo(req, index) + delta
+    choice = completion_choice(index, delta, fr, lp)
+    if tokenizer is None:  # token-id-only serving: each event carries its token id (text is empty)
+        choice["token_ids"] = [tok.token_id]
+    return completion_chunk(req_id, created, model, [choice])
+
+
+def usage_chunk(req: GenRequest, req_id: str, created: int, model: str, usage: dict[str, int]) -> dict[str, Any]:
+    """The last streamed event when usage was asked for: no choices, only `usage`."""
+    if req.kind == "generate":
+        return generate_response("", {"id": req_id, **usage})
+    return (chat_chunk if req.kind == "chat" else completion_chunk)(req_id, created, model, [], usage)

@@ -1,0 +1,161 @@
+"""The request bodies of the generation endpoints, declared once as msgspec Structs.
+
+`CompletionRequest` (POST /v1/completions), `ChatCompletionRequest` (POST /v1/chat/completions) and
+`GenerateRequest` (POST /generate) are what a body is decoded into (`requests.decode_body`) and what
+/openapi.json describes (`openapi.py`). The constraints here are the static ones: types, and ranges
+that bound every value the engine will encode (int64 seeds, bounded counts and lengths); what
+depends on the served model (vocabulary size, context length, capacity) is checked in requests.py.
+Unknown fields are ignored, as OpenAI and vLLM do. Each field's `description` says what is allowed;
+validation errors quote it.
+"""
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rapidserve.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN
+
+MAX_N = 16  # samples per prompt
+MAX_TEMPERATURE = 2.0
+MAX_PROMPTS = 1024  # prompts in one completions request (also bounded by the server's capacity)
+MAX_MESSAGES = 1024
+MAX_STOP_CHARS = 1024  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256
+CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
+
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # and below the model's vocabulary size (checked per model)
+TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
+Text = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """Options of a streamed answer (only with `stream: true`)."""
+
+    include_usage: bool | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content: only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    """One chat message; `content` may be null only for the assistant; `developer` is read as `system`."""
+
+    role: Role
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """Only `{"type": "text"}` is supported."""
+
+    type: str
+
+
+# A field's description (what its error messages quote as "'field' is ...") sits on its non-null type.
+MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX, description="the most tokens to generate: an integer >= 1 that, "
+                                "with the prompt, fits in the context (default: what is left, at most the server's "
+                                "--default-max-tokens)")]
+Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)], Meta(
+    description=f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS}"
+                " such strings")]
+NotSupported = "not supported by this server: only {} or null"
+MessagesHelp = (f"a non-empty list of at most {MAX_MESSAGES} messages {{\"role\": one of {', '.join(CHAT_ROLES)}; "
+                "\"content\": a string or a list of {\"type\": \"text\", \"text\": string}}")
+
+
+class _SamplingRequest(msgspec.Struct, kw_only=True):
+    """The fields every generation endpoint takes (vLLM's names and defaults; null = the default)."""
+
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE, description=f"a number in [0, {MAX_TEMPERATURE:g}]"
+                                       " (0 = greedy; default 1)")] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0, description="a number in (0, 1] (1 = off)")] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX, description=f"-1, 0 (both off) or an integer in [1, {INT32_MAX}] "
+                               "(values of at least the vocabulary size are off too)")] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0, description="a number in [0, 1] (0 = off)")] | None = None
+    seed: Annotated[int, Meta(ge=SEED_MIN, le=SEED_MAX, description="a 64-bit signed integer; sample j of n uses "
+                              "seed + j, which must fit as well")] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS, description=f"a list of at most "
+                                                  f"{MAX_STOP_TOKEN_IDS} token ids")] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX, description="an integer >= 0, at most max_tokens")] \
+        | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Meta(description=NotSupported.format("0"))] | None = None
+    frequency_penalty: Annotated[float, Meta(description=NotSupported.format("0"))] | None = None
+    repetition_penalty: Annotated[float, Meta(description=NotSupported.format("1"))] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(description=NotSupported.format("{}"))] | None = None
+
+
+N = Annotated[int, Meta(ge=1, le=MAX_N, description=f"the samples per prompt: an integer in [1, {MAX_N}]")]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")]
+PromptItem = Text | TokenId | TokenIds  # decoded as one list, then checked not to mix (msgspec's unions hold one list)
+
+
+def prompt_json_schema() -> dict[str, Any]:
+    """The shapes `CompletionRequest.prompt` accepts, exactly (msgspec's schema of it allows mixed lists)."""
+    token_id = {"type": "integer", "minimum": 0, "maximum": INT32_MAX}
+    batch = {"minItems": 1, "maxItems": MAX_PROMPTS}
+    return {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": token_id, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, **batch},
+        {"type": "array", "items": {"type": "array", "items": token_id, "minItems": 1}, **batch}]}
+
+
+class CompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/completions."""
+
+    prompt: Annotated[Text | Annotated[list[PromptItem], Meta(min_length=1)], Meta(  # batch size: requests.py
+        description=f"a non-empty string, a list of token ids, or a batch of at most {MAX_PROMPTS} strings or of at "
+                    f"most {MAX_PROMPTS} lists of token ids (not a mix)")]
+    n: N | None = None
+    logprobs: Logprobs | None = None
+    echo: bool | None = None
+    best_of: Annotated[int, Meta(description="not supported by this server: only null or equal to n")] | None = None
+    suffix: Annotated[str, Meta(description=NotSupported.format('""'))] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES, description=MessagesHelp)]
+    n: N | None = None
+    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
+    tools: Annotated[list[msgspec.Raw], Meta(description=NotSupported.format("[]"))] | None = None
+    tool_choice: Annotated[str | dict[str, msgspec.Raw], Meta(description="only \"none\", \"auto\" or null on "
+                                                                         "this server")] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class GenerateRequest(_SamplingRequest, kw_only=True):
+    """POST /generate (the plain native shape): one prompt, one sample."""
+
+    prompt: Annotated[Text | TokenIds, Meta(description="a non-empty string or a non-empty list of token ids")]
+    n: Annotated[int, Meta(ge=1, le=1, description="1 or null: /generate makes one sample")] | None = None
+    max_new_tokens: MaxTokens | None = None  # used when max_tokens is null
+
+
+RequestBody = CompletionRequest | ChatCompletionRequest | GenerateRequest
+
+
+def body_type(kind: str) -> type[RequestBody]:
+    """The body Struct of the `kind` endpoint ("completion", "chat" or "generate")."""
+    types: dict[str, type[RequestBody]] = {
+        "completion": CompletionRequest, "chat": ChatCompletionRequest, "generate": GenerateRequest}
+    if kind not in types:
+        raise ValueError(f"kind={kind!r} must be one of {', '.join(types)}")
+    return types[kind]

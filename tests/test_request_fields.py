@@ -1,0 +1,147 @@
+"""Every SamplingParams field and request option through every engine path, on CPU.
+
+Paths: the RAPID two-process engine and the hybrid engine, each behind a real `rapidserve serve`
+(embedded SmolLM2), and the single-process `LLM`. One case per field per path, so a field can never
+again work in one path and crash another (min_tokens once killed the RAPID prefill worker). After
+each case the server must still be healthy with the same worker processes: a request never kills a
+worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from rapidserve import LLM, SamplingParams
+from tests.test_server import Srv, http, start, stop
+
+QUESTION = "Name three colours."
+Check = Callable[[list[dict[str, Any]]], None]
+
+
+def _ntok(c: dict[str, Any]) -> int:
+    return int(c["_completion_tokens"])
+
+
+@dataclass(frozen=True)
+class Case:
+    """One field (or request option) with a non-default value and what must hold of the choices."""
+
+    name: str
+    fields: dict[str, Any]
+    check: Check = lambda cs: None
+    llm: bool = True  # a SamplingParams field (also run through LLM), not only an HTTP option
+    extra: dict[str, Any] = field(default_factory=dict)  # HTTP-only additions (e.g. stream)
+
+
+def _all(pred: Callable[[dict[str, Any]], bool], what: str) -> Check:
+    def check(cs: list[dict[str, Any]]) -> None:
+        assert cs and all(pred(c) for c in cs), f"{what}: {cs}"
+    return check
+
+
+CASES = [
+    Case("n", {"n": 2, "temperature": 1.0, "seed": 5}, lambda cs: _len(cs, 2)),
+    Case("temperature", {"temperature": 0.7, "seed": 1}),
+    Case("top_p", {"temperature": 1.0, "top_p": 0.5, "seed": 2}),
+    Case("top_k", {"temperature": 1.0, "top_k": 5, "seed": 3}),
+    Case("top_k_off", {"temperature": 1.0, "top_k": -1, "seed": 3}),
+    Case("top_k_beyond_vocab", {"temperature": 1.0, "top_k": 2**31 - 1, "seed": 3}),
+    Case("min_p", {"temperature": 1.0, "min_p": 0.2, "seed": 4}),
+    Case("seed", {"temperature": 1.0, "seed": 2**63 - 1}),
+    Case("max_tokens", {"max_tokens": 3, "ignore_eos": True},
+         _all(lambda c: _ntok(c) == 3 and c["finish_reason"] == "length", "3 tokens, length")),
+    Case("min_tokens", {"min_tokens": 6, "max_tokens": 8}, _all(lambda c: _ntok(c) >= 6, ">= 6 tokens")),
+    Case("min_tokens_with_stop_ids", {"min_tokens": 4, "max_tokens": 6, "stop_token_ids": [2]},
+         _all(lambda c: _ntok(c) >= 4, ">= 4 tokens")),
+    Case("stop_token_ids", {"stop_token_ids": [2, 13]}),
+    Case("stop", {"stop": [",", "\n"], "max_tokens": 24}, _all(lambda c: "," not in c["_text"], "no ','")),
+    Case("ignore_eos", {"ignore_eos": True, "max_tokens": 12}, _all(lambda c: _ntok(c) == 12, "12 tokens")),
+    Case("logprobs", {"logprobs": 3}, _all(lambda c: c["logprobs"] is not None, "logprobs present")),
+    Case("logprobs_0", {"logprobs": 0}, _all(lambda c: c["logprobs"] is not None, "logprobs present")),
+    Case("skip_special_tokens", {"skip_special_tokens": False}),
+    # request options: HTTP only
+    Case("stream", {}, llm=False, extra={"stream": True}),
+    Case("stream_usage", {}, llm=False, extra={"stream": True, "stream_options": {"include_usage": True}}),
+    Case("stream_n_logprobs", {"n": 2, "logprobs": 2, "temperature": 1.0, "seed": 9}, lambda cs: _len(cs, 2),
+         llm=False, extra={"stream": True}),
+    Case("echo", {}, _all(lambda c: c["_text"].startswith(QUESTION), "echoed prompt"), llm=False,
+         extra={"echo": True}),
+    Case("user", {}, llm=False, extra={"user": "someone"}),
+    Case("stream_min_tokens", {"min_tokens": 5, "max_tokens": 7}, _all(lambda c: _ntok(c) >= 5, ">= 5 tokens"),
+         llm=False, extra={"stream": True}),
+]
+
+
+def _len(cs: list[dict[str, Any]], n: int) -> None:
+    assert len(cs) == n, cs
+
+
+# ---------------------------------------------------------------- HTTP paths (rapid, hybrid)
+
+
+@pytest.fixture(scope="module", params=["rapid", "hybrid"])
+def server(request: pytest.FixtureRequest) -> Iterator[Srv]:
+    s = start("--mode", request.param)
+    yield s
+    assert stop(s) == 0
+
+
+def _completion(s: Srv, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """POST /v1/completions; the choices, each with `_text` and `_completion_tokens` (streams joined)."""
+    status, _, raw = http(s.url + "/v1/completions", "POST", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    assert status == 200, raw
+    if not body.get("stream"):
+        r = json.loads(raw)
+        out = r["choices"]
+        for c in out:  # token counts per choice: from the usage when there is one choice
+            c["_text"] = c["text"]
+            c["_completion_tokens"] = r["usage"]["completion_tokens"] if len(out) == 1 else None
+        return out
+    events = [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", raw[-300:]
+    choices: dict[int, dict[str, Any]] = {}
+    for e in events[:-1]:
+        d = json.loads(e)
+        assert "error" not in d, d
+        for c in d["choices"]:
+            cur = choices.setdefault(c["index"], {"_text": "", "_completion_tokens": 0, "finish_reason": None,
+                                                  "logprobs": None})
+            cur["_text"] += c["text"]
+            cur["_completion_tokens"] += 1
+            cur["finish_reason"] = c["finish_reason"] or cur["finish_reason"]
+            cur["logprobs"] = c.get("logprobs") or cur["logprobs"]
+    return [choices[i] for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_field_through_server(server: Srv, case: Case) -> None:
+    before = http(server.url + "/health")
+    assert before[0] == 200
+    body = {"prompt": QUESTION, "max_tokens": 8, "temperature": 0, **case.fields, **case.extra}
+    case.check(_completion(server, body))
+    status, _, _ = http(server.url + "/health")
+    assert status == 200  # no worker died of it
+
+
+# ---------------------------------------------------------------- single-process LLM
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(show_progress=False, max_model_len=1024)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.llm], ids=lambda c: c.name)
+def test_field_through_llm(llm: LLM, case: Case) -> None:
+    fields = {"max_tokens": 8, "temperature": 0, **case.fields}
+    params = SamplingParams(**fields)
+    outs = llm.generate([QUESTION], params, use_tqdm=False)
+    choices = [{"_text": c.text, "_completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                "logprobs": c.logprobs} for c in outs[0].outputs]
+    case.check(choices)

@@ -1,0 +1,130 @@
+"""Security defaults: loopback bind, the API key (flag, file, environment; constant-time check; every
+route but /health and /openapi.json, /metrics unless --metrics-public), and the warning when the
+server listens beyond loopback without a key."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from rapidserve.cli import API_KEY_ENV, api_key, build_parser
+from rapidserve.config import ConfigError, ServerConfig
+from rapidserve.server import app as app_module
+from rapidserve.server.serve import is_loopback, warn_if_exposed
+from tests.server_fakes import FakeEngine, running_server
+
+
+def serve_args(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_binds_loopback_by_default() -> None:
+    assert serve_args().host == "127.0.0.1"
+    assert ServerConfig().host == "127.0.0.1"
+
+
+def test_api_key_from_flag_file_or_environment(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\nignored second line\n")
+    env = {API_KEY_ENV: " from-env \n"}
+    assert api_key(serve_args("--api-key", "from-flag"), env) == "from-flag"
+    assert api_key(serve_args("--api-key-file", str(key_file)), env) == "from-file"
+    assert api_key(serve_args(), env) == "from-env"
+    assert api_key(serve_args(), {}) is None
+    assert api_key(serve_args(), {API_KEY_ENV: ""}) is None  # an empty variable (optional Secret): no key
+
+
+@pytest.mark.parametrize("content", [None, "", "\n  \n"])
+def test_missing_or_empty_key_file_is_a_clear_error(tmp_path: Path, content: str | None) -> None:
+    path = tmp_path / "key"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match="--api-key-file") as e:
+        api_key(serve_args("--api-key-file", str(path)), {})
+    assert str(path) in str(e.value)
+
+
+def test_unreadable_key_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        api_key(serve_args("--api-key-file", str(tmp_path)), {})  # a folder
+
+
+def test_key_flag_and_key_file_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        serve_args("--api-key", "a", "--api-key-file", "b")
+    assert e.value.code == 2 and "--api-key-file" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_missing_key_file_with_exit_2(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-key"
+    r = subprocess.run([sys.executable, "-m", "rapidserve.cli", "serve", "--device", "cpu", "--api-key-file",
+                        str(missing)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and str(missing) in r.stderr and "--api-key-file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+                                           ("localhost", True), ("0.0.0.0", False), ("::", False),
+                                           ("10.1.2.3", False), ("my-host.example", False)])
+def test_is_loopback(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_warns_when_listening_beyond_loopback_without_a_key(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="rapidserve.server"):
+        assert warn_if_exposed(ServerConfig(host="0.0.0.0"))
+    assert any(r.levelno == logging.WARNING and "NO API KEY" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    assert not warn_if_exposed(ServerConfig(host="0.0.0.0", api_key="k"))
+    assert not warn_if_exposed(ServerConfig(host="127.0.0.1"))
+    assert not caplog.records
+
+
+ROUTES = [("GET", "/health"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("GET", "/v1/models"),
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate")]
+
+
+async def statuses(metrics_public: bool, headers: dict[str, str]) -> dict[str, int]:
+    async with running_server(FakeEngine(), api_key="s3cret", metrics_public=metrics_public) as (_, url), \
+            aiohttp.ClientSession(headers=headers) as s:
+        out = {}
+        for method, path in ROUTES:
+            body = {"prompt": [1, 2], "max_tokens": 2} if method == "POST" else None
+            async with s.request(method, url + path, json=body) as r:
+                out[path] = r.status
+                if r.status == 401:
+                    err = (await r.json())["error"]
+                    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+        return out
+
+
+def test_key_is_required_everywhere_but_health_and_openapi() -> None:
+    public = {"/health", "/openapi.json"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                    {"Authorization": "Bearer s3cret-and-more"}):
+        got = asyncio.run(statuses(False, headers))
+        assert {p for p, code in got.items() if code != 401} == public, (headers, got)
+    got = asyncio.run(statuses(True, {}))
+    assert {p for p, code in got.items() if code != 401} == public | {"/metrics"}
+    got = asyncio.run(statuses(False, {"Authorization": "Bearer s3cret"}))
+    assert all(code != 401 for code in got.values()), got
+    assert got["/v1/completions"] == got["/v1/models"] == got["/metrics"] == 200  # (chat: 400, no tokenizer)
+
+
+def test_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[bytes, bytes]] = []
+    real = app_module.hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    got = asyncio.run(statuses(False, {"Authorization": "Bearer nope"}))
+    assert got["/v1/models"] == 401 and (b"nope", b"s3cret") in calls

@@ -1,0 +1,172 @@
+"""Engine supervision on CPU (a tiny preset, so a restart takes ~2 s): deaths and hangs are noticed,
+in-flight requests fail at once, the workers come back within a windowed restart budget, past it the
+engine gives up (`fatal`), and nothing is left in /dev/shm (no `sem.mp-*` either)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from rapidserve import SamplingParams
+from rapidserve.config import ConfigError, LaunchConfig
+from rapidserve.engine.client import AsyncEngine, EngineError, check_prompt, describe_exit
+from rapidserve.llm import build_engine_config
+
+
+def config(**launch: object) -> object:
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=512,
+                                 max_model_len=8192)
+    return dataclasses.replace(cfg, launch=LaunchConfig(mps="off", **launch))  # type: ignore[arg-type]
+
+
+def mp_semaphores() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("sem.mp-")}
+
+
+LONG = 8000  # tokens: a request still running when its worker is killed
+
+
+async def collect(engine: AsyncEngine, rid: str, n: int, started: asyncio.Event | None = None) -> int:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    count = 0
+    async for _ in engine.generate(rid, [1, 2, 3, 4], params):
+        count += 1
+        if started is not None:
+            started.set()
+    return count
+
+
+async def start_long(engine: AsyncEngine, rid: str) -> asyncio.Task[int]:
+    """A long request, returned once its first token has arrived."""
+    started = asyncio.Event()
+    task = asyncio.create_task(collect(engine, rid, LONG, started))
+    await asyncio.wait_for(started.wait(), 30)
+    return task
+
+
+async def wait_for(pred: object, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not pred() and time.monotonic() - t0 < timeout:  # type: ignore[operator]
+        await asyncio.sleep(0.02)
+    assert pred(), f"not within {timeout} s"  # type: ignore[operator]
+    return time.monotonic() - t0
+
+
+def test_ten_deaths_in_a_row_each_recovered() -> None:
+    async def main() -> None:
+        before = mp_semaphores()
+        engine = await AsyncEngine.start(config(max_restarts=10, restart_window_s=600))  # type: ignore[arg-type]
+        try:
+            for i in range(10):
+                victim = ("decode", "prefill")[i % 2]
+                task = await start_long(engine, f"r{i}")
+                os.kill(engine.workers.procs[victim].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+                t0 = time.monotonic()
+                with pytest.raises(EngineError, match=f"the {victim} worker died \\(killed by SIGKILL"):
+                    await asyncio.wait_for(task, 5.0)
+                assert time.monotonic() - t0 < 2.0
+                assert engine.state in ("restarting", "ready")
+                await wait_for(lambda: engine.state == "ready", 60)
+                assert await collect(engine, f"after{i}", 3) == 3
+            assert engine.restarts_total == 10 and engine.deaths_total == 10 and not engine.fatal.is_set()
+            assert sum("workers restarted in" in e for e in engine.events) == 10
+        finally:
+            await engine.shutdown()
+        assert mp_semaphores() <= before  # the start-up hand-off leaves no named semaphore behind
+
+    asyncio.run(main())
+
+
+def test_restart_budget_per_window_then_gives_up() -> None:
+    async def main() -> None:
+        engine = await AsyncEngine.start(config(max_restarts=2, restart_window_s=600))  # type: ignore[arg-type]
+        try:
+            for _ in range(2):
+                os.kill(engine.workers.procs["decode"].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+                await wait_for(lambda: engine.state != "ready", 3)
+                await wait_for(lambda: engine.state == "ready", 60)
+            os.kill(engine.workers.procs["prefill"].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+            await asyncio.wait_for(engine.fatal.wait(), 10)
+            assert engine.state == "down" and not engine.running and engine.restarts_total == 2
+            assert engine.dead_reason is not None and "restart budget used up (2 in 600 s)" in engine.dead_reason
+            with pytest.raises(EngineError, match="not running \\(down\\)"):
+                await collect(engine, "refused", 2)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_restart_budget_window_slides() -> None:
+    async def main() -> None:
+        engine = await AsyncEngine.start(config(max_restarts=1, restart_window_s=3))  # type: ignore[arg-type]
+        try:
+            for _ in range(2):  # one restart per window: the second comes after the first left the window
+                os.kill(engine.workers.procs["decode"].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+                await wait_for(lambda: engine.state != "ready", 3)
+                await wait_for(lambda: engine.state == "ready", 60)
+                await asyncio.sleep(3.2)
+            assert engine.restarts_total == 2 and not engine.fatal.is_set()
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("victim", ["decode", "prefill"])
+def test_stopped_worker_is_detected_within_the_heartbeat_bound(victim: str) -> None:
+    async def main() -> None:
+        engine = await AsyncEngine.start(config(heartbeat_timeout_s=3.0))  # type: ignore[arg-type]
+        try:
+            task = await start_long(engine, "stalled")
+            pid = engine.workers.procs[victim].pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            took = await wait_for(lambda: engine.state != "ready", 6)
+            assert took <= 3.0 + 0.6  # the bound, plus the collector's 0.2-s tick and slack
+            with pytest.raises(EngineError, match=f"the {victim} worker stopped responding"):
+                await asyncio.wait_for(task, 2.0)
+            await wait_for(lambda: engine.state == "ready", 60)
+            assert await collect(engine, "after", 3) == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_idle_workers_are_not_taken_as_hung() -> None:
+    async def main() -> None:
+        engine = await AsyncEngine.start(config(heartbeat_timeout_s=2.5))  # type: ignore[arg-type]
+        try:
+            await asyncio.sleep(4.0)  # idle longer than the bound: heartbeats keep coming
+            assert engine.state == "ready" and engine.deaths_total == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_bound_must_exceed_the_stats_interval() -> None:
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        LaunchConfig(heartbeat_timeout_s=1.0, stats_interval_s=0.25)
+    with pytest.raises(ConfigError, match="max_restarts"):
+        LaunchConfig(max_restarts=-1)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([], "empty"), ([1, 2, 10**9], "token ids must be integers in"), ([1] * 256, "context window"),
+    ([1, -1], "token ids"),
+])
+def test_prompts_the_engine_cannot_serve_are_refused(prompt: list[int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_prompt(prompt, vocab_size=1000, max_model_len=256)
+
+
+@pytest.mark.parametrize("code, text", [(None, "no exit code"), (1, "exit code 1"), (-9, "killed by SIGKILL"),
+                                        (-15, "killed by SIGTERM"), (-200, "killed by signal 200")])
+def test_describe_exit(code: int | None, text: str) -> None:
+    assert describe_exit(code) == text

@@ -1,0 +1,253 @@
+"""A request never kills a worker: an exception while handling one request fails that request (with
+its error) and the worker goes on serving the rest.
+
+The real decode, prefill and hybrid worker classes run in this process on a real ModelRunner (a tiny
+preset on CPU) with their channels replaced by lists; a fault is injected into the runner for one
+"poisoned" request (its seed), as a bad parameter reaching the device code would raise.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+from rapidserve.config_builder import build_engine_config
+from rapidserve.engine import messages as m
+from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.faults import is_fatal
+from rapidserve.engine.hybrid_worker import HybridWorker
+from rapidserve.engine.prefill_worker import PrefillWorker
+from rapidserve.loader import resolve_model
+from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.runner import ModelRunner
+from rapidserve.sampling_params import SamplingParams
+
+POISON = 666  # the seed of the request whose sampling raises
+
+
+class _Out:
+    def __init__(self, box: list[Any]) -> None:
+        self.box = box
+
+    def send(self, msg: Any) -> None:
+        self.box.append(msg)
+
+    def try_send(self, msg: Any) -> bool:
+        self.box.append(msg)
+        return True
+
+
+class FakeIO:
+    """A worker's channels as lists: `inbox` is drained by the worker, `sent[label]` collects."""
+
+    def __init__(self) -> None:
+        self.inbox: list[Any] = []
+        self.sent: dict[str, list[Any]] = defaultdict(list)
+        self.send = {label: _Out(self.sent[label]) for label in ("d2r", "d2p", "p2d", "p2r")}
+
+    def drain(self) -> list[Any]:
+        out, self.inbox = self.inbox, []
+        return out
+
+    def wait(self, timeout: float) -> bool:
+        return False
+
+    def others_alive(self, every_s: float = 0.25) -> bool:
+        return True
+
+    def of(self, label: str, kind: type) -> list[Any]:
+        return [x for x in self.sent[label] if isinstance(x, kind)]
+
+
+@pytest.fixture(scope="module")
+def setup() -> tuple[Any, ModelRunner]:
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=64,
+                                 max_model_len=256)
+    source = resolve_model(cfg.model, preset_device=torch.device("cpu"), preset_dtype=torch.float32)
+    return cfg, ModelRunner(cfg, source, show_progress=False)
+
+
+@pytest.fixture
+def poisoned(setup: tuple[Any, ModelRunner], monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ModelRunner]:
+    cfg, runner = setup
+    real = runner.sample_next
+
+    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any) -> Any:
+        if any(p.seed == POISON for p in params):
+            raise RuntimeError("sampling blew up for this request")
+        return real(logits, params, index, eos)
+
+    monkeypatch.setattr(runner, "sample_next", sample_next)
+    return cfg, runner
+
+
+def req(rid: str, seed: int | None = None, n: int = 4) -> m.NewRequest:
+    return m.NewRequest(rid, [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                                                  seed=seed), 0.0)
+
+
+def test_prefill_isolates_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
+    cfg, runner = poisoned
+    io = FakeIO()
+    backend = open_streams(resolve_plan(cfg, runner.device).wire(), runner.device, ("prefill",))
+    w = PrefillWorker(cfg, runner, io, (), backend, "overallocated")  # type: ignore[arg-type]
+    for rid, seed, blocks in (("good", None, [0]), ("bad", POISON, [1]), ("good2", 7, [2])):
+        r = req(rid, seed)
+        w.handle(m.KVReady(rid, blocks, [], 0, r))
+    w.prefill_step()  # one batch of three: it raises, each runs alone, only "bad" fails
+    done = {d.req_id for d in io.of("p2d", m.PrefillDone)}
+    failed = io.of("p2d", m.PrefillFailed)
+    assert done == {"good", "good2"}
+    assert [f.req_id for f in failed] == ["bad"] and "sampling blew up" in failed[0].message
+    assert not w.waiting_prefill
+    w.handle(m.KVReady("later", [3], [], 0, req("later")))  # the worker goes on serving
+    w.prefill_step()
+    assert io.of("p2d", m.PrefillDone)[-1].req_id == "later"
+
+
+def _decode_worker(cfg: Any, runner: ModelRunner, io: FakeIO) -> DecodeWorker:
+    plan = resolve_plan(cfg, runner.device)
+    return DecodeWorker(cfg, runner, io, (), DecodePartition(cfg.partition, plan),  # type: ignore[arg-type]
+                        open_streams(plan.wire(), runner.device, ("decode",)))
+
+
+def _prefill_for_decode(cfg: Any, runner: ModelRunner, io: FakeIO, w: DecodeWorker, p: PrefillWorker) -> None:
+    """Carry decode's KVReadys to the prefill worker and its answers back to decode."""
+    for msg in [x for x in io.sent["d2p"] if isinstance(x, m.KVReady)]:
+        io.sent["d2p"].remove(msg)
+        p.handle(msg)
+    while p.waiting_prefill:
+        p.prefill_step()
+    for msg in list(io.sent["p2d"]):
+        io.sent["p2d"].remove(msg)
+        w.handle(msg)
+
+
+def test_decode_frees_and_fails_a_request_that_prefill_failed(poisoned: tuple[Any, ModelRunner]) -> None:
+    cfg, runner = poisoned
+    io = FakeIO()
+    w = _decode_worker(cfg, runner, io)
+    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
+                                                         runner.device, ("prefill",)), "overallocated")
+    free0 = w.blocks.num_free
+    for r in (req("ok", n=3), req("bad", POISON)):
+        w.handle(r)
+        p.handle(r)  # prefill's copy of the request (the router sends both)
+    w.admit()
+    _prefill_for_decode(cfg, runner, io, w, p)
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
+    for _ in range(10):  # "ok" decodes to its end
+        w.step()
+        w.publish()
+    toks = [t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == "ok"]
+    assert [t.index for t in toks] == [0, 1, 2] and toks[-1].finish_reason == "length"
+    assert w.blocks.num_free == free0 and not w.reqs
+
+
+def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
+        setup: tuple[Any, ModelRunner], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, runner = setup
+    io = FakeIO()
+    w = _decode_worker(cfg, runner, io)
+    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
+                                                         runner.device, ("prefill",)), "overallocated")
+    free0 = w.blocks.num_free
+    for r in (req("a", n=8), req("b", n=8)):
+        w.handle(r)
+        p.handle(r)
+    w.admit()
+    _prefill_for_decode(cfg, runner, io, w, p)
+    real = runner.decode
+    monkeypatch.setattr(runner, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kernel failed")))
+    w.step()
+    fin = io.of("d2r", m.Finished)
+    assert sorted((f.req_id, f.reason) for f in fin) == [("a", "error"), ("b", "error")]
+    assert "kernel failed" in fin[0].message and w.blocks.num_free == free0 and not w.reqs
+    monkeypatch.setattr(runner, "decode", real)
+    r = req("c", n=2)
+    w.handle(r)
+    p.handle(r)
+    w.admit()
+    _prefill_for_decode(cfg, runner, io, w, p)
+    for _ in range(4):
+        w.step()
+        w.publish()
+    toks = [t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == "c"]
+    assert [t.index for t in toks] == [0, 1] and w.blocks.num_free == free0
+
+
+def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
+    cfg, runner = poisoned
+    io = FakeIO()
+    w = HybridWorker(cfg, runner, io, ())  # type: ignore[arg-type]
+    io.inbox += [req("a", n=5), req("bad", POISON, n=5)]
+    w.read_inbox(wait=False)
+    io.inbox += [req("c", n=3)]
+    for _ in range(30):
+        plan = w.sched.schedule()
+        if plan.is_empty:
+            break
+        step = w.guarded(plan, w.launch, plan)
+        w.read_inbox(wait=False)
+        if step is not None:
+            w.guarded(plan, w.record, step)
+        w.publish()
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
+    toks: dict[str, list[int]] = defaultdict(list)
+    for b in io.of("d2r", m.TokenBatch):
+        for t in b.tokens:
+            toks[t.req_id].append(t.index)
+    assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
+    assert w.blocks.num_free == w.blocks.num_blocks
+
+
+@pytest.mark.parametrize("err, fatal", [
+    (RuntimeError("sampling blew up"), False),
+    (ValueError("bad value"), False),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("HIP error: an illegal memory access was encountered"), True),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (KeyboardInterrupt(), True),
+])
+def test_is_fatal(err: BaseException, fatal: bool) -> None:
+    assert is_fatal(err) is fatal
+
+
+def test_decode_sampling_that_raises_fails_only_that_request(
+        setup: tuple[Any, ModelRunner], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, runner = setup
+    real = runner.sample_next
+
+    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any) -> Any:
+        if any(p.seed == POISON and k >= 2 for p, k in zip(params, index, strict=True)):  # a later token
+            raise RuntimeError("sampling blew up for this request")
+        return real(logits, params, index, eos)
+
+    monkeypatch.setattr(runner, "sample_next", sample_next)
+    io = FakeIO()
+    w = _decode_worker(cfg, runner, io)
+    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
+                                                         runner.device, ("prefill",)), "overallocated")
+    free0 = w.blocks.num_free
+    for r in (req("a", n=6), req("bad", POISON, n=6), req("b", n=6)):
+        w.handle(r)
+        p.handle(r)
+    w.admit()
+    _prefill_for_decode(cfg, runner, io, w, p)
+    for _ in range(12):
+        w.step()
+        w.publish()
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
+    toks: dict[str, list[int]] = defaultdict(list)
+    for b in io.of("d2r", m.TokenBatch):
+        for t in b.tokens:
+            toks[t.req_id].append(t.index)
+    # "bad" failed while its token 1 was in flight (decode runs one step ahead): that token is dropped
+    assert toks["a"] == list(range(6)) and toks["b"] == list(range(6)) and toks["bad"] == [0]
+    assert w.blocks.num_free == free0 and not w.reqs
