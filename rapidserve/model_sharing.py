@@ -3,8 +3,10 @@
 The decode worker builds the model, loads the weights and allocates the KV pool; the prefill worker
 (a "spawn" process) must compute with THE SAME memory, in place. The decode worker calls
 `export_shared(model, pool)` and sends the returned `SharedState` ONCE, at start-up, through a
-`torch.multiprocessing` (spawn context) Queue, the only place rapidserve pickles anything. Pickling
-there turns every tensor into a handle, never a copy of its data:
+one-way multiprocessing pipe between the two processes the router spawned (engine/launch.py), the
+only place rapidserve pickles anything (messages on the rings are msgpack of declared types).
+multiprocessing's pickler, with torch's reductions, turns every tensor into a handle, never a copy
+of its data:
 
 - CUDA / ROCm: a CUDA/HIP IPC handle of the allocation holding the tensor. The producer must keep
   the tensors alive (and stay alive) as long as any consumer uses them.
@@ -53,7 +55,7 @@ class SharedState:
 def export_shared(model: CausalLM, pool: KVPool) -> SharedState:
     """Move the weights and the KV pool into shared memory in place (CPU) and describe them.
 
-    On CUDA/ROCm nothing moves: the queue's pickler exports IPC handles. Keep `model` and `pool`
+    On CUDA/ROCm nothing moves: the hand-off pipe's pickler exports IPC handles. Keep `model` and `pool`
     (or the returned state) alive for as long as the other process uses them.
 
     Stream ordering: the device is synchronized first, so every write to the weights and the pool

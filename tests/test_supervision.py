@@ -170,3 +170,38 @@ def test_prompts_the_engine_cannot_serve_are_refused(prompt: list[int], match: s
                                         (-15, "killed by SIGTERM"), (-200, "killed by signal 200")])
 def test_describe_exit(code: int | None, text: str) -> None:
     assert describe_exit(code) == text
+
+
+def test_shared_memory_is_private_to_the_user() -> None:
+    async def main() -> None:
+        engine = await AsyncEngine.start(config())  # type: ignore[arg-type]
+        try:
+            mine = [f for f in os.listdir("/dev/shm") if f"rapidserve-{os.getpid()}-" in f]
+            assert len(mine) >= 6 + 12 + 3  # rings, their semaphores, doorbells
+            for f in mine:
+                assert os.stat(f"/dev/shm/{f}").st_mode & 0o777 == 0o600, f
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_no_pickle_on_the_rings() -> None:
+    """Every ring carries a union of declared msgspec Structs (msgpack on the wire); the package never
+    imports pickle (the one-time start-up hand-off of IPC handles goes through multiprocessing)."""
+    import ast
+    import pathlib
+
+    import msgspec
+
+    from rapidserve.engine.worker_io import RING_TYPES
+
+    for label, union in RING_TYPES.items():
+        for t in getattr(union, "__args__", (union,)):
+            assert isinstance(t, type) and issubclass(t, msgspec.Struct), (label, t)
+    root = pathlib.Path(__file__).resolve().parents[1] / "rapidserve"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), path

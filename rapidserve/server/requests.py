@@ -171,7 +171,36 @@ def _chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
+def _completion_sources(r: CompletionRequest | GenerateRequest,
+                        ctx: ProtocolContext) -> tuple[list[str | list[int]], int]:
+    """The prompts, checked without tokenizing them, and the characters (or ids, for echo) to tokenize (decode)."""
+    sources: list[str | list[int]] = []
+    work = 0
+    for where, s in _prompt_sources(r):
+        if isinstance(s, str):
+            _check_text_size(len(s), where, "prompt", ctx)
+            if ctx.tokenizer is None:
+                raise bad_request("prompt", f"this model has no tokenizer: send '{where}' as a list of token ids")
+            work += len(s)
+        else:
+            _check_prompt_tokens(len(s), where, "prompt", ctx)
+            _check_ids(s, where, "prompt", ctx)
+            work += len(s) if getattr(r, "echo", False) else 0
+        sources.append(s)
+    return sources, work
+
+
+def _check_admissible(n_prompts: int, n: int, param: str, max_choices: int | None) -> None:
+    """A request of more sequences than the server can ever hold would wait forever: 400, not 503."""
+    if max_choices is not None and n_prompts * n > max_choices:
+        raise bad_request(param if n_prompts > max_choices else "n",
+                          f"this request asks for {n_prompts * n} sequences ({n_prompts} prompt(s) x n={n}), more "
+                          f"than this server can ever hold at once ({max_choices} sequences: max_num_seqs + "
+                          f"max_waiting): send at most {max_choices} per request")
+
+
 def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None) -> _Plan:
+    """Decode `body` and run every check that needs no tokenizer (cheap: no text is tokenized here)."""
     r = decode_body(kind, body)
     model = _resolve_model(r.model, ctx)
     n = r.n or 1
@@ -185,36 +214,18 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
-    messages = None
     if isinstance(r, ChatCompletionRequest):
-        sources: list[str | list[int]] = []
         messages = _chat_messages(r)
         work = sum(len(m["content"]) for m in messages)
         _check_text_size(work, "messages", "messages", ctx)
         if ctx.tokenizer is None:
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
-        param = "messages"
-    else:
-        named, param, work = _prompt_sources(r), "prompt", 0
-        for where, s in named:
-            if isinstance(s, str):
-                _check_text_size(len(s), where, param, ctx)
-                if ctx.tokenizer is None:
-                    raise bad_request(param, f"this model has no tokenizer: send '{where}' as a list of token ids")
-                work += len(s)
-            else:
-                _check_prompt_tokens(len(s), where, param, ctx)
-                _check_ids(s, where, param, ctx)
-                work += len(s) if getattr(r, "echo", False) else 0
-        sources = [s for _, s in named]
-    choices = max(1, len(sources)) * n
-    if max_choices is not None and choices > max_choices:
-        param = param if len(sources) > max_choices else "n"
-        raise bad_request(param, f"this request asks for {choices} sequences ({max(1, len(sources))} prompt(s) x "
-                                 f"n={n}), more than this server can ever hold at once ({max_choices} "
-                                 f"sequences: max_num_seqs + max_waiting): send at most {max_choices} per request")
-    return _Plan(kind, model, r, n, sources, messages, param, work)  # type: ignore[arg-type]
+        _check_admissible(1, n, "messages", max_choices)
+        return _Plan(kind, model, r, n, [], messages, "messages", work)  # type: ignore[arg-type]
+    sources, work = _completion_sources(r, ctx)
+    _check_admissible(len(sources), n, "prompt", max_choices)
+    return _Plan(kind, model, r, n, sources, None, "prompt", work)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- tokenization and the sampling params
