@@ -186,6 +186,7 @@ def test_health_answers_while_huge_bodies_are_refused(srv: Srv) -> None:
         time.sleep(0.01)
     t.join()
     assert codes and all(c == 400 for c in codes), codes
+    # ~50 ms on 2 idle cores (it was 8.7 s when an 8 MB prompt was tokenized on the loop); room for a busy CI box
     assert worst < 0.25, f"/health took {worst * 1000:.0f} ms while huge bodies were refused"
 
 
