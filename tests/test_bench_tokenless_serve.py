@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from rapidserve.server import protocol as proto
 from rapidserve.server.detokenizer import IncrementalDetokenizer
+from rapidserve.server.errors import APIError
+from rapidserve.server.requests import ProtocolContext, parse_request
 from tests.test_server import Srv, http, start, stop
 
 VOCAB = 1280  # preset:tiny-llama
@@ -37,9 +38,9 @@ def test_detokenizer_without_tokenizer_gives_no_text() -> None:
 
 
 def test_stop_strings_refused_without_tokenizer() -> None:
-    ctx = proto.ProtocolContext(None, ("m",), 64, VOCAB, 8)
-    with pytest.raises(proto.APIError) as ei:
-        proto.parse_request("completion", json.dumps({"prompt": [1, 2], "stop": "x"}).encode(), ctx)
+    ctx = ProtocolContext(None, ("m",), 64, VOCAB, 8)
+    with pytest.raises(APIError) as ei:
+        parse_request("completion", json.dumps({"prompt": [1, 2], "stop": "x"}).encode(), ctx)
     assert ei.value.status == 400 and ei.value.param == "stop" and "tokenizer" in ei.value.message
 
 

@@ -203,3 +203,22 @@ def test_engine_restarts_and_deaths_are_exported() -> None:
             assert await counters() == (2, 2)
 
     run(main)
+
+
+def test_a_body_trickled_in_slowly_gets_408_and_the_server_goes_on() -> None:
+    async def main() -> None:
+        async with running_server(FakeEngine(), header_timeout_s=0.5) as (_, url):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 40\r\n\r\n{\"prompt\": ")
+            await writer.drain()
+            t0 = time.monotonic()
+            head = await asyncio.wait_for(reader.readline(), 5)
+            assert b" 408 " in head and time.monotonic() - t0 < 2.0, head
+            writer.close()
+            async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+                                                            json={"prompt": [1, 2], "max_tokens": 2}) as r:
+                assert r.status == 200
+
+    asyncio.run(main())

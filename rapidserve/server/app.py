@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server (aiohttp) over the engine's client API.
 
 Routes: POST /v1/completions, /v1/chat/completions, /generate (plain native shape);
-GET /v1/models, /health (200 only once the workers are ready), /metrics (Prometheus text).
+GET /v1/models, /health (200 only once the workers are ready), /metrics (Prometheus text),
+/openapi.json (generated from the request types).
 
-A request's way: the body is validated into a `GenRequest` (protocol.py: bad input -> OpenAI-style
-JSON error, 4xx, nothing else touched); admission is bounded (max_num_seqs running + max_waiting
-queued, beyond that 503 with Retry-After); each prompt x sample becomes one engine request whose
-tokens are detokenized incrementally (stop strings matched on the text, left out of the output);
-a stop-string match or a client that goes away aborts the engine request, which frees its KV
+A request's way: headers and body are checked (server/body.py: JSON content type, size, UTF-8,
+nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/requests.py, types in
+server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
+bounded (max_num_seqs running + max_waiting queued, beyond that 503 with Retry-After; a request
+that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
+detokenized incrementally (stop strings matched on the text, left out of the output); a
+stop-string match or a client that goes away aborts the engine request, which frees its KV
 blocks. One log line per request when it ends.
 
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
@@ -35,9 +38,13 @@ from rapidserve.config import EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.engine.messages import TokenOut
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.server import protocol as proto
+from rapidserve.server.body import check_headers
 from rapidserve.server.detokenizer import IncrementalDetokenizer
+from rapidserve.server.errors import APIError
 from rapidserve.server.metrics import Metrics
+from rapidserve.server.openapi import openapi_document
+from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
+from rapidserve.server.responses import chat_role_chunk, final_response, stream_chunk, usage_chunk, usage_dict
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -74,7 +81,7 @@ class Server:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        self.ctx = proto.ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
+        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens)
         self.capacity = ecfg.scheduler.max_num_seqs + cfg.max_waiting
         self.inflight = 0
@@ -112,23 +119,23 @@ class Server:
             return started
 
     def _error_response(self, request: web.Request, e: Exception) -> web.Response:
-        if isinstance(e, proto.APIError):
+        if isinstance(e, APIError):
             return web.json_response(e.body(), status=e.status, headers=e.headers)
         if isinstance(e, web.HTTPException):
             kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
                     413: "invalid_request_error"}.get(e.status, "invalid_request_error")
             msg = {404: f"no route {request.path}", 405: f"method {request.method} is not allowed on {request.path}",
                    413: f"request body is larger than {self.cfg.max_body_bytes} bytes"}.get(e.status, e.reason)
-            return web.json_response(proto.APIError(e.status, msg, kind).body(), status=e.status)
+            return web.json_response(APIError(e.status, msg, kind).body(), status=e.status)
         # a bug, not bad input: logged, and the client gets a 500 body
         log.error("unhandled error on %s", request.path, exc_info=e)
-        err = proto.APIError(500, "internal server error", "server_error")
+        err = APIError(500, "internal server error", "server_error")
         return web.json_response(err.body(), status=500)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self._key is not None and not self._public(request.path) and not self._key_ok(request):
-            raise proto.APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                                  "authentication_error", code="invalid_api_key")
         return await handler(request)
 
@@ -169,7 +176,7 @@ class Server:
 
     async def _openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI document of every route, generated from the request and error types."""
-        return web.json_response(proto.openapi_document())
+        return web.json_response(openapi_document())
 
     # ---- generation -------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -183,12 +190,17 @@ class Server:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.draining:
-            raise proto.APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
-        proto.check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
-        req = await proto.parse_request_async(kind, await request.read(), self.ctx, max_choices=self.capacity)
+            raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
+        check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
+        try:  # a body trickled in slowly holds a connection like slow headers do
+            raw = await asyncio.wait_for(request.read(), self.cfg.header_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.cfg.header_timeout_s:g} s",
+                           code="request_timeout") from None
+        req = await parse_request_async(kind, raw, self.ctx, max_choices=self.capacity)
         n = len(req.prompts) * req.params.n
         if self.inflight + n > self.capacity:
-            raise proto.APIError(503, f"the server is at capacity ({self.capacity} requests); retry later",
+            raise APIError(503, f"the server is at capacity ({self.capacity} requests); retry later",
                                  "server_error", code="overloaded", headers={"Retry-After": "1"})
         self.inflight += n
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -203,7 +215,7 @@ class Server:
         except EngineError as e:
             raise _unavailable(e) from None
         except ValueError as e:  # the engine refused the prompt (the parser checks first)
-            raise proto.APIError(400, str(e), param="prompt") from None
+            raise APIError(400, str(e), param="prompt") from None
         finally:
             self.inflight -= n
             out = sum(len(c.token_ids) for c in choices)
@@ -221,7 +233,7 @@ class Server:
             fut.cancel()
         return len(active)
 
-    async def _generate(self, rid: str, req: proto.GenRequest, choices: list[Choice], on_delta: OnDelta | None,
+    async def _generate(self, rid: str, req: GenRequest, choices: list[Choice], on_delta: OnDelta | None,
                         prelude: Callable[[], Awaitable[None]] | None = None) -> None:
         """Run every choice of a request (after `prelude`, which a stream uses to begin its response);
         the first failure ends the others. Counts each choice once in the metrics, however it ends.
@@ -265,7 +277,7 @@ class Server:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
                                               c.finish_reason or failure, ttft_s=c.ttft)
 
-    async def _run(self, rid: str, req: proto.GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
+    async def _run(self, rid: str, req: GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = _sub_params(p, c.index % p.n)
@@ -301,11 +313,11 @@ class Server:
             c.t_end = c.t_end or time.monotonic()
             await stream.aclose()  # aborts the engine request if it had not finished
 
-    def _final(self, req: proto.GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        usage = proto.usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
-        return proto.final_response(req, rid, self.created, self.model_name, choices, usage, self.tok)
+    def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
+        usage = usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
+        return final_response(req, rid, self.created, self.model_name, choices, usage, self.tok)
 
-    async def _stream(self, request: web.Request, req: proto.GenRequest, rid: str,
+    async def _stream(self, request: web.Request, req: GenRequest, rid: str,
                       choices: list[Choice]) -> web.StreamResponse:
         """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
@@ -318,20 +330,20 @@ class Server:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
         async def on_delta(c: Choice, delta: str, tok: TokenOut) -> None:
-            await send(proto.stream_chunk(req, rid, created, self.model_name, c.index, delta, tok,
+            await send(stream_chunk(req, rid, created, self.model_name, c.index, delta, tok,
                                           c.finish_reason, self.tok, text_offset=len(c.text) - len(delta)))
 
         async def prelude() -> None:
             await resp.prepare(request)
             request[_STREAM_KEY] = resp
             for c in choices if req.kind == "chat" else []:
-                await send(proto.chat_role_chunk(rid, created, self.model_name, c.index))
+                await send(chat_role_chunk(rid, created, self.model_name, c.index))
 
         try:
             await self._generate(rid, req, choices, on_delta, prelude)
             if req.include_usage:
-                usage = proto.usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
-                await send(proto.usage_chunk(req, rid, created, self.model_name, usage))
+                usage = usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
+                await send(usage_chunk(req, rid, created, self.model_name, usage))
         except (asyncio.CancelledError, ConnectionResetError):
             raise  # the client went away (or the handler was cancelled): nothing more can be sent
         except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response
@@ -339,7 +351,7 @@ class Server:
                 raise  # nothing sent yet: the error middleware answers it (503 for an engine error)
             if isinstance(e, EngineError):
                 log.warning("request %s ended with an error: %s", rid, e)
-            elif not isinstance(e, (ValueError, proto.APIError)):
+            elif not isinstance(e, (ValueError, APIError)):
                 log.exception("request %s failed", rid)
             await send({"error": _error_body(e)})
         await resp.write(b"data: [DONE]\n\n")
@@ -351,19 +363,19 @@ def _error_body(e: Exception) -> dict[str, Any]:
     """The `error` object of an OpenAI-style error for an exception that ended a request."""
     if isinstance(e, EngineError):
         return _unavailable(e).body()["error"]
-    if isinstance(e, proto.APIError):
+    if isinstance(e, APIError):
         return e.body()["error"]
     if isinstance(e, ValueError):
-        return proto.APIError(400, str(e), param="prompt").body()["error"]
-    return proto.APIError(500, "internal server error", "server_error").body()["error"]
+        return APIError(400, str(e), param="prompt").body()["error"]
+    return APIError(500, "internal server error", "server_error").body()["error"]
 
 
-def _unavailable(e: EngineError) -> proto.APIError:
+def _unavailable(e: EngineError) -> APIError:
     """503 + Retry-After for a request the engine could not complete, or the server ended."""
     if isinstance(e, ServerStopping):
-        return proto.APIError(503, f"the request was ended: {e}", "server_error", code="server_shutting_down",
+        return APIError(503, f"the request was ended: {e}", "server_error", code="server_shutting_down",
                               headers={"Retry-After": "5"})
-    return proto.APIError(503, f"the engine could not complete the request: {e}", "server_error",
+    return APIError(503, f"the engine could not complete the request: {e}", "server_error",
                           code="engine_unavailable", headers={"Retry-After": "5"})
 
 
