@@ -1,4 +1,5 @@
-"""Shared test setup: `gpu`-marked tests are skipped where no CUDA/ROCm GPU is visible."""
+"""Shared test setup: `gpu`-marked tests are skipped where no CUDA/ROCm GPU is visible; fixtures
+several files use (`make_ring`, `tok`: the embedded SmolLM2 tokenizer)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import pytest
 
 from rapidserve.ipc import ShmRing, new_engine_id, ring_name
+from rapidserve.loader import resolve_model
+from rapidserve.tokenizer import Tokenizer
 
 
 def _has_gpu() -> bool:
@@ -44,3 +47,11 @@ def make_ring() -> Iterator[MakeRing]:
     for ring in rings:
         ring.close()
         ring.unlink()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    """The embedded default model's tokenizer (SmolLM2)."""
+    t = Tokenizer.from_source(resolve_model(None))
+    assert t is not None
+    return t

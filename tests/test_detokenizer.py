@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import pytest
 
-from rapidserve.loader import resolve_model
 from rapidserve.server.detokenizer import IncrementalDetokenizer, token_bytes, token_text
 from rapidserve.tokenizer import Tokenizer
 
@@ -25,13 +24,6 @@ TEXTS = [
     "code: def f(x):\n    return x ** 2  # 🐍",
 ]
 CHAT = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    t = Tokenizer.from_source(resolve_model(None))
-    assert t is not None
-    return t
 
 
 def run(tok: Tokenizer, ids: Sequence[int], prompt: Sequence[int] = (), stop: tuple[str, ...] = (),

@@ -26,6 +26,7 @@ from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig, LaunchConfig, PartitionConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.llm import build_engine_config
+from tests.test_engine import wait_blocks_free
 
 MODEL = "preset:tiny-llama"
 MAX_LEN = 1024  # the preset's max_position_embeddings
@@ -79,15 +80,6 @@ async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Samp
     return toks
 
 
-async def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats
-        if s is not None and s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 \
-                and s.num_prefilling == 0 and s.num_waiting == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"the engine did not go idle: {engine.stats}")
 
 
 def assert_green_split(engine: AsyncEngine) -> str:
@@ -114,7 +106,7 @@ def test_engine_on_gpu_with_green_partitions_matches_llm(
                                              for i, p in enumerate(prompts)))
                 for i, (g, w) in enumerate(zip(got, want, strict=True)):
                     assert g == w, f"round {round_}, request {i} ({len(prompts[i])} prompt tokens) diverged"
-                await wait_idle(engine)
+                await wait_blocks_free(engine)
             assert engine.stats is not None
             if partition == "adaptive":  # prefill pending -> a split, idle -> back: it did switch
                 assert engine.stats.partition_switches > 0, engine.stats

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from rapidserve.loader import resolve_model
 from rapidserve.server import requests as rq
 from rapidserve.server.body import MAX_DEPTH, check_headers, nesting_depth
 from rapidserve.server.errors import APIError
@@ -28,13 +27,6 @@ MAX_LEN = 64
 VOCAB = 49152
 MSG = [{"role": "user", "content": "hi"}]
 LONG = "word " * 80  # > MAX_LEN tokens
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    t = Tokenizer.from_source(resolve_model(None))
-    assert t is not None
-    return t
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ worker.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -84,11 +85,30 @@ def _len(cs: list[dict[str, Any]], n: int) -> None:
 # ---------------------------------------------------------------- HTTP paths (rapid, hybrid)
 
 
+@dataclass
+class Served:
+    srv: Srv
+    results: dict[str, list[dict[str, Any]] | BaseException]  # case name -> its choices, or what went wrong
+
+
 @pytest.fixture(scope="module", params=["rapid", "hybrid"])
-def server(request: pytest.FixtureRequest) -> Iterator[Srv]:
+def server(request: pytest.FixtureRequest) -> Iterator[Served]:
+    """A server of that mode, with every case's request sent once, all at the same time (they share
+    batches, as real traffic does); each test then checks its own case's answer."""
     s = start("--mode", request.param)
-    yield s
-    assert stop(s) == 0
+    try:
+        async def run_all() -> list[list[dict[str, Any]] | BaseException]:
+            loop = asyncio.get_running_loop()
+            return await asyncio.gather(*(loop.run_in_executor(None, _completion, s, _body(c)) for c in CASES),
+                                        return_exceptions=True)
+
+        yield Served(s, dict(zip((c.name for c in CASES), asyncio.run(run_all()), strict=True)))
+    finally:
+        assert stop(s) == 0
+
+
+def _body(case: Case) -> dict[str, Any]:
+    return {"prompt": QUESTION, "max_tokens": 8, "temperature": 0, **case.fields, **case.extra}
 
 
 def _completion(s: Srv, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -120,13 +140,13 @@ def _completion(s: Srv, body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_field_through_server(server: Srv, case: Case) -> None:
-    before = http(server.url + "/health")
-    assert before[0] == 200
-    body = {"prompt": QUESTION, "max_tokens": 8, "temperature": 0, **case.fields, **case.extra}
-    case.check(_completion(server, body))
-    status, _, _ = http(server.url + "/health")
-    assert status == 200  # no worker died of it
+def test_field_through_server(server: Served, case: Case) -> None:
+    got = server.results[case.name]
+    if isinstance(got, BaseException):
+        raise got
+    case.check(got)
+    status, _, _ = http(server.srv.url + "/health")
+    assert status == 200  # no worker died of it (nor of any other case)
 
 
 # ---------------------------------------------------------------- single-process LLM

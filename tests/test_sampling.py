@@ -30,6 +30,11 @@ from rapidserve.sampling_params import SamplingParams, SamplingParamsError
     ({"min_p": 1.5}, "min_p"),
     ({"seed": 1.0}, "seed"),
     ({"seed": "7"}, "seed"),
+    ({"seed": 2**63}, "seed"),  # msgpack carries int64 at most
+    ({"seed": 2**70}, "seed"),
+    ({"top_k": 2**31}, "top_k"),  # int32 on the device
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"stop_token_ids": (2**31,)}, "stop_token_ids"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -59,7 +64,7 @@ def test_invalid_params_name_the_field(kwargs: dict[str, Any], field: str) -> No
     {"max_tokens": None, "min_tokens": 1000},
     {"min_tokens": 16, "max_tokens": 16},
     {"logprobs": 0}, {"logprobs": 20},
-    {"seed": -5}, {"seed": 2**70},
+    {"seed": -5}, {"seed": 2**63 - 1}, {"seed": -(2**63)}, {"top_k": 2**31 - 1},
     {"stop": ("a", "b", "c", "d"), "stop_token_ids": (0, 2)},
 ])
 def test_valid_params(kwargs: dict[str, Any]) -> None:

@@ -92,8 +92,7 @@ def req(rid: str, seed: int | None = None, n: int = 4) -> m.NewRequest:
 def test_prefill_isolates_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
     cfg, runner = poisoned
     io = FakeIO()
-    backend = open_streams(resolve_plan(cfg, runner.device).wire(), runner.device, ("prefill",))
-    w = PrefillWorker(cfg, runner, io, (), backend, "overallocated")  # type: ignore[arg-type]
+    w = _prefill_worker(cfg, runner, io)
     for rid, seed, blocks in (("good", None, [0]), ("bad", POISON, [1]), ("good2", 7, [2])):
         r = req(rid, seed)
         w.handle(m.KVReady(rid, blocks, [], 0, r))
@@ -114,6 +113,36 @@ def _decode_worker(cfg: Any, runner: ModelRunner, io: FakeIO) -> DecodeWorker:
                         open_streams(plan.wire(), runner.device, ("decode",)))
 
 
+def _prefill_worker(cfg: Any, runner: ModelRunner, io: FakeIO) -> PrefillWorker:
+    backend = open_streams(resolve_plan(cfg, runner.device).wire(), runner.device, ("prefill",))
+    return PrefillWorker(cfg, runner, io, (), backend, "overallocated")  # type: ignore[arg-type]
+
+
+def _submit(cfg: Any, runner: ModelRunner, io: FakeIO, w: DecodeWorker, p: PrefillWorker,
+            *reqs: m.NewRequest) -> None:
+    """Requests in as the router sends them (to both workers), admitted and prefilled."""
+    for r in reqs:
+        w.handle(r)
+        p.handle(r)
+    w.admit()
+    _prefill_for_decode(cfg, runner, io, w, p)
+
+
+def _decode_steps(w: DecodeWorker, n: int) -> None:
+    for _ in range(n):
+        w.step()
+        w.publish()
+
+
+def _indices(io: FakeIO) -> dict[str, list[int]]:
+    """The output indices each request streamed to the router, in order."""
+    toks: dict[str, list[int]] = defaultdict(list)
+    for b in io.of("d2r", m.TokenBatch):
+        for t in b.tokens:
+            toks[t.req_id].append(t.index)
+    return toks
+
+
 def _prefill_for_decode(cfg: Any, runner: ModelRunner, io: FakeIO, w: DecodeWorker, p: PrefillWorker) -> None:
     """Carry decode's KVReadys to the prefill worker and its answers back to decode."""
     for msg in [x for x in io.sent["d2p"] if isinstance(x, m.KVReady)]:
@@ -130,19 +159,12 @@ def test_decode_frees_and_fails_a_request_that_prefill_failed(poisoned: tuple[An
     cfg, runner = poisoned
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
-    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
-                                                         runner.device, ("prefill",)), "overallocated")
+    p = _prefill_worker(cfg, runner, io)
     free0 = w.blocks.num_free
-    for r in (req("ok", n=3), req("bad", POISON)):
-        w.handle(r)
-        p.handle(r)  # prefill's copy of the request (the router sends both)
-    w.admit()
-    _prefill_for_decode(cfg, runner, io, w, p)
+    _submit(cfg, runner, io, w, p, req("ok", n=3), req("bad", POISON))
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
-    for _ in range(10):  # "ok" decodes to its end
-        w.step()
-        w.publish()
+    _decode_steps(w, 10)  # "ok" decodes to its end
     toks = [t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == "ok"]
     assert [t.index for t in toks] == [0, 1, 2] and toks[-1].finish_reason == "length"
     assert w.blocks.num_free == free0 and not w.reqs
@@ -153,14 +175,9 @@ def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
     cfg, runner = setup
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
-    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
-                                                         runner.device, ("prefill",)), "overallocated")
+    p = _prefill_worker(cfg, runner, io)
     free0 = w.blocks.num_free
-    for r in (req("a", n=8), req("b", n=8)):
-        w.handle(r)
-        p.handle(r)
-    w.admit()
-    _prefill_for_decode(cfg, runner, io, w, p)
+    _submit(cfg, runner, io, w, p, req("a", n=8), req("b", n=8))
     real = runner.decode
     monkeypatch.setattr(runner, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kernel failed")))
     w.step()
@@ -168,16 +185,9 @@ def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
     assert sorted((f.req_id, f.reason) for f in fin) == [("a", "error"), ("b", "error")]
     assert "kernel failed" in fin[0].message and w.blocks.num_free == free0 and not w.reqs
     monkeypatch.setattr(runner, "decode", real)
-    r = req("c", n=2)
-    w.handle(r)
-    p.handle(r)
-    w.admit()
-    _prefill_for_decode(cfg, runner, io, w, p)
-    for _ in range(4):
-        w.step()
-        w.publish()
-    toks = [t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == "c"]
-    assert [t.index for t in toks] == [0, 1] and w.blocks.num_free == free0
+    _submit(cfg, runner, io, w, p, req("c", n=2))
+    _decode_steps(w, 4)
+    assert _indices(io)["c"] == [0, 1] and w.blocks.num_free == free0
 
 
 def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
@@ -198,10 +208,7 @@ def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRun
         w.publish()
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
-    toks: dict[str, list[int]] = defaultdict(list)
-    for b in io.of("d2r", m.TokenBatch):
-        for t in b.tokens:
-            toks[t.req_id].append(t.index)
+    toks = _indices(io)
     assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
     assert w.blocks.num_free == w.blocks.num_blocks
 
@@ -231,23 +238,13 @@ def test_decode_sampling_that_raises_fails_only_that_request(
     monkeypatch.setattr(runner, "sample_next", sample_next)
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
-    p = PrefillWorker(cfg, runner, io, (), open_streams(resolve_plan(cfg, runner.device).wire(),  # type: ignore[arg-type]
-                                                         runner.device, ("prefill",)), "overallocated")
+    p = _prefill_worker(cfg, runner, io)
     free0 = w.blocks.num_free
-    for r in (req("a", n=6), req("bad", POISON, n=6), req("b", n=6)):
-        w.handle(r)
-        p.handle(r)
-    w.admit()
-    _prefill_for_decode(cfg, runner, io, w, p)
-    for _ in range(12):
-        w.step()
-        w.publish()
+    _submit(cfg, runner, io, w, p, req("a", n=6), req("bad", POISON, n=6), req("b", n=6))
+    _decode_steps(w, 12)
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
-    toks: dict[str, list[int]] = defaultdict(list)
-    for b in io.of("d2r", m.TokenBatch):
-        for t in b.tokens:
-            toks[t.req_id].append(t.index)
+    toks = _indices(io)
     # "bad" failed while its token 1 was in flight (decode runs one step ahead): that token is dropped
     assert toks["a"] == list(range(6)) and toks["b"] == list(range(6)) and toks["bad"] == [0]
     assert w.blocks.num_free == free0 and not w.reqs
