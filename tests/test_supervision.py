@@ -205,3 +205,31 @@ def test_no_pickle_on_the_rings() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("pickle", "cloudpickle", "dill") for n in names), path
+
+
+def test_a_full_inbox_never_blocks_the_event_loop() -> None:
+    """A hung prefill stops draining its inbox; with a tiny ring it fills at once. New requests wait
+    for room asynchronously and fail with EngineError; the loop stays responsive, so the hang is
+    handled (killed, restarted) as usual."""
+    async def main() -> None:
+        engine = await AsyncEngine.start(config(heartbeat_timeout_s=3.0, ring_slots=8))  # type: ignore[arg-type]
+        try:
+            os.kill(engine.workers.procs["prefill"].pid, signal.SIGSTOP)  # type: ignore[union-attr,arg-type]
+            tasks = [asyncio.create_task(collect(engine, f"q{i}", 4)) for i in range(40)]
+            worst, t0 = 0.0, time.monotonic()
+            while not all(t.done() for t in tasks) and time.monotonic() - t0 < 20:
+                t = time.monotonic()
+                await asyncio.sleep(0.01)
+                worst = max(worst, time.monotonic() - t)
+            assert all(t.done() for t in tasks)
+            assert worst < 0.5, f"the event loop stalled for {worst:.2f} s"
+            errors = [t.exception() for t in tasks]
+            assert all(isinstance(e, EngineError) for e in errors), [repr(e) for e in errors if
+                                                                     not isinstance(e, EngineError)]
+            assert "the prefill worker stopped responding" in str(errors[0])  # decode never blocks on it
+            await wait_for(lambda: engine.state == "ready", 60)
+            assert await collect(engine, "after", 3) == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -14,10 +14,11 @@ event loop; tokens are delivered in index order. It also supervises the workers:
 On a death every in-flight request ends with `EngineError` at once, one log line names the worker,
 its pid and its exit code or signal, the other worker is stopped, shared memory is unlinked, and the
 workers are restarted (`on_worker_death="restart"`) while the windowed budget allows: at most
-`max_restarts` restarts in any `restart_window_s`. Past it (or with "shutdown", or when a restart
-fails) the engine gives up: `state` is "down" and `fatal` is set, so the server can exit non-zero
-for its supervisor to restart it. Nothing blocks forever: a request on an engine that is not
-ready fails immediately.
+`max_restarts` restarts in any `restart_window_s`. Past it (or with "shutdown", or when restarts
+fail MAX_FAILED_STARTS times in a row) the engine gives up: `state` is "down" and `fatal` is
+set, so the server can exit non-zero for its supervisor to restart it. Nothing blocks forever: a
+request on an engine that is not ready fails immediately, and the event loop never waits on a full
+ring (`_put`).
 
 States: starting -> ready -> (a death) restarting -> ready ... or -> down (gave up / shut down).
 In hybrid mode (`LaunchConfig.mode`) there is one worker (`engine/hybrid_worker.py`) and one inbox
@@ -46,6 +47,8 @@ from rapidserve.ipc import wait_any
 from rapidserve.sampling_params import SamplingParams
 
 log = logging.getLogger("rapidserve.engine")
+INBOX_WAIT_S = 5.0  # how long a new request may wait for room in a worker's inbox ring
+MAX_FAILED_STARTS = 3  # restarts that fail one after another before the engine gives up
 
 
 class EngineError(RuntimeError):
@@ -154,7 +157,13 @@ class AsyncEngine:
         stream = _Stream(asyncio.Queue())
         self.streams[req_id] = stream
         msg = m.NewRequest(req_id, list(prompt_token_ids), params, time.monotonic())
-        self.workers.send_request(msg)
+        try:
+            for label in self.workers.request_labels():
+                await self._put(label, msg)
+        except BaseException:
+            self.streams.pop(req_id, None)
+            self._post_abort(req_id)  # decode may have it already
+            raise
         try:
             while True:
                 item = await stream.queue.get()
@@ -174,8 +183,28 @@ class AsyncEngine:
         s = self.streams.get(req_id)
         if s is not None and not s.finished and self.workers is not None:
             s.finished = s.aborted = True
-            self.workers.send["r2d"].send(m.Abort(req_id))
+            self._post_abort(req_id)
             s.queue.put_nowait(None)
+
+    async def _put(self, label: str, msg: m.NewRequest | m.Abort) -> None:
+        """Send without ever blocking the event loop: a full ring (a busy or hung reader) is retried
+        asynchronously, and after INBOX_WAIT_S, or once the engine is not ready, it is an EngineError."""
+        ws = self.workers
+        deadline = time.monotonic() + INBOX_WAIT_S
+        while ws is None or not ws.send[label].try_send(msg):
+            if ws is None or ws is not self.workers or self.state != "ready" or time.monotonic() > deadline:
+                raise EngineError(f"the engine did not take the request within {INBOX_WAIT_S:g} s "
+                                  f"({self.state}: {self.dead_reason or 'its inbox is full'})")
+            await asyncio.sleep(0.002)
+
+    def _post_abort(self, req_id: str) -> None:
+        """Tell decode to abort `req_id`, now if its inbox has room, else from a task."""
+        ws = self.workers
+        if ws is None or ws.send["r2d"].try_send(m.Abort(req_id)):
+            return
+        assert self.loop is not None
+        task = self.loop.create_task(self._put("r2d", m.Abort(req_id)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dead engine forgets it anyway
 
     # ---- collector thread -------------------------------------------------------------------
     def _collect(self) -> None:
@@ -271,20 +300,32 @@ class AsyncEngine:
         return len(self._restart_times) < lc.max_restarts
 
     async def _recover(self) -> None:
+        try:
+            await self._teardown_and_restart()
+        except Exception as e:  # noqa: BLE001 - a recovery that breaks gives up, loudly
+            self.state = "down"
+            self.dead_reason = f"{self.dead_reason}; recovery failed: {type(e).__name__}: {e}"
+            log.exception("engine down for good: %s", self.dead_reason)
+            self.fatal.set()
+
+    async def _teardown_and_restart(self) -> None:
         assert self.loop is not None
         await self.loop.run_in_executor(None, self._teardown, False)  # off the loop: joins processes
         if self._closing:
             return
+        failed = 0
         while self.state == "restarting":
             self._restart_times.append(time.monotonic())
             t0 = time.monotonic()
             try:
                 await self._start_workers()
             except Exception as e:  # noqa: BLE001 - counted against the budget, reported
-                self.dead_reason = f"restart failed: {e}"
+                failed += 1
+                self.dead_reason = f"restart failed ({failed}/{MAX_FAILED_STARTS}): {e}"
                 self.events.append(self.dead_reason)
                 log.error("%s", self.dead_reason)
-                self.state = "restarting" if self._may_restart() else "down"
+                ok = failed < MAX_FAILED_STARTS and self._may_restart()
+                self.state = "restarting" if ok else "down"
                 continue
             self.restarts_total += 1
             msg = (f"workers restarted in {time.monotonic() - t0:.1f} s (restart {self.restarts_total}; "
@@ -293,9 +334,10 @@ class AsyncEngine:
             log.warning("%s", msg)
             return
         if not self._closing:
-            why = (f"restart budget used up ({self.cfg.launch.max_restarts} in "
-                   f"{self.cfg.launch.restart_window_s:.0f} s)" if self.cfg.launch.on_worker_death == "restart"
-                   else "on_worker_death=shutdown")
+            why = ("on_worker_death=shutdown" if self.cfg.launch.on_worker_death != "restart"
+                   else f"{failed} restarts failed in a row" if failed >= MAX_FAILED_STARTS
+                   else f"restart budget used up ({self.cfg.launch.max_restarts} in "
+                        f"{self.cfg.launch.restart_window_s:.0f} s)")
             self.dead_reason = f"{self.dead_reason}; giving up: {why}"
             self.events.append(self.dead_reason)
             log.error("engine down for good: %s", self.dead_reason)

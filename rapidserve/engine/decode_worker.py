@@ -103,19 +103,25 @@ class DecodeWorker:
         sampling raises fail alone (the others decode again next step; the step in flight still
         lands); any other error of the step (device still usable) fails its whole batch."""
         try:
-            self._step()
-        except RequestsFailed as e:
-            for r in e.reqs:
-                self._finish(r, "error", message=describe(e.error, "sampling"))
-            self._complete()
+            try:
+                self._step()
+            except RequestsFailed as e:
+                self._quiesce()  # the failed step's forward may still write the blocks freed below
+                for r in e.reqs:
+                    self._finish(r, "error", message=describe(e.error, "sampling"))
+                self._complete()
         except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
             if is_fatal(e):
                 raise
             self._fail_batch(e)
 
-    def _fail_batch(self, e: Exception) -> None:
+    def _quiesce(self) -> None:
+        """Wait until nothing this worker launched still runs (raises if the device is broken)."""
         if self.runner.device.type == "cuda":
-            torch.cuda.synchronize()  # nothing in flight writes the blocks freed below (raises if broken)
+            torch.cuda.synchronize()
+
+    def _fail_batch(self, e: Exception) -> None:
+        self._quiesce()  # nothing in flight writes the blocks freed below
         f, self.inflight = self.inflight, None
         why = describe(e, "decode step")
         for r in list(self.running) + (f.reqs if f is not None else []):
@@ -212,14 +218,19 @@ class DecodeWorker:
             if not (self.blocks.can_allocate(r.num_tokens)
                     or (alone and self.blocks.num_free * self.blocks.block_size >= r.num_tokens)):
                 return
-            self.waiting.popleft()
             table = self.blocks.allocate(r.req_id, r.num_tokens)
-            r.state = "prefilling"
             if r.outputs:  # recompute after a preemption: prompt + outputs, and the request again
                 again = m.NewRequest(r.req_id, r.prompt, r.params, 0.0)
-                self.io.send["d2p"].send(m.KVReady(r.req_id, table, r.prompt + r.outputs, r.attempt, again))
+                msg = m.KVReady(r.req_id, table, r.prompt + r.outputs, r.attempt, again)
             else:
-                self.io.send["d2p"].send(m.KVReady(r.req_id, table, [], r.attempt))
+                msg = m.KVReady(r.req_id, table, [], r.attempt)
+            if not self.io.send["d2p"].try_send(msg):
+                # prefill's inbox is full: admit later. Decode never blocks on prefill, so it keeps
+                # stepping and sending heartbeats, and a hung prefill is the one taken as hung.
+                self.blocks.free(r.req_id)
+                return
+            self.waiting.popleft()
+            r.state = "prefilling"
 
     # ---- compute partition (adaptive manager, applied at step boundaries) ----------------------
     def repartition(self) -> None:
@@ -319,12 +330,14 @@ class DecodeWorker:
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens: emit, stop, free what finished."""
-        f, self.inflight = self.inflight, None
+        f = self.inflight  # cleared only once recorded: if this raises, _fail_batch still sees its requests
         if f is None:
             return
         if f.done is not None:
             f.done.synchronize()
-        for r, (tok, lp, top) in zip(f.reqs, f.host.rows([r.params for r in f.reqs]), strict=True):
+        rows = f.host.rows([r.params for r in f.reqs])
+        self.inflight = None
+        for r, (tok, lp, top) in zip(f.reqs, rows, strict=True):
             r.inflight -= 1
             if r.state != "running":  # finished or aborted after launch: its token is dropped
                 self._release(r)

@@ -114,8 +114,9 @@ class HybridWorker:
         """Run `fn(arg)` for `plan`; a request never takes the worker down (engine/faults.py). Rows
         whose sampling raises alone fail; on any other error (device still usable) the suspects
         fail: the requests whose prompt chunks were in the step, or, in a decode-only step, all of
-        its requests. The rest are untouched: the step was not completed, so the scheduler plans
-        their work again."""
+        its requests; a failure in `record` (which may have marked the plan computed) fails every
+        request of the step. The rest are untouched: the step was not completed, so the scheduler
+        plans their work again."""
         try:
             return fn(arg)
         except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives
@@ -125,6 +126,8 @@ class HybridWorker:
                 torch.cuda.synchronize()  # nothing in flight writes the blocks freed below
             if isinstance(e, RequestsFailed):
                 blamed, why = e.reqs, describe(e.error, "sampling")
+            elif fn == self.record:  # the plan may be marked computed already: retrying is not safe
+                blamed, why = list(plan.decode) + [c.seq for c in plan.prefill], describe(e, "step")
             else:
                 blamed, why = [c.seq for c in plan.prefill] or list(plan.decode), describe(e, "step")
             for seq in blamed:

@@ -7,7 +7,7 @@ its Ready. Either step past `startup_timeout_s` kills what started and raises.
 `WorkerSet.stop` asks both to shut down, waits briefly, kills what is left, and unlinks every
 shared-memory name. Prefill is stopped first: the owner of shared memory outlives its users.
 In hybrid mode (`LaunchConfig.mode`) one worker starts instead (`engine/hybrid_worker.py`), in the
-decode worker's seat: only the rings r2d and d2r exist, and `send_request` reaches just that one.
+decode worker's seat: only the rings r2d and d2r exist, and a new request goes to that one alone.
 """
 
 from __future__ import annotations
@@ -165,16 +165,14 @@ class WorkerSet:
                 raise WorkerStartError(f"the {who} worker failed to start: {msg.message}")
             if msg is not None and on_message is not None:
                 on_message(msg)
-            if not self.procs[who].is_alive():
-                raise WorkerStartError(f"the {who} worker exited during start-up "
-                                       f"(exit code {self.procs[who].exitcode})")
+            for other, p in self.procs.items():  # prefill waits on decode's hand-off: both must live
+                if not p.is_alive():
+                    raise WorkerStartError(f"the {other} worker exited during start-up (exit code {p.exitcode})")
         raise WorkerStartError(f"the {who} worker was not ready after {self.cfg.launch.startup_timeout_s:.0f} s")
 
-    def send_request(self, msg: m.NewRequest) -> None:
-        """A new request goes to every worker with a request inbox: both RAPID workers, or the hybrid one."""
-        for label in ("r2d", "r2p"):
-            if label in self.send:
-                self.send[label].send(msg)
+    def request_labels(self) -> tuple[str, ...]:
+        """The rings a new request goes to: both RAPID workers' inboxes, or the hybrid one's."""
+        return tuple(label for label in ("r2d", "r2p") if label in self.send)
 
     def writer_of(self, label: str) -> str:
         """The worker that writes the router-bound ring `label` (d2r: decode or hybrid, p2r: prefill)."""

@@ -188,6 +188,10 @@ class PrefillWorker:
             self.io.send["p2d"].send(d)
 
     def _fail(self, job: Job, e: BaseException) -> None:
+        if self.runner.device.type == "cuda":  # a forward that raised may still be writing its blocks
+            import torch
+
+            torch.cuda.current_stream().synchronize()
         if job in self.waiting_prefill:
             self.waiting_prefill.remove(job)
         why = describe(e, "prefill")
