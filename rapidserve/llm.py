@@ -82,8 +82,7 @@ class LLM:
             self._next_id += 1
             seqs = []
             for i in range(p.n):
-                sp = p if p.n == 1 or p.seed is None else _with_seed(p, p.seed + i)
-                seqs.append(self.engine.add(f"{rid}-{i}", ids, sp))
+                seqs.append(self.engine.add(f"{rid}-{i}", ids, p.for_sample(i)))
             requests.append((RequestOutput(rid, text, ids), seqs))
         total = sum(len(s) for _, s in requests)
         bar = tqdm(total=total, desc="generating", disable=not use_tqdm, leave=False)
@@ -101,9 +100,3 @@ class LLM:
                     top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
                     finish_reason=s.finish_reason))
         return [r for r, _ in requests]
-
-
-def _with_seed(p: SamplingParams, seed: int) -> SamplingParams:
-    import msgspec
-
-    return msgspec.structs.replace(p, seed=seed)

@@ -125,6 +125,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """True when the next token is the argmax of the logits (temperature ~0 or top_k == 1)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
+    def for_sample(self, j: int) -> SamplingParams:
+        """The parameters of sample `j` of `n`, as one engine request: n=1, and a seeded request's
+        sample j gets seed + j (so samples differ and each is reproducible). The one seed rule, for
+        the server and `LLM` alike."""
+        if self.n == 1 and j == 0:
+            return self
+        return msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+
     def replace(self, **kw: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return msgspec.structs.replace(self, **kw)

@@ -380,3 +380,16 @@ def test_empty_batch_and_shape_checks() -> None:
         Sampler().sample(_logits(2), [SamplingParams()], [None])
     with pytest.raises(ValueError, match="batch, vocab"):
         Sampler().sample(torch.zeros(V), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize("params, j, want_seed", [
+    (SamplingParams(), 0, None),
+    (SamplingParams(n=3), 2, None),
+    (SamplingParams(n=3, seed=10), 0, 10),
+    (SamplingParams(n=3, seed=10), 2, 12),
+    (SamplingParams(seed=-4), 0, -4),
+])
+def test_sample_j_gets_seed_plus_j(params: SamplingParams, j: int, want_seed: int | None) -> None:
+    sub = params.for_sample(j)
+    assert sub.n == 1 and sub.seed == want_seed
+    assert msgspec.structs.replace(sub, n=params.n, seed=params.seed) == params  # nothing else changes

@@ -37,7 +37,6 @@ from aiohttp import web
 from rapidserve.config import EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.engine.messages import TokenOut
-from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.body import check_headers
 from rapidserve.server.detokenizer import IncrementalDetokenizer
 from rapidserve.server.errors import APIError
@@ -280,7 +279,7 @@ class Server:
     async def _run(self, rid: str, req: GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
-        params = _sub_params(p, c.index % p.n)
+        params = p.for_sample(c.index % p.n)
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
@@ -383,10 +382,3 @@ def _cancelling() -> bool:
     """Whether the current task itself is being cancelled (Python 3.11+; False before)."""
     task = asyncio.current_task()
     return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
-
-
-def _sub_params(p: SamplingParams, j: int) -> SamplingParams:
-    """The engine runs one sample per request: n=1, and sample j of a seeded request gets seed + j."""
-    import msgspec
-
-    return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + j)
