@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from rapidserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
-from rapidserve.engine.client import EngineError
+from rapidserve.engine.client import EngineError, RequestRejected
 from rapidserve.engine.messages import TokenOut
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.app import Server
@@ -27,6 +27,7 @@ MODEL = ModelConfig(arch="llama", vocab_size=64, hidden_size=8, intermediate_siz
                     num_kv_heads=1, head_dim=4, max_position_embeddings=4096)
 ECFG = EngineConfig(model="preset:fake", model_config=MODEL, scheduler=SchedulerConfig(max_num_seqs=8))
 CRASH = "crash"  # FakeEngine.mode: raise a plain RuntimeError (a bug) after the first token
+REJECT = "reject"  # FakeEngine.mode: refuse the prompt (RequestRejected) before any token
 
 
 class FakeEngine:
@@ -49,6 +50,8 @@ class FakeEngine:
     async def generate(self, req_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenOut]:
         if self.state != "ready":
             raise EngineError(f"the engine is not running ({self.state})")
+        if self.mode == REJECT:
+            raise RequestRejected("prompt_token_ids holds 99: token ids must be integers in [0, 64)")
         self.live.add(req_id)
         done = False
         try:

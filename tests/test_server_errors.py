@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fakes import CRASH, FakeEngine, running_server, sse_events
+from tests.server_fakes import CRASH, REJECT, FakeEngine, running_server, sse_events
 
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 1000}
 TWO_SAMPLES = {"prompt": [1, 2, 3], "max_tokens": 1000, "n": 2}
@@ -220,5 +220,24 @@ def test_a_body_trickled_in_slowly_gets_408_and_the_server_goes_on() -> None:
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
                                                             json={"prompt": [1, 2], "max_tokens": 2}) as r:
                 assert r.status == 200
+
+    asyncio.run(main())
+
+
+def test_a_prompt_the_engine_refuses_is_a_400_not_a_503() -> None:
+    """RequestRejected is an EngineError and a ValueError: it is the client's error (400 /
+    invalid_request_error), not the engine's 503, stream or not."""
+    async def main() -> None:
+        engine = FakeEngine()
+        engine.mode = REJECT
+        async with running_server(engine) as (_, url), aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["param"] == "prompt", body
+                assert "token ids must be integers" in body["error"]["message"]
+            async with s.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}) as r:
+                events = sse_events(await r.read())  # the stream had begun: an error event, then [DONE]
+                err = json.loads(events[-2])["error"]
+                assert events[-1] == "[DONE]" and err["type"] == "invalid_request_error" and err["param"] == "prompt"
 
     asyncio.run(main())

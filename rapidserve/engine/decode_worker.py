@@ -302,9 +302,10 @@ class DecodeWorker:
             # The step in flight ran on this stream, or on another one that repartition() synchronized
             # before switching, so its token_ids are written before this read. They were allocated on
             # that stream and are freed while this step may still read them: record_stream keeps the
-            # allocator from reusing the memory there first (a no-op when it is this stream). The
-            # inputs are copied without blocking: torch.tensor(..., device=) would wait for the
-            # stream, i.e. for the step in flight, and lose the step of lookahead.
+            # allocator from reusing the memory there first (a no-op when it is this stream).
+            # Caveat, not measured: the inputs come from pageable host memory, and CUDA orders such a
+            # copy after the stream's earlier work, so this may still wait for the step in flight;
+            # staging them in pinned memory would remove that wait.
             dev = self.runner.device
             input_ids = torch.tensor([it.token_id for it in items]).to(dev, non_blocking=True)
             dst = torch.tensor([c[0] for c in carried]).to(dev, non_blocking=True)

@@ -211,10 +211,8 @@ class Server:
                 return await self._stream(request, req, rid, choices)
             await self._generate(rid, req, choices, None)
             return web.json_response(self._final(req, rid, choices))
-        except EngineError as e:
-            raise _unavailable(e) from None
-        except ValueError as e:  # the engine refused the prompt (the parser checks first)
-            raise APIError(400, str(e), param="prompt") from None
+        except (EngineError, ValueError) as e:
+            raise _api_error(e) from None
         finally:
             self.inflight -= n
             out = sum(len(c.token_ids) for c in choices)
@@ -360,13 +358,19 @@ class Server:
 
 def _error_body(e: Exception) -> dict[str, Any]:
     """The `error` object of an OpenAI-style error for an exception that ended a request."""
-    if isinstance(e, EngineError):
-        return _unavailable(e).body()["error"]
-    if isinstance(e, APIError):
-        return e.body()["error"]
-    if isinstance(e, ValueError):
-        return APIError(400, str(e), param="prompt").body()["error"]
+    if isinstance(e, (APIError, EngineError, ValueError)):
+        return _api_error(e).body()["error"]
     return APIError(500, "internal server error", "server_error").body()["error"]
+
+
+def _api_error(e: APIError | EngineError | ValueError) -> APIError:
+    """A prompt the engine refused (RequestRejected, a ValueError; the parser checks first) is the
+    client's error, 400; any other engine failure is 503 (`_unavailable`)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return APIError(400, str(e), param="prompt")
+    return _unavailable(e)
 
 
 def _unavailable(e: EngineError) -> APIError:
