@@ -5,7 +5,7 @@ Pure Python, no torch: the scheduler's decisions are tested on CPU against it.
 Ownership: a block is either on the free list or in exactly one sequence's block table. Only the
 process that owns this object (the decode worker in the two-process engine, the engine core in a
 single process) changes block tables. `free` returns every block of a sequence at once; the caller
-must only free once nothing can still write into those blocks (DESIGN.md: prefill done or dropped).
+must only free once nothing can still write into those blocks (docs/architecture.md: prefill done or dropped).
 
 The watermark keeps a few blocks back when admitting new sequences, so running sequences can still
 grow by a block without immediately preempting someone.
@@ -54,6 +54,12 @@ class BlockManager:
     def can_allocate(self, num_tokens: int) -> bool:
         """Room for a new sequence of `num_tokens` while keeping the watermark free."""
         return len(self._free) - blocks_for(num_tokens, self.block_size) >= self.watermark_blocks
+
+    def can_admit(self, num_tokens: int, alone: bool) -> bool:
+        """The admission rule of every scheduler: room for a new sequence's `num_tokens` while keeping
+        the watermark free, or, when nothing else holds blocks (`alone`), room at all: the watermark
+        never starves the only sequence."""
+        return self.can_allocate(num_tokens) or (alone and len(self._free) * self.block_size >= num_tokens)
 
     def blocks_needed_to_grow(self, seq_id: str, new_len: int) -> int:
         return max(0, blocks_for(new_len, self.block_size) - len(self._tables[seq_id]))

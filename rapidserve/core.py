@@ -20,10 +20,6 @@ from rapidserve.scheduler import Scheduler
 from rapidserve.sequence import Sequence, check_stop
 
 
-class RequestError(ValueError):
-    """A request cannot be served as given (e.g. its prompt does not fit the context window)."""
-
-
 @dataclass(frozen=True)
 class TokenEvent:
     """One new token of a sequence, as the step produced it."""
@@ -42,24 +38,13 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens)
         self.eos_token_ids: tuple[int, ...] = cfg.model_config.eos_token_ids
-        self.max_model_len = cfg.max_model_len
+        self.limits = self.runner.limits  # the prompt check (rapidserve/prompt.py) and the context cap
         self._arrivals = 0
-        self.num_preemptions = 0
         # Optional extra stop check on the text (stop strings); returns a finish reason or None.
         self.text_stop: Callable[[Sequence], str | None] | None = None
 
-    def validate(self, prompt_token_ids: list[int]) -> None:
-        vocab = self.cfg.model_config.vocab_size
-        if not prompt_token_ids:
-            raise RequestError("prompt is empty; give at least one token")
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise RequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window is "
-                               f"{self.max_model_len}, which must also hold at least one new token")
-
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        self.validate(prompt_token_ids)
+        self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
         self._arrivals += 1
         seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
         self.scheduler.add(seq)
@@ -70,19 +55,22 @@ class EngineCore:
             self.scheduler.finish(seq, "abort")
 
     @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.schedule()
-        self.num_preemptions += len(plan.preempted)
         if plan.prefill:
             items = [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
-                                 self.blocks.table(c.seq.seq_id), c.is_last) for c in plan.prefill]
+                                 self.blocks.table(c.seq.seq_id), c.samples) for c in plan.prefill]
             logits = self.runner.prefill(items)
             for c in plan.prefill:
                 self.scheduler.on_prefill_done(c)
-            return self._sample_and_record([c.seq for c in plan.prefill if c.is_last], logits)
+            return self._sample_and_record([c.seq for c in plan.prefill if c.samples], logits)
         if plan.decode:
             items = [DecodeItem(s.last_token_id, s.num_tokens - 1, self.blocks.table(s.seq_id))
                      for s in plan.decode]
@@ -104,7 +92,8 @@ class EngineCore:
                 seq.output_logprobs.append(lp)
             if top is not None:
                 seq.output_top_logprobs.append(top)
-            reason = check_stop(seq, self.eos_token_ids, self.max_model_len)
+            reason = check_stop(seq.params, seq.output_token_ids, seq.num_tokens, self.eos_token_ids,
+                                self.limits.context_cap)
             if reason is None and self.text_stop is not None:
                 reason = self.text_stop(seq)
             if reason is not None:

@@ -1,7 +1,8 @@
 """Hybrid scheduling (Sarathi-Serve / vLLM chunked prefill): one mixed forward pass per step.
 
 Pure Python, no torch: every decision is tested on CPU against a `BlockManager`. The runner only
-executes a `HybridPlan`; the single-process `Scheduler` (prefill first, behind `LLM`) is untouched.
+executes a `StepPlan` (step_plan.py, shared with the single-process `Scheduler`, prefill first,
+behind `LLM`, along with the waiting/running queues, preemption and `finish`).
 
 States: waiting (holds no blocks: new, or preempted) -> running (admitted: holds blocks for all of
 its tokens so far; kept in admission order) -> finished. A running sequence needs
@@ -33,70 +34,19 @@ Invariants (checked by the tests after every step):
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-
 from rapidserve.block_manager import BlockManager
 from rapidserve.sequence import SeqStatus, Sequence
+from rapidserve.step_plan import Chunk, SeqQueues, StepPlan
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """`length` tokens of `seq` from position `start` (= tokens already in the cache); `samples`:
-    the chunk ends the sequence's pending tokens, so the step samples its next token."""
-
-    seq: Sequence
-    start: int
-    length: int
-    samples: bool
-
-
-@dataclass
-class HybridPlan:
-    """One step: `decode` (one token each, at position num_tokens - 1) and prompt `prefill` chunks,
-    run as one forward pass; `preempted` lists the sequences this step sent back to waiting."""
-
-    decode: list[Sequence] = field(default_factory=list)
-    prefill: list[Chunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def is_decode_only(self) -> bool:
-        return bool(self.decode) and not self.prefill
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + sum(c.length for c in self.prefill)
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """Sequences that get a new token, in logits row order: decodes, then finishing chunks."""
-        return self.decode + [c.seq for c in self.prefill if c.samples]
-
-
-class HybridScheduler:
+class HybridScheduler(SeqQueues):
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_num_batched_tokens="
                              f"{max_num_batched_tokens} must be positive")
-        self.blocks = blocks
+        super().__init__(blocks)
         self.budget = max_num_batched_tokens
         self.max_running = min(max_num_seqs, max_num_batched_tokens)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
-
-    def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def counts(self) -> tuple[int, int, int]:
         """(decoding, prefilling, waiting) sequences, for stats."""
@@ -104,15 +54,15 @@ class HybridScheduler:
         return len(self.running) - prefilling, prefilling, len(self.waiting)
 
     # ---- the step ---------------------------------------------------------------------------
-    def schedule(self) -> HybridPlan:
-        plan = HybridPlan()
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
         budget = self._schedule_decodes(plan)
         budget = self._continue_prefills(plan, budget)
         if not plan.preempted:
             self._admit(plan, budget)
         return plan
 
-    def _schedule_decodes(self, plan: HybridPlan) -> int:
+    def _schedule_decodes(self, plan: StepPlan) -> int:
         budget = self.budget
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.num_tokens - seq.num_computed != 1:
@@ -124,7 +74,7 @@ class HybridScheduler:
                 budget -= 1
         return budget
 
-    def _grow_or_preempt(self, seq: Sequence, plan: HybridPlan) -> bool:
+    def _grow_or_preempt(self, seq: Sequence, plan: StepPlan) -> bool:
         """Make `seq`'s table cover its newest token, preempting the latest admitted sequences (never
         one already planned: those were admitted before `seq`). False if `seq` preempted itself."""
         while not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
@@ -136,7 +86,7 @@ class HybridScheduler:
         self.blocks.grow(seq.seq_id, seq.num_tokens)
         return True
 
-    def _continue_prefills(self, plan: HybridPlan, budget: int) -> int:
+    def _continue_prefills(self, plan: StepPlan, budget: int) -> int:
         for seq in self.running:
             if budget == 0:
                 break
@@ -145,14 +95,10 @@ class HybridScheduler:
                 budget -= self._plan_chunk(plan, seq, budget)
         return budget
 
-    def _admit(self, plan: HybridPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            alone = not self.running
-            fits = self.blocks.can_allocate(seq.num_tokens) or (
-                alone and self.blocks.num_free * self.blocks.block_size >= seq.num_tokens
-            )  # the watermark never starves the only sequence
-            if not fits:
+            if not self.blocks.can_admit(seq.num_tokens, alone=not self.running):
                 return
             self.waiting.popleft()
             self.blocks.allocate(seq.seq_id, seq.num_tokens)
@@ -160,23 +106,13 @@ class HybridScheduler:
             self.running.append(seq)
             budget -= self._plan_chunk(plan, seq, budget)
 
-    def _plan_chunk(self, plan: HybridPlan, seq: Sequence, budget: int) -> int:
-        rest = seq.num_tokens - seq.num_computed
-        n = min(rest, budget)
-        plan.prefill.append(Chunk(seq, seq.num_computed, n, samples=n == rest))
+    def _plan_chunk(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        plan.prefill.append(Chunk.of(seq, n))
         return n
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
     # ---- after the step ---------------------------------------------------------------------
-    def complete(self, plan: HybridPlan) -> None:
+    def complete(self, plan: StepPlan) -> None:
         """The plan's forward pass has run: its tokens' K/V are in the cache. Call before appending
         the sampled tokens. Sequences finished meanwhile (aborted) are left alone."""
         for seq in plan.decode:
@@ -185,14 +121,3 @@ class HybridScheduler:
         for c in plan.prefill:
             if c.seq.status is SeqStatus.RUNNING:
                 c.seq.num_computed = c.start + c.length
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Out of every queue and all its blocks back to the pool, at once. Safe while a step that
-        includes `seq` is in flight only where later writes are queued behind that step (one stream)."""
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self.blocks.free(seq.seq_id)
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)

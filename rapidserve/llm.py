@@ -75,7 +75,7 @@ class LLM:
                              "pass one SamplingParams or one per prompt")
         encoded = [self._encode(prompt) for prompt in plist]
         for _, ids in encoded:  # all checked before any is added: a bad prompt leaves nothing behind
-            self.engine.validate(ids)
+            self.engine.limits.check(ids)
         requests: list[tuple[RequestOutput, list[Seq]]] = []
         for (text, ids), p in zip(encoded, params, strict=True):
             rid = str(self._next_id)

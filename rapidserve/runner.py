@@ -4,7 +4,7 @@ Two calls for the engine: `prefill(items, stream)` and `decode(items, stream, gr
 builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
 and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
 On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key:
-a graph keeps the compute partition of the stream it was captured on (FACTS.md), so the engine
+a graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
 captures one set per partition configuration. No capture on CPU.
 Sampling is separate (`sample`), so the engine decides what to do with logits.
 """
@@ -26,6 +26,7 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks
 from rapidserve.loader import ModelSource
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
+from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import early_stop_bans
@@ -49,6 +50,32 @@ class DecodeItem:
     token_id: int
     position: int  # of token_id; the context after this step is position + 1 tokens
     block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Carry:
+    """Tokens of a step still in flight, fed to the next decode step without waiting for them: row
+    `dst` of the step takes `token_ids[src]` for each `(dst, src)` in `rows` (the items' token ids of
+    those rows are placeholders).
+
+    Stream ordering: the step reading them runs on the current stream. The step in flight ran on
+    this stream, or on another one the caller synchronized before switching, so `token_ids` are
+    written before this read. They were allocated on that stream and may be freed while this step
+    still reads them: record_stream keeps the allocator from reusing the memory there first (a no-op
+    when it is this stream). Caveat, not measured: the index lists (and the decode inputs) are copied
+    from pageable host memory, which CUDA orders after the stream's earlier work, so the copy may
+    still wait for the step in flight; staging them in pinned memory would remove that wait."""
+
+    token_ids: torch.Tensor
+    rows: list[tuple[int, int]]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        dev = input_ids.device
+        dst = torch.tensor([d for d, _ in self.rows]).to(dev, non_blocking=True)
+        src = torch.tensor([s for _, s in self.rows]).to(dev, non_blocking=True)
+        input_ids[dst] = self.token_ids[src]
+        if dev.type == "cuda":
+            self.token_ids.record_stream(torch.cuda.current_stream(dev))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,6 +152,12 @@ class ModelRunner:
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
 
+    @property
+    def limits(self) -> PromptLimits:
+        """What a prompt must be here; its `context_cap` is where every request stops ("length")."""
+        pool = self.kv_pool.num_blocks * self.block_size
+        return PromptLimits(self.mcfg.vocab_size, self.max_model_len, pool)
+
     # ---- start-up ---------------------------------------------------------------------------
     def _load(self, source: ModelSource, show_progress: bool) -> None:
         weights: Iterator[tuple[str, torch.Tensor]] = source.weights()
@@ -200,14 +233,14 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------------------------
     def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
-               graph_key: str = "default", input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step. `input_ids` (on the device, [len(items)]) overrides the items' token
-        ids: the engine feeds the previous step's sampled tokens without waiting for them. On
-        `stream` if given, ordered with the caller's stream (`_run_on`); the engine's workers instead
-        make the partition stream current themselves and pass no stream."""
-        return self._run_on(stream, lambda: self._decode_now(items, graph_key, input_ids))
+               graph_key: str = "default", carry: Carry | None = None) -> torch.Tensor:
+        """One decode step. `carry` feeds some rows the previous step's sampled tokens straight from
+        the device, without waiting for them. On `stream` if given, ordered with the caller's stream
+        (`_run_on`); the engine's workers instead make the partition stream current themselves and
+        pass no stream."""
+        return self._run_on(stream, lambda: self._decode_now(items, graph_key, carry))
 
-    def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, input_ids: torch.Tensor | None) -> torch.Tensor:
+    def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, carry: Carry | None) -> torch.Tensor:
         """Everything on the current stream: the static buffers are filled on the stream that replays
         the graph, so a replay never reads inputs another stream is still writing."""
         n = len(items)
@@ -215,14 +248,16 @@ class ModelRunner:
         if graphs and n <= max(graphs):
             g = graphs[min(b for b in graphs if b >= n)]
             self._fill_static(items, g.batch)
-            if input_ids is not None:
-                self._static["input_ids"][:n].copy_(input_ids)
+            if carry is not None:
+                carry.apply(self._static["input_ids"])
             g.graph.replay()
             return g.logits[:n]
         ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
         meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
                                  max_context_len=int(ctx.max()))
-        tokens = input_ids if input_ids is not None else self._dev(ids)
+        tokens = self._dev(ids)
+        if carry is not None:
+            carry.apply(tokens)
         hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
         return self.model.compute_logits(hidden)
 
@@ -342,6 +377,20 @@ class ModelRunner:
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        """Wait until nothing launched on this device still runs (raises if the device is broken)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after everything queued so far on the current stream (None on CPU, where work is
+        done on return): synchronizing it waits for that work only."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _run_on(self, stream: torch.cuda.Stream | None, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """`fn()` with `stream` current, ordered as if it ran on the caller's stream.

@@ -15,80 +15,42 @@ Decisions are made here and nowhere else; the runner only executes them.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-
 from rapidserve.block_manager import BlockManager
 from rapidserve.sequence import SeqStatus, Sequence
+from rapidserve.step_plan import Chunk, SeqQueues, StepPlan
 
 
-@dataclass(frozen=True)
-class PrefillChunk:
-    seq: Sequence
-    start: int  # first token position of this chunk (= tokens already in the cache)
-    length: int  # new tokens computed this step
-
-    @property
-    def is_last(self) -> bool:
-        return self.start + self.length == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefill and not self.decode
-
-
-class Scheduler:
+class Scheduler(SeqQueues):
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.blocks = blocks
+        super().__init__(blocks)
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepPlan:
+        out = StepPlan()
         self._schedule_prefill(out)
         if not out.prefill:
             self._schedule_decode(out)
         return out
 
-    def _schedule_prefill(self, out: SchedulerOutput) -> None:
+    def _schedule_prefill(self, out: StepPlan) -> None:
         budget = self.budget
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not self.blocks.has(seq.seq_id):
                 if len(self.running) + len(out.prefill) >= self.max_num_seqs:
                     break
-                alone = not self.running and not out.prefill
-                fits = self.blocks.can_allocate(seq.num_tokens) or (
-                    alone and self.blocks.num_free * self.blocks.block_size >= seq.num_tokens
-                )  # the watermark never starves the only sequence
-                if not fits:
+                if not self.blocks.can_admit(seq.num_tokens, alone=not self.running and not out.prefill):
                     break
                 self.blocks.allocate(seq.seq_id, seq.num_tokens)
             length = min(seq.num_tokens - seq.num_computed, budget)
-            out.prefill.append(PrefillChunk(seq, seq.num_computed, length))
+            out.prefill.append(Chunk.of(seq, length))
             budget -= length
             if seq.num_computed + length < seq.num_tokens:
                 break  # a chunked prompt keeps the head of the queue until its last chunk
             self.waiting.popleft()
 
-    def _schedule_decode(self, out: SchedulerOutput) -> None:
+    def _schedule_decode(self, out: StepPlan) -> None:
         scheduled: list[Sequence] = []
         queue = list(self.running)
         while queue:
@@ -105,30 +67,14 @@ class Scheduler:
         out.decode = scheduled
         self.running = list(scheduled)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq.seq_id)
-        seq.num_computed = 0
-        seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
     # ---- after the step ---------------------------------------------------------------------
-    def on_prefill_done(self, chunk: PrefillChunk) -> None:
+    def on_prefill_done(self, chunk: Chunk) -> None:
         """The chunk's K/V are in the cache; a last chunk makes the sequence run."""
         seq = chunk.seq
         seq.num_computed = chunk.start + chunk.length
-        if chunk.is_last and seq.status is not SeqStatus.FINISHED:
+        if chunk.samples and seq.status is not SeqStatus.FINISHED:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
     def on_decode_done(self, seq: Sequence) -> None:
         seq.num_computed = seq.num_tokens  # the last token's K/V were written by this step
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        self.blocks.free(seq.seq_id)
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)

@@ -52,18 +52,20 @@ def token_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
 
 
-def check_stop(seq: Sequence, eos_token_ids: tuple[int, ...], max_model_len: int) -> str | None:
-    """Finish reason after the newest token, or None to go on (stop strings are the caller's)."""
-    p, tok = seq.params, seq.output_token_ids[-1]
-    n_out = len(seq.output_token_ids)
-    if n_out >= p.min_tokens:
-        if not p.ignore_eos and tok in eos_token_ids:
+def check_stop(params: SamplingParams, outputs: list[int], num_tokens: int, eos_token_ids: tuple[int, ...],
+               max_len: int) -> str | None:
+    """Finish reason after the newest output token, or None to go on: the one stop check of every
+    engine and worker (stop strings are the caller's). `num_tokens`: prompt + outputs; `max_len`: the
+    context cap (the context window, or the KV pool's capacity where that is smaller)."""
+    tok, n_out = outputs[-1], len(outputs)
+    if n_out >= params.min_tokens:
+        if not params.ignore_eos and tok in eos_token_ids:
             return "stop"
-        if tok in p.stop_token_ids:
+        if tok in params.stop_token_ids:
             return "stop"
-    if p.max_tokens is not None and n_out >= p.max_tokens:
+    if params.max_tokens is not None and n_out >= params.max_tokens:
         return "length"
-    if seq.num_tokens >= max_model_len:
+    if num_tokens >= max_len:
         return "length"
     return None
 

@@ -15,7 +15,6 @@ import pytest
 from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig, LaunchConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
-from rapidserve.engine.hybrid_worker import reject_reason
 from rapidserve.llm import build_engine_config
 
 MODEL = "preset:tiny-llama"  # a tiny deterministic model: the test is about scheduling, not the weights
@@ -153,11 +152,3 @@ def test_hybrid_engine_on_gpu_matches_llm() -> None:
             await engine.shutdown()
 
     asyncio.run(main())
-
-
-@pytest.mark.parametrize("prompt,why", [
-    ([], "empty"), ([5, -1], "token ids"), ([1] * 100, "context window"), ([1] * 50, None),
-])
-def test_reject_reason(prompt: list[int], why: str | None) -> None:
-    got = reject_reason(prompt, vocab_size=1000, max_model_len=100, pool_tokens=64 if len(prompt) == 100 else 512)
-    assert (got is None) if why is None else (why in (got or ""))

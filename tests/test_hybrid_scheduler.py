@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rapidserve.block_manager import BlockManager, blocks_for
-from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
+from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import SeqStatus, Sequence
+from rapidserve.step_plan import StepPlan
 
 BS = 4
 
@@ -17,7 +18,7 @@ def seq(i: int, n: int, max_tokens: int = 3) -> Sequence:
                     arrival=i)
 
 
-def describe(plan: HybridPlan) -> str:
+def describe(plan: StepPlan) -> str:
     parts = []
     if plan.decode:
         parts.append("D:" + ",".join(s.seq_id for s in plan.decode))
@@ -27,7 +28,7 @@ def describe(plan: HybridPlan) -> str:
     return " ".join(parts)
 
 
-def check_invariants(s: HybridScheduler, plan: HybridPlan) -> None:
+def check_invariants(s: HybridScheduler, plan: StepPlan) -> None:
     assert plan.num_tokens <= s.budget
     assert len(s.running) <= s.max_running
     ids = [x.seq_id for x in s.running] + [x.seq_id for x in s.waiting]
@@ -214,7 +215,7 @@ def test_chunks_cover_the_prompt_exactly_once(tokens: int, budget: int) -> None:
     assert covered == list(range(tokens))
 
 
-def step_done(s: HybridScheduler, plan: HybridPlan) -> None:
+def step_done(s: HybridScheduler, plan: StepPlan) -> None:
     s.complete(plan)
     for x in plan.sampled:
         x.output_token_ids.append(7)

@@ -38,15 +38,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.sampling_params", "rapidserve.outputs")),
+    ("config", ("rapidserve", "rapidserve.config", "rapidserve.sampling_params", "rapidserve.prompt",
+                "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
     ("model", ("rapidserve.loader", "rapidserve.attention", "rapidserve.ops", "rapidserve.models",
                "rapidserve.kv_pool")),
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
-    ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.block_manager", "rapidserve.scheduler",
-                  "rapidserve.hybrid_scheduler", "rapidserve.tokenizer")),
+    ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.block_manager", "rapidserve.step_plan",
+                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer")),
     # Running the model on batches: ModelRunner, zero-copy sharing of weights + pool, building the config tree.
     ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.

@@ -159,7 +159,7 @@ def test_generate_rejects_mismatched_params_and_overlong_prompt() -> None:
     llm = LLM("preset:tiny-llama", dtype="float32", device="cpu", show_progress=False, max_model_len=64)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1, 2], [3]], [SamplingParams(), SamplingParams(), SamplingParams()], use_tqdm=False)
-    with pytest.raises(ValueError, match="context window"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         llm.generate([[5, 6], [1] * 64], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_work  # the valid prompt before it was not left behind
     with pytest.raises(ValueError, match="no tokenizer"):

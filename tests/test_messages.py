@@ -15,8 +15,8 @@ SAMPLES = [
     NEW,
     m.Abort("r1"),
     m.Shutdown("bye"),
-    m.KVReady("r1", [4, 9, 2], [], 0),
-    m.KVReady("r1", [4, 9], [1, 2, 3, 7, 8], 2, NEW),
+    m.KVReady(NEW, [4, 9, 2]),
+    m.KVReady(NEW, [4, 9], [7, 8], 2),
     m.Drop("r1"),
     m.SetPartition("split-32"),
     m.PrefillDone("r1", 0, m.TokenOut("r1", 0, 7, -0.5, [(7, -0.5)], None)),
@@ -42,13 +42,13 @@ def test_every_message_type_has_a_sample() -> None:
 def test_round_trip(msg: msgspec.Struct) -> None:
     data = msgspec.msgpack.encode(msg)
     assert msgspec.msgpack.decode(data, type=type(msg)) == msg
-    rings = [label for label, t in RING_TYPES.items() if type(msg) in getattr(t, "__args__", (t,))]
+    rings = [label for label, w in RING_TYPES.items() if type(msg) in getattr(w.types, "__args__", (w.types,))]
     assert rings, f"{type(msg).__name__} travels on no ring"
     for label in rings:  # decoded through the ring's declared union, as the receiver does
-        assert msgspec.msgpack.decode(data, type=RING_TYPES[label]) == msg
+        assert msgspec.msgpack.decode(data, type=RING_TYPES[label].types) == msg
 
 
 def test_wrong_type_is_refused() -> None:
     data = msgspec.msgpack.encode(m.Abort("x"))
     with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(data, type=RING_TYPES["d2r"])
+        msgspec.msgpack.decode(data, type=RING_TYPES["d2r"].types)

@@ -1,4 +1,4 @@
-"""Table-driven tests of the adaptive resource manager's pure decision function (H100 numbers, FACTS.md)."""
+"""Table-driven tests of the adaptive resource manager's pure decision function (H100 numbers, docs/measured.md)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from rapidserve.partition.manager import Decision, ManagerState, decide, full_decode_config, make_state
 from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
 
-PREFILL_TOKENS = 8192  # the prefill step of FACTS.md: an 8192-token GEMM pair
+PREFILL_TOKENS = 8192  # the prefill step of docs/measured.md: an 8192-token GEMM pair
 # name -> (decode units, alone p50, alone p95, beside p50, beside p95, prefill step ms), batch 64 on 132 SMs
 H100 = {
     "overallocated": (0, 1.40, 1.50, 35.9, 37.0, 5.6),

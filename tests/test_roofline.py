@@ -126,7 +126,7 @@ def test_decode_bandwidth_saturates() -> None:
 
 @pytest.mark.parametrize("sms, measured_ms", [(16, 3.62), (32, 2.19), (48, 1.79), (64, 1.60), (132, 1.40)])
 def test_bandwidth_curve_fits_facts(sms: int, measured_ms: float) -> None:
-    """FACTS.md: a 3.49 GB decode GEMM chain alone on n of 132 H100 SMs (memory-bound)."""
+    """docs/measured.md: a 3.49 GB decode GEMM chain alone on n of 132 H100 SMs (memory-bound)."""
     predicted = 3.49e9 / (H100.hbm_bw * H100.bw_efficiency * bw_share(sms / 132, H100.bw_knee)) * 1e3
     assert predicted == pytest.approx(measured_ms, rel=0.06)
 

@@ -58,7 +58,7 @@ def run_to_end(s: Scheduler, max_steps: int = 10_000) -> list[str]:
             log.append("P:" + ",".join(f"{c.seq.seq_id}[{c.start}:{c.start + c.length}]" for c in out.prefill))
             for c in out.prefill:
                 s.on_prefill_done(c)
-                if c.is_last:
+                if c.samples:
                     c.seq.output_token_ids.append(7)
         else:
             log.append("D:" + ",".join(x.seq_id for x in out.decode))
@@ -152,5 +152,4 @@ def test_finish_frees_blocks_from_waiting_and_running() -> None:
 )
 def test_check_stop(params: SamplingParams, outputs: list[int], eos: tuple[int, ...], max_len: int,
                     want: str | None) -> None:
-    s = Sequence("x", [1, 1, 1, 1], params, output_token_ids=list(outputs))
-    assert check_stop(s, eos, max_len) == want
+    assert check_stop(params, list(outputs), 4 + len(outputs), eos, max_len) == want

@@ -41,12 +41,25 @@ class _Out:
 
 
 class FakeIO:
-    """A worker's channels as lists: `inbox` is drained by the worker, `sent[label]` collects."""
+    """A worker's channels as lists: `inbox` is drained by the worker, `sent[label]` collects what
+    it sends on that ring. Decode and prefill share one FakeIO: `seat` says who is sending now."""
 
     def __init__(self) -> None:
         self.inbox: list[Any] = []
         self.sent: dict[str, list[Any]] = defaultdict(list)
-        self.send = {label: _Out(self.sent[label]) for label in ("d2r", "d2p", "p2d", "p2r")}
+        self.seat = "decode"
+
+    @property
+    def to_router(self) -> _Out:  # decode and hybrid write d2r, prefill p2r: one list per writer seat
+        return _Out(self.sent["d2r" if self.seat == "decode" else "p2r"])
+
+    @property
+    def to_prefill(self) -> _Out:
+        return _Out(self.sent["d2p"])
+
+    @property
+    def to_decode(self) -> _Out:
+        return _Out(self.sent["p2d"])
 
     def drain(self) -> list[Any]:
         out, self.inbox = self.inbox, []
@@ -92,40 +105,40 @@ def req(rid: str, seed: int | None = None, n: int = 4) -> m.NewRequest:
 def test_prefill_isolates_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
     cfg, runner = poisoned
     io = FakeIO()
+    io.seat = "prefill"
     w = _prefill_worker(cfg, runner, io)
     for rid, seed, blocks in (("good", None, [0]), ("bad", POISON, [1]), ("good2", 7, [2])):
-        r = req(rid, seed)
-        w.handle(m.KVReady(rid, blocks, [], 0, r))
+        w.handle(m.KVReady(req(rid, seed), blocks))
     w.prefill_step()  # one batch of three: it raises, each runs alone, only "bad" fails
     done = {d.req_id for d in io.of("p2d", m.PrefillDone)}
     failed = io.of("p2d", m.PrefillFailed)
     assert done == {"good", "good2"}
     assert [f.req_id for f in failed] == ["bad"] and "sampling blew up" in failed[0].message
     assert not w.waiting_prefill
-    w.handle(m.KVReady("later", [3], [], 0, req("later")))  # the worker goes on serving
+    w.handle(m.KVReady(req("later"), [3]))  # the worker goes on serving
     w.prefill_step()
     assert io.of("p2d", m.PrefillDone)[-1].req_id == "later"
 
 
 def _decode_worker(cfg: Any, runner: ModelRunner, io: FakeIO) -> DecodeWorker:
     plan = resolve_plan(cfg, runner.device)
-    return DecodeWorker(cfg, runner, io, (), DecodePartition(cfg.partition, plan),  # type: ignore[arg-type]
+    return DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan),  # type: ignore[arg-type]
                         open_streams(plan.wire(), runner.device, ("decode",)))
 
 
 def _prefill_worker(cfg: Any, runner: ModelRunner, io: FakeIO) -> PrefillWorker:
     backend = open_streams(resolve_plan(cfg, runner.device).wire(), runner.device, ("prefill",))
-    return PrefillWorker(cfg, runner, io, (), backend, "overallocated")  # type: ignore[arg-type]
+    return PrefillWorker(cfg, runner, io, backend, "overallocated")  # type: ignore[arg-type]
 
 
 def _submit(cfg: Any, runner: ModelRunner, io: FakeIO, w: DecodeWorker, p: PrefillWorker,
             *reqs: m.NewRequest) -> None:
-    """Requests in as the router sends them (to both workers), admitted and prefilled."""
+    """Requests in as the router sends them (to decode), admitted, prefilled, and decode's news published."""
     for r in reqs:
         w.handle(r)
-        p.handle(r)
     w.admit()
     _prefill_for_decode(cfg, runner, io, w, p)
+    w.publish()
 
 
 def _decode_steps(w: DecodeWorker, n: int) -> None:
@@ -148,8 +161,10 @@ def _prefill_for_decode(cfg: Any, runner: ModelRunner, io: FakeIO, w: DecodeWork
     for msg in [x for x in io.sent["d2p"] if isinstance(x, m.KVReady)]:
         io.sent["d2p"].remove(msg)
         p.handle(msg)
+    io.seat = "prefill"
     while p.waiting_prefill:
         p.prefill_step()
+    io.seat = "decode"
     for msg in list(io.sent["p2d"]):
         io.sent["p2d"].remove(msg)
         w.handle(msg)
@@ -160,14 +175,14 @@ def test_decode_frees_and_fails_a_request_that_prefill_failed(poisoned: tuple[An
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
     p = _prefill_worker(cfg, runner, io)
-    free0 = w.blocks.num_free
+    free0 = w.sched.blocks.num_free
     _submit(cfg, runner, io, w, p, req("ok", n=3), req("bad", POISON))
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
     _decode_steps(w, 10)  # "ok" decodes to its end
     toks = [t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == "ok"]
     assert [t.index for t in toks] == [0, 1, 2] and toks[-1].finish_reason == "length"
-    assert w.blocks.num_free == free0 and not w.reqs
+    assert w.sched.blocks.num_free == free0 and not w.sched.reqs
 
 
 def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
@@ -176,24 +191,25 @@ def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
     p = _prefill_worker(cfg, runner, io)
-    free0 = w.blocks.num_free
+    free0 = w.sched.blocks.num_free
     _submit(cfg, runner, io, w, p, req("a", n=8), req("b", n=8))
     real = runner.decode
     monkeypatch.setattr(runner, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kernel failed")))
     w.step()
+    w.publish()
     fin = io.of("d2r", m.Finished)
     assert sorted((f.req_id, f.reason) for f in fin) == [("a", "error"), ("b", "error")]
-    assert "kernel failed" in fin[0].message and w.blocks.num_free == free0 and not w.reqs
+    assert "kernel failed" in fin[0].message and w.sched.blocks.num_free == free0 and not w.sched.reqs
     monkeypatch.setattr(runner, "decode", real)
     _submit(cfg, runner, io, w, p, req("c", n=2))
     _decode_steps(w, 4)
-    assert _indices(io)["c"] == [0, 1] and w.blocks.num_free == free0
+    assert _indices(io)["c"] == [0, 1] and w.sched.blocks.num_free == free0
 
 
 def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
     cfg, runner = poisoned
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io, ())  # type: ignore[arg-type]
+    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
     io.inbox += [req("a", n=5), req("bad", POISON, n=5)]
     w.read_inbox(wait=False)
     io.inbox += [req("c", n=3)]
@@ -210,7 +226,7 @@ def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRun
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
     toks = _indices(io)
     assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
-    assert w.blocks.num_free == w.blocks.num_blocks
+    assert w.sched.blocks.num_free == w.blocks.num_blocks
 
 
 @pytest.mark.parametrize("err, fatal", [
@@ -239,7 +255,7 @@ def test_decode_sampling_that_raises_fails_only_that_request(
     io = FakeIO()
     w = _decode_worker(cfg, runner, io)
     p = _prefill_worker(cfg, runner, io)
-    free0 = w.blocks.num_free
+    free0 = w.sched.blocks.num_free
     _submit(cfg, runner, io, w, p, req("a", n=6), req("bad", POISON, n=6), req("b", n=6))
     _decode_steps(w, 12)
     fin = io.of("d2r", m.Finished)
@@ -247,4 +263,4 @@ def test_decode_sampling_that_raises_fails_only_that_request(
     toks = _indices(io)
     # "bad" failed while its token 1 was in flight (decode runs one step ahead): that token is dropped
     assert toks["a"] == list(range(6)) and toks["b"] == list(range(6)) and toks["bad"] == [0]
-    assert w.blocks.num_free == free0 and not w.reqs
+    assert w.sched.blocks.num_free == free0 and not w.sched.reqs

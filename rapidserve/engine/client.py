@@ -21,8 +21,11 @@ request on an engine that is not ready fails immediately, and the event loop nev
 ring (`_put`).
 
 States: starting -> ready -> (a death) restarting -> ready ... or -> down (gave up / shut down).
-In hybrid mode (`LaunchConfig.mode`) there is one worker (`engine/hybrid_worker.py`) and one inbox
-ring; the same supervision applies to it.
+A new request goes to one place, the decode worker's inbox (or the hybrid worker's, in hybrid mode:
+`LaunchConfig.mode`); decode hands it to prefill with its blocks. Its prompt is checked here first
+(`rapidserve/prompt.py`; the KV pool's capacity comes from the worker's Ready). Tokens come back
+from decode (and a first token that ends a request, from prefill). The same supervision applies in
+both modes.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.launch import WorkerSet
 from rapidserve.engine.mps import MpsController, MpsPlan
 from rapidserve.ipc import wait_any
+from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SamplingParams
 
 log = logging.getLogger("rapidserve.engine")
@@ -153,16 +157,17 @@ class AsyncEngine:
             raise EngineError(f"the engine is not running ({self.state}): {self.dead_reason or 'not started'}")
         if req_id in self.streams:
             raise EngineError(f"request id {req_id!r} is already in flight")
-        check_prompt(prompt_token_ids, self.cfg.model_config.vocab_size, self.cfg.max_model_len)
+        limits = PromptLimits(self.cfg.model_config.vocab_size, self.cfg.max_model_len, self.workers.pool_tokens)
+        try:
+            limits.check(prompt_token_ids, "prompt_token_ids")
+        except PromptError as e:
+            raise RequestRejected(str(e)) from None
         stream = _Stream(asyncio.Queue())
         self.streams[req_id] = stream
-        msg = m.NewRequest(req_id, list(prompt_token_ids), params, time.monotonic())
-        try:
-            for label in self.workers.request_labels():
-                await self._put(label, msg)
+        try:  # to the decode (or hybrid) worker alone: it hands the request to prefill with its blocks
+            await self._put(m.NewRequest(req_id, list(prompt_token_ids), params, time.monotonic()))
         except BaseException:
             self.streams.pop(req_id, None)
-            self._post_abort(req_id)  # decode may have it already
             raise
         try:
             while True:
@@ -186,12 +191,12 @@ class AsyncEngine:
             self._post_abort(req_id)
             s.queue.put_nowait(None)
 
-    async def _put(self, label: str, msg: m.NewRequest | m.Abort) -> None:
+    async def _put(self, msg: m.NewRequest | m.Abort) -> None:
         """Send without ever blocking the event loop: a full ring (a busy or hung reader) is retried
         asynchronously, and after INBOX_WAIT_S, or once the engine is not ready, it is an EngineError."""
         ws = self.workers
         deadline = time.monotonic() + INBOX_WAIT_S
-        while ws is None or not ws.send[label].try_send(msg):
+        while ws is None or not (ws.submit(msg) if isinstance(msg, m.NewRequest) else ws.abort(msg.req_id)):
             if ws is None or ws is not self.workers or self.state != "ready" or time.monotonic() > deadline:
                 raise EngineError(f"the engine did not take the request within {INBOX_WAIT_S:g} s "
                                   f"({self.state}: {self.dead_reason or 'its inbox is full'})")
@@ -200,10 +205,10 @@ class AsyncEngine:
     def _post_abort(self, req_id: str) -> None:
         """Tell decode to abort `req_id`, now if its inbox has room, else from a task."""
         ws = self.workers
-        if ws is None or ws.send["r2d"].try_send(m.Abort(req_id)):
+        if ws is None or ws.abort(req_id):
             return
         assert self.loop is not None
-        task = self.loop.create_task(self._put("r2d", m.Abort(req_id)))
+        task = self.loop.create_task(self._put(m.Abort(req_id)))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a dead engine forgets it anyway
 
     # ---- collector thread -------------------------------------------------------------------
@@ -350,18 +355,6 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self.workers is not None and self.state == "ready"
-
-
-def check_prompt(prompt: list[int], vocab_size: int, max_model_len: int) -> None:
-    """A prompt the engine can serve, or RequestRejected saying why (the server checks before this)."""
-    if not prompt:
-        raise RequestRejected("prompt_token_ids is empty; give at least one token")
-    bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < vocab_size)), None)
-    if bad is not None:
-        raise RequestRejected(f"prompt_token_ids holds {bad!r}: token ids must be integers in [0, {vocab_size})")
-    if len(prompt) >= max_model_len:
-        raise RequestRejected(f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and "
-                         "must leave room for at least one generated token")
 
 
 def heartbeat_bound(cfg: EngineConfig) -> float:

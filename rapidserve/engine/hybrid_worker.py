@@ -1,9 +1,11 @@
 """The hybrid worker (`rapidserve serve --mode hybrid`): one process, Sarathi-Serve / vLLM-style
 chunked prefill, the baseline the RAPID engine is compared with.
 
-It takes the decode worker's seat on the rings: inbox `r2d` (NewRequest, Abort, Shutdown), outbox
-`d2r` (Ready, TokenBatch, Finished, Stats, WorkerError), so the router (`AsyncEngine`) is the same as
-in rapid mode. There is no prefill worker and nothing is shared with another process.
+It takes the decode worker's seat on the rings (worker_io.RING_TYPES): inbox `r2d` (NewRequest,
+Abort, Shutdown), outbox `d2r` (Ready, TokenBatch, Finished, Stats, WorkerError), so the router
+(`AsyncEngine`) is the same as in rapid mode. There is no prefill worker and nothing is shared with
+another process. It is built and started like the others (`worker_build.build_hybrid`,
+`worker_io.run_worker`).
 
 Each step (`run`): the `HybridScheduler` plans decodes first, then prompt chunks up to the token
 budget; `launch` runs the plan as ONE forward pass and samples on the device; the worker reads its
@@ -23,14 +25,12 @@ pool at once, even while a step that writes them is in flight: there is one proc
 stream, so any later write into a reused block is queued behind that step. The in-flight token of a
 request aborted meanwhile is dropped, so no token is emitted after an abort.
 A request never outgrows the pool: its context is capped at the pool's capacity (finish reason
-"length"), so a request alone always fits and the scheduler cannot stall.
+"length"; `ModelRunner.limits`), so a request alone always fits and the scheduler cannot stall.
 """
 
 from __future__ import annotations
 
-import os
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -41,58 +41,36 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
-from rapidserve.engine.worker_io import (
-    ChannelNames,
-    WorkerIO,
-    apply_env,
-    no_named_locks,
-    settle_heap,
-    unlink_names,
-    worker_signals,
-)
-from rapidserve.hybrid_scheduler import HybridPlan, HybridScheduler
+from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop
+from rapidserve.step_plan import StepPlan
 
 T = TypeVar("T")
-SEAT = "decode"  # whose rings and doorbell the hybrid worker uses (worker_io.INBOXES)
 
 
 @dataclass
 class Launched:
     """A step handed to the device. `seqs`: the sequences it samples for, in logits row order."""
 
-    plan: HybridPlan
+    plan: StepPlan
     seqs: list[Sequence]
     host: SamplerOutput | None  # tokens in (pinned) host memory, valid once `done`; None: no sampling
     done: torch.cuda.Event | None  # None on CPU, where everything is finished on return
 
 
-def reject_reason(prompt: list[int], vocab_size: int, max_model_len: int, pool_tokens: int) -> str | None:
-    """Why a request cannot be served as given, or None (the server checks first; this guards
-    direct AsyncEngine users, since a bad token id would take the whole worker down)."""
-    if not prompt:
-        return "prompt is empty; give at least one token"
-    if any(not 0 <= t < vocab_size for t in prompt):
-        return f"prompt token ids must be in [0, {vocab_size})"
-    if len(prompt) >= min(max_model_len, pool_tokens):
-        return (f"prompt has {len(prompt)} tokens; the context window is {max_model_len} tokens and the "
-                f"KV pool holds {pool_tokens}, which must also hold at least one new token")
-    return None
-
-
 class HybridWorker:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...]) -> None:
-        self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO) -> None:
+        self.cfg, self.runner, self.io, self.eos = cfg, runner, io, cfg.model_config.eos_token_ids
         self.blocks = BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size)
         # Running requests are capped like the decode worker's: at the largest decode graph bucket.
         max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))
         self.sched = HybridScheduler(self.blocks, max_seqs, cfg.scheduler.max_num_batched_tokens)
-        self.pool_tokens = self.blocks.num_blocks * self.blocks.block_size
-        self.max_model_len = min(runner.max_model_len, self.pool_tokens)
+        self.context_cap = runner.limits.context_cap
         self.seqs: dict[str, Sequence] = {}
-        self.out = io.send["d2r"]
+        self.out = io.to_router
         self._tokens: list[m.TokenOut] = []
         self._arrivals = 0
         self._last_stats = 0.0
@@ -110,7 +88,7 @@ class HybridWorker:
             if not self.io.others_alive():
                 return
 
-    def guarded(self, plan: HybridPlan, fn: Callable[[Any], T], arg: Any) -> T | None:
+    def guarded(self, plan: StepPlan, fn: Callable[[Any], T], arg: Any) -> T | None:
         """Run `fn(arg)` for `plan`; a request never takes the worker down (engine/faults.py). Rows
         whose sampling raises alone fail; on any other error (device still usable) the suspects
         fail: the requests whose prompt chunks were in the step, or, in a decode-only step, all of
@@ -122,8 +100,7 @@ class HybridWorker:
         except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives
             if is_fatal(e):
                 raise
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize()  # nothing in flight writes the blocks freed below
+            self.runner.synchronize()  # nothing in flight writes the blocks freed below
             if isinstance(e, RequestsFailed):
                 blamed, why = e.reqs, describe(e.error, "sampling")
             elif fn == self.record:  # the plan may be marked computed already: retrying is not safe
@@ -149,10 +126,9 @@ class HybridWorker:
                 self._stop = True
 
     def _new(self, msg: m.NewRequest) -> None:
-        why = reject_reason(msg.prompt_token_ids, self.cfg.model_config.vocab_size, self.runner.max_model_len,
-                            self.pool_tokens)
-        if why is not None:  # request ids are unique while in flight: the router sees to it
-            self.out.send(m.Finished(msg.req_id, "error", why))
+        """The router checked the prompt (rapidserve/prompt.py) and keeps request ids unique in flight."""
+        if msg.req_id in self.seqs:
+            self.out.send(m.Finished(msg.req_id, "error", f"request id {msg.req_id!r} is still in flight"))
             return
         self._arrivals += 1
         seq = Sequence(msg.req_id, list(msg.prompt_token_ids), msg.params, arrival=self._arrivals)
@@ -166,7 +142,7 @@ class HybridWorker:
             self.out.send(m.Finished(req_id, "abort"))
 
     # ---- one step ---------------------------------------------------------------------------
-    def launch(self, plan: HybridPlan) -> Launched:
+    def launch(self, plan: StepPlan) -> Launched:
         """Queue the plan's forward pass and its sampling on the device; returns without waiting."""
         table = self.blocks.table
         if plan.is_decode_only:
@@ -186,12 +162,7 @@ class HybridWorker:
         except RequestsFailed as e:
             e.reqs = [seqs[i] for i in e.rows]
             raise
-        host = out.to_host()
-        done = None
-        if self.runner.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return Launched(plan, seqs, host, done)
+        return Launched(plan, seqs, out.to_host(), self.runner.mark())
 
     def record(self, step: Launched) -> None:
         """Wait for the step, then take its tokens: emit, stop, free what finished."""
@@ -204,7 +175,7 @@ class HybridWorker:
             if seq.is_finished:  # aborted while the step ran: its token is dropped
                 continue
             seq.output_token_ids.append(tok)
-            reason = check_stop(seq, self.eos, self.max_model_len)
+            reason = check_stop(seq.params, seq.output_token_ids, seq.num_tokens, self.eos, self.context_cap)
             self._tokens.append(m.TokenOut(seq.seq_id, len(seq.output_token_ids) - 1, tok, lp, top, reason))
             if reason is not None:  # the token carries the reason: no Finished message
                 self.sched.finish(seq, reason)
@@ -222,37 +193,3 @@ class HybridWorker:
             self.out.try_send(m.Stats(num_running=decoding, num_waiting=waiting, num_prefilling=prefilling,
                                       kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
                                       num_preemptions=self.sched.num_preemptions))
-
-
-def hybrid_main(cfg: EngineConfig, names: ChannelNames, parent_pid: int, env: dict[str, str | None]) -> None:
-    """Entry point of the hybrid worker process (spawned by `WorkerSet.start` in hybrid mode)."""
-    from rapidserve.loader import resolve_model
-    from rapidserve.runner import resolve_device, resolve_dtype
-
-    apply_env(env)
-    worker_signals()
-    no_named_locks()
-    io = WorkerIO(SEAT, names, parent_pid)
-    out = io.send["d2r"]
-    try:
-        dev = resolve_device(cfg.runner.device)
-        source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
-        runner = ModelRunner(cfg, source, show_progress=False)
-        runner.capture_decode_graphs(show_progress=False)
-        pool = runner.kv_pool.tensor
-        own = torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
-        out.send(m.Ready("hybrid", os.getpid(), {
-            "kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
-            "device_allocated_bytes": str(own), "weight_bytes": str(runner.model.weight_bytes()),
-            "kv_bytes": str(pool.numel() * pool.element_size())}))
-        settle_heap()
-        HybridWorker(cfg, runner, io, cfg.model_config.eos_token_ids).run()
-    except SystemExit:
-        pass
-    except BaseException as e:  # report, then die: the router fails in-flight requests
-        out.try_send(m.WorkerError("hybrid", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
-        raise
-    finally:
-        if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
-            unlink_names(names)
-        io.close()

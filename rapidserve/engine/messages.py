@@ -1,21 +1,22 @@
 """Every message that crosses a process boundary in the RAPID engine, as declared msgspec types.
 
-Which message rides which ring is declared once, in `engine/worker_io.py:RING_TYPES` (one SPSC ring
-per direction per pair; see rapidserve/ipc/ring.py).
+Which message rides which ring is declared once, in `engine/worker_io.py:RING_TYPES`.
 
-Request flow (docs/architecture.md): the router sends NewRequest to both workers. Decode allocates
-the prompt's blocks and sends KVReady; prefill computes the prompt into those blocks, samples the
-first token and sends PrefillDone (carrying it) to decode, which adds the request to its running
-batch and streams that token and the rest to the router; a first token that already ends the
-request goes from prefill to the router at once. An abort goes to decode only: if prefill holds
-blocks of the request, decode sends Drop and frees the blocks only when prefill answers Dropped (or
-PrefillDone / PrefillFailed, if it got there first). Only decode changes block tables.
+Request flow (docs/architecture.md): the router sends NewRequest to the decode worker only. Decode
+allocates the prompt's blocks and hands the request to prefill in a KVReady; prefill computes the
+prompt into those blocks, samples the first token and sends PrefillDone (carrying it) to decode,
+which adds the request to its running batch and streams that token and the rest to the router; a
+first token that already ends the request goes from prefill to the router at once. An abort goes
+to decode only: if prefill holds the request, decode sends Drop and frees the blocks only when
+prefill answers Dropped (or PrefillDone / PrefillFailed, if it got there first). Only decode
+changes block tables.
 
 Failure of one request: an exception while prefill computes or samples a request fails that
 request alone (PrefillFailed -> decode frees its blocks -> Finished(reason="error") to the router);
 the worker goes on serving. Liveness: every worker sends the router something at least every
 `stats_interval_s` (decode and hybrid: Stats; prefill: Heartbeat); silence past the heartbeat bound
-is taken as a hung worker.
+is taken as a hung worker. Shutdown reaches decode (or hybrid) as a message; prefill is stopped by
+the router with SIGTERM, before decode, since decode owns the memory prefill uses.
 """
 
 from __future__ import annotations
@@ -41,20 +42,22 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
 
 
 class KVReady(msgspec.Struct, tag=True, frozen=True):
-    """Decode -> prefill: compute these tokens into these blocks.
+    """Decode -> prefill: compute this request's tokens into these blocks.
 
-    `token_ids` is empty for a first prefill (prefill has the prompt from NewRequest); after a
-    preemption by recompute it holds prompt + outputs so far, all to be recomputed.
-    `attempt` counts preemptions, so a stale PrefillDone of an earlier attempt is recognised.
+    The request travels here (prefill hears of it from decode only, and forgets it once it has sent
+    PrefillDone). `outputs` is empty for a first prefill; after a preemption by recompute it holds
+    the outputs so far, which are computed after the prompt. `attempt` counts preemptions, so a
+    stale PrefillDone of an earlier attempt is recognised.
     """
 
-    req_id: str
+    request: NewRequest
     block_ids: list[int]
-    token_ids: list[int] = []
+    outputs: list[int] = []
     attempt: int = 0
-    # After a preemption the request itself travels again: prefill forgets a request once it has
-    # sent PrefillDone, so it keeps no state for the requests that decode is running.
-    request: NewRequest | None = None
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
 
 
 class Drop(msgspec.Struct, tag=True, frozen=True):

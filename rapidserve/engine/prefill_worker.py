@@ -1,24 +1,23 @@
 """The prefill worker: computes prompts into KV blocks that decode allocated, samples first tokens.
 
 It attaches the decode worker's weights and KV pool by IPC handle (no copy) and has no block
-manager: it writes only into the blocks a KVReady handed it.
+manager: it writes only into the blocks a KVReady handed it. It hears only from decode (ring d2p),
+in order: a request arrives inside its KVReady, and a Drop always follows the KVReady it concerns.
 
-Queues: `pending_kv` (NewRequest seen, blocks not yet handed over) and `waiting_prefill` (blocks
-handed over, FCFS). A batch takes whole prompts in order up to the token budget; a prompt longer
-than the budget alone is computed in budget-sized chunks over several forwards.
-Messages may overtake each other across rings (a KVReady or Drop from decode can arrive before the
-router's NewRequest), so early KVReadys are parked and Drops of unknown requests leave a tombstone.
+Queue: `waiting_prefill` (FCFS). A batch takes whole prompts in order up to the token budget; a
+prompt longer than the budget alone is computed in budget-sized chunks over several forwards.
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
 forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the
 sampled token, which decode streams when the request joins its batch (so the gap to the next token
 is one decode step); a token that ends its request goes to the router at once, before PrefillDone.
+The router stops this worker with SIGTERM (worker_io.worker_signals), before decode.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +27,7 @@ from rapidserve.engine.faults import describe, is_fatal
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
-from rapidserve.sequence import Sequence, check_stop
-
-TOMBSTONES = 4096
+from rapidserve.sequence import check_stop
 
 
 @dataclass
@@ -41,28 +38,28 @@ class Job:
     attempt: int
     done_tokens: int = 0  # computed so far (chunked prefill)
 
+    @classmethod
+    def of(cls, kv: m.KVReady) -> Job:
+        return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt)
+
     @property
     def output_index(self) -> int:
         return len(self.tokens) - len(self.req.prompt_token_ids)
 
 
 class PrefillWorker:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, eos: tuple[int, ...],
-                 backend: PartitionBackend, partition: str) -> None:
-        self.cfg, self.runner, self.io, self.eos = cfg, runner, io, eos
-        self.backend = backend
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, backend: PartitionBackend,
+                 partition: str) -> None:
+        self.cfg, self.runner, self.io, self.backend = cfg, runner, io, backend
+        self.eos, self.context_cap = cfg.model_config.eos_token_ids, runner.limits.context_cap
         self.budget = cfg.scheduler.max_num_batched_tokens
-        self.pending_kv: dict[str, m.NewRequest] = {}
-        self.early_kv: dict[str, m.KVReady] = {}
         self.waiting_prefill: deque[Job] = deque()
-        self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
-        self._stop = False
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
 
     def run(self) -> None:
-        while not self._stop:
+        while True:
             for msg in self.io.drain():
                 self.handle(msg)
             if self.waiting_prefill:
@@ -78,47 +75,18 @@ class PrefillWorker:
         now = time.monotonic()
         if now - self._last_beat >= self.cfg.launch.stats_interval_s:
             self._last_beat = now
-            self.io.send["p2r"].try_send(m.Heartbeat("prefill", len(self.waiting_prefill) + len(self.pending_kv)))
+            self.io.to_router.try_send(m.Heartbeat("prefill", len(self.waiting_prefill)))
 
-    # ---- inbox ------------------------------------------------------------------------------
     def handle(self, msg: object) -> None:
-        if isinstance(msg, m.NewRequest):
-            if self.tombstones.pop(msg.req_id, 0) is None:
-                return  # dropped before it arrived
-            self.pending_kv[msg.req_id] = msg
-            early = self.early_kv.pop(msg.req_id, None)
-            if early is not None:
-                self._kv_ready(early)
-        elif isinstance(msg, m.KVReady):
-            self._kv_ready(msg)
-        elif isinstance(msg, m.Drop):
-            self._drop(msg.req_id)
+        if isinstance(msg, m.KVReady):
+            self.waiting_prefill.append(Job.of(msg))
+        elif isinstance(msg, m.Drop):  # answered even when PrefillDone/PrefillFailed went first
+            for job in [j for j in self.waiting_prefill if j.req.req_id == msg.req_id]:
+                self.waiting_prefill.remove(job)
+            self.io.to_decode.send(m.Dropped(msg.req_id))
         elif isinstance(msg, m.SetPartition):
             self.backend.stream(msg.config, "prefill")  # raises on a configuration we do not have
             self.partition = msg.config
-        elif isinstance(msg, m.Shutdown):
-            self._stop = True
-
-    def _kv_ready(self, msg: m.KVReady) -> None:
-        req = msg.request if msg.request is not None else self.pending_kv.pop(msg.req_id, None)
-        if req is None:
-            self.early_kv[msg.req_id] = msg
-            return
-        tokens = list(msg.token_ids) if msg.token_ids else list(req.prompt_token_ids)
-        self.waiting_prefill.append(Job(req, tokens, list(msg.block_ids), msg.attempt))
-
-    def _drop(self, req_id: str) -> None:
-        known = self.pending_kv.pop(req_id, None) is not None
-        known |= self.early_kv.pop(req_id, None) is not None
-        for job in list(self.waiting_prefill):
-            if job.req.req_id == req_id:
-                self.waiting_prefill.remove(job)
-                known = True
-        if not known:
-            self.tombstones[req_id] = None
-            while len(self.tombstones) > TOMBSTONES:
-                self.tombstones.popitem(last=False)
-        self.io.send["p2d"].send(m.Dropped(req_id))
 
     # ---- prefill ----------------------------------------------------------------------------
     def take_batch(self) -> list[tuple[Job, int]]:
@@ -183,19 +151,16 @@ class PrefillWorker:
         for j in finished:
             self.waiting_prefill.remove(j)
         if firsts:
-            self.io.send["p2r"].send(m.TokenBatch(firsts))
+            self.io.to_router.send(m.TokenBatch(firsts))
         for d in dones:
-            self.io.send["p2d"].send(d)
+            self.io.to_decode.send(d)
 
     def _fail(self, job: Job, e: BaseException) -> None:
-        if self.runner.device.type == "cuda":  # a forward that raised may still be writing its blocks
-            import torch
-
-            torch.cuda.current_stream().synchronize()
+        self.runner.synchronize()  # a forward that raised may still be writing its blocks
         if job in self.waiting_prefill:
             self.waiting_prefill.remove(job)
         why = describe(e, "prefill")
-        self.io.send["p2d"].send(m.PrefillFailed(job.req.req_id, job.attempt, why))
+        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, why))
 
     def _sample(self, jobs: list[Job], logits: object) -> tuple[list[m.TokenOut], list[m.PrefillDone]]:
         import torch
@@ -204,10 +169,8 @@ class PrefillWorker:
         out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs], self.eos)
         firsts, dones = [], []
         for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
-            p = j.req.params
-            seq = Sequence(j.req.req_id, j.req.prompt_token_ids, p,
-                           output_token_ids=j.tokens[len(j.req.prompt_token_ids):] + [tok])
-            reason = check_stop(seq, self.eos, self.runner.max_model_len)
+            outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]
+            reason = check_stop(j.req.params, outputs, len(j.tokens) + 1, self.eos, self.context_cap)
             first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
             if reason is not None:  # the request ends here: the router hears it now
                 firsts.append(first)

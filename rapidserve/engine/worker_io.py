@@ -1,13 +1,17 @@
-"""What a worker process needs around its loop: its channels, an idle wait, and liveness checks.
+"""What a worker process needs around its loop: its entry point, its channels, an idle wait, liveness.
 
-The launcher (in the router process) creates every ring and doorbell; workers only attach. Rings,
-by label (writer -> reader):
+The launcher (in the router process) creates every ring and doorbell; workers only attach. The one
+wire table, `RING_TYPES`, says for each ring (one SPSC ring per direction per pair, see
+rapidserve/ipc/ring.py) who writes it, who reads it and which messages ride it:
 
-    r2d router->decode   r2p router->prefill   d2p decode->prefill
-    p2d prefill->decode  d2r decode->router    p2r prefill->router
+    r2d router->decode    d2p decode->prefill   p2d prefill->decode
+    d2r decode->router    p2r prefill->router
 
-Each reader has one doorbell that all its inbox rings ring, so an idle worker sleeps until a
-message arrives on any of them.
+A new request enters at decode only (r2d) and reaches prefill inside a KVReady (d2p). Each reader
+has one doorbell that all its inbox rings ring, so an idle worker sleeps until a message arrives on
+any of them. The hybrid worker takes the decode worker's seat: r2d and d2r only.
+
+A worker's channels are named by whom they reach: `io.to_router`, `io.to_prefill`, `io.to_decode`.
 """
 
 from __future__ import annotations
@@ -17,27 +21,35 @@ import gc
 import os
 import signal
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import posix_ipc
 
+from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, pid_alive, wait_any
 
-RING_LABELS = ("r2d", "r2p", "d2p", "p2d", "d2r", "p2r")
-DOORBELLS = ("decode", "prefill", "router")
-# Inbox rings of each reader, and the message types each ring carries.
-INBOXES = {"decode": ("r2d", "p2d"), "prefill": ("r2p", "d2p"), "router": ("d2r", "p2r")}
-RING_TYPES: dict[str, Any] = {
-    "r2d": m.NewRequest | m.Abort | m.Shutdown,
-    "r2p": m.NewRequest | m.Shutdown,
-    "d2p": m.KVReady | m.Drop | m.SetPartition | m.Shutdown,
-    "p2d": m.PrefillDone | m.PrefillFailed | m.Dropped,
-    "d2r": m.Ready | m.TokenBatch | m.Finished | m.Stats | m.WorkerError,
-    "p2r": m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError,
+
+@dataclass(frozen=True)
+class Wire:
+    writer: str
+    reader: str
+    types: Any  # the union of message types the reader decodes
+
+
+RING_TYPES: dict[str, Wire] = {
+    "r2d": Wire("router", "decode", m.NewRequest | m.Abort | m.Shutdown),
+    "d2p": Wire("decode", "prefill", m.KVReady | m.Drop | m.SetPartition),
+    "p2d": Wire("prefill", "decode", m.PrefillDone | m.PrefillFailed | m.Dropped),
+    "d2r": Wire("decode", "router", m.Ready | m.TokenBatch | m.Finished | m.Stats | m.WorkerError),
+    "p2r": Wire("prefill", "router", m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError),
 }
-RING_READER = {label: who for who, labels in INBOXES.items() for label in labels}
+HYBRID_RINGS = ("r2d", "d2r")  # the hybrid worker sits in decode's seat
+DOORBELLS = ("decode", "prefill", "router")
+SEATS = {"decode": "decode", "prefill": "prefill", "hybrid": "decode"}  # role -> whose rings it uses
 
 
 @dataclass(frozen=True)
@@ -49,34 +61,53 @@ class ChannelNames:
 
 
 class WorkerIO:
-    """The channels of one worker: `send[label]` for its outbound rings, `recv[label]` for inbound."""
+    """The channels of one worker seat: named senders (`to_router`...), and its inbox rings."""
 
-    def __init__(self, who: str, names: ChannelNames, parent_pid: int) -> None:
-        self.who = who
+    def __init__(self, seat: str, names: ChannelNames, parent_pid: int) -> None:
+        self.seat = seat
         self.parent_pid = parent_pid
         self.peer_pids: list[int] = []
-        self.recv: dict[str, Receiver[Any]] = {}
-        self.send: dict[str, Sender[Any]] = {}
+        self.recv: list[Receiver[Any]] = []
+        self._out: dict[str, Sender[Any]] = {}  # by reader
         for label, name in names.rings.items():
+            wire = RING_TYPES[label]
             ring = ShmRing.attach(name)
-            if RING_READER[label] == who:
-                self.recv[label] = Receiver(ring, RING_TYPES[label])
-            elif label[0] == who[0]:  # d2*, p2*: this worker writes
-                self.send[label] = Sender(ring, RING_TYPES[label])
+            if wire.reader == seat:
+                self.recv.append(Receiver(ring, wire.types))
+            elif wire.writer == seat:
+                self._out[wire.reader] = Sender(ring, wire.types)
             else:
                 ring.close()
-        self.doorbell = Doorbell.attach(names.doorbells[who])
+        self.doorbell = Doorbell.attach(names.doorbells[seat])
         self._last_check = 0.0
+
+    def _to(self, reader: str) -> Sender[Any]:
+        s = self._out.get(reader)
+        if s is None:
+            raise RuntimeError(f"the {self.seat} seat has no ring to the {reader} (see worker_io.RING_TYPES)")
+        return s
+
+    @property
+    def to_router(self) -> Sender[Any]:
+        return self._to("router")
+
+    @property
+    def to_prefill(self) -> Sender[Any]:
+        return self._to("prefill")
+
+    @property
+    def to_decode(self) -> Sender[Any]:
+        return self._to("decode")
 
     def drain(self) -> list[Any]:
         out: list[Any] = []
-        for r in self.recv.values():
+        for r in self.recv:
             out.extend(r.drain())
         return out
 
     def wait(self, timeout: float) -> bool:
         """Sleep until a message is waiting on any inbox ring, or `timeout` seconds pass."""
-        return wait_any(list(self.recv.values()), self.doorbell, timeout)
+        return wait_any(self.recv, self.doorbell, timeout)
 
     def others_alive(self, every_s: float = 0.25) -> bool:
         """False once the router (our parent) or a peer worker has died; checked at most every_s."""
@@ -89,11 +120,44 @@ class WorkerIO:
         return all(pid_alive(p) for p in self.peer_pids)
 
     def close(self) -> None:
-        for r in self.recv.values():
+        for r in self.recv:
             r.close()
-        for s in self.send.values():
+        for s in self._out.values():
             s.close()
         self.doorbell.close()
+
+
+class Worker(Protocol):
+    def run(self) -> None: ...
+
+
+# build(cfg, io, handoff) -> (what the Ready message tells the router, the worker to run)
+Build = Callable[[EngineConfig, WorkerIO, Any], tuple[dict[str, str], Worker]]
+
+
+def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, parent_pid: int, handoff: Any,
+               env: dict[str, str | None]) -> None:
+    """The entry point of every worker process (spawned): attach the channels, `build` the worker
+    (load or attach the model...), say Ready, run its loop. A failure is reported (WorkerError) and
+    ends the process: the router fails the requests in flight and restarts the workers."""
+    apply_env(env)
+    worker_signals()
+    no_named_locks()
+    io = WorkerIO(SEATS[role], names, parent_pid)
+    try:
+        info, worker = build(cfg, io, handoff)
+        io.to_router.send(m.Ready(role, os.getpid(), info))
+        settle_heap()
+        worker.run()
+    except SystemExit:
+        pass
+    except BaseException as e:  # report, then die
+        io.to_router.try_send(m.WorkerError(role, f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        raise
+    finally:
+        if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
+            unlink_names(names)
+        io.close()
 
 
 def unlink_names(names: ChannelNames) -> None:

@@ -233,7 +233,7 @@ class HipCuMaskBackend(PartitionBackend):
 
 # ---- granularity ------------------------------------------------------------------------------
 def sm_granularity(res: Any) -> Granularity:
-    """From a CUdevResource of type SM. The alignment field is newer than the others; FACTS.md
+    """From a CUdevResource of type SM. The alignment field is newer than the others; docs/measured.md
     measured 8 on H100, which is also the default when the driver does not report it."""
     sm = res.sm
     align = int(getattr(sm, "smCoscheduledAlignment", 0) or 8)

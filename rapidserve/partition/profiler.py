@@ -9,7 +9,7 @@ batch bucket and each context bucket it measures:
 * the prefill throughput (tokens/s) under that configuration, over the same window.
 
 Both phases run in one process here (two threads, each on its own stream of the split); the engine
-runs them in two processes under MPS, which FACTS.md measured within ~7% of one process (3.14 vs
+runs them in two processes under MPS, which docs/measured.md measured within ~7% of one process (3.14 vs
 2.93 ms for a 32/100 split). The decode sequences' block tables wrap around the pool, so any
 batch x context fits; the bytes still come from HBM (the pool is far larger than L2).
 """

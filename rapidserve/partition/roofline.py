@@ -17,7 +17,7 @@ that phase gets (below), and the step time the sum over operators. Operators, pe
 * communication (tp > 1): two ring all-reduces of T*h per layer, link_bytes = 2(tp-1)/tp*T*h*b,
   and an all-gather of the logits, (tp-1)/tp*R*V*b. Zero at tp=1.
 
-Bandwidth vs compute share (fitted to FACTS.md's decode-alone table on 16/32/48/64/132 H100 SMs):
+Bandwidth vs compute share (fitted to docs/measured.md's decode-alone table on 16/32/48/64/132 H100 SMs):
     bw(f) = hbm_bw * bw_efficiency * share(f),   share(f) = (1+k)*f / (f+k),   k = bw_knee = 0.285
 share(1) = 1; memory bandwidth saturates with few units (share(0.25) = 0.60, share(0.5) = 0.82).
 Fit errors -4/+3/+3/+3/-5 %; a hard cap min(1, f/f_sat) fits worse (best f_sat 0.305: up to 13 %).
@@ -57,12 +57,12 @@ if TYPE_CHECKING:
 
 
 class Peaks(msgspec.Struct, frozen=True):
-    """Measured ceilings of one device plus the model's fitted constants (defaults: H100, FACTS.md).
+    """Measured ceilings of one device plus the model's fitted constants (defaults: H100, docs/measured.md).
 
     matmul_flops: bf16 GEMM FLOP/s on the whole device; hbm_bw: copy bandwidth, bytes/s (read+write).
     gemm_efficiency / attn_efficiency: fraction of matmul_flops that serving-shaped GEMMs / attention
     kernels reach (assumed: cuBLAS at K=4096-14336, FlashAttention-2-class SDPA). bw_efficiency:
-    fraction of copy bandwidth that weight/KV streaming reaches (fitted with bw_knee to FACTS.md's
+    fraction of copy bandwidth that weight/KV streaming reaches (fitted with bw_knee to docs/measured.md's
     decode chain, taking 2.98e12 B/s as that H100's copy bandwidth). The contention and overalloc
     constants are explained in the module docstring. Defaults suit an H100; `measure_peaks` fills the
     measured fields and keeps them, so compare() against a measured profile tells how far they carry.
@@ -262,7 +262,7 @@ def roofline_profile(
 ) -> Profile:
     """A Profile (source="roofline") with every (configuration, batch, context) entry estimated.
 
-    p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of FACTS.md's split runs; alone: assumed)."""
+    p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of docs/measured.md's split runs; alone: assumed)."""
     entries = []
     for c in configurations:
         alone_units = c.decode_units or peaks.num_compute_units

@@ -160,7 +160,7 @@ class DecodePartition:
         # With no decode running a switch disturbs nobody: no hysteresis. Prefill pending with an empty
         # decode batch still gets a split sized for one sequence, not the whole GPU: the first request
         # to finish its prefill starts decoding at once, and a prefill forward already holding every SM
-        # would stall it for the whole forward (FACTS.md: overallocated starves decode on Hopper).
+        # would stall it for the whole forward (docs/measured.md: overallocated starves decode on Hopper).
         idle = batch == 0
         d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                                prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms,

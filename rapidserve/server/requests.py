@@ -22,6 +22,7 @@ from typing import Literal
 
 import jinja2
 
+from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError
 from rapidserve.server.body import decode_body
 from rapidserve.server.errors import APIError, bad_request, show
@@ -126,17 +127,12 @@ def _refuse_unsupported(r: RequestBody, n: int) -> None:
             raise bad_request("best_of", f"'best_of' is not supported by this server: only null or equal to n ({n})")
 
 
-def _check_ids(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
-    if ids and max(ids) >= ctx.vocab_size:
-        t = next(t for t in ids if t >= ctx.vocab_size)
-        raise bad_request(param, f"'{where}' holds {t}: token ids must be integers in [0, {ctx.vocab_size})")
-
-
-def _check_prompt_tokens(n_tokens: int, where: str, param: str, ctx: ProtocolContext) -> None:
-    if n_tokens >= ctx.max_model_len:
-        raise bad_request(param, f"This model's maximum context length is {ctx.max_model_len} tokens, but '{where}' "
-                                 f"has {n_tokens} tokens (it must leave room for at least one generated token)",
-                          code="context_length_exceeded")
+def _check_prompt(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
+    """The one prompt check (rapidserve/prompt.py), as a 400 naming the field."""
+    try:
+        PromptLimits(ctx.vocab_size, ctx.max_model_len).check(ids, where)
+    except PromptError as e:
+        raise bad_request(param, str(e), code=e.code) from None
 
 
 def _check_text_size(chars: int, where: str, param: str, ctx: ProtocolContext) -> None:
@@ -183,8 +179,7 @@ def _completion_sources(r: CompletionRequest | GenerateRequest,
                 raise bad_request("prompt", f"this model has no tokenizer: send '{where}' as a list of token ids")
             work += len(s)
         else:
-            _check_prompt_tokens(len(s), where, "prompt", ctx)
-            _check_ids(s, where, "prompt", ctx)
+            _check_prompt(s, where, "prompt", ctx)
             work += len(s) if getattr(r, "echo", False) else 0
         sources.append(s)
     return sources, work
@@ -208,8 +203,10 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if r.seed is not None and r.seed + n - 1 > SEED_MAX:
         raise bad_request("seed", f"'seed' + n - 1 must fit in a 64-bit signed integer (sample j of n uses seed + j):"
                                   f" with n={n}, 'seed' may be at most {SEED_MAX - n + 1}")
-    if r.stop_token_ids:
-        _check_ids(r.stop_token_ids, "stop_token_ids", "stop_token_ids", ctx)
+    if r.stop_token_ids and max(r.stop_token_ids) >= ctx.vocab_size:
+        t = next(t for t in r.stop_token_ids if t >= ctx.vocab_size)
+        raise bad_request("stop_token_ids", f"'stop_token_ids' holds {t}: token ids must be integers in "
+                                            f"[0, {ctx.vocab_size})")
     if r.stop is not None and r.stop != [] and ctx.tokenizer is None:
         raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
     if r.stream_options is not None and not r.stream:
@@ -250,8 +247,8 @@ def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[
 def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx: ProtocolContext) -> GenRequest:
     r = plan.body
     for i, p in enumerate(prompts):
-        _check_prompt_tokens(len(p), plan.prompt_param if len(prompts) == 1 else f"{plan.prompt_param}[{i}]",
-                             plan.prompt_param, ctx)
+        _check_prompt(p, plan.prompt_param if len(prompts) == 1 else f"{plan.prompt_param}[{i}]",
+                      plan.prompt_param, ctx)
     max_name, requested = "max_tokens", r.max_tokens
     logprobs: int | None = None
     style: Literal["completion", "chat"] | None = None

@@ -1,0 +1,280 @@
+"""The decode worker's decisions: pure Python, no torch, no I/O; tested on CPU against a BlockManager.
+
+The decode worker (`engine/decode_worker.py`) owns the block tables and asks this scheduler what to
+do; it only moves messages and runs the device. Messages in (`add`, `abort`, `prefill_done`,
+`prefill_failed`, `dropped`) change request states; `admit` hands waiting requests to prefill;
+`schedule` gives the next decode batch; `record` takes a landed step's tokens. What the router must
+hear (`Finished`) collects in `finished`, which the worker publishes.
+
+Request states: waiting (holds no blocks: new, or preempted) -> prefilling (blocks allocated and
+handed to prefill in a KVReady, which carries the request; prefill writes them) -> running (in the
+decode batch) -> done. Requests are admitted in arrival order; a preempted one goes back to the
+head of the queue.
+
+Policy:
+- Admission: while fewer than `max_seqs` requests are prefilling or running, the head of the queue
+  gets blocks for all its tokens under the admission rule every scheduler shares
+  (`BlockManager.can_admit`: keep the watermark free, unless nothing else holds blocks).
+- Growth: before each step every running request's table grows to cover its tokens, counting the
+  token of the step still in flight. When the pool is short, the most recently admitted running
+  request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
+  which prefill recomputes with the prompt, so no token is lost or repeated). Preemption frees
+  blocks, so it needs a quiet pool: with a step in flight `schedule` returns None and the worker
+  lets that step land first.
+- Stops: after each token, `check_stop` (the one stop check) against the context cap, which is the
+  model's window or the pool's capacity where that is smaller, so a request alone always fits.
+
+Block ownership (docs/architecture.md): a request's blocks are freed only when nothing can still write into them:
+- while prefilling, prefill writes them: an abort asks prefill to drop the request (`abort` returns
+  True: the worker sends Drop) and frees on Dropped, PrefillDone or PrefillFailed, whichever comes;
+  the request's id stays held until the Dropped comes (prefill answers every Drop), so a request
+  that reuses the id is refused meanwhile and a late Dropped never frees a newer request's blocks;
+- while a decode step that includes the request is in flight (`inflight` > 0), that step writes its
+  newest K/V: a request finished or aborted meanwhile is freed when that step is recorded, and the
+  step's token for it is dropped, so no token is emitted after the end.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rapidserve.block_manager import BlockManager
+from rapidserve.engine import messages as m
+from rapidserve.sampling_params import SamplingParams
+from rapidserve.sequence import check_stop
+
+State = Literal["waiting", "prefilling", "running", "done"]
+Row = tuple[int, float | None, list[tuple[int, float]] | None]  # a sampled token, its logprob, top logprobs
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    request: m.NewRequest
+    order: int  # arrival order: preemption takes the latest admitted first
+    outputs: list[int] = field(default_factory=list)
+    state: State = "waiting"
+    attempt: int = 0  # preemptions so far: a PrefillDone of an earlier attempt is stale
+    inflight: int = 0  # launched decode steps whose token is not recorded yet (0 or 1)
+    aborting: bool = False  # aborted while prefilling: waits for prefill to let go
+    drop_pending: bool = False  # a Drop was sent and its Dropped has not come back: the id stays held
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_token_ids) + len(self.outputs)
+
+    @property
+    def tokens_needed(self) -> int:
+        """Tokens the block table must cover for the next step (the in-flight step's token included)."""
+        return self.num_tokens + self.inflight
+
+
+class DecodeScheduler:
+    def __init__(self, blocks: BlockManager, max_seqs: int, eos: tuple[int, ...], context_cap: int) -> None:
+        if max_seqs <= 0:
+            raise ValueError(f"max_seqs={max_seqs} must be positive")
+        self.blocks, self.max_seqs, self.eos, self.context_cap = blocks, max_seqs, eos, context_cap
+        self.reqs: dict[str, DecodeRequest] = {}  # every request that holds or may hold blocks
+        self.waiting: deque[DecodeRequest] = deque()
+        self.running: list[DecodeRequest] = []
+        self.finished: list[m.Finished] = []  # for the router; the worker publishes and clears it
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ---- counts -------------------------------------------------------------------------------
+    @property
+    def num_prefilling(self) -> int:
+        return sum(1 for r in self.reqs.values() if r.state == "prefilling")
+
+    @property
+    def has_pending(self) -> bool:
+        """Prompts waiting for blocks or in prefill (the partition manager's `pending`)."""
+        return bool(self.waiting) or self.num_prefilling > 0
+
+    def mean_context(self) -> int:
+        return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
+
+    def stats(self, partition: str, switches: int) -> m.Stats:
+        b = self.blocks
+        return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
+                       self.num_preemptions, partition, switches)
+
+    # ---- messages in --------------------------------------------------------------------------
+    def add(self, req: m.NewRequest) -> None:
+        """A new request joins the queue. The router checked the prompt (`rapidserve/prompt.py`)."""
+        if req.req_id in self.reqs:  # an earlier request of this id is still finishing
+            self.finished.append(m.Finished(req.req_id, "error", f"request id {req.req_id!r} is still in "
+                                            "flight (an earlier request of that id is finishing): use unique ids"))
+            return
+        self._arrivals += 1
+        r = DecodeRequest(req, self._arrivals)
+        self.reqs[r.req_id] = r
+        self.waiting.append(r)
+
+    def abort(self, req_id: str) -> bool:
+        """End the request; True when prefill holds it and must be told to drop it (send Drop)."""
+        r = self.reqs.get(req_id)
+        if r is None or r.state == "done":
+            return False
+        if r.state == "prefilling":
+            if r.aborting:
+                return False  # prefill was told already
+            r.aborting = r.drop_pending = True  # freed when prefill answers Dropped, PrefillDone or PrefillFailed
+            return True
+        if r.state == "waiting":
+            self.waiting.remove(r)
+        self._finish(r, "abort")
+        return False
+
+    def prefill_done(self, msg: m.PrefillDone) -> m.TokenOut | None:
+        """The prompt is in the cache: the request runs, and its first token is returned to stream
+        (None when it ended: aborted meanwhile, or the token ends it and prefill told the router)."""
+        r = self._prefilling(msg.req_id, msg.attempt)
+        if r is None:
+            return None
+        if r.aborting:
+            self._finish(r, "abort")
+            return None
+        r.outputs.append(msg.token.token_id)
+        if msg.token.finish_reason is not None:
+            self._finish(r, msg.token.finish_reason, notify=False)
+            return None
+        r.state = "running"
+        self.running.append(r)
+        return msg.token
+
+    def prefill_failed(self, msg: m.PrefillFailed) -> None:
+        r = self._prefilling(msg.req_id, msg.attempt)
+        if r is not None:
+            self._finish(r, "abort" if r.aborting else "error", message=msg.message)
+
+    def dropped(self, req_id: str) -> None:
+        """Prefill let go of the request (it answers every Drop, even after PrefillDone/PrefillFailed):
+        only now may its id be used again, so a late Dropped never touches a newer request's blocks."""
+        r = self.reqs.get(req_id)
+        if r is None or not r.drop_pending:
+            return
+        r.drop_pending = False
+        if r.state == "prefilling":
+            self._finish(r, "abort")
+        else:
+            self._release(r)
+
+    def _prefilling(self, req_id: str, attempt: int) -> DecodeRequest | None:
+        r = self.reqs.get(req_id)
+        return r if r is not None and r.state == "prefilling" and r.attempt == attempt else None
+
+    # ---- admission ----------------------------------------------------------------------------
+    def admit(self) -> list[m.KVReady]:
+        """Blocks for waiting requests, in order, while the seats and the pool allow; each KVReady
+        carries the request (and, after a preemption, the outputs to recompute) to prefill."""
+        out: list[m.KVReady] = []
+        busy = len(self.running) + self.num_prefilling
+        while self.waiting and busy < self.max_seqs:
+            r = self.waiting[0]
+            alone = busy == 0 and self.blocks.num_free == self.blocks.num_blocks  # nothing else holds blocks
+            if not self.blocks.can_admit(r.num_tokens, alone):
+                break
+            table = self.blocks.allocate(r.req_id, r.num_tokens)
+            self.waiting.popleft()
+            r.state, busy = "prefilling", busy + 1
+            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt))
+        return out
+
+    def unadmit(self, handed: list[m.KVReady]) -> None:
+        """These KVReadys were not sent (prefill's inbox was full): their requests wait again, in order."""
+        for kv in reversed(handed):
+            r = self.reqs[kv.request.req_id]
+            self.blocks.free(r.req_id)
+            r.state = "waiting"
+            self.waiting.appendleft(r)
+
+    # ---- the decode batch ---------------------------------------------------------------------
+    def schedule(self, quiet: bool) -> list[DecodeRequest] | None:
+        """The next step's batch (every running request), each table grown to cover `tokens_needed`.
+        When the pool is short: None if not `quiet` (a step is in flight, so nothing may be freed),
+        else the latest admitted running requests are preempted until the rest fit."""
+        for r in list(self.running):
+            if r.state != "running":  # preempted as a victim earlier in this pass
+                continue
+            while not self.blocks.can_grow(r.req_id, r.tokens_needed):
+                if not quiet:
+                    return None
+                victim = max(self.running, key=lambda x: x.order)
+                self._preempt(victim)
+                if victim is r:
+                    break
+            else:
+                self.blocks.grow(r.req_id, r.tokens_needed)
+        return list(self.running)
+
+    def launched(self, batch: list[DecodeRequest]) -> None:
+        for r in batch:
+            r.inflight += 1
+
+    def record(self, batch: list[DecodeRequest], rows: list[Row]) -> list[m.TokenOut]:
+        """A launched step has landed: its tokens, in batch order, with stops applied. A request that
+        ended while the step ran gets no token and is freed now."""
+        out: list[m.TokenOut] = []
+        for r, (tok, lp, top) in zip(batch, rows, strict=True):
+            r.inflight -= 1
+            if r.state != "running":
+                self._release(r)
+                continue
+            r.outputs.append(tok)
+            reason = check_stop(r.params, r.outputs, r.num_tokens, self.eos, self.context_cap)
+            out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason))
+            if reason is not None:
+                self._finish(r, reason, notify=False)  # the token carries the reason
+        return out
+
+    def fail(self, reqs: list[DecodeRequest], message: str) -> None:
+        """These requests end with an error (their rows failed); the caller ensured nothing writes
+        their blocks any more."""
+        for r in reqs:
+            if r.state != "done":
+                self._finish(r, "error", message=message)
+
+    def fail_batch(self, inflight: list[DecodeRequest], message: str) -> None:
+        """A step failed for no single row: every running request and the in-flight step's requests
+        end (those already ended are freed). The caller ensured nothing in flight writes any more."""
+        for r in list(self.running) + inflight:
+            r.inflight = 0
+            if r.state == "running":
+                self._finish(r, "error", message=message)
+            else:
+                self._release(r)
+
+    # ---- endings ------------------------------------------------------------------------------
+    def _preempt(self, r: DecodeRequest) -> None:
+        self.running.remove(r)
+        self.blocks.free(r.req_id)
+        r.state, r.attempt = "waiting", r.attempt + 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(r)
+
+    def _finish(self, r: DecodeRequest, reason: str, notify: bool = True, message: str = "") -> None:
+        """Done: out of every queue now; blocks back once no in-flight step writes them."""
+        if r in self.running:
+            self.running.remove(r)
+        r.state = "done"
+        if notify:
+            self.finished.append(m.Finished(r.req_id, reason, message))
+        self._release(r)
+
+    def _release(self, r: DecodeRequest) -> None:
+        """Blocks back once nothing writes them; the id is forgotten once prefill answered every Drop."""
+        if r.state != "done" or r.inflight or self.reqs.get(r.req_id) is not r:
+            return
+        self.blocks.free(r.req_id)  # at most once: nothing allocates under a held id
+        if not r.drop_pending:
+            del self.reqs[r.req_id]

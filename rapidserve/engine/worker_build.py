@@ -1,0 +1,85 @@
+"""How each worker role is built inside its process, for `worker_io.run_worker(role, build, ...)`.
+
+Each `build_*` loads or attaches the model, prepares the compute partition's streams and graphs, and
+returns what its Ready message tells the router plus the worker whose loop then runs.
+
+- decode: loads the weights, allocates the KV pool, captures the decode graphs of every partition
+  configuration, and hands the IPC handles of weights and pool to prefill through a one-time pipe
+  (the send returns once prefill has read it all; prefill starts at the same time and waits).
+- prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner.
+- hybrid: one process, its own weights and pool (the baseline; no partition).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rapidserve.config import EngineConfig
+from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.hybrid_worker import HybridWorker
+from rapidserve.engine.prefill_worker import PrefillWorker
+from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.loader import resolve_model
+from rapidserve.model_sharing import export_shared
+from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
+
+
+def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], DecodeWorker]:
+    _share_cpu_cores(cfg)
+    runner = _load(cfg)
+    plan = resolve_plan(cfg, runner.device, runner.dtype)
+    parts = open_streams(plan.wire(), runner.device, ("decode",))
+    for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
+        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+    handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
+    handoff.close()
+    info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
+            "configurations": ",".join(parts.names), **memory_info(runner)}
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), parts)
+
+
+def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], PrefillWorker]:
+    _share_cpu_cores(cfg)
+    if not handoff.poll(cfg.launch.startup_timeout_s):
+        raise TimeoutError(f"no weights from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
+    owner_pid, shared, wire = handoff.recv()
+    handoff.close()
+    io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
+    runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
+    parts = open_streams(wire, runner.device, ("prefill",))
+    return {"device": str(runner.device), **memory_info(runner)}, PrefillWorker(cfg, runner, io, parts, wire.initial)
+
+
+def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], HybridWorker]:
+    runner = _load(cfg)
+    runner.capture_decode_graphs(show_progress=False)
+    info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
+            **memory_info(runner)}
+    return info, HybridWorker(cfg, runner, io)
+
+
+BUILDERS = {"decode": build_decode, "prefill": build_prefill, "hybrid": build_hybrid}
+
+
+def _load(cfg: EngineConfig) -> ModelRunner:
+    dev = resolve_device(cfg.runner.device)
+    source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
+    return ModelRunner(cfg, source, show_progress=False)
+
+
+def _share_cpu_cores(cfg: EngineConfig) -> None:
+    """On CPU the two RAPID workers share the cores: half each."""
+    if cfg.runner.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+
+def memory_info(runner: ModelRunner) -> dict[str, str]:
+    """What this process holds: its own device allocations, and the weights and KV it uses."""
+    own = torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
+    pool = runner.kv_pool.tensor
+    return {"device_allocated_bytes": str(own), "weight_bytes": str(runner.model.weight_bytes()),
+            "kv_bytes": str(pool.numel() * pool.element_size())}

@@ -1,0 +1,52 @@
+"""What a prompt must be for an engine to serve it: the one prompt check, made at each edge.
+
+The edges are where requests enter: the HTTP server (`server/requests.py`, which names the request
+field in its 400), `AsyncEngine.generate` (the RAPID and hybrid engines) and `LLM.generate` (the
+single-process engine). Workers trust what the router sends them and do not check again.
+
+A prompt is served when it is non-empty, every id is an integer in [0, vocab_size), and it leaves
+room for at least one generated token within the context cap: the model's context window, or the
+KV pool's capacity where that is smaller (a request alone must always fit the pool, or it would
+wait for blocks forever).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot serve; `code` is "context_length_exceeded" for one that is too long."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    vocab_size: int
+    max_model_len: int
+    pool_tokens: int | None = None  # the KV pool's capacity in tokens, once the engine knows it
+
+    @property
+    def context_cap(self) -> int:
+        """The longest context (prompt + outputs) a request may reach."""
+        if self.pool_tokens is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.pool_tokens)
+
+    def check(self, prompt: Sequence[int], where: str = "prompt") -> None:
+        """Raise PromptError saying why `prompt` cannot be served (`where` names it in the message)."""
+        if not prompt:
+            raise PromptError(f"'{where}' is empty; give at least one token")
+        bad = next((t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise PromptError(f"'{where}' holds {bad!r}: token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt) >= self.context_cap:
+            pool = ("" if self.pool_tokens is None or self.pool_tokens >= self.max_model_len
+                    else f" (the KV pool holds {self.pool_tokens} tokens)")
+            raise PromptError(f"This model's maximum context length is {self.context_cap} tokens{pool}, but "
+                              f"'{where}' has {len(prompt)} tokens (it must leave room for at least one "
+                              "generated token)", code="context_length_exceeded")

@@ -1,0 +1,101 @@
+"""What the two one-process schedulers share: the plan of a step, and how sequences are queued.
+
+The prefill-first `Scheduler` (scheduler.py, behind `LLM`) and the `HybridScheduler`
+(hybrid_scheduler.py, the hybrid worker) plan steps of the same shape and keep their sequences the
+same way; each adds only its policy. (The RAPID decode worker's scheduler, engine/decode_scheduler.py,
+splits a request's life between two processes and keeps states of its own; all three share the
+admission rule, `BlockManager.can_admit`, and the stop check, `sequence.check_stop`.)
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rapidserve.block_manager import BlockManager
+from rapidserve.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """`length` tokens of `seq` from position `start` (= tokens already in the cache); `samples`:
+    the chunk ends the sequence's pending tokens, so the step samples its next token."""
+
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, length: int) -> Chunk:
+        """The next `length` tokens of `seq` to compute."""
+        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
+
+
+@dataclass
+class StepPlan:
+    """One step: `decode` (one token each, at position num_tokens - 1) and prompt `prefill` chunks;
+    `preempted` lists the sequences this step sent back to waiting."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool(self.decode) and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(c.length for c in self.prefill)
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """Sequences that get a new token, in logits row order: decodes, then finishing chunks."""
+        return self.decode + [c.seq for c in self.prefill if c.samples]
+
+
+class SeqQueues:
+    """Waiting sequences (no blocks: new, or preempted; FCFS) and running ones (hold blocks for all
+    their tokens so far; in admission order), over one BlockManager."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """By recompute: blocks freed, back to the head of the queue with its outputs (none lost)."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Out of every queue and all its blocks back to the pool, at once. Safe while a step that
+        includes `seq` is in flight only where later writes are queued behind that step (one stream)."""
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
