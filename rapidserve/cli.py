@@ -63,6 +63,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "batch (a longer prompt is chunked). hybrid mode: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
                         "at most min(--max-num-seqs, this) requests run at once")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
+                        "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     g.add_argument("--seed", type=int, default=0)
@@ -126,7 +129,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
-                seed=a.seed, attention_backend=a.attention_backend)
+                seed=a.seed, attention_backend=a.attention_backend,
+                enable_prefix_caching=a.enable_prefix_caching)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

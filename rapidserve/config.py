@@ -121,6 +121,8 @@ class CacheConfig:
     num_blocks: int | None = None
     # On CPU there is no "free device memory": the pool takes this many bytes unless num_blocks is set.
     cpu_kv_bytes: int = 512 * 1024 * 1024
+    # Share the K/V of equal prompt prefixes between requests (block_manager.py), as vLLM does by default.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128),

@@ -16,7 +16,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                         enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
-                        cache_dir: str | None = None) -> tuple[EngineConfig, object]:
+                        cache_dir: str | None = None, enable_prefix_caching: bool = True,
+                        ) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
@@ -28,7 +29,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         model=model or "default",
         model_config=mcfg,
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                          num_blocks=num_kv_blocks),
+                          num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   max_model_len=max_model_len),
         runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,

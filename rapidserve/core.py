@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.loader import ModelSource
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
@@ -34,7 +33,7 @@ class EngineCore:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, source, show_progress=show_progress)
         self.runner.capture_decode_graphs(show_progress=show_progress)
-        self.blocks = BlockManager(self.runner.kv_pool.num_blocks, cfg.cache.block_size)
+        self.blocks = self.runner.block_manager()
         self.scheduler = Scheduler(self.blocks, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens)
         self.eos_token_ids: tuple[int, ...] = cfg.model_config.eos_token_ids

@@ -98,10 +98,10 @@ class HybridScheduler(SeqQueues):
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not self.blocks.can_admit(seq.num_tokens, alone=not self.running):
+            if not self._fits(seq, alone=not self.running):
                 return
             self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self._allocate(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             budget -= self._plan_chunk(plan, seq, budget)
@@ -118,6 +118,8 @@ class HybridScheduler(SeqQueues):
         for seq in plan.decode:
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed = seq.num_tokens
+                self._computed(seq)
         for c in plan.prefill:
             if c.seq.status is SeqStatus.RUNNING:
                 c.seq.num_computed = c.start + c.length
+                self._computed(c.seq)

@@ -92,6 +92,7 @@ class LLM:
                     bar.update(1)
         bar.close()
         for req, seqs in requests:
+            req.num_cached_tokens = seqs[0].num_cached_tokens
             for i, s in enumerate(seqs):
                 lp = s.output_logprobs if s.params.logprobs is not None else None
                 req.outputs.append(CompletionOutput(

@@ -23,3 +23,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (by its first sample)

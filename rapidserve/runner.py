@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend, split_decode_rows
+from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource
@@ -151,6 +152,13 @@ class ModelRunner:
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
+
+    def block_manager(self) -> BlockManager:
+        """The block tables and prefix cache over this runner's pool (for the one process that owns them).
+        The cache's hashes start from the model's name and dtype: whatever changes the K/V changes them."""
+        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}".encode()
+        return BlockManager(self.kv_pool.num_blocks, self.block_size,
+                            enable_caching=self.cfg.cache.enable_prefix_caching, salt=salt)
 
     @property
     def limits(self) -> PromptLimits:

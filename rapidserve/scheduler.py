@@ -40,9 +40,9 @@ class Scheduler(SeqQueues):
             if not self.blocks.has(seq.seq_id):
                 if len(self.running) + len(out.prefill) >= self.max_num_seqs:
                     break
-                if not self.blocks.can_admit(seq.num_tokens, alone=not self.running and not out.prefill):
+                if not self._fits(seq, alone=not self.running and not out.prefill):
                     break
-                self.blocks.allocate(seq.seq_id, seq.num_tokens)
+                self._allocate(seq)
             length = min(seq.num_tokens - seq.num_computed, budget)
             out.prefill.append(Chunk.of(seq, length))
             budget -= length
@@ -72,9 +72,11 @@ class Scheduler(SeqQueues):
         """The chunk's K/V are in the cache; a last chunk makes the sequence run."""
         seq = chunk.seq
         seq.num_computed = chunk.start + chunk.length
+        self._computed(seq)
         if chunk.samples and seq.status is not SeqStatus.FINISHED:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
     def on_decode_done(self, seq: Sequence) -> None:
         seq.num_computed = seq.num_tokens  # the last token's K/V were written by this step
+        self._computed(seq)

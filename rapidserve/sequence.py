@@ -28,6 +28,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
 
     @property
     def num_tokens(self) -> int:

@@ -79,6 +79,22 @@ class SeqQueues:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _fits(self, seq: Sequence, alone: bool) -> bool:
+        """The shared admission rule (`BlockManager.can_admit`), counting the sequence's cached prefix."""
+        return self.blocks.can_admit(seq.num_tokens, alone, seq.seq_id, seq.all_token_ids)
+
+    def _allocate(self, seq: Sequence) -> None:
+        """Blocks for all of the sequence's tokens; its cached prefix counts as computed."""
+        _, cached = self.blocks.allocate_cached(seq.seq_id, seq.all_token_ids)
+        seq.num_computed = cached
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+
+    def _computed(self, seq: Sequence) -> None:
+        """The sequence's K/V up to `num_computed` are written (or queued before any later reader on
+        this one stream): its full blocks may be shared from now on."""
+        self.blocks.commit(seq.seq_id, seq.all_token_ids, seq.num_computed)
+
     def _preempt(self, seq: Sequence) -> None:
         """By recompute: blocks freed, back to the head of the queue with its outputs (none lost)."""
         self.running.remove(seq)

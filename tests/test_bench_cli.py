@@ -45,6 +45,14 @@ def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     (["--goodput", "tpot:5", "tpot:6"], "twice"),
     (["--input-len", "0"], ">= 1"),
     (["--timeout-s", "0"], "> 0"),
+    (["--time-scale", "0"], "not a positive finite number"),
+    (["--time-scale", "1,inf"], "not a positive finite number"),
+    (["--time-scale", "fast"], "not a number"),
+    (["--time-scale", "2,2"], "twice"),
+    (["--trace-start", "-1"], ">= 0"),
+    (["--trace-arrivals", "now"], "invalid choice"),
+    (["--trace-overflow", "wrap"], "invalid choice"),
+    (["--block-size", "0"], ">= 1"),
 ])
 def test_bad_flags_exit_2_saying_what_is_allowed(args: list[str], needle: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -65,6 +73,7 @@ def test_good_flags_parse() -> None:
     (["--request-rate", "1,inf", "--duration-s", "5"], "needs --num-prompts", 2),  # checked before any request
     (["--input-len", "1000", "--output-len", "100", "--max-model-len", "1024"], "needs 1100 tokens", 2),
     (["--base-url", "http://127.0.0.1:9", "--num-prompts", "1"], "cannot benchmark", 1),  # nothing listens
+    (["--workload", "trace", "--trace", "/no/such/trace.csv"], "--trace /no/such/trace.csv: cannot read it", 2),
 ])
 def test_combinations_and_unreachable_server(args: list[str], needle: str, code: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     r = bench(*args, "--out-dir", str(tmp_path))
@@ -131,3 +140,19 @@ def test_bench_sweep_against_a_real_server(smol: Srv, tmp_path) -> None:  # type
             assert q["start_s"] >= q["scheduled_s"] >= 0
     md = (tmp_path / "e2e.md").read_text()
     assert "| 8 | 6 | 0 |" in md and "| inf | 6 | 0 |" in md and "| inf | ITL |" in md
+
+
+def test_bench_trace_replay_against_a_real_server(smol: Srv, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trace = os.path.join(ROOT, "tests", "data", "azure_code_2023_excerpt.csv.gz")
+    r = bench("--base-url", smol.url, "--workload", "trace", "--trace", trace, "--time-scale", "10",
+              "--max-model-len", "64", "--trace-overflow", "skip", "--num-prompts", "2", "--label", "smol",
+              "--out-dir", str(tmp_path), "--name", "tr", "--no-plot")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "tr.json").read_text())
+    t = res["trace"]
+    assert (t["replayed"], t["skipped"], t["clipped"], t["format"]) == (2, 6, 0, "azure")  # lines 6 and 9 fit
+    [run] = res["runs"]
+    assert run["time_scale"] == 10.0 and run["summary"]["completed"] == 2 and run["summary"]["failed"] == 0
+    assert sorted((q["prompt_tokens"], q["output_tokens"]) for q in run["requests"]) == [(34, 12), (34, 23)]
+    md = (tmp_path / "tr.md").read_text()
+    assert "azure_code_2023_excerpt.csv.gz (azure)" in md and "(x10)" in md and "6 skipped" in md

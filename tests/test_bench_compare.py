@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import os
+import shutil
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -99,13 +101,16 @@ def test_table_row_and_markdown() -> None:
     assert row["itl_le_50ms"]["rate"] == 2.0 and row["skipped_rates"] == [16.0]
     md = compare.to_markdown([row], [100, 50], {"model": "m", "systems": [{"label": "sys", "flags": "-x",
                                                                           "status": "ok"}]})
-    assert "## fixed 4096:64" in md and "| sys | 320 @ 8 | 100 | 300 @ 4 | 100 |" in md
+    # peak at rate 8: 320 tok/s, 4 requests in 2 s, no TTFT p50 in this summary, p99 TTFT 100, p99 ITL 140
+    assert "## fixed 4096:64" in md and "| sys | 320 @ 8 | 2.00 | - | 100 | 140.0 | 300 @ 4 | 100 |" in md
+    assert "vs vLLM" not in md  # no vLLM system ran
 
 
-@pytest.mark.parametrize("text,want", [("4096:64", ("fixed", 4096, 64)), ("azure-code", ("azure-code", 1024, 128))])
-def test_parse_workload(text: str, want: tuple[str, int, int]) -> None:
-    w = compare.parse_workload(text)
-    assert (w.name, w.input_len, w.output_len) == want
+@pytest.mark.parametrize("text,want", [
+    ("4096:64", ["--workload", "fixed", "--input-len", "4096", "--output-len", "64"]),
+    ("azure-code", ["--workload", "azure-code"]), (" multiturn", ["--workload", "multiturn"])])
+def test_parse_workload(text: str, want: list[str]) -> None:
+    assert compare.parse_workload(text) == want
 
 
 @pytest.mark.parametrize("text", ["4096", "4096:0", "a:b", "sharegpt", "1:2:3"])
@@ -118,9 +123,11 @@ def test_select_systems_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert compare.main(["--dry-run", "--systems", "rapid-adaptive,hybrid-2048", "--system", "x=--mode rapid",
                          "--serve-args", "--max-model-len 8192", "--port", "8123"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 3 and out[0].startswith("rapid-adaptive: ") and out[0].endswith(
+    assert len(out) == 5 and out[0].startswith("rapid-adaptive: ") and out[0].endswith(
         "--port 8123 --max-model-len 8192 --mode rapid --partition adaptive")
     assert out[1].endswith("--mode hybrid --max-num-batched-tokens 2048") and out[2].endswith("--mode rapid")
+    assert out[3:] == ["workload fixed 4096:64: rapidserve bench --workload fixed --input-len 4096 --output-len 64",
+                       "workload fixed 4096:1024: rapidserve bench --workload fixed --input-len 4096 --output-len 1024"]
     for bad in (["--systems", "nope"], ["--system", "noequals"], ["--systems", ""]):
         with pytest.raises(SystemExit) as ei:
             compare.main(["--dry-run", *bad])
@@ -163,3 +170,227 @@ def test_gap_report_splits_first_and_later_gaps(tmp_path, capsys) -> None:  # ty
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no 'runs' list" in err and "not a readable sweep result" in err and "--bound-ms" in err
+
+
+# ---------------------------------------------------------------- vLLM and external systems (issue 15, item 0)
+
+
+def test_parse_systems_ours_vllm_and_external() -> None:
+    got = compare.parse_systems("rapid-adaptive, vllm,vllm:--no-enable-prefix-caching,ext:http://10.0.0.1:8000/",
+                                ["mine=--mode rapid", "v1024=vllm:--max-num-batched-tokens 1024",
+                                 "prod=ext:https://llm.example:443"])
+    assert [(s.label, s.kind, s.flags, s.url) for s in got] == [
+        ("rapid-adaptive", "rapidserve", compare.SYSTEMS["rapid-adaptive"], ""),
+        ("vllm", "vllm", "", ""),
+        ("vllm:--no-enable-prefix-caching", "vllm", "--no-enable-prefix-caching", ""),
+        ("http://10.0.0.1:8000", "ext", "", "http://10.0.0.1:8000"),
+        ("mine", "rapidserve", "--mode rapid", ""),
+        ("v1024", "vllm", "--max-num-batched-tokens 1024", ""),
+        ("prod", "ext", "", "https://llm.example:443")]
+    assert got[2].describe() == "vLLM --no-enable-prefix-caching" and got[6].describe().endswith("llm.example:443")
+    assert compare.vllm_baseline(got, None) == "vllm" and compare.vllm_baseline(got, "prod") == "prod"
+    assert compare.vllm_baseline(got[:1], None) is None
+
+
+@pytest.mark.parametrize("names,extra,match", [
+    ("nope", [], "unknown nope"), ("", ["noequals"], "LABEL=FLAGS"), ("", [], "no systems"),
+    ("ext:ftp://x", [], "not an http"), ("vllm,vllm", [], "two systems are labelled 'vllm'"),
+    ("vllm:--x 'open", [], "quotation"), ("rapid-adaptive", ["rapid-adaptive=--mode hybrid"], "two systems")])
+def test_parse_systems_errors(names: str, extra: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        compare.parse_systems(names, extra)
+
+
+def test_shared_serve_flags_and_the_vllm_command() -> None:
+    serve = "--device cuda --max-model-len 8192 --gpu-memory-utilization=0.8 --mps off --enforce-eager " \
+            "--max-num-seqs 64 --max-num-batched-tokens 4096 --num-kv-blocks 9"
+    shared = ["--max-model-len", "8192", "--gpu-memory-utilization", "0.8", "--enforce-eager", "--max-num-seqs", "64",
+              "--max-num-batched-tokens", "4096"]
+    assert compare.shared_serve_flags(serve) == shared
+    assert compare.shared_serve_flags("") == [] and compare.shared_serve_flags("--max-model-len") == []
+    script = compare.vllm_command("/m", 8100, serve, "--max-num-batched-tokens 1024 --no-enable-prefix-caching",
+                                  "/s/serve_vllm.sh")
+    assert script == ["bash", "/s/serve_vllm.sh", "/m", "8100", *shared, "--max-num-batched-tokens", "1024",
+                      "--no-enable-prefix-caching"]  # the system's own flags come last and win
+    direct = compare.vllm_command("/m", 8100, "", "", None, python="py")
+    assert direct == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--load-format", "dummy",
+                      "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8100"]
+
+
+def test_find_vllm_serve(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    root = tmp_path / "repo"
+    root.mkdir()
+    assert compare.find_vllm_serve("none", str(root)) is None and compare.find_vllm_serve("", str(root)) is None
+    assert compare.find_vllm_serve("/x/serve.sh", str(root)) == "/x/serve.sh"
+    assert compare.find_vllm_serve(None, str(root)) is None
+    beside = tmp_path / "shared" / "peer_vllm"
+    beside.mkdir(parents=True)
+    (beside / "serve_vllm.sh").write_text("")
+    assert compare.find_vllm_serve(None, str(root)) == str(beside / "serve_vllm.sh")
+    inside = root / "shared" / "peer_vllm"
+    inside.mkdir(parents=True)
+    (inside / "serve_vllm.sh").write_text("")
+    assert compare.find_vllm_serve(None, str(root)) == str(inside / "serve_vllm.sh")  # the repo's own first
+
+
+def test_dry_run_prints_the_vllm_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "serve_vllm.sh"
+    script.write_text("")
+    common = ["--dry-run", "--systems", "vllm,rapid-adaptive", "--system", "nopc=vllm:--no-enable-prefix-caching",
+              "--system", "far=ext:http://10.1.2.3:9000", "--vllm-model", "/root/peermodel", "--port", "8100",
+              "--serve-args", "--max-model-len 8192 --gpu-memory-utilization 0.8 --mps off"]
+    assert compare.main([*common, "--vllm-serve", str(script)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    vflags = "--max-model-len 8192 --gpu-memory-utilization 0.8"
+    assert out[0] == f"vllm: bash {script} /root/peermodel 8100 {vflags}"
+    assert out[1].endswith("--port 8100 --max-model-len 8192 --gpu-memory-utilization 0.8 --mps off --mode rapid "
+                           "--partition adaptive")
+    assert out[2] == f"nopc: bash {script} /root/peermodel 8100 {vflags} --no-enable-prefix-caching"
+    assert out[3] == "far: external server at http://10.1.2.3:9000 (not started)"
+    assert compare.main([*common, "--vllm-serve", "none"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("-m vllm.entrypoints.openai.api_server --model /root/peermodel --load-format dummy "
+                           f"--dtype bfloat16 --host 127.0.0.1 --port 8100 {vflags}")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--systems", "vllm"], "needs --vllm-model"),
+    (["--systems", "vllm", "--vllm-model", "/m", "--vllm-serve", "/no/such/serve_vllm.sh"], "no such file"),
+    (["--systems", "rapid-adaptive", "--vllm-baseline", "vllm"], "none of the systems"),
+    (["--systems", "rapid-adaptive", "--workloads", "sharegpt"], "IN:OUT"),
+    (["--systems", "rapid-adaptive", "--workload-args", "--workload multiturn --no-such-flag"], "unrecognized"),
+    (["--systems", "rapid-adaptive", "--bench-args", "--num-turns 0"], "--num-turns"),
+    (["--systems", "rapid-adaptive", "--workloads", "multiturn", "--bench-args", "--workload nope"], "invalid choice"),
+])
+def test_main_argument_errors(argv: list[str], match: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as ei:
+        compare.main(["--dry-run", *argv])
+    assert ei.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_workloads_pass_through_to_the_bench_parser() -> None:
+    a = compare.build_parser().parse_args([
+        "--workloads", "multiturn,4096:64", "--rates", "2,inf", "--num-prompts", "32", "--warmup", "3",
+        "--token-range", "5:900", "--bench-args", "--input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6",
+        "--workload-args", "--workload multiturn --num-turns 2", "--workload-args", "--workload azure-conv"])
+    ws = compare.workload_list(a)
+    assert [w.title for w in ws] == ["multiturn 2048:64 x6 (+256/turn)", "fixed 4096:64",
+                                     "multiturn 2048:64 x2 (+256/turn)", "azure-conv"]
+    cfg = compare.bench_config(a, ws[0].argv, base_url="http://h:1", label="vllm", deadline=5.0)
+    spec = cfg.workload
+    assert (spec.name, spec.input_len, spec.turn_input_len, spec.output_len, spec.num_turns) == (
+        "multiturn", 2048, 256, 64, 6)
+    assert (spec.token_lo, spec.token_hi, cfg.rates, cfg.num_prompts, cfg.warmup) == (5, 900, (2.0, INF), 32, 3)
+    assert (cfg.base_url, cfg.label, cfg.deadline, cfg.model) == ("http://h:1", "vllm", 5.0, None)
+    fixed = compare.bench_config(a, ws[1].argv).workload  # the workload's own flags win over --bench-args
+    assert (fixed.name, fixed.input_len, fixed.output_len) == ("fixed", 4096, 64)
+    # the same workload twice gets distinct titles; no --workloads nor --workload-args: the two defaults
+    twice = compare.build_parser().parse_args(["--workloads", "azure-code,azure-code"])
+    assert [w.title for w in compare.workload_list(twice)] == ["azure-code", "azure-code #2"]
+    assert [w.title for w in compare.workload_list(compare.build_parser().parse_args([]))] == [
+        "fixed 4096:64", "fixed 4096:1024"]
+
+
+def test_num_prompts_default_caps_the_synthetic_workloads_only() -> None:
+    parse = compare.build_parser().parse_args
+    assert compare.bench_config(parse([]), ["--workload", "multiturn"]).num_prompts == compare.NUM_PROMPTS
+    assert compare.bench_config(parse(["--num-prompts", "5"]), ["--workload", "multiturn"]).num_prompts == 5
+    assert compare.bench_config(parse(["--bench-args", "--num-prompts 7"]), []).num_prompts == 7
+    trace = os.path.join(ROOT, "tests", "data", "azure_code_2023_excerpt.csv.gz")
+    if "trace" in compare.WORKLOADS and os.path.exists(trace):  # the trace workload (issue 15, item 1)
+        cfg = compare.bench_config(parse(["--bench-args", "--duration-s 30"]),
+                                   ["--workload", "trace", "--trace", trace])
+        assert cfg.workload.name == "trace" and cfg.num_prompts is None  # the window decides, uncapped
+
+
+def _row(system: str, workload: str = "w", rps: float | None = 10.0, tps: float = 640.0, p50: float | None = 150.0,
+         p99: float = 400.0, g100: float | None = 8.0, s50: float | None = 2.0) -> dict[str, Any]:
+    return {"system": system, "workload": workload,
+            "peak": {"rate": "inf", "output_throughput": tps, "request_throughput": rps, "p99_itl_ms": 40.0,
+                     "p50_ttft_ms": p50, "p99_ttft_ms": p99},
+            "itl_le_100ms": None,
+            "goodput_p99_itl_le_100ms": None if g100 is None else {"goodput": g100, "rate": "inf"},
+            "goodput_itl_le_100ms": {"goodput": 1.0, "rate": "inf"},
+            "itl_le_50ms": None, "goodput_p99_itl_le_50ms": None,
+            "goodput_itl_le_50ms": None if s50 is None else {"goodput": s50, "rate": "inf"}}
+
+
+def test_versus_vllm_ratios() -> None:
+    rows = [_row("rapid", rps=13.0, tps=832.0, p50=120.0, p99=800.0, g100=12.0, s50=3.0),
+            _row("vllm", rps=10.0, tps=640.0, p50=150.0, p99=400.0, g100=8.0, s50=0.0),
+            _row("hybrid-2048", tps=512.0, p50=None, g100=None, s50=None),
+            _row("rapid", workload="no-vllm-here")]
+    got = compare.versus_vllm(rows, [100, 50], "vllm")
+    assert [x["system"] for x in got] == ["rapid", "hybrid-2048"]  # the baseline itself and other workloads: none
+    r, h = got
+    assert r["request_throughput"] == pytest.approx(1.3) and r["output_throughput"] == pytest.approx(1.3)
+    assert r["ttft_p50_ms"] == pytest.approx(0.8) and r["ttft_p99_ms"] == pytest.approx(2.0)
+    assert r["goodput_p99_itl_le_100ms"] == pytest.approx(1.5) and r["goodput_itl_le_100ms"] == pytest.approx(1.0)
+    assert r["goodput_p99_itl_le_50ms"] is None  # neither has a figure
+    assert r["goodput_itl_le_50ms"] is None  # vLLM's is 0: no ratio
+    assert h["ttft_p50_ms"] is None and h["goodput_p99_itl_le_100ms"] is None and h["baseline"] == "vllm"
+    assert compare.versus_vllm(rows, [100], None) == [] and compare.versus_vllm(rows, [100], "other") == []
+    assert list(r)[3:] == compare.vllm_keys([100, 50])
+    md = compare.to_markdown(rows, [100, 50], {"model": "m", "vllm_baseline": "vllm"})
+    assert "Versus vLLM (`vllm`)" in md and "| rapid | 1.30x | 1.30x | 0.80x | 2.00x | 1.50x | - | 1.00x | - |" in md
+    assert "| hybrid-2048 | 1.00x | 0.80x | - | 1.00x | - | - | 1.00x | - |" in md
+    assert md.count("Versus vLLM") == 1  # the workload without vLLM has no vs-vLLM table
+    assert "| vllm | 1.25x |" in md  # and vLLM is in the versus-the-best-hybrid table (peak 640 over 512)
+
+
+def test_ext_system_that_does_not_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    url = f"http://127.0.0.1:{compare.free_port()}"
+    rc = compare.main(["--systems", f"ext:{url}", "--startup-timeout-s", "1", "--workloads", "8:2",
+                       "--out", str(tmp_path), "--name", "ext"])
+    data = json.loads((tmp_path / "ext.json").read_text())
+    assert rc == 1 and data["systems"][0]["status"].startswith("did not start: the external server does not answer")
+    assert data["systems"][0]["label"] == url and data["rows"] == [] and data["vllm_baseline"] is None
+
+
+FAKE_SERVE_VLLM = """#!/usr/bin/env bash
+# serve_vllm.sh's contract (MODEL PORT [flags]; a server in its own session; pid and log in the run dir;
+# exit 0 once /health is 200) with a rapidserve CPU server standing in for vLLM
+MODEL=$1; PORT=$2; shift 2
+echo "fake vllm for $MODEL: $*"
+setsid "$FAKE_PY" -m rapidserve.cli serve --model preset:tiny-llama --device cpu --num-kv-blocks 64 \\
+  --port "$PORT" "$@" > "$FAKE_RUN_DIR/vllm_$PORT.log" 2>&1 &
+echo $! > "$FAKE_RUN_DIR/vllm_$PORT.pid"
+for i in $(seq 1 240); do
+  sleep 0.5
+  "$FAKE_PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null \\
+    && { echo "healthy"; exit 0; }
+  kill -0 "$(cat "$FAKE_RUN_DIR/vllm_$PORT.pid")" 2>/dev/null || { echo "died"; exit 1; }
+done
+exit 1
+"""
+
+
+@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
+def test_compare_with_a_vllm_system_through_serve_vllm_sh(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "serve_vllm.sh"
+    script.write_text(FAKE_SERVE_VLLM)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("FAKE_PY", sys.executable)
+    monkeypatch.setenv("FAKE_RUN_DIR", str(run_dir))
+    rc = compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64 "
+                       "--max-model-len 256", "--systems", "vllm:--max-num-seqs 8", "--system", "plain=",
+                       "--vllm-model", str(tmp_path), "--vllm-serve", str(script), "--vllm-run-dir", str(run_dir),
+                       "--workloads", "multiturn", "--bench-args", "--input-len 24 --turn-input-len 8 --output-len 3 "
+                       "--num-turns 2", "--rates", "inf", "--num-prompts", "3", "--token-range", "3:1000",
+                       "--warmup", "1", "--out", str(tmp_path), "--name", "cmp"])
+    assert rc == 0
+    data = json.loads((tmp_path / "cmp.json").read_text())
+    assert [s["status"] for s in data["systems"]] == ["ok", "ok"] and data["vllm_baseline"] == "vllm:--max-num-seqs 8"
+    assert data["systems"][0]["command"].endswith(" --max-model-len 256 --max-num-seqs 8")
+    assert [r["system"] for r in data["rows"]] == ["vllm:--max-num-seqs 8", "plain"]
+    assert all(r["workload"] == "multiturn 24:3 x2 (+8/turn)" for r in data["rows"])
+    (vs,) = data["versus_vllm"]
+    assert vs["system"] == "plain" and vs["request_throughput"] > 0 and vs["ttft_p50_ms"] > 0
+    assert all(x["summary"]["completed"] == 6 for s in data["sweeps"] for x in s["runs"])  # 3 conversations x 2
+    pid = int((run_dir / f"vllm_{data['systems'][0]['url'].rsplit(':', 1)[1]}.pid").read_text())
+    assert not compare.group_alive(pid)  # the stop ended the server's whole session
+    with open(data["systems"][0]["log"]) as f:
+        log = f.read()  # the script's output, then vLLM's own log (here the stand-in's, down to its stop)
+    assert "healthy" in log and "(the server's own log)" in log and "SIGTERM: stopping" in log
+    assert "Versus vLLM (`vllm:--max-num-seqs 8`)" in (tmp_path / "cmp.md").read_text()

@@ -53,7 +53,8 @@ def test_token_ids_in_token_ids_out(bare: Srv) -> None:
     choice = body["choices"][0]
     assert choice["text"] == "" and len(choice["token_ids"]) == 6
     assert all(0 <= t < VOCAB for t in choice["token_ids"])
-    assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 6, "total_tokens": 46}
+    assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 6, "total_tokens": 46,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # a first request: nothing cached
 
     status, data = post(bare, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
                                                   "temperature": 0, "stream": True,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from rapidserve.benchmark.arrivals import arrival_times, parse_rates, rate_label, rate_rng
+from rapidserve.benchmark.client import completion_payload
 from rapidserve.benchmark.workloads import (
     TRACES,
     WorkloadSpec,
@@ -160,4 +161,10 @@ def test_workload_check(spec: WorkloadSpec, needle: str) -> None:
 def test_workload_check_accepts_what_fits() -> None:
     WorkloadSpec(input_len=1000, output_len=24, max_model_len=1024).check()
     WorkloadSpec("azure-code", max_model_len=1024).check()
-    assert WorkloadSpec("azure-code").describe()["input_mean"] == 2047
+    assert WorkloadSpec("azure-code").describe()["input_mean"] == 2048  # azure_code_2023.csv: 2047.8
+
+
+def test_multiturn_requests_ask_for_the_output_ids() -> None:
+    plain = completion_payload("m", [1, 2], 4)
+    assert "return_token_ids" not in plain and plain["max_tokens"] == plain["min_tokens"] == 4
+    assert completion_payload("m", [1, 2], 4, return_token_ids=True)["return_token_ids"] is True

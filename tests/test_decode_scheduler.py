@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from rapidserve.block_manager import BlockManager, blocks_for
+from rapidserve.block_manager import BlockManager, block_hash, blocks_for
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler, Row
 from rapidserve.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ EOS = 2
 STOP = 7  # a stop token id, for requests that ask for it
 TOK = 20  # an ordinary token
 PROMPT0 = 10  # prompts are 10, 11, ...: never EOS or STOP
+SALT = b"test-model"  # the prefix cache's salt
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -42,8 +43,10 @@ def new(i: int, n: int = 4, p: SamplingParams | None = None) -> m.NewRequest:
     return m.NewRequest(f"r{i}", list(range(PROMPT0, PROMPT0 + n)), p or params(), 0.0)
 
 
-def make(num_blocks: int = 32, max_seqs: int = 8, watermark: float = 0.0, cap: int | None = None) -> DecodeScheduler:
-    return DecodeScheduler(BlockManager(num_blocks, BS, watermark), max_seqs, (EOS,), cap or num_blocks * BS)
+def make(num_blocks: int = 32, max_seqs: int = 8, watermark: float = 0.0, cap: int | None = None,
+         caching: bool = False) -> DecodeScheduler:
+    return DecodeScheduler(BlockManager(num_blocks, BS, watermark, enable_caching=caching, salt=SALT), max_seqs,
+                           (EOS,), cap or num_blocks * BS)
 
 
 def ids(reqs: Iterable[DecodeRequest] | Iterable[m.KVReady] | Iterable[m.NewRequest]) -> list[str]:
@@ -61,25 +64,36 @@ def check(s: DecodeScheduler) -> None:
     """Invariants that hold between the worker's calls (inflight <= 1: no launch awaiting its predecessor)."""
     b = s.blocks
     b.check()
-    held = sum(len(b.table(i)) for i in s.reqs if b.has(i))
-    assert held + b.num_free == b.num_blocks, "a block is owned by a request the scheduler no longer knows"
-    assert all(r.state == "waiting" for r in s.waiting) and len(set(map(id, s.waiting))) == len(s.waiting)
-    assert all(r.state == "running" for r in s.running) and len(set(map(id, s.running))) == len(s.running)
+    tables = b._tables
+    assert tables.keys() <= s.reqs.keys(), "a block is owned by a request the scheduler no longer knows"
+    held = {blk for t in tables.values() for blk in t}
+    assert len(held) + b.num_free == b.num_blocks
+    # the prefix cache: only registered blocks are shared (hits are; registration is undone only when a free
+    # block is taken), and without the cache nothing is registered or shared
+    assert all(b._ref[blk] == 1 or blk in b._hash_of for blk in held), "a block is shared but not in the cache"
+    assert b.enable_caching or (not b._hash_of and max(b._ref) <= 1)
+    waiting, running = set(map(id, s.waiting)), set(map(id, s.running))
+    assert all(r.state == "waiting" for r in s.waiting) and len(waiting) == len(s.waiting)
+    assert all(r.state == "running" for r in s.running) and len(running) == len(s.running)
     assert len(s.running) + s.num_prefilling <= s.max_seqs
     known = {id(r) for r in s.reqs.values()}
-    assert all(id(r) in known for r in [*s.waiting, *s.running])
-    for i, r in s.reqs.items():
+    assert waiting <= known and running <= known
+    for i, r in s.reqs.items():  # (`i in tables`: the request holds blocks)
         assert r.req_id == i and 0 <= r.inflight <= 1
         if r.state == "waiting":
-            assert not b.has(i) and r in s.waiting and r.inflight == 0 and not r.aborting
-        elif r.state == "prefilling":  # exactly the blocks of its KVReady, which prefill writes
-            assert len(b.table(i)) == blocks_for(r.num_tokens, BS) and r.inflight == 0
+            assert i not in tables and id(r) in waiting and r.inflight == 0 and not r.aborting
+            continue
+        if r.state == "prefilling":  # exactly the blocks of its KVReady, which prefill writes
+            assert len(tables[i]) == blocks_for(r.num_tokens, BS) and r.inflight == 0
         elif r.state == "running":  # K/V of all but its newest token, and of the step in flight
-            assert r in s.running and not r.aborting
-            assert blocks_for(r.tokens_needed - 1, BS) <= len(b.table(i)) <= blocks_for(r.tokens_needed, BS)
+            assert id(r) in running and not r.aborting
+            assert blocks_for(r.tokens_needed - 1, BS) <= len(tables[i]) <= blocks_for(r.tokens_needed, BS)
         else:  # ended, but a step in flight still writes its blocks, or prefill owes the answer to a Drop
             assert r.state == "done"
-            assert (r.inflight > 0 and b.has(i)) or (r.drop_pending and r.inflight == 0 and not b.has(i))
+            assert (r.inflight > 0 and i in tables) or (r.drop_pending and r.inflight == 0 and i not in tables)
+        if i in tables:  # from its newest token on, blocks are written next (by prefill or a step): its own, uncached
+            for blk in tables[i][(r.num_tokens - 1) // BS:]:
+                assert b._ref[blk] == 1 and blk not in b._hash_of, f"{i}: block {blk} is written next, yet shared"
 
 
 def answer(s: DecodeScheduler, kv: m.KVReady, token: int = TOK, reason: str | None = None) -> m.TokenOut | None:
@@ -98,6 +112,11 @@ def admit(s: DecodeScheduler) -> list[m.KVReady]:
         assert kv.request is r.request and kv.block_ids == s.blocks.table(kv.req_id)
         assert len(kv.block_ids) == blocks_for(r.num_tokens, BS) and kv.outputs == r.outputs
         assert kv.outputs is not r.outputs and kv.attempt == r.attempt
+        # the leading full blocks found in the cache (leaving a token to compute), then fresh ones for prefill
+        c, b = kv.cached_tokens, s.blocks
+        assert c % BS == 0 and 0 <= c < r.num_tokens and (c == 0 or b.enable_caching)
+        assert all(blk in b._hash_of for blk in kv.block_ids[:c // BS])
+        assert all(b._ref[blk] == 1 and blk not in b._hash_of for blk in kv.block_ids[c // BS:])
     return kvs
 
 
@@ -846,7 +865,346 @@ def test_stats_count_every_state() -> None:
     assert s.stats("q", 0) == m.Stats(0, 0, 2, 4, 0, 1, "q", 0) and s.mean_context() == 0 and s.has_pending
 
 
-# ---- 9. randomized simulation, driven as decode_worker.py drives it -------------------------------
+# ---- 9. prefix caching --------------------------------------------------------------------------
+def seq(n: int, base: int = PROMPT0) -> list[int]:
+    return list(range(base, base + n))
+
+
+def newp(i: int, prompt: list[int], p: SamplingParams | None = None) -> m.NewRequest:
+    return m.NewRequest(f"r{i}", list(prompt), p or params(), 0.0)
+
+
+def cached(s: DecodeScheduler) -> set[int]:
+    """The registered blocks (in use or free)."""
+    return set(s.blocks._hash_of)
+
+
+def refs(s: DecodeScheduler, blocks: Iterable[int]) -> list[int]:
+    return [s.blocks._ref[b] for b in blocks]
+
+
+@pytest.mark.parametrize("first_running", [False, True], ids=["the first ended", "the first still running"])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 8, 9, 13])
+def test_cache_a_repeated_prompt_hits_its_full_blocks_but_leaves_a_token(n: int, first_running: bool) -> None:
+    s = make(num_blocks=16, caching=True)
+    [kv0] = start(s, new(0, n))
+    if not first_running:
+        assert s.abort("r0") is False and fin(s) == ["r0:abort"]
+    k = (n - 1) // BS  # full blocks before the last token
+    assert cached(s) == set(kv0.block_ids[:n // BS])  # the prompt's full blocks, once prefill's writes landed
+    free, reg = s.blocks.num_free, cached(s)
+    s.add(new(1, n))
+    [kv1] = admit(s)
+    assert kv1.cached_tokens == k * BS and kv1.block_ids[:k] == kv0.block_ids[:k]
+    assert not set(kv1.block_ids[k:]) & reg  # the rest are fresh: nothing cached was evicted for them
+    if first_running:  # shared: only the fresh blocks leave the free list
+        assert refs(s, kv0.block_ids[:k]) == [2] * k and not set(kv1.block_ids[k:]) & set(kv0.block_ids)
+        assert free - s.blocks.num_free == blocks_for(n, BS) - k
+    else:  # revived from the free list
+        assert refs(s, kv0.block_ids[:k]) == [1] * k and free - s.blocks.num_free == blocks_for(n, BS)
+    assert (s.blocks.queries, s.blocks.hits) == (2 * n, k * BS)
+    st = s.stats("p", 0)
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (2 * n, k * BS)
+    answer(s, kv1)
+    step(s)
+    finish_all(Scene(s))
+
+
+PREFIXES = [
+    # name, the second prompt (the first is seq(13), cached: its 3 full blocks), cached tokens
+    ("identical", seq(13), 12),
+    ("differs in the last token", seq(12) + [99], 12),
+    ("differs in block 2", seq(9) + [99] + seq(3, PROMPT0 + 10), 8),
+    ("differs at the end of block 1", seq(7) + [99] + seq(5, PROMPT0 + 8), 4),
+    ("differs at the start of block 1", seq(4) + [99] + seq(8, PROMPT0 + 5), 4),
+    ("differs at the end of block 0", seq(3) + [99] + seq(9, PROMPT0 + 4), 0),
+    ("differs in the first token", [99] + seq(12, PROMPT0 + 1), 0),
+    ("a shorter prefix, mid-block", seq(10), 8),
+    ("a shorter prefix of whole blocks: its last token is computed", seq(8), 4),
+    ("longer: only what is cached hits", seq(13) + [50, 51, 52], 12),
+    ("much longer", seq(13) + seq(10, 50), 12),
+    ("shorter than a block", seq(3), 0),
+    ("exactly one block", seq(4), 0),
+    ("the same tokens, shifted", seq(13, PROMPT0 + 1), 0),
+]
+
+
+@pytest.mark.parametrize("name,prompt,hit", PREFIXES, ids=[c[0] for c in PREFIXES])
+def test_cache_a_shared_prefix_hits_its_full_blocks(name: str, prompt: list[int], hit: int) -> None:
+    s = make(num_blocks=16, caching=True)
+    [kv0] = start(s, new(0, 13))
+    s.add(newp(1, prompt))
+    [kv1] = admit(s)
+    k = hit // BS
+    assert kv1.cached_tokens == hit and kv1.block_ids[:k] == kv0.block_ids[:k]
+    assert not set(kv1.block_ids[k:]) & set(kv0.block_ids)
+    assert refs(s, kv0.block_ids) == [2] * k + [1] * (4 - k)
+    answer(s, kv1)
+    step(s)
+    finish_all(Scene(s))
+
+
+def test_cache_a_block_hits_only_after_the_same_prefix() -> None:
+    """A block's hash covers every token before it: the same tokens after another prefix are no hit."""
+    s = make(num_blocks=16, caching=True)
+    x, y, z = seq(4, 30), seq(4, 40), seq(4, 50)
+    [kv0] = start(s, newp(0, x + y + [99]))  # caches x, and y after x
+    [kv1] = start(s, newp(1, z + x + [99]))  # caches z, and x after z
+    assert len(cached(s)) == 4
+    for i, prompt, hit in [(2, z + y + [99], kv1.block_ids[:1]), (3, x + x + [99], kv0.block_ids[:1]),
+                           (4, y + [99], []), (5, z + x + y + [99], kv1.block_ids[:2])]:
+        s.add(newp(i, prompt))
+        [kv] = admit(s)
+        assert kv.cached_tokens == len(hit) * BS and kv.block_ids[:len(hit)] == hit, prompt
+        answer(s, kv)
+    finish_all(Scene(s))
+
+
+def test_cache_a_prompt_is_hit_only_once_its_prefill_is_done() -> None:
+    """Blocks are registered when PrefillDone says prefill's writes landed: a request admitted while the first
+    still prefills computes the prompt again, into its own blocks."""
+    s = make(num_blocks=16, caching=True)
+    p = seq(9)
+    s.add(newp(0, p))
+    s.add(newp(1, p))
+    kv0, kv1 = admit(s)
+    s.add(newp(2, p))
+    [kv2] = admit(s)
+    assert [kv.cached_tokens for kv in (kv0, kv1, kv2)] == [0, 0, 0] and not cached(s)
+    assert len(set(kv0.block_ids) | set(kv1.block_ids) | set(kv2.block_ids)) == 9
+    answer(s, kv0)
+    assert cached(s) == set(kv0.block_ids[:2])
+    s.add(newp(3, p))
+    [kv3] = admit(s)
+    assert kv3.cached_tokens == 8 and kv3.block_ids[:2] == kv0.block_ids[:2]
+    answer(s, kv1)  # the same content is cached already, in r0's blocks: r1's are not registered
+    answer(s, kv2)
+    answer(s, kv3)
+    assert cached(s) == set(kv0.block_ids[:2])
+    s.add(newp(4, p))
+    [kv4] = admit(s)
+    assert kv4.block_ids[:2] == kv0.block_ids[:2] and refs(s, kv0.block_ids[:2]) == [3, 3]
+    finish_all(Scene(s))
+
+
+@pytest.mark.parametrize("one_ahead", [False, True], ids=["one step at a time", "one step ahead"])
+def test_cache_decode_blocks_are_registered_as_their_steps_land(one_ahead: bool) -> None:
+    s = make(num_blocks=16, caching=True)
+    [kv0] = start(s, new(0, 5))
+    r = s.reqs["r0"]
+    assert cached(s) == {kv0.block_ids[0]}  # the second block holds 1 prompt token and the first output
+    prev: list[DecodeRequest] | None = None
+    for _ in range(10):
+        batch = launch(s, quiet=prev is None)  # check(): the block a step writes is never registered
+        if one_ahead:
+            if prev is not None:
+                land(s, prev, 30 + len(r.outputs))
+            prev = batch
+        else:
+            land(s, batch, 30 + len(r.outputs))
+        assert cached(s) == set(table(s, "r0")[:(r.num_tokens - 1) // BS])  # all K/V written but the newest's
+    if prev is not None:
+        land(s, prev, 30 + len(r.outputs))
+    assert r.num_tokens == 16 and len(cached(s)) == 3
+    # a prompt that is r0's prompt and outputs hits the blocks decode wrote
+    s.add(newp(1, r.tokens[:14]))
+    [kv1] = admit(s)
+    assert kv1.cached_tokens == 12 and kv1.block_ids[:3] == table(s, "r0")[:3]
+    answer(s, kv1)
+    finish_all(Scene(s))
+
+
+def test_cache_preempting_a_sharer_drops_only_its_references() -> None:
+    """r0 and r1 share r0's prompt blocks; r1, admitted last, is preempted: r0 keeps the shared blocks; r1's own
+    blocks stay cached until evicted, and its re-admission hits the ones left."""
+    s = make(num_blocks=6, caching=True)
+    p = seq(9)
+    [kv0] = start(s, newp(0, p))
+    [kv1] = start(s, newp(1, p))
+    a, b = kv0.block_ids[:2]
+    assert kv1.block_ids[:2] == [a, b] and kv1.cached_tokens == 8 and s.blocks.num_free == 2
+    for k in range(7):  # 10 -> 17 tokens each, different outputs: 4 blocks each, the first 4 registered
+        step(s, [40 + k, 60 + k])
+    r1 = s.reqs["r1"]
+    t0, t1 = table(s, "r0"), table(s, "r1")
+    assert r1.num_tokens == 17 and s.blocks.num_free == 0 and cached(s) == set(t0) | set(t1)
+    batch = s.schedule(quiet=True)  # both need a 5th block: r1 goes
+    check(s)
+    assert batch is not None and ids(batch) == ["r0"] and r1.state == "waiting" and s.num_preemptions == 1
+    assert table(s, "r0")[:4] == t0 and refs(s, t0[:2]) == [1, 1] and {a, b} <= cached(s)  # r0 keeps them
+    evicted = table(s, "r0")[4]
+    assert evicted == t1[3]  # r0's new block: the least recently freed of r1's (freed tail first)
+    assert t1[2] in cached(s) and s.blocks._ref[t1[2]] == 0 and evicted not in cached(s)
+    s.launched(batch)
+    land(s, batch)
+    assert s.abort("r0") is False and fin(s) == ["r0:abort"]
+    [kv] = admit(s)  # r1 again, with its outputs: its prompt blocks (r0's), its own block 2; block 3 was evicted
+    assert kv.req_id == "r1" and kv.attempt == 1 and kv.cached_tokens == 12 and kv.block_ids[:3] == [a, b, t1[2]]
+    answer(s, kv)
+    assert r1.outputs[:8] == [TOK] + [60 + k for k in range(7)]
+    finish_all(Scene(s))
+
+
+@pytest.mark.parametrize("how", ["Dropped", "PrefillDone, Dropped", "PrefillFailed, Dropped"])
+def test_cache_an_abort_while_prefilling_leaves_shared_blocks_to_their_other_user(how: str) -> None:
+    s = make(num_blocks=8, caching=True)
+    p = seq(13)
+    [kv0] = start(s, newp(0, p))
+    s.add(newp(1, p))
+    [kv1] = admit(s)
+    shared = kv0.block_ids[:3]
+    assert kv1.block_ids[:3] == shared and refs(s, shared) == [2, 2, 2]
+    assert s.abort("r1") is True
+    if how.startswith("PrefillDone"):
+        assert answer(s, kv1) is None
+    elif how.startswith("PrefillFailed"):
+        s.prefill_failed(m.PrefillFailed("r1", 0, "it broke"))
+    s.dropped("r1")
+    check(s)
+    assert fin(s) == ["r1:abort"] and "r1" not in s.reqs
+    assert table(s, "r0") == kv0.block_ids and refs(s, shared) == [1, 1, 1] and cached(s) == set(shared)
+    assert kv1.block_ids[3] not in cached(s)  # what prefill wrote for an aborted request is not registered
+    s.add(newp(2, p))
+    [kv2] = admit(s)
+    assert kv2.block_ids[:3] == shared and kv2.cached_tokens == 12
+    answer(s, kv2)
+    step(s)
+    finish_all(Scene(s))
+
+
+def singles(s: DecodeScheduler, first: int, n: int) -> list[int]:
+    """Admit and run `n` one-token requests with prompts of their own: the blocks the free list gave them."""
+    got = []
+    for i in range(first, first + n):
+        [kv] = start(s, newp(i, [200 + i]))
+        assert kv.cached_tokens == 0
+        got += kv.block_ids
+    return got
+
+
+def test_cache_eviction_takes_unregistered_blocks_first_then_the_least_recently_freed() -> None:
+    s = make(num_blocks=10, max_seqs=16, caching=True)
+    pa, pb = seq(9), seq(9, 50)
+    s.add(newp(0, pa, params(max_tokens=1)))
+    s.add(newp(1, pb, params(max_tokens=1)))
+    ka, kb = admit(s)
+    assert answer(s, ka, reason="length") is None  # ends with its first token: its 2 full blocks stay cached, free
+    assert answer(s, kb, reason="length") is None  # ends later
+    a0, a1, a2 = ka.block_ids
+    b0, b1, b2 = kb.block_ids
+    assert all_free(s) and cached(s) == {a0, a1, b0, b1}
+    got = singles(s, 10, 6)  # the unregistered blocks go first: 4 never used, each prompt's partial one
+    assert set(got) == set(range(10)) - {a0, a1, b0, b1} and cached(s) == {a0, a1, b0, b1}
+    assert singles(s, 20, 1) == [a1]  # then the least recently freed: r0's, its tail first
+    assert cached(s) == {a0, b0, b1}
+    s.add(newp(2, pa))
+    [kv] = admit(s)  # r0's head still hits; its 2 fresh blocks evict r1's, tail first
+    assert kv.cached_tokens == 4 and kv.block_ids == [a0, b1, b0] and cached(s) == {a0}
+    finish_all(Scene(s))
+
+
+def test_cache_a_revived_block_is_freed_again_as_the_most_recent() -> None:
+    s = make(num_blocks=10, max_seqs=16, caching=True)
+    heads = []
+    for i, pr in enumerate([seq(9), seq(9, 50), seq(9)]):  # r2 hits r0's blocks, uses them and frees them again
+        s.add(newp(i, pr, params(max_tokens=1)))
+        [kv] = admit(s)
+        assert answer(s, kv, reason="length") is None
+        heads.append(kv.block_ids[:2])
+    ha, hb, ha2 = heads
+    assert ha2 == ha and cached(s) == set(ha + hb)
+    singles(s, 10, 6)  # the unregistered blocks
+    assert singles(s, 20, 2) == [hb[1], hb[0]]  # r1's are now the least recently freed
+    assert cached(s) == set(ha)
+    finish_all(Scene(s))
+
+
+CAN_ADMIT = [
+    # name, num_blocks, watermark, r0 (prompt seq(13): 3 full blocks) still running, caching, r1 (the same) admitted
+    # r9 runs beside, in 1 block: no one is alone
+    ("hits on blocks in use cost nothing", 6, 0.0, True, True, True),  # 1 free; r1 needs 1 fresh block
+    ("without the cache the same request waits", 6, 0.0, True, False, False),  # needs 4
+    ("the fresh blocks keep the watermark", 7, 0.15, True, True, True),  # 2 free - 1 >= 1
+    ("the fresh blocks break the watermark", 6, 0.2, True, True, False),  # 1 free - 1 < 1
+    ("hits on free cached blocks cost a block each", 5, 0.0, False, True, True),  # 4 free - 4 >= 0
+    ("hits on free cached blocks count against the watermark", 5, 0.2, False, True, False),  # 4 free - 4 < 1
+    ("free blocks without the cache", 5, 0.0, False, False, True),
+]
+
+
+@pytest.mark.parametrize("name,num_blocks,watermark,running,caching,admitted", CAN_ADMIT,
+                         ids=[c[0] for c in CAN_ADMIT])
+def test_cache_admission_counts_hits_on_blocks_in_use_as_free(name: str, num_blocks: int, watermark: float,
+                                                              running: bool, caching: bool, admitted: bool) -> None:
+    s = make(num_blocks=num_blocks, watermark=watermark, caching=caching)
+    if running:
+        start(s, newp(9, [90]))
+        [kv0] = start(s, newp(0, seq(13)))
+    else:  # r0 ran alone (4 of 5 blocks) and ended; r9 takes its unregistered block
+        [kv0] = start(s, newp(0, seq(13)))
+        s.abort("r0")
+        fin(s)
+        start(s, newp(9, [90]))
+    free = s.blocks.num_free
+    s.add(newp(1, seq(13)))
+    kvs = admit(s)
+    assert ids(kvs) == (["r1"] if admitted else [])
+    if admitted:
+        hit = 12 if caching else 0
+        assert kvs[0].cached_tokens == hit and kvs[0].block_ids[:hit // BS] == kv0.block_ids[:hit // BS]
+        assert free - s.blocks.num_free == 4 - (hit // BS if running else 0)
+    finish_all(Scene(s))
+
+
+def test_cache_unadmit_gives_the_hits_back() -> None:
+    s = make(num_blocks=8, caching=True)
+    [kv0] = start(s, new(0, 9))
+    s.add(new(1, 9))
+    [kv1] = admit(s)
+    s.unadmit([kv1])
+    check(s)
+    assert refs(s, kv0.block_ids) == [1, 1, 1] and cached(s) == set(kv0.block_ids[:2])
+    [kv1] = admit(s)
+    assert kv1.cached_tokens == 8 and kv1.block_ids[:2] == kv0.block_ids[:2]
+    answer(s, kv1)
+    finish_all(Scene(s))
+
+
+# ---- 10. randomized simulation, driven as decode_worker.py drives it -------------------------------
+M61 = (1 << 61) - 1
+GARBAGE = -1  # what a dropped, failed or broken computation leaves in a slot
+
+
+def kv_of(prev: int, token: int) -> int:
+    """The fake model's K/V at a position: a function of the K/V before it (as read from the pool) and the
+    token there, so of every token up to it."""
+    return (prev * 1_000_003 + token + 1) % M61
+
+
+def kvs_of(tokens: list[int]) -> list[int]:
+    out: list[int] = []
+    for t in tokens:
+        out.append(kv_of(out[-1] if out else 0, t))
+    return out
+
+
+def next_token(kv: int) -> int:
+    """The fake model's sampled token after a position whose K/V is `kv`: it depends only on the tokens so far."""
+    x = (kv * 0x9E3779B97F4A7C15 >> 17) % 1000
+    return EOS if x < 80 else STOP if x < 140 else PROMPT0 + 20 + x % 70
+
+
+def ideal(prompt: list[int], p: SamplingParams, cap: int) -> list[int]:
+    """A request's outputs with nothing in the way (no abort, failure or preemption)."""
+    outs: list[int] = []
+    kv = kvs_of(prompt)[-1]
+    while True:
+        outs.append(next_token(kv))
+        if check_stop(p, outs, len(prompt) + len(outs), (EOS,), cap) is not None:
+            return outs
+        kv = kv_of(kv, outs[-1])
+
+
 @dataclass
 class Seen:
     """What the router got for one request."""
@@ -856,22 +1214,85 @@ class Seen:
     aborted: bool = False  # the router sent Abort (possibly racing with the end)
 
 
+@dataclass
+class Outcome:
+    counts: Counter[str]
+    streams: dict[str, tuple[list[int], bool]]  # per request: the tokens the router got, whether a token ended it
+
+
+Write = tuple[DecodeRequest, int]  # a decode step's row: the request and the position its input token is written to
+
+
 class Sim:
     """The decode worker's loop around the scheduler, with a fake prefill worker (FIFO, answers every Drop
-    with Dropped, as prefill_worker.py does) and a fake router checking what it receives."""
+    with Dropped, as prefill_worker.py does), a fake router checking what it receives, and a fake model over a
+    fake KV pool: prefill and decode steps read K/V from the blocks of their table and write theirs there, and
+    a sampled token depends on what they read. So a cache hit on a block with other content, or a block written
+    while another request reads it, changes the outputs; the Sim also asserts each directly: every write goes to
+    a block that only its writer holds and that is not registered, and every registered block holds the K/V of
+    the tokens its hash names."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, cache: bool) -> None:
         self.rng = rng = random.Random(seed)
         num_blocks = rng.randint(5, 12)
         self.cap = num_blocks * BS - rng.choice([0, 0, 3])
-        self.s = DecodeScheduler(BlockManager(num_blocks, BS, rng.choice([0.0, 0.1, 0.25])), rng.randint(1, 5),
-                                 (EOS,), self.cap)
+        self.cache = cache
+        self.s = DecodeScheduler(BlockManager(num_blocks, BS, rng.choice([0.0, 0.1, 0.25]), enable_caching=cache,
+                                              salt=SALT), rng.randint(1, 5), (EOS,), self.cap)
         self.prefill: list[m.KVReady] = []  # prefill's queue: it writes these blocks
         self.p2d: deque[m.PrefillDone | m.PrefillFailed | m.Dropped] = deque()
-        self.inflight: tuple[list[DecodeRequest], list[Row], list[tuple[str, int]]] | None = None
+        self.inflight: tuple[list[DecodeRequest], list[Write]] | None = None
         self.seen: dict[str, Seen] = {}
         self.objs: dict[str, DecodeRequest] = {}
         self.counts: Counter[str] = Counter()
+        # the workload: its own generator, so a seed gives the same requests with the cache on and off
+        self.wl = random.Random(seed + 1_000_003)
+        # prompts are made of a few block-sized chunks, so one block's tokens come after different prefixes
+        self.chunks = [[self.wl.randint(PROMPT0, PROMPT0 + 29) for _ in range(BS)] for _ in range(3)]
+        self.systems = [self.chunked(2) + self.tail(0, 2) for _ in range(3)]
+        self.prompts: list[list[int]] = []
+        self.ideals: dict[str, list[int]] = {}
+        # the fake pool: per block and slot, the K/V written there and by whom ("p"refill, "d"ecode)
+        self.pool: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
+        self.by: list[list[str]] = [[""] * BS for _ in range(num_blocks)]
+        self.expect: dict[bytes, list[int]] = {}  # a block hash -> the K/V its block must hold
+        self.known: dict[str, tuple[list[bytes], list[int]]] = {}  # per request: its block hashes and K/V so far
+
+    def chunked(self, most: int) -> list[int]:
+        return [t for _ in range(self.wl.randint(1, most)) for t in self.wl.choice(self.chunks)]
+
+    def tail(self, least: int, most: int) -> list[int]:
+        return [self.wl.randint(PROMPT0, PROMPT0 + 29) for _ in range(self.wl.randint(least, most))]
+
+    # -- the fake model ---------------------------------------------------------------------------
+    def learn(self, r: DecodeRequest) -> list[int]:
+        """The true K/V of `r`'s tokens so far, and the block hashes they give (the cache's truth)."""
+        hs, kvs = self.known.setdefault(r.req_id, ([], []))
+        toks = r.tokens
+        while len(kvs) < len(toks):
+            kvs.append(kv_of(kvs[-1] if kvs else 0, toks[len(kvs)]))
+        while self.cache and (len(hs) + 1) * BS <= len(toks):
+            i = len(hs)
+            hs.append(block_hash(hs[-1] if hs else SALT, toks[i * BS:(i + 1) * BS]))
+            want = kvs[i * BS:(i + 1) * BS]
+            assert self.expect.setdefault(hs[-1], want) == want, "two prefixes with one hash"
+        return kvs
+
+    def read(self, table: list[int], pos: int) -> int | None:
+        return self.pool[table[pos // BS]][pos % BS]
+
+    def write(self, table: list[int], pos: int, kv: int, by: str) -> None:
+        blk = table[pos // BS]
+        b = self.s.blocks
+        assert b._ref[blk] == 1, f"a write into block {blk}, which {b._ref[blk]} tables hold"
+        assert blk not in b._hash_of, f"a write into block {blk}, which is in the prefix cache"
+        self.pool[blk][pos % BS] = kv
+        self.by[blk][pos % BS] = by
+
+    def owned(self, table: list[int], pos: int) -> None:
+        """The block of `pos` may be written now: only its request holds it and it is not registered."""
+        blk = table[pos // BS]
+        assert self.s.blocks._ref[blk] == 1 and blk not in self.s.blocks._hash_of, f"block {blk} is shared"
 
     # -- the router ------------------------------------------------------------------------------
     def emit(self, t: m.TokenOut, by: str) -> None:
@@ -893,19 +1314,31 @@ class Sim:
         self.s.finished.clear()
 
     # -- events ----------------------------------------------------------------------------------
-    def token(self) -> int:
-        x = self.rng.random()
-        return EOS if x < 0.08 else STOP if x < 0.14 else self.rng.randint(PROMPT0 + 20, 99)
-
     def arrive(self) -> None:
-        rng = self.rng
+        """The next request of the workload: a system prompt and a tail, a few chunks and a tail, an earlier
+        prompt again, or an earlier prompt continued by that request's outputs."""
+        wl = self.wl
         rid = f"q{len(self.seen)}"
-        mt = None if rng.random() < 0.15 else rng.randint(1, 12)
-        p = params(max_tokens=mt, min_tokens=rng.randint(0, min(3, mt or 3)), ignore_eos=rng.random() < 0.2,
-                   stop_token_ids=rng.choice([(), (STOP,)]))
-        n = rng.randint(1, min(14, self.cap - 1))
+        mt = None if wl.random() < 0.15 else wl.randint(1, 12)
+        p = params(max_tokens=mt, min_tokens=wl.randint(0, min(3, mt or 3)), ignore_eos=wl.random() < 0.2,
+                   stop_token_ids=wl.choice([(), (STOP,)]))
+        x = wl.random()
+        if self.prompts and x < 0.2:
+            prompt = list(wl.choice(self.prompts))
+        elif self.prompts and x < 0.35:
+            j = wl.randrange(len(self.prompts))
+            prompt = self.prompts[j] + self.ideals[f"q{j}"][:wl.randint(1, 8)]
+        elif x < 0.7:
+            prompt = wl.choice(self.systems) + self.tail(0, 6)
+        elif x < 0.9:
+            prompt = self.chunked(3) + self.tail(0, 4)
+        else:
+            prompt = self.tail(1, 12)
+        prompt = prompt[:min(18, self.cap - 1)]
+        self.prompts.append(prompt)
+        self.ideals[rid] = ideal(prompt, p, self.cap)
         self.seen[rid] = Seen()
-        self.s.add(m.NewRequest(rid, list(range(PROMPT0, PROMPT0 + n)), p, 0.0))
+        self.s.add(m.NewRequest(rid, prompt, p, 0.0))
         self.objs[rid] = self.s.reqs[rid]
 
     def abort(self) -> None:
@@ -914,12 +1347,24 @@ class Sim:
         r = self.s.reqs.get(rid)
         self.counts["abort " + ("gone" if r is None else f"{r.state}{'+' if r.inflight or r.aborting else ''}")] += 1
         self.seen[rid].aborted = True
+        for kv in [kv for kv in self.prefill if kv.req_id == rid]:  # prefill may have written part of it
+            for pos in range(kv.cached_tokens, self.rng.randint(kv.cached_tokens, self.s.reqs[rid].num_tokens)):
+                self.write(kv.block_ids, pos, GARBAGE, "p")
         if self.s.abort(rid):  # Drop: prefill forgets the job if it still has it, and answers Dropped
             self.prefill = [kv for kv in self.prefill if kv.req_id != rid]
             self.p2d.append(m.Dropped(rid))
 
     def admit(self) -> None:
+        b = self.s.blocks
+        in_use, registered = list(b._ref), set(b._hash_of)
         handed = admit(self.s)
+        for kv in handed:
+            k = kv.cached_tokens // BS
+            for blk in kv.block_ids[:k]:
+                self.counts["hit, in use" if in_use[blk] else "hit, revived"] += 1
+                if "d" in self.by[blk]:
+                    self.counts["hit on decode's K/V"] += 1
+            self.counts["evicted"] += sum(1 for blk in kv.block_ids[k:] if blk in registered)
         if handed and self.rng.random() < 0.2:  # prefill's inbox is full from handed[i] on
             i = self.rng.randrange(len(handed))
             self.s.unadmit(handed[i:])
@@ -931,13 +1376,25 @@ class Sim:
         if not self.prefill:
             return
         kv = self.prefill.pop(0)
-        if self.rng.random() < 0.05:
+        toks = kv.request.prompt_token_ids + kv.outputs
+        c, t = kv.cached_tokens, kv.block_ids
+        truth = kvs_of(toks)
+        assert [self.read(t, pos) for pos in range(c)] == truth[:c], "a cache hit holds other K/V"
+        if self.rng.random() < 0.05:  # it broke, part way
+            for pos in range(c, self.rng.randint(c, len(toks))):
+                self.write(t, pos, GARBAGE, "p")
             self.p2d.append(m.PrefillFailed(kv.req_id, kv.attempt, "prefill broke"))
             return
-        t = self.token()
-        outs = [*kv.outputs, t]
+        kv_prev = self.read(t, c - 1) if c else 0
+        for pos in range(c, len(toks)):
+            assert kv_prev is not None
+            kv_prev = kv_of(kv_prev, toks[pos])
+            self.write(t, pos, kv_prev, "p")
+        assert kv_prev is not None
+        tok = next_token(kv_prev)
+        outs = [*kv.outputs, tok]
         reason = check_stop(kv.request.params, outs, len(kv.request.prompt_token_ids) + len(outs), (EOS,), self.cap)
-        first = m.TokenOut(kv.req_id, len(kv.outputs), t, None, None, reason)
+        first = m.TokenOut(kv.req_id, len(kv.outputs), tok, None, None, reason)
         if reason is not None:  # prefill sends a first token that ends the request to the router itself
             self.emit(first, "prefill")
         self.p2d.append(m.PrefillDone(kv.req_id, kv.attempt, first))
@@ -949,6 +1406,7 @@ class Sim:
             msg = self.p2d.popleft()
             if isinstance(msg, m.PrefillDone):
                 first = self.s.prefill_done(msg)
+                self.learn(self.objs[msg.req_id])  # its prompt's blocks may be registered now
                 if first is not None:
                     assert first is msg.token and first.finish_reason is None
                     self.emit(first, "decode")
@@ -959,11 +1417,30 @@ class Sim:
                 self.s.dropped(msg.req_id)
 
     def complete(self) -> None:
-        if self.inflight is not None:
-            batch, rows, _ = self.inflight
-            self.inflight = None
-            for t in self.s.record(batch, rows):
-                self.emit(t, "decode")
+        """The step in flight lands: each row reads the K/V before its position, writes its input token's and
+        samples from it. A row whose request was aborted meanwhile had an input that was dropped: garbage."""
+        if self.inflight is None:
+            return
+        batch, writes = self.inflight
+        self.inflight = None
+        rows: list[Row] = []
+        for r, pos in writes:
+            t = self.s.blocks.table(r.req_id)
+            if pos < r.num_tokens:
+                truth = self.learn(r)
+                kv_prev = self.read(t, pos - 1)
+                assert kv_prev == truth[pos - 1], f"{r.req_id} read other K/V at {pos - 1}"
+                kv = kv_of(kv_prev, r.tokens[pos])
+                self.write(t, pos, kv, "d")
+                rows.append((next_token(kv), -1.0, None))
+            else:
+                assert r.state != "running"
+                self.write(t, pos, GARBAGE, "d")
+                rows.append((TOK, -1.0, None))
+        for out in self.s.record(batch, rows):
+            self.emit(out, "decode")
+        for r in batch:
+            self.learn(r)  # its decode blocks may be registered now
 
     def decode_step(self) -> None:
         s, rng = self.s, self.rng
@@ -972,6 +1449,9 @@ class Sim:
         if rng.random() < 0.02:  # the step fails for no single row
             self.counts["fail_batch"] += 1
             f, self.inflight = self.inflight, None
+            if f is not None:
+                for r, pos in f[1]:  # it wrote what it wrote
+                    self.write(s.blocks.table(r.req_id), pos, GARBAGE, "d")
             s.fail_batch(f[0] if f is not None else [], "decode step broke")
             return
         batch = s.schedule(quiet=self.inflight is None)
@@ -990,22 +1470,30 @@ class Sim:
             s.fail(rng.sample(batch, rng.randint(1, len(batch))), "sampling broke")
             self.complete()
             return
-        rows: list[Row] = [(self.token(), -1.0, None) for _ in batch]
-        writes = [(r.req_id, s.blocks.table(r.req_id)[(r.tokens_needed - 1) // BS]) for r in batch]
+        writes = [(r, r.tokens_needed - 1) for r in batch]
+        for r, pos in writes:
+            self.owned(s.blocks.table(r.req_id), pos)
         s.launched(batch)
         self.complete()
-        self.inflight = (batch, rows, writes)
+        self.inflight = (batch, writes)
 
     # -- checks ----------------------------------------------------------------------------------
     def check(self) -> None:
         s = self.s
+        b = s.blocks
         check(s)
-        for kv in self.prefill:  # prefill may write these blocks: still that request's
+        for kv in self.prefill:  # prefill may write these blocks: still that request's, and its own
             r = s.reqs[kv.req_id]
-            assert r.state == "prefilling" and r.attempt == kv.attempt and s.blocks.table(kv.req_id) == kv.block_ids
-        if self.inflight is not None:  # the step in flight writes these blocks: still theirs
-            for rid, block in self.inflight[2]:
-                assert s.blocks.has(rid) and block in s.blocks.table(rid)
+            assert r.state == "prefilling" and r.attempt == kv.attempt and b.table(kv.req_id) == kv.block_ids
+            assert all(blk in b._hash_of for blk in kv.block_ids[:kv.cached_tokens // BS])  # what it reads
+            for pos in range(kv.cached_tokens, r.num_tokens, BS):
+                self.owned(kv.block_ids, pos)
+        if self.inflight is not None:  # the step in flight writes these blocks: still theirs, and their own
+            for r, pos in self.inflight[1]:
+                assert b.has(r.req_id)
+                self.owned(b.table(r.req_id), pos)
+        for blk, h in b._hash_of.items():  # a registered block holds what its hash names
+            assert h in self.expect and self.pool[blk] == self.expect[h], f"block {blk} holds other K/V"
         assert s.num_preemptions == sum(r.attempt for r in self.objs.values())
         assert not {kv.req_id for kv in self.prefill} & set(ids(s.waiting))
 
@@ -1024,15 +1512,19 @@ class Sim:
     def idle(self) -> bool:
         return not self.s.reqs and self.inflight is None and not self.p2d and not self.prefill
 
-    def run(self, steps: int) -> Counter[str]:
+    def run(self, steps: int) -> Outcome:
         for _ in range(steps):
             self.tick(arrivals=True)
         for _ in range(20_000):  # no arrivals: everything must end, every answer be delivered
             if self.idle():
                 break
             self.tick(arrivals=False)
-        s = self.s
+        s, b = self.s, self.s.blocks
         assert self.idle() and all_free(s), "the simulation did not drain"
+        b.check()
+        assert b._ref == [0] * b.num_blocks and not b._tables
+        assert not b._chains and not b._committed, "the block manager still keeps state of ended requests"
+        streams: dict[str, tuple[list[int], bool]] = {}
         for rid, v in self.seen.items():
             assert [t.index for t in v.tokens] == list(range(len(v.tokens)))
             # every token streamed is an output, but for a first token prefill streamed itself while an abort
@@ -1042,30 +1534,68 @@ class Sim:
             assert v.ends, f"{rid} never ended"
             if not v.ends[0].startswith("finished"):
                 assert v.tokens[-1].finish_reason is not None
+            # the model's tokens depend only on the tokens so far: whatever happened (preemptions, cache hits),
+            # a request streams a prefix of its ideal outputs, all of them when a token ended it
+            got = [t.token_id for t in v.tokens]
+            ended = bool(v.tokens) and v.tokens[-1].finish_reason is not None
+            assert got == (self.ideals[rid] if ended else self.ideals[rid][:len(got)]), rid
+            streams[rid] = (got, ended)
         self.counts["preemptions"] += s.num_preemptions
         self.counts["requests"] += len(self.seen)
-        return self.counts
+        self.counts["hits"] += b.hits
+        self.counts["queries"] += b.queries
+        self.counts["ended by a token"] += sum(1 for _, e in streams.values() if e)
+        return Outcome(self.counts, streams)
 
 
 SEEDS = list(range(30))
 
 
 @functools.cache
-def simulate(seed: int) -> Counter[str]:
-    return Sim(seed).run(200)
+def simulate(seed: int, cache: bool) -> Outcome:
+    return Sim(seed, cache).run(200)
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["cache off", "cache on"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_simulation_keeps_every_invariant(seed: int) -> None:
-    counts = simulate(seed)
+def test_simulation_keeps_every_invariant(seed: int, cache: bool) -> None:
+    counts = simulate(seed, cache).counts
     assert counts["requests"] > 20
+    assert (counts["hits"] > 0) is cache or counts["hits"] == 0
 
 
-def test_simulation_reaches_every_path() -> None:
-    total: Counter[str] = Counter()
+def test_simulation_outputs_do_not_depend_on_the_cache() -> None:
+    """The same workload with the cache off and on: each request streams the same tokens, up to where an abort
+    or a failure (which fall differently in the two runs) cut one of them short."""
+    compared = 0
     for seed in SEEDS:
-        total += simulate(seed)
-    for what in ["preemptions", "deferred", "unadmit", "fail", "fail_batch", "prefill failed", "abort waiting",
-                 "abort prefilling", "abort prefilling+", "abort running", "abort running+", "abort done+",
-                 "abort gone"]:
+        off, on = simulate(seed, False).streams, simulate(seed, True).streams
+        both = set(off) & set(on)
+        assert len(both) > 20
+        for rid in both:
+            (a, a_ended), (b, b_ended) = off[rid], on[rid]
+            n = min(len(a), len(b))
+            assert a[:n] == b[:n], (seed, rid)
+            if a_ended and b_ended:
+                assert a == b, (seed, rid)
+                compared += 1
+    assert compared > 100
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["cache off", "cache on"])
+def test_simulation_reaches_every_path(cache: bool) -> None:
+    total: Counter[str] = Counter()
+    seeds_with_hits = 0
+    for seed in SEEDS:
+        counts = simulate(seed, cache).counts
+        total += counts
+        seeds_with_hits += counts["hits"] > 0
+    paths = ["preemptions", "deferred", "unadmit", "fail", "fail_batch", "prefill failed", "abort waiting",
+             "abort prefilling", "abort prefilling+", "abort running", "abort running+", "abort done+",
+             "abort gone", "ended by a token"]
+    if cache:
+        paths += ["hit, in use", "hit, revived", "hit on decode's K/V", "evicted"]
+        assert seeds_with_hits >= len(SEEDS) * 3 // 4, f"{seeds_with_hits} seeds with hits"
+        assert total["hits"] * 5 > total["queries"], dict(total)  # prefixes do repeat
+    for what in paths:
         assert total[what] > 0, f"no {what!r} in {dict(total)}"

@@ -1,9 +1,11 @@
 """`rapidserve bench`: a load generator and report for any OpenAI-compatible server (issue 6).
 
-Modules by concept: `arrivals` (when requests are released), `workloads` (what is sent), `client`
-(streamed HTTP requests and their timings), `stats` (per-request records, percentiles, goodput),
-`runner` (a request-rate sweep: `BenchConfig` -> result dict), `report` (JSON and markdown),
-`plot` (throughput / p99 ITL / p99 TTFT against offered load, one line per system), `cli`.
+Modules by concept: `arrivals` (when requests are released), `workloads` (what is sent), `traces`
+(reading Azure and Mooncake trace files), `replay` (a trace's window, arrivals, prompts from hash
+ids, ideal prefix-cache hit rate), `client` (streamed HTTP requests and their timings), `stats`
+(per-request records, percentiles, goodput), `runner` (a load sweep: `BenchConfig` -> result
+dict), `results` (reading a result), `report` (JSON and markdown), `plot` (throughput / p99 ITL /
+p99 TTFT against offered load, one line per system), `cli`.
 
 In-process use (as bench/compare.py does):
 

@@ -2,9 +2,12 @@
 
     rapidserve bench --base-url http://127.0.0.1:8000 --workload fixed --input-len 4096 --output-len 64 \\
         --request-rate 1,2,4,inf --num-prompts 64 --goodput ttft:2000 itl:100 --label rapid --out-dir out/
+    rapidserve bench --workload trace --trace mooncake_conversation.jsonl.gz --trace-start 600 \\
+        --duration-s 300 --time-scale 1,2,4 --trace-overflow clip --goodput itl:100 --out-dir out/
 
-Every flag is validated by argparse (exit 2 with what is allowed); flag combinations and a workload
-that cannot fit the server's max model length also exit 2; a server that cannot be reached exits 1.
+Every flag is validated by argparse (exit 2 with what is allowed); flag combinations, a trace file
+that cannot be read (or a window with nothing to replay) and a workload that cannot fit the
+server's max model length also exit 2, naming the flag; a server that cannot be reached exits 1.
 Failed requests do not change the exit code (0): they are counted, with their error text, in the report.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 
 from rapidserve.benchmark.arrivals import ARRIVAL_PROCESSES, parse_rates
 from rapidserve.benchmark.stats import SLO_METRICS, parse_slos
+from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpec
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
 
 DEFAULT_NUM_PROMPTS = 100
@@ -43,6 +47,10 @@ def _number(kind: type, lo: float, lo_open: bool = False) -> Callable[[str], Any
 positive_int = _number(int, 1)
 nonneg_int = _number(int, 0)
 positive_float = _number(float, 0.0, lo_open=True)
+nonneg_float = _number(float, 0.0)
+TRACE_FLAGS: tuple[tuple[str, str], ...] = (("--trace", "trace"), ("--trace-arrivals", "trace_arrivals"),
+                                            ("--time-scale", "time_scale"), ("--trace-start", "trace_start"),
+                                            ("--trace-overflow", "trace_overflow"), ("--block-size", "block_size"))
 
 
 def rates_arg(text: str) -> tuple[float, ...]:
@@ -50,6 +58,25 @@ def rates_arg(text: str) -> tuple[float, ...]:
         return parse_rates(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def time_scales_arg(text: str) -> tuple[float, ...]:
+    """'1,2,4' -> (1.0, 2.0, 4.0): positive finite time scales, each at most once."""
+    allowed = ("a comma-separated list of positive numbers (2 = twice as fast: the trace's inter-arrival "
+               "times divided by 2), e.g. 1,2,4")
+    out: list[float] = []
+    for p in text.split(","):
+        try:
+            v = float(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a number: expected {allowed}") from None
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a positive finite number: "
+                                             f"expected {allowed}")
+        if v in out:
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} appears twice in {text!r}")
+        out.append(v)
+    return tuple(out)
 
 
 def token_range_arg(text: str) -> tuple[int, int]:
@@ -90,7 +117,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="fixed", choices=WORKLOADS,
                    help="fixed lengths, a trace-shaped length distribution (" + ", ".join(TRACES)
-                        + "), or multiturn conversations (see rapidserve/benchmark/workloads.py)")
+                        + "), multiturn conversations, or a trace file replayed (trace: needs --trace; see "
+                          "rapidserve/benchmark/workloads.py and replay.py)")
     w.add_argument("--input-len", type=positive_int, default=1024, help="fixed; multiturn: first turn's prompt")
     w.add_argument("--output-len", type=positive_int, default=128, help="fixed and multiturn (each turn)")
     w.add_argument("--num-turns", type=positive_int, default=4, help="multiturn")
@@ -100,15 +128,37 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-model-len", type=positive_int, default=None,
                    help="clip sampled lengths to it (default: the server's, from /v1/models)")
 
+    t = p.add_argument_group("trace replay (--workload trace)")
+    t.add_argument("--trace", default=None, metavar="PATH",
+                   help="the trace file: an Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or "
+                        "Mooncake JSON lines (timestamp ms, input_length, output_length, hash_ids), gzipped or not")
+    t.add_argument("--trace-arrivals", default=None, choices=TRACE_ARRIVALS,
+                   help="timestamps: the trace's own times, scaled by --time-scale; poisson: the trace's lengths "
+                        "at Poisson arrivals of each --request-rate (default: timestamps)")
+    t.add_argument("--time-scale", type=time_scales_arg, default=None, metavar="S1,S2,...",
+                   help="timestamps arrivals: replay S times as fast (inter-arrival times divided by S; 2 = twice "
+                        "the load, 0.5 = half), one run per scale (default: 1)")
+    t.add_argument("--trace-start", type=nonneg_float, default=None, metavar="SECONDS",
+                   help="the window's start, in seconds of trace time from its first request (default: 0); "
+                        "--duration-s is the window's length in trace time, --num-prompts caps the requests")
+    t.add_argument("--trace-overflow", default=None, choices=TRACE_OVERFLOW,
+                   help="a request longer than the max model length is clipped (output first kept, at most half "
+                        "the context) or skipped; counted in the report (default: clip)")
+    t.add_argument("--block-size", type=positive_int, default=None,
+                   help="the server's KV block size in tokens, for the ideal prefix-cache hit rate (default: 16)")
+
     a = p.add_argument_group("load")
-    a.add_argument("--request-rate", type=rates_arg, default=(math.inf,), metavar="R1,R2,...",
-                   help="requests/s, one run per rate, e.g. 1,2,4,inf (default: inf)")
-    a.add_argument("--arrival", default="poisson", choices=ARRIVAL_PROCESSES)
+    a.add_argument("--request-rate", type=rates_arg, default=None, metavar="R1,R2,...",
+                   help="requests/s, one run per rate, e.g. 1,2,4,inf (default: inf; not with trace timestamps "
+                        "arrivals: --time-scale sets their load)")
+    a.add_argument("--arrival", default=None, choices=ARRIVAL_PROCESSES,
+                   help="the synthetic workloads' arrival process (default: poisson; a trace: --trace-arrivals)")
     a.add_argument("--num-prompts", type=positive_int, default=None,
                    help=f"requests (multiturn: conversations) per rate (default: {DEFAULT_NUM_PROMPTS}; "
                         "with --duration-s: a cap)")
     a.add_argument("--duration-s", type=positive_float, default=None,
-                   help="send the arrivals of this many seconds per rate instead of a count")
+                   help="send the arrivals of this many seconds per rate instead of a count (trace: the window's "
+                        "length in seconds of trace time, before --time-scale)")
     a.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
     a.add_argument("--seed", type=nonneg_int, default=0)
     a.add_argument("--warmup", type=nonneg_int, default=0, help="unrecorded requests sent first")
@@ -131,28 +181,68 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def check_flags_apply(a: argparse.Namespace) -> None:
+    """ValueError naming the flags given that the chosen workload would ignore (this parser leaves
+    them None when not given): the trace flags without --workload trace, --arrival with a trace,
+    --request-rate with timestamps arrivals, --time-scale with poisson arrivals. `rapidserve bench`
+    runs it; bench/compare.py, which sets its sweep flags as defaults, does not."""
+    given = [flag for flag, dest in TRACE_FLAGS if getattr(a, dest, None) is not None]
+    if a.workload != "trace":
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to --workload trace (not {a.workload})")
+        return
+    arrivals = a.trace_arrivals or "timestamps"
+    if a.arrival is not None:
+        raise ValueError("--arrival is for the synthetic workloads: a trace's arrivals are set by "
+                         f"--trace-arrivals {'|'.join(TRACE_ARRIVALS)}")
+    if arrivals == "timestamps" and a.request_rate is not None:
+        raise ValueError("--request-rate goes with --trace-arrivals poisson: with timestamps arrivals, "
+                         "--time-scale sets the load")
+    if arrivals == "poisson" and a.time_scale is not None:
+        raise ValueError("--time-scale goes with --trace-arrivals timestamps: with poisson arrivals, "
+                         "--request-rate sets the load")
+
+
+def trace_from_args(a: argparse.Namespace) -> TraceSpec | None:
+    """The trace's replay options (None for the other workloads, whose trace flags are ignored)."""
+    if a.workload != "trace":
+        return None
+    if a.trace is None:
+        raise ValueError("--workload trace needs --trace PATH (an Azure CSV or Mooncake JSONL trace, gzipped or not)")
+    return TraceSpec(path=a.trace, arrivals=a.trace_arrivals or "timestamps", start_s=a.trace_start or 0.0,
+                     overflow=a.trace_overflow or "clip", block_size=a.block_size or 16)
+
+
 def workload_from_args(a: argparse.Namespace) -> WorkloadSpec:
     lo, hi = a.token_range
     spec = WorkloadSpec(name=a.workload, input_len=a.input_len, output_len=a.output_len, num_turns=a.num_turns,
-                        turn_input_len=a.turn_input_len, token_lo=lo, token_hi=hi, max_model_len=a.max_model_len)
+                        turn_input_len=a.turn_input_len, token_lo=lo, token_hi=hi, max_model_len=a.max_model_len,
+                        trace=trace_from_args(a))
     spec.check()
     return spec
 
 
 def config_from_args(a: argparse.Namespace) -> Any:
-    """BenchConfig from parsed flags; ValueError for combinations that cannot work."""
+    """BenchConfig from parsed flags; ValueError for combinations that cannot work (a trace file is
+    read and its window checked here, before any request). Flags the workload does not use are
+    ignored here (`check_flags_apply` refuses them on the command line)."""
+    from rapidserve.benchmark.replay import build_replay
     from rapidserve.benchmark.runner import BenchConfig
 
+    spec = workload_from_args(a)
+    rates = tuple(a.request_rate) if a.request_rate is not None else (math.inf,)
     num = a.num_prompts
     if a.duration_s is None and num is None:
         num = DEFAULT_NUM_PROMPTS
-    if a.duration_s is not None and num is None and any(math.isinf(r) for r in a.request_rate):
+    if spec.trace is not None:
+        build_replay(spec, num, a.duration_s)  # the file, its window (the server's context is checked later)
+    elif a.duration_s is not None and num is None and any(math.isinf(r) for r in rates):
         raise ValueError("--request-rate inf sends everything at once, so with --duration-s it needs --num-prompts")
-    return BenchConfig(base_url=a.base_url, model=a.model, api_key=a.api_key, label=a.label,
-                       workload=workload_from_args(a), rates=tuple(a.request_rate), arrival=a.arrival,
-                       num_prompts=num, duration_s=a.duration_s, max_concurrency=a.max_concurrency, seed=a.seed,
-                       slos_ms=dict(a.goodput), warmup=a.warmup, timeout_s=a.timeout_s,
-                       quiet=getattr(a, "quiet", False))
+    return BenchConfig(base_url=a.base_url, model=a.model, api_key=a.api_key, label=a.label, workload=spec,
+                       rates=rates, arrival=a.arrival or "poisson", num_prompts=num, duration_s=a.duration_s,
+                       max_concurrency=a.max_concurrency, seed=a.seed, slos_ms=dict(a.goodput), warmup=a.warmup,
+                       timeout_s=a.timeout_s, quiet=getattr(a, "quiet", False),
+                       time_scales=tuple(a.time_scale) if a.time_scale is not None else (1.0,))
 
 
 def safe_name(text: str) -> str:
@@ -165,6 +255,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rapidserve.benchmark.report import workload_title, write_outputs
     from rapidserve.benchmark.runner import run_benchmark
 
+    check_flags_apply(a)
     cfg = config_from_args(a)
     try:
         result = asyncio.run(run_benchmark(cfg))

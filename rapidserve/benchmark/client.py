@@ -5,7 +5,10 @@ exactly its output length (`max_tokens` = `min_tokens`, `ignore_eos`, greedy). A
 with choices is a chunk; its token count is `len(token_ids)` when the server sends ids (token-id-only
 servers), else 1 if it has text, else 0 (an empty chunk carries no token and is skipped). The usage
 event's completion_tokens is the request's output count and fixes up chunks that carried several
-tokens without saying so (`stats.reconcile_chunk_tokens`).
+tokens without saying so (`stats.reconcile_chunk_tokens`). With `return_token_ids` (the multiturn
+workload, which re-sends the outputs) the request also asks for vLLM's `return_token_ids`, so vLLM
+streams each chunk's `token_ids` even when it has a tokenizer; servers that do not know the field
+ignore it (OpenAI-compatible servers ignore unknown fields; rapidserve does).
 
 A failure is recorded with its error text: `HTTP <status>: <OpenAI error message or body>`, an error
 event inside the stream, a timeout, or the connection error.
@@ -71,9 +74,14 @@ def error_text(status: int, body: str) -> str:
     return f"HTTP {status}: {msg[:300]}"
 
 
-def completion_payload(model: str, prompt: Sequence[int], output_len: int) -> dict[str, Any]:
-    return {"model": model, "prompt": list(prompt), "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+def completion_payload(model: str, prompt: Sequence[int], output_len: int,
+                       return_token_ids: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": output_len,
+                            "min_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if return_token_ids:
+        body["return_token_ids"] = True
+    return body
 
 
 def chunk_tokens(choice: Mapping[str, Any]) -> tuple[int, list[int] | None]:
@@ -88,8 +96,9 @@ def chunk_tokens(choice: Mapping[str, Any]) -> tuple[int, list[int] | None]:
 
 
 async def stream_completion(session: aiohttp.ClientSession, target: Target, prompt: Sequence[int], output_len: int,
-                            record: RequestRecord, t0: float) -> Streamed:
-    """Send one request now and fill `record` (times relative to `t0`, a perf_counter reading)."""
+                            record: RequestRecord, t0: float, return_token_ids: bool = False) -> Streamed:
+    """Send one request now and fill `record` (times relative to `t0`, a perf_counter reading);
+    `return_token_ids`: ask for the output's ids too (see the module docstring)."""
     record.prompt_tokens = len(prompt)
     record.requested_output_tokens = output_len
     times: list[float] = []
@@ -100,7 +109,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
     record.start_s = start - t0
     try:
         timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len),
+        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len, return_token_ids),
                                 headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 record.error = error_text(resp.status, await resp.text())

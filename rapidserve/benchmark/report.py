@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rapidserve.benchmark.arrivals import rate_label
-from rapidserve.benchmark.results import load_result, workload_title
+from rapidserve.benchmark.results import load_result, trace_line, workload_title
 
-__all__ = ["fmt", "jsonable", "load_result", "to_markdown", "workload_title", "write_outputs"]
+__all__ = ["fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_outputs"]
 
 THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
@@ -40,8 +40,29 @@ def fmt(v: Any, spec: str) -> str:
     return format(v, spec)
 
 
-def _rate(v: float | str) -> str:
-    return rate_label(float(v))
+def _rate(v: float | str, time_scale: float | None = None) -> str:
+    """A run's rate, and its time scale when it replayed a trace's timestamps."""
+    return rate_label(float(v)) + (f" (x{time_scale:g})" if time_scale is not None else "")
+
+
+def _run_rate(run: Mapping[str, Any]) -> str:
+    return _rate(run["rate"], run.get("time_scale"))
+
+
+def _arrivals(result: Mapping[str, Any]) -> list[str]:
+    cfg = result.get("config", {})
+    common = (f"max concurrency {cfg.get('max_concurrency') or 'none'}, seed {cfg.get('seed')}, warm-up "
+              f"{cfg.get('warmup')}")
+    t = result.get("trace")
+    if t is None:
+        return [f"- arrivals: {cfg.get('arrival')}, {_count(cfg)} per rate, {common}"]
+    if cfg.get("time_scales"):
+        how = ("the trace's timestamps, time-scaled: inter-arrival times divided by "
+               + ", ".join(f"{s:g}" for s in cfg["time_scales"]) + " (one run each; the rate column is the "
+               "offered rate, the scale in brackets)")
+    else:
+        how = "Poisson at each rate, with the trace's lengths in trace order"
+    return [f"- {trace_line(t)}", f"- arrivals: {how}; {common}"]
 
 
 def to_markdown(result: Mapping[str, Any]) -> str:
@@ -51,8 +72,7 @@ def to_markdown(result: Mapping[str, Any]) -> str:
         f"# rapidserve bench: {result.get('label')}", "",
         f"- server: {result.get('base_url')}, model `{result.get('model')}`",
         f"- workload: {workload_title(result.get('workload', {}))} ({_workload_details(result.get('workload', {}))})",
-        f"- arrivals: {cfg.get('arrival')}, {_count(cfg)} per rate, max concurrency "
-        f"{cfg.get('max_concurrency') or 'none'}, seed {cfg.get('seed')}, warm-up {cfg.get('warmup')}",
+        *_arrivals(result),
         "- goodput: completed requests per second meeting "
         + (", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) if slos else "(no --goodput bounds given)")
         + "; RAPID TTFT goodput: TTFT <= 1 s per 1K prompt tokens",
@@ -62,14 +82,14 @@ def to_markdown(result: Mapping[str, Any]) -> str:
     ]
     for run in result.get("runs", []):
         s = run["summary"]
-        lines.append(f"| {_rate(run['rate'])} | " + " | ".join(fmt(s.get(k), f) for _, k, f in THROUGHPUT_COLUMNS)
+        lines.append(f"| {_run_rate(run)} | " + " | ".join(fmt(s.get(k), f) for _, k, f in THROUGHPUT_COLUMNS)
                      + " |")
     lines += ["", "Latencies (ms):", "", "| rate (req/s) | metric | " + " | ".join(STATS) + " |",
               "|---|---|" + "---|" * len(STATS)]
     for run in result.get("runs", []):
         for name, key in LATENCIES:
             d = run["summary"].get(key) or {}
-            lines.append(f"| {_rate(run['rate'])} | {name} | " + " | ".join(fmt(d.get(k), ".1f") for k in STATS)
+            lines.append(f"| {_run_rate(run)} | {name} | " + " | ".join(fmt(d.get(k), ".1f") for k in STATS)
                          + " |")
     errors = [(run["rate"], e, n) for run in result.get("runs", []) for e, n in run["summary"]["errors"].items()]
     if errors:

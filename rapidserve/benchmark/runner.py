@@ -6,8 +6,14 @@ runs each rate in turn: requests are released on the arrival schedule, held by t
 if one is set, and the rate's run ends when every request has finished. Rates not started by
 `cfg.deadline` (a time.monotonic() value) are skipped and listed.
 
+The trace workload (`replay.py`) is built once, after the max model length is known: its load
+points are `cfg.time_scales` with `--trace-arrivals timestamps` (each run's "rate" is then the
+offered rate and its "time_scale" the scale), else `cfg.rates`; the warm-up sends the window's
+first `cfg.warmup` requests at once (with tokens of their own).
+
 The result: {"label", "base_url", "model", "workload", "config", "runs": [{"rate", "summary",
-"requests": [...]}, ...], "skipped_rates", "created"}; rates are numbers or "inf".
+"requests": [...]}, ...], "skipped_rates", "created"} and, for a trace, "trace" (the file, window,
+counts and ideal hit rate: `Replay.describe`); rates are numbers or "inf".
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import numpy as np
 
 from rapidserve.benchmark.arrivals import arrival_times, rate_label, rate_rng
 from rapidserve.benchmark.client import Target, fetch_models, stream_completion
+from rapidserve.benchmark.replay import Replay, build_replay
+from rapidserve.benchmark.results import trace_line
 from rapidserve.benchmark.stats import RequestRecord, summarize
-from rapidserve.benchmark.workloads import WorkloadSpec, make_conversation, make_request
+from rapidserve.benchmark.workloads import BenchRequest, WorkloadSpec, make_conversation, make_request
 
 WARMUP_SALT = 1_000_000  # warm-up prompts differ from every measured rate's
 
@@ -50,6 +58,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     deadline: float | None = None
     quiet: bool = False
+    time_scales: tuple[float, ...] = (1.0,)  # trace workload with timestamps arrivals: one run per scale
 
 
 def rate_json(rate: float) -> float | str:
@@ -60,10 +69,23 @@ def rate_from_json(v: float | str) -> float:
     return float(v)
 
 
+def load_points(cfg: BenchConfig, replay: Replay | None) -> tuple[float, ...]:
+    """What each run of the sweep varies: time scales (trace timestamps) or request rates."""
+    return cfg.time_scales if replay is not None and replay.spec.arrivals == "timestamps" else cfg.rates
+
+
 async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
-                           sem: asyncio.Semaphore | None, t0: float, salt: int) -> list[RequestRecord]:
+                           sem: asyncio.Semaphore | None, t0: float, salt: int,
+                           replay: Replay | None = None) -> list[RequestRecord]:
+    spec = cfg.workload
+
+    def make(i: int) -> BenchRequest:
+        if replay is not None:
+            return replay.request(i, cfg.seed, salt, spec.token_lo, spec.token_hi)
+        return make_request(spec, cfg.seed, i, salt)
+
     async def one(i: int, at: float) -> RequestRecord:
-        req = make_request(cfg.workload, cfg.seed, i, salt)
+        req = make(i)
         rec = RequestRecord(i, len(req.prompt), req.output_len)
         await _sleep_until(t0 + at)
         rec.scheduled_s = time.perf_counter() - t0
@@ -75,7 +97,8 @@ async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: 
 
 
 async def _run_conversations(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
-                             sem: asyncio.Semaphore | None, t0: float, salt: int) -> list[RequestRecord]:
+                             sem: asyncio.Semaphore | None, t0: float, salt: int,
+                             replay: Replay | None = None) -> list[RequestRecord]:
     spec = cfg.workload
 
     async def one(c: int, at: float) -> list[RequestRecord]:
@@ -89,7 +112,7 @@ async def _run_conversations(session: aiohttp.ClientSession, target: Target, cfg
             rec = RequestRecord(c * spec.num_turns + turn, len(prompt), n_out, conversation=c, turn=turn)
             rec.scheduled_s = time.perf_counter() - t0
             async with sem if sem is not None else contextlib.nullcontext():
-                got = await stream_completion(session, target, prompt, n_out, rec, t0)
+                got = await stream_completion(session, target, prompt, n_out, rec, t0, return_token_ids=True)
             out.append(rec)
             if not rec.success:  # the conversation cannot go on without this turn
                 break
@@ -108,14 +131,19 @@ async def _sleep_until(t: float) -> None:
 
 
 async def run_rate(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, rate: float,
-                   rate_index: int) -> tuple[list[RequestRecord], float]:
+                   rate_index: int, replay: Replay | None = None,
+                   offsets: np.ndarray | None = None) -> tuple[list[RequestRecord], float]:
     """One run at `rate` (the `rate_index`-th of the sweep, >= 0: it salts the arrivals and the prompts'
-    tokens): its records and its wall time."""
-    offsets = arrival_times(rate, cfg.arrival, rate_rng(cfg.seed, rate_index), cfg.num_prompts, cfg.duration_s)
+    tokens; for a trace `rate` is the load point: a time scale or a rate): its records and its wall
+    time. `offsets`: release these instead of the schedule's (the warm-up)."""
+    rng = rate_rng(cfg.seed, rate_index)
+    if offsets is None:
+        offsets = (replay.offsets(rate, rng) if replay is not None else
+                   arrival_times(rate, cfg.arrival, rng, cfg.num_prompts, cfg.duration_s))
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     t0 = time.perf_counter()
     run = _run_conversations if cfg.workload.name == "multiturn" else _run_single_turn
-    records = await run(session, target, cfg, offsets, sem, t0, rate_index)
+    records = await run(session, target, cfg, offsets, sem, t0, rate_index, replay)
     return records, time.perf_counter() - t0
 
 
@@ -145,45 +173,59 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             spec = replace(spec, max_model_len=server_mml)
         spec.check()
         cfg = replace(cfg, workload=spec)
+        replay = build_replay(spec, cfg.num_prompts, cfg.duration_s) if spec.name == "trace" else None
+        points = load_points(cfg, replay)
+        scaled = replay is not None and replay.spec.arrivals == "timestamps"
         label = cfg.label or target.model
         _log(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
-                  f"rates {', '.join(rate_label(r) for r in cfg.rates)}")
+                  + (f"time scales {', '.join(f'{s:g}' for s in points)}" if scaled else
+                     f"rates {', '.join(rate_label(r) for r in cfg.rates)}"))
+        if replay is not None:
+            _log(cfg, "  " + trace_line(replay.describe()))
         if cfg.warmup:
             warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
-            records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT)
+            first = np.zeros(min(cfg.warmup, len(replay.items))) if replay is not None else None
+            records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT, replay, first)
             bad = [r.error for r in records if not r.success]
             if bad:
                 raise ConnectionError(f"warm-up request failed: {bad[0]}")
         runs: list[dict[str, Any]] = []
         skipped: list[float | str] = []
-        for i, rate in enumerate(cfg.rates):
+        for i, point in enumerate(points):
+            rate = replay.offered_rate(point) if replay is not None else point
             if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
                 skipped.append(rate_json(rate))
                 continue
-            records, _ = await run_rate(session, target, cfg, rate, i)
+            records, _ = await run_rate(session, target, cfg, point, i, replay)
             summary = summarize(records, cfg.slos_ms)
-            run = {"rate": rate_json(rate), "summary": summary, "requests": [r.to_json() for r in records]}
+            run: dict[str, Any] = {"rate": rate_json(rate), "summary": summary,
+                                   "requests": [r.to_json() for r in records]}
+            if scaled:
+                run["time_scale"] = point
             runs.append(run)
             if on_run is not None:
                 on_run(run)
-            _log(cfg, "  " + one_line(rate, summary))
+            _log(cfg, "  " + one_line(rate, summary, point if scaled else None))
     return {
         "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
         "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
                    "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms,
                    "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "rates": [rate_json(r) for r in cfg.rates],
-                   "workload_spec": asdict(spec)},
+                   "workload_spec": asdict(spec),
+                   **({"time_scales": list(points)} if scaled else {})},
+        **({"trace": replay.describe()} if replay is not None else {}),
         "runs": runs, "skipped_rates": skipped,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def one_line(rate: float, s: dict[str, Any]) -> str:
+def one_line(rate: float, s: dict[str, Any], time_scale: float | None = None) -> str:
     def ms(d: dict[str, float | None], k: str) -> str:
         v = d.get(k)
         return "-" if v is None else f"{v:.1f}"
 
-    return (f"rate {rate_label(rate)}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s; "
+    scale = f" (time scale {time_scale:g})" if time_scale is not None else ""
+    return (f"rate {rate_label(rate)}{scale}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s; "
             f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s; "
             f"TTFT p50 {ms(s['ttft_ms'], 'median')} p99 {ms(s['ttft_ms'], 'p99')} ms; "
             f"ITL p50 {ms(s['itl_ms'], 'median')} p99 {ms(s['itl_ms'], 'p99')} ms")

@@ -1,4 +1,4 @@
-"""What is sent: prompts of random token ids with given or sampled lengths, and multi-turn chats.
+"""What is sent: prompts of random token ids with given or sampled lengths, multi-turn chats, traces.
 
 Prompts are lists of token ids (sent as the `prompt` of /v1/completions), drawn uniformly from
 [token_lo, token_hi) (default [1000, 20000): inside every common vocabulary and clear of the special
@@ -10,28 +10,42 @@ of an earlier one in a server's prefix cache.
 
 Workloads:
 - `fixed`: every prompt `input_len` tokens, every output `output_len` tokens.
-- trace-shaped (`TRACES`): lengths drawn from a lognormal with the trace's published mean and a
+- trace-shaped stand-ins (`TRACES`): lengths drawn from a lognormal with the trace's mean and a
   chosen log-space sigma (the traces are long-tailed; the sigmas are not fitted to them), rounded,
   clipped to [1, ...], and clipped so that prompt + output fits `max_model_len` (the output is kept
   first; clipping lowers the effective mean of the long-input traces when `max_model_len` is small):
   | name                | input mean | sigma | output mean | sigma | source                                   |
-  | azure-code          | 2047       | 1.0   | 28          | 1.0   | Azure LLM inference trace 2023, code     |
+  | azure-code          | 2048       | 1.0   | 28          | 1.0   | Azure LLM inference trace 2023, code     |
   | azure-conv          | 1155       | 1.0   | 211         | 0.8   | Azure LLM inference trace 2023, conv.    |
   | mooncake            | 12035      | 0.8   | 343         | 0.8   | Mooncake conversation trace (FAST'25)    |
-  | arxiv-summarization | 8000       | 0.5   | 200         | 0.5   | arXiv summarization (DistServe-style)    |
+  | arxiv-summarization | 8000       | 0.5   | 200         | 0.5   | round figures, not a published mean      |
   | lmsys               | 69.5       | 1.2   | 214.5       | 0.9   | LMSYS-Chat-1M per-turn means (2023 paper)|
-  The Azure means are those reported for the 2023 traces (Splitwise, ISCA'24), the Mooncake ones
-  for its open-sourced conversation trace, the arXiv input ~8K tokens / output ~200 as in the
-  summarization workloads of serving papers, LMSYS the per-turn averages of the LMSYS-Chat-1M paper
-  (for long conversation contexts use `multiturn`).
+  The Azure and Mooncake means are those of the released trace files (`--workload trace` replays the
+  files themselves), checked against them: azure_code_2023.csv (8,819 requests, the Azure 2023 code
+  trace of github Azure/AzurePublicDataset, the trace of Splitwise, ISCA'24): input mean 2047.8
+  (median 1469, log-space sd 1.36), output mean 27.9 (median 13, sd 0.85); azure_conv_2023.csv
+  (19,366): input 1154.7 (median 1020, sd 0.99), output 211.1 (median 129, sd 0.86); Mooncake
+  conversation (12,031, github kvcache-ai/Mooncake FAST25-release/traces): input 12035.1 (median
+  6909, sd 1.20), output 342.6 (median 350, sd 1.36). The stand-ins match the means, not the shapes
+  (the files' medians are higher than a lognormal of that mean and sigma gives for the Azure inputs).
+  LMSYS: the average tokens per prompt and per response of LMSYS-Chat-1M (Zheng et al., ICLR'24,
+  arXiv 2309.11998, Table 1; for long conversation contexts use `multiturn`). arXiv summarization:
+  ~8K-token inputs and ~200-token outputs, round figures for the summarization workloads of
+  serving papers, not a measured mean.
 - `multiturn`: conversations of `num_turns` turns. Turn 0's prompt is `input_len` new tokens; turn k's
   prompt is turn k-1's prompt + turn k-1's output + `turn_input_len` new tokens, so every later turn
-  shares the earlier turns as a prefix (what prefix caching can reuse). The output tokens are the
-  ones the server returned when it returns ids (token-id-only servers), otherwise a deterministic
-  random stand-in of the same length. A conversation's turns are sent one after another; the
-  arrival process and `--num-prompts` count conversations.
+  resends the whole conversation so far (turns 0..k-1, their outputs included) as its prefix (what
+  prefix caching can reuse). The outputs are re-sent as the token ids the server returned when it
+  returns them: token-id-only servers always do, vLLM does when asked (`return_token_ids`, which the
+  client sends with every multiturn request; other servers ignore the field). A server that
+  returns only text (rapidserve with a tokenizer, most others) gets a deterministic random stand-in
+  of the output's length instead, so the previous output's blocks are not what it cached (the
+  earlier prompts still are). A conversation's turns are sent one after another; the arrival
+  process and `--num-prompts` count conversations.
+- `trace`: a trace file replayed (`replay.py`, `traces.py`): the trace's lengths, its arrival times
+  (time-scaled) or Poisson arrivals, and with Mooncake hash ids prompts that share prefixes exactly
+  where the trace's do.
 """
-
 from __future__ import annotations
 
 import math
@@ -40,8 +54,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rapidserve.benchmark.traces import TraceSpec
+
 WORKLOADS: tuple[str, ...] = ("fixed", "azure-code", "azure-conv", "mooncake", "arxiv-summarization", "lmsys",
-                              "multiturn")
+                              "multiturn", "trace")
 
 
 @dataclass(frozen=True)
@@ -64,11 +80,12 @@ class TraceShape:
 
 
 TRACES: dict[str, TraceShape] = {
-    "azure-code": TraceShape(LengthDist(2047, 1.0), LengthDist(28, 1.0), "Azure LLM inference trace 2023, code"),
+    "azure-code": TraceShape(LengthDist(2048, 1.0), LengthDist(28, 1.0), "Azure LLM inference trace 2023, code"),
     "azure-conv": TraceShape(LengthDist(1155, 1.0), LengthDist(211, 0.8),
                              "Azure LLM inference trace 2023, conversation"),
     "mooncake": TraceShape(LengthDist(12035, 0.8), LengthDist(343, 0.8), "Mooncake conversation trace (FAST'25)"),
-    "arxiv-summarization": TraceShape(LengthDist(8000, 0.5), LengthDist(200, 0.5), "arXiv summarization"),
+    "arxiv-summarization": TraceShape(LengthDist(8000, 0.5), LengthDist(200, 0.5),
+                                      "arXiv summarization (round figures)"),
     "lmsys": TraceShape(LengthDist(69.5, 1.2), LengthDist(214.5, 0.9), "LMSYS-Chat-1M per-turn averages"),
 }
 
@@ -83,6 +100,7 @@ class WorkloadSpec:
     token_lo: int = 1000
     token_hi: int = 20000
     max_model_len: int | None = None  # None: no clipping, no check
+    trace: TraceSpec | None = None  # the trace workload's file and replay options
 
     def check(self) -> None:
         """ValueError (saying what is allowed) when the spec cannot produce valid requests."""
@@ -99,7 +117,11 @@ class WorkloadSpec:
                     "input_len + (num_turns - 1) * turn_input_len + num_turns * output_len")
             raise ValueError(f"the {self.name} workload needs {need} tokens ({what}) but the server's "
                              f"max model length is {self.max_model_len}")
-        if self.max_model_len is not None and self.name in TRACES and self.max_model_len < 2:
+        if (self.name == "trace") != (self.trace is not None):
+            raise ValueError("--trace PATH goes with --workload trace, and --workload trace needs --trace PATH")
+        if self.trace is not None:
+            self.trace.check()
+        if self.max_model_len is not None and (self.name in TRACES or self.name == "trace") and self.max_model_len < 2:
             raise ValueError(f"max model length {self.max_model_len} leaves no room for a prompt and an output")
 
     def longest_sequence(self) -> int | None:
@@ -117,6 +139,9 @@ class WorkloadSpec:
             d.update(input_len=self.input_len, output_len=self.output_len)
         if self.name == "multiturn":
             d.update(num_turns=self.num_turns, turn_input_len=self.turn_input_len)
+        if self.trace is not None:
+            d.update(trace=self.trace.path, trace_arrivals=self.trace.arrivals, trace_start_s=self.trace.start_s,
+                     trace_overflow=self.trace.overflow, block_size=self.trace.block_size)
         if self.name in TRACES:
             t = TRACES[self.name]
             d.update(input_mean=t.input.mean, input_sigma=t.input.sigma, output_mean=t.output.mean,
@@ -183,6 +208,8 @@ def make_request(spec: WorkloadSpec, seed: int, index: int, salt: int = 0) -> Be
     index, salt) (salt >= 0: one per rate of a sweep)."""
     if spec.name == "multiturn":
         raise ValueError("multiturn workloads are made of conversations: use make_conversation")
+    if spec.name == "trace":
+        raise ValueError("trace requests come from the trace: use replay.build_replay")
     n_in, n_out = sample_lengths(spec, request_rng(seed, index))
     return BenchRequest(index, random_tokens(request_rng(seed, index, salt + 1), n_in, spec.token_lo, spec.token_hi),
                         n_out)

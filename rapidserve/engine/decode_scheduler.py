@@ -14,7 +14,11 @@ head of the queue.
 Policy:
 - Admission: while fewer than `max_seqs` requests are prefilling or running, the head of the queue
   gets blocks for all its tokens under the admission rule every scheduler shares
-  (`BlockManager.can_admit`: keep the watermark free, unless nothing else holds blocks).
+  (`BlockManager.can_admit`: keep the watermark free, unless nothing else holds blocks). The
+  longest cached prefix of its full blocks is shared (`allocate_cached`) and the KVReady tells
+  prefill how many tokens are cached, so prefill computes only the rest. A request's full blocks
+  are registered in the cache once their K/V are written: the prompt's when PrefillDone comes
+  (prefill's writes landed before it answered), decode's as its steps land.
 - Growth: before each step every running request's table grows to cover its tokens, counting the
   token of the step still in flight. When the pool is short, the most recently admitted running
   request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
@@ -73,6 +77,11 @@ class DecodeRequest:
         return len(self.request.prompt_token_ids) + len(self.outputs)
 
     @property
+    def tokens(self) -> list[int]:
+        """Prompt and outputs: what prefill computes after a preemption, and what the cache hashes."""
+        return self.request.prompt_token_ids + self.outputs
+
+    @property
     def tokens_needed(self) -> int:
         """Tokens the block table must cover for the next step (the in-flight step's token included)."""
         return self.num_tokens + self.inflight
@@ -106,7 +115,7 @@ class DecodeScheduler:
     def stats(self, partition: str, switches: int) -> m.Stats:
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
-                       self.num_preemptions, partition, switches)
+                       self.num_preemptions, partition, switches, b.queries, b.hits)
 
     # ---- messages in --------------------------------------------------------------------------
     def add(self, req: m.NewRequest) -> None:
@@ -144,6 +153,7 @@ class DecodeScheduler:
         if r.aborting:
             self._finish(r, "abort")
             return None
+        self.blocks.commit(r.req_id, r.tokens, r.num_tokens)  # prefill's writes landed before it answered
         r.outputs.append(msg.token.token_id)
         if msg.token.finish_reason is not None:
             self._finish(r, msg.token.finish_reason, notify=False)
@@ -182,12 +192,13 @@ class DecodeScheduler:
         while self.waiting and busy < self.max_seqs:
             r = self.waiting[0]
             alone = busy == 0 and self.blocks.num_free == self.blocks.num_blocks  # nothing else holds blocks
-            if not self.blocks.can_admit(r.num_tokens, alone):
+            tokens = r.tokens
+            if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, tokens):
                 break
-            table = self.blocks.allocate(r.req_id, r.num_tokens)
+            table, cached = self.blocks.allocate_cached(r.req_id, tokens)
             self.waiting.popleft()
             r.state, busy = "prefilling", busy + 1
-            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt))
+            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached))
         return out
 
     def unadmit(self, handed: list[m.KVReady]) -> None:
@@ -231,6 +242,7 @@ class DecodeScheduler:
                 self._release(r)
                 continue
             r.outputs.append(tok)
+            self.blocks.commit(r.req_id, r.tokens, r.num_tokens - 1)  # the landed steps wrote all but the newest
             reason = check_stop(r.params, r.outputs, r.num_tokens, self.eos, self.context_cap)
             out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason))
             if reason is not None:

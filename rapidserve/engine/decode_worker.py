@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
@@ -44,8 +43,8 @@ class DecodeWorker:
         self.cfg, self.runner, self.io = cfg, runner, io
         self.partition, self.backend = partition, backend
         max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))  # the largest graph
-        self.sched = DecodeScheduler(BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size), max_seqs,
-                                     cfg.model_config.eos_token_ids, runner.limits.context_cap)
+        self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
+                                     runner.limits.context_cap)
         self.inflight: InFlight | None = None
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0

@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
@@ -64,7 +63,7 @@ class Launched:
 class HybridWorker:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO) -> None:
         self.cfg, self.runner, self.io, self.eos = cfg, runner, io, cfg.model_config.eos_token_ids
-        self.blocks = BlockManager(runner.kv_pool.num_blocks, cfg.cache.block_size)
+        self.blocks = runner.block_manager()
         # Running requests are capped like the decode worker's: at the largest decode graph bucket.
         max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))
         self.sched = HybridScheduler(self.blocks, max_seqs, cfg.scheduler.max_num_batched_tokens)
@@ -176,7 +175,9 @@ class HybridWorker:
                 continue
             seq.output_token_ids.append(tok)
             reason = check_stop(seq.params, seq.output_token_ids, seq.num_tokens, self.eos, self.context_cap)
-            self._tokens.append(m.TokenOut(seq.seq_id, len(seq.output_token_ids) - 1, tok, lp, top, reason))
+            index = len(seq.output_token_ids) - 1
+            self._tokens.append(m.TokenOut(seq.seq_id, index, tok, lp, top, reason,
+                                           seq.num_cached_tokens if index == 0 else None))
             if reason is not None:  # the token carries the reason: no Finished message
                 self.sched.finish(seq, reason)
                 del self.seqs[seq.seq_id]
@@ -192,4 +193,5 @@ class HybridWorker:
             decoding, prefilling, waiting = self.sched.counts()
             self.out.try_send(m.Stats(num_running=decoding, num_waiting=waiting, num_prefilling=prefilling,
                                       kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
-                                      num_preemptions=self.sched.num_preemptions))
+                                      num_preemptions=self.sched.num_preemptions,
+                                      prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits))

@@ -54,6 +54,7 @@ class KVReady(msgspec.Struct, tag=True, frozen=True):
     block_ids: list[int]
     outputs: list[int] = []
     attempt: int = 0
+    cached_tokens: int = 0  # leading tokens already in the blocks (prefix cache): prefill computes the rest
 
     @property
     def req_id(self) -> str:
@@ -85,6 +86,7 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # on a request's first token: prompt tokens found in the prefix cache
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):
@@ -136,6 +138,8 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     num_preemptions: int
     partition: str = "none"
     partition_switches: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache so far
+    prefix_cache_hits: int = 0  # of those, tokens found
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

@@ -36,11 +36,13 @@ class Job:
     tokens: list[int]  # everything to compute: the prompt, or prompt + outputs after a preemption
     blocks: list[int]
     attempt: int
-    done_tokens: int = 0  # computed so far (chunked prefill)
+    done_tokens: int = 0  # computed so far (the cached prefix, then chunks)
+    cached_tokens: int = 0  # of those, found in the prefix cache
 
     @classmethod
     def of(cls, kv: m.KVReady) -> Job:
-        return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt)
+        return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt,
+                   done_tokens=kv.cached_tokens, cached_tokens=kv.cached_tokens)
 
     @property
     def output_index(self) -> int:
@@ -171,7 +173,8 @@ class PrefillWorker:
         for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
             outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]
             reason = check_stop(j.req.params, outputs, len(j.tokens) + 1, self.eos, self.context_cap)
-            first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason)
+            first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason,
+                               j.cached_tokens if j.output_index == 0 else None)
             if reason is not None:  # the request ends here: the router hears it now
                 firsts.append(first)
             dones.append(m.PrefillDone(j.req.req_id, j.attempt, first))

@@ -72,6 +72,7 @@ class Choice:
     finish_reason: str | None = None
     ttft: float | None = None
     t_end: float | None = None  # when its engine request ended (monotonic)
+    cached_tokens: int | None = None  # prompt tokens the engine found in its prefix cache
 
 
 class Server:
@@ -169,7 +170,8 @@ class Server:
         self.metrics.set_engine_counters(self.engine.restarts_total, self.engine.deaths_total)
         if s is not None:
             self.metrics.set_engine_stats(s.num_running + s.num_prefilling, s.num_waiting, s.kv_blocks_total,
-                                          s.kv_blocks_free, s.num_preemptions, s.partition)
+                                          s.kv_blocks_free, s.num_preemptions, s.partition,
+                                          s.prefix_cache_queries, s.prefix_cache_hits)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
@@ -286,6 +288,7 @@ class Server:
                 now = time.monotonic()
                 if c.ttft is None:
                     c.ttft = now - t0
+                    c.cached_tokens = tok.cached_tokens
                     self.metrics.observe_first_token(c.ttft)
                 else:
                     self.metrics.observe_token(now - last)
@@ -311,8 +314,7 @@ class Server:
             await stream.aclose()  # aborts the engine request if it had not finished
 
     def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        usage = usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
-        return final_response(req, rid, self.created, self.model_name, choices, usage, self.tok)
+        return final_response(req, rid, self.created, self.model_name, choices, _usage(req, choices), self.tok)
 
     async def _stream(self, request: web.Request, req: GenRequest, rid: str,
                       choices: list[Choice]) -> web.StreamResponse:
@@ -339,8 +341,7 @@ class Server:
         try:
             await self._generate(rid, req, choices, on_delta, prelude)
             if req.include_usage:
-                usage = usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices))
-                await send(usage_chunk(req, rid, created, self.model_name, usage))
+                await send(usage_chunk(req, rid, created, self.model_name, _usage(req, choices)))
         except (asyncio.CancelledError, ConnectionResetError):
             raise  # the client went away (or the handler was cancelled): nothing more can be sent
         except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response
@@ -386,3 +387,10 @@ def _cancelling() -> bool:
     """Whether the current task itself is being cancelled (Python 3.11+; False before)."""
     task = asyncio.current_task()
     return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
+
+
+def _usage(req: GenRequest, choices: list[Choice]) -> dict[str, Any]:
+    """Usage of a whole request: each prompt counted once, its cached tokens as its first sample found them."""
+    firsts = [c.cached_tokens for c in choices if c.index % req.params.n == 0]
+    cached = None if any(x is None for x in firsts) else sum(x for x in firsts if x is not None)
+    return usage_dict(sum(len(p) for p in req.prompts), sum(len(c.token_ids) for c in choices), cached)

@@ -12,7 +12,9 @@ never share series. Every series carries a ``model_name`` label. Exposed names:
 * counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
   ``rapidserve:request_success_total{finished_reason="..."}`` (stop, length, abort: the client went
   away or the server stopped it, error: the engine failed it), ``rapidserve:num_preemptions_total``,
-  ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``.
+  ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``,
+  ``rapidserve:prefix_cache_queries_total`` and ``rapidserve:prefix_cache_hits_total`` (prompt tokens
+  looked up in the prefix cache, and found there; vLLM's names).
 
 prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
 """
@@ -88,6 +90,11 @@ class Metrics:
         self._deaths = Counter(_P + "engine_worker_deaths", "Engine worker deaths since the server started.", lab,
                                registry=reg).labels(model_name)
         self._restarts_seen = self._deaths_seen = 0
+        self._prefix_queries = Counter(_P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                       lab, registry=reg).labels(model_name)
+        self._prefix_hits = Counter(_P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lab,
+                                    registry=reg).labels(model_name)
+        self._prefix_seen = (0, 0)
 
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
@@ -119,9 +126,15 @@ class Metrics:
             self._prompt_tokens.inc(n)
 
     def set_engine_stats(self, num_running: int, num_waiting: int, kv_blocks_total: int, kv_blocks_free: int,
-                         num_preemptions: int, partition: str) -> None:
+                         num_preemptions: int, partition: str, prefix_queries: int = 0,
+                         prefix_hits: int = 0) -> None:
         """Latest engine stats. `num_waiting` should include the server's own queue (caller sums);
-        `num_preemptions` is the engine's cumulative count (a drop is taken as an engine restart)."""
+        `num_preemptions` and the prefix cache's tokens are the engine's cumulative counts (a drop is
+        taken as an engine restart: counting starts again from the new value)."""
+        q0, h0 = self._prefix_seen
+        self._prefix_queries.inc(_delta(q0, prefix_queries))
+        self._prefix_hits.inc(_delta(h0, prefix_hits))
+        self._prefix_seen = (prefix_queries, prefix_hits)
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
@@ -149,3 +162,8 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics response."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _delta(seen: int, now: int) -> int:
+    """How much a cumulative engine count grew since `seen` (all of `now` after an engine restart)."""
+    return now - seen if now >= seen else now

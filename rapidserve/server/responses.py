@@ -23,13 +23,18 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return None if reason is None else "length" if reason == "length" else "stop"
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache, reported as
+    `prompt_tokens_details.cached_tokens` (as OpenAI and vLLM do)."""
+    d: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        d["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return d
 
 
 def _envelope(obj: str, req_id: str, created: int, model: str, choices: list[dict[str, Any]],
-              usage: dict[str, int] | None) -> dict[str, Any]:
+              usage: dict[str, Any] | None) -> dict[str, Any]:
     d: dict[str, Any] = {"id": req_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage is not None:
         d["usage"] = usage
@@ -42,12 +47,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def completion_response(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                        usage: dict[str, int]) -> dict[str, Any]:
+                        usage: dict[str, Any]) -> dict[str, Any]:
     return _envelope("text_completion", req_id, created, model, choices, usage)
 
 
 def completion_chunk(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                     usage: dict[str, int] | None = None) -> dict[str, Any]:
+                     usage: dict[str, Any] | None = None) -> dict[str, Any]:
     return _envelope("text_completion", req_id, created, model, choices, usage)
 
 
@@ -58,7 +63,7 @@ def chat_choice(index: int, content: str, finish_reason: str | None,
 
 
 def chat_response(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                  usage: dict[str, int]) -> dict[str, Any]:
+                  usage: dict[str, Any]) -> dict[str, Any]:
     return _envelope("chat.completion", req_id, created, model, choices, usage)
 
 
@@ -70,7 +75,7 @@ def chat_chunk_choice(index: int, content: str | None = None, finish_reason: str
 
 
 def chat_chunk(req_id: str, created: int, model: str, choices: list[dict[str, Any]],
-               usage: dict[str, int] | None = None) -> dict[str, Any]:
+               usage: dict[str, Any] | None = None) -> dict[str, Any]:
     return _envelope("chat.completion.chunk", req_id, created, model, choices, usage)
 
 
@@ -112,7 +117,7 @@ def _echo(req: GenRequest, index: int) -> str:
 
 
 def final_response(req: GenRequest, req_id: str, created: int, model: str, choices: Sequence[ChoiceLike],
-                   usage: dict[str, int], tokenizer: Tokenizer | None) -> dict[str, Any]:
+                   usage: dict[str, Any], tokenizer: Tokenizer | None) -> dict[str, Any]:
     """The non-streaming answer to `req`, by its kind (choices sorted by index; echo prepended)."""
     if req.kind == "generate":
         c = choices[0]
@@ -151,7 +156,7 @@ def stream_chunk(req: GenRequest, req_id: str, created: int, model: str, index: 
     return completion_chunk(req_id, created, model, [choice])
 
 
-def usage_chunk(req: GenRequest, req_id: str, created: int, model: str, usage: dict[str, int]) -> dict[str, Any]:
+def usage_chunk(req: GenRequest, req_id: str, created: int, model: str, usage: dict[str, Any]) -> dict[str, Any]:
     """The last streamed event when usage was asked for: no choices, only `usage`."""
     if req.kind == "generate":
         return generate_response("", {"id": req_id, **usage})

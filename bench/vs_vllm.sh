@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# rapidserve against the real vLLM 0.24.0 on one GPU, in ONE device call (issue 15, item 0): installs vLLM
+# from the stashed parts, writes the Qwen3-8B-shaped model folder, and runs bench/compare.py with vLLM first,
+# then our systems, on the issue's multiturn workload; the table is printed last.
+#
+# The whole sequence (the GPU machine reaches no package index and carries at most 64 MiB a call, this
+# repo's working tree included; the recipe is ../shared/peer_vllm/README.md, and ../shared does not
+# travel to the GPU machine):
+#   0. Here, once (~1 min; fetch.py downloads 311 MiB):
+#        echo /.peer/ >> .git/info/exclude     # else every call tries to carry .peer (over 600 MiB)
+#        python ../shared/peer_vllm/fetch.py .peer      # .peer/bundle.tar, cut in 58 MiB parts
+#        bash bench/vs_vllm.sh --split                  # see below
+#      --split re-cuts .peer/bundle.tar into six equal parts .peer/c0/part00 ... .peer/c5/part05 (~52 MiB:
+#      fetch.py's 58 MiB parts plus the ~6 MiB working tree exceed the 64 MiB a call carries), copies the
+#      recipe's scripts to .peer/peer_vllm, and prints what each stash call will carry.
+#   1. Six device calls back to back (the machine keeps its disk only while held, ~30 s idle; if one of
+#      them starts a fresh machine, begin again at c0), N = 0..5:
+#        run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cN", ".peer/peer_vllm"], timeout_s=120)
+#      (its part and the recipe into /root/peerstash, as ../shared/peer_vllm/stash.sh does)
+#   2. At once, the next call:
+#        run(command="bash bench/vs_vllm.sh", carry=[".whl"], timeout_s=600)
+#      (.whl: msgspec and posix_ipc for rapidserve, as bench/gpu_suite.sh; .peer is not needed here)
+#   What comes back in $OUT: vs_vllm.md / .json / .png (compare.py's tables, data and plot),
+#   vs_vllm_setup.log (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request
+#   of every sweep and each server's log, vLLM's included).
+#
+# Without vLLM (no stashed parts, no recipe, or the install failed) it runs our systems only and says so.
+# Knobs (environment): SYSTEMS (ours; default rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default vllm; e.g.
+# "vllm,vllm:--no-enable-prefix-caching"), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
+# --gpu-memory-utilization), BENCH_ARGS (the issue's workload: --input-len 2048 --turn-input-len 256
+# --output-len 64 --num-turns 6), RATES (inf: every conversation at once), NUM_PROMPTS (32 conversations),
+# WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call).
+# Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+# install.sh's and serve_vllm.sh's fixed places (override only to try the script elsewhere)
+stash="${PEER_STASH:-/root/peerstash}"
+site="${PEER_SITE:-/root/peersite}"
+model="${PEER_MODEL:-/root/peermodel}"
+
+find_recipe() {  # the folder holding install.sh, make_model.py and serve_vllm.sh, or nothing
+    local d
+    for d in "${PEER_VLLM_DIR:-}" shared/peer_vllm ../shared/peer_vllm .peer/peer_vllm "$stash/peer_vllm"; do
+        if [ -n "$d" ] && [ -f "$d/serve_vllm.sh" ] && [ -f "$d/install.sh" ] && [ -f "$d/make_model.py" ]; then
+            echo "$d"
+            return
+        fi
+    done
+}
+
+if [ "${1:-}" = "--split" ]; then  # here, not on the GPU machine
+    n="${2:-6}"
+    bundle=.peer/bundle.tar
+    [ -f "$bundle" ] || { echo "vs_vllm: no $bundle: run python ../shared/peer_vllm/fetch.py .peer first" >&2; exit 2; }
+    git check-ignore -q .peer || { echo "vs_vllm: git does not ignore .peer: echo /.peer/ >> .git/info/exclude" >&2; exit 2; }
+    recipe="$(find_recipe)"
+    [ -n "$recipe" ] || { echo "vs_vllm: no peer_vllm recipe found (set PEER_VLLM_DIR)" >&2; exit 2; }
+    rm -rf .peer/c[0-9]* .peer/split.tmp && mkdir .peer/split.tmp || exit 1
+    split -n "$n" -d -a 2 "$bundle" .peer/split.tmp/part || exit 1
+    i=0
+    for f in .peer/split.tmp/part*; do
+        mkdir -p ".peer/c$i" && mv "$f" ".peer/c$i/" || exit 1
+        i=$((i + 1))
+    done
+    rmdir .peer/split.tmp
+    if [ "$(cd "$recipe" && pwd -P)" != "$(cd .peer && pwd -P)/peer_vllm" ]; then
+        rm -rf .peer/peer_vllm && cp -r "$recipe" .peer/peer_vllm || exit 1
+    fi
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+    extra=$(du -sb .peer/peer_vllm | cut -f1)
+    for d in .peer/c[0-9]*; do
+        part=$(du -sb "$d" | cut -f1)
+        total=$((part + tree + extra))
+        echo "$d: $((part >> 20)) MiB + working tree $((tree >> 20)) MiB + recipe = $((total >> 20)) MiB" \
+            "$([ "$total" -lt $((64 << 20)) ] && echo "(fits 64 MiB)" || echo "(OVER 64 MiB: use more parts: --split $((n + 1)))")"
+    done
+    exit 0
+fi
+
+if [ "${1:-}" = "--stash" ]; then
+    mkdir -p "$stash" || exit 1
+    compgen -G ".peer/c*/part*" >/dev/null && cp .peer/c*/part* "$stash"/
+    [ -d .peer/peer_vllm ] && rm -rf "$stash/peer_vllm" && cp -r .peer/peer_vllm "$stash/peer_vllm"
+    echo "stashed in $stash:" "$stash"/*
+    exit 0
+fi
+
+t_start=$(date +%s)
+budget="${BUDGET_S:-540}"
+out="${OUT:-bench/results/vs_vllm}"
+mkdir -p "$out"
+work="$(mktemp -d)"
+setup_log="$out/vs_vllm_setup.log"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+elapsed() { echo $(($(date +%s) - t_start)); }
+say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
+: >"$setup_log"
+
+if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { say "installing the carried wheels (.whl) failed"; exit 2; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")' 2>&1 | tail -1)"
+
+# The recipe (install.sh, make_model.py, serve_vllm.sh): stashed by --stash, or wherever it is found.
+recipe="$(find_recipe)"
+
+why_not=""
+if [ -f "$site/vllm/__init__.py" ] && have="$(PYTHONPATH="$site" "$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)"; then
+    say "vLLM $have already installed in $site (an earlier call on this machine)"
+elif [ -z "$recipe" ]; then
+    why_not="the recipe (peer_vllm: install.sh, make_model.py, serve_vllm.sh) was not found; see step 0 and 1"
+elif ! compgen -G "$stash/part*" >/dev/null; then
+    why_not="no stashed parts in $stash (step 1: six --stash calls right before this one)"
+else
+    parts=("$stash"/part*)
+    say "installing vLLM from ${#parts[@]} stashed parts ($recipe/install.sh)"
+    if ! bash "$recipe/install.sh" 2>&1 | tee -a "$setup_log"; then
+        why_not="install.sh failed (missing or partial parts? each of the six stash calls must reach the same machine)"
+    fi
+fi
+if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
+    if [ -z "$recipe" ]; then
+        why_not="no model folder $model and no make_model.py to write it"
+    else
+        say "writing the Qwen3-8B-shaped model folder $model"
+        "$py" "$recipe/make_model.py" "$model" 2>&1 | tee -a "$setup_log" || why_not="make_model.py failed"
+    fi
+fi
+
+ours="${SYSTEMS:-rapid-adaptive,hybrid-2048}"
+vllm_args=()
+if [ -z "$why_not" ]; then
+    systems="${VLLM_SYSTEMS:-vllm},$ours"  # vLLM first: its start is the longest and least certain
+    if [ -n "$recipe" ]; then
+        vllm_args=(--vllm-model "$model" --vllm-serve "$recipe/serve_vllm.sh")
+    else  # installed on an earlier call of this machine; no recipe now: vLLM's server module directly
+        vllm_args=(--vllm-model "$model" --vllm-serve none --vllm-site "$site")
+    fi
+else
+    systems="$ours"
+    say "vLLM SKIPPED: $why_not. Running rapidserve's systems only ($ours)."
+fi
+
+left=$((budget - $(elapsed)))
+if [ "$left" -lt 120 ]; then
+    say "only $left s left of BUDGET_S=$budget after the setup: not starting the comparison"
+    exit 1
+fi
+# No new system or rate starts after left-100 s (one of ours needs ~1 min to start, run and stop); at left s
+# compare.py gets SIGTERM (it stops the running server and writes what finished), at left+30 s SIGKILL.
+cmd=("$py" bench/compare.py --model preset:qwen3-8b --systems "$systems" "${vllm_args[@]}"
+     --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
+     --workloads multiturn
+     --bench-args "${BENCH_ARGS:---input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6}"
+     --rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}" --warmup "${WARMUP:-4}"
+     --startup-timeout-s 300 --duration-budget-s $((left - 100)) --out "$work" --name vs_vllm "$@")
+say "$(printf '%q ' "${cmd[@]}")"
+timeout -k 30 "$left" "${cmd[@]}" 2>&1 | tee "$work/compare_stdout.log"
+status=${PIPESTATUS[0]}
+say "compare.py exited with $status after $(elapsed) s in all"
+
+for f in vs_vllm.md vs_vllm.json vs_vllm.png; do
+    [ -f "$work/$f" ] && cp "$work/$f" "$out/$f"
+done
+tar -czf "$out/vs_vllm_detail.tar.gz" -C "$work" . 2>/dev/null
+rm -rf "$work"
+[ -n "$why_not" ] && echo "NOTE: vLLM was not run: $why_not"
+if [ -f "$out/vs_vllm.md" ]; then
+    echo "===== $out/vs_vllm.md"
+    cat "$out/vs_vllm.md"
+else
+    echo "no table: compare.py wrote none (see $setup_log and the detail archive)"
+fi
+exit "$status"
