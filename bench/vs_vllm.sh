@@ -28,7 +28,8 @@
 # Knobs (environment): SYSTEMS (ours; default rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default vllm; e.g.
 # "vllm,vllm:--no-enable-prefix-caching"), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
 # --gpu-memory-utilization), BENCH_ARGS (the issue's workload: --input-len 2048 --turn-input-len 256
-# --output-len 64 --num-turns 6), RATES (inf: every conversation at once), NUM_PROMPTS (32 conversations),
+# --output-len 64 --num-turns 6), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
+# conversation at once), NUM_PROMPTS (32 conversations),
 # WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
 set -uo pipefail
@@ -133,6 +134,20 @@ if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
 fi
 
 ours="${SYSTEMS:-rapid-adaptive,hybrid-2048}"
+# The workloads: the issue's multiturn by default; TRACE_WORKLOADS (';'-separated `rapidserve bench` flag
+# sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60 --time-scale 3")
+# replaces it (carry the trace files: ../shared does not travel).
+if [ -n "${TRACE_WORKLOADS:-}" ]; then
+    workload_args=()
+    IFS=';' read -ra sets <<<"$TRACE_WORKLOADS"
+    for w in "${sets[@]}"; do
+        workload_args+=(--workload-args "$w")
+    done
+    [ -n "${BENCH_ARGS:-}" ] && workload_args+=(--bench-args "$BENCH_ARGS")
+else
+    workload_args=(--workloads multiturn
+                   --bench-args "${BENCH_ARGS:---input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6}")
+fi
 vllm_args=()
 if [ -z "$why_not" ]; then
     systems="${VLLM_SYSTEMS:-vllm},$ours"  # vLLM first: its start is the longest and least certain
@@ -155,8 +170,7 @@ fi
 # compare.py gets SIGTERM (it stops the running server and writes what finished), at left+30 s SIGKILL.
 cmd=("$py" bench/compare.py --model preset:qwen3-8b --systems "$systems" "${vllm_args[@]}"
      --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
-     --workloads multiturn
-     --bench-args "${BENCH_ARGS:---input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6}"
+     "${workload_args[@]}"
      --rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}" --warmup "${WARMUP:-4}"
      --startup-timeout-s 300 --duration-budget-s $((left - 100)) --out "$work" --name vs_vllm "$@")
 say "$(printf '%q ' "${cmd[@]}")"

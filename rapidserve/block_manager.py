@@ -158,6 +158,12 @@ class BlockManager:
         table.extend(added)
         return added
 
+    def needs_commit(self, seq_id: str, num_computed: int) -> bool:
+        """Whether `commit` with this count would register a block: a cheap test for the per-step
+        callers, which then build the token list only when a block has filled up."""
+        return (self.enable_caching and seq_id in self._tables
+                and min(num_computed // self.block_size, len(self._tables[seq_id])) > self._committed.get(seq_id, 0))
+
     def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """The K/V of the first `num_computed` of `token_ids` are written (the writes have landed, or are
         ordered before any read that a later admission could queue): register its full blocks."""

@@ -93,7 +93,8 @@ class SeqQueues:
     def _computed(self, seq: Sequence) -> None:
         """The sequence's K/V up to `num_computed` are written (or queued before any later reader on
         this one stream): its full blocks may be shared from now on."""
-        self.blocks.commit(seq.seq_id, seq.all_token_ids, seq.num_computed)
+        if self.blocks.needs_commit(seq.seq_id, seq.num_computed):
+            self.blocks.commit(seq.seq_id, seq.all_token_ids, seq.num_computed)
 
     def _preempt(self, seq: Sequence) -> None:
         """By recompute: blocks freed, back to the head of the queue with its outputs (none lost)."""

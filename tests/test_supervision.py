@@ -226,3 +226,39 @@ def test_a_full_inbox_never_blocks_the_event_loop() -> None:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def _nap_forever(sem_name: str) -> None:
+    """A worker's idle loop: SIGTERM ends it (worker_signals), naps on a semaphore in between."""
+    import posix_ipc
+
+    from rapidserve.engine.worker_io import worker_signals
+    from rapidserve.ipc.shm import nap_on
+
+    worker_signals()
+    sem = posix_ipc.Semaphore(sem_name)
+    while True:
+        nap_on(sem, 0.25)
+
+
+def test_sigterm_ends_a_worker_that_is_napping_on_a_semaphore() -> None:
+    """posix_ipc replaces the exception a signal handler raises inside a wait with SignalError: nap_on
+    holds SIGTERM off during the wait, so the worker's SystemExit is not lost (it used to nap on)."""
+    import multiprocessing as mp
+
+    import posix_ipc
+
+    name = f"/rapidserve-test-nap-{os.getpid()}"
+    sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
+    try:
+        p = mp.get_context("spawn").Process(target=_nap_forever, args=(name,), daemon=True)
+        p.start()
+        time.sleep(3.0)  # spawned and napping
+        assert p.is_alive()
+        t0 = time.monotonic()
+        p.terminate()
+        p.join(5.0)
+        assert not p.is_alive() and p.exitcode == 0, p.exitcode
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        sem.unlink()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -177,3 +178,30 @@ async def fetch_models(session: aiohttp.ClientSession, base_url: str, api_key: s
             raise ConnectionError(f"GET /v1/models: {error_text(resp.status, body)}")
         data = json.loads(body).get("data") or []
         return [m for m in data if isinstance(m, dict) and "id" in m]
+
+
+_PREFIX_RE = re.compile(r"^(?:[A-Za-z_]+:)?prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+
+
+async def prefix_cache_counts(session: aiohttp.ClientSession, base_url: str, api_key: str | None,
+                              timeout_s: float = 10.0) -> tuple[float, float] | None:
+    """(queried, hit) prompt tokens of the server's prefix cache so far, from GET /metrics (rapidserve's
+    and vLLM's counters share the names `<prefix>:prefix_cache_{queries,hits}_total`); None when the
+    server does not export them."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    got = {"queries": 0.0, "hits": 0.0}
+    seen = False
+    for line in text.splitlines():
+        m = _PREFIX_RE.match(line)
+        if m:
+            got[m.group(1)] += float(m.group(2))
+            seen = True
+    return (got["queries"], got["hits"]) if seen else None

@@ -242,7 +242,8 @@ class DecodeScheduler:
                 self._release(r)
                 continue
             r.outputs.append(tok)
-            self.blocks.commit(r.req_id, r.tokens, r.num_tokens - 1)  # the landed steps wrote all but the newest
+            if self.blocks.needs_commit(r.req_id, r.num_tokens - 1):  # the landed steps wrote all but the newest
+                self.blocks.commit(r.req_id, r.tokens, r.num_tokens - 1)
             reason = check_stop(r.params, r.outputs, r.num_tokens, self.eos, self.context_cap)
             out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason))
             if reason is not None:

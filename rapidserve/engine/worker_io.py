@@ -17,6 +17,7 @@ A worker's channels are named by whom they reach: `io.to_router`, `io.to_prefill
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import os
 import signal
@@ -199,8 +200,10 @@ def no_named_locks() -> None:
 
 
 def worker_signals() -> None:
-    """Ctrl-C belongs to the router, which shuts the workers down in order; SIGTERM ends a worker."""
+    """Ctrl-C belongs to the router, which shuts the workers down in order; SIGTERM ends a worker;
+    SIGUSR1 prints every thread's stack to stderr (`kill -USR1 <worker pid>`: where is it stuck?)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def _term(signum: int, frame: object) -> None:
         raise SystemExit(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 
 import posix_ipc
 
@@ -33,6 +34,7 @@ DOORBELL_NAME_MAX = HEADER_BYTES - DOORBELL_OFF  # 120 bytes
 SLEEP_RING, SLEEP_DOORBELL = 1, 2
 FIRST_NAP_S = 0.001  # first sleep after the flag is set: bounds the store-buffer race (see ShmRing)
 NAP_S = 0.25  # later sleeps; every publication while the flag is set posts the semaphore anyway
+HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # delivered after a nap, not inside it (nap_on)
 
 
 def ring_name(engine_id: str, label: str) -> str:
@@ -45,11 +47,19 @@ def ring_name(engine_id: str, label: str) -> str:
 
 def nap_on(sem: posix_ipc.Semaphore, timeout: float) -> bool:
     """Sleep on `sem` up to `timeout` s; True if it was posted (surplus posts drained, so the caller
-    re-checks once). A timeout or a signal returns False: the signal's Python handler runs next."""
+    re-checks once); a timeout returns False.
+
+    SIGTERM and SIGINT are held off during the wait: posix_ipc runs the Python handler of a signal
+    that interrupts it but then raises SignalError in place of whatever the handler raised, so a
+    worker's SystemExit on SIGTERM was lost and the worker slept on. Held off, the signal is
+    delivered as the wait ends (within `timeout`) and its handler's exception propagates from here."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
     try:
         sem.acquire(timeout)
     except (posix_ipc.BusyError, posix_ipc.SignalError):
         return False
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     with contextlib.suppress(posix_ipc.BusyError, posix_ipc.SignalError):
         while True:
             sem.acquire(0)
