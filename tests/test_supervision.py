@@ -262,3 +262,32 @@ def test_sigterm_ends_a_worker_that_is_napping_on_a_semaphore() -> None:
         assert time.monotonic() - t0 < 1.0
     finally:
         sem.unlink()
+
+
+def test_an_aborted_id_is_refused_until_its_end_comes_back() -> None:
+    """A late message of an aborted request must never reach a new request of the same id: the router
+    refuses the id until the workers' end of the old one arrives, then serves it normally."""
+    from rapidserve.sampling_params import SamplingParams
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(config())  # type: ignore[arg-type]
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+            stream = engine.generate("x", list(range(1, 200)), params)
+            await stream.__anext__()  # running
+            await engine.abort("x")
+            await stream.aclose()
+            with pytest.raises(EngineError, match="still ending"):
+                async for _ in engine.generate("x", [1, 2, 3], params):
+                    pass
+            deadline = time.monotonic() + 30
+            while "x" in engine._settling and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert "x" not in engine._settling
+            got = [t async for t in engine.generate("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                                     ignore_eos=True))]
+            assert [t.index for t in got] == [0, 1, 2, 3] and got[-1].finish_reason == "length"
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

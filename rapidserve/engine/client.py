@@ -78,6 +78,10 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.workers: WorkerSet | None = None
         self.streams: dict[str, _Stream] = {}
+        # Aborted requests whose end (Finished, or a token with a finish reason) has not come back yet:
+        # their ids are refused until it does, so a late message of the old request never reaches a new
+        # one (the workers hold the id as long: engine/decode_scheduler.py). Cleared with the workers.
+        self._settling: set[str] = set()
         self.stats: m.Stats | None = None
         self.mps = MpsController()
         self.mps_plan: MpsPlan | None = None
@@ -157,6 +161,9 @@ class AsyncEngine:
             raise EngineError(f"the engine is not running ({self.state}): {self.dead_reason or 'not started'}")
         if req_id in self.streams:
             raise EngineError(f"request id {req_id!r} is already in flight")
+        if req_id in self._settling:
+            raise EngineError(f"request id {req_id!r} was aborted a moment ago and is still ending: "
+                              "use a unique id per request")
         limits = PromptLimits(self.cfg.model_config.vocab_size, self.cfg.max_model_len, self.workers.pool_tokens)
         try:
             limits.check(prompt_token_ids, "prompt_token_ids")
@@ -188,6 +195,8 @@ class AsyncEngine:
         s = self.streams.get(req_id)
         if s is not None and not s.finished and self.workers is not None:
             s.finished = s.aborted = True
+            if not any(t.finish_reason is not None for t in s.early.values()):  # its end has not come yet
+                self._settling.add(req_id)
             self._post_abort(req_id)
             s.queue.put_nowait(None)
 
@@ -246,8 +255,11 @@ class AsyncEngine:
         for msg in msgs:
             if isinstance(msg, m.TokenBatch):
                 for t in msg.tokens:
+                    if t.finish_reason is not None:
+                        self._settling.discard(t.req_id)
                     self._deliver(t)
             elif isinstance(msg, m.Finished):
+                self._settling.discard(msg.req_id)
                 s = self.streams.get(msg.req_id)
                 if s is not None and not s.finished:
                     s.finished = True
@@ -272,6 +284,7 @@ class AsyncEngine:
                 return
 
     def _fail_all(self, err: EngineError) -> None:
+        self._settling.clear()  # the workers that held those ids are gone
         for s in self.streams.values():
             if not s.finished:
                 s.finished = True
