@@ -73,32 +73,61 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import shlex
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Mapping, Sequence
-from typing import IO, Any, NamedTuple, NoReturn
+from collections.abc import Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import aiohttp
 
+# the repo root (rapidserve) and this folder (compare_systems, compare_tables: also when loaded by file path)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# Some names below are only re-exported: callers and tests reach them as compare.NAME.
+from compare_systems import (  # noqa: E402
+    EXT,
+    SHARED_SWITCHES,
+    SHARED_VALUE_FLAGS,
+    SYSTEMS,
+    VLLM,
+    VLLM_SERVE_CANDIDATES,
+    System,
+    _append_log,
+    _tail,
+    find_vllm_serve,
+    free_port,
+    group_alive,  # noqa: F401
+    make_server,
+    parse_systems,
+    shared_serve_flags,  # noqa: F401
+    vllm_baseline,
+    vllm_command,  # noqa: F401
+)
+from compare_tables import (  # noqa: E402
+    best_goodput,  # noqa: F401
+    best_goodput_p99,  # noqa: F401
+    best_under_itl,  # noqa: F401
+    peak,  # noqa: F401
+    request_goodput,  # noqa: F401
+    table_row,  # noqa: F401
+    to_markdown,  # noqa: F401
+    versus_best_hybrid,  # noqa: F401
+    versus_vllm,  # noqa: F401
+    vllm_keys,  # noqa: F401
+    write_report,
+)
 
 from rapidserve.benchmark import BenchConfig, run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import (  # noqa: E402
     add_bench_args,
-    base_url_arg,
     config_from_args,
     nonneg_int,
     positive_float,
@@ -107,163 +136,13 @@ from rapidserve.benchmark.cli import (  # noqa: E402
     safe_name,
     token_range_arg,
 )
-from rapidserve.benchmark.plot import plot_sweeps  # noqa: E402
-from rapidserve.benchmark.report import fmt, jsonable, workload_title  # noqa: E402
-from rapidserve.benchmark.stats import RequestRecord, meets_rapid_ttft, meets_slos  # noqa: E402
+from rapidserve.benchmark.report import workload_title  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-SYSTEMS: dict[str, str] = {
-    "rapid-adaptive": "--mode rapid --partition adaptive",
-    "rapid-adaptive-slo100": "--mode rapid --partition adaptive --slo-itl-ms 100",
-    "rapid-overallocated": "--mode rapid --partition off",
-    "rapid-static-0.25": "--mode rapid --partition static:0.25",
-    "rapid-static-0.5": "--mode rapid --partition static:0.5",
-    "hybrid-512": "--mode hybrid --max-num-batched-tokens 512",
-    "hybrid-2048": "--mode hybrid --max-num-batched-tokens 2048",
-    "hybrid-8192": "--mode hybrid --max-num-batched-tokens 8192",
-}
-
-RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no cap)
-# Flags of `rapidserve serve` that vLLM's server takes under the same name and meaning: given in
-# --serve-args, a vLLM system gets them too.
-SHARED_VALUE_FLAGS: tuple[str, ...] = ("--max-model-len", "--gpu-memory-utilization", "--max-num-batched-tokens",
-                                       "--max-num-seqs")
-SHARED_SWITCHES: tuple[str, ...] = ("--enforce-eager",)
-# Where serve_vllm.sh is looked for (relative to the repo root) when --vllm-serve is not given. The
-# ../shared folder does not travel to the GPU machine: bench/vs_vllm.sh's header says how the recipe gets there.
-VLLM_SERVE_CANDIDATES: tuple[str, ...] = ("shared/peer_vllm/serve_vllm.sh", "../shared/peer_vllm/serve_vllm.sh",
-                                          ".peer/peer_vllm/serve_vllm.sh")
-# What serve_vllm.sh sets, for a vLLM started without it.
-VLLM_ENV: dict[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                            "HF_HUB_OFFLINE": "1"}
 
 
-# ---------------------------------------------------------------- systems and workloads (pure)
-
-
-class System(NamedTuple):
-    """One column of the comparison: our server with `flags`, vLLM with `flags`, or an external `url`."""
-
-    label: str
-    kind: str  # RAPIDSERVE, VLLM or EXT
-    flags: str = ""  # rapidserve: `rapidserve serve` flags; vllm: vLLM flags after the shared ones
-    url: str = ""  # ext only
-
-    def describe(self) -> str:
-        if self.kind == VLLM:
-            return f"vLLM {self.flags}".strip()
-        if self.kind == EXT:
-            return f"external server at {self.url}"
-        return self.flags
-
-
-def special_system(text: str, label: str | None = None) -> System | None:
-    """`vllm`, `vllm:FLAGS` or `ext:URL` as a System (labelled `label`, else by the text, an ext by its URL);
-    None for any other text. ValueError for unbalanced quotes in FLAGS or a URL that is not http(s)://."""
-    t = text.strip()
-    if t == VLLM or t.startswith(VLLM + ":"):
-        flags = t[len(VLLM) + 1:].strip()
-        shlex.split(flags)
-        return System(label or (VLLM if not flags else f"{VLLM}:{flags}"), VLLM, flags)
-    if t.startswith(EXT + ":"):
-        try:
-            url = base_url_arg(t[len(EXT) + 1:].strip())
-        except argparse.ArgumentTypeError as e:
-            raise ValueError(str(e)) from None
-        return System(label or url, EXT, url=url)
-    return None
-
-
-def parse_systems(names: str, extra: Sequence[str]) -> list[System]:
-    """--systems (comma-separated: SYSTEMS names, vllm, vllm:FLAGS, ext:URL) then each --system LABEL=SPEC
-    (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). ValueError saying what is wrong."""
-    chosen: list[System] = []
-    for n in (s.strip() for s in names.split(",")):
-        if not n:
-            continue
-        s = special_system(n)
-        if s is None:
-            if n not in SYSTEMS:
-                raise ValueError(f"--systems: unknown {n}; known: {', '.join(SYSTEMS)}, {VLLM}, {VLLM}:FLAGS, "
-                                 f"{EXT}:URL")
-            s = System(n, RAPIDSERVE, SYSTEMS[n])
-        chosen.append(s)
-    for item in extra:
-        label, sep, spec = item.partition("=")
-        if not sep or not label.strip():
-            raise ValueError(f"--system {item!r}: expected LABEL=FLAGS (or LABEL=vllm:FLAGS, LABEL=ext:URL)")
-        s = special_system(spec, label.strip())
-        if s is None:
-            shlex.split(spec)
-            s = System(label.strip(), RAPIDSERVE, spec.strip())
-        chosen.append(s)
-    if not chosen:
-        raise ValueError("no systems selected")
-    seen: set[str] = set()
-    for s in chosen:
-        if s.label in seen:
-            raise ValueError(f"two systems are labelled {s.label!r}: give one a label with --system LABEL=SPEC")
-        seen.add(s.label)
-    return chosen
-
-
-def vllm_baseline(systems: Sequence[System], given: str | None) -> str | None:
-    """The label the vs-vLLM ratios divide by: `given` (must be a system's), else the first vLLM system's."""
-    if given is not None:
-        if given not in {s.label for s in systems}:
-            labels = ", ".join(s.label for s in systems)
-            raise ValueError(f"--vllm-baseline {given!r} is none of the systems ({labels})")
-        return given
-    return next((s.label for s in systems if s.kind == VLLM), None)
-
-
-def shared_serve_flags(serve_args: str) -> list[str]:
-    """The flags of `serve_args` (ours) that vLLM's server takes under the same name, in their order
-    (`--flag value` and `--flag=value`; the switches as they are)."""
-    toks = shlex.split(serve_args)
-    out: list[str] = []
-    i = 0
-    while i < len(toks):
-        name, eq, value = toks[i].partition("=")
-        if name in SHARED_VALUE_FLAGS and eq:
-            out += [name, value]
-        elif name in SHARED_VALUE_FLAGS and i + 1 < len(toks):
-            out += [name, toks[i + 1]]
-            i += 1
-        elif toks[i] in SHARED_SWITCHES:
-            out.append(toks[i])
-        i += 1
-    return out
-
-
-def vllm_command(model_dir: str, port: int, serve_args: str, flags: str, serve_script: str | None,
-                 python: str = sys.executable) -> list[str]:
-    """How a vLLM system is started: through serve_vllm.sh when there is one, else vLLM's OpenAI server
-    module directly (dummy weights in bf16, as the script does; `flags` can override both)."""
-    vflags = [*shared_serve_flags(serve_args), *shlex.split(flags)]
-    if serve_script:
-        return ["bash", serve_script, model_dir, str(port), *vflags]
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format", "dummy",
-            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), *vflags]
-
-
-def serve_command(model: str, port: int, serve_args: str, flags: str) -> list[str]:
-    return [sys.executable, "-m", "rapidserve.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), *shlex.split(serve_args), *shlex.split(flags)]
-
-
-def find_vllm_serve(given: str | None, root: str = REPO) -> str | None:
-    """serve_vllm.sh's path: `given` ('none' or '': launch vLLM directly), else the first candidate that exists."""
-    if given is not None:
-        return None if given.strip().lower() in ("", "none") else given
-    for rel in VLLM_SERVE_CANDIDATES:
-        path = os.path.normpath(os.path.join(root, rel))
-        if os.path.isfile(path):
-            return path
-    return None
+# ---------------------------------------------------------------- workloads
 
 
 def parse_workload(text: str) -> list[str]:
@@ -332,444 +211,7 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
     return out
 
 
-# ---------------------------------------------------------------- the table's numbers (pure)
-
-
-def _stat(summary: Mapping[str, Any], key: str, stat: str = "p99") -> float | None:
-    v = (summary.get(key) or {}).get(stat)
-    return float(v) if isinstance(v, (int, float)) else None
-
-
-def _p99(summary: Mapping[str, Any], key: str) -> float | None:
-    return _stat(summary, key, "p99")
-
-
-def _point(run: Mapping[str, Any]) -> dict[str, Any]:
-    s = run["summary"]
-    return {"rate": run["rate"], "output_throughput": s["output_throughput"],
-            "request_throughput": s["request_throughput"], "p99_itl_ms": _p99(s, "itl_ms"),
-            "p50_ttft_ms": _stat(s, "ttft_ms", "median"), "p99_ttft_ms": _p99(s, "ttft_ms")}
-
-
-def peak(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The rate with the highest output throughput."""
-    done = [r for r in runs if r["summary"]["completed"]]
-    return _point(max(done, key=lambda r: r["summary"]["output_throughput"])) if done else None
-
-
-def within_itl(runs: Sequence[Mapping[str, Any]], bound_ms: float) -> list[Mapping[str, Any]]:
-    """The rates with completions, no failures and p99 ITL <= bound_ms."""
-    return [r for r in runs if r["summary"]["completed"] and not r["summary"]["failed"]
-            and (p := _p99(r["summary"], "itl_ms")) is not None and p <= bound_ms]
-
-
-def best_under_itl(runs: Sequence[Mapping[str, Any]], bound_ms: float) -> dict[str, Any] | None:
-    """The highest output throughput among rates with no failures and p99 ITL <= bound_ms."""
-    ok = within_itl(runs, bound_ms)
-    return _point(max(ok, key=lambda r: r["summary"]["output_throughput"])) if ok else None
-
-
-def request_goodput(run: Mapping[str, Any], itl_bound_ms: float | None = None) -> float:
-    """Requests/s of one rate that completed with the RAPID TTFT rule met and, given a bound, every
-    ITL within it."""
-    dur = run["summary"]["duration_s"]
-    slos = {} if itl_bound_ms is None else {"itl": itl_bound_ms}
-    recs = [RequestRecord.from_json(r) for r in run.get("requests", [])]
-    good = sum(1 for r in recs if meets_slos(r, slos) and meets_rapid_ttft(r))
-    return good / dur if dur > 0 else 0.0
-
-
-def best_goodput_p99(runs: Sequence[Mapping[str, Any]], itl_bound_ms: float) -> dict[str, Any] | None:
-    """The most TTFT-rule requests/s among the rates whose p99 ITL is within the bound (no failures)."""
-    ok = within_itl(runs, itl_bound_ms)
-    if not ok:
-        return None
-    g, rate = max(((request_goodput(r), r["rate"]) for r in ok), key=lambda x: x[0])
-    return {"goodput": g, "rate": rate}
-
-
-def best_goodput(runs: Sequence[Mapping[str, Any]], itl_bound_ms: float) -> dict[str, Any] | None:
-    scored = [(request_goodput(r, itl_bound_ms), r["rate"]) for r in runs]
-    if not scored:
-        return None
-    g, rate = max(scored, key=lambda x: x[0])
-    return {"goodput": g, "rate": rate}
-
-
-def table_row(label: str, result: Mapping[str, Any], bounds_ms: Sequence[float]) -> dict[str, Any]:
-    runs = result.get("runs", [])
-    row: dict[str, Any] = {"system": label,
-                           "workload": result.get("title") or workload_title(result.get("workload", {})),
-                           "peak": peak(runs)}
-    for b in bounds_ms:
-        row[f"itl_le_{b:g}ms"] = best_under_itl(runs, b)
-        row[f"goodput_p99_itl_le_{b:g}ms"] = best_goodput_p99(runs, b)
-        row[f"goodput_itl_le_{b:g}ms"] = best_goodput(runs, b)
-    row["skipped_rates"] = list(result.get("skipped_rates", []))
-    return row
-
-
-def ratio_keys(bounds_ms: Sequence[float]) -> list[str]:
-    p99 = [f"goodput_p99_itl_le_{b:g}ms" for b in bounds_ms]
-    return ["peak", *p99, *(f"goodput_itl_le_{b:g}ms" for b in bounds_ms)]
-
-
-def versus_best_hybrid(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float]) -> list[dict[str, Any]]:
-    """Per workload and non-hybrid system: its peak and goodputs over the best hybrid's (None: no hybrid
-    figure, or the hybrid's is 0)."""
-    def value(r: Mapping[str, Any], key: str) -> float | None:
-        v = r.get(key)
-        if v is None:
-            return None
-        return float(v["output_throughput"] if key == "peak" else v["goodput"])
-
-    keys = ratio_keys(bounds_ms)
-    out: list[dict[str, Any]] = []
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        mine = [r for r in rows if r["workload"] == w]
-        hybrids = [r for r in mine if str(r["system"]).startswith("hybrid")]
-        if not hybrids:
-            continue
-        best = {k: max((v for r in hybrids if (v := value(r, k)) is not None), default=None) for k in keys}
-        for r in mine:
-            if r in hybrids:
-                continue
-            ratios: dict[str, Any] = {"system": r["system"], "workload": w}
-            for k in keys:
-                v, b = value(r, k), best[k]
-                ratios[k] = None if v is None or not b else v / b
-            out.append(ratios)
-    return out
-
-
-def vllm_keys(bounds_ms: Sequence[float]) -> list[str]:
-    """The figures the vs-vLLM ratios are taken of, in the table's order."""
-    return ["request_throughput", "output_throughput", "ttft_p50_ms", "ttft_p99_ms",
-            *(f"goodput_p99_itl_le_{b:g}ms" for b in bounds_ms), *(f"goodput_itl_le_{b:g}ms" for b in bounds_ms)]
-
-
-def row_figures(row: Mapping[str, Any], bounds_ms: Sequence[float]) -> dict[str, float | None]:
-    """A table row's figures by vllm_keys: requests/s, output tokens/s and TTFT p50 / p99 at its peak rate,
-    goodput and strict goodput at each ITL bound (None where the row has none)."""
-    pk = row.get("peak") or {}
-    out: dict[str, float | None] = {"request_throughput": pk.get("request_throughput"),
-                                    "output_throughput": pk.get("output_throughput"),
-                                    "ttft_p50_ms": pk.get("p50_ttft_ms"), "ttft_p99_ms": pk.get("p99_ttft_ms")}
-    for b in bounds_ms:
-        for k in (f"goodput_p99_itl_le_{b:g}ms", f"goodput_itl_le_{b:g}ms"):
-            g = row.get(k)
-            out[k] = None if g is None else g.get("goodput")
-    return {k: (None if v is None else float(v)) for k, v in out.items()}
-
-
-def versus_vllm(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float],
-                baseline: str | None) -> list[dict[str, Any]]:
-    """Per workload and system other than `baseline` (vLLM's label): each figure of row_figures divided by
-    the baseline's on the same workload (None: either figure missing, or the baseline's is 0). Empty when
-    there is no baseline; a workload the baseline has no row for is left out."""
-    if baseline is None:
-        return []
-    keys = vllm_keys(bounds_ms)
-    out: list[dict[str, Any]] = []
-    for w in dict.fromkeys(r["workload"] for r in rows):
-        mine = [r for r in rows if r["workload"] == w]
-        base = next((r for r in mine if r["system"] == baseline), None)
-        if base is None:
-            continue
-        bf = row_figures(base, bounds_ms)
-        for r in mine:
-            if r is base:
-                continue
-            f = row_figures(r, bounds_ms)
-            ratios: dict[str, Any] = {"system": r["system"], "workload": w, "baseline": baseline}
-            for k in keys:
-                v, b = f[k], bf[k]
-                ratios[k] = None if v is None or not b else v / b
-            out.append(ratios)
-    return out
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], meta: Mapping[str, Any]) -> str:
-    def at(p: Mapping[str, Any] | None) -> str:
-        return "-" if p is None else f"{fmt(p['output_throughput'], '.0f')} @ {rate_label(float(p['rate']))}"
-
-    def num(p: Mapping[str, Any] | None, key: str, spec: str = ".0f") -> str:
-        return "-" if p is None else fmt(p.get(key), spec)
-
-    def gp(g: Mapping[str, Any] | None) -> str:
-        return "-" if g is None else f"{fmt(g['goodput'], '.2f')} @ {rate_label(float(g['rate']))}"
-
-    baseline = meta.get("vllm_baseline")
-    head = ["system", "peak out tok/s @ rate", "req/s at peak", "TTFT p50 at peak (ms)", "p99 TTFT at peak (ms)",
-            "p99 ITL at peak (ms)"]
-    for b in bounds_ms:
-        head += [f"out tok/s @ rate, p99 ITL <= {b:g} ms", "p99 TTFT there (ms)",
-                 f"goodput, p99 ITL <= {b:g} ms (req/s)", f"strict goodput, every gap <= {b:g} ms (req/s)"]
-    lines = [f"# rapidserve compare: {meta.get('model')}", "",
-             f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`",
-             f"- sweep: rates {meta.get('rates')}, {meta.get('per_rate')} per rate, arrivals {meta.get('arrival')}, "
-             f"seed {meta.get('seed')}",
-             "- definitions: bench/compare.py's docstring (p99 ITL over all tokens of a rate; goodput: TTFT-rule "
-             "requests/s at the best rate within the p99 ITL bound; strict goodput: requests with every gap within "
-             "the bound and TTFT <= 1 s per 1K prompt tokens)", ""]
-    for s in meta.get("systems", []):
-        lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
-    for w in meta.get("workloads", []):
-        lines.append(f"- workload {w['title']}: `rapidserve bench {w['flags']}`")
-    vs_vllm = versus_vllm(rows, bounds_ms, baseline)
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    for w in workloads:
-        lines += ["", f"## {w}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-        for r in (r for r in rows if r["workload"] == w):
-            pk = r["peak"]
-            cells = [r["system"], at(pk), num(pk, "request_throughput", ".2f"), num(pk, "p50_ttft_ms"),
-                     num(pk, "p99_ttft_ms"), num(pk, "p99_itl_ms", ".1f")]
-            for b in bounds_ms:
-                p = r[f"itl_le_{b:g}ms"]
-                cells += [at(p), num(p, "p99_ttft_ms"), gp(r[f"goodput_p99_itl_le_{b:g}ms"]),
-                          gp(r[f"goodput_itl_le_{b:g}ms"])]
-            lines.append("| " + " | ".join(cells) + " |")
-        vs = [x for x in vs_vllm if x["workload"] == w]
-        if vs:
-            vhead = ["system", "req/s vs vLLM", "out tok/s vs vLLM", "TTFT p50 vs vLLM", "TTFT p99 vs vLLM"] + \
-                [f"goodput p99 ITL <= {b:g} ms vs vLLM" for b in bounds_ms] + \
-                [f"strict <= {b:g} ms vs vLLM" for b in bounds_ms]
-            lines += ["", f"Versus vLLM (`{baseline}`) on this workload: each figure over vLLM's (requests/s, output "
-                      "tokens/s and TTFT at each system's peak rate: a TTFT ratio below 1 is faster than vLLM; "
-                      "goodputs at each ITL bound):", "", "| " + " | ".join(vhead) + " |", "|---" * len(vhead) + "|"]
-            for x in vs:
-                lines.append("| " + " | ".join([x["system"], *(_x(x[k]) for k in vllm_keys(bounds_ms))]) + " |")
-        ratios = [x for x in versus_best_hybrid(rows, bounds_ms) if x["workload"] == w]
-        if ratios:
-            rhead = ["system", "peak"] + [f"goodput p99 <= {b:g} ms" for b in bounds_ms] + \
-                [f"strict <= {b:g} ms" for b in bounds_ms]
-            lines += ["", "Versus the best hybrid on this workload (ratio of each figure to the highest any hybrid "
-                      "budget reached):", "", "| " + " | ".join(rhead) + " |", "|---" * len(rhead) + "|"]
-            keys = ratio_keys(bounds_ms)
-            for x in ratios:
-                lines.append("| " + " | ".join([x["system"]] + [_x(x[k]) for k in keys]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def probe(url: str) -> bool:
-    """GET /health answers 200 (or, on a server without /health (404), GET /v1/models does)."""
-    for path in ("/health", "/v1/models"):
-        try:
-            with urllib.request.urlopen(url + path, timeout=5) as r:
-                return bool(r.status == 200)
-        except urllib.error.HTTPError as e:
-            if e.code != 404:
-                return False
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-    return False
-
-
-def wait_healthy(proc: subprocess.Popen[bytes] | None, url: str, timeout_s: float) -> str | None:
-    """None once the server answers (see probe); else why not (the process exited, or the time ran out)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return f"the server exited with code {proc.returncode} before it was healthy"
-        if probe(url):
-            return None
-        time.sleep(1.0)
-    return f"not healthy after {timeout_s:g} s"
-
-
-def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 120.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return proc.wait()
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a process of process group `pgid` is still running (zombies count as gone)."""
-    if os.path.isdir("/proc/self"):
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()  # state, ppid, pgrp, ...
-            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-                return True
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_group(pgid: int, grace_s: float = 60.0) -> None:
-    """SIGTERM process group `pgid` (a server and its workers), wait until none of it runs; SIGKILL what
-    is left after `grace_s`."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            if not group_alive(pgid):
-                return
-            time.sleep(0.25)
-
-
-def _tail(path: str, n: int = 2000) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - n))
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-class Server:
-    """A system's server: `start` (log to an open file), `wait_ready`, `stop` (its exit code where known).
-    This base is an external server: never started nor stopped, only probed."""
-
-    cmd: list[str] | None = None
-
-    def start(self, log: IO[bytes]) -> None:
-        pass
-
-    def wait_ready(self, url: str, timeout_s: float) -> str | None:
-        why = wait_healthy(None, url, min(timeout_s, 30.0))
-        return None if why is None else f"the external server does not answer: {why}"
-
-    def stop(self) -> int | None:
-        return None
-
-    def extra_log(self) -> str | None:
-        """A log the server wrote elsewhere, to append to ours after the stop."""
-        return None
-
-
-class ChildServer(Server):
-    """A server this script runs as its child: rapidserve (SIGTERM to it, which stops its workers) or vLLM
-    launched directly (its own session: SIGTERM to the whole group, vLLM's engine processes included)."""
-
-    def __init__(self, cmd: list[str], env: Mapping[str, str] | None = None, own_group: bool = False) -> None:
-        self.cmd, self.argv, self.env, self.own_group = cmd, cmd, env, own_group
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, log: IO[bytes]) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                     env=None if self.env is None else dict(self.env), start_new_session=self.own_group)
-
-    def wait_ready(self, url: str, timeout_s: float) -> str | None:
-        return wait_healthy(self.proc, url, timeout_s)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if not self.own_group:
-            return stop_server(self.proc)
-        stop_group(self.proc.pid)
-        return self.proc.wait()
-
-
-class ScriptVllm(Server):
-    """vLLM through serve_vllm.sh: the script starts vLLM in a session of its own (pid in
-    <run_dir>/vllm_PORT.pid, log in <run_dir>/vllm_PORT.log) and exits 0 once /health is 200."""
-
-    def __init__(self, cmd: list[str], port: int, run_dir: str) -> None:
-        self.cmd = self.argv = cmd
-        self.pid_file = os.path.join(run_dir, f"vllm_{port}.pid")
-        self.log_file = os.path.join(run_dir, f"vllm_{port}.log")
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, log: IO[bytes]) -> None:
-        with contextlib.suppress(OSError):
-            os.remove(self.pid_file)  # an older run's: never end a process this run did not start
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, url: str, timeout_s: float) -> str | None:
-        assert self.proc is not None
-        try:
-            rc = self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return f"serve_vllm.sh did not return in {timeout_s:g} s"
-        if rc != 0:
-            return f"serve_vllm.sh exited with code {rc}"
-        why = wait_healthy(None, url, 30.0)
-        return None if why is None else f"serve_vllm.sh returned but vLLM is {why}"
-
-    def server_pid(self) -> int | None:
-        try:
-            with open(self.pid_file) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            return None
-
-    def stop(self) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        pid = self.server_pid()
-        if pid is None:
-            return None
-        try:
-            leader = os.getpgid(pid) == pid  # setsid made it its group's leader
-        except ProcessLookupError:
-            return None
-        if leader:
-            stop_group(pid)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        return None
-
-    def extra_log(self) -> str | None:
-        return self.log_file
-
-
-def make_server(a: argparse.Namespace, system: System, port: int) -> Server:
-    if system.kind == EXT:
-        return Server()
-    if system.kind == RAPIDSERVE:
-        return ChildServer(serve_command(a.model, port, a.serve_args, system.flags))
-    cmd = vllm_command(a.vllm_model, port, a.serve_args, system.flags, a.vllm_serve_path)
-    if a.vllm_serve_path:
-        return ScriptVllm(cmd, port, a.vllm_run_dir)
-    env = {**os.environ, **VLLM_ENV}
-    if a.vllm_site and os.path.isdir(a.vllm_site):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (a.vllm_site, os.environ.get("PYTHONPATH")) if p)
-    return ChildServer(cmd, env, own_group=True)
-
-
-def _append_log(log_path: str, other: str | None, limit: int = 4 << 20) -> None:
-    if not other or not os.path.isfile(other):
-        return
-    with open(log_path, "ab") as log:
-        log.write(f"\n---- {other} (the server's own log) ----\n".encode())
-        log.write(_tail(other, limit).encode())
+# ---------------------------------------------------------------- one system's run
 
 
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
@@ -897,29 +339,6 @@ def select_systems(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[Sy
     except ValueError as e:
         p.error(f"--serve-args: {e}")
     return systems
-
-
-def write_report(a: argparse.Namespace, meta: dict[str, Any], results: Sequence[Mapping[str, Any]],
-                 plot: bool) -> list[str]:
-    """<name>.json and <name>.md (and, when `plot`, <name>.png) from the results so far; their paths."""
-    rows = [table_row(r["label"], r, a.itl_bounds_ms) for r in results]
-    base = os.path.join(a.out, a.name)
-    sweeps = [{"label": r["label"], "workload": r["workload"], "title": r.get("title"), "path": r.get("path"),
-               "skipped_rates": r.get("skipped_rates", []),
-               "runs": [{"rate": x["rate"], "summary": x["summary"]} for x in r["runs"]]} for r in results]
-    with open(base + ".json", "w") as f:
-        json.dump(jsonable({**meta, "itl_bounds_ms": a.itl_bounds_ms, "rows": rows,
-                            "versus_vllm": versus_vllm(rows, a.itl_bounds_ms, meta.get("vllm_baseline")),
-                            "versus_best_hybrid": versus_best_hybrid(rows, a.itl_bounds_ms), "sweeps": sweeps}),
-                  f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(to_markdown(rows, a.itl_bounds_ms, meta))
-    paths = [base + ".json", base + ".md"]
-    if plot and results:
-        plot_sweeps(list(results), base + ".png", title=f"{a.model}: systems against offered load",
-                    itl_bounds_ms=a.itl_bounds_ms)
-        paths.append(base + ".png")
-    return paths
 
 
 def main(argv: Sequence[str] | None = None) -> int:

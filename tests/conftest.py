@@ -12,6 +12,9 @@ from rapidserve.ipc import ShmRing, new_engine_id, ring_name
 from rapidserve.loader import resolve_model
 from rapidserve.tokenizer import Tokenizer
 
+# Helper modules whose asserts should explain themselves like a test's (pytest rewrites only test files).
+pytest.register_assert_rewrite("tests.decode_sched_fakes", "tests.server_fakes")
+
 
 def _has_gpu() -> bool:
     try:

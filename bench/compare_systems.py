@@ -1,0 +1,393 @@
+"""The systems bench/compare.py compares, and their servers: the system specs (ours by name or flags, the
+real vLLM, an external server), `--systems` / `--system` parsing, the vLLM command line (through
+serve_vllm.sh or vLLM's server module), and starting, health-waiting on and stopping each server (vLLM's whole
+process group), with its log. bench/compare.py's docstring says how they are used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import IO, NamedTuple
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SYSTEMS: dict[str, str] = {
+    "rapid-adaptive": "--mode rapid --partition adaptive",
+    "rapid-adaptive-slo100": "--mode rapid --partition adaptive --slo-itl-ms 100",
+    "rapid-overallocated": "--mode rapid --partition off",
+    "rapid-static-0.25": "--mode rapid --partition static:0.25",
+    "rapid-static-0.5": "--mode rapid --partition static:0.5",
+    "hybrid-512": "--mode hybrid --max-num-batched-tokens 512",
+    "hybrid-2048": "--mode hybrid --max-num-batched-tokens 2048",
+    "hybrid-8192": "--mode hybrid --max-num-batched-tokens 8192",
+}
+
+RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
+# Flags of `rapidserve serve` that vLLM's server takes under the same name and meaning: given in
+# --serve-args, a vLLM system gets them too.
+SHARED_VALUE_FLAGS: tuple[str, ...] = ("--max-model-len", "--gpu-memory-utilization", "--max-num-batched-tokens",
+                                       "--max-num-seqs")
+SHARED_SWITCHES: tuple[str, ...] = ("--enforce-eager",)
+# Where serve_vllm.sh is looked for (relative to the repo root) when --vllm-serve is not given. The
+# ../shared folder does not travel to the GPU machine: bench/vs_vllm.sh's header says how the recipe gets there.
+VLLM_SERVE_CANDIDATES: tuple[str, ...] = ("shared/peer_vllm/serve_vllm.sh", "../shared/peer_vllm/serve_vllm.sh",
+                                          ".peer/peer_vllm/serve_vllm.sh")
+# What serve_vllm.sh sets, for a vLLM started without it.
+VLLM_ENV: dict[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                            "HF_HUB_OFFLINE": "1"}
+
+
+# ---------------------------------------------------------------- systems (pure)
+
+
+class System(NamedTuple):
+    """One column of the comparison: our server with `flags`, vLLM with `flags`, or an external `url`."""
+
+    label: str
+    kind: str  # RAPIDSERVE, VLLM or EXT
+    flags: str = ""  # rapidserve: `rapidserve serve` flags; vllm: vLLM flags after the shared ones
+    url: str = ""  # ext only
+
+    def describe(self) -> str:
+        if self.kind == VLLM:
+            return f"vLLM {self.flags}".strip()
+        if self.kind == EXT:
+            return f"external server at {self.url}"
+        return self.flags
+
+
+def special_system(text: str, label: str | None = None) -> System | None:
+    """`vllm`, `vllm:FLAGS` or `ext:URL` as a System (labelled `label`, else by the text, an ext by its URL);
+    None for any other text. ValueError for unbalanced quotes in FLAGS or a URL that is not http(s)://."""
+    t = text.strip()
+    if t == VLLM or t.startswith(VLLM + ":"):
+        flags = t[len(VLLM) + 1:].strip()
+        shlex.split(flags)
+        return System(label or (VLLM if not flags else f"{VLLM}:{flags}"), VLLM, flags)
+    if t.startswith(EXT + ":"):
+        try:
+            url = base_url_arg(t[len(EXT) + 1:].strip())
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(str(e)) from None
+        return System(label or url, EXT, url=url)
+    return None
+
+
+def parse_systems(names: str, extra: Sequence[str]) -> list[System]:
+    """--systems (comma-separated: SYSTEMS names, vllm, vllm:FLAGS, ext:URL) then each --system LABEL=SPEC
+    (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). ValueError saying what is wrong."""
+    chosen: list[System] = []
+    for n in (s.strip() for s in names.split(",")):
+        if not n:
+            continue
+        s = special_system(n)
+        if s is None:
+            if n not in SYSTEMS:
+                raise ValueError(f"--systems: unknown {n}; known: {', '.join(SYSTEMS)}, {VLLM}, {VLLM}:FLAGS, "
+                                 f"{EXT}:URL")
+            s = System(n, RAPIDSERVE, SYSTEMS[n])
+        chosen.append(s)
+    for item in extra:
+        label, sep, spec = item.partition("=")
+        if not sep or not label.strip():
+            raise ValueError(f"--system {item!r}: expected LABEL=FLAGS (or LABEL=vllm:FLAGS, LABEL=ext:URL)")
+        s = special_system(spec, label.strip())
+        if s is None:
+            shlex.split(spec)
+            s = System(label.strip(), RAPIDSERVE, spec.strip())
+        chosen.append(s)
+    if not chosen:
+        raise ValueError("no systems selected")
+    seen: set[str] = set()
+    for s in chosen:
+        if s.label in seen:
+            raise ValueError(f"two systems are labelled {s.label!r}: give one a label with --system LABEL=SPEC")
+        seen.add(s.label)
+    return chosen
+
+
+def vllm_baseline(systems: Sequence[System], given: str | None) -> str | None:
+    """The label the vs-vLLM ratios divide by: `given` (must be a system's), else the first vLLM system's."""
+    if given is not None:
+        if given not in {s.label for s in systems}:
+            labels = ", ".join(s.label for s in systems)
+            raise ValueError(f"--vllm-baseline {given!r} is none of the systems ({labels})")
+        return given
+    return next((s.label for s in systems if s.kind == VLLM), None)
+
+
+def shared_serve_flags(serve_args: str) -> list[str]:
+    """The flags of `serve_args` (ours) that vLLM's server takes under the same name, in their order
+    (`--flag value` and `--flag=value`; the switches as they are)."""
+    toks = shlex.split(serve_args)
+    out: list[str] = []
+    i = 0
+    while i < len(toks):
+        name, eq, value = toks[i].partition("=")
+        if name in SHARED_VALUE_FLAGS and eq:
+            out += [name, value]
+        elif name in SHARED_VALUE_FLAGS and i + 1 < len(toks):
+            out += [name, toks[i + 1]]
+            i += 1
+        elif toks[i] in SHARED_SWITCHES:
+            out.append(toks[i])
+        i += 1
+    return out
+
+
+def vllm_command(model_dir: str, port: int, serve_args: str, flags: str, serve_script: str | None,
+                 python: str = sys.executable) -> list[str]:
+    """How a vLLM system is started: through serve_vllm.sh when there is one, else vLLM's OpenAI server
+    module directly (dummy weights in bf16, as the script does; `flags` can override both)."""
+    vflags = [*shared_serve_flags(serve_args), *shlex.split(flags)]
+    if serve_script:
+        return ["bash", serve_script, model_dir, str(port), *vflags]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format", "dummy",
+            "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), *vflags]
+
+
+def serve_command(model: str, port: int, serve_args: str, flags: str) -> list[str]:
+    return [sys.executable, "-m", "rapidserve.cli", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), *shlex.split(serve_args), *shlex.split(flags)]
+
+
+def find_vllm_serve(given: str | None, root: str = REPO) -> str | None:
+    """serve_vllm.sh's path: `given` ('none' or '': launch vLLM directly), else the first candidate that exists."""
+    if given is not None:
+        return None if given.strip().lower() in ("", "none") else given
+    for rel in VLLM_SERVE_CANDIDATES:
+        path = os.path.normpath(os.path.join(root, rel))
+        if os.path.isfile(path):
+            return path
+    return None
+
+# ---------------------------------------------------------------- servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def probe(url: str) -> bool:
+    """GET /health answers 200 (or, on a server without /health (404), GET /v1/models does)."""
+    for path in ("/health", "/v1/models"):
+        try:
+            with urllib.request.urlopen(url + path, timeout=5) as r:
+                return bool(r.status == 200)
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                return False
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+    return False
+
+
+def wait_healthy(proc: subprocess.Popen[bytes] | None, url: str, timeout_s: float) -> str | None:
+    """None once the server answers (see probe); else why not (the process exited, or the time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return f"the server exited with code {proc.returncode} before it was healthy"
+        if probe(url):
+            return None
+        time.sleep(1.0)
+    return f"not healthy after {timeout_s:g} s"
+
+
+def stop_server(proc: subprocess.Popen[bytes], grace_s: float = 120.0) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of process group `pgid` is still running (zombies count as gone)."""
+    if os.path.isdir("/proc/self"):
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()  # state, ppid, pgrp, ...
+            if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, grace_s: float = 60.0) -> None:
+    """SIGTERM process group `pgid` (a server and its workers), wait until none of it runs; SIGKILL what
+    is left after `grace_s`."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            if not group_alive(pgid):
+                return
+            time.sleep(0.25)
+
+
+def _tail(path: str, n: int = 2000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Server:
+    """A system's server: `start` (log to an open file), `wait_ready`, `stop` (its exit code where known).
+    This base is an external server: never started nor stopped, only probed."""
+
+    cmd: list[str] | None = None
+
+    def start(self, log: IO[bytes]) -> None:
+        pass
+
+    def wait_ready(self, url: str, timeout_s: float) -> str | None:
+        why = wait_healthy(None, url, min(timeout_s, 30.0))
+        return None if why is None else f"the external server does not answer: {why}"
+
+    def stop(self) -> int | None:
+        return None
+
+    def extra_log(self) -> str | None:
+        """A log the server wrote elsewhere, to append to ours after the stop."""
+        return None
+
+
+class ChildServer(Server):
+    """A server this script runs as its child: rapidserve (SIGTERM to it, which stops its workers) or vLLM
+    launched directly (its own session: SIGTERM to the whole group, vLLM's engine processes included)."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str] | None = None, own_group: bool = False) -> None:
+        self.cmd, self.argv, self.env, self.own_group = cmd, cmd, env, own_group
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, log: IO[bytes]) -> None:
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                     env=None if self.env is None else dict(self.env), start_new_session=self.own_group)
+
+    def wait_ready(self, url: str, timeout_s: float) -> str | None:
+        return wait_healthy(self.proc, url, timeout_s)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if not self.own_group:
+            return stop_server(self.proc)
+        stop_group(self.proc.pid)
+        return self.proc.wait()
+
+
+class ScriptVllm(Server):
+    """vLLM through serve_vllm.sh: the script starts vLLM in a session of its own (pid in
+    <run_dir>/vllm_PORT.pid, log in <run_dir>/vllm_PORT.log) and exits 0 once /health is 200."""
+
+    def __init__(self, cmd: list[str], port: int, run_dir: str) -> None:
+        self.cmd = self.argv = cmd
+        self.pid_file = os.path.join(run_dir, f"vllm_{port}.pid")
+        self.log_file = os.path.join(run_dir, f"vllm_{port}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, log: IO[bytes]) -> None:
+        with contextlib.suppress(OSError):
+            os.remove(self.pid_file)  # an older run's: never end a process this run did not start
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, url: str, timeout_s: float) -> str | None:
+        assert self.proc is not None
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return f"serve_vllm.sh did not return in {timeout_s:g} s"
+        if rc != 0:
+            return f"serve_vllm.sh exited with code {rc}"
+        why = wait_healthy(None, url, 30.0)
+        return None if why is None else f"serve_vllm.sh returned but vLLM is {why}"
+
+    def server_pid(self) -> int | None:
+        try:
+            with open(self.pid_file) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        pid = self.server_pid()
+        if pid is None:
+            return None
+        try:
+            leader = os.getpgid(pid) == pid  # setsid made it its group's leader
+        except ProcessLookupError:
+            return None
+        if leader:
+            stop_group(pid)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        return None
+
+    def extra_log(self) -> str | None:
+        return self.log_file
+
+
+def make_server(a: argparse.Namespace, system: System, port: int) -> Server:
+    if system.kind == EXT:
+        return Server()
+    if system.kind == RAPIDSERVE:
+        return ChildServer(serve_command(a.model, port, a.serve_args, system.flags))
+    cmd = vllm_command(a.vllm_model, port, a.serve_args, system.flags, a.vllm_serve_path)
+    if a.vllm_serve_path:
+        return ScriptVllm(cmd, port, a.vllm_run_dir)
+    env = {**os.environ, **VLLM_ENV}
+    if a.vllm_site and os.path.isdir(a.vllm_site):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (a.vllm_site, os.environ.get("PYTHONPATH")) if p)
+    return ChildServer(cmd, env, own_group=True)
+
+
+def _append_log(log_path: str, other: str | None, limit: int = 4 << 20) -> None:
+    if not other or not os.path.isfile(other):
+        return
+    with open(log_path, "ab") as log:
+        log.write(f"\n---- {other} (the server's own log) ----\n".encode())
+        log.write(_tail(other, limit).encode())
