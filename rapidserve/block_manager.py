@@ -148,6 +148,13 @@ class BlockManager:
             self.hits += cached
         return table, cached
 
+    def unlookup(self, num_tokens: int, cached: int) -> None:
+        """Take back the counts of an `allocate_cached` whose admission was undone (the request waits
+        again and will be looked up anew), so `queries`/`hits` count each admission once."""
+        if self.enable_caching:
+            self.queries -= num_tokens
+            self.hits -= cached
+
     def grow(self, seq_id: str, new_len: int) -> list[int]:
         """Make the table cover `new_len` tokens; returns the blocks added (usually none or one)."""
         table = self._tables[seq_id]

@@ -334,11 +334,14 @@ def test_cache_unadmit_gives_the_hits_back() -> None:
     s = make(num_blocks=8, caching=True)
     [kv0] = start(s, new(0, 9))
     s.add(new(1, 9))
+    counts = (s.blocks.queries, s.blocks.hits)
     [kv1] = admit(s)
     s.unadmit([kv1])
     check(s)
+    assert (s.blocks.queries, s.blocks.hits) == counts  # an undone admission is not counted
     assert refs(s, kv0.block_ids) == [1, 1, 1] and cached(s) == set(kv0.block_ids[:2])
     [kv1] = admit(s)
     assert kv1.cached_tokens == 8 and kv1.block_ids[:2] == kv0.block_ids[:2]
+    assert (s.blocks.queries, s.blocks.hits) == (counts[0] + 9, counts[1] + 8)  # counted once
     answer(s, kv1)
     finish_all(Scene(s))

@@ -206,6 +206,7 @@ class DecodeScheduler:
         for kv in reversed(handed):
             r = self.reqs[kv.request.req_id]
             self.blocks.free(r.req_id)
+            self.blocks.unlookup(r.num_tokens, kv.cached_tokens)
             r.state = "waiting"
             self.waiting.appendleft(r)
 
