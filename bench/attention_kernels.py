@@ -1,21 +1,24 @@
-"""GPU micro-benchmark of the Triton paged-attention kernels (Llama-3-8B attention shapes).
+"""GPU micro-benchmark of the paged-attention backends (Llama-3-8B / Qwen3-8B attention shapes).
 
-    python bench/attention_kernels.py [--dtype bfloat16] [--block-size 16] [--sweep]
+    python bench/attention_kernels.py [--dtype bfloat16] [--block-size 16] [--sweep] [--json PATH]
 
-Decode: batch 1/16/64/256 x 2048-token contexts, reported as GB/s of K+V read (one pass over every
-cached key and value). Prefill: 8 x 1024 and 2 x 4096 new tokens (no prefix) and 4 x 512 new after a
-1536-token cached prefix, reported as TFLOP/s of causal attention,
+Backends: rapidserve's Triton kernels and FlashAttention-3 (rapidserve/attention/fa3.py, when a build
+is installed), both reading the paged pool; baselines on contiguous K/V: torch SDPA (its flash
+kernel) and, for prefill, FA3's own varlen path. Decode: batches 1-256 at 4K, 8K and 16K contexts,
+as GB/s of K+V read (one pass over every cached key and value), timed as a CUDA-graph replay (how the
+engine runs it) and as a plain launch. Prefill: 4K, 8K and 16K prompts, a 2K chunk after a 14K
+cached prefix and 8 x 1K, as TFLOP/s of causal attention,
 FLOPs = 4 * sum_seqs(q_len * (q_len + 1) / 2 + q_len * prefix) * head_dim * num_heads.
-Every configuration is checked against the torch reference before it is timed. Times are medians of
-triton.testing.do_bench; decode is also timed as a CUDA-graph replay (how the engine runs it), since
-for small batches a plain launch is bound by host overhead. --sweep also times other tile
-configurations and prints the best one per shape.
+Every kernel is checked against the torch reference before it is timed. "vs FA3" divides FA3's time
+on the same shape by the row's. --sweep also times other Triton tile configurations.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rapidserve.attention import AttentionMetadata  # noqa: E402
 from rapidserve.attention import torch_ref as ref  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B, Qwen3-8B
 DECODE_BATCHES = (1, 16, 64, 256)
-DECODE_CONTEXT = 2048
-PREFILL_CASES = (("8x1024", [1024] * 8, [0] * 8), ("2x4096", [4096] * 2, [0] * 2),
-                 ("4x512+1536", [512] * 4, [1536] * 4))
+DECODE_CONTEXTS = (4096, 8192, 16384)
+PREFILL_CASES = (("1x4096", [4096], [0]), ("1x8192", [8192], [0]), ("1x16384", [16384], [0]),
+                 ("2048+14336", [2048], [14336]), ("8x1024", [1024] * 8, [0] * 8))
+REF_LIMIT = 2**31 // 4  # the torch reference's score matrix; larger shapes are checked in slices
 
 
 def make_paged(ctxs: list[int], block_size: int, dtype: torch.dtype, gen: torch.Generator,
@@ -65,58 +69,88 @@ def time_ms(fn: Callable[[], object], graph: bool = False) -> float:
     return float(triton.testing.do_bench(fn, return_mode="median"))
 
 
-def bench_decode(dtype: torch.dtype, block_size: int, sweep: bool) -> list[tuple[str, ...]]:
+Row = dict[str, object]
+
+
+def backends() -> dict[str, object]:
+    """name -> object with prefill_attention / decode_attention (the paged backends measured)."""
+    from rapidserve.attention import fa3, triton_paged
+
+    found: dict[str, object] = {"triton": triton_paged}
+    try:
+        kernel = fa3.find_fa3(torch.device("cuda"))
+        found["fa3"] = fa3.Fa3Attention(kernel)
+        print(f"FA3: {kernel.source}")
+    except ImportError as e:
+        print(f"FA3 not measured: {e}")
+    return found
+
+
+def _row(kind: str, backend: str, shape: str, config: str, ms: float | None, ms_graph: float | None,
+         amount: float, unit: str) -> Row:
+    best = ms_graph if ms_graph is not None else ms
+    assert best is not None
+    rate = amount / best / (1e6 if unit == "GB/s" else 1e9)
+    return {"kind": kind, "backend": backend, "shape": shape, "config": config, "us": ms and ms * 1e3,
+            "us_graph": ms_graph and ms_graph * 1e3, "rate": rate, "unit": unit}
+
+
+def bench_decode(impls: dict[str, object], dtype: torch.dtype, block_size: int, sweep: bool) -> list[Row]:
     from rapidserve.attention import triton_paged as tp
 
-    rows: list[tuple[str, ...]] = []
+    rows: list[Row] = []
     elem = torch.finfo(dtype).bits // 8
     scale = HEAD_DIM**-0.5
-    for batch in DECODE_BATCHES:
+    for context, batch in itertools.product(DECODE_CONTEXTS, DECODE_BATCHES):
         gen = torch.Generator().manual_seed(batch)
-        ctxs = [DECODE_CONTEXT] * batch
+        ctxs = [context] * batch
         kc, vc, table = make_paged(ctxs, block_size, dtype, gen)
         ctx = torch.tensor(ctxs, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
-        want = ref.decode_attention(q, kc, vc, table, ctx, scale)
+        few = slice(0, min(batch, 4))  # the reference is slow: check the first rows
+        want = ref.decode_attention(q[few], kc, vc, table[few], ctx[few], scale)
         nbytes = 2 * sum(ctxs) * NUM_KV_HEADS * HEAD_DIM * elem
-        configs: list[dict[str, int | None]] = [{}]
-        if sweep:
-            configs += [{"block_n": n, "num_warps": w, "num_stages": s}
-                        for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
-        best: tuple[float, str] | None = None
-        for cfg in configs:
-            def fn(cfg: dict[str, int | None] = cfg, q: torch.Tensor = q, kc: torch.Tensor = kc,
-                   vc: torch.Tensor = vc, table: torch.Tensor = table, ctx: torch.Tensor = ctx,
-                   ) -> torch.Tensor:
-                return tp.decode_attention(q, kc, vc, table, ctx, scale, **cfg)
+        shape = f"{batch}x{context}"
+        for name, impl in impls.items():
+            fn = functools.partial(impl.decode_attention, q, kc, vc, table, ctx, scale)  # type: ignore[attr-defined]
 
-            try:
-                check(fn(), want, f"decode batch {batch} {cfg}")
-                ms_graph = time_ms(fn, graph=True)
-            except SystemExit:
-                raise
-            except Exception as e:  # a sweep config may not fit in shared memory
-                print(f"decode batch {batch} {cfg}: skipped ({type(e).__name__})")
-                continue
-            if not cfg:
-                ms = time_ms(fn)
-                splits = tp.decode_num_splits(batch, NUM_KV_HEADS, table.shape[1], block_size, 64,
-                                              torch.cuda.get_device_properties(0).multi_processor_count)
-                rows.append(("decode", f"{batch}x{DECODE_CONTEXT}", f"splits={splits}",
-                             f"{ms * 1e3:.1f}", f"{ms_graph * 1e3:.1f}",
-                             f"{nbytes / ms_graph / 1e6:.0f} GB/s"))
-            if best is None or ms_graph < best[0]:
-                best = (ms_graph, str(cfg or "default"))
-        if sweep and best is not None:
-            rows.append(("decode best", f"{batch}x{DECODE_CONTEXT}", best[1], "", f"{best[0] * 1e3:.1f}",
-                         f"{nbytes / best[0] / 1e6:.0f} GB/s"))
+            check(fn()[few], want, f"{name} decode {shape}")
+            rows.append(_row("decode", name, shape, "default", time_ms(fn), time_ms(fn, graph=True), nbytes, "GB/s"))
+        if sweep:
+            best: tuple[float, str] | None = None
+            for n, w, st in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+                cfg = {"block_n": n, "num_warps": w, "num_stages": st}
+                try:
+                    out = tp.decode_attention(q, kc, vc, table, ctx, scale, **cfg)
+                    check(out[few], want, f"decode {shape} {cfg}")
+                    run = functools.partial(tp.decode_attention, q, kc, vc, table, ctx, scale, **cfg)
+                    ms = time_ms(run, graph=True)
+                except SystemExit:
+                    raise
+                except Exception as e:  # a sweep config may not fit in shared memory
+                    print(f"decode {shape} {cfg}: skipped ({type(e).__name__})")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, str(cfg))
+            if best is not None:
+                rows.append(_row("decode", "triton best", shape, best[1], None, best[0], nbytes, "GB/s"))
     return rows
 
 
-def bench_prefill(dtype: torch.dtype, block_size: int, sweep: bool) -> list[tuple[str, ...]]:
+def _checked_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: AttentionMetadata,
+                       q_lens: list[int], scale: float) -> tuple[torch.Tensor, slice]:
+    """The torch reference on the last rows of the last sequence (small enough for its score matrix)."""
+    n = min(q_lens[-1], 512)
+    start = sum(q_lens) - n
+    last = AttentionMetadata(True, meta.slot_mapping, meta.block_tables[-1:], meta.context_lens[-1:],
+                             torch.tensor([0, n], dtype=torch.int32, device="cuda"), n, meta.max_context_len)
+    return ref.prefill_attention(q[start:], kc, vc, last, scale), slice(start, None)
+
+
+def bench_prefill(impls: dict[str, object], dtype: torch.dtype, block_size: int, sweep: bool) -> list[Row]:
     from rapidserve.attention import triton_paged as tp
 
-    rows: list[tuple[str, ...]] = []
+    rows: list[Row] = []
     scale = HEAD_DIM**-0.5
     for name, q_lens, prefixes in PREFILL_CASES:
         gen = torch.Generator().manual_seed(len(name))
@@ -127,41 +161,47 @@ def bench_prefill(dtype: torch.dtype, block_size: int, sweep: bool) -> list[tupl
                                  torch.tensor(ctxs, dtype=torch.int32, device="cuda"), cu,
                                  max(q_lens), max(ctxs))
         q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, device="cuda", dtype=dtype)
-        want = ref.prefill_attention(q, kc, vc, meta, scale)
+        want, rows_checked = _checked_reference(q, kc, vc, meta, q_lens, scale)
         flops = tp.prefill_flops(q_lens, prefixes, NUM_HEADS, HEAD_DIM)
-        configs: list[dict[str, int | None]] = [{}]
-        if sweep:
-            configs += [{"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
-                        for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
-        best: tuple[float, str] | None = None
-        for cfg in configs:
-            def fn(cfg: dict[str, int | None] = cfg, q: torch.Tensor = q, kc: torch.Tensor = kc,
-                   vc: torch.Tensor = vc, meta: AttentionMetadata = meta) -> torch.Tensor:
-                return tp.prefill_attention(q, kc, vc, meta, scale, **cfg)
+        for backend, impl in impls.items():
+            fn = functools.partial(impl.prefill_attention, q, kc, vc, meta, scale)  # type: ignore[attr-defined]
 
-            try:
-                check(fn(), want, f"prefill {name} {cfg}")
-                ms = time_ms(fn)
-            except SystemExit:
-                raise
-            except Exception as e:
-                print(f"prefill {name} {cfg}: skipped ({type(e).__name__})")
-                continue
-            if not cfg:
-                rows.append(("prefill", name, "default", f"{ms * 1e3:.1f}", "",
-                             f"{flops / ms / 1e9:.0f} TFLOP/s"))
-            if best is None or ms < best[0]:
-                best = (ms, str(cfg or "default"))
-        if sweep and best is not None:
-            rows.append(("prefill best", name, best[1], f"{best[0] * 1e3:.1f}", "",
-                         f"{flops / best[0] / 1e9:.0f} TFLOP/s"))
+            check(fn()[rows_checked], want, f"{backend} prefill {name}")
+            rows.append(_row("prefill", backend, name, "paged", time_ms(fn), None, flops, "TFLOP/s"))
+        if sweep:
+            best: tuple[float, str] | None = None
+            for m, n, w, st in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+                cfg = {"block_m": m, "block_n": n, "num_warps": w, "num_stages": st}
+                try:
+                    check(tp.prefill_attention(q, kc, vc, meta, scale, **cfg)[rows_checked], want, f"{name} {cfg}")
+                    ms = time_ms(functools.partial(tp.prefill_attention, q, kc, vc, meta, scale, **cfg))
+                except SystemExit:
+                    raise
+                except Exception as e:
+                    print(f"prefill {name} {cfg}: skipped ({type(e).__name__})")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, str(cfg))
+            if best is not None:
+                rows.append(_row("prefill", "triton best", name, best[1], best[0], None, flops, "TFLOP/s"))
         if all(p == 0 for p in prefixes) and len(set(q_lens)) == 1:  # torch SDPA on contiguous K/V
             qs = q.view(len(q_lens), q_lens[0], NUM_HEADS, HEAD_DIM).transpose(1, 2)
             ks = torch.randn(len(q_lens), NUM_KV_HEADS, q_lens[0], HEAD_DIM, device="cuda", dtype=dtype)
             ms = time_ms(lambda qs=qs, ks=ks: torch.nn.functional.scaled_dot_product_attention(
                 qs, ks, ks, is_causal=True, enable_gqa=True))
-            rows.append(("torch sdpa (contiguous)", name, "baseline", f"{ms * 1e3:.1f}", "",
-                         f"{flops / ms / 1e9:.0f} TFLOP/s"))
+            rows.append(_row("prefill", "torch sdpa", name, "contiguous", ms, None, flops, "TFLOP/s"))
+    return rows
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+    """Add "vs_fa3": FA3's time on the same kind and shape over the row's (above 1: faster than FA3)."""
+    def t(r: Row) -> float:
+        return float(r["us_graph"] if r["us_graph"] is not None else r["us"])  # type: ignore[arg-type]
+
+    fa3_time = {(r["kind"], r["shape"]): t(r) for r in rows if r["backend"] == "fa3"}
+    for r in rows:
+        ref_t = fa3_time.get((r["kind"], r["shape"]))
+        r["vs_fa3"] = None if ref_t is None else ref_t / t(r)
     return rows
 
 
@@ -170,22 +210,32 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--sweep", action="store_true", help="also time other Triton tile configurations")
     parser.add_argument("--only", choices=["decode", "prefill"], default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA or ROCm GPU")
     dtype = getattr(torch, args.dtype)
-    rows: list[tuple[str, ...]] = []
+    impls = backends()
+    rows: list[Row] = []
     if args.only in (None, "decode"):
-        rows += bench_decode(dtype, args.block_size, args.sweep)
+        rows += bench_decode(impls, dtype, args.block_size, args.sweep)
     if args.only in (None, "prefill"):
-        rows += bench_prefill(dtype, args.block_size, args.sweep)
-    header = ("kernel", "shape", "config", "us (launch)", "us (graph)", "throughput")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    print(f"\n{torch.cuda.get_device_name()}  {args.dtype}  block_size={args.block_size}  "
-          f"Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}")
-    for r in [header, *rows]:
+        rows += bench_prefill(impls, dtype, args.block_size, args.sweep)
+    rows = with_ratios(rows)
+    gpu = torch.cuda.get_device_name()
+    if args.json:
+        args.json.write_text(json.dumps({"gpu": gpu, "dtype": args.dtype, "block_size": args.block_size,
+                                         "rows": rows}, indent=1))
+    header = ("kernel", "backend", "shape", "config", "us (launch)", "us (graph)", "throughput", "vs FA3")
+    table = [header] + [(
+        str(r["kind"]), str(r["backend"]), str(r["shape"]), str(r["config"]),
+        "" if r["us"] is None else f"{r['us']:.1f}", "" if r["us_graph"] is None else f"{r['us_graph']:.1f}",
+        f"{r['rate']:.0f} {r['unit']}", "" if r["vs_fa3"] is None else f"{r['vs_fa3']:.2f}x") for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print(f"\n{gpu}  {args.dtype}  block_size={args.block_size}  Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM}")
+    for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 

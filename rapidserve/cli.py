@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.config import DTYPES, ENGINE_MODES, ConfigError, PartitionConfig, ServerConfig
+from rapidserve.config import ATTENTION_BACKENDS, DTYPES, ENGINE_MODES, ConfigError, PartitionConfig, ServerConfig
 
 EXIT_USAGE = 2
 
@@ -67,7 +67,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -18,6 +18,7 @@ EngineMode = Literal["rapid", "hybrid"]
 ENGINE_MODES: tuple[str, ...] = ("rapid", "hybrid")
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 
 
 class ConfigError(ValueError):
@@ -153,7 +154,7 @@ class RunnerConfig:
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS
     use_cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
     seed: int = 0
@@ -161,8 +162,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         _check(self.dtype == "auto" or self.dtype in DTYPES,
                f"dtype={self.dtype!r} is not supported; use auto or one of {list(DTYPES)}")
-        _check(self.attention_backend in ("auto", "torch", "triton"),
-               f"attention_backend={self.attention_backend!r}; use auto, torch or triton")
+        _check(self.attention_backend in ATTENTION_BACKENDS,
+               f"attention_backend={self.attention_backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                f"device={self.device!r}; use auto, cpu, cuda or cuda:N")
         _check(len(self.graph_batch_sizes) > 0 and list(self.graph_batch_sizes) == sorted(self.graph_batch_sizes),

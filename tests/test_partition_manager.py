@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rapidserve.partition.manager import Decision, ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.manager import (
+    Decision,
+    ManagerState,
+    decide,
+    full_decode_config,
+    full_prefill_config,
+    make_state,
+)
 from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
 
 PREFILL_TOKENS = 8192  # the prefill step of docs/measured.md: an 8192-token GEMM pair
@@ -130,6 +137,40 @@ def test_choice(
     d = fresh(profile, batch=batch, prefill=prefill, slo=slo, margin=margin)
     assert d.config == want, d.reason
     assert ("SLO cannot be met" in d.reason) == cannot
+
+
+# (profile, current, SLO ms, hysteresis held, want): prefill pending and no decode running
+@pytest.mark.parametrize(
+    ("profile", "current", "slo", "held", "want"),
+    [
+        (FULL, "split32", 5.0, 0, "overallocated"),  # the whole GPU, even right after a switch
+        (FULL, "split64", 50.0, 100, "overallocated"),
+        (FULL, "overallocated", 3.0, 0, "overallocated"),  # no decode step can miss the SLO
+        (SPLITS_ONLY, "split64", 5.0, 0, "split16"),  # no overallocated: the most prefill units
+        (NO_32, "split48", 5.0, 0, "overallocated"),
+    ],
+)
+def test_no_decode_running_gives_prefill_the_most(profile: Profile, current: str, slo: float, held: int,
+                                                  want: str) -> None:
+    d, state = decide(make_state(current, held), decode_batch=1, decode_context=1, prefill_pending=True,
+                      slo_itl_ms=slo, profile=profile, hysteresis_steps=0, decode_running=False)
+    assert d.config == want and state.config == want, d.reason
+    assert d.switched == (current != want)
+    assert "no decode running" in d.reason
+
+
+def test_full_prefill_config_ties() -> None:
+    e = lookup(FULL, "split16", 1, 1).entry
+    same = {n: e for n in ("split16", "split32")}
+    assert full_prefill_config(FULL, same) == "split16"  # 116 prefill units beat 100
+
+
+def test_first_decode_beside_whole_gpu_prefill_splits_at_once() -> None:
+    """Decode starts while prefill holds the whole GPU: the SLO rule switches at the next step."""
+    state = make_state("overallocated", 0)
+    d, _ = decide(state, decode_batch=1, decode_context=100, prefill_pending=True, slo_itl_ms=5.0, profile=FULL,
+                  hysteresis_steps=8)
+    assert d.config == "split32" and "at once" in d.reason
 
 
 def test_long_context_bucket_and_beyond_flag() -> None:

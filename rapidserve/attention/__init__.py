@@ -1,4 +1,5 @@
-"""Paged attention backends: a torch reference (any device) and Triton kernels (CUDA / ROCm).
+"""Paged attention backends: a torch reference (any device), Triton kernels (CUDA / ROCm) and
+FlashAttention-3 (NVIDIA Hopper, from an installed FA3 build; rapidserve/attention/fa3.py).
 
 Every backend offers the same three functions (layouts in rapidserve/attention/metadata.py):
 
@@ -7,10 +8,12 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
 - ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
   -> Tensor [B, num_heads, head_dim]``
 
-`attend` dispatches one layer's attention: decode, prefill, or a mixed step split between the two
-kernels (decode rows first).
+`attend` dispatches one layer's attention: decode, prefill, or a mixed step (decode rows first),
+split between the two kernels unless the backend's prefill kernel serves one-token rows well.
 
-Triton is imported only when the Triton backend is requested, so CPU installs need not have it.
+"auto" picks FA3 on a Hopper GPU where a build is installed, else Triton on a GPU, else torch
+(bench/results/attention_kernels.md has the measurements behind that order). Triton and FA3 are
+imported only when requested, so CPU installs need neither.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
-from rapidserve.config import ConfigError
+from rapidserve.config import ATTENTION_BACKENDS, ConfigError
 
-BACKEND_NAMES: tuple[str, ...] = ("auto", "torch", "triton")
+BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,8 @@ class AttentionBackend:
     """The three attention entry points of one implementation.
 
     ``graph_safe`` says whether write_kv/decode_attention may be captured in a CUDA graph (they
-    read no device values on the host).
+    read no device values on the host). ``one_call_mixed`` says prefill_attention serves a mixed
+    step's one-token rows as well as the decode kernel, so `attend` need not split the step.
     """
 
     name: str
@@ -41,6 +45,7 @@ class AttentionBackend:
     decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                                torch.Tensor]
     graph_safe: bool = False
+    one_call_mixed: bool = False
 
 
 def _is_gpu(device: torch.device) -> bool:
@@ -48,25 +53,54 @@ def _is_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _triton(device: torch.device) -> AttentionBackend:
+    if not _is_gpu(device):
+        raise ConfigError(f"attention_backend='triton' needs a CUDA or ROCm GPU, but the device is "
+                          f"{str(device)!r}; use attention_backend='torch' or 'auto' on CPU")
+    try:
+        from rapidserve.attention import triton_paged
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ConfigError(f"attention_backend='triton' needs the triton package, which failed to "
+                          f"import ({e}); install triton or use attention_backend='torch'") from e
+    return AttentionBackend("triton", triton_paged.write_kv, triton_paged.prefill_attention,
+                            triton_paged.decode_attention, graph_safe=True)
+
+
+def _fa3(device: torch.device) -> AttentionBackend:
+    """FA3 kernels for attention, Triton's write_kv for the (unchanged) cache layout. ImportError if
+    no FA3 build loads on this device."""
+    from rapidserve.attention import fa3
+    kernel = fa3.find_fa3(device)
+    write_kv = _triton(device).write_kv
+    impl = fa3.Fa3Attention(kernel)
+    return AttentionBackend(f"fa3:{kernel.source}", write_kv, impl.prefill_attention, impl.decode_attention,
+                            graph_safe=True, one_call_mixed=True)
+
+
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Pick the attention implementation: "auto" (Triton on CUDA/ROCm GPUs, torch on CPU), "torch"
-    or "triton" (GPU only). Raises ConfigError for an unknown name or Triton without a GPU."""
+    """Pick the attention implementation: "auto" (FA3 on Hopper where installed, else Triton on CUDA/ROCm
+    GPUs, torch on CPU), "torch", "triton" (GPU only) or "fa3" (Hopper with an FA3 build). Raises
+    ConfigError for an unknown name or a backend this device or install cannot run."""
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend={name!r} is not supported; use one of {list(BACKEND_NAMES)}")
     if name == "auto":
-        name = "triton" if _is_gpu(device) else "torch"
-    if name == "triton":
         if not _is_gpu(device):
-            raise ConfigError(f"attention_backend='triton' needs a CUDA or ROCm GPU, but the device is "
-                              f"{str(device)!r}; use attention_backend='torch' or 'auto' on CPU")
+            name = "torch"
+        else:
+            try:
+                return _fa3(device)
+            except ImportError:
+                name = "triton"
+    if name == "fa3":
         try:
-            from rapidserve.attention import triton_paged
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise ConfigError(f"attention_backend='triton' needs the triton package, which failed to "
-                              f"import ({e}); install triton or use attention_backend='torch'") from e
-        return AttentionBackend("triton", triton_paged.write_kv, triton_paged.prefill_attention,
-                                triton_paged.decode_attention, graph_safe=True)
+            return _fa3(device)
+        except ImportError as e:
+            raise ConfigError(f"attention_backend='fa3': {e}; install FlashAttention-3 (flash_attn_interface "
+                              "from flash-attention's hopper/ folder, or vllm==0.24.*) or use "
+                              "attention_backend='triton'") from e
+    if name == "triton":
+        return _triton(device)
     from rapidserve.attention import torch_ref
     return AttentionBackend("torch", torch_ref.write_kv, torch_ref.prefill_attention,
                             torch_ref.decode_attention, graph_safe=False)
@@ -81,7 +115,7 @@ def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     if not meta.is_prefill:
         return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     nd = meta.num_decode_seqs
-    if nd == 0:
+    if nd == 0 or attn.one_call_mixed:
         return attn.prefill_attention(q, k_cache, v_cache, meta, scale)
     decoded = attn.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
                                     scale)

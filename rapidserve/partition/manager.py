@@ -5,6 +5,10 @@ configuration. Rules:
 
 * Prefill idle: the target is the configuration giving decode the whole GPU ("overallocated" if
   the profile has it, else the split with the most decode units).
+* Prefill pending and no decode running: the configuration with the most prefill throughput (the
+  whole GPU where the profile has "overallocated"): no decode step can miss its SLO. The first
+  request to finish its prefill then starts decoding beside a prefill forward that holds every unit,
+  and the decode step after it switches at once by the SLO rule below; that one step is the price.
 * Prefill pending: among configurations whose measured decode p95 BESIDE prefill meets the SLO
   (p95 <= margin * slo_itl_ms), the one with the highest prefill tokens/s (ties: more decode units,
   then name). "overallocated" is only chosen when the profile says it meets the SLO that way. If none
@@ -58,12 +62,22 @@ def _p95(entry: Entry, prefill_pending: bool) -> float:
     return entry.decode_ms_beside_prefill_p95 if prefill_pending else entry.decode_ms_alone_p95
 
 
+def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
+    """The configuration with the most prefill throughput (ties: more prefill units, then name)."""
+    return max(entries, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_prefill_units(n), n))
+
+
 def _target(
-    profile: Profile, entries: dict[str, Entry], prefill_pending: bool, limit: float, slo_itl_ms: float
+    profile: Profile, entries: dict[str, Entry], prefill_pending: bool, decode_running: bool, limit: float,
+    slo_itl_ms: float,
 ) -> tuple[str, str]:
     if not prefill_pending:
         name = full_decode_config(profile)
         return name, f"prefill idle: {name} gives decode the whole GPU"
+    if not decode_running:
+        name = full_prefill_config(profile, entries)
+        return name, (f"no decode running: {name} gives prefill the most throughput "
+                      f"({entries[name].prefill_tokens_per_s:g} tok/s)")
     meeting = [n for n, e in entries.items() if e.decode_ms_beside_prefill_p95 <= limit]
     if meeting:
         best = max(meeting, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_decode_units(n), n))
@@ -89,8 +103,11 @@ def decide(
     profile: Profile,
     hysteresis_steps: int = 8,
     margin: float = 0.9,
+    decode_running: bool = True,
 ) -> tuple[Decision, ManagerState]:
-    """Choose the configuration for the next step. Pure: same inputs, same outputs."""
+    """Choose the configuration for the next step. Pure: same inputs, same outputs.
+    decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
+    decode batch is empty."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:
@@ -105,7 +122,7 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    target, why = _target(profile, entries, prefill_pending, limit, slo_itl_ms)
+    target, why = _target(profile, entries, prefill_pending, decode_running, limit, slo_itl_ms)
     current = state.config
     if target == current:
         return (
@@ -116,7 +133,7 @@ def decide(
         reason = f"switch {current} -> {target} (current not in profile): {why}{note}"
         return Decision(target, reason, True, beyond), ManagerState(target, 0)
     cur_p95 = _p95(entries[current], prefill_pending)
-    if cur_p95 > limit and (not prefill_pending or _p95(entries[target], True) < cur_p95):
+    if decode_running and cur_p95 > limit and (not prefill_pending or _p95(entries[target], True) < cur_p95):
         reason = (
             f"switch {current} -> {target} at once: {current} violates SLO "
             f"(decode p95 {cur_p95:g} ms > {limit:g} ms); {why}{note}"

@@ -68,6 +68,13 @@ class Profile(msgspec.Struct, frozen=True):
             raise KeyError(name)
         return self.num_compute_units if c.decode_units == 0 else c.decode_units
 
+    def effective_prefill_units(self, name: str) -> int:
+        """Units prefill may use under `name` (overallocated counts as all of them)."""
+        c = self.configuration(name)
+        if c is None:
+            raise KeyError(name)
+        return self.num_compute_units if c.decode_units == 0 else c.prefill_units
+
 
 @dataclass(frozen=True)
 class Bucketed:

@@ -157,14 +157,13 @@ class DecodePartition:
             return None
         assert self.plan.profile is not None
         old = self.state.config
-        # With no decode running a switch disturbs nobody: no hysteresis. Prefill pending with an empty
-        # decode batch still gets a split sized for one sequence, not the whole GPU: the first request
-        # to finish its prefill starts decoding at once, and a prefill forward already holding every SM
-        # would stall it for the whole forward (docs/measured.md: overallocated starves decode on Hopper).
+        # With no decode running a switch disturbs nobody: no hysteresis, and prefill pending gets the
+        # configuration with the most prefill throughput (the whole GPU); see partition/manager.py.
         idle = batch == 0
         d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                                prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms,
-                               profile=self.plan.profile, hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps)
+                               profile=self.plan.profile, hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps,
+                               decode_running=not idle)
         if d.config == old:
             return None
         s = Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason)
