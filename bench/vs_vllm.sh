@@ -30,7 +30,9 @@
 # --gpu-memory-utilization), BENCH_ARGS (the issue's workload: --input-len 2048 --turn-input-len 256
 # --output-len 64 --num-turns 6), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
 # conversation at once), NUM_PROMPTS (32 conversations),
-# WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call).
+# WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call),
+# FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
+# FA3; 0: they keep Triton).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
 set -uo pipefail
 
@@ -110,20 +112,11 @@ say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys
 # The recipe (install.sh, make_model.py, serve_vllm.sh): stashed by --stash, or wherever it is found.
 recipe="$(find_recipe)"
 
+# shellcheck source=bench/peer_env.sh
+. bench/peer_env.sh
 why_not=""
-if [ -f "$site/vllm/__init__.py" ] && have="$(PYTHONPATH="$site" "$py" -c 'import vllm; print(vllm.__version__)' 2>/dev/null)"; then
-    say "vLLM $have already installed in $site (an earlier call on this machine)"
-elif [ -z "$recipe" ]; then
-    why_not="the recipe (peer_vllm: install.sh, make_model.py, serve_vllm.sh) was not found; see step 0 and 1"
-elif ! compgen -G "$stash/part*" >/dev/null; then
-    why_not="no stashed parts in $stash (step 1: six --stash calls right before this one)"
-else
-    parts=("$stash"/part*)
-    say "installing vLLM from ${#parts[@]} stashed parts ($recipe/install.sh)"
-    if ! bash "$recipe/install.sh" 2>&1 | tee -a "$setup_log"; then
-        why_not="install.sh failed (missing or partial parts? each of the six stash calls must reach the same machine)"
-    fi
-fi
+peer_install  # sets why_not when vLLM cannot be installed
+[ -z "$why_not" ] && [ "${FA3_FROM_VLLM:-1}" = 1 ] && expose_fa3  # our engine's attention backend 'auto' finds FA3
 if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
     if [ -z "$recipe" ]; then
         why_not="no model folder $model and no make_model.py to write it"

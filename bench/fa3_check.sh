@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# FlashAttention-3 on the GPU machine, in ONE device call after the six `bench/vs_vllm.sh --stash` calls:
+# installs vLLM from the stashed parts (its FA3 build is the one rapidserve's fa3 backend loads), then
+#   1. bench/attention_kernels.py: Triton vs FA3 (paged) vs torch SDPA, 4K/8K/16K, decode batches 1-256;
+#   2. bench/gpu_suite.sh: `pytest -m gpu` with FA3 found, so the engine tests run attention_backend auto = FA3.
+#      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
+# $OUT gets attention_kernels.json / .log, gpu_suite.md / .json and the suite's logs. Tables printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+stash="${PEER_STASH:-/root/peerstash}"
+site="${PEER_SITE:-/root/peersite}"
+py="${PYTHON:-python3}"
+out="${OUT:-bench/results/fa3_check}"
+mkdir -p "$out"
+setup_log="$out/fa3_setup.log"
+: >"$setup_log"
+t_start=$(date +%s)
+say() { echo "fa3_check [$(($(date +%s) - t_start)) s]: $*" | tee -a "$setup_log"; }
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { say "installing the carried wheels (.whl) failed"; exit 2; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+recipe=""
+for d in .peer/peer_vllm "$stash/peer_vllm"; do [ -f "$d/install.sh" ] && recipe="$d" && break; done
+# shellcheck source=bench/peer_env.sh
+. bench/peer_env.sh
+why_not=""
+peer_install
+if [ -n "$why_not" ]; then
+    say "vLLM (and so FA3) not installed: $why_not; measuring Triton alone"
+else
+    expose_fa3
+fi
+say "attention kernels"
+"$py" bench/attention_kernels.py --json "$out/attention_kernels.json" ${KERNEL_ARGS:-} >"$out/attention_kernels.log" 2>&1
+kstatus=$?
+say "attention_kernels.py exited with $kstatus"
+OUT="$out" bash bench/gpu_suite.sh --repeat 1 --budget-s "${SUITE_BUDGET_S:-330}" --timeout-s 200
+sstatus=$?
+echo "===== attention kernels"
+tail -n 45 "$out/attention_kernels.log"
+exit $((kstatus || sstatus))
