@@ -28,7 +28,8 @@
 # Knobs (environment): SYSTEMS (ours; default rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default vllm; e.g.
 # "vllm,vllm:--no-enable-prefix-caching"), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
 # --gpu-memory-utilization), BENCH_ARGS (the workload: --input-len 2048 --turn-input-len 256
-# --output-len 64 --num-turns 6), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
+# --output-len 64 --num-turns 6), WORKLOADS (compare.py's --workloads, e.g. 4096:64,1024:256; default
+# multiturn), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
 # conversation at once), NUM_PROMPTS (32 conversations),
 # WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call),
 # FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
@@ -138,8 +139,12 @@ if [ -n "${TRACE_WORKLOADS:-}" ]; then
     done
     [ -n "${BENCH_ARGS:-}" ] && workload_args+=(--bench-args "$BENCH_ARGS")
 else
-    workload_args=(--workloads multiturn
-                   --bench-args "${BENCH_ARGS:---input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6}")
+    wl="${WORKLOADS:-multiturn}"
+    default_args=""
+    [ "$wl" = multiturn ] && default_args="--input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6"
+    workload_args=(--workloads "$wl")
+    bench_args="${BENCH_ARGS:-$default_args}"
+    [ -n "$bench_args" ] && workload_args+=(--bench-args "$bench_args")
 fi
 vllm_args=()
 if [ -z "$why_not" ]; then

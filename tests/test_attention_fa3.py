@@ -59,7 +59,8 @@ def fake_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torc
     return out.to(q.dtype)
 
 
-FAKE = fa3.Fa3Attention(fa3.Fa3Kernel("fake", fake_fa3))
+ANY_DTYPE = (torch.float32, torch.float16, torch.bfloat16)
+FAKE = fa3.Fa3Attention(fa3.Fa3Kernel("fake", fake_fa3, ANY_DTYPE))
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"p{i}" for i in range(len(PREFILL_CASES))])
@@ -111,7 +112,7 @@ def test_decode_max_seqlen_k_comes_from_shapes() -> None:
         return torch.zeros_like(q)
 
     b = make_batch(decode_seqs([5, 0, 40]), num_kv_heads=2, group=2, head_dim=32, block_size=8, decode=True)
-    fa3.Fa3Attention(fa3.Fa3Kernel("spy", spy)).decode_attention(
+    fa3.Fa3Attention(fa3.Fa3Kernel("spy", spy, ANY_DTYPE)).decode_attention(
         b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 1.0)
     assert seen == [(1, b.meta.block_tables.shape[1] * 8)]
 
@@ -229,3 +230,24 @@ def test_gpu_fa3_decode_graph_replay() -> None:
         want = ref.decode_attention(static["q"].float(), kc.float(), vc.float(), static["bt"], static["ctx"],
                                     d**-0.5)
         torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=1e-2)
+
+
+def test_fp32_prefill_falls_back() -> None:
+    """FA3 takes fp16/bf16 only: fp32 prefill goes to the fallback kernel, fp32 decode is refused."""
+    b = make_batch([(5, 3)], num_kv_heads=1, group=2, head_dim=32, block_size=8)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    used: list[str] = []
+
+    def fallback(*a: object) -> torch.Tensor:
+        used.append("fallback")
+        return ref.prefill_attention(*a)  # type: ignore[arg-type]
+
+    impl = fa3.Fa3Attention(fa3.Fa3Kernel("fake", fake_fa3), fallback_prefill=fallback)
+    got = impl.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, 32**-0.5)
+    torch.testing.assert_close(got.double(), naive_attention(b, 32**-0.5), atol=2e-5, rtol=1e-4)
+    assert used == ["fallback"]
+    strict = fa3.Fa3Attention(fa3.Fa3Kernel("fake", fake_fa3))
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        strict.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, 1.0)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        strict.decode_attention(b.q[:1], b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 1.0)

@@ -21,6 +21,11 @@ q_len queries are the last q_len of its context_len keys), GQA by head groups, p
 arguments (max_seqlen_k from the block table's width) depend on shapes only, so decode replays in a
 CUDA graph. A mixed step (decodes then prompt chunks) is one call: FA3 packs GQA heads into its
 query tiles, so a one-token row does not waste a tile the way the Triton prefill kernel would.
+
+The engine's "fa3" backend prefills with FA3 and decodes with Triton: on the H200
+(bench/results/attention_kernels.md) FA3's prefill runs at 1.7-1.9x the Triton kernel's TFLOP/s,
+while Triton's decode is as fast at batches of 16-256 and 1.1-1.6x faster at batch 1. FA3 takes fp16
+and bf16 only; fp32 prefill falls back to Triton.
 """
 
 from __future__ import annotations
@@ -51,10 +56,14 @@ VLLM_FWD_ARGS: tuple[str, ...] = (
 )
 
 
+FA3_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class Fa3Kernel:
     source: str  # where the build came from, for logs and bench tables
     call: Fa3Call
+    dtypes: tuple[torch.dtype, ...] = FA3_DTYPES  # the query/KV dtypes the build takes
 
 
 def _from_flash_attn_interface() -> Fa3Kernel:
@@ -130,20 +139,30 @@ def find_fa3(device: torch.device) -> Fa3Kernel:
 
 @dataclass(frozen=True)
 class Fa3Attention:
-    """prefill_attention / decode_attention of the backend interface over one FA3 kernel."""
+    """prefill_attention / decode_attention of the backend interface over one FA3 kernel. FA3 takes
+    fp16 and bf16 only: prefill of other dtypes goes to `fallback_prefill` (the Triton kernel)."""
 
     kernel: Fa3Kernel
+    fallback_prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+                               torch.Tensor] | None = None
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.cu_seqlens_q is None:
             raise ValueError("prefill metadata needs cu_seqlens_q")
+        if q.dtype not in self.kernel.dtypes:
+            if self.fallback_prefill is None:
+                raise ValueError(f"FlashAttention-3 takes float16 or bfloat16, not {q.dtype}")
+            return self.fallback_prefill(q, k_cache, v_cache, meta, scale)
         return self.kernel.call(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), meta.block_tables,
                                 meta.context_lens, meta.cu_seqlens_q, meta.max_seqlen_q,
                                 max(meta.max_context_len, 1), scale)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """FA3's decode (the engine's fa3 backend decodes with Triton, which measured as fast or faster)."""
+        if q.dtype not in self.kernel.dtypes:
+            raise ValueError(f"FlashAttention-3 takes float16 or bfloat16, not {q.dtype}")
         b = q.shape[0]
         cu = torch.arange(b + 1, dtype=torch.int32, device=q.device)
         # An upper bound from shapes only, so a captured graph replays for any context lengths.
