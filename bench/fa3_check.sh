@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # FlashAttention-3 on the GPU machine, in ONE device call after the six `bench/vs_vllm.sh --stash` calls:
-# installs vLLM from the stashed parts (its FA3 build is the one rapidserve's fa3 backend loads), then
-#   1. bench/attention_kernels.py: Triton vs FA3 (paged) vs torch SDPA, 4K/8K/16K, decode batches 1-256;
-#   2. bench/gpu_suite.sh: `pytest -m gpu` with FA3 found, so the engine tests run attention_backend auto = FA3.
+# installs vLLM from the stashed parts (its FA3 build is the one rapidserve's fa3 backend loads), then the
+# parts named in PARTS (comma-separated, in this order; default kernels,suite):
+#   kernels  bench/attention_kernels.py: Triton vs FA3 (paged) vs torch SDPA, 4K/8K/16K, decode batches 1-256
+#            (KERNEL_ARGS: more flags, e.g. --only prefill);
+#   suite    bench/gpu_suite.sh: `pytest -m gpu` with FA3 found, so the engine tests run attention_backend
+#            auto = FA3 (SUITE_BUDGET_S, default 330);
+#   runner   bench/model_runner.py --model preset:qwen3-8b (GEMM/copy ceilings, prefill and decode rates);
+#   profile  bench/step_profile.py: one prefill and one decode step by kernel category, Triton vs FA3.
 #      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
-# $OUT gets attention_kernels.json / .log, gpu_suite.md / .json and the suite's logs. Tables printed last.
+# $OUT gets each part's .json / .md / .log (and the suite's logs). Tables printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 stash="${PEER_STASH:-/root/peerstash}"
@@ -33,12 +38,33 @@ if [ -n "$why_not" ]; then
 else
     expose_fa3
 fi
-say "attention kernels"
-"$py" bench/attention_kernels.py --json "$out/attention_kernels.json" ${KERNEL_ARGS:-} >"$out/attention_kernels.log" 2>&1
-kstatus=$?
-say "attention_kernels.py exited with $kstatus"
-OUT="$out" bash bench/gpu_suite.sh --repeat 1 --budget-s "${SUITE_BUDGET_S:-330}" --timeout-s 200
-sstatus=$?
-echo "===== attention kernels"
-tail -n 45 "$out/attention_kernels.log"
-exit $((kstatus || sstatus))
+parts=",${PARTS:-kernels,suite},"
+status=0
+tails=()
+if [[ $parts == *,kernels,* ]]; then
+    say "attention kernels"
+    "$py" bench/attention_kernels.py --json "$out/attention_kernels.json" ${KERNEL_ARGS:-} >"$out/attention_kernels.log" 2>&1
+    s=$?; say "attention_kernels.py exited with $s"; status=$((status || s))
+    tails+=("$out/attention_kernels.log")
+fi
+if [[ $parts == *,suite,* ]]; then
+    OUT="$out" bash bench/gpu_suite.sh --repeat 1 --budget-s "${SUITE_BUDGET_S:-330}" --timeout-s 200
+    s=$?; status=$((status || s))
+fi
+if [[ $parts == *,runner,* ]]; then
+    say "model runner"
+    "$py" bench/model_runner.py --model preset:qwen3-8b --out "$out" >"$out/model_runner.log" 2>&1
+    s=$?; say "model_runner.py exited with $s"; status=$((status || s))
+    tails+=("$out/model_runner.log")
+fi
+if [[ $parts == *,profile,* ]]; then
+    say "step profile"
+    "$py" bench/step_profile.py --out "$out" >"$out/step_profile.log" 2>&1
+    s=$?; say "step_profile.py exited with $s"; status=$((status || s))
+    tails+=("$out/step_profile.md")
+fi
+for t in "${tails[@]}"; do
+    echo "===== $t"
+    tail -n 45 "$t"
+done
+exit "$status"

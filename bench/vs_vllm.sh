@@ -32,7 +32,7 @@
 # multiturn), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
 # conversation at once), NUM_PROMPTS (32 conversations),
 # WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call),
-# FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
+# NAME (vs_vllm: the file stem of the tables), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
 # FA3; 0: they keep Triton).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
 set -uo pipefail
@@ -92,6 +92,7 @@ fi
 
 t_start=$(date +%s)
 budget="${BUDGET_S:-540}"
+name="${NAME:-vs_vllm}"  # compare.py's --name: the tables' file stem
 out="${OUT:-bench/results/vs_vllm}"
 mkdir -p "$out"
 work="$(mktemp -d)"
@@ -170,21 +171,21 @@ cmd=("$py" bench/compare.py --model preset:qwen3-8b --systems "$systems" "${vllm
      --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
      "${workload_args[@]}"
      --rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}" --warmup "${WARMUP:-4}"
-     --startup-timeout-s 300 --duration-budget-s $((left - 100)) --out "$work" --name vs_vllm "$@")
+     --startup-timeout-s 300 --duration-budget-s $((left - 100)) --out "$work" --name "$name" "$@")
 say "$(printf '%q ' "${cmd[@]}")"
 timeout -k 30 "$left" "${cmd[@]}" 2>&1 | tee "$work/compare_stdout.log"
 status=${PIPESTATUS[0]}
 say "compare.py exited with $status after $(elapsed) s in all"
 
-for f in vs_vllm.md vs_vllm.json vs_vllm.png; do
+for f in "$name".md "$name".json "$name".png; do
     [ -f "$work/$f" ] && cp "$work/$f" "$out/$f"
 done
 tar -czf "$out/vs_vllm_detail.tar.gz" -C "$work" . 2>/dev/null
 rm -rf "$work"
 [ -n "$why_not" ] && echo "NOTE: vLLM was not run: $why_not"
-if [ -f "$out/vs_vllm.md" ]; then
-    echo "===== $out/vs_vllm.md"
-    cat "$out/vs_vllm.md"
+if [ -f "$out/$name.md" ]; then
+    echo "===== $out/$name.md"
+    cat "$out/$name.md"
 else
     echo "no table: compare.py wrote none (see $setup_log and the detail archive)"
 fi
