@@ -140,6 +140,20 @@ def check_triton_ops(dtypes: list[torch.dtype], device: str,
             assert torch.equal(got_q, want_q), (dtype, num_heads, d)
             assert torch.equal(got_k, want_k), (dtype, num_heads, d)
 
+        for num_heads, num_kv, d in ((6, 2, 64), (9, 3, 32), (32, 8, 128)):
+            q, k, pos, table = (t.to(device) for t in rope_inputs(dtype, 13, num_heads, num_kv, d))
+            qw, kw = ((torch.rand(d) + 0.5).to(dtype).to(device) for _ in range(2))
+            want_q, want_k = tops.apply_rope(tops.rms_norm(q, qw, 1e-6), tops.rms_norm(k, kw, 1e-6), pos, table)
+            got_q, got_k = xops.qk_norm_rope(q, k, qw, kw, 1e-6, pos, table)  # in place
+            assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
+            close(got_q, want_q, dtype)
+            close(got_k, want_k, dtype)
+            q, k, pos, table = (t.to(device) for t in rope_inputs(dtype, 5, num_heads, num_kv, d))
+            want = tops.qk_norm_rope(q, k, qw.float(), kw.float(), 1e-6, pos, table)  # promotes: unfused path
+            got = xops.qk_norm_rope(q, k, qw.float(), kw.float(), 1e-6, pos, table)
+            close(got[0], want[0], want[0].dtype)
+            close(got[1], want[1], want[1].dtype)
+
         for inter in (200, 1500):
             x = (torch.randn(5, 2 * inter) * 4).to(dtype).to(device)
             close(xops.silu_and_mul(x), tops.silu_and_mul(x), dtype)

@@ -74,9 +74,9 @@ class DecoderLayer(nn.Module):
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = ops.rms_norm(q, self.q_norm, eps)
-            k = ops.rms_norm(k, self.k_norm, eps)
-        q, k = ops.apply_rope(q, k, positions, cos_sin)
+            q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, eps, positions, cos_sin)
+        else:
+            q, k = ops.apply_rope(q, k, positions, cos_sin)
 
         k_cache, v_cache = kv
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -8,6 +8,8 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 - ``apply_rope(q [T, Hq, D], k [T, Hkv, D], positions [T], cos_sin_cache [max_pos, D] fp32) -> (q, k)``;
   the torch version returns new tensors, the Triton version rotates in place and returns its inputs,
   so callers must use the returned tensors and must not rely on the inputs being preserved.
+- ``qk_norm_rope(q, k, q_weight [D], k_weight [D], eps, positions, cos_sin_cache) -> (q, k)``: Qwen3's
+  per-head q/k RMSNorm then RoPE (the Triton version in one launch, in place, like apply_rope)
 - ``silu_and_mul(x [..., 2I]) -> [..., I]``
 
 Triton is imported only when the Triton ops are requested.
@@ -32,18 +34,20 @@ class Ops:
     apply_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
                          tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    qk_norm_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor,
+                            torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def torch_ops_bundle() -> Ops:
     return Ops("torch", torch_ops.rms_norm, torch_ops.add_rms_norm, torch_ops.apply_rope,
-               torch_ops.silu_and_mul)
+               torch_ops.silu_and_mul, torch_ops.qk_norm_rope)
 
 
 def triton_ops_bundle() -> Ops:
     from rapidserve.ops import triton_ops
 
     return Ops("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
-               triton_ops.silu_and_mul)
+               triton_ops.silu_and_mul, triton_ops.qk_norm_rope)
 
 
 def get_ops(device: torch.device | str) -> Ops:

@@ -48,6 +48,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return q_out, k_out
 
 
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k, then RoPE (transformers' order). Returns new tensors."""
+    return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] = cat(gate, up) -> silu(gate) * up [..., I], as transformers' LlamaMLP."""
     gate, up = x.chunk(2, dim=-1)

@@ -166,6 +166,87 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return q, k
 
 
+# ------------------------------------------------------------------ Qwen3's q/k RMSNorm, then RoPE
+@triton.jit
+def _norm_rotate(ptr, w_ptr, t, stride_t, stride_h, c, s, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    mask = (h[:, None] < NUM_HEADS) & jm[None, :]
+    p1 = ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # rms_norm per head (as _rms_norm_kernel: weight * h.to(dtype), rounded to the dtype) ...
+    variance = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF)
+    r = tl.rsqrt(variance + eps)[:, None]
+    w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    n1 = ((a1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((a2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    # ... then x * cos + rotate_half(x) * sin, rounded as _rope_rotate does.
+    o1 = (n1 * c).to(dt).to(tl.float32) - (n2 * s).to(dt).to(tl.float32)
+    o2 = (n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)
+    tl.store(p1, o1.to(dt), mask=mask)
+    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt,
+                         stride_kh, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                         HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    dt = q_ptr.dtype.element_ty
+    c = tl.load(cs_ptr + pos * (2 * HALF) + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * (2 * HALF) + HALF + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    _norm_rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, c, s, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    _norm_rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, c, s, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k, then RoPE, in one launch, IN PLACE (one read and one write of
+    q and k instead of three of each). Same results as rms_norm then apply_rope. Weights of another dtype
+    than q (whose product would promote) take that unfused path."""
+    if q_weight.dtype != q.dtype or k_weight.dtype != k.dtype or q.dim() != 3 or k.dim() != 3:
+        return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
+    head_dim = q.shape[2]
+    if q_weight.shape != (head_dim,) or k_weight.shape != (k.shape[2],):
+        raise ValueError(f"q/k norm weights must be [{head_dim}]; got {tuple(q_weight.shape)} and "
+                         f"{tuple(k_weight.shape)}")
+    if q.shape[0] != k.shape[0] or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q must be [T, Hq, D] and k [T, Hkv, D] with an even D; got {tuple(q.shape)} and "
+                         f"{tuple(k.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}]; got {tuple(cos_sin_cache.shape)}")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions must be [{q.shape[0]}]; got {tuple(positions.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if q.shape[0] == 0:
+        return q, k
+    cache = cos_sin_cache if cos_sin_cache.is_contiguous() else cos_sin_cache.contiguous()
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    block_qh = triton.next_power_of_2(q.shape[1])
+    _qk_norm_rope_kernel[(q.shape[0],)](
+        q, k, q_weight, k_weight, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HALF=half, BLOCK_QH=block_qh,
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=block_half,
+        num_warps=_warps(block_qh * block_half * 2), enable_fp_fusion=False)
+    return q, k
+
+
 # ------------------------------------------------------------------------------------ SiLU and mul
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr):
