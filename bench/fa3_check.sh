@@ -7,7 +7,10 @@
 #   suite    bench/gpu_suite.sh: `pytest -m gpu` with FA3 found, so the engine tests run attention_backend
 #            auto = FA3 (SUITE_BUDGET_S, default 330);
 #   runner   bench/model_runner.py --model preset:qwen3-8b (GEMM/copy ceilings, prefill and decode rates);
-#   profile  bench/step_profile.py: one prefill and one decode step by kernel category, Triton vs FA3.
+#   profile  bench/step_profile.py: one prefill and one decode step by kernel category, Triton vs FA3;
+#   partition  `rapidserve profile` of preset:qwen3-8b on this GPU (the adaptive manager's table), then
+#            bench/compare.py of rapid-adaptive without it (roofline fallback, as when no profile is
+#            committed) and with it, 4096:64 at 6.6 req/s and closed.
 #      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
 # $OUT gets each part's .json / .md / .log (and the suite's logs). Tables printed last.
 set -uo pipefail
@@ -62,6 +65,22 @@ if [[ $parts == *,profile,* ]]; then
     "$py" bench/step_profile.py --out "$out" >"$out/step_profile.log" 2>&1
     s=$?; say "step_profile.py exited with $s"; status=$((status || s))
     tails+=("$out/step_profile.md")
+fi
+if [[ $parts == *,partition,* ]]; then
+    prof="$out/$("$py" -c 'import torch; from rapidserve.partition.profile import profile_filename; print(profile_filename(torch.cuda.get_device_name(), "preset:qwen3-8b"))')"
+    say "partition profile -> $prof"
+    "$py" -m rapidserve.cli profile --model preset:qwen3-8b --max-model-len 8192 --gpu-memory-utilization 0.8 \
+        --out "$prof" >"$out/partition_profile.log" 2>&1
+    s=$?; say "rapidserve profile exited with $s"; status=$((status || s))
+    if [ "$s" = 0 ]; then
+        RAPIDSERVE_PROFILES_DIR=/nonexistent "$py" bench/compare.py --model preset:qwen3-8b --systems rapid-adaptive \
+            --system "rapid-adaptive-profiled=--mode rapid --partition adaptive --profile $prof" \
+            --serve-args "--max-model-len 8192 --gpu-memory-utilization 0.8" --workloads 4096:64 --rates 6.6,inf \
+            --num-prompts 80 --warmup 4 --out "$out" --name partition_profile >"$out/partition_compare.log" 2>&1
+        s=$?; say "compare.py exited with $s"; status=$((status || s))
+        tails+=("$out/partition_compare.log")
+    fi
+    tails+=("$out/partition_profile.log")
 fi
 for t in "${tails[@]}"; do
     echo "===== $t"
