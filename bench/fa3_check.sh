@@ -73,7 +73,7 @@ if [[ $parts == *,partition,* ]]; then
         --out "$prof" >"$out/partition_profile.log" 2>&1
     s=$?; say "rapidserve profile exited with $s"; status=$((status || s))
     if [ "$s" = 0 ]; then
-        RAPIDSERVE_PROFILES_DIR=/nonexistent "$py" bench/compare.py --model preset:qwen3-8b --systems rapid-adaptive \
+        "$py" bench/compare.py --model preset:qwen3-8b --systems rapid-adaptive \
             --system "rapid-adaptive-profiled=--mode rapid --partition adaptive --profile $prof" \
             --serve-args "--max-model-len 8192 --gpu-memory-utilization 0.8" --workloads 4096:64 --rates 6.6,inf \
             --num-prompts 80 --warmup 4 --out "$out" --name partition_profile >"$out/partition_compare.log" 2>&1
