@@ -10,7 +10,9 @@
 #   profile  bench/step_profile.py: one prefill and one decode step by kernel category, Triton vs FA3;
 #   partition  `rapidserve profile` of preset:qwen3-8b on this GPU (the adaptive manager's table), then
 #            bench/compare.py of rapid-adaptive without it (roofline fallback, as when no profile is
-#            committed) and with it, 4096:64 at 6.6 req/s and closed.
+#            committed) and with it, 4096:64 at 6.6 req/s and closed;
+#   hybrid   bench/compare.py: hybrid-8192 scheduling ahead (the default) and waiting for each step
+#            (--no-async-scheduling), 1024:256 and 4096:64, closed and one Poisson rate.
 #      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
 # $OUT gets each part's .json / .md / .log (and the suite's logs). Tables printed last.
 set -uo pipefail
@@ -81,6 +83,15 @@ if [[ $parts == *,partition,* ]]; then
         tails+=("$out/partition_compare.log")
     fi
     tails+=("$out/partition_profile.log")
+fi
+if [[ $parts == *,hybrid,* ]]; then
+    say "hybrid scheduling ahead vs waiting"
+    "$py" bench/compare.py --model preset:qwen3-8b --systems hybrid-8192 \
+        --system "hybrid-8192-sync=--mode hybrid --max-num-batched-tokens 8192 --no-async-scheduling" \
+        --serve-args "--max-model-len 8192 --gpu-memory-utilization 0.8" --workloads 1024:256,4096:64 --rates 10,inf \
+        --num-prompts 120 --warmup 4 --out "$out" --name hybrid_ahead >"$out/hybrid_ahead.log" 2>&1
+    s=$?; say "compare.py exited with $s"; status=$((status || s))
+    tails+=("$out/hybrid_ahead.log")
 fi
 for t in "${tails[@]}"; do
     echo "===== $t"

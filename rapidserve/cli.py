@@ -66,6 +66,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="hybrid mode: plan and launch the next step while the last one runs, its sampled "
+                        "tokens fed from the device (on by default); --no-async-scheduling waits for each "
+                        "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
@@ -131,7 +135,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
                 seed=a.seed, attention_backend=a.attention_backend,
-                enable_prefix_caching=a.enable_prefix_caching)
+                enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

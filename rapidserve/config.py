@@ -141,6 +141,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Hybrid mode plans and launches the next step before the last one's tokens reach the host (as
+    # vLLM's --async-scheduling); the decode worker of rapid mode always works one step ahead.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs > 0, f"max_num_seqs={self.max_num_seqs} must be > 0")

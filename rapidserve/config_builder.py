@@ -17,7 +17,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                         enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
                         cache_dir: str | None = None, enable_prefix_caching: bool = True,
-                        ) -> tuple[EngineConfig, object]:
+                        async_scheduling: bool = True) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
@@ -31,7 +31,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len),
+                                  max_model_len=max_model_len, async_scheduling=async_scheduling),
         runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                             use_cuda_graphs=not enforce_eager, seed=seed),
     )

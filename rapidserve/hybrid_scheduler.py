@@ -34,6 +34,8 @@ Invariants (checked by the tests after every step):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rapidserve.block_manager import BlockManager
 from rapidserve.sequence import SeqStatus, Sequence
 from rapidserve.step_plan import Chunk, SeqQueues, StepPlan
@@ -54,19 +56,23 @@ class HybridScheduler(SeqQueues):
         return len(self.running) - prefilling, prefilling, len(self.waiting)
 
     # ---- the step ---------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, finishing: Callable[[Sequence], bool] | None = None) -> StepPlan:
+        """The next step. `finishing` (scheduling ahead): running sequences whose token in flight will
+        certainly end them get no decode."""
         plan = StepPlan()
-        budget = self._schedule_decodes(plan)
+        budget = self._schedule_decodes(plan, finishing)
         budget = self._continue_prefills(plan, budget)
         if not plan.preempted:
             self._admit(plan, budget)
         return plan
 
-    def _schedule_decodes(self, plan: StepPlan) -> int:
+    def _schedule_decodes(self, plan: StepPlan, finishing: Callable[[Sequence], bool] | None) -> int:
         budget = self.budget
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING or seq.num_tokens - seq.num_computed != 1:
                 continue  # preempted as a victim earlier in this pass, or still prefilling
+            if finishing is not None and finishing(seq):
+                continue
             if budget == 0:
                 break  # unreachable while max_running <= budget; kept so the budget is never exceeded
             if self._grow_or_preempt(seq, plan):
@@ -112,14 +118,25 @@ class HybridScheduler(SeqQueues):
         return n
 
     # ---- after the step ---------------------------------------------------------------------
-    def complete(self, plan: StepPlan) -> None:
-        """The plan's forward pass has run: its tokens' K/V are in the cache. Call before appending
-        the sampled tokens. Sequences finished meanwhile (aborted) are left alone."""
+    def complete(self, plan: StepPlan, commit: bool = True) -> None:
+        """The plan's forward pass has run (or, scheduling ahead, is queued): its tokens' K/V are in
+        the cache. Call before appending the sampled tokens. Sequences finished meanwhile (aborted) are
+        left alone. `commit=False` (scheduling ahead, when the newest tokens may still be placeholders)
+        leaves registering the full blocks in the prefix cache to `commit` once they are known."""
         for seq in plan.decode:
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed = seq.num_tokens
-                self._computed(seq)
+                if commit:
+                    self._computed(seq)
         for c in plan.prefill:
             if c.seq.status is SeqStatus.RUNNING:
                 c.seq.num_computed = c.start + c.length
-                self._computed(c.seq)
+                if commit:
+                    self._computed(c.seq)
+
+    def commit(self, plan: StepPlan) -> None:
+        """Register the full computed blocks of the plan's running sequences (their tokens up to
+        `num_computed` must be real ids by now)."""
+        for seq in [*plan.decode, *(c.seq for c in plan.prefill)]:
+            if seq.status is SeqStatus.RUNNING:
+                self._computed(seq)

@@ -206,11 +206,14 @@ class ModelRunner:
         return int(total * self.cfg.cache.gpu_memory_utilization - (total - free) - peak)
 
     # ---- prefill ------------------------------------------------------------------------------
-    def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """One prefill forward; on `stream` if given, ordered with the caller's stream (`_run_on`)."""
-        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items))
+    def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None,
+                carry: Carry | None = None) -> torch.Tensor:
+        """One prefill forward; on `stream` if given, ordered with the caller's stream (`_run_on`).
+        `carry` feeds leading one-token items (a mixed step's decodes) the previous step's sampled
+        tokens from the device: its rows index those items, which are also their token positions."""
+        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items, carry))
 
-    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem]) -> torch.Tensor:
+    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem], carry: Carry | None = None) -> torch.Tensor:
         bs = self.block_size
         lens = np.array([len(it.token_ids) for it in items], dtype=np.int64)
         starts = np.array([it.start_pos for it in items], dtype=np.int64)
@@ -234,7 +237,12 @@ class ModelRunner:
             max_context_len=int(ctx.max()),
         )
         meta = split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
-        hidden = self.model(self._dev(ids), self._dev(positions), pool.layers, meta)
+        tokens = self._dev(ids)
+        if carry is not None:
+            if any(d >= len(items) or lens[d] != 1 or cu[d] != d for d, _ in carry.rows):
+                raise ValueError("carry rows must index the leading one-token items")
+            carry.apply(tokens)
+        hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
         want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))

@@ -58,7 +58,13 @@ def check_stop(params: SamplingParams, outputs: list[int], num_tokens: int, eos_
     """Finish reason after the newest output token, or None to go on: the one stop check of every
     engine and worker (stop strings are the caller's). `num_tokens`: prompt + outputs; `max_len`: the
     context cap (the context window, or the KV pool's capacity where that is smaller)."""
-    tok, n_out = outputs[-1], len(outputs)
+    return check_stop_at(params, outputs[-1], len(outputs), num_tokens, eos_token_ids, max_len)
+
+
+def check_stop_at(params: SamplingParams, tok: int, n_out: int, num_tokens: int, eos_token_ids: tuple[int, ...],
+                  max_len: int) -> str | None:
+    """`check_stop` for output token `tok`, the `n_out`-th output (for callers whose list already holds
+    later tokens still in flight)."""
     if n_out >= params.min_tokens:
         if not params.ignore_eos and tok in eos_token_ids:
             return "stop"

@@ -133,6 +133,45 @@ def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_
     asyncio.run(main())
 
 
+def test_scheduling_ahead_gives_the_tokens_of_waiting_for_each_step(
+        reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """--async-scheduling on and off: the same tokens and finish reasons for early stops (a stop token
+    found while the next step is in flight), max_tokens of 1-3 (no decode after the last token), min_tokens,
+    seeded sampling and logprobs, with preemptions in the small pool; every block back at the end."""
+    prompts, want = reference
+    stop_at = {i: w[4] for i, w in enumerate(want[:4])}  # each of these stops at its 5th token or sooner
+    params = [SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[stop_at[i]]) if i in stop_at
+              else SamplingParams(temperature=0.0, max_tokens=i - 3) if i in (4, 5, 6)
+              else SamplingParams(temperature=0.8, seed=i, max_tokens=NEW, ignore_eos=True, logprobs=1) if i in (7, 8)
+              else SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW, stop_token_ids=[want[i][2]])
+              for i in range(len(prompts))]
+
+    async def run(ahead: bool) -> list[tuple[list[int], str | None]]:
+        cfg = hybrid_config()
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, async_scheduling=ahead))
+        engine = await AsyncEngine.start(cfg)
+        try:
+            async def one(i: int) -> tuple[list[int], str | None]:
+                toks = [t async for t in engine.generate(f"a{i}", prompts[i], params[i])]
+                assert [t.index for t in toks] == list(range(len(toks)))
+                return [t.token_id for t in toks], toks[-1].finish_reason
+            got = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            await wait_blocks_free(engine)
+            assert engine.stats is not None and engine.stats.num_preemptions > 0
+            return got
+        finally:
+            await engine.shutdown()
+
+    ahead, waiting = asyncio.run(run(True)), asyncio.run(run(False))
+    assert ahead == waiting
+    for i in stop_at:
+        assert ahead[i][1] == "stop" and ahead[i][0][-1] == stop_at[i] and len(ahead[i][0]) <= 5
+    assert [len(ahead[i][0]) for i in (4, 5, 6)] == [1, 2, 3]
+    assert all(ahead[i][1] == "length" for i in (4, 5, 6, 9, 10, 11))
+    for i in (9, 10, 11):  # min_tokens = max_tokens: the stop id is never sampled, every token comes
+        assert len(ahead[i][0]) == NEW and want[i][2] not in ahead[i][0]
+
+
 @pytest.mark.gpu
 def test_hybrid_engine_on_gpu_matches_llm() -> None:
     """Decode-only steps replay decode graphs, mixed steps run the Triton varlen prefill kernel (fp32:

@@ -264,3 +264,21 @@ def test_decode_sampling_that_raises_fails_only_that_request(
     # "bad" failed while its token 1 was in flight (decode runs one step ahead): that token is dropped
     assert toks["a"] == list(range(6)) and toks["b"] == list(range(6)) and toks["bad"] == [0]
     assert w.sched.blocks.num_free == free0 and not w.sched.reqs
+
+
+def test_prefill_carry_feeds_the_leading_decode_rows(setup: tuple[Any, ModelRunner]) -> None:
+    """A mixed step's decode rows take the previous step's tokens from the device (scheduling ahead):
+    the same logits as with the tokens given on the host; rows that are not leading one-token items
+    are refused."""
+    from rapidserve.runner import Carry, PrefillItem
+
+    _, runner = setup
+    prompt = [5, 9, 17, 33, 70, 71, 72, 73, 74, 75]
+    runner.prefill([PrefillItem(prompt, 0, [0])])  # the prompt's K/V in block 0
+    chunk = PrefillItem([40, 41, 42], 0, [1])
+    want = runner.prefill([PrefillItem([123], len(prompt), [0]), chunk])
+    sampled = torch.tensor([7, 123, 9])  # the previous step's tokens; row 1 is this request's
+    got = runner.prefill([PrefillItem([0], len(prompt), [0]), chunk], carry=Carry(sampled, [(0, 1)]))
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="leading one-token items"):
+        runner.prefill([PrefillItem([0], len(prompt), [0]), chunk], carry=Carry(sampled, [(1, 1)]))

@@ -11,7 +11,20 @@ Each step (`run`): the `HybridScheduler` plans decodes first, then prompt chunks
 budget; `launch` runs the plan as ONE forward pass and samples on the device; the worker reads its
 inbox while the device computes; `record` waits for the step (the one host sync of a step), appends
 the tokens, checks stops and frees what finished; `publish` sends the step's tokens in one
-TokenBatch. Forward passes:
+TokenBatch.
+
+Scheduling ahead (`SchedulerConfig.async_scheduling`, on by default, as vLLM's --async-scheduling):
+step N+1 is planned and launched before step N's tokens are read, so the device never waits for the
+host between steps. At launch a sampled sequence gets a placeholder output token (PLACEHOLDER) and
+its planned tokens count as computed; the next step feeds that row the sampled token straight from
+the device (`runner.Carry`). `record` then writes the real tokens over the placeholders, checks stops
+(a request found finished has the token computed for it in the step in flight dropped) and registers
+full blocks in the prefix cache, now that their token ids are known. A request whose token in flight
+will certainly end it (max_tokens, the context cap) gets no further decode. A placeholder is always
+resolved before any prompt recompute reads it: a preempted request is re-admitted no sooner than the
+step after next, and its last token is recorded one loop iteration after its step.
+
+Forward passes:
 - decode-only plan: `ModelRunner.decode`, which replays the captured decode graph of the smallest
   batch bucket that fits;
 - otherwise one varlen `ModelRunner.prefill` over the decodes (one-token chunks at position
@@ -42,12 +55,13 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
-from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
-from rapidserve.sequence import Sequence, check_stop
+from rapidserve.sequence import Sequence, check_stop, check_stop_at
 from rapidserve.step_plan import StepPlan
 
 T = TypeVar("T")
+PLACEHOLDER = -1  # an output token still in flight (scheduling ahead); never sent anywhere
 
 
 @dataclass
@@ -58,6 +72,10 @@ class Launched:
     seqs: list[Sequence]
     host: SamplerOutput | None  # tokens in (pinned) host memory, valid once `done`; None: no sampling
     done: torch.cuda.Event | None  # None on CPU, where everything is finished on return
+    # Scheduling ahead: the sampled tokens on the device, each sequence's row, its output index.
+    device_tokens: torch.Tensor | None = None
+    rows: dict[int, int] | None = None  # id(seq) -> row
+    index: list[int] | None = None
 
 
 class HybridWorker:
@@ -77,6 +95,9 @@ class HybridWorker:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
+        if self.cfg.scheduler.async_scheduling:
+            self.run_ahead()
+            return
         while not self._stop:
             plan = self.sched.schedule()
             step = None if plan.is_empty else self.guarded(plan, self.launch, plan)
@@ -86,6 +107,32 @@ class HybridWorker:
             self.publish()
             if not self.io.others_alive():
                 return
+
+    def run_ahead(self) -> None:
+        """The loop scheduling one step ahead: plan, launch (fed by the step in flight), read the
+        inbox, record the step before this one, publish."""
+        prev: Launched | None = None
+        while not self._stop:
+            plan = self.sched.schedule(self._finishing if prev is not None else None)
+            step = None if plan.is_empty else self.guarded(plan, self.launch_ahead, (plan, prev))
+            self.read_inbox(wait=step is None and prev is None and not plan.preempted)
+            if prev is not None:
+                self.guarded(prev.plan, self.record_ahead, prev)
+            self.publish()
+            prev = step
+            if not self.io.others_alive():
+                return
+        if prev is not None:
+            self.guarded(prev.plan, self.record_ahead, prev)
+            self.publish()
+
+    def _finishing(self, seq: Sequence) -> bool:
+        """Will the token in flight for `seq` certainly end it? (Then it gets no further decode.)"""
+        if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
+            return False
+        n_out = len(seq.output_token_ids)
+        return (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
+            seq.num_tokens >= self.context_cap
 
     def guarded(self, plan: StepPlan, fn: Callable[[Any], T], arg: Any) -> T | None:
         """Run `fn(arg)` for `plan`; a request never takes the worker down (engine/faults.py). Rows
@@ -102,7 +149,7 @@ class HybridWorker:
             self.runner.synchronize()  # nothing in flight writes the blocks freed below
             if isinstance(e, RequestsFailed):
                 blamed, why = e.reqs, describe(e.error, "sampling")
-            elif fn == self.record:  # the plan may be marked computed already: retrying is not safe
+            elif fn in (self.record, self.record_ahead):  # the plan may be marked computed: no retry
                 blamed, why = list(plan.decode) + [c.seq for c in plan.prefill], describe(e, "step")
             else:
                 blamed, why = [c.seq for c in plan.prefill] or list(plan.decode), describe(e, "step")
@@ -181,6 +228,69 @@ class HybridWorker:
             if reason is not None:  # the token carries the reason: no Finished message
                 self.sched.finish(seq, reason)
                 del self.seqs[seq.seq_id]
+
+    def launch_ahead(self, arg: tuple[StepPlan, Launched | None]) -> Launched:
+        """`launch`, scheduling ahead: rows whose newest token is still in flight (a placeholder) take
+        it from `prev`'s sampled tokens on the device. Once the step is queued, its planned tokens
+        count as computed and each sampled sequence gets a placeholder for its coming token."""
+        plan, prev = arg
+        table = self.blocks.table
+        rows = prev.rows if prev is not None and prev.rows is not None else {}
+        carried: list[tuple[int, int]] = []
+        decode_items = []
+        for i, s in enumerate(plan.decode):
+            tok = s.last_token_id
+            if tok == PLACEHOLDER:
+                carried.append((i, rows[id(s)]))
+                tok = 0  # overwritten on the device
+            decode_items.append((tok, s))
+        carry = Carry(prev.device_tokens, carried) if carried and prev is not None and \
+            prev.device_tokens is not None else None
+        if plan.is_decode_only:
+            logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items],
+                                        carry=carry)
+        else:
+            items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
+            items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
+                                  need_logits=c.samples) for c in plan.prefill]
+            logits = self.runner.prefill(items, carry=carry)
+        seqs = plan.sampled
+        out = None
+        index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
+        if seqs:
+            try:
+                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos)
+            except RequestsFailed as e:
+                e.reqs = [seqs[i] for i in e.rows]
+                raise
+        self.sched.complete(plan, commit=False)
+        for s in seqs:
+            s.output_token_ids.append(PLACEHOLDER)
+        if out is None:  # only prompt chunks that end no prompt: nothing to sample or wait for
+            return Launched(plan, [], None, None, rows={}, index=[])
+        return Launched(plan, seqs, out.to_host(), self.runner.mark(), device_tokens=out.token_ids,
+                        rows={id(s): i for i, s in enumerate(seqs)}, index=index)
+
+    def record_ahead(self, step: Launched) -> None:
+        """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
+        then register the step's full blocks in the prefix cache."""
+        if step.done is not None:
+            step.done.synchronize()
+        if step.host is not None and step.index is not None:
+            for seq, idx, (tok, lp, top) in zip(step.seqs, step.index, step.host.rows([s.params for s in step.seqs]),
+                                                strict=True):
+                if seq.is_finished:  # aborted, or ended by its previous token, while the step ran
+                    continue
+                seq.output_token_ids[idx] = tok
+                n_out = idx + 1
+                reason = check_stop_at(seq.params, tok, n_out, len(seq.prompt_token_ids) + n_out, self.eos,
+                                       self.context_cap)
+                self._tokens.append(m.TokenOut(seq.seq_id, idx, tok, lp, top, reason,
+                                               seq.num_cached_tokens if idx == 0 else None))
+                if reason is not None:  # the token carries the reason: no Finished message
+                    self.sched.finish(seq, reason)
+                    del self.seqs[seq.seq_id]
+        self.sched.commit(step.plan)
 
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self) -> None:
