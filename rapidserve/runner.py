@@ -11,6 +11,7 @@ Sampling is separate (`sample`), so the engine decides what to do with logits.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.ops = get_ops(self.device)
         self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
+        logging.getLogger(__name__).info("attention backend: %s", self.attn.name)
         t0 = time.perf_counter()
         if attached is not None:
             from rapidserve.model_sharing import attach_model
