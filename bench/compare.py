@@ -46,6 +46,10 @@ output throughput, p99 ITL and p99 TTFT against offered load, a line per system)
 bench result (every request) in <out>/compare_runs/. The JSON and markdown are rewritten after every system
 (and on SIGTERM), so a run cut short keeps what finished.
 
+`--peak-fractions 0.25,0.5,0.75,0.9` (with inf in --rates) adds Poisson rates at those fractions of the
+reference system's closed peak (`--peak-reference`, default the first system, run first) on each
+workload, for every system: e.g. the TTFT of every system at 75% of vLLM's peak, at the same rate.
+
 Definitions (per system and workload, over the rates of its sweep):
 - peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
   and p99 ITL).
@@ -91,6 +95,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
+from compare_peak import closed_peak, fraction_rates, fractions_arg, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     SHARED_SWITCHES,
@@ -172,15 +177,16 @@ class _BenchFlags(argparse.ArgumentParser):
 
 
 def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
-                 label: str | None = None, deadline: float | None = None) -> BenchConfig:
+                 label: str | None = None, deadline: float | None = None,
+                 rates: Sequence[float] | None = None) -> BenchConfig:
     """The BenchConfig of one workload's run: this script's sweep flags as defaults, then --bench-args, then
     the workload's flags, through `rapidserve bench`'s own parser and config_from_args. ValueError when the
     flags are wrong."""
     p = _BenchFlags(prog="rapidserve bench", add_help=False)
     add_bench_args(p)
-    p.set_defaults(request_rate=tuple(a.rates), arrival=a.arrival, token_range=a.token_range,
-                   num_prompts=a.num_prompts, duration_s=a.duration_s, max_concurrency=a.max_concurrency,
-                   seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
+    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
+                   token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
+                   max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
     ns = p.parse_args([*shlex.split(a.bench_args), *argv])
     if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
         ns.num_prompts = NUM_PROMPTS
@@ -215,8 +221,9 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
 
 
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
-               results: list[dict[str, Any]], info: dict[str, Any]) -> None:
-    """Start one system's server, run every workload's sweep, stop it; append results; set info's status."""
+               results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None]) -> None:
+    """Start one system's server, run every workload's sweep, stop it; append results; set info's status.
+    With --peak-fractions the reference system records its closed peak per workload in `peaks`."""
     label = system.label
     port = a.port or free_port()
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
@@ -238,9 +245,19 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             print(f"   {label}: {info['status']} (see {log_path})", flush=True)
             return
         for w in workloads:
+            def sweep(rates: Sequence[float], w: Workload = w) -> dict[str, Any]:
+                cfg = bench_config(a, w.argv, base_url=url, label=label, deadline=deadline, rates=rates)
+                return asyncio.run(run_benchmark(cfg))
+
             try:
-                cfg = bench_config(a, w.argv, base_url=url, label=label, deadline=deadline)
-                res = asyncio.run(run_benchmark(cfg))
+                if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
+                    res = sweep(a.rates)  # the reference's closed peak sets every system's Poisson rates
+                    peaks[w.title] = closed_peak(res)
+                    extra = fraction_rates(peaks[w.title], a.peak_fractions, a.rates)
+                    res = merge_results(res, sweep(extra)) if extra else res
+                else:
+                    extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
+                    res = sweep(sorted((*a.rates, *extra)) if extra else a.rates)
             except (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 info["status"] = f"error on {w.title}: {e}"
                 print(f"   {label}: {info['status']}", flush=True)
@@ -298,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`rapidserve bench` flags for every workload, e.g. '--input-len 2048 --turn-input-len 256 "
                         "--output-len 64 --num-turns 6' (a workload's own flags come after and win)")
     w.add_argument("--rates", type=rates_arg, default=(1.0, 2.0, 4.0, 8.0, math.inf))
+    w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
+                   help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
+                        "rate inf, run first) on each workload, for every system; needs inf in --rates")
+    w.add_argument("--peak-reference", default=None, metavar="LABEL",
+                   help="the system whose closed peak sets --peak-fractions' rates (default: the first system)")
     w.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
     w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
                    help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
@@ -350,6 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         baseline = vllm_baseline(systems, a.vllm_baseline)
     except ValueError as e:
         p.error(str(e))
+    if a.peak_fractions:
+        if math.inf not in a.rates:
+            p.error("--peak-fractions needs inf in --rates (the reference's closed peak sets the other rates)")
+        a.peak_reference = a.peak_reference or (systems[0].label if systems else None)
+        if a.peak_reference not in [s.label for s in systems]:
+            p.error(f"--peak-reference {a.peak_reference!r} is none of the systems: {[s.label for s in systems]}")
+        systems.sort(key=lambda s: s.label != a.peak_reference)  # the reference runs first
     if a.dry_run:
         for s in systems:
             if s.kind == EXT:
@@ -364,12 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None
     results: list[dict[str, Any]] = []
     infos: list[dict[str, Any]] = []
+    peaks: dict[str, float | None] = {}
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
             "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
             "arrival": a.arrival, "seed": a.seed, "systems": infos, "vllm_baseline": baseline,
             "vllm_model": a.vllm_model, "vllm_serve": a.vllm_serve_path, "bench_args": a.bench_args,
+            "peak_fractions": a.peak_fractions, "peak_reference": a.peak_reference, "peaks": peaks,
             "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
                           for w in workloads]}
     paths: list[str] = []
@@ -380,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 info["status"] = "skipped: duration budget spent"
                 continue
-            run_system(a, s, workloads, deadline, results, info)
+            run_system(a, s, workloads, deadline, results, info, peaks)
             write_report(a, meta, results, plot=False)
     finally:
         for s in systems[len(infos):]:  # interrupted before their turn
@@ -391,6 +422,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     return 0 if all(i["status"] == "ok" for i in infos) else 1
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return fractions_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

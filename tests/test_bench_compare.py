@@ -394,3 +394,50 @@ def test_compare_with_a_vllm_system_through_serve_vllm_sh(tmp_path, monkeypatch)
         log = f.read()  # the script's output, then vLLM's own log (here the stand-in's, down to its stop)
     assert "healthy" in log and "(the server's own log)" in log and "SIGTERM: stopping" in log
     assert "Versus vLLM (`vllm:--max-num-seqs 8`)" in (tmp_path / "cmp.md").read_text()
+
+
+# ---------------------------------------------------------------- rates from the reference's peak
+peak = _load("compare_peak")
+
+
+def test_peak_fraction_helpers() -> None:
+    assert peak.fractions_arg("0.9,0.25,0.5") == (0.25, 0.5, 0.9)
+    for bad in ("0", "2.5", "x", "0.5,0.5"):
+        with pytest.raises(ValueError, match="fraction|number"):
+            peak.fractions_arg(bad)
+    res = {"runs": [run(2.0, 100, 20), run("inf", 300, 90, completed=8, duration=2.0)]}
+    assert peak.closed_peak(res) == 4.0
+    assert peak.closed_peak({"runs": [run(2.0, 100, 20)]}) is None
+    assert peak.closed_peak({"runs": [run("inf", 0, None, completed=0)]}) is None
+    assert peak.fraction_rates(4.0, (0.25, 0.5, 0.75), (1.0, 2.0, INF)) == (3.0,)  # 1.0 and 2.0 already run
+    assert peak.fraction_rates(None, (0.5,), ()) == ()
+    merged = peak.merge_results({"runs": [run("inf", 3, 1)], "config": {"rates": ["inf"]}, "skipped_rates": []},
+                                {"runs": [run(3.0, 2, 1), run(1.5, 1, 1)], "config": {"rates": [1.5, 3.0]}})
+    assert [r["rate"] for r in merged["runs"]] == [1.5, 3.0, "inf"] and merged["config"]["rates"] == ["inf", 1.5, 3.0]
+
+
+def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    rc = compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64",
+                       "--systems", "", "--system", "a=", "--system", "ref=--mode hybrid", "--peak-reference", "ref",
+                       "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--num-prompts", "4",
+                       "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path), "--name", "pk"])
+    assert rc == 0
+    data = json.loads((tmp_path / "pk.json").read_text())
+    assert [s["label"] for s in data["systems"]] == ["ref", "a"]  # the reference runs first
+    ((_, ref_peak),) = data["peaks"].items()
+    assert ref_peak > 0
+    half = round(0.5 * ref_peak, 2)
+    for sweep in data["sweeps"]:
+        assert [x["rate"] for x in sweep["runs"]] == [half, "inf"], sweep
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--systems", "rapid-adaptive", "--rates", "1,2", "--peak-fractions", "0.5"], "needs inf"),
+    (["--systems", "rapid-adaptive", "--rates", "inf", "--peak-fractions", "0.5", "--peak-reference", "x"],
+     "none of the systems"),
+    (["--systems", "rapid-adaptive", "--peak-fractions", "3"], "fraction"),
+])
+def test_peak_fraction_errors(argv: list[str], match: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as ei:
+        compare.main(["--dry-run", *argv])
+    assert ei.value.code == 2 and match in capsys.readouterr().err
