@@ -175,6 +175,24 @@ def prefill_operators(
     return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes)
 
 
+def mixed_operators(
+    cfg: ModelConfig, contexts: Sequence[int], chunks: Sequence[tuple[int, int]], *, tp: int = 1,
+    dtype_bytes: int = 2,
+) -> list[Operator]:
+    """One mixed forward (hybrid / DuetServe's aggregated batch): one new token for each decode context,
+    and prompt chunks (tokens, prefix); token-level operators over all tokens, attention per sequence."""
+    if any(c < 1 for c in contexts) or any(n < 1 or p < 0 for n, p in chunks) or not (contexts or chunks):
+        raise ValueError(f"contexts={list(contexts)} and chunks={list(chunks)}: need work, contexts >= 1, "
+                         "chunk tokens >= 1, prefixes >= 0")
+    (heads, kv_heads, _, _), d, b = _tp_sizes(cfg, tp), cfg.head_dim, dtype_bytes
+    flops = sum(4 * heads * d * c for c in contexts)
+    io = sum((2 * kv_heads * d * c + 2 * heads * d) * b for c in contexts)
+    flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
+    io += sum((2 * n * heads * d + 2 * kv_heads * d * (p + n)) * b for n, p in chunks)
+    tokens = len(contexts) + sum(n for n, _ in chunks)
+    return _step_ops(cfg, tokens, len(contexts) + len(chunks), flops, io, tp, b)
+
+
 def totals(ops: Sequence[Operator]) -> tuple[float, float]:
     """(flops, HBM bytes) of a step."""
     return sum(o.count * o.flops for o in ops), sum(o.count * o.bytes for o in ops)

@@ -1,0 +1,89 @@
+"""DuetServe's policy (arXiv 2511.04791, sections 4.1-4.3) as a pure decision function.
+
+Aggregated by default: the running decodes and the next prefill batch run as ONE mixed forward on the
+whole GPU (as hybrid mode does). An attention-aware roofline (`partition/roofline.py`: token-level,
+sequence-level and communication operators, with the peaks measured at start-up) predicts that step's
+latency. When it exceeds the TBT SLO (times `margin`), the SMs are split: decode runs k steps on S_d
+while the prefill batch runs once on S_p, and the split and k are chosen to maximise throughput,
+    (k * B + P) / max(k * t_d, t_p),  subject to t_d <= margin * SLO,
+with t_d the predicted decode step beside the prefill on S_d, t_p the prefill batch's time on S_p,
+B the decode batch and P the prefill tokens; k = ceil(t_p / t_d), so the k decode steps (dispatched
+ahead, without a host sync between them) cover the prefill. Where no split meets the SLO, the one
+with the fastest decode step is taken and the decision says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from rapidserve.config import ModelConfig
+from rapidserve.partition.policy import PolicyState, prefill_batch
+from rapidserve.partition.profile import Configuration
+from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds
+
+Mode = Literal["idle", "decode", "aggregated", "split"]
+
+
+@dataclass(frozen=True)
+class DuetDecision:
+    mode: Mode
+    prefill: tuple[tuple[str, int, int], ...]  # (req_id, chunk tokens, prefix) of the prefill batch
+    decode_units: int  # split: decode's SMs/CUs; 0: the whole GPU (aggregated or decode alone)
+    prefill_units: int  # split: prefill's; 0 otherwise
+    lookahead: int  # decode steps dispatched on decode_units while the prefill batch runs (1 unless split)
+    predicted_step_ms: float  # aggregated / decode alone: the step; split: one decode step beside prefill
+    predicted_prefill_ms: float  # split: the prefill batch on prefill_units; aggregated: the mixed step
+    meets_slo: bool
+    reason: str
+
+
+def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits: Sequence[Configuration], *,
+                margin: float = 0.9, tp: int = 1) -> DuetDecision:
+    """The next iteration's configuration. Pure: same inputs, same outputs."""
+    if not 0 < margin <= 1:
+        raise ValueError("margin must be in (0, 1]")
+    limit = margin * state.slo_tbt_ms
+    batch = prefill_batch(state)
+    contexts = state.decode_contexts
+    n = peaks.num_compute_units
+    if not batch and not contexts:
+        return DuetDecision("idle", (), 0, 0, 1, 0.0, 0.0, True, "no work")
+    chunks = [(t, p) for _, t, p in batch]
+    t_mix = 1e3 * step_seconds(mixed_operators(model_cfg, contexts, chunks, tp=tp), n, peaks)
+    if not batch:
+        return DuetDecision("decode", (), 0, 0, 1, t_mix, 0.0, t_mix <= limit,
+                            f"decode only: {t_mix:.2f} ms on the whole GPU")
+    if not contexts or t_mix <= limit:
+        why = "no decode running" if not contexts else f"mixed step {t_mix:.2f} ms <= {limit:g} ms"
+        return DuetDecision("aggregated", batch, 0, 0, 1, t_mix, t_mix, True, f"aggregated: {why}")
+    tokens = sum(t for t, _ in chunks)
+    best: tuple[float, int, DuetDecision] | None = None
+    fastest: DuetDecision | None = None
+    for c in splits:
+        if c.decode_units == 0 or c.prefill_units < 1:
+            continue
+        t_d, tok_s = concurrent(model_cfg, len(contexts), state.mean_context, c.decode_units, c.prefill_units,
+                                tokens, peaks, tp)
+        t_p = 1e3 * tokens / tok_s
+        k = max(1, math.ceil(t_p / t_d))
+        ok = t_d <= limit
+        d = DuetDecision("split", batch, c.decode_units, c.prefill_units, k, t_d, t_p, ok,
+                         f"split {c.name}: mixed step {t_mix:.2f} ms > {limit:g} ms; decode {t_d:.2f} ms x {k} "
+                         f"beside prefill {t_p:.2f} ms")
+        if fastest is None or t_d < fastest.predicted_step_ms:
+            fastest = d
+        if ok:
+            tput = (k * len(contexts) + tokens) / max(k * t_d, t_p)
+            if best is None or (tput, c.decode_units) > (best[0], best[1]):
+                best = (tput, c.decode_units, d)
+    if best is not None:
+        return best[2]
+    if fastest is None:
+        return DuetDecision("aggregated", batch, 0, 0, 1, t_mix, t_mix, False,
+                            f"aggregated: mixed step {t_mix:.2f} ms > {limit:g} ms and no split is configured")
+    return DuetDecision("split", batch, fastest.decode_units, fastest.prefill_units, fastest.lookahead,
+                        fastest.predicted_step_ms, fastest.predicted_prefill_ms, False,
+                        f"SLO cannot be met ({state.slo_tbt_ms:g} ms): {fastest.reason}")
