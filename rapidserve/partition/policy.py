@@ -6,8 +6,9 @@ The three policies are pure decision functions over the same `PolicyState`:
 * duet (`partition/duet.py:decide_duet`): a roofline predicts the next iteration; aggregated (one mixed
   batch on the whole GPU) while it meets the TBT SLO, else a decode/prefill split with k look-ahead
   decode steps (DuetServe, arXiv 2511.04791, sections 4.1-4.3);
-* drift (DRIFT, the PD-multiplexing paper, sections 3.3-3.5): block-wise prefill beside decode with
-  preemption (to come).
+* drift (`partition/drift.py:decide_drift`): block-wise prefill beside decode, a linear latency model
+  per partition, preemption of a long prefill batch by a short request (DRIFT, the PD-multiplexing
+  paper, sections 3.3-3.5).
 The workers carry the decisions out; nothing here touches a device.
 """
 
