@@ -282,3 +282,65 @@ def test_prefill_carry_feeds_the_leading_decode_rows(setup: tuple[Any, ModelRunn
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="leading one-token items"):
         runner.prefill([PrefillItem([0], len(prompt), [0]), chunk], carry=Carry(sampled, [(1, 1)]))
+
+
+def _run_ahead(w: HybridWorker, steps: int, before: Any = None) -> None:
+    """Drive the scheduling-ahead loop by hand (`before(i)` runs ahead of step i), then drain it."""
+    prev = None
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        prev = w.step_ahead(prev)
+        if prev is None and not w.seqs:
+            return
+    raise AssertionError("requests still running")
+
+
+def test_hybrid_ahead_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
+    cfg, runner = poisoned
+    io = FakeIO()
+    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    io.inbox += [req("a", n=5), req("bad", POISON, n=5), req("c", n=3)]
+    w.read_inbox(wait=False)
+    _run_ahead(w, 40)
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
+    toks = _indices(io)
+    assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
+    assert w.sched.blocks.num_free == w.blocks.num_blocks
+
+
+def test_hybrid_ahead_launch_that_fails_late_leaves_no_placeholder(setup: tuple[Any, ModelRunner],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host copy of a mixed step's tokens fails: the step's new prompt fails, the request decoding
+    in that step goes on (its token is recomputed next step) and nothing is left half-advanced."""
+    from rapidserve import sampler
+
+    cfg, runner = setup
+    io = FakeIO()
+    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    io.inbox += [req("a", n=8)]
+    w.read_inbox(wait=False)
+    real, armed = sampler.SamplerOutput.to_host, {"on": False}
+
+    def to_host(self: Any) -> Any:
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("pinned allocation failed")
+        return real(self)
+
+    monkeypatch.setattr(sampler.SamplerOutput, "to_host", to_host)
+
+    def before(i: int) -> None:
+        if i == 3:
+            io.inbox.append(req("b", n=4))
+            w.read_inbox(wait=False)
+            armed["on"] = True
+            io.inbox.append(req("c", n=4))
+
+    _run_ahead(w, 60, before)
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("b", "error")] and "pinned allocation" in fin[0].message
+    toks = _indices(io)
+    assert toks["a"] == list(range(8)) and toks["c"] == list(range(4)) and "b" not in toks
+    assert w.sched.blocks.num_free == w.blocks.num_blocks

@@ -20,9 +20,11 @@ its planned tokens count as computed; the next step feeds that row the sampled t
 the device (`runner.Carry`). `record` then writes the real tokens over the placeholders, checks stops
 (a request found finished has the token computed for it in the step in flight dropped) and registers
 full blocks in the prefix cache, now that their token ids are known. A request whose token in flight
-will certainly end it (max_tokens, the context cap) gets no further decode. A placeholder is always
-resolved before any prompt recompute reads it: a preempted request is re-admitted no sooner than the
-step after next, and its last token is recorded one loop iteration after its step.
+will certainly end it (max_tokens, the context cap) gets no further decode, but keeps its blocks until
+that token is recorded: under memory pressure the next plan may preempt a request (or preempt the
+finishing one, counted as a preemption) where waiting for each step would not have. A placeholder is always
+resolved before any prompt recompute reads it: a preempted request is re-admitted by a later plan, and
+the step before that plan has been recorded by then.
 
 Forward passes:
 - decode-only plan: `ModelRunner.decode`, which replays the captured decode graph of the smallest
@@ -109,22 +111,25 @@ class HybridWorker:
                 return
 
     def run_ahead(self) -> None:
-        """The loop scheduling one step ahead: plan, launch (fed by the step in flight), read the
-        inbox, record the step before this one, publish."""
+        """The loop scheduling one step ahead (`step_ahead`), then the last step's tokens at shutdown."""
         prev: Launched | None = None
         while not self._stop:
-            plan = self.sched.schedule(self._finishing if prev is not None else None)
-            step = None if plan.is_empty else self.guarded(plan, self.launch_ahead, (plan, prev))
-            self.read_inbox(wait=step is None and prev is None and not plan.preempted)
-            if prev is not None:
-                self.guarded(prev.plan, self.record_ahead, prev)
-            self.publish()
-            prev = step
+            prev = self.step_ahead(prev)
             if not self.io.others_alive():
                 return
         if prev is not None:
             self.guarded(prev.plan, self.record_ahead, prev)
             self.publish()
+
+    def step_ahead(self, prev: Launched | None) -> Launched | None:
+        """Plan, launch (fed by `prev`, still in flight), read the inbox, record `prev`, publish."""
+        plan = self.sched.schedule(self._finishing if prev is not None else None)
+        step = None if plan.is_empty else self.guarded(plan, self.launch_ahead, (plan, prev))
+        self.read_inbox(wait=step is None and prev is None and not plan.preempted)
+        if prev is not None:
+            self.guarded(prev.plan, self.record_ahead, prev)
+        self.publish()
+        return step
 
     def _finishing(self, seq: Sequence) -> bool:
         """Will the token in flight for `seq` certainly end it? (Then it gets no further decode.)"""
@@ -263,12 +268,15 @@ class HybridWorker:
             except RequestsFailed as e:
                 e.reqs = [seqs[i] for i in e.rows]
                 raise
+        host = None if out is None else out.to_host()
+        done = None if out is None else self.runner.mark()
+        # Nothing below raises: the state moves on only for a step that is wholly queued.
         self.sched.complete(plan, commit=False)
         for s in seqs:
             s.output_token_ids.append(PLACEHOLDER)
         if out is None:  # only prompt chunks that end no prompt: nothing to sample or wait for
             return Launched(plan, [], None, None, rows={}, index=[])
-        return Launched(plan, seqs, out.to_host(), self.runner.mark(), device_tokens=out.token_ids,
+        return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
     def record_ahead(self, step: Launched) -> None:
