@@ -58,6 +58,6 @@ def merge_results(first: dict[str, Any], second: dict[str, Any]) -> dict[str, An
     merged["runs"] = sorted([*first.get("runs", []), *second.get("runs", [])], key=key)
     merged["skipped_rates"] = [*first.get("skipped_rates", []), *second.get("skipped_rates", [])]
     cfg = dict(first.get("config", {}))
-    cfg["rates"] = [r for r in (*cfg.get("rates", []), *second.get("config", {}).get("rates", []))]
+    cfg["rates"] = [*cfg.get("rates", []), *second.get("config", {}).get("rates", [])]
     merged["config"] = cfg
     return merged

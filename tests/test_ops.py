@@ -110,6 +110,23 @@ def test_silu_and_mul_matches_transformers(dtype: torch.dtype) -> None:
     assert torch.equal(tops.silu_and_mul(gate_up), act(gate) * up)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_rope_refuses_bad_shapes() -> None:
+    """Checked on the host before any launch, so this runs on CPU."""
+    from rapidserve.ops import triton_ops as xops
+
+    q, k, pos, table = rope_inputs(torch.float32, 5, 6, 2, 64)
+    w = torch.ones(64)
+    with pytest.raises(ValueError, match=r"q/k norm weights must be \[64\]"):
+        xops.qk_norm_rope(q, k, w, torch.ones(32), 1e-6, pos, table)
+    with pytest.raises(ValueError, match="positions must be"):
+        xops.qk_norm_rope(q, k, w, w, 1e-6, pos[:3], table)
+    with pytest.raises(ValueError, match="cos_sin_cache must be"):
+        xops.apply_rope(q, k, pos, table[:, :32])
+    with pytest.raises(ValueError, match="one dtype"):
+        xops.apply_rope(q, k.half(), pos, table)
+
+
 def test_get_ops_cpu_is_torch() -> None:
     ops = get_ops(torch.device("cpu"))
     assert ops.name == "torch" and ops.rms_norm is tops.rms_norm

@@ -217,7 +217,7 @@ def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRun
         plan = w.sched.schedule()
         if plan.is_empty:
             break
-        step = w.guarded(plan, w.launch, plan)
+        step = w.guarded(plan, w.launch, (plan, None))
         w.read_inbox(wait=False)
         if step is not None:
             w.guarded(plan, w.record, step)

@@ -103,7 +103,7 @@ def check_vllm_schema(arg_names: list[str]) -> None:
 
 def _from_vllm() -> Fa3Kernel:
     lib = vllm_fa3_library()
-    if not hasattr(torch.ops, "_vllm_fa3_C") or not hasattr(torch.ops._vllm_fa3_C, "fwd"):
+    if not hasattr(torch.ops._vllm_fa3_C, "fwd"):  # not loaded yet in this process
         torch.ops.load_library(str(lib))
     op = torch.ops._vllm_fa3_C.fwd
     check_vllm_schema([a.name for a in op.default._schema.arguments])

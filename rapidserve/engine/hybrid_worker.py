@@ -9,9 +9,10 @@ another process. It is built and started like the others (`worker_build.build_hy
 
 Each step (`run`): the `HybridScheduler` plans decodes first, then prompt chunks up to the token
 budget; `launch` runs the plan as ONE forward pass and samples on the device; the worker reads its
-inbox while the device computes; `record` waits for the step (the one host sync of a step), appends
+inbox while the device computes; `record` waits for the step (the one host sync of a step), fills in
 the tokens, checks stops and frees what finished; `publish` sends the step's tokens in one
-TokenBatch.
+TokenBatch. Waiting for each step (`--no-async-scheduling`) records a step before planning the next;
+both loops share `launch` and `record`.
 
 Scheduling ahead (`SchedulerConfig.async_scheduling`, on by default, as vLLM's --async-scheduling):
 step N+1 is planned and launched before step N's tokens are read, so the device never waits for the
@@ -59,7 +60,7 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
-from rapidserve.sequence import Sequence, check_stop, check_stop_at
+from rapidserve.sequence import Sequence, check_stop_at
 from rapidserve.step_plan import StepPlan
 
 T = TypeVar("T")
@@ -102,7 +103,7 @@ class HybridWorker:
             return
         while not self._stop:
             plan = self.sched.schedule()
-            step = None if plan.is_empty else self.guarded(plan, self.launch, plan)
+            step = None if plan.is_empty else self.guarded(plan, self.launch, (plan, None))
             self.read_inbox(wait=plan.is_empty and not plan.preempted)  # while the device computes the step
             if step is not None:
                 self.guarded(plan, self.record, step)
@@ -118,16 +119,16 @@ class HybridWorker:
             if not self.io.others_alive():
                 return
         if prev is not None:
-            self.guarded(prev.plan, self.record_ahead, prev)
+            self.guarded(prev.plan, self.record, prev)
             self.publish()
 
     def step_ahead(self, prev: Launched | None) -> Launched | None:
         """Plan, launch (fed by `prev`, still in flight), read the inbox, record `prev`, publish."""
         plan = self.sched.schedule(self._finishing if prev is not None else None)
-        step = None if plan.is_empty else self.guarded(plan, self.launch_ahead, (plan, prev))
+        step = None if plan.is_empty else self.guarded(plan, self.launch, (plan, prev))
         self.read_inbox(wait=step is None and prev is None and not plan.preempted)
         if prev is not None:
-            self.guarded(prev.plan, self.record_ahead, prev)
+            self.guarded(prev.plan, self.record, prev)
         self.publish()
         return step
 
@@ -154,7 +155,7 @@ class HybridWorker:
             self.runner.synchronize()  # nothing in flight writes the blocks freed below
             if isinstance(e, RequestsFailed):
                 blamed, why = e.reqs, describe(e.error, "sampling")
-            elif fn in (self.record, self.record_ahead):  # the plan may be marked computed: no retry
+            elif fn == self.record:  # the plan is marked computed already: retrying is not safe
                 blamed, why = list(plan.decode) + [c.seq for c in plan.prefill], describe(e, "step")
             else:
                 blamed, why = [c.seq for c in plan.prefill] or list(plan.decode), describe(e, "step")
@@ -193,51 +194,11 @@ class HybridWorker:
             self.out.send(m.Finished(req_id, "abort"))
 
     # ---- one step ---------------------------------------------------------------------------
-    def launch(self, plan: StepPlan) -> Launched:
-        """Queue the plan's forward pass and its sampling on the device; returns without waiting."""
-        table = self.blocks.table
-        if plan.is_decode_only:
-            logits = self.runner.decode([DecodeItem(s.last_token_id, s.num_tokens - 1, table(s.seq_id))
-                                         for s in plan.decode])
-        else:
-            items = [PrefillItem([s.last_token_id], s.num_tokens - 1, table(s.seq_id)) for s in plan.decode]
-            items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
-                                  need_logits=c.samples) for c in plan.prefill]
-            logits = self.runner.prefill(items)
-        seqs = plan.sampled
-        if not seqs:  # only prompt chunks that end no prompt: nothing to sample or wait for
-            return Launched(plan, [], None, None)
-        index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
-        try:
-            out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos)
-        except RequestsFailed as e:
-            e.reqs = [seqs[i] for i in e.rows]
-            raise
-        return Launched(plan, seqs, out.to_host(), self.runner.mark())
-
-    def record(self, step: Launched) -> None:
-        """Wait for the step, then take its tokens: emit, stop, free what finished."""
-        if step.done is not None:
-            step.done.synchronize()
-        self.sched.complete(step.plan)
-        if step.host is None:
-            return
-        for seq, (tok, lp, top) in zip(step.seqs, step.host.rows([s.params for s in step.seqs]), strict=True):
-            if seq.is_finished:  # aborted while the step ran: its token is dropped
-                continue
-            seq.output_token_ids.append(tok)
-            reason = check_stop(seq.params, seq.output_token_ids, seq.num_tokens, self.eos, self.context_cap)
-            index = len(seq.output_token_ids) - 1
-            self._tokens.append(m.TokenOut(seq.seq_id, index, tok, lp, top, reason,
-                                           seq.num_cached_tokens if index == 0 else None))
-            if reason is not None:  # the token carries the reason: no Finished message
-                self.sched.finish(seq, reason)
-                del self.seqs[seq.seq_id]
-
-    def launch_ahead(self, arg: tuple[StepPlan, Launched | None]) -> Launched:
-        """`launch`, scheduling ahead: rows whose newest token is still in flight (a placeholder) take
-        it from `prev`'s sampled tokens on the device. Once the step is queued, its planned tokens
-        count as computed and each sampled sequence gets a placeholder for its coming token."""
+    def launch(self, arg: tuple[StepPlan, Launched | None]) -> Launched:
+        """Queue the plan's forward pass and its sampling on the device; returns without waiting. Rows
+        whose newest token is still in flight (a placeholder: scheduling ahead) take it from `prev`'s
+        sampled tokens on the device. Once the step is queued, its planned tokens count as computed
+        and each sampled sequence gets a placeholder for its coming token, which `record` fills in."""
         plan, prev = arg
         table = self.blocks.table
         rows = prev.rows if prev is not None and prev.rows is not None else {}
@@ -279,7 +240,7 @@ class HybridWorker:
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
-    def record_ahead(self, step: Launched) -> None:
+    def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
         then register the step's full blocks in the prefix cache."""
         if step.done is not None:

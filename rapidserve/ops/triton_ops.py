@@ -97,6 +97,25 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 # ------------------------------------------------------------------------------------------- RoPE
 @triton.jit
+def _rotated(a1, a2, c, s, dt: tl.constexpr):
+    """x * cos + rotate_half(x) * sin of the two halves (fp32), rounding each product and the sum to
+    `dt` as torch does."""
+    o1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
+    o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
+    return o1, o2
+
+
+@triton.jit
+def _cos_sin(cs_ptr, pos, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, dt: tl.constexpr):
+    """Row `pos` of the cos|sin table, cast to the activations' dtype first (as transformers does)."""
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    c = tl.load(cs_ptr + pos * (2 * HALF) + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    s = tl.load(cs_ptr + pos * (2 * HALF) + HALF + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    return c, s
+
+
+@triton.jit
 def _rope_rotate(ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
@@ -106,11 +125,7 @@ def _rope_rotate(ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     dt = x1.dtype
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rounding each product and the sum as torch does.
-    o1 = (a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)
-    o2 = (a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)
+    o1, o2 = _rotated(x1.to(tl.float32), x2.to(tl.float32), c, s, dt)
     tl.store(p1, o1.to(dt), mask=mask)
     tl.store(p1 + HALF, o2.to(dt), mask=mask)
 
@@ -121,12 +136,7 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt,
                  BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    jm = j < HALF
-    # cos/sin are cast to the activations' dtype first, as transformers does.
-    dt = q_ptr.dtype.element_ty
-    c = tl.load(cs_ptr + pos * (2 * HALF) + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
-    s = tl.load(cs_ptr + pos * (2 * HALF) + HALF + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    c, s = _cos_sin(cs_ptr, pos, HALF, BLOCK_HALF, q_ptr.dtype.element_ty)
     _rope_rotate(q_ptr, t, stride_qt, stride_qh, c, s, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
     _rope_rotate(k_ptr, t, stride_kt, stride_kh, c, s, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
 
@@ -138,6 +148,21 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     Returns (q, k) (the same storage when their last dim is contiguous; otherwise rotated copies).
     cos_sin_cache: [max_pos, D] float32, cos in the first D/2 columns, sin in the last D/2.
     """
+    q, k, cache, blocks = _rope_args(q, k, positions, cos_sin_cache)
+    num_tokens, num_q_heads = q.shape[:2]
+    if num_tokens == 0:
+        return q, k
+    _rope_kernel[(num_tokens,)](
+        q, k, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], **blocks, enable_fp_fusion=False)
+    return q, k
+
+
+def _rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, int]]:
+    """The checks and launch sizes shared by the RoPE kernels: (q, k with a contiguous last dim, the
+    contiguous cos|sin table, HALF / BLOCK_QH / BLOCK_KH / BLOCK_HALF / num_warps). ValueError naming
+    the tensor that has the wrong shape or dtype."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q must be [T, Hq, D] and k [T, Hkv, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.dtype != k.dtype:
@@ -148,22 +173,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                          f"got {tuple(cos_sin_cache.shape)}")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions must be [{num_tokens}]; got {tuple(positions.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if num_tokens == 0:
-        return q, k
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
     cache = cos_sin_cache if cos_sin_cache.is_contiguous() else cos_sin_cache.contiguous()
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_qh = triton.next_power_of_2(num_q_heads)
-    _rope_kernel[(num_tokens,)](
-        q, k, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], HALF=half, BLOCK_QH=block_qh,
-        BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=block_half,
-        num_warps=_warps(block_qh * block_half * 2), enable_fp_fusion=False)
-    return q, k
+    block_half, block_qh = triton.next_power_of_2(half), triton.next_power_of_2(num_q_heads)
+    return q, k, cache, {"HALF": half, "BLOCK_QH": block_qh, "BLOCK_KH": triton.next_power_of_2(k.shape[1]),
+                         "BLOCK_HALF": block_half, "num_warps": _warps(block_qh * block_half * 2)}
 
 
 # ------------------------------------------------------------------ Qwen3's q/k RMSNorm, then RoPE
@@ -187,9 +203,7 @@ def _norm_rotate(ptr, w_ptr, t, stride_t, stride_h, c, s, eps, NUM_HEADS: tl.con
     w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
     n1 = ((a1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
     n2 = ((a2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    # ... then x * cos + rotate_half(x) * sin, rounded as _rope_rotate does.
-    o1 = (n1 * c).to(dt).to(tl.float32) - (n2 * s).to(dt).to(tl.float32)
-    o2 = (n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)
+    o1, o2 = _rotated(n1, n2, c, s, dt)  # ... then RoPE, rounded as _rope_rotate does
     tl.store(p1, o1.to(dt), mask=mask)
     tl.store(p1 + HALF, o2.to(dt), mask=mask)
 
@@ -201,11 +215,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, stride_q
                          BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    jm = j < HALF
-    dt = q_ptr.dtype.element_ty
-    c = tl.load(cs_ptr + pos * (2 * HALF) + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
-    s = tl.load(cs_ptr + pos * (2 * HALF) + HALF + j, mask=jm, other=0.0).to(dt).to(tl.float32)[None, :]
+    c, s = _cos_sin(cs_ptr, pos, HALF, BLOCK_HALF, q_ptr.dtype.element_ty)
     _norm_rotate(q_ptr, qw_ptr, t, stride_qt, stride_qh, c, s, eps, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
     _norm_rotate(k_ptr, kw_ptr, t, stride_kt, stride_kh, c, s, eps, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
 
@@ -218,32 +228,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     than q (whose product would promote) take that unfused path."""
     if q_weight.dtype != q.dtype or k_weight.dtype != k.dtype or q.dim() != 3 or k.dim() != 3:
         return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
-    head_dim = q.shape[2]
-    if q_weight.shape != (head_dim,) or k_weight.shape != (k.shape[2],):
-        raise ValueError(f"q/k norm weights must be [{head_dim}]; got {tuple(q_weight.shape)} and "
+    q, k, cache, blocks = _rope_args(q, k, positions, cos_sin_cache)
+    if q_weight.shape != (q.shape[2],) or k_weight.shape != (q.shape[2],):
+        raise ValueError(f"q/k norm weights must be [{q.shape[2]}]; got {tuple(q_weight.shape)} and "
                          f"{tuple(k_weight.shape)}")
-    if q.shape[0] != k.shape[0] or k.shape[2] != head_dim or head_dim % 2:
-        raise ValueError(f"q must be [T, Hq, D] and k [T, Hkv, D] with an even D; got {tuple(q.shape)} and "
-                         f"{tuple(k.shape)}")
-    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be [max_pos, {head_dim}]; got {tuple(cos_sin_cache.shape)}")
-    if positions.shape != (q.shape[0],):
-        raise ValueError(f"positions must be [{q.shape[0]}]; got {tuple(positions.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
     if q.shape[0] == 0:
         return q, k
-    cache = cos_sin_cache if cos_sin_cache.is_contiguous() else cos_sin_cache.contiguous()
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_qh = triton.next_power_of_2(q.shape[1])
     _qk_norm_rope_kernel[(q.shape[0],)](
         q, k, q_weight, k_weight, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
-        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], HALF=half, BLOCK_QH=block_qh,
-        BLOCK_KH=triton.next_power_of_2(k.shape[1]), BLOCK_HALF=block_half,
-        num_warps=_warps(block_qh * block_half * 2), enable_fp_fusion=False)
+        NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], **blocks, enable_fp_fusion=False)
     return q, k
 
 
