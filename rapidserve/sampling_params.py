@@ -45,6 +45,55 @@ def _is_real(v: object) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint on the generated text, enforced by the grammar engine (vLLM's field names).
+
+    Exactly one is set:
+    - json: a JSON schema, as JSON text; the output is one JSON value that validates against it;
+    - json_object: True = any JSON object;
+    - regex: the whole output matches this regular expression;
+    - choice: the output is exactly one of these strings;
+    - grammar: an EBNF / Lark grammar (as the grammar engine reads it).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            force_setattr(self, "choice", tuple(self.choice))
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of STRUCTURED_KINDS."""
+        for name in STRUCTURED_KINDS:
+            v = getattr(self, name)
+            if v is not None and v is not False:
+                return name
+        raise SamplingParamsError("structured_outputs: no constraint set")
+
+    def validate(self) -> None:
+        set_ = [n for n in STRUCTURED_KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
+        _check(len(set_) == 1, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                               f"got {set_ or 'none'}")
+        _check(isinstance(self.json_object, bool),
+               f"structured_outputs.json_object={self.json_object!r} must be a bool")
+        for name in ("json", "regex", "grammar"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, str) and v.strip() != ""),
+                   f"structured_outputs.{name} must be a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, tuple) and len(self.choice) > 0
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               f"structured_outputs.choice={self.choice!r} must be a non-empty list of non-empty strings")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick the next tokens of one request.
 
@@ -54,6 +103,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     - min_p: drop tokens whose probability is below min_p * the most likely token's; 0 = off.
     - seed: when set, the request's tokens do not depend on what else is in the batch.
     - logprobs: None = none; 0 = logprob of the chosen token; k > 0 = chosen + the top k.
+    - structured_outputs: a constraint on the output text (`StructuredOutputs`); None = free text.
     """
 
     n: int = 1
@@ -69,6 +119,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Normalise what Python callers may pass loosely (lists, ints for floats, one stop string),
