@@ -154,6 +154,7 @@ class DecodeWorker:
             raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         self.sched.launched(batch)
+        self.partition.note_step()
         return InFlight(batch, out, host, self.runner.mark())
 
     def _complete(self) -> None:
@@ -177,4 +178,5 @@ class DecodeWorker:
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
-            self.io.to_router.try_send(self.sched.stats(self.partition.current, self.partition.num_switches))
+            p = self.partition
+            self.io.to_router.try_send(self.sched.stats(p.current, p.num_switches, p.steps))

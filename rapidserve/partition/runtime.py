@@ -139,6 +139,11 @@ class DecodePartition:
     state: ManagerState = field(init=False)
     switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=256))
     num_switches: int = 0
+    steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
+
+    def note_step(self) -> None:
+        """One decode step was launched in the current configuration."""
+        self.steps[self.current] = self.steps.get(self.current, 0) + 1
 
     def __post_init__(self) -> None:
         self.state = make_state(self.plan.initial)
