@@ -94,7 +94,10 @@ class DecodeWorker:
         """Decide this step's configuration before admission, so prefill hears of a switch before
         the KVReady of the work it concerns (same ring, in order)."""
         s = self.sched
-        sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
+        if self.partition.pcfg.policy == "duet":
+            sw = self.partition.advance_duet(s.decode_contexts(), s.pending_prefill())
+        else:
+            sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
         if sw is None:
             return
         old = self.backend.stream(sw.old, "decode")
