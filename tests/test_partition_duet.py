@@ -11,7 +11,7 @@ from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configurat
 from rapidserve.partition.manager import ManagerState
 from rapidserve.partition.policy import PolicyState, WaitingPrefill, prefill_batch
 from rapidserve.partition.profile import Configuration
-from rapidserve.partition.roofline import Peaks, mixed_operators, step_seconds
+from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds
 
 CFG = preset_config("qwen3-8b")
 PEAKS = Peaks(matmul_flops=794e12, hbm_bw=2.98e12, num_compute_units=132)  # the H100 of docs/measured.md
@@ -166,3 +166,21 @@ def test_duet_end_to_end_short_turns_aggregate_long_prompts_split() -> None:
     burst = tuple(WaitingPrefill(f"f{i}", float(i), 2048) for i in range(8))
     d = decide_duet(PolicyState(0.0, (3000,) * 32, burst, 50.0), CFG, PEAKS, SPLITS)
     assert d.mode == "split" and d.meets_slo, d.reason
+
+
+@pytest.mark.parametrize(("contexts", "prompts", "mode"), [
+    ((3000,) * 32, [320, 320, 320], "aggregated"),  # a few short turns: decode beside them stays in the SLO
+    ((3000,) * 32, [2048], "aggregated"),
+    ((3000,) * 32, [8192], "split"),  # one long prompt's kernels would hold decode past the SLO
+    ((1024,) * 8, [256], "aggregated"),
+])
+def test_duet_shared_predicts_decode_beside_the_prefill(contexts: tuple[int, ...], prompts: list[int],
+                                                         mode: str) -> None:
+    s = PolicyState(0.0, contexts, tuple(WaitingPrefill(f"p{i}", 0.0, n) for i, n in enumerate(prompts)), 50.0)
+    d = decide_duet(s, CFG, PEAKS, SPLITS, shared=True)
+    assert d.mode == mode, d.reason
+    tokens = min(sum(prompts), s.prefill_budget)
+    beside = concurrent(CFG, len(contexts), s.mean_context, 0, 132, tokens, PEAKS)[0]
+    assert ("decode beside the prefill" in d.reason) and (d.mode == "split") == (beside > 45.0)
+    if mode == "aggregated":
+        assert math.isclose(d.predicted_step_ms, beside)

@@ -42,8 +42,14 @@ class DuetDecision:
 
 
 def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits: Sequence[Configuration], *,
-                margin: float = 0.9, tp: int = 1) -> DuetDecision:
-    """The next iteration's configuration. Pure: same inputs, same outputs."""
+                margin: float = 0.9, tp: int = 1, shared: bool = False) -> DuetDecision:
+    """The next iteration's configuration. Pure: same inputs, same outputs.
+
+    shared=True is how the two-process engine aggregates: decode and prefill run as two processes on the
+    whole GPU, their kernels interleaving, not as one mixed step. Decode's step beside the prefill batch
+    is then predicted by the roofline's overallocated model (`roofline.concurrent` with decode on the
+    whole GPU: each decode kernel waits on part of a prefill kernel), which grows with the prefill's
+    kernel sizes where the mixed step grows with its work; aggregation needs that step within the SLO."""
     if not 0 < margin <= 1:
         raise ValueError("margin must be in (0, 1]")
     limit = margin * state.slo_tbt_ms
@@ -54,11 +60,15 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
         return DuetDecision("idle", (), 0, 0, 1, 0.0, 0.0, True, "no work")
     chunks = [(t, p) for _, t, p in batch]
     t_mix = 1e3 * step_seconds(mixed_operators(model_cfg, contexts, chunks, tp=tp), n, peaks)
+    step = "decode beside the prefill" if shared else "mixed step"
+    if shared and batch and contexts:
+        tokens = sum(t for t, _ in chunks)
+        t_mix = concurrent(model_cfg, len(contexts), state.mean_context, 0, n, tokens, peaks, tp)[0]
     if not batch:
         return DuetDecision("decode", (), 0, 0, 1, t_mix, 0.0, t_mix <= limit,
                             f"decode only: {t_mix:.2f} ms on the whole GPU")
     if not contexts or t_mix <= limit:
-        why = "no decode running" if not contexts else f"mixed step {t_mix:.2f} ms <= {limit:g} ms"
+        why = "no decode running" if not contexts else f"{step} {t_mix:.2f} ms <= {limit:g} ms"
         return DuetDecision("aggregated", batch, 0, 0, 1, t_mix, t_mix, True, f"aggregated: {why}")
     tokens = sum(t for t, _ in chunks)
     best: tuple[float, int, DuetDecision] | None = None
@@ -72,7 +82,7 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
         k = max(1, math.ceil(t_p / t_d))
         ok = t_d <= limit
         d = DuetDecision("split", batch, c.decode_units, c.prefill_units, k, t_d, t_p, ok,
-                         f"split {c.name}: mixed step {t_mix:.2f} ms > {limit:g} ms; decode {t_d:.2f} ms x {k} "
+                         f"split {c.name}: {step} {t_mix:.2f} ms > {limit:g} ms; decode {t_d:.2f} ms x {k} "
                          f"beside prefill {t_p:.2f} ms")
         if fastest is None or t_d < fastest.predicted_step_ms:
             fastest = d
@@ -84,7 +94,7 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
         return best[2]
     if fastest is None:
         return DuetDecision("aggregated", batch, 0, 0, 1, t_mix, t_mix, False,
-                            f"aggregated: mixed step {t_mix:.2f} ms > {limit:g} ms and no split is configured")
+                            f"aggregated: {step} {t_mix:.2f} ms > {limit:g} ms and no split is configured")
     return DuetDecision("split", batch, fastest.decode_units, fastest.prefill_units, fastest.lookahead,
                         fastest.predicted_step_ms, fastest.predicted_prefill_ms, False,
                         f"SLO cannot be met ({state.slo_tbt_ms:g} ms): {fastest.reason}")

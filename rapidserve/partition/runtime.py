@@ -179,7 +179,7 @@ class DecodePartition:
         old = self.state.config
         st = PolicyState(time.monotonic(), contexts, waiting, self.pcfg.slo_itl_ms,
                          prefill_budget=self.prefill_budget)
-        d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations)
+        d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations, shared=True)
         self.last_duet = d
         name, reason, self.state = duet_configuration(self.state, d, self.plan.configurations,
                                                       hysteresis_steps=self.pcfg.hysteresis_steps,
