@@ -205,10 +205,12 @@ class JsonCallStream:
             partials = _calls(body, ";", ("parameters", "arguments"))
         out: list[Delta] = []
         for i, p in enumerate(partials):
-            if p.name is None or (self.names is not None and p.name not in self.names):
-                if p.name is not None and not self._ids:  # not a call after all: all of it is content
-                    self._content = True
-                    return self._progress(final)
+            not_a_call = (p.complete and p.name is None) or (
+                p.name is not None and self.names is not None and p.name not in self.names)
+            if not_a_call and not self._ids:  # nothing streamed as a call yet: all of the text is content
+                self._content = True
+                return self._progress(final)
+            if p.name is None or not_a_call:
                 break
             if i == len(self._ids):
                 self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
