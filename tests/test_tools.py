@@ -7,15 +7,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from rapidserve.config import TOOL_CALL_PARSERS, ServerConfig
+from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
 from rapidserve.loader import resolve_model
 from rapidserve.server import requests as rq
 from rapidserve.server import tool_calls as tc
 from rapidserve.server.errors import APIError
+from rapidserve.server.serve import auto_tool_parser
 from rapidserve.server.tool_parsers import FORMATS, Delta
 from rapidserve.server.tool_streams import JsonCallStream
 from rapidserve.server.tools import ToolPlan, required_schema, resolve_parser, template_renders_tools
@@ -157,6 +159,19 @@ def test_parser_choice() -> None:
     with pytest.raises(ValueError, match="tool_call_parser"):
         ServerConfig(tool_call_parser="mistral")
     assert template_renders_tools(q3) and not template_renders_tools("{{ messages }}")
+
+
+def test_serve_resolves_the_auto_parser_before_starting(qtok: Tokenizer) -> None:
+    def ecfg(arch: str) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(arch=arch))
+
+    on = ServerConfig(enable_auto_tool_choice=True)
+    assert auto_tool_parser(ServerConfig(), ecfg("qwen3"), qtok) is None  # not enabled: "auto" gets 400
+    assert auto_tool_parser(on, ecfg("llama"), qtok) == "hermes"  # Qwen3's template writes <tool_call>
+    assert auto_tool_parser(ServerConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json"),
+                            ecfg("qwen3"), qtok) == "llama3_json"
+    with pytest.raises(ConfigError, match="--tool-call-parser hermes or llama3_json"):
+        auto_tool_parser(on, ecfg("mamba"), None)  # no template, an unknown family
 
 
 # ---------------------------------------------------------------- chat templates

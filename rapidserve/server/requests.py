@@ -78,7 +78,7 @@ class GenRequest:
     echo: bool = False
     user: str | None = None
     logprobs_style: Literal["completion", "chat"] | None = None
-    tools: ToolPlan | None = None  # chat: what its tools ask for (None: no tools)
+    tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
 
 
 # ---------------------------------------------------------------- what depends on the model and server
