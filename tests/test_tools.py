@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -279,6 +280,21 @@ def test_answer_and_stream_agree(plan: str, text: str, content: str | None,
             continue  # streamed as the call it began before the cut; the whole answer is its text
         assert [(n, json.loads(args)) for n, args in got_calls] == calls, (seed, got_calls)
         assert got_content.strip() == (content or "") if calls else got_content == text
+
+
+def test_a_long_streamed_call_costs_linear_time() -> None:
+    """Each character is scanned once: 40k characters of arguments fed 3 at a time stay fast."""
+    long_args = {"text": "x\\\"}{" * 8000, "n": list(range(2000))}
+    text = json.dumps([{"name": "get_weather", "parameters": long_args}])
+    t0 = time.monotonic()
+    content, calls, _ = _reassemble(_stream_cut(PLANS["required"], text, 3))
+    assert time.monotonic() - t0 < 2.0 and content == ""
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", long_args)]
+
+
+def _stream_cut(plan: ToolPlan, text: str, k: int) -> list[Delta]:
+    s = tc.ToolStream(plan)
+    return [d for i in range(0, len(text), k) for d in s.feed(text[i:i + k])] + s.finish()
 
 
 def test_stream_deltas_are_openai_shaped() -> None:

@@ -8,8 +8,9 @@
 Each call gets one delta with its index, id and name (once the name is whole), then fragments of its
 arguments' JSON text as they come (never past the arguments' closing brace); the fragments of a call
 concatenate to JSON equal to what `tool_parsers.parse` or `tool_calls.answer` gives for the whole
-text. Output that does not start as such JSON is streamed as content. The stream re-reads the text so
-far at each step (outputs are short), so the result does not depend on how the text was cut. Pure string handling.
+text, however the text was cut. Output that does not start as such JSON (or whose first object is not
+a call of a known function) is streamed as content. Each character is scanned once (`_Scan`), so a
+long output costs linear time. Pure string handling.
 """
 
 from __future__ import annotations
@@ -22,15 +23,8 @@ from typing import Literal
 from rapidserve.server.tool_parsers import PYTHON_TAG, Delta
 
 JsonMode = Literal["named", "required", "llama3_json"]
-
-
-@dataclass(frozen=True)
-class _Partial:
-    """One call as far as the text goes: its name (None until whole), its arguments' text so far."""
-
-    name: str | None
-    args: str
-    complete: bool
+ARGS_KEYS = ("parameters", "arguments")
+_SEARCH_EVERY_CHAR_UNTIL = 256  # past this, a call's keys are searched for when its length has doubled
 
 
 def _string_end(text: str, i: int) -> int:
@@ -45,33 +39,6 @@ def _string_end(text: str, i: int) -> int:
             return i + 1
         i += 1
     return -1
-
-
-def _value_end(text: str, i: int) -> int:
-    """The index after the JSON object or array starting at text[i], or -1 if it is not closed yet."""
-    depth = 0
-    while i < len(text):
-        ch = text[i]
-        if ch == '"':
-            i = _string_end(text, i)
-            if i < 0:
-                return -1
-            continue
-        if ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
-
-
-def _args_so_far(args: str) -> str:
-    """The arguments object's text as far as it goes: up to its closing brace once it has one (what
-    follows belongs to the enclosing call), else all of it (a prefix of its final text)."""
-    end = _value_end(args, 0)
-    return args[:end] if end > 0 else args
 
 
 def _key_value_start(obj: str, key: str) -> int | None:
@@ -102,48 +69,49 @@ def _key_value_start(obj: str, key: str) -> int | None:
     return None
 
 
-def _partial_call(obj: str, args_keys: tuple[str, ...]) -> _Partial:
-    """A call object `{"name": ..., <args key>: {...}}`, complete or cut off."""
-    end = _value_end(obj, 0)
-    if end > 0:
-        try:
-            whole = json.loads(obj[:end])
-        except json.JSONDecodeError:
-            return _Partial(None, "", True)
-        name = whole.get("name") if isinstance(whole, dict) else None
-        for key in args_keys:
-            at = _key_value_start(obj[:end], key)
-            if at is not None and obj[at] == "{":
-                return _Partial(name if isinstance(name, str) else None, obj[at:_value_end(obj, at)], True)
-        return _Partial(name if isinstance(name, str) else None, "", True)
-    name = None
-    at_name = _key_value_start(obj, "name")
-    if at_name is not None and obj[at_name] == '"':
-        stop = _string_end(obj, at_name)
-        if stop > 0:
-            name = json.loads(obj[at_name:stop])
-    for key in args_keys:
-        at = _key_value_start(obj, key)
-        if at is not None and obj[at] == "{":
-            return _Partial(name, _args_so_far(obj[at:]), False)
-    return _Partial(name, "", False)
+class _Scan:
+    """Where the JSON object or array starting at `start` ends, read incrementally as the text grows."""
 
+    def __init__(self, start: int) -> None:
+        self.i, self.depth, self.in_str, self.esc, self.end = start, 0, False, False, -1
 
-def _calls(body: str, seps: str, args_keys: tuple[str, ...]) -> list[_Partial]:
-    """The call objects of `body`, separated by any of `seps` and whitespace, up to a closing bracket."""
-    out: list[_Partial] = []
-    i = 0
-    while i < len(body):
-        while i < len(body) and (body[i] in seps or body[i] in " \t\r\n"):
+    def advance(self, text: str) -> int:
+        """The index after the value's closing bracket, or -1 while it is open."""
+        i = self.i
+        while self.end < 0 and i < len(text):
+            ch = text[i]
             i += 1
-        if i >= len(body) or body[i] != "{":
-            break
-        end = _value_end(body, i)
-        out.append(_partial_call(body[i:] if end < 0 else body[i:end], args_keys))
-        if end < 0:
-            break
-        i = end
-    return out
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i
+        self.i = i
+        return self.end
+
+
+@dataclass
+class _Call:
+    """The call object being read: where it starts, its scan, and what is known of it so far."""
+
+    start: int
+    scan: _Scan
+    name: str | None = None
+    args_at: int | None = None
+    args_scan: _Scan | None = None
+    search_at: int = 0  # the object's length at which its keys are next searched for
+    sent: int = 0  # characters of its arguments sent
+    id: str | None = None  # set once its start was sent
 
 
 class JsonCallStream:
@@ -158,12 +126,14 @@ class JsonCallStream:
         self._text = ""
         self._content: bool | None = None  # None: undecided; True: plain content; False: calls
         self._sent_content = 0
-        self._ids: list[str] = []  # per call streamed: its id
-        self._sent_args: list[int] = []
+        self._next = 0  # calls mode: where the next call object may start
+        self._cur: _Call | None = None
+        self._calls = 0  # calls whose start was sent
+        self._done = False  # the calls are over (closing bracket, or text that is not a call)
 
     @property
     def called(self) -> bool:
-        return bool(self._ids)
+        return self._calls > 0
 
     def feed(self, text: str) -> list[Delta]:
         self._text += text
@@ -172,51 +142,110 @@ class JsonCallStream:
     def finish(self) -> list[Delta]:
         return self._progress(final=True)
 
-    def _body(self, final: bool) -> str | None:
-        """The JSON part of the text once the output is known to be calls; None while undecided or content."""
-        s = self._text.lstrip()
+    def _decide(self, final: bool) -> None:
+        """Whether the output is calls (and where their JSON starts) or content, once that is certain."""
+        t = self._text
+        at = len(t) - len(t.lstrip())
         if self.mode == "llama3_json":
-            if s.startswith(PYTHON_TAG):
-                s = s[len(PYTHON_TAG):].lstrip()
-            elif PYTHON_TAG.startswith(s) and s and not final:
-                return None
-        if not s:
+            if t.startswith(PYTHON_TAG, at):
+                at += len(PYTHON_TAG)
+                at += len(t[at:]) - len(t[at:].lstrip())
+            elif at < len(t) and PYTHON_TAG.startswith(t[at:]) and not final:
+                return
+        if at >= len(t):
             if final:
                 self._content = True
-            return None
-        opening = "[" if self.mode == "required" else "{"
-        self._content = s[0] != opening
-        return None if self._content else s
+            return
+        self._content = t[at] != ("[" if self.mode == "required" else "{")
+        if not self._content:
+            self._next = at + 1 if self.mode == "required" else at
+            if self.mode == "named":
+                self._cur = _Call(at, _Scan(at), name=self.function, args_at=at, args_scan=_Scan(at))
 
     def _progress(self, final: bool) -> list[Delta]:
-        body = self._body(final) if self._content is not True else None
+        if self._content is None:
+            self._decide(final)
         if self._content:
             rest = self._text[self._sent_content:]
             self._sent_content = len(self._text)
             return [Delta(content=rest)] if rest else []
-        if body is None:
-            return []
-        if self.mode == "named":
-            end = _value_end(body, 0)
-            partials = [_Partial(self.function, body[:end] if end > 0 else body.rstrip(), end > 0)]
-        elif self.mode == "required":
-            partials = _calls(body[1:], ",", ("parameters", "arguments"))
-        else:
-            partials = _calls(body, ";", ("parameters", "arguments"))
         out: list[Delta] = []
-        for i, p in enumerate(partials):
-            not_a_call = (p.complete and p.name is None) or (
-                p.name is not None and self.names is not None and p.name not in self.names)
-            if not_a_call and not self._ids:  # nothing streamed as a call yet: all of the text is content
-                self._content = True
-                return self._progress(final)
-            if p.name is None or not_a_call:
+        while self._content is False and not self._done:
+            cur = self._cur or self._start_call()
+            if cur is None:
                 break
-            if i == len(self._ids):
-                self._ids.append(f"call_{uuid.uuid4().hex[:24]}")
-                self._sent_args.append(0)
-                out.append(Delta(index=i, id=self._ids[i], name=p.name))
-            if len(p.args) > self._sent_args[i]:
-                out.append(Delta(index=i, arguments=p.args[self._sent_args[i]:]))
-                self._sent_args[i] = len(p.args)
+            end = cur.scan.advance(self._text)
+            self._learn(cur, end)
+            allowed = bool(cur.name) and (self.names is None or cur.name in self.names)
+            if not allowed and (end > 0 or cur.name is not None):
+                if self._calls == 0:  # nothing streamed as a call yet: all of the text is content
+                    self._content = True
+                    return self._progress(final)
+                self._done = True
+                break
+            if allowed and cur.id is None:
+                cur.id = f"call_{uuid.uuid4().hex[:24]}"
+                out.append(Delta(index=self._calls, id=cur.id, name=cur.name))
+                self._calls += 1
+            if cur.id is not None and cur.args_at is not None and cur.args_scan is not None:
+                args_end = cur.args_scan.advance(self._text)
+                upto = args_end if args_end > 0 else len(self._text.rstrip()) if self.mode == "named" \
+                    else len(self._text)
+                if upto - cur.args_at > cur.sent:
+                    out.append(Delta(index=self._calls - 1, arguments=self._text[cur.args_at + cur.sent:upto]))
+                    cur.sent = upto - cur.args_at
+            if end < 0:
+                break
+            self._cur, self._next = None, end
+            if self.mode == "named":
+                self._done = True
         return out
+
+    def _start_call(self) -> _Call | None:
+        """The next call object's start, past separators; None while it has not begun. Sets `_done`
+        at a closing bracket or at anything that is not an object."""
+        t, i = self._text, self._next
+        seps = ",; \t\r\n" if self.mode == "required" else "; \t\r\n"
+        while i < len(t) and t[i] in seps:
+            i += 1
+        self._next = i
+        if i >= len(t):
+            return None
+        if t[i] != "{":
+            self._done = True
+            return None
+        self._cur = _Call(i, _Scan(i))
+        return self._cur
+
+    def _learn(self, cur: _Call, end: int) -> None:
+        """The call's name and where its arguments start, once the text shows them (searched while the
+        object is short, then each time its length doubles, and once it is whole)."""
+        length = (end if end > 0 else len(self._text)) - cur.start
+        if (cur.name is not None and cur.args_at is not None) or (
+                end < 0 and length >= _SEARCH_EVERY_CHAR_UNTIL and length < cur.search_at):
+            return
+        cur.search_at = 2 * length
+        obj = self._text[cur.start:cur.start + length]
+        if end > 0:
+            try:
+                whole = json.loads(obj)
+            except json.JSONDecodeError:
+                whole = None
+            name = whole.get("name") if isinstance(whole, dict) else None
+            if not isinstance(name, str) or not name:
+                cur.name = ""  # a whole object that is not a call: never allowed
+                return
+            cur.name = name
+        elif cur.name is None:
+            at = _key_value_start(obj, "name")
+            if at is not None and obj[at] == '"':
+                stop = _string_end(obj, at)
+                if stop > 0:
+                    cur.name = json.loads(obj[at:stop])
+        if cur.args_at is None:
+            for key in ARGS_KEYS:
+                at = _key_value_start(obj, key)
+                if at is not None and obj[at] == "{":
+                    cur.args_at = cur.start + at
+                    cur.args_scan = _Scan(cur.args_at)
+                    break
