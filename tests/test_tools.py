@@ -282,12 +282,14 @@ def test_answer_and_stream_agree(plan: str, text: str, content: str | None,
         assert got_content.strip() == (content or "") if calls else got_content == text
 
 
-def test_a_long_streamed_call_costs_linear_time() -> None:
-    """Each character is scanned once: 40k characters of arguments fed 3 at a time stay fast."""
+@pytest.mark.parametrize("plan", ["required", "hermes"])
+def test_a_long_streamed_call_costs_linear_time(plan: str) -> None:
+    """Each character is scanned once: ~60k characters of arguments fed 3 at a time stay fast."""
     long_args = {"text": "x\\\"}{" * 8000, "n": list(range(2000))}
-    text = json.dumps([{"name": "get_weather", "parameters": long_args}])
+    text = (json.dumps([{"name": "get_weather", "parameters": long_args}]) if plan == "required" else
+            f"<tool_call>{json.dumps({'name': 'get_weather', 'arguments': long_args})}</tool_call>")
     t0 = time.monotonic()
-    content, calls, _ = _reassemble(_stream_cut(PLANS["required"], text, 3))
+    content, calls, _ = _reassemble(_stream_cut(PLANS[plan], text, 3))
     assert time.monotonic() - t0 < 2.0 and content == ""
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", long_args)]
 

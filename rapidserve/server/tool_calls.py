@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from rapidserve.server.tool_parsers import Delta, HermesStream, ToolCall, parse
-from rapidserve.server.tool_streams import JsonCallStream
+from rapidserve.server.tool_parsers import Delta, ToolCall, parse
+from rapidserve.server.tool_streams import HermesStream, JsonCallStream
 from rapidserve.server.tools import ToolPlan
 
 
@@ -116,14 +116,14 @@ class ToolStream:
             self._stream = JsonCallStream("named", plan.function)
         else:
             raise ValueError("tool_choice \"none\" streams plain content: no ToolStream")
-        self.called = False
+
+    @property
+    def called(self) -> bool:
+        """Whether a call was streamed."""
+        return self._stream.called
 
     def feed(self, text: str) -> list[Delta]:
-        return self._seen(self._stream.feed(text))
+        return [d for d in self._stream.feed(text) if d.index is not None or d.content]
 
     def finish(self) -> list[Delta]:
-        return self._seen(self._stream.finish())
-
-    def _seen(self, deltas: list[Delta]) -> list[Delta]:
-        self.called = self.called or any(d.index is not None for d in deltas)
-        return [d for d in deltas if d.index is not None or d.content]
+        return [d for d in self._stream.finish() if d.index is not None or d.content]

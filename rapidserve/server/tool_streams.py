@@ -1,5 +1,7 @@
-"""Streamed tool calls written as bare JSON (issue 19): OpenAI-style deltas as the text is generated.
+"""Streamed tool calls (issue 19): OpenAI-style deltas as the text is generated.
 
+`HermesStream`: content outside `<tool_call>...</tool_call>` blocks, and in each block one call read
+as `JsonCallStream` reads it (a block that is not a call is content, tags included).
 `JsonCallStream` covers the outputs that are JSON from their first character:
 - "named": the whole output is the arguments object of one known function (tool_choice naming it);
 - "required": a JSON array of `{"name": ..., "parameters": {...}}` (tool_choice "required");
@@ -20,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from rapidserve.server.tool_parsers import PYTHON_TAG, Delta
+from rapidserve.server.tool_parsers import PYTHON_TAG, TOOL_CLOSE, TOOL_OPEN, Delta, call_from, partial_suffix
 
 JsonMode = Literal["named", "required", "llama3_json"]
 ARGS_KEYS = ("parameters", "arguments")
@@ -112,17 +114,21 @@ class _Call:
     search_at: int = 0  # the object's length at which its keys are next searched for
     sent: int = 0  # characters of its arguments sent
     id: str | None = None  # set once its start was sent
+    whole_args: str | None = None  # once the object is whole: its arguments (normalized JSON text)
 
 
 class JsonCallStream:
     """Incremental calls of one "named", "required" or "llama3_json" output: `feed(text)` returns the
     deltas the new text makes certain, `finish()` the rest; `called` whether any call was streamed."""
 
-    def __init__(self, mode: JsonMode, function: str | None = None, names: tuple[str, ...] | None = None) -> None:
-        """`function`: the named function ("named"); `names`: the functions a call may name (None: any)."""
+    def __init__(self, mode: JsonMode, function: str | None = None, names: tuple[str, ...] | None = None,
+                 max_calls: int | None = None) -> None:
+        """`function`: the named function ("named"); `names`: the functions a call may name (None: any);
+        `max_calls`: the calls to read at most (what follows them is ignored)."""
         if mode == "named" and not function:
             raise ValueError("a named-function stream needs the function's name")
         self.mode, self.function, self.names = mode, function, names
+        self.max_calls = 1 if mode == "named" else max_calls
         self._text = ""
         self._content: bool | None = None  # None: undecided; True: plain content; False: calls
         self._sent_content = 0
@@ -134,6 +140,11 @@ class JsonCallStream:
     @property
     def called(self) -> bool:
         return self._calls > 0
+
+    @property
+    def text(self) -> str:
+        """All the text fed so far."""
+        return self._text
 
     def feed(self, text: str) -> list[Delta]:
         self._text += text
@@ -183,10 +194,13 @@ class JsonCallStream:
                     return self._progress(final)
                 self._done = True
                 break
-            if allowed and cur.id is None:
+            if allowed and cur.id is None and (cur.args_at is not None or end > 0):
                 cur.id = f"call_{uuid.uuid4().hex[:24]}"
                 out.append(Delta(index=self._calls, id=cur.id, name=cur.name))
                 self._calls += 1
+            if cur.id is not None and cur.args_at is None and cur.whole_args is not None:
+                out.append(Delta(index=self._calls - 1, arguments=cur.whole_args))  # not an inline object
+                cur.whole_args = None
             if cur.id is not None and cur.args_at is not None and cur.args_scan is not None:
                 args_end = cur.args_scan.advance(self._text)
                 upto = args_end if args_end > 0 else len(self._text.rstrip()) if self.mode == "named" \
@@ -197,7 +211,7 @@ class JsonCallStream:
             if end < 0:
                 break
             self._cur, self._next = None, end
-            if self.mode == "named":
+            if self.max_calls is not None and self._calls >= self.max_calls:
                 self._done = True
         return out
 
@@ -228,14 +242,13 @@ class JsonCallStream:
         obj = self._text[cur.start:cur.start + length]
         if end > 0:
             try:
-                whole = json.loads(obj)
+                call = call_from(json.loads(obj), "parameters")
             except json.JSONDecodeError:
-                whole = None
-            name = whole.get("name") if isinstance(whole, dict) else None
-            if not isinstance(name, str) or not name:
+                call = None
+            if call is None:
                 cur.name = ""  # a whole object that is not a call: never allowed
                 return
-            cur.name = name
+            cur.name, cur.whole_args = call.name, call.arguments
         elif cur.name is None:
             at = _key_value_start(obj, "name")
             if at is not None and obj[at] == '"':
@@ -249,3 +262,68 @@ class JsonCallStream:
                     cur.args_at = cur.start + at
                     cur.args_scan = _Scan(cur.args_at)
                     break
+
+
+class HermesStream:
+    """Incremental `<tool_call>` parsing (hermes: Qwen2/2.5/3, Hermes). `feed` returns the deltas the new
+    text makes certain, `finish` those left at the end: a call whose closing tag never came counts when
+    its JSON is whole; a block that is not a call is content, tags included."""
+
+    def __init__(self) -> None:
+        self._buf = ""  # outside a block: what may begin a tag; inside: what may begin the closing tag
+        self._block: JsonCallStream | None = None  # the block being read
+        self._calls = 0  # calls streamed
+
+    @property
+    def called(self) -> bool:
+        return self._calls > 0
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buf += text
+        out: list[Delta] = []
+        while True:
+            if self._block is None:
+                start = self._buf.find(TOOL_OPEN)
+                if start < 0:
+                    keep = partial_suffix(self._buf, TOOL_OPEN)
+                    if len(self._buf) > keep:
+                        out.append(Delta(content=self._buf[:len(self._buf) - keep]))
+                        self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                if start > 0:
+                    out.append(Delta(content=self._buf[:start]))
+                self._buf = self._buf[start + len(TOOL_OPEN):]
+                self._block = JsonCallStream("llama3_json", max_calls=1)
+                continue
+            end = self._buf.find(TOOL_CLOSE)
+            if end < 0:
+                keep = partial_suffix(self._buf, TOOL_CLOSE)
+                out += self._of_block(self._block.feed(self._buf[:len(self._buf) - keep]))
+                self._buf = self._buf[len(self._buf) - keep:]
+                return out
+            out += self._of_block(self._block.feed(self._buf[:end])) + self._close(TOOL_CLOSE)
+            self._buf = self._buf[end + len(TOOL_CLOSE):]
+
+    def finish(self) -> list[Delta]:
+        buf, self._buf = self._buf, ""
+        if self._block is not None:
+            return self._close(buf)  # the closing tag, cut short or missing
+        return [Delta(content=buf)] if buf else []
+
+    def _close(self, tag: str) -> list[Delta]:
+        block, self._block = self._block, None
+        assert block is not None
+        out = self._of_block(block.finish())
+        return out if block.called else [Delta(content=TOOL_OPEN + block.text + tag)]
+
+    def _of_block(self, deltas: list[Delta]) -> list[Delta]:
+        """The block's call deltas, numbered among all the calls (its content deltas are dropped: a block
+        that is not a call is sent whole when it closes)."""
+        out = []
+        for d in deltas:
+            if d.index is None:
+                continue
+            if d.id is not None:
+                self._calls += 1
+            out.append(Delta(index=self._calls - 1, id=d.id, name=d.name, arguments=d.arguments))
+        return out
