@@ -81,7 +81,9 @@ class ScriptedEngine(FakeEngine):
         ids = self.tok.encode(self.script(req_id, params), add_special_tokens=False)
         for i, t in enumerate(ids):
             await asyncio.sleep(0)
-            yield TokenOut(req_id, i, t, finish_reason="stop" if i == len(ids) - 1 else None,
+            lp = None if params.logprobs is None else -0.5
+            tops = None if not params.logprobs else [(t, -0.5)]
+            yield TokenOut(req_id, i, t, lp, tops, finish_reason="stop" if i == len(ids) - 1 else None,
                            cached_tokens=0 if i == 0 else None)
 
 
@@ -200,6 +202,24 @@ def test_each_choice_is_parsed_alone_and_stop_strings_still_cut(qtok: Tokenizer)
             _same(whole.choices[0], streamed[0])
 
     asyncio.run(main())
+
+
+def test_streamed_tool_calls_keep_every_tokens_logprobs(qtok: Tokenizer) -> None:
+    async def main() -> None:
+        async with scripted_server(qtok) as (_, client):
+            whole, streamed, chunks = await _both(client, tools=TOOLS, logprobs=True, top_logprobs=1, max_tokens=64)
+            _same(whole.choices[0], streamed[0])
+            got = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+            assert len(got) == len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
+            assert [e.token for e in got] == [e.token for e in whole.choices[0].logprobs.content]
+
+    asyncio.run(main())
+
+
+def test_openapi_json_over_http_lists_the_tool_fields(tool_srv: Srv) -> None:
+    status, _, raw = http(tool_srv.url + "/openapi.json")
+    chat = json.loads(raw)["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert status == 200 and {"tools", "tool_choice", "parallel_tool_calls"} <= set(chat)
 
 
 def test_auto_needs_enable_auto_tool_choice(qtok: Tokenizer) -> None:
