@@ -72,6 +72,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [  # body, param, words the message
     ({"tools": [_fn(name="f", parameters={"type": "string"})]}, "tools", "object"),
     ({"tools": [_fn(name="f", parameters={"type": "object", "properties": [1]})]}, "tools", "properties"),
     ({"tools": [_fn(name="f", parameters=[1])]}, "tools", "parameters"),
+    ({"tools": [_fn(name="f", parameters={"type": "object", "$defs": [1]})], "tool_choice": "required"}, "tools",
+     "$defs"),
     ({"tools": [_fn(name="f"), _fn(name="f")]}, "tools", "distinct"),
     ({"tools": "f"}, "tools", "tools"),
     ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice", "required"),

@@ -92,6 +92,9 @@ def _check_parameters(i: int, t: Tool) -> None:
     if "properties" in p and not isinstance(p["properties"], dict):
         raise bad_request("tools", f"'tools[{i}].function.parameters.properties' must be an object mapping "
                                    "argument names to their schemas")
+    if "$defs" in p and not isinstance(p["$defs"], dict):
+        raise bad_request("tools", f"'tools[{i}].function.parameters.$defs' must be an object mapping names to "
+                                   "schemas")
 
 
 def _tool_dict(t: Tool) -> dict[str, Any]:
