@@ -18,6 +18,7 @@ from rapidserve.config import (
     DTYPES,
     ENGINE_MODES,
     POLICIES,
+    TOOL_CALL_PARSERS,
     ConfigError,
     PartitionConfig,
     ServerConfig,
@@ -191,7 +192,8 @@ def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                         served_model_name=a.served_model_name, max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
-                        keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s)
+                        keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
@@ -270,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="close a keep-alive connection idle for this long")
     sv.add_argument("--header-timeout-s", type=_positive_float, default=10.0,
                     help="close a connection whose request line and headers take longer than this")
+    tools = sv.add_argument_group("tool calling (tool_choice \"required\" and named functions need neither flag)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let tool_choice \"auto\" (the default when a request has tools) parse the model's own "
+                            "tool calls; without it such requests get 400, as in vLLM")
+    tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                       help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
+                            "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

@@ -19,6 +19,7 @@ ENGINE_MODES: tuple[str, ...] = ("rapid", "hybrid")
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: from the chat template / family
 
 
 class ConfigError(ValueError):
@@ -291,6 +292,8 @@ class ServerConfig:
     max_connections: int = 2048
     keepalive_timeout_s: float = 15.0
     header_timeout_s: float = 10.0
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
+    tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
@@ -302,6 +305,8 @@ class ServerConfig:
         _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
         _check(self.keepalive_timeout_s > 0, f"keepalive_timeout_s={self.keepalive_timeout_s} must be > 0")
         _check(self.header_timeout_s > 0, f"header_timeout_s={self.header_timeout_s} must be > 0")
+        _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser={self.tool_call_parser!r} must be "
+                                                           f"one of {', '.join(TOOL_CALL_PARSERS)}")
 
 
 @dataclass(frozen=True)

@@ -50,19 +50,26 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn header."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn header.
+
+        `tools` (OpenAI's `{"type": "function", "function": {...}}` dicts) go to the template as HF
+        `apply_chat_template(tools=...)` passes them; a template that does not read them (SmolLM2's)
+        leaves them out, as it does in transformers and vLLM."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt "
                              "(the completions endpoint) instead of chat messages")
         text = self.hf.apply_chat_template([dict(m) for m in messages], chat_template=self.chat_template,
+                                           tools=[dict(t) for t in tools] if tools else None,
                                            add_generation_prompt=True, tokenize=False)
         return str(text)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of the chat prompt (add_generation_prompt=True).
 
         The template already writes any BOS token, so the text is encoded without adding special
         tokens, as transformers does with tokenize=True.
         """
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)

@@ -55,6 +55,10 @@ def test_serve_flags_map_to_the_server_config() -> None:
     assert (cfg.host, cfg.max_body_bytes, cfg.shutdown_grace_s, cfg.max_connections) == ("127.0.0.1", 4096, 2.5, 20)
     assert (cfg.keepalive_timeout_s, cfg.header_timeout_s, cfg.metrics_public, cfg.api_key) == (5, 3, True, None)
     assert server_config(build_parser().parse_args(["serve"]), {"RAPIDSERVE_API_KEY": "k"}).api_key == "k"
+    tools = server_config(build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",
+                                                     "llama3_json"]), {})
+    assert (tools.enable_auto_tool_choice, tools.tool_call_parser) == (True, "llama3_json")
+    assert (cfg.enable_auto_tool_choice, cfg.tool_call_parser) == (False, "auto")
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -65,6 +69,7 @@ def test_serve_flags_map_to_the_server_config() -> None:
     (["--header-timeout-s", "soon"], "--header-timeout-s"),
     (["--api-key", "a", "--api-key-file", "b"], "--api-key-file"),
     (["--api-key-file", "/no/such/key-file"], "/no/such/key-file"),
+    (["--tool-call-parser", "mistral"], "llama3_json"),
 ])
 def test_serve_usage_errors_exit_2(args: list[str], needle: str) -> None:
     r = run("serve", *args, timeout=120)

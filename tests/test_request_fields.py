@@ -82,6 +82,28 @@ def _len(cs: list[dict[str, Any]], n: int) -> None:
     assert len(cs) == n, cs
 
 
+# chat requests with tools (issue 19): HTTP only (LLM has no chat API); the server runs with
+# --enable-auto-tool-choice (SmolLM2's template ignores tools; its Llama family gives llama3_json)
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+HISTORY = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"c": 1}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+TOOL_CASES = {
+    "tools_auto": {"tools": [TOOL], "tool_choice": "auto"},
+    "tools_none": {"tools": [TOOL], "tool_choice": "none"},
+    "tools_required": {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    "tools_named": {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "tools_history": {"tools": [TOOL], "messages": HISTORY},
+    "tools_stream_n_stop": {"tools": [TOOL], "stream": True, "n": 2, "temperature": 1.0, "seed": 3,
+                            "stop": ["\n"]},
+    "tools_required_stream_usage": {"tools": [TOOL], "tool_choice": "required", "stream": True,
+                                    "stream_options": {"include_usage": True}},
+}
+
+
 # ---------------------------------------------------------------- HTTP paths (rapid, hybrid)
 
 
@@ -89,20 +111,24 @@ def _len(cs: list[dict[str, Any]], n: int) -> None:
 class Served:
     srv: Srv
     results: dict[str, list[dict[str, Any]] | BaseException]  # case name -> its choices, or what went wrong
+    tool_results: dict[str, dict[str, Any] | list[dict[str, Any]] | BaseException]  # chat: body, or its events
 
 
 @pytest.fixture(scope="module", params=["rapid", "hybrid"])
 def server(request: pytest.FixtureRequest) -> Iterator[Served]:
     """A server of that mode, with every case's request sent once, all at the same time (they share
     batches, as real traffic does); each test then checks its own case's answer."""
-    s = start("--mode", request.param)
+    s = start("--mode", request.param, "--enable-auto-tool-choice")
     try:
-        async def run_all() -> list[list[dict[str, Any]] | BaseException]:
+        async def run_all() -> list[Any]:
             loop = asyncio.get_running_loop()
             return await asyncio.gather(*(loop.run_in_executor(None, _completion, s, _body(c)) for c in CASES),
+                                        *(loop.run_in_executor(None, _chat, s, b) for b in TOOL_CASES.values()),
                                         return_exceptions=True)
 
-        yield Served(s, dict(zip((c.name for c in CASES), asyncio.run(run_all()), strict=True)))
+        got = asyncio.run(run_all())
+        yield Served(s, dict(zip((c.name for c in CASES), got[:len(CASES)], strict=True)),
+                     dict(zip(TOOL_CASES, got[len(CASES):], strict=True)))
     finally:
         assert stop(s) == 0
 
@@ -137,6 +163,43 @@ def _completion(s: Srv, body: dict[str, Any]) -> list[dict[str, Any]]:
             cur["finish_reason"] = c["finish_reason"] or cur["finish_reason"]
             cur["logprobs"] = c.get("logprobs") or cur["logprobs"]
     return [choices[i] for i in sorted(choices)]
+
+
+def _chat(s: Srv, fields: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    """POST /v1/chat/completions; the answer, or a stream's events (checked to end with [DONE], no error)."""
+    body = {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0, **fields}
+    status, _, raw = http(s.url + "/v1/chat/completions", "POST", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    assert status == 200, raw
+    if not body.get("stream"):
+        return dict(json.loads(raw))
+    events = [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", raw[-300:]
+    out = [json.loads(e) for e in events[:-1]]
+    assert not any("error" in e for e in out), out
+    return out
+
+
+@pytest.mark.parametrize("name", list(TOOL_CASES))
+def test_tool_field_through_server(server: Served, name: str) -> None:
+    got = server.tool_results[name]
+    if isinstance(got, BaseException):
+        raise got
+    fields = TOOL_CASES[name]
+    if isinstance(got, dict):  # whole: each choice is a message with text or calls of the given tool
+        assert len(got["choices"]) == fields.get("n", 1) and got["usage"]["completion_tokens"] > 0
+        for c in got["choices"]:
+            m = c["message"]
+            assert isinstance(m["content"], str) or m["tool_calls"], c
+            assert all(t["function"]["name"] == "get_weather" for t in m.get("tool_calls") or [])
+            assert c["finish_reason"] in ("stop", "length", "tool_calls")
+    else:  # streamed: every choice ends with a finish reason; usage when asked
+        ends = {c["index"]: c["finish_reason"] for e in got for c in e["choices"] if c["finish_reason"]}
+        assert sorted(ends) == list(range(fields.get("n", 1))), got[-3:]
+        assert all(r in ("stop", "length", "tool_calls") for r in ends.values())
+        if fields.get("stream_options"):
+            assert got[-1]["usage"]["completion_tokens"] > 0
+    assert http(server.srv.url + "/health")[0] == 200  # no worker died of it
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

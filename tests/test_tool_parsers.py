@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from rapidserve.server.tool_parsers import HermesStream, parse, parse_hermes, parse_llama3_json
+from rapidserve.server.tool_parsers import parse, parse_hermes, parse_llama3_json
+from rapidserve.server.tool_streams import HermesStream
 
 W = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
 NESTED = ('{"name": "book", "arguments": {"who": {"first": "A", "tags": ["x", "}{", "]"]}, '

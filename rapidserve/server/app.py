@@ -43,7 +43,15 @@ from rapidserve.server.errors import APIError
 from rapidserve.server.metrics import Metrics
 from rapidserve.server.openapi import openapi_document
 from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
-from rapidserve.server.responses import chat_role_chunk, final_response, stream_chunk, usage_chunk, usage_dict
+from rapidserve.server.responses import (
+    chat_role_chunk,
+    final_response,
+    new_tool_streams,
+    stream_chunk,
+    tool_stream_chunks,
+    usage_chunk,
+    usage_dict,
+)
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -77,12 +85,12 @@ class Choice:
 
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine, tokenizer: Tokenizer | None,
-                 model_name: str) -> None:
+                 model_name: str, tool_parser: str | None = None) -> None:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens)
+                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
         self.capacity = ecfg.scheduler.max_num_seqs + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -329,7 +337,14 @@ class Server:
             async with lock:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
+        tools = new_tool_streams(req, [c.index for c in choices])  # chat whose text is read for tool calls
+
         async def on_delta(c: Choice, delta: str, tok: TokenOut) -> None:
+            if tools is not None:
+                for chunk in tool_stream_chunks(req, rid, created, self.model_name, c.index, delta, tok,
+                                                c.finish_reason, self.tok, tools[c.index]):
+                    await send(chunk)
+                return
             await send(stream_chunk(req, rid, created, self.model_name, c.index, delta, tok,
                                           c.finish_reason, self.tok, text_offset=len(c.text) - len(delta)))
 

@@ -81,7 +81,8 @@ def _validation_error(e: msgspec.ValidationError, typ: type[RequestBody]) -> API
         return bad_request(None, f"the request body must be a JSON object: {what[:1].lower()}{what[1:]}")
     param = re.match(r"[^.\[]*", where)[0]  # type: ignore[index]
     message = f"'{where}' is required" if missing else f"invalid '{where}': {what[:1].lower()}{what[1:]}"
-    help = _field_help(typ, param) if "." not in where or param == "messages" else None  # not inside an object
+    # the field's help, also for errors inside the list fields whose help describes their items
+    help = _field_help(typ, param) if "." not in where or param in ("messages", "tools", "tool_choice") else None
     return bad_request(param, message + (f" ('{param}' is {help})" if help else ""))
 
 

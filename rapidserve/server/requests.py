@@ -16,9 +16,10 @@ The edge, in order; each step refuses with a 4xx naming the field before any cos
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jinja2
 
@@ -33,6 +34,7 @@ from rapidserve.server.schemas import (
     GenerateRequest,
     RequestBody,
 )
+from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
 from rapidserve.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat", "generate"]
@@ -50,6 +52,7 @@ class ProtocolContext:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
+    tool_parser: str | None = None  # the tool-call format of tool_choice "auto"; None: auto not enabled
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ class GenRequest:
     echo: bool = False
     user: str | None = None
     logprobs_style: Literal["completion", "chat"] | None = None
+    tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
 
 
 # ---------------------------------------------------------------- what depends on the model and server
@@ -89,9 +93,10 @@ class _Plan:
     body: RequestBody
     n: int
     sources: list[str | list[int]]  # completions/generate: each prompt, as text or token ids
-    messages: list[dict[str, str]] | None  # chat: the messages for the template
+    messages: list[dict[str, Any]] | None  # chat: the messages for the template
     prompt_param: str
     work: int  # characters to tokenize (or token ids to decode for echo)
+    tools: ToolPlan | None = None
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -113,13 +118,8 @@ def _refuse_unsupported(r: RequestBody, n: int) -> None:
             raise bad_request(name, f"'{name}' is not supported by this server: only {neutral} or null, got {v!r}")
     if r.logit_bias:
         raise bad_request("logit_bias", "'logit_bias' is not supported by this server: only {} or null")
-    if isinstance(r, ChatCompletionRequest):
-        if r.tools:
-            raise bad_request("tools", "'tools' (function calling) is not supported by this server")
-        if r.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice", "'tool_choice' may only be 'none', 'auto' or null on this server")
-        if r.response_format is not None and r.response_format.type != "text":
-            raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
+    if isinstance(r, ChatCompletionRequest) and r.response_format is not None and r.response_format.type != "text":
+        raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
     if isinstance(r, CompletionRequest):
         if r.suffix:
             raise bad_request("suffix", "'suffix' is not supported by this server")
@@ -154,17 +154,6 @@ def _prompt_sources(r: CompletionRequest | GenerateRequest) -> list[tuple[str, s
         return [(f"prompt[{i}]", s) for i, s in enumerate(p)]  # type: ignore[misc]
     raise bad_request("prompt", "'prompt' must be a string, a list of token ids, a list of strings or a list of "
                                 "lists of token ids (not a mix)")
-
-
-def _chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
-    for i, m in enumerate(r.messages):
-        if m.content is None and m.role != "assistant":
-            raise bad_request("messages", f"'messages[{i}].content' must be a string or a list of text parts "
-                                          "(null only for the assistant)")
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
 
 
 def _completion_sources(r: CompletionRequest | GenerateRequest,
@@ -212,14 +201,15 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
     if isinstance(r, ChatCompletionRequest):
-        messages = _chat_messages(r)
-        work = sum(len(m["content"]) for m in messages)
+        messages = template_messages(r)
+        tools = plan_tools(r, ctx.tool_parser)
+        work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools)
         _check_text_size(work, "messages", "messages", ctx)
         if ctx.tokenizer is None:
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
-        return _Plan(kind, model, r, n, [], messages, "messages", work)  # type: ignore[arg-type]
+        return _Plan(kind, model, r, n, [], messages, "messages", work, tools)  # type: ignore[arg-type]
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
     return _Plan(kind, model, r, n, sources, None, "prompt", work)  # type: ignore[arg-type]
@@ -234,7 +224,8 @@ def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[
     if plan.messages is not None:
         assert tok is not None
         try:
-            return [tok.apply_chat_template(plan.messages)], [None]
+            tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
+            return [tok.apply_chat_template(plan.messages, tools=tools)], [None]
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             raise bad_request("messages", f"the chat template rejected 'messages': {str(e)[:200]}") from None
     prompts = [tok.encode(s) if isinstance(s, str) else s for s in plan.sources]  # type: ignore[union-attr]
@@ -284,14 +275,15 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
             top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
             min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
             stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
-            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False,
+            structured_outputs=plan.tools.structured_outputs() if plan.tools is not None else None)
     except SamplingParamsError as e:
         m = re.match(r"(\w+)=", str(e))
         raise bad_request(m.group(1) if m else None, str(e)) from None
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
-                      user=r.user, logprobs_style=style)
+                      user=r.user, logprobs_style=style, tools=plan.tools)
 
 
 def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:

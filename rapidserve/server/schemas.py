@@ -22,6 +22,7 @@ MAX_PROMPTS = 1024  # prompts in one completions request (also bounded by the se
 MAX_MESSAGES = 1024
 MAX_STOP_CHARS = 1024  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 256
+MAX_TOOLS = 128  # tools in one request, and tool calls in one message
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
 
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # and below the model's vocabulary size (checked per model)
@@ -44,11 +45,75 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a function name: 1 to 64 letters, "
+                                    "digits, underscores or dashes")]
+
+
+class CalledFunction(msgspec.Struct, kw_only=True):
+    """The function an earlier assistant turn called: its name and its arguments (a JSON object, as text)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256, description="the called function's name")]
+    arguments: Annotated[str, Meta(description="the call's arguments: a JSON object as a string")] = "{}"
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an earlier assistant message (OpenAI's shape)."""
+
+    id: Annotated[str, Meta(max_length=256, description="the call's id, which the tool message answering it "
+                                                         "quotes as tool_call_id")] = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat message; `content` may be null only for the assistant; `developer` is read as `system`."""
+    """One chat message; `content` may be null only for the assistant; `developer` is read as `system`.
+
+    An assistant message may carry the `tool_calls` it made; a `tool` message answers one of them
+    (`tool_call_id`) with its result as `content`."""
 
     role: Role
     content: str | list[ContentPart] | None = None
+    name: Annotated[str, Meta(max_length=256, description="the author's name (passed to the chat template)")] \
+        | None = None
+    tool_calls: Annotated[list[MessageToolCall], Meta(max_length=MAX_TOOLS, description=(
+        f"only on assistant messages: at most {MAX_TOOLS} calls {{\"id\", \"type\": \"function\", "
+        "\"function\": {\"name\", \"arguments\": a JSON object as a string}}"))] | None = None
+    tool_call_id: Annotated[str, Meta(max_length=256, description="only on tool messages: the id of the call this "
+                                                                   "message answers")] | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    """A function the model may call (OpenAI's shape)."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: Annotated[dict[str, Any], Meta(description="the arguments, as a JSON schema of an object (`\"type\": "
+                                                           "\"object\"`); omitted: no arguments")] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    """One tool: only functions."""
+
+    type: Annotated[Literal["function"], Meta(description="\"function\" (the only kind of tool)")]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """Force a call of this function (one of `tools`)."""
+
+    type: Annotated[Literal["function"], Meta(description="\"function\"")]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Meta(
+    description="\"none\" (no calls), \"auto\" (the model decides; needs the server's --enable-auto-tool-choice), "
+                "\"required\" (at least one call) or {\"type\": \"function\", \"function\": {\"name\": one of tools}} "
+                "(a call of that function); default: \"auto\" when tools are given, else \"none\"")]
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -135,9 +200,13 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
-    tools: Annotated[list[msgspec.Raw], Meta(description=NotSupported.format("[]"))] | None = None
-    tool_choice: Annotated[str | dict[str, msgspec.Raw], Meta(description="only \"none\", \"auto\" or null on "
-                                                                         "this server")] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS, description=(
+        f"at most {MAX_TOOLS} tools {{\"type\": \"function\", \"function\": {{\"name\": 1 to 64 letters, digits, "
+        "underscores or dashes (a function name), \"description\", \"parameters\": a JSON schema object}}, with "
+        "distinct names"))] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Annotated[bool, Meta(description="false: at most one call (enforced with tool_choice "
+                                                          "\"required\"); default true")] | None = None
     response_format: ResponseFormat | None = None
 
 

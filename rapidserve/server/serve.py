@@ -21,10 +21,11 @@ import time
 
 from aiohttp import web
 
-from rapidserve.config import EngineConfig, ServerConfig
+from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.loader import ModelSource
 from rapidserve.server.connections import GuardedRunner
+from rapidserve.server.tools import resolve_parser, template_renders_tools
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -61,6 +62,24 @@ def warn_if_exposed(scfg: ServerConfig) -> bool:
     return True
 
 
+def auto_tool_parser(scfg: ServerConfig, ecfg: EngineConfig, tokenizer: Tokenizer | None) -> str | None:
+    """The tool-call format of tool_choice "auto" (None: not enabled); a ConfigError when it was enabled but
+    the format cannot be told. Logs the choice, and a warning when the chat template ignores tools."""
+    if not scfg.enable_auto_tool_choice:
+        return None
+    template = tokenizer.chat_template if tokenizer is not None else None
+    parser = resolve_parser(scfg.tool_call_parser, template, ecfg.model_config.arch)
+    if parser is None:
+        raise ConfigError(f"--enable-auto-tool-choice: cannot tell the tool-call format of this model "
+                          f"({ecfg.model_config.arch}, a chat template without <tool_call>): pass --tool-call-parser "
+                          f"{' or '.join(p for p in TOOL_CALL_PARSERS if p != 'auto')}")
+    log.info("tool_choice \"auto\": parsing tool calls as %s (--tool-call-parser %s)", parser, scfg.tool_call_parser)
+    if not template_renders_tools(template):
+        log.warning("the chat template does not render 'tools': the model will not see them (tool_choice "
+                    "\"required\" and named functions still constrain its output)")
+    return parser
+
+
 def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
     """The runner of the server's app: connection limits from `scfg`, handlers cancelled when their
     client goes away (which aborts the engine request), no access log (one line per request instead)."""
@@ -80,11 +99,12 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
         merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
         ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
     name = model_name(ecfg, source, scfg.served_model_name)
+    tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
     t0 = time.monotonic()
     engine = await AsyncEngine.start(ecfg)
     for line in engine.events:
         log.info("%s", line)
-    server = Server(scfg, ecfg, engine, tokenizer, name)
+    server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser)
     runner = make_runner(server.app(), scfg)
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)

@@ -6,10 +6,8 @@
   {...}}` (or several joined by `;`), optionally after `<|python_tag|>`.
 
 `parse(text)` gives the final message (content and calls; text that does not parse stays content, as
-vLLM's parsers do). `HermesStream` turns the text as it is generated into OpenAI-style deltas: content
-pieces, then per call one delta with its id and name followed by fragments of its arguments' JSON text,
-so the fragments of a call concatenate to a JSON object equal to the one `parse` returns.
-Pure string handling; no model, no server.
+vLLM's parsers do); `call_from` reads one call object. The same formats as they stream, as OpenAI-style
+`Delta`s, are tool_streams.py's. Pure string handling; no model, no server.
 """
 
 from __future__ import annotations
@@ -37,7 +35,9 @@ class Parsed:
     calls: tuple[ToolCall, ...]
 
 
-def _call_from(obj: Any, args_key: str) -> ToolCall | None:
+def call_from(obj: Any, args_key: str) -> ToolCall | None:
+    """The call a decoded JSON object `{"name": ..., <args_key> or "arguments": {...} or its JSON text}`
+    stands for (no arguments: {}), or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get(args_key, obj.get("arguments", {}))
@@ -63,9 +63,9 @@ def parse_hermes(text: str) -> Parsed:
         end = text.find(TOOL_CLOSE, start)
         body = text[start + len(TOOL_OPEN): end if end >= 0 else len(text)]
         if end < 0:  # generation stopped inside the call, maybe inside its closing tag
-            body = body[: len(body) - _partial_suffix(body, TOOL_CLOSE)]
+            body = body[: len(body) - partial_suffix(body, TOOL_CLOSE)]
         try:
-            call = _call_from(json.loads(body), "arguments")
+            call = call_from(json.loads(body), "arguments")
         except json.JSONDecodeError:
             call = None
         if call is None:  # not a call after all: keep the text as it came
@@ -96,7 +96,7 @@ def parse_llama3_json(text: str) -> Parsed:
             obj, end = decoder.raw_decode(body, pos)
         except json.JSONDecodeError:
             return Parsed(text, ())
-        call = _call_from(obj, "parameters")
+        call = call_from(obj, "parameters")
         if call is None:
             return Parsed(text, ())
         calls.append(call)
@@ -125,141 +125,9 @@ class Delta:
     arguments: str | None = None
 
 
-class HermesStream:
-    """Incremental `<tool_call>` parsing for streamed responses. `feed` returns the deltas the new text
-    makes certain; `finish` those left at the end (an unclosed or malformed call's text as content)."""
-
-    def __init__(self) -> None:
-        self._buf = ""  # text not yet emitted
-        self._in_call = False
-        self._index = -1
-        self._sent_args = 0  # characters of the current call's arguments text already sent
-        self._started = False  # the current call's id/name delta was sent
-
-    def feed(self, text: str) -> list[Delta]:
-        self._buf += text
-        out: list[Delta] = []
-        while True:
-            if not self._in_call:
-                start = self._buf.find(TOOL_OPEN)
-                if start < 0:
-                    keep = _partial_suffix(self._buf, TOOL_OPEN)  # may be the start of a tag
-                    if len(self._buf) > keep:
-                        out.append(Delta(content=self._buf[: len(self._buf) - keep]))
-                        self._buf = self._buf[len(self._buf) - keep:]
-                    return out
-                if start > 0:
-                    out.append(Delta(content=self._buf[:start]))
-                self._buf = self._buf[start + len(TOOL_OPEN):]
-                self._in_call, self._index, self._sent_args, self._started = True, self._index + 1, 0, False
-                continue
-            end = self._buf.find(TOOL_CLOSE)
-            body = self._buf[: len(self._buf) - _partial_suffix(self._buf, TOOL_CLOSE)] if end < 0 else self._buf[:end]
-            out += self._call_progress(body, closed=end >= 0)
-            if end < 0:
-                return out
-            self._buf = self._buf[end + len(TOOL_CLOSE):]
-            self._in_call = False
-
-    def finish(self) -> list[Delta]:
-        if self._in_call:  # a call whose closing tag never came still counts when its JSON is whole
-            cut = _partial_suffix(self._buf, TOOL_CLOSE)
-            body, tail = self._buf[: len(self._buf) - cut], self._buf[len(self._buf) - cut:]
-            out = self._call_progress(body, closed=True, close_tag=tail)
-        else:
-            out = [Delta(content=self._buf)] if self._buf else []
-        self._buf, self._in_call = "", False
-        return out
-
-    def _call_progress(self, body: str, closed: bool, close_tag: str = TOOL_CLOSE) -> list[Delta]:
-        out: list[Delta] = []
-        if closed:
-            try:
-                call = _call_from(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:  # not a call: its text is content (nothing of it was streamed as a call)
-                if not self._started:
-                    self._index -= 1
-                    return [Delta(content=TOOL_OPEN + body + close_tag)]
-                return out  # a started call that ends malformed: nothing more to add
-            if not self._started:
-                self._started = True
-                out.append(Delta(index=self._index, id=call.id, name=call.name))
-            rest = call.arguments if self._sent_args == 0 else _args_tail(body, self._sent_args)
-            if rest:
-                out.append(Delta(index=self._index, arguments=rest))
-            return out
-        name, args_at = _name_and_args_start(body)
-        if name is None or args_at is None:
-            return out
-        if not self._started:
-            self._started = True
-            out.append(Delta(index=self._index, id=f"call_{uuid.uuid4().hex[:24]}", name=name))
-        # stream the arguments' text, holding back what may be the outer object's closing brace
-        args_text = body[args_at:].rstrip()
-        while args_text.endswith("}") and _balance(args_text) < 0:
-            args_text = args_text[:-1].rstrip()
-        if _balance(args_text) == 0 and args_text.endswith("}"):
-            args_text = args_text[:-1]  # the object itself may close now: keep its last brace for the end
-        if len(args_text) > self._sent_args:
-            out.append(Delta(index=self._index, arguments=args_text[self._sent_args:]))
-            self._sent_args = len(args_text)
-        return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
     return 0
-
-
-def _balance(text: str) -> int:
-    """Open minus closed braces/brackets outside JSON strings."""
-    depth, in_str, esc = 0, False, False
-    for ch in text:
-        if in_str:
-            esc = not esc and ch == "\\"
-            if ch == '"' and not esc:
-                in_str = False
-            continue
-        if ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-    return depth
-
-
-def _name_and_args_start(body: str) -> tuple[str | None, int | None]:
-    """The call's name once its string is complete and it comes before "arguments", and where the
-    arguments' value starts (after `"arguments":` and spaces, at its opening brace)."""
-    i = body.find('"name"')
-    j = body.find('"arguments"')
-    if i < 0 or j < 0 or j < i:
-        return None, None
-    try:
-        name, _ = json.JSONDecoder().raw_decode(body[body.index(":", i) + 1:].lstrip())
-    except (json.JSONDecodeError, ValueError):
-        return None, None
-    k = body.find(":", j)
-    if k < 0:
-        return None, None
-    start = k + 1
-    while start < len(body) and body[start] in " \t\r\n":
-        start += 1
-    if start >= len(body) or body[start] != "{" or not isinstance(name, str):
-        return None, None
-    return name, start
-
-
-def _args_tail(body: str, sent: int) -> str:
-    """The rest of the arguments' text after `sent` characters, up to the object's end."""
-    _, at = _name_and_args_start(body)
-    if at is None:
-        return ""
-    _, end = json.JSONDecoder().raw_decode(body, at)
-    return body[at:end][sent:]
