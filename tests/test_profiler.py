@@ -239,7 +239,7 @@ def test_resolve_plan_uses_or_refuses_h100_profile(tmp_path: Path, fake_gpu: Any
     plan = runtime.resolve_plan(plan_config(model, path), fake_gpu)
     assert plan.backend == "cuda-green" and plan.profile == FULL
     assert [c.name for c in plan.configurations] == ["overallocated", "split16", "split32", "split48", "split64"]
-    assert plan.source.startswith(f"adaptive, measured profile {path}") and plan.initial == OVERALLOCATED
+    assert plan.source.startswith(f"adaptive, policy rapid, measured profile {path}") and plan.initial == OVERALLOCATED
 
 
 def test_resolve_plan_finds_profile_in_profiles_dir(tmp_path: Path, fake_gpu: Any,
