@@ -58,6 +58,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
+from rapidserve.logit_controls import seq_history
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop_at
@@ -225,7 +226,8 @@ class HybridWorker:
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
             try:
-                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos)
+                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos,
+                                      history=lambda i: seq_history(seqs[i]))
             except RequestsFailed as e:
                 e.reqs = [seqs[i] for i in e.rows]
                 raise
@@ -263,6 +265,8 @@ class HybridWorker:
 
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self) -> None:
+        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
+            self.runner.tokens.retain(s.slot_key for s in self.sched.running)
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []
