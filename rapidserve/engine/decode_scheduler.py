@@ -112,10 +112,10 @@ class DecodeScheduler:
     def mean_context(self) -> int:
         return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
 
-    def stats(self, partition: str, switches: int) -> m.Stats:
+    def stats(self, partition: str, switches: int, token_slots: int = 0) -> m.Stats:
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
-                       self.num_preemptions, partition, switches, b.queries, b.hits)
+                       self.num_preemptions, partition, switches, b.queries, b.hits, token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
     def add(self, req: m.NewRequest) -> None:

@@ -181,7 +181,8 @@ class DecodeWorker:
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
-            self.io.to_router.try_send(self.sched.stats(self.partition.current, self.partition.num_switches))
+            self.io.to_router.try_send(self.sched.stats(self.partition.current, self.partition.num_switches,
+                                                        self.runner.tokens.in_use))
 
 
 def slot_key(r: DecodeRequest) -> tuple[str, int]:

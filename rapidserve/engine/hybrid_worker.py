@@ -277,4 +277,5 @@ class HybridWorker:
             self.out.try_send(m.Stats(num_running=decoding, num_waiting=waiting, num_prefilling=prefilling,
                                       kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
                                       num_preemptions=self.sched.num_preemptions,
-                                      prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits))
+                                      prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits,
+                                      token_slots=self.runner.tokens.in_use))
