@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from functools import cached_property
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -107,7 +108,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
                f"structured_outputs.choice={self.choice!r} must be a non-empty list of non-empty strings")
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # dict: cached properties
     """How to pick the next tokens of one request.
 
     - temperature: 0 (or below 1e-5) = greedy; otherwise logits are divided by it.
@@ -237,18 +238,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
                f"bad_words_token_ids={_short(bw)} must be a list of at most {2 * MAX_BAD_WORDS} token sequences, each "
                f"of 1 to {MAX_BAD_WORD_TOKENS} token ids (a longer bad word cannot be banned: shorten it)")
 
-    @property
+    @cached_property
     def has_penalties(self) -> bool:
         """Whether a presence, frequency or repetition penalty is on (they need the request's token counts)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @cached_property
     def has_logit_controls(self) -> bool:
-        """Whether any logit control is on: without one, sampling takes the plain path."""
+        """Whether any logit control is on: without one, sampling takes the plain path (cached: this is
+        asked for every row of every step)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
-    @property
+    @cached_property
     def needs_token_history(self) -> bool:
         """Whether sampling reads the request's earlier tokens on the device (penalties, multi-token bad words)."""
         return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
