@@ -156,7 +156,7 @@ class TokenState:
 
 
 @dataclass
-class _Plan:
+class ControlPlan:
     """One step's controls as host arrays, then device tensors (built by `plan_controls`)."""
 
     allowed_rows: list[int]
@@ -173,9 +173,9 @@ class _Plan:
 
 
 def plan_controls(params: Sequence[SamplingParams], output_index: Sequence[int], history: HistoryOf | None,
-                  state: TokenState, vocab: int) -> _Plan:
+                  state: TokenState, vocab: int) -> ControlPlan:
     """The host side of one step's controls; slots are taken (and filled) for rows that need one."""
-    p = _Plan([], ([], []), ([], []), [], ([], [], []), [], [], ([], [], []), [], [], [])
+    p = ControlPlan([], ([], []), ([], []), [], ([], [], []), [], [], ([], [], []), [], [], [])
     for i, (sp, k) in enumerate(zip(params, output_index, strict=True)):
         if not sp.has_logit_controls:
             continue
@@ -218,7 +218,7 @@ def plan_controls(params: Sequence[SamplingParams], output_index: Sequence[int],
     return p
 
 
-def apply_controls(logits: Tensor, plan: _Plan, state: TokenState) -> Tensor:
+def apply_controls(logits: Tensor, plan: ControlPlan, state: TokenState) -> Tensor:
     """A float32 copy of `logits` [B, V] with the plan's controls applied (module docstring's order)."""
     dev = logits.device
     x = logits.float().clone()
@@ -272,7 +272,7 @@ def _ban_matched_words(x: Tensor, words: list[tuple[int, int, tuple[int, ...], i
                   _dev([w[-1] for _, _, w, _ in words], torch.int64, dev)), add, accumulate=True)
 
 
-def record_tokens(token_ids: Tensor, plan: _Plan, state: TokenState) -> None:
+def record_tokens(token_ids: Tensor, plan: ControlPlan, state: TokenState) -> None:
     """Add each history row's sampled token to its slot, on the device (queued right after sampling)."""
     if not plan.rec_rows:
         return

@@ -26,7 +26,14 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource
-from rapidserve.logit_controls import HistoryOf, TokenState, apply_controls, plan_controls, record_tokens
+from rapidserve.logit_controls import (
+    ControlPlan,
+    HistoryOf,
+    TokenState,
+    apply_controls,
+    plan_controls,
+    record_tokens,
+)
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.prompt import PromptLimits
@@ -153,6 +160,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, cfg.runner.seed)
         self.tokens = TokenState(self.device)  # penalty / bad-word slots (logit_controls.py), owned by the worker
+        self._unrecorded: tuple[torch.Tensor, ControlPlan] | None = None  # sample_next(record=False)'s tokens
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
@@ -376,7 +384,11 @@ class ModelRunner:
         `min_tokens` is not reached (in place), the request's seeded generator at that index. Rows with
         logit controls (penalties, logit_bias, bad words, allowed_token_ids) take them on a copy of the
         logits (logit_controls.py); `history(i)` gives row i's request tokens and slot key where the
-        controls read earlier tokens; `record=False` leaves the slots' counts alone (a retry)."""
+        controls read earlier tokens. The sampled tokens are added to the rows' slots on the device
+        (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()` once
+        the caller's step is wholly queued (a step that fails after sampling must not count its tokens;
+        a retry that is not taken never calls it)."""
+        self._unrecorded = None
         rows: list[int] = []
         cols: list[int] = []
         controlled = False
@@ -399,7 +411,16 @@ class ModelRunner:
                                       raw_logits=logits)
             if record:
                 record_tokens(out.token_ids, plan, self.tokens)
+            else:
+                self._unrecorded = (out.token_ids, plan)
             return out
+
+    def record_sampled(self) -> None:
+        """Add the tokens of the last `sample_next(record=False)` to their slots (nothing if it had none)."""
+        pending, self._unrecorded = self._unrecorded, None
+        if pending is not None:
+            with torch.inference_mode():  # the slots were made there (inside sample_next)
+                record_tokens(pending[0], pending[1], self.tokens)
 
     def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
         out = np.zeros((len(items), width), dtype=np.int32)

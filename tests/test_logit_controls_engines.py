@@ -106,3 +106,85 @@ def test_engine_with_preemptions_and_an_abort(expected: tuple[list[SamplingParam
     assert got == want
     assert stats.num_preemptions > 0
     assert stats.token_slots == 0
+
+
+# ---------------------------------------------------------------- failures inside the workers (in-process)
+
+COUNTED = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logit_bias={100: 6.0, 101: 6.0},
+                         frequency_penalty=0.3)  # count-sensitive: a token counted twice or not at all shows
+
+
+def _tokens(io: Any, rid: str) -> list[int]:
+    from rapidserve.engine import messages as m
+
+    return [t.token_id for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == rid]
+
+
+def test_hybrid_step_failing_after_sampling_counts_none_of_its_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host copy of a mixed step's tokens fails after sampling: the request decoding in it samples that
+    token again next step, counted once (its tokens are the reference's); the failed new request, penalized
+    too, and everyone else leave no slot behind."""
+    from rapidserve import sampler
+    from rapidserve.engine import messages as m
+    from rapidserve.engine.hybrid_worker import HybridWorker
+    from tests.test_worker_faults import FakeIO, _run_ahead
+
+    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=256, num_kv_blocks=64)
+    want = _generate_one(llm, PROMPTS[0], COUNTED)
+    w = HybridWorker(llm.config, llm.engine.runner, FakeIO())  # type: ignore[arg-type]
+    io = w.io
+    io.inbox.append(m.NewRequest("a", PROMPTS[0], COUNTED, 0.0))  # type: ignore[attr-defined]
+    w.read_inbox(wait=False)
+    real, armed = sampler.SamplerOutput.to_host, {"on": False}
+
+    def to_host(self: Any) -> Any:
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("pinned allocation failed")
+        return real(self)
+
+    monkeypatch.setattr(sampler.SamplerOutput, "to_host", to_host)
+
+    def before(i: int) -> None:
+        if i == 3:
+            io.inbox.append(m.NewRequest("b", PROMPTS[1], COUNTED, 0.0))  # type: ignore[attr-defined]
+            w.read_inbox(wait=False)
+            armed["on"] = True
+
+    _run_ahead(w, 60, before)
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("b", "error")]  # type: ignore[attr-defined]
+    assert _tokens(io, "a") == want
+    w.publish()
+    assert llm.engine.runner.tokens.in_use == 0
+
+
+def _generate_one(llm: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_decode_frees_the_slot_of_a_penalized_request_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAPID decode + prefill in-process: a penalized request whose sampling raises at its third token
+    fails alone; the other penalized requests get the reference's tokens; no slot stays in use."""
+    from rapidserve.engine import messages as m
+    from tests.test_worker_faults import FakeIO, _decode_steps, _decode_worker, _prefill_worker, _submit
+
+    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=256, num_kv_blocks=64)
+    want = _generate_one(llm, PROMPTS[2], COUNTED)
+    cfg, runner = llm.config, llm.engine.runner
+    bad = COUNTED.replace(seed=666)
+    real = runner.sample_next
+
+    def sample_next(logits: Any, params: Any, index: Any, eos: Any, **kw: Any) -> Any:
+        if any(p.seed == 666 and k >= 2 for p, k in zip(params, index, strict=True)):
+            raise RuntimeError("sampling blew up for this request")
+        return real(logits, params, index, eos, **kw)
+
+    monkeypatch.setattr(runner, "sample_next", sample_next)
+    io = FakeIO()
+    w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+    _submit(cfg, runner, io, w, p, m.NewRequest("a", PROMPTS[2], COUNTED, 0.0),
+            m.NewRequest("bad", PROMPTS[3], bad, 0.0), m.NewRequest("b", PROMPTS[2], COUNTED, 0.0))
+    _decode_steps(w, 12)
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("bad", "error")]
+    assert _tokens(io, "a") == want and _tokens(io, "b") == want
+    assert runner.tokens.in_use == 0 and not w.sched.reqs

@@ -155,6 +155,7 @@ class DecodeWorker:
             e.reqs = [batch[i] for i in e.rows]
             raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
+        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.launched(batch)
         return InFlight(batch, out, host, self.runner.mark())
 

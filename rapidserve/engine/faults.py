@@ -47,10 +47,11 @@ def describe(e: BaseException, where: str) -> str:
 def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], index: Sequence[int],
                     eos: tuple[int, ...], history: Callable[[int], Any] | None = None) -> Any:
     """`runner.sample_next` over the batch; if it raises (not fatally), sample each row alone and
-    raise `RequestsFailed` with the rows that still raise (all rows if none does alone). The retries
-    leave the token counts of the penalty slots alone (`record=False`): the step is not taken."""
+    raise `RequestsFailed` with the rows that still raise (all rows if none does alone). Nothing is
+    added to the penalty slots (`record=False`): the caller calls `runner.record_sampled()` once its
+    step is wholly queued, and never after a retry (its step is not taken)."""
     try:
-        return runner.sample_next(logits, params, index, eos, history=history)
+        return runner.sample_next(logits, params, index, eos, history=history, record=False)
     except Exception as e:  # noqa: BLE001 - blamed below
         if is_fatal(e):
             raise

@@ -234,6 +234,7 @@ class HybridWorker:
         host = None if out is None else out.to_host()
         done = None if out is None else self.runner.mark()
         # Nothing below raises: the state moves on only for a step that is wholly queued.
+        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.complete(plan, commit=False)
         for s in seqs:
             s.output_token_ids.append(PLACEHOLDER)

@@ -176,7 +176,7 @@ class PrefillWorker:
         assert isinstance(logits, torch.Tensor)
         try:  # penalty slots are taken for this sample only (filled from the job's tokens), then freed
             out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs],
-                                          self.eos, history=lambda i: jobs[i].history)
+                                          self.eos, history=lambda i: jobs[i].history, record=False)
         finally:
             self.runner.tokens.retain(())
         firsts, dones = [], []
