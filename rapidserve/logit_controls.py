@@ -22,9 +22,11 @@ A slot is keyed by (request id, attempt): the attempt changes when a request is 
 slot of a preempted request is never reused by it. It is taken at the request's first sample under
 that key and filled from the prompt and outputs the host knows then (every engine samples a
 request's first token after (re)admission from host-known tokens only: nothing of it is in flight).
-After every sampling call that includes it, the sampled tokens are added to its slot ON THE DEVICE
-(a scatter queued right after sampling), so a step launched before the previous step's tokens reach
-the host (the hybrid and decode workers' one-step-ahead scheduling) reads counts that include them.
+After every step that samples it, the sampled tokens are added to its slot ON THE DEVICE (a scatter,
+`record_tokens`, queued once the step is wholly queued: `ModelRunner.record_sampled` in the hybrid and
+decode workers, so a step that fails after sampling, or a row-by-row retry, counts nothing), so a step
+launched before the previous step's tokens reach the host (the hybrid and decode workers' one-step-ahead
+scheduling) reads counts that include them.
 Owner and freeing: the worker that samples the request; it calls `retain(live keys)` after recording
 a step, which frees the slots of every request that finished, was aborted, failed or was preempted
 (its key is no longer live). A freed slot is refilled by its next user with work queued on the same
