@@ -27,8 +27,9 @@ from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SYSTEMS: dict[str, str] = {
-    "rapid-adaptive": "--mode rapid --partition adaptive",
-    "rapid-adaptive-slo100": "--mode rapid --partition adaptive --slo-itl-ms 100",
+    "rapid-adaptive": "--mode rapid --partition adaptive --policy rapid",
+    "rapid-adaptive-slo100": "--mode rapid --partition adaptive --policy rapid --slo-itl-ms 100",
+    "rapid-duet": "--mode rapid --partition adaptive --policy duet",
     "rapid-overallocated": "--mode rapid --partition off",
     "rapid-static-0.25": "--mode rapid --partition static:0.25",
     "rapid-static-0.5": "--mode rapid --partition static:0.5",

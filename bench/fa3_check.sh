@@ -12,7 +12,9 @@
 #            bench/compare.py of rapid-adaptive without it (roofline fallback, as when no profile is
 #            committed) and with it, 4096:64 at 6.6 req/s and closed;
 #   hybrid   bench/compare.py: hybrid-8192 scheduling ahead (the default) and waiting for each step
-#            (--no-async-scheduling), 1024:256 and 4096:64, closed and one Poisson rate.
+#            (--no-async-scheduling), 1024:256 and 4096:64, closed and one Poisson rate;
+#   compare  bench/compare.py --model preset:qwen3-8b --out $OUT $COMPARE_ARGS (ours only: any systems and
+#            workloads, with FA3 found), e.g. COMPARE_ARGS='--systems rapid-adaptive --workloads multiturn ...'.
 #      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
 # $OUT gets each part's .json / .md / .log (and the suite's logs). Tables printed last.
 set -uo pipefail
@@ -92,6 +94,12 @@ if [[ $parts == *,hybrid,* ]]; then
         --num-prompts 120 --warmup 4 --out "$out" --name hybrid_ahead >"$out/hybrid_ahead.log" 2>&1
     s=$?; say "compare.py exited with $s"; status=$((status || s))
     tails+=("$out/hybrid_ahead.log")
+fi
+if [[ $parts == *,compare,* ]]; then
+    say "compare.py $COMPARE_ARGS"
+    eval "\"\$py\" bench/compare.py --model preset:qwen3-8b --out \"\$out\" $COMPARE_ARGS" >"$out/compare.log" 2>&1
+    s=$?; say "compare.py exited with $s"; status=$((status || s))
+    tails+=("$out/compare.log")
 fi
 for t in "${tails[@]}"; do
     echo "===== $t"

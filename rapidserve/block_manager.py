@@ -113,6 +113,10 @@ class BlockManager:
     def can_grow(self, seq_id: str, new_len: int) -> bool:
         return self.blocks_needed_to_grow(seq_id, new_len) <= len(self._free)
 
+    def cached_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` an admission now would find cached (counts nothing, holds nothing)."""
+        return len(self._match(seq_id, token_ids)) * self.block_size
+
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` (no cache lookup)."""

@@ -13,7 +13,15 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.config import ATTENTION_BACKENDS, DTYPES, ENGINE_MODES, ConfigError, PartitionConfig, ServerConfig
+from rapidserve.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    ENGINE_MODES,
+    POLICIES,
+    ConfigError,
+    PartitionConfig,
+    ServerConfig,
+)
 
 EXIT_USAGE = 2
 
@@ -115,6 +123,11 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "else a roofline estimate)")
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
     g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
+    if with_mode:
+        g.add_argument("--policy", default="rapid", choices=POLICIES,
+                       help="how adaptive chooses a configuration: rapid (the profile's most prefill throughput "
+                            "within the ITL SLO) or duet (both phases on the whole GPU while a roofline predicts "
+                            "the step within the SLO, else the split with the most throughput)")
 
 
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
@@ -123,7 +136,8 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
     from rapidserve.partition.profile import load_profile
 
     pcfg = PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
-                                 profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms)
+                                 profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms,
+                                 policy=getattr(a, "policy", "rapid"))
     if pcfg.profile is not None:
         load_profile(pcfg.profile)
     return pcfg

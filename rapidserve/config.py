@@ -209,12 +209,18 @@ class LaunchConfig:
                "ring_slots must be >= 8 and ring_slot_size >= 64 and a multiple of 8")
 
 
+POLICIES = ("rapid", "duet")  # partition/policy.py
+
+
 @dataclass(frozen=True)
 class PartitionConfig:
     """How decode and prefill split the GPU's compute (rapidserve.partition).
 
     mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
     use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
+    policy (adaptive only; partition/policy.py): rapid (RAPID-Serve: the profile's configuration with
+    the most prefill throughput within the ITL SLO) or duet (DuetServe: both phases on the whole GPU
+    while a roofline predicts the step within the SLO, else the split that maximises throughput).
     """
 
     mode: str = "adaptive"  # adaptive | off | static
@@ -224,6 +230,7 @@ class PartitionConfig:
     slo_itl_ms: float = 50.0
     hysteresis_steps: int = 8
     decode_shares: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)
+    policy: str = "rapid"
 
     def __post_init__(self) -> None:
         _check(self.mode in ("adaptive", "off", "static"),
@@ -237,6 +244,10 @@ class PartitionConfig:
         _check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
                f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
         _check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
+        _check(self.policy in POLICIES, f"policy={self.policy!r}; use one of {', '.join(POLICIES)}")
+        _check(self.policy == "rapid" or self.mode == "adaptive",
+               f"--policy {self.policy} chooses among partition configurations: it needs --partition adaptive "
+               f"(this run: {self.mode})")
         _check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
         _check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")

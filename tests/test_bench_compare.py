@@ -124,7 +124,7 @@ def test_select_systems_and_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
                          "--serve-args", "--max-model-len 8192", "--port", "8123"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 5 and out[0].startswith("rapid-adaptive: ") and out[0].endswith(
-        "--port 8123 --max-model-len 8192 --mode rapid --partition adaptive")
+        "--port 8123 --max-model-len 8192 --mode rapid --partition adaptive --policy rapid")
     assert out[1].endswith("--mode hybrid --max-num-batched-tokens 2048") and out[2].endswith("--mode rapid")
     assert out[3:] == ["workload fixed 4096:64: rapidserve bench --workload fixed --input-len 4096 --output-len 64",
                        "workload fixed 4096:1024: rapidserve bench --workload fixed --input-len 4096 --output-len 1024"]
@@ -244,7 +244,7 @@ def test_dry_run_prints_the_vllm_command(tmp_path, capsys) -> None:  # type: ign
     vflags = "--max-model-len 8192 --gpu-memory-utilization 0.8"
     assert out[0] == f"vllm: bash {script} /root/peermodel 8100 {vflags}"
     assert out[1].endswith("--port 8100 --max-model-len 8192 --gpu-memory-utilization 0.8 --mps off --mode rapid "
-                           "--partition adaptive")
+                           "--partition adaptive --policy rapid")
     assert out[2] == f"nopc: bash {script} /root/peermodel 8100 {vflags} --no-enable-prefix-caching"
     assert out[3] == "far: external server at http://10.1.2.3:9000 (not started)"
     assert compare.main([*common, "--vllm-serve", "none"]) == 0

@@ -345,3 +345,26 @@ def test_cache_unadmit_gives_the_hits_back() -> None:
     assert (s.blocks.queries, s.blocks.hits) == (counts[0] + 9, counts[1] + 8)  # counted once
     answer(s, kv1)
     finish_all(Scene(s))
+
+
+def test_pending_prefill_for_the_policy() -> None:
+    """What the scheduling policy is told: each request's tokens beyond its cached prefix, in arrival order
+    (a waiting one's prefix is what admission would find now, counting nothing); running ones as contexts."""
+    s = make(num_blocks=64, max_seqs=2, caching=True)
+    start(s, new(0, n=3 * BS + 2))  # admitted and answered: the prompt is registered and r0 runs
+    assert s.pending_prefill() == ()
+    assert s.decode_contexts() == (3 * BS + 2 + 1,)  # prompt + first token, the next step's context
+    s.add(new(1, n=3 * BS + 2))  # same prompt: 3 full blocks cached
+    s.add(m.NewRequest("r2", list(range(500, 500 + BS)), params(), 0.0))  # nothing cached
+    q0 = s.blocks.queries
+    got = s.pending_prefill()
+    assert [(w.req_id, w.tokens, w.prefix) for w in got] == [("r1", 2, 3 * BS), ("r2", BS, 0)]
+    assert s.blocks.queries == q0  # looking did not count as a query
+    kv = admit(s)  # one seat left: r1 is prefilling (its cache match is known), r2 waits
+    assert ids(kv) == ["r1"] and kv[0].cached_tokens == 3 * BS
+    got = s.pending_prefill()
+    assert [(w.req_id, w.tokens, w.prefix) for w in got] == [("r1", 2, 3 * BS), ("r2", BS, 0)]
+    s.abort("r2")
+    assert [w.req_id for w in s.pending_prefill()] == ["r1"]
+    assert s.abort("r1")  # prefilling: prefill must drop it; it is no longer pending work
+    assert s.pending_prefill() == ()

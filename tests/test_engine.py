@@ -41,10 +41,11 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def engine_config(**launch: object) -> object:
+def engine_config(policy: str = "rapid", **launch: object) -> object:
     cfg, _ = build_engine_config(None, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=512,
                                  max_num_batched_tokens=256)
-    return dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300, **launch))  # type: ignore[arg-type]
+    return dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300, **launch),  # type: ignore[arg-type]
+                               partition=dataclasses.replace(cfg.partition, policy=policy))
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -100,6 +101,24 @@ def test_engine_matches_llm_with_preemption_and_aborts(reference: tuple[list[lis
         finally:
             await engine.shutdown()
         assert shm_entries(os.getpid()) == []
+
+    asyncio.run(main())
+
+
+def test_duet_policy_engine_matches_llm(reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """--policy duet: the decode worker feeds the policy its contexts and pending prefill work every step
+    (on CPU there is no partition to switch, so the plan is not adaptive), and the tokens are the reference's."""
+    prompts, want = reference
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(engine_config(policy="duet"))  # type: ignore[arg-type]
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+            got = await asyncio.gather(*(collect(engine, f"r{i}", p, params) for i, p in enumerate(prompts[:6])))
+            assert got == want[:6]
+            await wait_blocks_free(engine)
+        finally:
+            await engine.shutdown()
 
     asyncio.run(main())
 

@@ -58,13 +58,16 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
 
 
 def engine_config(partition: str) -> EngineConfig:
+    """`adaptive` runs --policy rapid; `adaptive-duet` --policy duet with an SLO no step meets (1 ns: the
+    roofline predicts this tiny model's mixed step at ~0.4 us), so prefill beside decode splits."""
     cfg, _ = build_engine_config(MODEL, device="cuda", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=MAX_LEN,
                                  max_num_batched_tokens=BUDGET)
+    policy = dict(policy="duet", slo_itl_ms=1e-6) if partition == "adaptive-duet" else dict(policy="rapid")
     return dataclasses.replace(
         cfg,
         runner=dataclasses.replace(cfg.runner, graph_batch_sizes=GRAPH_SIZES),
-        partition=PartitionConfig.parse(partition, backend="cuda-green", decode_shares=(0.25, 0.5),
-                                        hysteresis_steps=0),
+        partition=PartitionConfig.parse(partition.removesuffix("-duet"), backend="cuda-green",
+                                        decode_shares=(0.25, 0.5), hysteresis_steps=0, **policy),
         launch=LaunchConfig(mode="rapid", mps="auto", startup_timeout_s=120, on_worker_death="restart"),
     )
 
@@ -91,7 +94,7 @@ def assert_green_split(engine: AsyncEngine) -> str:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("partition", ["static:0.25", "adaptive"])
+@pytest.mark.parametrize("partition", ["static:0.25", "adaptive", "adaptive-duet"])
 def test_engine_on_gpu_with_green_partitions_matches_llm(
         partition: str, reference: tuple[list[list[int]], list[list[int]]]) -> None:
     prompts, want = reference
@@ -108,7 +111,7 @@ def test_engine_on_gpu_with_green_partitions_matches_llm(
                     assert g == w, f"round {round_}, request {i} ({len(prompts[i])} prompt tokens) diverged"
                 await wait_blocks_free(engine)
             assert engine.stats is not None
-            if partition == "adaptive":  # prefill pending -> a split, idle -> back: it did switch
+            if partition.startswith("adaptive"):  # prefill pending -> a split, idle -> back: it did switch
                 assert engine.stats.partition_switches > 0, engine.stats
             else:
                 assert engine.stats.partition_switches == 0 and engine.stats.partition.startswith("split")

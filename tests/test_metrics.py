@@ -159,3 +159,15 @@ def test_every_finish_reason_is_exposed_from_the_start() -> None:
     m = Metrics(MODEL)
     for reason in ("stop", "length", "abort", "error"):
         assert value(m, "rapidserve:request_success_total", finished_reason=reason) == 0
+
+
+def test_partition_steps_and_switches_count_deltas() -> None:
+    m = Metrics(MODEL)
+    m.set_engine_stats(0, 0, 10, 10, 0, "a", partition_switches=2, partition_steps={"a": 5, "b": 3})
+    m.set_engine_stats(0, 0, 10, 10, 0, "b", partition_switches=3, partition_steps={"a": 5, "b": 10})
+    assert value(m, "rapidserve:partition_switches_total") == 3
+    assert value(m, "rapidserve:partition_steps_total", config="a") == 5
+    assert value(m, "rapidserve:partition_steps_total", config="b") == 10
+    m.set_engine_stats(0, 0, 10, 10, 0, "a", partition_switches=1, partition_steps={"a": 4})  # engine restarted
+    assert value(m, "rapidserve:partition_switches_total") == 4
+    assert value(m, "rapidserve:partition_steps_total", config="a") == 9

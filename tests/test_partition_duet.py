@@ -7,7 +7,8 @@ import math
 import pytest
 
 from rapidserve.loader.presets import preset_config
-from rapidserve.partition.duet import decide_duet
+from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configuration
+from rapidserve.partition.manager import ManagerState
 from rapidserve.partition.policy import PolicyState, WaitingPrefill, prefill_batch
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.roofline import Peaks, mixed_operators, step_seconds
@@ -108,3 +109,60 @@ def test_bad_inputs() -> None:
         decide_duet(state(1, 10, [10], 50.0), CFG, PEAKS, SPLITS, margin=0.0)
     with pytest.raises(ValueError, match="need work"):
         mixed_operators(CFG, (), [])
+
+
+# ---- carrying the decision out on the two-process engine (duet_configuration) ----------------------
+def decision(mode: str, decode_units: int = 0) -> DuetDecision:
+    return DuetDecision(mode, (), decode_units, 132 - decode_units if decode_units else 0, 1, 1.0, 1.0, True,
+                        f"{mode} {decode_units}")  # type: ignore[arg-type]
+
+
+# (current, steps held, decision, decode running) -> (configuration, switched)
+CARRY = [
+    (("overallocated", 0, decision("aggregated"), True), ("overallocated", False)),
+    (("overallocated", 0, decision("decode"), True), ("overallocated", False)),
+    (("overallocated", 0, decision("idle"), False), ("overallocated", False)),
+    # leaving aggregation because the shared step would miss the SLO: at once
+    (("overallocated", 0, decision("split", 32), True), ("split32", True)),
+    # split -> aggregated, or split -> another split: after the hold
+    (("split32", 3, decision("aggregated"), True), ("split32", False)),
+    (("split32", 8, decision("aggregated"), True), ("overallocated", True)),
+    (("split32", 3, decision("split", 48), True), ("split32", False)),
+    (("split32", 8, decision("split", 48), True), ("split48", True)),
+    # no decode running: nobody is disturbed, at once
+    (("split32", 0, decision("aggregated"), False), ("overallocated", True)),
+    # a configuration this run does not have: at once
+    (("gone", 0, decision("aggregated"), True), ("overallocated", True)),
+]
+
+
+@pytest.mark.parametrize(("args", "want"), CARRY, ids=[f"c{i}" for i in range(len(CARRY))])
+def test_duet_configuration(args: tuple[str, int, DuetDecision, bool], want: tuple[str, bool]) -> None:
+    current, held, d, running = args
+    name, reason, st = duet_configuration(ManagerState(current, held), d, SPLITS, hysteresis_steps=8,
+                                          decode_running=running)
+    assert (name, name != current) == want
+    assert st == (ManagerState(name, 0) if name != current else ManagerState(current, held + 1))
+    assert d.reason in reason
+
+
+def test_duet_configuration_without_the_split() -> None:
+    with pytest.raises(ValueError, match="no configuration gives decode 40 units"):
+        duet_configuration(ManagerState("overallocated", 0), decision("split", 40), SPLITS)
+
+
+def test_duet_configuration_without_overallocated() -> None:
+    splits = SPLITS[1:]  # only splits: aggregation takes the one with the most prefill units
+    name, _, _ = duet_configuration(ManagerState("split64", 9), decision("aggregated"), splits)
+    assert name == "split16"
+
+
+def test_duet_end_to_end_short_turns_aggregate_long_prompts_split() -> None:
+    """What the multiturn workload looks like to the policy: 32 decodes at ~3K context; a few 320-token
+    turns (cached prefixes) aggregate, a burst of 2048-token first turns splits."""
+    turns = tuple(WaitingPrefill(f"t{i}", float(i), 320, 2368) for i in range(3))
+    d = decide_duet(PolicyState(0.0, (3000,) * 32, turns, 50.0), CFG, PEAKS, SPLITS)
+    assert d.mode == "aggregated", d.reason
+    burst = tuple(WaitingPrefill(f"f{i}", float(i), 2048) for i in range(8))
+    d = decide_duet(PolicyState(0.0, (3000,) * 32, burst, 50.0), CFG, PEAKS, SPLITS)
+    assert d.mode == "split" and d.meets_slo, d.reason

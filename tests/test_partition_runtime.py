@@ -439,3 +439,55 @@ def test_default_profiles_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert default_profiles_dir() == repo_profiles
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path / "mine"))
     assert default_profiles_dir() == tmp_path / "mine"
+
+
+# ---- --policy duet ----------------------------------------------------------------------------------
+def duet_partition(slo: float = 50.0, hysteresis: int = 8) -> DecodePartition:
+    from rapidserve.partition.roofline import Peaks
+
+    peaks = Peaks(matmul_flops=794e12, hbm_bw=2.98e12, num_compute_units=132)
+    plan = PartitionPlan("cuda-green", list(FULL.configurations), FULL, "synthetic H100 profile", peaks)
+    return DecodePartition(PartitionConfig(policy="duet", slo_itl_ms=slo, hysteresis_steps=hysteresis), plan,
+                           preset_config("qwen3-8b"), 8192)
+
+
+def test_decode_partition_duet_scenario() -> None:
+    from rapidserve.partition.policy import WaitingPrefill
+
+    dp = duet_partition()
+    decodes = (3000,) * 32
+    turns = tuple(WaitingPrefill(f"t{i}", 0.0, 320, 2368) for i in range(2))
+    burst = tuple(WaitingPrefill(f"f{i}", 0.0, 2048) for i in range(8))
+    assert dp.advance_duet(decodes, ()) is None and dp.current == OVERALLOCATED  # decode alone
+    assert dp.advance_duet(decodes, turns) is None and dp.last_duet is not None  # short turns: aggregated
+    assert dp.last_duet.mode == "aggregated"
+    s = dp.advance_duet(decodes, burst)  # a burst of long prompts: split at once
+    assert s is not None and s.old == OVERALLOCATED and s.new.startswith("split") and s.prefill_pending
+    assert (s.batch, s.context) == (32, 3000)
+    for _ in range(8):  # back to aggregation only after the hold
+        assert dp.advance_duet(decodes, turns) is None
+    s = dp.advance_duet(decodes, turns)
+    assert s is not None and s.new == OVERALLOCATED and dp.num_switches == 2
+    assert dp.advance_duet((), burst) is None  # no decode running: the whole GPU for prefill
+
+
+def test_decode_partition_duet_not_adaptive() -> None:
+    plan = PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, "partition off")
+    dp = DecodePartition(PartitionConfig(mode="off"), plan)
+    assert dp.advance_duet((100,), ()) is None
+
+
+@pytest.mark.parametrize(("kw", "pattern"), [
+    (dict(policy="drift2"), "policy='drift2'; use one of rapid, duet"),
+    (dict(policy="duet", mode="off"), "--policy duet chooses among partition configurations: it needs "
+                                      "--partition adaptive \\(this run: off\\)"),
+])
+def test_partition_config_policy_invalid(kw: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        PartitionConfig(**kw)
+
+
+def test_cli_policy() -> None:
+    assert partition_config(build_parser().parse_args(["serve", "--policy", "duet"])) == PartitionConfig(policy="duet")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--policy", "fast"])

@@ -183,14 +183,17 @@ async def fetch_models(session: aiohttp.ClientSession, base_url: str, api_key: s
         return [m for m in data if isinstance(m, dict) and "id" in m]
 
 
-_PREFIX_RE = re.compile(r"^(?:[A-Za-z_]+:)?prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+_COUNTER_RE = re.compile(r"^(?:[A-Za-z_]+:)?(prefix_cache_queries|prefix_cache_hits|partition_steps|partition_switches)"
+                         r"_total(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+_CONFIG_RE = re.compile(r'config="([^"]*)"')
 
 
-async def prefix_cache_counts(session: aiohttp.ClientSession, base_url: str, api_key: str | None,
-                              timeout_s: float = 10.0) -> tuple[float, float] | None:
-    """(queried, hit) prompt tokens of the server's prefix cache so far, from GET /metrics (rapidserve's
-    and vLLM's counters share the names `<prefix>:prefix_cache_{queries,hits}_total`); None when the
-    server does not export them."""
+async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key: str | None,
+                          timeout_s: float = 10.0) -> dict[str, float] | None:
+    """The server's cumulative counters the report uses, from GET /metrics: `prefix_cache_queries` and
+    `prefix_cache_hits` (prompt tokens; rapidserve's and vLLM's counters share the names
+    `<prefix>:prefix_cache_{queries,hits}_total`), `partition_switches` and `partition_steps:<config>`
+    (rapidserve's decode steps per compute partition). None when the server answers no metrics."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
@@ -200,11 +203,30 @@ async def prefix_cache_counts(session: aiohttp.ClientSession, base_url: str, api
             text = await resp.text()
     except (aiohttp.ClientError, TimeoutError):
         return None
-    got = {"queries": 0.0, "hits": 0.0}
-    seen = False
+    got: dict[str, float] = {}
     for line in text.splitlines():
-        m = _PREFIX_RE.match(line)
+        m = _COUNTER_RE.match(line)
         if m:
-            got[m.group(1)] += float(m.group(2))
-            seen = True
-    return (got["queries"], got["hits"]) if seen else None
+            name = m.group(1)
+            if name == "partition_steps":
+                c = _CONFIG_RE.search(m.group(2) or "")
+                name = f"partition_steps:{c.group(1) if c else '?'}"
+            got[name] = got.get(name, 0.0) + float(m.group(3))
+    return got
+
+
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """What a run adds to the report from the server's counters over it: `prefix_cache` (queried and hit
+    tokens, hit rate) when the server counts them, and `partition` (switches, decode steps per
+    configuration) when it has more than one configuration."""
+    if before is None or after is None:
+        return {}
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out: dict[str, Any] = {}
+    if "prefix_cache_queries" in after:
+        q, h = d["prefix_cache_queries"], d.get("prefix_cache_hits", 0.0)
+        out["prefix_cache"] = {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q > 0 else None}
+    steps = {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("partition_steps:") and v > 0}
+    if len(steps) > 1 or d.get("partition_switches", 0.0) > 0:
+        out["partition"] = {"switches": int(d.get("partition_switches", 0.0)), "decode_steps": steps}
+    return out

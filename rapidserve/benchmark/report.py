@@ -99,9 +99,28 @@ def to_markdown(result: Mapping[str, Any]) -> str:
     if mismatched:
         lines += ["", "Output lengths other than asked for (the server ignored ignore_eos/min_tokens?): "
                   + ", ".join(f"rate {_rate(r)}: {n}" for r, n in mismatched)]
+    server = [_server_counts(run) for run in result.get("runs", [])]
+    if any(server):
+        lines += ["", "Server counters over each run:", ""] + [f"- rate {_run_rate(run)}: {s}" for run, s in
+                                                                zip(result.get("runs", []), server, strict=True) if s]
     if result.get("skipped_rates"):
         lines += ["", "Skipped (time budget): rates " + ", ".join(_rate(r) for r in result["skipped_rates"])]
     return "\n".join(lines) + "\n"
+
+
+def _server_counts(run: Mapping[str, Any]) -> str:
+    """The server's own counts over one run: prefix cache hit rate, partition switches and decode steps."""
+    parts = []
+    pc = (run.get("prefix_cache") or {}).get("hit_rate")
+    if pc is not None:
+        parts.append(f"prefix cache hit rate {pc:.1%}")
+    part = run.get("partition")
+    if part:
+        steps = part.get("decode_steps") or {}
+        total = sum(steps.values()) or 1
+        share = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
+        parts.append(f"{part.get('switches', 0)} partition switches; decode steps by configuration: {share}")
+    return "; ".join(parts)
 
 
 def _count(cfg: Mapping[str, Any]) -> str:

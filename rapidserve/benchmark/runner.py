@@ -31,7 +31,7 @@ import aiohttp
 import numpy as np
 
 from rapidserve.benchmark.arrivals import arrival_times, rate_label, rate_rng
-from rapidserve.benchmark.client import Target, fetch_models, prefix_cache_counts, stream_completion
+from rapidserve.benchmark.client import Target, counter_deltas, fetch_models, server_counters, stream_completion
 from rapidserve.benchmark.replay import Replay, build_replay
 from rapidserve.benchmark.results import trace_line
 from rapidserve.benchmark.stats import RequestRecord, summarize
@@ -198,23 +198,23 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
                 skipped.append(rate_json(rate))
                 continue
-            before = await prefix_cache_counts(session, cfg.base_url, cfg.api_key)
+            before = await server_counters(session, cfg.base_url, cfg.api_key)
             records, _ = await run_rate(session, target, cfg, point, i, replay)
-            after = await prefix_cache_counts(session, cfg.base_url, cfg.api_key)
+            after = await server_counters(session, cfg.base_url, cfg.api_key)
             summary = summarize(records, cfg.slos_ms)
             run: dict[str, Any] = {"rate": rate_json(rate), "summary": summary,
                                    "requests": [r.to_json() for r in records]}
-            if before is not None and after is not None:  # the server's own count, over this run only
-                q, h = after[0] - before[0], after[1] - before[1]
-                run["prefix_cache"] = {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q > 0 else None}
+            run.update(counter_deltas(before, after))  # the server's own counts, over this run only
             if scaled:
                 run["time_scale"] = point
             runs.append(run)
             if on_run is not None:
                 on_run(run)
             pc = run.get("prefix_cache", {}).get("hit_rate")
+            part = run.get("partition")
             _log(cfg, "  " + one_line(rate, summary, point if scaled else None)
-                 + (f"; prefix cache hit rate {pc:.1%} (server)" if pc is not None else ""))
+                 + (f"; prefix cache hit rate {pc:.1%} (server)" if pc is not None else "")
+                 + (f"; partition: {part['switches']} switches, decode steps {part['decode_steps']}" if part else ""))
     return {
         "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
         "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,

@@ -123,6 +123,9 @@ class AsyncEngine:
         self.state = "ready"
         pids = ", ".join(f"{who} pid {p.pid}" for who, p in self.workers.procs.items())
         self.events.append(f"workers ready: {sorted(self.workers.ready)} ({pids})")
+        for role, ready in sorted(self.workers.ready.items()):
+            if "partition" in ready.info:
+                self.events.append(f"{role} partition: {ready.info['partition']}")
         self._stop_collector.clear()
         self._collector = threading.Thread(target=self._collect, name="rapidserve-collector", daemon=True)
         self._collector.start()

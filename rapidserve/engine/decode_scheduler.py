@@ -46,6 +46,7 @@ from typing import Literal
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.engine import messages as m
+from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import check_stop
 
@@ -63,6 +64,7 @@ class DecodeRequest:
     inflight: int = 0  # launched decode steps whose token is not recorded yet (0 or 1)
     aborting: bool = False  # aborted while prefilling: waits for prefill to let go
     drop_pending: bool = False  # a Drop was sent and its Dropped has not come back: the id stays held
+    cached: int = 0  # tokens found in the prefix cache at the last admission
 
     @property
     def req_id(self) -> str:
@@ -109,13 +111,30 @@ class DecodeScheduler:
         """Prompts waiting for blocks or in prefill (the partition manager's `pending`)."""
         return bool(self.waiting) or self.num_prefilling > 0
 
+    def pending_prefill(self) -> tuple[WaitingPrefill, ...]:
+        """Prefill work not yet done, in arrival order, for the scheduling policy: each request's tokens
+        beyond its cached prefix (prefill's progress on a prefilling one is not known here, so all of
+        them; a waiting one's prefix is what its admission would find cached now)."""
+        reqs = sorted((r for r in self.reqs.values() if r.state in ("waiting", "prefilling") and not r.aborting),
+                      key=lambda r: r.order)
+        out = []
+        for r in reqs:
+            prefix = r.cached if r.state == "prefilling" else self.blocks.cached_prefix(r.req_id, r.tokens)
+            out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
+        return tuple(out)
+
+    def decode_contexts(self) -> tuple[int, ...]:
+        """Each running request's context (tokens in the cache after its next step), for the policy."""
+        return tuple(r.tokens_needed for r in self.running)
+
     def mean_context(self) -> int:
         return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
 
-    def stats(self, partition: str, switches: int, token_slots: int = 0) -> m.Stats:
+    def stats(self, partition: str, switches: int, steps: dict[str, int] | None = None,
+              token_slots: int = 0) -> m.Stats:
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
-                       self.num_preemptions, partition, switches, b.queries, b.hits, token_slots)
+                       self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}), token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
     def add(self, req: m.NewRequest) -> None:
@@ -197,7 +216,7 @@ class DecodeScheduler:
                 break
             table, cached = self.blocks.allocate_cached(r.req_id, tokens)
             self.waiting.popleft()
-            r.state, busy = "prefilling", busy + 1
+            r.state, r.cached, busy = "prefilling", cached, busy + 1
             out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached))
         return out
 

@@ -95,7 +95,10 @@ class DecodeWorker:
         """Decide this step's configuration before admission, so prefill hears of a switch before
         the KVReady of the work it concerns (same ring, in order)."""
         s = self.sched
-        sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
+        if self.partition.pcfg.policy == "duet":
+            sw = self.partition.advance_duet(s.decode_contexts(), s.pending_prefill())
+        else:
+            sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
         if sw is None:
             return
         old = self.backend.stream(sw.old, "decode")
@@ -157,6 +160,7 @@ class DecodeWorker:
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.launched(batch)
+        self.partition.note_step()
         return InFlight(batch, out, host, self.runner.mark())
 
     def _complete(self) -> None:
@@ -182,8 +186,8 @@ class DecodeWorker:
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
-            self.io.to_router.try_send(self.sched.stats(self.partition.current, self.partition.num_switches,
-                                                        self.runner.tokens.in_use))
+            p = self.partition
+            self.io.to_router.try_send(self.sched.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use))
 
 
 def slot_key(r: DecodeRequest) -> tuple[str, int]:

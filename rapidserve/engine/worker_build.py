@@ -39,7 +39,8 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[st
     handoff.close()
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
             "configurations": ",".join(parts.names), **memory_info(runner)}
-    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), parts)
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, cfg.model_config,
+                                                                 cfg.scheduler.max_num_batched_tokens), parts)
 
 
 def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], PrefillWorker]:

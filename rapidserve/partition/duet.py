@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from rapidserve.config import ModelConfig
+from rapidserve.partition.manager import ManagerState
 from rapidserve.partition.policy import PolicyState, prefill_batch
-from rapidserve.partition.profile import Configuration
+from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds
 
 Mode = Literal["idle", "decode", "aggregated", "split"]
@@ -87,3 +88,31 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
     return DuetDecision("split", batch, fastest.decode_units, fastest.prefill_units, fastest.lookahead,
                         fastest.predicted_step_ms, fastest.predicted_prefill_ms, False,
                         f"SLO cannot be met ({state.slo_tbt_ms:g} ms): {fastest.reason}")
+
+
+def duet_configuration(state: ManagerState, d: DuetDecision, configs: Sequence[Configuration], *,
+                       hysteresis_steps: int = 8, decode_running: bool = True) -> tuple[str, str, ManagerState]:
+    """Carry a `DuetDecision` out on the two-process engine: (configuration, reason, next state).
+
+    The engine has no fused mixed step across its processes, so DuetServe's aggregated mode (and decode
+    or prefill alone) is `overallocated`: both processes on the whole GPU, their kernels interleaving.
+    A split is the configuration with the decision's decode units. Leaving aggregation for a split (the
+    roofline says the shared step would miss the SLO) happens at once, and so does any switch while no
+    decode runs (it disturbs nobody); any other change waits `hysteresis_steps` steps in the current
+    configuration, so a queue that grows and shrinks does not switch (and sync the streams) every step."""
+    names = {c.name for c in configs}
+    if d.mode == "split":
+        target = next((c.name for c in configs if c.decode_units == d.decode_units), None)
+        if target is None:
+            raise ValueError(f"no configuration gives decode {d.decode_units} units; have {sorted(names)}")
+    else:
+        target = OVERALLOCATED if OVERALLOCATED in names else max(configs, key=lambda c: c.prefill_units).name
+    current = state.config
+    if target == current:
+        return current, f"keep {current}: {d.reason}", ManagerState(current, state.steps_since_switch + 1)
+    urgent = (current not in names or not decode_running
+              or (d.mode == "split" and current == OVERALLOCATED))
+    if urgent or state.steps_since_switch >= hysteresis_steps:
+        return target, f"switch {current} -> {target}: {d.reason}", ManagerState(target, 0)
+    return (current, f"hold {current} (held {state.steps_since_switch} < {hysteresis_steps} steps); would switch "
+            f"to {target}: {d.reason}", ManagerState(current, state.steps_since_switch + 1))

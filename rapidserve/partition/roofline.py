@@ -372,11 +372,13 @@ def compare(measured: Profile, predicted: Profile) -> ErrorReport:
 
 
 def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Median wall time of `fn` over `reps` runs after two warm-ups (CUDA events on a GPU)."""
+    """Median wall time of `fn` over `reps` runs after warm-ups (CUDA events on a GPU). A GPU gets 20
+    warm-ups (its clocks ramp up after the idle of model loading: with two, start-up measurements of one
+    H200 are suspected of flipping the adaptive manager's choice between two runs of one build)."""
     import torch
 
     cuda, times = device.type == "cuda", []
-    for _ in range(2):
+    for _ in range(20 if cuda else 2):
         fn()
     for _ in range(reps):
         if cuda:
@@ -394,7 +396,7 @@ def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -
     return statistics.median(times)
 
 
-def measure_peaks(device: str | torch.device = "cuda", dtype: torch.dtype | None = None, *, reps: int = 5) -> Peaks:
+def measure_peaks(device: str | torch.device = "cuda", dtype: torch.dtype | None = None, *, reps: int = 15) -> Peaks:
     """Measure GEMM FLOP/s (n x n x n: 2n^3 flops) and copy bandwidth (read + write bytes) on `device`.
 
     Medians of `reps` timed runs. A GPU takes well under 3 s (n=8192, 256 MiB bf16 copy); CPU uses

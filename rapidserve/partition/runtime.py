@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ModelConfig, PartitionConfig
 from rapidserve.partition.backend import (
     PartitionBackend,
     PartitionError,
@@ -33,7 +33,9 @@ from rapidserve.partition.backend import (
     plan_configurations,
     static_configuration,
 )
+from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configuration
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
     OVERALLOCATED,
     Configuration,
@@ -43,6 +45,7 @@ from rapidserve.partition.profile import (
     model_label,
     profile_filename,
 )
+from rapidserve.partition.roofline import Peaks, measure_peaks, roofline_profile
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -62,6 +65,7 @@ class PartitionPlan:
     configurations: list[Configuration]
     profile: Profile | None  # adaptive only
     source: str  # one line for logs and Ready: where the configurations and profile came from
+    peaks: Peaks | None = None  # measured at start-up: the duet policy's roofline (and the roofline profile's)
 
     @property
     def initial(self) -> str:
@@ -99,18 +103,24 @@ def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partition
     if path.exists() or p.profile:
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model))
         check_configurations(prof.configurations, g, f"profile {path}")
+        peaks = measure_peaks(device, dtype) if p.policy == "duet" else None
         return PartitionPlan(kind, list(prof.configurations), prof,
-                             f"adaptive, measured profile {path} ({len(prof.configurations)} configurations, {kind})")
+                             f"adaptive, policy {p.policy}, measured profile {path} "
+                             f"({len(prof.configurations)} configurations, {kind})"
+                             + (f"; {describe_peaks(peaks)}" if peaks is not None else ""), peaks)
     configs = plan_configurations(g, p.decode_shares)
-    prof = roofline_fallback(cfg, device, dtype, gpu, configs)
-    return PartitionPlan(kind, configs, prof, f"adaptive, ROOFLINE ESTIMATE: no profile at {path} "
-                         f"(run `rapidserve profile --model {cfg.model}` to measure one); {kind}")
-
-
-def roofline_fallback(cfg: EngineConfig, device: Any, dtype: Any, gpu: str, configs: list[Configuration]) -> Profile:
-    from rapidserve.partition.roofline import measure_peaks, roofline_profile
-
     peaks = measure_peaks(device, dtype)
+    prof = roofline_fallback(cfg, gpu, configs, peaks)
+    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: no profile at "
+                         f"{path} (run `rapidserve profile --model {cfg.model}` to measure one); {kind}; "
+                         f"{describe_peaks(peaks)}", peaks)
+
+
+def describe_peaks(peaks: Peaks) -> str:
+    return f"peaks measured now: GEMM {peaks.matmul_flops / 1e12:.0f} TFLOP/s, copy {peaks.hbm_bw / 1e12:.2f} TB/s"
+
+
+def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration], peaks: Peaks) -> Profile:
     return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
                             ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens)
 
@@ -137,8 +147,16 @@ class DecodePartition:
     pcfg: PartitionConfig
     plan: PartitionPlan
     state: ManagerState = field(init=False)
+    model_cfg: ModelConfig | None = None  # the duet policy's roofline model
+    prefill_budget: int = 8192  # tokens of one prefill batch (the prefill worker's budget)
     switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=256))
+    last_duet: DuetDecision | None = None
     num_switches: int = 0
+    steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
+
+    def note_step(self) -> None:
+        """One decode step was launched in the current configuration."""
+        self.steps[self.current] = self.steps.get(self.current, 0) + 1
 
     def __post_init__(self) -> None:
         self.state = make_state(self.plan.initial)
@@ -151,8 +169,31 @@ class DecodePartition:
     def adaptive(self) -> bool:
         return self.plan.profile is not None and len(self.plan.configurations) > 1
 
+    def advance_duet(self, contexts: tuple[int, ...], waiting: tuple[WaitingPrefill, ...]) -> Switch | None:
+        """One step boundary under `--policy duet`: DuetServe's roofline decision (partition/duet.py) from
+        the running decodes' contexts and the prefill work not yet done, carried out as a configuration;
+        the switch to make now, or None to keep the configuration."""
+        if not self.adaptive:
+            return None
+        assert self.plan.peaks is not None and self.model_cfg is not None, "duet needs the plan's peaks and model"
+        old = self.state.config
+        st = PolicyState(time.monotonic(), contexts, waiting, self.pcfg.slo_itl_ms,
+                         prefill_budget=self.prefill_budget)
+        d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations)
+        self.last_duet = d
+        name, reason, self.state = duet_configuration(self.state, d, self.plan.configurations,
+                                                      hysteresis_steps=self.pcfg.hysteresis_steps,
+                                                      decode_running=bool(contexts))
+        if name == old:
+            return None
+        mean = sum(contexts) // len(contexts) if contexts else 0
+        s = Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason)
+        self.switches.append(s)
+        self.num_switches += 1
+        return s
+
     def advance(self, batch: int, context: int, prefill_pending: bool) -> Switch | None:
-        """One step boundary: the switch to make now, or None to keep the configuration."""
+        """One step boundary (rapid policy): the switch to make now, or None to keep the configuration."""
         if not self.adaptive:
             return None
         assert self.plan.profile is not None

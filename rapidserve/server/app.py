@@ -171,7 +171,8 @@ class Server:
         if s is not None:
             self.metrics.set_engine_stats(s.num_running + s.num_prefilling, s.num_waiting, s.kv_blocks_total,
                                           s.kv_blocks_free, s.num_preemptions, s.partition,
-                                          s.prefix_cache_queries, s.prefix_cache_hits)
+                                          s.prefix_cache_queries, s.prefix_cache_hits, s.partition_switches,
+                                          s.partition_steps)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

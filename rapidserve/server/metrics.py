@@ -14,7 +14,8 @@ never share series. Every series carries a ``model_name`` label. Exposed names:
   away or the server stopped it, error: the engine failed it), ``rapidserve:num_preemptions_total``,
   ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``,
   ``rapidserve:prefix_cache_queries_total`` and ``rapidserve:prefix_cache_hits_total`` (prompt tokens
-  looked up in the prefix cache, and found there; vLLM's names).
+  looked up in the prefix cache, and found there; vLLM's names), ``rapidserve:partition_steps_total{config="..."}``
+  (decode steps launched in each compute partition configuration) and ``rapidserve:partition_switches_total``.
 
 prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
 """
@@ -95,6 +96,12 @@ class Metrics:
         self._prefix_hits = Counter(_P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lab,
                                     registry=reg).labels(model_name)
         self._prefix_seen = (0, 0)
+        self._partition_steps = Counter(_P + "partition_steps", "Decode steps launched, per compute partition "
+                                        "configuration.", ["model_name", "config"], registry=reg)
+        self._partition_switches = Counter(_P + "partition_switches", "Compute partition switches.", lab,
+                                           registry=reg).labels(model_name)
+        self._steps_seen: dict[str, int] = {}
+        self._switches_seen = 0
 
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
@@ -127,7 +134,8 @@ class Metrics:
 
     def set_engine_stats(self, num_running: int, num_waiting: int, kv_blocks_total: int, kv_blocks_free: int,
                          num_preemptions: int, partition: str, prefix_queries: int = 0,
-                         prefix_hits: int = 0) -> None:
+                         prefix_hits: int = 0, partition_switches: int = 0,
+                         partition_steps: dict[str, int] | None = None) -> None:
         """Latest engine stats. `num_waiting` should include the server's own queue (caller sums);
         `num_preemptions` and the prefix cache's tokens are the engine's cumulative counts (a drop is
         taken as an engine restart: counting starts again from the new value)."""
@@ -135,6 +143,11 @@ class Metrics:
         self._prefix_queries.inc(_delta(q0, prefix_queries))
         self._prefix_hits.inc(_delta(h0, prefix_hits))
         self._prefix_seen = (prefix_queries, prefix_hits)
+        self._partition_switches.inc(_delta(self._switches_seen, partition_switches))
+        self._switches_seen = partition_switches
+        for config, n in (partition_steps or {}).items():
+            self._partition_steps.labels(self.model_name, config).inc(_delta(self._steps_seen.get(config, 0), n))
+            self._steps_seen[config] = n
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0

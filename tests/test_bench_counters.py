@@ -1,0 +1,73 @@
+"""The server counters `rapidserve bench` reads from /metrics and reports per run (prefix cache, partition)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rapidserve.benchmark.client import counter_deltas, server_counters
+from rapidserve.benchmark.report import _server_counts
+
+METRICS = """# HELP rapidserve:prefix_cache_queries_total x
+rapidserve:prefix_cache_queries_total{model_name="m"} 1000.0
+rapidserve:prefix_cache_hits_total{model_name="m"} 250.0
+rapidserve:partition_switches_total{model_name="m"} 4.0
+rapidserve:partition_steps_total{config="d66-p66",model_name="m"} 30.0
+rapidserve:partition_steps_total{config="full",model_name="m"} 10.0
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5.0
+rapidserve:num_preemptions_total{model_name="m"} 7.0
+"""
+
+
+def _fetch(body: str, status: int = 200) -> dict[str, float] | None:
+    async def main() -> dict[str, float] | None:
+        app = web.Application()
+        app.router.add_get("/metrics", lambda _: web.Response(text=body, status=status))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await server_counters(s, f"http://127.0.0.1:{port}", None)
+        finally:
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_server_counters_parse_metrics() -> None:
+    got = _fetch(METRICS)
+    assert got == {"prefix_cache_queries": 1005.0, "prefix_cache_hits": 250.0, "partition_switches": 4.0,
+                   "partition_steps:d66-p66": 30.0, "partition_steps:full": 10.0}
+    assert _fetch("oops", status=500) is None
+
+
+@pytest.mark.parametrize(("before", "after", "want"), [
+    (None, {"prefix_cache_queries": 1.0}, {}),
+    ({}, {}, {}),
+    ({"prefix_cache_queries": 100.0, "prefix_cache_hits": 10.0},
+     {"prefix_cache_queries": 300.0, "prefix_cache_hits": 110.0},
+     {"prefix_cache": {"queried_tokens": 200.0, "hit_tokens": 100.0, "hit_rate": 0.5}}),
+    ({"prefix_cache_queries": 5.0}, {"prefix_cache_queries": 5.0},
+     {"prefix_cache": {"queried_tokens": 0.0, "hit_tokens": 0.0, "hit_rate": None}}),
+    # one configuration and no switch: nothing to say about the partition
+    ({"partition_steps:a": 1.0}, {"partition_steps:a": 9.0, "partition_switches": 0.0}, {}),
+    ({"partition_steps:a": 1.0, "partition_switches": 2.0},
+     {"partition_steps:a": 9.0, "partition_steps:b": 4.0, "partition_switches": 5.0},
+     {"partition": {"switches": 3, "decode_steps": {"a": 8, "b": 4}}}),
+])
+def test_counter_deltas(before: dict[str, float] | None, after: dict[str, float], want: dict[str, Any]) -> None:
+    assert counter_deltas(before, after) == want
+
+
+def test_report_line() -> None:
+    run = {"prefix_cache": {"hit_rate": 0.25}, "partition": {"switches": 3, "decode_steps": {"a": 1, "b": 3}}}
+    assert _server_counts(run) == ("prefix cache hit rate 25.0%; 3 partition switches; decode steps by "
+                                   "configuration: b 75%, a 25%")
+    assert _server_counts({}) == ""
