@@ -13,6 +13,7 @@ import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.loader import ModelSource
+from rapidserve.logit_controls import seq_history
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.scheduler import Scheduler
@@ -44,6 +45,7 @@ class EngineCore:
 
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
+        self.limits.check_params(params)
         self._arrivals += 1
         seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
         self.scheduler.add(seq)
@@ -52,6 +54,12 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+        self._retain_slots()
+
+    def _retain_slots(self) -> None:
+        """Free the penalty slots of sequences no longer running (ended or preempted; logit_controls.py)."""
+        if self.runner.tokens.in_use:
+            self.runner.tokens.retain(s.slot_key for s in self.scheduler.running)
 
     @property
     def num_preemptions(self) -> int:
@@ -83,7 +91,7 @@ class EngineCore:
         if not seqs:
             return []
         out = self.runner.sample_next(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs],
-                                      self.eos_token_ids)
+                                      self.eos_token_ids, history=lambda i: seq_history(seqs[i]))
         events = []
         for seq, (tok, lp, top) in zip(seqs, out.rows([s.params for s in seqs]), strict=True):
             seq.output_token_ids.append(tok)
@@ -98,4 +106,5 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq, tok, reason))
+        self._retain_slots()
         return events

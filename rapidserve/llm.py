@@ -14,7 +14,7 @@ from tqdm import tqdm
 from rapidserve.config_builder import build_engine_config
 from rapidserve.core import EngineCore
 from rapidserve.outputs import CompletionOutput, RequestOutput
-from rapidserve.sampling_params import SamplingParams
+from rapidserve.sampling_params import SamplingParams, resolve_bad_words
 from rapidserve.sequence import Sequence as Seq
 from rapidserve.tokenizer import Tokenizer
 
@@ -43,6 +43,15 @@ class LLM:
                 raise ValueError("this model has no tokenizer (a preset?): pass prompts as token-id lists")
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
+
+    def _resolve(self, params: SamplingParams) -> SamplingParams:
+        """`bad_words` tokenized here, where the tokenizer is (sampling_params.resolve_bad_words)."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (a preset?): give bad_words_token_ids instead of bad_words")
+        tok = self.tokenizer
+        return resolve_bad_words(params, lambda text: tok.encode(text, add_special_tokens=False))
 
     def _stop_string_hit(self, seq: Seq) -> str | None:
         if not seq.params.stop or self.tokenizer is None:
@@ -74,8 +83,10 @@ class LLM:
             raise ValueError(f"got {len(plist)} prompts but {len(params)} sampling_params; "
                              "pass one SamplingParams or one per prompt")
         encoded = [self._encode(prompt) for prompt in plist]
-        for _, ids in encoded:  # all checked before any is added: a bad prompt leaves nothing behind
+        params = [self._resolve(p) for p in params]
+        for (_, ids), p in zip(encoded, params, strict=True):  # all checked before any is added
             self.engine.limits.check(ids)
+            self.engine.limits.check_params(p)
         requests: list[tuple[RequestOutput, list[Seq]]] = []
         for (text, ids), p in zip(encoded, params, strict=True):
             rid = str(self._next_id)

@@ -7,13 +7,17 @@ single-process engine). Workers trust what the router sends them and do not chec
 A prompt is served when it is non-empty, every id is an integer in [0, vocab_size), and it leaves
 room for at least one generated token within the context cap: the model's context window, or the
 KV pool's capacity where that is smaller (a request alone must always fit the pool, or it would
-wait for blocks forever).
+wait for blocks forever). The token ids a request's logit controls name (logit_bias,
+allowed_token_ids, bad words) must be in [0, vocab_size) as well (`check_params`): an id beyond the
+vocabulary would index past the logits on the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from rapidserve.sampling_params import SamplingParams
 
 
 class PromptError(ValueError):
@@ -50,3 +54,14 @@ class PromptLimits:
             raise PromptError(f"This model's maximum context length is {self.context_cap} tokens{pool}, but "
                               f"'{where}' has {len(prompt)} tokens (it must leave room for at least one "
                               "generated token)", code="context_length_exceeded")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise PromptError naming the field when a logit control names a token id outside the
+        vocabulary, or `bad_words` were not tokenized (only an edge with a tokenizer can)."""
+        if params.bad_words and not params.bad_words_token_ids:
+            raise PromptError("'bad_words' must be tokenized where the tokenizer lives: send them through the "
+                              "server or LLM, or give 'bad_words_token_ids' (sampling_params.resolve_bad_words)")
+        bad = next(((f, t) for f, t in params.token_ids_in_controls() if t >= self.vocab_size), None)
+        if bad is not None:
+            raise PromptError(f"'{bad[0]}' holds token id {bad[1]}: token ids must be integers in "
+                              f"[0, {self.vocab_size})")

@@ -26,6 +26,14 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource
+from rapidserve.logit_controls import (
+    ControlPlan,
+    HistoryOf,
+    TokenState,
+    apply_controls,
+    plan_controls,
+    record_tokens,
+)
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.prompt import PromptLimits
@@ -151,6 +159,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, cfg.runner.seed)
+        self.tokens = TokenState(self.device)  # penalty / bad-word slots (logit_controls.py), owned by the worker
+        self._unrecorded: tuple[torch.Tensor, ControlPlan] | None = None  # sample_next(record=False)'s tokens
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
@@ -369,15 +379,24 @@ class ModelRunner:
         return self.sampler.sample(logits, list(params), list(generators))
 
     def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
-                    eos: tuple[int, ...]) -> SamplerOutput:
+                    eos: tuple[int, ...], history: HistoryOf | None = None, record: bool = True) -> SamplerOutput:
         """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
-        `min_tokens` is not reached (in place), the request's seeded generator at that index."""
+        `min_tokens` is not reached (in place), the request's seeded generator at that index. Rows with
+        logit controls (penalties, logit_bias, bad words, allowed_token_ids) take them on a copy of the
+        logits (logit_controls.py); `history(i)` gives row i's request tokens and slot key where the
+        controls read earlier tokens. The sampled tokens are added to the rows' slots on the device
+        (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()` once
+        the caller's step is wholly queued (a step that fails after sampling must not count its tokens;
+        a retry that is not taken never calls it)."""
+        self._unrecorded = None
         rows: list[int] = []
         cols: list[int] = []
+        controlled = False
         for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
             banned = [t for t in early_stop_bans(p, k, eos) if t < logits.shape[-1]]
             rows += [i] * len(banned)
             cols += banned
+            controlled = controlled or p.has_logit_controls
         # The logits come out of an inference-mode forward (or a graph's output buffer): writing them
         # outside inference mode raises, so the ban and the sampling run inside it.
         with torch.inference_mode():
@@ -385,7 +404,23 @@ class ModelRunner:
                 logits[self._dev(np.asarray(rows, dtype=np.int64)), self._dev(np.asarray(cols, dtype=np.int64))] = \
                     float("-inf")
             gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
-            return self.sample(logits, params, gens)
+            if not controlled:
+                return self.sample(logits, params, gens)
+            plan = plan_controls(params, output_index, history, self.tokens, logits.shape[-1])
+            out = self.sampler.sample(apply_controls(logits, plan, self.tokens), list(params), list(gens),
+                                      raw_logits=logits)
+            if record:
+                record_tokens(out.token_ids, plan, self.tokens)
+            else:
+                self._unrecorded = (out.token_ids, plan)
+            return out
+
+    def record_sampled(self) -> None:
+        """Add the tokens of the last `sample_next(record=False)` to their slots (nothing if it had none)."""
+        pending, self._unrecorded = self._unrecorded, None
+        if pending is not None:
+            with torch.inference_mode():  # the slots were made there (inside sample_next)
+                record_tokens(pending[0], pending[1], self.tokens)
 
     def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
         out = np.zeros((len(items), width), dtype=np.int32)

@@ -183,12 +183,13 @@ class Sampler:
 
     def sample(self, logits: Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None],
-               tensors: SamplingTensors | None = None) -> SamplerOutput:
+               tensors: SamplingTensors | None = None, raw_logits: Tensor | None = None) -> SamplerOutput:
         """One token per row of `logits` `[B, V]` (any float dtype; not modified).
 
         `params[i]` and `generators[i]` belong to row i; `generators[i]` must be set (on the logits'
         device) for every random row whose request has a seed and is ignored on greedy rows, which
-        never advance it. `tensors` may be passed when the caller built them already.
+        never advance it. `tensors` may be passed when the caller built them already. `raw_logits`
+        (same shape): where logprobs are taken from, when `logits` were processed (logit controls).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab]; got shape {tuple(logits.shape)}")
@@ -214,7 +215,7 @@ class Sampler:
 
         if tensors.max_num_logprobs < 0:
             return SamplerOutput(token_ids=token_ids)
-        logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+        logprobs_all = torch.log_softmax((logits if raw_logits is None else raw_logits).float(), dim=-1)
         chosen = logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         top = None
         if tensors.max_num_logprobs > 0:

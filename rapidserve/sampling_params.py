@@ -9,11 +9,18 @@ What is carried here but handled elsewhere:
 - `n`: the scheduler forks `n` sequences; the sampler draws one token per row.
 - `stop` strings are matched by the server on detokenized text; `stop_token_ids`, `ignore_eos`,
   `min_tokens` and `max_tokens` are applied by the caller of the sampler (EOS suppression included).
+- the logit controls (`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`,
+  `allowed_token_ids`, `bad_words_token_ids`) are applied on the device by `rapidserve/logit_controls.py`.
+  `bad_words` (text) are tokenized where the tokenizer lives, the edge (the server, `LLM`), by
+  `resolve_bad_words`, into `bad_words_token_ids`; workers have no tokenizer and read only the ids.
+  Token ids are checked against the vocabulary at each edge (`prompt.PromptLimits.check_params`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from functools import cached_property
 
 import msgspec
 from msgspec.structs import force_setattr
@@ -26,6 +33,13 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Logit controls (vLLM's / OpenAI's ranges). Bias values are clamped to +-MAX_LOGIT_BIAS, as vLLM does.
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 32768  # the request travels in one ring message between processes
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32  # a bad word's token sequence; the device keeps this many recent outputs per request
 
 
 class SamplingParamsError(ValueError):
@@ -94,7 +108,7 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
                f"structured_outputs.choice={self.choice!r} must be a non-empty list of non-empty strings")
 
 
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # dict: cached properties
     """How to pick the next tokens of one request.
 
     - temperature: 0 (or below 1e-5) = greedy; otherwise logits are divided by it.
@@ -104,6 +118,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     - seed: when set, the request's tokens do not depend on what else is in the batch.
     - logprobs: None = none; 0 = logprob of the chosen token; k > 0 = chosen + the top k.
     - structured_outputs: a constraint on the output text (`StructuredOutputs`); None = free text.
+    - presence_penalty, frequency_penalty (OpenAI's): logit[t] -= presence * (count[t] > 0) +
+      frequency * count[t], count over the OUTPUT tokens so far; in [-2, 2]; 0 = off.
+    - repetition_penalty (vLLM's / HF's): for a token in the prompt or the outputs, a logit > 0 is
+      divided by it, else multiplied; > 0; 1 = off.
+    - logit_bias: (token id, bias) pairs added to the logits; a dict {id: bias} is accepted and
+      normalised (ids sorted, biases clamped to [-100, 100], as vLLM does).
+    - allowed_token_ids: only these ids may be sampled; None = all.
+    - bad_words: words that must not be generated; `bad_words_token_ids` are their token sequences
+      (each word tokenized with and without a leading space, `resolve_bad_words`): the last token of
+      a sequence is banned when the outputs so far end with the rest of it (one-token words: always).
+    Logprobs are those of the logits before these controls (vLLM's default, raw logprobs).
     """
 
     n: int = 1
@@ -120,20 +145,33 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
-        # Normalise what Python callers may pass loosely (lists, ints for floats, one stop string),
-        # so the struct stays hashable and the types match what a decode would produce.
+        # Normalise what Python callers may pass loosely (lists, ints for floats, one stop string, a
+        # logit_bias dict), so the struct stays hashable and the types match what a decode would produce.
         if isinstance(self.stop, str):
             force_setattr(self, "stop", (self.stop,))
-        for name in ("stop_token_ids", "stop"):
+        if isinstance(self.bad_words, str):
+            force_setattr(self, "bad_words", (self.bad_words,))
+        for name in ("stop_token_ids", "stop", "allowed_token_ids", "bad_words"):
             v = getattr(self, name)
             if isinstance(v, list):
                 force_setattr(self, name, tuple(v))
-        for name in ("temperature", "top_p", "min_p"):
+        if isinstance(self.bad_words_token_ids, list | tuple):
+            force_setattr(self, "bad_words_token_ids", tuple(tuple(w) if isinstance(w, list | tuple) else w
+                                                              for w in self.bad_words_token_ids))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
             if _is_int(v):
                 force_setattr(self, name, float(v))
+        force_setattr(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -170,6 +208,59 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be a bool")
         _check(isinstance(self.skip_special_tokens, bool),
                f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
+        self._validate_controls()
+
+    def _validate_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_real(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+                   f"{name}={v!r} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 = off)")
+        lb = self.logit_bias
+        _check(isinstance(lb, tuple) and len(lb) <= MAX_LOGIT_BIAS_ENTRIES
+               and all(isinstance(e, tuple) and len(e) == 2 and _is_token_id(e[0]) and _is_real(e[1]) for e in lb)
+               and len({e[0] for e in lb}) == len(lb),
+               f"logit_bias={_short(lb)} must map at most {MAX_LOGIT_BIAS_ENTRIES} distinct token ids (integers in "
+               f"[0, {INT32_MAX}]) to finite numbers (clamped to [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])")
+        a = self.allowed_token_ids
+        _check(a is None or (isinstance(a, tuple) and 0 < len(a) <= MAX_ALLOWED_TOKEN_IDS
+                             and all(_is_token_id(t) for t in a)),
+               f"allowed_token_ids={_short(a)} must be None or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+               f"token ids (integers in [0, {INT32_MAX}])")
+        _check(isinstance(self.bad_words, tuple) and len(self.bad_words) <= MAX_BAD_WORDS
+               and all(isinstance(w, str) and w.strip() != "" for w in self.bad_words),
+               f"bad_words={_short(self.bad_words)} must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+        bw = self.bad_words_token_ids
+        _check(isinstance(bw, tuple) and len(bw) <= 2 * MAX_BAD_WORDS
+               and all(isinstance(w, tuple) and 0 < len(w) <= MAX_BAD_WORD_TOKENS and all(_is_token_id(t) for t in w)
+                       for w in bw),
+               f"bad_words_token_ids={_short(bw)} must be a list of at most {2 * MAX_BAD_WORDS} token sequences, each "
+               f"of 1 to {MAX_BAD_WORD_TOKENS} token ids (a longer bad word cannot be banned: shorten it)")
+
+    @cached_property
+    def has_penalties(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is on (they need the request's token counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @cached_property
+    def has_logit_controls(self) -> bool:
+        """Whether any logit control is on: without one, sampling takes the plain path (cached: this is
+        asked for every row of every step)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
+
+    @cached_property
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens on the device (penalties, multi-token bad words)."""
+        return self.has_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+
+    def token_ids_in_controls(self) -> list[tuple[str, int]]:
+        """(field, token id) of every id the logit controls name, for the vocabulary check at the edges."""
+        out = [("logit_bias", t) for t, _ in self.logit_bias]
+        out += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+        out += [("bad_words", t) for w in self.bad_words_token_ids for t in w]
+        return out
 
     @property
     def is_greedy(self) -> bool:
@@ -187,3 +278,58 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def replace(self, **kw: object) -> SamplingParams:
         """A copy with some fields changed (validated again)."""
         return msgspec.structs.replace(self, **kw)
+
+
+def _is_token_id(v: object) -> bool:
+    return _is_int(v) and 0 <= v <= INT32_MAX  # type: ignore[operator]
+
+
+def _short(v: object, limit: int = 120) -> str:
+    text = repr(v)
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
+def _normalise_logit_bias(v: object) -> object:
+    """A dict {token id (int or decimal string, as OpenAI's JSON keys): bias} or pairs -> sorted (id, bias)
+    pairs with biases clamped to [-100, 100]; anything else is left for `validate` to name."""
+    items: object
+    if isinstance(v, Mapping):
+        items = list(v.items())
+    elif isinstance(v, list | tuple):
+        items = [tuple(e) if isinstance(e, list | tuple) else e for e in v]
+    else:
+        return v
+    out = []
+    for e in items:  # type: ignore[attr-defined]
+        if not (isinstance(e, tuple) and len(e) == 2):
+            return tuple(items)  # type: ignore[call-overload]
+        k, b = e
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            k = int(k)
+        if _is_real(b):
+            b = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b)))
+        out.append((k, b))
+    if all(_is_int(k) for k, _ in out):
+        out.sort(key=lambda e: e[0])
+    return tuple(out)
+
+
+def resolve_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with `bad_words` tokenized into `bad_words_token_ids` by `encode` (text -> ids, no special
+    tokens), where a tokenizer lives (the server, `LLM`). Each word is tokenized as given (leading spaces
+    stripped) and with one leading space; the second form is added too when it is a different token
+    sequence of the same length (vLLM's rule: a word is banned at the start of the text and mid-text).
+    Raises SamplingParamsError naming `bad_words` when a word tokenizes to more than MAX_BAD_WORD_TOKENS."""
+    if not params.bad_words:
+        return params
+    seqs: list[tuple[int, ...]] = list(params.bad_words_token_ids)
+    for word in params.bad_words:
+        plain = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        for ids in (plain, spaced):
+            _check(0 < len(ids) <= MAX_BAD_WORD_TOKENS,
+                   f"bad_words: {word!r} is {len(ids)} tokens; a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens")
+        seqs.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            seqs.append(spaced)
+    return params.replace(bad_words_token_ids=tuple(dict.fromkeys(seqs)))

@@ -46,6 +46,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
+    @property
+    def slot_key(self) -> tuple[str, int]:
+        """The key of its penalty slot (logit_controls.py): a new one after each preemption."""
+        return (self.seq_id, self.num_preemptions)
+
 
 def token_seed(seed: int, index: int) -> int:
     """The sampling seed of output token `index` of a seeded request: the same in every process

@@ -168,3 +168,15 @@ def test_multiturn_requests_ask_for_the_output_ids() -> None:
     plain = completion_payload("m", [1, 2], 4)
     assert "return_token_ids" not in plain and plain["max_tokens"] == plain["min_tokens"] == 4
     assert completion_payload("m", [1, 2], 4, return_token_ids=True)["return_token_ids"] is True
+
+
+def test_penalties_flag_adds_the_penalties_to_every_request() -> None:
+    from rapidserve.benchmark.cli import PENALTIES, config_from_args
+    from rapidserve.cli import build_parser
+
+    on = config_from_args(build_parser().parse_args(["bench", "--penalties"]))
+    off = config_from_args(build_parser().parse_args(["bench"]))
+    assert on.sampling == PENALTIES and off.sampling == {}
+    body = completion_payload("m", [1, 2], 4, sampling=on.sampling)
+    assert {k: body[k] for k in PENALTIES} == PENALTIES
+    assert body["temperature"] == 0.0 and body["max_tokens"] == body["min_tokens"] == 4 and body["ignore_eos"]

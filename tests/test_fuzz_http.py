@@ -50,11 +50,12 @@ def schema(srv: Srv) -> Any:
 def _narrowed(doc: dict[str, Any], model: str) -> dict[str, Any]:
     """The test's copy of the document, narrowed so that positive cases mostly generate (the server still
     validates against its own): few new tokens and samples, short batches and texts, token ids in the
-    vocabulary, the served model, and the features the server refuses (penalties, tools...) left neutral."""
+    vocabulary, the served model, the features the server refuses (tools...) and the logit controls whose valid
+values depend on the model (logit_bias keys, allowed_token_ids, bad_words) left neutral; the penalties vary."""
     doc = copy.deepcopy(doc)
     limits = {"max_tokens": 4, "max_completion_tokens": 4, "max_new_tokens": 4, "min_tokens": 4, "n": 2}
-    neutral = {"presence_penalty": [0], "frequency_penalty": [0], "repetition_penalty": [1], "model": [model],
-               "logit_bias": [{}], "tools": [[]], "tool_choice": ["none", "auto"], "suffix": [""], "best_of": [None]}
+    neutral = {"model": [model], "logit_bias": [{}], "allowed_token_ids": [None], "bad_words": [None],
+               "tools": [[]], "tool_choice": ["none", "auto"], "suffix": [""], "best_of": [None]}
 
     def walk(node: Any, field: str) -> None:  # every schema under one property (structs are their own entries)
         if isinstance(node, dict):

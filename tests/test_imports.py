@@ -46,7 +46,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("model", ("rapidserve.loader", "rapidserve.attention", "rapidserve.ops", "rapidserve.models",
                "rapidserve.kv_pool")),
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
-    ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.block_manager", "rapidserve.step_plan",
+    ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
+                  "rapidserve.step_plan",
                   "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer")),
     # Running the model on batches: ModelRunner, zero-copy sharing of weights + pool, building the config tree.
     ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.config_builder")),

@@ -55,10 +55,12 @@ def _sampling_cases(kind: str, base: dict[str, Any]) -> list[tuple[str, dict[str
         "skip_special_tokens": ["x", 1],
         "user": [5, ["u"]],
         "model": [5, ["smol"]],
-        "presence_penalty": [0.5, "0"],
-        "frequency_penalty": [-1],
-        "repetition_penalty": [1.2],
-        "logit_bias": [{"1": 2}, 5],
+        "presence_penalty": [2.5, -2.01, "0", True],
+        "frequency_penalty": [-3, 2.1, "1"],
+        "repetition_penalty": [0, -1.2, "1.2"],
+        "logit_bias": [5, {"1": "a"}, {"x": 1}, {"-1": 1}, {"1.5": 1}, {str(VOCAB): 2}, {"99999999999": 1}],
+        "allowed_token_ids": [[], [VOCAB], [-1], "1", [1.5]],
+        "bad_words": [5, "word", [""], ["   "], [1], ["x" * 300], ["a b " * 40]],
     }
     if kind == "generate":
         bad["n"] = [2, 0, "1"]
@@ -170,6 +172,21 @@ def test_completion_defaults(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
     nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n",
                                "logprobs", "stream", "stream_options", "user", "stop_token_ids", "echo", "model")}
     assert parse("completion", {"prompt": "Hello there", **nulls}, ctx) == r
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_logit_controls_mapped(ctx: rq.ProtocolContext, tok: Tokenizer, kind: str) -> None:
+    base: dict[str, Any] = {"prompt": "hi"} if kind == "completion" else {"messages": MSG}
+    body = {**base, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+            "logit_bias": {"7": 150, "3": -2.5}, "allowed_token_ids": [3, 7, 9], "bad_words": ["hello", " world"]}
+    p = parse(kind, body, ctx).params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert p.logit_bias == ((3, -2.5), (7, 100.0))  # sorted ids, biases clamped to [-100, 100] as vLLM does
+    assert p.allowed_token_ids == (3, 7, 9) and p.bad_words == ("hello", " world")
+    for word in ("hello", "world"):  # tokenized with and without a leading space (kept when a new token)
+        assert tuple(tok.encode(word, add_special_tokens=False)) in p.bad_words_token_ids
+    neutral = parse(kind, {**base, "presence_penalty": None, "logit_bias": None, "bad_words": []}, ctx).params
+    assert not neutral.has_logit_controls
 
 
 def test_completion_fields_mapped(ctx: rq.ProtocolContext) -> None:

@@ -65,6 +65,25 @@ CASES = [
     Case("logprobs", {"logprobs": 3}, _all(lambda c: c["logprobs"] is not None, "logprobs present")),
     Case("logprobs_0", {"logprobs": 0}, _all(lambda c: c["logprobs"] is not None, "logprobs present")),
     Case("skip_special_tokens", {"skip_special_tokens": False}),
+    # logit controls (issue 19); ids of SmolLM2's tokenizer: 198 "\n", 104 "x", 17 "!", 47 "?"
+    Case("presence_penalty", {"presence_penalty": 1.5, "max_tokens": 12}),
+    Case("frequency_penalty", {"frequency_penalty": 2.0, "max_tokens": 12}),
+    Case("repetition_penalty", {"repetition_penalty": 1.3, "max_tokens": 12}),
+    Case("penalties_negative", {"presence_penalty": -2, "frequency_penalty": -0.5, "repetition_penalty": 0.7}),
+    Case("logit_bias_ban", {"logit_bias": {"198": -100}}, _all(lambda c: "\n" not in c["_text"], "no newline")),
+    Case("logit_bias_force", {"logit_bias": {"104": 100}, "max_tokens": 4, "ignore_eos": True},
+         _all(lambda c: c["_text"] == "xxxx", "xxxx")),
+    Case("allowed_token_ids", {"allowed_token_ids": [17, 47], "max_tokens": 5, "ignore_eos": True},
+         _all(lambda c: len(c["_text"]) == 5 and set(c["_text"]) <= {"!", "?"}, "only ! and ?")),
+    Case("bad_words", {"bad_words": ["answer", "The", "is:"], "max_tokens": 12},
+         _all(lambda c: "answer" not in c["_text"] and "The" not in c["_text"] and "is:" not in c["_text"],
+              "no bad word")),
+    Case("controls_n_seeded", {"n": 2, "temperature": 1.0, "seed": 4, "presence_penalty": 1.0,
+                               "repetition_penalty": 1.2, "logit_bias": {"198": -5}, "bad_words": ["colour"]},
+         lambda cs: _len(cs, 2)),
+    Case("controls_stream", {"frequency_penalty": 1.0, "bad_words": ["answer"], "logprobs": 2},
+         _all(lambda c: "answer" not in c["_text"] and c["logprobs"] is not None, "no bad word, logprobs"), llm=False,
+         extra={"stream": True}),
     # request options: HTTP only
     Case("stream", {}, llm=False, extra={"stream": True}),
     Case("stream_usage", {}, llm=False, extra={"stream": True, "stream_options": {"include_usage": True}}),
@@ -212,6 +231,24 @@ def test_field_through_server(server: Served, case: Case) -> None:
     assert status == 200  # no worker died of it (nor of any other case)
 
 
+BAD_CONTROLS = [
+    ("presence_penalty", 3), ("presence_penalty", "1"), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
+    ("logit_bias", {"49152": 1}), ("logit_bias", {"a": 1}), ("logit_bias", {"1": "x"}), ("allowed_token_ids", []),
+    ("allowed_token_ids", [49152]), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", "answer"),
+]
+
+
+@pytest.mark.parametrize(("field_name", "value"), BAD_CONTROLS, ids=lambda v: str(v))
+def test_invalid_control_is_a_400_naming_it(server: Served, field_name: str, value: Any) -> None:
+    for path, base in (("/v1/completions", {"prompt": QUESTION}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": QUESTION}]})):
+        status, _, raw = http(server.srv.url + path, "POST", json.dumps({**base, field_name: value}).encode(),
+                              {"Content-Type": "application/json"})
+        assert status == 400, raw
+        assert json.loads(raw)["error"]["param"] == field_name, raw
+    assert http(server.srv.url + "/health")[0] == 200
+
+
 # ---------------------------------------------------------------- single-process LLM
 
 
@@ -228,3 +265,4 @@ def test_field_through_llm(llm: LLM, case: Case) -> None:
     choices = [{"_text": c.text, "_completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
                 "logprobs": c.logprobs} for c in outs[0].outputs]
     case.check(choices)
+    assert llm.engine.runner.tokens.in_use == 0  # every penalty slot freed

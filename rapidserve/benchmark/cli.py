@@ -27,6 +27,8 @@ from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpe
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
 
 DEFAULT_NUM_PROMPTS = 100
+# --penalties: the three penalties at typical values (all on, so every penalty's work is measured)
+PENALTIES: dict[str, float] = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
 
 def _number(kind: type, lo: float, lo_open: bool = False) -> Callable[[str], Any]:
@@ -161,6 +163,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "length in seconds of trace time, before --time-scale)")
     a.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
     a.add_argument("--seed", type=nonneg_int, default=0)
+    a.add_argument("--penalties", action="store_true",
+                   help="every request also asks for " + ", ".join(f"{k}={v:g}" for k, v in PENALTIES.items())
+                        + " (still greedy, still exactly the output length): the cost of penalties, against a "
+                        "run without this flag")
     a.add_argument("--warmup", type=nonneg_int, default=0, help="unrecorded requests sent first")
     a.add_argument("--goodput", nargs="+", action=SlosAction, default={}, metavar="METRIC:MS",
                    help=f"goodput bounds in ms, METRIC one of {', '.join(SLO_METRICS)} (itl: a request's "
@@ -242,7 +248,8 @@ def config_from_args(a: argparse.Namespace) -> Any:
                        rates=rates, arrival=a.arrival or "poisson", num_prompts=num, duration_s=a.duration_s,
                        max_concurrency=a.max_concurrency, seed=a.seed, slos_ms=dict(a.goodput), warmup=a.warmup,
                        timeout_s=a.timeout_s, quiet=getattr(a, "quiet", False),
-                       time_scales=tuple(a.time_scale) if a.time_scale is not None else (1.0,))
+                       time_scales=tuple(a.time_scale) if a.time_scale is not None else (1.0,),
+                       sampling=dict(PENALTIES) if getattr(a, "penalties", False) else {})
 
 
 def safe_name(text: str) -> str:

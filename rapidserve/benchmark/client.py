@@ -8,7 +8,9 @@ event's completion_tokens is the request's output count and fixes up chunks that
 tokens without saying so (`stats.reconcile_chunk_tokens`). With `return_token_ids` (the multiturn
 workload, which re-sends the outputs) the request also asks for vLLM's `return_token_ids`, so vLLM
 streams each chunk's `token_ids` even when it has a tokenizer; servers that do not know the field
-ignore it (OpenAI-compatible servers ignore unknown fields; rapidserve does).
+ignore it (OpenAI-compatible servers ignore unknown fields; rapidserve does). `Target.sampling` adds
+fields to every request (`rapidserve bench --penalties`: presence, frequency and repetition penalties,
+which leave greedy decoding of exactly `max_tokens` tokens, so the same work with the penalties on).
 
 A failure is recorded with its error text: `HTTP <status>: <OpenAI error message or body>`, an error
 event inside the stream, a timeout, or the connection error.
@@ -21,7 +23,7 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,7 @@ class Target:
     api_key: str | None = None
     timeout_s: float = 600.0
     endpoint: str = "/v1/completions"
+    sampling: Mapping[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)
 
     @property
     def url(self) -> str:
@@ -76,10 +79,10 @@ def error_text(status: int, body: str) -> str:
 
 
 def completion_payload(model: str, prompt: Sequence[int], output_len: int,
-                       return_token_ids: bool = False) -> dict[str, Any]:
+                       return_token_ids: bool = False, sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": output_len,
                             "min_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}, **(sampling or {})}
     if return_token_ids:
         body["return_token_ids"] = True
     return body
@@ -110,8 +113,8 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
     record.start_s = start - t0
     try:
         timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len, return_token_ids),
-                                headers=target.headers(), timeout=timeout) as resp:
+        body = completion_payload(target.model, prompt, output_len, return_token_ids, target.sampling)
+        async with session.post(target.url, json=body, headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 record.error = error_text(resp.status, await resp.text())
                 record.e2e_s = time.perf_counter() - start

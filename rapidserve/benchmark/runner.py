@@ -59,6 +59,7 @@ class BenchConfig:
     deadline: float | None = None
     quiet: bool = False
     time_scales: tuple[float, ...] = (1.0,)  # trace workload with timestamps arrivals: one run per scale
+    sampling: dict[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)
 
 
 def rate_json(rate: float) -> float | str:
@@ -155,7 +156,8 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     model = cfg.model if cfg.model is not None else str(models[0]["id"])
     entry = next((m for m in models if m["id"] == model), models[0] if models else {})
     mml = entry.get("max_model_len")
-    return Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s), (int(mml) if isinstance(mml, int) else None)
+    target = Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s, sampling=dict(cfg.sampling))
+    return target, (int(mml) if isinstance(mml, int) else None)
 
 
 def _log(cfg: BenchConfig, msg: str) -> None:
@@ -218,7 +220,7 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
         "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
                    "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms,
                    "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "rates": [rate_json(r) for r in cfg.rates],
-                   "workload_spec": asdict(spec),
+                   "workload_spec": asdict(spec), "sampling": dict(cfg.sampling),
                    **({"time_scales": list(points)} if scaled else {})},
         **({"trace": replay.describe()} if replay is not None else {}),
         "runs": runs, "skipped_rates": skipped,

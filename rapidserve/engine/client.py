@@ -170,6 +170,7 @@ class AsyncEngine:
         limits = PromptLimits(self.cfg.model_config.vocab_size, self.cfg.max_model_len, self.workers.pool_tokens)
         try:
             limits.check(prompt_token_ids, "prompt_token_ids")
+            limits.check_params(params)
         except PromptError as e:
             raise RequestRejected(str(e)) from None
         stream = _Stream(asyncio.Queue())

@@ -130,10 +130,11 @@ class DecodeScheduler:
     def mean_context(self) -> int:
         return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
 
-    def stats(self, partition: str, switches: int, steps: dict[str, int] | None = None) -> m.Stats:
+    def stats(self, partition: str, switches: int, steps: dict[str, int] | None = None,
+              token_slots: int = 0) -> m.Stats:
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
-                       self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}))
+                       self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}), token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
     def add(self, req: m.NewRequest) -> None:

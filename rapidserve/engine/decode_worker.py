@@ -21,6 +21,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
@@ -151,11 +152,13 @@ class DecodeWorker:
         logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
         index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
         try:
-            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos)
+            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos,
+                                  history=lambda i: history(batch[i]))
         except RequestsFailed as e:
             e.reqs = [batch[i] for i in e.rows]
             raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
+        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.launched(batch)
         self.partition.note_step()
         return InFlight(batch, out, host, self.runner.mark())
@@ -172,6 +175,8 @@ class DecodeWorker:
         self._out += self.sched.record(f.batch, rows)
 
     def publish(self) -> None:
+        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
+            self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []
@@ -182,4 +187,15 @@ class DecodeWorker:
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
             p = self.partition
-            self.io.to_router.try_send(self.sched.stats(p.current, p.num_switches, p.steps))
+            self.io.to_router.try_send(self.sched.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use))
+
+
+def slot_key(r: DecodeRequest) -> tuple[str, int]:
+    """The key of a request's penalty slot (logit_controls.py): a new one after each preemption."""
+    return (r.req_id, r.attempt)
+
+
+def history(r: DecodeRequest) -> TokenHistory:
+    """What a running request's penalty slot is filled from, at its first decode sample after PrefillDone
+    (nothing of it is in flight then: `outputs` is complete)."""
+    return TokenHistory(slot_key(r), r.request.prompt_token_ids, r.outputs)

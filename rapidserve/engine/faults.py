@@ -13,7 +13,7 @@ a time; a decode step that fails for no single row fails its whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rapidserve.sampling_params import SamplingParams
@@ -45,19 +45,22 @@ def describe(e: BaseException, where: str) -> str:
 
 
 def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], index: Sequence[int],
-                    eos: tuple[int, ...]) -> Any:
+                    eos: tuple[int, ...], history: Callable[[int], Any] | None = None) -> Any:
     """`runner.sample_next` over the batch; if it raises (not fatally), sample each row alone and
-    raise `RequestsFailed` with the rows that still raise (all rows if none does alone)."""
+    raise `RequestsFailed` with the rows that still raise (all rows if none does alone). Nothing is
+    added to the penalty slots (`record=False`): the caller calls `runner.record_sampled()` once its
+    step is wholly queued, and never after a retry (its step is not taken)."""
     try:
-        return runner.sample_next(logits, params, index, eos)
+        return runner.sample_next(logits, params, index, eos, history=history, record=False)
     except Exception as e:  # noqa: BLE001 - blamed below
         if is_fatal(e):
             raise
         first = e
     blamed: list[int] = []
     for i in range(len(params)):
+        row_history = None if history is None else (lambda _j, i=i: history(i))
         try:
-            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos)
+            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos, history=row_history, record=False)
         except Exception as e:  # noqa: BLE001 - this row fails alone
             if is_fatal(e):
                 raise

@@ -58,6 +58,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
+from rapidserve.logit_controls import seq_history
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop_at
@@ -225,13 +226,15 @@ class HybridWorker:
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
             try:
-                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos)
+                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos,
+                                      history=lambda i: seq_history(seqs[i]))
             except RequestsFailed as e:
                 e.reqs = [seqs[i] for i in e.rows]
                 raise
         host = None if out is None else out.to_host()
         done = None if out is None else self.runner.mark()
         # Nothing below raises: the state moves on only for a step that is wholly queued.
+        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.complete(plan, commit=False)
         for s in seqs:
             s.output_token_ids.append(PLACEHOLDER)
@@ -263,6 +266,8 @@ class HybridWorker:
 
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self) -> None:
+        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
+            self.runner.tokens.retain(s.slot_key for s in self.sched.running)
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []
@@ -273,4 +278,5 @@ class HybridWorker:
             self.out.try_send(m.Stats(num_running=decoding, num_waiting=waiting, num_prefilling=prefilling,
                                       kv_blocks_total=self.blocks.num_blocks, kv_blocks_free=self.blocks.num_free,
                                       num_preemptions=self.sched.num_preemptions,
-                                      prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits))
+                                      prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits,
+                                      token_slots=self.runner.tokens.in_use))

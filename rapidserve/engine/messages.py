@@ -141,6 +141,7 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache so far
     prefix_cache_hits: int = 0  # of those, tokens found
     partition_steps: dict[str, int] = {}  # decode steps launched so far, per compute partition configuration
+    token_slots: int = 0  # penalty / bad-word slots in use on the device (logit_controls.py)
 
 
 class Ready(msgspec.Struct, tag=True, frozen=True):

@@ -25,6 +25,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.faults import describe, is_fatal
 from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sequence import check_stop
@@ -47,6 +48,11 @@ class Job:
     @property
     def output_index(self) -> int:
         return len(self.tokens) - len(self.req.prompt_token_ids)
+
+    @property
+    def history(self) -> TokenHistory:
+        n = len(self.req.prompt_token_ids)
+        return TokenHistory((self.req.req_id, self.attempt), self.tokens[:n], self.tokens[n:])
 
 
 class PrefillWorker:
@@ -168,7 +174,11 @@ class PrefillWorker:
         import torch
 
         assert isinstance(logits, torch.Tensor)
-        out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs], self.eos)
+        try:  # penalty slots are taken for this sample only (filled from the job's tokens), then freed
+            out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs],
+                                          self.eos, history=lambda i: jobs[i].history, record=False)
+        finally:
+            self.runner.tokens.retain(())
         firsts, dones = [], []
         for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
             outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import jinja2
 
 from rapidserve.prompt import PromptError, PromptLimits
-from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError
+from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError, resolve_bad_words
 from rapidserve.server.body import decode_body
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.schemas import (
@@ -112,12 +112,6 @@ def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
 
 
 def _refuse_unsupported(r: RequestBody, n: int) -> None:
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        v = getattr(r, name)
-        if v is not None and v != neutral:
-            raise bad_request(name, f"'{name}' is not supported by this server: only {neutral} or null, got {v!r}")
-    if r.logit_bias:
-        raise bad_request("logit_bias", "'logit_bias' is not supported by this server: only {} or null")
     if isinstance(r, ChatCompletionRequest) and r.response_format is not None and r.response_format.type != "text":
         raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
     if isinstance(r, CompletionRequest):
@@ -125,6 +119,31 @@ def _refuse_unsupported(r: RequestBody, n: int) -> None:
             raise bad_request("suffix", "'suffix' is not supported by this server")
         if r.best_of is not None and r.best_of != n:
             raise bad_request("best_of", f"'best_of' is not supported by this server: only null or equal to n ({n})")
+
+
+def _logit_bias(r: RequestBody, ctx: ProtocolContext) -> dict[int, float]:
+    """OpenAI's logit_bias {"token id": bias} as {id: bias}; every key a token id in the vocabulary."""
+    out: dict[int, float] = {}
+    for key, bias in (r.logit_bias or {}).items():
+        t = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
+        if not 0 <= t < ctx.vocab_size:
+            raise bad_request("logit_bias", f"'logit_bias' has the key {show(key)}: keys must be token ids in "
+                                            f"[0, {ctx.vocab_size}), written as decimal strings (e.g. \"50256\")")
+        out[t] = bias
+    return out
+
+
+def _check_controls(r: RequestBody, ctx: ProtocolContext) -> None:
+    """The logit controls' model-dependent checks (token ids in the vocabulary, a tokenizer for bad_words)."""
+    _logit_bias(r, ctx)
+    if r.allowed_token_ids and max(r.allowed_token_ids) >= ctx.vocab_size:
+        t = next(t for t in r.allowed_token_ids if t >= ctx.vocab_size)
+        raise bad_request("allowed_token_ids", f"'allowed_token_ids' holds {t}: token ids must be integers in "
+                                               f"[0, {ctx.vocab_size})")
+    if r.bad_words and ctx.tokenizer is None:
+        raise bad_request("bad_words", "this model has no tokenizer: 'bad_words' cannot be tokenized")
+    if r.bad_words and any(w.strip() == "" for w in r.bad_words):
+        raise bad_request("bad_words", "'bad_words' must hold non-blank strings")
 
 
 def _check_prompt(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
@@ -189,6 +208,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     model = _resolve_model(r.model, ctx)
     n = r.n or 1
     _refuse_unsupported(r, n)
+    _check_controls(r, ctx)
     if r.seed is not None and r.seed + n - 1 > SEED_MAX:
         raise bad_request("seed", f"'seed' + n - 1 must fit in a 64-bit signed integer (sample j of n uses seed + j):"
                                   f" with n={n}, 'seed' may be at most {SEED_MAX - n + 1}")
@@ -276,9 +296,20 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
             min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
             stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
             logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False,
+            presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+            logit_bias=_logit_bias(r, ctx), allowed_token_ids=r.allowed_token_ids,
+            bad_words=tuple(r.bad_words or ()),
             structured_outputs=plan.tools.structured_outputs() if plan.tools is not None else None)
+        if params.bad_words:
+            tok = ctx.tokenizer
+            assert tok is not None  # _check_controls
+            params = resolve_bad_words(params, lambda text: tok.encode(text, add_special_tokens=False))
+            PromptLimits(ctx.vocab_size, ctx.max_model_len).check_params(params)
+    except PromptError as e:
+        raise bad_request("bad_words", str(e)) from None
     except SamplingParamsError as e:
-        m = re.match(r"(\w+)=", str(e))
+        m = re.match(r"(\w+)[=:]", str(e))
         raise bad_request(m.group(1) if m else None, str(e)) from None
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,

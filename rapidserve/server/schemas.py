@@ -14,7 +14,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from rapidserve.sampling_params import INT32_MAX, MAX_LOGPROBS, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN
+from rapidserve.sampling_params import (
+    INT32_MAX,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 MAX_N = 16  # samples per prompt
 MAX_TEMPERATURE = 2.0
@@ -23,6 +34,7 @@ MAX_MESSAGES = 1024
 MAX_STOP_CHARS = 1024  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOOLS = 128  # tools in one request, and tool calls in one message
+MAX_BAD_WORD_CHARS = 256
 CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
 
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # and below the model's vocabulary size (checked per model)
@@ -130,6 +142,8 @@ Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_ST
     description=f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS}"
                 " such strings")]
 NotSupported = "not supported by this server: only {} or null"
+Penalty = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), subtracted from the logit of a token {{}}"
+BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 MessagesHelp = (f"a non-empty list of at most {MAX_MESSAGES} messages {{\"role\": one of {', '.join(CHAT_ROLES)}; "
                 "\"content\": a string or a list of {\"type\": \"text\", \"text\": string}}")
 
@@ -157,10 +171,22 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Meta(description=NotSupported.format("0"))] | None = None
-    frequency_penalty: Annotated[float, Meta(description=NotSupported.format("0"))] | None = None
-    repetition_penalty: Annotated[float, Meta(description=NotSupported.format("1"))] | None = None
-    logit_bias: Annotated[dict[str, float], Meta(description=NotSupported.format("{}"))] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=Penalty.format(
+        "that is among the outputs so far"))] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=Penalty.format(
+        "once per time it is among the outputs so far"))] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, description="a number > 0 (1 = off): a token of the prompt or "
+                                              "the outputs has its logit divided by it if positive, else multiplied "
+                                              "by it")] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES, description=(
+        f"an object of at most {MAX_LOGIT_BIAS_ENTRIES} token ids (as strings, e.g. \"50256\") in the vocabulary, "
+        f"each to a bias added to its logit (clamped to [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])"))] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS, description=(
+        f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids in the vocabulary: only these may be "
+        "generated"))] | None = None
+    bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS, description=(
+        f"a list of at most {MAX_BAD_WORDS} words (non-blank strings of at most {MAX_BAD_WORD_CHARS} characters) "
+        "that must not be generated"))] | None = None
 
 
 N = Annotated[int, Meta(ge=1, le=MAX_N, description=f"the samples per prompt: an integer in [1, {MAX_N}]")]
