@@ -32,6 +32,7 @@ from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import early_stop_bans
+from rapidserve.structured import GrammarMask, apply_grammar_mask
 
 if TYPE_CHECKING:
     from rapidserve.model_sharing import SharedState
@@ -369,12 +370,17 @@ class ModelRunner:
         return self.sampler.sample(logits, list(params), list(generators))
 
     def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
-                    eos: tuple[int, ...]) -> SamplerOutput:
+                    eos: tuple[int, ...], grammar: GrammarMask | None = None) -> SamplerOutput:
         """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
-        `min_tokens` is not reached (in place), the request's seeded generator at that index."""
+        `min_tokens` is not reached (in place), the request's seeded generator at that index.
+        `grammar`: the step's structured-output bitmask (rapidserve/structured), applied in place; its
+        rows' early-stop bans are in the mask already (a complete grammar may end below min_tokens)."""
         rows: list[int] = []
         cols: list[int] = []
+        masked = set(grammar.rows) if grammar is not None else set()
         for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
+            if i in masked:
+                continue
             banned = [t for t in early_stop_bans(p, k, eos) if t < logits.shape[-1]]
             rows += [i] * len(banned)
             cols += banned
@@ -384,6 +390,8 @@ class ModelRunner:
             if rows:
                 logits[self._dev(np.asarray(rows, dtype=np.int64)), self._dev(np.asarray(cols, dtype=np.int64))] = \
                     float("-inf")
+            if grammar is not None:
+                apply_grammar_mask(logits, grammar)
             gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
             return self.sample(logits, params, gens)
 

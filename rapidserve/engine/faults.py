@@ -45,11 +45,12 @@ def describe(e: BaseException, where: str) -> str:
 
 
 def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], index: Sequence[int],
-                    eos: tuple[int, ...]) -> Any:
-    """`runner.sample_next` over the batch; if it raises (not fatally), sample each row alone and
-    raise `RequestsFailed` with the rows that still raise (all rows if none does alone)."""
+                    eos: tuple[int, ...], grammar: Any = None) -> Any:
+    """`runner.sample_next` over the batch (`grammar`: the step's structured-output mask, or None);
+    if it raises (not fatally), sample each row alone and raise `RequestsFailed` with the rows that
+    still raise (all rows if none does alone)."""
     try:
-        return runner.sample_next(logits, params, index, eos)
+        return runner.sample_next(logits, params, index, eos, grammar)
     except Exception as e:  # noqa: BLE001 - blamed below
         if is_fatal(e):
             raise
@@ -57,7 +58,8 @@ def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], 
     blamed: list[int] = []
     for i in range(len(params)):
         try:
-            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos)
+            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos,
+                               None if grammar is None else grammar.for_row(i))
         except Exception as e:  # noqa: BLE001 - this row fails alone
             if is_fatal(e):
                 raise
