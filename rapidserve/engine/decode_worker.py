@@ -25,6 +25,7 @@ from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
+from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
 
 
 @dataclass
@@ -49,6 +50,7 @@ class DecodeWorker:
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids)
 
     def run(self) -> None:
         while not self._stop:
@@ -147,14 +149,43 @@ class DecodeWorker:
             carry = Carry(prev.out.token_ids, [(i, where[id(r)]) for i, r in enumerate(batch) if r.inflight])
         logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
         index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
+        mask = self._grammar_mask(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
         try:
-            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos)
+            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos, mask)
         except RequestsFailed as e:
             e.reqs = [batch[i] for i in e.rows]
             raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         self.sched.launched(batch)
         return InFlight(batch, out, host, self.runner.mark())
+
+    def _grammar_mask(self, batch: list[DecodeRequest], prev: InFlight | None) -> GrammarMask:
+        """The structured-output mask of this step, filled on the CPU while the device runs the forward
+        just queued. Each matcher replays the tokens known so far (the first token from PrefillDone,
+        every output after a preemption) plus the in-flight step's token, for which only a batch with
+        a grammar row waits here. Rows whose grammar rejects a token fail alone."""
+        prev_tokens: list[int] | None = None
+        where: dict[int, int] = {}
+        rows: list[GrammarRow] = []
+        for i, r in enumerate(batch):
+            if r.params.structured_outputs is None:
+                continue
+            known = r.outputs
+            if r.inflight:
+                if prev_tokens is None:
+                    assert prev is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                    where = {id(x): k for k, x in enumerate(prev.batch)}
+                known = known + [prev_tokens[where[id(r)]]]
+            rows.append(GrammarRow(i, r.req_id, r.params, known))
+        mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+        if failed:
+            e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
+            e.reqs = [batch[i] for i in e.rows]
+            raise e
+        return mask
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens (emit, stop, free what finished)."""
@@ -168,6 +199,8 @@ class DecodeWorker:
         self._out += self.sched.record(f.batch, rows)
 
     def publish(self) -> None:
+        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released
+            self.grammar.retain(r.req_id for r in self.sched.running)
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []

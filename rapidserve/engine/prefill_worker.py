@@ -28,6 +28,7 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sequence import check_stop
+from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PrefillWorker:
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos)
 
     def run(self) -> None:
         while True:
@@ -168,7 +170,20 @@ class PrefillWorker:
         import torch
 
         assert isinstance(logits, torch.Tensor)
-        out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs], self.eos)
+        params = [j.req.params for j in jobs]
+        mask = None
+        if GrammarBook.needed(params):
+            # Structured outputs: each job's matcher replays the outputs known so far (none, or all of
+            # them after a preemption) and masks this token; decode builds its own from the same tokens.
+            rows = [GrammarRow(i, j.req.req_id, j.req.params, j.tokens[len(j.req.prompt_token_ids):])
+                    for i, j in enumerate(jobs) if j.req.params.structured_outputs is not None]
+            try:
+                mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+            finally:
+                self.grammar.retain(())  # one token per job here: nothing to keep
+            if failed:  # the batch is retried one job at a time, so only these jobs fail
+                raise GrammarError("grammar", "; ".join(failed.values()))
+        out = self.runner.sample_next(logits, params, [j.output_index for j in jobs], self.eos, mask)
         firsts, dones = [], []
         for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
             outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import jinja2
 
 from rapidserve.prompt import PromptError, PromptLimits
-from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError
+from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError, StructuredOutputs
 from rapidserve.server.body import decode_body
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.schemas import (
@@ -33,6 +33,8 @@ from rapidserve.server.schemas import (
     GenerateRequest,
     RequestBody,
 )
+from rapidserve.server.structured_fields import structured_outputs_of
+from rapidserve.structured import GrammarCache, check
 from rapidserve.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat", "generate"]
@@ -50,6 +52,8 @@ class ProtocolContext:
     max_model_len: int
     vocab_size: int
     default_max_tokens: int
+    # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
+    grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class _Plan:
     messages: list[dict[str, str]] | None  # chat: the messages for the template
     prompt_param: str
     work: int  # characters to tokenize (or token ids to decode for echo)
+    structured: StructuredOutputs | None = None
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -118,8 +123,6 @@ def _refuse_unsupported(r: RequestBody, n: int) -> None:
             raise bad_request("tools", "'tools' (function calling) is not supported by this server")
         if r.tool_choice not in (None, "none", "auto"):
             raise bad_request("tool_choice", "'tool_choice' may only be 'none', 'auto' or null on this server")
-        if r.response_format is not None and r.response_format.type != "text":
-            raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
     if isinstance(r, CompletionRequest):
         if r.suffix:
             raise bad_request("suffix", "'suffix' is not supported by this server")
@@ -211,6 +214,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    so = structured_outputs_of(r, ctx.grammars)
     if isinstance(r, ChatCompletionRequest):
         messages = _chat_messages(r)
         work = sum(len(m["content"]) for m in messages)
@@ -219,10 +223,10 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
-        return _Plan(kind, model, r, n, [], messages, "messages", work)  # type: ignore[arg-type]
+        return _Plan(kind, model, r, n, [], messages, "messages", work, so)  # type: ignore[arg-type]
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
-    return _Plan(kind, model, r, n, sources, None, "prompt", work)  # type: ignore[arg-type]
+    return _Plan(kind, model, r, n, sources, None, "prompt", work, so)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- tokenization and the sampling params
@@ -284,7 +288,8 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
             top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
             min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
             stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
-            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False)
+            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False,
+            structured_outputs=plan.structured)
     except SamplingParamsError as e:
         m = re.match(r"(\w+)=", str(e))
         raise bad_request(m.group(1) if m else None, str(e)) from None

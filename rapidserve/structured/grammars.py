@@ -71,8 +71,16 @@ def grammar_text(so: StructuredOutputs) -> str:
         raise
     except json.JSONDecodeError as e:
         raise GrammarError(kind, f"the JSON schema is not valid JSON: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the engine's own message, bounded
-        raise GrammarError(kind, f"invalid {kind}: {str(e)[:500]}") from None
+    except BaseException as e:  # noqa: BLE001 - the engine's message; a Rust panic is a BaseException
+        raise engine_error(kind, e) from None
+
+
+def engine_error(kind: str, e: BaseException) -> GrammarError:
+    """The grammar engine raised (or panicked: pyo3's PanicException is a BaseException) on `kind`:
+    a GrammarError for that request; interpreter exits propagate."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise e
+    return GrammarError(kind, f"invalid {kind}: {str(e)[:500]}")
 
 
 def check(so: StructuredOutputs, tokenizer: Any = None) -> str:
@@ -83,8 +91,8 @@ def check(so: StructuredOutputs, tokenizer: Any = None) -> str:
     text = grammar_text(so)
     try:
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
-    except Exception as e:  # noqa: BLE001 - the engine's own message
-        raise GrammarError(so.kind, f"invalid {so.kind}: {str(e)[:500]}") from None
+    except BaseException as e:  # noqa: BLE001 - see engine_error
+        raise engine_error(so.kind, e) from None
     if is_error:
         raise GrammarError(so.kind, f"invalid {so.kind}: {'; '.join(msgs)[:500]}")
     return text

@@ -29,7 +29,7 @@ import torch
 
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
-from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check
+from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,20 @@ class GrammarBook:
         self._tok: Any = None
         self._executor: Any = None
         self._matchers: dict[str, _Matcher] = {}
+
+    @classmethod
+    def for_model(cls, model: str | None, vocab_size: int, eos: tuple[int, ...]) -> GrammarBook:
+        """A worker's book for the model spec of the config tree (its tokenizer is loaded at the
+        first constraint; presets have none, so their structured-output requests fail, saying so)."""
+
+        def hf_tokenizer() -> Any:
+            if model is not None and model.startswith("preset:"):
+                return None
+            from rapidserve.loader import load_hf_tokenizer, resolve_model
+
+            return load_hf_tokenizer(resolve_model(model))
+
+        return cls(hf_tokenizer, vocab_size, eos)
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -137,8 +151,9 @@ class GrammarBook:
         for r in rows:
             try:
                 mt = self._synced(r)
-            except GrammarError as e:
-                failed[r.row] = str(e)
+            except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
+                self._matchers.pop(r.key, None)
+                failed[r.row] = str(e if isinstance(e, GrammarError) else engine_error("grammar", e))
                 continue
             if not mt.eos_seen:
                 live.append((r, mt))
@@ -146,10 +161,16 @@ class GrammarBook:
         if live:
             words = mask.words
             todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped()]
-            if len(todo) == 1:
-                llt.fill_next_token_bitmask(todo[0][0], words, todo[0][1])
-            elif todo:
-                llt.fill_next_token_bitmask_par(self._executor, todo, words)
+            try:
+                if len(todo) == 1:
+                    llt.fill_next_token_bitmask(todo[0][0], words, todo[0][1])
+                elif todo:
+                    llt.fill_next_token_bitmask_par(self._executor, todo, words)
+            except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
+                err = str(engine_error("grammar", e))
+                for i in (i for _, i in todo):
+                    failed[live[i][0].row] = err
+                    self._matchers.pop(live[i][0].key, None)
             for i, (r, mt) in enumerate(live):
                 if mt.m.is_stopped():  # the grammar is complete and cannot go on: EOS only
                     self._only_eos(words[i])
