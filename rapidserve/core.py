@@ -63,6 +63,8 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+        if self._grammar is not None:
+            self._grammar.release(seq.seq_id)
 
     @property
     def num_preemptions(self) -> int:

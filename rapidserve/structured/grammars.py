@@ -65,8 +65,11 @@ def grammar_text(so: StructuredOutputs) -> str:
             alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
             return llg.LLMatcher.grammar_from_lark(f"start: {alts}\n")
         assert so.grammar is not None
-        text = so.grammar if "::=" not in so.grammar else llg.gbnf_to_lark(so.grammar)
-        return llg.LLMatcher.grammar_from_lark(text)
+        if "::=" in so.grammar:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(so.grammar))
+        return llg.LLMatcher.grammar_from_lark(so.grammar)
     except GrammarError:
         raise
     except json.JSONDecodeError as e:
