@@ -241,9 +241,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "grammar_engines.json"))
+    ap.add_argument("--save-tokenizer", default=None, metavar="DIR",
+                    help="only save the Qwen-sized (151936) tokenizer to DIR and exit: `rapidserve serve --model "
+                         "preset:qwen3-8b --tokenizer DIR` can then serve structured outputs with random weights")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hf, eos = smollm2_tokenizer()
+    if args.save_tokenizer:
+        wide = widened_tokenizer(hf, 151936)
+        wide.save_pretrained(args.save_tokenizer)
+        print(f"saved a {len(wide)}-token tokenizer to {args.save_tokenizer}")
+        return
     out = {}
     for label, tok in (("smollm2_49152", hf), ("widened_151936", widened_tokenizer(hf, 151936))):
         vocab = len(tok)

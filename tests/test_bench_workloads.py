@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +170,18 @@ def test_multiturn_requests_ask_for_the_output_ids() -> None:
     plain = completion_payload("m", [1, 2], 4)
     assert "return_token_ids" not in plain and plain["max_tokens"] == plain["min_tokens"] == 4
     assert completion_payload("m", [1, 2], 4, return_token_ids=True)["return_token_ids"] is True
+
+
+def test_extra_body_is_merged_into_every_request(tmp_path: Path) -> None:
+    """`--extra-body`: e.g. a JSON schema on every request (the structured-outputs throughput bench)."""
+    from rapidserve.benchmark.cli import extra_body_arg
+
+    body_file = Path(__file__).parent.parent / "bench" / "structured_outputs_body.json"
+    extra = extra_body_arg("@" + str(body_file))
+    assert extra["structured_outputs"]["json"]["properties"]["text"]["minLength"] == 4000
+    got = completion_payload("m", [1, 2], 4, extra={"guided_regex": "a+"})
+    assert got["guided_regex"] == "a+" and got["ignore_eos"] is True
+    assert extra_body_arg('{"guided_choice": ["x"]}') == {"guided_choice": ["x"]}
+    for bad in ("[1]", "{nope", "@" + str(tmp_path / "missing.json")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            extra_body_arg(bad)

@@ -21,7 +21,7 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -38,6 +38,7 @@ class Target:
     api_key: str | None = None
     timeout_s: float = 600.0
     endpoint: str = "/v1/completions"
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request (--extra-body)
 
     @property
     def url(self) -> str:
@@ -76,10 +77,11 @@ def error_text(status: int, body: str) -> str:
 
 
 def completion_payload(model: str, prompt: Sequence[int], output_len: int,
-                       return_token_ids: bool = False) -> dict[str, Any]:
+                       return_token_ids: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One request's body; `extra` (e.g. a structured-output constraint) is merged in last."""
     body: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": output_len,
                             "min_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}, **(extra or {})}
     if return_token_ids:
         body["return_token_ids"] = True
     return body
@@ -110,7 +112,8 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
     record.start_s = start - t0
     try:
         timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len, return_token_ids),
+        async with session.post(target.url, json=completion_payload(target.model, prompt, output_len, return_token_ids,
+                                                                      target.extra_body),
                                 headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 record.error = error_text(resp.status, await resp.text())

@@ -59,6 +59,7 @@ class BenchConfig:
     deadline: float | None = None
     quiet: bool = False
     time_scales: tuple[float, ...] = (1.0,)  # trace workload with timestamps arrivals: one run per scale
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request's body
 
 
 def rate_json(rate: float) -> float | str:
@@ -155,7 +156,8 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     model = cfg.model if cfg.model is not None else str(models[0]["id"])
     entry = next((m for m in models if m["id"] == model), models[0] if models else {})
     mml = entry.get("max_model_len")
-    return Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s), (int(mml) if isinstance(mml, int) else None)
+    return Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s, extra_body=dict(cfg.extra_body)), \
+        (int(mml) if isinstance(mml, int) else None)
 
 
 def _log(cfg: BenchConfig, msg: str) -> None:

@@ -50,7 +50,8 @@ class DecodeWorker:
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
-        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids)
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids,
+                                            cfg.tokenizer)
 
     def run(self) -> None:
         while not self._stop:

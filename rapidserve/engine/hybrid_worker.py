@@ -96,7 +96,7 @@ class HybridWorker:
         self._arrivals = 0
         self._last_stats = 0.0
         self._stop = False
-        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos)
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:

@@ -60,7 +60,7 @@ class PrefillWorker:
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
-        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos)
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
 
     def run(self) -> None:
         while True:

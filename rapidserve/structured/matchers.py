@@ -65,11 +65,17 @@ class GrammarBook:
         self._matchers: dict[str, _Matcher] = {}
 
     @classmethod
-    def for_model(cls, model: str | None, vocab_size: int, eos: tuple[int, ...]) -> GrammarBook:
-        """A worker's book for the model spec of the config tree (its tokenizer is loaded at the
-        first constraint; presets have none, so their structured-output requests fail, saying so)."""
+    def for_model(cls, model: str | None, vocab_size: int, eos: tuple[int, ...],
+                  tokenizer: str | None = None) -> GrammarBook:
+        """A worker's book for the model spec of the config tree, or the `tokenizer` folder that replaces
+        the model's (`--tokenizer`). The tokenizer is loaded at the first constraint; presets have none
+        without `--tokenizer`, so their structured-output requests fail, saying so."""
 
         def hf_tokenizer() -> Any:
+            if tokenizer is not None:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(tokenizer)
             if model is not None and model.startswith("preset:"):
                 return None
             from rapidserve.loader import load_hf_tokenizer, resolve_model
