@@ -222,3 +222,16 @@ def test_a_preset_gets_structured_outputs_from_a_tokenizer_folder(tmp_path: Path
                        temperature=1.0, seed=3)
     out = llm.generate(["the fox"], p, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and re.fullmatch("[0-9]{4}-[a-z]{2}", out.text), out
+
+
+def test_without_the_grammar_engine_a_constraint_is_a_501_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapidserve.server.errors import APIError
+    from rapidserve.server.schemas import CompletionRequest
+    from rapidserve.server.structured_fields import structured_outputs_of
+
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # import llguidance -> ImportError
+    body = CompletionRequest(prompt="hi", guided_regex="a+")
+    with pytest.raises(APIError) as ei:
+        structured_outputs_of(body, GrammarCache(check))
+    assert ei.value.status == 501 and ei.value.param == "guided_regex" and "pip install" in ei.value.message
+    assert structured_outputs_of(CompletionRequest(prompt="hi"), GrammarCache(check)) is None  # free text: fine

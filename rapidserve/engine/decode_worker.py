@@ -7,6 +7,13 @@ drain the inbox -> choose the compute partition -> admit (KVReady to prefill) ->
 A step is launched one ahead (async scheduling): the tokens of the step in flight stay on the device
 and feed the next step's inputs directly; the host records them (emit, stop, free) while the next
 one runs.
+
+Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; decode builds
+its own matcher by replaying the tokens it knows (the first token from PrefillDone; after a
+preemption, every output), which reaches the same state. Each step with a grammar row queues the
+forward, then waits for the in-flight step's tokens, advances the matchers and fills the bitmask on
+the CPU while the device runs, and samples with the mask; steps without one are unchanged. Matchers
+of requests no longer running (ended, aborted, preempted, failed) are released at `publish`.
 """
 
 from __future__ import annotations

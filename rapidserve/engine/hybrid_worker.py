@@ -36,6 +36,12 @@ Forward passes:
 Sampled tokens (and logprobs) are copied to pinned host memory without waiting, then an event is
 recorded; the host reads them only after that event.
 
+Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
+without a constraint never wait there. `publish` releases the matchers of requests no longer running.
+
 Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
 pool at once, even while a step that writes them is in flight: there is one process and one
 stream, so any later write into a reused block is queued behind that step. The in-flight token of a

@@ -12,6 +12,9 @@ forward), run one prefill batch on that partition's stream, publish PrefillDone 
 sampled token, which decode streams when the request joins its batch (so the gap to the next token
 is one decode step); a token that ends its request goes to the router at once, before PrefillDone.
 The router stops this worker with SIGTERM (worker_io.worker_signals), before decode.
+A request with structured outputs gets its first token sampled under its grammar's mask (its matcher
+replays the outputs of a preempted request first, and is dropped once the token is sampled; decode
+replays the same tokens into its own).
 """
 
 from __future__ import annotations

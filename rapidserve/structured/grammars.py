@@ -16,6 +16,7 @@ How each constraint becomes a grammar:
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -114,19 +115,23 @@ class GrammarCache:
         self._make, self.capacity = make, capacity
         self._items: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self.hits = self.misses = 0
+        self._lock = threading.Lock()  # the server may check large bodies in executor threads
 
     def __len__(self) -> int:
         return len(self._items)
 
     def compile(self, so: StructuredOutputs) -> Any:
-        got = self._items.get(so)
-        if got is not None:
+        with self._lock:
+            got = self._items.get(so)
+            if got is not None:
+                self._items.move_to_end(so)
+                self.hits += 1
+                return got
+            self.misses += 1
+        value = self._make(so)  # outside the lock: two threads may both compile a new constraint once
+        with self._lock:
+            self._items[so] = value
             self._items.move_to_end(so)
-            self.hits += 1
-            return got
-        self.misses += 1
-        value = self._make(so)
-        self._items[so] = value
-        if len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
         return value
