@@ -30,11 +30,15 @@ class GrammarMask:
     num_words: int
 
     @classmethod
-    def new(cls, num_rows: int, vocab_size: int, pin: bool) -> GrammarMask:
-        """All tokens allowed. A fresh buffer per step: torch's pinned allocator hands it out again
-        only once the copy that read it has completed."""
+    def new(cls, num_rows: int, vocab_size: int, pin: bool, fill: bool = True) -> GrammarMask:
+        """All tokens allowed (`fill=False`: uninitialised, for a caller that writes every row). A
+        fresh buffer per step: torch's pinned allocator hands it out again only once the copy that
+        read it has completed."""
         w = bitmask_words(vocab_size)
-        return cls(torch.full((num_rows * w + num_rows,), -1, dtype=torch.int32, pin_memory=pin), num_rows, w)
+        buf = torch.empty((num_rows * w + num_rows,), dtype=torch.int32, pin_memory=pin)
+        if fill:
+            buf.fill_(-1)
+        return cls(buf, num_rows, w)
 
     @property
     def words(self) -> torch.Tensor:

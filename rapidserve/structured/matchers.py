@@ -20,6 +20,7 @@ never depends on it, since a matcher out of step with its request is rebuilt by 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,10 +57,11 @@ class GrammarBook:
     llguidance's tokenizer view takes a second or two; free-text serving never pays it)."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos: tuple[int, ...],
-                 cache_size: int = 256, threads: int = 4) -> None:
+                 cache_size: int = 256, threads: int | None = None) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, eos
         self.cache = GrammarCache(self._compile, cache_size)
-        self._threads = threads
+        # llguidance's fill pool: half the cores, at most 8 (the other half runs torch and the loop)
+        self._threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
         self._tok: Any = None
         self._executor: Any = None
         self._matchers: dict[str, _Matcher] = {}
@@ -163,7 +165,7 @@ class GrammarBook:
                 continue
             if not mt.eos_seen:
                 live.append((r, mt))
-        mask = GrammarMask.new(len(live), self.vocab_size, pin)
+        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
         if live:
             words = mask.words
             todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped()]
@@ -177,6 +179,7 @@ class GrammarBook:
                 for i in (i for _, i in todo):
                     failed[live[i][0].row] = err
                     self._matchers.pop(live[i][0].key, None)
+                    words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
             for i, (r, mt) in enumerate(live):
                 if mt.m.is_stopped():  # the grammar is complete and cannot go on: EOS only
                     self._only_eos(words[i])
