@@ -235,3 +235,13 @@ def test_without_the_grammar_engine_a_constraint_is_a_501_naming_the_field(monke
         structured_outputs_of(body, GrammarCache(check))
     assert ei.value.status == 501 and ei.value.param == "guided_regex" and "pip install" in ei.value.message
     assert structured_outputs_of(CompletionRequest(prompt="hi"), GrammarCache(check)) is None  # free text: fine
+
+
+def test_an_unsatisfiable_constraint_ends_the_request_instead_of_sampling_nothing(book: GrammarBook) -> None:
+    # compiles (the server lets it through) but its language is empty: no token can ever be allowed
+    p = params(grammar='start: a\na: a "x"')
+    check(p.structured_outputs)  # type: ignore[arg-type]
+    mask, failed = book.fill([GrammarRow(0, "u", p, [])], pin=False)
+    assert not failed and set(mask.allowed(0, VOCAB)) == set(EOS)  # EOS only, never an all -inf row
+    toks = greedy(book, p, key="u2", steps=5)
+    assert len(toks) == 1 and toks[0] in EOS

@@ -14,6 +14,10 @@ request ends with finish_reason "stop"; `check_stop_at` ends a grammar request o
 EOS (`ignore_eos`) leaves the row unconstrained, as vLLM does. A token the matcher rejects (it was
 sampled without the mask) fails that request only: `fill` returns it in `failed`.
 
+A constraint that allows no token at some point (an unsatisfiable schema, which llguidance may only
+find out while generating) allows EOS there: the request ends ("stop") with the text so far, rather
+than sampling from an all -inf row.
+
 Matchers are released with `release` / `retain` (preemption, abort, finish, failure); correctness
 never depends on it, since a matcher out of step with its request is rebuilt by replay.
 """
@@ -50,6 +54,7 @@ class _Matcher:
     m: Any  # llguidance.LLMatcher
     tokens: list[int] = field(default_factory=list)  # consumed so far
     eos_seen: bool = False  # EOS consumed (kept going under ignore_eos): unconstrained from here on
+    dead: bool = False  # the grammar allowed no token (an unsatisfiable schema): EOS ends the request
 
 
 class GrammarBook:
@@ -126,7 +131,7 @@ class GrammarBook:
             mt = self._matchers[r.key] = _Matcher(so, self.cache.compile(so).deep_copy())
             n = 0
         for t in r.tokens[n:]:
-            if mt.m.is_stopped():  # complete: only EOS was allowed; after it, free text (ignore_eos)
+            if mt.m.is_stopped() or mt.dead:  # complete (or dead): only EOS was allowed; after it, free text
                 mt.eos_seen |= t in self.eos
                 mt.tokens.append(t)
                 continue
@@ -168,7 +173,7 @@ class GrammarBook:
         mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
         if live:
             words = mask.words
-            todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped()]
+            todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
             try:
                 if len(todo) == 1:
                     llt.fill_next_token_bitmask(todo[0][0], words, todo[0][1])
@@ -181,7 +186,9 @@ class GrammarBook:
                     self._matchers.pop(live[i][0].key, None)
                     words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
             for i, (r, mt) in enumerate(live):
-                if mt.m.is_stopped():  # the grammar is complete and cannot go on: EOS only
+                if not mt.dead and not mt.m.is_stopped() and not words[i].any():
+                    mt.dead = True  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
+                if mt.m.is_stopped() or mt.dead:  # the grammar is complete and cannot go on: EOS only
                     self._only_eos(words[i])
                 elif len(r.tokens) < r.params.min_tokens:
                     self._ban_early_stop(words[i], r.params)
