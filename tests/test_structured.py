@@ -245,3 +245,7 @@ def test_an_unsatisfiable_constraint_ends_the_request_instead_of_sampling_nothin
     assert not failed and set(mask.allowed(0, VOCAB)) == set(EOS)  # EOS only, never an all -inf row
     toks = greedy(book, p, key="u2", steps=5)
     assert len(toks) == 1 and toks[0] in EOS
+    # another worker replaying the request (RAPID decode after prefill; ignore_eos kept it going)
+    replay = SamplingParams(structured_outputs=p.structured_outputs, ignore_eos=True, max_tokens=8)
+    mask, failed = book.fill([GrammarRow(0, "u3", replay, toks)], pin=False)
+    assert not failed and mask.num_rows == 0  # after EOS under ignore_eos: unconstrained

@@ -136,6 +136,12 @@ class GrammarBook:
                 mt.tokens.append(t)
                 continue
             mt.eos_seen |= t in self.eos
+            if t in self.eos and not mt.m.is_accepting():
+                # EOS reaches a grammar row only when its mask allowed it: complete (accepting) or dead
+                # (nothing allowed, see `fill`). Replaying a dead one (another worker saw it die) ends here.
+                mt.dead = True
+                mt.tokens.append(t)
+                continue
             if not mt.m.consume_token(t) or mt.m.is_error():
                 del self._matchers[r.key]
                 raise GrammarError(so.kind, f"token {t} does not continue the {so.kind} constraint: "
