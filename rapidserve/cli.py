@@ -59,6 +59,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="a Hugging Face model folder, a .gguf file, preset:NAME, or omit for the "
                         "embedded SmolLM2-135M-Instruct")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a folder of Hugging Face tokenizer files to use instead of the model's (a preset has "
+                        "none: this gives it text prompts and structured outputs)")
     g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=_positive_int, default=None)
@@ -150,7 +153,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
                 seed=a.seed, attention_backend=a.attention_backend,
-                enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling)
+                enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
+                tokenizer=a.tokenizer)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

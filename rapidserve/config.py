@@ -320,6 +320,9 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
+    # weights, no tokenizer) text prompts and structured outputs.
+    tokenizer: str | None = None
 
     @property
     def max_model_len(self) -> int:

@@ -7,6 +7,8 @@ that starts an engine.
 
 from __future__ import annotations
 
+import dataclasses
+
 from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from rapidserve.loader import resolve_model
 
@@ -17,13 +19,16 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                         enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
                         cache_dir: str | None = None, enable_prefix_caching: bool = True,
-                        async_scheduling: bool = True) -> tuple[EngineConfig, object]:
-    """Resolve the model and assemble the frozen config tree (the one place it is built)."""
+                        async_scheduling: bool = True, tokenizer: str | None = None) -> tuple[EngineConfig, object]:
+    """Resolve the model and assemble the frozen config tree (the one place it is built). `tokenizer`:
+    a folder of tokenizer files to use instead of the model's (a preset has none)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
                            preset_dtype=resolve_dtype(dtype, dev))
+    if tokenizer is not None:
+        source = dataclasses.replace(source, tokenizer_dir=tokenizer, tokenizer_file=None, tokenizer_cache_dir=None)
     mcfg = source.config
     cfg = EngineConfig(
         model=model or "default",
@@ -34,5 +39,6 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                                   max_model_len=max_model_len, async_scheduling=async_scheduling),
         runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                             use_cuda_graphs=not enforce_eager, seed=seed),
+        tokenizer=tokenizer,
     )
     return cfg, source

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from rapidserve.config import EngineConfig
-from rapidserve.loader import ModelSource
+from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.scheduler import Scheduler
 from rapidserve.sequence import Sequence, check_stop
+from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,16 @@ class EngineCore:
         self._arrivals = 0
         # Optional extra stop check on the text (stop strings); returns a finish reason or None.
         self.text_stop: Callable[[Sequence], str | None] | None = None
+        self._source = source
+        self._grammar: GrammarBook | None = None  # made at the first structured-output request
+
+    @property
+    def grammar(self) -> GrammarBook:
+        """The matchers of structured-output requests (rapidserve/structured)."""
+        if self._grammar is None:
+            self._grammar = GrammarBook(lambda: load_hf_tokenizer(self._source), self.cfg.model_config.vocab_size,
+                                        self.eos_token_ids)
+        return self._grammar
 
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
@@ -54,6 +65,8 @@ class EngineCore:
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, "abort")
+        if self._grammar is not None:
+            self._grammar.release(seq.seq_id)
         self._retain_slots()
 
     def _retain_slots(self) -> None:
@@ -90,10 +103,15 @@ class EngineCore:
     def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         if not seqs:
             return []
+        mask, failed = self._grammar_mask(seqs)
         out = self.runner.sample_next(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs],
-                                      self.eos_token_ids, history=lambda i: seq_history(seqs[i]))
+                                      self.eos_token_ids, mask, history=lambda i: seq_history(seqs[i]))
         events = []
-        for seq, (tok, lp, top) in zip(seqs, out.rows([s.params for s in seqs]), strict=True):
+        for i, (seq, (tok, lp, top)) in enumerate(zip(seqs, out.rows([s.params for s in seqs]), strict=True)):
+            if i in failed:  # its grammar rejected a token: this request fails alone
+                self.scheduler.finish(seq, "error")
+                events.append(TokenEvent(seq, tok, "error"))
+                continue
             seq.output_token_ids.append(tok)
             if lp is not None:
                 seq.output_logprobs.append(lp)
@@ -107,4 +125,14 @@ class EngineCore:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq, tok, reason))
         self._retain_slots()
+        if self._grammar is not None and len(self._grammar):
+            self._grammar.retain(s.seq_id for s in self.scheduler.running)  # ended or preempted: released
         return events
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> tuple[GrammarMask | None, dict[int, str]]:
+        """The structured-output mask of the rows to sample (None when no row has a constraint)."""
+        if not GrammarBook.needed(s.params for s in seqs):
+            return None, {}
+        rows = [GrammarRow(i, s.seq_id, s.params, s.output_token_ids) for i, s in enumerate(seqs)
+                if s.params.structured_outputs is not None]
+        return self.grammar.fill(rows, pin=self.runner.device.type == "cuda")

@@ -40,6 +40,7 @@ from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import early_stop_bans
+from rapidserve.structured import GrammarMask, apply_grammar_mask
 
 if TYPE_CHECKING:
     from rapidserve.model_sharing import SharedState
@@ -379,30 +380,38 @@ class ModelRunner:
         return self.sampler.sample(logits, list(params), list(generators))
 
     def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
-                    eos: tuple[int, ...], history: HistoryOf | None = None, record: bool = True) -> SamplerOutput:
+                    eos: tuple[int, ...], grammar: GrammarMask | None = None, history: HistoryOf | None = None,
+                    record: bool = True) -> SamplerOutput:
         """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
-        `min_tokens` is not reached (in place), the request's seeded generator at that index. Rows with
-        logit controls (penalties, logit_bias, bad words, allowed_token_ids) take them on a copy of the
-        logits (logit_controls.py); `history(i)` gives row i's request tokens and slot key where the
-        controls read earlier tokens. The sampled tokens are added to the rows' slots on the device
-        (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()` once
-        the caller's step is wholly queued (a step that fails after sampling must not count its tokens;
-        a retry that is not taken never calls it)."""
+        `min_tokens` is not reached (in place), the request's seeded generator at that index.
+        `grammar`: the step's structured-output bitmask (rapidserve/structured), applied in place; its
+        rows' early-stop bans are in the mask already (a complete grammar may end below min_tokens).
+        Rows with logit controls (penalties, logit_bias, bad words, allowed_token_ids) take them on a copy
+        of the (masked) logits (logit_controls.py); `history(i)` gives row i's request tokens and slot key
+        where the controls read earlier tokens. The sampled tokens are added to the rows' slots on the
+        device (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()`
+        once the caller's step is wholly queued (a step that fails after sampling must not count its
+        tokens; a retry that is not taken never calls it)."""
         self._unrecorded = None
         rows: list[int] = []
         cols: list[int] = []
         controlled = False
+        masked = set(grammar.rows) if grammar is not None else set()
         for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
+            controlled = controlled or p.has_logit_controls
+            if i in masked:
+                continue
             banned = [t for t in early_stop_bans(p, k, eos) if t < logits.shape[-1]]
             rows += [i] * len(banned)
             cols += banned
-            controlled = controlled or p.has_logit_controls
         # The logits come out of an inference-mode forward (or a graph's output buffer): writing them
         # outside inference mode raises, so the ban and the sampling run inside it.
         with torch.inference_mode():
             if rows:
                 logits[self._dev(np.asarray(rows, dtype=np.int64)), self._dev(np.asarray(cols, dtype=np.int64))] = \
                     float("-inf")
+            if grammar is not None:
+                apply_grammar_mask(logits, grammar)
             gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
             if not controlled:
                 return self.sample(logits, params, gens)

@@ -286,6 +286,7 @@ def _filter_mask(x: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
         mass_before = probs.cumsum(dim=-1).sub_(probs)
         # Rows with top_p == 1 are left alone: rounding in the cumsum must not cut their tail.
         sorted_mask |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_mask[:, 0] = False  # kept whatever top_p is: one below float32's range reads as 0
     if do_min_p:
         sorted_mask |= sorted_x < sorted_x[:, :1] + min_p.log().unsqueeze(1)
     return torch.empty_like(sorted_mask).scatter_(1, order, sorted_mask)

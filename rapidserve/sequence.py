@@ -70,7 +70,9 @@ def check_stop_at(params: SamplingParams, tok: int, n_out: int, num_tokens: int,
                   max_len: int) -> str | None:
     """`check_stop` for output token `tok`, the `n_out`-th output (for callers whose list already holds
     later tokens still in flight)."""
-    if n_out >= params.min_tokens:
+    # A grammar request gets EOS below min_tokens only once its grammar is complete (the mask bans it
+    # before: rapidserve/structured/matchers.py), and then it ends.
+    if n_out >= params.min_tokens or params.structured_outputs is not None:
         if not params.ignore_eos and tok in eos_token_ids:
             return "stop"
         if tok in params.stop_token_ids:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +182,18 @@ def test_penalties_flag_adds_the_penalties_to_every_request() -> None:
     body = completion_payload("m", [1, 2], 4, sampling=on.sampling)
     assert {k: body[k] for k in PENALTIES} == PENALTIES
     assert body["temperature"] == 0.0 and body["max_tokens"] == body["min_tokens"] == 4 and body["ignore_eos"]
+
+
+def test_extra_body_is_merged_into_every_request(tmp_path: Path) -> None:
+    """`--extra-body`: e.g. a JSON schema on every request (the structured-outputs throughput bench)."""
+    from rapidserve.benchmark.cli import extra_body_arg
+
+    body_file = Path(__file__).parent.parent / "bench" / "structured_outputs_body.json"
+    extra = extra_body_arg("@" + str(body_file))
+    assert extra["structured_outputs"]["json"]["properties"]["text"]["minLength"] == 4000
+    got = completion_payload("m", [1, 2], 4, extra={"guided_regex": "a+"})
+    assert got["guided_regex"] == "a+" and got["ignore_eos"] is True
+    assert extra_body_arg('{"guided_choice": ["x"]}') == {"guided_choice": ["x"]}
+    for bad in ("[1]", "{nope", "@" + str(tmp_path / "missing.json")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            extra_body_arg(bad)

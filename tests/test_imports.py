@@ -48,7 +48,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer")),
+                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
+                  "rapidserve.structured")),
     # Running the model on batches: ModelRunner, zero-copy sharing of weights + pool, building the config tree.
     ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.

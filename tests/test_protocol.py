@@ -115,7 +115,22 @@ BAD: list[tuple[str, dict[str, Any] | bytes, int, str | None]] = [
     ("chat", {"messages": MSG, "max_tokens": 1000}, 400, "max_tokens"),
     ("chat", {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     ("chat", {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
-    ("chat", {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat", {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objekt"}}}}, 400, "response_format.json_schema.schema"),
+    ("chat", {"messages": MSG, "response_format": {"type": "json_object"}, "guided_regex": "a+"}, 400,
+     "guided_regex"),
+    ("completion", {"prompt": "hi", "guided_regex": "a(b"}, 400, "guided_regex"),
+    ("completion", {"prompt": "hi", "guided_json": "{not json"}, 400, "guided_json"),
+    ("completion", {"prompt": "hi", "guided_json": {"type": "string"}, "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("completion", {"prompt": "hi", "guided_choice": []}, 400, "guided_choice"),
+    ("completion", {"prompt": "hi", "guided_grammar": "start: ("}, 400, "guided_grammar"),
+    ("completion", {"prompt": "hi", "structured_outputs": {}}, 400, "structured_outputs"),
+    ("completion", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
+    ("completion", {"prompt": "hi", "structured_outputs": {"json": {"type": "object", "properties": {"a": {
+        "$ref": "#/nowhere"}}}}}, 400, "structured_outputs.json"),
     # generate
     *[("generate", {"prompt": p}, 400, "prompt") for p in (None, 5, "", [], ["a"], [[1]], [VOCAB], LONG)],
     ("generate", {"prompt": "hi", "max_new_tokens": 0}, 400, "max_new_tokens"),

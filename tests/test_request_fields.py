@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from rapidserve import LLM, SamplingParams
+from rapidserve.sampling_params import StructuredOutputs
 from tests.test_server import Srv, http, start, stop
 
 QUESTION = "Name three colours."
@@ -37,6 +39,7 @@ class Case:
     check: Check = lambda cs: None
     llm: bool = True  # a SamplingParams field (also run through LLM), not only an HTTP option
     extra: dict[str, Any] = field(default_factory=dict)  # HTTP-only additions (e.g. stream)
+    llm_fields: dict[str, Any] | None = None  # the SamplingParams fields, where they differ from the HTTP ones
 
 
 def _all(pred: Callable[[dict[str, Any]], bool], what: str) -> Check:
@@ -95,6 +98,57 @@ CASES = [
     Case("stream_min_tokens", {"min_tokens": 5, "max_tokens": 7}, _all(lambda c: _ntok(c) >= 5, ">= 5 tokens"),
          llm=False, extra={"stream": True}),
 ]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WORDS = ["red", "green", "blue"]
+
+
+def _person(c: dict[str, Any]) -> bool:
+    v = json.loads(c["_text"])
+    return c["finish_reason"] == "stop" and set(v) == {"name", "age"} and isinstance(v["age"], int) \
+        and 0 <= v["age"] <= 120 and len(v["name"]) <= 12
+
+
+def _so(**kw: Any) -> dict[str, Any]:
+    return {"structured_outputs": StructuredOutputs(**kw)}
+
+
+STRUCTURED_CASES = [
+    Case("guided_json", {"guided_json": PERSON, "max_tokens": 48}, _all(_person, "a valid person"),
+         llm_fields={"max_tokens": 48, **_so(json=json.dumps(PERSON))}),
+    Case("guided_regex", {"guided_regex": "[a-z]{3}-[0-9]{2}", "max_tokens": 16},
+         _all(lambda c: re.fullmatch("[a-z]{3}-[0-9]{2}", c["_text"]) is not None, "matches the regex"),
+         llm_fields={"max_tokens": 16, **_so(regex="[a-z]{3}-[0-9]{2}")}),
+    Case("guided_choice", {"guided_choice": WORDS}, _all(lambda c: c["_text"] in WORDS, "one of the choices"),
+         llm_fields=_so(choice=tuple(WORDS))),
+    Case("guided_grammar", {"guided_grammar": 'start: "yes" | "no"'}, _all(lambda c: c["_text"] in ("yes", "no"),
+                                                                          "yes or no"),
+         llm_fields=_so(grammar='start: "yes" | "no"')),
+    Case("structured_outputs_json_object", {"structured_outputs": {"json_object": True}, "max_tokens": 64,
+                                            "temperature": 0.8, "seed": 4},
+         _all(lambda c: c["finish_reason"] == "length" or isinstance(json.loads(c["_text"]), dict), "a JSON object"),
+         llm_fields={"max_tokens": 64, "temperature": 0.8, "seed": 4, **_so(json_object=True)}),
+    Case("structured_n2", {"structured_outputs": {"choice": WORDS}, "n": 2, "temperature": 1.0, "seed": 8},
+         lambda cs: _len(cs, 2) or _all(lambda c: c["_text"] in WORDS, "one of the choices")(cs),
+         llm_fields={"n": 2, "temperature": 1.0, "seed": 8, **_so(choice=tuple(WORDS))}),
+    # a complete grammar ends the request below min_tokens; max_tokens may cut a JSON short ("length")
+    Case("structured_min_tokens", {"guided_choice": WORDS, "min_tokens": 6, "max_tokens": 8},
+         _all(lambda c: c["_text"] in WORDS and c["finish_reason"] == "stop", "a choice, stopped"),
+         llm_fields={"min_tokens": 6, "max_tokens": 8, **_so(choice=tuple(WORDS))}),
+    Case("structured_max_tokens", {"guided_json": PERSON, "max_tokens": 3},
+         _all(lambda c: c["finish_reason"] == "length" and c["_text"].startswith('{"'), "cut short"),
+         llm_fields={"max_tokens": 3, **_so(json=json.dumps(PERSON))}),
+    Case("structured_stop_string", {"guided_json": PERSON, "max_tokens": 48, "stop": [","]},
+         _all(lambda c: "," not in c["_text"] and c["_text"].startswith('{"name":'), "stopped at ','"),
+         llm_fields={"max_tokens": 48, "stop": (",",), **_so(json=json.dumps(PERSON))}),
+    Case("structured_stream", {"guided_regex": "[a-z]{3}-[0-9]{2}", "max_tokens": 16},
+         _all(lambda c: re.fullmatch("[a-z]{3}-[0-9]{2}", c["_text"]) is not None, "matches the regex"),
+         llm=False, extra={"stream": True}),
+]
+CASES += STRUCTURED_CASES
 
 
 def _len(cs: list[dict[str, Any]], n: int) -> None:
@@ -259,7 +313,7 @@ def llm() -> LLM:
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.llm], ids=lambda c: c.name)
 def test_field_through_llm(llm: LLM, case: Case) -> None:
-    fields = {"max_tokens": 8, "temperature": 0, **case.fields}
+    fields = {"max_tokens": 8, "temperature": 0, **(case.fields if case.llm_fields is None else case.llm_fields)}
     params = SamplingParams(**fields)
     outs = llm.generate([QUESTION], params, use_tqdm=False)
     choices = [{"_text": c.text, "_completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,

@@ -393,3 +393,13 @@ def test_sample_j_gets_seed_plus_j(params: SamplingParams, j: int, want_seed: in
     sub = params.for_sample(j)
     assert sub.n == 1 and sub.seed == want_seed
     assert msgspec.structs.replace(sub, n=params.n, seed=params.seed) == params  # nothing else changes
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token() -> None:
+    """top_p=3e-122 is 0 in float32: the most likely token must still be kept (found by the HTTP fuzzer,
+    where the row was also grammar-masked, so sampling token 0 broke the grammar)."""
+    logits = torch.full((2, 16), -math.inf)
+    logits[:, 5], logits[:, 9] = 1.0, 3.0
+    p = SamplingParams(temperature=1.0, top_p=3.1e-122, min_p=0.9)
+    out = Sampler("cpu").sample(logits, [p, p], [None, None])
+    assert out.token_ids.tolist() == [9, 9]

@@ -88,10 +88,10 @@ def poisoned(setup: tuple[Any, ModelRunner], monkeypatch: pytest.MonkeyPatch) ->
     cfg, runner = setup
     real = runner.sample_next
 
-    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any, **kw: Any) -> Any:
+    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any, *args: Any, **kw: Any) -> Any:
         if any(p.seed == POISON for p in params):
             raise RuntimeError("sampling blew up for this request")
-        return real(logits, params, index, eos, **kw)
+        return real(logits, params, index, eos, *args, **kw)
 
     monkeypatch.setattr(runner, "sample_next", sample_next)
     return cfg, runner
@@ -246,10 +246,10 @@ def test_decode_sampling_that_raises_fails_only_that_request(
     cfg, runner = setup
     real = runner.sample_next
 
-    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any, **kw: Any) -> Any:
+    def sample_next(logits: torch.Tensor, params: Any, index: Any, eos: Any, *args: Any, **kw: Any) -> Any:
         if any(p.seed == POISON and k >= 2 for p, k in zip(params, index, strict=True)):  # a later token
             raise RuntimeError("sampling blew up for this request")
-        return real(logits, params, index, eos, **kw)
+        return real(logits, params, index, eos, *args, **kw)
 
     monkeypatch.setattr(runner, "sample_next", sample_next)
     io = FakeIO()

@@ -167,6 +167,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="every request also asks for " + ", ".join(f"{k}={v:g}" for k, v in PENALTIES.items())
                         + " (still greedy, still exactly the output length): the cost of penalties, against a "
                         "run without this flag")
+    a.add_argument("--extra-body", type=extra_body_arg, default={}, metavar="JSON|@FILE",
+                   help="a JSON object merged into every request's body, e.g. a structured-output constraint: "
+                        "'{\"structured_outputs\": {\"json\": {...}}}' (or @path to a file holding it)")
     a.add_argument("--warmup", type=nonneg_int, default=0, help="unrecorded requests sent first")
     a.add_argument("--goodput", nargs="+", action=SlosAction, default={}, metavar="METRIC:MS",
                    help=f"goodput bounds in ms, METRIC one of {', '.join(SLO_METRICS)} (itl: a request's "
@@ -249,7 +252,28 @@ def config_from_args(a: argparse.Namespace) -> Any:
                        max_concurrency=a.max_concurrency, seed=a.seed, slos_ms=dict(a.goodput), warmup=a.warmup,
                        timeout_s=a.timeout_s, quiet=getattr(a, "quiet", False),
                        time_scales=tuple(a.time_scale) if a.time_scale is not None else (1.0,),
-                       sampling=dict(PENALTIES) if getattr(a, "penalties", False) else {})
+                       sampling=dict(PENALTIES) if getattr(a, "penalties", False) else {},
+                       extra_body=dict(getattr(a, "extra_body", {}) or {}))
+
+
+def extra_body_arg(v: str) -> dict[str, Any]:
+    """--extra-body: a JSON object, given inline or as @path."""
+    import json
+
+    text = v
+    if v.startswith("@"):
+        try:
+            with open(v[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot read {v[1:]}: {e}") from None
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"guided_json\": {...}}'")
+    return d
 
 
 def safe_name(text: str) -> str:

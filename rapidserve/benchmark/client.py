@@ -41,6 +41,7 @@ class Target:
     timeout_s: float = 600.0
     endpoint: str = "/v1/completions"
     sampling: Mapping[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request (--extra-body)
 
     @property
     def url(self) -> str:
@@ -79,10 +80,13 @@ def error_text(status: int, body: str) -> str:
 
 
 def completion_payload(model: str, prompt: Sequence[int], output_len: int,
-                       return_token_ids: bool = False, sampling: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                       return_token_ids: bool = False, sampling: Mapping[str, Any] | None = None,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One request's body; `sampling` (e.g. --penalties) then `extra` (e.g. a structured-output constraint)
+    are merged in last."""
     body: dict[str, Any] = {"model": model, "prompt": list(prompt), "max_tokens": output_len,
                             "min_tokens": output_len, "ignore_eos": True, "temperature": 0.0, "stream": True,
-                            "stream_options": {"include_usage": True}, **(sampling or {})}
+                            "stream_options": {"include_usage": True}, **(sampling or {}), **(extra or {})}
     if return_token_ids:
         body["return_token_ids"] = True
     return body
@@ -113,7 +117,8 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
     record.start_s = start - t0
     try:
         timeout = aiohttp.ClientTimeout(total=target.timeout_s)
-        body = completion_payload(target.model, prompt, output_len, return_token_ids, target.sampling)
+        body = completion_payload(target.model, prompt, output_len, return_token_ids, target.sampling,
+                                  target.extra_body)
         async with session.post(target.url, json=body, headers=target.headers(), timeout=timeout) as resp:
             if resp.status != 200:
                 record.error = error_text(resp.status, await resp.text())

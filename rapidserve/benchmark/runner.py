@@ -60,6 +60,7 @@ class BenchConfig:
     quiet: bool = False
     time_scales: tuple[float, ...] = (1.0,)  # trace workload with timestamps arrivals: one run per scale
     sampling: dict[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request's body
 
 
 def rate_json(rate: float) -> float | str:
@@ -156,7 +157,8 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     model = cfg.model if cfg.model is not None else str(models[0]["id"])
     entry = next((m for m in models if m["id"] == model), models[0] if models else {})
     mml = entry.get("max_model_len")
-    target = Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s, sampling=dict(cfg.sampling))
+    target = Target(cfg.base_url, model, cfg.api_key, cfg.timeout_s, sampling=dict(cfg.sampling),
+                    extra_body=dict(cfg.extra_body))
     return target, (int(mml) if isinstance(mml, int) else None)
 
 

@@ -7,6 +7,13 @@ drain the inbox -> choose the compute partition -> admit (KVReady to prefill) ->
 A step is launched one ahead (async scheduling): the tokens of the step in flight stay on the device
 and feed the next step's inputs directly; the host records them (emit, stop, free) while the next
 one runs.
+
+Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; decode builds
+its own matcher by replaying the tokens it knows (the first token from PrefillDone; after a
+preemption, every output), which reaches the same state. Each step with a grammar row queues the
+forward, then waits for the in-flight step's tokens, advances the matchers and fills the bitmask on
+the CPU while the device runs, and samples with the mask; steps without one are unchanged. Matchers
+of requests no longer running (ended, aborted, preempted, failed) are released at `publish`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
+from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
 
 
 @dataclass
@@ -50,6 +58,8 @@ class DecodeWorker:
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids,
+                                            cfg.tokenizer)
 
     def run(self) -> None:
         while not self._stop:
@@ -151,8 +161,9 @@ class DecodeWorker:
             carry = Carry(prev.out.token_ids, [(i, where[id(r)]) for i, r in enumerate(batch) if r.inflight])
         logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
         index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
+        mask = self._grammar_mask(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
         try:
-            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos,
+            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos, mask,
                                   history=lambda i: history(batch[i]))
         except RequestsFailed as e:
             e.reqs = [batch[i] for i in e.rows]
@@ -162,6 +173,34 @@ class DecodeWorker:
         self.sched.launched(batch)
         self.partition.note_step()
         return InFlight(batch, out, host, self.runner.mark())
+
+    def _grammar_mask(self, batch: list[DecodeRequest], prev: InFlight | None) -> GrammarMask:
+        """The structured-output mask of this step, filled on the CPU while the device runs the forward
+        just queued. Each matcher replays the tokens known so far (the first token from PrefillDone,
+        every output after a preemption) plus the in-flight step's token, for which only a batch with
+        a grammar row waits here. Rows whose grammar rejects a token fail alone."""
+        prev_tokens: list[int] | None = None
+        where: dict[int, int] = {}
+        rows: list[GrammarRow] = []
+        for i, r in enumerate(batch):
+            if r.params.structured_outputs is None:
+                continue
+            known = r.outputs
+            if r.inflight:
+                if prev_tokens is None:
+                    assert prev is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                    where = {id(x): k for k, x in enumerate(prev.batch)}
+                known = known + [prev_tokens[where[id(r)]]]
+            rows.append(GrammarRow(i, r.req_id, r.params, known))
+        mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+        if failed:
+            e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
+            e.reqs = [batch[i] for i in e.rows]
+            raise e
+        return mask
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens (emit, stop, free what finished)."""
@@ -177,6 +216,8 @@ class DecodeWorker:
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
             self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
+        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released
+            self.grammar.retain(r.req_id for r in self.sched.running)
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []

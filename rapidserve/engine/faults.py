@@ -45,13 +45,14 @@ def describe(e: BaseException, where: str) -> str:
 
 
 def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], index: Sequence[int],
-                    eos: tuple[int, ...], history: Callable[[int], Any] | None = None) -> Any:
-    """`runner.sample_next` over the batch; if it raises (not fatally), sample each row alone and
-    raise `RequestsFailed` with the rows that still raise (all rows if none does alone). Nothing is
-    added to the penalty slots (`record=False`): the caller calls `runner.record_sampled()` once its
-    step is wholly queued, and never after a retry (its step is not taken)."""
+                    eos: tuple[int, ...], grammar: Any = None, history: Callable[[int], Any] | None = None) -> Any:
+    """`runner.sample_next` over the batch (`grammar`: the step's structured-output mask, or None);
+    if it raises (not fatally), sample each row alone and raise `RequestsFailed` with the rows that
+    still raise (all rows if none does alone). Nothing is added to the penalty slots (`record=False`):
+    the caller calls `runner.record_sampled()` once its step is wholly queued, and never after a retry
+    (its step is not taken)."""
     try:
-        return runner.sample_next(logits, params, index, eos, history=history, record=False)
+        return runner.sample_next(logits, params, index, eos, grammar, history=history, record=False)
     except Exception as e:  # noqa: BLE001 - blamed below
         if is_fatal(e):
             raise
@@ -60,7 +61,8 @@ def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], 
     for i in range(len(params)):
         row_history = None if history is None else (lambda _j, i=i: history(i))
         try:
-            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos, history=row_history, record=False)
+            runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos,
+                               None if grammar is None else grammar.for_row(i), history=row_history, record=False)
         except Exception as e:  # noqa: BLE001 - this row fails alone
             if is_fatal(e):
                 raise

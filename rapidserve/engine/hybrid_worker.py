@@ -36,6 +36,12 @@ Forward passes:
 Sampled tokens (and logprobs) are copied to pinned host memory without waiting, then an event is
 recorded; the host reads them only after that event.
 
+Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
+without a constraint never wait there. `publish` releases the matchers of requests no longer running.
+
 Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
 pool at once, even while a step that writes them is in flight: there is one process and one
 stream, so any later write into a reused block is queued behind that step. The in-flight token of a
@@ -63,6 +69,7 @@ from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop_at
 from rapidserve.step_plan import StepPlan
+from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
 
 T = TypeVar("T")
 PLACEHOLDER = -1  # an output token still in flight (scheduling ahead); never sent anywhere
@@ -96,6 +103,7 @@ class HybridWorker:
         self._arrivals = 0
         self._last_stats = 0.0
         self._stop = False
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -225,8 +233,9 @@ class HybridWorker:
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
+            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
             try:
-                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos,
+                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
                                       history=lambda i: seq_history(seqs[i]))
             except RequestsFailed as e:
                 e.reqs = [seqs[i] for i in e.rows]
@@ -242,6 +251,31 @@ class HybridWorker:
             return Launched(plan, [], None, None, rows={}, index=[])
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
+
+    def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
+        """The structured-output mask of this step's rows, filled while the device runs its forward
+        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
+        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
+        prev_tokens: list[int] | None = None
+        rows: list[GrammarRow] = []
+        for i, s in enumerate(seqs):
+            if s.params.structured_outputs is None:
+                continue
+            known = s.output_token_ids
+            if known and known[-1] == PLACEHOLDER:
+                if prev_tokens is None:
+                    assert prev is not None and prev.host is not None and prev.rows is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
+            rows.append(GrammarRow(i, s.seq_id, s.params, known))
+        mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+        if failed:
+            e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
+            e.reqs = [seqs[i] for i in e.rows]
+            raise e
+        return mask
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
@@ -268,6 +302,8 @@ class HybridWorker:
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
             self.runner.tokens.retain(s.slot_key for s in self.sched.running)
+        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released
+            self.grammar.retain(s.seq_id for s in self.sched.running)
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []

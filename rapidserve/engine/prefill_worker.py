@@ -12,6 +12,9 @@ forward), run one prefill batch on that partition's stream, publish PrefillDone 
 sampled token, which decode streams when the request joins its batch (so the gap to the next token
 is one decode step); a token that ends its request goes to the router at once, before PrefillDone.
 The router stops this worker with SIGTERM (worker_io.worker_signals), before decode.
+A request with structured outputs gets its first token sampled under its grammar's mask (its matcher
+replays the outputs of a preempted request first, and is dropped once the token is sampled; decode
+replays the same tokens into its own).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sequence import check_stop
+from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
 
 
 @dataclass
@@ -65,6 +69,7 @@ class PrefillWorker:
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
+        self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
 
     def run(self) -> None:
         while True:
@@ -174,9 +179,22 @@ class PrefillWorker:
         import torch
 
         assert isinstance(logits, torch.Tensor)
+        params = [j.req.params for j in jobs]
+        mask = None
+        if GrammarBook.needed(params):
+            # Structured outputs: each job's matcher replays the outputs known so far (none, or all of
+            # them after a preemption) and masks this token; decode builds its own from the same tokens.
+            rows = [GrammarRow(i, j.req.req_id, j.req.params, j.tokens[len(j.req.prompt_token_ids):])
+                    for i, j in enumerate(jobs) if j.req.params.structured_outputs is not None]
+            try:
+                mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+            finally:
+                self.grammar.retain(())  # one token per job here: nothing to keep
+            if failed:  # the batch is retried one job at a time, so only these jobs fail
+                raise GrammarError("grammar", "; ".join(failed.values()))
         try:  # penalty slots are taken for this sample only (filled from the job's tokens), then freed
-            out = self.runner.sample_next(logits, [j.req.params for j in jobs], [j.output_index for j in jobs],
-                                          self.eos, history=lambda i: jobs[i].history, record=False)
+            out = self.runner.sample_next(logits, params, [j.output_index for j in jobs], self.eos, mask,
+                                          history=lambda i: jobs[i].history, record=False)
         finally:
             self.runner.tokens.retain(())
         firsts, dones = [], []

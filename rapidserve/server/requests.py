@@ -18,13 +18,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import jinja2
 
 from rapidserve.prompt import PromptError, PromptLimits
-from rapidserve.sampling_params import SEED_MAX, SamplingParams, SamplingParamsError, resolve_bad_words
+from rapidserve.sampling_params import (
+    SEED_MAX,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputs,
+    resolve_bad_words,
+)
 from rapidserve.server.body import decode_body
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.schemas import (
@@ -34,7 +40,9 @@ from rapidserve.server.schemas import (
     GenerateRequest,
     RequestBody,
 )
+from rapidserve.server.structured_fields import structured_outputs_of
 from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
+from rapidserve.structured import GrammarCache, GrammarError, check
 from rapidserve.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat", "generate"]
@@ -53,6 +61,8 @@ class ProtocolContext:
     vocab_size: int
     default_max_tokens: int
     tool_parser: str | None = None  # the tool-call format of tool_choice "auto"; None: auto not enabled
+    # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
+    grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,7 @@ class _Plan:
     prompt_param: str
     work: int  # characters to tokenize (or token ids to decode for echo)
     tools: ToolPlan | None = None
+    structured: StructuredOutputs | None = None
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -202,6 +213,28 @@ def _check_admissible(n_prompts: int, n: int, param: str, max_choices: int | Non
                           f"max_waiting): send at most {max_choices} per request")
 
 
+def _with_tool_constraint(so: StructuredOutputs | None, tools: ToolPlan, ctx: ProtocolContext) \
+        -> StructuredOutputs | None:
+    """The request's one constraint once `tool_choice` has its say: a required or named choice constrains the
+    output to its tools' JSON schema (checked and compiled like any other), which excludes a
+    response_format or structured-output field in the same request."""
+    tool_so = tools.structured_outputs()
+    if tool_so is None:
+        return so
+    if so is not None:
+        raise bad_request("tool_choice", "'tool_choice' required or a named function constrains the output to the "
+                                         "tools' arguments: it cannot be combined with 'response_format' "
+                                         "json_object/json_schema or a structured-output field; drop one")
+    try:
+        ctx.grammars.compile(tool_so)
+    except GrammarError as e:
+        if e.kind == "engine":
+            raise APIError(501, f"'tool_choice' cannot be served: {e}", type="not_implemented_error",
+                           param="tool_choice") from None
+        raise bad_request("tools", f"the tools' parameter schemas cannot be enforced: {e}") from None
+    return tool_so
+
+
 def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None) -> _Plan:
     """Decode `body` and run every check that needs no tokenizer (cheap: no text is tokenized here)."""
     r = decode_body(kind, body)
@@ -220,6 +253,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    so = structured_outputs_of(r, ctx.grammars)
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
@@ -229,10 +263,11 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
-        return _Plan(kind, model, r, n, [], messages, "messages", work, tools)  # type: ignore[arg-type]
+        so = _with_tool_constraint(so, tools, ctx)
+        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so)  # type: ignore[arg-type]
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
-    return _Plan(kind, model, r, n, sources, None, "prompt", work)  # type: ignore[arg-type]
+    return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- tokenization and the sampling params
@@ -300,7 +335,7 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
             repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
             logit_bias=_logit_bias(r, ctx), allowed_token_ids=r.allowed_token_ids,
             bad_words=tuple(r.bad_words or ()),
-            structured_outputs=plan.tools.structured_outputs() if plan.tools is not None else None)
+            structured_outputs=plan.structured)
         if params.bad_words:
             tok = ctx.tokenizer
             assert tok is not None  # _check_controls

@@ -128,10 +128,43 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Me
                 "(a call of that function); default: \"auto\" when tools are given, else \"none\"")]
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """Only `{"type": "text"}` is supported."""
+MAX_CHOICES = 256  # guided_choice / structured_outputs.choice alternatives
+MAX_GRAMMAR_CHARS = 65536  # regex and grammar texts (JSON schemas are bounded by the body size)
+Regex = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty regular expression "
+                            f"of at most {MAX_GRAMMAR_CHARS} characters, matched against the whole output")]
+Grammar = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty Lark (or GBNF) "
+                              f"grammar of at most {MAX_GRAMMAR_CHARS} characters")]
+Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(
+    min_length=1, max_length=MAX_CHOICES, description=f"a list of 1 to {MAX_CHOICES} non-empty strings; the output is "
+                                                      "exactly one of them")]
+JsonSchemaValue = Annotated[dict[str, Any] | str, Meta(description="a JSON schema: an object, or its JSON text")]
 
-    type: str
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """`response_format.json_schema` (OpenAI): the output is one JSON value valid against `schema`."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256, description="the schema's name")] | None = None
+    description: str | None = None
+    schema: Annotated[dict[str, Any], Meta(description="a JSON schema object")] | None = None
+    strict: bool | None = None  # always enforced on this server
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`{"type": "text"}` (free text), `{"type": "json_object"}` (any JSON object) or
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json: JsonSchemaValue | None = None
+    regex: Regex | None = None
+    choice: Choices | None = None
+    grammar: Grammar | None = None
+    json_object: bool | None = None
 
 
 # A field's description (what its error messages quote as "'field' is ...") sits on its non-null type.
@@ -187,6 +220,12 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS, description=(
         f"a list of at most {MAX_BAD_WORDS} words (non-blank strings of at most {MAX_BAD_WORD_CHARS} characters) "
         "that must not be generated"))] | None = None
+    # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: JsonSchemaValue | None = None
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Grammar | None = None
 
 
 N = Annotated[int, Meta(ge=1, le=MAX_N, description=f"the samples per prompt: an integer in [1, {MAX_N}]")]

@@ -1,0 +1,90 @@
+"""A request's structured-output fields -> one `StructuredOutputs`, checked before admission.
+
+Accepted (vLLM's and OpenAI's names): chat `response_format` `{"type": "json_object"}` and
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; on every endpoint
+`structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`. At most one of them may be set (a text
+response_format counts as none); more is a 400 naming them. The constraint is compiled here, in the
+server process (`rapidserve.structured.check`, cached per constraint in the `ProtocolContext`), so an
+invalid schema, regex or grammar is a 400 naming its field and never reaches a worker; a server
+without the grammar engine answers 501 naming the field and stays up.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rapidserve.sampling_params import SamplingParamsError, StructuredOutputs
+from rapidserve.server.errors import APIError, bad_request
+from rapidserve.server.schemas import ChatCompletionRequest, RequestBody
+from rapidserve.structured import GrammarCache, GrammarError
+
+
+def _schema_text(v: dict[str, Any] | str, param: str) -> str:
+    if isinstance(v, str):
+        try:
+            json.loads(v)
+        except ValueError as e:
+            raise bad_request(param, f"'{param}' must be a JSON schema (an object or its JSON text): {e}") from None
+        return v
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
+    """Every structured-output field the request sets, as (its name, the constraint)."""
+    out: list[tuple[str, StructuredOutputs]] = []
+    rf = r.response_format if isinstance(r, ChatCompletionRequest) else None
+    if rf is not None and rf.type == "json_object":
+        out.append(("response_format", StructuredOutputs(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema is None:
+            raise bad_request("response_format", "'response_format' of type json_schema needs 'json_schema': "
+                                                 "{\"name\": ..., \"schema\": {...}}")
+        out.append(("response_format.json_schema.schema",
+                    StructuredOutputs(json=_schema_text(rf.json_schema.schema, "response_format"))))
+    if r.guided_json is not None:
+        out.append(("guided_json", StructuredOutputs(json=_schema_text(r.guided_json, "guided_json"))))
+    if r.guided_regex is not None:
+        out.append(("guided_regex", StructuredOutputs(regex=r.guided_regex)))
+    if r.guided_choice is not None:
+        out.append(("guided_choice", StructuredOutputs(choice=tuple(r.guided_choice))))
+    if r.guided_grammar is not None:
+        out.append(("guided_grammar", StructuredOutputs(grammar=r.guided_grammar)))
+    so = r.structured_outputs
+    if so is not None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(so, k) is not None and getattr(so, k) is not False]
+        if len(set_) != 1:
+            raise bad_request("structured_outputs", "'structured_outputs' must set exactly one of json, regex, "
+                                                    f"choice, grammar, json_object; got {set_ or 'none'}")
+        k = set_[0]
+        v = getattr(so, k)
+        c = StructuredOutputs(json=_schema_text(v, "structured_outputs.json")) if k == "json" else \
+            StructuredOutputs(choice=tuple(v)) if k == "choice" else StructuredOutputs(**{k: v})
+        out.append((f"structured_outputs.{k}", c))
+    return out
+
+
+def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredOutputs | None:
+    """The request's one constraint (compiled and validated through `grammars`), or None; APIError
+    naming the field otherwise."""
+    try:
+        found = _candidates(r)
+    except SamplingParamsError as e:
+        raise bad_request("structured_outputs", str(e)) from None
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(n.split(".")[0] for n, _ in found)
+        raise bad_request(found[1][0].split(".")[0], f"set at most one structured-output field; this request sets "
+                                                     f"{names}")
+    param, so = found[0]
+    try:
+        grammars.compile(so)
+    except GrammarError as e:
+        if e.kind == "engine":
+            raise APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param) \
+                from None
+        raise bad_request(param, f"'{param}' is invalid: {e}") from None
+    return so

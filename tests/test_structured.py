@@ -1,0 +1,251 @@
+"""The grammar module (rapidserve/structured) on CPU: compiling and checking constraints, the LRU of
+compiled grammars, masks, termination, replay, failures, releasing matchers; the stop rule of a
+grammar request; and matchers released after preemption and abort in the single-process engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rapidserve.loader import load_hf_tokenizer, resolve_model
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
+from rapidserve.sequence import check_stop_at
+from rapidserve.structured import (
+    GrammarBook,
+    GrammarCache,
+    GrammarError,
+    GrammarMask,
+    GrammarRow,
+    apply_grammar_mask,
+    check,
+)
+
+CORPUS = Path(__file__).parent / "data" / "json_schemas.json"
+VOCAB = 49152
+EOS = (2, 0)
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return load_hf_tokenizer(resolve_model(None))
+
+
+@pytest.fixture()
+def book(hf: Any) -> GrammarBook:
+    return GrammarBook(lambda: hf, VOCAB, EOS, cache_size=2)
+
+
+def params(**kw: Any) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputs(**kw), max_tokens=64)
+
+
+def greedy(book: GrammarBook, p: SamplingParams, key: str = "r", steps: int = 40,
+           logits_of: Any = None) -> list[int]:
+    """Generate under the book's masks from random (seeded) logits until EOS."""
+    gen = torch.Generator().manual_seed(0)
+    toks: list[int] = []
+    for _ in range(steps):
+        mask, failed = book.fill([GrammarRow(0, key, p, list(toks))], pin=False)
+        assert not failed
+        logits = torch.randn(1, VOCAB, generator=gen) if logits_of is None else logits_of(toks)
+        apply_grammar_mask(logits, mask)
+        t = int(logits.argmax())
+        toks.append(t)
+        if t in EOS:
+            break
+    return toks
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputs(json='{"type": "objekt"}'), StructuredOutputs(json="{not json"),
+    StructuredOutputs(regex="a(b"), StructuredOutputs(grammar="start: ("),
+    StructuredOutputs(json='{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}'),
+])
+def test_invalid_constraints_raise_grammar_error_naming_the_kind(so: StructuredOutputs) -> None:
+    with pytest.raises(GrammarError) as ei:
+        check(so)
+    assert ei.value.kind == so.kind and str(ei.value)
+
+
+def test_valid_constraints_check_and_gbnf_is_converted() -> None:
+    for so in (StructuredOutputs(json='{"type": "integer"}'), StructuredOutputs(json_object=True),
+               StructuredOutputs(regex="[0-9]+"), StructuredOutputs(choice=("a b", 'q"uote')),
+               StructuredOutputs(grammar='start: "x"+'), StructuredOutputs(grammar='root ::= "x" | "y"')):
+        assert isinstance(check(so), str)
+
+
+def test_cache_compiles_once_per_constraint_and_is_bounded() -> None:
+    made: list[StructuredOutputs] = []
+    cache = GrammarCache(lambda so: made.append(so) or len(made), capacity=2)
+    a, b, c = StructuredOutputs(regex="a"), StructuredOutputs(regex="b"), StructuredOutputs(regex="c")
+    assert cache.compile(a) == 1 and cache.compile(StructuredOutputs(regex="a")) == 1  # equal constraint: a hit
+    assert cache.compile(b) == 2 and cache.compile(a) == 1  # a is now the most recent
+    assert cache.compile(c) == 3 and len(cache) == 2  # b evicted, a kept
+    assert cache.compile(a) == 1 and cache.compile(b) == 4
+    assert (cache.hits, cache.misses) == (3, 4)
+    with pytest.raises(ValueError):
+        GrammarCache(lambda so: 0, capacity=0)
+
+
+def test_choice_mask_then_eos_only_once_complete(book: GrammarBook, hf: Any) -> None:
+    p = params(choice=("yes", "no"))
+    toks = greedy(book, p)
+    assert toks[-1] in EOS and hf.decode(toks[:-1]) in ("yes", "no")
+    # once complete, the mask allows exactly the EOS ids
+    mask, _ = book.fill([GrammarRow(3, "r", p, toks[:-1])], pin=False)
+    assert mask.rows == [3] and set(mask.allowed(0, VOCAB)) == set(EOS)
+    assert book.cache.misses == 1 and len(book) == 1
+
+
+def test_every_json_schema_of_the_corpus_yields_valid_json(book: GrammarBook, hf: Any) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    corpus = json.loads(CORPUS.read_text())
+    assert len(corpus) >= 20
+    for i, item in enumerate(corpus):
+        p = params(json=json.dumps(item["schema"]))
+        gen = torch.Generator().manual_seed(i)
+        # logits favouring short tokens' ends: random, so every schema walks a different path
+        toks = greedy(book, p, key=item["name"], steps=200,
+                      logits_of=lambda _t, g=gen: torch.randn(1, VOCAB, generator=g))
+        assert toks[-1] in EOS, (item["name"], hf.decode(toks))
+        jsonschema.validate(json.loads(hf.decode(toks[:-1])), item["schema"])
+
+
+def test_replay_rebuilds_a_matcher_out_of_step_and_retain_releases(book: GrammarBook, hf: Any) -> None:
+    p = params(regex="[a-c]{4}")
+    toks = greedy(book, p, key="x")
+    # a different history under the same key (a preempted request recomputed elsewhere) is replayed
+    other = hf.encode("ca", add_special_tokens=False)
+    mask, failed = book.fill([GrammarRow(0, "x", p, other)], pin=False)
+    assert not failed and all(hf.decode([t]) and set(hf.decode(other + [t])) <= set("abc")
+                              for t in mask.allowed(0, VOCAB))
+    assert toks[-1] in EOS
+    book.fill([GrammarRow(0, "y", p, [])], pin=False)
+    assert len(book) == 2
+    book.retain(["y"])
+    assert len(book) == 1
+    book.release("y")
+    assert len(book) == 0
+
+
+def test_a_rejected_token_fails_only_its_row(book: GrammarBook, hf: Any) -> None:
+    p = params(regex="[0-9]+")
+    letters = hf.encode("abc", add_special_tokens=False)
+    mask, failed = book.fill([GrammarRow(0, "bad", p, letters), GrammarRow(1, "good", p, [])], pin=False)
+    assert list(failed) == [0] and "does not continue" in failed[0]
+    assert mask.rows == [1] and len(book) == 1
+
+
+def test_min_tokens_bans_eos_only_while_the_grammar_can_go_on(book: GrammarBook, hf: Any) -> None:
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]+"), min_tokens=5, max_tokens=8)
+    one = hf.encode("7", add_special_tokens=False)
+    mask, _ = book.fill([GrammarRow(0, "m", p, one)], pin=False)
+    assert not set(mask.allowed(0, VOCAB)) & set(EOS)  # "7" could end, but min_tokens says go on
+    done = SamplingParams(structured_outputs=StructuredOutputs(choice=("no",)), min_tokens=5, max_tokens=8)
+    mask, _ = book.fill([GrammarRow(0, "d", done, hf.encode("no", add_special_tokens=False))], pin=False)
+    assert set(mask.allowed(0, VOCAB)) == set(EOS)  # complete: EOS anyway
+    # and a grammar request stops on EOS below min_tokens; a free-text one does not
+    assert check_stop_at(done, 2, 2, 10, EOS, 100) == "stop"
+    assert check_stop_at(done.replace(structured_outputs=None), 2, 2, 10, EOS, 100) is None
+
+
+def test_apply_grammar_mask_touches_only_masked_rows_and_for_row() -> None:
+    mask = GrammarMask.new(1, 70, pin=False)
+    mask.words.zero_()
+    mask.words[0, 0] = 1 << 5  # token 5
+    mask.words[0, 2] = 1 << 1  # token 65
+    mask.row_ids.fill_(1)
+    logits = torch.zeros(3, 70)
+    apply_grammar_mask(logits, mask)
+    assert torch.equal(logits[0], torch.zeros(70)) and torch.equal(logits[2], torch.zeros(70))
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [5, 65]
+    assert logits[1, 0] == -math.inf
+    alone = mask.for_row(1)
+    assert alone.rows == [0] and alone.allowed(0, 70) == [5, 65]
+    assert mask.for_row(0).num_rows == 0
+    with pytest.raises(ValueError, match="covers 32 tokens"):
+        apply_grammar_mask(torch.zeros(1, 70), GrammarMask.new(1, 20, pin=False))
+
+
+def test_a_model_without_tokenizer_fails_the_row_saying_so() -> None:
+    book = GrammarBook(lambda: None, VOCAB, EOS)
+    _, failed = book.fill([GrammarRow(0, "p", params(regex="a"), [])], pin=False)
+    assert "tokenizer" in failed[0]
+
+
+def test_llm_preemption_and_abort_release_matchers() -> None:
+    from rapidserve import LLM
+
+    # a pool of 8 blocks of 16 tokens: four requests of ~50 tokens preempt each other (digits are one token each)
+    llm = LLM(show_progress=False, max_model_len=256, num_kv_blocks=8)
+    tok = llm.get_tokenizer()
+    assert tok is not None
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{28}"), max_tokens=32, temperature=0.9,
+                       seed=1)
+    outs = llm.generate([tok.encode("Count: " * 8)] * 4, p, use_tqdm=False)
+    assert llm.engine.num_preemptions > 0
+    for o in outs:
+        assert len(o.outputs[0].text) == 28 and o.outputs[0].text.isdigit() and o.outputs[0].finish_reason == "stop"
+    assert len(llm.engine.grammar) == 0  # every matcher released
+    seq = llm.engine.add("a", tok.encode("Hello"), p)
+    llm.engine.step()
+    llm.engine.step()
+    assert len(llm.engine.grammar) == 1
+    llm.engine.abort(seq)
+    llm.engine.step()
+    assert len(llm.engine.grammar) == 0 and not llm.engine.has_work
+
+
+def test_a_preset_gets_structured_outputs_from_a_tokenizer_folder(tmp_path: Path) -> None:
+    """`--tokenizer DIR` (how the GPU bench serves structured outputs on a random-weight preset)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from rapidserve import LLM
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(["the quick brown fox 0123456789 jumps over the lazy dog {}[]\":,"] * 50, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", bos_token="<s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    llm = LLM("preset:tiny-llama", device="cpu", dtype="float32", tokenizer=str(tmp_path), show_progress=False)
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{4}-[a-z]{2}"), max_tokens=16,
+                       temperature=1.0, seed=3)
+    out = llm.generate(["the fox"], p, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("[0-9]{4}-[a-z]{2}", out.text), out
+
+
+def test_without_the_grammar_engine_a_constraint_is_a_501_naming_the_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapidserve.server.errors import APIError
+    from rapidserve.server.schemas import CompletionRequest
+    from rapidserve.server.structured_fields import structured_outputs_of
+
+    monkeypatch.setitem(__import__("sys").modules, "llguidance", None)  # import llguidance -> ImportError
+    body = CompletionRequest(prompt="hi", guided_regex="a+")
+    with pytest.raises(APIError) as ei:
+        structured_outputs_of(body, GrammarCache(check))
+    assert ei.value.status == 501 and ei.value.param == "guided_regex" and "pip install" in ei.value.message
+    assert structured_outputs_of(CompletionRequest(prompt="hi"), GrammarCache(check)) is None  # free text: fine
+
+
+def test_an_unsatisfiable_constraint_ends_the_request_instead_of_sampling_nothing(book: GrammarBook) -> None:
+    # compiles (the server lets it through) but its language is empty: no token can ever be allowed
+    p = params(grammar='start: a\na: a "x"')
+    check(p.structured_outputs)  # type: ignore[arg-type]
+    mask, failed = book.fill([GrammarRow(0, "u", p, [])], pin=False)
+    assert not failed and set(mask.allowed(0, VOCAB)) == set(EOS)  # EOS only, never an all -inf row
+    toks = greedy(book, p, key="u2", steps=5)
+    assert len(toks) == 1 and toks[0] in EOS
+    # another worker replaying the request (RAPID decode after prefill; ignore_eos kept it going)
+    replay = SamplingParams(structured_outputs=p.structured_outputs, ignore_eos=True, max_tokens=8)
+    mask, failed = book.fill([GrammarRow(0, "u3", replay, toks)], pin=False)
+    assert not failed and mask.num_rows == 0  # after EOS under ignore_eos: unconstrained
