@@ -174,10 +174,10 @@ def test_decode_frees_the_slot_of_a_penalized_request_that_fails(monkeypatch: py
     bad = COUNTED.replace(seed=666)
     real = runner.sample_next
 
-    def sample_next(logits: Any, params: Any, index: Any, eos: Any, **kw: Any) -> Any:
+    def sample_next(logits: Any, params: Any, index: Any, eos: Any, *args: Any, **kw: Any) -> Any:
         if any(p.seed == 666 and k >= 2 for p, k in zip(params, index, strict=True)):
             raise RuntimeError("sampling blew up for this request")
-        return real(logits, params, index, eos, **kw)
+        return real(logits, params, index, eos, *args, **kw)
 
     monkeypatch.setattr(runner, "sample_next", sample_next)
     io = FakeIO()
