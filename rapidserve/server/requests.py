@@ -123,8 +123,6 @@ def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
 
 
 def _refuse_unsupported(r: RequestBody, n: int) -> None:
-    if isinstance(r, ChatCompletionRequest) and r.response_format is not None and r.response_format.type != "text":
-        raise bad_request("response_format", "'response_format' may only be {\"type\": \"text\"} on this server")
     if isinstance(r, CompletionRequest):
         if r.suffix:
             raise bad_request("suffix", "'suffix' is not supported by this server")

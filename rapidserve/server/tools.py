@@ -128,10 +128,12 @@ def _defs(tools: tuple[dict[str, Any], ...]) -> dict[str, Any]:
 
 def required_schema(tools: tuple[dict[str, Any], ...], parallel: bool) -> dict[str, Any]:
     """The output of tool_choice "required": a JSON array of one (`parallel` False: exactly one) or more
-    calls {"name": a tool's name, "parameters": its arguments}, each item any of the tools."""
+    calls {"name": a tool's name, "parameters": its arguments}, each item any of the tools. Unlike vLLM's,
+    an item has no other keys (`additionalProperties: false`): otherwise a model may open an extra key
+    and never close it, and the output would not parse as a call."""
     items = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                              "parameters": t["function"]["parameters"]},
-              "required": ["name", "parameters"]} for t in tools]
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
