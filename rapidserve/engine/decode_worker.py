@@ -26,14 +26,14 @@ import torch
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
-from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
+from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
-from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
 
 
 @dataclass
@@ -195,12 +195,7 @@ class DecodeWorker:
                     where = {id(x): k for k, x in enumerate(prev.batch)}
                 known = known + [prev_tokens[where[id(r)]]]
             rows.append(GrammarRow(i, r.req_id, r.params, known))
-        mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
-        if failed:
-            e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
-            e.reqs = [batch[i] for i in e.rows]
-            raise e
-        return mask
+        return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens (emit, stop, free what finished)."""

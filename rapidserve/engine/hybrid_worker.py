@@ -61,7 +61,7 @@ import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import RequestsFailed, describe, is_fatal, sample_or_blame
+from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.logit_controls import seq_history
@@ -69,7 +69,7 @@ from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
 from rapidserve.sequence import Sequence, check_stop_at
 from rapidserve.step_plan import StepPlan
-from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
 
 T = TypeVar("T")
 PLACEHOLDER = -1  # an output token still in flight (scheduling ahead); never sent anywhere
@@ -270,12 +270,7 @@ class HybridWorker:
                     prev_tokens = prev.host.token_ids.tolist()
                 known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
             rows.append(GrammarRow(i, s.seq_id, s.params, known))
-        mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
-        if failed:
-            e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
-            e.reqs = [seqs[i] for i in e.rows]
-            raise e
-        return mask
+        return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
