@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
     ("model", ("rapidserve.loader", "rapidserve.attention", "rapidserve.ops", "rapidserve.models",
-               "rapidserve.kv_pool")),
+               "rapidserve.kv_pool", "rapidserve.parallel")),
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.step_plan",

@@ -1,0 +1,1 @@
+"""Running one model over several GPUs: tensor-parallel sharding (issue 17)."""
