@@ -124,10 +124,9 @@ def test_hybrid_step_failing_after_sampling_counts_none_of_its_tokens(monkeypatc
     """The host copy of a mixed step's tokens fails after sampling: the request decoding in it samples that
     token again next step, counted once (its tokens are the reference's); the failed new request, penalized
     too, and everyone else leave no slot behind."""
-    from rapidserve import sampler
     from rapidserve.engine import messages as m
     from rapidserve.engine.hybrid_worker import HybridWorker
-    from tests.test_worker_faults import FakeIO, _run_ahead
+    from tests.test_worker_faults import FakeIO, _run_ahead, arm_host_copy_failure
 
     llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=256, num_kv_blocks=64)
     want = _generate_one(llm, PROMPTS[0], COUNTED)
@@ -135,15 +134,7 @@ def test_hybrid_step_failing_after_sampling_counts_none_of_its_tokens(monkeypatc
     io = w.io
     io.inbox.append(m.NewRequest("a", PROMPTS[0], COUNTED, 0.0))  # type: ignore[attr-defined]
     w.read_inbox(wait=False)
-    real, armed = sampler.SamplerOutput.to_host, {"on": False}
-
-    def to_host(self: Any) -> Any:
-        if armed["on"]:
-            armed["on"] = False
-            raise RuntimeError("pinned allocation failed")
-        return real(self)
-
-    monkeypatch.setattr(sampler.SamplerOutput, "to_host", to_host)
+    armed = arm_host_copy_failure(monkeypatch)
 
     def before(i: int) -> None:
         if i == 3:

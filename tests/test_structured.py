@@ -204,19 +204,10 @@ def test_llm_preemption_and_abort_release_matchers() -> None:
 
 def test_a_preset_gets_structured_outputs_from_a_tokenizer_folder(tmp_path: Path) -> None:
     """`--tokenizer DIR` (how the GPU bench serves structured outputs on a random-weight preset)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from rapidserve import LLM
+    from tests.test_structured_workers import tiny_tokenizer_dir
 
-    raw = Tokenizer(models.BPE(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator(["the quick brown fox 0123456789 jumps over the lazy dog {}[]\":,"] * 50, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", bos_token="<s>",
-                            unk_token="<unk>").save_pretrained(tmp_path)
+    tiny_tokenizer_dir(tmp_path)
     llm = LLM("preset:tiny-llama", device="cpu", dtype="float32", tokenizer=str(tmp_path), show_progress=False)
     p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{4}-[a-z]{2}"), max_tokens=16,
                        temperature=1.0, seed=3)

@@ -25,7 +25,8 @@ from tests.test_worker_faults import FakeIO, _decode_worker, _prefill_for_decode
 REGEX = "[0-9]{6}-[a-z]{2}"
 
 
-def _tokenizer_dir(path: Path) -> str:
+def tiny_tokenizer_dir(path: Path) -> str:
+    """A 600-token byte-level BPE tokenizer folder at `path` (gives a random-weight preset text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,7 +45,7 @@ def _tokenizer_dir(path: Path) -> str:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner, Any]:
     from transformers import AutoTokenizer
 
-    tok = _tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    tok = tiny_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     # 6 blocks of 16 tokens: three requests of 6 + ~10 tokens each fit; five preempt each other
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=6,
                                  block_size=16, max_model_len=96, tokenizer=tok)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from rapidserve import sampler
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
@@ -100,6 +101,20 @@ def poisoned(setup: tuple[Any, ModelRunner], monkeypatch: pytest.MonkeyPatch) ->
 def req(rid: str, seed: int | None = None, n: int = 4) -> m.NewRequest:
     return m.NewRequest(rid, [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                                                   seed=seed), 0.0)
+
+
+def arm_host_copy_failure(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """`SamplerOutput.to_host` raises once, the next time after the returned flag's "on" is set True."""
+    real, armed = sampler.SamplerOutput.to_host, {"on": False}
+
+    def to_host(self: Any) -> Any:
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("pinned allocation failed")
+        return real(self)
+
+    monkeypatch.setattr(sampler.SamplerOutput, "to_host", to_host)
+    return armed
 
 
 def test_prefill_isolates_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
@@ -314,22 +329,12 @@ def test_hybrid_ahead_launch_that_fails_late_leaves_no_placeholder(setup: tuple[
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The host copy of a mixed step's tokens fails: the step's new prompt fails, the request decoding
     in that step goes on (its token is recomputed next step) and nothing is left half-advanced."""
-    from rapidserve import sampler
-
     cfg, runner = setup
     io = FakeIO()
     w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
     io.inbox += [req("a", n=8)]
     w.read_inbox(wait=False)
-    real, armed = sampler.SamplerOutput.to_host, {"on": False}
-
-    def to_host(self: Any) -> Any:
-        if armed["on"]:
-            armed["on"] = False
-            raise RuntimeError("pinned allocation failed")
-        return real(self)
-
-    monkeypatch.setattr(sampler.SamplerOutput, "to_host", to_host)
+    armed = arm_host_copy_failure(monkeypatch)
 
     def before(i: int) -> None:
         if i == 3:
