@@ -115,3 +115,19 @@ def test_sharded_mlp_and_attention_output_sum_to_the_whole() -> None:
     per_rank = [heads_out[:, lay.rank * lay.heads * c.head_dim:(lay.rank + 1) * lay.heads * c.head_dim] for lay in lays]
     got = sum(h @ shard_tensor(p + "self_attn.o_proj.weight", o, lay).T for h, lay in zip(per_rank, lays, strict=True))
     torch.testing.assert_close(got, heads_out @ o.T, rtol=1e-4, atol=1e-4)
+
+
+def test_sharded_weights_stream_matches_the_rank_shapes() -> None:
+    from rapidserve.parallel.shard import rank_tensor_shapes, sharded_weights
+
+    c, tp = cfg(8, 2), 4
+    shapes = expected_tensor_shapes(c)
+    g = torch.Generator().manual_seed(2)
+    full = [(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
+    for r in range(tp):
+        lay = tp_layout(c, tp, r)
+        got = dict(sharded_weights(iter(full), lay))
+        assert {n: tuple(t.shape) for n, t in got.items()} == rank_tensor_shapes(shapes, lay)
+        assert all(t.is_contiguous() for t in got.values())
+        k = "model.layers.0.self_attn.k_proj.weight"
+        assert torch.equal(got[k], dict(full)[k][lay.kv_head_index * c.head_dim:][: c.head_dim])

@@ -20,6 +20,7 @@ Layout (Megatron-style, the scheme vLLM and SGLang use):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -132,3 +133,17 @@ def shard_tensor(name: str, t: torch.Tensor, lay: TPLayout) -> torch.Tensor:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, min(n, 16) + 1) if n % d == 0)
+
+
+def rank_tensor_shapes(shapes: dict[str, tuple[int, ...]], lay: TPLayout) -> dict[str, tuple[int, ...]]:
+    """The shapes rank `lay.rank` holds, given the whole model's (`loader.source.expected_tensor_shapes`)."""
+    return {n: shard_shape(n, s, lay) for n, s in shapes.items()}
+
+
+def sharded_weights(weights: Iterable[tuple[str, torch.Tensor]], lay: TPLayout,
+                    device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A loader's (name, whole tensor) stream as rank `lay.rank`'s slices, each moved to `device` as it
+    goes: one whole tensor at a time is held (on the loader's side), never the whole model on a GPU."""
+    for name, t in weights:
+        part = shard_tensor(name, t, lay)
+        yield name, (part.contiguous() if device is None else part.to(device).contiguous())
