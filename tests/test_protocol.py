@@ -414,3 +414,19 @@ def test_openapi_document_refs_resolve() -> None:
     assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse"} <= set(schemas)
     ops = [(p, m) for p, item in doc["paths"].items() for m in item]
     assert len(ops) == 7 and all(doc["paths"][p][m]["responses"] for p, m in ops)
+
+
+@pytest.mark.parametrize("kind", ["CompletionRequest", "ChatCompletionRequest"])
+def test_openapi_lists_the_agent_fields(kind: str) -> None:
+    """Issue 19's fields are in /openapi.json, on both generation endpoints (chat adds the tools and
+    response_format), each with a description."""
+    props = openapi_document()["components"]["schemas"][kind]["properties"]
+    fields = ["presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words",
+              "allowed_token_ids", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar"]
+    if kind == "ChatCompletionRequest":
+        fields += ["response_format", "tools", "tool_choice", "parallel_tool_calls"]
+    missing = [f for f in fields if f not in props]
+    assert not missing, missing
+    described = json.dumps({f: props[f] for f in fields})
+    assert described.count("description") >= len(fields) - 4, described[:500]
