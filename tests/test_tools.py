@@ -83,6 +83,13 @@ BAD: list[tuple[dict[str, Any], str, str]] = [  # body, param, words the message
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": [], "tool_choice": NAMED}, "tool_choice", "needs 'tools'"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls", "bool"),
+    # a required / named choice is itself a structured-output constraint: checked by the grammar engine, and
+    # exclusive with the request's own constraint
+    ({"tools": [_fn(name="f", parameters={"type": "object", "properties": {"a": 5}})], "tool_choice": "required"},
+     "tools", "cannot be enforced"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "guided_regex": "a+"}, "tool_choice", "cannot be combined"),
     ({"tools": [_fn(name="f", parameters={"type": "object", "$defs": {"d": {"type": "string"}}}),
                 _fn(name="g", parameters={"type": "object", "$defs": {"d": {"type": "integer"}}})],
       "tool_choice": "required"}, "tools", "$defs"),

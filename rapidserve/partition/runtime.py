@@ -187,10 +187,7 @@ class DecodePartition:
         if name == old:
             return None
         mean = sum(contexts) // len(contexts) if contexts else 0
-        s = Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason)
-        self.switches.append(s)
-        self.num_switches += 1
-        return s
+        return self._switched(Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason))
 
     def advance(self, batch: int, context: int, prefill_pending: bool) -> Switch | None:
         """One step boundary (rapid policy): the switch to make now, or None to keep the configuration."""
@@ -207,7 +204,9 @@ class DecodePartition:
                                decode_running=not idle)
         if d.config == old:
             return None
-        s = Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason)
+        return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
+
+    def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
         self.num_switches += 1
         return s
