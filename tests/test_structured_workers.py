@@ -139,3 +139,37 @@ def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[An
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "compile blew up" in fin[0].message
     text, reason = _texts(io, hf)["ok"]
     assert reason == "stop" and re.fullmatch(REGEX, text)
+
+
+def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest_go_on(
+        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode worker fills masks on its filler thread while it records the step in flight; a row
+    whose grammar fails there fails alone: its blocks come back, the others keep their grammar."""
+    cfg, runner, hf = setup
+    io = FakeIO()
+    w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+    bad = StructuredOutputs(regex="[a-z]{3}")
+    real = w.grammar.cache._make
+
+    def make(so: StructuredOutputs) -> Any:
+        if so == bad:
+            raise RuntimeError("compile blew up in decode")
+        return real(so)
+
+    monkeypatch.setattr(w.grammar.cache, "_make", make)  # prefill's own book compiles it
+    so = StructuredOutputs(regex=REGEX)
+    _submit(cfg, runner, io, w, p, req("ok0", so, seed=1), req("bad", bad, seed=2), req("ok1", so, seed=3))
+    for _ in range(60):
+        w.step()
+        w.publish()
+        w.admit()
+        _prefill_for_decode(cfg, runner, io, w, p)
+        if not w.sched.reqs:
+            break
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "compile blew up" in fin[0].message
+    texts = _texts(io, hf)
+    for rid in ("ok0", "ok1"):
+        text, reason = texts[rid]
+        assert reason == "stop" and re.fullmatch(REGEX, text), (rid, text, reason)
+    assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks

@@ -4,9 +4,11 @@
 forward was queued on the device and before sampling: for each row it brings the request's matcher
 up to the tokens known so far (creating it from the compiled grammar, or replaying the tokens when
 it is behind or out of step), then fills the row's bitmask on the CPU (llguidance's thread pool for
-several rows). Replaying is how a matcher crosses processes: the RAPID prefill worker masks the
-first token; the decode worker builds its own matcher from the tokens it knows (the first token,
-or every output after a preemption) and advances it per step.
+several rows). The workers run it on the book's filler thread (`start`), overlapping their own host
+work (recording the previous step), and join it before sampling. Replaying is how a matcher
+crosses processes: the RAPID prefill worker masks the first token; the decode worker builds its
+own matcher from the tokens it knows (the first token, or every output after a preemption) and
+advances it per step.
 
 Termination: once the grammar is complete the mask allows only EOS (the engine's EOS ids), so the
 request ends with finish_reason "stop"; `check_stop_at` ends a grammar request on EOS even below
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +38,8 @@ import torch
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class GrammarBook:
         self._tok: Any = None
         self._executor: Any = None
         self._matchers: dict[str, _Matcher] = {}
+        self._filler: ThreadPoolExecutor | None = None
 
     @classmethod
     def for_model(cls, model: str | None, vocab_size: int, eos: tuple[int, ...],
@@ -160,9 +166,20 @@ class GrammarBook:
                 del self._matchers[k]
 
     # ---- one step -----------------------------------------------------------------------------
-    def fill(self, rows: Sequence[GrammarRow], pin: bool) -> tuple[GrammarMask, dict[int, str]]:
+    def start(self, job: Callable[[], T]) -> Future[T]:
+        """Run `job` (a step's `fill`, with whatever it waits for first) on the book's filler thread,
+        while the caller goes on: the grammar engine's fill releases the GIL, so it overlaps the
+        caller's host work. One thread: jobs run in order. The caller joins the job before it touches
+        the book again (`fill`, `release`, `retain` are not locked)."""
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+        return self._filler.submit(job)
+
+    def fill(self, rows: Sequence[GrammarRow], pin: bool,
+             buf: torch.Tensor | None = None) -> tuple[GrammarMask, dict[int, str]]:
         """The step's mask for `rows` (rows whose matcher has ended are left out: unconstrained), and
-        the rows that failed (logits row -> message). Never raises for one request's grammar."""
+        the rows that failed (logits row -> message). Never raises for one request's grammar. `buf`:
+        room for `len(rows)` rows (`GrammarMask.buffer`), else a new buffer is allocated here."""
         import llguidance.torch as llt
 
         failed: dict[int, str] = {}
@@ -176,7 +193,9 @@ class GrammarBook:
                 continue
             if not mt.eos_seen:
                 live.append((r, mt))
-        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
+        # every live row is written below
+        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False) if buf is None else \
+            GrammarMask.within(buf, len(live), self.vocab_size)
         if live:
             words = mask.words
             todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
@@ -191,8 +210,9 @@ class GrammarBook:
                     failed[live[i][0].row] = err
                     self._matchers.pop(live[i][0].key, None)
                     words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
+            empty = ~words.numpy().any(axis=1)  # one pass over the step's words, not a call per row
             for i, (r, mt) in enumerate(live):
-                if not mt.dead and not mt.m.is_stopped() and not words[i].any():
+                if empty[i] and not mt.dead and not mt.m.is_stopped():
                     mt.dead = True  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
                 if mt.m.is_stopped() or mt.dead:  # the grammar is complete and cannot go on: EOS only
                     self._only_eos(words[i])
