@@ -397,26 +397,6 @@ def test_a_stop_with_the_next_step_in_flight_drops_that_steps_token() -> None:
     assert [(t.req_id, t.index) for t in out1] == [("r1", 2)] and "r0" not in s.reqs and not s.finished
 
 
-
-def test_unlaunch_takes_back_a_step_whose_sampling_failed() -> None:
-    """The worker marks a step launched once its forward is queued, records the step before it, then
-    samples: if that sampling fails, `unlaunch` hands back what ended meanwhile and leaves the rest
-    running, to be stepped again at the same position."""
-    s = make(num_blocks=8)
-    start(s, new(0, 4, params(max_tokens=2)), new(1, 4))
-    b0 = launch(s)
-    b1 = launch(s, quiet=False)
-    land(s, b0)  # r0 ends with this token; b1 still holds its blocks
-    assert s.reqs["r0"].state == "done" and s.blocks.has("r0")
-    s.unlaunch(b1)
-    check(s)
-    assert "r0" not in s.reqs and not s.blocks.has("r0")
-    r1 = s.reqs["r1"]
-    assert r1.inflight == 0 and ids(s.running) == ["r1"] and len(r1.outputs) == 2
-    out = step(s)  # stepped again: its next token is index 2, as if b1 had never run
-    assert [(t.req_id, t.index) for t in out] == [("r1", 2)]
-
-
 # ---- 5. prefill answers --------------------------------------------------------------------------
 ANSWERS = [
     # name, aborted first, prefill's answer, reason on the first token, Finished, runs after

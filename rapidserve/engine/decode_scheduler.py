@@ -61,7 +61,7 @@ class DecodeRequest:
     outputs: list[int] = field(default_factory=list)
     state: State = "waiting"
     attempt: int = 0  # preemptions so far: a PrefillDone of an earlier attempt is stale
-    inflight: int = 0  # launched decode steps whose token is not recorded yet (0, 1; 2 for a moment)
+    inflight: int = 0  # launched decode steps whose token is not recorded yet (0 or 1)
     aborting: bool = False  # aborted while prefilling: waits for prefill to let go
     drop_pending: bool = False  # a Drop was sent and its Dropped has not come back: the id stays held
     cached: int = 0  # tokens found in the prefix cache at the last admission
@@ -251,13 +251,6 @@ class DecodeScheduler:
     def launched(self, batch: list[DecodeRequest]) -> None:
         for r in batch:
             r.inflight += 1
-
-    def unlaunch(self, batch: list[DecodeRequest]) -> None:
-        """A launched step's tokens are not taken (its sampling failed; the caller waited for its
-        forward): as if it had not been launched, and what ended meanwhile is freed."""
-        for r in batch:
-            r.inflight -= 1
-            self._release(r)
 
     def record(self, batch: list[DecodeRequest], rows: list[Row]) -> list[m.TokenOut]:
         """A launched step has landed: its tokens, in batch order, with stops applied. A request that

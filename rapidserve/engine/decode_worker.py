@@ -11,17 +11,14 @@ one runs.
 Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; decode builds
 its own matcher by replaying the tokens it knows (the first token from PrefillDone; after a
 preemption, every output), which reaches the same state. Each step with a grammar row queues the
-forward, then hands the mask to the book's filler thread, which waits for the in-flight step's tokens,
-advances the matchers and fills the bitmask on the CPU while the device runs; meanwhile this thread
-records the in-flight step (the fill releases the GIL, so the two overlap). Then it samples with the
-mask. Steps without a grammar row are unchanged. Matchers of requests no longer running (ended,
-aborted, preempted, failed) are released at `publish`, when no fill is running.
+forward, then waits for the in-flight step's tokens, advances the matchers and fills the bitmask on
+the CPU while the device runs, and samples with the mask; steps without one are unchanged. Matchers
+of requests no longer running (ended, aborted, preempted, failed) are released at `publish`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +55,6 @@ class DecodeWorker:
         self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
                                      runner.limits.context_cap)
         self.inflight: InFlight | None = None
-        self._queued: list[DecodeRequest] = []  # a batch whose forward is queued and sampling is not yet
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
@@ -132,8 +128,6 @@ class DecodeWorker:
                 self._step()
             except RequestsFailed as e:
                 self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
-                self.sched.unlaunch(self._queued)  # its forward ran; its tokens are not taken
-                self._queued = []
                 self.sched.fail(e.reqs, describe(e.error, "sampling"))
                 self._complete()
         except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
@@ -141,8 +135,7 @@ class DecodeWorker:
                 raise
             self.runner.synchronize()  # nothing in flight writes the blocks freed below
             f, self.inflight = self.inflight, None
-            queued, self._queued = self._queued, []
-            self.sched.fail_batch((f.batch if f is not None else []) + queued, describe(e, "decode step"))
+            self.sched.fail_batch(f.batch if f is not None else [], describe(e, "decode step"))
 
     def _step(self) -> None:
         batch = self.sched.schedule(quiet=self.inflight is None)
@@ -158,9 +151,6 @@ class DecodeWorker:
         self.inflight = launched
 
     def _launch(self, batch: list[DecodeRequest]) -> InFlight:
-        """Queue the batch's forward, then its sampling. A batch with a grammar row fills its mask on
-        the book's filler thread meanwhile (`_grammar_job`), and the in-flight step is recorded on this
-        thread while the mask fills: that host work overlaps instead of adding up."""
         prev = self.inflight
         table = self.sched.blocks.table
         items = [DecodeItem(r.outputs[-1] if not r.inflight else 0, r.tokens_needed - 1, table(r.req_id))
@@ -171,16 +161,7 @@ class DecodeWorker:
             carry = Carry(prev.out.token_ids, [(i, where[id(r)]) for i, r in enumerate(batch) if r.inflight])
         logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
         index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
-        job = self._grammar_job(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
-        # Its forward is queued: the blocks it writes stay held from here on, whatever the step in
-        # flight ends (a failure below hands them back with `unlaunch`).
-        self.sched.launched(batch)
-        self._queued = batch
-        mask = None
-        if job is not None:
-            filling = self.grammar.start(job)
-            self._complete()  # the in-flight step lands and is recorded while the mask fills
-            mask = filling.result()
+        mask = self._grammar_mask(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
         try:
             out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos, mask,
                                   history=lambda i: history(batch[i]))
@@ -189,33 +170,32 @@ class DecodeWorker:
             raise
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
+        self.sched.launched(batch)
         self.partition.note_step()
-        self._queued = []
         return InFlight(batch, out, host, self.runner.mark())
 
-    def _grammar_job(self, batch: list[DecodeRequest], prev: InFlight | None) -> Callable[[], GrammarMask]:
-        """The filling of this step's structured-output mask, to run on the filler thread while the
-        device runs the forward just queued. The tokens each matcher must have consumed are taken now
-        (the first token from PrefillDone, every output after a preemption); a row whose newest token
-        is the in-flight step's waits there for that step to land. Rows whose grammar rejects a token
-        fail alone (RequestsFailed)."""
-        pin = self.runner.device.type == "cuda"
-        where = {id(x): k for k, x in enumerate(prev.batch)} if prev is not None else {}
-        known = [(i, r.req_id, r.params, r.outputs[:], where[id(r)] if r.inflight else None)
-                 for i, r in enumerate(batch) if r.params.structured_outputs is not None]
-        buf = GrammarMask.buffer(len(known), self.grammar.vocab_size, pin)  # pinned here, on the loop's thread
-
-        def job() -> GrammarMask:
-            landed: list[int] = []
-            if prev is not None and any(k is not None for *_, k in known):
-                if prev.done is not None:
-                    prev.done.synchronize()
-                landed = prev.host.token_ids.tolist()
-            rows = [GrammarRow(i, key, params, outs if k is None else outs + [landed[k]])
-                    for i, key, params, outs, k in known]
-            return fill_or_blame(self.grammar, rows, batch, pin, buf)
-
-        return job
+    def _grammar_mask(self, batch: list[DecodeRequest], prev: InFlight | None) -> GrammarMask:
+        """The structured-output mask of this step, filled on the CPU while the device runs the forward
+        just queued. Each matcher replays the tokens known so far (the first token from PrefillDone,
+        every output after a preemption) plus the in-flight step's token, for which only a batch with
+        a grammar row waits here. Rows whose grammar rejects a token fail alone."""
+        prev_tokens: list[int] | None = None
+        where: dict[int, int] = {}
+        rows: list[GrammarRow] = []
+        for i, r in enumerate(batch):
+            if r.params.structured_outputs is None:
+                continue
+            known = r.outputs
+            if r.inflight:
+                if prev_tokens is None:
+                    assert prev is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                    where = {id(x): k for k, x in enumerate(prev.batch)}
+                known = known + [prev_tokens[where[id(r)]]]
+            rows.append(GrammarRow(i, r.req_id, r.params, known))
+        return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens (emit, stop, free what finished)."""

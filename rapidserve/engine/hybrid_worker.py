@@ -37,12 +37,10 @@ Sampled tokens (and logprobs) are copied to pinned host memory without waiting, 
 recorded; the host reads them only after that event.
 
 Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
-queues the forward first, then hands the mask to the book's filler thread, which waits for the
-previous step's tokens (only if a grammar row's newest token is still a placeholder), advances those
-requests' matchers and fills their bitmask rows on the CPU while the device computes; meanwhile this
-thread records the previous step (`record_once`; the fill releases the GIL, so the two overlap). The
-sampler applies the mask on the device. Batches without a constraint are unchanged. `publish`
-releases the matchers of requests no longer running, when no fill is running.
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
+without a constraint never wait there. `publish` releases the matchers of requests no longer running.
 
 Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
 pool at once, even while a step that writes them is in flight: there is one process and one
@@ -89,7 +87,6 @@ class Launched:
     device_tokens: torch.Tensor | None = None
     rows: dict[int, int] | None = None  # id(seq) -> row
     index: list[int] | None = None
-    recorded: bool = False  # `record` ran (early, while the next step's grammar mask filled)
 
 
 class HybridWorker:
@@ -131,7 +128,7 @@ class HybridWorker:
             if not self.io.others_alive():
                 return
         if prev is not None:
-            self.record_once(prev)
+            self.guarded(prev.plan, self.record, prev)
             self.publish()
 
     def step_ahead(self, prev: Launched | None) -> Launched | None:
@@ -140,7 +137,7 @@ class HybridWorker:
         step = None if plan.is_empty else self.guarded(plan, self.launch, (plan, prev))
         self.read_inbox(wait=step is None and prev is None and not plan.preempted)
         if prev is not None:
-            self.record_once(prev)
+            self.guarded(prev.plan, self.record, prev)
         self.publish()
         return step
 
@@ -236,12 +233,7 @@ class HybridWorker:
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
-            mask = None
-            if GrammarBook.needed(s.params for s in seqs):
-                filling = self.grammar.start(self._grammar_job(seqs, prev))
-                if prev is not None:  # the previous step lands and is recorded while the mask fills
-                    self.record_once(prev)
-                mask = filling.result()
+            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
             try:
                 out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
                                       history=lambda i: seq_history(seqs[i]))
@@ -260,41 +252,25 @@ class HybridWorker:
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
-    def _grammar_job(self, seqs: list[Sequence], prev: Launched | None) -> Callable[[], GrammarMask]:
-        """The filling of this step's structured-output mask, to run on the book's filler thread while
-        the device runs the forward (queued already) and this thread records `prev`. The tokens each
-        matcher must have consumed are taken now; a row whose newest token is a placeholder waits there
-        for `prev`'s tokens. Rows whose grammar rejects a token fail (RequestsFailed)."""
-        pin = self.runner.device.type == "cuda"
-        known: list[tuple[int, str, Any, list[int], int | None]] = []
+    def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
+        """The structured-output mask of this step's rows, filled while the device runs its forward
+        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
+        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
+        prev_tokens: list[int] | None = None
+        rows: list[GrammarRow] = []
         for i, s in enumerate(seqs):
             if s.params.structured_outputs is None:
                 continue
-            outs = s.output_token_ids
-            if outs and outs[-1] == PLACEHOLDER:
-                assert prev is not None and prev.rows is not None
-                known.append((i, s.seq_id, s.params, outs[:-1], prev.rows[id(s)]))
-            else:
-                known.append((i, s.seq_id, s.params, outs[:], None))
-        buf = GrammarMask.buffer(len(known), self.grammar.vocab_size, pin)  # pinned here, on the loop's thread
-
-        def job() -> GrammarMask:
-            landed: list[int] = []
-            if prev is not None and prev.host is not None and any(k is not None for *_, k in known):
-                if prev.done is not None:
-                    prev.done.synchronize()
-                landed = prev.host.token_ids.tolist()
-            rows = [GrammarRow(i, key, params, outs if k is None else outs + [landed[k]])
-                    for i, key, params, outs, k in known]
-            return fill_or_blame(self.grammar, rows, seqs, pin, buf)
-
-        return job
-
-    def record_once(self, step: Launched) -> None:
-        """`record`, guarded, unless the step was recorded already (while a grammar mask filled)."""
-        if not step.recorded:
-            step.recorded = True
-            self.guarded(step.plan, self.record, step)
+            known = s.output_token_ids
+            if known and known[-1] == PLACEHOLDER:
+                if prev_tokens is None:
+                    assert prev is not None and prev.host is not None and prev.rows is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
+            rows.append(GrammarRow(i, s.seq_id, s.params, known))
+        return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
