@@ -10,7 +10,7 @@
 # Back in $OUT: profile_summary.md (every summary), profiles.tar.gz (py-spy's raw stacks, the server logs,
 # the bench records). Knobs (environment): MODES ("rapid hybrid"), VARIANTS ("off on"), MODEL
 # (preset:qwen3-8b), NUM_PROMPTS (128), INPUT_LEN (1024), OUTPUT_LEN (256), RATE (inf), TOKENIZER
-# (.sotok), SERVE_ARGS, SPY_RATE (samples/s, 200).
+# (.sotok), SERVE_ARGS, SPY_RATE (samples/s, 100).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -34,7 +34,7 @@ for mode in ${MODES:-rapid hybrid}; do
     for variant in ${VARIANTS:-off on}; do
         name="${mode}_$variant"
         # shellcheck disable=SC2086
-        py-spy record --subprocesses --idle --threads --nonblocking --format raw --rate "${SPY_RATE:-200}" \
+        py-spy record --subprocesses --idle --threads --nonblocking --format raw --rate "${SPY_RATE:-100}" \
             -o "$out/raw/$name.txt" -- "$py" -m rapidserve.cli serve --model "${MODEL:-preset:qwen3-8b}" \
             --tokenizer "$tok" --mode "$mode" --port "$port" ${SERVE_ARGS:-} >"$out/raw/serve_$name.log" 2>&1 &
         spy=$!
@@ -49,7 +49,7 @@ for mode in ${MODES:-rapid hybrid}; do
             --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" --request-rate "${RATE:-inf}" \
             --num-prompts "${NUM_PROMPTS:-128}" --warmup 8 --label "$name" --name "$name" --out-dir "$out/raw" \
             --no-plot --quiet "${extra[@]}" || echo "worker_profile.sh: bench $name failed" >&2
-        pkill -TERM -f "rapidserve.cli serve --model" 2>/dev/null
+        kill -TERM $(pgrep -P "$spy") 2>/dev/null  # the server (py-spy's child); py-spy writes once it exits
         wait "$spy" 2>/dev/null
         { echo "## $name"; "$py" -c "import json,sys; s=json.load(open(sys.argv[1]))['runs'][0]['summary']; print(f\"output {s['output_throughput']:.0f} tok/s, mean ITL {s['itl_ms']['mean']:.1f} ms\n\")" "$out/raw/$name.json" 2>/dev/null
           "$py" bench/profile_summary.py "$out/raw/$name.txt" --loop "$loop"; echo; } | tee -a "$out/profile_summary.md"
