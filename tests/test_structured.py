@@ -240,3 +240,51 @@ def test_an_unsatisfiable_constraint_ends_the_request_instead_of_sampling_nothin
     replay = SamplingParams(structured_outputs=p.structured_outputs, ignore_eos=True, max_tokens=8)
     mask, failed = book.fill([GrammarRow(0, "u3", replay, toks)], pin=False)
     assert not failed and mask.num_rows == 0  # after EOS under ignore_eos: unconstrained
+
+
+def test_warm_loads_the_tokenizer_once_in_the_background_and_fills_never_import_llguidance_torch(hf: Any) -> None:
+    """Workers on a GPU call `warm` at start, so the first constraint does not stall their loop on the
+    tokenizer; a fill racing the warming thread waits for it, and the loader runs once. Filling does
+    not import llguidance.torch (its import builds a torch.compile kernel: seconds of stall)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def slow_loader() -> Any:
+        calls.append(1)
+        gate.wait(5)
+        return hf
+
+    book = GrammarBook(slow_loader, VOCAB, EOS)
+    book.warm()
+    time.sleep(0.05)  # the warming thread is inside the loader now
+    filled: list[Any] = []
+    racer = threading.Thread(target=lambda: filled.append(book.fill([GrammarRow(0, "r", params(regex="[0-9]+"), [])],
+                                                                     pin=False)))
+    racer.start()
+    gate.set()
+    racer.join(30)
+    mask, failed = filled[0]
+    assert not failed and calls == [1]
+    assert set(mask.allowed(0, VOCAB)) <= set(range(VOCAB)) and mask.allowed(0, VOCAB)
+
+    unwarmable = GrammarBook(lambda: None, VOCAB, EOS)
+    unwarmable.warm()  # a model without a tokenizer: nothing raises here...
+    _, failed = unwarmable.fill([GrammarRow(0, "p", params(regex="a"), [])], pin=False)
+    assert "tokenizer" in failed[0]  # ...its first constraint says so
+
+    probe = ("import sys; from rapidserve.loader import load_hf_tokenizer, resolve_model; "
+             "from rapidserve.structured import GrammarBook, GrammarRow; "
+             "from rapidserve.sampling_params import SamplingParams, StructuredOutputs; "
+             "hf = load_hf_tokenizer(resolve_model(None)); b = GrammarBook(lambda: hf, 49152, (2,)); "
+             "p = SamplingParams(structured_outputs=StructuredOutputs(regex='[0-9]+')); "
+             "m, f = b.fill([GrammarRow(0, 'a', p, []), GrammarRow(1, 'b', p, [])], pin=False); "
+             "assert not f and m.num_rows == 2; print('llguidance.torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

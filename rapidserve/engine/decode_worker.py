@@ -60,6 +60,8 @@ class DecodeWorker:
         self._stop = False
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids,
                                             cfg.tokenizer)
+        if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
+            self.grammar.warm()
 
     def run(self) -> None:
         while not self._stop:

@@ -28,13 +28,12 @@ class RequestsFailed(Exception):
         self.reqs: list[Any] = []  # the requests of those rows, filled in by the worker
 
 
-def fill_or_blame(book: Any, rows: Sequence[Any], batch: Sequence[Any], pin: bool, buf: Any = None) -> Any:
-    """The structured-output mask of `rows` (`GrammarBook.fill`, into `buf` if given); RequestsFailed
-    naming the requests of `batch` whose grammar rejected a token (they fail alone: the rest of the
-    step goes on)."""
+def fill_or_blame(book: Any, rows: Sequence[Any], batch: Sequence[Any], pin: bool) -> Any:
+    """The structured-output mask of `rows` (`GrammarBook.fill`); RequestsFailed naming the requests of
+    `batch` whose grammar rejected a token (they fail alone: the rest of the step goes on)."""
     from rapidserve.structured import GrammarError
 
-    mask, failed = book.fill(rows, pin=pin, buf=buf)
+    mask, failed = book.fill(rows, pin=pin)
     if failed:
         e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
         e.reqs = [batch[i] for i in e.rows]

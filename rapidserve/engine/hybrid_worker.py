@@ -104,6 +104,8 @@ class HybridWorker:
         self._last_stats = 0.0
         self._stop = False
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
+        if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
+            self.grammar.warm()
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:

@@ -70,6 +70,8 @@ class PrefillWorker:
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
+        if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
+            self.grammar.warm()
 
     def run(self) -> None:
         while True:

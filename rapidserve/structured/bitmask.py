@@ -40,20 +40,6 @@ class GrammarMask:
             buf.fill_(-1)
         return cls(buf, num_rows, w)
 
-    @staticmethod
-    def buffer(max_rows: int, vocab_size: int, pin: bool) -> torch.Tensor:
-        """Room for a mask of up to `max_rows` rows (`within`): allocated where the device's context is
-        current (the worker's loop), so a filler thread need not allocate pinned memory itself."""
-        return torch.empty((max_rows * (bitmask_words(vocab_size) + 1),), dtype=torch.int32, pin_memory=pin)
-
-    @classmethod
-    def within(cls, buf: torch.Tensor, num_rows: int, vocab_size: int) -> GrammarMask:
-        """A mask of `num_rows` rows in the front of `buf` (from `buffer`, uninitialised)."""
-        w = bitmask_words(vocab_size)
-        if buf.numel() < num_rows * (w + 1):
-            raise ValueError(f"a buffer of {buf.numel()} words has no room for {num_rows} rows of {w} words")
-        return cls(buf[: num_rows * (w + 1)], num_rows, w)
-
     @property
     def words(self) -> torch.Tensor:
         return self.buf[: self.num_rows * self.num_words].view(self.num_rows, self.num_words)

@@ -4,11 +4,9 @@
 forward was queued on the device and before sampling: for each row it brings the request's matcher
 up to the tokens known so far (creating it from the compiled grammar, or replaying the tokens when
 it is behind or out of step), then fills the row's bitmask on the CPU (llguidance's thread pool for
-several rows). The workers run it on the book's filler thread (`start`), overlapping their own host
-work (recording the previous step), and join it before sampling. Replaying is how a matcher
-crosses processes: the RAPID prefill worker masks the first token; the decode worker builds its
-own matcher from the tokens it knows (the first token, or every output after a preemption) and
-advances it per step.
+several rows). Replaying is how a matcher crosses processes: the RAPID prefill worker masks the
+first token; the decode worker builds its own matcher from the tokens it knows (the first token,
+or every output after a preemption) and advances it per step.
 
 Termination: once the grammar is complete the mask allows only EOS (the engine's EOS ids), so the
 request ends with finish_reason "stop"; `check_stop_at` ends a grammar request on EOS even below
@@ -26,11 +24,12 @@ never depends on it, since a matcher out of step with its request is rebuilt by 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +37,6 @@ import torch
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,12 +67,12 @@ class GrammarBook:
                  cache_size: int = 256, threads: int | None = None) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, eos
         self.cache = GrammarCache(self._compile, cache_size)
-        # llguidance's fill pool: half the cores, at most 8 (the other half runs torch and the loop)
-        self._threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        # llguidance's fill pool: 3/4 of the cores, at most 12 (the rest: the loop, torch, the other processes)
+        self._threads = threads or max(1, min(12, (os.cpu_count() or 2) * 3 // 4))
         self._tok: Any = None
+        self._tok_lock = threading.Lock()
         self._executor: Any = None
         self._matchers: dict[str, _Matcher] = {}
-        self._filler: ThreadPoolExecutor | None = None
 
     @classmethod
     def for_model(cls, model: str | None, vocab_size: int, eos: tuple[int, ...],
@@ -105,7 +102,27 @@ class GrammarBook:
         return any(p.structured_outputs is not None for p in params)
 
     # ---- matchers ---------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Load the grammar engine's tokenizer view now, on a background thread, so the first
+        structured-output request does not stall the worker's loop for it (seconds: the tokenizer and
+        llguidance's view of its vocabulary). Nothing happens without the grammar engine installed;
+        a model without a tokenizer fails later, at its first constraint, as without warming."""
+        try:
+            _llguidance()
+        except GrammarError:
+            return
+
+        def load() -> None:
+            with contextlib.suppress(Exception):  # the first constraint reports it, as it would unwarmed
+                self._tokenizer()
+
+        threading.Thread(target=load, name="grammar-warm", daemon=True).start()
+
     def _tokenizer(self) -> Any:
+        with self._tok_lock:  # once, whichever of `warm`'s thread and the loop comes first
+            return self._load_tokenizer()
+
+    def _load_tokenizer(self) -> Any:
         if self._tok is None:
             llg = _llguidance()
             import llguidance.hf
@@ -166,22 +183,9 @@ class GrammarBook:
                 del self._matchers[k]
 
     # ---- one step -----------------------------------------------------------------------------
-    def start(self, job: Callable[[], T]) -> Future[T]:
-        """Run `job` (a step's `fill`, with whatever it waits for first) on the book's filler thread,
-        while the caller goes on: the grammar engine's fill releases the GIL, so it overlaps the
-        caller's host work. One thread: jobs run in order. The caller joins the job before it touches
-        the book again (`fill`, `release`, `retain` are not locked)."""
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        return self._filler.submit(job)
-
-    def fill(self, rows: Sequence[GrammarRow], pin: bool,
-             buf: torch.Tensor | None = None) -> tuple[GrammarMask, dict[int, str]]:
+    def fill(self, rows: Sequence[GrammarRow], pin: bool) -> tuple[GrammarMask, dict[int, str]]:
         """The step's mask for `rows` (rows whose matcher has ended are left out: unconstrained), and
-        the rows that failed (logits row -> message). Never raises for one request's grammar. `buf`:
-        room for `len(rows)` rows (`GrammarMask.buffer`), else a new buffer is allocated here."""
-        import llguidance.torch as llt
-
+        the rows that failed (logits row -> message). Never raises for one request's grammar."""
         failed: dict[int, str] = {}
         live: list[tuple[GrammarRow, _Matcher]] = []
         for r in rows:
@@ -193,17 +197,18 @@ class GrammarBook:
                 continue
             if not mt.eos_seen:
                 live.append((r, mt))
-        # every live row is written below
-        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False) if buf is None else \
-            GrammarMask.within(buf, len(live), self.vocab_size)
+        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
         if live:
             words = mask.words
             todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
             try:
+                # The grammar engine writes the rows in place (what llguidance.torch's wrappers do; that
+                # module is not imported: it builds a torch.compile kernel at import, seconds of stall).
+                row_bytes = mask.num_words * 4
                 if len(todo) == 1:
-                    llt.fill_next_token_bitmask(todo[0][0], words, todo[0][1])
+                    todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].data_ptr(), row_bytes)
                 elif todo:
-                    llt.fill_next_token_bitmask_par(self._executor, todo, words)
+                    self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, len(live))
             except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
                 err = str(engine_error("grammar", e))
                 for i in (i for _, i in todo):
