@@ -37,13 +37,10 @@ Sampled tokens (and logprobs) are copied to pinned host memory without waiting, 
 recorded; the host reads them only after that event.
 
 Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
-hands its mask to the grammar book's filler thread before queueing the forward: that thread waits for
-the previous step's tokens on the host (only if a grammar row's newest token is still a placeholder),
-advances those requests' matchers and fills their bitmask rows on the CPU while this thread queues
-the forward (eager mixed forwards take about as long to queue as to run, so a fill started after
-queueing would leave the device idle); `launch` joins it before sampling, and the sampler applies the
-mask on the device. Batches without a constraint are unchanged. `publish` releases the matchers of
-requests no longer running (no fill runs then).
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
+without a constraint never wait there. `publish` releases the matchers of requests no longer running.
 
 Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
 pool at once, even while a step that writes them is in flight: there is one process and one
@@ -55,10 +52,8 @@ A request never outgrows the pool: its context is capped at the pool's capacity 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -72,7 +67,6 @@ from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
-from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import Sequence, check_stop_at
 from rapidserve.step_plan import StepPlan
 from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
@@ -112,9 +106,6 @@ class HybridWorker:
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
         if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
             self.grammar.warm()
-            # The loop shares the GIL with the grammar filler thread (`launch`): hand it over within
-            # 0.5 ms rather than the interpreter's default 5 ms, so a fill never waits a whole forward.
-            sys.setswitchinterval(0.0005)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -232,28 +223,19 @@ class HybridWorker:
             decode_items.append((tok, s))
         carry = Carry(prev.device_tokens, carried) if carried and prev is not None and \
             prev.device_tokens is not None else None
+        if plan.is_decode_only:
+            logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items],
+                                        carry=carry)
+        else:
+            items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
+            items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
+                                  need_logits=c.samples) for c in plan.prefill]
+            logits = self.runner.prefill(items, carry=carry)
         seqs = plan.sampled
-        # The structured-output mask fills on the book's filler thread while this thread queues the
-        # forward (an eager mixed forward takes about as long to queue as to run).
-        filling = self.grammar.start(self._grammar_job(seqs, prev)) \
-            if GrammarBook.needed(s.params for s in seqs) else None
-        try:
-            if plan.is_decode_only:
-                logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id))
-                                             for t, s in decode_items], carry=carry)
-            else:
-                items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
-                items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
-                                      table(c.seq.seq_id), need_logits=c.samples) for c in plan.prefill]
-                logits = self.runner.prefill(items, carry=carry)
-        except BaseException:
-            if filling is not None:
-                wait([filling])  # nothing else touches the book while a fill runs
-            raise
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
-            mask = None if filling is None else filling.result()
+            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
             try:
                 out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
                                       history=lambda i: seq_history(seqs[i]))
@@ -272,34 +254,25 @@ class HybridWorker:
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
-    def _grammar_job(self, seqs: list[Sequence], prev: Launched | None) -> Callable[[], GrammarMask]:
-        """The filling of this step's structured-output mask, for the book's filler thread. The tokens
-        each matcher must have consumed are taken now; a row whose newest token is a placeholder waits
-        there for `prev`'s tokens on the host (only batches with a grammar row wait for them). Rows
-        whose grammar rejects a token fail (RequestsFailed)."""
-        known: list[tuple[int, str, SamplingParams, list[int], int | None]] = []
+    def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
+        """The structured-output mask of this step's rows, filled while the device runs its forward
+        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
+        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
+        prev_tokens: list[int] | None = None
+        rows: list[GrammarRow] = []
         for i, s in enumerate(seqs):
             if s.params.structured_outputs is None:
                 continue
-            outs = s.output_token_ids
-            if outs and outs[-1] == PLACEHOLDER:
-                assert prev is not None and prev.rows is not None and prev.host is not None
-                known.append((i, s.seq_id, s.params, outs[:-1], prev.rows[id(s)]))
-            else:
-                known.append((i, s.seq_id, s.params, list(outs), None))
-        pin = self.runner.device.type == "cuda"
-
-        def job() -> GrammarMask:
-            landed: list[int] = []
-            if prev is not None and prev.host is not None and any(k is not None for *_, k in known):
-                if prev.done is not None:
-                    prev.done.synchronize()
-                landed = prev.host.token_ids.tolist()
-            rows = [GrammarRow(i, key, params, outs if k is None else outs + [landed[k]])
-                    for i, key, params, outs, k in known]
-            return fill_or_blame(self.grammar, rows, seqs, pin)
-
-        return job
+            known = s.output_token_ids
+            if known and known[-1] == PLACEHOLDER:
+                if prev_tokens is None:
+                    assert prev is not None and prev.host is not None and prev.rows is not None
+                    if prev.done is not None:
+                        prev.done.synchronize()
+                    prev_tokens = prev.host.token_ids.tolist()
+                known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
+            rows.append(GrammarRow(i, s.seq_id, s.params, known))
+        return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;

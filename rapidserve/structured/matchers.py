@@ -28,9 +28,8 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +37,6 @@ import torch
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,6 @@ class GrammarBook:
         self._threads = threads or max(1, min(12, (os.cpu_count() or 2) * 3 // 4))
         self._tok: Any = None
         self._tok_lock = threading.Lock()
-        self._filler: ThreadPoolExecutor | None = None
         self._executor: Any = None
         self._matchers: dict[str, _Matcher] = {}
 
@@ -187,15 +183,6 @@ class GrammarBook:
                 del self._matchers[k]
 
     # ---- one step -----------------------------------------------------------------------------
-    def start(self, job: Callable[[], T]) -> Future[T]:
-        """Run `job` (a step's `fill`, with whatever it waits for first) on the book's filler thread
-        while the caller queues device work: the grammar engine's fill releases the GIL. One thread,
-        so jobs run in order; the caller joins a job before it touches the book again (`fill`,
-        `release` and `retain` are not locked)."""
-        if self._filler is None:
-            self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        return self._filler.submit(job)
-
     def fill(self, rows: Sequence[GrammarRow], pin: bool) -> tuple[GrammarMask, dict[int, str]]:
         """The step's mask for `rows` (rows whose matcher has ended are left out: unconstrained), and
         the rows that failed (logits row -> message). Never raises for one request's grammar."""
