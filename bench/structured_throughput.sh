@@ -24,18 +24,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-bench/results/structured_throughput}"
 mkdir -p "$out"
-py="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc, llguidance' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "structured_throughput.sh: installing the carried wheels failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
-tok="${TOKENIZER:-.sotok}"
-if [[ ! -f "$tok/tokenizer.json" ]]; then
-    "$py" bench/grammar_engines.py --save-tokenizer "$tok" \
-        || { echo "structured_throughput.sh: no tokenizer in $tok and none could be made (see the header)" >&2; exit 2; }
-fi
+# shellcheck source=bench/structured_env.sh
+source bench/structured_env.sh
+structured_env structured_throughput.sh
 port=8731
 for mode in ${MODES:-rapid hybrid}; do
     log="$out/serve_$mode.log"
@@ -43,11 +34,7 @@ for mode in ${MODES:-rapid hybrid}; do
     "$py" -m rapidserve.cli serve --model "${MODEL:-preset:qwen3-8b}" --tokenizer "$tok" --mode "$mode" \
         --port "$port" ${SERVE_ARGS:-} >"$log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 300); do
-        "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 1
-    done
+    wait_healthy "$port" "$pid"
     for rep in $(seq 1 "${REPEATS:-1}"); do  # off and on alternate, so drift hits both alike
         for variant in off on; do
             extra=()
@@ -95,4 +82,5 @@ for mode in ("rapid", "hybrid"):
 (out / "structured_throughput.json").write_text(json.dumps(table, indent=1))
 PY
 # the per-run records and server logs in one file (the device call returns a handful of files)
-tar -czf "$out/raw.tar.gz" -C "$out" raw $(cd "$out" && ls serve_*.log 2>/dev/null) && rm -rf "$out/raw" "$out"/serve_*.log
+mkdir -p "$out/raw" && mv "$out"/serve_*.log "$out/raw/" 2>/dev/null
+tar -czf "$out/raw.tar.gz" -C "$out" raw && rm -rf "$out/raw"

@@ -16,16 +16,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-bench/results/worker_profile}"
 mkdir -p "$out/raw"
-py="${PYTHON:-python3}"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" >/dev/null && ! command -v py-spy >/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "worker_profile.sh: installing the carried wheels failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
+# shellcheck source=bench/structured_env.sh
+source bench/structured_env.sh
+structured_env worker_profile.sh
+if ! command -v py-spy >/dev/null && compgen -G ".whl/py_spy-*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-cache-dir --target /tmp/site .whl/py_spy-*.whl
+    export PATH="/tmp/site/bin:$PATH"
 fi
 command -v py-spy >/dev/null || { echo "worker_profile.sh: no py-spy (see the header)" >&2; exit 2; }
-tok="${TOKENIZER:-.sotok}"
-[[ -f "$tok/tokenizer.json" ]] || "$py" bench/grammar_engines.py --save-tokenizer "$tok" || exit 2
 port=8741
 : >"$out/profile_summary.md"
 for mode in ${MODES:-rapid hybrid}; do
@@ -38,11 +36,7 @@ for mode in ${MODES:-rapid hybrid}; do
             -o "$out/raw/$name.txt" -- "$py" -m rapidserve.cli serve --model "${MODEL:-preset:qwen3-8b}" \
             --tokenizer "$tok" --mode "$mode" --port "$port" ${SERVE_ARGS:-} >"$out/raw/serve_$name.log" 2>&1 &
         spy=$!
-        for _ in $(seq 1 300); do
-            "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null && break
-            kill -0 "$spy" 2>/dev/null || break
-            sleep 1
-        done
+        wait_healthy "$port" "$spy"
         extra=()
         [[ $variant == on ]] && extra=(--extra-body @bench/structured_outputs_body.json)
         "$py" -m rapidserve.cli bench --base-url "http://127.0.0.1:$port" --workload fixed \
