@@ -69,6 +69,17 @@ def _texts(io: FakeIO, hf: Any) -> dict[str, tuple[str, str | None]]:
     return {k: (hf.decode([t for t in v if t != 2]), reason[k]) for k, v in toks.items()}
 
 
+def fail_compiling(monkeypatch: pytest.MonkeyPatch, book: Any, bad: StructuredOutputs, message: str) -> None:
+    """Make `book` fail to compile `bad` (raising `message`), as a grammar the server let through might."""
+    real = book.cache._make
+
+    def make(so: StructuredOutputs) -> Any:
+        if so == bad:
+            raise RuntimeError(message)
+        return real(so)
+
+    monkeypatch.setattr(book.cache, "_make", make)
+
 def test_rapid_decode_follows_the_grammar_across_preemption_and_releases_every_matcher(
         setup: tuple[Any, ModelRunner, Any]) -> None:
     cfg, runner, hf = setup
@@ -125,14 +136,7 @@ def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[An
     io = FakeIO()
     w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
     bad = StructuredOutputs(regex="[a-z]{3}")
-    real = w.grammar.cache._make
-
-    def make(so: StructuredOutputs) -> Any:
-        if so == bad:
-            raise RuntimeError("compile blew up")
-        return real(so)
-
-    monkeypatch.setattr(w.grammar.cache, "_make", make)
+    fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
     io.inbox += [req("ok", StructuredOutputs(regex=REGEX), seed=1), req("bad", bad, seed=2)]
     _run_ahead(w, 100)
     fin = io.of("d2r", m.Finished)
@@ -143,20 +147,13 @@ def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[An
 
 def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest_go_on(
         setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode worker fills masks on its filler thread while it records the step in flight; a row
-    whose grammar fails there fails alone: its blocks come back, the others keep their grammar."""
+    """A row whose grammar fails in the decode worker (with a step in flight) fails alone: its blocks
+    come back, the others keep their grammar."""
     cfg, runner, hf = setup
     io = FakeIO()
     w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
     bad = StructuredOutputs(regex="[a-z]{3}")
-    real = w.grammar.cache._make
-
-    def make(so: StructuredOutputs) -> Any:
-        if so == bad:
-            raise RuntimeError("compile blew up in decode")
-        return real(so)
-
-    monkeypatch.setattr(w.grammar.cache, "_make", make)  # prefill's own book compiles it
+    fail_compiling(monkeypatch, w.grammar, bad, "compile blew up in decode")  # prefill's own book compiles it
     so = StructuredOutputs(regex=REGEX)
     _submit(cfg, runner, io, w, p, req("ok0", so, seed=1), req("bad", bad, seed=2), req("ok1", so, seed=3))
     for _ in range(60):
