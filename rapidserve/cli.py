@@ -177,7 +177,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     import dataclasses
 
-    from rapidserve.config import LaunchConfig
+    from rapidserve.config import LaunchConfig, ParallelConfig
     from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
 
@@ -186,7 +186,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
     launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
                           restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
-    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg)
+    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
+    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
 
 
@@ -251,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
                          "pass per step under --max-num-batched-tokens (the baseline)")
+    par = sv.add_argument_group("parallelism (GPUs picked with CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                     help="GPUs each layer is split over (NCCL/RCCL on GPUs, gloo on CPU): per GPU a decode and a "
+                          "prefill worker (rapid) or a hybrid worker; must divide the model's attention heads")
+    par.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                     help="independent engines behind this one server, each on its own GPUs (least-loaded "
+                          "dispatch)")
     key = sv.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on every route but /health and /openapi.json "

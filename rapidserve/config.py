@@ -210,6 +210,37 @@ class LaunchConfig:
                "ring_slots must be >= 8 and ring_slot_size >= 64 and a multiple of 8")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many GPUs one server uses (rapidserve.parallel): `tensor_parallel_size` ranks hold a shard of every
+    layer each (per rank a decode and a prefill worker in rapid mode, a hybrid worker in hybrid mode);
+    `data_parallel_size` independent engines sit behind the one router. The GPUs are `devices` (indices as
+    CUDA/ROCm numbers them), default 0 .. tp * dp - 1."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1,
+               f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1 (1: no tensor parallelism)")
+        _check(self.data_parallel_size >= 1,
+               f"data_parallel_size={self.data_parallel_size} must be >= 1 (1: one engine)")
+        if self.devices is not None:
+            _check(len(self.devices) == self.world_size and len(set(self.devices)) == len(self.devices)
+                   and all(d >= 0 for d in self.devices),
+                   f"devices={list(self.devices)} must be {self.world_size} distinct GPU indices "
+                   f"(tensor_parallel_size x data_parallel_size)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    def gpus(self) -> tuple[int, ...]:
+        """The GPU index of each (dp replica, tp rank), replica-major: engine i's rank r is [i * tp + r]."""
+        return self.devices if self.devices is not None else tuple(range(self.world_size))
+
+
 POLICIES = ("rapid", "duet")  # partition/policy.py
 
 
@@ -320,6 +351,7 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
     # weights, no tokenizer) text prompts and structured outputs.
     tokenizer: str | None = None
@@ -327,3 +359,9 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len or self.model_config.max_position_embeddings
+
+    def __post_init__(self) -> None:
+        par = self.parallel
+        _check(par.world_size == 1 or self.runner.device in ("auto", "cpu") or self.runner.device == "cuda",
+               f"device={self.runner.device!r} names one GPU but tensor/data parallelism uses {par.world_size}; "
+               "use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
