@@ -27,6 +27,7 @@ with it) and `rapidserve.engine` (whose decode worker exports with it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.models.transformer import CausalLM, WeightError
 from rapidserve.ops import Ops
+
+if TYPE_CHECKING:
+    from rapidserve.parallel.group import TPGroup
 
 
 class SharedStateError(WeightError):
@@ -107,7 +111,7 @@ def _check(what: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torch.dtype,
                  device: torch.device, max_positions: int | None,
-                 shared: SharedState) -> tuple[CausalLM, KVPool]:
+                 shared: SharedState, tp: TPGroup | None = None) -> tuple[CausalLM, KVPool]:
     """A CausalLM and a KVPool over the exporter's memory: no parameter or KV memory of their own.
 
     `cfg`, `dtype` and `max_positions` must be those the exporter's model was built with; the outputs
@@ -115,7 +119,8 @@ def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torc
     """
     device = torch.device(device)
     meta = torch.device("meta")
-    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions)
+    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp)
+    cfg = model.cfg  # this rank's shard under tensor parallelism (its KV heads size the pool)
     expected = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(expected) - set(shared.params))
     unexpected = sorted(set(shared.params) - set(expected))

@@ -36,6 +36,7 @@ from rapidserve.logit_controls import (
 )
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
+from rapidserve.parallel.shard import rank_weights
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ from rapidserve.structured import GrammarMask, apply_grammar_mask
 
 if TYPE_CHECKING:
     from rapidserve.model_sharing import SharedState
+    from rapidserve.parallel.group import TPGroup
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -122,10 +124,12 @@ class _DecodeGraph:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
-                 show_progress: bool = True, attached: SharedState | None = None) -> None:
+                 show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None) -> None:
         """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
-        weights and pool another process shares (`attached`), without a copy."""
-        self.cfg = cfg
+        weights and pool another process shares (`attached`), without a copy. With `tp` this process is
+        one rank of a tensor-parallel group: it loads and computes its shard (its KV heads in its pool),
+        and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py)."""
+        self.cfg, self.tp = cfg, tp
         self.mcfg = cfg.model_config
         self.device = resolve_device(cfg.runner.device)
         self.dtype = resolve_dtype(cfg.runner.dtype, self.device)
@@ -145,12 +149,12 @@ class ModelRunner:
             from rapidserve.model_sharing import attach_model
 
             self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                                    max(self.max_model_len, 1), attached)
+                                                    max(self.max_model_len, 1), attached, tp)
         else:
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
             self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                  max_positions=max(self.max_model_len, 1))
+                                  max_positions=max(self.max_model_len, 1), tp=tp)
             self._load(source, show_progress)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
         if self.device.type == "cuda":
@@ -181,14 +185,16 @@ class ModelRunner:
 
     # ---- start-up ---------------------------------------------------------------------------
     def _load(self, source: ModelSource, show_progress: bool) -> None:
-        weights: Iterator[tuple[str, torch.Tensor]] = source.weights()
+        weights: Iterator[tuple[str, torch.Tensor]] = (
+            source.weights() if self.tp is None else rank_weights(source, self.tp.layout))
         bar = tqdm(weights, total=source.num_tensors, desc=f"loading {source.description}",
                    unit="tensor", disable=not show_progress, leave=False)
         self.model.load_weights(bar)
 
     def _allocate_kv_pool(self) -> KVPool:
         cache = self.cfg.cache
-        probe = pool_spec(self.mcfg, cache, self.dtype, 1)
+        shard = self.model.cfg  # this rank's KV heads under tensor parallelism
+        probe = pool_spec(shard, cache, self.dtype, 1)
         if cache.num_blocks is not None:
             n = cache.num_blocks
         elif self.device.type == "cpu":
@@ -197,13 +203,15 @@ class ModelRunner:
         else:
             n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
                                       self.max_model_len)
-        return KVPool.allocate(pool_spec(self.mcfg, cache, self.dtype, n), self.device)
+        if self.tp is not None:
+            n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
+        return KVPool.allocate(pool_spec(shard, cache, self.dtype, n), self.device)
 
     def _gpu_kv_budget(self) -> int:
         """total * utilization - memory in use - the activation peak of the largest step."""
         torch.cuda.synchronize()
         tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        scratch = KVPool.allocate(pool_spec(self.mcfg, self.cfg.cache, self.dtype,
+        scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.dtype,
                                             -(-tokens // self.block_size)), self.device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

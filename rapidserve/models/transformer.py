@@ -8,11 +8,19 @@ The forward pass takes a flat batch of tokens (all sequences end to end) and an
 `AttentionMetadata`; the elementwise ops and the attention backend are injected (`Ops`,
 `AttentionBackend`), torch reference versions on CPU and Triton kernels on GPUs.
 The KV cache is not owned here: each layer receives its (k_cache, v_cache) views of the pool.
+
+Tensor parallelism (`tp`, rapidserve/parallel): the model is built at the rank's shard of the config
+(`shard_config`: its heads, KV heads, MLP features, vocabulary rows) and loads HF-named slices
+(`parallel/shard.py`); the forward adds three collectives per layer pair: the row-parallel o_proj and
+down_proj outputs are all-reduced, the vocabulary-parallel embedding looks up the rank's rows (others
+zero) and all-reduces, and `compute_logits` gathers every rank's vocabulary slice (all ranks get the
+whole [T, vocab] logits; only the leader samples).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +30,10 @@ from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
 from rapidserve.config import ModelConfig
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
+from rapidserve.parallel.shard import shard_config
+
+if TYPE_CHECKING:
+    from rapidserve.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,10 +47,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
+        """`cfg`: this rank's shard of the model (the whole model without `tp`)."""
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
         self.qkv_proj = _param((qkv, h), dtype, device)
         self.qkv_bias = _param((qkv,), dtype, device) if cfg.attention_bias else None
         self.o_proj = _param((h, cfg.q_size), dtype, device)
@@ -82,9 +95,13 @@ class DecoderLayer(nn.Module):
         attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = attend(attn, q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5)
         hidden = F.linear(o.reshape(t, cfg.q_size), self.o_proj)
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
         hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        if self.tp is not None:
+            self.tp.all_reduce(hidden)
         return hidden, residual
 
 
@@ -99,12 +116,17 @@ class CausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
+        """`cfg`: the whole model; with `tp`, this process builds and loads rank `tp.rank`'s shard."""
         super().__init__()
+        self.full_cfg, self.tp = cfg, tp
+        if tp is not None:
+            cfg = shard_config(cfg, tp.layout)
         self.cfg, self.ops, self.attn = cfg, ops, attn
         self.dtype, self.device = dtype, device
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
             (cfg.vocab_size, cfg.hidden_size), dtype, device
@@ -121,7 +143,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for every input token."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embed(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, self.cos_sin, kv, meta, self.ops, self.attn)
@@ -129,10 +151,25 @@ class CausalLM(nn.Module):
         hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # Vocabulary-parallel: this rank holds rows [start, start + rows); other ids look up row 0 and are
+        # zeroed, and the all-reduce sums the one rank's row into every rank's hidden state.
+        rows = self.cfg.vocab_size
+        local = input_ids - self.tp.rank * rows
+        inside = (local >= 0) & (local < rows)
+        hidden = F.embedding(local.clamp(0, rows - 1), self.embed_tokens) * inside.unsqueeze(-1).to(self.dtype)
+        return self.tp.all_reduce(hidden)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, vocab] (every rank gets them whole under tensor parallelism)."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits)
+        return logits.float()
 
     # ---- weights -------------------------------------------------------------------------
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:

@@ -147,3 +147,21 @@ def sharded_weights(weights: Iterable[tuple[str, torch.Tensor]], lay: TPLayout,
     for name, t in weights:
         part = shard_tensor(name, t, lay)
         yield name, (part.contiguous() if device is None else part.to(device).contiguous())
+
+
+def shard_config(cfg: ModelConfig, lay: TPLayout) -> ModelConfig:
+    """The model one rank computes, as a ModelConfig: its heads, KV heads, MLP features and vocabulary rows
+    (the padded vocabulary / tp). Its parameter and KV-pool shapes follow from it as for a whole model."""
+    if lay.tp == 1:
+        return cfg
+    return cfg.replace(num_heads=lay.heads, num_kv_heads=lay.kv_heads, intermediate_size=lay.intermediate,
+                       vocab_size=lay.vocab)
+
+
+def rank_weights(source: object, lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank `lay.rank`'s weights of a loader's `ModelSource`: its own sharded reader where it has one
+    (`shard_weights`), else its whole-tensor stream sliced one tensor at a time."""
+    reader = getattr(source, "shard_weights", None)
+    if reader is not None:
+        return reader(lay)
+    return sharded_weights(source.weights(), lay)  # type: ignore[attr-defined]
