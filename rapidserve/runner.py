@@ -46,6 +46,7 @@ from rapidserve.structured import GrammarMask, apply_grammar_mask
 if TYPE_CHECKING:
     from rapidserve.model_sharing import SharedState
     from rapidserve.parallel.group import TPGroup
+    from rapidserve.parallel.mirror import Forward, Leader
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -169,6 +170,7 @@ class ModelRunner:
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
+        self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
@@ -235,6 +237,18 @@ class ModelRunner:
         return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items, carry))
 
     def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem], carry: Carry | None = None) -> torch.Tensor:
+        if carry is not None and carry.rows:
+            top = max(d for d, _ in carry.rows)
+            if top >= len(items) or any(len(items[i].token_ids) != 1 for i in range(top + 1)):
+                raise ValueError("carry rows must index the leading one-token items")
+        arrays = self._prefill_arrays(items)
+        if self.leader is not None:
+            self.leader.forward("prefill", arrays, "default", carry)
+        return self._prefill_run(pool, arrays, carry)
+
+    def _prefill_arrays(self, items: Sequence[PrefillItem]) -> tuple[np.ndarray, ...]:
+        """Host inputs of a prefill forward: ids, positions, tables, slots, ctx, cu, want (the rows
+        whose logits are returned)."""
         bs = self.block_size
         lens = np.array([len(it.token_ids) for it in items], dtype=np.int64)
         starts = np.array([it.start_pos for it in items], dtype=np.int64)
@@ -248,6 +262,12 @@ class ModelRunner:
         tables = self._table_array(items, -(-max(len(it.block_table) for it in items) // 16) * 16)
         slots = tables[seq_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
         ctx = (starts + lens).astype(np.int32)
+        want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
+        return ids, positions, tables, slots, ctx, cu, want
+
+    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None) -> torch.Tensor:
+        ids, positions, tables, slots, ctx, cu, want = arrays
+        lens = np.diff(cu)
         meta = AttentionMetadata(
             is_prefill=True,
             slot_mapping=self._dev(slots),
@@ -260,11 +280,8 @@ class ModelRunner:
         meta = split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
         tokens = self._dev(ids)
         if carry is not None:
-            if any(d >= len(items) or lens[d] != 1 or cu[d] != d for d, _ in carry.rows):
-                raise ValueError("carry rows must index the leading one-token items")
             carry.apply(tokens)
         hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
-        want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))
 
@@ -278,18 +295,24 @@ class ModelRunner:
         return self._run_on(stream, lambda: self._decode_now(items, graph_key, carry))
 
     def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, carry: Carry | None) -> torch.Tensor:
+        arrays = self._decode_arrays(items, self.max_blocks_per_seq)
+        if self.leader is not None:
+            self.leader.forward("decode", arrays, graph_key, carry)
+        return self._decode_run(arrays, graph_key, carry)
+
+    def _decode_run(self, arrays: Sequence[np.ndarray], graph_key: str, carry: Carry | None) -> torch.Tensor:
         """Everything on the current stream: the static buffers are filled on the stream that replays
         the graph, so a replay never reads inputs another stream is still writing."""
-        n = len(items)
+        n = len(arrays[0])
         graphs = self._graphs.get(graph_key)
         if graphs and n <= max(graphs):
             g = graphs[min(b for b in graphs if b >= n)]
-            self._fill_static(items, g.batch)
+            self._fill_static(arrays, g.batch)
             if carry is not None:
                 carry.apply(self._static["input_ids"])
             g.graph.replay()
             return g.logits[:n]
-        ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
+        ids, pos, tables, ctx, slots = arrays
         meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
                                  max_context_len=int(ctx.max()))
         tokens = self._dev(ids)
@@ -297,6 +320,15 @@ class ModelRunner:
             carry.apply(tokens)
         hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
         return self.model.compute_logits(hidden)
+
+    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor:
+        """A follower's copy of the leader's call `msg` (parallel/mirror.py), on the current stream; a
+        Carry takes its tokens from `sampled` (the broadcasts received so far, by number)."""
+        arrays = [a.array() for a in msg.arrays]
+        carry = Carry(sampled[msg.carry_seq], list(msg.carry_rows)) if msg.carry_seq >= 0 else None
+        if msg.kind == "prefill":
+            return self._prefill_run(self.kv_pool, arrays, carry)
+        return self._decode_run(arrays, msg.graph_key, carry)
 
     def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
         """The graph `decode()` replays for `n` sequences under `graph_key` (None: runs eager). After
@@ -314,9 +346,9 @@ class ModelRunner:
         slots = tables[np.arange(len(items)), pos // bs].astype(np.int64) * bs + pos % bs
         return ids, pos, tables, (pos + 1).astype(np.int32), slots
 
-    def _fill_static(self, items: Sequence[DecodeItem], batch: int) -> None:
-        s, n = self._static, len(items)
-        ids, pos, tables, ctx, slots = self._decode_arrays(items, self.max_blocks_per_seq)
+    def _fill_static(self, arrays: Sequence[np.ndarray], batch: int) -> None:
+        s, n = self._static, len(arrays[0])
+        ids, pos, tables, ctx, slots = arrays
         s["input_ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
         s["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
         s["block_tables"][:n].copy_(torch.from_numpy(tables), non_blocking=True)
@@ -422,7 +454,7 @@ class ModelRunner:
                 apply_grammar_mask(logits, grammar)
             gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
             if not controlled:
-                return self.sample(logits, params, gens)
+                return self._shared(self.sample(logits, params, gens))
             plan = plan_controls(params, output_index, history, self.tokens, logits.shape[-1])
             out = self.sampler.sample(apply_controls(logits, plan, self.tokens), list(params), list(gens),
                                       raw_logits=logits)
@@ -430,7 +462,13 @@ class ModelRunner:
                 record_tokens(out.token_ids, plan, self.tokens)
             else:
                 self._unrecorded = (out.token_ids, plan)
-            return out
+            return self._shared(out)
+
+    def _shared(self, out: SamplerOutput) -> SamplerOutput:
+        """Tensor parallelism: the followers receive the sampled tokens (a Carry reads them there too)."""
+        if self.leader is not None:
+            self.leader.sampled(out.token_ids)
+        return out
 
     def record_sampled(self) -> None:
         """Add the tokens of the last `sample_next(record=False)` to their slots (nothing if it had none)."""

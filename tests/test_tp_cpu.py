@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from rapidserve.config_builder import build_engine_config
+from rapidserve.ipc import Receiver, Sender, ShmRing, new_engine_id, ring_name
 from rapidserve.parallel.group import TPGroup, group_specs
+from rapidserve.parallel.mirror import Leader, MirrorMessage, follow
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
+from rapidserve.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 7, 300, 12]]
 STEPS = 6
@@ -39,6 +42,24 @@ def _greedy(runner: ModelRunner) -> list[list[int]]:
     return out
 
 
+def _greedy_sampled(runner: ModelRunner) -> list[list[int]]:
+    """As `_greedy`, but sampled with `sample_next` (the leader's path) and every decode step fed its
+    tokens from the device: the followers replay the calls and receive the broadcast tokens."""
+    tables = [[0, 1], [2, 3]]
+    params = [SamplingParams(temperature=0.0)] * 2
+    logits = runner.prefill([PrefillItem(p, 0, t) for p, t in zip(PROMPTS, tables, strict=True)])
+    last = runner.sample_next(logits, params, [0, 0], (2,)).token_ids
+    out = [[int(t)] for t in last]
+    lens = [len(p) for p in PROMPTS]
+    for step in range(STEPS):
+        items = [DecodeItem(0, lens[i] + step, tables[i]) for i in range(2)]  # ids: placeholders
+        logits = runner.decode(items, carry=Carry(last, [(0, 0), (1, 1)]))
+        last = runner.sample_next(logits, params, [step + 1] * 2, (2,)).token_ids
+        for i in range(2):
+            out[i].append(int(last[i]))
+    return out
+
+
 def _config(model: str):  # noqa: ANN202 - (EngineConfig, ModelSource)
     return build_engine_config(model, device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64,
                                block_size=BLOCK)
@@ -55,10 +76,33 @@ def _rank(model: str, spec: object, q: mp.Queue) -> None:
         tp.close()
 
 
-def _run_tp(model: str, tp: int) -> dict[int, tuple]:
+def _mirrored_rank(model: str, spec: object, rings: list[str], q: mp.Queue) -> None:
+    """Rank 0 leads (publishes its calls on the rings), the others follow them."""
+    torch.set_num_threads(1)
+    cfg, source = _config(model)
+    tp = TPGroup(spec, cfg.model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    try:
+        runner = ModelRunner(cfg, source, show_progress=False, tp=tp)
+        if tp.rank == 0:
+            runner.leader = Leader(tp, [Sender(ShmRing.attach(n), MirrorMessage) for n in rings], {})
+            q.put((0, _greedy_sampled(runner), 0, ()))
+            runner.leader.stop("done")
+        else:
+            why = follow(runner, Receiver(ShmRing.attach(rings[tp.rank - 1]), MirrorMessage), lambda name: None,
+                         lambda: True)
+            q.put((tp.rank, why, 0, ()))
+    finally:
+        tp.close()
+
+
+def _run_tp(model: str, tp: int, mirrored: bool = False) -> dict[int, tuple]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(model, s, q)) for s in group_specs("decode", tp, "gloo")]
+    eid = new_engine_id()
+    rings = [ShmRing.create(ring_name(eid, f"m{r}"), 64, 4096) for r in range(1, tp)]
+    names = [r.name for r in rings]
+    target, extra = (_mirrored_rank, (names,)) if mirrored else (_rank, ())
+    procs = [ctx.Process(target=target, args=(model, s, *extra, q)) for s in group_specs("decode", tp, "gloo")]
     for p in procs:
         p.start()
     try:
@@ -71,6 +115,9 @@ def _run_tp(model: str, tp: int) -> dict[int, tuple]:
             p.join(60)
             if p.is_alive():
                 p.kill()
+        for r in rings:
+            r.close()
+            r.unlink()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return got
 
@@ -87,3 +134,14 @@ def test_tp_matches_one_process(model: str, tp: int) -> None:
         assert tokens == want, f"rank {rank}"
         assert blocks == 8
         assert shape == (mcfg.num_layers, 2, 8, kv_heads, BLOCK, mcfg.head_dim)  # the rank's KV heads only
+
+
+@pytest.mark.parametrize(("model", "tp"), [("preset:tiny-llama", 2), ("preset:tiny-qwen3", 2)])
+def test_followers_replay_the_leader(model: str, tp: int) -> None:
+    """Only the leader is driven; the followers replay its published calls and sampled tokens
+    (parallel/mirror.py), and the leader's tokens equal one process's."""
+    cfg, source = _config(model)
+    want = _greedy_sampled(ModelRunner(cfg, source, show_progress=False))
+    got = _run_tp(model, tp, mirrored=True)
+    assert got[0][0] == want
+    assert all(got[r][0] == "done" for r in range(1, tp))

@@ -1,0 +1,196 @@
+"""The leader decides, the followers repeat: how N tensor-parallel ranks of one role stay in step.
+
+Only rank 0 of a role (the leader: the decode, prefill or hybrid worker the router talks to) schedules,
+owns block tables, samples and talks to the router and its peer worker. Every model call it makes is
+published, before it is queued, to each follower (ranks 1..N-1 of the same role) as a `Forward` message
+on a shared-memory ring (one SPSC ring per follower, rapidserve/ipc/ring.py): the host arrays the runner
+built (token ids, positions, block tables, slots, context lengths), the graph key, the partition stream
+it runs on, and the rows a `Carry` feeds from an earlier sample. After each sample the leader publishes
+`Sampled` and broadcasts the sampled token ids over the group, so a follower holds the same tokens on
+its device for the next step's `Carry`. A follower replays the messages in order (`follow`): the same
+collectives in the same order on every rank, so no rank diverges and none waits on a collective another
+never makes. Decisions are made once; nothing is decided on a follower.
+
+Invariants:
+- A call is published only after its inputs were built without error, so a bad request that fails
+  while its inputs are built (on the leader only) sends nothing.
+- Sampling happens on the leader only (grammar masks, penalties, seeds live there); a sample that
+  raises is not broadcast, and the follower, told nothing, waits for nothing.
+- A follower runs each call on its stream of the same partition configuration as the leader's
+  (`stream` names it; None: the default stream) and, on a switch, its new stream waits for the old one.
+- Start-up: every rank loads, sizes its pool (`TPGroup.agree_min`) and captures the same decode graphs
+  in the same order before following; those calls are not published.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from rapidserve.ipc import Receiver, Sender
+
+if TYPE_CHECKING:
+    from rapidserve.parallel.group import TPGroup
+    from rapidserve.runner import Carry, ModelRunner
+
+
+class Arr(msgspec.Struct, array_like=True, frozen=True):
+    """A numpy array on the wire: dtype name, shape, raw bytes (C order)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, a: np.ndarray) -> Arr:
+        a = np.ascontiguousarray(a)
+        return cls(a.dtype.str, list(a.shape), a.tobytes())
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape).copy()
+
+
+class Forward(msgspec.Struct, tag=True, frozen=True):
+    """One model call: `kind` prefill (arrays: ids, positions, tables, slots, ctx, cu, want) or decode
+    (ids, positions, tables, ctx, slots); `carry_seq` the `Sampled.seq` whose tokens `carry_rows` feed."""
+
+    kind: Literal["prefill", "decode"]
+    arrays: list[Arr]
+    graph_key: str = "default"
+    stream: str | None = None
+    carry_seq: int = -1
+    carry_rows: list[tuple[int, int]] = []
+
+
+class Sampled(msgspec.Struct, tag=True, frozen=True):
+    """The leader sampled `n` tokens (numbered `seq`) and broadcasts them on `stream` now."""
+
+    seq: int
+    n: int
+    stream: str | None = None
+
+
+class Setup(msgspec.Struct, tag=True, frozen=True):
+    """Start-up, leader to followers: the partition plan (a msgpack `partition.runtime.PlanWire`)."""
+
+    plan: bytes
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    reason: str
+
+
+MirrorMessage = Forward | Sampled | Setup | Stop
+KEEP_SAMPLES = 4  # a Carry reads the last step's tokens; a few more for safety
+
+
+class Leader:
+    """The leader's side: publishes each call to every follower's ring; broadcasts sampled tokens."""
+
+    def __init__(self, tp: TPGroup, rings: Sequence[Sender[Any]], stream_names: dict[int, str]) -> None:
+        """`stream_names`: this worker's partition streams (`cuda_stream` handle -> configuration name)."""
+        self.tp, self.rings, self.stream_names = tp, list(rings), stream_names
+        self._seq = 0
+        self._sampled: list[tuple[torch.Tensor, int]] = []
+
+    def _stream(self) -> str | None:
+        if self.tp.device.type != "cuda":
+            return None
+        return self.stream_names.get(torch.cuda.current_stream(self.tp.device).cuda_stream)
+
+    def _send(self, msg: MirrorMessage) -> None:
+        for r in self.rings:
+            r.send(msg, timeout=60.0)
+
+    def forward(self, kind: Literal["prefill", "decode"], arrays: Sequence[np.ndarray], graph_key: str,
+                carry: Carry | None) -> None:
+        seq, rows = -1, []
+        if carry is not None:
+            seq = next((s for t, s in self._sampled if t is carry.token_ids), -1)
+            if seq < 0:
+                raise RuntimeError("a Carry reads tokens the followers never received: sample them through "
+                                   "ModelRunner.sample_next")
+            rows = list(carry.rows)
+        self._send(Forward(kind, [Arr.of(a) for a in arrays], graph_key, self._stream(), seq, rows))
+
+    def sampled(self, token_ids: torch.Tensor) -> None:
+        seq, self._seq = self._seq, self._seq + 1
+        self._send(Sampled(seq, int(token_ids.shape[0]), self._stream()))
+        self.tp.broadcast(token_ids.contiguous())
+        self._sampled = [*self._sampled[-(KEEP_SAMPLES - 1):], (token_ids, seq)]
+
+    def stop(self, reason: str) -> None:
+        for r in self.rings:
+            r.try_send(Stop(reason))
+
+
+class Follower:
+    """A follower's state between messages: its partition streams and the last sampled tokens."""
+
+    def __init__(self, runner: ModelRunner, stream_of: Callable[[str | None], Any]) -> None:
+        """`stream_of(name)`: this worker's stream of that configuration (None: the default stream)."""
+        self.runner, self.stream_of = runner, stream_of
+        self.sampled: dict[int, torch.Tensor] = {}
+        self._last: Any = None
+
+    def _enter(self, name: str | None) -> Any:
+        """The stream of `name`, ordered after the stream of the last call when it differs."""
+        stream = self.stream_of(name) if name is not None else None
+        if stream is None and self.runner.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.runner.device)
+        last, self._last = self._last, stream
+        if stream is not None and last is not None and last is not stream:
+            stream.wait_stream(last)
+        return stream
+
+    def apply(self, msg: MirrorMessage) -> bool:
+        """Replay one message; False on Stop."""
+        from rapidserve.partition.backend import on_stream
+
+        if isinstance(msg, Stop):
+            return False
+        if isinstance(msg, Setup):
+            raise RuntimeError("a Setup message after start-up")
+        with on_stream(self._enter(msg.stream)):
+            if isinstance(msg, Sampled):
+                t = torch.empty(msg.n, dtype=torch.int64, device=self.runner.device)
+                self.runner.tp.broadcast(t)  # type: ignore[union-attr]
+                self.sampled[msg.seq] = t
+                for old in [s for s in self.sampled if s <= msg.seq - KEEP_SAMPLES]:
+                    del self.sampled[old]
+            else:
+                self.runner.replay(msg, self.sampled)
+        return True
+
+
+def follow(runner: ModelRunner, inbox: Receiver[Any], stream_of: Callable[[str | None], Any],
+           alive: Callable[[], bool], idle_s: float = 0.5) -> str:
+    """A follower's loop: replay the leader's calls until Stop or until `alive()` turns False (the
+    leader or the router died); returns why it ended."""
+    f = Follower(runner, stream_of)
+    while True:
+        msg = inbox.recv(timeout=idle_s)
+        if msg is None:
+            if not alive():
+                return "the leader is gone"
+            continue
+        if not f.apply(msg):
+            assert isinstance(msg, Stop)
+            return msg.reason
+
+
+def wait_message(inbox: Receiver[Any], kind: type, timeout_s: float) -> Any:
+    """The next message, which must be a `kind` (start-up hand-offs), within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        msg = inbox.recv(timeout=0.5)
+        if msg is not None:
+            if not isinstance(msg, kind):
+                raise RuntimeError(f"expected {kind.__name__} from the leader, got {type(msg).__name__}")
+            return msg
+    raise TimeoutError(f"no {kind.__name__} from the leader in {timeout_s:.0f} s")
