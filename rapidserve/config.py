@@ -113,6 +113,27 @@ class ModelConfig:
     def replace(self, **kw: object) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this model cannot be split over `tp` tensor-parallel ranks (None: it can). Attention heads and
+        MLP features must divide; KV heads must divide, or (fewer KV heads than ranks) divide tp."""
+        def divisors(n: int) -> str:
+            return ", ".join(str(d) for d in range(1, min(n, 16) + 1) if n % d == 0)
+
+        if tp < 1:
+            return f"--tensor-parallel-size {tp} must be >= 1"
+        if self.num_heads % tp:
+            return (f"--tensor-parallel-size {tp} must divide the model's {self.num_heads} attention heads; "
+                    f"use one of {divisors(self.num_heads)}")
+        if self.intermediate_size % tp:
+            return f"--tensor-parallel-size {tp} must divide the MLP's {self.intermediate_size} features"
+        if self.num_kv_heads >= tp and self.num_kv_heads % tp:
+            return (f"--tensor-parallel-size {tp} must divide the model's {self.num_kv_heads} KV heads, or be a "
+                    f"multiple of them; use one of {divisors(self.num_kv_heads)}")
+        if self.num_kv_heads < tp and tp % self.num_kv_heads:
+            return (f"--tensor-parallel-size {tp} is more than the model's {self.num_kv_heads} KV heads and not "
+                    "a multiple of them: each KV head must be replicated on a whole number of ranks")
+        return None
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -362,6 +383,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         par = self.parallel
+        problem = self.model_config.tp_problem(par.tensor_parallel_size)
+        _check(problem is None, problem or "")
         _check(par.world_size == 1 or self.runner.device in ("auto", "cpu") or self.runner.device == "cuda",
                f"device={self.runner.device!r} names one GPU but tensor/data parallelism uses {par.world_size}; "
                "use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")

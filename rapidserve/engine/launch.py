@@ -46,6 +46,7 @@ class WorkerSet:
 
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
+        from rapidserve.engine.tp_workers import rank_config, run_follower, tp_seats
         from rapidserve.engine.worker_build import BUILDERS  # loads torch: only once workers start
 
         cleanup_stale()
@@ -60,25 +61,39 @@ class WorkerSet:
                 if RING_TYPES[label].reader == "router"}
         ws = cls(cfg, names, rings, doorbells, {}, Sender(rings["r2d"], RING_TYPES["r2d"].types), recv, {})
         ctx = mp.get_context("spawn")
-        # The one-time hand-off of IPC handles (decode -> prefill) is a pipe: unlike a Queue it makes
-        # no named semaphore, so nothing is left in /dev/shm when a worker is killed. The router
+        roles = ("hybrid",) if hybrid else ("decode", "prefill")
+        tp = cfg.parallel.tensor_parallel_size
+        # The one-time hand-off of IPC handles (decode -> prefill, per GPU) is a pipe: unlike a Queue it
+        # makes no named semaphore, so nothing is left in /dev/shm when a worker is killed. The router
         # keeps no end of it once both workers have theirs.
-        rx, tx = ctx.Pipe(duplex=False)
-        handoff = {"decode": tx, "prefill": rx, "hybrid": None}
+        pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
+        seats = tp_seats(cfg, eid, roles, ws.rings)  # adds the mirror rings to ws.rings (unlinked by stop)
         try:
-            for role in ("hybrid",) if hybrid else ("decode", "prefill"):
-                p = ctx.Process(target=run_worker, name=f"rapidserve-{role}", daemon=True,
-                                args=(role, BUILDERS[role], cfg, names, os.getpid(), handoff[role], env))
-                p.start()
-                ws.procs[role] = p
-            for role in ws.procs:
+            for rank in range(tp):
+                rx, tx = pipes[rank]
+                handoff = {"decode": tx, "prefill": rx, "hybrid": None}
+                rcfg = rank_config(cfg, rank)
+                for role in roles:
+                    seat = seats[role][rank] if seats else None
+                    if rank == 0:
+                        target: Any = run_worker
+                        args: tuple[Any, ...] = (role, BUILDERS[role], rcfg, names, os.getpid(), handoff[role], env,
+                                                 seat)
+                    else:
+                        target, args = run_follower, (role, seat, rcfg, os.getpid(), handoff[role], env)
+                    name = role if rank == 0 else f"{role}.{rank}"
+                    p = ctx.Process(target=target, name=f"rapidserve-{name}", daemon=True, args=args)
+                    p.start()
+                    ws.procs[name] = p
+            for role in roles:
                 ws._await_ready(role, on_message)
         except BaseException:
             ws.stop(graceful=False)
             raise
         finally:
-            rx.close()
-            tx.close()
+            for rx, tx in pipes:
+                rx.close()
+                tx.close()
         return ws
 
     def _await_ready(self, who: str, on_message: Any) -> None:
@@ -128,12 +143,11 @@ class WorkerSet:
     def stop(self, graceful: bool = True, timeout: float = 5.0) -> None:
         """Prefill first (SIGTERM), then decode or hybrid (Shutdown): the owner of shared memory goes
         last. Then every shared-memory name is unlinked."""
-        for who in ("prefill", "decode", "hybrid"):
-            p = self.procs.get(who)
-            if p is None:
-                continue
+        order = ("prefill", "decode", "hybrid")  # followers (role.rank) after their leader
+        for who in sorted(self.procs, key=lambda w: (order.index(w.split(".")[0]), w)):
+            p = self.procs[who]
             if graceful and p.is_alive():
-                if who == "prefill":
+                if who == "prefill" or "." in who:
                     p.terminate()
                 else:
                     with contextlib.suppress(Exception):  # a closed ring must not stop the shutdown

@@ -8,6 +8,10 @@ returns what its Ready message tells the router plus the worker whose loop then 
   (the send returns once prefill has read it all; prefill starts at the same time and waits).
 - prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner.
 - hybrid: one process, its own weights and pool (the baseline; no partition).
+
+With tensor parallelism each builder gets its `TPSeat` (engine/tp_workers.py): it joins its role's
+group before loading, and once start-up's own collectives are done its runner publishes every call to
+the followers (`lead`); decode first sends them the partition plan.
 """
 
 from __future__ import annotations
@@ -21,43 +25,52 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
+from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.loader import resolve_model
 from rapidserve.model_sharing import export_shared
+from rapidserve.parallel.group import TPGroup
 from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
 from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
 
 
-def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], DecodeWorker]:
+def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
+                 seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
     _share_cpu_cores(cfg)
-    runner = _load(cfg)
+    runner = load_runner(cfg, open_group(cfg, seat))
     plan = resolve_plan(cfg, runner.device, runner.dtype)
+    send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
     for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
         runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
     handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
     handoff.close()
+    lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
             "configurations": ",".join(parts.names), **memory_info(runner)}
     return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, cfg.model_config,
                                                                  cfg.scheduler.max_num_batched_tokens), parts)
 
 
-def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], PrefillWorker]:
+def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
+                  seat: TPSeat | None = None) -> tuple[dict[str, str], PrefillWorker]:
     _share_cpu_cores(cfg)
     if not handoff.poll(cfg.launch.startup_timeout_s):
         raise TimeoutError(f"no weights from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
     owner_pid, shared, wire = handoff.recv()
     handoff.close()
     io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
-    runner = ModelRunner(cfg, None, attached=shared, show_progress=False)
+    runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))
+    lead(runner, seat, parts, "prefill")
     return {"device": str(runner.device), **memory_info(runner)}, PrefillWorker(cfg, runner, io, parts, wire.initial)
 
 
-def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[str, str], HybridWorker]:
-    runner = _load(cfg)
+def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
+                 seat: TPSeat | None = None) -> tuple[dict[str, str], HybridWorker]:
+    runner = load_runner(cfg, open_group(cfg, seat))
     runner.capture_decode_graphs(show_progress=False)
+    lead(runner, seat, None, "hybrid")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
             **memory_info(runner)}
     return info, HybridWorker(cfg, runner, io)
@@ -66,10 +79,11 @@ def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any) -> tuple[dict[st
 BUILDERS = {"decode": build_decode, "prefill": build_prefill, "hybrid": build_hybrid}
 
 
-def _load(cfg: EngineConfig) -> ModelRunner:
+def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
+    """Resolve the model and load it (with `tp`: this rank's shard)."""
     dev = resolve_device(cfg.runner.device)
     source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
-    return ModelRunner(cfg, source, show_progress=False)
+    return ModelRunner(cfg, source, show_progress=False, tp=tp)
 
 
 def _share_cpu_cores(cfg: EngineConfig) -> None:

@@ -132,12 +132,13 @@ class Worker(Protocol):
     def run(self) -> None: ...
 
 
-# build(cfg, io, handoff) -> (what the Ready message tells the router, the worker to run)
-Build = Callable[[EngineConfig, WorkerIO, Any], tuple[dict[str, str], Worker]]
+# build(cfg, io, handoff, seat) -> (what the Ready message tells the router, the worker to run); `seat`:
+# the tensor-parallel seat of rank 0 (engine/tp_workers.py), None without tensor parallelism.
+Build = Callable[[EngineConfig, WorkerIO, Any, Any], tuple[dict[str, str], Worker]]
 
 
 def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, parent_pid: int, handoff: Any,
-               env: dict[str, str | None]) -> None:
+               env: dict[str, str | None], seat: Any = None) -> None:
     """The entry point of every worker process (spawned): attach the channels, `build` the worker
     (load or attach the model...), say Ready, run its loop. A failure is reported (WorkerError) and
     ends the process: the router fails the requests in flight and restarts the workers."""
@@ -146,7 +147,7 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
     no_named_locks()
     io = WorkerIO(SEATS[role], names, parent_pid)
     try:
-        info, worker = build(cfg, io, handoff)
+        info, worker = build(cfg, io, handoff, seat)
         io.to_router.send(m.Ready(role, os.getpid(), info))
         settle_heap()
         worker.run()

@@ -43,7 +43,7 @@ class GroupSpec:
     size: int
     rank: int
     init_method: str  # tcp://127.0.0.1:PORT, one port per role
-    backend: str  # nccl | gloo
+    backend: str  # nccl | gloo | auto (nccl on a GPU, gloo on the CPU)
     timeout_s: float = 1800.0
 
     @property
@@ -84,7 +84,9 @@ class TPGroup:
         kw: dict[str, object] = {}
         if device.type == "cuda":
             kw["device_id"] = device  # eager communicator: made now, not inside a graph capture
-        dist.init_process_group(spec.backend, init_method=spec.init_method, world_size=spec.size, rank=spec.rank,
+        backend = spec.backend if spec.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        self.backend = backend
+        dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.size, rank=spec.rank,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s), **kw)
         self.all_reduce(torch.ones(1, device=device))  # every rank is here and the communicator works
 
@@ -99,7 +101,7 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
-        if self.spec.backend == "gloo":
+        if self.backend == "gloo":
             parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x)
             full = torch.cat(parts, dim=-1)

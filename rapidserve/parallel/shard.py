@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from rapidserve.config import ModelConfig
+from rapidserve.config import ConfigError, ModelConfig
 
 Kind = Literal["column", "row", "kv", "vocab", "replicated"]
 _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")
@@ -35,7 +35,7 @@ _ROW = ("self_attn.o_proj.", "mlp.down_proj.")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-class ShardError(ValueError):
+class ShardError(ConfigError):
     """The model cannot be split this way; the message says which size and what would work."""
 
 
@@ -62,20 +62,12 @@ def tp_layout(cfg: ModelConfig, tp: int, rank: int) -> TPLayout:
     """Rank `rank` of `tp`'s share; ShardError naming the size that does not divide."""
     if tp < 1 or not 0 <= rank < tp:
         raise ShardError(f"tensor-parallel rank {rank} of {tp}: need tp >= 1 and 0 <= rank < tp")
-    if cfg.num_heads % tp:
-        raise ShardError(f"--tensor-parallel-size {tp} must divide the model's {cfg.num_heads} attention heads; "
-                         f"use one of {_divisors(cfg.num_heads)}")
-    if cfg.intermediate_size % tp:
-        raise ShardError(f"--tensor-parallel-size {tp} must divide the MLP's {cfg.intermediate_size} features")
+    problem = cfg.tp_problem(tp)
+    if problem is not None:
+        raise ShardError(problem)
     if cfg.num_kv_heads >= tp:
-        if cfg.num_kv_heads % tp:
-            raise ShardError(f"--tensor-parallel-size {tp} must divide the model's {cfg.num_kv_heads} KV heads, or "
-                             f"be a multiple of them; use one of {_divisors(cfg.num_kv_heads)}")
         kv, replicas = cfg.num_kv_heads // tp, 1
     else:
-        if tp % cfg.num_kv_heads:
-            raise ShardError(f"--tensor-parallel-size {tp} is more than the model's {cfg.num_kv_heads} KV heads and "
-                             f"not a multiple of them: each KV head must be replicated on a whole number of ranks")
         kv, replicas = 1, tp // cfg.num_kv_heads
     vocab = -(-cfg.vocab_size // tp)
     return TPLayout(tp, rank, cfg.num_heads // tp, kv, replicas, cfg.intermediate_size // tp, vocab, cfg.head_dim)

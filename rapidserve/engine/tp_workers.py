@@ -1,0 +1,178 @@
+"""Tensor-parallel seats of the workers (issue 17): what rank r of a role is given, and the followers.
+
+With `--tensor-parallel-size N` the launcher starts, per role (decode and prefill in rapid mode, hybrid
+in hybrid mode), N processes, one per GPU: rank 0 is that role's usual worker (it talks to the router
+and its peer, schedules and samples: `worker_build`), ranks 1..N-1 are followers that replay its model
+calls (rapidserve/parallel/mirror.py). Each gets a `TPSeat`: its group (one communicator per role) and
+the mirror rings (the leader: one per follower, to write; a follower: its own, to read).
+
+A follower's start-up repeats its leader's, call for call where the group is involved: load the shard
+(the KV budget's trial forward and the pool agreement are collectives), for decode wait for the
+leader's partition plan (`Setup`) and capture the same decode graphs in the same order, hand the
+weights and pool to the prefill follower on the same GPU (as decode rank 0 does to prefill rank 0),
+then follow until the router stops it or dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from rapidserve.config import EngineConfig
+from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
+from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
+from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message
+from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.runtime import PlanWire, open_streams
+from rapidserve.runner import ModelRunner, resolve_device
+
+
+@dataclass(frozen=True)
+class TPSeat:
+    """Rank `spec.rank` of its role's tensor-parallel group. `rings`: the leader's rings to its followers
+    (rank order), or a follower's one inbox ring."""
+
+    spec: GroupSpec
+    rings: tuple[str, ...]
+
+
+MIRROR_SLOT_BYTES = 64 * 1024
+
+
+def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
+    """The config of tensor-parallel rank `rank`: its GPU (`ParallelConfig.gpus()`); the CPU stays the CPU."""
+    dev = cfg.runner.device
+    if cfg.parallel.tensor_parallel_size == 1 or dev == "cpu":
+        return cfg
+    if dev == "auto" and not torch.cuda.is_available():
+        return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device="cpu"))
+    gpu = cfg.parallel.gpus()[rank]
+    return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device=f"cuda:{gpu}"))
+
+
+def mirror_ring_bytes(cfg: EngineConfig) -> int:
+    """Room for a few of the largest calls: a decode step's block tables (max seqs x the longest table,
+    int32) or a prefill's per-token arrays, plus slack."""
+    blocks = -(-cfg.max_model_len // cfg.cache.block_size)
+    decode = cfg.scheduler.max_num_seqs * (blocks * 4 + 64)
+    tokens = max(cfg.scheduler.max_num_batched_tokens, cfg.max_model_len)
+    prefill = tokens * 40 + cfg.scheduler.max_num_seqs * blocks * 4
+    return 4 * max(decode, prefill) + (1 << 20)
+
+
+def tp_seats(cfg: EngineConfig, eid: str, roles: tuple[str, ...], rings: dict[str, ShmRing]) -> dict[str, list[TPSeat]]:
+    """Every rank's seat of each role, creating the mirror rings (added to `rings` under their labels, so
+    the launcher unlinks them with the others); {} without tensor parallelism."""
+    tp = cfg.parallel.tensor_parallel_size
+    if tp == 1:
+        return {}
+    slots = max(16, -(-mirror_ring_bytes(cfg) // MIRROR_SLOT_BYTES))
+    out: dict[str, list[TPSeat]] = {}
+    for role in roles:
+        specs = group_specs(role, tp, "auto")
+        names = []
+        for r in range(1, tp):
+            label = f"tp-{role}-{r}"
+            rings[label] = ShmRing.create(ring_name(eid, label), slots, MIRROR_SLOT_BYTES)
+            names.append(rings[label].name)
+        out[role] = [TPSeat(specs[0], tuple(names))] + [TPSeat(specs[r], (names[r - 1],)) for r in range(1, tp)]
+    return out
+
+
+def open_group(cfg: EngineConfig, seat: TPSeat | None) -> TPGroup | None:
+    """This process's group (None without tensor parallelism): made before the model, on its GPU."""
+    if seat is None:
+        return None
+    device = resolve_device(cfg.runner.device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return TPGroup(seat.spec, cfg.model_config, device)
+
+
+def stream_names(parts: PartitionBackend, role: str) -> dict[int, str]:
+    """cuda_stream handle -> configuration name of this worker's partition streams."""
+    out: dict[int, str] = {}
+    for name in parts.names:
+        s = parts.stream(name, role)  # type: ignore[arg-type]
+        if s is not None:
+            out[int(s.cuda_stream)] = name
+    return out
+
+
+def lead(runner: ModelRunner, seat: TPSeat | None, parts: PartitionBackend | None, role: str) -> None:
+    """Make `runner` publish its calls to the followers from now on (after start-up's own collectives)."""
+    if seat is None or runner.tp is None:
+        return
+    senders = [Sender(ShmRing.attach(n), MirrorMessage) for n in seat.rings]
+    runner.leader = Leader(runner.tp, senders, stream_names(parts, role) if parts is not None else {})
+
+
+def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:
+    """Decode rank 0: the partition plan to the decode followers (they capture graphs per configuration)."""
+    if seat is None:
+        return
+    data = msgspec.msgpack.encode(wire)
+    for n in seat.rings:
+        ring = ShmRing.attach(n)
+        Sender(ring, MirrorMessage).send(Setup(data), timeout=60.0)
+
+
+# ---- followers ------------------------------------------------------------------------------------
+def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, handoff: Any,
+                 env: dict[str, str | None]) -> None:
+    """The entry point of a follower process (spawned): build the shard, then replay the leader's calls.
+    A failure ends the process; the router sees a dead worker and restarts the engine."""
+    from rapidserve.engine.worker_build import load_runner
+    from rapidserve.engine.worker_io import apply_env, no_named_locks, worker_signals
+
+    apply_env(env)
+    worker_signals()
+    no_named_locks()
+    tp = open_group(cfg, seat)
+    assert tp is not None
+    inbox = Receiver(ShmRing.attach(seat.rings[0]), MirrorMessage)
+    peers = [parent_pid]
+    try:
+        parts: PartitionBackend | None = None
+        if role == "prefill":
+            if not handoff.poll(cfg.launch.startup_timeout_s):
+                raise TimeoutError(f"no weights from decode rank {tp.rank} in {cfg.launch.startup_timeout_s:.0f} s")
+            owner_pid, shared, wire = handoff.recv()
+            handoff.close()
+            peers.append(int(owner_pid))
+            runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=tp)
+            parts = open_streams(wire, runner.device, ("prefill",))
+        else:
+            runner = load_runner(cfg, tp)
+            if role == "decode":
+                setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
+                wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
+                parts = open_streams(wire, runner.device, ("decode",))
+                for c in parts.configurations:  # the leader's order: the captures' collectives pair up
+                    runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+                from rapidserve.model_sharing import export_shared
+
+                handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
+                handoff.close()
+            else:
+                runner.capture_decode_graphs(show_progress=False)
+
+        def stream_of(name: str | None) -> Any:
+            return parts.stream(name, role) if parts is not None and name is not None else None  # type: ignore[arg-type]
+
+        def alive() -> bool:
+            return os.getppid() == parent_pid and all(pid_alive(p) for p in peers)
+
+        follow(runner, inbox, stream_of, alive)
+    except SystemExit:
+        pass
+    finally:
+        inbox.close()
+        tp.close()

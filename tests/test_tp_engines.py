@@ -1,0 +1,73 @@
+"""The rapid and hybrid engines at tensor-parallel size 2 on CPU (gloo): the decode and prefill workers
+(or the hybrid worker) each lead a follower that replays their calls (parallel/mirror.py), and the
+tokens are those of a one-process `LLM` — greedy, seeded random and penalized rows, preemptions (a small
+pool) and an abort included; afterwards the pool is whole and no penalty slot is held."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+
+from rapidserve import LLM, SamplingParams
+from rapidserve.config import ConfigError, LaunchConfig, ParallelConfig
+from rapidserve.engine.client import AsyncEngine
+from rapidserve.llm import build_engine_config
+from tests.test_logit_controls_engines import PROMPTS, _params
+from tests.test_prefix_cache_engines import quiet_stats
+
+MODEL = "preset:tiny-llama"
+N = 8
+KV_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def expected() -> tuple[list[SamplingParams], list[list[int]]]:
+    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=256)
+    base = dict(max_tokens=10, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0.0, **base),
+                                                          use_tqdm=False)]
+    params = _params(plain)[:N]
+    return params, [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:N], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
+def test_tp2_engine_gives_one_process_tokens(expected: tuple[list[SamplingParams], list[list[int]]],
+                                             mode: str) -> None:
+    params, want = expected
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
+    cfg = dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300),  # type: ignore[arg-type]
+                              parallel=ParallelConfig(tensor_parallel_size=2))
+
+    async def main() -> tuple[list[list[int]], Any, list[str]]:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            procs = sorted(engine.workers.procs)  # type: ignore[union-attr]
+
+            async def one(i: int) -> list[int]:
+                return [t.token_id async for t in engine.generate(f"r{i}", PROMPTS[i], params[i])]
+
+            async def aborted() -> None:
+                gen = engine.generate("ab", PROMPTS[0], params[0].replace(max_tokens=200))
+                for _ in range(2):
+                    await gen.__anext__()
+                await gen.aclose()
+
+            got = await asyncio.gather(*(one(i) for i in range(N)), aborted())
+            return list(got[:-1]), await quiet_stats(engine), procs
+        finally:
+            await engine.shutdown()
+
+    got, stats, procs = asyncio.run(main())
+    assert got == want
+    assert stats.num_preemptions > 0
+    assert stats.token_slots == 0
+    assert procs == (["decode", "decode.1", "prefill", "prefill.1"] if mode == "rapid" else ["hybrid", "hybrid.1"])
+
+
+def test_tp_size_that_does_not_divide_the_heads_fails_at_start() -> None:
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
+    with pytest.raises(ConfigError, match="tensor-parallel-size 3 must divide"):
+        dataclasses.replace(cfg, parallel=ParallelConfig(tensor_parallel_size=3))
