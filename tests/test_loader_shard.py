@@ -10,6 +10,7 @@ read through `get_slice` with exactly the rank's range; a wrong shape on disk na
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,9 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rapidserve.config import ModelConfig
-from rapidserve.loader import ModelSource, presets, rank_weights, resolve_model
+from rapidserve.loader import ModelLoadError, ModelSource, hf, presets, rank_weights, resolve_model
 from rapidserve.loader.presets import load_preset, preset_config, save_as_hf_folder
 from rapidserve.parallel.shard import (
     ShardError,
@@ -41,7 +43,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "shard-qwen3-pad": ("tiny-qwen3", {"vocab_size": 1501}),
     "shard-qwen3-vocab5": ("tiny-qwen3", {"vocab_size": 5, "num_layers": 1}),
 }
-FORMATS = ["preset"]
+FORMATS = ["preset", "hf", "hf-index", "hf-bf16", "gguf"]
 TPS = (1, 2, 4)
 
 
@@ -183,6 +185,80 @@ def test_fallback_slices_the_whole_stream_identically(test_presets: None, name: 
             for (n, x), (_, y) in zip(a, b, strict=True):
                 assert torch.equal(_bits(x), _bits(y)), n
                 assert y.untyped_storage().nbytes() == y.numel() * y.element_size(), n  # whole tensor freed
+
+
+class _SpyHandle:
+    """A safe_open handle that records how each tensor is read: ("whole", name) or ("slice", name, key)."""
+
+    def __init__(self, handle: Any, calls: list[tuple[Any, ...]]) -> None:
+        self._h, self._calls = handle, calls
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        self._calls.append(("whole", name))
+        return self._h.get_tensor(name)
+
+    def get_slice(self, name: str) -> Any:
+        calls, view = self._calls, self._h.get_slice(name)
+
+        class Slice:
+            def get_shape(self) -> list[int]:
+                return view.get_shape()
+
+            def __getitem__(self, key: Any) -> torch.Tensor:
+                calls.append(("slice", name, key))
+                return view[key]
+
+        return Slice()
+
+
+def test_hf_reads_only_the_rank_range(test_presets: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = open_format("hf-index", "shard-qwen3-pad", tmp_path)
+    shapes = {n: tuple(t.shape) for n, t in source.weights()}
+    calls: list[tuple[Any, ...]] = []
+    real = hf.safe_open
+
+    @contextlib.contextmanager
+    def spy_open(file: str, framework: str) -> Iterator[_SpyHandle]:
+        with real(file, framework=framework) as f:
+            yield _SpyHandle(f, calls)
+
+    monkeypatch.setattr(hf, "safe_open", spy_open)
+    for tp in (1, 2, 4):
+        for r in range(tp):
+            lay = tp_layout(source.config, tp, r)
+            calls.clear()
+            list(rank_weights(source, lay))
+            want: list[tuple[Any, ...]] = []
+            for n, shape in shapes.items():
+                bounds = shard_bounds(n, shape, lay)
+                if bounds is None:
+                    want.append(("whole", n))
+                else:
+                    dim, start, stop = bounds
+                    want.append(("slice", n, slice(start, stop) if dim == 0 else (slice(None), slice(start, stop))))
+            assert calls == want
+            assert (tp == 1) == all(c[0] == "whole" for c in calls)
+
+
+def _replace_tensor(file: Path, name: str, value: torch.Tensor) -> None:
+    tensors = load_file(file)
+    tensors[name] = value
+    save_file(tensors, file)
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_wrong_shape_names_file_and_tensor(test_presets: None, tmp_path: Path, index: bool) -> None:
+    source = open_format("hf-index" if index else "hf", "shard-llama", tmp_path)
+    bad = "model.layers.1.mlp.down_proj.weight"
+    file = next(p for p in sorted((tmp_path / "m").glob("*.safetensors")) if bad in load_file(p))
+    lay = tp_layout(source.config, 2, 1)
+    _replace_tensor(file, bad, torch.zeros(64, 80))  # half the intermediate columns
+    with pytest.raises(ModelLoadError) as e:  # the file changed after it was resolved
+        list(rank_weights(source, lay))
+    assert str(file) in str(e.value) and bad in str(e.value) and "[64, 80]" in str(e.value)
+    with pytest.raises(ModelLoadError) as e:  # resolved again: the header check names the file too
+        resolve_model(str(tmp_path / "m"))
+    assert str(file) in str(e.value) and bad in str(e.value) and "the config needs [64, 160]" in str(e.value)
 
 
 def test_layout_must_fit_the_model(test_presets: None) -> None:
