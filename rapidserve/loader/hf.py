@@ -188,7 +188,9 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     rows as zeros on the last ranks, a replicated KV head read by each of its ranks); a sharded tensor
     is read with `get_slice(name)[range]`, so only its `shard_bounds` range is copied out of the
     memory-mapped file (a column range of a row-parallel weight touches, per row, only the pages of
-    that range), and a replicated one whole; every part is a contiguous copy owning its memory. A
+    that range; the kernel's readahead may still pull more into the page cache, never into the
+    process's own memory), and a replicated one whole; every part is a contiguous copy owning its
+    memory (not a view of the mapping). A
     tensor whose shape on disk is not `shapes[name]` (the config's) raises ModelLoadError naming the
     file and tensor, as does an unreadable one.
     """
