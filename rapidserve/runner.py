@@ -25,7 +25,7 @@ from rapidserve.attention import AttentionMetadata, get_attention_backend, split
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
-from rapidserve.loader import ModelSource
+from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import (
     ControlPlan,
     HistoryOf,
@@ -36,7 +36,6 @@ from rapidserve.logit_controls import (
 )
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
-from rapidserve.parallel.shard import rank_weights
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
@@ -114,6 +113,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
+    """Resolve `cfg.model` and load it (with `tp`: this rank's shard) on the configured device."""
+    dev = resolve_device(cfg.runner.device)
+    source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
+    return ModelRunner(cfg, source, show_progress=False, tp=tp)
 
 
 @dataclass

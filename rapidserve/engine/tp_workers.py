@@ -29,7 +29,7 @@ from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
 from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.runtime import PlanWire, open_streams
-from rapidserve.runner import ModelRunner, resolve_device
+from rapidserve.runner import ModelRunner, load_runner, resolve_device
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,6 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
                  env: dict[str, str | None]) -> None:
     """The entry point of a follower process (spawned): build the shard, then replay the leader's calls.
     A failure ends the process; the router sees a dead worker and restarts the engine."""
-    from rapidserve.engine.worker_build import load_runner
     from rapidserve.engine.worker_io import apply_env, no_named_locks, worker_signals
 
     apply_env(env)

@@ -27,11 +27,9 @@ from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
-from rapidserve.loader import resolve_model
 from rapidserve.model_sharing import export_shared
-from rapidserve.parallel.group import TPGroup
 from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
-from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
+from rapidserve.runner import ModelRunner, load_runner
 
 
 def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
@@ -77,13 +75,6 @@ def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
 
 
 BUILDERS = {"decode": build_decode, "prefill": build_prefill, "hybrid": build_hybrid}
-
-
-def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
-    """Resolve the model and load it (with `tp`: this rank's shard)."""
-    dev = resolve_device(cfg.runner.device)
-    source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
-    return ModelRunner(cfg, source, show_progress=False, tp=tp)
 
 
 def _share_cpu_cores(cfg: EngineConfig) -> None:

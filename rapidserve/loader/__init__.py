@@ -4,6 +4,8 @@
 `ModelConfig`), a lazy stream of `(hf_name, tensor)` pairs in Hugging Face layout, and where the
 tokenizer and chat template live. Nothing is read from disk beyond headers and metadata until the
 weight stream is consumed (the GGUF path converts once into a cache, then streams from it).
+`rank_weights(source, layout)` is one tensor-parallel rank's stream, each format reading or making
+only that rank's part of one tensor at a time.
 
 Inside the package: `source.py` (ModelSource, ModelLoadError, tensor shapes; imports only the config
 and `preset_table.py`) < `hf.py` < `gguf_loader.py`, `presets.py` < this facade, which re-exports
@@ -23,6 +25,7 @@ from rapidserve.loader.source import (
     check_tensor_shapes,
     expected_tensor_shapes,
     load_hf_tokenizer,
+    rank_weights,
     supported_forms,
 )
 
@@ -35,6 +38,7 @@ __all__ = [
     "default_gguf_path",
     "expected_tensor_shapes",
     "load_hf_tokenizer",
+    "rank_weights",
     "resolve_model",
     "supported_forms",
 ]

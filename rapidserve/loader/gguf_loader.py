@@ -5,6 +5,12 @@ tokenizer saved with `save_pretrained`, and meta.json), keyed by a hash of the G
 size and mtime. The folder is built under a temporary name and renamed into place, so a killed
 conversion never leaves a half-written cache; a cache that fails to read back is rebuilt.
 Later loads read only meta.json and the safetensors header, then stream from the cache.
+
+Tensor-parallel ranks (`shard_weights`, `rapidserve.loader.rank_weights`): the conversion dequantises
+each (possibly quantised) tensor whole, on the CPU, one at a time, once per file (the ranks of a group
+resolve the same path and wait on the same lock); every rank then reads only its rows or columns of
+the float32 cache through `hf.stream_safetensors_shard`, as for a Hugging Face folder. So no process
+holds more than one whole dequantised tensor, and a rank's memory is its shard.
 """
 
 from __future__ import annotations
@@ -25,7 +31,12 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
-from rapidserve.loader.hf import read_safetensors_headers, stream_safetensors, write_safetensors
+from rapidserve.loader.hf import (
+    read_safetensors_headers,
+    stream_safetensors,
+    stream_safetensors_shard,
+    write_safetensors,
+)
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 
 GGUF_ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -246,13 +257,15 @@ def _read_cache(folder: str, path: str) -> ModelSource | None:
         check_tensor_shapes({n: s for n, (_, s) in found.items()}, config, weights_path)
     except (OSError, ValueError, KeyError, TypeError, ModelLoadError):
         return None
-    names = {name: weights_path for name in expected_tensor_shapes(config)}
+    shapes = expected_tensor_shapes(config)
+    names = {name: weights_path for name in shapes}
     tok_dir = os.path.join(folder, "tokenizer")
     has_tok = bool(meta.get("has_tokenizer"))
     cached_tok = tok_dir if os.path.isfile(os.path.join(tok_dir, "tokenizer_config.json")) else None
     return ModelSource(
         config=config,
         weights=lambda: stream_safetensors(names),
+        shard_weights=lambda lay: stream_safetensors_shard(names, shapes, lay),
         num_tensors=len(names),
         tokenizer_dir=os.path.dirname(path) if has_tok else None,
         tokenizer_file=os.path.basename(path) if has_tok else None,

@@ -1,7 +1,9 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
 
 Only headers are read when the folder is resolved (to check every tensor the config needs is there
-with the right shape); `weights()` then streams one tensor at a time through `safe_open`.
+with the right shape); `weights()` then streams one tensor at a time through `safe_open`, and
+`shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the
+rank's rows or columns (`parallel.shard.shard_bounds`) from the memory-mapped file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
+from rapidserve.parallel.shard import TPLayout, pad_vocab, shard_bounds, shard_kind
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -177,6 +180,45 @@ def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tenso
             yield name, tensor
 
 
+def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                             lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensor-parallel rank `lay.rank`'s part of each tensor of `names` (name -> file), in order.
+
+    Invariants: each part equals `shard_tensor(name, whole, lay)` bit for bit (the vocabulary's padding
+    rows as zeros on the last ranks, a replicated KV head read by each of its ranks); a sharded tensor
+    is read with `get_slice(name)[range]`, so only its `shard_bounds` range is copied out of the
+    memory-mapped file (a column range of a row-parallel weight touches, per row, only the pages of
+    that range; the kernel's readahead may still pull more into the page cache, never into the
+    process's own memory), and a replicated one whole; every part is a contiguous copy owning its
+    memory (not a view of the mapping). A
+    tensor whose shape on disk is not `shapes[name]` (the config's) raises ModelLoadError naming the
+    file and tensor, as does an unreadable one.
+    """
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+        for name, file in names.items():
+            try:
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                view = handles[file].get_slice(name)
+                shape = tuple(view.get_shape())
+                if shape != shapes[name]:
+                    raise ModelLoadError(file, f"tensor {name} has shape {list(shape)}, the config needs "
+                                               f"{list(shapes[name])}")
+                bounds = shard_bounds(name, shape, lay)
+                if bounds is None:
+                    part = handles[file].get_tensor(name)
+                else:
+                    dim, start, stop = bounds
+                    part = view[start:stop] if dim == 0 else view[:, start:stop]
+                    part = part.clone(memory_format=torch.contiguous_format)
+                    if shard_kind(name) == "vocab":
+                        part = pad_vocab(part, lay.vocab)
+            except (SafetensorError, OSError) as e:
+                raise ModelLoadError(file, f"cannot read tensor {name}: {e}") from e
+            yield name, part
+
+
 def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
     folder = os.path.abspath(folder)
@@ -188,13 +230,16 @@ def load_hf_folder(folder: str) -> ModelSource:
         raise ModelLoadError(cfg_path, "config.json is not a JSON object")
     config = config_from_hf_dict(d, cfg_path, name=os.path.basename(folder.rstrip(os.sep)) or "model")
     found = read_safetensors_headers(_weight_files(folder))
-    check_tensor_shapes({n: s for n, (_, s) in found.items()}, config, folder)
-    needed = {name: found[name][0] for name in expected_tensor_shapes(config)}
+    check_tensor_shapes({n: s for n, (_, s) in found.items()}, config, folder,
+                        files={n: f for n, (f, _) in found.items()})
+    shapes = expected_tensor_shapes(config)
+    needed = {name: found[name][0] for name in shapes}
     has_tokenizer = any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
     dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
     return ModelSource(
         config=config,
         weights=lambda: stream_safetensors(needed),
+        shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay),
         num_tensors=len(needed),
         tokenizer_dir=folder if has_tokenizer else None,
         tokenizer_file=None,

@@ -5,6 +5,12 @@ names, so the weights are the same on every load and in any order, and generatin
 tensor at a time. Scales keep activations O(1) over many layers in bf16: q/k/v/gate/up ~
 N(0, 1/fan_in), o/down additionally divided by 2*num_layers, norms 1 + small noise, small biases.
 
+Tensor-parallel ranks (`shard_weights`, `rapidserve.loader.rank_weights`): each whole tensor is drawn
+exactly as for one rank, on the preset device, then sliced (`shard_tensor`) and copied out, so rank r's
+part of TP-N is bit-identical to the same slice of the TP-1 model. Memory: one whole tensor at a time
+on the preset device (drawn in float32, then cast), plus its part; never the whole model. Each rank
+pays the whole model's draw time.
+
 `save_as_hf_folder` writes any ModelSource as a Hugging Face folder (config.json + safetensors) so
 transformers' own implementation can load exactly the same weights.
 """
@@ -24,6 +30,7 @@ from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import write_safetensors
 from rapidserve.loader.preset_table import list_presets, preset_table
 from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
+from rapidserve.parallel.shard import TPLayout, owned_shard, shard_tensor
 
 __all__ = ["hf_config_dict", "list_presets", "load_preset", "preset_config", "preset_tensor", "save_as_hf_folder"]
 
@@ -65,7 +72,8 @@ def load_preset(name: str, device: str | torch.device = "cpu",
     """A ModelSource with the preset's shapes and deterministic random weights (no tokenizer).
 
     Weights are generated lazily per tensor on `device` (a CUDA generator draws different numbers
-    than the CPU one, but is just as deterministic) in `dtype`.
+    than the CPU one, but is just as deterministic) in `dtype`; `shard_weights(layout)` draws each
+    whole tensor the same way and keeps only the rank's slice (see the module docstring).
     """
     config = preset_config(name)
     shapes = expected_tensor_shapes(config)
@@ -74,8 +82,12 @@ def load_preset(name: str, device: str | torch.device = "cpu",
         for tensor, shape in shapes.items():
             yield tensor, preset_tensor(name, config, tensor, shape, device=device, dtype=dtype)
 
+    def shard_weights(lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor, whole in weights():
+            yield tensor, owned_shard(shard_tensor(tensor, whole, lay), whole)
+
     return ModelSource(
-        config=config, weights=weights, num_tensors=len(shapes), tokenizer_dir=None,
+        config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes), tokenizer_dir=None,
         tokenizer_file=None, chat_template=None,
         description=f"preset {name}: {config.arch} shapes with random weights "
                     f"({config.num_params() / 1e9:.2f}B params)",

@@ -1,16 +1,17 @@
 """The lowest layer of the loader: what a resolved model is (`ModelSource`), its errors and checks.
 
 `ModelSource` (architecture, lazy weight stream, where the tokenizer lives), `ModelLoadError`, the
-tensor names and shapes a `ModelConfig` needs, and `load_hf_tokenizer` (the transformers tokenizer of
-a source). The format readers (hf.py, gguf_loader.py, presets.py), `rapidserve.loader.resolve_model`
-and `rapidserve.tokenizer` build on it; it imports nothing from rapidserve but the config and the
-preset table.
+tensor names and shapes a `ModelConfig` needs, `rank_weights` (one tensor-parallel rank's weight
+stream) and `load_hf_tokenizer` (the transformers tokenizer of a source). The format readers (hf.py,
+gguf_loader.py, presets.py), `rapidserve.loader.resolve_model` and `rapidserve.tokenizer` build on it;
+it imports nothing from rapidserve but the config, the preset table and `parallel.shard` (the pure
+sharding plan, which imports nothing of the loader).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from rapidserve.config import ARCHES, ModelConfig
 from rapidserve.loader.preset_table import list_presets
+from rapidserve.parallel.shard import ShardError, TPLayout, shard_shape, sharded_weights, tp_layout
 
 
 def supported_forms() -> str:
@@ -45,7 +47,15 @@ class ModelLoadError(Exception):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A resolved model. `weights()` starts a fresh stream of `(hf_name, tensor)` pairs each call."""
+    """A resolved model. `weights()` starts a fresh stream of `(hf_name, tensor)` pairs each call.
+
+    `shard_weights(layout)`, when set, starts a fresh stream of tensor-parallel rank `layout.rank`'s
+    parts instead, read or made one tensor at a time without the whole model: the same names in the
+    same order as `weights()`, each tensor bit-identical to `parallel.shard.shard_tensor(name, whole,
+    layout)` and owning its memory (contiguous, no view into a whole tensor). None: the source cannot
+    read parts, and `rank_weights` slices `weights()`. Whoever replaces `weights` (dataclasses.replace)
+    must replace or clear `shard_weights` too. Use `rank_weights`, not these fields, to load a rank.
+    """
 
     config: ModelConfig
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
@@ -57,6 +67,42 @@ class ModelSource:
     # A folder with the same tokenizer saved by `save_pretrained` (written next to a GGUF's
     # conversion cache): it loads in a fraction of a second, where parsing the GGUF takes several.
     tokenizer_cache_dir: str | None = None
+    shard_weights: Callable[[TPLayout], Iterator[tuple[str, torch.Tensor]]] | None = None
+
+
+def rank_weights(source: ModelSource, layout: TPLayout,
+                 device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensor-parallel rank `layout.rank`'s weights: `(hf_name, part)` in load order, each part
+    `shard_tensor(name, whole, layout)` bit for bit, contiguous, moved to `device` (None: where the
+    loader made it) as it goes.
+
+    Through `source.shard_weights` when the loader has it (HF folders and the GGUF cache read only the
+    rank's rows/columns; presets make one whole tensor at a time), else `sharded_weights` over
+    `source.weights()` (one whole tensor at a time on the loader's side). Either way no process holds
+    the whole model. ShardError at once when `layout` is not this model's (made for another config),
+    and for a part whose shape is not the layout's (a loader that broke its contract).
+    """
+    config = source.config
+    want_layout = tp_layout(config, layout.tp, layout.rank)  # ShardError naming the size that does not fit
+    if layout != want_layout:
+        raise ShardError(f"tensor-parallel layout {layout} was not made for model {config.name} "
+                         f"(its layout for rank {layout.rank} of {layout.tp} is {want_layout})")
+    return _checked(source, layout, device)
+
+
+def _checked(source: ModelSource, layout: TPLayout,
+             device: torch.device | str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    shapes = expected_tensor_shapes(source.config)
+    if source.shard_weights is None:
+        parts = sharded_weights(source.weights(), layout, device)
+    else:
+        parts = ((n, t.contiguous() if device is None else t.to(device).contiguous())
+                 for n, t in source.shard_weights(layout))
+    for name, part in parts:
+        if name in shapes and tuple(part.shape) != shard_shape(name, shapes[name], layout):
+            raise ShardError(f"tensor {name}: rank {layout.rank} of {layout.tp} got shape {list(part.shape)}, "
+                             f"the layout needs {list(shard_shape(name, shapes[name], layout))}")
+        yield name, part
 
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -88,14 +134,17 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensor_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, path: str) -> None:
-    """Raise ModelLoadError naming the first missing or wrong-shape tensor."""
+def check_tensor_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, path: str,
+                        files: Mapping[str, str] | None = None) -> None:
+    """Raise ModelLoadError naming the first missing or wrong-shape tensor (and, for a wrong shape,
+    the file `files` says holds it; else `path`)."""
     for name, shape in expected_tensor_shapes(config).items():
         if name not in found:
             raise ModelLoadError(path, f"tensor {name} is missing (the config needs it)")
         if tuple(found[name]) != shape:
             raise ModelLoadError(
-                path, f"tensor {name} has shape {list(found[name])}, the config needs {list(shape)}")
+                (files or {}).get(name, path),
+                f"tensor {name} has shape {list(found[name])}, the config needs {list(shape)}")
 
 
 def load_hf_tokenizer(source: ModelSource) -> Any | None:

@@ -24,9 +24,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 import numpy as np
@@ -36,7 +37,22 @@ from rapidserve.ipc import Receiver, Sender
 
 if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
-    from rapidserve.runner import Carry, ModelRunner
+
+
+class CarryLike(Protocol):
+    """`runner.Carry` as the leader sees it (mirror.py sits below the runner, which imports it)."""
+
+    token_ids: torch.Tensor
+    rows: list[tuple[int, int]]
+
+
+class Replayer(Protocol):
+    """`runner.ModelRunner` as a follower uses it."""
+
+    device: torch.device
+    tp: TPGroup | None
+
+    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor: ...
 
 
 class Arr(msgspec.Struct, array_like=True, frozen=True):
@@ -108,7 +124,7 @@ class Leader:
             r.send(msg, timeout=60.0)
 
     def forward(self, kind: Literal["prefill", "decode"], arrays: Sequence[np.ndarray], graph_key: str,
-                carry: Carry | None) -> None:
+                carry: CarryLike | None) -> None:
         seq, rows = -1, []
         if carry is not None:
             seq = next((s for t, s in self._sampled if t is carry.token_ids), -1)
@@ -132,7 +148,7 @@ class Leader:
 class Follower:
     """A follower's state between messages: its partition streams and the last sampled tokens."""
 
-    def __init__(self, runner: ModelRunner, stream_of: Callable[[str | None], Any]) -> None:
+    def __init__(self, runner: Replayer, stream_of: Callable[[str | None], Any]) -> None:
         """`stream_of(name)`: this worker's stream of that configuration (None: the default stream)."""
         self.runner, self.stream_of = runner, stream_of
         self.sampled: dict[int, torch.Tensor] = {}
@@ -150,13 +166,12 @@ class Follower:
 
     def apply(self, msg: MirrorMessage) -> bool:
         """Replay one message; False on Stop."""
-        from rapidserve.partition.backend import on_stream
-
         if isinstance(msg, Stop):
             return False
         if isinstance(msg, Setup):
             raise RuntimeError("a Setup message after start-up")
-        with on_stream(self._enter(msg.stream)):
+        stream = self._enter(msg.stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if isinstance(msg, Sampled):
                 t = torch.empty(msg.n, dtype=torch.int64, device=self.runner.device)
                 self.runner.tp.broadcast(t)  # type: ignore[union-attr]
@@ -168,7 +183,7 @@ class Follower:
         return True
 
 
-def follow(runner: ModelRunner, inbox: Receiver[Any], stream_of: Callable[[str | None], Any],
+def follow(runner: Replayer, inbox: Receiver[Any], stream_of: Callable[[str | None], Any],
            alive: Callable[[], bool], idle_s: float = 0.5) -> str:
     """A follower's loop: replay the leader's calls until Stop or until `alive()` turns False (the
     leader or the router died); returns why it ended."""

@@ -1,7 +1,9 @@
 """Tensor-parallel sharding of the model's weights (issue 17): which slice of each tensor rank r of N holds.
 
-Pure functions over tensor names and shapes, no process group: the loaders (HF folders, GGUF, presets)
-call `shard_tensor` on each tensor as it is read, so no GPU ever holds the whole model.
+Pure functions over tensor names and shapes, no process group. `rapidserve.loader.rank_weights` gives
+rank r's weight stream: each loader (HF folders, GGUF, presets) reads or makes the rank's part of one
+tensor at a time (`shard_bounds`, the same range `shard_tensor` takes from a whole tensor), so no
+process holds the whole model and no GPU more than its shard. This module imports nothing of the loader.
 
 Layout (Megatron-style, the scheme vLLM and SGLang use):
 - column-parallel (output features split, dim 0): q_proj, k_proj, v_proj (and their biases), gate_proj,
@@ -100,31 +102,57 @@ def shard_shape(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int, 
     return (shape[0], shape[1] // lay.tp)
 
 
-def shard_tensor(name: str, t: torch.Tensor, lay: TPLayout) -> torch.Tensor:
-    """Rank `lay.rank`'s slice of the full tensor `t` (a view where it can be; vocab padding is a copy)."""
+def shard_bounds(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int, int, int] | None:
+    """The part of a whole tensor of `shape` rank `lay.rank` holds, as `(dim, start, stop)` along one
+    dimension (0: rows, 1: columns), or None when it holds the whole tensor (replicated, or tp == 1).
+
+    `start`/`stop` are clamped to the tensor: for the vocabulary the last ranks' rows past the end are
+    the padding, `shard_shape(...)[0] - (stop - start)` zero rows appended after the read part. A loader
+    that can read a slice from disk (safetensors' `get_slice`) reads exactly this range; `shard_tensor`
+    is the same range taken from a tensor in memory, so the two agree bit for bit.
+    """
     kind = shard_kind(name)
     if kind == "replicated" or lay.tp == 1:
-        return t
+        return None
     if kind == "vocab":
-        start = lay.rank * lay.vocab
-        part = t[start:start + lay.vocab]
-        if part.shape[0] < lay.vocab:  # the last ranks hold the padding rows
-            pad = t.new_zeros((lay.vocab - part.shape[0], *t.shape[1:]))
-            part = torch.cat([part, pad])
-        return part
+        start = min(lay.rank * lay.vocab, shape[0])
+        return 0, start, min(start + lay.vocab, shape[0])
     if kind == "kv":
-        rows = lay.kv_heads * lay.head_dim
         start = lay.kv_head_index * lay.head_dim
-        return t[start:start + rows]
+        return 0, start, start + lay.kv_heads * lay.head_dim
     if kind == "column":
-        n = t.shape[0] // lay.tp
-        return t[lay.rank * n:(lay.rank + 1) * n]
-    n = t.shape[1] // lay.tp
-    return t[:, lay.rank * n:(lay.rank + 1) * n]
+        n = shape[0] // lay.tp
+        return 0, lay.rank * n, (lay.rank + 1) * n
+    n = shape[1] // lay.tp
+    return 1, lay.rank * n, (lay.rank + 1) * n
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, min(n, 16) + 1) if n % d == 0)
+def pad_vocab(part: torch.Tensor, rows: int) -> torch.Tensor:
+    """`part` with zero rows appended up to `rows` (the vocabulary padding of the last ranks); `part`
+    itself when it already has them."""
+    if part.shape[0] >= rows:
+        return part
+    return torch.cat([part, part.new_zeros((rows - part.shape[0], *part.shape[1:]))])
+
+
+def shard_tensor(name: str, t: torch.Tensor, lay: TPLayout) -> torch.Tensor:
+    """Rank `lay.rank`'s slice of the full tensor `t` (a view where it can be; vocab padding is a copy).
+
+    A view keeps all of `t`'s storage alive: `owned_shard` is the copy a loader should keep."""
+    bounds = shard_bounds(name, tuple(t.shape), lay)
+    if bounds is None:
+        return t
+    dim, start, stop = bounds
+    part = t.narrow(dim, start, stop - start)
+    return pad_vocab(part, lay.vocab) if shard_kind(name) == "vocab" else part
+
+
+def owned_shard(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`part` (a shard of `whole`, on any device) as a contiguous tensor that does not keep `whole`'s
+    storage alive: a copy when it is a strict view into `whole`, else `part` made contiguous."""
+    if part is not whole and part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+        return part.clone(memory_format=torch.contiguous_format)
+    return part.contiguous()
 
 
 def rank_tensor_shapes(shapes: dict[str, tuple[int, ...]], lay: TPLayout) -> dict[str, tuple[int, ...]]:
@@ -135,10 +163,13 @@ def rank_tensor_shapes(shapes: dict[str, tuple[int, ...]], lay: TPLayout) -> dic
 def sharded_weights(weights: Iterable[tuple[str, torch.Tensor]], lay: TPLayout,
                     device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A loader's (name, whole tensor) stream as rank `lay.rank`'s slices, each moved to `device` as it
-    goes: one whole tensor at a time is held (on the loader's side), never the whole model on a GPU."""
+    goes: one whole tensor at a time is held (on the loader's side), never the whole model on a GPU.
+
+    Each slice is `shard_tensor`'s, contiguous, and never a view into the whole tensor (`owned_shard`),
+    so the whole tensor is freed as soon as the stream moves on."""
     for name, t in weights:
         part = shard_tensor(name, t, lay)
-        yield name, (part.contiguous() if device is None else part.to(device).contiguous())
+        yield name, owned_shard(part if device is None else part.to(device), t)
 
 
 def shard_config(cfg: ModelConfig, lay: TPLayout) -> ModelConfig:
@@ -148,12 +179,3 @@ def shard_config(cfg: ModelConfig, lay: TPLayout) -> ModelConfig:
         return cfg
     return cfg.replace(num_heads=lay.heads, num_kv_heads=lay.kv_heads, intermediate_size=lay.intermediate,
                        vocab_size=lay.vocab)
-
-
-def rank_weights(source: object, lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rank `lay.rank`'s weights of a loader's `ModelSource`: its own sharded reader where it has one
-    (`shard_weights`), else its whole-tensor stream sliced one tensor at a time."""
-    reader = getattr(source, "shard_weights", None)
-    if reader is not None:
-        return reader(lay)
-    return sharded_weights(source.weights(), lay)  # type: ignore[attr-defined]
