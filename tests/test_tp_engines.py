@@ -71,3 +71,39 @@ def test_tp_size_that_does_not_divide_the_heads_fails_at_start() -> None:
     cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
     with pytest.raises(ConfigError, match="tensor-parallel-size 3 must divide"):
         dataclasses.replace(cfg, parallel=ParallelConfig(tensor_parallel_size=3))
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
+def test_tp2_on_two_gpus(mode: str) -> None:
+    """Two GPUs, NCCL, decode graphs with their all-reduces captured, rapid mode's partitions on each GPU:
+    the tokens of one GPU (fp32, greedy and seeded rows; the sums' order differs, the tokens do not)."""
+    if not _two_gpus():
+        pytest.skip("needs two GPUs")
+    base = dict(max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, **base), SamplingParams(seed=3, temperature=0.8, **base),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, **base)] * 3
+    llm = LLM(MODEL, dtype="float32", device="cuda", show_progress=False, max_model_len=256, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:9], params, use_tqdm=False)]
+    del llm
+    cfg, _ = build_engine_config(MODEL, device="cuda", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    cfg = dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300),  # type: ignore[arg-type]
+                              parallel=ParallelConfig(tensor_parallel_size=2))
+
+    async def main() -> list[list[int]]:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            async def one(i: int) -> list[int]:
+                return [t.token_id async for t in engine.generate(f"r{i}", PROMPTS[i], params[i])]
+
+            return list(await asyncio.gather(*(one(i) for i in range(9))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == want
