@@ -385,6 +385,3 @@ class EngineConfig:
         par = self.parallel
         problem = self.model_config.tp_problem(par.tensor_parallel_size)
         _check(problem is None, problem or "")
-        _check(par.world_size == 1 or self.runner.device in ("auto", "cpu") or self.runner.device == "cuda",
-               f"device={self.runner.device!r} names one GPU but tensor/data parallelism uses {par.world_size}; "
-               "use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
