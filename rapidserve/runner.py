@@ -137,6 +137,7 @@ class ModelRunner:
         one rank of a tensor-parallel group: it loads and computes its shard (its KV heads in its pool),
         and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py)."""
         self.cfg, self.tp = cfg, tp
+        self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
         self.mcfg = cfg.model_config
         self.device = resolve_device(cfg.runner.device)
         self.dtype = resolve_dtype(cfg.runner.dtype, self.device)
@@ -176,7 +177,6 @@ class ModelRunner:
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
-        self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
