@@ -46,7 +46,7 @@ class WorkerSet:
 
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
-        from rapidserve.engine.tp_workers import rank_config, run_follower, tp_seats
+        from rapidserve.engine.tp_workers import rank_config, run_follower, tp_env, tp_seats
         from rapidserve.engine.worker_build import BUILDERS  # loads torch: only once workers start
 
         cleanup_stale()
@@ -68,6 +68,8 @@ class WorkerSet:
         # keeps no end of it once both workers have theirs.
         pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
         seats = tp_seats(cfg, eid, roles, ws.rings)  # adds the mirror rings to ws.rings (unlinked by stop)
+        if seats:
+            env = {**tp_env(), **env}
         try:
             for rank in range(tp):
                 rx, tx = pipes[rank]

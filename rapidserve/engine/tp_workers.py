@@ -15,6 +15,7 @@ then follow until the router stops it or dies.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -65,6 +66,19 @@ def mirror_ring_bytes(cfg: EngineConfig) -> int:
     return 4 * max(decode, prefill) + (1 << 20)
 
 
+def tp_env() -> dict[str, str | None]:
+    """Environment of every tensor-parallel worker (a variable the user set wins):
+    - NCCL's NVLink multicast (NVLS) off: it needs a driver feature a shared host may not allow, and the
+      all-reduces here are small;
+    - no NCCL heartbeat monitor: a follower outlives its leader's TCP store by a moment at every stop,
+      which it would report every second;
+    - at most 16 CTAs per NCCL kernel: one per SM of the smallest default partition (an eighth of an
+      H100/H200's 132 SMs), so a collective queued inside a partition never waits for SMs it cannot get
+      (parallel/group.py)."""
+    want = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ENABLE_MONITORING": "0", "NCCL_MAX_CTAS": "16"}
+    return {k: os.environ.get(k, v) for k, v in want.items()}
+
+
 def tp_seats(cfg: EngineConfig, eid: str, roles: tuple[str, ...], rings: dict[str, ShmRing]) -> dict[str, list[TPSeat]]:
     """Every rank's seat of each role, creating the mirror rings (added to `rings` under their labels, so
     the launcher unlinks them with the others); {} without tensor parallelism."""
@@ -112,6 +126,7 @@ def lead(runner: ModelRunner, seat: TPSeat | None, parts: PartitionBackend | Non
         return
     senders = [Sender(ShmRing.attach(n), MirrorMessage) for n in seat.rings]
     runner.leader = Leader(runner.tp, senders, stream_names(parts, role) if parts is not None else {})
+    atexit.register(runner.leader.stop, f"the {role} leader exited")  # the followers end with it
 
 
 def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:
@@ -173,5 +188,6 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
     except SystemExit:
         pass
     finally:
+        # No destroy_process_group: the leader, whose TCP store the group used, is gone or going; the
+        # communicator goes with the process.
         inbox.close()
-        tp.close()

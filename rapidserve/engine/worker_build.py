@@ -28,7 +28,7 @@ from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.model_sharing import export_shared
-from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition, open_streams, rank_model, resolve_plan
 from rapidserve.runner import ModelRunner, load_runner
 
 
@@ -46,7 +46,7 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
             "configurations": ",".join(parts.names), **memory_info(runner)}
-    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, cfg.model_config,
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, rank_model(cfg),
                                                                  cfg.scheduler.max_num_batched_tokens), parts)
 
 

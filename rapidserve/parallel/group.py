@@ -15,8 +15,8 @@ all-reduce), so a later capture never tries to create it.
 
 What NCCL needs inside a partition (green context / CU mask): its kernels launch one CTA per channel and
 the CTAs of a rank wait on their peers; a partition of k SMs runs k CTAs at a time, so the launcher caps
-NCCL's CTAs (`NCCL_MAX_CTAS`, `nccl_env`) at the smallest partition's SM count. Everything else is as on
-a whole GPU.
+NCCL's CTAs (`NCCL_MAX_CTAS`, `engine.tp_workers.tp_env`) at the smallest default partition's SM count.
+Everything else is as on a whole GPU.
 """
 
 from __future__ import annotations
@@ -62,14 +62,6 @@ def group_specs(role: str, size: int, backend: str) -> list[GroupSpec]:
     """The specs of one role's ranks, sharing a fresh rendezvous port."""
     url = f"tcp://127.0.0.1:{free_port()}"
     return [GroupSpec(role, size, r, url, backend) for r in range(size)]
-
-
-def nccl_env(min_partition_units: int | None) -> dict[str, str | None]:
-    """Environment for a worker that runs NCCL inside compute partitions: at most one CTA per SM of the
-    smallest partition (see the module docstring); nothing when there is no partition."""
-    if not min_partition_units:
-        return {}
-    return {"NCCL_MAX_CTAS": str(max(1, min_partition_units)), "NCCL_MIN_CTAS": "1"}
 
 
 class TPGroup:

@@ -85,6 +85,15 @@ def gpu_name(device: Any) -> str:
     return str(torch.cuda.get_device_name(device))
 
 
+def rank_model(cfg: EngineConfig) -> ModelConfig:
+    """The model one GPU computes: under tensor parallelism its shard (heads, KV heads, MLP, vocabulary);
+    what the roofline predicts a GPU's step time from."""
+    from rapidserve.parallel.shard import shard_config, tp_layout  # torch: only where a GPU plan is made
+
+    tp = cfg.parallel.tensor_parallel_size
+    return cfg.model_config if tp == 1 else shard_config(cfg.model_config, tp_layout(cfg.model_config, tp, 0))
+
+
 def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
     p = cfg.partition
     kind = detect_kind(device) if p.backend == "auto" else p.backend
@@ -121,7 +130,7 @@ def describe_peaks(peaks: Peaks) -> str:
 
 
 def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration], peaks: Peaks) -> Profile:
-    return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
+    return roofline_profile(rank_model(cfg), gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
                             ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens)
 
 
