@@ -32,7 +32,8 @@
 # multiturn), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
 # conversation at once), NUM_PROMPTS (32 conversations),
 # WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call),
-# NAME (vs_vllm: the file stem of the tables), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
+# NAME (vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the model shape, ours `preset:PRESET`, vLLM's folder
+# from make_model.py; another preset's folder comes from bench/make_peer_model.py), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
 # FA3; 0: they keep Triton).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
 set -uo pipefail
@@ -99,6 +100,8 @@ work="$(mktemp -d)"
 setup_log="$out/vs_vllm_setup.log"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+# Multi-GPU machines: NVLink multicast stays off for every program (the device library's KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 elapsed() { echo $(($(date +%s) - t_start)); }
 say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
 : >"$setup_log"
@@ -119,6 +122,14 @@ recipe="$(find_recipe)"
 why_not=""
 peer_install  # sets why_not when vLLM cannot be installed
 [ -z "$why_not" ] && [ "${FA3_FROM_VLLM:-1}" = 1 ] && expose_fa3  # our engine's attention backend 'auto' finds FA3
+preset="${PRESET:-qwen3-8b}"
+if [ -z "$why_not" ] && [ "$preset" != qwen3-8b ]; then  # another preset's shape: our own folder maker
+    model="$model-$preset"
+    if [ ! -f "$model/config.json" ]; then
+        say "writing the $preset-shaped model folder $model"
+        "$py" bench/make_peer_model.py "$preset" "$model" 2>&1 | tee -a "$setup_log" || why_not="make_peer_model.py failed"
+    fi
+fi
 if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
     if [ -z "$recipe" ]; then
         why_not="no model folder $model and no make_model.py to write it"
@@ -167,7 +178,7 @@ if [ "$left" -lt 120 ]; then
 fi
 # No new system or rate starts after left-100 s (one of ours needs ~1 min to start, run and stop); at left s
 # compare.py gets SIGTERM (it stops the running server and writes what finished), at left+30 s SIGKILL.
-cmd=("$py" bench/compare.py --model preset:qwen3-8b --systems "$systems" "${vllm_args[@]}"
+cmd=("$py" bench/compare.py --model "preset:$preset" --systems "$systems" "${vllm_args[@]}"
      --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
      "${workload_args[@]}"
      --rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}" --warmup "${WARMUP:-4}"
