@@ -126,6 +126,8 @@ class AsyncEngine:
         for role, ready in sorted(self.workers.ready.items()):
             if "partition" in ready.info:
                 self.events.append(f"{role} partition: {ready.info['partition']}")
+            if "weight_bytes" in ready.info:
+                self.events.append(f"{role} memory: {memory_split(ready.info)}")
         self._stop_collector.clear()
         self._collector = threading.Thread(target=self._collect, name="rapidserve-collector", daemon=True)
         self._collector.start()
@@ -372,6 +374,14 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         return self.workers is not None and self.state == "ready"
+
+
+def memory_split(info: dict[str, str]) -> str:
+    """A worker's Ready memory figures (per GPU: each tensor-parallel rank holds the same shard sizes)."""
+    gib = 1 << 30
+    w, kv, own = (int(info.get(k, "0")) for k in ("weight_bytes", "kv_bytes", "device_allocated_bytes"))
+    rest = f", other allocations {(own - w - kv) / gib:.2f} GiB (activations, graphs)" if own >= w + kv else ""
+    return f"weights {w / gib:.2f} GiB, KV pool {kv / gib:.2f} GiB, this process allocated {own / gib:.2f} GiB{rest}"
 
 
 def heartbeat_bound(cfg: EngineConfig) -> float:
