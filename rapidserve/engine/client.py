@@ -110,8 +110,9 @@ class AsyncEngine:
     async def _start_workers(self) -> None:
         assert self.loop is not None
         platform = "cpu" if self.cfg.runner.device == "cpu" else _gpu_platform()
-        if self.mps_plan is None and self.cfg.launch.mode == "hybrid":  # one process: nothing to share
-            self.mps_plan = MpsPlan("off", False, False, None, None, "hybrid mode: one worker process, no MPS")
+        if self.mps_plan is None and self.cfg.launch.mode in ("hybrid", "disagg"):  # nothing shares a GPU
+            why = "one worker process" if self.cfg.launch.mode == "hybrid" else "one worker per GPU"
+            self.mps_plan = MpsPlan("off", False, False, None, None, f"{self.cfg.launch.mode} mode: {why}, no MPS")
         if self.mps_plan is None:
             import tempfile
 
