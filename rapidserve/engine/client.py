@@ -83,6 +83,7 @@ class AsyncEngine:
         # one (the workers hold the id as long: engine/decode_scheduler.py). Cleared with the workers.
         self._settling: set[str] = set()
         self.stats: m.Stats | None = None
+        self.heartbeat: m.Heartbeat | None = None  # the prefill worker's latest
         self.mps = MpsController()
         self.mps_plan: MpsPlan | None = None
         self.state = "starting"  # starting | ready | restarting | down
@@ -272,6 +273,8 @@ class AsyncEngine:
                     s.queue.put_nowait(err)
             elif isinstance(msg, m.Stats):
                 self.stats = msg
+            elif isinstance(msg, m.Heartbeat):
+                self.heartbeat = msg
             elif isinstance(msg, m.WorkerError):
                 self.events.append(f"{msg.worker} worker error: {msg.message.splitlines()[0]}")
 

@@ -4,7 +4,8 @@
 their names) and spawns the workers, each through the one entry point `worker_io.run_worker(role,
 build)` with its role's builder (`engine/worker_build.py`): in rapid mode decode and prefill start
 together (prefill waits for decode's one-time hand-off of IPC handles to its weights and KV pool); in
-hybrid mode (`LaunchConfig.mode`) one hybrid worker sits in decode's seat and only r2d and d2r exist.
+hybrid mode (`LaunchConfig.mode`) one hybrid worker sits in decode's seat and only r2d and d2r exist;
+disagg mode starts rapid's two workers with its own builders (engine/disagg.py), one GPU each.
 It waits for each worker's Ready; a worker that fails, exits or is not ready within
 `startup_timeout_s` stops everything and raises.
 
@@ -46,8 +47,9 @@ class WorkerSet:
 
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
-        from rapidserve.engine.worker_build import BUILDERS  # loads torch: only once workers start
+        from rapidserve.engine.disagg import builders_for  # loads torch: only once workers start
 
+        builders = builders_for(cfg)  # role -> builder; disagg mode's own (engine/disagg.py), its GPUs checked
         cleanup_stale()
         eid = new_engine_id()
         hybrid = cfg.launch.mode == "hybrid"
@@ -68,7 +70,7 @@ class WorkerSet:
         try:
             for role in ("hybrid",) if hybrid else ("decode", "prefill"):
                 p = ctx.Process(target=run_worker, name=f"rapidserve-{role}", daemon=True,
-                                args=(role, BUILDERS[role], cfg, names, os.getpid(), handoff[role], env))
+                                args=(role, builders[role], cfg, names, os.getpid(), handoff[role], env))
                 p.start()
                 ws.procs[role] = p
             for role in ws.procs:
