@@ -52,3 +52,37 @@ def test_serve_disagg_with_tensor_parallelism_exits_2_naming_it() -> None:
                         "preset:tiny-llama", "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--mode disagg" in r.stderr and "tensor_parallel_size=2" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("visible,devices,want", [
+    (2, None, ("cuda:0", "cuda:1")),  # prefill on GPU 0, decode on GPU 1
+    (4, (3, 1), ("cuda:3", "cuda:1")),  # ParallelConfig.devices: (prefill's, decode's)
+    (1, None, "but 1 GPU is visible; it needs two"),
+    (0, None, "but 0 GPUs are visible"),
+    (2, (0, 2), "prefill on GPU 0 and decode on GPU 2, but 2 GPUs are visible"),
+])
+def test_disagg_devices_on_gpus(monkeypatch: pytest.MonkeyPatch, visible: int, devices: tuple[int, int] | None,
+                                want: tuple[str, str] | str) -> None:
+    """Checked in the router before any worker starts (engine/disagg.py:builders_for); no GPU needed here."""
+    import torch
+
+    from rapidserve.engine import disagg
+
+    monkeypatch.setattr(disagg, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    cfg = config(device="auto", devices=devices) if devices else config(device="auto")
+    if isinstance(want, str):
+        with pytest.raises(ConfigError, match=want):
+            disagg.builders_for(cfg)
+        return
+    assert tuple(str(d) for d in disagg.disagg_devices(cfg)) == want
+    b = disagg.builders_for(cfg)
+    assert (b["decode"], b["prefill"]) == (disagg.build_disagg_decode, disagg.build_disagg_prefill)
+
+
+def test_other_modes_keep_their_builders() -> None:
+    from rapidserve.engine import disagg
+    from rapidserve.engine.worker_build import BUILDERS
+
+    assert disagg.builders_for(config("rapid")) is BUILDERS and disagg.builders_for(config("hybrid")) is BUILDERS
+    assert [str(d) for d in disagg.disagg_devices(config())] == ["cpu", "cpu"]  # on CPU both instances
