@@ -254,7 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--mode", default="rapid", choices=ENGINE_MODES,
                     help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
-                         "pass per step under --max-num-batched-tokens (the baseline)")
+                         "pass per step under --max-num-batched-tokens (the baseline); disagg: prefill on GPU 0 "
+                         "and decode on GPU 1, each with its own copy of the weights, the prompt's KV copied "
+                         "into decode's pool over NVLink/PCIe (the 1P1D disaggregated baseline; needs two GPUs, "
+                         "no -tp/-dp; on CPU both run on the CPU)")
     par = sv.add_argument_group("parallelism (GPUs picked with CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
     par.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                      help="GPUs each layer is split over (NCCL/RCCL on GPUs, gloo on CPU): per GPU a decode and a "

@@ -13,9 +13,11 @@ from typing import Literal
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 # rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
-# mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline.
-EngineMode = Literal["rapid", "hybrid"]
-ENGINE_MODES: tuple[str, ...] = ("rapid", "hybrid")
+# mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline; disagg: prefill on
+# one GPU and decode on another, each with its own weights, KV moved between their pools (DistServe /
+# Dynamo 1P1D, the disaggregated baseline; engine/disagg.py).
+EngineMode = Literal["rapid", "hybrid", "disagg"]
+ENGINE_MODES: tuple[str, ...] = ("rapid", "hybrid", "disagg")
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
@@ -214,7 +216,7 @@ class LaunchConfig:
     ring_slots: int = 1024
     ring_slot_size: int = 1024
     stats_interval_s: float = 0.25
-    mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid uses no MPS
+    mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid and disagg use no MPS
 
     def __post_init__(self) -> None:
         _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
@@ -248,10 +250,10 @@ class ParallelConfig:
         _check(self.data_parallel_size >= 1,
                f"data_parallel_size={self.data_parallel_size} must be >= 1 (1: one engine)")
         if self.devices is not None:
-            _check(len(self.devices) == self.world_size and len(set(self.devices)) == len(self.devices)
-                   and all(d >= 0 for d in self.devices),
+            _check((len(self.devices) == self.world_size or self.world_size == 1 and len(self.devices) == 2)
+                   and len(set(self.devices)) == len(self.devices) and all(d >= 0 for d in self.devices),
                    f"devices={list(self.devices)} must be {self.world_size} distinct GPU indices "
-                   f"(tensor_parallel_size x data_parallel_size)")
+                   f"(tensor_parallel_size x data_parallel_size), or two for --mode disagg (prefill, decode)")
 
     @property
     def world_size(self) -> int:
@@ -385,3 +387,14 @@ class EngineConfig:
         par = self.parallel
         problem = self.model_config.tp_problem(par.tensor_parallel_size)
         _check(problem is None, problem or "")
+        if self.launch.mode == "disagg":  # one prefill and one decode instance, a GPU each (engine/disagg.py)
+            _check(par.world_size == 1, f"--mode disagg runs one prefill and one decode instance on a GPU each: it "
+                   f"takes no tensor or data parallelism (tensor_parallel_size={par.tensor_parallel_size}, "
+                   f"data_parallel_size={par.data_parallel_size}); use 1 and 1")
+            _check(self.runner.device in ("auto", "cpu", "cuda"), f"device={self.runner.device!r} names one GPU but "
+                   "--mode disagg uses two (prefill on GPU 0, decode on GPU 1, or ParallelConfig.devices); use "
+                   "--device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
+        else:
+            _check(par.devices is None or len(par.devices) == par.world_size,
+                   f"devices={list(par.devices or ())}: two GPUs for one engine are for --mode disagg (prefill, "
+                   f"decode); mode {self.launch.mode} uses {par.world_size}")

@@ -83,6 +83,7 @@ class AsyncEngine:
         # one (the workers hold the id as long: engine/decode_scheduler.py). Cleared with the workers.
         self._settling: set[str] = set()
         self.stats: m.Stats | None = None
+        self.heartbeat: m.Heartbeat | None = None  # the prefill worker's latest
         self.mps = MpsController()
         self.mps_plan: MpsPlan | None = None
         self.state = "starting"  # starting | ready | restarting | down
@@ -110,8 +111,9 @@ class AsyncEngine:
     async def _start_workers(self) -> None:
         assert self.loop is not None
         platform = "cpu" if self.cfg.runner.device == "cpu" else _gpu_platform()
-        if self.mps_plan is None and self.cfg.launch.mode == "hybrid":  # one process: nothing to share
-            self.mps_plan = MpsPlan("off", False, False, None, None, "hybrid mode: one worker process, no MPS")
+        if self.mps_plan is None and self.cfg.launch.mode in ("hybrid", "disagg"):  # nothing shares a GPU
+            why = "one worker process" if self.cfg.launch.mode == "hybrid" else "one worker per GPU"
+            self.mps_plan = MpsPlan("off", False, False, None, None, f"{self.cfg.launch.mode} mode: {why}, no MPS")
         if self.mps_plan is None:
             import tempfile
 
@@ -273,6 +275,8 @@ class AsyncEngine:
                     s.queue.put_nowait(err)
             elif isinstance(msg, m.Stats):
                 self.stats = msg
+            elif isinstance(msg, m.Heartbeat):
+                self.heartbeat = msg
             elif isinstance(msg, m.WorkerError):
                 self.events.append(f"{msg.worker} worker error: {msg.message.splitlines()[0]}")
 

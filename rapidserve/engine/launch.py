@@ -4,7 +4,8 @@
 their names) and spawns the workers, each through the one entry point `worker_io.run_worker(role,
 build)` with its role's builder (`engine/worker_build.py`): in rapid mode decode and prefill start
 together (prefill waits for decode's one-time hand-off of IPC handles to its weights and KV pool); in
-hybrid mode (`LaunchConfig.mode`) one hybrid worker sits in decode's seat and only r2d and d2r exist.
+hybrid mode (`LaunchConfig.mode`) one hybrid worker sits in decode's seat and only r2d and d2r exist;
+disagg mode starts rapid's two workers with its own builders (engine/disagg.py), one GPU each.
 It waits for each worker's Ready; a worker that fails, exits or is not ready within
 `startup_timeout_s` stops everything and raises.
 
@@ -46,9 +47,10 @@ class WorkerSet:
 
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
+        from rapidserve.engine.disagg import builders_for  # loads torch: only once workers start
         from rapidserve.engine.tp_workers import rank_config, run_follower, tp_env, tp_seats
-        from rapidserve.engine.worker_build import BUILDERS  # loads torch: only once workers start
 
+        builders = builders_for(cfg)  # role -> builder; disagg mode's own (engine/disagg.py), its GPUs checked
         cleanup_stale()
         eid = new_engine_id()
         hybrid = cfg.launch.mode == "hybrid"
@@ -79,7 +81,7 @@ class WorkerSet:
                     seat = seats[role][rank] if seats else None
                     if rank == 0:
                         target: Any = run_worker
-                        args: tuple[Any, ...] = (role, BUILDERS[role], rcfg, names, os.getpid(), handoff[role], env,
+                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff[role], env,
                                                  seat)
                     else:
                         target, args = run_follower, (role, seat, rcfg, os.getpid(), handoff[role], env)

@@ -115,6 +115,7 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
 
     worker: str
     queued: int = 0  # prompts waiting for or in prefill
+    staging_in_use: int = 0  # disagg: blocks of the prefill instance's own staging pool held by its jobs
 
 
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):

@@ -159,8 +159,10 @@ class PrefillWorker:
         items = [PrefillItem(j.tokens[j.done_tokens : j.done_tokens + n], j.done_tokens, j.blocks,
                              need_logits=j.done_tokens + n == len(j.tokens)) for j, n in batch]
         logits = self.runner.prefill(items)
+        self.forward_queued(batch)
         finished = [j for (j, n), it in zip(batch, items, strict=True) if it.need_logits]
         firsts, dones = self._sample(finished, logits) if finished else ([], [])
+        self.computed(batch, finished)
         for j, n in batch:  # only once everything above has succeeded
             j.done_tokens += n
         for j in finished:
@@ -169,6 +171,13 @@ class PrefillWorker:
             self.io.to_router.send(m.TokenBatch(firsts))
         for d in dones:
             self.io.to_decode.send(d)
+
+    # Seams of disagg mode (engine/disagg.py), which computes into its own staging pool; here, in place.
+    def forward_queued(self, batch: list[tuple[Job, int]]) -> None:
+        """The forward over `batch` is queued on the current stream (its KV writes are in decode's pool)."""
+
+    def computed(self, batch: list[tuple[Job, int]], finished: list[Job]) -> None:
+        """`batch` is computed and sampled; `finished` are done and about to be published."""
 
     def _fail(self, job: Job, e: BaseException) -> None:
         self.runner.synchronize()  # a forward that raised may still be writing its blocks
