@@ -244,6 +244,54 @@ def test_one_engine_giving_up_is_the_engine_giving_up_and_health_lists_every_eng
     asyncio.run(main())
 
 
+def test_an_engine_that_fails_to_start_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Member] = []
+
+    async def start(c: EngineConfig, mps_plan: object = None) -> Member:
+        assert c.runner.device == "cpu" and mps_plan is None  # the CPU: no MPS daemon
+        member = Member()
+        made.append(member)
+        if len(made) == 2:
+            raise RuntimeError("the decode worker failed to start: out of memory")
+        await asyncio.sleep(0.01)
+        return member
+
+    monkeypatch.setattr("rapidserve.engine.data_parallel.AsyncEngine.start", start)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(DataParallelEngine.start(cfg("cpu", 3)))
+    assert [m.stopped for m in made] == [True, False, True]
+
+
+def test_on_gpus_each_engine_gets_its_device_and_all_share_one_mps_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapidserve.engine.mps import MpsController, MpsPlan
+
+    plan = MpsPlan("auto", True, True, "/tmp/mps-x/pipe", "/tmp/mps-x/log", "MPS on: started a private daemon")
+    starts: list[tuple[str, object]] = []
+    daemons: list[str] = []
+
+    async def start(c: EngineConfig, mps_plan: object = None) -> Member:
+        starts.append((c.runner.device, mps_plan))
+        return Member()
+
+    def mps_start(self: MpsController, mode: str, platform: str, workdir: str) -> MpsPlan:
+        daemons.append(platform)
+        return plan
+
+    monkeypatch.setattr("rapidserve.engine.data_parallel.AsyncEngine.start", start)
+    monkeypatch.setattr("rapidserve.engine.data_parallel.gpu_platform", lambda: "cuda")
+    monkeypatch.setattr("rapidserve.engine.data_parallel._gpu_count", lambda: 2)
+    monkeypatch.setattr(MpsController, "start", mps_start)
+    monkeypatch.setattr(MpsController, "stop", lambda self: None)
+
+    async def main() -> None:
+        dp = await DataParallelEngine.start(cfg("cuda", 2))
+        assert starts == [("cuda:0", plan), ("cuda:1", plan)] and daemons == ["cuda"]
+        assert dp.events[0] == plan.reason and dp.events[1] == "engine 0: workers ready"
+        await dp.shutdown()
+
+    asyncio.run(main())
+
+
 def test_data_parallel_size_usage_errors_exit_2() -> None:
     for args, needle in ((["--data-parallel-size", "0"], "--data-parallel-size/-dp: 0 must be an integer >= 1"),
                          (["-dp", "two"], "'two' is not an integer"),

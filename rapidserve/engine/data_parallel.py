@@ -130,7 +130,7 @@ class DataParallelEngine:
     @classmethod
     async def start(cls, cfg: EngineConfig) -> DataParallelEngine:
         """Start every engine at once (each loads its model and captures its graphs in parallel);
-        if one fails to start, the others are stopped and the error is raised."""
+        if one fails to start, the others are stopped and its error is raised as it came."""
         loop = asyncio.get_running_loop()
         platform = "cpu" if cfg.runner.device == "cpu" else await loop.run_in_executor(None, gpu_platform)
         visible = 0 if platform == "cpu" else await loop.run_in_executor(None, _gpu_count)
@@ -144,16 +144,14 @@ class DataParallelEngine:
         await loop.run_in_executor(None, importlib.import_module, "rapidserve.engine.worker_build")
         results = await asyncio.gather(*(AsyncEngine.start(c, mps_plan=plan) for c in configs),
                                        return_exceptions=True)
-        started = [r for r in results if isinstance(r, AsyncEngine)]
+        started = [r for r in results if not isinstance(r, BaseException)]
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(*(e.shutdown() for e in started), return_exceptions=True)
             await loop.run_in_executor(None, mps.stop)
-            i, err = failed[0]
-            if isinstance(err, Exception) and not isinstance(err, ConfigError):
-                raise EngineError(f"engine {i} of {len(configs)} ({configs[i].runner.device}) failed to start: "
-                                  f"{err}") from err
-            raise err
+            for i, err in failed:
+                log.error("engine %d of %d (%s) failed to start: %s", i, len(configs), configs[i].runner.device, err)
+            raise failed[0][1]
         return cls(cfg, started, mps, plan)
 
     async def shutdown(self) -> None:
