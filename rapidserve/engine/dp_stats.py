@@ -6,7 +6,9 @@ How each field combines:
   this and its earlier worker generations. An engine's counts start again from 0 when its workers
   restart; `CounterCarry` notices the drop and keeps what the dead generation had counted, so the sum
   never goes down because one engine restarted (the server's metrics take a drop as a restart of the
-  whole engine and would count the survivors' totals twice).
+  whole engine and would count the survivors' totals twice). The drop is seen when a read (a /metrics
+  scrape) falls between the last report of the old workers and the first report of the new ones that
+  passes it; otherwise what the old ones counted after the previous read is lost, as with one engine.
 - gauges (`num_running`, `num_waiting`, `num_prefilling`, `kv_blocks_total`, `kv_blocks_free`,
   `token_slots`): the sum over the engines that are running now. A dead or restarting engine holds no
   requests and no pool, so its last report is left out; KV usage, 1 - free/total, is then the share of
