@@ -58,9 +58,21 @@ def test_engine_configs_place_engine_i_on_gpu_i(device: str, dp: int, devices: t
         assert dataclasses.replace(c, runner=got[0].runner, parallel=got[0].parallel) == got[0]
 
 
+@pytest.mark.parametrize("device,devices,visible,want", [
+    ("cuda", None, 4, [("cuda:0", (0, 1)), ("cuda:2", (2, 3))]),  # engine i's rank r on gpus()[i * tp + r]
+    ("auto", (4, 5, 0, 1), 6, [("cuda:4", (4, 5)), ("cuda:0", (0, 1))]),
+    ("cpu", None, 4, [("cpu", None), ("cpu", None)]),
+])
+def test_engine_configs_with_tensor_parallelism_give_each_engine_its_ranks_gpus(
+        device: str, devices: tuple[int, ...] | None, visible: int,
+        want: list[tuple[str, tuple[int, ...] | None]]) -> None:
+    got = engine_configs(cfg(device, 2, tp=2, devices=devices), visible)
+    assert [(c.runner.device, c.parallel.devices) for c in got] == want
+    assert all((c.parallel.tensor_parallel_size, c.parallel.data_parallel_size) == (2, 1) for c in got)
+
+
 @pytest.mark.parametrize("config,visible,needle", [
-    (cfg("cuda", 2, tp=2), 4, "not supported yet"),
-    (cfg("cpu", 2, tp=2), 0, "not supported yet"),
+    (cfg("cuda", 2, tp=2), 3, "data_parallel_size=2 x tensor_parallel_size=2 needs GPUs [0, 1, 2, 3] but 3 are"),
     (cfg("cuda", 4), 2, "needs GPUs [0, 1, 2, 3] but 2 are visible"),
     (cfg("cuda", 2, devices=(0, 5)), 4, "needs GPUs [0, 5]"),
 ])
@@ -295,8 +307,8 @@ def test_on_gpus_each_engine_gets_its_device_and_all_share_one_mps_daemon(monkey
 def test_data_parallel_size_usage_errors_exit_2() -> None:
     for args, needle in ((["--data-parallel-size", "0"], "--data-parallel-size/-dp: 0 must be an integer >= 1"),
                          (["-dp", "two"], "'two' is not an integer"),
-                         (["--model", "preset:tiny-llama", "--device", "cpu", "-dp", "2", "-tp", "2"],
-                          "not supported yet")):
+                         (["--model", "preset:tiny-llama", "--device", "cpu", "-dp", "2", "-tp", "3"],
+                          "--tensor-parallel-size 3 must divide")):
         r = subprocess.run([sys.executable, "-m", "rapidserve.cli", "serve", "--port", "0", *args],
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2, r.stderr[-2000:]

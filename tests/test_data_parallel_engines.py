@@ -5,6 +5,7 @@
 - Two hybrid engines in-process: a worker killed in one ends that engine's requests with its error and
   nothing else; the other engine's requests go on and take the new ones while it restarts; an abort
   reaches the engine that holds the request.
+- Two hybrid engines of two tensor-parallel ranks each (gloo): the tokens of one process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from rapidserve import SamplingParams
+from rapidserve import LLM, SamplingParams
 from rapidserve.config import LaunchConfig, ParallelConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine
@@ -147,6 +148,31 @@ def test_a_worker_death_in_one_engine_leaves_the_other_alone() -> None:
             both: dict[str, list[int]] = {"d": [], "e": []}
             await asyncio.gather(*(tokens(dp, rid, 3, both[rid]) for rid in both))
             assert both["d"] == both["e"] and len(both["d"]) == 3
+        finally:
+            await dp.shutdown()
+
+    asyncio.run(main())
+
+
+def test_two_engines_of_two_tensor_parallel_ranks_each() -> None:
+    llm = LLM("preset:tiny-llama", dtype="float32", device="cpu", show_progress=False, max_model_len=256)
+    params = SamplingParams(**GREEDY)  # type: ignore[arg-type]
+    want = [o.outputs[0].token_ids for o in llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)]
+
+    async def main() -> None:
+        cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                                     **SMALL)
+        cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps="off", mode="hybrid"),
+                                  parallel=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+        dp = await DataParallelEngine.start(cfg)
+        try:
+            assert [len(e.workers.procs) for e in dp.engines] == [2, 2]  # type: ignore[attr-defined]
+
+            async def one(i: int) -> list[int]:
+                return [t.token_id async for t in dp.generate(f"r{i}", PROMPTS[i], params)]
+
+            got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            assert got == want and min(dp.dispatched) > 0
         finally:
             await dp.shutdown()
 

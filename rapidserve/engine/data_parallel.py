@@ -7,7 +7,9 @@
 
 Each member is a whole `AsyncEngine` (rapid or hybrid: its own worker processes, rings, KV pool and
 supervision); engine i runs on GPU `cfg.parallel.gpus()[i * tp]` (its config's `runner.device` is
-`cuda:<gpu>`, so the workers' `ModelRunner` selects it; on the CPU every engine runs on the CPU). The
+`cuda:<gpu>`, so the workers' `ModelRunner` selects it; on the CPU every engine runs on the CPU), and
+with tensor parallelism its rank r on `gpus()[i * tp + r]` (its config's `parallel` lists those GPUs,
+which the launcher's `rank_config` reads). The
 members share nothing but the router's event loop and, in rapid mode on NVIDIA, one MPS control daemon
 (started here, once, for all of them). The server uses this class exactly as it uses an `AsyncEngine`.
 
@@ -78,14 +80,12 @@ def pick_engine(in_flight: Sequence[int], running: Sequence[bool]) -> int | None
 
 def engine_configs(cfg: EngineConfig, visible_gpus: int) -> list[EngineConfig]:
     """One config per engine. With GPUs (`visible_gpus` > 0 and a device of auto or cuda) engine i gets
-    `runner.device = cuda:<gpus()[i * tp]>`; on the CPU (device cpu, or auto with no GPU) every engine
-    gets the CPU. Each engine's `parallel` is a single replica (data_parallel_size 1) over its own GPUs,
-    so nothing below the router sees data parallelism. Raises ConfigError for what cannot run."""
+    `runner.device = cuda:<gpus()[i * tp]>` and `parallel` = one replica of `tp` ranks over
+    `gpus()[i * tp:(i + 1) * tp]`; on the CPU (device cpu, or auto with no GPU) every engine gets the CPU
+    and a replica of `tp` ranks. Nothing below the router sees data parallelism (data_parallel_size is 1
+    in every engine's config). Raises ConfigError when the GPUs asked for are not all visible."""
     par = cfg.parallel
     dp, tp = par.data_parallel_size, par.tensor_parallel_size
-    if dp > 1 and tp > 1:
-        raise ConfigError(f"data_parallel_size={dp} with tensor_parallel_size={tp} is not supported yet: use "
-                          "one of them (--data-parallel-size N, or --tensor-parallel-size N)")
     device = cfg.runner.device
     on_cpu = device == "cpu" or (device == "auto" and visible_gpus == 0)
     if not on_cpu:
