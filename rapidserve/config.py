@@ -339,7 +339,7 @@ class ServerConfig:
     api_key: str | None = None
     metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
     served_model_name: str | None = None
-    max_waiting: int = 512  # requests queued beyond max_num_seqs before the server answers 503
+    max_waiting: int = 512  # requests queued beyond max_num_seqs (x data_parallel_size) before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
     shutdown_grace_s: float = 10.0

@@ -100,8 +100,11 @@ class AsyncEngine:
 
     # ---- life cycle -------------------------------------------------------------------------
     @classmethod
-    async def start(cls, cfg: EngineConfig) -> AsyncEngine:
+    async def start(cls, cfg: EngineConfig, mps_plan: MpsPlan | None = None) -> AsyncEngine:
+        """Start the workers. `mps_plan`: how they reach an MPS daemon someone else owns (data
+        parallelism: one daemon for every engine); None: this engine settles MPS itself."""
         self = cls(cfg)
+        self.mps_plan = mps_plan
         self.loop = asyncio.get_running_loop()
         await self._start_workers()
         atexit.register(self._shutdown_sync)
@@ -110,7 +113,7 @@ class AsyncEngine:
 
     async def _start_workers(self) -> None:
         assert self.loop is not None
-        platform = "cpu" if self.cfg.runner.device == "cpu" else _gpu_platform()
+        platform = "cpu" if self.cfg.runner.device == "cpu" else gpu_platform()
         if self.mps_plan is None and self.cfg.launch.mode in ("hybrid", "disagg"):  # nothing shares a GPU
             why = "one worker process" if self.cfg.launch.mode == "hybrid" else "one worker per GPU"
             self.mps_plan = MpsPlan("off", False, False, None, None, f"{self.cfg.launch.mode} mode: {why}, no MPS")
@@ -392,7 +395,7 @@ def heartbeat_bound(cfg: EngineConfig) -> float:
     """Seconds of silence after which a worker is taken as hung (LaunchConfig.heartbeat_timeout_s)."""
     if cfg.launch.heartbeat_timeout_s is not None:
         return cfg.launch.heartbeat_timeout_s
-    return 600.0 if cfg.runner.device == "cpu" or _gpu_platform() == "cpu" else 60.0
+    return 600.0 if cfg.runner.device == "cpu" or gpu_platform() == "cpu" else 60.0
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -420,7 +423,7 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _term)
 
 
-def _gpu_platform() -> str:
+def gpu_platform() -> str:
     import torch
 
     if not torch.cuda.is_available():

@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP server (aiohttp) over the engine's client API.
 
 Routes: POST /v1/completions, /v1/chat/completions, /generate (plain native shape);
-GET /v1/models, /health (200 only once the workers are ready), /metrics (Prometheus text),
+GET /v1/models, /health (200 only once the workers are ready; with data parallelism, while any engine
+is, "degraded" when not all are), /metrics (Prometheus text),
 /openapi.json (generated from the request types).
 
 A request's way: headers and body are checked (server/body.py: JSON content type, size, UTF-8,
 nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/requests.py, types in
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
-bounded (max_num_seqs running + max_waiting queued, beyond that 503 with Retry-After; a request
+bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
 detokenized incrementally (stop strings matched on the text, left out of the output); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
@@ -36,6 +37,7 @@ from aiohttp import web
 
 from rapidserve.config import EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.engine.messages import TokenOut
 from rapidserve.server.body import check_headers
 from rapidserve.server.detokenizer import IncrementalDetokenizer
@@ -84,14 +86,15 @@ class Choice:
 
 
 class Server:
-    def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine, tokenizer: Tokenizer | None,
+    def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
+                 tokenizer: Tokenizer | None,
                  model_name: str, tool_parser: str | None = None) -> None:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
-        self.capacity = ecfg.scheduler.max_num_seqs + cfg.max_waiting
+        self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
         self.ending: str | None = None  # set by end_all(): why every request still in flight was ended
@@ -158,14 +161,20 @@ class Server:
     # ---- simple routes ----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         """200 {"status": "ok"} while the engine is ready; else 503 with the status and why:
-        starting, restarting, down (the engine gave up or stopped) or draining (the server stops)."""
+        starting, restarting, down (the engine gave up or stopped) or draining (the server stops).
+        With data parallelism the body lists every engine (`engines`), and the server is ready while
+        any engine is: 200 with status "degraded" and the reason while others are not."""
         state = self.engine.state
+        per_engine = self.engine.health() if isinstance(self.engine, DataParallelEngine) else None
+        extra: dict[str, Any] = {"engines": per_engine} if per_engine is not None else {}
         if state == "ready" and not self.draining:
-            return web.json_response({"status": "ok"})
+            if per_engine is not None and any(e["state"] != "ready" for e in per_engine):
+                return web.json_response({"status": "degraded", "reason": self.engine.dead_reason, **extra})
+            return web.json_response({"status": "ok", **extra})
         status = "draining" if self.draining else state
         reason = {"starting": "the engine workers are starting",
                   "draining": "the server is shutting down and takes no new requests"}.get(status)
-        return web.json_response({"status": status, "reason": reason or self.engine.dead_reason or status},
+        return web.json_response({"status": status, "reason": reason or self.engine.dead_reason or status, **extra},
                                  status=503, headers={"Retry-After": "5"})
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@ one still running ends with an error (a stream: error event + `data: [DONE]`; ot
 workers stop, and the process exits 0 within the grace + ~2 s. A second signal skips the rest of
 the grace. When the engine gives up for good (`engine.fatal`: its restart budget is used up, or
 `on_worker_death=shutdown`), the server logs why, ends what is in flight the same way at once and
-exits 1, so that its supervisor (systemd, Kubernetes, Slurm) starts it afresh.
+exits 1, so that its supervisor (systemd, Kubernetes, Slurm) starts it afresh. With
+`--data-parallel-size N` the engine is a `DataParallelEngine` of N engines; one of them giving up
+is the engine giving up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiohttp import web
 
 from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig, ServerConfig
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.loader import ModelSource
 from rapidserve.server.connections import GuardedRunner
 from rapidserve.server.tools import resolve_parser, template_renders_tools
@@ -101,7 +104,7 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     name = model_name(ecfg, source, scfg.served_model_name)
     tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
     t0 = time.monotonic()
-    engine = await AsyncEngine.start(ecfg)
+    engine = await start_engine(ecfg)
     for line in engine.events:
         log.info("%s", line)
     server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser)
@@ -154,6 +157,13 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     await engine.shutdown()
     print("rapidserve: stopped", flush=True)
     return EXIT_ENGINE_DOWN if fatal else 0
+
+
+async def start_engine(ecfg: EngineConfig) -> AsyncEngine | DataParallelEngine:
+    """One engine, or with `--data-parallel-size N` (N > 1) N of them behind this router."""
+    if ecfg.parallel.data_parallel_size > 1:
+        return await DataParallelEngine.start(ecfg)
+    return await AsyncEngine.start(ecfg)
 
 
 async def _first(*events: asyncio.Event, timeout: float | None = None) -> None:
