@@ -91,6 +91,12 @@ class Carry:
             self.token_ids.record_stream(torch.cuda.current_stream(dev))
 
 
+class RanksDiverged(RuntimeError):
+    """A tensor-parallel leader's forward failed after its followers queued theirs: fatal to the worker."""
+
+    fatal = True
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -248,9 +254,10 @@ class ModelRunner:
             if top >= len(items) or any(len(items[i].token_ids) != 1 for i in range(top + 1)):
                 raise ValueError("carry rows must index the leading one-token items")
         arrays = self._prefill_arrays(items)
-        if self.leader is not None:
-            self.leader.forward("prefill", arrays, "default", carry)
-        return self._prefill_run(pool, arrays, carry)
+        if self.leader is None:
+            return self._prefill_run(pool, arrays, carry)
+        self.leader.forward("prefill", arrays, "default", carry)
+        return self._published(lambda: self._prefill_run(pool, arrays, carry))
 
     def _prefill_arrays(self, items: Sequence[PrefillItem]) -> tuple[np.ndarray, ...]:
         """Host inputs of a prefill forward: ids, positions, tables, slots, ctx, cu, want (the rows
@@ -302,9 +309,19 @@ class ModelRunner:
 
     def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, carry: Carry | None) -> torch.Tensor:
         arrays = self._decode_arrays(items, self.max_blocks_per_seq)
-        if self.leader is not None:
-            self.leader.forward("decode", arrays, graph_key, carry)
-        return self._decode_run(arrays, graph_key, carry)
+        if self.leader is None:
+            return self._decode_run(arrays, graph_key, carry)
+        self.leader.forward("decode", arrays, graph_key, carry)
+        return self._published(lambda: self._decode_run(arrays, graph_key, carry))
+
+    def _published(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A call the followers were told of: if it fails here, theirs did not, and the ranks' collectives no
+        longer pair up; the worker must die (the router restarts the engine) rather than go on."""
+        try:
+            return run()
+        except Exception as e:
+            raise RanksDiverged(f"a tensor-parallel forward failed on the leader after the followers were told of "
+                                f"it ({type(e).__name__}: {e}); the ranks' collectives no longer pair up") from e
 
     def _decode_run(self, arrays: Sequence[np.ndarray], graph_key: str, carry: Carry | None) -> torch.Tensor:
         """Everything on the current stream: the static buffers are filled on the stream that replays
@@ -427,7 +444,7 @@ class ModelRunner:
 
     def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
                     eos: tuple[int, ...], grammar: GrammarMask | None = None, history: HistoryOf | None = None,
-                    record: bool = True) -> SamplerOutput:
+                    record: bool = True, share: bool = True) -> SamplerOutput:
         """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
         `min_tokens` is not reached (in place), the request's seeded generator at that index.
         `grammar`: the step's structured-output bitmask (rapidserve/structured), applied in place; its
@@ -437,7 +454,8 @@ class ModelRunner:
         where the controls read earlier tokens. The sampled tokens are added to the rows' slots on the
         device (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()`
         once the caller's step is wholly queued (a step that fails after sampling must not count its
-        tokens; a retry that is not taken never calls it)."""
+        tokens; a retry that is not taken never calls it). Under tensor parallelism the tokens are broadcast to
+        the followers (a later Carry reads them there) unless `share=False` (a retry whose step is not taken)."""
         self._unrecorded = None
         rows: list[int] = []
         cols: list[int] = []
@@ -460,7 +478,7 @@ class ModelRunner:
                 apply_grammar_mask(logits, grammar)
             gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
             if not controlled:
-                return self._shared(self.sample(logits, params, gens))
+                return self._shared(self.sample(logits, params, gens), share)
             plan = plan_controls(params, output_index, history, self.tokens, logits.shape[-1])
             out = self.sampler.sample(apply_controls(logits, plan, self.tokens), list(params), list(gens),
                                       raw_logits=logits)
@@ -468,11 +486,11 @@ class ModelRunner:
                 record_tokens(out.token_ids, plan, self.tokens)
             else:
                 self._unrecorded = (out.token_ids, plan)
-            return self._shared(out)
+            return self._shared(out, share)
 
-    def _shared(self, out: SamplerOutput) -> SamplerOutput:
+    def _shared(self, out: SamplerOutput, share: bool) -> SamplerOutput:
         """Tensor parallelism: the followers receive the sampled tokens (a Carry reads them there too)."""
-        if self.leader is not None:
+        if self.leader is not None and share:
             self.leader.sampled(out.token_ids)
         return out
 

@@ -145,3 +145,68 @@ def test_followers_replay_the_leader(model: str, tp: int) -> None:
     got = _run_tp(model, tp, mirrored=True)
     assert got[0][0] == want
     assert all(got[r][0] == "done" for r in range(1, tp))
+
+
+class _Recorder:
+    """A stand-in Leader: records what would be published."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def forward(self, kind: str, arrays: object, graph_key: str, carry: object) -> None:
+        self.calls.append(kind)
+
+    def sampled(self, token_ids: torch.Tensor) -> None:
+        self.calls.append(f"sampled {len(token_ids)}")
+
+
+def test_a_leader_forward_failing_after_publication_is_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the followers were told of a call, a failure on the leader alone leaves the ranks' collectives
+    unpaired: the worker must die (engine/faults.is_fatal), while a failure before publication (bad inputs)
+    stays a failure of the request."""
+    from rapidserve.engine.faults import is_fatal
+    from rapidserve.runner import RanksDiverged
+
+    cfg, source = _config("preset:tiny-llama")
+    runner = ModelRunner(cfg, source, show_progress=False)
+    rec = _Recorder()
+    runner.leader = rec  # type: ignore[assignment]
+    runner.decode([DecodeItem(5, 0, [0])])
+    assert rec.calls == ["decode"]
+
+    def boom(*a: object) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(runner, "_decode_run", boom)
+    with pytest.raises(RanksDiverged) as e:
+        runner.decode([DecodeItem(5, 1, [0])])
+    assert is_fatal(e.value) and rec.calls == ["decode", "decode"]
+    with pytest.raises(ValueError, match="carry rows"):  # refused before publication: nothing sent
+        runner.prefill([PrefillItem([1, 2], 0, [0])], carry=Carry(torch.zeros(1, dtype=torch.int64), [(0, 0)]))
+    assert rec.calls == ["decode", "decode"]
+
+
+def test_blamed_retries_are_not_broadcast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample_or_blame's one-row retries belong to a step that is not taken: never broadcast (a follower
+    keeps only the last few samples for a Carry)."""
+    from rapidserve.engine.faults import RequestsFailed, sample_or_blame
+
+    cfg, source = _config("preset:tiny-llama")
+    runner = ModelRunner(cfg, source, show_progress=False)
+    rec = _Recorder()
+    runner.leader = rec  # type: ignore[assignment]
+    logits = torch.zeros(2, cfg.model_config.vocab_size)
+    good = SamplingParams(temperature=0.0)
+    out = sample_or_blame(runner, logits, [good, good], [0, 0], (2,))
+    assert rec.calls == ["sampled 2"] and len(out.token_ids) == 2
+    whole = runner.sample
+
+    def batch_fails(logits: torch.Tensor, params: list, gens: list) -> object:
+        if len(params) > 1:
+            raise RuntimeError("the batch fails, each row alone works")
+        return whole(logits, params, gens)
+
+    monkeypatch.setattr(runner, "sample", batch_fails)
+    with pytest.raises(RequestsFailed):
+        sample_or_blame(runner, logits, [good, good], [0, 0], (2,))
+    assert rec.calls == ["sampled 2"]  # the two one-row retries sampled, and were not broadcast

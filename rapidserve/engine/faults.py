@@ -45,7 +45,7 @@ def is_fatal(e: BaseException) -> bool:
     """Whether a worker must die of `e` rather than fail the request(s) it was working on: errors
     from the device runtime (the context is unusable afterwards) and interpreter-level exits.
     Anything else, an out-of-memory error included, fails the request(s) and the worker goes on."""
-    if not isinstance(e, Exception):
+    if not isinstance(e, Exception) or getattr(e, "fatal", False):  # e.g. runner.RanksDiverged
         return True
     text = f"{type(e).__name__}: {e}"
     return type(e).__name__ == "AcceleratorError" or any(
@@ -75,7 +75,8 @@ def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], 
         row_history = None if history is None else (lambda _j, i=i: history(i))
         try:
             runner.sample_next(logits[i : i + 1], [params[i]], [index[i]], eos,
-                               None if grammar is None else grammar.for_row(i), history=row_history, record=False)
+                               None if grammar is None else grammar.for_row(i), history=row_history, record=False,
+                               share=False)  # never carried: this step is not taken
         except Exception as e:  # noqa: BLE001 - this row fails alone
             if is_fatal(e):
                 raise
