@@ -6,6 +6,7 @@
   nothing else; the other engine's requests go on and take the new ones while it restarts; an abort
   reaches the engine that holds the request.
 - Two hybrid engines of two tensor-parallel ranks each (gloo): the tokens of one process.
+- (gpu) Two engines on two GPUs: engine i's workers on cuda:i, one MPS plan, the tokens of one GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rapidserve import LLM, SamplingParams
@@ -167,6 +169,46 @@ def test_two_engines_of_two_tensor_parallel_ranks_each() -> None:
         dp = await DataParallelEngine.start(cfg)
         try:
             assert [len(e.workers.procs) for e in dp.engines] == [2, 2]  # type: ignore[attr-defined]
+
+            async def one(i: int) -> list[int]:
+                return [t.token_id async for t in dp.generate(f"r{i}", PROMPTS[i], params)]
+
+            got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            assert got == want and min(dp.dispatched) > 0
+        finally:
+            await dp.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
+def test_two_engines_on_two_gpus(mode: str) -> None:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    llm = LLM("preset:tiny-llama", dtype="float32", device="cuda", show_progress=False, max_model_len=256,
+              num_kv_blocks=64)
+    params = SamplingParams(**GREEDY)  # type: ignore[arg-type]
+    want = [o.outputs[0].token_ids for o in llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)]
+    del llm
+
+    async def main() -> None:
+        cfg, _ = build_engine_config("preset:tiny-llama", device="cuda", dtype="float32",  # type: ignore[arg-type]
+                                     **SMALL)
+        cfg = dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, startup_timeout_s=300),  # type: ignore[arg-type]
+                                  parallel=ParallelConfig(data_parallel_size=2))
+        dp = await DataParallelEngine.start(cfg)
+        try:
+            role = "hybrid" if mode == "hybrid" else "decode"
+            devices = [e.workers.ready[role].info["device"] for e in dp.engines]  # type: ignore[attr-defined]
+            assert devices == ["cuda:0", "cuda:1"]
+            plans = [e.mps_plan for e in dp.engines]  # type: ignore[attr-defined]
+            if mode == "rapid":  # one daemon (or none) for both engines
+                assert plans[0] is plans[1] is dp.mps_plan
+            else:  # one process per engine: no MPS
+                assert dp.mps_plan is None and not any(p.active for p in plans)
 
             async def one(i: int) -> list[int]:
                 return [t.token_id async for t in dp.generate(f"r{i}", PROMPTS[i], params)]
