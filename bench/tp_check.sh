@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 parts=",${PARTS:-tests,allreduce,compare},"
 tables=()
 if [[ $parts == *,tests,* ]]; then
-    timeout 240 "$py" -m pytest -q -m gpu tests/test_tp_engines.py tests/test_disagg_connector.py 2>&1 | tail -15 \
+    timeout 240 "$py" -m pytest -q -m gpu tests/test_tp_engines.py tests/test_disagg_connector.py tests/test_data_parallel_engines.py 2>&1 | tail -15 \
         | tee "$out/tp_tests.log"
 fi
 if [[ $parts == *,allreduce,* ]]; then
