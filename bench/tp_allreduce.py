@@ -81,14 +81,18 @@ def main() -> int:
     a = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
-    os.environ.setdefault("NCCL_MAX_CTAS", "16")
     from rapidserve.parallel.group import group_specs
 
     shares = tuple(float(s) for s in a.shares.split(","))
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(4), ctx.Queue()
     procs = []
+    from rapidserve.engine.tp_workers import tp_env
+
     for role in ("decode", "prefill"):
+        env = tp_env(role)  # what the engine gives each role (spawned children copy os.environ)
+        os.environ.pop("NCCL_MAX_CTAS", None)
+        os.environ.update({k: v for k, v in env.items() if v is not None})
         for spec in group_specs(role, 2, "nccl"):
             procs.append(ctx.Process(target=_worker, args=(role, spec.rank, spec, barrier, q, shares)))
     for pr in procs:
@@ -105,10 +109,10 @@ def main() -> int:
         pr.join(30)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"env": {k: os.environ.get(k) for k in ("NCCL_MAX_CTAS", "NCCL_NVLS_ENABLE")}, "rows": rows},
+            json.dump({"env": {r: tp_env(r) for r in ("decode", "prefill")}, "rows": rows},
                       f, indent=1)
-    print(f"# all-reduce inside partitions, 2 GPUs, hidden {HIDDEN} bf16, mean of {ITERS}; "
-          f"NCCL_MAX_CTAS={os.environ.get('NCCL_MAX_CTAS')}\n")
+    caps = {r: tp_env(r).get("NCCL_MAX_CTAS") or "NCCL default" for r in ("decode", "prefill")}
+    print(f"# all-reduce inside partitions, 2 GPUs, hidden {HIDDEN} bf16, mean of {ITERS}; NCCL_MAX_CTAS {caps}\n")
     print("| configuration | role | SMs | rows | alone (ms) | both phases at once (ms) | alone GB/s (algbw x2) |")
     print("|---|---|---|---|---|---|---|")
     key = {(r["config"], r["role"], r["rows"], r["phase"]): r for r in rows}

@@ -70,8 +70,6 @@ class WorkerSet:
         # keeps no end of it once both workers have theirs.
         pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
         seats = tp_seats(cfg, eid, roles, ws.rings)  # adds the mirror rings to ws.rings (unlinked by stop)
-        if seats:
-            env = {**tp_env(), **env}
         try:
             for rank in range(tp):
                 rx, tx = pipes[rank]
@@ -79,12 +77,13 @@ class WorkerSet:
                 rcfg = rank_config(cfg, rank)
                 for role in roles:
                     seat = seats[role][rank] if seats else None
+                    renv = {**tp_env(role), **env} if seats else env
                     if rank == 0:
                         target: Any = run_worker
-                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff[role], env,
+                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff[role], renv,
                                                  seat)
                     else:
-                        target, args = run_follower, (role, seat, rcfg, os.getpid(), handoff[role], env)
+                        target, args = run_follower, (role, seat, rcfg, os.getpid(), handoff[role], renv)
                     name = role if rank == 0 else f"{role}.{rank}"
                     p = ctx.Process(target=target, name=f"rapidserve-{name}", daemon=True, args=args)
                     p.start()

@@ -43,6 +43,7 @@ class TPSeat:
 
 
 MIRROR_SLOT_BYTES = 64 * 1024
+DECODE_NCCL_MAX_CTAS = 16
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
@@ -66,16 +67,19 @@ def mirror_ring_bytes(cfg: EngineConfig) -> int:
     return 4 * max(decode, prefill) + (1 << 20)
 
 
-def tp_env() -> dict[str, str | None]:
-    """Environment of every tensor-parallel worker (a variable the user set wins):
+def tp_env(role: str) -> dict[str, str | None]:
+    """Environment of a tensor-parallel worker of `role` (a variable the user set wins):
     - NCCL's NVLink multicast (NVLS) off: it needs a driver feature a shared host may not allow, and the
       all-reduces here are small;
     - no NCCL heartbeat monitor: a follower outlives its leader's TCP store by a moment at every stop,
       which it would report every second;
-    - at most 16 CTAs per NCCL kernel: one per SM of the smallest default partition (an eighth of an
-      H100/H200's 132 SMs), so a collective queued inside a partition never waits for SMs it cannot get
-      (parallel/group.py)."""
-    want = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ENABLE_MONITORING": "0", "NCCL_MAX_CTAS": "16"}
+    - decode: at most 16 CTAs per NCCL kernel, one per SM of the smallest default decode partition (an
+      eighth of an H100/H200's 132 SMs), so a collective queued inside a partition never waits for SMs it
+      cannot get (parallel/group.py). Prefill's partitions are the larger side of every split (and hybrid
+      runs on the whole GPU): NCCL's own choice."""
+    want = {"NCCL_NVLS_ENABLE": "0", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    if role == "decode":
+        want["NCCL_MAX_CTAS"] = str(DECODE_NCCL_MAX_CTAS)
     return {k: os.environ.get(k, v) for k, v in want.items()}
 
 
