@@ -107,3 +107,34 @@ def test_tp2_on_two_gpus(mode: str) -> None:
             await engine.shutdown()
 
     assert asyncio.run(main()) == want
+
+
+@pytest.mark.parametrize("victim", ["decode.1", "prefill.1", "decode"])
+def test_a_dead_rank_is_a_dead_worker(victim: str) -> None:
+    """Under tensor parallelism a follower's death (or a leader's) is handled as any worker's: the request in
+    flight ends with an error naming it, the engine restarts every rank, and the next request is served."""
+    import os
+    import signal
+
+    from rapidserve.engine.client import EngineError
+    from tests.test_supervision import collect, start_long, wait_for
+
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=8192)
+    cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300),
+                              parallel=ParallelConfig(tensor_parallel_size=2))
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            task = await start_long(engine, "long")
+            os.kill(engine.workers.procs[victim].pid, signal.SIGKILL)  # type: ignore[union-attr,arg-type]
+            with pytest.raises(EngineError, match=f"the {victim} worker died"):
+                await asyncio.wait_for(task, 10.0)
+            await wait_for(lambda: engine.state == "ready", 120)
+            assert sorted(engine.workers.procs) == ["decode", "decode.1", "prefill", "prefill.1"]  # type: ignore[union-attr]
+            assert await collect(engine, "after", 3) == 3
+            assert engine.deaths_total == 1 and engine.restarts_total == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
