@@ -187,11 +187,17 @@ class Served:
     tool_results: dict[str, dict[str, Any] | list[dict[str, Any]] | BaseException]  # chat: body, or its events
 
 
-@pytest.fixture(scope="module", params=["rapid", "hybrid"])
+# Every engine path: rapid, hybrid, disagg (prefill and decode instances, the KV moved between their pools)
+# and rapid at tensor-parallel size 3 (SmolLM2's 9 heads and 3 KV heads split three ways; gloo on CPU).
+ENGINE_PATHS = {"rapid": ("--mode", "rapid"), "hybrid": ("--mode", "hybrid"), "disagg": ("--mode", "disagg"),
+                "rapid-tp3": ("--mode", "rapid", "-tp", "3")}
+
+
+@pytest.fixture(scope="module", params=list(ENGINE_PATHS))
 def server(request: pytest.FixtureRequest) -> Iterator[Served]:
-    """A server of that mode, with every case's request sent once, all at the same time (they share
+    """A server of that engine path, with every case's request sent once, all at the same time (they share
     batches, as real traffic does); each test then checks its own case's answer."""
-    s = start("--mode", request.param, "--enable-auto-tool-choice")
+    s = start(*ENGINE_PATHS[request.param], "--enable-auto-tool-choice")
     try:
         async def run_all() -> list[Any]:
             loop = asyncio.get_running_loop()
