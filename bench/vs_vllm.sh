@@ -139,7 +139,7 @@ if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
     fi
 fi
 
-ours="${SYSTEMS:-rapid-adaptive,hybrid-2048}"
+ours="${SYSTEMS-rapid-adaptive,hybrid-2048}"  # set and empty: only --system extras
 # The workloads: the issue's multiturn by default; TRACE_WORKLOADS (';'-separated `rapidserve bench` flag
 # sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60 --time-scale 3")
 # replaces it (carry the trace files: ../shared does not travel).
