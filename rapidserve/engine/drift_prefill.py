@@ -52,6 +52,7 @@ from rapidserve.runner import ModelRunner, PrefillItem
 
 POLL_S = 0.0002  # a block in flight: how long the loop sleeps between polls (a message wakes it sooner)
 IDLE_S = 0.1  # nothing to do: the doorbell wakes the loop for the next message
+SLO_MARGIN = 0.9  # decide_drift's: decode's step must stay within this share of the ITL SLO
 log = logging.getLogger(__name__)
 
 
@@ -149,9 +150,9 @@ class DriftPrefillWorker(PrefillWorker):
 
     def decide(self) -> DriftDecision:
         """`decide_drift` over the configuration decode chose (its step there: decode's estimate, else
-        the ITL SLO)."""
+        the limit the ITL SLO puts on it)."""
         c = self.partition
-        step = self.step_ms if self.step_ms is not None else self.cfg.partition.slo_itl_ms
+        step = self.step_ms if self.step_ms is not None else SLO_MARGIN * self.cfg.partition.slo_itl_ms
         return decide_drift(self.state(), models={c: self.models[c]}, decode_ms_beside={c: step},
                             prefill_units={c: 1}, num_layers=self.num_layers, running=self._info(self.running),
                             preempted=self._info(self.preempted))
