@@ -15,14 +15,18 @@ import torch
 from rapidserve.config import PartitionConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
+from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.drift_prefill import IDLE_S, DriftPrefillWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.loader import resolve_model
+from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.drift import LinearModel
-from rapidserve.partition.runtime import open_streams, resolve_plan
+from rapidserve.partition.profile import Configuration
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
 from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams
+from tests.test_partition_manager import h100_profile
 from tests.test_worker_faults import POISON, FakeIO
 
 BUDGET = 200
@@ -221,3 +225,83 @@ def test_a_failing_batch_is_isolated_per_request(setup: tuple[Any, ModelRunner],
     w.handle(kv("b", LONG[100:], list(range(10, 20)), 9.9))
     run_until_idle(w)  # the batch's second block fails: each request again, alone, in one shot
     assert [d.req_id for d in io.of("p2d", m.PrefillDone)] == ["good", "a", "b"] and not w.waiting_prefill
+
+
+# ---- decode decides the partition, prefill sizes its blocks to decode's step -------------------------
+class _Splits(PartitionBackend):
+    """The profile's configurations with CPU "streams" (None: the current one), for both roles."""
+
+    def __init__(self, configs: list[Configuration]) -> None:
+        super().__init__(Granularity(132, 1, 1), configs)
+        for c in configs:
+            for role in ("decode", "prefill"):
+                self._streams[(c.name, role)] = None
+
+
+def _serve(dec: DecodeWorker, pre: PrefillWorker, io: FakeIO, prompts: dict[str, list[int]]) -> tuple[
+        dict[str, list[int]], list[m.SetPartition]]:
+    """Both workers' loops, alternating, the messages carried between them: each request's tokens, and
+    the SetPartitions prefill got. Half the requests come first, the rest once those decode."""
+    sets: list[m.SetPartition] = []
+    waves = [dict(list(prompts.items())[: len(prompts) // 2]), dict(list(prompts.items())[len(prompts) // 2:])]
+    for i in range(60):
+        for rid, toks in waves[i // 2].items() if i in (0, 2) else ():
+            dec.handle(m.NewRequest(rid, toks, GREEDY, 9.9))
+        io.seat = "decode"
+        dec.repartition()
+        dec.admit()
+        if dec.sched.running or dec.inflight is not None:
+            dec.step()
+        dec.publish()
+        io.seat = "prefill"
+        for msg in io.sent["d2p"]:
+            sets += [msg] if isinstance(msg, m.SetPartition) else []
+            pre.handle(msg)
+        io.sent["d2p"].clear()
+        if isinstance(pre, DriftPrefillWorker):
+            while pre.tick() == 0.0:
+                pass
+        while pre.waiting_prefill and not isinstance(pre, DriftPrefillWorker):
+            pre.prefill_step()
+        for msg in io.sent["p2d"]:
+            dec.handle(msg)
+        io.sent["p2d"].clear()
+    toks: dict[str, list[int]] = {}
+    for b in io.of("d2r", m.TokenBatch):
+        for t in b.tokens:
+            toks.setdefault(t.req_id, []).append(t.token_id)
+    return toks, sets
+
+
+def test_decode_tells_prefill_the_partition_and_its_step(setup: tuple[Any, ModelRunner]) -> None:
+    """A synthetic H100 profile on CPU (streams: the current one): decode picks the configuration with
+    decide_drift and sends it with its step estimate there (SetPartition.decode_step_ms), prefill sizes its
+    blocks to that step, and the tokens are those of the rapid policy's workers without partitions."""
+    cfg, runner = setup
+    prompts = {f"r{i}": _tokens(20 + 30 * i, 10 + i) for i in range(4)}
+    runner.kv_pool.tensor.zero_()
+    base = dataclasses.replace(cfg, partition=PartitionConfig(mode="off"))
+    io = FakeIO()
+    plan = resolve_plan(base, runner.device)
+    want, _ = _serve(DecodeWorker(base, runner, io, DecodePartition(base.partition, plan),  # type: ignore[arg-type]
+                                  open_streams(plan.wire(), runner.device, ("decode",))),
+                     PrefillWorker(base, runner, io, open_streams(plan.wire(), runner.device, ("prefill",)),  # type: ignore[arg-type]
+                                   plan.initial), io, prompts)
+    assert {k: len(v) for k, v in want.items()} == {k: 4 for k in prompts}
+
+    runner.kv_pool.tensor.zero_()
+    tight = dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, slo_itl_ms=20.0))
+    prof = h100_profile()  # beside prefill, p95 at these small batches: overallocated 37 ms, split16 5.4 ms
+    models = {c.name: LinearModel(0.0, 1.0) for c in prof.configurations}
+    plan = PartitionPlan("none", list(prof.configurations), prof, "synthetic H100 profile", None, models)
+    io = FakeIO()
+    dec = DecodeWorker(tight, runner, io, DecodePartition(tight.partition, plan, tight.model_config, BUDGET),  # type: ignore[arg-type]
+                       _Splits(prof.configurations))
+    pre = DriftPrefillWorker(tight, runner, io, _Splits(prof.configurations), plan.initial, models,  # type: ignore[arg-type]
+                             Clock(10.0))
+    got, sets = _serve(dec, pre, io, prompts)
+    assert got == want
+    # decode ran beside prefill: overallocated breaks the 18 ms limit, split16 meets it with the most
+    # prefill units; prefill heard the switch with decode's step there
+    assert m.SetPartition("split16", 5.4) in sets
+    assert dec.partition.num_switches >= 1 and all(x.decode_step_ms is None or x.decode_step_ms > 0 for x in sets)

@@ -113,9 +113,10 @@ class DecodeWorker:
             sw = self.partition.advance_drift(s.decode_contexts(), s.pending_prefill())
         else:
             sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
-        if sw is None:
-            if self.partition.hint_due():
-                self.io.to_prefill.send(m.SetPartition(self.partition.current, self.partition.sent_hint()))
+        if sw is None:  # a new step estimate alone never blocks decode: with prefill's inbox full, next step
+            p = self.partition
+            if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
+                p.sent_hint()
             return
         old = self.backend.stream(sw.old, "decode")
         if old is not None:
