@@ -30,6 +30,9 @@ SYSTEMS: dict[str, str] = {
     "rapid-adaptive": "--mode rapid --partition adaptive --policy rapid",
     "rapid-adaptive-slo100": "--mode rapid --partition adaptive --policy rapid --slo-itl-ms 100",
     "rapid-duet": "--mode rapid --partition adaptive --policy duet",
+    # DRIFT with the bench's goodput rule as its TTFT SLO (1 s per 1K prompt tokens) plus 0.5 s
+    "rapid-drift": ("--mode rapid --partition adaptive --policy drift --slo-ttft-ms 500 "
+                    "--slo-ttft-ms-per-1k-tokens 1000"),
     "rapid-overallocated": "--mode rapid --partition off",
     "rapid-static-0.25": "--mode rapid --partition static:0.25",
     "rapid-static-0.5": "--mode rapid --partition static:0.5",

@@ -116,6 +116,16 @@ def _nonneg_float(text: str) -> float:
     return v
 
 
+def _drift_model(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give A_MS,B_MS_PER_TOKEN, e.g. 2.0,0.05") from None
+    if not (0 <= a < float("inf") and 0 < b < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: A_MS must be >= 0 and B_MS_PER_TOKEN > 0")
+    return a, b
+
+
 def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g = p.add_argument_group("compute partition (decode / prefill)")
     if with_mode:
@@ -130,8 +140,18 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
     if with_mode:
         g.add_argument("--policy", default="rapid", choices=POLICIES,
                        help="how adaptive chooses a configuration: rapid (the profile's most prefill throughput "
-                            "within the ITL SLO) or duet (both phases on the whole GPU while a roofline predicts "
-                            "the step within the SLO, else the split with the most throughput)")
+                            "within the ITL SLO), duet (both phases on the whole GPU while a roofline predicts "
+                            "the step within the SLO, else the split with the most throughput) or drift (prefill "
+                            "a layer block at a time on the split with the most prefill units within the SLO; "
+                            "a short request may preempt a long prefill: give --slo-ttft-ms)")
+        g.add_argument("--slo-ttft-ms", type=_positive_float, default=None,
+                       help="drift: a request's time-to-first-token SLO (ms), plus --slo-ttft-ms-per-1k-tokens x "
+                            "its prompt tokens / 1000; without it nothing is preempted")
+        g.add_argument("--slo-ttft-ms-per-1k-tokens", type=_nonneg_float, default=0.0,
+                       help="drift: what each 1000 prompt tokens add to --slo-ttft-ms (e.g. 1000: 1 s per 1K)")
+        g.add_argument("--drift-prefill-model", type=_drift_model, default=None, metavar="A_MS,B_MS_PER_TOKEN",
+                       help="drift: the prefill time model a + b x tokens (ms) to use instead of the one fitted "
+                            "at start-up from the roofline (one for every configuration)")
 
 
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
@@ -141,7 +161,9 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
 
     pcfg = PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
                                  profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms,
-                                 policy=getattr(a, "policy", "rapid"))
+                                 policy=getattr(a, "policy", "rapid"), slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
+                                 slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
+                                 drift_prefill_model=getattr(a, "drift_prefill_model", None))
     if pcfg.profile is not None:
         load_profile(pcfg.profile)
     return pcfg

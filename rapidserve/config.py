@@ -264,7 +264,7 @@ class ParallelConfig:
         return self.devices if self.devices is not None else tuple(range(self.world_size))
 
 
-POLICIES = ("rapid", "duet")  # partition/policy.py
+POLICIES = ("rapid", "duet", "drift")  # partition/policy.py
 
 
 @dataclass(frozen=True)
@@ -274,8 +274,13 @@ class PartitionConfig:
     mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
     use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
     policy (adaptive only; partition/policy.py): rapid (RAPID-Serve: the profile's configuration with
-    the most prefill throughput within the ITL SLO) or duet (DuetServe: both phases on the whole GPU
-    while a roofline predicts the step within the SLO, else the split that maximises throughput).
+    the most prefill throughput within the ITL SLO), duet (DuetServe: both phases on the whole GPU
+    while a roofline predicts the step within the SLO, else the split that maximises throughput) or
+    drift (DRIFT: prefill launched a layer block at a time on the configuration with the most prefill
+    units within the ITL SLO; a short request may preempt a long prefill batch at a block boundary).
+    drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
+    without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
+    time model fitted at start-up (one for every configuration).
     """
 
     mode: str = "adaptive"  # adaptive | off | static
@@ -286,6 +291,9 @@ class PartitionConfig:
     hysteresis_steps: int = 8
     decode_shares: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)
     policy: str = "rapid"
+    slo_ttft_ms: float | None = None
+    slo_ttft_ms_per_1k_tokens: float = 0.0
+    drift_prefill_model: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         _check(self.mode in ("adaptive", "off", "static"),
@@ -304,6 +312,20 @@ class PartitionConfig:
                f"--policy {self.policy} chooses among partition configurations: it needs --partition adaptive "
                f"(this run: {self.mode})")
         _check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
+        drift_set = [f for f, v in (("--slo-ttft-ms", self.slo_ttft_ms),
+                                    ("--slo-ttft-ms-per-1k-tokens", self.slo_ttft_ms_per_1k_tokens or None),
+                                    ("--drift-prefill-model", self.drift_prefill_model)) if v is not None]
+        _check(self.policy == "drift" or not drift_set,
+               f"{', '.join(drift_set)}: read only by --policy drift (this run: {self.policy})")
+        _check(self.slo_ttft_ms is None or 0 < self.slo_ttft_ms < float("inf"),
+               f"slo_ttft_ms={self.slo_ttft_ms} must be a positive number")
+        _check(0 <= self.slo_ttft_ms_per_1k_tokens < float("inf"),
+               f"slo_ttft_ms_per_1k_tokens={self.slo_ttft_ms_per_1k_tokens} must be >= 0")
+        _check(self.slo_ttft_ms_per_1k_tokens == 0 or self.slo_ttft_ms is not None,
+               "--slo-ttft-ms-per-1k-tokens adds to --slo-ttft-ms: give --slo-ttft-ms too")
+        m = self.drift_prefill_model
+        _check(m is None or (len(m) == 2 and 0 <= m[0] < float("inf") and 0 < m[1] < float("inf")),
+               f"drift_prefill_model={m} must be (a_ms >= 0, b_ms_per_token > 0)")
         _check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

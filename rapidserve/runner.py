@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from rapidserve.logit_controls import (
 )
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
+from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
     from rapidserve.parallel.mirror import Forward, Leader
 
+_T = TypeVar("_T")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -89,6 +91,11 @@ class Carry:
         input_ids[dst] = self.token_ids[src]
         if dev.type == "cuda":
             self.token_ids.record_stream(torch.cuda.current_stream(dev))
+
+
+def _direct(run: Callable[[], _T]) -> _T:
+    """A task's guard without tensor parallelism: run it."""
+    return run()
 
 
 class RanksDiverged(RuntimeError):
@@ -183,6 +190,8 @@ class ModelRunner:
         self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
+        self._task_ids = 0  # block-wise prefill tasks made so far (their ids, for the followers)
+        self._tasks: dict[int, PrefillTask] = {}  # a follower's tasks begun and not ended (replay_task)
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
@@ -278,8 +287,9 @@ class ModelRunner:
         want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
         return ids, positions, tables, slots, ctx, cu, want
 
-    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None) -> torch.Tensor:
-        ids, positions, tables, slots, ctx, cu, want = arrays
+    def _prefill_meta(self, arrays: Sequence[np.ndarray]) -> AttentionMetadata:
+        """The attention metadata of a prefill forward, on the device (copies queued on the current stream)."""
+        _, _, tables, slots, ctx, cu, _ = arrays
         lens = np.diff(cu)
         meta = AttentionMetadata(
             is_prefill=True,
@@ -290,13 +300,42 @@ class ModelRunner:
             max_seqlen_q=int(lens.max()),
             max_context_len=int(ctx.max()),
         )
-        meta = split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
+        return split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
+
+    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None) -> torch.Tensor:
+        ids, positions, _, _, _, cu, want = arrays
+        meta = self._prefill_meta(arrays)
         tokens = self._dev(ids)
         if carry is not None:
             carry.apply(tokens)
         hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))
+
+    # ---- block-wise prefill (DRIFT: rapidserve/prefill_task.py) --------------------------------
+    def prefill_task(self, items: Sequence[PrefillItem]) -> PrefillTask:
+        """A prefill forward over `items` to be launched a layer block at a time (`PrefillTask.step`): its
+        inputs are built now and its embedding queued on the current stream. Under tensor parallelism the
+        task and each of its blocks are published to the followers (`Forward` kinds prefill_begin,
+        prefill_block, prefill_end, with the task's id), so they replay the same collectives in order."""
+        arrays = self._prefill_arrays(items)
+        self._task_ids += 1
+        if self.leader is None:
+            return self._new_task(arrays, self._task_ids, None, _direct)
+        leader = self.leader
+        leader.forward("prefill_begin", arrays, "default", None, task=self._task_ids)
+
+        def publish(kind: TaskKind, task: int, layers: tuple[int, int]) -> None:
+            leader.forward(kind, [], "default", None, task=task, layers=layers)
+
+        return self._published(lambda: self._new_task(arrays, self._task_ids, publish, self._published))
+
+    def _new_task(self, arrays: Sequence[np.ndarray], task_id: int, publish: TaskPublisher | None,
+                  guard: Guard) -> PrefillTask:
+        ids, positions, _, _, _, cu, want = arrays
+        meta = self._prefill_meta(arrays)
+        inputs = TaskInputs(self._dev(ids), self._dev(positions), meta, self._dev(cu[1:][want] - 1))
+        return PrefillTask(self.model, self.kv_pool.layers, inputs, task_id, publish, guard)
 
     # ---- decode -------------------------------------------------------------------------------
     def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
@@ -314,7 +353,7 @@ class ModelRunner:
         self.leader.forward("decode", arrays, graph_key, carry)
         return self._published(lambda: self._decode_run(arrays, graph_key, carry))
 
-    def _published(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _published(self, run: Callable[[], _T]) -> _T:
         """A call the followers were told of: if it fails here, theirs did not, and the ranks' collectives no
         longer pair up; the worker must die (the router restarts the engine) rather than go on."""
         try:
@@ -344,13 +383,15 @@ class ModelRunner:
         hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
         return self.model.compute_logits(hidden)
 
-    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor:
+    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """A follower's copy of the leader's call `msg` (parallel/mirror.py), on the current stream; a
         Carry takes its tokens from `sampled` (the broadcasts received so far, by number)."""
         arrays = [a.array() for a in msg.arrays]
         carry = Carry(sampled[msg.carry_seq], list(msg.carry_rows)) if msg.carry_seq >= 0 else None
         if msg.kind == "prefill":
             return self._prefill_run(self.kv_pool, arrays, carry)
+        if msg.kind in TASK_KINDS:  # a block-wise prefill's piece (prefill_task.py)
+            return replay_task(self._tasks, msg, lambda: self._new_task(arrays, msg.task, None, _direct))
         return self._decode_run(arrays, msg.graph_key, carry)
 
     def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:

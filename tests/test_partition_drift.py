@@ -105,3 +105,21 @@ def test_configurations_must_agree() -> None:
     with pytest.raises(ValueError, match="same configurations"):
         decide_drift(state(0.0, []), models=MODELS, decode_ms_beside={"split16": 1.0}, prefill_units=UNITS,
                      num_layers=L)
+
+
+@pytest.mark.parametrize(("per_1k", "lengths", "want"), [
+    (100.0, (60000,), "preempt"),  # the long batch's SLO (6.5 s) has room for the short one (SLO 0.6 s)
+    (0.0, (60000,), "continue"),  # one SLO for all: the long batch would miss its own 0.5 s after the delay
+    (100.0, (), "continue"),  # lengths not given: the base SLO for the running batch
+])
+def test_length_scaled_ttft_slo(per_1k: float, lengths: tuple[int, ...], want: str) -> None:
+    """Both fresh (FCFS queues): the long batch arrived 50 ms before the short request. With TTFT SLOs
+    that grow with the length, the short one preempts: ~1.2 s of the batch left would miss its 0.6 s."""
+    s = PolicyState(10.0, (2048,) * 32, (WaitingPrefill("short", 9.95, 1000),), 50.0, 500.0,
+                    slo_ttft_ms_per_1k_tokens=per_1k)
+    running = RunningPrefill(("long",), (9.9,), 60000, "split32", 12, L, lengths)
+    d = decide(s, running=running)
+    assert d.action == want
+    assert s.ttft_slo_ms(1000) == 500.0 + per_1k
+    if want == "preempt":
+        assert d.batch == (("short", 1000, 0),)

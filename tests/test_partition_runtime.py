@@ -478,7 +478,7 @@ def test_decode_partition_duet_not_adaptive() -> None:
 
 
 @pytest.mark.parametrize(("kw", "pattern"), [
-    (dict(policy="drift2"), "policy='drift2'; use one of rapid, duet"),
+    (dict(policy="drift2"), "policy='drift2'; use one of rapid, duet, drift"),
     (dict(policy="duet", mode="off"), "--policy duet chooses among partition configurations: it needs "
                                       "--partition adaptive \\(this run: off\\)"),
 ])

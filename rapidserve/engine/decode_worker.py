@@ -106,12 +106,17 @@ class DecodeWorker:
     def repartition(self) -> None:
         """Decide this step's configuration before admission, so prefill hears of a switch before
         the KVReady of the work it concerns (same ring, in order)."""
-        s = self.sched
-        if self.partition.pcfg.policy == "duet":
+        s, policy = self.sched, self.partition.pcfg.policy
+        if policy == "duet":
             sw = self.partition.advance_duet(s.decode_contexts(), s.pending_prefill())
+        elif policy == "drift":  # prefill sizes its layer blocks to decode's step: told when it changes
+            sw = self.partition.advance_drift(s.decode_contexts(), s.pending_prefill())
         else:
             sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending)
-        if sw is None:
+        if sw is None:  # a new step estimate alone never blocks decode: with prefill's inbox full, next step
+            p = self.partition
+            if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
+                p.sent_hint()
             return
         old = self.backend.stream(sw.old, "decode")
         if old is not None:
@@ -119,7 +124,7 @@ class DecodeWorker:
             # writes and the graphs' static inputs (shared by every configuration's graphs) are read
             # or overwritten by the next step on the new stream, which nothing else orders after it.
             old.synchronize()
-        self.io.to_prefill.send(m.SetPartition(sw.new))
+        self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint()))
 
     # ---- one step: a request never takes the worker down (engine/faults.py) --------------------
     def step(self) -> None:

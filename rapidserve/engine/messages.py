@@ -68,9 +68,14 @@ class Drop(msgspec.Struct, tag=True, frozen=True):
 
 
 class SetPartition(msgspec.Struct, tag=True, frozen=True):
-    """Decode -> prefill: switch to this compute partition configuration at the next forward."""
+    """Decode -> prefill: switch to this compute partition configuration at the next forward.
+
+    `decode_step_ms` (drift only): decode's predicted step beside prefill on that configuration, to
+    which prefill sizes its layer blocks; None: no estimate (prefill uses the ITL SLO). Under drift it
+    also comes alone, with the configuration unchanged, when the estimate changes."""
 
     config: str
+    decode_step_ms: float | None = None
 
 
 class Dropped(msgspec.Struct, tag=True, frozen=True):
@@ -116,6 +121,7 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
     worker: str
     queued: int = 0  # prompts waiting for or in prefill
     staging_in_use: int = 0  # disagg: blocks of the prefill instance's own staging pool held by its jobs
+    preemptions: int = 0  # drift: prefill batches preempted so far by a short request (each resumed later)
 
 
 class TokenBatch(msgspec.Struct, tag=True, frozen=True):

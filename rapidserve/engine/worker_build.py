@@ -6,7 +6,8 @@ returns what its Ready message tells the router plus the worker whose loop then 
 - decode: loads the weights, allocates the KV pool, captures the decode graphs of every partition
   configuration, and hands the IPC handles of weights and pool to prefill through a one-time pipe
   (the send returns once prefill has read it all; prefill starts at the same time and waits).
-- prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner.
+- prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner;
+  under `--policy drift` it is the block-wise `DriftPrefillWorker`, fed the plan's prefill time models.
 - hybrid: one process, its own weights and pool (the baseline; no partition).
 
 With tensor parallelism each builder gets its `TPSeat` (engine/tp_workers.py): it joins its role's
@@ -23,11 +24,13 @@ import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.drift_prefill import DriftPrefillWorker
 from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.model_sharing import export_shared
+from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.runtime import DecodePartition, open_streams, rank_model, resolve_plan
 from rapidserve.runner import ModelRunner, load_runner
 
@@ -61,7 +64,11 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))
     lead(runner, seat, parts, "prefill")
-    return {"device": str(runner.device), **memory_info(runner)}, PrefillWorker(cfg, runner, io, parts, wire.initial)
+    info = {"device": str(runner.device), **memory_info(runner)}
+    if cfg.partition.policy == "drift":  # block-wise prefill, preemption (engine/drift_prefill.py)
+        models = {k: LinearModel(*v) for k, v in wire.prefill_models.items()}
+        return info, DriftPrefillWorker(cfg, runner, io, parts, wire.initial, models)
+    return info, PrefillWorker(cfg, runner, io, parts, wire.initial)
 
 
 def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,

@@ -142,16 +142,20 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden], for every input token."""
-        hidden = self._embed(input_ids)
-        residual: torch.Tensor | None = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, self.cos_sin, kv, meta, self.ops, self.attn)
-        assert residual is not None
-        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
-        return hidden
+        """Hidden states after the final norm, [T, hidden], for every input token.
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        The same three pieces a block-wise prefill calls one at a time (rapidserve/prefill_task.py):
+        `embed`, `run_layers` over [0, L), `final_norm`; the same operations in the same order, so a
+        forward split at layer boundaries gives bit-identical hidden states."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden, residual = self.run_layers(self.embed(input_ids), None, positions, kv_caches, meta, 0,
+                                           len(self.layers))
+        return self.final_norm(hidden, residual)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] (a collective under tensor parallelism)."""
         if self.tp is None:
             return F.embedding(input_ids, self.embed_tokens)
         # Vocabulary-parallel: this rank holds rows [start, start + rows); other ids look up row 0 and are
@@ -161,6 +165,35 @@ class CausalLM(nn.Module):
         inside = (local >= 0) & (local < rows)
         hidden = F.embedding(local.clamp(0, rows - 1), self.embed_tokens) * inside.unsqueeze(-1).to(self.dtype)
         return self.tp.all_reduce(hidden)
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        start: int,
+        end: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layers [start, end) over (hidden, residual) as the previous layer left them (residual
+        None before layer 0), writing each layer's new K/V into `kv_caches[i]`; every kernel is queued
+        on the current stream."""
+        if not 0 <= start <= end <= len(self.layers):
+            raise ValueError(f"layers [{start}, {end}) out of 0..{len(self.layers)}")
+        for i in range(start, end):
+            hidden, residual = self.layers[i](hidden, residual, positions, self.cos_sin, kv_caches[i], meta,
+                                              self.ops, self.attn)
+        return hidden, residual
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final RMSNorm after the last layer: hidden states [T, hidden] for `compute_logits`."""
+        if residual is None:
+            raise ValueError("final_norm needs the residual of the last layer (run every layer first)")
+        hidden, _ = self.ops.add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class Replayer(Protocol):
     device: torch.device
     tp: TPGroup | None
 
-    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor: ...
+    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor | None: ...
 
 
 class Arr(msgspec.Struct, array_like=True, frozen=True):
@@ -73,14 +73,19 @@ class Arr(msgspec.Struct, array_like=True, frozen=True):
 
 class Forward(msgspec.Struct, tag=True, frozen=True):
     """One model call: `kind` prefill (arrays: ids, positions, tables, slots, ctx, cu, want) or decode
-    (ids, positions, tables, ctx, slots); `carry_seq` the `Sampled.seq` whose tokens `carry_rows` feed."""
+    (ids, positions, tables, ctx, slots); `carry_seq` the `Sampled.seq` whose tokens `carry_rows` feed.
+    A block-wise prefill (rapidserve/prefill_task.py) is several calls of one `task`: prefill_begin (the
+    prefill arrays; the embedding), prefill_block (decoder `layers` [start, end)), prefill_end (the final
+    norm and the logits); tasks may interleave (a preemption), each call names its task."""
 
-    kind: Literal["prefill", "decode"]
+    kind: Literal["prefill", "decode", "prefill_begin", "prefill_block", "prefill_end"]
     arrays: list[Arr]
     graph_key: str = "default"
     stream: str | None = None
     carry_seq: int = -1
     carry_rows: list[tuple[int, int]] = []
+    task: int = -1
+    layers: tuple[int, int] = (0, 0)
 
 
 class Sampled(msgspec.Struct, tag=True, frozen=True):
@@ -123,8 +128,9 @@ class Leader:
         for r in self.rings:
             r.send(msg, timeout=60.0)
 
-    def forward(self, kind: Literal["prefill", "decode"], arrays: Sequence[np.ndarray], graph_key: str,
-                carry: CarryLike | None) -> None:
+    def forward(self, kind: Literal["prefill", "decode", "prefill_begin", "prefill_block", "prefill_end"],
+                arrays: Sequence[np.ndarray], graph_key: str, carry: CarryLike | None, *, task: int = -1,
+                layers: tuple[int, int] = (0, 0)) -> None:
         seq, rows = -1, []
         if carry is not None:
             seq = next((s for t, s in self._sampled if t is carry.token_ids), -1)
@@ -132,7 +138,7 @@ class Leader:
                 raise RuntimeError("a Carry reads tokens the followers never received: sample them through "
                                    "ModelRunner.sample_next")
             rows = list(carry.rows)
-        self._send(Forward(kind, [Arr.of(a) for a in arrays], graph_key, self._stream(), seq, rows))
+        self._send(Forward(kind, [Arr.of(a) for a in arrays], graph_key, self._stream(), seq, rows, task, layers))
 
     def sampled(self, token_ids: torch.Tensor) -> None:
         seq, self._seq = self._seq, self._seq + 1

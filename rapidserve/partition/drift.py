@@ -7,7 +7,10 @@ and never blocks). Each boundary the dispatcher decides:
 2. Preempt: while a long batch runs, a waiting request whose TTFT SLO would be missed if it waited for
    the rest of that batch, but met if it ran now, preempts it at the next layer-block boundary,
    provided the preempted batch's own requests still meet their TTFT after the delay. At most one batch
-   is preempted at a time.
+   is preempted at a time. With one TTFT SLO for every request this needs the short request to have
+   waited longer than the batch's (in the engine, whose queues are FCFS, it then never happens);
+   `PolicyState.slo_ttft_ms_per_1k_tokens` gives each request an SLO growing with its length (as the
+   bench's goodput rule does), so a long batch has the slack a short request may take.
 3. Otherwise the next batch in arrival order within the token budget, on the partition with the most
    prefill units whose decode step beside prefill meets the TBT SLO (the profile's p95), with the
    predicted batch time from a contention-free linear model per partition, fitted from profiles:
@@ -56,6 +59,7 @@ class RunningPrefill:
     config: str
     layers_done: int
     num_layers: int
+    lengths: tuple[int, ...] = ()  # each request's whole length (its TTFT SLO's); () = the base SLO for all
 
 
 @dataclass(frozen=True)
@@ -99,10 +103,12 @@ def decide_drift(state: PolicyState, *, models: Mapping[str, LinearModel], decod
     if running is not None:
         left_ms = models[running.config].ms(running.tokens) * (1 - running.layers_done / running.num_layers)
         if preempted is None and slo_ttft is not None:
-            short = _preemptor(state, models[config], left_ms, slo_ttft)
+            short = _preemptor(state, models[config], left_ms)
             if short is not None:
                 delay = models[config].ms(short[1])
-                if all((state.now_s - a) * 1e3 + left_ms + delay <= slo_ttft for a in running.arrivals_s):
+                lengths = running.lengths or (0,) * len(running.arrivals_s)
+                if all((state.now_s - a) * 1e3 + left_ms + delay <= _slo(state, n)
+                       for a, n in zip(running.arrivals_s, lengths, strict=True)):
                     per = layers_per_block(num_layers, delay, step_ms)
                     return DriftDecision("preempt", (short,), config, per, delay,
                                          f"preempt: {short[0]} would miss its TTFT behind {left_ms:.1f} ms of "
@@ -127,11 +133,18 @@ def decide_drift(state: PolicyState, *, models: Mapping[str, LinearModel], decod
                          f"start {len(batch)} request(s) on {config}, {per} layers per block{why}")
 
 
-def _preemptor(state: PolicyState, model: LinearModel, wait_ms: float, slo_ttft: float) -> tuple[str, int, int] | None:
-    """The first waiting request (arrival order) that misses its TTFT after `wait_ms` but meets it now."""
+def _slo(state: PolicyState, tokens: int) -> float:
+    slo = state.ttft_slo_ms(tokens)
+    assert slo is not None
+    return slo
+
+
+def _preemptor(state: PolicyState, model: LinearModel, wait_ms: float) -> tuple[str, int, int] | None:
+    """The first waiting request (arrival order) that misses its TTFT after `wait_ms` but meets it now
+    (its TTFT SLO: `PolicyState.ttft_slo_ms` of its whole length, prefix included)."""
     for w in state.waiting:
         waited = (state.now_s - w.arrival_s) * 1e3
         alone = model.ms(w.tokens)
-        if waited + wait_ms + alone > slo_ttft >= waited + alone:
+        if waited + wait_ms + alone > _slo(state, w.prefix + w.tokens) >= waited + alone:
             return (w.req_id, w.tokens, w.prefix)
     return None

@@ -41,10 +41,14 @@ class PolicyState:
     slo_tbt_ms: float  # time between tokens (ITL) a decode step must stay within
     slo_ttft_ms: float | None = None
     prefill_budget: int = 8192  # tokens of one prefill batch (or of a mixed step's prompt chunks)
+    # A request's TTFT SLO grows with its length: slo_ttft_ms + this * tokens / 1000 (`ttft_slo_ms`)
+    slo_ttft_ms_per_1k_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slo_tbt_ms <= 0 or (self.slo_ttft_ms is not None and self.slo_ttft_ms <= 0):
             raise ValueError("slo_tbt_ms and slo_ttft_ms must be positive")
+        if self.slo_ttft_ms_per_1k_tokens < 0:
+            raise ValueError("slo_ttft_ms_per_1k_tokens must be >= 0")
         if self.prefill_budget < 1 or any(c < 1 for c in self.decode_contexts):
             raise ValueError("prefill_budget must be >= 1 and every decode context >= 1")
 
@@ -55,6 +59,12 @@ class PolicyState:
     @property
     def mean_context(self) -> int:
         return -(-sum(self.decode_contexts) // len(self.decode_contexts)) if self.decode_contexts else 0
+
+    def ttft_slo_ms(self, tokens: int) -> float | None:
+        """The TTFT SLO of a request of `tokens` tokens (its whole prompt); None: no TTFT SLO."""
+        if self.slo_ttft_ms is None:
+            return None
+        return self.slo_ttft_ms + self.slo_ttft_ms_per_1k_tokens * tokens / 1000
 
 
 def prefill_batch(state: PolicyState) -> tuple[tuple[str, int, int], ...]:

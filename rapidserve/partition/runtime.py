@@ -8,7 +8,9 @@ configurations through the start-up hand-off, so both processes create identical
 
 `DecodePartition` is applied at decode step boundaries: `advance()` calls the pure `decide()` and
 returns the configuration to use for the next step; the decode worker then switches its stream and
-graphs and tells prefill (SetPartition), which switches at its next forward.
+graphs and tells prefill (SetPartition), which switches at its next forward. Under `--policy drift`
+(`advance_drift`) decode also tells prefill its predicted step beside prefill (`sent_hint`), to which
+prefill sizes its layer blocks (partition/drift_plan.py says who decides what).
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ from rapidserve.partition.backend import (
     plan_configurations,
     static_configuration,
 )
+from rapidserve.partition.drift import LinearModel, decide_drift
+from rapidserve.partition.drift_plan import (
+    decode_ms_beside,
+    drift_configuration,
+    effective_prefill_units,
+    prefill_models,
+)
 from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configuration
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
@@ -52,11 +61,13 @@ ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 class PlanWire(msgspec.Struct, frozen=True):
-    """What the prefill worker needs of the plan (sent through the start-up hand-off)."""
+    """What the prefill worker needs of the plan (sent through the start-up hand-off). `prefill_models`:
+    drift only, per configuration the prefill time model (a_ms, b_ms_per_token) both workers decide with."""
 
     backend: str
     configurations: list[Configuration]
     initial: str
+    prefill_models: dict[str, tuple[float, float]] = {}
 
 
 @dataclass
@@ -66,6 +77,7 @@ class PartitionPlan:
     profile: Profile | None  # adaptive only
     source: str  # one line for logs and Ready: where the configurations and profile came from
     peaks: Peaks | None = None  # measured at start-up: the duet policy's roofline (and the roofline profile's)
+    prefill_models: dict[str, LinearModel] = field(default_factory=dict)  # drift: prefill ms = a + b * tokens
 
     @property
     def initial(self) -> str:
@@ -74,7 +86,8 @@ class PartitionPlan:
         return self.configurations[0].name
 
     def wire(self) -> PlanWire:
-        return PlanWire(self.backend, list(self.configurations), self.initial)
+        return PlanWire(self.backend, list(self.configurations), self.initial,
+                        {k: (v.a_ms, v.b_ms_per_token) for k, v in self.prefill_models.items()})
 
 
 def gpu_name(device: Any) -> str:
@@ -95,6 +108,30 @@ def rank_model(cfg: EngineConfig) -> ModelConfig:
 
 
 def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
+    plan = _resolve_plan(cfg, device, dtype)
+    if cfg.partition.policy == "drift":
+        with_prefill_models(plan, cfg, device, dtype)
+    return plan
+
+
+def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dtype: Any) -> None:
+    """Drift: each configuration's prefill time model, `--drift-prefill-model` or fitted from the roofline
+    with the plan's peaks (measured now where the plan has none, e.g. on a CPU), said in `plan.source`."""
+    given = cfg.partition.drift_prefill_model
+    if given is not None:
+        plan.prefill_models = {c.name: LinearModel(*given) for c in plan.configurations}
+        plan.source += f"; drift prefill model given: {given[0]:g} + {given[1]:g} ms/token"
+        return
+    if plan.peaks is None:
+        plan.peaks = measure_peaks(device, dtype)
+    size = getattr(dtype, "itemsize", 2)
+    plan.prefill_models = prefill_models(rank_model(cfg), plan.peaks, plan.configurations,
+                                         cfg.scheduler.max_num_batched_tokens, dtype_bytes=size)
+    fits = ", ".join(f"{k} {v.a_ms:.3g} + {v.b_ms_per_token:.3g} ms/token" for k, v in plan.prefill_models.items())
+    plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
+
+
+def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
     p = cfg.partition
     kind = detect_kind(device) if p.backend == "auto" else p.backend
     if p.mode == "off" or kind == "none":
@@ -112,7 +149,7 @@ def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partition
     if path.exists() or p.profile:
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model))
         check_configurations(prof.configurations, g, f"profile {path}")
-        peaks = measure_peaks(device, dtype) if p.policy == "duet" else None
+        peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") else None
         return PartitionPlan(kind, list(prof.configurations), prof,
                              f"adaptive, policy {p.policy}, measured profile {path} "
                              f"({len(prof.configurations)} configurations, {kind})"
@@ -160,6 +197,8 @@ class DecodePartition:
     prefill_budget: int = 8192  # tokens of one prefill batch (the prefill worker's budget)
     switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=256))
     last_duet: DuetDecision | None = None
+    hint_ms: float | None = None  # drift: decode's predicted step beside prefill on the current configuration
+    _hint_sent: float | None = None
     num_switches: int = 0
     steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
 
@@ -197,6 +236,40 @@ class DecodePartition:
             return None
         mean = sum(contexts) // len(contexts) if contexts else 0
         return self._switched(Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason))
+
+    def advance_drift(self, contexts: tuple[int, ...], waiting: tuple[WaitingPrefill, ...]) -> Switch | None:
+        """One step boundary under `--policy drift`: DRIFT's partition for prefill beside this decode batch
+        (`decide_drift` over every configuration, decode's step beside prefill from the profile), carried
+        out with hysteresis (`drift_configuration`); also updates `hint_ms`, decode's predicted step beside
+        prefill on the configuration now in use (None while no decode runs)."""
+        if not self.adaptive:
+            return None
+        prof = self.plan.profile
+        assert prof is not None and self.model_cfg is not None and self.plan.prefill_models, \
+            "drift needs the plan's profile, prefill models and the model"
+        p, old = self.pcfg, self.state.config
+        mean = sum(contexts) // len(contexts) if contexts else 0
+        beside = decode_ms_beside(prof, len(contexts), mean)
+        st = PolicyState(time.monotonic(), contexts, waiting, p.slo_itl_ms, p.slo_ttft_ms,
+                         prefill_budget=self.prefill_budget, slo_ttft_ms_per_1k_tokens=p.slo_ttft_ms_per_1k_tokens)
+        d = decide_drift(st, models=self.plan.prefill_models, decode_ms_beside=beside,
+                         prefill_units=effective_prefill_units(prof), num_layers=self.model_cfg.num_layers)
+        name, reason, self.state = drift_configuration(self.state, d, prof, beside, 0.9 * p.slo_itl_ms,
+                                                       decode_running=bool(contexts),
+                                                       hysteresis_steps=p.hysteresis_steps)
+        self.hint_ms = beside[name] if contexts else None
+        if name == old:
+            return None
+        return self._switched(Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason))
+
+    def hint_due(self) -> bool:
+        """Drift: decode's step estimate changed since prefill was last told (a new profile bucket)."""
+        return self.hint_ms != self._hint_sent
+
+    def sent_hint(self) -> float | None:
+        """The step estimate to send prefill now (with a SetPartition), noted as sent."""
+        self._hint_sent = self.hint_ms
+        return self.hint_ms
 
     def advance(self, batch: int, context: int, prefill_pending: bool) -> Switch | None:
         """One step boundary (rapid policy): the switch to make now, or None to keep the configuration."""
