@@ -6,20 +6,20 @@ prefills' (the same collectives in the same order), with the one-process greedy 
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 from typing import Any
 
 import pytest
 import torch
 
 from rapidserve.config_builder import build_engine_config
-from rapidserve.ipc import Receiver, Sender, ShmRing, new_engine_id, ring_name
+from rapidserve.ipc import Receiver, Sender, ShmRing
 from rapidserve.loader import resolve_model
-from rapidserve.parallel.group import TPGroup, group_specs
+from rapidserve.parallel.group import TPGroup
 from rapidserve.parallel.mirror import Leader, MirrorMessage, follow
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams
 from tests.test_prefill_task import BATCH_A, BATCH_B, PREFIX, PrefillItem, runner_for
+from tests.tp_harness import run_ranks
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -69,30 +69,8 @@ def _rank(model: str, spec: Any, rings: list[str], mode: str, q: Any) -> None:
         tp.close()
 
 
-def _run(model: str, tp: int, mode: str) -> dict[int, tuple[Any, str]]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    eid = new_engine_id()
-    rings = [ShmRing.create(ring_name(eid, f"t{r}"), 64, 8192) for r in range(1, tp)]
-    procs = [ctx.Process(target=_rank, args=(model, s, [r.name for r in rings], mode, q))
-             for s in group_specs("prefill", tp, "gloo")]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            r = q.get(timeout=240)
-            got[r[0]] = (r[1], r[2])
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-        for r in rings:
-            r.close()
-            r.unlink()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return got
+def _run(model: str, tp: int, mode: str) -> dict[int, tuple[Any, ...]]:
+    return run_ranks(_rank, tp, before=(model,), after=(mode,), role="prefill", slot_size=8192)
 
 
 @pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen3"])

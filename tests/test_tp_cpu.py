@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from rapidserve.config_builder import build_engine_config
-from rapidserve.ipc import Receiver, Sender, ShmRing, new_engine_id, ring_name
-from rapidserve.parallel.group import TPGroup, group_specs
+from rapidserve.ipc import Receiver, Sender, ShmRing
+from rapidserve.parallel.group import TPGroup
 from rapidserve.parallel.mirror import Leader, MirrorMessage, follow
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampling_params import SamplingParams
+from tests.tp_harness import run_ranks
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 7, 300, 12]]
 STEPS = 6
@@ -65,7 +66,7 @@ def _config(model: str):  # noqa: ANN202 - (EngineConfig, ModelSource)
                                block_size=BLOCK)
 
 
-def _rank(model: str, spec: object, q: mp.Queue) -> None:
+def _rank(model: str, spec: object, rings: list[str], q: mp.Queue) -> None:
     torch.set_num_threads(1)
     cfg, source = _config(model)
     tp = TPGroup(spec, cfg.model_config, torch.device("cpu"))  # type: ignore[arg-type]
@@ -96,30 +97,7 @@ def _mirrored_rank(model: str, spec: object, rings: list[str], q: mp.Queue) -> N
 
 
 def _run_tp(model: str, tp: int, mirrored: bool = False) -> dict[int, tuple]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    eid = new_engine_id()
-    rings = [ShmRing.create(ring_name(eid, f"m{r}"), 64, 4096) for r in range(1, tp)]
-    names = [r.name for r in rings]
-    target, extra = (_mirrored_rank, (names,)) if mirrored else (_rank, ())
-    procs = [ctx.Process(target=target, args=(model, s, *extra, q)) for s in group_specs("decode", tp, "gloo")]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        for _ in procs:
-            r = q.get(timeout=240)
-            got[r[0]] = r[1:]
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-        for r in rings:
-            r.close()
-            r.unlink()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return got
+    return run_ranks(_mirrored_rank if mirrored else _rank, tp, before=(model,))
 
 
 @pytest.mark.parametrize(("model", "tp"), [("preset:tiny-llama", 2), ("preset:tiny-qwen2", 2),

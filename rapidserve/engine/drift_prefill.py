@@ -244,16 +244,7 @@ class DriftPrefillWorker(PrefillWorker):
 
     def _isolate(self, batch: list[tuple[Job, int]], e: BaseException) -> None:
         with self._stream():
-            if len(batch) == 1:
-                self._fail(batch[0][0], e)
-                return
-            for job, n in batch:
-                try:
-                    self._compute([(job, n)])
-                except Exception as e1:  # noqa: BLE001 - this request fails alone
-                    if is_fatal(e1):
-                        raise
-                    self._fail(job, e1)
+            super()._isolate(batch, e)
 
     def _answer_drops(self, x: Launch) -> None:
         for j in x.jobs:

@@ -144,15 +144,21 @@ class PrefillWorker:
         except Exception as e:  # noqa: BLE001 - isolated below
             if is_fatal(e):
                 raise
-            for job, n in batch if len(batch) > 1 else []:
-                try:
-                    self._compute([(job, n)])
-                except Exception as e1:  # noqa: BLE001 - this request fails alone
-                    if is_fatal(e1):
-                        raise
-                    self._fail(job, e1)
-            if len(batch) == 1:
-                self._fail(batch[0][0], e)
+            self._isolate(batch, e)
+
+    def _isolate(self, batch: list[tuple[Job, int]], e: BaseException) -> None:
+        """After `batch` raised `e`: a lone request fails with it; otherwise each request is run alone and
+        the ones that still raise fail by themselves."""
+        if len(batch) == 1:
+            self._fail(batch[0][0], e)
+            return
+        for job, n in batch:
+            try:
+                self._compute([(job, n)])
+            except Exception as e1:  # noqa: BLE001 - this request fails alone
+                if is_fatal(e1):
+                    raise
+                self._fail(job, e1)
 
     def _compute(self, batch: list[tuple[Job, int]]) -> None:
         """One forward over `batch`, then sampling and publishing for the prompts it completes."""
