@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,11 +105,14 @@ class PrefillWorker:
             self.partition = msg.config
 
     # ---- prefill ----------------------------------------------------------------------------
-    def take_batch(self) -> list[tuple[Job, int]]:
-        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks."""
+    def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
+        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks. Jobs in
+        `hold` (their grammar still compiling: `GrammarBook.compiling`) are passed over, keeping their place."""
         batch: list[tuple[Job, int]] = []
         left = self.budget
         for job in self.waiting_prefill:
+            if job.req.req_id in hold:
+                continue
             rest = len(job.tokens) - job.done_tokens
             if rest <= left:
                 batch.append((job, rest))
