@@ -138,16 +138,18 @@ class DecodeScheduler:
                        self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}), token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
-    def add(self, req: m.NewRequest) -> None:
-        """A new request joins the queue. The router checked the prompt (`rapidserve/prompt.py`)."""
+    def add(self, req: m.NewRequest) -> bool:
+        """A new request joins the queue (False: refused, its id still in use). The router checked the
+        prompt (`rapidserve/prompt.py`)."""
         if req.req_id in self.reqs:  # an earlier request of this id is still finishing
             self.finished.append(m.Finished(req.req_id, "error", f"request id {req.req_id!r} is still in "
                                             "flight (an earlier request of that id is finishing): use unique ids"))
-            return
+            return False
         self._arrivals += 1
         r = DecodeRequest(req, self._arrivals)
         self.reqs[r.req_id] = r
         self.waiting.append(r)
+        return True
 
     def abort(self, req_id: str) -> bool:
         """End the request; True when prefill holds it and must be told to drop it (send Drop)."""
