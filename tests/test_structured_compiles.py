@@ -198,6 +198,6 @@ def test_book_prepares_in_the_background_and_fills_without_compiling_on_the_call
     assert not failed and set(mask.allowed(0, 49152)) and threads == ["grammar-compile"]  # nothing compiled here
     assert book.prepare("r2", p.structured_outputs) is True  # cached: ready at once
     book.retain(["r"], known=["r"])
-    assert len(book) == 2  # r's matcher and its compile state
+    assert len(book) == 1  # r (its matcher and its compile state); r2 was not known
     book.release("r")
     assert len(book) == 0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, KeysView
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -101,6 +101,10 @@ class Compiles:
 
     def __len__(self) -> int:
         return len(self._preps)
+
+    def keys(self) -> KeysView[str]:
+        """The prepared requests' keys."""
+        return self._preps.keys()
 
     def prepare(self, key: str, so: StructuredOutputs | None) -> bool:
         """Start compiling `so` for request `key` unless it is cached or under way; whether it is ready

@@ -105,8 +105,10 @@ class GrammarBook:
         return cls(hf_tokenizer, vocab_size, eos)
 
     def __len__(self) -> int:
-        """Matchers and prepared requests held (0 once every request has been released)."""
-        return len(self._matchers) + len(self.compiles)
+        """Requests with a matcher or compile state here (0 once every request has been released)."""
+        if not len(self.compiles):
+            return len(self._matchers)
+        return len(self._matchers.keys() | self.compiles.keys())
 
     @staticmethod
     def needed(params: Iterable[SamplingParams]) -> bool:
