@@ -102,6 +102,9 @@ class Compiles:
     def __len__(self) -> int:
         return len(self._preps)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._preps
+
     def keys(self) -> KeysView[str]:
         """The prepared requests' keys."""
         return self._preps.keys()
