@@ -1,9 +1,10 @@
 """A grammar that compiles slowly stalls nobody (CPU, the real workers in this process, channels as lists:
 tests/test_worker_faults.py's harness). Each worker's compile is made to take 1.5 s (on the compile pool's
 thread); meanwhile a plain request keeps getting a token every step and the loop keeps turning. Then the
-structured request runs and its output follows its grammar. Covered: hybrid (held at admission, and an abort
-while compiling releases everything), rapid with the slow compile in prefill (the job is passed over) and in
-decode (the request runs there only once compiled)."""
+structured request runs and its output follows its grammar. Covered: hybrid (held at admission), rapid with
+the slow compile in prefill (the job is passed over) and in decode (the request runs there only once
+compiled); an abort while compiling releases everything; a compile that fails fails its request alone, with
+the message it had before compiles moved to the pool."""
 
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
         w.step()
         w.publish()
         w.admit()
-        for msg in [x for x in io.sent["d2p"] if isinstance(x, m.KVReady)]:
+        for msg in list(io.sent["d2p"]):  # KVReady, Drop
             io.sent["d2p"].remove(msg)
             p.handle(msg)
         io.seat = "prefill"
@@ -164,17 +165,62 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
     w.handle(plain())
     until(lambda: count(io, "plain") >= 3, turn)
     w.handle(structured("json"))
+    w.handle(structured("gone", StructuredOutputs(regex="[a-z]{4}")))
     # prefill holds the job back (no token at all), or decode does (only prefill's first token)
     meter = Meter(io, "json", before=0 if slow_in == "prefill" else 1)
     while meter.turn():
         turn()
+        if meter.turns == 10:  # while its compile runs: released in both workers
+            w.handle(m.Abort("gone"))
         assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
     meter.check()
+    assert "gone" not in w.sched.reqs and "gone" not in w.grammar.compiles and "gone" not in p.grammar.compiles
     until(lambda: w.sched.reqs.get("json") is None, turn)
     text, reason = _texts(io, hf)["json"]
     assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
-    assert threads == ["grammar-compile"]
+    assert threads == ["grammar-compile"] * 2  # json's and gone's
     w.handle(m.Abort("plain"))
     until(lambda: not w.sched.reqs and w.inflight is None, turn)
     assert len(w.grammar) == 0 and len(p.grammar) == 0 and not p.waiting_prefill
+    assert not w.grammar.compiles._running and not p.grammar.compiles._running  # no future kept
     assert w.sched.blocks.num_free == w.sched.blocks.num_blocks
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("gone", "abort"), ("plain", "abort")]
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "hybrid"])
+def test_a_compile_that_fails_on_the_pool_fails_its_request_alone_as_before(
+        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The message is the one compiling in place gave (the same test passes on the code before the pool)."""
+    from tests.test_structured_workers import fail_compiling
+    from tests.test_worker_faults import _prefill_for_decode, _run_ahead
+
+    cfg, runner, hf = setup
+    io = FakeIO()
+    bad = StructuredOutputs(regex="[a-z]{3}")
+    reqs = [structured("ok0"), structured("bad", bad), structured("ok1")]
+    if where == "hybrid":
+        w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+        fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
+        io.inbox += reqs
+        _run_ahead(w, 400)
+    else:
+        d, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+        fail_compiling(monkeypatch, p.grammar if where == "prefill" else d.grammar, bad, "compile blew up")
+        for r in reqs:
+            d.handle(r)
+        for _ in range(400):
+            d.admit()
+            _prefill_for_decode(cfg, runner, io, d, p)
+            d.step()
+            d.publish()
+            if not d.sched.reqs:
+                break
+        assert len(p.grammar) == 0 and not d.sched.reqs
+    stage = "prefill" if where == "prefill" else "sampling"
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason, f.message) for f in fin] == [
+        ("bad", "error", f"{stage} failed: GrammarError: invalid grammar: compile blew up")]
+    texts = _texts(io, hf)
+    for rid in ("ok0", "ok1"):
+        text, reason = texts[rid]
+        assert reason == "stop" and re.fullmatch(REGEX, text), (rid, text, reason)
