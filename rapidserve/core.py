@@ -2,6 +2,11 @@
 
 One `step()` reads like prose: schedule, run the forward pass the schedule asks for, sample,
 record tokens, finish what stopped. It is the reference the two-process engine is compared with.
+
+Structured outputs: a request's grammar starts compiling in the background when it is added, so
+the compiles of a `generate` call's requests overlap the steps of the ones ahead; a request is not
+held back (unlike the serving workers'): its first mask waits for its compile if that is still
+running, which blocks this one-process loop, as compiling in place did, but only for what is left.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class EngineCore:
         self._arrivals += 1
         seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
         self.scheduler.add(seq)
+        if params.structured_outputs is not None:  # compiles in the background while earlier requests step;
+            self.grammar.prepare(seq_id, params.structured_outputs)  # its first mask waits for it if need be
         return seq
 
     def abort(self, seq: Sequence) -> None:
@@ -125,8 +132,9 @@ class EngineCore:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq, tok, reason))
         self._retain_slots()
-        if self._grammar is not None and len(self._grammar):
-            self._grammar.retain(s.seq_id for s in self.scheduler.running)  # ended or preempted: released
+        if self._grammar is not None and len(self._grammar):  # matchers: ended or preempted; compiles: ended
+            self._grammar.retain((s.seq_id for s in self.scheduler.running),
+                                 known=[s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)])
         return events
 
     def _grammar_mask(self, seqs: list[Sequence]) -> tuple[GrammarMask | None, dict[int, str]]:

@@ -22,6 +22,9 @@ Policy, each step (`schedule`):
    tokens at once, keeping the watermark free unless nothing else runs. A prompt longer than what
    is left of the budget gets a chunk of that size and goes on next step; several short prompts may
    share a step. Nothing is admitted in a step that preempted (the pool is short).
+   Waiting sequences in `hold` (their grammar still compiling: `GrammarBook.compiling`) are passed
+   over, keeping their place; the rest are admitted in order as above. A sequence is only held
+   before it first runs (readiness only moves forward), so running ones never are.
 
 Invariants (checked by the tests after every step):
 - the tokens of a plan (one per decode plus the chunk lengths) never exceed the budget;
@@ -35,6 +38,7 @@ Invariants (checked by the tests after every step):
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.sequence import SeqStatus, Sequence
@@ -56,14 +60,15 @@ class HybridScheduler(SeqQueues):
         return len(self.running) - prefilling, prefilling, len(self.waiting)
 
     # ---- the step ---------------------------------------------------------------------------
-    def schedule(self, finishing: Callable[[Sequence], bool] | None = None) -> StepPlan:
+    def schedule(self, finishing: Callable[[Sequence], bool] | None = None,
+                 hold: AbstractSet[str] = frozenset()) -> StepPlan:
         """The next step. `finishing` (scheduling ahead): running sequences whose token in flight will
-        certainly end them get no decode."""
+        certainly end them get no decode. `hold`: ids of waiting sequences not to admit yet."""
         plan = StepPlan()
         budget = self._schedule_decodes(plan, finishing)
         budget = self._continue_prefills(plan, budget)
         if not plan.preempted:
-            self._admit(plan, budget)
+            self._admit(plan, budget, hold)
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, finishing: Callable[[Sequence], bool] | None) -> int:
@@ -101,12 +106,12 @@ class HybridScheduler(SeqQueues):
                 budget -= self._plan_chunk(plan, seq, budget)
         return budget
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if not self._fits(seq, alone=not self.running):
+    def _admit(self, plan: StepPlan, budget: int, hold: AbstractSet[str]) -> None:
+        while budget > 0 and len(self.running) < self.max_running:
+            seq = next((x for x in self.waiting if x.seq_id not in hold), None)  # the head, without holds
+            if seq is None or not self._fits(seq, alone=not self.running):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._allocate(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

@@ -8,6 +8,7 @@ preset on CPU) with their channels replaced by lists; a fault is injected into t
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -67,6 +68,11 @@ class FakeIO:
         return out
 
     def wait(self, timeout: float) -> bool:
+        """As `WorkerIO.wait`: True at once when a message is waiting, else sleep `timeout` (nothing comes
+        meanwhile). Idle loops wait only while a grammar compiles (a few ms: `GrammarBook.idle_wait`)."""
+        if self.inbox:
+            return True
+        time.sleep(timeout)
         return False
 
     def others_alive(self, every_s: float = 0.25) -> bool:

@@ -41,6 +41,7 @@ Block ownership (docs/architecture.md): a request's blocks are freed only when n
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -137,16 +138,18 @@ class DecodeScheduler:
                        self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}), token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
-    def add(self, req: m.NewRequest) -> None:
-        """A new request joins the queue. The router checked the prompt (`rapidserve/prompt.py`)."""
+    def add(self, req: m.NewRequest) -> bool:
+        """A new request joins the queue (False: refused, its id still in use). The router checked the
+        prompt (`rapidserve/prompt.py`)."""
         if req.req_id in self.reqs:  # an earlier request of this id is still finishing
             self.finished.append(m.Finished(req.req_id, "error", f"request id {req.req_id!r} is still in "
                                             "flight (an earlier request of that id is finishing): use unique ids"))
-            return
+            return False
         self._arrivals += 1
         r = DecodeRequest(req, self._arrivals)
         self.reqs[r.req_id] = r
         self.waiting.append(r)
+        return True
 
     def abort(self, req_id: str) -> bool:
         """End the request; True when prefill holds it and must be told to drop it (send Drop)."""
@@ -230,12 +233,16 @@ class DecodeScheduler:
             self.waiting.appendleft(r)
 
     # ---- the decode batch ---------------------------------------------------------------------
-    def schedule(self, quiet: bool) -> list[DecodeRequest] | None:
-        """The next step's batch (every running request), each table grown to cover `tokens_needed`.
-        When the pool is short: None if not `quiet` (a step is in flight, so nothing may be freed),
-        else the latest admitted running requests are preempted until the rest fit."""
+    def schedule(self, quiet: bool, hold: AbstractSet[str] = frozenset()) -> list[DecodeRequest] | None:
+        """The next step's batch (every running request not in `hold`), each table grown to cover
+        `tokens_needed`. When the pool is short: None if not `quiet` (a step is in flight, so nothing
+        may be freed), else the latest admitted running requests are preempted until the rest fit.
+
+        `hold`: ids whose grammar is still compiling (`GrammarBook.compiling`): they keep their seat
+        and blocks but sit out the step (not grown; still preemptible), and join once ready. Such a
+        request has no step in flight: it has never been in a batch of this worker."""
         for r in list(self.running):
-            if r.state != "running":  # preempted as a victim earlier in this pass
+            if r.state != "running" or r.req_id in hold:  # preempted as a victim earlier in this pass; held
                 continue
             while not self.blocks.can_grow(r.req_id, r.tokens_needed):
                 if not quiet:
@@ -246,7 +253,7 @@ class DecodeScheduler:
                     break
             else:
                 self.blocks.grow(r.req_id, r.tokens_needed)
-        return list(self.running)
+        return [r for r in self.running if r.req_id not in hold]
 
     def launched(self, batch: list[DecodeRequest]) -> None:
         for r in batch:

@@ -14,6 +14,9 @@ preemption, every output), which reaches the same state. Each step with a gramma
 forward, then waits for the in-flight step's tokens, advances the matchers and fills the bitmask on
 the CPU while the device runs, and samples with the mask; steps without one are unchanged. Matchers
 of requests no longer running (ended, aborted, preempted, failed) are released at `publish`.
+A request's grammar starts compiling in the background when its NewRequest comes (so mostly while
+prefill computes it); until it is compiled the request sits out the decode batch (`schedule`'s
+`hold`) and the others keep stepping. Its compile state is released once the scheduler forgets it.
 """
 
 from __future__ import annotations
@@ -74,12 +77,15 @@ class DecodeWorker:
             else:
                 self.io.wait(0.1)
             self.publish()
+            if self.inflight is None and self.sched.running:  # every running request waits for its grammar,
+                self.io.wait(self.grammar.idle_wait(0.0))  # whose end rings no doorbell: poll (0 s: none is)
             if not self.io.others_alive():
                 return
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, m.NewRequest):
-            self.sched.add(msg)
+            if self.sched.add(msg):  # its grammar compiles off the loop meanwhile (`_step`'s hold)
+                self.grammar.prepare(msg.req_id, msg.params.structured_outputs)
         elif isinstance(msg, m.PrefillDone):
             first = self.sched.prefill_done(msg)
             if first is not None:
@@ -145,10 +151,11 @@ class DecodeWorker:
             self.sched.fail_batch(f.batch if f is not None else [], describe(e, "decode step"))
 
     def _step(self) -> None:
-        batch = self.sched.schedule(quiet=self.inflight is None)
+        hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
+        batch = self.sched.schedule(quiet=self.inflight is None, hold=hold)
         if batch is None:
             self._complete()  # preemption needs a quiet pool: let the in-flight step land first
-            batch = self.sched.schedule(quiet=True)
+            batch = self.sched.schedule(quiet=True, hold=hold)
         if not batch:
             self._complete()
             return
@@ -218,8 +225,8 @@ class DecodeWorker:
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
             self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
-        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released
-            self.grammar.retain(r.req_id for r in self.sched.running)
+        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
+            self.grammar.retain((r.req_id for r in self.sched.running), known=self.sched.reqs)  # compiles: ended
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []

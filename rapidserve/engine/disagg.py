@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,11 +176,11 @@ class DisaggPrefillWorker(PrefillWorker):
                               "--gpu-memory-utilization, or lower --max-model-len")
 
     # ---- staging: taken with the batch, freed with the job ------------------------------------
-    def take_batch(self) -> list[tuple[Job, int]]:
+    def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
         """The base batch, cut before the first job that finds no staging room (it waits for jobs ahead
         of it to end; the one at the head always fits, since staging holds a longest request)."""
         kept: list[tuple[Job, int]] = []
-        for job, n in super().take_batch():
+        for job, n in super().take_batch(hold):
             if not self._stage(job):
                 break
             kept.append((job, n))

@@ -41,6 +41,8 @@ queues the forward first, then waits for the previous step's tokens on the host 
 row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
 rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
 without a constraint never wait there. `publish` releases the matchers of requests no longer running.
+A request's grammar starts compiling in the background when its NewRequest comes; until it is
+compiled the request is not admitted (`schedule`'s `hold`) and the others keep stepping.
 
 Blocks: only this worker changes block tables. A finished or aborted request's blocks return to the
 pool at once, even while a step that writes them is in flight: there is one process and one
@@ -113,7 +115,7 @@ class HybridWorker:
             self.run_ahead()
             return
         while not self._stop:
-            plan = self.sched.schedule()
+            plan = self.sched.schedule(hold=self.grammar.compiling())
             step = None if plan.is_empty else self.guarded(plan, self.launch, (plan, None))
             self.read_inbox(wait=plan.is_empty and not plan.preempted)  # while the device computes the step
             if step is not None:
@@ -135,7 +137,7 @@ class HybridWorker:
 
     def step_ahead(self, prev: Launched | None) -> Launched | None:
         """Plan, launch (fed by `prev`, still in flight), read the inbox, record `prev`, publish."""
-        plan = self.sched.schedule(self._finishing if prev is not None else None)
+        plan = self.sched.schedule(self._finishing if prev is not None else None, self.grammar.compiling())
         step = None if plan.is_empty else self.guarded(plan, self.launch, (plan, prev))
         self.read_inbox(wait=step is None and prev is None and not plan.preempted)
         if prev is not None:
@@ -178,8 +180,8 @@ class HybridWorker:
 
     # ---- inbox ------------------------------------------------------------------------------
     def read_inbox(self, wait: bool) -> None:
-        if wait:
-            self.io.wait(0.1)
+        if wait:  # a compile's end rings no doorbell: poll while one holds a request back
+            self.io.wait(self.grammar.idle_wait(0.1))
         for msg in self.io.drain():
             if isinstance(msg, m.NewRequest):
                 self._new(msg)
@@ -197,6 +199,7 @@ class HybridWorker:
         seq = Sequence(msg.req_id, list(msg.prompt_token_ids), msg.params, arrival=self._arrivals)
         self.seqs[seq.seq_id] = seq
         self.sched.add(seq)
+        self.grammar.prepare(seq.seq_id, msg.params.structured_outputs)  # compiles off the loop
 
     def _abort(self, req_id: str) -> None:
         seq = self.seqs.pop(req_id, None)
@@ -299,8 +302,8 @@ class HybridWorker:
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
             self.runner.tokens.retain(s.slot_key for s in self.sched.running)
-        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released
-            self.grammar.retain(s.seq_id for s in self.sched.running)
+        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
+            self.grammar.retain((s.seq_id for s in self.sched.running), known=self.seqs)  # compiles: ended
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []

@@ -14,13 +14,15 @@ is one decode step); a token that ends its request goes to the router at once, b
 The router stops this worker with SIGTERM (worker_io.worker_signals), before decode.
 A request with structured outputs gets its first token sampled under its grammar's mask (its matcher
 replays the outputs of a preempted request first, and is dropped once the token is sampled; decode
-replays the same tokens into its own).
+replays the same tokens into its own). Its grammar starts compiling in the background when the
+KVReady comes; until it is compiled the job is passed over (`take_batch`'s `hold`) and the others go on.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +79,11 @@ class PrefillWorker:
         while True:
             for msg in self.io.drain():
                 self.handle(msg)
-            if self.waiting_prefill:
+            hold = self.grammar.compiling()
+            if any(j.req.req_id not in hold for j in self.waiting_prefill):
                 self.prefill_step()
-            else:
-                self.io.wait(0.1)
+            else:  # idle, or every job waits for its grammar, whose end rings no doorbell: poll
+                self.io.wait(self.grammar.idle_wait(0.1))
             self.heartbeat()
             if not self.io.others_alive():
                 return
@@ -95,20 +98,25 @@ class PrefillWorker:
     def handle(self, msg: object) -> None:
         if isinstance(msg, m.KVReady):
             self.waiting_prefill.append(Job.of(msg))
+            self.grammar.prepare(msg.request.req_id, msg.request.params.structured_outputs)  # off the loop
         elif isinstance(msg, m.Drop):  # answered even when PrefillDone/PrefillFailed went first
             for job in [j for j in self.waiting_prefill if j.req.req_id == msg.req_id]:
                 self.waiting_prefill.remove(job)
+            self.grammar.release(msg.req_id)
             self.io.to_decode.send(m.Dropped(msg.req_id))
         elif isinstance(msg, m.SetPartition):
             self.backend.stream(msg.config, "prefill")  # raises on a configuration we do not have
             self.partition = msg.config
 
     # ---- prefill ----------------------------------------------------------------------------
-    def take_batch(self) -> list[tuple[Job, int]]:
-        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks."""
+    def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
+        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks. Jobs in
+        `hold` (their grammar still compiling: `GrammarBook.compiling`) are passed over, keeping their place."""
         batch: list[tuple[Job, int]] = []
         left = self.budget
         for job in self.waiting_prefill:
+            if job.req.req_id in hold:
+                continue
             rest = len(job.tokens) - job.done_tokens
             if rest <= left:
                 batch.append((job, rest))
@@ -133,12 +141,16 @@ class PrefillWorker:
             stream.wait_stream(last)
         with on_stream(stream):
             self._prefill_step()
+        if len(self.grammar):  # compile state of the jobs that left (done, failed)
+            self.grammar.retain((), known=(j.req.req_id for j in self.waiting_prefill))
 
     def _prefill_step(self) -> None:
         """A request never takes the worker down (engine/faults.py): if the batch raises, each of its
         requests is run alone, and the ones that still raise fail by themselves (PrefillFailed);
         errors that leave the device unusable (`is_fatal`) end the worker, and the router restarts it."""
-        batch = self.take_batch()
+        batch = self.take_batch(self.grammar.compiling())
+        if not batch:  # every job waits for its grammar
+            return
         try:
             self._compute(batch)
         except Exception as e:  # noqa: BLE001 - isolated below

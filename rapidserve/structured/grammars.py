@@ -120,13 +120,20 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._items)
 
-    def compile(self, so: StructuredOutputs) -> Any:
+    def get(self, so: StructuredOutputs) -> Any | None:
+        """The compiled value if cached (a hit), else None; never builds (see `compiles.Compiles`)."""
         with self._lock:
             got = self._items.get(so)
             if got is not None:
                 self._items.move_to_end(so)
                 self.hits += 1
-                return got
+            return got
+
+    def compile(self, so: StructuredOutputs) -> Any:
+        got = self.get(so)
+        if got is not None:
+            return got
+        with self._lock:
             self.misses += 1
         value = self._make(so)  # outside the lock: two threads may both compile a new constraint once
         with self._lock:

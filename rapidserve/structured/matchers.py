@@ -20,6 +20,14 @@ than sampling from an all -inf row.
 
 Matchers are released with `release` / `retain` (preemption, abort, finish, failure); correctness
 never depends on it, since a matcher out of step with its request is rebuilt by replay.
+
+Compiling off the loop (`compiles.py`): a worker calls `prepare(key, constraint)` when it first
+learns of a request, which compiles it on a background thread (a cached constraint is ready at once),
+and leaves every key in `compiling()` out of the steps that need its mask. A prepared request's
+matcher is made from its own compiled grammar: `fill` never compiles on the loop for it (a compile
+that failed fails its row with the message compiling in place would have given). An unprepared
+request (the unit tests) compiles in place, as before. `release` drops a request's compile state with
+its matcher; `retain(keys, known)` drops matchers outside `keys` and compile state outside `known`.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import torch
 
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
+from rapidserve.structured.compiles import CompilePool, Compiles
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
 
 
@@ -64,9 +73,10 @@ class GrammarBook:
     llguidance's tokenizer view takes a second or two; free-text serving never pays it)."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos: tuple[int, ...],
-                 cache_size: int = 256, threads: int | None = None) -> None:
+                 cache_size: int = 256, threads: int | None = None, compile_threads: int = 2) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, eos
         self.cache = GrammarCache(self._compile, cache_size)
+        self.compiles = Compiles(self.cache, CompilePool(compile_threads))
         # llguidance's fill pool: 3/4 of the cores, at most 12 (the rest: the loop, torch, the other processes)
         self._threads = threads or max(1, min(12, (os.cpu_count() or 2) * 3 // 4))
         self._tok: Any = None
@@ -95,11 +105,29 @@ class GrammarBook:
         return cls(hf_tokenizer, vocab_size, eos)
 
     def __len__(self) -> int:
-        return len(self._matchers)
+        """Requests with a matcher or compile state here (0 once every request has been released)."""
+        if not len(self.compiles):
+            return len(self._matchers)
+        return len(self._matchers.keys() | self.compiles.keys())
 
     @staticmethod
     def needed(params: Iterable[SamplingParams]) -> bool:
         return any(p.structured_outputs is not None for p in params)
+
+    # ---- compiling off the loop (compiles.py) --------------------------------------------------
+    def prepare(self, key: str, so: StructuredOutputs | None) -> bool:
+        """Start compiling request `key`'s constraint in the background (nothing without one); whether
+        it is ready now (no constraint, cached, or compiled already)."""
+        return self.compiles.prepare(key, so)
+
+    def compiling(self) -> frozenset[str]:
+        """The prepared requests whose grammar is still compiling: a cheap, non-blocking query for the
+        schedulers, which leave them out of any step that needs their mask."""
+        return self.compiles.compiling()
+
+    def idle_wait(self, default: float) -> float:
+        """How long an idle loop may sleep: `default`, or a few ms while a compile is under way."""
+        return self.compiles.idle_wait(default)
 
     # ---- matchers ---------------------------------------------------------------------------
     def warm(self) -> None:
@@ -151,7 +179,7 @@ class GrammarBook:
         mt = self._matchers.get(r.key)
         n = len(mt.tokens) if mt is not None else 0
         if mt is None or mt.so != so or n > len(r.tokens) or (n and mt.tokens[-1] != r.tokens[n - 1]):
-            mt = self._matchers[r.key] = _Matcher(so, self.cache.compile(so).deep_copy())
+            mt = self._matchers[r.key] = _Matcher(so, self.compiles.template(r.key, so).deep_copy())
             n = 0
         for t in r.tokens[n:]:
             if mt.m.is_stopped() or mt.dead:  # complete (or dead): only EOS was allowed; after it, free text
@@ -173,14 +201,19 @@ class GrammarBook:
         return mt
 
     def release(self, key: str) -> None:
+        """The request ended (or left this worker): its matcher and compile state go."""
         self._matchers.pop(key, None)
+        self.compiles.forget(key)
 
-    def retain(self, keys: Iterable[str]) -> None:
-        """Drop every matcher whose request is not in `keys` (ended, preempted, failed)."""
+    def retain(self, keys: Iterable[str], known: Iterable[str] | None = None) -> None:
+        """Drop every matcher whose request is not in `keys` (ended, preempted, failed) and, with
+        `known`, the compile state of every request not in `known` (ended: no longer in the worker)."""
         if self._matchers:
             keep = set(keys)
             for k in [k for k in self._matchers if k not in keep]:
                 del self._matchers[k]
+        if known is not None:
+            self.compiles.retain(known)
 
     # ---- one step -----------------------------------------------------------------------------
     def fill(self, rows: Sequence[GrammarRow], pin: bool) -> tuple[GrammarMask, dict[int, str]]:

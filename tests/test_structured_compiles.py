@@ -1,0 +1,203 @@
+"""Grammars compiled off the loop (rapidserve/structured/compiles.py), on CPU without a grammar engine:
+table tests of each request's readiness (`prepare`, `compiling`, `template`, `forget`, `retain`) over a
+pool the test runs by hand, then the real thread pool (daemon threads, on demand, cancellation), then
+`GrammarBook` with llguidance: a prepared request's matcher is made without compiling on the caller's
+thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
+from rapidserve.structured import GrammarCache
+from rapidserve.structured.compiles import POLL_S, CompilePool, Compiles
+
+
+class ManualPool:
+    """Submitted calls wait until the test runs them: `start` (running, not ended) then `finish`."""
+
+    def __init__(self) -> None:
+        self.queued: list[tuple[Future[Any], Callable[[], Any]]] = []
+        self.started: list[tuple[Future[Any], Callable[[], Any]]] = []
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        f: Future[Any] = Future()
+        self.queued.append((f, fn))
+        return f
+
+    def start(self) -> None:
+        self.started += [(f, fn) for f, fn in self.queued if f.set_running_or_notify_cancel()]
+        self.queued.clear()
+
+    def finish(self) -> None:
+        self.start()
+        for f, fn in self.started:
+            try:
+                f.set_result(fn())
+            except Exception as e:  # noqa: BLE001 - the request's error
+                f.set_exception(e)
+        self.started.clear()
+
+
+def so(regex: str) -> StructuredOutputs:
+    return StructuredOutputs(regex=regex)
+
+
+def make_compiles() -> tuple[Compiles, ManualPool, list[str]]:
+    made: list[str] = []
+
+    def make(c: StructuredOutputs) -> str:
+        assert c.regex is not None
+        made.append(c.regex)
+        if c.regex == "bad":
+            raise RuntimeError("compile blew up")
+        return f"grammar of {c.regex}"
+
+    pool = ManualPool()
+    return Compiles(GrammarCache(make, capacity=4), pool), pool, made
+
+
+# Each step: an operation, what `prepare` returns (None for other operations), then `compiling()`.
+#   "prepare KEY REGEX" (REGEX "-": no constraint), "start" / "finish" (the pool's queued calls),
+#   "forget KEY", "retain KEY,KEY".
+READINESS = [
+    ("no constraint: ready, nothing kept",
+     [("prepare a -", True, "")], [], {}),
+    ("a new constraint compiles in the background until its compile ends",
+     [("prepare a x", False, "a"), ("start", None, "a"), ("finish", None, "")], ["x"], {"a": "grammar of x"}),
+    ("a cached constraint is ready at once",
+     [("prepare a x", False, "a"), ("finish", None, ""), ("prepare b x", True, "")], ["x"],
+     {"a": "grammar of x", "b": "grammar of x"}),
+    ("requests of one constraint share one compile",
+     [("prepare a x", False, "a"), ("prepare b x", False, "a,b"), ("prepare c y", False, "a,b,c"),
+      ("finish", None, "")], ["x", "y"], {"a": "grammar of x", "b": "grammar of x", "c": "grammar of y"}),
+    ("a failed compile: ready, and its template raises the compile's error every time",
+     [("prepare a bad", False, "a"), ("finish", None, "")], ["bad"], {"a": "!compile blew up"}),
+    ("after a failure the next request of that constraint compiles again (errors are not cached)",
+     [("prepare a bad", False, "a"), ("finish", None, ""), ("forget a", None, ""), ("prepare b bad", False, "b"),
+      ("finish", None, "")], ["bad", "bad"], {"b": "!compile blew up"}),
+    ("forgotten before its compile started: cancelled, never compiled",
+     [("prepare a x", False, "a"), ("forget a", None, ""), ("finish", None, "")], [], {}),
+    ("forgotten while compiling: the compile ends into the cache, nothing is kept",
+     [("prepare a x", False, "a"), ("start", None, "a"), ("forget a", None, ""), ("finish", None, ""),
+      ("prepare b x", True, "")], ["x"], {"b": "grammar of x"}),
+    ("one of two sharers forgotten: the other still gets the compile",
+     [("prepare a x", False, "a"), ("prepare b x", False, "a,b"), ("forget a", None, "b"), ("finish", None, "")],
+     ["x"], {"b": "grammar of x"}),
+    ("retain keeps only the known requests, compiling or not",
+     [("prepare a x", False, "a"), ("finish", None, ""), ("prepare b y", False, "b"), ("prepare c z", False, "b,c"),
+      ("retain a,c", None, "c"), ("finish", None, "")], ["x", "z"], {"a": "grammar of x", "c": "grammar of z"}),
+    ("prepared again with its constraint: nothing new; with another: replaced",
+     [("prepare a x", False, "a"), ("prepare a x", False, "a"), ("prepare a y", False, "a"), ("finish", None, "")],
+     ["y"], {"a": "grammar of y"}),
+    ("readiness only moves forward: prepared again once ready, still ready",
+     [("prepare a x", False, "a"), ("finish", None, ""), ("prepare a x", True, "")], ["x"], {"a": "grammar of x"}),
+]
+
+
+@pytest.mark.parametrize("name,steps,made_want,templates", READINESS, ids=[c[0] for c in READINESS])
+def test_readiness(name: str, steps: list[tuple[str, bool | None, str]], made_want: list[str],
+                   templates: dict[str, str]) -> None:
+    c, pool, made = make_compiles()
+    for op, ready, compiling in steps:
+        words = op.split()
+        got = None
+        if words[0] == "prepare":
+            got = c.prepare(words[1], None if words[2] == "-" else so(words[2]))
+        elif words[0] == "start":
+            pool.start()
+        elif words[0] == "finish":
+            pool.finish()
+        elif words[0] == "forget":
+            c.forget(words[1])
+        elif words[0] == "retain":
+            c.retain(words[1].split(","))
+        assert got == ready, op
+        assert c.compiling() == frozenset(k for k in compiling.split(",") if k), op
+        assert c.idle_wait(0.1) == (POLL_S if compiling else 0.1), op
+    assert made == made_want
+    assert len(c) == len(templates)  # what is kept: exactly the live requests
+    for key, want in templates.items():
+        regex = next(w.split()[2] for w, _, _ in reversed(steps) if w.startswith(f"prepare {key} "))
+        for _ in range(2):
+            if want.startswith("!"):
+                with pytest.raises(RuntimeError, match=want[1:]):
+                    c.template(key, so(regex))
+            else:
+                assert c.template(key, so(regex)) == want
+    assert made == made_want  # asking for templates never compiled anything
+
+
+def test_template_of_an_unprepared_request_compiles_in_place_and_an_early_one_waits() -> None:
+    c, _, made = make_compiles()
+    assert c.template("never-prepared", so("x")) == "grammar of x" and made == ["x"]  # in place, cached
+    real = Compiles(GrammarCache(lambda s: time.sleep(0.2) or f"slow {s.regex}"), CompilePool(1))
+    assert not real.prepare("a", so("y")) and real.compiling() == {"a"}
+    t0 = time.perf_counter()
+    assert real.template("a", so("y")) == "slow y"  # waits for the compile under way (the LLM path)
+    assert time.perf_counter() - t0 > 0.1 and real.compiling() == frozenset()
+
+
+def test_pool_runs_in_daemon_threads_on_demand_and_lets_idle_threads_end() -> None:
+    pool = CompilePool(threads=2, idle_s=0.2)
+    gate = threading.Event()
+    names: list[str] = []
+
+    def job(i: int) -> int:
+        names.append(threading.current_thread().name)
+        assert threading.current_thread().daemon
+        gate.wait(5)
+        return i
+
+    futs = [pool.submit(lambda i=i: job(i)) for i in range(3)]
+    time.sleep(0.05)
+    assert pool.live == 2 and futs[0].running() and futs[1].running() and not futs[2].running()
+    assert futs[2].cancel()  # not started: cancelled, never runs
+    gate.set()
+    assert [f.result(5) for f in futs[:2]] == [0, 1] and len(names) == 2
+    deadline = time.monotonic() + 5
+    while pool.live and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pool.live == 0  # idle threads ended
+    assert pool.submit(lambda: 7).result(5) == 7  # and start again on demand
+    boom = pool.submit(lambda: (_ for _ in ()).throw(ValueError("bad grammar")))
+    with pytest.raises(ValueError, match="bad grammar"):
+        boom.result(5)
+
+
+def test_book_prepares_in_the_background_and_fills_without_compiling_on_the_caller(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("llguidance")
+    from rapidserve.loader import load_hf_tokenizer, resolve_model
+    from rapidserve.structured import GrammarBook, GrammarRow
+
+    hf = load_hf_tokenizer(resolve_model(None))
+    book = GrammarBook(lambda: hf, 49152, (2, 0))
+    real = book.cache._make
+    threads: list[str] = []
+
+    def make(c: StructuredOutputs) -> Any:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return real(c)
+
+    monkeypatch.setattr(book.cache, "_make", make)
+    p = SamplingParams(structured_outputs=so("[0-9]{3}"), max_tokens=8)
+    assert book.prepare("r", p.structured_outputs) is False and book.compiling() == {"r"} and len(book) == 1
+    deadline = time.monotonic() + 30
+    while book.compiling() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert book.compiling() == frozenset() and threads == ["grammar-compile"]
+    mask, failed = book.fill([GrammarRow(0, "r", p, [])], pin=False)
+    assert not failed and set(mask.allowed(0, 49152)) and threads == ["grammar-compile"]  # nothing compiled here
+    assert book.prepare("r2", p.structured_outputs) is True  # cached: ready at once
+    book.retain(["r"], known=["r"])
+    assert len(book) == 1  # r (its matcher and its compile state); r2 was not known
+    book.release("r")
+    assert len(book) == 0

@@ -1,0 +1,226 @@
+"""A grammar that compiles slowly stalls nobody (CPU, the real workers in this process, channels as lists:
+tests/test_worker_faults.py's harness). Each worker's compile is made to take 1.5 s (on the compile pool's
+thread); meanwhile a plain request keeps getting a token every step and the loop keeps turning. Then the
+structured request runs and its output follows its grammar. Covered: hybrid (held at admission), rapid with
+the slow compile in prefill (the job is passed over) and in decode (the request runs there only once
+compiled); an abort while compiling releases everything; a compile that fails fails its request alone, with
+the message it had before compiles moved to the pool."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from rapidserve.config_builder import build_engine_config
+from rapidserve.engine import messages as m
+from rapidserve.engine.hybrid_worker import HybridWorker
+from rapidserve.loader import resolve_model
+from rapidserve.runner import ModelRunner
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
+from rapidserve.structured import GrammarBook
+from tests.test_structured_workers import REGEX, _texts, tiny_tokenizer_dir
+from tests.test_worker_faults import FakeIO, _decode_worker, _prefill_worker
+
+SLOW_S = 1.5
+SO = StructuredOutputs(regex=REGEX)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner, Any]:
+    from transformers import AutoTokenizer
+
+    tok = tiny_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=160,
+                                 block_size=16, max_model_len=2048, tokenizer=tok)
+    source = resolve_model(cfg.model, preset_device=torch.device("cpu"), preset_dtype=torch.float32)
+    return cfg, ModelRunner(cfg, source, show_progress=False), AutoTokenizer.from_pretrained(tok)
+
+
+def slow_compiles(monkeypatch: pytest.MonkeyPatch, book: GrammarBook) -> list[str]:
+    """Every compile of `book` sleeps SLOW_S first; returns the names of the threads that compiled."""
+    real, threads = book.cache._make, []
+
+    def make(so: StructuredOutputs) -> Any:
+        threads.append(threading.current_thread().name)
+        time.sleep(SLOW_S)
+        return real(so)
+
+    monkeypatch.setattr(book.cache, "_make", make)
+    return threads
+
+
+def plain(rid: str = "plain") -> m.NewRequest:
+    return m.NewRequest(rid, [3, 4, 5, 6], SamplingParams(temperature=0.0, max_tokens=1900, ignore_eos=True), 0.0)
+
+
+def structured(rid: str, so: StructuredOutputs = SO) -> m.NewRequest:
+    return m.NewRequest(rid, [7, 8, 9], SamplingParams(temperature=1.0, seed=5, max_tokens=40, structured_outputs=so),
+                        0.0)
+
+
+def count(io: FakeIO, rid: str) -> int:
+    return sum(1 for label in ("d2r", "p2r") for b in io.of(label, m.TokenBatch) for t in b.tokens if t.req_id == rid)
+
+
+class Meter:
+    """Loop turns, the longest gap between two, and the plain request's tokens, while `rid` has none (or
+    no more than `before`): the time its grammar held it back."""
+
+    def __init__(self, io: FakeIO, rid: str, before: int = 0) -> None:
+        self.io, self.rid, self.before = io, rid, before
+        self.turns, self.longest, self.plain0 = 0, 0.0, count(io, "plain")
+        self.t0 = self.last = time.perf_counter()
+        self.held_s = 0.0
+        self.plain_meanwhile = 0
+
+    def turn(self) -> bool:
+        """Count a turn; True while `rid` is still held back."""
+        now = time.perf_counter()
+        self.longest, self.last = max(self.longest, now - self.last), now
+        if count(self.io, self.rid) > self.before:
+            return False
+        self.turns += 1
+        self.held_s = now - self.t0
+        self.plain_meanwhile = count(self.io, "plain") - self.plain0
+        return True
+
+    def check(self) -> None:
+        assert self.held_s >= SLOW_S * 0.9, self.held_s  # it waited for its compile...
+        assert self.turns >= 50 and self.plain_meanwhile >= 50, vars(self)  # ...while the loop turned and streamed
+        assert self.longest < SLOW_S / 3, self.longest  # no turn waited for the compile
+
+
+def until(pred: Callable[[], bool], turn: Callable[[], None], limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not pred():
+        assert time.monotonic() < deadline, "no progress"
+        turn()
+
+
+def test_hybrid_streams_on_while_a_grammar_compiles_and_an_abort_meanwhile_releases_it(
+        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, runner, hf = setup
+    io = FakeIO()
+    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    threads = slow_compiles(monkeypatch, w.grammar)
+    io.inbox.append(plain())
+    state: dict[str, Any] = {"prev": None}
+
+    def turn() -> None:
+        state["prev"] = w.step_ahead(state["prev"])
+
+    until(lambda: count(io, "plain") >= 3, turn)
+    io.inbox += [structured("json"), structured("gone", StructuredOutputs(regex="[a-z]{4}"))]
+    meter = Meter(io, "json")
+    while meter.turn():
+        turn()
+        if meter.turns == 10:
+            io.inbox.append(m.Abort("gone"))  # while its compile runs
+        assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
+    meter.check()
+    assert "gone" not in w.seqs and "gone" not in w.grammar.compiles
+    until(lambda: "json" not in w.seqs, turn)
+    text, reason = _texts(io, hf)["json"]
+    assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
+    assert threads == ["grammar-compile"] * 2  # json's and gone's, both on the pool
+    io.inbox.append(m.Abort("plain"))
+    until(lambda: not w.seqs and state["prev"] is None, turn)
+    w.publish()
+    assert len(w.grammar) == 0 and not w.grammar.compiles._running and not w.grammar.compiling()
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("gone", "abort"), ("plain", "abort")]
+
+
+@pytest.mark.parametrize("slow_in", ["prefill", "decode"])
+def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner, Any],
+                                                   monkeypatch: pytest.MonkeyPatch, slow_in: str) -> None:
+    """The two workers' loops interleaved (they are two processes in the engine): the grammar is slow to
+    compile in one of them; the other compiles it at once."""
+    cfg, runner, hf = setup
+    io = FakeIO()
+    w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+    threads = slow_compiles(monkeypatch, p.grammar if slow_in == "prefill" else w.grammar)
+
+    def turn() -> None:
+        w.step()
+        w.publish()
+        w.admit()
+        for msg in list(io.sent["d2p"]):  # KVReady, Drop
+            io.sent["d2p"].remove(msg)
+            p.handle(msg)
+        io.seat = "prefill"
+        p.prefill_step()  # one batch of what is ready (nothing while every job waits for its grammar)
+        io.seat = "decode"
+        for msg in list(io.sent["p2d"]):
+            io.sent["p2d"].remove(msg)
+            w.handle(msg)
+        if w.inflight is None and w.sched.running:  # as the decode loop: a short sleep while all are held
+            io.wait(w.grammar.idle_wait(0.0))
+
+    w.handle(plain())
+    until(lambda: count(io, "plain") >= 3, turn)
+    w.handle(structured("json"))
+    w.handle(structured("gone", StructuredOutputs(regex="[a-z]{4}")))
+    # prefill holds the job back (no token at all), or decode does (only prefill's first token)
+    meter = Meter(io, "json", before=0 if slow_in == "prefill" else 1)
+    while meter.turn():
+        turn()
+        if meter.turns == 10:  # while its compile runs: released in both workers
+            w.handle(m.Abort("gone"))
+        assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
+    meter.check()
+    assert "gone" not in w.sched.reqs and "gone" not in w.grammar.compiles and "gone" not in p.grammar.compiles
+    until(lambda: w.sched.reqs.get("json") is None, turn)
+    text, reason = _texts(io, hf)["json"]
+    assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
+    assert threads == ["grammar-compile"] * 2  # json's and gone's
+    w.handle(m.Abort("plain"))
+    until(lambda: not w.sched.reqs and w.inflight is None, turn)
+    assert len(w.grammar) == 0 and len(p.grammar) == 0 and not p.waiting_prefill
+    assert not w.grammar.compiles._running and not p.grammar.compiles._running  # no future kept
+    assert w.sched.blocks.num_free == w.sched.blocks.num_blocks
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("gone", "abort"), ("plain", "abort")]
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "hybrid"])
+def test_a_compile_that_fails_on_the_pool_fails_its_request_alone_as_before(
+        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """The message is the one compiling in place gave (the same test passes on the code before the pool)."""
+    from tests.test_structured_workers import fail_compiling
+    from tests.test_worker_faults import _prefill_for_decode, _run_ahead
+
+    cfg, runner, hf = setup
+    io = FakeIO()
+    bad = StructuredOutputs(regex="[a-z]{3}")
+    reqs = [structured("ok0"), structured("bad", bad), structured("ok1")]
+    if where == "hybrid":
+        w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+        fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
+        io.inbox += reqs
+        _run_ahead(w, 400)
+    else:
+        d, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+        fail_compiling(monkeypatch, p.grammar if where == "prefill" else d.grammar, bad, "compile blew up")
+        for r in reqs:
+            d.handle(r)
+        for _ in range(400):
+            d.admit()
+            _prefill_for_decode(cfg, runner, io, d, p)
+            d.step()
+            d.publish()
+            if not d.sched.reqs:
+                break
+        assert len(p.grammar) == 0 and not d.sched.reqs
+    stage = "prefill" if where == "prefill" else "sampling"
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason, f.message) for f in fin] == [
+        ("bad", "error", f"{stage} failed: GrammarError: invalid grammar: compile blew up")]
+    texts = _texts(io, hf)
+    for rid in ("ok0", "ok1"):
+        text, reason = texts[rid]
+        assert reason == "stop" and re.fullmatch(REGEX, text), (rid, text, reason)
