@@ -112,6 +112,8 @@ class DriftPrefillWorker(PrefillWorker):
             return POLL_S  # never block on the block in flight
         if run is not None and run.logits is not None:
             self._guarded(run, self._finish)
+            if len(self.grammar):  # compile state of the jobs that left (done, failed)
+                self.grammar.retain((), known=(j.req.req_id for j in self.waiting_prefill))
             return 0.0
         d = self.last = self.decide()
         if d.action == "idle":
@@ -142,7 +144,7 @@ class DriftPrefillWorker(PrefillWorker):
         """The dispatcher's view now: the queue beyond the launched batches, in arrival order of admission."""
         p = self.cfg.partition
         skip = {j.req.req_id for x in (self.running, self.preempted) if x is not None for j in x.jobs}
-        skip |= self._dropping
+        skip |= self._dropping | self.grammar.compiling()  # held until their grammar compiles (off the loop)
         waiting = tuple(WaitingPrefill(j.req.req_id, j.req.arrival, len(j.tokens) - j.done_tokens, j.done_tokens)
                         for j in self.waiting_prefill if j.req.req_id not in skip)
         return PolicyState(self.clock(), (), waiting, p.slo_itl_ms, p.slo_ttft_ms, prefill_budget=self.budget,
