@@ -138,3 +138,25 @@ def test_a_dead_rank_is_a_dead_worker(victim: str) -> None:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(("tp", "device", "visible", "devices", "error"), [
+    (2, "cuda", 1, None, "needs GPUs \\[0, 1\\] but 1 is visible"),
+    (2, "auto", 2, (1, 3), "needs GPUs \\[1, 3\\] but 2 are visible"),
+    (2, "auto", 0, None, None),  # auto on a machine without GPUs: the CPU
+    (2, "cpu", 0, None, None),
+    (2, "cuda", 2, None, None),
+    (1, "cuda", 0, None, None),  # no tensor parallelism: the runner's own checks apply
+])
+def test_the_ranks_gpus_must_be_visible(tp: int, device: str, visible: int, devices: tuple[int, ...] | None,
+                                        error: str | None) -> None:
+    from rapidserve.engine.tp_workers import check_tp_gpus
+
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
+    cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device=device),
+                              parallel=ParallelConfig(tensor_parallel_size=tp, devices=devices))
+    if error is None:
+        check_tp_gpus(cfg, visible)
+    else:
+        with pytest.raises(ConfigError, match=error):
+            check_tp_gpus(cfg, visible)

@@ -34,6 +34,14 @@ class WorkerStartError(RuntimeError):
     pass
 
 
+def _visible_gpus(cfg: EngineConfig) -> int:
+    if cfg.parallel.tensor_parallel_size == 1 or cfg.runner.device == "cpu":
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 @dataclass
 class WorkerSet:
     cfg: EngineConfig
@@ -48,8 +56,9 @@ class WorkerSet:
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
         from rapidserve.engine.disagg import builders_for  # loads torch: only once workers start
-        from rapidserve.engine.tp_workers import rank_config, run_follower, tp_env, tp_seats
+        from rapidserve.engine.tp_workers import check_tp_gpus, rank_config, run_follower, tp_env, tp_seats
 
+        check_tp_gpus(cfg, _visible_gpus(cfg))
         builders = builders_for(cfg)  # role -> builder; disagg mode's own (engine/disagg.py), its GPUs checked
         cleanup_stale()
         eid = new_engine_id()

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from rapidserve.config import EngineConfig
+from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
 from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
 from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message
@@ -55,6 +55,18 @@ def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
         return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device="cpu"))
     gpu = cfg.parallel.gpus()[rank]
     return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device=f"cuda:{gpu}"))
+
+
+def check_tp_gpus(cfg: EngineConfig, visible: int) -> None:
+    """ConfigError, in the router before any worker starts, when the ranks' GPUs are not all visible."""
+    tp, dev = cfg.parallel.tensor_parallel_size, cfg.runner.device
+    if tp == 1 or dev == "cpu" or (dev == "auto" and visible == 0):
+        return
+    gpus = cfg.parallel.gpus()[:tp]
+    if visible <= max(gpus):
+        raise ConfigError(f"--tensor-parallel-size {tp} needs GPUs {list(gpus)} but {visible} "
+                          f"{'is' if visible == 1 else 'are'} visible; lower --tensor-parallel-size, or pick GPUs "
+                          "with CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES")
 
 
 def mirror_ring_bytes(cfg: EngineConfig) -> int:
