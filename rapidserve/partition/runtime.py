@@ -146,7 +146,10 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         return PartitionPlan(kind, [c], None, f"static {c.name}: decode {c.decode_units} of {g.total} units ({kind})")
     gpu = gpu_name(device)
     path = Path(p.profile) if p.profile else default_profiles_dir() / profile_filename(gpu, cfg.model)
-    if path.exists() or p.profile:
+    # A committed profile measures the whole model on one GPU; a tensor-parallel rank computes a shard, so
+    # only a profile given explicitly (--profile) is used there, else the roofline of the shard.
+    whole_model_profile = cfg.parallel.tensor_parallel_size > 1 and not p.profile
+    if (path.exists() and not whole_model_profile) or p.profile:
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model))
         check_configurations(prof.configurations, g, f"profile {path}")
         peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") else None
@@ -157,8 +160,10 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     configs = plan_configurations(g, p.decode_shares)
     peaks = measure_peaks(device, dtype)
     prof = roofline_fallback(cfg, gpu, configs, peaks)
-    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: no profile at "
-                         f"{path} (run `rapidserve profile --model {cfg.model}` to measure one); {kind}; "
+    why = (f"tensor parallelism: one GPU's shard of the model (a whole-model profile at {path} does not apply)"
+           if whole_model_profile else
+           f"no profile at {path} (run `rapidserve profile --model {cfg.model}` to measure one)")
+    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why}; {kind}; "
                          f"{describe_peaks(peaks)}", peaks)
 
 
