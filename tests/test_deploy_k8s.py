@@ -3,7 +3,8 @@
 (PyPI `kubernetes-validate`, strict: unknown fields fail), and the content is what the server needs:
 probes on /health, scrape annotations for /metrics, the HPA on rapidserve:num_requests_waiting
 (a metric the server really exports, published by the prometheus-adapter rule shipped here), the
-GPU resource per overlay, and a container command whose flags `rapidserve serve` accepts."""
+GPU resource per overlay, a container command whose flags `rapidserve serve` accepts, and for the
+multi-GPU overlays (-tp 2) a server that uses every GPU the pod gets, with /dev/shm for NCCL."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ from rapidserve.cli import API_KEY_ENV, api_key, build_parser
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 DOCKER = REPO / "deploy" / "docker"
-OVERLAYS = ("rocm", "cuda", "cpu")
-GPU_KEY = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu", "cpu": None}
+OVERLAYS = ("rocm", "cuda", "cpu", "cuda-tp2", "rocm-tp2")
+GPU_KEY = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu", "cpu": None,
+           "cuda-tp2": "nvidia.com/gpu", "rocm-tp2": "amd.com/gpu"}
+GPUS = {"cuda-tp2": 2, "rocm-tp2": 2}  # GPUs per pod; 1 in the other GPU overlays
+IMAGE = {"base": "rapidserve", "cuda-tp2": "rapidserve:cuda", "rocm-tp2": "rapidserve:rocm"}
 METRIC = "rapidserve:num_requests_waiting"
 
 Rendered = tuple[str, list[dict[str, Any]]]  # (base or overlay name, rendered objects)
@@ -134,11 +138,34 @@ def test_gpu_resource_and_image_per_overlay(rendered: Rendered) -> None:
     want = GPU_KEY.get(name)
     assert gpu_keys == ({want} if want else set())
     if want:
-        assert limits[want] == 1
-    assert c["image"] == ("rapidserve" if name == "base" else f"rapidserve:{name}")
+        assert limits[want] == GPUS.get(name, 1)
+    assert c["image"] == IMAGE.get(name, f"rapidserve:{name}")
     env = {e["name"]: e.get("value") for e in c.get("env", [])}
-    if name == "cuda":
+    if name.startswith("cuda"):
         assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"  # mounts nvidia-cuda-mps-control
+
+
+def quantity_gib(q: str) -> float:
+    units = {"Ki": 2**-20, "Mi": 2**-10, "Gi": 1, "Ti": 2**10}
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)", q)
+    assert m, f"quantity {q!r}: use a binary suffix"
+    return int(m.group(1)) * units[m.group(2)]
+
+
+def test_shared_memory_for_the_workers_and_nccl(rendered: Rendered) -> None:
+    """/dev/shm is a memory-backed emptyDir (the runtime's 64 MiB default is too small for the rings, and for
+    NCCL's shared-memory transport between the ranks of a multi-GPU pod), within the container's memory limit."""
+    name, docs = rendered
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    (dshm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert dshm["emptyDir"]["medium"] == "Memory"
+    size = quantity_gib(dshm["emptyDir"]["sizeLimit"])
+    c = container(docs)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert size < quantity_gib(c["resources"]["limits"]["memory"])
+    gpus = GPUS.get(name, 1 if GPU_KEY.get(name) else 0)
+    assert size >= {0: 2, 1: 8}.get(gpus, 16), f"{gpus} GPUs per pod want more /dev/shm than {size} GiB"
+    assert not spec.get("hostIPC"), "the pod's processes share one container: no host IPC namespace needed"
 
 
 def fake_rapidserve(tmp_path: Path) -> Path:
@@ -181,8 +208,15 @@ def test_container_command_gives_rapidserve_flags_it_accepts(rendered: Rendered,
         assert args.model is None  # the embedded model unless an overlay of the user's says otherwise
         if name == "cpu":
             assert args.device == "cpu"
-        if name == "cuda":
+        if name.startswith("cuda"):
             assert args.mps == "auto"
+        # a GPU pod's server uses every GPU the pod holds, and no more (GPUs 0 .. tp x dp - 1 of those visible)
+        gpu_key = GPU_KEY.get(name)
+        limit = c["resources"]["limits"].get(gpu_key, 0) if gpu_key else 0
+        used = 2 if args.mode == "disagg" else args.tensor_parallel_size * args.data_parallel_size
+        assert used == (limit or 1), f"{name}: the server uses {used} GPUs, the pod requests {limit}"
+        if name.endswith("-tp2"):
+            assert args.tensor_parallel_size == 2 and args.data_parallel_size == 1
 
 
 def test_prometheus_adapter_rule_publishes_the_hpa_metric() -> None:
@@ -242,6 +276,30 @@ def test_dockerfile_installs_with_install_sh_and_serves_on_all_interfaces(flavou
     assert (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
     assert args.api_key is None and API_KEY_ENV in text  # the key comes from the environment, documented
     assert (DOCKER / f"Dockerfile.{flavour}.dockerignore").read_text().splitlines()[1] == ".git"
+
+
+@pytest.mark.parametrize("flavour", ["rocm", "cuda"])
+def test_dockerfile_documents_a_two_gpu_run(flavour: str) -> None:
+    """The comment's two-GPU `docker run` gives the container two GPUs and a server that uses both."""
+    lines = (DOCKER / f"Dockerfile.{flavour}").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# Run with two GPUs"))
+    cmd_lines = []
+    for line in lines[start + 1:]:
+        if not line.startswith("#   "):
+            if cmd_lines:
+                break
+            continue
+        cmd_lines.append(line[1:].strip().removesuffix("\\"))
+    words = shlex.split(" ".join(cmd_lines))
+    assert words[:2] == ["docker", "run"] and "--ipc=host" in words  # NCCL/RCCL's shared memory
+    if flavour == "cuda":
+        assert words[words.index("--gpus") + 1] == '"device=0,1"'
+    else:
+        assert "ROCR_VISIBLE_DEVICES=0,1" in [w for i, w in enumerate(words) if words[i - 1] == "-e"]
+    server = words[words.index(f"rapidserve:{flavour}") + 1:]
+    assert server[0] == "rapidserve"
+    args = build_parser().parse_args(server[1:])
+    assert (args.command, args.host, args.port, args.tensor_parallel_size) == ("serve", "0.0.0.0", 8000, 2)
 
 
 def test_shell_scripts_pass_shellcheck() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -306,3 +307,126 @@ def test_unreadable_api_key_file_is_refused(run_script: Callable[..., Run], tmp_
     assert run.finish() == 2
     out = run.output()
     assert "RAPIDSERVE_API_KEY_FILE=" in out and "readable, non-empty" in out, out
+
+
+# --- several GPUs per replica: -tp / -dp / --mode disagg in the serve flags -----------------------------
+
+EIGHT = ",".join(map(str, range(8)))
+
+
+def dry_run(args: list[str], env: dict[str, str]) -> tuple[int, str, list[tuple[dict[str, str | None], list[str]]]]:
+    """The script with RAPIDSERVE_DRY_RUN=1: exit code, output, and per replica the device environment
+    and argv it would start (parsed back from its `env -u VAR VAR=value command ...` line)."""
+    full = {k: v for k, v in os.environ.items()
+            if k not in DEVICE_VARS and not k.startswith(("SLURM_", "RAPIDSERVE_"))}
+    full.update({"PATH": "/usr/bin:/bin", "RAPIDSERVE_DRY_RUN": "1", "RAPIDSERVE_HOST": "127.0.0.1",
+                 "RAPIDSERVE_BIN": "rapidserve"})
+    full.update(env)
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=full, capture_output=True, text=True, timeout=30)
+    out = done.stdout + done.stderr
+    replicas = []
+    for line in done.stdout.splitlines():
+        head, sep, cmd = line.partition(f"dry run: replica {len(replicas)}: ")
+        if not sep:
+            continue
+        words = shlex.split(cmd)
+        assert words.pop(0) == "env", line
+        seen: dict[str, str | None] = {}
+        while words[0] == "-u" or "=" in words[0]:
+            w = words.pop(0)
+            if w == "-u":
+                seen[words.pop(0)] = None
+            else:
+                k, _, v = w.partition("=")
+                seen[k] = v
+        assert set(seen) == set(DEVICE_VARS), line
+        replicas.append((seen, words))
+    return done.returncode, out, replicas
+
+
+NV8 = {"RAPIDSERVE_GPU_VENDOR": "nvidia", "CUDA_VISIBLE_DEVICES": EIGHT}
+AMD8 = {"RAPIDSERVE_GPU_VENDOR": "amd", "ROCR_VISIBLE_DEVICES": EIGHT, "GPU_DEVICE_ORDINAL": EIGHT}
+
+
+@pytest.mark.parametrize(("args", "env", "groups"), [
+    ([], NV8, [str(i) for i in range(8)]),
+    (["-tp", "2"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
+    (["--model", "/m", "--tensor-parallel-size=4"], NV8, ["0,1,2,3", "4,5,6,7"]),
+    (["-tp", "2", "-dp", "2"], NV8, ["0,1,2,3", "4,5,6,7"]),
+    (["--te", "2", "--da=2"], NV8, ["0,1,2,3", "4,5,6,7"]),  # argparse's abbreviations
+    (["-tp", "8", "-tp", "2"], NV8, ["0,1", "2,3", "4,5", "6,7"]),  # the last one wins, as in argparse
+    (["-dp", "4"], NV8, ["0,1,2,3", "4,5,6,7"]),
+    (["--mode", "disagg"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
+    (["--mode=disagg", "-tp", "1"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
+    (["--mode", "hybrid", "-tp", "2"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
+    (["-tp", "2"], {"RAPIDSERVE_GPU_VENDOR": "nvidia", "CUDA_VISIBLE_DEVICES": "1,3,5,7"}, ["1,3", "5,7"]),
+    (["-tp", "2"], {**NV8, "RAPIDSERVE_GPUS": "4,5,6,7"}, ["4,5", "6,7"]),
+    (["-tp", "3"], {**NV8, "RAPIDSERVE_REPLICAS": "2"}, ["0,1,2", "3,4,5"]),  # the first 2 x 3 of 8
+    (["-tp", "2", "-dp", "2"], AMD8, ["0,1,2,3", "4,5,6,7"]),
+    (["-tp", "2"], {**AMD8, "RAPIDSERVE_GPUS": "2,3,6,7"}, ["2,3", "6,7"]),
+])
+def test_each_replica_gets_tp_x_dp_consecutive_gpus(args: list[str], env: dict[str, str], groups: list[str]) -> None:
+    from rapidserve.cli import build_parser
+
+    code, out, replicas = dry_run(args, env)
+    assert code == 0, out
+    assert len(replicas) == len(groups), out
+    amd = env["RAPIDSERVE_GPU_VENDOR"] == "amd"
+    for i, ((seen, argv), group) in enumerate(zip(replicas, groups, strict=True)):
+        if amd:  # ROCr picks the physical GPUs; HIP/CUDA count from 0 among them
+            rel = ",".join(map(str, range(group.count(",") + 1)))
+            assert seen == {"ROCR_VISIBLE_DEVICES": group, "HIP_VISIBLE_DEVICES": rel, "CUDA_VISIBLE_DEVICES": rel,
+                            "GPU_DEVICE_ORDINAL": None}, out
+        else:
+            assert seen == {"CUDA_VISIBLE_DEVICES": group, "HIP_VISIBLE_DEVICES": None,
+                            "ROCR_VISIBLE_DEVICES": None, "GPU_DEVICE_ORDINAL": None}, out
+        assert argv == ["rapidserve", "serve", "--host", "127.0.0.1", "--port", str(8000 + i), "--mps", "auto",
+                        *args], out
+        # the server, parsing the same flags, uses exactly the GPUs the script gave the replica
+        a = build_parser().parse_args(argv[1:])
+        need = 2 if a.mode == "disagg" else a.tensor_parallel_size * a.data_parallel_size
+        assert need == group.count(",") + 1, (argv, group)
+    assert f"devices {' '.join(groups)}" in out
+
+
+def test_cpu_ignores_the_gpu_grouping() -> None:
+    code, out, replicas = dry_run(["-tp", "2"], {"RAPIDSERVE_GPU_VENDOR": "none"})
+    assert code == 0 and len(replicas) == 1, out
+    seen, argv = replicas[0]
+    assert seen["CUDA_VISIBLE_DEVICES"] == "" and seen["HIP_VISIBLE_DEVICES"] == "" and argv[-2:] == ["-tp", "2"]
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["-tp", "3"], NV8, "this job has 8 GPUs (0 1 2 3 4 5 6 7), not a multiple of the 3 GPUs each replica uses "
+                        "(-tp 3); request a multiple (--gres=gpu:6 or 9)"),
+    (["-tp", "2", "-dp", "3"], NV8, "not a multiple of the 6 GPUs each replica uses (-tp 2 x -dp 3)"),
+    (["--mode", "disagg"], {"RAPIDSERVE_GPU_VENDOR": "nvidia", "CUDA_VISIBLE_DEVICES": "0,1,2"},
+     "not a multiple of the 2 GPUs each replica uses (--mode disagg)"),
+    (["-tp", "2"], {"RAPIDSERVE_GPU_VENDOR": "amd", "ROCR_VISIBLE_DEVICES": "5"},
+     "each replica needs 2 GPUs (-tp 2) but this job has only 1 (5)"),
+    (["-tp", "3"], {**NV8, "RAPIDSERVE_REPLICAS": "3"},
+     "RAPIDSERVE_REPLICAS=3 replicas of 3 GPUs (-tp 3) need 9 GPUs but only 8 GPUs"),
+    (["-tp", "0"], NV8, "-tp/--tensor-parallel-size must be a positive whole number (1, 2, ...), not '0'"),
+    (["--tensor-parallel-size=two"], NV8, "-tp/--tensor-parallel-size must be a positive whole number"),
+    (["-dp", "-1"], NV8, "-dp/--data-parallel-size must be a positive whole number (1, 2, ...), not '-1'"),
+    (["--data-parallel-size="], NV8, "-dp/--data-parallel-size must be a positive whole number"),
+    (["--model", "/m", "-tp"], NV8, "-tp/--tensor-parallel-size needs a value"),
+    (["--mode"], NV8, "--mode needs a value: rapid, hybrid or disagg"),
+    (["--mode", "disagg", "-tp", "2"], NV8, "--mode disagg takes no -tp/-dp (got -tp 2)"),
+    (["-tp", "0"], {"RAPIDSERVE_GPU_VENDOR": "none"}, "-tp/--tensor-parallel-size must be"),  # on CPU too
+    ([], {**NV8, "RAPIDSERVE_DRY_RUN": "yes"}, "RAPIDSERVE_DRY_RUN must be 0 or 1"),
+])
+def test_gpu_grouping_errors_name_the_flag(args: list[str], env: dict[str, str], message: str) -> None:
+    code, out, replicas = dry_run(args, env)
+    assert code == 2 and message in out and not replicas, out
+
+
+def test_tp2_replicas_start_pinned_to_their_gpu_pairs(run_script: Callable[..., Run]) -> None:
+    run = run_script(["-tp", "2"], {}, replicas=2, nvidia_gpus=4)
+    assert len(run.wait_ready()) == 2
+    assert [run.record(i)["env"]["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["0,1", "2,3"]
+    assert run.record(1)["argv"][-2:] == ["-tp", "2"]
+    code, out = stop(run)
+    assert code == 0, out
+    assert "2 replica(s) of 2 GPUs (-tp 2), vendor nvidia, devices 0,1 2,3" in out
+    assert "replica 1: pid" in out and "devices 2,3, port" in out
