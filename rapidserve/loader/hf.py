@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -165,19 +165,26 @@ def read_safetensors_headers(files: Iterable[str]) -> dict[str, tuple[str, tuple
     return found
 
 
-def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `name -> tensor` for names (name -> file) in the given order, one tensor at a time
-    (each file is opened once and memory-mapped)."""
+def _read_each(names: dict[str, str],
+               read: Callable[[Any, str, str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`read(handle, name, file)` for each name (name -> file) in order, each file opened once and
+    memory-mapped; an unreadable tensor is a ModelLoadError naming the file."""
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for name, file in names.items():
             try:
                 if file not in handles:
                     handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                tensor = handles[file].get_tensor(name)
+                tensor = read(handles[file], name, file)
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(file, f"cannot read tensor {name}: {e}") from e
             yield name, tensor
+
+
+def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `name -> tensor` for names (name -> file) in the given order, one tensor at a time
+    (each file is opened once and memory-mapped)."""
+    return _read_each(names, lambda handle, name, file: handle.get_tensor(name))
 
 
 def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int, ...]],
@@ -194,29 +201,21 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     tensor whose shape on disk is not `shapes[name]` (the config's) raises ModelLoadError naming the
     file and tensor, as does an unreadable one.
     """
-    with contextlib.ExitStack() as stack:
-        handles: dict[str, Any] = {}
-        for name, file in names.items():
-            try:
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
-                view = handles[file].get_slice(name)
-                shape = tuple(view.get_shape())
-                if shape != shapes[name]:
-                    raise ModelLoadError(file, f"tensor {name} has shape {list(shape)}, the config needs "
-                                               f"{list(shapes[name])}")
-                bounds = shard_bounds(name, shape, lay)
-                if bounds is None:
-                    part = handles[file].get_tensor(name)
-                else:
-                    dim, start, stop = bounds
-                    part = view[start:stop] if dim == 0 else view[:, start:stop]
-                    part = part.clone(memory_format=torch.contiguous_format)
-                    if shard_kind(name) == "vocab":
-                        part = pad_vocab(part, lay.vocab)
-            except (SafetensorError, OSError) as e:
-                raise ModelLoadError(file, f"cannot read tensor {name}: {e}") from e
-            yield name, part
+    def read(handle: Any, name: str, file: str) -> torch.Tensor:
+        view = handle.get_slice(name)
+        shape = tuple(view.get_shape())
+        if shape != shapes[name]:
+            raise ModelLoadError(file, f"tensor {name} has shape {list(shape)}, the config needs "
+                                       f"{list(shapes[name])}")
+        bounds = shard_bounds(name, shape, lay)
+        if bounds is None:
+            return handle.get_tensor(name)
+        dim, start, stop = bounds
+        part = view[start:stop] if dim == 0 else view[:, start:stop]
+        part = part.clone(memory_format=torch.contiguous_format)
+        return pad_vocab(part, lay.vocab) if shard_kind(name) == "vocab" else part
+
+    return _read_each(names, read)
 
 
 def load_hf_folder(folder: str) -> ModelSource:
