@@ -8,6 +8,7 @@ in a worker fails alone."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,14 @@ def fail_compiling(monkeypatch: pytest.MonkeyPatch, book: Any, bad: StructuredOu
 
     monkeypatch.setattr(book.cache, "_make", make)
 
+def _compiled(book: Any, timeout_s: float = 60.0) -> None:
+    """Wait until `book` compiles nothing (grammars compile off the loop, GrammarBook.prepare)."""
+    deadline = time.monotonic() + timeout_s
+    while book.compiling():
+        assert time.monotonic() < deadline, "grammars still compiling"
+        time.sleep(0.01)
+
+
 def test_rapid_decode_follows_the_grammar_across_preemption_and_releases_every_matcher(
         setup: tuple[Any, ModelRunner, Any]) -> None:
     cfg, runner, hf = setup
@@ -88,6 +97,7 @@ def test_rapid_decode_follows_the_grammar_across_preemption_and_releases_every_m
     so = StructuredOutputs(regex=REGEX)
     reqs = [req(f"r{i}", so, seed=i, prompt_len=30) for i in range(4)]
     _submit(cfg, runner, io, w, p, *reqs, req("gone", so, seed=9))
+    _compiled(w.grammar)  # every request runs from the first step (a loaded machine compiles slowly): preemptions
     for i in range(80):
         w.step()
         if i == 1:
