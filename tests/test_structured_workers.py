@@ -121,6 +121,9 @@ def test_hybrid_ahead_follows_the_grammar_and_releases_matchers_on_abort(setup: 
     io = FakeIO()
     w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
     so = StructuredOutputs(regex=REGEX)
+    w.grammar.prepare("warm", so)  # compiled and cached first: the requests are ready on arrival, whatever the load
+    _compiled(w.grammar)
+    w.grammar.release("warm")
     io.inbox += [req(f"h{i}", so, seed=10 + i, prompt_len=30) for i in range(4)] + [req("gone", so, seed=3)]
 
     def before(i: int) -> None:
