@@ -205,13 +205,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
     pcfg = partition_config(a)
+    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
+    if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
+        raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
+                          f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
     launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
                           restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
-    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
-    if parallel.world_size > 1 and str(a.device).startswith("cuda:"):
-        raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
-                          f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
     ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
 

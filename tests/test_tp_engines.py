@@ -160,3 +160,12 @@ def test_the_ranks_gpus_must_be_visible(tp: int, device: str, visible: int, devi
     else:
         with pytest.raises(ConfigError, match=error):
             check_tp_gpus(cfg, visible)
+
+
+def test_one_gpu_device_with_several_gpus_is_refused_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device cuda:1 -tp 2`: one GPU named, two used; the CLI says so (exit 2) before any model loads."""
+    from rapidserve.cli import main
+
+    assert main(["serve", "--model", MODEL, "--device", "cuda:1", "-tp", "2"]) == 2
+    assert "--device cuda:1 names one GPU but --tensor-parallel-size x --data-parallel-size uses 2" \
+        in capsys.readouterr().err

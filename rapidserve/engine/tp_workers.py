@@ -151,8 +151,11 @@ def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:
         return
     data = msgspec.msgpack.encode(wire)
     for n in seat.rings:
-        ring = ShmRing.attach(n)
-        Sender(ring, MirrorMessage).send(Setup(data), timeout=60.0)
+        sender = Sender(ShmRing.attach(n), MirrorMessage)
+        try:
+            sender.send(Setup(data), timeout=60.0)
+        finally:
+            sender.close()  # this mapping only; `lead` attaches the rings for serving
 
 
 # ---- followers ------------------------------------------------------------------------------------
