@@ -29,6 +29,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
+    started: float | None = None  # time.monotonic() when its first prompt chunk was queued (PhaseTimes)
 
     @property
     def num_tokens(self) -> int:

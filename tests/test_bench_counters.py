@@ -71,3 +71,36 @@ def test_report_line() -> None:
     assert _server_counts(run) == ("prefix cache hit rate 25.0%; 3 partition switches; decode steps by "
                                    "configuration: b 75%, a 25%")
     assert _server_counts({}) == ""
+
+
+PHASE_METRICS = """rapidserve:request_queue_time_seconds_sum{model_name="m"} 0.5
+rapidserve:request_queue_time_seconds_count{model_name="m"} 10.0
+rapidserve:request_queue_time_seconds_bucket{le="0.1",model_name="m"} 3.0
+rapidserve:request_admission_time_seconds_sum{model_name="m"} 0.1
+rapidserve:request_admission_time_seconds_count{model_name="m"} 10.0
+rapidserve:request_prefill_time_seconds_sum{model_name="m"} 0.25
+rapidserve:request_prefill_time_seconds_count{model_name="m"} 10.0
+rapidserve:request_first_token_handoff_seconds_sum{model_name="m"} 0.05
+rapidserve:request_first_token_handoff_seconds_count{model_name="m"} 10.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 5.0
+"""
+
+
+def test_server_counters_parse_ttft_phases() -> None:
+    """rapidserve's phases, and vLLM's queue time under its own prefix (summed: one server answers)."""
+    got = _fetch(PHASE_METRICS)
+    assert got == {"phase_sum:queue": 2.0, "phase_count:queue": 15.0, "phase_sum:admission": 0.1,
+                   "phase_count:admission": 10.0, "phase_sum:prefill": 0.25, "phase_count:prefill": 10.0,
+                   "phase_sum:handoff": 0.05, "phase_count:handoff": 10.0}
+
+
+def test_ttft_phase_means_over_a_run() -> None:
+    before = {"phase_sum:queue": 1.0, "phase_count:queue": 10.0, "phase_sum:prefill": 2.0,
+              "phase_count:prefill": 10.0}
+    after = {"phase_sum:queue": 1.3, "phase_count:queue": 13.0, "phase_sum:prefill": 2.0,
+             "phase_count:prefill": 10.0, "phase_sum:handoff": 0.006, "phase_count:handoff": 3.0}
+    # queue: 0.3 s over 3 requests; prefill: no request in this run; hand-off: new since `before`
+    assert counter_deltas(before, after) == {"ttft_phases_ms": {"queue": 100.0, "handoff": 2.0}}
+    assert _server_counts({"ttft_phases_ms": {"queue": 100.0, "handoff": 2.0}}) == (
+        "time to first token, server's means: queue 100 ms, handoff 2 ms")

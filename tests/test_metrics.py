@@ -171,3 +171,30 @@ def test_partition_steps_and_switches_count_deltas() -> None:
     m.set_engine_stats(0, 0, 10, 10, 0, "a", partition_switches=1, partition_steps={"a": 4})  # engine restarted
     assert value(m, "rapidserve:partition_switches_total") == 4
     assert value(m, "rapidserve:partition_steps_total", config="a") == 9
+
+
+@pytest.mark.parametrize(("arrival", "admitted", "started", "sampled", "held", "want"), [
+    # queue, admission, prefill, hand-off (seconds)
+    (10.0, 10.01, 10.05, 10.15, 10.17, (0.05, 0.01, 0.1, 0.02)),
+    # an engine stamp a hair before the server's arrival (clock read order): 0, never negative
+    (10.0, 9.9999, 9.9999, 10.1, 10.1, (0.0, 0.0, 0.1001, 0.0)),
+])
+def test_ttft_phases(arrival: float, admitted: float, started: float, sampled: float, held: float,
+                     want: tuple[float, float, float, float]) -> None:
+    m = Metrics(MODEL)
+    m.observe_phases(arrival, admitted, started, sampled, held)
+    names = ("request_queue_time_seconds", "request_admission_time_seconds", "request_prefill_time_seconds",
+             "request_first_token_handoff_seconds")
+    for name, w in zip(names, want, strict=True):
+        assert value(m, f"rapidserve:{name}_count") == 1
+        assert value(m, f"rapidserve:{name}_sum") == pytest.approx(w, abs=1e-9), name
+
+
+def test_decode_and_inference_time() -> None:
+    m = Metrics(MODEL)
+    m.observe_finished(2.0, 5, 10, "stop", ttft_s=0.5, queue_s=0.1)
+    m.observe_finished(1.0, 5, 0, "abort")  # never got a first token: neither
+    assert value(m, "rapidserve:request_decode_time_seconds_count") == 1
+    assert value(m, "rapidserve:request_decode_time_seconds_sum") == pytest.approx(1.5)
+    assert value(m, "rapidserve:request_inference_time_seconds_count") == 1
+    assert value(m, "rapidserve:request_inference_time_seconds_sum") == pytest.approx(1.9)

@@ -145,3 +145,35 @@ def test_metrics_count_queries_and_hits(server: tuple[Srv, bool]) -> None:
     else:
         time.sleep(0.6)
         assert metric(s.url, QUERIES) == metric(s.url, HITS) == 0
+
+
+PHASES = ("queue_time", "admission_time", "prefill_time", "first_token_handoff")
+
+
+def test_time_to_first_token_is_split_into_phases(server: tuple[Srv, bool]) -> None:
+    """Each request's first token carries where its TTFT went (PhaseTimes): the server observes one
+    sample per phase, and the phases (queue, prefill, hand-off) add up to no more than the TTFT."""
+    s, _ = server
+
+    def snap() -> dict[str, float]:
+        got = {f"{p}_{k}": metric(s.url, f"rapidserve:request_{p}_seconds_{k}") for p in PHASES for k in ("sum",
+                                                                                                       "count")}
+        got["ttft_sum"] = metric(s.url, "rapidserve:time_to_first_token_seconds_sum")
+        got["ttft_count"] = metric(s.url, "rapidserve:time_to_first_token_seconds_count")
+        got["decode_count"] = metric(s.url, "rapidserve:request_decode_time_seconds_count")
+        got["inference_count"] = metric(s.url, "rapidserve:request_inference_time_seconds_count")
+        return got
+
+    before = snap()
+    post(s, "/v1/completions", body(_prompt(70)))
+    after = snap()
+    d = {k: after[k] - before[k] for k in after}
+    assert d["ttft_count"] == 1
+    for p in PHASES:
+        assert d[f"{p}_count"] == 1, (p, d)
+        assert d[f"{p}_sum"] >= 0
+    assert d["prefill_time_sum"] > 0
+    assert d["admission_time_sum"] <= d["queue_time_sum"] + 1e-6  # blocks come before the first chunk
+    parts = d["queue_time_sum"] + d["prefill_time_sum"] + d["first_token_handoff_sum"]
+    assert parts <= d["ttft_sum"] + 1e-3, d
+    assert d["decode_count"] == d["inference_count"] == 1

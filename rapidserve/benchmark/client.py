@@ -191,6 +191,13 @@ async def fetch_models(session: aiohttp.ClientSession, base_url: str, api_key: s
 _COUNTER_RE = re.compile(r"^(?:[A-Za-z_]+:)?(prefix_cache_queries|prefix_cache_hits|partition_steps|partition_switches)"
                          r"_total(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 _CONFIG_RE = re.compile(r'config="([^"]*)"')
+# Where the time to first token went (histogram sums and counts, seconds): rapidserve's and vLLM's
+# `<prefix>:request_{queue,prefill}_time_seconds`, and rapidserve's admission and first-token hand-off.
+TTFT_PHASES = ("queue", "admission", "prefill", "handoff")
+_PHASE_RE = re.compile(r"^(?:[A-Za-z_]+:)?request_(queue_time|admission_time|prefill_time|first_token_handoff)"
+                       r"_seconds_(sum|count)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+_PHASE_NAMES = {"queue_time": "queue", "admission_time": "admission", "prefill_time": "prefill",
+                "first_token_handoff": "handoff"}
 
 
 async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key: str | None,
@@ -210,6 +217,11 @@ async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key
         return None
     got: dict[str, float] = {}
     for line in text.splitlines():
+        p = _PHASE_RE.match(line)
+        if p:
+            key = f"phase_{p.group(2)}:{_PHASE_NAMES[p.group(1)]}"
+            got[key] = got.get(key, 0.0) + float(p.group(4))
+            continue
         m = _COUNTER_RE.match(line)
         if m:
             name = m.group(1)
@@ -222,7 +234,8 @@ async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key
 
 def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
     """What a run adds to the report from the server's counters over it: `prefix_cache` (queried and hit
-    tokens, hit rate) when the server counts them, and `partition` (switches, decode steps per
+    tokens, hit rate) when the server counts them, `ttft_phases_ms` (the mean of each phase of the time
+    to first token the server measures: `TTFT_PHASES`) and `partition` (switches, decode steps per
     configuration) when it has more than one configuration."""
     if before is None or after is None:
         return {}
@@ -231,6 +244,13 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     if "prefix_cache_queries" in after:
         q, h = d["prefix_cache_queries"], d.get("prefix_cache_hits", 0.0)
         out["prefix_cache"] = {"queried_tokens": q, "hit_tokens": h, "hit_rate": h / q if q > 0 else None}
+    phases = {}
+    for name in TTFT_PHASES:
+        n = d.get(f"phase_count:{name}", 0.0)
+        if n > 0:
+            phases[name] = round(d.get(f"phase_sum:{name}", 0.0) / n * 1e3, 2)
+    if phases:
+        out["ttft_phases_ms"] = phases  # mean per request over the run
     steps = {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("partition_steps:") and v > 0}
     if len(steps) > 1 or d.get("partition_switches", 0.0) > 0:
         out["partition"] = {"switches": int(d.get("partition_switches", 0.0)), "decode_steps": steps}

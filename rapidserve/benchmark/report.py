@@ -109,11 +109,15 @@ def to_markdown(result: Mapping[str, Any]) -> str:
 
 
 def _server_counts(run: Mapping[str, Any]) -> str:
-    """The server's own counts over one run: prefix cache hit rate, partition switches and decode steps."""
+    """The server's own counts over one run: prefix cache hit rate, where the time to first token went,
+    partition switches and decode steps."""
     parts = []
     pc = (run.get("prefix_cache") or {}).get("hit_rate")
     if pc is not None:
         parts.append(f"prefix cache hit rate {pc:.1%}")
+    ph = run.get("ttft_phases_ms")
+    if ph:
+        parts.append("time to first token, server's means: " + ", ".join(f"{k} {v:g} ms" for k, v in ph.items()))
     part = run.get("partition")
     if part:
         steps = part.get("decode_steps") or {}

@@ -213,9 +213,10 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             if on_run is not None:
                 on_run(run)
             pc = run.get("prefix_cache", {}).get("hit_rate")
-            part = run.get("partition")
+            part, ph = run.get("partition"), run.get("ttft_phases_ms")
             _log(cfg, "  " + one_line(rate, summary, point if scaled else None)
                  + (f"; prefix cache hit rate {pc:.1%} (server)" if pc is not None else "")
+                 + (f"; TTFT phases (server, ms) {ph}" if ph else "")
                  + (f"; partition: {part['switches']} switches, decode steps {part['decode_steps']}" if part else ""))
     return {
         "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),

@@ -206,9 +206,10 @@ class DecodeScheduler:
         return r if r is not None and r.state == "prefilling" and r.attempt == attempt else None
 
     # ---- admission ----------------------------------------------------------------------------
-    def admit(self) -> list[m.KVReady]:
+    def admit(self, now: float = 0.0) -> list[m.KVReady]:
         """Blocks for waiting requests, in order, while the seats and the pool allow; each KVReady
-        carries the request (and, after a preemption, the outputs to recompute) to prefill."""
+        carries the request (and, after a preemption, the outputs to recompute) to prefill, stamped
+        `now` (the worker's clock: where the request's time to first token went, `PhaseTimes`)."""
         out: list[m.KVReady] = []
         busy = len(self.running) + self.num_prefilling
         while self.waiting and busy < self.max_seqs:
@@ -220,7 +221,7 @@ class DecodeScheduler:
             table, cached = self.blocks.allocate_cached(r.req_id, tokens)
             self.waiting.popleft()
             r.state, r.cached, busy = "prefilling", cached, busy + 1
-            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached))
+            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached, now))
         return out
 
     def unadmit(self, handed: list[m.KVReady]) -> None:

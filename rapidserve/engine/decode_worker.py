@@ -101,7 +101,7 @@ class DecodeWorker:
             self._stop = True
 
     def admit(self) -> None:
-        handed = self.sched.admit()
+        handed = self.sched.admit(time.monotonic())
         for i, kv in enumerate(handed):
             # Decode never blocks on prefill: with prefill's inbox full the rest wait, and decode keeps
             # stepping and sending heartbeats, so a hung prefill is the one taken as hung.

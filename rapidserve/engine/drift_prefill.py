@@ -193,6 +193,9 @@ class DriftPrefillWorker(PrefillWorker):
         chunks = [(jobs[rid], min(n, self.budget)) for rid, n, _ in batch]
         items = [PrefillItem(j.tokens[j.done_tokens: j.done_tokens + n], j.done_tokens, j.blocks,
                              need_logits=j.done_tokens + n == len(j.tokens)) for j, n in chunks]
+        now = time.monotonic()
+        for j, _ in chunks:
+            j.mark_started(now)
         try:
             with self._stream():
                 return Launch(chunks, self.runner.prefill_task(items))

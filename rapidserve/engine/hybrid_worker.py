@@ -230,6 +230,10 @@ class HybridWorker:
             logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items],
                                         carry=carry)
         else:
+            now = time.monotonic()
+            for c in plan.prefill:  # where its time to first token went (PhaseTimes)
+                if c.seq.started is None:
+                    c.seq.started = now
             items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
             items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
                                   need_logits=c.samples) for c in plan.prefill]
@@ -282,6 +286,7 @@ class HybridWorker:
         then register the step's full blocks in the prefix cache."""
         if step.done is not None:
             step.done.synchronize()
+        landed = time.monotonic()
         if step.host is not None and step.index is not None:
             for seq, idx, (tok, lp, top) in zip(step.seqs, step.index, step.host.rows([s.params for s in step.seqs]),
                                                 strict=True):
@@ -291,8 +296,12 @@ class HybridWorker:
                 n_out = idx + 1
                 reason = check_stop_at(seq.params, tok, n_out, len(seq.prompt_token_ids) + n_out, self.eos,
                                        self.context_cap)
+                times = None
+                if idx == 0:
+                    started = seq.started if seq.started is not None else landed
+                    times = m.PhaseTimes(started, started, landed)  # hybrid: admitted as it is scheduled
                 self._tokens.append(m.TokenOut(seq.seq_id, idx, tok, lp, top, reason,
-                                               seq.num_cached_tokens if idx == 0 else None))
+                                               seq.num_cached_tokens if idx == 0 else None, times))
                 if reason is not None:  # the token carries the reason: no Finished message
                     self.sched.finish(seq, reason)
                     del self.seqs[seq.seq_id]

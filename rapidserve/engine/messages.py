@@ -41,6 +41,17 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
     reason: str = ""
 
 
+class PhaseTimes(msgspec.Struct, array_like=True, frozen=True):
+    """Where a request's time to first token went, on the engine host's `time.monotonic()` (one clock for
+    every process on the host): `admitted` when its KV blocks were allocated (rapid: the KVReady to
+    prefill), `started` when its first prompt chunk was queued on the device, `sampled` when its first
+    token reached the host. The router observes the phases (server/metrics.py) on the request's first token."""
+
+    admitted: float
+    started: float
+    sampled: float
+
+
 class KVReady(msgspec.Struct, tag=True, frozen=True):
     """Decode -> prefill: compute this request's tokens into these blocks.
 
@@ -55,6 +66,7 @@ class KVReady(msgspec.Struct, tag=True, frozen=True):
     outputs: list[int] = []
     attempt: int = 0
     cached_tokens: int = 0  # leading tokens already in the blocks (prefix cache): prefill computes the rest
+    admitted: float = 0.0  # decode's time.monotonic() when it allocated the blocks (PhaseTimes.admitted)
 
     @property
     def req_id(self) -> str:
@@ -92,6 +104,7 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     cached_tokens: int | None = None  # on a request's first token: prompt tokens found in the prefix cache
+    times: PhaseTimes | None = None  # on a request's first token: where its time to first token went
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):

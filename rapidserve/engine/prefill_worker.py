@@ -45,11 +45,18 @@ class Job:
     attempt: int
     done_tokens: int = 0  # computed so far (the cached prefix, then chunks)
     cached_tokens: int = 0  # of those, found in the prefix cache
+    admitted: float = 0.0  # decode allocated its blocks (KVReady.admitted)
+    started: float | None = None  # its first chunk was queued on the device (`mark_started`)
 
     @classmethod
     def of(cls, kv: m.KVReady) -> Job:
         return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt,
-                   done_tokens=kv.cached_tokens, cached_tokens=kv.cached_tokens)
+                   done_tokens=kv.cached_tokens, cached_tokens=kv.cached_tokens, admitted=kv.admitted)
+
+    def mark_started(self, now: float) -> None:
+        """A forward over one of its chunks is about to be queued: the first one starts its prefill."""
+        if self.started is None:
+            self.started = now
 
     @property
     def output_index(self) -> int:
@@ -176,6 +183,9 @@ class PrefillWorker:
         """One forward over `batch`, then sampling and publishing for the prompts it completes."""
         items = [PrefillItem(j.tokens[j.done_tokens : j.done_tokens + n], j.done_tokens, j.blocks,
                              need_logits=j.done_tokens + n == len(j.tokens)) for j, n in batch]
+        now = time.monotonic()
+        for j, _ in batch:
+            j.mark_started(now)
         logits = self.runner.prefill(items)
         self.forward_queued(batch)
         finished = [j for (j, n), it in zip(batch, items, strict=True) if it.need_logits]
@@ -227,11 +237,15 @@ class PrefillWorker:
         finally:
             self.runner.tokens.retain(())
         firsts, dones = [], []
-        for j, (tok, lp, top) in zip(jobs, out.rows([j.req.params for j in jobs]), strict=True):
+        rows = out.rows([j.req.params for j in jobs])  # waits for the tokens
+        sampled = time.monotonic()
+        for j, (tok, lp, top) in zip(jobs, rows, strict=True):
             outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]
             reason = check_stop(j.req.params, outputs, len(j.tokens) + 1, self.eos, self.context_cap)
+            first_time = j.output_index == 0
+            times = m.PhaseTimes(j.admitted, j.started or sampled, sampled) if first_time else None
             first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason,
-                               j.cached_tokens if j.output_index == 0 else None)
+                               j.cached_tokens if first_time else None, times)
             if reason is not None:  # the request ends here: the router hears it now
                 firsts.append(first)
             dones.append(m.PrefillDone(j.req.req_id, j.attempt, first))

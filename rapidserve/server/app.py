@@ -83,6 +83,7 @@ class Choice:
     ttft: float | None = None
     t_end: float | None = None  # when its engine request ended (monotonic)
     cached_tokens: int | None = None  # prompt tokens the engine found in its prefix cache
+    queue: float | None = None  # arrival to its first prompt chunk queued on the device (engine's PhaseTimes)
 
 
 class Server:
@@ -292,7 +293,7 @@ class Server:
             now = time.monotonic()
             for c in choices:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
-                                              c.finish_reason or failure, ttft_s=c.ttft)
+                                              c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
 
     async def _run(self, rid: str, req: GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
@@ -308,6 +309,10 @@ class Server:
                     c.ttft = now - t0
                     c.cached_tokens = tok.cached_tokens
                     self.metrics.observe_first_token(c.ttft)
+                    if tok.times is not None:
+                        ph = tok.times
+                        c.queue = max(0.0, ph.started - t0)
+                        self.metrics.observe_phases(t0, ph.admitted, ph.started, ph.sampled, now)
                 else:
                     self.metrics.observe_token(now - last)
                 last = now

@@ -7,6 +7,15 @@ never share series. Every series carries a ``model_name`` label. Exposed names:
   ``rapidserve:request_time_per_output_token_seconds``, ``rapidserve:e2e_request_latency_seconds``,
   ``rapidserve:request_prompt_tokens``, ``rapidserve:request_generation_tokens``
   (each as ``_bucket``/``_sum``/``_count``);
+* where the time to first token went, per request (histograms, seconds; the engine's `PhaseTimes`):
+  ``rapidserve:request_queue_time_seconds`` (arrival to its first prompt chunk on the device) and
+  ``rapidserve:request_prefill_time_seconds`` (first chunk queued to first token sampled), as vLLM's;
+  ``rapidserve:request_admission_time_seconds`` (arrival to its KV blocks allocated: in rapid mode,
+  the decode worker's handing it to prefill; part of the queue time) and
+  ``rapidserve:request_first_token_handoff_seconds`` (first token sampled to the server holding it:
+  in rapid mode the route prefill -> decode -> router); and, as vLLM's,
+  ``rapidserve:request_decode_time_seconds`` (first token to the end) and
+  ``rapidserve:request_inference_time_seconds`` (first chunk queued to the end);
 * gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting``,
   ``rapidserve:kv_cache_usage_perc`` (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
 * counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
@@ -65,6 +74,19 @@ class Metrics:
         self._req_gen = hist("request_generation_tokens", "Output tokens per finished request.",
                              TOKEN_BUCKETS).labels(model_name)
 
+        def phase(name: str, doc: str) -> Histogram:
+            return hist(name, doc, TTFT_BUCKETS).labels(model_name)
+
+        self._queue = phase("request_queue_time_seconds", "Arrival to the first prompt chunk queued on the device.")
+        self._prefill = phase("request_prefill_time_seconds", "First prompt chunk queued to the first token sampled.")
+        self._admission = phase("request_admission_time_seconds", "Arrival to the request's KV blocks allocated.")
+        self._handoff = phase("request_first_token_handoff_seconds",
+                              "First token sampled to the server holding it.")
+        self._decode = hist("request_decode_time_seconds", "First token to the request's end.",
+                            E2E_BUCKETS).labels(model_name)
+        self._inference = hist("request_inference_time_seconds", "First prompt chunk queued to the request's end.",
+                               E2E_BUCKETS).labels(model_name)
+
         self._running = Gauge(_P + "num_requests_running", "Requests in the decode batch.", lab,
                               registry=reg).labels(model_name)
         self._waiting = Gauge(_P + "num_requests_waiting", "Requests waiting (engine and server queues).", lab,
@@ -107,17 +129,32 @@ class Metrics:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
         self._ttft.observe(ttft_s)
 
+    def observe_phases(self, arrival: float, admitted: float, started: float, sampled: float, held: float) -> None:
+        """Where one request's time to first token went, on one monotonic clock: the server got it at
+        `arrival`, the engine allocated its blocks at `admitted`, queued its first prompt chunk at `started`
+        and had its first token at `sampled`; the server held that token at `held`. A phase that comes out
+        negative (the engine's stamp precedes the server's by a hair) counts as 0."""
+        self._queue.observe(max(0.0, started - arrival))
+        self._admission.observe(max(0.0, admitted - arrival))
+        self._prefill.observe(max(0.0, sampled - started))
+        self._handoff.observe(max(0.0, held - sampled))
+
     def observe_token(self, itl_s: float) -> None:
         """A later output token arrived `itl_s` seconds after the previous one of its request."""
         self._itl.observe(itl_s)
 
     def observe_finished(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
-                         ttft_s: float | None = None) -> None:
+                         ttft_s: float | None = None, queue_s: float | None = None) -> None:
         """A request finished (any reason, aborts included); counts its output tokens.
 
         With `ttft_s` and more than one output token, also observes the time per output token
-        ``(e2e_s - ttft_s) / (num_output_tokens - 1)``.
+        ``(e2e_s - ttft_s) / (num_output_tokens - 1)``; with `ttft_s`, the decode time ``e2e_s - ttft_s``;
+        with `queue_s` (arrival to its first prompt chunk queued), the inference time ``e2e_s - queue_s``.
         """
+        if ttft_s is not None:
+            self._decode.observe(max(0.0, e2e_s - ttft_s))
+        if queue_s is not None:
+            self._inference.observe(max(0.0, e2e_s - queue_s))
         self._e2e.observe(e2e_s)
         self._req_prompt.observe(num_prompt_tokens)
         self._req_gen.observe(num_output_tokens)
