@@ -30,6 +30,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
 from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
+from rapidserve.engine.first_token import StepClock, stream_at_launch
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
@@ -58,6 +59,7 @@ class DecodeWorker:
         self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
                                      runner.limits.context_cap)
         self.inflight: InFlight | None = None
+        self.clock = StepClock()  # the recent decode step: when first tokens stream (engine/first_token.py)
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
@@ -161,11 +163,16 @@ class DecodeWorker:
             return
         with on_stream(self.backend.stream(self.partition.current, "decode")):
             launched = self._launch(batch)
+        if self._out and stream_at_launch(self.clock.step_ms(), self.inflight is not None,
+                                          self.cfg.partition.slo_itl_ms):
+            self._send_tokens()  # first tokens (and any landed ones) now: the gap to the next stays in the SLO
         self._complete()
         self.inflight = launched
 
     def _launch(self, batch: list[DecodeRequest]) -> InFlight:
         prev = self.inflight
+        if prev is None:
+            self.clock.restart()  # the pipeline starts again: the idle time was no step
         table = self.sched.blocks.table
         items = [DecodeItem(r.outputs[-1] if not r.inflight else 0, r.tokens_needed - 1, table(r.req_id))
                  for r in batch]
@@ -218,18 +225,22 @@ class DecodeWorker:
             return
         if f.done is not None:
             f.done.synchronize()
+        self.clock.landed(time.monotonic())
         rows = f.host.rows([r.params for r in f.batch])
         self.inflight = None
         self._out += self.sched.record(f.batch, rows)
+
+    def _send_tokens(self) -> None:
+        if self._out:
+            self.io.to_router.send(m.TokenBatch(self._out))
+            self._out = []
 
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
             self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
         if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
             self.grammar.retain((r.req_id for r in self.sched.running), known=self.sched.reqs)  # compiles: ended
-        if self._out:
-            self.io.to_router.send(m.TokenBatch(self._out))
-            self._out = []
+        self._send_tokens()
         for fin in self.sched.finished:
             self.io.to_router.send(fin)
         self.sched.finished.clear()
