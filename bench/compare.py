@@ -48,7 +48,12 @@ bench result (every request) in <out>/compare_runs/. The JSON and markdown are r
 
 `--peak-fractions 0.25,0.5,0.75,0.9` (with inf in --rates) adds Poisson rates at those fractions of the
 reference system's closed peak (`--peak-reference`, default the first system, run first) on each
-workload, for every system: e.g. the TTFT of every system at 75% of vLLM's peak, at the same rate.
+workload, for every system: e.g. the TTFT of every system at 75% of vLLM's peak, at the same rate. Every
+system runs the --rates sweep first, then those rates. Each workload's runs, and the follow-up sweep's, draw
+their prompts with their own salt (`SALT_STRIDE`), so that no run meets an earlier run's prompts in a
+server's prefix cache (a 4096-token prompt would otherwise start with the 1024-token prompt of the same
+index, and a rate re-run would find all of its prompts cached), and every system gets the same prompts and
+arrivals at the same rate.
 
 Definitions (per system and workload, over the rates of its sweep):
 - peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
@@ -176,6 +181,9 @@ class _BenchFlags(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
+
+
 def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
                  label: str | None = None, deadline: float | None = None,
                  rates: Sequence[float] | None = None) -> BenchConfig:
@@ -244,20 +252,22 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             info["status"] = f"did not start: {why}"
             print(f"   {label}: {info['status']} (see {log_path})", flush=True)
             return
-        for w in workloads:
-            def sweep(rates: Sequence[float], w: Workload = w) -> dict[str, Any]:
+        for wi, w in enumerate(workloads):
+            def sweep(rates: Sequence[float], salt: int, w: Workload = w) -> dict[str, Any]:
                 cfg = bench_config(a, w.argv, base_url=url, label=label, deadline=deadline, rates=rates)
-                return asyncio.run(run_benchmark(cfg))
+                return asyncio.run(run_benchmark(dataclasses.replace(cfg, salt_base=salt)))
 
+            # Each workload's prompts, and the follow-up sweep's, are salted apart from every earlier run's,
+            # so no run finds another's prompts in a server's prefix cache; every system gets the same
+            # prompts and arrivals at the same rate.
+            base = SALT_STRIDE * wi
             try:
+                res = sweep(a.rates, base)
                 if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
-                    res = sweep(a.rates)  # the reference's closed peak sets every system's Poisson rates
-                    peaks[w.title] = closed_peak(res)
-                    extra = fraction_rates(peaks[w.title], a.peak_fractions, a.rates)
-                    res = merge_results(res, sweep(extra)) if extra else res
-                else:
-                    extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
-                    res = sweep(sorted((*a.rates, *extra)) if extra else a.rates)
+                    peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
+                extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
+                if extra:
+                    res = merge_results(res, sweep(extra, base + len(a.rates)))
             except (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 info["status"] = f"error on {w.title}: {e}"
                 print(f"   {label}: {info['status']}", flush=True)

@@ -419,16 +419,24 @@ def test_peak_fraction_helpers() -> None:
 def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     rc = compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64",
                        "--systems", "", "--system", "a=", "--system", "ref=--mode hybrid", "--peak-reference", "ref",
-                       "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--num-prompts", "4",
-                       "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path), "--name", "pk"])
+                       "--workloads", "24:4,40:4", "--rates", "inf", "--peak-fractions", "0.5",
+                       "--num-prompts", "4", "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path),
+                       "--name", "pk"])
     assert rc == 0
     data = json.loads((tmp_path / "pk.json").read_text())
     assert [s["label"] for s in data["systems"]] == ["ref", "a"]  # the reference runs first
-    ((_, ref_peak),) = data["peaks"].items()
-    assert ref_peak > 0
-    half = round(0.5 * ref_peak, 2)
+    assert len(data["peaks"]) == 2 and all(p > 0 for p in data["peaks"].values())
+    assert len(data["sweeps"]) == 4
     for sweep in data["sweeps"]:
+        half = round(0.5 * data["peaks"][sweep["title"]], 2)
         assert [x["rate"] for x in sweep["runs"]] == [half, "inf"], sweep
+    # Both servers cache prefixes (blocks of 16): no run finds another run's prompts, neither the re-run
+    # at half the peak (same workload) nor the 40-token prompts (which once began with the 24-token ones).
+    runs = sorted((tmp_path / "compare_runs").glob("pk__*.json"))
+    assert len(runs) == 4
+    for f in runs:
+        for r in json.loads(f.read_text())["runs"]:
+            assert r["prefix_cache"]["hit_tokens"] == 0, (f.name, r["rate"], r["prefix_cache"])
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -61,6 +61,10 @@ class BenchConfig:
     time_scales: tuple[float, ...] = (1.0,)  # trace workload with timestamps arrivals: one run per scale
     sampling: dict[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request's body
+    # The first rate of this sweep salts its prompts and arrivals with this, the next with this + 1...
+    # (bench/compare.py gives each workload and each follow-up sweep its own, so that no run finds an
+    # earlier run's prompts in a server's prefix cache).
+    salt_base: int = 0
 
 
 def rate_json(rate: float) -> float | str:
@@ -201,7 +205,7 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
                 skipped.append(rate_json(rate))
                 continue
             before = await server_counters(session, cfg.base_url, cfg.api_key)
-            records, _ = await run_rate(session, target, cfg, point, i, replay)
+            records, _ = await run_rate(session, target, cfg, point, cfg.salt_base + i, replay)
             after = await server_counters(session, cfg.base_url, cfg.api_key)
             summary = summarize(records, cfg.slos_ms)
             run: dict[str, Any] = {"rate": rate_json(rate), "summary": summary,
