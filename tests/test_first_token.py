@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidserve.engine.first_token import StepClock, stream_at_launch
+from rapidserve.engine.first_token import StepClock, stream_at_launch, stream_now
 
 
 @pytest.mark.parametrize(("step_ms", "in_flight", "slo", "want"), [
@@ -46,3 +46,11 @@ def test_step_clock() -> None:
     assert c.step_ms() == pytest.approx(10.0)
     with pytest.raises(ValueError, match="window"):
         StepClock(window=0)
+
+
+@pytest.mark.parametrize(("step_ms", "steps", "want"), [
+    (15.0, 3, True), (15.1, 3, False), (45.0, 1, True), (None, 1, False), (11.25, 4, True)])
+def test_stream_now(step_ms: float | None, steps: int, want: bool) -> None:
+    assert stream_now(step_ms, steps, 50.0) is want
+    with pytest.raises(ValueError, match="steps"):
+        stream_now(step_ms, 0, 50.0)

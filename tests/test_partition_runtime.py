@@ -491,3 +491,26 @@ def test_cli_policy() -> None:
     assert partition_config(build_parser().parse_args(["serve", "--policy", "duet"])) == PartitionConfig(policy="duet")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--policy", "fast"])
+
+
+def test_keeps_with_prefill_looks_without_deciding() -> None:
+    """A request may be handed to prefill between step boundaries only where the rapid policy would keep
+    the configuration with prefill pending; the look changes neither the state nor the history."""
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0, hysteresis_steps=8), adaptive_plan())
+    assert dp.current == OVERALLOCATED
+    assert not dp.keeps_with_prefill(32, 1024)  # overallocated beside prefill violates the SLO: a switch first
+    assert dp.current == OVERALLOCATED and dp.num_switches == 0 and dp.state.steps_since_switch == 0
+    assert dp.advance(32, 1024, True) is not None and dp.current == "split32"
+    assert dp.keeps_with_prefill(32, 1024)  # the split prefill is already given
+    held = dp.state
+    for _ in range(3):
+        assert dp.keeps_with_prefill(32, 1024)
+    assert dp.state == held  # looking never counts towards the hysteresis
+    # SLO 50: overallocated meets it beside prefill; an empty batch gives prefill the whole GPU
+    dp50 = DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan())
+    assert dp50.keeps_with_prefill(0, 0) and dp50.keeps_with_prefill(1, 10)
+    for policy in ("duet", "drift"):  # they plan from the whole queue: no hand-off between boundaries
+        assert not DecodePartition(PartitionConfig(slo_itl_ms=50.0, policy=policy), adaptive_plan()).keeps_with_prefill(
+            1, 10)
+    one = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")
+    assert DecodePartition(PartitionConfig(slo_itl_ms=1.0), one).keeps_with_prefill(32, 1024)

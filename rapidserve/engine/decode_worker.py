@@ -30,7 +30,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
 from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
-from rapidserve.engine.first_token import StepClock, stream_at_launch
+from rapidserve.engine.first_token import StepClock, stream_at_launch, stream_now
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
@@ -38,6 +38,8 @@ from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
 from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+
+AWAIT_POLL_S = 50e-6  # how often a decode worker waiting for a step looks at the step and its inbox
 
 
 @dataclass
@@ -166,7 +168,7 @@ class DecodeWorker:
         if self._out and stream_at_launch(self.clock.step_ms(), self.inflight is not None,
                                           self.cfg.partition.slo_itl_ms):
             self._send_tokens()  # first tokens (and any landed ones) now: the gap to the next stays in the SLO
-        self._complete()
+        self._complete(queued=True)
         self.inflight = launched
 
     def _launch(self, batch: list[DecodeRequest]) -> InFlight:
@@ -218,13 +220,14 @@ class DecodeWorker:
             rows.append(GrammarRow(i, r.req_id, r.params, known))
         return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
 
-    def _complete(self) -> None:
-        """Record the in-flight step's tokens (emit, stop, free what finished)."""
+    def _complete(self, queued: bool = False) -> None:
+        """Record the in-flight step's tokens (emit, stop, free what finished). `queued`: another step
+        is queued behind it (launched one ahead)."""
         f = self.inflight  # cleared only once recorded: if this raises, step() still sees its requests
         if f is None:
             return
         if f.done is not None:
-            f.done.synchronize()
+            self._await(f.done, queued)
         self.clock.landed(time.monotonic())
         rows = f.host.rows([r.params for r in f.batch])
         self.inflight = None
@@ -234,6 +237,26 @@ class DecodeWorker:
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []
+
+    def _await(self, done: torch.cuda.Event, queued: bool) -> None:
+        """Wait for a step to land while serving the inbox: a new request is handed to prefill at once
+        when the partition would stay as it is (`keeps_with_prefill`; else the next step boundary
+        decides first), and a first token from PrefillDone streams at once when the gap to its second
+        token stays within the ITL SLO (engine/first_token.py). Aborts and drops are handled as at the
+        top of the loop (nothing here frees a block the in-flight step writes)."""
+        steps = 3 if queued else 2  # this step's rest, the one queued behind it, the request's own
+        while not done.query():
+            msgs = self.io.drain()
+            if not msgs:
+                time.sleep(AWAIT_POLL_S)
+                continue
+            for msg in msgs:
+                self.handle(msg)
+            s = self.sched
+            if s.waiting and self.partition.keeps_with_prefill(len(s.running), s.mean_context()):
+                self.admit()
+            if self._out and stream_now(self.clock.step_ms(), steps, self.cfg.partition.slo_itl_ms):
+                self._send_tokens()
 
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed

@@ -12,8 +12,10 @@ token reaches the client only after both have run. Two moments to stream the fir
 
 `stream_at_launch` picks the first whenever the gap it makes stays within the inter-token SLO:
 `steps * step_ms <= margin * slo_itl_ms`, `steps` being 2 with a step in flight and 1 without. With no
-step time measured yet it waits (the second). `StepClock` measures the decode step from the times
-steps land while the pipeline runs back to back.
+step time measured yet it waits (the second). A PrefillDone that decode reads while it waits for a step
+to land (it serves its inbox meanwhile) joins the step after the one queued behind it: its first token
+may stream at once if three steps fit (`stream_now(step_ms, 3, ...)`). `StepClock` measures the decode
+step from the times steps land while the pipeline runs back to back.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ from __future__ import annotations
 from collections import deque
 
 
+def stream_now(step_ms: float | None, steps: int, slo_itl_ms: float, margin: float = 0.9) -> bool:
+    """Stream a first token now, when the step computing the second lands `steps` decode steps from now
+    at the latest: True iff those steps fit in `margin` x the SLO (never with no step time measured). Pure."""
+    if slo_itl_ms <= 0 or not 0 < margin <= 1:
+        raise ValueError(f"slo_itl_ms={slo_itl_ms} must be > 0 and margin={margin} in (0, 1]")
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    return step_ms is not None and steps * step_ms <= margin * slo_itl_ms
+
+
 def stream_at_launch(step_ms: float | None, in_flight: bool, slo_itl_ms: float, margin: float = 0.9) -> bool:
     """Stream first tokens at the launch of their first decode step (True), or once the step in flight
     has landed (False). Pure."""
-    if slo_itl_ms <= 0 or not 0 < margin <= 1:
-        raise ValueError(f"slo_itl_ms={slo_itl_ms} must be > 0 and margin={margin} in (0, 1]")
-    if step_ms is None:
-        return False
-    return (2 if in_flight else 1) * step_ms <= margin * slo_itl_ms
+    return stream_now(step_ms, 2 if in_flight else 1, slo_itl_ms, margin)
 
 
 class StepClock:

@@ -293,6 +293,22 @@ class DecodePartition:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
 
+    def keeps_with_prefill(self, batch: int, context: int) -> bool:
+        """Whether the next step boundary would keep the current configuration with prefill pending, so
+        that a request may be handed to prefill before it (a look at `decide`, changing nothing). Only
+        the rapid policy is looked at this way; duet and drift plan their step from the whole queue,
+        so they answer False (no early hand-off). A plan with one configuration always keeps it."""
+        if not self.adaptive:
+            return True
+        if self.pcfg.policy != "rapid":
+            return False
+        assert self.plan.profile is not None
+        idle = batch == 0
+        d, _ = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1), prefill_pending=True,
+                      slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
+                      hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle)
+        return d.config == self.current
+
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
         self.num_switches += 1
