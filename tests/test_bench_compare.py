@@ -416,7 +416,15 @@ def test_peak_fraction_helpers() -> None:
     assert [r["rate"] for r in merged["runs"]] == [1.5, 3.0, "inf"] and merged["config"]["rates"] == ["inf", 1.5, 3.0]
 
 
-def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    seen: list[tuple[str | None, int, int, tuple[float, ...]]] = []  # (system, input len, salt base, rates)
+    real = compare.run_benchmark
+
+    async def spy(cfg):  # type: ignore[no-untyped-def]
+        seen.append((cfg.label, cfg.workload.input_len, cfg.salt_base, cfg.rates))
+        return await real(cfg)
+
+    monkeypatch.setattr(compare, "run_benchmark", spy)
     rc = compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64",
                        "--systems", "", "--system", "a=", "--system", "ref=--mode hybrid", "--peak-reference", "ref",
                        "--workloads", "24:4,40:4", "--rates", "inf", "--peak-fractions", "0.5",
@@ -430,13 +438,13 @@ def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path) -> None:  # type
     for sweep in data["sweeps"]:
         half = round(0.5 * data["peaks"][sweep["title"]], 2)
         assert [x["rate"] for x in sweep["runs"]] == [half, "inf"], sweep
-    # Both servers cache prefixes (blocks of 16): no run finds another run's prompts, neither the re-run
-    # at half the peak (same workload) nor the 40-token prompts (which once began with the 24-token ones).
-    runs = sorted((tmp_path / "compare_runs").glob("pk__*.json"))
-    assert len(runs) == 4
-    for f in runs:
-        for r in json.loads(f.read_text())["runs"]:
-            assert r["prefix_cache"]["hit_tokens"] == 0, (f.name, r["rate"], r["prefix_cache"])
+    # Every system: the --rates sweep, then the rates from the reference's peak, each with its own prompt salt;
+    # each workload's salts apart from the other's (a 40-token prompt would else begin with the 24-token one).
+    halves = {24: round(0.5 * data["peaks"]["fixed 24:4"], 2), 40: round(0.5 * data["peaks"]["fixed 40:4"], 2)}
+    want = [(label, n, base + k, rates) for label in ("ref", "a")
+            for n, base in ((24, 0), (40, compare.SALT_STRIDE))
+            for k, rates in ((0, (math.inf,)), (1, (halves[n],)))]
+    assert seen == want
 
 
 @pytest.mark.parametrize("argv,match", [

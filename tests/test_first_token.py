@@ -44,6 +44,12 @@ def test_step_clock() -> None:
     assert c.step_ms() == pytest.approx(10.0)
     c.landed(5.004)
     assert c.step_ms() == pytest.approx(10.0)
+    c.reset()  # a partition switch: nothing measured before counts
+    assert c.step_ms() is None
+    c.landed(6.0)
+    assert c.step_ms() is None
+    c.landed(6.03)
+    assert c.step_ms() == pytest.approx(30.0)
     with pytest.raises(ValueError, match="window"):
         StepClock(window=0)
 

@@ -128,6 +128,7 @@ class DecodeWorker:
             if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
                 p.sent_hint()
             return
+        self.clock.reset()  # the step time of the old configuration says nothing of the new one
         old = self.backend.stream(sw.old, "decode")
         if old is not None:
             # Stream ordering: the step in flight ran on the old stream. Its sampled tokens, its KV

@@ -42,7 +42,9 @@ def stream_at_launch(step_ms: float | None, in_flight: bool, slo_itl_ms: float, 
 class StepClock:
     """The recent decode step time: the longest of the last `window` intervals between steps landing,
     counted only while steps run back to back (`restart` when a step is launched with none in flight,
-    so the time the worker sat idle is never taken for a step)."""
+    so the time the worker sat idle is never taken for a step), and only in the current compute
+    partition (`reset` on a switch: a step on 16 SMs is not the whole GPU's, and a first token streamed
+    early on the old figure would leave a gap beyond the SLO)."""
 
     def __init__(self, window: int = 4) -> None:
         if window < 1:
@@ -51,7 +53,13 @@ class StepClock:
         self._last: float | None = None
 
     def restart(self) -> None:
+        """The pipeline starts again after an idle spell: the next interval is not a step."""
         self._last = None
+
+    def reset(self) -> None:
+        """The step itself changed (a partition switch): forget every interval measured before."""
+        self._last = None
+        self._intervals.clear()
 
     def landed(self, now: float) -> None:
         if self._last is not None:
