@@ -30,7 +30,6 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
 from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
-from rapidserve.engine.first_token import StepClock, stream_at_launch, stream_now
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
@@ -61,7 +60,6 @@ class DecodeWorker:
         self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
                                      runner.limits.context_cap)
         self.inflight: InFlight | None = None
-        self.clock = StepClock()  # the recent decode step: when first tokens stream (engine/first_token.py)
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
@@ -128,7 +126,6 @@ class DecodeWorker:
             if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
                 p.sent_hint()
             return
-        self.clock.reset()  # the step time of the old configuration says nothing of the new one
         old = self.backend.stream(sw.old, "decode")
         if old is not None:
             # Stream ordering: the step in flight ran on the old stream. Its sampled tokens, its KV
@@ -166,16 +163,11 @@ class DecodeWorker:
             return
         with on_stream(self.backend.stream(self.partition.current, "decode")):
             launched = self._launch(batch)
-        if self._out and stream_at_launch(self.clock.step_ms(), self.inflight is not None,
-                                          self.cfg.partition.slo_itl_ms):
-            self._send_tokens()  # first tokens (and any landed ones) now: the gap to the next stays in the SLO
-        self._complete(queued=True)
+        self._complete()
         self.inflight = launched
 
     def _launch(self, batch: list[DecodeRequest]) -> InFlight:
         prev = self.inflight
-        if prev is None:
-            self.clock.restart()  # the pipeline starts again: the idle time was no step
         table = self.sched.blocks.table
         items = [DecodeItem(r.outputs[-1] if not r.inflight else 0, r.tokens_needed - 1, table(r.req_id))
                  for r in batch]
@@ -221,15 +213,13 @@ class DecodeWorker:
             rows.append(GrammarRow(i, r.req_id, r.params, known))
         return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
 
-    def _complete(self, queued: bool = False) -> None:
-        """Record the in-flight step's tokens (emit, stop, free what finished). `queued`: another step
-        is queued behind it (launched one ahead)."""
+    def _complete(self) -> None:
+        """Record the in-flight step's tokens (emit, stop, free what finished)."""
         f = self.inflight  # cleared only once recorded: if this raises, step() still sees its requests
         if f is None:
             return
         if f.done is not None:
-            self._await(f.done, queued)
-        self.clock.landed(time.monotonic())
+            self._await(f.done)
         rows = f.host.rows([r.params for r in f.batch])
         self.inflight = None
         self._out += self.sched.record(f.batch, rows)
@@ -239,13 +229,13 @@ class DecodeWorker:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []
 
-    def _await(self, done: torch.cuda.Event, queued: bool) -> None:
-        """Wait for a step to land while serving the inbox: a new request is handed to prefill at once
-        when the partition would stay as it is (`keeps_with_prefill`; else the next step boundary
-        decides first), and a first token from PrefillDone streams at once when the gap to its second
-        token stays within the ITL SLO (engine/first_token.py). Aborts and drops are handled as at the
-        top of the loop (nothing here frees a block the in-flight step writes)."""
-        steps = 3 if queued else 2  # this step's rest, the one queued behind it, the request's own
+    def _await(self, done: torch.cuda.Event) -> None:
+        """Wait for a step to land while serving the inbox: a new request gets its blocks and goes to
+        prefill at once when the partition would stay as it is with prefill pending (`keeps_with_prefill`;
+        otherwise the next step boundary decides first, so prefill hears of a switch before the work it
+        concerns). Other messages are handled as at the top of the loop (nothing here frees a block the
+        in-flight step writes); first tokens from PrefillDone still stream once the step has landed, so
+        the gap to the second token stays one step."""
         while not done.query():
             msgs = self.io.drain()
             if not msgs:
@@ -256,8 +246,6 @@ class DecodeWorker:
             s = self.sched
             if s.waiting and self.partition.keeps_with_prefill(len(s.running), s.mean_context()):
                 self.admit()
-            if self._out and stream_now(self.clock.step_ms(), steps, self.cfg.partition.slo_itl_ms):
-                self._send_tokens()
 
     def publish(self) -> None:
         if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed

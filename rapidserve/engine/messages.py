@@ -110,10 +110,9 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):
     """Prefill -> decode: the prompt is in the KV blocks and `token` is the next token, sampled.
 
-    Decode streams `token` when the request joins its batch (engine/first_token.py: at the launch of its
-    first decode step, or once the step in flight has landed), as in vLLM's P/D disaggregation, where
-    the decode side streams every token. A token with a `finish_reason` ends the request: prefill has
-    sent it to the router already."""
+    Decode streams `token` when the request joins its batch, so the client's gap to the following
+    token is one decode step (as in vLLM's P/D disaggregation, where the decode side streams every
+    token). A token with a `finish_reason` ends the request: prefill has sent it to the router already."""
 
     req_id: str
     attempt: int

@@ -9,8 +9,8 @@ prompt longer than the budget alone is computed in budget-sized chunks over seve
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
 forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the
-sampled token, which decode streams when the request joins its batch (engine/first_token.py says at
-which moment); a token that ends its request goes to the router at once, before PrefillDone.
+sampled token, which decode streams when the request joins its batch (so the gap to the next token
+is one decode step); a token that ends its request goes to the router at once, before PrefillDone.
 The router stops this worker with SIGTERM (worker_io.worker_signals), before decode.
 A request with structured outputs gets its first token sampled under its grammar's mask (its matcher
 replays the outputs of a preempted request first, and is dropped once the token is sampled; decode
