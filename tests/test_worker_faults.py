@@ -30,15 +30,28 @@ from rapidserve.sampling_params import SamplingParams
 POISON = 666  # the seed of the request whose sampling raises
 
 
+def untimed(msg: Any) -> Any:
+    """`msg` without its first tokens' PhaseTimes (clock stamps differ between two runs of the same work)."""
+    import msgspec
+
+    if isinstance(msg, m.PrefillDone) and msg.token.times is not None:
+        return msgspec.structs.replace(msg, token=msgspec.structs.replace(msg.token, times=None))
+    if isinstance(msg, m.TokenBatch):
+        return m.TokenBatch([msgspec.structs.replace(t, times=None) for t in msg.tokens])
+    return msg
+
+
 class _Out:
+    """A fake ring: records what is sent, less the clock stamps (`untimed`)."""
+
     def __init__(self, box: list[Any]) -> None:
         self.box = box
 
     def send(self, msg: Any) -> None:
-        self.box.append(msg)
+        self.box.append(untimed(msg))
 
     def try_send(self, msg: Any) -> bool:
-        self.box.append(msg)
+        self.box.append(untimed(msg))
         return True
 
 
