@@ -224,11 +224,6 @@ class DecodeWorker:
         self.inflight = None
         self._out += self.sched.record(f.batch, rows)
 
-    def _send_tokens(self) -> None:
-        if self._out:
-            self.io.to_router.send(m.TokenBatch(self._out))
-            self._out = []
-
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land while serving the inbox: a new request gets its blocks and goes to
         prefill at once when the partition would stay as it is with prefill pending (`keeps_with_prefill`;
@@ -252,7 +247,9 @@ class DecodeWorker:
             self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
         if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
             self.grammar.retain((r.req_id for r in self.sched.running), known=self.sched.reqs)  # compiles: ended
-        self._send_tokens()
+        if self._out:
+            self.io.to_router.send(m.TokenBatch(self._out))
+            self._out = []
         for fin in self.sched.finished:
             self.io.to_router.send(fin)
         self.sched.finished.clear()

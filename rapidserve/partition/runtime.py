@@ -43,7 +43,7 @@ from rapidserve.partition.drift_plan import (
     prefill_models,
 )
 from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configuration
-from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.manager import Decision, ManagerState, decide, full_decode_config, make_state
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
     OVERALLOCATED,
@@ -280,15 +280,8 @@ class DecodePartition:
         """One step boundary (rapid policy): the switch to make now, or None to keep the configuration."""
         if not self.adaptive:
             return None
-        assert self.plan.profile is not None
         old = self.state.config
-        # With no decode running a switch disturbs nobody: no hysteresis, and prefill pending gets the
-        # configuration with the most prefill throughput (the whole GPU); see partition/manager.py.
-        idle = batch == 0
-        d, self.state = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
-                               prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms,
-                               profile=self.plan.profile, hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps,
-                               decode_running=not idle)
+        d, self.state = self._decide(batch, context, prefill_pending)
         if d.config == old:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
@@ -302,12 +295,18 @@ class DecodePartition:
             return True
         if self.pcfg.policy != "rapid":
             return False
+        d, _ = self._decide(batch, context, True)
+        return d.config == self.current
+
+    def _decide(self, batch: int, context: int, prefill_pending: bool) -> tuple[Decision, ManagerState]:
+        """The rapid policy's `decide` at this state. With no decode running a switch disturbs nobody:
+        no hysteresis, and prefill pending gets the configuration with the most prefill throughput (the
+        whole GPU); see partition/manager.py."""
         assert self.plan.profile is not None
         idle = batch == 0
-        d, _ = decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1), prefill_pending=True,
-                      slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
+        return decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
+                      prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle)
-        return d.config == self.current
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
