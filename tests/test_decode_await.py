@@ -16,6 +16,7 @@ from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from tests.decode_sched_fakes import make, new
+from tests.test_partition_manager import QWEN3
 from tests.test_partition_runtime import adaptive_plan
 
 
@@ -81,7 +82,13 @@ STATIC = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, 
 @pytest.mark.parametrize(("plan", "slo", "handed"), [
     (STATIC, 50.0, ["r1"]),  # one configuration: hand off at once
     (adaptive_plan(), 50.0, ["r1"]),  # overallocated meets SLO 50 beside prefill: no switch, hand off
-    (adaptive_plan(), 5.0, []),  # prefill pending would switch at SLO 5: the step boundary decides first
+    # prefill pending would switch at SLO 2 (even r1's few tokens beside a 1.5 ms step on the whole GPU miss
+    # its 1.8 ms limit): the step boundary decides first
+    (adaptive_plan(), 2.0, []),
+    # the committed H100 Qwen3 profile would put decode on split16 beside prefill, but r1's few tokens keep
+    # the whole GPU within the SLO (manager.beside_prefill_ms): hand off at once
+    (adaptive_plan(QWEN3), 50.0, ["r1"]),
+    (adaptive_plan(QWEN3), 20.0, []),
 ])
 def test_await_serves_the_inbox(plan: PartitionPlan, slo: float, handed: list[str]) -> None:
     part = DecodePartition(PartitionConfig(slo_itl_ms=slo), plan)

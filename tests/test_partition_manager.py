@@ -7,10 +7,12 @@ import pytest
 from rapidserve.partition.manager import (
     Decision,
     ManagerState,
+    beside_prefill_ms,
     decide,
     full_decode_config,
     full_prefill_config,
     make_state,
+    short_prefill_cap,
 )
 from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
 
@@ -310,3 +312,103 @@ def test_bad_arguments(kw: dict[str, float]) -> None:
     args.update(kw)
     with pytest.raises(ValueError):
         decide(make_state("split32"), **args)
+
+
+# The committed H100 profile of preset:qwen3-8b at batch 32, context 2048 (profiles/, measured 2026-11-22):
+# name -> (decode units, decode alone p95, decode beside prefill p95, prefill tokens/s beside decode)
+QWEN3_H100 = {
+    "overallocated": (0, 10.13, 64.53, 32629.0),
+    "split16": (16, 25.35, 33.02, 29636.0),
+    "split32": (32, 14.69, 19.29, 25636.0),
+    "split48": (48, 12.20, 15.18, 20825.0),
+    "split64": (64, 10.50, 13.36, 14758.0),
+}
+
+
+def qwen3_profile() -> Profile:
+    configs = [Configuration(n, u, 132 if u == 0 else 132 - u) for n, (u, *_) in QWEN3_H100.items()]
+    entries = [Entry(n, 32, 2048, a, a, b, b, r) for n, (_, a, b, r) in QWEN3_H100.items()]
+    return Profile("NVIDIA H100 80GB HBM3", "preset:qwen3-8b", 132, configs, [32], [2048], entries,
+                   "2026-11-22T00:00:00Z", "measured")
+
+
+QWEN3 = qwen3_profile()
+
+
+@pytest.mark.parametrize(
+    ("slo", "tokens", "want"),
+    [
+        # the profile alone (work not known): split16 meets 45 ms (33 ms) with the most prefill throughput
+        (50.0, None, "split16"),
+        # a chat's next turn: overallocated waits at most 2 x 10.13 + 320 / 32629 tok/s = 30.1 ms <= 45
+        (50.0, 1, "overallocated"),
+        (50.0, 320, "overallocated"),
+        (50.0, 800, "overallocated"),  # 20.26 + 24.5 = 44.8 ms: still within 45
+        (50.0, 900, "split16"),  # 47.8 ms > 45: the profile's rule again
+        (50.0, 8192, "split16"),
+        # SLO 30 ms (limit 27): 100 tokens fit overallocated (23.3 ms), 320 do not (30.1): split32 (19.3 ms)
+        (30.0, 100, "overallocated"),
+        (30.0, 320, "split32"),
+        (30.0, None, "split32"),
+        # SLO 20 ms (limit 18): no finite bound helps (overallocated's is 20.3 ms even for 1 token)
+        (20.0, 1, "split48"),
+        (20.0, None, "split48"),
+        # SLO 10 ms (limit 9): nothing meets; the lowest beside-prefill step, the bound included
+        (10.0, None, "split64"),
+        (10.0, 1, "split64"),  # split64: min(13.36, 21.0) = 13.36 < overallocated's 20.3
+    ],
+)
+def test_short_prefill_work_bounds_decode_beside_it(slo: float, tokens: int | None, want: str) -> None:
+    """A decode step waits at most for all the prefill work pending (plus a forward's fixed cost), so a
+    short prefill runs on the whole GPU where the profile alone would put decode on 16 SMs."""
+    state = make_state("overallocated", 100)
+    d, _ = decide(state, decode_batch=32, decode_context=2048, prefill_pending=True, slo_itl_ms=slo,
+                  profile=QWEN3, prefill_tokens=tokens)
+    assert d.config == want, d.reason
+    assert ("prompt tokens pending" in d.reason) == (tokens is not None)
+
+
+@pytest.mark.parametrize(
+    ("entry", "tokens", "want"),
+    [
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), None, 64.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 0, 20.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 320, 30.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 100_000, 64.0),  # never above the profile's
+        (Entry("s", 32, 2048, 25.0, 25.0, 33.0, 33.0, 29000.0), 1, 33.0),  # a split's own step already bounds it
+        (Entry("z", 32, 2048, 10.0, 10.0, 64.0, 64.0, 0.0), 1, 64.0),  # no prefill rate: the profile's
+    ],
+)
+def test_beside_prefill_ms(entry: Entry, tokens: int | None, want: float) -> None:
+    assert beside_prefill_ms(entry, tokens) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(
+    ("current", "held", "tokens", "want", "why"),
+    [
+        ("split16", 0, 320, "split16", "hold split16 (hysteresis"),  # short work: no hurry back to the whole GPU
+        ("split16", 8, 320, "overallocated", "held 8 steps"),
+        ("overallocated", 0, 320, "overallocated", "keep overallocated"),
+        ("overallocated", 0, 4096, "split16", "at once: overallocated violates SLO (decode p95 64.53 ms"),
+        ("overallocated", 0, None, "split16", "at once"),
+    ],
+)
+def test_short_prefill_hysteresis(current: str, held: int, tokens: int | None, want: str, why: str) -> None:
+    d, state = decide(make_state(current, held), decode_batch=32, decode_context=2048, prefill_pending=True,
+                      slo_itl_ms=50.0, profile=QWEN3, hysteresis_steps=8, prefill_tokens=tokens)
+    assert d.config == want and state.config == want, d.reason
+    assert why in d.reason
+
+
+def test_short_prefill_cap() -> None:
+    # 0.9 x 50 ms at the profile's best 32629 tok/s: past 1469 tokens no finite-work bound meets the SLO
+    assert short_prefill_cap(QWEN3, 50.0) == 1469
+    assert short_prefill_cap(QWEN3, 50.0, margin=1.0) == 1632
+    d = fresh(QWEN3, batch=32, prefill=True, slo=50.0, context=2048)
+    assert d.config == "split16"
+
+
+def test_prefill_tokens_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="prefill_tokens must be >= 0"):
+        decide(make_state("overallocated"), decode_batch=1, decode_context=1, prefill_pending=True, slo_itl_ms=50.0,
+               profile=QWEN3, prefill_tokens=-1)

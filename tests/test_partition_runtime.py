@@ -514,3 +514,27 @@ def test_keeps_with_prefill_looks_without_deciding() -> None:
             1, 10)
     one = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")
     assert DecodePartition(PartitionConfig(slo_itl_ms=1.0), one).keeps_with_prefill(32, 1024)
+
+
+def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
+    """The decode worker tells the rapid policy how many prompt tokens prefill has yet to compute: a chat's
+    next turn leaves decode on the whole GPU, a long prompt splits at once; the early hand-off (`keeps_with_
+    prefill`) looks with the same count. The cap is how far the worker need count (manager.short_prefill_cap)."""
+    from tests.test_partition_manager import QWEN3
+
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3))
+    assert dp.prefill_tokens_cap == 1469
+    assert dp.current == OVERALLOCATED
+    assert dp.keeps_with_prefill(32, 2048, 320)
+    assert dp.advance(32, 2048, True, 320) is None and dp.current == OVERALLOCATED
+    assert not dp.keeps_with_prefill(32, 2048, 4096)  # a long prompt: a switch first, then the hand-off
+    assert not dp.keeps_with_prefill(32, 2048)  # work not counted: the profile's figures alone
+    s = dp.advance(32, 2048, True, 4096)
+    assert s is not None and s.new == "split16" and "at once" in s.reason and "4096 prompt tokens" in s.reason
+    for _ in range(8):  # back to short work: split16 is held for the hysteresis
+        assert dp.advance(32, 2048, True, 320) is None
+    s = dp.advance(32, 2048, True, 320)
+    assert s is not None and s.new == OVERALLOCATED
+    assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3)).advance(32, 2048, True) is not None
+    static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")
+    assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), static).prefill_tokens_cap == 0

@@ -124,6 +124,23 @@ class DecodeScheduler:
             out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
         return tuple(out)
 
+    def pending_prefill_tokens(self, cap: int) -> int:
+        """Prompt tokens prefill still has to compute (a prefilling request's beyond its cached prefix,
+        prefill's progress not being known here; a waiting one's beyond what its admission would find
+        cached now), counted only until they pass `cap`: the rapid policy asks only whether the pending
+        work is short, and a long queue's prefixes are not all looked up each step."""
+        total = 0
+        for r in self.reqs.values():
+            if r.state == "prefilling" and not r.aborting:
+                total += max(1, r.num_tokens - r.cached)
+                if total > cap:
+                    return total
+        for r in self.waiting:
+            total += max(1, r.num_tokens - self.blocks.cached_prefix(r.req_id, r.tokens))
+            if total > cap:
+                return total
+        return total
+
     def decode_contexts(self) -> tuple[int, ...]:
         """Each running request's context (tokens in the cache after its next step), for the policy."""
         return tuple(r.tokens_needed for r in self.running)

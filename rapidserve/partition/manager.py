@@ -9,10 +9,19 @@ configuration. Rules:
   whole GPU where the profile has "overallocated"): no decode step can miss its SLO. The first
   request to finish its prefill then starts decoding beside a prefill forward that holds every unit,
   and the decode step after it switches at once by the SLO rule below; that one step is the price.
-* Prefill pending: among configurations whose measured decode p95 BESIDE prefill meets the SLO
+* Prefill pending: among configurations whose decode p95 BESIDE prefill meets the SLO
   (p95 <= margin * slo_itl_ms), the one with the highest prefill tokens/s (ties: more decode units,
-  then name). "overallocated" is only chosen when the profile says it meets the SLO that way. If none
-  meets it, the one with the lowest decode p95 beside prefill, and the reason says the SLO cannot be met.
+  then name). "overallocated" is only chosen when it meets the SLO that way. If none meets it, the
+  one with the lowest decode p95 beside prefill, and the reason says the SLO cannot be met.
+* Decode beside prefill: the profile measured it beside a prefill that never ends (back-to-back
+  batches). When the engine says how many prompt tokens prefill still has to compute
+  (`prefill_tokens`), the work is finite, and a decode step can wait at most for all of it:
+      beside(c) = min(profile p95 beside prefill, 2 * alone p95 + prefill_tokens / prefill tokens/s)
+  (alone twice: the step itself, plus a prefill forward's fixed cost, which reads every weight as a
+  decode step does). So a short prefill (a chat's next turn, a few hundred tokens past its cached
+  prefix) runs on the whole GPU beside decode, where the profile alone would push decode onto a
+  few units for the sake of prefill throughput it does not need (measured on the multi-turn
+  workload: split16 took decode from 10 to 33 ms a step for 10% more prefill throughput).
 * Hysteresis, one uniform rule: leave the current configuration for the target only when the
   current one has been held for `hysteresis_steps` steps, OR when the current one violates the SLO
   in the present situation (beside-prefill p95 if prefill is pending, alone p95 if prefill is idle),
@@ -58,8 +67,26 @@ def full_decode_config(profile: Profile) -> str:
     return max(profile.configurations, key=lambda c: (profile.effective_decode_units(c.name), c.name)).name
 
 
-def _p95(entry: Entry, prefill_pending: bool) -> float:
-    return entry.decode_ms_beside_prefill_p95 if prefill_pending else entry.decode_ms_alone_p95
+def beside_prefill_ms(entry: Entry, prefill_tokens: int | None) -> float:
+    """Decode's p95 step beside prefill under `entry`'s configuration: the profile's, or, when only
+    `prefill_tokens` prompt tokens are left to compute, at most the step, a forward's fixed cost and
+    all of that work (see the module docstring)."""
+    measured = entry.decode_ms_beside_prefill_p95
+    if prefill_tokens is None or entry.prefill_tokens_per_s <= 0:
+        return measured
+    finite = 2 * entry.decode_ms_alone_p95 + 1e3 * prefill_tokens / entry.prefill_tokens_per_s
+    return min(measured, finite)
+
+
+def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
+    """Prompt tokens beyond which no configuration's finite-work bound can meet the SLO: the engine
+    need not count pending prefill work further than this (`decide`'s `prefill_tokens`)."""
+    best = max((e.prefill_tokens_per_s for e in profile.entries), default=0.0)
+    return int(margin * slo_itl_ms * best / 1e3) + 1
+
+
+def _p95(entry: Entry, prefill_pending: bool, prefill_tokens: int | None = None) -> float:
+    return beside_prefill_ms(entry, prefill_tokens) if prefill_pending else entry.decode_ms_alone_p95
 
 
 def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
@@ -69,7 +96,7 @@ def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
 
 def _target(
     profile: Profile, entries: dict[str, Entry], prefill_pending: bool, decode_running: bool, limit: float,
-    slo_itl_ms: float,
+    slo_itl_ms: float, prefill_tokens: int | None,
 ) -> tuple[str, str]:
     if not prefill_pending:
         name = full_decode_config(profile)
@@ -78,18 +105,19 @@ def _target(
         name = full_prefill_config(profile, entries)
         return name, (f"no decode running: {name} gives prefill the most throughput "
                       f"({entries[name].prefill_tokens_per_s:g} tok/s)")
-    meeting = [n for n, e in entries.items() if e.decode_ms_beside_prefill_p95 <= limit]
+    beside = {n: beside_prefill_ms(e, prefill_tokens) for n, e in entries.items()}
+    work = "" if prefill_tokens is None else f", {prefill_tokens} prompt tokens pending"
+    meeting = [n for n in entries if beside[n] <= limit]
     if meeting:
         best = max(meeting, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_decode_units(n), n))
-        e = entries[best]
         return best, (
-            f"prefill pending: {best} meets SLO (decode p95 beside prefill {e.decode_ms_beside_prefill_p95:g}"
-            f" ms <= {limit:g} ms) with the most prefill throughput ({e.prefill_tokens_per_s:g} tok/s)"
+            f"prefill pending{work}: {best} meets SLO (decode p95 beside prefill {beside[best]:g}"
+            f" ms <= {limit:g} ms) with the most prefill throughput ({entries[best].prefill_tokens_per_s:g} tok/s)"
         )
-    best = min(entries, key=lambda n: (entries[n].decode_ms_beside_prefill_p95, -entries[n].prefill_tokens_per_s, n))
+    best = min(entries, key=lambda n: (beside[n], -entries[n].prefill_tokens_per_s, n))
     return best, (
-        f"prefill pending: SLO cannot be met ({slo_itl_ms:g} ms, limit {limit:g} ms); {best} has the lowest "
-        f"decode p95 beside prefill ({entries[best].decode_ms_beside_prefill_p95:g} ms)"
+        f"prefill pending{work}: SLO cannot be met ({slo_itl_ms:g} ms, limit {limit:g} ms); {best} has the lowest "
+        f"decode p95 beside prefill ({beside[best]:g} ms)"
     )
 
 
@@ -104,16 +132,20 @@ def decide(
     hysteresis_steps: int = 8,
     margin: float = 0.9,
     decode_running: bool = True,
+    prefill_tokens: int | None = None,
 ) -> tuple[Decision, ManagerState]:
     """Choose the configuration for the next step. Pure: same inputs, same outputs.
     decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
-    decode batch is empty."""
+    decode batch is empty; prefill_tokens: prompt tokens the pending prefill work still has to compute
+    (None: not known, the profile's beside-prefill figures alone)."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:
         raise ValueError("margin must be in (0, 1]")
     if hysteresis_steps < 0:
         raise ValueError("hysteresis_steps must be >= 0")
+    if prefill_tokens is not None and prefill_tokens < 0:
+        raise ValueError("prefill_tokens must be >= 0")
     limit = margin * slo_itl_ms
     entries: dict[str, Entry] = {}
     beyond = False
@@ -122,7 +154,7 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    target, why = _target(profile, entries, prefill_pending, decode_running, limit, slo_itl_ms)
+    target, why = _target(profile, entries, prefill_pending, decode_running, limit, slo_itl_ms, prefill_tokens)
     current = state.config
     if target == current:
         return (
@@ -132,8 +164,9 @@ def decide(
     if current not in entries:
         reason = f"switch {current} -> {target} (current not in profile): {why}{note}"
         return Decision(target, reason, True, beyond), ManagerState(target, 0)
-    cur_p95 = _p95(entries[current], prefill_pending)
-    if decode_running and cur_p95 > limit and (not prefill_pending or _p95(entries[target], True) < cur_p95):
+    cur_p95 = _p95(entries[current], prefill_pending, prefill_tokens)
+    if decode_running and cur_p95 > limit and (
+            not prefill_pending or _p95(entries[target], True, prefill_tokens) < cur_p95):
         reason = (
             f"switch {current} -> {target} at once: {current} violates SLO "
             f"(decode p95 {cur_p95:g} ms > {limit:g} ms); {why}{note}"

@@ -43,7 +43,14 @@ from rapidserve.partition.drift_plan import (
     prefill_models,
 )
 from rapidserve.partition.duet import DuetDecision, decide_duet, duet_configuration
-from rapidserve.partition.manager import Decision, ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.manager import (
+    Decision,
+    ManagerState,
+    decide,
+    full_decode_config,
+    make_state,
+    short_prefill_cap,
+)
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
     OVERALLOCATED,
@@ -206,6 +213,7 @@ class DecodePartition:
     _hint_sent: float | None = None
     num_switches: int = 0
     steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
+    _cap: int | None = None
 
     def note_step(self) -> None:
         """One decode step was launched in the current configuration."""
@@ -276,17 +284,30 @@ class DecodePartition:
         self._hint_sent = self.hint_ms
         return self.hint_ms
 
-    def advance(self, batch: int, context: int, prefill_pending: bool) -> Switch | None:
-        """One step boundary (rapid policy): the switch to make now, or None to keep the configuration."""
+    @property
+    def prefill_tokens_cap(self) -> int:
+        """Rapid policy: how far the engine need count pending prefill tokens (`advance`'s `prefill_tokens`);
+        past this no configuration's finite-work bound meets the SLO (manager.short_prefill_cap)."""
+        if self.plan.profile is None:
+            return 0
+        if self._cap is None:
+            self._cap = short_prefill_cap(self.plan.profile, self.pcfg.slo_itl_ms)
+        return self._cap
+
+    def advance(self, batch: int, context: int, prefill_pending: bool,
+                prefill_tokens: int | None = None) -> Switch | None:
+        """One step boundary (rapid policy): the switch to make now, or None to keep the configuration.
+        prefill_tokens: the prompt tokens prefill still has to compute, counted up to `prefill_tokens_cap`
+        (None: unknown; the profile's beside-prefill figures alone)."""
         if not self.adaptive:
             return None
         old = self.state.config
-        d, self.state = self._decide(batch, context, prefill_pending)
+        d, self.state = self._decide(batch, context, prefill_pending, prefill_tokens)
         if d.config == old:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
 
-    def keeps_with_prefill(self, batch: int, context: int) -> bool:
+    def keeps_with_prefill(self, batch: int, context: int, prefill_tokens: int | None = None) -> bool:
         """Whether the next step boundary would keep the current configuration with prefill pending, so
         that a request may be handed to prefill before it (a look at `decide`, changing nothing). Only
         the rapid policy is looked at this way; duet and drift plan their step from the whole queue,
@@ -295,10 +316,11 @@ class DecodePartition:
             return True
         if self.pcfg.policy != "rapid":
             return False
-        d, _ = self._decide(batch, context, True)
+        d, _ = self._decide(batch, context, True, prefill_tokens)
         return d.config == self.current
 
-    def _decide(self, batch: int, context: int, prefill_pending: bool) -> tuple[Decision, ManagerState]:
+    def _decide(self, batch: int, context: int, prefill_pending: bool,
+                prefill_tokens: int | None = None) -> tuple[Decision, ManagerState]:
         """The rapid policy's `decide` at this state. With no decode running a switch disturbs nobody:
         no hysteresis, and prefill pending gets the configuration with the most prefill throughput (the
         whole GPU); see partition/manager.py."""
@@ -306,7 +328,8 @@ class DecodePartition:
         idle = batch == 0
         return decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                       prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
-                      hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle)
+                      hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
+                      prefill_tokens=prefill_tokens if prefill_pending else None)
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
