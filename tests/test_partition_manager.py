@@ -9,6 +9,7 @@ from rapidserve.partition.manager import (
     ManagerState,
     beside_prefill_ms,
     decide,
+    forward_ms,
     full_decode_config,
     full_prefill_config,
     make_state,
@@ -314,21 +315,27 @@ def test_bad_arguments(kw: dict[str, float]) -> None:
         decide(make_state("split32"), **args)
 
 
-# The committed H100 profile of preset:qwen3-8b at batch 32, context 2048 (profiles/, measured 2026-11-22):
-# name -> (decode units, decode alone p95, decode beside prefill p95, prefill tokens/s beside decode)
+# The committed H100 profile of preset:qwen3-8b at batch 1 / 32 and context 512 / 2048 (profiles/, measured
+# 2026-11-22): (name, batch, context) -> (decode alone p95, decode beside prefill p95, prefill tokens/s)
+QWEN3_UNITS = {"overallocated": 0, "split16": 16, "split32": 32, "split48": 48, "split64": 64}
 QWEN3_H100 = {
-    "overallocated": (0, 10.13, 64.53, 32629.0),
-    "split16": (16, 25.35, 33.02, 29636.0),
-    "split32": (32, 14.69, 19.29, 25636.0),
-    "split48": (48, 12.20, 15.18, 20825.0),
-    "split64": (64, 10.50, 13.36, 14758.0),
+    ("overallocated", 1, 512): (6.80, 53.72, 34038.0), ("overallocated", 1, 2048): (6.77, 57.71, 33856.0),
+    ("overallocated", 32, 512): (7.71, 62.37, 33618.0), ("overallocated", 32, 2048): (10.13, 64.53, 32629.0),
+    ("split16", 1, 512): (12.02, 16.18, 29124.0), ("split16", 1, 2048): (12.50, 16.54, 29166.0),
+    ("split16", 32, 512): (17.30, 22.67, 29254.0), ("split16", 32, 2048): (25.35, 33.02, 29636.0),
+    ("split32", 1, 512): (7.79, 11.27, 24265.0), ("split32", 1, 2048): (8.14, 11.40, 24478.0),
+    ("split32", 32, 512): (10.52, 13.90, 25075.0), ("split32", 32, 2048): (14.69, 19.29, 25636.0),
+    ("split48", 1, 512): (7.14, 9.13, 19630.0), ("split48", 1, 2048): (7.27, 9.32, 19752.0),
+    ("split48", 32, 512): (8.92, 11.10, 20215.0), ("split48", 32, 2048): (12.20, 15.18, 20825.0),
+    ("split64", 1, 512): (6.79, 8.81, 14035.0), ("split64", 1, 2048): (6.87, 8.97, 14067.0),
+    ("split64", 32, 512): (8.10, 10.31, 14785.0), ("split64", 32, 2048): (10.50, 13.36, 14758.0),
 }
 
 
 def qwen3_profile() -> Profile:
-    configs = [Configuration(n, u, 132 if u == 0 else 132 - u) for n, (u, *_) in QWEN3_H100.items()]
-    entries = [Entry(n, 32, 2048, a, a, b, b, r) for n, (_, a, b, r) in QWEN3_H100.items()]
-    return Profile("NVIDIA H100 80GB HBM3", "preset:qwen3-8b", 132, configs, [32], [2048], entries,
+    configs = [Configuration(n, u, 132 if u == 0 else 132 - u) for n, u in QWEN3_UNITS.items()]
+    entries = [Entry(n, b, c, a, a, p, p, r) for (n, b, c), (a, p, r) in QWEN3_H100.items()]
+    return Profile("NVIDIA H100 80GB HBM3", "preset:qwen3-8b", 132, configs, [1, 32], [512, 2048], entries,
                    "2026-11-22T00:00:00Z", "measured")
 
 
@@ -340,22 +347,24 @@ QWEN3 = qwen3_profile()
     [
         # the profile alone (work not known): split16 meets 45 ms (33 ms) with the most prefill throughput
         (50.0, None, "split16"),
-        # a chat's next turn: overallocated waits at most 2 x 10.13 + 320 / 32629 tok/s = 30.1 ms <= 45
+        # a chat's next turn: overallocated waits at most its step 10.13 + a forward 6.80 (batch 1's step) +
+        # 320 / 32629 tok/s = 26.7 ms <= 45
         (50.0, 1, "overallocated"),
         (50.0, 320, "overallocated"),
-        (50.0, 800, "overallocated"),  # 20.26 + 24.5 = 44.8 ms: still within 45
-        (50.0, 900, "split16"),  # 47.8 ms > 45: the profile's rule again
+        (50.0, 900, "overallocated"),  # 16.93 + 27.6 = 44.5 ms: still within 45
+        (50.0, 1000, "split16"),  # 47.6 ms > 45: the profile's rule again
         (50.0, 8192, "split16"),
-        # SLO 30 ms (limit 27): 100 tokens fit overallocated (23.3 ms), 320 do not (30.1): split32 (19.3 ms)
+        # SLO 30 ms (limit 27): 100 tokens fit overallocated (20.0 ms), 400 do not (29.2): split32 (19.3 ms)
         (30.0, 100, "overallocated"),
-        (30.0, 320, "split32"),
+        (30.0, 400, "split32"),
         (30.0, None, "split32"),
-        # SLO 20 ms (limit 18): no finite bound helps (overallocated's is 20.3 ms even for 1 token)
-        (20.0, 1, "split48"),
+        # SLO 20 ms (limit 18): 1 token fits (16.96 ms), 100 do not (20.0): split48 (15.2 ms)
+        (20.0, 1, "overallocated"),
+        (20.0, 100, "split48"),
         (20.0, None, "split48"),
         # SLO 10 ms (limit 9): nothing meets; the lowest beside-prefill step, the bound included
         (10.0, None, "split64"),
-        (10.0, 1, "split64"),  # split64: min(13.36, 21.0) = 13.36 < overallocated's 20.3
+        (10.0, 1, "split64"),  # split64: min(13.36, 17.3) = 13.36 < overallocated's 16.96
     ],
 )
 def test_short_prefill_work_bounds_decode_beside_it(slo: float, tokens: int | None, want: str) -> None:
@@ -369,18 +378,23 @@ def test_short_prefill_work_bounds_decode_beside_it(slo: float, tokens: int | No
 
 
 @pytest.mark.parametrize(
-    ("entry", "tokens", "want"),
+    ("entry", "tokens", "forward", "want"),
     [
-        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), None, 64.0),
-        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 0, 20.0),
-        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 320, 30.0),
-        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 100_000, 64.0),  # never above the profile's
-        (Entry("s", 32, 2048, 25.0, 25.0, 33.0, 33.0, 29000.0), 1, 33.0),  # a split's own step already bounds it
-        (Entry("z", 32, 2048, 10.0, 10.0, 64.0, 64.0, 0.0), 1, 64.0),  # no prefill rate: the profile's
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), None, 5.0, 64.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 0, 5.0, 15.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 320, 5.0, 25.0),
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 320, None, 30.0),  # no forward cost: the step's
+        (Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0), 100_000, 5.0, 64.0),  # never above the profile's
+        (Entry("s", 32, 2048, 25.0, 25.0, 33.0, 33.0, 29000.0), 1, 12.0, 33.0),  # a split's own step bounds it
+        (Entry("z", 32, 2048, 10.0, 10.0, 64.0, 64.0, 0.0), 1, 5.0, 64.0),  # no prefill rate: the profile's
     ],
 )
-def test_beside_prefill_ms(entry: Entry, tokens: int | None, want: float) -> None:
-    assert beside_prefill_ms(entry, tokens) == pytest.approx(want)
+def test_beside_prefill_ms(entry: Entry, tokens: int | None, forward: float | None, want: float) -> None:
+    assert beside_prefill_ms(entry, tokens, forward) == pytest.approx(want)
+
+
+def test_forward_ms_is_the_smallest_step() -> None:
+    assert forward_ms(QWEN3, "overallocated") == 6.80 and forward_ms(QWEN3, "split16") == 12.02
 
 
 @pytest.mark.parametrize(
@@ -401,9 +415,9 @@ def test_short_prefill_hysteresis(current: str, held: int, tokens: int | None, w
 
 
 def test_short_prefill_cap() -> None:
-    # 0.9 x 50 ms at the profile's best 32629 tok/s: past 1469 tokens no finite-work bound meets the SLO
-    assert short_prefill_cap(QWEN3, 50.0) == 1469
-    assert short_prefill_cap(QWEN3, 50.0, margin=1.0) == 1632
+    # 0.9 x 50 ms at the profile's best 34038 tok/s: past 1532 tokens no finite-work bound meets the SLO
+    assert short_prefill_cap(QWEN3, 50.0) == 1532
+    assert short_prefill_cap(QWEN3, 50.0, margin=1.0) == 1702
     d = fresh(QWEN3, batch=32, prefill=True, slo=50.0, context=2048)
     assert d.config == "split16"
 

@@ -16,12 +16,13 @@ configuration. Rules:
 * Decode beside prefill: the profile measured it beside a prefill that never ends (back-to-back
   batches). When the engine says how many prompt tokens prefill still has to compute
   (`prefill_tokens`), the work is finite, and a decode step can wait at most for all of it:
-      beside(c) = min(profile p95 beside prefill, 2 * alone p95 + prefill_tokens / prefill tokens/s)
-  (alone twice: the step itself, plus a prefill forward's fixed cost, which reads every weight as a
-  decode step does). So a short prefill (a chat's next turn, a few hundred tokens past its cached
-  prefix) runs on the whole GPU beside decode, where the profile alone would push decode onto a
-  few units for the sake of prefill throughput it does not need (measured on the multi-turn
-  workload: split16 took decode from 10 to 33 ms a step for 10% more prefill throughput).
+      beside(c) = min(profile p95 beside prefill, alone p95 + forward + prefill_tokens / prefill tokens/s)
+  with `forward` a prefill forward's fixed cost: reading every weight, as the profile's smallest decode
+  step (batch 1, shortest context) on that configuration does. So a short prefill (a chat's next
+  turn, a few hundred tokens past its cached prefix) runs on the whole GPU beside decode, where the
+  profile alone would push decode onto a few units for prefill throughput it does not need (the
+  committed H100 Qwen3-8B profile, batch 32 at 2K context: split16 takes decode from 10 to 33 ms a
+  step for 10% more prefill throughput).
 * Hysteresis, one uniform rule: leave the current configuration for the target only when the
   current one has been held for `hysteresis_steps` steps, OR when the current one violates the SLO
   in the present situation (beside-prefill p95 if prefill is pending, alone p95 if prefill is idle),
@@ -67,15 +68,21 @@ def full_decode_config(profile: Profile) -> str:
     return max(profile.configurations, key=lambda c: (profile.effective_decode_units(c.name), c.name)).name
 
 
-def beside_prefill_ms(entry: Entry, prefill_tokens: int | None) -> float:
+def beside_prefill_ms(entry: Entry, prefill_tokens: int | None, forward_ms: float | None = None) -> float:
     """Decode's p95 step beside prefill under `entry`'s configuration: the profile's, or, when only
-    `prefill_tokens` prompt tokens are left to compute, at most the step, a forward's fixed cost and
-    all of that work (see the module docstring)."""
+    `prefill_tokens` prompt tokens are left to compute, at most the step, a forward's fixed cost
+    (`forward_ms`; None: the step's own time, an upper bound) and all of that work (module docstring)."""
     measured = entry.decode_ms_beside_prefill_p95
     if prefill_tokens is None or entry.prefill_tokens_per_s <= 0:
         return measured
-    finite = 2 * entry.decode_ms_alone_p95 + 1e3 * prefill_tokens / entry.prefill_tokens_per_s
+    fixed = entry.decode_ms_alone_p95 if forward_ms is None else forward_ms
+    finite = entry.decode_ms_alone_p95 + fixed + 1e3 * prefill_tokens / entry.prefill_tokens_per_s
     return min(measured, finite)
+
+
+def forward_ms(profile: Profile, config: str) -> float:
+    """A forward's fixed cost under `config`: the profile's smallest decode step (batch 1, shortest context)."""
+    return lookup(profile, config, 1, 1).entry.decode_ms_alone_p95
 
 
 def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
@@ -85,18 +92,14 @@ def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) 
     return int(margin * slo_itl_ms * best / 1e3) + 1
 
 
-def _p95(entry: Entry, prefill_pending: bool, prefill_tokens: int | None = None) -> float:
-    return beside_prefill_ms(entry, prefill_tokens) if prefill_pending else entry.decode_ms_alone_p95
-
-
 def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
     """The configuration with the most prefill throughput (ties: more prefill units, then name)."""
     return max(entries, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_prefill_units(n), n))
 
 
 def _target(
-    profile: Profile, entries: dict[str, Entry], prefill_pending: bool, decode_running: bool, limit: float,
-    slo_itl_ms: float, prefill_tokens: int | None,
+    profile: Profile, entries: dict[str, Entry], beside: dict[str, float], prefill_pending: bool,
+    decode_running: bool, limit: float, slo_itl_ms: float, prefill_tokens: int | None,
 ) -> tuple[str, str]:
     if not prefill_pending:
         name = full_decode_config(profile)
@@ -105,7 +108,6 @@ def _target(
         name = full_prefill_config(profile, entries)
         return name, (f"no decode running: {name} gives prefill the most throughput "
                       f"({entries[name].prefill_tokens_per_s:g} tok/s)")
-    beside = {n: beside_prefill_ms(e, prefill_tokens) for n, e in entries.items()}
     work = "" if prefill_tokens is None else f", {prefill_tokens} prompt tokens pending"
     meeting = [n for n in entries if beside[n] <= limit]
     if meeting:
@@ -154,7 +156,10 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    target, why = _target(profile, entries, prefill_pending, decode_running, limit, slo_itl_ms, prefill_tokens)
+    beside = {n: beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n) if prefill_tokens is not None else None)
+              for n, e in entries.items()}
+    target, why = _target(profile, entries, beside, prefill_pending, decode_running, limit, slo_itl_ms,
+                          prefill_tokens)
     current = state.config
     if target == current:
         return (
@@ -164,9 +169,8 @@ def decide(
     if current not in entries:
         reason = f"switch {current} -> {target} (current not in profile): {why}{note}"
         return Decision(target, reason, True, beyond), ManagerState(target, 0)
-    cur_p95 = _p95(entries[current], prefill_pending, prefill_tokens)
-    if decode_running and cur_p95 > limit and (
-            not prefill_pending or _p95(entries[target], True, prefill_tokens) < cur_p95):
+    cur_p95 = beside[current] if prefill_pending else entries[current].decode_ms_alone_p95
+    if decode_running and cur_p95 > limit and (not prefill_pending or beside[target] < cur_p95):
         reason = (
             f"switch {current} -> {target} at once: {current} violates SLO "
             f"(decode p95 {cur_p95:g} ms > {limit:g} ms); {why}{note}"
