@@ -351,12 +351,17 @@ QWEN3 = qwen3_profile()
         # 320 / 32629 tok/s = 26.7 ms <= 45
         (50.0, 1, "overallocated"),
         (50.0, 320, "overallocated"),
-        (50.0, 900, "overallocated"),  # 16.93 + 27.6 = 44.5 ms: still within 45
-        (50.0, 1000, "split16"),  # 47.6 ms > 45: the profile's rule again
+        # past ~900 tokens the finite-work bound misses 45 ms, but decode's kernels wait only for kernels of a
+        # forward of those tokens: 16.93 + (64.53 - 10.13 - 6.80) x F / 4096 (the profile's forward)
+        (50.0, 900, "overallocated"),  # min(44.5, 27.4) ms
+        (50.0, 1000, "overallocated"),  # min(47.6, 28.6) ms
+        (50.0, 2400, "overallocated"),  # 44.8 ms
+        (50.0, 2500, "split16"),  # 46.0 ms > 45: the profile's rule again
         (50.0, 8192, "split16"),
-        # SLO 30 ms (limit 27): 100 tokens fit overallocated (20.0 ms), 400 do not (29.2): split32 (19.3 ms)
+        # SLO 30 ms (limit 27): 400 tokens fit overallocated (21.6 ms), 900 do not (27.4): split32 (19.3 ms)
         (30.0, 100, "overallocated"),
-        (30.0, 400, "split32"),
+        (30.0, 400, "overallocated"),
+        (30.0, 900, "split32"),
         (30.0, None, "split32"),
         # SLO 20 ms (limit 18): 1 token fits (16.96 ms), 100 do not (20.0): split48 (15.2 ms)
         (20.0, 1, "overallocated"),
@@ -415,9 +420,10 @@ def test_short_prefill_hysteresis(current: str, held: int, tokens: int | None, w
 
 
 def test_short_prefill_cap() -> None:
-    # 0.9 x 50 ms at the profile's best 34038 tok/s: past 1532 tokens no finite-work bound meets the SLO
-    assert short_prefill_cap(QWEN3, 50.0) == 1532
-    assert short_prefill_cap(QWEN3, 50.0, margin=1.0) == 1702
+    # past the profile's forward (4096 tokens) the scaled wait is the profile's; the finite-work bound misses the
+    # SLO past 0.9 x 50 ms at the profile's best 34038 tok/s (1531 tokens), or 0.9 x 200 ms (6126)
+    assert short_prefill_cap(QWEN3, 50.0) == 4097
+    assert short_prefill_cap(QWEN3, 200.0) == 6127
     d = fresh(QWEN3, batch=32, prefill=True, slo=50.0, context=2048)
     assert d.config == "split16"
 
@@ -426,3 +432,35 @@ def test_prefill_tokens_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prefill_tokens must be >= 0"):
         decide(make_state("overallocated"), decode_batch=1, decode_context=1, prefill_pending=True, slo_itl_ms=50.0,
                profile=QWEN3, prefill_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "budget", "want"),
+    [
+        (8192, None, "split16"),  # one 8192-token forward: decode waits as long as the profile measured
+        (8192, 2048, "overallocated"),  # forwards of 2048: 16.93 + 47.6 x 0.5 = 40.7 ms <= 45
+        (8192, 4096, "split16"),
+        (1000, 8192, "overallocated"),  # the budget only caps the forward
+    ],
+)
+def test_prefill_budget_caps_the_forward(tokens: int, budget: int | None, want: str) -> None:
+    d, _ = decide(make_state("overallocated", 100), decode_batch=32, decode_context=2048, prefill_pending=True,
+                  slo_itl_ms=50.0, profile=QWEN3, prefill_tokens=tokens, prefill_budget=budget)
+    assert d.config == want, d.reason
+
+
+def test_beside_prefill_scales_with_the_forward() -> None:
+    e = Entry("o", 32, 2048, 10.0, 10.0, 64.0, 64.0, 32000.0)
+    # finite-work bound 10 + 5 + 100 ms; scaled wait 10 + 5 + 49 x 1000 / 4000
+    assert beside_prefill_ms(e, 3200, 5.0, forward_tokens=1000, measured_tokens=4000) == pytest.approx(27.25)
+    assert beside_prefill_ms(e, 3200, 5.0, forward_tokens=8000, measured_tokens=4000) == pytest.approx(64.0)
+    assert beside_prefill_ms(e, 3200, 5.0) == pytest.approx(64.0)  # a split: the profile's (finite bound 115)
+    assert beside_prefill_ms(e, None, 5.0, forward_tokens=10, measured_tokens=4000) == 64.0  # work not known
+    odd = Entry("x", 32, 2048, 10.0, 10.0, 12.0, 12.0, 32000.0)  # beside below alone + forward: no negative wait
+    assert beside_prefill_ms(odd, 3200, 5.0, forward_tokens=10, measured_tokens=4000) == pytest.approx(12.0)
+
+
+def test_prefill_budget_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prefill_budget must be >= 1"):
+        decide(make_state("overallocated"), decode_batch=1, decode_context=1, prefill_pending=True, slo_itl_ms=50.0,
+               profile=QWEN3, prefill_tokens=1, prefill_budget=0)

@@ -523,7 +523,7 @@ def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
     from tests.test_partition_manager import QWEN3
 
     dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3))
-    assert dp.prefill_tokens_cap == 1532
+    assert dp.prefill_tokens_cap == 4097
     assert dp.current == OVERALLOCATED
     assert dp.keeps_with_prefill(32, 2048, 320)
     assert dp.advance(32, 2048, True, 320) is None and dp.current == OVERALLOCATED

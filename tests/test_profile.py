@@ -116,6 +116,7 @@ CASES: list[tuple[str, Any, str]] = [
         setitem(["configurations", 1, "prefill_units"], 120),
         r"configurations\[1\]\.prefill_units.*exceeds num_compute_units 132",
     ),
+    ("zero prefill tokens", setitem(["prefill_tokens"], 0), r"`prefill_tokens`: must be positive, got 0"),
     ("wrong type", setitem(["num_compute_units"], "lots"), r"num_compute_units"),
     ("missing field", lambda d: d.pop("gpu"), r"gpu"),
     ("bad source", setitem(["source"], "guessed"), r"source"),
@@ -174,3 +175,10 @@ def test_supported_versions() -> None:
 def test_bucket_up_empty() -> None:
     with pytest.raises(ValueError):
         bucket_up([], 1)
+
+
+def test_prefill_tokens_defaults_for_older_profiles(tmp_path: Path) -> None:
+    """Profiles written before `prefill_tokens` existed were all measured with 4096-token forwards."""
+    d = mutate(lambda d: d.pop("prefill_tokens", None))
+    assert "prefill_tokens" not in d
+    assert load_profile(write(tmp_path, d)).prefill_tokens == 4096

@@ -13,16 +13,23 @@ configuration. Rules:
   (p95 <= margin * slo_itl_ms), the one with the highest prefill tokens/s (ties: more decode units,
   then name). "overallocated" is only chosen when it meets the SLO that way. If none meets it, the
   one with the lowest decode p95 beside prefill, and the reason says the SLO cannot be met.
-* Decode beside prefill: the profile measured it beside a prefill that never ends (back-to-back
-  batches). When the engine says how many prompt tokens prefill still has to compute
-  (`prefill_tokens`), the work is finite, and a decode step can wait at most for all of it:
-      beside(c) = min(profile p95 beside prefill, alone p95 + forward + prefill_tokens / prefill tokens/s)
-  with `forward` a prefill forward's fixed cost: reading every weight, as the profile's smallest decode
-  step (batch 1, shortest context) on that configuration does. So a short prefill (a chat's next
-  turn, a few hundred tokens past its cached prefix) runs on the whole GPU beside decode, where the
-  profile alone would push decode onto a few units for prefill throughput it does not need (the
-  committed H100 Qwen3-8B profile, batch 32 at 2K context: split16 takes decode from 10 to 33 ms a
-  step for 10% more prefill throughput).
+* Decode beside prefill: the profile measured it beside back-to-back prefill forwards of
+  `profile.prefill_tokens` tokens each. When the engine says how many prompt tokens prefill still has
+  to compute (`prefill_tokens`, P), two things bound decode's step beside that work (`beside_prefill_ms`):
+  - the work is finite: a step waits at most for all of it,
+        alone p95 + forward + P / prefill tokens/s,
+    with `forward` a prefill forward's fixed cost: reading every weight, as the profile's smallest
+    decode step (batch 1, shortest context) on that configuration does;
+  - overallocated only (both phases on every unit): a decode kernel waits for the prefill kernel in
+    flight, whose length grows with the tokens of prefill's forward, F = min(P, prefill budget). The
+    wait is interpolated between a forward's fixed cost (F -> 0) and the profile's (F = its tokens):
+        alone p95 + forward + (beside p95 - alone p95 - forward) * min(1, F / profile tokens).
+    (On splits decode and prefill hold disjoint units: what is left is memory bandwidth, which does not
+    shrink with the forward, so the profile's figure stands there.)
+  So a short prefill (a chat's next turn, a few hundred tokens past its cached prefix) runs on the
+  whole GPU beside decode, where the profile alone would push decode onto a few units for prefill
+  throughput it does not need (the committed H100 Qwen3-8B profile, batch 32 at 2K context: split16
+  takes decode from 10 to 33 ms a step for 10% more prefill throughput).
 * Hysteresis, one uniform rule: leave the current configuration for the target only when the
   current one has been held for `hysteresis_steps` steps, OR when the current one violates the SLO
   in the present situation (beside-prefill p95 if prefill is pending, alone p95 if prefill is idle),
@@ -68,16 +75,23 @@ def full_decode_config(profile: Profile) -> str:
     return max(profile.configurations, key=lambda c: (profile.effective_decode_units(c.name), c.name)).name
 
 
-def beside_prefill_ms(entry: Entry, prefill_tokens: int | None, forward_ms: float | None = None) -> float:
+def beside_prefill_ms(entry: Entry, prefill_tokens: int | None, forward_ms: float | None = None, *,
+                      forward_tokens: int | None = None, measured_tokens: int | None = None) -> float:
     """Decode's p95 step beside prefill under `entry`'s configuration: the profile's, or, when only
     `prefill_tokens` prompt tokens are left to compute, at most the step, a forward's fixed cost
-    (`forward_ms`; None: the step's own time, an upper bound) and all of that work (module docstring)."""
+    (`forward_ms`; None: the step's own time, an upper bound) and all of that work; and, given the tokens
+    of prefill's next forward (`forward_tokens`, overallocated only) and of the profile's
+    (`measured_tokens`), the profile's wait scaled to that forward (module docstring)."""
     measured = entry.decode_ms_beside_prefill_p95
     if prefill_tokens is None or entry.prefill_tokens_per_s <= 0:
         return measured
-    fixed = entry.decode_ms_alone_p95 if forward_ms is None else forward_ms
-    finite = entry.decode_ms_alone_p95 + fixed + 1e3 * prefill_tokens / entry.prefill_tokens_per_s
-    return min(measured, finite)
+    alone = entry.decode_ms_alone_p95
+    fixed = alone if forward_ms is None else forward_ms
+    est = min(measured, alone + fixed + 1e3 * prefill_tokens / entry.prefill_tokens_per_s)
+    if forward_tokens is not None and measured_tokens:
+        wait = max(0.0, measured - alone - fixed)
+        est = min(est, alone + fixed + wait * min(1.0, forward_tokens / measured_tokens))
+    return est
 
 
 def forward_ms(profile: Profile, config: str) -> float:
@@ -86,10 +100,26 @@ def forward_ms(profile: Profile, config: str) -> float:
 
 
 def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
-    """Prompt tokens beyond which no configuration's finite-work bound can meet the SLO: the engine
-    need not count pending prefill work further than this (`decide`'s `prefill_tokens`)."""
+    """Prompt tokens beyond which neither bound of `beside_prefill_ms` changes with more work (past the
+    profile's forward size the scaled wait is the profile's, and past this the finite-work bound misses
+    the SLO): the engine need not count pending prefill work further (`decide`'s `prefill_tokens`)."""
     best = max((e.prefill_tokens_per_s for e in profile.entries), default=0.0)
-    return int(margin * slo_itl_ms * best / 1e3) + 1
+    return max(int(margin * slo_itl_ms * best / 1e3), profile.prefill_tokens) + 1
+
+
+def _beside(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | None,
+            prefill_budget: int | None) -> dict[str, float]:
+    """`beside_prefill_ms` of every configuration at this state."""
+    if prefill_tokens is None:
+        return {n: e.decode_ms_beside_prefill_p95 for n, e in entries.items()}
+    forward = prefill_tokens if prefill_budget is None else min(prefill_tokens, prefill_budget)
+    out = {}
+    for n, e in entries.items():
+        whole = profile.effective_decode_units(n) == profile.num_compute_units and \
+            profile.effective_prefill_units(n) == profile.num_compute_units  # overallocated
+        out[n] = beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n),
+                                   forward_tokens=forward if whole else None, measured_tokens=profile.prefill_tokens)
+    return out
 
 
 def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
@@ -135,11 +165,13 @@ def decide(
     margin: float = 0.9,
     decode_running: bool = True,
     prefill_tokens: int | None = None,
+    prefill_budget: int | None = None,
 ) -> tuple[Decision, ManagerState]:
     """Choose the configuration for the next step. Pure: same inputs, same outputs.
     decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
     decode batch is empty; prefill_tokens: prompt tokens the pending prefill work still has to compute
-    (None: not known, the profile's beside-prefill figures alone)."""
+    (None: not known, the profile's beside-prefill figures alone); prefill_budget: the most tokens of one
+    prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget)."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:
@@ -148,6 +180,8 @@ def decide(
         raise ValueError("hysteresis_steps must be >= 0")
     if prefill_tokens is not None and prefill_tokens < 0:
         raise ValueError("prefill_tokens must be >= 0")
+    if prefill_budget is not None and prefill_budget < 1:
+        raise ValueError("prefill_budget must be >= 1")
     limit = margin * slo_itl_ms
     entries: dict[str, Entry] = {}
     beyond = False
@@ -156,8 +190,7 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    beside = {n: beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n) if prefill_tokens is not None else None)
-              for n, e in entries.items()}
+    beside = _beside(profile, entries, prefill_tokens, prefill_budget)
     target, why = _target(profile, entries, beside, prefill_pending, decode_running, limit, slo_itl_ms,
                           prefill_tokens)
     current = state.config

@@ -54,6 +54,9 @@ class Profile(msgspec.Struct, frozen=True):
     created: str
     source: Literal["measured", "roofline"]
     schema_version: int = 1
+    # prompt tokens of each prefill forward that the beside-prefill figures ran against (`rapidserve profile
+    # --prefill-tokens`, default 4096, which the profiles written before this field was added all used)
+    prefill_tokens: int = 4096
 
     def configuration(self, name: str) -> Configuration | None:
         for c in self.configurations:
@@ -141,6 +144,8 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
             raise _fail(path, field, "must not be empty")
     if p.num_compute_units <= 0:
         raise _fail(path, "num_compute_units", f"must be positive, got {p.num_compute_units}")
+    if p.prefill_tokens <= 0:
+        raise _fail(path, "prefill_tokens", f"must be positive, got {p.prefill_tokens}")
     if not p.configurations:
         raise _fail(path, "configurations", "must not be empty")
     names: set[str] = set()

@@ -213,5 +213,6 @@ def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpe
     profile = Profile(gpu=gpu, model=model_label(model), num_compute_units=backend.granularity.total,
                       configurations=list(configs), batch_buckets=list(spec.batch_buckets),
                       context_buckets=list(spec.context_buckets), entries=entries,
-                      created=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured")
+                      created=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured",
+                      prefill_tokens=spec.prefill_tokens)
     return ProfileRun(profile, solo, time.perf_counter() - t0)

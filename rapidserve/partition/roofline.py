@@ -293,7 +293,7 @@ def roofline_profile(
                                      t_d * p95_over_p50_beside, tps))
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
-                   list(context_buckets), entries, stamp, "roofline")
+                   list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk)
 
 
 # (name in the report, p50 field of Entry)

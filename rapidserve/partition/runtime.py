@@ -329,7 +329,7 @@ class DecodePartition:
         return decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                       prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
-                      prefill_tokens=prefill_tokens if prefill_pending else None)
+                      prefill_tokens=prefill_tokens if prefill_pending else None, prefill_budget=self.prefill_budget)
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
