@@ -131,27 +131,7 @@ def test_prefill_batch_passes_over_held_jobs(name: str, budget: int, jobs: list[
                                              batch: str) -> None:
     waiting = deque(Job(m.NewRequest(rid, list(range(n)), SamplingParams(), 0.0), list(range(n)), [], 0,
                         done_tokens=done) for rid, n, done in jobs)
-    worker = SimpleNamespace(waiting_prefill=waiting, budget=budget, forward_tokens=0)
+    worker = SimpleNamespace(waiting_prefill=waiting, budget=budget)
     got = PrefillWorker.take_batch(worker, held(hold))  # type: ignore[arg-type]
     assert ",".join(f"{j.req.req_id}:{n}" for j, n in got) == batch
     assert [j.req.req_id for j in waiting] == [j[0] for j in jobs]  # taking a batch moves nothing
-
-
-# decode's cap on one forward (SetPartition.forward_tokens, rapid policy): budget, cap, jobs, batch
-FORWARD_CAP = [
-    (16, 0, [("a", 6, 0), ("b", 6, 0), ("c", 6, 0)], "a:6,b:6"),  # 0: the budget
-    (16, 8, [("a", 6, 0), ("b", 6, 0)], "a:6"),
-    (16, 8, [("a", 20, 0)], "a:8"),  # a long prompt goes in chunks of the cap
-    (16, 8, [("a", 20, 16), ("b", 2, 0)], "a:4,b:2"),
-    (16, 64, [("a", 20, 0)], "a:16"),  # a cap above the budget: the budget
-]
-
-
-@pytest.mark.parametrize("budget,cap,jobs,batch", FORWARD_CAP)
-def test_prefill_batch_keeps_decodes_forward_cap(budget: int, cap: int, jobs: list[tuple[str, int, int]],
-                                                 batch: str) -> None:
-    waiting = deque(Job(m.NewRequest(rid, list(range(n)), SamplingParams(), 0.0), list(range(n)), [], 0,
-                        done_tokens=done) for rid, n, done in jobs)
-    worker = SimpleNamespace(waiting_prefill=waiting, budget=budget, forward_tokens=cap)
-    got = PrefillWorker.take_batch(worker)  # type: ignore[arg-type]
-    assert ",".join(f"{j.req.req_id}:{n}" for j, n in got) == batch

@@ -522,29 +522,19 @@ def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
     prefill`) looks with the same count. The cap is how far the worker need count (manager.short_prefill_cap)."""
     from tests.test_partition_manager import QWEN3
 
-    dp = DecodePartition(PartitionConfig(slo_itl_ms=20.0, hysteresis_steps=8), adaptive_plan(QWEN3))
+    dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3))
     assert dp.prefill_tokens_cap == 4097
     assert dp.current == OVERALLOCATED
-    assert dp.keeps_with_prefill(32, 2048, 1)
-    assert dp.advance(32, 2048, True, 1) is None and dp.current == OVERALLOCATED and dp.forward_tokens == 0
+    assert dp.keeps_with_prefill(32, 2048, 320)
+    assert dp.advance(32, 2048, True, 320) is None and dp.current == OVERALLOCATED
     assert not dp.keeps_with_prefill(32, 2048, 4096)  # a long prompt: a switch first, then the hand-off
     assert not dp.keeps_with_prefill(32, 2048)  # work not counted: the profile's figures alone
     s = dp.advance(32, 2048, True, 4096)
-    assert s is not None and s.new == "split48" and "at once" in s.reason and "4096 prompt tokens" in s.reason
-    for _ in range(8):  # back to short work: split48 is held for the hysteresis
-        assert dp.advance(32, 2048, True, 1) is None
-    s = dp.advance(32, 2048, True, 1)
+    assert s is not None and s.new == "split16" and "at once" in s.reason and "4096 prompt tokens" in s.reason
+    for _ in range(8):  # back to short work: split16 is held for the hysteresis
+        assert dp.advance(32, 2048, True, 320) is None
+    s = dp.advance(32, 2048, True, 320)
     assert s is not None and s.new == OVERALLOCATED
-    # SLO 50: the whole GPU with prefill's forwards capped at 2415 tokens (tests/test_partition_manager.py); the
-    # cap is prefill's to hear (hint_due) even without a switch, and the early hand-off waits for it
-    dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3),
-                         prefill_budget=8192)
-    assert not dp.hint_due()
-    assert not dp.keeps_with_prefill(32, 2048, 320)  # the cap is not set yet: the step boundary first
-    assert dp.advance(32, 2048, True, 320) is None and dp.forward_tokens == 2415 and dp.hint_due()
-    assert dp.sent_hint() is None and not dp.hint_due()
-    assert dp.keeps_with_prefill(32, 2048, 8192)
-    assert dp.advance(32, 2048, False, 0) is None and dp.forward_tokens == 0 and dp.hint_due()
     assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3)).advance(32, 2048, True) is not None
     static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")
     assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), static).prefill_tokens_cap == 0

@@ -123,7 +123,7 @@ class DecodeWorker:
             sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending, self._pending_tokens())
         if sw is None:  # a new step estimate alone never blocks decode: with prefill's inbox full, next step
             p = self.partition
-            if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms, p.forward_tokens)):
+            if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
                 p.sent_hint()
             return
         old = self.backend.stream(sw.old, "decode")
@@ -132,7 +132,7 @@ class DecodeWorker:
             # writes and the graphs' static inputs (shared by every configuration's graphs) are read
             # or overwritten by the next step on the new stream, which nothing else orders after it.
             old.synchronize()
-        self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint(), self.partition.forward_tokens))
+        self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint()))
 
     def _pending_tokens(self) -> int | None:
         """Prompt tokens prefill has yet to compute, for the rapid policy (counted up to where it matters)."""

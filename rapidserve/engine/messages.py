@@ -88,9 +88,6 @@ class SetPartition(msgspec.Struct, tag=True, frozen=True):
 
     config: str
     decode_step_ms: float | None = None
-    # rapid policy: the most prompt tokens of one prefill forward, so that decode's step beside it keeps the
-    # ITL SLO on the whole GPU (partition/manager.py, `forward_cap`); 0: the configured budget
-    forward_tokens: int = 0
 
 
 class Dropped(msgspec.Struct, tag=True, frozen=True):

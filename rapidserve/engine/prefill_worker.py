@@ -76,7 +76,6 @@ class PrefillWorker:
         self.budget = cfg.scheduler.max_num_batched_tokens
         self.waiting_prefill: deque[Job] = deque()
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
-        self.forward_tokens = 0  # decode's cap on one forward's tokens (SetPartition; 0: the budget)
         self._last_beat = 0.0
         self._last_stream: Any = None  # the partition stream of the last forward (stream ordering)
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
@@ -114,15 +113,14 @@ class PrefillWorker:
             self.io.to_decode.send(m.Dropped(msg.req_id))
         elif isinstance(msg, m.SetPartition):
             self.backend.stream(msg.config, "prefill")  # raises on a configuration we do not have
-            self.partition, self.forward_tokens = msg.config, msg.forward_tokens
+            self.partition = msg.config
 
     # ---- prefill ----------------------------------------------------------------------------
     def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
-        """FCFS whole prompts up to the budget (decode's cap on a forward, when it set one); a prompt over it
-        alone goes in chunks. Jobs in `hold` (their grammar still compiling: `GrammarBook.compiling`) are
-        passed over, keeping their place."""
+        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks. Jobs in
+        `hold` (their grammar still compiling: `GrammarBook.compiling`) are passed over, keeping their place."""
         batch: list[tuple[Job, int]] = []
-        left = min(self.budget, self.forward_tokens) if self.forward_tokens > 0 else self.budget
+        left = self.budget
         for job in self.waiting_prefill:
             if job.req.req_id in hold:
                 continue

@@ -26,12 +26,6 @@ configuration. Rules:
         alone p95 + forward + (beside p95 - alone p95 - forward) * min(1, F / profile tokens).
     (On splits decode and prefill hold disjoint units: what is left is memory bandwidth, which does not
     shrink with the forward, so the profile's figure stands there.)
-  - the cap: where that wait would pass the SLO, overallocated is weighed with prefill's forwards capped
-    at the most tokens that keep it (`forward_cap`, at least MIN_FORWARD_TOKENS), at the rate such
-    forwards give (cap / (forward + cap / profile rate)); when chosen, the decision carries the cap
-    (`Decision.forward_tokens`), the decode worker sends it in SetPartition, and the prefill worker cuts
-    its batches to it. So prefill keeps every unit in chunks instead of losing 16-32 of them to a split,
-    where that gives it more tokens/s.
   So a short prefill (a chat's next turn, a few hundred tokens past its cached prefix) runs on the
   whole GPU beside decode, where the profile alone would push decode onto a few units for prefill
   throughput it does not need (the committed H100 Qwen3-8B profile, batch 32 at 2K context: split16
@@ -59,20 +53,6 @@ class Decision:
     reason: str
     switched: bool = False
     beyond_profile: bool = False  # batch/context exceeded the profiled buckets (largest used)
-    forward_tokens: int = 0  # the most prompt tokens of one prefill forward under `config` (0: the budget)
-
-
-MIN_FORWARD_TOKENS = 256  # a capped prefill forward shorter than this would mostly read weights
-
-
-@dataclass(frozen=True)
-class Option:
-    """A configuration as the policy weighs it at this step: decode's p95 step beside the pending prefill,
-    prefill's tokens/s, and the most prompt tokens of one prefill forward it asks for (0: the budget)."""
-
-    beside_ms: float
-    prefill_tokens_per_s: float
-    forward_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,41 +107,18 @@ def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) 
     return max(int(margin * slo_itl_ms * best / 1e3), profile.prefill_tokens) + 1
 
 
-def forward_cap(entry: Entry, fixed_ms: float, limit_ms: float, measured_tokens: int) -> int | None:
-    """On the whole GPU: the most prompt tokens of one prefill forward whose scaled wait keeps decode's step
-    within `limit_ms` (None: any forward does; 0 or more: that many, which may be too few to be worth it)."""
-    alone = entry.decode_ms_alone_p95
-    wait = entry.decode_ms_beside_prefill_p95 - alone - fixed_ms
-    if wait <= 0 or alone + fixed_ms + wait <= limit_ms:
-        return None
-    return max(0, int(measured_tokens * (limit_ms - alone - fixed_ms) / wait))
-
-
-def _options(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | None, prefill_budget: int | None,
-             limit: float) -> dict[str, Option]:
-    """Every configuration weighed at this state (module docstring). On the whole GPU, where the pending work
-    would make decode wait past `limit`, prefill's forwards are capped to the most tokens that keep it
-    within (`forward_cap`, at least MIN_FORWARD_TOKENS), at the prefill rate such forwards give (each pays
-    a forward's fixed cost); the cap is asked for whenever it binds below the budget, so it does not come and
-    go with the queue."""
+def _beside(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | None,
+            prefill_budget: int | None) -> dict[str, float]:
+    """`beside_prefill_ms` of every configuration at this state."""
     if prefill_tokens is None:
-        return {n: Option(e.decode_ms_beside_prefill_p95, e.prefill_tokens_per_s) for n, e in entries.items()}
-    budget = prefill_budget if prefill_budget is not None else 1 << 62
+        return {n: e.decode_ms_beside_prefill_p95 for n, e in entries.items()}
+    forward = prefill_tokens if prefill_budget is None else min(prefill_tokens, prefill_budget)
     out = {}
     for n, e in entries.items():
-        fixed, rate = forward_ms(profile, n), e.prefill_tokens_per_s
         whole = profile.effective_decode_units(n) == profile.num_compute_units and \
             profile.effective_prefill_units(n) == profile.num_compute_units  # overallocated
-        if not whole:
-            out[n] = Option(beside_prefill_ms(e, prefill_tokens, fixed), rate)
-            continue
-        cap = forward_cap(e, fixed, limit, profile.prefill_tokens)
-        if cap is not None and MIN_FORWARD_TOKENS <= cap < budget:
-            forward, rate, asked = min(prefill_tokens, cap), cap / (fixed / 1e3 + cap / rate), cap
-        else:
-            forward, asked = min(prefill_tokens, budget), 0
-        out[n] = Option(beside_prefill_ms(e, prefill_tokens, fixed, forward_tokens=forward,
-                                          measured_tokens=profile.prefill_tokens), rate, asked)
+        out[n] = beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n),
+                                   forward_tokens=forward if whole else None, measured_tokens=profile.prefill_tokens)
     return out
 
 
@@ -171,7 +128,7 @@ def full_prefill_config(profile: Profile, entries: dict[str, Entry]) -> str:
 
 
 def _target(
-    profile: Profile, entries: dict[str, Entry], options: dict[str, Option], prefill_pending: bool,
+    profile: Profile, entries: dict[str, Entry], beside: dict[str, float], prefill_pending: bool,
     decode_running: bool, limit: float, slo_itl_ms: float, prefill_tokens: int | None,
 ) -> tuple[str, str]:
     if not prefill_pending:
@@ -182,19 +139,17 @@ def _target(
         return name, (f"no decode running: {name} gives prefill the most throughput "
                       f"({entries[name].prefill_tokens_per_s:g} tok/s)")
     work = "" if prefill_tokens is None else f", {prefill_tokens} prompt tokens pending"
-    meeting = [n for n in entries if options[n].beside_ms <= limit]
+    meeting = [n for n in entries if beside[n] <= limit]
     if meeting:
-        best = max(meeting, key=lambda n: (options[n].prefill_tokens_per_s, profile.effective_decode_units(n), n))
-        o = options[best]
-        capped = f", prefill forwards of at most {o.forward_tokens} tokens" if o.forward_tokens else ""
+        best = max(meeting, key=lambda n: (entries[n].prefill_tokens_per_s, profile.effective_decode_units(n), n))
         return best, (
-            f"prefill pending{work}: {best} meets SLO (decode p95 beside prefill {o.beside_ms:.4g}"
-            f" ms <= {limit:g} ms{capped}) with the most prefill throughput ({o.prefill_tokens_per_s:.6g} tok/s)"
+            f"prefill pending{work}: {best} meets SLO (decode p95 beside prefill {beside[best]:g}"
+            f" ms <= {limit:g} ms) with the most prefill throughput ({entries[best].prefill_tokens_per_s:g} tok/s)"
         )
-    best = min(entries, key=lambda n: (options[n].beside_ms, -options[n].prefill_tokens_per_s, n))
+    best = min(entries, key=lambda n: (beside[n], -entries[n].prefill_tokens_per_s, n))
     return best, (
         f"prefill pending{work}: SLO cannot be met ({slo_itl_ms:g} ms, limit {limit:g} ms); {best} has the lowest "
-        f"decode p95 beside prefill ({options[best].beside_ms:.4g} ms)"
+        f"decode p95 beside prefill ({beside[best]:g} ms)"
     )
 
 
@@ -235,35 +190,30 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    options = _options(profile, entries, prefill_tokens, prefill_budget, limit)
-    target, why = _target(profile, entries, options, prefill_pending, decode_running, limit, slo_itl_ms,
+    beside = _beside(profile, entries, prefill_tokens, prefill_budget)
+    target, why = _target(profile, entries, beside, prefill_pending, decode_running, limit, slo_itl_ms,
                           prefill_tokens)
-
-    def forward(name: str) -> int:  # the cap goes with the configuration used while decode runs beside prefill
-        return options[name].forward_tokens if prefill_pending and decode_running and name in options else 0
-
     current = state.config
     if target == current:
         return (
-            Decision(current, f"keep {current}: {why}{note}", False, beyond, forward(current)),
+            Decision(current, f"keep {current}: {why}{note}", False, beyond),
             ManagerState(current, state.steps_since_switch + 1),
         )
     if current not in entries:
         reason = f"switch {current} -> {target} (current not in profile): {why}{note}"
-        return Decision(target, reason, True, beyond, forward(target)), ManagerState(target, 0)
-    cur_p95 = options[current].beside_ms if prefill_pending else entries[current].decode_ms_alone_p95
-    if decode_running and cur_p95 > limit and (not prefill_pending or options[target].beside_ms < cur_p95):
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
+    cur_p95 = beside[current] if prefill_pending else entries[current].decode_ms_alone_p95
+    if decode_running and cur_p95 > limit and (not prefill_pending or beside[target] < cur_p95):
         reason = (
             f"switch {current} -> {target} at once: {current} violates SLO "
-            f"(decode p95 {cur_p95:.4g} ms > {limit:g} ms); {why}{note}"
+            f"(decode p95 {cur_p95:g} ms > {limit:g} ms); {why}{note}"
         )
-        return Decision(target, reason, True, beyond, forward(target)), ManagerState(target, 0)
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
     if state.steps_since_switch >= hysteresis_steps:
         reason = f"switch {current} -> {target} (held {state.steps_since_switch} steps): {why}{note}"
-        return Decision(target, reason, True, beyond, forward(target)), ManagerState(target, 0)
+        return Decision(target, reason, True, beyond), ManagerState(target, 0)
     reason = (
         f"hold {current} (hysteresis: held {state.steps_since_switch} < {hysteresis_steps} steps); "
         f"would switch to {target}: {why}{note}"
     )
-    return (Decision(current, reason, False, beyond, forward(current)),
-            ManagerState(current, state.steps_since_switch + 1))
+    return Decision(current, reason, False, beyond), ManagerState(current, state.steps_since_switch + 1)

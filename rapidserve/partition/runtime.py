@@ -213,9 +213,6 @@ class DecodePartition:
     _hint_sent: float | None = None
     num_switches: int = 0
     steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
-    # rapid: the most prompt tokens of one prefill forward the current decision asks for (0: the budget)
-    forward_tokens: int = 0
-    _forward_sent: int = 0
     _cap: int | None = None
 
     def note_step(self) -> None:
@@ -279,15 +276,12 @@ class DecodePartition:
         return self._switched(Switch(time.monotonic(), old, name, len(contexts), mean, bool(waiting), reason))
 
     def hint_due(self) -> bool:
-        """Prefill has not been told what it now should hear: decode's step estimate (drift: a new profile
-        bucket) or the cap on its forwards (rapid: `forward_tokens`) changed since the last SetPartition."""
-        return self.hint_ms != self._hint_sent or self.forward_tokens != self._forward_sent
+        """Drift: decode's step estimate changed since prefill was last told (a new profile bucket)."""
+        return self.hint_ms != self._hint_sent
 
     def sent_hint(self) -> float | None:
-        """The step estimate to send prefill now (with a SetPartition carrying `forward_tokens`), noted as
-        sent with the forward cap."""
+        """The step estimate to send prefill now (with a SetPartition), noted as sent."""
         self._hint_sent = self.hint_ms
-        self._forward_sent = self.forward_tokens
         return self.hint_ms
 
     @property
@@ -309,15 +303,13 @@ class DecodePartition:
             return None
         old = self.state.config
         d, self.state = self._decide(batch, context, prefill_pending, prefill_tokens)
-        self.forward_tokens = d.forward_tokens
         if d.config == old:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
 
     def keeps_with_prefill(self, batch: int, context: int, prefill_tokens: int | None = None) -> bool:
-        """Whether the next step boundary would keep the current configuration (and its cap on prefill's
-        forwards) with prefill pending, so that a request may be handed to prefill before it (a look at
-        `decide`, changing nothing). Only
+        """Whether the next step boundary would keep the current configuration with prefill pending, so
+        that a request may be handed to prefill before it (a look at `decide`, changing nothing). Only
         the rapid policy is looked at this way; duet and drift plan their step from the whole queue,
         so they answer False (no early hand-off). A plan with one configuration always keeps it."""
         if not self.adaptive:
@@ -325,7 +317,7 @@ class DecodePartition:
         if self.pcfg.policy != "rapid":
             return False
         d, _ = self._decide(batch, context, True, prefill_tokens)
-        return d.config == self.current and d.forward_tokens == self.forward_tokens
+        return d.config == self.current
 
     def _decide(self, batch: int, context: int, prefill_pending: bool,
                 prefill_tokens: int | None = None) -> tuple[Decision, ManagerState]:
