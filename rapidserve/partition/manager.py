@@ -26,6 +26,9 @@ configuration. Rules:
         alone p95 + forward + (beside p95 - alone p95 - forward) * min(1, F / profile tokens).
     (On splits decode and prefill hold disjoint units: what is left is memory bandwidth, which does not
     shrink with the forward, so the profile's figure stands there.)
+    Measured on the H100 (bench/results/issue15_h100.md): it holds for forwards up to ~1K tokens (p99 ITL
+    31-38 ms on chat turns and 1024-token prompts); capping long prompts' forwards at ~2.4K tokens to keep
+    the whole GPU was tried and broke the SLO (p99 64-79 ms), so it is not used to choose chunk sizes.
   So a short prefill (a chat's next turn, a few hundred tokens past its cached prefix) runs on the
   whole GPU beside decode, where the profile alone would push decode onto a few units for prefill
   throughput it does not need (the committed H100 Qwen3-8B profile, batch 32 at 2K context: split16
