@@ -29,11 +29,9 @@ setup_log="$out/fa3_setup.log"
 t_start=$(date +%s)
 say() { echo "fa3_check [$(($(date +%s) - t_start)) s]: $*" | tee -a "$setup_log"; }
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { say "installing the carried wheels (.whl) failed"; exit 2; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels fa3_check || exit 2
 recipe=""
 for d in .peer/peer_vllm "$stash/peer_vllm"; do [ -f "$d/install.sh" ] && recipe="$d" && break; done
 # shellcheck source=bench/peer_env.sh

@@ -18,11 +18,9 @@ py="${PYTHON:-python3}"
 cmd="${1:-}"
 shift || true
 
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "gpu_soak.sh: installing the carried wheels failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels gpu_soak.sh || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 case "$cmd" in

@@ -38,11 +38,9 @@ work="$(mktemp -d)"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "gpu_suite.sh: installing the carried wheels failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels gpu_suite.sh || exit 2
 
 mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | sort)
 timeout_args=()

@@ -14,10 +14,9 @@ out="${OUT:-bench/results/tp_check}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 t0=$(date +%s)
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels tp_check.sh || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 parts=",${PARTS:-tests,allreduce,compare},"

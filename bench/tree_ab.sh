@@ -17,11 +17,9 @@ name="${NAME:-tree_ab}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "tree_ab: installing the carried wheels (.whl) failed" >&2; exit 2; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels tree_ab || exit 2
 # peer_env.sh reads stash, site, recipe and say
 stash="${PEER_STASH:-/root/peerstash}"
 export site="${PEER_SITE:-/root/peersite}"

@@ -106,11 +106,9 @@ elapsed() { echo $(($(date +%s) - t_start)); }
 say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
 : >"$setup_log"
 
-if compgen -G ".whl/*.whl" >/dev/null && ! "$py" -c 'import msgspec, posix_ipc' 2>/dev/null; then
-    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { say "installing the carried wheels (.whl) failed"; exit 2; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels vs_vllm || exit 2
 gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")' 2>&1 | tail -1)"
 
