@@ -13,7 +13,7 @@ from rapidserve.partition.manager import (
     full_decode_config,
     full_prefill_config,
     make_state,
-    short_prefill_cap,
+    pending_tokens_cap,
 )
 from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
 
@@ -419,11 +419,11 @@ def test_short_prefill_hysteresis(current: str, held: int, tokens: int | None, w
     assert why in d.reason
 
 
-def test_short_prefill_cap() -> None:
+def test_pending_tokens_cap() -> None:
     # past the profile's forward (4096 tokens) the scaled wait is the profile's; the finite-work bound misses the
     # SLO past 0.9 x 50 ms at the profile's best 34038 tok/s (1531 tokens), or 0.9 x 200 ms (6126)
-    assert short_prefill_cap(QWEN3, 50.0) == 4097
-    assert short_prefill_cap(QWEN3, 200.0) == 6127
+    assert pending_tokens_cap(QWEN3, 50.0) == 4097
+    assert pending_tokens_cap(QWEN3, 200.0) == 6127
     d = fresh(QWEN3, batch=32, prefill=True, slo=50.0, context=2048)
     assert d.config == "split16"
 

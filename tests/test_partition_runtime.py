@@ -519,7 +519,7 @@ def test_keeps_with_prefill_looks_without_deciding() -> None:
 def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
     """The decode worker tells the rapid policy how many prompt tokens prefill has yet to compute: a chat's
     next turn leaves decode on the whole GPU, a long prompt splits at once; the early hand-off (`keeps_with_
-    prefill`) looks with the same count. The cap is how far the worker need count (manager.short_prefill_cap)."""
+    prefill`) looks with the same count. The cap is how far the worker need count (manager.pending_tokens_cap)."""
     from tests.test_partition_manager import QWEN3
 
     dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3))

@@ -102,7 +102,7 @@ def forward_ms(profile: Profile, config: str) -> float:
     return lookup(profile, config, 1, 1).entry.decode_ms_alone_p95
 
 
-def short_prefill_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
+def pending_tokens_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
     """Prompt tokens beyond which neither bound of `beside_prefill_ms` changes with more work (past the
     profile's forward size the scaled wait is the profile's, and past this the finite-work bound misses
     the SLO): the engine need not count pending prefill work further (`decide`'s `prefill_tokens`)."""

@@ -49,7 +49,7 @@ from rapidserve.partition.manager import (
     decide,
     full_decode_config,
     make_state,
-    short_prefill_cap,
+    pending_tokens_cap,
 )
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
@@ -287,11 +287,11 @@ class DecodePartition:
     @property
     def prefill_tokens_cap(self) -> int:
         """Rapid policy: how far the engine need count pending prefill tokens (`advance`'s `prefill_tokens`);
-        past this no configuration's finite-work bound meets the SLO (manager.short_prefill_cap)."""
+        past this more pending work changes no decision (manager.pending_tokens_cap)."""
         if self.plan.profile is None:
             return 0
         if self._cap is None:
-            self._cap = short_prefill_cap(self.plan.profile, self.pcfg.slo_itl_ms)
+            self._cap = pending_tokens_cap(self.plan.profile, self.pcfg.slo_itl_ms)
         return self._cap
 
     def advance(self, batch: int, context: int, prefill_pending: bool,
