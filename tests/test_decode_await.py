@@ -108,3 +108,29 @@ def test_await_returns_when_the_step_lands_with_nothing_to_do() -> None:
     ev = Event(3)
     w._await(ev)  # type: ignore[arg-type]
     assert ev.n < 0 and not w.io.to_prefill.sent and not w.io.to_router.sent
+
+
+class Backend:
+    """No streams (as on CPU): a switch has nothing to synchronize."""
+
+    def stream(self, config: str, role: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("prompt", "sent"), [
+    (100, []),  # a short prompt: the whole GPU beside it keeps the SLO; nothing to tell prefill
+    (5000, ["split16"]),  # longer than the profile's forward: the profile's figure, 53.7 ms > 45: split at once
+])
+def test_repartition_tells_the_policy_the_pending_work(prompt: int, sent: list[str]) -> None:
+    """The step boundary hands the rapid policy the scheduler's count of pending prompt tokens and its longest
+    prompt (DecodeWorker._pending_tokens), and a switch reaches prefill as a SetPartition."""
+    part = DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3), prefill_budget=8192)
+    w = worker([], part)
+    w.backend = Backend()  # type: ignore[assignment]
+    w.sched.add(new(0))
+    w.sched.admit()
+    w.sched.prefill_done(first_token("r0"))  # r0 runs
+    w.sched.add(new(1, n=prompt))
+    w.repartition()
+    assert [msg.config for msg in w.io.to_prefill.sent] == sent
+    assert part.current == (sent[-1] if sent else "overallocated")

@@ -377,7 +377,7 @@ def test_short_prefill_work_bounds_decode_beside_it(slo: float, tokens: int | No
     short prefill runs on the whole GPU where the profile alone would put decode on 16 SMs."""
     state = make_state("overallocated", 100)
     d, _ = decide(state, decode_batch=32, decode_context=2048, prefill_pending=True, slo_itl_ms=slo,
-                  profile=QWEN3, prefill_tokens=tokens)
+                  profile=QWEN3, prefill_tokens=tokens, prefill_longest=3000)
     assert d.config == want, d.reason
     assert ("prompt tokens pending" in d.reason) == (tokens is not None)
 
@@ -414,7 +414,8 @@ def test_forward_ms_is_the_smallest_step() -> None:
 )
 def test_short_prefill_hysteresis(current: str, held: int, tokens: int | None, want: str, why: str) -> None:
     d, state = decide(make_state(current, held), decode_batch=32, decode_context=2048, prefill_pending=True,
-                      slo_itl_ms=50.0, profile=QWEN3, hysteresis_steps=8, prefill_tokens=tokens)
+                      slo_itl_ms=50.0, profile=QWEN3, hysteresis_steps=8, prefill_tokens=tokens,
+                      prefill_longest=3000)
     assert d.config == want and state.config == want, d.reason
     assert why in d.reason
 
@@ -445,7 +446,7 @@ def test_prefill_tokens_must_not_be_negative() -> None:
 )
 def test_prefill_budget_caps_the_forward(tokens: int, budget: int | None, want: str) -> None:
     d, _ = decide(make_state("overallocated", 100), decode_batch=32, decode_context=2048, prefill_pending=True,
-                  slo_itl_ms=50.0, profile=QWEN3, prefill_tokens=tokens, prefill_budget=budget)
+                  slo_itl_ms=50.0, profile=QWEN3, prefill_tokens=tokens, prefill_budget=budget, prefill_longest=4096)
     assert d.config == want, d.reason
 
 
@@ -464,3 +465,21 @@ def test_prefill_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="prefill_budget must be >= 1"):
         decide(make_state("overallocated"), decode_batch=1, decode_context=1, prefill_pending=True, slo_itl_ms=50.0,
                profile=QWEN3, prefill_tokens=1, prefill_budget=0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "longest", "want"),
+    [
+        (1000, 3000, "overallocated"),  # every pending prompt within the profile's 4096-token forward: scaled, 28.6 ms
+        (1000, 4096, "overallocated"),
+        (1000, 4097, "split16"),  # a longer one (a short turn over a long cached history): the finite bound, 47.6 ms
+        (1000, None, "split16"),  # not known: the same
+        (320, 30000, "overallocated"),  # the finite bound alone still keeps a short turn: 26.7 ms
+    ],
+)
+def test_wait_scales_only_within_the_profiles_forward(tokens: int, longest: int | None, want: str) -> None:
+    """A forward's attention kernels grow with its tokens times the context they attend to, so decode's wait is
+    scaled to the forward only where no pending prompt, cached prefix included, is longer than the profile's."""
+    d, _ = decide(make_state("overallocated", 100), decode_batch=32, decode_context=2048, prefill_pending=True,
+                  slo_itl_ms=50.0, profile=QWEN3, prefill_tokens=tokens, prefill_longest=longest)
+    assert d.config == want, d.reason

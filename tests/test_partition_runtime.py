@@ -15,6 +15,7 @@ from rapidserve.cli import build_parser, main, partition_config
 from rapidserve.config import ConfigError, EngineConfig, PartitionConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import NoPartition, PartitionError
+from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.profile import (
     OVERALLOCATED,
     Configuration,
@@ -522,18 +523,21 @@ def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
     prefill`) looks with the same count. The cap is how far the worker need count (manager.pending_tokens_cap)."""
     from tests.test_partition_manager import QWEN3
 
+    def work(tokens: int) -> PendingWork:
+        return PendingWork(tokens, tokens + 2048)  # a turn over a 2K cached prefix
+
     dp = DecodePartition(PartitionConfig(slo_itl_ms=50.0, hysteresis_steps=8), adaptive_plan(QWEN3))
     assert dp.prefill_tokens_cap == 4097
     assert dp.current == OVERALLOCATED
-    assert dp.keeps_with_prefill(32, 2048, 320)
-    assert dp.advance(32, 2048, True, 320) is None and dp.current == OVERALLOCATED
-    assert not dp.keeps_with_prefill(32, 2048, 4096)  # a long prompt: a switch first, then the hand-off
+    assert dp.keeps_with_prefill(32, 2048, work(320))
+    assert dp.advance(32, 2048, True, work(320)) is None and dp.current == OVERALLOCATED
+    assert not dp.keeps_with_prefill(32, 2048, work(4096))  # a long prompt: a switch first, then the hand-off
     assert not dp.keeps_with_prefill(32, 2048)  # work not counted: the profile's figures alone
-    s = dp.advance(32, 2048, True, 4096)
+    s = dp.advance(32, 2048, True, work(4096))
     assert s is not None and s.new == "split16" and "at once" in s.reason and "4096 prompt tokens" in s.reason
     for _ in range(8):  # back to short work: split16 is held for the hysteresis
-        assert dp.advance(32, 2048, True, 320) is None
-    s = dp.advance(32, 2048, True, 320)
+        assert dp.advance(32, 2048, True, work(320)) is None
+    s = dp.advance(32, 2048, True, work(320))
     assert s is not None and s.new == OVERALLOCATED
     assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3)).advance(32, 2048, True) is not None
     static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")

@@ -47,7 +47,7 @@ from typing import Literal
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.engine import messages as m
-from rapidserve.partition.policy import WaitingPrefill
+from rapidserve.partition.policy import PendingWork, WaitingPrefill
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import check_stop
 
@@ -124,22 +124,25 @@ class DecodeScheduler:
             out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
         return tuple(out)
 
-    def pending_prefill_tokens(self, cap: int) -> int:
+    def pending_prefill_tokens(self, cap: int) -> PendingWork:
         """Prompt tokens prefill still has to compute (a prefilling request's beyond its cached prefix,
         prefill's progress not being known here; a waiting one's beyond what its admission would find
         cached now), counted only until they pass `cap`: the rapid policy asks only whether the pending
-        work is short, and a long queue's prefixes are not all looked up each step."""
-        total = 0
+        work is short, and a long queue's prefixes are not all looked up each step. With them, the longest
+        pending prompt, prefix included, of every prefilling and waiting request (no lookup needed)."""
+        total, longest, counting = 0, 0, True
         for r in self.reqs.values():
             if r.state == "prefilling" and not r.aborting:
-                total += max(1, r.num_tokens - r.cached)
-                if total > cap:
-                    return total
+                longest = max(longest, r.num_tokens)
+                if counting:
+                    total += max(1, r.num_tokens - r.cached)
+                    counting = total <= cap
         for r in self.waiting:
-            total += max(1, r.num_tokens - self.blocks.cached_prefix(r.req_id, r.tokens))
-            if total > cap:
-                return total
-        return total
+            longest = max(longest, r.num_tokens)
+            if counting:
+                total += max(1, r.num_tokens - self.blocks.cached_prefix(r.req_id, r.tokens))
+                counting = total <= cap
+        return PendingWork(total, longest)
 
     def decode_contexts(self) -> tuple[int, ...]:
         """Each running request's context (tokens in the cache after its next step), for the policy."""

@@ -33,6 +33,7 @@ from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
+from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
@@ -134,8 +135,9 @@ class DecodeWorker:
             old.synchronize()
         self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint()))
 
-    def _pending_tokens(self) -> int | None:
-        """Prompt tokens prefill has yet to compute, for the rapid policy (counted up to where it matters)."""
+    def _pending_tokens(self) -> PendingWork | None:
+        """Prompt tokens prefill has yet to compute (counted up to where it matters) and its longest prompt,
+        for the rapid policy."""
         p = self.partition
         if not p.adaptive or p.pcfg.policy != "rapid":
             return None

@@ -20,9 +20,12 @@ configuration. Rules:
         alone p95 + forward + P / prefill tokens/s,
     with `forward` a prefill forward's fixed cost: reading every weight, as the profile's smallest
     decode step (batch 1, shortest context) on that configuration does;
-  - overallocated only (both phases on every unit): a decode kernel waits for the prefill kernel in
-    flight, whose length grows with the tokens of prefill's forward, F = min(P, prefill budget). The
-    wait is interpolated between a forward's fixed cost (F -> 0) and the profile's (F = its tokens):
+  - overallocated only (both phases on every unit), and only while no pending prompt, cached prefix
+    included, is longer than the profile's forward (`prefill_longest`: a forward's attention kernels grow
+    with its tokens times the context they attend to, which the profile measured no further than its
+    own forward): a decode kernel waits for the prefill kernel in flight, whose length then grows with
+    the tokens of prefill's forward, F = min(P, prefill budget). The wait is interpolated between a
+    forward's fixed cost (F -> 0) and the profile's (F = its tokens):
         alone p95 + forward + (beside p95 - alone p95 - forward) * min(1, F / profile tokens).
     (On splits decode and prefill hold disjoint units: what is left is memory bandwidth, which does not
     shrink with the forward, so the profile's figure stands there.)
@@ -103,25 +106,29 @@ def forward_ms(profile: Profile, config: str) -> float:
 
 
 def pending_tokens_cap(profile: Profile, slo_itl_ms: float, margin: float = 0.9) -> int:
-    """Prompt tokens beyond which neither bound of `beside_prefill_ms` changes with more work (past the
-    profile's forward size the scaled wait is the profile's, and past this the finite-work bound misses
-    the SLO): the engine need not count pending prefill work further (`decide`'s `prefill_tokens`)."""
+    """Prompt tokens beyond which more work no longer lets a configuration meet the SLO (past the profile's
+    forward size the scaled wait is the profile's, and past this the finite-work bound misses the SLO):
+    the engine need not count pending prefill work further (`decide`'s `prefill_tokens`). Where nothing
+    meets the SLO, the fallback ranks by the estimates at the counted work, so it may differ from the one
+    an exact count would give; which configurations meet the SLO does not."""
     best = max((e.prefill_tokens_per_s for e in profile.entries), default=0.0)
     return max(int(margin * slo_itl_ms * best / 1e3), profile.prefill_tokens) + 1
 
 
-def _beside(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | None,
-            prefill_budget: int | None) -> dict[str, float]:
+def _beside(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | None, prefill_budget: int | None,
+            prefill_longest: int | None) -> dict[str, float]:
     """`beside_prefill_ms` of every configuration at this state."""
     if prefill_tokens is None:
         return {n: e.decode_ms_beside_prefill_p95 for n, e in entries.items()}
     forward = prefill_tokens if prefill_budget is None else min(prefill_tokens, prefill_budget)
+    scaled = prefill_longest is not None and prefill_longest <= profile.prefill_tokens
     out = {}
     for n, e in entries.items():
         whole = profile.effective_decode_units(n) == profile.num_compute_units and \
             profile.effective_prefill_units(n) == profile.num_compute_units  # overallocated
         out[n] = beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n),
-                                   forward_tokens=forward if whole else None, measured_tokens=profile.prefill_tokens)
+                                   forward_tokens=forward if whole and scaled else None,
+                                   measured_tokens=profile.prefill_tokens)
     return out
 
 
@@ -169,12 +176,15 @@ def decide(
     decode_running: bool = True,
     prefill_tokens: int | None = None,
     prefill_budget: int | None = None,
+    prefill_longest: int | None = None,
 ) -> tuple[Decision, ManagerState]:
     """Choose the configuration for the next step. Pure: same inputs, same outputs.
     decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
     decode batch is empty; prefill_tokens: prompt tokens the pending prefill work still has to compute
     (None: not known, the profile's beside-prefill figures alone); prefill_budget: the most tokens of one
-    prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget)."""
+    prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget);
+    prefill_longest: the longest pending prompt, cached prefix included (None: not known, so decode's wait
+    on the whole GPU is not scaled to the forward)."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:
@@ -193,7 +203,7 @@ def decide(
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""
-    beside = _beside(profile, entries, prefill_tokens, prefill_budget)
+    beside = _beside(profile, entries, prefill_tokens, prefill_budget, prefill_longest)
     target, why = _target(profile, entries, beside, prefill_pending, decode_running, limit, slo_itl_ms,
                           prefill_tokens)
     current = state.config

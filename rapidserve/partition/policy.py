@@ -32,6 +32,20 @@ class WaitingPrefill:
 
 
 @dataclass(frozen=True)
+class PendingWork:
+    """What the rapid policy is told of prefill's queue (`DecodeScheduler.pending_prefill_tokens`): the prompt
+    tokens still to compute, counted up to a cap, and the longest pending prompt with its cached prefix (how
+    far its forwards' attention reaches)."""
+
+    tokens: int
+    longest: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.longest < 0:
+            raise ValueError(f"tokens={self.tokens} and longest={self.longest} must be >= 0")
+
+
+@dataclass(frozen=True)
 class PolicyState:
     """One step boundary: the running decode batch, the prefill queue (arrival order), the SLOs."""
 

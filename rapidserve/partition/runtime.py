@@ -51,7 +51,7 @@ from rapidserve.partition.manager import (
     make_state,
     pending_tokens_cap,
 )
-from rapidserve.partition.policy import PolicyState, WaitingPrefill
+from rapidserve.partition.policy import PendingWork, PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
     OVERALLOCATED,
     Configuration,
@@ -295,7 +295,7 @@ class DecodePartition:
         return self._cap
 
     def advance(self, batch: int, context: int, prefill_pending: bool,
-                prefill_tokens: int | None = None) -> Switch | None:
+                prefill_tokens: PendingWork | None = None) -> Switch | None:
         """One step boundary (rapid policy): the switch to make now, or None to keep the configuration.
         prefill_tokens: the prompt tokens prefill still has to compute, counted up to `prefill_tokens_cap`
         (None: unknown; the profile's beside-prefill figures alone)."""
@@ -307,7 +307,7 @@ class DecodePartition:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
 
-    def keeps_with_prefill(self, batch: int, context: int, prefill_tokens: int | None = None) -> bool:
+    def keeps_with_prefill(self, batch: int, context: int, prefill_tokens: PendingWork | None = None) -> bool:
         """Whether the next step boundary would keep the current configuration with prefill pending, so
         that a request may be handed to prefill before it (a look at `decide`, changing nothing). Only
         the rapid policy is looked at this way; duet and drift plan their step from the whole queue,
@@ -320,7 +320,7 @@ class DecodePartition:
         return d.config == self.current
 
     def _decide(self, batch: int, context: int, prefill_pending: bool,
-                prefill_tokens: int | None = None) -> tuple[Decision, ManagerState]:
+                prefill_tokens: PendingWork | None = None) -> tuple[Decision, ManagerState]:
         """The rapid policy's `decide` at this state. With no decode running a switch disturbs nobody:
         no hysteresis, and prefill pending gets the configuration with the most prefill throughput (the
         whole GPU); see partition/manager.py."""
@@ -329,7 +329,9 @@ class DecodePartition:
         return decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                       prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
-                      prefill_tokens=prefill_tokens if prefill_pending else None, prefill_budget=self.prefill_budget)
+                      prefill_tokens=prefill_tokens.tokens if prefill_pending and prefill_tokens else None,
+                      prefill_longest=prefill_tokens.longest if prefill_pending and prefill_tokens else None,
+                      prefill_budget=self.prefill_budget)
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
