@@ -31,7 +31,7 @@ say() { echo "fa3_check [$(($(date +%s) - t_start)) s]: $*" | tee -a "$setup_log
 export PYTHONUNBUFFERED=1
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
-carried_wheels fa3_check || exit 2
+carried_wheels fa3_check || { say "installing the carried wheels (.whl) failed"; exit 2; }
 recipe=""
 for d in .peer/peer_vllm "$stash/peer_vllm"; do [ -f "$d/install.sh" ] && recipe="$d" && break; done
 # shellcheck source=bench/peer_env.sh

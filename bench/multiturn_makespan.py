@@ -23,8 +23,10 @@ from typing import Any
 def breakdown(requests: list[dict[str, Any]]) -> dict[str, float]:
     """The makespan of one run and its parts (seconds; ITL and TTFT of the last conversation in ms)."""
     ok = [r for r in requests if r.get("success")]
-    if not ok or any("conversation" not in r or r.get("conversation") is None for r in ok):
+    if not ok or any(r.get("conversation") is None or r.get("turn") is None for r in ok):
         raise ValueError("not a multi-turn run: every request needs a conversation and a turn")
+    if not any(r["turn"] == 0 for r in ok):
+        raise ValueError("no first turn succeeded: the first round has no end")
     t0 = min(r["start_s"] for r in ok)
     convs: dict[int, list[dict[str, Any]]] = {}
     for r in ok:

@@ -108,7 +108,7 @@ say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
 
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
-carried_wheels vs_vllm || exit 2
+carried_wheels vs_vllm || { say "installing the carried wheels (.whl) failed"; exit 2; }
 gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")' 2>&1 | tail -1)"
 

@@ -42,6 +42,10 @@ def test_failed_requests_do_not_count() -> None:
 def test_single_turn_runs_are_refused() -> None:
     with pytest.raises(ValueError, match="not a multi-turn run"):
         breakdown([{**RUN[0], "conversation": None}])
+    with pytest.raises(ValueError, match="not a multi-turn run"):
+        breakdown([{k: v for k, v in RUN[0].items() if k != "turn"}])
+    with pytest.raises(ValueError, match="no first turn succeeded"):
+        breakdown([RUN[1], RUN[3]])
 
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
