@@ -190,6 +190,7 @@ def test_roofline_profile_validates_and_round_trips(tmp_path: Path) -> None:
     prof = make_profile()
     validate_profile(prof)
     assert prof.source == "roofline" and len(prof.entries) == 3 * 3 * 3
+    assert prof.prefill_tokens == 2048  # the prefill forward its beside-prefill figures assume
     path = tmp_path / "h100__llama.json"
     save_profile(prof, path)
     assert load_profile(path, expect_gpu="NVIDIA H100 80GB HBM3", expect_model="llama-3-8b") == prof
