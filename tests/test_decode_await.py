@@ -123,7 +123,7 @@ class Backend:
 ])
 def test_repartition_tells_the_policy_the_pending_work(prompt: int, sent: list[str]) -> None:
     """The step boundary hands the rapid policy the scheduler's count of pending prompt tokens and its longest
-    prompt (DecodeWorker._pending_tokens), and a switch reaches prefill as a SetPartition."""
+    prompt (DecodeWorker._pending_work), and a switch reaches prefill as a SetPartition."""
     part = DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3), prefill_budget=8192)
     w = worker([], part)
     w.backend = Backend()  # type: ignore[assignment]

@@ -370,27 +370,27 @@ def test_pending_prefill_for_the_policy() -> None:
     assert s.pending_prefill() == ()
 
 
-def test_pending_prefill_tokens_counts_up_to_the_cap() -> None:
+def test_pending_work_counts_up_to_the_cap() -> None:
     """The rapid policy's count of prompt tokens prefill has yet to compute: the same figures as
     `pending_prefill` (cached prefixes excluded), summed, and no further than just past the cap."""
     s = make(num_blocks=64, max_seqs=2, caching=True)
-    assert s.pending_prefill_tokens(1000).tokens == 0
+    assert s.pending_work(1000).tokens == 0
     start(s, new(0, n=3 * BS + 2))
-    assert s.pending_prefill_tokens(1000).tokens == 0  # r0 runs: nothing left for prefill
-    assert s.pending_prefill_tokens(1000).longest == 0
+    assert s.pending_work(1000).tokens == 0  # r0 runs: nothing left for prefill
+    assert s.pending_work(1000).longest == 0
     s.add(new(1, n=3 * BS + 2))  # 3 full blocks cached: 2 tokens to compute
     s.add(m.NewRequest("r2", list(range(500, 500 + BS)), params(), 0.0))  # nothing cached
     want = sum(w.tokens for w in s.pending_prefill())
-    assert want == 2 + BS and s.pending_prefill_tokens(1000).tokens == want
-    assert s.pending_prefill_tokens(1).tokens == 2  # r1 alone passes the cap: r2 is not looked at
-    assert s.pending_prefill_tokens(2).tokens == 2 + BS
+    assert want == 2 + BS and s.pending_work(1000).tokens == want
+    assert s.pending_work(1).tokens == 2  # r1 alone passes the cap: r2 is not looked at
+    assert s.pending_work(2).tokens == 2 + BS
     kv = admit(s)  # r1 prefilling, r2 waits: the same count
-    assert ids(kv) == ["r1"] and s.pending_prefill_tokens(1000).tokens == want
+    assert ids(kv) == ["r1"] and s.pending_work(1000).tokens == want
     s.add(m.NewRequest("r3", list(range(700, 700 + 4 * BS)), params(), 0.0))
     q0 = s.blocks.queries
-    assert s.pending_prefill_tokens(BS).tokens == 2 + BS  # stops at r2, before looking r3's prefix up
-    assert s.pending_prefill_tokens(10_000).tokens == 2 + BS + 4 * BS
+    assert s.pending_work(BS).tokens == 2 + BS  # stops at r2, before looking r3's prefix up
+    assert s.pending_work(10_000).tokens == 2 + BS + 4 * BS
     assert s.blocks.queries == q0  # looking did not count as a query
-    assert s.pending_prefill_tokens(1).longest == 4 * BS  # the longest pending prompt, however far counted
+    assert s.pending_work(1).longest == 4 * BS  # the longest pending prompt, however far counted
     assert s.abort("r1")  # prefilling and aborted: no longer pending work
-    assert s.pending_prefill_tokens(10_000).tokens == BS + 4 * BS
+    assert s.pending_work(10_000).tokens == BS + 4 * BS

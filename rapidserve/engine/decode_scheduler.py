@@ -124,7 +124,7 @@ class DecodeScheduler:
             out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
         return tuple(out)
 
-    def pending_prefill_tokens(self, cap: int) -> PendingWork:
+    def pending_work(self, cap: int) -> PendingWork:
         """Prompt tokens prefill still has to compute (a prefilling request's beyond its cached prefix,
         prefill's progress not being known here; a waiting one's beyond what its admission would find
         cached now), counted only until they pass `cap`: the rapid policy asks only whether the pending

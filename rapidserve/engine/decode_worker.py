@@ -121,7 +121,7 @@ class DecodeWorker:
         elif policy == "drift":  # prefill sizes its layer blocks to decode's step: told when it changes
             sw = self.partition.advance_drift(s.decode_contexts(), s.pending_prefill())
         else:
-            sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending, self._pending_tokens())
+            sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending, self._pending_work())
         if sw is None:  # a new step estimate alone never blocks decode: with prefill's inbox full, next step
             p = self.partition
             if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
@@ -135,13 +135,13 @@ class DecodeWorker:
             old.synchronize()
         self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint()))
 
-    def _pending_tokens(self) -> PendingWork | None:
+    def _pending_work(self) -> PendingWork | None:
         """Prompt tokens prefill has yet to compute (counted up to where it matters) and its longest prompt,
         for the rapid policy."""
         p = self.partition
         if not p.adaptive or p.pcfg.policy != "rapid":
             return None
-        return self.sched.pending_prefill_tokens(p.prefill_tokens_cap)
+        return self.sched.pending_work(p.prefill_tokens_cap)
 
     # ---- one step: a request never takes the worker down (engine/faults.py) --------------------
     def step(self) -> None:
@@ -249,7 +249,7 @@ class DecodeWorker:
                 self.handle(msg)
             s = self.sched
             if s.waiting and self.partition.keeps_with_prefill(len(s.running), s.mean_context(),
-                                                               self._pending_tokens()):
+                                                               self._pending_work()):
                 self.admit()
 
     def publish(self) -> None:

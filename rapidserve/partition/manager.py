@@ -124,8 +124,8 @@ def _beside(profile: Profile, entries: dict[str, Entry], prefill_tokens: int | N
     scaled = prefill_longest is not None and prefill_longest <= profile.prefill_tokens
     out = {}
     for n, e in entries.items():
-        whole = profile.effective_decode_units(n) == profile.num_compute_units and \
-            profile.effective_prefill_units(n) == profile.num_compute_units  # overallocated
+        c = profile.configuration(n)
+        whole = c is not None and c.decode_units == 0  # overallocated: both phases on every unit
         out[n] = beside_prefill_ms(e, prefill_tokens, forward_ms(profile, n),
                                    forward_tokens=forward if whole and scaled else None,
                                    measured_tokens=profile.prefill_tokens)

@@ -33,7 +33,7 @@ class WaitingPrefill:
 
 @dataclass(frozen=True)
 class PendingWork:
-    """What the rapid policy is told of prefill's queue (`DecodeScheduler.pending_prefill_tokens`): the prompt
+    """What the rapid policy is told of prefill's queue (`DecodeScheduler.pending_work`): the prompt
     tokens still to compute, counted up to a cap, and the longest pending prompt with its cached prefix (how
     far its forwards' attention reaches)."""
 

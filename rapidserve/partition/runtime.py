@@ -286,7 +286,7 @@ class DecodePartition:
 
     @property
     def prefill_tokens_cap(self) -> int:
-        """Rapid policy: how far the engine need count pending prefill tokens (`advance`'s `prefill_tokens`);
+        """Rapid policy: how far the engine need count pending prefill tokens (`advance`'s `pending`);
         past this more pending work changes no decision (manager.pending_tokens_cap)."""
         if self.plan.profile is None:
             return 0
@@ -295,19 +295,19 @@ class DecodePartition:
         return self._cap
 
     def advance(self, batch: int, context: int, prefill_pending: bool,
-                prefill_tokens: PendingWork | None = None) -> Switch | None:
+                pending: PendingWork | None = None) -> Switch | None:
         """One step boundary (rapid policy): the switch to make now, or None to keep the configuration.
-        prefill_tokens: the prompt tokens prefill still has to compute, counted up to `prefill_tokens_cap`
-        (None: unknown; the profile's beside-prefill figures alone)."""
+        pending: the prompt tokens prefill still has to compute, counted up to `prefill_tokens_cap`, and its
+        longest prompt (None: unknown; the profile's beside-prefill figures alone)."""
         if not self.adaptive:
             return None
         old = self.state.config
-        d, self.state = self._decide(batch, context, prefill_pending, prefill_tokens)
+        d, self.state = self._decide(batch, context, prefill_pending, pending)
         if d.config == old:
             return None
         return self._switched(Switch(time.monotonic(), old, d.config, batch, context, prefill_pending, d.reason))
 
-    def keeps_with_prefill(self, batch: int, context: int, prefill_tokens: PendingWork | None = None) -> bool:
+    def keeps_with_prefill(self, batch: int, context: int, pending: PendingWork | None = None) -> bool:
         """Whether the next step boundary would keep the current configuration with prefill pending, so
         that a request may be handed to prefill before it (a look at `decide`, changing nothing). Only
         the rapid policy is looked at this way; duet and drift plan their step from the whole queue,
@@ -316,11 +316,11 @@ class DecodePartition:
             return True
         if self.pcfg.policy != "rapid":
             return False
-        d, _ = self._decide(batch, context, True, prefill_tokens)
+        d, _ = self._decide(batch, context, True, pending)
         return d.config == self.current
 
     def _decide(self, batch: int, context: int, prefill_pending: bool,
-                prefill_tokens: PendingWork | None = None) -> tuple[Decision, ManagerState]:
+                pending: PendingWork | None = None) -> tuple[Decision, ManagerState]:
         """The rapid policy's `decide` at this state. With no decode running a switch disturbs nobody:
         no hysteresis, and prefill pending gets the configuration with the most prefill throughput (the
         whole GPU); see partition/manager.py."""
@@ -329,8 +329,8 @@ class DecodePartition:
         return decide(self.state, decode_batch=max(batch, 1), decode_context=max(context, 1),
                       prefill_pending=prefill_pending, slo_itl_ms=self.pcfg.slo_itl_ms, profile=self.plan.profile,
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
-                      prefill_tokens=prefill_tokens.tokens if prefill_pending and prefill_tokens else None,
-                      prefill_longest=prefill_tokens.longest if prefill_pending and prefill_tokens else None,
+                      prefill_tokens=pending.tokens if prefill_pending and pending else None,
+                      prefill_longest=pending.longest if prefill_pending and pending else None,
                       prefill_budget=self.prefill_budget)
 
     def _switched(self, s: Switch) -> Switch:
