@@ -26,7 +26,7 @@
 #
 # Without vLLM (no stashed parts, no recipe, or the install failed) it runs our systems only and says so.
 # Knobs (environment): SYSTEMS (ours; default rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default vllm; e.g.
-# "vllm,vllm:--no-enable-prefix-caching"), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
+# "vllm,vllm:--no-enable-prefix-caching"; set and empty: vLLM is installed for its FA3 build but not served), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
 # --gpu-memory-utilization), BENCH_ARGS (the workload: --input-len 2048 --turn-input-len 256
 # --output-len 64 --num-turns 6), WORKLOADS (compare.py's --workloads, e.g. 4096:64,1024:256; default
 # multiturn), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
@@ -158,7 +158,8 @@ else
 fi
 vllm_args=()
 if [ -z "$why_not" ]; then
-    systems="${VLLM_SYSTEMS:-vllm},$ours"  # vLLM first: its start is the longest and least certain
+    systems="${VLLM_SYSTEMS-vllm}"  # vLLM first: its start is the longest and least certain
+    systems="${systems:+$systems${ours:+,}}$ours"
     if [ -n "$recipe" ]; then
         vllm_args=(--vllm-model "$model" --vllm-serve "$recipe/serve_vllm.sh")
     else  # installed on an earlier call of this machine; no recipe now: vLLM's server module directly
