@@ -164,9 +164,14 @@ def test_peer_copy_between_two_gpus_behind_a_running_forward() -> None:
     r0 = remote.clone()
     compute = torch.cuda.Stream(a)
     src, dst = list(range(0, 64, 2)), list(range(127, 63, -2))
+    # The write's index lives on the GPU before the sleep: indexing with a Python list copies it from
+    # pageable memory and blocks the host until the stream drains (the sleep included), which would let
+    # the whole push finish before the check below (it did, on two H200s).
+    src_on_a = torch.tensor(src, device=a)
+    torch.cuda.synchronize(a)
     with torch.cuda.stream(compute):
-        torch.cuda._sleep(50_000_000)  # a long kernel ahead of the write: the push must wait for both
-        local[:, :, src] = 7.0
+        torch.cuda._sleep(200_000_000)  # ~0.1 s ahead of the write: the push must wait for both
+        local.index_fill_(2, src_on_a, 7.0)
         t = c.push(src, dst)
         later = local[:, :, 1:2] * 2  # queued after the push, not behind it
     assert not t.done()  # the sleep is still running
