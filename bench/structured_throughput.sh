@@ -9,8 +9,9 @@
 # 256-token output completes: every token of every request is sampled under the grammar's mask.
 #
 # Before (here, once):
-#   pip download llguidance==1.9.1 --no-deps --only-binary=:all: -d .whl   # abi3 wheel (the GPU machine has no
-#                                                                           # index); .whl: also msgspec, posix_ipc
+#   pip download llguidance==1.9.1 --no-deps --only-binary=:all: --platform manylinux_2_31_x86_64 -d .whl
+#       (abi3; the GPU machine has no index; without manylinux_2_31 pip falls back to 1.6.1, which takes one
+#       EOS id and fails every constrained request: the project needs llguidance>=1.7); .whl: also msgspec, posix_ipc
 #   PYTHONPATH=. python bench/grammar_engines.py --save-tokenizer .sotok     # the Qwen-sized tokenizer (12 MiB;
 #                                                                           # .sotok/ is git-ignored)
 # Then:  run(command="bash bench/structured_throughput.sh", carry=[".whl", ".sotok"], timeout_s=600)

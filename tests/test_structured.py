@@ -179,6 +179,23 @@ def test_a_model_without_tokenizer_fails_the_row_saying_so() -> None:
     assert "tokenizer" in failed[0]
 
 
+def test_an_llguidance_too_old_for_several_eos_ids_fails_the_row_saying_which_to_install(
+        hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import llguidance.hf
+
+    real = llguidance.hf.from_tokenizer
+
+    def single_eos(tok: Any, n_vocab: int | None = None, eos_token: int | None = None) -> Any:  # llguidance 1.6
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        return real(tok, n_vocab=n_vocab, eos_token=eos_token)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", single_eos)
+    book = GrammarBook(lambda: hf, VOCAB, EOS)
+    _, failed = book.fill([GrammarRow(0, "p", params(regex="a"), [])], pin=False)
+    assert "too old" in failed[0] and "llguidance>=1.7" in failed[0]
+
+
 def test_llm_preemption_and_abort_release_matchers() -> None:
     from rapidserve import LLM
 

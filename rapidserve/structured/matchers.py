@@ -159,8 +159,12 @@ class GrammarBook:
             if hf is None:
                 raise GrammarError("engine", "structured outputs need the model's tokenizer, and this model has "
                                    "none (a preset?): serve a model folder or GGUF file with its tokenizer")
-            self._tok = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size,
-                                                     eos_token=list(self.eos))
+            try:
+                self._tok = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=list(self.eos))
+            except TypeError as e:  # llguidance < 1.7 takes a single EOS id
+                version = getattr(llg, "__version__", "?")
+                raise GrammarError("engine", f"llguidance {version} is too old for structured outputs ({e}): "
+                                   "they need llguidance>=1.7 (pip install -U 'llguidance>=1.7')") from e
             self._executor = llg.LLExecutor(self._threads)
         return self._tok
 
