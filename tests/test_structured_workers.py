@@ -8,7 +8,6 @@ in a worker fails alone."""
 from __future__ import annotations
 
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,63 +182,4 @@ def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest
     for rid in ("ok0", "ok1"):
         text, reason = texts[rid]
         assert reason == "stop" and re.fullmatch(REGEX, text), (rid, text, reason)
-    assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks
-
-
-def test_hybrid_fills_a_mixed_steps_mask_beside_its_queueing_and_joins_it_when_the_forward_fails(
-        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mixed step's mask fills on the worker's fill thread while the loop queues the eager forward; a
-    decode-only step's fills on the loop after its graph is queued. When the forward raises, the error
-    reaches the worker's handler only after the fill has ended (no matcher is left mid-way), the mixed
-    step's prompt fails, and the request already decoding goes on under its grammar."""
-    cfg, runner, hf = setup
-    io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
-    so = StructuredOutputs(regex=REGEX)
-    w.grammar.prepare("warm", so)
-    _compiled(w.grammar)
-    w.grammar.release("warm")
-    real_fill, real_prefill, real_sync, real_launch = w.grammar.fill, runner.prefill, runner.synchronize, w.launch
-    kind = [""]  # the step being launched: "mixed" or "decode"
-    fills: list[tuple[str, str, float]] = []  # (thread, step kind, when the fill ended)
-    failed_at: list[float] = []
-    handled: list[float] = []
-
-    def launch(arg: Any) -> Any:
-        kind[0] = "decode" if arg[0].is_decode_only else "mixed"
-        return real_launch(arg)
-
-    def fill(rows: Any, pin: bool) -> Any:
-        step = kind[0]
-        time.sleep(0.05)  # longer than the forward below takes to fail: only the join orders them
-        try:
-            return real_fill(rows, pin)
-        finally:
-            fills.append((threading.current_thread().name, step, time.monotonic()))
-
-    def prefill(items: Any, carry: Any = None) -> Any:
-        if not failed_at and any(len(it.token_ids) > 1 for it in items) and fills:  # "late"'s prompt
-            failed_at.append(time.monotonic())
-            raise RuntimeError("forward blew up")
-        return real_prefill(items, carry=carry)
-
-    def synchronize() -> None:
-        handled.append(time.monotonic())
-        real_sync()
-
-    monkeypatch.setattr(w, "launch", launch)
-    monkeypatch.setattr(w.grammar, "fill", fill)
-    monkeypatch.setattr(runner, "prefill", prefill)
-    monkeypatch.setattr(runner, "synchronize", synchronize)
-    io.inbox.append(req("early", so, seed=1))
-    _run_ahead(w, 200, lambda i: io.inbox.append(req("late", so, seed=2)) if i == 1 else None)
-    assert failed_at, "the late prompt never shared a step with the early request's decode"
-    fill_end = min(t for _, _, t in fills if t >= failed_at[0])  # the failed step's fill
-    assert fill_end <= min(t for t in handled if t >= failed_at[0])  # joined before the handler ran
-    assert {(name.startswith("grammar-fill"), step) for name, step, _ in fills} == {(True, "mixed"), (False, "decode")}
-    fin = io.of("d2r", m.Finished)
-    assert [(f.req_id, f.reason) for f in fin] == [("late", "error")] and "forward blew up" in fin[0].message
-    text, reason = _texts(io, hf)["early"]
-    assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
-    w.publish()
     assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks

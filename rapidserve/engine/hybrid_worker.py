@@ -36,12 +36,10 @@ Forward passes:
 Sampled tokens (and logprobs) are copied to pinned host memory without waiting, then an event is
 recorded; the host reads them only after that event.
 
-Structured outputs (rapidserve/structured): when a step samples a request with a constraint, the mask
-is filled on the CPU beside the forward: after queueing a decode graph (queued at once, it runs while the
-loop fills), or on a second thread while the loop queues a mixed step's eager forward (which takes about
-as long to queue as to run). The fill waits for the previous step's tokens on the host (only if a
-grammar row's newest token is still a placeholder), advances those requests' matchers and fills their
-bitmask rows; the sampler applies the mask on the device. Batches
+Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
 without a constraint never wait there. `publish` releases the matchers of requests no longer running.
 A request's grammar starts compiling in the background when its NewRequest comes; until it is
 compiled the request is not admitted (`schedule`'s `hold`) and the others keep stepping.
@@ -58,7 +56,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -108,7 +105,6 @@ class HybridWorker:
         self._arrivals = 0
         self._last_stats = 0.0
         self._stop = False
-        self._fill_pool: futures.ThreadPoolExecutor | None = None
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, self.eos, cfg.tokenizer)
         if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
             self.grammar.warm()
@@ -230,36 +226,23 @@ class HybridWorker:
             decode_items.append((tok, s))
         carry = Carry(prev.device_tokens, carried) if carried and prev is not None and \
             prev.device_tokens is not None else None
+        if plan.is_decode_only:
+            logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items],
+                                        carry=carry)
+        else:
+            now = time.monotonic()
+            for c in plan.prefill:  # where its time to first token went (PhaseTimes)
+                if c.seq.started is None:
+                    c.seq.started = now
+            items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
+            items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
+                                  need_logits=c.samples) for c in plan.prefill]
+            logits = self.runner.prefill(items, carry=carry)
         seqs = plan.sampled
-        constrained = bool(seqs) and GrammarBook.needed(s.params for s in seqs)
-        # An eager mixed forward takes about as long to queue as to run: its mask fills beside the queueing.
-        filling = self._filler().submit(self._grammar_mask, seqs, prev) \
-            if constrained and not plan.is_decode_only else None
-        try:
-            if plan.is_decode_only:
-                logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id))
-                                             for t, s in decode_items], carry=carry)
-            else:
-                now = time.monotonic()
-                for c in plan.prefill:  # where its time to first token went (PhaseTimes)
-                    if c.seq.started is None:
-                        c.seq.started = now
-                items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
-                items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
-                                      table(c.seq.seq_id), need_logits=c.samples) for c in plan.prefill]
-                logits = self.runner.prefill(items, carry=carry)
-        except BaseException:
-            if filling is not None:  # the matchers are left as the fill leaves them, never mid-way
-                futures.wait([filling])
-            raise
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
-            mask = None
-            if filling is not None:
-                mask = filling.result()  # RequestsFailed as `_grammar_mask` raises it
-            elif constrained:
-                mask = self._grammar_mask(seqs, prev)  # a graph replay queues at once: fills while it runs
+            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
             try:
                 out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
                                       history=lambda i: seq_history(seqs[i]))
@@ -278,19 +261,10 @@ class HybridWorker:
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
-    def _filler(self) -> futures.ThreadPoolExecutor:
-        """The one thread that fills a mixed step's mask while the loop queues its forward (made at the
-        first such step). Its Python holds the GIL only between the grammar engine's native calls, which
-        release it; the loop touches no request of the step until the fill is joined."""
-        if self._fill_pool is None:
-            self._fill_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-        return self._fill_pool
-
     def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
-        """The structured-output mask of this step's rows, filled while the device runs its forward (a
-        decode graph, queued already) or while the loop queues it (a mixed step, on `_filler`). A row
-        whose newest token is a placeholder needs `prev`'s tokens on the host: only batches with a
-        grammar row wait for them here. Rows whose grammar rejects a token fail."""
+        """The structured-output mask of this step's rows, filled while the device runs its forward
+        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
+        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
         prev_tokens: list[int] | None = None
         rows: list[GrammarRow] = []
         for i, s in enumerate(seqs):
