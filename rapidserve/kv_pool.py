@@ -63,15 +63,19 @@ def check_ipc_shareable_allocator(device: torch.device) -> None:
             )
 
 
-def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, block_size: int, min_tokens: int) -> int:
-    """Blocks that fit in `budget_bytes`; error if fewer than one max-length sequence needs."""
+def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, block_size: int, min_tokens: int,
+                          cpu: bool = False) -> int:
+    """Blocks that fit in `budget_bytes`; error if fewer than one max-length sequence needs (`cpu`: the
+    budget is the CPU pool's fixed one, so the error says what --max-model-len it allows)."""
     n = max(0, budget_bytes // bytes_per_block)
     need = -(-min_tokens // block_size)
     if n < need:
+        remedy = (f"use --max-model-len <= {n * block_size} (what the CPU pool holds), or size the pool with "
+                  "--num-kv-blocks" if cpu else
+                  "raise --gpu-memory-utilization, lower --max-model-len, or use a GPU with more memory")
         raise ConfigError(
             f"the KV cache gets {n} blocks ({budget_bytes / 2**30:.2f} GiB) but one sequence of "
-            f"{min_tokens} tokens needs {need}; raise --gpu-memory-utilization, lower --max-model-len, "
-            "or use a GPU with more memory"
+            f"{min_tokens} tokens needs {need}; {remedy}"
         )
     return n
 

@@ -36,6 +36,7 @@ from rapidserve.logit_controls import (
 )
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
+from rapidserve.parallel.shard import shard_config
 from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
@@ -174,10 +175,11 @@ class ModelRunner:
         else:
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
+            cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
             self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
                                   max_positions=max(self.max_model_len, 1), tp=tp)
             self._load(source, show_progress)
-            self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool()
+            self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
         if self.device.type == "cuda":
             # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
             # written on the current stream; the engine computes on partition streams that do not wait
@@ -214,15 +216,25 @@ class ModelRunner:
                    unit="tensor", disable=not show_progress, leave=False)
         self.model.load_weights(bar)
 
-    def _allocate_kv_pool(self) -> KVPool:
+    def _cpu_kv_blocks(self) -> int | None:
+        """The CPU pool's blocks, from its byte budget alone (None on a GPU, or with cache.num_blocks): known
+        before the model is built, so a max_model_len that one sequence cannot fit is refused at once (naming
+        --max-model-len), not after the weights load and a RoPE table of that many rows is built."""
+        cache = self.cfg.cache
+        if cache.num_blocks is not None or self.device.type != "cpu":
+            return None
+        shard = self.mcfg if self.tp is None else shard_config(self.mcfg, self.tp.layout)  # this rank's KV heads
+        return num_blocks_for_budget(cache.cpu_kv_bytes, pool_spec(shard, cache, self.dtype, 1).bytes_per_block,
+                                     self.block_size, self.max_model_len, cpu=True)
+
+    def _allocate_kv_pool(self, cpu_blocks: int | None) -> KVPool:
         cache = self.cfg.cache
         shard = self.model.cfg  # this rank's KV heads under tensor parallelism
         probe = pool_spec(shard, cache, self.dtype, 1)
         if cache.num_blocks is not None:
             n = cache.num_blocks
-        elif self.device.type == "cpu":
-            n = num_blocks_for_budget(cache.cpu_kv_bytes, probe.bytes_per_block, self.block_size,
-                                      self.max_model_len)
+        elif cpu_blocks is not None:
+            n = cpu_blocks
         else:
             n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
                                       self.max_model_len)

@@ -1,8 +1,10 @@
 """Shared test setup: `gpu`-marked tests are skipped where no CUDA/ROCm GPU is visible; fixtures
-several files use (`make_ring`, `tok`: the embedded SmolLM2 tokenizer)."""
+several files use (`make_ring`, `tok`: the embedded SmolLM2 tokenizer, `smollm2_hf`: transformers' own
+load of the embedded SmolLM2 GGUF, fp32; about 10 s, so loaded once for the session and never modified)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +52,20 @@ def make_ring() -> Iterator[MakeRing]:
     for ring in rings:
         ring.close()
         ring.unlink()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf() -> Any:
+    """transformers' AutoModelForCausalLM of the embedded SmolLM2 GGUF (dequantized, fp32, eval mode).
+    Shared: tests must only run it, never change its weights or settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rapidserve.loader import default_gguf_path
+
+    path = default_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The command line: usage errors exit 2 with a message that names what is wrong; generate works."""
+"""The command line: usage errors exit 2 with a message that names what is wrong (checked in this process);
+generate works (a real `python -m rapidserve.cli` process)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,27 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
+def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """`rapidserve ARGS` in this process (a process each only repeats `sys.exit(main())`, which
+    test_generate_chat_with_default_model and the other files' CLI tests run): it must exit 2 with a
+    message, and no exception may escape it (a traceback); its stderr. A missed check fails at once
+    instead of serving forever: here `serve` cannot reach the server."""
+    from unittest import mock
+
+    from rapidserve.cli import main
+
+    capsys.readouterr()
+    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("serve got past its checks")):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "Traceback" not in err
+    return err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "/no/such/model"], "/no/such/model"),
     (["--model", "preset:no-such-preset"], "no-such-preset"),
@@ -22,21 +44,21 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     (["--device", "tpu"], "tpu"),
     (["--max-num-seqs", "0"], "0"),
     (["--model", "preset:tiny-llama", "--device", "cpu"], "no tokenizer"),  # string prompt, no tokenizer
-    # 1M tokens: past the CPU pool's ~700K; a larger value only spends time building the RoPE table first
+    # 1M tokens: past the CPU pool's ~700K
     (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", "1000000"], "KV cache"),
+    # refused before anything is sized by it (a RoPE table of 10^12 rows), saying what is allowed
+    (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", str(10**12)],
+     "use --max-model-len <= 699040"),
 ])
-def test_usage_errors_exit_2(args: list[str], needle: str) -> None:
-    r = run("generate", "--prompt", "hi", *args)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert needle in r.stderr
-    assert "Traceback" not in r.stderr
+def test_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert needle in usage_error(capsys, "generate", "--prompt", "hi", *args)
 
 
-def test_unsupported_model_file_lists_supported_forms(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unsupported_model_file_lists_supported_forms(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     bad = tmp_path / "model.bin"
     bad.write_bytes(b"\\x00" * 100)
-    r = run("generate", "--prompt", "hi", "--model", str(bad))
-    assert r.returncode == 2 and str(bad) in r.stderr and "preset:" in r.stderr
+    err = usage_error(capsys, "generate", "--prompt", "hi", "--model", str(bad))
+    assert str(bad) in err and "preset:" in err
 
 
 def test_generate_chat_with_default_model() -> None:
@@ -72,7 +94,5 @@ def test_serve_flags_map_to_the_server_config() -> None:
     (["--api-key-file", "/no/such/key-file"], "/no/such/key-file"),
     (["--tool-call-parser", "mistral"], "llama3_json"),
 ])
-def test_serve_usage_errors_exit_2(args: list[str], needle: str) -> None:
-    r = run("serve", *args, timeout=120)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert needle in r.stderr and "Traceback" not in r.stderr
+def test_serve_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert needle in usage_error(capsys, "serve", *args)

@@ -275,11 +275,9 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def smol_hf_model() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def smol_hf_model(smollm2_hf: Any) -> Any:
+    """transformers' load of the GGUF (tests/conftest.py: one per session, its default fp32)."""
+    return smollm2_hf
 
 
 @needs_smollm2

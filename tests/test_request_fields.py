@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,13 +200,15 @@ def server(request: pytest.FixtureRequest) -> Iterator[Served]:
     batches, as real traffic does); each test then checks its own case's answer."""
     s = start(*ENGINE_PATHS[request.param], "--enable-auto-tool-choice")
     try:
-        async def run_all() -> list[Any]:
+        async def run_all(pool: ThreadPoolExecutor) -> list[Any]:
             loop = asyncio.get_running_loop()
-            return await asyncio.gather(*(loop.run_in_executor(None, _completion, s, _body(c)) for c in CASES),
-                                        *(loop.run_in_executor(None, _chat, s, b) for b in TOOL_CASES.values()),
+            return await asyncio.gather(*(loop.run_in_executor(pool, _completion, s, _body(c)) for c in CASES),
+                                        *(loop.run_in_executor(pool, _chat, s, b) for b in TOOL_CASES.values()),
                                         return_exceptions=True)
 
-        got = asyncio.run(run_all())
+        # a thread per request: the default executor's few threads (6 on 2 cores) would send them in waves
+        with ThreadPoolExecutor(len(CASES) + len(TOOL_CASES)) as pool:
+            got = asyncio.run(run_all(pool))
         yield Served(s, dict(zip((c.name for c in CASES), got[:len(CASES)], strict=True)),
                      dict(zip(TOOL_CASES, got[len(CASES):], strict=True)))
     finally:

@@ -217,6 +217,13 @@ def test_protocol_errors(srv: Srv) -> None:
     assert http(srv.url + "/health")[0] == 200  # nothing disturbed
 
 
+def _running(url: str, headers: dict[str, str]) -> float:
+    """The rapidserve:num_requests_running gauge (read with `headers`: the API key)."""
+    _, _, raw = http(url + "/metrics", headers=headers)
+    line = next(ln for ln in raw.decode().splitlines() if ln.startswith("rapidserve:num_requests_running{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_api_key_and_overload() -> None:
     s = start("--max-num-seqs", "1", "--max-waiting", "0", env={"RAPIDSERVE_API_KEY": "sekrit"})
     try:
@@ -230,14 +237,19 @@ def test_api_key_and_overload() -> None:
         assert http(s.url + "/metrics")[0] == 401  # metrics do (unless --metrics-public)
         assert http(s.url + "/metrics", headers={"Authorization": "Bearer sekrit"})[0] == 200
 
-        import threading
+        from http.client import HTTPConnection
+        from urllib.parse import urlsplit
 
         long_body = json.dumps({"prompt": "hi", "max_tokens": 300, "ignore_eos": True}).encode()
-        t = threading.Thread(target=http, args=(s.url + "/v1/completions", "POST", long_body, ok))
-        t.start()
-        time.sleep(1.0)
-        code, headers, raw = http(s.url + "/v1/completions", "POST", body, ok)
-        assert code == 503 and "Retry-After" in headers and json.loads(raw)["error"]["message"]
-        t.join(120)
+        conn = HTTPConnection(urlsplit(s.url).netloc, timeout=120)
+        try:  # the one slot taken by a long request, until this client goes away (not for its 300 tokens)
+            conn.request("POST", "/v1/completions", long_body, ok)
+            deadline = time.monotonic() + 60
+            while _running(s.url, ok) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            code, headers, raw = http(s.url + "/v1/completions", "POST", body, ok)
+            assert code == 503 and "Retry-After" in headers and json.loads(raw)["error"]["message"]
+        finally:
+            conn.close()
     finally:
         assert stop(s) == 0
