@@ -29,6 +29,19 @@ GENERATION = ("/v1/completions", "/v1/chat/completions", "/generate")
 GETS = ("/v1/models", "/health", "/metrics", "/openapi.json")
 
 
+@pytest.fixture(autouse=True)
+def _same_examples_in_any_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hypothesis (6.131+) also draws constants it finds in the source of every non-test module loaded so far,
+    so which examples came depended on what else the session had imported: in the whole suite they included
+    max_tokens=104 (a constant of some module), each such example a 104-token generation (~85 s of the run;
+    ~2 s alone). Its built-in constants only, as in any session: `derandomize` gives the same examples again."""
+    from hypothesis.internal.conjecture import providers
+
+    if hasattr(providers, "_get_local_constants"):
+        monkeypatch.setattr(providers, "_get_local_constants", lambda: providers.Constants())
+        providers.CONSTANTS_CACHE.cache.clear()  # (type, constraints) -> (global, local) constants drawn before
+
+
 @pytest.fixture(scope="module")
 def srv() -> Iterator[Srv]:
     s = start("--default-max-tokens", "4")  # requests that leave max_tokens out stay quick too
