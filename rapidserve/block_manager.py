@@ -22,6 +22,13 @@ unregistered ones, and are evicted (their hash forgotten) only when an allocatio
 are BLAKE2b digests (not Python's hash), so prompts cannot be crafted to collide with another
 tenant's blocks.
 
+Pending blocks: `allocate_cached` also notes the hashes of the full prompt blocks a sequence is about to
+write that no registered or pending block holds (`_pending`, hash -> the writer), until `commit` registers
+them or `free` drops them. `pending_prefix` tells a scheduler how many tokens past a new sequence's cached
+prefix are being written by a sequence in flight right now, so it can admit the new one after that write
+lands and share the blocks instead of computing them twice. This index is advisory: nothing is shared
+before `commit`.
+
 The watermark keeps a few blocks back when admitting new sequences, so running sequences can still
 grow by a block without immediately preempting someone.
 """
@@ -68,6 +75,8 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}  # hash -> registered block
         self._chains: dict[str, list[bytes]] = {}  # per sequence: hashes of its full blocks so far
         self._committed: dict[str, int] = {}  # per sequence: full blocks registered (or found registered)
+        self._pending: dict[bytes, str] = {}  # hash of a full block being written -> the sequence writing it
+        self._pending_of: dict[str, dict[bytes, None]] = {}  # per sequence: the hashes it holds in `_pending`
         self.queries = 0  # prompt tokens looked up in the cache (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached
 
@@ -117,6 +126,22 @@ class BlockManager:
         """Tokens of `token_ids` an admission now would find cached (counts nothing, holds nothing)."""
         return len(self._match(seq_id, token_ids)) * self.block_size
 
+    def pending_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Tokens right after the cached prefix of `token_ids` whose blocks another sequence is writing
+        now (its prompt's blocks, allocated and not yet committed): an admission after that sequence's
+        `commit` would find them cached. Counts only blocks a hit could take (one token left to compute)."""
+        if not self._pending:
+            return 0
+        n = len(self._match(seq_id, token_ids))
+        chain = self._chain(seq_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        run = 0
+        for h in chain[n:]:
+            owner = self._pending.get(h)
+            if owner is None or owner == seq_id:
+                break
+            run += 1
+        return run * self.block_size
+
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` (no cache lookup)."""
@@ -150,6 +175,11 @@ class BlockManager:
         if self.enable_caching:
             self.queries += len(token_ids)
             self.hits += cached
+            chain = self._chain(seq_id, token_ids, len(token_ids) // self.block_size)
+            mine = dict.fromkeys(h for h in chain[len(hits):] if h not in self._block_of and h not in self._pending)
+            for h in mine:
+                self._pending[h] = seq_id
+            self._pending_of[seq_id] = mine
         return table, cached
 
     def unlookup(self, num_tokens: int, cached: int) -> None:
@@ -190,12 +220,19 @@ class BlockManager:
                 self._block_of[h] = b
                 self._hash_of[b] = h
         self._committed[seq_id] = max(done, n)
+        if self._pending:  # these are written now (whoever was to write them: the content is registered)
+            for h in chain[done:n]:
+                owner = self._pending.pop(h, None)
+                if owner is not None:
+                    del self._pending_of[owner][h]
 
     def free(self, seq_id: str) -> int:
         """Drop all of a sequence's references; returns how many blocks it held. Blocks no one uses
         go back to the free list (registered ones keep their content until evicted)."""
         self._chains.pop(seq_id, None)
         self._committed.pop(seq_id, None)
+        for h in self._pending_of.pop(seq_id, ()):
+            del self._pending[h]
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
@@ -226,6 +263,10 @@ class BlockManager:
         if any(self._block_of.get(h) != b for b, h in self._hash_of.items()) or len(self._block_of) != len(
                 self._hash_of):
             raise BlockManagerError("prefix cache broken: the hash maps disagree")
+        pending = {(h, s) for s, hs in self._pending_of.items() for h in hs}
+        if pending != set(self._pending.items()) or len(pending) != len(self._pending) or any(
+                s not in self._tables or h in self._block_of for h, s in pending):
+            raise BlockManagerError("prefix cache broken: a pending block is not one a live sequence writes")
 
     # ---- internals ---------------------------------------------------------------------------
     def _take(self) -> int:

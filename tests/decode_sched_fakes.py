@@ -36,9 +36,11 @@ def new(i: int, n: int = 4, p: SamplingParams | None = None) -> m.NewRequest:
 
 
 def make(num_blocks: int = 32, max_seqs: int = 8, watermark: float = 0.0, cap: int | None = None,
-         caching: bool = False) -> DecodeScheduler:
+         caching: bool = False, share_min: int | None = None) -> DecodeScheduler:
+    """A scheduler; `share_min`: its share_min_tokens (default: the engine's, far above these tests' prompts)."""
+    extra = {} if share_min is None else {"share_min_tokens": share_min}
     return DecodeScheduler(BlockManager(num_blocks, BS, watermark, enable_caching=caching, salt=SALT), max_seqs,
-                           (EOS,), cap or num_blocks * BS)
+                           (EOS,), cap or num_blocks * BS, **extra)
 
 
 def ids(reqs: Iterable[DecodeRequest] | Iterable[m.KVReady] | Iterable[m.NewRequest]) -> list[str]:

@@ -173,3 +173,96 @@ def test_check_catches_broken_accounting() -> None:
     b._ref[0] += 1
     with pytest.raises(BlockManagerError, match="reference count"):
         b.check()
+
+
+# ---- pending blocks: what a sequence in flight is writing now (`pending_prefix`) ------------------------------
+Q = P + [1]  # 13 tokens: 3 full blocks, then one token
+
+
+def scene_nothing(b: BlockManager) -> None:
+    pass
+
+
+def scene_a_writing(b: BlockManager) -> None:
+    b.allocate_cached("a", Q)
+
+
+def scene_a_wrote_two(b: BlockManager) -> None:
+    b.allocate_cached("a", Q)
+    b.commit("a", Q, 8)
+
+
+def scene_a_done(b: BlockManager) -> None:
+    b.allocate_cached("a", Q)
+    b.commit("a", Q, len(Q))
+
+
+def scene_a_aborted(b: BlockManager) -> None:
+    b.allocate_cached("a", Q)
+    b.free("a")
+
+
+def scene_a_writes_after_a_hit(b: BlockManager) -> None:
+    run(b, "c", P[:4] + [5])  # the first block is registered
+    b.allocate_cached("a", Q)  # a hits it, writes the other two
+
+
+def scene_another_wrote_the_same(b: BlockManager) -> None:
+    b.allocate_cached("a", Q)
+    b.allocate_cached("c", Q)  # a duplicate writer: a holds the pending blocks
+    b.commit("c", Q, len(Q))  # c landed first: the content is registered, a's pending blocks are gone
+
+
+PENDING = [  # (scene, the new sequence's tokens, its pending prefix, its cached prefix)
+    ("nothing in flight", scene_nothing, Q, 0, 0),
+    ("the same prompt being written", scene_a_writing, Q, 12, 0),
+    ("the same prompt exactly: one token is left to compute", scene_a_writing, P, 8, 0),
+    ("two blocks shared, then other tokens", scene_a_writing, P[:8] + [7, 7, 7, 7, 7], 8, 0),
+    ("a different first token", scene_a_writing, [9] + Q[1:], 0, 0),
+    ("shorter than a block", scene_a_writing, P[:3], 0, 0),
+    ("two blocks landed, one in flight", scene_a_wrote_two, Q, 4, 8),
+    ("all landed: cached, nothing pending", scene_a_done, Q, 0, 12),
+    ("the writer was freed before writing", scene_a_aborted, Q, 0, 0),
+    ("pending after the cached prefix", scene_a_writes_after_a_hit, Q, 8, 4),
+    ("a duplicate writer landed first", scene_another_wrote_the_same, Q, 0, 12),
+]
+
+
+@pytest.mark.parametrize("name,scene,tokens,pending,cached", PENDING, ids=[c[0] for c in PENDING])
+def test_pending_prefix(name: str, scene: object, tokens: list[int], pending: int, cached: int) -> None:
+    b = bm()
+    scene(b)  # type: ignore[operator]
+    b.check()
+    assert b.pending_prefix("b", tokens) == pending
+    assert b.cached_prefix("b", tokens) == cached
+    _, got = b.allocate_cached("b", tokens)
+    assert got == cached  # pending blocks are never shared: only registered ones
+    b.check()
+
+
+def test_a_sequences_own_pending_blocks_do_not_count_and_leave_with_it() -> None:
+    b = bm()
+    b.allocate_cached("a", Q)
+    assert b.pending_prefix("a", Q) == 0
+    assert b.pending_prefix("b", Q) == 12
+    b.allocate_cached("b", Q)  # a second writer of the same content adds no pending blocks of its own
+    b.free("a")
+    assert b.pending_prefix("c", Q) == 0 and not b._pending
+    b.check()
+    b.free("b")
+    assert not b._pending and not b._pending_of
+    b.check()
+
+
+def test_caching_off_has_no_pending_blocks() -> None:
+    b = bm(caching=False)
+    b.allocate_cached("a", Q)
+    assert b.pending_prefix("b", Q) == 0 and not b._pending
+
+
+def test_check_catches_a_stale_pending_block() -> None:
+    b = bm()
+    b.allocate_cached("a", Q)
+    b._pending_of.pop("a")
+    with pytest.raises(BlockManagerError, match="pending"):
+        b.check()

@@ -394,3 +394,74 @@ def test_pending_work_counts_up_to_the_cap() -> None:
     assert s.pending_work(1).longest == 4 * BS  # the longest pending prompt, however far counted
     assert s.abort("r1")  # prefilling and aborted: no longer pending work
     assert s.pending_work(10_000).tokens == BS + 4 * BS
+
+
+# ---- waiting for a prefix in flight (`share_min_tokens`) ------------------------------------------------------
+@pytest.mark.parametrize("share_min,waits", [(BS, True), (2 * BS, True), (3 * BS, False), (None, False)],
+                         ids=["one block", "two blocks", "more than is in flight", "the engine's default"])
+def test_cache_a_request_waits_for_a_prefix_in_flight_and_then_shares_it(share_min: int | None, waits: bool) -> None:
+    """r1 repeats r0's first two blocks while r0 is prefilling: with share_min_tokens at most what is in flight it
+    is passed over (keeping its place; r2 behind it is admitted) until r0's PrefillDone, then hits those blocks."""
+    s = make(num_blocks=32, caching=True, share_min=share_min)
+    p = seq(2 * BS + 1)
+    s.add(newp(0, p))
+    [kv0] = admit(s)
+    s.add(newp(1, p[:2 * BS] + [99, 98, 97]))
+    s.add(m.NewRequest("r2", list(range(500, 500 + BS + 1)), params(), 0.0))
+    kvs = admit(s)
+    if not waits:  # admitted at once: computes the shared blocks again, into its own
+        assert ids(kvs) == ["r1", "r2"] and kvs[0].cached_tokens == 0
+        finish_all(Scene(s))
+        return
+    assert ids(kvs) == ["r2"] and ids(s.waiting) == ["r1"]
+    assert [(w.req_id, w.prefix) for w in s.pending_prefill()] == [("r0", 0), ("r1", 2 * BS), ("r2", 0)]
+    assert s.pending_work(1000).tokens == (2 * BS + 1) + 3 + (BS + 1)  # r1: only its 3 own tokens
+    assert admit(s) == []  # still in flight
+    answer(s, kv0)
+    [kv1] = admit(s)
+    assert kv1.req_id == "r1" and kv1.cached_tokens == 2 * BS and kv1.block_ids[:2] == kv0.block_ids[:2]
+    finish_all(Scene(s))
+
+
+@pytest.mark.parametrize("how", ["abort", "PrefillFailed", "unadmit"])
+def test_cache_a_request_stops_waiting_when_the_prefix_in_flight_is_given_up(how: str) -> None:
+    """If the writer never lands (aborted, failed, or its KVReady was never sent), the waiting request is
+    admitted with nothing cached: it never waits for blocks no one writes."""
+    s = make(num_blocks=32, caching=True, share_min=BS)
+    p = seq(2 * BS + 1)
+    s.add(newp(0, p))
+    kv0s = admit(s)
+    s.add(newp(1, p))
+    assert admit(s) == []
+    if how == "abort":
+        assert s.abort("r0") is True
+        s.dropped("r0")
+    elif how == "PrefillFailed":
+        s.prefill_failed(m.PrefillFailed("r0", 0, "it broke"))
+        s.dropped("r0")
+    else:
+        s.unadmit(kv0s)  # r0 waits again, at the head: it is admitted first, and r1 waits for it once more
+        assert ids(admit(s)) == ["r0"] and ids(s.waiting) == ["r1"]
+        s.abort("r0")
+        s.dropped("r0")
+    check(s)
+    [kv1] = admit(s)
+    assert kv1.req_id == "r1" and kv1.cached_tokens == 0
+    finish_all(Scene(s))
+
+
+def test_cache_waiting_for_a_prefix_keeps_the_seats_and_order() -> None:
+    """Passed-over requests hold no seat and keep their order; the first one that does not fit the pool
+    still stops admission for everyone behind it (first come, first served)."""
+    s = make(num_blocks=6, max_seqs=3, caching=True, share_min=BS)
+    p = seq(2 * BS + 1)  # 3 blocks
+    s.add(newp(0, p))
+    [kv0] = admit(s)
+    s.add(newp(1, p))
+    s.add(newp(2, p[:2 * BS] + [77]))
+    s.add(m.NewRequest("r3", list(range(500, 500 + 3 * BS)), params(), 0.0))  # 3 blocks: 3 free, fits
+    s.add(m.NewRequest("r4", list(range(600, 600 + BS)), params(), 0.0))  # no room left
+    assert ids(admit(s)) == ["r3"] and ids(s.waiting) == ["r1", "r2", "r4"]
+    answer(s, kv0)
+    assert ids(admit(s)) == []  # r1 and r2 would share 2 blocks, but only 0 are free and each needs 1 fresh block
+    finish_all(Scene(s))

@@ -90,8 +90,10 @@ class Sim:
         num_blocks = rng.randint(5, 12)
         self.cap = num_blocks * BS - rng.choice([0, 0, 3])
         self.cache = cache
+        # share_min_tokens from a generator of its own, so the other draws stay as they were for each seed
+        share_min = random.Random(seed + 7).choice([BS, 2 * BS, 512])
         self.s = DecodeScheduler(BlockManager(num_blocks, BS, rng.choice([0.0, 0.1, 0.25]), enable_caching=cache,
-                                              salt=SALT), rng.randint(1, 5), (EOS,), self.cap)
+                                              salt=SALT), rng.randint(1, 5), (EOS,), self.cap, share_min)
         self.prefill: list[m.KVReady] = []  # prefill's queue: it writes these blocks
         self.p2d: deque[m.PrefillDone | m.PrefillFailed | m.Dropped] = deque()
         self.inflight: tuple[list[DecodeRequest], list[Write]] | None = None
@@ -210,7 +212,11 @@ class Sim:
     def admit(self) -> None:
         b = self.s.blocks
         in_use, registered = list(b._ref), set(b._hash_of)
+        waits = {r.req_id for r in self.s.waiting if self.s.blocks.pending_prefix(r.req_id, r.tokens)
+                 >= self.s.share_min_tokens}
         handed = admit(self.s)
+        assert not waits & {kv.req_id for kv in handed}, "admitted while its prefix was still being written"
+        self.counts["waited for a prefix in flight"] += len(waits)
         for kv in handed:
             k = kv.cached_tokens // BS
             for blk in kv.block_ids[:k]:
@@ -447,7 +453,7 @@ def test_simulation_reaches_every_path(cache: bool) -> None:
              "abort prefilling", "abort prefilling+", "abort running", "abort running+", "abort done+",
              "abort gone", "ended by a token"]
     if cache:
-        paths += ["hit, in use", "hit, revived", "hit on decode's K/V", "evicted"]
+        paths += ["hit, in use", "hit, revived", "hit on decode's K/V", "evicted", "waited for a prefix in flight"]
         assert seeds_with_hits >= len(SEEDS) * 3 // 4, f"{seeds_with_hits} seeds with hits"
         assert total["hits"] * 5 > total["queries"], dict(total)  # prefixes do repeat
     for what in paths:

@@ -19,6 +19,13 @@ Policy:
   prefill how many tokens are cached, so prefill computes only the rest. A request's full blocks
   are registered in the cache once their K/V are written: the prompt's when PrefillDone comes
   (prefill's writes landed before it answered), decode's as its steps land.
+- Waiting for a prefix in flight: a waiting request whose next `share_min_tokens` or more tokens past
+  its cached prefix are blocks a prefilling request is writing now (`BlockManager.pending_prefix`: a
+  shared system prompt or conversation that the other request brought first) is passed over, keeping
+  its place in the queue, until that prefill answers; then it shares those blocks and prefill computes
+  only the rest. Prefill's queue is first come, first served, so it would have waited behind the
+  other request anyway; passing it over costs at most the hand-off, and saves computing the shared
+  tokens twice (and their blocks). The requests behind it are admitted meanwhile.
 - Growth: before each step every running request's table grows to cover its tokens, counting the
   token of the step still in flight. When the pool is short, the most recently admitted running
   request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
@@ -90,11 +97,18 @@ class DecodeRequest:
         return self.num_tokens + self.inflight
 
 
+SHARE_MIN_TOKENS = 512  # a prefix in flight this long is worth waiting for (Mooncake's hash blocks are 512 tokens)
+
+
 class DecodeScheduler:
-    def __init__(self, blocks: BlockManager, max_seqs: int, eos: tuple[int, ...], context_cap: int) -> None:
+    def __init__(self, blocks: BlockManager, max_seqs: int, eos: tuple[int, ...], context_cap: int,
+                 share_min_tokens: int = SHARE_MIN_TOKENS) -> None:
         if max_seqs <= 0:
             raise ValueError(f"max_seqs={max_seqs} must be positive")
+        if share_min_tokens <= 0:
+            raise ValueError(f"share_min_tokens={share_min_tokens} must be positive")
         self.blocks, self.max_seqs, self.eos, self.context_cap = blocks, max_seqs, eos, context_cap
+        self.share_min_tokens = share_min_tokens
         self.reqs: dict[str, DecodeRequest] = {}  # every request that holds or may hold blocks
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
@@ -120,7 +134,7 @@ class DecodeScheduler:
                       key=lambda r: r.order)
         out = []
         for r in reqs:
-            prefix = r.cached if r.state == "prefilling" else self.blocks.cached_prefix(r.req_id, r.tokens)
+            prefix = r.cached if r.state == "prefilling" else self._expected_prefix(r)
             out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
         return tuple(out)
 
@@ -140,9 +154,20 @@ class DecodeScheduler:
         for r in self.waiting:
             longest = max(longest, r.num_tokens)
             if counting:
-                total += max(1, r.num_tokens - self.blocks.cached_prefix(r.req_id, r.tokens))
+                total += max(1, r.num_tokens - self._expected_prefix(r))
                 counting = total <= cap
         return PendingWork(total, longest)
+
+    def _expected_prefix(self, r: DecodeRequest) -> int:
+        """Tokens of a waiting request that prefill will not compute: what its admission would find
+        cached now, and the prefix in flight it waits for (`_waits_for_prefix`)."""
+        cached = self.blocks.cached_prefix(r.req_id, r.tokens)
+        in_flight = self.blocks.pending_prefix(r.req_id, r.tokens)
+        return cached + (in_flight if in_flight >= self.share_min_tokens else 0)
+
+    def _waits_for_prefix(self, r: DecodeRequest) -> bool:
+        """Its next `share_min_tokens` or more are being written by a prefilling request (module doc)."""
+        return self.blocks.pending_prefix(r.req_id, r.tokens) >= self.share_min_tokens
 
     def decode_contexts(self) -> tuple[int, ...]:
         """Each running request's context (tokens in the cache after its next step), for the policy."""
@@ -231,9 +256,13 @@ class DecodeScheduler:
         carries the request (and, after a preemption, the outputs to recompute) to prefill, stamped
         `now` (the worker's clock: where the request's time to first token went, `PhaseTimes`)."""
         out: list[m.KVReady] = []
+        passed: list[DecodeRequest] = []  # waiting for a prefix in flight: they keep their places
         busy = len(self.running) + self.num_prefilling
         while self.waiting and busy < self.max_seqs:
             r = self.waiting[0]
+            if self._waits_for_prefix(r):
+                passed.append(self.waiting.popleft())
+                continue
             alone = busy == 0 and self.blocks.num_free == self.blocks.num_blocks  # nothing else holds blocks
             tokens = r.tokens
             if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, tokens):
@@ -242,6 +271,7 @@ class DecodeScheduler:
             self.waiting.popleft()
             r.state, r.cached, busy = "prefilling", cached, busy + 1
             out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached, now))
+        self.waiting.extendleft(reversed(passed))
         return out
 
     def unadmit(self, handed: list[m.KVReady]) -> None:
