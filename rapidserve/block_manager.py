@@ -130,17 +130,20 @@ class BlockManager:
         """Tokens right after the cached prefix of `token_ids` whose blocks another sequence is writing
         now (its prompt's blocks, allocated and not yet committed): an admission after that sequence's
         `commit` would find them cached. Counts only blocks a hit could take (one token left to compute)."""
+        return self.lookahead(seq_id, token_ids)[1]
+
+    def lookahead(self, seq_id: str, token_ids: Sequence[int]) -> tuple[int, int]:
+        """`cached_prefix` and `pending_prefix` with one lookup (counts nothing, holds nothing)."""
+        hits = len(self._match(seq_id, token_ids))
         if not self._pending:
-            return 0
-        n = len(self._match(seq_id, token_ids))
-        chain = self._chain(seq_id, token_ids, (len(token_ids) - 1) // self.block_size)
+            return hits * self.block_size, 0
         run = 0
-        for h in chain[n:]:
+        for h in self._chains[seq_id][hits:(len(token_ids) - 1) // self.block_size]:
             owner = self._pending.get(h)
             if owner is None or owner == seq_id:
                 break
             run += 1
-        return run * self.block_size
+        return hits * self.block_size, run * self.block_size
 
     # ---- changes ---------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int) -> list[int]:

@@ -161,8 +161,7 @@ class DecodeScheduler:
     def _expected_prefix(self, r: DecodeRequest) -> int:
         """Tokens of a waiting request that prefill will not compute: what its admission would find
         cached now, and the prefix in flight it waits for (`_waits_for_prefix`)."""
-        cached = self.blocks.cached_prefix(r.req_id, r.tokens)
-        in_flight = self.blocks.pending_prefix(r.req_id, r.tokens)
+        cached, in_flight = self.blocks.lookahead(r.req_id, r.tokens)
         return cached + (in_flight if in_flight >= self.share_min_tokens else 0)
 
     def _waits_for_prefix(self, r: DecodeRequest) -> bool:
