@@ -119,7 +119,9 @@ def test_a_dead_rank_is_a_dead_worker(victim: str) -> None:
     from rapidserve.engine.client import EngineError
     from tests.test_supervision import collect, start_long, wait_for
 
-    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=8192)
+    # start_long's 8000 tokens: past tiny-llama's 1024 positions (random weights: no text to spoil)
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=8192,
+                                 allow_long_max_model_len=True)
     cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300),
                               parallel=ParallelConfig(tensor_parallel_size=2))
 
