@@ -64,7 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "none: this gives it text prompts and structured outputs)")
     g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="tokens of one request, prompt and output (default and most: the model's "
+                        "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
@@ -169,8 +171,13 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
     return pcfg
 
 
-def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
-    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The model flags as build_engine_config's arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env`
+    (default: os.environ) here, where the run starts."""
+    from rapidserve.config_builder import allow_long_max_model_len
+
+    allow_long = allow_long_max_model_len(os.environ if env is None else env)
+    return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, allow_long_max_model_len=allow_long,
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,

@@ -22,6 +22,9 @@ ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: from the chat template / family
+# Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
+# SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 class ConfigError(ValueError):
@@ -136,6 +139,19 @@ class ModelConfig:
                     "a multiple of them: each KV head must be replicated on a whole number of ranks")
         return None
 
+    def max_model_len_problem(self, max_model_len: int | None, allow_long: bool) -> str | None:
+        """Why `max_model_len` cannot be used with this model (None: it can), as vLLM decides: not above
+        max_position_embeddings (the positions it was trained on; the RoPE table and the KV pool are sized by
+        max_model_len) unless `allow_long` (RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1)."""
+        limit = self.max_position_embeddings
+        if max_model_len is None or max_model_len <= limit or allow_long:
+            return None
+        return (f"--max-model-len {max_model_len} is more than the model's max_position_embeddings={limit} "
+                f"({self.name}): it was not trained on positions past {limit}. Lower --max-model-len to at most "
+                f"{limit} (or leave it out: it defaults to {limit}), or set the environment variable "
+                f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 to allow it anyway (as vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN; "
+                f"outputs past position {limit} may be garbage)")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -165,6 +181,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # A max_model_len above the model's max_position_embeddings is refused unless this is set (from
+    # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN at the CLI / `LLM`; EngineConfig checks it).
+    allow_long_max_model_len: bool = False
     # Hybrid mode plans and launches the next step before the last one's tokens reach the host (as
     # vLLM's --async-scheduling); the decode worker of rapid mode always works one step ahead.
     async_scheduling: bool = True
@@ -173,6 +192,9 @@ class SchedulerConfig:
         _check(self.max_num_seqs > 0, f"max_num_seqs={self.max_num_seqs} must be > 0")
         _check(self.max_num_batched_tokens > 0,
                f"max_num_batched_tokens={self.max_num_batched_tokens} must be > 0")
+        _check(self.max_model_len is None or self.max_model_len > 0,
+               f"max_model_len={self.max_model_len} must be a positive integer, or unset for the model's "
+               "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -408,6 +430,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         par = self.parallel
         problem = self.model_config.tp_problem(par.tensor_parallel_size)
+        _check(problem is None, problem or "")
+        sched = self.scheduler  # before anything is sized by it (the RoPE table, the KV pool), in every engine path
+        problem = self.model_config.max_model_len_problem(sched.max_model_len, sched.allow_long_max_model_len)
         _check(problem is None, problem or "")
         if self.launch.mode == "disagg":  # one prefill and one decode instance, a GPU each (engine/disagg.py)
             _check(par.world_size == 1, f"--mode disagg runs one prefill and one decode instance on a GPU each: it "

@@ -8,9 +8,32 @@ that starts an engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 
-from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from rapidserve.config import (
+    ALLOW_LONG_MAX_MODEL_LEN_ENV,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from rapidserve.loader import resolve_model
+
+log = logging.getLogger("rapidserve.config")
+
+
+def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
+    """$RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN from `env` (read once, by the CLI or `LLM`): 1/true allow a max_model_len
+    above the model's max_position_embeddings; 0/false/empty/unset refuse it; anything else is a ConfigError."""
+    text = env.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("", "0", "false"):
+        return False
+    raise ConfigError(f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}={env[ALLOW_LONG_MAX_MODEL_LEN_ENV]!r}: use 1 to allow a "
+                      "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
 
 
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -19,9 +42,12 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                         enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
                         cache_dir: str | None = None, enable_prefix_caching: bool = True,
-                        async_scheduling: bool = True, tokenizer: str | None = None) -> tuple[EngineConfig, object]:
+                        async_scheduling: bool = True, tokenizer: str | None = None,
+                        allow_long_max_model_len: bool = False) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `tokenizer`:
-    a folder of tokenizer files to use instead of the model's (a preset has none)."""
+    a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
+    accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
+    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     dev = resolve_device(device)
@@ -36,9 +62,14 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len, async_scheduling=async_scheduling),
+                                  max_model_len=max_model_len, async_scheduling=async_scheduling,
+                                  allow_long_max_model_len=allow_long_max_model_len),
         runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                             use_cuda_graphs=not enforce_eager, seed=seed),
         tokenizer=tokenizer,
     )
+    if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
+        log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
+                    "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
+                    mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from rapidserve.config_builder import build_engine_config
+from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
 from rapidserve.core import EngineCore
 from rapidserve.outputs import CompletionOutput, RequestOutput
 from rapidserve.sampling_params import SamplingParams, resolve_bad_words
@@ -24,6 +25,10 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, show_progress: bool = True,
                  **kwargs: object) -> None:
+        """`kwargs`: build_engine_config's; `allow_long_max_model_len` not given is read from
+        $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's LLM reads VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+        if "allow_long_max_model_len" not in kwargs:
+            kwargs["allow_long_max_model_len"] = allow_long_max_model_len(os.environ)
         cfg, source = build_engine_config(model, dtype=dtype, **kwargs)  # type: ignore[arg-type]
         self.config = cfg
         self.tokenizer = Tokenizer.from_source(source)  # type: ignore[arg-type]

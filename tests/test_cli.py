@@ -44,14 +44,73 @@ def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     (["--device", "tpu"], "tpu"),
     (["--max-num-seqs", "0"], "0"),
     (["--model", "preset:tiny-llama", "--device", "cpu"], "no tokenizer"),  # string prompt, no tokenizer
-    # 1M tokens: past the CPU pool's ~700K
-    (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", "1000000"], "KV cache"),
-    # refused before anything is sized by it (a RoPE table of 10^12 rows), saying what is allowed
+    # past the model's positions: refused when the config is built, before anything is sized by it
+    (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", "1025"],
+     "--max-model-len 1025 is more than the model's max_position_embeddings=1024 (tiny-llama)"),
     (["--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", str(10**12)],
-     "use --max-model-len <= 699040"),
+     "Lower --max-model-len to at most 1024"),
 ])
-def test_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LONG_ENV, raising=False)
     assert needle in usage_error(capsys, "generate", "--prompt", "hi", *args)
+
+
+LONG_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+@pytest.mark.parametrize("args,needle", [
+    # 1M tokens: past the CPU pool's ~700K
+    (["--max-model-len", "1000000"], "KV cache"),
+    # refused before anything is sized by it (a RoPE table of 10^12 rows), saying what is allowed
+    (["--max-model-len", str(10**12)], "use --max-model-len <= 699040"),
+])
+def test_the_cpu_pool_refuses_what_it_cannot_hold(args: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the model's positions, allowed by the environment: the KV pool's own check still refuses these."""
+    monkeypatch.setenv(LONG_ENV, "1")
+    assert needle in usage_error(capsys, "generate", "--prompt", "hi", "--model", "preset:tiny-llama", "--device",
+                                 "cpu", *args)
+
+
+@pytest.mark.parametrize("args", [
+    ["serve"],
+    ["serve", "--mode", "hybrid"],
+    ["serve", "--mode", "disagg"],
+    ["serve", "-tp", "2"],
+    ["serve", "--mode", "hybrid", "-tp", "2"],
+    ["serve", "-dp", "2"],
+    ["profile"],
+])
+def test_max_model_len_past_the_model_exits_2_in_every_mode(args: list[str], capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(LONG_ENV, raising=False)
+    err = usage_error(capsys, *args, "--model", "preset:tiny-llama", "--device", "cpu", "--max-model-len", "4096")
+    assert ("--max-model-len 4096 is more than the model's max_position_embeddings=1024" in err
+            and f"{LONG_ENV}=1" in err), err
+    monkeypatch.setenv(LONG_ENV, "sure")
+    err = usage_error(capsys, *args, "--model", "preset:tiny-llama", "--device", "cpu")
+    assert f"{LONG_ENV}='sure': use 1" in err
+
+
+@pytest.mark.parametrize("value,allowed", [("1", True), ("0", False), (None, False)])
+def test_serve_takes_the_env_override_into_the_config(value: str | None, allowed: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read once by the CLI and carried by the config tree (nothing below reads the environment)."""
+    from unittest import mock
+
+    from rapidserve.cli import main
+
+    if value is None:
+        monkeypatch.delenv(LONG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LONG_ENV, value)
+    with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
+        assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--mode", "hybrid", "-tp", "2",
+                     "--max-model-len", "1024"]) == 0
+    ecfg = run_.call_args.args[0]
+    assert ecfg.max_model_len == 1024 and ecfg.scheduler.allow_long_max_model_len is allowed
+    assert ecfg.parallel.tensor_parallel_size == 2 and ecfg.launch.mode == "hybrid"
 
 
 def test_unsupported_model_file_lists_supported_forms(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

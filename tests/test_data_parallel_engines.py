@@ -109,8 +109,9 @@ async def wait_for(pred: Any, timeout: float) -> None:
 
 def test_a_worker_death_in_one_engine_leaves_the_other_alone() -> None:
     async def main() -> None:
+        # 8000-token requests, past tiny-llama's 1024 positions (random weights: no text to spoil)
         cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", num_kv_blocks=512,  # type: ignore[arg-type]
-                                     max_model_len=8192)
+                                     max_model_len=8192, allow_long_max_model_len=True)
         cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps="off", mode="hybrid"),
                                   parallel=ParallelConfig(data_parallel_size=2))
         dp = await DataParallelEngine.start(cfg)

@@ -30,6 +30,7 @@ def start(*args: str, env: dict[str, str] | None = None, log: str | None = None)
     """`rapidserve serve` with `args` on a free port; `env`: extra environment; `log`: a file for its stderr."""
     full = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     full.pop("RAPIDSERVE_API_KEY", None)
+    full.pop("RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN", None)
     full.update(env or {})
     err = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
     proc = subprocess.Popen([sys.executable, "-m", "rapidserve.cli", "serve", "--device", "cpu", "--port", "0",

@@ -25,6 +25,8 @@ from tests.test_server import Srv, http, start
 from tests.test_server_failures import counters, ended_with_error, read_events, worker_pids
 
 TINY = ("--model", "preset:tiny-llama", "--max-model-len", "8192", "--num-kv-blocks", "1024")
+# LONG runs past tiny-llama's 1024 positions: allowed (random weights: no text to spoil)
+LONG_OK = {"RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN": "1"}
 LONG = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8000, "ignore_eos": True, "temperature": 0}
 ROLES = ("decode", "prefill")  # workers start in this order: decode has the lower pid
 
@@ -57,7 +59,7 @@ async def kill_mid_stream(s: Srv, victim: str, sig: int = signal.SIGKILL) -> tup
 
 def test_ten_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    s = start(*TINY, "--max-restarts", "10", "--restart-window-s", "600", log=str(log))
+    s = start(*TINY, "--max-restarts", "10", "--restart-window-s", "600", env=LONG_OK, log=str(log))
     try:
         async def main() -> None:
             for i in range(10):
@@ -92,7 +94,7 @@ def test_ten_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_p
 
 def test_stopped_worker_is_detected_within_the_heartbeat_bound(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    s = start(*TINY, "--heartbeat-timeout-s", "3", log=str(log))
+    s = start(*TINY, "--heartbeat-timeout-s", "3", env=LONG_OK, log=str(log))
     try:
         async def main() -> None:
             for victim in ROLES:

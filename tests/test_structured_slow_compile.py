@@ -36,8 +36,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner, A
     from transformers import AutoTokenizer
 
     tok = tiny_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+    # 1900-token requests: past tiny-llama's 1024 positions (random weights: no text to spoil)
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=160,
-                                 block_size=16, max_model_len=2048, tokenizer=tok)
+                                 block_size=16, max_model_len=2048, tokenizer=tok, allow_long_max_model_len=True)
     source = resolve_model(cfg.model, preset_device=torch.device("cpu"), preset_dtype=torch.float32)
     return cfg, ModelRunner(cfg, source, show_progress=False), AutoTokenizer.from_pretrained(tok)
 

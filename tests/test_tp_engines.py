@@ -67,6 +67,39 @@ def test_tp2_engine_gives_one_process_tokens(expected: tuple[list[SamplingParams
     assert procs == (["decode", "decode.1", "prefill", "prefill.1"] if mode == "rapid" else ["hybrid", "hybrid.1"])
 
 
+# what a follower outliving its leader's TCP store logged at every stop (NCCL's watchdog: a c10d stack trace)
+SHUTDOWN_NOISE = ("Traceback", "Exception raised from", "TCPStore", "heartbeat", "Connection reset")
+
+
+@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
+def test_followers_exit_before_their_leader(mode: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """Shutdown in order: each leader (rank 0, whose process hosts the group's TCP store) exits only after its
+    followers (tp_workers.stop_followers); nothing is logged. On CPU (gloo) no watchdog would report a lost
+    store; test_tp2_on_two_gpus checks the NCCL workers' log."""
+    from rapidserve.engine import messages as m
+    from rapidserve.engine.launch import WorkerSet
+
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
+    cfg = dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300),  # type: ignore[arg-type]
+                              parallel=ParallelConfig(tensor_parallel_size=2))
+    ws = WorkerSet.start(cfg, {})
+    try:
+        leaders = ["prefill", "decode"] if mode == "rapid" else ["hybrid"]
+        for who in leaders:  # WorkerSet.stop's order, one leader at a time
+            leader, follower = ws.procs[who], ws.procs[f"{who}.1"]
+            if who == "prefill":
+                leader.terminate()
+            else:
+                assert ws.to_engine.try_send(m.Shutdown("test"))
+            leader.join(30)
+            assert leader.exitcode == 0
+            assert not follower.is_alive() and follower.exitcode == 0, f"{who}.1 outlived its leader"
+    finally:
+        ws.stop()
+    err = capfd.readouterr().err
+    assert not [w for w in SHUTDOWN_NOISE if w in err], err[-3000:]
+
+
 def test_tp_size_that_does_not_divide_the_heads_fails_at_start() -> None:
     cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=256)
     with pytest.raises(ConfigError, match="tensor-parallel-size 3 must divide"):
@@ -81,7 +114,7 @@ def _two_gpus() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["rapid", "hybrid"])
-def test_tp2_on_two_gpus(mode: str) -> None:
+def test_tp2_on_two_gpus(mode: str, capfd: pytest.CaptureFixture[str]) -> None:
     """Two GPUs, NCCL, decode graphs with their all-reduces captured, rapid mode's partitions on each GPU:
     the tokens of one GPU (fp32, greedy and seeded rows; the sums' order differs, the tokens do not)."""
     if not _two_gpus():
@@ -106,7 +139,10 @@ def test_tp2_on_two_gpus(mode: str) -> None:
         finally:
             await engine.shutdown()
 
-    assert asyncio.run(main()) == want
+    capfd.readouterr()
+    assert asyncio.run(main()) == want  # every worker has exited: what they logged is in
+    err = capfd.readouterr().err  # the workers' stderr is this process's: followers outliving the store would log
+    assert not [w for w in SHUTDOWN_NOISE if w in err], err[-3000:]
 
 
 @pytest.mark.parametrize("victim", ["decode.1", "prefill.1", "decode"])
@@ -119,7 +155,9 @@ def test_a_dead_rank_is_a_dead_worker(victim: str) -> None:
     from rapidserve.engine.client import EngineError
     from tests.test_supervision import collect, start_long, wait_for
 
-    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=8192)
+    # start_long's 8000 tokens: past tiny-llama's 1024 positions (random weights: no text to spoil)
+    cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=8192,
+                                 allow_long_max_model_len=True)
     cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300),
                               parallel=ParallelConfig(tensor_parallel_size=2))
 

@@ -11,6 +11,13 @@ A follower's start-up repeats its leader's, call for call where the group is inv
 leader's partition plan (`Setup`) and capture the same decode graphs in the same order, hand the
 weights and pool to the prefill follower on the same GPU (as decode rank 0 does to prefill rank 0),
 then follow until the router stops it or dies.
+
+Shutdown, in order: the leader's process hosts the TCP store its group met on (rank 0's), so it goes last.
+At its exit the leader sends Stop to its followers and waits for them to exit (`stop_followers`): a
+follower that outlived the store had NCCL's watchdog report the lost store (a c10d stack trace) at every
+stop. No rank calls destroy_process_group: NCCL's ncclCommFinalize waits until every CUDA graph that captured
+the communicator's kernels is destroyed, and decode and hybrid ranks hold theirs (all-reduces inside) to the
+end; the communicator goes with the process.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +53,7 @@ class TPSeat:
 
 MIRROR_SLOT_BYTES = 64 * 1024
 DECODE_NCCL_MAX_CTAS = 16
+FOLLOWERS_EXIT_S = 3.0  # a leader waits this long for its followers at exit: within WorkerSet.stop's 5 s join
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
@@ -83,8 +93,8 @@ def tp_env(role: str) -> dict[str, str | None]:
     """Environment of a tensor-parallel worker of `role` (a variable the user set wins):
     - NCCL's NVLink multicast (NVLS) off: it needs a driver feature a shared host may not allow, and the
       all-reduces here are small;
-    - no NCCL heartbeat monitor: a follower outlives its leader's TCP store by a moment at every stop,
-      which it would report every second;
+    - no NCCL heartbeat monitor: a follower whose leader died outlives its TCP store until it notices (at a
+      stop the leader waits for its followers' exit: `stop_followers`), which it would report every second;
     - decode: at most 16 CTAs per NCCL kernel, one per SM of the smallest default decode partition (an
       eighth of an H100/H200's 132 SMs), so a collective queued inside a partition never waits for SMs it
       cannot get (parallel/group.py). Prefill's partitions are the larger side of every split (and hybrid
@@ -142,7 +152,27 @@ def lead(runner: ModelRunner, seat: TPSeat | None, parts: PartitionBackend | Non
         return
     senders = [Sender(ShmRing.attach(n), MirrorMessage) for n in seat.rings]
     runner.leader = Leader(runner.tp, senders, stream_names(parts, role) if parts is not None else {})
-    atexit.register(runner.leader.stop, f"the {role} leader exited")  # the followers end with it
+    atexit.register(stop_followers, runner.leader, f"the {role} leader exited")  # the followers end first
+
+
+def wait_exited(pids: Sequence[int], timeout_s: float, alive: Callable[[int], bool] = pid_alive,
+                clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether every process of `pids` has exited (a zombie counts as exited) within `timeout_s`."""
+    deadline = clock() + timeout_s
+    while True:
+        if not any(alive(p) for p in pids):
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(0.01)
+
+
+def stop_followers(leader: Leader, reason: str, timeout_s: float = FOLLOWERS_EXIT_S) -> bool:
+    """At the leader's exit: Stop to every follower, then wait (at most `timeout_s`) for those that got it to exit
+    before this process, the host of the group's TCP store, goes. True: every follower was gone in time."""
+    sent = leader.stop(reason)
+    gone = wait_exited([pid for pid, ok in zip(leader.tp.pids[1:], sent, strict=True) if ok], timeout_s)
+    return gone and all(sent)
 
 
 def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:
@@ -203,10 +233,9 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
         def alive() -> bool:
             return os.getppid() == parent_pid and all(pid_alive(p) for p in peers)
 
-        follow(runner, inbox, stream_of, alive)
+        follow(runner, inbox, stream_of, alive)  # until Stop, while the leader (and its TCP store) waits for our exit
     except SystemExit:
         pass
     finally:
-        # No destroy_process_group: the leader, whose TCP store the group used, is gone or going; the
-        # communicator goes with the process.
+        # No destroy_process_group (see the module's docstring): the communicator goes with the process.
         inbox.close()

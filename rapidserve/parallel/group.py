@@ -22,6 +22,7 @@ Everything else is as on a whole GPU.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -80,7 +81,11 @@ class TPGroup:
         self.backend = backend
         dist.init_process_group(backend, init_method=spec.init_method, world_size=spec.size, rank=spec.rank,
                                 timeout=datetime.timedelta(seconds=spec.timeout_s), **kw)
-        self.all_reduce(torch.ones(1, device=device))  # every rank is here and the communicator works
+        # every rank is here, the communicator works, and each knows the others' processes (the leader waits for
+        # its followers' exit at shutdown: engine/tp_workers.stop_followers)
+        pids = torch.zeros(spec.size, dtype=torch.int64, device=device)
+        pids[spec.rank] = os.getpid()
+        self.pids: tuple[int, ...] = tuple(int(p) for p in self.all_reduce(pids).tolist())
 
     # ---- collectives (in place where they can be; all on the current stream) -------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,5 +119,6 @@ class TPGroup:
         return int(t.item())
 
     def close(self) -> None:
+        """Destroy this process's group (tests; an engine's ranks keep theirs to the end: engine/tp_workers.py)."""
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -146,9 +146,9 @@ class Leader:
         self.tp.broadcast(token_ids.contiguous())
         self._sampled = [*self._sampled[-(KEEP_SAMPLES - 1):], (token_ids, seq)]
 
-    def stop(self, reason: str) -> None:
-        for r in self.rings:
-            r.try_send(Stop(reason))
+    def stop(self, reason: str) -> list[bool]:
+        """Stop to every follower; whether each (rank order) got it (a full ring: no)."""
+        return [r.try_send(Stop(reason)) for r in self.rings]
 
 
 class Follower:

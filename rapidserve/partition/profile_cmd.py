@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -59,7 +60,7 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 
 def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.config import PartitionConfig
-    from rapidserve.config_builder import build_engine_config
+    from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
     from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
     from rapidserve.partition.profiler import ProfileSpec, run_profile
@@ -68,13 +69,18 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
     spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)
     longest = max(max(spec.context_buckets), spec.prefill_tokens) + a.block_size
+    # --max-model-len is checked against the model's max_position_embeddings as in every run (unless
+    # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN); the length the buckets need may pass it: they measure timings, not text
     cfg, source = build_engine_config(
-        a.model, dtype=a.dtype, device=a.device, max_model_len=max(longest, a.max_model_len or 0),
+        a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+        allow_long_max_model_len=allow_long_max_model_len(os.environ),
         gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
         max_num_seqs=max(spec.batch_buckets), max_num_batched_tokens=spec.prefill_tokens,
         enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend)
+    sched = dataclasses.replace(cfg.scheduler, max_model_len=max(longest, a.max_model_len or 0),
+                                allow_long_max_model_len=True)
     cfg = dataclasses.replace(
-        cfg, runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets),
+        cfg, scheduler=sched, runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets),
         partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
     runner = ModelRunner(cfg, source)
     kind = detect_kind(runner.device) if a.partition_backend == "auto" else a.partition_backend
