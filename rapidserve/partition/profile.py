@@ -57,6 +57,10 @@ class Profile(msgspec.Struct, frozen=True):
     # prompt tokens of each prefill forward that the beside-prefill figures ran against (`rapidserve profile
     # --prefill-tokens`, default 4096, which the profiles written before this field was added all used)
     prefill_tokens: int = 4096
+    # > 1: one tensor-parallel rank's shard of the model, measured alone on one GPU (`rapidserve profile
+    # --shard-of-tp N`): its figures hold no collectives; the engine adds them from the roofline's link model
+    # (`roofline.with_collectives`) when it serves at that tensor-parallel size
+    tensor_parallel_size: int = 1
 
     def configuration(self, name: str) -> Configuration | None:
         for c in self.configurations:
@@ -169,6 +173,8 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
             )
     _check_buckets(path, "batch_buckets", p.batch_buckets)
     _check_buckets(path, "context_buckets", p.context_buckets)
+    if p.tensor_parallel_size < 1:
+        raise _fail(path, "tensor_parallel_size", f"must be >= 1, got {p.tensor_parallel_size}")
     seen: set[tuple[str, int, int]] = set()
     for i, e in enumerate(p.entries):
         f = f"entries[{i}]"
@@ -205,9 +211,11 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
 
 
 def load_profile(
-    path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None
+    path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None,
+    expect_tp: int | None = None,
 ) -> Profile:
-    """Read and validate a profile; optionally check it was measured for this GPU and model."""
+    """Read and validate a profile; optionally check it was measured for this GPU, model and tensor-parallel
+    size (a whole model: 1; a rank's shard: the size it was cut for)."""
     spath = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -241,6 +249,12 @@ def load_profile(
     if mismatches:
         field = "gpu" if mismatches[0].startswith("gpu") else "model"
         raise _fail(spath, field, "; ".join(mismatches) + ". Run `rapidserve profile` to measure this GPU and model.")
+    if expect_tp is not None and prof.tensor_parallel_size != expect_tp:
+        have, want = prof.tensor_parallel_size, expect_tp
+        raise _fail(spath, "tensor_parallel_size",
+                    f"the profile measures {'the whole model' if have == 1 else f'a shard of tensor parallel {have}'}, "
+                    f"this run uses tensor parallel {want}. Run `rapidserve profile"
+                    f"{f' --shard-of-tp {want}' if want > 1 else ''}` to measure it.")
     return prof
 
 
@@ -277,9 +291,10 @@ def model_label(model: str) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
-def profile_filename(gpu: str, model: str) -> str:
-    """`<gpu>__<model>.json`, both slugged: where `rapidserve profile` writes and the engine looks."""
-    return f"{slug(gpu)}__{slug(model_label(model))}.json"
+def profile_filename(gpu: str, model: str, tp: int = 1) -> str:
+    """`<gpu>__<model>.json`, both slugged (`...__tp<N>.json` for a rank's shard under tensor parallel N):
+    where `rapidserve profile` writes and the engine looks."""
+    return f"{slug(gpu)}__{slug(model_label(model))}{f'__tp{tp}' if tp > 1 else ''}.json"
 
 
 def default_profiles_dir() -> Path:

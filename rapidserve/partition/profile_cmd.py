@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rapidserve.partition.profile import OVERALLOCATED, Profile
 
 
@@ -55,6 +57,10 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
                    help="decode shares of the splits to measure (rounded to the device's granularity)")
     p.add_argument("--decode-reps", type=positive_int, default=20)
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline comparison")
+    p.add_argument("--shard-of-tp", type=positive_int, default=1, metavar="N",
+                   help="measure one rank's shard of the model under tensor parallel N, alone on this GPU "
+                        "(random weights of the shard's shapes; the engine adds the collectives from its link "
+                        "model when it serves with -tp N); written to profiles/<gpu>__<model>__tpN.json")
     p.set_defaults(func=cmd_profile)
 
 
@@ -77,6 +83,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
         gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
         max_num_seqs=max(spec.batch_buckets), max_num_batched_tokens=spec.prefill_tokens,
         enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend)
+    if a.shard_of_tp > 1:
+        cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)
     sched = dataclasses.replace(cfg.scheduler, max_model_len=max(longest, a.max_model_len or 0),
                                 allow_long_max_model_len=True)
     cfg = dataclasses.replace(
@@ -92,7 +100,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
           f"{[c.name for c in configs]}, {len(configs) * len(spec.batch_buckets) * len(spec.context_buckets)} cells",
           file=sys.stderr, flush=True)
     run = run_profile(runner, backend, spec, gpu, cfg.model)
-    out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model)
+    if a.shard_of_tp > 1:
+        run = dataclasses.replace(run, profile=msgspec.structs.replace(run.profile, tensor_parallel_size=a.shard_of_tp))
+    out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model, a.shard_of_tp)
     save_profile(run.profile, out)
     summary: dict[str, Any] = {"profile": str(out), "seconds": round(run.seconds, 1),
                                "solo_prefill_tokens_per_s": round(run.solo_prefill_tokens_per_s, 1)}
@@ -104,6 +114,43 @@ def cmd_profile(a: argparse.Namespace) -> int:
     print(slo_table(run.profile, a.slo_itl_ms))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def shard_of_tp(cfg: Any, source: Any, tp: int) -> tuple[Any, Any]:
+    """The config and weights of tensor-parallel rank 0's shard of `cfg.model`, as a model of its own for one
+    GPU (no collectives): its heads, KV heads, MLP features and vocabulary rows (`parallel.shard`), and random
+    weights of those shapes (a profile measures timings, not text; no file is read). A model that does not
+    split `tp` ways is a usage error naming the size that does not divide."""
+    from rapidserve.parallel.shard import ShardError, shard_config, tp_layout
+
+    try:
+        shard = shard_config(cfg.model_config, tp_layout(cfg.model_config, tp, 0))
+    except ShardError as e:
+        raise SystemExit(f"rapidserve profile: --shard-of-tp {tp}: {e}") from None
+    device = "cuda" if cfg.runner.device.startswith("cuda") or (cfg.runner.device == "auto" and _has_cuda()) else "cpu"
+    src = dataclasses.replace(source, config=shard, weights=random_weights(shard, device), shard_weights=None,
+                              description=f"{source.description}, shard 1 of {tp} (random weights)")
+    return dataclasses.replace(cfg, model_config=shard), src
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def random_weights(shard: Any, device: str) -> Callable[[], Any]:
+    """A fresh stream of the shard's tensors in load order, random as a preset's (made on `device`)."""
+    from rapidserve.loader.presets import preset_tensor
+    from rapidserve.loader.source import expected_tensor_shapes
+
+    shapes = expected_tensor_shapes(shard)
+
+    def weights() -> Any:
+        for name, shape in shapes.items():
+            yield name, preset_tensor(f"shard:{shard.name}", shard, name, shape, device=device)
+
+    return weights
 
 
 def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Path) -> dict[str, Any]:

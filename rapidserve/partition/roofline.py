@@ -147,7 +147,8 @@ def _step_ops(
     ]
     if tp > 1:
         ops.append(Operator("all_reduce", "communication", 0.0, 0.0, 0.0, 2 * (tp - 1) / tp * T * h * b, 2 * L))
-        ops.append(Operator("logits_all_gather", "communication", 0.0, 0.0, 0.0, (tp - 1) / tp * rows * vocab * b))
+        ops.append(Operator("logits_all_gather", "communication", 0.0, 0.0, 0.0,  # of the whole vocabulary
+                              (tp - 1) / tp * rows * cfg.vocab_size * b))
     return ops
 
 
@@ -294,6 +295,33 @@ def roofline_profile(
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
                    list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk)
+
+
+def with_collectives(shard: Profile, model_cfg: ModelConfig, peaks: Peaks, *, dtype_bytes: int = 2) -> Profile:
+    """A shard profile (`tensor_parallel_size` = tp > 1: one rank's shard measured alone on one GPU) with the
+    collectives a rank of `model_cfg` (the whole model) runs at that size added from this model's link terms:
+    each decode step gains its all-reduces and logits all-gather (`decode_operators(..., tp)`), and each
+    prefill forward of `shard.prefill_tokens` tokens gains its own, which lowers prefill tokens/s. Both
+    phases' collectives run on their own communicators (parallel/group.py), so neither waits for the
+    other's. A whole-model profile (tp 1) is returned as it is."""
+    tp = shard.tensor_parallel_size
+    if tp == 1:
+        return shard
+    n, b = peaks.num_compute_units, dtype_bytes
+
+    def link_s(ops: Iterable[Operator]) -> float:
+        return step_seconds([o for o in ops if o.kind == "communication"], n, peaks)
+
+    p_link = link_s(prefill_operators(model_cfg, shard.prefill_tokens, tp=tp, dtype_bytes=b))
+    entries = []
+    for e in shard.entries:
+        d_ms = 1e3 * link_s(decode_operators(model_cfg, e.batch, e.context, tp=tp, dtype_bytes=b))
+        tps = shard.prefill_tokens / (shard.prefill_tokens / e.prefill_tokens_per_s + p_link)
+        entries.append(msgspec.structs.replace(
+            e, decode_ms_alone_p50=e.decode_ms_alone_p50 + d_ms, decode_ms_alone_p95=e.decode_ms_alone_p95 + d_ms,
+            decode_ms_beside_prefill_p50=e.decode_ms_beside_prefill_p50 + d_ms,
+            decode_ms_beside_prefill_p95=e.decode_ms_beside_prefill_p95 + d_ms, prefill_tokens_per_s=tps))
+    return msgspec.structs.replace(shard, entries=entries)
 
 
 # (name in the report, p50 field of Entry)

@@ -61,7 +61,7 @@ from rapidserve.partition.profile import (
     model_label,
     profile_filename,
 )
-from rapidserve.partition.roofline import Peaks, measure_peaks, roofline_profile
+from rapidserve.partition.roofline import Peaks, measure_peaks, roofline_profile, with_collectives
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -152,26 +152,47 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         c = static_configuration(g, p.static_decode_share)
         return PartitionPlan(kind, [c], None, f"static {c.name}: decode {c.decode_units} of {g.total} units ({kind})")
     gpu = gpu_name(device)
-    path = Path(p.profile) if p.profile else default_profiles_dir() / profile_filename(gpu, cfg.model)
-    # A committed profile measures the whole model on one GPU; a tensor-parallel rank computes a shard, so
-    # only a profile given explicitly (--profile) is used there, else the roofline of the shard.
-    whole_model_profile = cfg.parallel.tensor_parallel_size > 1 and not p.profile
-    if (path.exists() and not whole_model_profile) or p.profile:
-        prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model))
+    tp = cfg.parallel.tensor_parallel_size
+    path, why_not = profile_path(p.profile, default_profiles_dir(), gpu, cfg.model, tp)
+    if path is not None:
+        prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model),
+                            expect_tp=None if p.profile else tp)
+        if prof.tensor_parallel_size not in (1, tp):
+            raise PartitionError(f"profile {path} measures a shard of tensor parallel {prof.tensor_parallel_size}; "
+                                 f"this run uses -tp {tp}: run `rapidserve profile --shard-of-tp {tp}`")
         check_configurations(prof.configurations, g, f"profile {path}")
-        peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") else None
+        shard = prof.tensor_parallel_size > 1
+        peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") or shard else None
+        if shard:
+            assert peaks is not None
+            prof = with_collectives(prof, cfg.model_config, peaks)
         return PartitionPlan(kind, list(prof.configurations), prof,
                              f"adaptive, policy {p.policy}, measured profile {path} "
-                             f"({len(prof.configurations)} configurations, {kind})"
+                             f"({len(prof.configurations)} configurations, {kind}"
+                             + (f"; a shard of tensor parallel {tp}, collectives added from the link model"
+                                if shard else "") + ")"
                              + (f"; {describe_peaks(peaks)}" if peaks is not None else ""), peaks)
     configs = plan_configurations(g, p.decode_shares)
     peaks = measure_peaks(device, dtype)
     prof = roofline_fallback(cfg, gpu, configs, peaks)
-    why = (f"tensor parallelism: one GPU's shard of the model (a whole-model profile at {path} does not apply)"
-           if whole_model_profile else
-           f"no profile at {path} (run `rapidserve profile --model {cfg.model}` to measure one)")
-    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why}; {kind}; "
+    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; {kind}; "
                          f"{describe_peaks(peaks)}", peaks)
+
+
+def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str, tp: int) -> tuple[Path | None, str]:
+    """Which profile the engine uses: the one given (`--profile`, at any tensor-parallel size), else the
+    committed one for this GPU and model, `profile_filename(gpu, model, tp)` (a rank's shard under tensor
+    parallel tp > 1: `rapidserve profile --shard-of-tp tp` writes it). None and why when there is none,
+    so the roofline stands in."""
+    if explicit:
+        return Path(explicit), ""
+    path = profiles_dir / profile_filename(gpu, model, tp)
+    if path.exists():
+        return path, ""
+    if tp > 1:
+        return None, (f"tensor parallelism: no profile of one rank's shard at {path} (run `rapidserve profile "
+                      f"--model {model} --shard-of-tp {tp}` to measure one)")
+    return None, f"no profile at {path} (run `rapidserve profile --model {model}` to measure one)"
 
 
 def describe_peaks(peaks: Peaks) -> str:
