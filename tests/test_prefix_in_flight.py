@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from collections import deque
+from typing import Any
+
+import pytest
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.config import LaunchConfig
+from rapidserve.engine import messages as m
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.decode_scheduler import SHARE_MIN_TOKENS
+from rapidserve.engine.prefill_worker import Job, enqueue
 from rapidserve.llm import build_engine_config
 
 MODEL = "preset:tiny-llama"
@@ -63,3 +69,28 @@ def test_requests_sent_at_once_compute_a_long_shared_prefix_once() -> None:
     hits = sorted(cached[k] or 0 for k in PROMPTS if k.startswith("sys"))
     assert hits == [0, SHARED, SHARED, SHARED], cached
     assert cached["short"] in (0, 96), cached  # admitted at once: finds the first blocks only if they landed
+
+
+# ---- prefill's queue: arrival order, started jobs first (engine/prefill_worker.py:enqueue) -------------------
+def _job(name: str, arrival: float, started: bool = False) -> Job:
+    kv = m.KVReady(m.NewRequest(name, [5, 6, 7], SamplingParams(), arrival), [0], [], 0, 0, 0.0)
+    job = Job.of(kv)
+    if started:
+        job.mark_started(1.0)
+    return job
+
+
+@pytest.mark.parametrize("queue,new,want", [
+    ([], ("a", 1.0), ["a"]),
+    ([("a", 1.0), ("b", 2.0)], ("c", 3.0), ["a", "b", "c"]),  # the usual case: decode admits in arrival order
+    ([("a", 1.0), ("c", 3.0), ("d", 4.0)], ("b", 2.0), ["a", "b", "c", "d"]),  # passed over, then admitted
+    ([("c", 3.0), ("d", 4.0)], ("b", 2.0), ["b", "c", "d"]),
+    ([("c", 3.0, True), ("d", 4.0)], ("b", 2.0), ["c", "b", "d"]),  # never ahead of a started prefill
+    ([("c", 3.0, True), ("d", 4.0, True)], ("b", 2.0), ["c", "d", "b"]),
+    ([("a", 2.0), ("b", 2.0)], ("c", 2.0), ["a", "b", "c"]),  # equal stamps keep their order
+])
+def test_prefill_queues_jobs_in_arrival_order(queue: list[tuple[Any, ...]], new: tuple[str, float],
+                                              want: list[str]) -> None:
+    q: deque[Job] = deque(_job(*j) for j in queue)
+    enqueue(q, _job(*new))
+    assert [j.req.req_id for j in q] == want

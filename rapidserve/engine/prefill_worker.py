@@ -4,8 +4,9 @@ It attaches the decode worker's weights and KV pool by IPC handle (no copy) and 
 manager: it writes only into the blocks a KVReady handed it. It hears only from decode (ring d2p),
 in order: a request arrives inside its KVReady, and a Drop always follows the KVReady it concerns.
 
-Queue: `waiting_prefill` (FCFS). A batch takes whole prompts in order up to the token budget; a
-prompt longer than the budget alone is computed in budget-sized chunks over several forwards.
+Queue: `waiting_prefill`, in arrival order (`enqueue`; jobs whose prefill started stay ahead). A batch
+takes whole prompts in order up to the token budget; a prompt longer than the budget alone is computed in
+budget-sized chunks over several forwards.
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
 forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the
@@ -35,6 +36,17 @@ from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sequence import check_stop
 from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
+
+
+def enqueue(queue: deque[Job], job: Job) -> None:
+    """Queue `job` in arrival order (the router's stamp), but behind every job whose prefill has started.
+    Decode admits in arrival order, so this appends, except for a request that decode passed over while
+    a prefix it shares was being written (`DecodeScheduler`: waiting for a prefix in flight): it takes the
+    place its arrival gives it, rather than the end of a queue that grew while it waited."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].started is None and queue[i - 1].req.arrival > job.req.arrival:
+        i -= 1
+    queue.insert(i, job)
 
 
 @dataclass
@@ -104,7 +116,7 @@ class PrefillWorker:
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, m.KVReady):
-            self.waiting_prefill.append(Job.of(msg))
+            enqueue(self.waiting_prefill, Job.of(msg))
             self.grammar.prepare(msg.request.req_id, msg.request.params.structured_outputs)  # off the loop
         elif isinstance(msg, m.Drop):  # answered even when PrefillDone/PrefillFailed went first
             for job in [j for j in self.waiting_prefill if j.req.req_id == msg.req_id]:
