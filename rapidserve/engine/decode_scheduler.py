@@ -23,9 +23,10 @@ Policy:
   its cached prefix are blocks a prefilling request is writing now (`BlockManager.pending_prefix`: a
   shared system prompt or conversation that the other request brought first) is passed over, keeping
   its place in the queue, until that prefill answers; then it shares those blocks and prefill computes
-  only the rest. Prefill's queue is first come, first served, so it would have waited behind the
-  other request anyway; passing it over costs at most the hand-off, and saves computing the shared
-  tokens twice (and their blocks). The requests behind it are admitted meanwhile.
+  only the rest. Prefill's queue is in arrival order (`prefill_worker.enqueue`), so it would have
+  waited behind the other request anyway, and it keeps that place when admitted later; passing it over
+  costs at most the hand-off, and saves computing the shared tokens twice (and their blocks). The
+  requests behind it are admitted meanwhile.
 - Growth: before each step every running request's table grows to cover its tokens, counting the
   token of the step still in flight. When the pool is short, the most recently admitted running
   request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
