@@ -9,8 +9,9 @@
 # Windows (WINDOWS, ';'-separated `rapidserve bench` trace flags): Mooncake [0, 15) s x1 (the H100 table's
 # window: rapid 3.7% of an ideal 4.6% before the rule) and [450, 470) s x0.25 (within the H200's capacity-
 # allowing window, where [450, 480) gave rapid 9.4% of 10.1%). Knobs: SYSTEMS (rapid-adaptive,hybrid-8192),
-# SERVE_ARGS (32K context, 0.9 of the GPU), SKIP_SUITE=1 (benchmarks only). Back in $OUT: gpu_suite.*, prefix_hit.md / .json (compare.py's
-# tables), prefix_hit_rates.md (the table below), compare_runs/ (every request).
+# SERVE_ARGS (32K context, 0.9 of the GPU), SKIP_SUITE=1 (benchmarks only). Back in $OUT: gpu_suite.*,
+# prefix_hit.md / .json (compare.py's tables), prefix_hit_rates.md (the table below), compare_runs/ (every
+# request).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-bench/results/prefix_hit}"
