@@ -77,6 +77,7 @@ class BlockManager:
         self._committed: dict[str, int] = {}  # per sequence: full blocks registered (or found registered)
         self._pending: dict[bytes, str] = {}  # hash of a full block being written -> the sequence writing it
         self._pending_of: dict[str, dict[bytes, None]] = {}  # per sequence: the hashes it holds in `_pending`
+        self.pending_version = 0  # bumped whenever `_pending` loses entries: a waiter's answer may change
         self.queries = 0  # prompt tokens looked up in the cache (vLLM's prefix_cache_queries)
         self.hits = 0  # of those, tokens found cached
 
@@ -228,14 +229,22 @@ class BlockManager:
                 owner = self._pending.pop(h, None)
                 if owner is not None:
                     del self._pending_of[owner][h]
+                    self.pending_version += 1
+
+    def unpend(self, seq_id: str) -> None:
+        """The sequence will not finish writing its prompt (aborted while prefilling): no one waits for it."""
+        mine = self._pending_of.pop(seq_id, None)
+        if mine:
+            for h in mine:
+                del self._pending[h]
+            self.pending_version += 1
 
     def free(self, seq_id: str) -> int:
         """Drop all of a sequence's references; returns how many blocks it held. Blocks no one uses
         go back to the free list (registered ones keep their content until evicted)."""
         self._chains.pop(seq_id, None)
         self._committed.pop(seq_id, None)
-        for h in self._pending_of.pop(seq_id, ()):
-            del self._pending[h]
+        self.unpend(seq_id)
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0

@@ -465,3 +465,63 @@ def test_cache_waiting_for_a_prefix_keeps_the_seats_and_order() -> None:
     answer(s, kv0)
     assert ids(admit(s)) == []  # r1 and r2 would share 2 blocks, but only 0 are free and each needs 1 fresh block
     finish_all(Scene(s))
+
+
+def test_cache_unadmit_keeps_a_passed_over_request_ahead_of_later_arrivals() -> None:
+    """r1 waits for r0's prefix; r2 (later) is admitted, then unadmitted (prefill's inbox was full): r2 goes back
+    behind r1, so once r0 lands r1 is first (review finding: unadmit put r2 at the head)."""
+    s = make(num_blocks=32, caching=True, share_min=BS)
+    p = seq(2 * BS + 1)
+    s.add(newp(0, p))
+    [kv0] = admit(s)
+    s.add(newp(1, p))
+    s.add(m.NewRequest("r2", list(range(500, 500 + BS)), params(), 0.0))
+    kvs = admit(s)
+    assert ids(kvs) == ["r2"]
+    s.unadmit(kvs)
+    assert ids(s.waiting) == ["r1", "r2"]
+    answer(s, kv0)
+    assert ids(admit(s)) == ["r1", "r2"]
+    finish_all(Scene(s))
+
+
+def test_cache_an_aborted_writer_is_not_waited_for_and_what_it_finished_is_shared() -> None:
+    """Aborting the writer ends the wait at once (before prefill's Dropped); a PrefillDone that still comes
+    registers the prompt it wrote, which later requests share."""
+    s = make(num_blocks=32, caching=True, share_min=BS)
+    p = seq(2 * BS + 1)
+    s.add(newp(0, p))
+    [kv0] = admit(s)
+    s.add(newp(1, p))
+    assert admit(s) == []
+    assert s.abort("r0") is True
+    [kv1] = admit(s)  # no longer waits: r0 may never finish its prompt
+    assert kv1.req_id == "r1" and kv1.cached_tokens == 0
+    assert answer(s, kv0) is None  # prefill had finished r0 before the Drop: its blocks are registered
+    s.dropped("r0")
+    assert fin(s) == ["r0:abort"]
+    s.add(newp(2, p))
+    [kv2] = admit(s)
+    assert kv2.cached_tokens == 2 * BS and kv2.block_ids[:2] == kv0.block_ids[:2]
+    finish_all(Scene(s))
+
+
+def test_cache_a_passed_over_request_is_not_looked_up_again_until_a_pending_block_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """admit runs every loop: a request that waits is looked up again only after the pending index lost an
+    entry (`BlockManager.pending_version`), so a long queue of waiters costs nothing per step."""
+    s = make(num_blocks=64, caching=True, share_min=BS)
+    p = seq(2 * BS + 1)
+    s.add(newp(0, p))
+    [kv0] = admit(s)
+    for i in range(1, 6):
+        s.add(newp(i, p + [90 + i]))
+    calls: list[str] = []
+    real = s.blocks.pending_prefix
+    monkeypatch.setattr(s.blocks, "pending_prefix", lambda sid, toks: calls.append(sid) or real(sid, toks))
+    assert admit(s) == [] and len(calls) == 5
+    assert admit(s) == [] and admit(s) == [] and len(calls) == 5  # nothing changed: no lookup
+    answer(s, kv0)  # r0's blocks are written: the waiters are looked up again and admitted
+    assert ids(admit(s)) == ["r1", "r2", "r3", "r4", "r5"] and len(calls) == 10
+    assert not s._passed
+    finish_all(Scene(s))

@@ -71,7 +71,7 @@ def test_requests_sent_at_once_compute_a_long_shared_prefix_once() -> None:
     assert cached["short"] in (0, 96), cached  # admitted at once: finds the first blocks only if they landed
 
 
-# ---- prefill's queue: arrival order, started jobs first (engine/prefill_worker.py:enqueue) -------------------
+# ---- prefill's queue: arrival order (engine/prefill_worker.py:enqueue) -------------------
 def _job(name: str, arrival: float, started: bool = False) -> Job:
     kv = m.KVReady(m.NewRequest(name, [5, 6, 7], SamplingParams(), arrival), [0], [], 0, 0, 0.0)
     job = Job.of(kv)
@@ -85,8 +85,8 @@ def _job(name: str, arrival: float, started: bool = False) -> Job:
     ([("a", 1.0), ("b", 2.0)], ("c", 3.0), ["a", "b", "c"]),  # the usual case: decode admits in arrival order
     ([("a", 1.0), ("c", 3.0), ("d", 4.0)], ("b", 2.0), ["a", "b", "c", "d"]),  # passed over, then admitted
     ([("c", 3.0), ("d", 4.0)], ("b", 2.0), ["b", "c", "d"]),
-    ([("c", 3.0, True), ("d", 4.0)], ("b", 2.0), ["c", "b", "d"]),  # never ahead of a started prefill
-    ([("c", 3.0, True), ("d", 4.0, True)], ("b", 2.0), ["c", "d", "b"]),
+    ([("c", 3.0, True), ("d", 4.0)], ("b", 2.0), ["b", "c", "d"]),  # ahead of a later one's started chunks too
+    ([("a", 1.0, True), ("d", 4.0, True)], ("b", 2.0), ["a", "b", "d"]),
     ([("a", 2.0), ("b", 2.0)], ("c", 2.0), ["a", "b", "c"]),  # equal stamps keep their order
 ])
 def test_prefill_queues_jobs_in_arrival_order(queue: list[tuple[Any, ...]], new: tuple[str, float],

@@ -149,3 +149,19 @@ def test_profile_shard_of_tp_that_does_not_divide(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="--shard-of-tp 3:"):
         main(["profile", "--model", "preset:tiny-llama", "--device", "cpu", "--shard-of-tp", "3",
               "--out", str(tmp_path / "p.json")])
+
+
+def test_a_shard_profile_given_at_tp1_says_what_to_do(tmp_path: Path, fake_gpu: Any) -> None:  # noqa: F811
+    path = tmp_path / "given.json"
+    save_profile(msgspec.structs.replace(shard(2), gpu=H100_NAME), path)
+    with pytest.raises(PartitionError, match="a shard of tensor parallel 2; this run uses -tp 1: give a whole-model "
+                                             "profile .* or serve with -tp 2"):
+        runtime.resolve_plan(tp_config(1, path), fake_gpu)
+
+
+def test_a_whole_model_profile_given_at_tp_is_used_and_flagged(tmp_path: Path, fake_gpu: Any) -> None:  # noqa: F811
+    path = tmp_path / "given.json"
+    whole = msgspec.structs.replace(shard(1), gpu=H100_NAME)
+    save_profile(whole, path)
+    plan = runtime.resolve_plan(tp_config(2, path), fake_gpu)
+    assert plan.profile == whole and "a WHOLE-MODEL profile at tensor parallel 2" in plan.source

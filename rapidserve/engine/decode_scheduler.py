@@ -110,6 +110,9 @@ class DecodeScheduler:
             raise ValueError(f"share_min_tokens={share_min_tokens} must be positive")
         self.blocks, self.max_seqs, self.eos, self.context_cap = blocks, max_seqs, eos, context_cap
         self.share_min_tokens = share_min_tokens
+        # waiting requests found waiting for a prefix in flight, with the BlockManager.pending_version then:
+        # until that changes (a pending block written or given up) they still wait, so admit skips the lookup
+        self._passed: dict[str, int] = {}
         self.reqs: dict[str, DecodeRequest] = {}  # every request that holds or may hold blocks
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
@@ -167,7 +170,15 @@ class DecodeScheduler:
 
     def _waits_for_prefix(self, r: DecodeRequest) -> bool:
         """Its next `share_min_tokens` or more are being written by a prefilling request (module doc)."""
-        return self.blocks.pending_prefix(r.req_id, r.tokens) >= self.share_min_tokens
+        version = self.blocks.pending_version
+        if self._passed.get(r.req_id) == version:
+            return True
+        waits = self.blocks.pending_prefix(r.req_id, r.tokens) >= self.share_min_tokens
+        if waits:
+            self._passed[r.req_id] = version
+        else:
+            self._passed.pop(r.req_id, None)
+        return waits
 
     def decode_contexts(self) -> tuple[int, ...]:
         """Each running request's context (tokens in the cache after its next step), for the policy."""
@@ -205,6 +216,7 @@ class DecodeScheduler:
             if r.aborting:
                 return False  # prefill was told already
             r.aborting = r.drop_pending = True  # freed when prefill answers Dropped, PrefillDone or PrefillFailed
+            self.blocks.unpend(r.req_id)  # requests waiting for its prefix stop waiting
             return True
         if r.state == "waiting":
             self.waiting.remove(r)
@@ -217,10 +229,10 @@ class DecodeScheduler:
         r = self._prefilling(msg.req_id, msg.attempt)
         if r is None:
             return None
-        if r.aborting:
+        self.blocks.commit(r.req_id, r.tokens, r.num_tokens)  # prefill's writes landed before it answered
+        if r.aborting:  # aborted meanwhile: what it wrote stays cached for others
             self._finish(r, "abort")
             return None
-        self.blocks.commit(r.req_id, r.tokens, r.num_tokens)  # prefill's writes landed before it answered
         r.outputs.append(msg.token.token_id)
         if msg.token.finish_reason is not None:
             self._finish(r, msg.token.finish_reason, notify=False)
@@ -281,7 +293,10 @@ class DecodeScheduler:
             self.blocks.free(r.req_id)
             self.blocks.unlookup(r.num_tokens, kv.cached_tokens)
             r.state = "waiting"
-            self.waiting.appendleft(r)
+            i = 0  # ahead of the later arrivals only: a request passed over at the head keeps its place
+            while i < len(self.waiting) and self.waiting[i].order < r.order:
+                i += 1
+            self.waiting.insert(i, r)
 
     # ---- the decode batch ---------------------------------------------------------------------
     def schedule(self, quiet: bool, hold: AbstractSet[str] = frozenset()) -> list[DecodeRequest] | None:
@@ -357,6 +372,7 @@ class DecodeScheduler:
         """Done: out of every queue now; blocks back once no in-flight step writes them."""
         if r in self.running:
             self.running.remove(r)
+        self._passed.pop(r.req_id, None)
         r.state = "done"
         if notify:
             self.finished.append(m.Finished(r.req_id, reason, message))

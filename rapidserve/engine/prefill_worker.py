@@ -4,7 +4,7 @@ It attaches the decode worker's weights and KV pool by IPC handle (no copy) and 
 manager: it writes only into the blocks a KVReady handed it. It hears only from decode (ring d2p),
 in order: a request arrives inside its KVReady, and a Drop always follows the KVReady it concerns.
 
-Queue: `waiting_prefill`, in arrival order (`enqueue`; jobs whose prefill started stay ahead). A batch
+Queue: `waiting_prefill`, in arrival order (`enqueue`). A batch
 takes whole prompts in order up to the token budget; a prompt longer than the budget alone is computed in
 budget-sized chunks over several forwards.
 
@@ -39,12 +39,13 @@ from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
 
 
 def enqueue(queue: deque[Job], job: Job) -> None:
-    """Queue `job` in arrival order (the router's stamp), but behind every job whose prefill has started.
-    Decode admits in arrival order, so this appends, except for a request that decode passed over while
-    a prefix it shares was being written (`DecodeScheduler`: waiting for a prefix in flight): it takes the
-    place its arrival gives it, rather than the end of a queue that grew while it waited."""
+    """Queue `job` in arrival order (the router's stamp; equal stamps keep their order). Decode admits in
+    arrival order, so this appends, except for a request that decode passed over while a prefix it shares
+    was being written (`DecodeScheduler`: waiting for a prefix in flight): it takes the place its arrival
+    gives it, ahead of later arrivals admitted meanwhile, even one whose chunks have started (that one
+    goes on after it: its chunks' K/V stay where they are)."""
     i = len(queue)
-    while i > 0 and queue[i - 1].started is None and queue[i - 1].req.arrival > job.req.arrival:
+    while i > 0 and queue[i - 1].req.arrival > job.req.arrival:
         i -= 1
     queue.insert(i, job)
 

@@ -158,8 +158,11 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model),
                             expect_tp=None if p.profile else tp)
         if prof.tensor_parallel_size not in (1, tp):
+            fix = (f"run `rapidserve profile --shard-of-tp {tp}`" if tp > 1 else
+                   f"give a whole-model profile (`rapidserve profile` without --shard-of-tp), or serve with "
+                   f"-tp {prof.tensor_parallel_size}")
             raise PartitionError(f"profile {path} measures a shard of tensor parallel {prof.tensor_parallel_size}; "
-                                 f"this run uses -tp {tp}: run `rapidserve profile --shard-of-tp {tp}`")
+                                 f"this run uses -tp {tp}: {fix}")
         check_configurations(prof.configurations, g, f"profile {path}")
         shard = prof.tensor_parallel_size > 1
         peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") or shard else None
@@ -170,7 +173,10 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
                              f"adaptive, policy {p.policy}, measured profile {path} "
                              f"({len(prof.configurations)} configurations, {kind}"
                              + (f"; a shard of tensor parallel {tp}, collectives added from the link model"
-                                if shard else "") + ")"
+                                if shard else "")
+                             + (f"; a WHOLE-MODEL profile at tensor parallel {tp}: its figures are not this rank's "
+                                f"(`rapidserve profile --shard-of-tp {tp}` measures them)" if tp > 1 and not shard
+                                else "") + ")"
                              + (f"; {describe_peaks(peaks)}" if peaks is not None else ""), peaks)
     configs = plan_configurations(g, p.decode_shares)
     peaks = measure_peaks(device, dtype)
