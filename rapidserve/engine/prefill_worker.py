@@ -4,9 +4,8 @@ It attaches the decode worker's weights and KV pool by IPC handle (no copy) and 
 manager: it writes only into the blocks a KVReady handed it. It hears only from decode (ring d2p),
 in order: a request arrives inside its KVReady, and a Drop always follows the KVReady it concerns.
 
-Queue: `waiting_prefill`, in arrival order (`enqueue`). A batch
-takes whole prompts in order up to the token budget; a prompt longer than the budget alone is computed in
-budget-sized chunks over several forwards.
+Queue: `waiting_prefill`, in arrival order (`enqueue`). A batch takes whole prompts in order up to the
+token budget; a prompt longer than the budget alone is computed in budget-sized chunks over several forwards.
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
 forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the

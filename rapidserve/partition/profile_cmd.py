@@ -127,19 +127,16 @@ def shard_of_tp(cfg: Any, source: Any, tp: int) -> tuple[Any, Any]:
         shard = shard_config(cfg.model_config, tp_layout(cfg.model_config, tp, 0))
     except ShardError as e:
         raise SystemExit(f"rapidserve profile: --shard-of-tp {tp}: {e}") from None
-    device = "cuda" if cfg.runner.device.startswith("cuda") or (cfg.runner.device == "auto" and _has_cuda()) else "cpu"
-    src = dataclasses.replace(source, config=shard, weights=random_weights(shard, device), shard_weights=None,
+    from rapidserve.runner import resolve_device, resolve_dtype
+
+    device = resolve_device(cfg.runner.device)  # made where and as a preset's would be (config_builder)
+    src = dataclasses.replace(source, config=shard, shard_weights=None,
+                              weights=random_weights(shard, device, resolve_dtype(cfg.runner.dtype, device)),
                               description=f"{source.description}, shard 1 of {tp} (random weights)")
     return dataclasses.replace(cfg, model_config=shard), src
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def random_weights(shard: Any, device: str) -> Callable[[], Any]:
+def random_weights(shard: Any, device: Any, dtype: Any) -> Callable[[], Any]:
     """A fresh stream of the shard's tensors in load order, random as a preset's (made on `device`)."""
     from rapidserve.loader.presets import preset_tensor
     from rapidserve.loader.source import expected_tensor_shapes
@@ -148,7 +145,7 @@ def random_weights(shard: Any, device: str) -> Callable[[], Any]:
 
     def weights() -> Any:
         for name, shape in shapes.items():
-            yield name, preset_tensor(f"shard:{shard.name}", shard, name, shape, device=device)
+            yield name, preset_tensor(f"shard:{shard.name}", shard, name, shape, device=device, dtype=dtype)
 
     return weights
 
