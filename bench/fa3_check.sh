@@ -13,6 +13,10 @@
 #            committed) and with it, 4096:64 at 6.6 req/s and closed;
 #   hybrid   bench/compare.py: hybrid-8192 scheduling ahead (the default) and waiting for each step
 #            (--no-async-scheduling), 1024:256 and 4096:64, closed and one Poisson rate;
+#   shard    `rapidserve profile --shard-of-tp $SHARD_TP` of $SHARD_MODEL (default 2, preset:llama-3.1-70b): one
+#            tensor-parallel rank's shard measured alone on this GPU (the TP profile the engine picks at -tp N),
+#            written to $OUT and to profiles/ (SHARD_ARGS: the grid; default a 60-cell one, ~5 min for a 70B shard);
+#   tp2      `pytest -m gpu` of the two-GPU tests (TP engines, disagg connector, DP);
 #   compare  bench/compare.py --model preset:qwen3-8b --out $OUT $COMPARE_ARGS (ours only: any systems and
 #            workloads, with FA3 found), e.g. COMPARE_ARGS='--systems rapid-adaptive --workloads multiturn ...'.
 #      run(command="bash bench/fa3_check.sh", carry=[".whl"], timeout_s=600)
@@ -83,6 +87,27 @@ if [[ $parts == *,partition,* ]]; then
         tails+=("$out/partition_compare.log")
     fi
     tails+=("$out/partition_profile.log")
+fi
+if [[ $parts == *,shard,* ]]; then
+    smodel="${SHARD_MODEL:-preset:llama-3.1-70b}"
+    stp="${SHARD_TP:-2}"
+    prof="$("$py" -c 'import sys, torch; from rapidserve.partition.profile import profile_filename; print(profile_filename(torch.cuda.get_device_name(), sys.argv[1], int(sys.argv[2])))' "$smodel" "$stp")"
+    say "shard profile of $smodel at TP $stp -> $out/$prof"
+    # shellcheck disable=SC2086
+    timeout -k 10 "${SHARD_TIMEOUT_S:-480}" "$py" -m rapidserve.cli profile --model "$smodel" --shard-of-tp "$stp" \
+        --max-model-len 8192 --gpu-memory-utilization 0.9 \
+        ${SHARD_ARGS:---batch-buckets 1,16,64,128 --context-buckets 512,2048,8192 --decode-reps 10} \
+        --out "$out/$prof" >"$out/shard_profile.log" 2>&1
+    s=$?; say "rapidserve profile exited with $s"; status=$((status || s))
+    [ "$s" = 0 ] && cp "$out/$prof" profiles/
+    tails+=("$out/shard_profile.log")
+fi
+if [[ $parts == *,tp2,* ]]; then
+    say "two-GPU tests"
+    timeout -k 10 "${TP2_TIMEOUT_S:-240}" "$py" -m pytest -m gpu -q -x --no-header -p no:cacheprovider \
+        tests/test_tp_engines.py tests/test_disagg_connector.py tests/test_data_parallel_engines.py -rs >"$out/tp2_tests.log" 2>&1
+    s=$?; say "two-GPU tests exited with $s"; status=$((status || s))
+    tails+=("$out/tp2_tests.log")
 fi
 if [[ $parts == *,hybrid,* ]]; then
     say "hybrid scheduling ahead vs waiting"
