@@ -33,6 +33,8 @@ setup_log="$out/fa3_setup.log"
 t_start=$(date +%s)
 say() { echo "fa3_check [$(($(date +%s) - t_start)) s]: $*" | tee -a "$setup_log"; }
 export PYTHONUNBUFFERED=1
+# Multi-GPU machines: NVLink multicast stays off for every program (the device library's KINDS.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
 carried_wheels fa3_check || { say "installing the carried wheels (.whl) failed"; exit 2; }
