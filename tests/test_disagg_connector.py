@@ -161,9 +161,18 @@ def test_peer_copy_between_two_gpus_behind_a_running_forward() -> None:
     local, remote = pool(64, 1, "cuda:0"), pool(128, 2, "cuda:1")
     c = DevicePeerConnector(local, remote, max_copy_bytes=4 * local[:, :, :1].numel() * 4)  # several pieces
     assert "cuda:0 <-> cuda:1" in c.describe()
-    r0 = remote.clone()
     compute = torch.cuda.Stream(a)
     src, dst = list(range(0, 64, 2)), list(range(127, 63, -2))
+    # Warm up as a serving engine is after its first request: the first push allocates the pinned host
+    # buffers of its block indices and the device buffers of its pieces, and a first pinned (cudaHostAlloc)
+    # or device allocation may wait for the device, which would let the push below finish behind the
+    # sleep before the check (it did, on two H200s, 2026-11-27); the caching allocators reuse them after.
+    with torch.cuda.stream(compute):
+        c.push(src, dst).wait()
+        c.pull(src[:2], [1, 3]).wait()
+    torch.cuda.synchronize(a)
+    torch.cuda.synchronize(b)
+    r0 = remote.clone()
     # The write's index lives on the GPU before the sleep: indexing with a Python list copies it from
     # pageable memory and blocks the host until the stream drains (the sleep included), which would let
     # the whole push finish before the check below (it did, on two H200s).
