@@ -14,7 +14,7 @@ from rapidserve.engine.tp_workers import stop_followers, wait_exited
 from rapidserve.ipc import Receiver, Sender, ShmRing
 from rapidserve.loader.presets import preset_config
 from rapidserve.parallel.group import TPGroup
-from rapidserve.parallel.mirror import Leader, MirrorMessage, follow
+from rapidserve.parallel.mirror import Leader, MirrorMessage, Stop, follow, send_each
 from tests.tp_harness import run_ranks
 
 
@@ -44,6 +44,39 @@ def test_wait_exited(exits_after_s: dict[int, float], timeout_s: float, want: bo
                       clock=clock, sleep=clock.sleep)
     assert got is want
     assert clock.t <= timeout_s + 0.011  # never waits past the bound
+
+
+class FullFor:
+    """A ring that refuses every message until the clock reaches `free_at_s` (None: it never frees)."""
+
+    def __init__(self, clock: FakeClock, free_at_s: float | None) -> None:
+        self.clock, self.free_at_s = clock, free_at_s
+        self.got: list[object] = []
+
+    def try_send(self, msg: object) -> bool:
+        if self.free_at_s is None or self.clock.t < self.free_at_s:
+            return False
+        self.got.append(msg)
+        return True
+
+
+@pytest.mark.parametrize("free_at_s,timeout_s,want", [
+    ([0.0, 0.0], 0.0, [True, True]),  # room everywhere: no wait
+    ([0.0, 0.5], 1.0, [True, True]),  # the full ring drains within the time: tried again until it takes it
+    ([0.5, 0.2], 1.0, [True, True]),  # any order
+    ([0.0, 0.5], 0.0, [True, False]),  # no retry allowed: the old behaviour
+    ([0.0, None], 1.0, [True, False]),  # never drains: given up at the deadline, the others still got it
+    ([None, None], 0.3, [False, False]),
+    ([], 1.0, []),  # no followers
+])
+def test_send_each_retries_a_full_ring_until_the_deadline(free_at_s: list[float | None], timeout_s: float,
+                                                          want: list[bool]) -> None:
+    clock = FakeClock()
+    rings = [FullFor(clock, f) for f in free_at_s]
+    got = send_each(rings, Stop("done"), timeout_s, clock=clock, sleep=clock.sleep)
+    assert got == want
+    assert all(len(r.got) == int(ok) for r, ok in zip(rings, got, strict=True))  # each took it at most once
+    assert clock.t <= timeout_s + 0.011  # never past the bound
 
 
 def _rank(follower_lingers_s: float, spec: object, rings: list[str], q: object) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ class TPSeat:
 
 MIRROR_SLOT_BYTES = 64 * 1024
 DECODE_NCCL_MAX_CTAS = 16
+log = logging.getLogger(__name__)
 FOLLOWERS_EXIT_S = 3.0  # a leader waits this long for its followers at exit: within WorkerSet.stop's 5 s join
 
 
@@ -169,9 +171,17 @@ def wait_exited(pids: Sequence[int], timeout_s: float, alive: Callable[[int], bo
 
 def stop_followers(leader: Leader, reason: str, timeout_s: float = FOLLOWERS_EXIT_S) -> bool:
     """At the leader's exit: Stop to every follower, then wait (at most `timeout_s`) for those that got it to exit
-    before this process, the host of the group's TCP store, goes. True: every follower was gone in time."""
-    sent = leader.stop(reason)
-    gone = wait_exited([pid for pid, ok in zip(leader.tp.pids[1:], sent, strict=True) if ok], timeout_s)
+    before this process, the host of the group's TCP store, goes. True: every follower was gone in time.
+    A follower whose ring is full gets the Stop once it has replayed enough to make room, within the same
+    `timeout_s`; one that never does is named in the log (the router's shutdown then ends it)."""
+    start = time.monotonic()
+    sent = leader.stop(reason, timeout_s=timeout_s)
+    missed = [rank for rank, ok in enumerate(sent, start=1) if not ok]
+    if missed:
+        log.warning("TP ranks %s never took the leader's Stop (their rings stayed full for %.1f s); the shutdown "
+                    "ends them", missed, timeout_s)
+    left = max(0.0, timeout_s - (time.monotonic() - start))
+    gone = wait_exited([pid for pid, ok in zip(leader.tp.pids[1:], sent, strict=True) if ok], left)
     return gone and all(sent)
 
 

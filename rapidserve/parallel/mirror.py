@@ -146,9 +146,11 @@ class Leader:
         self.tp.broadcast(token_ids.contiguous())
         self._sampled = [*self._sampled[-(KEEP_SAMPLES - 1):], (token_ids, seq)]
 
-    def stop(self, reason: str) -> list[bool]:
-        """Stop to every follower; whether each (rank order) got it (a full ring: no)."""
-        return [r.try_send(Stop(reason)) for r in self.rings]
+    def stop(self, reason: str, timeout_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+             sleep: Callable[[float], None] = time.sleep) -> list[bool]:
+        """Stop to every follower; whether each (rank order) got it. A follower whose ring is full (it is
+        still replaying earlier calls, which frees room) is tried again until `timeout_s` has passed."""
+        return send_each(self.rings, Stop(reason), timeout_s, clock, sleep)
 
 
 class Follower:
@@ -203,6 +205,21 @@ def follow(runner: Replayer, inbox: Receiver[Any], stream_of: Callable[[str | No
         if not f.apply(msg):
             assert isinstance(msg, Stop)
             return msg.reason
+
+
+def send_each(rings: Sequence[Any], msg: MirrorMessage, timeout_s: float,
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> list[bool]:
+    """`msg` into every ring without blocking on any one: a full ring is tried again (every 10 ms) while
+    the others go on, until `timeout_s` has passed; whether each ring (in order) took it."""
+    deadline = clock() + timeout_s
+    sent = [False] * len(rings)
+    while True:
+        for i, r in enumerate(rings):
+            if not sent[i]:
+                sent[i] = bool(r.try_send(msg))
+        if all(sent) or clock() >= deadline:
+            return sent
+        sleep(0.01)
 
 
 def wait_message(inbox: Receiver[Any], kind: type, timeout_s: float) -> Any:
