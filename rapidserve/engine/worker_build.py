@@ -31,7 +31,7 @@ from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.model_sharing import export_shared
 from rapidserve.partition.drift import LinearModel
-from rapidserve.partition.runtime import DecodePartition, open_streams, rank_model, resolve_plan
+from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
 from rapidserve.runner import ModelRunner, load_runner
 
 
@@ -49,8 +49,9 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
             "configurations": ",".join(parts.names), **memory_info(runner)}
-    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, rank_model(cfg),
-                                                                 cfg.scheduler.max_num_batched_tokens), parts)
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(
+        cfg.partition, plan, cfg.model_config, cfg.scheduler.max_num_batched_tokens,
+        tensor_parallel_size=cfg.parallel.tensor_parallel_size), parts)
 
 
 def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,

@@ -29,15 +29,16 @@ FIT_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the token budget: the roo
 
 
 def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Configuration], budget: int, *,
-                   dtype_bytes: int = 2) -> dict[str, LinearModel]:
+                   dtype_bytes: int = 2, tp: int = 1) -> dict[str, LinearModel]:
     """Per configuration, prefill time (ms) = a + b * tokens, least squares over the roofline's time of one
     chunk of budget/16 .. budget tokens alone on the configuration's prefill units (all of them where it
-    is overallocated): DRIFT's contention-free linear model."""
+    is overallocated): DRIFT's contention-free linear model. tp > 1: one rank's share of `model_cfg` (the
+    whole model) and its collectives (the roofline's link terms)."""
     sizes = sorted({max(1, round(budget * f)) for f in FIT_FRACTIONS} | {max(2, budget)})
     out = {}
     for c in configs:
         units = c.prefill_units if c.decode_units else peaks.num_compute_units
-        pts = [(n, 1e3 * step_seconds(prefill_operators(model_cfg, n, dtype_bytes=dtype_bytes), units, peaks))
+        pts = [(n, 1e3 * step_seconds(prefill_operators(model_cfg, n, tp=tp, dtype_bytes=dtype_bytes), units, peaks))
                for n in sizes]
         out[c.name] = fit_linear(pts)
     return out

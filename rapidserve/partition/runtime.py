@@ -105,15 +105,6 @@ def gpu_name(device: Any) -> str:
     return str(torch.cuda.get_device_name(device))
 
 
-def rank_model(cfg: EngineConfig) -> ModelConfig:
-    """The model one GPU computes: under tensor parallelism its shard (heads, KV heads, MLP, vocabulary);
-    what the roofline predicts a GPU's step time from."""
-    from rapidserve.parallel.shard import shard_config, tp_layout  # torch: only where a GPU plan is made
-
-    tp = cfg.parallel.tensor_parallel_size
-    return cfg.model_config if tp == 1 else shard_config(cfg.model_config, tp_layout(cfg.model_config, tp, 0))
-
-
 def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
     plan = _resolve_plan(cfg, device, dtype)
     if cfg.partition.policy == "drift":
@@ -132,10 +123,13 @@ def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dty
     if plan.peaks is None:
         plan.peaks = measure_peaks(device, dtype)
     size = getattr(dtype, "itemsize", 2)
-    plan.prefill_models = prefill_models(rank_model(cfg), plan.peaks, plan.configurations,
-                                         cfg.scheduler.max_num_batched_tokens, dtype_bytes=size)
+    plan.prefill_models = prefill_models(cfg.model_config, plan.peaks, plan.configurations,
+                                         cfg.scheduler.max_num_batched_tokens, dtype_bytes=size,
+                                         tp=cfg.parallel.tensor_parallel_size)
     fits = ", ".join(f"{k} {v.a_ms:.3g} + {v.b_ms_per_token:.3g} ms/token" for k, v in plan.prefill_models.items())
-    plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
+    tp = cfg.parallel.tensor_parallel_size
+    collectives = f", one rank of tensor parallel {tp} with its collectives" if tp > 1 else ""
+    plan.source += f"; drift prefill model (roofline, contention-free{collectives}): {fits}"
 
 
 def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
@@ -181,8 +175,9 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     configs = plan_configurations(g, p.decode_shares)
     peaks = measure_peaks(device, dtype)
     prof = roofline_fallback(cfg, gpu, configs, peaks)
-    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; {kind}; "
-                         f"{describe_peaks(peaks)}", peaks)
+    share = f"one rank of tensor parallel {tp}, collectives from the link model; " if tp > 1 else ""
+    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; {share}"
+                         f"{kind}; {describe_peaks(peaks)}", peaks)
 
 
 def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str, tp: int) -> tuple[Path | None, str]:
@@ -206,8 +201,12 @@ def describe_peaks(peaks: Peaks) -> str:
 
 
 def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration], peaks: Peaks) -> Profile:
-    return roofline_profile(rank_model(cfg), gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
-                            ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens)
+    """The roofline's estimate of what one GPU runs: under tensor parallelism, one rank's share of every
+    operator plus the collectives (all-reduces, logits all-gather) from the link model, as a measured shard
+    profile gets them (`with_collectives`)."""
+    return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
+                            ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens,
+                            tp=cfg.parallel.tensor_parallel_size)
 
 
 def open_streams(wire: PlanWire, device: Any, roles: tuple[Role, ...]) -> PartitionBackend:
@@ -232,7 +231,7 @@ class DecodePartition:
     pcfg: PartitionConfig
     plan: PartitionPlan
     state: ManagerState = field(init=False)
-    model_cfg: ModelConfig | None = None  # the duet policy's roofline model
+    model_cfg: ModelConfig | None = None  # the duet policy's roofline model: the whole model (tp: one rank's share)
     prefill_budget: int = 8192  # tokens of one prefill batch (the prefill worker's budget)
     switches: deque[Switch] = field(default_factory=lambda: deque(maxlen=256))
     last_duet: DuetDecision | None = None
@@ -241,6 +240,7 @@ class DecodePartition:
     num_switches: int = 0
     steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
     _cap: int | None = None
+    tensor_parallel_size: int = 1  # duet's roofline predicts one rank's step, collectives included
 
     def note_step(self) -> None:
         """One decode step was launched in the current configuration."""
@@ -267,7 +267,8 @@ class DecodePartition:
         old = self.state.config
         st = PolicyState(time.monotonic(), contexts, waiting, self.pcfg.slo_itl_ms,
                          prefill_budget=self.prefill_budget)
-        d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations, shared=True)
+        d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations, shared=True,
+                        tp=self.tensor_parallel_size)
         self.last_duet = d
         name, reason, self.state = duet_configuration(self.state, d, self.plan.configurations,
                                                       hysteresis_steps=self.pcfg.hysteresis_steps,
