@@ -155,47 +155,6 @@ def test_min_tokens_bans_eos_only_while_the_grammar_can_go_on(book: GrammarBook,
     assert check_stop_at(done.replace(structured_outputs=None), 2, 2, 10, EOS, 100) is None
 
 
-def test_begin_fill_on_the_fill_thread_gives_what_fill_gives(hf: Any) -> None:
-    """`begin_fill` then `finish` (the grammar engine's fill on the book's thread, the hybrid loop's path for
-    an eager mixed step) writes the same mask and fails the same rows as `fill`, step after step."""
-    a, b = GrammarBook(lambda: hf, VOCAB, EOS), GrammarBook(lambda: hf, VOCAB, EOS)
-    ps = [params(regex="[0-9]{3,6}"), params(json='{"type": "object", "properties": {"x": {"type": "integer"}}}'),
-          params(choice=("yes", "no")), SamplingParams(structured_outputs=StructuredOutputs(regex="[a-c]+"),
-                                                       min_tokens=4, max_tokens=9)]
-    toks: list[list[int]] = [[] for _ in ps]
-    bad = hf.encode("zz", add_special_tokens=False)
-    gen = torch.Generator().manual_seed(3)
-    for step in range(8):
-        rows = [GrammarRow(i, f"r{i}", p, list(t)) for i, (p, t) in enumerate(zip(ps, toks, strict=True))]
-        rows.append(GrammarRow(len(ps), "bad", ps[0], bad))  # rejected: fails alone, on both paths
-        want, failed_a = a.fill(rows, pin=False)
-        got, failed_b = b.begin_fill(rows, pin=False).finish()
-        assert list(failed_a) == list(failed_b) == [len(ps)]
-        assert got.rows == want.rows and torch.equal(got.words, want.words), step
-        logits = torch.randn(len(ps) + 1, VOCAB, generator=gen)
-        apply_grammar_mask(logits, want)
-        for i in range(len(ps)):
-            if not toks[i] or toks[i][-1] not in EOS:
-                toks[i].append(int(logits[i].argmax()))
-    assert b._fill_thread is not None  # the fill did run on the thread
-
-
-def test_an_engine_error_on_the_fill_thread_fails_those_rows_and_the_book_goes_on(book: GrammarBook) -> None:
-    p = params(regex="[0-9]+")
-    book.fill([GrammarRow(0, "warm", p, [])], pin=False)  # the executor exists
-
-    class Broken:
-        def unsafe_compute_mask_ptr(self, *a: Any) -> None:
-            raise RuntimeError("engine broke")
-
-    real, book._executor = book._executor, Broken()
-    mask, failed = book.begin_fill([GrammarRow(0, "x", p, []), GrammarRow(1, "y", p, [])], pin=False).finish()
-    assert sorted(failed) == [0, 1] and all("engine broke" in v for v in failed.values())
-    book._executor = real
-    mask, failed = book.begin_fill([GrammarRow(0, "x", p, []), GrammarRow(1, "y", p, [])], pin=False).finish()
-    assert not failed and mask.rows == [0, 1] and mask.allowed(0, VOCAB)
-
-
 def test_apply_grammar_mask_touches_only_masked_rows_and_for_row() -> None:
     mask = GrammarMask.new(1, 70, pin=False)
     mask.words.zero_()

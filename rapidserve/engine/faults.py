@@ -31,17 +31,9 @@ class RequestsFailed(Exception):
 def fill_or_blame(book: Any, rows: Sequence[Any], batch: Sequence[Any], pin: bool) -> Any:
     """The structured-output mask of `rows` (`GrammarBook.fill`); RequestsFailed naming the requests of
     `batch` whose grammar rejected a token (they fail alone: the rest of the step goes on)."""
-    return blame_failed(*book.fill(rows, pin=pin), batch)
-
-
-def finish_or_blame(pending: Any, batch: Sequence[Any]) -> Any:
-    """`fill_or_blame` for a fill begun earlier (`GrammarBook.begin_fill`): waits for it."""
-    return blame_failed(*pending.finish(), batch)
-
-
-def blame_failed(mask: Any, failed: dict[int, str], batch: Sequence[Any]) -> Any:
     from rapidserve.structured import GrammarError
 
+    mask, failed = book.fill(rows, pin=pin)
     if failed:
         e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
         e.reqs = [batch[i] for i in e.rows]

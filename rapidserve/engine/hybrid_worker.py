@@ -36,14 +36,11 @@ Forward passes:
 Sampled tokens (and logprobs) are copied to pinned host memory without waiting, then an event is
 recorded; the host reads them only after that event.
 
-Structured outputs (rapidserve/structured): when a decode-only step samples a request with a
-constraint, `launch` queues the step's graph first, then waits for the previous step's tokens on the
-host (only if a grammar row's newest token is still a placeholder), advances those requests' matchers
-and fills their bitmask rows on the CPU while the device computes, and the sampler applies the mask on
-the device. A mixed step is eager and takes about as long to queue as to run, so there the matchers
-are advanced first and the grammar engine fills the rows on its own thread (`GrammarBook.begin_fill`)
-while this thread queues the forward. Batches without a constraint never wait there. `publish`
-releases the matchers of requests no longer running.
+Structured outputs (rapidserve/structured): when a step samples a request with a constraint, `launch`
+queues the forward first, then waits for the previous step's tokens on the host (only if a grammar
+row's newest token is still a placeholder), advances those requests' matchers and fills their bitmask
+rows on the CPU while the device computes, and the sampler applies the mask on the device. Batches
+without a constraint never wait there. `publish` releases the matchers of requests no longer running.
 A request's grammar starts compiling in the background when its NewRequest comes; until it is
 compiled the request is not admitted (`schedule`'s `hold`) and the others keep stepping.
 
@@ -57,7 +54,6 @@ A request never outgrows the pool: its context is capped at the pool's capacity 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,14 +63,7 @@ import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import (
-    RequestsFailed,
-    describe,
-    fill_or_blame,
-    finish_or_blame,
-    is_fatal,
-    sample_or_blame,
-)
+from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.logit_controls import seq_history
@@ -237,13 +226,6 @@ class HybridWorker:
             decode_items.append((tok, s))
         carry = Carry(prev.device_tokens, carried) if carried and prev is not None and \
             prev.device_tokens is not None else None
-        seqs = plan.sampled
-        early = None
-        if seqs and not plan.is_decode_only and GrammarBook.needed(s.params for s in seqs):
-            # An eager mixed step takes about as long to queue as to run: the grammar engine fills the
-            # mask on its own thread meanwhile (a decode step's graph is queued at once and the fill after
-            # it overlaps the device instead; waiting for `prev` first here would idle the device).
-            early = self.grammar.begin_fill(self._grammar_rows(seqs, prev), pin=self.runner.device.type == "cuda")
         if plan.is_decode_only:
             logits = self.runner.decode([DecodeItem(t, s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items],
                                         carry=carry)
@@ -255,22 +237,12 @@ class HybridWorker:
             items = [PrefillItem([t], s.num_tokens - 1, table(s.seq_id)) for t, s in decode_items]
             items += [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start, table(c.seq.seq_id),
                                   need_logits=c.samples) for c in plan.prefill]
-            try:
-                logits = self.runner.prefill(items, carry=carry)
-            except BaseException:
-                if early is not None:  # the fill thread is done with the matchers before anyone else uses them
-                    with contextlib.suppress(Exception):
-                        early.finish()
-                raise
+            logits = self.runner.prefill(items, carry=carry)
+        seqs = plan.sampled
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
-            if early is not None:
-                mask = finish_or_blame(early, seqs)
-            elif GrammarBook.needed(s.params for s in seqs):
-                mask = self._grammar_mask(seqs, prev)
-            else:
-                mask = None
+            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
             try:
                 out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
                                       history=lambda i: seq_history(seqs[i]))
@@ -291,13 +263,8 @@ class HybridWorker:
 
     def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
         """The structured-output mask of this step's rows, filled while the device runs its forward
-        (queued already). Rows whose grammar rejects a token fail."""
-        return fill_or_blame(self.grammar, self._grammar_rows(seqs, prev), seqs, pin=self.runner.device.type == "cuda")
-
-    def _grammar_rows(self, seqs: list[Sequence], prev: Launched | None) -> list[GrammarRow]:
-        """The grammar rows of this step and the output tokens each request has so far. A row whose newest
-        token is a placeholder needs `prev`'s tokens on the host: only batches with a grammar row wait for
-        them here."""
+        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
+        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
         prev_tokens: list[int] | None = None
         rows: list[GrammarRow] = []
         for i, s in enumerate(seqs):
@@ -312,7 +279,7 @@ class HybridWorker:
                     prev_tokens = prev.host.token_ids.tolist()
                 known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
             rows.append(GrammarRow(i, s.seq_id, s.params, known))
-        return rows
+        return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;

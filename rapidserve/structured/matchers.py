@@ -36,7 +36,6 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +82,6 @@ class GrammarBook:
         self._tok: Any = None
         self._tok_lock = threading.Lock()
         self._executor: Any = None
-        self._fill_thread: ThreadPoolExecutor | None = None  # begin_fill's: made at the first background fill
         self._matchers: dict[str, _Matcher] = {}
 
     @classmethod
@@ -225,15 +223,6 @@ class GrammarBook:
     def fill(self, rows: Sequence[GrammarRow], pin: bool) -> tuple[GrammarMask, dict[int, str]]:
         """The step's mask for `rows` (rows whose matcher has ended are left out: unconstrained), and
         the rows that failed (logits row -> message). Never raises for one request's grammar."""
-        return self.begin_fill(rows, pin, background=False).finish()
-
-    def begin_fill(self, rows: Sequence[GrammarRow], pin: bool, background: bool = True) -> PendingFill:
-        """`fill` in two halves, for a loop that has host work to do meanwhile: here, on the caller's
-        thread, each row's matcher is brought up to its tokens and the mask buffer is made; the grammar
-        engine's own fill (native code, the GIL released: most of a fill's time) then runs on this book's
-        fill thread while the caller goes on (queueing a forward), and `PendingFill.finish()` waits for it
-        and completes the rows (complete or dead grammars: EOS only; min_tokens bans). The matchers must
-        not be touched between the two (no other `fill`/`begin_fill`, `release` or `retain`)."""
         failed: dict[int, str] = {}
         live: list[tuple[GrammarRow, _Matcher]] = []
         for r in rows:
@@ -245,47 +234,33 @@ class GrammarBook:
                 continue
             if not mt.eos_seen:
                 live.append((r, mt))
-        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written
-        todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
-        pending = PendingFill(self, mask, live, todo, failed)
-        if todo and background:
-            if self._fill_thread is None:
-                self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-            pending.job = self._fill_thread.submit(self._compute, mask, todo, len(live))
-        elif todo:
-            pending.error = _capture(self._compute, mask, todo, len(live))
-        return pending
-
-    def _compute(self, mask: GrammarMask, todo: list[tuple[Any, int]], n: int) -> BaseException | None:
-        """The grammar engine writes the rows in place (what llguidance.torch's wrappers do; that module
-        is not imported: it builds a torch.compile kernel at import, seconds of stall)."""
-        words, row_bytes = mask.words, mask.num_words * 4
-        if len(todo) == 1:
-            todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].data_ptr(), row_bytes)
-        else:
-            self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, n)
-        return None
-
-    def _complete(self, p: PendingFill) -> tuple[GrammarMask, dict[int, str]]:
-        mask, live, failed = p.mask, p.live, p.failed
-        if not live:
-            return mask, failed
-        words = mask.words
-        if p.error is not None:  # those rows fail, the worker lives
-            err = str(engine_error("grammar", p.error))
-            for i in (i for _, i in p.todo):
-                failed[live[i][0].row] = err
-                self._matchers.pop(live[i][0].key, None)
-                words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
-        empty = ~words.numpy().any(axis=1)  # one pass over the step's words, not a call per row
-        for i, (r, mt) in enumerate(live):
-            if empty[i] and not mt.dead and not mt.m.is_stopped():
-                mt.dead = True  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
-            if mt.m.is_stopped() or mt.dead:  # the grammar is complete and cannot go on: EOS only
-                self._only_eos(words[i])
-            elif len(r.tokens) < r.params.min_tokens:
-                self._ban_early_stop(words[i], r.params)
-        mask.row_ids.copy_(torch.tensor([r.row for r, _ in live], dtype=torch.int32))
+        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
+        if live:
+            words = mask.words
+            todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
+            try:
+                # The grammar engine writes the rows in place (what llguidance.torch's wrappers do; that
+                # module is not imported: it builds a torch.compile kernel at import, seconds of stall).
+                row_bytes = mask.num_words * 4
+                if len(todo) == 1:
+                    todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].data_ptr(), row_bytes)
+                elif todo:
+                    self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, len(live))
+            except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
+                err = str(engine_error("grammar", e))
+                for i in (i for _, i in todo):
+                    failed[live[i][0].row] = err
+                    self._matchers.pop(live[i][0].key, None)
+                    words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
+            empty = ~words.numpy().any(axis=1)  # one pass over the step's words, not a call per row
+            for i, (r, mt) in enumerate(live):
+                if empty[i] and not mt.dead and not mt.m.is_stopped():
+                    mt.dead = True  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
+                if mt.m.is_stopped() or mt.dead:  # the grammar is complete and cannot go on: EOS only
+                    self._only_eos(words[i])
+                elif len(r.tokens) < r.params.min_tokens:
+                    self._ban_early_stop(words[i], r.params)
+            mask.row_ids.copy_(torch.tensor([r.row for r, _ in live], dtype=torch.int32))
         return mask, failed
 
     def _only_eos(self, words: Any) -> None:
@@ -307,34 +282,3 @@ class GrammarBook:
             w[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         if not w.any():
             w[:] = saved
-
-
-def _capture(fn: Callable[..., Any], *args: Any) -> BaseException | None:
-    try:
-        fn(*args)
-    except BaseException as e:  # noqa: BLE001 - handed to PendingFill.finish, which fails those rows
-        return e
-    return None
-
-
-@dataclass
-class PendingFill:
-    """A step's mask whose grammar-engine fill may still be running on the book's fill thread
-    (`GrammarBook.begin_fill`); `finish()` waits for it and returns what `GrammarBook.fill` returns."""
-
-    book: GrammarBook
-    mask: GrammarMask
-    live: list[tuple[GrammarRow, _Matcher]]
-    todo: list[tuple[Any, int]]
-    failed: dict[int, str]
-    job: Future[BaseException | None] | None = None
-    error: BaseException | None = None
-
-    def finish(self) -> tuple[GrammarMask, dict[int, str]]:
-        if self.job is not None:
-            job, self.job = self.job, None
-            try:
-                self.error = job.result()
-            except BaseException as e:  # noqa: BLE001 - the engine's error fails those rows
-                self.error = e
-        return self.book._complete(self)
