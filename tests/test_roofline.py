@@ -14,7 +14,6 @@ from rapidserve.partition.profile import Configuration, Profile, load_profile, s
 from rapidserve.partition.roofline import (
     Peaks,
     bw_share,
-    compare,
     concurrent,
     decode_operators,
     decode_step_ms,
@@ -25,6 +24,7 @@ from rapidserve.partition.roofline import (
     roofline_profile,
     totals,
 )
+from rapidserve.partition.roofline_error import compare
 
 LLAMA3_8B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_heads=32, num_kv_heads=8, head_dim=128, name="llama-3-8b")
@@ -88,7 +88,9 @@ def test_decode_flops_hand_total() -> None:
 def test_tensor_parallel_adds_communication_only_when_tp_above_one() -> None:
     assert not [o for o in decode_operators(LLAMA3_8B, 4, 100) if o.kind == "communication"]
     ops = by_name(decode_operators(LLAMA3_8B, 4, 100, tp=2))
-    assert ops["all_reduce"].count == 64 and ops["all_reduce"].link_bytes == 2 * (1 / 2) * 4 * 4096 * 2
+    # two per layer and one after the vocabulary-parallel embedding
+    assert ops["all_reduce"].count == 65 and ops["all_reduce"].link_bytes == 2 * (1 / 2) * 4 * 4096 * 2
+    assert ops["logits_all_gather"].link_bytes == (1 / 2) * 4 * 128256 * 2
     assert ops["qkv_proj"].weight_bytes == 4096 * (2048 + 2 * 512) * 2
     one, two = decode_step_ms(LLAMA3_8B, 1, 2048, 132, H100), decode_step_ms(LLAMA3_8B, 1, 2048, 132, H100, tp=2)
     assert one / 2 < two < one

@@ -15,9 +15,11 @@ then follow until the router stops it or dies.
 Shutdown, in order: the leader's process hosts the TCP store its group met on (rank 0's), so it goes last.
 At its exit the leader sends Stop to its followers and waits for them to exit (`stop_followers`): a
 follower that outlived the store had NCCL's watchdog report the lost store (a c10d stack trace) at every
-stop. No rank calls destroy_process_group: NCCL's ncclCommFinalize waits until every CUDA graph that captured
-the communicator's kernels is destroyed, and decode and hybrid ranks hold theirs (all-reduces inside) to the
-end; the communicator goes with the process.
+stop. A follower whose mirror ring is full (it is behind, replaying) gets the Stop as soon as it has made
+room, within the same 3 s; one that never does is named in the log and left to the router's shutdown.
+No rank calls destroy_process_group: NCCL's ncclCommFinalize waits until every CUDA graph that captured the
+communicator's kernels is destroyed, and decode and hybrid ranks hold theirs (all-reduces inside) to the end;
+the communicator goes with the process.
 """
 
 from __future__ import annotations
@@ -169,20 +171,47 @@ def wait_exited(pids: Sequence[int], timeout_s: float, alive: Callable[[int], bo
         sleep(0.01)
 
 
-def stop_followers(leader: Leader, reason: str, timeout_s: float = FOLLOWERS_EXIT_S) -> bool:
-    """At the leader's exit: Stop to every follower, then wait (at most `timeout_s`) for those that got it to exit
-    before this process, the host of the group's TCP store, goes. True: every follower was gone in time.
-    A follower whose ring is full gets the Stop once it has replayed enough to make room, within the same
-    `timeout_s`; one that never does is named in the log (the router's shutdown then ends it)."""
-    start = time.monotonic()
-    sent = leader.stop(reason, timeout_s=timeout_s)
-    missed = [rank for rank, ok in enumerate(sent, start=1) if not ok]
-    if missed:
-        log.warning("TP ranks %s never took the leader's Stop (their rings stayed full for %.1f s); the shutdown "
-                    "ends them", missed, timeout_s)
-    left = max(0.0, timeout_s - (time.monotonic() - start))
-    gone = wait_exited([pid for pid, ok in zip(leader.tp.pids[1:], sent, strict=True) if ok], left)
-    return gone and all(sent)
+@dataclass(frozen=True)
+class FollowersStopped:
+    """How a leader's Stop went, by follower rank (1..N-1). `missed`: alive but never took the Stop (its ring
+    stayed full until the deadline, or was closed); `lingering`: took it but had not exited when the wait
+    ended. Both are left to the router's shutdown (`WorkerSet.stop` terminates, then kills). A follower that
+    had already exited is in neither."""
+
+    missed: tuple[int, ...] = ()
+    lingering: tuple[int, ...] = ()
+
+    @property
+    def orderly(self) -> bool:
+        """Every follower was gone before the leader (the host of the group's TCP store)."""
+        return not self.missed and not self.lingering
+
+
+def stop_followers(leader: Leader, reason: str, timeout_s: float = FOLLOWERS_EXIT_S,
+                   alive: Callable[[int], bool] = pid_alive, clock: Callable[[], float] = time.monotonic,
+                   sleep: Callable[[float], None] = time.sleep) -> FollowersStopped:
+    """At the leader's exit: Stop to every follower, then wait for those that took it to exit before this
+    process, the host of the group's TCP store, goes. One deadline, `timeout_s`, bounds both: a follower whose
+    ring is full takes the Stop once it has replayed enough to make room; one that has exited is not waited
+    for. The ranks that never took it, or took it and still run, are named in the log and in the result."""
+    deadline = clock() + timeout_s
+    pids = leader.tp.pids[1:]
+    sent = leader.stop(reason, timeout_s=timeout_s, clock=clock, sleep=sleep,
+                       follower_gone=lambda rank: not alive(pids[rank - 1]))
+    wait_exited([pid for pid, ok in zip(pids, sent, strict=True) if ok], max(0.0, deadline - clock()), alive,
+                clock, sleep)
+    out = FollowersStopped(
+        missed=tuple(r for r, (pid, ok) in enumerate(zip(pids, sent, strict=True), 1) if not ok and alive(pid)),
+        lingering=tuple(r for r, (pid, ok) in enumerate(zip(pids, sent, strict=True), 1) if ok and alive(pid)))
+    if out.missed:
+        log.warning("TP ranks %s never took the leader's Stop (%s): their mirror rings stayed full for %.1f s, so "
+                    "they were still replaying earlier calls or are stuck in one (a collective another rank never "
+                    "joined: see that rank's log); the router's shutdown terminates them", list(out.missed),
+                    reason, timeout_s)
+    if out.lingering:  # not an error: the store may outlive them briefly; NCCL may then log a lost store
+        log.info("TP ranks %s took the leader's Stop (%s) but had not exited %.1f s later; the router's shutdown "
+                 "terminates them", list(out.lingering), reason, timeout_s)
+    return out
 
 
 def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:

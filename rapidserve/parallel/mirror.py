@@ -33,7 +33,7 @@ import msgspec
 import numpy as np
 import torch
 
-from rapidserve.ipc import Receiver, Sender
+from rapidserve.ipc import Receiver, RingClosed, Sender
 
 if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
@@ -147,10 +147,13 @@ class Leader:
         self._sampled = [*self._sampled[-(KEEP_SAMPLES - 1):], (token_ids, seq)]
 
     def stop(self, reason: str, timeout_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-             sleep: Callable[[float], None] = time.sleep) -> list[bool]:
-        """Stop to every follower; whether each (rank order) got it. A follower whose ring is full (it is
-        still replaying earlier calls, which frees room) is tried again until `timeout_s` has passed."""
-        return send_each(self.rings, Stop(reason), timeout_s, clock, sleep)
+             sleep: Callable[[float], None] = time.sleep,
+             follower_gone: Callable[[int], bool] | None = None) -> list[bool]:
+        """Stop to every follower; whether each (rank order: ranks 1..N-1) got it. A follower whose ring is full
+        (it is still replaying earlier calls, which frees room) is tried again until `timeout_s` has passed,
+        unless `follower_gone(rank)` says it has exited (`send_each`)."""
+        gone = None if follower_gone is None else (lambda i: follower_gone(i + 1))
+        return send_each(self.rings, Stop(reason), timeout_s, clock, sleep, gone)
 
 
 class Follower:
@@ -208,16 +211,29 @@ def follow(runner: Replayer, inbox: Receiver[Any], stream_of: Callable[[str | No
 
 
 def send_each(rings: Sequence[Any], msg: MirrorMessage, timeout_s: float,
-              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> list[bool]:
-    """`msg` into every ring without blocking on any one: a full ring is tried again (every 10 ms) while
-    the others go on, until `timeout_s` has passed; whether each ring (in order) took it."""
+              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+              reader_gone: Callable[[int], bool] | None = None) -> list[bool]:
+    """`msg` into every ring (its `try_send`) without blocking on any one; whether each ring (in order) took it.
+
+    A full ring is tried again every 10 ms while the others go on (its reader frees room as it replays), until
+    `timeout_s` has passed. Given up at once: a ring that is closed (`RingClosed`), or whose reader has exited
+    (`reader_gone(i)`, checked only while ring i refuses): nobody will ever make room there.
+    Invariants: each ring takes `msg` at most once; never waits on one ring; returns within `timeout_s` plus
+    one 10 ms nap; never raises for a ring that cannot take it."""
     deadline = clock() + timeout_s
     sent = [False] * len(rings)
+    hopeless = [False] * len(rings)
     while True:
         for i, r in enumerate(rings):
-            if not sent[i]:
+            if sent[i] or hopeless[i]:
+                continue
+            try:
                 sent[i] = bool(r.try_send(msg))
-        if all(sent) or clock() >= deadline:
+            except RingClosed:
+                hopeless[i] = True
+            if not sent[i] and reader_gone is not None and reader_gone(i):
+                hopeless[i] = True
+        if all(ok or lost for ok, lost in zip(sent, hopeless, strict=True)) or clock() >= deadline:
             return sent
         sleep(0.01)
 

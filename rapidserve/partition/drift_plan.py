@@ -23,7 +23,7 @@ from rapidserve.config import ModelConfig
 from rapidserve.partition.drift import DriftDecision, LinearModel, fit_linear
 from rapidserve.partition.manager import ManagerState, full_decode_config
 from rapidserve.partition.profile import Configuration, Profile, lookup
-from rapidserve.partition.roofline import Peaks, prefill_operators, step_seconds
+from rapidserve.partition.roofline import Peaks, collectives_ms, prefill_operators, step_seconds, without_collectives
 
 FIT_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the token budget: the roofline points a model is fitted to
 
@@ -32,15 +32,18 @@ def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Confi
                    dtype_bytes: int = 2, tp: int = 1) -> dict[str, LinearModel]:
     """Per configuration, prefill time (ms) = a + b * tokens, least squares over the roofline's time of one
     chunk of budget/16 .. budget tokens alone on the configuration's prefill units (all of them where it
-    is overallocated): DRIFT's contention-free linear model. tp > 1: one rank's share of `model_cfg` (the
-    whole model) and its collectives (the roofline's link terms)."""
+    is overallocated): DRIFT's contention-free linear model. tp > 1 (`model_cfg` the whole model): the line
+    of one rank's shard plus the line of its collectives (`roofline.collectives_ms`, affine in the tokens,
+    so the sum is exactly the shard's estimate plus the collectives term at every size)."""
     sizes = sorted({max(1, round(budget * f)) for f in FIT_FRACTIONS} | {max(2, budget)})
+    b = dtype_bytes
+    link = fit_linear([(n, collectives_ms(model_cfg, n, 1, peaks, tp=tp, dtype_bytes=b)) for n in sizes])
     out = {}
     for c in configs:
         units = c.prefill_units if c.decode_units else peaks.num_compute_units
-        pts = [(n, 1e3 * step_seconds(prefill_operators(model_cfg, n, tp=tp, dtype_bytes=dtype_bytes), units, peaks))
-               for n in sizes]
-        out[c.name] = fit_linear(pts)
+        own = fit_linear([(n, 1e3 * step_seconds(without_collectives(prefill_operators(
+            model_cfg, n, tp=tp, dtype_bytes=b)), units, peaks)) for n in sizes])
+        out[c.name] = LinearModel(own.a_ms + link.a_ms, own.b_ms_per_token + link.b_ms_per_token)  # tp 1: + 0
     return out
 
 

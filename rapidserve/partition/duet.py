@@ -10,6 +10,10 @@ with t_d the predicted decode step beside the prefill on S_d, t_p the prefill ba
 B the decode batch and P the prefill tokens; k = ceil(t_p / t_d), so the k decode steps (dispatched
 ahead, without a host sync between them) cover the prefill. Where no split meets the SLO, the one
 with the fastest decode step is taken and the decision says so.
+
+Under tensor parallelism (`tp` > 1, `model_cfg` the whole model) every time predicted is one rank's: its
+shard's plus its collectives (`roofline.collectives_ms`, added as the roofline module docstring says), the
+same term the rapid manager's profile and DRIFT's prefill models get.
 """
 
 from __future__ import annotations

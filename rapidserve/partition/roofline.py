@@ -14,8 +14,17 @@ that phase gets (below), and the step time the sum over operators. Operators, pe
   flops = 4*Hq*d*context, bytes = (2*Hkv*d*context + 2*Hq*d) * dtype_bytes (the KV read dominates);
   a prefill chunk of n tokens after `prefix` cached ones (causal):
   flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = (2*n*Hq*d + 2*Hkv*d*(prefix+n)) * dtype_bytes.
-* communication (tp > 1): two ring all-reduces of T*h per layer, link_bytes = 2(tp-1)/tp*T*h*b,
-  and an all-gather of the logits, (tp-1)/tp*R*V*b. Zero at tp=1.
+* communication (tp > 1, `collective_ops`): ring all-reduces of T*h, link_bytes = 2(tp-1)/tp*T*h*b, two
+  per layer (after o_proj and down_proj) and one after the vocabulary-parallel embedding, and an all-gather
+  of the logits, (tp-1)/tp*R*V'*b (V' the vocabulary padded to a multiple of tp). Zero at tp=1.
+
+Tensor parallelism (tp > 1): an estimate of one rank is its shard's estimate (every operator at the
+rank's share) plus its collectives (`collectives_ms`), each phase's on its own communicator, so neither
+waits for the other's: a decode step takes its collectives' time more, a prefill forward of P tokens its
+own (`plus_collectives`, lower tokens/s). Contention between the phases is modelled on the shard's compute
+alone. Every cost model of a `-tp N` engine adds exactly this term: a measured shard profile
+(`with_collectives`), the roofline profile (`roofline_profile(tp=N)`, the same function on the roofline's
+shard), `concurrent`, duet's decisions and DRIFT's prefill lines (partition/drift_plan.py).
 
 Bandwidth vs compute share (fitted to docs/measured.md's decode-alone table on 16/32/48/64/132 H100 SMs):
     bw(f) = hbm_bw * bw_efficiency * share(f),   share(f) = (1+k)*f / (f+k),   k = bw_knee = 0.285
@@ -43,7 +52,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -65,7 +73,8 @@ class Peaks(msgspec.Struct, frozen=True):
     fraction of copy bandwidth that weight/KV streaming reaches (fitted with bw_knee to docs/measured.md's
     decode chain, taking 2.98e12 B/s as that H100's copy bandwidth). The contention and overalloc
     constants are explained in the module docstring. Defaults suit an H100; `measure_peaks` fills the
-    measured fields and keeps them, so compare() against a measured profile tells how far they carry.
+    measured fields and keeps them, so `roofline_error.compare` against a measured profile tells how far
+    they carry.
     """
 
     matmul_flops: float
@@ -145,11 +154,40 @@ def _step_ops(
         Operator("final_norm", "token", 5 * rows * h, h * b, 4 * rows * h * b),
         Operator("lm_head", "token", 2 * rows * h * vocab, h * vocab * b, rows * (h + vocab) * b),
     ]
-    if tp > 1:
-        ops.append(Operator("all_reduce", "communication", 0.0, 0.0, 0.0, 2 * (tp - 1) / tp * T * h * b, 2 * L))
-        ops.append(Operator("logits_all_gather", "communication", 0.0, 0.0, 0.0,  # of the whole vocabulary
-                              (tp - 1) / tp * rows * cfg.vocab_size * b))
-    return ops
+    return ops + collective_ops(cfg, T, rows, tp=tp, dtype_bytes=b)
+
+
+def collective_ops(cfg: ModelConfig, tokens: int, rows: int, *, tp: int, dtype_bytes: int = 2) -> list[Operator]:
+    """The collectives one rank of tensor parallel `tp` runs in a forward step over `tokens` tokens, `rows` of
+    which reach the LM head (none at tp 1): the all-reduces of tokens x hidden (two per layer, one after the
+    embedding) and the all-gather of the rows' logits over the padded vocabulary. The one formula of the
+    collectives: every estimate at tp > 1 gets it from here (module docstring)."""
+    if tp == 1:
+        return []
+    h, b, padded_vocab = cfg.hidden_size, dtype_bytes, _tp_sizes(cfg, tp)[3] * tp
+    return [Operator("all_reduce", "communication", 0.0, 0.0, 0.0, 2 * (tp - 1) / tp * tokens * h * b,
+                     2 * cfg.num_layers + 1),
+            Operator("logits_all_gather", "communication", 0.0, 0.0, 0.0, (tp - 1) / tp * rows * padded_vocab * b)]
+
+
+def collectives_ms(cfg: ModelConfig, tokens: int, rows: int, peaks: Peaks, *, tp: int, dtype_bytes: int = 2) -> float:
+    """The collectives term (ms) of one forward step of one rank (`collective_ops`) on the link model: each
+    collective link_bytes / link_bw + link_latency_s, whatever the rank's compute share. 0 at tp 1."""
+    return 1e3 * _link_seconds(collective_ops(cfg, tokens, rows, tp=tp, dtype_bytes=dtype_bytes), peaks)
+
+
+def plus_collectives(decode_ms: float, prefill_tokens_per_s: float, prefill_tokens: int, decode_link_ms: float,
+                     prefill_link_ms: float) -> tuple[float, float]:
+    """A shard's (decode step ms, prefill tokens/s) with its collectives: the decode step takes `decode_link_ms`
+    more, each prefill forward of `prefill_tokens` tokens `prefill_link_ms` more. Both phases' collectives run
+    on their own communicators (parallel/group.py), so neither waits for the other's."""
+    per_forward_s = prefill_tokens / prefill_tokens_per_s + prefill_link_ms / 1e3
+    return decode_ms + decode_link_ms, prefill_tokens / per_forward_s
+
+
+def without_collectives(ops: Iterable[Operator]) -> list[Operator]:
+    """The shard's own operators of a step (its collectives dropped): what one rank computes."""
+    return [o for o in ops if o.kind != "communication"]
 
 
 def decode_operators(
@@ -207,6 +245,14 @@ def _bw_alone(f: float, peaks: Peaks) -> float:
     return peaks.hbm_bw * peaks.bw_efficiency * bw_share(f, peaks.bw_knee)
 
 
+def _one_link_s(o: Operator, peaks: Peaks) -> float:
+    return o.link_bytes / peaks.link_bw + peaks.link_latency_s
+
+
+def _link_seconds(ops: Iterable[Operator], peaks: Peaks) -> float:
+    return sum(o.count * _one_link_s(o, peaks) for o in ops if o.kind == "communication")
+
+
 def step_seconds(ops: Iterable[Operator], units: int, peaks: Peaks, bw: float | None = None) -> float:
     """Sum over operators of max(compute time, memory time) on `units` units with bandwidth `bw`."""
     if not 0 < units <= peaks.num_compute_units:
@@ -216,7 +262,7 @@ def step_seconds(ops: Iterable[Operator], units: int, peaks: Peaks, bw: float | 
     total = 0.0
     for o in ops:
         if o.kind == "communication":
-            t = o.link_bytes / peaks.link_bw + peaks.link_latency_s
+            t = _one_link_s(o, peaks)
         else:
             eff = peaks.attn_efficiency if o.kind == "sequence" else peaks.gemm_efficiency
             t = max(o.flops / (peaks.matmul_flops * eff * f), o.bytes / bw)
@@ -244,10 +290,25 @@ def concurrent(
     model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
     peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
 ) -> tuple[float, float]:
-    """(decode step ms, prefill tokens/s) with both phases running; decode_units == 0: overallocated."""
-    n, b = peaks.num_compute_units, dtype_bytes
+    """(decode step ms, prefill tokens/s) with both phases running; decode_units == 0: overallocated.
+    tp > 1: the shard's concurrency (`model_cfg` is the whole model) plus each phase's collectives
+    (`plus_collectives`), as a measured shard profile gets them."""
+    b = dtype_bytes
     d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b)
     p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b)
+    t_d, tps = _concurrent_compute(without_collectives(d_ops), without_collectives(p_ops), decode_units,
+                                   prefill_units, prefill_chunk, peaks)
+    if tp == 1:
+        return t_d, tps
+    d_link = collectives_ms(model_cfg, batch, batch, peaks, tp=tp, dtype_bytes=b)
+    return plus_collectives(t_d, tps, prefill_chunk, d_link,
+                            collectives_ms(model_cfg, prefill_chunk, 1, peaks, tp=tp, dtype_bytes=b))
+
+
+def _concurrent_compute(d_ops: Sequence[Operator], p_ops: Sequence[Operator], decode_units: int, prefill_units: int,
+                        prefill_chunk: int, peaks: Peaks) -> tuple[float, float]:
+    """`concurrent` of the two phases' compute operators (no collectives)."""
+    n = peaks.num_compute_units
     if decode_units == 0:
         t_d, t_p = step_seconds(d_ops, n, peaks), step_seconds(p_ops, n, peaks)
         t_d2 = t_d + _kernels(d_ops) * peaks.overalloc_wait * t_p / _kernels(p_ops)
@@ -281,122 +342,48 @@ def roofline_profile(
 ) -> Profile:
     """A Profile (source="roofline") with every (configuration, batch, context) entry estimated.
 
-    p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of docs/measured.md's split runs; alone: assumed)."""
+    p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of docs/measured.md's split runs; alone: assumed).
+    tp > 1 (`model_cfg` the whole model): the roofline's profile of one rank's shard (`tensor_parallel_size`
+    tp) put through `with_collectives`, exactly as a measured shard profile is; its p95s are the shard's plus
+    the collectives (the link model has no spread)."""
     entries = []
     for c in configurations:
         alone_units = c.decode_units or peaks.num_compute_units
         for bb in batch_buckets:
             for cb in context_buckets:
-                alone = decode_step_ms(model_cfg, bb, cb, alone_units, peaks, tp, dtype_bytes=dtype_bytes)
-                t_d, tps = concurrent(model_cfg, bb, cb, c.decode_units, c.prefill_units, prefill_chunk, peaks,
-                                      tp, dtype_bytes=dtype_bytes)
+                d_ops = without_collectives(decode_operators(model_cfg, bb, cb, tp=tp, dtype_bytes=dtype_bytes))
+                p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes))
+                alone = 1e3 * step_seconds(d_ops, alone_units, peaks)
+                t_d, tps = _concurrent_compute(d_ops, p_ops, c.decode_units, c.prefill_units, prefill_chunk, peaks)
                 entries.append(Entry(c.name, bb, cb, alone, alone * p95_over_p50_alone, t_d,
                                      t_d * p95_over_p50_beside, tps))
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
-                   list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk)
+    shard = Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
+                    list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk,
+                    tensor_parallel_size=tp)
+    return with_collectives(shard, model_cfg, peaks, dtype_bytes=dtype_bytes)
 
 
 def with_collectives(shard: Profile, model_cfg: ModelConfig, peaks: Peaks, *, dtype_bytes: int = 2) -> Profile:
-    """A shard profile (`tensor_parallel_size` = tp > 1: one rank's shard measured alone on one GPU) with the
-    collectives a rank of `model_cfg` (the whole model) runs at that size added from this model's link terms:
-    each decode step gains its all-reduces and logits all-gather (`decode_operators(..., tp)`), and each
-    prefill forward of `shard.prefill_tokens` tokens gains its own, which lowers prefill tokens/s. Both
-    phases' collectives run on their own communicators (parallel/group.py), so neither waits for the
-    other's. A whole-model profile (tp 1) is returned as it is."""
+    """A shard profile (`tensor_parallel_size` = tp > 1: one rank's shard alone on one GPU, measured or the
+    roofline's) with the collectives a rank of `model_cfg` (the whole model) runs at that size
+    (`collectives_ms`) added by `plus_collectives`: each decode step (all four latency figures) gains its
+    own, and each prefill forward of `shard.prefill_tokens` tokens its own, which lowers prefill tokens/s.
+    A whole-model profile (tp 1) is returned as it is."""
     tp = shard.tensor_parallel_size
     if tp == 1:
         return shard
-    n, b = peaks.num_compute_units, dtype_bytes
-
-    def link_s(ops: Iterable[Operator]) -> float:
-        return step_seconds([o for o in ops if o.kind == "communication"], n, peaks)
-
-    p_link = link_s(prefill_operators(model_cfg, shard.prefill_tokens, tp=tp, dtype_bytes=b))
+    b, tokens = dtype_bytes, shard.prefill_tokens
+    p_link = collectives_ms(model_cfg, tokens, 1, peaks, tp=tp, dtype_bytes=b)
     entries = []
     for e in shard.entries:
-        d_ms = 1e3 * link_s(decode_operators(model_cfg, e.batch, e.context, tp=tp, dtype_bytes=b))
-        tps = shard.prefill_tokens / (shard.prefill_tokens / e.prefill_tokens_per_s + p_link)
+        d_link = collectives_ms(model_cfg, e.batch, e.batch, peaks, tp=tp, dtype_bytes=b)
+        beside, tps = plus_collectives(e.decode_ms_beside_prefill_p50, e.prefill_tokens_per_s, tokens, d_link, p_link)
         entries.append(msgspec.structs.replace(
-            e, decode_ms_alone_p50=e.decode_ms_alone_p50 + d_ms, decode_ms_alone_p95=e.decode_ms_alone_p95 + d_ms,
-            decode_ms_beside_prefill_p50=e.decode_ms_beside_prefill_p50 + d_ms,
-            decode_ms_beside_prefill_p95=e.decode_ms_beside_prefill_p95 + d_ms, prefill_tokens_per_s=tps))
+            e, decode_ms_alone_p50=e.decode_ms_alone_p50 + d_link, decode_ms_alone_p95=e.decode_ms_alone_p95 + d_link,
+            decode_ms_beside_prefill_p50=beside, decode_ms_beside_prefill_p95=e.decode_ms_beside_prefill_p95 + d_link,
+            prefill_tokens_per_s=tps))
     return msgspec.structs.replace(shard, entries=entries)
-
-
-# (name in the report, p50 field of Entry)
-METRICS: tuple[tuple[str, str], ...] = (
-    ("decode_alone", "decode_ms_alone_p50"),
-    ("decode_beside_prefill", "decode_ms_beside_prefill_p50"),
-    ("prefill_tokens_per_s", "prefill_tokens_per_s"),
-)
-
-
-@dataclass(frozen=True)
-class EntryError:
-    """Signed relative errors (predicted - measured) / measured of one entry, per metric name."""
-
-    config: str
-    batch: int
-    context: int
-    errors: dict[str, float]
-
-
-@dataclass(frozen=True)
-class MetricStats:
-    n: int
-    median_abs: float
-    p90_abs: float
-    median_signed: float  # > 0: the model over-predicts
-
-
-@dataclass(frozen=True)
-class ErrorReport:
-    gpu: str
-    model: str
-    rows: tuple[EntryError, ...]
-    stats: dict[str, MetricStats]
-    unmatched: tuple[tuple[str, int, int], ...]  # measured entries the prediction lacks
-
-    def to_markdown(self) -> str:
-        out = [f"### Roofline error against measurements: {self.gpu} / {self.model}", "",
-               "| metric | entries | median abs | p90 abs | median signed |", "| --- | --- | --- | --- | --- |"]
-        out += [f"| {m} | {s.n} | {s.median_abs:.1%} | {s.p90_abs:.1%} | {s.median_signed:+.1%} |"
-                for m, s in self.stats.items()]
-        out += ["", "| config | batch | context | " + " | ".join(m for m, _ in METRICS) + " |",
-                "| --- " * (3 + len(METRICS)) + "|"]
-        out += [f"| {r.config} | {r.batch} | {r.context} | " + " | ".join(f"{v:+.1%}" for v in r.errors.values()) + " |"
-                for r in self.rows]
-        if self.unmatched:
-            out += ["", f"{len(self.unmatched)} measured entries have no prediction: {list(self.unmatched)[:5]}"]
-        return "\n".join(out) + "\n"
-
-
-def _p90(xs: Sequence[float]) -> float:
-    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=10, method="inclusive")[-1]
-
-
-def compare(measured: Profile, predicted: Profile) -> ErrorReport:
-    """Per-entry relative errors of `predicted` against `measured` (p50 latencies, tokens/s)."""
-    pred = {(e.config, e.batch, e.context): e for e in predicted.entries}
-    rows, unmatched = [], []
-    for m in measured.entries:
-        key = (m.config, m.batch, m.context)
-        p = pred.get(key)
-        if p is None:
-            unmatched.append(key)
-            continue
-        errs = {name: (getattr(p, f) - getattr(m, f)) / getattr(m, f) for name, f in METRICS}
-        rows.append(EntryError(*key, errs))
-    if not rows:
-        raise ValueError("the profiles share no (config, batch, context) entry")
-    stats = {}
-    for name, _ in METRICS:
-        signed = [r.errors[name] for r in rows]
-        absolute = [abs(x) for x in signed]
-        stats[name] = MetricStats(len(rows), statistics.median(absolute), _p90(absolute),
-                                  statistics.median(signed))
-    return ErrorReport(measured.gpu, measured.model, tuple(rows), stats, tuple(unmatched))
 
 
 def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:

@@ -61,7 +61,7 @@ from rapidserve.partition.profile import (
     model_label,
     profile_filename,
 )
-from rapidserve.partition.roofline import Peaks, measure_peaks, roofline_profile, with_collectives
+from rapidserve.partition.roofline import Peaks, collective_ops, measure_peaks, roofline_profile, with_collectives
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -106,10 +106,47 @@ def gpu_name(device: Any) -> str:
 
 
 def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
+    """The run's plan; `source`, logged once at start (the decode worker's Ready), says where each cost model
+    came from and, under tensor parallelism, which of them hold the collectives (`tp_cost_models`)."""
     plan = _resolve_plan(cfg, device, dtype)
     if cfg.partition.policy == "drift":
         with_prefill_models(plan, cfg, device, dtype)
+    note = tp_cost_models(cfg, plan)
+    if note:
+        plan.source += f"; {note}"
     return plan
+
+
+def tp_cost_models(cfg: EngineConfig, plan: PartitionPlan) -> str:
+    """One line for the start-up log of a `-tp N` engine (N > 1) with an adaptive plan: which of the policy's
+    cost models are one rank's shard plus its collectives (`roofline.collectives_ms`) and which are used as
+    given; "" at tp 1 or without a cost model (partition off, static)."""
+    tp, pcfg, prof = cfg.parallel.tensor_parallel_size, cfg.partition, plan.profile
+    if tp == 1 or prof is None:
+        return ""
+    with_links, as_given = [], []
+    if pcfg.policy != "duet":  # duet decides from the roofline, not from the profile's figures
+        what = "decode step beside prefill" if pcfg.policy == "drift" else "figures"
+        if prof.tensor_parallel_size == tp:
+            kind = "measured shard profile" if prof.source == "measured" else "roofline estimate of the shard"
+            with_links.append(f"the profile's {what} ({kind})")
+        else:
+            as_given.append(f"the profile's {what} (a WHOLE-MODEL profile, no collectives added: `rapidserve "
+                            f"profile --shard-of-tp {tp}` measures one rank's)")
+    if pcfg.policy == "duet":
+        with_links.append("duet's roofline decisions")
+    if pcfg.policy == "drift":
+        (as_given if pcfg.drift_prefill_model is not None else with_links).append("drift's prefill models")
+    out = f"tensor parallel {tp}"
+    if with_links:
+        assert plan.peaks is not None, "a cost model with collectives comes with the peaks measured at start"
+        per_step = sum(o.count for o in collective_ops(cfg.model_config, 1, 1, tp=tp))
+        out += (f": {', '.join(with_links)} = one rank's shard + its collectives ({per_step} a step: all-reduces "
+                f"and the logits all-gather; link model {plan.peaks.link_bw / 1e9:g} GB/s, "
+                f"{plan.peaks.link_latency_s * 1e6:g} us each, not measured)")
+    if as_given:
+        out += f"; used as given: {', '.join(as_given)}"
+    return out
 
 
 def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dtype: Any) -> None:
@@ -127,9 +164,7 @@ def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dty
                                          cfg.scheduler.max_num_batched_tokens, dtype_bytes=size,
                                          tp=cfg.parallel.tensor_parallel_size)
     fits = ", ".join(f"{k} {v.a_ms:.3g} + {v.b_ms_per_token:.3g} ms/token" for k, v in plan.prefill_models.items())
-    tp = cfg.parallel.tensor_parallel_size
-    collectives = f", one rank of tensor parallel {tp} with its collectives" if tp > 1 else ""
-    plan.source += f"; drift prefill model (roofline, contention-free{collectives}): {fits}"
+    plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
 
 
 def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
@@ -166,8 +201,7 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         return PartitionPlan(kind, list(prof.configurations), prof,
                              f"adaptive, policy {p.policy}, measured profile {path} "
                              f"({len(prof.configurations)} configurations, {kind}"
-                             + (f"; a shard of tensor parallel {tp}, collectives added from the link model"
-                                if shard else "")
+                             + (f"; a shard of tensor parallel {tp}" if shard else "")
                              + (f"; a WHOLE-MODEL profile at tensor parallel {tp}: its figures are not this rank's "
                                 f"(`rapidserve profile --shard-of-tp {tp}` measures them)" if tp > 1 and not shard
                                 else "") + ")"
@@ -175,8 +209,7 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     configs = plan_configurations(g, p.decode_shares)
     peaks = measure_peaks(device, dtype)
     prof = roofline_fallback(cfg, gpu, configs, peaks)
-    share = f"one rank of tensor parallel {tp}, collectives from the link model; " if tp > 1 else ""
-    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; {share}"
+    return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; "
                          f"{kind}; {describe_peaks(peaks)}", peaks)
 
 
@@ -201,9 +234,8 @@ def describe_peaks(peaks: Peaks) -> str:
 
 
 def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration], peaks: Peaks) -> Profile:
-    """The roofline's estimate of what one GPU runs: under tensor parallelism, one rank's share of every
-    operator plus the collectives (all-reduces, logits all-gather) from the link model, as a measured shard
-    profile gets them (`with_collectives`)."""
+    """The roofline's estimate of what one GPU runs: under tensor parallelism, the roofline's profile of one
+    rank's shard put through `with_collectives`, as a measured shard profile is."""
     return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
                             ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens,
                             tp=cfg.parallel.tensor_parallel_size)
