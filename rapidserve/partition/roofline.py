@@ -347,12 +347,12 @@ def roofline_profile(
     tp) put through `with_collectives`, exactly as a measured shard profile is; its p95s are the shard's plus
     the collectives (the link model has no spread)."""
     entries = []
+    p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes))
     for c in configurations:
         alone_units = c.decode_units or peaks.num_compute_units
         for bb in batch_buckets:
             for cb in context_buckets:
                 d_ops = without_collectives(decode_operators(model_cfg, bb, cb, tp=tp, dtype_bytes=dtype_bytes))
-                p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes))
                 alone = 1e3 * step_seconds(d_ops, alone_units, peaks)
                 t_d, tps = _concurrent_compute(d_ops, p_ops, c.decode_units, c.prefill_units, prefill_chunk, peaks)
                 entries.append(Entry(c.name, bb, cb, alone, alone * p95_over_p50_alone, t_d,
