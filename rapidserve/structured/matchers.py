@@ -307,15 +307,16 @@ class GrammarBook:
                 failed[live[i][0].row] = err
                 self._matchers.pop(live[i][0].key, None)
                 host[i] = -1  # the row fails anyway; its words must not be left unset
-        empty = np.bitwise_or.reduce(host, axis=1) == 0  # one pass over the step's words, not a call per row
+        # one pass over the step's words for the rows left empty, not a call per row
+        empty = set(np.flatnonzero(np.bitwise_or.reduce(host, axis=1) == 0).tolist())
         for m, i in todo:
             r, mt = live[i]
             if m.is_stopped():  # the fill found the grammar ended: EOS only
                 self._only_eos(host[i])
-            elif empty[i]:  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
+            elif i in empty:  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
                 mt.dead = True
                 self._only_eos(host[i])
-            elif len(r.tokens) < r.params.min_tokens:
+            elif len(r.tokens) < r.params.min_tokens and (r.params.stop_token_ids or not r.params.ignore_eos):
                 self._ban_early_stop(host[i], r.params)
         return mask, failed
 
@@ -329,8 +330,6 @@ class GrammarBook:
     def _ban_early_stop(self, words: np.ndarray, p: SamplingParams) -> None:
         """Below min_tokens: clear the stop tokens' bits, unless they are all the grammar allows (a
         complete grammar ends the request anyway)."""
-        if not p.stop_token_ids and (p.ignore_eos or not self.eos):
-            return
         banned = [t for t in {*p.stop_token_ids, *(() if p.ignore_eos else self.eos)} if t < self.vocab_size]
         if not banned:
             return
