@@ -23,13 +23,25 @@ Phases (ms per step, mean over the timed steps; median of --repeats runs):
 - apply host: `apply_grammar_mask` on tiny logits [B, 32] with a 1-word mask of the step's rows: the
   Python + dispatcher cost of the ops it queues (the device's work is not host time); "apply ops":
   the tensor ops it dispatches (kernels and copies; views excluded), each a launch on a GPU;
-- release: `GrammarBook.retain` as publish calls it, plus `GrammarBook.compiling()` as schedule does.
+- release: `GrammarBook.retain` as publish calls it, plus `GrammarBook.compiling()` as schedule does;
+- total: mask + apply host + release, from walks WITHOUT the probes (same seeds, same masks); the
+  phases come from probed walks, whose probes add their own time (most where there is a probe per row).
 
     PYTHONPATH=. python bench/structured_host_overhead.py [--batches 32,64,128] [--vocabs 49152,151936]
-        [--steps 48] [--repeats 3] [--threads 1] [--label after] [--tree DIR --commit C] [--out FILE.json] [--profile]
+        [--steps 48] [--repeats 3] [--threads 1] [--lexers 1] [--label after] [--tree DIR --commit C]
+        [--out FILE.json] [--profile] [--wide-tokenizer DIR] [--compare DIR --compare-commit C]
 
-`--tree DIR`: import rapidserve from DIR (e.g. `git archive <commit> rapidserve | tar -x -C /tmp/base`) to measure that tree
-with this script; results are merged by --label into --out, and the markdown table (FILE.md) compares labels.
+`--threads N --lexers K` (an experiment for a many-core host): llguidance's copies of one compiled grammar
+share its lexer behind one mutex held through each fill and consume (llguidance's parser.rs: `Parser.shared`),
+so the executor's threads fill one schema's rows one at a time; with K separate compiles the rows of
+different compiles can be filled in parallel. The masks are the same either way (same digest).
+
+`--compare DIR` (how bench/results/structured_host_overhead.md was made): DIR's tree and this one, one
+config at a time in fresh processes, alternating, --repeats times; per tree and config the medians.
+
+`--tree DIR`: import rapidserve from DIR (e.g. `git archive <commit> rapidserve | tar -x -C /tmp/base`) to
+measure that tree with this script; results are merged by --label into --out, and the table printed at the
+end compares the labels there.
 """
 
 from __future__ import annotations
@@ -133,9 +145,9 @@ def count_ops(fn: Callable[[], Any]) -> int:
     return Count.n
 
 
-def tokenizers(vocabs: list[int]) -> dict[int, tuple[Any, tuple[int, ...]]]:
+def tokenizers(vocabs: list[int], wide_dir: str | None = None) -> dict[int, tuple[Any, tuple[int, ...]]]:
     """vocab size -> (HF tokenizer, EOS ids): SmolLM2's (49152) or a Qwen-sized byte-level BPE (151936,
-    SmolLM2's merged pairs: bench/grammar_engines.py)."""
+    SmolLM2's merged pairs: bench/grammar_engines.py), loaded from / saved to `wide_dir` when given."""
     from rapidserve.loader import resolve_model
     from rapidserve.tokenizer import Tokenizer
 
@@ -145,11 +157,18 @@ def tokenizers(vocabs: list[int]) -> dict[int, tuple[Any, tuple[int, ...]]]:
     for v in vocabs:
         if v <= len(tok.hf):
             out[v] = (tok.hf, tuple(tok.eos_token_ids))
+        elif wide_dir and (Path(wide_dir) / "tokenizer.json").exists():
+            from transformers import AutoTokenizer
+
+            out[v] = (AutoTokenizer.from_pretrained(wide_dir), tuple(tok.eos_token_ids))
         else:
             sys.path.insert(0, str(ROOT / "bench"))
             from grammar_engines import widened_tokenizer
 
-            out[v] = (widened_tokenizer(tok.hf, v - 17), tuple(tok.eos_token_ids))  # Qwen3: 151919 + 17 pad
+            wide = widened_tokenizer(tok.hf, v - 17)  # Qwen3: 151919 tokens + 17 of padding
+            if wide_dir:
+                wide.save_pretrained(wide_dir)
+            out[v] = (wide, tuple(tok.eos_token_ids))
     return out
 
 
@@ -157,7 +176,7 @@ class Run:
     """One timed walk of B rows through the hybrid worker's structured path."""
 
     def __init__(self, hf: Any, llg_tok: Any, vocab: int, eos: tuple[int, ...], batch: int, threads: int,
-                 seed: int) -> None:
+                 seed: int, probed: bool, lexers: int = 1) -> None:
         import llguidance
         import torch
 
@@ -173,8 +192,12 @@ class Run:
         self.clock = Clock()
         self.book = GrammarBook(lambda: hf, vocab, eos, threads=threads)
         self.book._tok = llg_tok  # the tokenizer view, loaded once per vocabulary (seconds at 152K)
-        self.book._executor = TimedExecutor(llguidance.LLExecutor(threads), self.clock)
+        executor = llguidance.LLExecutor(threads)
+        self.book._executor = TimedExecutor(executor, self.clock) if probed else executor
         self.book.cache.compile(so)  # compiled once, as for a served schema; requests copy it
+        if lexers > 1:  # the experiment: requests spread over `lexers` compiles of the schema, round robin
+            shards = [self.book.cache.compile(so)] + [self.book._compile(so) for _ in range(lexers - 1)]
+            self.book.compiles.template = lambda key, _so: shards[int(key[1:]) % lexers]  # type: ignore[method-assign]
         self.worker = object.__new__(HybridWorker)  # only what `_grammar_mask` reads
         self.worker.grammar = self.book
         self.worker.runner = type("Runner", (), {"device": torch.device("cpu")})()
@@ -275,6 +298,7 @@ class Run:
         n = max(1, self.steps)
         out = {p: 1e3 * self.clock.spent[p] / n for p in PHASES}
         out["total"] = sum(out[p] for p in PHASES)
+        out["mask"] = 1e3 * self.clock.total_mask / n
         return out
 
 
@@ -282,10 +306,15 @@ def measure(hf: Any, llg_tok: Any, vocab: int, eos: tuple[int, ...], batch: int,
             ) -> dict[str, Any]:
     from rapidserve.structured import GrammarBook
 
-    runs = []
+    runs, plain = [], []
     digest = ops = None
     for rep in range(args.repeats):
-        run = Run(hf, llg_tok, vocab, eos, batch, args.threads, seed=batch)
+        # unprobed first: the totals, without the probes' own time (a probe per `_synced` call before)
+        run = Run(hf, llg_tok, vocab, eos, batch, args.threads, seed=batch, probed=False, lexers=args.lexers)
+        for i in range(args.warmup + args.steps):
+            run.step(timed=i >= args.warmup)
+        plain.append(run.result())
+        run = Run(hf, llg_tok, vocab, eos, batch, args.threads, seed=batch, probed=True, lexers=args.lexers)
         undo = time_methods(GrammarBook, ("_synced", "_advance"), run.clock, "advance")
         try:
             for _ in range(args.warmup):
@@ -308,14 +337,16 @@ def measure(hf: Any, llg_tok: Any, vocab: int, eos: tuple[int, ...], batch: int,
         assert digest in (None, d), "the same walk filled different masks: not deterministic"
         digest, ops = d, run.apply_ops
     med = {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+    med["probed_total"] = med["total"]
+    med["total"] = round(statistics.median(r["mask"] + r["apply_host"] + r["release"] for r in plain), 4)
     return {"vocab": vocab, "batch": batch, "ms": med, "apply_ops": ops, "mask_digest": digest,
-            "threads": args.threads, "steps": args.steps, "repeats": args.repeats}
+            "threads": args.threads, "lexers": args.lexers, "steps": args.steps, "repeats": args.repeats}
 
 
 def table(results: dict[str, Any]) -> str:
     labels = list(results["labels"])
     lines = ["| vocab | batch | tree | advance | fill (llguidance) | mask other | apply host | apply ops | release "
-             "| total ms/step | mask digest |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sum of phases (probed) | total ms/step | mask digest |", "|---" * 12 + "|"]
     keys = sorted({(r["vocab"], r["batch"]) for lab in labels for r in results["labels"][lab]["rows"]})
     for v, b in keys:
         base = None
@@ -330,9 +361,54 @@ def table(results: dict[str, Any]) -> str:
             else:
                 base = ms["total"]
             lines.append(f"| {v} | {b} | {lab} | {ms['advance']:.3f} | {ms['fill']:.3f} | {ms['mask_other']:.3f} | "
-                         f"{ms['apply_host']:.3f} | {row['apply_ops']} | {ms['release']:.3f} | {total} | "
-                         f"{row['mask_digest']} |")
+                         f"{ms['apply_host']:.3f} | {row['apply_ops']} | {ms['release']:.3f} | "
+                         f"{ms['probed_total']:.3f} | {total} | {row['mask_digest']} |")
     return "\n".join(lines)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Both trees, one (vocabulary, batch) at a time in fresh processes, alternating, --repeats times each:
+    the machine's load hits both alike (this CPU is shared). Per tree and config, each phase's median over
+    the repeats."""
+    import tempfile
+
+    wide = args.wide_tokenizer or tempfile.mkdtemp(prefix="wide_tok_")
+    trees = [(args.compare, args.compare_label, args.compare_commit), (None, args.label, None)]
+    got: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in (int(x) for x in args.vocabs.split(",")):
+            for b in (int(x) for x in args.batches.split(",")):
+                for rep in range(args.repeats):
+                    for tree, label, commit in trees if rep % 2 == 0 else trees[::-1]:
+                        out = Path(tmp) / f"{label}.json"
+                        out.unlink(missing_ok=True)
+                        cmd = [sys.executable, __file__, "--vocabs", str(v), "--batches", str(b), "--repeats", "1",
+                               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+                               "--lexers", str(args.lexers), "--label", label, "--out", str(out),
+                               "--wide-tokenizer", wide]
+                        if tree:
+                            cmd += ["--tree", tree] + (["--commit", commit] if commit else [])
+                        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                        meta = json.loads(out.read_text())["labels"][label]
+                        got.setdefault((label, v, b), []).append(meta["rows"][0])
+                        print(label, v, b, rep, json.dumps(meta["rows"][0]["ms"]), flush=True)
+                        got.setdefault(("meta", 0, 0), []).append({label: {k: meta[k] for k in meta if k != "rows"}})
+    results: dict[str, Any] = {"labels": {}}
+    metas = {k: m for d in got.pop(("meta", 0, 0)) for k, m in d.items()}
+    for _, label, _ in trees:
+        rows = []
+        for (lab, v, b), runs in got.items():
+            if lab != label:
+                continue
+            digests = {r["mask_digest"] for r in runs}
+            assert len(digests) == 1, f"{label} {v} {b}: masks differ between repeats"
+            ms = {k: round(statistics.median(r["ms"][k] for r in runs), 4) for k in runs[0]["ms"]}
+            rows.append({**runs[0], "ms": ms, "repeats": len(runs),
+                         "total_runs": [r["ms"]["total"] for r in runs]})
+        results["labels"][label] = {**metas[label], "rows": rows, "command": "PYTHONPATH=. python " + " ".join(
+            [Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(table(results))
 
 
 def main() -> None:
@@ -343,12 +419,25 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="llguidance executor threads (the H100 workers: 12)")
+    ap.add_argument("--lexers", type=int, default=1,
+                    help="experiment: spread the requests over this many separate compiles of the schema (each "
+                         "with its own lexer and its lock) instead of copies of one (the engine's way)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--tree", default=None, help="import rapidserve from this checkout instead")
     ap.add_argument("--commit", default=None, help="the commit --tree holds (when it is not a git checkout)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured_host_overhead.json"))
     ap.add_argument("--profile", action="store_true", help="also print cProfile's top functions per config")
+    ap.add_argument("--wide-tokenizer", default=None, metavar="DIR",
+                    help="load the 151936-token tokenizer from DIR (built and saved there if missing)")
+    ap.add_argument("--compare", default=None, metavar="DIR",
+                    help="measure the checkout DIR (label --compare-label) and this one (--label) alternately, "
+                         "one config at a time in fresh processes, --repeats times; medians to --out")
+    ap.add_argument("--compare-label", default="before")
+    ap.add_argument("--compare-commit", default=None)
     args = ap.parse_args()
+    if args.compare:
+        compare(args)
+        return
     if args.tree:
         sys.path.insert(0, str(Path(args.tree).resolve()))
     import llguidance
@@ -364,7 +453,7 @@ def main() -> None:
     dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "rapidserve"], capture_output=True,
                            text=True).stdout.strip()
     rows = []
-    for vocab, (hf, eos) in tokenizers([int(v) for v in args.vocabs.split(",")]).items():
+    for vocab, (hf, eos) in tokenizers([int(v) for v in args.vocabs.split(",")], args.wide_tokenizer).items():
         llg_tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=list(eos))
         for b in (int(x) for x in args.batches.split(",")):
             row = measure(hf, llg_tok, vocab, eos, b, args)
