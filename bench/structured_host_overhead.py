@@ -22,7 +22,7 @@ Phases (ms per step, mean over the timed steps; median of --repeats runs):
 - mask other: the rest of `_grammar_mask` (rows, the previous tokens, the buffer, fix-ups, row ids);
 - apply host: `apply_grammar_mask` on tiny logits [B, 32] with a 1-word mask of the step's rows: the
   Python + dispatcher cost of the ops it queues (the device's work is not host time); "apply ops":
-  the tensor ops it dispatches (kernels and copies; views excluded), each a launch on a GPU;
+  the kernels it dispatches (views excluded; a GPU adds the mask's one host-to-device copy);
 - release: `GrammarBook.retain` as publish calls it, plus `GrammarBook.compiling()` as schedule does;
 - total: mask + apply host + release, from walks WITHOUT the probes (same seeds, same masks); the
   phases come from probed walks, whose probes add their own time (most where there is a probe per row).
@@ -126,7 +126,8 @@ def time_methods(cls: type, names: tuple[str, ...], clock: Clock, phase: str) ->
 
 
 def count_ops(fn: Callable[[], Any]) -> int:
-    """Tensor ops `fn` dispatches that would run on a device (kernels, copies), views excluded."""
+    """Tensor ops `fn` dispatches that would run on a device (kernels, copies), views excluded. On the CPU
+    the mask's host-to-device copy is not made: a GPU adds that one."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     views = {"view", "slice", "alias", "detach", "unsqueeze", "select", "expand", "as_strided", "t", "transpose",
@@ -265,7 +266,7 @@ class Run:
         apply_grammar_mask(logits, tiny)
         t3 = time.perf_counter()
         if not timed:
-            self.apply_ops = count_ops(lambda: apply_grammar_mask(torch.zeros(self.batch, 32), tiny))
+            self.apply_ops = count_ops(lambda: apply_grammar_mask(logits, tiny))
         self.digest.update(mask.words.numpy().tobytes())
         self.digest.update(mask.row_ids.numpy().tobytes())
         toks = self._pick(mask)
