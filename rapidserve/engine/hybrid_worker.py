@@ -271,14 +271,15 @@ class HybridWorker:
             if s.params.structured_outputs is None:
                 continue
             known = s.output_token_ids
-            if known and known[-1] == PLACEHOLDER:
+            if known and known[-1] == PLACEHOLDER:  # the row's newest token: `prev`'s, by its row there
                 if prev_tokens is None:
                     assert prev is not None and prev.host is not None and prev.rows is not None
                     if prev.done is not None:
                         prev.done.synchronize()
                     prev_tokens = prev.host.token_ids.tolist()
-                known = known[:-1] + [prev_tokens[prev.rows[id(s)]]]
-            rows.append(GrammarRow(i, s.seq_id, s.params, known))
+                rows.append(GrammarRow(i, s.seq_id, s.params, known, prev_tokens[prev.rows[id(s)]]))
+            else:
+                rows.append(GrammarRow(i, s.seq_id, s.params, known))
         return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
 
     def record(self, step: Launched) -> None:

@@ -8,6 +8,14 @@ several rows). Replaying is how a matcher crosses processes: the RAPID prefill w
 first token; the decode worker builds its own matcher from the tokens it knows (the first token,
 or every output after a preemption) and advances it per step.
 
+Host cost per step (bench/structured_host_overhead.py, bench/results/structured_host_overhead.md): in
+the steady state each matcher consumes one token (a few attribute checks and one native call per row),
+then ONE executor call fills every row's mask; rows are replayed token by token (`_synced`) only when
+new, out of step, at EOS or past their grammar's end. Every request's matcher is a `deep_copy` of its
+compiled grammar, and llguidance's copies share the grammar's lexer (its DFA cache, which spares each
+request the lexer work another has done) behind one mutex, held through each fill and each consume:
+the executor's threads fill the rows of ONE grammar one after another, not in parallel.
+
 Termination: once the grammar is complete the mask allows only EOS (the engine's EOS ids), so the
 request ends with finish_reason "stop"; `check_stop_at` ends a grammar request on EOS even below
 `min_tokens`, which only bans EOS while the grammar can still go on. A matcher that has consumed
@@ -36,11 +44,10 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
@@ -48,22 +55,29 @@ from rapidserve.structured.compiles import CompilePool, Compiles
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
 
 
-@dataclass(frozen=True)
-class GrammarRow:
+class GrammarRow(NamedTuple):
     """A logits row to mask: its request, and the request's output tokens known so far (every
-    output before the token this row samples)."""
+    output before the token this row samples). `last`: the newest of them when `tokens` ends with a
+    stand-in for it (a token still in flight when the row was made: the hybrid worker's placeholder);
+    the known tokens are then `tokens[:-1] + [last]`, without copying the request's list."""
 
     row: int
     key: str
     params: SamplingParams
     tokens: Sequence[int]
+    last: int | None = None
+
+    def known(self) -> Sequence[int]:
+        """The known tokens, as one sequence."""
+        return self.tokens if self.last is None else [*self.tokens[:-1], self.last]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Matcher:
     so: StructuredOutputs
     m: Any  # llguidance.LLMatcher
-    tokens: list[int] = field(default_factory=list)  # consumed so far
+    count: int = 0  # tokens consumed so far (EOS and the tokens after it included)
+    last: int = -1  # the last of them (checked against the request's tokens: still in step?)
     eos_seen: bool = False  # EOS consumed (kept going under ignore_eos): unconstrained from here on
     dead: bool = False  # the grammar allowed no token (an unsatisfiable schema): EOS ends the request
 
@@ -177,32 +191,72 @@ class GrammarBook:
         return m
 
     def _synced(self, r: GrammarRow) -> _Matcher:
-        """The request's matcher, having consumed exactly `r.tokens` (GrammarError if one is rejected)."""
+        """The request's matcher, having consumed exactly its known tokens (GrammarError if one is
+        rejected), one token at a time: a new request, one out of step (replayed), EOS, a complete grammar."""
         so = r.params.structured_outputs
         assert so is not None
+        tokens = r.known()
         mt = self._matchers.get(r.key)
-        n = len(mt.tokens) if mt is not None else 0
-        if mt is None or mt.so != so or n > len(r.tokens) or (n and mt.tokens[-1] != r.tokens[n - 1]):
+        n = mt.count if mt is not None else 0
+        if mt is None or mt.so != so or n > len(tokens) or (n and mt.last != tokens[n - 1]):
             mt = self._matchers[r.key] = _Matcher(so, self.compiles.template(r.key, so).deep_copy())
             n = 0
-        for t in r.tokens[n:]:
+        for t in tokens[n:]:
+            mt.count, mt.last = mt.count + 1, t
             if mt.m.is_stopped() or mt.dead:  # complete (or dead): only EOS was allowed; after it, free text
                 mt.eos_seen |= t in self.eos
-                mt.tokens.append(t)
                 continue
             mt.eos_seen |= t in self.eos
             if t in self.eos and not mt.m.is_accepting():
                 # EOS reaches a grammar row only when its mask allowed it: complete (accepting) or dead
                 # (nothing allowed, see `fill`). Replaying a dead one (another worker saw it die) ends here.
                 mt.dead = True
-                mt.tokens.append(t)
                 continue
             if not mt.m.consume_token(t) or mt.m.is_error():
                 del self._matchers[r.key]
-                raise GrammarError(so.kind, f"token {t} does not continue the {so.kind} constraint: "
-                                   f"{mt.m.get_error()[:300] or 'rejected'}")
-            mt.tokens.append(t)
+                raise GrammarError(so.kind, _rejected(so, t, mt.m))
         return mt
+
+    def _advance(self, rows: Sequence[GrammarRow], failed: dict[int, str]) -> list[tuple[GrammarRow, _Matcher]]:
+        """Every row's matcher brought up to the row's known tokens, as `_synced` would, the common case
+        inline: a matcher exactly one token behind, in step, not ended, whose new token is not EOS, just
+        consumes it (a few attribute checks, one native call); the other rows go through `_synced`. Rows
+        whose grammar fails go to `failed`; returned: the rows left to mask, in order, with their matchers.
+
+        One native call per row, not llguidance's `consume_token_par`: that was slower on the CPU (128
+        rows: 0.43 vs 0.27 ms), and every copy of one compiled grammar shares its lexer behind one mutex,
+        which parallel threads would queue on (see the module's docstring)."""
+        kept: list[tuple[GrammarRow, _Matcher]] = []
+        eos = self.eos
+        for r in rows:
+            mt = self._matchers.get(r.key)
+            n = len(r.tokens)
+            if mt is not None and mt.count == n - 1 and not (mt.dead or mt.eos_seen) and \
+                    (n == 1 or mt.last == r.tokens[n - 2]) and \
+                    (mt.so is r.params.structured_outputs or mt.so == r.params.structured_outputs):
+                t = r.tokens[-1] if r.last is None else r.last
+                if t not in eos and not mt.m.is_stopped():
+                    try:
+                        ok = mt.m.consume_token(t)
+                        err = None if ok else _rejected(mt.so, t, mt.m)
+                    except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
+                        err = str(engine_error("grammar", e))
+                    if err is not None:
+                        del self._matchers[r.key]
+                        failed[r.row] = err
+                        continue
+                    mt.count, mt.last = n, t
+                    kept.append((r, mt))
+                    continue
+            try:
+                mt = self._synced(r)
+            except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
+                self._matchers.pop(r.key, None)
+                failed[r.row] = str(e if isinstance(e, GrammarError) else engine_error("grammar", e))
+                continue
+            if not mt.eos_seen:
+                kept.append((r, mt))
+        return kept
 
     def release(self, key: str) -> None:
         """The request ended (or left this worker): its matcher and compile state go."""
@@ -224,61 +278,69 @@ class GrammarBook:
         """The step's mask for `rows` (rows whose matcher has ended are left out: unconstrained), and
         the rows that failed (logits row -> message). Never raises for one request's grammar."""
         failed: dict[int, str] = {}
-        live: list[tuple[GrammarRow, _Matcher]] = []
-        for r in rows:
-            try:
-                mt = self._synced(r)
-            except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
-                self._matchers.pop(r.key, None)
-                failed[r.row] = str(e if isinstance(e, GrammarError) else engine_error("grammar", e))
-                continue
-            if not mt.eos_seen:
-                live.append((r, mt))
-        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False)  # every live row is written below
-        if live:
-            words = mask.words
-            todo = [(mt.m, i) for i, (_, mt) in enumerate(live) if not mt.m.is_stopped() and not mt.dead]
-            try:
-                # The grammar engine writes the rows in place (what llguidance.torch's wrappers do; that
-                # module is not imported: it builds a torch.compile kernel at import, seconds of stall).
-                row_bytes = mask.num_words * 4
-                if len(todo) == 1:
-                    todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].data_ptr(), row_bytes)
-                elif todo:
-                    self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, len(live))
-            except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
-                err = str(engine_error("grammar", e))
-                for i in (i for _, i in todo):
-                    failed[live[i][0].row] = err
-                    self._matchers.pop(live[i][0].key, None)
-                    words[i].fill_(-1)  # the row fails anyway; its words must not be left unset
-            empty = ~words.numpy().any(axis=1)  # one pass over the step's words, not a call per row
-            for i, (r, mt) in enumerate(live):
-                if empty[i] and not mt.dead and not mt.m.is_stopped():
-                    mt.dead = True  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
-                if mt.m.is_stopped() or mt.dead:  # the grammar is complete and cannot go on: EOS only
-                    self._only_eos(words[i])
-                elif len(r.tokens) < r.params.min_tokens:
-                    self._ban_early_stop(words[i], r.params)
-            mask.row_ids.copy_(torch.tensor([r.row for r, _ in live], dtype=torch.int32))
+        live = self._advance(rows, failed)
+        # every live row is written below
+        mask = GrammarMask.new(len(live), self.vocab_size, pin, fill=False, rows=[r.row for r, _ in live])
+        if not live:
+            return mask, failed
+        words = mask.words
+        host = words.numpy()
+        todo: list[tuple[Any, int]] = []
+        for i, (_, mt) in enumerate(live):
+            if mt.dead or mt.m.is_stopped():  # the grammar is complete and cannot go on: EOS only
+                self._only_eos(host[i])
+            else:
+                todo.append((mt.m, i))
+        if not todo:
+            return mask, failed
+        try:
+            # The grammar engine writes the rows in place (what llguidance.torch's wrappers do; that
+            # module is not imported: it builds a torch.compile kernel at import, seconds of stall).
+            row_bytes = mask.num_words * 4
+            if len(todo) == 1:
+                todo[0][0].unsafe_compute_mask_ptr(words[todo[0][1]].data_ptr(), row_bytes)
+            else:
+                self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, len(live))
+        except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
+            err = str(engine_error("grammar", e))
+            for _, i in todo:
+                failed[live[i][0].row] = err
+                self._matchers.pop(live[i][0].key, None)
+                host[i] = -1  # the row fails anyway; its words must not be left unset
+        # one pass over the step's words for the rows left empty, not a call per row
+        empty = set(np.flatnonzero(np.bitwise_or.reduce(host, axis=1) == 0).tolist())
+        for m, i in todo:
+            r, mt = live[i]
+            if m.is_stopped():  # the fill found the grammar ended: EOS only
+                self._only_eos(host[i])
+            elif i in empty:  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
+                mt.dead = True
+                self._only_eos(host[i])
+            elif len(r.tokens) < r.params.min_tokens and (r.params.stop_token_ids or not r.params.ignore_eos):
+                self._ban_early_stop(host[i], r.params)
         return mask, failed
 
-    def _only_eos(self, words: Any) -> None:
-        w = words.numpy().view(np.uint32)
+    def _only_eos(self, words: np.ndarray) -> None:
+        w = words.view(np.uint32)
         w[:] = 0
         for t in self.eos:
             if t < self.vocab_size:
                 w[t // 32] |= np.uint32(1 << (t % 32))
 
-    def _ban_early_stop(self, words: Any, p: SamplingParams) -> None:
+    def _ban_early_stop(self, words: np.ndarray, p: SamplingParams) -> None:
         """Below min_tokens: clear the stop tokens' bits, unless they are all the grammar allows (a
         complete grammar ends the request anyway)."""
         banned = [t for t in {*p.stop_token_ids, *(() if p.ignore_eos else self.eos)} if t < self.vocab_size]
         if not banned:
             return
-        w = words.numpy().view(np.uint32)
+        w = words.view(np.uint32)
         saved = w.copy()
         for t in banned:
             w[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         if not w.any():
             w[:] = saved
+
+
+def _rejected(so: StructuredOutputs, t: int, m: Any) -> str:
+    """Why request `so`'s matcher `m` failed on token `t`."""
+    return f"token {t} does not continue the {so.kind} constraint: {m.get_error()[:300] or 'rejected'}"
