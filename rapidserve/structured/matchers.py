@@ -14,7 +14,9 @@ then ONE executor call fills every row's mask; rows are replayed token by token 
 new, out of step, at EOS or past their grammar's end. Every request's matcher is a `deep_copy` of its
 compiled grammar, and llguidance's copies share the grammar's lexer (its DFA cache, which spares each
 request the lexer work another has done) behind one mutex, held through each fill and each consume:
-the executor's threads fill the rows of ONE grammar one after another, not in parallel.
+the executor's threads fill the rows of ONE compile one after another, not in parallel. So a popular
+constraint is compiled again in the background, up to one compile per fill thread, and its requests
+are spread over those compiles (lexers.py).
 
 Termination: once the grammar is complete the mask allows only EOS (the engine's EOS ids), so the
 request ends with finish_reason "stop"; `check_stop_at` ends a grammar request on EOS even below
@@ -53,6 +55,7 @@ from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.compiles import CompilePool, Compiles
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
+from rapidserve.structured.lexers import LexerShards
 
 
 class GrammarRow(NamedTuple):
@@ -87,12 +90,16 @@ class GrammarBook:
     llguidance's tokenizer view takes a second or two; free-text serving never pays it)."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos: tuple[int, ...],
-                 cache_size: int = 256, threads: int | None = None, compile_threads: int = 2) -> None:
+                 cache_size: int = 256, threads: int | None = None, compile_threads: int = 2,
+                 lexers: int | None = None) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, eos
         self.cache = GrammarCache(self._compile, cache_size)
         self.compiles = Compiles(self.cache, CompilePool(compile_threads))
         # llguidance's fill pool: 3/4 of the cores, at most 12 (the rest: the loop, torch, the other processes)
         self._threads = threads or max(1, min(12, (os.cpu_count() or 2) * 3 // 4))
+        # independent compiles per popular constraint (lexers.py): one per fill thread, so the threads
+        # do not queue on one shared lexer
+        self._lexers = lexers or self._threads
         self._tok: Any = None
         self._tok_lock = threading.Lock()
         self._executor: Any = None
@@ -182,8 +189,14 @@ class GrammarBook:
             self._executor = llg.LLExecutor(self._threads)
         return self._tok
 
-    def _compile(self, so: StructuredOutputs) -> Any:
-        """A template matcher of the constraint; each request gets a copy (compiled once)."""
+    def _compile(self, so: StructuredOutputs) -> LexerShards:
+        """The constraint's compile that requests copy (more compiles of it are made in the background
+        once it is popular: lexers.py)."""
+        return LexerShards(self._compile_one(so), lambda: self._compile_one(so), self.compiles.pool,
+                           limit=self._lexers)
+
+    def _compile_one(self, so: StructuredOutputs) -> Any:
+        """A template matcher of the constraint (one compile, with its own lexer)."""
         llg = _llguidance()
         m = llg.LLMatcher(self._tokenizer(), check(so, self._tokenizer()))
         if m.is_error():
