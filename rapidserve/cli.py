@@ -77,6 +77,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "batch (a longer prompt is chunked). hybrid mode: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
                         "at most min(--max-num-seqs, this) requests run at once")
+    g.add_argument("--prefill-batch-tokens", type=_positive_int, default=None,
+                   help="rapid mode: a prefill batch takes no more whole prompts once it holds this many tokens "
+                        "(at most --max-num-batched-tokens; default: --max-num-batched-tokens). Smaller batches "
+                        "give queued prompts their first token sooner")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
@@ -180,7 +184,8 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, allow_long_max_model_len=allow_long,
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, enforce_eager=a.enforce_eager,
+                max_num_batched_tokens=a.max_num_batched_tokens, prefill_batch_tokens=a.prefill_batch_tokens,
+                enforce_eager=a.enforce_eager,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
                 tokenizer=a.tokenizer)

@@ -131,7 +131,7 @@ def test_prefill_batch_passes_over_held_jobs(name: str, budget: int, jobs: list[
                                              batch: str) -> None:
     waiting = deque(Job(m.NewRequest(rid, list(range(n)), SamplingParams(), 0.0), list(range(n)), [], 0,
                         done_tokens=done) for rid, n, done in jobs)
-    worker = SimpleNamespace(waiting_prefill=waiting, budget=budget)
+    worker = SimpleNamespace(waiting_prefill=waiting, budget=budget, batch_target=budget)
     got = PrefillWorker.take_batch(worker, held(hold))  # type: ignore[arg-type]
     assert ",".join(f"{j.req.req_id}:{n}" for j, n in got) == batch
     assert [j.req.req_id for j in waiting] == [j[0] for j in jobs]  # taking a batch moves nothing

@@ -5,7 +5,8 @@ manager: it writes only into the blocks a KVReady handed it. It hears only from 
 in order: a request arrives inside its KVReady, and a Drop always follows the KVReady it concerns.
 
 Queue: `waiting_prefill`, in arrival order (`enqueue`). A batch takes whole prompts in order up to the
-token budget; a prompt longer than the budget alone is computed in budget-sized chunks over several forwards.
+token budget, and no more once it holds `--prefill-batch-tokens` (`take_prefill_batch`); a prompt longer
+than the budget alone is computed in budget-sized chunks over several forwards.
 
 Loop: drain the inbox (a SetPartition from decode switches the compute partition for the next
 forward), run one prefill batch on that partition's stream, publish PrefillDone to decode carrying the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -80,12 +82,40 @@ class Job:
         return TokenHistory((self.req.req_id, self.attempt), self.tokens[:n], self.tokens[n:])
 
 
+def take_prefill_batch(waiting: Iterable[Job], budget: int, target: int,
+                       hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
+    """One forward's prompts, in queue order, as (job, tokens to compute now): whole prompts while the
+    batch holds fewer than `target` tokens and the next fits in `budget`; the first prompt of a batch
+    that is over `budget` alone goes in a budget-sized chunk. Jobs in `hold` are passed over. A pure
+    function: tests/test_prefill_batch.py."""
+    batch: list[tuple[Job, int]] = []
+    left = budget
+    for job in waiting:
+        if job.req.req_id in hold:
+            continue
+        rest = len(job.tokens) - job.done_tokens
+        if not batch:
+            batch.append((job, min(rest, left)))  # a chunk of an over-budget prompt goes alone
+            left -= min(rest, left)
+            if rest >= budget:
+                break
+        elif rest <= left:
+            batch.append((job, rest))
+            left -= rest
+        else:
+            break
+        if budget - left >= target:
+            break
+    return batch
+
+
 class PrefillWorker:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, backend: PartitionBackend,
                  partition: str) -> None:
         self.cfg, self.runner, self.io, self.backend = cfg, runner, io, backend
         self.eos, self.context_cap = cfg.model_config.eos_token_ids, runner.limits.context_cap
         self.budget = cfg.scheduler.max_num_batched_tokens
+        self.batch_target = cfg.scheduler.prefill_batch_tokens or self.budget
         self.waiting_prefill: deque[Job] = deque()
         self.partition = partition  # set by decode (SetPartition); applies from the next forward
         self._last_beat = 0.0
@@ -129,23 +159,9 @@ class PrefillWorker:
 
     # ---- prefill ----------------------------------------------------------------------------
     def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:
-        """FCFS whole prompts up to the budget; a prompt over the budget alone goes in chunks. Jobs in
-        `hold` (their grammar still compiling: `GrammarBook.compiling`) are passed over, keeping their place."""
-        batch: list[tuple[Job, int]] = []
-        left = self.budget
-        for job in self.waiting_prefill:
-            if job.req.req_id in hold:
-                continue
-            rest = len(job.tokens) - job.done_tokens
-            if rest <= left:
-                batch.append((job, rest))
-                left -= rest
-            elif not batch:
-                batch.append((job, left))  # chunk of an over-budget prompt
-                break
-            else:
-                break
-        return batch
+        """This step's batch (`take_prefill_batch`). Jobs in `hold` (their grammar still compiling:
+        `GrammarBook.compiling`) are passed over, keeping their place."""
+        return take_prefill_batch(self.waiting_prefill, self.budget, self.batch_target, hold)
 
     def prefill_step(self) -> None:
         """One forward on the current partition's stream. Reading the sampled tokens waits for it, so
