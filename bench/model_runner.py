@@ -11,7 +11,8 @@ On the GPU it is given, it measures:
              LM head of the last tokens) per second, over the GEMM rate
   decode     one decode step (CUDA graph replay) at batch 1, 16, 64, 256 with 2048-token contexts:
              bytes (weights read once + every context token's K and V) per second, over the copy
-             bandwidth
+             bandwidth; and the graph's replay alone (no host input building), over the read bandwidth
+             (a reduction over 1 GiB)
 Medians over repeats, with min/max. Writes <out>/model_runner.json and .md; prints a table last.
 """
 
@@ -70,7 +71,11 @@ def ceilings() -> dict[str, object]:
     dst = torch.empty_like(src)
     copy = time_ms(lambda: dst.copy_(src), reps=20)
     nbytes = 2 * src.numel() * src.element_size()
+    acc = torch.empty((), device=dev, dtype=torch.float32)
+    read = time_ms(lambda: torch.sum(src, 0, dtype=torch.float32, out=acc), reps=20)  # reads only, as decode
     return {
+        "read_tbps": src.numel() * src.element_size() / (statistics.median(read) * 1e-3) / 1e12,
+        "read_ms": stats(read),
         "gemm_tflops": flops / (statistics.median(gemm) * 1e-3) / 1e12,
         "gemm_ms": stats(gemm), "gemm_shape": f"({m}x{k} @ {k}x{n}) @ {n}x{k} bf16",
         "copy_tbps": nbytes / (statistics.median(copy) * 1e-3) / 1e12,
@@ -214,11 +219,18 @@ def perf(name: str, mcfg: ModelConfig, ceil: dict[str, object], quick: bool) -> 
         # gigabytes, far beyond the 50 MB L2, so every byte still comes from HBM.
         items = [DecodeItem(1, ctx - 1, [(i * per + j) % nblocks for j in range(per)]) for i in range(b)]
         ms = time_ms(lambda items=items: runner.decode(items, graph_key="full"), reps=3 * reps)
+        # the graph alone: its inputs are in place after the call above, so a replay repeats that step
+        # without the host building and copying them (which the engine overlaps with the step in flight)
+        graph = runner.decode_graph(b, "full")
+        replay = time_ms(graph.replay, reps=3 * reps) if graph is not None else ms
         nbytes = (linear_params + mcfg.vocab_size * mcfg.hidden_size) * el + b * mcfg.hidden_size * el \
             + b * ctx * mcfg.kv_bytes_per_token(el)
         tbps = nbytes / (statistics.median(ms) * 1e-3) / 1e12
+        replay_tbps = nbytes / (statistics.median(replay) * 1e-3) / 1e12
         rows.append({"batch": b, "ctx": ctx, "ms": stats(ms), "bytes": nbytes, "tbps": tbps,
                      "frac_of_copy": tbps / float(ceil["copy_tbps"]),  # type: ignore[arg-type]
+                     "replay_ms": stats(replay), "replay_tbps": replay_tbps,
+                     "replay_frac_of_read": replay_tbps / float(ceil["read_tbps"]),  # type: ignore[arg-type]
                      "kv_blocks_shared": max(0, need - nblocks)})
     out["decode"] = rows
     return out
@@ -253,17 +265,25 @@ def main() -> int:
         json.dump(res, f, indent=2)
     lines = [f"# Model runner: {a.model} bf16 on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`", "",
-             f"Ceilings: GEMM {ceil['gemm_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s", "",
+             f"Ceilings: GEMM {ceil['gemm_tflops']:.0f} TFLOP/s, copy {ceil['copy_tbps']:.2f} TB/s, "
+             f"read {ceil['read_tbps']:.2f} TB/s", "",
+             "Targets: issue 16's (prefill >= 85% of the GEMM rate, decode >= 90% of the memory roofline). "
+             "A decode row \"step\" is `runner.decode` (the host building and copying the inputs, then the "
+             "replay); \"replay\" is the graph alone, over the read ceiling.", "",
              "| phase | shape | median ms (min-max) | rate | fraction of ceiling | target |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in p["prefill"]:  # type: ignore[index]
         m = r["ms"]
         lines.append(f"| prefill | {r['shape']} | {m['median']:.2f} ({m['min']:.2f}-{m['max']:.2f}) | "
-                     f"{r['tflops']:.0f} TFLOP/s | {r['frac_of_gemm']:.1%} of GEMM | >= 65% |")
+                     f"{r['tflops']:.0f} TFLOP/s | {r['frac_of_gemm']:.1%} of GEMM | >= 85% |")
     for r in p["decode"]:  # type: ignore[index]
         m = r["ms"]
-        lines.append(f"| decode | b={r['batch']} ctx={r['ctx']} | {m['median']:.3f} ({m['min']:.3f}-{m['max']:.3f})"
-                     f" | {r['tbps']:.2f} TB/s | {r['frac_of_copy']:.1%} of copy | >= 75% |")
+        lines.append(f"| decode step | b={r['batch']} ctx={r['ctx']} | {m['median']:.3f} ({m['min']:.3f}-"
+                     f"{m['max']:.3f}) | {r['tbps']:.2f} TB/s | {r['frac_of_copy']:.1%} of copy | >= 90% |")
+        m = r["replay_ms"]
+        lines.append(f"| decode replay | b={r['batch']} ctx={r['ctx']} | {m['median']:.3f} ({m['min']:.3f}-"
+                     f"{m['max']:.3f}) | {r['replay_tbps']:.2f} TB/s | {r['replay_frac_of_read']:.1%} of read "
+                     "| >= 90% |")
     if "check" in res:
         c = res["check"]
         lines += ["", f"Check (2-layer slice): bf16 logits rel. error {max(c['bf16_logits_rel_err']):.2e} "  # type: ignore[index]
