@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from rapidserve.structured.lexers import LexerShards
+from rapidserve.structured.grammars import GrammarCache
+from rapidserve.structured.lexers import LexerShards, ShardBudget
 
 
 class Compiled:
@@ -39,8 +40,9 @@ class ManualPool:
             fn()
 
 
-def make(limit: int, per_shard: int, fail_from: int | None = None) -> tuple[LexerShards, ManualPool, list[int]]:
-    pool, made = ManualPool(), [0]
+def make(limit: int, per_shard: int, fail_from: int | None = None, budget: ShardBudget | None = None,
+         pool: ManualPool | None = None) -> tuple[LexerShards, ManualPool, list[int]]:
+    pool, made = pool or ManualPool(), [0]
 
     def compile_one() -> Compiled:
         made[0] += 1
@@ -48,7 +50,7 @@ def make(limit: int, per_shard: int, fail_from: int | None = None) -> tuple[Lexe
             raise RuntimeError("out of memory")
         return Compiled(made[0])
 
-    return LexerShards(Compiled(0), compile_one, pool, limit=limit, per_shard=per_shard), pool, made
+    return LexerShards(Compiled(0), compile_one, pool, limit=limit, per_shard=per_shard, budget=budget), pool, made
 
 
 @pytest.mark.parametrize(
@@ -113,6 +115,64 @@ def test_without_a_compiler_or_pool_it_is_one_compile() -> None:
     assert [sh.deep_copy() for _ in range(5)] == [("copy of", 0)] * 5 and len(sh.shards) == 1
 
 
+def test_one_budget_bounds_the_extra_compiles_of_every_constraint() -> None:
+    budget, pool = ShardBudget(5), ManualPool()
+    a, _, _ = make(limit=4, per_shard=1, budget=budget, pool=pool)
+    b, _, _ = make(limit=4, per_shard=1, budget=budget, pool=pool)
+    for _ in range(10):
+        a.deep_copy()
+        pool.run_all()
+    assert len(a.shards) == 4 and budget.used == 3  # its limit: 3 extra
+    for _ in range(10):
+        b.deep_copy()
+        pool.run_all()
+    assert len(b.shards) == 3 and budget.used == 5  # the budget's last 2
+    a.release()  # a left the cache: its 3 go back, and b may grow again
+    assert budget.used == 2
+    b.deep_copy()
+    pool.run_all()
+    assert len(b.shards) == 4 and budget.used == 3
+    a.release()  # twice: nothing more
+    assert budget.used == 3
+
+
+def test_a_compile_that_ends_after_release_is_not_kept_and_gives_its_share_back() -> None:
+    budget = ShardBudget(4)
+    sh, pool, _ = make(limit=4, per_shard=1, budget=budget)
+    sh.deep_copy()  # asks for a second compile
+    assert budget.used == 1 and len(pool.queued) == 1
+    sh.release()
+    assert budget.used == 1  # still compiling: its share comes back when it ends
+    pool.run_all()
+    assert budget.used == 0 and len(sh.shards) == 1
+    for _ in range(5):  # released: never grows again
+        sh.deep_copy()
+    assert not pool.queued and sh.deep_copy() == ("copy of", 0)
+
+
+def test_a_failed_compile_gives_its_share_back() -> None:
+    budget = ShardBudget(4)
+    sh, pool, _ = make(limit=4, per_shard=1, fail_from=1, budget=budget)
+    sh.deep_copy()
+    pool.run_all()
+    assert budget.used == 0 and len(sh.shards) == 1
+
+
+def test_the_grammar_cache_releases_what_it_evicts_or_replaces() -> None:
+    evicted: list[str] = []
+    made = iter(["a1", "b1", "c1", "a2"])
+    cache = GrammarCache(lambda so: next(made), capacity=2, on_evict=evicted.append)
+    from rapidserve.sampling_params import StructuredOutputs as SO
+
+    cache.compile(SO(regex="a"))
+    cache.compile(SO(regex="b"))
+    assert evicted == []
+    cache.compile(SO(regex="c"))  # over capacity: the least recent (a) goes
+    assert evicted == ["a1"]
+    cache.compile(SO(regex="a"))  # a again: compiled anew; b goes
+    assert evicted == ["a1", "b1"]
+
+
 @pytest.mark.parametrize(("limit", "per_shard"), [(0, 1), (1, 0)])
 def test_bad_settings_are_refused(limit: int, per_shard: int) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
@@ -158,3 +218,21 @@ def test_a_real_grammar_book_spreads_a_popular_schema_over_compiles_and_masks_th
     two, n2 = masks(2)
     assert n1 == 1 and n2 == 2
     assert one == two
+
+
+def test_a_grammar_book_gives_an_evicted_constraints_extra_compiles_back() -> None:
+    from rapidserve.structured import GrammarBook
+
+    book = GrammarBook(lambda: None, 100, (0,), cache_size=1, threads=2, lexers=3)
+    book._compile_one = lambda so: Compiled(0)  # type: ignore[method-assign]  # no grammar engine needed
+    a = book.cache.compile(StructuredOutputs(regex="a"))
+    assert isinstance(a, LexerShards) and a.limit == 3
+    for _ in range(40):
+        a.deep_copy()
+    for _ in range(200):  # the compile pool's threads make the extra compiles
+        if len(a.shards) == 3:
+            break
+        time.sleep(0.01)
+    assert len(a.shards) == 3 and book._shard_budget.used == 2
+    book.cache.compile(StructuredOutputs(regex="b"))  # capacity 1: a is evicted
+    assert book._shard_budget.used == 0

@@ -107,12 +107,14 @@ class GrammarCache:
 
     `compile(so)` builds the value once per constraint (`make`: the worker's compiler, e.g. a template
     matcher that each request copies); later requests of the same constraint reuse it. Errors are not
-    cached: a bad constraint raises every time."""
+    cached: a bad constraint raises every time. `on_evict(value)` is called for each value that leaves the
+    cache (evicted, or replaced by a second compile of the same constraint), outside the cache's lock."""
 
-    def __init__(self, make: Callable[[StructuredOutputs], Any], capacity: int = 256) -> None:
+    def __init__(self, make: Callable[[StructuredOutputs], Any], capacity: int = 256,
+                 on_evict: Callable[[Any], None] | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1")
-        self._make, self.capacity = make, capacity
+        self._make, self.capacity, self._on_evict = make, capacity, on_evict
         self._items: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self.hits = self.misses = 0
         self._lock = threading.Lock()  # the server may check large bodies in executor threads
@@ -136,9 +138,16 @@ class GrammarCache:
         with self._lock:
             self.misses += 1
         value = self._make(so)  # outside the lock: two threads may both compile a new constraint once
+        gone: list[Any] = []
         with self._lock:
+            old = self._items.get(so)
+            if old is not None and old is not value:
+                gone.append(old)
             self._items[so] = value
             self._items.move_to_end(so)
             while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+                gone.append(self._items.popitem(last=False)[1])
+        if self._on_evict is not None:
+            for v in gone:
+                self._on_evict(v)
         return value

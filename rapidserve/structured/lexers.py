@@ -12,6 +12,11 @@ of the same grammar is submitted to the compile pool, up to `limit` shards. Requ
 round robin. A compile that fails stops the growth (the first compile succeeded, so this is the
 engine's trouble, not the request's): the shards made so far keep serving.
 
+Memory: each extra compile holds its own lexer cache, so a worker's extra compiles over all its
+constraints are bounded by one `ShardBudget` (a constraint grows only while the budget has room), and a
+constraint that leaves the grammar cache gives its extra compiles back (`release`; one still compiling
+then gives its share back when it ends, and is not kept).
+
 Invariants: `deep_copy` never blocks and never compiles on the caller's thread; `shards` only grows;
 every shard is a compile of the same grammar, so every copy accepts and masks exactly the same tokens.
 """
@@ -27,11 +32,33 @@ from rapidserve.structured.compiles import Pool
 PER_SHARD = 16  # copies made per shard before one more is compiled
 
 
+class ShardBudget:
+    """How many extra compiles (beyond each constraint's first) one worker may hold at once."""
+
+    def __init__(self, total: int) -> None:
+        if total < 0:
+            raise ValueError(f"total={total} must be >= 0")
+        self.total, self.used = total, 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.total:
+                return False
+            self.used += 1
+            return True
+
+    def give(self, n: int = 1) -> None:
+        with self._lock:
+            self.used -= n
+            assert self.used >= 0, "gave back more extra compiles than were taken"
+
+
 class LexerShards:
     """The compiles of one constraint that its requests' matchers are copied from."""
 
     def __init__(self, first: Any, compile_one: Callable[[], Any] | None = None, pool: Pool | None = None,
-                 limit: int = 1, per_shard: int = PER_SHARD) -> None:
+                 limit: int = 1, per_shard: int = PER_SHARD, budget: ShardBudget | None = None) -> None:
         if limit < 1 or per_shard < 1:
             raise ValueError(f"limit={limit} and per_shard={per_shard} must be >= 1")
         self.shards: list[Any] = [first]
@@ -39,7 +66,9 @@ class LexerShards:
         self.limit = limit if compile_one is not None and pool is not None else 1
         self.per_shard = per_shard
         self.copies = 0
+        self._budget = budget
         self._pending = 0
+        self._released = False
         self._lock = threading.Lock()
 
     def deep_copy(self) -> Any:
@@ -48,7 +77,8 @@ class LexerShards:
         self.copies = n + 1
         with self._lock:
             growing = len(self.shards) + self._pending
-            grow = growing < self.limit and n + 1 >= self.per_shard * growing
+            grow = growing < self.limit and n + 1 >= self.per_shard * growing and not self._released \
+                and (self._budget is None or self._budget.take())
             if grow:
                 self._pending += 1
         if grow:
@@ -56,6 +86,17 @@ class LexerShards:
             self._pool.submit(self._grow)
         shards = self.shards
         return shards[n % len(shards)].deep_copy()
+
+    def release(self) -> None:
+        """The constraint left the cache: its extra compiles go back to the budget (one still compiling
+        gives its share back when it ends). Copies already made keep working."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            extra = len(self.shards) - 1
+        if self._budget is not None and extra:
+            self._budget.give(extra)
 
     def _grow(self) -> None:
         assert self._compile_one is not None
@@ -65,7 +106,13 @@ class LexerShards:
             with self._lock:
                 self._pending -= 1
                 self.limit = len(self.shards) + self._pending
+            if self._budget is not None:
+                self._budget.give()
             return
         with self._lock:
             self._pending -= 1
-            self.shards = [*self.shards, m]  # a new list: a reader holding the old one stays consistent
+            released = self._released
+            if not released:
+                self.shards = [*self.shards, m]  # a new list: a reader holding the old one stays consistent
+        if released and self._budget is not None:
+            self._budget.give()

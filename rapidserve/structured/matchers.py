@@ -55,7 +55,7 @@ from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.compiles import CompilePool, Compiles
 from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
-from rapidserve.structured.lexers import LexerShards
+from rapidserve.structured.lexers import LexerShards, ShardBudget
 
 
 class GrammarRow(NamedTuple):
@@ -93,13 +93,15 @@ class GrammarBook:
                  cache_size: int = 256, threads: int | None = None, compile_threads: int = 2,
                  lexers: int | None = None) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, eos
-        self.cache = GrammarCache(self._compile, cache_size)
+        self.cache = GrammarCache(self._compile, cache_size, on_evict=_release_shards)
         self.compiles = Compiles(self.cache, CompilePool(compile_threads))
         # llguidance's fill pool: 3/4 of the cores, at most 12 (the rest: the loop, torch, the other processes)
         self._threads = threads or max(1, min(12, (os.cpu_count() or 2) * 3 // 4))
         # independent compiles per popular constraint (lexers.py): one per fill thread, so the threads
         # do not queue on one shared lexer
         self._lexers = lexers or self._threads
+        # over all constraints: 4 constraints' worth of extra compiles (each holds its own lexer cache)
+        self._shard_budget = ShardBudget(4 * (self._lexers - 1))
         self._tok: Any = None
         self._tok_lock = threading.Lock()
         self._executor: Any = None
@@ -193,7 +195,7 @@ class GrammarBook:
         """The constraint's compile that requests copy (more compiles of it are made in the background
         once it is popular: lexers.py)."""
         return LexerShards(self._compile_one(so), lambda: self._compile_one(so), self.compiles.pool,
-                           limit=self._lexers)
+                           limit=self._lexers, budget=self._shard_budget)
 
     def _compile_one(self, so: StructuredOutputs) -> Any:
         """A template matcher of the constraint (one compile, with its own lexer)."""
@@ -352,6 +354,12 @@ class GrammarBook:
             w[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         if not w.any():
             w[:] = saved
+
+
+def _release_shards(value: Any) -> None:
+    """A compiled constraint left the grammar cache: its extra compiles go back to the budget."""
+    if isinstance(value, LexerShards):
+        value.release()
 
 
 def _rejected(so: StructuredOutputs, t: int, m: Any) -> str:
