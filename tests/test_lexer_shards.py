@@ -220,19 +220,68 @@ def test_a_real_grammar_book_spreads_a_popular_schema_over_compiles_and_masks_th
     assert one == two
 
 
-def test_a_grammar_book_gives_an_evicted_constraints_extra_compiles_back() -> None:
+def fake_book(monkeypatch: pytest.MonkeyPatch, matcher: Callable[[StructuredOutputs, str], Any], **kw: Any) -> Any:
+    """A GrammarBook whose compiles are `matcher(so, text)` (no grammar engine or tokenizer needed)."""
     from rapidserve.structured import GrammarBook
 
-    book = GrammarBook(lambda: None, 100, (0,), cache_size=1, threads=2, lexers=3)
-    book._compile_one = lambda so: Compiled(0)  # type: ignore[method-assign]  # no grammar engine needed
+    monkeypatch.setattr("rapidserve.structured.matchers.check", lambda so, tok: so.regex or "")
+    book = GrammarBook(lambda: None, 100, (0,), threads=2, **kw)
+    book._tokenizer = lambda: None  # type: ignore[method-assign]
+    book._matcher = matcher  # type: ignore[method-assign]
+    return book
+
+
+def test_a_grammar_book_drops_an_evicted_constraints_extra_compiles_and_gives_them_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    book = fake_book(monkeypatch, lambda so, text: Compiled(0), cache_size=1, lexers=3)
     a = book.cache.compile(StructuredOutputs(regex="a"))
     assert isinstance(a, LexerShards) and a.limit == 3
     for _ in range(40):
         a.deep_copy()
-    for _ in range(200):  # the compile pool's threads make the extra compiles
+    for _ in range(200):  # the shard pool's thread makes the extra compiles
         if len(a.shards) == 3:
             break
         time.sleep(0.01)
     assert len(a.shards) == 3 and book._shard_budget.used == 2
     book.cache.compile(StructuredOutputs(regex="b"))  # capacity 1: a is evicted
-    assert book._shard_budget.used == 0
+    assert book._shard_budget.used == 0 and len(a.shards) == 1  # dropped, and no longer handed out
+
+
+def test_a_shard_compile_never_holds_up_the_compile_a_request_waits_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    gate, calls = threading.Event(), {"a": 0}
+
+    def matcher(so: StructuredOutputs, text: str) -> Compiled:
+        if text == "a":
+            calls["a"] += 1
+            if calls["a"] > 1:  # a's extra compiles: slow, until the test lets them go
+                gate.wait(10)
+        return Compiled(0)
+
+    book = fake_book(monkeypatch, matcher, lexers=4)
+    a = book.cache.compile(StructuredOutputs(regex="a"))
+    for _ in range(64):  # popular: 3 extra compiles asked for, the first of them stuck
+        a.deep_copy()
+    try:
+        assert not book.prepare("r1", StructuredOutputs(regex="b"))  # b compiles on the requests' pool
+        deadline = time.monotonic() + 5
+        while book.compiling() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not book.compiling()  # ready while a's extra compile is still stuck
+        assert len(a.shards) == 1
+    finally:
+        gate.set()
+
+
+def test_a_pool_that_cannot_take_the_compile_stops_growth_and_gives_its_share_back() -> None:
+    class Refusing:
+        def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+            raise RuntimeError("can't start new thread")
+
+    budget = ShardBudget(4)
+    sh = LexerShards(Compiled(0), lambda: Compiled(1), Refusing(), limit=4, per_shard=1, budget=budget)
+    assert sh.deep_copy() == ("copy of", 0)  # the copy is still made
+    assert budget.used == 0 and sh.limit == 1
+    sh.deep_copy()
+    assert budget.used == 0

@@ -74,6 +74,8 @@ class GrammarMask:
 
     @property
     def row_ids(self) -> torch.Tensor:
+        """The logits row of each mask row. Write it only for a mask made without `rows` (`row_start`
+        is then None); with `rows` it is set already, and `row_start` was derived from it."""
         n = self.num_rows * self.num_words
         return self.buf[n : n + self.num_rows]
 

@@ -8,14 +8,16 @@ spread over 8 (bench/results/structured_host_overhead.md, "the lexer lock").
 
 How: a constraint starts with the one compile the worker made (nothing extra for a one-off schema).
 Once many requests have copied it (`per_shard` copies per shard made or under way), one more compile
-of the same grammar is submitted to the compile pool, up to `limit` shards. Requests take the shards
+of the same grammar is submitted to a pool of its own (one thread: these never delay the compile of a
+grammar a request waits for), up to `limit` shards. Requests take the shards
 round robin. A compile that fails stops the growth (the first compile succeeded, so this is the
 engine's trouble, not the request's): the shards made so far keep serving.
 
-Memory: each extra compile holds its own lexer cache, so a worker's extra compiles over all its
-constraints are bounded by one `ShardBudget` (a constraint grows only while the budget has room), and a
-constraint that leaves the grammar cache gives its extra compiles back (`release`; one still compiling
-then gives its share back when it ends, and is not kept).
+Memory: each extra compile holds its own lexer cache, so the extra compiles of a worker's cached
+constraints are bounded by one `ShardBudget` (a constraint grows only while the budget has room). A
+constraint that leaves the grammar cache drops its extra compiles and gives them back (`release`; one
+still compiling gives its share back when it ends, and is not kept); a dropped compile lives on only in
+the copies of requests already running, until they end.
 
 Invariants: `deep_copy` never blocks and never compiles on the caller's thread; `shards` only grows;
 every shard is a compile of the same grammar, so every copy accepts and masks exactly the same tokens.
@@ -83,31 +85,41 @@ class LexerShards:
                 self._pending += 1
         if grow:
             assert self._pool is not None
-            self._pool.submit(self._grow)
+            try:
+                self._pool.submit(self._grow)
+            except BaseException:  # noqa: BLE001 - no thread for it (e.g. none can start): growth stops
+                self._grown_none()
         shards = self.shards
         return shards[n % len(shards)].deep_copy()
 
     def release(self) -> None:
-        """The constraint left the cache: its extra compiles go back to the budget (one still compiling
-        gives its share back when it ends). Copies already made keep working."""
+        """The constraint left the cache: its extra compiles are dropped (requests still holding this
+        object copy the first one from now on; their existing copies keep working and keep an extra
+        compile alive only until they end) and go back to the budget (one still compiling gives its
+        share back when it ends)."""
         with self._lock:
             if self._released:
                 return
             self._released = True
             extra = len(self.shards) - 1
+            self.shards = self.shards[:1]
         if self._budget is not None and extra:
             self._budget.give(extra)
+
+    def _grown_none(self) -> None:
+        """A compile asked for did not come: growth stops here, its share goes back."""
+        with self._lock:
+            self._pending -= 1
+            self.limit = len(self.shards) + self._pending
+        if self._budget is not None:
+            self._budget.give()
 
     def _grow(self) -> None:
         assert self._compile_one is not None
         try:
             m = self._compile_one()
         except BaseException:  # noqa: BLE001 - growth stops; the shards made so far keep serving
-            with self._lock:
-                self._pending -= 1
-                self.limit = len(self.shards) + self._pending
-            if self._budget is not None:
-                self._budget.give()
+            self._grown_none()
             return
         with self._lock:
             self._pending -= 1

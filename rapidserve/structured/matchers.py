@@ -102,6 +102,7 @@ class GrammarBook:
         self._lexers = lexers or self._threads
         # over all constraints: 4 constraints' worth of extra compiles (each holds its own lexer cache)
         self._shard_budget = ShardBudget(4 * (self._lexers - 1))
+        self._shard_pool = CompilePool(1, name="grammar-shard")  # apart from the requests' compiles
         self._tok: Any = None
         self._tok_lock = threading.Lock()
         self._executor: Any = None
@@ -192,15 +193,19 @@ class GrammarBook:
         return self._tok
 
     def _compile(self, so: StructuredOutputs) -> LexerShards:
-        """The constraint's compile that requests copy (more compiles of it are made in the background
-        once it is popular: lexers.py)."""
-        return LexerShards(self._compile_one(so), lambda: self._compile_one(so), self.compiles.pool,
+        """The constraint's compile that requests copy. More compiles of it are made once it is popular
+        (lexers.py), on their own single low-priority thread, so they never hold up the compile of a
+        grammar a request is waiting for; they reuse the grammar text checked here."""
+        text = check(so, self._tokenizer())
+        return LexerShards(self._matcher(so, text), lambda: self._matcher(so, text), self._shard_pool,
                            limit=self._lexers, budget=self._shard_budget)
 
     def _compile_one(self, so: StructuredOutputs) -> Any:
         """A template matcher of the constraint (one compile, with its own lexer)."""
-        llg = _llguidance()
-        m = llg.LLMatcher(self._tokenizer(), check(so, self._tokenizer()))
+        return self._matcher(so, check(so, self._tokenizer()))
+
+    def _matcher(self, so: StructuredOutputs, text: str) -> Any:
+        m = _llguidance().LLMatcher(self._tokenizer(), text)
         if m.is_error():
             raise GrammarError(so.kind, f"invalid {so.kind}: {m.get_error()[:500]}")
         return m
@@ -252,7 +257,7 @@ class GrammarBook:
                 t = r.tokens[-1] if r.last is None else r.last
                 if t not in eos and not mt.m.is_stopped():
                     try:
-                        ok = mt.m.consume_token(t)
+                        ok = mt.m.consume_token(t) and not mt.m.is_error()  # as `_synced` checks
                         err = None if ok else _rejected(mt.so, t, mt.m)
                     except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
                         err = str(engine_error("grammar", e))
