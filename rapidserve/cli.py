@@ -195,6 +195,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
+    if a.prefill_batch_tokens is not None:
+        raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of `serve --mode rapid`; "
+                          "generate runs one process, whose steps --max-num-batched-tokens bounds: drop the flag")
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -216,6 +219,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from rapidserve.server.serve import run
 
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
+    if a.mode == "hybrid" and a.prefill_batch_tokens is not None:
+        raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of --mode rapid (and disagg); "
+                          "--mode hybrid has none: its steps are bounded by --max-num-batched-tokens. Drop the flag "
+                          "or use --mode rapid")
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too

@@ -64,3 +64,23 @@ def test_the_cli_flag_reaches_the_config_and_bad_values_exit_naming_it() -> None
     assert engine_kwargs(a, env={})["prefill_batch_tokens"] == 2048
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefill-batch-tokens", "0"])
+
+
+@pytest.mark.parametrize("args", [["serve", "--mode", "hybrid"], ["generate", "--prompt", "hi"]],
+                         ids=["serve-hybrid", "generate"])
+def test_the_flag_where_no_prefill_worker_runs_exits_2_saying_what_to_do(args: list[str],
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_cli import usage_error
+
+    err = usage_error(capsys, *args, "--model", "preset:tiny-llama", "--device", "cpu", "--prefill-batch-tokens", "512")
+    assert "--prefill-batch-tokens" in err and "drop the flag" in err.lower(), err
+
+
+def test_serve_rapid_takes_the_flag_into_the_config() -> None:
+    from unittest import mock
+
+    from rapidserve.cli import main
+
+    with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
+        assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--prefill-batch-tokens", "512"]) == 0
+    assert run_.call_args.args[0].scheduler.prefill_batch_tokens == 512
