@@ -214,7 +214,7 @@ class Run:
         shards = self.book.cache.compile(so)
         if sharded:
             while len(shards.shards) < lexers:
-                shards.shards.append(self.book._compile_one(so))
+                shards.shards.append(shards._compile_one())  # the engine's own compiler of it
             shards.limit = lexers
         self.worker = object.__new__(HybridWorker)  # only what `_grammar_mask` reads
         self.worker.grammar = self.book

@@ -79,8 +79,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "at most min(--max-num-seqs, this) requests run at once")
     g.add_argument("--prefill-batch-tokens", type=_positive_int, default=None,
                    help="rapid mode: a prefill batch takes no more whole prompts once it holds this many tokens "
-                        "(at most --max-num-batched-tokens; default: --max-num-batched-tokens). Smaller batches "
-                        "give queued prompts their first token sooner")
+                        "(at most --max-num-batched-tokens; default: --max-num-batched-tokens; not with --mode "
+                        "hybrid, --policy drift or generate, which have no such batches)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
@@ -195,9 +195,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
-    if a.prefill_batch_tokens is not None:
-        raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of `serve --mode rapid`; "
-                          "generate runs one process, whose steps --max-num-batched-tokens bounds: drop the flag")
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -223,6 +220,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of --mode rapid (and disagg); "
                           "--mode hybrid has none: its steps are bounded by --max-num-batched-tokens. Drop the flag "
                           "or use --mode rapid")
+    if a.policy == "drift" and a.prefill_batch_tokens is not None:
+        raise ConfigError("--prefill-batch-tokens does not apply under --policy drift: DRIFT's dispatcher sizes "
+                          "its own prefill batches (within --max-num-batched-tokens). Drop the flag or use "
+                          "another --policy")
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too

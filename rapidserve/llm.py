@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from rapidserve.config import ConfigError
 from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
 from rapidserve.core import EngineCore
 from rapidserve.outputs import CompletionOutput, RequestOutput
@@ -27,6 +28,10 @@ class LLM:
                  **kwargs: object) -> None:
         """`kwargs`: build_engine_config's; `allow_long_max_model_len` not given is read from
         $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's LLM reads VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+        if kwargs.get("prefill_batch_tokens") is not None:  # before the model loads
+            raise ConfigError("prefill_batch_tokens sizes the prefill worker's batches of `rapidserve serve --mode "
+                              "rapid`; LLM (and `rapidserve generate`) runs one process, whose steps "
+                              "max_num_batched_tokens bounds: drop prefill_batch_tokens (--prefill-batch-tokens)")
         if "allow_long_max_model_len" not in kwargs:
             kwargs["allow_long_max_model_len"] = allow_long_max_model_len(os.environ)
         cfg, source = build_engine_config(model, dtype=dtype, **kwargs)  # type: ignore[arg-type]

@@ -66,14 +66,14 @@ def test_the_cli_flag_reaches_the_config_and_bad_values_exit_naming_it() -> None
         build_parser().parse_args(["serve", "--prefill-batch-tokens", "0"])
 
 
-@pytest.mark.parametrize("args", [["serve", "--mode", "hybrid"], ["generate", "--prompt", "hi"]],
-                         ids=["serve-hybrid", "generate"])
+@pytest.mark.parametrize("args", [["serve", "--mode", "hybrid"], ["serve", "--policy", "drift"],
+                                  ["generate", "--prompt", "hi"]], ids=["serve-hybrid", "serve-drift", "generate"])
 def test_the_flag_where_no_prefill_worker_runs_exits_2_saying_what_to_do(args: list[str],
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     from tests.test_cli import usage_error
 
     err = usage_error(capsys, *args, "--model", "preset:tiny-llama", "--device", "cpu", "--prefill-batch-tokens", "512")
-    assert "--prefill-batch-tokens" in err and "drop the flag" in err.lower(), err
+    assert "--prefill-batch-tokens" in err and "drop" in err.lower(), err
 
 
 def test_serve_rapid_takes_the_flag_into_the_config() -> None:
@@ -84,3 +84,10 @@ def test_serve_rapid_takes_the_flag_into_the_config() -> None:
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--prefill-batch-tokens", "512"]) == 0
     assert run_.call_args.args[0].scheduler.prefill_batch_tokens == 512
+
+
+def test_llm_refuses_the_setting_before_loading_anything() -> None:
+    from rapidserve.llm import LLM
+
+    with pytest.raises(ConfigError, match="prefill_batch_tokens .*drop prefill_batch_tokens"):
+        LLM("preset:tiny-llama", device="cpu", prefill_batch_tokens=512)

@@ -200,11 +200,8 @@ class GrammarBook:
         return LexerShards(self._matcher(so, text), lambda: self._matcher(so, text), self._shard_pool,
                            limit=self._lexers, budget=self._shard_budget)
 
-    def _compile_one(self, so: StructuredOutputs) -> Any:
-        """A template matcher of the constraint (one compile, with its own lexer)."""
-        return self._matcher(so, check(so, self._tokenizer()))
-
     def _matcher(self, so: StructuredOutputs, text: str) -> Any:
+        """A template matcher of the checked grammar `text` (one compile, with its own lexer)."""
         m = _llguidance().LLMatcher(self._tokenizer(), text)
         if m.is_error():
             raise GrammarError(so.kind, f"invalid {so.kind}: {m.get_error()[:500]}")
