@@ -81,25 +81,22 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
 
         t = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = ops.qk_norm_rope(q, k, self.q_norm, self.k_norm, eps, positions, cos_sin)
-        else:
-            q, k = ops.apply_rope(q, k, positions, cos_sin)
-
         k_cache, v_cache = kv
-        attn.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        # (q/k norm,) RoPE and the K/V write in one launch on GPUs; from here on k and v are read from the cache
+        q = ops.rope_write(q, k, v, self.q_norm, self.k_norm, eps, positions, cos_sin, k_cache, v_cache,
+                           meta.slot_mapping)
         o = attend(attn, q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5)
-        hidden = F.linear(o.reshape(t, cfg.q_size), self.o_proj)
+        hidden = ops.linear(o.reshape(t, cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
-        hidden = F.linear(ops.silu_and_mul(F.linear(hidden, self.gate_up_proj)), self.down_proj)
+        hidden = ops.linear(ops.linear_silu_and_mul(hidden, self.gate_up_proj), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual

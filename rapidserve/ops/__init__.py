@@ -11,16 +11,30 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 - ``qk_norm_rope(q, k, q_weight [D], k_weight [D], eps, positions, cos_sin_cache) -> (q, k)``: Qwen3's
   per-head q/k RMSNorm then RoPE (the Triton version in one launch, in place, like apply_rope)
 - ``silu_and_mul(x [..., 2I]) -> [..., I]``
+- ``rope_write(q, k, v, q_weight | None, k_weight | None, eps, positions, cos_sin_cache, k_cache, v_cache,
+  slot_mapping) -> q``: what a layer does between its qkv projection and attention: (q/k RMSNorm,) RoPE,
+  and k/v written to their cache slots (layout: rapidserve/attention/metadata.py); the Triton version in
+  one launch, q rotated in place, k left unrotated (callers use the cache from then on)
+- ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
+  gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
+  of at most 16 rows through `triton_skinny` (one kernel each; the gated one never writes the [T, 2I]
+  product) on NVIDIA GPUs, where it was measured; everything else through torch's F.linear (cuBLAS /
+  hipBLASLt)
+
+`unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches, every linear through
+F.linear and SiLU-and-mul on its own, as before these changes (bench/decode_profile.py measures both in one process).
 
 Triton is imported only when the Triton ops are requested.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from rapidserve.ops import torch_ops
 
@@ -36,18 +50,64 @@ class Ops:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor,
                             torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    rope_write: Callable[..., torch.Tensor]
+    linear: Callable[..., torch.Tensor]
+    linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def torch_ops_bundle() -> Ops:
     return Ops("torch", torch_ops.rms_norm, torch_ops.add_rms_norm, torch_ops.apply_rope,
-               torch_ops.silu_and_mul, torch_ops.qk_norm_rope)
+               torch_ops.silu_and_mul, torch_ops.qk_norm_rope, torch_ops.rope_write, torch_ops.linear,
+               torch_ops.linear_silu_and_mul)
 
 
-def triton_ops_bundle() -> Ops:
+def triton_ops_bundle(skinny: bool | None = None) -> Ops:
+    """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
+    routes linear layers of at most 16 rows to `triton_skinny.skinny_linear`."""
     from rapidserve.ops import triton_ops
 
-    return Ops("triton", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
-               triton_ops.silu_and_mul, triton_ops.qk_norm_rope)
+    if skinny is None:
+        skinny = torch.version.hip is None
+    linear = torch_ops.linear
+
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return triton_ops.silu_and_mul(F.linear(x, weight))
+
+    if skinny:
+        from rapidserve.ops import triton_skinny
+        linear = triton_skinny.linear
+
+        def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul)
+
+    return Ops("triton" if skinny else "triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm,
+               triton_ops.apply_rope, triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write,
+               linear, linear_silu_and_mul)
+
+
+def unfused_ops(ops: Ops) -> Ops:
+    """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear and
+    SiLU-and-mul on its own: the layer as it ran before these changes (for A/B measurements; the engine
+    never uses it)."""
+    if ops.name == "torch":
+        return ops
+    from rapidserve.attention.triton_paged import write_kv
+
+    def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if q_weight is not None and k_weight is not None:
+            q, k = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin)
+        else:
+            q, k = ops.apply_rope(q, k, positions, cos_sin)
+        write_kv(k, v, k_cache, v_cache, slots)
+        return q
+
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(F.linear(x, weight))
+
+    return dataclasses.replace(ops, name=ops.name + "-unfused", rope_write=rope_write, linear=torch_ops.linear,
+                               linear_silu_and_mul=linear_silu_and_mul)
 
 
 def get_ops(device: torch.device | str) -> Ops:
@@ -57,4 +117,4 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Ops", "get_ops", "torch_ops_bundle", "triton_ops_bundle"]
+__all__ = ["Ops", "get_ops", "torch_ops_bundle", "triton_ops_bundle", "unfused_ops"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rapidserve.attention.torch_ref import write_kv as torch_write_kv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim (x [..., N], weight [N]), as transformers' LlamaRMSNorm."""
@@ -53,6 +55,31 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k, then RoPE (transformers' order). Returns new tensors."""
     return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+               k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """(q/k RMSNorm when the weights are given,) RoPE, then k and v written to their cache slots (as the
+    torch attention backend's write_kv). Returns the rotated q, a new tensor."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope_write takes both q/k norm weights or neither")
+    if q_weight is not None and k_weight is not None:
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+    else:
+        q, k = apply_rope(q, k, positions, cos_sin_cache)
+    torch_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): torch's F.linear."""
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight)): an MLP's gate|up projection and its activation."""
+    return silu_and_mul(F.linear(x, weight))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

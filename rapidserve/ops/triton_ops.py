@@ -116,18 +116,46 @@ def _cos_sin(cs_ptr, pos, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, dt: tl.c
 
 
 @triton.jit
-def _rope_rotate(ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _head_tile(ptr, t, stride_t, stride_h, NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_HALF: tl.constexpr):
+    """Pointers to the first halves of token t's heads [BLOCK_H, BLOCK_HALF], and their mask."""
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, BLOCK_HALF)
     mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
-    p1 = ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
+    return ptr + t * stride_t + h[:, None] * stride_h + j[None, :], mask
+
+
+@triton.jit
+def _normed_rotated(p1, mask, w_ptr, c, s, eps, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr):
+    """The heads at p1 (first halves; second halves HALF further), RMS-normalised per head when HAS_NORM
+    (as _rms_norm_kernel: weight * h.to(dtype), rounded to the dtype), then rotated (as _rotated);
+    returned in the activations' dtype."""
     x1 = tl.load(p1, mask=mask, other=0.0)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
     dt = x1.dtype
-    o1, o2 = _rotated(x1.to(tl.float32), x2.to(tl.float32), c, s, dt)
-    tl.store(p1, o1.to(dt), mask=mask)
-    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    if HAS_NORM:
+        j = tl.arange(0, BLOCK_HALF)
+        jm = j < HALF
+        variance = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF)
+        r = tl.rsqrt(variance + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        a1 = ((a1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        a2 = ((a2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1, o2 = _rotated(a1, a2, c, s, dt)
+    return o1.to(dt), o2.to(dt)
+
+
+@triton.jit
+def _rope_rotate(ptr, t, stride_t, stride_h, c, s, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    p1, mask = _head_tile(ptr, t, stride_t, stride_h, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    o1, o2 = _normed_rotated(p1, mask, ptr, c, s, 0.0, False, HALF, BLOCK_HALF)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -186,26 +214,10 @@ def _rope_args(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 @triton.jit
 def _norm_rotate(ptr, w_ptr, t, stride_t, stride_h, c, s, eps, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    h = tl.arange(0, BLOCK_H)
-    j = tl.arange(0, BLOCK_HALF)
-    jm = j < HALF
-    mask = (h[:, None] < NUM_HEADS) & jm[None, :]
-    p1 = ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    a1 = x1.to(tl.float32)
-    a2 = x2.to(tl.float32)
-    # rms_norm per head (as _rms_norm_kernel: weight * h.to(dtype), rounded to the dtype) ...
-    variance = (tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF)
-    r = tl.rsqrt(variance + eps)[:, None]
-    w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    n1 = ((a1 * r).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    n2 = ((a2 * r).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    o1, o2 = _rotated(n1, n2, c, s, dt)  # ... then RoPE, rounded as _rope_rotate does
-    tl.store(p1, o1.to(dt), mask=mask)
-    tl.store(p1 + HALF, o2.to(dt), mask=mask)
+    p1, mask = _head_tile(ptr, t, stride_t, stride_h, NUM_HEADS, HALF, BLOCK_H, BLOCK_HALF)
+    o1, o2 = _normed_rotated(p1, mask, w_ptr, c, s, eps, True, HALF, BLOCK_HALF)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
 
 
 @triton.jit
@@ -238,6 +250,81 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         q, k, q_weight, k_weight, positions, cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
         NUM_Q_HEADS=q.shape[1], NUM_K_HEADS=k.shape[1], **blocks, enable_fp_fusion=False)
     return q, k
+
+
+# ------------------------------------------------------- (q/k norm,) RoPE and the KV-cache write, one launch
+@triton.jit
+def _rope_write_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
+                       NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+                       CACHE_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_QH: tl.constexpr,
+                       BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c, s = _cos_sin(cs_ptr, pos, HALF, BLOCK_HALF, q_ptr.dtype.element_ty)
+    p1, mask = _head_tile(q_ptr, t, stride_qt, stride_qh, NUM_Q_HEADS, HALF, BLOCK_QH, BLOCK_HALF)
+    o1, o2 = _normed_rotated(p1, mask, qw_ptr, c, s, eps, HAS_NORM, HALF, BLOCK_HALF)
+    tl.store(p1, o1, mask=mask)
+    tl.store(p1 + HALF, o2, mask=mask)
+    # k, rotated, and v go straight to the token's cache slot (layout as write_kv's: [blocks, heads,
+    # CACHE_BLOCK, 2 * HALF]); a padding row (slot < 0) writes nothing. (The slot test is folded into
+    # the head bound because the interpreter cannot broadcast a scalar boolean into a mask.)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    live = NUM_K_HEADS * (slot >= 0).to(tl.int32)
+    p1, mask = _head_tile(k_ptr, t, stride_kt, stride_kh, NUM_K_HEADS, HALF, BLOCK_KH, BLOCK_HALF)
+    o1, o2 = _normed_rotated(p1, mask, kw_ptr, c, s, eps, HAS_NORM, HALF, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_KH)
+    j = tl.arange(0, BLOCK_HALF)
+    wmask = (h[:, None] < live) & (j[None, :] < HALF)
+    dst = ((slot // CACHE_BLOCK) * (NUM_K_HEADS * CACHE_BLOCK * 2 * HALF) + h[:, None] * (CACHE_BLOCK * 2 * HALF)
+           + (slot % CACHE_BLOCK) * (2 * HALF) + j[None, :])
+    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=wmask)
+    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=wmask)
+    pv = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
+    v1 = tl.load(pv, mask=wmask, other=0.0)
+    v2 = tl.load(pv + HALF, mask=wmask, other=0.0)
+    tl.store(vc_ptr + dst, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
+    tl.store(vc_ptr + dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+               k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """One launch for what a layer does between its qkv projection and attention: (Qwen3's per-head q/k
+    RMSNorm when the weights are given,) RoPE of q IN PLACE, and the rotated k and v written to their
+    cache slots (rows with slot < 0 write nothing). Returns q (rotated); k is left as it was. Same
+    results as qk_norm_rope / apply_rope then write_kv. Norm weights of another dtype than q take that
+    unfused path."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope_write takes both q/k norm weights or neither")
+    if q_weight is not None and k_weight is not None and (q_weight.dtype != q.dtype or k_weight.dtype != k.dtype):
+        from rapidserve.attention.triton_paged import write_kv
+        q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q
+    q, k, cache, blocks = _rope_args(q, k, positions, cos_sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if q_weight is not None and k_weight is not None and (q_weight.shape != (head_dim,)
+                                                          or k_weight.shape != (head_dim,)):
+        raise ValueError(f"q/k norm weights must be [{head_dim}]; got {tuple(q_weight.shape)} and "
+                         f"{tuple(k_weight.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {tuple(k.shape)}; got {tuple(v.shape)}")
+    if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[1] != k.shape[1]
+            or k_cache.shape[3] != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError(f"k_cache and v_cache must both be contiguous [num_blocks, {k.shape[1]}, block_size, "
+                         f"{head_dim}]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}]; got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return q
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _rope_write_kernel[(num_tokens,)](
+        q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, positions,
+        cache, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], CACHE_BLOCK=k_cache.shape[2],
+        HAS_NORM=q_weight is not None, **blocks, enable_fp_fusion=False)
+    return q
 
 
 # ------------------------------------------------------------------------------------ SiLU and mul

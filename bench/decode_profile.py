@@ -1,0 +1,229 @@
+"""Where a small-batch decode step's time goes, kernel by kernel (issue 16: decode >= 90% of the roofline).
+
+    python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
+                                   [--variants fused,unfused] [--sweep] [--out DIR]
+
+For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
+  - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
+    the copy ceiling (device-to-device copy of 1 GiB), as bench/model_runner.py counts them;
+  - under torch.profiler, every kernel of one step: launches per step, microseconds per step and per launch;
+    the wall time no kernel covers is the gaps between kernels;
+  - each layer linear alone at that batch, over the 36 layers' own weights in one graph (so no weight is
+    re-read from L2): cuBLAS (F.linear; for gate_up, then SiLU-and-mul), the engine's op (`ops.linear`,
+    `ops.linear_silu_and_mul` for gate_up: rapidserve/ops/triton_skinny.py up to 16 rows), and with
+    `--sweep` every skinny tile configuration of SWEEP (gate_up: gated, tiles half as wide per weight half),
+    to choose `skinny_config`'s table.
+Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
+RoPE and the KV write as two launches, cuBLAS for every linear (the layer before these changes), captured
+as another graph set, so the two are measured in one process on the same GPU.
+Writes <out>/decode_profile.json and .md; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from model_runner import ceilings, engine_config, preset_source, time_ms  # noqa: E402
+
+from rapidserve.loader.presets import preset_config  # noqa: E402
+from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
+
+REPS = 30
+
+
+def kernels(fn: object, steps: int) -> list[dict[str, object]]:
+    """Every device kernel of `steps` calls of fn: name, launches and microseconds per step."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+    us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us[ev.name[:100]] += ev.device_time / steps
+        count[ev.name[:100]] += 1
+    return sorted(({"name": k, "launches": count[k] / steps, "us": v, "us_each": v * steps / count[k]}
+                   for k, v in us.items()), key=lambda r: -float(r["us"]))  # type: ignore[arg-type]
+
+
+def linear_graph(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weights: list[torch.Tensor],
+                 x: torch.Tensor) -> dict[str, float]:
+    """fn(x, w) for every layer's weight w (distinct weights, as in a step: no L2 reuse), in one graph:
+    microseconds per call and the weights' read rate."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in weights[:2]:
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    ms = statistics.median(time_ms(graph.replay, reps=20))
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return {"us_each": ms * 1e3 / len(weights), "tbps": nbytes / (ms * 1e-3) / 1e12}
+
+
+def linears(runner: ModelRunner, batch: int, sweep: bool) -> dict[str, object]:
+    """Each layer linear at this batch over the 36 layers' weights: cuBLAS (F.linear), the engine's op
+    (ops.linear), and with `sweep` every skinny tile configuration in SWEEP."""
+    from rapidserve.ops.triton_skinny import SkinnyConfig, gated_config, skinny_config, skinny_linear
+
+    layers = runner.model.layers
+    ops = runner.model.ops
+    out: dict[str, object] = {}
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        ws = [getattr(layer, name).data for layer in layers]
+        n, k = ws[0].shape
+        x = torch.randn(batch, k, device="cuda", dtype=ws[0].dtype)
+        gated = name == "gate_up_proj"  # the engine runs it with SiLU-and-mul (ops.linear_silu_and_mul)
+        row: dict[str, object] = {
+            "shape": [n, k], "gated": gated,
+            "cublas": linear_graph((lambda x, w: ops.silu_and_mul(F.linear(x, w))) if gated else F.linear, ws, x),
+            "engine": linear_graph(ops.linear_silu_and_mul if gated else ops.linear, ws, x),
+            "config": gated_config(n, k) if gated else skinny_config(n, k)}
+        if sweep and batch <= 16:
+            tried = {}
+            for bn, bk, warps, stages in SWEEP:
+                cfg = SkinnyConfig(bn // 2 if gated else bn, bk, warps, stages)
+                try:
+                    r = linear_graph(lambda x, w, cfg=cfg, gated=gated: skinny_linear(x, w, config=cfg, gated=gated),
+                                     ws, x)
+                except Exception as e:  # e.g. out of shared memory: say so, try the rest
+                    r = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+                tried[f"{cfg.block_n}x{bk} w{warps} s{stages}"] = r
+            row["sweep"] = tried
+        out[name] = row
+    return out
+
+
+SWEEP = [(bn, bk, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+         for w in (4, 8) for st in (3, 4)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="preset:qwen3-8b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--variants", default="fused,unfused")
+    ap.add_argument("--sweep", action="store_true", help="time every skinny tile configuration too")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("decode_profile needs a GPU", file=sys.stderr)
+        return 2
+    batches = tuple(int(b) for b in a.batches.split(","))
+    variants = a.variants.split(",")
+    bad = [v for v in variants if v not in ("fused", "unfused")]
+    if bad:
+        print(f"--variants: unknown {bad}; use fused and/or unfused", file=sys.stderr)
+        return 2
+    ceil = ceilings()
+    copy_tbps = float(ceil["copy_tbps"])  # type: ignore[arg-type]
+    name = a.model.removeprefix("preset:")
+    mcfg = preset_config(name)
+    ecfg = engine_config(name, mcfg, "bfloat16", batches, 8192, 0.9)
+    runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
+    pool = runner.kv_pool
+    for layer in range(pool.tensor.shape[0]):
+        pool.tensor[layer].normal_()
+    fused = runner.model.ops
+    for v in variants:
+        if v == "unfused":
+            from rapidserve.ops import unfused_ops  # the A/B's other side: see the module docstring
+            runner.model.ops = unfused_ops(fused)
+        else:
+            runner.model.ops = fused
+        runner.capture_decode_graphs(key=v, show_progress=False)
+    runner.model.ops = fused
+    per = a.ctx // runner.block_size
+    n_params = mcfg.num_params()
+    emb = mcfg.vocab_size * mcfg.hidden_size
+    weight_bytes = (n_params - (0 if mcfg.tie_word_embeddings else emb)) * 2  # embedding read b rows only
+    rows: list[dict[str, object]] = []
+    lin_by_batch = {}
+    for b in batches:
+        items = [DecodeItem(1, a.ctx - 1, [(i * per + j) % pool.num_blocks for j in range(per)]) for i in range(b)]
+        nbytes = weight_bytes + b * mcfg.hidden_size * 2 + b * a.ctx * mcfg.kv_bytes_per_token(2)
+        lin = lin_by_batch[b] = linears(runner, b, a.sweep)
+        for v in variants:
+            runner.decode(items, graph_key=v)  # puts this batch's inputs in place
+            graph = runner.decode_graph(b, v)
+            assert graph is not None, f"no decode graph for batch {b}"
+            ms = time_ms(graph.replay, reps=REPS)
+            ks = kernels(graph.replay, steps=5)
+            busy = sum(float(k["us"]) for k in ks)  # type: ignore[arg-type]
+            med = statistics.median(ms)
+            rows.append({"batch": b, "variant": v, "replay_ms": med, "replay_min_ms": min(ms),
+                         "replay_max_ms": max(ms), "bytes": nbytes,
+                         "frac_of_copy": nbytes / (med * 1e-3) / 1e12 / copy_tbps,
+                         "kernel_us": busy, "gap_us": med * 1e3 - busy,
+                         "launches": sum(float(k["launches"]) for k in ks),  # type: ignore[arg-type]
+                         "kernels": ks[:16]})
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
+           "ctx": a.ctx, "attention": runner.attn.name, "ceilings": ceil,
+           "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]), "rows": rows,
+           "linears": lin_by_batch}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "decode_profile.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    lines = [f"# Decode step by kernel: {a.model} bf16 on {res['gpu']} ({res['date']})", "",
+             f"Command: `{res['command']}`. Context {a.ctx}, attention {runner.attn.name}, copy ceiling "
+             f"{copy_tbps:.2f} TB/s. Graph replays with their inputs in place.", ""]
+    for r in rows:
+        lines.append(f"\n## batch {r['batch']}, {r['variant']}: kernels of one step\n")
+        lines.append("| kernel | launches/step | us/step | us each |")
+        lines.append("|---|---|---|---|")
+        for k in r["kernels"]:  # type: ignore[union-attr]
+            lines.append(f"| `{k['name'][:70]}` | {k['launches']:.0f} | {k['us']:.0f} | {k['us_each']:.1f} |")
+    for b, lin in lin_by_batch.items():
+        lines.append(f"\n## linear layers alone at batch {b} (36 layers' weights in one graph; us per call, TB/s)\n")
+        lines.append("| layer | [N, K] | cuBLAS | engine (config) | best swept (config) |")
+        lines.append("|---|---|---|---|---|")
+        for name, row in lin.items():
+            best = "-"
+            if "sweep" in row:
+                ok = {c: r for c, r in row["sweep"].items() if "tbps" in r}
+                if ok:
+                    c = max(ok, key=lambda c: ok[c]["tbps"])
+                    best = f"{ok[c]['us_each']:.1f} ({ok[c]['tbps']:.2f}) {c}"
+            cb, en = row["cublas"], row["engine"]
+            label = name + (" + SiLU-and-mul" if row["gated"] else "")
+            cfg = "x".join(str(c) for c in row["config"][:2]) + f" w{row['config'][2]} s{row['config'][3]}"
+            lines.append(f"| {label} | {row['shape']} | {cb['us_each']:.1f} ({cb['tbps']:.2f}) | "
+                         f"{en['us_each']:.1f} ({en['tbps']:.2f}) {cfg} | {best} |")
+    lines += ["", "| batch | variant | replay ms (min-max) | of copy ceiling | launches | kernels us | gaps us |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} ({r['replay_min_ms']:.3f}-"
+                     f"{r['replay_max_ms']:.3f}) | {float(r['frac_of_copy']):.1%} | {r['launches']:.0f} | "
+                     f"{r['kernel_us']:.0f} | {r['gap_us']:.0f} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(a.out, "decode_profile.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Linear layers of small decode batches (M <= 16 rows) as one Triton kernel that reads the weight at
+close to the memory bandwidth (issue 16).
+
+Why: a decode step at batch 1-16 is a read of every weight once. cuBLAS picks tiles of 64 output
+columns for these shapes, which leaves Qwen3-8B's o projection (4096 columns: 64 tiles) on half the
+H100's SMs. Measured on the H100 over the 36 layers' own weights (bench/decode_profile.py --sweep,
+2026-11-27 05:40 UTC; us per call at batch 1 / 16, copy ceiling 2.94 TB/s):
+
+| layer [N, K] | cuBLAS | this kernel (config below) |
+|---|---|---|
+| o [4096, 4096] | 16.3 / 18.2 | 14.0 / 14.8 |
+| gate_up [24576, 4096] | 72.5 / 74.8 | 68.7 / 70.6 (2.93 TB/s) |
+| qkv [6144, 4096] | 20.3 / 21.0 | 20.1 / 21.5 |
+
+Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail. The down projection
+(K = 12288) stays on cuBLAS, whose split-K reads it at 2.4 TB/s (`skinny_config` returns None). A variant
+that formed SiLU-and-mul in the down projection's loads ran 4x slower than cuBLAS (its activation tile
+went through registers and a layout change every K step) and was dropped.
+
+The kernel: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, looping
+over K in BLOCK_K steps: a [BLOCK_N, BLOCK_K] tile of the weight (row-major [N, K], as nn.Linear holds
+it) and the matching [16, BLOCK_K] tile of x, multiplied on the tensor cores (tl.dot, fp32
+accumulation), the weight stream pipelined by Triton (num_stages). No split-K: the shapes it takes have
+one or more programs per SM with BLOCK_N 32-64, so there are no partial sums to reduce.
+
+Results differ from cuBLAS's only in the order of the fp32 sums. Graph-safe (no host reads of device
+values). Only bf16/fp16 rows with a contiguous last dim; callers route everything else to F.linear
+(`rapidserve/ops/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # BLOCK_M: the tensor-core tile's rows; more rows go to cuBLAS
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def skinny_config(n: int, k: int) -> SkinnyConfig:
+    """Tile sizes for an [N, K] weight: the sweep's best for each of Qwen3-8B's shapes (table above),
+    extended to other sizes by the same rule."""
+    if k > 8192:  # long reductions: longer K steps
+        return SkinnyConfig(32, 512, 4, 4)
+    if n >= 16384:
+        return SkinnyConfig(64, 256, 4, 4)
+    if n > 4096:
+        return SkinnyConfig(64, 256, 4, 3)
+    return SkinnyConfig(32, 256, 4, 4)
+
+
+def gated_config(n2: int, k: int) -> SkinnyConfig:
+    """`skinny_linear(gated=True)` of a [2I, K] weight: two weight tiles (gate and up) per K step, each
+    half as wide as the ungated kernel's, so the same bytes per stage and the same number of programs."""
+    cfg = skinny_config(n2, k)
+    return cfg._replace(block_n=max(16, cfg.block_n // 2))
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                   HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[:, n] = x @ w[n] (+ b[n]) for this program's BLOCK_N columns n; GATED: w is [2N, K] =
+    cat(gate, up) and out[:, n] = silu(x @ w[n]) * (x @ w[N + n]), each product rounded to the output
+    dtype first (as silu_and_mul of the linear's output)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    u_rows = w_rows + N * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
+            w = tl.load(w_rows + kk[None, :])
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            if EVEN:
+                u = tl.load(u_rows + kk[None, :])
+            else:
+                u = tl.load(u_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            acc_u = tl.dot(x, tl.trans(u), acc_u)
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # as silu_and_mul: silu(gate) rounded, times up, rounded
+        g = acc.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt)
+        acc = act.to(tl.float32) * acc_u.to(dt).to(tl.float32)
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear` may serve this call: at most MAX_ROWS rows of a 2-D bf16/fp16 x with a
+    contiguous last dim, and a weight of the same dtype, contiguous."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): `skinny_linear` where `skinny_ok` on a GPU, else torch's F.linear."""
+    if x.is_cuda and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]:
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """silu_and_mul(x @ weight.T) for an MLP's fused gate|up weight [2I, K]: one gated `skinny_linear`
+    where `skinny_ok` on a GPU (the [M, 2I] product is never written), else F.linear then `silu_and_mul`."""
+    if x.is_cuda and skinny_ok(x, weight) and x.shape[1] == weight.shape[1] and weight.shape[0] % 2 == 0:
+        return skinny_linear(x, weight, gated=True)
+    return silu_and_mul(F.linear(x, weight))
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N], M <= 16, with `config` (default: the table's). With
+    `gated`, weight is cat(gate, up) [2I, K] and the result is silu_and_mul of the product, [M, I].
+    ValueError for shapes that do not fit; callers check `skinny_ok` first."""
+    n, k = weight.shape
+    m = x.shape[0]
+    if not skinny_ok(x, weight):
+        raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows of bf16/fp16 with a contiguous last dim "
+                         f"and a contiguous weight of the same dtype; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}")
+    if x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] for a weight [{n}, {k}]; got {tuple(x.shape)}")
+    if gated and (n % 2 or bias is not None):
+        raise ValueError(f"gated=True takes a cat(gate, up) weight with an even row count and no bias; got "
+                         f"weight {tuple(weight.shape)}{' and a bias' if bias is not None else ''}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
+    cfg = config or (gated_config(n, k) if gated else skinny_config(n, k))
+    n_out = n // 2 if gated else n
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n_out, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
+        EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+    return out
+
+
+__all__ = ["MAX_ROWS", "SkinnyConfig", "gated_config", "linear", "linear_silu_and_mul", "skinny_config",
+           "skinny_linear", "skinny_ok"]

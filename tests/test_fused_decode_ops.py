@@ -1,0 +1,207 @@
+"""The decode step's kernels of issue 16: `rope_write` ((q/k norm,) RoPE and the KV-cache write in one
+launch) and `skinny_linear` (linear layers of at most 16 rows). The Triton versions match the torch
+compositions they replace: under the Triton interpreter on CPU (in a subprocess; fp32/fp16) and natively
+on a GPU (bf16 too). Bad shapes get a ValueError naming what is allowed.
+
+Run as a script (``TRITON_INTERPRET=1 python tests/test_fused_decode_ops.py``) it performs the
+interpreter checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rapidserve.attention import torch_ref
+from rapidserve.ops import get_ops, unfused_ops
+from rapidserve.ops import torch_ops as tops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_ops import rope_inputs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+Close = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
+
+
+def _cache(num_blocks: int, num_kv: int, block: int, d: int, dtype: torch.dtype, device: str,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(num_blocks, num_kv, block, d, generator=g).to(dtype).to(device)  # type: ignore[return-value]
+                 for _ in range(2))
+
+
+def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> None:
+    """Triton rope_write == torch (norm,) RoPE + write_kv: q, and the whole cache (untouched slots too)."""
+    from rapidserve.ops import triton_ops as xops
+
+    for dtype in dtypes:
+        for num_heads, num_kv, d, norm in ((6, 2, 64, True), (9, 3, 32, False), (32, 8, 128, True),
+                                           (4, 4, 128, False)):
+            t = 13
+            q, k, pos, table = (x.to(device) for x in rope_inputs(dtype, t, num_heads, num_kv, d, seed=d))
+            v = torch.randn(t, num_kv, d).to(dtype).to(device)
+            qw, kw = ((torch.rand(d) + 0.5).to(dtype).to(device) for _ in range(2)) if norm else (None, None)
+            kc, vc = _cache(5, num_kv, 16, d, dtype, device)
+            slots = torch.tensor([3, 17, -1, 40, 0, 79, 22, -1, 5, 63, 64, 11, 50], device=device)
+            want_kc, want_vc = kc.clone(), vc.clone()
+            want_q = tops.rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table, want_kc, want_vc, slots)
+            got_q = xops.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
+            assert got_q.data_ptr() == q.data_ptr()  # in place
+            close(got_q, want_q, dtype)
+            close(kc, want_kc, dtype)
+            assert torch.equal(vc, want_vc), (dtype, num_heads, d)  # v is copied, never rounded
+        # empty batch: nothing launched, nothing written
+        _, _, _, table = rope_inputs(dtype, 4, 4, 2, 32)
+        q, k = torch.empty(0, 4, 32, dtype=dtype, device=device), torch.empty(0, 2, 32, dtype=dtype, device=device)
+        none = torch.empty(0, dtype=torch.long, device=device)
+        kc, vc = _cache(2, 2, 16, 32, dtype, device)
+        before = kc.clone()
+        xops.rope_write(q, k, k.clone(), None, None, 1e-6, none, table.to(device), kc, vc, none)
+        assert torch.equal(kc, before)
+
+
+def check_skinny(dtypes: list[torch.dtype], device: str, close: Close) -> None:
+    """skinny_linear == F.linear (gated: silu_and_mul of it) over row counts, ragged shapes, tile
+    configurations and bias."""
+    from rapidserve.ops.triton_skinny import SkinnyConfig, skinny_linear
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, SkinnyConfig(16, 256, 4, 2)),
+                             (3, 70, 96, SkinnyConfig(32, 64, 4, 3))):
+            w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
+            x = torch.randn(m, k, generator=g).to(dtype).to(device)
+            b = torch.randn(n, generator=g).to(dtype).to(device)
+            close(skinny_linear(x, w, config=cfg), F.linear(x.float(), w.float()).to(dtype), dtype)
+            close(skinny_linear(x, w, b, config=cfg), F.linear(x.float(), w.float(), b.float()).to(dtype), dtype)
+            # gated: w as cat(gate, up) [2I, K] with I = n, against silu_and_mul of the rounded product
+            w2 = (torch.randn(2 * n, k, generator=g) / k**0.5 * 4).to(dtype).to(device)
+            want = tops.silu_and_mul(F.linear(x.float(), w2.float()).to(dtype))
+            close(skinny_linear(x, w2, config=cfg, gated=True), want, dtype)
+        # a row view of a wider buffer (stride(0) > K) reads the right rows
+        big = torch.randn(4, 700, generator=g).to(dtype).to(device)
+        w = (torch.randn(32, 512, generator=g) / 20).to(dtype).to(device)
+        close(skinny_linear(big[:, 100:612], w), F.linear(big[:, 100:612].float(), w.float()).to(dtype), dtype)
+
+
+def _interp_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    atol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got, want, atol=atol, rtol=2e-3)
+
+
+def _gpu_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    atol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got, want, atol=atol, rtol=1.6e-2)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_ops_interpreter() -> None:
+    """Both kernels under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 casts truncate)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_torch_rope_write_is_rope_then_write_kv() -> None:
+    q, k, pos, table = rope_inputs(torch.float32, 7, 6, 2, 64)
+    v = torch.randn(7, 2, 64)
+    qw, kw = torch.rand(64) + 0.5, torch.rand(64) + 0.5
+    kc, vc = _cache(3, 2, 16, 64, torch.float32, "cpu")
+    want_kc, want_vc = kc.clone(), vc.clone()
+    slots = torch.tensor([0, 5, -1, 16, 47, 30, 2])
+    got_q = tops.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
+    want_q, want_k = tops.qk_norm_rope(q, k, qw, kw, 1e-6, pos, table)
+    torch_ref.write_kv(want_k, v, want_kc, want_vc, slots)
+    assert torch.equal(got_q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    with pytest.raises(ValueError, match="both q/k norm weights or neither"):
+        tops.rope_write(q, k, v, qw, None, 1e-6, pos, table, kc, vc, slots)
+
+
+def test_cpu_bundle_and_unfused() -> None:
+    ops = get_ops(torch.device("cpu"))
+    assert ops.linear is tops.linear and ops.rope_write is tops.rope_write
+    assert unfused_ops(ops) is ops  # the torch bundle has nothing fused
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("make, match", [
+    (lambda: (torch.randn(17, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..16 rows"),
+    (lambda: (torch.randn(2, 64), torch.randn(8, 64)), "bf16/fp16"),
+    (lambda: (torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..16 rows"),
+    (lambda: (torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)),
+     r"x must be \[M, 32\]"),
+    (lambda: (torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.float16)), "same dtype"),
+])
+def test_skinny_refuses_bad_shapes(make: Callable[[], tuple[torch.Tensor, torch.Tensor]], match: str) -> None:
+    from rapidserve.ops.triton_skinny import skinny_linear
+
+    x, w = make()
+    with pytest.raises(ValueError, match=match):
+        skinny_linear(x, w)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_skinny_gated_refuses_odd_rows_and_bias() -> None:
+    from rapidserve.ops.triton_skinny import skinny_linear
+
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="even row count and no bias; got weight \\(7, 64\\)"):
+        skinny_linear(x, torch.randn(7, 64, dtype=torch.bfloat16), gated=True)
+    with pytest.raises(ValueError, match="and a bias"):
+        skinny_linear(x, torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16), gated=True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_skinny_refuses_bad_bias_and_routes_by_rows() -> None:
+    from rapidserve.ops.triton_skinny import gated_config, skinny_config, skinny_linear, skinny_ok
+
+    x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        skinny_linear(x, w, torch.randn(9, dtype=torch.bfloat16))
+    assert skinny_ok(x, w) and not skinny_ok(torch.randn(17, 64, dtype=torch.bfloat16), w)
+    assert not skinny_ok(x, w.t().contiguous().t())  # a transposed weight goes to F.linear
+    # the table (Qwen3-8B's shapes, measured) and its rule for other sizes
+    assert skinny_config(24576, 4096) == (64, 256, 4, 4) and skinny_config(4096, 4096) == (32, 256, 4, 4)
+    assert skinny_config(6144, 4096) == (64, 256, 4, 3) and skinny_config(4096, 12288) == (32, 512, 4, 4)
+    assert gated_config(24576, 4096) == (32, 256, 4, 4) and gated_config(64, 64).block_n == 16
+    from rapidserve.ops import triton_skinny
+    x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
+    assert torch.equal(triton_skinny.linear(x, w), F.linear(x, w))  # CPU tensors: F.linear
+    assert torch.equal(triton_skinny.linear_silu_and_mul(x, w, tops.silu_and_mul), tops.linear_silu_and_mul(x, w))
+
+
+@pytest.mark.gpu
+def test_fused_ops_gpu() -> None:
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    check_rope_write(dtypes, "cuda", _gpu_close)
+    check_skinny([torch.bfloat16, torch.float16], "cuda", _gpu_close)
+    ops = get_ops(torch.device("cuda"))
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 16
+    _gpu_close(ops.linear(x, w), F.linear(x, w), torch.bfloat16)  # skinny on NVIDIA, cuBLAS on ROCm
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    _gpu_close(ops.linear(x, w, bias), F.linear(x, w, bias), torch.bfloat16)
+    big = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(ops.linear(big, w), F.linear(big, w))  # more than 16 rows: cuBLAS, bit for bit
+    _gpu_close(ops.linear_silu_and_mul(x, w), tops.silu_and_mul(F.linear(x, w)), torch.bfloat16)
+    assert torch.equal(ops.linear_silu_and_mul(big, w), ops.silu_and_mul(F.linear(big, w)))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    check_rope_write([torch.float32, torch.float16], "cpu", _interp_close)
+    check_skinny([torch.float16], "cpu", _interp_close)
+    print("fused decode ops: ok")
