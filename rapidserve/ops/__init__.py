@@ -17,9 +17,9 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   one launch, q rotated in place, k left unrotated (callers use the cache from then on)
 - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
   gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
-  of at most 16 rows through `triton_skinny` (one kernel each; the gated one never writes the [T, 2I]
-  product) on NVIDIA GPUs, where it was measured; everything else through torch's F.linear (cuBLAS /
-  hipBLASLt)
+  of at most `triton_skinny.ROUTED_ROWS` rows through `triton_skinny` (one kernel each; the gated one
+  never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
+  torch's F.linear (cuBLAS / hipBLASLt)
 
 `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches, every linear through
 F.linear and SiLU-and-mul on its own, as before these changes (bench/decode_profile.py measures both in one process).
@@ -63,7 +63,7 @@ def torch_ops_bundle() -> Ops:
 
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
-    routes linear layers of at most 16 rows to `triton_skinny.skinny_linear`."""
+    routes linear layers of small decode batches to `triton_skinny`."""
     from rapidserve.ops import triton_ops
 
     if skinny is None:

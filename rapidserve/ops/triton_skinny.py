@@ -1,21 +1,24 @@
-"""Linear layers of small decode batches (M <= 16 rows) as one Triton kernel that reads the weight at
-close to the memory bandwidth (issue 16).
+"""Linear layers of small decode batches (routed up to ROUTED_ROWS rows; the kernel takes up to 64) as one
+Triton kernel that reads the weight at close to the memory bandwidth (issue 16).
 
 Why: a decode step at batch 1-16 is a read of every weight once. cuBLAS picks tiles of 64 output
-columns for these shapes, which leaves Qwen3-8B's o projection (4096 columns: 64 tiles) on half the
-H100's SMs. Measured on the H100 over the 36 layers' own weights (bench/decode_profile.py --sweep,
-2026-11-27 05:40 UTC; us per call at batch 1 / 16, copy ceiling 2.94 TB/s):
+columns for these shapes, which leaves Qwen3-8B's o projection (4096 columns: 64 tiles) on half the SMs.
+Measured over the 36 layers' own weights (bench/decode_profile.py --sweep, 2026-11-27; us per call at
+batch 1 / 16; the configurations below are the ones the table picks):
 
-| layer [N, K] | cuBLAS | this kernel (config below) |
-|---|---|---|
-| o [4096, 4096] | 16.3 / 18.2 | 14.0 / 14.8 |
-| gate_up [24576, 4096] | 72.5 / 74.8 | 68.7 / 70.6 (2.93 TB/s) |
-| qkv [6144, 4096] | 20.3 / 21.0 | 20.1 / 21.5 |
+| layer [N, K] | H100 cuBLAS | H100 this kernel | H200 cuBLAS | H200 this kernel |
+|---|---|---|---|---|
+| qkv [6144, 4096] | 21.1 / 21.5 | 19.7 / 20.6 | 16.4 / 16.4 | 15.0 / 15.6 |
+| o [4096, 4096] | 16.4 / 17.8 | 14.0 / 14.4 | 13.3 / 14.1 | 11.4 / 11.6 |
+| gate_up [24576, 4096] + SiLU-and-mul | 74.1 / 76.2 | 68.9 / 70.2 | 49.8 / 51.2 | 47.6 / 48.8 |
+| down [4096, 12288] | 39.3 / 41.8 | 36.7 / 38.0 | 29.7 / 30.5 | 25.8 / 27.6 |
 
-Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail. The down projection
-(K = 12288) stays on cuBLAS, whose split-K reads it at 2.4 TB/s (`skinny_config` returns None). A variant
+Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail; launching with
+programmatic dependent launch did not shorten a chain of them (bench/pdl_probe.py). At 24-64 rows cuBLAS
+is faster (H200: qkv 16.0 vs 20.6 us at 24 rows), so `linear` routes only up to ROUTED_ROWS. A variant
 that formed SiLU-and-mul in the down projection's loads ran 4x slower than cuBLAS (its activation tile
-went through registers and a layout change every K step) and was dropped.
+went through registers and a layout change every K step) and was dropped; the gate|up projection takes
+it in its epilogue instead (`gated`).
 
 The kernel: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, looping
 over K in BLOCK_K steps: a [BLOCK_N, BLOCK_K] tile of the weight (row-major [N, K], as nn.Linear holds
@@ -38,7 +41,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # BLOCK_M: the tensor-core tile's rows; more rows go to cuBLAS
+MAX_ROWS = 64  # the kernel's largest BLOCK_M (16, 32 or 64: the next power of two of the rows, at least 16)
+ROUTED_ROWS = 16  # `linear` / `linear_silu_and_mul` use the kernel up to this many rows (measured faster)
 
 
 class SkinnyConfig(NamedTuple):
@@ -48,22 +52,31 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-def skinny_config(n: int, k: int) -> SkinnyConfig:
-    """Tile sizes for an [N, K] weight: the sweep's best for each of Qwen3-8B's shapes (table above),
-    extended to other sizes by the same rule."""
+def block_m(m: int) -> int:
+    """The kernel's row tile for m rows: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def skinny_config(n: int, k: int, m: int = 1) -> SkinnyConfig:
+    """Tile sizes for an [N, K] weight at m rows: the sweep's best on both the H100 and the H200 for each
+    of Qwen3-8B's shapes (table above), extended to other sizes by the same rule; above 16 rows (not
+    routed here by default), shorter K steps keep a stage's x and weight tiles within shared memory."""
+    if m > 16:
+        return SkinnyConfig(32 if n <= 4096 else 64, 128, 4, 3)
     if k > 8192:  # long reductions: longer K steps
         return SkinnyConfig(32, 512, 4, 4)
-    if n >= 16384:
-        return SkinnyConfig(64, 256, 4, 4)
     if n > 4096:
-        return SkinnyConfig(64, 256, 4, 3)
+        return SkinnyConfig(64, 256, 4, 4)
     return SkinnyConfig(32, 256, 4, 4)
 
 
-def gated_config(n2: int, k: int) -> SkinnyConfig:
+def gated_config(n2: int, k: int, m: int = 1) -> SkinnyConfig:
     """`skinny_linear(gated=True)` of a [2I, K] weight: two weight tiles (gate and up) per K step, each
-    half as wide as the ungated kernel's, so the same bytes per stage and the same number of programs."""
-    cfg = skinny_config(n2, k)
+    half as wide as the ungated kernel's; wide ones (2I >= 16384) in 128-long K steps, 3 stages (the
+    sweep's best on the H200, within 0.4 us of it on the H100)."""
+    if m <= 16 and n2 >= 16384 and k <= 8192:
+        return SkinnyConfig(32, 128, 4, 3)
+    cfg = skinny_config(n2, k, m)
     return cfg._replace(block_n=max(16, cfg.block_n // 2))
 
 
@@ -115,8 +128,9 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): `skinny_linear` where `skinny_ok` on a GPU, else torch's F.linear."""
-    if x.is_cuda and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]:
+    """x @ weight.T (+ bias): `skinny_linear` for up to ROUTED_ROWS rows where `skinny_ok` on a GPU, else
+    torch's F.linear."""
+    if x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]:
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -125,14 +139,15 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for an MLP's fused gate|up weight [2I, K]: one gated `skinny_linear`
     where `skinny_ok` on a GPU (the [M, 2I] product is never written), else F.linear then `silu_and_mul`."""
-    if x.is_cuda and skinny_ok(x, weight) and x.shape[1] == weight.shape[1] and weight.shape[0] % 2 == 0:
+    if (x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]
+            and weight.shape[0] % 2 == 0):
         return skinny_linear(x, weight, gated=True)
     return silu_and_mul(F.linear(x, weight))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N], M <= 16, with `config` (default: the table's). With
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N], M <= MAX_ROWS, with `config` (default: the table's). With
     `gated`, weight is cat(gate, up) [2I, K] and the result is silu_and_mul of the product, [M, I].
     ValueError for shapes that do not fit; callers check `skinny_ok` first."""
     n, k = weight.shape
@@ -148,16 +163,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"weight {tuple(weight.shape)}{' and a bias' if bias is not None else ''}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
-    cfg = config or (gated_config(n, k) if gated else skinny_config(n, k))
+    cfg = config or (gated_config(n, k, m) if gated else skinny_config(n, k, m))
     n_out = n // 2 if gated else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n_out, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
+        EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "gated_config", "linear", "linear_silu_and_mul", "skinny_config",
-           "skinny_linear", "skinny_ok"]
+__all__ = ["MAX_ROWS", "ROUTED_ROWS", "SkinnyConfig", "block_m", "gated_config", "linear", "linear_silu_and_mul",
+           "skinny_config", "skinny_linear", "skinny_ok"]
