@@ -136,6 +136,21 @@ def test_cpu_bundle_and_unfused() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_bundles_route_linears() -> None:
+    """NVIDIA: the skinny kernel; ROCm (skinny off: not measured there): torch's F.linear; unfused_ops: the
+    layer as before (F.linear, RoPE and the KV write as two launches), for A/B benches."""
+    from rapidserve.ops import triton_ops_bundle, triton_skinny
+
+    nv, amd = triton_ops_bundle(skinny=True), triton_ops_bundle(skinny=False)
+    assert (nv.name, amd.name) == ("triton", "triton-noskinny")
+    assert nv.linear is triton_skinny.linear and amd.linear is tops.linear
+    assert nv.rope_write is amd.rope_write  # one Triton launch on both vendors
+    old = unfused_ops(nv)
+    assert old.name == "triton-unfused" and old.linear is tops.linear and old.rope_write is not nv.rope_write
+    assert old.rms_norm is nv.rms_norm  # everything else unchanged
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("make, match", [
     (lambda: (torch.randn(65, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..64 rows"),
     (lambda: (torch.randn(2, 64), torch.randn(8, 64)), "bf16/fp16"),
