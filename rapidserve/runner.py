@@ -35,7 +35,7 @@ from rapidserve.logit_controls import (
     record_tokens,
 )
 from rapidserve.models.transformer import CausalLM
-from rapidserve.ops import get_ops
+from rapidserve.ops import cublas_linears, get_ops
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
@@ -435,8 +435,12 @@ class ModelRunner:
             s["context_lens"][n:batch].fill_(0)
 
     def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
-                              show_progress: bool = True) -> None:
+                              show_progress: bool = True, whole_gpu: bool = True) -> None:
         """Capture one decode graph per batch bucket on `stream` (its compute partition sticks).
+
+        `whole_gpu`: whether `stream` may use every SM (no partition, or an overallocated one). Graphs of a
+        stream limited to part of the GPU run their linear layers through cuBLAS (`ops.cublas_linears`):
+        the small-batch Triton kernel is faster only with the whole GPU.
 
         Stream ordering (the rule for every side stream here): the static buffers, the weights and the
         KV pool were allocated and written on the caller's current stream, and the capture stream (a
@@ -465,6 +469,15 @@ class ModelRunner:
             }
             self._graph_pool = torch.cuda.graph_pool_handle()
         s = self._static
+        whole_ops = self.model.ops
+        self.model.ops = whole_ops if whole_gpu else cublas_linears(whole_ops)
+        try:
+            self._capture(sizes, s, stream, caller, key, show_progress)
+        finally:
+            self.model.ops = whole_ops
+
+    def _capture(self, sizes: list[int], s: dict[str, torch.Tensor], stream: torch.cuda.Stream | None,
+                 caller: torch.cuda.Stream, key: str, show_progress: bool) -> None:
         capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
         capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
         graphs: dict[int, _DecodeGraph] = {}

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.attention import torch_ref
-from rapidserve.ops import get_ops, unfused_ops
+from rapidserve.ops import cublas_linears, get_ops, unfused_ops
 from rapidserve.ops import torch_ops as tops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,6 +145,11 @@ def test_triton_bundles_route_linears() -> None:
     assert (nv.name, amd.name) == ("triton", "triton-noskinny")
     assert nv.linear is triton_skinny.linear and amd.linear is tops.linear
     assert nv.rope_write is amd.rope_write  # one Triton launch on both vendors
+    part = cublas_linears(nv)  # decode graphs on part of the GPU: cuBLAS, the other fusions kept
+    assert part.name == "triton-cublas" and part.linear is tops.linear and part.rope_write is nv.rope_write
+    assert cublas_linears(amd) is amd and cublas_linears(get_ops(torch.device("cpu"))).name == "torch"
+    from rapidserve.partition.profile import Configuration
+    assert Configuration("overallocated", 0, 132).decode_whole and not Configuration("split16", 16, 116).decode_whole
     old = unfused_ops(nv)
     assert old.name == "triton-unfused" and old.linear is tops.linear and old.rope_write is not nv.rope_write
     assert old.rms_norm is nv.rms_norm  # everything else unchanged

@@ -108,7 +108,8 @@ def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     plan = resolve_plan(cfg, runner.device, runner.dtype)
     parts = open_streams(plan.wire(), runner.device, ("decode",))
     for c in parts.configurations:
-        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
+                                     whole_gpu=c.decode_whole)
     handoff.send((os.getpid(), export_pool(runner.kv_pool), plan.wire()))
     handoff.close()
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,

@@ -258,7 +258,8 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
                 wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
                 parts = open_streams(wire, runner.device, ("decode",))
                 for c in parts.configurations:  # the leader's order: the captures' collectives pair up
-                    runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+                    runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
+                                                 whole_gpu=c.decode_whole)
                 from rapidserve.model_sharing import export_shared
 
                 handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))

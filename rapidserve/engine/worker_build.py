@@ -43,7 +43,8 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
     for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
-        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False)
+        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
+                                     whole_gpu=c.decode_whole)
     handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
     handoff.close()
     lead(runner, seat, parts, "decode")

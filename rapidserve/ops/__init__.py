@@ -21,8 +21,10 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
   torch's F.linear (cuBLAS / hipBLASLt)
 
-`unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches, every linear through
-F.linear and SiLU-and-mul on its own, as before these changes (bench/decode_profile.py measures both in one process).
+`cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
+it: see its docstring). `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches,
+every linear through F.linear and SiLU-and-mul on its own, as before these changes (bench/decode_profile.py
+measures both in one process).
 
 Triton is imported only when the Triton ops are requested.
 """
@@ -85,6 +87,21 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
                linear, linear_silu_and_mul)
 
 
+def cublas_linears(ops: Ops) -> Ops:
+    """`ops` with its linear layers through torch's F.linear (cuBLAS / hipBLASLt) whatever the rows; the other
+    fusions kept. For decode graphs on a partition of the GPU: the skinny kernel reads weights at a lower rate
+    per SM than cuBLAS, so with few SMs it is slower (decode on 16 of the H100's 132 SMs: 16.7 vs 12.1 ms a
+    step at batch 1, `profiles/` on 2026-11-27); it is faster only with the whole GPU."""
+    if ops.linear is torch_ops.linear:
+        return ops
+
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(F.linear(x, weight))
+
+    return dataclasses.replace(ops, name=ops.name + "-cublas", linear=torch_ops.linear,
+                               linear_silu_and_mul=linear_silu_and_mul)
+
+
 def unfused_ops(ops: Ops) -> Ops:
     """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear and
     SiLU-and-mul on its own: the layer as it ran before these changes (for A/B measurements; the engine
@@ -117,4 +134,4 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Ops", "get_ops", "torch_ops_bundle", "triton_ops_bundle", "unfused_ops"]
+__all__ = ["Ops", "cublas_linears", "get_ops", "torch_ops_bundle", "triton_ops_bundle", "unfused_ops"]

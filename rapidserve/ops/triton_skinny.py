@@ -13,6 +13,10 @@ batch 1 / 16; the configurations below are the ones the table picks):
 | gate_up [24576, 4096] + SiLU-and-mul | 74.1 / 76.2 | 68.9 / 70.2 | 49.8 / 51.2 | 47.6 / 48.8 |
 | down [4096, 12288] | 39.3 / 41.8 | 36.7 / 38.0 | 29.7 / 30.5 | 25.8 / 27.6 |
 
+With the whole GPU only: it reads at a lower rate per SM than cuBLAS, so on a partition a decode step at
+batch 1-16 was 23-37% slower with it on 16 SMs and 11-19% on 32 (H100 profile, 2026-11-27 06:29 UTC); the
+runner captures graphs of a partial partition with `ops.cublas_linears`.
+
 Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail; launching with
 programmatic dependent launch did not shorten a chain of them (bench/pdl_probe.py). At 24-64 rows cuBLAS
 is faster (H200: qkv 16.0 vs 20.6 us at 24 rows), so `linear` routes only up to ROUTED_ROWS. A variant

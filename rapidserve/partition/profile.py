@@ -31,6 +31,11 @@ class Configuration(msgspec.Struct, frozen=True):
     decode_units: int
     prefill_units: int
 
+    @property
+    def decode_whole(self) -> bool:
+        """Whether decode's stream may use every unit (overallocated)."""
+        return self.decode_units == 0
+
 
 class Entry(msgspec.Struct, frozen=True):
     config: str

@@ -202,7 +202,8 @@ def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpe
     t0 = time.perf_counter()
     configs: list[Configuration] = backend.configurations
     for c in configs:
-        runner.capture_decode_graphs(backend.stream(c.name, "decode"), key=c.name, show_progress=show_progress)
+        runner.capture_decode_graphs(backend.stream(c.name, "decode"), key=c.name, show_progress=show_progress,
+                                     whole_gpu=c.decode_whole)
     prof = Profiler(runner, backend, spec)
     pitems = prof.prefill_items()
     solo = prof.solo_prefill(configs[0].name, pitems)
