@@ -25,11 +25,14 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_timing import time_ms  # noqa: E402
 
 from rapidserve.attention.triton_paged import prefill_flops  # noqa: E402
 from rapidserve.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
@@ -38,21 +41,6 @@ from rapidserve.loader import ModelSource, expected_tensor_shapes  # noqa: E402
 from rapidserve.loader.presets import hf_config_dict, preset_config, preset_tensor  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 from rapidserve.sampling_params import SamplingParams  # noqa: E402
-
-
-def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
 
 
 def stats(xs: list[float]) -> dict[str, float]:

@@ -29,26 +29,13 @@ import json
 import os
 import statistics
 import sys
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-
-def time_ms(fn: Callable[[], object], reps: int) -> list[float]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import time_ms  # noqa: E402
 
 LAYERS, N, K = 36, 4096, 4096
 BLOCK_N, BLOCK_K, WARPS, STAGES = 32, 256, 4, 4

@@ -29,7 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from model_runner import engine_config, preset_source, time_ms  # noqa: E402
+from gpu_timing import time_ms  # noqa: E402
+from model_runner import engine_config, preset_source  # noqa: E402
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402

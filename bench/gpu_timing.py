@@ -1,0 +1,24 @@
+"""CUDA-event timing shared by the bench scripts; imports nothing of rapidserve (so a script that must run
+without the engine's dependencies, e.g. bench/pdl_probe.py, can use it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn (CUDA events around each), after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out
