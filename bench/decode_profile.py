@@ -116,10 +116,11 @@ def linears(runner: ModelRunner, batch: int, sweep: bool) -> dict[str, object]:
     return out
 
 
-SWEEP = [(bn, bk, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
-         for w in (4, 8) for st in (3, 4)]
-SWEEP_WIDE = [(bn, bk, w, st) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))
-              for w in (4, 8) for st in (2, 3)]
+SWEEP = tuple((bn, bk, w, st)
+              for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
+              for w in (4, 8) for st in (3, 4))
+SWEEP_WIDE = tuple((bn, bk, w, st) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))
+              for w in (4, 8) for st in (2, 3))
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ reads (bench/decode_profile.py). With PDL (Hopper's griddepcontrol) a kernel let
 before it ends; the next one waits (`gdc_wait`) before reading what the first wrote, and may read what
 it does not depend on (its weights) before that wait.
 
-Three variants of rapidserve's skinny kernel (rapidserve/ops/triton_skinny.py, the same tiles) run a
+Four variants of rapidserve's skinny kernel (rapidserve/ops/triton_skinny.py, the same tiles) run a
 chain of 36 "layers" in one CUDA graph, each a [M, 4096] x [4096, 4096] product (o_proj's shape) whose
 input is the previous layer's output, with a 2.2 us RMSNorm-like row kernel between them in a second
 chain (as in the real step):
@@ -88,20 +88,20 @@ def _row_scale(x_ptr, out_ptr, N, PDL: tl.constexpr, BLOCK: tl.constexpr):
 def chain(ws: list[torch.Tensor], x: torch.Tensor, variant: str, norms: bool) -> float:
     """Per-layer microseconds of the chain in one graph."""
     pdl = variant != "plain"
-    bufs = [torch.empty_like(x) for _ in range(2)]
+    bufs = [torch.empty_like(x) for _ in range(3)]  # a product's output is never its own input
     m = x.shape[0]
 
     def run() -> None:
         cur = x
-        for i, w in enumerate(ws):
-            out = bufs[i % 2]
+        for w in ws:
+            out = next(b for b in bufs if b is not cur)
             _gemv[(N // BLOCK_N,)](cur, w, out, m, N, K, PDL=pdl, PREFETCH=variant in ("prefetch", "late"),
                                    LATE=variant == "late", BLOCK_M=16,
                                    BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS, num_stages=STAGES,
                                    launch_pdl=pdl)
             cur = out
             if norms:
-                nxt = bufs[(i + 1) % 2]
+                nxt = next(b for b in bufs if b is not cur)
                 _row_scale[(m,)](cur, nxt, N, PDL=pdl, BLOCK=triton.next_power_of_2(N), num_warps=4,
                                  launch_pdl=pdl)
                 cur = nxt

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.attention import torch_ref
-from rapidserve.ops import cublas_linears, get_ops, unfused_ops
+from rapidserve.ops import cublas_linears, get_ops, triton_ops_bundle, unfused_ops
 from rapidserve.ops import torch_ops as tops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,17 +48,37 @@ def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> No
                                            (4, 4, 128, False)):
             t = 13
             q, k, pos, table = (x.to(device) for x in rope_inputs(dtype, t, num_heads, num_kv, d, seed=d))
-            v = torch.randn(t, num_kv, d).to(dtype).to(device)
+            # v: a strided view, as the model's split of one qkv buffer gives it
+            v = torch.randn(t, 2 * num_kv, d)[:, num_kv:].to(dtype).to(device)
             qw, kw = ((torch.rand(d) + 0.5).to(dtype).to(device) for _ in range(2)) if norm else (None, None)
             kc, vc = _cache(5, num_kv, 16, d, dtype, device)
             slots = torch.tensor([3, 17, -1, 40, 0, 79, 22, -1, 5, 63, 64, 11, 50], device=device)
             want_kc, want_vc = kc.clone(), vc.clone()
             want_q = tops.rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table, want_kc, want_vc, slots)
+            # the Triton composition it replaces, bit for bit (the same kernels' roundings)
+            unf_kc, unf_vc = kc.clone(), vc.clone()
+            unf_q = unfused_ops(triton_ops_bundle()).rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table,
+                                                                unf_kc, unf_vc, slots)
+            k_before = k.clone()
             got_q = xops.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
             assert got_q.data_ptr() == q.data_ptr()  # in place
+            assert torch.equal(k, k_before)  # k itself is left as it was
             close(got_q, want_q, dtype)
             close(kc, want_kc, dtype)
             assert torch.equal(vc, want_vc), (dtype, num_heads, d)  # v is copied, never rounded
+            assert torch.equal(got_q, unf_q) and torch.equal(kc, unf_kc) and torch.equal(vc, unf_vc)
+        # norm weights of another dtype than q (fp32): the unfused path, promoting as torch does
+        q, k, pos, table = (x.to(device) for x in rope_inputs(dtype, 5, 4, 2, 32))
+        v = torch.randn(5, 2, 32).to(dtype).to(device)
+        qw32, kw32 = torch.rand(32).to(device) + 0.5, torch.rand(32).to(device) + 0.5
+        kc, vc = _cache(2, 2, 16, 32, dtype, device)
+        want_kc, want_vc = kc.clone(), vc.clone()
+        slots = torch.tensor([0, 1, 2, 30, -1], device=device)
+        want_q = tops.rope_write(q.clone(), k.clone(), v, qw32, kw32, 1e-6, pos, table, want_kc, want_vc, slots)
+        got_q = xops.rope_write(q, k, v, qw32, kw32, 1e-6, pos, table, kc, vc, slots)
+        close(got_q, want_q, want_q.dtype)
+        if dtype == torch.float32:
+            close(kc, want_kc, dtype)
         # empty batch: nothing launched, nothing written
         _, _, _, table = rope_inputs(dtype, 4, 4, 2, 32)
         q, k = torch.empty(0, 4, 32, dtype=dtype, device=device), torch.empty(0, 2, 32, dtype=dtype, device=device)
@@ -72,7 +92,8 @@ def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> No
 def check_skinny(dtypes: list[torch.dtype], device: str, close: Close) -> None:
     """skinny_linear == F.linear (gated: silu_and_mul of it) over row counts, ragged shapes, tile
     configurations and bias."""
-    from rapidserve.ops.triton_skinny import SkinnyConfig, skinny_linear
+    from rapidserve.ops import triton_ops as xops
+    from rapidserve.ops.triton_skinny import SkinnyConfig, gated_config, skinny_linear
 
     g = torch.Generator().manual_seed(0)
     for dtype in dtypes:
@@ -86,7 +107,12 @@ def check_skinny(dtypes: list[torch.dtype], device: str, close: Close) -> None:
             # gated: w as cat(gate, up) [2I, K] with I = n, against silu_and_mul of the rounded product
             w2 = (torch.randn(2 * n, k, generator=g) / k**0.5 * 4).to(dtype).to(device)
             want = tops.silu_and_mul(F.linear(x.float(), w2.float()).to(dtype))
-            close(skinny_linear(x, w2, config=cfg, gated=True), want, dtype)
+            got = skinny_linear(x, w2, config=cfg, gated=True)
+            close(got, want, dtype)
+            # bit for bit the ungated kernel (same tiles) then the Triton silu_and_mul: the epilogue rounds as it
+            half = (cfg or gated_config(2 * n, k, m))
+            unf = xops.silu_and_mul(skinny_linear(x, w2, config=half))
+            assert torch.equal(got, unf), (dtype, m, n, k)
         # a row view of a wider buffer (stride(0) > K) reads the right rows
         big = torch.randn(4, 700, generator=g).to(dtype).to(device)
         w = (torch.randn(32, 512, generator=g) / 20).to(dtype).to(device)
@@ -173,6 +199,45 @@ def test_skinny_refuses_bad_shapes(make: Callable[[], tuple[torch.Tensor, torch.
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_rope_write_refuses_bad_shapes() -> None:
+    from rapidserve.ops import triton_ops as xops
+
+    q, k, pos, table = rope_inputs(torch.float16, 4, 4, 2, 32)
+    v = torch.randn(4, 2, 32, dtype=torch.float16)
+    kc, vc = _cache(2, 2, 16, 32, torch.float16, "cpu")
+    slots = torch.arange(4)
+    cases = [
+        ((q, k, v[:, :1], None, None, 1e-6, pos, table, kc, vc, slots), r"v must have k's shape \(4, 2, 32\)"),
+        ((q, k, v, None, None, 1e-6, pos, table, kc[:, :1], vc[:, :1], slots),
+         r"contiguous \[num_blocks, 2, block_size"),
+        ((q, k, v, None, None, 1e-6, pos, table, kc, vc.transpose(2, 3), slots), "k_cache and v_cache"),
+        ((q, k, v, None, None, 1e-6, pos, table, kc, vc, slots[:3]), r"slot_mapping must be \[4\]"),
+        ((q, k, v, torch.rand(16, dtype=torch.float16), torch.rand(16, dtype=torch.float16), 1e-6, pos, table,
+          kc, vc, slots), r"q/k norm weights must be \[32\]"),
+        ((q, k, v, torch.rand(32, dtype=torch.float16), None, 1e-6, pos, table, kc, vc, slots), "or neither"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            xops.rope_write(*args)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_thin_grids_stay_on_cublas() -> None:
+    """A weight giving the kernel fewer than MIN_PROGRAMS programs (a tensor-parallel shard, a small model)
+    stays on cuBLAS: the kernel is slower per SM, so a thin grid loses."""
+    from rapidserve.ops.triton_skinny import MIN_PROGRAMS, wide_enough
+
+    assert MIN_PROGRAMS == 96
+    # Qwen3-8B at TP 1: all four routed
+    assert all(wide_enough(n, k, 1) for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)))
+    assert wide_enough(24576, 4096, 16, gated=True)
+    # at TP 4 its qkv shard (1536 x 4096: 24 programs) is not; SmolLM2-135M's (960 x 576) neither
+    assert not wide_enough(1536, 4096, 1) and not wide_enough(960, 576, 1)
+    assert wide_enough(3072, 576, 1, gated=True)  # SmolLM2's gate|up: 1536 columns in 16-wide tiles, 96
+    assert not wide_enough(2048, 512, 1, gated=True) and not wide_enough(24575, 4096, 1, gated=True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_skinny_gated_refuses_odd_rows_and_bias() -> None:
     from rapidserve.ops.triton_skinny import skinny_linear
 
@@ -210,17 +275,24 @@ def test_fused_ops_gpu() -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     check_rope_write(dtypes, "cuda", _gpu_close)
     check_skinny([torch.bfloat16, torch.float16], "cuda", _gpu_close)
+    from rapidserve.ops.triton_skinny import ROUTED_ROWS, routed
+
     ops = get_ops(torch.device("cuda"))
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16) / 16
-    _gpu_close(ops.linear(x, w), F.linear(x, w), torch.bfloat16)  # skinny on NVIDIA, cuBLAS on ROCm
-    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16) / 16  # 128 programs: routed
+    nvidia = torch.version.hip is None
+    assert routed(x, w) and routed(x, w, gated=True)
+    assert (ops.linear is not tops.linear) == nvidia  # the kernel on NVIDIA, cuBLAS on ROCm
+    _gpu_close(ops.linear(x, w), F.linear(x, w), torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     _gpu_close(ops.linear(x, w, bias), F.linear(x, w, bias), torch.bfloat16)
-    from rapidserve.ops.triton_skinny import ROUTED_ROWS
     big = torch.randn(ROUTED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    assert not routed(big, w)
     assert torch.equal(ops.linear(big, w), F.linear(big, w))  # more than ROUTED_ROWS rows: cuBLAS, bit for bit
     _gpu_close(ops.linear_silu_and_mul(x, w), tops.silu_and_mul(F.linear(x, w)), torch.bfloat16)
     assert torch.equal(ops.linear_silu_and_mul(big, w), ops.silu_and_mul(F.linear(big, w)))
+    thin = w[:512]  # 16 programs: cuBLAS
+    assert not routed(x, thin) and torch.equal(ops.linear(x, thin), F.linear(x, thin))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ FlashAttention-3 (NVIDIA Hopper, from an installed FA3 build; rapidserve/attenti
 
 Every backend offers the same three functions (layouts in rapidserve/attention/metadata.py):
 
-- ``write_kv(k, v, k_cache, v_cache, slot_mapping) -> None``
+- ``write_kv(k, v, k_cache, v_cache, slot_mapping) -> None`` (the decoder layer writes its K/V with
+  `ops.rope_write` instead, fused with RoPE: that relies on every backend reading the one pool layout of
+  rapidserve/attention/metadata.py, which all three do; a backend with another layout must change that)
 - ``prefill_attention(q, k_cache, v_cache, meta, scale) -> Tensor [T, num_heads, head_dim]``
 - ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
   -> Tensor [B, num_heads, head_dim]``

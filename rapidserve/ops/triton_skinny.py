@@ -26,9 +26,12 @@ it in its epilogue instead (`gated`).
 
 The kernel: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, looping
 over K in BLOCK_K steps: a [BLOCK_N, BLOCK_K] tile of the weight (row-major [N, K], as nn.Linear holds
-it) and the matching [16, BLOCK_K] tile of x, multiplied on the tensor cores (tl.dot, fp32
-accumulation), the weight stream pipelined by Triton (num_stages). No split-K: the shapes it takes have
-one or more programs per SM with BLOCK_N 32-64, so there are no partial sums to reduce.
+it) and the matching [BLOCK_M, BLOCK_K] tile of x (BLOCK_M: 16, 32 or 64, the rows' next power of two),
+multiplied on the tensor cores (tl.dot, fp32 accumulation). num_stages is Triton's software pipelining;
+whether a build pipelines these loads (or keeps them in registers) was not checked, and the table's s3/s4
+choices differ by less than the run-to-run noise. No split-K, so no partial sums to reduce: `linear` routes
+a weight here only when it gives at least MIN_PROGRAMS programs (the fewest measured to beat cuBLAS: qkv's
+96), so a thin grid (a tensor-parallel shard, a small model) stays on cuBLAS.
 
 Results differ from cuBLAS's only in the order of the fp32 sums. Graph-safe (no host reads of device
 values). Only bf16/fp16 rows with a contiguous last dim; callers route everything else to F.linear
@@ -47,6 +50,7 @@ import triton.language as tl
 
 MAX_ROWS = 64  # the kernel's largest BLOCK_M (16, 32 or 64: the next power of two of the rows, at least 16)
 ROUTED_ROWS = 16  # `linear` / `linear_silu_and_mul` use the kernel up to this many rows (measured faster)
+MIN_PROGRAMS = 96  # ... and for weights whose grid has at least this many programs (see the docstring)
 
 
 class SkinnyConfig(NamedTuple):
@@ -96,7 +100,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
-    u_rows = w_rows + N * stride_wn
+    u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # int64: I * K may pass 2^31
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -131,10 +135,25 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous())
 
 
+def routed(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether `linear` / `linear_silu_and_mul` send this call to the kernel: on a GPU, at most ROUTED_ROWS
+    rows that `skinny_ok`, and a grid of at least MIN_PROGRAMS programs."""
+    if not (x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]):
+        return False
+    return wide_enough(*weight.shape, x.shape[0], gated)
+
+
+def wide_enough(n: int, k: int, m: int, gated: bool = False) -> bool:
+    """Whether an [N, K] weight (gated: cat(gate, up), N = 2I) at m rows gives the kernel at least
+    MIN_PROGRAMS programs."""
+    if gated:
+        return n % 2 == 0 and -(-(n // 2) // gated_config(n, k, m).block_n) >= MIN_PROGRAMS
+    return -(-n // skinny_config(n, k, m).block_n) >= MIN_PROGRAMS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): `skinny_linear` for up to ROUTED_ROWS rows where `skinny_ok` on a GPU, else
-    torch's F.linear."""
-    if x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]:
+    """x @ weight.T (+ bias): `skinny_linear` where `routed`, else torch's F.linear."""
+    if routed(x, weight):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -142,9 +161,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for an MLP's fused gate|up weight [2I, K]: one gated `skinny_linear`
-    where `skinny_ok` on a GPU (the [M, 2I] product is never written), else F.linear then `silu_and_mul`."""
-    if (x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]
-            and weight.shape[0] % 2 == 0):
+    where `routed` (the [M, 2I] product is never written), else F.linear then `silu_and_mul`."""
+    if routed(x, weight, gated=True):
         return skinny_linear(x, weight, gated=True)
     return silu_and_mul(F.linear(x, weight))
 
@@ -178,5 +196,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-__all__ = ["MAX_ROWS", "ROUTED_ROWS", "SkinnyConfig", "block_m", "gated_config", "linear", "linear_silu_and_mul",
-           "skinny_config", "skinny_linear", "skinny_ok"]
+__all__ = ["MAX_ROWS", "MIN_PROGRAMS", "ROUTED_ROWS", "SkinnyConfig", "block_m", "gated_config", "linear",
+           "linear_silu_and_mul", "routed", "skinny_config", "skinny_linear", "skinny_ok", "wide_enough"]
