@@ -34,11 +34,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from rapidserve.ops import torch_ops
+
+
+class RopeWrite(Protocol):
+    """`rope_write`'s signature (see the module docstring)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, /) -> torch.Tensor: ...
+
+
+class Linear(Protocol):
+    """`linear`'s signature: x @ weight.T (+ bias)."""
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, /
+                 ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -52,8 +68,8 @@ class Ops:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     qk_norm_rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor,
                             torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    rope_write: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]
+    rope_write: RopeWrite
+    linear: Linear
     linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -134,4 +150,5 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Ops", "cublas_linears", "get_ops", "torch_ops_bundle", "triton_ops_bundle", "unfused_ops"]
+__all__ = ["Linear", "Ops", "RopeWrite", "cublas_linears", "get_ops", "torch_ops_bundle", "triton_ops_bundle",
+           "unfused_ops"]
