@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_interp import run_interpreted
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import torch_ref as ref
 from rapidserve.config import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -297,11 +295,7 @@ INTERP_CHECKS = {"write_kv": _interp_write_kv, "prefill": _interp_prefill, "deco
 @pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
 def test_triton_interpreter(check: str) -> None:
     """The Triton kernels under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 is inexact)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, __file__, check], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__, check)
 
 
 # -------------------------------------------------------------------------------------------- GPU

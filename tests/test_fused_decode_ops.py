@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ops import rope_inputs
+from triton_interp import run_interpreted
 
 from rapidserve.attention import torch_ref
 from rapidserve.ops import cublas_linears, get_ops, triton_ops_bundle, unfused_ops
 from rapidserve.ops import torch_ops as tops
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_ops import rope_inputs  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 Close = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
 
@@ -134,10 +130,7 @@ def _gpu_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> Non
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_ops_interpreter() -> None:
     """Both kernels under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 casts truncate)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__, timeout=600)
 
 
 def test_torch_rope_write_is_rope_then_write_kv() -> None:

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interp import run_interpreted
 
 from rapidserve.ops import get_ops
 from rapidserve.ops import torch_ops as tops
 
-REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -185,10 +183,7 @@ def _interp_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_ops_interpreter() -> None:
     """Triton ops under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 casts truncate)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_interpreted(__file__)
 
 
 def _gpu_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
