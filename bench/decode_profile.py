@@ -10,7 +10,7 @@ For each decode batch (2048-token contexts, a CUDA-graph replay as the engine ru
     the wall time no kernel covers is the gaps between kernels;
   - each layer linear alone at that batch, over the 36 layers' own weights in one graph (so no weight is
     re-read from L2): cuBLAS (F.linear; for gate_up, then SiLU-and-mul), the engine's op (`ops.linear`,
-    `ops.linear_silu_and_mul` for gate_up: rapidserve/ops/triton_skinny.py up to its ROUTED_ROWS), and with
+    `ops.linear_silu_and_mul` for gate_up: rapidserve/ops/triton_skinny.py up to its MAX_ROWS), and with
     `--sweep` every skinny tile configuration of SWEEP (gate_up: gated, tiles half as wide per weight half),
     to choose `skinny_config`'s table.
 Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
@@ -100,10 +100,10 @@ def linears(runner: ModelRunner, batch: int, sweep: bool) -> dict[str, object]:
             "shape": [n, k], "gated": gated,
             "cublas": linear_graph((lambda x, w: ops.silu_and_mul(F.linear(x, w))) if gated else F.linear, ws, x),
             "engine": linear_graph(ops.linear_silu_and_mul if gated else ops.linear, ws, x),
-            "config": gated_config(n, k, batch) if gated else skinny_config(n, k, batch)}
+            "config": gated_config(n, k) if gated else skinny_config(n, k)}
         if sweep and batch <= MAX_ROWS:
             tried = {}
-            for bn, bk, warps, stages in (SWEEP if batch <= 16 else SWEEP_WIDE):
+            for bn, bk, warps, stages in SWEEP:
                 cfg = SkinnyConfig(bn // 2 if gated else bn, bk, warps, stages)
                 try:
                     r = linear_graph(lambda x, w, cfg=cfg, gated=gated: skinny_linear(x, w, config=cfg, gated=gated),
@@ -119,8 +119,7 @@ def linears(runner: ModelRunner, batch: int, sweep: bool) -> dict[str, object]:
 SWEEP = tuple((bn, bk, w, st)
               for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
               for w in (4, 8) for st in (3, 4))
-SWEEP_WIDE = tuple((bn, bk, w, st) for bn, bk in ((32, 128), (64, 64), (64, 128), (128, 64))
-              for w in (4, 8) for st in (2, 3))
+
 
 
 def main() -> int:

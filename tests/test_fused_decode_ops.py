@@ -1,5 +1,5 @@
 """The decode step's kernels of issue 16: `rope_write` ((q/k norm,) RoPE and the KV-cache write in one
-launch) and `skinny_linear` (linear layers of at most 64 rows). The Triton versions match the torch
+launch) and `skinny_linear` (linear layers of at most 16 rows). The Triton versions match the torch
 compositions they replace: under the Triton interpreter on CPU (in a subprocess; fp32/fp16) and natively
 on a GPU (bf16 too). Bad shapes get a ValueError naming what is allowed.
 
@@ -94,7 +94,7 @@ def check_skinny(dtypes: list[torch.dtype], device: str, close: Close) -> None:
     g = torch.Generator().manual_seed(0)
     for dtype in dtypes:
         for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, SkinnyConfig(16, 256, 4, 2)),
-                             (3, 70, 96, SkinnyConfig(32, 64, 4, 3)), (17, 40, 200, None), (64, 96, 256, None)):
+                             (3, 70, 96, SkinnyConfig(32, 64, 4, 3)), (16, 40, 200, None)):
             w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
             x = torch.randn(m, k, generator=g).to(dtype).to(device)
             b = torch.randn(n, generator=g).to(dtype).to(device)
@@ -106,7 +106,7 @@ def check_skinny(dtypes: list[torch.dtype], device: str, close: Close) -> None:
             got = skinny_linear(x, w2, config=cfg, gated=True)
             close(got, want, dtype)
             # bit for bit the ungated kernel (same tiles) then the Triton silu_and_mul: the epilogue rounds as it
-            half = (cfg or gated_config(2 * n, k, m))
+            half = cfg or gated_config(2 * n, k)
             unf = xops.silu_and_mul(skinny_linear(x, w2, config=half))
             assert torch.equal(got, unf), (dtype, m, n, k)
         # a row view of a wider buffer (stride(0) > K) reads the right rows
@@ -176,9 +176,9 @@ def test_triton_bundles_route_linears() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("make, match", [
-    (lambda: (torch.randn(65, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..64 rows"),
+    (lambda: (torch.randn(17, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..16 rows"),
     (lambda: (torch.randn(2, 64), torch.randn(8, 64)), "bf16/fp16"),
-    (lambda: (torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..64 rows"),
+    (lambda: (torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)), "1..16 rows"),
     (lambda: (torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16)),
      r"x must be \[M, 32\]"),
     (lambda: (torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.float16)), "same dtype"),
@@ -222,12 +222,12 @@ def test_thin_grids_stay_on_cublas() -> None:
 
     assert MIN_PROGRAMS == 96
     # Qwen3-8B at TP 1: all four routed
-    assert all(wide_enough(n, k, 1) for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)))
-    assert wide_enough(24576, 4096, 16, gated=True)
+    assert all(wide_enough(n, k) for n, k in ((6144, 4096), (4096, 4096), (4096, 12288)))
+    assert wide_enough(24576, 4096, gated=True)
     # at TP 4 its qkv shard (1536 x 4096: 24 programs) is not; SmolLM2-135M's (960 x 576) neither
-    assert not wide_enough(1536, 4096, 1) and not wide_enough(960, 576, 1)
-    assert wide_enough(3072, 576, 1, gated=True)  # SmolLM2's gate|up: 1536 columns in 16-wide tiles, 96
-    assert not wide_enough(2048, 512, 1, gated=True) and not wide_enough(24575, 4096, 1, gated=True)
+    assert not wide_enough(1536, 4096) and not wide_enough(960, 576)
+    assert wide_enough(3072, 576, gated=True)  # SmolLM2's gate|up: 1536 columns in 16-wide tiles, 96
+    assert not wide_enough(2048, 512, gated=True) and not wide_enough(24575, 4096, gated=True)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -243,20 +243,18 @@ def test_skinny_gated_refuses_odd_rows_and_bias() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_skinny_refuses_bad_bias_and_routes_by_rows() -> None:
-    from rapidserve.ops.triton_skinny import block_m, gated_config, skinny_config, skinny_linear, skinny_ok
+    from rapidserve.ops.triton_skinny import gated_config, skinny_config, skinny_linear, skinny_ok
 
     x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"bias must be \[8\]"):
         skinny_linear(x, w, torch.randn(9, dtype=torch.bfloat16))
-    assert skinny_ok(x, w) and not skinny_ok(torch.randn(65, 64, dtype=torch.bfloat16), w)
+    assert skinny_ok(x, w) and not skinny_ok(torch.randn(17, 64, dtype=torch.bfloat16), w)
     assert not skinny_ok(x, w.t().contiguous().t())  # a transposed weight goes to F.linear
     # the table (Qwen3-8B's shapes, measured) and its rule for other sizes
     assert skinny_config(24576, 4096) == (64, 256, 4, 4) and skinny_config(4096, 4096) == (32, 256, 4, 4)
     assert skinny_config(6144, 4096) == (64, 256, 4, 4) and skinny_config(4096, 12288) == (32, 512, 4, 4)
     assert gated_config(24576, 4096) == (32, 128, 4, 3) and gated_config(64, 64).block_n == 16
     assert gated_config(8192, 2048) == (32, 256, 4, 4)  # narrower MLPs: the ungated rule, halved
-    assert skinny_config(4096, 4096, 64) == (32, 128, 4, 3) and skinny_config(24576, 4096, 17).block_n == 64
-    assert [block_m(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
     from rapidserve.ops import triton_skinny
     x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(16, 64, dtype=torch.bfloat16)
     assert torch.equal(triton_skinny.linear(x, w), F.linear(x, w))  # CPU tensors: F.linear
@@ -268,7 +266,7 @@ def test_fused_ops_gpu() -> None:
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     check_rope_write(dtypes, "cuda", _gpu_close)
     check_skinny([torch.bfloat16, torch.float16], "cuda", _gpu_close)
-    from rapidserve.ops.triton_skinny import ROUTED_ROWS, routed
+    from rapidserve.ops.triton_skinny import MAX_ROWS, routed
 
     ops = get_ops(torch.device("cuda"))
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
@@ -279,9 +277,9 @@ def test_fused_ops_gpu() -> None:
     _gpu_close(ops.linear(x, w), F.linear(x, w), torch.bfloat16)
     bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     _gpu_close(ops.linear(x, w, bias), F.linear(x, w, bias), torch.bfloat16)
-    big = torch.randn(ROUTED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(MAX_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
     assert not routed(big, w)
-    assert torch.equal(ops.linear(big, w), F.linear(big, w))  # more than ROUTED_ROWS rows: cuBLAS, bit for bit
+    assert torch.equal(ops.linear(big, w), F.linear(big, w))  # more than MAX_ROWS rows: cuBLAS, bit for bit
     _gpu_close(ops.linear_silu_and_mul(x, w), tops.silu_and_mul(F.linear(x, w)), torch.bfloat16)
     assert torch.equal(ops.linear_silu_and_mul(big, w), ops.silu_and_mul(F.linear(big, w)))
     thin = w[:512]  # 16 programs: cuBLAS

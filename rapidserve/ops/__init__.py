@@ -17,7 +17,7 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   one launch, q rotated in place, k left unrotated (callers use the cache from then on)
 - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
   gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
-  of at most `triton_skinny.ROUTED_ROWS` rows through `triton_skinny` (one kernel each; the gated one
+  of at most `triton_skinny.MAX_ROWS` (16) rows through `triton_skinny` (one kernel each; the gated one
   never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
   torch's F.linear (cuBLAS / hipBLASLt)
 
@@ -86,21 +86,26 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
 
     if skinny is None:
         skinny = torch.version.hip is None
-    linear = torch_ops.linear
+    ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
+              triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
+              _cublas_then(triton_ops.silu_and_mul))
+    if not skinny:
+        return ops
+    from rapidserve.ops import triton_skinny
 
     def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return triton_ops.silu_and_mul(F.linear(x, weight))
+        return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul)
 
-    if skinny:
-        from rapidserve.ops import triton_skinny
-        linear = triton_skinny.linear
+    return dataclasses.replace(ops, name="triton", linear=triton_skinny.linear,
+                               linear_silu_and_mul=linear_silu_and_mul)
 
-        def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul)
 
-    return Ops("triton" if skinny else "triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm,
-               triton_ops.apply_rope, triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write,
-               linear, linear_silu_and_mul)
+def _cublas_then(silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`linear_silu_and_mul` as torch's F.linear, then the given `silu_and_mul`."""
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(F.linear(x, weight))
+    return linear_silu_and_mul
 
 
 def cublas_linears(ops: Ops) -> Ops:
@@ -110,12 +115,8 @@ def cublas_linears(ops: Ops) -> Ops:
     step at batch 1, `profiles/` on 2026-11-27); it is faster only with the whole GPU."""
     if ops.linear is torch_ops.linear:
         return ops
-
-    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(F.linear(x, weight))
-
     return dataclasses.replace(ops, name=ops.name + "-cublas", linear=torch_ops.linear,
-                               linear_silu_and_mul=linear_silu_and_mul)
+                               linear_silu_and_mul=_cublas_then(ops.silu_and_mul))
 
 
 def unfused_ops(ops: Ops) -> Ops:
@@ -136,11 +137,7 @@ def unfused_ops(ops: Ops) -> Ops:
         write_kv(k, v, k_cache, v_cache, slots)
         return q
 
-    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return ops.silu_and_mul(F.linear(x, weight))
-
-    return dataclasses.replace(ops, name=ops.name + "-unfused", rope_write=rope_write, linear=torch_ops.linear,
-                               linear_silu_and_mul=linear_silu_and_mul)
+    return dataclasses.replace(cublas_linears(ops), name=ops.name + "-unfused", rope_write=rope_write)
 
 
 def get_ops(device: torch.device | str) -> Ops:

@@ -1,5 +1,5 @@
-"""Linear layers of small decode batches (routed up to ROUTED_ROWS rows; the kernel takes up to 64) as one
-Triton kernel that reads the weight at close to the memory bandwidth (issue 16).
+"""Linear layers of small decode batches (at most MAX_ROWS = 16 rows) as one Triton kernel that reads the
+weight at close to the memory bandwidth (issue 16).
 
 Why: a decode step at batch 1-16 is a read of every weight once. cuBLAS picks tiles of 64 output
 columns for these shapes, which leaves Qwen3-8B's o projection (4096 columns: 64 tiles) on half the SMs.
@@ -18,20 +18,21 @@ batch 1-16 was 23-37% slower with it on 16 SMs and 11-19% on 32 (H100 profile, 2
 runner captures graphs of a partial partition with `ops.cublas_linears`.
 
 Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail; launching with
-programmatic dependent launch did not shorten a chain of them (bench/pdl_probe.py). At 24-64 rows cuBLAS
-is faster (H200: qkv 16.0 vs 20.6 us at 24 rows), so `linear` routes only up to ROUTED_ROWS. A variant
+programmatic dependent launch did not shorten a chain of them (bench/pdl_probe.py). At 24-64 rows (a
+wider row tile, measured on the H200 and removed since) cuBLAS was faster (qkv 16.0 vs 20.6 us at 24 rows),
+so the kernel takes at most 16 rows. A variant
 that formed SiLU-and-mul in the down projection's loads ran 4x slower than cuBLAS (its activation tile
 went through registers and a layout change every K step) and was dropped; the gate|up projection takes
 it in its epilogue instead (`gated`).
 
 The kernel: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, looping
 over K in BLOCK_K steps: a [BLOCK_N, BLOCK_K] tile of the weight (row-major [N, K], as nn.Linear holds
-it) and the matching [BLOCK_M, BLOCK_K] tile of x (BLOCK_M: 16, 32 or 64, the rows' next power of two),
-multiplied on the tensor cores (tl.dot, fp32 accumulation). num_stages is Triton's software pipelining;
-whether a build pipelines these loads (or keeps them in registers) was not checked, and the table's s3/s4
-choices differ by less than the run-to-run noise. No split-K, so no partial sums to reduce: `linear` routes
-a weight here only when it gives at least MIN_PROGRAMS programs (the fewest measured to beat cuBLAS: qkv's
-96), so a thin grid (a tensor-parallel shard, a small model) stays on cuBLAS.
+it) and the matching [16, BLOCK_K] tile of x (rows past M masked), multiplied on the tensor cores (tl.dot,
+fp32 accumulation). num_stages is Triton's software pipelining; whether a build pipelines these loads (or
+keeps them in registers) was not checked, and the table's s3/s4 choices differ by less than the
+run-to-run noise. No split-K, so no partial sums to reduce: `linear` routes a weight here only when it
+gives at least MIN_PROGRAMS programs (the fewest measured to beat cuBLAS: qkv's 96), so a thin grid (a
+tensor-parallel shard, a small model) stays on cuBLAS.
 
 Results differ from cuBLAS's only in the order of the fp32 sums. Graph-safe (no host reads of device
 values). Only bf16/fp16 rows with a contiguous last dim; callers route everything else to F.linear
@@ -48,9 +49,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_ROWS = 64  # the kernel's largest BLOCK_M (16, 32 or 64: the next power of two of the rows, at least 16)
-ROUTED_ROWS = 16  # `linear` / `linear_silu_and_mul` use the kernel up to this many rows (measured faster)
-MIN_PROGRAMS = 96  # ... and for weights whose grid has at least this many programs (see the docstring)
+MAX_ROWS = 16  # BLOCK_M: the tensor-core tile's rows; more rows go to cuBLAS (measured faster there)
+MIN_PROGRAMS = 96  # `linear` uses the kernel only for weights whose grid has at least this many programs
 
 
 class SkinnyConfig(NamedTuple):
@@ -60,17 +60,9 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
 
 
-def block_m(m: int) -> int:
-    """The kernel's row tile for m rows: 16, 32 or 64."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
-
-
-def skinny_config(n: int, k: int, m: int = 1) -> SkinnyConfig:
-    """Tile sizes for an [N, K] weight at m rows: the sweep's best on both the H100 and the H200 for each
-    of Qwen3-8B's shapes (table above), extended to other sizes by the same rule; above 16 rows (not
-    routed here by default), shorter K steps keep a stage's x and weight tiles within shared memory."""
-    if m > 16:
-        return SkinnyConfig(32 if n <= 4096 else 64, 128, 4, 3)
+def skinny_config(n: int, k: int) -> SkinnyConfig:
+    """Tile sizes for an [N, K] weight: the sweep's best on both the H100 and the H200 for each of
+    Qwen3-8B's shapes (table above), extended to other sizes by the same rule."""
     if k > 8192:  # long reductions: longer K steps
         return SkinnyConfig(32, 512, 4, 4)
     if n > 4096:
@@ -78,13 +70,13 @@ def skinny_config(n: int, k: int, m: int = 1) -> SkinnyConfig:
     return SkinnyConfig(32, 256, 4, 4)
 
 
-def gated_config(n2: int, k: int, m: int = 1) -> SkinnyConfig:
+def gated_config(n2: int, k: int) -> SkinnyConfig:
     """`skinny_linear(gated=True)` of a [2I, K] weight: two weight tiles (gate and up) per K step, each
     half as wide as the ungated kernel's; wide ones (2I >= 16384) in 128-long K steps, 3 stages (the
     sweep's best on the H200, within 0.4 us of it on the H100)."""
-    if m <= 16 and n2 >= 16384 and k <= 8192:
+    if n2 >= 16384 and k <= 8192:
         return SkinnyConfig(32, 128, 4, 3)
-    cfg = skinny_config(n2, k, m)
+    cfg = skinny_config(n2, k)
     return cfg._replace(block_n=max(16, cfg.block_n // 2))
 
 
@@ -136,19 +128,19 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def routed(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether `linear` / `linear_silu_and_mul` send this call to the kernel: on a GPU, at most ROUTED_ROWS
-    rows that `skinny_ok`, and a grid of at least MIN_PROGRAMS programs."""
-    if not (x.is_cuda and x.shape[0] <= ROUTED_ROWS and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]):
+    """Whether `linear` / `linear_silu_and_mul` send this call to the kernel: on a GPU, rows that
+    `skinny_ok`, and a grid of at least MIN_PROGRAMS programs."""
+    if not (x.is_cuda and skinny_ok(x, weight) and x.shape[1] == weight.shape[1]):
         return False
-    return wide_enough(*weight.shape, x.shape[0], gated)
+    return wide_enough(*weight.shape, gated)
 
 
-def wide_enough(n: int, k: int, m: int, gated: bool = False) -> bool:
-    """Whether an [N, K] weight (gated: cat(gate, up), N = 2I) at m rows gives the kernel at least
-    MIN_PROGRAMS programs."""
+def wide_enough(n: int, k: int, gated: bool = False) -> bool:
+    """Whether an [N, K] weight (gated: cat(gate, up), N = 2I) gives the kernel at least MIN_PROGRAMS
+    programs."""
     if gated:
-        return n % 2 == 0 and -(-(n // 2) // gated_config(n, k, m).block_n) >= MIN_PROGRAMS
-    return -(-n // skinny_config(n, k, m).block_n) >= MIN_PROGRAMS
+        return n % 2 == 0 and -(-(n // 2) // gated_config(n, k).block_n) >= MIN_PROGRAMS
+    return -(-n // skinny_config(n, k).block_n) >= MIN_PROGRAMS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -185,16 +177,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          f"weight {tuple(weight.shape)}{' and a bias' if bias is not None else ''}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
-    cfg = config or (gated_config(n, k, m) if gated else skinny_config(n, k, m))
+    cfg = config or (gated_config(n, k) if gated else skinny_config(n, k))
     n_out = n // 2 if gated else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n_out, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n_out, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=block_m(m), BLOCK_N=cfg.block_n,
+        EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
     return out
 
 
-__all__ = ["MAX_ROWS", "MIN_PROGRAMS", "ROUTED_ROWS", "SkinnyConfig", "block_m", "gated_config", "linear",
-           "linear_silu_and_mul", "routed", "skinny_config", "skinny_linear", "skinny_ok", "wide_enough"]
+__all__ = ["MAX_ROWS", "MIN_PROGRAMS", "SkinnyConfig", "gated_config", "linear", "linear_silu_and_mul", "routed",
+           "skinny_config", "skinny_linear", "skinny_ok", "wide_enough"]
