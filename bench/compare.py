@@ -100,7 +100,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
-from compare_peak import closed_peak, fraction_rates, fractions_arg, merge_results  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, fractions_arg, load_prior, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     SHARED_SWITCHES,
@@ -330,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "rate inf, run first) on each workload, for every system; needs inf in --rates")
     w.add_argument("--peak-reference", default=None, metavar="LABEL",
                    help="the system whose closed peak sets --peak-fractions' rates (default: the first system)")
+    w.add_argument("--continue-from", default=None, metavar="PATH",
+                   help="an earlier run's <name>.json (same workloads and --serve-args, same GPU): its systems and "
+                        "tables are kept in this report and its reference's closed peaks set --peak-fractions' "
+                        "rates, so the reference need not run again")
     w.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
     w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
                    help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
@@ -380,14 +384,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         workloads = workload_list(a)
         baseline = vllm_baseline(systems, a.vllm_baseline)
+        prior = None if a.continue_from is None else load_prior(a.continue_from, [w.title for w in workloads],
+                                                                   a.serve_args, a.itl_bounds_ms)
     except ValueError as e:
         p.error(str(e))
+    if prior is not None:
+        baseline = baseline or prior.get("vllm_baseline")
     if a.peak_fractions:
         if math.inf not in a.rates:
             p.error("--peak-fractions needs inf in --rates (the reference's closed peak sets the other rates)")
-        a.peak_reference = a.peak_reference or (systems[0].label if systems else None)
-        if a.peak_reference not in [s.label for s in systems]:
-            p.error(f"--peak-reference {a.peak_reference!r} is none of the systems: {[s.label for s in systems]}")
+        if prior is not None and prior.get("peaks") and a.peak_reference is None:
+            a.peak_reference = prior.get("peak_reference")  # its peaks are taken as they are
+        else:
+            a.peak_reference = a.peak_reference or (systems[0].label if systems else None)
+            if a.peak_reference not in [s.label for s in systems]:
+                p.error(f"--peak-reference {a.peak_reference!r} is none of the systems: "
+                        f"{[s.label for s in systems]}")
         systems.sort(key=lambda s: s.label != a.peak_reference)  # the reference runs first
     if a.dry_run:
         for s in systems:
@@ -404,6 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     infos: list[dict[str, Any]] = []
     peaks: dict[str, float | None] = {}
+    if prior is not None:
+        peaks.update(prior["peaks"])
+        infos += [{**i, "status": f"{i.get('status')} (in {a.continue_from})"} for i in prior["systems"]]
     meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
             "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
@@ -414,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
                           for w in workloads]}
     paths: list[str] = []
+    n_prior = len(infos)
     try:
         for s in systems:
             info: dict[str, Any] = {"label": s.label, "kind": s.kind, "flags": s.describe()}
@@ -422,16 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 info["status"] = "skipped: duration budget spent"
                 continue
             run_system(a, s, workloads, deadline, results, info, peaks)
-            write_report(a, meta, results, plot=False)
+            write_report(a, meta, results, plot=False, prior=prior)
     finally:
-        for s in systems[len(infos):]:  # interrupted before their turn
+        for s in systems[len(infos) - n_prior:]:  # interrupted before their turn
             infos.append({"label": s.label, "kind": s.kind, "flags": s.describe(),
                           "status": "not run: the comparison was interrupted"})
-        paths = write_report(a, meta, results, plot=True)
+        paths = write_report(a, meta, results, plot=True, prior=prior)
     with open(paths[1]) as f:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
-    return 0 if all(i["status"] == "ok" for i in infos) else 1
+    return 0 if all(i["status"] == "ok" for i in infos[n_prior:]) else 1
 
 
 def _fractions(text: str) -> tuple[float, ...]:

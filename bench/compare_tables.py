@@ -242,13 +242,17 @@ def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], m
 
 
 def write_report(a: argparse.Namespace, meta: dict[str, Any], results: Sequence[Mapping[str, Any]],
-                 plot: bool) -> list[str]:
-    """<name>.json and <name>.md (and, when `plot`, <name>.png) from the results so far; their paths."""
-    rows = [table_row(r["label"], r, a.itl_bounds_ms) for r in results]
+                 plot: bool, prior: Mapping[str, Any] | None = None) -> list[str]:
+    """<name>.json and <name>.md (and, when `plot`, <name>.png) from the results so far; their paths. `prior`: an
+    earlier report this run continues (`--continue-from`): its rows and sweeps come first."""
+    prior_rows = list(prior["rows"]) if prior else []
+    prior_sweeps = list(prior["sweeps"]) if prior else []
+    rows = prior_rows + [table_row(r["label"], r, a.itl_bounds_ms) for r in results]
     base = os.path.join(a.out, a.name)
-    sweeps = [{"label": r["label"], "workload": r["workload"], "title": r.get("title"), "path": r.get("path"),
-               "skipped_rates": r.get("skipped_rates", []),
-               "runs": [{"rate": x["rate"], "summary": x["summary"]} for x in r["runs"]]} for r in results]
+    sweeps = prior_sweeps + [
+        {"label": r["label"], "workload": r["workload"], "title": r.get("title"), "path": r.get("path"),
+         "skipped_rates": r.get("skipped_rates", []),
+         "runs": [{"rate": x["rate"], "summary": x["summary"]} for x in r["runs"]]} for r in results]
     with open(base + ".json", "w") as f:
         json.dump(jsonable({**meta, "itl_bounds_ms": a.itl_bounds_ms, "rows": rows,
                             "versus_vllm": versus_vllm(rows, a.itl_bounds_ms, meta.get("vllm_baseline")),
@@ -257,8 +261,8 @@ def write_report(a: argparse.Namespace, meta: dict[str, Any], results: Sequence[
     with open(base + ".md", "w") as f:
         f.write(to_markdown(rows, a.itl_bounds_ms, meta))
     paths = [base + ".json", base + ".md"]
-    if plot and results:
-        plot_sweeps(list(results), base + ".png", title=f"{a.model}: systems against offered load",
+    if plot and sweeps:
+        plot_sweeps(sweeps, base + ".png", title=f"{a.model}: systems against offered load",
                     itl_bounds_ms=a.itl_bounds_ms)
         paths.append(base + ".png")
     return paths

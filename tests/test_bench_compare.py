@@ -457,3 +457,45 @@ def test_peak_fraction_errors(argv: list[str], match: str, capsys) -> None:  # t
     with pytest.raises(SystemExit) as ei:
         compare.main(["--dry-run", *argv])
     assert ei.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_continue_from_an_earlier_run_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    common = ["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64", "--systems", "",
+              "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--num-prompts", "4",
+              "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path)]
+    assert compare.main([*common, "--system", "ref=--mode hybrid", "--name", "first"]) == 0
+    first = json.loads((tmp_path / "first.json").read_text())
+    assert compare.main([*common, "--system", "b=", "--name", "second",
+                         "--continue-from", str(tmp_path / "first.json")]) == 0
+    data = json.loads((tmp_path / "second.json").read_text())
+    # The earlier system's rows and sweeps come first, unchanged; its peak set the new system's rates.
+    assert [s["label"] for s in data["systems"]] == ["ref", "b"]
+    assert data["peaks"] == first["peaks"] and data["peak_reference"] == "ref"
+    assert data["rows"][0] == first["rows"][0] and [r["system"] for r in data["rows"]] == ["ref", "b"]
+    half = round(0.5 * first["peaks"]["fixed 24:4"], 2)
+    assert [x["rate"] for x in data["sweeps"][1]["runs"]] == [half, "inf"]
+    md = (tmp_path / "second.md").read_text()
+    assert "| ref |" in md and "| b |" in md
+
+
+@pytest.mark.parametrize("change,match", [
+    (["--workloads", "32:4"], "ran the workloads"),
+    (["--serve-args", "--device cpu --num-kv-blocks 32"], "served with"),
+    (["--itl-bounds-ms", "80"], "itl-bounds-ms"),
+])
+def test_continue_from_refuses_a_run_that_does_not_compare(tmp_path, change: list[str], match: str,  # type: ignore[no-untyped-def]
+                                                           capsys) -> None:
+    prior = {"rows": [], "sweeps": [], "systems": [], "peaks": {"fixed 24:4": 2.0}, "peak_reference": "ref",
+             "serve_args": "--device cpu --num-kv-blocks 64", "workloads": [{"title": "fixed 24:4"}],
+             "itl_bounds_ms": [100.0, 50.0]}
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(prior))
+    argv = ["--dry-run", "--systems", "rapid-adaptive", "--serve-args", "--device cpu --num-kv-blocks 64",
+            "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--continue-from", str(path), *change]
+    with pytest.raises(SystemExit) as ei:
+        compare.main(argv)
+    assert ei.value.code == 2 and match in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        compare.main([*argv[:-len(change)], "--continue-from", str(tmp_path / "bad.json")])
+    assert "not a compare.py report" in capsys.readouterr().err
