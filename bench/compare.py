@@ -383,13 +383,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = select_systems(p, a)
     try:
         workloads = workload_list(a)
-        baseline = vllm_baseline(systems, a.vllm_baseline)
         prior = None if a.continue_from is None else load_prior(a.continue_from, [w.title for w in workloads],
                                                                    a.serve_args, a.itl_bounds_ms)
+        earlier = [i.get("label") for i in prior["systems"]] if prior else []
+        again = [s.label for s in systems if s.label in earlier]
+        if again:
+            raise ValueError(f"{', '.join(again)} already ran in --continue-from {a.continue_from}; a system runs once "
+                             "in a report (give it another label with --system LABEL=...)")
+        if a.vllm_baseline in earlier or (a.vllm_baseline is None and prior and prior.get("vllm_baseline")):
+            baseline = a.vllm_baseline or prior["vllm_baseline"]  # type: ignore[index]
+        else:
+            baseline = vllm_baseline(systems, a.vllm_baseline)
     except ValueError as e:
         p.error(str(e))
-    if prior is not None:
-        baseline = baseline or prior.get("vllm_baseline")
     if a.peak_fractions:
         if math.inf not in a.rates:
             p.error("--peak-fractions needs inf in --rates (the reference's closed peak sets the other rates)")

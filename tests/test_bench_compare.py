@@ -482,10 +482,12 @@ def test_continue_from_an_earlier_run_on_cpu(tmp_path) -> None:  # type: ignore[
     (["--workloads", "32:4"], "ran the workloads"),
     (["--serve-args", "--device cpu --num-kv-blocks 32"], "served with"),
     (["--itl-bounds-ms", "80"], "itl-bounds-ms"),
+    (["--system", "ref=--mode hybrid"], "already ran"),
 ])
 def test_continue_from_refuses_a_run_that_does_not_compare(tmp_path, change: list[str], match: str,  # type: ignore[no-untyped-def]
                                                            capsys) -> None:
-    prior = {"rows": [], "sweeps": [], "systems": [], "peaks": {"fixed 24:4": 2.0}, "peak_reference": "ref",
+    prior = {"rows": [], "sweeps": [], "systems": [{"label": "ref", "status": "ok"}], "peaks": {"fixed 24:4": 2.0},
+             "peak_reference": "ref", "vllm_baseline": "vllm",
              "serve_args": "--device cpu --num-kv-blocks 64", "workloads": [{"title": "fixed 24:4"}],
              "itl_bounds_ms": [100.0, 50.0]}
     path = tmp_path / "prior.json"
