@@ -18,6 +18,7 @@ from rapidserve.config import (
     DTYPES,
     ENGINE_MODES,
     POLICIES,
+    PROFILE_LOOKUPS,
     TOOL_CALL_PARSERS,
     ConfigError,
     PartitionConfig,
@@ -155,6 +156,10 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "its prompt tokens / 1000; without it nothing is preempted")
         g.add_argument("--slo-ttft-ms-per-1k-tokens", type=_nonneg_float, default=0.0,
                        help="drift: what each 1000 prompt tokens add to --slo-ttft-ms (e.g. 1000: 1 s per 1K)")
+        g.add_argument("--profile-lookup", default="interpolate", choices=PROFILE_LOOKUPS,
+                       help="how --policy rapid reads the profile for a decode batch and context between its "
+                            "buckets: interpolate (linearly between the buckets around them) or round-up (to the "
+                            "bucket at or above each; conservative: it overstates a step by up to a bucket)")
         g.add_argument("--drift-prefill-model", type=_drift_model, default=None, metavar="A_MS,B_MS_PER_TOKEN",
                        help="drift: the prefill time model a + b x tokens (ms) to use instead of the one fitted "
                             "at start-up from the roofline (one for every configuration)")
@@ -169,7 +174,8 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms,
                                  policy=getattr(a, "policy", "rapid"), slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
-                                 drift_prefill_model=getattr(a, "drift_prefill_model", None))
+                                 drift_prefill_model=getattr(a, "drift_prefill_model", None),
+                                 profile_lookup=getattr(a, "profile_lookup", "interpolate"))
     if pcfg.profile is not None:
         load_profile(pcfg.profile)
     return pcfg

@@ -64,7 +64,8 @@ NO_32 = h100_profile(["overallocated", "split16", "split48", "split64"])
 
 
 def fresh(
-    profile: Profile, *, batch: int, prefill: bool, slo: float, margin: float = 0.9, context: int = 1024
+    profile: Profile, *, batch: int, prefill: bool, slo: float, margin: float = 0.9, context: int = 1024,
+    interpolate: bool = True,
 ) -> Decision:
     """Decision from a state that may switch freely (held long enough)."""
     state = make_state(full_decode_config(profile), steps_since_switch=100)
@@ -76,6 +77,7 @@ def fresh(
         slo_itl_ms=slo,
         profile=profile,
         margin=margin,
+        interpolate=interpolate,
     )
     return d
 
@@ -178,8 +180,12 @@ def test_first_decode_beside_whole_gpu_prefill_splits_at_once() -> None:
 
 def test_long_context_bucket_and_beyond_flag() -> None:
     assert fresh(FULL, batch=8, prefill=True, slo=5.0, context=2048).config == "split32"
-    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096)  # -> 8192 bucket, doubled latency
+    # round-up: 4096 -> the 8192 bucket, doubled latency: nothing meets 4.5 ms
+    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096, interpolate=False)
     assert d.config == "split64" and "SLO cannot be met" in d.reason and not d.beyond_profile
+    # interpolated: a third of the way from 2048 to 8192, 1.33x: split32's 3.27 ms -> 4.36 ms, within 4.5
+    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096)
+    assert d.config == "split32" and "SLO cannot be met" not in d.reason and not d.beyond_profile
     d = fresh(FULL, batch=8, prefill=True, slo=50.0, context=100_000)
     assert d.beyond_profile and "beyond profiled buckets" in d.reason
     assert fresh(FULL, batch=300, prefill=False, slo=50.0).beyond_profile
@@ -483,3 +489,43 @@ def test_wait_scales_only_within_the_profiles_forward(tokens: int, longest: int 
     d, _ = decide(make_state("overallocated", 100), decode_batch=32, decode_context=2048, prefill_pending=True,
                   slo_itl_ms=50.0, profile=QWEN3, prefill_tokens=tokens, prefill_longest=longest)
     assert d.config == want, d.reason
+
+
+@pytest.mark.parametrize(("kw", "pattern"), [
+    (dict(profile_lookup="nearest"), "profile_lookup='nearest'; use one of interpolate, round-up"),
+    (dict(profile_lookup="round-up", policy="duet"), "--profile-lookup round-up is read only by --partition adaptive "
+                                                      "--policy rapid"),
+    (dict(profile_lookup="round-up", mode="off"), "read only by --partition adaptive"),
+])
+def test_profile_lookup_config_invalid(kw: dict[str, object], pattern: str) -> None:
+    from rapidserve.config import ConfigError, PartitionConfig
+
+    with pytest.raises(ConfigError, match=pattern):
+        PartitionConfig(**kw)  # type: ignore[arg-type]
+
+
+def test_cli_profile_lookup() -> None:
+    from rapidserve.cli import build_parser, partition_config
+    from rapidserve.config import PartitionConfig
+
+    a = build_parser().parse_args(["serve"])
+    assert partition_config(a).profile_lookup == "interpolate"
+    a = build_parser().parse_args(["serve", "--profile-lookup", "round-up"])
+    assert partition_config(a) == PartitionConfig(profile_lookup="round-up")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--profile-lookup", "nearest"])
+
+
+def test_decode_partition_reads_the_profile_as_configured() -> None:
+    """The runtime passes --profile-lookup to the manager: 4096-token prompts decoding at 4160 tokens of context
+    on the committed-profile shape (the 8192 bucket doubles the step) keep split16 only when interpolated."""
+    from rapidserve.config import PartitionConfig
+    from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+
+    plan = PartitionPlan("cuda-green", list(FULL.configurations), FULL, "synthetic H100 profile")
+    got = {}
+    for how in ("interpolate", "round-up"):
+        dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0, profile_lookup=how), plan)
+        dp.advance(8, 4160, prefill_pending=True)
+        got[how] = dp.current
+    assert got == {"interpolate": "split32", "round-up": "split64"}

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rapidserve.partition.profile import OVERALLOCATED, Entry, Profile, lookup
+from rapidserve.partition.profile import OVERALLOCATED, Entry, Profile, estimate, lookup
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,7 @@ def decide(
     prefill_tokens: int | None = None,
     prefill_budget: int | None = None,
     prefill_longest: int | None = None,
+    interpolate: bool = True,
 ) -> tuple[Decision, ManagerState]:
     """Choose the configuration for the next step. Pure: same inputs, same outputs.
     decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
@@ -184,7 +185,8 @@ def decide(
     (None: not known, the profile's beside-prefill figures alone); prefill_budget: the most tokens of one
     prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget);
     prefill_longest: the longest pending prompt, cached prefix included (None: not known, so decode's wait
-    on the whole GPU is not scaled to the forward)."""
+    on the whole GPU is not scaled to the forward); interpolate: read the profile between its buckets
+    (`profile.estimate`), else round batch and context up to them."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:
@@ -199,7 +201,7 @@ def decide(
     entries: dict[str, Entry] = {}
     beyond = False
     for c in profile.configurations:
-        found = lookup(profile, c.name, max(decode_batch, 1), max(decode_context, 1))
+        found = estimate(profile, c.name, max(decode_batch, 1), max(decode_context, 1), interpolate)
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""

@@ -126,6 +126,58 @@ def lookup(profile: Profile, config: str, batch: int, context: int) -> Lookup:
     raise KeyError((config, b.bucket, c.bucket))
 
 
+def _around(buckets: list[int], value: int) -> tuple[int, int, float, bool]:
+    """(lower bucket, upper bucket, weight of the upper in [0, 1], beyond) for linear interpolation: below the
+    smallest bucket both are the smallest; beyond the largest both are the largest, flagged."""
+    if not buckets:
+        raise ValueError("no buckets")
+    i = bisect.bisect_left(buckets, value)
+    if i >= len(buckets):
+        return buckets[-1], buckets[-1], 0.0, True
+    if i == 0 or buckets[i] == value:
+        return buckets[i], buckets[i], 0.0, False
+    lo, hi = buckets[i - 1], buckets[i]
+    return lo, hi, (value - lo) / (hi - lo), False
+
+
+_FIGURES = ("decode_ms_alone_p50", "decode_ms_alone_p95", "decode_ms_beside_prefill_p50",
+            "decode_ms_beside_prefill_p95", "prefill_tokens_per_s")
+
+
+def estimate(profile: Profile, config: str, batch: int, context: int, interpolate: bool = True) -> Lookup:
+    """`config`'s figures at (batch, context). interpolate=False: `lookup` (each rounded up to its bucket).
+    interpolate=True: every figure interpolated linearly between the buckets around the batch and around the
+    context (bilinear over the four measured corners); below the smallest bucket the smallest's figures, beyond
+    the largest the largest's (flagged), as `lookup`.
+
+    Why: a decode step grows about linearly with its batch and context (weights once, then K/V reads in
+    proportion), so rounding up overstates it by up to a whole bucket: 4096-token prompts decode at context
+    4097-4160, which rounds up to the 8192 bucket, where the committed H100 Qwen3-8B profile has split16's
+    step beside prefill at 48 ms for batch 16 against 31 ms at 4096, and the manager gave prefill 100 SMs
+    instead of 116 (bench/results/issue16.md, 2026-11-27). Over a convex step time, linear interpolation
+    still errs high."""
+    if not interpolate:
+        return lookup(profile, config, batch, context)
+    b_lo, b_hi, tb, b_beyond = _around(profile.batch_buckets, batch)
+    c_lo, c_hi, tc, c_beyond = _around(profile.context_buckets, context)
+    corners: dict[tuple[int, int], float] = {}
+    for b, c, w in ((b_lo, c_lo, (1 - tb) * (1 - tc)), (b_hi, c_lo, tb * (1 - tc)), (b_lo, c_hi, (1 - tb) * tc),
+                    (b_hi, c_hi, tb * tc)):
+        corners[b, c] = corners.get((b, c), 0.0) + w  # the same corner twice where a value sits on a bucket
+    found: dict[tuple[int, int], Entry] = {}
+    for e in profile.entries:
+        if e.config == config and (e.batch, e.context) in corners:
+            found[e.batch, e.context] = e
+            if len(found) == len(corners):
+                break
+    missing = [k for k in corners if k not in found]
+    if missing:
+        raise KeyError((config, *missing[0]))
+    figures = {f: sum(w * getattr(found[k], f) for k, w in corners.items()) for f in _FIGURES}
+    entry = Entry(config, min(max(batch, b_lo), b_hi), min(max(context, c_lo), c_hi), **figures)
+    return Lookup(entry, b_beyond or c_beyond)
+
+
 def _fail(path: str, field: str, msg: str) -> ProfileError:
     return ProfileError(f"profile {path}: field `{field}`: {msg}")
 

@@ -391,7 +391,7 @@ class DecodePartition:
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
                       prefill_tokens=pending.tokens if prefill_pending and pending else None,
                       prefill_longest=pending.longest if prefill_pending and pending else None,
-                      prefill_budget=self.prefill_budget)
+                      prefill_budget=self.prefill_budget, interpolate=self.pcfg.profile_lookup == "interpolate")
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
