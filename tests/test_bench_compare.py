@@ -501,3 +501,25 @@ def test_continue_from_refuses_a_run_that_does_not_compare(tmp_path, change: lis
     with pytest.raises(SystemExit):
         compare.main([*argv[:-len(change)], "--continue-from", str(tmp_path / "bad.json")])
     assert "not a compare.py report" in capsys.readouterr().err
+
+
+def test_vs_vllm_summary_table() -> None:
+    import vs_vllm_summary
+
+    def sweep(label: str, closed: float, at: float, ttft: float, itl: float) -> dict[str, object]:
+        s = {"request_throughput": closed, "itl_ms": {"p99": 30.0}, "ttft_ms": {"median": 900.0}}
+        r = {"request_throughput": at, "itl_ms": {"p99": itl}, "ttft_ms": {"median": ttft}}
+        return {"label": label, "title": "fixed 8:2",
+                "runs": [{"rate": 5.0, "summary": r}, {"rate": "inf", "summary": s}]}
+
+    report = {"vllm_baseline": "vllm", "peaks": {"fixed 8:2": 10.0},
+              "systems": [{"label": "vllm", "kind": "vllm"}, {"label": "v2", "kind": "vllm"},
+                          {"label": "rapid", "kind": "ours"}],
+              "sweeps": [sweep("vllm", 10.0, 4.0, 200.0, 120.0), sweep("v2", 8.0, 4.5, 300.0, 60.0),
+                         sweep("rapid", 9.0, 5.0, 100.0, 20.0)],
+              "rows": [{"workload": "fixed 8:2", "system": s, "goodput_p99_itl_le_100ms": g}
+                       for s, g in (("vllm", None), ("v2", {"goodput": 4.0}), ("rapid", {"goodput": 6.0}))]}
+    text = vs_vllm_summary.summary(report, [0.5])
+    assert "baseline peak 10.00 req/s" in text
+    assert "| rapid | 9.00 (0.90x) | 30.0 | 100 | 20.0 | 6.00 (1.50x) |" in text  # 6 over the better vLLM's 4
+    assert "| vllm | 10.00 (1.00x) | 30.0 | 200 | 120.0 | - |" in text

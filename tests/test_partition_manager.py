@@ -493,9 +493,9 @@ def test_wait_scales_only_within_the_profiles_forward(tokens: int, longest: int 
 
 @pytest.mark.parametrize(("kw", "pattern"), [
     (dict(profile_lookup="nearest"), "profile_lookup='nearest'; use one of interpolate, round-up"),
-    (dict(profile_lookup="round-up", policy="duet"), "--profile-lookup round-up is read only by --partition adaptive "
-                                                      "--policy rapid"),
-    (dict(profile_lookup="round-up", mode="off"), "read only by --partition adaptive"),
+    (dict(profile_lookup="interpolate", policy="duet"), "--profile-lookup interpolate is read only by --partition "
+                                                         "adaptive --policy rapid"),
+    (dict(profile_lookup="interpolate", mode="off"), "read only by --partition adaptive"),
 ])
 def test_profile_lookup_config_invalid(kw: dict[str, object], pattern: str) -> None:
     from rapidserve.config import ConfigError, PartitionConfig
@@ -509,9 +509,9 @@ def test_cli_profile_lookup() -> None:
     from rapidserve.config import PartitionConfig
 
     a = build_parser().parse_args(["serve"])
-    assert partition_config(a).profile_lookup == "interpolate"
-    a = build_parser().parse_args(["serve", "--profile-lookup", "round-up"])
-    assert partition_config(a) == PartitionConfig(profile_lookup="round-up")
+    assert partition_config(a).profile_lookup == "round-up"  # the default: measured within the SLO
+    a = build_parser().parse_args(["serve", "--profile-lookup", "interpolate"])
+    assert partition_config(a) == PartitionConfig(profile_lookup="interpolate")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--profile-lookup", "nearest"])
 

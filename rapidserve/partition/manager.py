@@ -177,7 +177,7 @@ def decide(
     prefill_tokens: int | None = None,
     prefill_budget: int | None = None,
     prefill_longest: int | None = None,
-    interpolate: bool = True,
+    interpolate: bool = False,
 ) -> tuple[Decision, ManagerState]:
     """Choose the configuration for the next step. Pure: same inputs, same outputs.
     decode_batch / decode_context pick the profile bucket (at least 1); decode_running=False says the
@@ -186,7 +186,7 @@ def decide(
     prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget);
     prefill_longest: the longest pending prompt, cached prefix included (None: not known, so decode's wait
     on the whole GPU is not scaled to the forward); interpolate: read the profile between its buckets
-    (`profile.estimate`), else round batch and context up to them."""
+    (`profile.estimate`), else (the default, `--profile-lookup round-up`) round batch and context up to them."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:

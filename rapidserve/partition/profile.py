@@ -153,9 +153,11 @@ def estimate(profile: Profile, config: str, batch: int, context: int, interpolat
     Why: a decode step grows about linearly with its batch and context (weights once, then K/V reads in
     proportion), so rounding up overstates it by up to a whole bucket: 4096-token prompts decode at context
     4097-4160, which rounds up to the 8192 bucket, where the committed H100 Qwen3-8B profile has split16's
-    step beside prefill at 48 ms for batch 16 against 31 ms at 4096, and the manager gave prefill 100 SMs
-    instead of 116 (bench/results/issue16.md, 2026-11-27). Over a convex step time, linear interpolation
-    still errs high."""
+    step beside prefill at 48 ms for batch 16 against 31 ms at 4096, and the manager gives prefill 100 SMs
+    instead of 116. Measured (H100, 4096:64 all at once, 2026-11-27, bench/results/issue16.md): interpolated,
+    6% more requests/s but p99 ITL 63 ms (34 ms rounded up): the profile's step beside prefill, measured beside
+    its own 8192-token forwards, understates decode beside long prompts' forwards, and rounding up had hidden
+    that. So the manager rounds up unless `--profile-lookup interpolate` asks otherwise."""
     if not interpolate:
         return lookup(profile, config, batch, context)
     b_lo, b_hi, tb, b_beyond = _around(profile.batch_buckets, batch)
