@@ -53,12 +53,14 @@ def plot_sweeps(sources: Sequence[Mapping[str, Any] | str], path: str, title: st
         if str(r.get("label")) not in labels:
             labels.append(str(r.get("label")))
     colors = {lab: f"C{i % 10}" for i, lab in enumerate(labels)}
-    all_rates = sorted({float(run["rate"]) for r in results for run in r.get("runs", [])})
-    xpos = x_positions(all_rates)
 
     rows = max(1, len(workloads))
     fig, axes = plt.subplots(rows, len(PANELS), figsize=(5.2 * len(PANELS), 3.6 * rows), squeeze=False)
     for row, w in enumerate(workloads):
+        # each workload's own rates on its x axis (workloads swept at different rates would crowd one shared axis)
+        all_rates = sorted({float(run["rate"]) for r in results if workload_title(r.get("workload", {})) == w
+                            for run in r.get("runs", [])})
+        xpos = x_positions(all_rates)
         for col, (ylabel, key) in enumerate(PANELS):
             ax = axes[row][col]
             for r in results:
