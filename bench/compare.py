@@ -55,6 +55,12 @@ server's prefix cache (a 4096-token prompt would otherwise start with the 1024-t
 index, and a rate re-run would find all of its prompts cached), and every system gets the same prompts and
 arrivals at the same rate.
 
+`--continue-from PATH` continues an earlier run's report (its <name>.json) when one run cannot hold every system
+(vLLM's start takes 2-3 minutes, and a GPU call 10): the earlier systems' rows, sweeps and reference peaks are
+carried into this run's report, and this run's systems run at the same --peak-fractions rates. The two runs must
+share the model, --serve-args, workloads, rates, prompts, arrivals, seed, ITL bounds and fractions
+(bench/compare_continue.py says what is checked and kept).
+
 Definitions (per system and workload, over the rates of its sweep):
 - peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
   and p99 ITL).
@@ -100,7 +106,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
-from compare_peak import closed_peak, fraction_rates, fractions_arg, load_prior, merge_results  # noqa: E402
+from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, fractions_arg, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     SHARED_SWITCHES,
@@ -313,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without serve_vllm.sh: put this folder (vLLM installed with pip --target) first on "
                         "PYTHONPATH when it exists (default: %(default)s)")
     v.add_argument("--vllm-baseline", default=None, metavar="LABEL",
-                   help="the system the 'vs vLLM' ratios divide by (default: the first vllm system)")
+                   help="the system the 'vs vLLM' ratios divide by (default: the first vllm system; with "
+                        "--continue-from, the earlier report's)")
     w = p.add_argument_group("workloads and load")
     w.add_argument("--workloads", type=lambda t: [parse_workload(x) for x in t.split(",") if x.strip()], default=None,
                    help="comma-separated IN:OUT or `rapidserve bench --workload` names: " + ", ".join(WORKLOADS)
@@ -381,32 +389,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     systems = select_systems(p, a)
+    labels = [s.label for s in systems]
     try:
         workloads = workload_list(a)
-        prior = None if a.continue_from is None else load_prior(a.continue_from, [w.title for w in workloads],
-                                                                   a.serve_args, a.itl_bounds_ms)
-        earlier = [i.get("label") for i in prior["systems"]] if prior else []
-        again = [s.label for s in systems if s.label in earlier]
-        if again:
-            raise ValueError(f"{', '.join(again)} already ran in --continue-from {a.continue_from}; a system runs once "
-                             "in a report (give it another label with --system LABEL=...)")
-        if a.vllm_baseline in earlier or (a.vllm_baseline is None and prior and prior.get("vllm_baseline")):
-            baseline = a.vllm_baseline or prior["vllm_baseline"]  # type: ignore[index]
-        else:
-            baseline = vllm_baseline(systems, a.vllm_baseline)
+        meta = report_meta(a, workloads)
+        prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
+        carried = [] if prior is None else carried_systems(prior, a.continue_from, labels)
+        own = a.vllm_baseline if a.vllm_baseline is None or a.vllm_baseline in labels or prior is None else None
+        baseline = choose_baseline(prior, a.vllm_baseline, labels, vllm_baseline(systems, own))
+        if a.peak_fractions:
+            if math.inf not in a.rates:
+                raise ValueError("--peak-fractions needs inf in --rates (the reference's closed peak sets the "
+                                 "other rates)")
+            a.peak_reference, _ = choose_reference(prior or {}, a.peak_reference, labels)
+            systems.sort(key=lambda s: s.label != a.peak_reference)  # the reference runs first
     except ValueError as e:
         p.error(str(e))
-    if a.peak_fractions:
-        if math.inf not in a.rates:
-            p.error("--peak-fractions needs inf in --rates (the reference's closed peak sets the other rates)")
-        if prior is not None and prior.get("peaks") and a.peak_reference is None:
-            a.peak_reference = prior.get("peak_reference")  # its peaks are taken as they are
-        else:
-            a.peak_reference = a.peak_reference or (systems[0].label if systems else None)
-            if a.peak_reference not in [s.label for s in systems]:
-                p.error(f"--peak-reference {a.peak_reference!r} is none of the systems: "
-                        f"{[s.label for s in systems]}")
-        systems.sort(key=lambda s: s.label != a.peak_reference)  # the reference runs first
     if a.dry_run:
         for s in systems:
             if s.kind == EXT:
@@ -420,20 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None
     results: list[dict[str, Any]] = []
-    infos: list[dict[str, Any]] = []
-    peaks: dict[str, float | None] = {}
-    if prior is not None:
-        peaks.update(prior["peaks"])
-        infos += [{**i, "status": f"{i.get('status')} (in {a.continue_from})"} for i in prior["systems"]]
-    meta = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
-            "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
-                         else f"{a.num_prompts or NUM_PROMPTS} requests"),
-            "arrival": a.arrival, "seed": a.seed, "systems": infos, "vllm_baseline": baseline,
-            "vllm_model": a.vllm_model, "vllm_serve": a.vllm_serve_path, "bench_args": a.bench_args,
-            "peak_fractions": a.peak_fractions, "peak_reference": a.peak_reference, "peaks": peaks,
-            "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
-                          for w in workloads]}
+    infos: list[dict[str, Any]] = list(carried)
+    peaks: dict[str, float | None] = dict(prior["peaks"]) if prior is not None and a.peak_fractions else {}
+    meta.update(systems=infos, vllm_baseline=baseline, peak_reference=a.peak_reference, peaks=peaks)
     paths: list[str] = []
     n_prior = len(infos)
     try:
@@ -454,6 +441,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     return 0 if all(i["status"] == "ok" for i in infos[n_prior:]) else 1
+
+
+def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[str, Any]:
+    """The report's header from the flags (`compare_continue.MATCH` among them: what a continuation must share)."""
+    return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
+            "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
+                         else f"{a.num_prompts or NUM_PROMPTS} requests"),
+            "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
+            "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
+            "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
+            "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
+                          for w in workloads]}
 
 
 def _fractions(text: str) -> tuple[float, ...]:

@@ -8,12 +8,9 @@ included. Pure helpers, tested on CPU (tests/test_bench_compare.py).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
-
-PRIOR_KEYS = ("rows", "sweeps", "systems", "peaks", "serve_args", "workloads")
 
 
 def fractions_arg(text: str) -> tuple[float, ...]:
@@ -51,44 +48,19 @@ def fraction_rates(peak: float | None, fractions: Sequence[float], existing: Seq
     return tuple(r for r in out if r > 0)
 
 
+def rate_of(run: dict[str, Any]) -> float:
+    """A run's offered rate as a number (a report writes the closed run's as "inf")."""
+    r = run.get("rate")
+    return math.inf if r in ("inf", math.inf) else float(r)  # type: ignore[arg-type]
+
+
 def merge_results(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     """One bench result from two sweeps of the same system and workload (runs ordered by rate, inf last)."""
-    def key(run: dict[str, Any]) -> float:
-        r = run.get("rate")
-        return math.inf if r in ("inf", math.inf) else float(r)  # type: ignore[arg-type]
-
     merged = dict(first)
-    merged["runs"] = sorted([*first.get("runs", []), *second.get("runs", [])], key=key)
+    merged["runs"] = sorted([*first.get("runs", []), *second.get("runs", [])], key=rate_of)
     merged["skipped_rates"] = [*first.get("skipped_rates", []), *second.get("skipped_rates", [])]
     cfg = dict(first.get("config", {}))
     cfg["rates"] = [*cfg.get("rates", []), *second.get("config", {}).get("rates", [])]
     merged["config"] = cfg
     return merged
 
-
-def load_prior(path: str, titles: Sequence[str], serve_args: str, itl_bounds_ms: Sequence[float]) -> dict[str, Any]:
-    """An earlier compare.py report (its <name>.json) that this run continues (`--continue-from`): its systems,
-    rows and sweeps go into this run's report, and its reference's closed peaks set the --peak-fractions rates,
-    so a comparison too long for one call can run as several (vLLM's two settings in one call, ours in the
-    next). ValueError, naming what is wrong, unless it holds every key of PRIOR_KEYS, ran exactly the workloads
-    `titles`, served with the same `serve_args` and tabled the same ITL bounds."""
-    try:
-        with open(path) as f:
-            prior = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--continue-from {path}: cannot read it as JSON ({e}); give the <name>.json an earlier "
-                         "compare.py run wrote") from None
-    missing = [k for k in PRIOR_KEYS if not isinstance(prior, dict) or k not in prior]
-    if missing:
-        raise ValueError(f"--continue-from {path}: not a compare.py report (no {', '.join(missing)})")
-    ran = [w.get("title") for w in prior["workloads"]]
-    if ran != list(titles):
-        raise ValueError(f"--continue-from {path} ran the workloads {ran}; give the same --workloads in the same "
-                         f"order (this run has {list(titles)})")
-    if prior["serve_args"] != serve_args:
-        raise ValueError(f"--continue-from {path} served with --serve-args {prior['serve_args']!r}; this run has "
-                         f"{serve_args!r}: give the same, or the two runs do not compare")
-    if [float(b) for b in prior.get("itl_bounds_ms") or []] != [float(b) for b in itl_bounds_ms]:
-        raise ValueError(f"--continue-from {path} tabled --itl-bounds-ms {prior.get('itl_bounds_ms')}; give the same "
-                         f"(this run has {list(itl_bounds_ms)})")
-    return prior

@@ -121,7 +121,7 @@ def main() -> int:
         print(f"{t} tokens: eager {row['eager_ms']:.2f} ms, busy {row['busy_ms']:.2f}, graph {row['graph_ms']:.2f}",
               flush=True)
     meta = {"gpu": torch.cuda.get_device_name(0), "model": a.model, "attention": runner.attn.name,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python bench/prefill_graph_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "prefill_graph_probe.json"), "w") as f:

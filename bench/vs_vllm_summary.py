@@ -3,8 +3,9 @@
     python bench/vs_vllm_summary.py REPORT.json [--fractions 0.5,0.75,0.9] [--out TABLE.md]
 
 Per workload and system: closed requests/s (and over the vLLM baseline's), p99 ITL closed, TTFT p50 and p99 ITL
-at each fraction of the baseline's closed peak (the same Poisson rate for every system), and goodput at p99
-ITL <= 100 ms (compare.py's definition) over the better of the vLLM systems' goodputs. Prints the markdown.
+at each fraction of the reference's closed peak (the same Poisson rate for every system: compare_peak's
+`fraction_rates`), and goodput at p99 ITL <= 100 ms (compare.py's definition; the report's first ITL bound when
+100 ms is not among them) over the better of the vLLM systems' goodputs. Prints the markdown.
 """
 
 from __future__ import annotations
@@ -12,41 +13,43 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-def _runs_by_rate(sweep: dict[str, Any]) -> dict[float, dict[str, Any]]:
-    out = {}
-    for r in sweep["runs"]:
-        rate = math.inf if r["rate"] in ("inf", math.inf) else float(r["rate"])
-        out[rate] = r["summary"]
-    return out
+from compare_peak import fraction_rates, fractions_arg, rate_of  # noqa: E402
 
 
 def _f(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def summary(report: dict[str, Any], fractions: list[float]) -> str:
+def summary(report: dict[str, Any], fractions: Sequence[float]) -> str:
     base = report.get("vllm_baseline")
     peaks = report.get("peaks") or {}
+    bounds = [float(b) for b in report.get("itl_bounds_ms") or [100.0]]
+    bound = 100.0 if 100.0 in bounds else bounds[0]
+    gkey = f"goodput_p99_itl_le_{bound:g}ms"
     vllms = {s["label"] for s in report["systems"] if s.get("kind") == "vllm"}
     rows = {(r["workload"], r["system"]): r for r in report["rows"]}
     head = ["system", "closed req/s (vs vLLM)", "p99 ITL closed ms"]
     for f in fractions:
         head += [f"TTFT p50 @ {f:g} ms", f"p99 ITL @ {f:g} ms"]
-    head += ["goodput p99 ITL <= 100 ms (vs better vLLM)"]
-    lines = [f"Baseline `{base}`; Poisson rates at {', '.join(f'{f:g}' for f in fractions)} of its closed peak.", ""]
-    for sw_title in dict.fromkeys(s["title"] for s in report["sweeps"]):
-        peak = peaks.get(sw_title)
-        lines += [f"### {sw_title} (baseline peak {_f(peak, '.2f')} req/s)", "",
+    head += [f"goodput p99 ITL <= {bound:g} ms (vs better vLLM)"]
+    lines = [f"Baseline `{base}`; Poisson rates at {', '.join(f'{f:g}' for f in fractions)} of the reference's "
+             f"(`{report.get('peak_reference')}`) closed peak.", ""]
+    for title in dict.fromkeys(s["title"] for s in report["sweeps"]):
+        peak = peaks.get(title)
+        lines += [f"### {title} (reference peak {_f(peak, '.2f')} req/s)", "",
                   "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-        sweeps = [s for s in report["sweeps"] if s["title"] == sw_title]
-        by_label = {s["label"]: _runs_by_rate(s) for s in sweeps}
+        sweeps = [s for s in report["sweeps"] if s["title"] == title]
+        by_label = {s["label"]: {rate_of(r): r["summary"] for r in s["runs"]} for s in sweeps}
 
-        def goodput(label: str, title: str = sw_title) -> float | None:
-            g = rows.get((title, label), {}).get("goodput_p99_itl_le_100ms")
+        def goodput(label: str, title: str = title) -> float | None:
+            g = rows.get((title, label), {}).get(gkey)
             return None if g is None else float(g["goodput"])
 
         best_vllm = max((g for g in (goodput(v) for v in vllms) if g is not None), default=None)
@@ -58,8 +61,9 @@ def summary(report: dict[str, Any], fractions: list[float]) -> str:
             cells = [s["label"], f"{_f(rps, '.2f')} ({_f(rps / base_closed if rps and base_closed else None, '.2f')}x)",
                      _f(closed.get("itl_ms", {}).get("p99"), ".1f")]
             for f in fractions:
-                at = runs.get(round(f * peak, 2), {}) if peak else {}
-                cells += [_f(at.get("ttft_ms", {}).get("median"), ".0f"), _f(at.get("itl_ms", {}).get("p99"), ".1f")]
+                at = fraction_rates(peak, (f,), ())
+                run = runs.get(at[0], {}) if at else {}
+                cells += [_f(run.get("ttft_ms", {}).get("median"), ".0f"), _f(run.get("itl_ms", {}).get("p99"), ".1f")]
             g = goodput(s["label"])
             ratio = g / best_vllm if g is not None and best_vllm else None
             cells.append("-" if g is None else f"{g:.2f} ({_f(ratio, '.2f')}x)")
@@ -68,16 +72,19 @@ def summary(report: dict[str, Any], fractions: list[float]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("report")
     ap.add_argument("--fractions", default=None, help="default: the report's --peak-fractions")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    with open(a.report) as f:
-        report = json.load(f)
-    fractions = [float(x) for x in a.fractions.split(",")] if a.fractions else list(report.get("peak_fractions") or [])
-    text = summary(report, fractions)
+    a = ap.parse_args(argv)
+    try:
+        with open(a.report) as f:
+            report = json.load(f)
+        fractions = fractions_arg(a.fractions) if a.fractions else tuple(report.get("peak_fractions") or ())
+        text = summary(report, fractions)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"{a.report}: {e!r}: give a compare.py report (<name>.json) and fractions in (0, 2]")
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

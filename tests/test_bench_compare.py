@@ -463,44 +463,104 @@ def test_continue_from_an_earlier_run_on_cpu(tmp_path) -> None:  # type: ignore[
     common = ["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64", "--systems", "",
               "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--num-prompts", "4",
               "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path)]
+    first_json = str(tmp_path / "first.json")
     assert compare.main([*common, "--system", "ref=--mode hybrid", "--name", "first"]) == 0
     first = json.loads((tmp_path / "first.json").read_text())
-    assert compare.main([*common, "--system", "b=", "--name", "second",
-                         "--continue-from", str(tmp_path / "first.json")]) == 0
+    assert compare.main([*common, "--system", "b=", "--name", "second", "--continue-from", first_json]) == 0
     data = json.loads((tmp_path / "second.json").read_text())
     # The earlier system's rows and sweeps come first, unchanged; its peak set the new system's rates.
-    assert [s["label"] for s in data["systems"]] == ["ref", "b"]
+    assert [(s["label"], s["status"], s.get("report")) for s in data["systems"]] == [
+        ("ref", "ok", first_json), ("b", "ok", None)]
     assert data["peaks"] == first["peaks"] and data["peak_reference"] == "ref"
     assert data["rows"][0] == first["rows"][0] and [r["system"] for r in data["rows"]] == ["ref", "b"]
     half = round(0.5 * first["peaks"]["fixed 24:4"], 2)
     assert [x["rate"] for x in data["sweeps"][1]["runs"]] == [half, "inf"]
     md = (tmp_path / "second.md").read_text()
     assert "| ref |" in md and "| b |" in md
+    # Carried on again: each system keeps the report it ran in.
+    assert compare.main([*common, "--system", "c=", "--name", "third", "--peak-reference", "ref",
+                         "--continue-from", str(tmp_path / "second.json")]) == 0
+    third = json.loads((tmp_path / "third.json").read_text())
+    assert [s.get("report") for s in third["systems"]] == [first_json, str(tmp_path / "second.json"), None]
+
+
+def _prior(**over: object) -> dict[str, object]:
+    """A report as compare.py writes it for `--workloads 24:4 --rates inf --peak-fractions 0.5` (the argv below)."""
+    prior: dict[str, object] = {
+        "rows": [{"system": "ref", "workload": "fixed 24:4"}, {"system": "vllm", "workload": "fixed 24:4"}],
+        "sweeps": [], "peaks": {"fixed 24:4": 2.0}, "peak_reference": "ref", "vllm_baseline": "vllm",
+        "systems": [{"label": "ref", "flags": "", "status": "ok"}, {"label": "vllm", "flags": "", "status": "ok"},
+                    {"label": "late", "flags": "", "status": "skipped: duration budget spent"}],
+        "model": "preset:qwen3-8b", "serve_args": "--device cpu --num-kv-blocks 64",
+        "workloads": [{"title": "fixed 24:4", "flags": "--workload fixed --input-len 24 --output-len 4"}],
+        "itl_bounds_ms": [100.0, 50.0], "rates": "inf", "per_rate": "64 requests", "arrival": "poisson", "seed": 0,
+        "peak_fractions": [0.5]}
+    prior.update(over)
+    return prior
+
+
+PRIOR_ARGV = ["--dry-run", "--systems", "rapid-adaptive", "--serve-args", "--device cpu --num-kv-blocks 64",
+              "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--num-prompts", "64"]
 
 
 @pytest.mark.parametrize("change,match", [
-    (["--workloads", "32:4"], "ran the workloads"),
-    (["--serve-args", "--device cpu --num-kv-blocks 32"], "served with"),
-    (["--itl-bounds-ms", "80"], "itl-bounds-ms"),
-    (["--system", "ref=--mode hybrid"], "already ran"),
+    (["--workloads", "32:4"], "ran with workloads"),
+    (["--serve-args", "--device cpu --num-kv-blocks 32"], "ran with serve_args"),
+    (["--itl-bounds-ms", "80"], "ran with itl_bounds_ms"),
+    (["--num-prompts", "32"], "ran with per_rate"),
+    (["--seed", "3"], "ran with seed"),
+    (["--peak-fractions", "0.75"], "ran with peak_fractions"),
+    (["--system", "ref=--mode hybrid"], "ref already ran"),
+    (["--peak-reference", "rapid-adaptive"], "rates came from 'ref'"),
+    (["--vllm-baseline", "nobody"], "--vllm-baseline 'nobody' is none of the systems"),
 ])
 def test_continue_from_refuses_a_run_that_does_not_compare(tmp_path, change: list[str], match: str,  # type: ignore[no-untyped-def]
                                                            capsys) -> None:
-    prior = {"rows": [], "sweeps": [], "systems": [{"label": "ref", "status": "ok"}], "peaks": {"fixed 24:4": 2.0},
-             "peak_reference": "ref", "vllm_baseline": "vllm",
-             "serve_args": "--device cpu --num-kv-blocks 64", "workloads": [{"title": "fixed 24:4"}],
-             "itl_bounds_ms": [100.0, 50.0]}
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(_prior()))
+    with pytest.raises(SystemExit) as ei:
+        compare.main([*PRIOR_ARGV, "--continue-from", str(path), *change])
+    assert ei.value.code == 2 and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prior,match", [
+    ({}, "not a compare.py report"),
+    (_prior(systems=[{"label": "ref"}]), "`systems` must be a list of objects with label, flags, status"),
+    (_prior(workloads=["fixed 24:4"]), "`workloads` must be a list of objects"),
+    (_prior(peaks=[2.0]), "`peaks` must be an object"),
+])
+def test_continue_from_refuses_a_malformed_report(tmp_path, prior: dict[str, object], match: str,  # type: ignore[no-untyped-def]
+                                                  capsys) -> None:
     path = tmp_path / "prior.json"
     path.write_text(json.dumps(prior))
-    argv = ["--dry-run", "--systems", "rapid-adaptive", "--serve-args", "--device cpu --num-kv-blocks 64",
-            "--workloads", "24:4", "--rates", "inf", "--peak-fractions", "0.5", "--continue-from", str(path), *change]
     with pytest.raises(SystemExit) as ei:
-        compare.main(argv)
+        compare.main([*PRIOR_ARGV, "--continue-from", str(path)])
     assert ei.value.code == 2 and match in capsys.readouterr().err
-    (tmp_path / "bad.json").write_text("{}")
+    path.write_text("{not json")
     with pytest.raises(SystemExit):
-        compare.main([*argv[:-len(change)], "--continue-from", str(tmp_path / "bad.json")])
-    assert "not a compare.py report" in capsys.readouterr().err
+        compare.main([*PRIOR_ARGV, "--continue-from", str(path)])
+    assert "cannot read it as JSON" in capsys.readouterr().err
+
+
+def test_continue_from_choices() -> None:
+    import compare_continue as cc
+
+    prior = _prior()
+    # A system of the earlier report that did not run may run now; its old entry is dropped.
+    kept = cc.carried_systems(prior, "p.json", ["late", "new"])
+    assert [(s["label"], s["report"]) for s in kept] == [("ref", "p.json"), ("vllm", "p.json")]
+    # Reference: the earlier report's peaks, unless it has none.
+    assert cc.choose_reference(prior, None, ["new"]) == ("ref", True)
+    assert cc.choose_reference(prior, "ref", ["new"]) == ("ref", True)
+    assert cc.choose_reference(_prior(peaks={}), None, ["new", "x"]) == ("new", False)
+    with pytest.raises(ValueError, match="none of the systems"):
+        cc.choose_reference(_prior(peaks={}), "ref", ["new"])
+    # Baseline: the earlier report's unless another is named; an earlier system may be named.
+    assert cc.choose_baseline(prior, None, ["new"], "new-vllm") == "vllm"
+    assert cc.choose_baseline(prior, "ref", ["new"], None) == "ref"
+    assert cc.choose_baseline(prior, "new", ["new"], "new") == "new"
+    assert cc.choose_baseline(None, None, ["new"], "new") == "new"
+    assert cc.choose_baseline(_prior(vllm_baseline=None), None, ["new"], "new") == "new"
 
 
 def test_vs_vllm_summary_table() -> None:
@@ -512,7 +572,8 @@ def test_vs_vllm_summary_table() -> None:
         return {"label": label, "title": "fixed 8:2",
                 "runs": [{"rate": 5.0, "summary": r}, {"rate": "inf", "summary": s}]}
 
-    report = {"vllm_baseline": "vllm", "peaks": {"fixed 8:2": 10.0},
+    report = {"vllm_baseline": "vllm", "peaks": {"fixed 8:2": 10.0}, "peak_reference": "vllm",
+              "itl_bounds_ms": [100.0, 50.0],
               "systems": [{"label": "vllm", "kind": "vllm"}, {"label": "v2", "kind": "vllm"},
                           {"label": "rapid", "kind": "ours"}],
               "sweeps": [sweep("vllm", 10.0, 4.0, 200.0, 120.0), sweep("v2", 8.0, 4.5, 300.0, 60.0),
@@ -520,6 +581,22 @@ def test_vs_vllm_summary_table() -> None:
               "rows": [{"workload": "fixed 8:2", "system": s, "goodput_p99_itl_le_100ms": g}
                        for s, g in (("vllm", None), ("v2", {"goodput": 4.0}), ("rapid", {"goodput": 6.0}))]}
     text = vs_vllm_summary.summary(report, [0.5])
-    assert "baseline peak 10.00 req/s" in text
+    assert "reference peak 10.00 req/s" in text
     assert "| rapid | 9.00 (0.90x) | 30.0 | 100 | 20.0 | 6.00 (1.50x) |" in text  # 6 over the better vLLM's 4
     assert "| vllm | 10.00 (1.00x) | 30.0 | 200 | 120.0 | - |" in text
+
+
+def test_vs_vllm_summary_command(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import vs_vllm_summary
+
+    report = {"vllm_baseline": None, "peaks": {}, "peak_fractions": [0.5], "systems": [], "rows": [], "sweeps": []}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path / "t.md"
+    assert vs_vllm_summary.main([str(path), "--out", str(out)]) == 0
+    assert "Poisson rates at 0.5" in out.read_text()
+    for argv in ([str(path), "--fractions", "3"], [str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit) as ei:
+            vs_vllm_summary.main(argv)
+        assert ei.value.code == 2
+    assert "give a compare.py report" in capsys.readouterr().err

@@ -65,7 +65,7 @@ NO_32 = h100_profile(["overallocated", "split16", "split48", "split64"])
 
 def fresh(
     profile: Profile, *, batch: int, prefill: bool, slo: float, margin: float = 0.9, context: int = 1024,
-    interpolate: bool = True,
+    interpolate: bool = False,
 ) -> Decision:
     """Decision from a state that may switch freely (held long enough)."""
     state = make_state(full_decode_config(profile), steps_since_switch=100)
@@ -184,7 +184,7 @@ def test_long_context_bucket_and_beyond_flag() -> None:
     d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096, interpolate=False)
     assert d.config == "split64" and "SLO cannot be met" in d.reason and not d.beyond_profile
     # interpolated: a third of the way from 2048 to 8192, 1.33x: split32's 3.27 ms -> 4.36 ms, within 4.5
-    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096)
+    d = fresh(FULL, batch=8, prefill=True, slo=5.0, context=4096, interpolate=True)
     assert d.config == "split32" and "SLO cannot be met" not in d.reason and not d.beyond_profile
     d = fresh(FULL, batch=8, prefill=True, slo=50.0, context=100_000)
     assert d.beyond_profile and "beyond profiled buckets" in d.reason
@@ -517,8 +517,9 @@ def test_cli_profile_lookup() -> None:
 
 
 def test_decode_partition_reads_the_profile_as_configured() -> None:
-    """The runtime passes --profile-lookup to the manager: 4096-token prompts decoding at 4160 tokens of context
-    on the committed-profile shape (the 8192 bucket doubles the step) keep split16 only when interpolated."""
+    """The runtime passes --profile-lookup to the manager: at 4160 tokens of context (the synthetic profile's 8192
+    bucket doubles the step) and a 5 ms SLO, split32 meets it only when interpolated; rounded up nothing does, and
+    the manager falls back to the lowest step, split64."""
     from rapidserve.config import PartitionConfig
     from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 

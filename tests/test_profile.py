@@ -189,31 +189,39 @@ def test_prefill_tokens_defaults_for_older_profiles(tmp_path: Path) -> None:
 
 
 def _grid_profile() -> Profile:
-    """One configuration over batch buckets [1, 16, 32] x context buckets [512, 2048, 8192]; every figure is
-    batch + context / 1000 (beside: twice that), so interpolation can be checked by hand."""
-    entries = [Entry("split16", b, c, b + c / 1000, b + c / 1000, 2 * (b + c / 1000), 2 * (b + c / 1000), 1000.0 * b)
+    """One configuration over batch buckets [1, 16, 32] x context buckets [512, 2048, 8192]. Figures, per (b, c) with
+    c in thousands: alone p50 b + c, alone p95 b * c (a cross term: exact under bilinear interpolation only with all
+    four corners weighed right), beside p50 2(b + c), beside p95 2bc, prefill tokens/s 1000b."""
+    entries = [Entry("split16", b, c, b + c / 1000, b * c / 1000, 2 * (b + c / 1000), 2 * b * c / 1000, 1000.0 * b)
                for b in (1, 16, 32) for c in (512, 2048, 8192)]
     return Profile("gpu", "model", 132, [Configuration("split16", 16, 116)], [1, 16, 32], [512, 2048, 8192], entries,
                    "2026-11-27T00:00:00Z", "measured")
 
 
-@pytest.mark.parametrize("batch,context,want_p95,want_beyond", [
-    (16, 2048, 16 + 2.048, False),      # on a bucket: its figures
-    (24, 2048, 24 + 2.048, False),      # halfway in batch
-    (16, 5120, 16 + 5.120, False),      # halfway in context (2048 .. 8192)
-    (20, 4160, 20 + 4.160, False),      # both: bilinear (exact on a plane)
-    (1, 100, 1 + 0.512, False),         # below the smallest buckets: the smallest's figures
-    (64, 16384, 32 + 8.192, True),      # beyond the largest: the largest's, flagged
+@pytest.mark.parametrize("batch,context,want_entry,want_beyond", [
+    (16, 2048, (16, 2048), False),      # on a bucket: its figures
+    (24, 2048, (24, 2048), False),      # halfway in batch
+    (16, 5120, (16, 5120), False),      # halfway in context (2048 .. 8192)
+    (20, 4160, (20, 4160), False),      # both: bilinear, the cross term from all four corners
+    (1, 100, (1, 512), False),          # below the smallest buckets: the smallest's figures
+    (64, 16384, (32, 8192), True),      # beyond the largest: the largest's, flagged
 ])
-def test_estimate_interpolates_between_buckets(batch: int, context: int, want_p95: float, want_beyond: bool) -> None:
+def test_estimate_interpolates_between_buckets(batch: int, context: int, want_entry: tuple[int, int],
+                                               want_beyond: bool) -> None:
     p = _grid_profile()
-    got = estimate(p, "split16", batch, context)
-    assert got.entry.decode_ms_alone_p95 == pytest.approx(want_p95)
-    assert got.entry.decode_ms_beside_prefill_p95 == pytest.approx(2 * want_p95)
-    assert got.beyond == want_beyond
-    rounded = estimate(p, "split16", batch, context, interpolate=False)  # the old rule: the bucket at or above
+    got = estimate(p, "split16", batch, context, interpolate=True)
+    b, c = want_entry
+    assert (got.entry.batch, got.entry.context, got.beyond) == (b, c, want_beyond)
+    e = got.entry
+    assert e.decode_ms_alone_p50 == pytest.approx(b + c / 1000)  # linear figures come out exact
+    assert e.decode_ms_beside_prefill_p50 == pytest.approx(2 * (b + c / 1000))
+    assert e.prefill_tokens_per_s == pytest.approx(1000 * b)
+    # b * c is bilinear, so interpolation reproduces it exactly only with all four corners weighed right
+    assert e.decode_ms_alone_p95 == pytest.approx(b * c / 1000)
+    assert e.decode_ms_beside_prefill_p95 == pytest.approx(2 * b * c / 1000)
+    rounded = estimate(p, "split16", batch, context)  # the default: the bucket at or above each (`lookup`)
     assert rounded == lookup(p, "split16", batch, context)
-    assert rounded.entry.decode_ms_alone_p95 >= got.entry.decode_ms_alone_p95
+    assert rounded.entry.decode_ms_alone_p95 >= e.decode_ms_alone_p95
 
 
 def test_estimate_names_a_missing_corner() -> None:
@@ -221,4 +229,4 @@ def test_estimate_names_a_missing_corner() -> None:
     holey = Profile(p.gpu, p.model, 132, p.configurations, p.batch_buckets, p.context_buckets,
                     [e for e in p.entries if (e.batch, e.context) != (32, 8192)], p.created, p.source)
     with pytest.raises(KeyError, match="split16"):
-        estimate(holey, "split16", 20, 4160)
+        estimate(holey, "split16", 20, 4160, interpolate=True)

@@ -201,7 +201,7 @@ def decide(
     entries: dict[str, Entry] = {}
     beyond = False
     for c in profile.configurations:
-        found = estimate(profile, c.name, max(decode_batch, 1), max(decode_context, 1), interpolate)
+        found = estimate(profile, c.name, max(decode_batch, 1), max(decode_context, 1), interpolate=interpolate)
         entries[c.name] = found.entry
         beyond = beyond or found.beyond
     note = " [batch/context beyond profiled buckets: largest bucket used]" if beyond else ""

@@ -144,7 +144,7 @@ _FIGURES = ("decode_ms_alone_p50", "decode_ms_alone_p95", "decode_ms_beside_pref
             "decode_ms_beside_prefill_p95", "prefill_tokens_per_s")
 
 
-def estimate(profile: Profile, config: str, batch: int, context: int, interpolate: bool = True) -> Lookup:
+def estimate(profile: Profile, config: str, batch: int, context: int, *, interpolate: bool = False) -> Lookup:
     """`config`'s figures at (batch, context). interpolate=False: `lookup` (each rounded up to its bucket).
     interpolate=True: every figure interpolated linearly between the buckets around the batch and around the
     context (bilinear over the four measured corners); below the smallest bucket the smallest's figures, beyond
@@ -155,9 +155,11 @@ def estimate(profile: Profile, config: str, batch: int, context: int, interpolat
     4097-4160, which rounds up to the 8192 bucket, where the committed H100 Qwen3-8B profile has split16's
     step beside prefill at 48 ms for batch 16 against 31 ms at 4096, and the manager gives prefill 100 SMs
     instead of 116. Measured (H100, 4096:64 all at once, 2026-11-27, bench/results/issue16.md): interpolated,
-    6% more requests/s but p99 ITL 63 ms (34 ms rounded up): the profile's step beside prefill, measured beside
-    its own 8192-token forwards, understates decode beside long prompts' forwards, and rounding up had hidden
-    that. So the manager rounds up unless `--profile-lookup interpolate` asks otherwise."""
+    6% more requests/s but p99 ITL 63 ms (34 ms rounded up). The profile's step beside prefill was measured beside
+    forwards of `prefill_tokens` (4096) tokens; 4096:64's prefill batches hold up to 8192 tokens of 4096-token
+    prompts, and decode beside them is slower than the profile has it, which rounding up had hidden. So the
+    manager rounds up unless `--profile-lookup interpolate` asks otherwise. (The returned entry's batch and
+    context are the query's, clamped to the profiled range, not a bucket's.)"""
     if not interpolate:
         return lookup(profile, config, batch, context)
     b_lo, b_hi, tb, b_beyond = _around(profile.batch_buckets, batch)

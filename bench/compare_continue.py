@@ -1,0 +1,109 @@
+"""`bench/compare.py --continue-from PATH`: a comparison too long for one run (one GPU call) continues an earlier
+run's report. Pure helpers, tested on CPU (tests/test_bench_compare.py).
+
+The earlier report (<name>.json) must describe the same comparison: the same model, --serve-args, workloads (titles
+and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions; anything else is
+refused with what differs. Its systems that produced rows are kept as they are (their rows and sweeps come first in
+the new report, and each keeps the file it ran in under "report"); its systems that did not run (skipped, not
+started, interrupted) may run now under the same label, and their old entries are dropped. The earlier run's
+reference peaks set this run's --peak-fractions rates, and its vLLM baseline stays the baseline, unless this run
+names one of the earlier systems instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MATCH = ("model", "serve_args", "workloads", "itl_bounds_ms", "rates", "per_rate", "arrival", "seed", "peak_fractions")
+
+
+def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
+    """The earlier report at `path`, checked against this run's `now` (its values of MATCH, as compare.py writes
+    them into a report). ValueError naming the file and what is wrong."""
+    try:
+        with open(path) as f:
+            prior = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--continue-from {path}: cannot read it as JSON ({e}); give the <name>.json an earlier "
+                         "compare.py run wrote") from None
+    need = ("rows", "sweeps", "systems", "peaks", *MATCH)
+    missing = [k for k in need if not isinstance(prior, dict) or k not in prior]
+    if missing:
+        raise ValueError(f"--continue-from {path}: not a compare.py report (no {', '.join(missing)})")
+    shapes = (("systems", ("label", "flags", "status")), ("workloads", ("title", "flags")),
+              ("rows", ("system", "workload")), ("sweeps", ("label", "title", "runs")))
+    for key, fields in shapes:
+        bad = [i for i, x in enumerate(prior[key]) if not isinstance(x, dict) or any(f not in x for f in fields)]
+        if not isinstance(prior[key], list) or bad:
+            raise ValueError(f"--continue-from {path}: `{key}` must be a list of objects with {', '.join(fields)}"
+                             f" (entry {bad[0] if bad else '?'} is not)")
+    if not isinstance(prior["peaks"], dict):
+        raise ValueError(f"--continue-from {path}: `peaks` must be an object (workload title -> req/s)")
+    for k in MATCH:
+        if _norm(prior[k]) != _norm(now[k]):
+            raise ValueError(f"--continue-from {path} ran with {k} = {prior[k]!r}; this run has {now[k]!r}: give "
+                             "the same, or the two runs do not compare")
+    return prior
+
+
+def _norm(v: Any) -> Any:
+    """JSON's view of a value (tuples as lists, ints as floats), so a report read back compares with this run's."""
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _norm(x) for k, x in v.items()}
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return v
+    return float(v)
+
+
+def ran(prior: Mapping[str, Any]) -> set[str]:
+    """Labels of the earlier systems that produced rows."""
+    return {r["system"] for r in prior["rows"]}
+
+
+def carried_systems(prior: Mapping[str, Any], path: str, now: Sequence[str]) -> list[dict[str, Any]]:
+    """The earlier systems' entries for the new report: each keeps the report it ran in ("report"; the first one
+    when carried on again); one that produced no rows is dropped when a system of this run has its label.
+    ValueError when a system of this run already produced rows there."""
+    again = sorted(set(now) & ran(prior))
+    if again:
+        raise ValueError(f"{', '.join(again)} already ran in --continue-from {path}; a system runs once in a report "
+                         "(give it another label with --system LABEL=...)")
+    return [{**i, "report": i.get("report", path)} for i in prior["systems"] if i["label"] not in now]
+
+
+def choose_reference(prior: Mapping[str, Any], given: str | None, now: Sequence[str]) -> tuple[str | None, bool]:
+    """(the --peak-fractions reference, whether its peaks come from the earlier report). The earlier report's
+    peaks are used when it has any and `given` is none or its own reference; a reference of this run needs a
+    report without peaks. ValueError otherwise."""
+    if prior.get("peaks"):
+        ref = prior.get("peak_reference")
+        if given is not None and given != ref:
+            raise ValueError(f"--peak-reference {given!r}: the earlier report's rates came from {ref!r}'s peaks, and "
+                             "its rows were run at them; drop --peak-reference (or start a new report)")
+        return ref, True
+    ref = given or (now[0] if now else None)
+    if ref not in now:
+        why = " (the earlier report has no peaks)" if prior else ""
+        raise ValueError(f"--peak-reference {ref!r} is none of the systems: {list(now)}{why}")
+    return ref, False
+
+
+def choose_baseline(prior: Mapping[str, Any] | None, given: str | None, now: Sequence[str],
+                    fallback: str | None) -> str | None:
+    """The vs-vLLM baseline: `given` when it names an earlier system that ran; with none given, the earlier
+    report's; else `fallback` (compare.py's choice among this run's systems). ValueError when `given` names no
+    system of either run."""
+    if prior is None:
+        return fallback
+    if given is not None and given in ran(prior):
+        return given
+    if given is not None and given not in now:
+        raise ValueError(f"--vllm-baseline {given!r} is none of the systems of this run {list(now)} or of the earlier "
+                         f"report {sorted(ran(prior))}")
+    if given is None and prior.get("vllm_baseline"):
+        return prior["vllm_baseline"]
+    return fallback
