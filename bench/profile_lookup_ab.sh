@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 16's next step in ONE H100 call: is `--profile-lookup interpolate` safe with a profile whose decode steps
+# beside prefill were measured beside forwards as long as the engine's?
+#   run(command="OUT=$OUT bash bench/profile_lookup_ab.sh", carry=[".whl", ".sotok"], timeout_s=600)
+# 1. bench/prefill_graph_probe.py (what CUDA graphs would save a prefill forward; ~1 min) into $OUT/probe/.
+# 2. `rapidserve profile --prefill-tokens 8192` (the engine's prefill budget; the committed H100 profile was
+#    measured beside 4096-token forwards; ~3 min) into $OUT/prof8192.json.
+# 3. bench/rapid_ab.sh on WORKLOAD (4096:64) closed and at RATES (5.9 req/s: 0.75 of vLLM 0.24's peak on the H100,
+#    2026-11-27): the committed profile rounded up (today's default), the new profile rounded up, and the new
+#    profile interpolated. Tables in $OUT/ab/rapid_ab.md.
+# Knobs: SKIP (space-separated of probe, profile, ab), WORKLOAD, RATES, NUM_PROMPTS (64).
+# Why: bench/results/h100_1127/profile_lookup/README.md (interpolate: +6% closed on 4096:64, p99 ITL 63 ms).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+out="${OUT:-bench/results/profile_lookup_ab}"
+mkdir -p "$out"
+skip=" ${SKIP:-} "
+if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import msgspec, posix_ipc" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+status=0
+if [[ "$skip" != *" probe "* ]]; then
+    python3 bench/prefill_graph_probe.py --out "$out/probe" 2>&1 | tail -12 || status=1
+fi
+prof="$out/prof8192.json"
+if [[ "$skip" != *" profile "* ]]; then
+    python3 -m rapidserve.cli profile --model preset:qwen3-8b --slo-itl-ms 50 --prefill-tokens 8192 --out "$prof" \
+        >"$out/profile.log" 2>&1 || { echo "profile failed: see $out/profile.log"; tail -5 "$out/profile.log"; status=1; }
+fi
+if [[ "$skip" != *" ab "* ]]; then
+    if [ -f "$prof" ]; then
+        new="newround=--profile $prof --profile-lookup round-up;newinterp=--profile $prof --profile-lookup interpolate"
+        variants="committed=--profile-lookup round-up;$new"
+    else
+        echo "no $prof: the A/B runs the committed profile only"
+        variants="committed=--profile-lookup round-up;interp=--profile-lookup interpolate"
+    fi
+    OUT="$out/ab" WORKLOAD="${WORKLOAD:-4096:64}" RATES="${RATES:-5.9}" NUM_PROMPTS="${NUM_PROMPTS:-64}" \
+        VARIANTS="$variants" bash bench/rapid_ab.sh 2>&1 | tail -12 || status=1
+fi
+exit "$status"
