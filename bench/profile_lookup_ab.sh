@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# Issue 16's next step in ONE H100 call: is `--profile-lookup interpolate` safe with a profile whose decode steps
-# beside prefill were measured beside forwards as long as the engine's?
+# Is `--profile-lookup interpolate` safe with a profile whose decode steps beside prefill were measured beside
+# forwards as long as the engine's? In ONE H100 call (~6 min):
 #   run(command="OUT=$OUT bash bench/profile_lookup_ab.sh", carry=[".whl", ".sotok"], timeout_s=600)
-# 1. bench/prefill_graph_probe.py (what CUDA graphs would save a prefill forward; ~1 min) into $OUT/probe/.
-# 2. `rapidserve profile --prefill-tokens 8192` (the engine's prefill budget; the committed H100 profile was
+# 1. `rapidserve profile --prefill-tokens 8192` (the engine's prefill budget; the committed H100 profile was
 #    measured beside 4096-token forwards; ~3 min) into $OUT/prof8192.json.
-# 3. bench/rapid_ab.sh on WORKLOAD (4096:64) closed and at RATES (5.9 req/s: 0.75 of vLLM 0.24's peak on the H100,
+# 2. bench/rapid_ab.sh on WORKLOAD (4096:64) closed and at RATES (5.9 req/s: 0.75 of vLLM 0.24's peak on the H100,
 #    2026-11-27): the committed profile rounded up (today's default), the new profile rounded up, and the new
 #    profile interpolated. Tables in $OUT/ab/rapid_ab.md.
-# Knobs: SKIP (space-separated of probe, profile, ab), WORKLOAD, RATES, NUM_PROMPTS (64).
+# Knobs: SKIP (space-separated of profile, ab), WORKLOAD, RATES, NUM_PROMPTS (64).
 # Why: bench/results/h100_1127/profile_lookup/README.md (interpolate: +6% closed on 4096:64, p99 ITL 63 ms).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -22,9 +21,6 @@ if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import msgspec, posix_ipc" 2>/
 fi
 export PYTHONUNBUFFERED=1
 status=0
-if [[ "$skip" != *" probe "* ]]; then
-    python3 bench/prefill_graph_probe.py --out "$out/probe" 2>&1 | tail -12 || status=1
-fi
 prof="$out/prof8192.json"
 if [[ "$skip" != *" profile "* ]]; then
     python3 -m rapidserve.cli profile --model preset:qwen3-8b --slo-itl-ms 50 --prefill-tokens 8192 --out "$prof" \
