@@ -32,22 +32,23 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from decode_attn_sweep import BLOCK, HQ, D, layer_caches  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 
 from rapidserve.attention import triton_paged as tp  # noqa: E402
 
-HQ, HKV, D, BLOCK, HIDDEN = 32, 8, 128, 16, 4096
+HIDDEN = 4096  # Qwen3-8B's hidden size: the o weight is [HIDDEN, HQ * D]
 TOUCH_BLOCK = 16384  # elements a prefetch program reads per step: 32 KB in flight each
 
 
 @triton.jit
-def _touch_kernel(w_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _touch_kernel(w_ptr, out_ptr, n, CHUNK: tl.constexpr, TILE: tl.constexpr):
     """Program p reads elements [p * CHUNK, (p + 1) * CHUNK) of w and writes their sum to out[p]."""
     p = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    offs = tl.arange(0, TILE)
+    acc = tl.zeros((TILE,), dtype=tl.float32)
     start = p.to(tl.int64) * CHUNK
-    for i in range(0, CHUNK, BLOCK):
+    for i in range(0, CHUNK, TILE):
         idx = start + i + offs
         acc += tl.load(w_ptr + idx, mask=idx < n, other=0.0, eviction_policy="evict_last").to(tl.float32)
     tl.store(out_ptr + p, tl.sum(acc, axis=0))
@@ -57,7 +58,7 @@ def touch(w: torch.Tensor, out: torch.Tensor) -> None:
     n = w.numel()
     programs = out.numel()
     chunk = triton.cdiv(triton.cdiv(n, programs), TOUCH_BLOCK) * TOUCH_BLOCK
-    _touch_kernel[(programs,)](w, out, n, CHUNK=chunk, BLOCK=TOUCH_BLOCK, num_warps=8)
+    _touch_kernel[(programs,)](w, out, n, CHUNK=chunk, TILE=TOUCH_BLOCK, num_warps=8)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -67,19 +68,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def build(batch: int, ctx: int, layers: int, max_blocks: int) -> dict[str, object]:
-    need = -(-ctx // BLOCK)
-    blocks = batch * need + 1
-    table = torch.zeros(batch, max_blocks, dtype=torch.int32)
-    perm = torch.randperm(blocks).to(torch.int32)
-    for b in range(batch):
-        table[b, :need] = perm[b * need:(b + 1) * need]
-    return {
-        "q": torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16),
-        "caches": [(torch.randn(blocks, HKV, BLOCK, D, device="cuda", dtype=torch.bfloat16),
-                    torch.randn(blocks, HKV, BLOCK, D, device="cuda", dtype=torch.bfloat16)) for _ in range(layers)],
-        "weights": [torch.randn(HIDDEN, HQ * D, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(layers)],
-        "table": table.cuda(), "ctx": torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
-    }
+    """Each layer's cache (decode_attn_sweep's) and o weight, and the queries."""
+    caches, table, ctxs = layer_caches(batch, ctx, layers, max_blocks, torch.Generator().manual_seed(batch))
+    return {"q": torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16), "caches": caches,
+            "weights": [torch.randn(HIDDEN, HQ * D, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(layers)],
+            "table": table, "ctx": ctxs}
 
 
 def step_fn(s: dict[str, object], programs: int) -> tuple[Callable[[], None], list[torch.Tensor]]:

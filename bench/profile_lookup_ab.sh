@@ -14,16 +14,13 @@ cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-bench/results/profile_lookup_ab}"
 mkdir -p "$out"
 skip=" ${SKIP:-} "
-if ls .whl/*.whl >/dev/null 2>&1 && ! python3 -c "import msgspec, posix_ipc" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=bench/structured_env.sh
+source bench/structured_env.sh
+structured_env profile_lookup_ab.sh  # the carried wheels and the tokenizer rapid_ab.sh needs; sets py
 status=0
 prof="$out/prof8192.json"
 if [[ "$skip" != *" profile "* ]]; then
-    python3 -m rapidserve.cli profile --model preset:qwen3-8b --slo-itl-ms 50 --prefill-tokens 8192 --out "$prof" \
+    "$py" -m rapidserve.cli profile --model preset:qwen3-8b --slo-itl-ms 50 --prefill-tokens 8192 --out "$prof" \
         >"$out/profile.log" 2>&1 || { echo "profile failed: see $out/profile.log"; tail -5 "$out/profile.log"; status=1; }
 fi
 if [[ "$skip" != *" ab "* ]]; then
