@@ -6,9 +6,10 @@
 #   run(command="OUT=$OUT bash bench/rapid_ab.sh", carry=[".whl"], timeout_s=600)
 # Knobs (environment): VARIANTS ("label=flags;label=flags", default
 # "pbt8192=--prefill-batch-tokens 8192;pbt2048=--prefill-batch-tokens 2048"), WORKLOAD (2048:28),
-# RATES (13.19: 0.75 of vLLM 0.24's closed peak on the H100, 2026-11-27), NUM_PROMPTS (80),
+# RATES (13.19: 0.75 of vLLM 0.24's closed peak on the H100, 2026-11-27), NUM_PROMPTS (80), MODE (rapid; hybrid
+# runs the same variants in hybrid mode),
 # MODEL (preset:qwen3-8b), SERVE_ARGS (--no-enable-prefix-caching --max-model-len 8192
-# --gpu-memory-utilization 0.8: every variant's), REPEATS (1).
+# --gpu-memory-utilization 0.8: every variant's), REPEATS (1), WARMUP_CLOSED (1: a discarded closed pass per server).
 # (bench/results/prefill_batch_ab/ came from this script's first form, prefill_batch_ab.sh at 1f5c648, whose
 # SETTINGS="8192 2048 4096" are the variants pbt8192, pbt2048, pbt4096 here.)
 set -uo pipefail
@@ -26,11 +27,21 @@ for variant in "${variants[@]}"; do
     [[ "$label" =~ ^[A-Za-z0-9-]+$ ]] || { echo "rapid_ab.sh: variant label '$label': letters, digits, '-' only" >&2; exit 2; }
     log="$out/serve_$label.log"
     # shellcheck disable=SC2086
-    "$py" -m rapidserve.cli serve --model "${MODEL:-preset:qwen3-8b}" --port "$port" --mode rapid \
+    "$py" -m rapidserve.cli serve --model "${MODEL:-preset:qwen3-8b}" --port "$port" --mode "${MODE:-rapid}" \
         ${SERVE_ARGS:---no-enable-prefix-caching --max-model-len 8192 --gpu-memory-utilization 0.8} \
         $flags >"$log" 2>&1 &
     pid=$!
     wait_healthy "$port" "$pid"
+    # A discarded closed pass first: the first server on a fresh machine JIT-compiles Triton kernels for the
+    # burst's batch shapes, which cost the first variant 40% of its closed throughput on 2026-11-27
+    # (bench/results/h100_1127/prefill_graphs/README.md). WARMUP_CLOSED=0 skips it.
+    if [ "${WARMUP_CLOSED:-1}" = 1 ]; then
+        "$py" -m rapidserve.cli bench --base-url "http://127.0.0.1:$port" --workload fixed \
+            --input-len "$in_len" --output-len "$out_len" --request-rate inf --seed 99 \
+            --num-prompts "${NUM_PROMPTS:-80}" --warmup 0 --label "$label@warmup" \
+            --name "warmup_$label" --out-dir "$out/warmup" --no-plot --quiet \
+            || echo "rapid_ab.sh: warm-up pass of $label failed" >&2
+    fi
     for rep in $(seq 1 "${REPEATS:-1}"); do
         for rate in inf ${RATES:-13.19}; do
             "$py" -m rapidserve.cli bench --base-url "http://127.0.0.1:$port" --workload fixed \

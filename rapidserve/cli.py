@@ -42,6 +42,21 @@ def _int_at_least(lo: int) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1)
+
+
+def _token_buckets(text: str) -> tuple[int, ...]:
+    """--prefill-graph-tokens: ascending positive integers separated by commas, or none."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give ascending token counts such as 16,64,256,1024, "
+                                         "or none") from None
+    if not out or any(t < 1 for t in out) or list(out) != sorted(set(out)):
+        raise argparse.ArgumentTypeError(f"{text!r}: the buckets must be positive, unique and ascending "
+                                         "(e.g. 16,64,256,1024), or none")
+    return out
 _nonneg_int = _int_at_least(0)
 
 
@@ -89,7 +104,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid mode: plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs for decode")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")
+    g.add_argument("--prefill-graph-tokens", type=_token_buckets, default=None, metavar="N,N,...|none",
+                   help="token buckets of the piecewise prefill graphs: a prefill forward of up to the largest "
+                        "is padded to the next bucket and replayed as graphs, attention run between them "
+                        "(default 16,32,64,128,256,384,512; none: every prefill launched from Python)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
@@ -192,7 +211,7 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, prefill_batch_tokens=a.prefill_batch_tokens,
-                enforce_eager=a.enforce_eager,
+                enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
                 tokenizer=a.tokenizer)

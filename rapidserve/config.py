@@ -206,13 +206,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How the model runs: device, dtype, attention backend, decode graphs."""
+    """How the model runs: device, dtype, attention backend, decode and prefill graphs."""
 
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     use_cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    # Token buckets of the piecewise prefill graphs (rapidserve/prefill_graphs.py); () captures none. On the
+    # H100 (Qwen3-8B) a prefill forward launched from Python waits for the host up to ~512 tokens; graphs save
+    # 49-59% up to 128 tokens, 34% at 256, 5% at 512, 1% at 1024 (bench/results/h100_1127/prefill_graphs/).
+    prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -224,6 +228,10 @@ class RunnerConfig:
                f"device={self.device!r}; use auto, cpu, cuda or cuda:N")
         _check(len(self.graph_batch_sizes) > 0 and list(self.graph_batch_sizes) == sorted(self.graph_batch_sizes),
                "graph_batch_sizes must be a non-empty ascending tuple")
+        _check(all(t > 0 for t in self.prefill_graph_tokens)
+               and list(self.prefill_graph_tokens) == sorted(set(self.prefill_graph_tokens)),
+               f"prefill_graph_tokens={list(self.prefill_graph_tokens)} must be positive, unique and ascending "
+               "(or empty for no prefill graphs)")
 
 
 @dataclass(frozen=True)

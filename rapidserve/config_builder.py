@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rapidserve.config import (
     ALLOW_LONG_MAX_MODEL_LEN_ENV,
@@ -41,11 +41,13 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                         prefill_batch_tokens: int | None = None,
-                        enforce_eager: bool = False, seed: int = 0, attention_backend: str = "auto",
-                        cache_dir: str | None = None, enable_prefix_caching: bool = True,
+                        enforce_eager: bool = False, prefill_graph_tokens: Sequence[int] | None = None,
+                        seed: int = 0, attention_backend: str = "auto", cache_dir: str | None = None,
+                        enable_prefix_caching: bool = True,
                         async_scheduling: bool = True, tokenizer: str | None = None,
                         allow_long_max_model_len: bool = False) -> tuple[EngineConfig, object]:
-    """Resolve the model and assemble the frozen config tree (the one place it is built). `tokenizer`:
+    """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
+    the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
     the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN)."""
@@ -67,7 +69,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                                   max_model_len=max_model_len, async_scheduling=async_scheduling,
                                   allow_long_max_model_len=allow_long_max_model_len),
         runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
-                            use_cuda_graphs=not enforce_eager, seed=seed),
+                            use_cuda_graphs=not enforce_eager, seed=seed,
+                            **({} if prefill_graph_tokens is None
+                               else {"prefill_graph_tokens": tuple(prefill_graph_tokens)})),
         tokenizer=tokenizer,
     )
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused

@@ -40,6 +40,7 @@ class EngineCore:
         self.cfg = cfg
         self.runner = ModelRunner(cfg, source, show_progress=show_progress)
         self.runner.capture_decode_graphs(show_progress=show_progress)
+        self.runner.capture_prefill_graphs(show_progress=show_progress)
         self.blocks = self.runner.block_manager()
         self.scheduler = Scheduler(self.blocks, cfg.scheduler.max_num_seqs,
                                    cfg.scheduler.max_num_batched_tokens)

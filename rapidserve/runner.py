@@ -37,6 +37,7 @@ from rapidserve.logit_controls import (
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import cublas_linears, get_ops
 from rapidserve.parallel.shard import shard_config
+from rapidserve.prefill_graphs import PrefillGraphs
 from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
@@ -152,6 +153,7 @@ class ModelRunner:
         and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py)."""
         self.cfg, self.tp = cfg, tp
         self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
+        self._prefill_graphs: PrefillGraphs | None = None  # piecewise prefill graphs (capture_prefill_graphs)
         self.mcfg = cfg.model_config
         self.device = resolve_device(cfg.runner.device)
         self.dtype = resolve_dtype(cfg.runner.dtype, self.device)
@@ -263,20 +265,23 @@ class ModelRunner:
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None,
-                carry: Carry | None = None) -> torch.Tensor:
+                carry: Carry | None = None, graph_key: str = "default") -> torch.Tensor:
         """One prefill forward; on `stream` if given, ordered with the caller's stream (`_run_on`).
         `carry` feeds leading one-token items (a mixed step's decodes) the previous step's sampled
-        tokens from the device: its rows index those items, which are also their token positions."""
-        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items, carry))
+        tokens from the device: its rows index those items, which are also their token positions.
+        A forward that fits a token bucket replays the piecewise prefill graphs captured under `graph_key`
+        (`capture_prefill_graphs`; the key of the partition whose stream is current), if any."""
+        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items, carry, graph_key))
 
-    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem], carry: Carry | None = None) -> torch.Tensor:
+    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem], carry: Carry | None = None,
+                    graph_key: str = "default") -> torch.Tensor:
         if carry is not None and carry.rows:
             top = max(d for d, _ in carry.rows)
             if top >= len(items) or any(len(items[i].token_ids) != 1 for i in range(top + 1)):
                 raise ValueError("carry rows must index the leading one-token items")
         arrays = self._prefill_arrays(items)
         if self.leader is None:
-            return self._prefill_run(pool, arrays, carry)
+            return self._prefill_run(pool, arrays, carry, graph_key)
         self.leader.forward("prefill", arrays, "default", carry)
         return self._published(lambda: self._prefill_run(pool, arrays, carry))
 
@@ -314,13 +319,19 @@ class ModelRunner:
         )
         return split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
 
-    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None) -> torch.Tensor:
-        ids, positions, _, _, _, cu, want = arrays
+    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None,
+                     graph_key: str = "default") -> torch.Tensor:
+        ids, positions, _, slots, _, cu, want = arrays
         meta = self._prefill_meta(arrays)
-        tokens = self._dev(ids)
-        if carry is not None:
-            carry.apply(tokens)
-        hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
+        graphs = self._prefill_graphs
+        bucket = graphs.bucket(graph_key, len(ids)) if graphs is not None and pool is self.kv_pool else None
+        if graphs is not None and bucket is not None:
+            hidden = graphs.run(graph_key, bucket, ids, positions, slots, meta, carry)
+        else:
+            tokens = self._dev(ids)
+            if carry is not None:
+                carry.apply(tokens)
+            hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))
 
@@ -504,6 +515,21 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- sampling and helpers -------------------------------------------------------------
+    def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
+                               show_progress: bool = True, eager: bool = False) -> None:
+        """Capture the piecewise prefill graphs (rapidserve/prefill_graphs.py) of every token bucket of
+        `cfg.runner.prefill_graph_tokens` on `stream` under `key`; `prefill(..., graph_key=key)` then replays
+        them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets),
+        under tensor parallelism, or with a backend whose kernels cannot be captured. `eager`: record the pieces
+        as plain calls instead of graphs (on any device): the CPU tests of the piecewise path."""
+        rc = self.cfg.runner
+        capturable = self.device.type == "cuda" and rc.use_cuda_graphs and self.attn.graph_safe
+        if not rc.prefill_graph_tokens or self.tp is not None or not (capturable or eager):
+            return
+        if self._prefill_graphs is None:
+            self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, rc.prefill_graph_tokens)
+        self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
+
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> SamplerOutput:
         return self.sampler.sample(logits, list(params), list(generators))

@@ -1,6 +1,7 @@
 """The two-process RAPID engine on the GPU (AsyncEngine, rapid mode, green-context partitions, MPS auto).
 
-- greedy tokens equal to the single-process reference (`LLM` on the same GPU), with a static split
+- greedy tokens equal to the single-process reference (`LLM` on the same GPU, prefill launched eagerly; the
+  engine's prefill worker replays its piecewise prefill graphs, per partition stream), with a static split
   and with the adaptive manager switching between splits (hysteresis 0; chunked prompts, so prefill
   switches stream between the chunks of one prompt);
 - kill -9 of the decode worker, then of the prefill worker, with requests in flight: each request
@@ -49,7 +50,7 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
 
     prompts = make_prompts()
     llm = LLM(MODEL, dtype="float32", device="cuda", show_progress=False, max_model_len=MAX_LEN,
-              num_kv_blocks=KV_BLOCKS)
+              num_kv_blocks=KV_BLOCKS, prefill_graph_tokens=())  # eager prefill: the engine's graphs are checked
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     del llm
     gc.collect()

@@ -50,10 +50,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "rapidserve.step_plan",
                   "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
-    # Running the model on batches: ModelRunner, block-wise prefill tasks, zero-copy sharing of weights + pool,
-    # building the config tree.
+    # Running the model on batches: ModelRunner, block-wise prefill tasks, piecewise prefill graphs, zero-copy
+    # sharing of weights + pool, building the config tree.
     ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.prefill_task",
-                "rapidserve.config_builder")),
+                "rapidserve.prefill_graphs", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.
     ("partition", ("rapidserve.partition",)),
     # Engines: the single-process EngineCore, and the multi-process RAPID engine (workers, launcher, client).

@@ -251,7 +251,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ prefill
-@triton.jit
+# num_seqs and num_m_tiles change from step to step: specialized (== 1, % 16 == 0), each new combination compiled a
+# variant mid-serving, a 0.5-1 s stall of every request in flight on a fresh machine (py-spy of hybrid mode,
+# 2026-11-27, bench/results/h100_1127/prefill_graphs/README.md). Unspecialized, one variant serves every step.
+@triton.jit(do_not_specialize=["num_seqs", "num_m_tiles"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,

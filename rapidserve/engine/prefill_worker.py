@@ -214,7 +214,7 @@ class PrefillWorker:
         now = time.monotonic()
         for j, _ in batch:
             j.mark_started(now)
-        logits = self.runner.prefill(items)
+        logits = self.runner.prefill(items, graph_key=self.partition)
         self.forward_queued(batch)
         finished = [j for (j, n), it in zip(batch, items, strict=True) if it.need_logits]
         firsts, dones = self._sample(finished, logits) if finished else ([], [])

@@ -66,10 +66,13 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))
     lead(runner, seat, parts, "prefill")
-    info = {"device": str(runner.device), **memory_info(runner)}
     if cfg.partition.policy == "drift":  # block-wise prefill, preemption (engine/drift_prefill.py)
         models = {k: LinearModel(*v) for k, v in wire.prefill_models.items()}
+        info = {"device": str(runner.device), **memory_info(runner)}
         return info, DriftPrefillWorker(cfg, runner, io, parts, wire.initial, models)
+    for c in parts.configurations:  # short forwards replay piecewise graphs, one set per partition's stream
+        runner.capture_prefill_graphs(parts.stream(c.name, "prefill"), key=c.name, show_progress=False)
+    info = {"device": str(runner.device), **memory_info(runner)}
     return info, PrefillWorker(cfg, runner, io, parts, wire.initial)
 
 
@@ -77,6 +80,7 @@ def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], HybridWorker]:
     runner = load_runner(cfg, open_group(cfg, seat))
     runner.capture_decode_graphs(show_progress=False)
+    runner.capture_prefill_graphs(show_progress=False)
     lead(runner, seat, None, "hybrid")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
             **memory_info(runner)}

@@ -73,6 +73,25 @@ class DecoderLayer(nn.Module):
         ops: Ops,
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
+        rapidserve/prefill_graphs.py, captures the two halves and runs attention between them)."""
+        q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
+        o = attend(attn, q, kv[0], kv[1], meta, self.cfg.head_dim**-0.5)
+        return self.post_attention(o, residual, ops)
+
+    def pre_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        kv: KVCache,
+        slot_mapping: torch.Tensor,
+        ops: Ops,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before attention, row by row: the input norm (with the residual add), the qkv
+        projection, (q/k norm,) RoPE and the K/V write into the cache at `slot_mapping` (slot -1: nothing
+        written). Returns (q [T, heads, head_dim], residual)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         if residual is None:
             residual = hidden
@@ -89,9 +108,16 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv
         # (q/k norm,) RoPE and the K/V write in one launch on GPUs; from here on k and v are read from the cache
         q = ops.rope_write(q, k, v, self.q_norm, self.k_norm, eps, positions, cos_sin, k_cache, v_cache,
-                           meta.slot_mapping)
-        o = attend(attn, q, k_cache, v_cache, meta, self.cfg.head_dim**-0.5)
-        hidden = ops.linear(o.reshape(t, cfg.q_size), self.o_proj)
+                           slot_mapping)
+        return q, residual
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
+                       ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after attention, row by row: the o projection, the residual add and norm, the MLP
+        (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
+        [T, heads * head_dim]. Returns (hidden, residual) for the next layer."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        hidden = ops.linear(o.reshape(o.shape[0], cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 

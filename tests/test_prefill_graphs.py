@@ -1,0 +1,178 @@
+"""Piecewise prefill graphs (rapidserve/prefill_graphs.py) on CPU, in fp32, with the pieces recorded as plain
+calls (`eager=True`): the same pieces, static buffers, padding and attention between pieces that the GPU replays
+as CUDA graphs. Against the one-shot eager forward: the same logits and the same K/V in the pool, nothing
+written outside the items' slots (padding rows write nothing), mixed steps with carried tokens, and the cases
+that stay eager (no bucket fits, another key, another pool). Buckets, config and CLI checks as tables."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from rapidserve import cli
+from rapidserve.config import ConfigError, RunnerConfig
+from rapidserve.config_builder import build_engine_config
+from rapidserve.kv_pool import KVPool
+from rapidserve.loader import resolve_model
+from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets
+from rapidserve.runner import Carry, ModelRunner, PrefillItem
+
+BS = 16
+BUCKETS = (8, 32, 128)
+
+
+def runner_for(model: str, buckets: tuple[int, ...] = BUCKETS) -> ModelRunner:
+    cfg, _ = build_engine_config(model, device="cpu", dtype="float32", num_kv_blocks=32, max_model_len=256,
+                                 block_size=BS, prefill_graph_tokens=buckets)
+    source = resolve_model(cfg.model, preset_device=torch.device("cpu"), preset_dtype=torch.float32)
+    return ModelRunner(cfg, source, show_progress=False)
+
+
+@pytest.fixture(scope="module", params=["preset:tiny-llama", "preset:tiny-qwen3", "preset:tiny-qwen2"])
+def runner(request: pytest.FixtureRequest) -> ModelRunner:
+    return runner_for(request.param)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 1000, (n,), generator=g).tolist()
+
+
+PREFIX = _tokens(32, 1)  # blocks 4, 5: the third item of BATCHES[0] attends to them
+BATCHES = [
+    [PrefillItem(_tokens(40, 2), 0, [0, 1, 2]), PrefillItem(_tokens(7, 3), 0, [3]),
+     PrefillItem(_tokens(20, 4), 32, [4, 5, 6, 7]), PrefillItem(_tokens(33, 5), 0, [8, 9, 10], need_logits=False)],
+    [PrefillItem(_tokens(5, 6), 0, [12])],  # bucket 8
+    [PrefillItem(_tokens(8, 7), 0, [13])],  # exactly a bucket
+    [PrefillItem(_tokens(19, 8), 0, [14, 15]), PrefillItem(_tokens(1, 9), 0, [16])],  # bucket 32
+]
+
+
+def _run_batches(runner: ModelRunner) -> tuple[list[torch.Tensor], torch.Tensor]:
+    runner.kv_pool.tensor.zero_()
+    runner.prefill([PrefillItem(PREFIX, 0, [4, 5], need_logits=False)])
+    logits = [runner.prefill(b).clone() for b in BATCHES]
+    return logits, runner.kv_pool.tensor.clone()
+
+
+def _with_graphs(runner: ModelRunner, key: str = "default") -> None:
+    runner._prefill_graphs = None
+    runner.capture_prefill_graphs(key=key, show_progress=False, eager=True)
+
+
+def _without_graphs(runner: ModelRunner) -> None:
+    runner._prefill_graphs = None
+
+
+def test_piecewise_forward_matches_the_eager_one(runner: ModelRunner) -> None:
+    _without_graphs(runner)
+    want_logits, want_pool = _run_batches(runner)
+    _with_graphs(runner)
+    calls = []
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    real_run = graphs.run
+    graphs.run = lambda *a, **k: calls.append(a[1]) or real_run(*a, **k)  # type: ignore[method-assign]
+    got_logits, got_pool = _run_batches(runner)
+    assert calls == [32, 128, 8, 8, 32]  # the 32-token prefix, then each batch's bucket (100, 5, 8, 20 tokens)
+    for g, w in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    torch.testing.assert_close(got_pool, want_pool, rtol=1e-5, atol=1e-5)
+    used = {b for batch in BATCHES for it in batch for b in it.block_table} | {4, 5}
+    untouched = [b for b in range(runner.kv_pool.num_blocks) if b not in used]
+    for layer in runner.kv_pool.layers:  # padding rows (slot -1) wrote nothing
+        for cache in layer:
+            assert not cache[untouched].any()
+    _without_graphs(runner)
+
+
+def test_a_mixed_step_with_carried_tokens_matches_the_eager_one(runner: ModelRunner) -> None:
+    """Hybrid's mixed step: two one-token decode rows whose tokens come from the device, then a chunk."""
+    items = [PrefillItem([0], 5, [20]), PrefillItem([0], 9, [21]), PrefillItem(_tokens(12, 11), 0, [22])]
+    sampled = torch.tensor([71, 5, 900])
+    out = []
+    for graphs in (False, True):
+        _with_graphs(runner) if graphs else _without_graphs(runner)
+        runner.kv_pool.tensor.zero_()
+        runner.prefill([PrefillItem(_tokens(5, 12), 0, [20], need_logits=False),
+                        PrefillItem(_tokens(9, 13), 0, [21], need_logits=False)])
+        logits = runner.prefill(items, carry=Carry(sampled, [(0, 2), (1, 0)])).clone()
+        out.append((logits, runner.kv_pool.tensor.clone()))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-5, atol=1e-5)
+    _without_graphs(runner)
+
+
+def test_capture_writes_nothing_into_the_pool(runner: ModelRunner) -> None:
+    """Capture ends with a warm-up forward through the pieces and attention: every slot -1, so a pool another
+    process is using (a restarted prefill worker's) is left as it was."""
+    runner.kv_pool.tensor.normal_()
+    before = runner.kv_pool.tensor.clone()
+    _with_graphs(runner, key="again")
+    assert torch.equal(runner.kv_pool.tensor, before)
+    _without_graphs(runner)
+
+
+def test_forwards_no_graph_covers_run_eager() -> None:
+    runner = runner_for("preset:tiny-llama", buckets=(8,))
+    _with_graphs(runner, key="split16")
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    calls = []
+    real_run = graphs.run
+    graphs.run = lambda *a, **k: calls.append((a[0], a[1])) or real_run(*a, **k)  # type: ignore[method-assign]
+    small = [PrefillItem(_tokens(6, 20), 0, [0])]
+    runner.prefill([PrefillItem(_tokens(9, 21), 0, [1])], graph_key="split16")  # 9 tokens: no bucket
+    runner.prefill(small)  # the key "default" was not captured
+    other = KVPool.allocate(runner.kv_pool.spec, torch.device("cpu"))  # as disaggregated prefill's staging pool
+    runner._prefill_on(other, small, None, "split16")  # the graphs write into the pool they were captured on
+    assert other.tensor.any()
+    assert calls == []
+    runner.prefill(small, graph_key="split16")
+    assert calls == [("split16", 8)]
+
+
+@pytest.mark.parametrize(("sizes", "tokens", "want"), [
+    ((16, 32, 1024), 1, 16), ((16, 32, 1024), 16, 16), ((16, 32, 1024), 17, 32), ((16, 32, 1024), 1024, 1024),
+    ((16, 32, 1024), 1025, None), ((), 5, None), ((8,), 8, 8),
+])
+def test_bucket_for(sizes: tuple[int, ...], tokens: int, want: int | None) -> None:
+    assert bucket_for(sizes, tokens) == want
+
+
+@pytest.mark.parametrize("sizes", [(32, 16), (16, 16), (0, 8), (-4,)])
+def test_bad_buckets_are_refused(sizes: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="positive, unique and ascending"):
+        check_buckets(sizes)
+    with pytest.raises(ConfigError, match="prefill_graph_tokens"):
+        RunnerConfig(prefill_graph_tokens=sizes)
+
+
+def test_no_buckets_or_enforce_eager_capture_nothing() -> None:
+    for kwargs in ({"prefill_graph_tokens": ()}, {"enforce_eager": True}):
+        cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=8,
+                                     max_model_len=64, **kwargs)  # type: ignore[arg-type]
+        runner = ModelRunner(cfg, resolve_model(cfg.model, preset_device=torch.device("cpu"),
+                                                preset_dtype=torch.float32), show_progress=False)
+        runner.capture_prefill_graphs(show_progress=False)
+        assert runner._prefill_graphs is None
+    runner.capture_prefill_graphs(show_progress=False)  # CPU and not eager: nothing to capture either
+    assert runner._prefill_graphs is None
+    with pytest.raises(ValueError, match="at least one"):
+        PrefillGraphs(runner.model, runner.kv_pool.layers, ())
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("none", ()), ("NONE", ()), ("16", (16,)), ("16,64,1024", (16, 64, 1024)),
+])
+def test_cli_prefill_graph_tokens(text: str, want: tuple[int, ...]) -> None:
+    assert cli._token_buckets(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "16,", "a,b", "64,16", "16,16", "0,16", "-8"])
+def test_cli_prefill_graph_tokens_refuses_bad_lists(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="16"):
+        cli._token_buckets(text)
