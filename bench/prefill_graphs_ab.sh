@@ -21,7 +21,8 @@ structured_env prefill_graphs_ab.sh  # the carried wheels and the tokenizer rapi
 status=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ "$skip" != *" tests "* ]]; then
-    "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_graphs_gpu.py tests/test_engine_gpu.py \
+    "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_prefill_graphs_gpu.py tests/test_attention.py \
+        tests/test_engine_gpu.py tests/test_hybrid_engine.py \
         >"$out/tests.log" 2>&1 || status=1
     tail -3 "$out/tests.log"
 fi
