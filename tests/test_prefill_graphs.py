@@ -176,3 +176,21 @@ def test_cli_prefill_graph_tokens(text: str, want: tuple[int, ...]) -> None:
 def test_cli_prefill_graph_tokens_refuses_bad_lists(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="16"):
         cli._token_buckets(text)
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    ([], RunnerConfig().prefill_graph_tokens),
+    (["--prefill-graph-tokens", "none"], ()),
+    (["--prefill-graph-tokens", "32,256"], (32, 256)),
+])
+def test_serve_flag_reaches_the_config(argv: list[str], want: tuple[int, ...]) -> None:
+    a = cli.build_parser().parse_args(["serve", "--model", "preset:tiny-llama", "--device", "cpu", *argv])
+    cfg, _ = build_engine_config(a.model, **cli.engine_kwargs(a, env={}))  # type: ignore[arg-type]
+    assert cfg.runner.prefill_graph_tokens == want
+
+
+def test_serve_refuses_a_bad_bucket_list(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser().parse_args(["serve", "--prefill-graph-tokens", "512,64"])
+    assert e.value.code == 2
+    assert "--prefill-graph-tokens" in capsys.readouterr().err
