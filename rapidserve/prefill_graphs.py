@@ -81,6 +81,17 @@ def check_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
+def usable_buckets(sizes: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+    """The buckets a forward of at most `max_tokens` tokens (the step's token budget) can use: those below it and
+    the first at or above it; the rest would never be replayed, only captured."""
+    out = []
+    for b in sizes:
+        out.append(b)
+        if b >= max_tokens:
+            break
+    return tuple(out)
+
+
 def bucket_for(sizes: Sequence[int], num_tokens: int) -> int | None:
     """The smallest bucket holding `num_tokens` tokens, or None when none does (the forward runs eager)."""
     return next((b for b in sizes if b >= num_tokens), None)

@@ -37,7 +37,7 @@ from rapidserve.logit_controls import (
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import cublas_linears, get_ops
 from rapidserve.parallel.shard import shard_config
-from rapidserve.prefill_graphs import PrefillGraphs
+from rapidserve.prefill_graphs import PrefillGraphs, usable_buckets
 from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
@@ -518,7 +518,8 @@ class ModelRunner:
     def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
                                show_progress: bool = True, eager: bool = False) -> None:
         """Capture the piecewise prefill graphs (rapidserve/prefill_graphs.py) of every token bucket of
-        `cfg.runner.prefill_graph_tokens` on `stream` under `key`; `prefill(..., graph_key=key)` then replays
+        `cfg.runner.prefill_graph_tokens` on `stream` under `key` (up to the first bucket that holds a whole
+        step's `max_num_batched_tokens`); `prefill(..., graph_key=key)` then replays
         them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets),
         under tensor parallelism, or with a backend whose kernels cannot be captured. `eager`: record the pieces
         as plain calls instead of graphs (on any device): the CPU tests of the piecewise path."""
@@ -527,7 +528,8 @@ class ModelRunner:
         if not rc.prefill_graph_tokens or self.tp is not None or not (capturable or eager):
             return
         if self._prefill_graphs is None:
-            self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, rc.prefill_graph_tokens)
+            sizes = usable_buckets(rc.prefill_graph_tokens, self.cfg.scheduler.max_num_batched_tokens)
+            self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
         self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],

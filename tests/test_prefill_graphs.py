@@ -16,7 +16,7 @@ from rapidserve.config import ConfigError, RunnerConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
-from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets
+from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from rapidserve.runner import Carry, ModelRunner, PrefillItem
 
 BS = 16
@@ -141,6 +141,24 @@ def test_forwards_no_graph_covers_run_eager() -> None:
 ])
 def test_bucket_for(sizes: tuple[int, ...], tokens: int, want: int | None) -> None:
     assert bucket_for(sizes, tokens) == want
+
+
+@pytest.mark.parametrize(("sizes", "budget", "want"), [
+    ((16, 64, 256, 512), 8192, (16, 64, 256, 512)), ((16, 64, 256, 512), 256, (16, 64, 256)),
+    ((16, 64, 256, 512), 300, (16, 64, 256, 512)), ((16, 64, 256, 512), 10, (16,)), ((), 64, ()),
+])
+def test_usable_buckets(sizes: tuple[int, ...], budget: int, want: tuple[int, ...]) -> None:
+    assert usable_buckets(sizes, budget) == want
+
+
+def test_buckets_past_the_step_budget_are_not_captured() -> None:
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=8,
+                                 max_model_len=64, max_num_batched_tokens=20, prefill_graph_tokens=(8, 16, 32, 64))
+    runner = ModelRunner(cfg, resolve_model(cfg.model, preset_device=torch.device("cpu"),
+                                            preset_dtype=torch.float32), show_progress=False)
+    runner.capture_prefill_graphs(show_progress=False, eager=True)
+    assert runner._prefill_graphs is not None and runner._prefill_graphs.sizes == (8, 16, 32)
+    assert tuple(runner._prefill_graphs.sets["default"]) == (8, 16, 32)
 
 
 @pytest.mark.parametrize("sizes", [(32, 16), (16, 16), (0, 8), (-4,)])
