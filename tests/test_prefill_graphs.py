@@ -18,6 +18,7 @@ from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
 from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from rapidserve.runner import Carry, ModelRunner, PrefillItem
+from tests.test_prefill_task import PREFIX, _tokens
 
 BS = 16
 BUCKETS = (8, 32, 128)
@@ -35,12 +36,7 @@ def runner(request: pytest.FixtureRequest) -> ModelRunner:
     return runner_for(request.param)
 
 
-def _tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 1000, (n,), generator=g).tolist()
-
-
-PREFIX = _tokens(32, 1)  # blocks 4, 5: the third item of BATCHES[0] attends to them
+# PREFIX: 32 tokens in blocks 4, 5, which the third item of BATCHES[0] attends to
 BATCHES = [
     [PrefillItem(_tokens(40, 2), 0, [0, 1, 2]), PrefillItem(_tokens(7, 3), 0, [3]),
      PrefillItem(_tokens(20, 4), 32, [4, 5, 6, 7]), PrefillItem(_tokens(33, 5), 0, [8, 9, 10], need_logits=False)],
