@@ -182,6 +182,30 @@ def test_cli_partition_usage_errors(argv: list[str], pattern: str, capsys: pytes
     assert re.search(pattern, err), err
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--max-num-seqs", "64"], "--max-num-seqs"),
+    (["--max-num-batched-tokens", "2048"], "--max-num-batched-tokens"),
+    (["--prefill-batch-tokens", "1024"], "--prefill-batch-tokens"),
+    (["--no-enable-prefix-caching"], "--enable-prefix-caching"),
+    (["--no-async-scheduling"], "--async-scheduling"),
+    (["--prefill-graph-tokens", "none"], "--prefill-graph-tokens"),
+])
+def test_profile_refuses_model_flags_it_does_not_read(flags: list[str], named: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything loads (the model here would fail to), naming the flag and why."""
+    assert main(["profile", "--model", "/nonexistent", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{named}: not read by `rapidserve profile`" in err and "drop it" in err
+
+
+def test_profile_accepts_those_flags_at_their_defaults() -> None:
+    from rapidserve.partition.profile_cmd import unread_flags
+
+    a = build_parser().parse_args(["profile", "--max-num-seqs", "256", "--enable-prefix-caching",
+                                   "--async-scheduling"])
+    assert unread_flags(a) == []
+
+
 @pytest.mark.parametrize(
     ("argv", "want"),
     [

@@ -43,6 +43,27 @@ def _share_list(text: str) -> tuple[float, ...]:
     return vals
 
 
+# Model flags `rapidserve profile` shares with serve but does not read: (dest, flag, why). Given, they are refused
+# rather than silently ignored.
+UNREAD_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("max_num_seqs", "--max-num-seqs", "its decode batches are --batch-buckets"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens", "its prefill forwards hold --prefill-tokens tokens"),
+    ("prefill_batch_tokens", "--prefill-batch-tokens", "its prefill forwards hold --prefill-tokens tokens"),
+    ("enable_prefix_caching", "--enable-prefix-caching", "it caches no prompts"),
+    ("async_scheduling", "--async-scheduling", "it runs no hybrid scheduler"),
+    ("prefill_graph_tokens", "--prefill-graph-tokens", "its prefill forwards are longer than any bucket and run "
+     "eager; its decode steps replay decode graphs"),
+)
+
+
+def unread_flags(a: argparse.Namespace) -> list[str]:
+    """The flags of UNREAD_FLAGS given with another value than their default (`a.unread_defaults`), each with why
+    the profile does not read it."""
+    defaults = getattr(a, "unread_defaults", {})
+    return [f"{flag}: not read by `rapidserve profile` ({why}); drop it" for dest, flag, why in UNREAD_FLAGS
+            if dest in defaults and getattr(a, dest, defaults[dest]) != defaults[dest]]
+
+
 def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None],
                        add_partition_args: Callable[..., None], positive_int: Callable[[str], int]) -> None:
     p = sub.add_parser("profile", help="measure decode latency vs compute share (the partition profile)",
@@ -61,7 +82,7 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
                    help="measure one rank's shard of the model under tensor parallel N, alone on this GPU "
                         "(random weights of the shard's shapes; the engine adds the collectives from its link "
                         "model when it serves with -tp N); written to profiles/<gpu>__<model>__tpN.json")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=cmd_profile, unread_defaults={d: p.get_default(d) for d, _, _ in UNREAD_FLAGS})
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -73,6 +94,10 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.partition.runtime import gpu_name
     from rapidserve.runner import ModelRunner
 
+    unread = unread_flags(a)
+    if unread:
+        print("rapidserve profile: " + "; ".join(unread), file=sys.stderr)
+        return 2
     spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)
     longest = max(max(spec.context_buckets), spec.prefill_tokens) + a.block_size
     # --max-model-len is checked against the model's max_position_embeddings as in every run (unless
