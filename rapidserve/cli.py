@@ -57,6 +57,8 @@ def _token_buckets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: the buckets must be positive, unique and ascending "
                                          "(e.g. 16,64,256,1024), or none")
     return out
+
+
 _nonneg_int = _int_at_least(0)
 
 
@@ -201,6 +203,19 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
     return pcfg
 
 
+def prefill_graphs_unused(a: argparse.Namespace) -> str | None:
+    """Why a serve run with these flags captures no piecewise prefill graph (None: it does)."""
+    if a.enforce_eager:
+        return "--enforce-eager turns off every CUDA graph"
+    if getattr(a, "tensor_parallel_size", 1) > 1:
+        return "prefill graphs are not captured under tensor parallelism yet (-tp N)"
+    if getattr(a, "mode", None) == "disagg":
+        return "--mode disagg's prefill worker computes without graphs"
+    if getattr(a, "policy", None) == "drift":
+        return "--policy drift launches prefill a layer block at a time, without graphs"
+    return None
+
+
 def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
     """The model flags as build_engine_config's arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env`
     (default: os.environ) here, where the run starts."""
@@ -221,6 +236,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
+    graphs_off = prefill_graphs_unused(a)
+    if a.prefill_graph_tokens and graphs_off:
+        raise ConfigError(f"--prefill-graph-tokens: {graphs_off}, so no prefill graph is captured. Drop the flag")
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -250,6 +268,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("--prefill-batch-tokens does not apply under --policy drift: DRIFT's dispatcher sizes "
                           "its own prefill batches (within --max-num-batched-tokens). Drop the flag or use "
                           "another --policy")
+    graphs_off = prefill_graphs_unused(a)
+    if a.prefill_graph_tokens and graphs_off:
+        raise ConfigError(f"--prefill-graph-tokens: {graphs_off}, so no prefill graph is captured. Drop the flag")
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too

@@ -228,7 +228,7 @@ class RunnerConfig:
                f"device={self.device!r}; use auto, cpu, cuda or cuda:N")
         _check(len(self.graph_batch_sizes) > 0 and list(self.graph_batch_sizes) == sorted(self.graph_batch_sizes),
                "graph_batch_sizes must be a non-empty ascending tuple")
-        _check(all(t > 0 for t in self.prefill_graph_tokens)
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in self.prefill_graph_tokens)
                and list(self.prefill_graph_tokens) == sorted(set(self.prefill_graph_tokens)),
                f"prefill_graph_tokens={list(self.prefill_graph_tokens)} must be positive, unique and ascending "
                "(or empty for no prefill graphs)")

@@ -1,10 +1,11 @@
 """ModelRunner: turns scheduled batches into forward passes on a device.
 
-Two calls for the engine: `prefill(items, stream)` and `decode(items, stream, graph_key)`. Each
-builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
+Two calls for the engine: `prefill(items, stream, carry, graph_key)` and `decode(items, stream, graph_key)`.
+Each builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
 and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
-On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key:
-a graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
+On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key, and a
+prefill that fits a token bucket replays piecewise graphs (rapidserve/prefill_graphs.py) of its key: a
+graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
 captures one set per partition configuration. No capture on CPU.
 Sampling is separate (`sample`), so the engine decides what to do with logits.
 """
@@ -514,7 +515,6 @@ class ModelRunner:
         self._graphs[key] = graphs
         torch.cuda.synchronize(self.device)
 
-    # ---- sampling and helpers -------------------------------------------------------------
     def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
                                show_progress: bool = True, eager: bool = False) -> None:
         """Capture the piecewise prefill graphs (rapidserve/prefill_graphs.py) of every token bucket of
@@ -532,6 +532,7 @@ class ModelRunner:
             self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
         self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
 
+    # ---- sampling and helpers -------------------------------------------------------------
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                generators: Sequence[torch.Generator | None]) -> SamplerOutput:
         return self.sampler.sample(logits, list(params), list(generators))

@@ -123,7 +123,7 @@ def test_forwards_no_graph_covers_run_eager() -> None:
     small = [PrefillItem(_tokens(6, 20), 0, [0])]
     runner.prefill([PrefillItem(_tokens(9, 21), 0, [1])], graph_key="split16")  # 9 tokens: no bucket
     runner.prefill(small)  # the key "default" was not captured
-    other = KVPool.allocate(runner.kv_pool.spec, torch.device("cpu"))  # as disaggregated prefill's staging pool
+    other = KVPool.allocate(runner.kv_pool.spec, torch.device("cpu"))  # as the KV-budget probe's scratch pool
     runner._prefill_on(other, small, None, "split16")  # the graphs write into the pool they were captured on
     assert other.tensor.any()
     assert calls == []
@@ -208,3 +208,37 @@ def test_serve_refuses_a_bad_bucket_list(capsys: pytest.CaptureFixture[str]) -> 
         cli.build_parser().parse_args(["serve", "--prefill-graph-tokens", "512,64"])
     assert e.value.code == 2
     assert "--prefill-graph-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["serve", "--enforce-eager"], "--enforce-eager turns off every CUDA graph"),
+    (["serve", "--tensor-parallel-size", "2"], "tensor parallelism"),
+    (["serve", "--mode", "disagg"], "--mode disagg"),
+    (["serve", "--policy", "drift"], "--policy drift"),
+    (["generate", "--enforce-eager", "--prompt", "hi"], "--enforce-eager"),
+])
+def test_the_flag_is_refused_where_no_graph_is_captured(argv: list[str], why: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Given explicitly where nothing captures prefill graphs: refused before the model loads (the model path
+    here does not exist), naming the flag and why; `none` there is accepted."""
+    assert cli.main([*argv, "--model", "/nonexistent", "--prefill-graph-tokens", "16,64"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefill-graph-tokens:" in err and why in err and "Drop the flag" in err
+    a = cli.build_parser().parse_args([*argv, "--prefill-graph-tokens", "none"])
+    assert a.prefill_graph_tokens == ()
+
+
+@pytest.mark.parametrize("bad", [(16.5,), ("16",), (True,)])
+def test_runner_config_takes_integer_buckets_only(bad: tuple[object, ...]) -> None:
+    with pytest.raises(ConfigError, match="prefill_graph_tokens"):
+        RunnerConfig(prefill_graph_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_warm_up_forward_fits_a_short_max_model_len() -> None:
+    """The capture's warm-up forward stays inside RoPE's table when max_model_len is below the smallest bucket."""
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=8,
+                                 max_model_len=8, prefill_graph_tokens=(16,))
+    runner = ModelRunner(cfg, resolve_model(cfg.model, preset_device=torch.device("cpu"),
+                                            preset_dtype=torch.float32), show_progress=False)
+    runner.capture_prefill_graphs(show_progress=False, eager=True)
+    assert runner._prefill_graphs is not None and "default" in runner._prefill_graphs.sets

@@ -51,8 +51,8 @@ UNREAD_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("prefill_batch_tokens", "--prefill-batch-tokens", "its prefill forwards hold --prefill-tokens tokens"),
     ("enable_prefix_caching", "--enable-prefix-caching", "it caches no prompts"),
     ("async_scheduling", "--async-scheduling", "it runs no hybrid scheduler"),
-    ("prefill_graph_tokens", "--prefill-graph-tokens", "its prefill forwards are longer than any bucket and run "
-     "eager; its decode steps replay decode graphs"),
+    ("prefill_graph_tokens", "--prefill-graph-tokens", "it captures no prefill graphs: its prefill forwards run "
+     "eager, as the engine's longer-than-any-bucket ones do"),
 )
 
 
