@@ -230,6 +230,17 @@ def test_backend_selection() -> None:
         get_attention_backend("flash", cpu)
 
 
+def test_prefill_kernel_compiles_one_variant_for_every_batch_shape() -> None:
+    """The per-step counts are not specialized: each new (== 1, divisible by 16) combination of them compiled a
+    variant mid-serving, a 0.5-1 s stall of every request in flight (bench/results/h100_1127/prefill_graphs/)."""
+    pytest.importorskip("triton")
+    from rapidserve.attention import triton_paged as tp
+
+    k = tp._prefill_kernel
+    names = {k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize}
+    assert {"num_seqs", "num_m_tiles"} <= names
+
+
 # --------------------------------------------------------------------------- Triton interpreter
 def _interp_write_kv() -> None:
     from rapidserve.attention import triton_paged as tp
