@@ -22,6 +22,7 @@ from rapidserve.config import (
     TOOL_CALL_PARSERS,
     ConfigError,
     PartitionConfig,
+    RunnerConfig,
     ServerConfig,
 )
 
@@ -53,9 +54,10 @@ def _token_buckets(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give ascending token counts such as 16,64,256,1024, "
                                          "or none") from None
-    if not out or any(t < 1 for t in out) or list(out) != sorted(set(out)):
-        raise argparse.ArgumentTypeError(f"{text!r}: the buckets must be positive, unique and ascending "
-                                         "(e.g. 16,64,256,1024), or none")
+    try:
+        RunnerConfig(prefill_graph_tokens=out)  # the one rule
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}; on the command line: 16,64,256,512 or none") from None
     return out
 
 

@@ -230,8 +230,8 @@ class RunnerConfig:
                "graph_batch_sizes must be a non-empty ascending tuple")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in self.prefill_graph_tokens)
                and list(self.prefill_graph_tokens) == sorted(set(self.prefill_graph_tokens)),
-               f"prefill_graph_tokens={list(self.prefill_graph_tokens)} must be positive, unique and ascending "
-               "(or empty for no prefill graphs)")
+               f"prefill_graph_tokens={list(self.prefill_graph_tokens)} must be positive integers, unique and "
+               "ascending, e.g. (16, 64, 256, 512), or empty for no prefill graphs")
 
 
 @dataclass(frozen=True)
