@@ -205,8 +205,15 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
     return pcfg
 
 
+def check_prefill_graph_flag(a: argparse.Namespace) -> None:
+    """ConfigError when --prefill-graph-tokens names buckets but these flags capture no prefill graph."""
+    why = prefill_graphs_unused(a)
+    if a.prefill_graph_tokens and why:
+        raise ConfigError(f"--prefill-graph-tokens: {why}, so no prefill graph is captured. Drop the flag")
+
+
 def prefill_graphs_unused(a: argparse.Namespace) -> str | None:
-    """Why a serve run with these flags captures no piecewise prefill graph (None: it does)."""
+    """Why a run with these flags captures no piecewise prefill graph (None: it does)."""
     if a.enforce_eager:
         return "--enforce-eager turns off every CUDA graph"
     if getattr(a, "tensor_parallel_size", 1) > 1:
@@ -238,9 +245,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
-    graphs_off = prefill_graphs_unused(a)
-    if a.prefill_graph_tokens and graphs_off:
-        raise ConfigError(f"--prefill-graph-tokens: {graphs_off}, so no prefill graph is captured. Drop the flag")
+    check_prefill_graph_flag(a)
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -270,9 +275,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise ConfigError("--prefill-batch-tokens does not apply under --policy drift: DRIFT's dispatcher sizes "
                           "its own prefill batches (within --max-num-batched-tokens). Drop the flag or use "
                           "another --policy")
-    graphs_off = prefill_graphs_unused(a)
-    if a.prefill_graph_tokens and graphs_off:
-        raise ConfigError(f"--prefill-graph-tokens: {graphs_off}, so no prefill graph is captured. Drop the flag")
+    check_prefill_graph_flag(a)
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too

@@ -51,6 +51,7 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import AttentionMetadata, attend
+from rapidserve.config import RunnerConfig
 
 if TYPE_CHECKING:
     from rapidserve.models.transformer import CausalLM, KVCache
@@ -77,11 +78,9 @@ class Carries(Protocol):
 
 
 def check_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
-    """The token buckets, validated: ascending, unique, positive (empty: no prefill graphs)."""
-    out = tuple(int(s) for s in sizes)
-    if any(s < 1 for s in out) or list(out) != sorted(set(out)):
-        raise ValueError(f"prefill graph token buckets {list(out)} must be positive, unique and ascending")
-    return out
+    """The token buckets, validated by RunnerConfig's rule (ConfigError, a ValueError): positive integers, unique,
+    ascending (empty: no prefill graphs)."""
+    return RunnerConfig(prefill_graph_tokens=tuple(sizes)).prefill_graph_tokens
 
 
 def usable_buckets(sizes: Sequence[int], max_tokens: int) -> tuple[int, ...]:

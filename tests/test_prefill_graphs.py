@@ -159,7 +159,7 @@ def test_buckets_past_the_step_budget_are_not_captured() -> None:
 
 @pytest.mark.parametrize("sizes", [(32, 16), (16, 16), (0, 8), (-4,)])
 def test_bad_buckets_are_refused(sizes: tuple[int, ...]) -> None:
-    with pytest.raises(ValueError, match="positive, unique and ascending"):
+    with pytest.raises(ValueError, match="positive integers, unique and ascending"):
         check_buckets(sizes)
     with pytest.raises(ConfigError, match="prefill_graph_tokens"):
         RunnerConfig(prefill_graph_tokens=sizes)
