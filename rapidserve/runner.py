@@ -283,8 +283,8 @@ class ModelRunner:
         arrays = self._prefill_arrays(items)
         if self.leader is None:
             return self._prefill_run(pool, arrays, carry, graph_key)
-        self.leader.forward("prefill", arrays, "default", carry)
-        return self._published(lambda: self._prefill_run(pool, arrays, carry))
+        self.leader.forward("prefill", arrays, graph_key, carry)
+        return self._published(lambda: self._prefill_run(pool, arrays, carry, graph_key))
 
     def _prefill_arrays(self, items: Sequence[PrefillItem]) -> tuple[np.ndarray, ...]:
         """Host inputs of a prefill forward: ids, positions, tables, slots, ctx, cu, want (the rows
@@ -412,8 +412,8 @@ class ModelRunner:
         Carry takes its tokens from `sampled` (the broadcasts received so far, by number)."""
         arrays = [a.array() for a in msg.arrays]
         carry = Carry(sampled[msg.carry_seq], list(msg.carry_rows)) if msg.carry_seq >= 0 else None
-        if msg.kind == "prefill":
-            return self._prefill_run(self.kv_pool, arrays, carry)
+        if msg.kind == "prefill":  # the leader's piecewise graphs of msg.graph_key, if it captured them (so did we)
+            return self._prefill_run(self.kv_pool, arrays, carry, msg.graph_key)
         if msg.kind in TASK_KINDS:  # a block-wise prefill's piece (prefill_task.py)
             return replay_task(self._tasks, msg, lambda: self._new_task(arrays, msg.task, None, _direct))
         return self._decode_run(arrays, msg.graph_key, carry)
@@ -520,12 +520,14 @@ class ModelRunner:
         """Capture the piecewise prefill graphs (rapidserve/prefill_graphs.py) of every token bucket of
         `cfg.runner.prefill_graph_tokens` on `stream` under `key` (up to the first bucket that holds a whole
         step's `max_num_batched_tokens`); `prefill(..., graph_key=key)` then replays
-        them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets),
-        under tensor parallelism, or with a backend whose kernels cannot be captured. `eager`: record the pieces
-        as plain calls instead of graphs (on any device): the CPU tests of the piecewise path."""
+        them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets), or
+        with a backend whose kernels cannot be captured. `eager`: record the pieces as plain calls instead of
+        graphs (on any device): the CPU tests of the piecewise path. Tensor parallelism: the capture runs the
+        pieces' collectives, so every rank captures the same keys in the same order before it leads or follows
+        (engine/worker_build.py, engine/tp_workers.py), and a follower replays the leader's key."""
         rc = self.cfg.runner
         capturable = self.device.type == "cuda" and rc.use_cuda_graphs and self.attn.graph_safe
-        if not rc.prefill_graph_tokens or self.tp is not None or not (capturable or eager):
+        if not rc.prefill_graph_tokens or not (capturable or eager):
             return
         if self._prefill_graphs is None:
             sizes = usable_buckets(rc.prefill_graph_tokens, self.cfg.scheduler.max_num_batched_tokens)

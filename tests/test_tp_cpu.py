@@ -43,12 +43,12 @@ def _greedy(runner: ModelRunner) -> list[list[int]]:
     return out
 
 
-def _greedy_sampled(runner: ModelRunner) -> list[list[int]]:
+def _greedy_sampled(runner: ModelRunner, graph_key: str = "default") -> list[list[int]]:
     """As `_greedy`, but sampled with `sample_next` (the leader's path) and every decode step fed its
     tokens from the device: the followers replay the calls and receive the broadcast tokens."""
     tables = [[0, 1], [2, 3]]
     params = [SamplingParams(temperature=0.0)] * 2
-    logits = runner.prefill([PrefillItem(p, 0, t) for p, t in zip(PROMPTS, tables, strict=True)])
+    logits = runner.prefill([PrefillItem(p, 0, t) for p, t in zip(PROMPTS, tables, strict=True)], graph_key=graph_key)
     last = runner.sample_next(logits, params, [0, 0], (2,)).token_ids
     out = [[int(t)] for t in last]
     lens = [len(p) for p in PROMPTS]
@@ -96,6 +96,33 @@ def _mirrored_rank(model: str, spec: object, rings: list[str], q: mp.Queue) -> N
         tp.close()
 
 
+def _mirrored_pieces_rank(model: str, spec: object, rings: list[str], q: mp.Queue) -> None:
+    """As `_mirrored_rank`, with every rank's piecewise prefill pieces captured first (plain calls on CPU, in
+    the same order: their collectives pair up) under the key "split": the leader's prefill replays them and
+    the followers replay the leader's key. Each rank reports how many forwards went through its pieces."""
+    torch.set_num_threads(1)
+    cfg, source = _config(model)
+    tp = TPGroup(spec, cfg.model_config, torch.device("cpu"))  # type: ignore[arg-type]
+    try:
+        runner = ModelRunner(cfg, source, show_progress=False, tp=tp)
+        runner.capture_prefill_graphs(key="split", show_progress=False, eager=True)
+        graphs = runner._prefill_graphs
+        assert graphs is not None
+        runs: list[int] = []
+        real_run = graphs.run
+        graphs.run = lambda *a, **k: runs.append(a[1]) or real_run(*a, **k)  # type: ignore[method-assign]
+        if tp.rank == 0:
+            runner.leader = Leader(tp, [Sender(ShmRing.attach(n), MirrorMessage) for n in rings], {})
+            q.put((0, _greedy_sampled(runner, graph_key="split"), runs, ()))
+            runner.leader.stop("done")
+        else:
+            why = follow(runner, Receiver(ShmRing.attach(rings[tp.rank - 1]), MirrorMessage), lambda name: None,
+                         lambda: True)
+            q.put((tp.rank, why, runs, ()))
+    finally:
+        tp.close()
+
+
 def _run_tp(model: str, tp: int, mirrored: bool = False) -> dict[int, tuple]:
     return run_ranks(_mirrored_rank if mirrored else _rank, tp, before=(model,))
 
@@ -123,6 +150,19 @@ def test_followers_replay_the_leader(model: str, tp: int) -> None:
     got = _run_tp(model, tp, mirrored=True)
     assert got[0][0] == want
     assert all(got[r][0] == "done" for r in range(1, tp))
+
+
+@pytest.mark.parametrize(("model", "tp"), [("preset:tiny-llama", 2), ("preset:tiny-qwen3", 2)])
+def test_followers_replay_the_leaders_piecewise_prefill_graphs(model: str, tp: int) -> None:
+    """Prefill graphs under tensor parallelism (rapidserve/prefill_graphs.py): every rank captures the pieces
+    (their all-reduces run on every rank), the leader's prefill and the followers' replays of it go through
+    them (the 11-token batch: bucket 16), and the tokens equal one process's, eager."""
+    cfg, source = _config(model)
+    want = _greedy_sampled(ModelRunner(cfg, source, show_progress=False))
+    got = run_ranks(_mirrored_pieces_rank, tp, before=(model,))
+    assert got[0][0] == want
+    assert all(got[r][0] == "done" for r in range(1, tp))
+    assert all(got[r][1] == [16] for r in range(tp)), got
 
 
 class _Recorder:

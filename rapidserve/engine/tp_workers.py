@@ -150,6 +150,16 @@ def stream_names(parts: PartitionBackend, role: str) -> dict[int, str]:
     return out
 
 
+def capture_prefill(cfg: EngineConfig, runner: ModelRunner, parts: PartitionBackend) -> None:
+    """The rapid prefill worker's piecewise prefill graphs, one set per partition configuration (a graph keeps
+    its stream's compute), in the configurations' order: under tensor parallelism every prefill rank calls this
+    with the same plan, so the captures' collectives pair up. None for drift's block-wise prefill."""
+    if cfg.partition.policy == "drift":
+        return
+    for c in parts.configurations:
+        runner.capture_prefill_graphs(parts.stream(c.name, "prefill"), key=c.name, show_progress=False)
+
+
 def lead(runner: ModelRunner, seat: TPSeat | None, parts: PartitionBackend | None, role: str) -> None:
     """Make `runner` publish its calls to the followers from now on (after start-up's own collectives)."""
     if seat is None or runner.tp is None:
@@ -251,6 +261,7 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
             peers.append(int(owner_pid))
             runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=tp)
             parts = open_streams(wire, runner.device, ("prefill",))
+            capture_prefill(cfg, runner, parts)  # as the leader (worker_build.build_prefill), in its order
         else:
             runner = load_runner(cfg, tp)
             if role == "decode":
@@ -264,8 +275,9 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
 
                 handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
                 handoff.close()
-            else:
+            else:  # hybrid: as the leader (worker_build.build_hybrid), in its order
                 runner.capture_decode_graphs(show_progress=False)
+                runner.capture_prefill_graphs(show_progress=False)
 
         def stream_of(name: str | None) -> Any:
             return parts.stream(name, role) if parts is not None and name is not None else None  # type: ignore[arg-type]

@@ -27,7 +27,7 @@ from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.drift_prefill import DriftPrefillWorker
 from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
-from rapidserve.engine.tp_workers import TPSeat, lead, open_group, send_plan
+from rapidserve.engine.tp_workers import TPSeat, capture_prefill, lead, open_group, send_plan
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.model_sharing import export_shared
 from rapidserve.partition.drift import LinearModel
@@ -65,15 +65,14 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
     runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))
+    capture_prefill(cfg, runner, parts)
     lead(runner, seat, parts, "prefill")
+    info = {"device": str(runner.device), **memory_info(runner)}
     if cfg.partition.policy == "drift":  # block-wise prefill, preemption (engine/drift_prefill.py)
         models = {k: LinearModel(*v) for k, v in wire.prefill_models.items()}
-        info = {"device": str(runner.device), **memory_info(runner)}
         return info, DriftPrefillWorker(cfg, runner, io, parts, wire.initial, models)
-    for c in parts.configurations:  # short forwards replay piecewise graphs, one set per partition's stream
-        runner.capture_prefill_graphs(parts.stream(c.name, "prefill"), key=c.name, show_progress=False)
-    info = {"device": str(runner.device), **memory_info(runner)}
     return info, PrefillWorker(cfg, runner, io, parts, wire.initial)
+
 
 
 def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
