@@ -216,8 +216,6 @@ def prefill_graphs_unused(a: argparse.Namespace) -> str | None:
     """Why a run with these flags captures no piecewise prefill graph (None: it does)."""
     if a.enforce_eager:
         return "--enforce-eager turns off every CUDA graph"
-    if getattr(a, "tensor_parallel_size", 1) > 1:
-        return "prefill graphs are not captured under tensor parallelism yet (-tp N)"
     if getattr(a, "mode", None) == "disagg":
         return "--mode disagg's prefill worker computes without graphs"
     if getattr(a, "policy", None) == "drift":

@@ -241,6 +241,26 @@ def test_prefill_kernel_compiles_one_variant_for_every_batch_shape() -> None:
     assert {"num_seqs", "num_m_tiles"} <= names
 
 
+def _unspecialized(kernel: object) -> set[str]:
+    return {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}  # type: ignore[attr-defined]
+
+
+def test_decode_kernels_compile_one_variant_for_every_step() -> None:
+    """Eager decode (hybrid's mixed steps) varies the split count and the block table's width each step: neither
+    is specialized, and the reduce kernel's split tile is the same for every batch on one device and model."""
+    pytest.importorskip("triton")
+    from rapidserve.attention import triton_paged as tp
+
+    assert {"num_splits", "stride_bt"} <= _unspecialized(tp._decode_split_kernel)
+    assert "num_splits" in _unspecialized(tp._decode_reduce_kernel)
+    sms, kv = 132, 8  # H100, Qwen3-8B
+    tiles = {tp.decode_block_s(tp.decode_num_splits(b, kv, w, 16, 64, sms), kv, sms)
+             for b in range(1, 257) for w in (1, 7, 64, 512)}
+    assert tiles == {64}
+    assert tp.decode_block_s(1, 1, 132) == 64  # capped for a single kv head ...
+    assert tp.decode_block_s(200, 1, 132) == 256  # ... unless the split count itself is larger (override)
+
+
 # --------------------------------------------------------------------------- Triton interpreter
 def _interp_write_kv() -> None:
     from rapidserve.attention import triton_paged as tp

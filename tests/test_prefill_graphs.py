@@ -212,7 +212,6 @@ def test_serve_refuses_a_bad_bucket_list(capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.parametrize(("argv", "why"), [
     (["serve", "--enforce-eager"], "--enforce-eager turns off every CUDA graph"),
-    (["serve", "--tensor-parallel-size", "2"], "tensor parallelism"),
     (["serve", "--mode", "disagg"], "--mode disagg"),
     (["serve", "--policy", "drift"], "--policy drift"),
     (["generate", "--enforce-eager", "--prompt", "hi"], "--enforce-eager"),
@@ -226,6 +225,13 @@ def test_the_flag_is_refused_where_no_graph_is_captured(argv: list[str], why: st
     assert "--prefill-graph-tokens:" in err and why in err and "Drop the flag" in err
     a = cli.build_parser().parse_args([*argv, "--prefill-graph-tokens", "none"])
     assert a.prefill_graph_tokens == ()
+
+
+def test_the_flag_is_accepted_under_tensor_parallelism() -> None:
+    """-tp N captures prefill graphs on every rank (engine/tp_workers.py): the bucket list is not refused."""
+    a = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--prefill-graph-tokens", "16,64"])
+    assert cli.prefill_graphs_unused(a) is None
+    cli.check_prefill_graph_flag(a)
 
 
 @pytest.mark.parametrize("bad", [(16.5,), ("16",), (True,)])

@@ -93,7 +93,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # ------------------------------------------------------------------------------------------- decode
-@triton.jit
+# Eager decode (hybrid mode's mixed steps, LLM without graphs) sees a new split count and block-table width almost
+# every step: specialized (== 1, % 16 == 0) they compiled variants mid-serving, as the prefill kernel's counts did.
+# The reduce kernel's BLOCK_S is the process's largest split count rounded up (decode_block_s), not each step's.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr,
                          qk_scale, stride_qb, stride_qh, stride_bt, num_splits,
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -159,7 +162,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                  mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp."""
@@ -191,6 +194,14 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
     max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n))
     want = triton.cdiv(waves * num_sms, max(1, batch * num_kv_heads))
     return max(1, min(want, max_tiles))
+
+
+def decode_block_s(num_splits: int, num_kv_heads: int, num_sms: int, waves: int = 2, cap: int = 64) -> int:
+    """The reduce kernel's split tile: the largest split count decode_num_splits gives on this device and model
+    (batch 1) rounded up to a power of two, so one compiled variant serves every step; at most `cap` unless
+    `num_splits` itself is larger (a tuning override, or a model with very few kv heads)."""
+    most = min(cap, triton.cdiv(waves * num_sms, max(1, num_kv_heads)))
+    return triton.next_power_of_2(max(num_splits, most))
 
 
 def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
@@ -246,7 +257,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if not direct:
         _decode_reduce_kernel[(batch * num_heads,)](
             out, lse, part, num_splits, HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+            BLOCK_S=decode_block_s(num_splits, num_kv_heads, _num_sms(q.device)), BLOCK_D=block_d, num_warps=4)
     return out
 
 

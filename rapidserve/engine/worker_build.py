@@ -74,7 +74,6 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     return info, PrefillWorker(cfg, runner, io, parts, wire.initial)
 
 
-
 def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], HybridWorker]:
     runner = load_runner(cfg, open_group(cfg, seat))
