@@ -115,7 +115,8 @@ def _two_gpus() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["rapid", "hybrid"])
 def test_tp2_on_two_gpus(mode: str, capfd: pytest.CaptureFixture[str]) -> None:
-    """Two GPUs, NCCL, decode graphs with their all-reduces captured, rapid mode's partitions on each GPU:
+    """Two GPUs, NCCL, decode and piecewise prefill graphs with their all-reduces captured (every rank captures
+    the same sets in the same order), rapid mode's partitions on each GPU:
     the tokens of one GPU (fp32, greedy and seeded rows; the sums' order differs, the tokens do not)."""
     if not _two_gpus():
         pytest.skip("needs two GPUs")
