@@ -33,9 +33,12 @@ never run concurrently (one stream at a time in a process; a switch of partition
 caller) and no piece's temporaries outlive it. This memory (0.18 GiB for 5 keys and Qwen3-8B on the H100) comes
 out of what the KV pool leaves (1 - gpu_memory_utilization), not out of the KV budget.
 
-Not graphed: forwards longer than the largest bucket (their launches hide behind the GPU's work), tensor
-parallelism (the pieces' collectives would have to be captured in the same order on every rank: built, held back
-until it runs on two GPUs), disaggregated prefill and the block-wise prefill of the drift policy
+Tensor parallelism: the pieces' collectives are captured with them, so every rank captures the same sets in the
+same order before the leader starts to publish (engine/worker_build.py, engine/tp_workers.py), and a follower
+replays the key the leader's Forward names (the same bucket rule on the same inputs picks graph or eager on both).
+
+Not graphed: forwards longer than the largest bucket (their launches hide behind the GPU's work),
+disaggregated prefill and the block-wise prefill of the drift policy
 (rapidserve/prefill_task.py), whose workers capture none, and a forward into another pool than the captured
 one (the runner's KV-budget probe). On CPU there is nothing to capture: `eager=True` records each
 piece as a plain call, so the CPU tests run the very same pieces, buffers and padding.

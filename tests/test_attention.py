@@ -257,6 +257,8 @@ def test_decode_kernels_compile_one_variant_for_every_step() -> None:
     tiles = {tp.decode_block_s(tp.decode_num_splits(b, kv, w, 16, 64, sms), kv, sms)
              for b in range(1, 257) for w in (1, 7, 64, 512)}
     assert tiles == {64}
+    kv4 = {tp.decode_block_s(tp.decode_num_splits(b, 4, 512, 16, 64, sms), 4, sms) for b in range(1, 257)}
+    assert kv4 == {64, 128}  # 4 kv heads a rank (Qwen3-8B at -tp 2): batch 1 alone splits 66 ways
     assert tp.decode_block_s(1, 1, 132) == 64  # capped for a single kv head ...
     assert tp.decode_block_s(200, 1, 132) == 256  # ... unless the split count itself is larger (override)
 

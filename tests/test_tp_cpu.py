@@ -228,3 +228,49 @@ def test_blamed_retries_are_not_broadcast(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(RequestsFailed):
         sample_or_blame(runner, logits, [good, good], [0, 0], (2,))
     assert rec.calls == ["sampled 2"]  # the two one-row retries sampled, and were not broadcast
+
+
+class _CaptureLog:
+    """A runner and a partition backend that record the graph captures asked of them."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        from types import SimpleNamespace
+
+        self.calls: list[tuple[str, object, object]] = []
+        self.configurations = [SimpleNamespace(name=n, decode_whole=n == "overallocated") for n in names]
+
+    def stream(self, name: str, role: str) -> str:
+        return f"{role}:{name}"
+
+    def capture_decode_graphs(self, stream: object = None, key: str = "default", **kw: object) -> None:
+        self.calls.append(("decode", stream, key))
+
+    def capture_prefill_graphs(self, stream: object = None, key: str = "default", **kw: object) -> None:
+        self.calls.append(("prefill", stream, key))
+
+
+@pytest.mark.parametrize(("role", "policy", "want"), [
+    ("decode", "rapid", [("decode", "decode:split16", "split16"), ("decode", "decode:overallocated", "overallocated")]),
+    ("prefill", "rapid", [("prefill", "prefill:split16", "split16"),
+                          ("prefill", "prefill:overallocated", "overallocated")]),
+    ("prefill", "drift", []),  # block-wise prefill captures nothing
+    ("hybrid", "rapid", [("decode", None, "default"), ("prefill", None, "default")]),
+])
+def test_every_rank_captures_the_same_graphs_in_the_plans_order(role: str, policy: str,
+                                                                 want: list[tuple[str, object, str]]) -> None:
+    """Leader (engine/worker_build.py) and followers (tp_workers.run_follower) capture through these three
+    functions, so the captures' collectives pair up: one set per configuration, in the plan's order, on that
+    configuration's stream of the role."""
+    from types import SimpleNamespace
+
+    from rapidserve.engine import tp_workers
+
+    log = _CaptureLog(("split16", "overallocated"))
+    if role == "decode":
+        tp_workers.capture_decode(log, log)  # type: ignore[arg-type]
+    elif role == "prefill":
+        cfg = SimpleNamespace(partition=SimpleNamespace(policy=policy))
+        tp_workers.capture_prefill(cfg, log, log)  # type: ignore[arg-type]
+    else:
+        tp_workers.capture_hybrid(log)  # type: ignore[arg-type]
+    assert log.calls == want

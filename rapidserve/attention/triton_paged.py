@@ -95,7 +95,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ------------------------------------------------------------------------------------------- decode
 # Eager decode (hybrid mode's mixed steps, LLM without graphs) sees a new split count and block-table width almost
 # every step: specialized (== 1, % 16 == 0) they compiled variants mid-serving, as the prefill kernel's counts did.
-# The reduce kernel's BLOCK_S is the process's largest split count rounded up (decode_block_s), not each step's.
+# The reduce kernel's BLOCK_S is the process's largest split count rounded up, capped at 64 (decode_block_s), not
+# each step's: one variant with 2 x SMs / 64 kv heads per rank or more (5+ on an H100), two or three below that.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr,
                          qk_scale, stride_qb, stride_qh, stride_bt, num_splits,
@@ -198,8 +199,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, bl
 
 def decode_block_s(num_splits: int, num_kv_heads: int, num_sms: int, waves: int = 2, cap: int = 64) -> int:
     """The reduce kernel's split tile: the largest split count decode_num_splits gives on this device and model
-    (batch 1) rounded up to a power of two, so one compiled variant serves every step; at most `cap` unless
-    `num_splits` itself is larger (a tuning override, or a model with very few kv heads)."""
+    (batch 1) rounded up to a power of two, at most `cap` (a larger tile costs registers), unless `num_splits`
+    itself is larger. One compiled variant serves every step where 2 x SMs / num_kv_heads <= cap; with fewer kv
+    heads per rank (4 or fewer on an H100: Qwen3-8B at -tp 2) the smallest batches get their own, which decode
+    graph capture compiles before serving."""
     most = min(cap, triton.cdiv(waves * num_sms, max(1, num_kv_heads)))
     return triton.next_power_of_2(max(num_splits, most))
 

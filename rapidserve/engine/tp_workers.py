@@ -9,8 +9,9 @@ the mirror rings (the leader: one per follower, to write; a follower: its own, t
 A follower's start-up repeats its leader's, call for call where the group is involved: load the shard
 (the KV budget's trial forward and the pool agreement are collectives), for decode wait for the
 leader's partition plan (`Setup`) and capture the same decode graphs in the same order, hand the
-weights and pool to the prefill follower on the same GPU (as decode rank 0 does to prefill rank 0),
-then follow until the router stops it or dies.
+weights and pool to the prefill follower on the same GPU (as decode rank 0 does to prefill rank 0), which
+captures the same piecewise prefill graphs as its leader (`capture_prefill`; hybrid: decode's, then
+prefill's), then follow until the router stops it or dies.
 
 Shutdown, in order: the leader's process hosts the TCP store its group met on (rank 0's), so it goes last.
 At its exit the leader sends Stop to its followers and waits for them to exit (`stop_followers`): a
@@ -18,7 +19,7 @@ follower that outlived the store had NCCL's watchdog report the lost store (a c1
 stop. A follower whose mirror ring is full (it is behind, replaying) gets the Stop as soon as it has made
 room, within the same 3 s; one that never does is named in the log and left to the router's shutdown.
 No rank calls destroy_process_group: NCCL's ncclCommFinalize waits until every CUDA graph that captured the
-communicator's kernels is destroyed, and decode and hybrid ranks hold theirs (all-reduces inside) to the end;
+communicator's kernels is destroyed, and every rank holds its graphs (all-reduces inside) to the end;
 the communicator goes with the process.
 """
 
@@ -150,6 +151,21 @@ def stream_names(parts: PartitionBackend, role: str) -> dict[int, str]:
     return out
 
 
+def capture_decode(runner: ModelRunner, parts: PartitionBackend) -> None:
+    """The decode worker's graphs, one set per partition configuration (a graph keeps the compute of the stream
+    it was captured on), in the plan's order: every decode rank calls this with the same plan (`Setup`), so the
+    captures' collectives pair up."""
+    for c in parts.configurations:
+        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
+                                     whole_gpu=c.decode_whole)
+
+
+def capture_hybrid(runner: ModelRunner) -> None:
+    """The hybrid worker's graphs, on every rank in this order: decode's, then the piecewise prefill graphs."""
+    runner.capture_decode_graphs(show_progress=False)
+    runner.capture_prefill_graphs(show_progress=False)
+
+
 def capture_prefill(cfg: EngineConfig, runner: ModelRunner, parts: PartitionBackend) -> None:
     """The rapid prefill worker's piecewise prefill graphs, one set per partition configuration (a graph keeps
     its stream's compute), in the configurations' order: under tensor parallelism every prefill rank calls this
@@ -268,16 +284,13 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
                 setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
                 wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
                 parts = open_streams(wire, runner.device, ("decode",))
-                for c in parts.configurations:  # the leader's order: the captures' collectives pair up
-                    runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
-                                                 whole_gpu=c.decode_whole)
+                capture_decode(runner, parts)  # as the leader (worker_build.build_decode)
                 from rapidserve.model_sharing import export_shared
 
                 handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
                 handoff.close()
-            else:  # hybrid: as the leader (worker_build.build_hybrid), in its order
-                runner.capture_decode_graphs(show_progress=False)
-                runner.capture_prefill_graphs(show_progress=False)
+            else:
+                capture_hybrid(runner)  # as the leader (worker_build.build_hybrid)
 
         def stream_of(name: str | None) -> Any:
             return parts.stream(name, role) if parts is not None and name is not None else None  # type: ignore[arg-type]

@@ -27,7 +27,15 @@ from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.drift_prefill import DriftPrefillWorker
 from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
-from rapidserve.engine.tp_workers import TPSeat, capture_prefill, lead, open_group, send_plan
+from rapidserve.engine.tp_workers import (
+    TPSeat,
+    capture_decode,
+    capture_hybrid,
+    capture_prefill,
+    lead,
+    open_group,
+    send_plan,
+)
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.model_sharing import export_shared
 from rapidserve.partition.drift import LinearModel
@@ -42,9 +50,7 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     plan = resolve_plan(cfg, runner.device, runner.dtype)
     send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
-    for c in parts.configurations:  # a graph keeps the compute of the stream it was captured on
-        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
-                                     whole_gpu=c.decode_whole)
+    capture_decode(runner, parts)
     handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
     handoff.close()
     lead(runner, seat, parts, "decode")
@@ -77,8 +83,7 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
 def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], HybridWorker]:
     runner = load_runner(cfg, open_group(cfg, seat))
-    runner.capture_decode_graphs(show_progress=False)
-    runner.capture_prefill_graphs(show_progress=False)
+    capture_hybrid(runner)
     lead(runner, seat, None, "hybrid")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
             **memory_info(runner)}
