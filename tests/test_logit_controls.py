@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from rapidserve import runner as runner_mod
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import resolve_model
 from rapidserve.logit_controls import HISTORY, TokenHistory, TokenState, apply_controls, plan_controls
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.runner import ModelRunner
+from rapidserve.runner import model_runner as runner_mod
 from rapidserve.sampler import token_generators
 from rapidserve.sampling_params import SamplingParams, SamplingParamsError, resolve_bad_words
 

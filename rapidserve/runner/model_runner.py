@@ -4,7 +4,7 @@ Two calls for the engine: `prefill(items, stream, carry, graph_key)` and `decode
 Each builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
 and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
 On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key, and a
-prefill that fits a token bucket replays piecewise graphs (rapidserve/prefill_graphs.py) of its key: a
+prefill that fits a token bucket replays piecewise graphs (prefill_graphs.py) of its key: a
 graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
 captures one set per partition configuration. No capture on CPU.
 Sampling is separate (`sample`), so the engine decides what to do with logits.
@@ -38,18 +38,26 @@ from rapidserve.logit_controls import (
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import cublas_linears, get_ops
 from rapidserve.parallel.shard import shard_config
-from rapidserve.prefill_graphs import PrefillGraphs, usable_buckets
-from rapidserve.prefill_task import TASK_KINDS, Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher, replay_task
 from rapidserve.prompt import PromptLimits
+from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
+from rapidserve.runner.prefill_task import (
+    TASK_KINDS,
+    Guard,
+    PrefillTask,
+    TaskInputs,
+    TaskKind,
+    TaskPublisher,
+    replay_task,
+)
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.sequence import early_stop_bans
 from rapidserve.structured import GrammarMask, apply_grammar_mask
 
 if TYPE_CHECKING:
-    from rapidserve.model_sharing import SharedState
     from rapidserve.parallel.group import TPGroup
     from rapidserve.parallel.mirror import Forward, Leader
+    from rapidserve.runner.model_sharing import SharedState
 
 _T = TypeVar("_T")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -171,7 +179,7 @@ class ModelRunner:
         logging.getLogger(__name__).info("attention backend: %s", self.attn.name)
         t0 = time.perf_counter()
         if attached is not None:
-            from rapidserve.model_sharing import attach_model
+            from rapidserve.runner.model_sharing import attach_model
 
             self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
                                                     max(self.max_model_len, 1), attached, tp)
@@ -336,7 +344,7 @@ class ModelRunner:
         last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
         return self.model.compute_logits(hidden.index_select(0, last))
 
-    # ---- block-wise prefill (DRIFT: rapidserve/prefill_task.py) --------------------------------
+    # ---- block-wise prefill (DRIFT: prefill_task.py) --------------------------------------------
     def prefill_task(self, items: Sequence[PrefillItem]) -> PrefillTask:
         """A prefill forward over `items` to be launched a layer block at a time (`PrefillTask.step`): its
         inputs are built now and its embedding queued on the current stream. Under tensor parallelism the
@@ -517,7 +525,7 @@ class ModelRunner:
 
     def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
                                show_progress: bool = True, eager: bool = False) -> None:
-        """Capture the piecewise prefill graphs (rapidserve/prefill_graphs.py) of every token bucket of
+        """Capture the piecewise prefill graphs (prefill_graphs.py) of every token bucket of
         `cfg.runner.prefill_graph_tokens` on `stream` under `key` (up to the first bucket that holds a whole
         step's `max_num_batched_tokens`); `prefill(..., graph_key=key)` then replays
         them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets), or
