@@ -1,13 +1,18 @@
 """ModelRunner: turns scheduled batches into forward passes on a device.
 
 Two calls for the engine: `prefill(items, stream, carry, graph_key)` and `decode(items, stream, graph_key)`.
-Each builds the flat token batch and its AttentionMetadata, runs the model on the stream it is handed
-and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
-On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key, and a
-prefill that fits a token bucket replays piecewise graphs (prefill_graphs.py) of its key: a
-graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
+Each builds the flat token batch and its AttentionMetadata (inputs.py), runs the model on the stream it is
+handed and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
+On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key
+(decode_graphs.py), and a prefill that fits a token bucket replays piecewise graphs (prefill_graphs.py) of its
+key: a graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
 captures one set per partition configuration. No capture on CPU.
-Sampling is separate (`sample`), so the engine decides what to do with logits.
+Sampling is separate (`sample`, `sample_next`: sampling.py), so the engine decides what to do with logits.
+
+`ModelRunner` is composed of the parts in this package, each a class of the methods of one concept over the
+runner's state: `BatchInputs` (inputs.py), `DecodeGraphs` (decode_graphs.py), `Sampling` (sampling.py) and
+`Mirrored` (tp.py: the tensor-parallel hooks). This module holds start-up (device, dtype, weights, the KV
+pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_task.py) and stream ordering.
 """
 
 from __future__ import annotations
@@ -15,104 +20,36 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.attention import AttentionMetadata, get_attention_backend, split_decode_rows
+from rapidserve.attention import get_attention_backend
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
-from rapidserve.logit_controls import (
-    ControlPlan,
-    HistoryOf,
-    TokenState,
-    apply_controls,
-    plan_controls,
-    record_tokens,
-)
+from rapidserve.logit_controls import ControlPlan, TokenState
 from rapidserve.models.transformer import CausalLM
-from rapidserve.ops import cublas_linears, get_ops
+from rapidserve.ops import get_ops
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
+from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
+from rapidserve.runner.inputs import Carry, DecodeItem, PrefillItem
 from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
-from rapidserve.runner.prefill_task import (
-    TASK_KINDS,
-    Guard,
-    PrefillTask,
-    TaskInputs,
-    TaskKind,
-    TaskPublisher,
-    replay_task,
-)
-from rapidserve.sampler import Sampler, SamplerOutput, token_generators
-from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import early_stop_bans
-from rapidserve.structured import GrammarMask, apply_grammar_mask
+from rapidserve.runner.prefill_task import Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher
+from rapidserve.runner.sampling import Sampling
+from rapidserve.runner.tp import Mirrored, direct
+from rapidserve.sampler import Sampler
 
 if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
-    from rapidserve.parallel.mirror import Forward, Leader
+    from rapidserve.parallel.mirror import Leader
     from rapidserve.runner.model_sharing import SharedState
 
-_T = TypeVar("_T")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class PrefillItem:
-    token_ids: Sequence[int]  # the new tokens of this step (a whole prompt or a chunk of it)
-    start_pos: int  # tokens of the sequence already in the cache
-    block_table: Sequence[int]  # covers start_pos + len(token_ids) tokens
-    need_logits: bool = True
-
-
-@dataclass(frozen=True)
-class DecodeItem:
-    token_id: int
-    position: int  # of token_id; the context after this step is position + 1 tokens
-    block_table: Sequence[int]
-
-
-@dataclass(frozen=True)
-class Carry:
-    """Tokens of a step still in flight, fed to the next decode step without waiting for them: row
-    `dst` of the step takes `token_ids[src]` for each `(dst, src)` in `rows` (the items' token ids of
-    those rows are placeholders).
-
-    Stream ordering: the step reading them runs on the current stream. The step in flight ran on
-    this stream, or on another one the caller synchronized before switching, so `token_ids` are
-    written before this read. They were allocated on that stream and may be freed while this step
-    still reads them: record_stream keeps the allocator from reusing the memory there first (a no-op
-    when it is this stream). Caveat, not measured: the index lists (and the decode inputs) are copied
-    from pageable host memory, which CUDA orders after the stream's earlier work, so the copy may
-    still wait for the step in flight; staging them in pinned memory would remove that wait."""
-
-    token_ids: torch.Tensor
-    rows: list[tuple[int, int]]
-
-    def apply(self, input_ids: torch.Tensor) -> None:
-        dev = input_ids.device
-        dst = torch.tensor([d for d, _ in self.rows]).to(dev, non_blocking=True)
-        src = torch.tensor([s for _, s in self.rows]).to(dev, non_blocking=True)
-        input_ids[dst] = self.token_ids[src]
-        if dev.type == "cuda":
-            self.token_ids.record_stream(torch.cuda.current_stream(dev))
-
-
-def _direct(run: Callable[[], _T]) -> _T:
-    """A task's guard without tensor parallelism: run it."""
-    return run()
-
-
-class RanksDiverged(RuntimeError):
-    """A tensor-parallel leader's forward failed after its followers queued theirs: fatal to the worker."""
-
-    fatal = True
 
 
 def resolve_device(name: str) -> torch.device:
@@ -146,14 +83,7 @@ def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
     return ModelRunner(cfg, source, show_progress=False, tp=tp)
 
 
-@dataclass
-class _DecodeGraph:
-    graph: torch.cuda.CUDAGraph
-    batch: int
-    logits: torch.Tensor  # the graph's output buffer, [batch, vocab]
-
-
-class ModelRunner:
+class ModelRunner(DecodeGraphs, Sampling, Mirrored):
     def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
                  show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None) -> None:
         """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
@@ -200,7 +130,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, cfg.runner.seed)
         self.tokens = TokenState(self.device)  # penalty / bad-word slots (logit_controls.py), owned by the worker
         self._unrecorded: tuple[torch.Tensor, ControlPlan] | None = None  # sample_next(record=False)'s tokens
-        self._graphs: dict[str, dict[int, _DecodeGraph]] = {}
+        self._graphs: dict[str, dict[int, DecodeGraph]] = {}
         self._graph_pool: object | None = None
         self._static: dict[str, torch.Tensor] = {}
         self._task_ids = 0  # block-wise prefill tasks made so far (their ids, for the followers)
@@ -294,40 +224,6 @@ class ModelRunner:
         self.leader.forward("prefill", arrays, graph_key, carry)
         return self._published(lambda: self._prefill_run(pool, arrays, carry, graph_key))
 
-    def _prefill_arrays(self, items: Sequence[PrefillItem]) -> tuple[np.ndarray, ...]:
-        """Host inputs of a prefill forward: ids, positions, tables, slots, ctx, cu, want (the rows
-        whose logits are returned)."""
-        bs = self.block_size
-        lens = np.array([len(it.token_ids) for it in items], dtype=np.int64)
-        starts = np.array([it.start_pos for it in items], dtype=np.int64)
-        cu = np.zeros(len(items) + 1, dtype=np.int64)
-        np.cumsum(lens, out=cu[1:])
-        ids = np.fromiter((t for it in items for t in it.token_ids), dtype=np.int64, count=int(cu[-1]))
-        seq_of_tok = np.repeat(np.arange(len(items)), lens)
-        positions = starts[seq_of_tok] + (np.arange(cu[-1]) - cu[seq_of_tok])
-        # Width rounded up to 16 entries: the kernels' integer specialisations (stride % 16) stay fixed,
-        # so steps with new table widths do not compile new kernel variants mid-serving.
-        tables = self._table_array(items, -(-max(len(it.block_table) for it in items) // 16) * 16)
-        slots = tables[seq_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
-        ctx = (starts + lens).astype(np.int32)
-        want = np.array([i for i, it in enumerate(items) if it.need_logits], dtype=np.int64)
-        return ids, positions, tables, slots, ctx, cu, want
-
-    def _prefill_meta(self, arrays: Sequence[np.ndarray]) -> AttentionMetadata:
-        """The attention metadata of a prefill forward, on the device (copies queued on the current stream)."""
-        _, _, tables, slots, ctx, cu, _ = arrays
-        lens = np.diff(cu)
-        meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._dev(slots),
-            block_tables=self._dev(tables),
-            context_lens=self._dev(ctx),
-            cu_seqlens_q=self._dev(cu.astype(np.int32)),
-            max_seqlen_q=int(lens.max()),
-            max_context_len=int(ctx.max()),
-        )
-        return split_decode_rows(meta, lens.tolist())  # a mixed step's decodes use the decode kernel
-
     def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None,
                      graph_key: str = "default") -> torch.Tensor:
         ids, positions, _, slots, _, cu, want = arrays
@@ -353,7 +249,7 @@ class ModelRunner:
         arrays = self._prefill_arrays(items)
         self._task_ids += 1
         if self.leader is None:
-            return self._new_task(arrays, self._task_ids, None, _direct)
+            return self._new_task(arrays, self._task_ids, None, direct)
         leader = self.leader
         leader.forward("prefill_begin", arrays, "default", None, task=self._task_ids)
 
@@ -385,144 +281,7 @@ class ModelRunner:
         self.leader.forward("decode", arrays, graph_key, carry)
         return self._published(lambda: self._decode_run(arrays, graph_key, carry))
 
-    def _published(self, run: Callable[[], _T]) -> _T:
-        """A call the followers were told of: if it fails here, theirs did not, and the ranks' collectives no
-        longer pair up; the worker must die (the router restarts the engine) rather than go on."""
-        try:
-            return run()
-        except Exception as e:
-            raise RanksDiverged(f"a tensor-parallel forward failed on the leader after the followers were told of "
-                                f"it ({type(e).__name__}: {e}); the ranks' collectives no longer pair up") from e
-
-    def _decode_run(self, arrays: Sequence[np.ndarray], graph_key: str, carry: Carry | None) -> torch.Tensor:
-        """Everything on the current stream: the static buffers are filled on the stream that replays
-        the graph, so a replay never reads inputs another stream is still writing."""
-        n = len(arrays[0])
-        graphs = self._graphs.get(graph_key)
-        if graphs and n <= max(graphs):
-            g = graphs[min(b for b in graphs if b >= n)]
-            self._fill_static(arrays, g.batch)
-            if carry is not None:
-                carry.apply(self._static["input_ids"])
-            g.graph.replay()
-            return g.logits[:n]
-        ids, pos, tables, ctx, slots = arrays
-        meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
-                                 max_context_len=int(ctx.max()))
-        tokens = self._dev(ids)
-        if carry is not None:
-            carry.apply(tokens)
-        hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
-        return self.model.compute_logits(hidden)
-
-    def replay(self, msg: Forward, sampled: dict[int, torch.Tensor]) -> torch.Tensor | None:
-        """A follower's copy of the leader's call `msg` (parallel/mirror.py), on the current stream; a
-        Carry takes its tokens from `sampled` (the broadcasts received so far, by number)."""
-        arrays = [a.array() for a in msg.arrays]
-        carry = Carry(sampled[msg.carry_seq], list(msg.carry_rows)) if msg.carry_seq >= 0 else None
-        if msg.kind == "prefill":  # the leader's piecewise graphs of msg.graph_key, if it captured them (so did we)
-            return self._prefill_run(self.kv_pool, arrays, carry, msg.graph_key)
-        if msg.kind in TASK_KINDS:  # a block-wise prefill's piece (prefill_task.py)
-            return replay_task(self._tasks, msg, lambda: self._new_task(arrays, msg.task, None, _direct))
-        return self._decode_run(arrays, msg.graph_key, carry)
-
-    def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
-        """The graph `decode()` replays for `n` sequences under `graph_key` (None: runs eager). After
-        one `decode()` call its inputs are in place, so replaying it again repeats that step."""
-        graphs = self._graphs.get(graph_key)
-        if not graphs or n > max(graphs):
-            return None
-        return graphs[min(b for b in graphs if b >= n)].graph
-
-    def _decode_arrays(self, items: Sequence[DecodeItem], width: int) -> tuple[np.ndarray, ...]:
-        bs = self.block_size
-        ids = np.array([it.token_id for it in items], dtype=np.int64)
-        pos = np.array([it.position for it in items], dtype=np.int64)
-        tables = self._table_array(items, width)
-        slots = tables[np.arange(len(items)), pos // bs].astype(np.int64) * bs + pos % bs
-        return ids, pos, tables, (pos + 1).astype(np.int32), slots
-
-    def _fill_static(self, arrays: Sequence[np.ndarray], batch: int) -> None:
-        s, n = self._static, len(arrays[0])
-        ids, pos, tables, ctx, slots = arrays
-        s["input_ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
-        s["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
-        s["block_tables"][:n].copy_(torch.from_numpy(tables), non_blocking=True)
-        s["context_lens"][:n].copy_(torch.from_numpy(ctx), non_blocking=True)
-        s["slot_mapping"][:n].copy_(torch.from_numpy(slots), non_blocking=True)
-        if batch > n:  # padding rows: write nothing, attend to nothing
-            s["slot_mapping"][n:batch].fill_(-1)
-            s["context_lens"][n:batch].fill_(0)
-
-    def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
-                              show_progress: bool = True, whole_gpu: bool = True) -> None:
-        """Capture one decode graph per batch bucket on `stream` (its compute partition sticks).
-
-        `whole_gpu`: whether `stream` may use every SM (no partition, or an overallocated one). Graphs of a
-        stream limited to part of the GPU run their linear layers through cuBLAS (`ops.cublas_linears`):
-        the small-batch Triton kernel is faster only with the whole GPU.
-
-        Stream ordering (the rule for every side stream here): the static buffers, the weights and the
-        KV pool were allocated and written on the caller's current stream, and the capture stream (a
-        new one, or a partition's non-blocking stream) does not otherwise wait for it. The caching
-        allocator recycles freed memory without clearing it, so a warm-up that overtook the zero-fill
-        of the static buffers read an earlier test's data as block tables ("index out of bounds",
-        only after other GPU work and never under CUDA_LAUNCH_BLOCKING=1). Hence: the capture stream
-        waits for the caller's stream before touching them; every fill, warm-up and capture runs on
-        the capture stream; the caller's stream waits for the capture stream at the end, so a later
-        synchronize of the caller's stream or device (export_shared) covers this work too. The
-        static buffers live as long as the runner: nothing frees them while a stream uses them.
-        """
-        if self.device.type != "cuda" or not self.cfg.runner.use_cuda_graphs or not self.attn.graph_safe:
-            return
-        sizes = list(self.cfg.runner.graph_batch_sizes)
-        caller = torch.cuda.current_stream(self.device)
-        if not self._static:
-            m = sizes[-1]
-            dev = self.device
-            self._static = {
-                "input_ids": torch.zeros(m, dtype=torch.int64, device=dev),
-                "positions": torch.zeros(m, dtype=torch.int64, device=dev),
-                "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-                "context_lens": torch.zeros(m, dtype=torch.int32, device=dev),
-                "slot_mapping": torch.full((m,), -1, dtype=torch.int64, device=dev),
-            }
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        s = self._static
-        whole_ops = self.model.ops
-        self.model.ops = whole_ops if whole_gpu else cublas_linears(whole_ops)
-        try:
-            self._capture(sizes, s, stream, caller, key, show_progress)
-        finally:
-            self.model.ops = whole_ops
-
-    def _capture(self, sizes: list[int], s: dict[str, torch.Tensor], stream: torch.cuda.Stream | None,
-                 caller: torch.cuda.Stream, key: str, show_progress: bool) -> None:
-        capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
-        graphs: dict[int, _DecodeGraph] = {}
-        with torch.cuda.stream(capture_stream):
-            for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
-                          disable=not show_progress, leave=False):
-                s["slot_mapping"][:b].fill_(-1)
-                s["context_lens"][:b].fill_(0)
-                meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
-                                         s["context_lens"][:b], max_context_len=self.max_model_len)
-
-                def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
-                    h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
-                    return self.model.compute_logits(h)
-
-                step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
-                capture_stream.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
-                    logits = step()
-                graphs[b] = _DecodeGraph(g, b, logits)
-        caller.wait_stream(capture_stream)
-        self._graphs[key] = graphs
-        torch.cuda.synchronize(self.device)
-
+    # ---- piecewise prefill graphs (prefill_graphs.py) -------------------------------------------
     def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
                                show_progress: bool = True, eager: bool = False) -> None:
         """Capture the piecewise prefill graphs (prefill_graphs.py) of every token bucket of
@@ -542,79 +301,7 @@ class ModelRunner:
             self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
         self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
 
-    # ---- sampling and helpers -------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> SamplerOutput:
-        return self.sampler.sample(logits, list(params), list(generators))
-
-    def sample_next(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_index: Sequence[int],
-                    eos: tuple[int, ...], grammar: GrammarMask | None = None, history: HistoryOf | None = None,
-                    record: bool = True, share: bool = True) -> SamplerOutput:
-        """Sample row i as output token `output_index[i]` of its request: stop tokens banned while
-        `min_tokens` is not reached (in place), the request's seeded generator at that index.
-        `grammar`: the step's structured-output bitmask (rapidserve/structured), applied in place; its
-        rows' early-stop bans are in the mask already (a complete grammar may end below min_tokens).
-        Rows with logit controls (penalties, logit_bias, bad words, allowed_token_ids) take them on a copy
-        of the (masked) logits (logit_controls.py); `history(i)` gives row i's request tokens and slot key
-        where the controls read earlier tokens. The sampled tokens are added to the rows' slots on the
-        device (`logit_controls.record_tokens`) at once, or, with `record=False`, by `record_sampled()`
-        once the caller's step is wholly queued (a step that fails after sampling must not count its
-        tokens; a retry that is not taken never calls it). Under tensor parallelism the tokens are broadcast to
-        the followers (a later Carry reads them there) unless `share=False` (a retry whose step is not taken)."""
-        self._unrecorded = None
-        rows: list[int] = []
-        cols: list[int] = []
-        controlled = False
-        masked = set(grammar.rows) if grammar is not None else set()
-        for i, (p, k) in enumerate(zip(params, output_index, strict=True)):
-            controlled = controlled or p.has_logit_controls
-            if i in masked:
-                continue
-            banned = [t for t in early_stop_bans(p, k, eos) if t < logits.shape[-1]]
-            rows += [i] * len(banned)
-            cols += banned
-        # The logits come out of an inference-mode forward (or a graph's output buffer): writing them
-        # outside inference mode raises, so the ban and the sampling run inside it.
-        with torch.inference_mode():
-            if rows:
-                logits[self._dev(np.asarray(rows, dtype=np.int64)), self._dev(np.asarray(cols, dtype=np.int64))] = \
-                    float("-inf")
-            if grammar is not None:
-                apply_grammar_mask(logits, grammar)
-            gens = token_generators([(p.seed, k) for p, k in zip(params, output_index, strict=True)], self.device)
-            if not controlled:
-                return self._shared(self.sample(logits, params, gens), share)
-            plan = plan_controls(params, output_index, history, self.tokens, logits.shape[-1])
-            out = self.sampler.sample(apply_controls(logits, plan, self.tokens), list(params), list(gens),
-                                      raw_logits=logits)
-            if record:
-                record_tokens(out.token_ids, plan, self.tokens)
-            else:
-                self._unrecorded = (out.token_ids, plan)
-            return self._shared(out, share)
-
-    def _shared(self, out: SamplerOutput, share: bool) -> SamplerOutput:
-        """Tensor parallelism: the followers receive the sampled tokens (a Carry reads them there too)."""
-        if self.leader is not None and share:
-            self.leader.sampled(out.token_ids)
-        return out
-
-    def record_sampled(self) -> None:
-        """Add the tokens of the last `sample_next(record=False)` to their slots (nothing if it had none)."""
-        pending, self._unrecorded = self._unrecorded, None
-        if pending is not None:
-            with torch.inference_mode():  # the slots were made there (inside sample_next)
-                record_tokens(pending[0], pending[1], self.tokens)
-
-    def _table_array(self, items: Sequence[PrefillItem] | Sequence[DecodeItem], width: int) -> np.ndarray:
-        out = np.zeros((len(items), width), dtype=np.int32)
-        for i, it in enumerate(items):
-            out[i, : len(it.block_table)] = it.block_table
-        return out
-
-    def _dev(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(self.device, non_blocking=True)
-
+    # ---- helpers ------------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until nothing launched on this device still runs (raises if the device is broken)."""
         if self.device.type == "cuda":
