@@ -47,8 +47,8 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.drift import DriftDecision, LinearModel, RunningPrefill, decide_drift
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
-from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner, PrefillItem
+from rapidserve.runner.prefill_task import PrefillTask
 
 POLL_S = 0.0002  # a block in flight: how long the loop sleeps between polls (a message wakes it sooner)
 IDLE_S = 0.1  # nothing to do: the doorbell wakes the loop for the next message

@@ -39,7 +39,7 @@ replays the key the leader's Forward names (the same bucket rule on the same inp
 
 Not graphed: forwards longer than the largest bucket (their launches hide behind the GPU's work),
 disaggregated prefill and the block-wise prefill of the drift policy
-(rapidserve/prefill_task.py), whose workers capture none, and a forward into another pool than the captured
+(prefill_task.py), whose workers capture none, and a forward into another pool than the captured
 one (the runner's KV-budget probe). On CPU there is nothing to capture: `eager=True` records each
 piece as a plain call, so the CPU tests run the very same pieces, buffers and padding.
 """
@@ -147,7 +147,7 @@ class PrefillGraphs:
     def capture(self, key: str, stream: torch.cuda.Stream | None = None, show_progress: bool = False,
                 eager: bool = False) -> None:
         """Capture every bucket's pieces on `stream` for `key` (`eager`: record plain calls instead; on CPU
-        always). Stream ordering as runner.capture_decode_graphs: the capture stream waits for the caller's
+        always). Stream ordering as ModelRunner.capture_decode_graphs: the capture stream waits for the caller's
         (weights, pool and static buffers written), runs every warm-up and capture, and the caller's stream
         waits for it at the end. The slots are all -1 meanwhile: warm-ups write no K/V. Ends with one forward
         through the new pieces (`_warm_attention`)."""

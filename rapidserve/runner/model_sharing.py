@@ -20,8 +20,8 @@ memory), wraps each shared tensor in a Parameter, recomputes the RoPE table (a p
 on the real device and wraps the pool tensor in a KVPool. Every tensor is checked against the model
 being built (name, shape, dtype, device; on CPU, that it really is in shared memory).
 
-Layer: above the model, the ops and the KV pool, below `rapidserve.runner` (`ModelRunner` attaches
-with it) and `rapidserve.engine` (whose decode worker exports with it).
+Layer: above the model, the ops and the KV pool; in `rapidserve.runner`, below `model_runner` (`ModelRunner`
+attaches with it), and below `rapidserve.engine` (whose decode worker exports with it).
 """
 
 from __future__ import annotations
