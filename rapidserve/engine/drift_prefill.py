@@ -2,7 +2,7 @@
 
 Same seat, messages and invariants as `PrefillWorker` (engine/prefill_worker.py), whose queue, sampling,
 publishing and failure isolation it reuses; what differs is how a batch runs:
-* block-wise: a batch is a `PrefillTask` (rapidserve/prefill_task.py) launched a block of layers at a
+* block-wise: a batch is a `PrefillTask` (rapidserve/runner/prefill_task.py) launched a block of layers at a
   time, each block sized (`layers_per_block`) to return before decode's concurrent step ends, so a
   decision is due every block;
 * query-based synchronisation: after launching a block the loop never waits for it; it polls the
