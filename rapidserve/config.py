@@ -25,6 +25,10 @@ TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: 
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+# How weights are read (vLLM's --load-format): auto (the model's own form), safetensors (a Hugging Face folder),
+# gguf (a .gguf file), dummy (the model's architecture with random weights: `dummy:` specs, loader/presets.py).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
 
 class ConfigError(ValueError):

@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 
 from rapidserve.config import (
     ALLOW_LONG_MAX_MODEL_LEN_ENV,
+    LOAD_FORMATS,
     CacheConfig,
     ConfigError,
     EngineConfig,
     RunnerConfig,
     SchedulerConfig,
 )
-from rapidserve.loader import resolve_model
+from rapidserve.loader import local_model_spec, resolve_model
+from rapidserve.loader.hub import DUMMY_PREFIX
 
 log = logging.getLogger("rapidserve.config")
 
@@ -36,6 +39,28 @@ def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
                       "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
 
 
+def load_format_spec(model: str | None, load_format: str) -> str | None:
+    """The model spec that reads `model` in `load_format` (LOAD_FORMATS); ConfigError when they do not fit."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"--load-format {load_format}: rapidserve reads {', '.join(LOAD_FORMATS)}")
+    spec = model or "default"
+    gguf = spec == "default" or spec.endswith(".gguf")
+    if load_format == "auto" or (load_format == "dummy" and spec.startswith(("preset:", DUMMY_PREFIX))):
+        return model
+    if spec.startswith("preset:"):
+        raise ConfigError(f"--load-format {load_format}: {spec} is a preset (random weights); drop the flag")
+    if load_format == "dummy":
+        if gguf:
+            raise ConfigError(f"--load-format dummy takes a Hugging Face folder or Hub id (its config.json gives the "
+                              f"shapes); {'the embedded default model' if spec == 'default' else spec} is a GGUF "
+                              "file: give --model FOLDER, or a preset:NAME")
+        return DUMMY_PREFIX + spec
+    if (load_format == "gguf") != gguf:
+        raise ConfigError(f"--load-format {load_format}: {spec} is {'a GGUF file' if gguf else 'not a .gguf file'}; "
+                          "use --load-format auto")
+    return model
+
+
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                         block_size: int = 16, num_kv_blocks: int | None = None,
@@ -45,14 +70,24 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         seed: int = 0, attention_backend: str = "auto", cache_dir: str | None = None,
                         enable_prefix_caching: bool = True,
                         async_scheduling: bool = True, tokenizer: str | None = None,
-                        allow_long_max_model_len: bool = False) -> tuple[EngineConfig, object]:
+                        allow_long_max_model_len: bool = False, revision: str | None = None,
+                        download_dir: str | None = None, load_format: str = "auto",
+                        env: Mapping[str, str] | None = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
-    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN)."""
+    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN).
+
+    A Hub id (`Qwen/Qwen3-8B`) that is no local path is looked up in the local Hugging Face cache at
+    `revision` (vLLM's --revision; default main), in `download_dir` when given, else the cache that `env`'s
+    HF_HUB_CACHE / HF_HOME name (default: os.environ), never downloaded (loader/hub.py); the config then
+    names the snapshot folder. `load_format` (LOAD_FORMATS): dummy serves the architecture with random
+    weights (`dummy:<folder>`); safetensors and gguf check that the model is of that form."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
+    model = local_model_spec(model, revision, download_dir, os.environ if env is None else env)
+    model = load_format_spec(model, load_format)
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
                            preset_dtype=resolve_dtype(dtype, dev))
