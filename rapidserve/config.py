@@ -258,9 +258,11 @@ class LaunchConfig:
     ring_slot_size: int = 1024
     stats_interval_s: float = 0.25
     mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid and disagg use no MPS
+    log_level: str = "info"  # the workers' logging (LOG_LEVELS): their start-up steps are logged at info
 
     def __post_init__(self) -> None:
         _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         _check(self.mode in ENGINE_MODES, f"mode={self.mode!r}; use one of {list(ENGINE_MODES)}")
         _check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
