@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
+from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model
 from rapidserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -82,14 +83,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a folder of Hugging Face tokenizer files to use instead of the model's (a preset has "
                         "none: this gives it text prompts and structured outputs)")
-    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    g.add_argument("--dtype", default="auto", type=dtype_name, choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="tokens of one request, prompt and output (default and most: the model's "
                         "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
@@ -116,6 +117,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
+    add_source_args(g)  # --revision, --download-dir, --load-format
 
 
 def _partition_text(text: str) -> str:
@@ -236,7 +238,7 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer)
+                tokenizer=a.tokenizer, revision=a.revision, download_dir=a.download_dir, load_format=a.load_format)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -258,12 +260,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    """Checks every flag that needs no model, then `run`: the port is bound first (busy: exit 1 at once), and
+    the config tree is built (`build`: a bad model or --max-model-len exits 2) while it answers 503 starting."""
     import dataclasses
 
     from rapidserve.config import LaunchConfig, ParallelConfig
-    from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
+    from rapidserve.server.startup import BindError
 
+    model = serve_model(a)  # MODEL or --model
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
     if a.mode == "hybrid" and a.prefill_batch_tokens is not None:
         raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of --mode rapid (and disagg); "
@@ -279,21 +284,32 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
         raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
-    ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
     launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
-                          restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
-    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel)
-    return run(ecfg, scfg, source)  # type: ignore[arg-type]
+                          restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s,
+                          log_level=a.log_level)
+
+    def build() -> tuple[object, object]:  # on a thread of `run`, once the port answers (imports torch)
+        from rapidserve.config_builder import build_engine_config
+
+        ecfg, source = build_engine_config(model, **engine_kwargs(a))  # type: ignore[arg-type]
+        return dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel), source
+
+    try:
+        return run(scfg, build, model)  # type: ignore[arg-type]
+    except BindError as e:
+        print(f"rapidserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
     """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
-                        served_model_name=a.served_model_name, max_waiting=a.max_waiting,
+                        served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
                         keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
@@ -328,7 +344,7 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rapidserve", description=__doc__.splitlines()[0])
+    p = CliParser(prog="rapidserve", description=__doc__.splitlines()[0])  # names the flags it refuses
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions offline (single process)")
     add_model_args(g)
@@ -341,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (prefill and decode workers)")
     add_model_args(sv)
+    add_vllm_serve_args(sv)  # MODEL, --served-model-name, logs, vLLM's flags that change nothing here
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=_port, default=8000)
     sv.add_argument("--mode", default="rapid", choices=ENGINE_MODES,
@@ -366,7 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the API key from the first line of this file")
     sv.add_argument("--metrics-public", action="store_true",
                     help="serve /metrics without the API key (for a Prometheus that cannot send one)")
-    sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
     sv.add_argument("--default-max-tokens", type=_positive_int, default=256)

@@ -414,7 +414,9 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
-    served_model_name: str | None = None
+    # The names the model answers to (vLLM's --served-model-name A B...): the first is the one responses and
+    # metrics report, a request naming any of them is served, /v1/models lists them all. (): the model's own name.
+    served_model_name: tuple[str, ...] = ()
     max_waiting: int = 512  # requests queued beyond max_num_seqs (x data_parallel_size) before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256
@@ -424,6 +426,11 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
+    # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
+    # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
+    log_level: str = "info"
+    http_log_level: str = "info"
+    log_requests: bool = True
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
@@ -435,6 +442,12 @@ class ServerConfig:
         _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
         _check(self.keepalive_timeout_s > 0, f"keepalive_timeout_s={self.keepalive_timeout_s} must be > 0")
         _check(self.header_timeout_s > 0, f"header_timeout_s={self.header_timeout_s} must be > 0")
+        _check(all(isinstance(n, str) and n.strip() for n in self.served_model_name)
+               and len(set(self.served_model_name)) == len(self.served_model_name),
+               f"served_model_name={list(self.served_model_name)}: give distinct, non-empty names")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
+        _check(self.http_log_level in (*LOG_LEVELS, "trace"),
+               f"http_log_level={self.http_log_level!r}; use one of {', '.join(LOG_LEVELS)}, trace")
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser={self.tool_call_parser!r} must be "
                                                            f"one of {', '.join(TOOL_CALL_PARSERS)}")
 

@@ -51,8 +51,10 @@ class Tokenizer:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn header.
+                    tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn header (unless not
+        `add_generation_prompt`; with `continue_final_message` the last message is left open instead).
 
         `tools` (OpenAI's `{"type": "function", "function": {...}}` dicts) go to the template as HF
         `apply_chat_template(tools=...)` passes them; a template that does not read them (SmolLM2's)
@@ -60,9 +62,10 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt "
                              "(the completions endpoint) instead of chat messages")
+        more = {"continue_final_message": True} if continue_final_message else {}
         text = self.hf.apply_chat_template([dict(m) for m in messages], chat_template=self.chat_template,
                                            tools=[dict(t) for t in tools] if tools else None,
-                                           add_generation_prompt=True, tokenize=False)
+                                           add_generation_prompt=add_generation_prompt, tokenize=False, **more)
         return str(text)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],

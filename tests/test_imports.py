@@ -65,7 +65,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point.
-    ("cli", ("rapidserve.cli",)),
+    ("cli", ("rapidserve.cli", "rapidserve.cli_vllm")),
 )
 
 

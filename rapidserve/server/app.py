@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +54,15 @@ from rapidserve.server.responses import (
     usage_chunk,
     usage_dict,
 )
+from rapidserve.server.startup import REQUEST_LOG
+from rapidserve.server.utility_routes import UTILITY_PUBLIC_PATHS, add_utility_routes
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OnDelta = Callable[["Choice", str, TokenOut], Awaitable[None]]
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})  # answered without the API key
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", *UTILITY_PUBLIC_PATHS})  # answered without the API key
+request_log = logging.getLogger(REQUEST_LOG)  # the one line per request (--disable-log-requests: off)
 # a stream's response once prepared (web.RequestKey from aiohttp 3.13; a plain key before)
 _STREAM_KEY: Any = (web.RequestKey("rapidserve_stream", web.StreamResponse) if hasattr(web, "RequestKey")
                     else "rapidserve_stream")
@@ -89,11 +92,12 @@ class Choice:
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
                  tokenizer: Tokenizer | None,
-                 model_name: str, tool_parser: str | None = None) -> None:
+                 model_name: str, tool_parser: str | None = None, aliases: Sequence[str] = ()) -> None:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
+        self.model_names = (model_name, *aliases)
         self.metrics = Metrics(model_name)
-        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
+        self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
@@ -113,6 +117,7 @@ class Server:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
+        add_utility_routes(app, self.ctx, self.cfg, self._health)  # /tokenize, /detokenize, /version, /ping
         return app
 
     # ---- middleware: every failure is an OpenAI-style JSON error ----------------------------
@@ -180,8 +185,8 @@ class Server:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "rapidserve",
-            "max_model_len": self.ecfg.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "rapidserve",
+            "max_model_len": self.ecfg.max_model_len} for name in self.model_names]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         s = self.engine.stats
@@ -238,7 +243,7 @@ class Server:
             self.inflight -= n
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
-            log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
+            request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
                      rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
                      ",".join(str(c.finish_reason) for c in choices))
 
