@@ -22,7 +22,7 @@ from rapidserve.config import (
     SchedulerConfig,
 )
 from rapidserve.loader import local_model_spec, resolve_model
-from rapidserve.loader.hub import DUMMY_PREFIX
+from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 
 log = logging.getLogger("rapidserve.config")
 
@@ -82,11 +82,15 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     A Hub id (`Qwen/Qwen3-8B`) that is no local path is looked up in the local Hugging Face cache at
     `revision` (vLLM's --revision; default main), in `download_dir` when given, else the cache that `env`'s
     HF_HUB_CACHE / HF_HOME name (default: os.environ), never downloaded (loader/hub.py); the config then
-    names the snapshot folder. `load_format` (LOAD_FORMATS): dummy serves the architecture with random
-    weights (`dummy:<folder>`); safetensors and gguf check that the model is of that form."""
+    names the snapshot folder (a Hub id as `tokenizer` too, at main). `load_format` (LOAD_FORMATS): dummy
+    serves the architecture with random weights (`dummy:<folder>`); safetensors and gguf check that the model
+    is of that form."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
-    model = local_model_spec(model, revision, download_dir, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    model = local_model_spec(model, revision, download_dir, env)
+    if tokenizer is not None and is_repo_id(tokenizer) and not os.path.exists(os.path.expanduser(tokenizer)):
+        tokenizer = find_snapshot(tokenizer, None, hub_cache_dirs(env, download_dir))  # its main revision
     model = load_format_spec(model, load_format)
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,

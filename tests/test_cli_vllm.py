@@ -156,6 +156,13 @@ def test_hub_id_resolves_from_hf_home_without_network(cache: Path, tmp_path: Pat
     assert cfg.model.endswith(OTHER)
 
 
+def test_tokenizer_flag_takes_a_hub_id_too(cache: Path) -> None:
+    cfg, source = build_engine_config("preset:tiny-llama", device="cpu", tokenizer=REPO,
+                                      env={"HF_HUB_CACHE": str(cache)})
+    assert cfg.tokenizer == str(cache / "models--acme--tiny-chat" / "snapshots" / COMMIT)
+    assert source.tokenizer_dir == cfg.tokenizer  # type: ignore[attr-defined]
+
+
 def test_local_path_wins_and_hub_flags_need_a_hub_id(cache: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     local = tmp_path / "acme" / "tiny-chat"
@@ -216,6 +223,43 @@ def test_load_format_dummy_serves_through_llm(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), load_format="dummy", device="cpu", show_progress=False, num_kv_blocks=32)
     out = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
+def test_load_format_dummy_in_the_engines_matches_llm(tmp_path: Path, mode: str) -> None:
+    """The workers resolve `dummy:<folder>` themselves (a folder without weight files): the same random weights
+    as the offline LLM, so the same greedy tokens, in both engine modes."""
+    import asyncio
+    import dataclasses
+
+    from rapidserve.config import LaunchConfig
+    from rapidserve.engine.client import AsyncEngine
+    from rapidserve.llm import LLM
+    from rapidserve.sampling_params import SamplingParams
+
+    save_as_hf_folder(load_preset("tiny-llama"), tmp_path)
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    prompts = [[1, 5, 9, 11], [7] * 30]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kw: dict[str, Any] = dict(load_format="dummy", device="cpu", dtype="float32", num_kv_blocks=32,
+                              max_model_len=256)
+    want = [o.outputs[0].token_ids for o in LLM(str(tmp_path), show_progress=False, **kw).generate(
+        prompts, params, use_tqdm=False)]
+    cfg, _ = build_engine_config(str(tmp_path), **kw)
+    cfg = dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300))  # type: ignore[arg-type]
+
+    async def main() -> list[list[int]]:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            out = []
+            for i, p in enumerate(prompts):
+                out.append([t.token_id async for t in engine.generate(f"r{i}", p, params)])
+            return out
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == want
 
 
 @pytest.mark.parametrize("model,fmt,needle", [
