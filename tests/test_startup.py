@@ -244,3 +244,22 @@ def test_health_json_while_starting_names_the_step() -> None:
 
     assert asyncio.run(scenario()) == (503, {"status": "starting",
                                              "reason": "the server is starting: capturing graphs"})
+
+
+@pytest.mark.parametrize("log_requests", [True, False])
+def test_disable_log_requests_silences_the_request_line(log_requests: bool, caplog: pytest.LogCaptureFixture) -> None:
+    from rapidserve.server.startup import REQUEST_LOG, configure_logging
+    from tests.server_fakes import running_server
+
+    configure_logging("info", "info", log_requests)
+    caplog.set_level(logging.INFO, logger="rapidserve.server")
+
+    async def scenario() -> None:
+        async with running_server(FakeEngine()) as (_, url), aiohttp.ClientSession() as http:
+            r = await http.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert r.status == 200
+            r.release()
+
+    asyncio.run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.name == REQUEST_LOG]
+    assert (len(lines) == 1 and lines[0].startswith("request cmpl-")) if log_requests else lines == []

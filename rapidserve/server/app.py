@@ -244,8 +244,8 @@ class Server:
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
             request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
-                     rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
-                     ",".join(str(c.finish_reason) for c in choices))
+                             rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
+                             ",".join(str(c.finish_reason) for c in choices))
 
     def end_all(self, reason: str) -> int:
         """End every request in flight now (shutdown grace over, engine gone): streams get an error
