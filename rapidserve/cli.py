@@ -25,6 +25,7 @@ from rapidserve.config import (
     RunnerConfig,
     ServerConfig,
 )
+from rapidserve.policy_spec import check_settings, resolve_mode, resolve_policy
 
 EXIT_USAGE = 2
 
@@ -168,12 +169,14 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
     g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
     if with_mode:
-        g.add_argument("--policy", default="rapid", choices=POLICIES,
-                       help="how adaptive chooses a configuration: rapid (the profile's most prefill throughput "
-                            "within the ITL SLO), duet (both phases on the whole GPU while a roofline predicts "
-                            "the step within the SLO, else the split with the most throughput) or drift (prefill "
-                            "a layer block at a time on the split with the most prefill units within the SLO; "
-                            "a short request may preempt a long prefill: give --slo-ttft-ms)")
+        g.add_argument("--policy", default=None, choices=POLICIES,
+                       help="the shape of each step: rapid (always split: the profile's configuration with the most "
+                            "prefill throughput within the ITL SLO; the default), duet (DuetServe: fused steps while "
+                            "the predicted step meets the SLO, else the split with the most prefill throughput), "
+                            "drift (split, prefill a layer block at a time on the split with the most prefill units "
+                            "within the SLO; a short request may preempt a long prefill: give --slo-ttft-ms) or fused "
+                            "(always one mixed step: --mode hybrid, which it implies). Each reads its own flags; one "
+                            "it does not read is refused")
         g.add_argument("--slo-ttft-ms", type=_positive_float, default=None,
                        help="drift: a request's time-to-first-token SLO (ms), plus --slo-ttft-ms-per-1k-tokens x "
                             "its prompt tokens / 1000; without it nothing is preempted")
@@ -189,38 +192,30 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "at start-up from the roofline (one for every configuration)")
 
 
+def serve_mode(a: argparse.Namespace) -> str:
+    """`--mode`, or where it is left out the mode `--policy` runs in (fused: hybrid), else rapid."""
+    return resolve_mode(getattr(a, "mode", None), getattr(a, "policy", None))
+
+
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
-    """The partition flags as a PartitionConfig. A `--profile` file is read and validated here, before
-    any model loads (ProfileError names the file and field); the engine checks its GPU and model."""
+    """The partition flags as a PartitionConfig, `--policy` left out resolved to the mode's default (hybrid: fused;
+    disagg: rapid). Which of them the mode and policy read is checked first (policy_spec.check_settings, as the
+    builder checks the whole tree), so that a `--profile` file is read and validated here, before any model loads
+    (ProfileError names the file and field), only where it is read; the engine checks its GPU and model."""
     from rapidserve.partition.profile import load_profile
 
-    pcfg = PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
+    text = getattr(a, "partition", "adaptive")
+    policy = resolve_policy(serve_mode(a), getattr(a, "policy", None), text.split(":", 1)[0])
+    pcfg = PartitionConfig.parse(text, backend=a.partition_backend,
                                  profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms,
-                                 policy=getattr(a, "policy", "rapid"), slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
+                                 policy=policy, slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
                                  profile_lookup=getattr(a, "profile_lookup", "round-up"))
+    check_settings(serve_mode(a), pcfg.policy, {"partition": pcfg})
     if pcfg.profile is not None:
         load_profile(pcfg.profile)
     return pcfg
-
-
-def check_prefill_graph_flag(a: argparse.Namespace) -> None:
-    """ConfigError when --prefill-graph-tokens names buckets but these flags capture no prefill graph."""
-    why = prefill_graphs_unused(a)
-    if a.prefill_graph_tokens and why:
-        raise ConfigError(f"--prefill-graph-tokens: {why}, so no prefill graph is captured. Drop the flag")
-
-
-def prefill_graphs_unused(a: argparse.Namespace) -> str | None:
-    """Why a run with these flags captures no piecewise prefill graph (None: it does)."""
-    if a.enforce_eager:
-        return "--enforce-eager turns off every CUDA graph"
-    if getattr(a, "mode", None) == "disagg":
-        return "--mode disagg's prefill worker computes without graphs"
-    if getattr(a, "policy", None) == "drift":
-        return "--policy drift launches prefill a layer block at a time, without graphs"
-    return None
 
 
 def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -243,7 +238,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
-    check_prefill_graph_flag(a)
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -258,31 +252,22 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import dataclasses
-
     from rapidserve.config import LaunchConfig, ParallelConfig
     from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
 
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
-    if a.mode == "hybrid" and a.prefill_batch_tokens is not None:
-        raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of --mode rapid (and disagg); "
-                          "--mode hybrid has none: its steps are bounded by --max-num-batched-tokens. Drop the flag "
-                          "or use --mode rapid")
-    if a.policy == "drift" and a.prefill_batch_tokens is not None:
-        raise ConfigError("--prefill-batch-tokens does not apply under --policy drift: DRIFT's dispatcher sizes "
-                          "its own prefill batches (within --max-num-batched-tokens). Drop the flag or use "
-                          "another --policy")
-    check_prefill_graph_flag(a)
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
         raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
-    ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
-    launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
-                          restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
-    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel)
+    launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=serve_mode(a),
+                          max_restarts=a.max_restarts, restart_window_s=a.restart_window_s,
+                          heartbeat_timeout_s=a.heartbeat_timeout_s)
+    # the flags each mode and policy read are checked here, before the model loads (policy_spec.check_settings)
+    ecfg, source = build_engine_config(a.model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
+                                       partition=pcfg, parallel=parallel)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
 
 
@@ -343,8 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=_port, default=8000)
-    sv.add_argument("--mode", default="rapid", choices=ENGINE_MODES,
-                    help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
+    sv.add_argument("--mode", default=None, choices=ENGINE_MODES,
+                    help="(default: rapid, or hybrid with --policy fused) rapid: prefill and decode in two processes "
+                         "sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
                          "pass per step under --max-num-batched-tokens (the baseline); disagg: prefill on GPU 0 "
                          "and decode on GPU 1, each with its own copy of the weights, the prompt's KV copied "

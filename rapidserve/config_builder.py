@@ -16,10 +16,14 @@ from rapidserve.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    LaunchConfig,
+    ParallelConfig,
+    PartitionConfig,
     RunnerConfig,
     SchedulerConfig,
 )
 from rapidserve.loader import resolve_model
+from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
 
 log = logging.getLogger("rapidserve.config")
 
@@ -45,35 +49,43 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         seed: int = 0, attention_backend: str = "auto", cache_dir: str | None = None,
                         enable_prefix_caching: bool = True,
                         async_scheduling: bool = True, tokenizer: str | None = None,
-                        allow_long_max_model_len: bool = False) -> tuple[EngineConfig, object]:
+                        allow_long_max_model_len: bool = False, launch: LaunchConfig | None = None,
+                        partition: PartitionConfig | None = None, parallel: ParallelConfig | None = None,
+                        run: str | None = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
-    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN)."""
+    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `launch`, `partition`, `parallel`: the
+    serving sections (None: their defaults; a partition left out runs the mode's default policy). `run`: what will
+    run the tree, "offline" (`LLM`, `rapidserve generate`), "profile" (`rapidserve profile`), or None: the server
+    in `launch.mode`. Before the model is resolved, every setting given is checked against what that run and its
+    policy read (`policy_spec.check_settings`): one ignored is a ConfigError saying how to fix it."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
+    launch = launch or LaunchConfig()
+    run = run or launch.mode
+    if run not in RUN_SPECS:
+        raise ConfigError(f"run={run!r}; use one of {', '.join(RUN_SPECS)}")
+    partition = partition or PartitionConfig(policy=resolve_policy(run, None, PartitionConfig().mode))
+    cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
+                                async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
+    graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}
+    runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
+                          use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
+    check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
+                                           "partition": partition}, eager=enforce_eager)
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
                            preset_dtype=resolve_dtype(dtype, dev))
     if tokenizer is not None:
         source = dataclasses.replace(source, tokenizer_dir=tokenizer, tokenizer_file=None, tokenizer_cache_dir=None)
     mcfg = source.config
-    cfg = EngineConfig(
-        model=model or "default",
-        model_config=mcfg,
-        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                          num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                  prefill_batch_tokens=prefill_batch_tokens,
-                                  max_model_len=max_model_len, async_scheduling=async_scheduling,
-                                  allow_long_max_model_len=allow_long_max_model_len),
-        runner=RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
-                            use_cuda_graphs=not enforce_eager, seed=seed,
-                            **({} if prefill_graph_tokens is None
-                               else {"prefill_graph_tokens": tuple(prefill_graph_tokens)})),
-        tokenizer=tokenizer,
-    )
+    cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=cache, scheduler=scheduler, runner=runner,
+                       launch=launch, partition=partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer)
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,

@@ -89,5 +89,6 @@ def test_serve_rapid_takes_the_flag_into_the_config() -> None:
 def test_llm_refuses_the_setting_before_loading_anything() -> None:
     from rapidserve.llm import LLM
 
-    with pytest.raises(ConfigError, match="prefill_batch_tokens .*drop prefill_batch_tokens"):
-        LLM("preset:tiny-llama", device="cpu", prefill_batch_tokens=512)
+    with pytest.raises(ConfigError, match=r"prefill_batch_tokens=512 \(--prefill-batch-tokens\): not read by LLM .*"
+                                          "drop it"):
+        LLM("/nonexistent", device="cpu", prefill_batch_tokens=512)  # refused before the model path is looked at
