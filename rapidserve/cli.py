@@ -183,7 +183,8 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
         g.add_argument("--slo-ttft-ms-per-1k-tokens", type=_nonneg_float, default=0.0,
                        help="drift: what each 1000 prompt tokens add to --slo-ttft-ms (e.g. 1000: 1 s per 1K)")
         g.add_argument("--profile-lookup", default="round-up", choices=PROFILE_LOOKUPS,
-                       help="how --policy rapid reads the profile for a decode batch and context between its "
+                       help="how --policy rapid (and duet's cost model) reads the profile for a decode batch and "
+                            "context between its "
                             "buckets: round-up (to the bucket at or above each: conservative, it overstates a step "
                             "by up to a bucket) or interpolate (linearly between them: more prefill throughput, "
                             "but measured over the ITL SLO on 4096-token prompts)")

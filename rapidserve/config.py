@@ -324,8 +324,9 @@ class PartitionConfig:
     maximises prefill throughput; adaptive), drift (DRIFT: prefill launched a layer block at a time on the
     configuration with the most prefill units within the ITL SLO; a short request may preempt a long prefill
     batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
-    profile_lookup (rapid policy): how a decode batch and context between the profile's buckets are read:
-    round-up (to the bucket at or above each) or interpolate (linearly between the buckets around them;
+    profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
+    buckets are read: round-up (to the bucket at or above each) or interpolate (linearly between the buckets around
+    them;
     partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
     ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,

@@ -3,9 +3,11 @@ policy_spec says it uses, and the one a config and a partition plan make."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig, PartitionConfig, SchedulerConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.manager import decide, make_state
@@ -82,6 +84,9 @@ def test_make_step_policy() -> None:
     assert isinstance(fixed, RapidPolicy) and fixed.decide(state()) == Split("split32", 8192)
     duet = make_step_policy(cfg(policy="duet", profile_lookup="interpolate"), plan(PROFILE))
     assert isinstance(duet, DuetPolicy) and duet.costs == ProfileCosts(PROFILE, interpolate=True)
+    capped = make_step_policy(dataclasses.replace(cfg(policy="duet"), scheduler=SchedulerConfig(
+        prefill_batch_tokens=2048)), plan(PROFILE))
+    assert capped.decide(state(slo=15.2)) == Split("split64", 2048, 7)  # --prefill-batch-tokens caps its batches
     roofline_plan = plan(synthetic_roofline_profile())
     duet = make_step_policy(cfg(policy="duet"), roofline_plan)
     assert isinstance(duet, DuetPolicy) and isinstance(duet.costs, RooflineCosts) and duet.costs.peaks == H100

@@ -70,12 +70,15 @@ class AdaptiveParams:
     hysteresis_steps: int = 8  # steps a split is held before it is left for a better one or the whole GPU
     max_lookahead: int = 64  # decode steps per launch at most
     chunk_granularity: int = 16  # the fused chunk search steps by this many tokens
+    prefill_batch_tokens: int | None = None  # a split's prefill batch at most (--prefill-batch-tokens; None: budget)
 
     def __post_init__(self) -> None:
         if not (0 < self.margin <= 1 and self.min_chunk_tokens >= 1 and self.switch_gain >= 1
-                and self.hysteresis_steps >= 0 and self.max_lookahead >= 1 and self.chunk_granularity >= 1):
+                and self.hysteresis_steps >= 0 and self.max_lookahead >= 1 and self.chunk_granularity >= 1
+                and (self.prefill_batch_tokens is None or self.prefill_batch_tokens >= 1)):
             raise ValueError(f"AdaptiveParams({self}): need 0 < margin <= 1, min_chunk_tokens >= 1, switch_gain >= 1, "
-                             "hysteresis_steps >= 0, max_lookahead >= 1, chunk_granularity >= 1")
+                             "hysteresis_steps >= 0, max_lookahead >= 1, chunk_granularity >= 1, "
+                             "prefill_batch_tokens >= 1 or None")
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,11 @@ def _batch_sizes(cap: int, floor: int) -> list[int]:
 
 def split_options(state: ShapeState, costs: StepCosts, corr: Correction, params: AdaptiveParams,
                   tokens: int) -> dict[str, _Option]:
-    """Per split configuration (decode on a share), its best prefill batch of at most `tokens` tokens: the most
-    prefill tokens/s (ties: the larger batch), with decode's step beside it and the look-ahead k."""
+    """Per split configuration (decode on a share), its best prefill batch of at most `tokens` tokens (and of
+    `params.prefill_batch_tokens`): the most prefill tokens/s (ties: the larger batch), with decode's step beside it
+    and the look-ahead k."""
     batch, context = len(state.decode_contexts), _mean(state.decode_contexts)
+    tokens = min(tokens, params.prefill_batch_tokens or tokens)
     out: dict[str, _Option] = {}
     for c in costs.configurations:
         if c.decode_units == 0:

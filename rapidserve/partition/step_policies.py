@@ -147,7 +147,8 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
         costs = step_costs(cfg, plan)
         if isinstance(costs, RooflineCosts) and costs.dtype_bytes != dtype_bytes:
             costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes)
-        return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps))
+        return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps,
+                                                prefill_batch_tokens=sched.prefill_batch_tokens))
     if p.policy == "drift":
         if plan.profile is None or not plan.prefill_models:
             raise ValueError("--policy drift needs the plan's profile and prefill models (resolve_plan makes them)")
