@@ -77,7 +77,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                           use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
     check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
-                                           "partition": partition}, eager=enforce_eager)
+                                           "partition": partition, "launch": launch}, eager=enforce_eager)
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
                            preset_dtype=resolve_dtype(dtype, dev))

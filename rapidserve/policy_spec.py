@@ -77,6 +77,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("partition.slo_ttft_ms_per_1k_tokens", "--slo-ttft-ms-per-1k-tokens"),
     Setting("partition.drift_prefill_model", "--drift-prefill-model"),
     Setting("partition.profile_lookup", "--profile-lookup"),
+    Setting("launch.mps", "--mps"),
 )
 BY_PATH = {s.path: s for s in SETTINGS}
 GRAPHS = "runner.prefill_graph_tokens"
@@ -111,6 +112,7 @@ class RunSpec:
     default_policy: str | None = None  # the policy it runs when --policy is left out
     api: bool = False  # its settings come as `LLM` keywords (messages name them both ways)
     why_not: Mapping[str, str] = field(default_factory=dict)
+    fixes: Mapping[str, object] = field(default_factory=dict)  # settings it runs at one value (giving it: no conflict)
 
 
 DECODE_PREFILL = ("decode", "prefill")
@@ -140,12 +142,14 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                         "scheduler.async_scheduling": "its decode worker always schedules one step ahead"}),
 )}
 RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
-    RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVING, default_policy=DEFAULT_POLICY),
+    RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVING | {"launch.mps"}, default_policy=DEFAULT_POLICY),
     RunSpec("hybrid", "--mode hybrid", ("hybrid",), _SERVING, partition=OFF, default_policy="fused",
-            why_not={"partition": "one worker on the whole GPU"}),
+            why_not={"partition": "one worker on the whole GPU", "launch.mps": "one worker process, no MPS"},
+            fixes={"launch.mps": "off"}),
     RunSpec("disagg", "--mode disagg", DECODE_PREFILL, _SERVING | {"scheduler.prefill_batch_tokens"}, partition=OFF,
             no_graphs="its prefill worker computes without graphs", default_policy="rapid",
-            why_not={"partition": "it runs each phase on its own GPU, with no partition"}),
+            why_not={"partition": "it runs each phase on its own GPU, with no partition",
+                     "launch.mps": "one worker per GPU, no MPS"}, fixes={"launch.mps": "off"}),
     RunSpec("offline", "LLM and `rapidserve generate`", (), _SERVING, api=True,
             why_not={"scheduler.prefill_batch_tokens": "one process, whose steps max_num_batched_tokens bounds",
                      "scheduler.async_scheduling": "its steps wait for their tokens"}),
@@ -229,9 +233,9 @@ def conflicts(run: str, policy: str, given: Mapping[str, object], *, eager: bool
             mode = None
         pmode = r.partition or str(mode or (ADAPTIVE if ADAPTIVE in p.partition_modes else p.partition_modes[0]))
         reads = r.reads | p.reads[pmode]
-        fixes = PARTITION_FIXES.get(pmode, {})
+        fixes = {**PARTITION_FIXES.get(pmode, {}), **r.fixes}
     else:
-        pmode, reads, fixes = None, r.reads, {}
+        pmode, reads, fixes = None, r.reads, dict(r.fixes)
     for path, value in given.items():
         if path == "partition.mode" or path in reads or fixes.get(path, object()) == value:
             continue

@@ -51,8 +51,10 @@ VALUES: dict[str, object] = {
     "partition.slo_ttft_ms_per_1k_tokens": 100.0,
     "partition.drift_prefill_model": (1.0, 0.1),
     "partition.profile_lookup": "interpolate",
+    "launch.mps": "on",
 }
 SERVING = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "cache.enable_prefix_caching"}
+RAPID = SERVING | {"launch.mps"}  # the two processes of rapid mode share the GPU through MPS
 SPLIT_ADAPTIVE = {"partition.profile", "partition.backend", "partition.slo_itl_ms", "partition.hysteresis_steps",
                   "partition.decode_shares"}
 GRAPHS = "runner.prefill_graph_tokens"
@@ -63,17 +65,18 @@ GRAPHS = "runner.prefill_graph_tokens"
 #   dispatcher sizes its own; the hybrid worker (fused) and LLM have none;
 # - only the hybrid worker schedules ahead on request (--async-scheduling); the decode worker always does;
 # - piecewise prefill graphs: captured by the rapid and hybrid prefill and by LLM, not by drift, disagg, profile;
+# - --mps: only rapid mode runs two processes on one GPU (hybrid one process, disagg one per GPU);
 # - partition settings: read by the policy that picks configurations under adaptive (rapid, duet, drift); static
 #   reads only the backend; off reads none; drift's TTFT SLO and prefill model only by drift; --profile-lookup by
 #   rapid and duet (duet's cost model reads the profile); profile reads the backend, SLO and decode shares.
 READS: dict[tuple[str, str, str], set[str]] = {
-    ("rapid", "rapid", "adaptive"): SERVING | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
+    ("rapid", "rapid", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
                                                                "partition.profile_lookup"},
-    ("rapid", "rapid", "static"): SERVING | {"scheduler.prefill_batch_tokens", GRAPHS, "partition.backend"},
-    ("rapid", "rapid", "off"): SERVING | {"scheduler.prefill_batch_tokens", GRAPHS},
-    ("rapid", "duet", "adaptive"): SERVING | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
+    ("rapid", "rapid", "static"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS, "partition.backend"},
+    ("rapid", "rapid", "off"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS},
+    ("rapid", "duet", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
                                                               "partition.profile_lookup"},
-    ("rapid", "drift", "adaptive"): SERVING | SPLIT_ADAPTIVE | {"partition.slo_ttft_ms",
+    ("rapid", "drift", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"partition.slo_ttft_ms",
                                                                "partition.slo_ttft_ms_per_1k_tokens",
                                                                "partition.drift_prefill_model"},
     ("hybrid", "fused", "off"): SERVING | {"scheduler.async_scheduling", GRAPHS},
@@ -158,6 +161,14 @@ def test_a_value_the_partition_mode_fixes_is_no_conflict(given: dict[str, object
     assert (conflicts("rapid", "rapid", given) == []) == ok
 
 
+@pytest.mark.parametrize(("run", "policy"), [("hybrid", "fused"), ("disagg", "rapid")])
+def test_mps_off_is_what_one_process_per_gpu_runs_anyway(run: str, policy: str) -> None:
+    """`--mps off` beside --mode hybrid / disagg (e.g. bench/compare.py's common --serve-args) asks for what runs."""
+    assert conflicts(run, policy, {"launch.mps": "off"}) == []
+    (msg,) = conflicts(run, policy, {"launch.mps": "on"})
+    assert msg.startswith(f"--mps: not read by --mode {run}") and "no MPS" in msg
+
+
 def test_messages_name_the_readers_as_the_fix() -> None:
     (msg,) = conflicts("rapid", "rapid", {"partition.slo_ttft_ms": 500.0})
     assert msg == "--slo-ttft-ms: not read by --policy rapid --partition adaptive; drop it (read by --policy drift)"
@@ -235,6 +246,7 @@ def test_serve_hybrid_drift_exits_2_with_one_line_naming_both_flags(capsys: pyte
     (["--partition", "static:0.25", "--policy", "duet"], ("--partition static", "--policy duet")),
     (["--partition", "static:0.25", "--slo-itl-ms", "20"], ("--slo-itl-ms", "--partition static")),
     (["--policy", "fused", "--mode", "rapid"], ("--policy fused", "--mode hybrid")),
+    (["--mode", "hybrid", "--mps", "on"], ("--mps", "--mode hybrid")),
 ])
 def test_serve_refuses_ignored_flags_before_loading(argv: list[str], names: tuple[str, ...],
                                                     capsys: pytest.CaptureFixture[str]) -> None:
