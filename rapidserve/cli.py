@@ -25,7 +25,7 @@ from rapidserve.config import (
     RunnerConfig,
     ServerConfig,
 )
-from rapidserve.policy_spec import check_settings, resolve_mode, resolve_policy
+from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
 EXIT_USAGE = 2
 
@@ -200,9 +200,9 @@ def serve_mode(a: argparse.Namespace) -> str:
 
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
     """The partition flags as a PartitionConfig, `--policy` left out resolved to the mode's default (hybrid: fused;
-    disagg: rapid). Which of them the mode and policy read is checked first (policy_spec.check_settings, as the
-    builder checks the whole tree), so that a `--profile` file is read and validated here, before any model loads
-    (ProfileError names the file and field), only where it is read; the engine checks its GPU and model."""
+    disagg: rapid). A `--profile` file is read and validated here, before any model loads (ProfileError names the
+    file and field), where the partition flags fit the mode and policy (else build_engine_config refuses them, all
+    the flags at once, policy_spec.check_settings); the engine checks its GPU and model."""
     from rapidserve.partition.profile import load_profile
 
     text = getattr(a, "partition", "adaptive")
@@ -213,9 +213,8 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
                                  profile_lookup=getattr(a, "profile_lookup", "round-up"))
-    check_settings(serve_mode(a), pcfg.policy, {"partition": pcfg})
-    if pcfg.profile is not None:
-        load_profile(pcfg.profile)
+    if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
+        load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)
     return pcfg
 
 

@@ -162,7 +162,6 @@ RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
                      "cache.enable_prefix_caching": "it caches no prompts",
                      "scheduler.async_scheduling": "it runs no hybrid scheduler"}),
 )}
-SERVING_MODES = tuple(r.name for r in RUN_SPECS.values() if r.workers)
 assert tuple(sorted(POLICY_SPECS)) == tuple(sorted(POLICIES)), "config.POLICIES and POLICY_SPECS must name the same"
 
 
@@ -237,7 +236,7 @@ def conflicts(run: str, policy: str, given: Mapping[str, object], *, eager: bool
     else:
         pmode, reads, fixes = None, r.reads, dict(r.fixes)
     for path, value in given.items():
-        if path == "partition.mode" or path in reads or fixes.get(path, object()) == value:
+        if (path == "partition.mode" and p is not None) or path in reads or fixes.get(path, object()) == value:
             continue
         label = BY_PATH[path].label(value, r.api)
         if path == GRAPHS:

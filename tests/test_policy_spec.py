@@ -281,6 +281,7 @@ def test_partition_config_resolves_the_policy_from_the_mode() -> None:
     ({"prefill_batch_tokens": 256}, "prefill_batch_tokens=256"),
     ({"enforce_eager": True, "prefill_graph_tokens": (16,)}, "prefill_graph_tokens=(16,)"),
     ({"partition": PartitionConfig(slo_itl_ms=20.0)}, "--slo-itl-ms"),
+    ({"partition": PartitionConfig(mode="off")}, "--partition"),
 ])
 def test_llm_refuses_what_it_does_not_read(kwargs: dict[str, object], flag: str) -> None:
     from rapidserve.llm import LLM
