@@ -116,6 +116,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="vLLM's: only none/auto here (rapidserve serves bf16/fp16/fp32 checkpoints and GGUF; a "
+                        "quantized checkpoint is refused by name)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
 
 
 def _partition_text(text: str) -> str:
@@ -236,7 +241,7 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer)
+                tokenizer=a.tokenizer, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

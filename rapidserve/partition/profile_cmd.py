@@ -107,7 +107,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
         allow_long_max_model_len=allow_long_max_model_len(os.environ),
         gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
         max_num_seqs=max(spec.batch_buckets), max_num_batched_tokens=spec.prefill_tokens,
-        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend)
+        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend,
+        quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
     if a.shard_of_tp > 1:
         cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)
     sched = dataclasses.replace(cfg.scheduler, max_model_len=max(longest, a.max_model_len or 0),
