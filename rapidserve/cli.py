@@ -21,6 +21,7 @@ from rapidserve.config import (
     PROFILE_LOOKUPS,
     TOOL_CALL_PARSERS,
     ConfigError,
+    EngineConfig,
     PartitionConfig,
     RunnerConfig,
     ServerConfig,
@@ -117,6 +118,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="vLLM's: only none/auto here (rapidserve serves bf16/fp16/fp32 checkpoints and GGUF; a "
+                        "quantized checkpoint is refused by name)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
 
 
 def _partition_text(text: str) -> str:
@@ -164,8 +170,13 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                        help="adaptive (the manager switches configurations from the profile), off (both use "
                             "the whole GPU), or static:<decode share> (e.g. static:0.25)")
         g.add_argument("--profile", default=None,
-                       help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, "
-                            "else a roofline estimate)")
+                       help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, else "
+                            "the one auto-profile measured and cached, else a roofline estimate)")
+        g.add_argument("--auto-profile", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve, adaptive partition on one GPU per engine (policy rapid or drift), no profile "
+                            "given or committed for this GPU and model: measure a short one at start (under a "
+                            "minute) and cache it in $XDG_CACHE_HOME/rapidserve/profiles (~/.cache/...), where "
+                            "the next start finds it; --no-auto-profile uses the roofline estimate instead")
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
     g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
     if with_mode:
@@ -231,7 +242,7 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer)
+                tokenizer=a.tokenizer, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -268,7 +279,20 @@ def cmd_serve(a: argparse.Namespace) -> int:
     # the flags each mode and policy read are checked here, before the model loads (policy_spec.check_settings)
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
                                        partition=pcfg, parallel=parallel)
+    ecfg = auto_profile(ecfg, a.auto_profile, os.environ)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
+
+
+def auto_profile(ecfg: EngineConfig, auto: bool, env: Mapping[str, str]) -> EngineConfig:
+    """`ecfg` with the profile measured or cached for this GPU at start (partition/autoprofile.py), said in
+    the server's log format; unchanged where auto-profiling does not apply (then nothing is started)."""
+    import logging
+
+    from rapidserve.partition.autoprofile import profile_cache_dir, with_auto_profile
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)  # as server.serve.run, whose own call then changes nothing
+    return with_auto_profile(ecfg, auto=auto, cache_dir=profile_cache_dir(env))
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:

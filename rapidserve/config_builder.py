@@ -40,6 +40,27 @@ def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
                       "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
 
 
+UNSET_CHOICES = (None, "auto", "none")  # what --quantization / --kv-cache-dtype may say today
+
+
+def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> None:
+    """ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for anything but none/auto.
+
+    vLLM takes both (quantizing weights on load, an FP8 KV cache); rapidserve computes in the checkpoint's
+    float dtype and keeps the KV cache in it, so a value is refused by name rather than ignored (a
+    checkpoint quantized on disk is refused by the loader, `loader/quant.py`)."""
+    q = quantization.strip().lower() if isinstance(quantization, str) else quantization
+    if q not in UNSET_CHOICES:
+        raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve does not "
+                          "quantize weights (it serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files; "
+                          "FP8 support is tracked in issue 39): drop the flag and give the unquantized checkpoint")
+    kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+    if kv not in UNSET_CHOICES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): the KV cache is "
+                          "kept in the model's dtype (an FP8 KV cache is not supported yet): drop the flag or give "
+                          "auto")
+
+
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                         block_size: int = 16, num_kv_blocks: int | None = None,
@@ -49,20 +70,24 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         seed: int = 0, attention_backend: str = "auto", cache_dir: str | None = None,
                         enable_prefix_caching: bool = True,
                         async_scheduling: bool = True, tokenizer: str | None = None,
-                        allow_long_max_model_len: bool = False, launch: LaunchConfig | None = None,
+                        allow_long_max_model_len: bool = False, quantization: str | None = None,
+                        kv_cache_dtype: str | None = "auto", launch: LaunchConfig | None = None,
                         partition: PartitionConfig | None = None, parallel: ParallelConfig | None = None,
                         run: str | None = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
-    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `launch`, `partition`, `parallel`: the
-    serving sections (None: their defaults; a partition left out runs the mode's default policy). `run`: what will
-    run the tree, "offline" (`LLM`, `rapidserve generate`), "profile" (`rapidserve profile`), or None: the server
-    in `launch.mode`. Before the model is resolved, every setting given is checked against what that run and its
-    policy read (`policy_spec.check_settings`): one ignored is a ConfigError saying how to fix it."""
+    the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `quantization`, `kv_cache_dtype`: vLLM's;
+    anything but None/none/auto is refused before the model is looked at (`check_unsupported_options`). `launch`,
+    `partition`, `parallel`: the serving sections (None: their defaults; a partition left out runs the mode's
+    default policy). `run`: what will run the tree, "offline" (`LLM`, `rapidserve generate`), "profile"
+    (`rapidserve profile`), or None: the server in `launch.mode`. Before the model is resolved, every setting given
+    is checked against what that run and its policy read (`policy_spec.check_settings`): one ignored is a
+    ConfigError saying how to fix it."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
+    check_unsupported_options(quantization, kv_cache_dtype)
     launch = launch or LaunchConfig()
     run = run or launch.mode
     if run not in RUN_SPECS:

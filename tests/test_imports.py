@@ -51,10 +51,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "rapidserve.step_plan",
                   "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
-    # Running the model on batches: ModelRunner, block-wise prefill tasks, piecewise prefill graphs, zero-copy
-    # sharing of weights + pool, building the config tree.
-    ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.prefill_task",
-                "rapidserve.prefill_graphs", "rapidserve.config_builder")),
+    # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode
+    # graphs, sampling, tensor-parallel hooks; block-wise prefill tasks, piecewise prefill graphs, zero-copy
+    # sharing of weights + pool), building the config tree.
+    ("runner", ("rapidserve.runner", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.
     ("partition", ("rapidserve.partition",)),
     # Engines: the single-process EngineCore, and the multi-process RAPID engine (workers, launcher, client).
@@ -245,8 +245,11 @@ def edges() -> list[Edge]:
 def test_the_graph_sees_every_kind_of_import(edges: list[Edge]) -> None:
     """Sanity of the tool on imports known to exist (module level, lazy, TYPE_CHECKING, re-exports) and lazy names."""
     pairs = {(e.src, e.dst) for e in edges}
-    assert ("rapidserve.runner", "rapidserve.kv_pool") in pairs  # module level
-    assert ("rapidserve.runner", "rapidserve.model_sharing") in pairs  # inside a function, and TYPE_CHECKING
+    assert ("rapidserve.runner.model_runner", "rapidserve.kv_pool") in pairs  # module level
+    # inside a function, and TYPE_CHECKING
+    assert ("rapidserve.runner.model_runner", "rapidserve.runner.model_sharing") in pairs
+    assert ("rapidserve.runner.tp", "rapidserve.runner.inputs") in pairs  # between modules inside a package
+    assert ("rapidserve.runner", "rapidserve.runner.model_runner") in pairs  # the package's __init__ re-exporting
     assert ("rapidserve.loader", "rapidserve.loader.hf") in pairs  # lazy, `from pkg import module`
     assert ("rapidserve.tokenizer", "rapidserve.loader") in pairs  # a name defined by the package
     assert ("rapidserve.ipc", "rapidserve.ipc.ring") in pairs  # an __init__ re-exporting

@@ -1,4 +1,4 @@
-"""Piecewise prefill graphs (rapidserve/prefill_graphs.py) on CPU, in fp32, with the pieces recorded as plain
+"""Piecewise prefill graphs (rapidserve/runner/prefill_graphs.py) on CPU, in fp32, with the pieces recorded as plain
 calls (`eager=True`): the same pieces, static buffers, padding and attention between pieces that the GPU replays
 as CUDA graphs. Against the one-shot eager forward: the same logits and the same K/V in the pool, nothing
 written outside the items' slots (padding rows write nothing), mixed steps with carried tokens, and the cases
@@ -16,8 +16,8 @@ from rapidserve.config import ConfigError, ParallelConfig, RunnerConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
-from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from rapidserve.runner import Carry, ModelRunner, PrefillItem
+from rapidserve.runner.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from tests.test_prefill_task import PREFIX, _tokens
 
 BS = 16

@@ -37,10 +37,10 @@ from rapidserve.engine.tp_workers import (
     send_plan,
 )
 from rapidserve.engine.worker_io import WorkerIO
-from rapidserve.model_sharing import export_shared
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
 from rapidserve.runner import ModelRunner, load_runner
+from rapidserve.runner.model_sharing import export_shared
 
 
 def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,

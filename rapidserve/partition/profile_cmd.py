@@ -16,11 +16,15 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rapidserve.config import EngineConfig, PartitionConfig
 from rapidserve.partition.profile import OVERALLOCATED, Profile
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profiler import ProfileSpec
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -65,7 +69,6 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from rapidserve.config import PartitionConfig
     from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
     from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
@@ -74,9 +77,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.runner import ModelRunner
 
     spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)
-    longest = max(max(spec.context_buckets), spec.prefill_tokens) + a.block_size
     # The model flags are built as given, so that the one flag check (policy_spec, run "profile") refuses those the
-    # profile does not read before anything loads; then the profile's own batch and forward sizes replace them.
+    # profile does not read before anything loads; then `for_profiling` puts the profile's own sizes in their place.
     # --max-model-len is checked against the model's max_position_embeddings as in every run (unless
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN); the length the buckets need may pass it: they measure timings, not text
     cfg, source = build_engine_config(
@@ -86,15 +88,13 @@ def cmd_profile(a: argparse.Namespace) -> int:
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         prefill_batch_tokens=a.prefill_batch_tokens, enable_prefix_caching=a.enable_prefix_caching,
         async_scheduling=a.async_scheduling, prefill_graph_tokens=a.prefill_graph_tokens,
-        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend, run="profile",
+        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend,
+        quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, run="profile",
         partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
     if a.shard_of_tp > 1:
         cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)
-    sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max(spec.batch_buckets),
-                                max_num_batched_tokens=spec.prefill_tokens,
-                                max_model_len=max(longest, a.max_model_len or 0), allow_long_max_model_len=True)
-    cfg = dataclasses.replace(cfg, scheduler=sched,
-                              runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets))
+    cfg = for_profiling(cfg, spec, PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms,
+                                                   decode_shares=a.decode_shares))
     runner = ModelRunner(cfg, source)
     kind = detect_kind(runner.device) if a.partition_backend == "auto" else a.partition_backend
     g = device_granularity(kind, runner.device)
@@ -119,6 +119,22 @@ def cmd_profile(a: argparse.Namespace) -> int:
     print(slo_table(run.profile, a.slo_itl_ms))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def for_profiling(cfg: EngineConfig, spec: ProfileSpec, partition: PartitionConfig) -> EngineConfig:
+    """`cfg` as the profiler runs it (here and at a serve's start, partition/autoprofile.py): one process and
+    GPU, decode graphs of the batch buckets, a scheduler holding the largest batch, forwards of `prefill_tokens`
+    and the longest context or forward (past the model's positions if need be: timings, not text)."""
+    from rapidserve.config import LaunchConfig, ParallelConfig
+
+    longest = max(max(spec.context_buckets), spec.prefill_tokens) + cfg.cache.block_size
+    sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max(spec.batch_buckets),
+                                max_num_batched_tokens=spec.prefill_tokens, prefill_batch_tokens=None,
+                                max_model_len=max(longest, cfg.scheduler.max_model_len or 0),
+                                allow_long_max_model_len=True)
+    return dataclasses.replace(cfg, scheduler=sched, partition=partition, parallel=ParallelConfig(),
+                               launch=LaunchConfig(),
+                               runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets))
 
 
 def shard_of_tp(cfg: Any, source: Any, tp: int) -> tuple[Any, Any]:
