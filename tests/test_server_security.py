@@ -5,6 +5,7 @@ server listens beyond loopback without a key."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
@@ -128,3 +129,50 @@ def test_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
     got = asyncio.run(statuses(False, {"Authorization": "Bearer nope"}))
     assert got["/v1/models"] == 401 and (b"nope", b"s3cret") in calls
+
+
+async def raw_request(url: str, head: bytes) -> tuple[int, bytes]:
+    """Send `head` (a whole request, no body) over a plain socket with Connection: close; (status, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def models_request(authorization: bytes | None) -> bytes:
+    auth = b"Authorization: " + authorization + b"\r\n" if authorization is not None else b""
+    return b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + auth + b"\r\n"
+
+
+@pytest.mark.parametrize("authorization", [
+    b"Bearer \xff", b"Bearer s3cret\xff", b"\xff\xfe s3cret", b"Bearer \xc3\xa9t\xc3\xa9",  # non-UTF-8, non-ASCII
+    b"Bearer", b"Bearer ", b"", b"Basic s3cret", b"s3cret", b"Bearer\ts3cret", None,  # wrong scheme, empty, missing
+])
+def test_malformed_credentials_get_401_with_an_openai_error(authorization: bytes | None,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> tuple[int, bytes]:
+        async with running_server(FakeEngine(), api_key="s3cret") as (_, url):
+            return await raw_request(url, models_request(authorization))
+
+    with caplog.at_level(logging.DEBUG):
+        status, body = asyncio.run(main())
+    assert status == 401, body
+    err = json.loads(body)["error"]
+    assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key" and err["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("authorization", [b"Bearer s3cret", b"bearer s3cret", b"Bearer  s3cret "])
+def test_the_right_key_over_a_raw_socket_is_accepted(authorization: bytes) -> None:
+    async def main() -> tuple[int, bytes]:
+        async with running_server(FakeEngine(), api_key="s3cret") as (_, url):
+            return await raw_request(url, models_request(authorization))
+
+    status, body = asyncio.run(main())
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "fake"

@@ -155,9 +155,13 @@ class Server:
         return path in PUBLIC_PATHS or (path == "/metrics" and self.cfg.metrics_public)
 
     def _key_ok(self, request: web.Request) -> bool:
+        """Whether the request carries `Authorization: Bearer <the key>`, the key compared in constant time.
+        aiohttp decodes header bytes that are not UTF-8 into lone surrogates; "surrogatepass" turns them
+        back into bytes that can never equal the (UTF-8) key, so any malformed credential is a plain no."""
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         assert self._key is not None
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._key)
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"),
+                                                                  self._key)
 
     # ---- simple routes ----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
