@@ -12,7 +12,8 @@ bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 w
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
 detokenized incrementally (stop strings matched on the text, left out of the output); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
-blocks. One log line per request when it ends.
+blocks. One log line per request when it ends; while the app runs, every log record is scrubbed of the
+API key and Authorization values (server/redact.py).
 
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
 the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
@@ -29,7 +30,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from rapidserve.server.detokenizer import IncrementalDetokenizer
 from rapidserve.server.errors import APIError
 from rapidserve.server.metrics import Metrics
 from rapidserve.server.openapi import openapi_document
+from rapidserve.server.redact import Redactor, install
 from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
 from rapidserve.server.responses import (
     chat_role_chunk,
@@ -113,7 +115,16 @@ class Server:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
+        app.cleanup_ctx.append(self._redacting)
         return app
+
+    async def _redacting(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs, no log record carries the API key or an Authorization value (server/redact.py)."""
+        undo = install(Redactor([self.cfg.api_key] if self.cfg.api_key is not None else []))
+        try:
+            yield
+        finally:
+            undo()
 
     # ---- middleware: every failure is an OpenAI-style JSON error ----------------------------
     @web.middleware
