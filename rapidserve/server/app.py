@@ -12,8 +12,9 @@ bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 w
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
 detokenized incrementally (stop strings matched on the text, left out of the output); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
-blocks. One log line per request when it ends; while the app runs, every log record is scrubbed of the
-API key and Authorization values (server/redact.py).
+blocks (a client gone is one DEBUG line, whenever it left). One log line per request when it ends;
+while the app runs, every log record is scrubbed of the API key and Authorization values
+(server/redact.py).
 
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
 the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
@@ -131,8 +132,14 @@ class Server:
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError as e:
+            # the client went away (its body cut short, a response it no longer reads): its own doing, one DEBUG
+            # line; aiohttp would log the exception with an ERROR traceback. What is returned goes nowhere.
+            log.debug("client went away during %s %s: %s", request.method, request.path, type(e).__name__)
+            started = request.get(_STREAM_KEY)
+            return started if started is not None else _client_gone()
         except Exception as e:
             started = request.get(_STREAM_KEY)
             if started is None:
@@ -295,7 +302,7 @@ class Server:
             if self.ending is None or _cancelling():
                 raise
             raise ServerStopping(self.ending) from None
-        except ConnectionResetError:
+        except ConnectionError:  # the client went away: an abort
             raise
         except Exception:
             failure = "error"
@@ -387,7 +394,7 @@ class Server:
             await self._generate(rid, req, choices, on_delta, prelude)
             if req.include_usage:
                 await send(usage_chunk(req, rid, created, self.model_name, _usage(req, choices)))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away (or the handler was cancelled): nothing more can be sent
         except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response
             if not resp.prepared:
@@ -400,6 +407,15 @@ class Server:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _client_gone() -> web.Response:
+    """The answer to a request whose client went away before its response began (nginx's 499): only
+    sent if the connection was, against all likelihood, still open; then closed."""
+    resp = web.json_response(APIError(499, "the client closed the connection", code="client_closed_request").body(),
+                             status=499)
+    resp.force_close()
+    return resp
 
 
 def _error_body(e: Exception) -> dict[str, Any]:
