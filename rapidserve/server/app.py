@@ -19,7 +19,9 @@ while the app runs, every log record is scrubbed of the API key and Authorizatio
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
 the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
 and a non-stream request with 503 + Retry-After. Every engine request is counted once in
-`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine).
+`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine); a request
+refused with a 503 before it reached the engine, in `request_rejected_total` (server/metrics.py). The
+request gauges are the server's own counts of the choices in flight (`Choice.state`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +47,7 @@ from rapidserve.engine.messages import TokenOut
 from rapidserve.server.body import check_headers
 from rapidserve.server.detokenizer import IncrementalDetokenizer
 from rapidserve.server.errors import APIError
-from rapidserve.server.metrics import Metrics
+from rapidserve.server.metrics import Metrics, request_gauges
 from rapidserve.server.openapi import openapi_document
 from rapidserve.server.redact import Redactor, install
 from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
@@ -87,6 +90,9 @@ class Choice:
     t_end: float | None = None  # when its engine request ended (monotonic)
     cached_tokens: int | None = None  # prompt tokens the engine found in its prefix cache
     queue: float | None = None  # arrival to its first prompt chunk queued on the device (engine's PhaseTimes)
+    # where it is, for the request gauges: "queued" (admitted, not yet handed to the engine), "pending" (in the
+    # engine, no token yet), "decoding" (a token came), "done" (its engine request ended)
+    state: str = "queued"
 
 
 class Server:
@@ -103,6 +109,7 @@ class Server:
         self.draining = False
         self.ending: str | None = None  # set by end_all(): why every request still in flight was ended
         self._active: set[asyncio.Future[Any]] = set()  # the generation of each request in flight
+        self._requests: dict[str, list[Choice]] = {}  # the choices of each admitted request, by id, until its end
         self._key = cfg.api_key.encode() if cfg.api_key is not None else None
         self._seq = itertools.count()
         self.created = int(time.time())
@@ -206,10 +213,16 @@ class Server:
             "max_model_len": self.ecfg.max_model_len}]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text. The request gauges are the server's own counts now (`request_gauges`: the
+        workers' periodic stats only say which requests without a token yet are being prefilled)."""
         s = self.engine.stats
         self.metrics.set_engine_counters(self.engine.restarts_total, self.engine.deaths_total)
+        where = Counter(c.state for choices in self._requests.values() for c in choices)
+        running, waiting = request_gauges(where["queued"], where["pending"], where["decoding"],
+                                          None if s is None else s.num_running + s.num_prefilling)
+        self.metrics.set_requests(running, waiting)
         if s is not None:
-            self.metrics.set_engine_stats(s.num_running + s.num_prefilling, s.num_waiting, s.kv_blocks_total,
+            self.metrics.set_engine_stats(running, waiting, s.kv_blocks_total,
                                           s.kv_blocks_free, s.num_preemptions, s.partition,
                                           s.prefix_cache_queries, s.prefix_cache_hits, s.partition_switches,
                                           s.partition_steps)
@@ -232,7 +245,9 @@ class Server:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.draining:
-            raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
+            self.metrics.observe_rejected("server_shutting_down")
+            raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down",
+                           headers={"Retry-After": "5"})
         check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
         try:  # a body trickled in slowly holds a connection like slow headers do
             raw = await asyncio.wait_for(request.read(), self.cfg.header_timeout_s)
@@ -242,6 +257,7 @@ class Server:
         req = await parse_request_async(kind, raw, self.ctx, max_choices=self.capacity)
         n = len(req.prompts) * req.params.n
         if self.inflight + n > self.capacity:
+            self.metrics.observe_rejected("overloaded")
             raise APIError(503, f"the server is at capacity ({self.capacity} requests); retry later",
                                  "server_error", code="overloaded", headers={"Retry-After": "1"})
         self.inflight += n
@@ -249,6 +265,7 @@ class Server:
         t0 = time.monotonic()
         choices = [Choice(i * req.params.n + j, list(p)) for i, p in enumerate(req.prompts)
                    for j in range(req.params.n)]
+        self._requests[rid] = choices
         try:
             if req.stream:
                 return await self._stream(request, req, rid, choices)
@@ -258,6 +275,7 @@ class Server:
             raise _api_error(e) from None
         finally:
             self.inflight -= n
+            self._requests.pop(rid, None)
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
             log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
@@ -276,22 +294,24 @@ class Server:
     async def _generate(self, rid: str, req: GenRequest, choices: list[Choice], on_delta: OnDelta | None,
                         prelude: Callable[[], Awaitable[None]] | None = None) -> None:
         """Run every choice of a request (after `prelude`, which a stream uses to begin its response);
-        the first failure ends the others. Counts each choice once in the metrics, however it ends.
-        Raises EngineError (at once when the engine is not ready; ServerStopping after end_all)."""
+        the first failure ends the others. Counts each choice once in the metrics, however it ends; a request
+        refused before it reached the engine (not ready, ending) counts as rejected instead, with no prompt
+        tokens. Raises EngineError (at once when the engine is not ready; ServerStopping after end_all)."""
         t0 = time.monotonic()
-        for c in choices:
-            self.metrics.add_prompt_tokens(len(c.prompt_ids))
+        refusal = self._refusal()
+        if refusal is not None:  # before a stream's response begins: a plain 503
+            raise refusal
         tasks: list[asyncio.Future[None]] = []
         group: asyncio.Future[Any] | None = None
         failure = "abort"  # a client that went away, a cancelled handler, end_all
         try:
-            if self.ending is not None:
-                raise ServerStopping(self.ending)
-            if self.engine.state != "ready":  # fail before a stream's response begins: a plain 503
-                raise EngineError(f"the engine is not ready ({self.engine.state}): "
-                                  f"{self.engine.dead_reason or 'try again shortly'}")
             if prelude is not None:
                 await prelude()
+                refusal = self._refusal()  # (it may have changed while the response began)
+                if refusal is not None:
+                    raise refusal
+            for c in choices:
+                self.metrics.add_prompt_tokens(len(c.prompt_ids))
             tasks = [asyncio.ensure_future(self._run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -313,9 +333,21 @@ class Server:
             for t in tasks:
                 t.cancel()  # those still running after a failure; their engine requests are aborted
             now = time.monotonic()
-            for c in choices:
+            for c in choices if refusal is None else []:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
                                               c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
+
+    def _refusal(self) -> EngineError | None:
+        """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,
+        restarting, down), counted as a rejected request; None when one can."""
+        if self.ending is not None:
+            self.metrics.observe_rejected("server_shutting_down")
+            return ServerStopping(self.ending)
+        if self.engine.state != "ready":
+            self.metrics.observe_rejected("engine_unavailable")
+            return EngineError(f"the engine is not ready ({self.engine.state}): "
+                               f"{self.engine.dead_reason or 'try again shortly'}")
+        return None
 
     async def _run(self, rid: str, req: GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
@@ -324,10 +356,12 @@ class Server:
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
+        c.state = "pending"
         try:
             async for tok in stream:
                 now = time.monotonic()
                 if c.ttft is None:
+                    c.state = "decoding"
                     c.ttft = now - t0
                     c.cached_tokens = tok.cached_tokens
                     self.metrics.observe_first_token(c.ttft)
@@ -356,6 +390,7 @@ class Server:
                     break
         finally:
             c.t_end = c.t_end or time.monotonic()
+            c.state = "done"
             await stream.aclose()  # aborts the engine request if it had not finished
 
     def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
