@@ -36,7 +36,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
@@ -92,7 +92,7 @@ class Choice:
     queue: float | None = None  # arrival to its first prompt chunk queued on the device (engine's PhaseTimes)
     # where it is, for the request gauges: "queued" (admitted, not yet handed to the engine), "pending" (in the
     # engine, no token yet), "decoding" (a token came), "done" (its engine request ended)
-    state: str = "queued"
+    state: Literal["queued", "pending", "decoding", "done"] = "queued"
 
 
 class Server:

@@ -72,7 +72,7 @@ class Redactor(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - arguments that do not fit the format: log the format alone
             message = str(record.msg)
-        record.msg, record.args = self.redact(message), None
+        record.msg, record.args = self.redact(message), ()
         if record.exc_info:
             if not record.exc_text:
                 record.exc_text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
