@@ -106,15 +106,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
+from compare_args import NUM_PROMPTS, build_parser, parse_workload  # noqa: E402
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
-from compare_peak import closed_peak, fraction_rates, fractions_arg, merge_results  # noqa: E402
+from compare_frontier import search_deadline, startup_reserve, write_frontier_report  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
-    SHARED_SWITCHES,
-    SHARED_VALUE_FLAGS,
-    SYSTEMS,
+    FRONTIER_SYSTEMS,
+    SWEEP_SYSTEMS,
+    SYSTEMS,  # noqa: F401
     VLLM,
-    VLLM_SERVE_CANDIDATES,
     System,
     _append_log,
     _tail,
@@ -143,35 +144,20 @@ from compare_tables import (  # noqa: E402
 
 from rapidserve.benchmark import BenchConfig, run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
-from rapidserve.benchmark.cli import (  # noqa: E402
-    add_bench_args,
-    config_from_args,
-    nonneg_int,
-    positive_float,
-    positive_int,
-    rates_arg,
-    safe_name,
-    token_range_arg,
-)
+from rapidserve.benchmark.cli import add_bench_args, config_from_args, safe_name  # noqa: E402
+from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
+from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
 from rapidserve.benchmark.report import workload_title  # noqa: E402
-from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
-
-NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no cap)
-
+from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
+from rapidserve.benchmark.search_flags import (  # noqa: E402
+    SEARCH_FLAGS,
+    SEARCH_NUM_PROMPTS,
+    check_search_workload,
+    search_from_args,
+)
+from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
 
 # ---------------------------------------------------------------- workloads
-
-
-def parse_workload(text: str) -> list[str]:
-    """'4096:64' (fixed input:output) or a `rapidserve bench --workload` name, as bench flags."""
-    t = text.strip()
-    if t in WORKLOADS:
-        return ["--workload", t]
-    parts = t.split(":")
-    if len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        return ["--workload", "fixed", "--input-len", parts[0].strip(), "--output-len", parts[1].strip()]
-    raise argparse.ArgumentTypeError(f"{text!r} is not IN:OUT (positive token counts, e.g. 4096:64) or one of "
-                                     f"{', '.join(WORKLOADS)} (or give its flags with --workload-args)")
 
 
 class Workload(NamedTuple):
@@ -204,7 +190,11 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
                    max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
     ns = p.parse_args([*shlex.split(a.bench_args), *argv])
     if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
-        ns.num_prompts = NUM_PROMPTS
+        ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
+    if a.goodput_search:
+        check_search_workload(ns)
+        if ns.duration_s is not None:
+            raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
     cfg = config_from_args(ns)
     if not isinstance(cfg, BenchConfig):
         raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
@@ -235,10 +225,19 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
 # ---------------------------------------------------------------- one system's run
 
 
+def search(a: argparse.Namespace, w: Workload, url: str, label: str, salt: int,
+           deadline: float | None) -> dict[str, Any]:
+    """One workload's goodput search against the server at `url`, its probes salted from `salt`."""
+    cfg = bench_config(a, w.argv, base_url=url, label=label)
+    return asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), a.search, deadline=deadline))
+
+
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
-               results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None]) -> None:
-    """Start one system's server, run every workload's sweep, stop it; append results; set info's status.
-    With --peak-fractions the reference system records its closed peak per workload in `peaks`."""
+               results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None],
+               later: Sequence[str] = ()) -> None:
+    """Start one system's server, run every workload's sweep (or goodput search), stop it; append results; set
+    info's status. With --peak-fractions the reference system records its closed peak per workload in `peaks`.
+    `later`: the kinds of the systems still to run after this one (a search leaves their start-up time)."""
     label = system.label
     port = a.port or free_port()
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
@@ -269,6 +268,16 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             # prompts and arrivals at the same rate.
             base = SALT_STRIDE * wi
             try:
+                if a.goodput_search:
+                    left = len(workloads) - wi + len(later) * len(workloads)
+                    res = search(a, w, url, label, base,
+                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later)))
+                    res["title"] = w.title
+                    stem = safe_name(f"{a.name}__{label}__{w.title}")
+                    res["path"] = write_search_outputs(res, os.path.join(a.out, "compare_runs"), stem,
+                                                       plot=False)[0]["json"]
+                    results.append(res)
+                    continue
                 res = sweep(a.rates, base)
                 if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
                     peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
@@ -296,79 +305,11 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
 # ---------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="preset:qwen3-8b", help="our servers' --model")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, run in this order: any of {', '.join(SYSTEMS)}; {VLLM} or {VLLM}:FLAGS "
-                        f"(the real vLLM); {EXT}:URL (a running server) (default: all of ours)")
-    p.add_argument("--system", action="append", default=[], metavar="LABEL=SPEC",
-                   help="an extra system: LABEL=FLAGS (ours, e.g. 'mine=--mode rapid --partition static:0.75'), "
-                        "LABEL=vllm:FLAGS or LABEL=ext:URL (repeatable)")
-    p.add_argument("--serve-args", default="",
-                   help="flags every server of ours gets, e.g. '--max-model-len 8192 --gpu-memory-utilization 0.8'; "
-                        f"vLLM gets those of {', '.join(SHARED_VALUE_FLAGS + SHARED_SWITCHES)}")
-    v = p.add_argument_group("vLLM systems")
-    v.add_argument("--vllm-model", default=None, metavar="DIR",
-                   help="the model folder vLLM serves (e.g. /root/peermodel from ../shared/peer_vllm/make_model.py)")
-    v.add_argument("--vllm-serve", default=None, metavar="PATH",
-                   help="serve_vllm.sh, or 'none' to start vLLM's server module directly (default: the first of "
-                        f"{', '.join(VLLM_SERVE_CANDIDATES)} under the repo root that exists, else none)")
-    v.add_argument("--vllm-run-dir", default="/root",
-                   help="where serve_vllm.sh writes vllm_PORT.pid and vllm_PORT.log (default: %(default)s)")
-    v.add_argument("--vllm-site", default="/root/peersite",
-                   help="without serve_vllm.sh: put this folder (vLLM installed with pip --target) first on "
-                        "PYTHONPATH when it exists (default: %(default)s)")
-    v.add_argument("--vllm-baseline", default=None, metavar="LABEL",
-                   help="the system the 'vs vLLM' ratios divide by (default: the first vllm system; with "
-                        "--continue-from, the earlier report's)")
-    w = p.add_argument_group("workloads and load")
-    w.add_argument("--workloads", type=lambda t: [parse_workload(x) for x in t.split(",") if x.strip()], default=None,
-                   help="comma-separated IN:OUT or `rapidserve bench --workload` names: " + ", ".join(WORKLOADS)
-                        + " (default, without --workload-args: 4096:64,4096:1024)")
-    w.add_argument("--workload-args", action="append", default=[], metavar="FLAGS",
-                   help="one more workload given as `rapidserve bench` flags, e.g. '--workload multiturn "
-                        "--num-turns 6' (repeatable)")
-    w.add_argument("--bench-args", default="", metavar="FLAGS",
-                   help="`rapidserve bench` flags for every workload, e.g. '--input-len 2048 --turn-input-len 256 "
-                        "--output-len 64 --num-turns 6' (a workload's own flags come after and win)")
-    w.add_argument("--rates", type=rates_arg, default=(1.0, 2.0, 4.0, 8.0, math.inf))
-    w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
-                   help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
-                        "rate inf, run first) on each workload, for every system; needs inf in --rates")
-    w.add_argument("--peak-reference", default=None, metavar="LABEL",
-                   help="the system whose closed peak sets --peak-fractions' rates (default: the first system)")
-    w.add_argument("--continue-from", default=None, metavar="PATH",
-                   help="an earlier run's <name>.json (same workloads and --serve-args, same GPU): its systems and "
-                        "tables are kept in this report and its reference's closed peaks set --peak-fractions' "
-                        "rates, so the reference need not run again")
-    w.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
-    w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
-                   help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
-    w.add_argument("--num-prompts", type=positive_int, default=None,
-                   help=f"per rate (default: {NUM_PROMPTS}; multiturn: conversations; with --duration-s: a cap; "
-                        "a trace: a cap on its window, none by default)")
-    w.add_argument("--duration-s", type=positive_float, default=None, help="per-rate window instead of a count")
-    w.add_argument("--max-concurrency", type=positive_int, default=None)
-    w.add_argument("--warmup", type=nonneg_int, default=2, help="unrecorded requests before each sweep")
-    w.add_argument("--seed", type=nonneg_int, default=0)
-    w.add_argument("--timeout-s", type=positive_float, default=300.0, help="per request")
-    p.add_argument("--itl-bounds-ms", type=lambda t: [positive_float(x) for x in t.split(",")], default=[100.0, 50.0])
-    p.add_argument("--duration-budget-s", type=positive_float, default=None,
-                   help="no new system or rate starts after this many seconds")
-    p.add_argument("--startup-timeout-s", type=positive_float, default=900.0,
-                   help="per server (vLLM takes 2-3 min: torch.compile and CUDA graphs)")
-    p.add_argument("--port", type=nonneg_int, default=0, help="server port (default: a free one)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--name", default="compare")
-    p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")
-    return p
-
-
 def select_systems(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[System]:
     """The systems, checked (exits 2 with what is wrong); sets a.vllm_serve_path."""
+    names = a.systems if a.systems is not None else ",".join(FRONTIER_SYSTEMS if a.goodput_search else SWEEP_SYSTEMS)
     try:
-        systems = parse_systems(a.systems or "", a.system)
+        systems = parse_systems(names, a.system, search=a.goodput_search)
     except ValueError as e:
         p.error(str(e))
     a.vllm_serve_path = find_vllm_serve(a.vllm_serve)
@@ -391,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = select_systems(p, a)
     labels = [s.label for s in systems]
     try:
+        a.search = search_config(a)
         workloads = workload_list(a)
         meta = report_meta(a, workloads)
         prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
@@ -423,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta.update(systems=infos, vllm_baseline=baseline, peak_reference=a.peak_reference, peaks=peaks)
     paths: list[str] = []
     n_prior = len(infos)
+    report = write_frontier_report if a.goodput_search else write_report
     try:
         for s in systems:
             info: dict[str, Any] = {"label": s.label, "kind": s.kind, "flags": s.describe()}
@@ -430,37 +373,53 @@ def main(argv: Sequence[str] | None = None) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 info["status"] = "skipped: duration budget spent"
                 continue
-            run_system(a, s, workloads, deadline, results, info, peaks)
-            write_report(a, meta, results, plot=False, prior=prior)
+            later = [x.kind for x in systems[len(infos) - n_prior:]]
+            run_system(a, s, workloads, deadline, results, info, peaks, later)
+            report(a, meta, results, plot=False, prior=prior)
     finally:
         for s in systems[len(infos) - n_prior:]:  # interrupted before their turn
             infos.append({"label": s.label, "kind": s.kind, "flags": s.describe(),
                           "status": "not run: the comparison was interrupted"})
-        paths = write_report(a, meta, results, plot=True, prior=prior)
+        paths = report(a, meta, results, plot=True, prior=prior)
     with open(paths[1]) as f:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     return 0 if all(i["status"] == "ok" for i in infos[n_prior:]) else 1
 
 
+def search_config(a: argparse.Namespace) -> SearchConfig | None:
+    """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
+    given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
+    if not a.goodput_search:
+        search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
+        if search_flags:
+            raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
+        return None
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
+                         "arrivals per probe at the rates it picks")
+    cfg = search_from_args(a)
+    if cfg.max_probes >= SALT_STRIDE:
+        raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
+                         "salted apart within a workload's stride)")
+    return cfg
+
+
 def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[str, Any]:
     """The report's header from the flags (`compare_continue.MATCH` among them: what a continuation must share)."""
+    probe_n = a.num_prompts or SEARCH_NUM_PROMPTS
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
-            "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
+            "per_rate": (f"{probe_n} Poisson arrivals per probe" if a.goodput_search
+                         else f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
+            "mode": "goodput_search" if a.goodput_search else "sweep",
+            "search": None if a.search is None else dataclasses.asdict(a.search),
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
             "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
                           for w in workloads]}
-
-
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        return fractions_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -153,6 +153,8 @@ def test_round_rate_and_limits() -> None:
     assert round_rate(3.14159) == 3.14 and round_rate(123.456) == 123.0 and round_rate(0.0123456) == 0.0123
     assert SearchConfig().limits(4.0) == (1.0, 32.0)
     assert SearchConfig(min_rate=0.5, max_rate=10.0).limits(4.0) == (0.5, 10.0)
+    assert SearchConfig().limits(4.0, peak=8.123) == (1.0, 8.12)  # no probe past the closed-loop peak
+    assert SearchConfig(max_rate=20.0).limits(4.0, peak=8.0) == (1.0, 20.0)  # unless asked
 
 
 @pytest.mark.parametrize("kw,probe_requests,match", [
@@ -230,6 +232,23 @@ def test_search_at_the_max_rate() -> None:
     out = run_search(server, SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=D), start=4.0)
     assert [e["status"] for e in out.goodput] == [AT_MAX, AT_MAX] and server.calls == [4.0, 8.0, 16.0, 32.0]
     assert all(e["goodput"] == 32.0 and e["hi"] is None for e in out.goodput)
+
+
+def test_search_stops_at_the_closed_loop_peak() -> None:
+    server = FakeServer(capacity=100.0, slope=1e-6)
+    out = asyncio.run(search_frontier(server.measure, SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=D),
+                                      4.0, N, clock=lambda: server.now, peak=8.0))
+    assert server.calls == [4.0, 8.0] and all(e["status"] == AT_MAX and e["goodput"] == 8.0 for e in out.goodput)
+
+
+def test_search_brackets_every_target_coarsely_before_refining_any() -> None:
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, SearchConfig(max_probes=12, discard=D), start=5.0)
+    assert len(out.probes) == 12 and out.stopped is not None
+    for e in out.goodput:  # a bracket around every frontier, though none is within 5% yet
+        true = server.frontier(Target(e["itl_bound_ms"], e["share"]))
+        assert e["status"] == UNFINISHED and e["lo"] <= true < e["hi"] <= e["lo"] * 1.5, e
+    assert sum(e["hi"] <= e["lo"] * 1.25 + 1e-9 for e in out.goodput) >= 8  # most within the coarse 25%
 
 
 def test_search_stops_at_max_probes_with_the_bracket_so_far() -> None:

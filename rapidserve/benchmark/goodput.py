@@ -16,9 +16,11 @@ Definitions (goodput as DistServe and DuetServe measure it):
   higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows.
 
 The search (`next_step`, driven by rapidserve/benchmark/search.py): from a start rate, double while
-the target passes (up to a max rate) and halve while it fails (down to a min rate), then bisect the
-bracket [lo, hi) until hi <= lo x (1 + tolerance). Every probe is cached by rate and serves every
-target, so one search gives goodput at every bound and share.
+the target passes (up to a max rate: by default the closed-loop peak, see `SearchConfig.limits`) and
+halve while it fails (down to a min rate), then bisect the bracket [lo, hi) until hi <= lo x (1 +
+tolerance). Every probe is cached by rate and serves every target, so one search gives goodput at
+every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then each to
+the tolerance asked, so a search cut short by its budget still brackets every bound.
 
 This is not `rapidserve bench --goodput`: that one reports, at each offered rate of a sweep, the
 completed requests per second meeting per-request bounds (its itl is the request's largest gap).
@@ -38,6 +40,7 @@ DEFAULT_SHARES: tuple[float, ...] = (0.9, 0.99)
 UNBOUNDED = "unbounded"
 # Search outcomes per target
 CONVERGED, BELOW_MIN, AT_MAX, UNFINISHED = "converged", "below_min_rate", "at_max_rate", "unfinished"
+COARSE_TOLERANCE = 0.25  # the first pass over every target
 
 
 # ---------------------------------------------------------------- per request
@@ -190,7 +193,7 @@ class SearchConfig:
     start_rate: float | None = None  # None: start_fraction x the closed-loop peak, measured first
     start_fraction: float = 0.5
     min_rate: float | None = None  # None: start / 4
-    max_rate: float | None = None  # None: start x 8
+    max_rate: float | None = None  # None: the closed-loop peak (with a given start rate: start x 8)
     tolerance: float = 0.05  # stop when hi <= lo x (1 + tolerance)
     max_probes: int = 12  # Poisson probes per search (the closed-loop peak not counted)
     discard: int = 16  # warm-up arrivals of each probe left out of its counts
@@ -219,10 +222,14 @@ class SearchConfig:
             raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
                              "to count: discard fewer warm-up arrivals or send more")
 
-    def limits(self, start: float) -> tuple[float, float]:
-        """(min rate, max rate) for a search from `start`: the given ones, else start / 4 and start x 8."""
+    def limits(self, start: float, peak: float | None = None) -> tuple[float, float]:
+        """(min rate, max rate) for a search from `start`: the given ones, else start / 4 and the closed-loop
+        `peak` (without one, start x 8). A probe is a finite run: above the rate the server sustains, its queue
+        grows for only `n` arrivals and may not yet break the TTFT rule, so rates past the peak measure nothing
+        the server can keep up; the search stops there (AT_MAX: ">= peak")."""
         lo = self.min_rate if self.min_rate is not None else round_rate(start / 4.0)
-        hi = self.max_rate if self.max_rate is not None else round_rate(start * 8.0)
+        default_hi = round_rate(peak) if peak is not None else round_rate(start * 8.0)
+        hi = self.max_rate if self.max_rate is not None else default_hi
         return min(lo, start), max(hi, start)
 
     def bounds(self) -> list[float | None]:

@@ -162,6 +162,7 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
     ax.set_xlabel("per-request p95 ITL bound (ms)")
     ax.set_ylabel("goodput (requests/s)")
     ax.set_ylim(bottom=0)
+    ax.set_title("goodput at each bound (hollow: the search did not settle it)", fontsize=9)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)

@@ -4,9 +4,9 @@ against a real server.
 `search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in
 turn, loosest first, and probes the rates it names with `measure(rate)` (the records of one Poisson run of
 `probe_requests` arrivals); every probe is cached by rate and scored at every bound, so later targets start
-from the brackets earlier ones left. It stops probing, and marks the targets not yet done `unfinished` with
-their bracket so far, after `scfg.max_probes` probes or when the next probe would not end before the
-deadline; targets the cached probes already settle are still settled.
+from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to
+the tolerance asked. It stops probing, and marks the targets not yet settled `unfinished` with their
+bracket so far, after `scfg.max_probes` probes or when the next probe would not end before the deadline.
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -31,6 +31,7 @@ from rapidserve.benchmark.arrivals import rate_label
 from rapidserve.benchmark.client import Target as Server
 from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.goodput import (
+    COARSE_TOLERANCE,
     UNFINISHED,
     Probe,
     SearchConfig,
@@ -75,38 +76,40 @@ class Outcome:
 
 async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, probe_requests: int,
                           clock: Callable[[], float] = time.monotonic, deadline: float | None = None,
-                          on_probe: Callable[[Probe], None] | None = None) -> Outcome:
-    """Search every target's goodput from `start` (requests/s); see the module docstring. `on_probe` is
-    told each probe's scores as it ends."""
-    lo_rate, hi_rate = scfg.limits(start)
+                          on_probe: Callable[[Probe], None] | None = None, peak: float | None = None) -> Outcome:
+    """Search every target's goodput from `start` (requests/s), within `scfg.limits(start, peak)`; see the
+    module docstring. `on_probe` is told each probe's scores as it ends."""
+    lo_rate, hi_rate = scfg.limits(start, peak)
     bounds = scfg.bounds()
     probes: dict[float, Probe] = {}
     order: list[Probe] = []
-    entries: list[dict[str, Any]] = []
     stopped: str | None = None
     drain = 0.0
+    tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
+    for tolerance in tolerances:
+        for t in targets(scfg.itl_bounds_ms, scfg.shares):
+            while stopped is None:
+                step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance)
+                if step.rate is None:
+                    break
+                if len(order) >= scfg.max_probes:
+                    stopped = f"{scfg.max_probes} probes made (--search-max-probes)"
+                elif not fits(clock(), deadline, step.rate, probe_requests, drain):
+                    est = probe_requests / step.rate + drain
+                    stopped = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
+                else:
+                    t0 = clock()
+                    records = await measure(step.rate)
+                    drain = max(0.0, clock() - t0 - probe_requests / step.rate)
+                    probe = measure_probe(step.rate, records, bounds, scfg.discard)
+                    probes[step.rate] = probe
+                    order.append(probe)
+                    if on_probe is not None:
+                        on_probe(probe)
+    entries = []
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
-        while True:
-            step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
-            if step.rate is None:
-                entries.append(goodput_entry(probes.values(), t, step.status))
-                break
-            if stopped is None and len(order) >= scfg.max_probes:
-                stopped = f"{scfg.max_probes} probes made (--search-max-probes)"
-            elif stopped is None and not fits(clock(), deadline, step.rate, probe_requests, drain):
-                est = probe_requests / step.rate + drain
-                stopped = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after the deadline"
-            if stopped is not None:
-                entries.append(goodput_entry(probes.values(), t, UNFINISHED))
-                break
-            t0 = clock()
-            records = await measure(step.rate)
-            drain = max(0.0, clock() - t0 - probe_requests / step.rate)
-            probe = measure_probe(step.rate, records, bounds, scfg.discard)
-            probes[step.rate] = probe
-            order.append(probe)
-            if on_probe is not None:
-                on_probe(probe)
+        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
+        entries.append(goodput_entry(probes.values(), t, step.status if step.rate is None else UNFINISHED))
     return Outcome(start, lo_rate, hi_rate, order, entries, stopped)
 
 
@@ -172,7 +175,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
                      + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds()))
 
-        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell)
+        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak)
     probes = []
     for i, p in enumerate(out.probes):
         probes.append({**runs[p.rate], "order": i + 1, "counted": p.n,

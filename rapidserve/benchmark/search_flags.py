@@ -40,7 +40,9 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
     g.add_argument("--search-min-rate", type=positive_float, default=None,
                    help="the lowest rate probed; a bound that fails there is reported '< MIN' (default: start / 4)")
     g.add_argument("--search-max-rate", type=positive_float, default=None,
-                   help="the highest rate probed; a bound that passes there is reported '>= MAX' (default: start x 8)")
+                   help="the highest rate probed; a bound that passes there is reported '>= MAX' (default: the "
+                        "closed-loop peak, the most a finite probe can say is sustained; with --search-start-rate: "
+                        "start x 8)")
     g.add_argument("--search-tolerance", type=positive_float, default=None,
                    help=f"stop bisecting when the failing rate <= the passing one x (1 + this) (default "
                         f"{d.tolerance:g})")
@@ -80,6 +82,12 @@ def check_search_flags(a: argparse.Namespace) -> None:
     if sweep:
         raise ValueError(f"{', '.join(sweep)} set a sweep's load; --goodput-search picks the rates itself (each probe "
                          "sends --num-prompts Poisson arrivals)")
+    check_search_workload(a)
+
+
+def check_search_workload(a: argparse.Namespace) -> None:
+    """ValueError when the workload's bench flags cannot be searched: fixed arrivals, or a trace replayed at its
+    own timestamps."""
     if a.arrival == "fixed":
         raise ValueError("--goodput-search measures Poisson arrivals: drop --arrival fixed")
     if a.workload == "trace" and a.trace_arrivals != "poisson":
