@@ -1,10 +1,24 @@
-"""Engine configurations, and the real vLLM, side by side on one GPU: the same request-rate sweep against each.
+"""Engine configurations, and the real vLLM, side by side on one GPU: the same load against each, as a
+request-rate sweep or (`--goodput-search`) as each system's goodput frontier.
 
     python bench/compare.py --model preset:qwen3-8b --systems rapid-adaptive,hybrid-2048 \\
         --workloads 4096:64,4096:1024 --rates 1,2,4,8,inf --num-prompts 32 --duration-budget-s 2400
     python bench/compare.py --systems vllm,rapid-adaptive,hybrid-2048 --vllm-model /root/peermodel \\
         --serve-args "--max-model-len 8192 --gpu-memory-utilization 0.8" --workloads multiturn \\
         --bench-args "--input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6" --rates inf
+    python bench/compare.py --goodput-search --systems rapidserve,always-fused,always-split,vllm \\
+        --vllm-model /root/peermodel --workloads 4096:64 --num-prompts 80 --budget-s 540
+
+The goodput frontier (`--goodput-search`; bench/compare_frontier.py): per system and workload, `rapidserve
+bench --goodput-search`'s search (rapidserve/benchmark/goodput.py: the highest Poisson rate at which a share
+of requests, 90% and 99%, meet a per-request p95 ITL bound, 25/50/100/200 ms or none, and the TTFT rule),
+started from that system's own closed-loop peak; the `--search-*` flags are bench's. The default systems are
+ours: `rapidserve` (the engine's default policy), `always-fused` (--mode hybrid) and `always-split` (--policy
+rapid); a bare `vllm` (or `vllm-best`) is vLLM at each of its settings (compare_systems.VLLM_SETTINGS), the
+best of which at each bound is the better vLLM our ratios divide by. `--budget-s` shares the time left
+evenly among the searches still to run (after the later systems' start-ups): a search that runs out
+reports its brackets so far, marked unfinished, and the report says so. One frontier plot per workload
+(<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and share).
 
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
@@ -41,9 +55,10 @@ bench` flags (e.g. `--workload-args "--workload trace --trace t.jsonl"`: whateve
 parser (rapidserve/benchmark/cli.py), so a flag added there works here unchanged.
 
 Outputs, in --out (default bench/results): <name>.json (every system's flags and status, each sweep's
-per-rate summaries, the table rows, the ratios), <name>.md (the tables), <name>.png (one row per workload:
-output throughput, p99 ITL and p99 TTFT against offered load, a line per system), and each sweep's full
-bench result (every request) in <out>/compare_runs/. The JSON and markdown are rewritten after every system
+per-rate summaries, the table rows, the ratios; a search's frontiers), <name>.md (the tables), <name>.png (a
+sweep: one row per workload: output throughput, p99 ITL and p99 TTFT against offered load, a line per system;
+a search: the frontier plots above), and each sweep's or search's full bench result (every request) in
+<out>/compare_runs/. The JSON and markdown are rewritten after every system
 (and on SIGTERM), so a run cut short keeps what finished.
 
 `--peak-fractions 0.25,0.5,0.75,0.9` (with inf in --rates) adds Poisson rates at those fractions of the
@@ -61,24 +76,8 @@ carried into this run's report, and this run's systems run at the same --peak-fr
 share the model, --serve-args, workloads, rates, prompts, arrivals, seed, ITL bounds and fractions
 (bench/compare_continue.py says what is checked and kept).
 
-Definitions (per system and workload, over the rates of its sweep):
-- peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
-  and p99 ITL).
-- throughput at p99 ITL <= B ms: the highest output tokens/s among the rates whose p99 ITL (over every
-  token of every request at that rate) is <= B and where no request failed; with that rate and its
-  p99 TTFT. "-" when no rate meets it. Reported for B = 100 and 50 (--itl-bounds-ms).
-- goodput at p99 ITL <= B ms: the highest, over the rates whose p99 ITL is <= B with no failures, of
-  completed requests per second whose TTFT was <= 1 s per 1K prompt tokens (RAPID-Serve's TTFT
-  rule): the load a system carries while its token stream keeps the p99 bound.
-- strict goodput at B ms (per request): the highest, over the rates, of completed requests per second
-  whose every inter-token gap was <= B ms and whose TTFT met the same rule (one slow gap in a
-  request's stream disqualifies it).
-- versus vLLM (when a vLLM system ran; --vllm-baseline picks another system as the reference): each
-  system's figure divided by vLLM's on the same workload: requests/s, output tokens/s, TTFT p50 and p99
-  (each at the system's peak rate: with one rate, e.g. `--rates inf`, the same load for all; a TTFT ratio
-  below 1 is faster than vLLM), goodput and strict goodput at each ITL bound.
-- versus the best hybrid: each non-hybrid system's figures divided by the highest any `hybrid*`
-  system reached on the same workload (the issue's targets: goodput >= 1.5x, peak >= 0.9x).
+The sweep's figures (peak, throughput and goodput at p99 ITL bounds, strict goodput, versus vLLM, versus the
+best hybrid) are defined in bench/compare_tables.py's docstring.
 GPU time: the servers start once per system (all workloads run on it); keep --num-prompts small, or use
 --duration-s for short fixed windows per rate, and --duration-budget-s to stop starting new rates and
 systems once the budget is spent (skips are listed).
@@ -97,7 +96,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any
 
 import aiohttp
 
@@ -106,7 +105,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
-from compare_args import NUM_PROMPTS, build_parser, parse_workload  # noqa: E402
+from compare_args import (  # noqa: E402
+    NUM_PROMPTS,
+    SALT_STRIDE,
+    Workload,
+    bench_config,
+    build_parser,
+    parse_workload,  # noqa: F401
+    search_config,
+    workload_list,
+)
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
 from compare_frontier import search_deadline, startup_reserve, write_frontier_report  # noqa: E402
 from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
@@ -142,85 +150,13 @@ from compare_tables import (  # noqa: E402
     write_report,
 )
 
-from rapidserve.benchmark import BenchConfig, run_benchmark, write_outputs  # noqa: E402
+from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
-from rapidserve.benchmark.cli import add_bench_args, config_from_args, safe_name  # noqa: E402
-from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
+from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
-from rapidserve.benchmark.report import workload_title  # noqa: E402
 from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
-from rapidserve.benchmark.search_flags import (  # noqa: E402
-    SEARCH_FLAGS,
-    SEARCH_NUM_PROMPTS,
-    check_search_workload,
-    search_from_args,
-)
+from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
-
-# ---------------------------------------------------------------- workloads
-
-
-class Workload(NamedTuple):
-    """One workload of the comparison: its `rapidserve bench` flags and its (unique) title in the tables."""
-
-    argv: tuple[str, ...]
-    title: str
-
-
-class _BenchFlags(argparse.ArgumentParser):
-    """`rapidserve bench`'s parser, raising ValueError instead of exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
-
-
-SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
-
-
-def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
-                 label: str | None = None, deadline: float | None = None,
-                 rates: Sequence[float] | None = None) -> BenchConfig:
-    """The BenchConfig of one workload's run: this script's sweep flags as defaults, then --bench-args, then
-    the workload's flags, through `rapidserve bench`'s own parser and config_from_args. ValueError when the
-    flags are wrong."""
-    p = _BenchFlags(prog="rapidserve bench", add_help=False)
-    add_bench_args(p)
-    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
-                   token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
-                   max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
-    ns = p.parse_args([*shlex.split(a.bench_args), *argv])
-    if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
-        ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
-    if a.goodput_search:
-        check_search_workload(ns)
-        if ns.duration_s is not None:
-            raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
-    cfg = config_from_args(ns)
-    if not isinstance(cfg, BenchConfig):
-        raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
-    return dataclasses.replace(cfg, base_url=base_url, label=label, deadline=deadline)
-
-
-def workload_list(a: argparse.Namespace) -> list[Workload]:
-    """--workloads then --workload-args (default 4096:64 and 4096:1024), checked by the bench parser, each
-    titled as the bench report titles it (' #2', ... where two would share a title)."""
-    argvs = [*(a.workloads or []), *(shlex.split(w) for w in a.workload_args)]
-    if not argvs:
-        argvs = [parse_workload("4096:64"), parse_workload("4096:1024")]
-    out: list[Workload] = []
-    for argv in argvs:
-        try:
-            spec = bench_config(a, argv).workload
-        except ValueError as e:
-            raise ValueError(f"workload `{shlex.join([*shlex.split(a.bench_args), *argv])}`: {e}") from None
-        title = base = workload_title(spec.describe())
-        k = 1
-        while any(w.title == title for w in out):
-            k += 1
-            title = f"{base} #{k}"
-        out.append(Workload(tuple(argv), title))
-    return out
-
 
 # ---------------------------------------------------------------- one system's run
 
@@ -268,29 +204,25 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             # prompts and arrivals at the same rate.
             base = SALT_STRIDE * wi
             try:
-                if a.goodput_search:
+                if a.goodput_search:  # an even share of the budget left, after the later systems' start-ups
                     left = len(workloads) - wi + len(later) * len(workloads)
                     res = search(a, w, url, label, base,
                                  search_deadline(time.monotonic(), deadline, left, startup_reserve(later)))
-                    res["title"] = w.title
-                    stem = safe_name(f"{a.name}__{label}__{w.title}")
-                    res["path"] = write_search_outputs(res, os.path.join(a.out, "compare_runs"), stem,
-                                                       plot=False)[0]["json"]
-                    results.append(res)
-                    continue
-                res = sweep(a.rates, base)
-                if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
-                    peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
-                extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
-                if extra:
-                    res = merge_results(res, sweep(extra, base + len(a.rates)))
+                else:
+                    res = sweep(a.rates, base)
+                    if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
+                        peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
+                    extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
+                    if extra:
+                        res = merge_results(res, sweep(extra, base + len(a.rates)))
             except (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 info["status"] = f"error on {w.title}: {e}"
                 print(f"   {label}: {info['status']}", flush=True)
                 continue
             res["title"] = w.title
-            stem = safe_name(f"{a.name}__{label}__{w.title}")
-            res["path"] = write_outputs(res, os.path.join(a.out, "compare_runs"), stem, plot=False)["json"]
+            stem, runs_dir = safe_name(f"{a.name}__{label}__{w.title}"), os.path.join(a.out, "compare_runs")
+            res["path"] = (write_search_outputs(res, runs_dir, stem, plot=False)[0] if a.goodput_search
+                           else write_outputs(res, runs_dir, stem, plot=False))["json"]
             results.append(res)
     except (KeyboardInterrupt, SystemExit):
         info["status"] = "interrupted"
@@ -385,24 +317,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
     return 0 if all(i["status"] == "ok" for i in infos[n_prior:]) else 1
-
-
-def search_config(a: argparse.Namespace) -> SearchConfig | None:
-    """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
-    given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
-    if not a.goodput_search:
-        search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
-        if search_flags:
-            raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
-        return None
-    if given:
-        raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
-                         "arrivals per probe at the rates it picks")
-    cfg = search_from_args(a)
-    if cfg.max_probes >= SALT_STRIDE:
-        raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
-                         "salted apart within a workload's stride)")
-    return cfg
 
 
 def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[str, Any]:

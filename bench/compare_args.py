@@ -1,12 +1,17 @@
-"""bench/compare.py's flags: its parser, and the workload shorthand (IN:OUT or a bench workload name).
+"""bench/compare.py's flags: its parser, the workload shorthand (IN:OUT or a bench workload name), each
+workload's BenchConfig through `rapidserve bench`'s own parser, and the goodput search's settings.
 bench/compare.py's docstring says what they do."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
+import shlex
 import sys
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,13 +31,24 @@ from compare_systems import (  # noqa: E402
 )
 
 from rapidserve.benchmark.cli import (  # noqa: E402
+    add_bench_args,
+    config_from_args,
     nonneg_int,
     positive_float,
     positive_int,
     rates_arg,
     token_range_arg,
 )
-from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS, add_search_args  # noqa: E402
+from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
+from rapidserve.benchmark.report import workload_title  # noqa: E402
+from rapidserve.benchmark.runner import BenchConfig  # noqa: E402
+from rapidserve.benchmark.search_flags import (  # noqa: E402
+    SEARCH_FLAGS,
+    SEARCH_NUM_PROMPTS,
+    add_search_args,
+    check_search_workload,
+    search_from_args,
+)
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
 
 DESCRIPTION = "Engine configurations, and the real vLLM, side by side on one GPU: the same load against each."
@@ -134,3 +150,83 @@ def _fractions(text: str) -> tuple[float, ...]:
         return fractions_arg(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class Workload(NamedTuple):
+    """One workload of the comparison: its `rapidserve bench` flags and its (unique) title in the tables."""
+
+    argv: tuple[str, ...]
+    title: str
+
+
+class _BenchFlags(argparse.ArgumentParser):
+    """`rapidserve bench`'s parser, raising ValueError instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
+
+
+def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
+                 label: str | None = None, deadline: float | None = None,
+                 rates: Sequence[float] | None = None) -> BenchConfig:
+    """The BenchConfig of one workload's run: this script's sweep flags as defaults, then --bench-args, then
+    the workload's flags, through `rapidserve bench`'s own parser and config_from_args. ValueError when the
+    flags are wrong."""
+    p = _BenchFlags(prog="rapidserve bench", add_help=False)
+    add_bench_args(p)
+    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
+                   token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
+                   max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
+    ns = p.parse_args([*shlex.split(a.bench_args), *argv])
+    if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
+        ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
+    if a.goodput_search:
+        check_search_workload(ns)
+        if ns.duration_s is not None:
+            raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
+    cfg = config_from_args(ns)
+    if not isinstance(cfg, BenchConfig):
+        raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
+    return dataclasses.replace(cfg, base_url=base_url, label=label, deadline=deadline)
+
+
+def workload_list(a: argparse.Namespace) -> list[Workload]:
+    """--workloads then --workload-args (default 4096:64 and 4096:1024), checked by the bench parser, each
+    titled as the bench report titles it (' #2', ... where two would share a title)."""
+    argvs = [*(a.workloads or []), *(shlex.split(w) for w in a.workload_args)]
+    if not argvs:
+        argvs = [parse_workload("4096:64"), parse_workload("4096:1024")]
+    out: list[Workload] = []
+    for argv in argvs:
+        try:
+            spec = bench_config(a, argv).workload
+        except ValueError as e:
+            raise ValueError(f"workload `{shlex.join([*shlex.split(a.bench_args), *argv])}`: {e}") from None
+        title = base = workload_title(spec.describe())
+        k = 1
+        while any(w.title == title for w in out):
+            k += 1
+            title = f"{base} #{k}"
+        out.append(Workload(tuple(argv), title))
+    return out
+
+
+def search_config(a: argparse.Namespace) -> SearchConfig | None:
+    """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
+    given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
+    if not a.goodput_search:
+        search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
+        if search_flags:
+            raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
+        return None
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
+                         "arrivals per probe at the rates it picks")
+    cfg = search_from_args(a)
+    if cfg.max_probes >= SALT_STRIDE:
+        raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
+                         "salted apart within a workload's stride)")
+    return cfg
