@@ -272,3 +272,15 @@ def test_search_stops_before_a_probe_that_would_pass_the_deadline() -> None:
         if e["status"] == UNFINISHED:  # the frontier lies in its bracket so far
             assert (e["lo"] or 0.0) <= true and (e["hi"] is None or true < e["hi"]), e
     assert any(e["status"] == UNFINISHED for e in out.goodput)
+
+
+def test_a_probe_too_long_for_the_budget_leaves_its_target_not_the_others() -> None:
+    server = FakeServer(capacity=10.0)
+    scfg = SearchConfig(itl_bounds_ms=(5.0,), shares=(0.9,), max_probes=60, discard=D)
+    out = run_search(server, scfg, start=5.0, deadline=55.0)
+    # the 5 ms target's next probe (2.5 req/s, ~25 s) never fits; the unbounded one is still refined past it
+    assert server.calls == [5.0, 10.0, 20.0, 15.0, 12.5, 11.2, 10.6, 10.3] and server.now <= 55.0
+    unbounded, tight = out.goodput
+    assert (unbounded["status"], unbounded["lo"], unbounded["hi"]) == (CONVERGED, 10.0, 10.3)
+    assert (tight["status"], tight["lo"], tight["hi"]) == (UNFINISHED, None, 5.0)
+    assert out.stopped is not None and "a probe at 2.5 req/s" in out.stopped

@@ -5,8 +5,9 @@ against a real server.
 turn, loosest first, and probes the rates it names with `measure(rate)` (the records of one Poisson run of
 `probe_requests` arrivals); every probe is cached by rate and scored at every bound, so later targets start
 from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to
-the tolerance asked. It stops probing, and marks the targets not yet settled `unfinished` with their
-bracket so far, after `scfg.max_probes` probes or when the next probe would not end before the deadline.
+the tolerance asked. It stops probing after `scfg.max_probes` probes, and leaves a target whose next probe
+would not end before the deadline (a low rate's probe is long; another target's may still fit); the targets
+not settled then are marked `unfinished`, with their bracket so far.
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -83,34 +84,37 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     bounds = scfg.bounds()
     probes: dict[float, Probe] = {}
     order: list[Probe] = []
-    stopped: str | None = None
+    exhausted: str | None = None  # the probes are spent: nothing more is measured
+    too_long: str | None = None  # a target's next probe would end after the deadline (a shorter one may still fit)
     drain = 0.0
     tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
     for tolerance in tolerances:
         for t in targets(scfg.itl_bounds_ms, scfg.shares):
-            while stopped is None:
+            while exhausted is None:
                 step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance)
                 if step.rate is None:
                     break
                 if len(order) >= scfg.max_probes:
-                    stopped = f"{scfg.max_probes} probes made (--search-max-probes)"
-                elif not fits(clock(), deadline, step.rate, probe_requests, drain):
+                    exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
+                    break
+                if not fits(clock(), deadline, step.rate, probe_requests, drain):
                     est = probe_requests / step.rate + drain
-                    stopped = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
-                else:
-                    t0 = clock()
-                    records = await measure(step.rate)
-                    drain = max(0.0, clock() - t0 - probe_requests / step.rate)
-                    probe = measure_probe(step.rate, records, bounds, scfg.discard)
-                    probes[step.rate] = probe
-                    order.append(probe)
-                    if on_probe is not None:
-                        on_probe(probe)
+                    too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
+                    break
+                t0 = clock()
+                records = await measure(step.rate)
+                drain = max(0.0, clock() - t0 - probe_requests / step.rate)
+                probe = measure_probe(step.rate, records, bounds, scfg.discard)
+                probes[step.rate] = probe
+                order.append(probe)
+                if on_probe is not None:
+                    on_probe(probe)
     entries = []
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
         step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
         entries.append(goodput_entry(probes.values(), t, step.status if step.rate is None else UNFINISHED))
-    return Outcome(start, lo_rate, hi_rate, order, entries, stopped)
+    unsettled = any(e["status"] == UNFINISHED for e in entries)
+    return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None)
 
 
 def attainment_json(p: Probe, bounds: Sequence[float | None]) -> dict[str, float]:
