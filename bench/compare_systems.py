@@ -46,10 +46,8 @@ SYSTEMS: dict[str, str] = {
     "always-fused": "--mode hybrid",
     "always-split": "--mode rapid --policy rapid",
 }
-SWEEP_SYSTEMS: tuple[str, ...] = ("rapid-adaptive", "rapid-adaptive-slo100", "rapid-duet", "rapid-drift",
-                                  "rapid-overallocated", "rapid-static-0.25", "rapid-static-0.5", "hybrid-512",
-                                  "hybrid-2048", "hybrid-8192")  # --systems' default for a sweep
-FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # ... for --goodput-search
+FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # --systems' default: a search
+SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in FRONTIER_SYSTEMS)  # ... a sweep
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its
