@@ -185,7 +185,7 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
         ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
     if a.goodput_search:
         check_search_workload(ns)
-        if ns.duration_s is not None:
+        if ns.duration_s is not None and ns.workload != "trace":  # a trace's --duration-s is its window
             raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
     cfg = config_from_args(ns)
     if not isinstance(cfg, BenchConfig):

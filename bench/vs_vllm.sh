@@ -178,9 +178,10 @@ case "${GROUP:-}" in
     ours) ours="rapidserve,always-fused,always-split"; vllm_wanted="" ;;
     *) say "GROUP=$GROUP: give vllm-a, vllm-b or ours (or leave it unset and set SYSTEMS / VLLM_SYSTEMS)"; exit 2 ;;
 esac
-# The workloads: the issue's multiturn by default; TRACE_WORKLOADS (';'-separated `rapidserve bench` flag
-# sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60 --time-scale 3")
-# replaces it (carry the trace files: ../shared does not travel).
+# The workloads: fixed 4096:64 for the frontier, issue 15's multiturn for the sweep; TRACE_WORKLOADS (';'-separated
+# `rapidserve bench` flag sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60
+# --time-scale 3" for a sweep, "--workload trace --trace ... --trace-arrivals poisson --num-prompts 64" for the
+# frontier) replaces it (carry the trace files: ../shared does not travel).
 if [ -n "${TRACE_WORKLOADS:-}" ]; then
     workload_args=()
     IFS=';' read -ra sets <<<"$TRACE_WORKLOADS"

@@ -41,6 +41,9 @@ def test_bad_search_flags_exit_2(args: list[str], needle: str, capsys: pytest.Ca
     (["--goodput-search", "--duration-s", "10"], "--duration-s set a sweep's load"),
     (["--goodput-search", "--arrival", "fixed"], "Poisson"),
     (["--goodput-search", "--workload", "trace", "--trace", "t.csv"], "--trace-arrivals poisson"),
+    # a trace's --duration-s is its window, not a sweep's load: accepted, and the file is read next
+    (["--goodput-search", "--workload", "trace", "--trace", "/no/such.csv", "--trace-arrivals", "poisson",
+      "--duration-s", "5"], "--trace /no/such.csv: cannot read it"),
     (["--goodput-search", "--search-tolerance", "1.5"], "--search-tolerance 1.5"),
     (["--goodput-search", "--search-start-rate", "8", "--search-max-rate", "4"], "--search-max-rate"),
     (["--goodput-search", "--num-prompts", "10", "--search-discard", "10"], "leaves nothing"),

@@ -28,8 +28,9 @@ DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request ra
               "then bisecting between a passing and a failing rate). This is not a sweep's `--goodput` column (SLO-met "
               "requests per second at each offered rate).")
 LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed (X) fails; `>= X`: the highest rate "
-          "allowed (X) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the frontier lies "
-          "in it); `-`: not searched.")
+          "the search may probe (X: by default the closed-loop peak, past which a finite probe shows no sustained "
+          "rate) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the frontier lies in it); "
+          "`-`: not searched.")
 
 
 def goodput_cell(e: Mapping[str, Any] | None) -> str:

@@ -77,8 +77,9 @@ def check_search_flags(a: argparse.Namespace) -> None:
         if searched:
             raise ValueError(f"{', '.join(searched)} only apply with --goodput-search")
         return
+    window = a.duration_s if a.workload != "trace" else None  # a trace's --duration-s is its window: allowed
     sweep = [flag for flag, v in (("--request-rate", a.request_rate), ("--time-scale", a.time_scale),
-                                  ("--duration-s", a.duration_s)) if v is not None]
+                                  ("--duration-s", window)) if v is not None]
     if sweep:
         raise ValueError(f"{', '.join(sweep)} set a sweep's load; --goodput-search picks the rates itself (each probe "
                          "sends --num-prompts Poisson arrivals)")
