@@ -10,7 +10,8 @@
 - Flags that change nothing here, accepted with what they mean on rapidserve (the help says it):
   `--trust-remote-code` (no model code is ever run from a repository), `--disable-log-stats` (no
   periodic stats lines are logged), `--enable-chunked-prefill` (prompts are always chunked),
-  `--kv-cache-dtype auto`, `--scheduling-policy fcfs`, `--tokenizer-mode auto`.
+  `--scheduling-policy fcfs`, `--tokenizer-mode auto`. (`--quantization` / `-q` and `--kv-cache-dtype` are every
+  command's: none/auto accepted, anything else refused by name, `engine_settings.check_unsupported_options`.)
 - Any other flag: argparse refuses it; `CliParser` rewrites that message to name each flag and say that
   rapidserve does not support it, with the reason for vLLM's common ones (`UNSUPPORTED`).
 """
@@ -23,10 +24,8 @@ from typing import Any, NoReturn
 
 from rapidserve.config import LOAD_FORMATS, LOG_LEVELS, ConfigError
 
-_NO_QUANT = "rapidserve serves bf16/fp16/fp32 weights and dequantizes GGUF files: no quantized kernels"
 _PROXY = "put a reverse proxy (nginx, envoy) in front of rapidserve for it"
 UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or what to use instead)
-    "--quantization": _NO_QUANT, "-q": _NO_QUANT,
     "--pipeline-parallel-size": "only tensor (-tp) and data (-dp) parallelism",
     "-pp": "only tensor (-tp) and data (-dp) parallelism",
     "--enable-lora": "no LoRA adapters", "--lora-modules": "no LoRA adapters", "--max-loras": "no LoRA adapters",
@@ -114,7 +113,6 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
                       help="prompts longer than --max-num-batched-tokens are always chunked "
                            "(--no-enable-chunked-prefill is refused)")
     same.add_argument("--no-enable-chunked-prefill", action=_AlwaysOn, nargs=0, help=argparse.SUPPRESS)
-    same.add_argument("--kv-cache-dtype", default="auto", choices=("auto",), help="the KV cache has the model's dtype")
     same.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs",), help="requests are served in arrival "
                                                                                      "order")
     same.add_argument("--tokenizer-mode", default="auto", choices=("auto",), help="the Hugging Face tokenizer")

@@ -307,7 +307,14 @@ class ParallelConfig:
         return self.devices if self.devices is not None else tuple(range(self.world_size))
 
 
-POLICIES = ("rapid", "duet", "drift")  # partition/policy.py
+# The policies (rapidserve/policy_spec.py declares what each uses and reads; partition/ holds their decisions):
+# rapid (always split, the profile's choice), duet (fused when a step fits the ITL SLO, else split), drift (split,
+# prefill block-wise), fused (always one mixed step: --mode hybrid's).
+POLICIES = ("rapid", "duet", "drift", "fused")
+# What `--mode rapid --partition adaptive` runs when --policy is left out. The adaptive policy is `duet` (DuetServe's
+# design); it becomes the default once the decode worker carries out fused steps itself (issue 37's engine change):
+# until then `duet` in the engine is the two-process approximation (partition/duet.py), so the default stays rapid.
+DEFAULT_POLICY = "rapid"
 PROFILE_LOOKUPS = ("interpolate", "round-up")  # how the manager reads a profile between buckets: profile.estimate
 
 
@@ -317,18 +324,22 @@ class PartitionConfig:
 
     mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
     use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
-    policy (adaptive only; partition/policy.py): rapid (RAPID-Serve: the profile's configuration with
-    the most prefill throughput within the ITL SLO), duet (DuetServe: both phases on the whole GPU
-    while a roofline predicts the step within the SLO, else the split that maximises throughput) or
-    drift (DRIFT: prefill launched a layer block at a time on the configuration with the most prefill
-    units within the ITL SLO; a short request may preempt a long prefill batch at a block boundary).
-    profile_lookup (rapid policy): how a decode batch and context between the profile's buckets are read:
-    round-up (to the bucket at or above each) or interpolate (linearly between the buckets around them;
+    policy (POLICIES; rapidserve/policy_spec.py declares the workers, partition modes and settings of each):
+    rapid (RAPID-Serve: the profile's configuration with the most prefill throughput within the ITL SLO;
+    any mode), duet (DuetServe: fused steps while the predicted step meets the SLO, else the split that
+    maximises prefill throughput; adaptive), drift (DRIFT: prefill launched a layer block at a time on the
+    configuration with the most prefill units within the ITL SLO; a short request may preempt a long prefill
+    batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
+    profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
+    buckets are read: round-up (to the bucket at or above each) or interpolate (linearly between the buckets around
+    them;
     partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
     ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
     without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
     time model fitted at start-up (one for every configuration).
+    Here each field is checked alone; which fields a policy, a partition mode and a run read together is
+    `policy_spec.conflicts`, run on the tree `config_builder.build_engine_config` builds.
     """
 
     mode: str = "adaptive"  # adaptive | off | static
@@ -351,21 +362,11 @@ class PartitionConfig:
                "a static partition needs its decode share (static:0.25), and only a static one has it")
         _check(self.static_decode_share is None or 0.0 < self.static_decode_share < 1.0,
                f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
-        _check(self.profile is None or self.mode == "adaptive",
-               f"--profile is read only by --partition adaptive (this run: {self.mode}); drop it or use adaptive")
         _check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
                f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
         _check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
         _check(self.policy in POLICIES, f"policy={self.policy!r}; use one of {', '.join(POLICIES)}")
-        _check(self.policy == "rapid" or self.mode == "adaptive",
-               f"--policy {self.policy} chooses among partition configurations: it needs --partition adaptive "
-               f"(this run: {self.mode})")
         _check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
-        drift_set = [f for f, v in (("--slo-ttft-ms", self.slo_ttft_ms),
-                                    ("--slo-ttft-ms-per-1k-tokens", self.slo_ttft_ms_per_1k_tokens or None),
-                                    ("--drift-prefill-model", self.drift_prefill_model)) if v is not None]
-        _check(self.policy == "drift" or not drift_set,
-               f"{', '.join(drift_set)}: read only by --policy drift (this run: {self.policy})")
         _check(self.slo_ttft_ms is None or 0 < self.slo_ttft_ms < float("inf"),
                f"slo_ttft_ms={self.slo_ttft_ms} must be a positive number")
         _check(0 <= self.slo_ttft_ms_per_1k_tokens < float("inf"),
@@ -377,9 +378,6 @@ class PartitionConfig:
                f"drift_prefill_model={m} must be (a_ms >= 0, b_ms_per_token > 0)")
         _check(self.profile_lookup in PROFILE_LOOKUPS,
                f"profile_lookup={self.profile_lookup!r}; use one of {', '.join(PROFILE_LOOKUPS)}")
-        _check(self.profile_lookup == "round-up" or (self.policy == "rapid" and self.mode == "adaptive"),
-               f"--profile-lookup {self.profile_lookup} is read only by --partition adaptive --policy rapid (this run: "
-               f"{self.mode}, {self.policy}); drop it")
         _check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

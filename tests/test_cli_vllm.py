@@ -335,8 +335,8 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--quantization", "awq"], "rapidserve does not support --quantization (rapidserve serves bf16"),
-    (["-q", "fp8"], "does not support -q"),
+    (["--quantization", "awq"], "--quantization 'awq' (quantization='awq'): rapidserve does not quantize weights"),
+    (["-q", "fp8"], "--quantization 'fp8'"),  # main's flag: none/auto accepted (test_quantized_checkpoints)
     (["--pipeline-parallel-size", "2"], "does not support --pipeline-parallel-size (only tensor (-tp)"),
     (["--enable-lora"], "no LoRA"),
     (["-O3"], "does not support -O3 (no torch.compile"),

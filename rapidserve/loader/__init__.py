@@ -8,9 +8,10 @@ weight stream is consumed (the GGUF path converts once into a cache, then stream
 only that rank's part of one tensor at a time.
 
 Inside the package: `source.py` (ModelSource, ModelLoadError, tensor shapes; imports only the config
-and `preset_table.py`) < `hub.py` (Hub ids in the local Hugging Face cache; model display names) <
-`hf.py` < `gguf_loader.py`, `presets.py` < this facade, which re-exports `source.py`'s and `hub.py`'s
-names and imports the format readers only when `resolve_model` needs them.
+and `preset_table.py`) < `hub.py` (Hub ids in the local Hugging Face cache; model display names),
+`quant.py` (quantized checkpoints refused by name before any weight is read) < `hf.py` < `gguf_loader.py`,
+`presets.py` < this facade, which re-exports `source.py`'s and `hub.py`'s names and `UnsupportedQuantization`,
+and imports the format readers only when `resolve_model` needs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import torch
 
 from rapidserve.loader.hub import DUMMY_PREFIX, display_name, local_model_spec
+from rapidserve.loader.quant import UnsupportedQuantization
 from rapidserve.loader.source import (
     ModelLoadError,
     ModelSource,
@@ -36,6 +38,7 @@ __all__ = [
     "DEFAULT_GGUF_PACKAGE",
     "ModelLoadError",
     "ModelSource",
+    "UnsupportedQuantization",
     "check_tensor_shapes",
     "default_gguf_path",
     "display_name",

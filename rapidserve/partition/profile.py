@@ -66,6 +66,9 @@ class Profile(msgspec.Struct, frozen=True):
     # --shard-of-tp N`): its figures hold no collectives; the engine adds them from the roofline's link model
     # (`roofline.with_collectives`) when it serves at that tensor-parallel size
     tensor_parallel_size: int = 1
+    # how the figures were made beyond `source`, for the start-up log (an auto-profile measured at start:
+    # how many cells were measured, the others being the roofline's scaled by them; partition/autoprofile.py)
+    note: str = ""
 
     def configuration(self, name: str) -> Configuration | None:
         for c in self.configurations:
