@@ -123,7 +123,8 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     log.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", where)
     warn_if_exposed(scfg)
     try:
-        gate.set_step("loading the engine's code (torch) and reading the model's configuration")
+        gate.set_step("loading the engine's code (torch), reading the model's configuration and, on a GPU with no "
+                      "partition profile for it, measuring one (auto-profile, under a minute)")
         ecfg, source = await off_loop(build)
         Server, Tokenizer = await off_loop(_server_code)
         gate.set_step(f"loading the tokenizer ({source.description})")
