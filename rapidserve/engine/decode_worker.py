@@ -29,7 +29,8 @@ import torch
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
-from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
+from rapidserve.engine.sampling_step import retain, sample_step
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
@@ -37,7 +38,7 @@ from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.runner import Carry, DecodeItem, ModelRunner
 from rapidserve.sampler import SamplerOutput
-from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarRow
 
 AWAIT_POLL_S = 50e-6  # how often a decode worker waiting for a step looks at the step and its inbox
 
@@ -186,24 +187,19 @@ class DecodeWorker:
             carry = Carry(prev.out.token_ids, [(i, where[id(r)]) for i, r in enumerate(batch) if r.inflight])
         logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
         index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
-        mask = self._grammar_mask(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
-        try:
-            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos, mask,
-                                  history=lambda i: history(batch[i]))
-        except RequestsFailed as e:
-            e.reqs = [batch[i] for i in e.rows]
-            raise
+        out = sample_step(self.runner, self.grammar, logits, batch, [r.params for r in batch], index, self.sched.eos,
+                          history=lambda i: history(batch[i]), grammar_rows=lambda: self._grammar_rows(batch, prev))
         host = out.to_host()  # queued before the next step: reading it later never waits for that step
         self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         self.sched.launched(batch)
         self.partition.note_step()
         return InFlight(batch, out, host, self.runner.mark())
 
-    def _grammar_mask(self, batch: list[DecodeRequest], prev: InFlight | None) -> GrammarMask:
-        """The structured-output mask of this step, filled on the CPU while the device runs the forward
+    def _grammar_rows(self, batch: list[DecodeRequest], prev: InFlight | None) -> list[GrammarRow]:
+        """The structured-output rows of this step, made on the CPU while the device runs the forward
         just queued. Each matcher replays the tokens known so far (the first token from PrefillDone,
         every output after a preemption) plus the in-flight step's token, for which only a batch with
-        a grammar row waits here. Rows whose grammar rejects a token fail alone."""
+        a grammar row waits here."""
         prev_tokens: list[int] | None = None
         where: dict[int, int] = {}
         rows: list[GrammarRow] = []
@@ -220,7 +216,7 @@ class DecodeWorker:
                     where = {id(x): k for k, x in enumerate(prev.batch)}
                 known = known + [prev_tokens[where[id(r)]]]
             rows.append(GrammarRow(i, r.req_id, r.params, known))
-        return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
+        return rows
 
     def _complete(self) -> None:
         """Record the in-flight step's tokens (emit, stop, free what finished)."""
@@ -253,10 +249,8 @@ class DecodeWorker:
                 self.admit()
 
     def publish(self) -> None:
-        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
-            self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
-        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
-            self.grammar.retain((r.req_id for r in self.sched.running), known=self.sched.reqs)  # compiles: ended
+        # penalty slots and matchers of requests no longer running (ended, preempted) are released; compiles: ended
+        retain(self.runner, self.grammar, ((r.req_id, slot_key(r)) for r in self.sched.running), known=self.sched.reqs)
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []

@@ -63,15 +63,16 @@ import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
+from rapidserve.engine.sampling_step import retain, sample_step
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
-from rapidserve.sequence import Sequence, check_stop_at
+from rapidserve.sequence import Sequence, check_stop_at, reaches_length
 from rapidserve.step_plan import StepPlan
-from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarRow
 
 T = TypeVar("T")
 PLACEHOLDER = -1  # an output token still in flight (scheduling ahead); never sent anywhere
@@ -150,8 +151,7 @@ class HybridWorker:
         if not seq.output_token_ids or seq.output_token_ids[-1] != PLACEHOLDER:
             return False
         n_out = len(seq.output_token_ids)
-        return (seq.params.max_tokens is not None and n_out >= seq.params.max_tokens) or \
-            seq.num_tokens >= self.context_cap
+        return reaches_length(seq.params, n_out, seq.num_tokens, self.context_cap)
 
     def guarded(self, plan: StepPlan, fn: Callable[[Any], T], arg: Any) -> T | None:
         """Run `fn(arg)` for `plan`; a request never takes the worker down (engine/faults.py). Rows
@@ -242,13 +242,9 @@ class HybridWorker:
         out = None
         index = [len(s.output_token_ids) for s in seqs]  # output index of each sampled token
         if seqs:
-            mask = self._grammar_mask(seqs, prev) if GrammarBook.needed(s.params for s in seqs) else None
-            try:
-                out = sample_or_blame(self.runner, logits, [s.params for s in seqs], index, self.eos, mask,
-                                      history=lambda i: seq_history(seqs[i]))
-            except RequestsFailed as e:
-                e.reqs = [seqs[i] for i in e.rows]
-                raise
+            out = sample_step(self.runner, self.grammar, logits, seqs, [s.params for s in seqs], index, self.eos,
+                              history=lambda i: seq_history(seqs[i]),
+                              grammar_rows=lambda: self._grammar_rows(seqs, prev))
         host = None if out is None else out.to_host()
         done = None if out is None else self.runner.mark()
         # Nothing below raises: the state moves on only for a step that is wholly queued.
@@ -261,10 +257,10 @@ class HybridWorker:
         return Launched(plan, seqs, host, done, device_tokens=out.token_ids,
                         rows={id(s): i for i, s in enumerate(seqs)}, index=index)
 
-    def _grammar_mask(self, seqs: list[Sequence], prev: Launched | None) -> GrammarMask:
-        """The structured-output mask of this step's rows, filled while the device runs its forward
-        (queued already). A row whose newest token is a placeholder needs `prev`'s tokens on the host:
-        only batches with a grammar row wait for them here. Rows whose grammar rejects a token fail."""
+    def _grammar_rows(self, seqs: list[Sequence], prev: Launched | None) -> list[GrammarRow]:
+        """The structured-output rows of this step, made while the device runs its forward (queued
+        already). A row whose newest token is a placeholder needs `prev`'s tokens on the host: only
+        batches with a grammar row wait for them here."""
         prev_tokens: list[int] | None = None
         rows: list[GrammarRow] = []
         for i, s in enumerate(seqs):
@@ -280,7 +276,7 @@ class HybridWorker:
                 rows.append(GrammarRow(i, s.seq_id, s.params, known, prev_tokens[prev.rows[id(s)]]))
             else:
                 rows.append(GrammarRow(i, s.seq_id, s.params, known))
-        return fill_or_blame(self.grammar, rows, seqs, pin=self.runner.device.type == "cuda")
+        return rows
 
     def record(self, step: Launched) -> None:
         """Wait for the step, write its tokens over their placeholders: emit, stop, free what finished;
@@ -310,10 +306,8 @@ class HybridWorker:
 
     # ---- publishing ---------------------------------------------------------------------------
     def publish(self) -> None:
-        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
-            self.runner.tokens.retain(s.slot_key for s in self.sched.running)
-        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
-            self.grammar.retain((s.seq_id for s in self.sched.running), known=self.seqs)  # compiles: ended
+        # penalty slots and matchers of requests no longer running (ended, preempted) are released; compiles: ended
+        retain(self.runner, self.grammar, ((s.seq_id, s.slot_key) for s in self.sched.running), known=self.seqs)
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []
