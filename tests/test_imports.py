@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
+                  "rapidserve.scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
     # Running the model on batches: ModelRunner, block-wise prefill tasks, piecewise prefill graphs, zero-copy
     # sharing of weights + pool, building the config tree.
