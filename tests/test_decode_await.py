@@ -72,7 +72,7 @@ def worker(inbox: list[list[Any]], partition: DecodePartition) -> DecodeWorker:
     w.io = IO(deque(inbox))  # type: ignore[assignment]
     w.sched, w.partition, w.grammar = make(), partition, Grammar()  # type: ignore[assignment]
     w._out, w._stop = [], False
-    w.policy, w.has_prefill = AlwaysSplit(partition, 8192, w._rapid_inputs), True
+    w.policy, w.has_prefill, w.reads_queue = AlwaysSplit(partition, 8192, w._rapid_inputs), True, True
     w.config = w.fused_config = partition.current
     w.shape, w.step_tokens = Split(partition.current, 8192), 8192
     return w

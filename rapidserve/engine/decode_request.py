@@ -52,8 +52,9 @@ class DecodeRequest:
 
     @property
     def tokens(self) -> list[int]:
-        """Prompt and outputs: what a prefill computes after a preemption, and what the cache hashes."""
-        return self.request.prompt_token_ids + self.outputs
+        """Prompt and outputs: what a prefill computes after a preemption, and what the cache hashes. Read only:
+        without outputs it is the prompt's own list (no copy: a queue's prefix lookups ask it every step)."""
+        return self.request.prompt_token_ids + self.outputs if self.outputs else self.request.prompt_token_ids
 
     @property
     def tokens_needed(self) -> int:

@@ -56,7 +56,7 @@ class SchedulerViews:
         for r in reqs:
             prefix = r.cached if r.state == "prefilling" else r.computed if r.state == "chunking" else \
                 self._expected_prefix(r)
-            out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
+            out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, r.num_tokens - prefix), prefix))
         return tuple(out)
 
     def prefill_worker_tokens(self) -> int:
@@ -64,11 +64,14 @@ class SchedulerViews:
         return sum(max(1, r.num_tokens - r.cached) for r in self.reqs.values()
                    if r.state == "prefilling" and not r.aborting)
 
-    def shape_state(self, current: StepShape, slo_itl_ms: float | None, max_chunk_tokens: int) -> ShapeState:
+    def shape_state(self, current: StepShape, slo_itl_ms: float | None, max_chunk_tokens: int,
+                    queue: bool = True) -> ShapeState:
         """What a step policy is told at this step boundary (partition/shape.py). `waiting` lists every
-        prompt not yet computed, those the prefill worker holds included (also in `prefill_worker_tokens`)."""
-        return ShapeState(self.decode_contexts(), self.pending_prefill(), self.prefill_worker_tokens(), current,
-                          slo_itl_ms, max_chunk_tokens)
+        prompt not yet computed, those the prefill worker holds included (also in `prefill_worker_tokens`);
+        `queue=False` (a policy that reads no queue: `reads_waiting`) leaves it empty, saving a prefix lookup
+        per queued prompt each step."""
+        return ShapeState(self.decode_contexts(), self.pending_prefill() if queue else (),
+                          self.prefill_worker_tokens(), current, slo_itl_ms, max_chunk_tokens)
 
     def pending_work(self, cap: int) -> PendingWork:
         """Prompt tokens still to compute (a prefilling request's beyond its cached prefix, prefill's progress

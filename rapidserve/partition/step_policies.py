@@ -9,6 +9,8 @@
   history), as each step boundary did before.
 - `ScriptedPolicy` (tests): the shapes of a list, or of a function of the call count and the state, so a
   test forces fused -> split -> fused transitions where it wants them.
+A policy may say it reads no queue (`reads_waiting = False`, an optional attribute; absent: True): the worker
+then leaves `ShapeState.waiting` empty rather than look up every queued prompt's cached prefix each step.
 The adaptive policy (DuetServe's: fused while the predicted step meets the ITL SLO, else split) is
 partition/policies.py's.
 """
@@ -33,6 +35,7 @@ class AlwaysFused:
 
     name = "fused"
     workers: tuple[str, ...] = ("decode",)
+    reads_waiting = False  # the worker may leave `ShapeState.waiting` empty (decode_views.shape_state)
 
     def decide(self, state: ShapeState) -> StepShape:
         return Fused(max(0, state.max_chunk_tokens - len(state.decode_contexts)))
@@ -51,6 +54,7 @@ class AlwaysSplit:
     def __init__(self, partition: DecodePartition, prefill_batch_tokens: int, rapid: RapidInputs) -> None:
         self.partition, self.prefill_batch_tokens, self.rapid = partition, prefill_batch_tokens, rapid
         self.name = f"split ({partition.pcfg.policy})"
+        self.reads_waiting = partition.pcfg.policy in ("duet", "drift")  # rapid reads the scheduler's `rapid`
 
     def decide(self, state: ShapeState) -> StepShape:
         p = self.partition
