@@ -109,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="hybrid mode: plan and launch the next step while the last one runs, its sampled "
+                   help="serve (every mode): plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")

@@ -192,8 +192,8 @@ class SchedulerConfig:
     # A max_model_len above the model's max_position_embeddings is refused unless this is set (from
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN at the CLI / `LLM`; EngineConfig checks it).
     allow_long_max_model_len: bool = False
-    # Hybrid mode plans and launches the next step before the last one's tokens reach the host (as
-    # vLLM's --async-scheduling); the decode worker of rapid mode always works one step ahead.
+    # The decode worker (every mode: its one step loop) plans and launches the next step before the last
+    # one's tokens reach the host (as vLLM's --async-scheduling); False: each step is recorded first.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

@@ -248,9 +248,8 @@ def _serve(dec: DecodeWorker, pre: PrefillWorker, io: FakeIO, prompts: dict[str,
         for rid, toks in waves[i // 2].items() if i in (0, 2) else ():
             dec.handle(m.NewRequest(rid, toks, GREEDY, 9.9))
         io.seat = "decode"
-        dec.repartition()
-        dec.admit()
-        if dec.sched.running or dec.inflight is not None:
+        dec.begin_step()  # the step's shape (split, on the configuration decode picks), then admission
+        if dec.sched.running or dec.inflight:
             dec.step()
         dec.publish()
         io.seat = "prefill"

@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
+                  "rapidserve.scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
     # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode
     # graphs, sampling, tensor-parallel hooks; block-wise prefill tasks, piecewise prefill graphs, zero-copy

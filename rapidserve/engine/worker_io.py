@@ -9,7 +9,8 @@ rapidserve/ipc/ring.py) who writes it, who reads it and which messages ride it:
 
 A new request enters at decode only (r2d) and reaches prefill inside a KVReady (d2p). Each reader
 has one doorbell that all its inbox rings ring, so an idle worker sleeps until a message arrives on
-any of them. The hybrid worker takes the decode worker's seat: r2d and d2r only.
+any of them. Hybrid mode's worker (the decode worker alone, every step fused) sits in the decode seat with
+r2d and d2r only: it never writes to a prefill worker.
 
 A worker's channels are named by whom they reach: `io.to_router`, `io.to_prefill`, `io.to_decode`.
 """
@@ -50,7 +51,7 @@ RING_TYPES: dict[str, Wire] = {
     "d2r": Wire("decode", "router", m.Ready | m.TokenBatch | m.Finished | m.Stats | m.WorkerError),
     "p2r": Wire("prefill", "router", m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError),
 }
-HYBRID_RINGS = ("r2d", "d2r")  # the hybrid worker sits in decode's seat
+HYBRID_RINGS = ("r2d", "d2r")  # hybrid mode's worker (the decode worker, no prefill worker) sits in decode's seat
 DOORBELLS = ("decode", "prefill", "router")
 SEATS = {"decode": "decode", "prefill": "prefill", "hybrid": "decode"}  # role -> whose rings it uses
 
