@@ -45,6 +45,7 @@ SYSTEMS: dict[str, str] = {
     "rapidserve": "",
     "always-fused": "--mode hybrid",
     "always-split": "--mode rapid --policy rapid",
+    "duet": "--mode rapid --policy duet",  # DuetServe's adaptive policy in the one engine (fused or split per step)
 }
 FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # --systems' default: a search
 SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in FRONTIER_SYSTEMS)  # ... a sweep

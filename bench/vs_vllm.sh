@@ -175,7 +175,7 @@ case "${GROUP:-}" in
     "") ;;
     vllm-a) ours=""; vllm_wanted="vllm:,vllm:--max-num-batched-tokens 1024" ;;
     vllm-b) ours=""; vllm_wanted="vllm:--max-num-batched-tokens 2048,vllm:--performance-mode interactivity" ;;
-    ours) ours="rapidserve,always-fused,always-split"; vllm_wanted="" ;;
+    ours) ours="${SYSTEMS:-duet,always-fused,always-split}"; vllm_wanted="" ;;
     *) say "GROUP=$GROUP: give vllm-a, vllm-b or ours (or leave it unset and set SYSTEMS / VLLM_SYSTEMS)"; exit 2 ;;
 esac
 # The workloads: fixed 4096:64 for the frontier, issue 15's multiturn for the sweep; TRACE_WORKLOADS (';'-separated
