@@ -39,6 +39,7 @@ Matchers, penalty slots and compile states of requests no longer running are rel
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -197,13 +198,13 @@ class DecodeWorker:
         """One step of the current shape; False when nothing was launched."""
         return self.step_guarded(self._step)
 
-    def step_guarded(self, fn: object) -> bool:
+    def step_guarded(self, fn: Callable[[], bool]) -> bool:
         """`fn()` (a step, or recording what is in flight). Rows whose sampling raises fail alone; a fused step
         that raises at launch fails the requests whose prompt chunks were in it (its decodes are planned again);
         any other error (device still usable) fails every running request and the steps in flight."""
         try:
             try:
-                return bool(fn())  # type: ignore[operator]
+                return fn()
             except RequestsFailed as e:
                 self._launching = None
                 self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
