@@ -187,16 +187,27 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def compile_all(todo: list[Job], jobs: int, cache_dir: Path) -> list[dict[str, Any]]:
+    """compile_job of each, in `jobs` processes, with Triton's cache in `cache_dir` (the environment restored)."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)  # read by Triton at each compile, inherited by the workers
+    try:
+        if jobs == 1:
+            return [compile_job(j) for j in todo]
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+            return list(pool.map(compile_job, todo))
+    finally:
+        if before is None:
+            del os.environ["TRITON_CACHE_DIR"]
+        else:
+            os.environ["TRITON_CACHE_DIR"] = before
+
+
 def run(matrix: str, targets: list[str], jobs: int, cache_dir: Path) -> dict[str, Any]:
-    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
     t0, cpu0, load0 = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
     todo, skipped = plan(matrix, targets)
     t_plan = time.perf_counter() - t0
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(compile_job, todo))
-    else:
-        results = [compile_job(j) for j in todo]
+    results = compile_all(todo, jobs, cache_dir)
     rows = []
     for job, res in zip(todo, results, strict=True):
         dtype = next((v[1:] for v in job.signature.values() if v.startswith("*")), "-")
@@ -258,8 +269,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
         tg = TARGETS[t]
         out.append(f"- {t} ({tg.gpu}): {s[t]['compiled']}/{s[t]['total']} variants compiled, {s[t]['failed']} "
                    f"failed, {s[t]['flagged']} flagged; kernels: {len(s[t]['kernels'])}")
-    out += [f"- kernels launchable on ROCm: {len(report['kernels']) - len(report['nvidia_only'])} "
-            f"(+ {', '.join(report['nvidia_only'])}, NVIDIA only, compiled for sm_90 alone)",
+    nv = ", ".join(report["nvidia_only"])
+    out += [f"- kernels launchable on ROCm: {len(report['kernels']) - len(report['nvidia_only'])} (+ {nv}, NVIDIA "
+            + ("only, compiled for sm_90 alone)" if "sm_90" in report["targets"] else "only: not compiled here)"),
             f"- {report['seconds']['total']} s ({report['seconds']['cpu']} CPU-s) with {report['jobs']} compile "
             f"processes on {m['cores']} cores, 1-minute load average {m['load_avg_1min'][0]} at the start and "
             f"{m['load_avg_1min'][1]} at the end (Triton's cache: {report['cache']})", ""]

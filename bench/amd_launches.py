@@ -251,13 +251,14 @@ def _prefill_meta(q_lens: list[int], block_size: int, device: torch.device) -> A
 
 
 def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
-    """The skinny GEMM launches of `triton_skinny.linear` / `linear_silu_and_mul` for this layer's weights at
-    MAX_ROWS rows: `routed`'s rule (which also asks for a CUDA tensor, so meta tensors skip it there)."""
+    """The skinny GEMM launches of `triton_skinny.linear` / `linear_silu_and_mul` for this layer's weights, by
+    `routed`'s rule (which also asks for a CUDA tensor, so meta tensors skip it there), at 1, 2 and MAX_ROWS rows:
+    the JIT specialises the row count M on == 1 and % 16 == 0, so these three give every variant."""
     from rapidserve.ops import triton_skinny as sk
     if dtype not in (torch.bfloat16, torch.float16):
         return
     for w, bias, gated in ((layer.qkv_proj, layer.qkv_bias, False), (layer.o_proj, None, False),
                            (layer.gate_up_proj, None, True), (layer.down_proj, None, False)):
-        x = torch.empty(sk.MAX_ROWS, w.shape[1], dtype=dtype, device=w.device)
-        if sk.wide_enough(*w.shape, gated):
-            sk.skinny_linear(x, w, bias, gated=gated)
+        for rows in (1, 2, sk.MAX_ROWS):
+            if sk.wide_enough(*w.shape, gated):
+                sk.skinny_linear(torch.empty(rows, w.shape[1], dtype=dtype, device=w.device), w, bias, gated=gated)
