@@ -54,7 +54,8 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--save-result", action="store_true",
                    help="write vllm bench serve's result JSON of each run (its fields, its file name)")
     o.add_argument("--save-detailed", action="store_true",
-                   help="with it the per-request lists (input_lens, output_lens, ttfts, itls, generated_texts, ...)")
+                   help="with the per-request lists (input_lens, output_lens, ttfts, itls, generated_texts, ...); "
+                        "implies --save-result, as do the four below")
     o.add_argument("--append-result", action="store_true", help="append each run's JSON as a line to the file")
     o.add_argument("--result-dir", default=None, help="where --save-result writes (default: the current folder)")
     o.add_argument("--result-filename", default=None, help="the file --save-result writes (default: vLLM's name)")
