@@ -134,6 +134,8 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     assert r.returncode == 0, r.stderr[-3000:]
     assert time.monotonic() - t0 < 90
     assert {p.name for p in tmp_path.iterdir()} == {"gs.json", "gs.md", "gs.png"}
+    assert "probe 1 at 4 req/s: 100%" in r.stderr  # a progress bar per probe
+    assert "============= Goodput Search Result ==============" in r.stdout  # its table, printed at the end
     res = json.loads((tmp_path / "gs.json").read_text())
     assert res["kind"] == "goodput_search" and res["label"] == "smol" and res["peak"] is None  # a start rate given
     s = res["search"]

@@ -3,12 +3,14 @@
 Modules by concept: `arrivals` (when requests are released), `workloads` (what is sent), `traces`
 (reading Azure and Mooncake trace files), `replay` (a trace's window, arrivals, prompts from hash
 ids, ideal prefix-cache hit rate), `client` (streamed HTTP requests and their timings), `stats`
-(per-request records, percentiles, per-rate SLO goodput), `runner` (a load sweep: `BenchConfig` ->
-result dict), `goodput` (the papers' goodput and the pure steps of its rate search), `search` (the
-search loop, and its run against a server), `results` (reading a result), `report` (a sweep's JSON
-and markdown), `goodput_report` (a search's), `plot` (throughput / p99 ITL / p99 TTFT against
-offered load, and goodput against the ITL bound, one line per system), `flags` and `search_flags`
-(argument types and the search's flags), `cli`.
+(per-request records, percentiles, per-rate SLO goodput), `serving_result` (a run as vLLM's `bench
+serve` reports it: its printed table and its --save-result JSON), `progress` (a progress bar per
+run), `runner` (a load sweep: `BenchConfig` -> result dict), `goodput` (the papers' goodput and the
+pure steps of its rate search), `search` (the search loop, and its run against a server), `results`
+(reading a result), `report` (a sweep's JSON and markdown), `goodput_report` (a search's), `plot`
+(throughput / p99 ITL / p99 TTFT against offered load, and goodput against the ITL bound, one line
+per system), `save` (what is written where: only where asked), `flags`, `search_flags` and
+`vllm_flags` (argument types, the search's flags, vLLM `bench serve`'s flag names), `cli`.
 
 In-process use (as bench/compare.py does):
 

@@ -20,6 +20,7 @@ from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, bound_key
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
 from rapidserve.benchmark.report import fmt, jsonable
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
+from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
 
 DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
               "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
@@ -83,6 +84,26 @@ def search_markdown(result: Mapping[str, Any]) -> str:
                      + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
                      f" | {s['failed']} |")
     return "\n".join(lines) + "\n"
+
+
+def search_block(result: Mapping[str, Any]) -> str:
+    """The search's result as a table printed at its end, in the form of `vllm bench serve`'s: the closed-loop peak,
+    the probes, the goodput at each bound and share (cells as the markdown's: see LEGEND), how the search ended."""
+    s = result["search"]
+    peak, n = s.get("peak_request_throughput"), s["probe_requests"]
+    lines = [title_line(" Goodput Search Result ", "="),
+             table_row("Closed-loop peak (req/s):", float(peak) if peak is not None else "not measured"),
+             table_row("Start rate (req/s):", float(s["start_rate"])),
+             table_row("Poisson probes:", len(result.get("probes", []))),
+             table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}"),
+             title_line("Goodput (req/s): TTFT rule and p95 ITL bound", "-")]
+    for b in search_bounds(result):
+        for q in search_shares(result):
+            what = "no ITL bound" if b is None else f"ITL <= {b:g} ms"
+            lines.append(table_row(f"{what}, {q:.0%} of requests:", goodput_cell(entry(result, b, q))))
+    lines += ["Search: " + ("finished" if result.get("finished") else f"UNFINISHED ({result.get('stopped')}): "
+                            "[lo, hi)* is the bracket so far"), "=" * WIDTH]
+    return "\n".join(lines)
 
 
 def write_search_outputs(result: Mapping[str, Any], out_dir: str, name: str,

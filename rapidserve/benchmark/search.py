@@ -129,9 +129,9 @@ def closed_peak(run: dict[str, Any]) -> float | None:
 
 
 async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
-                   replay: Replay | None) -> tuple[list[RequestRecord], dict[str, Any]]:
+                   replay: Replay | None, desc: str) -> tuple[list[RequestRecord], dict[str, Any]]:
     before = await server_counters(session, cfg.base_url, cfg.api_key)
-    records, _ = await run_rate(session, target, cfg, rate, cfg.salt_base + index, replay)
+    records, _ = await run_rate(session, target, cfg, rate, cfg.salt_base + index, replay, desc=desc)
     after = await server_counters(session, cfg.base_url, cfg.api_key)
     run: dict[str, Any] = {"rate": rate_json(rate), "summary": summarize(records, cfg.slos_ms),
                            "requests": [r.to_json() for r in records]}
@@ -143,6 +143,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                              clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
     """Search the goodput frontier of the server at cfg.base_url on cfg's workload; the result dict.
     `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time."""
+    if cfg.burstiness != 1.0:
+        raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
     if scfg.budget_s is not None:
         deadline = min(deadline if deadline is not None else math.inf, clock() + scfg.budget_s)
     async with new_session() as session:
@@ -160,7 +162,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         peak_run: dict[str, Any] | None = None
         peak: float | None = None
         if scfg.start_rate is None:
-            _, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay)
+            _, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
             peak = closed_peak(peak_run)
             if peak is None:
                 raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none "
@@ -172,7 +174,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         runs: dict[float, dict[str, Any]] = {}
 
         async def measure(rate: float) -> list[RequestRecord]:
-            records, runs[rate] = await _one_run(session, target, cfg, rate, len(runs) + 1, replay)
+            records, runs[rate] = await _one_run(session, target, cfg, rate, len(runs) + 1, replay,
+                                                 f"probe {len(runs) + 1} at {rate_label(rate)} req/s")
             return records
 
         def tell(p: Probe) -> None:

@@ -87,9 +87,11 @@ def check_search_flags(a: argparse.Namespace) -> None:
 
 
 def check_search_workload(a: argparse.Namespace) -> None:
-    """ValueError when the workload's bench flags cannot be searched: fixed arrivals, or a trace replayed at its
-    own timestamps."""
+    """ValueError when the workload's bench flags cannot be searched: fixed or gamma (--burstiness) arrivals, or a
+    trace replayed at its own timestamps."""
     if a.arrival == "fixed":
         raise ValueError("--goodput-search measures Poisson arrivals: drop --arrival fixed")
+    if getattr(a, "burstiness", None) not in (None, 1.0):
+        raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness (gamma arrivals)")
     if a.workload == "trace" and a.trace_arrivals != "poisson":
         raise ValueError("--goodput-search replays a trace's lengths at Poisson arrivals: add --trace-arrivals poisson")

@@ -1,8 +1,8 @@
 """What CUDA graphs would save a prefill forward, by chunk size (issue 16 item 3: "CUDA graphs wherever shapes
 allow: prefill chunks by bucket or piecewise"). A probe to decide whether to build them.
 
-    python bench/prefill_graph_probe.py [--model preset:qwen3-8b] [--tokens 16,32,64,128,256,512,1024,2048]
-                                        [--seqs 1] [--context 0] [--host-profile N] [--out DIR]
+    python bench/experiments/2026-11/prefill_graph_probe.py [--model preset:qwen3-8b]
+        [--tokens 16,32,64,128,256,512,1024,2048] [--seqs 1] [--context 0] [--host-profile N] [--out DIR]
 
 For each chunk of T prompt tokens (split over --seqs sequences, each after --context cached tokens), with the
 engine's runner (bf16, random weights, attention backend auto) it times, as medians of 20 (CUDA events):
@@ -34,8 +34,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # bench/experiments/2026-11
+BENCH = os.path.dirname(os.path.dirname(HERE))  # bench/: the shared helpers (gpu_timing, model_runner)
+sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root, for rapidserve
 
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import engine_config, preset_source  # noqa: E402
@@ -170,7 +171,7 @@ def main() -> int:
               f"{row['graph_ms']:.2f}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name(0), "model": a.model, "attention": runner.attn.name,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python bench/prefill_graph_probe.py " + " ".join(sys.argv[1:]),
+            "command": "python bench/experiments/2026-11/prefill_graph_probe.py " + " ".join(sys.argv[1:]),
             "piecewise_capture_s": capture_s, "piecewise_capture_mib": capture_mib, "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "prefill_graph_probe.json"), "w") as f:

@@ -1,6 +1,6 @@
 """Does programmatic dependent launch (PDL) shorten a chain of small-batch linear layers? (issue 16)
 
-    python bench/pdl_probe.py [--batch 1] [--out DIR]
+    python bench/experiments/2026-11/pdl_probe.py [--batch 1] [--out DIR]
 
 A decode step at batch 1-16 is some 330 kernels back to back, each depending on the one before; the
 small ones (Qwen3-8B's o and qkv projections) pay ~2-3 us of start-up and tail on 14-20 us of weight
@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for gpu_timing
+sys.path.insert(0, BENCH)
 from gpu_timing import time_ms  # noqa: E402
 
 LAYERS, N, K = 36, 4096, 4096
@@ -121,7 +122,7 @@ def chain(ws: list[torch.Tensor], x: torch.Tensor, variant: str, norms: bool) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=os.path.join(BENCH, "results"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("pdl_probe needs a GPU", file=sys.stderr)
@@ -154,7 +155,7 @@ def main() -> int:
     nbytes = N * K * 2
     res = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "batch": a.batch,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-           "command": "python bench/pdl_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
+           "command": "python bench/experiments/2026-11/pdl_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "pdl_probe.json"), "w") as f:
         json.dump(res, f, indent=1)

@@ -1,6 +1,6 @@
 """Does telling cuBLAS (and FA3) how many SMs a green context holds speed up prefill on a split?
 
-    python bench/carveout_ab.py [--model preset:qwen3-8b] [--attention-backend triton]
+    python bench/experiments/2026-11/carveout_ab.py [--model preset:qwen3-8b] [--attention-backend triton]
 
 A prefill forward of 2 x 4096 tokens runs on the prefill stream of each split (green contexts), with
 torch's SM carveout unset (cuBLAS sizes its grids for the whole GPU, so a persistent GEMM on a
@@ -19,8 +19,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # bench/experiments/2026-11
+BENCH = os.path.dirname(os.path.dirname(HERE))  # bench/: the shared helpers (gpu_timing, model_runner)
+sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root, for rapidserve
 
 from model_runner import engine_config, preset_source  # noqa: E402
 

@@ -4,7 +4,7 @@
 # conversation windows, and a table of each run's measured prefix-cache hit rate against the window's ideal
 # (every earlier replayed prompt cached), printed last. No vLLM here (no stash calls needed).
 #
-#   run(command="OUT=$OUT bash bench/prefix_hit_check.sh", carry=[".whl", ".traces"], timeout_s=600)
+#   run(command="OUT=$OUT bash bench/experiments/2026-11/prefix_hit_check.sh", carry=[".whl", ".traces"], timeout_s=600)
 #
 # Windows (WINDOWS, ';'-separated `rapidserve bench` trace flags): Mooncake [0, 15) s x1 (the H100 table's
 # window: rapid 3.7% of an ideal 4.6% before the rule) and [450, 470) s x0.25 (within the H200's capacity-
@@ -13,7 +13,7 @@
 # prefix_hit.md / .json (compare.py's tables), prefix_hit_rates.md (the table below), compare_runs/ (every
 # request).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../../.." || exit 2  # the repository root
 out="${OUT:-bench/results/prefix_hit}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"

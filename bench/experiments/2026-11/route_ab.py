@@ -16,13 +16,13 @@ Make the old tree (the bench script itself always comes from this tree; COMMIT r
 
 Then, e.g. (on the GPU machine; write into $OUT there so the results come back):
 
-    python bench/route_ab.py --a before=_before --b after=. --repeat 3 --out $OUT --runs-dir $OUT/runs \\
-        -- --model preset:llama-3-8b --decode-tokens 1500
+    python bench/experiments/2026-11/route_ab.py --a before=_before --b after=. --repeat 3 --out $OUT \\
+        --runs-dir $OUT/runs -- --model preset:llama-3-8b --decode-tokens 1500
 
 `--before DIR --after DIR` is the same as `--a before=DIR --b after=DIR`. The device machine copies the
 working tree's tracked and untracked-but-not-ignored files; a git-ignored old tree (or one under an
 ignored folder) travels only when it is named in the run's `carry`. A CPU smoke run (two runs of the
-same tree): `python bench/route_ab.py --before . --after . --repeat 1 --out /tmp/ab -- --model
+same tree): `python bench/experiments/2026-11/route_ab.py --before . --after . --repeat 1 --out /tmp/ab -- --model
 preset:tiny-llama --dtype float32 --num-decodes 4 --decode-prompt 64 --long-prompt 256 --num-long 2
 --max-model-len 1024 --decode-tokens 900 --probe 5 --gap 0.2 --warm 0.5`.
 """
@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
 REPO = os.path.dirname(HERE)
-BENCH = os.path.join(HERE, "engine_itl.py")
+BENCH = os.path.join(HERE, "engine_itl.py")  # maintained, in bench/
 TERM_GRACE_S = 30.0  # after SIGTERM (the engine shuts its workers down), then SIGKILL to the process group
 RESERVED = ("--code", "--out", "--tag")  # set by this driver for each run
 
@@ -252,7 +252,7 @@ def main() -> int:
     t_start = time.monotonic()
     a.runs_dir = os.path.realpath(a.runs_dir or tempfile.mkdtemp(prefix="route_ab-"))
     os.makedirs(a.runs_dir, exist_ok=True)
-    command = "python bench/route_ab.py " + shlex.join(sys.argv[1:])
+    command = "python bench/experiments/2026-11/route_ab.py " + shlex.join(sys.argv[1:])
     plan = [(i, label, code) for i in range(a.repeat) for label, code in a.versions]
     runs: list[dict[str, Any]] = []
     skipped: list[str] = []

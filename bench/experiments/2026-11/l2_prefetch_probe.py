@@ -1,7 +1,8 @@
 """Would pulling the o projection's weight into L2 while decode attention runs shorten a small-batch decode step?
 A probe for issue 16's "decode >= 90% of the memory roofline" (batch 1-16 is at 85-86%).
 
-    python bench/l2_prefetch_probe.py [--batches 1,4,16] [--ctx 2048] [--layers 36] [--programs 32,66,132] [--out DIR]
+    python bench/experiments/2026-11/l2_prefetch_probe.py [--batches 1,4,16] [--ctx 2048] [--layers 36]
+        [--programs 32,66,132] [--out DIR]
 
 Why it might: at batch 1 a layer's attention takes ~9 us and reads ~8 MB (latency-bound: HBM mostly idle), and the
 o projection after it (Qwen3-8B: [4096, 4096] bf16, 33.5 MB, less than the H100's 50 MB L2) then takes ~14 us
@@ -29,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # bench/experiments/2026-11
+BENCH = os.path.dirname(os.path.dirname(HERE))  # bench/: the shared helpers (gpu_timing, model_runner)
+sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root, for rapidserve
 
 from decode_attn_sweep import BLOCK, HQ, D, layer_caches  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
@@ -142,7 +144,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     meta = {"gpu": torch.cuda.get_device_name(0),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python bench/l2_prefetch_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
+            "command": "python bench/experiments/2026-11/l2_prefetch_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "l2_prefetch_probe.json"), "w") as f:
         json.dump(meta, f, indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Is `--profile-lookup interpolate` safe with a profile whose decode steps beside prefill were measured beside
 # forwards as long as the engine's? In ONE H100 call (~6 min):
-#   run(command="OUT=$OUT bash bench/profile_lookup_ab.sh", carry=[".whl", ".sotok"], timeout_s=600)
+#   run(command="OUT=$OUT bash bench/experiments/2026-11/profile_lookup_ab.sh", carry=[".whl", ".sotok"], timeout_s=600)
 # 1. `rapidserve profile --prefill-tokens 8192` (the engine's prefill budget; the committed H100 profile was
 #    measured beside 4096-token forwards; ~3 min) into $OUT/prof8192.json.
 # 2. bench/rapid_ab.sh on WORKLOAD (4096:64) closed and at RATES (5.9 req/s: 0.75 of vLLM 0.24's peak on the H100,
@@ -10,7 +10,7 @@
 # Knobs: SKIP (space-separated of profile, ab), WORKLOAD, RATES, NUM_PROMPTS (64).
 # Why: bench/results/h100_1127/profile_lookup/README.md (interpolate: +6% closed on 4096:64, p99 ITL 63 ms).
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../../.." || exit 2  # the repository root
 out="${OUT:-bench/results/profile_lookup_ab}"
 mkdir -p "$out"
 skip=" ${SKIP:-} "

@@ -6,7 +6,7 @@ tokens). A call that held the GIL would pause the counting thread for the call's
 the control (a backtracking `re` match, which holds it) does; one that releases it leaves pauses of a
 few ms (the interpreter's switch interval, and the other processes on the machine).
 
-    python bench/grammar_compile_gil.py [--props 5000] [--repeat 2]
+    python bench/experiments/2026-11/grammar_compile_gil.py [--props 5000] [--repeat 2]
 """
 
 from __future__ import annotations

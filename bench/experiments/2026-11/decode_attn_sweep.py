@@ -1,7 +1,8 @@
 """Decode attention's launch configuration at small batches, as a decode step sees it (issue 16: decode >= 90%
 of the roofline at batch 1-16).
 
-    python bench/decode_attn_sweep.py [--batches 1,4,16] [--ctxs 1024,2048,4096] [--layers 36] [--out DIR]
+    python bench/experiments/2026-11/decode_attn_sweep.py [--batches 1,4,16] [--ctxs 1024,2048,4096] [--layers 36]
+        [--out DIR]
 
 A step calls decode attention once per layer, each over its own layer's cache, with the weights read in
 between, so no K/V is found in L2. This times `--layers` calls over `--layers` separate caches in one CUDA
@@ -23,8 +24,9 @@ import sys
 import torch
 from triton.runtime.errors import OutOfResources
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))  # bench/experiments/2026-11
+BENCH = os.path.dirname(os.path.dirname(HERE))  # bench/: the shared helpers (gpu_timing, model_runner)
+sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root, for rapidserve
 
 from gpu_timing import time_ms  # noqa: E402
 
@@ -110,7 +112,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(0),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python bench/decode_attn_sweep.py " + " ".join(sys.argv[1:]), "rows": rows}
+            "command": "python bench/experiments/2026-11/decode_attn_sweep.py " + " ".join(sys.argv[1:]), "rows": rows}
     with open(os.path.join(args.out, "decode_attn_sweep.json"), "w") as f:
         json.dump(meta, f, indent=1)
     print(f"\n{meta['gpu']}, {args.layers} layers' caches in one graph, us per call\n")

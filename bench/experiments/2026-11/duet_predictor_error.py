@@ -1,7 +1,8 @@
 """How far DuetServe's iteration predictor (partition/roofline.py, as partition/duet.py uses it) is from
 steps measured on the GPU (issue 18). CPU only: it reads measurements already taken.
 
-    python bench/duet_predictor_error.py [--profile-run bench/results/partition_profile_h200/partition_profile.log]
+    python bench/experiments/2026-11/duet_predictor_error.py
+        [--profile-run bench/results/partition_profile_h200/partition_profile.log]
         [--steps bench/results/step_profile.json] [--out bench/results]
 
 - The measured peaks (GEMM FLOP/s, copy bandwidth, SMs) of that GPU come from the `rapidserve profile`
@@ -23,12 +24,12 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for rapidserve
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
 from rapidserve.partition.roofline import Peaks, mixed_operators, step_seconds  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"  # bench/results
 
 
 def peaks_from_log(path: Path) -> Peaks:
@@ -62,7 +63,7 @@ def main() -> int:
         f for f in os.listdir(a.profile_run.parent) if f.endswith(".roofline.md"))
     summary = "\n".join(report.read_text().split("\n\n")[1:2])
     lines = [f"# DuetServe's iteration predictor against measured steps ({steps['gpu']}, {steps['model']})", "",
-             f"Command: `python bench/duet_predictor_error.py`. Peaks from `{a.profile_run.name}`: "
+             f"Command: `python bench/experiments/2026-11/duet_predictor_error.py`. Peaks from `{a.profile_run.name}`: "
              f"{peaks.matmul_flops / 1e12:.0f} TFLOP/s GEMM, {peaks.hbm_bw / 1e12:.2f} TB/s copy, {n} SMs; "
              f"steps from `{a.steps.name}` ({steps['date']}).", "",
              "| step | attention | measured wall ms | measured GPU ms | predicted ms | error vs GPU time |",
