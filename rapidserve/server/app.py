@@ -209,6 +209,7 @@ class Server:
         return await self._serve(request, "generate")
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        created = int(time.time())  # the request's arrival (unix s): in its response and every chunk of its stream
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
         check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
@@ -229,9 +230,9 @@ class Server:
                    for j in range(req.params.n)]
         try:
             if req.stream:
-                return await self._stream(request, req, rid, choices)
+                return await self._stream(request, req, rid, created, choices)
             await self._generate(rid, req, choices, None)
-            return web.json_response(self._final(req, rid, choices))
+            return web.json_response(self._final(req, rid, created, choices))
         except (EngineError, ValueError) as e:
             raise _api_error(e) from None
         finally:
@@ -336,16 +337,15 @@ class Server:
             c.t_end = c.t_end or time.monotonic()
             await stream.aclose()  # aborts the engine request if it had not finished
 
-    def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        return final_response(req, rid, self.created, self.model_name, choices, _usage(req, choices), self.tok)
+    def _final(self, req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
+        return final_response(req, rid, created, self.model_name, choices, _usage(req, choices), self.tok)
 
-    async def _stream(self, request: web.Request, req: GenRequest, rid: str,
+    async def _stream(self, request: web.Request, req: GenRequest, rid: str, created: int,
                       choices: list[Choice]) -> web.StreamResponse:
         """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         lock = asyncio.Lock()
-        created = int(time.time())
 
         async def send(obj: dict[str, Any]) -> None:
             async with lock:
