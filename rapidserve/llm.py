@@ -69,14 +69,19 @@ class LLM:
         tail = self.tokenizer.decode(seq.output_token_ids[-16:], seq.params.skip_special_tokens)
         return "stop" if any(s in tail for s in seq.params.stop) else None
 
-    def _text(self, token_ids: list[int], params: SamplingParams) -> str:
+    def _text(self, seq: Seq) -> str:
+        """The output text as vLLM makes it: up to the earliest stop string, which it keeps only with
+        `include_stop_str_in_output`, as it keeps the text of the stop token (EOS, a stop id) that ended it."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(token_ids, params.skip_special_tokens)
-        for s in params.stop:  # stop strings are left out of the output, as in vLLM
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
+        params, ids = seq.params, seq.output_token_ids
+        text = self.tokenizer.decode(ids, params.skip_special_tokens)
+        hits = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
+        if hits:
+            cut, s = min(hits)
+            return text[:cut + len(s)] if params.include_stop_str_in_output else text[:cut]
+        if seq.finish_reason == "stop" and ids and not params.include_stop_str_in_output:
+            return self.tokenizer.decode(ids[:-1], params.skip_special_tokens)  # ended by a stop token
         return text
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -117,7 +122,7 @@ class LLM:
             for i, s in enumerate(seqs):
                 lp = s.output_logprobs if s.params.logprobs is not None else None
                 req.outputs.append(CompletionOutput(
-                    index=i, text=self._text(s.output_token_ids, s.params), token_ids=list(s.output_token_ids),
+                    index=i, text=self._text(s), token_ids=list(s.output_token_ids),
                     cumulative_logprob=sum(lp) if lp else None, logprobs=lp,
                     top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
                     finish_reason=s.finish_reason))

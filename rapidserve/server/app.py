@@ -10,7 +10,8 @@ nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/req
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
 bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
-detokenized incrementally (stop strings matched on the text, left out of the output); a
+detokenized incrementally (stop strings matched on the text, left out of the output unless
+include_stop_str_in_output, as is the text of the stop token that ended it); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
 blocks. One log line per request when it ends.
 
@@ -300,7 +301,8 @@ class Server:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = p.for_sample(c.index % p.n)
-        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
+        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         try:
@@ -320,7 +322,9 @@ class Server:
                 c.token_ids.append(tok.token_id)
                 c.logprobs.append(tok.logprob)
                 c.top_logprobs.append(tok.top_logprobs)
-                delta = detok.add(tok.token_id)
+                # the engine's "stop" is EOS or a stop token id: its text only with include_stop_str_in_output (vLLM)
+                stop_token = tok.finish_reason == "stop" and not p.include_stop_str_in_output
+                delta = "" if stop_token else detok.add(tok.token_id)
                 if detok.stopped:
                     c.finish_reason = "stop"
                 elif tok.finish_reason is not None:

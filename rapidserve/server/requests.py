@@ -329,6 +329,7 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
             min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
             stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
             logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(r.include_stop_str_in_output),
             presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
             repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
             logit_bias=_logit_bias(r, ctx), allowed_token_ids=r.allowed_token_ids,

