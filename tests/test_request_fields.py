@@ -317,6 +317,9 @@ BAD_CONTROLS = [
     ("presence_penalty", 3), ("presence_penalty", "1"), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
     ("logit_bias", {"49152": 1}), ("logit_bias", {"a": 1}), ("logit_bias", {"1": "x"}), ("allowed_token_ids", []),
     ("allowed_token_ids", [49152]), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", "answer"),
+    # vLLM's fields this server refuses by name
+    ("use_beam_search", True), ("prompt_logprobs", 0), ("prompt_logprobs", 5), ("best_of", 3),
+    ("include_stop_str_in_output", "yes"),
 ]
 
 

@@ -123,11 +123,18 @@ def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
 
 
 def _refuse_unsupported(r: RequestBody, n: int) -> None:
-    if isinstance(r, CompletionRequest):
-        if r.suffix:
-            raise bad_request("suffix", "'suffix' is not supported by this server")
-        if r.best_of is not None and r.best_of != n:
-            raise bad_request("best_of", f"'best_of' is not supported by this server: only null or equal to n ({n})")
+    """vLLM's fields that ask for what this server does not do: a 400 naming the field (never ignored)."""
+    if r.use_beam_search:
+        raise bad_request("use_beam_search", "'use_beam_search' is not supported by this server (it samples; beam "
+                                             "search is not implemented): send false or leave it out")
+    if r.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs", "'prompt_logprobs' is not supported by this server (the logprobs of "
+                                             "prompt tokens are not computed): send null or leave it out")
+    if isinstance(r, CompletionRequest) and r.suffix:
+        raise bad_request("suffix", "'suffix' is not supported by this server")
+    if isinstance(r, CompletionRequest | ChatCompletionRequest) and r.best_of is not None and r.best_of != n:
+        raise bad_request("best_of", f"'best_of' is not supported by this server (it returns every sample it "
+                                     f"draws): only null or equal to n ({n})")
 
 
 def _logit_bias(r: RequestBody, ctx: ProtocolContext) -> dict[int, float]:
@@ -307,8 +314,8 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
         logprobs = r.logprobs
         style = "completion" if logprobs is not None else None
         if r.echo and logprobs is not None:
-            raise bad_request("echo", "'echo' with 'logprobs' would need prompt logprobs, which this server does not "
-                                      "compute")
+            raise bad_request("echo", "'echo' with 'logprobs' would need the prompt's logprobs (prompt_logprobs), "
+                                      "which this server does not compute: drop one of them")
     elif isinstance(r, GenerateRequest) and requested is None and r.max_new_tokens is not None:
         max_name, requested = "max_new_tokens", r.max_new_tokens
     longest = max(len(p) for p in prompts)

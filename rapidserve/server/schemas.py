@@ -223,6 +223,13 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS, description=(
         f"a list of at most {MAX_BAD_WORDS} words (non-blank strings of at most {MAX_BAD_WORD_CHARS} characters) "
         "that must not be generated"))] | None = None
+    # vLLM's fields this server refuses unless they ask for nothing (requests.py `_refuse_unsupported`).
+    use_beam_search: Annotated[bool, Meta(description="not supported by this server (it samples): only false or "
+                                                      "null")] | None = None
+    length_penalty: Annotated[float, Meta(description="beam search's length penalty: no effect without beam search "
+                                                      "(as in vLLM), which this server does not do")] | None = None
+    prompt_logprobs: Annotated[int, Meta(description="not supported by this server (the logprobs of prompt tokens "
+                                                     "are not computed): only null")] | None = None
     # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: JsonSchemaValue | None = None
@@ -233,6 +240,8 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
 
 N = Annotated[int, Meta(ge=1, le=MAX_N, description=f"the samples per prompt: an integer in [1, {MAX_N}]")]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")]
+BestOf = Annotated[int, Meta(description="not supported by this server (it returns every sample): only null or "
+                                        "equal to n")]
 PromptItem = Text | TokenId | TokenIds  # decoded as one list, then checked not to mix (msgspec's unions hold one list)
 
 
@@ -256,7 +265,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     n: N | None = None
     logprobs: Logprobs | None = None
     echo: bool | None = None
-    best_of: Annotated[int, Meta(description="not supported by this server: only null or equal to n")] | None = None
+    best_of: BestOf | None = None
     suffix: Annotated[str, Meta(description=NotSupported.format('""'))] | None = None
 
 
@@ -266,6 +275,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES, description=MessagesHelp)]
     n: N | None = None
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
+    best_of: BestOf | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS, description=(
