@@ -287,13 +287,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
+    """The serve flags as a ServerConfig (the API key as `api_key` resolves it; the --chat-template read
+    and checked: a ConfigError when it cannot be read or does not parse)."""
+    from rapidserve.tokenizer import ChatTemplateError, load_chat_template
+
+    try:
+        template = None if a.chat_template is None else load_chat_template(a.chat_template)
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
                         served_model_name=a.served_model_name, max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
                         keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template)
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
@@ -389,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
                             "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
+    chat = sv.add_argument_group("chat template")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja chat template to use instead of the model's: a file, or the template itself "
+                           "(as vLLM's flag); checked at start-up")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let a chat request bring its own 'chat_template' (a template is code the server runs; "
+                           "without the flag such requests get 400, as in vLLM)")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

@@ -418,6 +418,8 @@ class ServerConfig:
     header_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
+    chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
+    trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -77,3 +78,118 @@ def test_best_of_only_equal_to_n(ctx: rq.ProtocolContext, kind: str) -> None:
 def test_echo_with_logprobs_stays_refused(ctx: rq.ProtocolContext) -> None:
     e = refused("completion", {"prompt": "hi", "echo": True, "logprobs": 0}, ctx)
     assert e.param == "echo" and "prompt_logprobs" in e.message
+
+
+# ---------------------------------------------------------------- the chat template's inputs
+
+SHOW = ("{% if enable_thinking is defined %}think={{ enable_thinking }};{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}"
+        "{% for d in documents or [] %}<doc {{ d['title'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def chat_text(ctx: rq.ProtocolContext, body: dict[str, Any]) -> str:
+    r = parse("chat", {"messages": MSG, **body}, ctx)
+    assert ctx.tokenizer is not None
+    return ctx.tokenizer.decode(r.prompts[0], skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def trusted(ctx: rq.ProtocolContext) -> rq.ProtocolContext:
+    return replace(ctx, trust_request_chat_template=True)
+
+
+def test_chat_template_kwargs_reach_the_template(trusted: rq.ProtocolContext) -> None:
+    own = {"chat_template": SHOW}
+    assert chat_text(trusted, own) == "[user:hi]<assistant>"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": {"enable_thinking": False}}) == \
+        "think=False;[user:hi]<assistant>"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": {"enable_thinking": True, "other": [1, {"a": None}]}}) \
+        == "think=True;[user:hi]<assistant>"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": {}}) == "[user:hi]<assistant>"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": None}) == "[user:hi]<assistant>"
+
+
+def test_generation_prompt_continue_and_documents(trusted: rq.ProtocolContext) -> None:
+    own = {"chat_template": SHOW}
+    assert chat_text(trusted, {**own, "add_generation_prompt": False}) == "[user:hi]"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": {"add_generation_prompt": False}}) == "[user:hi]"
+    assert chat_text(trusted, {**own, "add_generation_prompt": False,
+                               "chat_template_kwargs": {"add_generation_prompt": False}}) == "[user:hi]"
+    docs = [{"title": "A", "text": "x"}, {"title": "B", "text": "y"}]
+    assert chat_text(trusted, {**own, "documents": docs}) == "[user:hi]<doc A><doc B><assistant>"
+    assert chat_text(trusted, {**own, "chat_template_kwargs": {"documents": docs[:1]}}) == \
+        "[user:hi]<doc A><assistant>"
+    # continue_final_message: the prompt ends inside the last message (the server's own template: SmolLM2's)
+    prefill = [*MSG, {"role": "assistant", "content": "The answer is"}]
+    text = chat_text(trusted, {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True})
+    assert text.endswith("<|im_start|>assistant\nThe answer is")
+    text = chat_text(trusted, {"messages": prefill, "add_generation_prompt": False})
+    assert text.endswith("The answer is<|im_end|>\n")
+
+
+BAD_CHAT = [
+    ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": "no"}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"documents": [{"title": 1}]}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"documents": "doc"}}, "chat_template_kwargs"),
+    ({"add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),  # add_generation_prompt defaults to true
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"continue_final_message": 1}, "continue_final_message"),
+    ({"documents": {"title": "a"}}, "documents"),
+    ({"documents": [{"title": 5}]}, "documents"),
+    ({"documents": ["text"]}, "documents"),
+    ({"chat_template": ""}, "chat_template"),
+    ({"chat_template": 5}, "chat_template"),
+    ({"add_special_tokens": "no"}, "add_special_tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHAT, ids=[json.dumps(b)[:60] for b, _ in BAD_CHAT])
+def test_bad_chat_template_fields_are_400s_naming_them(trusted: rq.ProtocolContext, body: dict[str, Any],
+                                                        param: str) -> None:
+    assert refused("chat", {"messages": MSG, **body}, trusted).param == param
+
+
+def test_request_chat_template_needs_trust(ctx: rq.ProtocolContext, trusted: rq.ProtocolContext) -> None:
+    e = refused("chat", {"messages": MSG, "chat_template": SHOW}, ctx)
+    assert e.param == "chat_template" and "--trust-request-chat-template" in e.message
+    e = refused("chat", {"messages": MSG, "chat_template": "{% for m in messages %}"}, trusted)
+    assert e.param == "chat_template" and "does not parse" in e.message
+    e = refused("chat", {"messages": MSG, "chat_template": "{{ raise_exception('no users here') }}"}, trusted)
+    assert e.param == "chat_template" and "no users here" in e.message
+
+
+class _SpyHF:
+    """A transformers tokenizer that records the add_special_tokens of each encode."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf, self.special = hf, []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.special.append(add_special_tokens)
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.hf, name)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+@pytest.mark.parametrize(("kind", "default"), [("completion", True), ("generate", True), ("chat", False)])
+def test_add_special_tokens(tok: Tokenizer, ctx: rq.ProtocolContext, kind: str, default: bool) -> None:
+    spy = _SpyHF(tok.hf)
+    spied = replace(ctx, tokenizer=Tokenizer(spy, tok.eos_token_ids, tok.chat_template))
+    for body, want in (({}, default), ({"add_special_tokens": None}, default), ({"add_special_tokens": True}, True),
+                       ({"add_special_tokens": False}, False)):
+        spy.special.clear()
+        parse(kind, {**BASES[kind], **body}, spied)
+        assert spy.special == [want], (body, spy.special)

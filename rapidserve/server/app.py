@@ -95,7 +95,8 @@ class Server:
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
+                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser,
+                                         cfg.trust_request_chat_template)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False

@@ -32,6 +32,7 @@ from rapidserve.sampling_params import (
     resolve_bad_words,
 )
 from rapidserve.server.body import decode_body
+from rapidserve.server.chat_render import render_options
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.schemas import (
     MAX_PROMPTS,
@@ -61,6 +62,7 @@ class ProtocolContext:
     vocab_size: int
     default_max_tokens: int
     tool_parser: str | None = None  # the tool-call format of tool_choice "auto"; None: auto not enabled
+    trust_request_chat_template: bool = False  # a chat request may bring its own chat_template
     # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
     grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
 
@@ -108,6 +110,7 @@ class _Plan:
     work: int  # characters to tokenize (or token ids to decode for echo)
     tools: ToolPlan | None = None
     structured: StructuredOutputs | None = None
+    render: dict[str, Any] | None = None  # chat: the keywords of Tokenizer.apply_chat_template (chat_render.py)
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -262,14 +265,16 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
-        work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools)
+        render = render_options(r, ctx.trust_request_chat_template)
+        work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools) + len(
+            json.dumps([render["documents"], render["template_kwargs"]]))
         _check_text_size(work, "messages", "messages", ctx)
         if ctx.tokenizer is None:
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
         so = _with_tool_constraint(so, tools, ctx)
-        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so)  # type: ignore[arg-type]
+        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render)  # type: ignore[arg-type]
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
     return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so)  # type: ignore[arg-type]
@@ -282,13 +287,18 @@ def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[
     """The prompts' token ids and texts (echo: decoded from the ids). Slow for long inputs: run off the loop."""
     tok = ctx.tokenizer
     if plan.messages is not None:
-        assert tok is not None
+        assert tok is not None and plan.render is not None
         try:
             tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
-            return [tok.apply_chat_template(plan.messages, tools=tools)], [None]
+            return [tok.apply_chat_template(plan.messages, tools=tools, **plan.render)], [None]
         except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise bad_request("messages", f"the chat template rejected 'messages': {str(e)[:200]}") from None
-    prompts = [tok.encode(s) if isinstance(s, str) else s for s in plan.sources]  # type: ignore[union-attr]
+            own = plan.render["chat_template"] is not None
+            raise bad_request("chat_template" if own else "messages",
+                              f"the chat template rejected {'this request' if own else repr('messages')}: "
+                              f"{str(e)[:200]}") from None
+    special = getattr(plan.body, "add_special_tokens", None) is not False
+    prompts = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
+               for s in plan.sources]
     texts = [s if isinstance(s, str) else None for s in plan.sources]
     if getattr(plan.body, "echo", False) and tok is not None:
         texts = [t if t is not None else tok.decode(p) for t, p in zip(texts, prompts, strict=True)]

@@ -130,6 +130,7 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Me
 
 MAX_CHOICES = 256  # guided_choice / structured_outputs.choice alternatives
 MAX_GRAMMAR_CHARS = 65536  # regex and grammar texts (JSON schemas are bounded by the body size)
+MAX_TEMPLATE_CHARS = 65536  # a chat request's own chat template
 Regex = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty regular expression "
                             f"of at most {MAX_GRAMMAR_CHARS} characters, matched against the whole output")]
 Grammar = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty Lark (or GBNF) "
@@ -203,6 +204,9 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "add the tokenizer's special tokens (BOS) when a text prompt is encoded: default true for completions and "
+        "/generate, false for chat (whose template writes them)"))] | None = None
     include_stop_str_in_output: Annotated[bool, Meta(description=(
         "true: the text keeps the stop string, or the text of the stop token (EOS, stop_token_ids), that ended "
         "it (vLLM's field); default false: both are left out"))] | None = None
@@ -286,6 +290,21 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     parallel_tool_calls: Annotated[bool, Meta(description="false: at most one call (enforced with tool_choice "
                                                           "\"required\"); default true")] | None = None
     response_format: ResponseFormat | None = None
+    # How the chat template renders the messages (vLLM's fields; server/chat_render.py checks them).
+    add_generation_prompt: Annotated[bool, Meta(description="end the prompt with the assistant's turn header "
+                                                            "(default true)")] | None = None
+    continue_final_message: Annotated[bool, Meta(description="end the prompt inside the last message, for the "
+                                                             "model to go on with it (default false); needs "
+                                                             "add_generation_prompt false")] | None = None
+    documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_MESSAGES, description=(
+        f"at most {MAX_MESSAGES} documents for a retrieval-augmented chat template, each an object of strings "
+        "(e.g. {\"title\", \"text\"}); a template that does not read them leaves them out"))] | None = None
+    chat_template: Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
+        f"a Jinja chat template of at most {MAX_TEMPLATE_CHARS} characters for this request instead of the "
+        "server's; only on a server started with --trust-request-chat-template"))] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(description=(
+        "more variables for the chat template, an object of JSON values (e.g. {\"enable_thinking\": false} for "
+        "Qwen3); it may also carry add_generation_prompt, continue_final_message and documents"))] | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):

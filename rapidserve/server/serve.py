@@ -94,10 +94,16 @@ def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
 async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
     from rapidserve.server.app import Server
 
-    tokenizer = Tokenizer.from_source(source)
+    tokenizer = Tokenizer.from_source(source, chat_template=scfg.chat_template)
+    if tokenizer is None and scfg.chat_template is not None:
+        raise ConfigError(f"--chat-template: model {ecfg.model!r} has no tokenizer to render chats with; give it "
+                          "one with --tokenizer DIR, or drop the flag")
     if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
         log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
                     ecfg.model)
+    elif scfg.chat_template is not None:
+        log.info("chat template: the one given by --chat-template (%d characters), not the model's",
+                 len(scfg.chat_template))
     else:
         merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
         ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
