@@ -236,7 +236,7 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer)
+                tokenizer=a.tokenizer, generation_config=getattr(a, "generation_config", "auto"))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -377,7 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
-    sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                    help="max_tokens of a request that gives none, at most what its context leaves (default: the "
+                         "model's generation_config.json max_new_tokens, else 256)")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="where unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_tokens) take their defaults from, as vLLM's flag: auto (the model folder's "
+                         "generation_config.json; a GGUF file or preset has none), vllm (vLLM's own defaults) or "
+                         "a folder holding a generation_config.json; a request's own values win")
     sv.add_argument("--max-request-bytes", type=_int_at_least(1024), default=8 * 1024 * 1024,
                     help="largest request body accepted (larger: 413)")
     sv.add_argument("--shutdown-grace-s", type=_nonneg_float, default=10.0,

@@ -3,10 +3,16 @@
     llm = LLM(model="preset:tiny-llama")            # or a HF folder, a .gguf, None = SmolLM2
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].text
+
+As in vLLM, `generate` without sampling parameters uses `get_default_sampling_params()`: the model's
+recommended defaults (its generation_config.json; `LLM(..., generation_config="vllm")` ignores them,
+`generation_config=FOLDER` reads that folder's), else SamplingParams' own; given parameters are used as
+they are.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -21,13 +27,15 @@ from rapidserve.sequence import Sequence as Seq
 from rapidserve.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+log = logging.getLogger("rapidserve.llm")
 
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, show_progress: bool = True,
                  **kwargs: object) -> None:
-        """`kwargs`: build_engine_config's; `allow_long_max_model_len` not given is read from
-        $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's LLM reads VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
+        """`kwargs`: build_engine_config's (`generation_config`: auto, vllm or a folder, as vLLM's);
+        `allow_long_max_model_len` not given is read from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's
+        LLM reads VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
         if kwargs.get("prefill_batch_tokens") is not None:  # before the model loads
             raise ConfigError("prefill_batch_tokens sizes the prefill worker's batches of `rapidserve serve --mode "
                               "rapid`; LLM (and `rapidserve generate`) runs one process, whose steps "
@@ -36,6 +44,7 @@ class LLM:
             kwargs["allow_long_max_model_len"] = allow_long_max_model_len(os.environ)
         cfg, source = build_engine_config(model, dtype=dtype, **kwargs)  # type: ignore[arg-type]
         self.config = cfg
+        log.info("%s", cfg.generation.describe())
         self.tokenizer = Tokenizer.from_source(source)  # type: ignore[arg-type]
         self.engine = EngineCore(cfg, source, show_progress=show_progress)  # type: ignore[arg-type]
         if self.tokenizer is not None:
@@ -46,6 +55,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no parameters (vLLM's method): the model's recommended
+        defaults (generation_config.json; its max_new_tokens as max_tokens), else SamplingParams' own."""
+        return SamplingParams(**self.config.generation.params())  # type: ignore[arg-type]
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -91,7 +105,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(plist) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(plist):

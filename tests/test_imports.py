@@ -38,8 +38,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.sampling_params", "rapidserve.prompt",
-                "rapidserve.outputs")),
+    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.sampling_params",
+                "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.

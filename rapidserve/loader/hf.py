@@ -243,6 +243,7 @@ def load_hf_folder(folder: str) -> ModelSource:
         tokenizer_dir=folder if has_tokenizer else None,
         tokenizer_file=None,
         chat_template=_chat_template(folder),
+        hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
                     f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
     )

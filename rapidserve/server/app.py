@@ -94,9 +94,9 @@ class Server:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser,
-                                         cfg.trust_request_chat_template)
+        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len, ecfg.model_config.vocab_size,
+                                   cfg.max_tokens_default(ecfg.generation), tool_parser,
+                                   cfg.trust_request_chat_template, ecfg.generation)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False

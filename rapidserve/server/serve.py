@@ -107,6 +107,7 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     else:
         merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
         ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
+    log.info("%s", ecfg.generation.describe())
     name = model_name(ecfg, source, scfg.served_model_name)
     tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
     t0 = time.monotonic()
