@@ -77,19 +77,20 @@ def _ok(a: Answer, all_: dict[str, Any]) -> None:
 
 
 FORCE_X = {"logit_bias": {"104": 100}, "stop": ["xx"], "max_tokens": 6, "ignore_eos": True}
+ONE = {"max_tokens": 1}  # cases that check the prompt only: out of the shared batch after one step
 CHAT_CASES: dict[str, tuple[dict[str, Any], Check]] = {
-    "plain": ({"stream": False}, _created_now),
-    "thinking_off": ({"chat_template_kwargs": {"enable_thinking": False}}, _thinking_off),
-    "thinking_on": ({"chat_template_kwargs": {"enable_thinking": True}}, _same_prompt_as_plain),
-    "thinking_off_stream": ({"chat_template_kwargs": {"enable_thinking": False}, "stream": True,
+    "plain": (ONE, _created_now),
+    "thinking_off": ({**ONE, "chat_template_kwargs": {"enable_thinking": False}}, _thinking_off),
+    "thinking_on": ({**ONE, "chat_template_kwargs": {"enable_thinking": True}}, _same_prompt_as_plain),
+    "thinking_off_stream": ({**ONE, "chat_template_kwargs": {"enable_thinking": False}, "stream": True,
                              "stream_options": {"include_usage": True}}, _thinking_off),
-    "documents": ({"documents": [{"title": "t", "text": "x"}]}, _same_prompt_as_plain),  # SmolLM2 ignores them
-    "prefill_closed": ({"messages": PREFILL, "add_generation_prompt": False}, _ok),
+    "documents": ({**ONE, "documents": [{"title": "t", "text": "x"}]}, _same_prompt_as_plain),  # SmolLM2: unread
+    "prefill_closed": ({**ONE, "messages": PREFILL, "add_generation_prompt": False}, _ok),
     "continue_final_message": ({"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True,
-                                "max_tokens": 4}, _continued),
-    "request_chat_template": ({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
+                                "max_tokens": 3}, _continued),
+    "request_chat_template": ({**ONE, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"},
                               _own_template),
     "include_stop_str": ({**FORCE_X, "include_stop_str_in_output": True}, _stop_string_kept),
     "include_stop_str_stream": ({**FORCE_X, "include_stop_str_in_output": True, "stream": True}, _stop_string_kept),
-    "created_stream": ({"stream": True, "n": 2, "temperature": 1.0, "seed": 1}, _created_now),
+    "created_stream": ({"stream": True, "n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 3}, _created_now),
 }

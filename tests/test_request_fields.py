@@ -336,7 +336,8 @@ BAD_CONTROLS = [
     ("allowed_token_ids", [49152]), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", "answer"),
     # vLLM's fields this server refuses by name
     ("use_beam_search", True), ("prompt_logprobs", 0), ("prompt_logprobs", 5), ("best_of", 3),
-    ("include_stop_str_in_output", "yes"),
+    ("include_stop_str_in_output", "yes"), ("priority", 1), ("spaces_between_special_tokens", False),
+    ("truncate_prompt_tokens", 0),
 ]
 
 

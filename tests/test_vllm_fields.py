@@ -193,3 +193,67 @@ def test_add_special_tokens(tok: Tokenizer, ctx: rq.ProtocolContext, kind: str, 
         spy.special.clear()
         parse(kind, {**BASES[kind], **body}, spied)
         assert spy.special == [want], (body, spy.special)
+
+
+# ---------------------------------------------------------------- the rest of vLLM's fields
+
+NOT_SERVED = [  # (field, values that ask for nothing, a value that asks for something)
+    ("priority", [0], 1), ("spaces_between_special_tokens", [True], False),
+    ("return_tokens_as_token_ids", [False], True), ("logits_processors", [[]], ["my.Processor"]),
+    ("cache_salt", [], "salt"), ("kv_transfer_params", [{}], {"do_remote_prefill": True}),
+    ("vllm_xargs", [{}], {"a": 1}), ("mm_processor_kwargs", [{}], {"fps": 1}),
+    ("guided_decoding_backend", [], "outlines"), ("guided_whitespace_pattern", [], " "),
+    ("structural_tag", [], "{}"),
+]
+
+
+@pytest.mark.parametrize("kind", list(BASES))
+@pytest.mark.parametrize(("name", "idle", "busy"), NOT_SERVED, ids=[n for n, _, _ in NOT_SERVED])
+def test_fields_this_server_does_not_serve(ctx: rq.ProtocolContext, kind: str, name: str, idle: list[Any],
+                                           busy: Any) -> None:
+    base = BASES[kind]
+    for v in [None, *idle]:
+        parse(kind, {**base, name: v}, ctx)
+    e = refused(kind, {**base, name: busy}, ctx)
+    assert e.param == name and "not supported by this server" in e.message
+    if idle:
+        assert json.dumps(idle[0]) in e.message  # says what it takes
+    if idle and isinstance(idle[0], int) and not isinstance(idle[0], bool):
+        assert refused(kind, {**base, name: False}, ctx).param == name  # false is not 0
+
+
+def test_chat_echo_and_prompt_embeds(ctx: rq.ProtocolContext) -> None:
+    parse("chat", {"messages": MSG, "echo": False}, ctx)
+    assert refused("chat", {"messages": MSG, "echo": True}, ctx).param == "echo"
+    assert parse("completion", {"prompt": "hi", "echo": True}, ctx).echo  # completions echo, as ever
+    assert refused("completion", {"prompt": "hi", "prompt_embeds": "AAAA"}, ctx).param == "prompt_embeds"
+
+
+def test_truncate_prompt_tokens(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
+    text = "one two three four five six seven eight"
+    ids = tok.encode(text)
+    r = parse("completion", {"prompt": text, "truncate_prompt_tokens": 3, "echo": True}, ctx)
+    assert r.prompts == [ids[-3:]] and r.prompt_texts == [tok.decode(ids[-3:])]
+    r = parse("completion", {"prompt": text, "truncate_prompt_tokens": len(ids), "echo": True}, ctx)
+    assert r.prompts == [ids] and r.prompt_texts == [text]  # not longer than k: untouched
+    long = list(range(1, 301))  # longer than the context (256): fits once truncated
+    assert parse("completion", {"prompt": long, "truncate_prompt_tokens": 10}, ctx).prompts == [long[-10:]]
+    assert parse("completion", {"prompt": [long, [5, 6]], "truncate_prompt_tokens": 10}, ctx).prompts == \
+        [long[-10:], [5, 6]]
+    assert refused("completion", {"prompt": long}, ctx).param == "prompt"
+    chat = parse("chat", {"messages": MSG}, ctx).prompts[0]
+    assert parse("chat", {"messages": MSG, "truncate_prompt_tokens": 4}, ctx).prompts == [chat[-4:]]
+    for bad in (0, -2, "3", 1.5):
+        assert refused("completion", {"prompt": "hi", "truncate_prompt_tokens": bad}, ctx).param == \
+            "truncate_prompt_tokens"
+
+
+def test_response_format_on_completions(ctx: rq.ProtocolContext) -> None:
+    pytest.importorskip("llguidance")
+    so = parse("completion", {"prompt": "hi", "response_format": {"type": "json_object"}}, ctx).params
+    assert so.structured_outputs is not None and so.structured_outputs.json_object
+    assert parse("completion", {"prompt": "hi", "response_format": {"type": "text"}}, ctx).params.structured_outputs \
+        is None
+    assert refused("completion", {"prompt": "hi", "response_format": {"type": "xml"}}, ctx).param == "response_format"
+    e = refused("completion", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"}, ctx)
+    assert e.param == "guided_regex"

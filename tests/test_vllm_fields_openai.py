@@ -104,6 +104,21 @@ def test_include_stop_str_in_output(srv: tuple[Srv, str]) -> None:
     assert r.choices[0].text == "x"
 
 
+def test_truncate_prompt_tokens_and_response_format_on_completions(srv: tuple[Srv, str]) -> None:
+    c = client(srv[0])
+    model = c.models.list().data[0].id
+    r = c.completions.create(model=model, prompt="one two three four five six", max_tokens=1,
+                             extra_body={"truncate_prompt_tokens": 2})
+    assert r.usage.prompt_tokens == 2
+    r = c.chat.completions.create(model=model, messages=MSG, max_tokens=1, extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    pytest.importorskip("llguidance")
+    r = c.completions.create(model=model, prompt="JSON:", max_tokens=24, temperature=0,
+                             extra_body={"response_format": {"type": "json_object"}})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].text), dict)
+    assert r.choices[0].text.lstrip().startswith("{")
+
+
 def test_created_is_the_arrival_time(srv: tuple[Srv, str]) -> None:
     c = client(srv[0])
     model = c.models.list().data[0].id
@@ -130,6 +145,10 @@ REFUSED = [
     ("chat", {"continue_final_message": True}, "continue_final_message"),
     ("chat", {"documents": "not a list"}, "documents"),
     ("completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("chat", {"echo": True}, "echo"),
+    ("completions", {"priority": 1}, "priority"),
+    ("chat", {"logits_processors": ["my.Processor"]}, "logits_processors"),
+    ("completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ]
 
 

@@ -39,6 +39,7 @@ from rapidserve.server.schemas import (
 )
 from rapidserve.server.structured_fields import structured_outputs_of
 from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
+from rapidserve.server.unsupported import refuse_unsupported
 from rapidserve.structured import GrammarCache, GrammarError, check
 from rapidserve.tokenizer import Tokenizer
 
@@ -122,21 +123,6 @@ def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
     return name
 
 
-def _refuse_unsupported(r: RequestBody, n: int) -> None:
-    """vLLM's fields that ask for what this server does not do: a 400 naming the field (never ignored)."""
-    if r.use_beam_search:
-        raise bad_request("use_beam_search", "'use_beam_search' is not supported by this server (it samples; beam "
-                                             "search is not implemented): send false or leave it out")
-    if r.prompt_logprobs is not None:
-        raise bad_request("prompt_logprobs", "'prompt_logprobs' is not supported by this server (the logprobs of "
-                                             "prompt tokens are not computed): send null or leave it out")
-    if isinstance(r, CompletionRequest) and r.suffix:
-        raise bad_request("suffix", "'suffix' is not supported by this server")
-    if isinstance(r, CompletionRequest | ChatCompletionRequest) and r.best_of is not None and r.best_of != n:
-        raise bad_request("best_of", f"'best_of' is not supported by this server (it returns every sample it "
-                                     f"draws): only null or equal to n ({n})")
-
-
 def _check_prompt(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
     """The one prompt check (rapidserve/prompt.py), as a 400 naming the field."""
     try:
@@ -178,6 +164,7 @@ def _completion_sources(r: CompletionRequest | GenerateRequest,
                 raise bad_request("prompt", f"this model has no tokenizer: send '{where}' as a list of token ids")
             work += len(s)
         else:
+            s = _truncated(s, r.truncate_prompt_tokens)
             _check_prompt(s, where, "prompt", ctx)
             work += len(s) if getattr(r, "echo", False) else 0
         sources.append(s)
@@ -220,7 +207,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     r = decode_body(kind, body)
     model = _resolve_model(r.model, ctx)
     n = r.n or 1
-    _refuse_unsupported(r, n)
+    refuse_unsupported(r, n)
     check_controls(r, ctx.tokenizer, ctx.vocab_size)
     if r.seed is not None and r.seed + n - 1 > SEED_MAX:
         raise bad_request("seed", f"'seed' + n - 1 must fit in a 64-bit signed integer (sample j of n uses seed + j):"
@@ -258,23 +245,31 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
 def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[str | None]]:
     """The prompts' token ids and texts (echo: decoded from the ids). Slow for long inputs: run off the loop."""
     tok = ctx.tokenizer
+    keep = plan.body.truncate_prompt_tokens
     if plan.messages is not None:
         assert tok is not None and plan.render is not None
         try:
             tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
-            return [tok.apply_chat_template(plan.messages, tools=tools, **plan.render)], [None]
+            return [_truncated(tok.apply_chat_template(plan.messages, tools=tools, **plan.render), keep)], [None]
         except (ValueError, TypeError, jinja2.TemplateError) as e:
             own = plan.render["chat_template"] is not None
             raise bad_request("chat_template" if own else "messages",
                               f"the chat template rejected {'this request' if own else repr('messages')}: "
                               f"{str(e)[:200]}") from None
     special = getattr(plan.body, "add_special_tokens", None) is not False
-    prompts = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
+    encoded = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
                for s in plan.sources]
-    texts = [s if isinstance(s, str) else None for s in plan.sources]
+    prompts = [_truncated(p, keep) for p in encoded]
+    texts = [s if isinstance(s, str) and len(p) == len(e) else None  # a truncated text is decoded for echo
+             for s, p, e in zip(plan.sources, prompts, encoded, strict=True)]
     if getattr(plan.body, "echo", False) and tok is not None:
         texts = [t if t is not None else tok.decode(p) for t, p in zip(texts, prompts, strict=True)]
     return prompts, texts
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: a prompt longer than `keep` tokens keeps its last `keep`."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx: ProtocolContext) -> GenRequest:

@@ -176,6 +176,11 @@ Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_ST
     description=f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS}"
                 " such strings")]
 NotSupported = "not supported by this server: only {} or null"
+
+# A vLLM field this server does not serve: any JSON value decodes, and unsupported.py refuses all but null
+# and the value of vLLM's that asks for nothing (its error names the field and that value).
+Unsupported = Annotated[Any, Meta(description="vLLM's field, not supported by this server: only null or vLLM's "
+                                              "default (the value that asks for nothing)")]
 Penalty = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), subtracted from the logit of a token {{}}"
 BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 MessagesHelp = (f"a non-empty list of at most {MAX_MESSAGES} messages {{\"role\": one of {', '.join(CHAT_ROLES)}; "
@@ -227,13 +232,28 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS, description=(
         f"a list of at most {MAX_BAD_WORDS} words (non-blank strings of at most {MAX_BAD_WORD_CHARS} characters) "
         "that must not be generated"))] | None = None
-    # vLLM's fields this server refuses unless they ask for nothing (requests.py `_refuse_unsupported`).
+    # vLLM's fields this server refuses unless they ask for nothing (unsupported.py).
     use_beam_search: Annotated[bool, Meta(description="not supported by this server (it samples): only false or "
                                                       "null")] | None = None
     length_penalty: Annotated[float, Meta(description="beam search's length penalty: no effect without beam search "
                                                       "(as in vLLM), which this server does not do")] | None = None
     prompt_logprobs: Annotated[int, Meta(description="not supported by this server (the logprobs of prompt tokens "
                                                      "are not computed): only null")] | None = None
+    priority: Unsupported = None
+    spaces_between_special_tokens: Unsupported = None
+    return_tokens_as_token_ids: Unsupported = None
+    logits_processors: Unsupported = None
+    cache_salt: Unsupported = None
+    kv_transfer_params: Unsupported = None
+    vllm_xargs: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+    guided_decoding_backend: Unsupported = None
+    guided_whitespace_pattern: Unsupported = None
+    structural_tag: Unsupported = None
+    # vLLM's: keep only the last k prompt tokens (the rendered chat's too) when the prompt is longer
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX, description=(
+        "an integer >= 1: a longer prompt keeps only its last this many tokens"))] | None = None
+    response_format: ResponseFormat | None = None
     # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: JsonSchemaValue | None = None
@@ -271,6 +291,7 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     echo: bool | None = None
     best_of: BestOf | None = None
     suffix: Annotated[str, Meta(description=NotSupported.format('""'))] | None = None
+    prompt_embeds: Unsupported = None
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -289,7 +310,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Meta(description="false: at most one call (enforced with tool_choice "
                                                           "\"required\"); default true")] | None = None
-    response_format: ResponseFormat | None = None
+    echo: Unsupported = None  # vLLM's chat echo (the last message before the answer)
     # How the chat template renders the messages (vLLM's fields; server/chat_render.py checks them).
     add_generation_prompt: Annotated[bool, Meta(description="end the prompt with the assistant's turn header "
                                                             "(default true)")] | None = None
