@@ -70,3 +70,19 @@ def test_serve_stops_before_loading_a_model(capsys: pytest.CaptureFixture[str]) 
 def test_a_model_without_tokenizer_takes_no_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--chat-template", TEMPLATE]) == 2
     assert "has no tokenizer to render chats with" in capsys.readouterr().err
+
+
+def test_the_served_tokenizer_takes_the_template_and_keeps_the_eos_ids() -> None:
+    import dataclasses
+
+    from rapidserve.config import EngineConfig, ServerConfig
+    from rapidserve.loader import resolve_model
+    from rapidserve.server.serve import serving_tokenizer
+
+    source = resolve_model(None)
+    source = dataclasses.replace(source, config=source.config.replace(eos_token_ids=(7,)))
+    ecfg = EngineConfig(model="default", model_config=source.config)
+    for template in (None, TEMPLATE):
+        got, tokenizer = serving_tokenizer(ecfg, ServerConfig(chat_template=template), source)
+        assert tokenizer is not None and got.model_config.eos_token_ids == (7, 2)  # + the tokenizer's <|im_end|>
+        assert (tokenizer.chat_template == TEMPLATE) == (template is not None)

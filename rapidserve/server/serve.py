@@ -91,9 +91,11 @@ def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
                          shutdown_timeout=END_WAIT_S)
 
 
-async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
-    from rapidserve.server.app import Server
-
+def serving_tokenizer(ecfg: EngineConfig, scfg: ServerConfig,
+                      source: ModelSource) -> tuple[EngineConfig, Tokenizer | None]:
+    """The router's tokenizer (with --chat-template's template instead of the model's), and `ecfg` with the
+    tokenizer's EOS ids added to the model's (the set generation stops on). A ConfigError when a template
+    is given for a model without a tokenizer."""
     tokenizer = Tokenizer.from_source(source, chat_template=scfg.chat_template)
     if tokenizer is None and scfg.chat_template is not None:
         raise ConfigError(f"--chat-template: model {ecfg.model!r} has no tokenizer to render chats with; give it "
@@ -101,12 +103,19 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
         log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
                     ecfg.model)
-    elif scfg.chat_template is not None:
+        return ecfg, None
+    merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
+    ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
+    if scfg.chat_template is not None:
         log.info("chat template: the one given by --chat-template (%d characters), not the model's",
                  len(scfg.chat_template))
-    else:
-        merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
-        ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
+    return ecfg, tokenizer
+
+
+async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
+    from rapidserve.server.app import Server
+
+    ecfg, tokenizer = serving_tokenizer(ecfg, scfg, source)
     log.info("%s", ecfg.generation.describe())
     name = model_name(ecfg, source, scfg.served_model_name)
     tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
