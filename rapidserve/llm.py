@@ -4,17 +4,19 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].token_ids, outs[0].outputs[0].text
 
-As in vLLM, `generate` without sampling parameters uses `get_default_sampling_params()`: the model's
-recommended defaults (its generation_config.json; `LLM(..., generation_config="vllm")` ignores them,
-`generation_config=FOLDER` reads that folder's), else SamplingParams' own; given parameters are used as
-they are.
+`llm.chat(messages, params, chat_template_kwargs={"enable_thinking": False})` renders conversations with
+the chat template first (vLLM's `LLM.chat`). As in vLLM, `generate` without sampling parameters uses
+`get_default_sampling_params()`: the model's recommended defaults (its generation_config.json;
+`LLM(..., generation_config="vllm")` ignores them, `generation_config=FOLDER` reads that folder's), else
+SamplingParams' own; given parameters are used as they are.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -24,7 +26,7 @@ from rapidserve.core import EngineCore
 from rapidserve.outputs import CompletionOutput, RequestOutput
 from rapidserve.sampling_params import SamplingParams, resolve_bad_words
 from rapidserve.sequence import Sequence as Seq
-from rapidserve.tokenizer import Tokenizer
+from rapidserve.tokenizer import RENDERER_OWNS, Tokenizer, check_chat_template
 
 Prompt = str | list[int]
 log = logging.getLogger("rapidserve.llm")
@@ -97,6 +99,39 @@ class LLM:
         if seq.finish_reason == "stop" and ids and not params.include_stop_str_in_output:
             return self.tokenizer.decode(ids[:-1], params.skip_special_tokens)  # ended by a stop token
         return text
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+             documents: Sequence[Mapping[str, str]] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a list of them,
+        rendered by the chat template (the model's, or `chat_template`) with `chat_template_kwargs` as more
+        template variables (Qwen3's `enable_thinking`), then generated as `generate` does. Each output's
+        `prompt` is the rendered text. ValueError for what cannot be rendered."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (a preset?): chat needs one; use generate with token ids")
+        owned = sorted(RENDERER_OWNS & set(chat_template_kwargs or {}))
+        if owned:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(owned)}: give them as LLM.chat's own "
+                             "arguments (tools, documents, chat_template, add_generation_prompt, "
+                             "continue_final_message) or leave them out")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+        if chat_template is not None:
+            check_chat_template(chat_template, "chat_template")
+        single = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if single else list(messages)
+        texts = [self.tokenizer.render_chat(c, tools, add_generation_prompt=add_generation_prompt,  # type: ignore
+                                            continue_final_message=continue_final_message, documents=documents,
+                                            template_kwargs=chat_template_kwargs, chat_template=chat_template)
+                 for c in conversations]
+        tok = self.tokenizer
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
+        for out, text in zip(outs, texts, strict=True):
+            out.prompt = text
+        return outs
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

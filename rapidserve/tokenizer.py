@@ -12,6 +12,12 @@ import jinja2
 from rapidserve.loader import ModelSource, load_hf_tokenizer
 
 JINJA_CHARS = "{}\n"  # a --chat-template value with none of these is a file name, never a template
+# apply_chat_template's own parameters (and what it passes the template itself), never template variables:
+# a chat_template_kwargs key among them would change what is rendered, not fill a variable
+RENDERER_OWNS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+                           "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs", "sanitize_control_tokens", "add_generation_prompt",
+                           "continue_final_message"})
 
 
 class ChatTemplateError(ValueError):

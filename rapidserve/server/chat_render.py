@@ -24,13 +24,10 @@ from typing import Any
 
 from rapidserve.server.errors import bad_request
 from rapidserve.server.schemas import ChatCompletionRequest
-from rapidserve.tokenizer import ChatTemplateError, check_chat_template
+from rapidserve.tokenizer import RENDERER_OWNS, ChatTemplateError, check_chat_template
 
-# apply_chat_template's own parameters (and what it passes the template itself): not template variables
-RESERVED_KWARGS = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "padding", "truncation",
-                             "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-                             "tokenizer_kwargs", "sanitize_control_tokens"})
 MERGED_KWARGS = ("add_generation_prompt", "continue_final_message", "documents")  # top-level fields, too
+RESERVED_KWARGS = RENDERER_OWNS - set(MERGED_KWARGS)  # refused in chat_template_kwargs
 
 
 def render_options(r: ChatCompletionRequest, trust_request_template: bool) -> dict[str, Any]:
