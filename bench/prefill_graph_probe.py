@@ -8,7 +8,7 @@ For each chunk of T prompt tokens (split over --seqs sequences, each after --con
 engine's runner (bf16, random weights, attention backend auto) it times, as medians of 20 (CUDA events):
   - eager: `runner.prefill(items)` as the prefill worker calls it: host inputs built and copied, every kernel
     launched from Python;
-  - piecewise: the same call replaying the engine's piecewise prefill graphs (rapidserve/prefill_graphs.py, one
+  - piecewise: the same call replaying the engine's piecewise prefill graphs (rapidserve/runner/prefill_graphs.py, one
     bucket per size, attention launched between the pieces), as the engine runs it by default;
   - busy: the GPU time of its kernels (torch.profiler): what no launch overhead could shorten;
   - graph: the same forward captured once as a CUDA graph with its inputs in place and replayed: the most a
@@ -41,8 +41,8 @@ from gpu_timing import time_ms  # noqa: E402
 from model_runner import engine_config, preset_source  # noqa: E402
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
-from rapidserve.prefill_graphs import PrefillGraphs  # noqa: E402
 from rapidserve.runner import ModelRunner, PrefillItem  # noqa: E402
+from rapidserve.runner.prefill_graphs import PrefillGraphs  # noqa: E402
 
 REPS = 20
 
@@ -135,7 +135,7 @@ def main() -> int:
     ecfg = engine_config(name, mcfg, "bfloat16", (1,), max(8192, a.context + max(sizes)), 0.85)
     runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     gen = torch.Generator().manual_seed(0)
-    # the engine's piecewise graphs (rapidserve/prefill_graphs.py), one bucket per size: capture time and memory
+    # the engine's piecewise graphs (rapidserve/runner/prefill_graphs.py), one bucket per size: capture time and memory
     torch.cuda.synchronize()
     mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
     pieces = PrefillGraphs(runner.model, runner.kv_pool.layers, sorted(sizes))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Piecewise prefill graphs (rapidserve/prefill_graphs.py) on one GPU: checks, the kernel-level probe and the
+# Piecewise prefill graphs (rapidserve/runner/prefill_graphs.py) on one GPU: checks, the kernel-level probe and the
 # engine A/B, graphs (the default) against `--prefill-graph-tokens none`. Steps, each skippable (SKIP="..."):
 #   tests   pytest -m gpu of the graphs and of the two-process engine that replays them (~2 min)
 #   probe   bench/prefill_graph_probe.py: eager / piecewise / whole-graph prefill, 16-2048 tokens (~1 min)

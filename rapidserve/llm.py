@@ -20,7 +20,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from rapidserve.config import ConfigError
 from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
 from rapidserve.core import EngineCore
 from rapidserve.outputs import CompletionOutput, RequestOutput
@@ -36,15 +35,13 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", *, show_progress: bool = True,
                  **kwargs: object) -> None:
         """`kwargs`: build_engine_config's (`generation_config`: auto, vllm or a folder, as vLLM's);
-        `allow_long_max_model_len` not given is read from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's
-        LLM reads VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
-        if kwargs.get("prefill_batch_tokens") is not None:  # before the model loads
-            raise ConfigError("prefill_batch_tokens sizes the prefill worker's batches of `rapidserve serve --mode "
-                              "rapid`; LLM (and `rapidserve generate`) runs one process, whose steps "
-                              "max_num_batched_tokens bounds: drop prefill_batch_tokens (--prefill-batch-tokens)")
+        `allow_long_max_model_len` not given is read from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN (as vLLM's LLM reads
+        VLLM_ALLOW_LONG_MAX_MODEL_LEN). The tree is built for the offline run (`run="offline"`), so a setting it does
+        not read (prefill_batch_tokens, async_scheduling=False, ...) is a ConfigError before the model loads
+        (policy_spec.check_settings)."""
         if "allow_long_max_model_len" not in kwargs:
             kwargs["allow_long_max_model_len"] = allow_long_max_model_len(os.environ)
-        cfg, source = build_engine_config(model, dtype=dtype, **kwargs)  # type: ignore[arg-type]
+        cfg, source = build_engine_config(model, dtype=dtype, run="offline", **kwargs)  # type: ignore[arg-type]
         self.config = cfg
         log.info("%s", cfg.generation.describe())
         self.tokenizer = Tokenizer.from_source(source)  # type: ignore[arg-type]

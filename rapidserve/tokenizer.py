@@ -1,15 +1,17 @@
 """A thin wrapper over a transformers tokenizer: text <-> ids, chat prompts, stop tokens; chat templates
 given by hand (`load_chat_template`: vLLM's `--chat-template`, a file or the template itself) and their
-syntax check (`check_chat_template`)."""
+syntax check (`check_chat_template`). Torch-free at import (the loader is imported where a tokenizer is
+loaded), so that `rapidserve serve` reads and checks `--chat-template` before it binds its port."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
-from rapidserve.loader import ModelSource, load_hf_tokenizer
+if TYPE_CHECKING:
+    from rapidserve.loader import ModelSource
 
 JINJA_CHARS = "{}\n"  # a --chat-template value with none of these is a file name, never a template
 # apply_chat_template's own parameters (and what it passes the template itself), never template variables:
@@ -87,6 +89,8 @@ class Tokenizer:
     def from_source(cls, source: ModelSource, chat_template: str | None = None) -> Tokenizer | None:
         """The model's tokenizer, or None when it has none (presets). `chat_template`: a template used instead
         of the model's (`--chat-template`)."""
+        from rapidserve.loader import load_hf_tokenizer  # (torch: not at this module's import)
+
         tok = load_hf_tokenizer(source)
         if tok is None:
             return None

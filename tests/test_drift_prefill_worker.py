@@ -23,8 +23,8 @@ from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
-from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner
+from rapidserve.runner.prefill_task import PrefillTask
 from rapidserve.sampling_params import SamplingParams
 from tests.test_partition_manager import h100_profile
 from tests.test_worker_faults import POISON, FakeIO

@@ -3,7 +3,11 @@
 - greedy tokens equal to the single-process reference (`LLM` on the same GPU, prefill launched eagerly; the
   engine's prefill worker replays its piecewise prefill graphs, per partition stream), with a static split
   and with the adaptive manager switching between splits (hysteresis 0; chunked prompts, so prefill
-  switches stream between the chunks of one prompt);
+  switches stream between the chunks of one prompt). The switches are forced, not left to this GPU's
+  timings (tests/forced_switch.py says how; tests/test_forced_switch.py checks the decisions on CPU): the
+  rapid policy reads a profile written here for this GPU, under which prefill work alone decides the
+  configuration, and a holder request decodes while the prompts are sent, so decode runs beside prefill
+  work (duet's condition for a split, with an SLO no step can meet);
 - kill -9 of the decode worker, then of the prefill worker, with requests in flight: each request
   ends with EngineError within 2 s, the engine restarts and serves the next request correctly.
 
@@ -20,6 +24,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +32,7 @@ from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig, LaunchConfig, PartitionConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.llm import build_engine_config
+from tests.forced_switch import DUET_SLO_MS, forcing_profile
 from tests.test_engine import wait_blocks_free
 
 MODEL = "preset:tiny-llama"
@@ -37,6 +43,9 @@ NEW = 16
 LENGTHS = [5, 150, 12, 70, 33, 90, 8, 41]
 GRAPH_SIZES = (1, 2, 4, 8, 16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+# the holder: decodes from before the prompts are sent until after they all finished (aborted then)
+HOLD = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 200, ignore_eos=True)
+DECODE_SHARES = (0.25, 0.5)
 
 
 def make_prompts() -> list[list[int]]:
@@ -58,17 +67,39 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, want
 
 
-def engine_config(partition: str) -> EngineConfig:
-    """`adaptive` runs --policy rapid; `adaptive-duet` --policy duet with an SLO no step meets (1 ns: the
-    roofline predicts this tiny model's mixed step at ~0.4 us), so prefill beside decode splits."""
+@pytest.fixture(scope="module")
+def forced_profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tests/forced_switch.py's profile for this GPU (its name and its own green-context splits): under it
+    the rapid manager takes the split with the most prefill units whenever prefill has work, and
+    overallocated when it has none, whatever this GPU's speed."""
+    import torch
+
+    from rapidserve.partition.backend import device_granularity, plan_configurations
+    from rapidserve.partition.profile import save_profile
+
+    device = torch.device("cuda", 0)
+    g = device_granularity("cuda-green", device)
+    prof = forcing_profile(torch.cuda.get_device_name(device), MODEL, plan_configurations(g, DECODE_SHARES),
+                           g.total, BUDGET)
+    path = tmp_path_factory.mktemp("profile") / "forced.json"
+    save_profile(prof, path)
+    return str(path)
+
+
+def engine_config(partition: str, profile: str | None = None) -> EngineConfig:
+    """`adaptive` runs --policy rapid on `profile`; `adaptive-duet` --policy duet (its roofline; the profile
+    only names the configurations) with an SLO no step meets (`DUET_SLO_MS`, a picosecond: the roofline
+    predicts this tiny model's shared step at ~0.4 us on an H100), so prefill beside decode splits."""
     cfg, _ = build_engine_config(MODEL, device="cuda", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=MAX_LEN,
                                  max_num_batched_tokens=BUDGET)
-    policy = dict(policy="duet", slo_itl_ms=1e-6) if partition == "adaptive-duet" else dict(policy="rapid")
+    policy = dict(policy="duet", slo_itl_ms=DUET_SLO_MS) if partition == "adaptive-duet" else dict(policy="rapid")
+    if partition.startswith("adaptive"):
+        policy["profile"] = profile
     return dataclasses.replace(
         cfg,
         runner=dataclasses.replace(cfg.runner, graph_batch_sizes=GRAPH_SIZES),
         partition=PartitionConfig.parse(partition.removesuffix("-duet"), backend="cuda-green",
-                                        decode_shares=(0.25, 0.5), hysteresis_steps=0, **policy),
+                                        decode_shares=DECODE_SHARES, hysteresis_steps=0, **policy),
         launch=LaunchConfig(mode="rapid", mps="auto", startup_timeout_s=120, on_worker_death="restart"),
     )
 
@@ -97,25 +128,35 @@ def assert_green_split(engine: AsyncEngine) -> str:
 @pytest.mark.gpu
 @pytest.mark.parametrize("partition", ["static:0.25", "adaptive", "adaptive-duet"])
 def test_engine_on_gpu_with_green_partitions_matches_llm(
-        partition: str, reference: tuple[list[list[int]], list[list[int]]]) -> None:
+        partition: str, reference: tuple[list[list[int]], list[list[int]]], forced_profile: str) -> None:
     prompts, want = reference
 
     async def main() -> None:
-        engine = await AsyncEngine.start(engine_config(partition))
+        engine = await AsyncEngine.start(engine_config(partition, forced_profile))
         try:
             print(assert_green_split(engine))
+            if partition.startswith("adaptive"):
+                assert Path(forced_profile).name in engine.workers.ready["decode"].info["partition"]  # type: ignore[union-attr]
             # twice: the second round runs on warm workers, with the partition left by the first
             for round_ in range(2):
+                decoding = asyncio.Event()
+                holder = asyncio.create_task(collect(engine, f"hold{round_}", prompts[0], HOLD, decoding))
+                await asyncio.wait_for(decoding.wait(), 60)  # its first token came from decode: it decodes
                 got = await asyncio.gather(*(collect(engine, f"r{round_}-{i}", p, GREEDY)
                                              for i, p in enumerate(prompts)))
+                # the forcing's premise: decode ran throughout, so each prompt reached it beside a running decode
+                assert not holder.done(), "the holder ended before the prompts did: raise HOLD's max_tokens"
+                await engine.abort(f"hold{round_}")
+                held = await holder
                 for i, (g, w) in enumerate(zip(got, want, strict=True)):
                     assert g == w, f"round {round_}, request {i} ({len(prompts[i])} prompt tokens) diverged"
+                assert len(held) > NEW and held[:NEW] == want[0], f"round {round_}: the holder diverged"
                 await wait_blocks_free(engine)
-            assert engine.stats is not None
-            if partition.startswith("adaptive"):  # prefill pending -> a split, idle -> back: it did switch
-                assert engine.stats.partition_switches > 0, engine.stats
-            else:
-                assert engine.stats.partition_switches == 0 and engine.stats.partition.startswith("split")
+                assert engine.stats is not None
+                if partition.startswith("adaptive"):  # each round: into a split for prefill, and back
+                    assert engine.stats.partition_switches >= 2 * (round_ + 1), engine.stats
+                else:
+                    assert engine.stats.partition_switches == 0 and engine.stats.partition.startswith("split")
         finally:
             await engine.shutdown()
 

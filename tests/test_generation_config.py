@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rapidserve.cli import build_parser, engine_kwargs, server_config
+from rapidserve.cli import build_parser, engine_kwargs, main, server_config
 from rapidserve.config import FALLBACK_MAX_TOKENS, ConfigError, ServerConfig
 from rapidserve.config_builder import build_engine_config, resolve_generation_config
 from rapidserve.generation_config import GenerationConfigError, SamplingDefaults, sampling_defaults
@@ -89,10 +89,27 @@ def test_the_config_tree_holds_them(hf_folder: Path) -> None:
     (hf_folder / "generation_config.json").write_text(json.dumps({**QWEN3, "max_new_tokens": 40}))
     cfg, _ = build_engine_config(str(hf_folder), device="cpu")
     assert cfg.generation.params() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 40}
+    cfg, _ = build_engine_config(str(hf_folder), device="cpu", load_format="dummy")  # random weights, its defaults
+    assert cfg.generation.params() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 40}
     cfg, _ = build_engine_config(str(hf_folder), device="cpu", generation_config="vllm")
     assert cfg.generation.params() == {}
     with pytest.raises(ConfigError, match="--generation-config 'nowhere'"):
         build_engine_config(str(hf_folder), device="cpu", generation_config="nowhere")
+
+
+def test_serve_refuses_a_bad_one_before_binding_its_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad --generation-config needs no model to be refused: `rapidserve serve` exits 2 before `run` binds."""
+    from unittest import mock
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    (tmp_path / "empty").mkdir()
+    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("bound the port")):
+        assert main(["serve", "/no/such/model", "--generation-config", "nowhere"]) == 2
+        assert "--generation-config 'nowhere'" in capsys.readouterr().err
+        assert main(["serve", "/no/such/model", "--generation-config", str(tmp_path / "empty")]) == 2
+        assert "has no generation_config.json" in capsys.readouterr().err
+        assert main(["serve", "/no/such/model", "--generation-config", str(tmp_path)]) == 2
+        assert "temperature=-1 must be a number >= 0" in capsys.readouterr().err
 
 
 def test_serve_flags() -> None:

@@ -4,6 +4,13 @@
         --request-rate 1,2,4,inf --num-prompts 64 --goodput ttft:2000 itl:100 --label rapid --out-dir out/
     rapidserve bench --workload trace --trace mooncake_conversation.jsonl.gz --trace-start 600 \\
         --duration-s 300 --time-scale 1,2,4 --trace-overflow clip --goodput itl:100 --out-dir out/
+    rapidserve bench --goodput-search --workload fixed --input-len 4096 --output-len 64 --num-prompts 80 \\
+        --budget-s 300 --out-dir out/    # goodput at p95 ITL bounds 25/50/100/200 ms and unbounded, q = 90%, 99%
+
+Two goodputs: `--goodput METRIC:MS` adds, to each rate of a sweep, the completed requests per second that
+met those bounds at that rate (an SLO-met rate); `--goodput-search` finds goodput as the papers define it,
+the highest Poisson rate at which a share of requests meet a p95 ITL bound and the TTFT rule, by searching
+the rate (rapidserve/benchmark/goodput.py), instead of a sweep.
 
 Every flag is validated by argparse (exit 2 with what is allowed); flag combinations, a trace file
 that cannot be read (or a window with nothing to replay) and a workload that cannot fit the
@@ -18,10 +25,11 @@ import asyncio
 import math
 import re
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from rapidserve.benchmark.arrivals import ARRIVAL_PROCESSES, parse_rates
+from rapidserve.benchmark.flags import nonneg_float, nonneg_int, positive_float, positive_int
+from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS, add_search_args, check_search_flags, search_from_args
 from rapidserve.benchmark.stats import SLO_METRICS, parse_slos
 from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpec
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
@@ -31,25 +39,6 @@ DEFAULT_NUM_PROMPTS = 100
 PENALTIES: dict[str, float] = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
 
-def _number(kind: type, lo: float, lo_open: bool = False) -> Callable[[str], Any]:
-    word = "an integer" if kind is int else "a number"
-
-    def parse(text: str) -> Any:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {word}") from None
-        if not math.isfinite(v) or v < lo or (lo_open and v == lo):
-            raise argparse.ArgumentTypeError(f"{text} must be {word} {'>' if lo_open else '>='} {lo:g}")
-        return v
-
-    return parse
-
-
-positive_int = _number(int, 1)
-nonneg_int = _number(int, 0)
-positive_float = _number(float, 0.0, lo_open=True)
-nonneg_float = _number(float, 0.0)
 TRACE_FLAGS: tuple[tuple[str, str], ...] = (("--trace", "trace"), ("--trace-arrivals", "trace_arrivals"),
                                             ("--time-scale", "time_scale"), ("--trace-start", "trace_start"),
                                             ("--trace-overflow", "trace_overflow"), ("--block-size", "block_size"))
@@ -172,18 +161,22 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "'{\"structured_outputs\": {\"json\": {...}}}' (or @path to a file holding it)")
     a.add_argument("--warmup", type=nonneg_int, default=0, help="unrecorded requests sent first")
     a.add_argument("--goodput", nargs="+", action=SlosAction, default={}, metavar="METRIC:MS",
-                   help=f"goodput bounds in ms, METRIC one of {', '.join(SLO_METRICS)} (itl: a request's "
-                        "largest inter-token gap)")
+                   help=f"per-rate SLO goodput: at each rate of the sweep, the completed requests/s meeting these "
+                        f"bounds in ms, METRIC one of {', '.join(SLO_METRICS)} (itl: a request's largest inter-token "
+                        "gap). Not the papers' goodput: for that, --goodput-search")
 
 
 def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
     """Add `bench` to the `rapidserve` subcommands (`sub` from ArgumentParser.add_subparsers)."""
-    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server over a request-rate sweep",
+    p = sub.add_parser("bench", help="benchmark an OpenAI-compatible server over a request-rate sweep, or search "
+                                     "its goodput (--goodput-search)",
                        description=__doc__.splitlines()[0])
     add_bench_args(p)
+    add_search_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--out-dir", default=".", help="where NAME.json, NAME.md and NAME.png go (default: .)")
-    o.add_argument("--name", default=None, help="file name stem (default: bench_<label>_<workload>)")
+    o.add_argument("--name", default=None, help="file name stem (default: bench_<label>_<workload>, and _goodput "
+                                                 "with --goodput-search)")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_bench)
@@ -287,6 +280,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rapidserve.benchmark.runner import run_benchmark
 
     check_flags_apply(a)
+    check_search_flags(a)
+    if a.goodput_search:
+        return cmd_search(a)
     cfg = config_from_args(a)
     try:
         result = asyncio.run(run_benchmark(cfg))
@@ -299,3 +295,29 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print("wrote " + ", ".join(paths.values()), flush=True)
     return 0  # failed requests are in the report, not the exit code
 
+
+
+def cmd_search(a: argparse.Namespace) -> int:
+    """`rapidserve bench --goodput-search`: the search against one server, its JSON, markdown and plot."""
+    import aiohttp
+
+    from rapidserve.benchmark.goodput_report import write_search_outputs
+    from rapidserve.benchmark.report import workload_title
+    from rapidserve.benchmark.search import run_goodput_search
+
+    if a.num_prompts is None and a.workload != "trace":
+        a.num_prompts = SEARCH_NUM_PROMPTS
+    scfg = search_from_args(a)
+    cfg = config_from_args(a)
+    try:
+        result = asyncio.run(run_goodput_search(cfg, scfg))
+    except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as e:
+        print(f"rapidserve bench: error: cannot search {a.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    name = a.name or safe_name(f"bench_{result['label']}_{workload_title(result['workload'])}_goodput")
+    paths, note = write_search_outputs(result, a.out_dir, name, plot=not a.no_plot)
+    if note:
+        print(f"rapidserve bench: no plot: {note}", flush=True)
+    if not a.quiet:
+        print("wrote " + ", ".join(paths.values()), flush=True)
+    return 0

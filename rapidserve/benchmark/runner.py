@@ -166,37 +166,56 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     return target, (int(mml) if isinstance(mml, int) else None)
 
 
-def _log(cfg: BenchConfig, msg: str) -> None:
+def new_session() -> aiohttp.ClientSession:
+    """The client session of a benchmark: no cap on connections (the arrival process paces the requests)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+
+
+async def prepare(session: aiohttp.ClientSession, cfg: BenchConfig) -> tuple[Target, BenchConfig, Replay | None]:
+    """The target, `cfg` with the workload's max model length resolved (the server's unless given) and
+    checked, and the trace's replay (None for the other workloads)."""
+    target, server_mml = await resolve_target(session, cfg)
+    spec = cfg.workload
+    if spec.max_model_len is None and server_mml is not None:
+        spec = replace(spec, max_model_len=server_mml)
+    spec.check()
+    cfg = replace(cfg, workload=spec)
+    replay = build_replay(spec, cfg.num_prompts, cfg.duration_s) if spec.name == "trace" else None
+    return target, cfg, replay
+
+
+async def warm_up(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, replay: Replay | None) -> None:
+    """Send `cfg.warmup` unrecorded requests at once (a trace: its window's first ones); ConnectionError
+    when one fails."""
+    if not cfg.warmup:
+        return
+    warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
+    first = np.zeros(min(cfg.warmup, len(replay.items))) if replay is not None else None
+    records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT, replay, first)
+    bad = [r.error for r in records if not r.success]
+    if bad:
+        raise ConnectionError(f"warm-up request failed: {bad[0]}")
+
+
+def say(cfg: BenchConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, flush=True)
 
 
 async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the sweep; return the result dict (every request's record and each rate's summary)."""
-    limits = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=limits) as session:
-        target, server_mml = await resolve_target(session, cfg)
+    async with new_session() as session:
+        target, cfg, replay = await prepare(session, cfg)
         spec = cfg.workload
-        if spec.max_model_len is None and server_mml is not None:
-            spec = replace(spec, max_model_len=server_mml)
-        spec.check()
-        cfg = replace(cfg, workload=spec)
-        replay = build_replay(spec, cfg.num_prompts, cfg.duration_s) if spec.name == "trace" else None
         points = load_points(cfg, replay)
         scaled = replay is not None and replay.spec.arrivals == "timestamps"
         label = cfg.label or target.model
-        _log(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
+        say(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
                   + (f"time scales {', '.join(f'{s:g}' for s in points)}" if scaled else
                      f"rates {', '.join(rate_label(r) for r in cfg.rates)}"))
         if replay is not None:
-            _log(cfg, "  " + trace_line(replay.describe()))
-        if cfg.warmup:
-            warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
-            first = np.zeros(min(cfg.warmup, len(replay.items))) if replay is not None else None
-            records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT, replay, first)
-            bad = [r.error for r in records if not r.success]
-            if bad:
-                raise ConnectionError(f"warm-up request failed: {bad[0]}")
+            say(cfg, "  " + trace_line(replay.describe()))
+        await warm_up(session, target, cfg, replay)
         runs: list[dict[str, Any]] = []
         skipped: list[float | str] = []
         for i, point in enumerate(points):
@@ -218,21 +237,25 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
                 on_run(run)
             pc = run.get("prefix_cache", {}).get("hit_rate")
             part, ph = run.get("partition"), run.get("ttft_phases_ms")
-            _log(cfg, "  " + one_line(rate, summary, point if scaled else None)
+            say(cfg, "  " + one_line(rate, summary, point if scaled else None)
                  + (f"; prefix cache hit rate {pc:.1%} (server)" if pc is not None else "")
                  + (f"; TTFT phases (server, ms) {ph}" if ph else "")
                  + (f"; partition: {part['switches']} switches, decode steps {part['decode_steps']}" if part else ""))
     return {
         "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
-        "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
-                   "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms,
-                   "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "rates": [rate_json(r) for r in cfg.rates],
-                   "workload_spec": asdict(spec), "sampling": dict(cfg.sampling),
+        "config": {**config_json(cfg), "rates": [rate_json(r) for r in cfg.rates],
                    **({"time_scales": list(points)} if scaled else {})},
         **({"trace": replay.describe()} if replay is not None else {}),
         "runs": runs, "skipped_rates": skipped,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def config_json(cfg: BenchConfig) -> dict[str, Any]:
+    """The run settings a result records (its "config"), less the load points."""
+    return {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
+            "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms, "warmup": cfg.warmup,
+            "timeout_s": cfg.timeout_s, "workload_spec": asdict(cfg.workload), "sampling": dict(cfg.sampling)}
 
 
 def one_line(rate: float, s: dict[str, Any], time_scale: float | None = None) -> str:

@@ -285,7 +285,7 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
                 wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
                 parts = open_streams(wire, runner.device, ("decode",))
                 capture_decode(runner, parts)  # as the leader (worker_build.build_decode)
-                from rapidserve.model_sharing import export_shared
+                from rapidserve.runner.model_sharing import export_shared
 
                 handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
                 handoff.close()

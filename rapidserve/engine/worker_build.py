@@ -17,6 +17,7 @@ the followers (`lead`); decode first sends them the partition plan.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -37,17 +38,21 @@ from rapidserve.engine.tp_workers import (
     send_plan,
 )
 from rapidserve.engine.worker_io import WorkerIO
-from rapidserve.model_sharing import export_shared
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
 from rapidserve.runner import ModelRunner, load_runner
+from rapidserve.runner.model_sharing import export_shared
+
+log = logging.getLogger(__name__)
 
 
 def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
     _share_cpu_cores(cfg)
     runner = load_runner(cfg, open_group(cfg, seat))
+    log.info("choosing the compute partition plan (from a measured profile, or a roofline of peaks measured now)")
     plan = resolve_plan(cfg, runner.device, runner.dtype)
+    log.info("partition plan: %s", plan.source)
     send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
     capture_decode(runner, parts)
@@ -64,10 +69,12 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
 def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                   seat: TPSeat | None = None) -> tuple[dict[str, str], PrefillWorker]:
     _share_cpu_cores(cfg)
+    log.info("waiting for the decode worker's weights")
     if not handoff.poll(cfg.launch.startup_timeout_s):
         raise TimeoutError(f"no weights from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
     owner_pid, shared, wire = handoff.recv()
     handoff.close()
+    log.info("attaching the decode worker's weights and KV cache (no copy)")
     io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
     runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -145,9 +147,12 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
     apply_env(env)
     worker_signals()
     no_named_locks()
+    worker_logging(role, cfg.launch.log_level)
     io = WorkerIO(SEATS[role], names, parent_pid)
     try:
+        t0 = time.monotonic()
         info, worker = build(cfg, io, handoff, seat)
+        logging.getLogger(__name__).info("ready: built in %.1f s", time.monotonic() - t0)
         io.to_router.send(m.Ready(role, os.getpid(), info))
         settle_heap()
         worker.run()
@@ -160,6 +165,14 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
         if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
             unlink_names(names)
         io.close()
+
+
+def worker_logging(role: str, level: str) -> None:
+    """A worker's log on stderr (inherited from the router), each line naming the worker: its start-up steps
+    (loading weights, sizing the KV cache, capturing graphs) at info; rapidserve's loggers at `level`."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [{role} worker {os.getpid()}]: %(message)s")
+    logging.getLogger("rapidserve").setLevel(level.upper())
 
 
 def unlink_names(names: ChannelNames) -> None:

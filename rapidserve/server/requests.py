@@ -113,10 +113,8 @@ class _Plan:
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
     names = ctx.served_model_names
-    if name is None:
-        if len(names) == 1:
-            return names[0]
-        raise bad_request("model", f"'model' is required; this server serves {', '.join(names)}")
+    if name is None:  # the names are one model's (--served-model-name A B): as vLLM, the first
+        return names[0]
     if name not in names:
         raise APIError(404, f"The model {show(name)} does not exist; this server serves {', '.join(names)}",
                        param="model", code="model_not_found")
