@@ -1,7 +1,8 @@
 """How a chat request's messages become its prompt, beyond the messages and tools (vLLM's fields).
 
-`render_options` checks and merges what a chat request asks of the chat template, into the keywords of
-`Tokenizer.apply_chat_template` (400 naming the field, before anything is rendered):
+`render_options` checks and merges what a chat request (/v1/chat/completions, or a chat on /tokenize) asks of the
+chat template, into the keywords of `Tokenizer.apply_chat_template` (400 naming the field, before anything is
+rendered):
 - `add_generation_prompt` (default true): end with the assistant's turn header;
 - `continue_final_message` (default false): end inside the last message so the model goes on with it;
   as in vLLM (and transformers) it needs `add_generation_prompt: false`;
@@ -20,17 +21,34 @@ Pure functions; no model, no server state.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from rapidserve.server.errors import bad_request
-from rapidserve.server.schemas import ChatCompletionRequest
 from rapidserve.tokenizer import RENDERER_OWNS, ChatTemplateError, check_chat_template
 
 MERGED_KWARGS = ("add_generation_prompt", "continue_final_message", "documents")  # top-level fields, too
 RESERVED_KWARGS = RENDERER_OWNS - set(MERGED_KWARGS)  # refused in chat_template_kwargs
 
 
-def render_options(r: ChatCompletionRequest, trust_request_template: bool) -> dict[str, Any]:
+class ChatRenderFields(Protocol):
+    """The fields a request renders a chat with (schemas.ChatCompletionRequest's, utility_routes.TokenizeRequest's);
+    None: not given."""
+
+    @property
+    def add_generation_prompt(self) -> bool | None: ...
+    @property
+    def continue_final_message(self) -> bool | None: ...
+    @property
+    def documents(self) -> list[dict[str, str]] | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def add_special_tokens(self) -> bool | None: ...
+
+
+def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[str, Any]:
     """The keywords of `Tokenizer.apply_chat_template` for `r` (beyond messages and tools), checked."""
     variables = dict(r.chat_template_kwargs or {})
     reserved = sorted(RESERVED_KWARGS & variables.keys())

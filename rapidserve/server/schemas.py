@@ -294,6 +294,23 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     prompt_embeds: Unsupported = None
 
 
+# The chat template's inputs, as chat requests and /tokenize's chats take them (server/chat_render.py checks them).
+AddGenerationPrompt = Annotated[bool, Meta(description="end the prompt with the assistant's turn header (default "
+                                                       "true)")]
+ContinueFinalMessage = Annotated[bool, Meta(description="end the prompt inside the last message, for the model to "
+                                                        "go on with it (default false); needs add_generation_prompt "
+                                                        "false")]
+Documents = Annotated[list[dict[str, str]], Meta(max_length=MAX_MESSAGES, description=(
+    f"at most {MAX_MESSAGES} documents for a retrieval-augmented chat template, each an object of strings "
+    "(e.g. {\"title\", \"text\"}); a template that does not read them leaves them out"))]
+RequestChatTemplate = Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
+    f"a Jinja chat template of at most {MAX_TEMPLATE_CHARS} characters for this request instead of the "
+    "server's; only on a server started with --trust-request-chat-template"))]
+ChatTemplateKwargs = Annotated[dict[str, Any], Meta(description=(
+    "more variables for the chat template, an object of JSON values (e.g. {\"enable_thinking\": false} for "
+    "Qwen3); it may also carry add_generation_prompt, continue_final_message and documents"))]
+
+
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -311,21 +328,13 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     parallel_tool_calls: Annotated[bool, Meta(description="false: at most one call (enforced with tool_choice "
                                                           "\"required\"); default true")] | None = None
     echo: Unsupported = None  # vLLM's chat echo (the last message before the answer)
-    # How the chat template renders the messages (vLLM's fields; server/chat_render.py checks them).
-    add_generation_prompt: Annotated[bool, Meta(description="end the prompt with the assistant's turn header "
-                                                            "(default true)")] | None = None
-    continue_final_message: Annotated[bool, Meta(description="end the prompt inside the last message, for the "
-                                                             "model to go on with it (default false); needs "
-                                                             "add_generation_prompt false")] | None = None
-    documents: Annotated[list[dict[str, str]], Meta(max_length=MAX_MESSAGES, description=(
-        f"at most {MAX_MESSAGES} documents for a retrieval-augmented chat template, each an object of strings "
-        "(e.g. {\"title\", \"text\"}); a template that does not read them leaves them out"))] | None = None
-    chat_template: Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
-        f"a Jinja chat template of at most {MAX_TEMPLATE_CHARS} characters for this request instead of the "
-        "server's; only on a server started with --trust-request-chat-template"))] | None = None
-    chat_template_kwargs: Annotated[dict[str, Any], Meta(description=(
-        "more variables for the chat template, an object of JSON values (e.g. {\"enable_thinking\": false} for "
-        "Qwen3); it may also carry add_generation_prompt, continue_final_message and documents"))] | None = None
+    # How the chat template renders the messages (vLLM's fields; server/chat_render.py checks them; /tokenize
+    # takes the same ones).
+    add_generation_prompt: AddGenerationPrompt | None = None
+    continue_final_message: ContinueFinalMessage | None = None
+    documents: Documents | None = None
+    chat_template: RequestChatTemplate | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):
