@@ -114,6 +114,8 @@ def test_tokenize_a_requests_own_chat_template_needs_the_flag(tok: Tokenizer) ->
     async def trusted(call: Call) -> None:
         status, out = await call("POST", "/tokenize", body)
         assert status == 200 and out["tokens"] == tok.encode("Be brief.|e", add_special_tokens=False)
+        status, out = await call("POST", "/tokenize", {"messages": MSGS, "chat_template": "{{ 1 / 0 }}"})
+        assert status == 400 and out["error"]["param"] == "chat_template", out
         status, out = await call("POST", "/tokenize", {"messages": MSGS, "chat_template": "{% if %}"})
         assert status == 400 and out["error"]["param"] == "chat_template", out
 

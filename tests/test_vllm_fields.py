@@ -165,6 +165,8 @@ def test_request_chat_template_needs_trust(ctx: rq.ProtocolContext, trusted: rq.
     assert e.param == "chat_template" and "does not parse" in e.message
     e = refused("chat", {"messages": MSG, "chat_template": "{{ raise_exception('no users here') }}"}, trusted)
     assert e.param == "chat_template" and "no users here" in e.message
+    e = refused("chat", {"messages": MSG, "chat_template": "{{ 1 / 0 }}"}, trusted)  # any error of its code: 400
+    assert e.param == "chat_template" and "ZeroDivisionError" in e.message
 
 
 class _SpyHF:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from rapidserve.server.errors import bad_request
+from rapidserve.server.errors import APIError, bad_request
 from rapidserve.tokenizer import RENDERER_OWNS, ChatTemplateError, check_chat_template
 
 MERGED_KWARGS = ("add_generation_prompt", "continue_final_message", "documents")  # top-level fields, too
@@ -84,6 +84,16 @@ def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[st
     return {"add_generation_prompt": add_prompt, "continue_final_message": continue_final, "documents": documents,
             "template_kwargs": variables, "chat_template": r.chat_template,
             "add_special_tokens": bool(r.add_special_tokens)}
+
+
+def template_failure(e: Exception, render: dict[str, Any]) -> APIError:
+    """The 400 of a chat the template would not render (`render`: `render_options`' result). A template is code:
+    whatever it raises (its raise_exception, a TypeError, a division by zero in a request's own template) is this
+    request's inputs not fitting it, never the server's failure."""
+    own = render["chat_template"] is not None
+    return bad_request("chat_template" if own else "messages",
+                       f"the chat template rejected {'this request' if own else repr('messages')}: "
+                       f"{type(e).__name__}: {str(e)[:200]}")
 
 
 def _merged(name: str, top: Any, variables: dict[str, Any]) -> Any:

@@ -21,13 +21,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import jinja2
-
 from rapidserve.generation_config import SamplingDefaults
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SEED_MAX, SamplingParams, StructuredOutputs
 from rapidserve.server.body import decode_body
-from rapidserve.server.chat_render import render_options
+from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.sampling_fields import build_params, check_controls, resolve_max_tokens
 from rapidserve.server.schemas import (
@@ -246,14 +244,12 @@ def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[
     keep = plan.body.truncate_prompt_tokens
     if plan.messages is not None:
         assert tok is not None and plan.render is not None
+        tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
         try:
-            tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
-            return [_truncated(tok.apply_chat_template(plan.messages, tools=tools, **plan.render), keep)], [None]
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            own = plan.render["chat_template"] is not None
-            raise bad_request("chat_template" if own else "messages",
-                              f"the chat template rejected {'this request' if own else repr('messages')}: "
-                              f"{str(e)[:200]}") from None
+            ids = tok.apply_chat_template(plan.messages, tools=tools, **plan.render)
+        except Exception as e:  # the template's code failed on this request's inputs
+            raise template_failure(e, plan.render) from None
+        return [_truncated(ids, keep)], [None]
     special = getattr(plan.body, "add_special_tokens", None) is not False
     encoded = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
                for s in plan.sources]

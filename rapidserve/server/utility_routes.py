@@ -23,7 +23,6 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-import jinja2
 import msgspec
 from aiohttp import web
 from msgspec import Meta
@@ -31,7 +30,7 @@ from msgspec import Meta
 from rapidserve import __version__
 from rapidserve.config import ServerConfig
 from rapidserve.server.body import check_headers, decode_as
-from rapidserve.server.chat_render import render_options
+from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.requests import OFFLOAD_CHARS, ProtocolContext
 from rapidserve.server.schemas import (
@@ -164,11 +163,8 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
         assert tok is not None
         try:
             return tok.apply_chat_template(messages, tools, **render)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            own = render["chat_template"] is not None
-            raise bad_request("chat_template" if own else "messages",
-                              f"the chat template rejected {'this request' if own else repr('messages')}: "
-                              f"{str(e)[:200]}") from None
+        except Exception as e:  # the template's code failed on this request's inputs
+            raise template_failure(e, render) from None
 
     work = sum(len(m["content"]) for m in messages) + len(json.dumps([render["documents"], render["template_kwargs"]]))
     if work > OFFLOAD_CHARS:
