@@ -244,7 +244,8 @@ def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) 
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                generation_config=getattr(a, "generation_config", "auto"))
 
 
 def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
@@ -314,13 +315,21 @@ def auto_profile(ecfg: EngineConfig, auto: bool, env: Mapping[str, str]) -> Engi
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
+    """The serve flags as a ServerConfig (the API key as `api_key` resolves it; the --chat-template read
+    and checked: a ConfigError when it cannot be read or does not parse)."""
+    from rapidserve.tokenizer import ChatTemplateError, load_chat_template
+
+    try:
+        template = None if a.chat_template is None else load_chat_template(a.chat_template)
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
                         served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
                         keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
                         enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template,
                         log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
 
 
@@ -398,7 +407,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve /metrics without the API key (for a Prometheus that cannot send one)")
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
-    sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                    help="max_tokens of a request that gives none, at most what its context leaves (default: the "
+                         "model's generation_config.json max_new_tokens, else 256)")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="where unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_tokens) take their defaults from, as vLLM's flag: auto (the model folder's "
+                         "generation_config.json; a GGUF file or preset has none), vllm (vLLM's own defaults) or "
+                         "a folder holding a generation_config.json; a request's own values win")
     sv.add_argument("--max-request-bytes", type=_int_at_least(1024), default=8 * 1024 * 1024,
                     help="largest request body accepted (larger: 413)")
     sv.add_argument("--shutdown-grace-s", type=_nonneg_float, default=10.0,
@@ -418,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
                             "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
+    chat = sv.add_argument_group("chat template")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja chat template to use instead of the model's: a file, or the template itself "
+                           "(as vLLM's flag); checked at start-up")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let a chat request bring its own 'chat_template' (a template is code the server runs; "
+                           "without the flag such requests get 400, as in vLLM)")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rapidserve.generation_config import SamplingDefaults
+
 Arch = Literal["llama", "qwen2", "qwen3"]
 # rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
 # mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline; disagg: prefill on
@@ -25,6 +27,7 @@ TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: 
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+FALLBACK_MAX_TOKENS = 256  # the server's max_tokens of a request that gives none, without flag or model default
 # How weights are read (vLLM's --load-format): auto (the model's own form), safetensors (a Hugging Face folder),
 # gguf (a .gguf file), dummy (the model's architecture with random weights: `dummy:` specs, loader/presets.py).
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
@@ -417,24 +420,34 @@ class ServerConfig:
     served_model_name: tuple[str, ...] = ()
     max_waiting: int = 512  # requests queued beyond max_num_seqs (x data_parallel_size) before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
-    default_max_tokens: int = 256
+    # max_tokens of a request that gives none (at most what its context leaves); None: the model's
+    # generation_config max_new_tokens, else FALLBACK_MAX_TOKENS
+    default_max_tokens: int | None = None
     shutdown_grace_s: float = 10.0
     max_connections: int = 2048
     keepalive_timeout_s: float = 15.0
     header_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
+    chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
+    trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
     # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
     # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
     log_level: str = "info"
     http_log_level: str = "info"
     log_requests: bool = True
 
+    def max_tokens_default(self, generation: SamplingDefaults) -> int:
+        """A request's max_tokens when it gives none: --default-max-tokens, else the model's max_new_tokens,
+        else FALLBACK_MAX_TOKENS (each capped by what the request's context leaves)."""
+        return self.default_max_tokens or generation.max_tokens or FALLBACK_MAX_TOKENS
+
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
         _check(self.max_waiting >= 0, f"max_waiting={self.max_waiting} must be >= 0")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes} must be >= 1024")
-        _check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        _check(self.default_max_tokens is None or self.default_max_tokens >= 1,
+               f"default_max_tokens={self.default_max_tokens} must be >= 1 or None")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
         _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
@@ -465,6 +478,9 @@ class EngineConfig:
     # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
     # weights, no tokenizer) text prompts and structured outputs.
     tokenizer: str | None = None
+    # The model's recommended sampling defaults (generation_config.json; --generation-config), which a
+    # request's unset fields take at the edges (the server, LLM); workers never read them.
+    generation: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def max_model_len(self) -> int:

@@ -26,8 +26,11 @@ from rapidserve.engine_settings import (  # re-exported: the model-free half of 
     allow_long_max_model_len,
     check_unsupported_options,
     engine_sections,
+    generation_defaults,
+    read_generation_config,
 )
-from rapidserve.loader import local_model_spec, resolve_model
+from rapidserve.generation_config import GENERATION_CONFIG_FILE, SamplingDefaults
+from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec"]
@@ -70,7 +73,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         partition: PartitionConfig | None = None, parallel: ParallelConfig | None = None,
                         run: str | None = None, revision: str | None = None,
                         download_dir: str | None = None, load_format: str = "auto",
-                        env: Mapping[str, str] | None = None) -> tuple[EngineConfig, object]:
+                        env: Mapping[str, str] | None = None,
+                        generation_config: str = "auto") -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
@@ -88,7 +92,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     HF_HUB_CACHE / HF_HOME name (default: os.environ), never downloaded (loader/hub.py); the config then
     names the snapshot folder (a Hub id as `tokenizer` too, at main). `load_format` (LOAD_FORMATS): dummy
     serves the architecture with random weights (`dummy:<folder>`); safetensors and gguf check that the model
-    is of that form."""
+    is of that form. `generation_config`: where the sampling defaults come from (auto, vllm or a folder, as vLLM's
+    --generation-config; checked with the settings, `engine_settings.generation_defaults`; auto's file is read
+    once the model is resolved, `resolve_generation_config`)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     sections = engine_sections(
@@ -98,7 +104,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         enforce_eager=enforce_eager, prefill_graph_tokens=prefill_graph_tokens, seed=seed,
         attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
         async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len,
-        quantization=quantization, kv_cache_dtype=kv_cache_dtype, launch=launch, partition=partition, run=run)
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype, launch=launch, partition=partition, run=run,
+        generation_config=generation_config)
     env = os.environ if env is None else env
     model = local_model_spec(model, revision, download_dir, env)
     if tokenizer is not None and is_repo_id(tokenizer) and not os.path.exists(os.path.expanduser(tokenizer)):
@@ -112,9 +119,29 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     mcfg = source.config
     cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=sections.cache,
                        scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
-                       partition=sections.partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer)
+                       partition=sections.partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer,
+                       generation=(sections.generation if sections.generation is not None
+                                   else resolve_generation_config("auto", source, model)))
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
                     mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source
+
+
+def resolve_generation_config(spec: str, source: ModelSource, model: str | None) -> SamplingDefaults:
+    """The sampling defaults of `--generation-config spec`, as vLLM resolves it: "auto" reads the model
+    folder's generation_config.json (none for a folder without one, a GGUF file or a preset; `dummy:<folder>`
+    reads its folder's), "vllm" reads nothing, a folder reads its file (which must exist: the model-free part,
+    `engine_settings.generation_defaults`). A file that is not a JSON object, or holds a bad value, is a
+    ConfigError naming it."""
+    given = generation_defaults(spec)
+    if given is not None:
+        return given
+    if source.hf_folder is None:
+        kind = "a preset" if (model or "").startswith("preset:") else "a GGUF file"
+        return SamplingDefaults(source=f"{kind} has no {GENERATION_CONFIG_FILE}")
+    path = os.path.join(source.hf_folder, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return SamplingDefaults(source=f"the model folder has no {GENERATION_CONFIG_FILE}")
+    return read_generation_config(path, f"the model's {GENERATION_CONFIG_FILE} ({path})")

@@ -3,16 +3,20 @@
 `engine_sections` turns the flat settings (`build_engine_config`'s keywords, the CLI's flags) into the tree's
 cache, scheduler, runner, launch and partition sections, refusing by name what rapidserve cannot honour: vLLM's
 `--quantization` / `--kv-cache-dtype` other than none/auto (`check_unsupported_options`) and every setting the run
-and its policy would not read (`policy_spec.check_settings`). `config_builder.build_engine_config` calls it before
+and its policy would not read (`policy_spec.check_settings`). `--generation-config` is checked here too
+(`generation_defaults`: vllm, or a folder's generation_config.json read and checked; auto's file is the model's,
+read by the builder once the model is resolved). `config_builder.build_engine_config` calls it before
 it resolves the model; `rapidserve serve` calls it before it binds its port, so that a bad flag exits 2 at once,
 and builds the tree once the port answers 503 "starting" (server/startup.py).
 
-Layer: plain data (imports only `config` and `policy_spec`; no torch, no loader), so the CLI imports it in
-milliseconds.
+Layer: plain data (imports only `config`, `generation_config` and `policy_spec`; no torch, no loader), so the CLI
+imports it in milliseconds.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +28,12 @@ from rapidserve.config import (
     PartitionConfig,
     RunnerConfig,
     SchedulerConfig,
+)
+from rapidserve.generation_config import (
+    GENERATION_CONFIG_FILE,
+    GenerationConfigError,
+    SamplingDefaults,
+    sampling_defaults,
 )
 from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
 
@@ -60,6 +70,40 @@ def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | No
                           "auto")
 
 
+def read_generation_config(path: str, where: str) -> SamplingDefaults:
+    """The sampling defaults of the generation_config.json at `path` (`where`: how messages name it); a file that
+    cannot be read, is not a JSON object, or holds a bad value is a ConfigError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON ({e}); fix it, or use --generation-config vllm") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: not a JSON object; fix it, or use --generation-config vllm")
+    try:
+        return sampling_defaults(d, where)
+    except GenerationConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def generation_defaults(spec: str) -> SamplingDefaults | None:
+    """The sampling defaults `--generation-config spec` gives without the model, as vLLM resolves the flag: "vllm"
+    none (vLLM's own), a folder its generation_config.json's (which must exist and be good), "auto" None (the
+    model folder's file: `config_builder.resolve_generation_config`). Anything else is a ConfigError."""
+    if spec == "vllm":
+        return SamplingDefaults(source="--generation-config vllm (the model's file ignored)")
+    if spec == "auto":
+        return None
+    if not os.path.isdir(spec):
+        raise ConfigError(f"--generation-config {spec!r}: use auto (the model's {GENERATION_CONFIG_FILE}), vllm "
+                          f"(vLLM's defaults) or a folder holding a {GENERATION_CONFIG_FILE}")
+    path = os.path.join(spec, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--generation-config {spec}: the folder has no {GENERATION_CONFIG_FILE}; give a "
+                          "folder that has one, auto or vllm")
+    return read_generation_config(path, path)
+
+
 @dataclass(frozen=True)
 class EngineSections:
     """The sections of the tree that the settings alone give, checked (`engine_sections`)."""
@@ -69,6 +113,7 @@ class EngineSections:
     runner: RunnerConfig
     launch: LaunchConfig
     partition: PartitionConfig
+    generation: SamplingDefaults | None  # None: --generation-config auto, the model folder's (read with the model)
 
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -80,11 +125,13 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                     async_scheduling: bool = True, allow_long_max_model_len: bool = False,
                     quantization: str | None = None, kv_cache_dtype: str | None = "auto",
                     launch: LaunchConfig | None = None, partition: PartitionConfig | None = None,
-                    run: str | None = None) -> EngineSections:
+                    run: str | None = None, generation_config: str = "auto") -> EngineSections:
     """The settings as the tree's sections (the keywords are `build_engine_config`'s, which documents them); a
     ConfigError, one line saying how to fix it, for `--quantization` / `--kv-cache-dtype` other than none/auto,
-    an unknown `run`, a bad value, or a setting that `run` and its policy would not read (policy_spec)."""
+    an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
+    `--generation-config` (`generation_defaults`)."""
     check_unsupported_options(quantization, kv_cache_dtype)
+    generation = generation_defaults(generation_config)
     launch = launch or LaunchConfig()
     run = run or launch.mode
     if run not in RUN_SPECS:
@@ -100,4 +147,5 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                           use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
     check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
                                            "partition": partition, "launch": launch}, eager=enforce_eager)
-    return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition)
+    return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition,
+                          generation=generation)

@@ -6,6 +6,7 @@ engine is a stand-in (these routes never reach it)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -80,6 +81,53 @@ def test_tokenize_a_chat_as_the_chat_route_renders_it(tok: Tokenizer) -> None:
     with_client(tok, check)
 
 
+MOOD_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if mood %}mood={{ mood }}\n"
+                 "{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_tokenize_takes_the_chat_template_inputs_as_chat_does(tok: Tokenizer) -> None:
+    """chat_template_kwargs (a template variable, or add_generation_prompt given there) and documents reach the
+    server's template (--chat-template's here) as on /v1/chat/completions, which counts the same prompt tokens."""
+    served = copy.copy(tok)
+    served.chat_template = MOOD_TEMPLATE  # what serve's --chat-template does to the tokenizer (serving_tokenizer)
+
+    async def check(call: Call) -> None:
+        status, plain = await call("POST", "/tokenize", {"messages": MSGS})
+        assert status == 200 and "mood=" not in tok.decode(plain["tokens"], skip_special_tokens=False)
+        body = {"messages": MSGS, "chat_template_kwargs": {"mood": "calm", "add_generation_prompt": False},
+                "documents": [{"title": "t", "text": "x"}]}
+        status, out = await call("POST", "/tokenize", body)
+        want = served.apply_chat_template(MSGS, template_kwargs={"mood": "calm"}, add_generation_prompt=False)
+        assert status == 200 and out["tokens"] == want
+        text = tok.decode(out["tokens"], skip_special_tokens=False)
+        assert text.endswith("mood=calm\n") and "<assistant>" not in text
+        status, chat = await call("POST", "/v1/chat/completions", {**body, "max_tokens": 1})
+        assert status == 200 and chat["usage"]["prompt_tokens"] == out["count"]
+
+    with_client(served, check)
+
+
+def test_tokenize_a_requests_own_chat_template_needs_the_flag(tok: Tokenizer) -> None:
+    own = "{{ messages[0].content }}|{{ extra }}"
+    body = {"messages": MSGS, "chat_template": own, "chat_template_kwargs": {"extra": "e"}}
+
+    async def trusted(call: Call) -> None:
+        status, out = await call("POST", "/tokenize", body)
+        assert status == 200 and out["tokens"] == tok.encode("Be brief.|e", add_special_tokens=False)
+        status, out = await call("POST", "/tokenize", {"messages": MSGS, "chat_template": "{{ 1 / 0 }}"})
+        assert status == 400 and out["error"]["param"] == "chat_template", out
+        status, out = await call("POST", "/tokenize", {"messages": MSGS, "chat_template": "{% if %}"})
+        assert status == 400 and out["error"]["param"] == "chat_template", out
+
+    async def untrusted(call: Call) -> None:
+        status, out = await call("POST", "/tokenize", body)
+        assert status == 400 and out["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in out["error"]["message"]
+
+    with_client(tok, trusted, trust_request_chat_template=True)
+    with_client(tok, untrusted)
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"prompt": "hi", "messages": MSGS}, 400, "messages"),
     ({}, 400, "prompt"),
@@ -90,8 +138,13 @@ def test_tokenize_a_chat_as_the_chat_route_renders_it(tok: Tokenizer) -> None:
     ({"messages": MSGS, "continue_final_message": True}, 400, "continue_final_message"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),
     ({"prompt": "hi", "continue_final_message": True}, 400, "continue_final_message"),
-    ({"messages": MSGS, "chat_template": "{{ x }}"}, 400, "chat_template"),
-    ({"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}}, 400, "chat_template_kwargs"),
+    ({"messages": MSGS, "chat_template": "{{ x }}"}, 400, "chat_template"),  # no --trust-request-chat-template
+    ({"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ({"messages": MSGS, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
+    ({"messages": MSGS, "add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}},
+     400, "chat_template_kwargs"),
+    ({"messages": MSGS, "documents": [{"title": 1}]}, 400, "documents"),
+    ({"prompt": "hi", "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
 ])
 def test_tokenize_bad_input_names_the_field(tok: Tokenizer, body: dict[str, Any], status: int, param: str) -> None:

@@ -268,6 +268,7 @@ def load_hf_folder(folder: str) -> ModelSource:
         tokenizer_dir=tokenizer_dir,
         tokenizer_file=None,
         chat_template=chat_template,
+        hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
                     f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
     )

@@ -95,13 +95,15 @@ def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dty
     config, _ = read_hf_config(folder)
     tokenizer_dir, chat_template = tokenizer_of(folder)
     return random_source(f"dummy:{config.name}", config, device, dtype, tokenizer_dir, chat_template,
-                         description=f"{config.arch} model {folder} with random weights (--load-format dummy)")
+                         description=f"{config.arch} model {folder} with random weights (--load-format dummy)",
+                         hf_folder=folder)
 
 
 def random_source(key: str, config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
                   tokenizer_dir: str | None = None, chat_template: str | None = None,
-                  description: str = "") -> ModelSource:
-    """A ModelSource of `config`'s shapes whose every tensor is `preset_tensor(key, ...)` (see load_preset)."""
+                  description: str = "", hf_folder: str | None = None) -> ModelSource:
+    """A ModelSource of `config`'s shapes whose every tensor is `preset_tensor(key, ...)` (see load_preset);
+    `hf_folder`: the Hugging Face folder whose architecture it randomizes (its generation_config.json applies)."""
     shapes = expected_tensor_shapes(config)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,7 +117,7 @@ def random_source(key: str, config: ModelConfig, device: str | torch.device, dty
     return ModelSource(
         config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes),
         tokenizer_dir=tokenizer_dir, tokenizer_file=None, chat_template=chat_template,
-        description=f"{description} ({config.num_params() / 1e9:.2f}B params)",
+        description=f"{description} ({config.num_params() / 1e9:.2f}B params)", hf_folder=hf_folder,
     )
 
 

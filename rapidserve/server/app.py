@@ -10,7 +10,8 @@ nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/req
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
 bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
-detokenized incrementally (stop strings matched on the text, left out of the output); a
+detokenized incrementally (stop strings matched on the text, left out of the output unless
+include_stop_str_in_output, as is the text of the stop token that ended it); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
 blocks (a client gone is one DEBUG line, whenever it left). One log line per request when it ends;
 while the app runs, every log record is scrubbed of the API key and Authorization values
@@ -106,8 +107,9 @@ class Server:
         self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
         self.model_names = (model_name, *aliases)
         self.metrics = Metrics(model_name)
-        self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
+        self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
+                                   cfg.max_tokens_default(ecfg.generation), tool_parser,
+                                   cfg.trust_request_chat_template, ecfg.generation)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -249,6 +251,7 @@ class Server:
         return await self._serve(request, "generate")
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        created = int(time.time())  # the request's arrival (unix s): in its response and every chunk of its stream
         if self.draining:
             self.metrics.observe_rejected("server_shutting_down")
             raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down",
@@ -273,9 +276,9 @@ class Server:
         self._requests[rid] = choices
         try:
             if req.stream:
-                return await self._stream(request, req, rid, choices)
+                return await self._stream(request, req, rid, created, choices)
             await self._generate(rid, req, choices, None)
-            return web.json_response(self._final(req, rid, choices))
+            return web.json_response(self._final(req, rid, created, choices))
         except (EngineError, ValueError) as e:
             raise _api_error(e) from None
         finally:
@@ -358,7 +361,8 @@ class Server:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = p.for_sample(c.index % p.n)
-        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
+        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         c.state = "pending"
@@ -380,7 +384,9 @@ class Server:
                 c.token_ids.append(tok.token_id)
                 c.logprobs.append(tok.logprob)
                 c.top_logprobs.append(tok.top_logprobs)
-                delta = detok.add(tok.token_id)
+                # the engine's "stop" is EOS or a stop token id: its text only with include_stop_str_in_output (vLLM)
+                stop_token = tok.finish_reason == "stop" and not p.include_stop_str_in_output
+                delta = "" if stop_token else detok.add(tok.token_id)
                 if detok.stopped:
                     c.finish_reason = "stop"
                 elif tok.finish_reason is not None:
@@ -398,16 +404,15 @@ class Server:
             c.state = "done"
             await stream.aclose()  # aborts the engine request if it had not finished
 
-    def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        return final_response(req, rid, self.created, self.model_name, choices, _usage(req, choices), self.tok)
+    def _final(self, req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
+        return final_response(req, rid, created, self.model_name, choices, _usage(req, choices), self.tok)
 
-    async def _stream(self, request: web.Request, req: GenRequest, rid: str,
+    async def _stream(self, request: web.Request, req: GenRequest, rid: str, created: int,
                       choices: list[Choice]) -> web.StreamResponse:
         """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         lock = asyncio.Lock()
-        created = int(time.time())
 
         async def send(obj: dict[str, Any]) -> None:
             async with lock:

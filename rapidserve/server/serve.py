@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 import signal
@@ -106,6 +107,29 @@ def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
                          shutdown_timeout=END_WAIT_S)
 
 
+def serving_tokenizer(ecfg: EngineConfig, scfg: ServerConfig,
+                      source: ModelSource) -> tuple[EngineConfig, Tokenizer | None]:
+    """The router's tokenizer (with --chat-template's template instead of the model's), and `ecfg` with the
+    tokenizer's EOS ids added to the model's (the set generation stops on). A ConfigError when a template
+    is given for a model without a tokenizer."""
+    from rapidserve.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_source(source, chat_template=scfg.chat_template)
+    if tokenizer is None and scfg.chat_template is not None:
+        raise ConfigError(f"--chat-template: model {ecfg.model!r} has no tokenizer to render chats with; give it "
+                          "one with --tokenizer DIR, or drop the flag")
+    if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
+        log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
+                    ecfg.model)
+        return ecfg, None
+    merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
+    ecfg = dataclasses.replace(ecfg, model_config=ecfg.model_config.replace(eos_token_ids=merged))
+    if scfg.chat_template is not None:
+        log.info("chat template: the one given by --chat-template (%d characters), not the model's",
+                 len(scfg.chat_template))
+    return ecfg, tokenizer
+
+
 Build = Callable[[], "tuple[EngineConfig, ModelSource]"]
 StartEngine = Callable[[EngineConfig], Awaitable[Any]]
 
@@ -126,15 +150,10 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
         gate.set_step("loading the engine's code (torch), reading the model's configuration and, on a GPU with no "
                       "partition profile for it, measuring one (auto-profile, under a minute)")
         ecfg, source = await off_loop(build)
-        Server, Tokenizer = await off_loop(_server_code)
+        Server = await off_loop(_server_code)
         gate.set_step(f"loading the tokenizer ({source.description})")
-        tokenizer = await off_loop(lambda: Tokenizer.from_source(source))
-        if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
-            log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
-                        ecfg.model)
-        else:
-            merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
-            ecfg = dataclasses.replace(ecfg, model_config=ecfg.model_config.replace(eos_token_ids=merged))
+        ecfg, tokenizer = await off_loop(functools.partial(serving_tokenizer, ecfg, scfg, source))
+        log.info("%s", ecfg.generation.describe())
         names = served_names(scfg, ecfg, model_spec)
         tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
         gate.set_step(f"starting the engine ({ecfg.launch.mode} mode): its workers load the weights, size the KV "
@@ -220,12 +239,11 @@ async def _first(*events: asyncio.Event, timeout: float | None = None) -> None:
             w.cancel()
 
 
-def _server_code() -> tuple[type[Server], type[Tokenizer]]:
-    """The server's classes (their imports take seconds: run off the event loop, which answers meanwhile)."""
+def _server_code() -> type[Server]:
+    """The server's class (its imports take seconds: run off the event loop, which answers meanwhile)."""
     from rapidserve.server.app import Server
-    from rapidserve.tokenizer import Tokenizer
 
-    return Server, Tokenizer
+    return Server
 
 
 def _address(sock: socket.socket) -> str:

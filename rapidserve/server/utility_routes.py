@@ -1,8 +1,10 @@
 """vLLM's utility routes: POST /tokenize, POST /detokenize, GET /version, GET|POST /ping.
 
 - /tokenize takes `prompt` (a text; `add_special_tokens` default true) or `messages` (a chat, rendered by
-  the model's chat template as /v1/chat/completions renders it, `tools` included; `add_generation_prompt`
-  default true, `continue_final_message` default false, `add_special_tokens` default false), and answers
+  the server's chat template as /v1/chat/completions renders it, with the same inputs, checked by the same
+  `chat_render.render_options`: `tools`, `add_generation_prompt` default true, `continue_final_message`
+  default false, `documents`, `chat_template_kwargs`, a request's own `chat_template` only with
+  --trust-request-chat-template, `add_special_tokens` default false), and answers
   `{"count", "max_model_len", "tokens", "token_strs"}` (`token_strs`: the tokens' strings with
   `return_token_strs`, else null). A text longer than the context window is counted, not refused.
 - /detokenize takes `tokens` (ids in the vocabulary) and answers `{"prompt": text}`.
@@ -17,10 +19,10 @@ generation routes). Texts longer than requests.OFFLOAD_CHARS are tokenized off t
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated
 
-import jinja2
 import msgspec
 from aiohttp import web
 from msgspec import Meta
@@ -28,14 +30,26 @@ from msgspec import Meta
 from rapidserve import __version__
 from rapidserve.config import ServerConfig
 from rapidserve.server.body import check_headers, decode_as
+from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.requests import OFFLOAD_CHARS, ProtocolContext
-from rapidserve.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, ChatMessage, TokenId, Tool
+from rapidserve.server.schemas import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    AddGenerationPrompt,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateKwargs,
+    ContinueFinalMessage,
+    Documents,
+    RequestChatTemplate,
+    TokenId,
+    Tool,
+)
 from rapidserve.server.tools import template_messages
 
 UTILITY_PUBLIC_PATHS = frozenset({"/ping", "/version"})  # answered without the API key (vLLM's too)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-NOT_SUPPORTED = "not supported by this server: leave it out (the model's own chat template is used)"
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -49,15 +63,15 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: Annotated[bool, Meta(description="add the tokenizer's special tokens (BOS...); default "
                                                           "true for a prompt, false for messages (the chat "
                                                           "template writes them)")] | None = None
-    add_generation_prompt: Annotated[bool, Meta(description="messages: end with the assistant's turn header "
-                                                             "(default true)")] = True
-    continue_final_message: Annotated[bool, Meta(description="messages: leave the last message open, to be "
-                                                              "continued (not with add_generation_prompt)")] = False
+    # messages: the chat template's inputs, as the chat route takes them (None: not given)
+    add_generation_prompt: AddGenerationPrompt | None = None
+    continue_final_message: ContinueFinalMessage | None = None
+    documents: Documents | None = None
+    chat_template: RequestChatTemplate | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS, description=f"messages: at most {MAX_TOOLS} tools for "
                                                                          "the chat template")] | None = None
     return_token_strs: Annotated[bool, Meta(description="also answer each token's string (token_strs)")] = False
-    chat_template: Annotated[str, Meta(description=NOT_SUPPORTED)] | None = None
-    chat_template_kwargs: Annotated[dict[str, Any], Meta(description=NOT_SUPPORTED)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
@@ -130,36 +144,29 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
     if (r.prompt is None) == (r.messages is None):
         raise bad_request("prompt" if r.prompt is None else "messages",
                           "give exactly one of 'prompt' (a text) and 'messages' (a chat)")
-    for name in ("chat_template", "chat_template_kwargs"):
-        if getattr(r, name) is not None:
-            raise bad_request(name, f"'{name}' is {NOT_SUPPORTED}")
     if tok is None:
         raise bad_request("prompt" if r.prompt is not None else "messages",
                           "this model has no tokenizer (a preset): there is nothing to tokenize with")
     if r.prompt is not None:
-        for name in ("tools", "continue_final_message"):
+        for name in ("tools", "continue_final_message", "documents", "chat_template", "chat_template_kwargs"):
             if getattr(r, name) not in (None, False):
                 raise bad_request(name, f"'{name}' goes with 'messages', not with 'prompt'")
         special = True if r.add_special_tokens is None else r.add_special_tokens
         if len(r.prompt) > OFFLOAD_CHARS:
             return await asyncio.to_thread(tok.encode, r.prompt, special)
         return tok.encode(r.prompt, add_special_tokens=special)
-    if r.continue_final_message and r.add_generation_prompt:
-        raise bad_request("continue_final_message", "'continue_final_message' leaves the last message open: it "
-                                                    "cannot go with 'add_generation_prompt' true (set it false)")
+    render = render_options(r, ctx.trust_request_chat_template)  # 400 naming a bad field, as on the chat route
     messages = template_messages(ChatCompletionRequest(messages=r.messages or []))
     tools = [msgspec.to_builtins(t) for t in r.tools] if r.tools else None
-    special = bool(r.add_special_tokens)
 
-    def render() -> list[int]:
+    def ids() -> list[int]:
         assert tok is not None
         try:
-            text = tok.render_chat(messages, tools, add_generation_prompt=r.add_generation_prompt,
-                                   continue_final_message=r.continue_final_message)
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise bad_request("messages", f"the chat template rejected 'messages': {str(e)[:200]}") from None
-        return tok.encode(text, add_special_tokens=special)
+            return tok.apply_chat_template(messages, tools, **render)
+        except Exception as e:  # the template's code failed on this request's inputs
+            raise template_failure(e, render) from None
 
-    if sum(len(m["content"]) for m in messages) > OFFLOAD_CHARS:
-        return await asyncio.to_thread(render)
-    return render()
+    work = sum(len(m["content"]) for m in messages) + len(json.dumps([render["documents"], render["template_kwargs"]]))
+    if work > OFFLOAD_CHARS:
+        return await asyncio.to_thread(ids)
+    return ids()
