@@ -7,6 +7,10 @@ Structured outputs: a request's grammar starts compiling in the background when 
 the compiles of a `generate` call's requests overlap the steps of the ones ahead; a request is not
 held back (unlike the serving workers'): its first mask waits for its compile if that is still
 running, which blocks this one-process loop, as compiling in place did, but only for what is left.
+`LLM.generate` first compiles and tries each constraint (`check_constraint`, through the same grammar
+cache, so nothing is compiled twice) and refuses one the grammar engine cannot serve; a constraint that
+fails later (its matcher errs or rejects a token) ends its request alone with finish reason "error" and
+the message in its TokenEvent, never with its output unconstrained.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from rapidserve.config import EngineConfig
 from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampling_params import SamplingParams
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.scheduler import Scheduler
 from rapidserve.sequence import Sequence, check_stop
-from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarError, GrammarMask, GrammarRow
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class TokenEvent:
     seq: Sequence
     token_id: int
     finish_reason: str | None
+    message: str = ""  # why, when finish_reason is "error"
 
 
 class EngineCore:
@@ -59,6 +64,14 @@ class EngineCore:
             self._grammar = GrammarBook(lambda: load_hf_tokenizer(self._source), self.cfg.model_config.vocab_size,
                                         self.eos_token_ids)
         return self._grammar
+
+    def check_constraint(self, so: StructuredOutputs) -> None:
+        """ValueError naming the field when the grammar engine cannot serve `so` (compiled and tried here,
+        through the grammar cache: a request of it then finds it compiled, or remembered as failed)."""
+        try:
+            self.grammar.cache.compile(so)
+        except GrammarError as e:
+            raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
 
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
@@ -116,9 +129,9 @@ class EngineCore:
                                       self.eos_token_ids, mask, history=lambda i: seq_history(seqs[i]))
         events = []
         for i, (seq, (tok, lp, top)) in enumerate(zip(seqs, out.rows([s.params for s in seqs]), strict=True)):
-            if i in failed:  # its grammar rejected a token: this request fails alone
+            if i in failed:  # its grammar failed: this request fails alone, its token dropped
                 self.scheduler.finish(seq, "error")
-                events.append(TokenEvent(seq, tok, "error"))
+                events.append(TokenEvent(seq, tok, "error", failed[i]))
                 continue
             seq.output_token_ids.append(tok)
             if lp is not None:

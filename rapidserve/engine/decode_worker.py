@@ -152,7 +152,8 @@ class DecodeWorker:
                 self._step()
             except RequestsFailed as e:
                 self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
-                self.sched.fail(e.reqs, describe(e.error, "sampling"))
+                for req, why, fault in e.blame("sampling"):  # each row its own message (faults.py)
+                    self.sched.fail([req], why, fault)
                 self._complete()
         except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
             if is_fatal(e):

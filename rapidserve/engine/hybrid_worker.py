@@ -166,16 +166,16 @@ class HybridWorker:
             if is_fatal(e):
                 raise
             self.runner.synchronize()  # nothing in flight writes the blocks freed below
-            if isinstance(e, RequestsFailed):
-                blamed, why = e.reqs, describe(e.error, "sampling")
+            if isinstance(e, RequestsFailed):  # each row its own message and fault (faults.py)
+                blamed = e.blame("sampling")
             elif fn == self.record:  # the plan is marked computed already: retrying is not safe
-                blamed, why = list(plan.decode) + [c.seq for c in plan.prefill], describe(e, "step")
+                blamed = [(s, describe(e, "step"), "") for s in list(plan.decode) + [c.seq for c in plan.prefill]]
             else:
-                blamed, why = [c.seq for c in plan.prefill] or list(plan.decode), describe(e, "step")
-            for seq in blamed:
+                blamed = [(s, describe(e, "step"), "") for s in [c.seq for c in plan.prefill] or list(plan.decode)]
+            for seq, why, fault in blamed:
                 if not seq.is_finished and self.seqs.pop(seq.seq_id, None) is not None:
                     self.sched.finish(seq, "error")
-                    self.out.send(m.Finished(seq.seq_id, "error", why))
+                    self.out.send(m.Finished(seq.seq_id, "error", why, fault))
             return None
 
     # ---- inbox ------------------------------------------------------------------------------

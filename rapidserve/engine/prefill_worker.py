@@ -30,7 +30,7 @@ from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import describe, is_fatal
+from rapidserve.engine.faults import describe, fault_of, is_fatal
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
@@ -240,7 +240,7 @@ class PrefillWorker:
         if job in self.waiting_prefill:
             self.waiting_prefill.remove(job)
         why = describe(e, "prefill")
-        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, why))
+        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, why, fault_of(e)))
 
     def _sample(self, jobs: list[Job], logits: object) -> tuple[list[m.TokenOut], list[m.PrefillDone]]:
         import torch
