@@ -359,3 +359,39 @@ def test_a_matcher_that_errs_mid_generation_fails_its_row_never_stop_and_the_con
     assert 1 in mask.rows  # the other row was masked in the same fill
     _, failed = book.fill([GrammarRow(0, "again", p, [])], pin=False)
     assert "lexer error" in failed[0]
+
+
+def test_llm_refuses_a_constraint_the_engine_cannot_serve_and_fails_only_the_request_whose_grammar_breaks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLM.generate: a constraint beyond the engine's limits is a ValueError naming the field, raised before
+    any request runs (its verdict cached: the engine never compiles it again). A constraint that breaks
+    while generating (LATE_FAILING_SCHEMA), or whose compile fails in the engine (a request added past
+    generate's check), ends that request alone with "error" and a message naming the constraint, never
+    with its text unconstrained; a free-text request beside it completes."""
+    from rapidserve import LLM
+
+    llm = LLM(show_progress=False, max_model_len=256)
+    bad = SamplingParams(structured_outputs=StructuredOutputs(regex="b{300000}"), max_tokens=8)
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex: .*lexer error"):
+        llm.generate(["Hi", "Hello"], [free, bad], use_tqdm=False)
+    assert not llm.engine.has_work  # nothing was added
+    late = SamplingParams(structured_outputs=StructuredOutputs(json=json.dumps(LATE_FAILING_SCHEMA)), max_tokens=24,
+                          temperature=0.0)
+    out = llm.generate(["Give JSON:", "Tell me a story"], [late, free], use_tqdm=False)
+    broken, story = out[0].outputs[0], out[1].outputs[0]
+    assert broken.finish_reason == "error" and broken.error is not None, broken
+    assert "cannot serve this json constraint: lexer error" in broken.error
+    assert story.finish_reason == "length" and len(story.token_ids) == 6 and story.error is None
+    monkeypatch.setattr(llm.engine.grammar.cache, "_make", lambda so: (_ for _ in ()).throw(RuntimeError("no way")))
+    tok = llm.get_tokenizer()
+    assert tok is not None
+    odd = SamplingParams(structured_outputs=StructuredOutputs(regex="[a-z]{3}"), max_tokens=8)
+    seqs = [llm.engine.add("odd", tok.encode("Hi"), odd), llm.engine.add("free", tok.encode("Hi"), free)]
+    events = []
+    while llm.engine.has_work:
+        events += [e for e in llm.engine.step() if e.finish_reason is not None]
+    assert [(e.seq.seq_id, e.finish_reason) for e in events] == [("odd", "error"), ("free", "length")]
+    assert "regex constraint" in events[0].message and "no way" in events[0].message
+    assert seqs[0].output_token_ids == [] and len(seqs[1].output_token_ids) == 6
+    assert len(llm.engine.grammar) == 0

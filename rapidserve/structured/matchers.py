@@ -24,9 +24,17 @@ request ends with finish_reason "stop"; `check_stop_at` ends a grammar request o
 EOS (`ignore_eos`) leaves the row unconstrained, as vLLM does. A token the matcher rejects (it was
 sampled without the mask) fails that request only: `fill` returns it in `failed`.
 
-A constraint that allows no token at some point (an unsatisfiable schema, which llguidance may only
-find out while generating) allows EOS there: the request ends ("stop") with the text so far, rather
-than sampling from an all -inf row.
+Failures (trial.py): llguidance reports a matcher in error as stopped too; here an error is never taken
+for a complete grammar. A matcher the engine fails on (a lexer out of fuel, a parser over its item limit,
+a panic) fails its row with the engine's reason, whether it shows on a fresh copy, on consuming a token
+or after computing the mask (whose words are then not used). A lexer error breaks the compile the matcher
+was copied from (the lexer is shared), so the constraint is remembered as failed in the grammar cache
+(`GrammarCache.fail`): requests of it fail at once from then on instead of copying a broken grammar.
+
+A constraint that allows no token at some point (llguidance's dead end, `NoExtensionBias`: an
+unsatisfiable branch, which it may only find out while generating) allows EOS there: the request ends
+("stop") with the text so far, rather than sampling from an all -inf row. A constraint that allows no
+output at all is refused when it is compiled.
 
 Matchers are released with `release` / `retain` (preemption, abort, finish, failure); correctness
 never depends on it, since a matcher out of step with its request is rebuilt by replay.
