@@ -95,7 +95,7 @@ class Server:
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         trials = None if tokenizer is None else \
-            GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, ecfg.model_config.eos_token_ids)
+            GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, tokenizer.eos_token_ids)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser,
                                          trials=trials)

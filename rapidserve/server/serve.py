@@ -108,6 +108,8 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     for line in engine.events:
         log.info("%s", line)
     server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser)
+    if server.ctx.trials is not None:  # the grammar engine's view of the tokenizer: seconds, loaded ahead of traffic
+        server.ctx.trials.warm()
     runner = make_runner(server.app(), scfg)
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)

@@ -20,6 +20,8 @@ for the constraints above it is 2-7 s, all of it off any event loop.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +36,11 @@ DEAD_END = "NoExtensionBias"
 
 
 def ll_tokenizer(hf: Any, vocab_size: int, eos: Sequence[int]) -> Any:
-    """llguidance's view of the HF tokenizer `hf` (seconds for a large vocabulary): GrammarError ("engine")
-    for a model without one (None) or a grammar engine too old for several EOS ids."""
+    """llguidance's view of the HF tokenizer `hf` (`eos`: the ids that end a generation; none: the
+    tokenizer's own). Seconds for a large vocabulary, mostly Python holding the GIL: load it once, off any
+    event loop, ahead of traffic where possible (`GrammarBook.warm`, `GrammarTrials.warm`). GrammarError
+    ("engine") for a model without one (None), a grammar engine too old for several EOS ids, or a
+    tokenizer llguidance cannot read."""
     llg = _llguidance()
     import llguidance.hf
 
@@ -43,11 +48,14 @@ def ll_tokenizer(hf: Any, vocab_size: int, eos: Sequence[int]) -> Any:
         raise GrammarError("engine", "structured outputs need the model's tokenizer, and this model has "
                            "none (a preset?): serve a model folder or GGUF file with its tokenizer")
     try:
-        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos))
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos) or None)
     except TypeError as e:  # llguidance < 1.7 takes a single EOS id
         version = getattr(llg, "__version__", "?")
         raise GrammarError("engine", f"llguidance {version} is too old for structured outputs ({e}): "
                            "they need llguidance>=1.7 (pip install -U 'llguidance>=1.7')") from e
+    except Exception as e:  # noqa: BLE001 - said as the engine's trouble, never a crash of the caller
+        raise GrammarError("engine", f"the grammar engine cannot read this model's tokenizer: "
+                           f"{type(e).__name__}: {str(e)[:MESSAGE_CHARS]}") from e
 
 
 def reason(m: Any) -> str:
@@ -111,13 +119,36 @@ def try_first_steps(so: StructuredOutputs, m: Any, tokenizer: Any, steps: int = 
 class GrammarTrials:
     """The server's verdicts: can the grammar engine serve a constraint with the model's tokenizer? One
     `build` per constraint, its verdict (success or failure) kept in a bounded LRU; the template matcher
-    is not kept (the server never masks). `hf_tokenizer` is called once, at the first constraint."""
+    is not kept (the server never masks). llguidance's view of the tokenizer is loaded once (`warm`, or
+    the first constraint), under a lock: other threads wait for it rather than load it again."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos: Sequence[int],
                  capacity: int = 256) -> None:
         self._hf_tokenizer, self.vocab_size, self.eos = hf_tokenizer, vocab_size, tuple(eos)
         self._tok: Any = None
+        self._tok_lock = threading.Lock()
         self.verdicts = GrammarCache(self._try, capacity)
+
+    def warm(self) -> None:
+        """Load the tokenizer view now on a daemon thread (the server calls this at start), so the first
+        constraint does not wait for it. Nothing without the grammar engine; a failure is reported by the
+        first constraint, as without warming."""
+        try:
+            _llguidance()
+        except GrammarError:
+            return
+
+        def load() -> None:
+            with contextlib.suppress(Exception):
+                self._tokenizer()
+
+        threading.Thread(target=load, name="grammar-warm", daemon=True).start()
+
+    def _tokenizer(self) -> Any:
+        with self._tok_lock:
+            if self._tok is None:
+                self._tok = ll_tokenizer(self._hf_tokenizer(), self.vocab_size, self.eos)
+            return self._tok
 
     def known(self, so: StructuredOutputs) -> bool:
         """Whether `so`'s verdict is cached (`check` then answers at once)."""
@@ -128,7 +159,5 @@ class GrammarTrials:
         self.verdicts.compile(so)
 
     def _try(self, so: StructuredOutputs) -> bool:
-        if self._tok is None:  # two threads may both load it once; either result serves
-            self._tok = ll_tokenizer(self._hf_tokenizer(), self.vocab_size, self.eos)
-        build(so, self._tok)
+        build(so, self._tokenizer())
         return True
