@@ -395,3 +395,40 @@ def test_llm_refuses_a_constraint_the_engine_cannot_serve_and_fails_only_the_req
     assert "regex constraint" in events[0].message and "no way" in events[0].message
     assert seqs[0].output_token_ids == [] and len(seqs[1].output_token_ids) == 6
     assert len(llm.engine.grammar) == 0
+
+
+def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any) -> None:
+    """The server's GrammarTrials: llguidance's view of the tokenizer is loaded once (warm and concurrent
+    first constraints wait for one load; no EOS ids: the tokenizer's own), and each constraint's verdict,
+    success or failure, is cached: asked again it answers at once, without a compile."""
+    import threading
+    import time
+
+    from rapidserve.structured import GrammarTrials
+
+    loads: list[int] = []
+    gate = threading.Event()
+
+    def loader() -> Any:
+        loads.append(1)
+        gate.wait(30)  # every check below arrives while the tokenizer is still loading
+        return hf
+
+    trials = GrammarTrials(loader, VOCAB, ())
+    trials.warm()
+    ok = StructuredOutputs(regex="[0-9]+")
+    assert not trials.known(ok)
+    threads = [threading.Thread(target=trials.check, args=(ok,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert list(trials._running) == [ok]  # one trial under way; the other two wait for its verdict
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert loads == [1] and trials.known(ok) and not trials._running
+    bad = StructuredOutputs(regex="b{300000}")
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="cannot serve this regex constraint: lexer error"):
+            trials.check(bad)
+    assert trials.known(bad) and trials.verdicts.misses == 2  # ok and bad, each tried once (not once a thread)

@@ -120,7 +120,8 @@ class GrammarTrials:
     """The server's verdicts: can the grammar engine serve a constraint with the model's tokenizer? One
     `build` per constraint, its verdict (success or failure) kept in a bounded LRU; the template matcher
     is not kept (the server never masks). llguidance's view of the tokenizer is loaded once (`warm`, or
-    the first constraint), under a lock: other threads wait for it rather than load it again."""
+    the first constraint), under a lock: other threads wait for it rather than load it again; so do the
+    requests of a constraint under trial (many clients sending one schema at once cost one trial)."""
 
     def __init__(self, hf_tokenizer: Callable[[], Any], vocab_size: int, eos: Sequence[int],
                  capacity: int = 256) -> None:
@@ -128,6 +129,8 @@ class GrammarTrials:
         self._tok: Any = None
         self._tok_lock = threading.Lock()
         self.verdicts = GrammarCache(self._try, capacity)
+        self._lock = threading.Lock()
+        self._running: dict[StructuredOutputs, threading.Event] = {}  # the trials under way
 
     def warm(self) -> None:
         """Load the tokenizer view now on a daemon thread (the server calls this at start), so the first
@@ -156,7 +159,22 @@ class GrammarTrials:
 
     def check(self, so: StructuredOutputs) -> None:
         """GrammarError if the grammar engine cannot serve `so` (slow the first time: run it off the loop)."""
-        self.verdicts.compile(so)
+        with self._lock:
+            done = self._running.get(so)
+            mine = done is None and so not in self.verdicts
+            if mine:
+                done = self._running[so] = threading.Event()
+        if not mine:
+            if done is not None:
+                done.wait()  # another thread's trial of it: its verdict lands in the cache
+            self.verdicts.compile(so)  # the verdict (or, after an error not cached, a trial of its own)
+            return
+        try:
+            self.verdicts.compile(so)
+        finally:
+            with self._lock:
+                del self._running[so]
+            done.set()
 
     def _try(self, so: StructuredOutputs) -> bool:
         build(so, self._tokenizer())
