@@ -415,7 +415,7 @@ def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any
         return hf
 
     trials = GrammarTrials(loader, VOCAB, ())
-    trials.warm()
+    threading.Thread(target=trials.warm, daemon=True).start()  # as `serve` does while the engine starts
     ok = StructuredOutputs(regex="[0-9]+")
     assert not trials.known(ok)
     threads = [threading.Thread(target=trials.check, args=(ok,)) for _ in range(3)]

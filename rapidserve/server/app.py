@@ -87,15 +87,22 @@ class Choice:
     queue: float | None = None  # arrival to its first prompt chunk queued on the device (engine's PhaseTimes)
 
 
+def grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
+    """Whether the grammar engine can serve a constraint with this model's tokenizer (structured/trial.py)."""
+    return GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, tokenizer.eos_token_ids)
+
+
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
                  tokenizer: Tokenizer | None,
-                 model_name: str, tool_parser: str | None = None) -> None:
+                 model_name: str, tool_parser: str | None = None, trials: GrammarTrials | None = None) -> None:
+        """`trials`: the admission checks of structured-output constraints (`grammar_trials`; made here
+        when not given and the model has a tokenizer)."""
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        trials = None if tokenizer is None else \
-            GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, tokenizer.eos_token_ids)
+        if trials is None and tokenizer is not None:
+            trials = grammar_trials(ecfg, tokenizer)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser,
                                          trials=trials)

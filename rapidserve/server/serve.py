@@ -92,7 +92,7 @@ def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
 
 
 async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
-    from rapidserve.server.app import Server
+    from rapidserve.server.app import Server, grammar_trials
 
     tokenizer = Tokenizer.from_source(source)
     if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
@@ -104,12 +104,15 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     name = model_name(ecfg, source, scfg.served_model_name)
     tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
     t0 = time.monotonic()
+    trials = None if tokenizer is None else grammar_trials(ecfg, tokenizer)
+    # the grammar engine's view of the tokenizer (seconds, mostly GIL): loaded while the engine starts
+    warming = None if trials is None else asyncio.ensure_future(asyncio.to_thread(trials.warm))
     engine = await start_engine(ecfg)
+    if warming is not None:
+        await warming
     for line in engine.events:
         log.info("%s", line)
-    server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser)
-    if server.ctx.trials is not None:  # the grammar engine's view of the tokenizer: seconds, loaded ahead of traffic
-        server.ctx.trials.warm()
+    server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser, trials)
     runner = make_runner(server.app(), scfg)
     await runner.setup()
     site = web.TCPSite(runner, scfg.host, scfg.port)

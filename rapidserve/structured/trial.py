@@ -133,19 +133,13 @@ class GrammarTrials:
         self._running: dict[StructuredOutputs, threading.Event] = {}  # the trials under way
 
     def warm(self) -> None:
-        """Load the tokenizer view now on a daemon thread (the server calls this at start), so the first
-        constraint does not wait for it. Nothing without the grammar engine; a failure is reported by the
-        first constraint, as without warming."""
-        try:
+        """Load the tokenizer view now (blocking: `serve` runs it on a thread while the engine starts, when
+        the server's loop serves nothing yet), so the first constraint neither waits for it nor stalls the
+        loop on its GIL time. Nothing without the grammar engine; a failure is reported by the first
+        constraint, as without warming."""
+        with contextlib.suppress(GrammarError):
             _llguidance()
-        except GrammarError:
-            return
-
-        def load() -> None:
-            with contextlib.suppress(Exception):
-                self._tokenizer()
-
-        threading.Thread(target=load, name="grammar-warm", daemon=True).start()
+            self._tokenizer()
 
     def _tokenizer(self) -> Any:
         with self._tok_lock:
