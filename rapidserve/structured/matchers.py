@@ -285,7 +285,12 @@ class GrammarBook:
                 self._matchers.pop(r.key, None)
                 so = r.params.structured_outputs
                 assert so is not None
-                failed[r.row] = str(e) if isinstance(e, GrammarError) else _crashed(so, e)
+                if not isinstance(e, GrammarError):
+                    failed[r.row] = _crashed(so, e)
+                elif e.kind == "engine":  # no grammar engine, no tokenizer...: say which constraint it refused
+                    failed[r.row] = f"the {so.kind} constraint cannot be served: {e}"
+                else:
+                    failed[r.row] = str(e)
                 continue
             if not mt.eos_seen:
                 kept.append((r, mt))
