@@ -13,7 +13,9 @@ with a short client timeout). At most
 `--concurrency` requests in flight (an arrival that finds them all busy is skipped and counted); at the
 end of the duration the in-flight ones get `--drain-s` to finish, then are cancelled (client aborts too).
 
-Every `--sample-interval-s`: RSS and open fds (sockets apart) of the server process and its descendants
+Every `--sample-interval-s`: private memory (USS, from /proc/PID/smaps_rollup), RSS (information only:
+it counts pages shared between processes, such as the KV pool the prefill worker maps) and open fds
+(sockets apart) of the server process and its descendants
 (`--server-pid`, the `--launch`ed process, or the local process listening on the URL's port), /dev/shm
 entries, the server's /metrics counters and /health.
 
@@ -22,7 +24,7 @@ with an error event, other finish reasons); few arrivals skipped at the cap; /me
 request_success{stop,length,abort} deltas equal the client's completed-by-reason and aborted counts
 (read again for up to `--settle-s` so a late abort can land); generation_tokens delta covers the
 completed requests' tokens; no engine restarts or worker deaths; /health 200 at every sample; every process alive at
-the end; RSS and non-socket fds flat (soak_lib.flatness); sockets back to their idle count; no new
+the end; private memory (not RSS) and non-socket fds flat (soak_lib.flatness); sockets back to their idle count; no new
 /dev/shm entries named after the server's pids; with `--launch`: exit 0 on SIGTERM, and with
 `--check-shm-after-exit` no /dev/shm entry left behind by it (its pids, or ``sem.mp-*``).
 
@@ -177,12 +179,13 @@ class Sampler:
 
     def progress(self, s: dict[str, Any]) -> str:
         c = self.tally
-        rss = ", ".join(f"{p['label']} {p['rss_mb']:.0f} MB" for p in s["procs"].values()) or "no pid"
+        rss = ", ".join(f"{p['label']} {_mb(p.get('uss_mb'))}/{p['rss_mb']:.0f} MB" for p in s["procs"].values())
+        rss = rss or "no pid"
         fds = sum(p["fds"] for p in s["procs"].values())
         return (f"[{s['t']:6.0f}/{self.duration_s:g} s] sent {c.sent} done {sum(c.completed.values())} "
                 f"({', '.join(f'{k} {v}' for k, v in sorted(c.completed.items())) or '-'}) "
                 f"aborted {sum(c.aborted.values())} failed {sum(c.failed.values())} in flight {c.inflight} | "
-                f"RSS {rss} | fds {fds} | shm {s['shm']['total']} | health {s['health']}")
+                f"private/RSS {rss} | fds {fds} | shm {s['shm']['total']} | health {s['health']}")
 
     async def run(self, session: aiohttp.ClientSession, interval_s: float, stop: asyncio.Event) -> None:
         """Sample at t0 + k * interval_s (no drift) until `stop`."""
@@ -193,6 +196,10 @@ class Sampler:
             k = max(k + 1, int((time.monotonic() - self.t0) / interval_s) + 1)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), max(0.0, self.t0 + k * interval_s - time.monotonic()))
+
+
+def _mb(v: float | None) -> str:
+    return "?" if v is None else f"{v:.0f}"
 
 
 def local_pid(base: str) -> int | None:
@@ -226,7 +233,7 @@ async def soak(a: argparse.Namespace, launched: Launched | None, report: dict[st
                      a.abort_timeout_fraction, a.abort_timeout_s, a.token_ids)
         report["server"] = {"model": model, "max_model_len": max_len, "text_prompts": text, "pid": root}
         print(f"soak: {base} serving {model} (max_model_len {max_len}, text prompts {'yes' if text else 'no'}), "
-              f"server pid {root or 'unknown: no RSS/fd samples'}", flush=True)
+              f"server pid {root or 'unknown: no memory/fd samples'}", flush=True)
         rate = a.rate
         if a.capacity_probe:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=a.probe_concurrency + 8)) as ps:

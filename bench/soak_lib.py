@@ -333,8 +333,35 @@ def proc_kind(pid: int) -> str:
         return "?"
 
 
+_PRIVATE = re.compile(r"^Private_(?:Clean|Dirty|Hugetlb):\s+(\d+)\s+kB", re.M)
+
+
+def private_kb(smaps: str) -> int | None:
+    """Private memory (USS, kB) from the text of /proc/PID/smaps_rollup (or /proc/PID/smaps, whose
+    mappings are summed): Private_Clean + Private_Dirty + Private_Hugetlb. None when it holds no such field.
+    Pages a process maps together with another (the KV pool the prefill worker maps from the decode
+    worker's shared memory, shared libraries) are Shared_*, not counted here: they are in RSS, which is why
+    RSS reads as growth while such a mapping is being touched and the process itself grows no memory."""
+    fields = _PRIVATE.findall(smaps)
+    return sum(int(v) for v in fields) if fields else None
+
+
+def private_mb(pid: int) -> float | None:
+    """The private memory (USS, MB) of `pid` (`private_kb`), from smaps_rollup or, on kernels before 4.14,
+    smaps; None when neither can be read (the process is gone, or belongs to another user)."""
+    for name in ("smaps_rollup", "smaps"):
+        try:
+            kb = private_kb(_read(f"/proc/{pid}/{name}"))
+        except OSError:
+            continue
+        if kb is not None:
+            return kb / 1024
+    return None
+
+
 def proc_stats(pid: int) -> dict[str, Any] | None:
-    """RSS (MB), open fds, of which sockets, and start time (clock ticks) of `pid`; None once it is gone."""
+    """Private memory (USS, MB; None when unreadable: `private_mb`), RSS (MB; shared mappings included, for
+    information), open fds, of which sockets, and start time (clock ticks) of `pid`; None once it is gone."""
     try:
         status = _read(f"/proc/{pid}/status")
         stat = _read(f"/proc/{pid}/stat").rpartition(")")[2].split()
@@ -350,8 +377,8 @@ def proc_stats(pid: int) -> dict[str, Any] | None:
             sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
         except OSError:
             continue
-    return {"rss_mb": int(m.group(1)) / 1024 if m else 0.0, "fds": len(fds), "sockets": sockets,
-            "start": int(stat[19]) if len(stat) > 19 else 0}
+    return {"uss_mb": private_mb(pid), "rss_mb": int(m.group(1)) / 1024 if m else 0.0, "fds": len(fds),
+            "sockets": sockets, "start": int(stat[19]) if len(stat) > 19 else 0}
 
 
 def label_processes(root: int, pids: Sequence[int]) -> dict[int, str]:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
+from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model
 from rapidserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -21,10 +22,13 @@ from rapidserve.config import (
     PROFILE_LOOKUPS,
     TOOL_CALL_PARSERS,
     ConfigError,
+    EngineConfig,
     PartitionConfig,
     RunnerConfig,
     ServerConfig,
 )
+from rapidserve.engine_settings import allow_long_max_model_len, engine_sections
+from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
 EXIT_USAGE = 2
 
@@ -82,14 +86,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a folder of Hugging Face tokenizer files to use instead of the model's (a preset has "
                         "none: this gives it text prompts and structured outputs)")
-    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    g.add_argument("--dtype", default="auto", type=dtype_name, choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="tokens of one request, prompt and output (default and most: the model's "
                         "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
@@ -105,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="hybrid mode: plan and launch the next step while the last one runs, its sampled "
+                   help="serve (every mode): plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")
@@ -116,6 +120,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="vLLM's: only none/auto here (rapidserve serves bf16/fp16/fp32 checkpoints and GGUF; a "
+                        "quantized checkpoint is refused by name)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
+    add_source_args(g)  # --revision, --download-dir, --load-format
 
 
 def _partition_text(text: str) -> str:
@@ -163,24 +173,32 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                        help="adaptive (the manager switches configurations from the profile), off (both use "
                             "the whole GPU), or static:<decode share> (e.g. static:0.25)")
         g.add_argument("--profile", default=None,
-                       help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, "
-                            "else a roofline estimate)")
+                       help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, else "
+                            "the one auto-profile measured and cached, else a roofline estimate)")
+        g.add_argument("--auto-profile", action=argparse.BooleanOptionalAction, default=True,
+                       help="serve, adaptive partition on one GPU per engine (policy rapid or drift), no profile "
+                            "given or committed for this GPU and model: measure a short one at start (under a "
+                            "minute) and cache it in $XDG_CACHE_HOME/rapidserve/profiles (~/.cache/...), where "
+                            "the next start finds it; --no-auto-profile uses the roofline estimate instead")
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
     g.add_argument("--slo-itl-ms", type=_positive_float, default=50.0, help="inter-token latency SLO (ms)")
     if with_mode:
-        g.add_argument("--policy", default="rapid", choices=POLICIES,
-                       help="how adaptive chooses a configuration: rapid (the profile's most prefill throughput "
-                            "within the ITL SLO), duet (both phases on the whole GPU while a roofline predicts "
-                            "the step within the SLO, else the split with the most throughput) or drift (prefill "
-                            "a layer block at a time on the split with the most prefill units within the SLO; "
-                            "a short request may preempt a long prefill: give --slo-ttft-ms)")
+        g.add_argument("--policy", default=None, choices=POLICIES,
+                       help="the shape of each step: rapid (always split: the profile's configuration with the most "
+                            "prefill throughput within the ITL SLO; the default), duet (DuetServe: fused steps while "
+                            "the predicted step meets the SLO, else the split with the most prefill throughput), "
+                            "drift (split, prefill a layer block at a time on the split with the most prefill units "
+                            "within the SLO; a short request may preempt a long prefill: give --slo-ttft-ms) or fused "
+                            "(always one mixed step: --mode hybrid, which it implies). Each reads its own flags; one "
+                            "it does not read is refused")
         g.add_argument("--slo-ttft-ms", type=_positive_float, default=None,
                        help="drift: a request's time-to-first-token SLO (ms), plus --slo-ttft-ms-per-1k-tokens x "
                             "its prompt tokens / 1000; without it nothing is preempted")
         g.add_argument("--slo-ttft-ms-per-1k-tokens", type=_nonneg_float, default=0.0,
                        help="drift: what each 1000 prompt tokens add to --slo-ttft-ms (e.g. 1000: 1 s per 1K)")
         g.add_argument("--profile-lookup", default="round-up", choices=PROFILE_LOOKUPS,
-                       help="how --policy rapid reads the profile for a decode batch and context between its "
+                       help="how --policy rapid (and duet's cost model) reads the profile for a decode batch and "
+                            "context between its "
                             "buckets: round-up (to the bucket at or above each: conservative, it overstates a step "
                             "by up to a bucket) or interpolate (linearly between them: more prefill throughput, "
                             "but measured over the ITL SLO on 4096-token prompts)")
@@ -189,45 +207,35 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "at start-up from the roofline (one for every configuration)")
 
 
+def serve_mode(a: argparse.Namespace) -> str:
+    """`--mode`, or where it is left out the mode `--policy` runs in (fused: hybrid), else rapid."""
+    return resolve_mode(getattr(a, "mode", None), getattr(a, "policy", None))
+
+
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
-    """The partition flags as a PartitionConfig. A `--profile` file is read and validated here, before
-    any model loads (ProfileError names the file and field); the engine checks its GPU and model."""
+    """The partition flags as a PartitionConfig, `--policy` left out resolved to the mode's default (hybrid: fused;
+    disagg: rapid). A `--profile` file is read and validated here, before any model loads (ProfileError names the
+    file and field), where the partition flags fit the mode and policy (else build_engine_config refuses them, all
+    the flags at once, policy_spec.check_settings); the engine checks its GPU and model."""
     from rapidserve.partition.profile import load_profile
 
-    pcfg = PartitionConfig.parse(getattr(a, "partition", "adaptive"), backend=a.partition_backend,
+    text = getattr(a, "partition", "adaptive")
+    policy = resolve_policy(serve_mode(a), getattr(a, "policy", None), text.split(":", 1)[0])
+    pcfg = PartitionConfig.parse(text, backend=a.partition_backend,
                                  profile=getattr(a, "profile", None), slo_itl_ms=a.slo_itl_ms,
-                                 policy=getattr(a, "policy", "rapid"), slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
+                                 policy=policy, slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
                                  profile_lookup=getattr(a, "profile_lookup", "round-up"))
-    if pcfg.profile is not None:
-        load_profile(pcfg.profile)
+    if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
+        load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)
     return pcfg
 
 
-def check_prefill_graph_flag(a: argparse.Namespace) -> None:
-    """ConfigError when --prefill-graph-tokens names buckets but these flags capture no prefill graph."""
-    why = prefill_graphs_unused(a)
-    if a.prefill_graph_tokens and why:
-        raise ConfigError(f"--prefill-graph-tokens: {why}, so no prefill graph is captured. Drop the flag")
-
-
-def prefill_graphs_unused(a: argparse.Namespace) -> str | None:
-    """Why a run with these flags captures no piecewise prefill graph (None: it does)."""
-    if a.enforce_eager:
-        return "--enforce-eager turns off every CUDA graph"
-    if getattr(a, "mode", None) == "disagg":
-        return "--mode disagg's prefill worker computes without graphs"
-    if getattr(a, "policy", None) == "drift":
-        return "--policy drift launches prefill a layer block at a time, without graphs"
-    return None
-
-
-def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
-    """The model flags as build_engine_config's arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env`
-    (default: os.environ) here, where the run starts."""
-    from rapidserve.config_builder import allow_long_max_model_len
-
+def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The model flags that need no model, as `engine_settings.engine_sections`' (and build_engine_config's)
+    arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env` (default: os.environ) here, where the run
+    starts."""
     allow_long = allow_long_max_model_len(os.environ if env is None else env)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, allow_long_max_model_len=allow_long,
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
@@ -236,14 +244,20 @@ def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
                 seed=a.seed, attention_backend=a.attention_backend,
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer)
+                quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                generation_config=getattr(a, "generation_config", "auto"))
+
+
+def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The model flags as build_engine_config's arguments: `setting_kwargs` and where the model's files come from."""
+    return dict(setting_kwargs(a, env), tokenizer=a.tokenizer, revision=a.revision, download_dir=a.download_dir,
+                load_format=a.load_format)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
-    check_prefill_graph_flag(a)
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sample_seed)
     prompts = list(a.prompt)
@@ -258,42 +272,65 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import dataclasses
-
+    """Checks every flag that needs no model (the settings each mode and policy read among them:
+    `engine_sections`), then `run`: the port is bound first (busy: exit 1 at once), and the config tree is built
+    (`build`: a bad model or --max-model-len exits 2), then auto-profiled, while it answers 503 starting."""
     from rapidserve.config import LaunchConfig, ParallelConfig
-    from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
+    from rapidserve.server.startup import BindError
 
+    model = serve_model(a)  # MODEL or --model
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
-    if a.mode == "hybrid" and a.prefill_batch_tokens is not None:
-        raise ConfigError("--prefill-batch-tokens sizes the prefill worker's batches of --mode rapid (and disagg); "
-                          "--mode hybrid has none: its steps are bounded by --max-num-batched-tokens. Drop the flag "
-                          "or use --mode rapid")
-    if a.policy == "drift" and a.prefill_batch_tokens is not None:
-        raise ConfigError("--prefill-batch-tokens does not apply under --policy drift: DRIFT's dispatcher sizes "
-                          "its own prefill batches (within --max-num-batched-tokens). Drop the flag or use "
-                          "another --policy")
-    check_prefill_graph_flag(a)
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
         raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
-    ecfg, source = build_engine_config(a.model, **engine_kwargs(a))  # type: ignore[arg-type]
-    launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=a.mode, max_restarts=a.max_restarts,
-                          restart_window_s=a.restart_window_s, heartbeat_timeout_s=a.heartbeat_timeout_s)
-    ecfg = dataclasses.replace(ecfg, launch=launch, partition=pcfg, parallel=parallel)
-    return run(ecfg, scfg, source)  # type: ignore[arg-type]
+    launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=serve_mode(a),
+                          max_restarts=a.max_restarts, restart_window_s=a.restart_window_s,
+                          heartbeat_timeout_s=a.heartbeat_timeout_s, log_level=a.log_level)
+    engine_sections(**setting_kwargs(a), launch=launch, partition=pcfg)  # type: ignore[arg-type]
+
+    def build() -> tuple[object, object]:  # on a thread of `run`, once the port answers (imports torch)
+        from rapidserve.config_builder import build_engine_config
+
+        ecfg, source = build_engine_config(model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
+                                           partition=pcfg, parallel=parallel)
+        return auto_profile(ecfg, a.auto_profile, os.environ), source
+
+    try:
+        return run(scfg, build, model)  # type: ignore[arg-type]
+    except BindError as e:
+        print(f"rapidserve: error: {e}", file=sys.stderr)
+        return 1
+
+
+def auto_profile(ecfg: EngineConfig, auto: bool, env: Mapping[str, str]) -> EngineConfig:
+    """`ecfg` with the profile measured or cached for this GPU at start (partition/autoprofile.py), logged
+    through the server's logging (`run` configures it before `build` runs); unchanged where auto-profiling does
+    not apply (then nothing is started)."""
+    from rapidserve.partition.autoprofile import profile_cache_dir, with_auto_profile
+
+    return with_auto_profile(ecfg, auto=auto, cache_dir=profile_cache_dir(env))
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
+    """The serve flags as a ServerConfig (the API key as `api_key` resolves it; the --chat-template read
+    and checked: a ConfigError when it cannot be read or does not parse)."""
+    from rapidserve.tokenizer import ChatTemplateError, load_chat_template
+
+    try:
+        template = None if a.chat_template is None else load_chat_template(a.chat_template)
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
-                        served_model_name=a.served_model_name, max_waiting=a.max_waiting,
+                        served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
                         keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template,
+                        log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
@@ -328,7 +365,7 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rapidserve", description=__doc__.splitlines()[0])
+    p = CliParser(prog="rapidserve", description=__doc__.splitlines()[0])  # names the flags it refuses
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions offline (single process)")
     add_model_args(g)
@@ -341,10 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (prefill and decode workers)")
     add_model_args(sv)
+    add_vllm_serve_args(sv)  # MODEL, --served-model-name, logs, vLLM's flags that change nothing here
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=_port, default=8000)
-    sv.add_argument("--mode", default="rapid", choices=ENGINE_MODES,
-                    help="rapid: prefill and decode in two processes sharing weights and KV; hybrid: one "
+    sv.add_argument("--mode", default=None, choices=ENGINE_MODES,
+                    help="(default: rapid, or hybrid with --policy fused) rapid: prefill and decode in two processes "
+                         "sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
                          "pass per step under --max-num-batched-tokens (the baseline); disagg: prefill on GPU 0 "
                          "and decode on GPU 1, each with its own copy of the weights, the prompt's KV copied "
@@ -366,10 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the API key from the first line of this file")
     sv.add_argument("--metrics-public", action="store_true",
                     help="serve /metrics without the API key (for a Prometheus that cannot send one)")
-    sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
-    sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                    help="max_tokens of a request that gives none, at most what its context leaves (default: the "
+                         "model's generation_config.json max_new_tokens, else 256)")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="where unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_tokens) take their defaults from, as vLLM's flag: auto (the model folder's "
+                         "generation_config.json; a GGUF file or preset has none), vllm (vLLM's own defaults) or "
+                         "a folder holding a generation_config.json; a request's own values win")
     sv.add_argument("--max-request-bytes", type=_int_at_least(1024), default=8 * 1024 * 1024,
                     help="largest request body accepted (larger: 413)")
     sv.add_argument("--shutdown-grace-s", type=_nonneg_float, default=10.0,
@@ -389,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
                             "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
+    chat = sv.add_argument_group("chat template")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja chat template to use instead of the model's: a file, or the template itself "
+                           "(as vLLM's flag); checked at start-up")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let a chat request bring its own 'chat_template' (a template is code the server runs; "
+                           "without the flag such requests get 400, as in vLLM)")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

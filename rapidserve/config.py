@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rapidserve.generation_config import SamplingDefaults
+
 Arch = Literal["llama", "qwen2", "qwen3"]
 # rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
 # mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline; disagg: prefill on
@@ -25,6 +27,11 @@ TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: 
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+FALLBACK_MAX_TOKENS = 256  # the server's max_tokens of a request that gives none, without flag or model default
+# How weights are read (vLLM's --load-format): auto (the model's own form), safetensors (a Hugging Face folder),
+# gguf (a .gguf file), dummy (the model's architecture with random weights: `dummy:` specs, loader/presets.py).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
 
 class ConfigError(ValueError):
@@ -188,8 +195,8 @@ class SchedulerConfig:
     # A max_model_len above the model's max_position_embeddings is refused unless this is set (from
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN at the CLI / `LLM`; EngineConfig checks it).
     allow_long_max_model_len: bool = False
-    # Hybrid mode plans and launches the next step before the last one's tokens reach the host (as
-    # vLLM's --async-scheduling); the decode worker of rapid mode always works one step ahead.
+    # The decode worker (every mode: its one step loop) plans and launches the next step before the last
+    # one's tokens reach the host (as vLLM's --async-scheduling); False: each step is recorded first.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
@@ -213,7 +220,7 @@ class RunnerConfig:
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     use_cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-    # Token buckets of the piecewise prefill graphs (rapidserve/prefill_graphs.py); () captures none. On the
+    # Token buckets of the piecewise prefill graphs (rapidserve/runner/prefill_graphs.py); () captures none. On the
     # H100 (Qwen3-8B) a prefill forward launched from Python waits for the host up to ~512 tokens; graphs save
     # 49-59% up to 128 tokens, 34% at 256, 5% at 512, 1% at 1024 (bench/results/h100_1127/prefill_graphs/).
     prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512)
@@ -254,9 +261,11 @@ class LaunchConfig:
     ring_slot_size: int = 1024
     stats_interval_s: float = 0.25
     mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid and disagg use no MPS
+    log_level: str = "info"  # the workers' logging (LOG_LEVELS): their start-up steps are logged at info
 
     def __post_init__(self) -> None:
         _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         _check(self.mode in ENGINE_MODES, f"mode={self.mode!r}; use one of {list(ENGINE_MODES)}")
         _check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
@@ -301,7 +310,14 @@ class ParallelConfig:
         return self.devices if self.devices is not None else tuple(range(self.world_size))
 
 
-POLICIES = ("rapid", "duet", "drift")  # partition/policy.py
+# The policies (rapidserve/policy_spec.py declares what each uses and reads; partition/ holds their decisions):
+# rapid (always split, the profile's choice), duet (fused when a step fits the ITL SLO, else split), drift (split,
+# prefill block-wise), fused (always one mixed step: --mode hybrid's).
+POLICIES = ("rapid", "duet", "drift", "fused")
+# What `--mode rapid --partition adaptive` runs when --policy is left out. The adaptive policy is `duet` (DuetServe's
+# design); it becomes the default once the decode worker carries out fused steps itself (issue 37's engine change):
+# until then `duet` in the engine is the two-process approximation (partition/duet.py), so the default stays rapid.
+DEFAULT_POLICY = "rapid"
 PROFILE_LOOKUPS = ("interpolate", "round-up")  # how the manager reads a profile between buckets: profile.estimate
 
 
@@ -311,18 +327,22 @@ class PartitionConfig:
 
     mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
     use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
-    policy (adaptive only; partition/policy.py): rapid (RAPID-Serve: the profile's configuration with
-    the most prefill throughput within the ITL SLO), duet (DuetServe: both phases on the whole GPU
-    while a roofline predicts the step within the SLO, else the split that maximises throughput) or
-    drift (DRIFT: prefill launched a layer block at a time on the configuration with the most prefill
-    units within the ITL SLO; a short request may preempt a long prefill batch at a block boundary).
-    profile_lookup (rapid policy): how a decode batch and context between the profile's buckets are read:
-    round-up (to the bucket at or above each) or interpolate (linearly between the buckets around them;
+    policy (POLICIES; rapidserve/policy_spec.py declares the workers, partition modes and settings of each):
+    rapid (RAPID-Serve: the profile's configuration with the most prefill throughput within the ITL SLO;
+    any mode), duet (DuetServe: fused steps while the predicted step meets the SLO, else the split that
+    maximises prefill throughput; adaptive), drift (DRIFT: prefill launched a layer block at a time on the
+    configuration with the most prefill units within the ITL SLO; a short request may preempt a long prefill
+    batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
+    profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
+    buckets are read: round-up (to the bucket at or above each) or interpolate (linearly between the buckets around
+    them;
     partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
     ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
     without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
     time model fitted at start-up (one for every configuration).
+    Here each field is checked alone; which fields a policy, a partition mode and a run read together is
+    `policy_spec.conflicts`, run on the tree `config_builder.build_engine_config` builds.
     """
 
     mode: str = "adaptive"  # adaptive | off | static
@@ -345,21 +365,11 @@ class PartitionConfig:
                "a static partition needs its decode share (static:0.25), and only a static one has it")
         _check(self.static_decode_share is None or 0.0 < self.static_decode_share < 1.0,
                f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
-        _check(self.profile is None or self.mode == "adaptive",
-               f"--profile is read only by --partition adaptive (this run: {self.mode}); drop it or use adaptive")
         _check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
                f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
         _check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
         _check(self.policy in POLICIES, f"policy={self.policy!r}; use one of {', '.join(POLICIES)}")
-        _check(self.policy == "rapid" or self.mode == "adaptive",
-               f"--policy {self.policy} chooses among partition configurations: it needs --partition adaptive "
-               f"(this run: {self.mode})")
         _check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
-        drift_set = [f for f, v in (("--slo-ttft-ms", self.slo_ttft_ms),
-                                    ("--slo-ttft-ms-per-1k-tokens", self.slo_ttft_ms_per_1k_tokens or None),
-                                    ("--drift-prefill-model", self.drift_prefill_model)) if v is not None]
-        _check(self.policy == "drift" or not drift_set,
-               f"{', '.join(drift_set)}: read only by --policy drift (this run: {self.policy})")
         _check(self.slo_ttft_ms is None or 0 < self.slo_ttft_ms < float("inf"),
                f"slo_ttft_ms={self.slo_ttft_ms} must be a positive number")
         _check(0 <= self.slo_ttft_ms_per_1k_tokens < float("inf"),
@@ -371,9 +381,6 @@ class PartitionConfig:
                f"drift_prefill_model={m} must be (a_ms >= 0, b_ms_per_token > 0)")
         _check(self.profile_lookup in PROFILE_LOOKUPS,
                f"profile_lookup={self.profile_lookup!r}; use one of {', '.join(PROFILE_LOOKUPS)}")
-        _check(self.profile_lookup == "round-up" or (self.policy == "rapid" and self.mode == "adaptive"),
-               f"--profile-lookup {self.profile_lookup} is read only by --partition adaptive --policy rapid (this run: "
-               f"{self.mode}, {self.policy}); drop it")
         _check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 
@@ -408,27 +415,50 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
-    served_model_name: str | None = None
+    # The names the model answers to (vLLM's --served-model-name A B...): the first is the one responses and
+    # metrics report, a request naming any of them is served, /v1/models lists them all. (): the model's own name.
+    served_model_name: tuple[str, ...] = ()
     max_waiting: int = 512  # requests queued beyond max_num_seqs (x data_parallel_size) before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
-    default_max_tokens: int = 256
+    # max_tokens of a request that gives none (at most what its context leaves); None: the model's
+    # generation_config max_new_tokens, else FALLBACK_MAX_TOKENS
+    default_max_tokens: int | None = None
     shutdown_grace_s: float = 10.0
     max_connections: int = 2048
     keepalive_timeout_s: float = 15.0
     header_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
+    chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
+    trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
+    # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
+    # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
+    log_level: str = "info"
+    http_log_level: str = "info"
+    log_requests: bool = True
+
+    def max_tokens_default(self, generation: SamplingDefaults) -> int:
+        """A request's max_tokens when it gives none: --default-max-tokens, else the model's max_new_tokens,
+        else FALLBACK_MAX_TOKENS (each capped by what the request's context leaves)."""
+        return self.default_max_tokens or generation.max_tokens or FALLBACK_MAX_TOKENS
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
         _check(self.max_waiting >= 0, f"max_waiting={self.max_waiting} must be >= 0")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes} must be >= 1024")
-        _check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        _check(self.default_max_tokens is None or self.default_max_tokens >= 1,
+               f"default_max_tokens={self.default_max_tokens} must be >= 1 or None")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
         _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
         _check(self.keepalive_timeout_s > 0, f"keepalive_timeout_s={self.keepalive_timeout_s} must be > 0")
         _check(self.header_timeout_s > 0, f"header_timeout_s={self.header_timeout_s} must be > 0")
+        _check(all(isinstance(n, str) and n.strip() for n in self.served_model_name)
+               and len(set(self.served_model_name)) == len(self.served_model_name),
+               f"served_model_name={list(self.served_model_name)}: give distinct, non-empty names")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
+        _check(self.http_log_level in (*LOG_LEVELS, "trace"),
+               f"http_log_level={self.http_log_level!r}; use one of {', '.join(LOG_LEVELS)}, trace")
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser={self.tool_call_parser!r} must be "
                                                            f"one of {', '.join(TOOL_CALL_PARSERS)}")
 
@@ -448,6 +478,9 @@ class EngineConfig:
     # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
     # weights, no tokenizer) text prompts and structured outputs.
     tokenizer: str | None = None
+    # The model's recommended sampling defaults (generation_config.json; --generation-config), which a
+    # request's unset fields take at the edges (the server, LLM); workers never read them.
+    generation: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     @property
     def max_model_len(self) -> int:

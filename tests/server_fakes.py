@@ -2,8 +2,9 @@
 
 `FakeEngine` follows the `AsyncEngine` contract the server uses: `state`, `restarts_total`,
 `deaths_total`, `fatal`, `dead_reason`, `stats`, and `generate`, which yields one token every
-`delay` s, raises `EngineError` within `delay` once `die` is set (a worker died), or at once while
-`state` is not "ready". `running_server` serves it on a free loopback port the way `rapidserve
+`delay` s (the first once `first_token` is set: clear it to hold requests before their first token),
+raises `EngineError` within `delay` once `die` is set (a worker died), or at once while `state` is not
+"ready". `running_server` serves it on a free loopback port the way `rapidserve
 serve` does (`make_runner`: connection limits, handler cancellation).
 """
 
@@ -39,6 +40,8 @@ class FakeEngine:
         self.stats: Any = None
         self.fatal = asyncio.Event()
         self.die = asyncio.Event()
+        self.first_token = asyncio.Event()
+        self.first_token.set()
         self.mode = ""
         self.live: set[str] = set()  # engine requests in flight
         self.aborted: list[str] = []  # engine requests the consumer left before they finished
@@ -56,6 +59,7 @@ class FakeEngine:
         done = False
         try:
             n = params.max_tokens or 16
+            await self.first_token.wait()
             for i in range(n):
                 if i:
                     await asyncio.sleep(self.delay)

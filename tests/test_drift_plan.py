@@ -19,6 +19,7 @@ from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, prefill_operators, step_seconds
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, resolve_plan
+from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
 
 FULL = h100_profile()  # overallocated + split16/32/48/64 on 132 SMs; batch 32 at 3000 tokens: beside p95 (ms)
@@ -122,16 +123,29 @@ def test_resolve_plan_cpu_fits_or_takes_the_prefill_model() -> None:
 
 
 @pytest.mark.parametrize(("kw", "pattern"), [
-    (dict(slo_ttft_ms=500.0), "--slo-ttft-ms: read only by --policy drift \\(this run: rapid\\)"),
-    (dict(policy="duet", drift_prefill_model=(1.0, 1.0)), "--drift-prefill-model: read only by --policy drift"),
     (dict(policy="drift", slo_ttft_ms_per_1k_tokens=100.0), "give --slo-ttft-ms too"),
     (dict(policy="drift", slo_ttft_ms=-1.0), "slo_ttft_ms=-1.0 must be a positive number"),
     (dict(policy="drift", drift_prefill_model=(1.0, 0.0)), "must be \\(a_ms >= 0, b_ms_per_token > 0\\)"),
-    (dict(policy="drift", mode="off"), "--policy drift chooses among partition configurations"),
 ])
 def test_drift_config_invalid(kw: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         PartitionConfig(**kw)
+
+
+@pytest.mark.parametrize(("kw", "pattern"), [
+    (dict(slo_ttft_ms=500.0), "--slo-ttft-ms: not read by --policy rapid --partition adaptive; drop it "
+                              "\\(read by --policy drift\\)"),
+    (dict(policy="duet", drift_prefill_model=(1.0, 1.0)), "--drift-prefill-model: not read by --policy duet; drop it "
+                                                          "\\(read by --policy drift\\)"),
+    (dict(policy="drift", mode="off"), "--partition off: --policy drift runs with --partition adaptive \\(it picks "
+                                       "among partition configurations\\)"),
+])
+def test_drift_settings_refused_by_the_flag_check(kw: dict[str, Any], pattern: str) -> None:
+    """The drift-only settings, and drift's partition mode, are the one flag check's (policy_spec) to refuse; it took
+    these rules over from PartitionConfig."""
+    p = PartitionConfig(**kw)
+    with pytest.raises(ConfigError, match=pattern):
+        check_settings("rapid", p.policy, {"partition": p})
 
 
 def test_cli_drift_flags() -> None:

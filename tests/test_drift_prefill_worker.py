@@ -23,8 +23,8 @@ from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
-from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner
+from rapidserve.runner.prefill_task import PrefillTask
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.test_partition_manager import h100_profile
 from tests.test_worker_faults import POISON, FakeIO
@@ -271,9 +271,8 @@ def _serve(dec: DecodeWorker, pre: PrefillWorker, io: FakeIO, prompts: dict[str,
         for rid, toks in waves[i // 2].items() if i in (0, 2) else ():
             dec.handle(m.NewRequest(rid, toks, GREEDY, 9.9))
         io.seat = "decode"
-        dec.repartition()
-        dec.admit()
-        if dec.sched.running or dec.inflight is not None:
+        dec.begin_step()  # the step's shape (split, on the configuration decode picks), then admission
+        if dec.sched.running or dec.inflight:
             dec.step()
         dec.publish()
         io.seat = "prefill"

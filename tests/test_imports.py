@@ -38,8 +38,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.sampling_params", "rapidserve.prompt",
-                "rapidserve.outputs")),
+    # Plus the model's sampling defaults (`generation_config`), the policies' declarations and the flag check derived
+    # from them (`policy_spec`), and the tree's sections from the settings with every check that needs no model
+    # (`engine_settings`).
+    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.policy_spec",
+                "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
@@ -48,12 +51,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
+                  "rapidserve.scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
-    # Running the model on batches: ModelRunner, block-wise prefill tasks, piecewise prefill graphs, zero-copy
-    # sharing of weights + pool, building the config tree.
-    ("runner", ("rapidserve.model_sharing", "rapidserve.runner", "rapidserve.prefill_task",
-                "rapidserve.prefill_graphs", "rapidserve.config_builder")),
+    # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode
+    # graphs, sampling, tensor-parallel hooks; block-wise prefill tasks, piecewise prefill graphs, zero-copy
+    # sharing of weights + pool), building the config tree.
+    ("runner", ("rapidserve.runner", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.
     ("partition", ("rapidserve.partition",)),
     # Engines: the single-process EngineCore, and the multi-process RAPID engine (workers, launcher, client).
@@ -65,7 +68,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point.
-    ("cli", ("rapidserve.cli",)),
+    ("cli", ("rapidserve.cli", "rapidserve.cli_vllm")),
 )
 
 
@@ -244,8 +247,11 @@ def edges() -> list[Edge]:
 def test_the_graph_sees_every_kind_of_import(edges: list[Edge]) -> None:
     """Sanity of the tool on imports known to exist (module level, lazy, TYPE_CHECKING, re-exports) and lazy names."""
     pairs = {(e.src, e.dst) for e in edges}
-    assert ("rapidserve.runner", "rapidserve.kv_pool") in pairs  # module level
-    assert ("rapidserve.runner", "rapidserve.model_sharing") in pairs  # inside a function, and TYPE_CHECKING
+    assert ("rapidserve.runner.model_runner", "rapidserve.kv_pool") in pairs  # module level
+    # inside a function, and TYPE_CHECKING
+    assert ("rapidserve.runner.model_runner", "rapidserve.runner.model_sharing") in pairs
+    assert ("rapidserve.runner.tp", "rapidserve.runner.inputs") in pairs  # between modules inside a package
+    assert ("rapidserve.runner", "rapidserve.runner.model_runner") in pairs  # the package's __init__ re-exporting
     assert ("rapidserve.loader", "rapidserve.loader.hf") in pairs  # lazy, `from pkg import module`
     assert ("rapidserve.tokenizer", "rapidserve.loader") in pairs  # a name defined by the package
     assert ("rapidserve.ipc", "rapidserve.ipc.ring") in pairs  # an __init__ re-exporting

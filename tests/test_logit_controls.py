@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from rapidserve import runner as runner_mod
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import resolve_model
 from rapidserve.logit_controls import HISTORY, TokenHistory, TokenState, apply_controls, plan_controls
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.runner import ModelRunner
+from rapidserve.runner import sampling as runner_sampling
 from rapidserve.sampler import token_generators
 from rapidserve.sampling_params import SamplingParams, SamplingParamsError, resolve_bad_words
 
@@ -196,7 +196,7 @@ def test_a_batch_without_controls_takes_the_plain_path(runner: ModelRunner, monk
     def fail(*a: object, **k: object) -> None:
         raise AssertionError("the controls path ran for a batch without controls")
 
-    monkeypatch.setattr(runner_mod, "plan_controls", fail)
+    monkeypatch.setattr(runner_sampling, "plan_controls", fail)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3, logprobs=1)]
     logits = torch.randn(2, V)
     out = runner.sample_next(logits.clone(), params, [0, 0], ())

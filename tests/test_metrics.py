@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rapidserve.server.metrics import Metrics
+from rapidserve.server.metrics import Metrics, request_gauges
 
 MODEL = "smollm2-135m"
 
@@ -198,3 +198,40 @@ def test_decode_and_inference_time() -> None:
     assert value(m, "rapidserve:request_decode_time_seconds_sum") == pytest.approx(1.5)
     assert value(m, "rapidserve:request_inference_time_seconds_count") == 1
     assert value(m, "rapidserve:request_inference_time_seconds_sum") == pytest.approx(1.9)
+
+
+@pytest.mark.parametrize(("queued", "pending", "decoding", "engine_active", "want"), [
+    (0, 0, 0, None, (0, 0)),
+    (0, 0, 0, 5, (0, 0)),  # stale worker stats after every request ended: nothing is running
+    (0, 3, 0, None, (0, 3)),  # no worker stats yet: none known to be prefilled
+    (0, 3, 0, 1, (1, 2)),  # one of the three without a token is being prefilled
+    (0, 3, 2, 3, (3, 2)),
+    (0, 3, 2, 1, (2, 3)),  # stats older than the second decoder, or a preemption: decoding counts as running
+    (2, 1, 1, 10, (2, 2)),  # stale and too high: capped at the pending ones; queued in the server always wait
+    (1, 0, 0, 0, (0, 1)),
+])
+def test_request_gauges(queued: int, pending: int, decoding: int, engine_active: int | None,
+                        want: tuple[int, int]) -> None:
+    assert request_gauges(queued, pending, decoding, engine_active) == want
+    running, waiting = want
+    assert running + waiting == queued + pending + decoding  # every request in flight, once
+
+
+def test_rejected_requests_are_counted_by_reason_without_prompt_tokens() -> None:
+    m = Metrics(MODEL)
+    for reason in ("overloaded", "engine_unavailable", "server_shutting_down"):
+        assert value(m, "rapidserve:request_rejected_total", reason=reason) == 0  # exposed from the start
+    m.observe_rejected("engine_unavailable")
+    m.observe_rejected("engine_unavailable")
+    m.observe_rejected("overloaded")
+    assert value(m, "rapidserve:request_rejected_total", reason="engine_unavailable") == 2
+    assert value(m, "rapidserve:request_rejected_total", reason="overloaded") == 1
+    assert value(m, "rapidserve:prompt_tokens_total") == 0
+    assert value(m, "rapidserve:request_success_total", finished_reason="error") == 0
+
+
+def test_request_gauges_are_set_without_engine_stats() -> None:
+    m = Metrics(MODEL)
+    m.set_requests(2, 5)
+    assert value(m, "rapidserve:num_requests_running") == 2
+    assert value(m, "rapidserve:num_requests_waiting") == 5

@@ -491,17 +491,28 @@ def test_wait_scales_only_within_the_profiles_forward(tokens: int, longest: int 
     assert d.config == want, d.reason
 
 
-@pytest.mark.parametrize(("kw", "pattern"), [
-    (dict(profile_lookup="nearest"), "profile_lookup='nearest'; use one of interpolate, round-up"),
-    (dict(profile_lookup="interpolate", policy="duet"), "--profile-lookup interpolate is read only by --partition "
-                                                         "adaptive --policy rapid"),
-    (dict(profile_lookup="interpolate", mode="off"), "read only by --partition adaptive"),
-])
-def test_profile_lookup_config_invalid(kw: dict[str, object], pattern: str) -> None:
+def test_profile_lookup_config_invalid() -> None:
     from rapidserve.config import ConfigError, PartitionConfig
 
+    with pytest.raises(ConfigError, match="profile_lookup='nearest'; use one of interpolate, round-up"):
+        PartitionConfig(profile_lookup="nearest")
+
+
+@pytest.mark.parametrize(("kw", "pattern"), [
+    (dict(profile_lookup="interpolate", policy="drift"), "--profile-lookup: not read by --policy drift \\(DRIFT reads "
+                                                          "the profile's buckets rounded up\\); drop it \\(read by "
+                                                          "--policy rapid --partition adaptive, --policy duet\\)"),
+    (dict(profile_lookup="interpolate", mode="off"), "--profile-lookup: not read by --policy rapid --partition off"),
+])
+def test_profile_lookup_refused_where_unread(kw: dict[str, object], pattern: str) -> None:
+    """Where the profile is not read between buckets the one flag check (policy_spec) refuses it; it took this rule
+    over from PartitionConfig. (duet reads it now: its cost model reads the profile, partition/step_costs.py.)"""
+    from rapidserve.config import ConfigError, PartitionConfig
+    from rapidserve.policy_spec import check_settings
+
+    p = PartitionConfig(**kw)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=pattern):
-        PartitionConfig(**kw)  # type: ignore[arg-type]
+        check_settings("rapid", p.policy, {"partition": p})
 
 
 def test_cli_profile_lookup() -> None:

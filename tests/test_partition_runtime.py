@@ -27,6 +27,7 @@ from rapidserve.partition.profile import (
 )
 from rapidserve.partition.profile_cmd import cmd_profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
+from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
 
 H100_LLAMA = str(Path(rapidserve.__file__).resolve().parents[1] / "profiles"
@@ -105,8 +106,11 @@ def test_partition_parse_passes_keywords() -> None:
 
 @pytest.mark.parametrize("text", ["off", "static:0.25"])
 def test_profile_only_with_adaptive(text: str) -> None:
-    with pytest.raises(ConfigError, match="--profile is read only by --partition adaptive"):
-        PartitionConfig.parse(text, profile="x.json")
+    """Refused by the one flag check (policy_spec), which took this rule over from PartitionConfig."""
+    p = PartitionConfig.parse(text, profile="x.json")
+    mode = text.split(":")[0]
+    with pytest.raises(ConfigError, match=f"--profile: not read by --policy rapid --partition {mode}; drop it"):
+        check_settings("rapid", "rapid", {"partition": p})
 
 
 @pytest.mark.parametrize(
@@ -114,7 +118,7 @@ def test_profile_only_with_adaptive(text: str) -> None:
     [
         (["serve", "--profile", "/nonexistent/p.json"], "profile /nonexistent/p.json: cannot read"),
         (["serve", "--profile", "BAD"], "invalid JSON"),
-        (["serve", "--partition", "off", "--profile", "BAD"], "--profile is read only by --partition adaptive"),
+        (["serve", "--partition", "off", "--profile", "BAD"], "--profile: not read by --policy rapid --partition off"),
     ],
 )
 def test_serve_refuses_bad_profile_before_loading(argv: list[str], pattern: str, tmp_path: Path,
@@ -186,8 +190,8 @@ def test_cli_partition_usage_errors(argv: list[str], pattern: str, capsys: pytes
     (["--max-num-seqs", "64"], "--max-num-seqs"),
     (["--max-num-batched-tokens", "2048"], "--max-num-batched-tokens"),
     (["--prefill-batch-tokens", "1024"], "--prefill-batch-tokens"),
-    (["--no-enable-prefix-caching"], "--enable-prefix-caching"),
-    (["--no-async-scheduling"], "--async-scheduling"),
+    (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
+    (["--no-async-scheduling"], "--no-async-scheduling"),
     (["--prefill-graph-tokens", "none"], "--prefill-graph-tokens"),
 ])
 def test_profile_refuses_model_flags_it_does_not_read(flags: list[str], named: str,
@@ -198,12 +202,12 @@ def test_profile_refuses_model_flags_it_does_not_read(flags: list[str], named: s
     assert f"{named}: not read by `rapidserve profile`" in err and "drop it" in err
 
 
-def test_profile_accepts_those_flags_at_their_defaults() -> None:
-    from rapidserve.partition.profile_cmd import unread_flags
-
-    a = build_parser().parse_args(["profile", "--max-num-seqs", "256", "--enable-prefix-caching",
-                                   "--async-scheduling"])
-    assert unread_flags(a) == []
+def test_profile_accepts_those_flags_at_their_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """At their defaults the flag check lets them through: the run goes on to the model, which fails here."""
+    assert main(["profile", "--model", "/nonexistent", "--max-num-seqs", "256", "--enable-prefix-caching",
+                 "--async-scheduling"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent" in err and "not read" not in err, err
 
 
 @pytest.mark.parametrize(
@@ -502,14 +506,14 @@ def test_decode_partition_duet_not_adaptive() -> None:
     assert dp.advance_duet((100,), ()) is None
 
 
-@pytest.mark.parametrize(("kw", "pattern"), [
-    (dict(policy="drift2"), "policy='drift2'; use one of rapid, duet, drift"),
-    (dict(policy="duet", mode="off"), "--policy duet chooses among partition configurations: it needs "
-                                      "--partition adaptive \\(this run: off\\)"),
-])
-def test_partition_config_policy_invalid(kw: dict[str, Any], pattern: str) -> None:
-    with pytest.raises(ConfigError, match=pattern):
-        PartitionConfig(**kw)
+def test_partition_config_policy_invalid() -> None:
+    with pytest.raises(ConfigError, match="policy='drift2'; use one of rapid, duet, drift, fused"):
+        PartitionConfig(policy="drift2")
+    # which partition modes a policy runs with is the flag check's (policy_spec), no longer PartitionConfig's
+    with pytest.raises(ConfigError, match="--partition off: --policy duet runs with --partition adaptive \\(it picks "
+                                          "among partition configurations\\); drop --partition off, or use --policy "
+                                          "rapid"):
+        check_settings("rapid", "duet", {"partition": PartitionConfig(policy="duet", mode="off")})
 
 
 def test_cli_policy() -> None:

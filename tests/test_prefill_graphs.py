@@ -1,4 +1,4 @@
-"""Piecewise prefill graphs (rapidserve/prefill_graphs.py) on CPU, in fp32, with the pieces recorded as plain
+"""Piecewise prefill graphs (rapidserve/runner/prefill_graphs.py) on CPU, in fp32, with the pieces recorded as plain
 calls (`eager=True`): the same pieces, static buffers, padding and attention between pieces that the GPU replays
 as CUDA graphs. Against the one-shot eager forward: the same logits and the same K/V in the pool, nothing
 written outside the items' slots (padding rows write nothing), mixed steps with carried tokens, and the cases
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from rapidserve import cli
-from rapidserve.config import ConfigError, RunnerConfig
+from rapidserve.config import ConfigError, ParallelConfig, RunnerConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
-from rapidserve.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from rapidserve.runner import Carry, ModelRunner, PrefillItem
+from rapidserve.runner.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
 from tests.test_prefill_task import PREFIX, _tokens
 
 BS = 16
@@ -211,27 +211,27 @@ def test_serve_refuses_a_bad_bucket_list(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(("argv", "why"), [
-    (["serve", "--enforce-eager"], "--enforce-eager turns off every CUDA graph"),
-    (["serve", "--mode", "disagg"], "--mode disagg"),
-    (["serve", "--policy", "drift"], "--policy drift"),
-    (["generate", "--enforce-eager", "--prompt", "hi"], "--enforce-eager"),
+    (["serve", "--enforce-eager"], "not read with --enforce-eager (it turns off every CUDA graph"),
+    (["serve", "--mode", "disagg"], "not read by --mode disagg (its prefill worker computes without graphs"),
+    (["serve", "--policy", "drift"], "not read by --policy drift (it launches prefill a layer block at a time"),
+    (["generate", "--enforce-eager", "--prompt", "hi"], "not read with --enforce-eager"),
 ])
 def test_the_flag_is_refused_where_no_graph_is_captured(argv: list[str], why: str,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Given explicitly where nothing captures prefill graphs: refused before the model loads (the model path
-    here does not exist), naming the flag and why; `none` there is accepted."""
+    """Given explicitly where nothing captures prefill graphs: refused by the flag check (policy_spec) before the
+    model loads (the model path here does not exist), naming the flag and why."""
     assert cli.main([*argv, "--model", "/nonexistent", "--prefill-graph-tokens", "16,64"]) == 2
     err = capsys.readouterr().err
-    assert "--prefill-graph-tokens:" in err and why in err and "Drop the flag" in err
+    assert "--prefill-graph-tokens" in err and why in err and "drop it" in err, err  # generate: LLM's keyword too
     a = cli.build_parser().parse_args([*argv, "--prefill-graph-tokens", "none"])
     assert a.prefill_graph_tokens == ()
 
 
 def test_the_flag_is_accepted_under_tensor_parallelism() -> None:
     """-tp N captures prefill graphs on every rank (engine/tp_workers.py): the bucket list is not refused."""
-    a = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2", "--prefill-graph-tokens", "16,64"])
-    assert cli.prefill_graphs_unused(a) is None
-    cli.check_prefill_graph_flag(a)
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", prefill_graph_tokens=(16, 64),
+                                 parallel=ParallelConfig(tensor_parallel_size=2))
+    assert cfg.runner.prefill_graph_tokens == (16, 64) and cfg.parallel.tensor_parallel_size == 2
 
 
 @pytest.mark.parametrize("bad", [(16.5,), ("16",), (True,)])

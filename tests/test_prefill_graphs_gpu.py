@@ -1,4 +1,4 @@
-"""Piecewise prefill graphs captured as real CUDA graphs (rapidserve/prefill_graphs.py): the same logits and
+"""Piecewise prefill graphs captured as real CUDA graphs (rapidserve/runner/prefill_graphs.py): the same logits and
 K/V as the eager forward, padding rows write nothing, a mixed step's carried tokens reach the graphs, and a
 captured runner still serves forwards no bucket covers. The two-process engine replays them in
 tests/test_engine_gpu.py (its reference `LLM` runs prefill eager)."""

@@ -1,4 +1,4 @@
-"""Block-wise prefill (rapidserve/prefill_task.py) on CPU in fp32: however the layers are split into
+"""Block-wise prefill (rapidserve/runner/prefill_task.py) on CPU in fp32: however the layers are split into
 blocks, and whatever task runs between two blocks (a preemption), the logits and every K/V written are
 bit-identical to the one-shot `ModelRunner.prefill`."""
 
@@ -11,8 +11,8 @@ import torch
 
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import resolve_model
-from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner, PrefillItem
+from rapidserve.runner.prefill_task import PrefillTask
 
 BS = 16
 

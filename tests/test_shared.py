@@ -16,10 +16,10 @@ from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.config import EngineConfig, ModelConfig
 from rapidserve.kv_pool import KVPool, KVPoolSpec
 from rapidserve.llm import build_engine_config
-from rapidserve.model_sharing import SharedState, SharedStateError, attach_model, export_shared, shared_bytes
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.runner import ModelRunner, PrefillItem, resolve_dtype
+from rapidserve.runner.model_sharing import SharedState, SharedStateError, attach_model, export_shared, shared_bytes
 
 PROMPT = [(7 * i + 3) % 1200 for i in range(20)]  # 20 tokens: one full block of 16 and a partial one
 PARENT_BLOCKS, CHILD_BLOCKS = [0, 1], [5, 9]

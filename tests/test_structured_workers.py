@@ -1,8 +1,8 @@
-"""Structured outputs in the real decode, prefill and hybrid workers, in this process (the channels
-are lists: tests/test_worker_faults.py's harness), on a tiny preset given a small trained tokenizer
-(`--tokenizer`): outputs follow the grammar across the prefill -> decode hand-off (decode replays the
-tokens it knows into its own matcher), under preemption by recompute, and every matcher is released
-once its request stops running (finished, aborted, preempted); a request whose grammar cannot compile
+"""Structured outputs in the real decode and prefill workers (hybrid mode: the decode worker alone, fused
+steps), in this process (the channels are lists: tests/test_worker_faults.py's harness), on a tiny preset given
+a small trained tokenizer (`--tokenizer`): outputs follow the grammar across the prefill -> decode hand-off
+(decode replays the tokens it knows into its own matcher), under preemption by recompute, and every matcher is
+released once its request stops running (finished, aborted, preempted); a request whose grammar cannot compile
 in a worker fails alone."""
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ import torch
 
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.loader import resolve_model
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from tests.test_worker_faults import FakeIO, _decode_worker, _prefill_for_decode, _prefill_worker, _run_ahead, _submit
+from tests.test_worker_faults import (
+    FakeIO,
+    _decode_worker,
+    _fused_worker,
+    _prefill_for_decode,
+    _prefill_worker,
+    _run_ahead,
+    _submit,
+)
 
 REGEX = "[0-9]{6}-[a-z]{2}"
 
@@ -119,7 +126,7 @@ def test_rapid_decode_follows_the_grammar_across_preemption_and_releases_every_m
 def test_hybrid_ahead_follows_the_grammar_and_releases_matchers_on_abort(setup: tuple[Any, ModelRunner, Any]) -> None:
     cfg, runner, hf = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     so = StructuredOutputs(regex=REGEX)
     w.grammar.prepare("warm", so)  # compiled and cached first: the requests are ready on arrival, whatever the load
     _compiled(w.grammar)
@@ -160,7 +167,7 @@ def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[An
     constrained one and an unconstrained one."""
     cfg, runner, hf = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     bad = StructuredOutputs(regex="[a-z]{3}")
     fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
     io.inbox += [req("ok", StructuredOutputs(regex=REGEX), seed=1), req("bad", bad, seed=2), free_text("free")]
@@ -170,7 +177,7 @@ def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[An
     assert texts["ok"][1] == "stop" and re.fullmatch(REGEX, texts["ok"][0])
     assert texts["free"][1] == "length" and "bad" not in texts
     w.publish()
-    assert len(w.grammar) == 0 and w.blocks.num_free == w.blocks.num_blocks
+    assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks
 
 
 def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest_go_on(

@@ -154,7 +154,7 @@ def test_followers_replay_the_leader(model: str, tp: int) -> None:
 
 @pytest.mark.parametrize(("model", "tp"), [("preset:tiny-llama", 2), ("preset:tiny-qwen3", 2)])
 def test_followers_replay_the_leaders_piecewise_prefill_graphs(model: str, tp: int) -> None:
-    """Prefill graphs under tensor parallelism (rapidserve/prefill_graphs.py): every rank captures the pieces
+    """Prefill graphs under tensor parallelism (rapidserve/runner/prefill_graphs.py): every rank captures the pieces
     (their all-reduces run on every rank), the leader's prefill and the followers' replays of it go through
     them (the 11-token batch: bucket 16), and the tokens equal one process's, eager."""
     cfg, source = _config(model)
@@ -254,7 +254,7 @@ class _CaptureLog:
     ("prefill", "rapid", [("prefill", "prefill:split16", "split16"),
                           ("prefill", "prefill:overallocated", "overallocated")]),
     ("prefill", "drift", []),  # block-wise prefill captures nothing
-    ("hybrid", "rapid", [("decode", None, "default"), ("prefill", None, "default")]),
+    ("hybrid", "rapid", [("decode", None, "overallocated"), ("prefill", None, "overallocated")]),
 ])
 def test_every_rank_captures_the_same_graphs_in_the_plans_order(role: str, policy: str,
                                                                  want: list[tuple[str, object, str]]) -> None:

@@ -16,8 +16,8 @@ __all__ = ["fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workl
 THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
     ("req/s", "request_throughput", ".2f"), ("output tok/s", "output_throughput", ".1f"),
-    ("total tok/s", "total_token_throughput", ".1f"), ("goodput (req/s)", "goodput", ".2f"),
-    ("goodput RAPID TTFT (req/s)", "goodput_rapid_ttft", ".2f"))
+    ("total tok/s", "total_token_throughput", ".1f"), ("--goodput SLO-met req/s at this rate", "goodput", ".2f"),
+    ("TTFT-rule req/s at this rate", "goodput_rapid_ttft", ".2f"))
 LATENCIES: tuple[tuple[str, str], ...] = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
                                           ("E2E", "e2el_ms"))
 STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
@@ -73,9 +73,12 @@ def to_markdown(result: Mapping[str, Any]) -> str:
         f"- server: {result.get('base_url')}, model `{result.get('model')}`",
         f"- workload: {workload_title(result.get('workload', {}))} ({_workload_details(result.get('workload', {}))})",
         *_arrivals(result),
-        "- goodput: completed requests per second meeting "
+        "- per-rate SLO goodput (`--goodput`, not the searched goodput of `--goodput-search`): completed requests "
+        "per second of each run meeting "
         + (", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) if slos else "(no --goodput bounds given)")
-        + "; RAPID TTFT goodput: TTFT <= 1 s per 1K prompt tokens",
+        + " (itl: the request's largest gap); TTFT-rule req/s: those with TTFT <= 1 s per 1K prompt tokens. The "
+        "papers' goodput (the highest Poisson rate at which a share of requests meet a p95 ITL bound and the TTFT "
+        "rule) is `rapidserve bench --goodput-search`",
         f"- {result.get('created')}", "",
         "| rate (req/s) | " + " | ".join(c[0] for c in THROUGHPUT_COLUMNS) + " |",
         "|---" * (len(THROUGHPUT_COLUMNS) + 1) + "|",
@@ -150,8 +153,11 @@ def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool
     with open(paths["md"], "w") as f:
         f.write(to_markdown(result))
     if plot and result.get("runs"):
-        from rapidserve.benchmark.plot import plot_sweeps
+        from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_sweeps
 
+        if not have_matplotlib():
+            print(f"rapidserve bench: no {base}.png: {PLOT_NEEDS}", flush=True)
+            return paths
         paths["png"] = base + ".png"
         plot_sweeps([result], paths["png"], title=f"{result.get('label')}: "
                                                   f"{workload_title(result.get('workload', {}))}")

@@ -2,7 +2,7 @@
 
 Same seat, messages and invariants as `PrefillWorker` (engine/prefill_worker.py), whose queue, sampling,
 publishing and failure isolation it reuses; what differs is how a batch runs:
-* block-wise: a batch is a `PrefillTask` (rapidserve/prefill_task.py) launched a block of layers at a
+* block-wise: a batch is a `PrefillTask` (rapidserve/runner/prefill_task.py) launched a block of layers at a
   time, each block sized (`layers_per_block`) to return before decode's concurrent step ends, so a
   decision is due every block;
 * query-based synchronisation: after launching a block the loop never waits for it; it polls the
@@ -47,8 +47,8 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.drift import DriftDecision, LinearModel, RunningPrefill, decide_drift
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
-from rapidserve.prefill_task import PrefillTask
 from rapidserve.runner import ModelRunner, PrefillItem
+from rapidserve.runner.prefill_task import PrefillTask
 
 POLL_S = 0.0002  # a block in flight: how long the loop sleeps between polls (a message wakes it sooner)
 IDLE_S = 0.1  # nothing to do: the doorbell wakes the loop for the next message

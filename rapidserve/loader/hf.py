@@ -1,8 +1,9 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
 
-Only headers are read when the folder is resolved (to check every tensor the config needs is there
-with the right shape); `weights()` then streams one tensor at a time through `safe_open`, and
-`shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the
+Only config.json, the quantization side files and the safetensors headers are read when the folder is
+resolved (to refuse a quantized checkpoint by name, `quant.py`, then to check every tensor the config
+needs is there with the right shape); `weights()` then streams one tensor at a time through `safe_open`,
+and `shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the
 rank's rows or columns (`parallel.shard.shard_bounds`) from the memory-mapped file.
 """
 
@@ -18,6 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.loader.hub import display_name
+from rapidserve.loader.quant import refuse_quantized, refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 from rapidserve.parallel.shard import TPLayout, pad_vocab, shard_bounds, shard_kind
 
@@ -152,17 +155,24 @@ def _weight_files(folder: str) -> list[str]:
     raise ModelLoadError(folder, f"no {SINGLE_FILE} or {INDEX_FILE} in the folder{hint}")
 
 
-def read_safetensors_headers(files: Iterable[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (file, shape) over all files; a truncated or corrupt file raises naming it."""
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+def read_safetensors_index(files: Iterable[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """name -> (file, shape, safetensors dtype such as "BF16" or "F8_E4M3") over all files, from the headers
+    alone; a truncated or corrupt file raises naming it."""
+    found: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+                    view = f.get_slice(name)
+                    found[name] = (file, tuple(view.get_shape()), str(view.get_dtype()))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(file, f"truncated or corrupt safetensors file: {e}") from e
     return found
+
+
+def read_safetensors_headers(files: Iterable[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (file, shape) over all files; a truncated or corrupt file raises naming it."""
+    return {name: (file, shape) for name, (file, shape, _) in read_safetensors_index(files).items()}
 
 
 def _read_each(names: dict[str, str],
@@ -218,31 +228,47 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     return _read_each(names, read)
 
 
-def load_hf_folder(folder: str) -> ModelSource:
-    """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
-    folder = os.path.abspath(folder)
+def read_hf_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """The ModelConfig of a Hugging Face folder's config.json (and the parsed file); no weights are read.
+    A checkpoint that declares a quantization method (config.json or a side file) is refused here, so both
+    its real load and `--load-format dummy` of it (random float weights, not the method's) say so."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(folder, "the folder has no config.json")
     d = _read_json(cfg_path)
     if not isinstance(d, dict):
         raise ModelLoadError(cfg_path, "config.json is not a JSON object")
-    config = config_from_hf_dict(d, cfg_path, name=os.path.basename(folder.rstrip(os.sep)) or "model")
-    found = read_safetensors_headers(_weight_files(folder))
-    check_tensor_shapes({n: s for n, (_, s) in found.items()}, config, folder,
-                        files={n: f for n, (f, _) in found.items()})
-    shapes = expected_tensor_shapes(config)
-    needed = {name: found[name][0] for name in shapes}
+    refuse_quantized(d, folder)  # a quantized checkpoint's weights would load wrong without a word
+    return config_from_hf_dict(d, cfg_path, name=display_name(folder) or "model"), d
+
+
+def tokenizer_of(folder: str) -> tuple[str | None, str | None]:
+    """(the folder, if it holds tokenizer files; its chat template, if any)."""
     has_tokenizer = any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
+    return (folder if has_tokenizer else None), _chat_template(folder)
+
+
+def load_hf_folder(folder: str) -> ModelSource:
+    """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
+    folder = os.path.abspath(folder)
+    config, d = read_hf_config(folder)
+    found = read_safetensors_index(_weight_files(folder))
+    shapes = expected_tensor_shapes(config)
+    refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
+    check_tensor_shapes({n: s for n, (_, s, _) in found.items()}, config, folder,
+                        files={n: f for n, (f, _, _) in found.items()})
+    needed = {name: found[name][0] for name in shapes}
+    tokenizer_dir, chat_template = tokenizer_of(folder)
     dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
     return ModelSource(
         config=config,
         weights=lambda: stream_safetensors(needed),
         shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay),
         num_tensors=len(needed),
-        tokenizer_dir=folder if has_tokenizer else None,
+        tokenizer_dir=tokenizer_dir,
         tokenizer_file=None,
-        chat_template=_chat_template(folder),
+        chat_template=chat_template,
+        hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
                     f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
     )

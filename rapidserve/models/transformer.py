@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
-        rapidserve/prefill_graphs.py, captures the two halves and runs attention between them)."""
+        rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them)."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
         o = attend(attn, q, kv[0], kv[1], meta, self.cfg.head_dim**-0.5)
         return self.post_attention(o, residual, ops)
@@ -167,7 +167,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], for every input token.
 
-        The same three pieces a block-wise prefill calls one at a time (rapidserve/prefill_task.py):
+        The same three pieces a block-wise prefill calls one at a time (rapidserve/runner/prefill_task.py):
         `embed`, `run_layers` over [0, L), `final_norm`; the same operations in the same order, so a
         forward split at layer boundaries gives bit-identical hidden states."""
         if len(kv_caches) != len(self.layers):

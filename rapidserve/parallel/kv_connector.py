@@ -106,7 +106,7 @@ class EventTransfer:
 @dataclass(frozen=True)
 class SharedPool:
     """The decode pool as the start-up hand-off carries it: on a GPU, pickled as a CUDA/HIP IPC handle
-    of its allocation (never a copy); on CPU, a tensor in POSIX shared memory (model_sharing.py says how
+    of its allocation (never a copy); on CPU, a tensor in POSIX shared memory (runner/model_sharing.py says how
     the pipe's pickler does both). Only the pool travels, not the weights."""
 
     kv: torch.Tensor

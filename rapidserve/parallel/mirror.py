@@ -74,7 +74,7 @@ class Arr(msgspec.Struct, array_like=True, frozen=True):
 class Forward(msgspec.Struct, tag=True, frozen=True):
     """One model call: `kind` prefill (arrays: ids, positions, tables, slots, ctx, cu, want) or decode
     (ids, positions, tables, ctx, slots); `carry_seq` the `Sampled.seq` whose tokens `carry_rows` feed.
-    A block-wise prefill (rapidserve/prefill_task.py) is several calls of one `task`: prefill_begin (the
+    A block-wise prefill (rapidserve/runner/prefill_task.py) is several calls of one `task`: prefill_begin (the
     prefill arrays; the embedding), prefill_block (decoder `layers` [start, end)), prefill_end (the final
     norm and the logits); tasks may interleave (a preemption), each call names its task."""
 

@@ -66,6 +66,9 @@ class Profile(msgspec.Struct, frozen=True):
     # --shard-of-tp N`): its figures hold no collectives; the engine adds them from the roofline's link model
     # (`roofline.with_collectives`) when it serves at that tensor-parallel size
     tensor_parallel_size: int = 1
+    # how the figures were made beyond `source`, for the start-up log (an auto-profile measured at start:
+    # how many cells were measured, the others being the roofline's scaled by them; partition/autoprofile.py)
+    note: str = ""
 
     def configuration(self, name: str) -> Configuration | None:
         for c in self.configurations:
@@ -344,12 +347,11 @@ def slug(text: str) -> str:
 
 
 def model_label(model: str) -> str:
-    """The model name a profile records: presets keep 'preset:NAME', paths their last component."""
-    if model in ("", "default"):
-        return "SmolLM2-135M-Instruct"
-    if model.startswith("preset:"):
-        return model
-    return os.path.basename(os.path.normpath(model))
+    """The model name a profile records: presets keep 'preset:NAME', paths their last component (a Hub cache
+    snapshot its repository's name, `dummy:` the model it randomizes: the same shapes, the same timings)."""
+    from rapidserve.loader.hub import display_name
+
+    return display_name(model)
 
 
 def profile_filename(gpu: str, model: str, tp: int = 1) -> str:

@@ -16,11 +16,15 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rapidserve.config import EngineConfig, PartitionConfig
 from rapidserve.partition.profile import OVERALLOCATED, Profile
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profiler import ProfileSpec
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -43,27 +47,6 @@ def _share_list(text: str) -> tuple[float, ...]:
     return vals
 
 
-# Model flags `rapidserve profile` shares with serve but does not read: (dest, flag, why). Given, they are refused
-# rather than silently ignored.
-UNREAD_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("max_num_seqs", "--max-num-seqs", "its decode batches are --batch-buckets"),
-    ("max_num_batched_tokens", "--max-num-batched-tokens", "its prefill forwards hold --prefill-tokens tokens"),
-    ("prefill_batch_tokens", "--prefill-batch-tokens", "its prefill forwards hold --prefill-tokens tokens"),
-    ("enable_prefix_caching", "--enable-prefix-caching", "it caches no prompts"),
-    ("async_scheduling", "--async-scheduling", "it runs no hybrid scheduler"),
-    ("prefill_graph_tokens", "--prefill-graph-tokens", "it captures no prefill graphs: its prefill forwards run "
-     "eager, as the engine's longer-than-any-bucket ones do"),
-)
-
-
-def unread_flags(a: argparse.Namespace) -> list[str]:
-    """The flags of UNREAD_FLAGS given with another value than their default (`a.unread_defaults`), each with why
-    the profile does not read it."""
-    defaults = getattr(a, "unread_defaults", {})
-    return [f"{flag}: not read by `rapidserve profile` ({why}); drop it" for dest, flag, why in UNREAD_FLAGS
-            if dest in defaults and getattr(a, dest, defaults[dest]) != defaults[dest]]
-
-
 def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentParser], None],
                        add_partition_args: Callable[..., None], positive_int: Callable[[str], int]) -> None:
     p = sub.add_parser("profile", help="measure decode latency vs compute share (the partition profile)",
@@ -82,11 +65,10 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
                    help="measure one rank's shard of the model under tensor parallel N, alone on this GPU "
                         "(random weights of the shard's shapes; the engine adds the collectives from its link "
                         "model when it serves with -tp N); written to profiles/<gpu>__<model>__tpN.json")
-    p.set_defaults(func=cmd_profile, unread_defaults={d: p.get_default(d) for d, _, _ in UNREAD_FLAGS})
+    p.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from rapidserve.config import PartitionConfig
     from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
     from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
@@ -94,27 +76,26 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.partition.runtime import gpu_name
     from rapidserve.runner import ModelRunner
 
-    unread = unread_flags(a)
-    if unread:
-        print("rapidserve profile: " + "; ".join(unread), file=sys.stderr)
-        return 2
     spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)
-    longest = max(max(spec.context_buckets), spec.prefill_tokens) + a.block_size
+    # The model flags are built as given, so that the one flag check (policy_spec, run "profile") refuses those the
+    # profile does not read before anything loads; then `for_profiling` puts the profile's own sizes in their place.
     # --max-model-len is checked against the model's max_position_embeddings as in every run (unless
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN); the length the buckets need may pass it: they measure timings, not text
     cfg, source = build_engine_config(
         a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         allow_long_max_model_len=allow_long_max_model_len(os.environ),
         gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
-        max_num_seqs=max(spec.batch_buckets), max_num_batched_tokens=spec.prefill_tokens,
-        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend)
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        prefill_batch_tokens=a.prefill_batch_tokens, enable_prefix_caching=a.enable_prefix_caching,
+        async_scheduling=a.async_scheduling, prefill_graph_tokens=a.prefill_graph_tokens,
+        enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend,
+        quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, run="profile",
+        revision=a.revision, download_dir=a.download_dir, load_format=a.load_format,
+        partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
     if a.shard_of_tp > 1:
         cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)
-    sched = dataclasses.replace(cfg.scheduler, max_model_len=max(longest, a.max_model_len or 0),
-                                allow_long_max_model_len=True)
-    cfg = dataclasses.replace(
-        cfg, scheduler=sched, runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets),
-        partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
+    cfg = for_profiling(cfg, spec, PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms,
+                                                   decode_shares=a.decode_shares))
     runner = ModelRunner(cfg, source)
     kind = detect_kind(runner.device) if a.partition_backend == "auto" else a.partition_backend
     g = device_granularity(kind, runner.device)
@@ -139,6 +120,22 @@ def cmd_profile(a: argparse.Namespace) -> int:
     print(slo_table(run.profile, a.slo_itl_ms))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def for_profiling(cfg: EngineConfig, spec: ProfileSpec, partition: PartitionConfig) -> EngineConfig:
+    """`cfg` as the profiler runs it (here and at a serve's start, partition/autoprofile.py): one process and
+    GPU, decode graphs of the batch buckets, a scheduler holding the largest batch, forwards of `prefill_tokens`
+    and the longest context or forward (past the model's positions if need be: timings, not text)."""
+    from rapidserve.config import LaunchConfig, ParallelConfig
+
+    longest = max(max(spec.context_buckets), spec.prefill_tokens) + cfg.cache.block_size
+    sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max(spec.batch_buckets),
+                                max_num_batched_tokens=spec.prefill_tokens, prefill_batch_tokens=None,
+                                max_model_len=max(longest, cfg.scheduler.max_model_len or 0),
+                                allow_long_max_model_len=True)
+    return dataclasses.replace(cfg, scheduler=sched, partition=partition, parallel=ParallelConfig(),
+                               launch=LaunchConfig(),
+                               runner=dataclasses.replace(cfg.runner, graph_batch_sizes=spec.batch_buckets))
 
 
 def shard_of_tp(cfg: Any, source: Any, tp: int) -> tuple[Any, Any]:

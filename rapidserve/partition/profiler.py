@@ -36,7 +36,8 @@ class ProfileSpec:
     context_buckets: tuple[int, ...] = (512, 2048, 8192)
     prefill_tokens: int = 4096
     decode_reps: int = 20  # replays timed for "alone"
-    min_window_s: float = 0.25  # the prefill thread runs at least this long (and 2 forwards)
+    min_window_s: float = 0.25  # the prefill thread runs at least this long
+    min_prefill_forwards: int = 3  # and this many forwards, the first (a warm-up) untimed
 
     def __post_init__(self) -> None:
         for name in ("batch_buckets", "context_buckets"):
@@ -45,6 +46,8 @@ class ProfileSpec:
                 raise ValueError(f"{name}={v} must be strictly ascending positive integers")
         if self.prefill_tokens <= 0 or self.decode_reps < 3:
             raise ValueError("prefill_tokens must be > 0 and decode_reps >= 3")
+        if self.min_prefill_forwards < 2:
+            raise ValueError("min_prefill_forwards must be >= 2 (the first is a warm-up, not timed)")
 
 
 @dataclass
@@ -128,8 +131,8 @@ class Profiler:
 
     def prefill_loop(self, config: str, items: list[PrefillItem], started: threading.Event,
                      stop: threading.Event, out: list[Any]) -> None:
-        """Prefill forwards until `stop` (at least 3 and `min_window_s`); appends tokens/s to `out`,
-        or the exception that ended it."""
+        """Prefill forwards until `stop` (at least `min_prefill_forwards` and `min_window_s`); appends tokens/s
+        to `out`, or the exception that ended it."""
         try:
             self._prefill_loop(config, items, started, stop, out)
         except BaseException as e:  # noqa: BLE001 - handed to the measuring thread
@@ -151,7 +154,7 @@ class Profiler:
                     t0 = time.perf_counter()  # the first forward warms up; time the others
                 n += 1
                 dt = time.perf_counter() - t0
-                if n >= 3 and dt >= self.spec.min_window_s and stop.is_set():
+                if n >= self.spec.min_prefill_forwards and dt >= self.spec.min_window_s and stop.is_set():
                     break
                 if dt > 30:  # a stuck measurement must not hang the profiler
                     break
@@ -194,6 +197,16 @@ def entry_of(config: str, batch: int, context: int, m: Measurement) -> Entry:
                  percentile(m.beside_ms, 50), percentile(m.beside_ms, 95), m.prefill_tokens_per_s)
 
 
+def prepare(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpec,
+            show_progress: bool = True) -> tuple[Profiler, list[PrefillItem]]:
+    """Capture the decode graphs of every configuration; the profiler and its prefill inputs."""
+    for c in backend.configurations:
+        runner.capture_decode_graphs(backend.stream(c.name, "decode"), key=c.name, show_progress=show_progress,
+                                     whole_gpu=c.decode_whole)
+    prof = Profiler(runner, backend, spec)
+    return prof, prof.prefill_items()
+
+
 def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpec, gpu: str, model: str,
                 show_progress: bool = True) -> ProfileRun:
     """Capture decode graphs per configuration, then measure every cell. Progress bar on stderr."""
@@ -201,11 +214,7 @@ def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpe
 
     t0 = time.perf_counter()
     configs: list[Configuration] = backend.configurations
-    for c in configs:
-        runner.capture_decode_graphs(backend.stream(c.name, "decode"), key=c.name, show_progress=show_progress,
-                                     whole_gpu=c.decode_whole)
-    prof = Profiler(runner, backend, spec)
-    pitems = prof.prefill_items()
+    prof, pitems = prepare(runner, backend, spec, show_progress)
     solo = prof.solo_prefill(configs[0].name, pitems)
     cells = [(c.name, b, x) for c in configs for b in spec.batch_buckets for x in spec.context_buckets]
     entries = []

@@ -223,13 +223,25 @@ def mixed_operators(
     if any(c < 1 for c in contexts) or any(n < 1 or p < 0 for n, p in chunks) or not (contexts or chunks):
         raise ValueError(f"contexts={list(contexts)} and chunks={list(chunks)}: need work, contexts >= 1, "
                          "chunk tokens >= 1, prefixes >= 0")
+    return mixed_operators_summed(cfg, len(contexts), sum(contexts), chunks, tp=tp, dtype_bytes=dtype_bytes)
+
+
+def mixed_operators_summed(
+    cfg: ModelConfig, batch: int, context_sum: int, chunks: Sequence[tuple[int, int]], *, tp: int = 1,
+    dtype_bytes: int = 2,
+) -> list[Operator]:
+    """`mixed_operators` of `batch` decode rows whose contexts add up to `context_sum`: the decode rows' attention
+    is linear in each context, so their sum is all it needs (a policy's search over chunk sizes sums once)."""
+    if batch < 0 or context_sum < batch or any(n < 1 or p < 0 for n, p in chunks) or not (batch or chunks):
+        raise ValueError(f"batch={batch}, context_sum={context_sum} and chunks={list(chunks)}: need work, contexts "
+                         ">= 1, chunk tokens >= 1, prefixes >= 0")
     (heads, kv_heads, _, _), d, b = _tp_sizes(cfg, tp), cfg.head_dim, dtype_bytes
-    flops = sum(4 * heads * d * c for c in contexts)
-    io = sum((2 * kv_heads * d * c + 2 * heads * d) * b for c in contexts)
+    flops = 4 * heads * d * context_sum
+    io = (2 * kv_heads * d * context_sum + 2 * heads * d * batch) * b
     flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
     io += sum((2 * n * heads * d + 2 * kv_heads * d * (p + n)) * b for n, p in chunks)
-    tokens = len(contexts) + sum(n for n, _ in chunks)
-    return _step_ops(cfg, tokens, len(contexts) + len(chunks), flops, io, tp, b)
+    tokens = batch + sum(n for n, _ in chunks)
+    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b)
 
 
 def totals(ops: Sequence[Operator]) -> tuple[float, float]:

@@ -1,9 +1,11 @@
 """The partition plan of a run, and the decode worker's side of the adaptive manager.
 
 `resolve_plan` (decode worker, at start-up) fixes the configurations and, for `adaptive`, the
-profile the manager reads: the measured `profiles/<gpu>__<model>.json` when it exists (validated,
-refused when it is for another GPU or model, or asks for splits this device cannot make), otherwise a
-roofline estimate from peaks measured now, and says so. The prefill worker receives the same
+profile the manager reads: the one given (`--profile`, or the profile `rapidserve serve` measured or
+found in the user's cache at start, partition/autoprofile.py), else the measured
+`profiles/<gpu>__<model>.json` when it exists (validated, refused when it is for another GPU or model,
+or asks for splits this device cannot make), otherwise a roofline estimate from peaks measured now, and
+says so. The prefill worker receives the same
 configurations through the start-up hand-off, so both processes create identical splits.
 
 `DecodePartition` is applied at decode step boundaries: `advance()` calls the pure `decide()` and
@@ -201,6 +203,7 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         return PartitionPlan(kind, list(prof.configurations), prof,
                              f"adaptive, policy {p.policy}, measured profile {path} "
                              f"({len(prof.configurations)} configurations, {kind}"
+                             + (f"; {prof.note}" if prof.note else "")
                              + (f"; a shard of tensor parallel {tp}" if shard else "")
                              + (f"; a WHOLE-MODEL profile at tensor parallel {tp}: its figures are not this rank's "
                                 f"(`rapidserve profile --shard-of-tp {tp}` measures them)" if tp > 1 and not shard
@@ -392,6 +395,14 @@ class DecodePartition:
                       prefill_tokens=pending.tokens if prefill_pending and pending else None,
                       prefill_longest=pending.longest if prefill_pending and pending else None,
                       prefill_budget=self.prefill_budget, interpolate=self.pcfg.profile_lookup == "interpolate")
+
+    def use(self, name: str, reason: str) -> Switch | None:
+        """Hold configuration `name` from the next step on, as a step shape chose it (partition/shape.py;
+        the decode worker switches its stream); the Switch when it is a change, None when it is current."""
+        if name == self.state.config:
+            return None
+        old, self.state = self.state.config, make_state(name)
+        return self._switched(Switch(time.monotonic(), old, name, 0, 0, False, reason))
 
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)

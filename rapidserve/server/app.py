@@ -10,14 +10,19 @@ nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/req
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
 bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
-detokenized incrementally (stop strings matched on the text, left out of the output); a
+detokenized incrementally (stop strings matched on the text, left out of the output unless
+include_stop_str_in_output, as is the text of the stop token that ended it); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
-blocks. One log line per request when it ends.
+blocks (a client gone is one DEBUG line, whenever it left). One log line per request when it ends;
+while the app runs, every log record is scrubbed of the API key and Authorization values
+(server/redact.py).
 
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
 the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
 and a non-stream request with 503 + Retry-After. Every engine request is counted once in
-`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine).
+`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine); a request
+refused with a 503 before it reached the engine, in `request_rejected_total` (server/metrics.py). The
+request gauges are the server's own counts of the choices in flight (`Choice.state`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import web
 
@@ -42,8 +48,9 @@ from rapidserve.engine.messages import TokenOut
 from rapidserve.server.body import check_headers
 from rapidserve.server.detokenizer import IncrementalDetokenizer
 from rapidserve.server.errors import APIError
-from rapidserve.server.metrics import Metrics
+from rapidserve.server.metrics import Metrics, request_gauges
 from rapidserve.server.openapi import openapi_document
+from rapidserve.server.redact import Redactor, install
 from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
 from rapidserve.server.responses import (
     chat_role_chunk,
@@ -54,13 +61,16 @@ from rapidserve.server.responses import (
     usage_chunk,
     usage_dict,
 )
+from rapidserve.server.startup import REQUEST_LOG
+from rapidserve.server.utility_routes import UTILITY_PUBLIC_PATHS, add_utility_routes
 from rapidserve.structured import GrammarTrials
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OnDelta = Callable[["Choice", str, TokenOut], Awaitable[None]]
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})  # answered without the API key
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", *UTILITY_PUBLIC_PATHS})  # answered without the API key
+request_log = logging.getLogger(REQUEST_LOG)  # the one line per request (--disable-log-requests: off)
 # a stream's response once prepared (web.RequestKey from aiohttp 3.13; a plain key before)
 _STREAM_KEY: Any = (web.RequestKey("rapidserve_stream", web.StreamResponse) if hasattr(web, "RequestKey")
                     else "rapidserve_stream")
@@ -85,6 +95,9 @@ class Choice:
     t_end: float | None = None  # when its engine request ended (monotonic)
     cached_tokens: int | None = None  # prompt tokens the engine found in its prefix cache
     queue: float | None = None  # arrival to its first prompt chunk queued on the device (engine's PhaseTimes)
+    # where it is, for the request gauges: "queued" (admitted, not yet handed to the engine), "pending" (in the
+    # engine, no token yet), "decoding" (a token came), "done" (its engine request ended)
+    state: Literal["queued", "pending", "decoding", "done"] = "queued"
 
 
 def grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
@@ -95,22 +108,25 @@ def grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
                  tokenizer: Tokenizer | None,
-                 model_name: str, tool_parser: str | None = None, trials: GrammarTrials | None = None) -> None:
+                 model_name: str, tool_parser: str | None = None, aliases: Sequence[str] = (),
+                 trials: GrammarTrials | None = None) -> None:
         """`trials`: the admission checks of structured-output constraints (`grammar_trials`; made here
         when not given and the model has a tokenizer)."""
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
+        self.model_names = (model_name, *aliases)
         self.metrics = Metrics(model_name)
         if trials is None and tokenizer is not None:
             trials = grammar_trials(ecfg, tokenizer)
-        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser,
-                                         trials=trials)
+        self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
+                                   cfg.max_tokens_default(ecfg.generation), tool_parser,
+                                   cfg.trust_request_chat_template, ecfg.generation, trials=trials)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
         self.ending: str | None = None  # set by end_all(): why every request still in flight was ended
         self._active: set[asyncio.Future[Any]] = set()  # the generation of each request in flight
+        self._requests: dict[str, list[Choice]] = {}  # the choices of each admitted request, by id, until its end
         self._key = cfg.api_key.encode() if cfg.api_key is not None else None
         self._seq = itertools.count()
         self.created = int(time.time())
@@ -124,15 +140,31 @@ class Server:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
+        add_utility_routes(app, self.ctx, self.cfg, self._health)  # /tokenize, /detokenize, /version, /ping
+        app.cleanup_ctx.append(self._redacting)
         return app
+
+    async def _redacting(self, app: web.Application) -> AsyncIterator[None]:
+        """While the app runs, no log record carries the API key or an Authorization value (server/redact.py)."""
+        undo = install(Redactor([self.cfg.api_key] if self.cfg.api_key is not None else []))
+        try:
+            yield
+        finally:
+            undo()
 
     # ---- middleware: every failure is an OpenAI-style JSON error ----------------------------
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionError as e:
+            # the client went away (its body cut short, a response it no longer reads): its own doing, one DEBUG
+            # line; aiohttp would log the exception with an ERROR traceback. What is returned goes nowhere.
+            log.debug("client went away during %s %s: %s", request.method, request.path, type(e).__name__)
+            started = request.get(_STREAM_KEY)
+            return started if started is not None else _client_gone()
         except Exception as e:
             started = request.get(_STREAM_KEY)
             if started is None:
@@ -166,9 +198,13 @@ class Server:
         return path in PUBLIC_PATHS or (path == "/metrics" and self.cfg.metrics_public)
 
     def _key_ok(self, request: web.Request) -> bool:
+        """Whether the request carries `Authorization: Bearer <the key>`, the key compared in constant time.
+        aiohttp decodes header bytes that are not UTF-8 into lone surrogates; "surrogatepass" turns them
+        back into bytes that can never equal the (UTF-8) key, so any malformed credential is a plain no."""
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         assert self._key is not None
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._key)
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"),
+                                                                  self._key)
 
     # ---- simple routes ----------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -191,14 +227,20 @@ class Server:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "rapidserve",
-            "max_model_len": self.ecfg.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "rapidserve",
+            "max_model_len": self.ecfg.max_model_len} for name in self.model_names]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text. The request gauges are the server's own counts now (`request_gauges`: the
+        workers' periodic stats only say which requests without a token yet are being prefilled)."""
         s = self.engine.stats
         self.metrics.set_engine_counters(self.engine.restarts_total, self.engine.deaths_total)
+        where = Counter(c.state for choices in self._requests.values() for c in choices)
+        running, waiting = request_gauges(where["queued"], where["pending"], where["decoding"],
+                                          None if s is None else s.num_running + s.num_prefilling)
+        self.metrics.set_requests(running, waiting)
         if s is not None:
-            self.metrics.set_engine_stats(s.num_running + s.num_prefilling, s.num_waiting, s.kv_blocks_total,
+            self.metrics.set_engine_stats(running, waiting, s.kv_blocks_total,
                                           s.kv_blocks_free, s.num_preemptions, s.partition,
                                           s.prefix_cache_queries, s.prefix_cache_hits, s.partition_switches,
                                           s.partition_steps)
@@ -220,8 +262,11 @@ class Server:
         return await self._serve(request, "generate")
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        created = int(time.time())  # the request's arrival (unix s): in its response and every chunk of its stream
         if self.draining:
-            raise APIError(503, "the server is shutting down", "server_error", headers={"Retry-After": "5"})
+            self.metrics.observe_rejected("server_shutting_down")
+            raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down",
+                           headers={"Retry-After": "5"})
         check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
         try:  # a body trickled in slowly holds a connection like slow headers do
             raw = await asyncio.wait_for(request.read(), self.cfg.header_timeout_s)
@@ -231,6 +276,7 @@ class Server:
         req = await parse_request_async(kind, raw, self.ctx, max_choices=self.capacity)
         n = len(req.prompts) * req.params.n
         if self.inflight + n > self.capacity:
+            self.metrics.observe_rejected("overloaded")
             raise APIError(503, f"the server is at capacity ({self.capacity} requests); retry later",
                                  "server_error", code="overloaded", headers={"Retry-After": "1"})
         self.inflight += n
@@ -238,20 +284,22 @@ class Server:
         t0 = time.monotonic()
         choices = [Choice(i * req.params.n + j, list(p)) for i, p in enumerate(req.prompts)
                    for j in range(req.params.n)]
+        self._requests[rid] = choices
         try:
             if req.stream:
-                return await self._stream(request, req, rid, choices)
+                return await self._stream(request, req, rid, created, choices)
             await self._generate(rid, req, choices, None)
-            return web.json_response(self._final(req, rid, choices))
+            return web.json_response(self._final(req, rid, created, choices))
         except (EngineError, ValueError) as e:
             raise _api_error(e, req.structured_param) from None
         finally:
             self.inflight -= n
+            self._requests.pop(rid, None)
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
-            log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
-                     rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
-                     ",".join(str(c.finish_reason) for c in choices))
+            request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
+                             rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
+                             ",".join(str(c.finish_reason) for c in choices))
 
     def end_all(self, reason: str) -> int:
         """End every request in flight now (shutdown grace over, engine gone): streams get an error
@@ -265,22 +313,24 @@ class Server:
     async def _generate(self, rid: str, req: GenRequest, choices: list[Choice], on_delta: OnDelta | None,
                         prelude: Callable[[], Awaitable[None]] | None = None) -> None:
         """Run every choice of a request (after `prelude`, which a stream uses to begin its response);
-        the first failure ends the others. Counts each choice once in the metrics, however it ends.
-        Raises EngineError (at once when the engine is not ready; ServerStopping after end_all)."""
+        the first failure ends the others. Counts each choice once in the metrics, however it ends; a request
+        refused before it reached the engine (not ready, ending) counts as rejected instead, with no prompt
+        tokens. Raises EngineError (at once when the engine is not ready; ServerStopping after end_all)."""
         t0 = time.monotonic()
-        for c in choices:
-            self.metrics.add_prompt_tokens(len(c.prompt_ids))
+        refusal = self._refusal()
+        if refusal is not None:  # before a stream's response begins: a plain 503
+            raise refusal
         tasks: list[asyncio.Future[None]] = []
         group: asyncio.Future[Any] | None = None
         failure = "abort"  # a client that went away, a cancelled handler, end_all
         try:
-            if self.ending is not None:
-                raise ServerStopping(self.ending)
-            if self.engine.state != "ready":  # fail before a stream's response begins: a plain 503
-                raise EngineError(f"the engine is not ready ({self.engine.state}): "
-                                  f"{self.engine.dead_reason or 'try again shortly'}")
             if prelude is not None:
                 await prelude()
+                refusal = self._refusal()  # (it may have changed while the response began)
+                if refusal is not None:
+                    raise refusal
+            for c in choices:
+                self.metrics.add_prompt_tokens(len(c.prompt_ids))
             tasks = [asyncio.ensure_future(self._run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -291,7 +341,7 @@ class Server:
             if self.ending is None or _cancelling():
                 raise
             raise ServerStopping(self.ending) from None
-        except ConnectionResetError:
+        except ConnectionError:  # the client went away: an abort
             raise
         except Exception:
             failure = "error"
@@ -302,21 +352,36 @@ class Server:
             for t in tasks:
                 t.cancel()  # those still running after a failure; their engine requests are aborted
             now = time.monotonic()
-            for c in choices:
+            for c in choices if refusal is None else []:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
                                               c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
+
+    def _refusal(self) -> EngineError | None:
+        """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,
+        restarting, down), counted as a rejected request; None when one can."""
+        if self.ending is not None:
+            self.metrics.observe_rejected("server_shutting_down")
+            return ServerStopping(self.ending)
+        if self.engine.state != "ready":
+            self.metrics.observe_rejected("engine_unavailable")
+            return EngineError(f"the engine is not ready ({self.engine.state}): "
+                               f"{self.engine.dead_reason or 'try again shortly'}")
+        return None
 
     async def _run(self, rid: str, req: GenRequest, c: Choice, on_delta: OnDelta | None) -> None:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = p.for_sample(c.index % p.n)
-        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
+        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
+        c.state = "pending"
         try:
             async for tok in stream:
                 now = time.monotonic()
                 if c.ttft is None:
+                    c.state = "decoding"
                     c.ttft = now - t0
                     c.cached_tokens = tok.cached_tokens
                     self.metrics.observe_first_token(c.ttft)
@@ -330,7 +395,9 @@ class Server:
                 c.token_ids.append(tok.token_id)
                 c.logprobs.append(tok.logprob)
                 c.top_logprobs.append(tok.top_logprobs)
-                delta = detok.add(tok.token_id)
+                # the engine's "stop" is EOS or a stop token id: its text only with include_stop_str_in_output (vLLM)
+                stop_token = tok.finish_reason == "stop" and not p.include_stop_str_in_output
+                delta = "" if stop_token else detok.add(tok.token_id)
                 if detok.stopped:
                     c.finish_reason = "stop"
                 elif tok.finish_reason is not None:
@@ -345,18 +412,18 @@ class Server:
                     break
         finally:
             c.t_end = c.t_end or time.monotonic()
+            c.state = "done"
             await stream.aclose()  # aborts the engine request if it had not finished
 
-    def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        return final_response(req, rid, self.created, self.model_name, choices, _usage(req, choices), self.tok)
+    def _final(self, req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
+        return final_response(req, rid, created, self.model_name, choices, _usage(req, choices), self.tok)
 
-    async def _stream(self, request: web.Request, req: GenRequest, rid: str,
+    async def _stream(self, request: web.Request, req: GenRequest, rid: str, created: int,
                       choices: list[Choice]) -> web.StreamResponse:
         """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         lock = asyncio.Lock()
-        created = int(time.time())
 
         async def send(obj: dict[str, Any]) -> None:
             async with lock:
@@ -383,7 +450,7 @@ class Server:
             await self._generate(rid, req, choices, on_delta, prelude)
             if req.include_usage:
                 await send(usage_chunk(req, rid, created, self.model_name, _usage(req, choices)))
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away (or the handler was cancelled): nothing more can be sent
         except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response
             if not resp.prepared:
@@ -396,6 +463,15 @@ class Server:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _client_gone() -> web.Response:
+    """The answer to a request whose client went away before its response began (nginx's 499): only
+    sent if the connection was, against all likelihood, still open; then closed."""
+    resp = web.json_response(APIError(499, "the client closed the connection", code="client_closed_request").body(),
+                             status=499)
+    resp.force_close()
+    return resp
 
 
 def _error_body(e: Exception, structured_param: str | None = None) -> dict[str, Any]:

@@ -11,7 +11,11 @@ connections are `_GuardedHandler`s:
   for a request head);
 * cap: at `max_connections` open connections a new one makes room by closing the oldest idle one
   (one that waits for a request head); when every connection is busy with a request, the new one
-  gets a 503 and is closed at once.
+  gets a 503 and is closed at once;
+* malformed request heads (a header holding a NUL, DEL or bare CR, a line over aiohttp's 8190-byte
+  limit, a bad request line): the client's error, so one DEBUG line naming the kind of fault, never the
+  bytes (aiohttp's own path logs the raw header line, API key included, with an ERROR traceback), and
+  an OpenAI-style JSON 400 that does not echo them either.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, BadStatusLine, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger("rapidserve.server")
@@ -31,6 +36,18 @@ _FULL_BODY = json.dumps({"error": {
     "code": "too_many_connections"}}).encode()
 FULL_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
                  b"Connection: close\r\nContent-Length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY)
+
+
+def malformed_head_response(exc: BadHttpMessage, status: int) -> web.Response:
+    """The answer to a request head aiohttp could not parse: what kind of fault, never the bytes."""
+    what = ("a request line or header is longer than the server accepts" if isinstance(exc, LineTooLong)
+            else "the request line is malformed" if isinstance(exc, BadStatusLine)
+            else "a header is malformed (a NUL, DEL or bare CR in it, or no ':')")
+    body = {"error": {"message": f"malformed HTTP request: {what}", "type": "invalid_request_error",
+                      "param": None, "code": "bad_http_request"}}
+    resp = web.json_response(body, status=status)
+    resp.force_close()
+    return resp
 
 
 class _GuardedHandler(RequestHandler):
@@ -74,6 +91,13 @@ class _GuardedHandler(RequestHandler):
             self._disarm()
         elif self._head_timer is None and self.waits_for_head():  # the first bytes of a later request
             self._arm()
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if not isinstance(exc, BadHttpMessage) or status >= 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed request from %s: %s (%d)", request.remote, type(exc).__name__, status)
+        return malformed_head_response(exc, status)
 
     def _arm(self) -> None:
         self._disarm()

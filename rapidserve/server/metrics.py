@@ -16,15 +16,19 @@ never share series. Every series carries a ``model_name`` label. Exposed names:
   in rapid mode the route prefill -> decode -> router); and, as vLLM's,
   ``rapidserve:request_decode_time_seconds`` (first token to the end) and
   ``rapidserve:request_inference_time_seconds`` (first chunk queued to the end);
-* gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting``,
-  ``rapidserve:kv_cache_usage_perc`` (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
+* gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting`` (engine requests, from
+  the server's own count of those in flight at the scrape: `request_gauges`), ``rapidserve:kv_cache_usage_perc``
+  (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
 * counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
   ``rapidserve:request_success_total{finished_reason="..."}`` (stop, length, abort: the client went
   away or the server stopped it, error: the engine failed it), ``rapidserve:num_preemptions_total``,
   ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``,
   ``rapidserve:prefix_cache_queries_total`` and ``rapidserve:prefix_cache_hits_total`` (prompt tokens
   looked up in the prefix cache, and found there; vLLM's names), ``rapidserve:partition_steps_total{config="..."}``
-  (decode steps launched in each compute partition configuration) and ``rapidserve:partition_switches_total``.
+  (decode steps launched in each compute partition configuration) and ``rapidserve:partition_switches_total``;
+  ``rapidserve:request_rejected_total{reason="..."}``: HTTP requests refused with a 503 before reaching the
+  engine, by the error code the client got (overloaded, engine_unavailable, server_shutting_down); they count
+  no prompt tokens and are not in ``request_success_total``.
 
 prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
 """
@@ -45,6 +49,7 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 
 # Reasons pre-created at 0 so that rate() works before the first request of each kind finishes.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("overloaded", "engine_unavailable", "server_shutting_down")
 
 _P = "rapidserve:"
 
@@ -87,7 +92,7 @@ class Metrics:
         self._inference = hist("request_inference_time_seconds", "First prompt chunk queued to the request's end.",
                                E2E_BUCKETS).labels(model_name)
 
-        self._running = Gauge(_P + "num_requests_running", "Requests in the decode batch.", lab,
+        self._running = Gauge(_P + "num_requests_running", "Requests being prefilled or decoded.", lab,
                               registry=reg).labels(model_name)
         self._waiting = Gauge(_P + "num_requests_waiting", "Requests waiting (engine and server queues).", lab,
                               registry=reg).labels(model_name)
@@ -105,6 +110,10 @@ class Metrics:
                                 ["model_name", "finished_reason"], registry=reg)
         for reason in FINISH_REASONS:
             self._success.labels(model_name, reason)
+        self._rejected = Counter(_P + "request_rejected", "Requests refused (503) before reaching the engine, by "
+                                 "error code.", ["model_name", "reason"], registry=reg)
+        for reason in REJECT_REASONS:
+            self._rejected.labels(model_name, reason)
         self._preemptions = Counter(_P + "num_preemptions", "Preemptions by the engine.", lab,
                                     registry=reg).labels(model_name)
         self._preemptions_seen = 0
@@ -164,6 +173,15 @@ class Metrics:
         if ttft_s is not None and num_output_tokens > 1:
             self._tpot.observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
 
+    def observe_rejected(self, reason: str) -> None:
+        """A request was refused with a 503 before reaching the engine; `reason` is the error code it got."""
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def set_requests(self, num_running: int, num_waiting: int) -> None:
+        """The request gauges (the server's own counts: `request_gauges`)."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+
     def add_prompt_tokens(self, n: int) -> None:
         """`n` prompt tokens were admitted."""
         if n > 0:
@@ -173,9 +191,9 @@ class Metrics:
                          num_preemptions: int, partition: str, prefix_queries: int = 0,
                          prefix_hits: int = 0, partition_switches: int = 0,
                          partition_steps: dict[str, int] | None = None) -> None:
-        """Latest engine stats. `num_waiting` should include the server's own queue (caller sums);
-        `num_preemptions` and the prefix cache's tokens are the engine's cumulative counts (a drop is
-        taken as an engine restart: counting starts again from the new value)."""
+        """Latest engine stats, with the request gauges (as `set_requests`; the server derives them from its
+        own counts, `request_gauges`); `num_preemptions` and the prefix cache's tokens are the engine's
+        cumulative counts (a drop is taken as an engine restart: counting starts again from the new value)."""
         q0, h0 = self._prefix_seen
         self._prefix_queries.inc(_delta(q0, prefix_queries))
         self._prefix_hits.inc(_delta(h0, prefix_hits))
@@ -185,8 +203,7 @@ class Metrics:
         for config, n in (partition_steps or {}).items():
             self._partition_steps.labels(self.model_name, config).inc(_delta(self._steps_seen.get(config, 0), n))
             self._steps_seen[config] = n
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
+        self.set_requests(num_running, num_waiting)
         used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
         self._kv_usage.set(min(1.0, max(0.0, used)))
         seen = self._preemptions_seen
@@ -212,6 +229,17 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics response."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def request_gauges(queued: int, pending: int, decoding: int, engine_active: int | None) -> tuple[int, int]:
+    """(running, waiting) engine requests at a scrape, from the server's exact counts of its requests in flight:
+    `queued` (admitted, not yet handed to the engine), `pending` (in the engine, no token yet) and `decoding`
+    (a token came). Only which pending ones are being prefilled is the engine's to know: `engine_active`
+    (running + prefilling in the workers' latest periodic stats; None before any) minus those decoding, capped
+    at `pending`, as stale stats may count requests that have ended since. A request that has ended is in
+    neither, whatever the stats say; a decoding one that the engine preempted still counts as running."""
+    known = 0 if engine_active is None else min(pending, max(0, engine_active - decoding))
+    return decoding + known, queued + pending - known
 
 
 def _delta(seen: int, now: int) -> int:

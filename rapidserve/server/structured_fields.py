@@ -1,8 +1,8 @@
 """A request's structured-output fields -> one `StructuredOutputs`, checked before admission.
 
-Accepted (vLLM's and OpenAI's names): chat `response_format` `{"type": "json_object"}` and
-`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; on every endpoint
-`structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
+Accepted (vLLM's and OpenAI's names), on every endpoint: `response_format` `{"type": "json_object"}` and
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (OpenAI's on chat, vLLM's on
+completions too), `structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. At most one of them may be set (a text
 response_format counts as none); more is a 400 naming them. The constraint is compiled here, in the
 server process (`rapidserve.structured.check`, cached per constraint in the `ProtocolContext`), so an
@@ -21,7 +21,7 @@ from typing import Any
 
 from rapidserve.sampling_params import SamplingParamsError, StructuredOutputs
 from rapidserve.server.errors import APIError, bad_request
-from rapidserve.server.schemas import ChatCompletionRequest, RequestBody
+from rapidserve.server.schemas import RequestBody
 from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials
 
 
@@ -38,7 +38,7 @@ def _schema_text(v: dict[str, Any] | str, param: str) -> str:
 def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
     """Every structured-output field the request sets, as (its name, the constraint)."""
     out: list[tuple[str, StructuredOutputs]] = []
-    rf = r.response_format if isinstance(r, ChatCompletionRequest) else None
+    rf = r.response_format
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", StructuredOutputs(json_object=True)))
     elif rf is not None and rf.type == "json_schema":

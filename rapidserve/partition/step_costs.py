@@ -1,0 +1,164 @@
+"""What each step shape costs: the cost models the adaptive policy (partition/policies.py) searches over.
+
+One protocol, `StepCosts`, two implementations:
+
+* `RooflineCosts` (no profile for this GPU and model): partition/roofline.py's operators timed with the peaks
+  measured at start-up. A fused step is ONE forward over the decode rows and the prompt chunks together
+  (`mixed_operators`: the token-level operators over decode rows + chunk tokens, each decode row's attention
+  over its context, each chunk's causal attention after its prefix) on the whole GPU; decode beside the
+  prefill worker is `roofline.concurrent` on the configuration's two shares; decode alone is
+  `decode_step_ms` on decode's share.
+* `ProfileCosts` (the measured `profiles/<gpu>__<model>.json`, partition/profile.py's tables): decode alone
+  and beside prefill are the profile's p95 at the decode batch and mean context (rounded up to its buckets,
+  or interpolated: `--profile-lookup`), its step beside prefill bounded by the prefill work actually handed
+  over as the rapid manager bounds it (`manager.beside_prefill_ms`); the prefill worker's tokens/s is the
+  profile's under that configuration. The profile measures no fused step, so one is composed from what it
+  does measure, the same decomposition as the roofline's:
+      fused(B rows at context c, C chunk tokens) = alone(B, c) + max(0, (B + C) / R - alone(B, c0))
+  where alone(B, c) is decode's step alone on the whole GPU (weights once, the rows' KV reads), alone(B, c0)
+  the same rows at the smallest profiled context (the weight read and the rows' own work, nearly no
+  attention), and R the whole GPU's prefill tokens/s (the overallocated configuration at batch 1, the least
+  decode beside it). So a small chunk rides on the weight read decode pays anyway (the max is 0), a large
+  one costs its tokens at the prefill rate, and the decode rows' attention over their contexts is added
+  on top. What it leaves out: a chunk's attention to a long cached prefix beyond what the profile's own
+  forward (prefix 0) had; the online correction (partition/correction.py) absorbs such a steady bias.
+
+Tensor parallelism: every figure is one rank's, collectives included, as the existing models have it: the
+roofline's operators carry their collectives (`roofline.collective_ops`, `concurrent`'s `plus_collectives`),
+and a measured shard profile comes here already put through `roofline.with_collectives` by the plan
+(partition/runtime.py), so its decode steps and prefill rate hold them.
+
+All times are milliseconds, predicted, uncorrected; nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from rapidserve.config import ModelConfig
+from rapidserve.partition.manager import beside_prefill_ms, forward_ms
+from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, estimate
+from rapidserve.partition.roofline import Peaks, concurrent, decode_step_ms, mixed_operators_summed, step_seconds
+
+Chunk = tuple[int, int]  # (tokens, prefix) of one prompt chunk
+# `RooflineCosts.split` remembers its answers (a roofline `concurrent` costs ~0.5 ms of Python, and a decision asks
+# for every split at a few batch sizes), keyed by the decode context rounded UP to this many tokens (a step predicted
+# for at most this much more KV: conservative), so the steps of one decode batch share them; at most MEMO_SIZE kept.
+CONTEXT_GRAIN = 64
+MEMO_SIZE = 4096
+
+
+class StepCosts(Protocol):
+    """Predicted times of the pieces a step shape is made of. `configurations`: the plan's, the
+    overallocated one (decode_units 0: the whole GPU) and the splits."""
+
+    configurations: tuple[Configuration, ...]
+
+    def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
+        """One mixed forward on the whole GPU: a new token for each decode context plus the prompt chunks."""
+        ...
+
+    def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
+        """A decode step of `batch` rows at mean `context` on `config`'s decode share, nothing beside it."""
+        ...
+
+    def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
+        """(decode step ms, prefill tokens/s) with decode on `config`'s decode share and the prefill worker
+        running a batch of `prefill_tokens` tokens on the rest (overallocated: both on the whole GPU)."""
+        ...
+
+
+def _configuration(configs: Sequence[Configuration], name: str) -> Configuration:
+    for c in configs:
+        if c.name == name:
+            return c
+    raise KeyError(f"configuration {name!r} is not in the plan ({[c.name for c in configs]})")
+
+
+@dataclass(frozen=True)
+class RooflineCosts:
+    """The roofline's costs (module docstring): `model_cfg` the whole model, `tp` its tensor-parallel size."""
+
+    model_cfg: ModelConfig
+    peaks: Peaks
+    configurations: tuple[Configuration, ...]
+    tp: int = 1
+    dtype_bytes: int = 2
+    _memo: dict[tuple[str, int, int, int], tuple[float, float]] = field(default_factory=dict, compare=False,
+                                                                       repr=False)
+
+    def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
+        ops = mixed_operators_summed(self.model_cfg, len(contexts), sum(contexts), chunks, tp=self.tp,
+                                     dtype_bytes=self.dtype_bytes)
+        return 1e3 * step_seconds(ops, self.peaks.num_compute_units, self.peaks)
+
+    def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
+        c = _configuration(self.configurations, config)
+        units = c.decode_units or self.peaks.num_compute_units
+        return decode_step_ms(self.model_cfg, max(batch, 1), max(context, 1), units, self.peaks, self.tp,
+                              dtype_bytes=self.dtype_bytes)
+
+    def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
+        key = (config, batch, -(-max(context, 1) // CONTEXT_GRAIN) * CONTEXT_GRAIN, prefill_tokens)
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= MEMO_SIZE:
+                self._memo.clear()
+            hit = self._memo[key] = self._split(config, batch, key[2], prefill_tokens)
+        return hit
+
+    def _split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
+        c = _configuration(self.configurations, config)
+        return concurrent(self.model_cfg, max(batch, 1), max(context, 1), c.decode_units, c.prefill_units,
+                          max(prefill_tokens, 1), self.peaks, self.tp, dtype_bytes=self.dtype_bytes)
+
+
+@dataclass(frozen=True)
+class ProfileCosts:
+    """The measured profile's costs (module docstring). `interpolate`: read between buckets
+    (`--profile-lookup interpolate`), else round batch and context up to them."""
+
+    profile: Profile
+    interpolate: bool = False
+    configurations: tuple[Configuration, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "configurations", tuple(self.profile.configurations))
+
+    def _entry(self, config: str, batch: int, context: int) -> Entry:
+        return estimate(self.profile, config, max(batch, 1), max(context, 1), interpolate=self.interpolate).entry
+
+    @property
+    def whole_config(self) -> str:
+        """Decode's configuration on the whole GPU: overallocated, else the split with the most decode units."""
+        if self.profile.configuration(OVERALLOCATED) is not None:
+            return OVERALLOCATED
+        return max(self.configurations, key=lambda c: (c.decode_units, c.name)).name
+
+    @property
+    def whole_prefill_tokens_per_s(self) -> float:
+        """R: the whole GPU's prefill rate, the overallocated configuration's with the least decode beside it
+        (batch 1, the smallest context); a profile without that configuration: its best rate."""
+        if self.profile.configuration(OVERALLOCATED) is not None:
+            return self._entry(OVERALLOCATED, 1, 1).prefill_tokens_per_s
+        return max(e.prefill_tokens_per_s for e in self.profile.entries)
+
+    def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
+        whole, batch = self.whole_config, len(contexts)
+        tokens = batch + sum(n for n, _ in chunks)
+        if batch:
+            context = -(-sum(contexts) // batch)
+            alone = self._entry(whole, batch, context).decode_ms_alone_p95
+            base = self._entry(whole, batch, 1).decode_ms_alone_p95
+        else:
+            alone = base = forward_ms(self.profile, whole)
+        return alone + max(0.0, 1e3 * tokens / self.whole_prefill_tokens_per_s - base)
+
+    def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
+        return self._entry(config, batch, context).decode_ms_alone_p95
+
+    def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
+        e = self._entry(config, batch, context)
+        return beside_prefill_ms(e, prefill_tokens, forward_ms(self.profile, config)), e.prefill_tokens_per_s

@@ -1,0 +1,171 @@
+"""Decode CUDA/HIP graphs: one graph per batch-size bucket (RunnerConfig.graph_batch_sizes) per stream key.
+
+`capture_decode_graphs(stream, key)` captures them on `stream`: a graph keeps the compute partition of the
+stream it was captured on (docs/measured.md), so the engine captures one set per partition configuration and
+`decode(..., graph_key=key)` replays the set of the partition whose stream is current. A step of n sequences
+replays the smallest bucket >= n; a step larger than every bucket, a key with no graphs, CPU, graphs off
+(`use_cuda_graphs`) or a backend whose kernels cannot be captured (`graph_safe`) run eagerly.
+
+Memory layout: one set of static input buffers, sized for the largest bucket m and shared by every bucket and
+key: input_ids [m] int64, positions [m] int64, block_tables [m, max_blocks_per_seq] int32, context_lens [m]
+int32, slot_mapping [m] int64. A step of n rows fills rows [0, n); padding rows up to the bucket get slot -1
+(no K/V written) and context length 0 (attend to nothing). Every graph captures into one private memory pool,
+and its logits stay in the graph's output buffer ([bucket, vocab]) until the next replay of that graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from rapidserve.attention import AttentionBackend, AttentionMetadata
+from rapidserve.ops import cublas_linears
+from rapidserve.runner.inputs import BatchInputs, Carry
+
+if TYPE_CHECKING:
+    from rapidserve.config import EngineConfig
+    from rapidserve.kv_pool import KVPool
+    from rapidserve.models.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    batch: int
+    logits: torch.Tensor  # the graph's output buffer, [batch, vocab]
+
+
+class DecodeGraphs(BatchInputs):
+    """Decode graph capture and replay, and the eager decode step (a part of ModelRunner)."""
+
+    cfg: EngineConfig
+    attn: AttentionBackend
+    model: CausalLM
+    kv_pool: KVPool
+    max_model_len: int
+    max_blocks_per_seq: int
+    _graphs: dict[str, dict[int, DecodeGraph]]  # per stream key, per batch bucket
+    _graph_pool: object | None
+    _static: dict[str, torch.Tensor]  # the static input buffers (layout above), empty until the first capture
+
+    def _decode_run(self, arrays: Sequence[np.ndarray], graph_key: str, carry: Carry | None) -> torch.Tensor:
+        """Everything on the current stream: the static buffers are filled on the stream that replays
+        the graph, so a replay never reads inputs another stream is still writing."""
+        n = len(arrays[0])
+        graphs = self._graphs.get(graph_key)
+        if graphs and n <= max(graphs):
+            g = graphs[min(b for b in graphs if b >= n)]
+            self._fill_static(arrays, g.batch)
+            if carry is not None:
+                carry.apply(self._static["input_ids"])
+            g.graph.replay()
+            return g.logits[:n]
+        ids, pos, tables, ctx, slots = arrays
+        meta = AttentionMetadata(False, self._dev(slots), self._dev(tables), self._dev(ctx),
+                                 max_context_len=int(ctx.max()))
+        tokens = self._dev(ids)
+        if carry is not None:
+            carry.apply(tokens)
+        hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
+        return self.model.compute_logits(hidden)
+
+    def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
+        """The graph `decode()` replays for `n` sequences under `graph_key` (None: runs eager). After
+        one `decode()` call its inputs are in place, so replaying it again repeats that step."""
+        graphs = self._graphs.get(graph_key)
+        if not graphs or n > max(graphs):
+            return None
+        return graphs[min(b for b in graphs if b >= n)].graph
+
+    def _fill_static(self, arrays: Sequence[np.ndarray], batch: int) -> None:
+        s, n = self._static, len(arrays[0])
+        ids, pos, tables, ctx, slots = arrays
+        s["input_ids"][:n].copy_(torch.from_numpy(ids), non_blocking=True)
+        s["positions"][:n].copy_(torch.from_numpy(pos), non_blocking=True)
+        s["block_tables"][:n].copy_(torch.from_numpy(tables), non_blocking=True)
+        s["context_lens"][:n].copy_(torch.from_numpy(ctx), non_blocking=True)
+        s["slot_mapping"][:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        if batch > n:  # padding rows: write nothing, attend to nothing
+            s["slot_mapping"][n:batch].fill_(-1)
+            s["context_lens"][n:batch].fill_(0)
+
+    def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
+                              show_progress: bool = True, whole_gpu: bool = True) -> None:
+        """Capture one decode graph per batch bucket on `stream` (its compute partition sticks).
+
+        `whole_gpu`: whether `stream` may use every SM (no partition, or an overallocated one). Graphs of a
+        stream limited to part of the GPU run their linear layers through cuBLAS (`ops.cublas_linears`):
+        the small-batch Triton kernel is faster only with the whole GPU.
+
+        Stream ordering (the rule for every side stream here): the static buffers, the weights and the
+        KV pool were allocated and written on the caller's current stream, and the capture stream (a
+        new one, or a partition's non-blocking stream) does not otherwise wait for it. The caching
+        allocator recycles freed memory without clearing it, so a warm-up that overtook the zero-fill
+        of the static buffers read an earlier test's data as block tables ("index out of bounds",
+        only after other GPU work and never under CUDA_LAUNCH_BLOCKING=1). Hence: the capture stream
+        waits for the caller's stream before touching them; every fill, warm-up and capture runs on
+        the capture stream; the caller's stream waits for the capture stream at the end, so a later
+        synchronize of the caller's stream or device (export_shared) covers this work too. The
+        static buffers live as long as the runner: nothing frees them while a stream uses them.
+        """
+        if self.device.type != "cuda" or not self.cfg.runner.use_cuda_graphs or not self.attn.graph_safe:
+            return
+        sizes = list(self.cfg.runner.graph_batch_sizes)
+        caller = torch.cuda.current_stream(self.device)
+        if not self._static:
+            m = sizes[-1]
+            dev = self.device
+            self._static = {
+                "input_ids": torch.zeros(m, dtype=torch.int64, device=dev),
+                "positions": torch.zeros(m, dtype=torch.int64, device=dev),
+                "block_tables": torch.zeros(m, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+                "context_lens": torch.zeros(m, dtype=torch.int32, device=dev),
+                "slot_mapping": torch.full((m,), -1, dtype=torch.int64, device=dev),
+            }
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        s = self._static
+        whole_ops = self.model.ops
+        self.model.ops = whole_ops if whole_gpu else cublas_linears(whole_ops)
+        log.info("capturing decode graphs [%s]: batch sizes %s", key, ",".join(map(str, sizes)))
+        t0 = time.perf_counter()
+        try:
+            self._capture(sizes, s, stream, caller, key, show_progress)
+        finally:
+            self.model.ops = whole_ops
+        log.info("decode graphs [%s] captured in %.1f s", key, time.perf_counter() - t0)
+
+    def _capture(self, sizes: list[int], s: dict[str, torch.Tensor], stream: torch.cuda.Stream | None,
+                 caller: torch.cuda.Stream, key: str, show_progress: bool) -> None:
+        capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
+        graphs: dict[int, DecodeGraph] = {}
+        with torch.cuda.stream(capture_stream):
+            for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
+                          disable=not show_progress, leave=False):
+                s["slot_mapping"][:b].fill_(-1)
+                s["context_lens"][:b].fill_(0)
+                meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
+                                         s["context_lens"][:b], max_context_len=self.max_model_len)
+
+                def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                    h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
+                    return self.model.compute_logits(h)
+
+                step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
+                capture_stream.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
+                    logits = step()
+                graphs[b] = DecodeGraph(g, b, logits)
+        caller.wait_stream(capture_stream)
+        self._graphs[key] = graphs
+        torch.cuda.synchronize(self.device)

@@ -1,0 +1,348 @@
+"""ModelRunner: turns scheduled batches into forward passes on a device.
+
+Two calls for the engine: `prefill(items, stream, carry, graph_key)` and `decode(items, stream, graph_key)`.
+Each builds the flat token batch and its AttentionMetadata (inputs.py), runs the model on the stream it is
+handed and returns float32 logits (prefill: one row per item that asks for logits; decode: one per item).
+On CUDA/ROCm, decode replays graphs captured per batch-size bucket on the stream of a given key
+(decode_graphs.py), and a prefill that fits a token bucket replays piecewise graphs (prefill_graphs.py) of its
+key: a graph keeps the compute partition of the stream it was captured on (docs/measured.md), so the engine
+captures one set per partition configuration. No capture on CPU.
+Sampling is separate (`sample`, `sample_next`: sampling.py), so the engine decides what to do with logits.
+
+`ModelRunner` is composed of the parts in this package, each a class of the methods of one concept over the
+runner's state: `BatchInputs` (inputs.py), `DecodeGraphs` (decode_graphs.py), `Sampling` (sampling.py) and
+`Mirrored` (tp.py: the tensor-parallel hooks). This module holds start-up (device, dtype, weights, the KV
+pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_task.py) and stream ordering.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from rapidserve.attention import get_attention_backend
+from rapidserve.block_manager import BlockManager
+from rapidserve.config import ConfigError, EngineConfig
+from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
+from rapidserve.loader import ModelSource, rank_weights, resolve_model
+from rapidserve.logit_controls import ControlPlan, TokenState
+from rapidserve.models.transformer import CausalLM
+from rapidserve.ops import get_ops
+from rapidserve.parallel.shard import shard_config
+from rapidserve.prompt import PromptLimits
+from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
+from rapidserve.runner.inputs import Carry, DecodeItem, PrefillItem
+from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
+from rapidserve.runner.prefill_task import Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher
+from rapidserve.runner.sampling import Sampling
+from rapidserve.runner.tp import Mirrored, direct
+from rapidserve.sampler import Sampler
+
+if TYPE_CHECKING:
+    from rapidserve.parallel.group import TPGroup
+    from rapidserve.parallel.mirror import Leader
+    from rapidserve.runner.model_sharing import SharedState
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r} but no CUDA/ROCm GPU is visible; use --device cpu")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ConfigError(f"dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
+    """Resolve `cfg.model` and load it (with `tp`: this rank's shard) on the configured device."""
+    dev = resolve_device(cfg.runner.device)
+    source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
+    return ModelRunner(cfg, source, show_progress=False, tp=tp)
+
+
+class ModelRunner(DecodeGraphs, Sampling, Mirrored):
+    def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
+                 show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None) -> None:
+        """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
+        weights and pool another process shares (`attached`), without a copy. With `tp` this process is
+        one rank of a tensor-parallel group: it loads and computes its shard (its KV heads in its pool),
+        and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py)."""
+        self.cfg, self.tp = cfg, tp
+        self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
+        self._prefill_graphs: PrefillGraphs | None = None  # piecewise prefill graphs (capture_prefill_graphs)
+        self.mcfg = cfg.model_config
+        self.device = resolve_device(cfg.runner.device)
+        self.dtype = resolve_dtype(cfg.runner.dtype, self.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+            check_ipc_shareable_allocator(self.device)
+        self.block_size = cfg.cache.block_size
+        self.max_model_len = cfg.max_model_len
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.ops = get_ops(self.device)
+        self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
+        log.info("attention backend: %s", self.attn.name)
+        t0 = time.perf_counter()
+        if attached is not None:
+            from rapidserve.runner.model_sharing import attach_model
+
+            self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                                    max(self.max_model_len, 1), attached, tp)
+        else:
+            if source is None:
+                raise ValueError("ModelRunner needs a model source or attached shared weights")
+            cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
+            self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                  max_positions=max(self.max_model_len, 1), tp=tp)
+            log.info("loading weights: %s", source.description)
+            self._load(source, show_progress)
+            log.info("weights loaded in %.1f s", time.perf_counter() - t0)
+            self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
+            log.info("KV cache: %d blocks of %d tokens", self.kv_pool.num_blocks, self.block_size)
+        if self.device.type == "cuda":
+            # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
+            # written on the current stream; the engine computes on partition streams that do not wait
+            # for it, so start-up ends with them written.
+            torch.cuda.synchronize(self.device)
+        self.load_seconds = time.perf_counter() - t0
+        self.sampler = Sampler(self.device, cfg.runner.seed)
+        self.tokens = TokenState(self.device)  # penalty / bad-word slots (logit_controls.py), owned by the worker
+        self._unrecorded: tuple[torch.Tensor, ControlPlan] | None = None  # sample_next(record=False)'s tokens
+        self._graphs: dict[str, dict[int, DecodeGraph]] = {}
+        self._graph_pool: object | None = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._task_ids = 0  # block-wise prefill tasks made so far (their ids, for the followers)
+        self._tasks: dict[int, PrefillTask] = {}  # a follower's tasks begun and not ended (replay_task)
+
+    def block_manager(self) -> BlockManager:
+        """The block tables and prefix cache over this runner's pool (for the one process that owns them).
+        The cache's hashes start from the model's name and dtype: whatever changes the K/V changes them."""
+        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}".encode()
+        return BlockManager(self.kv_pool.num_blocks, self.block_size,
+                            enable_caching=self.cfg.cache.enable_prefix_caching, salt=salt)
+
+    @property
+    def limits(self) -> PromptLimits:
+        """What a prompt must be here; its `context_cap` is where every request stops ("length")."""
+        pool = self.kv_pool.num_blocks * self.block_size
+        return PromptLimits(self.mcfg.vocab_size, self.max_model_len, pool)
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _load(self, source: ModelSource, show_progress: bool) -> None:
+        weights: Iterator[tuple[str, torch.Tensor]] = (
+            source.weights() if self.tp is None else rank_weights(source, self.tp.layout))
+        bar = tqdm(weights, total=source.num_tensors, desc=f"loading {source.description}",
+                   unit="tensor", disable=not show_progress, leave=False)
+        self.model.load_weights(bar)
+
+    def _cpu_kv_blocks(self) -> int | None:
+        """The CPU pool's blocks, from its byte budget alone (None on a GPU, or with cache.num_blocks): known
+        before the model is built, so a max_model_len that one sequence cannot fit is refused at once (naming
+        --max-model-len), not after the weights load and a RoPE table of that many rows is built."""
+        cache = self.cfg.cache
+        if cache.num_blocks is not None or self.device.type != "cpu":
+            return None
+        shard = self.mcfg if self.tp is None else shard_config(self.mcfg, self.tp.layout)  # this rank's KV heads
+        return num_blocks_for_budget(cache.cpu_kv_bytes, pool_spec(shard, cache, self.dtype, 1).bytes_per_block,
+                                     self.block_size, self.max_model_len, cpu=True)
+
+    def _allocate_kv_pool(self, cpu_blocks: int | None) -> KVPool:
+        cache = self.cfg.cache
+        shard = self.model.cfg  # this rank's KV heads under tensor parallelism
+        probe = pool_spec(shard, cache, self.dtype, 1)
+        if cache.num_blocks is not None:
+            n = cache.num_blocks
+        elif cpu_blocks is not None:
+            n = cpu_blocks
+        else:
+            n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
+                                      self.max_model_len)
+        if self.tp is not None:
+            n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
+        return KVPool.allocate(pool_spec(shard, cache, self.dtype, n), self.device)
+
+    def _gpu_kv_budget(self) -> int:
+        """total * utilization - memory in use - the activation peak of the largest step."""
+        torch.cuda.synchronize()
+        tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
+                 tokens)
+        scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.dtype,
+                                            -(-tokens // self.block_size)), self.device)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        item = PrefillItem([0] * tokens, 0, list(range(-(-tokens // self.block_size))))
+        self._prefill_on(scratch, [item])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        max_bs = self.cfg.runner.graph_batch_sizes[-1]
+        peak = max(peak, max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
+        del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        return int(total * self.cfg.cache.gpu_memory_utilization - (total - free) - peak)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None,
+                carry: Carry | None = None, graph_key: str = "default") -> torch.Tensor:
+        """One prefill forward; on `stream` if given, ordered with the caller's stream (`_run_on`).
+        `carry` feeds leading one-token items (a mixed step's decodes) the previous step's sampled
+        tokens from the device: its rows index those items, which are also their token positions.
+        A forward that fits a token bucket replays the piecewise prefill graphs captured under `graph_key`
+        (`capture_prefill_graphs`; the key of the partition whose stream is current), if any."""
+        return self._run_on(stream, lambda: self._prefill_on(self.kv_pool, items, carry, graph_key))
+
+    def _prefill_on(self, pool: KVPool, items: Sequence[PrefillItem], carry: Carry | None = None,
+                    graph_key: str = "default") -> torch.Tensor:
+        if carry is not None and carry.rows:
+            top = max(d for d, _ in carry.rows)
+            if top >= len(items) or any(len(items[i].token_ids) != 1 for i in range(top + 1)):
+                raise ValueError("carry rows must index the leading one-token items")
+        arrays = self._prefill_arrays(items)
+        if self.leader is None:
+            return self._prefill_run(pool, arrays, carry, graph_key)
+        self.leader.forward("prefill", arrays, graph_key, carry)
+        return self._published(lambda: self._prefill_run(pool, arrays, carry, graph_key))
+
+    def _prefill_run(self, pool: KVPool, arrays: Sequence[np.ndarray], carry: Carry | None,
+                     graph_key: str = "default") -> torch.Tensor:
+        ids, positions, _, slots, _, cu, want = arrays
+        meta = self._prefill_meta(arrays)
+        graphs = self._prefill_graphs
+        bucket = graphs.bucket(graph_key, len(ids)) if graphs is not None and pool is self.kv_pool else None
+        if graphs is not None and bucket is not None:
+            hidden = graphs.run(graph_key, bucket, ids, positions, slots, meta, carry)
+        else:
+            tokens = self._dev(ids)
+            if carry is not None:
+                carry.apply(tokens)
+            hidden = self.model(tokens, self._dev(positions), pool.layers, meta)
+        last = self._dev(cu[1:][want] - 1)  # asynchronous: a blocking copy here would wait for the forward
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    # ---- block-wise prefill (DRIFT: prefill_task.py) --------------------------------------------
+    def prefill_task(self, items: Sequence[PrefillItem]) -> PrefillTask:
+        """A prefill forward over `items` to be launched a layer block at a time (`PrefillTask.step`): its
+        inputs are built now and its embedding queued on the current stream. Under tensor parallelism the
+        task and each of its blocks are published to the followers (`Forward` kinds prefill_begin,
+        prefill_block, prefill_end, with the task's id), so they replay the same collectives in order."""
+        arrays = self._prefill_arrays(items)
+        self._task_ids += 1
+        if self.leader is None:
+            return self._new_task(arrays, self._task_ids, None, direct)
+        leader = self.leader
+        leader.forward("prefill_begin", arrays, "default", None, task=self._task_ids)
+
+        def publish(kind: TaskKind, task: int, layers: tuple[int, int]) -> None:
+            leader.forward(kind, [], "default", None, task=task, layers=layers)
+
+        return self._published(lambda: self._new_task(arrays, self._task_ids, publish, self._published))
+
+    def _new_task(self, arrays: Sequence[np.ndarray], task_id: int, publish: TaskPublisher | None,
+                  guard: Guard) -> PrefillTask:
+        ids, positions, _, _, _, cu, want = arrays
+        meta = self._prefill_meta(arrays)
+        inputs = TaskInputs(self._dev(ids), self._dev(positions), meta, self._dev(cu[1:][want] - 1))
+        return PrefillTask(self.model, self.kv_pool.layers, inputs, task_id, publish, guard)
+
+    # ---- decode -------------------------------------------------------------------------------
+    def decode(self, items: Sequence[DecodeItem], stream: torch.cuda.Stream | None = None,
+               graph_key: str = "default", carry: Carry | None = None) -> torch.Tensor:
+        """One decode step. `carry` feeds some rows the previous step's sampled tokens straight from
+        the device, without waiting for them. On `stream` if given, ordered with the caller's stream
+        (`_run_on`); the engine's workers instead make the partition stream current themselves and
+        pass no stream."""
+        return self._run_on(stream, lambda: self._decode_now(items, graph_key, carry))
+
+    def _decode_now(self, items: Sequence[DecodeItem], graph_key: str, carry: Carry | None) -> torch.Tensor:
+        arrays = self._decode_arrays(items, self.max_blocks_per_seq)
+        if self.leader is None:
+            return self._decode_run(arrays, graph_key, carry)
+        self.leader.forward("decode", arrays, graph_key, carry)
+        return self._published(lambda: self._decode_run(arrays, graph_key, carry))
+
+    # ---- piecewise prefill graphs (prefill_graphs.py) -------------------------------------------
+    def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
+                               show_progress: bool = True, eager: bool = False) -> None:
+        """Capture the piecewise prefill graphs (prefill_graphs.py) of every token bucket of
+        `cfg.runner.prefill_graph_tokens` on `stream` under `key` (up to the first bucket that holds a whole
+        step's `max_num_batched_tokens`); `prefill(..., graph_key=key)` then replays
+        them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets), or
+        with a backend whose kernels cannot be captured. `eager`: record the pieces as plain calls instead of
+        graphs (on any device): the CPU tests of the piecewise path. Tensor parallelism: the capture runs the
+        pieces' collectives, so every rank captures the same keys in the same order before it leads or follows
+        (engine/worker_build.py, engine/tp_workers.py), and a follower replays the leader's key."""
+        rc = self.cfg.runner
+        capturable = self.device.type == "cuda" and rc.use_cuda_graphs and self.attn.graph_safe
+        if not rc.prefill_graph_tokens or not (capturable or eager):
+            return
+        if self._prefill_graphs is None:
+            sizes = usable_buckets(rc.prefill_graph_tokens, self.cfg.scheduler.max_num_batched_tokens)
+            self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
+        log.info("capturing piecewise prefill graphs [%s]: token buckets %s", key,
+                 ",".join(map(str, self._prefill_graphs.sizes)))
+        t0 = time.perf_counter()
+        self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
+        log.info("prefill graphs [%s] captured in %.1f s", key, time.perf_counter() - t0)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until nothing launched on this device still runs (raises if the device is broken)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after everything queued so far on the current stream (None on CPU, where work is
+        done on return): synchronizing it waits for that work only."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _run_on(self, stream: torch.cuda.Stream | None, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`fn()` with `stream` current, ordered as if it ran on the caller's stream.
+
+        Stream ordering: `stream` first waits for the caller's stream (inputs the caller wrote, e.g.
+        `input_ids` or an earlier step's KV, are ready), and the caller's stream waits for `stream`
+        afterwards (the caller reads the logits after they are written). The logits were allocated
+        on `stream` and are freed by the caller: `record_stream` keeps the allocator from handing
+        their memory to a later allocation on `stream` before the caller's uses of them are done.
+        """
+        if stream is None or self.device.type != "cuda":
+            return fn()
+        caller = torch.cuda.current_stream(self.device)
+        if stream.cuda_stream == caller.cuda_stream:
+            return fn()
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            out = fn()
+        caller.wait_stream(stream)
+        out.record_stream(caller)
+        return out

@@ -1,0 +1,310 @@
+"""The flag compatibility check derived from the policies' declarations (rapidserve/policy_spec.py).
+
+The expected table below is written out by hand from what the engine does (which worker reads which setting),
+not from the declarations, so that a declaration that drifts from the engine fails here: every setting x policy x
+partition mode x run cell is either accepted or refused with a message naming the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from rapidserve.cli import build_parser, main, partition_config
+from rapidserve.config import (
+    DEFAULT_POLICY,
+    POLICIES,
+    CacheConfig,
+    ConfigError,
+    LaunchConfig,
+    PartitionConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from rapidserve.config_builder import build_engine_config
+from rapidserve.policy_spec import (
+    POLICY_SPECS,
+    RUN_SPECS,
+    SETTINGS,
+    check_settings,
+    conflicts,
+    given_settings,
+    resolve_mode,
+    resolve_policy,
+)
+
+# One non-default value per setting (what "given" means: differs from the field's default).
+VALUES: dict[str, object] = {
+    "scheduler.max_num_seqs": 64,
+    "scheduler.max_num_batched_tokens": 2048,
+    "cache.enable_prefix_caching": False,
+    "scheduler.prefill_batch_tokens": 512,
+    "scheduler.async_scheduling": False,
+    "runner.prefill_graph_tokens": (16, 64),
+    "partition.profile": "x.json",
+    "partition.backend": "cuda-green",
+    "partition.slo_itl_ms": 30.0,
+    "partition.hysteresis_steps": 4,
+    "partition.decode_shares": (0.25,),
+    "partition.slo_ttft_ms": 500.0,
+    "partition.slo_ttft_ms_per_1k_tokens": 100.0,
+    "partition.drift_prefill_model": (1.0, 0.1),
+    "partition.profile_lookup": "interpolate",
+    "launch.mps": "on",
+}
+SERVING = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "cache.enable_prefix_caching"}
+RAPID = SERVING | {"launch.mps"}  # the two processes of rapid mode share the GPU through MPS
+SPLIT_ADAPTIVE = {"partition.profile", "partition.backend", "partition.slo_itl_ms", "partition.hysteresis_steps",
+                  "partition.decode_shares"}
+GRAPHS = "runner.prefill_graph_tokens"
+
+# (run, policy, --partition) -> the settings read there. Which worker reads what:
+# - every server and LLM read the batch limits and prefix caching; `rapidserve profile` sets its own;
+# - the prefill worker's batches (rapid, duet; disagg's prefill is one too) read --prefill-batch-tokens; DRIFT's
+#   dispatcher sizes its own; the hybrid worker (fused) and LLM have none;
+# - only the hybrid worker schedules ahead on request (--async-scheduling); the decode worker always does;
+# - piecewise prefill graphs: captured by the rapid and hybrid prefill and by LLM, not by drift, disagg, profile;
+# - --mps: only rapid mode runs two processes on one GPU (hybrid one process, disagg one per GPU);
+# - partition settings: read by the policy that picks configurations under adaptive (rapid, duet, drift); static
+#   reads only the backend; off reads none; drift's TTFT SLO and prefill model only by drift; --profile-lookup by
+#   rapid and duet (duet's cost model reads the profile); profile reads the backend, SLO and decode shares.
+READS: dict[tuple[str, str, str], set[str]] = {
+    ("rapid", "rapid", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
+                                                               "partition.profile_lookup"},
+    ("rapid", "rapid", "static"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS, "partition.backend"},
+    ("rapid", "rapid", "off"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS},
+    ("rapid", "duet", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
+                                                              "partition.profile_lookup"},
+    ("rapid", "drift", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"partition.slo_ttft_ms",
+                                                               "partition.slo_ttft_ms_per_1k_tokens",
+                                                               "partition.drift_prefill_model"},
+    ("hybrid", "fused", "off"): SERVING | {"scheduler.async_scheduling", GRAPHS},
+    ("disagg", "rapid", "off"): SERVING | {"scheduler.prefill_batch_tokens"},
+    ("offline", DEFAULT_POLICY, "adaptive"): SERVING | {GRAPHS},
+    ("profile", DEFAULT_POLICY, "adaptive"): {"partition.backend", "partition.slo_itl_ms", "partition.decode_shares"},
+}
+# (run, policy, --partition) that cannot run at all: the policy's workers or partition do not fit the run.
+REFUSED: list[tuple[str, str, str, tuple[str, ...]]] = [
+    ("hybrid", "rapid", "off", ("--policy rapid", "--mode hybrid", "use --mode rapid")),
+    ("hybrid", "duet", "off", ("--policy duet", "--mode hybrid", "use --mode rapid")),
+    ("hybrid", "drift", "off", ("--policy drift", "--mode hybrid", "use --mode rapid")),
+    ("rapid", "fused", "adaptive", ("--policy fused", "--mode rapid", "use --mode hybrid")),
+    ("disagg", "fused", "off", ("--policy fused", "--mode disagg", "use --mode hybrid")),
+    ("disagg", "duet", "off", ("--policy duet", "--mode disagg", "use --mode rapid")),
+    ("disagg", "drift", "off", ("--policy drift", "--mode disagg", "use --mode rapid")),
+    ("rapid", "duet", "static", ("--partition static", "--policy duet", "use --policy rapid")),
+    ("rapid", "duet", "off", ("--partition off", "--policy duet", "use --policy rapid")),
+    ("rapid", "drift", "static", ("--partition static", "--policy drift", "use --policy rapid")),
+    ("rapid", "drift", "off", ("--partition off", "--policy drift", "use --policy rapid")),
+    ("hybrid", "fused", "static", ("--partition static", "--mode hybrid", "drop it")),
+    ("disagg", "rapid", "static", ("--partition static", "--mode disagg", "drop it")),
+]
+
+
+CELLS = [(run, policy, mode, path) for (run, policy, mode) in READS for path in VALUES]
+
+
+@pytest.mark.parametrize(("run", "policy", "mode", "path"), CELLS)
+def test_every_setting_in_every_cell_is_read_or_refused(run: str, policy: str, mode: str, path: str) -> None:
+    given = {path: VALUES[path]}
+    if mode != "adaptive" and RUN_SPECS[run].partition is None:
+        given["partition.mode"] = mode  # a --partition the user gives (hybrid and disagg fix theirs)
+    found = conflicts(run, policy, given)
+    if path in READS[run, policy, mode]:
+        assert found == [], found
+    else:
+        flag = next(s for s in SETTINGS if s.path == path)
+        assert len(found) == 1, found
+        msg = found[0]
+        assert (flag.off_flag or flag.flag) in msg and "drop it" in msg and "not read" in msg, msg
+
+
+def test_the_table_covers_every_runnable_cell() -> None:
+    """Every (run, policy, partition mode) the declarations let run is in the expected table, and every other one is
+    refused as a whole (REFUSED): no cell is left unchecked."""
+    runnable = set()
+    for run, r in RUN_SPECS.items():
+        policies = POLICIES if r.workers else (DEFAULT_POLICY,)
+        modes = ("adaptive", "static", "off") if r.workers else ("adaptive",)
+        for policy in policies:
+            for mode in modes:
+                given = {} if mode == "adaptive" else {"partition.mode": mode}
+                if not conflicts(run, policy, given):
+                    runnable.add((run, policy, r.partition or mode))
+    assert runnable == set(READS)
+    assert not {(r, p, m) for r, p, m, _ in REFUSED} & set(READS)
+
+
+@pytest.mark.parametrize(("run", "policy", "mode", "names"), REFUSED)
+def test_policies_that_cannot_run_there_are_refused_saying_how_to_fix_it(run: str, policy: str, mode: str,
+                                                                        names: tuple[str, ...]) -> None:
+    given = {} if mode == "adaptive" else {"partition.mode": mode}
+    found = conflicts(run, policy, given)
+    assert len(found) == 1 and all(n in found[0] for n in names), found
+
+
+@pytest.mark.parametrize("run", ["rapid", "hybrid", "offline"])
+def test_enforce_eager_leaves_the_graph_buckets_unread(run: str) -> None:
+    policy = {"rapid": "rapid", "hybrid": "fused", "offline": DEFAULT_POLICY}[run]
+    assert conflicts(run, policy, {GRAPHS: (16,)}) == []
+    (msg,) = conflicts(run, policy, {GRAPHS: (16,)}, eager=True)
+    assert "--prefill-graph-tokens" in msg and "--enforce-eager" in msg and "drop it" in msg
+
+
+@pytest.mark.parametrize(("given", "ok"), [
+    ({"partition.mode": "off", "partition.backend": "none"}, True),  # what no partition means anyway
+    ({"partition.mode": "off", "partition.backend": "cuda-green"}, False),
+    ({"partition.mode": "static", "partition.backend": "none"}, True),  # static reads the backend
+])
+def test_a_value_the_partition_mode_fixes_is_no_conflict(given: dict[str, object], ok: bool) -> None:
+    assert (conflicts("rapid", "rapid", given) == []) == ok
+
+
+@pytest.mark.parametrize(("run", "policy"), [("hybrid", "fused"), ("disagg", "rapid")])
+def test_mps_off_is_what_one_process_per_gpu_runs_anyway(run: str, policy: str) -> None:
+    """`--mps off` beside --mode hybrid / disagg (e.g. bench/compare.py's common --serve-args) asks for what runs."""
+    assert conflicts(run, policy, {"launch.mps": "off"}) == []
+    (msg,) = conflicts(run, policy, {"launch.mps": "on"})
+    assert msg.startswith(f"--mps: not read by --mode {run}") and "no MPS" in msg
+
+
+def test_messages_name_the_readers_as_the_fix() -> None:
+    (msg,) = conflicts("rapid", "rapid", {"partition.slo_ttft_ms": 500.0})
+    assert msg == "--slo-ttft-ms: not read by --policy rapid --partition adaptive; drop it (read by --policy drift)"
+    (msg,) = conflicts("rapid", "rapid", {"scheduler.async_scheduling": False})
+    assert msg.startswith("--no-async-scheduling: not read by --mode rapid (its decode worker always schedules one "
+                          "step ahead") and msg.endswith("(read by --policy fused (--mode hybrid))")
+    (msg,) = conflicts("offline", DEFAULT_POLICY, {"scheduler.prefill_batch_tokens": 512})
+    assert msg.startswith("prefill_batch_tokens=512 (--prefill-batch-tokens): not read by LLM and `rapidserve "
+                          "generate`")
+
+
+@pytest.mark.parametrize(("mode", "policy", "want"), [
+    (None, None, "rapid"), ("hybrid", None, "hybrid"), (None, "fused", "hybrid"), (None, "drift", "rapid"),
+    (None, "rapid", "rapid"), ("rapid", "fused", "rapid"), ("disagg", None, "disagg"),
+])
+def test_resolve_mode(mode: str | None, policy: str | None, want: str) -> None:
+    assert resolve_mode(mode, policy) == want
+
+
+@pytest.mark.parametrize(("run", "policy", "partition", "want"), [
+    ("rapid", None, "adaptive", DEFAULT_POLICY), ("rapid", None, "off", "rapid"), ("rapid", None, "static", "rapid"),
+    ("hybrid", None, "adaptive", "fused"), ("disagg", None, "adaptive", "rapid"), ("rapid", "duet", "off", "duet"),
+    ("offline", None, "adaptive", DEFAULT_POLICY),
+])
+def test_resolve_policy(run: str, policy: str | None, partition: str, want: str) -> None:
+    assert resolve_policy(run, policy, partition) == want
+
+
+def test_given_settings_are_the_fields_off_their_defaults() -> None:
+    sections = {"scheduler": SchedulerConfig(max_num_seqs=64, async_scheduling=True), "cache": CacheConfig(),
+                "runner": RunnerConfig(prefill_graph_tokens=()), "partition": PartitionConfig(mode="off")}
+    assert given_settings(sections) == {"scheduler.max_num_seqs": 64, GRAPHS: (), "partition.mode": "off"}
+
+
+def test_declarations_match_the_config() -> None:
+    assert set(POLICY_SPECS) == set(POLICIES)
+    for p in POLICY_SPECS.values():
+        assert set(p.reads) == set(p.partition_modes)
+
+
+def test_setting_flags_are_real_flags() -> None:
+    """Every flag a message names is one `rapidserve serve` or `rapidserve profile` takes (hysteresis_steps has none:
+    it is named by its field)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {o for name in ("serve", "profile") for a in sub.choices[name]._actions for o in a.option_strings}
+    for s in SETTINGS:
+        if s.path != "partition.hysteresis_steps":
+            assert s.flag in flags and (s.off_flag is None or s.off_flag in flags), s
+
+
+def test_check_settings_raises_one_line() -> None:
+    with pytest.raises(ConfigError) as e:
+        check_settings("hybrid", "fused", {"scheduler": SchedulerConfig(prefill_batch_tokens=512),
+                                           "partition": PartitionConfig(policy="fused", slo_itl_ms=30.0)})
+    msg = str(e.value)
+    assert "\n" not in msg and "--prefill-batch-tokens" in msg and "--slo-itl-ms" in msg
+
+
+# ---- where the tree is built: the CLI, LLM and profile all get it, before the model is looked at ------------------
+
+def test_serve_hybrid_drift_exits_2_with_one_line_naming_both_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--mode", "hybrid", "--policy", "drift", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mode hybrid" in err and "--policy drift" in err, err
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--mode", "disagg", "--policy", "drift"], ("--mode disagg", "--policy drift")),
+    (["--no-async-scheduling"], ("--no-async-scheduling", "--mode rapid")),
+    (["--policy", "duet", "--profile-lookup", "interpolate", "--slo-ttft-ms", "500"], ("--slo-ttft-ms",)),
+    (["--mode", "hybrid", "--prefill-batch-tokens", "512"], ("--prefill-batch-tokens", "--mode hybrid")),
+    (["--mode", "hybrid", "--slo-itl-ms", "30"], ("--slo-itl-ms", "--mode hybrid")),
+    (["--drift-prefill-model", "1,0.1"], ("--drift-prefill-model", "--policy drift")),
+    (["--partition", "static:0.25", "--policy", "duet"], ("--partition static", "--policy duet")),
+    (["--partition", "static:0.25", "--slo-itl-ms", "20"], ("--slo-itl-ms", "--partition static")),
+    (["--policy", "fused", "--mode", "rapid"], ("--policy fused", "--mode hybrid")),
+    (["--mode", "hybrid", "--mps", "on"], ("--mps", "--mode hybrid")),
+])
+def test_serve_refuses_ignored_flags_before_loading(argv: list[str], names: tuple[str, ...],
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "/nonexistent", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rapidserve: error:") and err.count("\n") == 1 and all(n in err for n in names), err
+
+
+@pytest.mark.parametrize(("argv", "mode", "policy"), [
+    ([], "rapid", DEFAULT_POLICY), (["--mode", "hybrid"], "hybrid", "fused"),
+    (["--policy", "fused"], "hybrid", "fused"),
+    (["--mode", "hybrid", "--no-async-scheduling"], "hybrid", "fused"), (["--partition", "off"], "rapid", "rapid"),
+    (["--policy", "drift", "--slo-ttft-ms", "500"], "rapid", "drift"),
+    (["--mode", "disagg", "--prefill-batch-tokens", "512"], "disagg", "rapid"),
+])
+def test_serve_builds_what_it_accepts(argv: list[str], mode: str, policy: str) -> None:
+    from unittest import mock
+
+    with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
+        assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", *argv]) == 0
+    _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
+    cfg, _ = build()
+    assert (cfg.launch.mode, cfg.partition.policy) == (mode, policy)
+
+
+def test_serve_refuses_them_before_binding_its_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """The check needs no model: `rapidserve serve` runs it before `run` binds the port and answers 503."""
+    from unittest import mock
+
+    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("bound the port")):
+        assert main(["serve", "preset:tiny-llama", "--mode", "hybrid", "--policy", "drift"]) == 2
+    assert "--policy drift" in capsys.readouterr().err
+
+
+def test_partition_config_resolves_the_policy_from_the_mode() -> None:
+    assert partition_config(build_parser().parse_args(["serve", "--mode", "hybrid"])).policy == "fused"
+    assert partition_config(build_parser().parse_args(["serve"])) == PartitionConfig()
+
+
+@pytest.mark.parametrize(("kwargs", "flag"), [
+    ({"async_scheduling": False}, "async_scheduling=False"),
+    ({"prefill_batch_tokens": 256}, "prefill_batch_tokens=256"),
+    ({"enforce_eager": True, "prefill_graph_tokens": (16,)}, "prefill_graph_tokens=(16,)"),
+    ({"partition": PartitionConfig(slo_itl_ms=20.0)}, "--slo-itl-ms"),
+    ({"partition": PartitionConfig(mode="off")}, "--partition"),
+])
+def test_llm_refuses_what_it_does_not_read(kwargs: dict[str, object], flag: str) -> None:
+    from rapidserve.llm import LLM
+
+    with pytest.raises(ConfigError, match="not read (by LLM|with --enforce-eager)") as e:
+        LLM("/nonexistent", device="cpu", **kwargs)
+    assert flag in str(e.value)
+
+
+def test_builder_checks_the_launch_it_is_given() -> None:
+    """The sections passed to the builder are what is checked (not defaults replaced afterwards)."""
+    with pytest.raises(ConfigError, match="--no-async-scheduling: not read by --mode rapid"):
+        build_engine_config("/nonexistent", async_scheduling=False)
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", async_scheduling=False,
+                                 launch=LaunchConfig(mode="hybrid"))
+    assert cfg.partition.policy == "fused" and not cfg.scheduler.async_scheduling

@@ -1,0 +1,135 @@
+"""The server's request gauges and refusal counts over HTTP, in-process against a stand-in engine.
+
+`num_requests_running` / `num_requests_waiting` come from the server's own view of each request
+(admitted, in the engine without a first token, decoding, ended), with the workers' periodic stats
+used only to tell how many of those without a first token are already being prefilled: a scrape right
+after a response ends never shows it, however stale the worker stats. A request refused with 503
+(at capacity, engine not ready, shutting down) never reached the engine: no prompt tokens, not an
+engine `error`, counted in `request_rejected_total` by the code the client got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from rapidserve.engine.messages import Stats
+from tests.server_fakes import FakeEngine, running_server
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(s: aiohttp.ClientSession, url: str) -> Samples:
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k != "model_name")): x.value
+            for fam in text_string_to_metric_families(text) for x in fam.samples}
+
+
+def gauges(m: Samples) -> tuple[float, float]:
+    return m[("rapidserve:num_requests_running", frozenset())], m[("rapidserve:num_requests_waiting", frozenset())]
+
+
+def stats(running: int, prefilling: int, waiting: int) -> Stats:
+    return Stats(num_running=running, num_waiting=waiting, num_prefilling=prefilling, kv_blocks_total=100,
+                 kv_blocks_free=50, num_preemptions=0)
+
+
+async def wait_until(check: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if await got if not isinstance(got, bool) else got:
+            return
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(main(), 20))
+
+
+def test_a_scrape_right_after_a_response_ends_shows_it_gone() -> None:
+    async def main() -> None:
+        engine = FakeEngine(delay=0.001)
+        engine.stats = stats(running=3, prefilling=1, waiting=2)  # the workers' last stats, from before
+        async with running_server(engine) as (_, url), aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                async with s.post(url + "/v1/completions",
+                                  json={"prompt": [1, 2], "max_tokens": 3, "n": 2, "stream": stream}) as r:
+                    assert r.status == 200
+                    await r.read()
+                assert gauges(await scrape(s, url)) == (0, 0)
+
+    run(main)
+
+
+def test_gauges_follow_each_request_from_admission_to_its_end() -> None:
+    async def main() -> None:
+        engine = FakeEngine(delay=0.01)
+        engine.first_token.clear()  # requests are held in the engine before their first token
+        async with running_server(engine) as (server, url), aiohttp.ClientSession() as s:
+            body = {"prompt": [1, 2], "max_tokens": 2000}  # ended below by engine.die
+            plain = [asyncio.create_task(s.post(url + "/v1/completions", json=body)) for _ in range(2)]
+            streamed = asyncio.create_task(s.post(url + "/v1/completions", json={**body, "n": 2, "stream": True}))
+            await wait_until(lambda: len(engine.live) == 4)
+            assert gauges(await scrape(s, url)) == (0, 4)  # no worker stats yet: none known to be running
+            engine.stats = stats(running=0, prefilling=1, waiting=3)
+            assert gauges(await scrape(s, url)) == (1, 3)  # one of them is being prefilled
+            engine.stats = stats(running=9, prefilling=9, waiting=0)  # stale and too high: capped at what is live
+            assert gauges(await scrape(s, url)) == (4, 0)
+            engine.stats = stats(running=0, prefilling=0, waiting=4)  # stale the other way
+            engine.first_token.set()
+            # once each has its first token it is decoding, whatever the stats say
+            await wait_until(lambda: _is(scrape(s, url), (4, 0)))
+            engine.die.set()  # they all end (503 / an error event)
+            for r in (*await asyncio.gather(*plain), await streamed):
+                await r.read()
+                r.release()
+            assert gauges(await scrape(s, url)) == (0, 0)
+
+    run(main)
+
+
+async def _is(m: Awaitable[Samples], want: tuple[float, float]) -> bool:
+    return gauges(await m) == want
+
+
+def test_503_refusals_are_rejected_not_engine_errors_and_count_no_prompt_tokens() -> None:
+    async def main() -> None:
+        engine = FakeEngine()
+        async with running_server(engine, max_waiting=0) as (server, url), aiohttp.ClientSession() as s:
+            body = {"prompt": [1, 2, 3], "max_tokens": 2}
+            engine.state, engine.dead_reason = "restarting", "the prefill worker died"
+            for stream in (False, True):
+                async with s.post(url + "/v1/completions", json={**body, "stream": stream}) as r:
+                    assert r.status == 503 and (await r.json())["error"]["code"] == "engine_unavailable"
+            engine.state = "ready"
+            engine.first_token.clear()
+            full = asyncio.create_task(s.post(url + "/v1/completions", json={**body, "n": server.capacity}))
+            await wait_until(lambda: server.inflight == server.capacity)
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "overloaded"
+            engine.first_token.set()
+            assert (await full).status == 200
+            server.draining = True
+            async with s.post(url + "/v1/completions", json=body) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "server_shutting_down"
+            m = await scrape(s, url)
+
+        def count(name: str, **labels: str) -> float:
+            return m[(f"rapidserve:{name}", frozenset(labels.items()))]
+
+        assert count("prompt_tokens_total") == 3 * server.capacity  # only the request that reached the engine
+        assert count("request_success_total", finished_reason="error") == 0
+        assert count("request_success_total", finished_reason="length") == server.capacity
+        assert count("request_rejected_total", reason="engine_unavailable") == 2
+        assert count("request_rejected_total", reason="overloaded") == 1
+        assert count("request_rejected_total", reason="server_shutting_down") == 1
+        assert count("request_prompt_tokens_count") == server.capacity  # the refused ones are no finished requests
+
+    run(main)

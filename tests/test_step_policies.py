@@ -1,0 +1,110 @@
+"""The four policies as StepPolicies (partition/step_policies.py): what each decides, that each declares the workers
+policy_spec says it uses, and the one a config and a partition plan make."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from rapidserve.config import EngineConfig, PartitionConfig, SchedulerConfig
+from rapidserve.loader.presets import preset_config
+from rapidserve.partition.drift import LinearModel
+from rapidserve.partition.manager import decide, make_state
+from rapidserve.partition.policies import DuetPolicy
+from rapidserve.partition.policy import WaitingPrefill
+from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.runtime import PartitionPlan
+from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepTiming
+from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
+from rapidserve.partition.step_policies import DriftPolicy, FusedPolicy, RapidPolicy, make_step_policy
+from rapidserve.policy_spec import POLICY_SPECS
+from tests.test_adaptive_policy import CONFIGS, H100, PROMPTS, WHOLE, state, synthetic_profile
+
+PROFILE = synthetic_profile()
+QWEN = preset_config("qwen3-8b")
+
+
+def test_fused_always_takes_the_whole_budget() -> None:
+    p = FusedPolicy()
+    for st in (state(), state(waiting=()), state(batch=0), state(slo=1.0)):
+        assert p.decide(st) == Fused(8192)
+    p.observe(StepTiming(Fused(8192), 64, 100, None, 5.0))  # nothing to correct
+    assert p.decide(state(budget=512)) == Fused(512)
+
+
+def test_rapid_is_the_managers_configuration_always_split() -> None:
+    p = RapidPolicy(PROFILE, OVERALLOCATED)
+    want, _ = decide(make_state(OVERALLOCATED), decode_batch=64, decode_context=2048, prefill_pending=True,
+                     slo_itl_ms=50.0, profile=PROFILE, prefill_tokens=8192, prefill_budget=8192, prefill_longest=4096)
+    got = p.decide(state())
+    assert got == Split(want.config, 8192) and want.config != OVERALLOCATED
+    assert p.decide(state(waiting=(), busy=500)) == DecodeAlone(want.config)  # the prefill worker still runs
+    assert isinstance(p.decide(state(batch=0)), Split)  # no decode: never fused either
+
+
+@pytest.mark.parametrize(("batch_tokens", "want"), [(None, 8192), (2048, 2048)])
+def test_rapid_hands_prefill_batches_of_prefill_batch_tokens(batch_tokens: int | None, want: int) -> None:
+    p = RapidPolicy(None, "split32", prefill_batch_tokens=batch_tokens)
+    assert p.decide(state()) == Split("split32", want)
+    assert p.decide(state(waiting=(WaitingPrefill("s", 0, 100),))) == Split("split32", 100)
+    assert p.decide(state(waiting=())) == DecodeAlone("split32")
+
+
+def test_drift_is_split_on_drifts_configuration() -> None:
+    models = {c.name: LinearModel(1.0, 0.01 * 132 / (c.prefill_units or 132)) for c in CONFIGS}
+    p = DriftPolicy(PROFILE, models, 36)
+    assert p.decide(state(waiting=())) == DecodeAlone(OVERALLOCATED)
+    shape = p.decide(state())
+    # the split with the most prefill units whose decode step beside prefill meets 45 ms: split32 (16.9 ms)
+    assert shape == Split("split32", 8192)
+    assert p.decide(state(batch=0)) == Split("overallocated", 8192)  # no decode: the most prefill units at once
+
+
+@pytest.mark.parametrize("cls", [FusedPolicy, RapidPolicy, DuetPolicy, DriftPolicy])
+def test_each_declares_the_workers_policy_spec_gives_it(cls: type) -> None:
+    assert cls.workers == POLICY_SPECS[cls.name].workers
+
+
+def plan(profile: object = None, prefill_models: dict[str, LinearModel] | None = None) -> PartitionPlan:
+    configs = list(CONFIGS)
+    return PartitionPlan("cuda-green", configs, profile, "test", H100, prefill_models or {})  # type: ignore[arg-type]
+
+
+def cfg(**kw: object) -> EngineConfig:
+    return EngineConfig("preset:qwen3-8b", QWEN, partition=PartitionConfig(**kw))  # type: ignore[arg-type]
+
+
+def test_make_step_policy() -> None:
+    assert isinstance(make_step_policy(cfg(policy="fused"), plan()), FusedPolicy)
+    rapid = make_step_policy(cfg(), plan(PROFILE))
+    assert isinstance(rapid, RapidPolicy) and rapid.profile is PROFILE
+    static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static")
+    fixed = make_step_policy(cfg(mode="static", static_decode_share=0.25), static)
+    assert isinstance(fixed, RapidPolicy) and fixed.decide(state()) == Split("split32", 8192)
+    duet = make_step_policy(cfg(policy="duet", profile_lookup="interpolate"), plan(PROFILE))
+    assert isinstance(duet, DuetPolicy) and duet.costs == ProfileCosts(PROFILE, interpolate=True)
+    capped = make_step_policy(dataclasses.replace(cfg(policy="duet"), scheduler=SchedulerConfig(
+        prefill_batch_tokens=2048)), plan(PROFILE))
+    assert capped.decide(state(slo=15.2)) == Split("split64", 2048, 7)  # --prefill-batch-tokens caps its batches
+    roofline_plan = plan(synthetic_roofline_profile())
+    duet = make_step_policy(cfg(policy="duet"), roofline_plan)
+    assert isinstance(duet, DuetPolicy) and isinstance(duet.costs, RooflineCosts) and duet.costs.peaks == H100
+    models = {c.name: LinearModel(1.0, 0.01) for c in CONFIGS}
+    drift = make_step_policy(cfg(policy="drift"), plan(PROFILE, models))
+    assert isinstance(drift, DriftPolicy) and drift.models == models
+    with pytest.raises(ValueError, match="prefill models"):
+        make_step_policy(cfg(policy="drift"), plan(PROFILE))
+
+
+def synthetic_roofline_profile() -> object:
+    """The plan's profile when no measured one exists: the roofline's own (source "roofline")."""
+    import msgspec
+
+    return msgspec.structs.replace(PROFILE, source="roofline")
+
+
+def test_duet_policy_runs_on_a_roofline_plan() -> None:
+    duet = make_step_policy(cfg(policy="duet"), plan(synthetic_roofline_profile()))
+    shape = duet.decide(ShapeState((2048,) * 64, PROMPTS, 0, WHOLE, 50.0, 8192))
+    assert shape == Fused(1520)  # the Qwen3-8B sanity point of test_adaptive_policy
