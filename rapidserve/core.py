@@ -7,6 +7,10 @@ Structured outputs: a request's grammar starts compiling in the background when 
 the compiles of a `generate` call's requests overlap the steps of the ones ahead; a request is not
 held back (unlike the serving workers'): its first mask waits for its compile if that is still
 running, which blocks this one-process loop, as compiling in place did, but only for what is left.
+`LLM.generate` first compiles and tries each constraint (`check_constraint`, through the same grammar
+cache, so nothing is compiled twice) and refuses one the grammar engine cannot serve; a constraint that
+fails later (its matcher errs or rejects a token) ends its request alone with finish reason "error" and
+the message in its TokenEvent, never with its output unconstrained.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 from rapidserve.sampler import SamplerOutput
-from rapidserve.sampling_params import SamplingParams
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.scheduler import Scheduler
 from rapidserve.sequence import Sequence, check_stop
 from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
@@ -36,6 +40,7 @@ class TokenEvent:
     seq: Sequence
     token_id: int
     finish_reason: str | None
+    message: str = ""  # why, when finish_reason is "error"
 
 
 class EngineCore:
@@ -62,6 +67,14 @@ class EngineCore:
             self._grammar = GrammarBook(lambda: load_hf_tokenizer(self._source), self.cfg.model_config.vocab_size,
                                         self.eos_token_ids)
         return self._grammar
+
+    def check_constraint(self, so: StructuredOutputs) -> None:
+        """ValueError naming the field when the grammar engine cannot serve `so` (compiled and tried here,
+        through the grammar cache: a request of it then finds it compiled, or remembered as failed)."""
+        try:
+            self.grammar.cache.compile(so)
+        except GrammarError as e:
+            raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
 
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
@@ -112,11 +125,12 @@ class EngineCore:
 
     def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         """The one sampling step (engine/sampling_step.py), then each token recorded. A row whose grammar
-        rejects a token fails alone ("error"), the rest are sampled without it; any other sampling error
+        fails (its compile failed, its matcher erred or rejected a token) fails alone ("error", with its
+        message), the rest are sampled without it; any other sampling error
         is raised to the caller (`LLM.generate`), as it always was."""
         if not seqs:
             return []
-        failed: dict[int, Sequence] = {}
+        failed: dict[int, str] = {}  # row -> its grammar's error (each row its own: faults.py)
         rows = list(range(len(seqs)))
         out = None
         while rows:
@@ -126,15 +140,15 @@ class EngineCore:
             except RequestsFailed as e:
                 if not isinstance(e.error, GrammarError):
                     raise e.error from None
-                failed.update((rows[i], seqs[rows[i]]) for i in e.rows)
+                failed.update((rows[i], str(e.errors.get(i, e.error))) for i in e.rows)
                 rows = [r for r in rows if r not in failed]
         self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
         sampled = dict(zip(rows, out.rows([seqs[i].params for i in rows]), strict=True)) if out is not None else {}
         events = []
         for i, seq in enumerate(seqs):
-            if i in failed:  # its grammar rejected a token: this request fails alone
+            if i in failed:  # its grammar failed: this request fails alone (its own message), nothing sampled
                 self.scheduler.finish(seq, "error")
-                events.append(TokenEvent(seq, -1, "error"))
+                events.append(TokenEvent(seq, -1, "error", failed[i]))
                 continue
             tok, lp, top = sampled[i]
             seq.output_token_ids.append(tok)

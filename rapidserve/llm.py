@@ -148,6 +148,8 @@ class LLM:
         for (_, ids), p in zip(encoded, params, strict=True):  # all checked before any is added
             self.engine.limits.check(ids)
             self.engine.limits.check_params(p)
+        for so in dict.fromkeys(p.structured_outputs for p in params if p.structured_outputs is not None):
+            self.engine.check_constraint(so)  # compiled once each, and tried: ValueError naming the field
         requests: list[tuple[RequestOutput, list[Seq]]] = []
         for (text, ids), p in zip(encoded, params, strict=True):
             rid = str(self._next_id)
@@ -158,10 +160,13 @@ class LLM:
             requests.append((RequestOutput(rid, text, ids), seqs))
         total = sum(len(s) for _, s in requests)
         bar = tqdm(total=total, desc="generating", disable=not use_tqdm, leave=False)
+        errors: dict[str, str] = {}  # why each sequence that ended with "error" did
         while self.engine.has_work:
             for ev in self.engine.step():
                 if ev.finish_reason is not None:
                     bar.update(1)
+                    if ev.message:
+                        errors[ev.seq.seq_id] = ev.message
         bar.close()
         for req, seqs in requests:
             req.num_cached_tokens = seqs[0].num_cached_tokens
@@ -171,5 +176,5 @@ class LLM:
                     index=i, text=self._text(s), token_ids=list(s.output_token_ids),
                     cumulative_logprob=sum(lp) if lp else None, logprobs=lp,
                     top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
-                    finish_reason=s.finish_reason))
+                    finish_reason=s.finish_reason, error=errors.get(s.seq_id)))
         return [r for r, _ in requests]

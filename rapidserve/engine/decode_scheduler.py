@@ -148,7 +148,7 @@ class DecodeScheduler(SchedulerViews):
     def prefill_failed(self, msg: m.PrefillFailed) -> None:
         r = self._prefilling(msg.req_id, msg.attempt)
         if r is not None:
-            self._finish(r, "abort" if r.aborting else "error", message=msg.message)
+            self._finish(r, "abort" if r.aborting else "error", message=msg.message, fault=msg.fault)
 
     def dropped(self, req_id: str) -> None:
         """Prefill let go of the request (it answers every Drop, even after PrefillDone/PrefillFailed):
@@ -329,12 +329,12 @@ class DecodeScheduler(SchedulerViews):
             elif self.blocks.needs_commit(r.req_id, c.end):
                 self.blocks.commit(r.req_id, r.tokens, c.end)
 
-    def fail(self, reqs: list[DecodeRequest], message: str) -> None:
-        """These requests end with an error (their rows failed); the caller ensured nothing writes
-        their blocks any more."""
+    def fail(self, reqs: list[DecodeRequest], message: str, fault: str = "") -> None:
+        """These requests end with an error (their rows failed; `fault`: m.Finished's); the caller ensured
+        nothing writes their blocks any more."""
         for r in reqs:
             if r.state != "done":
-                self._finish(r, "error", message=message)
+                self._finish(r, "error", message=message, fault=fault)
 
     def fail_batch(self, inflight: list[DecodeRequest], message: str) -> None:
         """A step failed for no single row: every running request and the in-flight step's requests
@@ -354,7 +354,8 @@ class DecodeScheduler(SchedulerViews):
         self.num_preemptions += 1
         self.waiting.appendleft(r)
 
-    def _finish(self, r: DecodeRequest, reason: str, notify: bool = True, message: str = "") -> None:
+    def _finish(self, r: DecodeRequest, reason: str, notify: bool = True, message: str = "",
+                fault: str = "") -> None:
         """Done: out of every queue now; blocks back once no in-flight step writes them."""
         if r.state == "running":
             self.running.remove(r)
@@ -364,7 +365,7 @@ class DecodeScheduler(SchedulerViews):
         self._passed.pop(r.req_id, None)
         r.state = "done"
         if notify:
-            self.finished.append(m.Finished(r.req_id, reason, message))
+            self.finished.append(m.Finished(r.req_id, reason, message, fault))
         self._release(r)
 
     def _release(self, r: DecodeRequest) -> None:

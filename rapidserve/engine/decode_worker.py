@@ -208,7 +208,8 @@ class DecodeWorker:
             except RequestsFailed as e:
                 self._launching = None
                 self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
-                self.sched.fail(e.reqs, describe(e.error, "sampling"))
+                for req, why, fault in e.blame("sampling"):  # each row its own message and fault (faults.py)
+                    self.sched.fail([req], why, fault)
                 self._complete_all()
                 return False
         except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives

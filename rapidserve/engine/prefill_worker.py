@@ -30,7 +30,7 @@ from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
+from rapidserve.engine.faults import RequestsFailed, describe, fault_of, is_fatal
 from rapidserve.engine.sampling_step import retain, sample_step
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
@@ -240,8 +240,11 @@ class PrefillWorker:
         self.runner.synchronize()  # a forward that raised may still be writing its blocks
         if job in self.waiting_prefill:
             self.waiting_prefill.remove(job)
-        why = describe(e.error if isinstance(e, RequestsFailed) else e, "prefill")
-        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, why))
+        cause = e  # a lone job's row error (its own message and fault: faults.py)
+        if isinstance(e, RequestsFailed):
+            cause = e.errors.get(e.rows[0], e.error) if e.rows else e.error
+        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, describe(cause, "prefill"),
+                                               fault_of(cause)))
 
     def _sample(self, jobs: list[Job], logits: object) -> tuple[list[m.TokenOut], list[m.PrefillDone]]:
         import torch

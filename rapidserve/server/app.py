@@ -42,7 +42,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from rapidserve.config import EngineConfig, ServerConfig
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine, ConstraintFailed, EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.engine.messages import TokenOut
 from rapidserve.server.body import check_headers
@@ -63,6 +63,7 @@ from rapidserve.server.responses import (
 )
 from rapidserve.server.startup import REQUEST_LOG
 from rapidserve.server.utility_routes import UTILITY_PUBLIC_PATHS, add_utility_routes
+from rapidserve.structured import GrammarTrials
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -99,17 +100,27 @@ class Choice:
     state: Literal["queued", "pending", "decoding", "done"] = "queued"
 
 
+def grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
+    """Whether the grammar engine can serve a constraint with this model's tokenizer (structured/trial.py)."""
+    return GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, tokenizer.eos_token_ids)
+
+
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
                  tokenizer: Tokenizer | None,
-                 model_name: str, tool_parser: str | None = None, aliases: Sequence[str] = ()) -> None:
+                 model_name: str, tool_parser: str | None = None, aliases: Sequence[str] = (),
+                 trials: GrammarTrials | None = None) -> None:
+        """`trials`: the admission checks of structured-output constraints (`grammar_trials`; made here
+        when not given and the model has a tokenizer)."""
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
         self.model_names = (model_name, *aliases)
         self.metrics = Metrics(model_name)
+        if trials is None and tokenizer is not None:
+            trials = grammar_trials(ecfg, tokenizer)
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
                                    cfg.max_tokens_default(ecfg.generation), tool_parser,
-                                   cfg.trust_request_chat_template, ecfg.generation)
+                                   cfg.trust_request_chat_template, ecfg.generation, trials=trials)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -280,7 +291,7 @@ class Server:
             await self._generate(rid, req, choices, None)
             return web.json_response(self._final(req, rid, created, choices))
         except (EngineError, ValueError) as e:
-            raise _api_error(e) from None
+            raise _api_error(e, req.structured_param) from None
         finally:
             self.inflight -= n
             self._requests.pop(rid, None)
@@ -448,7 +459,7 @@ class Server:
                 log.warning("request %s ended with an error: %s", rid, e)
             elif not isinstance(e, (ValueError, APIError)):
                 log.exception("request %s failed", rid)
-            await send({"error": _error_body(e)})
+            await send({"error": _error_body(e, req.structured_param)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -463,18 +474,23 @@ def _client_gone() -> web.Response:
     return resp
 
 
-def _error_body(e: Exception) -> dict[str, Any]:
+def _error_body(e: Exception, structured_param: str | None = None) -> dict[str, Any]:
     """The `error` object of an OpenAI-style error for an exception that ended a request."""
     if isinstance(e, (APIError, EngineError, ValueError)):
-        return _api_error(e).body()["error"]
+        return _api_error(e, structured_param).body()["error"]
     return APIError(500, "internal server error", "server_error").body()["error"]
 
 
-def _api_error(e: APIError | EngineError | ValueError) -> APIError:
+def _api_error(e: APIError | EngineError | ValueError, structured_param: str | None = None) -> APIError:
     """A prompt the engine refused (RequestRejected, a ValueError; the parser checks first) is the
-    client's error, 400; any other engine failure is 503 (`_unavailable`)."""
+    client's error, 400, and so is a structured-output constraint the grammar engine could not serve while
+    generating (ConstraintFailed: 400 naming the request's field, `structured_param`); any other engine
+    failure is 503 (`_unavailable`)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ConstraintFailed):
+        return APIError(400, f"'{structured_param}' could not be enforced: {e}" if structured_param else str(e),
+                        param=structured_param, code="structured_output_failed")
     if isinstance(e, ValueError):
         return APIError(400, str(e), param="prompt")
     return _unavailable(e)

@@ -35,10 +35,10 @@ from rapidserve.server.schemas import (
     GenerateRequest,
     RequestBody,
 )
-from rapidserve.server.structured_fields import structured_outputs_of
+from rapidserve.server.structured_fields import check_servable, structured_field_of, structured_outputs_of
 from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
 from rapidserve.server.unsupported import refuse_unsupported
-from rapidserve.structured import GrammarCache, GrammarError, check
+from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials, check
 from rapidserve.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat", "generate"]
@@ -61,6 +61,9 @@ class ProtocolContext:
     defaults: SamplingDefaults = SamplingDefaults()  # the model's, for the sampling fields a request leaves unset
     # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
     grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
+    # Whether the grammar engine can serve each constraint with the model's tokenizer (compiled and tried
+    # off the loop, structured_fields.check_servable); None: not checked here (no tokenizer: the workers fail it)
+    trials: GrammarTrials | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class GenRequest:
     user: str | None = None
     logprobs_style: Literal["completion", "chat"] | None = None
     tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
+    structured_param: str | None = None  # the field that set params.structured_outputs (errors name it)
 
 
 # ---------------------------------------------------------------- what depends on the model and server
@@ -107,6 +111,7 @@ class _Plan:
     tools: ToolPlan | None = None
     structured: StructuredOutputs | None = None
     render: dict[str, Any] | None = None  # chat: the keywords of Tokenizer.apply_chat_template (chat_render.py)
+    structured_param: str | None = None  # the field that set it ("tools" for a tool_choice's constraint)
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -217,6 +222,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
     so = structured_outputs_of(r, ctx.grammars)
+    param = structured_field_of(r) if so is not None else None
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
@@ -229,10 +235,19 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
         so = _with_tool_constraint(so, tools, ctx)
-        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render)  # type: ignore[arg-type]
+        param = param or ("tools" if so is not None else None)
+        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render,  # type: ignore[arg-type]
+                     structured_param=param)
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
-    return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so)  # type: ignore[arg-type]
+    return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so,  # type: ignore[arg-type]
+                 structured_param=param)
+
+
+def _check_servable(plan: _Plan, ctx: ProtocolContext) -> None:
+    """The plan's constraint, tried with the model's tokenizer (structured_fields.check_servable)."""
+    if plan.structured is not None and plan.structured_param is not None and ctx.trials is not None:
+        check_servable(plan.structured, plan.structured_param, ctx.trials)
 
 
 # ---------------------------------------------------------------- tokenization and the sampling params
@@ -290,7 +305,7 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
-                      user=r.user, logprobs_style=style, tools=plan.tools)
+                      user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param)
 
 
 def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:
@@ -299,6 +314,7 @@ def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int
     `max_choices`: the most prompts x n the server can ever hold (None: no bound). Tokenizes on the
     calling thread; a server calls `parse_request_async`."""
     plan = _prepare(kind, body, ctx, max_choices)
+    _check_servable(plan, ctx)
     return _finish(plan, *_tokenize(plan, ctx), ctx)
 
 
@@ -311,6 +327,10 @@ async def parse_request_async(kind: str, body: bytes, ctx: ProtocolContext,
         plan = await loop.run_in_executor(None, _prepare, kind, body, ctx, max_choices)
     else:
         plan = _prepare(kind, body, ctx, max_choices)
+    if plan.structured is not None and ctx.trials is not None and not ctx.trials.known(plan.structured):
+        await loop.run_in_executor(None, _check_servable, plan, ctx)  # a compile and a few masks
+    else:
+        _check_servable(plan, ctx)  # a cached verdict, or nothing to try
     if plan.work > OFFLOAD_CHARS:
         prompts, texts = await loop.run_in_executor(None, _tokenize, plan, ctx)
     else:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the engine, the loader and the tokenizer import torch: load
     from rapidserve.engine.data_parallel import DataParallelEngine
     from rapidserve.loader import ModelSource
     from rapidserve.server.app import Server
+    from rapidserve.structured import GrammarTrials
     from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -146,6 +147,7 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     where = ", ".join(f"http://{_address(s)}" for s in sockets)
     log.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", where)
     warn_if_exposed(scfg)
+    warming: asyncio.Future[None] | None = None
     try:
         gate.set_step("loading the engine's code (torch), reading the model's configuration and, on a GPU with no "
                       "partition profile for it, measuring one (auto-profile, under a minute)")
@@ -156,15 +158,23 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
         log.info("%s", ecfg.generation.describe())
         names = served_names(scfg, ecfg, model_spec)
         tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
+        trials = None if tokenizer is None else _grammar_trials(ecfg, tokenizer)
+        # the grammar engine's view of the tokenizer (seconds, mostly GIL): loaded while the engine starts
+        if trials is not None:
+            warming = asyncio.ensure_future(off_loop(trials.warm))
         gate.set_step(f"starting the engine ({ecfg.launch.mode} mode): its workers load the weights, size the KV "
                       "cache and capture graphs (each logs its steps)")
         engine = await (start or start_engine)(ecfg)
+        if warming is not None:
+            await warming
     except BaseException:
+        if warming is not None:
+            warming.cancel()
         await gate.close()
         raise
     for line in engine.events:
         log.info("%s", line)
-    server = Server(scfg, ecfg, engine, tokenizer, names[0], tool_parser, aliases=names[1:])
+    server = Server(scfg, ecfg, engine, tokenizer, names[0], tool_parser, aliases=names[1:], trials=trials)
     runner = make_runner(server.app(), scfg)
     await runner.setup()
     port = sockets[0].getsockname()[1]
@@ -244,6 +254,14 @@ def _server_code() -> type[Server]:
     from rapidserve.server.app import Server
 
     return Server
+
+
+def _grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
+    """The admission trials of structured-output constraints (server/app.py's `grammar_trials`; its module is
+    loaded already, by `_server_code`)."""
+    from rapidserve.server.app import grammar_trials
+
+    return grammar_trials(ecfg, tokenizer)
 
 
 def _address(sock: socket.socket) -> str:

@@ -7,7 +7,11 @@ completions too), `structured_outputs` ({json, regex, choice, grammar, json_obje
 response_format counts as none); more is a 400 naming them. The constraint is compiled here, in the
 server process (`rapidserve.structured.check`, cached per constraint in the `ProtocolContext`), so an
 invalid schema, regex or grammar is a 400 naming its field and never reaches a worker; a server
-without the grammar engine answers 501 naming the field and stays up.
+without the grammar engine answers 501 naming the field and stays up. Then (`check_servable`, off the
+event loop: it takes a compile and a few masks, seconds for the worst) it is compiled against the
+model's tokenizer and tried on its first steps (`rapidserve.structured.trial`), so a constraint beyond
+the grammar engine's limits (e.g. the regex `(b{1000}){1000}`, which runs its lexer out of fuel) is a 400
+naming its field with the engine's reason, each time it is sent (the verdict is cached as a failure).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 from rapidserve.sampling_params import SamplingParamsError, StructuredOutputs
 from rapidserve.server.errors import APIError, bad_request
 from rapidserve.server.schemas import RequestBody
-from rapidserve.structured import GrammarCache, GrammarError
+from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials
 
 
 def _schema_text(v: dict[str, Any] | str, param: str) -> str:
@@ -64,6 +68,24 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
             StructuredOutputs(choice=tuple(v)) if k == "choice" else StructuredOutputs(**{k: v})
         out.append((f"structured_outputs.{k}", c))
     return out
+
+
+def structured_field_of(r: RequestBody) -> str | None:
+    """The name of the structured-output field the request sets (one, once `structured_outputs_of` passed)."""
+    found = _candidates(r)
+    return found[0][0] if found else None
+
+
+def check_servable(so: StructuredOutputs, param: str, trials: GrammarTrials) -> None:
+    """APIError naming `param` when the grammar engine cannot serve `so` with the model's tokenizer (slow
+    the first time per constraint: call it off the event loop unless `trials.known(so)`)."""
+    try:
+        trials.check(so)
+    except GrammarError as e:
+        if e.kind == "engine":
+            raise APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param) \
+                from None
+        raise bad_request(param, f"'{param}' cannot be enforced: {e}") from None
 
 
 def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredOutputs | None:
