@@ -11,14 +11,13 @@ share of counted requests attaining it}], "goodput": [{"itl_bound_ms" (None: unb
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, bound_key
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
-from rapidserve.benchmark.report import fmt, jsonable
+from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
 from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
 
@@ -110,14 +109,8 @@ def write_search_outputs(result: Mapping[str, Any], out_dir: str, name: str,
                          plot: bool = True) -> tuple[dict[str, str], str | None]:
     """Write <out_dir>/<name>.json, .md and (with `plot`, when matplotlib is there) .png; their paths by kind,
     and a note when the plot could not be drawn."""
-    os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
-    paths = {"json": base + ".json", "md": base + ".md"}
-    with open(paths["json"], "w") as f:
-        json.dump(jsonable(result), f, indent=1, allow_nan=False)
-        f.write("\n")
-    with open(paths["md"], "w") as f:
-        f.write(search_markdown(result))
+    paths = write_json_and_markdown(result, out_dir, name, search_markdown(result))
     if not plot:
         return paths, None
     if not have_matplotlib():

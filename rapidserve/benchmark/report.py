@@ -11,7 +11,10 @@ from typing import Any
 from rapidserve.benchmark.arrivals import rate_label
 from rapidserve.benchmark.results import load_result, trace_line, workload_title
 
-__all__ = ["fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_outputs"]
+__all__ = [
+    "fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_json_and_markdown",
+    "write_outputs",
+]
 
 THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
@@ -142,8 +145,9 @@ def _workload_details(w: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in w.items() if k not in skip and v is not None)
 
 
-def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool = True) -> dict[str, str]:
-    """Write <out_dir>/<name>.json, .md and (with `plot`) .png; return their paths by kind."""
+
+def write_json_and_markdown(result: Mapping[str, Any], out_dir: str, name: str, markdown: str) -> dict[str, str]:
+    """Write <out_dir>/<name>.json (the result, JSON-safe) and <name>.md (`markdown`); their paths by kind."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
     paths = {"json": base + ".json", "md": base + ".md"}
@@ -151,7 +155,13 @@ def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool
         json.dump(jsonable(result), f, indent=1, allow_nan=False)
         f.write("\n")
     with open(paths["md"], "w") as f:
-        f.write(to_markdown(result))
+        f.write(markdown)
+    return paths
+
+def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool = True) -> dict[str, str]:
+    """Write <out_dir>/<name>.json, .md and (with `plot`) .png; return their paths by kind."""
+    base = os.path.join(out_dir, name)
+    paths = write_json_and_markdown(result, out_dir, name, to_markdown(result))
     if plot and result.get("runs"):
         from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_sweeps
 
