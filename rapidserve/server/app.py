@@ -101,7 +101,7 @@ class Server:
                  model_name: str, tool_parser: str | None = None) -> None:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, ecfg.max_model_len, ecfg.cache)
         self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
                                          ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
@@ -312,6 +312,8 @@ class Server:
                     raise refusal
             for c in choices:
                 self.metrics.add_prompt_tokens(len(c.prompt_ids))
+            for _ in req.prompts:
+                self.metrics.observe_params(req.params.n, req.params.max_tokens)
             tasks = [asyncio.ensure_future(self._run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -336,6 +338,9 @@ class Server:
             for c in choices if refusal is None else []:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
                                               c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
+            n = req.params.n  # choice i * n + j is prompt i's sample j
+            for i in range(len(req.prompts) if refusal is None else 0):
+                self.metrics.observe_samples_done([len(c.token_ids) for c in choices[i * n:(i + 1) * n]])
 
     def _refusal(self) -> EngineError | None:
         """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,
