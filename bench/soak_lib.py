@@ -62,9 +62,9 @@ def parse_prometheus(text: str) -> Series:
     return out
 
 
-SUCCESS = "rapidserve:request_success_total"
-COUNTERS = {"prompt_tokens": "rapidserve:prompt_tokens_total",
-            "generation_tokens": "rapidserve:generation_tokens_total",
+SUCCESS = "vllm:request_success_total"
+COUNTERS = {"prompt_tokens": "vllm:prompt_tokens_total",
+            "generation_tokens": "vllm:generation_tokens_total",
             "engine_restarts": "rapidserve:engine_restarts_total",
             "worker_deaths": "rapidserve:engine_worker_deaths_total"}
 

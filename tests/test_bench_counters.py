@@ -12,14 +12,14 @@ from aiohttp import web
 from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.report import _server_counts
 
-METRICS = """# HELP rapidserve:prefix_cache_queries_total x
-rapidserve:prefix_cache_queries_total{model_name="m"} 1000.0
-rapidserve:prefix_cache_hits_total{model_name="m"} 250.0
+METRICS = """# HELP vllm:prefix_cache_queries_total x
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
 rapidserve:partition_switches_total{model_name="m"} 4.0
 rapidserve:partition_steps_total{config="d66-p66",model_name="m"} 30.0
 rapidserve:partition_steps_total{config="full",model_name="m"} 10.0
-vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5.0
-rapidserve:num_preemptions_total{model_name="m"} 7.0
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 5.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 7.0
 """
 
 
@@ -73,22 +73,22 @@ def test_report_line() -> None:
     assert _server_counts({}) == ""
 
 
-PHASE_METRICS = """rapidserve:request_queue_time_seconds_sum{model_name="m"} 0.5
-rapidserve:request_queue_time_seconds_count{model_name="m"} 10.0
-rapidserve:request_queue_time_seconds_bucket{le="0.1",model_name="m"} 3.0
+PHASE_METRICS = """vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 10.0
+vllm:request_queue_time_seconds_bucket{engine="0",le="0.1",model_name="m"} 3.0
 rapidserve:request_admission_time_seconds_sum{model_name="m"} 0.1
 rapidserve:request_admission_time_seconds_count{model_name="m"} 10.0
-rapidserve:request_prefill_time_seconds_sum{model_name="m"} 0.25
-rapidserve:request_prefill_time_seconds_count{model_name="m"} 10.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.25
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 10.0
 rapidserve:request_first_token_handoff_seconds_sum{model_name="m"} 0.05
 rapidserve:request_first_token_handoff_seconds_count{model_name="m"} 10.0
-vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 1.5
-vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 5.0
+vllm:request_queue_time_seconds_sum{engine="1",model_name="m"} 1.5
+vllm:request_queue_time_seconds_count{engine="1",model_name="m"} 5.0
 """
 
 
 def test_server_counters_parse_ttft_phases() -> None:
-    """rapidserve's phases, and vLLM's queue time under its own prefix (summed: one server answers)."""
+    """vLLM's queue and prefill phases (summed over engines) and rapidserve's own (admission, hand-off)."""
     got = _fetch(PHASE_METRICS)
     assert got == {"phase_sum:queue": 2.0, "phase_count:queue": 15.0, "phase_sum:admission": 0.1,
                    "phase_count:admission": 10.0, "phase_sum:prefill": 0.25, "phase_count:prefill": 10.0,

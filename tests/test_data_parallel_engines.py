@@ -84,10 +84,10 @@ def test_two_engines_behind_one_server_answer_as_one_engine() -> None:
             assert sum(served) == len(PROMPTS) and min(served) > 0, served  # both engines served some
             deadline = time.monotonic() + 10  # each engine reports its Stats every 0.25 s
             queried = sum(len(p) for p in PROMPTS)  # every prompt token was looked up in one of the caches
-            while metric(srv.url, "rapidserve:prefix_cache_queries_total") != queried:
-                assert time.monotonic() < deadline, metric(srv.url, "rapidserve:prefix_cache_queries_total")
+            while metric(srv.url, "vllm:prefix_cache_queries_total") != queried:
+                assert time.monotonic() < deadline, metric(srv.url, "vllm:prefix_cache_queries_total")
                 await asyncio.sleep(0.1)
-            assert metric(srv.url, "rapidserve:kv_cache_usage_perc") == 0.0
+            assert metric(srv.url, "vllm:kv_cache_usage_perc") == 0.0
         finally:
             assert stop(srv) == 0
 

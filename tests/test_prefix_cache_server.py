@@ -20,7 +20,7 @@ import pytest
 from tests.test_server import Srv, http, metric, start, stop
 
 TINY = ("--model", "preset:tiny-llama", "--num-kv-blocks", "64", "--max-model-len", "1024")
-QUERIES, HITS = "rapidserve:prefix_cache_queries_total", "rapidserve:prefix_cache_hits_total"
+QUERIES, HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 SERVERS = [("rapid", True), ("hybrid", True), ("rapid", False)]
 
 _rng = random.Random(1515)
@@ -148,6 +148,8 @@ def test_metrics_count_queries_and_hits(server: tuple[Srv, bool]) -> None:
 
 
 PHASES = ("queue_time", "admission_time", "prefill_time", "first_token_handoff")
+PHASE_PREFIX = {"queue_time": "vllm", "prefill_time": "vllm", "admission_time": "rapidserve",
+                "first_token_handoff": "rapidserve"}  # vLLM's series, and rapidserve's own
 
 
 def test_time_to_first_token_is_split_into_phases(server: tuple[Srv, bool]) -> None:
@@ -156,12 +158,12 @@ def test_time_to_first_token_is_split_into_phases(server: tuple[Srv, bool]) -> N
     s, _ = server
 
     def snap() -> dict[str, float]:
-        got = {f"{p}_{k}": metric(s.url, f"rapidserve:request_{p}_seconds_{k}") for p in PHASES for k in ("sum",
-                                                                                                       "count")}
-        got["ttft_sum"] = metric(s.url, "rapidserve:time_to_first_token_seconds_sum")
-        got["ttft_count"] = metric(s.url, "rapidserve:time_to_first_token_seconds_count")
-        got["decode_count"] = metric(s.url, "rapidserve:request_decode_time_seconds_count")
-        got["inference_count"] = metric(s.url, "rapidserve:request_inference_time_seconds_count")
+        got = {f"{p}_{k}": metric(s.url, f"{PHASE_PREFIX[p]}:request_{p}_seconds_{k}") for p in PHASES
+               for k in ("sum", "count")}
+        got["ttft_sum"] = metric(s.url, "vllm:time_to_first_token_seconds_sum")
+        got["ttft_count"] = metric(s.url, "vllm:time_to_first_token_seconds_count")
+        got["decode_count"] = metric(s.url, "vllm:request_decode_time_seconds_count")
+        got["inference_count"] = metric(s.url, "vllm:request_inference_time_seconds_count")
         return got
 
     before = snap()

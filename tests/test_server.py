@@ -167,16 +167,16 @@ def test_disconnect_mid_stream_frees_kv_blocks(srv: Srv) -> None:
     for _ in range(5):
         resp.readline()
     deadline = time.monotonic() + 20
-    while metric(srv.url, "rapidserve:kv_cache_usage_perc") == 0 and time.monotonic() < deadline:
+    while metric(srv.url, "vllm:kv_cache_usage_perc") == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert metric(srv.url, "rapidserve:kv_cache_usage_perc") > 0  # the request holds blocks
+    assert metric(srv.url, "vllm:kv_cache_usage_perc") > 0  # the request holds blocks
     conn.close()  # the client goes away
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (metric(srv.url, "rapidserve:kv_cache_usage_perc") > 0
-                                           or metric(srv.url, "rapidserve:num_requests_running") > 0):
+    while time.monotonic() < deadline and (metric(srv.url, "vllm:kv_cache_usage_perc") > 0
+                                           or metric(srv.url, "vllm:num_requests_running") > 0):
         time.sleep(0.1)
-    assert metric(srv.url, "rapidserve:kv_cache_usage_perc") == 0
-    assert metric(srv.url, "rapidserve:num_requests_running") == 0
+    assert metric(srv.url, "vllm:kv_cache_usage_perc") == 0
+    assert metric(srv.url, "vllm:num_requests_running") == 0
 
 
 LONG = "word " * 1100
@@ -219,9 +219,9 @@ def test_protocol_errors(srv: Srv) -> None:
 
 
 def _running(url: str, headers: dict[str, str]) -> float:
-    """The rapidserve:num_requests_running gauge (read with `headers`: the API key)."""
+    """The vllm:num_requests_running gauge (read with `headers`: the API key)."""
     _, _, raw = http(url + "/metrics", headers=headers)
-    line = next(ln for ln in raw.decode().splitlines() if ln.startswith("rapidserve:num_requests_running{"))
+    line = next(ln for ln in raw.decode().splitlines() if ln.startswith("vllm:num_requests_running{"))
     return float(line.rsplit(" ", 1)[1])
 
 

@@ -27,7 +27,7 @@ TWO_SAMPLES = {"prompt": [1, 2, 3], "max_tokens": 1000, "n": 2}
 
 def success(body: str) -> dict[str, float]:
     return {s.labels["finished_reason"]: s.value for fam in text_string_to_metric_families(body)
-            for s in fam.samples if s.name == "rapidserve:request_success_total"}
+            for s in fam.samples if s.name == "vllm:request_success_total"}
 
 
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:

@@ -57,7 +57,7 @@ def counters(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(http(url + "/metrics")[2].decode()):
         for s in fam.samples:
-            if s.name == "rapidserve:request_success_total":
+            if s.name == "vllm:request_success_total":
                 out[s.labels["finished_reason"]] = s.value
             elif s.name in ("rapidserve:engine_restarts_total", "rapidserve:engine_worker_deaths_total"):
                 out[s.name.split(":")[1]] = s.value

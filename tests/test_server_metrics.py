@@ -26,12 +26,12 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 async def scrape(s: aiohttp.ClientSession, url: str) -> Samples:
     async with s.get(url + "/metrics") as r:
         text = await r.text()
-    return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k != "model_name")): x.value
+    return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k not in ("model_name", "engine"))): x.value
             for fam in text_string_to_metric_families(text) for x in fam.samples}
 
 
 def gauges(m: Samples) -> tuple[float, float]:
-    return m[("rapidserve:num_requests_running", frozenset())], m[("rapidserve:num_requests_waiting", frozenset())]
+    return m[("vllm:num_requests_running", frozenset())], m[("vllm:num_requests_waiting", frozenset())]
 
 
 def stats(running: int, prefilling: int, waiting: int) -> Stats:
@@ -122,7 +122,8 @@ def test_503_refusals_are_rejected_not_engine_errors_and_count_no_prompt_tokens(
             m = await scrape(s, url)
 
         def count(name: str, **labels: str) -> float:
-            return m[(f"rapidserve:{name}", frozenset(labels.items()))]
+            prefix = "rapidserve:" if name.startswith("request_rejected") else "vllm:"
+            return m[(prefix + name, frozenset(labels.items()))]
 
         assert count("prompt_tokens_total") == 3 * server.capacity  # only the request that reached the engine
         assert count("request_success_total", finished_reason="error") == 0

@@ -50,10 +50,10 @@ soak = _load_soak()
 
 def test_parse_prometheus_matches_prometheus_client() -> None:
     reg = CollectorRegistry()
-    c = Counter("rapidserve:request_success", "x", ["model_name", "finished_reason"], registry=reg)
+    c = Counter("vllm:request_success", "x", ["model_name", "finished_reason"], registry=reg)
     c.labels('we"ird\\name', "stop").inc(3)
     c.labels("m", "abort").inc(2)
-    Counter("rapidserve:generation_tokens", "x", ["model_name"], registry=reg).labels("m").inc(41)
+    Counter("vllm:generation_tokens", "x", ["model_name"], registry=reg).labels("m").inc(41)
     text = generate_latest(reg).decode()
     ours = sl.parse_prometheus(text)
     theirs = {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -325,8 +325,8 @@ def _fake_app(state: dict[str, Any]) -> web.Application:
     [7] (HTTP 500), [11] (a stream without [DONE]) and [13] (an error event in the stream); the mix's
     token ids are >= 100."""
     reg = CollectorRegistry()
-    success = Counter("rapidserve:request_success", "x", ["model_name", "finished_reason"], registry=reg)
-    gen = Counter("rapidserve:generation_tokens", "x", ["model_name"], registry=reg).labels("fake")
+    success = Counter("vllm:request_success", "x", ["model_name", "finished_reason"], registry=reg)
+    gen = Counter("vllm:generation_tokens", "x", ["model_name"], registry=reg).labels("fake")
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -115,7 +115,7 @@ class Server:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
         self.model_names = (model_name, *aliases)
-        self.metrics = Metrics(model_name)
+        self.metrics = Metrics(model_name, ecfg.max_model_len, ecfg.cache)
         if trials is None and tokenizer is not None:
             trials = grammar_trials(ecfg, tokenizer)
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
@@ -331,6 +331,8 @@ class Server:
                     raise refusal
             for c in choices:
                 self.metrics.add_prompt_tokens(len(c.prompt_ids))
+            for _ in req.prompts:
+                self.metrics.observe_params(req.params.n, req.params.max_tokens)
             tasks = [asyncio.ensure_future(self._run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -355,6 +357,9 @@ class Server:
             for c in choices if refusal is None else []:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
                                               c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
+            n = req.params.n  # choice i * n + j is prompt i's sample j
+            for i in range(len(req.prompts) if refusal is None else 0):
+                self.metrics.observe_samples_done([len(c.token_ids) for c in choices[i * n:(i + 1) * n]])
 
     def _refusal(self) -> EngineError | None:
         """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,

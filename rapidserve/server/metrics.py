@@ -1,136 +1,199 @@
-"""Prometheus metrics of the HTTP server, named like vLLM's under the ``rapidserve:`` prefix.
+"""Prometheus metrics of the HTTP server, under vLLM's names wherever vLLM has the same series.
 
-Every `Metrics` owns a private `CollectorRegistry`, so several servers (or tests) in one process
-never share series. Every series carries a ``model_name`` label. Exposed names:
+A dashboard, alert, autoscaler or router built for vLLM reads a rapidserve server unchanged: every series
+whose meaning matches one of vLLM v1's (vllm/v1/metrics/loggers.py) carries vLLM's name with the ``vllm:``
+prefix, its type, its buckets and its labels ``model_name`` and ``engine``. ``engine`` is always "0": with
+``--data-parallel-size N`` the series are the sum over the N engines behind this server (engine/dp_stats.py),
+where vLLM would label each engine. What vLLM has no series for keeps the ``rapidserve:`` prefix, labelled
+``model_name`` only. Counters carry prometheus_client's ``_total`` suffix as vLLM's do; no ``_created``
+series is exposed (they would double the series for nothing a dashboard reads): they are filtered at render,
+so no global prometheus_client setting is touched. Every `Metrics` owns a private `CollectorRegistry`, so
+several servers (or tests) in one process never share series.
 
-* histograms ``rapidserve:time_to_first_token_seconds``, ``rapidserve:inter_token_latency_seconds``,
-  ``rapidserve:request_time_per_output_token_seconds``, ``rapidserve:e2e_request_latency_seconds``,
-  ``rapidserve:request_prompt_tokens``, ``rapidserve:request_generation_tokens``
-  (each as ``_bucket``/``_sum``/``_count``);
-* where the time to first token went, per request (histograms, seconds; the engine's `PhaseTimes`):
-  ``rapidserve:request_queue_time_seconds`` (arrival to its first prompt chunk on the device) and
-  ``rapidserve:request_prefill_time_seconds`` (first chunk queued to first token sampled), as vLLM's;
-  ``rapidserve:request_admission_time_seconds`` (arrival to its KV blocks allocated: in rapid mode,
-  the decode worker's handing it to prefill; part of the queue time) and
-  ``rapidserve:request_first_token_handoff_seconds`` (first token sampled to the server holding it:
-  in rapid mode the route prefill -> decode -> router); and, as vLLM's,
-  ``rapidserve:request_decode_time_seconds`` (first token to the end) and
-  ``rapidserve:request_inference_time_seconds`` (first chunk queued to the end);
-* gauges ``rapidserve:num_requests_running``, ``rapidserve:num_requests_waiting`` (engine requests, from
-  the server's own count of those in flight at the scrape: `request_gauges`), ``rapidserve:kv_cache_usage_perc``
-  (0..1), ``rapidserve:partition_info{config="..."}`` (1, current only);
-* counters ``rapidserve:prompt_tokens_total``, ``rapidserve:generation_tokens_total``,
-  ``rapidserve:request_success_total{finished_reason="..."}`` (stop, length, abort: the client went
-  away or the server stopped it, error: the engine failed it), ``rapidserve:num_preemptions_total``,
-  ``rapidserve:engine_restarts_total``, ``rapidserve:engine_worker_deaths_total``,
-  ``rapidserve:prefix_cache_queries_total`` and ``rapidserve:prefix_cache_hits_total`` (prompt tokens
-  looked up in the prefix cache, and found there; vLLM's names), ``rapidserve:partition_steps_total{config="..."}``
-  (decode steps launched in each compute partition configuration) and ``rapidserve:partition_switches_total``;
-  ``rapidserve:request_rejected_total{reason="..."}``: HTTP requests refused with a 503 before reaching the
-  engine, by the error code the client got (overloaded, engine_unavailable, server_shutting_down); they count
-  no prompt tokens and are not in ``request_success_total``.
+vLLM's series (see docs/operations.md for what to watch):
 
-prometheus_client adds ``_total`` to counter names itself, so counters are created without it.
+* gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (the server's own count of engine
+  requests in flight at the scrape: `request_gauges`), ``vllm:kv_cache_usage_perc`` (0..1),
+  ``vllm:cache_config_info`` (1; the KV cache settings as labels, vLLM's ``CacheConfig.metrics_info()`` keys:
+  `cache_config_labels`; exposed once the engine has reported its pool);
+* counters ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
+  ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in the prefix
+  cache, and found there), ``vllm:request_success_total{finished_reason}`` (stop, length, abort: the client went
+  away or the server stopped it; and error: the engine failed it);
+* histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and its older name
+  ``vllm:time_per_output_token_seconds`` (the same observations, as vLLM still exposes both),
+  ``vllm:request_time_per_output_token_seconds`` (per request: (e2e - ttft) / (output tokens - 1)),
+  ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (arrival to the first prompt chunk
+  queued on the device), ``vllm:request_prefill_time_seconds`` (first chunk queued to first token sampled),
+  ``vllm:request_decode_time_seconds`` (first token to the end), ``vllm:request_inference_time_seconds`` (first
+  chunk queued to the end), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
+  ``vllm:request_max_num_generation_tokens`` (per prompt: the most output tokens among its ``n`` samples),
+  ``vllm:request_params_n``, ``vllm:request_params_max_tokens``.
+
+rapidserve's own: histograms ``rapidserve:request_admission_time_seconds`` (arrival to its KV blocks allocated:
+in rapid mode the decode worker's handing it to prefill; part of the queue time) and
+``rapidserve:request_first_token_handoff_seconds`` (first token sampled to the server holding it: in rapid mode
+the route prefill -> decode -> router); gauge ``rapidserve:partition_info{config}`` (1, current only); counters
+``rapidserve:partition_steps_total{config}`` (decode steps launched in each compute partition configuration),
+``rapidserve:partition_switches_total``, ``rapidserve:engine_restarts_total``,
+``rapidserve:engine_worker_deaths_total`` and ``rapidserve:request_rejected_total{reason}`` (HTTP requests
+refused with a 503 before reaching the engine, by the error code the client got: overloaded,
+engine_unavailable, server_shutting_down; they count no prompt tokens and are not in
+``vllm:request_success_total``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 
-# Bucket boundaries as in vLLM (vllm/engine/metrics.py).
+from rapidserve.config import CacheConfig
+
+# Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Reasons pre-created at 0 so that rate() works before the first request of each kind finishes.
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("overloaded", "engine_unavailable", "server_shutting_down")
+ENGINE = "0"  # vLLM's `engine` label: one combined engine (module doc)
+# How the prefix cache's blocks are hashed for KV events (engine/kv_events.py): vLLM's default.
+PREFIX_CACHING_HASH_ALGO = "sha256"
 
-_P = "rapidserve:"
+_V = "vllm:"
+_R = "rapidserve:"
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+def cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's CacheConfig field names, values as Python's str() of
+    them as vLLM prints them (``"True"``, ``"None"``, ``"0.9"``), for the settings rapidserve has."""
+    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(num_gpu_blocks), "num_gpu_blocks_override": str(cache.num_blocks),
+            "prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGO, "swap_space": "0"}
+
+
+class _WithoutCreated:
+    """A registry's series without the ``_created`` samples prometheus_client adds to counters and histograms."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield out
 
 
 class Metrics:
-    """The server's metrics for one model; render() gives the /metrics response."""
+    """The server's metrics for one model; render() gives the /metrics response. `max_model_len` bounds the
+    token-count buckets (vLLM's); `cache` is described by ``vllm:cache_config_info``."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int, cache: CacheConfig) -> None:
         self.model_name = model_name
+        self.cache = cache
         self.registry = CollectorRegistry(auto_describe=True)
-        reg, lab = self.registry, ["model_name"]
+        reg, lab, who = self.registry, ["model_name", "engine"], (model_name, ENGINE)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(_P + name, doc, lab, buckets=buckets, registry=reg)
+            return Histogram(_V + name, doc, lab, buckets=buckets, registry=reg).labels(*who)
 
-        self._ttft = hist("time_to_first_token_seconds", "Time to first token in seconds.",
-                          TTFT_BUCKETS).labels(model_name)
-        self._itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens in seconds.",
-                         ITL_BUCKETS).labels(model_name)
-        self._tpot = hist("request_time_per_output_token_seconds",
-                          "Per request: (e2e - ttft) / (output tokens - 1), in seconds.",
-                          ITL_BUCKETS).labels(model_name)
-        self._e2e = hist("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                         E2E_BUCKETS).labels(model_name)
-        self._req_prompt = hist("request_prompt_tokens", "Prompt tokens per finished request.",
-                                TOKEN_BUCKETS).labels(model_name)
-        self._req_gen = hist("request_generation_tokens", "Output tokens per finished request.",
-                             TOKEN_BUCKETS).labels(model_name)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(_V + name, doc, lab, registry=reg).labels(*who)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(_V + name, doc, lab, registry=reg).labels(*who)
+
+        tokens = build_1_2_5_buckets(max_model_len)
+        self._ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                          TTFT_BUCKETS)
+        self._itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self._tpot_old = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds "
+                              "(the inter-token latency's older name).", ITL_BUCKETS)
+        self._tpot = hist("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds "
+                          "per request: (e2e - ttft) / (output tokens - 1).", ITL_BUCKETS)
+        self._e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                         REQUEST_LATENCY_BUCKETS)
+        self._queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request: "
+                           "arrival to its first prompt chunk queued.", REQUEST_LATENCY_BUCKETS)
+        self._prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request: "
+                             "first prompt chunk queued to first token sampled.", REQUEST_LATENCY_BUCKETS)
+        self._decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                            REQUEST_LATENCY_BUCKETS)
+        self._inference = hist("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
+                               "request.", REQUEST_LATENCY_BUCKETS)
+        self._req_prompt = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self._req_gen = hist("request_generation_tokens", "Number of generation tokens processed.", tokens)
+        self._req_max_gen = hist("request_max_num_generation_tokens",
+                                 "Histogram of maximum number of requested generation tokens.", tokens)
+        self._params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self._params_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                       tokens)
+
+        self._running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self._waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self._cache_info = Gauge(_V + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 ["engine", *cache_config_labels(cache, 0)], registry=reg)
+        self._cache_info_now: dict[str, str] | None = None
+
+        self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self._gen_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter(_V + "request_success", "Count of successfully processed requests.",
+                                [*lab, "finished_reason"], registry=reg)
+        for reason in FINISH_REASONS:
+            self._success.labels(*who, reason)
+        self._preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        self._prefix_queries = counter("prefix_cache_queries",
+                                       "Prefix cache queries, in terms of number of queried tokens.")
+        self._prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
+
+        # rapidserve's own series (vLLM has none of these)
         def phase(name: str, doc: str) -> Histogram:
-            return hist(name, doc, TTFT_BUCKETS).labels(model_name)
+            return Histogram(_R + name, doc, ["model_name"], buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
 
-        self._queue = phase("request_queue_time_seconds", "Arrival to the first prompt chunk queued on the device.")
-        self._prefill = phase("request_prefill_time_seconds", "First prompt chunk queued to the first token sampled.")
+        def own(name: str, doc: str) -> Counter:
+            return Counter(_R + name, doc, ["model_name"], registry=reg).labels(model_name)
+
         self._admission = phase("request_admission_time_seconds", "Arrival to the request's KV blocks allocated.")
-        self._handoff = phase("request_first_token_handoff_seconds",
-                              "First token sampled to the server holding it.")
-        self._decode = hist("request_decode_time_seconds", "First token to the request's end.",
-                            E2E_BUCKETS).labels(model_name)
-        self._inference = hist("request_inference_time_seconds", "First prompt chunk queued to the request's end.",
-                               E2E_BUCKETS).labels(model_name)
-
-        self._running = Gauge(_P + "num_requests_running", "Requests being prefilled or decoded.", lab,
-                              registry=reg).labels(model_name)
-        self._waiting = Gauge(_P + "num_requests_waiting", "Requests waiting (engine and server queues).", lab,
-                              registry=reg).labels(model_name)
-        self._kv_usage = Gauge(_P + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", lab,
-                               registry=reg).labels(model_name)
-        self._partition = Gauge(_P + "partition_info", "Current compute partition (value 1 for the current config).",
+        self._handoff = phase("request_first_token_handoff_seconds", "First token sampled to the server holding it.")
+        self._partition = Gauge(_R + "partition_info", "Current compute partition (value 1 for the current config).",
                                 ["model_name", "config"], registry=reg)
         self._partition_now: str | None = None
-
-        self._prompt_tokens = Counter(_P + "prompt_tokens", "Prompt tokens admitted.", lab,
-                                      registry=reg).labels(model_name)
-        self._gen_tokens = Counter(_P + "generation_tokens", "Output tokens of finished requests.", lab,
-                                   registry=reg).labels(model_name)
-        self._success = Counter(_P + "request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=reg)
-        for reason in FINISH_REASONS:
-            self._success.labels(model_name, reason)
-        self._rejected = Counter(_P + "request_rejected", "Requests refused (503) before reaching the engine, by "
+        self._rejected = Counter(_R + "request_rejected", "Requests refused (503) before reaching the engine, by "
                                  "error code.", ["model_name", "reason"], registry=reg)
         for reason in REJECT_REASONS:
             self._rejected.labels(model_name, reason)
-        self._preemptions = Counter(_P + "num_preemptions", "Preemptions by the engine.", lab,
-                                    registry=reg).labels(model_name)
-        self._preemptions_seen = 0
-        self._restarts = Counter(_P + "engine_restarts", "Engine worker restarts since the server started.", lab,
-                                 registry=reg).labels(model_name)
-        self._deaths = Counter(_P + "engine_worker_deaths", "Engine worker deaths since the server started.", lab,
-                               registry=reg).labels(model_name)
+        self._restarts = own("engine_restarts", "Engine worker restarts since the server started.")
+        self._deaths = own("engine_worker_deaths", "Engine worker deaths since the server started.")
         self._restarts_seen = self._deaths_seen = 0
-        self._prefix_queries = Counter(_P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                       lab, registry=reg).labels(model_name)
-        self._prefix_hits = Counter(_P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", lab,
-                                    registry=reg).labels(model_name)
-        self._prefix_seen = (0, 0)
-        self._partition_steps = Counter(_P + "partition_steps", "Decode steps launched, per compute partition "
+        self._partition_steps = Counter(_R + "partition_steps", "Decode steps launched, per compute partition "
                                         "configuration.", ["model_name", "config"], registry=reg)
-        self._partition_switches = Counter(_P + "partition_switches", "Compute partition switches.", lab,
-                                           registry=reg).labels(model_name)
+        self._partition_switches = own("partition_switches", "Compute partition switches.")
         self._steps_seen: dict[str, int] = {}
         self._switches_seen = 0
 
@@ -151,6 +214,20 @@ class Metrics:
     def observe_token(self, itl_s: float) -> None:
         """A later output token arrived `itl_s` seconds after the previous one of its request."""
         self._itl.observe(itl_s)
+        self._tpot_old.observe(itl_s)
+
+    def observe_params(self, n: int, max_tokens: int | None) -> None:
+        """One prompt of a request was admitted with these sampling parameters (a request of several
+        prompts is several, as vLLM counts them); a `max_tokens` left unset is not observed, as vLLM's."""
+        self._params_n.observe(n)
+        if max_tokens:
+            self._params_max_tokens.observe(max_tokens)
+
+    def observe_samples_done(self, output_tokens: list[int]) -> None:
+        """Every sample of one prompt ended, with these output token counts: the most of them is the
+        prompt's ``request_max_num_generation_tokens``."""
+        if output_tokens:
+            self._req_max_gen.observe(max(output_tokens))
 
     def observe_finished(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
                          ttft_s: float | None = None, queue_s: float | None = None) -> None:
@@ -169,7 +246,7 @@ class Metrics:
         self._req_gen.observe(num_output_tokens)
         if num_output_tokens > 0:
             self._gen_tokens.inc(num_output_tokens)
-        self._success.labels(self.model_name, str(finish_reason)).inc()
+        self._success.labels(self.model_name, ENGINE, str(finish_reason)).inc()
         if ttft_s is not None and num_output_tokens > 1:
             self._tpot.observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
 
@@ -206,16 +283,24 @@ class Metrics:
         self.set_requests(num_running, num_waiting)
         used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
         self._kv_usage.set(min(1.0, max(0.0, used)))
-        seen = self._preemptions_seen
-        delta = num_preemptions - seen if num_preemptions >= seen else num_preemptions
-        if delta > 0:
-            self._preemptions.inc(delta)
+        self._preemptions.inc(_delta(self._preemptions_seen, num_preemptions))
         self._preemptions_seen = num_preemptions
+        if kv_blocks_total > 0:
+            self._set_cache_info(kv_blocks_total)
         if partition != self._partition_now:
             if self._partition_now is not None:
                 self._partition.remove(self.model_name, self._partition_now)
             self._partition.labels(self.model_name, partition).set(1)
             self._partition_now = partition
+
+    def _set_cache_info(self, num_gpu_blocks: int) -> None:
+        labels = {"engine": ENGINE, **cache_config_labels(self.cache, num_gpu_blocks)}
+        if labels == self._cache_info_now:
+            return
+        if self._cache_info_now is not None:  # the pool changed size (a restart): one current series only
+            self._cache_info.remove(*self._cache_info_now.values())
+        self._cache_info.labels(**labels).set(1)
+        self._cache_info_now = labels
 
     def set_engine_counters(self, restarts_total: int, deaths_total: int) -> None:
         """The engine's cumulative worker restarts and deaths (they only grow)."""
@@ -228,7 +313,7 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics response."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST  # type: ignore[arg-type]
 
 
 def request_gauges(queued: int, pending: int, decoding: int, engine_active: int | None) -> tuple[int, int]:
