@@ -82,10 +82,7 @@ def check_servable(so: StructuredOutputs, param: str, trials: GrammarTrials) -> 
     try:
         trials.check(so)
     except GrammarError as e:
-        if e.kind == "engine":
-            raise APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param) \
-                from None
-        raise bad_request(param, f"'{param}' cannot be enforced: {e}") from None
+        raise refusal(e, param, "cannot be enforced") from None
 
 
 def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredOutputs | None:
@@ -105,8 +102,13 @@ def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredO
     try:
         grammars.compile(so)
     except GrammarError as e:
-        if e.kind == "engine":
-            raise APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param) \
-                from None
-        raise bad_request(param, f"'{param}' is invalid: {e}") from None
+        raise refusal(e, param, "is invalid") from None
     return so
+
+
+def refusal(e: GrammarError, param: str, what: str) -> APIError:
+    """The error a constraint the grammar engine refused gets: 501 when the engine cannot serve that kind of
+    constraint at all, else a 400 naming `param` (`what`: how the constraint failed)."""
+    if e.kind == "engine":
+        return APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param)
+    return bad_request(param, f"'{param}' {what}: {e}")
