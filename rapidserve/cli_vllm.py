@@ -56,19 +56,29 @@ UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or 
 class CliParser(argparse.ArgumentParser):
     """argparse, with unknown flags refused by name: "rapidserve does not support --X (why)"."""
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """As argparse's, but the command whose flags were given reports what it does not take (not the top)."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            sub = next((a.choices.get(getattr(ns, "command", None) or "") for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction)), None)
+            (sub or self).error("unrecognized arguments: " + " ".join(extra))
+        return ns
+
     def error(self, message: str) -> NoReturn:
         m = re.fullmatch(r"unrecognized arguments: (.*)", message)
         if m:
             flags = [w.split("=", 1)[0] for w in m[1].split() if w.startswith("-")]
             if flags:
-                message = "; ".join(_refusal(f) for f in flags) + ". See `rapidserve COMMAND --help` for the flags"
+                message = ("; ".join(_refusal(self.prog, f) for f in flags)
+                           + f". See `{self.prog} --help` for the flags it takes")
         super().error(message)
 
 
-def _refusal(flag: str) -> str:
+def _refusal(prog: str, flag: str) -> str:
     why = UNSUPPORTED.get(flag) or next((w for f, w in UNSUPPORTED.items() if f.startswith("-") and len(f) == 2
                                          and flag.startswith(f) and not flag.startswith("--")), None)
-    return f"rapidserve does not support {flag}" + (f" ({why})" if why else "")
+    return f"{prog} does not support {flag}" + (f" ({why})" if why else "")
 
 
 def dtype_name(text: str) -> str:

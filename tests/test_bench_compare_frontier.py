@@ -36,8 +36,11 @@ def test_dry_run_defaults_to_the_frontier_systems(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out[:3]] == ["rapidserve", "always-fused", "always-split"]
     assert out[0].endswith("--port 8123") and out[1].endswith("--port 8123 --mode hybrid")
-    assert compare.main(["--dry-run", "--workloads", "4096:64"]) == 0  # a sweep: the old default, all ten
-    assert len(capsys.readouterr().out.splitlines()) == 11
+    assert compare.main(["--dry-run", "--workloads", "4096:64"]) == 0  # a sweep: every named system but those three
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == list(compare.SWEEP_SYSTEMS)
+    assert "duet" in compare.SWEEP_SYSTEMS and "rapidserve" not in compare.SWEEP_SYSTEMS
+    assert lines[-1].startswith("workload fixed 4096:64")
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -340,7 +340,7 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
     (["--pipeline-parallel-size", "2"], "does not support --pipeline-parallel-size (only tensor (-tp)"),
     (["--enable-lora"], "no LoRA"),
     (["-O3"], "does not support -O3 (no torch.compile"),
-    (["--frobnicate=1"], "rapidserve does not support --frobnicate"),
+    (["--frobnicate=1"], "rapidserve serve does not support --frobnicate"),
     (["--no-enable-chunked-prefill"], "always chunks"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
     (["--scheduling-policy", "priority"], "--scheduling-policy"),
