@@ -38,6 +38,7 @@ Matchers, penalty slots and compile states of requests no longer running are rel
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -58,6 +59,7 @@ from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_st
 from rapidserve.runner import ModelRunner
 from rapidserve.structured import GrammarBook
 
+LOG = logging.getLogger(__name__)
 AWAIT_POLL_S = 50e-6  # how often a decode worker waiting for a step looks at the step and its inbox
 IDLE_WAIT_S = 0.1  # the longest nap of an idle loop (a message wakes it at once)
 
@@ -146,7 +148,8 @@ class DecodeWorker:
         self.shape = shape
         target = self.fused_config if isinstance(shape, Fused) else shape.config
         if target != self.config:
-            self._switch(target, type(shape).__name__)
+            last = getattr(self.policy, "last", None)  # a policy that explains its choice (DuetPolicy)
+            self._switch(target, f"{type(shape).__name__}: {last.reason}" if last is not None else type(shape).__name__)
         elif self.has_prefill and self.partition.hint_due():  # drift: a new step estimate alone never blocks
             p = self.partition
             if self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
@@ -166,6 +169,7 @@ class DecodeWorker:
             # Stream ordering (module doc): the step in flight ran on the old stream; the next runs on the new.
             old.synchronize()
         self.partition.use(target, f"step shape {why}")  # the policy's manager may have moved there already
+        LOG.info("decode on %s (was %s): %s", target, self.config, why)
         self.config = target
         if self.has_prefill:
             self.io.to_prefill.send(m.SetPartition(target, self.partition.sent_hint()))
