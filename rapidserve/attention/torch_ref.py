@@ -8,10 +8,10 @@ Layouts (see rapidserve/attention/metadata.py):
   (``cu_seqlens_q``). ``q`` (decode): [B, num_heads, head_dim], one token per sequence.
 - GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
 
-The attention itself is torch.nn.functional.scaled_dot_product_attention called per sequence on
-contiguous K/V gathered from the cache, with the same arguments Hugging Face transformers' "sdpa"
-attention uses (``enable_gqa`` when there is no mask, ``repeat_kv`` + boolean mask otherwise), so
-fp32 outputs match a transformers model as closely as possible.
+The attention itself is torch.nn.functional.scaled_dot_product_attention on contiguous K/V gathered
+from the cache, with the same arguments Hugging Face transformers' "sdpa" attention uses (``enable_gqa``
+when there is no mask, ``repeat_kv`` + boolean mask otherwise), so fp32 outputs match a transformers
+model as closely as possible: per sequence for prefill; decode batched with a padding mask.
 
 These functions read lengths on the host (``.tolist()``): they are not CUDA-graph capturable.
 """
@@ -104,22 +104,56 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
+DECODE_GROUP_TOKENS = 1 << 18  # padded context tokens per decode group: bounds the gathered K/V copy
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token per sequence (q: [B, num_heads, head_dim]) attending to all its context_lens[b]
-    cached tokens. Rows with context_len 0 produce zeros. Returns [B, num_heads, head_dim]."""
+    cached tokens. Rows with context_len 0 produce zeros. Returns [B, num_heads, head_dim].
+
+    Sequences are batched (a per-sequence loop of gathers and SDPA calls cost ~30 ops per sequence and
+    layer, most of a CPU decode step at batch 16 and more; batched: 1.3-3x faster at batch 4-80): in groups of
+    at most DECODE_GROUP_TOKENS padded tokens, each group's K/V gathered to its longest context and the tail
+    masked (a boolean mask, GQA by `enable_gqa`). A masked key adds an exact zero to the softmax, so a
+    sequence's output differs from attending alone only by the reduction's rounding (~1 ulp in fp32)."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"q has {num_heads} heads, not a multiple of the cache's {num_kv_heads} kv heads")
     group = num_heads // num_kv_heads
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    for b, ctx in enumerate(context_lens.tolist()):
-        if ctx == 0:
-            continue
-        qb = q[b].unsqueeze(1).unsqueeze(0)  # [1, Hq, 1, D]
-        kb = _gather_kv(k_cache, block_tables[b], ctx).unsqueeze(0)
-        vb = _gather_kv(v_cache, block_tables[b], ctx).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=group > 1)
-        out[b] = o[0, :, 0]
+    lens = context_lens.tolist()
+    live = [b for b, n in enumerate(lens) if n > 0]
+    # longest first, so each group pads to a context near its own
+    live.sort(key=lambda b: -lens[b])
+    start = 0
+    while start < len(live):
+        longest = lens[live[start]]
+        size = max(1, min(len(live) - start, DECODE_GROUP_TOKENS // longest))
+        rows = torch.tensor(live[start:start + size], device=q.device)
+        out[rows] = _decode_group(q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], longest,
+                                  group, scale)
+        start += size
     return out
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, longest: int, group: int, scale: float) -> torch.Tensor:
+    """decode_attention of rows that all have context_len >= 1, padded to `longest`."""
+    batch, block_size = q.shape[0], k_cache.shape[2]
+    num_used = (longest + block_size - 1) // block_size
+    blocks = block_tables[:, :num_used].to(torch.int64).clamp(min=0)  # a padding entry reads some block: masked
+
+    mask = torch.arange(longest, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [B, L]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        tiles = cache[blocks]  # [B, num_used, Hkv, block_size, D]
+        kv = tiles.permute(0, 2, 1, 3, 4).reshape(batch, cache.shape[1], num_used * block_size, cache.shape[3])
+        # what lies past a context (a stale slot, another sequence's block, NaN) is zeroed, as 0 x NaN is NaN
+        # (in place: `cache[blocks]` is a copy, never the cache)
+        return kv[:, :, :longest].masked_fill_(~mask[:, None, :, None], 0.0)
+
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), gather(k_cache), gather(v_cache),
+                                       attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=group > 1)
+    return o[:, :, 0]
