@@ -278,7 +278,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           heartbeat_timeout_s=a.heartbeat_timeout_s)
     # the flags each mode and policy read are checked here, before the model loads (policy_spec.check_settings)
     ecfg, source = build_engine_config(a.model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
-                                       partition=pcfg, parallel=parallel)
+                                       partition=pcfg, parallel=parallel, kv_events_config=a.kv_events_config,
+                                       python_hash_seed=os.environ.get("PYTHONHASHSEED"))
     ecfg = auto_profile(ecfg, a.auto_profile, os.environ)
     return run(ecfg, scfg, source)  # type: ignore[arg-type]
 
@@ -399,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
                             "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
+    sv.add_argument("--kv-events-config", default=None, metavar="JSON",
+                    help="publish the prefix cache's block events as vLLM does, for KV-aware routers: vLLM's JSON, "
+                         "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
+                         "publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size); block "
+                         "hashes are vLLM's sha256 ones, seeded by $PYTHONHASHSEED; needs pyzmq (the kv-events extra)")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

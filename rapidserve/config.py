@@ -390,6 +390,89 @@ class PartitionConfig:
         raise ConfigError(f"--partition {text!r}; use adaptive, off or static:<decode share in (0, 1)>")
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config: publish the prefix cache's block events (rapidserve/kv_events.py) for a router.
+
+    The JSON keys are vLLM's (`parse`): `enable_kv_cache_events`, `publisher` ("zmq", or "null": nothing is
+    published; left out: "zmq" when enabled), `endpoint` (a ZMQ PUB address: one with `*`, `::`, ipc:// or
+    inproc:// is bound, another is connected to), `replay_endpoint` (a ROUTER address bound for replay requests;
+    None: no replay), `buffer_steps` (event batches kept for replay), `hwm` (the PUB socket's high-water mark),
+    `max_queue_size` (batches queued for the publisher thread), `topic` (the first frame of each message).
+    With several engines behind one server (--data-parallel-size), engine i publishes on the endpoint's port + i
+    (ipc/inproc: the address + `_dp<i>`) with `data_parallel_rank` i, as vLLM's data-parallel ranks do.
+    `none_hash` is the seed of the first block's hash (vLLM's NONE_HASH): sha256 of $PYTHONHASHSEED, or 32 random
+    bytes when it is unset, picked once where the run starts (config_builder) so that every engine and every
+    restart hashes alike.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    data_parallel_rank: int = 0
+    none_hash: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check(self.publisher in KV_EVENT_PUBLISHERS,
+               f"kv_events_config.publisher={self.publisher!r}; use one of {', '.join(KV_EVENT_PUBLISHERS)}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                   f"kv_events_config.{name}={v!r} must be a positive integer")
+        _check(self.data_parallel_rank >= 0, f"data_parallel_rank={self.data_parallel_rank} must be >= 0")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            _check((v is None and name == "replay_endpoint") or (isinstance(v, str) and "://" in v),
+                   f"kv_events_config.{name}={v!r}: give a ZMQ address such as tcp://*:5557 or ipc:///tmp/kv"
+                   + (", or null" if name == "replay_endpoint" else ""))
+
+    @property
+    def publishing(self) -> bool:
+        """Whether events are collected and published (enabled, to a real publisher)."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def parse(cls, value: object) -> KVEventsConfig:
+        """--kv-events-config's JSON text, or a mapping of the same keys (`LLM(kv_events_config=...)`), or a
+        KVEventsConfig. Unknown keys and wrong types are refused by name."""
+        import json
+
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"--kv-events-config is not valid JSON ({e}); give e.g. "
+                                  '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'') from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
+        keys = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
+                "max_queue_size", "topic")
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ConfigError(f"--kv-events-config: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
+                              f"{', '.join(keys)}")
+        types = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str,
+                 "replay_endpoint": (str, type(None)), "buffer_steps": int, "hwm": int, "max_queue_size": int,
+                 "topic": str}
+        for k, v in value.items():
+            if not isinstance(v, types[k]) or (types[k] is int and isinstance(v, bool)):
+                raise ConfigError(f"--kv-events-config: {k}={v!r} has the wrong type")
+        kw = dict(value)
+        if "publisher" not in kw:  # as vLLM: enabled without a publisher publishes over ZMQ
+            kw["publisher"] = "zmq" if kw.get("enable_kv_cache_events") else "null"
+        return cls(**kw)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server (`rapidserve serve`).
@@ -446,6 +529,7 @@ class EngineConfig:
     # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
     # weights, no tokenizer) text prompts and structured outputs.
     tokenizer: str | None = None
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
 
     @property
     def max_model_len(self) -> int:

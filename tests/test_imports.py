@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "rapidserve.kv_pool", "rapidserve.parallel")),
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
-                  "rapidserve.step_plan",
+                  "rapidserve.kv_events", "rapidserve.step_plan",
                   "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
     # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode

@@ -30,7 +30,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
 from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
-from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.policy import PendingWork
@@ -263,6 +263,7 @@ class DecodeWorker:
         for fin in self.sched.finished:
             self.io.to_router.send(fin)
         self.sched.finished.clear()
+        send_kv_events(self.io.to_router, self.sched.blocks.events)  # with --kv-events-config
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now

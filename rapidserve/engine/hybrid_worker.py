@@ -64,7 +64,7 @@ import torch
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
-from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import Carry, DecodeItem, ModelRunner, PrefillItem
@@ -317,6 +317,7 @@ class HybridWorker:
         if self._tokens:
             self.out.send(m.TokenBatch(self._tokens))
             self._tokens = []
+        send_kv_events(self.out, self.blocks.events)  # with --kv-events-config
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
