@@ -411,9 +411,10 @@ def test_openapi_document_refs_resolve() -> None:
     schemas = doc["components"]["schemas"]
     refs = re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(doc))
     assert refs and all(r in schemas for r in refs)
-    assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse"} <= set(schemas)
+    assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse", "TokenizeRequest",
+            "DetokenizeRequest"} <= set(schemas)
     ops = [(p, m) for p, item in doc["paths"].items() for m in item]
-    assert len(ops) == 7 and all(doc["paths"][p][m]["responses"] for p, m in ops)
+    assert len(ops) == 9 and all(doc["paths"][p][m]["responses"] for p, m in ops)
 
 
 @pytest.mark.parametrize("kind", ["CompletionRequest", "ChatCompletionRequest"])

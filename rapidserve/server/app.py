@@ -60,6 +60,7 @@ from rapidserve.server.responses import (
     usage_chunk,
     usage_dict,
 )
+from rapidserve.server.tokenize import answer as tokens_answer
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
@@ -123,6 +124,8 @@ class Server:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_post("/tokenize", self._tokens)  # vLLM's; a cache-aware router tokenizes through it
+        app.router.add_post("/detokenize", self._tokens)
         app.cleanup_ctx.append(self._redacting)
         return app
 
@@ -228,6 +231,16 @@ class Server:
                                           s.partition_steps)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
+
+    async def _tokens(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize and /detokenize (server/tokenize.py): the body checks of the generation routes."""
+        check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.header_timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.cfg.header_timeout_s:g} s",
+                           code="request_timeout") from None
+        return web.json_response(await tokens_answer(request.path.strip("/"), raw, self.ctx))
 
     async def _openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI document of every route, generated from the request and error types."""

@@ -16,6 +16,7 @@ import msgspec
 from rapidserve import __version__
 from rapidserve.server.errors import ErrorResponse
 from rapidserve.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, prompt_json_schema
+from rapidserve.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 _ERRORS = MappingProxyType({
     "400": "invalid request: `error.param` names the field at fault",
@@ -52,8 +53,8 @@ def _generation(summary: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of every route (served at GET /openapi.json)."""
-    (completion, chat, generate, _), components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest, GenerateRequest, ErrorResponse],
+    (completion, chat, generate, _, tokenize, detokenize), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, GenerateRequest, ErrorResponse, TokenizeRequest, DetokenizeRequest],
         ref_template="#/components/schemas/{name}")
     components["CompletionRequest"]["properties"]["prompt"].update(prompt_json_schema())
     health = {"type": "object", "properties": {"status": {"type": "string"}, "reason": {"type": "string"}},
@@ -77,6 +78,11 @@ def openapi_document() -> dict[str, Any]:
                                                                         "Prometheus text format", "text/plain")},
                                     False)},  # public with --metrics-public
             "/openapi.json": {"get": _op("This document", {"200": _json(obj, "the OpenAPI document")}, True)},
+            "/tokenize": {"post": _op("A prompt or chat messages as token ids (vLLM's)", {
+                "200": _json(obj, "{count, max_model_len, tokens, token_strs}"),
+                **_errors("400", "401", "413", "415")}, False, tokenize)},
+            "/detokenize": {"post": _op("Token ids as text (vLLM's)", {
+                "200": _json(obj, "{prompt}"), **_errors("400", "401", "413", "415")}, False, detokenize)},
         },
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
