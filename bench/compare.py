@@ -1,10 +1,24 @@
-"""Engine configurations, and the real vLLM, side by side on one GPU: the same request-rate sweep against each.
+"""Engine configurations, and the real vLLM, side by side on one GPU: the same load against each, as a
+request-rate sweep or (`--goodput-search`) as each system's goodput frontier.
 
     python bench/compare.py --model preset:qwen3-8b --systems rapid-adaptive,hybrid-2048 \\
         --workloads 4096:64,4096:1024 --rates 1,2,4,8,inf --num-prompts 32 --duration-budget-s 2400
     python bench/compare.py --systems vllm,rapid-adaptive,hybrid-2048 --vllm-model /root/peermodel \\
         --serve-args "--max-model-len 8192 --gpu-memory-utilization 0.8" --workloads multiturn \\
         --bench-args "--input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6" --rates inf
+    python bench/compare.py --goodput-search --systems rapidserve,always-fused,always-split,vllm \\
+        --vllm-model /root/peermodel --workloads 4096:64 --num-prompts 80 --budget-s 540
+
+The goodput frontier (`--goodput-search`; bench/compare_frontier.py): per system and workload, `rapidserve
+bench --goodput-search`'s search (rapidserve/benchmark/goodput.py: the highest Poisson rate at which a share
+of requests, 90% and 99%, meet a per-request p95 ITL bound, 25/50/100/200 ms or none, and the TTFT rule),
+started from that system's own closed-loop peak; the `--search-*` flags are bench's. The default systems are
+ours: `rapidserve` (the engine's default policy), `always-fused` (--mode hybrid) and `always-split` (--policy
+rapid); a bare `vllm` (or `vllm-best`) is vLLM at each of its settings (compare_systems.VLLM_SETTINGS), the
+best of which at each bound is the better vLLM our ratios divide by. `--budget-s` shares the time left
+evenly among the searches still to run (after the later systems' start-ups): a search that runs out
+reports its brackets so far, marked unfinished, and the report says so. One frontier plot per workload
+(<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and share).
 
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
@@ -41,9 +55,10 @@ bench` flags (e.g. `--workload-args "--workload trace --trace t.jsonl"`: whateve
 parser (rapidserve/benchmark/cli.py), so a flag added there works here unchanged.
 
 Outputs, in --out (default bench/results): <name>.json (every system's flags and status, each sweep's
-per-rate summaries, the table rows, the ratios), <name>.md (the tables), <name>.png (one row per workload:
-output throughput, p99 ITL and p99 TTFT against offered load, a line per system), and each sweep's full
-bench result (every request) in <out>/compare_runs/. The JSON and markdown are rewritten after every system
+per-rate summaries, the table rows, the ratios; a search's frontiers), <name>.md (the tables), <name>.png (a
+sweep: one row per workload: output throughput, p99 ITL and p99 TTFT against offered load, a line per system;
+a search: the frontier plots above), and each sweep's or search's full bench result (every request) in
+<out>/compare_runs/. The JSON and markdown are rewritten after every system
 (and on SIGTERM), so a run cut short keeps what finished.
 
 `--peak-fractions 0.25,0.5,0.75,0.9` (with inf in --rates) adds Poisson rates at those fractions of the
@@ -61,24 +76,8 @@ carried into this run's report, and this run's systems run at the same --peak-fr
 share the model, --serve-args, workloads, rates, prompts, arrivals, seed, ITL bounds and fractions
 (bench/compare_continue.py says what is checked and kept).
 
-Definitions (per system and workload, over the rates of its sweep):
-- peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
-  and p99 ITL).
-- throughput at p99 ITL <= B ms: the highest output tokens/s among the rates whose p99 ITL (over every
-  token of every request at that rate) is <= B and where no request failed; with that rate and its
-  p99 TTFT. "-" when no rate meets it. Reported for B = 100 and 50 (--itl-bounds-ms).
-- goodput at p99 ITL <= B ms: the highest, over the rates whose p99 ITL is <= B with no failures, of
-  completed requests per second whose TTFT was <= 1 s per 1K prompt tokens (RAPID-Serve's TTFT
-  rule): the load a system carries while its token stream keeps the p99 bound.
-- strict goodput at B ms (per request): the highest, over the rates, of completed requests per second
-  whose every inter-token gap was <= B ms and whose TTFT met the same rule (one slow gap in a
-  request's stream disqualifies it).
-- versus vLLM (when a vLLM system ran; --vllm-baseline picks another system as the reference): each
-  system's figure divided by vLLM's on the same workload: requests/s, output tokens/s, TTFT p50 and p99
-  (each at the system's peak rate: with one rate, e.g. `--rates inf`, the same load for all; a TTFT ratio
-  below 1 is faster than vLLM), goodput and strict goodput at each ITL bound.
-- versus the best hybrid: each non-hybrid system's figures divided by the highest any `hybrid*`
-  system reached on the same workload (the issue's targets: goodput >= 1.5x, peak >= 0.9x).
+The sweep's figures (peak, throughput and goodput at p99 ITL bounds, strict goodput, versus vLLM, versus the
+best hybrid) are defined in bench/compare_tables.py's docstring.
 GPU time: the servers start once per system (all workloads run on it); keep --num-prompts small, or use
 --duration-s for short fixed windows per rate, and --duration-budget-s to stop starting new rates and
 systems once the budget is spent (skips are listed).
@@ -97,7 +96,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any
 
 import aiohttp
 
@@ -106,15 +105,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Some names below are only re-exported: callers and tests reach them as compare.NAME.
+from compare_args import (  # noqa: E402
+    NUM_PROMPTS,
+    SALT_STRIDE,
+    Workload,
+    bench_config,
+    build_parser,
+    parse_workload,  # noqa: F401
+    search_config,
+    workload_list,
+)
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
-from compare_peak import closed_peak, fraction_rates, fractions_arg, merge_results  # noqa: E402
+from compare_frontier import search_deadline, startup_reserve, write_frontier_report  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
-    SHARED_SWITCHES,
-    SHARED_VALUE_FLAGS,
-    SYSTEMS,
+    FRONTIER_SYSTEMS,
+    SWEEP_SYSTEMS,
+    SYSTEMS,  # noqa: F401
     VLLM,
-    VLLM_SERVE_CANDIDATES,
     System,
     _append_log,
     _tail,
@@ -141,104 +150,30 @@ from compare_tables import (  # noqa: E402
     write_report,
 )
 
-from rapidserve.benchmark import BenchConfig, run_benchmark, write_outputs  # noqa: E402
+from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
-from rapidserve.benchmark.cli import (  # noqa: E402
-    add_bench_args,
-    config_from_args,
-    nonneg_int,
-    positive_float,
-    positive_int,
-    rates_arg,
-    safe_name,
-    token_range_arg,
-)
-from rapidserve.benchmark.report import workload_title  # noqa: E402
-from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
-
-NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no cap)
-
-
-# ---------------------------------------------------------------- workloads
-
-
-def parse_workload(text: str) -> list[str]:
-    """'4096:64' (fixed input:output) or a `rapidserve bench --workload` name, as bench flags."""
-    t = text.strip()
-    if t in WORKLOADS:
-        return ["--workload", t]
-    parts = t.split(":")
-    if len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        return ["--workload", "fixed", "--input-len", parts[0].strip(), "--output-len", parts[1].strip()]
-    raise argparse.ArgumentTypeError(f"{text!r} is not IN:OUT (positive token counts, e.g. 4096:64) or one of "
-                                     f"{', '.join(WORKLOADS)} (or give its flags with --workload-args)")
-
-
-class Workload(NamedTuple):
-    """One workload of the comparison: its `rapidserve bench` flags and its (unique) title in the tables."""
-
-    argv: tuple[str, ...]
-    title: str
-
-
-class _BenchFlags(argparse.ArgumentParser):
-    """`rapidserve bench`'s parser, raising ValueError instead of exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
-
-
-SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
-
-
-def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
-                 label: str | None = None, deadline: float | None = None,
-                 rates: Sequence[float] | None = None) -> BenchConfig:
-    """The BenchConfig of one workload's run: this script's sweep flags as defaults, then --bench-args, then
-    the workload's flags, through `rapidserve bench`'s own parser and config_from_args. ValueError when the
-    flags are wrong."""
-    p = _BenchFlags(prog="rapidserve bench", add_help=False)
-    add_bench_args(p)
-    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
-                   token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
-                   max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
-    ns = p.parse_args([*shlex.split(a.bench_args), *argv])
-    if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
-        ns.num_prompts = NUM_PROMPTS
-    cfg = config_from_args(ns)
-    if not isinstance(cfg, BenchConfig):
-        raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
-    return dataclasses.replace(cfg, base_url=base_url, label=label, deadline=deadline)
-
-
-def workload_list(a: argparse.Namespace) -> list[Workload]:
-    """--workloads then --workload-args (default 4096:64 and 4096:1024), checked by the bench parser, each
-    titled as the bench report titles it (' #2', ... where two would share a title)."""
-    argvs = [*(a.workloads or []), *(shlex.split(w) for w in a.workload_args)]
-    if not argvs:
-        argvs = [parse_workload("4096:64"), parse_workload("4096:1024")]
-    out: list[Workload] = []
-    for argv in argvs:
-        try:
-            spec = bench_config(a, argv).workload
-        except ValueError as e:
-            raise ValueError(f"workload `{shlex.join([*shlex.split(a.bench_args), *argv])}`: {e}") from None
-        title = base = workload_title(spec.describe())
-        k = 1
-        while any(w.title == title for w in out):
-            k += 1
-            title = f"{base} #{k}"
-        out.append(Workload(tuple(argv), title))
-    return out
-
+from rapidserve.benchmark.cli import safe_name  # noqa: E402
+from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
+from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
+from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
+from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
 
 # ---------------------------------------------------------------- one system's run
 
 
+def search(a: argparse.Namespace, w: Workload, url: str, label: str, salt: int,
+           deadline: float | None) -> dict[str, Any]:
+    """One workload's goodput search against the server at `url`, its probes salted from `salt`."""
+    cfg = bench_config(a, w.argv, base_url=url, label=label)
+    return asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), a.search, deadline=deadline))
+
+
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
-               results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None]) -> None:
-    """Start one system's server, run every workload's sweep, stop it; append results; set info's status.
-    With --peak-fractions the reference system records its closed peak per workload in `peaks`."""
+               results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None],
+               later: Sequence[str] = ()) -> None:
+    """Start one system's server, run every workload's sweep (or goodput search), stop it; append results; set
+    info's status. With --peak-fractions the reference system records its closed peak per workload in `peaks`.
+    `later`: the kinds of the systems still to run after this one (a search leaves their start-up time)."""
     label = system.label
     port = a.port or free_port()
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
@@ -269,19 +204,25 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             # prompts and arrivals at the same rate.
             base = SALT_STRIDE * wi
             try:
-                res = sweep(a.rates, base)
-                if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
-                    peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
-                extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
-                if extra:
-                    res = merge_results(res, sweep(extra, base + len(a.rates)))
+                if a.goodput_search:  # an even share of the budget left, after the later systems' start-ups
+                    left = len(workloads) - wi + len(later) * len(workloads)
+                    res = search(a, w, url, label, base,
+                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later)))
+                else:
+                    res = sweep(a.rates, base)
+                    if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
+                        peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
+                    extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
+                    if extra:
+                        res = merge_results(res, sweep(extra, base + len(a.rates)))
             except (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                 info["status"] = f"error on {w.title}: {e}"
                 print(f"   {label}: {info['status']}", flush=True)
                 continue
             res["title"] = w.title
-            stem = safe_name(f"{a.name}__{label}__{w.title}")
-            res["path"] = write_outputs(res, os.path.join(a.out, "compare_runs"), stem, plot=False)["json"]
+            stem, runs_dir = safe_name(f"{a.name}__{label}__{w.title}"), os.path.join(a.out, "compare_runs")
+            res["path"] = (write_search_outputs(res, runs_dir, stem, plot=False)[0] if a.goodput_search
+                           else write_outputs(res, runs_dir, stem, plot=False))["json"]
             results.append(res)
     except (KeyboardInterrupt, SystemExit):
         info["status"] = "interrupted"
@@ -296,79 +237,11 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
 # ---------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="preset:qwen3-8b", help="our servers' --model")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, run in this order: any of {', '.join(SYSTEMS)}; {VLLM} or {VLLM}:FLAGS "
-                        f"(the real vLLM); {EXT}:URL (a running server) (default: all of ours)")
-    p.add_argument("--system", action="append", default=[], metavar="LABEL=SPEC",
-                   help="an extra system: LABEL=FLAGS (ours, e.g. 'mine=--mode rapid --partition static:0.75'), "
-                        "LABEL=vllm:FLAGS or LABEL=ext:URL (repeatable)")
-    p.add_argument("--serve-args", default="",
-                   help="flags every server of ours gets, e.g. '--max-model-len 8192 --gpu-memory-utilization 0.8'; "
-                        f"vLLM gets those of {', '.join(SHARED_VALUE_FLAGS + SHARED_SWITCHES)}")
-    v = p.add_argument_group("vLLM systems")
-    v.add_argument("--vllm-model", default=None, metavar="DIR",
-                   help="the model folder vLLM serves (e.g. /root/peermodel from ../shared/peer_vllm/make_model.py)")
-    v.add_argument("--vllm-serve", default=None, metavar="PATH",
-                   help="serve_vllm.sh, or 'none' to start vLLM's server module directly (default: the first of "
-                        f"{', '.join(VLLM_SERVE_CANDIDATES)} under the repo root that exists, else none)")
-    v.add_argument("--vllm-run-dir", default="/root",
-                   help="where serve_vllm.sh writes vllm_PORT.pid and vllm_PORT.log (default: %(default)s)")
-    v.add_argument("--vllm-site", default="/root/peersite",
-                   help="without serve_vllm.sh: put this folder (vLLM installed with pip --target) first on "
-                        "PYTHONPATH when it exists (default: %(default)s)")
-    v.add_argument("--vllm-baseline", default=None, metavar="LABEL",
-                   help="the system the 'vs vLLM' ratios divide by (default: the first vllm system; with "
-                        "--continue-from, the earlier report's)")
-    w = p.add_argument_group("workloads and load")
-    w.add_argument("--workloads", type=lambda t: [parse_workload(x) for x in t.split(",") if x.strip()], default=None,
-                   help="comma-separated IN:OUT or `rapidserve bench --workload` names: " + ", ".join(WORKLOADS)
-                        + " (default, without --workload-args: 4096:64,4096:1024)")
-    w.add_argument("--workload-args", action="append", default=[], metavar="FLAGS",
-                   help="one more workload given as `rapidserve bench` flags, e.g. '--workload multiturn "
-                        "--num-turns 6' (repeatable)")
-    w.add_argument("--bench-args", default="", metavar="FLAGS",
-                   help="`rapidserve bench` flags for every workload, e.g. '--input-len 2048 --turn-input-len 256 "
-                        "--output-len 64 --num-turns 6' (a workload's own flags come after and win)")
-    w.add_argument("--rates", type=rates_arg, default=(1.0, 2.0, 4.0, 8.0, math.inf))
-    w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
-                   help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
-                        "rate inf, run first) on each workload, for every system; needs inf in --rates")
-    w.add_argument("--peak-reference", default=None, metavar="LABEL",
-                   help="the system whose closed peak sets --peak-fractions' rates (default: the first system)")
-    w.add_argument("--continue-from", default=None, metavar="PATH",
-                   help="an earlier run's <name>.json (same workloads and --serve-args, same GPU): its systems and "
-                        "tables are kept in this report and its reference's closed peaks set --peak-fractions' "
-                        "rates, so the reference need not run again")
-    w.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
-    w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
-                   help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
-    w.add_argument("--num-prompts", type=positive_int, default=None,
-                   help=f"per rate (default: {NUM_PROMPTS}; multiturn: conversations; with --duration-s: a cap; "
-                        "a trace: a cap on its window, none by default)")
-    w.add_argument("--duration-s", type=positive_float, default=None, help="per-rate window instead of a count")
-    w.add_argument("--max-concurrency", type=positive_int, default=None)
-    w.add_argument("--warmup", type=nonneg_int, default=2, help="unrecorded requests before each sweep")
-    w.add_argument("--seed", type=nonneg_int, default=0)
-    w.add_argument("--timeout-s", type=positive_float, default=300.0, help="per request")
-    p.add_argument("--itl-bounds-ms", type=lambda t: [positive_float(x) for x in t.split(",")], default=[100.0, 50.0])
-    p.add_argument("--duration-budget-s", type=positive_float, default=None,
-                   help="no new system or rate starts after this many seconds")
-    p.add_argument("--startup-timeout-s", type=positive_float, default=900.0,
-                   help="per server (vLLM takes 2-3 min: torch.compile and CUDA graphs)")
-    p.add_argument("--port", type=nonneg_int, default=0, help="server port (default: a free one)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--name", default="compare")
-    p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")
-    return p
-
-
 def select_systems(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[System]:
     """The systems, checked (exits 2 with what is wrong); sets a.vllm_serve_path."""
+    names = a.systems if a.systems is not None else ",".join(FRONTIER_SYSTEMS if a.goodput_search else SWEEP_SYSTEMS)
     try:
-        systems = parse_systems(a.systems or "", a.system)
+        systems = parse_systems(names, a.system, search=a.goodput_search)
     except ValueError as e:
         p.error(str(e))
     a.vllm_serve_path = find_vllm_serve(a.vllm_serve)
@@ -391,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = select_systems(p, a)
     labels = [s.label for s in systems]
     try:
+        a.search = search_config(a)
         workloads = workload_list(a)
         meta = report_meta(a, workloads)
         prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
@@ -423,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta.update(systems=infos, vllm_baseline=baseline, peak_reference=a.peak_reference, peaks=peaks)
     paths: list[str] = []
     n_prior = len(infos)
+    report = write_frontier_report if a.goodput_search else write_report
     try:
         for s in systems:
             info: dict[str, Any] = {"label": s.label, "kind": s.kind, "flags": s.describe()}
@@ -430,13 +305,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 info["status"] = "skipped: duration budget spent"
                 continue
-            run_system(a, s, workloads, deadline, results, info, peaks)
-            write_report(a, meta, results, plot=False, prior=prior)
+            later = [x.kind for x in systems[len(infos) - n_prior:]]
+            run_system(a, s, workloads, deadline, results, info, peaks, later)
+            report(a, meta, results, plot=False, prior=prior)
     finally:
         for s in systems[len(infos) - n_prior:]:  # interrupted before their turn
             infos.append({"label": s.label, "kind": s.kind, "flags": s.describe(),
                           "status": "not run: the comparison was interrupted"})
-        paths = write_report(a, meta, results, plot=True, prior=prior)
+        paths = report(a, meta, results, plot=True, prior=prior)
     with open(paths[1]) as f:
         print(f.read(), flush=True)
     print("wrote " + ", ".join(paths), flush=True)
@@ -445,22 +321,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[str, Any]:
     """The report's header from the flags (`compare_continue.MATCH` among them: what a continuation must share)."""
+    probe_n = a.num_prompts or SEARCH_NUM_PROMPTS
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
-            "per_rate": (f"{a.duration_s:g} s of arrivals" if a.duration_s
+            "per_rate": (f"{probe_n} Poisson arrivals per probe" if a.goodput_search
+                         else f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
+            "mode": "goodput_search" if a.goodput_search else "sweep",
+            "search": None if a.search is None else dataclasses.asdict(a.search),
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
             "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
                           for w in workloads]}
-
-
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        return fractions_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

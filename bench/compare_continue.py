@@ -2,8 +2,10 @@
 run's report. Pure helpers, tested on CPU (tests/test_bench_compare.py).
 
 The earlier report (<name>.json) must describe the same comparison: the same model, --serve-args, workloads (titles
-and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions; anything else is
-refused with what differs. Its systems that produced rows are kept as they are (their rows and sweeps come first in
+and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions, and the same mode (a sweep
+or --goodput-search) with the same search settings; anything else is refused with what differs. A goodput search's
+report carries its systems' frontiers on as a sweep's carries its rows.
+Its systems that produced rows are kept as they are (their rows and sweeps come first in
 the new report, and each keeps the file it ran in under "report"); its systems that did not run (skipped, not
 started, interrupted) may run now under the same label, and their old entries are dropped. The earlier run's
 reference peaks set this run's --peak-fractions rates, and its vLLM baseline stays the baseline, unless this run
@@ -17,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 MATCH = ("model", "serve_args", "workloads", "itl_bounds_ms", "rates", "per_rate", "arrival", "seed", "peak_fractions")
+# Also matched, absent from reports older than them (read as None there): the mode and the search's settings.
+MATCH_NEWER = ("mode", "search")
 
 
 def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
@@ -32,8 +36,10 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in need if not isinstance(prior, dict) or k not in prior]
     if missing:
         raise ValueError(f"--continue-from {path}: not a compare.py report (no {', '.join(missing)})")
+    prior.setdefault("frontiers", [])  # a sweep's report has none
     shapes = (("systems", ("label", "flags", "status")), ("workloads", ("title", "flags")),
-              ("rows", ("system", "workload")), ("sweeps", ("label", "title", "runs")))
+              ("rows", ("system", "workload")), ("sweeps", ("label", "title", "runs")),
+              ("frontiers", ("label", "title", "search", "goodput")))
     for key, fields in shapes:
         bad = [i for i, x in enumerate(prior[key]) if not isinstance(x, dict) or any(f not in x for f in fields)]
         if not isinstance(prior[key], list) or bad:
@@ -41,9 +47,10 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
                              f" (entry {bad[0] if bad else '?'} is not)")
     if not isinstance(prior["peaks"], dict):
         raise ValueError(f"--continue-from {path}: `peaks` must be an object (workload title -> req/s)")
-    for k in MATCH:
-        if _norm(prior[k]) != _norm(now[k]):
-            raise ValueError(f"--continue-from {path} ran with {k} = {prior[k]!r}; this run has {now[k]!r}: give "
+    for k in (*MATCH, *MATCH_NEWER):
+        was, want = (prior.get(k, "sweep" if k == "mode" else None), now.get(k, "sweep" if k == "mode" else None))
+        if _norm(was) != _norm(want):
+            raise ValueError(f"--continue-from {path} ran with {k} = {was!r}; this run has {want!r}: give "
                              "the same, or the two runs do not compare")
     return prior
 
@@ -60,8 +67,8 @@ def _norm(v: Any) -> Any:
 
 
 def ran(prior: Mapping[str, Any]) -> set[str]:
-    """Labels of the earlier systems that produced rows."""
-    return {r["system"] for r in prior["rows"]}
+    """Labels of the earlier systems that produced rows (a sweep) or frontiers (a goodput search)."""
+    return {r["system"] for r in prior["rows"]} | {f["label"] for f in prior.get("frontiers", [])}
 
 
 def carried_systems(prior: Mapping[str, Any], path: str, now: Sequence[str]) -> list[dict[str, Any]]:

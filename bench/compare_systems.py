@@ -39,9 +39,23 @@ SYSTEMS: dict[str, str] = {
     "hybrid-512": "--mode hybrid --max-num-batched-tokens 512",
     "hybrid-2048": "--mode hybrid --max-num-batched-tokens 2048",
     "hybrid-8192": "--mode hybrid --max-num-batched-tokens 8192",
+    # The goodput frontier's three (issue 37): the engine's default policy (whatever `rapidserve serve` runs
+    # without flags), always fused (one process, chunked prefill mixed with decodes: vLLM/Sarathi's shape) and
+    # always split (two processes, decode and prefill on their own partitions: classic RAPID).
+    "rapidserve": "",
+    "always-fused": "--mode hybrid",
+    "always-split": "--mode rapid --policy rapid",
+    "duet": "--mode rapid --policy duet",  # DuetServe's adaptive policy in the one engine (fused or split per step)
 }
+FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # --systems' default: a search
+SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in FRONTIER_SYSTEMS)  # ... a sweep
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
+# vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its
+# defaults, its chunked-prefill budget at the two low-latency sizes, and vLLM 0.26's interactivity mode.
+VLLM_SETTINGS: tuple[str, ...] = ("", "--max-num-batched-tokens 1024", "--max-num-batched-tokens 2048",
+                                  "--performance-mode interactivity")
+VLLM_BEST = "vllm-best"  # in --systems: one vLLM system per VLLM_SETTINGS
 # Flags of `rapidserve serve` that vLLM's server takes under the same name and meaning: given in
 # --serve-args, a vLLM system gets them too.
 SHARED_VALUE_FLAGS: tuple[str, ...] = ("--max-model-len", "--gpu-memory-utilization", "--max-num-batched-tokens",
@@ -92,18 +106,27 @@ def special_system(text: str, label: str | None = None) -> System | None:
     return None
 
 
-def parse_systems(names: str, extra: Sequence[str]) -> list[System]:
-    """--systems (comma-separated: SYSTEMS names, vllm, vllm:FLAGS, ext:URL) then each --system LABEL=SPEC
-    (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). ValueError saying what is wrong."""
+def vllm_settings() -> list[System]:
+    """vLLM at each of VLLM_SETTINGS, labelled `vllm` (its defaults) and `vllm:FLAGS`."""
+    return [System(VLLM if not f else f"{VLLM}:{f}", VLLM, f) for f in VLLM_SETTINGS]
+
+
+def parse_systems(names: str, extra: Sequence[str], search: bool = False) -> list[System]:
+    """--systems (comma-separated: SYSTEMS names, vllm, vllm:FLAGS, vllm-best, ext:URL) then each --system
+    LABEL=SPEC (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). With `search` (--goodput-search) a bare
+    `vllm` in --systems is vllm-best (`vllm:` alone: vLLM's defaults only). ValueError saying what is wrong."""
     chosen: list[System] = []
     for n in (s.strip() for s in names.split(",")):
         if not n:
+            continue
+        if n == VLLM_BEST or (search and n == VLLM):
+            chosen += vllm_settings()
             continue
         s = special_system(n)
         if s is None:
             if n not in SYSTEMS:
                 raise ValueError(f"--systems: unknown {n}; known: {', '.join(SYSTEMS)}, {VLLM}, {VLLM}:FLAGS, "
-                                 f"{EXT}:URL")
+                                 f"{VLLM_BEST}, {EXT}:URL")
             s = System(n, RAPIDSERVE, SYSTEMS[n])
         chosen.append(s)
     for item in extra:

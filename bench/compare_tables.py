@@ -1,7 +1,26 @@
-"""The comparison's numbers and tables: per system and workload, from each rate's summary and requests
+"""The sweep comparison's numbers and tables: per system and workload, from each rate's summary and requests
 (pure), the peak, the throughput and goodput at p99 ITL bounds, the strict goodput, the ratios versus vLLM
 and versus the best hybrid, the markdown report; and the files written from them (<name>.json, .md, .png).
-The definitions: bench/compare.py's docstring.
+(A goodput search's: bench/compare_frontier.py.)
+
+Definitions (per system and workload, over the rates of its sweep):
+- peak throughput: the highest output tokens/s of any rate (with that rate's requests/s, TTFT p50 and p99,
+  and p99 ITL).
+- throughput at p99 ITL <= B ms: the highest output tokens/s among the rates whose p99 ITL (over every
+  token of every request at that rate) is <= B and where no request failed; with that rate and its
+  p99 TTFT. "-" when no rate meets it. Reported for B = 100 and 50 (--itl-bounds-ms).
+- goodput at p99 ITL <= B ms: the highest, over the rates whose p99 ITL is <= B with no failures, of
+  completed requests per second whose TTFT was <= 1 s per 1K prompt tokens (RAPID-Serve's TTFT
+  rule): the load a system carries while its token stream keeps the p99 bound.
+- strict goodput at B ms (per request): the highest, over the rates, of completed requests per second
+  whose every inter-token gap was <= B ms and whose TTFT met the same rule (one slow gap in a
+  request's stream disqualifies it).
+- versus vLLM (when a vLLM system ran; --vllm-baseline picks another system as the reference): each
+  system's figure divided by vLLM's on the same workload: requests/s, output tokens/s, TTFT p50 and p99
+  (each at the system's peak rate: with one rate, e.g. `--rates inf`, the same load for all; a TTFT ratio
+  below 1 is faster than vLLM), goodput and strict goodput at each ITL bound.
+- versus the best hybrid: each non-hybrid system's figures divided by the highest any `hybrid*`
+  system reached on the same workload (the issue's targets: goodput >= 1.5x, peak >= 0.9x).
 """
 
 from __future__ import annotations
@@ -199,9 +218,9 @@ def to_markdown(rows: Sequence[Mapping[str, Any]], bounds_ms: Sequence[float], m
              f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`",
              f"- sweep: rates {meta.get('rates')}, {meta.get('per_rate')} per rate, arrivals {meta.get('arrival')}, "
              f"seed {meta.get('seed')}",
-             "- definitions: bench/compare.py's docstring (p99 ITL over all tokens of a rate; goodput: TTFT-rule "
-             "requests/s at the best rate within the p99 ITL bound; strict goodput: requests with every gap within "
-             "the bound and TTFT <= 1 s per 1K prompt tokens)", ""]
+             "- definitions: bench/compare_tables.py's docstring (p99 ITL over all tokens of a rate; goodput: "
+             "TTFT-rule requests/s at the best rate within the p99 ITL bound; strict goodput: requests with every gap "
+             "within the bound and TTFT <= 1 s per 1K prompt tokens)", ""]
     for s in meta.get("systems", []):
         lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
     for w in meta.get("workloads", []):

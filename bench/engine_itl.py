@@ -17,7 +17,7 @@ Writes <out>/engine_itl_mps-<mps>[_<tag>].json, .md and a timeline PNG; prints a
 
 `--code DIR` imports rapidserve from DIR (put first on sys.path and PYTHONPATH, which the spawned
 workers inherit), so this script can drive an older checkout, e.g. one made with
-`git archive <commit> rapidserve | tar -x -C _before` (bench/route_ab.py compares two).
+`git archive <commit> rapidserve | tar -x -C _before` (bench/experiments/2026-11/route_ab.py compares two).
 A CPU smoke run: `--model preset:tiny-llama --dtype float32 --num-decodes 4 --decode-prompt 64
 --long-prompt 256 --num-long 2 --max-model-len 1024 --decode-tokens 200 --probe 3`.
 """

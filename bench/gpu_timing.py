@@ -1,5 +1,5 @@
 """CUDA-event timing shared by the bench scripts; imports nothing of rapidserve (so a script that must run
-without the engine's dependencies, e.g. bench/pdl_probe.py, can use it)."""
+without the engine's dependencies, e.g. bench/experiments/2026-11/pdl_probe.py, can use it)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """How long a worker's loop stalls while a big grammar compiles (CPU, in this process).
 
-A hybrid worker (tiny preset, random weights, a small trained tokenizer, CPU) streams one plain
-request; meanwhile a request with a large JSON schema arrives (`--props` string properties with a
-pattern: llguidance takes seconds to compile it). Reported: the compile's own time, the longest gap
-between two loop turns (`step_ahead`) and the plain request's tokens while the structured one waited
-for its grammar, then whether the structured request completed. Before the compile moved off the loop
-the longest gap is the compile; after, it is one step.
+Hybrid mode's worker (the decode worker alone, every step fused; tiny preset, random weights, a small
+trained tokenizer, CPU) streams one plain request; meanwhile a request with a large JSON schema arrives
+(`--props` string properties with a pattern: llguidance takes seconds to compile it). Reported: the compile's
+own time, the longest gap between two loop turns (`DecodeWorker.turn`) and the plain request's tokens while the
+structured one waited for its grammar, then whether the structured request completed. Before the compile moved
+off the loop the longest gap is the compile; after, it is one step.
 
     python bench/grammar_compile_stall.py [--props 4000] [--turns 5000] [--torch-threads N]
 
@@ -27,12 +27,11 @@ import torch
 
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.loader import resolve_model
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.test_structured_workers import tiny_tokenizer_dir
-from tests.test_worker_faults import FakeIO
+from tests.test_worker_faults import FakeIO, _fused_worker
 
 
 def main() -> None:
@@ -44,21 +43,20 @@ def main() -> None:
     torch.set_num_threads(a.torch_threads)
     tok = tiny_tokenizer_dir(Path(tempfile.mkdtemp()) / "tok")
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=160,
-                                 block_size=16, max_model_len=2048, tokenizer=tok)
+                                 block_size=16, max_model_len=2048, tokenizer=tok, allow_long_max_model_len=True)
     source = resolve_model(cfg.model, preset_device=torch.device("cpu"), preset_dtype=torch.float32)
     runner = ModelRunner(cfg, source, show_progress=False)
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{3,9}"}
                                                for i in range(a.props)}, "required": ["p0"]}
     so = StructuredOutputs(json=json.dumps(schema))
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     # warm: the tokenizer view and a small grammar, so only the big schema's compile is measured
     warm = StructuredOutputs(regex="[a-z]{3}")
     io.inbox.append(m.NewRequest("warm", [3, 4, 5], SamplingParams(max_tokens=4, structured_outputs=warm), 0.0))
-    prev = None
     for _ in range(200):
-        prev = w.step_ahead(prev)
-        if prev is None and not w.seqs:
+        w.turn()
+        if not w.inflight and not w.sched.reqs:
             break
     t0 = time.perf_counter()
     template = w.grammar._compile(so)  # the compile alone, on a fresh book's compiler (not cached by it)
@@ -66,20 +64,20 @@ def main() -> None:
     del template
     io.sent["d2r"].clear()  # (the worker holds that list)
     io.inbox.append(m.NewRequest("plain", [3, 4, 5, 6], SamplingParams(max_tokens=1900, ignore_eos=True), 0.0))
-    prev = w.step_ahead(None)
-    prev = w.step_ahead(prev)
+    w.turn()
+    w.turn()
     io.inbox.append(m.NewRequest("json", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=24,
                                                                   structured_outputs=so), 0.0))
     turns: list[tuple[float, int, bool]] = []  # (time, plain tokens so far, json has a token)
     t_start = time.perf_counter()
     for _ in range(a.turns):
-        prev = w.step_ahead(prev)
+        w.turn()
         got: dict[str, int] = {}
         for b in io.of("d2r", m.TokenBatch):
             for t in b.tokens:
                 got[t.req_id] = got.get(t.req_id, 0) + 1
         turns.append((time.perf_counter(), got.get("plain", 0), "json" in got))
-        if got.get("json") and "json" not in w.seqs:  # its last token was recorded
+        if got.get("json") and "json" not in w.sched.reqs:  # its last token was recorded
             break
     first_json = next((i for i, (_, _, j) in enumerate(turns) if j), None)
     upto = turns[: (first_json if first_json is not None else len(turns)) + 1]

@@ -13,12 +13,12 @@ peer_install() {
     elif [ -z "$recipe" ]; then
         why_not="the recipe (peer_vllm: install.sh, make_model.py, serve_vllm.sh) was not found; see bench/vs_vllm.sh step 0 and 1"
     elif ! compgen -G "$stash/part*" >/dev/null; then
-        why_not="no stashed parts in $stash (bench/vs_vllm.sh step 1: six --stash calls right before this one)"
+        why_not="no stashed parts in $stash (bench/vs_vllm.sh step 1: the --stash calls right before this one)"
     else
         local parts=("$stash"/part*)
         say "installing vLLM from ${#parts[@]} stashed parts ($recipe/install.sh)"
         if ! bash "$recipe/install.sh" 2>&1 | tee -a "$setup_log"; then
-            why_not="install.sh failed (missing or partial parts? each of the six stash calls must reach the same machine)"
+            why_not="install.sh failed (missing or partial parts? every stash call must reach the same machine)"
         fi
     fi
 }

@@ -4,7 +4,8 @@
 
 py-spy samples every thread at a fixed rate (`--idle`: waiting threads too), so a function's share of
 the loop thread's samples is its share of wall time. Only stacks of the thread that runs `--loop` (the
-decode worker's `DecodeWorker.run`, the hybrid worker's `HybridWorker.run_ahead`, ...) count; start-up
+decode worker's `DecodeWorker.run`, in every mode; a profile from before the one engine: the hybrid worker's
+`HybridWorker.run_ahead`) count; start-up
 (weights, graph capture) is outside the loop and left out. Prints the inclusive share of the loop's
 phases and of the calls worth knowing, then the top leaf frames (self time).
 """
@@ -15,7 +16,8 @@ import argparse
 import collections
 import re
 
-PHASES = ("drain", "repartition", "admit", "step", "_step", "_launch", "decode", "_grammar_mask",
+PHASES = ("drain", "begin_step", "decide", "shape_state", "repartition", "admit", "step", "_step", "launch_step",
+          "_launch", "decode", "prefill", "grammar_rows", "_grammar_mask",
           "synchronize", "fill", "fill_or_blame", "sample_or_blame", "sample_next", "apply_grammar_mask",
           "sample", "_complete", "record", "publish", "schedule", "launch", "record_once", "read_inbox",
           "step_ahead", "tolist", "to_host", "wait")

@@ -1,10 +1,11 @@
 """Per-step HOST time of the structured-outputs path of a hybrid step, on the CPU (no GPU involved).
 
-What a hybrid step does for its grammar rows (rapidserve/engine/hybrid_worker.py), run here through the
-real code: `HybridWorker._grammar_mask(seqs, prev)` (each row's newest token read from the previous
-step's host tokens, every matcher advanced by it, the bitmask filled by llguidance's executor, the
-per-row fix-ups), `apply_grammar_mask` (what the sampler queues on the device), and the release of
-ended requests' matchers at publish (`GrammarBook.retain`) with the scheduler's `compiling()`.
+What a hybrid step does for its grammar rows, run here through the real code: the decode worker's
+`step_launch.grammar_rows(sampled, prev)` then `GrammarBook.fill` (a tree from before the one engine:
+`HybridWorker._grammar_mask(seqs, prev)`): each row's newest token read from the previous step's host
+tokens, every matcher advanced by it, the bitmask filled by llguidance's executor, the per-row fix-ups;
+`apply_grammar_mask` (what the sampler queues on the device), and the release of ended requests'
+matchers at publish (`GrammarBook.retain`) with the scheduler's `compiling()`.
 
 Workload: B rows, every one under the GPU bench's schema (bench/structured_outputs_body.json: one string
 of >= 4000 characters, so each token is sampled under the mask) and its parameters (max_tokens =
@@ -52,6 +53,7 @@ import cProfile
 import dataclasses
 import datetime
 import hashlib
+import importlib.util
 import inspect
 import io
 import json
@@ -191,7 +193,6 @@ class Run:
         import llguidance
         import torch
 
-        from rapidserve.engine.hybrid_worker import HybridWorker
         from rapidserve.sampling_params import SamplingParams, StructuredOutputs
         from rapidserve.structured import GrammarBook
 
@@ -216,9 +217,13 @@ class Run:
             while len(shards.shards) < lexers:
                 shards.shards.append(shards._compile_one())  # the engine's own compiler of it
             shards.limit = lexers
-        self.worker = object.__new__(HybridWorker)  # only what `_grammar_mask` reads
-        self.worker.grammar = self.book
-        self.worker.runner = type("Runner", (), {"device": torch.device("cpu")})()
+        self.one_engine = importlib.util.find_spec("rapidserve.engine.step_launch") is not None
+        if not self.one_engine:  # a --tree from before the one engine: the hybrid worker's own method
+            from rapidserve.engine.hybrid_worker import HybridWorker  # type: ignore[import-not-found]
+
+            self.worker = object.__new__(HybridWorker)  # only what `_grammar_mask` reads
+            self.worker.grammar = self.book
+            self.worker.runner = type("Runner", (), {"device": torch.device("cpu")})()
         self.rng = random.Random(seed)
         self.arrivals = 0
         # staggered lengths: about batch/256 requests end per step, new ones take their seats
@@ -229,11 +234,61 @@ class Run:
         self.steps = 0
 
     def _new(self, target: int) -> Any:
+        self.arrivals += 1
+        params = self.params.replace(max_tokens=target, min_tokens=target)
+        if self.one_engine:
+            from rapidserve.engine import messages as m
+            from rapidserve.engine.decode_request import DecodeRequest
+
+            return DecodeRequest(m.NewRequest(f"r{self.arrivals}", [1, 2, 3], params, 0.0), self.arrivals,
+                                 state="running")
         from rapidserve.sequence import Sequence
 
-        self.arrivals += 1
-        s = Sequence(f"r{self.arrivals}", [1, 2, 3], self.params.replace(max_tokens=target, min_tokens=target))
-        return s
+        return Sequence(f"r{self.arrivals}", [1, 2, 3], params)
+
+    def _mask(self) -> Any:
+        """The step's mask, as the worker makes it (the timed code)."""
+        if not self.one_engine:
+            return self.worker._grammar_mask(self.seqs, self.prev)
+        from rapidserve.engine.step_launch import grammar_rows
+
+        mask, failed = self.book.fill(grammar_rows(self.seqs, self.prev), pin=False)
+        assert not failed, failed
+        return mask
+
+    def _launched(self, host: Any) -> Any:
+        """This step's tokens in flight; the previous step's recorded (outside the timed code)."""
+        rows = {id(s): i for i, s in enumerate(self.seqs)}
+        if not self.one_engine:
+            from rapidserve.engine.hybrid_worker import PLACEHOLDER, Launched  # type: ignore[import-not-found]
+
+            launched = Launched(None, list(self.seqs), host, None, rows=rows,
+                                index=[len(s.output_token_ids) for s in self.seqs])
+            for s in self.seqs:
+                s.output_token_ids.append(PLACEHOLDER)
+            if self.prev is not None:  # its tokens over their placeholders
+                for s, idx, t in zip(self.prev.seqs, self.prev.index, self.prev.host.token_ids.tolist(),
+                                     strict=True):
+                    s.output_token_ids[idx] = t
+            return launched
+        from rapidserve.engine.decode_request import StepBatch
+        from rapidserve.engine.step_launch import InFlight, StepClock
+        from rapidserve.partition.shape import Fused
+
+        if self.prev is not None:
+            for r, t in zip(self.prev.sampled, self.prev.host.token_ids.tolist(), strict=True):
+                r.outputs.append(t)
+                r.inflight -= 1
+        for r in self.seqs:
+            r.inflight += 1
+        return InFlight(StepBatch(list(self.seqs)), list(self.seqs), None, host, None, Fused(0), StepClock(), rows)
+
+    def _out(self, s: Any) -> int:
+        """Outputs recorded or in flight."""
+        return len(s.outputs) + s.inflight if self.one_engine else len(s.output_token_ids)
+
+    def _id(self, s: Any) -> str:
+        return s.req_id if self.one_engine else s.seq_id
 
     def _pick(self, mask: Any) -> list[int]:
         """A seeded allowed token per row (any token for a row the mask leaves out)."""
@@ -260,18 +315,16 @@ class Run:
         return toks
 
     def step(self, timed: bool) -> None:
-        from rapidserve.engine.hybrid_worker import PLACEHOLDER, Launched
         from rapidserve.sampler import SamplerOutput
         from rapidserve.structured import GrammarMask, apply_grammar_mask
 
         torch, clock = self.torch, self.clock
         clock.on = timed
         # seats of requests whose last token is out (recorded or in flight) go to new requests
-        self.seqs = [s if len(s.output_token_ids) < s.params.max_tokens else self._new(MAX_TOKENS)
-                     for s in self.seqs]
+        self.seqs = [s if self._out(s) < s.params.max_tokens else self._new(MAX_TOKENS) for s in self.seqs]
         before = dict(clock.spent)
         t0 = time.perf_counter()
-        mask = self.worker._grammar_mask(self.seqs, self.prev)
+        mask = self._mask()
         t1 = time.perf_counter()
         # the host side of applying it: tiny logits, a 1-word mask of the same rows
         tiny = GrammarMask.new(mask.num_rows, 32, pin=False)
@@ -288,17 +341,9 @@ class Run:
         self.digest.update(mask.row_ids.numpy().tobytes())
         toks = self._pick(mask)
         host = SamplerOutput(torch.tensor(toks, dtype=torch.int64))
-        launched = Launched(None, list(self.seqs), host, None, rows={id(s): i for i, s in enumerate(self.seqs)},  # type: ignore[arg-type]
-                            index=[len(s.output_token_ids) for s in self.seqs])
-        for s in self.seqs:
-            s.output_token_ids.append(PLACEHOLDER)
-        # record the previous step: its tokens over their placeholders
-        if self.prev is not None:
-            for s, idx, t in zip(self.prev.seqs, self.prev.index, self.prev.host.token_ids.tolist(), strict=True):
-                s.output_token_ids[idx] = t
-        self.prev = launched
+        self.prev = self._launched(host)  # and the previous step recorded
         # publish: matchers of requests no longer running go; schedule asks what still compiles
-        running = [s.seq_id for s in self.seqs if len(s.output_token_ids) < s.params.max_tokens]
+        running = [self._id(s) for s in self.seqs if self._out(s) < s.params.max_tokens]
         t4 = time.perf_counter()
         self.book.retain(running, known=running)
         self.book.compiling()

@@ -1,41 +1,59 @@
 #!/usr/bin/env bash
-# rapidserve against the real vLLM 0.24.0 on one GPU, in ONE device call (issue 15, item 0): installs vLLM
-# from the stashed parts, writes the Qwen3-8B-shaped model folder, and runs bench/compare.py with vLLM first,
-# then our systems, on the issue's multiturn workload; the table is printed last.
+# rapidserve against the real vLLM 0.26.0 on one GPU (issue 37, items 5 and 6: the goodput frontier; issue 15: the
+# sweep). Installs vLLM from the stashed parts, writes the Qwen3-8B-shaped model folder, and runs bench/compare.py:
+# by default (MODE=frontier) each system's goodput search (compare.py --goodput-search: the highest Poisson rate at
+# which 90% / 99% of requests meet a per-request p95 ITL bound of 25/50/100/200 ms or none, and the TTFT rule), one
+# group of systems per device call, the calls' reports merged by --continue-from; MODE=sweep runs the older
+# request-rate sweep. The table is printed last.
 #
-# The whole sequence (the GPU machine reaches no package index and carries at most 64 MiB a call, this
-# repo's working tree included; the recipe is ../shared/peer_vllm/README.md, and ../shared does not
-# travel to the GPU machine):
-#   0. Here, once (~1 min; fetch.py downloads 311 MiB):
-#        echo /.peer/ >> .git/info/exclude     # else every call tries to carry .peer (over 600 MiB)
-#        python ../shared/peer_vllm/fetch.py .peer      # .peer/bundle.tar, cut in 58 MiB parts
+# The whole sequence (the GPU machine reaches no package index and carries at most 64 MiB a call, this repo's
+# working tree included; the recipe is ../shared/peer_vllm/README.md, and ../shared does not travel to the GPU
+# machine):
+#   0. Here, once (~1 min; fetch.py downloads vLLM 0.26.0 and the wheels the GPU machine lacks, ~386 MiB):
+#        echo /.peer/ >> .git/info/exclude     # else every call tries to carry .peer
+#        python ../shared/peer_vllm/fetch.py .peer      # .peer/bundle.tar (and its own 58 MiB parts)
 #        bash bench/vs_vllm.sh --split                  # see below
-#      --split re-cuts .peer/bundle.tar into six equal parts .peer/c0/part00 ... .peer/c5/part05 (~52 MiB:
-#      fetch.py's 58 MiB parts plus the ~6 MiB working tree exceed the 64 MiB a call carries), copies the
-#      recipe's scripts to .peer/peer_vllm, and prints what each stash call will carry.
-#   1. Six device calls back to back (the machine keeps its disk only while held, ~30 s idle; if one of
-#      them starts a fresh machine, begin again at c0), N = 0..5:
-#        run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cN", ".peer/peer_vllm"], timeout_s=120)
-#      (its part and the recipe into /root/peerstash, as ../shared/peer_vllm/stash.sh does)
-#   2. At once, the next call:
-#        run(command="bash bench/vs_vllm.sh", carry=[".whl"], timeout_s=600)
-#      (.whl: msgspec and posix_ipc for rapidserve, as bench/gpu_suite.sh; .peer is not needed here)
-#   What comes back in $OUT: vs_vllm.md / .json / .png (compare.py's tables, data and plot),
-#   vs_vllm_setup.log (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request
-#   of every sweep and each server's log, vLLM's included).
+#      --split re-cuts .peer/bundle.tar into N equal parts .peer/c0/part00 ... (N: the fewest whose part, the working
+#      tree and the recipe fit 64 MiB; `--split N` forces N; fetch.py's own 58 MiB parts do not fit beside a working
+#      tree of more than 6 MiB), copies the recipe's scripts to .peer/peer_vllm, and prints what each call carries.
+#   1. N device calls back to back (the machine keeps its disk only while held, ~30 s idle; if one of them starts a
+#      fresh machine, begin again at c0), K = 0 .. N-1:
+#        run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cK", ".peer/peer_vllm"], timeout_s=120)
+#   2. At once, one call per group of systems (each fits a 10-minute call: BUDGET_S=540 for the whole script):
+#        run(command="GROUP=vllm-a bash bench/vs_vllm.sh", carry=[".whl"], timeout_s=600)
+#        run(command="GROUP=ours CONTINUE_FROM=bench/results/frontier_a.json bash bench/vs_vllm.sh", ...)
+#        run(command="GROUP=vllm-b CONTINUE_FROM=bench/results/frontier_b.json bash bench/vs_vllm.sh", ...)
+#      (.whl: msgspec and posix_ipc for rapidserve, as bench/gpu_suite.sh; .peer is not needed after the install,
+#      which the first group's call does and the later calls find done.) CONTINUE_FROM: the previous call's
+#      <NAME>.json, copied from its $OUT into the working tree so that it travels (e.g. bench/results/frontier_a.json);
+#      the new report holds every earlier group's frontiers, and the better vLLM is the best of every vLLM setting
+#      run so far. Groups (MODE=frontier):
+#        vllm-a: vLLM's defaults and --max-num-batched-tokens 1024      vllm-b: --max-num-batched-tokens 2048 and
+#        --performance-mode interactivity (a vLLM 0.26 flag)          ours: rapidserve (the engine's default policy),
+#        always-fused (--mode hybrid), always-split (--policy rapid)
+#      A 30-minute device budget holds the stash calls and about two groups: run vllm-a and ours first (the better
+#      vLLM is then the best of two settings: the report names it at each bound), vllm-b if time is left.
+#   What comes back in $OUT: <NAME>.md / .json (compare.py's tables and data), <NAME>__<workload>_frontier.png
+#   (MODE=frontier: goodput against the ITL bound, a line per system) or <NAME>.png (MODE=sweep), vs_vllm_setup.log
+#   (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request of every probe or sweep and
+#   each server's log, vLLM's included).
 #
 # Without vLLM (no stashed parts, no recipe, or the install failed) it runs our systems only and says so.
-# Knobs (environment): SYSTEMS (ours; default rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default vllm; e.g.
-# "vllm,vllm:--no-enable-prefix-caching"; set and empty: vLLM is installed for its FA3 build but not served), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
-# --gpu-memory-utilization), BENCH_ARGS (the issue's workload: --input-len 2048 --turn-input-len 256
-# --output-len 64 --num-turns 6), WORKLOADS (compare.py's --workloads, e.g. 4096:64,1024:256; default
-# multiturn), TRACE_WORKLOADS (instead: trace replays, see below), RATES (inf: every
-# conversation at once), NUM_PROMPTS (32 conversations),
-# WARMUP (4), BUDGET_S (540: the whole script, setup included, ends inside the 600 s of a device call),
-# NAME (vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the model shape, ours `preset:PRESET`, vLLM's folder
-# from make_model.py; another preset's folder comes from bench/make_peer_model.py), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention_backend auto is
-# FA3; 0: they keep Triton).
-# Further arguments go to compare.py after the script's own (they win), e.g. `--rates 4,inf`.
+# Knobs (environment): MODE (frontier | sweep), GROUP (above; without it SYSTEMS and VLLM_SYSTEMS say), SYSTEMS (ours;
+# default: frontier rapidserve,always-fused,always-split; sweep rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default:
+# frontier vllm-best, all four settings, which one call cannot hold: give GROUP; sweep vllm; e.g.
+# "vllm:,vllm:--no-enable-prefix-caching"; set and empty: vLLM is installed for its FA3 build but not served),
+# CONTINUE_FROM (an earlier call's report), MAX_MODEL_LEN (8192), GPU_MEM (0.8, every server's
+# --gpu-memory-utilization), WORKLOADS (compare.py's --workloads; default: frontier 4096:64, sweep multiturn),
+# BENCH_ARGS (sweep multiturn: --input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6), TRACE_WORKLOADS
+# (instead: trace replays, see below; a frontier needs --trace-arrivals poisson in them), SEARCH_ARGS (frontier:
+# compare.py's --search-* flags, default "--search-max-probes 10"), RATES (sweep: inf), NUM_PROMPTS (frontier: 64
+# arrivals per probe; sweep: 32 conversations), WARMUP (4), BUDGET_S (540: the whole script, setup included, ends
+# inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the
+# model shape, ours `preset:PRESET`, vLLM's folder from make_model.py; another preset's folder comes from
+# bench/make_peer_model.py), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention
+# backend auto is FA3; 0: they keep Triton).
+# Further arguments go to compare.py after the script's own (they win), e.g. `--search-tolerance 0.1`.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -55,12 +73,17 @@ find_recipe() {  # the folder holding install.sh, make_model.py and serve_vllm.s
 }
 
 if [ "${1:-}" = "--split" ]; then  # here, not on the GPU machine
-    n="${2:-6}"
     bundle=.peer/bundle.tar
     [ -f "$bundle" ] || { echo "vs_vllm: no $bundle: run python ../shared/peer_vllm/fetch.py .peer first" >&2; exit 2; }
     git check-ignore -q .peer || { echo "vs_vllm: git does not ignore .peer: echo /.peer/ >> .git/info/exclude" >&2; exit 2; }
     recipe="$(find_recipe)"
     [ -n "$recipe" ] || { echo "vs_vllm: no peer_vllm recipe found (set PEER_VLLM_DIR)" >&2; exit 2; }
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
+    extra=$(du -sb "$recipe" | cut -f1)
+    room=$(((62 << 20) - tree - extra))  # 2 MiB to spare under the 64 MiB a call carries
+    [ "$room" -gt $((8 << 20)) ] || { echo "vs_vllm: the working tree ($((tree >> 20)) MiB) leaves no room for a part" >&2; exit 2; }
+    size=$(stat -c %s "$bundle")
+    n="${2:-$(((size + room - 1) / room))}"  # the fewest parts that fit
     rm -rf .peer/c[0-9]* .peer/split.tmp && mkdir .peer/split.tmp || exit 1
     split -n "$n" -d -a 2 "$bundle" .peer/split.tmp/part || exit 1
     i=0
@@ -72,8 +95,7 @@ if [ "${1:-}" = "--split" ]; then  # here, not on the GPU machine
     if [ "$(cd "$recipe" && pwd -P)" != "$(cd .peer && pwd -P)/peer_vllm" ]; then
         rm -rf .peer/peer_vllm && cp -r "$recipe" .peer/peer_vllm || exit 1
     fi
-    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
-    extra=$(du -sb .peer/peer_vllm | cut -f1)
+    echo "$n parts: run the $n --stash calls c0 .. c$((n - 1)) back to back"
     for d in .peer/c[0-9]*; do
         part=$(du -sb "$d" | cut -f1)
         total=$((part + tree + extra))
@@ -93,7 +115,10 @@ fi
 
 t_start=$(date +%s)
 budget="${BUDGET_S:-540}"
-name="${NAME:-vs_vllm}"  # compare.py's --name: the tables' file stem
+mode="${MODE:-frontier}"
+case "$mode" in frontier) default_name=frontier ;; sweep) default_name=vs_vllm ;;
+    *) echo "vs_vllm: MODE=$mode: give frontier or sweep" >&2; exit 2 ;; esac
+name="${NAME:-$default_name}"  # compare.py's --name: the tables' file stem
 out="${OUT:-bench/results/vs_vllm}"
 mkdir -p "$out"
 work="$(mktemp -d)"
@@ -137,10 +162,26 @@ if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
     fi
 fi
 
-ours="${SYSTEMS-rapid-adaptive,hybrid-2048}"  # set and empty: only --system extras
-# The workloads: the issue's multiturn by default; TRACE_WORKLOADS (';'-separated `rapidserve bench` flag
-# sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60 --time-scale 3")
-# replaces it (carry the trace files: ../shared does not travel).
+# The systems of this call: a GROUP (MODE=frontier), else SYSTEMS (ours; set and empty: only --system extras) and
+# VLLM_SYSTEMS (vLLM's).
+if [ "$mode" = frontier ]; then
+    ours="${SYSTEMS-rapidserve,always-fused,always-split}"
+    vllm_wanted="${VLLM_SYSTEMS-vllm-best}"
+else
+    ours="${SYSTEMS-rapid-adaptive,hybrid-2048}"
+    vllm_wanted="${VLLM_SYSTEMS-vllm}"
+fi
+case "${GROUP:-}" in
+    "") ;;
+    vllm-a) ours=""; vllm_wanted="vllm:,vllm:--max-num-batched-tokens 1024" ;;
+    vllm-b) ours=""; vllm_wanted="vllm:--max-num-batched-tokens 2048,vllm:--performance-mode interactivity" ;;
+    ours) ours="${SYSTEMS:-duet,always-fused,always-split}"; vllm_wanted="" ;;
+    *) say "GROUP=$GROUP: give vllm-a, vllm-b or ours (or leave it unset and set SYSTEMS / VLLM_SYSTEMS)"; exit 2 ;;
+esac
+# The workloads: fixed 4096:64 for the frontier, issue 15's multiturn for the sweep; TRACE_WORKLOADS (';'-separated
+# `rapidserve bench` flag sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60
+# --time-scale 3" for a sweep, "--workload trace --trace ... --trace-arrivals poisson --num-prompts 64" for the
+# frontier) replaces it (carry the trace files: ../shared does not travel).
 if [ -n "${TRACE_WORKLOADS:-}" ]; then
     workload_args=()
     IFS=';' read -ra sets <<<"$TRACE_WORKLOADS"
@@ -149,7 +190,7 @@ if [ -n "${TRACE_WORKLOADS:-}" ]; then
     done
     [ -n "${BENCH_ARGS:-}" ] && workload_args+=(--bench-args "$BENCH_ARGS")
 else
-    wl="${WORKLOADS:-multiturn}"
+    if [ "$mode" = frontier ]; then wl="${WORKLOADS:-4096:64}"; else wl="${WORKLOADS:-multiturn}"; fi
     default_args=""
     [ "$wl" = multiturn ] && default_args="--input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6"
     workload_args=(--workloads "$wl")
@@ -158,7 +199,7 @@ else
 fi
 vllm_args=()
 if [ -z "$why_not" ]; then
-    systems="${VLLM_SYSTEMS-vllm}"  # vLLM first: its start is the longest and least certain
+    systems="$vllm_wanted"  # vLLM first: its start is the longest and least certain
     systems="${systems:+$systems${ours:+,}}$ours"
     if [ -n "$recipe" ]; then
         vllm_args=(--vllm-model "$model" --vllm-serve "$recipe/serve_vllm.sh")
@@ -175,20 +216,31 @@ if [ "$left" -lt 120 ]; then
     say "only $left s left of BUDGET_S=$budget after the setup: not starting the comparison"
     exit 1
 fi
-# No new system or rate starts after left-100 s (one of ours needs ~1 min to start, run and stop); at left s
-# compare.py gets SIGTERM (it stops the running server and writes what finished), at left+30 s SIGKILL.
+# No new system or rate (or probe) starts after left-100 s (one of ours needs ~1 min to start, run and stop; each
+# search gets its share of that budget); at left s compare.py gets SIGTERM (it stops the running server and
+# writes what finished), at left+30 s SIGKILL.
+if [ "$mode" = frontier ]; then
+    read -ra search_args <<<"${SEARCH_ARGS:---search-max-probes 10}"
+    load_args=(--goodput-search "${search_args[@]}" --num-prompts "${NUM_PROMPTS:-64}")
+else
+    load_args=(--rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}")
+fi
+continue_args=()
+if [ -n "${CONTINUE_FROM:-}" ]; then
+    [ -f "$CONTINUE_FROM" ] || { say "CONTINUE_FROM=$CONTINUE_FROM: no such file (copy the earlier call's report into the tree)"; exit 2; }
+    continue_args=(--continue-from "$CONTINUE_FROM")
+fi
 cmd=("$py" bench/compare.py --model "preset:$preset" --systems "$systems" "${vllm_args[@]}"
      --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
-     "${workload_args[@]}"
-     --rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}" --warmup "${WARMUP:-4}"
-     --startup-timeout-s 300 --duration-budget-s $((left - 100)) --out "$work" --name "$name" "$@")
+     "${workload_args[@]}" "${load_args[@]}" "${continue_args[@]}" --warmup "${WARMUP:-4}"
+     --startup-timeout-s 300 --budget-s $((left - 100)) --out "$work" --name "$name" "$@")
 say "$(printf '%q ' "${cmd[@]}")"
 timeout -k 30 "$left" "${cmd[@]}" 2>&1 | tee "$work/compare_stdout.log"
 status=${PIPESTATUS[0]}
 say "compare.py exited with $status after $(elapsed) s in all"
 
-for f in "$name".md "$name".json "$name".png; do
-    [ -f "$work/$f" ] && cp "$work/$f" "$out/$f"
+for f in "$work/$name".md "$work/$name".json "$work/$name".png "$work/$name"__*_frontier.png; do
+    [ -f "$f" ] && cp "$f" "$out/"
 done
 tar -czf "$out/vs_vllm_detail.tar.gz" -C "$work" . 2>/dev/null
 rm -rf "$work"

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
+from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model
 from rapidserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -26,6 +27,7 @@ from rapidserve.config import (
     RunnerConfig,
     ServerConfig,
 )
+from rapidserve.engine_settings import allow_long_max_model_len, engine_sections
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
 EXIT_USAGE = 2
@@ -84,14 +86,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a folder of Hugging Face tokenizer files to use instead of the model's (a preset has "
                         "none: this gives it text prompts and structured outputs)")
-    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES))
+    g.add_argument("--dtype", default="auto", type=dtype_name, choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="tokens of one request, prompt and output (default and most: the model's "
                         "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9)
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
-    g.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=_positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
@@ -107,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="hybrid mode: plan and launch the next step while the last one runs, its sampled "
+                   help="serve (every mode): plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")
@@ -123,6 +125,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "quantized checkpoint is refused by name)")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
+    add_source_args(g)  # --revision, --download-dir, --load-format
 
 
 def _partition_text(text: str) -> str:
@@ -229,20 +232,26 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
     return pcfg
 
 
-def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
-    """The model flags as build_engine_config's arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env`
-    (default: os.environ) here, where the run starts."""
-    from rapidserve.config_builder import allow_long_max_model_len
-
+def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The model flags that need no model, as `engine_settings.engine_sections`' (and build_engine_config's)
+    arguments, with $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN read from `env` (default: os.environ) here, where the run
+    starts."""
     allow_long = allow_long_max_model_len(os.environ if env is None else env)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, allow_long_max_model_len=allow_long,
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, prefill_batch_tokens=a.prefill_batch_tokens,
-                enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
-                seed=a.seed, attention_backend=a.attention_backend,
+                enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens, seed=a.seed,
+                attention_backend=a.attention_backend, kv_events_config=getattr(a, "kv_events_config", None),
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
-                tokenizer=a.tokenizer, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+                quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+                generation_config=getattr(a, "generation_config", "auto"))
+
+
+def engine_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The model flags as build_engine_config's arguments: `setting_kwargs` and where the model's files come from."""
+    return dict(setting_kwargs(a, env), tokenizer=a.tokenizer, revision=a.revision, download_dir=a.download_dir,
+                load_format=a.load_format)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -263,10 +272,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    """Checks every flag that needs no model (the settings each mode and policy read among them:
+    `engine_sections`), then `run`: the port is bound first (busy: exit 1 at once), and the config tree is built
+    (`build`: a bad model or --max-model-len exits 2), then auto-profiled, while it answers 503 starting."""
     from rapidserve.config import LaunchConfig, ParallelConfig
-    from rapidserve.llm import build_engine_config
     from rapidserve.server.serve import run
+    from rapidserve.server.startup import BindError
 
+    model = serve_model(a)  # MODEL or --model
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
     pcfg = partition_config(a)
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
@@ -275,35 +288,49 @@ def cmd_serve(a: argparse.Namespace) -> int:
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
     launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=serve_mode(a),
                           max_restarts=a.max_restarts, restart_window_s=a.restart_window_s,
-                          heartbeat_timeout_s=a.heartbeat_timeout_s)
-    # the flags each mode and policy read are checked here, before the model loads (policy_spec.check_settings)
-    ecfg, source = build_engine_config(a.model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
-                                       partition=pcfg, parallel=parallel, kv_events_config=a.kv_events_config,
-                                       python_hash_seed=os.environ.get("PYTHONHASHSEED"))
-    ecfg = auto_profile(ecfg, a.auto_profile, os.environ)
-    return run(ecfg, scfg, source)  # type: ignore[arg-type]
+                          heartbeat_timeout_s=a.heartbeat_timeout_s, log_level=a.log_level)
+    engine_sections(**setting_kwargs(a), launch=launch, partition=pcfg)  # type: ignore[arg-type]
+
+    def build() -> tuple[object, object]:  # on a thread of `run`, once the port answers (imports torch)
+        from rapidserve.config_builder import build_engine_config
+
+        ecfg, source = build_engine_config(model, **engine_kwargs(a), launch=launch,  # type: ignore[arg-type]
+                                           partition=pcfg, parallel=parallel)
+        return auto_profile(ecfg, a.auto_profile, os.environ), source
+
+    try:
+        return run(scfg, build, model)  # type: ignore[arg-type]
+    except BindError as e:
+        print(f"rapidserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def auto_profile(ecfg: EngineConfig, auto: bool, env: Mapping[str, str]) -> EngineConfig:
-    """`ecfg` with the profile measured or cached for this GPU at start (partition/autoprofile.py), said in
-    the server's log format; unchanged where auto-profiling does not apply (then nothing is started)."""
-    import logging
-
+    """`ecfg` with the profile measured or cached for this GPU at start (partition/autoprofile.py), logged
+    through the server's logging (`run` configures it before `build` runs); unchanged where auto-profiling does
+    not apply (then nothing is started)."""
     from rapidserve.partition.autoprofile import profile_cache_dir, with_auto_profile
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)  # as server.serve.run, whose own call then changes nothing
     return with_auto_profile(ecfg, auto=auto, cache_dir=profile_cache_dir(env))
 
 
 def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """The serve flags as a ServerConfig (the API key as `api_key` resolves it)."""
+    """The serve flags as a ServerConfig (the API key as `api_key` resolves it; the --chat-template read
+    and checked: a ConfigError when it cannot be read or does not parse)."""
+    from rapidserve.tokenizer import ChatTemplateError, load_chat_template
+
+    try:
+        template = None if a.chat_template is None else load_chat_template(a.chat_template)
+    except ChatTemplateError as e:
+        raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
-                        served_model_name=a.served_model_name, max_waiting=a.max_waiting,
+                        served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
                         max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
                         shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
                         keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template,
+                        log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
@@ -338,7 +365,7 @@ def _port(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rapidserve", description=__doc__.splitlines()[0])
+    p = CliParser(prog="rapidserve", description=__doc__.splitlines()[0])  # names the flags it refuses
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions offline (single process)")
     add_model_args(g)
@@ -351,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (prefill and decode workers)")
     add_model_args(sv)
+    add_vllm_serve_args(sv)  # MODEL, --served-model-name, logs, vLLM's flags that change nothing here
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sv.add_argument("--port", type=_port, default=8000)
     sv.add_argument("--mode", default=None, choices=ENGINE_MODES,
@@ -377,10 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="read the API key from the first line of this file")
     sv.add_argument("--metrics-public", action="store_true",
                     help="serve /metrics without the API key (for a Prometheus that cannot send one)")
-    sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-waiting", type=_nonneg_int, default=512,
                     help="requests queued beyond --max-num-seqs before answering 503")
-    sv.add_argument("--default-max-tokens", type=_positive_int, default=256)
+    sv.add_argument("--default-max-tokens", type=_positive_int, default=None,
+                    help="max_tokens of a request that gives none, at most what its context leaves (default: the "
+                         "model's generation_config.json max_new_tokens, else 256)")
+    sv.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                    help="where unset sampling fields (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_tokens) take their defaults from, as vLLM's flag: auto (the model folder's "
+                         "generation_config.json; a GGUF file or preset has none), vllm (vLLM's own defaults) or "
+                         "a folder holding a generation_config.json; a request's own values win")
     sv.add_argument("--max-request-bytes", type=_int_at_least(1024), default=8 * 1024 * 1024,
                     help="largest request body accepted (larger: 413)")
     sv.add_argument("--shutdown-grace-s", type=_nonneg_float, default=10.0,
@@ -400,11 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
                             "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
-    sv.add_argument("--kv-events-config", default=None, metavar="JSON",
-                    help="publish the prefix cache's block events as vLLM does, for KV-aware routers: vLLM's JSON, "
-                         "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
-                         "publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size); block "
-                         "hashes are vLLM's sha256 ones, seeded by $PYTHONHASHSEED; needs pyzmq (the kv-events extra)")
+    chat = sv.add_argument_group("chat template")
+    chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                      help="a Jinja chat template to use instead of the model's: a file, or the template itself "
+                           "(as vLLM's flag); checked at start-up")
+    chat.add_argument("--trust-request-chat-template", action="store_true",
+                      help="let a chat request bring its own 'chat_template' (a template is code the server runs; "
+                           "without the flag such requests get 400, as in vLLM)")
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=_nonneg_int, default=5,

@@ -11,6 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rapidserve.generation_config import SamplingDefaults
+from rapidserve.kv_events_config import KVEventsConfig
+
 Arch = Literal["llama", "qwen2", "qwen3"]
 # rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
 # mixed with decodes under the token budget (Sarathi-Serve / vLLM), the baseline; disagg: prefill on
@@ -25,6 +28,11 @@ TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: 
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+FALLBACK_MAX_TOKENS = 256  # the server's max_tokens of a request that gives none, without flag or model default
+# How weights are read (vLLM's --load-format): auto (the model's own form), safetensors (a Hugging Face folder),
+# gguf (a .gguf file), dummy (the model's architecture with random weights: `dummy:` specs, loader/presets.py).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 
 
 class ConfigError(ValueError):
@@ -188,8 +196,8 @@ class SchedulerConfig:
     # A max_model_len above the model's max_position_embeddings is refused unless this is set (from
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN at the CLI / `LLM`; EngineConfig checks it).
     allow_long_max_model_len: bool = False
-    # Hybrid mode plans and launches the next step before the last one's tokens reach the host (as
-    # vLLM's --async-scheduling); the decode worker of rapid mode always works one step ahead.
+    # The decode worker (every mode: its one step loop) plans and launches the next step before the last
+    # one's tokens reach the host (as vLLM's --async-scheduling); False: each step is recorded first.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:
@@ -254,9 +262,11 @@ class LaunchConfig:
     ring_slot_size: int = 1024
     stats_interval_s: float = 0.25
     mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid and disagg use no MPS
+    log_level: str = "info"  # the workers' logging (LOG_LEVELS): their start-up steps are logged at info
 
     def __post_init__(self) -> None:
         _check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         _check(self.mode in ENGINE_MODES, f"mode={self.mode!r}; use one of {list(ENGINE_MODES)}")
         _check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
@@ -390,89 +400,6 @@ class PartitionConfig:
         raise ConfigError(f"--partition {text!r}; use adaptive, off or static:<decode share in (0, 1)>")
 
 
-KV_EVENT_PUBLISHERS = ("null", "zmq")
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """vLLM's --kv-events-config: publish the prefix cache's block events (rapidserve/kv_events.py) for a router.
-
-    The JSON keys are vLLM's (`parse`): `enable_kv_cache_events`, `publisher` ("zmq", or "null": nothing is
-    published; left out: "zmq" when enabled), `endpoint` (a ZMQ PUB address: one with `*`, `::`, ipc:// or
-    inproc:// is bound, another is connected to), `replay_endpoint` (a ROUTER address bound for replay requests;
-    None: no replay), `buffer_steps` (event batches kept for replay), `hwm` (the PUB socket's high-water mark),
-    `max_queue_size` (batches queued for the publisher thread), `topic` (the first frame of each message).
-    With several engines behind one server (--data-parallel-size), engine i publishes on the endpoint's port + i
-    (ipc/inproc: the address + `_dp<i>`) with `data_parallel_rank` i, as vLLM's data-parallel ranks do.
-    `none_hash` is the seed of the first block's hash (vLLM's NONE_HASH): sha256 of $PYTHONHASHSEED, or 32 random
-    bytes when it is unset, picked once where the run starts (config_builder) so that every engine and every
-    restart hashes alike.
-    """
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-    data_parallel_rank: int = 0
-    none_hash: bytes = b""
-
-    def __post_init__(self) -> None:
-        _check(self.publisher in KV_EVENT_PUBLISHERS,
-               f"kv_events_config.publisher={self.publisher!r}; use one of {', '.join(KV_EVENT_PUBLISHERS)}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v > 0,
-                   f"kv_events_config.{name}={v!r} must be a positive integer")
-        _check(self.data_parallel_rank >= 0, f"data_parallel_rank={self.data_parallel_rank} must be >= 0")
-        for name in ("endpoint", "replay_endpoint"):
-            v = getattr(self, name)
-            _check((v is None and name == "replay_endpoint") or (isinstance(v, str) and "://" in v),
-                   f"kv_events_config.{name}={v!r}: give a ZMQ address such as tcp://*:5557 or ipc:///tmp/kv"
-                   + (", or null" if name == "replay_endpoint" else ""))
-
-    @property
-    def publishing(self) -> bool:
-        """Whether events are collected and published (enabled, to a real publisher)."""
-        return self.enable_kv_cache_events and self.publisher != "null"
-
-    @classmethod
-    def parse(cls, value: object) -> KVEventsConfig:
-        """--kv-events-config's JSON text, or a mapping of the same keys (`LLM(kv_events_config=...)`), or a
-        KVEventsConfig. Unknown keys and wrong types are refused by name."""
-        import json
-
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"--kv-events-config is not valid JSON ({e}); give e.g. "
-                                  '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'') from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
-        keys = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
-                "max_queue_size", "topic")
-        unknown = sorted(set(value) - set(keys))
-        if unknown:
-            raise ConfigError(f"--kv-events-config: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
-                              f"{', '.join(keys)}")
-        types = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str,
-                 "replay_endpoint": (str, type(None)), "buffer_steps": int, "hwm": int, "max_queue_size": int,
-                 "topic": str}
-        for k, v in value.items():
-            if not isinstance(v, types[k]) or (types[k] is int and isinstance(v, bool)):
-                raise ConfigError(f"--kv-events-config: {k}={v!r} has the wrong type")
-        kw = dict(value)
-        if "publisher" not in kw:  # as vLLM: enabled without a publisher publishes over ZMQ
-            kw["publisher"] = "zmq" if kw.get("enable_kv_cache_events") else "null"
-        return cls(**kw)
-
-
 @dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server (`rapidserve serve`).
@@ -489,27 +416,50 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
-    served_model_name: str | None = None
+    # The names the model answers to (vLLM's --served-model-name A B...): the first is the one responses and
+    # metrics report, a request naming any of them is served, /v1/models lists them all. (): the model's own name.
+    served_model_name: tuple[str, ...] = ()
     max_waiting: int = 512  # requests queued beyond max_num_seqs (x data_parallel_size) before the server answers 503
     max_body_bytes: int = 8 * 1024 * 1024
-    default_max_tokens: int = 256
+    # max_tokens of a request that gives none (at most what its context leaves); None: the model's
+    # generation_config max_new_tokens, else FALLBACK_MAX_TOKENS
+    default_max_tokens: int | None = None
     shutdown_grace_s: float = 10.0
     max_connections: int = 2048
     keepalive_timeout_s: float = 15.0
     header_timeout_s: float = 10.0
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses the model's own calls (as vLLM's flag)
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
+    chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
+    trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
+    # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
+    # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
+    log_level: str = "info"
+    http_log_level: str = "info"
+    log_requests: bool = True
+
+    def max_tokens_default(self, generation: SamplingDefaults) -> int:
+        """A request's max_tokens when it gives none: --default-max-tokens, else the model's max_new_tokens,
+        else FALLBACK_MAX_TOKENS (each capped by what the request's context leaves)."""
+        return self.default_max_tokens or generation.max_tokens or FALLBACK_MAX_TOKENS
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, f"port={self.port} must be in 0..65535 (0: any free port)")
         _check(self.max_waiting >= 0, f"max_waiting={self.max_waiting} must be >= 0")
         _check(self.max_body_bytes >= 1024, f"max_body_bytes={self.max_body_bytes} must be >= 1024")
-        _check(self.default_max_tokens >= 1, f"default_max_tokens={self.default_max_tokens} must be >= 1")
+        _check(self.default_max_tokens is None or self.default_max_tokens >= 1,
+               f"default_max_tokens={self.default_max_tokens} must be >= 1 or None")
         _check(self.shutdown_grace_s >= 0, f"shutdown_grace_s={self.shutdown_grace_s} must be >= 0")
         _check(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
         _check(self.max_connections >= 1, f"max_connections={self.max_connections} must be >= 1")
         _check(self.keepalive_timeout_s > 0, f"keepalive_timeout_s={self.keepalive_timeout_s} must be > 0")
         _check(self.header_timeout_s > 0, f"header_timeout_s={self.header_timeout_s} must be > 0")
+        _check(all(isinstance(n, str) and n.strip() for n in self.served_model_name)
+               and len(set(self.served_model_name)) == len(self.served_model_name),
+               f"served_model_name={list(self.served_model_name)}: give distinct, non-empty names")
+        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
+        _check(self.http_log_level in (*LOG_LEVELS, "trace"),
+               f"http_log_level={self.http_log_level!r}; use one of {', '.join(LOG_LEVELS)}, trace")
         _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser={self.tool_call_parser!r} must be "
                                                            f"one of {', '.join(TOOL_CALL_PARSERS)}")
 
@@ -529,7 +479,10 @@ class EngineConfig:
     # A folder of tokenizer files used instead of the model's (--tokenizer): gives a preset (random
     # weights, no tokenizer) text prompts and structured outputs.
     tokenizer: str | None = None
-    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
+    # The model's recommended sampling defaults (generation_config.json; --generation-config), which a
+    # request's unset fields take at the edges (the server, LLM); workers never read them.
+    generation: SamplingDefaults = field(default_factory=SamplingDefaults)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # --kv-events-config (kv_events_config.py)
 
     @property
     def max_model_len(self) -> int:

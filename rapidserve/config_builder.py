@@ -2,88 +2,79 @@
 
 Used by `rapidserve.LLM`, the CLI, the server and `rapidserve profile`. Layer: above the loader and
 the runner (whose device and dtype rules it applies), below `rapidserve.partition` and everything
-that starts an engine.
+that starts an engine. The half that needs no model (the settings' sections and their checks, torch-free, which
+`rapidserve serve` runs before it binds its port) is `engine_settings.py`, whose functions are re-exported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 
 from rapidserve.config import (
     ALLOW_LONG_MAX_MODEL_LEN_ENV,
-    CacheConfig,
+    LOAD_FORMATS,
     ConfigError,
     EngineConfig,
-    KVEventsConfig,
     LaunchConfig,
     ParallelConfig,
     PartitionConfig,
-    RunnerConfig,
-    SchedulerConfig,
 )
+from rapidserve.engine_settings import (  # re-exported: the model-free half of the builder
+    allow_long_max_model_len,
+    check_unsupported_options,
+    engine_sections,
+    generation_defaults,
+    kv_events_section,
+    read_generation_config,
+)
+from rapidserve.generation_config import GENERATION_CONFIG_FILE, SamplingDefaults
 from rapidserve.kv_events import make_none_hash
-from rapidserve.loader import resolve_model
-from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
+from rapidserve.kv_events_config import KVEventsConfig
+from rapidserve.loader import ModelSource, local_model_spec, resolve_model
+from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 
+__all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
+           "resolve_kv_events"]
 log = logging.getLogger("rapidserve.config")
 
 
-def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
-    """$RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN from `env` (read once, by the CLI or `LLM`): 1/true allow a max_model_len
-    above the model's max_position_embeddings; 0/false/empty/unset refuse it; anything else is a ConfigError."""
-    text = env.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower()
-    if text in ("1", "true"):
-        return True
-    if text in ("", "0", "false"):
-        return False
-    raise ConfigError(f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}={env[ALLOW_LONG_MAX_MODEL_LEN_ENV]!r}: use 1 to allow a "
-                      "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
+def load_format_spec(model: str | None, load_format: str) -> str | None:
+    """The model spec that reads `model` in `load_format` (LOAD_FORMATS); ConfigError when they do not fit."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"--load-format {load_format}: rapidserve reads {', '.join(LOAD_FORMATS)}")
+    spec = model or "default"
+    gguf = spec == "default" or spec.endswith(".gguf")
+    if load_format == "auto" or (load_format == "dummy" and spec.startswith(("preset:", DUMMY_PREFIX))):
+        return model
+    if spec.startswith("preset:"):
+        raise ConfigError(f"--load-format {load_format}: {spec} is a preset (random weights); drop the flag")
+    if load_format == "dummy":
+        if gguf:
+            raise ConfigError(f"--load-format dummy takes a Hugging Face folder or Hub id (its config.json gives the "
+                              f"shapes); {'the embedded default model' if spec == 'default' else spec} is a GGUF "
+                              "file: give --model FOLDER, or a preset:NAME")
+        return DUMMY_PREFIX + spec
+    if (load_format == "gguf") != gguf:
+        raise ConfigError(f"--load-format {load_format}: {spec} is {'a GGUF file' if gguf else 'not a .gguf file'}; "
+                          "use --load-format auto")
+    return model
 
 
 def resolve_kv_events(value: object, *, enable_prefix_caching: bool, hash_seed: str | None) -> KVEventsConfig:
-    """--kv-events-config (JSON text, a mapping or a KVEventsConfig; None: off) as the tree's section. When it
-    publishes: the prefix cache must be on (the events are its blocks), pyzmq must be installed, and the first
-    block's hash seed is fixed here, once: from `hash_seed` ($PYTHONHASHSEED, read where the run starts) or at
-    random, as vLLM's NONE_HASH (rapidserve/kv_events.py)."""
-    import importlib.util
-
-    cfg = KVEventsConfig() if value is None else KVEventsConfig.parse(value)
+    """--kv-events-config as the tree's section (checked: `engine_settings.kv_events_section`) with, when it
+    publishes, the seed of the first block's hash fixed here, once: from `hash_seed` ($PYTHONHASHSEED, read where
+    the run starts) or at random, as vLLM's NONE_HASH (rapidserve/kv_events.py)."""
+    cfg = kv_events_section(value, enable_prefix_caching=enable_prefix_caching)
     if not cfg.publishing:
         return cfg
-    if not enable_prefix_caching:
-        raise ConfigError("--kv-events-config publishes the prefix cache's block events, and "
-                          "--no-enable-prefix-caching turns the cache off: drop one of them")
-    if importlib.util.find_spec("zmq") is None:
-        raise ConfigError("--kv-events-config publishes over ZMQ, which needs pyzmq: pip install "
-                          "'rapidserve[kv-events]' (or pip install pyzmq)")
     if hash_seed is None:
         log.warning("KV events: PYTHONHASHSEED is not set, so block hashes start from a random seed: a router can "
                     "learn them from the events but cannot hash a prompt to the same values (set PYTHONHASHSEED "
                     "alike on every replica and the router, as with vLLM)")
     return dataclasses.replace(cfg, none_hash=make_none_hash(hash_seed))
-
-
-UNSET_CHOICES = (None, "auto", "none")  # what --quantization / --kv-cache-dtype may say today
-
-
-def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> None:
-    """ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for anything but none/auto.
-
-    vLLM takes both (quantizing weights on load, an FP8 KV cache); rapidserve computes in the checkpoint's
-    float dtype and keeps the KV cache in it, so a value is refused by name rather than ignored (a
-    checkpoint quantized on disk is refused by the loader, `loader/quant.py`)."""
-    q = quantization.strip().lower() if isinstance(quantization, str) else quantization
-    if q not in UNSET_CHOICES:
-        raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve does not "
-                          "quantize weights (it serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files; "
-                          "FP8 support is tracked in issue 39): drop the flag and give the unquantized checkpoint")
-    kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else kv_cache_dtype
-    if kv not in UNSET_CHOICES:
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): the KV cache is "
-                          "kept in the model's dtype (an FP8 KV cache is not supported yet): drop the flag or give "
-                          "auto")
 
 
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -98,8 +89,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         allow_long_max_model_len: bool = False, quantization: str | None = None,
                         kv_cache_dtype: str | None = "auto", launch: LaunchConfig | None = None,
                         partition: PartitionConfig | None = None, parallel: ParallelConfig | None = None,
-                        kv_events_config: object = None, python_hash_seed: str | None = None,
-                        run: str | None = None) -> tuple[EngineConfig, object]:
+                        run: str | None = None, revision: str | None = None,
+                        download_dir: str | None = None, load_format: str = "auto",
+                        env: Mapping[str, str] | None = None, generation_config: str = "auto",
+                        kv_events_config: object = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
@@ -107,43 +100,69 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `quantization`, `kv_cache_dtype`: vLLM's;
     anything but None/none/auto is refused before the model is looked at (`check_unsupported_options`). `launch`,
     `partition`, `parallel`: the serving sections (None: their defaults; a partition left out runs the mode's
-    default policy). `kv_events_config`: vLLM's --kv-events-config (`resolve_kv_events`; `python_hash_seed`:
-    $PYTHONHASHSEED as the run found it). `run`: what will run the tree, "offline" (`LLM`, `rapidserve generate`),
-    "profile" (`rapidserve profile`), or None: the server in `launch.mode`. Before the model is resolved, every
-    setting given is checked against what that run and its policy read (`policy_spec.check_settings`): one ignored
-    is a ConfigError saying how to fix it."""
+    default policy). `run`: what will run the tree, "offline" (`LLM`, `rapidserve generate`), "profile"
+    (`rapidserve profile`), or None: the server in `launch.mode`. Before the model is resolved, every setting given
+    is checked against what that run and its policy read (`policy_spec.check_settings`): one ignored is a
+    ConfigError saying how to fix it.
+
+    A Hub id (`Qwen/Qwen3-8B`) that is no local path is looked up in the local Hugging Face cache at
+    `revision` (vLLM's --revision; default main), in `download_dir` when given, else the cache that `env`'s
+    HF_HUB_CACHE / HF_HOME name (default: os.environ), never downloaded (loader/hub.py); the config then
+    names the snapshot folder (a Hub id as `tokenizer` too, at main). `load_format` (LOAD_FORMATS): dummy
+    serves the architecture with random weights (`dummy:<folder>`); safetensors and gguf check that the model
+    is of that form. `generation_config`: where the sampling defaults come from (auto, vllm or a folder, as vLLM's
+    --generation-config; checked with the settings, `engine_settings.generation_defaults`; auto's file is read
+    once the model is resolved, `resolve_generation_config`). `kv_events_config`: vLLM's --kv-events-config
+    (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
-    check_unsupported_options(quantization, kv_cache_dtype)
-    launch = launch or LaunchConfig()
-    run = run or launch.mode
-    if run not in RUN_SPECS:
-        raise ConfigError(f"run={run!r}; use one of {', '.join(RUN_SPECS)}")
-    partition = partition or PartitionConfig(policy=resolve_policy(run, None, PartitionConfig().mode))
-    cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
-                                async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
-    graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}
-    runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
-                          use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
-    kv_events = KVEventsConfig() if kv_events_config is None else KVEventsConfig.parse(kv_events_config)
-    check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
-                                           "partition": partition, "launch": launch, "kv_events": kv_events},
-                   eager=enforce_eager)
-    kv_events = resolve_kv_events(kv_events, enable_prefix_caching=enable_prefix_caching, hash_seed=python_hash_seed)
+    sections = engine_sections(
+        dtype=dtype, device=device, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+        block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, prefill_batch_tokens=prefill_batch_tokens,
+        enforce_eager=enforce_eager, prefill_graph_tokens=prefill_graph_tokens, seed=seed,
+        attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
+        async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len,
+        quantization=quantization, kv_cache_dtype=kv_cache_dtype, launch=launch, partition=partition, run=run,
+        generation_config=generation_config, kv_events_config=kv_events_config)
+    env = os.environ if env is None else env
+    kv_events = resolve_kv_events(sections.kv_events, enable_prefix_caching=enable_prefix_caching,
+                                  hash_seed=env.get("PYTHONHASHSEED"))
+    model = local_model_spec(model, revision, download_dir, env)
+    if tokenizer is not None and is_repo_id(tokenizer) and not os.path.exists(os.path.expanduser(tokenizer)):
+        tokenizer = find_snapshot(tokenizer, None, hub_cache_dirs(env, download_dir))  # its main revision
+    model = load_format_spec(model, load_format)
     dev = resolve_device(device)
     source = resolve_model(model, cache_dir=cache_dir, preset_device=dev,
                            preset_dtype=resolve_dtype(dtype, dev))
     if tokenizer is not None:
         source = dataclasses.replace(source, tokenizer_dir=tokenizer, tokenizer_file=None, tokenizer_cache_dir=None)
     mcfg = source.config
-    cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=cache, scheduler=scheduler, runner=runner,
-                       launch=launch, partition=partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer,
-                       kv_events=kv_events)
+    cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=sections.cache,
+                       scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
+                       partition=sections.partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer,
+                       generation=(sections.generation if sections.generation is not None
+                                   else resolve_generation_config("auto", source, model)), kv_events=kv_events)
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
                     mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source
+
+
+def resolve_generation_config(spec: str, source: ModelSource, model: str | None) -> SamplingDefaults:
+    """The sampling defaults of `--generation-config spec`, as vLLM resolves it: "auto" reads the model
+    folder's generation_config.json (none for a folder without one, a GGUF file or a preset; `dummy:<folder>`
+    reads its folder's), "vllm" reads nothing, a folder reads its file (which must exist: the model-free part,
+    `engine_settings.generation_defaults`). A file that is not a JSON object, or holds a bad value, is a
+    ConfigError naming it."""
+    given = generation_defaults(spec)
+    if given is not None:
+        return given
+    if source.hf_folder is None:
+        kind = "a preset" if (model or "").startswith("preset:") else "a GGUF file"
+        return SamplingDefaults(source=f"{kind} has no {GENERATION_CONFIG_FILE}")
+    path = os.path.join(source.hf_folder, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return SamplingDefaults(source=f"the model folder has no {GENERATION_CONFIG_FILE}")
+    return read_generation_config(path, f"the model's {GENERATION_CONFIG_FILE} ({path})")

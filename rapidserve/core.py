@@ -7,6 +7,10 @@ Structured outputs: a request's grammar starts compiling in the background when 
 the compiles of a `generate` call's requests overlap the steps of the ones ahead; a request is not
 held back (unlike the serving workers'): its first mask waits for its compile if that is still
 running, which blocks this one-process loop, as compiling in place did, but only for what is left.
+`LLM.generate` first compiles and tries each constraint (`check_constraint`, through the same grammar
+cache, so nothing is compiled twice) and refuses one the grammar engine cannot serve; a constraint that
+fails later (its matcher errs or rejects a token) ends its request alone with finish reason "error" and
+the message in its TokenEvent, never with its output unconstrained.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from rapidserve.config import EngineConfig
+from rapidserve.engine.faults import RequestsFailed
+from rapidserve.engine.sampling_step import retain, sample_step
 from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.logit_controls import seq_history
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampling_params import SamplingParams
+from rapidserve.sampler import SamplerOutput
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.scheduler import Scheduler
 from rapidserve.sequence import Sequence, check_stop
-from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class TokenEvent:
     seq: Sequence
     token_id: int
     finish_reason: str | None
+    message: str = ""  # why, when finish_reason is "error"
 
 
 class EngineCore:
@@ -60,6 +68,14 @@ class EngineCore:
                                         self.eos_token_ids)
         return self._grammar
 
+    def check_constraint(self, so: StructuredOutputs) -> None:
+        """ValueError naming the field when the grammar engine cannot serve `so` (compiled and tried here,
+        through the grammar cache: a request of it then finds it compiled, or remembered as failed)."""
+        try:
+            self.grammar.cache.compile(so)
+        except GrammarError as e:
+            raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
+
     def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
         self.limits.check_params(params)
@@ -79,8 +95,7 @@ class EngineCore:
 
     def _retain_slots(self) -> None:
         """Free the penalty slots of sequences no longer running (ended or preempted; logit_controls.py)."""
-        if self.runner.tokens.in_use:
-            self.runner.tokens.retain(s.slot_key for s in self.scheduler.running)
+        retain(self.runner, None, ((s.seq_id, s.slot_key) for s in self.scheduler.running))
 
     @property
     def num_preemptions(self) -> int:
@@ -109,17 +124,33 @@ class EngineCore:
         return []
 
     def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        """The one sampling step (engine/sampling_step.py), then each token recorded. A row whose grammar
+        fails (its compile failed, its matcher erred or rejected a token) fails alone ("error", with its
+        message), the rest are sampled without it; any other sampling error
+        is raised to the caller (`LLM.generate`), as it always was."""
         if not seqs:
             return []
-        mask, failed = self._grammar_mask(seqs)
-        out = self.runner.sample_next(logits, [s.params for s in seqs], [len(s.output_token_ids) for s in seqs],
-                                      self.eos_token_ids, mask, history=lambda i: seq_history(seqs[i]))
+        failed: dict[int, str] = {}  # row -> its grammar's error (each row its own: faults.py)
+        rows = list(range(len(seqs)))
+        out = None
+        while rows:
+            try:
+                out = self._sample([seqs[i] for i in rows], logits if len(rows) == len(seqs) else logits[rows])
+                break
+            except RequestsFailed as e:
+                if not isinstance(e.error, GrammarError):
+                    raise e.error from None
+                failed.update((rows[i], str(e.errors.get(i, e.error))) for i in e.rows)
+                rows = [r for r in rows if r not in failed]
+        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
+        sampled = dict(zip(rows, out.rows([seqs[i].params for i in rows]), strict=True)) if out is not None else {}
         events = []
-        for i, (seq, (tok, lp, top)) in enumerate(zip(seqs, out.rows([s.params for s in seqs]), strict=True)):
-            if i in failed:  # its grammar rejected a token: this request fails alone
+        for i, seq in enumerate(seqs):
+            if i in failed:  # its grammar failed: this request fails alone (its own message), nothing sampled
                 self.scheduler.finish(seq, "error")
-                events.append(TokenEvent(seq, tok, "error"))
+                events.append(TokenEvent(seq, -1, "error", failed[i]))
                 continue
+            tok, lp, top = sampled[i]
             seq.output_token_ids.append(tok)
             if lp is not None:
                 seq.output_logprobs.append(lp)
@@ -132,16 +163,16 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             events.append(TokenEvent(seq, tok, reason))
-        self._retain_slots()
-        if self._grammar is not None and len(self._grammar):  # matchers: ended or preempted; compiles: ended
-            self._grammar.retain((s.seq_id for s in self.scheduler.running),
-                                 known=[s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)])
+        s = self.scheduler
+        retain(self.runner, self._grammar, ((x.seq_id, x.slot_key) for x in s.running),
+               known=[x.seq_id for x in (*s.waiting, *s.running)])
         return events
 
-    def _grammar_mask(self, seqs: list[Sequence]) -> tuple[GrammarMask | None, dict[int, str]]:
-        """The structured-output mask of the rows to sample (None when no row has a constraint)."""
-        if not GrammarBook.needed(s.params for s in seqs):
-            return None, {}
-        rows = [GrammarRow(i, s.seq_id, s.params, s.output_token_ids) for i, s in enumerate(seqs)
-                if s.params.structured_outputs is not None]
-        return self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
+        book = self.grammar if GrammarBook.needed(s.params for s in seqs) else None
+        return sample_step(self.runner, book, logits, seqs, [s.params for s in seqs],
+                           [len(s.output_token_ids) for s in seqs], self.eos_token_ids,
+                           history=lambda i: seq_history(seqs[i]),
+                           grammar_rows=lambda: [GrammarRow(i, s.seq_id, s.params, s.output_token_ids)
+                                                 for i, s in enumerate(seqs)
+                                                 if s.params.structured_outputs is not None])

@@ -13,7 +13,8 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[float] | None = None  # of each chosen token, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob) per position
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # why, when finish_reason is "error" (e.g. its structured-output constraint failed)
 
 
 @dataclass

@@ -9,6 +9,7 @@ What is carried here but handled elsewhere:
 - `n`: the scheduler forks `n` sequences; the sampler draws one token per row.
 - `stop` strings are matched by the server on detokenized text; `stop_token_ids`, `ignore_eos`,
   `min_tokens` and `max_tokens` are applied by the caller of the sampler (EOS suppression included).
+  `include_stop_str_in_output` is read only where text is made (the server, `LLM`): workers ignore it.
 - the logit controls (`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`,
   `allowed_token_ids`, `bad_words_token_ids`) are applied on the device by `rapidserve/logit_controls.py`.
   `bad_words` (text) are tokenized where the tokenizer lives, the edge (the server, `LLM`), by
@@ -117,6 +118,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
     - min_p: drop tokens whose probability is below min_p * the most likely token's; 0 = off.
     - seed: when set, the request's tokens do not depend on what else is in the batch.
     - logprobs: None = none; 0 = logprob of the chosen token; k > 0 = chosen + the top k.
+    - include_stop_str_in_output (vLLM's): the text keeps the stop string that ended it, and the text of
+      the stop token (EOS or one of `stop_token_ids`) that ended it; False: both are left out.
     - structured_outputs: a constraint on the output text (`StructuredOutputs`); None = free text.
     - presence_penalty, frequency_penalty (OpenAI's): logit[t] -= presence * (count[t] > 0) +
       frequency * count[t], count over the OUTPUT tokens so far; in [-2, 2]; 0 = off.
@@ -144,6 +147,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -208,6 +212,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be a bool")
         _check(isinstance(self.skip_special_tokens, bool),
                f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be a bool")
         self._validate_controls()
 
     def _validate_controls(self) -> None:

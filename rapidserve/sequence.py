@@ -78,11 +78,16 @@ def check_stop_at(params: SamplingParams, tok: int, n_out: int, num_tokens: int,
             return "stop"
         if tok in params.stop_token_ids:
             return "stop"
-    if params.max_tokens is not None and n_out >= params.max_tokens:
-        return "length"
-    if num_tokens >= max_len:
+    if reaches_length(params, n_out, num_tokens, max_len):
         return "length"
     return None
+
+
+def reaches_length(params: SamplingParams, n_out: int, num_tokens: int, max_len: int) -> bool:
+    """The length rule, written once: the `n_out`-th output (`num_tokens` in all) ends the request
+    whatever its id (`max_tokens`, or the context cap `max_len`). A worker scheduling ahead asks it of a
+    token still in flight: such a request gets no further step."""
+    return (params.max_tokens is not None and n_out >= params.max_tokens) or num_tokens >= max_len
 
 
 def early_stop_bans(params: SamplingParams, num_outputs: int, eos_token_ids: tuple[int, ...]) -> list[int]:

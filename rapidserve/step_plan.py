@@ -1,10 +1,8 @@
-"""What the two one-process schedulers share: the plan of a step, and how sequences are queued.
+"""The plan of a step of the prefill-first `Scheduler` (scheduler.py, behind `LLM`), and how it queues its sequences.
 
-The prefill-first `Scheduler` (scheduler.py, behind `LLM`) and the `HybridScheduler`
-(hybrid_scheduler.py, the hybrid worker) plan steps of the same shape and keep their sequences the
-same way; each adds only its policy. (The RAPID decode worker's scheduler, engine/decode_scheduler.py,
-splits a request's life between two processes and keeps states of its own; all three share the
-admission rule, `BlockManager.can_admit`, and the stop check, `sequence.check_stop`.)
+(The serving engine's decode worker plans its steps with engine/decode_scheduler.py, whose requests live in
+two processes and keep states of their own; both share the admission rule, `BlockManager.can_admit`, and the
+stop check, `sequence.check_stop`.)
 
 Pure Python, no torch.
 """

@@ -4,6 +4,7 @@ load of the embedded SmolLM2 GGUF, fp32; about 10 s, so loaded once for the sess
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,24 @@ def _has_gpu() -> bool:
     except ImportError:
         return False
     return bool(torch.cuda.is_available())
+
+
+_LOGGERS = ("", "rapidserve", "rapidserve.requests", "aiohttp.access", "aiohttp.server", "aiohttp.web",
+            "aiohttp.internal")
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A test that configures logging in-process (`configure_logging`, a worker's log setup) leaves the
+    levels and root handlers as it found them, so a later test's caplog sees every record it forces."""
+    levels = {name: logging.getLogger(name).level for name in _LOGGERS}
+    handlers = list(logging.getLogger().handlers)
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(h)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

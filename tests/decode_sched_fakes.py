@@ -15,7 +15,7 @@ from typing import Any
 
 from rapidserve.block_manager import BlockManager, blocks_for
 from rapidserve.engine import messages as m
-from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
+from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler, StepBatch
 from rapidserve.sampling_params import SamplingParams
 
 BS = 4  # tokens per block
@@ -66,25 +66,32 @@ def check(s: DecodeScheduler) -> None:
     # block is taken), and without the cache nothing is registered or shared
     assert all(b._ref[blk] == 1 or blk in b._hash_of for blk in held), "a block is shared but not in the cache"
     assert b.enable_caching or (not b._hash_of and max(b._ref) <= 1)
-    waiting, running = set(map(id, s.waiting)), set(map(id, s.running))
+    waiting, running, chunking = set(map(id, s.waiting)), set(map(id, s.running)), set(map(id, s.chunking))
     assert all(r.state == "waiting" for r in s.waiting) and len(waiting) == len(s.waiting)
     assert all(r.state == "running" for r in s.running) and len(running) == len(s.running)
-    assert len(s.running) + s.num_prefilling <= s.max_seqs
+    assert all(r.state == "chunking" for r in s.chunking) and len(chunking) == len(s.chunking)
+    assert [r.order for r in s.chunking] == sorted(r.order for r in s.chunking), "chunking: admission order"
+    assert len(s.running) + s.num_prefilling + len(s.chunking) <= s.max_seqs
     known = {id(r) for r in s.reqs.values()}
-    assert waiting <= known and running <= known
+    assert waiting <= known and running <= known and chunking <= known
     for i, r in s.reqs.items():  # (`i in tables`: the request holds blocks)
-        assert r.req_id == i and 0 <= r.inflight <= 1
+        assert r.req_id == i and 0 <= r.inflight <= 1 and 0 <= r.chunks_inflight <= 1
         if r.state == "waiting":
-            assert i not in tables and id(r) in waiting and r.inflight == 0 and not r.aborting
+            assert i not in tables and id(r) in waiting and not r.writing and not r.aborting
             continue
         if r.state == "prefilling":  # exactly the blocks of its KVReady, which prefill writes
-            assert len(tables[i]) == blocks_for(r.num_tokens, BS) and r.inflight == 0
+            assert len(tables[i]) == blocks_for(r.num_tokens, BS) and not r.writing
+        elif r.state == "chunking":  # the blocks of all its tokens, computed here a chunk at a time
+            assert id(r) in chunking and not r.aborting and r.inflight == 0
+            assert len(tables[i]) == blocks_for(r.num_tokens, BS) and r.cached <= r.computed < r.num_tokens
+            for blk in tables[i][r.computed // BS:]:  # written next
+                assert b._ref[blk] == 1 and blk not in b._hash_of, f"{i}: block {blk} is written next, yet shared"
         elif r.state == "running":  # K/V of all but its newest token, and of the step in flight
             assert id(r) in running and not r.aborting
             assert blocks_for(r.tokens_needed - 1, BS) <= len(tables[i]) <= blocks_for(r.tokens_needed, BS)
         else:  # ended, but a step in flight still writes its blocks, or prefill owes the answer to a Drop
             assert r.state == "done"
-            assert (r.inflight > 0 and i in tables) or (r.drop_pending and r.inflight == 0 and i not in tables)
+            assert (r.writing and i in tables) or (r.drop_pending and not r.writing and i not in tables)
         if i in tables:  # from its newest token on, blocks are written next (by prefill or a step): its own, uncached
             for blk in tables[i][(r.num_tokens - 1) // BS:]:
                 assert b._ref[blk] == 1 and blk not in b._hash_of, f"{i}: block {blk} is written next, yet shared"
@@ -151,7 +158,8 @@ def table(s: DecodeScheduler, rid: str) -> list[int]:
 
 
 def all_free(s: DecodeScheduler) -> bool:
-    return not s.reqs and not s.waiting and not s.running and s.blocks.num_free == s.blocks.num_blocks
+    return not s.reqs and not s.waiting and not s.running and not s.chunking and \
+        s.blocks.num_free == s.blocks.num_blocks
 
 
 # ---- scenes: r0 in a given state, r9 running beside it (`scene_*` in test_decode_scheduler.py) ---
@@ -174,3 +182,37 @@ def finish_all(sc: Scene) -> None:
             s.dropped(rid)  # prefill answers every Drop
     check(s)
     assert all_free(s)
+
+
+# ---- fused steps (DecodeScheduler.plan): decodes, then prompt chunks computed in the decode worker ---------
+def fuse(s: DecodeScheduler, chunk_tokens: int, step_tokens: int = 1 << 20, quiet: bool = True,
+         hold: frozenset[str] = frozenset(), now: float = 0.0) -> StepBatch:
+    """Plan and launch a fused step, checking its shape: decode rows grown, chunks in order within both budgets,
+    each chunk starting where its request's computed tokens end."""
+    batch = s.plan(chunk_tokens, step_tokens, quiet, hold, now)
+    assert batch is not None
+    check(s)
+    for r in batch.decode:
+        assert r.state == "running" and len(s.blocks.table(r.req_id)) == blocks_for(r.tokens_needed, BS)
+    assert batch.chunk_tokens <= chunk_tokens and len(batch.decode) + batch.chunk_tokens <= step_tokens
+    for c in batch.chunks:
+        assert c.req.state == "chunking" and c.start == c.req.computed and c.length > 0
+        assert len(s.blocks.table(c.req.req_id)) * BS >= c.end and c.samples == (c.end == c.req.num_tokens)
+    s.launched(batch, now)
+    return batch
+
+
+def land_fused(s: DecodeScheduler, batch: StepBatch, token: int | list[int] = TOK,
+               landed: float = 0.0) -> list[m.TokenOut]:
+    """A fused step lands: its sampled rows' tokens (decodes, then the chunks ending a prompt), then its chunks."""
+    sampled = batch.sampled
+    toks = token if isinstance(token, list) else [token] * len(sampled)
+    out = s.record(sampled, [(t, -0.5, [(t, -0.5)]) for t in toks], landed)
+    s.chunks_landed(batch.chunks)
+    check(s)
+    return out
+
+
+def shape(batch: StepBatch) -> tuple[list[str], list[tuple[str, int, int, bool]]]:
+    """A fused step as (decode ids, [(id, start, length, samples)])."""
+    return ids(batch.decode), [(c.req.req_id, c.start, c.length, c.samples) for c in batch.chunks]

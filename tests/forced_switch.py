@@ -12,13 +12,27 @@ Two levers take the timings out:
   it has none; with `hysteresis_steps=0` each change of target is a switch at the next step boundary.
   The first request of a round reaches decode while it is idle, is waiting at that step boundary (the
   boundary decides before admitting), so the switch to the split is certain.
-* a holder request for `--policy duet`: decode's roofline decision only splits while decode runs AND
-  prefill has work, and with an SLO of `DUET_SLO_MS` (1e-9 ms, a picosecond) a split is certain then: the
-  roofline puts the tiny model's shared step at ~0.4 us with H100 peaks, and still at ~0.4 ns with peaks a
-  thousand times higher (`test_forced_switch.py`). The holder (a long greedy request, aborted at the end)
-  is decoding (its first token came from decode) when the other prompts are sent, and is asserted still
-  running after they all finished, so at the step boundary after each of them reaches decode, decode runs
-  and prefill has work. The same holder runs under the rapid policy, where it adds switches mid-decode.
+* the same profile and an ITL SLO of `DUET_SLO_MS` (20 ms) for `--policy duet`. The decode worker runs
+  `DuetPolicy` (partition/policies.py) on `ProfileCosts` of this measured profile (partition/step_costs.py),
+  so the peaks measured at start-up do not enter, and the online correction (partition/correction.py)
+  multiplies each prediction by a ratio clamped to [lo, hi] = [0.5, 4]. Under the profile:
+  - decode beside the prefill worker on any split is BESIDE_MS = 2 ms at any batch, context and prefill
+    batch (`beside_prefill_ms`: min(2, 1 + 1 + prefill work) = 2), at most 2 x 4 = 8 ms corrected, within
+    the limit margin x SLO = 18 ms: every split meets the SLO;
+  - a fused step of B >= 1 decode rows and C >= 1 prompt tokens is alone + (B + C) / R - base (its
+    composition) with R the whole GPU's prefill rate, WHOLE_PREFILL_RATE = 1 token/s: >= 2000 ms, at least
+    1000 ms corrected, 55x the limit: no fused chunk fits, not even one token of a prefix-cached prompt.
+  So beside a running decode with prompts pending and the prefill worker idle, `decide_adaptive` finds no fused
+  chunk (0 tokens, "too small"), and a split meets the SLO: Split, certainly; with the prefill worker busy,
+  a split too (kept, or the best one from the whole GPU); with nothing pending and the prefill worker idle,
+  decode alone on the whole GPU (`hysteresis_steps=0`: no split is held); with nothing pending and the prefill
+  worker still busy, decode stays on a split ("a split kept for the batch it launched") until it is done,
+  which it is once every prompt has its first token. With no decode running, prompts are fused on the whole
+  GPU (no switch). Hence the holders: a chain of long greedy requests (tests/test_engine_gpu.py) keeps decode
+  running from before the prompts are sent until after they all finished, so each round has a step boundary
+  with decode running and prompts pending (a switch into a split) and, at the latest once the last holder is
+  aborted (the worker asks its policy at every turn, idle too), one with nothing pending (the switch back).
+  `test_forced_switch.py` checks these decisions over a table of states, with the correction at both clamps.
 """
 
 from __future__ import annotations
@@ -27,23 +41,25 @@ from collections.abc import Sequence
 
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, model_label
 
-DUET_SLO_MS = 1e-9
+DUET_SLO_MS = 20.0  # duet's ITL SLO: within it every split, far beyond it every fused step (above)
 BATCHES = [1, 8, 16]
 CONTEXTS = [256, 1024]
 ALONE_MS = 1.0
 BESIDE_MS = 2.0
+WHOLE_PREFILL_RATE = 1.0  # overallocated's prefill tokens/s: what makes every fused step far too slow for duet
 
 
 def prefill_rate(c: Configuration, num_units: int) -> float:
-    """Tokens/s the forcing profile gives prefill under `c`: overallocated the least, then more the more
-    units prefill holds (so the split with the fewest decode units is the manager's target)."""
-    return 1e3 if c.name == OVERALLOCATED else 1e3 * (2 + c.prefill_units / num_units)
+    """Tokens/s the forcing profile gives prefill under `c`: overallocated the least (WHOLE_PREFILL_RATE), then
+    more the more units prefill holds (so the split with the fewest decode units is the manager's target)."""
+    return WHOLE_PREFILL_RATE if c.name == OVERALLOCATED else 1e3 * (2 + c.prefill_units / num_units)
 
 
 def forcing_profile(gpu: str, model: str, configs: Sequence[Configuration], num_units: int,
                     prefill_tokens: int) -> Profile:
     """A valid profile for `gpu` and `model` over `configs` (the device's own: `plan_configurations` of its
-    granularity) under which the rapid manager's choice depends only on whether prefill has work."""
+    granularity) under which the rapid manager's choice depends only on whether prefill has work, and duet's
+    (at `DUET_SLO_MS`) on whether decode runs beside pending prompts (module docstring)."""
     entries = [Entry(c.name, b, x, ALONE_MS, ALONE_MS, BESIDE_MS, BESIDE_MS, prefill_rate(c, num_units))
                for c in configs for b in BATCHES for x in CONTEXTS]
     return Profile(gpu=gpu, model=model_label(model), num_compute_units=num_units, configurations=list(configs),

@@ -447,8 +447,11 @@ def test_serve_passes_the_flag_and_the_cache_dir(flags: list[str], auto: bool, t
     with mock.patch("rapidserve.partition.autoprofile.with_auto_profile", side_effect=fake), \
             mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", MODEL, "--device", "cpu", *flags]) == 0
+        assert seen == {}  # not before the port is bound: `build` auto-profiles, on `run`'s thread
+        _, build, _ = run_.call_args.args
+        cfg, _ = build()
     assert seen == {"auto": auto, "cache_dir": tmp_path / "rapidserve" / "profiles"}
-    assert run_.called
+    assert cfg.partition.profile is None
 
 
 def test_serve_on_cpu_starts_nothing_and_keeps_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -460,7 +463,8 @@ def test_serve_on_cpu_starts_nothing_and_keeps_the_config(monkeypatch: pytest.Mo
     monkeypatch.setattr(ap, "run_child", no_measure)
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", MODEL, "--device", "cpu"]) == 0
-    assert run_.call_args.args[0].partition.profile is None and not any(tmp_path.iterdir())
+    _, build, _ = run_.call_args.args  # run(scfg, build, model): built (and auto-profiled) once the port is bound
+    assert build()[0].partition.profile is None and not any(tmp_path.iterdir())
 
 
 def test_profile_command_has_no_auto_profile_flag(capsys: pytest.CaptureFixture[str]) -> None:

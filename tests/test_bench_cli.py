@@ -111,15 +111,30 @@ def smol() -> Iterator[Srv]:
 
 def test_bench_sweep_against_a_real_server(smol: Srv, tmp_path) -> None:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
+    own, vllm = tmp_path / "own", tmp_path / "vllm"
     r = bench("--base-url", smol.url, "--input-len", "32", "--output-len", "8", "--request-rate", "8,inf",
               "--num-prompts", "6", "--seed", "1", "--goodput", "ttft:20000", "itl:10000", "--label", "smol",
-              "--out-dir", str(tmp_path), "--name", "e2e", "--warmup", "1")
+              "--out-dir", str(own), "--name", "e2e", "--warmup", "1", "--save-result", "--result-dir", str(vllm))
     assert r.returncode == 0, r.stderr[-3000:]
     assert time.monotonic() - t0 < 90
-    files = {p.name for p in tmp_path.iterdir()}
+    files = {p.name for p in own.iterdir()}
     assert files == {"e2e.json", "e2e.md", "e2e.png"}
-    assert (tmp_path / "e2e.png").read_bytes()[:8] == PNG_MAGIC
-    res = json.loads((tmp_path / "e2e.json").read_text())
+    assert (own / "e2e.png").read_bytes()[:8] == PNG_MAGIC
+    res = json.loads((own / "e2e.json").read_text())
+    # what vllm bench serve prints and saves: a bar per run, its table per run, its JSON per run
+    assert r.stdout.count("============ Serving Benchmark Result ============") == 2
+    assert "Successful requests:                     6" in r.stdout and "Total generated tokens:                  48" \
+        in r.stdout
+    assert "warm-up: 100%" in r.stderr and "rate 8: 100%" in r.stderr and "rate inf: 100%" in r.stderr
+    saved = {json.loads(p.read_text())["request_rate"]: json.loads(p.read_text()) for p in vllm.iterdir()}
+    assert set(saved) == {8.0, "inf"} and len(list(vllm.iterdir())) == 2
+    for run in res["runs"]:
+        v, s = saved[run["rate"]], run["summary"]
+        assert (v["completed"], v["failed"], v["total_output_tokens"], v["model_id"]) == (6, 0, 48,
+                                                                                        "SmolLM2-135M-Instruct")
+        assert v["request_throughput"] == pytest.approx(s["request_throughput"])
+        assert v["mean_ttft_ms"] == pytest.approx(s["ttft_ms"]["mean"], abs=0.01)  # the same records, rounded to 1 us
+        assert v["p99_itl_ms"] == pytest.approx(s["itl_ms"]["p99"], abs=0.01) and v["request_goodput"] > 0
     assert res["label"] == "smol" and res["model"] == "SmolLM2-135M-Instruct"
     assert res["workload"]["max_model_len"] == 1024  # from /v1/models
     assert [run["rate"] for run in res["runs"]] == [8.0, "inf"]
@@ -138,7 +153,7 @@ def test_bench_sweep_against_a_real_server(smol: Srv, tmp_path) -> None:  # type
             assert q["success"] and q["prompt_tokens"] == 32 and q["output_tokens"] == 8  # ignore_eos honoured
             assert len(q["itl_s"]) == 7 and q["ttft_s"] > 0 and q["e2e_s"] >= q["ttft_s"]
             assert q["start_s"] >= q["scheduled_s"] >= 0
-    md = (tmp_path / "e2e.md").read_text()
+    md = (own / "e2e.md").read_text()
     assert "| 8 | 6 | 0 |" in md and "| inf | 6 | 0 |" in md and "| inf | ITL |" in md
 
 

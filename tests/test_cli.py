@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -19,13 +20,18 @@ def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """`rapidserve ARGS` in this process (a process each only repeats `sys.exit(main())`, which
     test_generate_chat_with_default_model and the other files' CLI tests run): it must exit 2 with a
     message, and no exception may escape it (a traceback); its stderr. A missed check fails at once
-    instead of serving forever: here `serve` cannot reach the server."""
+    instead of serving forever: here `serve` cannot reach the server (its `run` builds the config tree,
+    as the real one does once the port is bound, then fails the test)."""
     from unittest import mock
 
     from rapidserve.cli import main
 
+    def run(scfg: object, build: Any, model: object) -> int:
+        build()
+        raise AssertionError("serve got past its checks")
+
     capsys.readouterr()
-    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("serve got past its checks")):
+    with mock.patch("rapidserve.server.serve.run", side_effect=run):
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse's usage errors
@@ -108,7 +114,7 @@ def test_serve_takes_the_env_override_into_the_config(value: str | None, allowed
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--mode", "hybrid", "-tp", "2",
                      "--max-model-len", "1024"]) == 0
-    ecfg = run_.call_args.args[0]
+    ecfg, _ = run_.call_args.args[1]()  # `build`, which `run` calls once the port is bound
     assert ecfg.max_model_len == 1024 and ecfg.scheduler.allow_long_max_model_len is allowed
     assert ecfg.parallel.tensor_parallel_size == 2 and ecfg.launch.mode == "hybrid"
 

@@ -15,6 +15,8 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.shape import Split
+from rapidserve.partition.step_policies import AlwaysSplit
 from tests.decode_sched_fakes import make, new
 from tests.test_partition_manager import QWEN3
 from tests.test_partition_runtime import adaptive_plan
@@ -64,11 +66,15 @@ class Cfg:
 
 
 def worker(inbox: list[list[Any]], partition: DecodePartition) -> DecodeWorker:
+    """A decode worker of rapid mode (`AlwaysSplit`: today's partition manager), in a split step."""
     w = object.__new__(DecodeWorker)
     w.cfg = Cfg(partition.pcfg)  # type: ignore[assignment]
     w.io = IO(deque(inbox))  # type: ignore[assignment]
     w.sched, w.partition, w.grammar = make(), partition, Grammar()  # type: ignore[assignment]
     w._out, w._stop = [], False
+    w.policy, w.has_prefill, w.reads_queue = AlwaysSplit(partition, 8192, w._rapid_inputs), True, True
+    w.config = w.fused_config = partition.current
+    w.shape, w.step_tokens = Split(partition.current, 8192), 8192
     return w
 
 
@@ -121,7 +127,7 @@ class Backend:
     (100, []),  # a short prompt: the whole GPU beside it keeps the SLO; nothing to tell prefill
     (5000, ["split16"]),  # longer than the profile's forward: the profile's figure, 53.7 ms > 45: split at once
 ])
-def test_repartition_tells_the_policy_the_pending_work(prompt: int, sent: list[str]) -> None:
+def test_the_step_boundary_tells_the_policy_the_pending_work(prompt: int, sent: list[str]) -> None:
     """The step boundary hands the rapid policy the scheduler's count of pending prompt tokens and its longest
     prompt (DecodeWorker._pending_work), and a switch reaches prefill as a SetPartition."""
     part = DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3), prefill_budget=8192)
@@ -131,6 +137,6 @@ def test_repartition_tells_the_policy_the_pending_work(prompt: int, sent: list[s
     w.sched.admit()
     w.sched.prefill_done(first_token("r0"))  # r0 runs
     w.sched.add(new(1, n=prompt))
-    w.repartition()
-    assert [msg.config for msg in w.io.to_prefill.sent] == sent
+    w.begin_step()  # the step boundary: the policy's shape (split, on the manager's configuration), then admission
+    assert [msg.config for msg in w.io.to_prefill.sent if isinstance(msg, m.SetPartition)] == sent
     assert part.current == (sent[-1] if sent else "overallocated")

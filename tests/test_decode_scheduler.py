@@ -128,10 +128,10 @@ def hold_aborted_in_flight(s: DecodeScheduler) -> Callable[[], object]:
 
 
 def hold_ended_in_flight(s: DecodeScheduler) -> Callable[[], object]:
-    start(s, new(0, 3, params(max_tokens=2)))
+    start(s, new(0, 3, params(stop_token_ids=[STOP])))
     b0 = launch(s)
     b1 = launch(s, quiet=False)
-    assert land(s, b0)[0].finish_reason == "length"  # ended by its token; b1 still writes its blocks
+    assert land(s, b0, STOP)[0].finish_reason == "stop"  # ended by its token; b1 still writes its blocks
     return lambda: land(s, b1)
 
 
@@ -387,14 +387,30 @@ def test_record_applies_stops(name: str, p: SamplingParams, n: int, cap: int | N
 
 def test_a_stop_with_the_next_step_in_flight_drops_that_steps_token() -> None:
     s = make(num_blocks=8)
-    start(s, new(0, 4, params(max_tokens=2)), new(1, 4))
+    start(s, new(0, 4, params(stop_token_ids=[STOP])), new(1, 4))
     b0 = launch(s)
     b1 = launch(s, quiet=False)
-    out0 = land(s, b0)
-    assert [(t.req_id, t.index, t.finish_reason) for t in out0] == [("r0", 1, "length"), ("r1", 1, None)]
+    out0 = land(s, b0, [STOP, TOK])
+    assert [(t.req_id, t.index, t.finish_reason) for t in out0] == [("r0", 1, "stop"), ("r1", 1, None)]
     assert s.reqs["r0"].state == "done" and s.blocks.has("r0") and ids(s.running) == ["r1"]
     out1 = land(s, b1)
     assert [(t.req_id, t.index) for t in out1] == [("r1", 2)] and "r0" not in s.reqs and not s.finished
+
+
+@pytest.mark.parametrize("cap", [None, 6], ids=["max_tokens", "the context cap"])
+def test_a_token_in_flight_that_must_end_its_request_gets_no_further_step(cap: int | None) -> None:
+    """The length rule (sequence.reaches_length) holds whatever the token: the next batch leaves the request
+    out (no row, no block grown for it), and its blocks go back as soon as that token is recorded."""
+    s = make(num_blocks=8, cap=cap)
+    start(s, new(0, 4, params(max_tokens=2 if cap is None else 100)), new(1, 2))
+    b0 = launch(s)
+    grown = table(s, "r0")
+    b1 = launch(s, quiet=False)
+    assert ids(b1) == ["r1"] and table(s, "r0") == grown
+    out0 = land(s, b0)
+    assert [(t.req_id, t.index, t.finish_reason) for t in out0] == [("r0", 1, "length"), ("r1", 1, None)]
+    assert "r0" not in s.reqs and not s.blocks.has("r0") and not s.finished
+    assert [(t.req_id, t.index) for t in land(s, b1)] == [("r1", 2)]
 
 
 # ---- 5. prefill answers --------------------------------------------------------------------------
@@ -501,10 +517,10 @@ def scene_in_flight() -> Scene:
 
 def scene_ended_in_flight() -> Scene:
     s = make()
-    start(s, new(9), new(0, p=params(max_tokens=2)))
+    start(s, new(9), new(0, p=params(stop_token_ids=[STOP])))
     b0 = launch(s)
     b1 = launch(s, quiet=False)
-    assert [t.finish_reason for t in land(s, b0)] == [None, "length"]
+    assert [t.finish_reason for t in land(s, b0, [TOK, STOP])] == [None, "stop"]
     return Scene(s, inflight=b1)
 
 
@@ -628,14 +644,14 @@ def test_fail_ends_the_failed_rows(name: str, scene: Callable[[], Scene], finish
 def test_fail_batch_ends_every_running_request_and_frees_the_ended_ones() -> None:
     s = make(max_seqs=5)
     for i in range(6):
-        s.add(new(i, 5, params(max_tokens=2) if i == 2 else None))
+        s.add(new(i, 5, params(stop_token_ids=[STOP]) if i == 2 else None))
     kvs = admit(s)  # r0..r4; r5 waits for a seat
     assert ids(kvs) == ["r0", "r1", "r2", "r3", "r4"]
     for kv in kvs[:3]:
         answer(s, kv)
     b0 = launch(s)
     b1 = launch(s, quiet=False)
-    assert [t.finish_reason for t in land(s, b0)] == [None, None, "length"]  # r2 ended; b1 writes its blocks
+    assert [t.finish_reason for t in land(s, b0, [TOK, TOK, STOP])] == [None, None, "stop"]  # b1 writes r2's blocks
     answer(s, kvs[3])  # r3 runs, not in the step in flight
     s.fail_batch(b1, "device fault")
     check(s)

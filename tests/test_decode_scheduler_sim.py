@@ -200,7 +200,7 @@ class Sim:
         live = list(self.s.reqs)
         rid = self.rng.choice(live if live and self.rng.random() < 0.7 else list(self.seen))
         r = self.s.reqs.get(rid)
-        self.counts["abort " + ("gone" if r is None else f"{r.state}{'+' if r.inflight or r.aborting else ''}")] += 1
+        self.counts["abort " + ("gone" if r is None else f"{r.state}{'+' if r.writing or r.aborting else ''}")] += 1
         self.seen[rid].aborted = True
         for kv in [kv for kv in self.prefill if kv.req_id == rid]:  # prefill may have written part of it
             for pos in range(kv.cached_tokens, self.rng.randint(kv.cached_tokens, self.s.reqs[rid].num_tokens)):

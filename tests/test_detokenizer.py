@@ -27,8 +27,8 @@ CHAT = [{"role": "user", "content": "Say something."}]
 
 
 def run(tok: Tokenizer, ids: Sequence[int], prompt: Sequence[int] = (), stop: tuple[str, ...] = (),
-        skip: bool = True) -> tuple[IncrementalDetokenizer, list[str], str]:
-    d = IncrementalDetokenizer(tok, list(prompt), skip, stop)
+        skip: bool = True, include_stop: bool = False) -> tuple[IncrementalDetokenizer, list[str], str]:
+    d = IncrementalDetokenizer(tok, list(prompt), skip, stop, include_stop)
     deltas = [d.add(i) for i in ids]
     return d, deltas, d.flush()
 
@@ -163,6 +163,24 @@ def test_stop_with_prompt_context_and_flush_checks_stops(tok: Tokenizer) -> None
     text = "Sure! Here it is.\nEND"
     d, deltas, tail = run(tok, tok.encode(text, add_special_tokens=False), prompt, stop=("\nEND",))
     assert "".join(deltas) + tail == "Sure! Here it is." and d.stopped
+
+
+def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tok: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output: the text ends just after the stop string; text that may start one
+    is released at once (nothing is held back), and a stop string straddling earlier deltas still matches."""
+    d = IncrementalDetokenizer(tok, [], True, ("abc",), include_stop=True)
+    assert [d.add(i) for i in char_ids(tok, "xabdyabcz")] == ["x", "a", "b", "d", "y", "a", "b", "c", ""]
+    assert d.stopped and d.stop_str == "abc" and d.text == "xabdyabc" and d.flush() == ""
+    text = "The quick brown fox jumps over the lazy dog"
+    d, deltas, tail = run(tok, tok.encode(text, add_special_tokens=False), stop=("own fox j", "zzz"),
+                          include_stop=True)
+    assert "".join(deltas) == "The quick brown fox j" and tail == "" and d.stop_str == "own fox j"
+    # the earliest match wins, and text after it in the same delta is dropped
+    d = IncrementalDetokenizer(tok, [], True, ("world", "o w"), include_stop=True)
+    assert d.add_many(tok.encode("hello world, hello", add_special_tokens=False)) == "hello w"
+    # never matched: everything, as without stop strings
+    d, deltas, tail = run(tok, tok.encode("one two", add_special_tokens=False), stop=("three",), include_stop=True)
+    assert "".join(deltas) + tail == "one two" and not d.stopped
 
 
 # ---------------------------------------------------------------- per-token strings

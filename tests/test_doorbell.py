@@ -237,9 +237,10 @@ def test_wake_latency_across_processes(bell: Doorbell, make_ring: MakeRing) -> N
         deadline = time.monotonic() + 60
         while len(latencies) < count:
             assert time.monotonic() < deadline, f"only {len(latencies)} of {count} messages came"
-            if not wait_any(rings, bell, 2.0):
+            patience = 2.0 if latencies else 30.0  # the first waits out the spawned child's imports
+            if not wait_any(rings, bell, patience):
                 assert proc.is_alive(), f"writer died after {len(latencies)} messages"
-                pytest.fail(f"no wake-up within 2 s after {len(latencies)} messages")
+                pytest.fail(f"no wake-up within {patience:.0f} s after {len(latencies)} messages")
             woke = time.monotonic_ns()
             for k, ring in enumerate(rings):
                 for msg in ring.drain():

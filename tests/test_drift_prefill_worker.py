@@ -25,7 +25,7 @@ from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
 from rapidserve.runner import ModelRunner
 from rapidserve.runner.prefill_task import PrefillTask
-from rapidserve.sampling_params import SamplingParams
+from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.test_partition_manager import h100_profile
 from tests.test_worker_faults import POISON, FakeIO
 
@@ -227,6 +227,29 @@ def test_a_failing_batch_is_isolated_per_request(setup: tuple[Any, ModelRunner],
     assert [d.req_id for d in io.of("p2d", m.PrefillDone)] == ["good", "a", "b"] and not w.waiting_prefill
 
 
+
+def test_a_constraint_that_cannot_compile_fails_alone_as_its_own_fault(setup: tuple[Any, ModelRunner]) -> None:
+    """Structured outputs in the drift prefill worker: a constraint its grammar book cannot compile (this
+    preset has no tokenizer: the compile fails, off the loop) fails that request alone, PrefillFailed with
+    the constraint's fault (never a first token sampled unconstrained); the request beside it is served."""
+    import time
+
+    cfg, runner = setup
+    io = FakeIO()
+    w = drift_worker(cfg, runner, io, Clock(10.0))
+    constrained = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    w.handle(kv("bad", SHORT, [20], 9.9, constrained))
+    w.handle(kv("good", OTHER, list(range(21, 31)), 9.9))
+    deadline = time.monotonic() + 60
+    while w.waiting_prefill or w.running is not None:
+        assert time.monotonic() < deadline, "still prefilling"
+        w.tick()
+    assert [d.req_id for d in io.of("p2d", m.PrefillDone)] == ["good"]
+    failed = io.of("p2d", m.PrefillFailed)
+    assert [(f.req_id, f.fault) for f in failed] == [("bad", m.STRUCTURED_FAULT)]
+    assert "regex constraint" in failed[0].message and "tokenizer" in failed[0].message, failed[0].message
+    assert len(w.grammar) == 0
+
 # ---- decode decides the partition, prefill sizes its blocks to decode's step -------------------------
 class _Splits(PartitionBackend):
     """The profile's configurations with CPU "streams" (None: the current one), for both roles."""
@@ -248,9 +271,8 @@ def _serve(dec: DecodeWorker, pre: PrefillWorker, io: FakeIO, prompts: dict[str,
         for rid, toks in waves[i // 2].items() if i in (0, 2) else ():
             dec.handle(m.NewRequest(rid, toks, GREEDY, 9.9))
         io.seat = "decode"
-        dec.repartition()
-        dec.admit()
-        if dec.sched.running or dec.inflight is not None:
+        dec.begin_step()  # the step's shape (split, on the configuration decode picks), then admission
+        if dec.sched.running or dec.inflight:
             dec.step()
         dec.publish()
         io.seat = "prefill"

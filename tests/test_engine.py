@@ -53,10 +53,14 @@ async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Samp
 
 
 async def wait_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    """Until a Stats sent after this call shows every block free and nothing running: Stats come every
+    stats_interval_s, so the one at hand when the caller's requests ended may predate them (a short round),
+    and the counters read after this call (switches, preemptions) are then a round behind."""
+    stale = engine.stats
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s = engine.stats
-        if s is not None and s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 \
+        if s is not None and s is not stale and s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 \
                 and s.num_prefilling == 0 and s.num_waiting == 0:
             return
         await asyncio.sleep(0.05)

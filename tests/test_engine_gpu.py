@@ -6,8 +6,9 @@
   switches stream between the chunks of one prompt). The switches are forced, not left to this GPU's
   timings (tests/forced_switch.py says how; tests/test_forced_switch.py checks the decisions on CPU): the
   rapid policy reads a profile written here for this GPU, under which prefill work alone decides the
-  configuration, and a holder request decodes while the prompts are sent, so decode runs beside prefill
-  work (duet's condition for a split, with an SLO no step can meet);
+  configuration; duet reads the same profile with an SLO that every split meets and no fused step does, and a
+  chain of holder requests keeps decode running from before the prompts are sent until after they finished, so
+  they reach decode beside a running decode (duet's condition for a split);
 - kill -9 of the decode worker, then of the prefill worker, with requests in flight: each request
   ends with EngineError within 2 s, the engine restarts and serves the next request correctly.
 
@@ -43,8 +44,10 @@ NEW = 16
 LENGTHS = [5, 150, 12, 70, 33, 90, 8, 41]
 GRAPH_SIZES = (1, 2, 4, 8, 16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-# the holder: decodes from before the prompts are sent until after they all finished (aborted then)
+# the holders: a chain of long greedy requests that keeps decode running from before the prompts are sent until
+# after they all finished (`hold_decode`); the tiny preset's context bounds each one, not how long the prompts take
 HOLD = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 200, ignore_eos=True)
+HANDOVER = HOLD.max_tokens // 2  # the next holder starts when the current one has this many tokens
 DECODE_SHARES = (0.25, 0.5)
 
 
@@ -87,9 +90,9 @@ def forced_profile(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def engine_config(partition: str, profile: str | None = None) -> EngineConfig:
-    """`adaptive` runs --policy rapid on `profile`; `adaptive-duet` --policy duet (its roofline; the profile
-    only names the configurations) with an SLO no step meets (`DUET_SLO_MS`, a picosecond: the roofline
-    predicts this tiny model's shared step at ~0.4 us on an H100), so prefill beside decode splits."""
+    """`adaptive` runs --policy rapid on `profile`; `adaptive-duet` --policy duet on the same profile (its costs:
+    `ProfileCosts`) with `DUET_SLO_MS`, which every split meets and no fused step does (tests/forced_switch.py),
+    so prompts pending beside a running decode split, and decode alone takes the whole GPU back."""
     cfg, _ = build_engine_config(MODEL, device="cuda", dtype="float32", num_kv_blocks=KV_BLOCKS, max_model_len=MAX_LEN,
                                  max_num_batched_tokens=BUDGET)
     policy = dict(policy="duet", slo_itl_ms=DUET_SLO_MS) if partition == "adaptive-duet" else dict(policy="rapid")
@@ -115,6 +118,44 @@ async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Samp
     return toks
 
 
+class Holders:
+    """The chain of holders of one round (`hold_decode`): their tasks and the tokens each has streamed."""
+
+    def __init__(self, round_: int) -> None:
+        self.round = round_
+        self.tasks: list[asyncio.Task[list[int]]] = []
+        self.prompts_done = asyncio.Event()
+
+    def rid(self, i: int) -> str:
+        return f"hold{self.round}-{i}"
+
+
+async def hold_decode(engine: AsyncEngine, prompt: list[int], h: Holders, decoding: asyncio.Event) -> None:
+    """Keep a holder decoding until `h.prompts_done`: start one, and start the next whenever the newest has
+    HANDOVER tokens (half its max_tokens), so a successor is already admitted while its predecessor has half its
+    tokens to go. `decoding` is set at the first holder's first token (it came from decode: decode runs). Since a
+    holder cannot end before HANDOVER tokens and one is started at that point, an unfinished holder exists at
+    every moment, whatever the GPU's speed; the caller aborts the unfinished ones once the prompts are done."""
+    while not h.prompts_done.is_set():
+        toks: list[int] = []
+        half = asyncio.Event()
+
+        async def run(rid: str, toks: list[int] = toks, half: asyncio.Event = half) -> list[int]:
+            async for t in engine.generate(rid, prompt, HOLD):
+                assert t.index == len(toks)
+                toks.append(t.token_id)
+                decoding.set()
+                if len(toks) >= HANDOVER:
+                    half.set()
+            half.set()  # ended (aborted) before HANDOVER tokens: the loop sees prompts_done
+            return toks
+
+        h.tasks.append(asyncio.create_task(run(h.rid(len(h.tasks)))))
+        halfway = asyncio.create_task(half.wait())
+        done = asyncio.create_task(h.prompts_done.wait())
+        await asyncio.wait({halfway, done}, return_when=asyncio.FIRST_COMPLETED)
+        halfway.cancel()
+        done.cancel()
 
 
 def assert_green_split(engine: AsyncEngine) -> str:
@@ -139,19 +180,27 @@ def test_engine_on_gpu_with_green_partitions_matches_llm(
                 assert Path(forced_profile).name in engine.workers.ready["decode"].info["partition"]  # type: ignore[union-attr]
             # twice: the second round runs on warm workers, with the partition left by the first
             for round_ in range(2):
-                decoding = asyncio.Event()
-                holder = asyncio.create_task(collect(engine, f"hold{round_}", prompts[0], HOLD, decoding))
-                await asyncio.wait_for(decoding.wait(), 60)  # its first token came from decode: it decodes
+                h, decoding = Holders(round_), asyncio.Event()
+                chain = asyncio.create_task(hold_decode(engine, prompts[0], h, decoding))
+                await asyncio.wait_for(decoding.wait(), 60)  # the first holder's first token came from decode
                 got = await asyncio.gather(*(collect(engine, f"r{round_}-{i}", p, GREEDY)
                                              for i, p in enumerate(prompts)))
-                # the forcing's premise: decode ran throughout, so each prompt reached it beside a running decode
-                assert not holder.done(), "the holder ended before the prompts did: raise HOLD's max_tokens"
-                await engine.abort(f"hold{round_}")
-                held = await holder
+                h.prompts_done.set()
+                await chain
+                # the forcing's premise: a holder ran throughout, so each prompt reached decode beside a running one
+                assert any(not t.done() for t in h.tasks), "every holder ended before the prompts did"
+                for i, t in enumerate(h.tasks):
+                    if not t.done():
+                        await engine.abort(h.rid(i))
+                held = [await t for t in h.tasks]
                 for i, (g, w) in enumerate(zip(got, want, strict=True)):
                     assert g == w, f"round {round_}, request {i} ({len(prompts[i])} prompt tokens) diverged"
-                assert len(held) > NEW and held[:NEW] == want[0], f"round {round_}: the holder diverged"
-                await wait_blocks_free(engine)
+                # the first holder decoded beside every prompt's 15 decode steps after its own first token: >= NEW
+                assert len(held[0]) >= NEW and held[0][:NEW] == want[0], f"round {round_}: the first holder diverged"
+                for i, toks in enumerate(held):  # each holder's first NEW tokens: the reference's (fewer if aborted)
+                    assert toks[:NEW] == want[0][:len(toks)], f"round {round_}: holder {i} diverged"
+                    assert i == len(held) - 1 or len(toks) >= HANDOVER, (i, len(toks))  # it handed over, then ended
+                await wait_blocks_free(engine)  # a Stats sent after the round (it may be shorter than their interval)
                 assert engine.stats is not None
                 if partition.startswith("adaptive"):  # each round: into a split for prefill, and back
                     assert engine.stats.partition_switches >= 2 * (round_ + 1), engine.stats

@@ -1,8 +1,9 @@
 """The forcing behind tests/test_engine_gpu.py's adaptive runs (tests/forced_switch.py), checked on CPU: the
 rapid manager on the forcing profile switches exactly on whether prefill has work, for any batch, context and
-pending work, on every GPU shape; duet with the test's SLO splits whenever decode runs beside prefill work,
-at any GPU speed; and the GPU test's request sequence (a holder, then eight prompts, twice) switches at least
-twice a round under both."""
+pending work, on every GPU shape; duet (DuetPolicy on the profile's costs) with the test's SLO splits whenever
+decode runs beside pending prompts and takes the whole GPU back when nothing is pending, at any GPU speed and
+with its online correction at either clamp; and the GPU test's request sequence (a holder, then eight prompts,
+twice) switches at least twice a round under both."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from rapidserve.config import PartitionConfig
+from rapidserve.config import EngineConfig, PartitionConfig, SchedulerConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import Granularity, check_configurations, cu_granularity, plan_configurations
-from rapidserve.partition.manager import decide, make_state
+from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction
+from rapidserve.partition.manager import ManagerState, decide, make_state
+from rapidserve.partition.policies import AdaptiveParams, DuetPolicy, decide_adaptive
 from rapidserve.partition.policy import PendingWork, WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, load_profile, model_label, save_profile, validate_profile
 from rapidserve.partition.roofline import Peaks
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, StepTiming
+from rapidserve.partition.step_costs import ProfileCosts
+from rapidserve.partition.step_policies import make_step_policy
 from tests.forced_switch import DUET_SLO_MS, forcing_profile, split_for_prefill
 
 MODEL = "preset:tiny-llama"
@@ -75,14 +81,6 @@ def rapid_partition(g: Granularity) -> DecodePartition:
                            BUDGET)
 
 
-def duet_partition(g: Granularity, peaks: Peaks) -> DecodePartition:
-    configs = plan_configurations(g, SHARES)
-    prof = forcing_profile("NVIDIA H200", MODEL, configs, g.total, BUDGET)
-    plan = PartitionPlan("cuda-green", configs, prof, "forcing profile", peaks)
-    pcfg = PartitionConfig(policy="duet", slo_itl_ms=DUET_SLO_MS, hysteresis_steps=0, decode_shares=SHARES)
-    return DecodePartition(pcfg, plan, preset_config("tiny-llama"), BUDGET)
-
-
 LENGTHS = [5, 150, 12, 70, 33, 90, 8, 41]  # the GPU test's prompts
 
 
@@ -107,24 +105,133 @@ def test_the_gpu_tests_round_switches_under_rapid() -> None:
 
 
 H100 = Peaks(matmul_flops=794e12, hbm_bw=2.98e12, num_compute_units=132)
+SPEEDS = [1, 10, 1000]  # GPUs 1x, 10x and 1000x an H100 (the peaks the plan measured at start-up)
+LO, HI = DEFAULT_CORRECTION.lo, DEFAULT_CORRECTION.hi
+CORRECTIONS = [  # the online correction's ratios (fused, split, decode) at both clamps, and the worst mixes
+    Correction(), Correction(LO, LO, LO), Correction(HI, HI, HI), Correction(LO, HI, HI), Correction(HI, LO, LO)]
+LIMIT = AdaptiveParams().margin * DUET_SLO_MS
 
 
-@pytest.mark.parametrize("speedup", [1, 10, 1000])
-def test_the_gpu_tests_round_splits_under_duet_at_any_speed(speedup: float) -> None:
-    """With the holder decoding, the eight waiting or prefilling make decode's next boundary a split (the
-    roofline's shared step is far above the SLO even on a GPU 1000x an H100), and decode alone takes the
-    whole GPU back; with no decode running nothing is split."""
-    peaks = Peaks(matmul_flops=H100.matmul_flops * speedup, hbm_bw=H100.hbm_bw * speedup, num_compute_units=132)
-    dp = duet_partition(DEVICES["NVIDIA H200"], peaks)
-    waiting = tuple(WaitingPrefill(f"r{i}", 0.0, n) for i, n in enumerate(LENGTHS))
+def duet_policy(gpu: str, speedup: float, interpolate: bool = False) -> DuetPolicy:
+    """The policy the decode worker runs for test_engine_gpu's `adaptive-duet` (`make_step_policy` on the plan
+    `resolve_plan` makes of the forcing profile given as --profile, with peaks measured on a GPU `speedup` x an
+    H100): DuetPolicy on the profile's costs, whatever the peaks."""
+    g = DEVICES[gpu]
+    configs = plan_configurations(g, SHARES)
+    prof = forcing_profile(gpu, MODEL, configs, g.total, BUDGET)
+    peaks = Peaks(matmul_flops=H100.matmul_flops * speedup, hbm_bw=H100.hbm_bw * speedup, num_compute_units=g.total)
+    plan = PartitionPlan("cuda-green", configs, prof, "forcing profile", peaks)
+    pcfg = PartitionConfig(policy="duet", slo_itl_ms=DUET_SLO_MS, hysteresis_steps=0, decode_shares=SHARES,
+                           profile_lookup="interpolate" if interpolate else "round-up")
+    cfg = EngineConfig(MODEL, preset_config("tiny-llama"), partition=pcfg,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET))
+    policy = make_step_policy(cfg, plan)
+    assert isinstance(policy, DuetPolicy) and isinstance(policy.costs, ProfileCosts)
+    assert policy.params.hysteresis_steps == 0
+    return policy
+
+
+def shape_state(contexts: tuple[int, ...], waiting: tuple[WaitingPrefill, ...], busy: int,
+                current: StepShape) -> ShapeState:
+    return ShapeState(contexts, waiting, busy, current, DUET_SLO_MS, BUDGET)
+
+
+def is_split(policy: DuetPolicy, config: str) -> bool:
+    return any(c.name == config and c.decode_units > 0 for c in policy.costs.configurations)
+
+
+WAITING = {  # prompt work as decode's queue shows it: one token of a prefix-cached prompt ... far past the budget
+    "cached": (WaitingPrefill("c", 0.0, 1, prefix=149),),
+    "holder": (WaitingPrefill("h", 0.0, 5),),
+    "eight": tuple(WaitingPrefill(f"r{i}", 0.0, n) for i, n in enumerate([5, 150, 12, 70, 33, 90, 8, 41])),
+    "long": (WaitingPrefill("l", 0.0, 10_000),),
+}
+
+
+@pytest.mark.parametrize(("gpu", "speedup", "interpolate"),
+                         [(g, 1, i) for g in ("NVIDIA H200", "NVIDIA H100 PCIe", "AMD Instinct MI300X")
+                          for i in (False, True)] + [("NVIDIA H200", s, False) for s in SPEEDS[1:]])
+def test_duet_on_the_forcing_profile_splits_beside_decode_and_returns_to_the_whole_gpu(
+        gpu: str, speedup: float, interpolate: bool) -> None:
+    """The pure decision over a table of states, the correction at both clamps, from every configuration and
+    hysteresis memory: decode running + prompts pending -> a split meeting the SLO (no fused chunk fits, by
+    far); nothing pending, prefill worker idle -> decode alone on the whole GPU; nothing pending, prefill worker
+    busy -> decode stays on a split; no decode running, nothing with the prefill worker -> fused (no switch)."""
+    policy = duet_policy(gpu, speedup, interpolate)
+    costs, names = policy.costs, [c.name for c in policy.costs.configurations]
+    for current in names:
+        shapes = [DecodeAlone(current)] + ([Fused(BUDGET)] if current == OVERALLOCATED else [Split(current, BUDGET)])
+        memories = (None, ManagerState(current, 0), ManagerState(current, 99))
+        for shape, held in ((s, h) for s in shapes for h in memories):
+            for corr in CORRECTIONS:
+                for batch in (1, 9, 16, 256):
+                    for context in (6, 1024, 5000):
+                        contexts = (context,) * batch
+                        # the smallest fused step there is, one prompt token, breaks the SLO 50x or more
+                        assert costs.fused_ms(contexts, [(1, 149)]) * corr.fused > 50 * LIMIT
+                        for what, waiting in WAITING.items():
+                            for busy in (0, 150):
+                                d, _ = decide_adaptive(shape_state(contexts, waiting, busy, shape), costs, corr, held,
+                                                       policy.params)
+                                case = (current, shape, held, corr, batch, context, what, busy, d.reason)
+                                assert isinstance(d.shape, Split) and is_split(policy, d.shape.config), case
+                                assert d.meets_slo and d.predicted_ms is not None and d.predicted_ms <= LIMIT, case
+                        d, _ = decide_adaptive(shape_state(contexts, (), 0, shape), costs, corr, held, policy.params)
+                        assert d.shape == DecodeAlone(OVERALLOCATED), (current, shape, held, corr, batch, d.reason)
+                        d, _ = decide_adaptive(shape_state(contexts, (), 150, shape), costs, corr, held, policy.params)
+                        assert isinstance(d.shape, DecodeAlone) and is_split(policy, d.shape.config), d.reason
+                        if is_split(policy, current):  # the split kept for the batch it launched
+                            assert d.shape == DecodeAlone(current), d.reason
+                d, _ = decide_adaptive(shape_state((), (), 0, shape), costs, corr, held, policy.params)
+                assert d.shape == DecodeAlone(OVERALLOCATED), d.reason  # idle (after the abort): the whole GPU
+                for waiting in WAITING.values():
+                    d, _ = decide_adaptive(shape_state((), waiting, 0, shape), costs, corr, held, policy.params)
+                    assert d.shape == Fused(BUDGET), d.reason  # no decode running: fused, on the whole GPU
+
+
+def land(policy: DuetPolicy, shape: StepShape, batch: int, chunk: int, factor: float) -> None:
+    """The step just decided lands, taking `factor` x its prediction (or 1 ms where none)."""
+    assert policy.last is not None
+    predicted = policy.last.model_ms
+    policy.observe(StepTiming(shape, batch, chunk, predicted, factor * predicted if predicted else 1.0))
+
+
+@pytest.mark.parametrize("speedup", SPEEDS)
+@pytest.mark.parametrize("factor", [1e-3, 1.0, 1e3])  # the GPU is far faster / as fast / far slower than predicted
+def test_the_gpu_tests_round_switches_twice_under_duet(speedup: float, factor: float) -> None:
+    """test_engine_gpu's rounds as the decode worker's policy sees them, each step landing at `factor` x its
+    prediction (so the correction ratios run to a clamp): a holder is fused in while decode is idle and decodes
+    alone on the whole GPU; the eight arrive beside it -> a split (prompts to the prefill worker), kept while the
+    prefill worker holds prompts; all done -> decode alone on the whole GPU; the holder aborted: still there.
+    The second round's prompts are prefix-cached (one token each to compute). Two switches a round."""
+    policy = duet_policy("NVIDIA H200", speedup)
+    configs, switches = [OVERALLOCATED], 0
+
+    def step(contexts: tuple[int, ...], waiting: tuple[WaitingPrefill, ...], busy: int, chunk: int = 0,
+             repeat: int = 40) -> StepShape:
+        nonlocal switches
+        for _ in range(repeat):
+            shape = policy.decide(shape_state(contexts, waiting, busy, policy.last.shape if policy.last else
+                                              DecodeAlone(OVERALLOCATED)))
+            config = OVERALLOCATED if isinstance(shape, Fused) else shape.config
+            switches += config != configs[-1]
+            configs.append(config)
+            land(policy, shape, len(contexts), chunk if isinstance(shape, Fused) else 0, factor)
+        return shape
+
+    lengths = [5, 150, 12, 70, 33, 90, 8, 41]
     for round_ in range(2):
-        assert dp.advance_duet((), (WaitingPrefill("hold", 0.0, 5),)) is None  # idle: the holder alone
-        assert dp.current == OVERALLOCATED
-        s = dp.advance_duet((6,), waiting)
-        assert s is not None and s.old == OVERALLOCATED and s.new.startswith("split"), dp.last_duet
-        assert dp.last_duet is not None and dp.last_duet.predicted_step_ms > 100 * DUET_SLO_MS
-        for done in range(1, len(LENGTHS)):
-            assert dp.advance_duet((20,) * (1 + done), waiting[done:]) is None  # the holder + those done
-        s = dp.advance_duet((30,) * 9, ())  # all prefilled: decode alone
-        assert s is not None and s.new == OVERALLOCATED
-        assert dp.num_switches == 2 * (round_ + 1)
+        waiting = tuple(WaitingPrefill(f"r{round_}-{i}", 0.0, 1 if round_ else n, prefix=n - 1 if round_ else 0)
+                        for i, n in enumerate(lengths))
+        assert step((), (WaitingPrefill("hold", 0.0, 5),), 0, chunk=5, repeat=1) == Fused(BUDGET)
+        assert step((6,), (), 0) == DecodeAlone(OVERALLOCATED)
+        split = step((7,), waiting, 0, repeat=1)
+        assert isinstance(split, Split) and split.config != OVERALLOCATED, policy.last
+        for done in range(len(lengths)):  # the prefill worker holds some, the rest wait; the done ones decode
+            s = step((20,) * (1 + done), waiting[done + 1:], 64)
+            assert not isinstance(s, Fused) and s.config == split.config, s  # kept: Split, then DecodeAlone
+        assert step((30,) * 9, (), 0) == DecodeAlone(OVERALLOCATED)
+        assert step((), (), 0) == DecodeAlone(OVERALLOCATED)  # the last holder aborted
+        assert switches == 2 * (round_ + 1), configs
+    want = HI if factor > 1 else LO if factor < 1 else 1.0
+    assert policy.correction.split == pytest.approx(want) and policy.correction.decode == pytest.approx(want)

@@ -1,6 +1,6 @@
 """Requests whose grammar is still compiling sit out the steps that need their mask (CPU, no model):
 table tests of the pure decisions that take the set of held ids (`GrammarBook.compiling()`): the decode
-scheduler's batch, the hybrid scheduler's admission, and the prefill worker's batch."""
+scheduler's batch, its local admission in fused steps (hybrid mode), and the prefill worker's batch."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from rapidserve.block_manager import BlockManager, blocks_for
+from rapidserve.block_manager import blocks_for
 from rapidserve.engine import messages as m
 from rapidserve.engine.prefill_worker import Job, PrefillWorker
-from rapidserve.hybrid_scheduler import HybridScheduler
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import Sequence
 from tests.decode_sched_fakes import BS, check, ids, land, make, new, start
 
 
@@ -63,53 +61,51 @@ def test_decode_a_held_request_joins_once_ready() -> None:
     check(s)
 
 
-# ---- the hybrid scheduler: held waiting sequences are passed over at admission, keeping their place ---------------
-def seq(i: int, n: int) -> Sequence:
-    return Sequence(f"s{i}", list(range(1, n + 1)), SamplingParams(temperature=0.0, max_tokens=3), arrival=i)
-
-
-HYBRID = [
-    # name, num_blocks, max seqs, budget, prompt lengths, hold, admitted (prefill chunks), still waiting (in order)
-    ("nothing held: FCFS", 16, 8, 64, [4, 4, 4], "", "s0[0:4],s1[0:4],s2[0:4]", ""),
-    ("a held head is passed over, keeping its place", 16, 8, 64, [4, 4, 4], "s0", "s1[0:4],s2[0:4]", "s0"),
-    ("held in the middle", 16, 8, 64, [4, 4, 4], "s1", "s0[0:4],s2[0:4]", "s1"),
-    ("all held: nothing to do", 16, 8, 64, [4, 4], "s0,s1", "", "s0,s1"),
-    ("held ones take no seat", 16, 1, 64, [4, 4], "s0", "s1[0:4]", "s0"),
-    ("held ones take no budget: the next gets the chunk", 16, 8, 6, [8, 8], "s0", "s1[0:6]", "s0"),
-    ("among the ready, a head that does not fit still blocks the rest", 4, 8, 64, [4, 20, 4], "s0",
-     "", "s0,s1,s2"),
-    ("ids not waiting change nothing", 16, 8, 64, [4], "s9", "s0[0:4]", ""),
+# ---- fused steps (hybrid mode): held waiting requests are passed over at local admission, keeping their place -----
+FUSED = [
+    # name, num_blocks, max seqs, budget, prompt lengths, hold, admitted (prompt chunks), still waiting (in order)
+    ("nothing held: FCFS", 16, 8, 64, [4, 4, 4], "", "r0[0:4],r1[0:4],r2[0:4]", ""),
+    ("a held head is passed over, keeping its place", 16, 8, 64, [4, 4, 4], "r0", "r1[0:4],r2[0:4]", "r0"),
+    ("held in the middle", 16, 8, 64, [4, 4, 4], "r1", "r0[0:4],r2[0:4]", "r1"),
+    ("all held: nothing to do", 16, 8, 64, [4, 4], "r0,r1", "", "r0,r1"),
+    ("held ones take no seat", 16, 1, 64, [4, 4], "r0", "r1[0:4]", "r0"),
+    ("held ones take no budget: the next gets the chunk", 16, 8, 6, [8, 8], "r0", "r1[0:6]", "r0"),
+    ("among the ready, a head that does not fit still blocks the rest", 4, 8, 64, [4, 20, 4], "r0",
+     "", "r0,r1,r2"),
+    ("ids not waiting change nothing", 16, 8, 64, [4], "r9", "r0[0:4]", ""),
 ]
 
 
-@pytest.mark.parametrize("name,num_blocks,max_seqs,budget,prompts,hold,admitted,waiting", HYBRID,
-                         ids=[c[0] for c in HYBRID])
-def test_hybrid_admission_passes_over_held_sequences(name: str, num_blocks: int, max_seqs: int, budget: int,
-                                                     prompts: list[int], hold: str, admitted: str,
-                                                     waiting: str) -> None:
-    s = HybridScheduler(BlockManager(num_blocks, BS), max_seqs, budget)
+@pytest.mark.parametrize("name,num_blocks,max_seqs,budget,prompts,hold,admitted,waiting", FUSED,
+                         ids=[c[0] for c in FUSED])
+def test_fused_admission_passes_over_held_requests(name: str, num_blocks: int, max_seqs: int, budget: int,
+                                                   prompts: list[int], hold: str, admitted: str,
+                                                   waiting: str) -> None:
+    s = make(num_blocks=num_blocks, max_seqs=min(max_seqs, budget), watermark=0.01)
     for i, n in enumerate(prompts):
-        s.add(seq(i, n))
-    plan = s.schedule(hold=held(hold))
-    assert ",".join(f"{c.seq.seq_id}[{c.start}:{c.start + c.length}]" for c in plan.prefill) == admitted
-    assert ",".join(x.seq_id for x in s.waiting) == waiting
-    assert not plan.decode and not plan.preempted
-    s.blocks.check()
-    for x in s.waiting:
-        assert not s.blocks.has(x.seq_id)
+        s.add(new(i, n))
+    b = s.plan(budget, budget, quiet=True, hold=held(hold))
+    assert b is not None
+    check(s)
+    assert ",".join(f"{c.req.req_id}[{c.start}:{c.end}]" for c in b.chunks) == admitted
+    assert ",".join(ids(s.waiting)) == waiting
+    assert not b.decode and s.num_preemptions == 0
+    for r in s.waiting:
+        assert not s.blocks.has(r.req_id)
 
 
-def test_hybrid_a_held_sequence_is_admitted_once_ready() -> None:
-    s = HybridScheduler(BlockManager(16, BS), 8, 64)
-    s.add(seq(0, 4))
-    s.add(seq(1, 4))
-    plan = s.schedule(hold=held("s0"))
-    assert [c.seq.seq_id for c in plan.prefill] == ["s1"]
-    s.complete(plan)
-    plan.sampled[0].output_token_ids.append(7)
-    plan = s.schedule()  # s0's grammar is ready
-    assert [x.seq_id for x in plan.decode] == ["s1"] and [c.seq.seq_id for c in plan.prefill] == ["s0"]
-    assert [x.seq_id for x in s.running] == ["s1", "s0"]
+def test_fused_a_held_request_is_admitted_once_ready() -> None:
+    s = make(num_blocks=16)
+    s.add(new(0, 4))
+    s.add(new(1, 4))
+    b = s.plan(64, 64, quiet=True, hold=held("r0"))
+    assert b is not None and [c.req.req_id for c in b.chunks] == ["r1"]
+    s.launched(b)
+    s.record(b.sampled, [(7, None, None)])
+    b = s.plan(64, 64, quiet=True)  # r0's grammar is ready
+    assert b is not None and ids(b.decode) == ["r1"] and [c.req.req_id for c in b.chunks] == ["r0"]
+    s.launched(b)
+    assert ids(s.running) == ["r1", "r0"]
 
 
 # ---- the prefill worker's batch: held jobs are passed over, keeping their place ------------------------------------

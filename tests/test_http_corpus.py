@@ -199,7 +199,7 @@ def test_openapi_document(srv: Srv) -> None:
     assert {p: set(ops) for p, ops in paths.items()} == {
         "/v1/completions": {"post"}, "/v1/chat/completions": {"post"}, "/generate": {"post"},
         "/v1/models": {"get"}, "/health": {"get"}, "/metrics": {"get"}, "/openapi.json": {"get"},
-        "/tokenize": {"post"}, "/detokenize": {"post"}}
+        "/tokenize": {"post"}, "/detokenize": {"post"}, "/version": {"get"}, "/ping": {"get", "post"}}
     schemas = doc["components"]["schemas"]
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         op = paths[path]["post"]

@@ -16,6 +16,7 @@ from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig, LaunchConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.llm import build_engine_config
+from tests.test_engine import wait_blocks_free
 
 MODEL = "preset:tiny-llama"  # a tiny deterministic model: the test is about scheduling, not the weights
 NEW = 24
@@ -60,17 +61,6 @@ async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: Samp
     if params.logprobs:
         assert all(t.logprob is not None and len(t.top_logprobs or []) == params.logprobs for t in toks)
     return [t.token_id for t in toks]
-
-
-async def wait_blocks_free(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats
-        if s is not None and s.kv_blocks_free == s.kv_blocks_total and s.num_running == 0 \
-                and s.num_prefilling == 0 and s.num_waiting == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"KV blocks not all free: {engine.stats}")
 
 
 def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_fast_and_restarts(

@@ -38,8 +38,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    # Plus the policies' declarations and the flag check derived from them (`policy_spec`).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.policy_spec", "rapidserve.sampling_params",
+    # Plus the model's sampling defaults (`generation_config`), the --kv-events-config section (`kv_events_config`),
+    # the policies' declarations and the flag check derived from them (`policy_spec`), and the tree's sections from
+    # the settings with every check that needs no model (`engine_settings`).
+    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.kv_events_config",
+                "rapidserve.policy_spec", "rapidserve.engine_settings", "rapidserve.sampling_params",
                 "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
@@ -49,7 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
                   "rapidserve.kv_events", "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.hybrid_scheduler", "rapidserve.tokenizer",
+                  "rapidserve.scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
     # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode
     # graphs, sampling, tensor-parallel hooks; block-wise prefill tasks, piecewise prefill graphs, zero-copy
@@ -66,7 +69,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point.
-    ("cli", ("rapidserve.cli",)),
+    ("cli", ("rapidserve.cli", "rapidserve.cli_vllm")),
 )
 
 

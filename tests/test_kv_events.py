@@ -1,4 +1,5 @@
-"""--kv-events-config: vLLM-compatible KV events (rapidserve/kv_events.py, engine/kv_publisher.py).
+"""--kv-events-config: vLLM-compatible KV events (rapidserve/kv_events.py, engine/kv_publisher.py), published from
+the decode worker's one step loop in every mode (rapid with each policy, disagg, hybrid) and refused by `LLM`.
 
 The block hashes are checked against an implementation of vLLM's written here from its definition
 (vllm/v1/core/kv_cache_utils.py `hash_block_tokens` with the default `sha256` hash of vllm/utils/hashing.py:
@@ -21,8 +22,9 @@ from typing import Any
 import pytest
 
 from rapidserve.block_manager import BlockManager
-from rapidserve.config import ConfigError, KVEventsConfig, LaunchConfig
+from rapidserve.config import ConfigError, LaunchConfig, PartitionConfig
 from rapidserve.config_builder import build_engine_config, resolve_kv_events
+from rapidserve.engine_settings import engine_sections
 from rapidserve.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +34,7 @@ from rapidserve.kv_events import (
     pickle5,
     split_events,
 )
+from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
 from rapidserve.policy_spec import conflicts
 
 SEED = "1234"  # $PYTHONHASHSEED of the tests
@@ -204,9 +207,12 @@ def test_parse(text: str, want: dict[str, object]) -> None:
     ('{"enable_kv_cache_events": true, "buffer_steps": true}', "buffer_steps=True has the wrong type"),
 ])
 def test_parse_refuses_by_name(text: str, error: str) -> None:
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(KVEventsConfigError) as e:
         KVEventsConfig.parse(text)
     assert error in str(e.value)
+    with pytest.raises(ConfigError) as e2:  # through the settings' check (the CLI's, before the port is bound)
+        engine_sections(kv_events_config=text)
+    assert error in str(e2.value)
 
 
 def test_resolve_seed_prefix_caching_and_pyzmq(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -247,16 +253,27 @@ def test_endpoints_per_rank() -> None:
 
 
 # ---- over ZMQ, from a running engine -----------------------------------------------------------------------------
-def engine_config(mode: str, endpoint: str, replay: str) -> Any:
+def engine_config(mode: str, endpoint: str, replay: str, policy: str | None = None) -> Any:
     kv = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay, "topic": "kv"}
+    partition = None if policy is None else PartitionConfig(policy=policy)
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=14,
-                                 max_model_len=512, block_size=BS, kv_events_config=kv, python_hash_seed=SEED,
-                                 launch=LaunchConfig(mode=mode, mps="off"))  # type: ignore[arg-type]
+                                 max_model_len=512, block_size=BS, kv_events_config=kv, env={"PYTHONHASHSEED": SEED},
+                                 launch=LaunchConfig(mode=mode, mps="off"), partition=partition)  # type: ignore[arg-type]
     return cfg
 
 
-@pytest.mark.parametrize("mode", ["rapid", "hybrid"])
-def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, tmp_path: Path) -> None:
+def test_the_hash_seed_is_the_runs_pythonhashseed(tmp_path: Path) -> None:
+    cfg = engine_config("rapid", f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/r")
+    assert cfg.kv_events.publishing and cfg.kv_events.none_hash == vllm_none_hash(SEED)
+
+
+# Every mode and policy: the decode worker's one step loop (engine/decode_worker.py) owns the BlockManager and
+# sends its events, whether prompts are computed beside it (rapid, disagg) or in its fused steps (hybrid).
+MODES = [("rapid", None), ("rapid", "duet"), ("rapid", "drift"), ("hybrid", None), ("disagg", None)]
+
+
+@pytest.mark.parametrize(("mode", "policy"), MODES)
+def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, policy: str | None, tmp_path: Path) -> None:
     """A prompt's full blocks arrive as BlockStored with vLLM's hashes; later prompts evict them (a pool of 14
     blocks): BlockRemoved names them. A replay from sequence 0 returns the same batches."""
     zmq = pytest.importorskip("zmq")
@@ -265,7 +282,8 @@ def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, tmp_path: Path)
     from rapidserve.sampling_params import SamplingParams
 
     endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/replay"
-    cfg = engine_config(mode, endpoint, replay)
+    cfg = engine_config(mode, endpoint, replay, policy)
+    assert cfg.launch.mode == mode and cfg.partition.policy == (policy or cfg.partition.policy)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")

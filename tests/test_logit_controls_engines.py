@@ -125,25 +125,24 @@ def test_hybrid_step_failing_after_sampling_counts_none_of_its_tokens(monkeypatc
     token again next step, counted once (its tokens are the reference's); the failed new request, penalized
     too, and everyone else leave no slot behind."""
     from rapidserve.engine import messages as m
-    from rapidserve.engine.hybrid_worker import HybridWorker
-    from tests.test_worker_faults import FakeIO, _run_ahead, arm_host_copy_failure
+    from tests.test_worker_faults import FakeIO, _fused_worker, _read, _run_ahead, arm_host_copy_failure
 
     llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=256, num_kv_blocks=64)
     want = _generate_one(llm, PROMPTS[0], COUNTED)
-    w = HybridWorker(llm.config, llm.engine.runner, FakeIO())  # type: ignore[arg-type]
-    io = w.io
-    io.inbox.append(m.NewRequest("a", PROMPTS[0], COUNTED, 0.0))  # type: ignore[attr-defined]
-    w.read_inbox(wait=False)
+    io = FakeIO()
+    w = _fused_worker(llm.config, llm.engine.runner, io)
+    io.inbox.append(m.NewRequest("a", PROMPTS[0], COUNTED, 0.0))
+    _read(w)
     armed = arm_host_copy_failure(monkeypatch)
 
     def before(i: int) -> None:
         if i == 3:
-            io.inbox.append(m.NewRequest("b", PROMPTS[1], COUNTED, 0.0))  # type: ignore[attr-defined]
-            w.read_inbox(wait=False)
+            io.inbox.append(m.NewRequest("b", PROMPTS[1], COUNTED, 0.0))
+            _read(w)
             armed["on"] = True
 
     _run_ahead(w, 60, before)
-    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("b", "error")]  # type: ignore[attr-defined]
+    assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("b", "error")]
     assert _tokens(io, "a") == want
     w.publish()
     assert llm.engine.runner.tokens.in_use == 0

@@ -174,7 +174,7 @@ def test_partition_parse_errors(text: str, pattern: str) -> None:
         (["profile", "--prefill-tokens", "0"], "argument --prefill-tokens: 0 must be an integer >= 1"),
         (["profile", "--decode-reps", "-3"], "argument --decode-reps"),
         # profile has no --partition (it measures every configuration), and no abbreviations
-        (["profile", "--partition", "off"], "unrecognized arguments: --partition off"),
+        (["profile", "--partition", "off"], "rapidserve profile does not support --partition\\. See `rapidserve prof"),
     ],
 )
 def test_cli_partition_usage_errors(argv: list[str], pattern: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -267,8 +267,18 @@ def test_serve_builds_what_it_accepts(argv: list[str], mode: str, policy: str) -
 
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", *argv]) == 0
-    cfg = run_.call_args.args[0]
+    _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
+    cfg, _ = build()
     assert (cfg.launch.mode, cfg.partition.policy) == (mode, policy)
+
+
+def test_serve_refuses_them_before_binding_its_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """The check needs no model: `rapidserve serve` runs it before `run` binds the port and answers 503."""
+    from unittest import mock
+
+    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("bound the port")):
+        assert main(["serve", "preset:tiny-llama", "--mode", "hybrid", "--policy", "drift"]) == 2
+    assert "--policy drift" in capsys.readouterr().err
 
 
 def test_partition_config_resolves_the_policy_from_the_mode() -> None:

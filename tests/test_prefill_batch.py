@@ -83,7 +83,8 @@ def test_serve_rapid_takes_the_flag_into_the_config() -> None:
 
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--prefill-batch-tokens", "512"]) == 0
-    assert run_.call_args.args[0].scheduler.prefill_batch_tokens == 512
+    _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
+    assert build()[0].scheduler.prefill_batch_tokens == 512
 
 
 def test_llm_refuses_the_setting_before_loading_anything() -> None:

@@ -167,11 +167,12 @@ def test_error_details(ctx: rq.ProtocolContext) -> None:
     with pytest.raises(APIError) as ei:
         parse("completion", b"{", ctx)
     assert "JSON" in ei.value.message
-    two = replace(ctx, served_model_names=("a", "b"))
-    with pytest.raises(APIError) as ei:
-        parse("completion", {"prompt": "hi"}, two)
-    assert ei.value.param == "model"
+    two = replace(ctx, served_model_names=("a", "b"))  # one model's names (--served-model-name a b)
+    assert parse("completion", {"prompt": "hi"}, two).model == "a"  # none named: the first, as vLLM
     assert parse("completion", {"prompt": "hi", "model": "b"}, two).model == "b"
+    with pytest.raises(APIError) as ei:
+        parse("completion", {"prompt": "hi", "model": "c"}, two)
+    assert ei.value.status == 404 and ei.value.param == "model" and "a, b" in ei.value.message
     err = APIError(503, "busy", "server_error", headers={"Retry-After": "1"})
     assert err.headers == {"Retry-After": "1"} and APIError(400, "x").headers is None
 
@@ -414,7 +415,7 @@ def test_openapi_document_refs_resolve() -> None:
     assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse", "TokenizeRequest",
             "DetokenizeRequest"} <= set(schemas)
     ops = [(p, m) for p, item in doc["paths"].items() for m in item]
-    assert len(ops) == 9 and all(doc["paths"][p][m]["responses"] for p, m in ops)
+    assert len(ops) == 12 and all(doc["paths"][p][m]["responses"] for p, m in ops)  # 7 + vLLM's utility routes
 
 
 @pytest.mark.parametrize("kind", ["CompletionRequest", "ChatCompletionRequest"])

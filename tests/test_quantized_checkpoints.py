@@ -193,6 +193,19 @@ def test_a_declared_quantization_is_refused_by_name_before_any_weight_file_is_op
     assert no_weight_read == []  # config.json and the side files only: not even a safetensors header
 
 
+@pytest.mark.parametrize("case", list(DECLARED))
+def test_dummy_weights_of_a_declared_quantization_are_refused_too(case: str, tmp_path: Path,
+                                                                  no_weight_read: list[str]) -> None:
+    """--load-format dummy reads only config.json (random float weights): a checkpoint that declares a method is
+    still refused by name, not served as a float model of its shapes."""
+    write, needles = DECLARED[case]
+    folder = write(tmp_path)
+    with pytest.raises(UnsupportedQuantization) as e:
+        resolve_model("dummy:" + folder)
+    assert all(needle in str(e.value) for needle in needles), str(e.value)
+    assert no_weight_read == []
+
+
 SCALE_LEAVES = ["weight_scale", "input_scale", "k_scale", "weight_scale_inv", "weight_scale_2", "qweight", "qzeros",
                 "scales", "g_idx", "weight_packed", "weight_zero_point", "weight.absmax", "weight.SCB"]
 
@@ -290,7 +303,8 @@ def test_none_and_auto_are_accepted(flags: list[str]) -> None:
 
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--mode", "hybrid", *flags]) == 0
-    assert run_.call_args.args[0].model == "preset:tiny-llama"
+    _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
+    assert build()[0].model == "preset:tiny-llama"
 
 
 @pytest.mark.parametrize("kwargs", [{"quantization": "fp8"}, {"quantization": "gptq"}, {"kv_cache_dtype": "fp8"}])

@@ -21,6 +21,7 @@ import pytest
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.sampling_params import StructuredOutputs
+from tests.chat_field_cases import CHAT_CASES, SMOL_THINK
 from tests.test_server import Srv, http, start, stop
 
 QUESTION = "Name three colours."
@@ -87,6 +88,25 @@ CASES = [
          lambda cs: _len(cs, 2)),
     Case("controls_stream", {"frequency_penalty": 1.0, "bad_words": ["answer"], "logprobs": 2},
          _all(lambda c: "answer" not in c["_text"] and c["logprobs"] is not None, "no bad word, logprobs"), llm=False,
+         extra={"stream": True}),
+    # include_stop_str_in_output (vLLM's): "x" (id 104) forced, so the stop string / stop token surely comes
+    Case("stop_string_left_out", {"logit_bias": {"104": 100}, "stop": ["xx"], "max_tokens": 6, "ignore_eos": True},
+         _all(lambda c: c["_text"] == "" and c["finish_reason"] == "stop", "nothing before the stop string")),
+    Case("include_stop_str_in_output", {"logit_bias": {"104": 100}, "stop": ["xx"], "max_tokens": 6,
+                                        "ignore_eos": True, "include_stop_str_in_output": True},
+         _all(lambda c: c["_text"] == "xx" and c["finish_reason"] == "stop", "the stop string kept")),
+    Case("include_stop_str_stream", {"logit_bias": {"104": 100}, "stop": ["xx"], "max_tokens": 6,
+                                     "ignore_eos": True, "include_stop_str_in_output": True},
+         _all(lambda c: c["_text"] == "xx" and c["finish_reason"] == "stop", "the stop string kept"), llm=False,
+         extra={"stream": True}),
+    Case("stop_token_text_left_out", {"logit_bias": {"104": 100}, "stop_token_ids": [104], "max_tokens": 6},
+         _all(lambda c: c["_text"] == "" and c["finish_reason"] == "stop" and _ntok(c) == 1, "no stop token text")),
+    Case("include_stop_token_text", {"logit_bias": {"104": 100}, "stop_token_ids": [104], "max_tokens": 6,
+                                     "include_stop_str_in_output": True},
+         _all(lambda c: c["_text"] == "x" and c["finish_reason"] == "stop" and _ntok(c) == 1, "the stop token kept")),
+    Case("include_stop_token_stream", {"logit_bias": {"104": 100}, "stop_token_ids": [104], "max_tokens": 6,
+                                       "include_stop_str_in_output": True},
+         _all(lambda c: c["_text"] == "x" and c["finish_reason"] == "stop", "the stop token kept"), llm=False,
          extra={"stream": True}),
     # request options: HTTP only
     Case("stream", {}, llm=False, extra={"stream": True}),
@@ -186,6 +206,7 @@ class Served:
     srv: Srv
     results: dict[str, list[dict[str, Any]] | BaseException]  # case name -> its choices, or what went wrong
     tool_results: dict[str, dict[str, Any] | list[dict[str, Any]] | BaseException]  # chat: body, or its events
+    # (TOOL_CASES and chat_field_cases.CHAT_CASES, by name)
 
 
 # Every engine path: rapid, hybrid, disagg (prefill and decode instances, the KV moved between their pools)
@@ -195,22 +216,27 @@ ENGINE_PATHS = {"rapid": ("--mode", "rapid"), "hybrid": ("--mode", "hybrid"), "d
 
 
 @pytest.fixture(scope="module", params=list(ENGINE_PATHS))
-def server(request: pytest.FixtureRequest) -> Iterator[Served]:
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A server of that engine path, with every case's request sent once, all at the same time (they share
-    batches, as real traffic does); each test then checks its own case's answer."""
-    s = start(*ENGINE_PATHS[request.param], "--enable-auto-tool-choice")
+    batches, as real traffic does); each test then checks its own case's answer. Its chat template is
+    SmolLM2's own plus an enable_thinking switch (chat_field_cases.SMOL_THINK), given by --chat-template."""
+    template = tmp_path_factory.mktemp("chat") / "smol_think.jinja"
+    template.write_text(SMOL_THINK, encoding="utf-8")
+    s = start(*ENGINE_PATHS[request.param], "--enable-auto-tool-choice", "--chat-template", str(template),
+              "--trust-request-chat-template")
+    chats = {**TOOL_CASES, **{name: fields for name, (fields, _) in CHAT_CASES.items()}}
     try:
         async def run_all(pool: ThreadPoolExecutor) -> list[Any]:
             loop = asyncio.get_running_loop()
             return await asyncio.gather(*(loop.run_in_executor(pool, _completion, s, _body(c)) for c in CASES),
-                                        *(loop.run_in_executor(pool, _chat, s, b) for b in TOOL_CASES.values()),
+                                        *(loop.run_in_executor(pool, _chat, s, b) for b in chats.values()),
                                         return_exceptions=True)
 
         # a thread per request: the default executor's few threads (6 on 2 cores) would send them in waves
-        with ThreadPoolExecutor(len(CASES) + len(TOOL_CASES)) as pool:
+        with ThreadPoolExecutor(len(CASES) + len(chats)) as pool:
             got = asyncio.run(run_all(pool))
         yield Served(s, dict(zip((c.name for c in CASES), got[:len(CASES)], strict=True)),
-                     dict(zip(TOOL_CASES, got[len(CASES):], strict=True)))
+                     dict(zip(chats, got[len(CASES):], strict=True)))
     finally:
         assert stop(s) == 0
 
@@ -284,6 +310,16 @@ def test_tool_field_through_server(server: Served, name: str) -> None:
     assert http(server.srv.url + "/health")[0] == 200  # no worker died of it
 
 
+@pytest.mark.parametrize("name", list(CHAT_CASES))
+def test_chat_field_through_server(server: Served, name: str) -> None:
+    """vLLM's chat fields (chat_field_cases.py): the template's inputs, include_stop_str_in_output, created."""
+    got = server.tool_results[name]
+    if isinstance(got, BaseException):
+        raise got
+    CHAT_CASES[name][1](got, server.tool_results)
+    assert http(server.srv.url + "/health")[0] == 200
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_field_through_server(server: Served, case: Case) -> None:
     got = server.results[case.name]
@@ -298,6 +334,10 @@ BAD_CONTROLS = [
     ("presence_penalty", 3), ("presence_penalty", "1"), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
     ("logit_bias", {"49152": 1}), ("logit_bias", {"a": 1}), ("logit_bias", {"1": "x"}), ("allowed_token_ids", []),
     ("allowed_token_ids", [49152]), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", "answer"),
+    # vLLM's fields this server refuses by name
+    ("use_beam_search", True), ("prompt_logprobs", 0), ("prompt_logprobs", 5), ("best_of", 3),
+    ("include_stop_str_in_output", "yes"), ("priority", 1), ("spaces_between_special_tokens", False),
+    ("truncate_prompt_tokens", 0),
 ]
 
 

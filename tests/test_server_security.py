@@ -1,5 +1,5 @@
 """Security defaults: loopback bind, the API key (flag, file, environment; constant-time check; every
-route but /health and /openapi.json, /metrics unless --metrics-public), and the warning when the
+route but /health, /ping, /version and /openapi.json, /metrics unless --metrics-public), and the warning when the
 server listens beyond loopback without a key."""
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def test_warns_when_listening_beyond_loopback_without_a_key(caplog: pytest.LogCa
 
 
 ROUTES = [("GET", "/health"), ("GET", "/openapi.json"), ("GET", "/metrics"), ("GET", "/v1/models"),
-          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate")]
+          ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/generate"),
+          ("GET", "/version"), ("GET", "/ping"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 
 
 async def statuses(metrics_public: bool, headers: dict[str, str]) -> dict[str, int]:
@@ -97,7 +98,7 @@ async def statuses(metrics_public: bool, headers: dict[str, str]) -> dict[str, i
             aiohttp.ClientSession(headers=headers) as s:
         out = {}
         for method, path in ROUTES:
-            body = {"prompt": [1, 2], "max_tokens": 2} if method == "POST" else None
+            body = {"prompt": [1, 2], "max_tokens": 2, "tokens": [1]} if method == "POST" else None
             async with s.request(method, url + path, json=body) as r:
                 out[path] = r.status
                 if r.status == 401:
@@ -107,7 +108,7 @@ async def statuses(metrics_public: bool, headers: dict[str, str]) -> dict[str, i
 
 
 def test_key_is_required_everywhere_but_health_and_openapi() -> None:
-    public = {"/health", "/openapi.json"}
+    public = {"/health", "/openapi.json", "/version", "/ping"}  # the last two public in vLLM too
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
                     {"Authorization": "Bearer s3cret-and-more"}):
         got = asyncio.run(statuses(False, headers))

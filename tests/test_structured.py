@@ -25,6 +25,7 @@ from rapidserve.structured import (
     apply_grammar_mask,
     check,
 )
+from rapidserve.structured.trial import build
 
 CORPUS = Path(__file__).parent / "data" / "json_schemas.json"
 VOCAB = 49152
@@ -245,17 +246,27 @@ def test_without_the_grammar_engine_a_constraint_is_a_501_naming_the_field(monke
     assert structured_outputs_of(CompletionRequest(prompt="hi"), GrammarCache(check)) is None  # free text: fine
 
 
-def test_an_unsatisfiable_constraint_ends_the_request_instead_of_sampling_nothing(book: GrammarBook) -> None:
-    # compiles (the server lets it through) but its language is empty: no token can ever be allowed
-    p = params(grammar='start: a\na: a "x"')
-    check(p.structured_outputs)  # type: ignore[arg-type]
-    mask, failed = book.fill([GrammarRow(0, "u", p, [])], pin=False)
+def test_a_dead_end_ends_the_request_and_a_constraint_allowing_nothing_is_refused(book: GrammarBook, hf: Any) -> None:
+    """A grammar whose language is empty from the start is refused when it is compiled (trial.py: a 400
+    at the server) rather than answered with an empty "stop"; one that meets a dead end while generating
+    (after "a" below nothing can follow) allows EOS there: the request ends ("stop"), never sampling from an
+    all -inf row. (Until the trial, the first case also ended as "stop" with no text.)"""
+    empty = params(grammar='start: a\na: a "x"')
+    check(empty.structured_outputs)  # type: ignore[arg-type]  (the grammar itself is well formed)
+    _, failed = book.fill([GrammarRow(0, "u", empty, [])], pin=False)
+    assert "allows no output" in failed[0]
+    p = params(grammar='start: "a" b | "c"\nb: b "x"')
+    a = hf.encode("a", add_special_tokens=False)
+    assert len(a) == 1
+    mask, failed = book.fill([GrammarRow(0, "d", p, [])], pin=False)
+    assert not failed and a[0] in mask.allowed(0, VOCAB)
+    mask, failed = book.fill([GrammarRow(0, "d", p, a)], pin=False)
     assert not failed and set(mask.allowed(0, VOCAB)) == set(EOS)  # EOS only, never an all -inf row
-    toks = greedy(book, p, key="u2", steps=5)
-    assert len(toks) == 1 and toks[0] in EOS
+    mask, failed = book.fill([GrammarRow(0, "d", p, [a[0], EOS[0]])], pin=False)
+    assert not failed and mask.num_rows == 0  # ended (under ignore_eos it would go on unconstrained)
     # another worker replaying the request (RAPID decode after prefill; ignore_eos kept it going)
     replay = SamplingParams(structured_outputs=p.structured_outputs, ignore_eos=True, max_tokens=8)
-    mask, failed = book.fill([GrammarRow(0, "u3", replay, toks)], pin=False)
+    mask, failed = book.fill([GrammarRow(0, "d2", replay, [a[0], EOS[0]])], pin=False)
     assert not failed and mask.num_rows == 0  # after EOS under ignore_eos: unconstrained
 
 
@@ -305,3 +316,119 @@ def test_warm_loads_the_tokenizer_once_in_the_background_and_fills_never_import_
                          cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+# A JSON schema the grammar engine compiles and tries fine (trial.py), whose "b" pattern runs its lexer out of
+# fuel once a generation reaches that string: a limit met mid-generation (measured on SmolLM2's tokenizer).
+LATE_FAILING_SCHEMA = {"type": "object", "properties": {
+    "a": {"type": "integer", "minimum": 0, "maximum": 9},
+    "b": {"type": "string", "pattern": "^(b{1000}){1000}$"}}, "required": ["a", "b"]}
+
+
+def test_a_constraint_beyond_the_engine_lexer_limits_is_refused_when_compiled_and_remembered(book: GrammarBook) -> None:
+    """`b{300000}` compiles (llguidance builds matchers lazily) but its first mask runs the lexer out of fuel:
+    the trial finds it, so its row fails with the engine's reason instead of ending as "stop" with
+    unconstrained (empty) text; the failure is cached, so the next request of it fails without a compile."""
+    p = params(regex="b{300000}")
+    _, failed = book.fill([GrammarRow(0, "x", p, [])], pin=False)
+    assert "cannot serve this regex constraint" in failed[0] and "lexer error" in failed[0], failed
+    misses = book.cache.misses
+    assert book.prepare("y", p.structured_outputs) is True  # the remembered failure: ready at once
+    _, failed = book.fill([GrammarRow(3, "y", p, [])], pin=False)
+    assert "lexer error" in failed[3] and book.cache.misses == misses
+    with pytest.raises(GrammarError, match="lexer error"):
+        build(p.structured_outputs, book._tokenizer())  # type: ignore[arg-type]
+
+
+def test_a_matcher_that_errs_mid_generation_fails_its_row_never_stop_and_the_constraint_is_remembered(
+        book: GrammarBook, hf: Any) -> None:
+    """Reaching LATE_FAILING_SCHEMA's "b" string breaks the lexer every copy of the compile shares: that row
+    fails (before the fix its matcher counted as complete, EOS only, and the request ended "stop" with
+    '{"a":1,"' for text); the constraint is remembered as failed, and another request of it (a copy of the
+    broken compile) fails at once, while a row of another constraint in the same fill goes on."""
+    p = params(json=json.dumps(LATE_FAILING_SCHEMA))
+    ok = params(regex="[0-9]+")
+    toks = hf.encode('{"a":1,"b":"', add_special_tokens=False)
+    failed: dict[int, str] = {}
+    for k in range(len(toks) + 1):
+        mask, failed = book.fill([GrammarRow(0, "late", p, toks[:k]), GrammarRow(1, "ok", ok, [])], pin=False)
+        if failed:
+            break
+        assert toks[k] in mask.allowed(0, VOCAB)  # the path is the grammar's until the lexer breaks
+    assert list(failed) == [0] and "cannot serve this json constraint: lexer error" in failed[0], failed
+    assert 1 in mask.rows  # the other row was masked in the same fill
+    _, failed = book.fill([GrammarRow(0, "again", p, [])], pin=False)
+    assert "lexer error" in failed[0]
+
+
+def test_llm_refuses_a_constraint_the_engine_cannot_serve_and_fails_only_the_request_whose_grammar_breaks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLM.generate: a constraint beyond the engine's limits is a ValueError naming the field, raised before
+    any request runs (its verdict cached: the engine never compiles it again). A constraint that breaks
+    while generating (LATE_FAILING_SCHEMA), or whose compile fails in the engine (a request added past
+    generate's check), ends that request alone with "error" and a message naming the constraint, never
+    with its text unconstrained; a free-text request beside it completes."""
+    from rapidserve import LLM
+
+    llm = LLM(show_progress=False, max_model_len=256)
+    bad = SamplingParams(structured_outputs=StructuredOutputs(regex="b{300000}"), max_tokens=8)
+    free = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex: .*lexer error"):
+        llm.generate(["Hi", "Hello"], [free, bad], use_tqdm=False)
+    assert not llm.engine.has_work  # nothing was added
+    late = SamplingParams(structured_outputs=StructuredOutputs(json=json.dumps(LATE_FAILING_SCHEMA)), max_tokens=24,
+                          temperature=0.0)
+    out = llm.generate(["Give JSON:", "Tell me a story"], [late, free], use_tqdm=False)
+    broken, story = out[0].outputs[0], out[1].outputs[0]
+    assert broken.finish_reason == "error" and broken.error is not None, broken
+    assert "cannot serve this json constraint: lexer error" in broken.error
+    assert story.finish_reason == "length" and len(story.token_ids) == 6 and story.error is None
+    monkeypatch.setattr(llm.engine.grammar.cache, "_make", lambda so: (_ for _ in ()).throw(RuntimeError("no way")))
+    tok = llm.get_tokenizer()
+    assert tok is not None
+    odd = SamplingParams(structured_outputs=StructuredOutputs(regex="[a-z]{3}"), max_tokens=8)
+    seqs = [llm.engine.add("odd", tok.encode("Hi"), odd), llm.engine.add("free", tok.encode("Hi"), free)]
+    events = []
+    while llm.engine.has_work:
+        events += [e for e in llm.engine.step() if e.finish_reason is not None]
+    assert [(e.seq.seq_id, e.finish_reason) for e in events] == [("odd", "error"), ("free", "length")]
+    assert "regex constraint" in events[0].message and "no way" in events[0].message
+    assert seqs[0].output_token_ids == [] and len(seqs[1].output_token_ids) == 6
+    assert len(llm.engine.grammar) == 0
+
+
+def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any) -> None:
+    """The server's GrammarTrials: llguidance's view of the tokenizer is loaded once (warm and concurrent
+    first constraints wait for one load; no EOS ids: the tokenizer's own), and each constraint's verdict,
+    success or failure, is cached: asked again it answers at once, without a compile."""
+    import threading
+    import time
+
+    from rapidserve.structured import GrammarTrials
+
+    loads: list[int] = []
+    gate = threading.Event()
+
+    def loader() -> Any:
+        loads.append(1)
+        gate.wait(30)  # every check below arrives while the tokenizer is still loading
+        return hf
+
+    trials = GrammarTrials(loader, VOCAB, ())
+    threading.Thread(target=trials.warm, daemon=True).start()  # as `serve` does while the engine starts
+    ok = StructuredOutputs(regex="[0-9]+")
+    assert not trials.known(ok)
+    threads = [threading.Thread(target=trials.check, args=(ok,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    assert list(trials._running) == [ok]  # one trial under way; the other two wait for its verdict
+    gate.set()
+    for t in threads:
+        t.join(60)
+    assert loads == [1] and trials.known(ok) and not trials._running
+    bad = StructuredOutputs(regex="b{300000}")
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="cannot serve this regex constraint: lexer error"):
+            trials.check(bad)
+    assert trials.known(bad) and trials.verdicts.misses == 2  # ok and bad, each tried once (not once a thread)

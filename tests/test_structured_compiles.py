@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from rapidserve.structured import GrammarCache
+from rapidserve.structured import GrammarCache, GrammarError
 from rapidserve.structured.compiles import POLL_S, CompilePool, Compiles
 
 
@@ -57,6 +57,8 @@ def make_compiles() -> tuple[Compiles, ManualPool, list[str]]:
         made.append(c.regex)
         if c.regex == "bad":
             raise RuntimeError("compile blew up")
+        if c.regex == "refused":  # the grammar engine's verdict on the constraint
+            raise GrammarError("regex", "cannot serve refused")
         return f"grammar of {c.regex}"
 
     pool = ManualPool()
@@ -82,6 +84,9 @@ READINESS = [
     ("after a failure the next request of that constraint compiles again (errors are not cached)",
      [("prepare a bad", False, "a"), ("finish", None, ""), ("forget a", None, ""), ("prepare b bad", False, "b"),
       ("finish", None, "")], ["bad", "bad"], {"b": "!compile blew up"}),
+    ("the grammar engine's verdict (GrammarError) is remembered: the next request of it is ready at once and fails",
+     [("prepare a refused", False, "a"), ("finish", None, ""), ("forget a", None, ""),
+      ("prepare b refused", True, "")], ["refused"], {"b": "!cannot serve refused"}),
     ("forgotten before its compile started: cancelled, never compiled",
      [("prepare a x", False, "a"), ("forget a", None, ""), ("finish", None, "")], [], {}),
     ("forgotten while compiling: the compile ends into the cache, nothing is kept",
@@ -127,11 +132,51 @@ def test_readiness(name: str, steps: list[tuple[str, bool | None, str]], made_wa
         regex = next(w.split()[2] for w, _, _ in reversed(steps) if w.startswith(f"prepare {key} "))
         for _ in range(2):
             if want.startswith("!"):
-                with pytest.raises(RuntimeError, match=want[1:]):
+                with pytest.raises((RuntimeError, GrammarError), match=want[1:]):
                     c.template(key, so(regex))
             else:
                 assert c.template(key, so(regex)) == want
     assert made == made_want  # asking for templates never compiled anything
+
+
+def test_the_cache_remembers_failures_as_failures_never_as_a_grammar() -> None:
+    """A GrammarError verdict is cached in the constraint's place (raised by get and compile, no second
+    compile); `fail` turns a cached grammar into a failure (evicting it); other errors are not cached."""
+    made: list[str] = []
+    evicted: list[Any] = []
+
+    def make(c: StructuredOutputs) -> str:
+        assert c.regex is not None
+        made.append(c.regex)
+        if c.regex == "refused":
+            raise GrammarError("regex", "cannot serve refused")
+        if c.regex == "flaky":
+            raise MemoryError("no room now")
+        return f"grammar of {c.regex}"
+
+    cache = GrammarCache(make, capacity=4, on_evict=evicted.append)
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="cannot serve refused"):
+            cache.compile(so("refused"))
+        with pytest.raises(GrammarError, match="cannot serve refused"):
+            cache.get(so("refused"))
+    assert made == ["refused"] and so("refused") in cache
+    for _ in range(2):
+        with pytest.raises(MemoryError):
+            cache.compile(so("flaky"))
+    assert made == ["refused", "flaky", "flaky"] and so("flaky") not in cache  # compiled again each time
+    assert cache.compile(so("x")) == "grammar of x" and cache.get(so("x")) == "grammar of x"
+    cache.fail(so("x"), GrammarError("regex", "lexer broke on x"))
+    assert evicted == ["grammar of x"]
+    with pytest.raises(GrammarError, match="lexer broke on x"):
+        cache.get(so("x"))
+    with pytest.raises(GrammarError, match="lexer broke on x"):
+        cache.compile(so("x"))
+    c = Compiles(cache, ManualPool())
+    assert c.prepare("k", so("x")) is True and c.compiling() == frozenset()  # ready at once: it fails
+    with pytest.raises(GrammarError, match="lexer broke on x"):
+        c.template("k", so("x"))
+    assert made.count("x") == 1
 
 
 def test_template_of_an_unprepared_request_compiles_in_place_and_an_early_one_waits() -> None:

@@ -92,3 +92,66 @@ def test_bad_constraints_are_400_naming_the_field(served: tuple[str, Srv, Any], 
                           {"Content-Type": "application/json"})
     assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
     assert http(s.url + "/health")[0] == 200
+
+
+BEYOND_LIMITS = "(b{1000}){1000}"  # compiles, then runs llguidance's lexer out of fuel at the first mask
+
+
+def _post(s: Srv, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    status, _, raw = http(s.url + path, "POST", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return status, raw if body.get("stream") else json.loads(raw)
+
+
+@pytest.mark.parametrize(("field", "value", "param"), [
+    ("guided_regex", BEYOND_LIMITS, "guided_regex"),
+    ("structured_outputs", {"regex": BEYOND_LIMITS}, "structured_outputs.regex"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": f"^{BEYOND_LIMITS}$"}}}, "response_format.json_schema.schema"),
+])
+def test_a_constraint_beyond_the_grammar_engine_is_a_400_every_time_it_is_sent(
+        served: tuple[str, Srv, Any], field: str, value: Any, param: str) -> None:
+    """The reproduction: this request passed admission, then failed while sampling (a 503 engine_unavailable),
+    and sent again got a 200 whose text did not match (the constraint dropped). Now it is tried at
+    admission with the model's tokenizer: a 400 naming the field with the engine's reason, both times."""
+    _, s, _ = served
+    body = {"messages": PROMPT, "max_tokens": 8, field: value}
+    for _ in range(2):
+        status, got = _post(s, "/v1/chat/completions", body)
+        assert status == 400, got
+        err = got["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+        assert f"'{param}' cannot be enforced" in err["message"] and "lexer error" in err["message"], err
+        assert len(err["message"]) < 400, err
+    assert http(s.url + "/health")[0] == 200
+
+
+def test_a_constraint_that_breaks_while_generating_fails_alone_as_a_400_and_free_text_is_served(
+        served: tuple[str, Srv, Any]) -> None:
+    """LATE_FAILING_SCHEMA passes admission and breaks the worker's lexer once the answer reaches "b": that
+    request ends with a 400 naming its field (an error event then [DONE] when streamed), never a 503 and
+    never a 200 with the text so far; sent again (the worker remembers the failure) the same; a free-text
+    request at the same time gets its 200; the workers live on."""
+    from tests.test_structured import LATE_FAILING_SCHEMA
+
+    _, s, _ = served
+    constrained = {"messages": PROMPT, "max_tokens": 32, "temperature": 0,
+                   "response_format": {"type": "json_schema",
+                                       "json_schema": {"name": "late", "schema": LATE_FAILING_SCHEMA}}}
+    free = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        late = pool.submit(_post, s, "/v1/chat/completions", constrained)
+        story = pool.submit(_post, s, "/v1/completions", free)
+        (status, got), (free_status, free_got) = late.result(), story.result()
+    assert free_status == 200 and free_got["choices"][0]["finish_reason"] == "length", free_got
+    for _ in range(2):
+        assert status == 400, got
+        err = got["error"]
+        assert err["param"] == "response_format.json_schema.schema" and err["code"] == "structured_output_failed"
+        assert "cannot serve this json constraint: lexer error" in err["message"], err
+        status, got = _post(s, "/v1/chat/completions", constrained)
+    status, raw = _post(s, "/v1/chat/completions", {**constrained, "stream": True})
+    events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]", raw
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == "structured_output_failed" and err["param"] == "response_format.json_schema.schema", err
+    assert http(s.url + "/health")[0] == 200

@@ -19,13 +19,12 @@ import torch
 
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.loader import resolve_model
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured import GrammarBook
 from tests.test_structured_workers import REGEX, _texts, tiny_tokenizer_dir
-from tests.test_worker_faults import FakeIO, _decode_worker, _prefill_worker
+from tests.test_worker_faults import FakeIO, _decode_worker, _fused_worker, _prefill_worker
 
 SLOW_S = 1.5
 SO = StructuredOutputs(regex=REGEX)
@@ -108,13 +107,11 @@ def test_hybrid_streams_on_while_a_grammar_compiles_and_an_abort_meanwhile_relea
         setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg, runner, hf = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     threads = slow_compiles(monkeypatch, w.grammar)
     io.inbox.append(plain())
-    state: dict[str, Any] = {"prev": None}
-
     def turn() -> None:
-        state["prev"] = w.step_ahead(state["prev"])
+        w.turn()
 
     until(lambda: count(io, "plain") >= 3, turn)
     io.inbox += [structured("json"), structured("gone", StructuredOutputs(regex="[a-z]{4}"))]
@@ -125,13 +122,13 @@ def test_hybrid_streams_on_while_a_grammar_compiles_and_an_abort_meanwhile_relea
             io.inbox.append(m.Abort("gone"))  # while its compile runs
         assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
     meter.check()
-    assert "gone" not in w.seqs and "gone" not in w.grammar.compiles
-    until(lambda: "json" not in w.seqs, turn)
+    assert "gone" not in w.sched.reqs and "gone" not in w.grammar.compiles
+    until(lambda: "json" not in w.sched.reqs, turn)
     text, reason = _texts(io, hf)["json"]
     assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
     assert threads == ["grammar-compile"] * 2  # json's and gone's, both on the pool
     io.inbox.append(m.Abort("plain"))
-    until(lambda: not w.seqs and state["prev"] is None, turn)
+    until(lambda: not w.sched.reqs and not w.inflight, turn)
     w.publish()
     assert len(w.grammar) == 0 and not w.grammar.compiles._running and not w.grammar.compiling()
     assert [(f.req_id, f.reason) for f in io.of("d2r", m.Finished)] == [("gone", "abort"), ("plain", "abort")]
@@ -160,7 +157,7 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
         for msg in list(io.sent["p2d"]):
             io.sent["p2d"].remove(msg)
             w.handle(msg)
-        if w.inflight is None and w.sched.running:  # as the decode loop: a short sleep while all are held
+        if not w.inflight and w.sched.running:  # as the decode loop: a short sleep while all are held
             io.wait(w.grammar.idle_wait(0.0))
 
     w.handle(plain())
@@ -181,7 +178,7 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
     assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
     assert threads == ["grammar-compile"] * 2  # json's and gone's
     w.handle(m.Abort("plain"))
-    until(lambda: not w.sched.reqs and w.inflight is None, turn)
+    until(lambda: not w.sched.reqs and not w.inflight, turn)
     assert len(w.grammar) == 0 and len(p.grammar) == 0 and not p.waiting_prefill
     assert not w.grammar.compiles._running and not p.grammar.compiles._running  # no future kept
     assert w.sched.blocks.num_free == w.sched.blocks.num_blocks
@@ -191,7 +188,9 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
 @pytest.mark.parametrize("where", ["prefill", "decode", "hybrid"])
 def test_a_compile_that_fails_on_the_pool_fails_its_request_alone_as_before(
         setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    """The message is the one compiling in place gave (the same test passes on the code before the pool)."""
+    """The message names the constraint and the compile's error, wherever it failed (it used to read
+    "<stage> failed: GrammarError: invalid grammar: ...", which called a regex a grammar and blamed the
+    worker), and the fault says it is the request's constraint's (a 400 at the server, not a 503)."""
     from tests.test_structured_workers import fail_compiling
     from tests.test_worker_faults import _prefill_for_decode, _run_ahead
 
@@ -200,7 +199,7 @@ def test_a_compile_that_fails_on_the_pool_fails_its_request_alone_as_before(
     bad = StructuredOutputs(regex="[a-z]{3}")
     reqs = [structured("ok0"), structured("bad", bad), structured("ok1")]
     if where == "hybrid":
-        w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+        w = _fused_worker(cfg, runner, io)
         fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
         io.inbox += reqs
         _run_ahead(w, 400)
@@ -217,10 +216,10 @@ def test_a_compile_that_fails_on_the_pool_fails_its_request_alone_as_before(
             if not d.sched.reqs:
                 break
         assert len(p.grammar) == 0 and not d.sched.reqs
-    stage = "prefill" if where == "prefill" else "sampling"
     fin = io.of("d2r", m.Finished)
-    assert [(f.req_id, f.reason, f.message) for f in fin] == [
-        ("bad", "error", f"{stage} failed: GrammarError: invalid grammar: compile blew up")]
+    assert [(f.req_id, f.reason, f.message, f.fault) for f in fin] == [
+        ("bad", "error", "the grammar engine cannot serve this regex constraint: RuntimeError: compile blew up",
+         m.STRUCTURED_FAULT)]
     texts = _texts(io, hf)
     for rid in ("ok0", "ok1"):
         text, reason = texts[rid]

@@ -1,8 +1,8 @@
-"""Structured outputs in the real decode, prefill and hybrid workers, in this process (the channels
-are lists: tests/test_worker_faults.py's harness), on a tiny preset given a small trained tokenizer
-(`--tokenizer`): outputs follow the grammar across the prefill -> decode hand-off (decode replays the
-tokens it knows into its own matcher), under preemption by recompute, and every matcher is released
-once its request stops running (finished, aborted, preempted); a request whose grammar cannot compile
+"""Structured outputs in the real decode and prefill workers (hybrid mode: the decode worker alone, fused
+steps), in this process (the channels are lists: tests/test_worker_faults.py's harness), on a tiny preset given
+a small trained tokenizer (`--tokenizer`): outputs follow the grammar across the prefill -> decode hand-off
+(decode replays the tokens it knows into its own matcher), under preemption by recompute, and every matcher is
+released once its request stops running (finished, aborted, preempted); a request whose grammar cannot compile
 in a worker fails alone."""
 
 from __future__ import annotations
@@ -17,11 +17,18 @@ import torch
 
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.loader import resolve_model
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from tests.test_worker_faults import FakeIO, _decode_worker, _prefill_for_decode, _prefill_worker, _run_ahead, _submit
+from tests.test_worker_faults import (
+    FakeIO,
+    _decode_worker,
+    _fused_worker,
+    _prefill_for_decode,
+    _prefill_worker,
+    _run_ahead,
+    _submit,
+)
 
 REGEX = "[0-9]{6}-[a-z]{2}"
 
@@ -119,7 +126,7 @@ def test_rapid_decode_follows_the_grammar_across_preemption_and_releases_every_m
 def test_hybrid_ahead_follows_the_grammar_and_releases_matchers_on_abort(setup: tuple[Any, ModelRunner, Any]) -> None:
     cfg, runner, hf = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     so = StructuredOutputs(regex=REGEX)
     w.grammar.prepare("warm", so)  # compiled and cached first: the requests are ready on arrival, whatever the load
     _compiled(w.grammar)
@@ -141,21 +148,36 @@ def test_hybrid_ahead_follows_the_grammar_and_releases_matchers_on_abort(setup: 
     assert len(w.grammar) == 0
 
 
+def free_text(rid: str, n: int = 6) -> m.NewRequest:
+    """An unconstrained request of `n` tokens (ignore_eos: it ends by length)."""
+    return m.NewRequest(rid, list(range(3, 9)), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), 0.0)
+
+
+def _failed_as_constraint(io: FakeIO, rid: str, why: str) -> None:
+    """`rid` alone ended with an error the router takes as its constraint's (a 400 at the server, not a 503)."""
+    fin = io.of("d2r", m.Finished)
+    assert [(f.req_id, f.reason, f.fault) for f in fin] == [(rid, "error", m.STRUCTURED_FAULT)], fin
+    assert why in fin[0].message and "regex constraint" in fin[0].message, fin[0].message
+
+
 def test_a_grammar_that_fails_in_a_worker_fails_only_its_request(setup: tuple[Any, ModelRunner, Any],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The server checks constraints before admission; should one still fail in a worker (here: its
-    compile raises), that request ends with an error and the others go on."""
+    compile raises), that request ends with an error (its constraint's fault) and the others go on: a
+    constrained one and an unconstrained one."""
     cfg, runner, hf = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     bad = StructuredOutputs(regex="[a-z]{3}")
     fail_compiling(monkeypatch, w.grammar, bad, "compile blew up")
-    io.inbox += [req("ok", StructuredOutputs(regex=REGEX), seed=1), req("bad", bad, seed=2)]
+    io.inbox += [req("ok", StructuredOutputs(regex=REGEX), seed=1), req("bad", bad, seed=2), free_text("free")]
     _run_ahead(w, 100)
-    fin = io.of("d2r", m.Finished)
-    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "compile blew up" in fin[0].message
-    text, reason = _texts(io, hf)["ok"]
-    assert reason == "stop" and re.fullmatch(REGEX, text)
+    _failed_as_constraint(io, "bad", "compile blew up")
+    texts = _texts(io, hf)
+    assert texts["ok"][1] == "stop" and re.fullmatch(REGEX, texts["ok"][0])
+    assert texts["free"][1] == "length" and "bad" not in texts
+    w.publish()
+    assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks
 
 
 def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest_go_on(
@@ -168,7 +190,8 @@ def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest
     bad = StructuredOutputs(regex="[a-z]{3}")
     fail_compiling(monkeypatch, w.grammar, bad, "compile blew up in decode")  # prefill's own book compiles it
     so = StructuredOutputs(regex=REGEX)
-    _submit(cfg, runner, io, w, p, req("ok0", so, seed=1), req("bad", bad, seed=2), req("ok1", so, seed=3))
+    _submit(cfg, runner, io, w, p, req("ok0", so, seed=1), req("bad", bad, seed=2), req("ok1", so, seed=3),
+            free_text("free"))
     for _ in range(60):
         w.step()
         w.publish()
@@ -176,10 +199,39 @@ def test_a_grammar_that_fails_in_the_decode_worker_frees_its_blocks_and_the_rest
         _prefill_for_decode(cfg, runner, io, w, p)
         if not w.sched.reqs:
             break
-    fin = io.of("d2r", m.Finished)
-    assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "compile blew up" in fin[0].message
+    _failed_as_constraint(io, "bad", "compile blew up in decode")
     texts = _texts(io, hf)
     for rid in ("ok0", "ok1"):
         text, reason = texts[rid]
         assert reason == "stop" and re.fullmatch(REGEX, text), (rid, text, reason)
     assert len(w.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks
+
+
+def test_rapid_a_grammar_that_fails_in_both_workers_fails_in_prefill_alone_and_free_text_goes_on(
+        setup: tuple[Any, ModelRunner, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constraint that cannot compile in either worker (as one the server let through would): prefill
+    fails it (PrefillFailed, its constraint's fault, never sampled unconstrained), decode frees its blocks
+    and ends it so; an unconstrained request and a constrained one batched with it finish normally."""
+    cfg, runner, hf = setup
+    io = FakeIO()
+    w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
+    bad = StructuredOutputs(regex="[a-z]{3}")
+    for book in (w.grammar, p.grammar):
+        fail_compiling(monkeypatch, book, bad, "compile blew up")
+    so = StructuredOutputs(regex=REGEX)
+    _submit(cfg, runner, io, w, p, req("ok", so, seed=1), req("bad", bad, seed=2), free_text("free"))
+    w.publish()  # before any decode step: prefill failed it (PrefillFailed carries the fault to decode)
+    assert "bad" not in w.sched.reqs and [(f.req_id, f.fault) for f in io.of("d2r", m.Finished)] == \
+        [("bad", m.STRUCTURED_FAULT)]
+    for _ in range(60):
+        w.step()
+        w.publish()
+        w.admit()
+        _prefill_for_decode(cfg, runner, io, w, p)
+        if not w.sched.reqs:
+            break
+    _failed_as_constraint(io, "bad", "compile blew up")
+    texts = _texts(io, hf)
+    assert texts["ok"][1] == "stop" and re.fullmatch(REGEX, texts["ok"][0])
+    assert texts["free"][1] == "length" and "bad" not in texts
+    assert len(w.grammar) == 0 and len(p.grammar) == 0 and w.sched.blocks.num_free == w.sched.blocks.num_blocks

@@ -78,7 +78,8 @@ class ScriptedEngine(FakeEngine):
 
     async def generate(self, req_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenOut]:
         self.seen.append(params)
-        ids = self.tok.encode(self.script(req_id, params), add_special_tokens=False)
+        # the answer, then EOS: a "stop" finish comes with EOS (or a stop token id) in the real engine
+        ids = [*self.tok.encode(self.script(req_id, params), add_special_tokens=False), self.tok.eos_token_ids[0]]
         for i, t in enumerate(ids):
             await asyncio.sleep(0)
             lp = None if params.logprobs is None else -0.5

@@ -254,7 +254,7 @@ class _CaptureLog:
     ("prefill", "rapid", [("prefill", "prefill:split16", "split16"),
                           ("prefill", "prefill:overallocated", "overallocated")]),
     ("prefill", "drift", []),  # block-wise prefill captures nothing
-    ("hybrid", "rapid", [("decode", None, "default"), ("prefill", None, "default")]),
+    ("hybrid", "rapid", [("decode", None, "overallocated"), ("prefill", None, "overallocated")]),
 ])
 def test_every_rank_captures_the_same_graphs_in_the_plans_order(role: str, policy: str,
                                                                  want: list[tuple[str, object, str]]) -> None:

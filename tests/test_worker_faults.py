@@ -1,9 +1,9 @@
 """A request never kills a worker: an exception while handling one request fails that request (with
 its error) and the worker goes on serving the rest.
 
-The real decode, prefill and hybrid worker classes run in this process on a real ModelRunner (a tiny
-preset on CPU) with their channels replaced by lists; a fault is injected into the runner for one
-"poisoned" request (its seed), as a bad parameter reaching the device code would raise.
+The real decode worker (rapid, and hybrid: every step fused) and prefill worker classes run in this process
+on a real ModelRunner (a tiny preset on CPU) with their channels replaced by lists; a fault is injected into
+the runner for one "poisoned" request (its seed), as a bad parameter reaching the device code would raise.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.faults import is_fatal
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.loader import resolve_model
-from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams
 
@@ -243,24 +244,16 @@ def test_decode_step_that_raises_fails_its_batch_and_the_worker_goes_on(
 def test_hybrid_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
     cfg, runner = poisoned
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io, ahead=False)  # each step recorded before the next is planned
     io.inbox += [req("a", n=5), req("bad", POISON, n=5)]
-    w.read_inbox(wait=False)
+    _read(w)
     io.inbox += [req("c", n=3)]
-    for _ in range(30):
-        plan = w.sched.schedule()
-        if plan.is_empty:
-            break
-        step = w.guarded(plan, w.launch, (plan, None))
-        w.read_inbox(wait=False)
-        if step is not None:
-            w.guarded(plan, w.record, step)
-        w.publish()
+    _run_ahead(w, 30)
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
     toks = _indices(io)
     assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
-    assert w.sched.blocks.num_free == w.blocks.num_blocks
+    assert w.sched.blocks.num_free == w.sched.blocks.num_blocks
 
 
 @pytest.mark.parametrize("err, fatal", [
@@ -318,14 +311,28 @@ def test_prefill_carry_feeds_the_leading_decode_rows(setup: tuple[Any, ModelRunn
         runner.prefill([PrefillItem([0], len(prompt), [0]), chunk], carry=Carry(sampled, [(1, 1)]))
 
 
-def _run_ahead(w: HybridWorker, steps: int, before: Any = None) -> None:
-    """Drive the scheduling-ahead loop by hand (`before(i)` runs ahead of step i), then drain it."""
-    prev = None
+def _fused_worker(cfg: Any, runner: ModelRunner, io: FakeIO, ahead: bool = True) -> DecodeWorker:
+    """Hybrid mode's worker: the decode worker alone, every step fused (worker_build.build_hybrid's)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, async_scheduling=ahead))
+    plan = PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, "hybrid")
+    return DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), None, AlwaysFused())  # type: ignore[arg-type]
+
+
+def _read(w: DecodeWorker) -> None:
+    """The worker's inbox, handled now (as at the top of its loop)."""
+    for msg in w.io.drain():
+        w.handle(msg)
+
+
+def _run_ahead(w: DecodeWorker, steps: int, before: Any = None) -> None:
+    """Turn the worker's loop by hand (`before(i)` runs ahead of turn i) until every request has ended."""
     for i in range(steps):
         if before is not None:
             before(i)
-        prev = w.step_ahead(prev)
-        if prev is None and not w.seqs:
+        w.turn()
+        if not w.inflight and not w.sched.reqs:
             return
     raise AssertionError("requests still running")
 
@@ -333,15 +340,14 @@ def _run_ahead(w: HybridWorker, steps: int, before: Any = None) -> None:
 def test_hybrid_ahead_fails_only_the_request_that_raises(poisoned: tuple[Any, ModelRunner]) -> None:
     cfg, runner = poisoned
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     io.inbox += [req("a", n=5), req("bad", POISON, n=5), req("c", n=3)]
-    w.read_inbox(wait=False)
     _run_ahead(w, 40)
     fin = io.of("d2r", m.Finished)
     assert [(f.req_id, f.reason) for f in fin] == [("bad", "error")] and "sampling blew up" in fin[0].message
     toks = _indices(io)
     assert toks["a"] == list(range(5)) and toks["c"] == list(range(3)) and "bad" not in toks
-    assert w.sched.blocks.num_free == w.blocks.num_blocks
+    assert w.sched.blocks.num_free == w.sched.blocks.num_blocks
 
 
 def test_hybrid_ahead_launch_that_fails_late_leaves_no_placeholder(setup: tuple[Any, ModelRunner],
@@ -350,16 +356,17 @@ def test_hybrid_ahead_launch_that_fails_late_leaves_no_placeholder(setup: tuple[
     in that step goes on (its token is recomputed next step) and nothing is left half-advanced."""
     cfg, runner = setup
     io = FakeIO()
-    w = HybridWorker(cfg, runner, io)  # type: ignore[arg-type]
+    w = _fused_worker(cfg, runner, io)
     io.inbox += [req("a", n=8)]
-    w.read_inbox(wait=False)
+    _read(w)
     armed = arm_host_copy_failure(monkeypatch)
 
     def before(i: int) -> None:
         if i == 3:
             io.inbox.append(req("b", n=4))
-            w.read_inbox(wait=False)
+            _read(w)
             armed["on"] = True
+        if i == 4:  # after the failed step
             io.inbox.append(req("c", n=4))
 
     _run_ahead(w, 60, before)
@@ -367,4 +374,4 @@ def test_hybrid_ahead_launch_that_fails_late_leaves_no_placeholder(setup: tuple[
     assert [(f.req_id, f.reason) for f in fin] == [("b", "error")] and "pinned allocation" in fin[0].message
     toks = _indices(io)
     assert toks["a"] == list(range(8)) and toks["c"] == list(range(4)) and "b" not in toks
-    assert w.sched.blocks.num_free == w.blocks.num_blocks
+    assert w.sched.blocks.num_free == w.sched.blocks.num_blocks

@@ -207,8 +207,31 @@ def decode_block_s(num_splits: int, num_kv_heads: int, num_sms: int, waves: int 
     return triton.next_power_of_2(max(num_splits, most))
 
 
+# ROCm launch parameters (torch.version.hip set): chosen from the kernels compiled for gfx942 (MI300X) on a CPU
+# machine, never run on one (bench/amd_compile_check.py; its table: bench/results/amd_compile/). The ROCm Triton
+# guides recommend num_stages=1 for loops with two dots (flash attention) and the 16x16 MFMA
+# (matrix_instr_nonkdim=16) where registers are short. NVIDIA's num_stages=3 gives the decode kernel 32 KiB of LDS
+# a workgroup (2 waves per SIMD); one stage halves it (3 waves, VGPR-bound). NVIDIA's prefill tiles spill on gfx942
+# (256 VGPRs and scratch) with the default 32x32 MFMA; with the 16x16 one and one stage they fit (204 VGPRs at
+# head_dim 128: 2 waves; 123 at 64: 4). fp32 prefill needs waves_per_eu=2 to stay out of scratch. The reduce kernel
+# holds its [BLOCK_S, BLOCK_D] fp32 partials in registers: with 4 warps, BLOCK_S 512 (a rank of one kv head at
+# batch 2 on 304 CUs) allows 1 wave and 1024 (batch 1) spills; so on ROCm it takes up to 16 warps (<= 64 partials a
+# thread) and at most ROCM_MAX_SPLITS splits (1024 x 128 spills even at 16 warps, whose 1024 threads cap a wave at
+# 128 VGPRs).
+ROCM_MAX_SPLITS = 512
+
+
+def _reduce_warps(block_s: int, block_d: int) -> int:
+    """The reduce kernel's num_warps: 4 on NVIDIA; on ROCm enough wave64 warps for <= 64 partials a thread."""
+    if not torch.version.hip:
+        return 4
+    return min(16, max(4, block_s * block_d // (64 * 64)))
+
+
 def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
+    if torch.version.hip:
+        return (32 if dtype == torch.float32 else 64), 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
     return 64, 4, 3
@@ -243,6 +266,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
                                        _num_sms(q.device))
+        if torch.version.hip:
+            num_splits = min(num_splits, ROCM_MAX_SPLITS)
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
@@ -258,9 +283,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         DIRECT=direct, IEEE=q.dtype == torch.float32,
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     if not direct:
+        block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device))
         _decode_reduce_kernel[(batch * num_heads,)](
-            out, lse, part, num_splits, HEAD_DIM=head_dim,
-            BLOCK_S=decode_block_s(num_splits, num_kv_heads, _num_sms(q.device)), BLOCK_D=block_d, num_warps=4)
+            out, lse, part, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
+            num_warps=_reduce_warps(block_s, block_d))
     return out
 
 
@@ -348,11 +374,20 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
 
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if torch.version.hip:
+        return (64, 32, 4, 1) if dtype == torch.float32 else (128, 64, 8, 1)
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
     return 128, 64, 8, 2
+
+
+def _prefill_amd_options(dtype: torch.dtype) -> dict[str, int]:
+    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them)."""
+    if not torch.version.hip:
+        return {}
+    return {"waves_per_eu": 2} if dtype == torch.float32 else {"matrix_instr_nonkdim": 16}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -389,7 +424,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
-        num_stages=num_stages or cfg_stages)
+        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype))
     return out
 
 

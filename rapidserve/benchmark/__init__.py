@@ -3,9 +3,14 @@
 Modules by concept: `arrivals` (when requests are released), `workloads` (what is sent), `traces`
 (reading Azure and Mooncake trace files), `replay` (a trace's window, arrivals, prompts from hash
 ids, ideal prefix-cache hit rate), `client` (streamed HTTP requests and their timings), `stats`
-(per-request records, percentiles, goodput), `runner` (a load sweep: `BenchConfig` -> result
-dict), `results` (reading a result), `report` (JSON and markdown), `plot` (throughput / p99 ITL /
-p99 TTFT against offered load, one line per system), `cli`.
+(per-request records, percentiles, per-rate SLO goodput), `serving_result` (a run as vLLM's `bench
+serve` reports it: its printed table and its --save-result JSON), `progress` (a progress bar per
+run), `runner` (a load sweep: `BenchConfig` -> result dict), `goodput` (the papers' goodput and the
+pure steps of its rate search), `search` (the search loop, and its run against a server), `results`
+(reading a result), `report` (a sweep's JSON and markdown), `goodput_report` (a search's), `plot`
+(throughput / p99 ITL / p99 TTFT against offered load, and goodput against the ITL bound, one line
+per system), `save` (what is written where: only where asked), `flags`, `search_flags` and
+`vllm_flags` (argument types, the search's flags, vLLM `bench serve`'s flag names), `cli`.
 
 In-process use (as bench/compare.py does):
 
@@ -15,6 +20,10 @@ In-process use (as bench/compare.py does):
                       rates=(1.0, 2.0, float("inf")), num_prompts=32, label="rapid")
     result = asyncio.run(run_benchmark(cfg))
     write_outputs(result, "out", "rapid_4096-64")
+
+    from rapidserve.benchmark.goodput import SearchConfig
+    from rapidserve.benchmark.search import run_goodput_search
+    found = asyncio.run(run_goodput_search(cfg, SearchConfig(budget_s=300)))  # cfg.num_prompts per probe
 """
 
 from rapidserve.benchmark.report import load_result, to_markdown, write_outputs

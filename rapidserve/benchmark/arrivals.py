@@ -6,7 +6,10 @@ them have finished. A `--max-concurrency` cap can hold a released request until 
 is then sent late (the record keeps both times).
 
 - poisson: gaps drawn from an exponential distribution with mean 1/rate (a seeded numpy Generator,
-  so a seed gives the same schedule every time).
+  so a seed gives the same schedule every time). With a burstiness b other than 1 (`--burstiness`, as
+  vLLM's `bench serve`), gaps from a gamma distribution of shape b and mean 1/rate: b < 1 is burstier
+  than Poisson, b > 1 more even. Unlike vLLM, the gaps are not rescaled so that the last arrival falls
+  at n / rate: the offered rate is the process's, not forced on each sample.
 - fixed: one request every 1/rate seconds.
 - rate inf: everything at 0 (a burst; then `--max-concurrency` is the only pacing).
 
@@ -56,13 +59,18 @@ def rate_rng(seed: int, rate_index: int) -> np.random.Generator:
 
 
 def arrival_times(rate: float, process: str, rng: np.random.Generator, num: int | None = None,
-                  duration_s: float | None = None) -> np.ndarray:
+                  duration_s: float | None = None, burstiness: float = 1.0) -> np.ndarray:
     """Release offsets (seconds, non-decreasing, first at 0) of one run at `rate` requests/s.
 
     Exactly `num` arrivals, or those before `duration_s`, or (both given) the first `num` before it.
+    `burstiness`: the gamma shape of poisson's gaps (1: exponential, the same draws as without it).
     """
     if process not in ARRIVAL_PROCESSES:
         raise ValueError(f"arrival process {process!r} is not one of {', '.join(ARRIVAL_PROCESSES)}")
+    if not (math.isfinite(burstiness) and burstiness > 0):
+        raise ValueError(f"burstiness {burstiness} must be a positive finite number (1: Poisson)")
+    if burstiness != 1.0 and process != "poisson":
+        raise ValueError(f"burstiness {burstiness:g} shapes Poisson arrivals: the {process} process has none")
     if not rate > 0:
         raise ValueError(f"request rate {rate} must be positive (or inf)")
     if num is None and duration_s is None:
@@ -86,7 +94,10 @@ def arrival_times(rate: float, process: str, rng: np.random.Generator, num: int 
     if process == "fixed":
         t = np.arange(count, dtype=float) / rate
     else:
-        gaps = rng.exponential(1.0 / rate, size=count)
+        if burstiness == 1.0:
+            gaps = rng.exponential(1.0 / rate, size=count)
+        else:
+            gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=count)
         t = np.concatenate(([0.0], np.cumsum(gaps[:-1])))
     if duration_s is not None:
         t = t[t < duration_s]

@@ -12,8 +12,9 @@ ignore it (OpenAI-compatible servers ignore unknown fields; rapidserve does). `T
 fields to every request (`rapidserve bench --penalties`: presence, frequency and repetition penalties,
 which leave greedy decoding of exactly `max_tokens` tokens, so the same work with the penalties on).
 
-A failure is recorded with its error text: `HTTP <status>: <OpenAI error message or body>`, an error
-event inside the stream, a timeout, or the connection error.
+The streamed text is kept in the record (`generated_text`; `--save-result --save-detailed` writes it as
+vLLM's `generated_texts`). A failure is recorded with its error text: `HTTP <status>: <OpenAI error
+message or body>`, an error event inside the stream, a timeout, or the connection error.
 """
 
 from __future__ import annotations
@@ -92,15 +93,20 @@ def completion_payload(model: str, prompt: Sequence[int], output_len: int,
     return body
 
 
+def chunk_text(choice: Mapping[str, Any]) -> str:
+    """The text a choice carries (a completion's `text`, or a chat-style delta's content; '' for none)."""
+    text = choice.get("text")
+    if text is None:  # chat-style delta
+        text = (choice.get("delta") or {}).get("content")
+    return text if isinstance(text, str) else ""
+
+
 def chunk_tokens(choice: Mapping[str, Any]) -> tuple[int, list[int] | None]:
     """(tokens this choice carries, its token ids if the server sent them)."""
     ids = choice.get("token_ids")
     if isinstance(ids, list):
         return len(ids), [int(t) for t in ids]
-    text = choice.get("text")
-    if text is None:  # chat-style delta
-        text = (choice.get("delta") or {}).get("content")
-    return (1 if text else 0), None
+    return (1 if chunk_text(choice) else 0), None
 
 
 async def stream_completion(session: aiohttp.ClientSession, target: Target, prompt: Sequence[int], output_len: int,
@@ -113,6 +119,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
     counts: list[int] = []
     ids: list[int] | None = []
     usage_tokens: int | None = None
+    texts: list[str] = []
     start = time.perf_counter()
     record.start_s = start - t0
     try:
@@ -145,6 +152,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
                 for choice in event.get("choices") or ():
                     k, cids = chunk_tokens(choice)
                     n += k
+                    texts.append(chunk_text(choice))
                     if cids is not None:
                         chunk_ids = (chunk_ids or []) + cids
                 if n > 0:
@@ -164,6 +172,7 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, prom
         record.e2e_s = time.perf_counter() - start
         return Streamed(record, None)
     record.e2e_s = end - start
+    record.generated_text = "".join(texts)
     if not times:
         record.error = "the stream carried no tokens"
         return Streamed(record, None)

@@ -1,4 +1,4 @@
-"""Plots of sweeps against offered load, one line per system (matplotlib, Agg backend).
+"""Plots of sweeps against offered load, and of goodput frontiers, one line per system (matplotlib, Agg backend).
 
 `plot_sweeps(results, path)` takes results (dicts as `run_benchmark` returns them, or paths of the
 JSON files `rapidserve bench` wrote; one per system and workload) and draws one row per workload
@@ -6,6 +6,15 @@ with three panels: output token throughput, p99 inter-token latency and p99 TTFT
 offered request rate, one line per system label. A rate of inf is drawn right of the largest finite
 rate and labelled "inf".
 Optional horizontal lines (`itl_bounds_ms`) mark ITL bounds (e.g. 50 and 100 ms).
+
+`plot_frontier(results, path)` takes goodput search results of one workload (goodput_report.py) and draws
+goodput (requests/s) against the ITL bound, unbounded at the right: a colour per system label, a line
+style per share (solid: the lowest share). An entry whose search did not finish is drawn hollow. With
+`attainment`, a second panel draws the first result's attainment curves: the share of requests meeting
+each bound at each probed rate, the shares as dashed lines.
+
+matplotlib is optional (`pip install rapidserve[bench]`): callers check `have_matplotlib()` and say
+PLOT_NEEDS instead of drawing.
 """
 
 from __future__ import annotations
@@ -14,10 +23,30 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rapidserve.benchmark.results import load_result, workload_title
+from rapidserve.benchmark.goodput import UNFINISHED, bound_key
+from rapidserve.benchmark.results import (
+    bound_label,
+    entry,
+    frontier_points,
+    load_result,
+    search_bounds,
+    search_shares,
+    workload_title,
+)
+
+PLOT_NEEDS = "the plot needs matplotlib: pip install rapidserve[bench]"
+LINE_STYLES: tuple[str, ...] = ("-", "--", ":", "-.")
 
 PANELS: tuple[tuple[str, str], ...] = (("output tokens/s", "output_throughput"), ("p99 ITL (ms)", "itl_ms"),
                                        ("p99 TTFT (ms)", "ttft_ms"))
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def x_positions(rates: Sequence[float]) -> dict[float, float]:
@@ -91,3 +120,75 @@ def plot_sweeps(sources: Sequence[Mapping[str, Any] | str], path: str, title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _bound_x(b: float | None) -> float:
+    return math.inf if b is None else float(b)
+
+
+def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | None = None,
+                  attainment: bool = False) -> str:
+    """Draw the goodput frontier of each search result (one workload) into the PNG at `path`; return the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bounds: list[float | None] = []
+    for r in results:
+        bounds += [b for b in search_bounds(r) if b not in bounds]
+    xs = x_positions([_bound_x(b) for b in bounds])
+    shares = sorted({q for r in results for q in search_shares(r)})
+    cols = 2 if attainment and results else 1
+    fig, axes = plt.subplots(1, cols, figsize=(6.0 * cols, 4.2), squeeze=False)
+    ax = axes[0][0]
+    labels = list(dict.fromkeys(str(r.get("label")) for r in results))
+    for r in results:
+        color = f"C{labels.index(str(r.get('label'))) % 10}"
+        for k, q in enumerate(shares):
+            pts = [(b, g) for b, g in frontier_points(r, q, bounds) if g is not None]
+            if not pts:
+                continue
+            done = [(entry(r, b, q) or {}).get("status") != UNFINISHED for b, _ in pts]
+            xv = [xs[_bound_x(b)] for b, _ in pts]
+            ax.plot(xv, [g for _, g in pts], color=color, linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+                    label=f"{r.get('label')}, {q:.0%}")
+            ax.scatter(xv, [g for _, g in pts], color=[color if d else "white" for d in done], edgecolors=color,
+                       zorder=3)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks([xs[_bound_x(b)] for b in bounds])
+    ax.set_xticklabels([bound_label(b).replace(" ms", "") for b in bounds])
+    ax.minorticks_off()
+    ax.set_xlabel("per-request p95 ITL bound (ms)")
+    ax.set_ylabel("goodput (requests/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("goodput at each bound (hollow: the search did not settle it)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    if cols == 2:
+        _plot_attainment(axes[0][1], results[0], shares)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_attainment(ax: Any, result: Mapping[str, Any], shares: Sequence[float]) -> None:
+    probes = sorted(result.get("probes", []), key=lambda p: float(p["rate"]))
+    for i, b in enumerate(search_bounds(result)):
+        pts = [(float(p["rate"]), p["attainment"].get(bound_key(b))) for p in probes]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if pts:
+            ax.plot([x for x, _ in pts], [100 * y for _, y in pts], marker="o", color=f"C{i % 10}",
+                    label=bound_label(b))
+    for q in shares:
+        ax.axhline(100 * q, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("Poisson rate (requests/s)")
+    ax.set_ylabel("requests meeting TTFT rule and bound (%)")
+    ax.set_title(f"attainment: {result.get('label')}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)

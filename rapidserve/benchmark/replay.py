@@ -76,12 +76,15 @@ class Replay:
     beyond_cap: int  # in the window after the --num-prompts cap was reached (neither clipped nor skipped)
     hits: dict[str, Any]
 
-    def offsets(self, point: float, rng: np.random.Generator) -> np.ndarray:
-        """Release offsets (s) of one run: `point` is the time scale (timestamps) or the rate (poisson)."""
+    def offsets(self, point: float, rng: np.random.Generator, burstiness: float = 1.0) -> np.ndarray:
+        """Release offsets (s) of one run: `point` is the time scale (timestamps) or the rate (poisson, gamma
+        gaps of shape `burstiness`)."""
         if self.spec.arrivals == "timestamps":
+            if burstiness != 1.0:
+                raise ValueError("--burstiness shapes Poisson arrivals: a trace's timestamps have their own")
             t = np.array([it.t_s for it in self.items])
             return (t - t[0]) / point
-        return arrival_times(point, "poisson", rng, num=len(self.items))
+        return arrival_times(point, "poisson", rng, num=len(self.items), burstiness=burstiness)
 
     def offered_rate(self, point: float) -> float:
         """Requests/s of a run at `point`: the rate (poisson), or (n - 1) / span * scale (timestamps)."""

@@ -11,13 +11,16 @@ from typing import Any
 from rapidserve.benchmark.arrivals import rate_label
 from rapidserve.benchmark.results import load_result, trace_line, workload_title
 
-__all__ = ["fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_outputs"]
+__all__ = [
+    "fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_json_and_markdown",
+    "write_outputs",
+]
 
 THROUGHPUT_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "d"), ("failed", "failed", "d"), ("duration (s)", "duration_s", ".2f"),
     ("req/s", "request_throughput", ".2f"), ("output tok/s", "output_throughput", ".1f"),
-    ("total tok/s", "total_token_throughput", ".1f"), ("goodput (req/s)", "goodput", ".2f"),
-    ("goodput RAPID TTFT (req/s)", "goodput_rapid_ttft", ".2f"))
+    ("total tok/s", "total_token_throughput", ".1f"), ("--goodput SLO-met req/s at this rate", "goodput", ".2f"),
+    ("TTFT-rule req/s at this rate", "goodput_rapid_ttft", ".2f"))
 LATENCIES: tuple[tuple[str, str], ...] = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"),
                                           ("E2E", "e2el_ms"))
 STATS: tuple[str, ...] = ("mean", "median", "p90", "p99")
@@ -73,9 +76,12 @@ def to_markdown(result: Mapping[str, Any]) -> str:
         f"- server: {result.get('base_url')}, model `{result.get('model')}`",
         f"- workload: {workload_title(result.get('workload', {}))} ({_workload_details(result.get('workload', {}))})",
         *_arrivals(result),
-        "- goodput: completed requests per second meeting "
+        "- per-rate SLO goodput (`--goodput`, not the searched goodput of `--goodput-search`): completed requests "
+        "per second of each run meeting "
         + (", ".join(f"{k} <= {v:g} ms" for k, v in slos.items()) if slos else "(no --goodput bounds given)")
-        + "; RAPID TTFT goodput: TTFT <= 1 s per 1K prompt tokens",
+        + " (itl: the request's largest gap); TTFT-rule req/s: those with TTFT <= 1 s per 1K prompt tokens. The "
+        "papers' goodput (the highest Poisson rate at which a share of requests meet a p95 ITL bound and the TTFT "
+        "rule) is `rapidserve bench --goodput-search`",
         f"- {result.get('created')}", "",
         "| rate (req/s) | " + " | ".join(c[0] for c in THROUGHPUT_COLUMNS) + " |",
         "|---" * (len(THROUGHPUT_COLUMNS) + 1) + "|",
@@ -139,8 +145,9 @@ def _workload_details(w: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in w.items() if k not in skip and v is not None)
 
 
-def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool = True) -> dict[str, str]:
-    """Write <out_dir>/<name>.json, .md and (with `plot`) .png; return their paths by kind."""
+
+def write_json_and_markdown(result: Mapping[str, Any], out_dir: str, name: str, markdown: str) -> dict[str, str]:
+    """Write <out_dir>/<name>.json (the result, JSON-safe) and <name>.md (`markdown`); their paths by kind."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, name)
     paths = {"json": base + ".json", "md": base + ".md"}
@@ -148,10 +155,19 @@ def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool
         json.dump(jsonable(result), f, indent=1, allow_nan=False)
         f.write("\n")
     with open(paths["md"], "w") as f:
-        f.write(to_markdown(result))
-    if plot and result.get("runs"):
-        from rapidserve.benchmark.plot import plot_sweeps
+        f.write(markdown)
+    return paths
 
+def write_outputs(result: Mapping[str, Any], out_dir: str, name: str, plot: bool = True) -> dict[str, str]:
+    """Write <out_dir>/<name>.json, .md and (with `plot`) .png; return their paths by kind."""
+    base = os.path.join(out_dir, name)
+    paths = write_json_and_markdown(result, out_dir, name, to_markdown(result))
+    if plot and result.get("runs"):
+        from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_sweeps
+
+        if not have_matplotlib():
+            print(f"rapidserve bench: no {base}.png: {PLOT_NEEDS}", flush=True)
+            return paths
         paths["png"] = base + ".png"
         plot_sweeps([result], paths["png"], title=f"{result.get('label')}: "
                                                   f"{workload_title(result.get('workload', {}))}")

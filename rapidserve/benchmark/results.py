@@ -1,16 +1,19 @@
-"""A sweep's result dict as the report and the plot read it: loading its JSON, naming its workload.
+"""A result dict (a sweep's, or a goodput search's) as the reports and the plots read it: loading its
+JSON, naming its workload, a search's goodput entries.
 
 `trace_line` says in one line what a trace replay sent (the runner logs it, the report writes it).
-Below both `report` (which writes the result, its markdown and its plot) and `plot` (which draws
-results), so neither imports the other's helpers.
+Below `report` and `goodput_report` (which write results, their markdown and their plots) and `plot`
+(which draws them), so none imports another's helpers.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rapidserve.benchmark.goodput import UNBOUNDED
 
 
 def workload_title(workload: Mapping[str, Any]) -> str:
@@ -46,3 +49,40 @@ def load_result(path: str) -> dict[str, Any]:
     """A result JSON file as `rapidserve bench` wrote it (non-finite numbers are null there)."""
     with open(path) as f:
         return json.load(f)  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- a goodput search's result (goodput_report.py)
+
+
+def bound_label(itl_bound_ms: float | None) -> str:
+    """'25 ms', ... or 'unbounded'."""
+    return UNBOUNDED if itl_bound_ms is None else f"{itl_bound_ms:g} ms"
+
+
+def entry(result: Mapping[str, Any], itl_bound_ms: float | None, share: float) -> dict[str, Any] | None:
+    """A search result's goodput entry for (bound, share), if it has one."""
+    want = None if itl_bound_ms is None else float(itl_bound_ms)
+    for e in result.get("goodput", []):
+        b = None if e["itl_bound_ms"] is None else float(e["itl_bound_ms"])
+        if b == want and abs(float(e["share"]) - share) < 1e-9:
+            return dict(e)
+    return None
+
+
+def search_bounds(result: Mapping[str, Any]) -> list[float | None]:
+    """The bounds a search result was scored at, tightest first and unbounded last (the frontier's x order)."""
+    return [*sorted(float(b) for b in result["search"]["settings"]["itl_bounds_ms"]), None]
+
+
+def search_shares(result: Mapping[str, Any]) -> list[float]:
+    return sorted(float(q) for q in result["search"]["settings"]["shares"])
+
+
+def frontier_points(result: Mapping[str, Any], share: float,
+                    bounds: Sequence[float | None] | None = None) -> list[tuple[float | None, float | None]]:
+    """(bound, goodput) along the bounds (default: the result's) for one share (None where not searched)."""
+    out: list[tuple[float | None, float | None]] = []
+    for b in bounds if bounds is not None else search_bounds(result):
+        e = entry(result, b, share)
+        out.append((b, None if e is None else float(e["goodput"])))
+    return out

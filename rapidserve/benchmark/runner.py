@@ -14,6 +14,10 @@ first `cfg.warmup` requests at once (with tokens of their own).
 The result: {"label", "base_url", "model", "workload", "config", "runs": [{"rate", "summary",
 "requests": [...]}, ...], "skipped_rates", "created"} and, for a trace, "trace" (the file, window,
 counts and ideal hit rate: `Replay.describe`); rates are numbers or "inf".
+
+Unless `cfg.quiet`, each run prints what vLLM's `bench serve` prints of one: its traffic settings, then (with
+`cfg.progress`) a progress bar of its requests, then its "Serving Benchmark Result" table
+(serving_result.py, with `cfg.percentile_metrics` and `cfg.metric_percentiles`).
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import numpy as np
 
 from rapidserve.benchmark.arrivals import arrival_times, rate_label, rate_rng
 from rapidserve.benchmark.client import Target, counter_deltas, fetch_models, server_counters, stream_completion
+from rapidserve.benchmark.progress import Bar, request_bar
 from rapidserve.benchmark.replay import Replay, build_replay
 from rapidserve.benchmark.results import trace_line
+from rapidserve.benchmark.serving_result import DEFAULT_METRICS, DEFAULT_PERCENTILES, result_block, serving_metrics
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.workloads import BenchRequest, WorkloadSpec, make_conversation, make_request
 
@@ -65,6 +71,10 @@ class BenchConfig:
     # (bench/compare.py gives each workload and each follow-up sweep its own, so that no run finds an
     # earlier run's prompts in a server's prefix cache).
     salt_base: int = 0
+    burstiness: float = 1.0  # the gamma shape of Poisson arrivals' gaps (1: Poisson; vLLM's --burstiness)
+    percentile_metrics: tuple[str, ...] = DEFAULT_METRICS  # the printed table's (and --save-result's) metrics
+    metric_percentiles: tuple[float, ...] = DEFAULT_PERCENTILES  # and their percentiles
+    progress: bool = False  # a progress bar per run (stderr); `rapidserve bench` turns it on
 
 
 def rate_json(rate: float) -> float | str:
@@ -82,7 +92,7 @@ def load_points(cfg: BenchConfig, replay: Replay | None) -> tuple[float, ...]:
 
 async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
                            sem: asyncio.Semaphore | None, t0: float, salt: int,
-                           replay: Replay | None = None) -> list[RequestRecord]:
+                           replay: Replay | None, bar: Bar) -> list[RequestRecord]:
     spec = cfg.workload
 
     def make(i: int) -> BenchRequest:
@@ -97,6 +107,7 @@ async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: 
         rec.scheduled_s = time.perf_counter() - t0
         async with sem if sem is not None else contextlib.nullcontext():
             await stream_completion(session, target, req.prompt, req.output_len, rec, t0)
+        bar.update(1)
         return rec
 
     return list(await asyncio.gather(*(one(i, float(at)) for i, at in enumerate(offsets))))
@@ -104,7 +115,7 @@ async def _run_single_turn(session: aiohttp.ClientSession, target: Target, cfg: 
 
 async def _run_conversations(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, offsets: np.ndarray,
                              sem: asyncio.Semaphore | None, t0: float, salt: int,
-                             replay: Replay | None = None) -> list[RequestRecord]:
+                             replay: Replay | None, bar: Bar) -> list[RequestRecord]:
     spec = cfg.workload
 
     async def one(c: int, at: float) -> list[RequestRecord]:
@@ -120,7 +131,9 @@ async def _run_conversations(session: aiohttp.ClientSession, target: Target, cfg
             async with sem if sem is not None else contextlib.nullcontext():
                 got = await stream_completion(session, target, prompt, n_out, rec, t0, return_token_ids=True)
             out.append(rec)
-            if not rec.success:  # the conversation cannot go on without this turn
+            bar.update(1)
+            if not rec.success:  # the conversation cannot go on without this turn (its other turns count as done)
+                bar.update(spec.num_turns - 1 - turn)
                 break
             outputs = got.token_ids if got.token_ids is not None else conv.standin(rec.output_tokens, spec)
             history = [*prompt, *outputs]
@@ -138,18 +151,25 @@ async def _sleep_until(t: float) -> None:
 
 async def run_rate(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, rate: float,
                    rate_index: int, replay: Replay | None = None,
-                   offsets: np.ndarray | None = None) -> tuple[list[RequestRecord], float]:
+                   offsets: np.ndarray | None = None, desc: str | None = None) -> tuple[list[RequestRecord], float]:
     """One run at `rate` (the `rate_index`-th of the sweep, >= 0: it salts the arrivals and the prompts'
     tokens; for a trace `rate` is the load point: a time scale or a rate): its records and its wall
-    time. `offsets`: release these instead of the schedule's (the warm-up)."""
+    time. `offsets`: release these instead of the schedule's (the warm-up). `desc`: the progress bar's
+    label (with `cfg.progress`; default: the rate)."""
     rng = rate_rng(cfg.seed, rate_index)
     if offsets is None:
-        offsets = (replay.offsets(rate, rng) if replay is not None else
-                   arrival_times(rate, cfg.arrival, rng, cfg.num_prompts, cfg.duration_s))
+        offsets = (replay.offsets(rate, rng, cfg.burstiness) if replay is not None else
+                   arrival_times(rate, cfg.arrival, rng, cfg.num_prompts, cfg.duration_s, cfg.burstiness))
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    multiturn = cfg.workload.name == "multiturn"
+    total = len(offsets) * (cfg.workload.num_turns if multiturn else 1)
+    bar = request_bar(cfg.progress and not cfg.quiet, total, desc or f"rate {rate_label(rate)}")
     t0 = time.perf_counter()
-    run = _run_conversations if cfg.workload.name == "multiturn" else _run_single_turn
-    records = await run(session, target, cfg, offsets, sem, t0, rate_index, replay)
+    run = _run_conversations if multiturn else _run_single_turn
+    try:
+        records = await run(session, target, cfg, offsets, sem, t0, rate_index, replay, bar)
+    finally:
+        bar.close()
     return records, time.perf_counter() - t0
 
 
@@ -166,37 +186,75 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     return target, (int(mml) if isinstance(mml, int) else None)
 
 
-def _log(cfg: BenchConfig, msg: str) -> None:
+def new_session() -> aiohttp.ClientSession:
+    """The client session of a benchmark: no cap on connections (the arrival process paces the requests)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False))
+
+
+async def prepare(session: aiohttp.ClientSession, cfg: BenchConfig) -> tuple[Target, BenchConfig, Replay | None]:
+    """The target, `cfg` with the workload's max model length resolved (the server's unless given) and
+    checked, and the trace's replay (None for the other workloads)."""
+    target, server_mml = await resolve_target(session, cfg)
+    spec = cfg.workload
+    if spec.max_model_len is None and server_mml is not None:
+        spec = replace(spec, max_model_len=server_mml)
+    spec.check()
+    cfg = replace(cfg, workload=spec)
+    replay = build_replay(spec, cfg.num_prompts, cfg.duration_s) if spec.name == "trace" else None
+    return target, cfg, replay
+
+
+async def warm_up(session: aiohttp.ClientSession, target: Target, cfg: BenchConfig, replay: Replay | None) -> None:
+    """Send `cfg.warmup` unrecorded requests at once (a trace: its window's first ones); ConnectionError
+    when one fails."""
+    if not cfg.warmup:
+        return
+    warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
+    first = np.zeros(min(cfg.warmup, len(replay.items))) if replay is not None else None
+    records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT, replay, first, desc="warm-up")
+    bad = [r.error for r in records if not r.success]
+    if bad:
+        raise ConnectionError(f"warm-up request failed: {bad[0]}")
+
+
+def say(cfg: BenchConfig, msg: str) -> None:
     if not cfg.quiet:
         print(msg, flush=True)
 
 
+def traffic_lines(cfg: BenchConfig, rate: float, time_scale: float | None = None) -> str:
+    """What a run is about to send, as vLLM's `bench serve` says it before its run."""
+    if time_scale is not None:
+        first = f"Traffic: the trace's timestamps x{time_scale:g} (offered rate {rate_label(rate)} req/s)"
+    else:
+        first = f"Traffic request rate: {rate}"
+    kind = ("Poisson process" if cfg.burstiness == 1.0 else "Gamma distribution") if cfg.arrival == "poisson" \
+        else "fixed intervals"
+    burst = "" if time_scale is not None else f"\nBurstiness factor: {cfg.burstiness} ({kind})"
+    return f"{first}{burst}\nMaximum request concurrency: {cfg.max_concurrency}"
+
+
+def run_table(cfg: BenchConfig, run: dict[str, Any]) -> str:
+    """A finished run's "Serving Benchmark Result" table (serving_result.py) with cfg's metrics and percentiles."""
+    records = [RequestRecord.from_json(r) for r in run["requests"]]
+    m = serving_metrics(records, run["summary"], cfg.percentile_metrics, cfg.metric_percentiles)
+    return result_block(run, m, cfg.percentile_metrics, cfg.metric_percentiles, cfg.max_concurrency)
+
+
 async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the sweep; return the result dict (every request's record and each rate's summary)."""
-    limits = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=limits) as session:
-        target, server_mml = await resolve_target(session, cfg)
+    async with new_session() as session:
+        target, cfg, replay = await prepare(session, cfg)
         spec = cfg.workload
-        if spec.max_model_len is None and server_mml is not None:
-            spec = replace(spec, max_model_len=server_mml)
-        spec.check()
-        cfg = replace(cfg, workload=spec)
-        replay = build_replay(spec, cfg.num_prompts, cfg.duration_s) if spec.name == "trace" else None
         points = load_points(cfg, replay)
         scaled = replay is not None and replay.spec.arrivals == "timestamps"
         label = cfg.label or target.model
-        _log(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
+        say(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
                   + (f"time scales {', '.join(f'{s:g}' for s in points)}" if scaled else
                      f"rates {', '.join(rate_label(r) for r in cfg.rates)}"))
         if replay is not None:
-            _log(cfg, "  " + trace_line(replay.describe()))
-        if cfg.warmup:
-            warm = replace(cfg, num_prompts=cfg.warmup, duration_s=None)
-            first = np.zeros(min(cfg.warmup, len(replay.items))) if replay is not None else None
-            records, _ = await run_rate(session, target, warm, math.inf, WARMUP_SALT, replay, first)
-            bad = [r.error for r in records if not r.success]
-            if bad:
-                raise ConnectionError(f"warm-up request failed: {bad[0]}")
+            say(cfg, "  " + trace_line(replay.describe()))
+        await warm_up(session, target, cfg, replay)
         runs: list[dict[str, Any]] = []
         skipped: list[float | str] = []
         for i, point in enumerate(points):
@@ -204,6 +262,7 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             if cfg.deadline is not None and time.monotonic() >= cfg.deadline:
                 skipped.append(rate_json(rate))
                 continue
+            say(cfg, traffic_lines(cfg, rate, point if scaled else None))
             before = await server_counters(session, cfg.base_url, cfg.api_key)
             records, _ = await run_rate(session, target, cfg, point, cfg.salt_base + i, replay)
             after = await server_counters(session, cfg.base_url, cfg.api_key)
@@ -214,20 +273,13 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             if scaled:
                 run["time_scale"] = point
             runs.append(run)
+            if not cfg.quiet:
+                say(cfg, run_table(cfg, run))
             if on_run is not None:
                 on_run(run)
-            pc = run.get("prefix_cache", {}).get("hit_rate")
-            part, ph = run.get("partition"), run.get("ttft_phases_ms")
-            _log(cfg, "  " + one_line(rate, summary, point if scaled else None)
-                 + (f"; prefix cache hit rate {pc:.1%} (server)" if pc is not None else "")
-                 + (f"; TTFT phases (server, ms) {ph}" if ph else "")
-                 + (f"; partition: {part['switches']} switches, decode steps {part['decode_steps']}" if part else ""))
     return {
         "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
-        "config": {"arrival": cfg.arrival, "num_prompts": cfg.num_prompts, "duration_s": cfg.duration_s,
-                   "max_concurrency": cfg.max_concurrency, "seed": cfg.seed, "slos_ms": cfg.slos_ms,
-                   "warmup": cfg.warmup, "timeout_s": cfg.timeout_s, "rates": [rate_json(r) for r in cfg.rates],
-                   "workload_spec": asdict(spec), "sampling": dict(cfg.sampling),
+        "config": {**config_json(cfg), "rates": [rate_json(r) for r in cfg.rates],
                    **({"time_scales": list(points)} if scaled else {})},
         **({"trace": replay.describe()} if replay is not None else {}),
         "runs": runs, "skipped_rates": skipped,
@@ -235,13 +287,10 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
     }
 
 
-def one_line(rate: float, s: dict[str, Any], time_scale: float | None = None) -> str:
-    def ms(d: dict[str, float | None], k: str) -> str:
-        v = d.get(k)
-        return "-" if v is None else f"{v:.1f}"
-
-    scale = f" (time scale {time_scale:g})" if time_scale is not None else ""
-    return (f"rate {rate_label(rate)}{scale}: {s['completed']} ok, {s['failed']} failed in {s['duration_s']:.1f} s; "
-            f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} out tok/s; "
-            f"TTFT p50 {ms(s['ttft_ms'], 'median')} p99 {ms(s['ttft_ms'], 'p99')} ms; "
-            f"ITL p50 {ms(s['itl_ms'], 'median')} p99 {ms(s['itl_ms'], 'p99')} ms")
+def config_json(cfg: BenchConfig) -> dict[str, Any]:
+    """The run settings a result records (its "config"), less the load points."""
+    return {"label": cfg.label, "arrival": cfg.arrival, "burstiness": cfg.burstiness, "num_prompts": cfg.num_prompts,
+            "duration_s": cfg.duration_s, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
+            "slos_ms": cfg.slos_ms, "warmup": cfg.warmup, "timeout_s": cfg.timeout_s,
+            "workload_spec": asdict(cfg.workload), "sampling": dict(cfg.sampling),
+            "percentile_metrics": list(cfg.percentile_metrics), "metric_percentiles": list(cfg.metric_percentiles)}

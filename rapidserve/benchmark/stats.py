@@ -47,6 +47,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     conversation: int | None = None
     turn: int | None = None
+    generated_text: str = ""  # the streamed text (empty from servers that send only token ids)
 
     @property
     def end_s(self) -> float:

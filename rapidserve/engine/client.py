@@ -64,6 +64,21 @@ class RequestRejected(EngineError, ValueError):
     """The request cannot be served as given (an empty prompt, a token id outside the vocabulary...)."""
 
 
+class ConstraintFailed(EngineError):
+    """The request ended with an error because the grammar engine could not serve its structured-output
+    constraint (`Finished.fault` "structured_outputs"): the request's fault, not the engine's; the
+    message names the constraint and the engine's reason."""
+
+
+def _error_of(msg: m.Finished) -> EngineError | None:
+    """What a request's stream raises when it ends with `msg` (None: an ordinary end)."""
+    if msg.reason != "error":
+        return None
+    if msg.fault == m.STRUCTURED_FAULT:
+        return ConstraintFailed(msg.message)
+    return EngineError(msg.message or msg.reason)
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue[m.TokenOut | BaseException | None]
@@ -290,8 +305,7 @@ class AsyncEngine:
                 s = self.streams.get(msg.req_id)
                 if s is not None and not s.finished:
                     s.finished = True
-                    err = EngineError(msg.message or msg.reason) if msg.reason == "error" else None
-                    s.queue.put_nowait(err)
+                    s.queue.put_nowait(_error_of(msg))
             elif isinstance(msg, m.Stats):
                 self.stats = msg
             elif isinstance(msg, m.Heartbeat):

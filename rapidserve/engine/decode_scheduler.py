@@ -2,36 +2,48 @@
 
 The decode worker (`engine/decode_worker.py`) owns the block tables and asks this scheduler what to
 do; it only moves messages and runs the device. Messages in (`add`, `abort`, `prefill_done`,
-`prefill_failed`, `dropped`) change request states; `admit` hands waiting requests to prefill;
-`schedule` gives the next decode batch; `record` takes a landed step's tokens. What the router must
-hear (`Finished`) collects in `finished`, which the worker publishes.
+`prefill_failed`, `dropped`) change request states; `admit` hands waiting requests to the prefill
+worker; `schedule` gives the next decode batch and `plan` a fused step's (decodes, then prompt chunks
+computed here); `launched` / `record` / `chunks_landed` follow a step onto the device and back. What the
+router must hear (`Finished`) collects in `finished`, which the worker publishes. The policies' views
+of the queues are engine/decode_views.py's; the records, engine/decode_request.py's.
 
 Request states: waiting (holds no blocks: new, or preempted) -> prefilling (blocks allocated and
-handed to prefill in a KVReady, which carries the request; prefill writes them) -> running (in the
-decode batch) -> done. Requests are admitted in arrival order; a preempted one goes back to the
-head of the queue.
+handed to the prefill worker in a KVReady, which carries the request; prefill writes them) or
+chunking (blocks allocated here; this worker computes the prompt, a chunk per fused step) -> running
+(in the decode batch) -> done. Requests are admitted in arrival order; a preempted one goes back to the
+head of the queue. A request handed to the prefill worker stays there until PrefillDone, PrefillFailed
+or Dropped; one chunked here goes on here (whatever the later steps' shapes), a chunk per fused step.
 
 Policy:
-- Admission: while fewer than `max_seqs` requests are prefilling or running, the head of the queue
-  gets blocks for all its tokens under the admission rule every scheduler shares
+- Admission (both kinds): while fewer than `max_seqs` requests are prefilling, chunking or running, the
+  head of the queue gets blocks for all its tokens under the admission rule every scheduler shares
   (`BlockManager.can_admit`: keep the watermark free, unless nothing else holds blocks). The
-  longest cached prefix of its full blocks is shared (`allocate_cached`) and the KVReady tells
-  prefill how many tokens are cached, so prefill computes only the rest. A request's full blocks
+  longest cached prefix of its full blocks is shared (`allocate_cached`): the KVReady tells
+  prefill how many tokens are cached, and a chunked prompt starts after them. A request's full blocks
   are registered in the cache once their K/V are written: the prompt's when PrefillDone comes
-  (prefill's writes landed before it answered), decode's as its steps land.
+  (prefill's writes landed before it answered) or as its chunks land, decode's as its steps land.
+  Local admission (`plan`) passes over requests in `hold` (their grammar still compiling: this worker
+  samples their first token), keeping their place, and admits nothing in a step that preempted.
 - Waiting for a prefix in flight: a waiting request whose next `share_min_tokens` or more tokens past
-  its cached prefix are blocks a prefilling request is writing now (`BlockManager.pending_prefix`: a
-  shared system prompt or conversation that the other request brought first) is passed over, keeping
-  its place in the queue, until that prefill answers; then it shares those blocks and prefill computes
-  only the rest. Prefill's queue is in arrival order (`prefill_worker.enqueue`), so it would have
-  waited behind the other request anyway, and it keeps that place when admitted later; passing it over
-  costs at most the hand-off, and saves computing the shared tokens twice (and their blocks). The
-  requests behind it are admitted meanwhile.
+  its cached prefix are blocks a prefilling or chunking request is writing now (`BlockManager.pending_prefix`:
+  a shared system prompt or conversation that the other request brought first) is passed over, keeping
+  its place in the queue, until that write lands (PrefillDone, or the chunk recorded); then it shares those
+  blocks and only the rest is computed. Prefill's queue is in arrival order (`prefill_worker.enqueue`), so
+  it would have waited behind the other request anyway, and it keeps that place when admitted later;
+  passing it over costs at most the hand-off, and saves computing the shared tokens twice (and their
+  blocks). The requests behind it are admitted meanwhile.
+- A fused step (`plan(chunk_tokens, step_tokens)`): every running request decodes (as `schedule`), then
+  prompt chunks in arrival order up to `chunk_tokens` and the step's `step_tokens` in all: the prompts
+  being chunked first, then new local admissions. A chunk that ends its prompt samples the first token in
+  that step: the request joins the running batch at launch, its token in flight.
 - Growth: before each step every running request's table grows to cover its tokens, counting the
-  token of the step still in flight. When the pool is short, the most recently admitted running
+  token of the step still in flight. A request whose token in flight will certainly end it
+  (`sequence.reaches_length`: max_tokens, the context cap) gets no further step; it keeps its blocks
+  until that token is recorded. When the pool is short, the most recently admitted running or chunking
   request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
-  which prefill recomputes with the prompt, so no token is lost or repeated). Preemption frees
-  blocks, so it needs a quiet pool: with a step in flight `schedule` returns None and the worker
+  which are computed again after the prompt, so no token is lost or repeated). Preemption frees
+  blocks, so it needs a quiet pool: with a step in flight `schedule` / `plan` return None and the worker
   lets that step land first.
 - Stops: after each token, `check_stop` (the one stop check) against the context cap, which is the
   model's window or the pool's capacity where that is smaller, so a request alone always fits.
@@ -41,67 +53,31 @@ Block ownership (docs/architecture.md): a request's blocks are freed only when n
   True: the worker sends Drop) and frees on Dropped, PrefillDone or PrefillFailed, whichever comes;
   the request's id stays held until the Dropped comes (prefill answers every Drop), so a request
   that reuses the id is refused meanwhile and a late Dropped never frees a newer request's blocks;
-- while a decode step that includes the request is in flight (`inflight` > 0), that step writes its
-  newest K/V: a request finished or aborted meanwhile is freed when that step is recorded, and the
-  step's token for it is dropped, so no token is emitted after the end.
+- while a step that includes the request is in flight (`DecodeRequest.writing`: a decode row or a prompt
+  chunk), that step writes its K/V: a request finished or aborted meanwhile is freed when that step is
+  recorded, and the step's token for it is dropped, so no token is emitted after the end. (So a block
+  freed here is never handed to the prefill worker, another process, while a step of this one still
+  writes it.)
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Literal
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.engine import messages as m
-from rapidserve.partition.policy import PendingWork, WaitingPrefill
-from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import check_stop
+from rapidserve.engine.decode_request import Chunk, DecodeRequest, Row, State, StepBatch
+from rapidserve.engine.decode_views import SchedulerViews
+from rapidserve.sequence import check_stop, reaches_length
 
-State = Literal["waiting", "prefilling", "running", "done"]
-Row = tuple[int, float | None, list[tuple[int, float]] | None]  # a sampled token, its logprob, top logprobs
-
-
-@dataclass(eq=False)
-class DecodeRequest:
-    request: m.NewRequest
-    order: int  # arrival order: preemption takes the latest admitted first
-    outputs: list[int] = field(default_factory=list)
-    state: State = "waiting"
-    attempt: int = 0  # preemptions so far: a PrefillDone of an earlier attempt is stale
-    inflight: int = 0  # launched decode steps whose token is not recorded yet (0 or 1)
-    aborting: bool = False  # aborted while prefilling: waits for prefill to let go
-    drop_pending: bool = False  # a Drop was sent and its Dropped has not come back: the id stays held
-    cached: int = 0  # tokens found in the prefix cache at the last admission
-
-    @property
-    def req_id(self) -> str:
-        return self.request.req_id
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.params
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.request.prompt_token_ids) + len(self.outputs)
-
-    @property
-    def tokens(self) -> list[int]:
-        """Prompt and outputs: what prefill computes after a preemption, and what the cache hashes."""
-        return self.request.prompt_token_ids + self.outputs
-
-    @property
-    def tokens_needed(self) -> int:
-        """Tokens the block table must cover for the next step (the in-flight step's token included)."""
-        return self.num_tokens + self.inflight
-
+__all__ = ["SHARE_MIN_TOKENS", "Chunk", "DecodeRequest", "DecodeScheduler", "Row", "State", "StepBatch"]
 
 SHARE_MIN_TOKENS = 512  # a prefix in flight this long is worth waiting for (Mooncake's hash blocks are 512 tokens)
 
 
-class DecodeScheduler:
+class DecodeScheduler(SchedulerViews):
     def __init__(self, blocks: BlockManager, max_seqs: int, eos: tuple[int, ...], context_cap: int,
                  share_min_tokens: int = SHARE_MIN_TOKENS) -> None:
         if max_seqs <= 0:
@@ -116,82 +92,10 @@ class DecodeScheduler:
         self.reqs: dict[str, DecodeRequest] = {}  # every request that holds or may hold blocks
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
+        self.chunking: list[DecodeRequest] = []  # prompts computed here, in admission order
         self.finished: list[m.Finished] = []  # for the router; the worker publishes and clears it
         self.num_preemptions = 0
         self._arrivals = 0
-
-    # ---- counts -------------------------------------------------------------------------------
-    @property
-    def num_prefilling(self) -> int:
-        return sum(1 for r in self.reqs.values() if r.state == "prefilling")
-
-    @property
-    def has_pending(self) -> bool:
-        """Prompts waiting for blocks or in prefill (the partition manager's `pending`)."""
-        return bool(self.waiting) or self.num_prefilling > 0
-
-    def pending_prefill(self) -> tuple[WaitingPrefill, ...]:
-        """Prefill work not yet done, in arrival order, for the scheduling policy: each request's tokens
-        beyond its cached prefix (prefill's progress on a prefilling one is not known here, so all of
-        them; a waiting one's prefix is what its admission would find cached now)."""
-        reqs = sorted((r for r in self.reqs.values() if r.state in ("waiting", "prefilling") and not r.aborting),
-                      key=lambda r: r.order)
-        out = []
-        for r in reqs:
-            prefix = r.cached if r.state == "prefilling" else self._expected_prefix(r)
-            out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, len(r.tokens) - prefix), prefix))
-        return tuple(out)
-
-    def pending_work(self, cap: int) -> PendingWork:
-        """Prompt tokens prefill still has to compute (a prefilling request's beyond its cached prefix,
-        prefill's progress not being known here; a waiting one's beyond what its admission would find
-        cached now), counted only until they pass `cap`: the rapid policy asks only whether the pending
-        work is short, and a long queue's prefixes are not all looked up each step. With them, the longest
-        pending prompt, prefix included, of every prefilling and waiting request (no lookup needed)."""
-        total, longest, counting = 0, 0, True
-        for r in self.reqs.values():
-            if r.state == "prefilling" and not r.aborting:
-                longest = max(longest, r.num_tokens)
-                if counting:
-                    total += max(1, r.num_tokens - r.cached)
-                    counting = total <= cap
-        for r in self.waiting:
-            longest = max(longest, r.num_tokens)
-            if counting:
-                total += max(1, r.num_tokens - self._expected_prefix(r))
-                counting = total <= cap
-        return PendingWork(total, longest)
-
-    def _expected_prefix(self, r: DecodeRequest) -> int:
-        """Tokens of a waiting request that prefill will not compute: what its admission would find
-        cached now, and the prefix in flight it waits for (`_waits_for_prefix`)."""
-        cached, in_flight = self.blocks.lookahead(r.req_id, r.tokens)
-        return cached + (in_flight if in_flight >= self.share_min_tokens else 0)
-
-    def _waits_for_prefix(self, r: DecodeRequest) -> bool:
-        """Its next `share_min_tokens` or more are being written by a prefilling request (module doc)."""
-        version = self.blocks.pending_version
-        if self._passed.get(r.req_id) == version:
-            return True
-        waits = self.blocks.pending_prefix(r.req_id, r.tokens) >= self.share_min_tokens
-        if waits:
-            self._passed[r.req_id] = version
-        else:
-            self._passed.pop(r.req_id, None)
-        return waits
-
-    def decode_contexts(self) -> tuple[int, ...]:
-        """Each running request's context (tokens in the cache after its next step), for the policy."""
-        return tuple(r.tokens_needed for r in self.running)
-
-    def mean_context(self) -> int:
-        return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
-
-    def stats(self, partition: str, switches: int, steps: dict[str, int] | None = None,
-              token_slots: int = 0) -> m.Stats:
-        b = self.blocks
-        return m.Stats(len(self.running), len(self.waiting), self.num_prefilling, b.num_blocks, b.num_free,
-                       self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}), token_slots)
 
     # ---- messages in --------------------------------------------------------------------------
     def add(self, req: m.NewRequest) -> bool:
@@ -220,7 +124,7 @@ class DecodeScheduler:
             return True
         if r.state == "waiting":
             self.waiting.remove(r)
-        self._finish(r, "abort")
+        self._finish(r, "abort")  # chunking or running: freed once no step in flight writes its blocks
         return False
 
     def prefill_done(self, msg: m.PrefillDone) -> m.TokenOut | None:
@@ -244,7 +148,7 @@ class DecodeScheduler:
     def prefill_failed(self, msg: m.PrefillFailed) -> None:
         r = self._prefilling(msg.req_id, msg.attempt)
         if r is not None:
-            self._finish(r, "abort" if r.aborting else "error", message=msg.message)
+            self._finish(r, "abort" if r.aborting else "error", message=msg.message, fault=msg.fault)
 
     def dropped(self, req_id: str) -> None:
         """Prefill let go of the request (it answers every Drop, even after PrefillDone/PrefillFailed):
@@ -269,22 +173,31 @@ class DecodeScheduler:
         `now` (the worker's clock: where the request's time to first token went, `PhaseTimes`)."""
         out: list[m.KVReady] = []
         passed: list[DecodeRequest] = []  # waiting for a prefix in flight: they keep their places
-        busy = len(self.running) + self.num_prefilling
+        busy = self.busy
+        while (r := self._admit_head(frozenset(), passed, busy, now)) is not None:
+            r.state, busy = "prefilling", busy + 1
+            out.append(m.KVReady(r.request, self.blocks.table(r.req_id), list(r.outputs), r.attempt, r.cached, now))
+        self.waiting.extendleft(reversed(passed))
+        return out
+
+    def _admit_head(self, hold: AbstractSet[str], passed: list[DecodeRequest], busy: int,
+                    now: float) -> DecodeRequest | None:
+        """The next waiting request, in order, given the blocks of all its tokens now (out of `waiting`,
+        its state for the caller to set), or None: the seats or the pool are full. Requests in `hold` or
+        waiting for a prefix in flight are moved to `passed` (the caller puts them back, in order)."""
         while self.waiting and busy < self.max_seqs:
             r = self.waiting[0]
-            if self._waits_for_prefix(r):
+            if r.req_id in hold or self._waits_for_prefix(r):
                 passed.append(self.waiting.popleft())
                 continue
             alone = busy == 0 and self.blocks.num_free == self.blocks.num_blocks  # nothing else holds blocks
-            tokens = r.tokens
-            if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, tokens):
-                break
-            table, cached = self.blocks.allocate_cached(r.req_id, tokens)
+            if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, r.tokens):
+                return None
+            _, r.cached = self.blocks.allocate_cached(r.req_id, r.tokens)
+            r.admitted = now
             self.waiting.popleft()
-            r.state, r.cached, busy = "prefilling", cached, busy + 1
-            out.append(m.KVReady(r.request, table, list(r.outputs), r.attempt, cached, now))
-        self.waiting.extendleft(reversed(passed))
-        return out
+            return r
+        return None
 
     def unadmit(self, handed: list[m.KVReady]) -> None:
         """These KVReadys were not sent (prefill's inbox was full): their requests wait again, in order."""
@@ -298,89 +211,166 @@ class DecodeScheduler:
                 i += 1
             self.waiting.insert(i, r)
 
-    # ---- the decode batch ---------------------------------------------------------------------
+    # ---- the next step ------------------------------------------------------------------------
     def schedule(self, quiet: bool, hold: AbstractSet[str] = frozenset()) -> list[DecodeRequest] | None:
-        """The next step's batch (every running request not in `hold`), each table grown to cover
-        `tokens_needed`. When the pool is short: None if not `quiet` (a step is in flight, so nothing
-        may be freed), else the latest admitted running requests are preempted until the rest fit.
+        """The next step's decode batch (every running request not in `hold` whose token in flight does
+        not certainly end it), each table grown to cover `tokens_needed`. When the pool is short: None if
+        not `quiet` (a step is in flight, so nothing may be freed), else the latest admitted running or
+        chunking requests are preempted until the rest fit.
 
         `hold`: ids whose grammar is still compiling (`GrammarBook.compiling`): they keep their seat
         and blocks but sit out the step (not grown; still preemptible), and join once ready. Such a
         request has no step in flight: it has never been in a batch of this worker."""
+        batch: list[DecodeRequest] = []
         for r in list(self.running):
-            if r.state != "running" or r.req_id in hold:  # preempted as a victim earlier in this pass; held
-                continue
+            if r.state != "running" or r.req_id in hold or self._ends_in_flight(r):
+                continue  # preempted as a victim earlier in this pass; held; finishing
             while not self.blocks.can_grow(r.req_id, r.tokens_needed):
                 if not quiet:
                     return None
-                victim = max(self.running, key=lambda x: x.order)
+                victim = max(self.running + self.chunking, key=lambda x: x.order)
                 self._preempt(victim)
                 if victim is r:
                     break
             else:
                 self.blocks.grow(r.req_id, r.tokens_needed)
-        return [r for r in self.running if r.req_id not in hold]
+                batch.append(r)
+        return [r for r in batch if r.state == "running"]
 
-    def launched(self, batch: list[DecodeRequest]) -> None:
-        for r in batch:
+    def _ends_in_flight(self, r: DecodeRequest) -> bool:
+        """Its token in flight will certainly end it (the length rule): it gets no further step."""
+        return r.inflight > 0 and reaches_length(r.params, len(r.outputs) + r.inflight, r.tokens_needed,
+                                                 self.context_cap)
+
+    def plan(self, chunk_tokens: int, step_tokens: int, quiet: bool, hold: AbstractSet[str] = frozenset(),
+             now: float = 0.0) -> StepBatch | None:
+        """A fused step: the decode batch (`schedule`; None as there), then prompt chunks computed here, in
+        arrival order, of at most `chunk_tokens` tokens and `step_tokens` in the whole step: first the
+        prompts being chunked, then waiting requests admitted locally (not those in `hold`; none in a
+        step that preempted: the pool is short), each given the blocks of all its tokens at `now`."""
+        preemptions = self.num_preemptions
+        decode = self.schedule(quiet, hold)
+        if decode is None:
+            return None
+        batch = StepBatch(decode)
+        budget = max(0, min(chunk_tokens, step_tokens - len(decode)))
+        for r in self.chunking:
+            if budget == 0:
+                break
+            n = min(r.num_tokens - r.computed, budget)
+            batch.chunks.append(Chunk.of(r, n))
+            budget -= n
+        if self.num_preemptions != preemptions:
+            return batch
+        passed: list[DecodeRequest] = []
+        busy = self.busy
+        while budget > 0 and (r := self._admit_head(hold, passed, busy, now)) is not None:
+            r.state, r.computed, busy = "chunking", r.cached, busy + 1
+            self.chunking.append(r)
+            n = min(r.num_tokens - r.computed, budget)
+            batch.chunks.append(Chunk.of(r, n))
+            budget -= n
+        self.waiting.extendleft(reversed(passed))
+        return batch
+
+    def launched(self, batch: list[DecodeRequest] | StepBatch, now: float = 0.0) -> None:
+        """The step is queued on the device: its decodes' tokens are in flight and its chunks count as
+        computed; a chunk that ends its prompt puts its request in the running batch, its first token in
+        flight."""
+        step = batch if isinstance(batch, StepBatch) else StepBatch(batch)
+        for r in step.decode:
             r.inflight += 1
+        for c in step.chunks:
+            r = c.req
+            if r.started is None:
+                r.started = now
+            r.computed = c.end
+            if c.samples:
+                r.inflight += 1
+                self.chunking.remove(r)
+                r.state = "running"
+                self.running.append(r)
+            else:
+                r.chunks_inflight += 1
 
-    def record(self, batch: list[DecodeRequest], rows: list[Row]) -> list[m.TokenOut]:
-        """A launched step has landed: its tokens, in batch order, with stops applied. A request that
-        ended while the step ran gets no token and is freed now."""
+    # ---- a step has landed --------------------------------------------------------------------
+    def record(self, batch: list[DecodeRequest], rows: list[Row], landed: float = 0.0) -> list[m.TokenOut]:
+        """A launched step has landed (at `landed`): its tokens, in `sampled` order, with stops applied. A
+        request that ended while the step ran gets no token and is freed now. A request's first token
+        (its prompt chunked here) carries its cached prefix and where its time to first token went."""
         out: list[m.TokenOut] = []
         for r, (tok, lp, top) in zip(batch, rows, strict=True):
             r.inflight -= 1
             if r.state != "running":
                 self._release(r)
                 continue
+            first = not r.outputs
             r.outputs.append(tok)
             if self.blocks.needs_commit(r.req_id, r.num_tokens - 1):  # the landed steps wrote all but the newest
                 self.blocks.commit(r.req_id, r.tokens, r.num_tokens - 1)
             reason = check_stop(r.params, r.outputs, r.num_tokens, self.eos, self.context_cap)
-            out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason))
+            times = m.PhaseTimes(r.admitted, landed if r.started is None else r.started, landed) if first else None
+            out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason, r.cached if first else None,
+                                  times))
             if reason is not None:
                 self._finish(r, reason, notify=False)  # the token carries the reason
         return out
 
-    def fail(self, reqs: list[DecodeRequest], message: str) -> None:
-        """These requests end with an error (their rows failed); the caller ensured nothing writes
-        their blocks any more."""
+    def chunks_landed(self, chunks: Iterable[Chunk]) -> None:
+        """The chunks of a landed step that sample nothing: their K/V are written, so their full blocks join
+        the prefix cache; a request that ended while the step ran is freed now."""
+        for c in chunks:
+            if c.samples:  # recorded with the step's tokens (`record`)
+                continue
+            r = c.req
+            r.chunks_inflight -= 1
+            if r.state == "done":
+                self._release(r)
+            elif self.blocks.needs_commit(r.req_id, c.end):
+                self.blocks.commit(r.req_id, r.tokens, c.end)
+
+    def fail(self, reqs: list[DecodeRequest], message: str, fault: str = "") -> None:
+        """These requests end with an error (their rows failed; `fault`: m.Finished's); the caller ensured
+        nothing writes their blocks any more."""
         for r in reqs:
             if r.state != "done":
-                self._finish(r, "error", message=message)
+                self._finish(r, "error", message=message, fault=fault)
 
     def fail_batch(self, inflight: list[DecodeRequest], message: str) -> None:
         """A step failed for no single row: every running request and the in-flight step's requests
         end (those already ended are freed). The caller ensured nothing in flight writes any more."""
         for r in list(self.running) + inflight:
-            r.inflight = 0
-            if r.state == "running":
+            r.inflight = r.chunks_inflight = 0
+            if r.state in ("running", "chunking"):
                 self._finish(r, "error", message=message)
             else:
                 self._release(r)
 
     # ---- endings ------------------------------------------------------------------------------
     def _preempt(self, r: DecodeRequest) -> None:
-        self.running.remove(r)
+        (self.running if r.state == "running" else self.chunking).remove(r)
         self.blocks.free(r.req_id)
-        r.state, r.attempt = "waiting", r.attempt + 1
+        r.state, r.attempt, r.computed, r.started = "waiting", r.attempt + 1, 0, None
         self.num_preemptions += 1
         self.waiting.appendleft(r)
 
-    def _finish(self, r: DecodeRequest, reason: str, notify: bool = True, message: str = "") -> None:
+    def _finish(self, r: DecodeRequest, reason: str, notify: bool = True, message: str = "",
+                fault: str = "") -> None:
         """Done: out of every queue now; blocks back once no in-flight step writes them."""
-        if r in self.running:
+        if r.state == "running":
             self.running.remove(r)
+        elif r.state == "chunking":
+            self.chunking.remove(r)
+            self.blocks.unpend(r.req_id)  # requests waiting for its prefix stop waiting
         self._passed.pop(r.req_id, None)
         r.state = "done"
         if notify:
-            self.finished.append(m.Finished(r.req_id, reason, message))
+            self.finished.append(m.Finished(r.req_id, reason, message, fault))
         self._release(r)
 
     def _release(self, r: DecodeRequest) -> None:
         """Blocks back once nothing writes them; the id is forgotten once prefill answered every Drop."""
-        if r.state != "done" or r.inflight or self.reqs.get(r.req_id) is not r:
+        if r.state != "done" or r.writing or self.reqs.get(r.req_id) is not r:
             return
         self.blocks.free(r.req_id)  # at most once: nothing allocates under a held id
         if not r.drop_pending:

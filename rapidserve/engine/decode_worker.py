@@ -1,66 +1,93 @@
-"""The decode worker: owns the weights, the KV pool and the block tables; decodes the running batch.
+"""The decode worker: owns the weights, the KV pool and the block tables; runs the engine's one step loop.
 
-Its decisions are the `DecodeScheduler`'s (engine/decode_scheduler.py: states, admission, growth,
-preemption, stops, block ownership); this loop only moves messages and runs the device:
-drain the inbox -> choose the compute partition -> admit (KVReady to prefill) -> step -> publish.
+It serves every mode: rapid and disagg (beside a prefill worker) and hybrid (alone, no prefill worker). Its
+decisions are the `DecodeScheduler`'s (engine/decode_scheduler.py: states, admission, growth, preemption,
+stops, block ownership) and its `StepPolicy`'s (partition/shape.py: the shape of each step); this loop only
+moves messages and runs the device (`turn`): drain the inbox -> ask the policy for this step's shape and
+carry it out (switch the compute partition, hand prompts to prefill) -> step -> publish.
 
-A step is launched one ahead (async scheduling): the tokens of the step in flight stay on the device
-and feed the next step's inputs directly; the host records them (emit, stop, free) while the next
-one runs.
+Step shapes, asked at every turn (`begin_step`):
+- `Fused(chunk_tokens)`: one step of every running decode plus prompt chunks computed here (arrival order,
+  prompts in progress first, then local admissions: blocks allocated as for prefill, prefix cache included),
+  on the whole GPU (`overallocated`, where the plan has it). A prompt whose last chunk is in the step samples
+  its first token there and joins the running batch; nothing goes to a prefill worker.
+- `Split(config, ...)`: decode-only steps on `config`'s share; waiting prompts go to the prefill worker
+  (KVReady), which computes them on the rest. (`lookahead` > 1 is carried out as 1: one decode step a launch.)
+- `DecodeAlone(config)`: decode-only steps on `config`, no prompt work.
+A request handed to the prefill worker stays there until PrefillDone, PrefillFailed or Dropped, whatever the
+later shapes; a prompt being chunked here goes on here, at the next fused step (split and decode-alone steps
+pause it; the policy sees it among `ShapeState.waiting`). Switching configuration after a step in flight
+synchronizes the old stream first: the step's sampled tokens, its KV writes and the graphs' static inputs
+(shared by every configuration's graphs) are read or overwritten by the next step on the new stream, which
+nothing else orders after it; the prefill worker hears of the switch (SetPartition) before the KVReady of the
+work it concerns (same ring, in order). Each landed step's measured time goes back to the policy (`observe`).
 
-Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; decode builds
-its own matcher by replaying the tokens it knows (the first token from PrefillDone; after a
-preemption, every output), which reaches the same state. Each step with a grammar row queues the
-forward, then waits for the in-flight step's tokens, advances the matchers and fills the bitmask on
-the CPU while the device runs, and samples with the mask; steps without one are unchanged. Matchers
-of requests no longer running (ended, aborted, preempted, failed) are released at `publish`.
-A request's grammar starts compiling in the background when its NewRequest comes (so mostly while
-prefill computes it); until it is compiled the request sits out the decode batch (`schedule`'s
-`hold`) and the others keep stepping. Its compile state is released once the scheduler forgets it.
+A step is launched one ahead (`SchedulerConfig.async_scheduling`, the default): the tokens of the step in
+flight stay on the device and feed the next step's inputs directly (`runner.Carry`); the host records them
+(emit, stop, free) while the next one runs. `--no-async-scheduling` records each step before planning the next.
+
+Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; this worker builds its
+own matcher by replaying the tokens it knows (the first token from PrefillDone; after a preemption, every
+output), which reaches the same state. A step with a grammar row queues the forward, then waits for the
+in-flight step's tokens (only if such a row's token is in flight), advances the matchers and fills the
+bitmask on the CPU while the device runs, and samples with the mask (engine/step_launch.py). A request's
+grammar starts compiling in the background at NewRequest; until it is compiled the request is not admitted
+here (`plan`'s `hold`) and, arriving from prefill, sits out the decode batch; the others keep stepping.
+Matchers, penalty slots and compile states of requests no longer running are released at `publish`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler
-from rapidserve.engine.faults import RequestsFailed, describe, fill_or_blame, is_fatal, sample_or_blame
+from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
+from rapidserve.engine.sampling_step import retain
+from rapidserve.engine.step_launch import InFlight, landed_rows, launch_step, slot_key
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
-from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
-from rapidserve.runner import Carry, DecodeItem, ModelRunner
-from rapidserve.sampler import SamplerOutput
-from rapidserve.structured import GrammarBook, GrammarMask, GrammarRow
+from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape, StepTiming
+from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_step_policy
+from rapidserve.runner import ModelRunner
+from rapidserve.structured import GrammarBook
 
+LOG = logging.getLogger(__name__)
 AWAIT_POLL_S = 50e-6  # how often a decode worker waiting for a step looks at the step and its inbox
-
-
-@dataclass
-class InFlight:
-    """A launched decode step: its sampled tokens stay on the device until the step has landed."""
-
-    batch: list[DecodeRequest]
-    out: SamplerOutput  # on the device: token_ids [n] feed the next step's inputs directly
-    host: SamplerOutput  # the same, copied to pinned host memory without waiting
-    done: torch.cuda.Event | None
+IDLE_WAIT_S = 0.1  # the longest nap of an idle loop (a message wakes it at once)
 
 
 class DecodeWorker:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, partition: DecodePartition,
-                 backend: PartitionBackend) -> None:
+                 backend: PartitionBackend | None, policy: StepPolicy | None = None) -> None:
+        """`backend`: the partition streams (None: the current stream, no partition: hybrid mode). `policy`:
+        the step shapes (None: `AlwaysSplit`, rapid mode's partition manager)."""
         self.cfg, self.runner, self.io = cfg, runner, io
         self.partition, self.backend = partition, backend
-        max_seqs = min(cfg.scheduler.max_num_seqs, max(cfg.runner.graph_batch_sizes))  # the largest graph
+        sc = cfg.scheduler
+        # Seats: at most the largest decode graph, and at most one token each within a step's budget.
+        max_seqs = min(sc.max_num_seqs, max(cfg.runner.graph_batch_sizes), sc.max_num_batched_tokens)
         self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
                                      runner.limits.context_cap)
-        self.inflight: InFlight | None = None
+        self.policy: StepPolicy = policy or default_policy(cfg, partition, self._rapid_inputs)
+        self.has_prefill = "prefill" in self.policy.workers
+        # A policy that reads no queue (`reads_waiting = False`) is told none: a prefix lookup per queued prompt
+        # each step saved (ms a step with a thousand queued on a CPU core)
+        self.reads_queue = bool(getattr(self.policy, "reads_waiting", True))
+        self.step_tokens, self.ahead = sc.max_num_batched_tokens, sc.async_scheduling
+        self.config = partition.current  # the configuration whose stream and graphs the steps use
+        self.shape: StepShape = DecodeAlone(self.config)
+        names = [c.name for c in partition.plan.configurations]
+        self.fused_config = OVERALLOCATED if OVERALLOCATED in names else self.config  # a fused step: the whole GPU
+        self.inflight: list[InFlight] = []  # launched, not recorded, oldest first (at most one between turns)
+        self._launching: StepBatch | None = None
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
         self._stop = False
@@ -69,25 +96,31 @@ class DecodeWorker:
         if runner.device.type != "cpu":  # the first constraint finds its tokenizer loaded
             self.grammar.warm()
 
+    # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         while not self._stop:
-            for msg in self.io.drain():
-                self.handle(msg)
-            self.repartition()
-            self.admit()
-            if self.sched.running or self.inflight is not None:
-                self.step()
-            else:
-                self.io.wait(0.1)
-            self.publish()
-            if self.inflight is None and self.sched.running:  # every running request waits for its grammar,
-                self.io.wait(self.grammar.idle_wait(0.0))  # whose end rings no doorbell: poll (0 s: none is)
+            self.turn()
             if not self.io.others_alive():
                 return
+        self.step_guarded(self._complete_all)  # the last steps' tokens go out before the worker ends
+        self.publish()
+
+    def turn(self) -> None:
+        """One turn of the loop: messages, this step's shape, the step, what it produced."""
+        for msg in self.io.drain():
+            self.handle(msg)
+        self.begin_step()
+        s = self.sched
+        work = bool(self.inflight or s.running or s.chunking or
+                    (isinstance(self.shape, Fused) and self.shape.chunk_tokens and s.waiting))
+        launched = self.step() if work else False
+        self.publish()
+        if not launched and not self.inflight:  # idle, or every request waits (a compile's end rings no doorbell)
+            self.io.wait(self.grammar.idle_wait(IDLE_WAIT_S if not s.running else 0.0))
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, m.NewRequest):
-            if self.sched.add(msg):  # its grammar compiles off the loop meanwhile (`_step`'s hold)
+            if self.sched.add(msg):  # its grammar compiles off the loop meanwhile (`hold`)
                 self.grammar.prepare(msg.req_id, msg.params.structured_outputs)
         elif isinstance(msg, m.PrefillDone):
             first = self.sched.prefill_done(msg)
@@ -103,7 +136,46 @@ class DecodeWorker:
         elif isinstance(msg, m.Shutdown):
             self._stop = True
 
+    # ---- the step's shape -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Ask the policy for this step's shape and carry out its configuration before admission, so prefill
+        hears of a switch before the KVReady of the work it concerns (same ring, in order)."""
+        state = self.sched.shape_state(self.shape, self.cfg.partition.slo_itl_ms, self.step_tokens, self.reads_queue)
+        shape = self.policy.decide(state)
+        if isinstance(shape, Split) and not self.has_prefill:
+            raise RuntimeError(f"step policy {self.policy.name!r} asked for a split step, but it runs without a "
+                               f"prefill worker (its workers: {self.policy.workers})")
+        self.shape = shape
+        target = self.fused_config if isinstance(shape, Fused) else shape.config
+        if target != self.config:
+            last = getattr(self.policy, "last", None)  # a policy that explains its choice (DuetPolicy)
+            self._switch(target, f"{type(shape).__name__}: {last.reason}" if last is not None else type(shape).__name__)
+        elif self.has_prefill and self.partition.hint_due():  # drift: a new step estimate alone never blocks
+            p = self.partition
+            if self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
+                p.sent_hint()
+        if isinstance(shape, Split):
+            self.admit()
+
+    def _switch(self, target: str, why: str) -> None:
+        old = None
+        if self.backend is not None:
+            self.backend.stream(target, "decode")  # PartitionError naming the plan's configurations, if not one
+            old = self.backend.stream(self.config, "decode")
+        elif target not in (c.name for c in self.partition.plan.configurations):
+            raise ValueError(f"step policy {self.policy.name!r} chose configuration {target!r}; this engine has "
+                             f"{[c.name for c in self.partition.plan.configurations]}")
+        if old is not None:
+            # Stream ordering (module doc): the step in flight ran on the old stream; the next runs on the new.
+            old.synchronize()
+        self.partition.use(target, f"step shape {why}")  # the policy's manager may have moved there already
+        LOG.info("decode on %s (was %s): %s", target, self.config, why)
+        self.config = target
+        if self.has_prefill:
+            self.io.to_prefill.send(m.SetPartition(target, self.partition.sent_hint()))
+
     def admit(self) -> None:
+        """Waiting prompts to the prefill worker (a split step)."""
         handed = self.sched.admit(time.monotonic())
         for i, kv in enumerate(handed):
             # Decode never blocks on prefill: with prefill's inbox full the rest wait, and decode keeps
@@ -112,28 +184,10 @@ class DecodeWorker:
                 self.sched.unadmit(handed[i:])
                 return
 
-    def repartition(self) -> None:
-        """Decide this step's configuration before admission, so prefill hears of a switch before
-        the KVReady of the work it concerns (same ring, in order)."""
-        s, policy = self.sched, self.partition.pcfg.policy
-        if policy == "duet":
-            sw = self.partition.advance_duet(s.decode_contexts(), s.pending_prefill())
-        elif policy == "drift":  # prefill sizes its layer blocks to decode's step: told when it changes
-            sw = self.partition.advance_drift(s.decode_contexts(), s.pending_prefill())
-        else:
-            sw = self.partition.advance(len(s.running), s.mean_context(), s.has_pending, self._pending_work())
-        if sw is None:  # a new step estimate alone never blocks decode: with prefill's inbox full, next step
-            p = self.partition
-            if p.hint_due() and self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
-                p.sent_hint()
-            return
-        old = self.backend.stream(sw.old, "decode")
-        if old is not None:
-            # Stream ordering: the step in flight ran on the old stream. Its sampled tokens, its KV
-            # writes and the graphs' static inputs (shared by every configuration's graphs) are read
-            # or overwritten by the next step on the new stream, which nothing else orders after it.
-            old.synchronize()
-        self.io.to_prefill.send(m.SetPartition(sw.new, self.partition.sent_hint()))
+    def _rapid_inputs(self) -> tuple[int, int, bool, PendingWork | None]:
+        """What the rapid policy decides from (`DecodePartition.advance`)."""
+        s = self.sched
+        return len(s.running), s.mean_context(), s.has_pending, self._pending_work()
 
     def _pending_work(self) -> PendingWork | None:
         """Prompt tokens prefill has yet to compute (counted up to where it matters) and its longest prompt,
@@ -143,103 +197,96 @@ class DecodeWorker:
             return None
         return self.sched.pending_work(p.prefill_tokens_cap)
 
-    # ---- one step: a request never takes the worker down (engine/faults.py) --------------------
-    def step(self) -> None:
-        """Rows whose sampling raises fail alone (the step in flight still lands); any other error of
-        the step (device still usable) fails its whole batch."""
+    # ---- one step: a request never takes the worker down (engine/faults.py) -------------------
+    def step(self) -> bool:
+        """One step of the current shape; False when nothing was launched."""
+        return self.step_guarded(self._step)
+
+    def step_guarded(self, fn: Callable[[], bool]) -> bool:
+        """`fn()` (a step, or recording what is in flight). Rows whose sampling raises fail alone; a fused step
+        that raises at launch fails the requests whose prompt chunks were in it (its decodes are planned again);
+        any other error (device still usable) fails every running request and the steps in flight."""
         try:
             try:
-                self._step()
+                return fn()
             except RequestsFailed as e:
+                self._launching = None
                 self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
-                self.sched.fail(e.reqs, describe(e.error, "sampling"))
-                self._complete()
-        except Exception as e:  # noqa: BLE001 - the batch fails, the worker lives
+                for req, why, fault in e.blame("sampling"):  # each row its own message and fault (faults.py)
+                    self.sched.fail([req], why, fault)
+                self._complete_all()
+                return False
+        except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives
             if is_fatal(e):
                 raise
             self.runner.synchronize()  # nothing in flight writes the blocks freed below
-            f, self.inflight = self.inflight, None
-            self.sched.fail_batch(f.batch if f is not None else [], describe(e, "decode step"))
+            batch, self._launching = self._launching, None
+            if batch is not None and batch.chunks:
+                self.sched.fail([c.req for c in batch.chunks], describe(e, "step"))
+                return False
+            inflight, self.inflight = self.inflight, []
+            self.sched.fail_batch([r for f in inflight for r in f.requests], describe(e, "decode step"))
+            return False
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Plan and launch this step, then record the one before it (or, waiting for each step, this one)."""
         hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
-        batch = self.sched.schedule(quiet=self.inflight is None, hold=hold)
+        batch = self._plan(hold)
         if batch is None:
-            self._complete()  # preemption needs a quiet pool: let the in-flight step land first
-            batch = self.sched.schedule(quiet=True, hold=hold)
+            self._complete_all()  # preemption needs a quiet pool: let the step in flight land first
+            batch = self._plan(hold)
+            assert batch is not None
         if not batch:
-            self._complete()
-            return
-        with on_stream(self.backend.stream(self.partition.current, "decode")):
-            launched = self._launch(batch)
-        self._complete()
-        self.inflight = launched
-
-    def _launch(self, batch: list[DecodeRequest]) -> InFlight:
-        prev = self.inflight
-        table = self.sched.blocks.table
-        items = [DecodeItem(r.outputs[-1] if not r.inflight else 0, r.tokens_needed - 1, table(r.req_id))
-                 for r in batch]
-        carry = None
-        if prev is not None and any(r.inflight for r in batch):  # tokens of the step in flight, from the device
-            where = {id(r): i for i, r in enumerate(prev.batch)}
-            carry = Carry(prev.out.token_ids, [(i, where[id(r)]) for i, r in enumerate(batch) if r.inflight])
-        logits = self.runner.decode(items, graph_key=self.partition.current, carry=carry)
-        index = [len(r.outputs) + r.inflight for r in batch]  # output index of this step's token
-        mask = self._grammar_mask(batch, prev) if GrammarBook.needed(r.params for r in batch) else None
-        try:
-            out = sample_or_blame(self.runner, logits, [r.params for r in batch], index, self.sched.eos, mask,
-                                  history=lambda i: history(batch[i]))
-        except RequestsFailed as e:
-            e.reqs = [batch[i] for i in e.rows]
-            raise
-        host = out.to_host()  # queued before the next step: reading it later never waits for that step
-        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
-        self.sched.launched(batch)
+            self._complete_all()
+            return False
+        now = time.monotonic()
+        prev = self.inflight[-1] if self.inflight else None
+        stream = self.backend.stream(self.config, "decode") if self.backend is not None else None
+        self._launching = batch
+        with on_stream(stream):
+            f = launch_step(self.runner, self.grammar, self.sched.eos, self.sched.blocks.table, batch, prev,
+                            self.config, self.shape)
+        self._launching = None
+        # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
+        f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
+        self.sched.launched(batch, now)
         self.partition.note_step()
-        return InFlight(batch, out, host, self.runner.mark())
+        self.inflight.append(f)
+        while len(self.inflight) > (1 if self.ahead else 0):
+            self._complete()
+        return True
 
-    def _grammar_mask(self, batch: list[DecodeRequest], prev: InFlight | None) -> GrammarMask:
-        """The structured-output mask of this step, filled on the CPU while the device runs the forward
-        just queued. Each matcher replays the tokens known so far (the first token from PrefillDone,
-        every output after a preemption) plus the in-flight step's token, for which only a batch with
-        a grammar row waits here. Rows whose grammar rejects a token fail alone."""
-        prev_tokens: list[int] | None = None
-        where: dict[int, int] = {}
-        rows: list[GrammarRow] = []
-        for i, r in enumerate(batch):
-            if r.params.structured_outputs is None:
-                continue
-            known = r.outputs
-            if r.inflight:
-                if prev_tokens is None:
-                    assert prev is not None
-                    if prev.done is not None:
-                        prev.done.synchronize()
-                    prev_tokens = prev.host.token_ids.tolist()
-                    where = {id(x): k for k, x in enumerate(prev.batch)}
-                known = known + [prev_tokens[where[id(r)]]]
-            rows.append(GrammarRow(i, r.req_id, r.params, known))
-        return fill_or_blame(self.grammar, rows, batch, pin=self.runner.device.type == "cuda")
+    def _plan(self, hold: frozenset[str] | set[str]) -> StepBatch | None:
+        quiet = not self.inflight
+        if isinstance(self.shape, Fused):
+            return self.sched.plan(self.shape.chunk_tokens, self.step_tokens, quiet, hold, time.monotonic())
+        decode = self.sched.schedule(quiet, hold)
+        return None if decode is None else StepBatch(decode)
+
+    def _complete_all(self) -> bool:
+        while self.inflight:
+            self._complete()
+        return False
 
     def _complete(self) -> None:
-        """Record the in-flight step's tokens (emit, stop, free what finished)."""
-        f = self.inflight  # cleared only once recorded: if this raises, step() still sees its requests
-        if f is None:
-            return
+        """Record the oldest step in flight: emit its tokens, stop, free what finished, feed its time back."""
+        f = self.inflight[0]  # dropped only once recorded: if this raises, `step_guarded` still sees its requests
         if f.done is not None:
             self._await(f.done)
-        rows = f.host.rows([r.params for r in f.batch])
-        self.inflight = None
-        self._out += self.sched.record(f.batch, rows)
+        rows = landed_rows(f)
+        self.inflight.pop(0)
+        self._out += self.sched.record(f.sampled, rows, time.monotonic())
+        self.sched.chunks_landed(f.batch.chunks)
+        self.policy.observe(StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens,
+                                       f.predicted_ms, f.clock.elapsed_ms()))
 
     def _await(self, done: torch.cuda.Event) -> None:
-        """Wait for a step to land while serving the inbox: a new request gets its blocks and goes to
-        prefill at once when the partition would stay as it is with prefill pending (`keeps_with_prefill`;
-        otherwise the next step boundary decides first, so prefill hears of a switch before the work it
-        concerns). Other messages are handled as at the top of the loop (nothing here frees a block the
-        in-flight step writes); first tokens from PrefillDone still stream once the step has landed, so
-        the gap to the second token stays one step."""
+        """Wait for a step to land while serving the inbox: in a split step, a new request gets its blocks and
+        goes to prefill at once when the partition would stay as it is with prefill pending
+        (`keeps_with_prefill`; otherwise the next step boundary decides first, so prefill hears of a switch
+        before the work it concerns). Other messages are handled as at the top of the loop (nothing here frees
+        a block the in-flight step writes); first tokens from PrefillDone still stream once the step has
+        landed, so the gap to the second token stays one step."""
         while not done.query():
             msgs = self.io.drain()
             if not msgs:
@@ -248,35 +295,34 @@ class DecodeWorker:
             for msg in msgs:
                 self.handle(msg)
             s = self.sched
-            if s.waiting and self.partition.keeps_with_prefill(len(s.running), s.mean_context(),
-                                                               self._pending_work()):
+            if s.waiting and isinstance(self.shape, Split) and \
+                    self.partition.keeps_with_prefill(len(s.running), s.mean_context(), self._pending_work()):
                 self.admit()
 
     def publish(self) -> None:
-        if self.runner.tokens.in_use:  # penalty slots of requests that ended or were preempted are freed
-            self.runner.tokens.retain(slot_key(r) for r in self.sched.running)
-        if len(self.grammar):  # matchers of requests no longer running (ended, preempted) are released,
-            self.grammar.retain((r.req_id for r in self.sched.running), known=self.sched.reqs)  # compiles: ended
+        s = self.sched
+        # penalty slots and matchers of requests no longer running (ended, preempted) are released; compiles: ended
+        retain(self.runner, self.grammar, ((r.req_id, slot_key(r)) for r in s.running), known=s.reqs)
         if self._out:
             self.io.to_router.send(m.TokenBatch(self._out))
             self._out = []
-        for fin in self.sched.finished:
+        for fin in s.finished:
             self.io.to_router.send(fin)
-        self.sched.finished.clear()
-        send_kv_events(self.io.to_router, self.sched.blocks.events)  # with --kv-events-config
+        s.finished.clear()
+        send_kv_events(self.io.to_router, s.blocks.events)  # the prefix cache's block events (--kv-events-config)
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
             p = self.partition
-            self.io.to_router.try_send(self.sched.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use))
+            self.io.to_router.try_send(s.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use))
 
 
-def slot_key(r: DecodeRequest) -> tuple[str, int]:
-    """The key of a request's penalty slot (logit_controls.py): a new one after each preemption."""
-    return (r.req_id, r.attempt)
-
-
-def history(r: DecodeRequest) -> TokenHistory:
-    """What a running request's penalty slot is filled from, at its first decode sample after PrefillDone
-    (nothing of it is in flight then: `outputs` is complete)."""
-    return TokenHistory(slot_key(r), r.request.prompt_token_ids, r.outputs)
+def default_policy(cfg: EngineConfig, partition: DecodePartition, rapid: RapidInputs) -> StepPolicy:
+    """The policy of a decode worker with a prefill worker beside it: `--policy duet` runs DuetServe's adaptive
+    policy (partition/policies.py: fused while the predicted step meets the ITL SLO, else split) where the plan
+    can switch configurations; `rapid` and `drift` (and duet on a plan of one configuration) run today's
+    partition manager as `AlwaysSplit`."""
+    sc = cfg.scheduler
+    if cfg.partition.policy == "duet" and partition.adaptive and partition.plan.peaks is not None:
+        return make_step_policy(cfg, partition.plan)
+    return AlwaysSplit(partition, sc.prefill_batch_tokens or sc.max_num_batched_tokens, rapid)

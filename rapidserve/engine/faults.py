@@ -9,6 +9,12 @@ Blame: a request's own parameters first reach device code when its next token is
 batched sampling call that raises is retried row by row (`sample_or_blame`) and only the rows that
 raise alone fail (`RequestsFailed`). The prefill worker also re-runs a failed batch one request at
 a time; a decode step that fails for no single row fails its whole batch.
+
+Structured outputs: a request whose constraint the grammar engine cannot serve (its compile failed in
+this worker, its matcher erred or rejected a token) fails alone, with its own message (`fill_or_blame`:
+each row's, never another request's, which may quote that request's grammar) and the fault
+STRUCTURED_FAULT (`Finished.fault`), which the server answers as the request's error (400 naming its
+field), not the engine's (503). Never is such a row sampled unconstrained and kept.
 """
 
 from __future__ import annotations
@@ -16,29 +22,50 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rapidserve.engine.messages import STRUCTURED_FAULT
 from rapidserve.sampling_params import SamplingParams
+from rapidserve.structured.grammars import GrammarError
 
 
 class RequestsFailed(Exception):
-    """These rows of a batch (indices) failed by themselves with `error`; the rest did not run."""
+    """These rows of a batch (indices) failed by themselves with `error` (or each with its own, `errors`:
+    row -> exception); the rest did not run."""
 
-    def __init__(self, rows: list[int], error: BaseException) -> None:
+    def __init__(self, rows: list[int], error: BaseException, errors: dict[int, BaseException] | None = None) -> None:
         super().__init__(f"{type(error).__name__}: {error}")
-        self.rows, self.error = rows, error
+        self.rows, self.error, self.errors = rows, error, errors or {}
         self.reqs: list[Any] = []  # the requests of those rows, filled in by the worker
+
+    def blame(self, where: str) -> list[tuple[Any, str, str]]:
+        """(request, message, fault) of each failed row, its own error's (`describe`, `fault_of`)."""
+        out = []
+        for row, req in zip(self.rows, self.reqs, strict=True):
+            e = self.errors.get(row, self.error)
+            out.append((req, describe(e, where), fault_of(e)))
+        return out
 
 
 def fill_or_blame(book: Any, rows: Sequence[Any], batch: Sequence[Any], pin: bool) -> Any:
     """The structured-output mask of `rows` (`GrammarBook.fill`); RequestsFailed naming the requests of
-    `batch` whose grammar rejected a token (they fail alone: the rest of the step goes on)."""
-    from rapidserve.structured import GrammarError
-
+    `batch` whose grammar failed, each with its own GrammarError (they fail alone: the rest of the step
+    goes on)."""
     mask, failed = book.fill(rows, pin=pin)
     if failed:
-        e = RequestsFailed(sorted(failed), GrammarError("grammar", "; ".join(failed.values())))
+        errors: dict[int, BaseException] = {}
+        for r in rows:
+            if r.row in failed:
+                so = r.params.structured_outputs
+                errors[r.row] = GrammarError(so.kind if so is not None else "grammar", failed[r.row])
+        order = sorted(failed)
+        e = RequestsFailed(order, errors[order[0]], errors)
         e.reqs = [batch[i] for i in e.rows]
         raise e
     return mask
+
+
+def fault_of(e: BaseException) -> str:
+    """Whose fault a request's failure with `e` is: STRUCTURED_FAULT for its constraint, "" otherwise."""
+    return STRUCTURED_FAULT if isinstance(e, GrammarError) else ""
 
 
 def is_fatal(e: BaseException) -> bool:
@@ -53,7 +80,10 @@ def is_fatal(e: BaseException) -> bool:
 
 
 def describe(e: BaseException, where: str) -> str:
-    """The message a failed request's client gets (bounded: it travels in a ring message)."""
+    """The message a failed request's client gets (bounded: it travels in a ring message). A constraint's
+    failure is its own message (it names the constraint), not the worker's."""
+    if isinstance(e, GrammarError):
+        return str(e)[:2000]
     return f"{where} failed: {type(e).__name__}: {e}"[:2000]
 
 
@@ -70,7 +100,7 @@ def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], 
         if is_fatal(e):
             raise
         first = e
-    blamed: list[int] = []
+    blamed: dict[int, BaseException] = {}
     for i in range(len(params)):
         row_history = None if history is None else (lambda _j, i=i: history(i))
         try:
@@ -80,5 +110,5 @@ def sample_or_blame(runner: Any, logits: Any, params: Sequence[SamplingParams], 
         except Exception as e:  # noqa: BLE001 - this row fails alone
             if is_fatal(e):
                 raise
-            blamed.append(i)
-    raise RequestsFailed(blamed or list(range(len(params))), first)
+            blamed[i] = e
+    raise RequestsFailed(sorted(blamed) or list(range(len(params))), first, blamed)

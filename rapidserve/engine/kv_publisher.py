@@ -1,8 +1,9 @@
 """Publishing the prefix cache's KV events over ZMQ, as vLLM's ZmqEventPublisher does (--kv-events-config).
 
 Who publishes: the router process, one publisher per engine (`AsyncEngine`), not the worker that owns the
-BlockManager. The decode (or hybrid) worker only drains its `KVEventLog` into a `KVEvents` message on the ring
-it already writes (engine/worker_io.py `send_kv_events`); the router's collector hands them here. So the worker
+BlockManager. The decode worker (every mode's one step loop: rapid, disagg, and hybrid's lone worker) only drains
+its `KVEventLog` into a `KVEvents` message on the ring it already writes (engine/worker_io.py `send_kv_events`, at
+`DecodeWorker.publish`); the router's collector hands them here. So the worker
 loop gains no socket, no thread and no encoding beyond its ring message (a publisher thread in the worker would
 take the GIL from its step loop), and the publisher outlives the workers: when a worker dies the router
 publishes AllBlocksCleared (the new worker's cache starts empty) on the same socket, with sequence numbers that
@@ -32,8 +33,9 @@ from typing import Any
 
 import msgspec
 
-from rapidserve.config import ConfigError, KVEventsConfig
+from rapidserve.config import ConfigError
 from rapidserve.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
+from rapidserve.kv_events_config import KVEventsConfig
 
 log = logging.getLogger("rapidserve.engine")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

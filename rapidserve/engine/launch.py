@@ -4,7 +4,8 @@
 their names) and spawns the workers, each through the one entry point `worker_io.run_worker(role,
 build)` with its role's builder (`engine/worker_build.py`): in rapid mode decode and prefill start
 together (prefill waits for decode's one-time hand-off of IPC handles to its weights and KV pool); in
-hybrid mode (`LaunchConfig.mode`) one hybrid worker sits in decode's seat and only r2d and d2r exist;
+hybrid mode (`LaunchConfig.mode`) one worker, the decode worker with every step fused (role hybrid),
+sits in decode's seat and only r2d and d2r exist;
 disagg mode starts rapid's two workers with its own builders (engine/disagg.py), one GPU each.
 It waits for each worker's Ready; a worker that fails, exits or is not ready within
 `startup_timeout_s` stops everything and raises.

@@ -127,6 +127,7 @@ class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
     req_id: str
     attempt: int
     message: str
+    fault: str = ""  # as Finished.fault
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):
@@ -142,12 +143,18 @@ class TokenBatch(msgspec.Struct, tag=True, frozen=True):
     tokens: list[TokenOut]
 
 
+STRUCTURED_FAULT = "structured_outputs"  # Finished.fault: the grammar engine could not serve the constraint
+
+
 class Finished(msgspec.Struct, tag=True, frozen=True):
     """Decode -> router: the request is over and its blocks are free (abort acknowledged, error...)."""
 
     req_id: str
     reason: str  # "stop" | "length" | "abort" | "error"
     message: str = ""
+    # with "error": STRUCTURED_FAULT when the request's constraint could not be served (its own fault: the
+    # server answers 400), "" for a failure of the engine (503)
+    fault: str = ""
 
 
 class Stats(msgspec.Struct, tag=True, frozen=True):
@@ -166,8 +173,9 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
 
 
 class KVEvents(msgspec.Struct, tag=True, frozen=True):
-    """Decode (or hybrid) -> router, with --kv-events-config: the prefix cache's block events since the last
-    (rapidserve/kv_events.py), in order; the router publishes them for KV-aware routers (engine/kv_publisher.py)."""
+    """Decode (every mode's step loop, hybrid's lone worker too) -> router, with --kv-events-config: the prefix
+    cache's block events since the last (rapidserve/kv_events.py), in order; the router publishes them for KV-aware
+    routers (engine/kv_publisher.py)."""
 
     events: list[KVEvent]
 

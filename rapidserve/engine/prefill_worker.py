@@ -30,13 +30,14 @@ from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
-from rapidserve.engine.faults import describe, is_fatal
+from rapidserve.engine.faults import RequestsFailed, describe, fault_of, is_fatal
+from rapidserve.engine.sampling_step import retain, sample_step
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
 from rapidserve.sequence import check_stop
-from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarRow
 
 
 def enqueue(queue: deque[Job], job: Job) -> None:
@@ -239,31 +240,29 @@ class PrefillWorker:
         self.runner.synchronize()  # a forward that raised may still be writing its blocks
         if job in self.waiting_prefill:
             self.waiting_prefill.remove(job)
-        why = describe(e, "prefill")
-        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, why))
+        cause = e  # a lone job's row error (its own message and fault: faults.py)
+        if isinstance(e, RequestsFailed):
+            cause = e.errors.get(e.rows[0], e.error) if e.rows else e.error
+        self.io.to_decode.send(m.PrefillFailed(job.req.req_id, job.attempt, describe(cause, "prefill"),
+                                               fault_of(cause)))
 
     def _sample(self, jobs: list[Job], logits: object) -> tuple[list[m.TokenOut], list[m.PrefillDone]]:
         import torch
 
         assert isinstance(logits, torch.Tensor)
         params = [j.req.params for j in jobs]
-        mask = None
-        if GrammarBook.needed(params):
-            # Structured outputs: each job's matcher replays the outputs known so far (none, or all of
-            # them after a preemption) and masks this token; decode builds its own from the same tokens.
-            rows = [GrammarRow(i, j.req.req_id, j.req.params, j.tokens[len(j.req.prompt_token_ids):])
-                    for i, j in enumerate(jobs) if j.req.params.structured_outputs is not None]
-            try:
-                mask, failed = self.grammar.fill(rows, pin=self.runner.device.type == "cuda")
-            finally:
-                self.grammar.retain(())  # one token per job here: nothing to keep
-            if failed:  # the batch is retried one job at a time, so only these jobs fail
-                raise GrammarError("grammar", "; ".join(failed.values()))
-        try:  # penalty slots are taken for this sample only (filled from the job's tokens), then freed
-            out = self.runner.sample_next(logits, params, [j.output_index for j in jobs], self.eos, mask,
-                                          history=lambda i: jobs[i].history, record=False)
+        try:  # the one sampling step; its penalty slots and matchers serve this token only, then are freed. A job
+            # with structured outputs replays the outputs known so far (none, or all of them after a preemption);
+            # decode builds its own matcher from the same tokens. A row that fails raises: the batch is retried
+            # one job at a time (`_isolate`), so only that job fails.
+            out = sample_step(self.runner, self.grammar, logits, jobs, params, [j.output_index for j in jobs], self.eos,
+                              history=lambda i: jobs[i].history,
+                              grammar_rows=lambda: [GrammarRow(i, j.req.req_id, j.req.params,
+                                                               j.tokens[len(j.req.prompt_token_ids):])
+                                                    for i, j in enumerate(jobs)
+                                                    if j.req.params.structured_outputs is not None])
         finally:
-            self.runner.tokens.retain(())
+            retain(self.runner, self.grammar, ())
         firsts, dones = [], []
         rows = out.rows([j.req.params for j in jobs])  # waits for the tokens
         sampled = time.monotonic()

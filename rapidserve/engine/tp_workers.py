@@ -42,6 +42,7 @@ from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
 from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
 from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message
 from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.profile import OVERALLOCATED
 from rapidserve.partition.runtime import PlanWire, open_streams
 from rapidserve.runner import ModelRunner, load_runner, resolve_device
 
@@ -161,9 +162,10 @@ def capture_decode(runner: ModelRunner, parts: PartitionBackend) -> None:
 
 
 def capture_hybrid(runner: ModelRunner) -> None:
-    """The hybrid worker's graphs, on every rank in this order: decode's, then the piecewise prefill graphs."""
-    runner.capture_decode_graphs(show_progress=False)
-    runner.capture_prefill_graphs(show_progress=False)
+    """Hybrid mode's graphs, on every rank in this order: decode's, then the piecewise prefill graphs, on the current
+    stream, under the key of its one configuration (the whole GPU, `overallocated`: the decode worker's graph key)."""
+    runner.capture_decode_graphs(show_progress=False, key=OVERALLOCATED)
+    runner.capture_prefill_graphs(show_progress=False, key=OVERALLOCATED)
 
 
 def capture_prefill(cfg: EngineConfig, runner: ModelRunner, parts: PartitionBackend) -> None:

@@ -8,7 +8,8 @@ returns what its Ready message tells the router plus the worker whose loop then 
   (the send returns once prefill has read it all; prefill starts at the same time and waits).
 - prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner;
   under `--policy drift` it is the block-wise `DriftPrefillWorker`, fed the plan's prefill time models.
-- hybrid: one process, its own weights and pool (the baseline; no partition).
+- hybrid: the decode worker alone, its own weights and pool, every step fused (the baseline; no partition, no
+  prefill worker).
 
 With tensor parallelism each builder gets its `TPSeat` (engine/tp_workers.py): it joins its role's
 group before loading, and once start-up's own collectives are done its runner publishes every call to
@@ -17,6 +18,7 @@ the followers (`lead`); decode first sends them the partition plan.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -25,7 +27,6 @@ import torch
 from rapidserve.config import EngineConfig
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.drift_prefill import DriftPrefillWorker
-from rapidserve.engine.hybrid_worker import HybridWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.tp_workers import (
     TPSeat,
@@ -38,16 +39,22 @@ from rapidserve.engine.tp_workers import (
 )
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.drift import LinearModel
-from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner, load_runner
 from rapidserve.runner.model_sharing import export_shared
+
+log = logging.getLogger(__name__)
 
 
 def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
     _share_cpu_cores(cfg)
     runner = load_runner(cfg, open_group(cfg, seat))
+    log.info("choosing the compute partition plan (from a measured profile, or a roofline of peaks measured now)")
     plan = resolve_plan(cfg, runner.device, runner.dtype)
+    log.info("partition plan: %s", plan.source)
     send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
     capture_decode(runner, parts)
@@ -64,10 +71,12 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
 def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                   seat: TPSeat | None = None) -> tuple[dict[str, str], PrefillWorker]:
     _share_cpu_cores(cfg)
+    log.info("waiting for the decode worker's weights")
     if not handoff.poll(cfg.launch.startup_timeout_s):
         raise TimeoutError(f"no weights from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
     owner_pid, shared, wire = handoff.recv()
     handoff.close()
+    log.info("attaching the decode worker's weights and KV cache (no copy)")
     io.peer_pids.append(int(owner_pid))  # the owner of the shared memory: we end with it
     runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=open_group(cfg, seat))
     parts = open_streams(wire, runner.device, ("prefill",))
@@ -81,13 +90,16 @@ def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
 
 
 def build_hybrid(cfg: EngineConfig, io: WorkerIO, handoff: Any,
-                 seat: TPSeat | None = None) -> tuple[dict[str, str], HybridWorker]:
+                 seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
+    """The decode worker alone, every step fused (`AlwaysFused`): no prefill worker, no partition (the current
+    stream, one configuration: the whole GPU)."""
     runner = load_runner(cfg, open_group(cfg, seat))
     capture_hybrid(runner)
     lead(runner, seat, None, "hybrid")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "mode": "hybrid",
             **memory_info(runner)}
-    return info, HybridWorker(cfg, runner, io)
+    plan = PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, "hybrid: one worker, the whole GPU")
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), None, AlwaysFused())
 
 
 BUILDERS = {"decode": build_decode, "prefill": build_prefill, "hybrid": build_hybrid}

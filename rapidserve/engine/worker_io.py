@@ -9,7 +9,8 @@ rapidserve/ipc/ring.py) who writes it, who reads it and which messages ride it:
 
 A new request enters at decode only (r2d) and reaches prefill inside a KVReady (d2p). Each reader
 has one doorbell that all its inbox rings ring, so an idle worker sleeps until a message arrives on
-any of them. The hybrid worker takes the decode worker's seat: r2d and d2r only.
+any of them. Hybrid mode's worker (the decode worker alone, every step fused) sits in the decode seat with
+r2d and d2r only: it never writes to a prefill worker.
 
 A worker's channels are named by whom they reach: `io.to_router`, `io.to_prefill`, `io.to_decode`.
 """
@@ -19,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import logging
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,7 +52,7 @@ RING_TYPES: dict[str, Wire] = {
     "d2r": Wire("decode", "router", m.Ready | m.TokenBatch | m.Finished | m.Stats | m.KVEvents | m.WorkerError),
     "p2r": Wire("prefill", "router", m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError),
 }
-HYBRID_RINGS = ("r2d", "d2r")  # the hybrid worker sits in decode's seat
+HYBRID_RINGS = ("r2d", "d2r")  # hybrid mode's worker (the decode worker, no prefill worker) sits in decode's seat
 DOORBELLS = ("decode", "prefill", "router")
 SEATS = {"decode": "decode", "prefill": "prefill", "hybrid": "decode"}  # role -> whose rings it uses
 
@@ -156,9 +159,12 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
     apply_env(env)
     worker_signals()
     no_named_locks()
+    worker_logging(role, cfg.launch.log_level)
     io = WorkerIO(SEATS[role], names, parent_pid)
     try:
+        t0 = time.monotonic()
         info, worker = build(cfg, io, handoff, seat)
+        logging.getLogger(__name__).info("ready: built in %.1f s", time.monotonic() - t0)
         io.to_router.send(m.Ready(role, os.getpid(), info))
         settle_heap()
         worker.run()
@@ -171,6 +177,14 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
         if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
             unlink_names(names)
         io.close()
+
+
+def worker_logging(role: str, level: str) -> None:
+    """A worker's log on stderr (inherited from the router), each line naming the worker: its start-up steps
+    (loading weights, sizing the KV cache, capturing graphs) at info; rapidserve's loggers at `level`."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [{role} worker {os.getpid()}]: %(message)s")
+    logging.getLogger("rapidserve").setLevel(level.upper())
 
 
 def unlink_names(names: ChannelNames) -> None:

@@ -8,9 +8,10 @@ weight stream is consumed (the GGUF path converts once into a cache, then stream
 only that rank's part of one tensor at a time.
 
 Inside the package: `source.py` (ModelSource, ModelLoadError, tensor shapes; imports only the config
-and `preset_table.py`) < `quant.py` (quantized checkpoints refused by name before any weight is read)
-< `hf.py` < `gguf_loader.py`, `presets.py` < this facade, which re-exports `source.py`'s names and
-`UnsupportedQuantization`, and imports the format readers only when `resolve_model` needs them.
+and `preset_table.py`) < `hub.py` (Hub ids in the local Hugging Face cache; model display names),
+`quant.py` (quantized checkpoints refused by name before any weight is read) < `hf.py` < `gguf_loader.py`,
+`presets.py` < this facade, which re-exports `source.py`'s and `hub.py`'s names and `UnsupportedQuantization`,
+and imports the format readers only when `resolve_model` needs them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 
 import torch
 
+from rapidserve.loader.hub import DUMMY_PREFIX, display_name, local_model_spec
 from rapidserve.loader.quant import UnsupportedQuantization
 from rapidserve.loader.source import (
     ModelLoadError,
@@ -39,8 +41,10 @@ __all__ = [
     "UnsupportedQuantization",
     "check_tensor_shapes",
     "default_gguf_path",
+    "display_name",
     "expected_tensor_shapes",
     "load_hf_tokenizer",
+    "local_model_spec",
     "rank_weights",
     "resolve_model",
     "supported_forms",
@@ -68,7 +72,8 @@ def default_gguf_path() -> str:
 def resolve_model(spec: str | None, cache_dir: str | None = None,
                   preset_device: str | torch.device = "cpu",
                   preset_dtype: torch.dtype = torch.float32) -> ModelSource:
-    """Turn a model spec (None/'default', 'preset:NAME', a .gguf path, an HF folder) into a source.
+    """Turn a model spec (None/'default', 'preset:NAME', a .gguf path, an HF folder, 'dummy:<HF folder>')
+    into a source. Hub ids are found in the local cache before this (`hub.local_model_spec`).
 
     `cache_dir` is where GGUF conversions are kept (default: $XDG_CACHE_HOME/rapidserve or
     ~/.cache/rapidserve). Presets draw their random weights directly on `preset_device` in
@@ -80,6 +85,8 @@ def resolve_model(spec: str | None, cache_dir: str | None = None,
         return gguf_loader.load_gguf(default_gguf_path(), cache_dir=cache_dir)
     if spec.startswith("preset:"):
         return presets.load_preset(spec[len("preset:"):], device=preset_device, dtype=preset_dtype)
+    if spec.startswith(DUMMY_PREFIX):
+        return presets.load_dummy(spec[len(DUMMY_PREFIX):], device=preset_device, dtype=preset_dtype)
     path = os.path.abspath(os.path.expanduser(spec))
     if not os.path.exists(path):
         raise ModelLoadError(spec, "no such file or folder")

@@ -19,10 +19,12 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +41,7 @@ from rapidserve.loader.hf import (
 )
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 
+log = logging.getLogger("rapidserve.loader")
 GGUF_ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 CACHE_VERSION = 1
 _LAYER_NAMES: dict[str, str] = {
@@ -328,7 +331,13 @@ def load_gguf(path: str, cache_dir: str | None = None) -> ModelSource:
         fcntl.flock(lock, fcntl.LOCK_EX)
         source = _read_cache(os.path.join(root, key), path)
         if source is None:
+            why = ("a cache there does not read back" if os.path.exists(os.path.join(root, key)) else
+                   "first start with this file: no conversion of its path, size and modification time is cached")
+            log.info("converting GGUF %s to float32 safetensors in %s (%s; later starts read the cache)",
+                     path, os.path.join(root, key), why)
+            t0 = time.monotonic()
             _convert(path, root, key)
+            log.info("converted GGUF %s in %.1f s", os.path.basename(path), time.monotonic() - t0)
             source = _read_cache(os.path.join(root, key), path)
     if source is None:
         raise ModelLoadError(path, f"the converted cache in {os.path.join(root, key)} does not read back")

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.loader.hub import display_name
 from rapidserve.loader.quant import refuse_quantized, refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 from rapidserve.parallel.shard import TPLayout, pad_vocab, shard_bounds, shard_kind
@@ -227,9 +228,10 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     return _read_each(names, read)
 
 
-def load_hf_folder(folder: str) -> ModelSource:
-    """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
-    folder = os.path.abspath(folder)
+def read_hf_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
+    """The ModelConfig of a Hugging Face folder's config.json (and the parsed file); no weights are read.
+    A checkpoint that declares a quantization method (config.json or a side file) is refused here, so both
+    its real load and `--load-format dummy` of it (random float weights, not the method's) say so."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(folder, "the folder has no config.json")
@@ -237,23 +239,36 @@ def load_hf_folder(folder: str) -> ModelSource:
     if not isinstance(d, dict):
         raise ModelLoadError(cfg_path, "config.json is not a JSON object")
     refuse_quantized(d, folder)  # a quantized checkpoint's weights would load wrong without a word
-    config = config_from_hf_dict(d, cfg_path, name=os.path.basename(folder.rstrip(os.sep)) or "model")
+    return config_from_hf_dict(d, cfg_path, name=display_name(folder) or "model"), d
+
+
+def tokenizer_of(folder: str) -> tuple[str | None, str | None]:
+    """(the folder, if it holds tokenizer files; its chat template, if any)."""
+    has_tokenizer = any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
+    return (folder if has_tokenizer else None), _chat_template(folder)
+
+
+def load_hf_folder(folder: str) -> ModelSource:
+    """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
+    folder = os.path.abspath(folder)
+    config, d = read_hf_config(folder)
     found = read_safetensors_index(_weight_files(folder))
     shapes = expected_tensor_shapes(config)
     refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
     check_tensor_shapes({n: s for n, (_, s, _) in found.items()}, config, folder,
                         files={n: f for n, (f, _, _) in found.items()})
     needed = {name: found[name][0] for name in shapes}
-    has_tokenizer = any(os.path.isfile(os.path.join(folder, f)) for f in _TOKENIZER_FILES)
+    tokenizer_dir, chat_template = tokenizer_of(folder)
     dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
     return ModelSource(
         config=config,
         weights=lambda: stream_safetensors(needed),
         shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay),
         num_tensors=len(needed),
-        tokenizer_dir=folder if has_tokenizer else None,
+        tokenizer_dir=tokenizer_dir,
         tokenizer_file=None,
-        chat_template=_chat_template(folder),
+        chat_template=chat_template,
+        hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
                     f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
     )

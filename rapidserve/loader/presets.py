@@ -11,6 +11,9 @@ part of TP-N is bit-identical to the same slice of the TP-1 model. Memory: one w
 on the preset device (drawn in float32, then cast), plus its part; never the whole model. Each rank
 pays the whole model's draw time.
 
+`dummy:<folder>` (`--load-format dummy`, `load_dummy`) is the same machinery for any Hugging Face folder:
+its config.json's shapes, random weights seeded from the model's name, its tokenizer if it has one.
+
 `save_as_hf_folder` writes any ModelSource as a Hugging Face folder (config.json + safetensors) so
 transformers' own implementation can load exactly the same weights.
 """
@@ -27,12 +30,13 @@ from typing import Any
 import torch
 
 from rapidserve.config import ModelConfig
-from rapidserve.loader.hf import write_safetensors
+from rapidserve.loader.hf import read_hf_config, tokenizer_of, write_safetensors
 from rapidserve.loader.preset_table import list_presets, preset_table
 from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
 from rapidserve.parallel.shard import TPLayout, owned_shard, shard_tensor
 
-__all__ = ["hf_config_dict", "list_presets", "load_preset", "preset_config", "preset_tensor", "save_as_hf_folder"]
+__all__ = ["hf_config_dict", "list_presets", "load_dummy", "load_preset", "preset_config", "preset_tensor",
+           "random_source", "save_as_hf_folder"]
 
 
 def preset_config(name: str) -> ModelConfig:
@@ -76,21 +80,44 @@ def load_preset(name: str, device: str | torch.device = "cpu",
     whole tensor the same way and keeps only the rank's slice (see the module docstring).
     """
     config = preset_config(name)
+    return random_source(name, config, device, dtype, description=f"preset {name}: {config.arch} shapes with "
+                                                                  "random weights")
+
+
+def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> ModelSource:
+    """`--load-format dummy` (`dummy:<folder>`): the architecture of a Hugging Face folder's config.json with
+    deterministic random weights drawn as a preset's (none of its weight files is read, nor needed), and its
+    tokenizer and chat template when it has them."""
+    folder = os.path.abspath(os.path.expanduser(folder))
+    if not os.path.isdir(folder):
+        raise ModelLoadError(folder, "--load-format dummy needs a Hugging Face model folder (or Hub id) whose "
+                                     "config.json gives the architecture; this is not a folder")
+    config, _ = read_hf_config(folder)
+    tokenizer_dir, chat_template = tokenizer_of(folder)
+    return random_source(f"dummy:{config.name}", config, device, dtype, tokenizer_dir, chat_template,
+                         description=f"{config.arch} model {folder} with random weights (--load-format dummy)",
+                         hf_folder=folder)
+
+
+def random_source(key: str, config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+                  tokenizer_dir: str | None = None, chat_template: str | None = None,
+                  description: str = "", hf_folder: str | None = None) -> ModelSource:
+    """A ModelSource of `config`'s shapes whose every tensor is `preset_tensor(key, ...)` (see load_preset);
+    `hf_folder`: the Hugging Face folder whose architecture it randomizes (its generation_config.json applies)."""
     shapes = expected_tensor_shapes(config)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for tensor, shape in shapes.items():
-            yield tensor, preset_tensor(name, config, tensor, shape, device=device, dtype=dtype)
+            yield tensor, preset_tensor(key, config, tensor, shape, device=device, dtype=dtype)
 
     def shard_weights(lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor, whole in weights():
             yield tensor, owned_shard(shard_tensor(tensor, whole, lay), whole)
 
     return ModelSource(
-        config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes), tokenizer_dir=None,
-        tokenizer_file=None, chat_template=None,
-        description=f"preset {name}: {config.arch} shapes with random weights "
-                    f"({config.num_params() / 1e9:.2f}B params)",
+        config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes),
+        tokenizer_dir=tokenizer_dir, tokenizer_file=None, chat_template=chat_template,
+        description=f"{description} ({config.num_params() / 1e9:.2f}B params)", hf_folder=hf_folder,
     )
 
 

@@ -68,6 +68,9 @@ class ModelSource:
     # conversion cache): it loads in a fraction of a second, where parsing the GGUF takes several.
     tokenizer_cache_dir: str | None = None
     shard_weights: Callable[[TPLayout], Iterator[tuple[str, torch.Tensor]]] | None = None
+    # A Hugging Face model folder's path (where its generation_config.json may be; `dummy:<folder>` keeps its
+    # folder), None: GGUF files, presets.
+    hf_folder: str | None = None
 
 
 def rank_weights(source: ModelSource, layout: TPLayout,

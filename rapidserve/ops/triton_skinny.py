@@ -18,7 +18,7 @@ batch 1-16 was 23-37% slower with it on 16 SMs and 11-19% on 32 (H100 profile, 2
 runner captures graphs of a partial partition with `ops.cublas_linears`.
 
 Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail; launching with
-programmatic dependent launch did not shorten a chain of them (bench/pdl_probe.py). At 24-64 rows (a
+programmatic dependent launch did not shorten a chain of them (bench/experiments/2026-11/pdl_probe.py). At 24-64 rows (a
 wider row tile, measured on the H200 and removed since) cuBLAS was faster (qkv 16.0 vs 20.6 us at 24 rows),
 so the kernel takes at most 16 rows. A variant
 that formed SiLU-and-mul in the down projection's loads ran 4x slower than cuBLAS (its activation tile

@@ -347,12 +347,11 @@ def slug(text: str) -> str:
 
 
 def model_label(model: str) -> str:
-    """The model name a profile records: presets keep 'preset:NAME', paths their last component."""
-    if model in ("", "default"):
-        return "SmolLM2-135M-Instruct"
-    if model.startswith("preset:"):
-        return model
-    return os.path.basename(os.path.normpath(model))
+    """The model name a profile records: presets keep 'preset:NAME', paths their last component (a Hub cache
+    snapshot its repository's name, `dummy:` the model it randomizes: the same shapes, the same timings)."""
+    from rapidserve.loader.hub import display_name
+
+    return display_name(model)
 
 
 def profile_filename(gpu: str, model: str, tp: int = 1) -> str:

@@ -90,6 +90,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         async_scheduling=a.async_scheduling, prefill_graph_tokens=a.prefill_graph_tokens,
         enforce_eager=a.enforce_eager, seed=a.seed, attention_backend=a.attention_backend,
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, run="profile",
+        revision=a.revision, download_dir=a.download_dir, load_format=a.load_format,
         partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
     if a.shard_of_tp > 1:
         cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)

@@ -396,6 +396,14 @@ class DecodePartition:
                       prefill_longest=pending.longest if prefill_pending and pending else None,
                       prefill_budget=self.prefill_budget, interpolate=self.pcfg.profile_lookup == "interpolate")
 
+    def use(self, name: str, reason: str) -> Switch | None:
+        """Hold configuration `name` from the next step on, as a step shape chose it (partition/shape.py;
+        the decode worker switches its stream); the Switch when it is a change, None when it is current."""
+        if name == self.state.config:
+            return None
+        old, self.state = self.state.config, make_state(name)
+        return self._switched(Switch(time.monotonic(), old, name, 0, 0, False, reason))
+
     def _switched(self, s: Switch) -> Switch:
         self.switches.append(s)
         self.num_switches += 1

@@ -15,6 +15,8 @@ and its logits stay in the graph's output buffer ([bucket, vocab]) until the nex
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     from rapidserve.config import EngineConfig
     from rapidserve.kv_pool import KVPool
     from rapidserve.models.transformer import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,10 +135,13 @@ class DecodeGraphs(BatchInputs):
         s = self._static
         whole_ops = self.model.ops
         self.model.ops = whole_ops if whole_gpu else cublas_linears(whole_ops)
+        log.info("capturing decode graphs [%s]: batch sizes %s", key, ",".join(map(str, sizes)))
+        t0 = time.perf_counter()
         try:
             self._capture(sizes, s, stream, caller, key, show_progress)
         finally:
             self.model.ops = whole_ops
+        log.info("decode graphs [%s] captured in %.1f s", key, time.perf_counter() - t0)
 
     def _capture(self, sizes: list[int], s: dict[str, torch.Tensor], stream: torch.cuda.Stream | None,
                  caller: torch.cuda.Stream, key: str, show_progress: bool) -> None:

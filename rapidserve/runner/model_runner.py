@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from rapidserve.runner.model_sharing import SharedState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,7 +108,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.ops = get_ops(self.device)
         self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
-        logging.getLogger(__name__).info("attention backend: %s", self.attn.name)
+        log.info("attention backend: %s", self.attn.name)
         t0 = time.perf_counter()
         if attached is not None:
             from rapidserve.runner.model_sharing import attach_model
@@ -120,8 +121,11 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
             cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
             self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
                                   max_positions=max(self.max_model_len, 1), tp=tp)
+            log.info("loading weights: %s", source.description)
             self._load(source, show_progress)
+            log.info("weights loaded in %.1f s", time.perf_counter() - t0)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
+            log.info("KV cache: %d blocks of %d tokens", self.kv_pool.num_blocks, self.block_size)
         if self.device.type == "cuda":
             # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
             # written on the current stream; the engine computes on partition streams that do not wait
@@ -191,6 +195,8 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         """total * utilization - memory in use - the activation peak of the largest step."""
         torch.cuda.synchronize()
         tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
+        log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
+                 tokens)
         scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.dtype,
                                             -(-tokens // self.block_size)), self.device)
         torch.cuda.reset_peak_memory_stats()
@@ -303,7 +309,11 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         if self._prefill_graphs is None:
             sizes = usable_buckets(rc.prefill_graph_tokens, self.cfg.scheduler.max_num_batched_tokens)
             self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
+        log.info("capturing piecewise prefill graphs [%s]: token buckets %s", key,
+                 ",".join(map(str, self._prefill_graphs.sizes)))
+        t0 = time.perf_counter()
         self._prefill_graphs.capture(key, stream, show_progress, eager=eager)
+        log.info("prefill graphs [%s] captured in %.1f s", key, time.perf_counter() - t0)
 
     # ---- helpers ------------------------------------------------------------------------------
     def synchronize(self) -> None:

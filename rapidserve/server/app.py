@@ -10,7 +10,8 @@ nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/req
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
 bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
-detokenized incrementally (stop strings matched on the text, left out of the output); a
+detokenized incrementally (stop strings matched on the text, left out of the output unless
+include_stop_str_in_output, as is the text of the stop token that ended it); a
 stop-string match or a client that goes away aborts the engine request, which frees its KV
 blocks (a client gone is one DEBUG line, whenever it left). One log line per request when it ends;
 while the app runs, every log record is scrubbed of the API key and Authorization values
@@ -34,14 +35,14 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
 
 from rapidserve.config import EngineConfig, ServerConfig
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine, ConstraintFailed, EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.engine.messages import TokenOut
 from rapidserve.server.body import check_headers
@@ -60,13 +61,16 @@ from rapidserve.server.responses import (
     usage_chunk,
     usage_dict,
 )
-from rapidserve.server.tokenize import answer as tokens_answer
+from rapidserve.server.startup import REQUEST_LOG
+from rapidserve.server.utility_routes import UTILITY_PUBLIC_PATHS, add_utility_routes
+from rapidserve.structured import GrammarTrials
 from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OnDelta = Callable[["Choice", str, TokenOut], Awaitable[None]]
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})  # answered without the API key
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json", *UTILITY_PUBLIC_PATHS})  # answered without the API key
+request_log = logging.getLogger(REQUEST_LOG)  # the one line per request (--disable-log-requests: off)
 # a stream's response once prepared (web.RequestKey from aiohttp 3.13; a plain key before)
 _STREAM_KEY: Any = (web.RequestKey("rapidserve_stream", web.StreamResponse) if hasattr(web, "RequestKey")
                     else "rapidserve_stream")
@@ -96,15 +100,27 @@ class Choice:
     state: Literal["queued", "pending", "decoding", "done"] = "queued"
 
 
+def grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
+    """Whether the grammar engine can serve a constraint with this model's tokenizer (structured/trial.py)."""
+    return GrammarTrials(lambda: tokenizer.hf, ecfg.model_config.vocab_size, tokenizer.eos_token_ids)
+
+
 class Server:
     def __init__(self, cfg: ServerConfig, ecfg: EngineConfig, engine: AsyncEngine | DataParallelEngine,
                  tokenizer: Tokenizer | None,
-                 model_name: str, tool_parser: str | None = None) -> None:
+                 model_name: str, tool_parser: str | None = None, aliases: Sequence[str] = (),
+                 trials: GrammarTrials | None = None) -> None:
+        """`trials`: the admission checks of structured-output constraints (`grammar_trials`; made here
+        when not given and the model has a tokenizer)."""
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
+        self.model_names = (model_name, *aliases)
         self.metrics = Metrics(model_name, ecfg.max_model_len, ecfg.cache)
-        self.ctx = ProtocolContext(tokenizer, (model_name,), ecfg.max_model_len,
-                                         ecfg.model_config.vocab_size, cfg.default_max_tokens, tool_parser)
+        if trials is None and tokenizer is not None:
+            trials = grammar_trials(ecfg, tokenizer)
+        self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
+                                   cfg.max_tokens_default(ecfg.generation), tool_parser,
+                                   cfg.trust_request_chat_template, ecfg.generation, trials=trials)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -124,8 +140,7 @@ class Server:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
-        app.router.add_post("/tokenize", self._tokens)  # vLLM's; a cache-aware router tokenizes through it
-        app.router.add_post("/detokenize", self._tokens)
+        add_utility_routes(app, self.ctx, self.cfg, self._health)  # /tokenize, /detokenize, /version, /ping
         app.cleanup_ctx.append(self._redacting)
         return app
 
@@ -212,8 +227,8 @@ class Server:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "rapidserve",
-            "max_model_len": self.ecfg.max_model_len}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "rapidserve",
+            "max_model_len": self.ecfg.max_model_len} for name in self.model_names]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         """Prometheus text. The request gauges are the server's own counts now (`request_gauges`: the
@@ -232,16 +247,6 @@ class Server:
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 
-    async def _tokens(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize and /detokenize (server/tokenize.py): the body checks of the generation routes."""
-        check_headers(request.headers.get("Content-Type"), request.content_length, self.cfg.max_body_bytes)
-        try:
-            raw = await asyncio.wait_for(request.read(), self.cfg.header_timeout_s)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.cfg.header_timeout_s:g} s",
-                           code="request_timeout") from None
-        return web.json_response(await tokens_answer(request.path.strip("/"), raw, self.ctx))
-
     async def _openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI document of every route, generated from the request and error types."""
         return web.json_response(openapi_document())
@@ -257,6 +262,7 @@ class Server:
         return await self._serve(request, "generate")
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        created = int(time.time())  # the request's arrival (unix s): in its response and every chunk of its stream
         if self.draining:
             self.metrics.observe_rejected("server_shutting_down")
             raise APIError(503, "the server is shutting down", "server_error", code="server_shutting_down",
@@ -281,19 +287,19 @@ class Server:
         self._requests[rid] = choices
         try:
             if req.stream:
-                return await self._stream(request, req, rid, choices)
+                return await self._stream(request, req, rid, created, choices)
             await self._generate(rid, req, choices, None)
-            return web.json_response(self._final(req, rid, choices))
+            return web.json_response(self._final(req, rid, created, choices))
         except (EngineError, ValueError) as e:
-            raise _api_error(e) from None
+            raise _api_error(e, req.structured_param) from None
         finally:
             self.inflight -= n
             self._requests.pop(rid, None)
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
-            log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
-                     rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
-                     ",".join(str(c.finish_reason) for c in choices))
+            request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
+                             rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
+                             ",".join(str(c.finish_reason) for c in choices))
 
     def end_all(self, reason: str) -> int:
         """End every request in flight now (shutdown grace over, engine gone): streams get an error
@@ -371,7 +377,8 @@ class Server:
         """Generate one choice: detokenize, match stop strings, time tokens; abort on stop/cancel."""
         p = req.params
         params = p.for_sample(c.index % p.n)
-        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop)
+        detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
+                                       p.include_stop_str_in_output)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         c.state = "pending"
@@ -393,7 +400,9 @@ class Server:
                 c.token_ids.append(tok.token_id)
                 c.logprobs.append(tok.logprob)
                 c.top_logprobs.append(tok.top_logprobs)
-                delta = detok.add(tok.token_id)
+                # the engine's "stop" is EOS or a stop token id: its text only with include_stop_str_in_output (vLLM)
+                stop_token = tok.finish_reason == "stop" and not p.include_stop_str_in_output
+                delta = "" if stop_token else detok.add(tok.token_id)
                 if detok.stopped:
                     c.finish_reason = "stop"
                 elif tok.finish_reason is not None:
@@ -411,16 +420,15 @@ class Server:
             c.state = "done"
             await stream.aclose()  # aborts the engine request if it had not finished
 
-    def _final(self, req: GenRequest, rid: str, choices: list[Choice]) -> dict[str, Any]:
-        return final_response(req, rid, self.created, self.model_name, choices, _usage(req, choices), self.tok)
+    def _final(self, req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
+        return final_response(req, rid, created, self.model_name, choices, _usage(req, choices), self.tok)
 
-    async def _stream(self, request: web.Request, req: GenRequest, rid: str,
+    async def _stream(self, request: web.Request, req: GenRequest, rid: str, created: int,
                       choices: list[Choice]) -> web.StreamResponse:
         """Server-sent events. Once the response has begun it always ends well-formed: an error becomes
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         lock = asyncio.Lock()
-        created = int(time.time())
 
         async def send(obj: dict[str, Any]) -> None:
             async with lock:
@@ -456,7 +464,7 @@ class Server:
                 log.warning("request %s ended with an error: %s", rid, e)
             elif not isinstance(e, (ValueError, APIError)):
                 log.exception("request %s failed", rid)
-            await send({"error": _error_body(e)})
+            await send({"error": _error_body(e, req.structured_param)})
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -471,18 +479,23 @@ def _client_gone() -> web.Response:
     return resp
 
 
-def _error_body(e: Exception) -> dict[str, Any]:
+def _error_body(e: Exception, structured_param: str | None = None) -> dict[str, Any]:
     """The `error` object of an OpenAI-style error for an exception that ended a request."""
     if isinstance(e, (APIError, EngineError, ValueError)):
-        return _api_error(e).body()["error"]
+        return _api_error(e, structured_param).body()["error"]
     return APIError(500, "internal server error", "server_error").body()["error"]
 
 
-def _api_error(e: APIError | EngineError | ValueError) -> APIError:
+def _api_error(e: APIError | EngineError | ValueError, structured_param: str | None = None) -> APIError:
     """A prompt the engine refused (RequestRejected, a ValueError; the parser checks first) is the
-    client's error, 400; any other engine failure is 503 (`_unavailable`)."""
+    client's error, 400, and so is a structured-output constraint the grammar engine could not serve while
+    generating (ConstraintFailed: 400 naming the request's field, `structured_param`); any other engine
+    failure is 503 (`_unavailable`)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ConstraintFailed):
+        return APIError(400, f"'{structured_param}' could not be enforced: {e}" if structured_param else str(e),
+                        param=structured_param, code="structured_output_failed")
     if isinstance(e, ValueError):
         return APIError(400, str(e), param="prompt")
     return _unavailable(e)

@@ -12,7 +12,7 @@ the field's description.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import msgspec.inspect as mi
@@ -21,11 +21,12 @@ import numpy as np
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.schemas import RequestBody, body_type
 
+S = TypeVar("S", bound=msgspec.Struct)
+
 MAX_DEPTH = 64  # arrays/objects nested deeper than this are refused (the schemas need 4)
 _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 _BRACKET_STEPS = bytes.maketrans(b"[{]}", bytes([1, 1, 255, 255]))  # +1 / -1 as int8
 _JSON = "send 'Content-Type: application/json' and a JSON object as the body"
-T = TypeVar("T")
 _ERROR_AT = re.compile(r"(?s)(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?")
 
 
@@ -58,7 +59,7 @@ def nesting_depth(body: bytes) -> int:
     return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
 
 
-def _field_help(typ: type[Any], name: str) -> str | None:
+def _field_help(typ: type[msgspec.Struct], name: str) -> str | None:
     """The `description` of field `name` of `typ` (what it allows), if it has one."""
     for f in mi.type_info(typ).fields:  # type: ignore[attr-defined]
         if f.encode_name != name:
@@ -72,7 +73,7 @@ def _field_help(typ: type[Any], name: str) -> str | None:
     return None
 
 
-def _validation_error(e: msgspec.ValidationError, typ: type[Any]) -> APIError:
+def _validation_error(e: msgspec.ValidationError, typ: type[msgspec.Struct]) -> APIError:
     m = _ERROR_AT.fullmatch(str(e))
     what, path = (m["what"], m["path"] or "") if m else (str(e), "")
     missing = re.fullmatch(r"Object missing required field `(.+)`", what)
@@ -88,7 +89,7 @@ def _validation_error(e: msgspec.ValidationError, typ: type[Any]) -> APIError:
     return bad_request(param, message + (f" ('{param}' is {help})" if help else ""))
 
 
-def _malformed(e: msgspec.DecodeError, body: bytes, typ: type[Any]) -> APIError:
+def _malformed(e: msgspec.DecodeError, body: bytes, typ: type[msgspec.Struct]) -> APIError:
     """400 for JSON that does not parse: where, the text around it, and the field whose value it is."""
     at = re.search(r"\(byte (\d+)\)", str(e))
     if at is None:
@@ -107,8 +108,8 @@ def decode_body(kind: str, body: bytes) -> RequestBody:
     return decode_as(body_type(kind), body)
 
 
-def decode_as(typ: type[T], body: bytes) -> T:
-    """The body as `typ` (a msgspec Struct of the server's), with every check of `decode_body`."""
+def decode_as(typ: type[S], body: bytes) -> S:
+    """The body as `typ` (any request Struct, e.g. server/utility_routes.py's), checked as `decode_body` says."""
     if not body.strip():
         raise bad_request(None, f"the request body is empty: {_JSON}")
     try:

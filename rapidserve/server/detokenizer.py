@@ -7,7 +7,10 @@ sentencepiece tokens, multi-byte characters split across tokens). A delta whose 
 U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete the character.
 
 Stop strings are matched on the detokenized text: the earliest match ends the output before the stop
-string, and text that may still become the start of a stop string is held back until it cannot.
+string, and text that may still become the start of a stop string is held back until it cannot. With
+`include_stop` (vLLM's `include_stop_str_in_output`) the output ends after the stop string instead, and
+nothing is held back: text is released as soon as it is complete, and a match is searched over the
+new text and the released tail a stop string could straddle.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = ()) -> None:
+                 stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
         self.stopped = False
         self.stop_str: str | None = None
         self.output_ids: list[int] = []
@@ -101,6 +105,8 @@ class IncrementalDetokenizer:
         if not self.stop:
             self.text += delta
             return delta
+        if self.include_stop:
+            return self._release_through_stop(delta)
         if not delta and not final:
             return ""
         pending = self._pending + delta
@@ -116,6 +122,20 @@ class IncrementalDetokenizer:
         else:
             hold = _longest_stop_prefix_suffix(pending, self.stop, self._max_hold)
             out, self._pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+        self.text += out
+        return out
+
+
+    def _release_through_stop(self, delta: str) -> str:
+        """`include_stop`: release `delta`, cut just after the earliest stop string that ends in it."""
+        tail = self.text[len(self.text) - self._max_hold:] if self._max_hold else ""
+        window = tail + delta  # released text was searched already: every match here ends inside `delta`
+        hits = [(i, s) for s in self.stop if (i := window.find(s)) >= 0]
+        out = delta
+        if hits:
+            start, self.stop_str = min(hits)
+            self.stopped = True
+            out = window[len(tail):start + len(self.stop_str)]
         self.text += out
         return out
 

@@ -16,7 +16,7 @@ import msgspec
 from rapidserve import __version__
 from rapidserve.server.errors import ErrorResponse
 from rapidserve.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, prompt_json_schema
-from rapidserve.server.tokenize import DetokenizeRequest, TokenizeRequest
+from rapidserve.server.utility_routes import DetokenizeRequest, TokenizeRequest
 
 _ERRORS = MappingProxyType({
     "400": "invalid request: `error.param` names the field at fault",
@@ -78,11 +78,15 @@ def openapi_document() -> dict[str, Any]:
                                                                         "Prometheus text format", "text/plain")},
                                     False)},  # public with --metrics-public
             "/openapi.json": {"get": _op("This document", {"200": _json(obj, "the OpenAPI document")}, True)},
-            "/tokenize": {"post": _op("A prompt or chat messages as token ids (vLLM's)", {
-                "200": _json(obj, "{count, max_model_len, tokens, token_strs}"),
-                **_errors("400", "401", "413", "415")}, False, tokenize)},
-            "/detokenize": {"post": _op("Token ids as text (vLLM's)", {
-                "200": _json(obj, "{prompt}"), **_errors("400", "401", "413", "415")}, False, detokenize)},
+            "/tokenize": {"post": _op("Token ids of a text or a chat (vLLM): {count, max_model_len, tokens, "
+                                      "token_strs}", {"200": _json(obj, "the tokens"),
+                                                      **_errors("400", "401", "404", "413", "415")}, False, tokenize)},
+            "/detokenize": {"post": _op("The text of token ids (vLLM): {prompt}", {"200": _json(obj, "the text"),
+                                        **_errors("400", "401", "404", "413", "415")}, False, detokenize)},
+            "/version": {"get": _op("rapidserve's version: {version}", {"200": _json(obj, "the version")}, True)},
+            "/ping": {m: _op("Readiness, as /health (vLLM, SageMaker)", {
+                "200": _json(health, "ready"), "503": _json(health, "starting, restarting, down or draining")}, True)
+                for m in ("get", "post")},
         },
         "components": {"schemas": components,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

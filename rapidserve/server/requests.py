@@ -10,29 +10,24 @@ The edge, in order; each step refuses with a 4xx naming the field before any cos
    max_model_len * CHARS_PER_TOKEN_BOUND characters, so no huge text is ever tokenized;
 4. tokenization and the chat template (`_tokenize`), off the event loop for long inputs
    (`parse_request_async`);
-5. the context-length check and the `SamplingParams` (`_finish`).
+5. the context-length check and the `SamplingParams` (`_finish`, with sampling_fields.py: a field the
+   request leaves unset takes the model's recommended default, `ProtocolContext.defaults`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import jinja2
-
+from rapidserve.generation_config import SamplingDefaults
 from rapidserve.prompt import PromptError, PromptLimits
-from rapidserve.sampling_params import (
-    SEED_MAX,
-    SamplingParams,
-    SamplingParamsError,
-    StructuredOutputs,
-    resolve_bad_words,
-)
+from rapidserve.sampling_params import SEED_MAX, SamplingParams, StructuredOutputs
 from rapidserve.server.body import decode_body
+from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
+from rapidserve.server.sampling_fields import build_params, check_controls, resolve_max_tokens
 from rapidserve.server.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -40,9 +35,10 @@ from rapidserve.server.schemas import (
     GenerateRequest,
     RequestBody,
 )
-from rapidserve.server.structured_fields import structured_outputs_of
+from rapidserve.server.structured_fields import check_servable, structured_field_of, structured_outputs_of
 from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
-from rapidserve.structured import GrammarCache, GrammarError, check
+from rapidserve.server.unsupported import refuse_unsupported
+from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials, check
 from rapidserve.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat", "generate"]
@@ -61,8 +57,13 @@ class ProtocolContext:
     vocab_size: int
     default_max_tokens: int
     tool_parser: str | None = None  # the tool-call format of tool_choice "auto"; None: auto not enabled
+    trust_request_chat_template: bool = False  # a chat request may bring its own chat_template
+    defaults: SamplingDefaults = SamplingDefaults()  # the model's, for the sampling fields a request leaves unset
     # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
     grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
+    # Whether the grammar engine can serve each constraint with the model's tokenizer (compiled and tried
+    # off the loop, structured_fields.check_servable); None: not checked here (no tokenizer: the workers fail it)
+    trials: GrammarTrials | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class GenRequest:
     user: str | None = None
     logprobs_style: Literal["completion", "chat"] | None = None
     tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
+    structured_param: str | None = None  # the field that set params.structured_outputs (errors name it)
 
 
 # ---------------------------------------------------------------- what depends on the model and server
@@ -108,51 +110,18 @@ class _Plan:
     work: int  # characters to tokenize (or token ids to decode for echo)
     tools: ToolPlan | None = None
     structured: StructuredOutputs | None = None
+    render: dict[str, Any] | None = None  # chat: the keywords of Tokenizer.apply_chat_template (chat_render.py)
+    structured_param: str | None = None  # the field that set it ("tools" for a tool_choice's constraint)
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
     names = ctx.served_model_names
-    if name is None:
-        if len(names) == 1:
-            return names[0]
-        raise bad_request("model", f"'model' is required; this server serves {', '.join(names)}")
+    if name is None:  # the names are one model's (--served-model-name A B): as vLLM, the first
+        return names[0]
     if name not in names:
         raise APIError(404, f"The model {show(name)} does not exist; this server serves {', '.join(names)}",
                        param="model", code="model_not_found")
     return name
-
-
-def _refuse_unsupported(r: RequestBody, n: int) -> None:
-    if isinstance(r, CompletionRequest):
-        if r.suffix:
-            raise bad_request("suffix", "'suffix' is not supported by this server")
-        if r.best_of is not None and r.best_of != n:
-            raise bad_request("best_of", f"'best_of' is not supported by this server: only null or equal to n ({n})")
-
-
-def _logit_bias(r: RequestBody, ctx: ProtocolContext) -> dict[int, float]:
-    """OpenAI's logit_bias {"token id": bias} as {id: bias}; every key a token id in the vocabulary."""
-    out: dict[int, float] = {}
-    for key, bias in (r.logit_bias or {}).items():
-        t = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1
-        if not 0 <= t < ctx.vocab_size:
-            raise bad_request("logit_bias", f"'logit_bias' has the key {show(key)}: keys must be token ids in "
-                                            f"[0, {ctx.vocab_size}), written as decimal strings (e.g. \"50256\")")
-        out[t] = bias
-    return out
-
-
-def _check_controls(r: RequestBody, ctx: ProtocolContext) -> None:
-    """The logit controls' model-dependent checks (token ids in the vocabulary, a tokenizer for bad_words)."""
-    _logit_bias(r, ctx)
-    if r.allowed_token_ids and max(r.allowed_token_ids) >= ctx.vocab_size:
-        t = next(t for t in r.allowed_token_ids if t >= ctx.vocab_size)
-        raise bad_request("allowed_token_ids", f"'allowed_token_ids' holds {t}: token ids must be integers in "
-                                               f"[0, {ctx.vocab_size})")
-    if r.bad_words and ctx.tokenizer is None:
-        raise bad_request("bad_words", "this model has no tokenizer: 'bad_words' cannot be tokenized")
-    if r.bad_words and any(w.strip() == "" for w in r.bad_words):
-        raise bad_request("bad_words", "'bad_words' must hold non-blank strings")
 
 
 def _check_prompt(ids: list[int], where: str, param: str, ctx: ProtocolContext) -> None:
@@ -196,6 +165,7 @@ def _completion_sources(r: CompletionRequest | GenerateRequest,
                 raise bad_request("prompt", f"this model has no tokenizer: send '{where}' as a list of token ids")
             work += len(s)
         else:
+            s = _truncated(s, r.truncate_prompt_tokens)
             _check_prompt(s, where, "prompt", ctx)
             work += len(s) if getattr(r, "echo", False) else 0
         sources.append(s)
@@ -238,8 +208,8 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     r = decode_body(kind, body)
     model = _resolve_model(r.model, ctx)
     n = r.n or 1
-    _refuse_unsupported(r, n)
-    _check_controls(r, ctx)
+    refuse_unsupported(r, n)
+    check_controls(r, ctx.tokenizer, ctx.vocab_size)
     if r.seed is not None and r.seed + n - 1 > SEED_MAX:
         raise bad_request("seed", f"'seed' + n - 1 must fit in a 64-bit signed integer (sample j of n uses seed + j):"
                                   f" with n={n}, 'seed' may be at most {SEED_MAX - n + 1}")
@@ -252,20 +222,32 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
     so = structured_outputs_of(r, ctx.grammars)
+    param = structured_field_of(r) if so is not None else None
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
-        work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools)
+        render = render_options(r, ctx.trust_request_chat_template)
+        work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools) + len(
+            json.dumps([render["documents"], render["template_kwargs"]]))
         _check_text_size(work, "messages", "messages", ctx)
         if ctx.tokenizer is None:
             raise bad_request("messages", "this model has no tokenizer or chat template: use /v1/completions with "
                                           "token ids")
         _check_admissible(1, n, "messages", max_choices)
         so = _with_tool_constraint(so, tools, ctx)
-        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so)  # type: ignore[arg-type]
+        param = param or ("tools" if so is not None else None)
+        return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render,  # type: ignore[arg-type]
+                     structured_param=param)
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
-    return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so)  # type: ignore[arg-type]
+    return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so,  # type: ignore[arg-type]
+                 structured_param=param)
+
+
+def _check_servable(plan: _Plan, ctx: ProtocolContext) -> None:
+    """The plan's constraint, tried with the model's tokenizer (structured_fields.check_servable)."""
+    if plan.structured is not None and plan.structured_param is not None and ctx.trials is not None:
+        check_servable(plan.structured, plan.structured_param, ctx.trials)
 
 
 # ---------------------------------------------------------------- tokenization and the sampling params
@@ -274,18 +256,29 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
 def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[str | None]]:
     """The prompts' token ids and texts (echo: decoded from the ids). Slow for long inputs: run off the loop."""
     tok = ctx.tokenizer
+    keep = plan.body.truncate_prompt_tokens
     if plan.messages is not None:
-        assert tok is not None
+        assert tok is not None and plan.render is not None
+        tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
         try:
-            tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
-            return [tok.apply_chat_template(plan.messages, tools=tools)], [None]
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise bad_request("messages", f"the chat template rejected 'messages': {str(e)[:200]}") from None
-    prompts = [tok.encode(s) if isinstance(s, str) else s for s in plan.sources]  # type: ignore[union-attr]
-    texts = [s if isinstance(s, str) else None for s in plan.sources]
+            ids = tok.apply_chat_template(plan.messages, tools=tools, **plan.render)
+        except Exception as e:  # the template's code failed on this request's inputs
+            raise template_failure(e, plan.render) from None
+        return [_truncated(ids, keep)], [None]
+    special = getattr(plan.body, "add_special_tokens", None) is not False
+    encoded = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
+               for s in plan.sources]
+    prompts = [_truncated(p, keep) for p in encoded]
+    texts = [s if isinstance(s, str) and len(p) == len(e) else None  # a truncated text is decoded for echo
+             for s, p, e in zip(plan.sources, prompts, encoded, strict=True)]
     if getattr(plan.body, "echo", False) and tok is not None:
         texts = [t if t is not None else tok.decode(p) for t, p in zip(texts, prompts, strict=True)]
     return prompts, texts
+
+
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: a prompt longer than `keep` tokens keeps its last `keep`."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx: ProtocolContext) -> GenRequest:
@@ -293,12 +286,9 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     for i, p in enumerate(prompts):
         _check_prompt(p, plan.prompt_param if len(prompts) == 1 else f"{plan.prompt_param}[{i}]",
                       plan.prompt_param, ctx)
-    max_name, requested = "max_tokens", r.max_tokens
     logprobs: int | None = None
     style: Literal["completion", "chat"] | None = None
     if isinstance(r, ChatCompletionRequest):
-        if r.max_completion_tokens is not None:
-            max_name, requested = "max_completion_tokens", r.max_completion_tokens
         if r.logprobs:
             logprobs, style = r.top_logprobs or 0, "chat"
         elif r.top_logprobs is not None:
@@ -307,47 +297,15 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
         logprobs = r.logprobs
         style = "completion" if logprobs is not None else None
         if r.echo and logprobs is not None:
-            raise bad_request("echo", "'echo' with 'logprobs' would need prompt logprobs, which this server does not "
-                                      "compute")
-    elif isinstance(r, GenerateRequest) and requested is None and r.max_new_tokens is not None:
-        max_name, requested = "max_new_tokens", r.max_new_tokens
-    longest = max(len(p) for p in prompts)
-    room = ctx.max_model_len - longest
-    if requested is None:
-        max_tokens = max(1, min(ctx.default_max_tokens, room))
-    elif requested > room:
-        raise bad_request(max_name, f"'{max_name}'={requested} plus the prompt's {longest} tokens is more than this "
-                                    f"model's maximum context length of {ctx.max_model_len} tokens: ask for at most "
-                                    f"{room}", code="context_length_exceeded")
-    else:
-        max_tokens = requested
-    stop = () if r.stop is None else (r.stop,) if isinstance(r.stop, str) else tuple(r.stop)
-    try:
-        params = SamplingParams(
-            n=plan.n, temperature=1.0 if r.temperature is None else r.temperature,
-            top_p=1.0 if r.top_p is None else r.top_p, top_k=r.top_k or 0,
-            min_p=r.min_p or 0.0, seed=r.seed, max_tokens=max_tokens, min_tokens=r.min_tokens or 0,
-            stop_token_ids=tuple(r.stop_token_ids or ()), stop=stop, ignore_eos=bool(r.ignore_eos),
-            logprobs=logprobs, skip_special_tokens=r.skip_special_tokens is not False,
-            presence_penalty=r.presence_penalty or 0.0, frequency_penalty=r.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
-            logit_bias=_logit_bias(r, ctx), allowed_token_ids=r.allowed_token_ids,
-            bad_words=tuple(r.bad_words or ()),
-            structured_outputs=plan.structured)
-        if params.bad_words:
-            tok = ctx.tokenizer
-            assert tok is not None  # _check_controls
-            params = resolve_bad_words(params, lambda text: tok.encode(text, add_special_tokens=False))
-            PromptLimits(ctx.vocab_size, ctx.max_model_len).check_params(params)
-    except PromptError as e:
-        raise bad_request("bad_words", str(e)) from None
-    except SamplingParamsError as e:
-        m = re.match(r"(\w+)[=:]", str(e))
-        raise bad_request(m.group(1) if m else None, str(e)) from None
+            raise bad_request("echo", "'echo' with 'logprobs' would need the prompt's logprobs (prompt_logprobs), "
+                                      "which this server does not compute: drop one of them")
+    max_tokens = resolve_max_tokens(r, max(len(p) for p in prompts), ctx.max_model_len, ctx.default_max_tokens)
+    params = build_params(r, plan.n, max_tokens, logprobs, plan.structured, ctx.tokenizer,
+                          PromptLimits(ctx.vocab_size, ctx.max_model_len), ctx.defaults)
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
-                      user=r.user, logprobs_style=style, tools=plan.tools)
+                      user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param)
 
 
 def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:
@@ -356,6 +314,7 @@ def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int
     `max_choices`: the most prompts x n the server can ever hold (None: no bound). Tokenizes on the
     calling thread; a server calls `parse_request_async`."""
     plan = _prepare(kind, body, ctx, max_choices)
+    _check_servable(plan, ctx)
     return _finish(plan, *_tokenize(plan, ctx), ctx)
 
 
@@ -368,6 +327,10 @@ async def parse_request_async(kind: str, body: bytes, ctx: ProtocolContext,
         plan = await loop.run_in_executor(None, _prepare, kind, body, ctx, max_choices)
     else:
         plan = _prepare(kind, body, ctx, max_choices)
+    if plan.structured is not None and ctx.trials is not None and not ctx.trials.known(plan.structured):
+        await loop.run_in_executor(None, _check_servable, plan, ctx)  # a compile and a few masks
+    else:
+        _check_servable(plan, ctx)  # a cached verdict, or nothing to try
     if plan.work > OFFLOAD_CHARS:
         prompts, texts = await loop.run_in_executor(None, _tokenize, plan, ctx)
     else:

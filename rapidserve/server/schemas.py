@@ -130,6 +130,7 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Me
 
 MAX_CHOICES = 256  # guided_choice / structured_outputs.choice alternatives
 MAX_GRAMMAR_CHARS = 65536  # regex and grammar texts (JSON schemas are bounded by the body size)
+MAX_TEMPLATE_CHARS = 65536  # a chat request's own chat template
 Regex = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty regular expression "
                             f"of at most {MAX_GRAMMAR_CHARS} characters, matched against the whole output")]
 Grammar = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty Lark (or GBNF) "
@@ -175,6 +176,11 @@ Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_ST
     description=f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOP_STRINGS}"
                 " such strings")]
 NotSupported = "not supported by this server: only {} or null"
+
+# A vLLM field this server does not serve: any JSON value decodes, and unsupported.py refuses all but null
+# and the value of vLLM's that asks for nothing (its error names the field and that value).
+Unsupported = Annotated[Any, Meta(description="vLLM's field, not supported by this server: only null or vLLM's "
+                                              "default (the value that asks for nothing)")]
 Penalty = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), subtracted from the logit of a token {{}}"
 BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 MessagesHelp = (f"a non-empty list of at most {MAX_MESSAGES} messages {{\"role\": one of {', '.join(CHAT_ROLES)}; "
@@ -203,6 +209,12 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    add_special_tokens: Annotated[bool, Meta(description=(
+        "add the tokenizer's special tokens (BOS) when a text prompt is encoded: default true for completions and "
+        "/generate, false for chat (whose template writes them)"))] | None = None
+    include_stop_str_in_output: Annotated[bool, Meta(description=(
+        "true: the text keeps the stop string, or the text of the stop token (EOS, stop_token_ids), that ended "
+        "it (vLLM's field); default false: both are left out"))] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY, description=Penalty.format(
         "that is among the outputs so far"))] | None = None
@@ -220,6 +232,28 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     bad_words: Annotated[list[BadWord], Meta(max_length=MAX_BAD_WORDS, description=(
         f"a list of at most {MAX_BAD_WORDS} words (non-blank strings of at most {MAX_BAD_WORD_CHARS} characters) "
         "that must not be generated"))] | None = None
+    # vLLM's fields this server refuses unless they ask for nothing (unsupported.py).
+    use_beam_search: Annotated[bool, Meta(description="not supported by this server (it samples): only false or "
+                                                      "null")] | None = None
+    length_penalty: Annotated[float, Meta(description="beam search's length penalty: no effect without beam search "
+                                                      "(as in vLLM), which this server does not do")] | None = None
+    prompt_logprobs: Annotated[int, Meta(description="not supported by this server (the logprobs of prompt tokens "
+                                                     "are not computed): only null")] | None = None
+    priority: Unsupported = None
+    spaces_between_special_tokens: Unsupported = None
+    return_tokens_as_token_ids: Unsupported = None
+    logits_processors: Unsupported = None
+    cache_salt: Unsupported = None
+    kv_transfer_params: Unsupported = None
+    vllm_xargs: Unsupported = None
+    mm_processor_kwargs: Unsupported = None
+    guided_decoding_backend: Unsupported = None
+    guided_whitespace_pattern: Unsupported = None
+    structural_tag: Unsupported = None
+    # vLLM's: keep only the last k prompt tokens (the rendered chat's too) when the prompt is longer
+    truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX, description=(
+        "an integer >= 1: a longer prompt keeps only its last this many tokens"))] | None = None
+    response_format: ResponseFormat | None = None
     # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
     structured_outputs: StructuredOutputsBody | None = None
     guided_json: JsonSchemaValue | None = None
@@ -230,6 +264,8 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
 
 N = Annotated[int, Meta(ge=1, le=MAX_N, description=f"the samples per prompt: an integer in [1, {MAX_N}]")]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=f"an integer in [0, {MAX_LOGPROBS}]")]
+BestOf = Annotated[int, Meta(description="not supported by this server (it returns every sample): only null or "
+                                        "equal to n")]
 PromptItem = Text | TokenId | TokenIds  # decoded as one list, then checked not to mix (msgspec's unions hold one list)
 
 
@@ -253,8 +289,26 @@ class CompletionRequest(_SamplingRequest, kw_only=True):
     n: N | None = None
     logprobs: Logprobs | None = None
     echo: bool | None = None
-    best_of: Annotated[int, Meta(description="not supported by this server: only null or equal to n")] | None = None
+    best_of: BestOf | None = None
     suffix: Annotated[str, Meta(description=NotSupported.format('""'))] | None = None
+    prompt_embeds: Unsupported = None
+
+
+# The chat template's inputs, as chat requests and /tokenize's chats take them (server/chat_render.py checks them).
+AddGenerationPrompt = Annotated[bool, Meta(description="end the prompt with the assistant's turn header (default "
+                                                       "true)")]
+ContinueFinalMessage = Annotated[bool, Meta(description="end the prompt inside the last message, for the model to "
+                                                        "go on with it (default false); needs add_generation_prompt "
+                                                        "false")]
+Documents = Annotated[list[dict[str, str]], Meta(max_length=MAX_MESSAGES, description=(
+    f"at most {MAX_MESSAGES} documents for a retrieval-augmented chat template, each an object of strings "
+    "(e.g. {\"title\", \"text\"}); a template that does not read them leaves them out"))]
+RequestChatTemplate = Annotated[str, Meta(min_length=1, max_length=MAX_TEMPLATE_CHARS, description=(
+    f"a Jinja chat template of at most {MAX_TEMPLATE_CHARS} characters for this request instead of the "
+    "server's; only on a server started with --trust-request-chat-template"))]
+ChatTemplateKwargs = Annotated[dict[str, Any], Meta(description=(
+    "more variables for the chat template, an object of JSON values (e.g. {\"enable_thinking\": false} for "
+    "Qwen3); it may also carry add_generation_prompt, continue_final_message and documents"))]
 
 
 class ChatCompletionRequest(_SamplingRequest, kw_only=True):
@@ -263,6 +317,7 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES, description=MessagesHelp)]
     n: N | None = None
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
+    best_of: BestOf | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS, description=(
@@ -272,7 +327,14 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: Annotated[bool, Meta(description="false: at most one call (enforced with tool_choice "
                                                           "\"required\"); default true")] | None = None
-    response_format: ResponseFormat | None = None
+    echo: Unsupported = None  # vLLM's chat echo (the last message before the answer)
+    # How the chat template renders the messages (vLLM's fields; server/chat_render.py checks them; /tokenize
+    # takes the same ones).
+    add_generation_prompt: AddGenerationPrompt | None = None
+    continue_final_message: ContinueFinalMessage | None = None
+    documents: Documents | None = None
+    chat_template: RequestChatTemplate | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):

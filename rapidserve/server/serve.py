@@ -1,5 +1,11 @@
 """`rapidserve serve`: start the engine, serve HTTP until SIGTERM/SIGINT or the engine gives up.
 
+Starting (`run`): the port is bound first (a busy one fails at once: `startup.BindError`, one line, exit 1),
+and answers 503 "starting" (`startup.StartupGate`) while the config tree is built (a first start with a GGUF
+file converts it, logged with the reason), the tokenizer loads and the engine starts (its workers log
+loading weights, sizing the KV cache, capturing graphs); each step is logged and named in /health's reason.
+Then the server proper takes the sockets over and "ready in X s" (from the process's start) is printed.
+
 Stopping (SIGTERM or SIGINT): no new connections or requests (503, /health 503 "draining"); idle
 keep-alive connections are closed; requests in flight may finish for `shutdown_grace_s`; then every
 one still running ends with an error (a stream: error event + `data: [DONE]`; otherwise 503), the
@@ -14,36 +20,45 @@ is the engine giving up.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import ipaddress
 import logging
-import os
 import signal
-import sys
+import socket
 import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig, ServerConfig
-from rapidserve.engine.client import AsyncEngine
-from rapidserve.engine.data_parallel import DataParallelEngine
-from rapidserve.loader import ModelSource
 from rapidserve.server.connections import GuardedRunner
-from rapidserve.server.tools import resolve_parser, template_renders_tools
-from rapidserve.tokenizer import Tokenizer
+from rapidserve.server.startup import StartupGate, bind_sockets, configure_logging, off_loop, process_age_s
+
+if TYPE_CHECKING:  # the engine, the loader and the tokenizer import torch: loaded once the port is bound
+    from rapidserve.engine.client import AsyncEngine
+    from rapidserve.engine.data_parallel import DataParallelEngine
+    from rapidserve.loader import ModelSource
+    from rapidserve.server.app import Server
+    from rapidserve.structured import GrammarTrials
+    from rapidserve.tokenizer import Tokenizer
 
 log = logging.getLogger("rapidserve.server")
 EXIT_ENGINE_DOWN = 1
 END_WAIT_S = 1.0  # after the grace: how long ended requests get to send their last bytes
 
 
-def model_name(cfg: EngineConfig, source: ModelSource, override: str | None) -> str:
-    if override:
-        return override
-    if cfg.model in ("default", ""):
-        return "SmolLM2-135M-Instruct"
-    if cfg.model.startswith("preset:"):
-        return cfg.model
-    return os.path.basename(os.path.normpath(cfg.model))
+def served_names(scfg: ServerConfig, ecfg: EngineConfig, model_spec: str | None) -> tuple[str, ...]:
+    """The names the model answers to: --served-model-name's, else one: the Hub id as given (`Qwen/Qwen3-8B`,
+    which vLLM's users send as `model`), a preset's spec, or a path's last component (rapidserve's default)."""
+    from rapidserve.loader.hub import DUMMY_PREFIX, display_name, is_repo_id
+
+    if scfg.served_model_name:
+        return scfg.served_model_name
+    if model_spec is not None and ecfg.model.removeprefix(DUMMY_PREFIX) != model_spec and is_repo_id(model_spec):
+        return (model_spec,)  # found in the Hugging Face cache
+    return (display_name(ecfg.model),)
 
 
 def is_loopback(host: str) -> bool:
@@ -68,6 +83,8 @@ def warn_if_exposed(scfg: ServerConfig) -> bool:
 def auto_tool_parser(scfg: ServerConfig, ecfg: EngineConfig, tokenizer: Tokenizer | None) -> str | None:
     """The tool-call format of tool_choice "auto" (None: not enabled); a ConfigError when it was enabled but
     the format cannot be told. Logs the choice, and a warning when the chat template ignores tools."""
+    from rapidserve.server.tools import resolve_parser, template_renders_tools
+
     if not scfg.enable_auto_tool_choice:
         return None
     template = tokenizer.chat_template if tokenizer is not None else None
@@ -91,31 +108,83 @@ def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
                          shutdown_timeout=END_WAIT_S)
 
 
-async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
-    from rapidserve.server.app import Server
+def serving_tokenizer(ecfg: EngineConfig, scfg: ServerConfig,
+                      source: ModelSource) -> tuple[EngineConfig, Tokenizer | None]:
+    """The router's tokenizer (with --chat-template's template instead of the model's), and `ecfg` with the
+    tokenizer's EOS ids added to the model's (the set generation stops on). A ConfigError when a template
+    is given for a model without a tokenizer."""
+    from rapidserve.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.from_source(source)
+    tokenizer = Tokenizer.from_source(source, chat_template=scfg.chat_template)
+    if tokenizer is None and scfg.chat_template is not None:
+        raise ConfigError(f"--chat-template: model {ecfg.model!r} has no tokenizer to render chats with; give it "
+                          "one with --tokenizer DIR, or drop the flag")
     if tokenizer is None:  # presets: token ids in and out (text prompts get 400, outputs carry token_ids)
         log.warning("model %r has no tokenizer: serving token-id prompts only on /v1/completions and /generate",
                     ecfg.model)
-    else:
-        merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
-        ecfg = ecfg.__class__(**{**ecfg.__dict__, "model_config": ecfg.model_config.replace(eos_token_ids=merged)})
-    name = model_name(ecfg, source, scfg.served_model_name)
-    tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
-    t0 = time.monotonic()
-    engine = await start_engine(ecfg)
+        return ecfg, None
+    merged = tuple(dict.fromkeys(ecfg.model_config.eos_token_ids + tokenizer.eos_token_ids))
+    ecfg = dataclasses.replace(ecfg, model_config=ecfg.model_config.replace(eos_token_ids=merged))
+    if scfg.chat_template is not None:
+        log.info("chat template: the one given by --chat-template (%d characters), not the model's",
+                 len(scfg.chat_template))
+    return ecfg, tokenizer
+
+
+Build = Callable[[], "tuple[EngineConfig, ModelSource]"]
+StartEngine = Callable[[EngineConfig], Awaitable[Any]]
+
+
+async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], model_spec: str | None = None,
+                t0: float | None = None, start: StartEngine | None = None) -> int:
+    """Serve on `sockets` (bound already): the start-up gate at once, then `build()` (the config tree and the
+    model's source: a bad flag or model raises ConfigError / ModelLoadError), the tokenizer, `start(ecfg)` (the
+    engine: start_engine), then the server proper until a signal or the engine gives up. `t0`: when the process
+    started (time.monotonic()), for the "ready in" line. Returns the exit code."""
+    t0 = time.monotonic() if t0 is None else t0
+    gate = StartupGate()
+    await gate.open(make_runner(gate.app(), scfg), sockets)
+    where = ", ".join(f"http://{_address(s)}" for s in sockets)
+    log.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", where)
+    warn_if_exposed(scfg)
+    warming: asyncio.Future[None] | None = None
+    try:
+        gate.set_step("loading the engine's code (torch), reading the model's configuration and, on a GPU with no "
+                      "partition profile for it, measuring one (auto-profile, under a minute)")
+        ecfg, source = await off_loop(build)
+        Server = await off_loop(_server_code)
+        gate.set_step(f"loading the tokenizer ({source.description})")
+        ecfg, tokenizer = await off_loop(functools.partial(serving_tokenizer, ecfg, scfg, source))
+        log.info("%s", ecfg.generation.describe())
+        names = served_names(scfg, ecfg, model_spec)
+        tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
+        trials = None if tokenizer is None else _grammar_trials(ecfg, tokenizer)
+        # the grammar engine's view of the tokenizer (seconds, mostly GIL): loaded while the engine starts
+        if trials is not None:
+            warming = asyncio.ensure_future(off_loop(trials.warm))
+        gate.set_step(f"starting the engine ({ecfg.launch.mode} mode): its workers load the weights, size the KV "
+                      "cache and capture graphs (each logs its steps)")
+        engine = await (start or start_engine)(ecfg)
+        if warming is not None:
+            await warming
+    except BaseException:
+        if warming is not None:
+            warming.cancel()
+        await gate.close()
+        raise
     for line in engine.events:
         log.info("%s", line)
-    server = Server(scfg, ecfg, engine, tokenizer, name, tool_parser)
+    server = Server(scfg, ecfg, engine, tokenizer, names[0], tool_parser, aliases=names[1:], trials=trials)
     runner = make_runner(server.app(), scfg)
     await runner.setup()
-    site = web.TCPSite(runner, scfg.host, scfg.port)
-    await site.start()
-    warn_if_exposed(scfg)
-    port = runner.addresses[0][1] if runner.addresses else scfg.port
-    print(f"rapidserve: serving {name} on http://{scfg.host}:{port} (ready in {time.monotonic() - t0:.1f} s)",
-          flush=True)
+    port = sockets[0].getsockname()[1]
+    await gate.stop_accepting()  # from here new connections wait in the backlog for the server proper
+    sites = [web.SockSite(runner, sock) for sock in sockets]
+    for site in sites:
+        await site.start()
+    await gate.close()
+    print(f"rapidserve: serving {names[0]} on http://{scfg.host}:{port} (ready in {time.monotonic() - t0:.1f} s)",
+          flush=True)  # counted from the process's start
 
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -134,7 +203,8 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
     fatal = engine.fatal.is_set() and not stop.is_set()
 
     server.draining = True
-    await site.stop()  # no new connections
+    for site in sites:
+        await site.stop()  # no new connections
     if runner.server is not None:
         runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their response
     if fatal:
@@ -161,6 +231,9 @@ async def serve(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> 
 
 async def start_engine(ecfg: EngineConfig) -> AsyncEngine | DataParallelEngine:
     """One engine, or with `--data-parallel-size N` (N > 1) N of them behind this router."""
+    from rapidserve.engine.client import AsyncEngine
+    from rapidserve.engine.data_parallel import DataParallelEngine
+
     if ecfg.parallel.data_parallel_size > 1:
         return await DataParallelEngine.start(ecfg)
     return await AsyncEngine.start(ecfg)
@@ -176,7 +249,34 @@ async def _first(*events: asyncio.Event, timeout: float | None = None) -> None:
             w.cancel()
 
 
-def run(ecfg: EngineConfig, scfg: ServerConfig, source: ModelSource) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    return asyncio.run(serve(ecfg, scfg, source))
+def _server_code() -> type[Server]:
+    """The server's class (its imports take seconds: run off the event loop, which answers meanwhile)."""
+    from rapidserve.server.app import Server
+
+    return Server
+
+
+def _grammar_trials(ecfg: EngineConfig, tokenizer: Tokenizer) -> GrammarTrials:
+    """The admission trials of structured-output constraints (server/app.py's `grammar_trials`; its module is
+    loaded already, by `_server_code`)."""
+    from rapidserve.server.app import grammar_trials
+
+    return grammar_trials(ecfg, tokenizer)
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def run(scfg: ServerConfig, build: Build, model_spec: str | None = None) -> int:
+    """`rapidserve serve` after its flags are checked: logging, the port (BindError at once when it cannot be
+    bound, before anything is loaded), then `serve`. `build` runs on a thread while the port answers 503."""
+    configure_logging(scfg.log_level, scfg.http_log_level, scfg.log_requests)
+    t0 = time.monotonic() - process_age_s()
+    sockets = bind_sockets(scfg.host, scfg.port)
+    try:
+        return asyncio.run(serve(scfg, build, sockets, model_spec, t0))
+    finally:
+        for sock in sockets:
+            sock.close()

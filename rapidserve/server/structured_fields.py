@@ -1,13 +1,17 @@
 """A request's structured-output fields -> one `StructuredOutputs`, checked before admission.
 
-Accepted (vLLM's and OpenAI's names): chat `response_format` `{"type": "json_object"}` and
-`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`; on every endpoint
-`structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
+Accepted (vLLM's and OpenAI's names), on every endpoint: `response_format` `{"type": "json_object"}` and
+`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (OpenAI's on chat, vLLM's on
+completions too), `structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. At most one of them may be set (a text
 response_format counts as none); more is a 400 naming them. The constraint is compiled here, in the
 server process (`rapidserve.structured.check`, cached per constraint in the `ProtocolContext`), so an
 invalid schema, regex or grammar is a 400 naming its field and never reaches a worker; a server
-without the grammar engine answers 501 naming the field and stays up.
+without the grammar engine answers 501 naming the field and stays up. Then (`check_servable`, off the
+event loop: it takes a compile and a few masks, seconds for the worst) it is compiled against the
+model's tokenizer and tried on its first steps (`rapidserve.structured.trial`), so a constraint beyond
+the grammar engine's limits (e.g. the regex `(b{1000}){1000}`, which runs its lexer out of fuel) is a 400
+naming its field with the engine's reason, each time it is sent (the verdict is cached as a failure).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ from typing import Any
 
 from rapidserve.sampling_params import SamplingParamsError, StructuredOutputs
 from rapidserve.server.errors import APIError, bad_request
-from rapidserve.server.schemas import ChatCompletionRequest, RequestBody
-from rapidserve.structured import GrammarCache, GrammarError
+from rapidserve.server.schemas import RequestBody
+from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials
 
 
 def _schema_text(v: dict[str, Any] | str, param: str) -> str:
@@ -34,7 +38,7 @@ def _schema_text(v: dict[str, Any] | str, param: str) -> str:
 def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
     """Every structured-output field the request sets, as (its name, the constraint)."""
     out: list[tuple[str, StructuredOutputs]] = []
-    rf = r.response_format if isinstance(r, ChatCompletionRequest) else None
+    rf = r.response_format
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", StructuredOutputs(json_object=True)))
     elif rf is not None and rf.type == "json_schema":
@@ -66,6 +70,21 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
     return out
 
 
+def structured_field_of(r: RequestBody) -> str | None:
+    """The name of the structured-output field the request sets (one, once `structured_outputs_of` passed)."""
+    found = _candidates(r)
+    return found[0][0] if found else None
+
+
+def check_servable(so: StructuredOutputs, param: str, trials: GrammarTrials) -> None:
+    """APIError naming `param` when the grammar engine cannot serve `so` with the model's tokenizer (slow
+    the first time per constraint: call it off the event loop unless `trials.known(so)`)."""
+    try:
+        trials.check(so)
+    except GrammarError as e:
+        raise refusal(e, param, "cannot be enforced") from None
+
+
 def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredOutputs | None:
     """The request's one constraint (compiled and validated through `grammars`), or None; APIError
     naming the field otherwise."""
@@ -83,8 +102,13 @@ def structured_outputs_of(r: RequestBody, grammars: GrammarCache) -> StructuredO
     try:
         grammars.compile(so)
     except GrammarError as e:
-        if e.kind == "engine":
-            raise APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param) \
-                from None
-        raise bad_request(param, f"'{param}' is invalid: {e}") from None
+        raise refusal(e, param, "is invalid") from None
     return so
+
+
+def refusal(e: GrammarError, param: str, what: str) -> APIError:
+    """The error a constraint the grammar engine refused gets: 501 when the engine cannot serve that kind of
+    constraint at all, else a 400 naming `param` (`what`: how the constraint failed)."""
+    if e.kind == "engine":
+        return APIError(501, f"'{param}' cannot be served: {e}", type="not_implemented_error", param=param)
+    return bad_request(param, f"'{param}' {what}: {e}")

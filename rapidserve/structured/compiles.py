@@ -9,7 +9,8 @@ the GIL (measured: bench/results/grammar_compile_stall.md), so the loop loses on
 Invariants:
 - A key is in `compiling()` from `prepare` until its compile has ended (with a grammar or an error),
   and then never again while it is kept: readiness only moves forward, so a request that has run once
-  is never held back again. A constraint found in the cache is ready at once (no thread involved).
+  is never held back again. A constraint found in the cache is ready at once (no thread involved), and so
+  is one the cache remembers as failed (its template raises that failure: never a grammar).
 - Requests of the same constraint share one compile; its result lands in the `GrammarCache`, so
   later requests of that constraint hit the cache.
 - `template(key, constraint)` never compiles on the caller's thread for a prepared key: it returns the
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rapidserve.sampling_params import StructuredOutputs
-from rapidserve.structured.grammars import GrammarCache
+from rapidserve.structured.grammars import GrammarCache, GrammarError
 
 POLL_S = 0.002  # an idle loop's sleep while a compile is under way (its end rings no doorbell)
 
@@ -119,7 +120,11 @@ class Compiles:
             return key not in self._pending
         if p is not None:
             self.forget(key)
-        hit = self.cache.get(so)
+        try:
+            hit = self.cache.get(so)
+        except GrammarError as e:  # remembered as failed: ready at once, its template raises the error
+            self._preps[key] = _Prep(so, None, error=e)
+            return True
         if hit is not None:
             self._preps[key] = _Prep(so, None, template=hit)
             return True

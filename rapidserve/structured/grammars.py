@@ -90,7 +90,8 @@ def engine_error(kind: str, e: BaseException) -> GrammarError:
 def check(so: StructuredOutputs, tokenizer: Any = None) -> str:
     """Compile and validate the constraint (against `tokenizer`, an llguidance LLTokenizer, when
     given); the grammar text, or GrammarError saying what is wrong. The server calls this at
-    admission (no tokenizer: cheap), so a bad grammar never reaches a worker."""
+    admission (no tokenizer: cheap, on the event loop), then `trial.build` with the model's tokenizer
+    (off the loop), so a grammar the engine cannot serve never reaches a worker."""
     llg = _llguidance()
     text = grammar_text(so)
     try:
@@ -102,13 +103,28 @@ def check(so: StructuredOutputs, tokenizer: Any = None) -> str:
     return text
 
 
+class _Failed:
+    """A constraint the grammar engine refused (its GrammarError), kept in the cache in its place."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: GrammarError) -> None:
+        self.error = error
+
+
 class GrammarCache:
     """Compiled grammars keyed by the constraint (a frozen, hashable `StructuredOutputs`), bounded LRU.
 
     `compile(so)` builds the value once per constraint (`make`: the worker's compiler, e.g. a template
-    matcher that each request copies); later requests of the same constraint reuse it. Errors are not
-    cached: a bad constraint raises every time. `on_evict(value)` is called for each value that leaves the
-    cache (evicted, or replaced by a second compile of the same constraint), outside the cache's lock."""
+    matcher that each request copies); later requests of the same constraint reuse it.
+
+    Failures are remembered as failures, never as a grammar: a `GrammarError` from `make` (the grammar
+    engine's verdict on the constraint) is cached in the constraint's place and raised again by `get` and
+    `compile`, without compiling again; `fail(so, error)` turns a cached grammar into such a failure (the
+    engine broke on it while generating: lexers.py's shared lexer is then unusable for every copy). Other
+    exceptions (no thread, out of memory, a test's injected fault) are not cached: the next request of that
+    constraint compiles again. `on_evict(value)` is called for each compiled value that leaves the cache
+    (evicted, failed, or replaced by a second compile of the same constraint), outside the cache's lock."""
 
     def __init__(self, make: Callable[[StructuredOutputs], Any], capacity: int = 256,
                  on_evict: Callable[[Any], None] | None = None) -> None:
@@ -122,14 +138,22 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, so: object) -> bool:
+        """Whether the constraint's verdict is cached (a grammar or a failure)."""
+        with self._lock:
+            return so in self._items
+
     def get(self, so: StructuredOutputs) -> Any | None:
-        """The compiled value if cached (a hit), else None; never builds (see `compiles.Compiles`)."""
+        """The compiled value if cached (a hit), else None; a remembered failure raises its GrammarError.
+        Never builds (see `compiles.Compiles`)."""
         with self._lock:
             got = self._items.get(so)
             if got is not None:
                 self._items.move_to_end(so)
                 self.hits += 1
-            return got
+        if isinstance(got, _Failed):
+            raise GrammarError(got.error.kind, str(got.error))  # a new one: raised by several threads at once
+        return got
 
     def compile(self, so: StructuredOutputs) -> Any:
         got = self.get(so)
@@ -137,7 +161,19 @@ class GrammarCache:
             return got
         with self._lock:
             self.misses += 1
-        value = self._make(so)  # outside the lock: two threads may both compile a new constraint once
+        try:
+            value = self._make(so)  # outside the lock: two threads may both compile a new constraint once
+        except GrammarError as e:
+            self._put(so, _Failed(e))
+            raise
+        self._put(so, value)
+        return value
+
+    def fail(self, so: StructuredOutputs, error: GrammarError) -> None:
+        """Remember `so` as failed with `error` from now on (its compiled value, if any, is evicted)."""
+        self._put(so, _Failed(error))
+
+    def _put(self, so: StructuredOutputs, value: Any) -> None:
         gone: list[Any] = []
         with self._lock:
             old = self._items.get(so)
@@ -149,5 +185,5 @@ class GrammarCache:
                 gone.append(self._items.popitem(last=False)[1])
         if self._on_evict is not None:
             for v in gone:
-                self._on_evict(v)
-        return value
+                if not isinstance(v, _Failed):
+                    self._on_evict(v)

@@ -24,9 +24,17 @@ request ends with finish_reason "stop"; `check_stop_at` ends a grammar request o
 EOS (`ignore_eos`) leaves the row unconstrained, as vLLM does. A token the matcher rejects (it was
 sampled without the mask) fails that request only: `fill` returns it in `failed`.
 
-A constraint that allows no token at some point (an unsatisfiable schema, which llguidance may only
-find out while generating) allows EOS there: the request ends ("stop") with the text so far, rather
-than sampling from an all -inf row.
+Failures (trial.py): llguidance reports a matcher in error as stopped too; here an error is never taken
+for a complete grammar. A matcher the engine fails on (a lexer out of fuel, a parser over its item limit,
+a panic) fails its row with the engine's reason, whether it shows on a fresh copy, on consuming a token
+or after computing the mask (whose words are then not used). A lexer error breaks the compile the matcher
+was copied from (the lexer is shared), so the constraint is remembered as failed in the grammar cache
+(`GrammarCache.fail`): requests of it fail at once from then on instead of copying a broken grammar.
+
+A constraint that allows no token at some point (llguidance's dead end, `NoExtensionBias`: an
+unsatisfiable branch, which it may only find out while generating) allows EOS there: the request ends
+("stop") with the text so far, rather than sampling from an all -inf row. A constraint that allows no
+output at all is refused when it is compiled.
 
 Matchers are released with `release` / `retain` (preemption, abort, finish, failure); correctness
 never depends on it, since a matcher out of step with its request is rebuilt by replay.
@@ -54,8 +62,9 @@ import numpy as np
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured.bitmask import GrammarMask
 from rapidserve.structured.compiles import CompilePool, Compiles
-from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check, engine_error
+from rapidserve.structured.grammars import GrammarCache, GrammarError, _llguidance, check
 from rapidserve.structured.lexers import LexerShards, ShardBudget
+from rapidserve.structured.trial import MESSAGE_CHARS, build, cannot_serve, dead_end, ll_tokenizer, reason
 
 
 class GrammarRow(NamedTuple):
@@ -176,20 +185,8 @@ class GrammarBook:
 
     def _load_tokenizer(self) -> Any:
         if self._tok is None:
-            llg = _llguidance()
-            import llguidance.hf
-
-            hf = self._hf_tokenizer()
-            if hf is None:
-                raise GrammarError("engine", "structured outputs need the model's tokenizer, and this model has "
-                                   "none (a preset?): serve a model folder or GGUF file with its tokenizer")
-            try:
-                self._tok = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=list(self.eos))
-            except TypeError as e:  # llguidance < 1.7 takes a single EOS id
-                version = getattr(llg, "__version__", "?")
-                raise GrammarError("engine", f"llguidance {version} is too old for structured outputs ({e}): "
-                                   "they need llguidance>=1.7 (pip install -U 'llguidance>=1.7')") from e
-            self._executor = llg.LLExecutor(self._threads)
+            self._tok = ll_tokenizer(self._hf_tokenizer(), self.vocab_size, self.eos)
+            self._executor = _llguidance().LLExecutor(self._threads)
         return self._tok
 
     def _compile(self, so: StructuredOutputs) -> LexerShards:
@@ -201,11 +198,22 @@ class GrammarBook:
                            limit=self._lexers, budget=self._shard_budget)
 
     def _matcher(self, so: StructuredOutputs, text: str) -> Any:
-        """A template matcher of the checked grammar `text` (one compile, with its own lexer)."""
-        m = _llguidance().LLMatcher(self._tokenizer(), text)
-        if m.is_error():
-            raise GrammarError(so.kind, f"invalid {so.kind}: {m.get_error()[:500]}")
-        return m
+        """A template matcher of the checked grammar `text` (one compile, with its own lexer), tried on its
+        first steps (trial.py): GrammarError if the grammar engine cannot serve it."""
+        return build(so, self._tokenizer(), text)
+
+    def _failed(self, so: StructuredOutputs, m: Any, t: int | None = None) -> str:
+        """Why request matcher `m` of `so` is in error (`t`: the token it was given), for its row. A lexer
+        error breaks the compile it was copied from (its lexer is shared and stays in error), so `so` is
+        remembered as failed: later requests of it fail at once rather than copy a broken grammar."""
+        why = reason(m)
+        if why.lower().startswith("lexer error"):
+            err = cannot_serve(so, why)
+            self.cache.fail(so, err)
+            return str(err)
+        if t is not None:
+            return f"token {t} does not continue the {so.kind} constraint: {why}"
+        return str(cannot_serve(so, why))
 
     def _synced(self, r: GrammarRow) -> _Matcher:
         """The request's matcher, having consumed exactly its known tokens (GrammarError if one is
@@ -220,6 +228,9 @@ class GrammarBook:
             n = 0
         for t in tokens[n:]:
             mt.count, mt.last = mt.count + 1, t
+            if mt.m.is_error() and not mt.dead:  # (llguidance says "stopped" too): never taken for complete
+                del self._matchers[r.key]
+                raise GrammarError(so.kind, self._failed(so, mt.m))
             if mt.m.is_stopped() or mt.dead:  # complete (or dead): only EOS was allowed; after it, free text
                 mt.eos_seen |= t in self.eos
                 continue
@@ -231,7 +242,10 @@ class GrammarBook:
                 continue
             if not mt.m.consume_token(t) or mt.m.is_error():
                 del self._matchers[r.key]
-                raise GrammarError(so.kind, _rejected(so, t, mt.m))
+                raise GrammarError(so.kind, self._failed(so, mt.m, t))
+        if mt.m.is_error() and not mt.dead:
+            del self._matchers[r.key]
+            raise GrammarError(so.kind, self._failed(so, mt.m))
         return mt
 
     def _advance(self, rows: Sequence[GrammarRow], failed: dict[int, str]) -> list[tuple[GrammarRow, _Matcher]]:
@@ -255,9 +269,9 @@ class GrammarBook:
                 if t not in eos and not mt.m.is_stopped():
                     try:
                         ok = mt.m.consume_token(t) and not mt.m.is_error()  # as `_synced` checks
-                        err = None if ok else _rejected(mt.so, t, mt.m)
+                        err = None if ok else self._failed(mt.so, mt.m, t)
                     except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
-                        err = str(engine_error("grammar", e))
+                        err = _crashed(mt.so, e)
                     if err is not None:
                         del self._matchers[r.key]
                         failed[r.row] = err
@@ -269,7 +283,14 @@ class GrammarBook:
                 mt = self._synced(r)
             except BaseException as e:  # noqa: BLE001 - one request's grammar never takes the worker down
                 self._matchers.pop(r.key, None)
-                failed[r.row] = str(e if isinstance(e, GrammarError) else engine_error("grammar", e))
+                so = r.params.structured_outputs
+                assert so is not None
+                if not isinstance(e, GrammarError):
+                    failed[r.row] = _crashed(so, e)
+                elif e.kind == "engine":  # no grammar engine, no tokenizer...: say which constraint it refused
+                    failed[r.row] = f"the {so.kind} constraint cannot be served: {e}"
+                else:
+                    failed[r.row] = str(e)
                 continue
             if not mt.eos_seen:
                 kept.append((r, mt))
@@ -305,6 +326,7 @@ class GrammarBook:
         todo: list[tuple[Any, int]] = []
         for i, (_, mt) in enumerate(live):
             if mt.dead or mt.m.is_stopped():  # the grammar is complete and cannot go on: EOS only
+                # (a matcher in error says "stopped" too, but none is live: `_advance` failed its row)
                 self._only_eos(host[i])
             else:
                 todo.append((mt.m, i))
@@ -319,19 +341,24 @@ class GrammarBook:
             else:
                 self._executor.unsafe_compute_mask_ptr(todo, words.data_ptr(), row_bytes, len(live))
         except BaseException as e:  # noqa: BLE001 - those rows fail, the worker lives
-            err = str(engine_error("grammar", e))
             for _, i in todo:
-                failed[live[i][0].row] = err
-                self._matchers.pop(live[i][0].key, None)
+                r, mt = live[i]
+                failed[r.row] = _crashed(mt.so, e)
+                self._matchers.pop(r.key, None)
                 host[i] = -1  # the row fails anyway; its words must not be left unset
+            return mask, failed
         # one pass over the step's words for the rows left empty, not a call per row
         empty = set(np.flatnonzero(np.bitwise_or.reduce(host, axis=1) == 0).tolist())
         for m, i in todo:
             r, mt = live[i]
-            if m.is_stopped():  # the fill found the grammar ended: EOS only
-                self._only_eos(host[i])
-            elif i in empty:  # nothing can follow (an unsatisfiable constraint): end it, as "stop"
+            if m.is_error() and not dead_end(m):  # the engine failed on it (whatever it wrote): the row fails,
+                failed[r.row] = self._failed(mt.so, m)  # never "stop" with its text unconstrained
+                self._matchers.pop(r.key, None)
+                host[i] = -1
+            elif i in empty or m.is_error():  # nothing can follow (the constraint's dead end): end it, as "stop"
                 mt.dead = True
+                self._only_eos(host[i])
+            elif m.is_stopped():  # the fill found the grammar ended: EOS only
                 self._only_eos(host[i])
             elif len(r.tokens) < r.params.min_tokens and (r.params.stop_token_ids or not r.params.ignore_eos):
                 self._ban_early_stop(host[i], r.params)
@@ -364,6 +391,9 @@ def _release_shards(value: Any) -> None:
         value.release()
 
 
-def _rejected(so: StructuredOutputs, t: int, m: Any) -> str:
-    """Why request `so`'s matcher `m` failed on token `t`."""
-    return f"token {t} does not continue the {so.kind} constraint: {m.get_error()[:300] or 'rejected'}"
+def _crashed(so: StructuredOutputs, e: BaseException) -> str:
+    """The message of a row whose grammar engine call raised `e` (or panicked: pyo3's PanicException is a
+    BaseException); interpreter exits propagate."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise e
+    return str(cannot_serve(so, f"{type(e).__name__}: {e}"[:MESSAGE_CHARS]))

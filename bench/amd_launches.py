@@ -1,0 +1,264 @@
+"""Every Triton launch the engine makes for a model shape, captured on meta tensors (no GPU, no memory).
+
+`capture(shape, target)` builds one decoder layer of the preset's tensor-parallel rank on the meta device
+(`rapidserve.models.transformer.DecoderLayer`, its KV pool as `rapidserve.kv_pool` lays it out, sized as on the
+target GPU) and runs the engine's own code on it: the layer forward of a decode step at every decode-graph
+batch bucket, of a prefill step and of a mixed step (`attend` splits it), with the Triton `Ops` bundle and the
+Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
+`torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`). Each
+`kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
+`num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
+GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`.
+
+KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
+tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+
+from rapidserve.attention import AttentionMetadata, get_attention_backend, split_decode_rows
+from rapidserve.config import DTYPES, CacheConfig, ModelConfig, RunnerConfig
+from rapidserve.kv_pool import KVPool, pool_spec
+from rapidserve.loader.preset_table import preset_table
+from rapidserve.models.transformer import DecoderLayer
+from rapidserve.ops import get_ops, unfused_ops
+from rapidserve.parallel.shard import ShardError, shard_config, tp_layout
+
+# kernel -> (module, reached by). "nvidia" kernels are never launched with torch.version.hip set.
+KERNELS: dict[str, tuple[str, str]] = {
+    "_write_kv_kernel": ("rapidserve.attention.triton_paged", "rope_write's fallback, unfused_ops"),
+    "_decode_split_kernel": ("rapidserve.attention.triton_paged", "decode and mixed steps"),
+    "_decode_reduce_kernel": ("rapidserve.attention.triton_paged", "decode steps with more than one split"),
+    "_prefill_kernel": ("rapidserve.attention.triton_paged", "prefill and mixed steps"),
+    "_rms_norm_kernel": ("rapidserve.ops.triton_ops", "every layer, final norm"),
+    "_rope_kernel": ("rapidserve.ops.triton_ops", "unfused_ops (no q/k norm)"),
+    "_qk_norm_rope_kernel": ("rapidserve.ops.triton_ops", "rope_write's fallback, unfused_ops (q/k norm)"),
+    "_rope_write_kernel": ("rapidserve.ops.triton_ops", "every layer"),
+    "_silu_and_mul_kernel": ("rapidserve.ops.triton_ops", "every layer's MLP"),
+    "_skinny_kernel": ("rapidserve.ops.triton_skinny", "nvidia"),
+}
+NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    backend: str  # "hip" | "cuda"
+    arch: str | int
+    warp_size: int
+    units: int  # CUs (AMD) or SMs (NVIDIA): what `_num_sms` reports there
+    memory: int  # bytes of device memory
+    gpu: str
+
+    @property
+    def hip(self) -> bool:
+        return self.backend == "hip"
+
+
+TARGETS: dict[str, Target] = {
+    "gfx942": Target("gfx942", "hip", "gfx942", 64, 304, 192 * GB, "MI300X"),
+    "gfx90a": Target("gfx90a", "hip", "gfx90a", 64, 110, 64 * GB, "MI250X (one GCD)"),
+    "sm_90": Target("sm_90", "cuda", 90, 32, 132, 80 * GB, "H100 SXM"),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model as one rank runs it: a preset at a tensor-parallel size, dtype and KV block size."""
+
+    preset: str
+    tp: int
+    dtype: str  # one of rapidserve.config.DTYPES
+    block_size: int = 16
+
+    @property
+    def label(self) -> str:
+        return f"{self.preset} tp{self.tp} {self.dtype} bs{self.block_size}"
+
+
+@dataclass
+class Launch:
+    kernel: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grid: tuple[int, ...]
+    step: str = ""
+
+
+@dataclass
+class Capture:
+    shape: Shape
+    target: Target
+    launches: list[Launch] = field(default_factory=list)
+    skipped: str = ""  # why nothing was captured (the weights do not fit the target)
+
+
+def real_presets() -> dict[str, ModelConfig]:
+    """The preset table without its tiny test models."""
+    return {k: v for k, v in preset_table().items() if not k.startswith("tiny-")}
+
+
+def tp_sizes(cfg: ModelConfig, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[int]:
+    """The tensor-parallel sizes of `sizes` that `tp_layout` accepts for this model."""
+    out = []
+    for tp in sizes:
+        try:
+            tp_layout(cfg, tp, 0)
+        except ShardError:
+            continue
+        out.append(tp)
+    return out
+
+
+def shapes(matrix: str, target: str = "gfx942") -> list[Shape]:
+    """The shapes checked on `target`. "ci": every real preset in bf16 (the default dtype) at tp 1 and at its
+    largest tp of 1/2/4/8 (the fewest KV heads a rank: the widest split-K reduction), and, on gfx942 only (the
+    controls' compiles, sm_90's above all, would take CI past its time), fp16 / fp32 at tp 1 for one preset per
+    distinct (head_dim, GQA group); "full": every real preset at every tp of 1/2/4/8 that its heads allow, in each
+    dtype, block size 16, plus block sizes 8 and 32 of those presets in bf16. Block size 16 is the default
+    (`CacheConfig.block_size`)."""
+    presets = real_presets()
+    groups: dict[tuple[int, int], str] = {}
+    for name, cfg in presets.items():
+        groups.setdefault((cfg.head_dim, cfg.num_heads // cfg.num_kv_heads), name)
+    if matrix == "ci":
+        out = [Shape(p, tp, "bfloat16") for p, cfg in presets.items() for tp in sorted({1, max(tp_sizes(cfg))})]
+        if target != "gfx942":
+            return out
+        return out + [Shape(p, 1, dt) for p in groups.values() for dt in ("float16", "float32")]
+    if matrix != "full":
+        raise ValueError(f"matrix {matrix!r}: use 'ci' or 'full'")
+    out = [Shape(p, tp, dt) for p, cfg in presets.items() for tp in tp_sizes(cfg) for dt in DTYPES]
+    return out + [Shape(p, 1, "bfloat16", bs) for p in groups.values() for bs in (8, 32)]
+
+
+class _Recorder:
+    """Stands in for a JITFunction in its module: `kernel[grid](*args, **kwargs)` appends a Launch."""
+
+    def __init__(self, name: str, sink: list[Launch], step: Callable[[], str]) -> None:
+        self.name, self.sink, self.step = name, sink, step
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            g = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+            self.sink.append(Launch(self.name, args, kwargs, g, self.step()))
+        return launch
+
+
+def jit_function(kernel: str) -> Any:
+    """The real JITFunction of a KERNELS entry."""
+    return getattr(importlib.import_module(KERNELS[kernel][0]), kernel)
+
+
+@contextlib.contextmanager
+def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> Iterator[None]:
+    """Within: every KERNELS kernel records instead of launching, `torch.version.hip` says the target's
+    platform and the attention launch code sees the target's CU / SM count."""
+    with contextlib.ExitStack() as stack:
+        for name, (module, _) in KERNELS.items():
+            stack.enter_context(mock.patch.object(importlib.import_module(module), name,
+                                                  _Recorder(name, sink, step)))
+        from rapidserve.attention import triton_paged
+        stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
+        stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
+        yield
+
+
+def _weights_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Parameter bytes of one rank's model (`cfg` is the rank's shard)."""
+    layer = DecoderLayer(cfg, dtype, torch.device("meta"))
+    per_layer = sum(p.numel() for p in layer.parameters())
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return (per_layer * cfg.num_layers + embed + cfg.hidden_size) * dtype.itemsize
+
+
+def capture(shape: Shape, target: Target) -> Capture:
+    """The launches of one rank of `shape` on `target` (see the module docstring)."""
+    out = Capture(shape, target)
+    dtype: torch.dtype = getattr(torch, shape.dtype)
+    whole = preset_table()[shape.preset]
+    cfg = shard_config(whole, tp_layout(whole, shape.tp, 0))
+    cache = CacheConfig(block_size=shape.block_size)
+    budget, weights = int(target.memory * cache.gpu_memory_utilization), _weights_bytes(cfg, dtype)
+    per_block = pool_spec(cfg, cache, dtype, 1).bytes_per_block
+    num_blocks = max(0, budget - weights) // per_block
+    if num_blocks < 16:
+        out.skipped = (f"the rank's weights ({weights / GB:.0f} GB) leave no KV pool in {budget / GB:.0f} GB "
+                       f"(0.9 of the {target.gpu}'s memory)")
+        return out
+    # --max-model-len as large as the pool holds, up to the model's window (the block tables' width)
+    max_len = min(whole.max_position_embeddings, num_blocks * shape.block_size)
+    blocks_per_seq = -(-max_len // shape.block_size)
+    meta = torch.device("meta")
+    pool = KVPool(torch.empty(pool_spec(cfg, cache, dtype, num_blocks).shape, dtype=dtype, device=meta),
+                  shape.block_size)
+    layer = DecoderLayer(cfg, dtype, meta)
+    cos_sin = torch.empty(max_len, cfg.head_dim, dtype=torch.float32, device=meta)
+    step = [""]
+    with recording(target, out.launches, lambda: step[0]):
+        ops = get_ops(torch.device("cuda"))
+        attn = get_attention_backend("auto" if target.hip else "triton", torch.device("cuda"))
+
+        def forward(name: str, meta_: AttentionMetadata, ops_: Any = ops, first: bool = False) -> None:
+            step[0] = name
+            t = meta_.slot_mapping.shape[0]
+            hidden = torch.empty(t, cfg.hidden_size, dtype=dtype, device=meta)
+            residual = None if first else torch.empty_like(hidden)
+            positions = torch.empty(t, dtype=torch.int64, device=meta)
+            layer(hidden, residual, positions, cos_sin, pool.layers[0], meta_, ops_, attn)
+            if not first:
+                ops_.add_rms_norm(hidden, residual, layer.input_layernorm, cfg.rms_norm_eps)  # the final norm
+
+        for b in RunnerConfig().graph_batch_sizes:
+            forward(f"decode b{b}", _decode_meta(b, blocks_per_seq, meta), first=b == 1)
+        prefill = _prefill_meta([8192 - 64, 64], shape.block_size, meta)
+        forward("prefill", prefill)
+        forward("prefill, unfused_ops", prefill, unfused_ops(ops))
+        forward("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta))
+        if not target.hip:
+            step[0] = "skinny linears (batch <= 16)"
+            _skinny_launches(layer, dtype)
+    return out
+
+
+def _decode_meta(batch: int, width: int, device: torch.device) -> AttentionMetadata:
+    def empty(*size: int, dt: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(size, dtype=dt, device=device)
+    return AttentionMetadata(False, empty(batch, dt=torch.int64), empty(batch, width), empty(batch))
+
+
+def _prefill_meta(q_lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+    """A prefill step's metadata as `BatchInputs._prefill_meta` shapes it (tables 16-wide multiples)."""
+    blocks = -(-max(q_lens) // block_size)
+    width = -(-blocks // 16) * 16
+    n, t = len(q_lens), sum(q_lens)
+    meta = AttentionMetadata(True, torch.empty(t, dtype=torch.int64, device=device),
+                             torch.empty(n, width, dtype=torch.int32, device=device),
+                             torch.empty(n, dtype=torch.int32, device=device),
+                             cu_seqlens_q=torch.empty(n + 1, dtype=torch.int32, device=device),
+                             max_seqlen_q=max(q_lens), max_context_len=max(q_lens))
+    return split_decode_rows(meta, q_lens)
+
+
+def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
+    """The skinny GEMM launches of `triton_skinny.linear` / `linear_silu_and_mul` for this layer's weights, by
+    `routed`'s rule (which also asks for a CUDA tensor, so meta tensors skip it there), at 1, 2 and MAX_ROWS rows:
+    the JIT specialises the row count M on == 1 and % 16 == 0, so these three give every variant."""
+    from rapidserve.ops import triton_skinny as sk
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    for w, bias, gated in ((layer.qkv_proj, layer.qkv_bias, False), (layer.o_proj, None, False),
+                           (layer.gate_up_proj, None, True), (layer.down_proj, None, False)):
+        for rows in (1, 2, sk.MAX_ROWS):
+            if sk.wide_enough(*w.shape, gated):
+                sk.skinny_linear(torch.empty(rows, w.shape[1], dtype=dtype, device=w.device), w, bias, gated=gated)

@@ -1,0 +1,232 @@
+"""bench/compare.py's flags: its parser, the workload shorthand (IN:OUT or a bench workload name), each
+workload's BenchConfig through `rapidserve bench`'s own parser, and the goodput search's settings.
+bench/compare.py's docstring says what they do."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from compare_peak import fractions_arg  # noqa: E402
+from compare_systems import (  # noqa: E402
+    EXT,
+    FRONTIER_SYSTEMS,
+    SHARED_SWITCHES,
+    SHARED_VALUE_FLAGS,
+    SWEEP_SYSTEMS,
+    SYSTEMS,
+    VLLM,
+    VLLM_BEST,
+    VLLM_SERVE_CANDIDATES,
+    VLLM_SETTINGS,
+)
+
+from rapidserve.benchmark.cli import (  # noqa: E402
+    add_bench_args,
+    config_from_args,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    rates_arg,
+    token_range_arg,
+)
+from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
+from rapidserve.benchmark.report import workload_title  # noqa: E402
+from rapidserve.benchmark.runner import BenchConfig  # noqa: E402
+from rapidserve.benchmark.search_flags import (  # noqa: E402
+    SEARCH_FLAGS,
+    SEARCH_NUM_PROMPTS,
+    add_search_args,
+    check_search_workload,
+    search_from_args,
+)
+from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
+
+DESCRIPTION = "Engine configurations, and the real vLLM, side by side on one GPU: the same load against each."
+
+NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no cap)
+
+
+def parse_workload(text: str) -> list[str]:
+    """'4096:64' (fixed input:output) or a `rapidserve bench --workload` name, as bench flags."""
+    t = text.strip()
+    if t in WORKLOADS:
+        return ["--workload", t]
+    parts = t.split(":")
+    if len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        return ["--workload", "fixed", "--input-len", parts[0].strip(), "--output-len", parts[1].strip()]
+    raise argparse.ArgumentTypeError(f"{text!r} is not IN:OUT (positive token counts, e.g. 4096:64) or one of "
+                                     f"{', '.join(WORKLOADS)} (or give its flags with --workload-args)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=DESCRIPTION)
+    p.add_argument("--model", default="preset:qwen3-8b", help="our servers' --model")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, run in this order: any of {', '.join(SYSTEMS)}; {VLLM} or {VLLM}:FLAGS "
+                        f"(the real vLLM; with --goodput-search, a bare {VLLM} is {VLLM_BEST}); {VLLM_BEST} (vLLM at "
+                        f"each of its settings: {', '.join(repr(f) for f in VLLM_SETTINGS)}); {EXT}:URL (a running "
+                        f"server) (default: {','.join(SWEEP_SYSTEMS)}; with --goodput-search "
+                        f"{','.join(FRONTIER_SYSTEMS)})")
+    p.add_argument("--system", action="append", default=[], metavar="LABEL=SPEC",
+                   help="an extra system: LABEL=FLAGS (ours, e.g. 'mine=--mode rapid --partition static:0.75'), "
+                        "LABEL=vllm:FLAGS or LABEL=ext:URL (repeatable)")
+    p.add_argument("--serve-args", default="",
+                   help="flags every server of ours gets, e.g. '--max-model-len 8192 --gpu-memory-utilization 0.8'; "
+                        f"vLLM gets those of {', '.join(SHARED_VALUE_FLAGS + SHARED_SWITCHES)}")
+    v = p.add_argument_group("vLLM systems")
+    v.add_argument("--vllm-model", default=None, metavar="DIR",
+                   help="the model folder vLLM serves (e.g. /root/peermodel from ../shared/peer_vllm/make_model.py)")
+    v.add_argument("--vllm-serve", default=None, metavar="PATH",
+                   help="serve_vllm.sh, or 'none' to start vLLM's server module directly (default: the first of "
+                        f"{', '.join(VLLM_SERVE_CANDIDATES)} under the repo root that exists, else none)")
+    v.add_argument("--vllm-run-dir", default="/root",
+                   help="where serve_vllm.sh writes vllm_PORT.pid and vllm_PORT.log (default: %(default)s)")
+    v.add_argument("--vllm-site", default="/root/peersite",
+                   help="without serve_vllm.sh: put this folder (vLLM installed with pip --target) first on "
+                        "PYTHONPATH when it exists (default: %(default)s)")
+    v.add_argument("--vllm-baseline", default=None, metavar="LABEL",
+                   help="the system the 'vs vLLM' ratios divide by (default: the first vllm system; with "
+                        "--continue-from, the earlier report's)")
+    w = p.add_argument_group("workloads and load")
+    w.add_argument("--workloads", type=lambda t: [parse_workload(x) for x in t.split(",") if x.strip()], default=None,
+                   help="comma-separated IN:OUT or `rapidserve bench --workload` names: " + ", ".join(WORKLOADS)
+                        + " (default, without --workload-args: 4096:64,4096:1024)")
+    w.add_argument("--workload-args", action="append", default=[], metavar="FLAGS",
+                   help="one more workload given as `rapidserve bench` flags, e.g. '--workload multiturn "
+                        "--num-turns 6' (repeatable)")
+    w.add_argument("--bench-args", default="", metavar="FLAGS",
+                   help="`rapidserve bench` flags for every workload, e.g. '--input-len 2048 --turn-input-len 256 "
+                        "--output-len 64 --num-turns 6' (a workload's own flags come after and win)")
+    w.add_argument("--rates", type=rates_arg, default=(1.0, 2.0, 4.0, 8.0, math.inf))
+    w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
+                   help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
+                        "rate inf, run first) on each workload, for every system; needs inf in --rates")
+    w.add_argument("--peak-reference", default=None, metavar="LABEL",
+                   help="the system whose closed peak sets --peak-fractions' rates (default: the first system)")
+    w.add_argument("--continue-from", default=None, metavar="PATH",
+                   help="an earlier run's <name>.json (same workloads and --serve-args, same GPU): its systems and "
+                        "tables are kept in this report and its reference's closed peaks set --peak-fractions' "
+                        "rates, so the reference need not run again")
+    w.add_argument("--arrival", default="poisson", choices=("poisson", "fixed"))
+    w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
+                   help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
+    w.add_argument("--num-prompts", type=positive_int, default=None,
+                   help=f"per rate (default: {NUM_PROMPTS}; with --goodput-search, per probe: {SEARCH_NUM_PROMPTS}; "
+                        "multiturn: conversations; with --duration-s: a cap; a trace: a cap on its window, none by "
+                        "default)")
+    w.add_argument("--duration-s", type=positive_float, default=None, help="per-rate window instead of a count")
+    w.add_argument("--max-concurrency", type=positive_int, default=None)
+    w.add_argument("--warmup", type=nonneg_int, default=2, help="unrecorded requests before each sweep")
+    w.add_argument("--seed", type=nonneg_int, default=0)
+    w.add_argument("--timeout-s", type=positive_float, default=300.0, help="per request")
+    p.add_argument("--itl-bounds-ms", type=lambda t: [positive_float(x) for x in t.split(",")], default=[100.0, 50.0],
+                   help="the sweep's p99 ITL bounds (with --goodput-search: --search-itl-bounds-ms)")
+    p.add_argument("--duration-budget-s", "--budget-s", dest="duration_budget_s", type=positive_float, default=None,
+                   help="no new system or rate starts after this many seconds; with --goodput-search each search gets "
+                        "a share of what is left and stops when it is spent, reporting its brackets so far "
+                        "(unfinished)")
+    p.add_argument("--startup-timeout-s", type=positive_float, default=900.0,
+                   help="per server (vLLM takes 2-3 min: torch.compile and CUDA graphs)")
+    p.add_argument("--port", type=nonneg_int, default=0, help="server port (default: a free one)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--name", default="compare")
+    p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")
+    add_search_args(p, budget=False)
+    return p
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        return fractions_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class Workload(NamedTuple):
+    """One workload of the comparison: its `rapidserve bench` flags and its (unique) title in the tables."""
+
+    argv: tuple[str, ...]
+    title: str
+
+
+class _BenchFlags(argparse.ArgumentParser):
+    """`rapidserve bench`'s parser, raising ValueError instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
+
+
+def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
+                 label: str | None = None, deadline: float | None = None,
+                 rates: Sequence[float] | None = None) -> BenchConfig:
+    """The BenchConfig of one workload's run: this script's sweep flags as defaults, then --bench-args, then
+    the workload's flags, through `rapidserve bench`'s own parser and config_from_args. ValueError when the
+    flags are wrong."""
+    p = _BenchFlags(prog="rapidserve bench", add_help=False)
+    add_bench_args(p)
+    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
+                   token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
+                   max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
+    ns = p.parse_args([*shlex.split(a.bench_args), *argv])
+    if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
+        ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
+    if a.goodput_search:
+        check_search_workload(ns)
+        if ns.duration_s is not None and ns.workload != "trace":  # a trace's --duration-s is its window
+            raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
+    cfg = config_from_args(ns)
+    if not isinstance(cfg, BenchConfig):
+        raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
+    return dataclasses.replace(cfg, base_url=base_url, label=label, deadline=deadline)
+
+
+def workload_list(a: argparse.Namespace) -> list[Workload]:
+    """--workloads then --workload-args (default 4096:64 and 4096:1024), checked by the bench parser, each
+    titled as the bench report titles it (' #2', ... where two would share a title)."""
+    argvs = [*(a.workloads or []), *(shlex.split(w) for w in a.workload_args)]
+    if not argvs:
+        argvs = [parse_workload("4096:64"), parse_workload("4096:1024")]
+    out: list[Workload] = []
+    for argv in argvs:
+        try:
+            spec = bench_config(a, argv).workload
+        except ValueError as e:
+            raise ValueError(f"workload `{shlex.join([*shlex.split(a.bench_args), *argv])}`: {e}") from None
+        title = base = workload_title(spec.describe())
+        k = 1
+        while any(w.title == title for w in out):
+            k += 1
+            title = f"{base} #{k}"
+        out.append(Workload(tuple(argv), title))
+    return out
+
+
+def search_config(a: argparse.Namespace) -> SearchConfig | None:
+    """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
+    given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
+    if not a.goodput_search:
+        search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
+        if search_flags:
+            raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
+        return None
+    if given:
+        raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
+                         "arrivals per probe at the rates it picks")
+    cfg = search_from_args(a)
+    if cfg.max_probes >= SALT_STRIDE:
+        raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
+                         "salted apart within a workload's stride)")
+    return cfg

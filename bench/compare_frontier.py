@@ -1,0 +1,164 @@
+"""`bench/compare.py --goodput-search`: the goodput frontier of every system, side by side (pure, tested on CPU;
+the files written from it at the end).
+
+Per workload and system, the goodput search's result (rapidserve/benchmark/goodput.py: the highest Poisson
+rate at which a share q of requests meet a per-request p95 ITL bound and the TTFT rule) at every bound and
+share. The better vLLM at (workload, bound, share) is the highest goodput any vLLM system (vLLM at one of
+its settings) reached there, and each of our systems' ratio is its goodput over that. A figure whose search
+did not settle (unfinished, or beyond the rates probed) is a bound, not a value: its cell says so and a
+ratio taken from it is marked `*`.
+
+The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
+systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
+others; a search that runs out reports its brackets so far, marked unfinished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rapidserve.benchmark.cli import safe_name  # noqa: E402
+from rapidserve.benchmark.goodput import CONVERGED  # noqa: E402
+from rapidserve.benchmark.goodput_report import LEGEND, goodput_cell  # noqa: E402
+from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier  # noqa: E402
+from rapidserve.benchmark.report import jsonable  # noqa: E402
+from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares  # noqa: E402
+
+# Start-up time guessed for a system still to run, by kind (vLLM: torch.compile and CUDA graphs, 2-3 min).
+STARTUP_GUESS_S: dict[str, float] = {"vllm": 180.0, "rapidserve": 60.0, "ext": 0.0}
+
+
+def search_deadline(now: float, deadline: float | None, searches_left: int, reserve_s: float) -> float | None:
+    """The deadline of the next search: an even share of the time left after `reserve_s` (later systems'
+    start-ups) over the `searches_left` searches (this one included). None: no budget."""
+    if deadline is None:
+        return None
+    return now + max(0.0, deadline - now - reserve_s) / max(1, searches_left)
+
+
+def startup_reserve(kinds: Sequence[str]) -> float:
+    """The start-up time the systems of these kinds, still to run, will need."""
+    return sum(STARTUP_GUESS_S.get(k, 60.0) for k in kinds)
+
+
+def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
+    """What the report keeps of a search result: its goodput entries, settings and per-probe attainment
+    (every request stays in the result's own file, `path`)."""
+    return {"label": res["label"], "title": res.get("title"), "workload": res["workload"], "path": res.get("path"),
+            "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
+            "stopped": res["stopped"],
+            "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary")}
+                       for p in res.get("probes", [])]}
+
+
+def better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], title: str, bound: float | None,
+                share: float) -> dict[str, Any] | None:
+    """The vLLM system with the highest goodput at (bound, share) on the workload: {"system", "goodput",
+    "status"}; None when no vLLM system was searched there."""
+    best: dict[str, Any] | None = None
+    for f in frontiers:
+        e = entry(f, bound, share) if f["title"] == title and f["label"] in vllm else None
+        if e is not None and (best is None or e["goodput"] > best["goodput"]):
+            best = {"system": f["label"], "goodput": float(e["goodput"]), "status": e["status"]}
+    return best
+
+
+def versus_better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str]) -> list[dict[str, Any]]:
+    """Per workload, system other than vLLM's, bound and share: its goodput over the better vLLM's (None when
+    that is 0), `exact` False when either figure is a bound (a search that did not settle)."""
+    out: list[dict[str, Any]] = []
+    for f in frontiers:
+        if f["label"] in vllm:
+            continue
+        for q in search_shares(f):
+            for b in search_bounds(f):
+                e, best = entry(f, b, q), better_vllm(frontiers, vllm, f["title"], b, q)
+                if e is None or best is None:
+                    continue
+                ratio = float(e["goodput"]) / best["goodput"] if best["goodput"] > 0 else None
+                out.append({"system": f["label"], "workload": f["title"], "itl_bound_ms": b, "share": q,
+                            "goodput": float(e["goodput"]), "better_vllm": best["goodput"],
+                            "better_vllm_system": best["system"], "ratio": ratio,
+                            "exact": e["status"] == CONVERGED and best["status"] == CONVERGED})
+    return out
+
+
+def _ratio(x: Mapping[str, Any] | None) -> str:
+    if x is None or x["ratio"] is None:
+        return "-"
+    return f"{x['ratio']:.2f}x" + ("" if x["exact"] else "*")
+
+
+def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
+    """The report: per workload and share, goodput by system and ITL bound, the better vLLM and our ratios."""
+    vllm = vllm_labels(meta)
+    vs = versus_better_vllm(frontiers, vllm)
+    lines = [f"# rapidserve compare: goodput frontier, {meta.get('model')}", "",
+             f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; {meta.get('per_rate')}",
+             "- goodput at (p95 ITL bound B, share q): the highest Poisson rate (req/s) at which at least q of the "
+             "requests meet both B (the p95 of the request's own inter-token gaps) and the TTFT rule (TTFT <= "
+             "max(1 s, 1 s per 1000 prompt tokens)), found per system by searching the rate "
+             "(rapidserve/benchmark/goodput.py). The better vLLM: the best of the vLLM settings at each bound.",
+             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value.", ""]
+    for s in meta.get("systems", []):
+        lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
+    for w in meta.get("workloads", []):
+        lines.append(f"- workload {w['title']}: `rapidserve bench {w['flags']}`")
+    for title in dict.fromkeys(f["title"] for f in frontiers):
+        mine = [f for f in frontiers if f["title"] == title]
+        bounds = search_bounds(mine[0])
+        lines += ["", f"## {title}"]
+        for q in search_shares(mine[0]):
+            head = ["system", *(bound_label(b) for b in bounds), "search"]
+            lines += ["", f"Goodput (req/s) with {q:.0%} of requests meeting the bound and the TTFT rule:", "",
+                      "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+            for f in mine:
+                done = "finished" if f["finished"] else f"unfinished ({f['stopped']})"
+                lines.append(f"| {f['label']} | " + " | ".join(goodput_cell(entry(f, b, q)) for b in bounds)
+                             + f" | {done} |")
+            if not any(f["label"] in vllm for f in mine):
+                continue
+            best = [better_vllm(frontiers, vllm, title, b, q) for b in bounds]
+            lines.append("| **better vLLM** | " + " | ".join(
+                "-" if x is None else f"{x['goodput']:.3g} (`{x['system']}`)" for x in best) + " | |")
+            for f in mine:
+                if f["label"] in vllm:
+                    continue
+                cells = [_ratio(next((x for x in vs if x["system"] == f["label"] and x["workload"] == title
+                                      and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
+                lines.append(f"| {f['label']} / better vLLM | " + " | ".join(cells) + " | |")
+    return "\n".join(lines) + "\n"
+
+
+def vllm_labels(meta: Mapping[str, Any]) -> set[str]:
+    return {s["label"] for s in meta.get("systems", []) if s.get("kind") == "vllm"}
+
+
+def write_frontier_report(a: argparse.Namespace, meta: dict[str, Any], results: Sequence[Mapping[str, Any]],
+                          plot: bool, prior: Mapping[str, Any] | None = None) -> list[str]:
+    """<name>.json, <name>.md and (with `plot`, when matplotlib is there) one <name>__<workload>_frontier.png per
+    workload, from the search results so far (after an earlier report's, `--continue-from`); their paths."""
+    frontiers = [*(prior.get("frontiers", []) if prior else []), *(frontier_record(r) for r in results)]
+    base = os.path.join(a.out, a.name)
+    plots: dict[str, str] = {}
+    if plot and frontiers and have_matplotlib():
+        for title in dict.fromkeys(f["title"] for f in frontiers):
+            path = f"{base}__{safe_name(title)}_frontier.png"
+            plots[title] = plot_frontier([f for f in frontiers if f["title"] == title], path,
+                                         title=f"{meta.get('model')}: goodput frontier, {title}")
+    elif plot and frontiers:
+        print(f"compare: no frontier plots: {PLOT_NEEDS}", flush=True)
+    vllm = vllm_labels(meta)
+    with open(base + ".json", "w") as f:
+        json.dump(jsonable({**meta, "rows": [], "sweeps": [], "frontiers": frontiers,
+                            "versus_better_vllm": versus_better_vllm(frontiers, vllm), "plots": plots}), f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(frontier_markdown(frontiers, meta))
+    return [base + ".json", base + ".md", *plots.values()]

@@ -1,0 +1,237 @@
+"""Goodput as the serving papers define it, and the pure steps of searching for it (no I/O, no clock).
+
+Definitions (goodput as DistServe and DuetServe measure it):
+- TTFT rule: a request's TTFT <= max(1 s, 1 s per 1000 prompt tokens) (`ttft_limit_s`).
+- ITL bound B (ms): the p95 of the request's own inter-token gaps is <= B (`p95_itl_s`); a request
+  with fewer than 2 output tokens has no gap and meets any bound. B = None: no ITL bound (the
+  TTFT rule alone: "unbounded").
+- A request attains B when it completed, met the TTFT rule and met B (`attains`); a failed
+  request never does.
+- A probe is one run of Poisson arrivals at one rate, a fixed number of requests. Its first
+  `discard` arrivals (a multiturn run: conversations) are a warm-up left out of its counts
+  (`counted`); its attainment at B is attaining / counted requests.
+- A probe passes the target (B, q) when its attainment at B is >= q (`passes`).
+- goodput(B, q): the highest probed rate that passes (B, q) below the lowest probed rate that
+  fails it (`bracket`'s lo; a pass above a failure is noise and not counted). Tighter bounds and
+  higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows.
+
+The search (`next_step`, driven by rapidserve/benchmark/search.py): from a start rate, double while
+the target passes (up to a max rate: by default the closed-loop peak, see `SearchConfig.limits`) and
+halve while it fails (down to a min rate), then bisect the bracket [lo, hi) until hi <= lo x (1 +
+tolerance). Every probe is cached by rate and serves every target, so one search gives goodput at
+every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then each to
+the tolerance asked, so a search cut short by its budget still brackets every bound.
+
+This is not `rapidserve bench --goodput`: that one reports, at each offered rate of a sweep, the
+completed requests per second meeting per-request bounds (its itl is the request's largest gap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from rapidserve.benchmark.stats import RequestRecord, percentile
+
+DEFAULT_ITL_BOUNDS_MS: tuple[float, ...] = (25.0, 50.0, 100.0, 200.0)
+DEFAULT_SHARES: tuple[float, ...] = (0.9, 0.99)
+UNBOUNDED = "unbounded"
+# Search outcomes per target
+CONVERGED, BELOW_MIN, AT_MAX, UNFINISHED = "converged", "below_min_rate", "at_max_rate", "unfinished"
+COARSE_TOLERANCE = 0.25  # the first pass over every target
+
+
+# ---------------------------------------------------------------- per request
+
+
+def ttft_limit_s(prompt_tokens: int) -> float:
+    """The TTFT rule's limit: 1 s per 1000 prompt tokens, at least 1 s."""
+    return max(1.0, prompt_tokens / 1000.0)
+
+
+def p95_itl_s(itl_s: Sequence[float]) -> float | None:
+    """The p95 of one request's inter-token gaps (None: no gap, fewer than 2 output tokens)."""
+    return percentile(itl_s, 95) if itl_s else None
+
+
+def attains(r: RequestRecord, itl_bound_ms: float | None) -> bool:
+    """Completed, TTFT within the rule, and (with a bound) its gaps' p95 within it."""
+    if not r.success or math.isnan(r.ttft_s) or r.ttft_s > ttft_limit_s(r.prompt_tokens):
+        return False
+    p95 = p95_itl_s(r.itl_s)
+    return itl_bound_ms is None or p95 is None or p95 * 1e3 <= itl_bound_ms
+
+
+def counted(records: Iterable[RequestRecord], discard: int) -> list[RequestRecord]:
+    """The records after the warm-up: arrivals (conversations) numbered `discard` and later."""
+    return [r for r in records if (r.conversation if r.conversation is not None else r.index) >= discard]
+
+
+def bound_key(itl_bound_ms: float | None) -> str:
+    """A bound as a JSON key: '25', '100', ... or 'unbounded'."""
+    return UNBOUNDED if itl_bound_ms is None else f"{itl_bound_ms:g}"
+
+
+# ---------------------------------------------------------------- probes and targets
+
+
+@dataclass(frozen=True)
+class Target:
+    itl_bound_ms: float | None  # None: the TTFT rule alone
+    share: float  # q: the share of requests that must attain
+
+    def describe(self) -> str:
+        b = "no ITL bound" if self.itl_bound_ms is None else f"p95 ITL <= {self.itl_bound_ms:g} ms"
+        return f"{b}, {self.share:.0%} of requests"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One measured rate: how many requests were counted and how many attained each bound."""
+
+    rate: float
+    n: int
+    attained: Mapping[str, int] = field(default_factory=dict)  # bound_key -> requests
+
+    def attainment(self, itl_bound_ms: float | None) -> float:
+        return self.attained.get(bound_key(itl_bound_ms), 0) / self.n if self.n else 0.0
+
+
+def measure_probe(rate: float, records: Sequence[RequestRecord], bounds_ms: Sequence[float | None],
+                  discard: int) -> Probe:
+    """A probe from one run's records: the counted ones, and those attaining each of `bounds_ms`."""
+    kept = counted(records, discard)
+    return Probe(rate, len(kept), {bound_key(b): sum(attains(r, b) for r in kept) for b in bounds_ms})
+
+
+def passes(p: Probe, t: Target) -> bool:
+    """At least a share t.share of the counted requests attained t's bound (a probe counting none fails)."""
+    return p.n > 0 and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9
+
+
+def targets(bounds_ms: Sequence[float], shares: Sequence[float]) -> list[Target]:
+    """Every (bound, share), loosest first: unbounded, then the bounds from the largest down; at each
+    bound the shares from the lowest up (a looser target's probes bracket the next one's)."""
+    out: list[Target] = []
+    for b in [None, *sorted(bounds_ms, reverse=True)]:
+        out += [Target(b, q) for q in sorted(shares)]
+    return out
+
+
+# ---------------------------------------------------------------- the search's steps
+
+
+class Bracket(NamedTuple):
+    lo: float | None  # the highest passing rate below hi (None: none)
+    hi: float | None  # the lowest failing rate (None: none failed)
+
+
+def bracket(probes: Iterable[Probe], t: Target) -> Bracket:
+    """Where t's frontier lies among the probes: [lo, hi)."""
+    ps = list(probes)
+    fails = [p.rate for p in ps if not passes(p, t)]
+    hi = min(fails) if fails else None
+    oks = [p.rate for p in ps if passes(p, t) and (hi is None or p.rate < hi)]
+    return Bracket(max(oks) if oks else None, hi)
+
+
+class Step(NamedTuple):
+    rate: float | None  # the next rate to probe; None: this target is done
+    status: str  # with rate None: CONVERGED, BELOW_MIN or AT_MAX
+
+
+def round_rate(x: float) -> float:
+    """A probed rate to 3 significant digits (readable, and the same rate on every system)."""
+    return float(f"{x:.3g}")
+
+
+def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolerance: float,
+              growth: float = 2.0) -> Step:
+    """The next rate to probe for one target, or why its search is over.
+
+    Nothing probed: `start`. Everything passed: lo x growth (at most max_rate; done, AT_MAX, once
+    max_rate passed). Everything failed: hi / growth (at least min_rate; done, BELOW_MIN, once
+    min_rate failed). Both: done (CONVERGED) when hi <= lo x (1 + tolerance), else the midpoint."""
+    lo, hi = b
+    if lo is None and hi is None:
+        return Step(start, "")
+    if hi is None:
+        assert lo is not None
+        return Step(None, AT_MAX) if lo >= max_rate else Step(min(round_rate(lo * growth), max_rate), "")
+    if lo is None:
+        return Step(None, BELOW_MIN) if hi <= min_rate else Step(max(round_rate(hi / growth), min_rate), "")
+    if hi <= lo * (1.0 + tolerance):
+        return Step(None, CONVERGED)
+    mid = round_rate((lo + hi) / 2.0)
+    return Step(mid, "") if lo < mid < hi else Step(None, CONVERGED)  # rounding closed it
+
+
+def fits(now: float, deadline: float | None, rate: float, n: int, drain_s: float) -> bool:
+    """Whether a probe of n Poisson arrivals at `rate` (their expected span n / rate, then the last
+    probe's drain) ends before `deadline` (None: no deadline)."""
+    return deadline is None or now + n / rate + drain_s <= deadline
+
+
+def goodput_entry(probes: Iterable[Probe], t: Target, status: str) -> dict[str, Any]:
+    """One target's result: goodput (lo, 0 when nothing passed), the bracket [lo, hi) and how its search ended."""
+    lo, hi = bracket(probes, t)
+    return {"itl_bound_ms": t.itl_bound_ms, "share": t.share, "goodput": lo if lo is not None else 0.0,
+            "lo": lo, "hi": hi, "status": status}
+
+
+# ---------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """How the rate is searched (the flags of `rapidserve bench --goodput-search`)."""
+
+    itl_bounds_ms: tuple[float, ...] = DEFAULT_ITL_BOUNDS_MS
+    shares: tuple[float, ...] = DEFAULT_SHARES
+    start_rate: float | None = None  # None: start_fraction x the closed-loop peak, measured first
+    start_fraction: float = 0.5
+    min_rate: float | None = None  # None: start / 4
+    max_rate: float | None = None  # None: the closed-loop peak (with a given start rate: start x 8)
+    tolerance: float = 0.05  # stop when hi <= lo x (1 + tolerance)
+    max_probes: int = 12  # Poisson probes per search (the closed-loop peak not counted)
+    discard: int = 16  # warm-up arrivals of each probe left out of its counts
+    budget_s: float | None = None  # the search stops (unfinished) rather than start a probe that would end later
+
+    def check(self, probe_requests: int | None = None) -> None:
+        """ValueError naming the flag when a setting cannot work."""
+        if not self.shares or any(not 0 < q <= 1 for q in self.shares):
+            raise ValueError(f"--search-shares {self.shares}: each share must be in (0, 1], e.g. 0.9,0.99")
+        if any(not (b > 0 and math.isfinite(b)) for b in self.itl_bounds_ms):
+            raise ValueError(f"--search-itl-bounds-ms {self.itl_bounds_ms}: bounds are positive milliseconds")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"--search-tolerance {self.tolerance}: give a fraction in (0, 1), e.g. 0.05")
+        if not 0 < self.start_fraction <= 4:
+            raise ValueError(f"--search-start-fraction {self.start_fraction}: give a fraction of the peak in (0, 4]")
+        if self.max_probes < 1:
+            raise ValueError("--search-max-probes must be >= 1")
+        for name, v in (("start-rate", self.start_rate), ("min-rate", self.min_rate), ("max-rate", self.max_rate)):
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"--search-{name} {v}: give a positive finite rate (requests/s)")
+        lo, hi = self.min_rate or 0.0, self.max_rate or math.inf
+        if lo > hi or (self.start_rate is not None and not lo <= self.start_rate <= hi):
+            raise ValueError(f"--search-min-rate {self.min_rate} <= --search-start-rate {self.start_rate} <= "
+                             f"--search-max-rate {self.max_rate} must hold")
+        if probe_requests is not None and self.discard >= probe_requests:
+            raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
+                             "to count: discard fewer warm-up arrivals or send more")
+
+    def limits(self, start: float, peak: float | None = None) -> tuple[float, float]:
+        """(min rate, max rate) for a search from `start`: the given ones, else start / 4 and the closed-loop
+        `peak` (without one, start x 8). A probe is a finite run: above the rate the server sustains, its queue
+        grows for only `n` arrivals and may not yet break the TTFT rule, so rates past the peak measure nothing
+        the server can keep up; the search stops there (AT_MAX: ">= peak")."""
+        lo = self.min_rate if self.min_rate is not None else round_rate(start / 4.0)
+        default_hi = round_rate(peak) if peak is not None else round_rate(start * 8.0)
+        hi = self.max_rate if self.max_rate is not None else default_hi
+        return min(lo, start), max(hi, start)
+
+    def bounds(self) -> list[float | None]:
+        """Every bound a probe is scored at: None (unbounded) and the ITL bounds."""
+        return [None, *self.itl_bounds_ms]

@@ -1,0 +1,120 @@
+"""A goodput search's result: its markdown, and its files (JSON, markdown, the frontier plot).
+
+The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model",
+"workload", "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate",
+"max_rate", "probe_requests", "peak_request_throughput"}, "peak" (the closed-loop run, or None with a
+given start rate), "probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key:
+share of counted requests attaining it}], "goodput": [{"itl_bound_ms" (None: unbounded), "share",
+"goodput", "lo", "hi", "status"}], "finished", "stopped" (why probing stopped early, or None),
+"created"} and, for a trace, "trace".
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, bound_key
+from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
+from rapidserve.benchmark.report import fmt, write_json_and_markdown
+from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
+from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
+
+DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
+              "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
+              "fewer than 2 output tokens meets it) and the TTFT rule (TTFT <= max(1 s, 1 s per 1000 prompt tokens)); "
+              "failed requests meet neither. Found by searching the rate (doubling or halving from the start rate, "
+              "then bisecting between a passing and a failing rate). This is not a sweep's `--goodput` column (SLO-met "
+              "requests per second at each offered rate).")
+LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed (X) fails; `>= X`: the highest rate "
+          "the search may probe (X: by default the closed-loop peak, past which a finite probe shows no sustained "
+          "rate) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the frontier lies in it); "
+          "`-`: not searched.")
+
+
+def goodput_cell(e: Mapping[str, Any] | None) -> str:
+    """One target's goodput as a table cell (see LEGEND)."""
+    if e is None:
+        return "-"
+    lo, hi, status = e.get("lo"), e.get("hi"), e.get("status")
+    if status == CONVERGED:
+        return fmt(lo, ".3g")
+    if status == BELOW_MIN:
+        return f"< {fmt(hi, '.3g')}"
+    if status == AT_MAX:
+        return f">= {fmt(lo, '.3g')}"
+    return f"[{fmt(lo, '.3g') if lo is not None else '0'}, {fmt(hi, '.3g') if hi is not None else '?'})*"
+
+
+def search_line(result: Mapping[str, Any]) -> str:
+    """How the search ran, in one line."""
+    s = result["search"]
+    st = s["settings"]
+    peak = s.get("peak_request_throughput")
+    start = (f"{st['start_fraction']:g} x the closed-loop peak {peak:.3g} req/s" if peak is not None
+             else "given")
+    return (f"search: start {s['start_rate']:g} req/s ({start}), rates within [{s['min_rate']:g}, "
+            f"{s['max_rate']:g}], tolerance {st['tolerance']:.0%}, at most {st['max_probes']} probes of "
+            f"{s['probe_requests']} Poisson arrivals (the first {st['discard']} discarded as warm-up); "
+            + ("finished" if result.get("finished") else f"UNFINISHED: {result.get('stopped')}"))
+
+
+def search_markdown(result: Mapping[str, Any]) -> str:
+    """The goodput table (bound x share) and the per-rate attainment curve."""
+    bounds, shares = search_bounds(result), search_shares(result)
+    lines = [f"# rapidserve bench goodput search: {result.get('label')}", "",
+             f"- server: {result.get('base_url')}, model `{result.get('model')}`",
+             f"- workload: {workload_title(result.get('workload', {}))}",
+             *([f"- {trace_line(result['trace'])}"] if result.get("trace") else []),
+             f"- {DEFINITION}", f"- {search_line(result)}", f"- {result.get('created')}", "",
+             "| ITL bound | " + " | ".join(f"goodput, {q:.0%} (req/s)" for q in shares) + " |",
+             "|---" * (len(shares) + 1) + "|"]
+    for b in bounds:
+        lines.append(f"| {bound_label(b)} | " + " | ".join(goodput_cell(entry(result, b, q)) for q in shares) + " |")
+    lines += ["", LEGEND, "", "Attainment at each probed rate (share of the counted requests meeting the TTFT rule "
+              "and the bound), in rate order:", "",
+              "| rate (req/s) | probe | counted | " + " | ".join(bound_label(b) for b in bounds)
+              + " | p99 TTFT (ms) | p99 ITL (ms) | failed |", "|---" * (len(bounds) + 6) + "|"]
+    for p in sorted(result.get("probes", []), key=lambda p: float(p["rate"])):
+        s = p["summary"]
+        att = [fmt(p["attainment"].get(bound_key(b)), ".1%") for b in bounds]
+        lines.append(f"| {float(p['rate']):g} | {p['order']} | {p['counted']} | " + " | ".join(att)
+                     + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
+                     f" | {s['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def search_block(result: Mapping[str, Any]) -> str:
+    """The search's result as a table printed at its end, in the form of `vllm bench serve`'s: the closed-loop peak,
+    the probes, the goodput at each bound and share (cells as the markdown's: see LEGEND), how the search ended."""
+    s = result["search"]
+    peak, n = s.get("peak_request_throughput"), s["probe_requests"]
+    lines = [title_line(" Goodput Search Result ", "="),
+             table_row("Closed-loop peak (req/s):", float(peak) if peak is not None else "not measured"),
+             table_row("Start rate (req/s):", float(s["start_rate"])),
+             table_row("Poisson probes:", len(result.get("probes", []))),
+             table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}"),
+             title_line("Goodput (req/s): TTFT rule and p95 ITL bound", "-")]
+    for b in search_bounds(result):
+        for q in search_shares(result):
+            what = "no ITL bound" if b is None else f"ITL <= {b:g} ms"
+            lines.append(table_row(f"{what}, {q:.0%} of requests:", goodput_cell(entry(result, b, q))))
+    lines += ["Search: " + ("finished" if result.get("finished") else f"UNFINISHED ({result.get('stopped')}): "
+                            "[lo, hi)* is the bracket so far"), "=" * WIDTH]
+    return "\n".join(lines)
+
+
+def write_search_outputs(result: Mapping[str, Any], out_dir: str, name: str,
+                         plot: bool = True) -> tuple[dict[str, str], str | None]:
+    """Write <out_dir>/<name>.json, .md and (with `plot`, when matplotlib is there) .png; their paths by kind,
+    and a note when the plot could not be drawn."""
+    base = os.path.join(out_dir, name)
+    paths = write_json_and_markdown(result, out_dir, name, search_markdown(result))
+    if not plot:
+        return paths, None
+    if not have_matplotlib():
+        return paths, PLOT_NEEDS
+    paths["png"] = plot_frontier([result], base + ".png", title=f"{result.get('label')}: goodput frontier, "
+                                 f"{workload_title(result.get('workload', {}))}", attainment=True)
+    return paths, None

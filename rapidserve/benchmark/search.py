@@ -1,0 +1,199 @@
+"""The goodput search (`rapidserve bench --goodput-search`): the loop over any measurement, and its run
+against a real server.
+
+`search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in
+turn, loosest first, and probes the rates it names with `measure(rate)` (the records of one Poisson run of
+`probe_requests` arrivals); every probe is cached by rate and scored at every bound, so later targets start
+from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to
+the tolerance asked. It stops probing after `scfg.max_probes` probes, and leaves a target whose next probe
+would not end before the deadline (a low rate's probe is long; another target's may still fit); the targets
+not settled then are marked `unfinished`, with their bracket so far.
+
+`run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
+`run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
+closed-loop probe of `probe_requests` requests at once, whose completed requests per second is the peak the
+search starts from (`scfg.start_fraction` of it), then the probes. Each probe gets its own prompts and
+arrivals (its index salts them, as a sweep's rates are salted), so none finds another's prompts in a
+prefix cache. The result dict is described in goodput_report.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+from rapidserve.benchmark.arrivals import rate_label
+from rapidserve.benchmark.client import Target as Server
+from rapidserve.benchmark.client import counter_deltas, server_counters
+from rapidserve.benchmark.goodput import (
+    COARSE_TOLERANCE,
+    UNFINISHED,
+    Probe,
+    SearchConfig,
+    bound_key,
+    bracket,
+    fits,
+    goodput_entry,
+    measure_probe,
+    next_step,
+    round_rate,
+    targets,
+)
+from rapidserve.benchmark.replay import Replay
+from rapidserve.benchmark.results import bound_label, trace_line
+from rapidserve.benchmark.runner import (
+    BenchConfig,
+    config_json,
+    new_session,
+    prepare,
+    rate_json,
+    run_rate,
+    say,
+    warm_up,
+)
+from rapidserve.benchmark.stats import RequestRecord, summarize
+
+Measure = Callable[[float], Awaitable[Sequence[RequestRecord]]]
+
+
+@dataclass
+class Outcome:
+    """A search's probes (in the order they ran), each target's goodput entry, and why probing stopped
+    before every target was settled (None: every one was)."""
+
+    start: float
+    min_rate: float
+    max_rate: float
+    probes: list[Probe]
+    goodput: list[dict[str, Any]]
+    stopped: str | None
+
+
+async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, probe_requests: int,
+                          clock: Callable[[], float] = time.monotonic, deadline: float | None = None,
+                          on_probe: Callable[[Probe], None] | None = None, peak: float | None = None) -> Outcome:
+    """Search every target's goodput from `start` (requests/s), within `scfg.limits(start, peak)`; see the
+    module docstring. `on_probe` is told each probe's scores as it ends."""
+    lo_rate, hi_rate = scfg.limits(start, peak)
+    bounds = scfg.bounds()
+    probes: dict[float, Probe] = {}
+    order: list[Probe] = []
+    exhausted: str | None = None  # the probes are spent: nothing more is measured
+    too_long: str | None = None  # a target's next probe would end after the deadline (a shorter one may still fit)
+    drain = 0.0
+    tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
+    for tolerance in tolerances:
+        for t in targets(scfg.itl_bounds_ms, scfg.shares):
+            while exhausted is None:
+                step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance)
+                if step.rate is None:
+                    break
+                if len(order) >= scfg.max_probes:
+                    exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
+                    break
+                if not fits(clock(), deadline, step.rate, probe_requests, drain):
+                    est = probe_requests / step.rate + drain
+                    too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
+                    break
+                t0 = clock()
+                records = await measure(step.rate)
+                drain = max(0.0, clock() - t0 - probe_requests / step.rate)
+                probe = measure_probe(step.rate, records, bounds, scfg.discard)
+                probes[step.rate] = probe
+                order.append(probe)
+                if on_probe is not None:
+                    on_probe(probe)
+    entries = []
+    for t in targets(scfg.itl_bounds_ms, scfg.shares):
+        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
+        entries.append(goodput_entry(probes.values(), t, step.status if step.rate is None else UNFINISHED))
+    unsettled = any(e["status"] == UNFINISHED for e in entries)
+    return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None)
+
+
+def attainment_json(p: Probe, bounds: Sequence[float | None]) -> dict[str, float]:
+    """A probe's attainment at each bound, by bound_key."""
+    return {bound_key(b): p.attainment(b) for b in bounds}
+
+
+def closed_peak(run: dict[str, Any]) -> float | None:
+    """Completed requests per second of a closed-loop run (None when it completed nothing)."""
+    s = run["summary"]
+    return float(s["request_throughput"]) if s["completed"] and s["request_throughput"] > 0 else None
+
+
+async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
+                   replay: Replay | None, desc: str) -> tuple[list[RequestRecord], dict[str, Any]]:
+    before = await server_counters(session, cfg.base_url, cfg.api_key)
+    records, _ = await run_rate(session, target, cfg, rate, cfg.salt_base + index, replay, desc=desc)
+    after = await server_counters(session, cfg.base_url, cfg.api_key)
+    run: dict[str, Any] = {"rate": rate_json(rate), "summary": summarize(records, cfg.slos_ms),
+                           "requests": [r.to_json() for r in records]}
+    run.update(counter_deltas(before, after))
+    return records, run
+
+
+async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: float | None = None,
+                             clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """Search the goodput frontier of the server at cfg.base_url on cfg's workload; the result dict.
+    `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time."""
+    if cfg.burstiness != 1.0:
+        raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
+    if scfg.budget_s is not None:
+        deadline = min(deadline if deadline is not None else math.inf, clock() + scfg.budget_s)
+    async with new_session() as session:
+        target, cfg, replay = await prepare(session, cfg)
+        n = len(replay.items) if replay is not None else cfg.num_prompts
+        if n is None:
+            raise ValueError("the goodput search sends a fixed number of requests per probe: give --num-prompts")
+        scfg.check(n)
+        label = cfg.label or target.model
+        say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
+                 f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
+        if replay is not None:
+            say(cfg, "  " + trace_line(replay.describe()))
+        await warm_up(session, target, cfg, replay)
+        peak_run: dict[str, Any] | None = None
+        peak: float | None = None
+        if scfg.start_rate is None:
+            _, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
+            peak = closed_peak(peak_run)
+            if peak is None:
+                raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none "
+                                      f"({peak_run['summary']['errors']}): give --search-start-rate")
+            say(cfg, f"  closed loop: {peak:.2f} req/s")
+            start = round_rate(scfg.start_fraction * peak)
+        else:
+            start = scfg.start_rate
+        runs: dict[float, dict[str, Any]] = {}
+
+        async def measure(rate: float) -> list[RequestRecord]:
+            records, runs[rate] = await _one_run(session, target, cfg, rate, len(runs) + 1, replay,
+                                                 f"probe {len(runs) + 1} at {rate_label(rate)} req/s")
+            return records
+
+        def tell(p: Probe) -> None:
+            say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
+                     + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds()))
+
+        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak)
+    probes = []
+    for i, p in enumerate(out.probes):
+        probes.append({**runs[p.rate], "order": i + 1, "counted": p.n,
+                       "attainment": attainment_json(p, scfg.bounds())})
+    return {
+        "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
+        "workload": cfg.workload.describe(), "config": config_json(cfg),
+        "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
+                   "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak},
+        **({"trace": replay.describe()} if replay is not None else {}),
+        "peak": peak_run, "probes": probes, "goodput": out.goodput,
+        "finished": out.stopped is None, "stopped": out.stopped,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,97 @@
+"""`rapidserve bench --goodput-search`'s flags: adding them to a parser, checking what goes with them, and
+the SearchConfig they make (bench/compare.py adds them to its own parser too)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rapidserve.benchmark.flags import bounds_arg, nonneg_int, positive_float, positive_int, shares_arg
+from rapidserve.benchmark.goodput import DEFAULT_ITL_BOUNDS_MS, DEFAULT_SHARES, SearchConfig
+
+SEARCH_NUM_PROMPTS = 80  # arrivals per probe unless --num-prompts says (16 discarded as warm-up: 64 counted)
+# (flag, SearchConfig field)
+SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--search-itl-bounds-ms", "itl_bounds_ms"), ("--search-shares", "shares"), ("--search-start-rate", "start_rate"),
+    ("--search-start-fraction", "start_fraction"), ("--search-min-rate", "min_rate"),
+    ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
+    ("--search-discard", "discard"))
+
+
+def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
+    """The goodput search's flags (bench/compare.py adds them too, without --budget-s: it has its own)."""
+    g = p.add_argument_group("goodput search (the papers' goodput: rapidserve/benchmark/goodput.py)")
+    g.add_argument("--goodput-search", action="store_true",
+                   help="instead of a sweep, search the Poisson rate for goodput at each p95 ITL bound and share: "
+                        "the highest rate at which that share of requests meet the bound and the TTFT rule "
+                        "(TTFT <= max(1 s, 1 s per 1000 prompt tokens)); each probe sends --num-prompts arrivals "
+                        f"(default {SEARCH_NUM_PROMPTS})")
+    d = SearchConfig()
+    g.add_argument("--search-itl-bounds-ms", type=bounds_arg, default=None, metavar="B1,B2,...",
+                   help="per-request p95 ITL bounds, ms (unbounded is always searched too; default: "
+                        + ",".join(f"{b:g}" for b in DEFAULT_ITL_BOUNDS_MS) + ")")
+    g.add_argument("--search-shares", type=shares_arg, default=None, metavar="Q1,Q2,...",
+                   help="shares of requests that must meet them (default: "
+                        + ",".join(f"{q:g}" for q in DEFAULT_SHARES) + ")")
+    g.add_argument("--search-start-rate", type=positive_float, default=None, metavar="REQ_PER_S",
+                   help="the first rate probed (default: --search-start-fraction x the closed-loop peak, measured "
+                        "first with --num-prompts requests at once)")
+    g.add_argument("--search-start-fraction", type=positive_float, default=None,
+                   help=f"of the closed-loop peak (default {d.start_fraction:g})")
+    g.add_argument("--search-min-rate", type=positive_float, default=None,
+                   help="the lowest rate probed; a bound that fails there is reported '< MIN' (default: start / 4)")
+    g.add_argument("--search-max-rate", type=positive_float, default=None,
+                   help="the highest rate probed; a bound that passes there is reported '>= MAX' (default: the "
+                        "closed-loop peak, the most a finite probe can say is sustained; with --search-start-rate: "
+                        "start x 8)")
+    g.add_argument("--search-tolerance", type=positive_float, default=None,
+                   help=f"stop bisecting when the failing rate <= the passing one x (1 + this) (default "
+                        f"{d.tolerance:g})")
+    g.add_argument("--search-max-probes", type=positive_int, default=None,
+                   help=f"Poisson probes at most, over every bound and share (default {d.max_probes})")
+    g.add_argument("--search-discard", type=nonneg_int, default=None,
+                   help=f"each probe's first arrivals (multiturn: conversations) left out as warm-up (default "
+                        f"{d.discard})")
+    if budget:
+        g.add_argument("--budget-s", type=positive_float, default=None,
+                       help="no probe starts that would end after this many seconds: the search stops and reports "
+                            "each unsettled bound's bracket so far, marked unfinished")
+
+
+def search_from_args(a: argparse.Namespace) -> SearchConfig:
+    """SearchConfig from the flags given (the rest: its defaults); ValueError when they cannot work."""
+    given = {field: getattr(a, flag[2:].replace("-", "_")) for flag, field in SEARCH_FLAGS}
+    cfg = SearchConfig(**{k: v for k, v in given.items() if v is not None},
+                       budget_s=getattr(a, "budget_s", None))
+    cfg.check(a.num_prompts)
+    return cfg
+
+
+def check_search_flags(a: argparse.Namespace) -> None:
+    """ValueError naming the flags that do not go with the choice: the search flags without --goodput-search;
+    with it, the sweep's load flags (the search picks the rates), fixed arrivals, and a trace replayed at its
+    timestamps (the search needs --trace-arrivals poisson)."""
+    searched = [flag for flag, _ in SEARCH_FLAGS if getattr(a, flag[2:].replace("-", "_")) is not None]
+    if getattr(a, "budget_s", None) is not None:
+        searched.append("--budget-s")
+    if not a.goodput_search:
+        if searched:
+            raise ValueError(f"{', '.join(searched)} only apply with --goodput-search")
+        return
+    window = a.duration_s if a.workload != "trace" else None  # a trace's --duration-s is its window: allowed
+    sweep = [flag for flag, v in (("--request-rate", a.request_rate), ("--time-scale", a.time_scale),
+                                  ("--duration-s", window)) if v is not None]
+    if sweep:
+        raise ValueError(f"{', '.join(sweep)} set a sweep's load; --goodput-search picks the rates itself (each probe "
+                         "sends --num-prompts Poisson arrivals)")
+    check_search_workload(a)
+
+
+def check_search_workload(a: argparse.Namespace) -> None:
+    """ValueError when the workload's bench flags cannot be searched: fixed or gamma (--burstiness) arrivals, or a
+    trace replayed at its own timestamps."""
+    if a.arrival == "fixed":
+        raise ValueError("--goodput-search measures Poisson arrivals: drop --arrival fixed")
+    if getattr(a, "burstiness", None) not in (None, 1.0):
+        raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness (gamma arrivals)")
+    if a.workload == "trace" and a.trace_arrivals != "poisson":
+        raise ValueError("--goodput-search replays a trace's lengths at Poisson arrivals: add --trace-arrivals poisson")

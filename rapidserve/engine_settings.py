@@ -1,0 +1,186 @@
+"""The half of building the config tree that needs no model: the settings' sections, and every check on them.
+
+`engine_sections` turns the flat settings (`build_engine_config`'s keywords, the CLI's flags) into the tree's
+cache, scheduler, runner, launch and partition sections, refusing by name what rapidserve cannot honour: vLLM's
+`--quantization` / `--kv-cache-dtype` other than none/auto (`check_unsupported_options`) and every setting the run
+and its policy would not read (`policy_spec.check_settings`). `--generation-config` is checked here too
+(`generation_defaults`: vllm, or a folder's generation_config.json read and checked; auto's file is the model's,
+read by the builder once the model is resolved). vLLM's `--kv-events-config` becomes the `kv_events` section
+(`kv_events_section`: only a server reads it, it needs the prefix cache on and pyzmq installed; the seed of its
+block hashes is set by the builder). `config_builder.build_engine_config` calls it before
+it resolves the model; `rapidserve serve` calls it before it binds its port, so that a bad flag exits 2 at once,
+and builds the tree once the port answers 503 "starting" (server/startup.py).
+
+Layer: plain data (imports only `config`, `generation_config`, `kv_events_config` and `policy_spec`; no torch, no
+loader), so the CLI
+imports it in milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rapidserve.config import (
+    ALLOW_LONG_MAX_MODEL_LEN_ENV,
+    CacheConfig,
+    ConfigError,
+    LaunchConfig,
+    PartitionConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from rapidserve.generation_config import (
+    GENERATION_CONFIG_FILE,
+    GenerationConfigError,
+    SamplingDefaults,
+    sampling_defaults,
+)
+from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
+from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
+
+UNSET_CHOICES = (None, "auto", "none")  # what --quantization / --kv-cache-dtype may say today
+
+
+def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
+    """$RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN from `env` (read once, by the CLI or `LLM`): 1/true allow a max_model_len
+    above the model's max_position_embeddings; 0/false/empty/unset refuse it; anything else is a ConfigError."""
+    text = env.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("", "0", "false"):
+        return False
+    raise ConfigError(f"{ALLOW_LONG_MAX_MODEL_LEN_ENV}={env[ALLOW_LONG_MAX_MODEL_LEN_ENV]!r}: use 1 to allow a "
+                      "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
+
+
+def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> None:
+    """ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for anything but none/auto.
+
+    vLLM takes both (quantizing weights on load, an FP8 KV cache); rapidserve computes in the checkpoint's
+    float dtype and keeps the KV cache in it, so a value is refused by name rather than ignored (a
+    checkpoint quantized on disk is refused by the loader, `loader/quant.py`)."""
+    q = quantization.strip().lower() if isinstance(quantization, str) else quantization
+    if q not in UNSET_CHOICES:
+        raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve does not "
+                          "quantize weights (it serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files; "
+                          "FP8 support is tracked in issue 39): drop the flag and give the unquantized checkpoint")
+    kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+    if kv not in UNSET_CHOICES:
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): the KV cache is "
+                          "kept in the model's dtype (an FP8 KV cache is not supported yet): drop the flag or give "
+                          "auto")
+
+
+def read_generation_config(path: str, where: str) -> SamplingDefaults:
+    """The sampling defaults of the generation_config.json at `path` (`where`: how messages name it); a file that
+    cannot be read, is not a JSON object, or holds a bad value is a ConfigError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON ({e}); fix it, or use --generation-config vllm") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: not a JSON object; fix it, or use --generation-config vllm")
+    try:
+        return sampling_defaults(d, where)
+    except GenerationConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def generation_defaults(spec: str) -> SamplingDefaults | None:
+    """The sampling defaults `--generation-config spec` gives without the model, as vLLM resolves the flag: "vllm"
+    none (vLLM's own), a folder its generation_config.json's (which must exist and be good), "auto" None (the
+    model folder's file: `config_builder.resolve_generation_config`). Anything else is a ConfigError."""
+    if spec == "vllm":
+        return SamplingDefaults(source="--generation-config vllm (the model's file ignored)")
+    if spec == "auto":
+        return None
+    if not os.path.isdir(spec):
+        raise ConfigError(f"--generation-config {spec!r}: use auto (the model's {GENERATION_CONFIG_FILE}), vllm "
+                          f"(vLLM's defaults) or a folder holding a {GENERATION_CONFIG_FILE}")
+    path = os.path.join(spec, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"--generation-config {spec}: the folder has no {GENERATION_CONFIG_FILE}; give a "
+                          "folder that has one, auto or vllm")
+    return read_generation_config(path, path)
+
+
+def parse_kv_events(value: object) -> KVEventsConfig:
+    """--kv-events-config (JSON text, a mapping or a KVEventsConfig; None: off), parsed: a ConfigError naming an
+    unknown key, a wrong type or a bad value."""
+    try:
+        return KVEventsConfig.parse(value)
+    except KVEventsConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def kv_events_section(value: object, *, enable_prefix_caching: bool) -> KVEventsConfig:
+    """--kv-events-config as the tree's section (`parse_kv_events`), its `none_hash` not yet set
+    (`config_builder.resolve_kv_events`). When it publishes, the prefix cache must be on (the events are its
+    blocks) and pyzmq installed: a ConfigError saying how to fix it otherwise."""
+    cfg = parse_kv_events(value)
+    if not cfg.publishing:
+        return cfg
+    if not enable_prefix_caching:
+        raise ConfigError("--kv-events-config publishes the prefix cache's block events, and "
+                          "--no-enable-prefix-caching turns the cache off: drop one of them")
+    if importlib.util.find_spec("zmq") is None:
+        raise ConfigError("--kv-events-config publishes over ZMQ, which needs pyzmq: pip install "
+                          "'rapidserve[kv-events]' (or pip install pyzmq)")
+    return cfg
+
+
+@dataclass(frozen=True)
+class EngineSections:
+    """The sections of the tree that the settings alone give, checked (`engine_sections`)."""
+
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    runner: RunnerConfig
+    launch: LaunchConfig
+    partition: PartitionConfig
+    generation: SamplingDefaults | None  # None: --generation-config auto, the model folder's (read with the model)
+    kv_events: KVEventsConfig  # checked, its none_hash not yet set (config_builder.resolve_kv_events)
+
+
+def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+                    gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
+                    max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                    prefill_batch_tokens: int | None = None, enforce_eager: bool = False,
+                    prefill_graph_tokens: Sequence[int] | None = None, seed: int = 0,
+                    attention_backend: str = "auto", enable_prefix_caching: bool = True,
+                    async_scheduling: bool = True, allow_long_max_model_len: bool = False,
+                    quantization: str | None = None, kv_cache_dtype: str | None = "auto",
+                    launch: LaunchConfig | None = None, partition: PartitionConfig | None = None,
+                    run: str | None = None, generation_config: str = "auto",
+                    kv_events_config: object = None) -> EngineSections:
+    """The settings as the tree's sections (the keywords are `build_engine_config`'s, which documents them); a
+    ConfigError, one line saying how to fix it, for `--quantization` / `--kv-cache-dtype` other than none/auto,
+    an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
+    `--generation-config` (`generation_defaults`) or `--kv-events-config` (`kv_events_section`)."""
+    check_unsupported_options(quantization, kv_cache_dtype)
+    generation = generation_defaults(generation_config)
+    launch = launch or LaunchConfig()
+    run = run or launch.mode
+    if run not in RUN_SPECS:
+        raise ConfigError(f"run={run!r}; use one of {', '.join(RUN_SPECS)}")
+    partition = partition or PartitionConfig(policy=resolve_policy(run, None, PartitionConfig().mode))
+    cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
+                                async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
+    graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}
+    runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
+                          use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
+    kv_events = parse_kv_events(kv_events_config)  # a server's only: checked by check_settings before anything else
+    check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
+                                           "partition": partition, "launch": launch, "kv_events": kv_events},
+                   eager=enforce_eager)
+    kv_events = kv_events_section(kv_events, enable_prefix_caching=enable_prefix_caching)
+    return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition,
+                          generation=generation, kv_events=kv_events)

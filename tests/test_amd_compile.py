@@ -1,0 +1,155 @@
+"""The AMD compile check (bench/amd_compile_check.py): every Triton kernel rapidserve can launch is in its registry,
+its capture of the engine's launches reaches each of them with the launch parameters of the target's platform, its
+occupancy rule agrees with LLVM's, and the CI matrix compiles for gfx942, gfx90a and sm_90 with nothing failed
+and nothing flagged on gfx942. No GPU used: Triton compiles for all three targets on the CPU."""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from bench.amd_compile_check import compile_job, main, make_job  # noqa: E402
+from bench.amd_launches import KERNELS, NVIDIA_ONLY, TARGETS, Shape, capture, shapes  # noqa: E402
+from bench.amd_occupancy import CDNA, cdna_occupancy, hopper_occupancy, sgpr_waves, total_vgprs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_jit(dec: ast.expr) -> bool:
+    target = dec.func if isinstance(dec, ast.Call) else dec
+    return isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name) \
+        and target.value.id == "triton"
+
+
+def _jit_functions() -> Iterator[tuple[str, ast.FunctionDef]]:
+    """(module, function) of every @triton.jit function under rapidserve/."""
+    for path in sorted((ROOT / "rapidserve").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+                yield module, node
+
+
+def _launched() -> set[str]:
+    """Names launched as `name[grid](...)` anywhere under rapidserve/."""
+    out = set()
+    for path in (ROOT / "rapidserve").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) \
+                    and isinstance(node.func.value, ast.Name):
+                out.add(node.func.value.id)
+    return out
+
+
+def test_every_triton_kernel_is_in_the_check() -> None:
+    """A @triton.jit function is either a kernel the check captures and compiles (KERNELS, with its module), or a
+    device function called from one of them; anything else (a new kernel the check does not know) fails here."""
+    jit = {(m, f.name): f for m, f in _jit_functions()}
+    assert len(jit) >= 10, "the AST walk found too few @triton.jit functions: is the decorator spelled otherwise?"
+    launched = _launched()
+    kernels = {(m, n) for (m, n) in jit if n in launched}
+    assert kernels == {(module, name) for name, (module, _) in KERNELS.items()}, (
+        "launched @triton.jit kernels and bench/amd_launches.py KERNELS differ: add the kernel to KERNELS and make "
+        "capture() reach its launch site")
+    reached: set[tuple[str, str]] = set()
+    todo = list(kernels)
+    while todo:  # device functions called from the kernels, transitively, within the kernel's module
+        module, name = todo.pop()
+        for node in ast.walk(jit[module, name]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and (module, node.func.id) in jit and (module, node.func.id) not in reached:
+                reached.add((module, node.func.id))
+                todo.append((module, node.func.id))
+    assert set(jit) - kernels - reached == set(), "@triton.jit functions neither launched nor called by a kernel"
+
+
+@pytest.fixture(scope="module")
+def captures() -> dict[str, list[tuple[Shape, list]]]:
+    return {t: [(s, capture(s, TARGETS[t]).launches) for s in shapes("ci", t)] for t in ("gfx942", "sm_90")}
+
+
+def test_capture_reaches_every_kernel_on_its_platforms(captures: dict[str, list[tuple[Shape, list]]]) -> None:
+    amd = {launch.kernel for _, launches in captures["gfx942"] for launch in launches}
+    nv = {launch.kernel for _, launches in captures["sm_90"] for launch in launches}
+    assert amd == set(KERNELS) - NVIDIA_ONLY  # the skinny GEMM never on the ROCm path
+    assert nv == set(KERNELS)
+
+
+def test_capture_uses_each_platforms_launch_parameters(captures: dict[str, list[tuple[Shape, list]]]) -> None:
+    """On ROCm the attention launches take the AMD tuning of triton_paged.py; on NVIDIA none of AMD's options."""
+    amd_only = {"waves_per_eu", "matrix_instr_nonkdim", "kpack"}
+    for target in ("gfx942", "sm_90"):
+        for shape, launches in captures[target]:
+            for launch in launches:
+                if target == "sm_90":
+                    assert not amd_only & set(launch.kwargs), (shape, launch.kernel)
+                    continue
+                if launch.kernel == "_decode_split_kernel":
+                    assert launch.kwargs["num_stages"] == 1, (shape, launch.step)
+                if launch.kernel == "_prefill_kernel":
+                    want = {"waves_per_eu": 2} if shape.dtype == "float32" else {"matrix_instr_nonkdim": 16}
+                    assert launch.kwargs["num_stages"] == 1 and want.items() <= launch.kwargs.items(), shape
+
+
+def test_one_kernel_compiles_for_each_target(captures: dict[str, list[tuple[Shape, list]]]) -> None:
+    """The compile path end to end on a small kernel: gfx942 AMDGCN + hsaco, and the sm_90 cubin."""
+    for target in ("gfx942", "sm_90"):
+        launch = next(x for _, ls in captures[target] for x in ls if x.kernel == "_silu_and_mul_kernel")
+        res = compile_job(make_job(launch, TARGETS[target], {}))
+        assert "error" not in res, res
+        if target == "gfx942":
+            assert res["hsaco_bytes"] > 0 and res["vgpr"] > 0 and res["vgpr_spill"] == 0 and res["scratch"] == 0
+            occ = cdna_occupancy(res["vgpr"], res["agpr"], res["sgpr"], res["lds"], res["num_warps"], CDNA[target])
+            assert occ.waves == res["llvm_occupancy"] == 8
+        else:
+            assert res["reg"] > 0 and res["local"] == 0
+
+
+@pytest.mark.parametrize("vgpr, agpr, sgpr, lds, warps, waves, limiter", [
+    (154, 0, 106, 0, 4, 3, "vgpr"),  # 160 after the granule: 512 // 160
+    (157, 0, 97, 32768, 4, 2, "lds"),  # two 4-wave workgroups a CU
+    (256, 0, 50, 0, 8, 2, "vgpr"),
+    (128, 0, 50, 0, 4, 4, "vgpr"),
+    (64, 0, 101, 0, 4, 7, "sgpr"),  # more than 100 SGPRs: 7
+    (101, 28, 50, 0, 4, 3, "vgpr"),  # AGPRs after the VGPRs rounded to 4: 104 + 28 = 132 -> 136
+    (7, 0, 10, 0, 1, 8, "-"),
+    (32, 0, 30, 16384, 1, 1, "lds"),  # four 1-wave workgroups a CU: one wave a SIMD
+    (32, 0, 30, 65536 + 512, 4, 0, "lds"),  # more LDS than a CU has: cannot launch
+])
+def test_cdna_occupancy(vgpr: int, agpr: int, sgpr: int, lds: int, warps: int, waves: int, limiter: str) -> None:
+    occ = cdna_occupancy(vgpr, agpr, sgpr, lds, warps, CDNA["gfx942"])
+    assert (occ.waves, occ.limiter) == (waves, limiter)
+
+
+def test_occupancy_pieces() -> None:
+    assert total_vgprs(101, 0) == 101 and total_vgprs(101, 3) == 107
+    assert [sgpr_waves(s, CDNA["gfx942"]) for s in (40, 88, 100, 102)] == [8, 8, 8, 7]
+    assert hopper_occupancy(255, 0, 4).waves == 2  # 8192 registers a warp: two 4-warp blocks an SM
+    assert hopper_occupancy(32, 0, 4).waves == 16
+    smem = hopper_occupancy(32, 100 * 1024, 4)  # two blocks of 100 KiB (+1 KiB reserved) an SM
+    assert (smem.waves, smem.limiter) == (2, "smem")
+
+
+@pytest.mark.slow
+def test_ci_matrix_compiles_for_amd_and_the_control(tmp_path: Path) -> None:
+    """The check as CI runs it (Triton's cache in the user cache: a second run compiles nothing)."""
+    assert main(["--out", str(tmp_path), "--matrix", "ci"]) == 0
+    report = json.loads((tmp_path / "amd_compile_ci.json").read_text())
+    s = report["summary"]
+    for target in ("gfx942", "gfx90a", "sm_90"):
+        assert s[target]["failed"] == 0 and s[target]["compiled"] == s[target]["total"] > 50, s[target]
+    assert set(s["gfx942"]["kernels"]) == set(s["gfx90a"]["kernels"]) == set(KERNELS) - NVIDIA_ONLY
+    assert set(s["sm_90"]["kernels"]) == set(KERNELS)
+    flagged = [(r["kernel"], r["dtype"], r["constexprs"], r["flags"]) for r in report["rows"]
+               if r["target"] == "gfx942" and r["flags"]]
+    assert flagged == [], flagged
+    for r in report["rows"]:
+        if r["target"] in CDNA:  # ours, without LDS (which LLVM does not see), is LLVM's own occupancy
+            assert min(r["waves_by"]["vgpr"], r["waves_by"]["sgpr"]) == r["llvm_occupancy"], r
+    assert (tmp_path / "amd_compile_ci.md").read_text().count("| _decode_split_kernel |") >= 3 * 4

@@ -1,0 +1,286 @@
+"""rapidserve.benchmark.goodput and search: the papers' goodput (pure parts, table-tested) and the rate search
+against a fake server whose frontier is known."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from rapidserve.benchmark.goodput import (
+    AT_MAX,
+    BELOW_MIN,
+    CONVERGED,
+    UNFINISHED,
+    Bracket,
+    Probe,
+    SearchConfig,
+    Target,
+    attains,
+    bracket,
+    counted,
+    fits,
+    measure_probe,
+    next_step,
+    p95_itl_s,
+    passes,
+    round_rate,
+    targets,
+    ttft_limit_s,
+)
+from rapidserve.benchmark.search import search_frontier
+from rapidserve.benchmark.stats import RequestRecord
+
+
+def rec(prompt: int = 500, ttft: float = 0.5, itl: Sequence[float] = (0.01,) * 10, ok: bool = True,
+        index: int = 0, conversation: int | None = None) -> RequestRecord:
+    return RequestRecord(index, prompt, len(itl) + 1, success=ok, output_tokens=len(itl) + 1 if ok else 0,
+                         ttft_s=ttft if ok else math.nan, e2e_s=ttft + sum(itl), itl_s=list(itl),
+                         conversation=conversation)
+
+
+@pytest.mark.parametrize("prompt,want", [(0, 1.0), (500, 1.0), (1000, 1.0), (1500, 1.5), (4096, 4.096)])
+def test_ttft_limit_is_one_second_per_1k_prompt_tokens_at_least_one(prompt: int, want: float) -> None:
+    assert ttft_limit_s(prompt) == pytest.approx(want)
+
+
+GAPS_20 = [0.01] * 19 + [0.5]  # one slow gap in 20: the p95 (linear interpolation) is 0.01 + 0.05 x 0.49
+GAPS_10 = [0.01] * 9 + [0.5]  # one slow gap in 10: the p95 is 0.01 + 0.55 x 0.49 = 0.2795
+
+
+@pytest.mark.parametrize("r,bound,want", [
+    (rec(), None, True),  # TTFT rule only
+    (rec(), 10.0, True),  # every gap 10 ms: the p95 is 10 ms
+    (rec(), 9.9, False),
+    (rec(itl=GAPS_20), 40.0, True),  # the p95 (34.5 ms), not the slowest gap (500 ms), is bounded
+    (rec(itl=GAPS_20), 30.0, False),
+    (rec(itl=GAPS_10), 250.0, False), (rec(itl=GAPS_10), 280.0, True),
+    (rec(itl=()), 1.0, True),  # one output token: no gap, meets any bound
+    (rec(ttft=1.0), None, True), (rec(ttft=1.01), None, False),  # 500 prompt tokens: the 1 s floor
+    (rec(prompt=4000, ttft=3.9), 10.0, True), (rec(prompt=4000, ttft=4.1), 1000.0, False),  # 1 s per 1K
+    (rec(ok=False), None, False),  # a failure never attains
+])
+def test_attains(r: RequestRecord, bound: float | None, want: bool) -> None:
+    assert attains(r, bound) is want
+
+
+def test_p95_itl() -> None:
+    assert p95_itl_s([]) is None
+    assert p95_itl_s(GAPS_20) == pytest.approx(0.01 + 0.49 * 0.05)
+
+
+def test_counted_discards_the_first_arrivals_or_conversations() -> None:
+    single = [rec(index=i) for i in range(6)]
+    assert [r.index for r in counted(single, 2)] == [2, 3, 4, 5]
+    turns = [rec(index=c * 2 + t, conversation=c) for c in range(3) for t in range(2)]
+    assert [r.index for r in counted(turns, 1)] == [2, 3, 4, 5]  # conversation 0's two turns dropped
+
+
+def test_measure_probe_and_passes() -> None:
+    records = [rec(index=0, ttft=9.0)]  # the warm-up arrival, discarded
+    records += [rec(index=i) for i in range(1, 9)]  # 8 meet 10 ms
+    records += [rec(index=9, itl=(0.05,) * 5), rec(index=10, ok=False)]  # one meets 50 ms only, one failed
+    p = measure_probe(2.0, records, [None, 10.0, 50.0], discard=1)
+    assert (p.n, dict(p.attained)) == (10, {"unbounded": 9, "10": 8, "50": 9})
+    assert p.attainment(10.0) == 0.8 and p.attainment(None) == 0.9
+    assert passes(p, Target(None, 0.9)) and passes(p, Target(50.0, 0.9)) and not passes(p, Target(50.0, 0.99))
+    assert passes(p, Target(10.0, 0.8)) and not passes(p, Target(10.0, 0.81))
+    assert not passes(Probe(1.0, 0, {}), Target(None, 0.1))  # nothing counted: fails
+
+
+def test_targets_loosest_first() -> None:
+    assert targets([50.0, 200.0], [0.99, 0.9]) == [
+        Target(None, 0.9), Target(None, 0.99), Target(200.0, 0.9), Target(200.0, 0.99), Target(50.0, 0.9),
+        Target(50.0, 0.99)]
+
+
+def P(rate: float, ok: bool) -> Probe:  # noqa: N802 - a probe that passes Target(None, 0.9) or not
+    return Probe(rate, 10, {"unbounded": 10 if ok else 0})
+
+
+T = Target(None, 0.9)
+
+
+@pytest.mark.parametrize("probes,want", [
+    ([], Bracket(None, None)),
+    ([P(4, True), P(8, True)], Bracket(8, None)),
+    ([P(4, False), P(2, False)], Bracket(None, 2)),
+    ([P(4, True), P(8, False), P(6, True)], Bracket(6, 8)),
+    ([P(2, True), P(4, False), P(6, True), P(8, False)], Bracket(2, 4)),  # a pass above a failure is noise
+])
+def test_bracket(probes: list[Probe], want: Bracket) -> None:
+    assert bracket(probes, T) == want
+
+
+@pytest.mark.parametrize("b,want", [
+    (Bracket(None, None), (5.0, "")),  # nothing probed: the start
+    (Bracket(5, None), (10.0, "")), (Bracket(30, None), (40.0, "")),  # double, capped at the max
+    (Bracket(40, None), (None, AT_MAX)),
+    (Bracket(None, 5), (2.5, "")), (Bracket(None, 2), (1.25, "")),  # halve, floored at the min
+    (Bracket(None, 1.25), (None, BELOW_MIN)),
+    (Bracket(4, 8), (6.0, "")), (Bracket(4, 4.3), (4.15, "")),  # bisect
+    (Bracket(4, 4.2), (None, CONVERGED)), (Bracket(4, 4.19), (None, CONVERGED)),  # within 5%
+    (Bracket(1.0 / 3, 0.3334 * 1.06), (0.343, "")),  # the midpoint to 3 significant digits
+])
+def test_next_step(b: Bracket, want: tuple[float | None, str]) -> None:
+    assert tuple(next_step(b, start=5.0, min_rate=1.25, max_rate=40.0, tolerance=0.05)) == want
+
+
+def test_next_step_never_repeats_a_probed_rate() -> None:
+    rates: list[float] = []
+    probes: list[Probe] = []
+    for _ in range(30):  # a frontier at 7.77: every step is new until it converges
+        step = next_step(bracket(probes, T), 5.0, 1.25, 40.0, 0.01)
+        if step.rate is None:
+            break
+        assert step.rate not in rates
+        rates.append(step.rate)
+        probes.append(P(step.rate, step.rate <= 7.77))
+    lo, hi = bracket(probes, T)
+    assert step.status == CONVERGED and lo is not None and hi is not None and lo <= 7.77 < hi <= lo * 1.01
+
+
+@pytest.mark.parametrize("now,deadline,rate,n,drain,want", [
+    (0.0, None, 1.0, 100, 0.0, True), (0.0, 100.0, 1.0, 100, 0.0, True), (0.0, 100.0, 1.0, 100, 0.5, False),
+    (50.0, 100.0, 4.0, 100, 20.0, True), (50.0, 100.0, 2.0, 100, 1.0, False)])
+def test_fits(now: float, deadline: float | None, rate: float, n: int, drain: float, want: bool) -> None:
+    assert fits(now, deadline, rate, n, drain) is want
+
+
+def test_round_rate_and_limits() -> None:
+    assert round_rate(3.14159) == 3.14 and round_rate(123.456) == 123.0 and round_rate(0.0123456) == 0.0123
+    assert SearchConfig().limits(4.0) == (1.0, 32.0)
+    assert SearchConfig(min_rate=0.5, max_rate=10.0).limits(4.0) == (0.5, 10.0)
+    assert SearchConfig().limits(4.0, peak=8.123) == (1.0, 8.12)  # no probe past the closed-loop peak
+    assert SearchConfig(max_rate=20.0).limits(4.0, peak=8.0) == (1.0, 20.0)  # unless asked
+
+
+@pytest.mark.parametrize("kw,probe_requests,match", [
+    ({"shares": (0.9, 1.5)}, None, "--search-shares"), ({"shares": ()}, None, "--search-shares"),
+    ({"tolerance": 1.0}, None, "--search-tolerance"), ({"itl_bounds_ms": (0.0,)}, None, "--search-itl-bounds-ms"),
+    ({"start_rate": 5.0, "max_rate": 4.0}, None, "--search-max-rate"), ({"min_rate": -1.0}, None, "--search-min"),
+    ({"discard": 16}, 16, "--search-discard"), ({"start_fraction": 0.0}, None, "--search-start-fraction"),
+])
+def test_search_config_check(kw: dict[str, object], probe_requests: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SearchConfig(**kw).check(probe_requests)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the search against a fake server
+
+N, D = 60, 10  # arrivals per probe, warm-up discarded
+
+
+class FakeServer:
+    """A server model with a known frontier. At rate r, request i's gaps are all slope x r x (1 + i / N) s (so
+    its p95 is that), and its TTFT is 0.2 s below `capacity` and 5 s above (over the 1 s rule). Each call
+    advances a fake clock by the probe's arrival span (N / r) plus 1 s of drain."""
+
+    def __init__(self, capacity: float, slope: float = 0.006) -> None:
+        self.capacity, self.slope, self.now, self.calls = capacity, slope, 0.0, []  # type: ignore[var-annotated]
+
+    def records(self, rate: float) -> list[RequestRecord]:
+        ttft = 0.2 if rate <= self.capacity else 5.0
+        return [rec(prompt=100, ttft=ttft, itl=(self.slope * rate * (1 + i / N),) * 8, index=i) for i in range(N)]
+
+    async def measure(self, rate: float) -> list[RequestRecord]:
+        self.calls.append(rate)
+        self.now += N / rate + 1.0
+        return self.records(rate)
+
+    def frontier(self, t: Target) -> float:
+        """The highest rate at which a share t.share of the counted requests attain t's bound."""
+        if t.itl_bound_ms is None:
+            return self.capacity
+        m = math.ceil(t.share * (N - D) - 1e-9)  # requests D .. D + m - 1 must meet it
+        return min(self.capacity, t.itl_bound_ms / 1e3 / (self.slope * (1 + (D + m - 1) / N)))
+
+
+def run_search(server: FakeServer, scfg: SearchConfig, start: float, deadline: float | None = None):  # type: ignore[no-untyped-def]
+    return asyncio.run(search_frontier(server.measure, scfg, start, N, clock=lambda: server.now, deadline=deadline))
+
+
+def test_search_finds_the_known_frontier_within_tolerance() -> None:
+    server = FakeServer(capacity=10.0)
+    scfg = SearchConfig(itl_bounds_ms=(5.0, 25.0, 50.0, 100.0, 200.0), max_probes=60, discard=D)
+    out = run_search(server, scfg, start=5.0)
+    assert out.stopped is None and (out.min_rate, out.max_rate) == (1.25, 40.0)
+    assert len(server.calls) == len(set(server.calls)) == len(out.probes)  # each rate measured once, reused
+    by = {(e["itl_bound_ms"], e["share"]): e for e in out.goodput}
+    assert len(by) == 12
+    for t in targets(scfg.itl_bounds_ms, scfg.shares):
+        e, true = by[(t.itl_bound_ms, t.share)], server.frontier(t)
+        if true < out.min_rate:
+            assert e["status"] == BELOW_MIN and e["goodput"] == 0.0 and e["hi"] == out.min_rate, e
+            continue
+        assert e["status"] == CONVERGED, e
+        assert e["lo"] <= true < e["hi"] <= e["lo"] * 1.05, (t, true, e)
+        assert e["goodput"] == e["lo"] >= true / 1.05
+    assert by[(5.0, 0.9)]["status"] == BELOW_MIN and by[(200.0, 0.99)]["lo"] <= 10.0 < by[(200.0, 0.99)]["hi"]
+    # goodput never rises as the bound tightens or the share grows
+    for q in scfg.shares:
+        g = [by[(b, q)]["goodput"] for b in (None, 200.0, 100.0, 50.0, 25.0, 5.0)]
+        assert g == sorted(g, reverse=True)
+    for b in (None, 200.0, 100.0, 50.0, 25.0):
+        assert by[(b, 0.99)]["goodput"] <= by[(b, 0.9)]["goodput"]
+
+
+def test_search_at_the_max_rate() -> None:
+    server = FakeServer(capacity=100.0, slope=1e-6)  # passes everything up to 8 x the start
+    out = run_search(server, SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=D), start=4.0)
+    assert [e["status"] for e in out.goodput] == [AT_MAX, AT_MAX] and server.calls == [4.0, 8.0, 16.0, 32.0]
+    assert all(e["goodput"] == 32.0 and e["hi"] is None for e in out.goodput)
+
+
+def test_search_stops_at_the_closed_loop_peak() -> None:
+    server = FakeServer(capacity=100.0, slope=1e-6)
+    out = asyncio.run(search_frontier(server.measure, SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=D),
+                                      4.0, N, clock=lambda: server.now, peak=8.0))
+    assert server.calls == [4.0, 8.0] and all(e["status"] == AT_MAX and e["goodput"] == 8.0 for e in out.goodput)
+
+
+def test_search_brackets_every_target_coarsely_before_refining_any() -> None:
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, SearchConfig(max_probes=12, discard=D), start=5.0)
+    assert len(out.probes) == 12 and out.stopped is not None
+    for e in out.goodput:  # a bracket around every frontier, though none is within 5% yet
+        true = server.frontier(Target(e["itl_bound_ms"], e["share"]))
+        assert e["status"] == UNFINISHED and e["lo"] <= true < e["hi"] <= e["lo"] * 1.5, e
+    assert sum(e["hi"] <= e["lo"] * 1.25 + 1e-9 for e in out.goodput) >= 8  # most within the coarse 25%
+
+
+def test_search_stops_at_max_probes_with_the_bracket_so_far() -> None:
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, SearchConfig(max_probes=3, discard=D), start=5.0)
+    assert server.calls == [5.0, 10.0, 20.0] and "3 probes" in (out.stopped or "")
+    unbounded = out.goodput[0]
+    assert (unbounded["status"], unbounded["lo"], unbounded["hi"]) == (UNFINISHED, 10.0, 20.0)
+    assert len(out.goodput) == 10 and all(e["status"] == UNFINISHED for e in out.goodput)  # nothing settled yet
+
+
+def test_search_stops_before_a_probe_that_would_pass_the_deadline() -> None:
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, SearchConfig(max_probes=60, discard=D), start=5.0, deadline=60.0)
+    # 5 req/s: 12 s + 1; 10: 7; 20: 4 -> 24 s; then bisections until the next would end after 60 s
+    assert out.stopped is not None and "time budget" in out.stopped and server.now <= 60.0
+    assert server.calls[:3] == [5.0, 10.0, 20.0]
+    for e in out.goodput:
+        true = server.frontier(Target(e["itl_bound_ms"], e["share"]))
+        assert e["status"] in (CONVERGED, UNFINISHED, BELOW_MIN)
+        if e["status"] == UNFINISHED:  # the frontier lies in its bracket so far
+            assert (e["lo"] or 0.0) <= true and (e["hi"] is None or true < e["hi"]), e
+    assert any(e["status"] == UNFINISHED for e in out.goodput)
+
+
+def test_a_probe_too_long_for_the_budget_leaves_its_target_not_the_others() -> None:
+    server = FakeServer(capacity=10.0)
+    scfg = SearchConfig(itl_bounds_ms=(5.0,), shares=(0.9,), max_probes=60, discard=D)
+    out = run_search(server, scfg, start=5.0, deadline=55.0)
+    # the 5 ms target's next probe (2.5 req/s, ~25 s) never fits; the unbounded one is still refined past it
+    assert server.calls == [5.0, 10.0, 20.0, 15.0, 12.5, 11.2, 10.6, 10.3] and server.now <= 55.0
+    unbounded, tight = out.goodput
+    assert (unbounded["status"], unbounded["lo"], unbounded["hi"]) == (CONVERGED, 10.0, 10.3)
+    assert (tight["status"], tight["lo"], tight["hi"]) == (UNFINISHED, None, 5.0)
+    assert out.stopped is not None and "a probe at 2.5 req/s" in out.stopped

@@ -1,0 +1,115 @@
+"""On ROCm (torch.version.hip set; PyTorch still names the device "cuda"), NVIDIA-only code is never chosen, even
+where it is installed: FlashAttention-3, green contexts, the skinny GEMM, MPS. Checked on a CPU machine with a fake
+HIP layer: `torch.version.hip` set, the fake hip-python module of tests/test_hip_ext.py for CU-masked streams, an
+AMD device of 304 CUs as far as the partition backend can tell, and importable fakes of the NVIDIA packages (FA3's
+`flash_attn_interface`, `cuda.bindings`), each shown to be taken when the platform is NVIDIA."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import rapidserve.partition.backend as backend_mod
+from hip_ext.cumask import decode_mask, prefill_mask
+from rapidserve.attention import get_attention_backend
+from rapidserve.config import ConfigError
+from rapidserve.engine.client import gpu_platform
+from rapidserve.engine.mps import MpsController
+from rapidserve.ops import get_ops, torch_ops
+from rapidserve.partition.backend import Granularity, detect_kind, open_backend, plan_configurations
+from tests.test_hip_ext import FakeHipModule
+
+pytest.importorskip("triton")
+CUDA = torch.device("cuda")  # a device name only: nothing here touches a GPU
+
+
+@pytest.fixture
+def rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+
+
+@pytest.fixture
+def nvidia_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA3 (flash_attn_interface) and cuda-bindings importable, as on an NVIDIA machine that has them."""
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.__file__ = "/fake/flash_attn_interface.py"
+    fa3.flash_attn_with_kvcache = lambda *a, **k: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    cuda, bindings, driver = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
+    cuda.bindings, bindings.driver = bindings, driver  # type: ignore[attr-defined]
+    for name, mod in (("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.driver", driver)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # a Hopper, if asked
+
+
+@pytest.fixture
+def fake_mi300x(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, FakeHipModule]:
+    """An AMD device of 304 CUs for the partition backend, and hip-python's `hip` module as a fake."""
+    hip = FakeHipModule()
+    monkeypatch.setitem(sys.modules, "hip", SimpleNamespace(hip=hip))
+    monkeypatch.setattr(backend_mod, "_device_units", lambda device: 304)
+    monkeypatch.setattr(backend_mod, "_plain_stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle: SimpleNamespace(handle=handle))
+    return SimpleNamespace(type="cuda", index=0), hip
+
+
+def test_ops_skinny_gemm_only_on_nvidia(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapidserve.ops import triton_skinny
+    assert get_ops(CUDA).linear is triton_skinny.linear  # NVIDIA: the skinny GEMM
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    ops = get_ops(CUDA)
+    assert ops.name == "triton-noskinny" and ops.linear is torch_ops.linear  # ROCm: hipBLASLt through torch
+
+
+def test_attention_auto_takes_fa3_only_on_nvidia(nvidia_packages: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert get_attention_backend("auto", CUDA).name == "fa3:flash_attn_interface (/fake)"  # the fake is usable
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert get_attention_backend("auto", CUDA).name == "triton"
+    with pytest.raises(ConfigError, match="FlashAttention-3 runs on NVIDIA GPUs only"):
+        get_attention_backend("fa3", CUDA)
+
+
+def test_partition_auto_takes_cu_masks_on_rocm(nvidia_packages: None, fake_mi300x: tuple[Any, FakeHipModule],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    device, hip = fake_mi300x
+    assert detect_kind(device) == "cuda-green"  # NVIDIA with cuda-bindings importable: green contexts
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert detect_kind(device) == "hip-cumask"
+    configs = plan_configurations(Granularity(304, 8, 8), (0.25,))
+    b = open_backend("auto", device, configs, ("decode", "prefill"))
+    try:
+        assert b.kind == "hip-cumask"
+        n = next(c.decode_units for c in b.configurations if c.decode_units)
+        made = [words for call, words in hip.calls if call == "hipExtStreamCreateWithCUMask"]
+        assert made == [decode_mask(n, 304), prefill_mask(n, 304)]  # through the fake hip-python module
+    finally:
+        b.close()
+    assert hip.streams == {}
+
+
+def test_platform_is_rocm_and_takes_no_mps(rocm: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gpu_platform() == "rocm"
+    plan = MpsController().start("auto", gpu_platform(), str(tmp_path / "mps"))
+    assert not plan.active and "ROCm" in plan.reason and not (tmp_path / "mps").exists()
+
+
+def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVIDIA's launch parameters as measured there; ROCm's from the gfx942 compile check (triton_paged.py)."""
+    from rapidserve.attention import triton_paged as tp
+    bf16, fp32 = torch.bfloat16, torch.float32
+    nvidia = (tp._decode_config(bf16, 128), tp._decode_config(fp32, 128), tp._prefill_config(bf16, 128),
+              tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16))
+    assert nvidia == ((64, 4, 3), (32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 2), {})
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    rocm = (tp._decode_config(bf16, 128), tp._decode_config(fp32, 128), tp._prefill_config(bf16, 128),
+            tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16),
+            tp._prefill_amd_options(fp32))
+    assert rocm == ((64, 4, 1), (32, 4, 1), (128, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 1),
+                    {"matrix_instr_nonkdim": 16}, {"waves_per_eu": 2})

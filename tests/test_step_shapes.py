@@ -1,0 +1,207 @@
+"""The one step loop under forced step shapes (`ScriptedPolicy`): fused -> split -> fused transitions in the middle
+of requests, on CPU, the real decode and prefill workers in this process (the channels are lists:
+tests/test_worker_faults.py's harness) over one ModelRunner.
+
+A prompt chunked in the decode worker's fused steps goes on there across a split (paused, then continued at the
+next fused step); a prompt handed to the prefill worker in a split step stays there; decodes go on in every shape.
+Greedy outputs equal `LLM.generate`'s, every KV block is back at the end, and every landed step's time went back
+to the policy. With two configurations (streams: the current one, as on CPU), the fused steps run on the whole
+GPU's and the split steps on the split's, and the prefill worker hears of each switch before the work it
+concerns."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from rapidserve import LLM, SamplingParams
+from rapidserve.engine import messages as m
+from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.prefill_worker import PrefillWorker
+from rapidserve.partition.backend import Granularity, PartitionBackend
+from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape
+from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, ScriptedPolicy
+from tests.test_worker_faults import FakeIO
+
+NEW = 12
+MODEL = "preset:tiny-llama"  # a tiny deterministic model: the tests are about the loop (SmolLM2: a slow test)
+CONFIGS = [Configuration(OVERALLOCATED, 0, 132), Configuration("split16", 16, 116)]
+
+
+class CpuSplits(PartitionBackend):
+    """Two configurations whose "streams" are the current one (None), for both roles, as on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(Granularity(132, 1, 1), CONFIGS)
+        for c in CONFIGS:
+            for role in ("decode", "prefill"):
+                self._streams[(c.name, role)] = None
+
+
+def model_and_reference(model: str | None) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """`model` (None: the embedded SmolLM2), its KV pool small enough for preemptions, a step budget small
+    enough for chunks; prompts and LLM's greedy tokens for them."""
+    llm = LLM(model, dtype="float32", device="cpu", show_progress=False, max_model_len=512, num_kv_blocks=28,
+              max_num_batched_tokens=48)
+    rng = random.Random(7)
+    top = 1280 if model is not None else 20000
+    prompts = [[rng.randrange(3, top) for _ in range(n)] for n in (70, 9, 120, 33, 55, 16, 90, 24)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    return llm, prompts, want
+
+
+@pytest.fixture(scope="module")
+def smollm() -> tuple[LLM, list[list[int]], list[list[int]]]:
+    return model_and_reference(MODEL)
+
+
+def workers(llm: LLM, policy: Any, two_configs: bool) -> tuple[DecodeWorker, PrefillWorker, FakeIO]:
+    cfg, runner = llm.config, llm.engine.runner
+    io = FakeIO()
+    configs = CONFIGS if two_configs else CONFIGS[:1]
+    plan = PartitionPlan("none", configs, None, "test")
+    backend = CpuSplits()
+    d = DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), backend, policy)  # type: ignore[arg-type]
+    p = PrefillWorker(cfg, runner, io, backend, OVERALLOCATED)  # type: ignore[arg-type]
+    return d, p, io
+
+
+def serve(d: DecodeWorker, p: PrefillWorker, io: FakeIO, reqs: list[m.NewRequest], turns: int = 400) -> list[Any]:
+    """Both loops, alternating, the messages carried between them; what the prefill worker was told, in order."""
+    told: list[Any] = []
+    io.inbox += reqs
+    for _ in range(turns):
+        io.seat = "decode"
+        d.turn()
+        io.seat = "prefill"
+        for msg in io.sent["d2p"]:  # in order: a SetPartition before the KVReadys it concerns
+            told.append(msg)
+            p.handle(msg)
+        io.sent["d2p"].clear()
+        while p.waiting_prefill:
+            p.prefill_step()
+        io.seat = "decode"
+        io.inbox += io.sent["p2d"]
+        io.sent["p2d"].clear()
+        if not d.sched.reqs and not d.inflight and not io.inbox:
+            return told
+    raise AssertionError(f"requests still running: {list(d.sched.reqs)}")
+
+
+def streams(io: FakeIO) -> dict[str, list[m.TokenOut]]:
+    out: dict[str, list[m.TokenOut]] = defaultdict(list)
+    for label in ("d2r", "p2r"):
+        for b in io.of(label, m.TokenBatch):
+            for t in b.tokens:
+                out[t.req_id].append(t)
+    return {k: sorted(v, key=lambda t: t.index) for k, v in out.items()}
+
+
+def phases(k: int, state: ShapeState, split: str) -> StepShape:
+    """Fused for 4 turns (prompts chunked here), split for 4 (the rest go to prefill; chunked ones pause), and
+    again; a decode-alone turn now and then."""
+    if k % 13 == 12:
+        return DecodeAlone(split)
+    return Fused(16) if (k // 4) % 2 == 0 else Split(split, 48)
+
+
+@pytest.mark.parametrize("two_configs", [False, True], ids=["one configuration", "two configurations"])
+def test_forced_transitions_mid_request_keep_greedy_outputs_and_free_every_block(
+        smollm: tuple[LLM, list[list[int]], list[list[int]]], two_configs: bool) -> None:
+    check_transitions(*smollm, two_configs)
+
+
+@pytest.mark.slow
+def test_forced_transitions_with_the_embedded_smollm2() -> None:
+    """The same with the embedded SmolLM2 (real weights: near-tied logits would show a wrong K/V)."""
+    check_transitions(*model_and_reference(None), two_configs=True)
+
+
+def check_transitions(llm: LLM, prompts: list[list[int]], want: list[list[int]], two_configs: bool) -> None:
+    split = "split16" if two_configs else OVERALLOCATED
+    policy = ScriptedPolicy(lambda k, st: phases(k, st, split))
+    d, p, io = workers(llm, policy, two_configs)
+    free0 = d.sched.blocks.num_free
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    told = serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)])
+    got = streams(io)
+    for i, w in enumerate(want):
+        toks = got[f"q{i}"]
+        assert [t.index for t in toks] == list(range(NEW)), i
+        assert [t.token_id for t in toks] == w, f"q{i} (prompt of {len(prompts[i])} tokens) diverged"
+    assert not io.of("d2r", m.Finished)
+    # both paths served first tokens: chunked here (their first token from the decode worker, with its times) and
+    # computed by the prefill worker (handed over in a KVReady)
+    handed = {x.req_id for x in told if isinstance(x, m.KVReady)}
+    assert handed and handed != set(got), handed
+    # a prompt was chunked over a split: its chunks ran in fused steps before and after split steps
+    assert any(s.current == Fused(16) for s in policy.states) and any(isinstance(s.current, Split)
+                                                                      for s in policy.states)
+    assert d.sched.num_preemptions > 0  # the small pool: recomputed here or by prefill
+    # every block back; nothing held
+    assert d.sched.blocks.num_free == free0 and not p.waiting_prefill and d.runner.tokens.in_use == 0
+    assert len(d.grammar) == 0
+    # every landed step's time went to the policy, with its shape
+    assert policy.timings and all(t.measured_ms > 0 for t in policy.timings)
+    assert {type(t.shape) for t in policy.timings} >= {Fused, Split}
+    assert all(t.chunk_tokens == 0 for t in policy.timings if not isinstance(t.shape, Fused))
+    assert any(t.chunk_tokens > 0 for t in policy.timings)
+    if two_configs:  # each switch told prefill first; fused steps ran on the whole GPU, split ones on the split
+        sets = [x.config for x in told if isinstance(x, m.SetPartition)]
+        assert sets and sets[0] == "split16" and set(sets) == {"split16", OVERALLOCATED}
+        assert all(a != b for a, b in zip(sets, sets[1:], strict=False))
+        assert d.partition.steps.keys() == {"split16", OVERALLOCATED}
+
+
+def test_the_one_engines_policies_by_mode(smollm: tuple[LLM, list[list[int]], list[list[int]]]) -> None:
+    """Hybrid mode's `AlwaysFused` (no prefill worker: nothing is sent to one) and rapid mode's `AlwaysSplit` (every
+    prompt goes to the prefill worker) give the same greedy tokens as LLM; a policy that asks for a split step
+    without a prefill worker is refused by name."""
+    llm, prompts, want = smollm
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    reqs = [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)]
+    d, p, io = workers(llm, AlwaysFused(), False)
+    told = serve(d, p, io, reqs)
+    assert not told and not io.sent["p2r"]  # no prefill worker involved
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(reqs))] == want
+    d, p, io = workers(llm, None, False)
+    assert isinstance(d.policy, AlwaysSplit)
+    told = serve(d, p, io, reqs)
+    assert {x.req_id for x in told if isinstance(x, m.KVReady)} == {r.req_id for r in reqs}
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(reqs))] == want
+    d, p, io = workers(llm, ScriptedPolicy([Split(OVERALLOCATED, 48)], workers=("decode",), name="bad"), False)
+    io.inbox.append(reqs[0])
+    with pytest.raises(RuntimeError, match="'bad' asked for a split step, but it runs without a prefill worker"):
+        d.turn()
+
+
+def test_no_async_scheduling_gives_the_same_tokens(smollm: tuple[LLM, list[list[int]], list[list[int]]]) -> None:
+    """`--no-async-scheduling` in the one loop: each step is recorded before the next is planned."""
+    llm, prompts, want = smollm
+    cfg = dataclasses.replace(llm.config, scheduler=dataclasses.replace(llm.config.scheduler, async_scheduling=False))
+    io = FakeIO()
+    plan = PartitionPlan("none", CONFIGS[:1], None, "test")
+    d = DecodeWorker(cfg, llm.engine.runner, io, DecodePartition(cfg.partition, plan), None,  # type: ignore[arg-type]
+                     ScriptedPolicy(lambda k, st: phases(k, st, OVERALLOCATED)))
+    p = PrefillWorker(cfg, llm.engine.runner, io, CpuSplits(), OVERALLOCATED)  # type: ignore[arg-type]
+    launched = []
+    real = d._step
+
+    def step() -> bool:
+        out = real()
+        launched.append(len(d.inflight))
+        return out
+
+    d._step = step  # type: ignore[method-assign]
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)])
+    assert launched and set(launched) == {0}  # nothing left in flight after a step
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
+    assert d.runner.tokens.in_use == 0 and d.sched.blocks.num_free == d.sched.blocks.num_blocks
