@@ -1,8 +1,13 @@
-"""Scale-out behind vllm-router (PyPI `vllm-router`): three `rapidserve serve` replicas of the embedded model
-on CPU, as deploy/router/run_local.sh starts them, behind the router's cache-aware policy.
+"""Scale-out behind vllm-router (PyPI `vllm-router`): three `rapidserve serve` replicas on CPU, as
+deploy/router/run_local.sh starts them, behind the router's cache-aware policy.
 
-The workload: 200 completions, 30% of them sharing one of 4 system prompts. It arrives as a steady mix: 15
-rounds of 13 requests (one for each system prompt, 9 unique ones between them), then 5 unique ones. Each replica
+The replicas serve a tiny model (tiny-llama's shapes, random weights: `--load-format dummy`) with the embedded
+model's tokenizer (SmolLM2's, vocabulary and all), so the router tokenizes prompts through /tokenize exactly as
+it would for the real model while each request's one forward costs next to nothing: what is measured is the
+prefix cache (prompt tokens), which the model's weights do not change.
+
+The workload: 78 completions, 4 in 13 sharing one of 4 system prompts. It arrives as a steady mix: 6 rounds of 13
+requests (one for each system prompt, 9 unique ones between them). Each replica
 has a small KV pool (--num-kv-blocks 32: about one round of its share of the traffic), so a system prompt stays
 cached on a replica only if it comes back there within about a round. Round-robin sends a round's prompts to one
 replica and the next round's to the next (13 is not a multiple of 3), so a replica sees a system prompt every third
@@ -13,11 +18,14 @@ prompts (a new seed), so the second run finds nothing of the first in the caches
 
 Then one replica is killed (SIGKILL) mid-load: no request the survivors took fails, the router retries what the
 dead one had, marks it unhealthy within its health-check interval, and sends it nothing after that.
+
+Marked slow: three servers start (about a minute on two loaded CPU cores), then about 200 requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -42,6 +50,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 POOL_BLOCKS = "32"  # each replica's KV pool: 32 blocks of 16 tokens
+ROUNDS = 6  # of the hit-rate workload: each system prompt comes back 5 times
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
          "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega"]
 
@@ -63,9 +72,25 @@ def get(url: str) -> str:
         return str(r.read().decode())
 
 
+def tiny_model_folder(folder: Path) -> Path:
+    """A Hugging Face folder of tiny-llama's architecture widened to SmolLM2's vocabulary, with SmolLM2's
+    tokenizer: served with --load-format dummy (random weights, no weight file needed)."""
+    from rapidserve.loader import resolve_model
+    from rapidserve.loader.presets import hf_config_dict, preset_config
+    from rapidserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(None))  # the embedded model's
+    assert tok is not None
+    config = preset_config("tiny-llama").replace(vocab_size=len(tok.hf), name="tiny-llama-smol-vocab")
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config)))
+    tok.hf.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
-    """Three servers, started at once (rapid mode, CPU), each on a free port."""
+    """Three servers of the tiny model, started at once (rapid mode, CPU), each on a free port."""
+    model = tiny_model_folder(tmp_path_factory.mktemp("model"))
     logs = tmp_path_factory.mktemp("replicas")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONHASHSEED="0")
@@ -74,8 +99,9 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]
     for i in range(3):
         with open(logs / f"replica{i}.log", "w") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rapidserve.cli", "serve", "--device", "cpu", "--port", "0",
-                 "--max-model-len", "1024", "--num-kv-blocks", POOL_BLOCKS, "--max-num-seqs", "8"],
+                [sys.executable, "-m", "rapidserve.cli", "serve", str(model), "--load-format", "dummy",
+                 "--device", "cpu", "--port", "0", "--max-model-len", "1024", "--num-kv-blocks", POOL_BLOCKS,
+                 "--max-num-seqs", "8"],
                 stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True))
     out: list[Replica] = []
     try:
@@ -140,21 +166,21 @@ def stop_router(r: Router) -> None:
 
 
 def workload(seed: int) -> list[str]:
-    """200 prompts: 15 rounds of [system prompt k + question, 2 or 3 unique] for k = 0..3, then 5 unique."""
+    """ROUNDS rounds of 13 prompts: [system prompt k + question, 2 or 3 unique] for k = 0..3."""
     rng = random.Random(seed)
 
     def words(n: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
     systems = [f"System prompt {seed}-{k}: {words(36)}\n" for k in range(4)]  # about 3 blocks each
-    unique = iter(f"{i} Unique {seed}: {words(50)}" for i in range(140))  # about 4 blocks each
+    unique = iter(f"{i} Unique {seed}: {words(50)}" for i in range(9 * ROUNDS))  # about 4 blocks each
     prompts: list[str] = []
-    for _ in range(15):
+    for _ in range(ROUNDS):
         for k, s in enumerate(systems):
             prompts.append(s + "Question: " + words(3))
             prompts += [next(unique) for _ in range(3 if k == 3 else 2)]
-    prompts += list(unique)
-    assert len(prompts) == 200 and sum(p.startswith("System") for p in prompts) == 60
+    assert len(prompts) == 13 * ROUNDS and sum(p.startswith("System") for p in prompts) == 4 * ROUNDS
+    assert next(unique, None) is None
     return prompts
 
 
@@ -200,8 +226,9 @@ def hit_rate(replicas: list[Replica], policy: str, seed: int) -> float:
     router = start_router(policy, [r.url for r in replicas])
     try:
         before = [counts(r.url) for r in replicas]
-        statuses = asyncio.run(send_all(router.url, workload(seed)))
-        assert statuses == [200] * 200, statuses
+        prompts = workload(seed)
+        statuses = asyncio.run(send_all(router.url, prompts))
+        assert statuses == [200] * len(prompts), statuses
         decisions = [router.metric("vllm_router_processed_requests_total", worker=r.url) for r in replicas]
     finally:
         stop_router(router)
@@ -212,7 +239,7 @@ def hit_rate(replicas: list[Replica], policy: str, seed: int) -> float:
                for a, b in zip(after, before, strict=True))
     print(f"{policy}: requests per replica {decisions}, prefix cache hit rate {hits / queries:.3f} "
           f"({hits:.0f} of {queries:.0f} prompt tokens)")
-    assert all(d > 20 for d in decisions), decisions  # every replica took its share
+    assert all(d >= len(prompts) / 6 for d in decisions), decisions  # every replica took its share (at least half)
     return hits / queries
 
 
@@ -223,7 +250,7 @@ def test_cache_aware_routing_at_least_doubles_the_prefix_hit_rate(replicas: list
 
 
 def test_a_killed_replica_fails_no_request_of_the_survivors(replicas: list[Replica]) -> None:
-    """SIGKILL one replica after 15 of 60 requests have answered; then 30 more once the router saw it die."""
+    """SIGKILL one replica after 10 of 30 requests have answered; then 15 more once the router saw it die."""
     urls = [r.url for r in replicas]
     victim, survivors = replicas[2], replicas[:2]
     router = start_router("cache_aware", urls, "--health-check-interval-secs", "1",
@@ -231,12 +258,12 @@ def test_a_killed_replica_fails_no_request_of_the_survivors(replicas: list[Repli
     try:
         before = [counts(r.url) for r in survivors]
         rng = random.Random(3)
-        load = [f"{i} after a death: " + " ".join(rng.choice(WORDS) for _ in range(30)) for i in range(60)]
+        load = [f"{i} after a death: " + " ".join(rng.choice(WORDS) for _ in range(30)) for i in range(30)]
 
         async def phase_a() -> list[int]:
-            fifteen = asyncio.Event()
-            task = asyncio.ensure_future(send_all(router.url, load, on_done=fifteen, after=15))
-            await fifteen.wait()
+            ten = asyncio.Event()
+            task = asyncio.ensure_future(send_all(router.url, load, on_done=ten, after=10))
+            await ten.wait()
             victim.proc.kill()  # SIGKILL to the server; its workers see it gone and exit
             return await task
 
@@ -254,14 +281,14 @@ def test_a_killed_replica_fails_no_request_of_the_survivors(replicas: list[Repli
             assert a.get("error", 0) == b.get("error", 0) and a.get("abort", 0) == b.get("abort", 0), (b, a)
 
         seen = router.metric("vllm_router_processed_requests_total", worker=victim.url)
-        more = [f"{i} after the router noticed: " + " ".join(rng.choice(WORDS) for _ in range(30)) for i in range(30)]
-        assert asyncio.run(send_all(router.url, more)) == [200] * 30
+        more = [f"{i} after the router noticed: " + " ".join(rng.choice(WORDS) for _ in range(30)) for i in range(15)]
+        assert asyncio.run(send_all(router.url, more)) == [200] * 15
         assert router.metric("vllm_router_processed_requests_total", worker=victim.url) == seen  # none sent there
         after_b = [counts(r.url) for r in survivors]
         served = sum(b[k] - a.get(k, 0) for a, b in zip(after_a, after_b, strict=True) for k in b
                      if not k.startswith("vllm:"))
-        assert served == 30  # the survivors finished every one of them
-        print(f"killed {victim.url}: {failed} of 60 requests failed, "
+        assert served == 15  # the survivors finished every one of them
+        print(f"killed {victim.url}: {failed} of 30 requests failed, "
               f"{router.metric('vllm_router_retries_total', route='/v1/completions'):.0f} retried elsewhere")
     finally:
         stop_router(router)
