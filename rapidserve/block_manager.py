@@ -31,6 +31,10 @@ before `commit`.
 
 The watermark keeps a few blocks back when admitting new sequences, so running sequences can still
 grow by a block without immediately preempting someone.
+
+KV events (`events`, a `kv_events.KVEventLog`, given when --kv-events-config asks for them): every block `commit`
+registers is logged as stored, every registered block `_take` evicts or `reset_cache` forgets as removed. The log
+hashes blocks as vLLM does; the owner of this object drains it (docs/architecture.md: KV events).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from rapidserve.kv_events import KVEventLog
 
 
 class BlockManagerError(RuntimeError):
@@ -56,7 +62,7 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = False,
-                 salt: bytes = b"") -> None:
+                 salt: bytes = b"", events: KVEventLog | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
         if not 0.0 <= watermark < 1.0:
@@ -66,6 +72,7 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_caching = enable_caching
         self.salt = salt
+        self.events = events  # KV events of the prefix cache (None: none are collected)
         # Free blocks in the order allocations take them: unregistered first, then registered ones
         # from the least recently freed (evicting their hash).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -218,11 +225,15 @@ class BlockManager:
         n = min(num_computed // self.block_size, len(table))  # the chain may run further: only written blocks
         chain = self._chain(seq_id, token_ids, n)
         done = self._committed.get(seq_id, 0)
+        new: list[int] = []
         for i in range(done, n):
             b, h = table[i], chain[i]
             if h not in self._block_of and b not in self._hash_of:  # else another block holds this content
                 self._block_of[h] = b
                 self._hash_of[b] = h
+                new.append(i)
+        if new and self.events is not None:
+            self.events.stored(chain, token_ids, new)
         self._committed[seq_id] = max(done, n)
         if self._pending:  # these are written now (whoever was to write them: the content is registered)
             for h in chain[done:n]:
@@ -259,7 +270,10 @@ class BlockManager:
     def reset_cache(self) -> None:
         """Forget every registered block that no sequence uses (e.g. after the weights change)."""
         for b in [b for b in self._hash_of if self._ref[b] == 0]:
-            del self._block_of[self._hash_of.pop(b)]
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
+            if self.events is not None:
+                self.events.removed(h)
 
     def check(self) -> None:
         """Invariants: every block is free (count 0) or used by exactly as many tables as its count;
@@ -286,6 +300,8 @@ class BlockManager:
         h = self._hash_of.pop(b, None)
         if h is not None:  # evicted: its content is about to be overwritten
             del self._block_of[h]
+            if self.events is not None:
+                self.events.removed(h)
         self._ref[b] = 1
         return b
 

@@ -241,8 +241,8 @@ def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) 
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                 num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, prefill_batch_tokens=a.prefill_batch_tokens,
-                enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens,
-                seed=a.seed, attention_backend=a.attention_backend,
+                enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens, seed=a.seed,
+                attention_backend=a.attention_backend, kv_events_config=getattr(a, "kv_events_config", None),
                 enable_prefix_caching=a.enable_prefix_caching, async_scheduling=a.async_scheduling,
                 quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
                 generation_config=getattr(a, "generation_config", "auto"))

@@ -7,6 +7,8 @@
 - `--served-model-name A B ...` (the first is reported), `--disable-log-requests` / `--enable-log-requests`,
   `--log-level`, `--uvicorn-log-level` (the HTTP server's own log: rapidserve runs aiohttp, not uvicorn),
   `--dtype half|float` (vLLM's aliases), `--num-gpu-blocks-override` (= --num-kv-blocks).
+- `--kv-events-config JSON`: the prefix cache's block events over ZMQ for a KV-aware router, vLLM's keys and
+  wire (kv_events_config.py; its block hashes seeded by $PYTHONHASHSEED, as vLLM's).
 - Flags that change nothing here, accepted with what they mean on rapidserve (the help says it):
   `--trust-remote-code` (no model code is ever run from a repository), `--disable-log-stats` (no
   periodic stats lines are logged), `--enable-chunked-prefill` (prompts are always chunked),
@@ -115,6 +117,11 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
                      help="no log line per request")
     req.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
                      help="a log line per request (the default)")
+    sv.add_argument("--kv-events-config", default=None, metavar="JSON",
+                    help="publish the prefix cache's block events as vLLM does, for KV-aware routers: vLLM's JSON, "
+                         "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
+                         "publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size); block "
+                         "hashes are vLLM's sha256 ones, seeded by $PYTHONHASHSEED; needs pyzmq (the kv-events extra)")
     same = sv.add_argument_group("vLLM flags that change nothing on rapidserve (accepted)")
     same.add_argument("--trust-remote-code", action="store_true",
                       help="rapidserve never runs code from a model repository (its model code is its own)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rapidserve.generation_config import SamplingDefaults
+from rapidserve.kv_events_config import KVEventsConfig
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 # rapid: decode and prefill workers sharing weights and KV; hybrid: one worker, chunked prefill
@@ -481,6 +482,7 @@ class EngineConfig:
     # The model's recommended sampling defaults (generation_config.json; --generation-config), which a
     # request's unset fields take at the edges (the server, LLM); workers never read them.
     generation: SamplingDefaults = field(default_factory=SamplingDefaults)
+    kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # --kv-events-config (kv_events_config.py)
 
     @property
     def max_model_len(self) -> int:

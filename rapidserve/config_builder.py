@@ -27,13 +27,17 @@ from rapidserve.engine_settings import (  # re-exported: the model-free half of 
     check_unsupported_options,
     engine_sections,
     generation_defaults,
+    kv_events_section,
     read_generation_config,
 )
 from rapidserve.generation_config import GENERATION_CONFIG_FILE, SamplingDefaults
+from rapidserve.kv_events import make_none_hash
+from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 
-__all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec"]
+__all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
+           "resolve_kv_events"]
 log = logging.getLogger("rapidserve.config")
 
 
@@ -59,6 +63,20 @@ def load_format_spec(model: str | None, load_format: str) -> str | None:
     return model
 
 
+def resolve_kv_events(value: object, *, enable_prefix_caching: bool, hash_seed: str | None) -> KVEventsConfig:
+    """--kv-events-config as the tree's section (checked: `engine_settings.kv_events_section`) with, when it
+    publishes, the seed of the first block's hash fixed here, once: from `hash_seed` ($PYTHONHASHSEED, read where
+    the run starts) or at random, as vLLM's NONE_HASH (rapidserve/kv_events.py)."""
+    cfg = kv_events_section(value, enable_prefix_caching=enable_prefix_caching)
+    if not cfg.publishing:
+        return cfg
+    if hash_seed is None:
+        log.warning("KV events: PYTHONHASHSEED is not set, so block hashes start from a random seed: a router can "
+                    "learn them from the events but cannot hash a prompt to the same values (set PYTHONHASHSEED "
+                    "alike on every replica and the router, as with vLLM)")
+    return dataclasses.replace(cfg, none_hash=make_none_hash(hash_seed))
+
+
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                         block_size: int = 16, num_kv_blocks: int | None = None,
@@ -73,8 +91,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         partition: PartitionConfig | None = None, parallel: ParallelConfig | None = None,
                         run: str | None = None, revision: str | None = None,
                         download_dir: str | None = None, load_format: str = "auto",
-                        env: Mapping[str, str] | None = None,
-                        generation_config: str = "auto") -> tuple[EngineConfig, object]:
+                        env: Mapping[str, str] | None = None, generation_config: str = "auto",
+                        kv_events_config: object = None) -> tuple[EngineConfig, object]:
     """Resolve the model and assemble the frozen config tree (the one place it is built). `prefill_graph_tokens`:
     the piecewise prefill graphs' token buckets (None: RunnerConfig's default; (): none). `tokenizer`:
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
@@ -94,7 +112,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     serves the architecture with random weights (`dummy:<folder>`); safetensors and gguf check that the model
     is of that form. `generation_config`: where the sampling defaults come from (auto, vllm or a folder, as vLLM's
     --generation-config; checked with the settings, `engine_settings.generation_defaults`; auto's file is read
-    once the model is resolved, `resolve_generation_config`)."""
+    once the model is resolved, `resolve_generation_config`). `kv_events_config`: vLLM's --kv-events-config
+    (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     sections = engine_sections(
@@ -105,8 +124,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
         async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len,
         quantization=quantization, kv_cache_dtype=kv_cache_dtype, launch=launch, partition=partition, run=run,
-        generation_config=generation_config)
+        generation_config=generation_config, kv_events_config=kv_events_config)
     env = os.environ if env is None else env
+    kv_events = resolve_kv_events(sections.kv_events, enable_prefix_caching=enable_prefix_caching,
+                                  hash_seed=env.get("PYTHONHASHSEED"))
     model = local_model_spec(model, revision, download_dir, env)
     if tokenizer is not None and is_repo_id(tokenizer) and not os.path.exists(os.path.expanduser(tokenizer)):
         tokenizer = find_snapshot(tokenizer, None, hub_cache_dirs(env, download_dir))  # its main revision
@@ -121,7 +142,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                        scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
                        partition=sections.partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer,
                        generation=(sections.generation if sections.generation is not None
-                                   else resolve_generation_config("auto", source, model)))
+                                   else resolve_generation_config("auto", source, model)), kv_events=kv_events)
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,

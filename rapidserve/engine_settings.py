@@ -5,16 +5,20 @@ cache, scheduler, runner, launch and partition sections, refusing by name what r
 `--quantization` / `--kv-cache-dtype` other than none/auto (`check_unsupported_options`) and every setting the run
 and its policy would not read (`policy_spec.check_settings`). `--generation-config` is checked here too
 (`generation_defaults`: vllm, or a folder's generation_config.json read and checked; auto's file is the model's,
-read by the builder once the model is resolved). `config_builder.build_engine_config` calls it before
+read by the builder once the model is resolved). vLLM's `--kv-events-config` becomes the `kv_events` section
+(`kv_events_section`: only a server reads it, it needs the prefix cache on and pyzmq installed; the seed of its
+block hashes is set by the builder). `config_builder.build_engine_config` calls it before
 it resolves the model; `rapidserve serve` calls it before it binds its port, so that a bad flag exits 2 at once,
 and builds the tree once the port answers 503 "starting" (server/startup.py).
 
-Layer: plain data (imports only `config`, `generation_config` and `policy_spec`; no torch, no loader), so the CLI
+Layer: plain data (imports only `config`, `generation_config`, `kv_events_config` and `policy_spec`; no torch, no
+loader), so the CLI
 imports it in milliseconds.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +39,7 @@ from rapidserve.generation_config import (
     SamplingDefaults,
     sampling_defaults,
 )
+from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
 from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
 
 UNSET_CHOICES = (None, "auto", "none")  # what --quantization / --kv-cache-dtype may say today
@@ -104,6 +109,31 @@ def generation_defaults(spec: str) -> SamplingDefaults | None:
     return read_generation_config(path, path)
 
 
+def parse_kv_events(value: object) -> KVEventsConfig:
+    """--kv-events-config (JSON text, a mapping or a KVEventsConfig; None: off), parsed: a ConfigError naming an
+    unknown key, a wrong type or a bad value."""
+    try:
+        return KVEventsConfig.parse(value)
+    except KVEventsConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def kv_events_section(value: object, *, enable_prefix_caching: bool) -> KVEventsConfig:
+    """--kv-events-config as the tree's section (`parse_kv_events`), its `none_hash` not yet set
+    (`config_builder.resolve_kv_events`). When it publishes, the prefix cache must be on (the events are its
+    blocks) and pyzmq installed: a ConfigError saying how to fix it otherwise."""
+    cfg = parse_kv_events(value)
+    if not cfg.publishing:
+        return cfg
+    if not enable_prefix_caching:
+        raise ConfigError("--kv-events-config publishes the prefix cache's block events, and "
+                          "--no-enable-prefix-caching turns the cache off: drop one of them")
+    if importlib.util.find_spec("zmq") is None:
+        raise ConfigError("--kv-events-config publishes over ZMQ, which needs pyzmq: pip install "
+                          "'rapidserve[kv-events]' (or pip install pyzmq)")
+    return cfg
+
+
 @dataclass(frozen=True)
 class EngineSections:
     """The sections of the tree that the settings alone give, checked (`engine_sections`)."""
@@ -114,6 +144,7 @@ class EngineSections:
     launch: LaunchConfig
     partition: PartitionConfig
     generation: SamplingDefaults | None  # None: --generation-config auto, the model folder's (read with the model)
+    kv_events: KVEventsConfig  # checked, its none_hash not yet set (config_builder.resolve_kv_events)
 
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -125,11 +156,12 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                     async_scheduling: bool = True, allow_long_max_model_len: bool = False,
                     quantization: str | None = None, kv_cache_dtype: str | None = "auto",
                     launch: LaunchConfig | None = None, partition: PartitionConfig | None = None,
-                    run: str | None = None, generation_config: str = "auto") -> EngineSections:
+                    run: str | None = None, generation_config: str = "auto",
+                    kv_events_config: object = None) -> EngineSections:
     """The settings as the tree's sections (the keywords are `build_engine_config`'s, which documents them); a
     ConfigError, one line saying how to fix it, for `--quantization` / `--kv-cache-dtype` other than none/auto,
     an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
-    `--generation-config` (`generation_defaults`)."""
+    `--generation-config` (`generation_defaults`) or `--kv-events-config` (`kv_events_section`)."""
     check_unsupported_options(quantization, kv_cache_dtype)
     generation = generation_defaults(generation_config)
     launch = launch or LaunchConfig()
@@ -145,7 +177,10 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
     graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}
     runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                           use_cuda_graphs=not enforce_eager, seed=seed, **graphs)
+    kv_events = parse_kv_events(kv_events_config)  # a server's only: checked by check_settings before anything else
     check_settings(run, partition.policy, {"scheduler": scheduler, "cache": cache, "runner": runner,
-                                           "partition": partition, "launch": launch}, eager=enforce_eager)
+                                           "partition": partition, "launch": launch, "kv_events": kv_events},
+                   eager=enforce_eager)
+    kv_events = kv_events_section(kv_events, enable_prefix_caching=enable_prefix_caching)
     return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition,
-                          generation=generation)
+                          generation=generation, kv_events=kv_events)

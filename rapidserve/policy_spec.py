@@ -78,6 +78,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("partition.drift_prefill_model", "--drift-prefill-model"),
     Setting("partition.profile_lookup", "--profile-lookup"),
     Setting("launch.mps", "--mps"),
+    Setting("kv_events.enable_kv_cache_events", "--kv-events-config", "kv_events_config"),
 )
 BY_PATH = {s.path: s for s in SETTINGS}
 GRAPHS = "runner.prefill_graph_tokens"
@@ -86,6 +87,7 @@ GRAPHS = "runner.prefill_graph_tokens"
 PARTITION_FIXES: Mapping[str, Mapping[str, object]] = {OFF: {"partition.backend": "none"}}
 
 _SERVING = frozenset({"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "cache.enable_prefix_caching"})
+_SERVER = _SERVING | {"kv_events.enable_kv_cache_events"}  # a server's router publishes the KV events
 _SPLIT_ADAPTIVE = frozenset({"partition.backend", "partition.profile", "partition.slo_itl_ms",
                              "partition.hysteresis_steps", "partition.decode_shares"})
 
@@ -142,17 +144,18 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                         "scheduler.async_scheduling": "its decode worker always schedules one step ahead"}),
 )}
 RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
-    RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVING | {"launch.mps"}, default_policy=DEFAULT_POLICY),
-    RunSpec("hybrid", "--mode hybrid", ("hybrid",), _SERVING, partition=OFF, default_policy="fused",
+    RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVER | {"launch.mps"}, default_policy=DEFAULT_POLICY),
+    RunSpec("hybrid", "--mode hybrid", ("hybrid",), _SERVER, partition=OFF, default_policy="fused",
             why_not={"partition": "one worker on the whole GPU", "launch.mps": "one worker process, no MPS"},
             fixes={"launch.mps": "off"}),
-    RunSpec("disagg", "--mode disagg", DECODE_PREFILL, _SERVING | {"scheduler.prefill_batch_tokens"}, partition=OFF,
+    RunSpec("disagg", "--mode disagg", DECODE_PREFILL, _SERVER | {"scheduler.prefill_batch_tokens"}, partition=OFF,
             no_graphs="its prefill worker computes without graphs", default_policy="rapid",
             why_not={"partition": "it runs each phase on its own GPU, with no partition",
                      "launch.mps": "one worker per GPU, no MPS"}, fixes={"launch.mps": "off"}),
     RunSpec("offline", "LLM and `rapidserve generate`", (), _SERVING, api=True,
             why_not={"scheduler.prefill_batch_tokens": "one process, whose steps max_num_batched_tokens bounds",
-                     "scheduler.async_scheduling": "its steps wait for their tokens"}),
+                     "scheduler.async_scheduling": "its steps wait for their tokens",
+                     "kv_events.enable_kv_cache_events": "the KV events are published by a server's router"}),
     RunSpec("profile", "`rapidserve profile`", (),
             frozenset({"partition.backend", "partition.slo_itl_ms", "partition.decode_shares"}),
             no_graphs="its prefill forwards run eager, as the engine's longer-than-any-bucket ones do",
@@ -160,6 +163,7 @@ RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
                      "scheduler.max_num_batched_tokens": "its prefill forwards hold --prefill-tokens tokens",
                      "scheduler.prefill_batch_tokens": "its prefill forwards hold --prefill-tokens tokens",
                      "cache.enable_prefix_caching": "it caches no prompts",
+                     "kv_events.enable_kv_cache_events": "it caches no prompts",
                      "scheduler.async_scheduling": "it runs no hybrid scheduler"}),
 )}
 assert tuple(sorted(POLICY_SPECS)) == tuple(sorted(POLICIES)), "config.POLICIES and POLICY_SPECS must name the same"

@@ -357,3 +357,38 @@ def test_vllm_flags_that_change_nothing_are_accepted() -> None:
     assert ecfg.runner.dtype == "float16" and ecfg.cache.num_blocks == 40
     a: argparse.Namespace = build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "float"])
     assert a.dtype == "float32"
+
+
+# ---------------------------------------------------------------- --kv-events-config
+
+KV_ON = '{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/rapidserve-kv-test", "topic": "kv"}'
+
+
+@pytest.mark.parametrize("mode", ["rapid", "hybrid", "disagg"])
+def test_kv_events_config_reaches_the_tree_seeded_by_pythonhashseed(monkeypatch: pytest.MonkeyPatch,
+                                                                    mode: str) -> None:
+    pytest.importorskip("zmq")
+    from rapidserve.kv_events import make_none_hash
+
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    _, ecfg, _ = serve_args("preset:tiny-llama", "--mode", mode, "--kv-events-config", KV_ON)
+    kv = ecfg.kv_events
+    assert kv.publishing and kv.publisher == "zmq" and kv.topic == "kv" and kv.endpoint.endswith("kv-test")
+    assert kv.none_hash == make_none_hash("7")
+    _, ecfg, _ = serve_args("preset:tiny-llama", "--mode", mode)  # left out: off
+    assert not ecfg.kv_events.publishing and ecfg.kv_events.none_hash == b""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--kv-events-config", "{"], "not valid JSON"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "port": 1}'], "unknown key(s) 'port'"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "hwm": 0}'], "hwm=0"),
+    (["--kv-events-config", KV_ON, "--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
+])
+def test_bad_kv_events_config_exits_2_before_the_port_is_bound(capsys: pytest.CaptureFixture[str], args: list[str],
+                                                               needle: str) -> None:
+    capsys.readouterr()
+    with mock.patch("rapidserve.server.serve.run", side_effect=AssertionError("the port was bound")):
+        code = main(["serve", "preset:tiny-llama", "--device", "cpu", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and "Traceback" not in err, err

@@ -50,10 +50,12 @@ def test_engine_configs_place_engine_i_on_gpu_i(device: str, dp: int, devices: t
                                                  visible: int, want: list[str]) -> None:
     got = engine_configs(cfg(device, dp, devices=devices), visible)
     assert [c.runner.device for c in got] == want
-    for c in got:  # below the router each engine is a single replica, on its own GPU
+    for i, c in enumerate(got):  # below the router each engine is a single replica, on its own GPU
         assert c.parallel.data_parallel_size == 1 and c.parallel.world_size == 1
         assert c.parallel.devices == (None if c.runner.device == "cpu" else (int(c.runner.device[5:]),))
-        assert dataclasses.replace(c, runner=got[0].runner, parallel=got[0].parallel) == got[0]
+        assert c.kv_events.data_parallel_rank == i  # its KV events' rank (and port offset)
+        assert dataclasses.replace(c, runner=got[0].runner, parallel=got[0].parallel, kv_events=got[0].kv_events) \
+            == got[0]
 
 
 @pytest.mark.parametrize("device,devices,visible,want", [

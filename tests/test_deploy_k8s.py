@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from rapidserve.cli import API_KEY_ENV, api_key, build_parser
 
@@ -311,3 +312,94 @@ def test_shell_scripts_pass_shellcheck() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     for s in scripts:
         assert shlex.split(s.read_text().splitlines()[0]) == ["#!/usr/bin/env", "bash"]
+
+
+# ---- scale-out behind a router (deploy/k8s/components/router, deploy/router/) and an InferencePool -----------
+BUILTIN = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler")
+
+
+def with_router(tmp_path: Path, overlay: str = "cpu") -> list[dict[str, Any]]:
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / overlay, tmp_path)],
+        "components": [os.path.relpath(K8S / "components" / "router", tmp_path)],
+    }))
+    return render(tmp_path)
+
+
+def named(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (d,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+def replica_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return named(docs, "Deployment", "rapidserve")["spec"]["template"]
+
+
+def test_router_component_discovers_the_replicas(tmp_path: Path) -> None:
+    """The router finds the replicas by a label they carry, on the port they serve, with the rights to list pods;
+    its flags are vllm-router's own (parsed by its parser); the replicas carry llm-d's labels and PYTHONHASHSEED."""
+    docs = with_router(tmp_path)
+    validate(docs)
+    assert {d["kind"] for d in docs} <= set(BUILTIN)
+    router = named(docs, "Deployment", "vllm-router")["spec"]["template"]
+    (c,) = router["spec"]["containers"]
+    parse = pytest.importorskip("vllm_router.launch_router").parse_router_args
+    args = parse([a.replace("$(POD_NAMESPACE)", "default") for a in c["args"]])
+    pod = replica_pod(docs)
+    assert args.service_discovery and args.policy == "cache_aware"
+    assert args.selector.items() <= pod["metadata"]["labels"].items()
+    assert not args.selector.items() <= router["metadata"]["labels"].items()  # the router is no replica
+    (port,) = pod["spec"]["containers"][0]["ports"]
+    assert args.service_discovery_port == port["containerPort"] and args.health_check_endpoint == "/health"
+    assert args.health_check_interval_secs * args.health_failure_threshold <= 15  # a dead pod leaves within 15 s
+    sa = router["spec"]["serviceAccountName"]
+    binding = named(docs, "RoleBinding", "vllm-router")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+    role = named(docs, "Role", binding["roleRef"]["name"])
+    assert any("pods" in r["resources"] and {"list", "watch"} <= set(r["verbs"]) for r in role["rules"])
+    svc = named(docs, "Service", "rapidserve-router")
+    assert svc["spec"]["selector"].items() <= router["metadata"]["labels"].items()
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["http"] == args.port
+    labels = pod["metadata"]["labels"]
+    assert labels["llm-d.ai/inferenceServing"] == "true" and labels["llm-d.ai/role"] == "both"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PYTHONHASHSEED"] == "0"
+
+
+def test_inference_pool_selects_the_replicas_and_reads_our_metrics(tmp_path: Path) -> None:
+    """The InferencePool selects the replica pods (llm-d's labels) on their port, names the endpoint picker's
+    Service; the picker reads gauges rapidserve exports under those names."""
+    from rapidserve.config import CacheConfig
+    from rapidserve.server.metrics import Metrics
+
+    docs = render(K8S / "inference-pool")
+    validate([d for d in docs if d["kind"] in BUILTIN])
+    pool = one(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    pod = replica_pod(with_router(tmp_path))
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (port,) = pod["spec"]["containers"][0]["ports"]
+    assert pool["spec"]["targetPorts"] == [{"number": port["containerPort"]}]
+    ref = pool["spec"]["endpointPickerRef"]
+    svc = named(docs, "Service", ref["name"])
+    assert ref["port"]["number"] in [p["port"] for p in svc["spec"]["ports"]]
+    epp = named(docs, "Deployment", ref["name"])["spec"]["template"]
+    assert svc["spec"]["selector"].items() <= epp["metadata"]["labels"].items()
+    flags = dict(a.removeprefix("--").split("=", 1) for a in epp["spec"]["containers"][0]["args"])
+    assert flags["pool-name"] == pool["metadata"]["name"]
+    types = {f.name: f.type for f in text_string_to_metric_families(
+        Metrics("m", 1024, CacheConfig()).render()[0].decode())}
+    for flag in ("total-queued-requests-metric", "kv-cache-usage-percentage-metric"):
+        assert types.get(flags[flag]) == "gauge", flag
+    route = one(docs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"][0] == {"group": "inference.networking.k8s.io",
+                                                           "kind": "InferencePool", "name": pool["metadata"]["name"]}
+
+
+def test_router_recipe_script_passes_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck missing: `bash deploy/install.sh --test` installs it (as root, with apt)")
+    script = REPO / "deploy" / "router" / "run_local.sh"
+    done = subprocess.run(["shellcheck", "--shell=bash", str(script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -38,11 +38,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    # Plus the model's sampling defaults (`generation_config`), the policies' declarations and the flag check derived
-    # from them (`policy_spec`), and the tree's sections from the settings with every check that needs no model
-    # (`engine_settings`).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.policy_spec",
-                "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
+    # Plus the model's sampling defaults (`generation_config`), the --kv-events-config section (`kv_events_config`),
+    # the policies' declarations and the flag check derived from them (`policy_spec`), and the tree's sections from
+    # the settings with every check that needs no model (`engine_settings`).
+    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.kv_events_config",
+                "rapidserve.policy_spec", "rapidserve.engine_settings", "rapidserve.sampling_params",
+                "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
@@ -50,7 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "rapidserve.kv_pool", "rapidserve.parallel")),
     # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
     ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
-                  "rapidserve.step_plan",
+                  "rapidserve.kv_events", "rapidserve.step_plan",
                   "rapidserve.scheduler", "rapidserve.tokenizer",
                   "rapidserve.structured")),
     # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode

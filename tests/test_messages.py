@@ -7,6 +7,7 @@ import pytest
 
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import RING_TYPES
+from rapidserve.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from rapidserve.sampling_params import SamplingParams
 
 P = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=3, max_tokens=20, stop=("x",), logprobs=2)
@@ -31,6 +32,8 @@ SAMPLES = [
     m.Finished("r1", "abort"),
     m.Finished("r3", "error", "prompt too long"),
     m.Stats(3, 1, 2, 100, 40, 5, "none"),
+    m.KVEvents([BlockStored([2**64 - 1, 7], None, list(range(32)), 16, None, "GPU", None),
+                BlockRemoved([5, 2**63], "GPU"), AllBlocksCleared()]),
     m.Ready("decode", 1234, {"kv_blocks": "100"}),
     m.WorkerError("prefill", "boom"),
 ]

@@ -412,7 +412,8 @@ def test_openapi_document_refs_resolve() -> None:
     schemas = doc["components"]["schemas"]
     refs = re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(doc))
     assert refs and all(r in schemas for r in refs)
-    assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse"} <= set(schemas)
+    assert {"CompletionRequest", "ChatCompletionRequest", "GenerateRequest", "ErrorResponse", "TokenizeRequest",
+            "DetokenizeRequest"} <= set(schemas)
     ops = [(p, m) for p, item in doc["paths"].items() for m in item]
     assert len(ops) == 12 and all(doc["paths"][p][m]["responses"] for p, m in ops)  # 7 + vLLM's utility routes
 

@@ -134,3 +134,36 @@ def test_503_refusals_are_rejected_not_engine_errors_and_count_no_prompt_tokens(
         assert count("request_prompt_tokens_count") == server.capacity  # the refused ones are no finished requests
 
     run(main)
+
+
+def test_metrics_route_speaks_vllm_names_and_labels_without_created_series() -> None:
+    """GET /metrics after requests: vLLM's series with `model_name` (the served name) and `engine`, the request
+    parameters observed per prompt, no `_created` sample anywhere; rapidserve's own series keep their prefix."""
+    async def main() -> None:
+        engine = FakeEngine(delay=0.001)
+        engine.stats = stats(running=0, prefilling=0, waiting=0)
+        async with running_server(engine) as (_, url), aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 3, "n": 2}) as r:
+                assert r.status == 200
+                await r.read()
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+        assert "_created" not in text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:cache_config_info", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+                     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                     "vllm:e2e_request_latency_seconds", "vllm:request_params_n", "vllm:request_params_max_tokens",
+                     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"):
+            assert fams[name].samples, name
+            for x in fams[name].samples:  # (cache_config_info: vLLM labels it with the cache settings, no model)
+                assert x.labels.get("model_name", "fake") == "fake" and x.labels["engine"] == "0", (name, x.labels)
+        assert not [n for n in fams if not n.startswith(("vllm:", "rapidserve:"))]
+        samples = {(x.name, x.labels.get("le")): x.value for f in fams.values() for x in f.samples}
+        assert samples[("vllm:request_params_n_count", None)] == 2  # two prompts, n=2 each
+        assert samples[("vllm:request_params_max_tokens_sum", None)] == 6
+        assert samples[("vllm:request_max_num_generation_tokens_count", None)] == 2
+        done = {x.labels["finished_reason"]: x.value for x in fams["vllm:request_success"].samples}
+        assert done["length"] == 4
+
+    run(main)

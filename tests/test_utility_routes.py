@@ -81,6 +81,26 @@ def test_tokenize_a_chat_as_the_chat_route_renders_it(tok: Tokenizer) -> None:
     with_client(tok, check)
 
 
+def test_a_cache_aware_routers_round_trip(tok: Tokenizer) -> None:
+    """What vllm-router's cache-aware policy (deploy/router/) does with a replica: tokenize a prompt, or a chat as
+    /v1/chat/completions renders it, and turn the ids back into the same text."""
+    text = "The capital of France is Paris."
+
+    async def check(call: Call) -> None:
+        status, plain = await call("POST", "/tokenize", {"model": "smol", "prompt": text, "add_special_tokens": False})
+        assert status == 200 and plain["tokens"] == tok.encode(text, add_special_tokens=False)
+        back = await call("POST", "/detokenize", {"model": "smol", "tokens": plain["tokens"]})
+        assert back == (200, {"prompt": text})
+        status, chat = await call("POST", "/tokenize", {"model": "smol", "messages": MSGS,
+                                                       "continue_final_message": False})
+        assert status == 200 and chat["tokens"] == tok.apply_chat_template(MSGS)
+        for body in ({"tokens": [1, 10**9]}, {"tokens": [-1]}):  # far outside the vocabulary, or negative
+            status, out = await call("POST", "/detokenize", body)
+            assert status == 400 and out["error"]["param"] == "tokens", out
+
+    with_client(tok, check)
+
+
 MOOD_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if mood %}mood={{ mood }}\n"
                  "{% endif %}{% if add_generation_prompt %}<assistant>{% endif %}")
 

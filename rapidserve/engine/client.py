@@ -44,6 +44,7 @@ from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
+from rapidserve.engine.kv_publisher import KVEventPublisher
 from rapidserve.engine.launch import WorkerSet
 from rapidserve.engine.mps import MpsController, MpsPlan
 from rapidserve.ipc import wait_any
@@ -112,6 +113,8 @@ class AsyncEngine:
         self._collector: threading.Thread | None = None
         self._stop_collector = threading.Event()
         self._closing = False
+        # --kv-events-config: publishes the KV events the engine worker sends (engine/kv_publisher.py)
+        self.kv_publisher: KVEventPublisher | None = None
 
     # ---- life cycle -------------------------------------------------------------------------
     @classmethod
@@ -121,7 +124,13 @@ class AsyncEngine:
         self = cls(cfg)
         self.mps_plan = mps_plan
         self.loop = asyncio.get_running_loop()
-        await self._start_workers()
+        if cfg.kv_events.publishing:  # its socket first: an address in use fails before the workers load
+            self.kv_publisher = KVEventPublisher(cfg.kv_events)
+        try:
+            await self._start_workers()
+        except BaseException:
+            self._close_publisher()
+            raise
         atexit.register(self._shutdown_sync)
         _exit_on_sigterm()
         return self
@@ -161,6 +170,12 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._teardown, True)
         self._fail_all(EngineError("the engine is shutting down"))
         self.mps.stop()
+        self._close_publisher()
+
+    def _close_publisher(self) -> None:
+        pub, self.kv_publisher = self.kv_publisher, None
+        if pub is not None:
+            pub.close()
 
     def _shutdown_sync(self) -> None:
         if not self._closing:
@@ -168,6 +183,7 @@ class AsyncEngine:
             self.state = "down"
             self._teardown(True)
             self.mps.stop()
+            self._close_publisher()
 
     def _teardown(self, graceful: bool) -> None:
         self._stop_collector.set()
@@ -294,6 +310,9 @@ class AsyncEngine:
                 self.stats = msg
             elif isinstance(msg, m.Heartbeat):
                 self.heartbeat = msg
+            elif isinstance(msg, m.KVEvents):
+                if self.kv_publisher is not None:
+                    self.kv_publisher.publish(msg.events)
             elif isinstance(msg, m.WorkerError):
                 self.events.append(f"{msg.worker} worker error: {msg.message.splitlines()[0]}")
 
@@ -329,6 +348,8 @@ class AsyncEngine:
         self.dead_reason = reason
         inflight = sum(1 for s in self.streams.values() if not s.finished)
         self._fail_all(EngineError(reason))
+        if self.kv_publisher is not None:  # the dead worker's prefix cache is gone; its successor starts empty
+            self.kv_publisher.cleared()
         log.error("%s; %d request(s) in flight failed", reason, inflight)
         self.state = "restarting" if self._may_restart() else "down"
         assert self.loop is not None

@@ -101,7 +101,8 @@ def engine_configs(cfg: EngineConfig, visible_gpus: int) -> list[EngineConfig]:
         else:
             own = par.gpus()[i * tp:(i + 1) * tp]
             runner = dataclasses.replace(cfg.runner, device=f"cuda:{own[0]}")
-        out.append(dataclasses.replace(cfg, runner=runner, parallel=ParallelConfig(tp, 1, own)))
+        kv_events = dataclasses.replace(cfg.kv_events, data_parallel_rank=i)  # its own KV events port (+ i)
+        out.append(dataclasses.replace(cfg, runner=runner, parallel=ParallelConfig(tp, 1, own), kv_events=kv_events))
     return out
 
 

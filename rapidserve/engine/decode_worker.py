@@ -50,7 +50,7 @@ from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
 from rapidserve.engine.sampling_step import retain
 from rapidserve.engine.step_launch import InFlight, landed_rows, launch_step, slot_key
-from rapidserve.engine.worker_io import WorkerIO
+from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
@@ -309,6 +309,7 @@ class DecodeWorker:
         for fin in s.finished:
             self.io.to_router.send(fin)
         s.finished.clear()
+        send_kv_events(self.io.to_router, s.blocks.events)  # the prefix cache's block events (--kv-events-config)
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now

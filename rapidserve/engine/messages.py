@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import msgspec
 
+from rapidserve.kv_events import KVEvent
 from rapidserve.sampling_params import SamplingParams
 
 
@@ -171,6 +172,14 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     token_slots: int = 0  # penalty / bad-word slots in use on the device (logit_controls.py)
 
 
+class KVEvents(msgspec.Struct, tag=True, frozen=True):
+    """Decode (every mode's step loop, hybrid's lone worker too) -> router, with --kv-events-config: the prefix
+    cache's block events since the last (rapidserve/kv_events.py), in order; the router publishes them for KV-aware
+    routers (engine/kv_publisher.py)."""
+
+    events: list[KVEvent]
+
+
 class Ready(msgspec.Struct, tag=True, frozen=True):
     worker: str  # "decode" | "prefill"
     pid: int
@@ -184,5 +193,5 @@ class WorkerError(msgspec.Struct, tag=True, frozen=True):
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     NewRequest, Abort, Shutdown, KVReady, Drop, SetPartition, PrefillDone, PrefillFailed, Dropped, Heartbeat,
-    TokenBatch, Finished, Stats, Ready, WorkerError,
+    TokenBatch, Finished, Stats, KVEvents, Ready, WorkerError,
 )

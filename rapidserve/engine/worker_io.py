@@ -35,6 +35,7 @@ import posix_ipc
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, pid_alive, wait_any
+from rapidserve.kv_events import KVEventLog, split_events
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ RING_TYPES: dict[str, Wire] = {
     "r2d": Wire("router", "decode", m.NewRequest | m.Abort | m.Shutdown),
     "d2p": Wire("decode", "prefill", m.KVReady | m.Drop | m.SetPartition),
     "p2d": Wire("prefill", "decode", m.PrefillDone | m.PrefillFailed | m.Dropped),
-    "d2r": Wire("decode", "router", m.Ready | m.TokenBatch | m.Finished | m.Stats | m.WorkerError),
+    "d2r": Wire("decode", "router", m.Ready | m.TokenBatch | m.Finished | m.Stats | m.KVEvents | m.WorkerError),
     "p2r": Wire("prefill", "router", m.Ready | m.TokenBatch | m.Heartbeat | m.WorkerError),
 }
 HYBRID_RINGS = ("r2d", "d2r")  # hybrid mode's worker (the decode worker, no prefill worker) sits in decode's seat
@@ -129,6 +130,16 @@ class WorkerIO:
         for s in self._out.values():
             s.close()
         self.doorbell.close()
+
+
+def send_kv_events(to_router: Sender[Any], log: KVEventLog | None) -> None:
+    """The KV events logged since the last call, to the router (a no-op without --kv-events-config, or with none
+    logged), in messages the ring holds: max_message / 10 token ids and hashes each (msgpack: at most 5 bytes a
+    token id, 9 a hash). Sent as tokens are, waiting for room: the router drains its rings all the time."""
+    if log is None or not log.events:
+        return
+    for part in split_events(log.drain(), max(1, to_router.ring.max_message // 10)):
+        to_router.send(m.KVEvents(part))
 
 
 class Worker(Protocol):

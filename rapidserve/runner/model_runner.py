@@ -29,6 +29,7 @@ from tqdm import tqdm
 from rapidserve.attention import get_attention_backend
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import ConfigError, EngineConfig
+from rapidserve.kv_events import KVEventLog
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
@@ -142,10 +143,13 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
-        The cache's hashes start from the model's name and dtype: whatever changes the K/V changes them."""
+        The cache's hashes start from the model's name and dtype: whatever changes the K/V changes them.
+        With --kv-events-config it logs the cache's block events (rapidserve/kv_events.py) for its owner to send."""
         salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}".encode()
+        kv = self.cfg.kv_events
+        events = KVEventLog(self.block_size, kv.none_hash) if kv.publishing else None
         return BlockManager(self.kv_pool.num_blocks, self.block_size,
-                            enable_caching=self.cfg.cache.enable_prefix_caching, salt=salt)
+                            enable_caching=self.cfg.cache.enable_prefix_caching, salt=salt, events=events)
 
     @property
     def limits(self) -> PromptLimits:
