@@ -9,7 +9,7 @@ import asyncio
 import importlib.util
 import json
 import re
-import time
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -377,34 +377,33 @@ def test_malformed_json_names_the_field(ctx: rq.ProtocolContext) -> None:
         assert ei.value.param == param and "NaN and Infinity" in ei.value.message
 
 
-def test_long_inputs_are_tokenized_off_the_loop(tok: Tokenizer) -> None:
-    """A 1 MB prompt (and chat message) is tokenized in the executor: the loop keeps ticking meanwhile."""
+def test_long_inputs_are_tokenized_off_the_loop(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1 MB prompt (and chat message) is tokenized in the executor, never on the event loop's thread (each
+    tokenizer call records the thread it ran on), so the loop keeps serving meanwhile."""
     big = rq.ProtocolContext(tok, ("smol",), 1 << 15, VOCAB, 16)
     text = "hello world, " * 80_000  # ~1 MB, ~160k tokens: tokenized, then too long for the context
+    threads: list[tuple[str, int]] = []
+    for name in ("encode", "apply_chat_template"):
+        real = getattr(Tokenizer, name)
 
-    async def main() -> float:
-        worst, stop = 0.0, False
+        def spy(self: Tokenizer, *args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            threads.append((_name, threading.get_ident()))
+            return _real(self, *args, **kwargs)
 
-        async def tick() -> None:
-            nonlocal worst
-            last = time.monotonic()
-            while not stop:
-                await asyncio.sleep(0.005)
-                now = time.monotonic()
-                worst, last = max(worst, now - last), now
+        monkeypatch.setattr(Tokenizer, name, spy)
 
-        ticker = asyncio.create_task(tick())
+    async def main() -> int:
         chat = {"messages": [{"role": "user", "content": text}]}
         for kind, body in (("completion", {"prompt": text}), ("chat", chat),
                            ("completion", {"prompt": [text[:400_000], text[:400_000]]})):
             with pytest.raises(APIError) as ei:
                 await rq.parse_request_async(kind, json.dumps(body).encode(), big)
             assert ei.value.code == "context_length_exceeded"
-        stop = True
-        await ticker
-        return worst
+        return threading.get_ident()
 
-    assert asyncio.run(main()) < 0.1
+    loop_thread = asyncio.run(main())
+    assert {n for n, _ in threads} == {"encode", "apply_chat_template"}, threads
+    assert all(t != loop_thread for _, t in threads), threads
 
 
 def test_openapi_document_refs_resolve() -> None:
