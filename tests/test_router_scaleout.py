@@ -6,7 +6,8 @@ model's tokenizer (SmolLM2's, vocabulary and all), so the router tokenizes promp
 it would for the real model while each request's one forward costs next to nothing: what is measured is the
 prefix cache (prompt tokens), which the model's weights do not change.
 
-The workload: 78 completions, 4 in 13 sharing one of 4 system prompts. It arrives as a steady mix: 6 rounds of 13
+The workload: 208 completions, 4 in 13 (31%) sharing one of 4 system prompts (the issue's 200 requests, 30% sharing
+4 prefixes). It arrives as a steady mix: 16 rounds of 13
 requests (one for each system prompt, 9 unique ones between them). Each replica
 has a small KV pool (--num-kv-blocks 32: about one round of its share of the traffic), so a system prompt stays
 cached on a replica only if it comes back there within about a round. Round-robin sends a round's prompts to one
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 POOL_BLOCKS = "32"  # each replica's KV pool: 32 blocks of 16 tokens
-ROUNDS = 6  # of the hit-rate workload: each system prompt comes back 5 times
+ROUNDS = 16  # of the hit-rate workload (208 requests): each system prompt comes back 15 times
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu",
          "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega"]
 
