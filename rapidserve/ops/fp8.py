@@ -174,12 +174,14 @@ def quantize_weight(w: torch.Tensor, weights: str, block: tuple[int, int] | None
 
 
 def to_fnuz(w8: torch.Tensor) -> torch.Tensor:
-    """e4m3fn bits as e4m3fnuz (ROCm's gfx94x): the same bits, -0 (0x80, NaN in fnuz) made +0. Each value is half
-    the e4m3fn one, so the caller doubles the scales: w8 * s is unchanged."""
+    """e4m3fn bits as e4m3fnuz (ROCm's gfx94x): the same bits, -0 (0x80, NaN in fnuz) made +0 and e4m3fn's NaNs
+    (0x7f, 0xff: +-240 in fnuz) made fnuz's NaN (0x80). Each value is half the e4m3fn one, so the caller doubles the
+    scales: w8 * s is unchanged."""
     if w8.dtype != FP8_E4M3FN:
         raise ValueError(f"to_fnuz takes float8_e4m3fn, got {w8.dtype}")
     bits = w8.view(torch.int8)
-    return torch.where(bits == -128, torch.zeros_like(bits), bits).view(FP8_E4M3FNUZ)
+    bits = torch.where(bits == -128, torch.zeros_like(bits), bits)
+    return torch.where((bits & 0x7F) == 0x7F, torch.full_like(bits, -128), bits).view(FP8_E4M3FNUZ)
 
 
 def reference_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
