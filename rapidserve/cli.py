@@ -97,8 +97,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
-                   help="token budget of one forward pass. generate and rapid mode: prompts of one prefill "
-                        "batch (a longer prompt is chunked). hybrid mode: each step decodes every running "
+                   help="token budget of one forward pass. rapid mode: prompts of one prefill batch (a longer "
+                        "prompt is chunked). hybrid mode and generate: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
                         "at most min(--max-num-seqs, this) requests run at once")
     g.add_argument("--prefill-batch-tokens", type=_positive_int, default=None,
@@ -109,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve (every mode): plan and launch the next step while the last one runs, its sampled "
+                   help="serve and generate: plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")
