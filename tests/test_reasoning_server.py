@@ -232,12 +232,17 @@ def test_a_constraint_on_an_answer_that_begins_with_reasoning_is_refused(qtok: T
 
 
 def test_include_reasoning_false_and_completions_untouched(qtok: Tokenizer) -> None:
+    import openai
+
     async def main() -> None:
         async with thinking_server(qtok) as (_, client, _):
             whole, streamed, _ = await _both(client, max_tokens=200, extra_body={"include_reasoning": False})
             m = whole.choices[0].message
             assert (m.content, m.reasoning_content) == (ANSWER, None)
             assert (streamed[0]["content"], streamed[0]["reasoning_content"]) == (ANSWER, "")
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="m", messages=MSG, extra_body={"include_reasoning": "no"})
+            assert info.value.body["param"] == "include_reasoning"
             # /v1/completions is never split (vLLM reads reasoning in chat only)
             r = await client.completions.create(model="m", prompt="Is 9.11 greater?", max_tokens=200)
             assert r.choices[0].text == TEXT and not hasattr(r.choices[0], "reasoning_content")
