@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model
+from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model, server_fields
 from rapidserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -324,13 +324,12 @@ def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
     except ChatTemplateError as e:
         raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
-                        served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
-                        max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
-                        shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
-                        keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template,
-                        log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
+                        max_waiting=a.max_waiting, max_body_bytes=a.max_request_bytes,
+                        default_max_tokens=a.default_max_tokens, shutdown_grace_s=a.shutdown_grace_s,
+                        max_connections=a.max_connections, keepalive_timeout_s=a.keepalive_timeout_s,
+                        header_timeout_s=a.header_timeout_s, enable_auto_tool_choice=a.enable_auto_tool_choice,
+                        tool_call_parser=a.tool_call_parser, chat_template=template,
+                        trust_request_chat_template=a.trust_request_chat_template, **server_fields(a))
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"

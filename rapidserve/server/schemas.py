@@ -335,6 +335,9 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     documents: Documents | None = None
     chat_template: RequestChatTemplate | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    include_reasoning: Annotated[bool, Meta(description=(
+        "on a server with --reasoning-parser: false leaves the reasoning out of the answer (default true); "
+        "without one there is no reasoning to include"))] | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):
