@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
-from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model
+from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model, server_fields
 from rapidserve.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -97,8 +97,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="fix the KV pool size instead of sizing it from free memory")
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
-                   help="token budget of one forward pass. generate and rapid mode: prompts of one prefill "
-                        "batch (a longer prompt is chunked). hybrid mode: each step decodes every running "
+                   help="token budget of one forward pass. rapid mode: prompts of one prefill batch (a longer "
+                        "prompt is chunked). hybrid mode and generate: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
                         "at most min(--max-num-seqs, this) requests run at once")
     g.add_argument("--prefill-batch-tokens", type=_positive_int, default=None,
@@ -109,7 +109,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="share the KV blocks of equal prompt prefixes between requests (on by default, as in "
                         "vLLM); --no-enable-prefix-caching recomputes every prompt")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve (every mode): plan and launch the next step while the last one runs, its sampled "
+                   help="serve and generate: plan and launch the next step while the last one runs, its sampled "
                         "tokens fed from the device (on by default); --no-async-scheduling waits for each "
                         "step's tokens first")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA/HIP graphs (decode and prefill)")
@@ -325,13 +325,12 @@ def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
     except ChatTemplateError as e:
         raise ConfigError(str(e)) from None
     return ServerConfig(host=a.host, port=a.port, api_key=api_key(a, env), metrics_public=a.metrics_public,
-                        served_model_name=tuple(a.served_model_name or ()), max_waiting=a.max_waiting,
-                        max_body_bytes=a.max_request_bytes, default_max_tokens=a.default_max_tokens,
-                        shutdown_grace_s=a.shutdown_grace_s, max_connections=a.max_connections,
-                        keepalive_timeout_s=a.keepalive_timeout_s, header_timeout_s=a.header_timeout_s,
-                        enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                        chat_template=template, trust_request_chat_template=a.trust_request_chat_template,
-                        log_level=a.log_level, http_log_level=a.uvicorn_log_level, log_requests=a.log_requests)
+                        max_waiting=a.max_waiting, max_body_bytes=a.max_request_bytes,
+                        default_max_tokens=a.default_max_tokens, shutdown_grace_s=a.shutdown_grace_s,
+                        max_connections=a.max_connections, keepalive_timeout_s=a.keepalive_timeout_s,
+                        header_timeout_s=a.header_timeout_s, enable_auto_tool_choice=a.enable_auto_tool_choice,
+                        tool_call_parser=a.tool_call_parser, chat_template=template,
+                        trust_request_chat_template=a.trust_request_chat_template, **server_fields(a))
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"

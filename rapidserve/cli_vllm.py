@@ -9,6 +9,8 @@
   `--dtype half|float` (vLLM's aliases), `--num-gpu-blocks-override` (= --num-kv-blocks).
 - `--kv-events-config JSON`: the prefix cache's block events over ZMQ for a KV-aware router, vLLM's keys and
   wire (kv_events_config.py; its block hashes seeded by $PYTHONHASHSEED, as vLLM's).
+- `--reasoning-parser deepseek_r1|qwen3`: chat answers split into `reasoning_content` (and vLLM's newer name,
+  `reasoning`) and `content` (server/reasoning_parsers.py); any other name: exit 2 listing these.
 - Flags that change nothing here, accepted with what they mean on rapidserve (the help says it):
   `--trust-remote-code` (no model code is ever run from a repository), `--disable-log-stats` (no
   periodic stats lines are logged), `--enable-chunked-prefill` (prompts are always chunked),
@@ -25,7 +27,7 @@ import argparse
 import re
 from typing import Any, NoReturn
 
-from rapidserve.config import LOAD_FORMATS, LOG_LEVELS, ConfigError
+from rapidserve.config import LOAD_FORMATS, LOG_LEVELS, REASONING_PARSERS, ConfigError
 
 _PROXY = "put a reverse proxy (nginx, envoy) in front of rapidserve for it"
 UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or what to use instead)
@@ -50,7 +52,7 @@ UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or 
     "--tokenizer-revision": "the tokenizer comes from the model's folder, or --tokenizer DIR",
     "--max-logprobs": "the limit is fixed (20 per token)",
     "--enable-sleep-mode": "no sleep mode", "--kv-transfer-config": "disaggregation is --mode disagg (one host)",
-    "--enable-expert-parallel": "no mixture-of-experts models", "--reasoning-parser": "no reasoning parsers",
+    "--enable-expert-parallel": "no mixture-of-experts models",
     "--api-server-count": "one server process (with --data-parallel-size engines behind it)",
     "--enable-prompt-embeds": "prompts are text or token ids",
 }
@@ -118,6 +120,11 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
                      help="no log line per request")
     req.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
                      help="a log line per request (the default)")
+    sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="split chat answers into the model's reasoning (message.reasoning_content and .reasoning, "
+                         "and the same in stream deltas) and its content: deepseek_r1 (DeepSeek-R1, QwQ: the answer "
+                         "begins inside <think>) or qwen3 (Qwen3: the same, unless the request sends "
+                         "chat_template_kwargs {\"enable_thinking\": false}); tool calls are read from the content")
     sv.add_argument("--kv-events-config", default=None, metavar="JSON",
                     help="publish the prefix cache's block events as vLLM does, for KV-aware routers: vLLM's JSON, "
                          "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
@@ -144,6 +151,13 @@ class _AlwaysOn(argparse.Action):
         if option_string and option_string.startswith("--no-"):
             raise argparse.ArgumentError(self, "rapidserve always chunks prompts longer than --max-num-batched-tokens; "
                                                "drop the flag")
+
+
+def server_fields(a: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields of `rapidserve serve`'s vLLM flags."""
+    return {"served_model_name": tuple(a.served_model_name or ()), "log_level": a.log_level,
+            "http_log_level": a.uvicorn_log_level, "log_requests": a.log_requests,
+            "reasoning_parser": a.reasoning_parser}
 
 
 def serve_model(a: argparse.Namespace) -> str | None:

@@ -26,6 +26,7 @@ ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: from the chat template / family
+REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser (server/reasoning_parsers.py)
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).
 ALLOW_LONG_MAX_MODEL_LEN_ENV = "RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN"
@@ -405,12 +406,11 @@ class PartitionConfig:
 class ServerConfig:
     """The OpenAI-compatible HTTP server (`rapidserve serve`).
 
-    api_key: required as `Authorization: Bearer KEY` on every route but /health and /openapi.json
-    (and /metrics with `metrics_public`). shutdown_grace_s: on SIGTERM/SIGINT in-flight requests may
-    finish for this long, then the rest end with an error. Connections: a new one must send its
-    request line and headers within `header_timeout_s`; an idle keep-alive one is closed after
-    `keepalive_timeout_s`; beyond `max_connections` the oldest idle one is closed, or the new one is
-    answered 503 when none is idle.
+    api_key: required as `Authorization: Bearer KEY` on every route but /health and /openapi.json (and /metrics with
+    `metrics_public`). shutdown_grace_s: on SIGTERM/SIGINT in-flight requests may finish for this long, then the rest
+    end with an error. Connections: a new one must send its request line and headers within `header_timeout_s`; an
+    idle keep-alive one is closed after `keepalive_timeout_s`; beyond `max_connections` the oldest idle one is
+    closed, or the new one is answered 503 when none is idle.
     """
 
     host: str = "127.0.0.1"
@@ -433,6 +433,7 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # the format of those calls: one of TOOL_CALL_PARSERS
     chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
     trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
+    reasoning_parser: str | None = None  # chat answers split into reasoning and content (vLLM's); None: no split
     # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
     # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
     log_level: str = "info"
@@ -458,11 +459,10 @@ class ServerConfig:
         _check(all(isinstance(n, str) and n.strip() for n in self.served_model_name)
                and len(set(self.served_model_name)) == len(self.served_model_name),
                f"served_model_name={list(self.served_model_name)}: give distinct, non-empty names")
-        _check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
-        _check(self.http_log_level in (*LOG_LEVELS, "trace"),
-               f"http_log_level={self.http_log_level!r}; use one of {', '.join(LOG_LEVELS)}, trace")
-        _check(self.tool_call_parser in TOOL_CALL_PARSERS, f"tool_call_parser={self.tool_call_parser!r} must be "
-                                                           f"one of {', '.join(TOOL_CALL_PARSERS)}")
+        for name, ok in (("log_level", LOG_LEVELS), ("http_log_level", (*LOG_LEVELS, "trace")),
+                         ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", (None, *REASONING_PARSERS))):
+            value = getattr(self, name)
+            _check(value in ok, f"{name}={value!r}; use one of {', '.join(map(str, ok))}")
 
 
 @dataclass(frozen=True)

@@ -1,72 +1,133 @@
-"""EngineCore: the single-process engine (scheduler + runner) behind `rapidserve.LLM`.
+"""EngineCore: the engine behind `rapidserve.LLM`, in this process: the one step loop without its worker's I/O.
 
-One `step()` reads like prose: schedule, run the forward pass the schedule asks for, sample,
-record tokens, finish what stopped. It is the reference the two-process engine is compared with.
+It is hybrid mode's engine run in place: the decode worker's step cycle (engine/step_cycle.py) over the same
+`DecodeScheduler` (engine/decode_scheduler.py: admission, prefix cache, chunking, growth, preemption by recompute,
+stops, block ownership) with the `AlwaysFused` policy: every step decodes each running request and fills the rest
+of `max_num_batched_tokens` with prompt chunks in arrival order; there is no prefill worker. Steps are launched one
+ahead (`SchedulerConfig.async_scheduling`, the default) as in the worker. A request goes in (`add`) as the
+`NewRequest` record the worker's scheduler takes; each `step()` plans and launches a step, records the one before it
+and returns a `TokenEvent` per token that landed and per request that ended without one.
 
-Structured outputs: a request's grammar starts compiling in the background when it is added, so
-the compiles of a `generate` call's requests overlap the steps of the ones ahead; a request is not
-held back (unlike the serving workers'): its first mask waits for its compile if that is still
-running, which blocks this one-process loop, as compiling in place did, but only for what is left.
-`LLM.generate` first compiles and tries each constraint (`check_constraint`, through the same grammar
-cache, so nothing is compiled twice) and refuses one the grammar engine cannot serve; a constraint that
-fails later (its matcher errs or rejects a token) ends its request alone with finish reason "error" and
-the message in its TokenEvent, never with its output unconstrained.
+Each request's results collect in its `Generation` (its tokens are its scheduler record's `outputs`, which hold
+exactly the tokens that landed for it). Stop strings need the text: `text_stop` (LLM's) is asked after every token
+that ends nothing, and a hit ends the request as "stop" (aborted in the scheduler: a token of it still in flight is
+dropped and its blocks are freed once that step has landed, as for any request that ends while a step runs).
+
+Structured outputs: a request's grammar starts compiling in the background at `add` (`LLM.generate` first compiles
+and tries each constraint, `check_constraint`, through the same grammar cache, so nothing is compiled twice); a
+request whose grammar still compiles sits out the steps that would sample it, as in the worker. A constraint that
+fails later (its matcher errs or rejects a token) ends its request alone with finish reason "error" and the message
+in its TokenEvent, never with its output unconstrained. Any other failure of a step ends the requests it concerned,
+as in the worker, and is then raised to the caller (`LLM.generate` aborts the rest of its requests).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-
+from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
-from rapidserve.engine.faults import RequestsFailed
-from rapidserve.engine.sampling_step import retain, sample_step
+from rapidserve.engine import messages as m
+from rapidserve.engine.decode_request import DecodeRequest
+from rapidserve.engine.decode_scheduler import DecodeScheduler
+from rapidserve.engine.sampling_step import retain
+from rapidserve.engine.step_cycle import StepCycle, seats
+from rapidserve.engine.step_launch import slot_key
 from rapidserve.loader import ModelSource, load_hf_tokenizer
-from rapidserve.logit_controls import seq_history
-from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
-from rapidserve.sampler import SamplerOutput
+from rapidserve.partition.shape import Fused, StepShape
+from rapidserve.partition.step_policies import AlwaysFused
+from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from rapidserve.scheduler import Scheduler
-from rapidserve.sequence import Sequence, check_stop
-from rapidserve.structured import GrammarBook, GrammarError, GrammarRow
+from rapidserve.structured import GrammarBook, GrammarError
+
+GRAPH_KEY = "default"  # the graphs' key: one configuration, the current stream
+
+
+@dataclass(eq=False)
+class Generation:
+    """One sample of a request as `LLM` reads it: its scheduler record and what the landed tokens carried."""
+
+    req: DecodeRequest
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_cached_tokens: int = 0  # prompt tokens its first token found in the prefix cache
+
+    @property
+    def seq_id(self) -> str:
+        return self.req.req_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens that landed for it, in order (its scheduler record's outputs)."""
+        return self.req.outputs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.req.num_tokens
+
+    @property
+    def num_computed(self) -> int:
+        """While its prompt is chunked: the tokens computed or queued so far (its cached prefix included)."""
+        return self.req.computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One new token of a sequence, as the step produced it."""
+    """A token that landed for `seq` (`token_id`), or its end without one (`token_id` -1: it failed)."""
 
-    seq: Sequence
+    seq: Generation
     token_id: int
     finish_reason: str | None
     message: str = ""  # why, when finish_reason is "error"
 
 
-class EngineCore:
-    def __init__(self, cfg: EngineConfig, source: ModelSource, show_progress: bool = True) -> None:
+class EngineCore(StepCycle):
+    def __init__(self, cfg: EngineConfig, source: ModelSource, show_progress: bool = True,
+                 eos_token_ids: tuple[int, ...] | None = None,
+                 text_stop: Callable[[Generation], str | None] | None = None) -> None:
+        """`eos_token_ids`: the ids that end a request (default: the model's; `LLM` adds its tokenizer's);
+        `text_stop`: the stop check on the text (stop strings), returning a finish reason or None."""
         self.cfg = cfg
         self.runner = ModelRunner(cfg, source, show_progress=show_progress)
-        self.runner.capture_decode_graphs(show_progress=show_progress)
-        self.runner.capture_prefill_graphs(show_progress=show_progress)
-        self.blocks = self.runner.block_manager()
-        self.scheduler = Scheduler(self.blocks, cfg.scheduler.max_num_seqs,
-                                   cfg.scheduler.max_num_batched_tokens)
-        self.eos_token_ids: tuple[int, ...] = cfg.model_config.eos_token_ids
+        self.runner.capture_decode_graphs(show_progress=show_progress, key=GRAPH_KEY)
+        self.runner.capture_prefill_graphs(show_progress=show_progress, key=GRAPH_KEY)
         self.limits = self.runner.limits  # the prompt check (rapidserve/prompt.py) and the context cap
-        self._arrivals = 0
-        # Optional extra stop check on the text (stop strings); returns a finish reason or None.
-        self.text_stop: Callable[[Sequence], str | None] | None = None
-        self._source = source
-        self._grammar: GrammarBook | None = None  # made at the first structured-output request
+        self.eos_token_ids = eos_token_ids or cfg.model_config.eos_token_ids
+        sc = cfg.scheduler
+        self.sched = DecodeScheduler(self.runner.block_manager(), seats(sc.max_num_seqs, cfg.runner.graph_batch_sizes,
+                                     sc.max_num_batched_tokens), self.eos_token_ids, self.limits.context_cap)
+        self.grammar = GrammarBook(lambda: load_hf_tokenizer(source), cfg.model_config.vocab_size,
+                                   self.eos_token_ids)
+        self.policy = AlwaysFused()
+        self.shape: StepShape = Fused(0)
+        self.config, self.step_tokens, self.ahead = GRAPH_KEY, sc.max_num_batched_tokens, sc.async_scheduling
+        self.inflight, self._launching, self._out = [], None, []
+        self.text_stop = text_stop
+        self._live: dict[str, Generation] = {}  # requests not yet ended, by id
 
     @property
-    def grammar(self) -> GrammarBook:
-        """The matchers of structured-output requests (rapidserve/structured)."""
-        if self._grammar is None:
-            self._grammar = GrammarBook(lambda: load_hf_tokenizer(self._source), self.cfg.model_config.vocab_size,
-                                        self.eos_token_ids)
-        return self._grammar
+    def blocks(self) -> BlockManager:
+        return self.sched.blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.sched.num_preemptions
+
+    @property
+    def has_work(self) -> bool:
+        """Requests not yet ended, or steps not yet recorded."""
+        return bool(self.sched.reqs or self.inflight)
 
     def check_constraint(self, so: StructuredOutputs) -> None:
         """ValueError naming the field when the grammar engine cannot serve `so` (compiled and tried here,
@@ -76,103 +137,81 @@ class EngineCore:
         except GrammarError as e:
             raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
 
-    def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    # ---- requests in ----------------------------------------------------------------------------
+    def add(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Generation:
+        """Queue a request (ValueError naming what is wrong with its prompt or parameters, or an id in use)."""
         self.limits.check(prompt_token_ids)  # PromptError (a ValueError) naming what is wrong
         self.limits.check_params(params)
-        self._arrivals += 1
-        seq = Sequence(seq_id, list(prompt_token_ids), params, arrival=self._arrivals)
-        self.scheduler.add(seq)
-        if params.structured_outputs is not None:  # compiles in the background while earlier requests step;
-            self.grammar.prepare(seq_id, params.structured_outputs)  # its first mask waits for it if need be
-        return seq
+        if seq_id in self.sched.reqs:
+            raise ValueError(f"request id {seq_id!r} is still in flight: use unique ids")
+        self.sched.add(m.NewRequest(seq_id, list(prompt_token_ids), params, time.monotonic()))
+        gen = Generation(self.sched.reqs[seq_id])
+        self._live[seq_id] = gen
+        self.grammar.prepare(seq_id, params.structured_outputs)  # compiles in the background meanwhile
+        return gen
 
-    def abort(self, seq: Sequence) -> None:
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-        if self._grammar is not None:
-            self._grammar.release(seq.seq_id)
-        self._retain_slots()
+    def abort(self, seq: Generation) -> None:
+        """End the request now (no event): its blocks are freed once no step in flight writes them."""
+        if self._live.pop(seq.seq_id, None) is None:
+            return
+        seq.finish_reason = "abort"
+        self.sched.abort(seq.seq_id)
+        self.grammar.release(seq.seq_id)
+        self._retain()
 
-    def _retain_slots(self) -> None:
-        """Free the penalty slots of sequences no longer running (ended or preempted; logit_controls.py)."""
-        retain(self.runner, None, ((s.seq_id, s.slot_key) for s in self.scheduler.running))
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
+    # ---- one step -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        plan = self.scheduler.schedule()
-        if plan.prefill:
-            items = [PrefillItem(c.seq.all_token_ids[c.start : c.start + c.length], c.start,
-                                 self.blocks.table(c.seq.seq_id), c.samples) for c in plan.prefill]
-            logits = self.runner.prefill(items)
-            for c in plan.prefill:
-                self.scheduler.on_prefill_done(c)
-            return self._sample_and_record([c.seq for c in plan.prefill if c.samples], logits)
-        if plan.decode:
-            items = [DecodeItem(s.last_token_id, s.num_tokens - 1, self.blocks.table(s.seq_id))
-                     for s in plan.decode]
-            logits = self.runner.decode(items)
-            for s in plan.decode:
-                self.scheduler.on_decode_done(s)
-            return self._sample_and_record(plan.decode, logits)
-        return []
-
-    def _sample_and_record(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
-        """The one sampling step (engine/sampling_step.py), then each token recorded. A row whose grammar
-        fails (its compile failed, its matcher erred or rejected a token) fails alone ("error", with its
-        message), the rest are sampled without it; any other sampling error
-        is raised to the caller (`LLM.generate`), as it always was."""
-        if not seqs:
-            return []
-        failed: dict[int, str] = {}  # row -> its grammar's error (each row its own: faults.py)
-        rows = list(range(len(seqs)))
-        out = None
-        while rows:
-            try:
-                out = self._sample([seqs[i] for i in rows], logits if len(rows) == len(seqs) else logits[rows])
-                break
-            except RequestsFailed as e:
-                if not isinstance(e.error, GrammarError):
-                    raise e.error from None
-                failed.update((rows[i], str(e.errors.get(i, e.error))) for i in e.rows)
-                rows = [r for r in rows if r not in failed]
-        self.runner.record_sampled()  # the sampled tokens join their penalty slots (logit_controls.py)
-        sampled = dict(zip(rows, out.rows([seqs[i].params for i in rows]), strict=True)) if out is not None else {}
-        events = []
-        for i, seq in enumerate(seqs):
-            if i in failed:  # its grammar failed: this request fails alone (its own message), nothing sampled
-                self.scheduler.finish(seq, "error")
-                events.append(TokenEvent(seq, -1, "error", failed[i]))
-                continue
-            tok, lp, top = sampled[i]
-            seq.output_token_ids.append(tok)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            if top is not None:
-                seq.output_top_logprobs.append(top)
-            reason = check_stop(seq.params, seq.output_token_ids, seq.num_tokens, self.eos_token_ids,
-                                self.limits.context_cap)
-            if reason is None and self.text_stop is not None:
-                reason = self.text_stop(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            events.append(TokenEvent(seq, tok, reason))
-        s = self.scheduler
-        retain(self.runner, self._grammar, ((x.seq_id, x.slot_key) for x in s.running),
-               known=[x.seq_id for x in (*s.waiting, *s.running)])
+        """Plan and launch a step (its shape: `AlwaysFused`), record the one before it; what landed and what
+        ended. Waits a little instead while every request left waits for its grammar's compile."""
+        s = self.sched
+        self.shape = self.policy.decide(s.shape_state(self.shape, None, self.step_tokens, queue=False))
+        work = bool(self.inflight or s.running or s.chunking or s.waiting)
+        launched = self.step_guarded(self._step) if work else False
+        events = self._events()
+        self._retain()
+        if not launched and not self.inflight and s.waiting:
+            time.sleep(self.grammar.idle_wait(0.0))  # a compile's end: nothing to wake us but time
         return events
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
-        book = self.grammar if GrammarBook.needed(s.params for s in seqs) else None
-        return sample_step(self.runner, book, logits, seqs, [s.params for s in seqs],
-                           [len(s.output_token_ids) for s in seqs], self.eos_token_ids,
-                           history=lambda i: seq_history(seqs[i]),
-                           grammar_rows=lambda: [GrammarRow(i, s.seq_id, s.params, s.output_token_ids)
-                                                 for i, s in enumerate(seqs)
-                                                 if s.params.structured_outputs is not None])
+    def step_failed(self, error: BaseException) -> None:
+        """A row's constraint failure ends that request alone; any other failure (its requests ended, as in the
+        worker) is raised to the caller."""
+        if not isinstance(error, GrammarError):
+            raise error
+
+    def _events(self) -> list[TokenEvent]:
+        """The landed tokens (stop strings checked), then the requests that ended without a token."""
+        events: list[TokenEvent] = []
+        for t in self._out:
+            gen = self._live.get(t.req_id)
+            if gen is None:
+                continue
+            if t.logprob is not None:
+                gen.output_logprobs.append(t.logprob)
+            if t.top_logprobs is not None:
+                gen.output_top_logprobs.append(t.top_logprobs)
+            if t.cached_tokens is not None:
+                gen.num_cached_tokens = t.cached_tokens
+            reason = t.finish_reason
+            if reason is None and self.text_stop is not None:
+                reason = self.text_stop(gen)
+                if reason is not None:
+                    self.sched.abort(t.req_id)  # its Finished("abort") is dropped below: it ended here
+            if reason is not None:
+                gen.finish_reason = reason
+                del self._live[t.req_id]
+            events.append(TokenEvent(gen, t.token_id, reason))
+        self._out = []
+        for f in self.sched.finished:
+            gen = self._live.pop(f.req_id, None)
+            if gen is not None:
+                gen.finish_reason = f.reason
+                events.append(TokenEvent(gen, -1, f.reason, f.message))
+        self.sched.finished.clear()
+        return events
+
+    def _retain(self) -> None:
+        """Free the penalty slots and matchers of requests no longer running (ended, preempted) and the compile
+        states of requests the scheduler no longer knows."""
+        s = self.sched
+        retain(self.runner, self.grammar, ((r.req_id, slot_key(r)) for r in s.running), known=s.reqs)

@@ -21,10 +21,9 @@ from typing import Any
 from tqdm import tqdm
 
 from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
-from rapidserve.core import EngineCore
+from rapidserve.core import EngineCore, Generation
 from rapidserve.outputs import CompletionOutput, RequestOutput
 from rapidserve.sampling_params import SamplingParams, resolve_bad_words
-from rapidserve.sequence import Sequence as Seq
 from rapidserve.tokenizer import RENDERER_OWNS, Tokenizer, check_chat_template
 
 Prompt = str | list[int]
@@ -45,11 +44,11 @@ class LLM:
         self.config = cfg
         log.info("%s", cfg.generation.describe())
         self.tokenizer = Tokenizer.from_source(source)  # type: ignore[arg-type]
-        self.engine = EngineCore(cfg, source, show_progress=show_progress)  # type: ignore[arg-type]
+        eos = cfg.model_config.eos_token_ids
         if self.tokenizer is not None:
-            merged = tuple(dict.fromkeys(cfg.model_config.eos_token_ids + self.tokenizer.eos_token_ids))
-            self.engine.eos_token_ids = merged
-            self.engine.text_stop = self._stop_string_hit
+            eos = tuple(dict.fromkeys(eos + self.tokenizer.eos_token_ids))
+        self.engine = EngineCore(cfg, source, show_progress=show_progress, eos_token_ids=eos,  # type: ignore[arg-type]
+                                 text_stop=self._stop_string_hit if self.tokenizer is not None else None)
         self._next_id = 0
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -76,13 +75,13 @@ class LLM:
         tok = self.tokenizer
         return resolve_bad_words(params, lambda text: tok.encode(text, add_special_tokens=False))
 
-    def _stop_string_hit(self, seq: Seq) -> str | None:
+    def _stop_string_hit(self, seq: Generation) -> str | None:
         if not seq.params.stop or self.tokenizer is None:
             return None
         tail = self.tokenizer.decode(seq.output_token_ids[-16:], seq.params.skip_special_tokens)
         return "stop" if any(s in tail for s in seq.params.stop) else None
 
-    def _text(self, seq: Seq) -> str:
+    def _text(self, seq: Generation) -> str:
         """The output text as vLLM makes it: up to the earliest stop string, which it keeps only with
         `include_stop_str_in_output`, as it keeps the text of the stop token (EOS, a stop id) that ended it."""
         if self.tokenizer is None:
@@ -150,7 +149,7 @@ class LLM:
             self.engine.limits.check_params(p)
         for so in dict.fromkeys(p.structured_outputs for p in params if p.structured_outputs is not None):
             self.engine.check_constraint(so)  # compiled once each, and tried: ValueError naming the field
-        requests: list[tuple[RequestOutput, list[Seq]]] = []
+        requests: list[tuple[RequestOutput, list[Generation]]] = []
         for (text, ids), p in zip(encoded, params, strict=True):
             rid = str(self._next_id)
             self._next_id += 1
@@ -161,13 +160,20 @@ class LLM:
         total = sum(len(s) for _, s in requests)
         bar = tqdm(total=total, desc="generating", disable=not use_tqdm, leave=False)
         errors: dict[str, str] = {}  # why each sequence that ended with "error" did
-        while self.engine.has_work:
-            for ev in self.engine.step():
-                if ev.finish_reason is not None:
-                    bar.update(1)
-                    if ev.message:
-                        errors[ev.seq.seq_id] = ev.message
-        bar.close()
+        try:
+            while self.engine.has_work:
+                for ev in self.engine.step():
+                    if ev.finish_reason is not None:
+                        bar.update(1)
+                        if ev.message:
+                            errors[ev.seq.seq_id] = ev.message
+        except BaseException:  # a step failed (or an interrupt): none of this call's requests is left behind
+            for _, seqs in requests:
+                for s in seqs:
+                    self.engine.abort(s)
+            raise
+        finally:
+            bar.close()
         for req, seqs in requests:
             req.num_cached_tokens = seqs[0].num_cached_tokens
             for i, s in enumerate(seqs):

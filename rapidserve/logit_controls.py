@@ -23,10 +23,10 @@ slot of a preempted request is never reused by it. It is taken at the request's 
 that key and filled from the prompt and outputs the host knows then (every engine samples a
 request's first token after (re)admission from host-known tokens only: nothing of it is in flight).
 After every step that samples it, the sampled tokens are added to its slot ON THE DEVICE (a scatter,
-`record_tokens`, queued once the step is wholly queued: `ModelRunner.record_sampled` in the hybrid and
-decode workers, so a step that fails after sampling, or a row-by-row retry, counts nothing), so a step
-launched before the previous step's tokens reach the host (the hybrid and decode workers' one-step-ahead
-scheduling) reads counts that include them.
+`record_tokens`, queued once the step is wholly queued: `ModelRunner.record_sampled` in the decode worker
+and `LLM`'s engine, so a step that fails after sampling, or a row-by-row retry, counts nothing), so a step
+launched before the previous step's tokens reach the host (the one step loop's one-step-ahead scheduling)
+reads counts that include them.
 Owner and freeing: the worker that samples the request; it calls `retain(live keys)` after recording
 a step, which frees the slots of every request that finished, was aborted, failed or was preempted
 (its key is no longer live). A freed slot is refilled by its next user with work queued on the same
@@ -46,7 +46,6 @@ import torch
 from torch import Tensor
 
 from rapidserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
-from rapidserve.sequence import Sequence as Seq
 
 HISTORY = MAX_BAD_WORD_TOKENS  # recent outputs kept per slot: a bad word's prefix is at most this long
 
@@ -58,11 +57,6 @@ class TokenHistory:
     key: Hashable
     prompt: Sequence[int]
     outputs: Sequence[int]
-
-
-def seq_history(seq: Seq) -> TokenHistory:
-    """A one-process engine's sequence (`LLM`, hybrid): filled at its first sample after (re)admission."""
-    return TokenHistory(seq.slot_key, seq.prompt_token_ids, seq.output_token_ids)
 
 
 HistoryOf = Callable[[int], TokenHistory]  # batch row -> its request's history (called only for rows that need one)

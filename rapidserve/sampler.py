@@ -292,12 +292,16 @@ def _filter_mask(x: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
     return torch.empty_like(sorted_mask).scatter_(1, order, sorted_mask)
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The sampling seed of output token `index` of a seeded request: the same in every process
+    and however the request is batched, preempted or split between prefill and decode workers."""
+    return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
+
+
 def token_generators(rows: list[tuple[int | None, int]], device: torch.device | str) -> list[torch.Generator | None]:
     """One generator per row of (request seed, output index); None for unseeded rows.
 
     Seeding per output token (`token_seed`) makes a seeded request's tokens independent of how it
     is batched, preempted, or split between the prefill and decode processes.
     """
-    from rapidserve.sequence import token_seed
-
     return [None if seed is None else make_generator(token_seed(seed, index), device) for seed, index in rows]

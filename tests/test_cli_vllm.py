@@ -356,6 +356,16 @@ def test_quantization_fp8_reaches_the_tree() -> None:
     assert ecfg.quantization.method == "fp8" and ecfg.quantization.online
 
 
+def test_reasoning_parser_reaches_the_server_config(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("qwen3", "deepseek_r1"):
+        scfg, _, _ = serve_args("preset:tiny-llama", "--reasoning-parser", name)
+        assert scfg.reasoning_parser == name
+    assert serve_args("preset:tiny-llama")[0].reasoning_parser is None
+    err = exit_2(capsys, "serve", "preset:tiny-llama", "--reasoning-parser", "granite")
+    assert "--reasoning-parser: invalid choice: 'granite'" in err and "'deepseek_r1', 'qwen3'" in err, err
+    assert "does not support" not in err
+
+
 def test_vllm_flags_that_change_nothing_are_accepted() -> None:
     _, ecfg, _ = serve_args("preset:tiny-llama", "--trust-remote-code", "--disable-log-stats",
                             "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--scheduling-policy", "fcfs",

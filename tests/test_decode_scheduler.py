@@ -399,7 +399,7 @@ def test_a_stop_with_the_next_step_in_flight_drops_that_steps_token() -> None:
 
 @pytest.mark.parametrize("cap", [None, 6], ids=["max_tokens", "the context cap"])
 def test_a_token_in_flight_that_must_end_its_request_gets_no_further_step(cap: int | None) -> None:
-    """The length rule (sequence.reaches_length) holds whatever the token: the next batch leaves the request
+    """The length rule (stop_rules.reaches_length) holds whatever the token: the next batch leaves the request
     out (no row, no block grown for it), and its blocks go back as soon as that token is recorded."""
     s = make(num_blocks=8, cap=cap)
     start(s, new(0, 4, params(max_tokens=2 if cap is None else 100)), new(1, 2))

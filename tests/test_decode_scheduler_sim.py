@@ -20,7 +20,7 @@ from rapidserve.block_manager import BlockManager, block_hash
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, DecodeScheduler, Row
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import check_stop
+from rapidserve.stop_rules import check_stop
 from tests.decode_sched_fakes import BS, EOS, PROMPT0, SALT, STOP, TOK, admit, all_free, check, ids, params
 
 # ---- 10. randomized simulation, driven as decode_worker.py drives it -------------------------------

@@ -50,18 +50,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
     ("model", ("rapidserve.loader", "rapidserve.attention", "rapidserve.ops", "rapidserve.models",
                "rapidserve.kv_pool", "rapidserve.parallel")),
-    # Per-request state and decisions: sequences, sampling, block tables, schedulers, the tokenizer.
-    ("requests", ("rapidserve.sequence", "rapidserve.sampler", "rapidserve.logit_controls", "rapidserve.block_manager",
-                  "rapidserve.kv_events", "rapidserve.step_plan",
-                  "rapidserve.scheduler", "rapidserve.tokenizer",
-                  "rapidserve.structured")),
+    # Per-request rules and state: the stop check, sampling, block tables and the prefix cache (its KV events), the
+    # tokenizer.
+    ("requests", ("rapidserve.stop_rules", "rapidserve.sampler", "rapidserve.logit_controls",
+                  "rapidserve.block_manager", "rapidserve.kv_events", "rapidserve.tokenizer", "rapidserve.structured")),
     # Running the model on batches: the rapidserve.runner package (ModelRunner and its parts: batch inputs, decode
     # graphs, sampling, tensor-parallel hooks; block-wise prefill tasks, piecewise prefill graphs, zero-copy
     # sharing of weights + pool), building the config tree.
     ("runner", ("rapidserve.runner", "rapidserve.config_builder")),
     # Compute partitions: backends, profiles, the roofline model, the profile command.
     ("partition", ("rapidserve.partition",)),
-    # Engines: the single-process EngineCore, and the multi-process RAPID engine (workers, launcher, client).
+    # Engines: the one step loop in its worker processes (workers, launcher, client) and in-process (EngineCore).
     ("engine", ("rapidserve.core", "rapidserve.engine")),
     # The offline API.
     ("llm", ("rapidserve.llm",)),

@@ -63,7 +63,8 @@ GRAPHS = "runner.prefill_graph_tokens"
 # - every server and LLM read the batch limits and prefix caching; `rapidserve profile` sets its own;
 # - the prefill worker's batches (rapid, duet; disagg's prefill is one too) read --prefill-batch-tokens; DRIFT's
 #   dispatcher sizes its own; the hybrid worker (fused) and LLM have none;
-# - only the hybrid worker schedules ahead on request (--async-scheduling); the decode worker always does;
+# - only the hybrid worker and LLM (the one step loop in-process) schedule ahead on request (--async-scheduling);
+#   the decode worker beside a prefill worker always does;
 # - piecewise prefill graphs: captured by the rapid and hybrid prefill and by LLM, not by drift, disagg, profile;
 # - --mps: only rapid mode runs two processes on one GPU (hybrid one process, disagg one per GPU);
 # - partition settings: read by the policy that picks configurations under adaptive (rapid, duet, drift); static
@@ -81,7 +82,7 @@ READS: dict[tuple[str, str, str], set[str]] = {
                                                                "partition.drift_prefill_model"},
     ("hybrid", "fused", "off"): SERVING | {"scheduler.async_scheduling", GRAPHS},
     ("disagg", "rapid", "off"): SERVING | {"scheduler.prefill_batch_tokens"},
-    ("offline", DEFAULT_POLICY, "adaptive"): SERVING | {GRAPHS},
+    ("offline", DEFAULT_POLICY, "adaptive"): SERVING | {"scheduler.async_scheduling", GRAPHS},
     ("profile", DEFAULT_POLICY, "adaptive"): {"partition.backend", "partition.slo_itl_ms", "partition.decode_shares"},
 }
 # (run, policy, --partition) that cannot run at all: the policy's workers or partition do not fit the run.
@@ -287,7 +288,6 @@ def test_partition_config_resolves_the_policy_from_the_mode() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "flag"), [
-    ({"async_scheduling": False}, "async_scheduling=False"),
     ({"prefill_batch_tokens": 256}, "prefill_batch_tokens=256"),
     ({"enforce_eager": True, "prefill_graph_tokens": (16,)}, "prefill_graph_tokens=(16,)"),
     ({"partition": PartitionConfig(slo_itl_ms=20.0)}, "--slo-itl-ms"),

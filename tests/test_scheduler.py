@@ -1,19 +1,20 @@
-"""Block manager and single-process scheduler decisions, on CPU, against a small fake KV pool."""
+"""Block manager basics, the stop check, and the steps `LLM`'s in-process engine takes (rapidserve/core.py: the
+`DecodeScheduler` under `AlwaysFused` shapes; ported from the tests of the prefill-first `Scheduler` it replaced:
+chunking, the step's token budget, the seats, preemption by recompute, the watermark, an abort), on CPU against a
+small BlockManager, checking the scheduler's invariants after every call (tests/decode_sched_fakes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from rapidserve.block_manager import BlockManager, BlockManagerError, blocks_for
+from rapidserve.engine.decode_scheduler import DecodeScheduler
+from rapidserve.partition.shape import Fused
+from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.scheduler import Scheduler
-from rapidserve.sequence import SeqStatus, Sequence, check_stop
-
-P = SamplingParams(temperature=0.0, max_tokens=100)
-
-
-def seq(i: int, n: int, params: SamplingParams = P) -> Sequence:
-    return Sequence(f"s{i}", list(range(1, n + 1)), params, arrival=i)
+from rapidserve.stop_rules import check_stop
+from tests.decode_sched_fakes import TOK, all_free, fin, fuse, land_fused, make, new, params
+from tests.decode_sched_fakes import shape as shape_of
 
 
 @pytest.mark.parametrize("tokens,bs,want", [(1, 16, 1), (16, 16, 1), (17, 16, 2), (0, 16, 0), (33, 8, 5)])
@@ -47,40 +48,36 @@ def test_watermark(num_blocks: int, watermark: float, free_after: int, tokens: i
     assert bm.can_allocate(tokens) is ok
 
 
-def run_to_end(s: Scheduler, max_steps: int = 10_000) -> list[str]:
-    """Drive the scheduler with a fake model that emits token 7 forever; returns a step log."""
-    log = []
+def run_to_end(s: DecodeScheduler, budget: int, max_steps: int = 1000) -> list[str]:
+    """Drive the scheduler as `LLM`'s engine does (rapidserve/core.py: `AlwaysFused` shapes, each step landed
+    before the next is planned) with a fake model that emits an ordinary token forever; returns a step log: the
+    step's decodes ("D:") and prompt chunks ("P:"), then "X:" for each request it preempted."""
+    policy, shape, log = AlwaysFused(), Fused(0), []
     for _ in range(max_steps):
-        if not s.has_work:
+        if not s.reqs:
             return log
-        out = s.schedule()
-        if out.prefill:
-            log.append("P:" + ",".join(f"{c.seq.seq_id}[{c.start}:{c.start + c.length}]" for c in out.prefill))
-            for c in out.prefill:
-                s.on_prefill_done(c)
-                if c.samples:
-                    c.seq.output_token_ids.append(7)
-        else:
-            log.append("D:" + ",".join(x.seq_id for x in out.decode))
-            for x in out.decode:
-                s.on_decode_done(x)
-                x.output_token_ids.append(7)
-        for x in out.preempted:
-            log.append(f"X:{x.seq_id}")
-        for x in list(s.running):
-            if len(x.output_token_ids) >= x.params.max_tokens:  # type: ignore[operator]
-                s.finish(x, "length")
-        s.blocks.check()
+        shape = policy.decide(s.shape_state(shape, None, budget, queue=False))
+        assert isinstance(shape, Fused)
+        attempts = {rid: r.attempt for rid, r in s.reqs.items()}
+        batch = fuse(s, shape.chunk_tokens, budget)
+        decode, chunks = shape_of(batch)
+        step = [f"D:{','.join(decode)}"] if decode else []
+        step += [f"P:{','.join(f'{rid}[{a}:{a + n}]' for rid, a, n, _ in chunks)}"] if chunks else []
+        log.append(" ".join(step))
+        log += [f"X:{rid}" for rid, r in s.reqs.items() if r.attempt > attempts.get(rid, 0)]
+        land_fused(s, batch)
+        assert not [f for f in fin(s) if not f.endswith(":length")]  # only ends by max_tokens
     raise AssertionError("scheduler did not finish")
 
 
 CASES = [
     # name, num_blocks, budget, max_seqs, prompts, max_tokens, expected first steps
     ("one prefill batch then decode", 64, 64, 8, [10, 20], 3,
-     ["P:s0[0:10],s1[0:20]", "D:s0,s1", "D:s0,s1"]),
-    ("budget splits admission", 64, 25, 8, [10, 20], 2, ["P:s0[0:10],s1[0:15]", "P:s1[15:20]", "D:s0,s1"]),
-    ("long prompt chunked", 64, 16, 8, [40], 2, ["P:s0[0:16]", "P:s0[16:32]", "P:s0[32:40]", "D:s0"]),
-    ("max_num_seqs caps admission", 64, 100, 1, [4, 4], 2, ["P:s0[0:4]", "D:s0", "P:s1[0:4]", "D:s1"]),
+     ["P:r0[0:10],r1[0:20]", "D:r0,r1", "D:r0,r1"]),
+    ("budget splits admission; decodes share the step", 64, 25, 8, [10, 20], 2,
+     ["P:r0[0:10],r1[0:15]", "D:r0 P:r1[15:20]", "D:r1"]),
+    ("long prompt chunked", 64, 16, 8, [40], 2, ["P:r0[0:16]", "P:r0[16:32]", "P:r0[32:40]", "D:r0"]),
+    ("max_num_seqs caps admission", 64, 100, 1, [4, 4], 2, ["P:r0[0:4]", "D:r0", "P:r1[0:4]", "D:r1"]),
 ]
 
 
@@ -88,54 +85,54 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_schedule_table(name: str, num_blocks: int, budget: int, max_seqs: int, prompts: list[int],
                         max_tokens: int, expected: list[str]) -> None:
-    s = Scheduler(BlockManager(num_blocks, 4, watermark=0.0), max_seqs, budget)
+    s = make(num_blocks=num_blocks, max_seqs=max_seqs)
     for i, n in enumerate(prompts):
-        s.add(seq(i, n, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
-    log = run_to_end(s)
+        s.add(new(i, n, params(max_tokens)))
+    log = run_to_end(s, budget)
     assert log[: len(expected)] == expected
-    assert s.blocks.num_free == num_blocks
+    assert all_free(s)
 
 
 def test_preemption_by_recompute_keeps_outputs_and_frees_blocks() -> None:
-    # 4 blocks of 4 tokens: two sequences of 7 tokens fit (2 blocks each) until both need a third.
-    s = Scheduler(BlockManager(4, 4, watermark=0.0), 8, 64)
-    a, b = seq(0, 7, SamplingParams(max_tokens=6)), seq(1, 7, SamplingParams(max_tokens=6))
-    s.add(a)
-    s.add(b)
-    log = run_to_end(s)
-    assert "X:s1" in log  # the later arrival is the victim
-    assert b.num_preemptions >= 1 and a.num_preemptions == 0
-    assert len(a.output_token_ids) == 6 and len(b.output_token_ids) == 6
-    # after preemption s1 recomputes prompt + the outputs it had, in one prefill
-    recompute = [x for x in log if x.startswith("P:s1[0:") and x != "P:s1[0:7]"]
-    assert recompute and recompute[0].startswith("P:s1[0:")
-    assert s.blocks.num_free == 4
+    # 4 blocks of 4 tokens: two requests of 7 tokens fit (2 blocks each) until both need a third.
+    s = make(num_blocks=4, cap=64)
+    s.add(new(0, 7, params(6)))
+    s.add(new(1, 7, params(6)))
+    a, b = s.reqs["r0"], s.reqs["r1"]
+    log = run_to_end(s, 64)
+    assert "X:r1" in log and "X:r0" not in log  # the later arrival is the victim
+    assert b.attempt >= 1 and a.attempt == 0
+    assert len(a.outputs) == 6 and len(b.outputs) == 6
+    # after preemption r1 recomputes its prompt and the outputs it had, from position 0, in one chunk
+    recompute = [x for x in log[log.index("X:r1"):] if x.startswith("P:r1[0:")]
+    assert recompute and recompute[0] != "P:r1[0:7]"
+    assert all_free(s)
 
 
-def test_preempting_itself_when_alone_does_not_loop() -> None:
-    s = Scheduler(BlockManager(3, 4, watermark=0.0), 8, 64)
-    a = seq(0, 11, SamplingParams(max_tokens=1))
-    s.add(a)
-    run_to_end(s)
-    assert a.output_token_ids == [7] and s.blocks.num_free == 3
+def test_a_request_alone_ends_at_the_pool_capacity_without_preempting_itself() -> None:
+    # 3 blocks of 4: the context cap is the pool's 12 tokens, so an 11-token prompt ends at its first token
+    s = make(num_blocks=3)
+    s.add(new(0, 11, params(5)))
+    r = s.reqs["r0"]
+    assert run_to_end(s, 64) == ["P:r0[0:11]"]
+    assert r.outputs == [TOK] and s.num_preemptions == 0 and all_free(s)
 
 
-def test_watermark_never_starves_a_lone_sequence() -> None:
-    s = Scheduler(BlockManager(4, 4, watermark=0.5), 8, 64)
-    a = seq(0, 15, SamplingParams(max_tokens=1))
-    s.add(a)
-    out = s.schedule()
-    assert [c.seq for c in out.prefill] == [a]
+def test_watermark_never_starves_a_lone_request() -> None:
+    s = make(num_blocks=4, watermark=0.5)
+    s.add(new(0, 15, params(1)))
+    assert shape_of(fuse(s, 64, 64)) == ([], [("r0", 0, 15, True)])
 
 
-def test_finish_frees_blocks_from_waiting_and_running() -> None:
-    s = Scheduler(BlockManager(8, 4, watermark=0.0), 8, 4)
-    a = seq(0, 10)
-    s.add(a)
-    s.schedule()  # first chunk allocated the whole prompt's blocks
+def test_abort_frees_a_chunked_prompts_blocks_once_its_step_has_landed() -> None:
+    s = make(num_blocks=8)
+    s.add(new(0, 10))
+    b = fuse(s, 4, 4)  # the first chunk; blocks for the whole prompt
     assert s.blocks.num_free == 5
-    s.finish(a, "abort")
-    assert s.blocks.num_free == 8 and not s.has_work and a.status is SeqStatus.FINISHED
+    s.abort("r0")
+    assert s.blocks.num_free == 5 and fin(s) == ["r0:abort"]  # the step in flight still writes them
+    land_fused(s, b)
+    assert all_free(s)
 
 
 @pytest.mark.parametrize(

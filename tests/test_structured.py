@@ -15,7 +15,7 @@ import torch
 
 from rapidserve.loader import load_hf_tokenizer, resolve_model
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from rapidserve.sequence import check_stop_at
+from rapidserve.stop_rules import check_stop_at
 from rapidserve.structured import (
     GrammarBook,
     GrammarCache,

@@ -224,6 +224,26 @@ def test_fields_this_server_does_not_serve(ctx: rq.ProtocolContext, kind: str, n
         assert refused(kind, {**base, name: False}, ctx).param == name  # false is not 0
 
 
+def test_reasoning_effort_is_a_template_variable_and_a_thinking_budget_is_refused(
+        trusted: rq.ProtocolContext) -> None:
+    own = {"chat_template": "{% if reasoning_effort is defined %}effort={{ reasoning_effort }};{% endif %}"
+                            "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
+    assert chat_text(trusted, own) == "[hi]"
+    for effort in ("low", "medium", "high"):
+        assert chat_text(trusted, {**own, "reasoning_effort": effort}) == f"effort={effort};[hi]"
+        assert chat_text(trusted, {**own, "chat_template_kwargs": {"reasoning_effort": effort}}) == \
+            f"effort={effort};[hi]"
+    assert chat_text(trusted, {**own, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "low"}}) \
+        == "effort=low;[hi]"
+    assert refused("chat", {"messages": MSG, "reasoning_effort": "extreme"}, trusted).param == "reasoning_effort"
+    assert refused("chat", {"messages": MSG, "reasoning_effort": "low",
+                            "chat_template_kwargs": {"reasoning_effort": "high"}}, trusted).param == \
+        "chat_template_kwargs"
+    parse("chat", {"messages": MSG, "thinking_token_budget": None}, trusted)
+    e = refused("chat", {"messages": MSG, "thinking_token_budget": 512}, trusted)
+    assert e.param == "thinking_token_budget" and "not supported by this server" in e.message
+
+
 def test_chat_echo_and_prompt_embeds(ctx: rq.ProtocolContext) -> None:
     parse("chat", {"messages": MSG, "echo": False}, ctx)
     assert refused("chat", {"messages": MSG, "echo": True}, ctx).param == "echo"

@@ -39,7 +39,7 @@ Policy:
   that step: the request joins the running batch at launch, its token in flight.
 - Growth: before each step every running request's table grows to cover its tokens, counting the
   token of the step still in flight. A request whose token in flight will certainly end it
-  (`sequence.reaches_length`: max_tokens, the context cap) gets no further step; it keeps its blocks
+  (`stop_rules.reaches_length`: max_tokens, the context cap) gets no further step; it keeps its blocks
   until that token is recorded. When the pool is short, the most recently admitted running or chunking
   request is preempted by recompute (its blocks are freed; it goes back to waiting with its outputs,
   which are computed again after the prompt, so no token is lost or repeated). Preemption frees
@@ -70,7 +70,7 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_request import Chunk, DecodeRequest, Row, State, StepBatch
 from rapidserve.engine.decode_views import SchedulerViews
-from rapidserve.sequence import check_stop, reaches_length
+from rapidserve.stop_rules import check_stop, reaches_length
 
 __all__ = ["SHARE_MIN_TOKENS", "Chunk", "DecodeRequest", "DecodeScheduler", "Row", "State", "StepBatch"]
 

@@ -4,7 +4,8 @@ It serves every mode: rapid and disagg (beside a prefill worker) and hybrid (alo
 decisions are the `DecodeScheduler`'s (engine/decode_scheduler.py: states, admission, growth, preemption,
 stops, block ownership) and its `StepPolicy`'s (partition/shape.py: the shape of each step); this loop only
 moves messages and runs the device (`turn`): drain the inbox -> ask the policy for this step's shape and
-carry it out (switch the compute partition, hand prompts to prefill) -> step -> publish.
+carry it out (switch the compute partition, hand prompts to prefill) -> step -> publish. The step itself (plan ->
+launch -> record, faults) is `StepCycle`'s (engine/step_cycle.py), which `LLM`'s in-process engine runs too.
 
 Step shapes, asked at every turn (`begin_step`):
 - `Fused(chunk_tokens)`: one step of every running decode plus prompt chunks computed here (arrival order,
@@ -40,21 +41,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
-from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
 from rapidserve.engine.sampling_step import retain
-from rapidserve.engine.step_launch import InFlight, landed_rows, launch_step, slot_key
+from rapidserve.engine.step_cycle import StepCycle, seats
+from rapidserve.engine.step_launch import InFlight, slot_key
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
-from rapidserve.partition.backend import PartitionBackend, on_stream
+from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
-from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape, StepTiming
+from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape
 from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_step_policy
 from rapidserve.runner import ModelRunner
 from rapidserve.structured import GrammarBook
@@ -64,7 +64,7 @@ AWAIT_POLL_S = 50e-6  # how often a decode worker waiting for a step looks at th
 IDLE_WAIT_S = 0.1  # the longest nap of an idle loop (a message wakes it at once)
 
 
-class DecodeWorker:
+class DecodeWorker(StepCycle):
     def __init__(self, cfg: EngineConfig, runner: ModelRunner, io: WorkerIO, partition: DecodePartition,
                  backend: PartitionBackend | None, policy: StepPolicy | None = None) -> None:
         """`backend`: the partition streams (None: the current stream, no partition: hybrid mode). `policy`:
@@ -72,8 +72,7 @@ class DecodeWorker:
         self.cfg, self.runner, self.io = cfg, runner, io
         self.partition, self.backend = partition, backend
         sc = cfg.scheduler
-        # Seats: at most the largest decode graph, and at most one token each within a step's budget.
-        max_seqs = min(sc.max_num_seqs, max(cfg.runner.graph_batch_sizes), sc.max_num_batched_tokens)
+        max_seqs = seats(sc.max_num_seqs, cfg.runner.graph_batch_sizes, sc.max_num_batched_tokens)
         self.sched = DecodeScheduler(runner.block_manager(), max_seqs, cfg.model_config.eos_token_ids,
                                      runner.limits.context_cap)
         self.policy: StepPolicy = policy or default_policy(cfg, partition, self._rapid_inputs)
@@ -202,83 +201,11 @@ class DecodeWorker:
         """One step of the current shape; False when nothing was launched."""
         return self.step_guarded(self._step)
 
-    def step_guarded(self, fn: Callable[[], bool]) -> bool:
-        """`fn()` (a step, or recording what is in flight). Rows whose sampling raises fail alone; a fused step
-        that raises at launch fails the requests whose prompt chunks were in it (its decodes are planned again);
-        any other error (device still usable) fails every running request and the steps in flight."""
-        try:
-            try:
-                return fn()
-            except RequestsFailed as e:
-                self._launching = None
-                self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
-                for req, why, fault in e.blame("sampling"):  # each row its own message and fault (faults.py)
-                    self.sched.fail([req], why, fault)
-                self._complete_all()
-                return False
-        except Exception as e:  # noqa: BLE001 - the blamed requests fail, the worker lives
-            if is_fatal(e):
-                raise
-            self.runner.synchronize()  # nothing in flight writes the blocks freed below
-            batch, self._launching = self._launching, None
-            if batch is not None and batch.chunks:
-                self.sched.fail([c.req for c in batch.chunks], describe(e, "step"))
-                return False
-            inflight, self.inflight = self.inflight, []
-            self.sched.fail_batch([r for f in inflight for r in f.requests], describe(e, "decode step"))
-            return False
+    def step_stream(self) -> torch.cuda.Stream | None:
+        return self.backend.stream(self.config, "decode") if self.backend is not None else None
 
-    def _step(self) -> bool:
-        """Plan and launch this step, then record the one before it (or, waiting for each step, this one)."""
-        hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
-        batch = self._plan(hold)
-        if batch is None:
-            self._complete_all()  # preemption needs a quiet pool: let the step in flight land first
-            batch = self._plan(hold)
-            assert batch is not None
-        if not batch:
-            self._complete_all()
-            return False
-        now = time.monotonic()
-        prev = self.inflight[-1] if self.inflight else None
-        stream = self.backend.stream(self.config, "decode") if self.backend is not None else None
-        self._launching = batch
-        with on_stream(stream):
-            f = launch_step(self.runner, self.grammar, self.sched.eos, self.sched.blocks.table, batch, prev,
-                            self.config, self.shape)
-        self._launching = None
-        # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
-        f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
-        self.sched.launched(batch, now)
+    def step_noted(self) -> None:
         self.partition.note_step()
-        self.inflight.append(f)
-        while len(self.inflight) > (1 if self.ahead else 0):
-            self._complete()
-        return True
-
-    def _plan(self, hold: frozenset[str] | set[str]) -> StepBatch | None:
-        quiet = not self.inflight
-        if isinstance(self.shape, Fused):
-            return self.sched.plan(self.shape.chunk_tokens, self.step_tokens, quiet, hold, time.monotonic())
-        decode = self.sched.schedule(quiet, hold)
-        return None if decode is None else StepBatch(decode)
-
-    def _complete_all(self) -> bool:
-        while self.inflight:
-            self._complete()
-        return False
-
-    def _complete(self) -> None:
-        """Record the oldest step in flight: emit its tokens, stop, free what finished, feed its time back."""
-        f = self.inflight[0]  # dropped only once recorded: if this raises, `step_guarded` still sees its requests
-        if f.done is not None:
-            self._await(f.done)
-        rows = landed_rows(f)
-        self.inflight.pop(0)
-        self._out += self.sched.record(f.sampled, rows, time.monotonic())
-        self.sched.chunks_landed(f.batch.chunks)
-        self.policy.observe(StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens,
-                                       f.predicted_ms, f.clock.elapsed_ms()))
 
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land while serving the inbox: in a split step, a new request gets its blocks and

@@ -36,7 +36,7 @@ from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.logit_controls import TokenHistory
 from rapidserve.partition.backend import PartitionBackend, on_stream
 from rapidserve.runner import ModelRunner, PrefillItem
-from rapidserve.sequence import check_stop
+from rapidserve.stop_rules import check_stop
 from rapidserve.structured import GrammarBook, GrammarRow
 
 

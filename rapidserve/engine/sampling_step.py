@@ -10,7 +10,7 @@ The sequence, for the logits rows of one step:
    the rows that still raise fail). Nothing is added to the penalty slots here: the caller calls
    `runner.record_sampled()` once its step is wholly queued (a step that fails later must not count its
    tokens);
-3. the stop check: `sequence.check_stop_at`, the one stop check, on the host once the token is there
+3. the stop check: `stop_rules.check_stop_at`, the one stop check, on the host once the token is there
    (each caller's, since when that is differs: at once, or when a step launched ahead has landed);
 4. `retain`: the penalty slots and matchers of requests no longer running are released (and, given the
    requests the engine still knows, the compile states of the others).

@@ -19,7 +19,7 @@ from rapidserve.logit_controls import ControlPlan, HistoryOf, TokenState, apply_
 from rapidserve.runner.inputs import BatchInputs
 from rapidserve.sampler import Sampler, SamplerOutput, token_generators
 from rapidserve.sampling_params import SamplingParams
-from rapidserve.sequence import early_stop_bans
+from rapidserve.stop_rules import early_stop_bans
 from rapidserve.structured import GrammarMask, apply_grammar_mask
 
 

@@ -54,10 +54,10 @@ from rapidserve.server.redact import Redactor, install
 from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
 from rapidserve.server.responses import (
     chat_role_chunk,
+    chat_stream_chunks,
     final_response,
-    new_tool_streams,
+    new_chat_streams,
     stream_chunk,
-    tool_stream_chunks,
     usage_chunk,
     usage_dict,
 )
@@ -120,7 +120,8 @@ class Server:
             trials = grammar_trials(ecfg, tokenizer)
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
                                    cfg.max_tokens_default(ecfg.generation), tool_parser,
-                                   cfg.trust_request_chat_template, ecfg.generation, trials=trials)
+                                   cfg.trust_request_chat_template, cfg.reasoning_parser, ecfg.generation,
+                                   trials=trials)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -434,16 +435,14 @@ class Server:
             async with lock:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-        tools = new_tool_streams(req, [c.index for c in choices])  # chat whose text is read for tool calls
+        reads = new_chat_streams(req, [c.index for c in choices])  # chat read for reasoning or tool calls
 
         async def on_delta(c: Choice, delta: str, tok: TokenOut) -> None:
-            if tools is not None:
-                for chunk in tool_stream_chunks(req, rid, created, self.model_name, c.index, delta, tok,
-                                                c.finish_reason, self.tok, tools[c.index]):
-                    await send(chunk)
-                return
-            await send(stream_chunk(req, rid, created, self.model_name, c.index, delta, tok,
-                                          c.finish_reason, self.tok, text_offset=len(c.text) - len(delta)))
+            for chunk in (chat_stream_chunks(req, rid, created, self.model_name, c.index, delta, tok, c.finish_reason,
+                                             self.tok, reads[c.index]) if reads is not None else
+                          [stream_chunk(req, rid, created, self.model_name, c.index, delta, tok, c.finish_reason,
+                                        self.tok, text_offset=len(c.text) - len(delta))]):
+                await send(chunk)
 
         async def prelude() -> None:
             await resp.prepare(request)

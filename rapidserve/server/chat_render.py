@@ -7,6 +7,8 @@ rendered):
 - `continue_final_message` (default false): end inside the last message so the model goes on with it;
   as in vLLM (and transformers) it needs `add_generation_prompt: false`;
 - `documents`: a retrieval-augmented template's documents (objects of strings);
+- `reasoning_effort` (low, medium, high): a template variable, as vLLM passes it (gpt-oss's templates read it;
+  others ignore it as vLLM's do); also accepted in `chat_template_kwargs`, where it must agree;
 - `chat_template_kwargs`: more template variables, an object of JSON values (Qwen3's `enable_thinking`);
   it may carry the three fields above too (vLLM merges them the same way): a value given both there and
   at the top level must agree. Names the renderer itself owns (`tokenize`, `messages`, `tools`...) are
@@ -58,6 +60,9 @@ def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[st
         raise bad_request("chat_template_kwargs", f"'chat_template_kwargs' may not set {', '.join(reserved)}: the "
                                                   f"renderer owns {'them' if len(reserved) > 1 else 'it'}{hint}")
     merged = {name: _merged(name, getattr(r, name), variables) for name in MERGED_KWARGS}
+    effort = _merged("reasoning_effort", getattr(r, "reasoning_effort", None), variables)
+    if effort is not None:  # a template variable (vLLM passes it to the template): gpt-oss's templates read it
+        variables["reasoning_effort"] = effort
     add_prompt = True if merged["add_generation_prompt"] is None else merged["add_generation_prompt"]
     continue_final = bool(merged["continue_final_message"])
     if not isinstance(add_prompt, bool) or not isinstance(merged["continue_final_message"], bool | None):

@@ -27,6 +27,7 @@ from rapidserve.sampling_params import SEED_MAX, SamplingParams, StructuredOutpu
 from rapidserve.server.body import decode_body
 from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
+from rapidserve.server.reasoning_parsers import ReasoningPlan, plan_reasoning
 from rapidserve.server.sampling_fields import build_params, check_controls, resolve_max_tokens
 from rapidserve.server.schemas import (
     MAX_PROMPTS,
@@ -58,6 +59,7 @@ class ProtocolContext:
     default_max_tokens: int
     tool_parser: str | None = None  # the tool-call format of tool_choice "auto"; None: auto not enabled
     trust_request_chat_template: bool = False  # a chat request may bring its own chat_template
+    reasoning_parser: str | None = None  # chat answers are split into reasoning and content (--reasoning-parser)
     defaults: SamplingDefaults = SamplingDefaults()  # the model's, for the sampling fields a request leaves unset
     # Structured-output constraints checked so far (compiled once each; rapidserve/structured).
     grammars: GrammarCache = field(default_factory=lambda: GrammarCache(check, 256), compare=False)
@@ -91,6 +93,7 @@ class GenRequest:
     logprobs_style: Literal["completion", "chat"] | None = None
     tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
     structured_param: str | None = None  # the field that set params.structured_outputs (errors name it)
+    reasoning: ReasoningPlan | None = None  # chat on a server with a reasoning parser: how its answer is split
 
 
 # ---------------------------------------------------------------- what depends on the model and server
@@ -112,6 +115,7 @@ class _Plan:
     structured: StructuredOutputs | None = None
     render: dict[str, Any] | None = None  # chat: the keywords of Tokenizer.apply_chat_template (chat_render.py)
     structured_param: str | None = None  # the field that set it ("tools" for a tool_choice's constraint)
+    reasoning: ReasoningPlan | None = None
 
 
 def _resolve_model(name: str | None, ctx: ProtocolContext) -> str:
@@ -203,6 +207,20 @@ def _with_tool_constraint(so: StructuredOutputs | None, tools: ToolPlan, ctx: Pr
     return tool_so
 
 
+def _check_constraint_after_reasoning(reasoning: ReasoningPlan | None, param: str | None) -> None:
+    """A 400 for a constraint (from `param`) on an answer that begins with reasoning: vLLM applies it only once the
+    reasoning has ended; this server's grammar would constrain the reasoning too, so the two are not combined."""
+    if reasoning is None or not reasoning.thinking or param is None:
+        return
+    name = "tool_choice" if param == "tools" else param.split(".")[0]
+    drop = "use tool_choice \"auto\" or \"none\"" if name == "tool_choice" else f"drop '{name}'"
+    if reasoning.parser == "qwen3":
+        drop += ", or send 'chat_template_kwargs': {\"enable_thinking\": false} for an answer without reasoning"
+    raise bad_request(name, f"'{name}' constrains the output, but with --reasoning-parser {reasoning.parser} the "
+                            "answer begins with the model's reasoning, which this server would constrain too "
+                            f"(vLLM constrains only what follows it): {drop}")
+
+
 def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None) -> _Plan:
     """Decode `body` and run every check that needs no tokenizer (cheap: no text is tokenized here)."""
     r = decode_body(kind, body)
@@ -236,8 +254,10 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         _check_admissible(1, n, "messages", max_choices)
         so = _with_tool_constraint(so, tools, ctx)
         param = param or ("tools" if so is not None else None)
+        reasoning = plan_reasoning(ctx.reasoning_parser, render["template_kwargs"], r.include_reasoning)
+        _check_constraint_after_reasoning(reasoning, param)
         return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render,  # type: ignore[arg-type]
-                     structured_param=param)
+                     structured_param=param, reasoning=reasoning)
     sources, work = _completion_sources(r, ctx)
     _check_admissible(len(sources), n, "prompt", max_choices)
     return _Plan(kind, model, r, n, sources, None, "prompt", work, None, so,  # type: ignore[arg-type]
@@ -305,7 +325,8 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
-                      user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param)
+                      user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param,
+                      reasoning=plan.reasoning)
 
 
 def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from rapidserve.engine.messages import TokenOut
-from rapidserve.server import tool_calls
+from rapidserve.server import chat_output, tool_calls
 from rapidserve.server.detokenizer import TopLogprobs, chat_logprobs, completion_logprobs
 from rapidserve.server.requests import GenRequest
 from rapidserve.tokenizer import Tokenizer
@@ -129,8 +129,8 @@ def final_response(req: GenRequest, req_id: str, created: int, model: str, choic
         fr = openai_finish_reason(c.finish_reason)
         echo = _echo(req, c.index)
         lp = _logprobs_for(req, tokenizer, c.token_ids, c.logprobs, c.top_logprobs, len(echo))
-        if req.kind == "chat" and req.tools is not None and req.tools.parses:
-            out.append(_tool_choice(req, c.index, c.text, fr, lp))
+        if req.kind == "chat" and chat_output.parses(req.tools, req.reasoning):
+            out.append(_read_choice(req, c.index, c.text, fr, lp))
         else:
             out.append(chat_choice(c.index, c.text, fr, lp) if req.kind == "chat"
                        else completion_choice(c.index, echo + c.text, fr, lp))
@@ -140,33 +140,31 @@ def final_response(req: GenRequest, req_id: str, created: int, model: str, choic
     return build(req_id, created, model, out, usage)
 
 
-def _tool_choice(req: GenRequest, index: int, text: str, fr: str | None,
+def _read_choice(req: GenRequest, index: int, text: str, fr: str | None,
                  logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    """A chat choice whose text is read for tool calls (tool_calls.answer)."""
-    assert req.tools is not None
-    a = tool_calls.answer(text, req.tools)
-    return {"index": index, "message": tool_calls.message(a), "logprobs": logprobs,
-            "finish_reason": tool_calls.finish_reason(req.tools, bool(a.calls), fr)}
+    """A chat choice whose text is read for reasoning and/or tool calls (chat_output.chat_message)."""
+    message, called = chat_output.chat_message(text, req.tools, req.reasoning)
+    if req.tools is not None:
+        fr = tool_calls.finish_reason(req.tools, called, fr)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": fr}
 
 
-def new_tool_streams(req: GenRequest, indices: Sequence[int]) -> dict[int, tool_calls.ToolStream] | None:
-    """One ToolStream per choice of a streamed chat request whose text is read for tool calls; else None."""
-    if req.kind != "chat" or req.tools is None or not req.tools.parses:
+def new_chat_streams(req: GenRequest, indices: Sequence[int]) -> dict[int, chat_output.ChatStream] | None:
+    """One ChatStream per choice of a streamed chat request whose text is read (reasoning, tool calls); else None."""
+    if req.kind != "chat" or not chat_output.parses(req.tools, req.reasoning):
         return None
-    return {i: tool_calls.ToolStream(req.tools) for i in indices}
+    return {i: chat_output.ChatStream(req.tools, req.reasoning) for i in indices}
 
 
-def tool_stream_chunks(req: GenRequest, req_id: str, created: int, model: str, index: int, delta: str,
+def chat_stream_chunks(req: GenRequest, req_id: str, created: int, model: str, index: int, delta: str,
                        tok: TokenOut, finish_reason: str | None, tokenizer: Tokenizer | None,
-                       stream: tool_calls.ToolStream) -> list[dict[str, Any]]:
-    """The chat chunks of the token `tok` of choice `index` read through its tool stream: one per content
-    piece, call start or arguments fragment (the token's logprobs on the first; an empty delta carries
+                       stream: chat_output.ChatStream) -> list[dict[str, Any]]:
+    """The chat chunks of the token `tok` of choice `index` read through its stream: one per reasoning or
+    content piece, call start or arguments fragment (the token's logprobs on the first; an empty delta carries
     them when the token made none), then at the end a chunk with the finish reason ("tool_calls" when
     calls were streamed in auto or required mode)."""
-    assert req.tools is not None
-    pieces = stream.feed(delta) + (stream.finish() if finish_reason is not None else [])
+    deltas = stream.feed(delta, finish_reason is not None)
     lp = _logprobs_for(req, tokenizer, [tok.token_id], [tok.logprob], [tok.top_logprobs], 0)
-    deltas = [tool_calls.delta_dict(p) for p in pieces]
     if not deltas and lp is not None:
         deltas = [{}]
     out = []
@@ -175,7 +173,8 @@ def tool_stream_chunks(req: GenRequest, req_id: str, created: int, model: str, i
                                                          "logprobs": lp if k == 0 else None,
                                                          "finish_reason": None}]))
     if finish_reason is not None:
-        fr = tool_calls.finish_reason(req.tools, stream.called, openai_finish_reason(finish_reason))
+        fr = openai_finish_reason(finish_reason)
+        fr = fr if req.tools is None else tool_calls.finish_reason(req.tools, stream.called, fr)
         out.append(chat_chunk(req_id, created, model, [chat_chunk_choice(index, finish_reason=fr)]))
     return out
 

@@ -335,6 +335,13 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     documents: Documents | None = None
     chat_template: RequestChatTemplate | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    include_reasoning: Annotated[bool, Meta(description=(
+        "on a server with --reasoning-parser: false leaves the reasoning out of the answer (default true); "
+        "without one there is no reasoning to include"))] | None = None
+    reasoning_effort: Annotated[Literal["low", "medium", "high"], Meta(description=(
+        "a chat template variable, as in vLLM: templates that read `reasoning_effort` (gpt-oss's) render it; "
+        "the same as chat_template_kwargs.reasoning_effort"))] | None = None
+    thinking_token_budget: Unsupported = None  # vLLM's cap on reasoning tokens: refused (server/unsupported.py)
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):

@@ -100,6 +100,24 @@ def auto_tool_parser(scfg: ServerConfig, ecfg: EngineConfig, tokenizer: Tokenize
     return parser
 
 
+def check_reasoning_parser(scfg: ServerConfig, tokenizer: Tokenizer | None) -> None:
+    """--reasoning-parser at start: a ConfigError when the model has no tokenizer (no chats to read) or its
+    vocabulary lacks the think tags (vLLM refuses to start then too); logs the parser."""
+    from rapidserve.server.reasoning_parsers import tag_problem
+
+    name = scfg.reasoning_parser
+    if name is None:
+        return
+    if tokenizer is None:
+        raise ConfigError(f"--reasoning-parser {name}: the model has no tokenizer, so it serves no chat to read "
+                          "reasoning out of; give it one with --tokenizer DIR, or drop the flag")
+    problem = tag_problem(tokenizer.hf.get_vocab())
+    if problem is not None:
+        raise ConfigError(f"--reasoning-parser {name}: {problem}")
+    log.info("chat answers: the reasoning in <think> tags goes to reasoning_content, the rest to content "
+             "(--reasoning-parser %s)", name)
+
+
 def make_runner(app: web.Application, scfg: ServerConfig) -> GuardedRunner:
     """The runner of the server's app: connection limits from `scfg`, handlers cancelled when their
     client goes away (which aborts the engine request), no access log (one line per request instead)."""
@@ -158,6 +176,7 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
         log.info("%s", ecfg.generation.describe())
         names = served_names(scfg, ecfg, model_spec)
         tool_parser = auto_tool_parser(scfg, ecfg, tokenizer)  # a bad flag fails before the workers start
+        check_reasoning_parser(scfg, tokenizer)
         trials = None if tokenizer is None else _grammar_trials(ecfg, tokenizer)
         # the grammar engine's view of the tokenizer (seconds, mostly GIL): loaded while the engine starts
         if trials is not None:

@@ -38,6 +38,7 @@ IDLE: MappingProxyType[str, tuple[tuple[Any, ...], str]] = MappingProxyType({
 })
 CHAT_IDLE: MappingProxyType[str, tuple[tuple[Any, ...], str]] = MappingProxyType({  # chat's own (completions echo)
     "echo": ((False,), "a chat answer is never prefixed with the last message"),
+    "thinking_token_budget": ((), "no cap on reasoning tokens is enforced; bound the whole answer with max_tokens"),
 })
 
 

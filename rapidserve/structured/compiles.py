@@ -16,7 +16,7 @@ Invariants:
 - `template(key, constraint)` never compiles on the caller's thread for a prepared key: it returns the
   compiled grammar, raises the compile's error (the same exception every time it is asked, so a
   request fails with the message it would have had compiling in place), or, if asked early, waits
-  for the compile under way (the single-process `LLM` path, which does not hold requests back). An
+  for the compile under way (a caller that does not hold requests back; every engine loop does now). An
   unprepared key compiles in place through the cache, as before.
 - `forget(key)` / `retain(keys)` drop a key's state (its request ended); a compile no other kept key
   shares is cancelled if it has not started (one that has ends into the cache). Nothing else holds a

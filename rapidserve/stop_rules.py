@@ -1,62 +1,14 @@
-"""A request's state while it is generated: tokens, progress through the cache, finish state."""
+"""The one stop check of every engine and worker, and the rules it is made of: pure functions, no torch.
+
+A request ends after an output token on EOS (unless `ignore_eos`) or one of its `stop_token_ids` (neither
+below `min_tokens`, which bans them meanwhile: `early_stop_bans`, except that a grammar request gets EOS only
+once its grammar is complete, and then ends), on `max_tokens`, or at the context cap (the window, or the KV
+pool's capacity where that is smaller). Stop strings are the caller's (they need the text).
+"""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from rapidserve.sampling_params import SamplingParams
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # needs (re)computation of its prompt: new, or preempted
-    RUNNING = "running"  # all tokens but the last are in the cache; decodes each step
-    FINISHED = "finished"
-
-
-@dataclass
-class Sequence:
-    seq_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival: int = 0  # monotonically increasing admission order (FCFS)
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # Tokens (prompt + outputs) whose K/V are in the cache.
-    num_computed: int = 0
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted
-    started: float | None = None  # time.monotonic() when its first prompt chunk was queued (PhaseTimes)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
-
-    @property
-    def slot_key(self) -> tuple[str, int]:
-        """The key of its penalty slot (logit_controls.py): a new one after each preemption."""
-        return (self.seq_id, self.num_preemptions)
-
-
-def token_seed(seed: int, index: int) -> int:
-    """The sampling seed of output token `index` of a seeded request: the same in every process
-    and however the request is batched, preempted or split between prefill and decode workers."""
-    return (seed * 1_000_003 + index * 7_919 + 1) % (1 << 63)
 
 
 def check_stop(params: SamplingParams, outputs: list[int], num_tokens: int, eos_token_ids: tuple[int, ...],

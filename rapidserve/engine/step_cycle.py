@@ -1,0 +1,154 @@
+"""The plan -> launch -> complete cycle of the one step loop: what the decode worker (engine/decode_worker.py) and
+the in-process engine behind `LLM` (rapidserve/core.py) share.
+
+`StepCycle` runs steps over a `DecodeScheduler` (the decisions: engine/decode_scheduler.py), a `ModelRunner`, a
+`GrammarBook` and a `StepPolicy`, with no I/O of its own. Its owner sets the attributes below, sets `shape` (its
+policy's answer) before each step, and publishes what the steps produced: the landed tokens collect in `_out`
+(`TokenOut`, in step order), the requests that ended otherwise in `sched.finished`. One step (`_step`, run through
+`step_guarded`): plan it (`DecodeScheduler.plan` for a `Fused` shape, `schedule` for a decode-only one; with a step
+in flight the pool is not quiet, and a plan that must preempt waits for that step to land), launch it on the
+owner's stream (engine/step_launch.py), then record the step before it (`ahead`, `SchedulerConfig.async_scheduling`:
+one step in flight between steps) or this one, and give each landed step's time to the policy (`observe`).
+
+Hooks an owner may override: `step_stream` (the stream a step is queued on; default the current one),
+`step_noted` (a step was queued), `_await` (wait for a step to land; the worker serves its inbox meanwhile) and
+`step_failed` (after a failed step was cleaned up: the worker goes on, `LLM`'s engine raises what is not a row's
+own constraint failure).
+
+Faults (engine/faults.py): rows whose sampling or constraint fails end alone; a fused step that raises at launch
+fails the requests whose prompt chunks were in it (its decodes are planned again); any other error (the device
+still usable) fails every running request and the steps in flight. A fatal error is raised as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
+
+import torch
+
+from rapidserve.engine import messages as m
+from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
+from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
+from rapidserve.engine.step_launch import InFlight, landed_rows, launch_step
+from rapidserve.partition.backend import on_stream
+from rapidserve.partition.shape import Fused, StepPolicy, StepShape, StepTiming
+from rapidserve.runner import ModelRunner
+from rapidserve.structured import GrammarBook
+
+
+class StepCycle:
+    runner: ModelRunner
+    sched: DecodeScheduler
+    grammar: GrammarBook
+    policy: StepPolicy
+    shape: StepShape  # this step's, as the policy decided it
+    config: str  # the graph key of the configuration the steps run on
+    step_tokens: int  # a step's token budget (--max-num-batched-tokens)
+    ahead: bool  # launch a step before the one in flight is recorded (async scheduling)
+    inflight: list[InFlight]  # launched, not recorded, oldest first (at most one between steps)
+    _launching: StepBatch | None  # the batch being launched (a failure at launch blames its chunks)
+    _out: list[m.TokenOut]  # landed tokens, for the owner to publish
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def step_stream(self) -> torch.cuda.Stream | None:
+        """The stream this step is queued on (None: the current one)."""
+        return None
+
+    def step_noted(self) -> None:
+        """A step was queued."""
+
+    def _await(self, done: torch.cuda.Event) -> None:
+        """Wait for a step to land."""
+        done.synchronize()
+
+    def step_failed(self, error: BaseException) -> None:
+        """A step failed with `error` and the requests it concerned were failed (the steps in flight cleaned up)."""
+
+    # ---- one step -------------------------------------------------------------------------------
+    def step_guarded(self, fn: Callable[[], bool]) -> bool:
+        """`fn()` (a step, or recording what is in flight). Rows whose sampling raises fail alone; a fused step
+        that raises at launch fails the requests whose prompt chunks were in it (its decodes are planned again);
+        any other error (device still usable) fails every running request and the steps in flight."""
+        error: BaseException
+        try:
+            try:
+                return fn()
+            except RequestsFailed as e:
+                self._launching = None
+                self.runner.synchronize()  # the failed step's forward may still write the blocks freed below
+                for req, why, fault in e.blame("sampling"):  # each row its own message and fault (faults.py)
+                    self.sched.fail([req], why, fault)
+                self._complete_all()
+                error = e.error
+        except Exception as e:  # noqa: BLE001 - the blamed requests fail, the loop lives
+            if is_fatal(e):
+                raise
+            self.runner.synchronize()  # nothing in flight writes the blocks freed below
+            batch, self._launching = self._launching, None
+            if batch is not None and batch.chunks:
+                self.sched.fail([c.req for c in batch.chunks], describe(e, "step"))
+            else:
+                inflight, self.inflight = self.inflight, []
+                self.sched.fail_batch([r for f in inflight for r in f.requests], describe(e, "decode step"))
+            error = e
+        self.step_failed(error)
+        return False
+
+    def _step(self) -> bool:
+        """Plan and launch this step, then record the one before it (or, waiting for each step, this one)."""
+        hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
+        batch = self._plan(hold)
+        if batch is None:
+            self._complete_all()  # preemption needs a quiet pool: let the step in flight land first
+            batch = self._plan(hold)
+            assert batch is not None
+        if not batch:
+            self._complete_all()
+            return False
+        now = time.monotonic()
+        prev = self.inflight[-1] if self.inflight else None
+        self._launching = batch
+        with on_stream(self.step_stream()):
+            f = launch_step(self.runner, self.grammar, self.sched.eos, self.sched.blocks.table, batch, prev,
+                            self.config, self.shape)
+        self._launching = None
+        # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
+        f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
+        self.sched.launched(batch, now)
+        self.step_noted()
+        self.inflight.append(f)
+        while len(self.inflight) > (1 if self.ahead else 0):
+            self._complete()
+        return True
+
+    def _plan(self, hold: AbstractSet[str]) -> StepBatch | None:
+        quiet = not self.inflight
+        if isinstance(self.shape, Fused):
+            return self.sched.plan(self.shape.chunk_tokens, self.step_tokens, quiet, hold, time.monotonic())
+        decode = self.sched.schedule(quiet, hold)
+        return None if decode is None else StepBatch(decode)
+
+    def _complete_all(self) -> bool:
+        while self.inflight:
+            self._complete()
+        return False
+
+    def _complete(self) -> None:
+        """Record the oldest step in flight: its tokens, stops, what finished freed, its time fed back."""
+        f = self.inflight[0]  # dropped only once recorded: if this raises, `step_guarded` still sees its requests
+        if f.done is not None:
+            self._await(f.done)
+        rows = landed_rows(f)
+        self.inflight.pop(0)
+        self._out += self.sched.record(f.sampled, rows, time.monotonic())
+        self.sched.chunks_landed(f.batch.chunks)
+        self.policy.observe(StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens,
+                                       f.predicted_ms, f.clock.elapsed_ms()))
+
+
+def seats(max_num_seqs: int, graph_batch_sizes: tuple[int, ...], max_num_batched_tokens: int) -> int:
+    """How many requests may hold a seat (run, be chunked or prefilled) at once: at most the largest decode graph,
+    and at most one token each within a step's budget."""
+    return min(max_num_seqs, max(graph_batch_sizes), max_num_batched_tokens)
