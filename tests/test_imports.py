@@ -39,11 +39,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
     # Plus the model's sampling defaults (`generation_config`), the --kv-events-config section (`kv_events_config`),
+    # the quantization section (`quant_config`),
     # the policies' declarations and the flag check derived from them (`policy_spec`), and the tree's sections from
     # the settings with every check that needs no model (`engine_settings`).
     ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.kv_events_config",
-                "rapidserve.policy_spec", "rapidserve.engine_settings", "rapidserve.sampling_params",
-                "rapidserve.prompt", "rapidserve.outputs")),
+                "rapidserve.quant_config", "rapidserve.policy_spec", "rapidserve.engine_settings",
+                "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
