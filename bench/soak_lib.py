@@ -89,16 +89,30 @@ def counter_delta(before: Mapping[str, float | None], after: Mapping[str, float 
     return {k: (None if v is None else v - (before.get(k) or 0.0)) for k, v in after.items()}
 
 
-def compare_counts(client: Mapping[str, int], server: Mapping[str, float | None]) -> dict[str, dict[str, Any]]:
+def compare_counts(client: Mapping[str, int], server: Mapping[str, float | None],
+                   raced: int = 0) -> dict[str, dict[str, Any]]:
     """Client counts against server counter deltas, per finished reason in `client`
     ({"stop": n, "length": n, "abort": n}): {reason: {"client", "server", "diff", "ok"}}. A reason the
-    server has no series for counts 0 when it has others (a label not yet created), else None."""
+    server has no series for counts 0 when it has others (a label not yet created), else None.
+
+    `raced`: the client's stream aborts (a connection closed after some tokens) whose request the server may
+    have finished before it saw the close: such a request is the client's abort and the server's stop or
+    length. Up to `raced` aborts may so move: the abort count is short by k <= raced and stop and length are
+    over by k between them, never under; then every reason reads ok, and the abort entry says how many raced."""
     family = any(k.startswith("success_") and v is not None for k, v in server.items())
     out: dict[str, dict[str, Any]] = {}
     for reason, n in client.items():
         s = server.get("success_" + reason, 0.0 if family else None)
         diff = None if s is None else s - n
         out[reason] = {"client": n, "server": s, "diff": diff, "ok": diff == 0}
+    ends = [r for r in ("stop", "length") if r in out]
+    if raced and "abort" in out and all(out[r]["diff"] is not None for r in ("abort", *ends)):
+        moved = -out["abort"]["diff"]
+        over = [out[r]["diff"] for r in ends]
+        if 0 < moved <= raced and all(d >= 0 for d in over) and sum(over) == moved:
+            for r in ("abort", *ends):
+                out[r]["ok"] = True
+            out["abort"]["raced"] = moved
     return out
 
 

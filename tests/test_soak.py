@@ -84,6 +84,12 @@ def test_counter_delta_and_compare() -> None:
     assert sl.compare_counts({"error": 0}, d)["error"] == {"client": 0, "server": 0.0, "diff": 0.0, "ok": True}
     none = sl.compare_counts({"stop": 0}, {"generation_tokens": 5.0})["stop"]  # no request_success at all
     assert none == {"client": 0, "server": None, "diff": None, "ok": False}
+    # a stream the client closed as the server finished it: the client's abort, the server's length
+    raced = sl.compare_counts({"stop": 3, "length": 4, "abort": 3}, d, raced=1)
+    assert all(c["ok"] for c in raced.values()) and raced["abort"]["raced"] == 1
+    assert not sl.compare_counts({"stop": 3, "length": 4, "abort": 3}, d)["abort"]["ok"]  # none may race
+    assert not sl.compare_counts({"stop": 3, "length": 3, "abort": 4}, d, raced=1)["abort"]["ok"]  # two moved
+    assert not sl.compare_counts({"stop": 3, "length": 6, "abort": 3}, d, raced=1)["length"]["ok"]  # not balanced
 
 
 # ---------------------------------------------------------------- flatness, capacity
