@@ -14,21 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.benchmark.cli import add_bench_parser
 from rapidserve.cli_vllm import CliParser, add_source_args, add_vllm_serve_args, dtype_name, serve_model, server_fields
-from rapidserve.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    ENGINE_MODES,
-    POLICIES,
-    PROFILE_LOOKUPS,
-    TOOL_CALL_PARSERS,
-    ConfigError,
-    EngineConfig,
-    PartitionConfig,
-    RunnerConfig,
-    ServerConfig,
-)
+from rapidserve.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, RunnerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import allow_long_max_model_len, engine_sections
+from rapidserve.launch_config import ENGINE_MODES
+from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, PartitionConfig
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
+from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 
 EXIT_USAGE = 2
 
@@ -275,7 +267,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     """Checks every flag that needs no model (the settings each mode and policy read among them:
     `engine_sections`), then `run`: the port is bound first (busy: exit 1 at once), and the config tree is built
     (`build`: a bad model or --max-model-len exits 2), then auto-profiled, while it answers 503 starting."""
-    from rapidserve.config import LaunchConfig, ParallelConfig
+    from rapidserve.config import ParallelConfig
+    from rapidserve.launch_config import LaunchConfig
     from rapidserve.server.serve import run
     from rapidserve.server.startup import BindError
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rapidserve.cli import build_parser, main, server_config
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import ModelLoadError, resolve_model
 from rapidserve.loader.hub import display_name, find_snapshot, hub_cache_dirs, is_repo_id, local_model_spec
@@ -232,8 +232,8 @@ def test_load_format_dummy_in_the_engines_matches_llm(tmp_path: Path, mode: str)
     import asyncio
     import dataclasses
 
-    from rapidserve.config import LaunchConfig
     from rapidserve.engine.client import AsyncEngine
+    from rapidserve.launch_config import LaunchConfig
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 

@@ -7,7 +7,8 @@ from collections import deque
 
 import pytest
 
-from rapidserve.config import ConfigError, SchedulerConfig
+from rapidserve.config import SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
 from rapidserve.engine.prefill_worker import Job, take_prefill_batch
 from rapidserve.sampling_params import SamplingParams

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rapidserve import cli
-from rapidserve.config import ConfigError, ParallelConfig, RunnerConfig
+from rapidserve.config import ParallelConfig, RunnerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model

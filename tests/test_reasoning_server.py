@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rapidserve.config import ConfigError, EngineConfig, SchedulerConfig, ServerConfig
+from rapidserve.config import EngineConfig, SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.messages import TokenOut
 from rapidserve.loader import resolve_model
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.app import Server
 from rapidserve.server.serve import check_reasoning_parser, make_runner
+from rapidserve.server_config import ServerConfig
 from rapidserve.tokenizer import Tokenizer
 from tests.server_fakes import MODEL, FakeEngine
 from tests.tool_model import make_tool_model

@@ -15,10 +15,11 @@ import aiohttp
 import pytest
 
 from rapidserve.cli import API_KEY_ENV, api_key, build_parser
-from rapidserve.config import ConfigError, ServerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.server import middleware
 from rapidserve.server.redact import Redactor, install
 from rapidserve.server.serve import is_loopback, warn_if_exposed
+from rapidserve.server_config import ServerConfig
 from tests.server_fakes import FakeEngine, running_server
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.config import ModelConfig, RopeScaling
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.hub import display_name
 from rapidserve.loader.quant import refuse_quantized, refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes

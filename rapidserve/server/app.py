@@ -42,7 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rapidserve.config import EngineConfig, ServerConfig
+from rapidserve.config import EngineConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.server.body import check_headers
@@ -54,6 +54,7 @@ from rapidserve.server.openapi import openapi_document
 from rapidserve.server.requests import ProtocolContext, parse_request_async
 from rapidserve.server.startup import REQUEST_LOG
 from rapidserve.server.utility_routes import add_utility_routes
+from rapidserve.server_config import ServerConfig
 from rapidserve.structured import GrammarTrials
 from rapidserve.tokenizer import Tokenizer
 
