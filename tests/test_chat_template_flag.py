@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rapidserve.cli import build_parser, main, server_config
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_serve import server_config
 from rapidserve.config_base import ConfigError
 from rapidserve.tokenizer import ChatTemplateError, check_chat_template, load_chat_template
 

@@ -14,7 +14,8 @@ from unittest import mock
 import pytest
 import torch
 
-from rapidserve.cli import build_parser, main, server_config
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_serve import server_config
 from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import ModelLoadError, resolve_model
@@ -280,7 +281,7 @@ def test_load_format_reaches_every_command(tmp_path: Path) -> None:
     save_as_hf_folder(load_preset("tiny-llama"), tmp_path)
     _, ecfg, _ = serve_args(str(tmp_path), "--load-format", "dummy")
     assert ecfg.model == f"dummy:{tmp_path}"
-    from rapidserve.cli import engine_kwargs
+    from rapidserve.cli_args import engine_kwargs
 
     a = build_parser().parse_args(["generate", "--prompt", "x", "--load-format", "dummy", "--revision", "r",
                                    "--download-dir", "/d"])

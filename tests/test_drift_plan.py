@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from rapidserve.cli import build_parser, partition_config
+from rapidserve.cli import build_parser
+from rapidserve.cli_args import partition_config
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.loader.presets import preset_config

@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
-from rapidserve.cli import build_parser, engine_kwargs, main, server_config
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import engine_kwargs
+from rapidserve.cli_serve import server_config
 from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config, resolve_generation_config
 from rapidserve.generation_config import GenerationConfigError, SamplingDefaults, sampling_defaults

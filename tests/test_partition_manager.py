@@ -518,7 +518,8 @@ def test_profile_lookup_refused_where_unread(kw: dict[str, object], pattern: str
 
 
 def test_cli_profile_lookup() -> None:
-    from rapidserve.cli import build_parser, partition_config
+    from rapidserve.cli import build_parser
+    from rapidserve.cli_args import partition_config
     from rapidserve.partition_config import PartitionConfig
 
     a = build_parser().parse_args(["serve"])

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import rapidserve
-from rapidserve.cli import build_parser, main, partition_config
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import partition_config
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.loader.presets import preset_config

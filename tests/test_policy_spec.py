@@ -11,7 +11,8 @@ import argparse
 
 import pytest
 
-from rapidserve.cli import build_parser, main, partition_config
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import partition_config
 from rapidserve.config import CacheConfig, RunnerConfig, SchedulerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config

@@ -14,7 +14,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rapidserve.cli import API_KEY_ENV, api_key, build_parser
+from rapidserve.cli import build_parser
+from rapidserve.cli_serve import API_KEY_ENV, api_key
 from rapidserve.config_base import ConfigError
 from rapidserve.server import middleware
 from rapidserve.server.redact import Redactor, install
