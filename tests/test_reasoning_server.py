@@ -90,9 +90,11 @@ async def thinking_server(tok: Tokenizer, parser: str | None = "qwen3",
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     try:
-        yield engine, openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url
+        yield engine, client, url
     finally:
+        await client.close()  # on this loop: left to the garbage collector, it logs errors in a later test
         await runner.cleanup()
 
 
