@@ -5,7 +5,10 @@
 target GPU) and runs the engine's own code on it: the layer forward of a decode step at every decode-graph
 batch bucket, of a prefill step and of a mixed step (`attend` splits it), with the Triton `Ops` bundle and the
 Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
-`torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`). Each
+`torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`); on targets
+with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 blocks, the same layer with fp8 block
+weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8.gpu_linear`'s Triton block GEMM) at decode and prefill
+steps. Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`.
@@ -31,7 +34,8 @@ from rapidserve.kv_pool import KVPool, pool_spec
 from rapidserve.loader.preset_table import preset_table
 from rapidserve.models.transformer import DecoderLayer
 from rapidserve.ops import get_ops, unfused_ops
-from rapidserve.parallel.shard import ShardError, shard_config, tp_layout
+from rapidserve.parallel.shard import ShardError, block_shard_problem, shard_config, tp_layout
+from rapidserve.quant_config import QuantizationConfig
 
 # kernel -> (module, reached by). "nvidia" kernels are never launched with torch.version.hip set.
 KERNELS: dict[str, tuple[str, str]] = {
@@ -45,8 +49,12 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_rope_write_kernel": ("rapidserve.ops.triton_ops", "every layer"),
     "_silu_and_mul_kernel": ("rapidserve.ops.triton_ops", "every layer's MLP"),
     "_skinny_kernel": ("rapidserve.ops.triton_skinny", "nvidia"),
+    "_fp8_block_kernel": ("rapidserve.ops.triton_fp8", "fp8: layers with fp8 block weight scales"),
 }
 NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
+FP8_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why.startswith("fp8"))  # not on targets without fp8
+FP8_BLOCK = QuantizationConfig(method="fp8", weights="block", block=(128, 128), activations="group",
+                               origin="the AMD compile check's fp8 block layer")
 GB = 10**9
 
 
@@ -59,6 +67,7 @@ class Target:
     units: int  # CUs (AMD) or SMs (NVIDIA): what `_num_sms` reports there
     memory: int  # bytes of device memory
     gpu: str
+    fp8: torch.dtype | None = None  # the fp8 weight format it multiplies (ops.fp8.fp8_dtype), None: no fp8
 
     @property
     def hip(self) -> bool:
@@ -66,9 +75,9 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {
-    "gfx942": Target("gfx942", "hip", "gfx942", 64, 304, 192 * GB, "MI300X"),
+    "gfx942": Target("gfx942", "hip", "gfx942", 64, 304, 192 * GB, "MI300X", torch.float8_e4m3fnuz),
     "gfx90a": Target("gfx90a", "hip", "gfx90a", 64, 110, 64 * GB, "MI250X (one GCD)"),
-    "sm_90": Target("sm_90", "cuda", 90, 32, 132, 80 * GB, "H100 SXM"),
+    "sm_90": Target("sm_90", "cuda", 90, 32, 132, 80 * GB, "H100 SXM", torch.float8_e4m3fn),
 }
 
 
@@ -228,7 +237,24 @@ def capture(shape: Shape, target: Target) -> Capture:
         if not target.hip:
             step[0] = "skinny linears (batch <= 16)"
             _skinny_launches(layer, dtype)
+        if target.fp8 is not None and shape.dtype == "bfloat16" and FP8_BLOCK.block is not None \
+                and block_shard_problem(whole, shape.tp, FP8_BLOCK.block) is None:
+            fp8_layer = DecoderLayer(cfg, dtype, meta, quant=FP8_BLOCK, fp8=target.fp8)
+            for b in (1, 32, 64, 256):  # the block kernel's row tiles: 16, 32, 64, 128 (AMD: up to 64)
+                step[0] = f"fp8 block layer, decode b{b}"
+                _layer_forward(fp8_layer, cfg, dtype, pool, cos_sin, _decode_meta(b, blocks_per_seq, meta), ops,
+                               attn, meta)
+            step[0] = "fp8 block layer, prefill"
+            _layer_forward(fp8_layer, cfg, dtype, pool, cos_sin, prefill, ops, attn, meta)
     return out
+
+
+def _layer_forward(layer: DecoderLayer, cfg: ModelConfig, dtype: torch.dtype, pool: KVPool, cos_sin: torch.Tensor,
+                   meta_: AttentionMetadata, ops: Any, attn: Any, device: torch.device) -> None:
+    t = meta_.slot_mapping.shape[0]
+    hidden = torch.empty(t, cfg.hidden_size, dtype=dtype, device=device)
+    positions = torch.empty(t, dtype=torch.int64, device=device)
+    layer(hidden, torch.empty_like(hidden), positions, cos_sin, pool.layers[0], meta_, ops, attn)
 
 
 def _decode_meta(batch: int, width: int, device: torch.device) -> AttentionMetadata:

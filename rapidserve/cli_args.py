@@ -108,8 +108,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: FA3 on Hopper where installed, else Triton on GPUs, torch on CPU")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", "-q", default=None, metavar="METHOD",
-                   help="vLLM's: only none/auto here (rapidserve serves bf16/fp16/fp32 checkpoints and GGUF; a "
-                        "quantized checkpoint is refused by name)")
+                   help="vLLM's: fp8 quantizes a float checkpoint or preset at load (per-channel weight scales, "
+                        "dynamic per-token activations); an FP8 checkpoint (compressed-tensors, HF fp8) runs "
+                        "its own scheme with none/auto/fp8; any other method is refused by name")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
     add_source_args(g)  # --revision, --download-dir, --load-format

@@ -15,7 +15,8 @@
   `--trust-remote-code` (no model code is ever run from a repository), `--disable-log-stats` (no
   periodic stats lines are logged), `--enable-chunked-prefill` (prompts are always chunked),
   `--scheduling-policy fcfs`, `--tokenizer-mode auto`. (`--quantization` / `-q` and `--kv-cache-dtype` are every
-  command's: none/auto accepted, anything else refused by name, `engine_settings.check_unsupported_options`.)
+  command's: fp8 / none / auto and auto accepted, anything else refused by name,
+  `engine_settings.check_unsupported_options`.)
 - Any other flag: argparse refuses it; `CliParser` rewrites that message to name each flag and say that
   rapidserve does not support it, with the reason for vLLM's common ones (`UNSUPPORTED`).
 """

@@ -19,6 +19,7 @@ from rapidserve.generation_config import SamplingDefaults
 from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.partition_config import PartitionConfig
+from rapidserve.quant_config import QuantizationConfig
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -280,6 +281,7 @@ class EngineConfig:
     # request's unset fields take at the edges (the server, LLM); workers never read them.
     generation: SamplingDefaults = field(default_factory=SamplingDefaults)
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)  # --kv-events-config (kv_events_config.py)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)  # fp8 weights (quant_config.py)
 
     @property
     def max_model_len(self) -> int:

@@ -29,10 +29,12 @@ from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
+from rapidserve.parallel.shard import block_shard_problem
 from rapidserve.partition_config import PartitionConfig
+from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
-           "resolve_kv_events"]
+           "resolve_kv_events", "resolve_quantization"]
 log = logging.getLogger("rapidserve.config")
 
 
@@ -72,6 +74,31 @@ def resolve_kv_events(value: object, *, enable_prefix_caching: bool, hash_seed: 
     return dataclasses.replace(cfg, none_hash=make_none_hash(hash_seed))
 
 
+def resolve_quantization(flag: str | None, source: ModelSource, model: str | None,
+                         parallel: ParallelConfig) -> QuantizationConfig:
+    """The tree's quantization section from `--quantization` (`flag`: "fp8" or None, checked by
+    `engine_settings.check_unsupported_options`) and the resolved model: an FP8 checkpoint's own scheme (with
+    fp8 or no flag), `quant_config.ONLINE_FP8` for --quantization fp8 on a float checkpoint or preset, else none.
+    ConfigError for --quantization fp8 on a GGUF file (quantized already: vLLM refuses the mix too), and for block
+    scales that the tensor-parallel size would cut inside a block."""
+    if source.quantization is not None:
+        quant = source.quantization
+    elif flag == "fp8":
+        spec = model or "default"
+        if spec == "default" or spec.endswith(".gguf"):
+            what = "the embedded default model" if spec == "default" else spec
+            raise ConfigError(f"--quantization fp8 quantizes a float checkpoint at load, and {what} is a GGUF file "
+                              "(quantized already, dequantized on load): drop the flag, or give the model's bf16 "
+                              "Hugging Face checkpoint")
+        quant = ONLINE_FP8
+    else:
+        return QuantizationConfig()
+    tp = parallel.tensor_parallel_size
+    if quant.block is not None and tp > 1 and (problem := block_shard_problem(source.config, tp, quant.block)):
+        raise ConfigError(f"--tensor-parallel-size {tp}: {problem}")
+    return quant
+
+
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                         block_size: int = 16, num_kv_blocks: int | None = None,
@@ -93,7 +120,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
     the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `quantization`, `kv_cache_dtype`: vLLM's;
-    anything but None/none/auto is refused before the model is looked at (`check_unsupported_options`). `launch`,
+    anything but fp8/None/none/auto (auto) is refused before the model is looked at (`check_unsupported_options`),
+    and the tree's `quantization` section is the model's FP8 scheme or --quantization fp8's (`resolve_quantization`).
+    `launch`,
     `partition`, `parallel`: the serving sections (None: their defaults; a partition left out runs the mode's
     default policy). `run`: what will run the tree, "offline" (`LLM`, `rapidserve generate`), "profile"
     (`rapidserve profile`), or None: the server in `launch.mode`. Before the model is resolved, every setting given
@@ -133,11 +162,13 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     if tokenizer is not None:
         source = dataclasses.replace(source, tokenizer_dir=tokenizer, tokenizer_file=None, tokenizer_cache_dir=None)
     mcfg = source.config
+    parallel = parallel or ParallelConfig()
     cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=sections.cache,
                        scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
-                       partition=sections.partition, parallel=parallel or ParallelConfig(), tokenizer=tokenizer,
+                       partition=sections.partition, parallel=parallel, tokenizer=tokenizer,
                        generation=(sections.generation if sections.generation is not None
-                                   else resolve_generation_config("auto", source, model)), kv_events=kv_events)
+                                   else resolve_generation_config("auto", source, model)), kv_events=kv_events,
+                       quantization=resolve_quantization(sections.quantization, source, model, parallel))
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,

@@ -2,7 +2,8 @@
 
 `engine_sections` turns the flat settings (`build_engine_config`'s keywords, the CLI's flags) into the tree's
 cache, scheduler, runner, launch and partition sections, refusing by name what rapidserve cannot honour: vLLM's
-`--quantization` / `--kv-cache-dtype` other than none/auto (`check_unsupported_options`) and every setting the run
+`--quantization` other than fp8 / none / auto, `--kv-cache-dtype` other than auto (`check_unsupported_options`;
+the FP8 scheme itself is resolved with the model, `config_builder.resolve_quantization`) and every setting the run
 and its policy would not read (`policy_spec.check_settings`). `--generation-config` is checked here too
 (`generation_defaults`: vllm, or a folder's generation_config.json read and checked; auto's file is the model's,
 read by the builder once the model is resolved). vLLM's `--kv-events-config` becomes the `kv_events` section
@@ -37,7 +38,8 @@ from rapidserve.launch_config import LaunchConfig
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
 
-UNSET_CHOICES = (None, "auto", "none")  # what --quantization / --kv-cache-dtype may say today
+UNSET_CHOICES = (None, "auto", "none")  # --quantization / --kv-cache-dtype left to the model
+QUANTIZATION_FLAGS = ("fp8",)  # the --quantization methods served (quant_config.py)
 
 
 def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
@@ -52,22 +54,26 @@ def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
                       "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
 
 
-def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> None:
-    """ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for anything but none/auto.
+def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> str | None:
+    """`--quantization` as the builder reads it ("fp8", or None: the model's own, a float or FP8 checkpoint), or a
+    ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for what is not served.
 
-    vLLM takes both (quantizing weights on load, an FP8 KV cache); rapidserve computes in the checkpoint's
-    float dtype and keeps the KV cache in it, so a value is refused by name rather than ignored (a
-    checkpoint quantized on disk is refused by the loader, `loader/quant.py`)."""
+    vLLM takes both (quantizing weights on load, an FP8 KV cache). rapidserve serves `--quantization fp8` (a float
+    checkpoint quantized at load, or an FP8 checkpoint's own scheme); any other method is refused by name rather
+    than ignored (a checkpoint quantized on disk with one is refused by the loader, `loader/quant.py`). The KV
+    cache is kept in the model's dtype, so `--kv-cache-dtype` other than auto is refused."""
     q = quantization.strip().lower() if isinstance(quantization, str) else quantization
-    if q not in UNSET_CHOICES:
-        raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve does not "
-                          "quantize weights (it serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files; "
-                          "FP8 support is tracked in issue 39): drop the flag and give the unquantized checkpoint")
+    if q not in UNSET_CHOICES and q not in QUANTIZATION_FLAGS:
+        raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve quantizes "
+                          "weights with fp8 only (and serves FP8 checkpoints in compressed-tensors and Hugging Face "
+                          "fp8 form as they are): drop the flag and give the unquantized checkpoint, or use "
+                          "--quantization fp8")
     kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else kv_cache_dtype
     if kv not in UNSET_CHOICES:
         raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): the KV cache is "
                           "kept in the model's dtype (an FP8 KV cache is not supported yet): drop the flag or give "
                           "auto")
+    return None if q in UNSET_CHOICES else str(q)
 
 
 def read_generation_config(path: str, where: str) -> SamplingDefaults:
@@ -140,6 +146,7 @@ class EngineSections:
     partition: PartitionConfig
     generation: SamplingDefaults | None  # None: --generation-config auto, the model folder's (read with the model)
     kv_events: KVEventsConfig  # checked, its none_hash not yet set (config_builder.resolve_kv_events)
+    quantization: str | None = None  # --quantization: "fp8", or None (the model's own: config_builder)
 
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -154,10 +161,10 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                     run: str | None = None, generation_config: str = "auto",
                     kv_events_config: object = None) -> EngineSections:
     """The settings as the tree's sections (the keywords are `build_engine_config`'s, which documents them); a
-    ConfigError, one line saying how to fix it, for `--quantization` / `--kv-cache-dtype` other than none/auto,
+    ConfigError, one line saying how to fix it, for a `--quantization` not served, `--kv-cache-dtype` but auto,
     an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
     `--generation-config` (`generation_defaults`) or `--kv-events-config` (`kv_events_section`)."""
-    check_unsupported_options(quantization, kv_cache_dtype)
+    quant = check_unsupported_options(quantization, kv_cache_dtype)
     generation = generation_defaults(generation_config)
     launch = launch or LaunchConfig()
     run = run or launch.mode
@@ -178,4 +185,4 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                    eager=enforce_eager)
     kv_events = kv_events_section(kv_events, enable_prefix_caching=enable_prefix_caching)
     return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition,
-                          generation=generation, kv_events=kv_events)
+                          generation=generation, kv_events=kv_events, quantization=quant)

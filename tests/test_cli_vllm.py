@@ -336,8 +336,9 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--quantization", "awq"], "--quantization 'awq' (quantization='awq'): rapidserve does not quantize weights"),
-    (["-q", "fp8"], "--quantization 'fp8'"),  # main's flag: none/auto accepted (test_quantized_checkpoints)
+    (["--quantization", "awq"], "--quantization 'awq' (quantization='awq'): rapidserve quantizes weights with fp8 "
+                                "only"),
+    (["-q", "gptq"], "--quantization 'gptq'"),  # main's flag: fp8/none/auto accepted (test_quantized_checkpoints)
     (["--pipeline-parallel-size", "2"], "does not support --pipeline-parallel-size (only tensor (-tp)"),
     (["--enable-lora"], "no LoRA"),
     (["-O3"], "does not support -O3 (no torch.compile"),
@@ -349,6 +350,11 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
 def test_vllm_flags_rapidserve_lacks_are_refused_by_name(capsys: pytest.CaptureFixture[str], args: list[str],
                                                          needle: str) -> None:
     assert needle in exit_2(capsys, "serve", "preset:tiny-llama", *args)
+
+
+def test_quantization_fp8_reaches_the_tree() -> None:
+    _, ecfg, _ = serve_args("preset:tiny-llama", "-q", "fp8")
+    assert ecfg.quantization.method == "fp8" and ecfg.quantization.online
 
 
 def test_reasoning_parser_reaches_the_server_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,7 @@
-"""Quantized checkpoints are refused by name before any weight is read (loader/quant.py), and vLLM's
---quantization / --kv-cache-dtype are refused unless none/auto (config_builder.check_unsupported_options).
+"""Quantized checkpoints other than the FP8 forms served (compressed-tensors float-quantized, Hugging Face fp8:
+tests/test_fp8_checkpoints.py) are refused by name before any weight is read (loader/quant.py,
+loader/fp8_checkpoint.py), and vLLM's --quantization / --kv-cache-dtype are refused unless fp8/none/auto and auto
+(config_builder.check_unsupported_options).
 
 Each case is a tiny folder written here: config.json (a one-layer llama) + model.safetensors, with what the
 quantizer in question writes (its quantization_config, its side file, its tensors and dtypes)."""
@@ -75,23 +77,52 @@ def bnb_tensors(t: dict[str, torch.Tensor]) -> None:
     t[f"{Q}.weight.quant_state.bitsandbytes__nf4"] = torch.zeros(8, dtype=torch.uint8)
 
 
-CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
-                                                                           "strategy": "channel"}}},
-          "ignore": ["lm_head"]}
-FP8_HINT = ("FP8 support is tracked in issue 39", "use the bf16 checkpoint")
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+FP8_TOKENS = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+
+
+def ct(weights: dict[str, Any], acts: dict[str, Any] | None = FP8_TOKENS, fmt: str = "float-quantized",
+       **more: Any) -> dict[str, Any]:
+    """A compressed-tensors quantization_config of one group (llm-compressor's layout)."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "ignore": ["lm_head"], **more}
+
+
+FP8_HINT = ("use the bf16 checkpoint", "with --quantization fp8")
 UNQUANTIZED_HINT = ("use the model's unquantized bf16/fp16 checkpoint",)
-SERVED = "rapidserve serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files"
+SERVED = ("rapidserve serves bf16/fp16/fp32 Hugging Face checkpoints, FP8 ones (compressed-tensors float-quantized, "
+          "Hugging Face fp8) and GGUF files")
 
 # case -> (folder writer, what the one-line error must say)
 DECLARED: dict[str, tuple[Callable[[Path], str], tuple[str, ...]]] = {
-    "compressed-tensors fp8": (
-        lambda tmp: write_folder(tmp, quant=CT_FP8, edit=fp8_weight_and_scale("weight_scale")),
-        ("quantized with fp8 (compressed-tensors float-quantized)", "config.json quantization_config", *FP8_HINT)),
-    "compressed-tensors fp8, older compression_config key": (
-        lambda tmp: write_folder(tmp, quant={**CT_FP8, "quant_method": "compressed_tensors"}, key="compression_config",
-                                 edit=fp8_weight_and_scale("weight_scale")),
-        ("fp8 (compressed-tensors float-quantized)", "config.json compression_config", *FP8_HINT)),
+    "compressed-tensors int8 W8A8": (
+        lambda tmp: write_folder(tmp, quant=ct({**FP8_WEIGHTS, "type": "int"}, {**FP8_TOKENS, "type": "int"},
+                                               fmt="int-quantized")),
+        ("quantized with int8 (compressed-tensors int-quantized)", *UNQUANTIZED_HINT)),
+    "compressed-tensors fp8 weight-only (W8A16)": (
+        lambda tmp: write_folder(tmp, quant=ct(FP8_WEIGHTS, None), edit=fp8_weight_and_scale("weight_scale")),
+        ("fp8 (compressed-tensors float-quantized)", "weight-only, W8A16", *FP8_HINT)),
+    "compressed-tensors MXFP8 (group scales)": (
+        lambda tmp: write_folder(tmp, quant=ct({**FP8_WEIGHTS, "strategy": "group", "group_size": 32},
+                                               {**FP8_TOKENS, "strategy": "group", "group_size": 32})),
+        ("fp8 (compressed-tensors float-quantized)", "fp8 weight scales 'group'", *FP8_HINT)),
+    "compressed-tensors fp8 with an fp8 KV cache": (
+        lambda tmp: write_folder(tmp, quant=ct(FP8_WEIGHTS, kv_cache_scheme={"num_bits": 8, "type": "float",
+                                                                             "strategy": "tensor"})),
+        ("kv_cache_scheme asks for an fp8 KV cache", "--kv-cache-dtype fp8 is issue 39's next part", *FP8_HINT)),
+    "compressed-tensors fp8, older compression_config key, static per-token": (
+        lambda tmp: write_folder(tmp, quant={**ct(FP8_WEIGHTS, {**FP8_TOKENS, "dynamic": False}),
+                                             "quant_method": "compressed_tensors"}, key="compression_config"),
+        ("fp8 (compressed-tensors float-quantized)", "config.json compression_config",
+         "activation scales static 'token'", *FP8_HINT)),
+    "HF fp8 e5m2": (
+        lambda tmp: write_folder(tmp, quant={"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"}),
+        ("quantized with fp8", "fmt 'e5m2'", *FP8_HINT)),
+    "HF fp8 block scales with static activations": (
+        lambda tmp: write_folder(tmp, quant={"quant_method": "fp8", "activation_scheme": "static", "fmt": "e4m3",
+                                             "weight_block_size": [128, 128]}),
+        ("quantized with fp8 (block scales 128x128)", "block weight scales with static activations", *FP8_HINT)),
     "compressed-tensors int4 W4A16": (
         lambda tmp: write_folder(tmp, quant={"quant_method": "compressed-tensors", "format": "pack-quantized",
                                              "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}),
@@ -255,7 +286,7 @@ def test_the_error_pickles_as_itself() -> None:
 
 @pytest.mark.parametrize("command", [["serve"], ["serve", "--mode", "hybrid"], ["generate", "--prompt", "hi"],
                                      ["profile"]])
-@pytest.mark.parametrize("case", ["compressed-tensors fp8", "AWQ in config.json", "GPTQ quantize_config.json "
+@pytest.mark.parametrize("case", ["compressed-tensors int8 W8A8", "AWQ in config.json", "GPTQ quantize_config.json "
                                   "(AutoGPTQ)", "bitsandbytes 4-bit"])
 def test_the_cli_exits_2_with_one_line_naming_the_method(command: list[str], case: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -277,8 +308,9 @@ def test_the_cli_names_a_scale_tensor_in_one_line(tmp_path: Path, capsys: pytest
 @pytest.mark.parametrize("command", [["serve"], ["serve", "--mode", "hybrid"], ["generate", "--prompt", "hi"],
                                      ["profile"]])
 @pytest.mark.parametrize(("flag", "needle"), [
-    (["--quantization", "fp8"], "--quantization 'fp8'"),
+    (["--quantization", "gptq"], "--quantization 'gptq'"),
     (["-q", "awq"], "--quantization 'awq'"),
+    (["--quantization", "compressed-tensors"], "--quantization 'compressed-tensors'"),
     (["--quantization", "bitsandbytes"], "--quantization 'bitsandbytes'"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8'"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype 'fp8_e5m2'"),
@@ -295,8 +327,9 @@ def test_vllm_quantization_flags_are_refused_by_name(command: list[str], flag: l
 
 @pytest.mark.parametrize("flags", [[], ["--quantization", "none"], ["--quantization", "auto"], ["-q", "None"],
                                    ["--kv-cache-dtype", "auto"],
-                                   ["--quantization", "auto", "--kv-cache-dtype", "auto"]])
-def test_none_and_auto_are_accepted(flags: list[str]) -> None:
+                                   ["--quantization", "auto", "--kv-cache-dtype", "auto"], ["-q", "FP8"],
+                                   ["--quantization", "fp8", "--kv-cache-dtype", "auto"]])
+def test_none_auto_and_fp8_are_accepted(flags: list[str]) -> None:
     from unittest import mock
 
     from rapidserve.cli import main
@@ -304,10 +337,13 @@ def test_none_and_auto_are_accepted(flags: list[str]) -> None:
     with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--mode", "hybrid", *flags]) == 0
     _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
-    assert build()[0].model == "preset:tiny-llama"
+    cfg = build()[0]
+    assert cfg.model == "preset:tiny-llama"
+    fp8 = any(f.lower() == "fp8" for f in flags)
+    assert cfg.quantization.method == ("fp8" if fp8 else "none") and cfg.quantization.online == fp8
 
 
-@pytest.mark.parametrize("kwargs", [{"quantization": "fp8"}, {"quantization": "gptq"}, {"kv_cache_dtype": "fp8"}])
+@pytest.mark.parametrize("kwargs", [{"quantization": "awq"}, {"quantization": "gptq"}, {"kv_cache_dtype": "fp8"}])
 def test_llm_refuses_them_before_loading(kwargs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     import rapidserve.config_builder as cb
     from rapidserve import LLM

@@ -1,10 +1,11 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
 
 Only config.json, the quantization side files and the safetensors headers are read when the folder is
-resolved (to refuse a quantized checkpoint by name, `quant.py`, then to check every tensor the config
-needs is there with the right shape); `weights()` then streams one tensor at a time through `safe_open`,
-and `shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the
-rank's rows or columns (`parallel.shard.shard_bounds`) from the memory-mapped file.
+resolved (to refuse a quantized checkpoint by name, `quant.py`, or read an FP8 one's scheme,
+`fp8_checkpoint.py`; then to check every tensor the config and the scheme need is there with the right shape
+and dtype); `weights()` then streams one tensor at a time through `safe_open`, and `shard_weights(layout)` one
+tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows or columns
+(`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped file.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from safetensors import SafetensorError, safe_open
 
 from rapidserve.config import ModelConfig, RopeScaling
 from rapidserve.config_base import ConfigError
+from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quantization, declared_quantization
 from rapidserve.loader.hub import display_name
-from rapidserve.loader.quant import refuse_quantized, refuse_quantized_tensors
+from rapidserve.loader.quant import refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
-from rapidserve.parallel.shard import TPLayout, pad_vocab, shard_bounds, shard_kind
+from rapidserve.parallel.shard import Block, TPLayout, pad_vocab, shard_bounds, shard_kind
+from rapidserve.quant_config import QuantizationConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -198,8 +201,8 @@ def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tenso
     return _read_each(names, lambda handle, name, file: handle.get_tensor(name))
 
 
-def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int, ...]],
-                             lay: TPLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int, ...]], lay: TPLayout,
+                             block: Block | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensor-parallel rank `lay.rank`'s part of each tensor of `names` (name -> file), in order.
 
     Invariants: each part equals `shard_tensor(name, whole, lay)` bit for bit (the vocabulary's padding
@@ -207,8 +210,9 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     is read with `get_slice(name)[range]`, so only its `shard_bounds` range is copied out of the
     memory-mapped file (a column range of a row-parallel weight touches, per row, only the pages of
     that range; the kernel's readahead may still pull more into the page cache, never into the
-    process's own memory), and a replicated one whole; every part is a contiguous copy owning its
-    memory (not a view of the mapping). A
+    process's own memory), and a replicated one whole (`block`: an FP8 checkpoint's weight blocks, by
+    which its block scales split); every part is a contiguous copy owning its memory (not a view of the
+    mapping). A
     tensor whose shape on disk is not `shapes[name]` (the config's) raises ModelLoadError naming the
     file and tensor, as does an unreadable one.
     """
@@ -218,7 +222,7 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
         if shape != shapes[name]:
             raise ModelLoadError(file, f"tensor {name} has shape {list(shape)}, the config needs "
                                        f"{list(shapes[name])}")
-        bounds = shard_bounds(name, shape, lay)
+        bounds = shard_bounds(name, shape, lay, block)
         if bounds is None:
             return handle.get_tensor(name)
         dim, start, stop = bounds
@@ -229,18 +233,20 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
     return _read_each(names, read)
 
 
-def read_hf_config(folder: str) -> tuple[ModelConfig, dict[str, Any]]:
-    """The ModelConfig of a Hugging Face folder's config.json (and the parsed file); no weights are read.
-    A checkpoint that declares a quantization method (config.json or a side file) is refused here, so both
-    its real load and `--load-format dummy` of it (random float weights, not the method's) say so."""
+def read_hf_config(folder: str) -> tuple[ModelConfig, dict[str, Any], QuantizationConfig | None]:
+    """The ModelConfig of a Hugging Face folder's config.json, the parsed file and its FP8 scheme (None: float
+    weights); no weights are read. A checkpoint that declares any other quantization method (config.json or a
+    side file), or an FP8 form that is not served, is refused here, so both its real load and `--load-format
+    dummy` of it (random weights, quantized at load with an FP8 checkpoint's scheme) say so."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(folder, "the folder has no config.json")
     d = _read_json(cfg_path)
     if not isinstance(d, dict):
         raise ModelLoadError(cfg_path, "config.json is not a JSON object")
-    refuse_quantized(d, folder)  # a quantized checkpoint's weights would load wrong without a word
-    return config_from_hf_dict(d, cfg_path, name=display_name(folder) or "model"), d
+    declared = declared_quantization(d, folder)  # another method's weights would load wrong without a word
+    config = config_from_hf_dict(d, cfg_path, name=display_name(folder) or "model")
+    return config, d, checkpoint_quantization(declared, folder, config)
 
 
 def tokenizer_of(folder: str) -> tuple[str | None, str | None]:
@@ -252,26 +258,32 @@ def tokenizer_of(folder: str) -> tuple[str | None, str | None]:
 def load_hf_folder(folder: str) -> ModelSource:
     """Resolve a Hugging Face model folder (config.json + safetensors weights)."""
     folder = os.path.abspath(folder)
-    config, d = read_hf_config(folder)
+    config, d, quant = read_hf_config(folder)
     found = read_safetensors_index(_weight_files(folder))
-    shapes = expected_tensor_shapes(config)
-    refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
-    check_tensor_shapes({n: s for n, (_, s, _) in found.items()}, config, folder,
-                        files={n: f for n, (f, _, _) in found.items()})
+    if quant is None:
+        shapes = expected_tensor_shapes(config)
+        refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
+        check_tensor_shapes({n: s for n, (_, s, _) in found.items()}, config, folder,
+                            files={n: f for n, (f, _, _) in found.items()})
+    else:
+        shapes = check_fp8_tensors(found, config, quant, folder)
     needed = {name: found[name][0] for name in shapes}
+    block = quant.block if quant is not None else None
     tokenizer_dir, chat_template = tokenizer_of(folder)
     dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
     return ModelSource(
         config=config,
         weights=lambda: stream_safetensors(needed),
-        shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay),
+        shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay, block),
         num_tensors=len(needed),
         tokenizer_dir=tokenizer_dir,
         tokenizer_file=None,
         chat_template=chat_template,
         hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
-                    f"file(s), {dtype}, {config.num_params() / 1e9:.2f}B params)",
+                    f"file(s), {dtype}{', fp8' if quant is not None else ''}, {config.num_params() / 1e9:.2f}B "
+                    "params)",
+        quantization=quant,
     )
 
 

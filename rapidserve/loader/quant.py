@@ -1,14 +1,17 @@
-"""Quantized Hugging Face checkpoints: found and refused by name before any weight is read.
+"""Quantized Hugging Face checkpoints: found before any weight is read, served (FP8) or refused by name.
 
-rapidserve computes in the checkpoint's float weights (bf16/fp16/fp32; GGUF files are dequantized on load).
-A quantized safetensors checkpoint stores other numbers (FP8 values with per-tensor or per-block scales,
-packed int4 `qweight` with `scales` and `qzeros`, bitsandbytes blocks with `absmax`...): copied into a float
-parameter they give wrong weights without any error, so a folder is checked before its weights are read:
+rapidserve computes in the checkpoint's float weights (bf16/fp16/fp32; GGUF files are dequantized on load), and
+serves FP8 checkpoints in two forms (compressed-tensors float-quantized, Hugging Face fp8: `fp8_checkpoint.py`,
+which reads their scheme into the config tree's `QuantizationConfig`). Every other quantized safetensors checkpoint
+stores numbers a float model would misread (packed int4 `qweight` with `scales` and `qzeros`, bitsandbytes blocks
+with `absmax`, int8 weights...): copied into a float parameter they give wrong weights without any error, so a
+folder is checked before its weights are read:
 
 1. `quantization_method(config, folder)`: where vLLM looks for a method, in this order: config.json's
    `quantization_config` (also inside `text_config`), its `compression_config` (compressed-tensors' older
    key), then the side files GPTQ / AWQ / ModelOpt tools write (`quantize_config.json`,
-   `quant_config.json`, `hf_quant_config.json`). A method found is refused by name (`refuse_quantized`).
+   `quant_config.json`, `hf_quant_config.json`). A method found that is not one of the FP8 forms served is
+   refused by name (`fp8_checkpoint.checkpoint_quantization` raises `UnsupportedQuantization(q.message(...))`).
 2. `quantized_tensor(headers)`, from the safetensors headers only: a tensor whose name is a quantizer's
    (`*_scale`, `qweight`, `qzeros`, `scales`, `g_idx`, bitsandbytes' `absmax` / `quant_state`...), or a
    weight the model needs stored in a non-float dtype (F8_E4M3, I8, I32...), in a folder that declared no
@@ -23,14 +26,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rapidserve.loader.source import ModelLoadError
 
 FP8_ISSUE = 39
 FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")  # safetensors dtype names a float checkpoint's weights may have
-SERVED = "rapidserve serves bf16/fp16/fp32 Hugging Face checkpoints and GGUF files"
+SERVED = ("rapidserve serves bf16/fp16/fp32 Hugging Face checkpoints, FP8 ones (compressed-tensors float-quantized, "
+          "Hugging Face fp8) and GGUF files")
 # side files that carry a quantization config, with the method their tools mean when the file names none
 SIDE_FILES: tuple[tuple[str, str], ...] = (
     ("quantize_config.json", "gptq"),  # AutoGPTQ / GPTQModel (AutoAWQ wrote it too: told apart by its keys)
@@ -62,20 +66,23 @@ class UnsupportedQuantization(ModelLoadError):
 @dataclass(frozen=True)
 class Quantization:
     """A quantization method a checkpoint declares: `method` as vLLM names it, `detail` (the scheme, e.g.
-    "fp8 (compressed-tensors float-quantized)"), `where` it was declared."""
+    "fp8 (compressed-tensors float-quantized)"), `where` it was declared, `config` the declaration itself (None
+    when it is not a JSON object)."""
 
     method: str
     detail: str
     where: str
+    config: Mapping[str, Any] | None = field(default=None, compare=False)
 
     @property
     def fp8(self) -> bool:
         return self.method in _FP8_METHODS or self.detail.startswith("fp8")
 
-    def message(self) -> str:
+    def message(self, why: str = "") -> str:
+        """The one-line refusal; `why`: what of an FP8 scheme is not served."""
         if self.fp8:
-            fix = (f"FP8 support is tracked in issue {FP8_ISSUE}: use the bf16 checkpoint (the same model without "
-                   "the FP8 suffix)")
+            fix = (f"{why + '; ' if why else ''}use the bf16 checkpoint (the same model without the FP8 suffix), "
+                   f"with --quantization fp8 to run it in fp8 (issue {FP8_ISSUE})")
         else:
             fix = ("use the model's unquantized bf16/fp16 checkpoint (or a GGUF file of it: rapidserve dequantizes "
                    "GGUF quantizations on load)")
@@ -148,7 +155,7 @@ def describe(method: str, d: Mapping[str, Any]) -> str:
 def _declared(d: Mapping[str, Any], where: str) -> Quantization:
     method = _method_name(d) or "an unnamed method"
     detail = describe(method, d) if _method_name(d) else "a quantization_config that names no quant_method"
-    return Quantization(method, detail, where)
+    return Quantization(method, detail, where, d)
 
 
 def quantization_method(config: Mapping[str, Any], folder: str) -> Quantization | None:
@@ -171,15 +178,14 @@ def quantization_method(config: Mapping[str, Any], folder: str) -> Quantization 
         method = _method_name(d)
         if method is None:  # AutoAWQ's files name no method; its keys (w_bit, version) tell it from GPTQ's
             method = "awq" if "w_bit" in d or ("version" in d and "bits" not in d) else default
-        return Quantization(method, describe(method, d), name)
+        return Quantization(method, describe(method, d), name, d)
     return None
 
 
-def refuse_quantized(config: Mapping[str, Any], folder: str) -> None:
-    """UnsupportedQuantization when the folder declares a quantization method (before any weight is read)."""
-    q = quantization_method(config, folder)
-    if q is not None:
-        raise UnsupportedQuantization(folder, q.message())
+def is_quantizer_tensor(name: str) -> bool:
+    """Whether `name` is a tensor only quantized checkpoints carry (a scale, a packed weight, a zero point...)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in _QUANT_LEAVES or leaf.endswith(_QUANT_LEAF_SUFFIXES) or ".quant_state" in name
 
 
 def quantized_tensor(dtypes: Mapping[str, str], needed: set[str] | frozenset[str]) -> str | None:
@@ -187,9 +193,8 @@ def quantized_tensor(dtypes: Mapping[str, str], needed: set[str] | frozenset[str
     named as a quantizer names its parts, or a tensor of `needed` (the model's weights) stored in a dtype
     that is not a float one."""
     for name in dtypes:
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in _QUANT_LEAVES or leaf.endswith(_QUANT_LEAF_SUFFIXES) or ".quant_state" in name:
-            return f"its safetensors hold tensor {name}, a quantizer's {leaf!r}"
+        if is_quantizer_tensor(name):
+            return f"its safetensors hold tensor {name}, a quantizer's {name.rsplit('.', 1)[-1]!r}"
     for name in sorted(needed & dtypes.keys()):
         if dtypes[name] not in FLOAT_DTYPES:
             return f"its weight {name} is stored as {dtypes[name]} (float weights are {'/'.join(FLOAT_DTYPES)})"

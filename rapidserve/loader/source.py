@@ -20,6 +20,7 @@ import torch
 from rapidserve.config import ARCHES, ModelConfig
 from rapidserve.loader.preset_table import list_presets
 from rapidserve.parallel.shard import ShardError, TPLayout, shard_shape, sharded_weights, tp_layout
+from rapidserve.quant_config import QuantizationConfig
 
 
 def supported_forms() -> str:
@@ -71,6 +72,9 @@ class ModelSource:
     # A Hugging Face model folder's path (where its generation_config.json may be; `dummy:<folder>` keeps its
     # folder), None: GGUF files, presets.
     hf_folder: str | None = None
+    # The FP8 scheme the weights come in (an FP8 checkpoint: its weights, scales and input scales are in the
+    # stream; `online`, a dummy of one: float weights quantized at load), None: float weights.
+    quantization: QuantizationConfig | None = None
 
 
 def rank_weights(source: ModelSource, layout: TPLayout,
@@ -97,7 +101,8 @@ def _checked(source: ModelSource, layout: TPLayout,
              device: torch.device | str | None) -> Iterator[tuple[str, torch.Tensor]]:
     shapes = expected_tensor_shapes(source.config)
     if source.shard_weights is None:
-        parts = sharded_weights(source.weights(), layout, device)
+        block = source.quantization.block if source.quantization is not None else None
+        parts = sharded_weights(source.weights(), layout, device, block)
     else:
         parts = ((n, t.contiguous() if device is None else t.to(device).contiguous())
                  for n, t in source.shard_weights(layout))

@@ -15,6 +15,10 @@ Tensor parallelism (`tp`, rapidserve/parallel): the model is built at the rank's
 down_proj outputs are all-reduced, the vocabulary-parallel embedding looks up the rank's rows (others
 zero) and all-reduces, and `compute_logits` gathers every rank's vocabulary slice (all ranks get the
 whole [T, vocab] logits; only the leader samples).
+
+FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the scheme quantizes is an
+`ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
+`models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ from torch import nn
 
 from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
 from rapidserve.config import ModelConfig
+from rapidserve.models import fp8_weights
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
+from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
 from rapidserve.parallel.shard import shard_config
+from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
 
 if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
 
 
 class WeightError(ValueError):
@@ -46,19 +54,36 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _linear(ops: Ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return ops.fp8_linear(x, w, bias) if isinstance(w, Fp8Linear) else ops.linear(x, w, bias)
+
+
+def _linear_silu_and_mul(ops: Ops, x: torch.Tensor, w: Weight) -> torch.Tensor:
+    return ops.silu_and_mul(ops.fp8_linear(x, w, None)) if isinstance(w, Fp8Linear) else ops.linear_silu_and_mul(x, w)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> None:
-        """`cfg`: this rank's shard of the model (the whole model without `tp`)."""
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
+                 quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None) -> None:
+        """`cfg`: this rank's shard of the model (the whole model without `tp`). `quant`: the fp8 scheme, for layer
+        `index` (its projections' HF names) in weight format `fp8` (default: the device's, `ops.fp8.fp8_dtype`)."""
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.cfg, self.tp = cfg, tp
-        self.qkv_proj = _param((qkv, h), dtype, device)
+        fp8 = fp8 or fp8_dtype(device)
+
+        def weight(fused: str, n: int, k: int) -> Weight:
+            if quant is not None and quant.quantized(f"model.layers.{index}.{FUSED_PROJECTIONS[fused][0]}"):
+                return Fp8Linear(n, k, fp8, quant.activations, quant.block, device)
+            return _param((n, k), dtype, device)
+
+        self.qkv_proj = weight("qkv_proj", qkv, h)
         self.qkv_bias = _param((qkv,), dtype, device) if cfg.attention_bias else None
-        self.o_proj = _param((h, cfg.q_size), dtype, device)
+        self.o_proj = weight("o_proj", h, cfg.q_size)
         self.q_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
         self.k_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
-        self.gate_up_proj = _param((2 * cfg.intermediate_size, h), dtype, device)
-        self.down_proj = _param((h, cfg.intermediate_size), dtype, device)
+        self.gate_up_proj = weight("gate_up_proj", 2 * cfg.intermediate_size, h)
+        self.down_proj = weight("down_proj", h, cfg.intermediate_size)
         self.input_layernorm = _param((h,), dtype, device)
         self.post_attention_layernorm = _param((h,), dtype, device)
 
@@ -100,7 +125,7 @@ class DecoderLayer(nn.Module):
             hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
 
         t = hidden.shape[0]
-        qkv = ops.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = _linear(ops, hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -117,12 +142,12 @@ class DecoderLayer(nn.Module):
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
         [T, heads * head_dim]. Returns (hidden, residual) for the next layer."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        hidden = ops.linear(o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        hidden = _linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
-        hidden = ops.linear(ops.linear_silu_and_mul(hidden, self.gate_up_proj), self.down_proj)
+        hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
@@ -140,16 +165,21 @@ class CausalLM(nn.Module):
         device: torch.device,
         max_positions: int | None = None,
         tp: TPGroup | None = None,
+        quant: QuantizationConfig | None = None,
+        fp8: torch.dtype | None = None,
     ) -> None:
-        """`cfg`: the whole model; with `tp`, this process builds and loads rank `tp.rank`'s shard."""
+        """`cfg`: the whole model; with `tp`, this process builds and loads rank `tp.rank`'s shard. `quant`: the
+        fp8 scheme (None or method "none": float weights), its weights in `fp8` (default: the device's format)."""
         super().__init__()
         self.full_cfg, self.tp = cfg, tp
         if tp is not None:
             cfg = shard_config(cfg, tp.layout)
         self.cfg, self.ops, self.attn = cfg, ops, attn
         self.dtype, self.device = dtype, device
+        self.quant = quant if quant is not None and quant.enabled else None
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp, self.quant, n, fp8)
+                                    for n in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
             (cfg.vocab_size, cfg.hidden_size), dtype, device
@@ -228,11 +258,12 @@ class CausalLM(nn.Module):
         return logits.float()
 
     # ---- weights -------------------------------------------------------------------------
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF name -> (destination tensor, row offset, rows): fused tensors take slices."""
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int] | fp8_weights.Fp8Part]:
+        """HF name -> (destination tensor, row offset, rows): fused tensors take slices; an fp8 projection's names
+        -> where in its Fp8Linear (`fp8_weights.fp8_parts`)."""
         cfg = self.cfg
         q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        out: dict[str, tuple[torch.Tensor, int, int]] = {
+        out: dict[str, tuple[torch.Tensor, int, int] | fp8_weights.Fp8Part] = {
             "model.embed_tokens.weight": (self.embed_tokens, 0, cfg.vocab_size),
             "model.norm.weight": (self.norm, 0, cfg.hidden_size),
         }
@@ -240,9 +271,17 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
         for n, layer in enumerate(self.layers):
             p = f"model.layers.{n}."
-            out[p + "self_attn.q_proj.weight"] = (layer.qkv_proj, 0, q)
-            out[p + "self_attn.k_proj.weight"] = (layer.qkv_proj, q, kv)
-            out[p + "self_attn.v_proj.weight"] = (layer.qkv_proj, q + kv, kv)
+            for proj, w, off, rows in (("self_attn.q_proj", layer.qkv_proj, 0, q),
+                                       ("self_attn.k_proj", layer.qkv_proj, q, kv),
+                                       ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
+                                       ("self_attn.o_proj", layer.o_proj, 0, cfg.hidden_size),
+                                       ("mlp.gate_proj", layer.gate_up_proj, 0, i),
+                                       ("mlp.up_proj", layer.gate_up_proj, i, i),
+                                       ("mlp.down_proj", layer.down_proj, 0, cfg.hidden_size)):
+                if isinstance(w, Fp8Linear) and self.quant is not None:
+                    out.update(fp8_weights.fp8_parts(p + proj, w, off, rows, self.quant))
+                else:
+                    out[f"{p}{proj}.weight"] = (w, off, rows)
             if layer.qkv_bias is not None:
                 out[p + "self_attn.q_proj.bias"] = (layer.qkv_bias, 0, q)
                 out[p + "self_attn.k_proj.bias"] = (layer.qkv_bias, q, kv)
@@ -250,10 +289,6 @@ class CausalLM(nn.Module):
             if layer.q_norm is not None and layer.k_norm is not None:
                 out[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0, cfg.head_dim)
                 out[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0, cfg.head_dim)
-            out[p + "self_attn.o_proj.weight"] = (layer.o_proj, 0, cfg.hidden_size)
-            out[p + "mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, i)
-            out[p + "mlp.up_proj.weight"] = (layer.gate_up_proj, i, i)
-            out[p + "mlp.down_proj.weight"] = (layer.down_proj, 0, cfg.hidden_size)
             out[p + "input_layernorm.weight"] = (layer.input_layernorm, 0, cfg.hidden_size)
             out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, 0, cfg.hidden_size)
         return out
@@ -262,6 +297,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model; every parameter must be covered exactly once."""
         targets = self._targets()
+        fp8_weights.begin([m for m in self.modules() if isinstance(m, Fp8Linear)])
         seen: set[str] = set()
         for name, tensor in weights:
             if name not in targets:
@@ -270,7 +306,15 @@ class CausalLM(nn.Module):
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 raise WeightError(f"unexpected tensor {name!r} for a {self.cfg.arch} model")
-            dest, off, rows = targets[name]
+            target = targets[name]
+            if isinstance(target, fp8_weights.Fp8Part):
+                try:
+                    fp8_weights.store(target, name, tensor, self.quant or QuantizationConfig())
+                except fp8_weights.Fp8WeightError as e:
+                    raise WeightError(str(e)) from None
+                seen.add(name)
+                continue
+            dest, off, rows = target
             want = (rows, *dest.shape[1:])
             if tuple(tensor.shape) != want:
                 raise WeightError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")

@@ -20,6 +20,9 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   of at most `triton_skinny.MAX_ROWS` (16) rows through `triton_skinny` (one kernel each; the gated one
   never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
   torch's F.linear (cuBLAS / hipBLASLt)
+- ``fp8_linear(x [T, K], layer: fp8.Fp8Linear, bias [N] | None) -> [T, N]``: a projection stored in fp8 (issue 39,
+  rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8.gpu_linear` (torch._scaled_mm, the
+  Triton block kernel) in the Triton one; `fp8_ops(bundle, device)` puts the reference back on a GPU without fp8
 
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
 it: see its docstring). `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches,
@@ -39,7 +42,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from rapidserve.ops import torch_ops
+from rapidserve.ops import fp8, torch_ops
 
 
 class RopeWrite(Protocol):
@@ -71,12 +74,13 @@ class Ops:
     rope_write: RopeWrite
     linear: Linear
     linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fp8_linear: Callable[[torch.Tensor, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor]
 
 
 def torch_ops_bundle() -> Ops:
     return Ops("torch", torch_ops.rms_norm, torch_ops.add_rms_norm, torch_ops.apply_rope,
                torch_ops.silu_and_mul, torch_ops.qk_norm_rope, torch_ops.rope_write, torch_ops.linear,
-               torch_ops.linear_silu_and_mul)
+               torch_ops.linear_silu_and_mul, fp8.reference_linear)
 
 
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
@@ -88,7 +92,7 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
         skinny = torch.version.hip is None
     ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
-              _cublas_then(triton_ops.silu_and_mul))
+              _cublas_then(triton_ops.silu_and_mul), fp8.gpu_linear)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -140,6 +144,15 @@ def unfused_ops(ops: Ops) -> Ops:
     return dataclasses.replace(cublas_linears(ops), name=ops.name + "-unfused", rope_write=rope_write)
 
 
+def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
+    """`ops` with the fp8 linear `device` can run: its own where the device multiplies fp8 (`fp8.fp8_supported`)
+    or the bundle's is already the reference, else `fp8.reference_linear` (a GPU without fp8: the weights
+    dequantized at each call, correct and slow)."""
+    if ops.fp8_linear is fp8.reference_linear or fp8.fp8_supported(device):
+        return ops
+    return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear)
+
+
 def get_ops(device: torch.device | str) -> Ops:
     """Triton ops on CUDA / ROCm devices (ROCm torch calls them "cuda"), torch ops otherwise."""
     if torch.device(device).type == "cuda":
@@ -147,5 +160,5 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Linear", "Ops", "RopeWrite", "cublas_linears", "get_ops", "torch_ops_bundle", "triton_ops_bundle",
-           "unfused_ops"]
+__all__ = ["Linear", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "torch_ops_bundle",
+           "triton_ops_bundle", "unfused_ops"]

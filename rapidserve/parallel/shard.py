@@ -18,10 +18,17 @@ Layout (Megatron-style, the scheme vLLM and SGLang use):
   rows (the embedding's lookups are masked per rank and all-reduced; the LM head's logits gathered and the
   padding dropped).
 - replicated: the norms (and Qwen3's per-head q/k norms, which act on one head_dim).
+- fp8 scales (rapidserve/quant_config.py): a projection's `weight_scale` / `weight_scale_inv` follows its weight's
+  output rows: one per row ([N] or [N, 1]) splits with the rows of a column-parallel (or KV) weight and is
+  replicated for a row-parallel one, whose output rows are whole on every rank; block scales [ceil(N/bn),
+  ceil(K/bk)] (`block` = (bn, bk) given) split by blocks, rows for column-parallel, columns for row-parallel,
+  which needs every rank's slice to start and end on a block boundary (`block_shard_problem`); a per-tensor scale
+  ([] or [1]) and `input_scale` are replicated.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +43,8 @@ _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _ROW = ("self_attn.o_proj.", "mlp.down_proj.")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_SCALES = ("weight_scale", "weight_scale_inv")  # an fp8 projection's weight scales (module docstring)
+Block = tuple[int, int]
 
 
 class ShardError(ConfigError):
@@ -80,17 +89,43 @@ def shard_kind(name: str) -> Kind:
     """How the tensor called `name` (a Hugging Face name, as `loader.source.expected_tensor_shapes`) splits."""
     if name in _VOCAB:
         return "vocab"
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "input_scale":
+        return "replicated"
     if any(k in name for k in _KV):
         return "kv"
     if any(k in name for k in _COLUMN):
         return "column"
-    if any(k in name for k in _ROW) and name.endswith(".weight"):
+    if any(k in name for k in _ROW) and (name.endswith(".weight") or leaf in _SCALES):
         return "row"
     return "replicated"  # norms; a row-parallel layer's bias would be added once, after the all-reduce
 
 
-def shard_shape(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int, ...]:
-    """The shape rank `lay.rank` holds of a tensor of `shape`."""
+def block_shard_problem(cfg: ModelConfig, tp: int, block: Block) -> str | None:
+    """Why fp8 block scales of `block` = (bn, bk) cannot be split over `tp` ranks (None: they can): every rank's
+    rows of each column-parallel projection (q, k, v, gate, up; the fused q|k|v and gate|up too, at tp 1) and
+    its columns of each row-parallel one (o, down) must be whole blocks."""
+    bn, bk = block
+    kv_rows = cfg.num_kv_heads // tp * cfg.head_dim if cfg.num_kv_heads >= tp else cfg.head_dim
+    rows = {"q_proj": cfg.q_size // tp, "k_proj/v_proj": kv_rows, "gate_proj/up_proj": cfg.intermediate_size // tp}
+    cols = {"o_proj": cfg.q_size // tp, "down_proj": cfg.intermediate_size // tp}
+    bad = [f"{p} {n} rows" for p, n in rows.items() if n % bn] + [f"{p} {n} columns" for p, n in cols.items()
+                                                                  if tp > 1 and n % bk]
+    if not bad:
+        return None
+    where = f"over {tp} tensor-parallel ranks" if tp > 1 else "in the fused q|k|v and gate|up projections"
+    return (f"fp8 block scales of {bn}x{bk} cannot be split {where}: each rank would hold {', '.join(bad)}, not "
+            f"a multiple of the block; use a tensor-parallel size that keeps whole blocks")
+
+
+def shard_shape(name: str, shape: tuple[int, ...], lay: TPLayout, block: Block | None = None) -> tuple[int, ...]:
+    """The shape rank `lay.rank` holds of a tensor of `shape` (`block`: the checkpoint's fp8 weight blocks)."""
+    if name.rsplit(".", 1)[-1] in _SCALES:
+        bounds = shard_bounds(name, shape, lay, block)
+        if bounds is None:
+            return shape
+        dim, start, stop = bounds
+        return (*shape[:dim], stop - start, *shape[dim + 1:])
     kind = shard_kind(name)
     if kind == "replicated" or lay.tp == 1:
         return shape
@@ -103,18 +138,28 @@ def shard_shape(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int, 
     return (shape[0], shape[1] // lay.tp)
 
 
-def shard_bounds(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int, int, int] | None:
+def shard_bounds(name: str, shape: tuple[int, ...], lay: TPLayout,
+                 block: Block | None = None) -> tuple[int, int, int] | None:
     """The part of a whole tensor of `shape` rank `lay.rank` holds, as `(dim, start, stop)` along one
     dimension (0: rows, 1: columns), or None when it holds the whole tensor (replicated, or tp == 1).
 
     `start`/`stop` are clamped to the tensor: for the vocabulary the last ranks' rows past the end are
     the padding, `shard_shape(...)[0] - (stop - start)` zero rows appended after the read part. A loader
     that can read a slice from disk (safetensors' `get_slice`) reads exactly this range; `shard_tensor`
-    is the same range taken from a tensor in memory, so the two agree bit for bit.
+    is the same range taken from a tensor in memory, so the two agree bit for bit. An fp8 weight scale splits as
+    the module docstring says (`block`: the checkpoint's weight blocks, for its block scales); ShardError when a
+    block scale cannot be split on block boundaries.
     """
     kind = shard_kind(name)
     if kind == "replicated" or lay.tp == 1:
         return None
+    if name.rsplit(".", 1)[-1] in _SCALES:
+        if math.prod(shape) == 1:
+            return None  # per-tensor
+        if block is not None:
+            return _block_bounds(name, kind, shape, lay, block)
+        if kind == "row":
+            return None  # one scale per output row: the rows are whole on every rank
     if kind == "vocab":
         start = min(lay.rank * lay.vocab, shape[0])
         return 0, start, min(start + lay.vocab, shape[0])
@@ -128,6 +173,22 @@ def shard_bounds(name: str, shape: tuple[int, ...], lay: TPLayout) -> tuple[int,
     return 1, lay.rank * n, (lay.rank + 1) * n
 
 
+def _block_bounds(name: str, kind: Kind, shape: tuple[int, ...], lay: TPLayout, block: Block) -> tuple[int, int, int]:
+    """Rank `lay.rank`'s blocks of a block scale [ceil(N/bn), ceil(K/bk)] (see shard_bounds)."""
+    bn, bk = block
+    if kind == "kv":
+        start, size = lay.kv_head_index * lay.head_dim, lay.kv_heads * lay.head_dim
+        if start % bn or size % bn:
+            raise ShardError(f"{name}: rank {lay.rank}'s KV rows [{start}, {start + size}) are not whole "
+                             f"{bn}-row blocks")
+        return 0, start // bn, (start + size) // bn
+    dim = 0 if kind == "column" else 1
+    if shape[dim] % lay.tp:
+        raise ShardError(f"{name}: {shape[dim]} scale blocks cannot be split evenly over {lay.tp} ranks")
+    n = shape[dim] // lay.tp
+    return dim, lay.rank * n, (lay.rank + 1) * n
+
+
 def pad_vocab(part: torch.Tensor, rows: int) -> torch.Tensor:
     """`part` with zero rows appended up to `rows` (the vocabulary padding of the last ranks); `part`
     itself when it already has them."""
@@ -136,11 +197,11 @@ def pad_vocab(part: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([part, part.new_zeros((rows - part.shape[0], *part.shape[1:]))])
 
 
-def shard_tensor(name: str, t: torch.Tensor, lay: TPLayout) -> torch.Tensor:
+def shard_tensor(name: str, t: torch.Tensor, lay: TPLayout, block: Block | None = None) -> torch.Tensor:
     """Rank `lay.rank`'s slice of the full tensor `t` (a view where it can be; vocab padding is a copy).
 
     A view keeps all of `t`'s storage alive: `owned_shard` is the copy a loader should keep."""
-    bounds = shard_bounds(name, tuple(t.shape), lay)
+    bounds = shard_bounds(name, tuple(t.shape), lay, block)
     if bounds is None:
         return t
     dim, start, stop = bounds
@@ -162,14 +223,15 @@ def rank_tensor_shapes(shapes: dict[str, tuple[int, ...]], lay: TPLayout) -> dic
 
 
 def sharded_weights(weights: Iterable[tuple[str, torch.Tensor]], lay: TPLayout,
-                    device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                    device: torch.device | str | None = None,
+                    block: Block | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A loader's (name, whole tensor) stream as rank `lay.rank`'s slices, each moved to `device` as it
     goes: one whole tensor at a time is held (on the loader's side), never the whole model on a GPU.
 
     Each slice is `shard_tensor`'s, contiguous, and never a view into the whole tensor (`owned_shard`),
-    so the whole tensor is freed as soon as the stream moves on."""
+    so the whole tensor is freed as soon as the stream moves on. `block`: the checkpoint's fp8 weight blocks."""
     for name, t in weights:
-        part = shard_tensor(name, t, lay)
+        part = shard_tensor(name, t, lay, block)
         yield name, owned_shard(part if device is None else part.to(device), t)
 
 

@@ -35,7 +35,7 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
 from rapidserve.models.transformer import CausalLM
-from rapidserve.ops import get_ops
+from rapidserve.ops import fp8_ops, get_ops
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
@@ -108,6 +108,19 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         self.max_model_len = cfg.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.ops = get_ops(self.device)
+        quant = cfg.quantization
+        if quant.enabled:
+            self.ops = fp8_ops(self.ops, self.device)  # the reference path on a device without fp8
+            log.info("quantization: %s; fp8 linear: %s", quant.describe(), self.ops.fp8_linear.__name__)
+            if source is not None and source.quantization is not None and source.quantization != quant:
+                raise ConfigError(f"the model's FP8 scheme ({source.quantization.describe()}) is not the config's "
+                                  f"({quant.describe()}): build the config from this model")
+            if source is not None and source.quantization is None and not quant.online:
+                raise ConfigError(f"the config asks for an FP8 checkpoint ({quant.describe()}) but the model's "
+                                  "weights are float: build the config from this model")
+        elif source is not None and source.quantization is not None:
+            raise ConfigError(f"the model is an FP8 checkpoint ({source.quantization.describe()}) and the config's "
+                              "quantization is none: build the config from this model")
         self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
         log.info("attention backend: %s", self.attn.name)
         t0 = time.perf_counter()
@@ -115,13 +128,13 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
             from rapidserve.runner.model_sharing import attach_model
 
             self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                                    max(self.max_model_len, 1), attached, tp)
+                                                    max(self.max_model_len, 1), attached, tp, quant)
         else:
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
             cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
             self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                  max_positions=max(self.max_model_len, 1), tp=tp)
+                                  max_positions=max(self.max_model_len, 1), tp=tp, quant=quant)
             log.info("loading weights: %s", source.description)
             self._load(source, show_progress)
             log.info("weights loaded in %.1f s", time.perf_counter() - t0)
@@ -144,9 +157,10 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
-        The cache's hashes start from the model's name and dtype: whatever changes the K/V changes them.
+        The cache's hashes start from the model's name, dtype and fp8 scheme: whatever changes the K/V changes them.
         With --kv-events-config it logs the cache's block events (rapidserve/kv_events.py) for its owner to send."""
-        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}".encode()
+        quant = self.cfg.quantization
+        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}{'|' + repr(quant) if quant.enabled else ''}".encode()
         kv = self.cfg.kv_events
         events = KVEventLog(self.block_size, kv.none_hash) if kv.publishing else None
         return BlockManager(self.kv_pool.num_blocks, self.block_size,

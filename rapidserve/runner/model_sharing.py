@@ -38,6 +38,8 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.models.transformer import CausalLM, WeightError
 from rapidserve.ops import Ops
+from rapidserve.ops.fp8 import fp8_dtype
+from rapidserve.quant_config import QuantizationConfig
 
 if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
@@ -111,15 +113,18 @@ def _check(what: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torch.dtype,
                  device: torch.device, max_positions: int | None,
-                 shared: SharedState, tp: TPGroup | None = None) -> tuple[CausalLM, KVPool]:
+                 shared: SharedState, tp: TPGroup | None = None,
+                 quant: QuantizationConfig | None = None) -> tuple[CausalLM, KVPool]:
     """A CausalLM and a KVPool over the exporter's memory: no parameter or KV memory of their own.
 
-    `cfg`, `dtype` and `max_positions` must be those the exporter's model was built with; the outputs
-    are then the exporter's, bit for bit on the same device and kernels.
+    `cfg`, `dtype`, `max_positions` and `quant` (the fp8 scheme: its weights, scales and input scales are
+    parameters like any other, in the device's fp8 format) must be those the exporter's model was built with; the
+    outputs are then the exporter's, bit for bit on the same device and kernels.
     """
     device = torch.device(device)
     meta = torch.device("meta")
-    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp)
+    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp, quant=quant,
+                     fp8=fp8_dtype(device))
     cfg = model.cfg  # this rank's shard under tensor parallelism (its KV heads size the pool)
     expected = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(expected) - set(shared.params))

@@ -1,0 +1,231 @@
+"""FP8 linear layers (issue 39): weights in float8 e4m3 with float32 scales, inputs quantized to fp8 at each call.
+
+`Fp8Linear` holds one fused projection of a decoder layer (rapidserve/quant_config.py says which scheme):
+- `weight` [N, K]: float8_e4m3fn; float8_e4m3fnuz on ROCm's gfx94x (`fp8_dtype`), whose fp8 has no negative zero
+  and an exponent bias one larger: the same bits are half the value, so a checkpoint's e4m3fn weight is stored
+  bit for bit (-0 made +0) with its scales doubled (`to_fnuz`), and dequantizes to the same numbers;
+- `weight_scale` float32: [N], one per output row (a checkpoint's per-tensor scales repeated over the rows of
+  their projection, so q|k|v keep their three scales without requantizing), or [ceil(N / bn), ceil(K / bk)], one
+  per (bn x bk) block (`block`);
+- `input_scale` float32 [1]: static activations only (the largest of the fused projections' calibrated scales).
+
+The math, which every path computes (up to the order of float32 sums):
+    x8, sx = quantize_input(x)                    x8 = fp8(clamp(x / sx, -fp8_max, fp8_max)), sx per token /
+                                                  tensor / token-group (the scheme's activations)
+    y[m, n] = sum_k (x8[m, k] sx[m, k]) (w8[n, k] sw[n, k]) (+ bias[n])   sx, sw broadcast over what they cover
+The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py):
+- `reference_linear`: dequantizes x8 and the weight to the compute dtype and calls F.linear. CPU, and GPUs
+  without fp8 (`fp8_supported`): the definition the CPU tests check against.
+- `scaled_mm_linear`: per-row scales (weights) x per-token or per-tensor scales (activations) through
+  `torch._scaled_mm`'s row-wise scaling (cuBLASLt / CUTLASS on sm_89+, hipBLASLt on MI300): fp8 products
+  accumulated in float32, scaled in its epilogue, bfloat16 out.
+- `triton_fp8.block_linear`: 128x128-style block scales (`gpu_linear` routes them there).
+
+Activations are quantized by the same torch code on every path, so only the GEMM differs. Nothing reads a device
+value on the host: every path is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_E4M3FN = torch.float8_e4m3fn
+FP8_E4M3FNUZ = torch.float8_e4m3fnuz
+MIN_AMAX = 1e-12  # a row (or group, tensor) of zeros gets this amax, not a 0 scale (0 / 0)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of the fp8 format: 448 (e4m3fn), 240 (e4m3fnuz)."""
+    return float(torch.finfo(dtype).max)
+
+
+def _rocm_arch(device: torch.device) -> str:
+    return str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", ""))
+
+
+def fp8_dtype(device: torch.device | str) -> torch.dtype:
+    """The fp8 weight format on `device`: e4m3fnuz on ROCm's gfx94x (MI300), e4m3fn everywhere else (CPU, NVIDIA,
+    gfx950's OCP fp8)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.version.hip is not None and _rocm_arch(device).startswith("gfx94"):
+        return FP8_E4M3FNUZ
+    return FP8_E4M3FN
+
+
+def fp8_supported(device: torch.device | str) -> bool:
+    """Whether `device` multiplies fp8 in hardware: NVIDIA sm_89+ (Ada, Hopper, Blackwell), AMD gfx94x / gfx95x.
+    Elsewhere fp8 layers run `reference_linear` (CPU, and older GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.version.hip is not None:
+        return _rocm_arch(device).startswith(("gfx94", "gfx95"))
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Linear(nn.Module):
+    """One fp8 projection's tensors (module docstring): `weight` [N, K] fp8, `weight_scale` float32 ([N], or
+    [ceil(N / bn), ceil(K / bk)] with `block`), `input_scale` float32 [1] with static activations (else None).
+    `activations`: quant_config's ("token", "tensor", "static", "group")."""
+
+    def __init__(self, n: int, k: int, fp8: torch.dtype, activations: str, block: tuple[int, int] | None,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.activations, self.block = activations, block
+        self.weight = nn.Parameter(torch.empty((n, k), dtype=fp8, device=device), requires_grad=False)
+        scale = (n,) if block is None else (cdiv(n, block[0]), cdiv(k, block[1]))
+        self.weight_scale = nn.Parameter(torch.empty(scale, dtype=torch.float32, device=device), requires_grad=False)
+        self.input_scale: nn.Parameter | None
+        if activations == "static":
+            self.input_scale = nn.Parameter(torch.empty(1, dtype=torch.float32, device=device), requires_grad=False)
+        else:
+            self.register_parameter("input_scale", None)
+
+    @property
+    def group(self) -> int | None:
+        """Input columns per activation scale ("group" activations)."""
+        return self.block[1] if self.activations == "group" and self.block is not None else None
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as numbers, w8 * scale, in `dtype` (computed in float32)."""
+        return dequantize_weight(self.weight, self.weight_scale, self.block).to(dtype)
+
+    def extra_repr(self) -> str:
+        n, k = self.weight.shape
+        return f"{n}x{k} {self.weight.dtype}, block={self.block}, activations={self.activations}"
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int] | None) -> torch.Tensor:
+    """A weight scale ([N] per row, or [ceil(N/bn), ceil(K/bk)] per block) as a float32 [rows, cols] broadcastable
+    to the weight: [N, 1] per row, the block scales repeated over their blocks (cut at the edges)."""
+    if block is None:
+        return scale.float().reshape(-1, 1)
+    bn, bk = block
+    return scale.float().repeat_interleave(bn, 0)[:rows].repeat_interleave(bk, 1)[:, :cols]
+
+
+def dequantize_weight(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """w8 * scale in float32 (scale as `expand_scale` lays it out)."""
+    return w8.float() * expand_scale(scale, w8.shape[0], w8.shape[1], block)
+
+
+def quantize_input(x: torch.Tensor, activations: str, fp8: torch.dtype, input_scale: torch.Tensor | None = None,
+                   group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as (x8 [M, K] fp8, scale float32): scale [M, 1] ("token"), [1, 1] ("tensor", "static": the given
+    `input_scale`), [M, ceil(K / group)] ("group"). x8 = fp8(clamp(x / scale, +-fp8_max)), scale = amax / fp8_max
+    over what it covers (amax at least MIN_AMAX). Pure torch: the same numbers on every device."""
+    xf = x.float()
+    top = fp8_max(fp8)
+    if activations == "static":
+        if input_scale is None:
+            raise ValueError("static fp8 activations need the layer's input_scale")
+        scale = input_scale.float().reshape(1, 1)
+        return (xf / scale).clamp(-top, top).to(fp8), scale
+    if activations == "token":
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / top
+        return (xf / scale).clamp(-top, top).to(fp8), scale
+    if activations == "tensor":
+        scale = xf.abs().amax().clamp(min=MIN_AMAX).reshape(1, 1) / top
+        return (xf / scale).clamp(-top, top).to(fp8), scale
+    if activations != "group" or group is None:
+        raise ValueError(f"fp8 activations {activations!r} (group={group}): use token, tensor, static or group")
+    m, k = xf.shape
+    groups = cdiv(k, group)
+    padded = F.pad(xf, (0, groups * group - k)).reshape(m, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp(min=MIN_AMAX) / top  # [M, groups]
+    x8 = (padded / scale.unsqueeze(-1)).clamp(-top, top).reshape(m, groups * group)[:, :k]
+    return x8.contiguous().to(fp8), scale
+
+
+def dequantize_input(x8: torch.Tensor, scale: torch.Tensor, group: int | None) -> torch.Tensor:
+    """x8 * scale in float32 (scale as `quantize_input` made it)."""
+    if group is None:
+        return x8.float() * scale
+    return x8.float() * scale.repeat_interleave(group, 1)[:, :x8.shape[1]]
+
+
+def quantize_weight(w: torch.Tensor, weights: str, block: tuple[int, int] | None,
+                    fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as (w8, scale) with scale = amax / fp8_max over each row ("channel": [N]), the whole
+    tensor ("tensor": [1]) or each block ("block": [ceil(N/bn), ceil(K/bk)]): `--quantization fp8` and dummy
+    weights of an fp8 scheme. w8 = fp8(clamp(w / scale, +-fp8_max))."""
+    wf = w.float()
+    top = fp8_max(fp8)
+    if weights == "channel":
+        scale = wf.abs().amax(dim=1).clamp(min=MIN_AMAX) / top
+    elif weights == "tensor":
+        scale = wf.abs().amax().clamp(min=MIN_AMAX).reshape(1) / top
+    elif weights == "block" and block is not None:
+        n, k = wf.shape
+        bn, bk = block
+        padded = F.pad(wf, (0, cdiv(k, bk) * bk - k, 0, cdiv(n, bn) * bn - n))
+        tiles = padded.reshape(cdiv(n, bn), bn, cdiv(k, bk), bk)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / top
+    else:
+        raise ValueError(f"fp8 weight scales {weights!r} (block={block}): use channel, tensor or block")
+    full = scale.reshape(1, 1) if weights == "tensor" else expand_scale(scale, wf.shape[0], wf.shape[1], block)
+    return (wf / full).clamp(-top, top).to(fp8), scale
+
+
+def to_fnuz(w8: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bits as e4m3fnuz (ROCm's gfx94x): the same bits, -0 (0x80, NaN in fnuz) made +0 and e4m3fn's NaNs
+    (0x7f, 0xff: +-240 in fnuz) made fnuz's NaN (0x80). Each value is half the e4m3fn one, so the caller doubles the
+    scales: w8 * s is unchanged."""
+    if w8.dtype != FP8_E4M3FN:
+        raise ValueError(f"to_fnuz takes float8_e4m3fn, got {w8.dtype}")
+    bits = w8.view(torch.int8)
+    bits = torch.where(bits == -128, torch.zeros_like(bits), bits)
+    return torch.where((bits & 0x7F) == 0x7F, torch.full_like(bits, -128), bits).view(FP8_E4M3FNUZ)
+
+
+def reference_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition (module docstring): x quantized as the scheme says, x8 and the weight dequantized to x's
+    dtype, F.linear. Runs anywhere; on a GPU it writes the dequantized weight each call (slow)."""
+    x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+    xq = dequantize_input(x8, sx, layer.group).to(x.dtype)
+    return F.linear(xq, layer.dequantized(x.dtype), bias)
+
+
+def scaled_mm_ok(x: torch.Tensor, layer: Fp8Linear) -> bool:
+    """Whether `scaled_mm_linear` takes this call: per-row weight scales, and K, N multiples of 16 (its GEMM's
+    alignment)."""
+    n, k = layer.weight.shape
+    return layer.block is None and k % 16 == 0 and n % 16 == 0 and x.shape[0] > 0
+
+
+def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch._scaled_mm` with row-wise scales: scale_a [M, 1] (a per-tensor activation scale repeated over the
+    rows), scale_b [1, N] (the weight's per-row scales); x8 row-major, the weight [N, K] row-major read as its
+    transpose, column-major [K, N]. Out in bfloat16 (what row-wise scaling writes), then x's dtype."""
+    x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+    if sx.shape[0] != x8.shape[0]:
+        sx = sx.expand(x8.shape[0], 1).contiguous()
+    out = torch._scaled_mm(x8, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.reshape(1, -1),
+                           out_dtype=torch.bfloat16)
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales through
+    `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through `reference_linear`."""
+    if layer.block is not None:
+        from rapidserve.ops import triton_fp8
+
+        x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+        out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
+        return out if bias is None else out + bias
+    if scaled_mm_ok(x, layer):
+        return scaled_mm_linear(x, layer, bias)
+    return reference_linear(x, layer, bias)
+
+
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "Fp8Linear", "dequantize_input", "dequantize_weight", "expand_scale",
+           "fp8_dtype", "fp8_max", "fp8_supported", "gpu_linear", "quantize_input", "quantize_weight",
+           "reference_linear", "scaled_mm_linear", "to_fnuz"]
