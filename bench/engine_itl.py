@@ -113,8 +113,8 @@ def _ms(xs: list[float]) -> dict[str, float | int]:
 
 async def run(a: argparse.Namespace) -> dict[str, object]:
     # imported here, after use_code() put --code first on sys.path
-    from rapidserve.config import LaunchConfig
     from rapidserve.engine.client import AsyncEngine
+    from rapidserve.launch_config import LaunchConfig
     from rapidserve.llm import build_engine_config
     from rapidserve.sampling_params import SamplingParams
 

@@ -25,9 +25,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from rapidserve.config import LaunchConfig, PartitionConfig  # noqa: E402
 from rapidserve.engine.client import AsyncEngine  # noqa: E402
+from rapidserve.launch_config import LaunchConfig  # noqa: E402
 from rapidserve.llm import build_engine_config  # noqa: E402
+from rapidserve.partition_config import PartitionConfig  # noqa: E402
 from rapidserve.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = 4096

@@ -27,7 +27,9 @@ import argparse
 import re
 from typing import Any, NoReturn
 
-from rapidserve.config import LOAD_FORMATS, LOG_LEVELS, REASONING_PARSERS, ConfigError
+from rapidserve.config import LOAD_FORMATS
+from rapidserve.config_base import LOG_LEVELS, ConfigError
+from rapidserve.server_config import REASONING_PARSERS
 
 _PROXY = "put a reverse proxy (nginx, envoy) in front of rapidserve for it"
 UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or what to use instead)

@@ -13,15 +13,8 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
-from rapidserve.config import (
-    ALLOW_LONG_MAX_MODEL_LEN_ENV,
-    LOAD_FORMATS,
-    ConfigError,
-    EngineConfig,
-    LaunchConfig,
-    ParallelConfig,
-    PartitionConfig,
-)
+from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, LOAD_FORMATS, EngineConfig, ParallelConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import (  # re-exported: the model-free half of the builder
     allow_long_max_model_len,
     check_unsupported_options,
@@ -33,9 +26,11 @@ from rapidserve.engine_settings import (  # re-exported: the model-free half of 
 from rapidserve.generation_config import GENERATION_CONFIG_FILE, SamplingDefaults
 from rapidserve.kv_events import make_none_hash
 from rapidserve.kv_events_config import KVEventsConfig
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 from rapidserve.parallel.shard import block_shard_problem
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",

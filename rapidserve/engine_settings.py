@@ -25,15 +25,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rapidserve.config import (
-    ALLOW_LONG_MAX_MODEL_LEN_ENV,
-    CacheConfig,
-    ConfigError,
-    LaunchConfig,
-    PartitionConfig,
-    RunnerConfig,
-    SchedulerConfig,
-)
+from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, CacheConfig, RunnerConfig, SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.generation_config import (
     GENERATION_CONFIG_FILE,
     GenerationConfigError,
@@ -41,6 +34,8 @@ from rapidserve.generation_config import (
     sampling_defaults,
 )
 from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
+from rapidserve.launch_config import LaunchConfig
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
 
 UNSET_CHOICES = (None, "auto", "none")  # --quantization / --kv-cache-dtype left to the model

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidserve.config import CacheConfig, ConfigError, ModelConfig
+from rapidserve.config import CacheConfig, ModelConfig
+from rapidserve.config_base import ConfigError
 
 
 @dataclass(frozen=True)

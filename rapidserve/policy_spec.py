@@ -37,7 +37,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rapidserve.config import DEFAULT_POLICY, POLICIES, ConfigError
+from rapidserve.config_base import ConfigError
+from rapidserve.partition_config import DEFAULT_POLICY, POLICIES
 
 ADAPTIVE, STATIC, OFF = "adaptive", "static", "off"
 PARTITION_MODES = (ADAPTIVE, STATIC, OFF)
@@ -165,7 +166,8 @@ RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
                      "kv_events.enable_kv_cache_events": "it caches no prompts",
                      "scheduler.async_scheduling": "it runs no hybrid scheduler"}),
 )}
-assert tuple(sorted(POLICY_SPECS)) == tuple(sorted(POLICIES)), "config.POLICIES and POLICY_SPECS must name the same"
+assert tuple(sorted(POLICY_SPECS)) == tuple(sorted(POLICIES)), \
+    "partition_config.POLICIES and POLICY_SPECS must name the same"
 
 
 def _workers(w: tuple[str, ...]) -> str:
@@ -192,7 +194,7 @@ def resolve_mode(mode: str | None, policy: str | None) -> str:
 def resolve_policy(run: str, policy: str | None, partition_mode: str) -> str:
     """`--policy` left out (None): the run's default policy if it runs with the run's partition (`partition_mode`
     where the run fixes none), else rapid (the policy that runs with a fixed or no partition); runs without workers
-    keep `config.DEFAULT_POLICY` (not read)."""
+    keep `partition_config.DEFAULT_POLICY` (not read)."""
     if policy is not None:
         return policy
     r = RUN_SPECS[run]

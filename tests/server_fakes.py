@@ -17,12 +17,13 @@ from typing import Any
 
 from aiohttp import web
 
-from rapidserve.config import EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from rapidserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from rapidserve.engine.client import EngineError, RequestRejected
 from rapidserve.engine.messages import TokenOut
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.app import Server
 from rapidserve.server.serve import make_runner
+from rapidserve.server_config import ServerConfig
 
 MODEL = ModelConfig(arch="llama", vocab_size=64, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                     num_kv_heads=1, head_dim=4, max_position_embeddings=4096)

@@ -20,7 +20,7 @@ from triton_interp import run_interpreted
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import torch_ref as ref
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

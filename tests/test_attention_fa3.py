@@ -17,7 +17,7 @@ import torch
 
 from rapidserve.attention import AttentionMetadata, attend, fa3, get_attention_backend, split_decode_rows
 from rapidserve.attention import torch_ref as ref
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_attention import (  # noqa: E402

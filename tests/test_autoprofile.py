@@ -16,7 +16,8 @@ import msgspec
 import pytest
 
 import rapidserve.partition.runtime as runtime
-from rapidserve.config import EngineConfig, LaunchConfig, ParallelConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ParallelConfig
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition import autoprofile as ap
@@ -37,6 +38,7 @@ from rapidserve.partition.profile_budget import (
     short_spec,
 )
 from rapidserve.partition.roofline import Peaks, roofline_profile
+from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import fake_gpu  # noqa: F401 - the fixture
 

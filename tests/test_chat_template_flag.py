@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rapidserve.cli import build_parser, main, server_config
-from rapidserve.config import ConfigError
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_serve import server_config
+from rapidserve.config_base import ConfigError
 from rapidserve.tokenizer import ChatTemplateError, check_chat_template, load_chat_template
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>" \
@@ -80,9 +81,10 @@ def test_a_model_without_tokenizer_takes_no_chat_template(capsys: pytest.Capture
 def test_the_served_tokenizer_takes_the_template_and_keeps_the_eos_ids() -> None:
     import dataclasses
 
-    from rapidserve.config import EngineConfig, ServerConfig
+    from rapidserve.config import EngineConfig
     from rapidserve.loader import resolve_model
     from rapidserve.server.serve import serving_tokenizer
+    from rapidserve.server_config import ServerConfig
 
     source = resolve_model(None)
     source = dataclasses.replace(source, config=source.config.replace(eos_token_ids=(7,)))

@@ -134,7 +134,8 @@ def test_generate_chat_with_default_model() -> None:
 
 
 def test_serve_flags_map_to_the_server_config() -> None:
-    from rapidserve.cli import build_parser, server_config
+    from rapidserve.cli import build_parser
+    from rapidserve.cli_serve import server_config
 
     a = build_parser().parse_args(["serve", "--max-request-bytes", "4096", "--shutdown-grace-s", "2.5",
                                    "--max-connections", "20", "--keepalive-timeout-s", "5", "--header-timeout-s",

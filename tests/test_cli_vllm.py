@@ -14,8 +14,9 @@ from unittest import mock
 import pytest
 import torch
 
-from rapidserve.cli import build_parser, main, server_config
-from rapidserve.config import ConfigError
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_serve import server_config
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.loader import ModelLoadError, resolve_model
 from rapidserve.loader.hub import display_name, find_snapshot, hub_cache_dirs, is_repo_id, local_model_spec
@@ -232,8 +233,8 @@ def test_load_format_dummy_in_the_engines_matches_llm(tmp_path: Path, mode: str)
     import asyncio
     import dataclasses
 
-    from rapidserve.config import LaunchConfig
     from rapidserve.engine.client import AsyncEngine
+    from rapidserve.launch_config import LaunchConfig
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 
@@ -280,7 +281,7 @@ def test_load_format_reaches_every_command(tmp_path: Path) -> None:
     save_as_hf_folder(load_preset("tiny-llama"), tmp_path)
     _, ecfg, _ = serve_args(str(tmp_path), "--load-format", "dummy")
     assert ecfg.model == f"dummy:{tmp_path}"
-    from rapidserve.cli import engine_kwargs
+    from rapidserve.cli_args import engine_kwargs
 
     a = build_parser().parse_args(["generate", "--prompt", "x", "--load-format", "dummy", "--revision", "r",
                                    "--download-dir", "/d"])

@@ -10,16 +10,10 @@ from unittest import mock
 
 import pytest
 
-from rapidserve.config import (
-    ALLOW_LONG_MAX_MODEL_LEN_ENV,
-    ConfigError,
-    EngineConfig,
-    LaunchConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
+from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
+from rapidserve.launch_config import LaunchConfig
 
 LIMIT = 1024
 MODEL = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from rapidserve.config import ConfigError, EngineConfig, ParallelConfig, RunnerConfig
+from rapidserve.config import EngineConfig, ParallelConfig, RunnerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.client import EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine, engine_configs, pick_engine
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from rapidserve.config import PartitionConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import Split
 from rapidserve.partition.step_policies import AlwaysSplit
+from rapidserve.partition_config import PartitionConfig
 from tests.decode_sched_fakes import make, new
 from tests.test_partition_manager import QWEN3
 from tests.test_partition_runtime import adaptive_plan

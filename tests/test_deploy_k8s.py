@@ -22,7 +22,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from rapidserve.cli import API_KEY_ENV, api_key, build_parser
+from rapidserve.cli import build_parser
+from rapidserve.cli_serve import API_KEY_ENV, api_key
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"

@@ -9,7 +9,9 @@ import sys
 import pytest
 
 from rapidserve.cli import build_parser
-from rapidserve.config import ENGINE_MODES, ConfigError, EngineConfig, LaunchConfig, ParallelConfig
+from rapidserve.config import EngineConfig, ParallelConfig
+from rapidserve.config_base import ConfigError
+from rapidserve.launch_config import ENGINE_MODES, LaunchConfig
 from rapidserve.llm import build_engine_config
 
 

@@ -15,8 +15,9 @@ import time
 import pytest
 
 from rapidserve import SamplingParams
-from rapidserve.config import EngineConfig, LaunchConfig
+from rapidserve.config import EngineConfig
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from tests.test_hybrid_engine import wait_blocks_free
 from tests.test_server import http, metric, start, stop

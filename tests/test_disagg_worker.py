@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from rapidserve.config import ConfigError, EngineConfig
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
 from rapidserve.engine.disagg import DisaggPrefillWorker

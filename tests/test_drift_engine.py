@@ -13,9 +13,11 @@ import time
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import EngineConfig, LaunchConfig, ParallelConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
+from rapidserve.partition_config import PartitionConfig
 from tests.test_engine import chat_prompts, collect, wait_blocks_free
 
 NEW = 8

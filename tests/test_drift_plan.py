@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from rapidserve.cli import build_parser, partition_config
-from rapidserve.config import ConfigError, EngineConfig, PartitionConfig
+from rapidserve.cli import build_parser
+from rapidserve.cli_args import partition_config
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.drift import DriftDecision, LinearModel
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, prefill_models
@@ -19,6 +21,7 @@ from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, prefill_operators, step_seconds
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, resolve_plan
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
 

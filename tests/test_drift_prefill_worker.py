@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from rapidserve.config import PartitionConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
@@ -23,6 +22,7 @@ from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.runner import ModelRunner
 from rapidserve.runner.prefill_task import PrefillTask
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import LaunchConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 
 NEW = 32
@@ -195,7 +195,7 @@ def _alive(pid: int | None) -> bool:
 
 SCRIPT = """
 import asyncio, dataclasses, os, sys
-from rapidserve.config import LaunchConfig
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.llm import build_engine_config
 

@@ -30,9 +30,11 @@ from pathlib import Path
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import EngineConfig, LaunchConfig, PartitionConfig
+from rapidserve.config import EngineConfig
 from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
+from rapidserve.partition_config import PartitionConfig
 from tests.forced_switch import DUET_SLO_MS, forcing_profile
 from tests.test_engine import wait_blocks_free
 

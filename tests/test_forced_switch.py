@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidserve.config import EngineConfig, PartitionConfig, SchedulerConfig
+from rapidserve.config import EngineConfig, SchedulerConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import Granularity, check_configurations, cu_granularity, plan_configurations
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction
@@ -24,6 +24,7 @@ from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts
 from rapidserve.partition.step_policies import make_step_policy
+from rapidserve.partition_config import PartitionConfig
 from tests.forced_switch import DUET_SLO_MS, forcing_profile, split_for_prefill
 
 MODEL = "preset:tiny-llama"

@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.attention import AttentionMetadata
-from rapidserve.config import ConfigError, ParallelConfig
+from rapidserve.config import ParallelConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.llm import build_engine_config
 from rapidserve.loader import ModelLoadError, UnsupportedQuantization, rank_weights, resolve_model
 from rapidserve.ops.fp8 import Fp8Linear

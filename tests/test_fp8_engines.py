@@ -12,8 +12,8 @@ import pytest
 from fp8_folders import float_folder, fp8_folder
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import LaunchConfig
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

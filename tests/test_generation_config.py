@@ -12,12 +12,15 @@ from typing import Any
 
 import pytest
 
-from rapidserve.cli import build_parser, engine_kwargs, main, server_config
-from rapidserve.config import FALLBACK_MAX_TOKENS, ConfigError, ServerConfig
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import engine_kwargs
+from rapidserve.cli_serve import server_config
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config, resolve_generation_config
 from rapidserve.generation_config import GenerationConfigError, SamplingDefaults, sampling_defaults
 from rapidserve.loader import resolve_model
 from rapidserve.server import requests as rq
+from rapidserve.server_config import FALLBACK_MAX_TOKENS, ServerConfig
 from rapidserve.tokenizer import Tokenizer
 
 QWEN3 = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,

@@ -14,7 +14,7 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.client import ConstraintFailed, EngineError, _error_of
 from rapidserve.engine.faults import RequestsFailed, describe, fault_of, fill_or_blame
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
-from rapidserve.server.app import _api_error, _error_body
+from rapidserve.server.middleware import api_error, error_body
 from rapidserve.structured import GrammarError
 from rapidserve.structured.matchers import GrammarRow
 
@@ -79,12 +79,12 @@ def test_the_router_raises_constraint_failed_only_for_the_constraint_fault(finis
 
 
 def test_the_server_answers_a_failed_constraint_400_naming_its_field_and_an_engine_failure_503() -> None:
-    e = _api_error(ConstraintFailed("the grammar engine cannot serve this regex constraint: lexer error"),
+    e = api_error(ConstraintFailed("the grammar engine cannot serve this regex constraint: lexer error"),
                    "guided_regex")
     assert e.status == 400 and e.param == "guided_regex" and e.type == "invalid_request_error"
     assert e.code == "structured_output_failed" and "'guided_regex' could not be enforced" in e.message
     assert "lexer error" in e.message
-    body = _error_body(ConstraintFailed("x broke"), "response_format.json_schema.schema")  # a stream's error event
+    body = error_body(ConstraintFailed("x broke"), "response_format.json_schema.schema")  # a stream's error event
     assert body["param"] == "response_format.json_schema.schema" and body["code"] == "structured_output_failed"
-    down = _api_error(EngineError("decode worker died"), "guided_regex")
+    down = api_error(EngineError("decode worker died"), "guided_regex")
     assert down.status == 503 and down.code == "engine_unavailable"

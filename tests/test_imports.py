@@ -38,13 +38,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    # Plus the model's sampling defaults (`generation_config`), the --kv-events-config section (`kv_events_config`),
-    # the quantization section (`quant_config`),
-    # the policies' declarations and the flag check derived from them (`policy_spec`), and the tree's sections from
-    # the settings with every check that needs no model (`engine_settings`).
-    ("config", ("rapidserve", "rapidserve.config", "rapidserve.generation_config", "rapidserve.kv_events_config",
-                "rapidserve.quant_config", "rapidserve.policy_spec", "rapidserve.engine_settings",
-                "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
+    # Plus ConfigError and what the tree's modules share (`config_base`), the launch, partition and server sections
+    # (`launch_config`, `partition_config`, `server_config`), the model's sampling defaults (`generation_config`), the
+    # --kv-events-config section (`kv_events_config`), the quantization section (`quant_config`), the policies'
+    # declarations and the flag check derived from them (`policy_spec`), and the tree's sections from the settings
+    # with every check that needs no model (`engine_settings`).
+    ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
+                "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
+                "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
+                "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
@@ -68,8 +70,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("server", ("rapidserve.server",)),
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
-    # The entry point.
-    ("cli", ("rapidserve.cli", "rapidserve.cli_vllm")),
+    # The entry point: main and the parser (`cli`), the shared flags (`cli_args`), each command's flags and code
+    # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`).
+    ("cli", ("rapidserve.cli", "rapidserve.cli_args", "rapidserve.cli_generate", "rapidserve.cli_serve",
+             "rapidserve.cli_vllm")),
 )
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from rapidserve.block_manager import BlockManager
-from rapidserve.config import ConfigError, LaunchConfig, PartitionConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config, resolve_kv_events
 from rapidserve.engine_settings import engine_sections
 from rapidserve.kv_events import (
@@ -35,6 +35,8 @@ from rapidserve.kv_events import (
     split_events,
 )
 from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
+from rapidserve.launch_config import LaunchConfig
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import conflicts
 
 SEED = "1234"  # $PYTHONHASHSEED of the tests

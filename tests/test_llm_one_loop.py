@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import LaunchConfig
 from rapidserve.core import EngineCore
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from rapidserve.partition.step_policies import AlwaysFused
 from tests.test_engine import wait_blocks_free

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import LaunchConfig
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from tests.test_prefix_cache_engines import quiet_stats
 

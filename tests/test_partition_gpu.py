@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from rapidserve.config import PartitionConfig
 from rapidserve.partition.backend import device_granularity, plan_configurations, static_configuration
 from rapidserve.partition.profile import Configuration
 from rapidserve.partition.runtime import PlanWire, open_streams
+from rapidserve.partition_config import PartitionConfig
 
 TIMEOUT_S = 120
 BLOCKS_PER_SM = 64  # every SM gets blocks in the first wave: the set observed is the whole partition

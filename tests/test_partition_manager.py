@@ -492,7 +492,8 @@ def test_wait_scales_only_within_the_profiles_forward(tokens: int, longest: int 
 
 
 def test_profile_lookup_config_invalid() -> None:
-    from rapidserve.config import ConfigError, PartitionConfig
+    from rapidserve.config_base import ConfigError
+    from rapidserve.partition_config import PartitionConfig
 
     with pytest.raises(ConfigError, match="profile_lookup='nearest'; use one of interpolate, round-up"):
         PartitionConfig(profile_lookup="nearest")
@@ -507,7 +508,8 @@ def test_profile_lookup_config_invalid() -> None:
 def test_profile_lookup_refused_where_unread(kw: dict[str, object], pattern: str) -> None:
     """Where the profile is not read between buckets the one flag check (policy_spec) refuses it; it took this rule
     over from PartitionConfig. (duet reads it now: its cost model reads the profile, partition/step_costs.py.)"""
-    from rapidserve.config import ConfigError, PartitionConfig
+    from rapidserve.config_base import ConfigError
+    from rapidserve.partition_config import PartitionConfig
     from rapidserve.policy_spec import check_settings
 
     p = PartitionConfig(**kw)  # type: ignore[arg-type]
@@ -516,8 +518,9 @@ def test_profile_lookup_refused_where_unread(kw: dict[str, object], pattern: str
 
 
 def test_cli_profile_lookup() -> None:
-    from rapidserve.cli import build_parser, partition_config
-    from rapidserve.config import PartitionConfig
+    from rapidserve.cli import build_parser
+    from rapidserve.cli_args import partition_config
+    from rapidserve.partition_config import PartitionConfig
 
     a = build_parser().parse_args(["serve"])
     assert partition_config(a).profile_lookup == "round-up"  # the default: measured within the SLO
@@ -531,8 +534,8 @@ def test_decode_partition_reads_the_profile_as_configured() -> None:
     """The runtime passes --profile-lookup to the manager: at 4160 tokens of context (the synthetic profile's 8192
     bucket doubles the step) and a 5 ms SLO, split32 meets it only when interpolated; rounded up nothing does, and
     the manager falls back to the lowest step, split64."""
-    from rapidserve.config import PartitionConfig
     from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+    from rapidserve.partition_config import PartitionConfig
 
     plan = PartitionPlan("cuda-green", list(FULL.configurations), FULL, "synthetic H100 profile")
     got = {}

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import rapidserve
-from rapidserve.cli import build_parser, main, partition_config
-from rapidserve.config import ConfigError, EngineConfig, PartitionConfig
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import partition_config
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import NoPartition, PartitionError
 from rapidserve.partition.policy import PendingWork
@@ -27,6 +29,7 @@ from rapidserve.partition.profile import (
 )
 from rapidserve.partition.profile_cmd import cmd_profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
 

@@ -11,18 +11,13 @@ import argparse
 
 import pytest
 
-from rapidserve.cli import build_parser, main, partition_config
-from rapidserve.config import (
-    DEFAULT_POLICY,
-    POLICIES,
-    CacheConfig,
-    ConfigError,
-    LaunchConfig,
-    PartitionConfig,
-    RunnerConfig,
-    SchedulerConfig,
-)
+from rapidserve.cli import build_parser, main
+from rapidserve.cli_args import partition_config
+from rapidserve.config import CacheConfig, RunnerConfig, SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
+from rapidserve.launch_config import LaunchConfig
+from rapidserve.partition_config import DEFAULT_POLICY, POLICIES, PartitionConfig
 from rapidserve.policy_spec import (
     POLICY_SPECS,
     RUN_SPECS,

@@ -7,7 +7,8 @@ from collections import deque
 
 import pytest
 
-from rapidserve.config import ConfigError, SchedulerConfig
+from rapidserve.config import SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
 from rapidserve.engine.prefill_worker import Job, take_prefill_batch
 from rapidserve.sampling_params import SamplingParams
@@ -58,7 +59,8 @@ def test_prefill_batch_tokens_outside_one_to_the_budget_is_refused_saying_the_ra
 
 
 def test_the_cli_flag_reaches_the_config_and_bad_values_exit_naming_it() -> None:
-    from rapidserve.cli import build_parser, engine_kwargs
+    from rapidserve.cli import build_parser
+    from rapidserve.cli_args import engine_kwargs
 
     a = build_parser().parse_args(["serve", "--prefill-batch-tokens", "2048"])
     assert engine_kwargs(a, env={})["prefill_batch_tokens"] == 2048

@@ -11,8 +11,9 @@ import argparse
 import pytest
 import torch
 
-from rapidserve import cli
-from rapidserve.config import ConfigError, ParallelConfig, RunnerConfig
+from rapidserve import cli, cli_args
+from rapidserve.config import ParallelConfig, RunnerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
@@ -183,13 +184,13 @@ def test_no_buckets_or_enforce_eager_capture_nothing() -> None:
     ("none", ()), ("NONE", ()), ("16", (16,)), ("16,64,1024", (16, 64, 1024)),
 ])
 def test_cli_prefill_graph_tokens(text: str, want: tuple[int, ...]) -> None:
-    assert cli._token_buckets(text) == want
+    assert cli_args._token_buckets(text) == want
 
 
 @pytest.mark.parametrize("text", ["", "16,", "a,b", "64,16", "16,16", "0,16", "-8"])
 def test_cli_prefill_graph_tokens_refuses_bad_lists(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="16"):
-        cli._token_buckets(text)
+        cli_args._token_buckets(text)
 
 
 @pytest.mark.parametrize(("argv", "want"), [
@@ -199,7 +200,7 @@ def test_cli_prefill_graph_tokens_refuses_bad_lists(text: str) -> None:
 ])
 def test_serve_flag_reaches_the_config(argv: list[str], want: tuple[int, ...]) -> None:
     a = cli.build_parser().parse_args(["serve", "--model", "preset:tiny-llama", "--device", "cpu", *argv])
-    cfg, _ = build_engine_config(a.model, **cli.engine_kwargs(a, env={}))  # type: ignore[arg-type]
+    cfg, _ = build_engine_config(a.model, **cli_args.engine_kwargs(a, env={}))  # type: ignore[arg-type]
     assert cfg.runner.prefill_graph_tokens == want
 
 

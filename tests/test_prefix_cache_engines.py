@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import EngineConfig, LaunchConfig
+from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 
 MODEL = "preset:tiny-llama"  # deterministic random weights, vocabulary of 1280

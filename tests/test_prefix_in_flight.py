@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import LaunchConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.decode_scheduler import SHARE_MIN_TOKENS
 from rapidserve.engine.prefill_worker import Job, enqueue
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 
 MODEL = "preset:tiny-llama"

@@ -17,7 +17,7 @@ import pytest
 
 import rapidserve.partition.runtime as runtime
 from rapidserve.cli import main
-from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import Granularity, PartitionError
 from rapidserve.partition.profile import (
@@ -31,6 +31,7 @@ from rapidserve.partition.profile import (
 )
 from rapidserve.partition.profile_cmd import slo_table
 from rapidserve.partition.profiler import ProfileSpec, percentile
+from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import BATCHES, CONTEXTS, h100_profile
 
 BATCH_BUCKETS, CONTEXT_BUCKETS = [1, 2], [16, 48]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 from rapidserve.loader import ModelLoadError, UnsupportedQuantization, expected_tensor_shapes, hf, resolve_model
 from rapidserve.loader.hf import config_from_hf_dict
 from tests.test_cli import usage_error

@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rapidserve.config import ConfigError, EngineConfig, SchedulerConfig, ServerConfig
+from rapidserve.config import EngineConfig, SchedulerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.messages import TokenOut
 from rapidserve.loader import resolve_model
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.app import Server
 from rapidserve.server.serve import check_reasoning_parser, make_runner
+from rapidserve.server_config import ServerConfig
 from rapidserve.tokenizer import Tokenizer
 from tests.server_fakes import MODEL, FakeEngine
 from tests.tool_model import make_tool_model
@@ -88,9 +90,11 @@ async def thinking_server(tok: Tokenizer, parser: str | None = "qwen3",
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     try:
-        yield engine, openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), url
+        yield engine, client, url
     finally:
+        await client.close()  # on this loop: left to the garbage collector, it logs errors in a later test
         await runner.cleanup()
 
 

@@ -18,7 +18,7 @@ import torch
 import rapidserve.partition.backend as backend_mod
 from hip_ext.cumask import decode_mask, prefill_mask
 from rapidserve.attention import get_attention_backend
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.client import gpu_platform
 from rapidserve.engine.mps import MpsController
 from rapidserve.ops import get_ops, torch_ops

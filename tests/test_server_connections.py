@@ -16,8 +16,8 @@ from contextlib import asynccontextmanager
 import aiohttp
 from aiohttp import web
 
-from rapidserve.config import ServerConfig
 from rapidserve.server.serve import make_runner
+from rapidserve.server_config import ServerConfig
 
 
 @asynccontextmanager

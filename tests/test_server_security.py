@@ -15,11 +15,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rapidserve.cli import API_KEY_ENV, api_key, build_parser
-from rapidserve.config import ConfigError, ServerConfig
-from rapidserve.server import app as app_module
+from rapidserve.cli import build_parser
+from rapidserve.cli_serve import API_KEY_ENV, api_key
+from rapidserve.config_base import ConfigError
+from rapidserve.server import middleware
 from rapidserve.server.redact import Redactor, install
 from rapidserve.server.serve import is_loopback, warn_if_exposed
+from rapidserve.server_config import ServerConfig
 from tests.server_fakes import FakeEngine, running_server
 
 
@@ -123,13 +125,13 @@ def test_key_is_required_everywhere_but_health_and_openapi() -> None:
 
 def test_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[bytes, bytes]] = []
-    real = app_module.hmac.compare_digest
+    real = middleware.hmac.compare_digest
 
     def spy(a: bytes, b: bytes) -> bool:
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(middleware.hmac, "compare_digest", spy)
     got = asyncio.run(statuses(False, {"Authorization": "Bearer nope"}))
     assert got["/v1/models"] == 401 and (b"nope", b"s3cret") in calls
 

@@ -16,11 +16,12 @@ import pytest
 
 import rapidserve.partition.runtime as runtime
 from rapidserve.cli import main
-from rapidserve.config import EngineConfig, ParallelConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import PartitionError
 from rapidserve.partition.profile import ProfileError, load_profile, profile_filename, save_profile
 from rapidserve.partition.roofline import Peaks, with_collectives
+from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import H100_NAME, fake_gpu  # noqa: F401 (a fixture)
 

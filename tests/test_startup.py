@@ -20,10 +20,11 @@ from unittest import mock
 import aiohttp
 import pytest
 
-from rapidserve.config import ConfigError, ServerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.source import ModelSource
 from rapidserve.server.serve import serve
 from rapidserve.server.startup import BindError, bind_sockets, process_age_s
+from rapidserve.server_config import ServerConfig
 from tests.server_fakes import ECFG, MODEL, FakeEngine
 
 SOURCE = ModelSource(config=MODEL, weights=lambda: iter(()), num_tensors=0, tokenizer_dir=None, tokenizer_file=None,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rapidserve.config import EngineConfig, PartitionConfig, SchedulerConfig
+from rapidserve.config import EngineConfig, SchedulerConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.manager import decide, make_state
@@ -18,6 +18,7 @@ from rapidserve.partition.runtime import PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
 from rapidserve.partition.step_policies import DriftPolicy, FusedPolicy, RapidPolicy, make_step_policy
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import POLICY_SPECS
 from tests.test_adaptive_policy import CONFIGS, H100, PROMPTS, WHOLE, state, synthetic_profile
 

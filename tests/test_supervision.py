@@ -13,8 +13,9 @@ import time
 import pytest
 
 from rapidserve import SamplingParams
-from rapidserve.config import ConfigError, LaunchConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.client import AsyncEngine, EngineError, describe_exit
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 
 

@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from rapidserve.config import EngineConfig, SchedulerConfig, ServerConfig
+from rapidserve.config import EngineConfig, SchedulerConfig
 from rapidserve.engine.messages import TokenOut
 from rapidserve.loader import resolve_model
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.server.app import Server
 from rapidserve.server.serve import make_runner
+from rapidserve.server_config import ServerConfig
 from rapidserve.tokenizer import Tokenizer
 from tests.server_fakes import MODEL, FakeEngine
 from tests.test_server import Srv, client, http, start, stop

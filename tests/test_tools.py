@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, ServerConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.loader import resolve_model
 from rapidserve.server import requests as rq
 from rapidserve.server import tool_calls as tc
@@ -22,6 +22,7 @@ from rapidserve.server.serve import auto_tool_parser
 from rapidserve.server.tool_parsers import FORMATS, Delta
 from rapidserve.server.tool_streams import JsonCallStream
 from rapidserve.server.tools import ToolPlan, required_schema, resolve_parser, template_renders_tools
+from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 from rapidserve.tokenizer import Tokenizer
 from tests.tool_model import make_tool_model, qwen3_template
 

@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.config import ConfigError, LaunchConfig, ParallelConfig
+from rapidserve.config import ParallelConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine.client import AsyncEngine
+from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from tests.test_logit_controls_engines import PROMPTS, _params
 from tests.test_prefix_cache_engines import quiet_stats

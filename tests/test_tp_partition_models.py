@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 import rapidserve.partition.runtime as runtime
-from rapidserve.config import EngineConfig, ModelConfig, ParallelConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ModelConfig, ParallelConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.parallel.shard import shard_config, tp_layout
 from rapidserve.partition.drift_plan import prefill_models
@@ -36,6 +36,7 @@ from rapidserve.partition.roofline import (
     roofline_profile,
     with_collectives,
 )
+from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import H100_NAME, fake_gpu  # noqa: F401 (a fixture)
 

@@ -15,9 +15,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from rapidserve import __version__
-from rapidserve.config import EngineConfig, ServerConfig
+from rapidserve.config import EngineConfig
 from rapidserve.server.app import Server
 from rapidserve.server.openapi import openapi_document
+from rapidserve.server_config import ServerConfig
 from rapidserve.tokenizer import Tokenizer
 from tests.server_fakes import MODEL, FakeEngine
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
-from rapidserve.config import ATTENTION_BACKENDS, ConfigError
+from rapidserve.config import ATTENTION_BACKENDS
+from rapidserve.config_base import ConfigError
 
 BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
 

@@ -36,7 +36,8 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from rapidserve.config import ConfigError, EngineConfig, ParallelConfig
+from rapidserve.config import EngineConfig, ParallelConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
 from rapidserve.engine.client import AsyncEngine, EngineError, gpu_platform
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats

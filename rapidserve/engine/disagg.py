@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from rapidserve.config import ConfigError, EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.faults import is_fatal
@@ -55,6 +56,7 @@ from rapidserve.parallel.kv_connector import DevicePeerConnector, KVConnector, T
 from rapidserve.parallel.staging import StagingAllocator
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from rapidserve.config import ConfigError
+from rapidserve.config_base import ConfigError
 from rapidserve.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from rapidserve.kv_events_config import KVEventsConfig
 

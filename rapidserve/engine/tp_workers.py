@@ -37,7 +37,8 @@ from typing import Any
 import msgspec
 import torch
 
-from rapidserve.config import ConfigError, EngineConfig
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
 from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
 from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message

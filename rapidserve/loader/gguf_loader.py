@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.config import ModelConfig, RopeScaling
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.hf import (
     read_safetensors_headers,
     stream_safetensors,

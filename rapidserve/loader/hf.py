@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rapidserve.config import ConfigError, ModelConfig, RopeScaling
+from rapidserve.config import ModelConfig, RopeScaling
+from rapidserve.config_base import ConfigError
 from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quantization, declared_quantization
 from rapidserve.loader.hub import display_name
 from rapidserve.loader.quant import refuse_quantized_tensors

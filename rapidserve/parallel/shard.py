@@ -35,7 +35,8 @@ from typing import Literal
 
 import torch
 
-from rapidserve.config import ConfigError, ModelConfig
+from rapidserve.config import ModelConfig
+from rapidserve.config_base import ConfigError
 
 Kind = Literal["column", "row", "kv", "vocab", "replicated"]
 _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")

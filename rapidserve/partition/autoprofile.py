@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig
 from rapidserve.partition.profile import (
     OVERALLOCATED,
     Configuration,
@@ -51,6 +51,7 @@ from rapidserve.partition.profile import (
     profile_filename,
     save_profile,
 )
+from rapidserve.partition_config import PartitionConfig
 
 log = logging.getLogger("rapidserve.partition")
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rapidserve.config import EngineConfig, PartitionConfig
+from rapidserve.config import EngineConfig
 from rapidserve.partition.profile import OVERALLOCATED, Profile
+from rapidserve.partition_config import PartitionConfig
 
 if TYPE_CHECKING:
     from rapidserve.partition.profiler import ProfileSpec
@@ -126,7 +127,8 @@ def for_profiling(cfg: EngineConfig, spec: ProfileSpec, partition: PartitionConf
     """`cfg` as the profiler runs it (here and at a serve's start, partition/autoprofile.py): one process and
     GPU, decode graphs of the batch buckets, a scheduler holding the largest batch, forwards of `prefill_tokens`
     and the longest context or forward (past the model's positions if need be: timings, not text)."""
-    from rapidserve.config import LaunchConfig, ParallelConfig
+    from rapidserve.config import ParallelConfig
+    from rapidserve.launch_config import LaunchConfig
 
     longest = max(max(spec.context_buckets), spec.prefill_tokens) + cfg.cache.block_size
     sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max(spec.batch_buckets),

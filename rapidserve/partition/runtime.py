@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from rapidserve.config import EngineConfig, ModelConfig, PartitionConfig
+from rapidserve.config import EngineConfig, ModelConfig
 from rapidserve.partition.backend import (
     PartitionBackend,
     PartitionError,
@@ -64,6 +64,7 @@ from rapidserve.partition.profile import (
     profile_filename,
 )
 from rapidserve.partition.roofline import Peaks, collective_ops, measure_peaks, roofline_profile, with_collectives
+from rapidserve.partition_config import PartitionConfig
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from rapidserve.attention import get_attention_backend
 from rapidserve.block_manager import BlockManager
-from rapidserve.config import ConfigError, EngineConfig
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.kv_events import KVEventLog
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource, rank_weights, resolve_model

@@ -24,7 +24,7 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rapidserve.config import REASONING_PARSERS
+from rapidserve.server_config import REASONING_PARSERS
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

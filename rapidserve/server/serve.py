@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from rapidserve.config import TOOL_CALL_PARSERS, ConfigError, EngineConfig, ServerConfig
+from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.server.connections import GuardedRunner
 from rapidserve.server.startup import StartupGate, bind_sockets, configure_logging, off_loop, process_age_s
+from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 
 if TYPE_CHECKING:  # the engine, the loader and the tokenizer import torch: loaded once the port is bound
     from rapidserve.engine.client import AsyncEngine

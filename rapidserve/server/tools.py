@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
-from rapidserve.config import TOOL_CALL_PARSERS
 from rapidserve.sampling_params import StructuredOutputs
 from rapidserve.server.errors import bad_request
 from rapidserve.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from rapidserve.server_config import TOOL_CALL_PARSERS
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _FAMILY_PARSER = MappingProxyType({"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json"})

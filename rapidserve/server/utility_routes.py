@@ -28,7 +28,6 @@ from aiohttp import web
 from msgspec import Meta
 
 from rapidserve import __version__
-from rapidserve.config import ServerConfig
 from rapidserve.server.body import check_headers, decode_as
 from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
@@ -47,6 +46,7 @@ from rapidserve.server.schemas import (
     Tool,
 )
 from rapidserve.server.tools import template_messages
+from rapidserve.server_config import ServerConfig
 
 UTILITY_PUBLIC_PATHS = frozenset({"/ping", "/version"})  # answered without the API key (vLLM's too)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -1,0 +1,100 @@
+"""The `PartitionConfig` section of the config tree (`EngineConfig.partition`): how decode and prefill split the GPU.
+
+Plain data: the partition mode (`--partition`), the policy (POLICIES; rapidserve/policy_spec.py declares what each
+uses and reads), the ITL and TTFT SLOs, the profile and how it is read; each field checked alone when built
+(config_base.ConfigError).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rapidserve.config_base import ConfigError, check
+
+# The policies (rapidserve/policy_spec.py declares what each uses and reads; partition/ holds their decisions):
+# rapid (always split, the profile's choice), duet (fused when a step fits the ITL SLO, else split), drift (split,
+# prefill block-wise), fused (always one mixed step: --mode hybrid's).
+POLICIES = ("rapid", "duet", "drift", "fused")
+# What `--mode rapid --partition adaptive` runs when --policy is left out. The adaptive policy is `duet` (DuetServe's
+# design); it becomes the default once the decode worker carries out fused steps itself (issue 37's engine change):
+# until then `duet` in the engine is the two-process approximation (partition/duet.py), so the default stays rapid.
+DEFAULT_POLICY = "rapid"
+PROFILE_LOOKUPS = ("interpolate", "round-up")  # how the manager reads a profile between buckets: profile.estimate
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How decode and prefill split the GPU's compute (rapidserve.partition).
+
+    mode: adaptive (the manager picks a configuration each decode step from the profile), off (both
+    use the whole GPU), static (a fixed split giving decode `static_decode_share` of the units).
+    policy (POLICIES; rapidserve/policy_spec.py declares the workers, partition modes and settings of each):
+    rapid (RAPID-Serve: the profile's configuration with the most prefill throughput within the ITL SLO;
+    any mode), duet (DuetServe: fused steps while the predicted step meets the SLO, else the split that
+    maximises prefill throughput; adaptive), drift (DRIFT: prefill launched a layer block at a time on the
+    configuration with the most prefill units within the ITL SLO; a short request may preempt a long prefill
+    batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
+    profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
+    buckets are read: round-up (to the bucket at or above each) or interpolate (linearly between the buckets around
+    them;
+    partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
+    ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
+    drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
+    without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
+    time model fitted at start-up (one for every configuration).
+    Here each field is checked alone; which fields a policy, a partition mode and a run read together is
+    `policy_spec.conflicts`, run on the tree `config_builder.build_engine_config` builds.
+    """
+
+    mode: str = "adaptive"  # adaptive | off | static
+    static_decode_share: float | None = None
+    backend: str = "auto"  # auto | cuda-green | hip-cumask | none
+    profile: str | None = None  # a profile file; None: profiles/<gpu>__<model>.json if present, else roofline
+    slo_itl_ms: float = 50.0
+    hysteresis_steps: int = 8
+    decode_shares: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)
+    policy: str = "rapid"
+    slo_ttft_ms: float | None = None
+    slo_ttft_ms_per_1k_tokens: float = 0.0
+    drift_prefill_model: tuple[float, float] | None = None
+    profile_lookup: str = "round-up"
+
+    def __post_init__(self) -> None:
+        check(self.mode in ("adaptive", "off", "static"),
+               f"partition mode={self.mode!r}; use adaptive, off or static:<decode share>")
+        check((self.mode == "static") == (self.static_decode_share is not None),
+               "a static partition needs its decode share (static:0.25), and only a static one has it")
+        check(self.static_decode_share is None or 0.0 < self.static_decode_share < 1.0,
+               f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
+        check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
+               f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
+        check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
+        check(self.policy in POLICIES, f"policy={self.policy!r}; use one of {', '.join(POLICIES)}")
+        check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
+        check(self.slo_ttft_ms is None or 0 < self.slo_ttft_ms < float("inf"),
+               f"slo_ttft_ms={self.slo_ttft_ms} must be a positive number")
+        check(0 <= self.slo_ttft_ms_per_1k_tokens < float("inf"),
+               f"slo_ttft_ms_per_1k_tokens={self.slo_ttft_ms_per_1k_tokens} must be >= 0")
+        check(self.slo_ttft_ms_per_1k_tokens == 0 or self.slo_ttft_ms is not None,
+               "--slo-ttft-ms-per-1k-tokens adds to --slo-ttft-ms: give --slo-ttft-ms too")
+        m = self.drift_prefill_model
+        check(m is None or (len(m) == 2 and 0 <= m[0] < float("inf") and 0 < m[1] < float("inf")),
+               f"drift_prefill_model={m} must be (a_ms >= 0, b_ms_per_token > 0)")
+        check(self.profile_lookup in PROFILE_LOOKUPS,
+               f"profile_lookup={self.profile_lookup!r}; use one of {', '.join(PROFILE_LOOKUPS)}")
+        check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
+               f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
+
+    @classmethod
+    def parse(cls, text: str, **kw: object) -> PartitionConfig:
+        """`adaptive`, `off` or `static:<decode share>` (e.g. static:0.25), as given to --partition."""
+        if text in ("adaptive", "off"):
+            return cls(mode=text, **kw)  # type: ignore[arg-type]
+        if text.startswith("static:"):
+            try:
+                share = float(text.split(":", 1)[1])
+            except ValueError:
+                raise ConfigError(f"--partition {text!r}: the share after static: must be a number in (0, 1), "
+                                  "e.g. static:0.25") from None
+            return cls(mode="static", static_decode_share=share, **kw)  # type: ignore[arg-type]
+        raise ConfigError(f"--partition {text!r}; use adaptive, off or static:<decode share in (0, 1)>")
