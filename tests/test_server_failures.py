@@ -172,7 +172,9 @@ def test_sigterm_ends_streams_well_formed_within_the_grace(srv: Srv) -> None:
             code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 30)
             t_exit = time.monotonic()
         assert code == 0
-        assert t_exit - t_sig < GRACE_S + 2.0, f"exited {t_exit - t_sig:.1f} s after SIGTERM"
+        # the grace, then the workers' graceful stop, which Workers.stop ends by a kill after 5 s each (an idle
+        # machine exits ~1 s after the grace; two loaded cores took 2.0-2.7 s)
+        assert t_exit - t_sig < GRACE_S + 5.0, f"exited {t_exit - t_sig:.1f} s after SIGTERM"
         for events, t_end in results[:3]:
             assert ended_with_error(events, "server_shutting_down"), events[-3:]
             assert GRACE_S - 0.5 < t_end - t_sig < GRACE_S + 2.0  # ran on through the grace, then ended
