@@ -147,8 +147,11 @@ def test_32_concurrent_streams_equal_non_streaming(srv: Srv) -> None:
             r = await c.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=16, temperature=0)
             return r.choices[0].text
 
-        got = await asyncio.gather(*(streamed(p) for p in prompts))
-        want = await asyncio.gather(*(whole(p) for p in prompts))
+        try:
+            got = await asyncio.gather(*(streamed(p) for p in prompts))
+            want = await asyncio.gather(*(whole(p) for p in prompts))
+        finally:
+            await c.close()  # on this loop: left to the garbage collector, it logs errors in a later test
         assert got == want
 
     asyncio.run(main())
