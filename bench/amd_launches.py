@@ -7,7 +7,7 @@ batch bucket, of a prefill step and of a mixed step (`attend` splits it), with t
 Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
 `torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`); on targets
 with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 blocks, the same layer with fp8 block
-weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8.gpu_linear`'s Triton block GEMM) at decode and prefill
+weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Triton block GEMM) at decode and prefill
 steps. Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny

@@ -21,7 +21,7 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
   torch's F.linear (cuBLAS / hipBLASLt)
 - ``fp8_linear(x [T, K], layer: fp8.Fp8Linear, bias [N] | None) -> [T, N]``: a projection stored in fp8 (issue 39,
-  rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8.gpu_linear` (torch._scaled_mm, the
+  rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8_gpu.gpu_linear` (torch._scaled_mm, the
   Triton block kernel) in the Triton one; `fp8_ops(bundle, device)` puts the reference back on a GPU without fp8
 
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
@@ -86,13 +86,13 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import triton_ops
+    from rapidserve.ops import fp8_gpu, triton_ops
 
     if skinny is None:
         skinny = torch.version.hip is None
     ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
-              _cublas_then(triton_ops.silu_and_mul), fp8.gpu_linear)
+              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
