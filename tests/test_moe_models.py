@@ -223,3 +223,11 @@ def test_gguf_moe_is_refused() -> None:
 
     with pytest.raises(ModelLoadError, match=r"GGUF mixture-of-experts models \(llama with llama.expert_count=8\)"):
         config_from_gguf(Reader(), "m.gguf")
+
+
+def test_tool_call_format_of_the_families() -> None:
+    """Qwen3-MoE writes Qwen3's hermes tool calls; its template says so, and without one the family does."""
+    from rapidserve.server.tools import resolve_parser
+
+    assert resolve_parser("auto", None, "qwen3_moe") == "hermes"
+    assert resolve_parser("auto", "{{ '<tool_call>' }}", "mixtral") == "hermes"  # the template wins
