@@ -38,12 +38,14 @@ def test_fused_moe_real_shapes(e: int, k: int, h: int, i: int, t: int) -> None:
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
-def test_fused_moe_replays_in_a_cuda_graph() -> None:
-    """Captured once for a batch of 6 tokens, replayed on new inputs and new routing (copied into the captured
+@pytest.mark.parametrize("t", [6, 300])  # 24 pairs: the one-program alignment; 1200: torch's sort
+def test_fused_moe_replays_in_a_cuda_graph(t: int) -> None:
+    """Captured once for a batch of t tokens, replayed on new inputs and new routing (copied into the captured
     buffers): the eager result each time, with no host read during capture (a sync would fail the capture)."""
-    from rapidserve.ops.triton_moe import fused_moe
+    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, fused_moe
 
-    x, w13, w2, weights, ids = moe_inputs(6, 16, 4, 256, 128, torch.bfloat16, device="cuda")
+    x, w13, w2, weights, ids = moe_inputs(t, 16, 4, 256, 128, torch.bfloat16, device="cuda")
+    assert (ids.numel() > ALIGN_ONE_PROGRAM) == (t == 300)
     fused_moe(x, w13, w2, weights, ids)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -51,7 +53,7 @@ def test_fused_moe_replays_in_a_cuda_graph() -> None:
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         out = fused_moe(x, w13, w2, weights, ids)
     for seed in (1, 2, 3):
-        x2, _, _, weights2, ids2 = moe_inputs(6, 16, 4, 256, 128, torch.bfloat16, seed=seed, device="cuda")
+        x2, _, _, weights2, ids2 = moe_inputs(t, 16, 4, 256, 128, torch.bfloat16, seed=seed, device="cuda")
         x.copy_(x2)
         weights.copy_(weights2)
         ids.copy_(ids2)
