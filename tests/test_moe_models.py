@@ -231,3 +231,11 @@ def test_tool_call_format_of_the_families() -> None:
 
     assert resolve_parser("auto", None, "qwen3_moe") == "hermes"
     assert resolve_parser("auto", "{{ '<tool_call>' }}", "mixtral") == "hermes"  # the template wins
+
+
+def test_expert_parallel_flag_is_refused_by_name() -> None:
+    """vLLM's --enable-expert-parallel: refused, saying how experts are split instead."""
+    from rapidserve.cli_vllm import _refusal
+
+    msg = _refusal("rapidserve serve", "--enable-expert-parallel")
+    assert "does not support --enable-expert-parallel" in msg and "sliced over the tensor-parallel ranks" in msg
