@@ -166,6 +166,9 @@ def _hf_fp8(d: Mapping[str, Any], groups: list[tuple[str, ...]],
 
 def fp8_scheme(q: Quantization, config: ModelConfig) -> QuantizationConfig:
     """The tree's QuantizationConfig of a declared FP8 form; _NotServed saying what is not served."""
+    if config.moe is not None:
+        raise _NotServed(f"fp8 weights of a mixture-of-experts model ({config.arch}; served: fp8 for dense models, "
+                         "MoE models in bf16/fp16/fp32)")
     groups = projection_groups(config)
     d = q.config
     if not isinstance(d, Mapping):
