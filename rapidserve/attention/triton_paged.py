@@ -10,6 +10,11 @@ Layouts (see rapidserve/attention/metadata.py):
   (decode); any strides on the first two dims, the last dim must be contiguous.
 - Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
 
+Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
+p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
+variants of each): decode visits only the tiles of each sequence's last W keys, prefill only the tiles from the
+first key its query tile's first row sees, every one of them masked (causal and window).
+
 Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
 shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
 slots and context lengths. Softmax runs in fp32 with exp2; fp32 inputs use IEEE (not tf32) dots.
@@ -102,8 +107,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                          qk_scale, stride_qb, stride_qh, stride_bt, num_splits,
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
-    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys.
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
+    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
+    WINDOW keys when WINDOW > 0).
 
     DIRECT (one split): writes the normalised output. Otherwise writes the fp32 partial output
     ``part[b, h, split, :]`` (normalised within the split) and its log2-sum-exp ``lse[b, h, split]``.
@@ -112,10 +118,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
+        first = tl.maximum(ctx - WINDOW, 0)  # the first key the window sees
+    else:
+        first = ctx * 0
+    first_tile = first // BLOCK_N
+    num_tiles = tl.cdiv(ctx, BLOCK_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -134,7 +145,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
     for tile in range(tile_lo, tile_hi):
         tok = tile * BLOCK_N + n
-        tok_mask = tok < ctx
+        tok_mask = (tok < ctx) & (tok >= first)
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
@@ -180,6 +191,15 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
     total = tl.sum(w, axis=0)
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _window(window: int | None) -> int:
+    """The kernels' WINDOW constant: the window, 0 for none."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
+    return int(window)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -234,15 +254,19 @@ def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
         return (32 if dtype == torch.float32 else 64), 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
+    if head_dim > 128:  # Gemma 3's 256: half the key tiles and a stage less keep K and V's stages in shared memory
+        return 32, 4, 2
     return 64, 4, 3
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
-    context_lens[b] cached tokens; context_len 0 gives zeros. Returns [B, num_heads, head_dim].
+    context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
+    Returns [B, num_heads, head_dim].
 
     The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
     _check_cache(k_cache, v_cache)
@@ -280,7 +304,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device))
@@ -299,8 +323,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal.
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr):
+    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal (the last
+    WINDOW of them for each row when WINDOW > 0).
 
     Tiles are numbered so that the first programs take the last (heaviest) query tile of every
     sequence; tiles past a sequence's end exit at once.
@@ -333,10 +358,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
 
-    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask.
+    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask. With a window
+    # every tile from the one holding the first row's first key, `lo`, is masked (causal and window).
     end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
-    full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
-    for start in range(0, full_hi, BLOCK_N):
+    if WINDOW > 0:
+        lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = lo
+    else:
+        lo = 0
+        full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
+    for start in range(lo, full_hi, BLOCK_N):
         tok = start + n
         blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
@@ -358,10 +389,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (tok[None, :] > prefix + offs_m[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet (a window's first tiles)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -380,6 +414,8 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
+    if head_dim > 128:  # Gemma 3's 256: a 128 x 256 query tile and its fp32 accumulator would not fit (not measured)
+        return 64, 32, 8, 2
     return 128, 64, 8, 2
 
 
@@ -393,10 +429,11 @@ def _prefill_amd_options(dtype: torch.dtype) -> dict[str, int]:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, window: int | None = None) -> torch.Tensor:
     """Causal varlen attention of new tokens (q [T, num_heads, head_dim], sequences laid end to end by
     meta.cu_seqlens_q) over their sequences in the paged cache, including any cached prefix of
-    ``context_len - q_len`` tokens. Uses meta.max_seqlen_q (host int) to size the grid.
+    ``context_len - q_len`` tokens (with a `window` W, each token over its last W). Uses meta.max_seqlen_q (host
+    int) to size the grid.
     Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros.
 
     The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
@@ -423,7 +460,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_seqs, num_m_tiles,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
+        IEEE=q.dtype == torch.float32, WINDOW=_window(window), num_warps=num_warps or cfg_warps,
         num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype))
     return out
 
