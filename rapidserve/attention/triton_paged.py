@@ -12,8 +12,8 @@ Layouts (see rapidserve/attention/metadata.py):
 
 Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
 p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
-variants of each): decode visits only the tiles of each sequence's last W keys, prefill only the tiles from the
-first key its query tile's first row sees, every one of them masked (causal and window).
+variants of each): decode's key tiles start at each sequence's first key in the window, prefill's at the first
+key its query tile's first row sees, every one of them masked (causal and window).
 
 Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
 shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
@@ -118,15 +118,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
-        first = tl.maximum(ctx - WINDOW, 0)  # the first key the window sees
-    else:
-        first = ctx * 0
-    first_tile = first // BLOCK_N
-    num_tiles = tl.cdiv(ctx, BLOCK_N) - first_tile
+    # Key tiles start at the window's first key (0 without one): tokens are gathered one by one through the block
+    # table, so a tile need not start on a multiple of BLOCK_N, and only the last tile needs a mask.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    num_tiles = tl.cdiv(ctx - first, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -144,8 +144,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
     for tile in range(tile_lo, tile_hi):
-        tok = tile * BLOCK_N + n
-        tok_mask = (tok < ctx) & (tok >= first)
+        tok = first + tile * BLOCK_N + n
+        tok_mask = tok < ctx
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
@@ -250,8 +250,8 @@ def _reduce_warps(block_s: int, block_d: int) -> int:
 
 def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
-    if torch.version.hip:
-        return (32 if dtype == torch.float32 else 64), 4, 1
+    if torch.version.hip:  # head_dim 256 (Gemma 3): half the key tile, or its registers cap gfx942 at 1 wave
+        return (32 if dtype == torch.float32 else 64) // (2 if head_dim > 128 else 1), 4, 1
     if dtype == torch.float32:
         return 32, 4, 2
     if head_dim > 128:  # Gemma 3's 256: half the key tiles and a stage less keep K and V's stages in shared memory
@@ -290,8 +290,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
                                        _num_sms(q.device))
-        if torch.version.hip:
-            num_splits = min(num_splits, ROCM_MAX_SPLITS)
+        if torch.version.hip:  # the reduce kernel's partials: at most 512 splits x 128 dims (256 x 256 for Gemma 3)
+            num_splits = min(num_splits, ROCM_MAX_SPLITS * 128 // max(head_dim, 128))
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
@@ -315,6 +315,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ prefill
+@triton.jit
+def _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, hi, m_i, l_i, acc, d_mask, n, d,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The prefill kernel's keys [0, hi) that every row of its query tile sees (no mask): (m_i, l_i, acc) updated."""
+    for start in range(0, hi, BLOCK_N):
+        tok = start + n
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # num_seqs and num_m_tiles change from step to step: specialized (== 1, % 16 == 0), each new combination compiled a
 # variant mid-serving, a 0.5-1 s stall of every request in flight on a fresh machine (py-spy of hybrid mode,
 # 2026-11-27, bench/results/h100_1127/prefill_graphs/README.md). Unspecialized, one variant serves every step.
@@ -358,29 +378,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
 
-    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask. With a window
-    # every tile from the one holding the first row's first key, `lo`, is masked (causal and window).
+    # Keys [0, masked_lo) are visible to every row of the tile; [masked_lo, end) need the causal mask. With a window
+    # the keys from the first row's first one (tiles start there: keys are gathered one by one) are all masked
+    # (causal and window), and there is no unmasked loop.
     end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
     if WINDOW > 0:
-        lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        full_hi = lo
+        masked_lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0)
     else:
-        lo = 0
-        full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
-    for start in range(lo, full_hi, BLOCK_N):
-        tok = start + n
-        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
-        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    for start in range(full_hi, end, BLOCK_N):
+        masked_lo = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
+        m_i, l_i, acc = _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, masked_lo,
+                                          m_i, l_i, acc, d_mask, n, d, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE)
+    for start in range(masked_lo, end, BLOCK_N):
         tok = start + n
         tok_mask = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
@@ -388,9 +396,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
-        if WINDOW > 0:
-            visible = visible & (tok[None, :] > prefix + offs_m[:, None] - WINDOW)
+        if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
+            back = (prefix + offs_m)[:, None] - tok[None, :]  # how far back each key is from each row's token
+            visible = (back >= 0) & (back < WINDOW) & tok_mask[None, :]
+        else:
+            visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet (a window's first tiles)
@@ -409,6 +419,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
 def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
     if torch.version.hip:
+        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill (compiled for gfx942)
+            return (32, 16, 4, 1) if dtype == torch.float32 else (64, 32, 4, 1)
         return (64, 32, 4, 1) if dtype == torch.float32 else (128, 64, 8, 1)
     if dtype == torch.float32:
         return 64, 32, 4, 2
