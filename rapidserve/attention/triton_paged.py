@@ -290,8 +290,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
                                        _num_sms(q.device))
-        if torch.version.hip:  # the reduce kernel's partials: at most 512 splits x 128 dims (256 x 256 for Gemma 3)
-            num_splits = min(num_splits, ROCM_MAX_SPLITS * 128 // max(head_dim, 128))
+        if torch.version.hip:  # Gemma 3's head_dim 256: 128 splits, the reduce kernel's 8-warp partials of 256 x 128
+            num_splits = min(num_splits, ROCM_MAX_SPLITS if head_dim <= 128 else ROCM_MAX_SPLITS * 64 // head_dim)
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
