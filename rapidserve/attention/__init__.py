@@ -6,9 +6,12 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
 - ``write_kv(k, v, k_cache, v_cache, slot_mapping) -> None`` (the decoder layer writes its K/V with
   `ops.rope_write` instead, fused with RoPE: that relies on every backend reading the one pool layout of
   rapidserve/attention/metadata.py, which all three do; a backend with another layout must change that)
-- ``prefill_attention(q, k_cache, v_cache, meta, scale) -> Tensor [T, num_heads, head_dim]``
-- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+- ``prefill_attention(q, k_cache, v_cache, meta, scale, window=None) -> Tensor [T, num_heads, head_dim]``
+- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window=None)
   -> Tensor [B, num_heads, head_dim]``
+
+`window` W (a sliding-window layer: Mistral, Gemma 3's local layers) limits each query to the last W keys, itself
+included; every backend here takes it (torch: a mask; Triton: a kernel constant; FA3: its window_size).
 
 `attend` dispatches one layer's attention: decode, prefill, or a mixed step (decode rows first),
 split between the two kernels unless the backend's prefill kernel serves one-token rows well.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
+from rapidserve.attention.metadata import AttentionMetadata, DecodeAttention, PrefillAttention, split_decode_rows
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
 
@@ -43,10 +46,8 @@ class AttentionBackend:
 
     name: str
     write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    prefill_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
-                                torch.Tensor]
-    decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                               torch.Tensor]
+    prefill_attention: PrefillAttention
+    decode_attention: DecodeAttention
     graph_safe: bool = False
     one_call_mixed: bool = False
 
@@ -110,21 +111,23 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
 
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of this step's queries (keys and values already written to the cache).
+           meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Attention of this step's queries (keys and values already written to the cache); `window`: a
+    sliding-window layer's (None: every earlier key).
 
     A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
     them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""
+    kw = {} if window is None else {"window": window}  # None is every backend's default: left out
     if not meta.is_prefill:
-        return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, **kw)
     nd = meta.num_decode_seqs
     if nd == 0 or attn.one_call_mixed:
-        return attn.prefill_attention(q, k_cache, v_cache, meta, scale)
+        return attn.prefill_attention(q, k_cache, v_cache, meta, scale, **kw)
     decoded = attn.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                                    scale)
+                                    scale, **kw)
     if meta.prefill_part is None:  # every sequence adds one token
         return decoded
-    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale)
+    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale, **kw)
     return torch.cat([decoded, rest])
 
 

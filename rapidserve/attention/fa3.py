@@ -19,8 +19,9 @@ Semantics match the other backends: the causal mask is aligned to the end of eac
 q_len queries are the last q_len of its context_len keys), GQA by head groups, padding rows
 (context_len 0) give zeros. Decode is the same varlen call with one query per sequence; its host
 arguments (max_seqlen_k from the block table's width) depend on shapes only, so decode replays in a
-CUDA graph. A mixed step (decodes then prompt chunks) is one call: FA3 packs GQA heads into its
-query tiles, so a one-token row does not waste a tile the way the Triton prefill kernel would.
+CUDA graph. A sliding window of W keys (Mistral, Gemma 3's local layers) is FA3's window_size (W - 1, 0): the
+query at position p sees keys p - W < t <= p. A mixed step (decodes then prompt chunks) is one call: FA3 packs GQA
+heads into its query tiles, so a one-token row does not waste a tile the way the Triton prefill kernel would.
 
 The engine's "fa3" backend prefills with FA3 and decodes with Triton: on the H200
 (bench/results/attention_kernels.md) FA3's prefill runs at 1.7-1.9x the Triton kernel's TFLOP/s,
@@ -38,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.attention.metadata import AttentionMetadata, PrefillAttention
 
 # FA3 call: (q [T,H,D], k_pages [P,S,Hkv,D], v_pages, page_table [B,W] int32, seqused_k [B] int32,
-#            cu_seqlens_q [B+1] int32, max_seqlen_q, max_seqlen_k, softmax_scale) -> out [T,H,D]
+#            cu_seqlens_q [B+1] int32, max_seqlen_q, max_seqlen_k, softmax_scale, window_left) -> out [T,H,D];
+# window_left: the keys left of the diagonal a query sees (a sliding window W: W - 1), -1: all of them.
 Fa3Call = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                    int, int, float], torch.Tensor]
+                    int, int, float, int], torch.Tensor]
 
 # vLLM 0.24's torch.ops._vllm_fa3_C.fwd, positional (vllm/vllm_flash_attn/flash_attn_interface.py).
 VLLM_FWD_ARGS: tuple[str, ...] = (
@@ -72,10 +74,11 @@ def _from_flash_attn_interface() -> Fa3Kernel:
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
              seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-             scale: float) -> torch.Tensor:
+             scale: float, window_left: int) -> torch.Tensor:
         del max_seqlen_k  # derived from the page table by this API
         return fn(q, k, v, cache_seqlens=seqused_k, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-                  max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=True)
+                  max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=True,
+                  window_size=(window_left, 0) if window_left >= 0 else (-1, -1))
 
     return Fa3Kernel(f"flash_attn_interface ({Path(mod.__file__ or '?').parent})", call)
 
@@ -110,11 +113,12 @@ def _from_vllm() -> Fa3Kernel:
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
              seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-             scale: float) -> torch.Tensor:
+             scale: float, window_left: int) -> torch.Tensor:
         args = dict.fromkeys(VLLM_FWD_ARGS)
         args.update(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=scale, is_causal=True,
-                    window_size_left=-1, window_size_right=-1, softcap=0.0, is_rotary_interleaved=True,
+                    window_size_left=window_left, window_size_right=0 if window_left >= 0 else -1, softcap=0.0,
+                    is_rotary_interleaved=True,
                     num_splits=0, sm_margin=0, cp_world_size=1, cp_rank=0)
         return op(*args.values())[0]
 
@@ -137,29 +141,40 @@ def find_fa3(device: torch.device) -> Fa3Kernel:
     raise ImportError("no FlashAttention-3 build found (" + "; ".join(why) + ")")
 
 
+def window_left(window: int | None) -> int:
+    """FA3's window_size_left of a sliding window of `window` keys (the query's own included), -1: none."""
+    if window is None:
+        return -1
+    if window < 1:
+        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
+    return window - 1
+
+
 @dataclass(frozen=True)
 class Fa3Attention:
     """prefill_attention / decode_attention of the backend interface over one FA3 kernel. FA3 takes
     fp16 and bf16 only: prefill of other dtypes goes to `fallback_prefill` (the Triton kernel)."""
 
     kernel: Fa3Kernel
-    fallback_prefill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
-                               torch.Tensor] | None = None
+    fallback_prefill: PrefillAttention | None = None
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         if meta.cu_seqlens_q is None:
             raise ValueError("prefill metadata needs cu_seqlens_q")
         if q.dtype not in self.kernel.dtypes:
             if self.fallback_prefill is None:
                 raise ValueError(f"FlashAttention-3 takes float16 or bfloat16, not {q.dtype}")
-            return self.fallback_prefill(q, k_cache, v_cache, meta, scale)
+            if window is None:
+                return self.fallback_prefill(q, k_cache, v_cache, meta, scale)
+            return self.fallback_prefill(q, k_cache, v_cache, meta, scale, window=window)
         return self.kernel.call(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), meta.block_tables,
                                 meta.context_lens, meta.cu_seqlens_q, meta.max_seqlen_q,
-                                max(meta.max_context_len, 1), scale)
+                                max(meta.max_context_len, 1), scale, window_left(window))
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         window: int | None = None) -> torch.Tensor:
         """FA3's decode (the engine's fa3 backend decodes with Triton, which measured as fast or faster)."""
         if q.dtype not in self.kernel.dtypes:
             raise ValueError(f"FlashAttention-3 takes float16 or bfloat16, not {q.dtype}")
@@ -168,4 +183,4 @@ class Fa3Attention:
         # An upper bound from shapes only, so a captured graph replays for any context lengths.
         max_k = block_tables.shape[1] * k_cache.shape[2]
         return self.kernel.call(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2), block_tables,
-                                context_lens, cu, 1, max_k, scale)
+                                context_lens, cu, 1, max_k, scale, window_left(window))

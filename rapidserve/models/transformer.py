@@ -1,8 +1,10 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Mistral families (Gemma 3: gemma3.py builds on it).
 
 The families differ only by flags of `ModelConfig`: q/k/v bias (qwen2), per-head q/k RMSNorm
-(qwen3), llama3 RoPE scaling, tied embeddings. Projections are fused (qkv, gate|up) so a layer is
-four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors.
+(qwen3), llama3 RoPE scaling, tied embeddings, sliding-window attention (mistral: each layer's `window`, which it
+passes to the attention backend). Projections are fused (qkv, gate|up) so a layer is
+four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors. `registry.causal_lm_class`
+picks the model class of an architecture.
 
 The forward pass takes a flat batch of tokens (all sequences end to end) and an
 `AttentionMetadata`; the elementwise ops and the attention backend are injected (`Ops`,
@@ -27,7 +29,7 @@ FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the s
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +76,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.cfg, self.tp = cfg, tp
+        self.scale, self.window = cfg.attn_scale, cfg.layer_window(index)  # attention's softmax scale, sliding window
         fp8 = fp8 or fp8_dtype(device)
 
         def weight(fused: str, n: int, k: int) -> Weight:
@@ -108,8 +111,11 @@ class DecoderLayer(nn.Module):
         """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them)."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = attend(attn, q, kv[0], kv[1], meta, self.cfg.head_dim**-0.5)
-        return self.post_attention(o, residual, ops)
+        return self.post_attention(self.attention(q, kv, meta, attn), residual, ops)
+
+    def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """This layer's attention of its queries over the cache (its scale and sliding window)."""
+        return attend(attn, q, kv[0], kv[1], meta, self.scale, self.window)
 
     def pre_attention(
         self,
@@ -166,6 +172,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
 
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # an architecture's subclass puts its own here
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -188,7 +196,7 @@ class CausalLM(nn.Module):
         self.dtype, self.device = dtype, device
         self.quant = quant if quant is not None and quant.enabled else None
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp, self.quant, n, fp8)
+        self.layers = nn.ModuleList(self.layer_class(cfg, dtype, device, tp, self.quant, n, fp8)
                                     for n in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
