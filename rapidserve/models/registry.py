@@ -1,8 +1,7 @@
 """Which model class computes an architecture (`ModelConfig.arch`): the one place the runner asks.
 
-llama, qwen2, qwen3, mistral, mixtral and qwen3_moe are transformer.py's `CausalLM` (flags of the config; MoE layers from
-`ModelConfig.moe`); gemma3 is gemma3.py's
-subclass of it.
+llama, qwen2, qwen3, mistral, mixtral and qwen3_moe are transformer.py's `CausalLM` (flags of the config; MoE
+layers from `ModelConfig.moe`); gemma3 is gemma3.py's subclass of it.
 """
 
 from __future__ import annotations
