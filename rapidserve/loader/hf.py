@@ -1,11 +1,12 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
 
-Only config.json, the quantization side files and the safetensors headers are read when the folder is
-resolved (to refuse a quantized checkpoint by name, `quant.py`, or read an FP8 one's scheme,
-`fp8_checkpoint.py`; then to check every tensor the config and the scheme need is there with the right shape
-and dtype); `weights()` then streams one tensor at a time through `safe_open`, and `shard_weights(layout)` one
-tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows or columns
-(`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped file.
+Only config.json, the quantization side files, the safetensors headers and the fp8 KV cache's scale tensors (two
+numbers a layer, `kv_scales.py`) are read when the folder is resolved (to refuse a quantized checkpoint by name,
+`quant.py`, or read an FP8 one's scheme, `fp8_checkpoint.py`; then to check every tensor the config and the scheme
+need is there with the right shape and dtype); `weights()` then streams one tensor at a time through `safe_open`,
+and `shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows
+or columns (`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped
+file.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rapidserve.config import ModelConfig, RopeScaling
 from rapidserve.config_base import ConfigError
 from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quantization, declared_quantization
 from rapidserve.loader.hub import display_name
+from rapidserve.loader.kv_scales import check_kv_scale_tensors, declares_kv_cache, read_kv_scales
 from rapidserve.loader.quant import refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
 from rapidserve.parallel.shard import Block, TPLayout, pad_vocab, shard_bounds, shard_kind
@@ -260,6 +262,10 @@ def load_hf_folder(folder: str) -> ModelSource:
     folder = os.path.abspath(folder)
     config, d, quant = read_hf_config(folder)
     found = read_safetensors_index(_weight_files(folder))
+    declared = declares_kv_cache(d)
+    kv = check_kv_scale_tensors(found, config, declared, folder)  # the fp8 KV cache's scales: split out, read now
+    kv_scales = read_kv_scales(kv, {n: found[n][0] for n in kv}, config.num_layers, folder) if kv else None
+    found = {n: f for n, f in found.items() if n not in kv}
     if quant is None:
         shapes = expected_tensor_shapes(config)
         refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
@@ -281,9 +287,12 @@ def load_hf_folder(folder: str) -> ModelSource:
         chat_template=chat_template,
         hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
-                    f"file(s), {dtype}{', fp8' if quant is not None else ''}, {config.num_params() / 1e9:.2f}B "
+                    f"file(s), {dtype}{', fp8' if quant is not None else ''}"
+                    f"{', fp8 KV cache scales' if kv_scales is not None else ''}, {config.num_params() / 1e9:.2f}B "
                     "params)",
         quantization=quant,
+        kv_cache_scheme=declared,
+        kv_scales=kv_scales,
     )
 
 
