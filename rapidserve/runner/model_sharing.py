@@ -135,8 +135,11 @@ def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torc
     missing = sorted(set(expected) - set(shared.params))
     unexpected = sorted(set(shared.params) - set(expected))
     if missing or unexpected:
+        kv = any(n.endswith(("k_scale", "v_scale")) for n in (*missing, *unexpected))
         raise SharedStateError(f"the shared weights do not match a {cfg.arch} model with this configuration: "
-                               f"missing {missing}, unexpected {unexpected}")
+                               f"missing {missing}, unexpected {unexpected}"
+                               + ("; the exporter's KV cache is fp8 and this one's is not, or the reverse "
+                                  "(--kv-cache-dtype)" if kv else ""))
     for name, placeholder in expected.items():
         t = shared.params[name]
         _check(f"parameter {name!r}", t, tuple(placeholder.shape), placeholder.dtype, device)
