@@ -8,7 +8,8 @@ Triton attention backend that the target's platform gets (`get_ops`, `get_attent
 `torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`); on targets
 with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 blocks, the same layer with fp8 block
 weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8.gpu_linear`'s Triton block GEMM) at decode and prefill
-steps. Each
+steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
+KV_FP8 variants) at decode, prefill and mixed steps. Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`.
@@ -246,6 +247,18 @@ def capture(shape: Shape, target: Target) -> Capture:
                                attn, meta)
             step[0] = "fp8 block layer, prefill"
             _layer_forward(fp8_layer, cfg, dtype, pool, cos_sin, prefill, ops, attn, meta)
+        if target.fp8 is not None:  # --kv-cache-dtype fp8: the same layer over a pool of the target's fp8 format
+            kv_pool = KVPool(torch.empty(pool_spec(cfg, cache, target.fp8, num_blocks).shape, dtype=target.fp8,
+                                         device=meta), shape.block_size)
+            kv_layer = DecoderLayer(cfg, dtype, meta, kv_scales=(1.0, 1.0))
+            for b in (1, 32, 256):
+                step[0] = f"fp8 KV cache, decode b{b}"
+                _layer_forward(kv_layer, cfg, dtype, kv_pool, cos_sin, _decode_meta(b, blocks_per_seq, meta), ops,
+                               attn, meta)
+            for name, meta_, ops_ in (("prefill", prefill, ops), ("prefill, unfused_ops", prefill, unfused_ops(ops)),
+                                      ("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta), ops)):
+                step[0] = f"fp8 KV cache, {name}"
+                _layer_forward(kv_layer, cfg, dtype, kv_pool, cos_sin, meta_, ops_, attn, meta)
     return out
 
 

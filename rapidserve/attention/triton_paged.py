@@ -44,9 +44,10 @@ def _dot(a, b, IEEE: tl.constexpr):
 # ----------------------------------------------------------------------------------------- write_kv
 @triton.jit
 def to_cache(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as the cache at cache_ptr stores it: fp8(clamp(x / scale, +-FP8_MAX)) for an fp8 cache, else x cast."""
+    """x as the cache at cache_ptr stores it: fp8(clamp(x / scale, +-FP8_MAX)) for an fp8 cache, else x cast. The
+    division is IEEE's (div_rn, as torch's), so the stored bits are the torch reference's."""
     if KV_FP8:
-        y = x.to(tl.float32) / tl.load(scale_ptr)
+        y = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr))
         return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
     else:
         return x.to(cache_ptr.dtype.element_ty)
@@ -415,10 +416,13 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). `kv_fp8`: an fp8 cache, whose tiles' conversions take registers
+    (on gfx942 the bf16 tile of 128 x 64 keys at head_dim 128 spilled 9 VGPRs with them; 32 keys fit)."""
     if torch.version.hip:
-        return (64, 32, 4, 1) if dtype == torch.float32 else (128, 64, 8, 1)
+        if dtype == torch.float32:
+            return 64, 32, 4, 1
+        return (128, 32, 8, 1) if kv_fp8 and head_dim > 64 else (128, 64, 8, 1)
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if head_dim <= 64:
@@ -426,11 +430,14 @@ def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, i
     return 128, 64, 8, 2
 
 
-def _prefill_amd_options(dtype: torch.dtype) -> dict[str, int]:
-    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them)."""
+def _prefill_amd_options(dtype: torch.dtype, kv_fp8: bool = False) -> dict[str, int]:
+    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them). fp32 over an fp8 cache
+    needs no waves_per_eu to stay out of scratch (gfx942: 137 VGPRs at head_dim 64, 251 at 128, neither spilling)."""
     if not torch.version.hip:
         return {}
-    return {"waves_per_eu": 2} if dtype == torch.float32 else {"matrix_instr_nonkdim": 16}
+    if dtype == torch.float32:
+        return {} if kv_fp8 else {"waves_per_eu": 2}
+    return {"matrix_instr_nonkdim": 16}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -460,7 +467,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     q = _last_dim_contiguous(q)
     block_tables = _last_dim_contiguous(meta.block_tables)
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim, bool(fp8["KV_FP8"]))
     block_m, block_n = block_m or cfg_m, block_n or cfg_n
     num_m_tiles = triton.cdiv(max(1, meta.max_seqlen_q), block_m)
     _prefill_kernel[(num_heads, num_seqs * num_m_tiles)](
@@ -469,7 +476,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
-        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype), **fp8)
+        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype, bool(fp8["KV_FP8"])), **fp8)
     return out
 
 
