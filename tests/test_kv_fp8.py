@@ -368,3 +368,10 @@ def test_the_roofline_counts_fp8_kv_at_one_byte() -> None:
     (_, d16), (_, d8) = totals(decode_operators(cfg, 8, 4096)), totals(decode_operators(cfg, 8, 4096, kv_bytes=1))
     # 8 sequences read 4096 positions and write one, in every layer: a byte less per element
     assert d16 - d8 == pytest.approx(cfg.num_layers * kv * 8 * 4097, rel=1e-9)
+
+
+def test_the_metrics_report_the_cache_dtype() -> None:
+    from rapidserve.server.metrics import cache_config_labels
+
+    assert cache_config_labels(CacheConfig(kv_cache_dtype="fp8"), 10)["cache_dtype"] == "fp8"
+    assert cache_config_labels(CacheConfig(), 10)["cache_dtype"] == "auto"
