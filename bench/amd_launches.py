@@ -7,12 +7,13 @@ batch bucket, of a prefill step and of a mixed step (`attend` splits it), with t
 Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
 `torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`); on targets
 with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 blocks, the same layer with fp8 block
-weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8.gpu_linear`'s Triton block GEMM) at decode and prefill
+weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Triton block GEMM) at decode and prefill
 steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
 KV_FP8 variants) at decode, prefill and mixed steps. Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
-GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`.
+GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`) are captured at every step.
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -51,6 +52,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_silu_and_mul_kernel": ("rapidserve.ops.triton_ops", "every layer's MLP"),
     "_skinny_kernel": ("rapidserve.ops.triton_skinny", "nvidia"),
     "_fp8_block_kernel": ("rapidserve.ops.triton_fp8", "fp8: layers with fp8 block weight scales"),
+    "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
+    "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
+    "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
 NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
 FP8_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why.startswith("fp8"))  # not on targets without fp8
@@ -294,7 +298,7 @@ def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
     `routed`'s rule (which also asks for a CUDA tensor, so meta tensors skip it there), at 1, 2 and MAX_ROWS rows:
     the JIT specialises the row count M on == 1 and % 16 == 0, so these three give every variant."""
     from rapidserve.ops import triton_skinny as sk
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16) or layer.moe is not None:  # experts: ops/triton_moe.py
         return
     for w, bias, gated in ((layer.qkv_proj, layer.qkv_bias, False), (layer.o_proj, None, False),
                            (layer.gate_up_proj, None, True), (layer.down_proj, None, False)):

@@ -54,7 +54,8 @@ UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or 
     "--tokenizer-revision": "the tokenizer comes from the model's folder, or --tokenizer DIR",
     "--max-logprobs": "the limit is fixed (20 per token)",
     "--enable-sleep-mode": "no sleep mode", "--kv-transfer-config": "disaggregation is --mode disagg (one host)",
-    "--enable-expert-parallel": "no mixture-of-experts models",
+    "--enable-expert-parallel": "no expert parallelism: a mixture-of-experts model's experts are each sliced over "
+                                "the tensor-parallel ranks (-tp)",
     "--api-server-count": "one server process (with --data-parallel-size engines behind it)",
     "--enable-prompt-embeds": "prompts are text or token ids",
     "--calculate-kv-scales": "fp8 KV cache scales are the checkpoint's calibrated ones (a compressed-tensors "

@@ -18,11 +18,12 @@ from rapidserve.config_base import check as _check
 from rapidserve.generation_config import SamplingDefaults
 from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
+from rapidserve.moe_config import MoeConfig
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.quant_config import KV_CACHE_DTYPES, KVScales, QuantizationConfig
 
-Arch = Literal["llama", "qwen2", "qwen3"]
-ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Arch = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
@@ -58,6 +59,7 @@ class ModelConfig:
     - llama: Llama 2/3/3.1 (optionally llama3 RoPE scaling), SmolLM2
     - qwen2: q/k/v projections carry a bias
     - qwen3: per-head RMSNorm on q and k before RoPE
+    - mixtral, qwen3_moe: Llama / Qwen3 attention with mixture-of-experts MLPs (`moe`, rapidserve/moe_config.py)
     """
 
     arch: Arch
@@ -78,9 +80,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    moe: MoeConfig | None = None  # the experts of mixtral / qwen3_moe (None: every MLP dense)
 
     def __post_init__(self) -> None:
         _check(self.arch in ARCHES, f"model arch={self.arch!r} is not supported; supported: {list(ARCHES)}")
+        _check((self.moe is not None) == (self.arch in ("mixtral", "qwen3_moe")),
+               f"model arch={self.arch!r} {'needs' if self.moe is None else 'takes no'} moe section")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
@@ -107,6 +112,9 @@ class ModelConfig:
             attn += 2 * self.head_dim
         layer = attn + 3 * h * i + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
+        if self.moe is not None:  # sparse layers: experts and router instead of the dense MLP
+            return self.num_layers * layer + self.moe.num_sparse(self.num_layers) * (
+                self.moe.layer_params(h) - 3 * h * i) + emb + h
         return self.num_layers * layer + emb + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -128,6 +136,9 @@ class ModelConfig:
                     f"use one of {divisors(self.num_heads)}")
         if self.intermediate_size % tp:
             return f"--tensor-parallel-size {tp} must divide the MLP's {self.intermediate_size} features"
+        if self.moe is not None and self.moe.intermediate_size % tp:
+            return (f"--tensor-parallel-size {tp} must divide each expert's {self.moe.intermediate_size} features "
+                    "(every rank holds a slice of every expert)")
         if self.num_kv_heads >= tp and self.num_kv_heads % tp:
             return (f"--tensor-parallel-size {tp} must divide the model's {self.num_kv_heads} KV heads, or be a "
                     f"multiple of them; use one of {divisors(self.num_kv_heads)}")

@@ -92,6 +92,9 @@ def resolve_quantization(flag: str | None, source: ModelSource, model: str | Non
             raise ConfigError(f"--quantization fp8 quantizes a float checkpoint at load, and {what} is a GGUF file "
                               "(quantized already, dequantized on load): drop the flag, or give the model's bf16 "
                               "Hugging Face checkpoint")
+        if source.config.moe is not None:
+            raise ConfigError(f"--quantization fp8 is not supported for mixture-of-experts models yet "
+                              f"({source.config.arch}): drop the flag to serve it in bf16")
         quant = ONLINE_FP8
     else:
         return QuantizationConfig()

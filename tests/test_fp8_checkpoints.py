@@ -75,13 +75,14 @@ def logits(r: ModelRunner, ids: list[int] = PROMPT) -> torch.Tensor:
 
 
 def fake_quant(x: torch.Tensor, acts: str, scale: float | None) -> torch.Tensor:
-    """The test's own activation quantization (quant_config.py's definitions), dequantized in float32."""
+    """The test's own activation quantization (quant_config.py's definitions: scale = amax * (1 / fp8 max), as
+    `fp8.quantize_input` forms it), dequantized in float32."""
     x = x.float()
     if acts == "group":
         g = x.reshape(x.shape[0], -1, 128)
-        s = g.abs().amax(-1, keepdim=True) / E
+        s = g.abs().amax(-1, keepdim=True) * (1.0 / E)
         return ((g / s).clamp(-E, E).to(torch.float8_e4m3fn).float() * s).reshape(x.shape)
-    s = {"token": lambda: x.abs().amax(-1, keepdim=True) / E, "tensor": lambda: x.abs().max() / E,
+    s = {"token": lambda: x.abs().amax(-1, keepdim=True) * (1.0 / E), "tensor": lambda: x.abs().max() * (1.0 / E),
          "static": lambda: torch.tensor(scale)}[acts]()
     return (x / s).clamp(-E, E).to(torch.float8_e4m3fn).float() * s
 

@@ -175,8 +175,12 @@ def _hf_fp8(d: Mapping[str, Any], groups: list[tuple[str, ...]],
 def fp8_scheme(q: Quantization, config: ModelConfig) -> QuantizationConfig | None:
     """The tree's QuantizationConfig of a declared FP8 form (None: a compressed-tensors config of an fp8 KV cache
     alone, whose weights are float); _NotServed saying what is not served."""
-    groups = projection_groups(config)
     d = q.config
+    kv_only = isinstance(d, Mapping) and not d.get("config_groups") and d.get("kv_cache_scheme") is not None
+    if config.moe is not None and not kv_only:
+        raise _NotServed(f"fp8 weights of a mixture-of-experts model ({config.arch}; served: fp8 for dense models, "
+                         "MoE models in bf16/fp16/fp32)")
+    groups = projection_groups(config)
     if not isinstance(d, Mapping):
         raise _NotServed("its quantization config is not a JSON object")
     if q.method == "compressed-tensors":

@@ -25,8 +25,10 @@ from rapidserve.config_base import ConfigError
 from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quantization, declared_quantization
 from rapidserve.loader.hub import display_name
 from rapidserve.loader.kv_scales import check_kv_scale_tensors, declares_kv_cache, read_kv_scales
+from rapidserve.loader.moe_hf import moe_config_from_hf
 from rapidserve.loader.quant import refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
+from rapidserve.moe_config import MOE_ARCHES
 from rapidserve.parallel.shard import Block, TPLayout, pad_vocab, shard_bounds, shard_kind
 from rapidserve.quant_config import QuantizationConfig
 
@@ -78,8 +80,10 @@ def _token_ids(value: Any) -> tuple[int, ...]:
 
 
 def config_from_hf_dict(d: dict[str, Any], path: str, name: str = "model") -> ModelConfig:
-    """Build a ModelConfig from a parsed config.json (llama, qwen2, qwen3)."""
+    """Build a ModelConfig from a parsed config.json (llama, qwen2, qwen3; mixtral, qwen3_moe: `moe_hf.py`)."""
     arch = d.get("model_type")
+    if arch in MOE_ARCHES:
+        return moe_config_from_hf(d, path, lambda dense: config_from_hf_dict(dense, path, name))
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ModelLoadError(path, f"model_type {arch!r} is not supported")
     if d.get("hidden_act", "silu") != "silu":

@@ -36,6 +36,7 @@ import torch
 from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import read_hf_config, tokenizer_of, write_safetensors
 from rapidserve.loader.kv_scales import declares_kv_cache
+from rapidserve.loader.moe_hf import dense_twin, moe_hf_config_dict
 from rapidserve.loader.preset_table import list_presets, preset_table
 from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
 from rapidserve.parallel.shard import TPLayout, owned_shard, shard_tensor
@@ -71,7 +72,7 @@ def preset_tensor(preset: str, config: ModelConfig, name: str, shape: tuple[int,
         x = x * (config.hidden_size ** -0.25 if config.tie_word_embeddings else 1.0)
     else:
         std = 1.0 / math.sqrt(shape[1])
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # w2: a Mixtral expert's down
             std /= math.sqrt(2 * config.num_layers)
         x = x * std
     return x.to(dtype)
@@ -139,8 +140,11 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
     """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields).
 
     RoPE is written both the transformers 4 way (rope_theta, rope_scaling) and the transformers 5
-    way (rope_parameters); each version reads its own keys.
+    way (rope_parameters); each version reads its own keys. Mixture-of-experts models (MixtralConfig /
+    Qwen3MoeConfig): their dense family's dict with the experts' fields, `moe_hf.moe_hf_config_dict`.
     """
+    if config.moe is not None:
+        return moe_hf_config_dict(config, hf_config_dict(dense_twin(config), dtype))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rs = config.rope_scaling

@@ -4,8 +4,8 @@
 tensor names and shapes a `ModelConfig` needs, `rank_weights` (one tensor-parallel rank's weight
 stream) and `load_hf_tokenizer` (the transformers tokenizer of a source). The format readers (hf.py,
 gguf_loader.py, presets.py), `rapidserve.loader.resolve_model` and `rapidserve.tokenizer` build on it;
-it imports nothing from rapidserve but the config, the preset table and `parallel.shard` (the pure
-sharding plan, which imports nothing of the loader).
+it imports nothing from rapidserve but the config (with `moe_config`'s tensor names), the preset table and
+`parallel.shard` (the pure sharding plan, which imports nothing of the loader).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from rapidserve.config import ARCHES, ModelConfig
 from rapidserve.loader.preset_table import list_presets
+from rapidserve.moe_config import moe_tensor_shapes
 from rapidserve.parallel.shard import ShardError, TPLayout, shard_shape, sharded_weights, tp_layout
 from rapidserve.quant_config import KVScales, QuantizationConfig
 
@@ -136,9 +137,12 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if config.moe is not None and config.moe.sparse(n):
+            shapes.update(moe_tensor_shapes(config.arch, config.moe, h, n))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)

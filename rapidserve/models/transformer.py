@@ -16,6 +16,9 @@ down_proj outputs are all-reduced, the vocabulary-parallel embedding looks up th
 zero) and all-reduces, and `compute_logits` gathers every rank's vocabulary slice (all ranks get the
 whole [T, vocab] logits; only the leader samples).
 
+Mixture-of-experts (issue 40; mixtral, qwen3_moe): a layer the config's `moe` makes sparse has a
+`models/moe.py` `MoeBlock` (router and stacked experts) instead of the dense gate|up and down projections.
+
 FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the scheme quantizes is an
 `ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
 `models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
@@ -37,6 +40,7 @@ from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
 from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
+from rapidserve.models.moe import MoeBlock
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
@@ -89,8 +93,11 @@ class DecoderLayer(nn.Module):
         self.o_proj = weight("o_proj", h, cfg.q_size)
         self.q_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
         self.k_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
-        self.gate_up_proj = weight("gate_up_proj", 2 * cfg.intermediate_size, h)
-        self.down_proj = weight("down_proj", h, cfg.intermediate_size)
+        # a sparse layer's experts instead of the dense MLP (models/moe.py)
+        self.moe = MoeBlock(cfg.moe, h, dtype, device) if cfg.moe is not None and cfg.moe.sparse(index) else None
+        if self.moe is None:
+            self.gate_up_proj = weight("gate_up_proj", 2 * cfg.intermediate_size, h)
+            self.down_proj = weight("down_proj", h, cfg.intermediate_size)
         self.input_layernorm = _param((h,), dtype, device)
         self.post_attention_layernorm = _param((h,), dtype, device)
         self.k_scale: nn.Parameter | None = None
@@ -163,7 +170,10 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(hidden)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
-        hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
+        if self.moe is not None:
+            hidden = self.moe(hidden, ops)
+        else:
+            hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
@@ -311,13 +321,15 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
         for n, layer in enumerate(self.layers):
             p = f"model.layers.{n}."
-            for proj, w, off, rows in (("self_attn.q_proj", layer.qkv_proj, 0, q),
-                                       ("self_attn.k_proj", layer.qkv_proj, q, kv),
-                                       ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
-                                       ("self_attn.o_proj", layer.o_proj, 0, cfg.hidden_size),
-                                       ("mlp.gate_proj", layer.gate_up_proj, 0, i),
-                                       ("mlp.up_proj", layer.gate_up_proj, i, i),
-                                       ("mlp.down_proj", layer.down_proj, 0, cfg.hidden_size)):
+            projections = [("self_attn.q_proj", layer.qkv_proj, 0, q), ("self_attn.k_proj", layer.qkv_proj, q, kv),
+                           ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
+                           ("self_attn.o_proj", layer.o_proj, 0, cfg.hidden_size)]
+            if layer.moe is not None:
+                out.update(layer.moe.targets(cfg.arch, n))
+            else:
+                projections += [("mlp.gate_proj", layer.gate_up_proj, 0, i), ("mlp.up_proj", layer.gate_up_proj, i, i),
+                                ("mlp.down_proj", layer.down_proj, 0, cfg.hidden_size)]
+            for proj, w, off, rows in projections:
                 if isinstance(w, Fp8Linear) and self.quant is not None:
                     out.update(fp8_weights.fp8_parts(p + proj, w, off, rows, self.quant))
                 else:

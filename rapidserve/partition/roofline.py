@@ -19,6 +19,8 @@ that phase gets (below), and the step time the sum over operators. Operators, pe
 * communication (tp > 1, `collective_ops`): ring all-reduces of T*h, link_bytes = 2(tp-1)/tp*T*h*b, two
   per layer (after o_proj and down_proj) and one after the vocabulary-parallel embedding, and an all-gather
   of the logits, (tp-1)/tp*R*V'*b (V' the vocabulary padded to a multiple of tp). Zero at tp=1.
+* mixture-of-experts layers (partition/moe_costs.py): router, gate|up and down of the experts the step reads
+  (a decode step the expected unique experts of its batch, a prefill chunk all of them) instead of the dense MLP.
 
 Tensor parallelism (tp > 1): an estimate of one rank is its shard's estimate (every operator at the
 rank's share) plus its collectives (`collectives_ms`), each phase's on its own communicator, so neither
@@ -60,6 +62,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import msgspec
 
 from rapidserve.config import CacheConfig, ModelConfig
+from rapidserve.partition.moe_costs import experts_read, moe_operator_terms
 from rapidserve.partition.profile import Configuration, Entry, Profile, ProfileVariant
 
 if TYPE_CHECKING:
@@ -140,13 +143,15 @@ def kv_element_bytes(cache: CacheConfig, dtype_bytes: float = 2) -> float:
 
 def _step_ops(
     cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int,
-    kv_b: float | None = None,
+    experts: float = 0.0, kv_b: float | None = None,
 ) -> list[Operator]:
-    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head (`kv_b`: bytes of a
-    KV pool element, default `b`)."""
+    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head; a
+    mixture-of-experts model's sparse layers read `experts` experts each (partition/moe_costs.py); `kv_b`: bytes of
+    a KV pool element, default `b`."""
     kv_b = b if kv_b is None else kv_b
     heads, kv_heads, inter, vocab = _tp_sizes(cfg, tp)
     h, d, L, T = cfg.hidden_size, cfg.head_dim, cfg.num_layers, tokens
+    dense = L if cfg.moe is None else L - cfg.moe.num_sparse(L)  # layers with the dense MLP
     q, kv = heads * d, kv_heads * d
     bias = (q + 2 * kv) if cfg.attention_bias else 0
     ops = [
@@ -158,12 +163,15 @@ def _step_ops(
                  2 * T * (q + kv) * b + 2 * T * kv * kv_b, count=L),
         Operator("attention", "sequence", attn_flops, 0.0, attn_io, count=L),
         Operator("o_proj", "token", 2 * T * q * h, q * h * b, T * (q + h) * b, count=L),
-        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b, count=L),
-        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=L),
-        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=L),
+        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b,
+                 count=dense),
+        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=dense),
+        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=dense),
         Operator("final_norm", "token", 5 * rows * h, h * b, 4 * rows * h * b),
         Operator("lm_head", "token", 2 * rows * h * vocab, h * vocab * b, rows * (h + vocab) * b),
     ]
+    ops += [Operator(name, "token", f, w, io, count=n)
+            for name, f, w, io, n in moe_operator_terms(cfg, T, experts, tp, b)]
     return ops + collective_ops(cfg, T, rows, tp=tp, dtype_bytes=b)
 
 
@@ -211,7 +219,7 @@ def decode_operators(
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * context * batch
     io = (2 * kv_heads * d * context * kv_b + 2 * heads * d * dtype_bytes) * batch
-    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, kv_b)
+    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, experts_read(cfg, batch), kv_b)
 
 
 def prefill_operators(
@@ -225,7 +233,7 @@ def prefill_operators(
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * (n * prefix + n * (n + 1) / 2)
     io = 2 * n * heads * d * dtype_bytes + 2 * kv_heads * d * (prefix + n) * kv_b
-    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, kv_b)
+    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b)
 
 
 def mixed_operators(
@@ -257,7 +265,7 @@ def mixed_operators_summed(
     flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
     io += sum(2 * n * heads * d * b + 2 * kv_heads * d * (p + n) * kv_b for n, p in chunks)
     tokens = batch + sum(n for n, _ in chunks)
-    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, kv_b)
+    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, experts_read(cfg, tokens), kv_b)
 
 
 def totals(ops: Sequence[Operator]) -> tuple[float, float]:
