@@ -6,6 +6,8 @@
   x8 * scale), and within a bound of attention over the unquantized keys and values;
 - the Triton kernels (write_kv, the fused rope_write, decode, prefill; e4m3fn and ROCm's e4m3fnuz) under the Triton
   interpreter against the torch reference, writes bit for bit;
+- a sliding window over an fp8 cache (every backend, the interpreter's kernels included): the window of the
+  dequantized cache;
 - the FA3 glue with a stand-in kernel: an e4m3fn cache is prefilled with an fp8 query and q/k/v descales of shape
   [batch, kv_heads] that give back the reference's numbers; a build without fp8, or an e4m3fnuz cache, falls back
   to the Triton kernel with the scales.
@@ -163,6 +165,35 @@ def test_attend_passes_the_scales_to_both_halves_of_a_mixed_step() -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [1, 7, 30])
+def test_windowed_attention_over_an_fp8_cache(window: int) -> None:
+    """A sliding-window layer (Mistral, Gemma 3's local layers) over an fp8 cache: prefill, decode and a mixed step
+    through `attend` read the window of the dequantized cache, and the window hides keys (not the windowless
+    result)."""
+    from rapidserve.attention import split_decode_rows
+
+    b = make_batch([(1, 40), (1, 3), (20, 0), (5, 17)], num_kv_heads=2, group=4, head_dim=64, block_size=16, seed=8)
+    kc, vc = fp8_cache(b)
+    ks, vs = scales(0.01, 0.02)
+    write_all(b, kc, vc, ks, vs)
+    dq = _dequantized(kc, vc, ks, vs, torch.float32)
+    got = ref.prefill_attention(b.q, kc, vc, b.meta, 0.125, ks, vs, window=window)
+    want = ref.prefill_attention(b.q, *dq, b.meta, 0.125, window=window)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, ref.prefill_attention(b.q, kc, vc, b.meta, 0.125, ks, vs), atol=1e-3)
+    mixed = attend(get_attention_backend("torch", "cpu"), b.q, kc, vc, split_decode_rows(b.meta, b.q_lens), 0.125,
+                   ks, vs, window=window)
+    torch.testing.assert_close(mixed, want, atol=1e-6, rtol=1e-5)
+    d = make_batch(decode_seqs([33, 0, 1, 50]), num_kv_heads=2, group=4, head_dim=64, block_size=16, decode=True,
+                   seed=6)
+    kc, vc = fp8_cache(d)
+    write_all(d, kc, vc, ks, vs)
+    args = (d.meta.block_tables, d.meta.context_lens, 0.125)
+    got = ref.decode_attention(d.q, kc, vc, *args, ks, vs, window=window)
+    want = ref.decode_attention(d.q, *_dequantized(kc, vc, ks, vs, torch.float32), *args, window=window)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------- FA3 glue
 class FakeFa3:
     """A stand-in FA3 kernel: records its inputs and computes what FA3 computes from them (the inputs times their
@@ -171,16 +202,18 @@ class FakeFa3:
     def __init__(self) -> None:
         self.calls: list[dict[str, object]] = []
 
-    def __call__(self, q, k, v, page_table, seqused_k, cu, max_q, max_k, scale, descales=None):  # type: ignore[no-untyped-def]
+    def __call__(self, q, k, v, page_table, seqused_k, cu, max_q, max_k, scale, window_left,  # type: ignore[no-untyped-def]
+                 descales=None):
         from rapidserve.attention.metadata import AttentionMetadata
 
-        self.calls.append({"q": q.dtype, "k": k.dtype, "descales": descales})
+        self.calls.append({"q": q.dtype, "k": k.dtype, "descales": descales, "window_left": window_left})
         meta = AttentionMetadata(True, torch.full((q.shape[0],), -1), page_table, seqused_k, cu, max_q, max_k)
         kc, vc = k.transpose(1, 2), v.transpose(1, 2)
+        window = None if window_left < 0 else window_left + 1
         if descales is None:
-            return ref.prefill_attention(q, kc.contiguous(), vc.contiguous(), meta, scale)
+            return ref.prefill_attention(q, kc.contiguous(), vc.contiguous(), meta, scale, window=window)
         qd, kd, vd = (t[0, 0] for t in descales)
-        out = ref.prefill_attention(q.float() * qd, kc.float() * kd, vc.float() * vd, meta, scale)
+        out = ref.prefill_attention(q.float() * qd, kc.float() * kd, vc.float() * vd, meta, scale, window=window)
         return out.to(torch.bfloat16)
 
 
@@ -189,9 +222,9 @@ def _fa3(fp8: bool) -> tuple[object, FakeFa3, list[tuple]]:
 
     fake, fallen = FakeFa3(), []
 
-    def fallback(*args: object) -> torch.Tensor:
+    def fallback(*args: object, **kw: object) -> torch.Tensor:
         fallen.append(args)
-        return ref.prefill_attention(*args)  # type: ignore[arg-type]
+        return ref.prefill_attention(*args, **kw)  # type: ignore[arg-type]
 
     kernel = fa3.Fa3Kernel("fake", fake, fp8=fp8)
     return fa3.Fa3Attention(kernel, fallback_prefill=fallback), fake, fallen
@@ -216,6 +249,27 @@ def test_fa3_prefills_an_fp8_cache_with_an_fp8_query_and_descales() -> None:
     err = (got.float() - want).abs()  # the query's own fp8 rounding (2^-4 relative) moves the scores, then bf16
     assert float(err.max()) < 0.12 and float(err.mean()) < 0.015, (float(err.max()), float(err.mean()))
     assert "fp8" in impl.describe_kv(FN) and "FA3 prefill" in impl.describe_kv(torch.bfloat16)  # type: ignore[attr-defined]
+
+
+def test_fa3_fp8_prefill_of_a_sliding_window_layer() -> None:
+    """An fp8 cache and a window at once: FA3 gets the fp8 query, the descales and window_size_left W - 1; the
+    fallback (a build without fp8) gets the scales and the window."""
+    b = make_batch([(20, 12), (9, 0)], num_kv_heads=2, group=4, head_dim=64, block_size=16, seed=9)
+    kc, vc = fp8_cache(b)
+    ks, vs = scales(0.01, 0.02)
+    write_all(b, kc, vc, ks, vs)
+    q = b.q.to(torch.bfloat16)
+    want = ref.prefill_attention(q.float(), *_dequantized(kc, vc, ks, vs, torch.float32), b.meta, 0.125, window=6)
+    impl, fake, fallen = _fa3(fp8=True)
+    got = impl.prefill_attention(q, kc, vc, b.meta, 0.125, ks, vs, window=6)  # type: ignore[attr-defined]
+    assert not fallen and fake.calls[-1]["window_left"] == 5 and fake.calls[-1]["descales"] is not None
+    err = (got.float() - want).abs()
+    assert float(err.max()) < 0.12 and float(err.mean()) < 0.015, (float(err.max()), float(err.mean()))
+    impl, fake, fallen = _fa3(fp8=False)
+    got = impl.prefill_attention(q, kc, vc, b.meta, 0.125, ks, vs, window=6)  # type: ignore[attr-defined]
+    assert not fake.calls and len(fallen) == 1
+    torch.testing.assert_close(got.float(), ref.prefill_attention(q, kc, vc, b.meta, 0.125, ks, vs,
+                                                                  window=6).float())
 
 
 @pytest.mark.parametrize(("fp8", "cache"), [(False, FN), (True, FNUZ)])
@@ -301,11 +355,12 @@ def _interp_decode() -> None:
         ks, vs = scales(0.011, 0.017)
         write_all(b, kc, vc, ks, vs)
         args = (b.q, kc, vc, b.meta.block_tables, b.meta.context_lens, d**-0.5)
-        want = ref.decode_attention(*args, ks, vs)
-        for splits, block_n in ((None, None), (1, 16), (3, 16)):
-            got = tp.decode_attention(*args, ks, vs, num_splits=splits, block_n=block_n)
-            torch.testing.assert_close(got.float(), want.float(), atol=2e-5 if dtype == torch.float32 else 4e-3,
-                                       rtol=1e-3, msg=lambda m, c=(bs, ctxs, cache, splits): f"{c}: {m}")
+        for window in (None, 1, 37):  # a sliding-window layer over the fp8 cache too
+            want = ref.decode_attention(*args, ks, vs, window=window)
+            for splits, block_n in ((None, None), (1, 16), (3, 16)):
+                got = tp.decode_attention(*args, ks, vs, num_splits=splits, block_n=block_n, window=window)
+                torch.testing.assert_close(got.float(), want.float(), atol=2e-5 if dtype == torch.float32 else 4e-3,
+                                           rtol=1e-3, msg=lambda m, c=(bs, ctxs, cache, splits, window): f"{c}: {m}")
 
 
 def _interp_prefill() -> None:
@@ -318,10 +373,11 @@ def _interp_prefill() -> None:
         kc, vc = fp8_cache(b, cache)
         ks, vs = scales(0.011, 0.017)
         write_all(b, kc, vc, ks, vs)
-        want = ref.prefill_attention(b.q, kc, vc, b.meta, d**-0.5, ks, vs)
-        got = tp.prefill_attention(b.q, kc, vc, b.meta, d**-0.5, ks, vs, block_m=bm, block_n=bn)
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-5 if dtype == torch.float32 else 4e-3,
-                                   rtol=1e-3, msg=lambda m, c=(bs, seqs, cache): f"{c}: {m}")
+        for window in (None, 1, 11):  # a sliding-window layer over the fp8 cache too
+            want = ref.prefill_attention(b.q, kc, vc, b.meta, d**-0.5, ks, vs, window=window)
+            got = tp.prefill_attention(b.q, kc, vc, b.meta, d**-0.5, ks, vs, block_m=bm, block_n=bn, window=window)
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-5 if dtype == torch.float32 else 4e-3,
+                                       rtol=1e-3, msg=lambda m, c=(bs, seqs, cache, window): f"{c}: {m}")
 
 
 INTERP_CHECKS = {"write": _interp_write, "rope_write": _interp_rope_write, "decode": _interp_decode,

@@ -181,7 +181,7 @@ def test_moe_config_refusals(d: dict[str, Any], match: str) -> None:
     """What is not served is refused by name, with the supported architectures listed."""
     with pytest.raises(ModelLoadError, match=match) as e:
         config_from_hf_dict(d, "x/config.json")
-    assert "supported architectures: llama, qwen2, qwen3, mixtral, qwen3_moe" in str(e.value)
+    assert "supported architectures: llama, qwen2, qwen3, mistral, gemma3, mixtral, qwen3_moe" in str(e.value)
 
 
 def test_moe_tp_problem() -> None:

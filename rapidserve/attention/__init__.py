@@ -7,14 +7,16 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
   writes its K/V with `ops.rope_write` instead, fused with RoPE: that relies on every backend reading the one
   pool layout of rapidserve/attention/metadata.py, which all three do; a backend with another layout must change
   that)
-- ``prefill_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> Tensor [T, num_heads,
-  head_dim]``
-- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None)
-  -> Tensor [B, num_heads, head_dim]``
+- ``prefill_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, window=None) -> Tensor
+  [T, num_heads, head_dim]``
+- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None,
+  window=None) -> Tensor [B, num_heads, head_dim]``
 
 `k_scale` / `v_scale`: an fp8 cache's per-layer scales (float32 [1] device tensors), which every backend applies
 as rapidserve/attention/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
-model's dtype.
+model's dtype. `window` W (a sliding-window layer: Mistral, Gemma 3's local layers) limits each query to the last
+W keys, itself included; every backend here takes it (torch: a mask; Triton: a kernel constant; FA3: its
+window_size), over either cache.
 
 `attend` dispatches one layer's attention: decode, prefill, or a mixed step (decode rows first),
 split between the two kernels unless the backend's prefill kernel serves one-token rows well.
@@ -27,32 +29,21 @@ imported only when requested, so CPU installs need neither.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
+from rapidserve.attention.metadata import (
+    AttentionMetadata,
+    DecodeAttention,
+    PrefillAttention,
+    Scale,
+    WriteKV,
+    split_decode_rows,
+)
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
 
 BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
-Scale = torch.Tensor | None  # an fp8 cache's per-layer scale, float32 [1] (None: a cache of the model's dtype)
-
-
-class WriteKV(Protocol):
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor, k_scale: Scale = None, v_scale: Scale = None, /) -> None: ...
-
-
-class PrefillAttention(Protocol):
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, k_scale: Scale = None, v_scale: Scale = None, /) -> torch.Tensor: ...
-
-
-class DecodeAttention(Protocol):
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, k_scale: Scale = None, v_scale: Scale = None, /
-                 ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -136,23 +127,25 @@ def get_attention_backend(name: str, device: torch.device | str,
 
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None) -> torch.Tensor:
+           meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None,
+           window: int | None = None) -> torch.Tensor:
     """Attention of this step's queries (keys and values already written to the cache; an fp8 cache's scales
-    `k_scale` / `v_scale`).
+    `k_scale` / `v_scale`); `window`: a sliding-window layer's (None: every earlier key).
 
     A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
     them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""
+    kw = {} if window is None else {"window": window}  # None is every backend's default: left out
     if not meta.is_prefill:
         return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale,
-                                     v_scale)
+                                     v_scale, **kw)
     nd = meta.num_decode_seqs
     if nd == 0 or attn.one_call_mixed:
-        return attn.prefill_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return attn.prefill_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **kw)
     decoded = attn.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                                    scale, k_scale, v_scale)
+                                    scale, k_scale, v_scale, **kw)
     if meta.prefill_part is None:  # every sequence adds one token
         return decoded
-    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale, k_scale, v_scale)
+    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale, k_scale, v_scale, **kw)
     return torch.cat([decoded, rest])
 
 

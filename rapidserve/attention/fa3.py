@@ -19,8 +19,9 @@ Semantics match the other backends: the causal mask is aligned to the end of eac
 q_len queries are the last q_len of its context_len keys), GQA by head groups, padding rows
 (context_len 0) give zeros. Decode is the same varlen call with one query per sequence; its host
 arguments (max_seqlen_k from the block table's width) depend on shapes only, so decode replays in a
-CUDA graph. A mixed step (decodes then prompt chunks) is one call: FA3 packs GQA heads into its
-query tiles, so a one-token row does not waste a tile the way the Triton prefill kernel would.
+CUDA graph. A sliding window of W keys (Mistral, Gemma 3's local layers) is FA3's window_size (W - 1, 0): the
+query at position p sees keys p - W < t <= p. A mixed step (decodes then prompt chunks) is one call: FA3 packs GQA
+heads into its query tiles, so a one-token row does not waste a tile the way the Triton prefill kernel would.
 
 The engine's "fa3" backend prefills with FA3 and decodes with Triton: on the H200
 (bench/results/attention_kernels.md) FA3's prefill runs at 1.7-1.9x the Triton kernel's TFLOP/s,
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -49,19 +49,20 @@ from typing import Protocol
 import torch
 
 from rapidserve.attention.kv_quant import cache_scales
-from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.attention.metadata import AttentionMetadata, PrefillAttention
 
 Descales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v descale factors, each [B, Hkv] float32
 
 
 class Fa3Call(Protocol):
     """One FA3 paged forward: (q [T,H,D], k_pages [P,S,Hkv,D], v_pages, page_table [B,W] int32, seqused_k [B] int32,
-    cu_seqlens_q [B+1] int32, max_seqlen_q, max_seqlen_k, softmax_scale, descales of fp8 inputs or None) ->
-    out [T,H,D] (bf16 for fp8 inputs)."""
+    cu_seqlens_q [B+1] int32, max_seqlen_q, max_seqlen_k, softmax_scale, window_left, descales of fp8 inputs or
+    None) -> out [T,H,D] (bf16 for fp8 inputs). window_left: the keys left of the diagonal a query sees (a sliding
+    window W: W - 1), -1: all of them."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
                  seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                 scale: float, descales: Descales | None = None, /) -> torch.Tensor: ...
+                 scale: float, window_left: int, descales: Descales | None = None, /) -> torch.Tensor: ...
 
 # vLLM 0.24's torch.ops._vllm_fa3_C.fwd, positional (vllm/vllm_flash_attn/flash_attn_interface.py).
 VLLM_FWD_ARGS: tuple[str, ...] = (
@@ -105,11 +106,12 @@ def _from_flash_attn_interface() -> Fa3Kernel:
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
              seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-             scale: float, descales: Descales | None = None) -> torch.Tensor:
+             scale: float, window_left: int, descales: Descales | None = None) -> torch.Tensor:
         del max_seqlen_k  # derived from the page table by this API
         qd, kd, vd = descales if descales is not None else (None, None, None)
         return fn(q, k, v, cache_seqlens=seqused_k, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-                  max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=True, q_descale=qd, k_descale=kd,
+                  max_seqlen_q=max_seqlen_q, softmax_scale=scale, causal=True,
+                  window_size=(window_left, 0) if window_left >= 0 else (-1, -1), q_descale=qd, k_descale=kd,
                   v_descale=vd)
 
     return Fa3Kernel(f"flash_attn_interface ({Path(mod.__file__ or '?').parent})", call, fp8=_build_has_fp8())
@@ -145,11 +147,12 @@ def _from_vllm() -> Fa3Kernel:
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
              seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-             scale: float, descales: Descales | None = None) -> torch.Tensor:
+             scale: float, window_left: int, descales: Descales | None = None) -> torch.Tensor:
         args = dict.fromkeys(VLLM_FWD_ARGS)
         args.update(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
                     max_seqlen_k=max_seqlen_k, page_table=page_table, softmax_scale=scale, is_causal=True,
-                    window_size_left=-1, window_size_right=-1, softcap=0.0, is_rotary_interleaved=True,
+                    window_size_left=window_left, window_size_right=0 if window_left >= 0 else -1, softcap=0.0,
+                    is_rotary_interleaved=True,
                     num_splits=0, sm_margin=0, cp_world_size=1, cp_rank=0)
         if descales is not None:
             args.update(q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
@@ -188,7 +191,13 @@ def fp8_descales(q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Te
     return tuple(t.float().reshape(1, 1).expand(batch, kv_heads) for t in (q_scale, k_scale, v_scale))  # type: ignore[return-value]
 
 
-PrefillFn = Callable[..., torch.Tensor]  # prefill_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+def window_left(window: int | None) -> int:
+    """FA3's window_size_left of a sliding window of `window` keys (the query's own included), -1: none."""
+    if window is None:
+        return -1
+    if window < 1:
+        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
+    return window - 1
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ class Fa3Attention:
     cache when the build has no fp8 forward or the cache is not e4m3fn (module docstring)."""
 
     kernel: Fa3Kernel
-    fallback_prefill: PrefillFn | None = None
+    fallback_prefill: PrefillAttention | None = None
 
     def takes_fp8(self, cache_dtype: torch.dtype) -> bool:
         """Whether FA3 itself prefills a cache of fp8 `cache_dtype` (else the fallback does)."""
@@ -215,7 +224,7 @@ class Fa3Attention:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
         if meta.cu_seqlens_q is None:
             raise ValueError("prefill metadata needs cu_seqlens_q")
         scales = cache_scales(k_cache, k_scale, v_scale)
@@ -224,21 +233,24 @@ class Fa3Attention:
             if self.fallback_prefill is None:
                 raise ValueError(f"FlashAttention-3 takes float16 or bfloat16 queries (and an e4m3fn cache with its "
                                  f"fp8 build), not {q.dtype} over a {k_cache.dtype} cache")
-            return self.fallback_prefill(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            if window is None:
+                return self.fallback_prefill(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return self.fallback_prefill(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window=window)
         k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        max_k = max(meta.max_context_len, 1)
+        max_k, left = max(meta.max_context_len, 1), window_left(window)
         if scales is None:
             return self.kernel.call(q, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                                    meta.max_seqlen_q, max_k, scale)
+                                    meta.max_seqlen_q, max_k, scale, left)
         q8, q_scale = quantize_query(q)
         descales = fp8_descales(q_scale, scales[0], scales[1], meta.num_seqs, k_cache.shape[1])
         out = self.kernel.call(q8, k_pages, v_pages, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
-                               meta.max_seqlen_q, max_k, scale, descales)
+                               meta.max_seqlen_q, max_k, scale, left, descales)
         return out.to(q.dtype)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
         """FA3's decode (the engine's fa3 backend decodes with Triton, which measured as fast or faster)."""
         if q.dtype not in self.kernel.dtypes:
             raise ValueError(f"FlashAttention-3 takes float16 or bfloat16, not {q.dtype}")
@@ -250,9 +262,10 @@ class Fa3Attention:
         # An upper bound from shapes only, so a captured graph replays for any context lengths.
         max_k = block_tables.shape[1] * k_cache.shape[2]
         k_pages, v_pages = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        left = window_left(window)
         if scales is None:
-            return self.kernel.call(q, k_pages, v_pages, block_tables, context_lens, cu, 1, max_k, scale)
+            return self.kernel.call(q, k_pages, v_pages, block_tables, context_lens, cu, 1, max_k, scale, left)
         q8, q_scale = quantize_query(q)
         descales = fp8_descales(q_scale, scales[0], scales[1], b, k_cache.shape[1])
-        return self.kernel.call(q8, k_pages, v_pages, block_tables, context_lens, cu, 1, max_k, scale,
+        return self.kernel.call(q8, k_pages, v_pages, block_tables, context_lens, cu, 1, max_k, scale, left,
                                 descales).to(q.dtype)

@@ -8,6 +8,9 @@ Layouts (see rapidserve/attention/metadata.py):
   (``cu_seqlens_q``). ``q`` (decode): [B, num_heads, head_dim], one token per sequence.
 - GQA: query head ``h`` reads kv head ``h // (num_heads // num_kv_heads)``.
 
+Sliding-window attention (`window` W, Mistral and Gemma 3's local layers): the query at position p sees keys
+p - W < t <= p (the last W tokens, itself included), as transformers' sliding-window mask.
+
 The attention itself is torch.nn.functional.scaled_dot_product_attention on contiguous K/V gathered
 from the cache, with the same arguments Hugging Face transformers' "sdpa" attention uses (``enable_gqa``
 when there is no mask, ``repeat_kv`` + boolean mask otherwise), so fp32 outputs match a transformers
@@ -82,13 +85,14 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      v_scale: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of a varlen batch of new tokens over their whole sequences in the cache.
 
     Sequence ``i`` has ``q_len = cu_seqlens_q[i+1] - cu_seqlens_q[i]`` new tokens, which are the last
     ``q_len`` of its ``context_lens[i]`` tokens; new token ``j`` attends to keys ``0 .. prefix + j``
-    with ``prefix = context_len - q_len``. Sequences with context_len 0 produce zeros.
-    Returns [T, num_heads, head_dim] in q's dtype. An fp8 cache is read with `k_scale` / `v_scale`.
+    with ``prefix = context_len - q_len`` (with a `window` W, only those after ``prefix + j - W``).
+    Sequences with context_len 0 produce zeros. Returns [T, num_heads, head_dim] in q's dtype. An fp8 cache is
+    read with `k_scale` / `v_scale`.
     """
     if meta.cu_seqlens_q is None:
         raise ValueError("prefill_attention needs meta.cu_seqlens_q (got None)")
@@ -113,12 +117,16 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         qi = q[start:end].transpose(0, 1).unsqueeze(0)
         ki = _gather_kv(k_cache, meta.block_tables[i], ctx, ks, q.dtype).unsqueeze(0)
         vi = _gather_kv(v_cache, meta.block_tables[i], ctx, vs, q.dtype).unsqueeze(0)
-        if prefix == 0:
+        windowed = window is not None and window < ctx  # a window no shorter than the context hides nothing
+        if prefix == 0 and not windowed:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=q_len > 1, scale=scale,
                                                enable_gqa=group > 1)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            cols = torch.arange(ctx, device=q.device)[None, :]
+            mask = cols <= rows
+            if windowed:
+                mask &= cols > rows - window
             o = F.scaled_dot_product_attention(qi, _repeat_kv(ki, group), _repeat_kv(vi, group),
                                                attn_mask=mask[None, None], scale=scale)
         out[start:end] = o[0].transpose(0, 1)
@@ -130,9 +138,11 @@ DECODE_GROUP_TOKENS = 1 << 18  # padded context tokens per decode group: bounds 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """One new token per sequence (q: [B, num_heads, head_dim]) attending to all its context_lens[b]
-    cached tokens. Rows with context_len 0 produce zeros. Returns [B, num_heads, head_dim].
+    cached tokens (with a `window` W, the last W of them). Rows with context_len 0 produce zeros.
+    Returns [B, num_heads, head_dim].
 
     Sequences are batched (a per-sequence loop of gathers and SDPA calls cost ~30 ops per sequence and
     layer, most of a CPU decode step at batch 16 and more; batched: 1.3-3x faster at batch 4-80): in groups of
@@ -157,20 +167,23 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         size = max(1, min(len(live) - start, DECODE_GROUP_TOKENS // longest))
         rows = torch.tensor(live[start:start + size], device=q.device)
         out[rows] = _decode_group(q[rows], k_cache, v_cache, block_tables[rows], context_lens[rows], longest,
-                                  group, scale, scales)
+                                  group, scale, scales, window)
         start += size
     return out
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   context_lens: torch.Tensor, longest: int, group: int, scale: float,
-                  scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  scales: tuple[torch.Tensor, torch.Tensor] | None = None, window: int | None = None) -> torch.Tensor:
     """decode_attention of rows that all have context_len >= 1, padded to `longest` (`scales`: an fp8 cache's)."""
     batch, block_size = q.shape[0], k_cache.shape[2]
     num_used = (longest + block_size - 1) // block_size
     blocks = block_tables[:, :num_used].to(torch.int64).clamp(min=0)  # a padding entry reads some block: masked
 
-    mask = torch.arange(longest, device=q.device)[None, :] < context_lens.to(q.device)[:, None]  # [B, L]
+    cols, ctx = torch.arange(longest, device=q.device)[None, :], context_lens.to(q.device)[:, None]
+    mask = cols < ctx  # [B, L]
+    if window is not None and window < longest:
+        mask &= cols >= ctx - window
 
     def gather(cache: torch.Tensor, cache_scale: torch.Tensor | None) -> torch.Tensor:
         tiles = _tiles(cache, blocks, cache_scale, q.dtype)  # [B, num_used, Hkv, block_size, D]

@@ -10,6 +10,11 @@ Layouts (see rapidserve/attention/metadata.py):
   (decode); any strides on the first two dims, the last dim must be contiguous.
 - Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
 
+Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
+p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
+variants of each): decode's key tiles start at each sequence's first key in the window, prefill's at the first
+key its query tile's first row sees, every one of them masked (causal and window).
+
 Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
 shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
 slots and context lengths. Softmax runs in fp32 with exp2; fp32 inputs use IEEE (not tf32) dots.
@@ -135,8 +140,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         FP8_MAX: tl.constexpr):
-    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys.
+                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr):
+    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
+    WINDOW keys when WINDOW > 0).
 
     DIRECT (one split): writes the normalised output. Otherwise writes the fp32 partial output
     ``part[b, h, split, :]`` (normalised within the split) and its log2-sum-exp ``lse[b, h, split]``.
@@ -146,7 +152,12 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    # Key tiles start at the window's first key (0 without one): tokens are gathered one by one through the block
+    # table, so a tile need not start on a multiple of BLOCK_N, and only the last tile needs a mask.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    num_tiles = tl.cdiv(ctx - first, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -169,7 +180,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
     for tile in range(tile_lo, tile_hi):
-        tok = tile * BLOCK_N + n
+        tok = first + tile * BLOCK_N + n
         tok_mask = tok < ctx
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
@@ -220,6 +231,15 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _window(window: int | None) -> int:
+    """The kernels' WINDOW constant: the window, 0 for none."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
+    return int(window)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -268,9 +288,11 @@ def _reduce_warps(block_s: int, block_d: int) -> int:
 
 def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
-    if torch.version.hip:
-        return (32 if dtype == torch.float32 else 64), 4, 1
+    if torch.version.hip:  # head_dim 256 (Gemma 3): half the key tile, or its registers cap gfx942 at 1 wave
+        return (32 if dtype == torch.float32 else 64) // (2 if head_dim > 128 else 1), 4, 1
     if dtype == torch.float32:
+        return 32, 4, 2
+    if head_dim > 128:  # Gemma 3's 256: half the key tiles and a stage less keep K and V's stages in shared memory
         return 32, 4, 2
     return 64, 4, 3
 
@@ -279,10 +301,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
-    context_lens[b] cached tokens; context_len 0 gives zeros. Returns [B, num_heads, head_dim]. An fp8 cache is
-    read with `k_scale` / `v_scale`.
+    context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
+    Returns [B, num_heads, head_dim]. An fp8 cache is read with `k_scale` / `v_scale`.
 
     The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
     fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
@@ -306,8 +329,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
                                        _num_sms(q.device))
-        if torch.version.hip:
-            num_splits = min(num_splits, ROCM_MAX_SPLITS)
+        if torch.version.hip:  # Gemma 3's head_dim 256: 128 splits, the reduce kernel's 8-warp partials of 256 x 128
+            num_splits = min(num_splits, ROCM_MAX_SPLITS if head_dim <= 128 else ROCM_MAX_SPLITS * 64 // head_dim)
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
@@ -320,7 +343,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
         num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, **fp8)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device))
@@ -331,6 +354,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ prefill
+@triton.jit
+def _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, hi, m_i, l_i, acc, d_mask, n, d,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The prefill kernel's keys [0, hi) that every row of its query tile sees (no mask): (m_i, l_i, acc) updated."""
+    for start in range(0, hi, BLOCK_N):
+        tok = start + n
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # num_seqs and num_m_tiles change from step to step: specialized (== 1, % 16 == 0), each new combination compiled a
 # variant mid-serving, a 0.5-1 s stall of every request in flight on a fresh machine (py-spy of hybrid mode,
 # 2026-11-27, bench/results/h100_1127/prefill_graphs/README.md). Unspecialized, one variant serves every step.
@@ -339,8 +382,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
                     qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles, ks_ptr, vs_ptr,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal.
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                    WINDOW: tl.constexpr):
+    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal (the last
+    WINDOW of them for each row when WINDOW > 0).
 
     Tiles are numbered so that the first programs take the last (heaviest) query tile of every
     sequence; tiles past a sequence's end exit at once. KV_FP8: as _decode_split_kernel.
@@ -375,23 +420,17 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
 
-    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask.
+    # Keys [0, masked_lo) are visible to every row of the tile; [masked_lo, end) need the causal mask. With a window
+    # the keys from the first row's first one (tiles start there: keys are gathered one by one) are all masked
+    # (causal and window), and there is no unmasked loop.
     end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
-    full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
-    for start in range(0, full_hi, BLOCK_N):
-        tok = start + n
-        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
-        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    for start in range(full_hi, end, BLOCK_N):
+    if WINDOW > 0:
+        masked_lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0)
+    else:
+        masked_lo = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
+        m_i, l_i, acc = _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, masked_lo,
+                                          m_i, l_i, acc, d_mask, n, d, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE)
+    for start in range(masked_lo, end, BLOCK_N):
         tok = start + n
         tok_mask = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
@@ -399,11 +438,16 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
+        if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
+            back = (prefix + offs_m)[:, None] - tok[None, :]  # how far back each key is from each row's token
+            visible = (back >= 0) & (back < WINDOW) & tok_mask[None, :]
+        else:
+            visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet (a window's first tiles)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
@@ -420,6 +464,8 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). `kv_fp8`: an fp8 cache, whose tiles' conversions take registers
     (on gfx942 the bf16 tile of 128 x 64 keys at head_dim 128 spilled 9 VGPRs with them; 32 keys fit)."""
     if torch.version.hip:
+        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill (compiled for gfx942)
+            return (32, 16, 4, 1) if dtype == torch.float32 else (64, 32, 4, 1)
         if dtype == torch.float32:
             return 64, 32, 4, 1
         return (128, 32, 8, 1) if kv_fp8 and head_dim > 64 else (128, 64, 8, 1)
@@ -427,6 +473,8 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> 
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
+    if head_dim > 128:  # Gemma 3's 256: a 128 x 256 query tile and its fp32 accumulator would not fit (not measured)
+        return 64, 32, 8, 2
     return 128, 64, 8, 2
 
 
@@ -444,10 +492,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, window: int | None = None) -> torch.Tensor:
     """Causal varlen attention of new tokens (q [T, num_heads, head_dim], sequences laid end to end by
     meta.cu_seqlens_q) over their sequences in the paged cache, including any cached prefix of
-    ``context_len - q_len`` tokens. Uses meta.max_seqlen_q (host int) to size the grid.
+    ``context_len - q_len`` tokens (with a `window` W, each token over its last W). Uses meta.max_seqlen_q (host
+    int) to size the grid.
     Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros. An fp8 cache is read
     with `k_scale` / `v_scale`.
 
@@ -475,7 +524,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_seqs, num_m_tiles,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
+        IEEE=q.dtype == torch.float32, WINDOW=_window(window), num_warps=num_warps or cfg_warps,
         num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype, bool(fp8["KV_FP8"])), **fp8)
     return out
 

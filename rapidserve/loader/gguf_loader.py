@@ -248,6 +248,7 @@ def _config_from_json(d: dict[str, Any]) -> ModelConfig:
     d = dict(d)
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"]) if d.get("rope_scaling") else None
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    d["layer_types"] = tuple(d.get("layer_types") or ())
     return ModelConfig(**d)
 
 

@@ -126,16 +126,17 @@ def check_kv_scale_tensors(found: Mapping[str, tuple[str, tuple[int, ...], str]]
 
 
 def read_kv_scales(scales: Mapping[str, tuple[int, str]], files: Mapping[str, str], num_layers: int,
-                   folder: str) -> KVScales:
+                   folder: str, stored: Mapping[str, str] | None = None) -> KVScales:
     """The values of the checked scale tensors (`check_kv_scale_tensors`; `files`: name -> safetensors file), each a
-    positive finite number (else ModelLoadError naming the tensor and its value)."""
+    positive finite number (else ModelLoadError naming the tensor and its value). `stored`: our name -> the name the
+    file holds it under, where they differ (a gemma3 multimodal checkpoint's text model, hf_arch.text_weights)."""
     from safetensors import SafetensorError, safe_open
 
     values: dict[int, dict[str, float]] = {}
     for name, (layer, kind) in scales.items():
         try:
             with safe_open(files[name], framework="pt") as f:
-                value = float(f.get_tensor(name).float().reshape(-1)[0])
+                value = float(f.get_tensor(stored.get(name, name) if stored else name).float().reshape(-1)[0])
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(files[name], f"cannot read tensor {name}: {e}") from e
         if not (math.isfinite(value) and value > 0):

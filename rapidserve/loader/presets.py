@@ -35,6 +35,7 @@ import torch
 
 from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import read_hf_config, tokenizer_of, write_safetensors
+from rapidserve.loader.hf_arch import arch_config_json
 from rapidserve.loader.kv_scales import declares_kv_cache
 from rapidserve.loader.moe_hf import dense_twin, moe_hf_config_dict
 from rapidserve.loader.preset_table import list_presets, preset_table
@@ -63,8 +64,8 @@ def preset_tensor(preset: str, config: ModelConfig, name: str, shape: tuple[int,
     g = torch.Generator(device=device)
     g.manual_seed(_seed(preset, name))
     x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-    if name.endswith("norm.weight"):
-        x = 1.0 + 0.05 * x
+    if name.endswith("norm.weight"):  # Gemma 3's norms multiply by 1 + weight
+        x = (0.0 if config.arch == "gemma3" else 1.0) + 0.05 * x
     elif name.endswith(".bias"):
         x = 0.05 * x
     elif name == "model.embed_tokens.weight":
@@ -137,7 +138,8 @@ def random_source(key: str, config: ModelConfig, device: str | torch.device, dty
 
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields).
+    """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields; MistralConfig's and
+    Gemma3TextConfig's: hf_arch.arch_config_json).
 
     RoPE is written both the transformers 4 way (rope_theta, rope_scaling) and the transformers 5
     way (rope_parameters); each version reads its own keys. Mixture-of-experts models (MixtralConfig /
@@ -146,7 +148,9 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
     if config.moe is not None:
         return moe_hf_config_dict(config, hf_config_dict(dense_twin(config), dtype))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+        rope = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_scaling.factor}
+    elif config.rope_scaling is not None:
         rs = config.rope_scaling
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": rs.factor,
                 "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
@@ -155,7 +159,7 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         config.eos_token_ids[0] if config.eos_token_ids else None)
     d: dict[str, Any] = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[config.arch]],
+                           "qwen3": "Qwen3ForCausalLM"}.get(config.arch)],  # the others': arch_config_json
         "model_type": config.arch,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -179,11 +183,13 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
     }
     if config.arch != "qwen2":
         d["attention_bias"] = config.attention_bias
-    if config.arch != "llama":
-        d["use_sliding_window"] = False
-        d["sliding_window"] = None
+    if config.arch in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = config.sliding_window is not None
+        d["sliding_window"] = config.sliding_window
         d["max_window_layers"] = config.num_layers
-    return d
+        if config.layer_types:
+            d["layer_types"] = list(config.layer_types)
+    return arch_config_json(config, d)
 
 
 def save_as_hf_folder(source: ModelSource, path: str | os.PathLike[str],

@@ -1,8 +1,10 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Mistral families (Gemma 3: gemma3.py builds on it).
 
 The families differ only by flags of `ModelConfig`: q/k/v bias (qwen2), per-head q/k RMSNorm
-(qwen3), llama3 RoPE scaling, tied embeddings. Projections are fused (qkv, gate|up) so a layer is
-four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors.
+(qwen3), llama3 RoPE scaling, tied embeddings, sliding-window attention (mistral: each layer's `window`, which it
+passes to the attention backend). Projections are fused (qkv, gate|up) so a layer is
+four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors. `registry.causal_lm_class`
+picks the model class of an architecture.
 
 The forward pass takes a flat batch of tokens (all sequences end to end) and an
 `AttentionMetadata`; the elementwise ops and the attention backend are injected (`Ops`,
@@ -30,7 +32,7 @@ tree, never from the weight stream; shared with the prefill worker like every pa
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.cfg, self.tp = cfg, tp
+        self.scale, self.window = cfg.attn_scale, cfg.layer_window(index)  # attention's softmax scale, sliding window
         fp8 = fp8 or fp8_dtype(device)
 
         def weight(fused: str, n: int, k: int) -> Weight:
@@ -124,8 +127,9 @@ class DecoderLayer(nn.Module):
         return self.post_attention(self.attention(q, kv, meta, attn), residual, ops)
 
     def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
-        """Attention of the queries over the layer's cache (an fp8 cache read with the layer's scales)."""
-        return attend(attn, q, kv[0], kv[1], meta, self.cfg.head_dim**-0.5, self.k_scale, self.v_scale)
+        """This layer's attention of its queries over the cache (its scale and sliding window; an fp8 cache read
+        with the layer's scales)."""
+        return attend(attn, q, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale, window=self.window)
 
     def pre_attention(
         self,
@@ -199,6 +203,8 @@ def _kv_layer_scales(num_layers: int, kv_dtype: torch.dtype | None,
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
 
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # an architecture's subclass puts its own here
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -228,7 +234,7 @@ class CausalLM(nn.Module):
         self.quant = quant if quant is not None and quant.enabled else None
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.kv_dtype = kv_dtype
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp, self.quant, n, fp8, layer_scales[n])
+        self.layers = nn.ModuleList(self.layer_class(cfg, dtype, device, tp, self.quant, n, fp8, layer_scales[n])
                                     for n in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param(

@@ -34,7 +34,7 @@ from rapidserve.kv_events import KVEventLog
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, kv_cache_dtype, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
-from rapidserve.models.transformer import CausalLM
+from rapidserve.models.registry import causal_lm_class
 from rapidserve.ops import fp8_ops, get_ops
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
@@ -140,8 +140,9 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
             cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
-            self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                  max_positions=max(self.max_model_len, 1), tp=tp, quant=quant, **kv)
+            self.model = causal_lm_class(self.mcfg)(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                                    max_positions=max(self.max_model_len, 1), tp=tp, quant=quant,
+                                                    **kv)
             log.info("loading weights: %s", source.description)
             self._load(source, show_progress)
             log.info("weights loaded in %.1f s", time.perf_counter() - t0)

@@ -36,6 +36,7 @@ from torch import nn
 from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator
+from rapidserve.models.registry import causal_lm_class
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.models.transformer import CausalLM, WeightError
 from rapidserve.ops import Ops
@@ -128,8 +129,8 @@ def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torc
     """
     device = torch.device(device)
     meta = torch.device("meta")
-    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp, quant=quant,
-                     fp8=fp8_dtype(device), kv_dtype=kv_dtype, kv_scales=kv_scales)
+    model = causal_lm_class(cfg)(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp, quant=quant,
+                                 fp8=fp8_dtype(device), kv_dtype=kv_dtype, kv_scales=kv_scales)
     cfg = model.cfg  # this rank's shard under tensor parallelism (its KV heads size the pool)
     expected = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(expected) - set(shared.params))
@@ -148,7 +149,7 @@ def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torc
         setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
     model.device = device
     # The RoPE table is computed, not loaded: each process builds its own (same length as the meta one).
-    model.cos_sin = cos_sin_table(cfg, int(model.cos_sin.shape[0]), device)
+    model.cos_sin = cos_sin_table(cfg, int(model.cos_sin.shape[-2]), device)  # [positions, D] (Gemma 3: [2, ...])
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise SharedStateError(f"attach_model does not know how to rebuild {left} of CausalLM on {device}")
