@@ -1,6 +1,7 @@
 """The fp8 KV cache through every engine path on CPU (issue 39):
 
-- tiny real-architecture models (the llama, qwen2 and qwen3 presets): logits with an fp8 cache within a bound of
+- tiny real-architecture models (the llama, qwen2, qwen3, mistral and gemma3 presets; the last two with
+  sliding-window layers over the fp8 cache): logits with an fp8 cache within a bound of
   the float cache's, over a chunked prefill and decode steps, and the same greedy tokens through `LLM`;
 - a checkpoint with calibrated scales (a compressed-tensors kv_cache_scheme, the scales measured here from the
   model's own keys and values): `LLM` takes fp8 under `--kv-cache-dtype auto`, stores with those scales (the
@@ -47,7 +48,8 @@ def step_logits(r: ModelRunner, prompt: list[int], steps: int) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2", "preset:tiny-qwen3"])
+@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2", "preset:tiny-qwen3", "preset:tiny-mistral",
+                                   "preset:tiny-gemma3"])
 def test_fp8_logits_are_within_a_bound_of_the_float_caches(model: str) -> None:
     prompt = [(7 * i + 3) % 300 + 5 for i in range(60)]
     runners = []
@@ -56,7 +58,17 @@ def test_fp8_logits_are_within_a_bound_of_the_float_caches(model: str) -> None:
         runners.append(ModelRunner(cfg, source, show_progress=False))
     want, got = (step_logits(r, prompt, 5) for r in runners)
     assert runners[1].kv_pool.tensor.dtype == torch.float8_e4m3fn
+    layers = list(runners[1].model.layers)
+    assert all(layer.k_scale is not None and layer.v_scale is not None for layer in layers)  # gemma3's class too
+    if "mistral" in model or "gemma3" in model:  # sliding-window layers over the fp8 cache (windows < the prompt)
+        assert any(layer.window is not None and layer.window < len(prompt) for layer in layers)
     err = float((got - want).abs().max())
+    if "mistral" in model or "gemma3" in model:
+        # measured: tiny-mistral 3.7%, tiny-gemma3 9.7% of the logits' spread (uncalibrated unit scales; the window
+        # averages fewer rounded values); tiny-mistral's random weights have a near tie at one step, so its tokens
+        # are checked by test_llm_with_fp8_keeps_the_greedy_tokens, which allows near ties
+        assert 0 < err < 0.12 * float(want.std()), (err, float(want.std()))
+        return
     assert 0 < err < 0.08 * float(want.std()), (err, float(want.std()))  # measured: 2-3% of the logits' spread
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
@@ -64,7 +76,8 @@ def test_fp8_logits_are_within_a_bound_of_the_float_caches(model: str) -> None:
 NEAR_TIE = 0.1  # twice the logits' error bound above (random-weight presets have near ties among 1000+ tokens)
 
 
-@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2", "preset:tiny-qwen3"])
+@pytest.mark.parametrize("model", ["preset:tiny-llama", "preset:tiny-qwen2", "preset:tiny-qwen3", "preset:tiny-mistral",
+                                   "preset:tiny-gemma3"])
 def test_llm_with_fp8_keeps_the_greedy_tokens(model: str) -> None:
     """Greedy tokens through `LLM` agree with the float cache's up to the first step where the float model's own
     top two are within NEAR_TIE (where fp8's error may pick either; the test says which steps those are)."""
