@@ -20,7 +20,7 @@ from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.moe_config import MoeConfig
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.quant_config import QuantizationConfig
+from rapidserve.quant_config import KV_CACHE_DTYPES, KVScales, QuantizationConfig
 
 Arch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe"]
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
@@ -215,6 +215,12 @@ class CacheConfig:
     cpu_kv_bytes: int = 512 * 1024 * 1024
     # Share the K/V of equal prompt prefixes between requests (block_manager.py), as vLLM does by default.
     enable_prefix_caching: bool = True
+    # What the pool holds (--kv-cache-dtype, resolved by config_builder.resolve_kv_cache): "auto" the model's dtype;
+    # "fp8" float8 e4m3 (e4m3fnuz on ROCm's gfx94x), each layer's keys and values stored as fp8(x / scale) and read
+    # as x8 * scale: half the bytes of bf16, twice the tokens in the same memory (kv_pool.py).
+    kv_cache_dtype: str = "auto"
+    # fp8 only: the checkpoint's calibrated per-tensor scales (quant_config.KVScales); None: uncalibrated, 1.0.
+    kv_scales: KVScales | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128),
@@ -223,6 +229,21 @@ class CacheConfig:
                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         _check(self.num_blocks is None or self.num_blocks > 0,
                f"num_blocks={self.num_blocks} must be a positive integer or unset")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype={self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+        _check(self.kv_scales is None or self.fp8_kv,
+               "kv_scales are the fp8 KV cache's: give them with kv_cache_dtype='fp8' only")
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether the pool stores fp8 (with per-layer scales)."""
+        return self.kv_cache_dtype == "fp8"
+
+    def layer_kv_scales(self, num_layers: int) -> tuple[tuple[float, float], ...]:
+        """Each layer's (k_scale, v_scale) of an fp8 pool in e4m3fn units: the checkpoint's, else 1.0 each."""
+        if self.kv_scales is not None:
+            return self.kv_scales.scales
+        return ((1.0, 1.0),) * num_layers
 
 
 @dataclass(frozen=True)
@@ -345,6 +366,10 @@ class EngineConfig:
         par = self.parallel
         problem = self.model_config.tp_problem(par.tensor_parallel_size)
         _check(problem is None, problem or "")
+        scales = self.cache.kv_scales
+        _check(scales is None or len(scales.scales) == self.model_config.num_layers,
+               f"kv_scales has {len(scales.scales) if scales else 0} layers' scales, the model "
+               f"{self.model_config.num_layers} layers: build the config from this model")
         sched = self.scheduler  # before anything is sized by it (the RoPE table, the KV pool), in every engine path
         problem = self.model_config.max_model_len_problem(sched.max_model_len, sched.allow_long_max_model_len)
         _check(problem is None, problem or "")

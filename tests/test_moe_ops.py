@@ -146,6 +146,18 @@ def test_tile_rule(pairs: int, e: int, want: tuple[int, int, int]) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 64, 4, 2)), (2, 8, (16, 64, 64, 4, 2)),
+                                                  (256, 8, (32, 64, 64, 4, 2)), (16384, 8, (64, 128, 64, 8, 2))])
+def test_tile_rule_on_rocm(pairs: int, e: int, want: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROCm: decode's small runs step K by 64 (128 took one 4-wave workgroup a gfx942 CU, by its LDS: flagged by
+    bench/amd_compile_check.py), and every tile has two stages."""
+    from rapidserve.ops.triton_moe import moe_config
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert tuple(moe_config(pairs, e)) == want
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize(("mutate", "match"), [
     (lambda a: {**a, "x": a["x"].t()}, "contiguous last dim"),
     (lambda a: {**a, "w13": a["w13"][:, :-1]}, r"w13 must be a contiguous \[E, 2I, 24\]"),

@@ -3,12 +3,13 @@
 The model types of `hf_arch.MODEL_TYPES` are read (what is architecture-specific: hf_arch.py, e.g. Gemma 3's config
 and a multimodal checkpoint's text weights, which are read under their own names and handed on under ours).
 
-Only config.json, the quantization side files and the safetensors headers are read when the folder is
-resolved (to refuse a quantized checkpoint by name, `quant.py`, or read an FP8 one's scheme,
-`fp8_checkpoint.py`; then to check every tensor the config and the scheme need is there with the right shape
-and dtype); `weights()` then streams one tensor at a time through `safe_open`, and `shard_weights(layout)` one
-tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows or columns
-(`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped file.
+Only config.json, the quantization side files, the safetensors headers and the fp8 KV cache's scale tensors (two
+numbers a layer, `kv_scales.py`) are read when the folder is resolved (to refuse a quantized checkpoint by name,
+`quant.py`, or read an FP8 one's scheme, `fp8_checkpoint.py`; then to check every tensor the config and the scheme
+need is there with the right shape and dtype); `weights()` then streams one tensor at a time through `safe_open`,
+and `shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows
+or columns (`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped
+file.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quant
 from rapidserve.loader.hf_arch import gemma3_config, model_type_problem, rope_scaling, sliding_fields, text_weights
 from rapidserve.loader.hf_arch import token_ids as _token_ids
 from rapidserve.loader.hub import display_name
+from rapidserve.loader.kv_scales import check_kv_scale_tensors, declares_kv_cache, read_kv_scales
 from rapidserve.loader.moe_hf import moe_config_from_hf
 from rapidserve.loader.quant import refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
@@ -270,6 +272,10 @@ def load_hf_folder(folder: str) -> ModelSource:
     stored = text_weights(found, d.get("model_type"), folder)  # a multimodal checkpoint's text model: ours -> its
     if stored is not None:
         found = {ours: found[theirs] for ours, theirs in stored.items()}
+    declared = declares_kv_cache(d)
+    kv = check_kv_scale_tensors(found, config, declared, folder)  # the fp8 KV cache's scales: split out, read now
+    kv_scales = read_kv_scales(kv, {n: found[n][0] for n in kv}, config.num_layers, folder, stored) if kv else None
+    found = {n: f for n, f in found.items() if n not in kv}
     if quant is None:
         shapes = expected_tensor_shapes(config)
         refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
@@ -291,9 +297,12 @@ def load_hf_folder(folder: str) -> ModelSource:
         chat_template=chat_template,
         hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
-                    f"file(s), {dtype}{', fp8' if quant is not None else ''}, {config.num_params() / 1e9:.2f}B "
+                    f"file(s), {dtype}{', fp8' if quant is not None else ''}"
+                    f"{', fp8 KV cache scales' if kv_scales is not None else ''}, {config.num_params() / 1e9:.2f}B "
                     "params)",
         quantization=quant,
+        kv_cache_scheme=declared,
+        kv_scales=kv_scales,
     )
 
 

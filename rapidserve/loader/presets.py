@@ -14,7 +14,8 @@ pays the whole model's draw time.
 `dummy:<folder>` (`--load-format dummy`, `load_dummy`) is the same machinery for any Hugging Face folder:
 its config.json's shapes, random weights seeded from the model's name, its tokenizer if it has one; an FP8
 checkpoint's folder gives its FP8 scheme, the random float weights quantized at load (static activation scales,
-which only calibration gives, become dynamic per-tensor ones).
+which only calibration gives, become dynamic per-tensor ones), and its kv_cache_scheme an fp8 KV cache with
+uncalibrated scales (1.0).
 
 `save_as_hf_folder` writes any ModelSource as a Hugging Face folder (config.json + safetensors) so
 transformers' own implementation can load exactly the same weights.
@@ -35,6 +36,7 @@ import torch
 from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import read_hf_config, tokenizer_of, write_safetensors
 from rapidserve.loader.hf_arch import arch_config_json
+from rapidserve.loader.kv_scales import declares_kv_cache
 from rapidserve.loader.moe_hf import dense_twin, moe_hf_config_dict
 from rapidserve.loader.preset_table import list_presets, preset_table
 from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
@@ -98,7 +100,7 @@ def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dty
     if not os.path.isdir(folder):
         raise ModelLoadError(folder, "--load-format dummy needs a Hugging Face model folder (or Hub id) whose "
                                      "config.json gives the architecture; this is not a folder")
-    config, _, quant = read_hf_config(folder)
+    config, d, quant = read_hf_config(folder)
     tokenizer_dir, chat_template = tokenizer_of(folder)
     if quant is not None:  # the checkpoint's FP8 scheme over random float weights, quantized at load
         quant = dataclasses.replace(quant, online=True, activations="tensor" if quant.activations == "static" else
@@ -106,16 +108,17 @@ def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dty
                                                               "(--load-format dummy)")
     return random_source(f"dummy:{config.name}", config, device, dtype, tokenizer_dir, chat_template,
                          description=f"{config.arch} model {folder} with random weights (--load-format dummy)",
-                         hf_folder=folder, quantization=quant)
+                         hf_folder=folder, quantization=quant, kv_cache_scheme=declares_kv_cache(d))
 
 
 def random_source(key: str, config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
                   tokenizer_dir: str | None = None, chat_template: str | None = None,
                   description: str = "", hf_folder: str | None = None,
-                  quantization: QuantizationConfig | None = None) -> ModelSource:
+                  quantization: QuantizationConfig | None = None, kv_cache_scheme: bool = False) -> ModelSource:
     """A ModelSource of `config`'s shapes whose every tensor is `preset_tensor(key, ...)` (see load_preset);
     `hf_folder`: the Hugging Face folder whose architecture it randomizes (its generation_config.json applies);
-    `quantization`: the FP8 scheme (online) its float weights are quantized with at load."""
+    `quantization`: the FP8 scheme (online) its float weights are quantized with at load; `kv_cache_scheme`: its
+    folder declares an fp8 KV cache (whose scales, random weights being uncalibrated, are 1.0)."""
     shapes = expected_tensor_shapes(config)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,7 +133,7 @@ def random_source(key: str, config: ModelConfig, device: str | torch.device, dty
         config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes),
         tokenizer_dir=tokenizer_dir, tokenizer_file=None, chat_template=chat_template,
         description=f"{description} ({config.num_params() / 1e9:.2f}B params)", hf_folder=hf_folder,
-        quantization=quantization,
+        quantization=quantization, kv_cache_scheme=kv_cache_scheme,
     )
 
 

@@ -21,7 +21,7 @@ from rapidserve.config import ARCHES, ModelConfig
 from rapidserve.loader.preset_table import list_presets
 from rapidserve.moe_config import moe_tensor_shapes
 from rapidserve.parallel.shard import ShardError, TPLayout, shard_shape, sharded_weights, tp_layout
-from rapidserve.quant_config import QuantizationConfig
+from rapidserve.quant_config import KVScales, QuantizationConfig
 
 
 def supported_forms() -> str:
@@ -76,6 +76,11 @@ class ModelSource:
     # The FP8 scheme the weights come in (an FP8 checkpoint: its weights, scales and input scales are in the
     # stream; `online`, a dummy of one: float weights quantized at load), None: float weights.
     quantization: QuantizationConfig | None = None
+    # The fp8 KV cache (loader/kv_scales.py): whether the checkpoint's config declares one (a kv_cache_scheme:
+    # `--kv-cache-dtype auto` then stores fp8), and its calibrated per-layer scales when its tensors carry them
+    # (read when the source is resolved; never in the weight stream).
+    kv_cache_scheme: bool = False
+    kv_scales: KVScales | None = None
 
 
 def rank_weights(source: ModelSource, layout: TPLayout,

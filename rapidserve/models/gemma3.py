@@ -17,11 +17,13 @@ What differs from the Llama-shaped layers, as transformers' modeling_gemma3 comp
 - the final logits are soft-capped, cap * tanh(logits / cap), when `final_logit_softcapping` is set (Gemma 3 has
   none; Gemma 2 had one). Attention logit soft-capping is refused by the loader (loader/hf_arch.py).
 The K/V of every token stay in the pool for every layer (no memory saved on the sliding layers).
+An fp8 KV cache (`kv_dtype`) works as in transformer.py: each layer keeps its k_scale / v_scale, which the inherited
+K/V write and attention take (a sliding layer's windowed attention over the fp8 cache included).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,8 +50,11 @@ class Gemma3DecoderLayer(DecoderLayer):
     """A Gemma 3 layer: transformer.py's with norms around the MLP too, GELU-tanh, and its own RoPE table."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
-                 quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None) -> None:
-        super().__init__(cfg, dtype, device, tp, quant, index, fp8)
+                 quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None,
+                 kv_scales: tuple[float, float] | None = None) -> None:
+        """DecoderLayer's arguments (`kv_scales`: an fp8 KV cache's, kept as the layer's k_scale / v_scale, which
+        DecoderLayer's K/V write and attention take)."""
+        super().__init__(cfg, dtype, device, tp, quant, index, fp8, kv_scales)
         self.pre_feedforward_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.post_feedforward_layernorm = _param((cfg.hidden_size,), dtype, device)
         self.rope_table = 0 if self.window is not None else 1  # rope.py: [0] the sliding layers', [1] the global
@@ -83,8 +88,10 @@ class Gemma3CausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None, tp: TPGroup | None = None, quant: QuantizationConfig | None = None,
-                 fp8: torch.dtype | None = None) -> None:
-        super().__init__(cfg, ops, attn, dtype, device, max_positions, tp, quant, fp8)
+                 fp8: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+                 kv_scales: Sequence[tuple[float, float]] | None = None) -> None:
+        """CausalLM's arguments, an fp8 KV cache's `kv_dtype` and per-layer `kv_scales` included."""
+        super().__init__(cfg, ops, attn, dtype, device, max_positions, tp, quant, fp8, kv_dtype, kv_scales)
         # transformers: a float32 tensor of sqrt(hidden) cast to the weights' dtype (3840: 61.968 -> 62.0 in bf16)
         self.embed_scale = float(torch.tensor(self.cfg.hidden_size**0.5).to(self.dtype))
 

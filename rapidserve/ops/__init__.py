@@ -12,9 +12,10 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   per-head q/k RMSNorm then RoPE (the Triton version in one launch, in place, like apply_rope)
 - ``silu_and_mul(x [..., 2I]) -> [..., I]``
 - ``rope_write(q, k, v, q_weight | None, k_weight | None, eps, positions, cos_sin_cache, k_cache, v_cache,
-  slot_mapping) -> q``: what a layer does between its qkv projection and attention: (q/k RMSNorm,) RoPE,
-  and k/v written to their cache slots (layout: rapidserve/attention/metadata.py); the Triton version in
-  one launch, q rotated in place, k left unrotated (callers use the cache from then on)
+  slot_mapping, k_scale=None, v_scale=None) -> q``: what a layer does between its qkv projection and attention:
+  (q/k RMSNorm,) RoPE, and k/v written to their cache slots (layout: rapidserve/attention/metadata.py; an fp8
+  cache quantized with the layer's scales, rapidserve/attention/kv_quant.py); the Triton version in one launch,
+  q rotated in place, k left unrotated (callers use the cache from then on)
 - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
   gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
   of at most `triton_skinny.MAX_ROWS` (16) rows through `triton_skinny` (one kernel each; the gated one
@@ -54,7 +55,8 @@ class RopeWrite(Protocol):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, /) -> torch.Tensor: ...
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, /) -> torch.Tensor: ...
 
 
 class Linear(Protocol):
@@ -151,12 +153,13 @@ def unfused_ops(ops: Ops) -> Ops:
 
     def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if q_weight is not None and k_weight is not None:
             q, k = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin)
         else:
             q, k = ops.apply_rope(q, k, positions, cos_sin)
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         return q
 
     return dataclasses.replace(cublas_linears(ops), name=ops.name + "-unfused", rope_write=rope_write)

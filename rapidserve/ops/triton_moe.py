@@ -46,9 +46,12 @@ def moe_config(pairs: int, num_experts: int) -> MoeKernelConfig:
     """Tiles for `pairs` (token, slot) pairs over `num_experts` experts: BLOCK_M near the pairs an expert gets
     on average (a decode batch's runs are a few rows; prefill's fill 64-row tiles)."""
     per_expert = pairs / num_experts
-    stages = 2 if torch.version.hip is not None else 3
+    hip = torch.version.hip is not None
+    stages = 2 if hip else 3
     if per_expert <= 16:
-        return MoeKernelConfig(16, 64, 128, 4, stages)
+        # ROCm: K steps of 64, as the larger tiles'; 128 took 36 KiB of LDS (the gate and up tiles, two stages), one
+        # 4-wave workgroup a gfx942 CU: 1 wave a SIMD (bench/amd_compile_check.py); 64 halves it
+        return MoeKernelConfig(16, 64, 64 if hip else 128, 4, stages)
     if per_expert <= 48:
         return MoeKernelConfig(32, 64, 64, 4, stages)
     return MoeKernelConfig(64, 128, 64, 8, stages)
