@@ -53,7 +53,9 @@ def write_all(b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs
         keys.append(k)
         values.append(v)
     if slots:
-        ref.write_kv(torch.cat(keys), torch.cat(values), kc, vc, torch.tensor(slots), ks, vs)
+        dev = kc.device  # the batch's keys may live on the CPU while the caches are on a GPU (test_kv_fp8_gpu)
+        ref.write_kv(torch.cat(keys).to(dev), torch.cat(values).to(dev), kc, vc, torch.tensor(slots, device=dev), ks,
+                     vs)
 
 
 def within_fp8_error(got: torch.Tensor, exact: torch.Tensor, b: Batch) -> None:
