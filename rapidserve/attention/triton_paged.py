@@ -464,8 +464,9 @@ def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). `kv_fp8`: an fp8 cache, whose tiles' conversions take registers
     (on gfx942 the bf16 tile of 128 x 64 keys at head_dim 128 spilled 9 VGPRs with them; 32 keys fit)."""
     if torch.version.hip:
-        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill (compiled for gfx942)
-            return (32, 16, 4, 1) if dtype == torch.float32 else (64, 32, 4, 1)
+        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill, and with the fp8
+            # cache's and the window's paths in the kernel 64 query rows left gfx942 under 2 waves a SIMD (compiled)
+            return (32, 16, 4, 1) if dtype == torch.float32 else (32, 32, 4, 1)
         if dtype == torch.float32:
             return 64, 32, 4, 1
         return (128, 32, 8, 1) if kv_fp8 and head_dim > 64 else (128, 64, 8, 1)
