@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from rapidserve.ipc import ShmRing, new_engine_id, ring_name
 from rapidserve.loader import resolve_model
@@ -17,6 +18,14 @@ from rapidserve.tokenizer import Tokenizer
 
 # Helper modules whose asserts should explain themselves like a test's (pytest rewrites only test files).
 pytest.register_assert_rewrite("tests.decode_sched_fakes", "tests.server_fakes")
+
+# One compute thread in each test process and in the processes it starts (unless OMP_NUM_THREADS says otherwise):
+# beside the engine workers a test runs (one thread each on 2 cores) and the other pytest-xdist worker, OpenMP
+# threads outnumber the free cores and spin at every barrier. Measured on 2 loaded cores, SmolLM2 greedy in two
+# processes at once: 45 s and 29 s of CPU each at 2 threads, 13 s and 7 s at 1. The engine's workers set their
+# own count (rapidserve/engine/worker_build.py) whatever this says.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _has_gpu() -> bool:
