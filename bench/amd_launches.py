@@ -7,11 +7,14 @@ batch bucket, of a prefill step and of a mixed step (`attend` splits it), with t
 Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
 `torch.version.hip` set for an AMD target), and `unfused_ops` (the fallback launches of `rope_write`); on targets
 with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 blocks, the same layer with fp8 block
-weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8.gpu_linear`'s Triton block GEMM) at decode and prefill
-steps. Each
+weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Triton block GEMM) at decode and prefill
+steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
+KV_FP8 variants) at decode, prefill and mixed steps, and per-row fp8 weights' launches (`_fp8_token_launches`: the
+per-token quantizer, and NVIDIA's skinny fp8 GEMM). Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
-GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`.
+GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`) are captured at every step.
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -50,6 +53,11 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_silu_and_mul_kernel": ("rapidserve.ops.triton_ops", "every layer's MLP"),
     "_skinny_kernel": ("rapidserve.ops.triton_skinny", "nvidia"),
     "_fp8_block_kernel": ("rapidserve.ops.triton_fp8", "fp8: layers with fp8 block weight scales"),
+    "_quantize_tokens_kernel": ("rapidserve.ops.triton_fp8", "fp8: per-row fp8 weights' per-token activations"),
+    "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
+    "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
+    "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
+    "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
 NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
 FP8_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why.startswith("fp8"))  # not on targets without fp8
@@ -246,6 +254,21 @@ def capture(shape: Shape, target: Target) -> Capture:
                                attn, meta)
             step[0] = "fp8 block layer, prefill"
             _layer_forward(fp8_layer, cfg, dtype, pool, cos_sin, prefill, ops, attn, meta)
+        if target.fp8 is not None:
+            step[0] = "fp8 per-row layer (per-token activations)"
+            _fp8_token_launches(layer, dtype, target.fp8, target.hip)
+        if target.fp8 is not None:  # --kv-cache-dtype fp8: the same layer over a pool of the target's fp8 format
+            kv_pool = KVPool(torch.empty(pool_spec(cfg, cache, target.fp8, num_blocks).shape, dtype=target.fp8,
+                                         device=meta), shape.block_size)
+            kv_layer = DecoderLayer(cfg, dtype, meta, kv_scales=(1.0, 1.0))
+            for b in (1, 32, 256):
+                step[0] = f"fp8 KV cache, decode b{b}"
+                _layer_forward(kv_layer, cfg, dtype, kv_pool, cos_sin, _decode_meta(b, blocks_per_seq, meta), ops,
+                               attn, meta)
+            for name, meta_, ops_ in (("prefill", prefill, ops), ("prefill, unfused_ops", prefill, unfused_ops(ops)),
+                                      ("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta), ops)):
+                step[0] = f"fp8 KV cache, {name}"
+                _layer_forward(kv_layer, cfg, dtype, kv_pool, cos_sin, meta_, ops_, attn, meta)
     return out
 
 
@@ -281,10 +304,33 @@ def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
     `routed`'s rule (which also asks for a CUDA tensor, so meta tensors skip it there), at 1, 2 and MAX_ROWS rows:
     the JIT specialises the row count M on == 1 and % 16 == 0, so these three give every variant."""
     from rapidserve.ops import triton_skinny as sk
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16) or layer.moe is not None:  # experts: ops/triton_moe.py
         return
     for w, bias, gated in ((layer.qkv_proj, layer.qkv_bias, False), (layer.o_proj, None, False),
                            (layer.gate_up_proj, None, True), (layer.down_proj, None, False)):
         for rows in (1, 2, sk.MAX_ROWS):
             if sk.wide_enough(*w.shape, gated):
                 sk.skinny_linear(torch.empty(rows, w.shape[1], dtype=dtype, device=w.device), w, bias, gated=gated)
+
+
+def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtype, hip: bool) -> None:
+    """The launches of `ops.fp8_gpu.gpu_linear` for per-row fp8 weights of this layer's projections' shapes, with
+    per-token activations: `triton_fp8.quantize_tokens` of each projection's input (the `torch._scaled_mm` path's
+    quantizer, which asks for a CUDA tensor, so meta tensors skip it there; its variants depend on K and x's dtype
+    only), and on NVIDIA the skinny fp8 kernel by `triton_fp8_skinny.routed`'s rule at 1, 2 and MAX_ROWS rows (the
+    JIT's three specialisations of M). The experts of an MoE layer have no fp8 path (refused at load)."""
+    from rapidserve.ops import triton_fp8
+    from rapidserve.ops import triton_fp8_skinny as fsk
+    from rapidserve.ops.triton_skinny import MAX_ROWS, MIN_PROGRAMS
+    projections = [(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None)]
+    if layer.moe is None:
+        projections += [(layer.gate_up_proj, None), (layer.down_proj, None)]
+    for w, bias in projections:
+        n, k = w.shape
+        x = torch.empty(MAX_ROWS, k, dtype=dtype, device=w.device)
+        w8 = torch.empty(n, k, dtype=fp8, device=w.device)
+        sw = torch.empty(n, dtype=torch.float32, device=w.device)
+        if not hip and fsk.fp8_ok(x, w8, sw) and -(-n // fsk.fp8_config(n, k).block_n) >= MIN_PROGRAMS:
+            for rows in (1, 2, MAX_ROWS):
+                fsk.skinny_fp8_linear(x[:rows], w8, sw, bias)
+        triton_fp8.quantize_tokens(x, fp8)

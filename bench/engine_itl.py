@@ -121,7 +121,9 @@ async def run(a: argparse.Namespace) -> dict[str, object]:
     n_dec = a.num_decodes
     cfg, _ = build_engine_config(a.model, dtype=a.dtype, device=_device(a.device), max_model_len=a.max_model_len,
                                  max_num_batched_tokens=a.max_num_batched_tokens,
-                                 gpu_memory_utilization=a.util, max_num_seqs=64)
+                                 gpu_memory_utilization=a.util, max_num_seqs=64,
+                                 # only when asked: an older --code may not know the keyword
+                                 **({"kv_cache_dtype": a.kv_cache_dtype} if a.kv_cache_dtype != "auto" else {}))
     cfg = dataclasses.replace(cfg, launch=LaunchConfig(mps=a.mps, startup_timeout_s=500))
     t0 = time.monotonic()
     engine: Any = await AsyncEngine.start(cfg)
@@ -323,6 +325,7 @@ def main() -> int:
     ap.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--util", type=float, default=0.8, help="decode's KV pool share (prefill needs room too)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8 (as rapidserve serve's flag)")
     ap.add_argument("--device", default="auto", help="auto (cpu when no GPU is visible), cpu, cuda, cuda:N")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)

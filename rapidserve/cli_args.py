@@ -112,7 +112,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "dynamic per-token activations); an FP8 checkpoint (compressed-tensors, HF fp8) runs "
                         "its own scheme with none/auto/fp8; any other method is refused by name")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="vLLM's: only auto here (the KV cache is kept in the model's dtype)")
+                   help="vLLM's: auto (the model's dtype, or fp8 when the checkpoint declares a kv_cache_scheme), "
+                        "fp8 / fp8_e4m3 (float8 e4m3 with per-layer k/v scales: the checkpoint's calibrated ones, "
+                        "else 1.0; twice the tokens in the same memory; needs NVIDIA sm_89+ or AMD MI300), or the "
+                        "model's dtype by name (bfloat16 ...); fp8_e5m2 and others are refused by name")
     add_source_args(g)  # --revision, --download-dir, --load-format
 
 

@@ -88,7 +88,8 @@ def add_serve_parser(sub: Any) -> None:
                             "tool calls; without it such requests get 400, as in vLLM")
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                        help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
-                            "llama3_json (Llama 3.1/3.2 JSON), or auto: from the chat template, else the model family")
+                            "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]: Mistral), or auto: from the chat "
+                            "template, else the model family")
     chat = sv.add_argument_group("chat template")
     chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                       help="a Jinja chat template to use instead of the model's: a file, or the template itself "

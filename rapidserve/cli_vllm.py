@@ -15,8 +15,8 @@
   `--trust-remote-code` (no model code is ever run from a repository), `--disable-log-stats` (no
   periodic stats lines are logged), `--enable-chunked-prefill` (prompts are always chunked),
   `--scheduling-policy fcfs`, `--tokenizer-mode auto`. (`--quantization` / `-q` and `--kv-cache-dtype` are every
-  command's: fp8 / none / auto and auto accepted, anything else refused by name,
-  `engine_settings.check_unsupported_options`.)
+  command's: fp8 / none / auto and auto / fp8 / fp8_e4m3 / the model's dtype accepted, anything else refused by
+  name, `engine_settings.check_unsupported_options`.)
 - Any other flag: argparse refuses it; `CliParser` rewrites that message to name each flag and say that
   rapidserve does not support it, with the reason for vLLM's common ones (`UNSUPPORTED`).
 """
@@ -54,9 +54,12 @@ UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or 
     "--tokenizer-revision": "the tokenizer comes from the model's folder, or --tokenizer DIR",
     "--max-logprobs": "the limit is fixed (20 per token)",
     "--enable-sleep-mode": "no sleep mode", "--kv-transfer-config": "disaggregation is --mode disagg (one host)",
-    "--enable-expert-parallel": "no mixture-of-experts models",
+    "--enable-expert-parallel": "no expert parallelism: a mixture-of-experts model's experts are each sliced over "
+                                "the tensor-parallel ranks (-tp)",
     "--api-server-count": "one server process (with --data-parallel-size engines behind it)",
     "--enable-prompt-embeds": "prompts are text or token ids",
+    "--calculate-kv-scales": "fp8 KV cache scales are the checkpoint's calibrated ones (a compressed-tensors "
+                             "kv_cache_scheme, e.g. from llm-compressor) or 1.0, never computed from the first batch",
 }
 
 

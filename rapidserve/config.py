@@ -18,11 +18,16 @@ from rapidserve.config_base import check as _check
 from rapidserve.generation_config import SamplingDefaults
 from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
+from rapidserve.moe_config import MoeConfig
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.quant_config import QuantizationConfig
+from rapidserve.quant_config import KV_CACHE_DTYPES, KVScales, QuantizationConfig
 
-Arch = Literal["llama", "qwen2", "qwen3"]
-ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+Arch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe"]
+ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
+# A layer's attention (ModelConfig.layer_types, transformers' names): over every earlier token, or the last
+# ModelConfig.sliding_window of them.
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+ROPE_TYPES: tuple[str, ...] = ("llama3", "linear")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
@@ -35,7 +40,8 @@ LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "gguf", "dummy")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 ("llama3") RoPE frequency scaling. `rope_type` 'llama3' is the only one supported."""
+    """RoPE frequency scaling: Llama 3.1's "llama3" (every field), or "linear" (every frequency divided by `factor`;
+    Gemma 3's global layers). The rope types of ROPE_TYPES are supported."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
@@ -44,8 +50,8 @@ class RopeScaling:
     rope_type: str = "llama3"
 
     def __post_init__(self) -> None:
-        _check(self.rope_type == "llama3",
-               f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: 'llama3'")
+        _check(self.rope_type in ROPE_TYPES,
+               f"rope_scaling.rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
         _check(self.factor >= 1.0, f"rope_scaling.factor={self.factor} must be >= 1")
         _check(self.high_freq_factor > self.low_freq_factor,
                "rope_scaling.high_freq_factor must be greater than low_freq_factor")
@@ -53,11 +59,16 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer. One set of layers serves all three families:
+    """Architecture of a decoder-only transformer. One set of layers serves these families:
 
     - llama: Llama 2/3/3.1 (optionally llama3 RoPE scaling), SmolLM2
     - qwen2: q/k/v projections carry a bias
     - qwen3: per-head RMSNorm on q and k before RoPE
+    - mistral: Llama's layers, attention over the last `sliding_window` tokens when that is set
+    - gemma3: Gemma 3's text model (rapidserve/models/gemma3.py): scaled embeddings, (1 + weight) RMSNorms around
+      attention and the MLP, q/k norms, GELU-tanh MLP, sliding-window local layers and global layers
+      (`layer_types`) with RoPE bases of their own, `query_pre_attn_scalar`, optional final logit soft-capping
+    - mixtral, qwen3_moe: Llama / Qwen3 attention with mixture-of-experts MLPs (`moe`, rapidserve/moe_config.py)
     """
 
     arch: Arch
@@ -75,12 +86,25 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    # Sliding-window attention: a query attends to the last `sliding_window` tokens, itself included, in the layers
+    # `layer_types` (one of LAYER_TYPES per layer) marks "sliding_attention"; in every layer when it is () (Mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # Gemma 3: the attention scale is query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); its sliding layers'
+    # RoPE base (their RoPE is unscaled; rope_theta and rope_scaling are the global layers'); the final logits'
+    # tanh soft-cap (None: none).
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    moe: MoeConfig | None = None  # the experts of mixtral / qwen3_moe (None: every MLP dense)
 
     def __post_init__(self) -> None:
         _check(self.arch in ARCHES, f"model arch={self.arch!r} is not supported; supported: {list(ARCHES)}")
+        _check((self.moe is not None) == (self.arch in ("mixtral", "qwen3_moe")),
+               f"model arch={self.arch!r} {'needs' if self.moe is None else 'takes no'} moe section")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
@@ -88,6 +112,19 @@ class ModelConfig:
         _check(self.num_heads % self.num_kv_heads == 0,
                f"model num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
         _check(self.rms_norm_eps > 0, f"model rms_norm_eps={self.rms_norm_eps} must be > 0")
+        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window > 0),
+               f"model sliding_window={self.sliding_window!r} must be a positive integer or unset (no window)")
+        _check(not self.layer_types or (len(self.layer_types) == self.num_layers
+                                        and all(t in LAYER_TYPES for t in self.layer_types)),
+               f"model layer_types={list(self.layer_types)} must give one of {list(LAYER_TYPES)} for each of the "
+               f"{self.num_layers} layers, or be empty")
+        _check("sliding_attention" not in self.layer_types or self.sliding_window is not None,
+               "model layer_types has sliding_attention layers but sliding_window is unset: give the window")
+        for f in ("query_pre_attn_scalar", "rope_local_theta", "final_logit_softcapping"):
+            v = getattr(self, f)
+            _check(v is None or v > 0, f"model {f}={v!r} must be > 0 or unset")
+        _check((self.arch == "gemma3") == (self.rope_local_theta is not None),
+               f"model rope_local_theta={self.rope_local_theta!r} is Gemma 3's (arch gemma3) and needed there")
 
     @property
     def q_size(self) -> int:
@@ -97,6 +134,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attn_scale(self) -> float:
+        """The attention softmax's scale of q.k."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`'s attention (None: it attends to every earlier token)."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
+
     def num_params(self) -> int:
         """Parameter count (embedding and lm_head counted once each; once in total when tied)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -105,8 +153,11 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 3 * h * i + (4 if self.arch == "gemma3" else 2) * h  # Gemma 3: norms before and after both
         emb = v * h * (1 if self.tie_word_embeddings else 2)
+        if self.moe is not None:  # sparse layers: experts and router instead of the dense MLP
+            return self.num_layers * layer + self.moe.num_sparse(self.num_layers) * (
+                self.moe.layer_params(h) - 3 * h * i) + emb + h
         return self.num_layers * layer + emb + h
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -128,6 +179,9 @@ class ModelConfig:
                     f"use one of {divisors(self.num_heads)}")
         if self.intermediate_size % tp:
             return f"--tensor-parallel-size {tp} must divide the MLP's {self.intermediate_size} features"
+        if self.moe is not None and self.moe.intermediate_size % tp:
+            return (f"--tensor-parallel-size {tp} must divide each expert's {self.moe.intermediate_size} features "
+                    "(every rank holds a slice of every expert)")
         if self.num_kv_heads >= tp and self.num_kv_heads % tp:
             return (f"--tensor-parallel-size {tp} must divide the model's {self.num_kv_heads} KV heads, or be a "
                     f"multiple of them; use one of {divisors(self.num_kv_heads)}")
@@ -161,6 +215,12 @@ class CacheConfig:
     cpu_kv_bytes: int = 512 * 1024 * 1024
     # Share the K/V of equal prompt prefixes between requests (block_manager.py), as vLLM does by default.
     enable_prefix_caching: bool = True
+    # What the pool holds (--kv-cache-dtype, resolved by config_builder.resolve_kv_cache): "auto" the model's dtype;
+    # "fp8" float8 e4m3 (e4m3fnuz on ROCm's gfx94x), each layer's keys and values stored as fp8(x / scale) and read
+    # as x8 * scale: half the bytes of bf16, twice the tokens in the same memory (kv_pool.py).
+    kv_cache_dtype: str = "auto"
+    # fp8 only: the checkpoint's calibrated per-tensor scales (quant_config.KVScales); None: uncalibrated, 1.0.
+    kv_scales: KVScales | None = None
 
     def __post_init__(self) -> None:
         _check(self.block_size in (8, 16, 32, 64, 128),
@@ -169,6 +229,21 @@ class CacheConfig:
                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         _check(self.num_blocks is None or self.num_blocks > 0,
                f"num_blocks={self.num_blocks} must be a positive integer or unset")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+               f"kv_cache_dtype={self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
+        _check(self.kv_scales is None or self.fp8_kv,
+               "kv_scales are the fp8 KV cache's: give them with kv_cache_dtype='fp8' only")
+
+    @property
+    def fp8_kv(self) -> bool:
+        """Whether the pool stores fp8 (with per-layer scales)."""
+        return self.kv_cache_dtype == "fp8"
+
+    def layer_kv_scales(self, num_layers: int) -> tuple[tuple[float, float], ...]:
+        """Each layer's (k_scale, v_scale) of an fp8 pool in e4m3fn units: the checkpoint's, else 1.0 each."""
+        if self.kv_scales is not None:
+            return self.kv_scales.scales
+        return ((1.0, 1.0),) * num_layers
 
 
 @dataclass(frozen=True)
@@ -291,6 +366,10 @@ class EngineConfig:
         par = self.parallel
         problem = self.model_config.tp_problem(par.tensor_parallel_size)
         _check(problem is None, problem or "")
+        scales = self.cache.kv_scales
+        _check(scales is None or len(scales.scales) == self.model_config.num_layers,
+               f"kv_scales has {len(scales.scales) if scales else 0} layers' scales, the model "
+               f"{self.model_config.num_layers} layers: build the config from this model")
         sched = self.scheduler  # before anything is sized by it (the RoPE table, the KV pool), in every engine path
         problem = self.model_config.max_model_len_problem(sched.max_model_len, sched.allow_long_max_model_len)
         _check(problem is None, problem or "")

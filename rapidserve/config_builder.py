@@ -13,7 +13,9 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
-from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, LOAD_FORMATS, EngineConfig, ParallelConfig
+import torch
+
+from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, LOAD_FORMATS, CacheConfig, EngineConfig, ParallelConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import (  # re-exported: the model-free half of the builder
     allow_long_max_model_len,
@@ -34,7 +36,7 @@ from rapidserve.partition_config import PartitionConfig
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
-           "resolve_kv_events", "resolve_quantization"]
+           "resolve_kv_cache", "resolve_kv_events", "resolve_quantization"]
 log = logging.getLogger("rapidserve.config")
 
 
@@ -90,6 +92,9 @@ def resolve_quantization(flag: str | None, source: ModelSource, model: str | Non
             raise ConfigError(f"--quantization fp8 quantizes a float checkpoint at load, and {what} is a GGUF file "
                               "(quantized already, dequantized on load): drop the flag, or give the model's bf16 "
                               "Hugging Face checkpoint")
+        if source.config.moe is not None:
+            raise ConfigError(f"--quantization fp8 is not supported for mixture-of-experts models yet "
+                              f"({source.config.arch}): drop the flag to serve it in bf16")
         quant = ONLINE_FP8
     else:
         return QuantizationConfig()
@@ -97,6 +102,59 @@ def resolve_quantization(flag: str | None, source: ModelSource, model: str | Non
     if quant.block is not None and tp > 1 and (problem := block_shard_problem(source.config, tp, quant.block)):
         raise ConfigError(f"--tensor-parallel-size {tp}: {problem}")
     return quant
+
+
+def want_float(dtype: torch.dtype) -> str:
+    """A torch float dtype as --dtype / --kv-cache-dtype name it ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_kv_cache(flag: str, source: ModelSource, dtype: torch.dtype, device: torch.device,
+                     cache: CacheConfig) -> CacheConfig:
+    """The tree's cache section with its KV dtype and scales resolved from `--kv-cache-dtype` (`flag`, as
+    `engine_settings.check_unsupported_options` normalised it) and the model, as vLLM resolves them:
+
+    - "fp8": float8 e4m3 (ops.fp8.fp8_dtype: e4m3fnuz on ROCm's gfx94x) with the checkpoint's calibrated scales
+      (`source.kv_scales`), else 1.0 each (logged once: accuracy may drop; how to calibrate);
+    - "auto": fp8 likewise when the checkpoint's config declares a kv_cache_scheme, else the model's dtype;
+    - a float dtype ("bfloat16", ...): the model's dtype (`dtype`) unquantized, which it must name.
+    ConfigError for a float name that is not the model's dtype, and for fp8 on a GPU that has no fp8
+    (`kv_pool.check_fp8_kv_device`: NVIDIA before sm_89, AMD before gfx94x), before any weight is read. The CPU
+    stores fp8 and computes in the model's dtype."""
+    from rapidserve.kv_pool import check_fp8_kv_device
+    from rapidserve.ops.fp8 import fp8_dtype
+
+    if flag not in ("auto", "fp8"):
+        want = want_float(dtype)
+        if flag != want:
+            raise ConfigError(f"--kv-cache-dtype {flag}: the model computes in {want} (--dtype), and an unquantized KV "
+                              f"cache is kept in the model's dtype; use --kv-cache-dtype auto (or {want}), fp8, or "
+                              f"--dtype {flag}")
+        if source.kv_cache_scheme:
+            log.info("KV cache: --kv-cache-dtype %s keeps it unquantized; the checkpoint's kv_cache_scheme (fp8) "
+                     "is not used", flag)
+        return dataclasses.replace(cache, kv_cache_dtype="auto", kv_scales=None)
+    if flag == "auto" and not source.kv_cache_scheme:
+        if source.kv_scales is not None:
+            log.info("KV cache: the checkpoint carries fp8 KV cache scales but declares no kv_cache_scheme; the cache "
+                     "stays in %s (--kv-cache-dtype fp8 stores fp8 with these scales)", dtype)
+        return dataclasses.replace(cache, kv_cache_dtype="auto", kv_scales=None)
+    if flag == "fp8":
+        check_fp8_kv_device(device)
+    else:
+        check_fp8_kv_device(device, "the checkpoint's kv_cache_scheme asks for an fp8 KV cache (--kv-cache-dtype auto)",
+                            f"use --kv-cache-dtype {want_float(dtype)} to keep the cache unquantized")
+    fmt = fp8_dtype(device)
+    if source.kv_scales is not None:
+        log.info("KV cache: fp8 (%s)%s, %s", fmt, " from the checkpoint's kv_cache_scheme" if flag == "auto" else "",
+                 source.kv_scales.describe())
+    else:
+        log.warning("KV cache: fp8 (%s) with uncalibrated scales (k_scale = v_scale = 1.0 in every layer): keys and "
+                    "values beyond +-%g are clipped and accuracy may drop. Calibrated scales come from a checkpoint "
+                    "made with llm-compressor's kv_cache_scheme (QuantizationModifier with kv_cache_scheme "
+                    "{'type': 'float', 'num_bits': 8, 'strategy': 'tensor'}), which rapidserve reads", fmt,
+                    torch.finfo(fmt).max)
+    return dataclasses.replace(cache, kv_cache_dtype="fp8", kv_scales=source.kv_scales)
 
 
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
@@ -120,8 +178,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     a folder of tokenizer files to use instead of the model's (a preset has none). `allow_long_max_model_len`:
     accept a max_model_len above the model's max_position_embeddings (else a ConfigError says how to fix it;
     the CLI and `LLM` take it from $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN). `quantization`, `kv_cache_dtype`: vLLM's;
-    anything but fp8/None/none/auto (auto) is refused before the model is looked at (`check_unsupported_options`),
-    and the tree's `quantization` section is the model's FP8 scheme or --quantization fp8's (`resolve_quantization`).
+    what is not served (a method but fp8/None/none/auto; a cache dtype but auto/fp8/fp8_e4m3/a float dtype) is
+    refused before the model is looked at (`check_unsupported_options`); the tree's `quantization` section is the
+    model's FP8 scheme or --quantization fp8's (`resolve_quantization`), its cache's dtype and scales the flag's
+    with the checkpoint's (`resolve_kv_cache`).
     `launch`,
     `partition`, `parallel`: the serving sections (None: their defaults; a partition left out runs the mode's
     default policy). `run`: what will run the tree, "offline" (`LLM`, `rapidserve generate`), "profile"
@@ -163,7 +223,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
         source = dataclasses.replace(source, tokenizer_dir=tokenizer, tokenizer_file=None, tokenizer_cache_dir=None)
     mcfg = source.config
     parallel = parallel or ParallelConfig()
-    cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=sections.cache,
+    cache = resolve_kv_cache(sections.kv_cache_dtype, source, resolve_dtype(dtype, dev), dev, sections.cache)
+    cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=cache,
                        scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
                        partition=sections.partition, parallel=parallel, tokenizer=tokenizer,
                        generation=(sections.generation if sections.generation is not None

@@ -2,8 +2,9 @@
 
 `engine_sections` turns the flat settings (`build_engine_config`'s keywords, the CLI's flags) into the tree's
 cache, scheduler, runner, launch and partition sections, refusing by name what rapidserve cannot honour: vLLM's
-`--quantization` other than fp8 / none / auto, `--kv-cache-dtype` other than auto (`check_unsupported_options`;
-the FP8 scheme itself is resolved with the model, `config_builder.resolve_quantization`) and every setting the run
+`--quantization` other than fp8 / none / auto, `--kv-cache-dtype` other than auto / fp8 / fp8_e4m3 / a float
+dtype (`check_unsupported_options`; the FP8 scheme and the KV cache's dtype and scales are resolved with the model,
+`config_builder.resolve_quantization`, `config_builder.resolve_kv_cache`) and every setting the run
 and its policy would not read (`policy_spec.check_settings`). `--generation-config` is checked here too
 (`generation_defaults`: vllm, or a folder's generation_config.json read and checked; auto's file is the model's,
 read by the builder once the model is resolved). vLLM's `--kv-events-config` becomes the `kv_events` section
@@ -12,8 +13,8 @@ block hashes is set by the builder). `config_builder.build_engine_config` calls 
 it resolves the model; `rapidserve serve` calls it before it binds its port, so that a bad flag exits 2 at once,
 and builds the tree once the port answers 503 "starting" (server/startup.py).
 
-Layer: plain data (imports only `config`, `generation_config`, `kv_events_config` and `policy_spec`; no torch, no
-loader), so the CLI
+Layer: plain data (imports only `config`, `generation_config`, `kv_events_config`, `quant_config` and `policy_spec`;
+no torch, no loader), so the CLI
 imports it in milliseconds.
 """
 
@@ -37,6 +38,7 @@ from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import RUN_SPECS, check_settings, resolve_policy
+from rapidserve.quant_config import KV_CACHE_FLAGS, KV_CACHE_REFUSED
 
 UNSET_CHOICES = (None, "auto", "none")  # --quantization / --kv-cache-dtype left to the model
 QUANTIZATION_FLAGS = ("fp8",)  # the --quantization methods served (quant_config.py)
@@ -54,26 +56,28 @@ def allow_long_max_model_len(env: Mapping[str, str]) -> bool:
                       "--max-model-len above the model's max_position_embeddings, or 0 (or unset it) to refuse one")
 
 
-def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> str | None:
-    """`--quantization` as the builder reads it ("fp8", or None: the model's own, a float or FP8 checkpoint), or a
-    ConfigError naming `--quantization` or `--kv-cache-dtype` when it asks for what is not served.
+def check_unsupported_options(quantization: str | None, kv_cache_dtype: str | None) -> tuple[str | None, str]:
+    """(`--quantization` as the builder reads it: "fp8", or None: the model's own, a float or FP8 checkpoint;
+    `--kv-cache-dtype` as `quant_config.KV_CACHE_FLAGS` names it: "auto", "fp8" or a float dtype), or a ConfigError
+    naming `--quantization` or `--kv-cache-dtype` when it asks for what is not served.
 
     vLLM takes both (quantizing weights on load, an FP8 KV cache). rapidserve serves `--quantization fp8` (a float
     checkpoint quantized at load, or an FP8 checkpoint's own scheme); any other method is refused by name rather
     than ignored (a checkpoint quantized on disk with one is refused by the loader, `loader/quant.py`). The KV
-    cache is kept in the model's dtype, so `--kv-cache-dtype` other than auto is refused."""
+    cache is the model's dtype (auto, or that dtype named: config_builder checks it is the model's) or fp8 (fp8,
+    fp8_e4m3: e4m3 with per-tensor scales); vLLM's other cache dtypes are refused by name (KV_CACHE_REFUSED)."""
     q = quantization.strip().lower() if isinstance(quantization, str) else quantization
     if q not in UNSET_CHOICES and q not in QUANTIZATION_FLAGS:
         raise ConfigError(f"--quantization {quantization!r} (quantization={quantization!r}): rapidserve quantizes "
                           "weights with fp8 only (and serves FP8 checkpoints in compressed-tensors and Hugging Face "
                           "fp8 form as they are): drop the flag and give the unquantized checkpoint, or use "
                           "--quantization fp8")
-    kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else kv_cache_dtype
-    if kv not in UNSET_CHOICES:
-        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): the KV cache is "
-                          "kept in the model's dtype (an FP8 KV cache is not supported yet): drop the flag or give "
-                          "auto")
-    return None if q in UNSET_CHOICES else str(q)
+    kv = kv_cache_dtype.strip().lower() if isinstance(kv_cache_dtype, str) else "auto"
+    if kv not in KV_CACHE_FLAGS:
+        why = KV_CACHE_REFUSED.get(kv, f"not a KV cache dtype; use one of {', '.join(KV_CACHE_FLAGS)}")
+        raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype!r} (kv_cache_dtype={kv_cache_dtype!r}): {why} "
+                          "(or drop the flag: auto keeps the model's dtype)")
+    return (None if q in UNSET_CHOICES else str(q)), KV_CACHE_FLAGS[kv]
 
 
 def read_generation_config(path: str, where: str) -> SamplingDefaults:
@@ -147,6 +151,7 @@ class EngineSections:
     generation: SamplingDefaults | None  # None: --generation-config auto, the model folder's (read with the model)
     kv_events: KVEventsConfig  # checked, its none_hash not yet set (config_builder.resolve_kv_events)
     quantization: str | None = None  # --quantization: "fp8", or None (the model's own: config_builder)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype as KV_CACHE_FLAGS names it (config_builder.resolve_kv_cache)
 
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
@@ -161,10 +166,10 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                     run: str | None = None, generation_config: str = "auto",
                     kv_events_config: object = None) -> EngineSections:
     """The settings as the tree's sections (the keywords are `build_engine_config`'s, which documents them); a
-    ConfigError, one line saying how to fix it, for a `--quantization` not served, `--kv-cache-dtype` but auto,
+    ConfigError, one line saying how to fix it, for a `--quantization` or `--kv-cache-dtype` not served,
     an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
     `--generation-config` (`generation_defaults`) or `--kv-events-config` (`kv_events_section`)."""
-    quant = check_unsupported_options(quantization, kv_cache_dtype)
+    quant, kv_flag = check_unsupported_options(quantization, kv_cache_dtype)
     generation = generation_defaults(generation_config)
     launch = launch or LaunchConfig()
     run = run or launch.mode
@@ -172,7 +177,8 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
         raise ConfigError(f"run={run!r}; use one of {', '.join(RUN_SPECS)}")
     partition = partition or PartitionConfig(policy=resolve_policy(run, None, PartitionConfig().mode))
     cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching)
+                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                        kv_cache_dtype="fp8" if kv_flag == "fp8" else "auto")
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
                                 async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
@@ -185,4 +191,4 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                    eager=enforce_eager)
     kv_events = kv_events_section(kv_events, enable_prefix_caching=enable_prefix_caching)
     return EngineSections(cache=cache, scheduler=scheduler, runner=runner, launch=launch, partition=partition,
-                          generation=generation, kv_events=kv_events, quantization=quant)
+                          generation=generation, kv_events=kv_events, quantization=quant, kv_cache_dtype=kv_flag)

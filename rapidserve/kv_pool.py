@@ -9,6 +9,14 @@ so `pool[l, 0]` and `pool[l, 1]` are layer l's k_cache / v_cache views of shape
 [num_blocks, num_kv_heads, block_size, head_dim], and one (block, head) tile is
 block_size * head_dim contiguous elements, read whole by the attention kernels.
 
+Element type (`kv_cache_dtype`): the model's dtype, or with `--kv-cache-dtype fp8` float8_e4m3fn (float8_e4m3fnuz on
+ROCm's gfx94x: `ops.fp8.fp8_dtype`), one byte an element: a block takes half the bytes of bf16 (a quarter of
+fp32), so the same memory holds twice the tokens (`num_blocks_for_budget` divides by `KVPoolSpec.bytes_per_block`,
+which counts the element size). The values are stored as fp8(x / scale) with each layer's k_scale / v_scale, which
+the layers hold, not the pool (rapidserve/attention/kv_quant.py). The dtype is the pool tensor's own, so it travels
+with it: the prefill worker's attached pool (runner/model_sharing.py) and disagg's remote one
+(parallel/kv_connector.py) are checked against the dtype their own config gives.
+
 Why one plain allocation: two processes use the pool in place (the decode worker owns it, the
 prefill worker attaches by IPC handle), and IPC needs a plain device allocation. PyTorch's
 `expandable_segments` allocator mode gives memory that CUDA/HIP IPC cannot export, so it is refused.
@@ -26,6 +34,7 @@ import torch
 
 from rapidserve.config import CacheConfig, ModelConfig
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,31 @@ def check_ipc_shareable_allocator(device: torch.device) -> None:
                 f"{var}={conf!r} enables expandable segments, whose memory cannot be shared by IPC "
                 "handle between the prefill and decode workers; unset it or set expandable_segments:False"
             )
+
+
+def check_fp8_kv_device(device: torch.device, what: str = "--kv-cache-dtype fp8",
+                        fix: str = "use --kv-cache-dtype auto, which keeps the cache in the model's dtype") -> None:
+    """ConfigError, before anything loads, when `device` is a GPU without fp8 (ops.fp8.fp8_supported: NVIDIA before
+    sm_89, AMD before gfx94x): an fp8 KV cache needs its conversions. A CPU stores fp8 as it is (its attention
+    dequantizes in torch)."""
+    if device.type != "cuda" or fp8_supported(device):
+        return
+    if torch.version.hip is not None:
+        has = f"{torch.cuda.get_device_name(device)} has no fp8"
+    else:
+        major, minor = torch.cuda.get_device_capability(device)
+        has = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}"
+    raise ConfigError(f"{what}: {has}, and an fp8 KV cache needs fp8 support (NVIDIA compute capability 8.9 or "
+                      f"later: Ada, Hopper, Blackwell; AMD MI300 / gfx94x and later); {fix}")
+
+
+def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's element type (module docstring): the model's `dtype`, or the device's fp8 format for an fp8 cache
+    (ConfigError on a GPU without fp8, `check_fp8_kv_device`)."""
+    if not cache.fp8_kv:
+        return dtype
+    check_fp8_kv_device(device)
+    return fp8_dtype(device)
 
 
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, block_size: int, min_tokens: int,

@@ -23,12 +23,17 @@ Activations x (x8 = fp8(x / s), fp8_max the format's largest value: 448 for e4m3
 - "static": s = the checkpoint's `input_scale` (one per projection)
 - "group": dynamic, one s per token and `block[1]` input columns (block weights only)
 
+The fp8 KV cache (`--kv-cache-dtype fp8`, `CacheConfig.kv_cache_dtype`) has its own small piece here: the values
+the flag takes (`KV_CACHE_FLAGS`) and a checkpoint's calibrated per-tensor scales (`KVScales`), which the cache
+section carries: each layer's keys and values are stored as fp8(x / scale) and read back as x8 * scale.
+
 Plain data: imports nothing of rapidserve (config.py imports it); its errors are its own `QuantizationError`
 (a ValueError), which the builder turns into a ConfigError.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 QUANTIZATION_METHODS = ("none", "fp8")
@@ -118,3 +123,39 @@ class QuantizationConfig:
 
 ONLINE_FP8 = QuantizationConfig(method="fp8", weights="channel", activations="token", online=True,
                                 origin="--quantization fp8: per-channel weight scales computed at load")
+
+
+# --kv-cache-dtype (vLLM's flag) -> what the KV pool holds: "auto" the model's dtype (or fp8 when the checkpoint's
+# kv_cache_scheme asks for it, as vLLM resolves auto), "fp8" float8 e4m3 (e4m3fnuz on ROCm's gfx94x); vLLM's
+# explicit float names keep the cache unquantized and must be the model's dtype (config_builder.resolve_kv_cache)
+KV_CACHE_FLAGS: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "bfloat16": "bfloat16",
+                                  "float16": "float16", "float32": "float32"}
+KV_CACHE_DTYPES = ("auto", "fp8")  # CacheConfig.kv_cache_dtype once resolved
+KV_CACHE_REFUSED: dict[str, str] = {  # vLLM's other values, refused by name with the reason
+    "fp8_e5m2": "e5m2 (no scales, 2 mantissa bits) is not built here: use fp8 (e4m3 with per-tensor scales)",
+    "fp8_inc": "Intel Gaudi's fp8 cache: use fp8",
+    "fp8_ds_mla": "DeepSeek MLA's cache: no MLA models here; use fp8",
+    "int8": "an int8 cache is not built here: use fp8",
+    "nvfp4": "an nvfp4 cache is not built here: use fp8",
+}
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """A checkpoint's calibrated fp8 KV cache scales, one per tensor: `scales[i]` = layer i's (k_scale, v_scale),
+    in e4m3fn units (the cache stores fp8(k / k_scale); a ROCm gfx94x pool, e4m3fnuz, uses them doubled).
+    `origin`: where they were read (the tensors' names), for logs."""
+
+    scales: tuple[tuple[float, float], ...]
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        _check(len(self.scales) > 0, "KVScales needs one (k_scale, v_scale) per layer")
+        for i, pair in enumerate(self.scales):
+            _check(len(pair) == 2 and all(isinstance(s, float) and math.isfinite(s) and s > 0 for s in pair),
+                   f"layer {i}'s kv scales {pair!r}: give two positive finite floats (k_scale, v_scale)")
+
+    def describe(self) -> str:
+        ks, vs = [k for k, _ in self.scales], [v for _, v in self.scales]
+        return (f"calibrated per-tensor scales of {len(self.scales)} layers (k {min(ks):.4g}..{max(ks):.4g}, "
+                f"v {min(vs):.4g}..{max(vs):.4g}; {self.origin})")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from rapidserve.config_base import LOG_LEVELS, check
 from rapidserve.generation_config import SamplingDefaults
 
-TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json")  # auto: from the chat template / family
+# auto: from the chat template / family
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "mistral")
 REASONING_PARSERS: tuple[str, ...] = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser (server/reasoning_parsers.py)
 FALLBACK_MAX_TOKENS = 256  # the server's max_tokens of a request that gives none, without flag or model default
 

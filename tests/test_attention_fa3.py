@@ -33,8 +33,9 @@ from test_attention import (  # noqa: E402
 
 def fake_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torch.Tensor,
              seqused_k: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-             scale: float) -> torch.Tensor:
-    """FA3's paged varlen forward in float64, with the checks FA3 makes on its inputs."""
+             scale: float, window_left: int) -> torch.Tensor:
+    """FA3's paged varlen forward in float64, with the checks FA3 makes on its inputs; `window_left` >= 0: each
+    query sees that many keys left of its diagonal (FA3's window_size (left, 0))."""
     assert k.dim() == 4 and k.shape == v.shape and k.stride(-1) == 1 and v.stride(-1) == 1
     assert page_table.dtype == torch.int32 and seqused_k.dtype == torch.int32 and cu_seqlens_q.dtype == torch.int32
     num_seqs = page_table.shape[0]
@@ -53,7 +54,10 @@ def fake_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_table: torc
         keys = k[pages, torch.arange(n_k) % page_size].double().repeat_interleave(group, dim=1)
         vals = v[pages, torch.arange(n_k) % page_size].double().repeat_interleave(group, dim=1)
         s = q[rows].double().transpose(0, 1) @ keys.permute(1, 2, 0) * scale  # [H, n_q, n_k]
-        visible = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
+        diag = torch.arange(n_q)[:, None] + (n_k - n_q)
+        visible = torch.arange(n_k)[None, :] <= diag
+        if window_left >= 0:
+            visible &= torch.arange(n_k)[None, :] >= diag - window_left
         s = s.masked_fill(~visible, float("-inf"))
         out[rows] = (torch.softmax(s, dim=-1) @ vals.transpose(0, 1)).transpose(0, 1)
     return out.to(q.dtype)

@@ -158,7 +158,7 @@ def test_serve_flags_map_to_the_server_config() -> None:
     (["--header-timeout-s", "soon"], "--header-timeout-s"),
     (["--api-key", "a", "--api-key-file", "b"], "--api-key-file"),
     (["--api-key-file", "/no/such/key-file"], "/no/such/key-file"),
-    (["--tool-call-parser", "mistral"], "llama3_json"),
+    (["--tool-call-parser", "pythonic"], "llama3_json"),
 ])
 def test_serve_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert needle in usage_error(capsys, "serve", *args)

@@ -344,7 +344,10 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
     (["-O3"], "does not support -O3 (no torch.compile"),
     (["--frobnicate=1"], "rapidserve serve does not support --frobnicate"),
     (["--no-enable-chunked-prefill"], "always chunks"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype 'fp8_e5m2' (kv_cache_dtype='fp8_e5m2'): e5m2"),
+    (["--kv-cache-dtype", "float16", "--dtype", "bfloat16"], "--kv-cache-dtype float16: the model computes in "
+                                                              "bfloat16 (--dtype)"),
+    (["--calculate-kv-scales"], "does not support --calculate-kv-scales (fp8 KV cache scales are the checkpoint's"),
     (["--scheduling-policy", "priority"], "--scheduling-policy"),
 ])
 def test_vllm_flags_rapidserve_lacks_are_refused_by_name(capsys: pytest.CaptureFixture[str], args: list[str],
@@ -355,6 +358,12 @@ def test_vllm_flags_rapidserve_lacks_are_refused_by_name(capsys: pytest.CaptureF
 def test_quantization_fp8_reaches_the_tree() -> None:
     _, ecfg, _ = serve_args("preset:tiny-llama", "-q", "fp8")
     assert ecfg.quantization.method == "fp8" and ecfg.quantization.online
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e4m3", "FP8"])
+def test_kv_cache_dtype_fp8_reaches_the_tree(value: str) -> None:
+    _, ecfg, _ = serve_args("preset:tiny-llama", "--kv-cache-dtype", value)
+    assert ecfg.cache.kv_cache_dtype == "fp8" and ecfg.cache.kv_scales is None
 
 
 def test_reasoning_parser_reaches_the_server_config(capsys: pytest.CaptureFixture[str]) -> None:

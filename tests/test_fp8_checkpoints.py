@@ -75,13 +75,14 @@ def logits(r: ModelRunner, ids: list[int] = PROMPT) -> torch.Tensor:
 
 
 def fake_quant(x: torch.Tensor, acts: str, scale: float | None) -> torch.Tensor:
-    """The test's own activation quantization (quant_config.py's definitions), dequantized in float32."""
+    """The test's own activation quantization (quant_config.py's definitions: scale = amax * (1 / fp8 max), as
+    `fp8.quantize_input` forms it), dequantized in float32."""
     x = x.float()
     if acts == "group":
         g = x.reshape(x.shape[0], -1, 128)
-        s = g.abs().amax(-1, keepdim=True) / E
+        s = g.abs().amax(-1, keepdim=True) * (1.0 / E)
         return ((g / s).clamp(-E, E).to(torch.float8_e4m3fn).float() * s).reshape(x.shape)
-    s = {"token": lambda: x.abs().amax(-1, keepdim=True) / E, "tensor": lambda: x.abs().max() / E,
+    s = {"token": lambda: x.abs().amax(-1, keepdim=True) * (1.0 / E), "tensor": lambda: x.abs().max() * (1.0 / E),
          "static": lambda: torch.tensor(scale)}[acts]()
     return (x / s).clamp(-E, E).to(torch.float8_e4m3fn).float() * s
 
@@ -230,9 +231,12 @@ BAD: dict[str, tuple[str, Callable[[dict[str, torch.Tensor]], None], type[Except
                                          UnsupportedQuantization, f"tensor {Q}.weight is stored as F32"),
     "fp8 lm_head": ("ct-channel-token", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].to(
         torch.float8_e4m3fn)), UnsupportedQuantization, "tensor lm_head.weight is stored as F8_E4M3"),
-    "a KV-cache scale": ("ct-channel-token", lambda t: t.__setitem__("model.layers.0.self_attn.k_scale",
-                                                                     torch.ones(1)), UnsupportedQuantization,
-                         "model.layers.0.self_attn.k_scale, which the checkpoint's scheme"),
+    "a KV-cache k_scale without its v_scale": (
+        "ct-channel-token", lambda t: t.__setitem__("model.layers.0.self_attn.k_scale", torch.ones(1)),
+        ModelLoadError, "tensor model.layers.0.self_attn.v_scale is missing: the checkpoint has KV cache scales"),
+    "a q_scale (fp8 attention)": ("ct-channel-token", lambda t: t.__setitem__("model.layers.0.self_attn.q_scale",
+                                                                              torch.ones(1)), UnsupportedQuantization,
+                                  "model.layers.0.self_attn.q_scale, which the checkpoint's scheme"),
     "scale stored as int": ("ct-tensor-static", lambda t: t.__setitem__(f"{Q}.weight_scale", torch.ones(
         1, dtype=torch.int32)), UnsupportedQuantization, f"tensor {Q}.weight_scale is stored as I32"),
 }

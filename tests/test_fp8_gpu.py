@@ -13,7 +13,7 @@ import torch
 from fp8_folders import SCHEMES, float_folder, fp8_folder
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.ops import fp8
+from rapidserve.ops import fp8, fp8_gpu
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -45,10 +45,49 @@ def test_scaled_mm_matches_the_reference(acts: str, m: int, n: int, k: int) -> N
     torch.manual_seed(m)
     layer = _layer(n, k, acts, None)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-    got = fp8.gpu_linear(x, layer)
+    got = fp8_gpu.gpu_linear(x, layer)
     want = fp8.reference_linear(x.float(), layer)  # the same fp8 inputs, float32 products
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (16, 4096), (300, 12288), (4096, 4096), (3, 100)])
+def test_token_quantizer_equals_torch_bit_for_bit(m: int, k: int) -> None:
+    """`triton_fp8.quantize_tokens` (IEEE division, the hardware's round-to-nearest-even cast) gives torch's bits."""
+    from rapidserve.ops import triton_fp8
+
+    torch.manual_seed(m)
+    dt = fp8.fp8_dtype(CUDA)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16) * 3
+    x[0, :3] = torch.tensor([125.4, -136.0, 0.0], dtype=torch.bfloat16)  # the row amax, a large value, a zero
+    q, s = triton_fp8.quantize_tokens(x, dt)
+    wq, ws = fp8.quantize_input(x, "token", dt)
+    assert torch.equal(s, ws), (s - ws).abs().max()
+    bad = q.view(torch.uint8) != wq.view(torch.uint8)
+    y = (x.float() / ws)[bad]
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} differ: x / s {y[:6].tolist()}, ours "
+                           f"{q[bad][:6].float().tolist()}, torch {wq[bad][:6].float().tolist()}")
+
+
+@needs_fp8
+@pytest.mark.skipif(torch.version.hip is not None, reason="the skinny kernels serve NVIDIA only (not measured on ROCm)")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (5, 24576, 4096)])
+def test_decode_rows_take_the_skinny_fp8_kernel(m: int, n: int, k: int) -> None:
+    """At most 16 rows of a wide fp8 weight go to `skinny_fp8_linear`, which quantizes them as the definition does:
+    the reference's numbers up to float32 sum order and the bf16 output's rounding; with a bias too."""
+    from rapidserve.ops import triton_fp8_skinny
+
+    torch.manual_seed(m)
+    layer = _layer(n, k, "token", None)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    assert triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)
+    want = fp8.reference_linear(x.float(), layer)
+    got = fp8_gpu.gpu_linear(x, layer)
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=2e-3 * float(want.abs().max()))
+    b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+    torch.testing.assert_close(fp8_gpu.gpu_linear(x, layer, b).float(), want + b.float(), rtol=1.6e-2,
+                               atol=4e-3 * float(want.abs().max()))
 
 
 @needs_fp8
@@ -58,7 +97,7 @@ def test_block_kernel_matches_the_reference(m: int, n: int, k: int) -> None:
     torch.manual_seed(m)
     layer = _layer(n, k, "group", (128, 128))
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-    got = fp8.gpu_linear(x, layer)
+    got = fp8_gpu.gpu_linear(x, layer)
     want = fp8.reference_linear(x.float(), layer)
     torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=1e-2 * float(want.abs().max()))
 
@@ -76,7 +115,7 @@ def test_fp8_checkpoint_on_the_gpu_matches_the_cpu_reference(scheme: str, tmp_pa
     gpu = LLM(folder, device="cuda", dtype="bfloat16", show_progress=False, num_kv_blocks=64)
     try:
         cpu = LLM(folder, device="cpu", dtype="float32", show_progress=False)
-        assert gpu.engine.runner.ops.fp8_linear is fp8.gpu_linear
+        assert gpu.engine.runner.ops.fp8_linear is fp8_gpu.gpu_linear
         for g, c in zip(gpu.generate(prompts, params, use_tqdm=False), cpu.generate(prompts, params, use_tqdm=False),
                         strict=True):
             got, want = g.outputs[0], c.outputs[0]

@@ -20,7 +20,7 @@ from triton_interp import run_interpreted
 
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
-from rapidserve.ops import fp8, fp8_ops, get_ops, torch_ops_bundle, triton_ops_bundle
+from rapidserve.ops import fp8, fp8_gpu, fp8_ops, get_ops, torch_ops_bundle, triton_ops_bundle
 from rapidserve.parallel.shard import ShardError, block_shard_problem, shard_bounds, shard_kind, shard_shape, tp_layout
 from rapidserve.quant_config import QuantizationConfig, QuantizationError
 
@@ -47,7 +47,7 @@ def test_quantize_input_is_the_definition(dt: torch.dtype) -> None:
     x = torch.randn(7, 300) * torch.logspace(-2, 2, 7)[:, None]
     x[3] = 0.0  # a zero row: amax MIN_AMAX, no 0/0
     x8, s = fp8.quantize_input(x, "token", dt)
-    want_s = x.abs().amax(-1, keepdim=True).clamp(min=fp8.MIN_AMAX) / top
+    want_s = x.abs().amax(-1, keepdim=True).clamp(min=fp8.MIN_AMAX) * (1.0 / top)  # the product, as CUDA torch forms it
     assert torch.equal(s, want_s) and torch.equal(x8, (x / want_s).clamp(-top, top).to(dt))
     assert not torch.isnan(x8.float()).any() and bool((x8[3].float() == 0).all())
     x8, s = fp8.quantize_input(x, "tensor", dt)
@@ -56,7 +56,7 @@ def test_quantize_input_is_the_definition(dt: torch.dtype) -> None:
     assert float(x8.float().abs().max()) == top  # clipped: static scales saturate, never overflow
     x8, s = fp8.quantize_input(x, "group", dt, group=128)  # 300 columns: groups of 128, 128, 44
     assert s.shape == (7, 3)
-    assert torch.equal(s[:, 2], x[:, 256:].abs().amax(-1).clamp(min=fp8.MIN_AMAX) / top)
+    assert torch.equal(s[:, 2], x[:, 256:].abs().amax(-1).clamp(min=fp8.MIN_AMAX) * (1.0 / top))
     back = fp8.dequantize_input(x8, s, 128)
     assert bool(((back - x).abs() <= s.repeat_interleave(128, 1)[:, :300] * 16 + 1e-30).all())  # half a step
     with pytest.raises(ValueError, match="static fp8 activations need"):
@@ -111,16 +111,17 @@ def test_scaled_mm_linear_matches_the_reference(acts: str) -> None:
     torch's CPU `_scaled_mm`: the reference's numbers up to bf16 rounding of the output."""
     layer, _ = _layer(96, 128, acts, None)
     x = torch.randn(9, 128).bfloat16()
-    assert fp8.scaled_mm_ok(x, layer)
-    got, want = fp8.scaled_mm_linear(x, layer), fp8.reference_linear(x.float(), layer)
+    assert fp8_gpu.scaled_mm_ok(x, layer)
+    got, want = fp8_gpu.scaled_mm_linear(x, layer), fp8.reference_linear(x.float(), layer)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
-    assert fp8.gpu_linear(x, layer).dtype == torch.bfloat16
+    assert fp8_gpu.gpu_linear(x, layer).dtype == torch.bfloat16
 
 
 def test_gpu_linear_takes_the_reference_for_shapes_scaled_mm_cannot() -> None:
     layer, _ = _layer(20, 24, "token", None)  # N, K not multiples of 16
     x = torch.randn(3, 24)
-    assert not fp8.scaled_mm_ok(x, layer) and torch.equal(fp8.gpu_linear(x, layer), fp8.reference_linear(x, layer))
+    assert not fp8_gpu.scaled_mm_ok(x, layer)
+    assert torch.equal(fp8_gpu.gpu_linear(x, layer), fp8.reference_linear(x, layer))
 
 
 def test_fnuz_conversion_keeps_every_value() -> None:
@@ -159,7 +160,7 @@ def test_which_path_each_gpu_gets(cap: tuple[int, int], hip: str | None, arch: s
     cuda = torch.device("cuda")
     assert fp8.fp8_supported(cuda) is supported and fp8.fp8_dtype(cuda) == dtype
     ops = fp8_ops(triton_ops_bundle(skinny=False), cuda)
-    assert ops.fp8_linear is (fp8.gpu_linear if supported else fp8.reference_linear)
+    assert ops.fp8_linear is (fp8_gpu.gpu_linear if supported else fp8.reference_linear)
     assert not fp8.fp8_supported("cpu") and fp8.fp8_dtype("cpu") == FN
 
 
@@ -246,6 +247,12 @@ def test_block_kernel_interpreter() -> None:
     run_interpreted(__file__, timeout=600)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_row_kernels_interpreter() -> None:
+    """The per-token quantizer and decode's skinny fp8 linear under TRITON_INTERPRET=1, e4m3fn and e4m3fnuz."""
+    run_interpreted(__file__, "rows", timeout=600)
+
+
 def check_block_kernel() -> None:
     from rapidserve.ops import triton_fp8
 
@@ -258,7 +265,7 @@ def check_block_kernel() -> None:
             for cfg in (None, triton_fp8.BlockConfig(16, 32, min(block[1], 64), 4, 1)):
                 got = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, block, torch.float32, cfg)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-            assert torch.equal(fp8.gpu_linear(x, layer), triton_fp8.block_linear(x8, sx, layer.weight,
+            assert torch.equal(fp8_gpu.gpu_linear(x, layer), triton_fp8.block_linear(x8, sx, layer.weight,
                                                                                  layer.weight_scale, block, x.dtype))
         empty = triton_fp8.block_linear(x8[:0], sx[:0], layer.weight, layer.weight_scale, block, torch.float32)
         assert empty.shape == (0, layer.weight.shape[0])
@@ -266,8 +273,70 @@ def check_block_kernel() -> None:
         triton_fp8.block_linear(x8, sx[:, :1], layer.weight, layer.weight_scale, block, torch.float32)
 
 
+def _interp_cast(y: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """y (float32) cast to `dt` by a Triton kernel: the interpreter's own cast."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(y_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(q_ptr + offs, tl.load(y_ptr + offs, mask=offs < n).to(q_ptr.dtype.element_ty), mask=offs < n)
+
+    y = y.contiguous()
+    q = torch.empty(y.shape, dtype=dt)
+    cast[(triton.cdiv(y.numel(), 1024),)](y, q, y.numel(), BLOCK=1024)
+    return q
+
+
+def check_row_kernels() -> None:
+    """The per-token quantizer equals `quantize_input(.., "token")` exactly (the interpreter divides as torch does);
+    the skinny fp8 linear equals the definition on the same fp8 rows, with and
+    without bias, and refuses what it cannot take."""
+    from rapidserve.ops import triton_fp8, triton_fp8_skinny
+    from rapidserve.ops.triton_skinny import SkinnyConfig
+
+    g = torch.Generator().manual_seed(3)
+    for dt in (FN, FNUZ):
+        for m, k in ((1, 64), (7, 300), (3, 5000), (2, 16)):
+            x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+            x[0, : k // 2] = 0 if m > 1 else x[0, : k // 2]
+            if m > 2:
+                x[1] = 0  # an all-zero row: MIN_AMAX, not 0 / 0
+            q, s = triton_fp8.quantize_tokens(x, dt)
+            wq, ws = fp8.quantize_input(x, "token", dt)
+            assert torch.equal(s, ws), (dt, m, k)
+            # the interpreter's float32 -> fp8 cast rounds ties away from zero and drops carries into the next
+            # binade (125.4 -> 64 in e4m3fn), so q is checked against that same cast of torch's clamped quotient;
+            # on the GPU (hardware round-to-nearest-even) test_fp8_gpu checks q against torch bit for bit
+            top = fp8.fp8_max(dt)
+            want = _interp_cast((x.float() / ws).clamp(-top, top), dt)
+            assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (dt, m, k)
+        assert triton_fp8.quantize_tokens(x[:0], dt)[0].shape == (0, x.shape[1])
+        # float16 rows: the interpreter's tl.dot is wrong in bfloat16 (test_fused_decode_ops interprets fp16 too)
+        for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, SkinnyConfig(16, 256, 4, 2))):
+            layer, _ = _layer(n, k, "token", None, dt, seed=m)
+            x = torch.randn(m, k, generator=g).to(torch.float16)
+            x8, sx = triton_fp8.quantize_tokens(x, dt)  # the interpreter's cast (checked above)
+            want = torch.nn.functional.linear(x8.float() * sx, layer.dequantized()).to(torch.float16)
+            got = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, config=cfg)
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+            b = torch.randn(n, generator=g).to(torch.float16)
+            got = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=cfg)
+            torch.testing.assert_close(got, (want.float() + b.float()).to(torch.float16), atol=4e-3, rtol=2e-3)
+        with pytest.raises(ValueError, match="float32 scales"):
+            triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale[:-1])
+        with pytest.raises(ValueError, match="1..16 rows"):
+            triton_fp8_skinny.skinny_fp8_linear(torch.zeros(17, k, dtype=torch.float16), layer.weight,
+                                                layer.weight_scale)
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    check_block_kernel()
-    print("fp8 block kernel: ok")
+    if sys.argv[1:] == ["rows"]:
+        check_row_kernels()
+        print("fp8 row kernels: ok")
+    else:
+        check_block_kernel()
+        print("fp8 block kernel: ok")

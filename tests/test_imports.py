@@ -40,13 +40,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
     # Plus ConfigError and what the tree's modules share (`config_base`), the launch, partition and server sections
     # (`launch_config`, `partition_config`, `server_config`), the model's sampling defaults (`generation_config`), the
-    # --kv-events-config section (`kv_events_config`), the quantization section (`quant_config`), the policies'
+    # --kv-events-config section (`kv_events_config`), the quantization section (`quant_config`), the model's
+    # mixture-of-experts section and its tensors' names (`moe_config`), the policies'
     # declarations and the flag check derived from them (`policy_spec`), and the tree's sections from the settings
     # with every check that needs no model (`engine_settings`).
     ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
                 "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
                 "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
-                "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs")),
+                "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
+                "rapidserve.moe_config")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.

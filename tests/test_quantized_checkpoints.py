@@ -1,7 +1,7 @@
 """Quantized checkpoints other than the FP8 forms served (compressed-tensors float-quantized, Hugging Face fp8:
 tests/test_fp8_checkpoints.py) are refused by name before any weight is read (loader/quant.py,
-loader/fp8_checkpoint.py), and vLLM's --quantization / --kv-cache-dtype are refused unless fp8/none/auto and auto
-(config_builder.check_unsupported_options).
+loader/fp8_checkpoint.py), and vLLM's --quantization / --kv-cache-dtype are refused unless fp8/none/auto and
+auto/fp8/fp8_e4m3/a float dtype (config_builder.check_unsupported_options).
 
 Each case is a tiny folder written here: config.json (a one-layer llama) + model.safetensors, with what the
 quantizer in question writes (its quantization_config, its side file, its tensors and dtypes)."""
@@ -107,10 +107,14 @@ DECLARED: dict[str, tuple[Callable[[Path], str], tuple[str, ...]]] = {
         lambda tmp: write_folder(tmp, quant=ct({**FP8_WEIGHTS, "strategy": "group", "group_size": 32},
                                                {**FP8_TOKENS, "strategy": "group", "group_size": 32})),
         ("fp8 (compressed-tensors float-quantized)", "fp8 weight scales 'group'", *FP8_HINT)),
-    "compressed-tensors fp8 with an fp8 KV cache": (
+    "compressed-tensors fp8 with per-head KV cache scales": (
         lambda tmp: write_folder(tmp, quant=ct(FP8_WEIGHTS, kv_cache_scheme={"num_bits": 8, "type": "float",
+                                                                             "strategy": "attn_head"})),
+        ("kv_cache_scheme has 'attn_head' scales", "per-head scales are not", *FP8_HINT)),
+    "compressed-tensors int8 KV cache": (
+        lambda tmp: write_folder(tmp, quant=ct(FP8_WEIGHTS, kv_cache_scheme={"num_bits": 8, "type": "int",
                                                                              "strategy": "tensor"})),
-        ("kv_cache_scheme asks for an fp8 KV cache", "--kv-cache-dtype fp8 is issue 39's next part", *FP8_HINT)),
+        ("kv_cache_scheme is int 8-bit", "served: 8-bit float, --kv-cache-dtype fp8", *FP8_HINT)),
     "compressed-tensors fp8, older compression_config key, static per-token": (
         lambda tmp: write_folder(tmp, quant={**ct(FP8_WEIGHTS, {**FP8_TOKENS, "dynamic": False}),
                                              "quant_method": "compressed_tensors"}, key="compression_config"),
@@ -312,8 +316,10 @@ def test_the_cli_names_a_scale_tensor_in_one_line(tmp_path: Path, capsys: pytest
     (["-q", "awq"], "--quantization 'awq'"),
     (["--quantization", "compressed-tensors"], "--quantization 'compressed-tensors'"),
     (["--quantization", "bitsandbytes"], "--quantization 'bitsandbytes'"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype 'fp8'"),
-    (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype 'fp8_e5m2'"),
+    (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype 'fp8_inc'"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype 'int8'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "e5m2 (no scales, 2 mantissa bits) is not built here: use fp8"),
+    (["--kv-cache-dtype", "fp16"], "(kv_cache_dtype='fp16'): not a KV cache dtype; use one of auto, fp8, fp8_e4m3"),
 ])
 def test_vllm_quantization_flags_are_refused_by_name(command: list[str], flag: list[str], needle: str,
                                                      capsys: pytest.CaptureFixture[str],
@@ -328,7 +334,9 @@ def test_vllm_quantization_flags_are_refused_by_name(command: list[str], flag: l
 @pytest.mark.parametrize("flags", [[], ["--quantization", "none"], ["--quantization", "auto"], ["-q", "None"],
                                    ["--kv-cache-dtype", "auto"],
                                    ["--quantization", "auto", "--kv-cache-dtype", "auto"], ["-q", "FP8"],
-                                   ["--quantization", "fp8", "--kv-cache-dtype", "auto"]])
+                                   ["--quantization", "fp8", "--kv-cache-dtype", "auto"],
+                                   ["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "FP8_E4M3"],
+                                   ["--kv-cache-dtype", "float32"]])
 def test_none_auto_and_fp8_are_accepted(flags: list[str]) -> None:
     from unittest import mock
 
@@ -339,11 +347,14 @@ def test_none_auto_and_fp8_are_accepted(flags: list[str]) -> None:
     _, build, _ = run_.call_args.args  # run(scfg, build, model): the tree is built once the port is bound
     cfg = build()[0]
     assert cfg.model == "preset:tiny-llama"
-    fp8 = any(f.lower() == "fp8" for f in flags)
+    fp8 = any(f.lower() == "fp8" and flags[i - 1] in ("--quantization", "-q") for i, f in enumerate(flags) if i)
     assert cfg.quantization.method == ("fp8" if fp8 else "none") and cfg.quantization.online == fp8
+    kv = next((f.lower() for i, f in enumerate(flags) if i and flags[i - 1] == "--kv-cache-dtype"), "auto")
+    assert cfg.cache.kv_cache_dtype == ("fp8" if kv.startswith("fp8") else "auto")
+    assert cfg.cache.kv_scales is None  # a preset carries no calibrated scales
 
 
-@pytest.mark.parametrize("kwargs", [{"quantization": "awq"}, {"quantization": "gptq"}, {"kv_cache_dtype": "fp8"}])
+@pytest.mark.parametrize("kwargs", [{"quantization": "awq"}, {"quantization": "gptq"}, {"kv_cache_dtype": "fp8_e5m2"}])
 def test_llm_refuses_them_before_loading(kwargs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     import rapidserve.config_builder as cb
     from rapidserve import LLM

@@ -113,3 +113,7 @@ def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatc
             tp._prefill_amd_options(fp32))
     assert rocm == ((64, 4, 1), (32, 4, 1), (128, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 1),
                     {"matrix_instr_nonkdim": 16}, {"waves_per_eu": 2})
+    # an fp8 KV cache: 32-key tiles at head_dim 128 (64 spilled 9 VGPRs on gfx942), fp32 without waves_per_eu
+    fp8 = (tp._prefill_config(bf16, 128, True), tp._prefill_config(bf16, 64, True),
+           tp._prefill_amd_options(fp32, True), tp._prefill_amd_options(bf16, True))
+    assert fp8 == ((128, 32, 8, 1), (128, 64, 8, 1), {}, {"matrix_instr_nonkdim": 16})

@@ -61,8 +61,8 @@ def test_parse_llama3_json(text: str, want: tuple[str | None, list[tuple[str, ob
 
 
 def test_unknown_format() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        parse("x", "mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        parse("x", "pythonic")
 
 
 def stream(text: str, cuts: list[int]) -> tuple[str | None, list[tuple[str, str]], list[object]]:

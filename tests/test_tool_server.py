@@ -90,11 +90,13 @@ class ScriptedEngine(FakeEngine):
 
 
 @contextlib.asynccontextmanager
-async def scripted_server(tok: Tokenizer, tool_parser: str | None = "hermes") -> AsyncIterator[tuple[Any, Any]]:
-    """The server in-process over a ScriptedEngine; yields (engine, openai.AsyncOpenAI client)."""
+async def scripted_server(tok: Tokenizer, tool_parser: str | None = "hermes",
+                          engine_class: type[ScriptedEngine] = ScriptedEngine) -> AsyncIterator[tuple[Any, Any]]:
+    """The server in-process over a ScriptedEngine (or a subclass scripting other answers); yields (engine,
+    openai.AsyncOpenAI client)."""
     import openai
 
-    engine = ScriptedEngine(tok)
+    engine = engine_class(tok)
     scfg = ServerConfig(port=0)
     ecfg = EngineConfig(model="tools", model_config=MODEL.replace(vocab_size=tok.vocab_size,
                                                                   max_position_embeddings=4096),

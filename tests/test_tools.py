@@ -166,9 +166,9 @@ def test_parser_choice() -> None:
     assert resolve_parser("auto", "{{ messages }}", "llama") == "llama3_json"
     assert resolve_parser("llama3_json", q3, "qwen3") == "llama3_json"  # the flag wins
     with pytest.raises(ValueError, match="hermes"):
-        resolve_parser("mistral", q3, "qwen3")
+        resolve_parser("pythonic", q3, "qwen3")
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerConfig(tool_call_parser="mistral")
+        ServerConfig(tool_call_parser="pythonic")
     assert template_renders_tools(q3) and not template_renders_tools("{{ messages }}")
 
 

@@ -3,12 +3,20 @@ FlashAttention-3 (NVIDIA Hopper, from an installed FA3 build; rapidserve/attenti
 
 Every backend offers the same three functions (layouts in rapidserve/attention/metadata.py):
 
-- ``write_kv(k, v, k_cache, v_cache, slot_mapping) -> None`` (the decoder layer writes its K/V with
-  `ops.rope_write` instead, fused with RoPE: that relies on every backend reading the one pool layout of
-  rapidserve/attention/metadata.py, which all three do; a backend with another layout must change that)
-- ``prefill_attention(q, k_cache, v_cache, meta, scale) -> Tensor [T, num_heads, head_dim]``
-- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-  -> Tensor [B, num_heads, head_dim]``
+- ``write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None`` (the decoder layer
+  writes its K/V with `ops.rope_write` instead, fused with RoPE: that relies on every backend reading the one
+  pool layout of rapidserve/attention/metadata.py, which all three do; a backend with another layout must change
+  that)
+- ``prefill_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, window=None) -> Tensor
+  [T, num_heads, head_dim]``
+- ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None,
+  window=None) -> Tensor [B, num_heads, head_dim]``
+
+`k_scale` / `v_scale`: an fp8 cache's per-layer scales (float32 [1] device tensors), which every backend applies
+as rapidserve/attention/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
+model's dtype. `window` W (a sliding-window layer: Mistral, Gemma 3's local layers) limits each query to the last
+W keys, itself included; every backend here takes it (torch: a mask; Triton: a kernel constant; FA3: its
+window_size), over either cache.
 
 `attend` dispatches one layer's attention: decode, prefill, or a mixed step (decode rows first),
 split between the two kernels unless the backend's prefill kernel serves one-token rows well.
@@ -20,12 +28,18 @@ imported only when requested, so CPU installs need neither.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from rapidserve.attention.metadata import AttentionMetadata, split_decode_rows
+from rapidserve.attention.metadata import (
+    AttentionMetadata,
+    DecodeAttention,
+    PrefillAttention,
+    Scale,
+    WriteKV,
+    split_decode_rows,
+)
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
 
@@ -39,16 +53,16 @@ class AttentionBackend:
     ``graph_safe`` says whether write_kv/decode_attention may be captured in a CUDA graph (they
     read no device values on the host). ``one_call_mixed`` says prefill_attention serves a mixed
     step's one-token rows as well as the decode kernel, so `attend` need not split the step.
+    ``kv_note``: how it reads the pool's dtype where that differs by backend (FA3 and an fp8 cache), for the log.
     """
 
     name: str
-    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-    prefill_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
-                                torch.Tensor]
-    decode_attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-                               torch.Tensor]
+    write_kv: WriteKV
+    prefill_attention: PrefillAttention
+    decode_attention: DecodeAttention
     graph_safe: bool = False
     one_call_mixed: bool = False
+    kv_note: str = ""  # filled by get_attention_backend for its cache dtype: how this backend reads it
 
 
 def _is_gpu(device: torch.device) -> bool:
@@ -69,21 +83,24 @@ def _triton(device: torch.device) -> AttentionBackend:
                             triton_paged.decode_attention, graph_safe=True)
 
 
-def _fa3(device: torch.device) -> AttentionBackend:
+def _fa3(device: torch.device, kv_dtype: torch.dtype | None) -> AttentionBackend:
     """FA3 for prefill and mixed steps; Triton for decode (as fast or faster, measured) and write_kv
     (the cache layout is unchanged). ImportError if no FA3 build loads on this device."""
     from rapidserve.attention import fa3
     kernel = fa3.find_fa3(device)
     triton = _triton(device)
     impl = fa3.Fa3Attention(kernel, fallback_prefill=triton.prefill_attention)
+    note = f"{impl.describe_kv(kv_dtype)}, Triton decode" if kv_dtype is not None else ""
     return AttentionBackend(f"fa3:{kernel.source}", triton.write_kv, impl.prefill_attention,
-                            triton.decode_attention, graph_safe=True, one_call_mixed=True)
+                            triton.decode_attention, graph_safe=True, one_call_mixed=True, kv_note=note)
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device | str,
+                          kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """Pick the attention implementation: "auto" (FA3 on Hopper where installed, else Triton on CUDA/ROCm
     GPUs, torch on CPU), "torch", "triton" (GPU only) or "fa3" (Hopper with an FA3 build). Raises
-    ConfigError for an unknown name or a backend this device or install cannot run."""
+    ConfigError for an unknown name or a backend this device or install cannot run. `kv_dtype`: the KV pool's
+    dtype, when known, for the backend's `kv_note` (how it reads an fp8 cache; logged at start)."""
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend={name!r} is not supported; use one of {list(BACKEND_NAMES)}")
@@ -92,12 +109,12 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             name = "torch"
         else:
             try:
-                return _fa3(device)
+                return _fa3(device, kv_dtype)
             except ImportError:
                 name = "triton"
     if name == "fa3":
         try:
-            return _fa3(device)
+            return _fa3(device, kv_dtype)
         except ImportError as e:
             raise ConfigError(f"attention_backend='fa3': {e}; install FlashAttention-3 (flash_attn_interface "
                               "from flash-attention's hopper/ folder, or vllm==0.24.*) or use "
@@ -110,21 +127,25 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
 
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of this step's queries (keys and values already written to the cache).
+           meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None,
+           window: int | None = None) -> torch.Tensor:
+    """Attention of this step's queries (keys and values already written to the cache; an fp8 cache's scales
+    `k_scale` / `v_scale`); `window`: a sliding-window layer's (None: every earlier key).
 
     A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
     them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""
+    kw = {} if window is None else {"window": window}  # None is every backend's default: left out
     if not meta.is_prefill:
-        return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale,
+                                     v_scale, **kw)
     nd = meta.num_decode_seqs
     if nd == 0 or attn.one_call_mixed:
-        return attn.prefill_attention(q, k_cache, v_cache, meta, scale)
+        return attn.prefill_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, **kw)
     decoded = attn.decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.context_lens[:nd],
-                                    scale)
+                                    scale, k_scale, v_scale, **kw)
     if meta.prefill_part is None:  # every sequence adds one token
         return decoded
-    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale)
+    rest = attn.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_part, scale, k_scale, v_scale, **kw)
     return torch.cat([decoded, rest])
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -65,3 +66,32 @@ def split_decode_rows(meta: AttentionMetadata, q_lens: Sequence[int]) -> Attenti
             context_lens=meta.context_lens[nd:], cu_seqlens_q=meta.cu_seqlens_q[nd:] - nd,
             max_seqlen_q=max(q_lens[nd:]), max_context_len=meta.max_context_len)
     return replace(meta, num_decode_seqs=nd, prefill_part=part)
+
+
+Scale = torch.Tensor | None  # an fp8 cache's per-layer scale, float32 [1] (None: a cache of the model's dtype)
+
+
+class WriteKV(Protocol):
+    """A backend's `write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)`."""
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: Scale = None, v_scale: Scale = None, /) -> None: ...
+
+
+class PrefillAttention(Protocol):
+    """A backend's `prefill_attention(q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None, window=None)`
+    (rapidserve/attention): `k_scale` / `v_scale` an fp8 cache's scales; `window` W (a sliding-window layer) limits
+    each query to the last W keys, itself included."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, k_scale: Scale = None, v_scale: Scale = None, /, *,
+                 window: int | None = None) -> torch.Tensor: ...
+
+
+class DecodeAttention(Protocol):
+    """A backend's `decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None,
+    v_scale=None, window=None)`."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, k_scale: Scale = None, v_scale: Scale = None, /, *,
+                 window: int | None = None) -> torch.Tensor: ...

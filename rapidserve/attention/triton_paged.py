@@ -10,9 +10,20 @@ Layouts (see rapidserve/attention/metadata.py):
   (decode); any strides on the first two dims, the last dim must be contiguous.
 - Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
 
+Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
+p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
+variants of each): decode's key tiles start at each sequence's first key in the window, prefill's at the first
+key its query tile's first row sees, every one of them masked (causal and window).
+
 Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
 shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
 slots and context lengths. Softmax runs in fp32 with exp2; fp32 inputs use IEEE (not tf32) dots.
+
+An fp8 cache (float8_e4m3fn, or e4m3fnuz on ROCm's gfx94x; rapidserve/attention/kv_quant.py) takes the layer's
+``k_scale`` / ``v_scale`` (float32 [1] device tensors, loaded by the kernels): write_kv stores
+fp8(clamp(x / scale, +-fp8_max)); the attention kernels load fp8 tiles, convert them to q's dtype (exact: every
+e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in once: the scores are multiplied by
+k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.attention.kv_quant import cache_scales
 from rapidserve.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -36,10 +48,21 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------- write_kv
 @triton.jit
+def to_cache(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as the cache at cache_ptr stores it: fp8(clamp(x / scale, +-FP8_MAX)) for an fp8 cache, else x cast. The
+    division is IEEE's (div_rn, as torch's), so the stored bits are the torch reference's."""
+    if KV_FP8:
+        y = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
+    else:
+        return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kt, stride_kh, stride_vt, stride_vh, ks_ptr, vs_ptr,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -55,16 +78,28 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     t64 = t.to(tl.int64)
     k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc_ptr + dst, to_cache(k, ks_ptr, kc_ptr, KV_FP8, FP8_MAX), mask=mask)
+    tl.store(vc_ptr + dst, to_cache(v, vs_ptr, vc_ptr, KV_FP8, FP8_MAX), mask=mask)
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim]; "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> dict[str, object]:
+    """The checks every kernel makes of the cache, and its fp8 launch arguments: ks_ptr / vs_ptr (the scales, or
+    the cache itself, never read, for a float cache), KV_FP8, FP8_MAX."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim] of one "
+                         f"dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
+                         f"{v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    scales = cache_scales(k_cache, k_scale, v_scale)
+    if scales is None:
+        return {"ks_ptr": k_cache, "vs_ptr": v_cache, "KV_FP8": False, "FP8_MAX": 0.0}
+    if any(t.dtype != torch.float32 or t.numel() != 1 or t.device != k_cache.device for t in scales):
+        raise ValueError(f"k_scale and v_scale must be float32 [1] tensors on {k_cache.device}; got "
+                         f"{[(t.dtype, tuple(t.shape), str(t.device)) for t in scales]}")
+    return {"ks_ptr": scales[0], "vs_ptr": scales[1], "KV_FP8": True,
+            "FP8_MAX": float(torch.finfo(k_cache.dtype).max)}
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -72,9 +107,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped."""
-    _check_cache(k_cache, v_cache)
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped (an fp8
+    cache: quantized with `k_scale` / `v_scale`)."""
+    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
         raise ValueError(f"k and v must both be [T, {k_cache.shape[1]}, {k_cache.shape[3]}]; got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -89,7 +126,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4)
+        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4, **fp8)
 
 
 # ------------------------------------------------------------------------------------------- decode
@@ -99,20 +136,28 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # each step's: one variant with 2 x SMs / 64 kv heads per rank or more (5+ on an H100), two or three below that.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr,
-                         qk_scale, stride_qb, stride_qh, stride_bt, num_splits,
+                         qk_scale, stride_qb, stride_qh, stride_bt, num_splits, ks_ptr, vs_ptr,
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr):
-    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys.
+                         BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
+                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr):
+    """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
+    WINDOW keys when WINDOW > 0).
 
     DIRECT (one split): writes the normalised output. Otherwise writes the fp32 partial output
     ``part[b, h, split, :]`` (normalised within the split) and its log2-sum-exp ``lse[b, h, split]``.
+    KV_FP8: the tiles are fp8, converted to q's dtype; k_scale joins qk_scale, v_scale scales the output.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    num_tiles = tl.cdiv(ctx, BLOCK_N)
+    # Key tiles start at the window's first key (0 without one): tokens are gathered one by one through the block
+    # table, so a tile need not start on a multiple of BLOCK_N, and only the last tile needs a mask.
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(ctx - WINDOW, 0)
+    num_tiles = tl.cdiv(ctx - first, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -125,6 +170,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -133,24 +180,26 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
     for tile in range(tile_lo, tile_hi):
-        tok = tile * BLOCK_N + n
+        tok = first + tile * BLOCK_N + n
         tok_mask = tok < ctx
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(vs_ptr)
     out_mask = g_mask[:, None] & d_mask[None, :]
     row = b.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads  # (b, h) flattened
     if DIRECT:
@@ -180,6 +229,15 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
     total = tl.sum(w, axis=0)
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _window(window: int | None) -> int:
+    """The kernels' WINDOW constant: the window, 0 for none."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
+    return int(window)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -230,22 +288,27 @@ def _reduce_warps(block_s: int, block_d: int) -> int:
 
 def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages)."""
-    if torch.version.hip:
-        return (32 if dtype == torch.float32 else 64), 4, 1
+    if torch.version.hip:  # head_dim 256 (Gemma 3): half the key tile, or its registers cap gfx942 at 1 wave
+        return (32 if dtype == torch.float32 else 64) // (2 if head_dim > 128 else 1), 4, 1
     if dtype == torch.float32:
+        return 32, 4, 2
+    if head_dim > 128:  # Gemma 3's 256: half the key tiles and a stage less keep K and V's stages in shared memory
         return 32, 4, 2
     return 64, 4, 3
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
-    context_lens[b] cached tokens; context_len 0 gives zeros. Returns [B, num_heads, head_dim].
+    context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
+    Returns [B, num_heads, head_dim]. An fp8 cache is read with `k_scale` / `v_scale`.
 
     The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
-    _check_cache(k_cache, v_cache)
+    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
@@ -266,8 +329,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
                                        _num_sms(q.device))
-        if torch.version.hip:
-            num_splits = min(num_splits, ROCM_MAX_SPLITS)
+        if torch.version.hip:  # Gemma 3's head_dim 256: 128 splits, the reduce kernel's 8-warp partials of 256 x 128
+            num_splits = min(num_splits, ROCM_MAX_SPLITS if head_dim <= 128 else ROCM_MAX_SPLITS * 64 // head_dim)
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
@@ -280,8 +343,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT=direct, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages)
+        DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
+        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, **fp8)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device))
         _decode_reduce_kernel[(batch * num_heads,)](
@@ -291,19 +354,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ prefill
+@triton.jit
+def _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, hi, m_i, l_i, acc, d_mask, n, d,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The prefill kernel's keys [0, hi) that every row of its query tile sees (no mask): (m_i, l_i, acc) updated."""
+    for start in range(0, hi, BLOCK_N):
+        tok = start + n
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
+        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # num_seqs and num_m_tiles change from step to step: specialized (== 1, % 16 == 0), each new combination compiled a
 # variant mid-serving, a 0.5-1 s stall of every request in flight on a fresh machine (py-spy of hybrid mode,
 # 2026-11-27, bench/results/h100_1127/prefill_graphs/README.md). Unspecialized, one variant serves every step.
 @triton.jit(do_not_specialize=["num_seqs", "num_m_tiles"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
-                    qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles,
+                    qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles, ks_ptr, vs_ptr,
                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
-    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal.
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                    WINDOW: tl.constexpr):
+    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal (the last
+    WINDOW of them for each row when WINDOW > 0).
 
     Tiles are numbered so that the first programs take the last (heaviest) query tile of every
-    sequence; tiles past a sequence's end exit at once.
+    sequence; tiles past a sequence's end exit at once. KV_FP8: as _decode_split_kernel.
     """
     h = tl.program_id(0)
     pid = tl.program_id(1)
@@ -325,6 +410,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -333,74 +420,88 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
 
-    # Keys [0, full_hi) are visible to every row of the tile; [full_hi, end) need the causal mask.
+    # Keys [0, masked_lo) are visible to every row of the tile; [masked_lo, end) need the causal mask. With a window
+    # the keys from the first row's first one (tiles start there: keys are gathered one by one) are all masked
+    # (causal and window), and there is no unmasked loop.
     end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
-    full_hi = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
-    for start in range(0, full_hi, BLOCK_N):
-        tok = start + n
-        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
-        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    for start in range(full_hi, end, BLOCK_N):
+    if WINDOW > 0:
+        masked_lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0)
+    else:
+        masked_lo = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
+        m_i, l_i, acc = _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, masked_lo,
+                                          m_i, l_i, acc, d_mask, n, d, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE)
+    for start in range(masked_lo, end, BLOCK_N):
         tok = start + n
         tok_mask = tok < end
         blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
         off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0)
+        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
+        if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
+            back = (prefix + offs_m)[:, None] - tok[None, :]  # how far back each key is from each row's token
+            visible = (back >= 0) & (back < WINDOW) & tok_mask[None, :]
+        else:
+            visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet (a window's first tiles)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
     acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(vs_ptr)
     tl.store(out_ptr + (rows[:, None] * NUM_HEADS + h) * HEAD_DIM + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-def _prefill_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). `kv_fp8`: an fp8 cache, whose tiles' conversions take registers
+    (on gfx942 the bf16 tile of 128 x 64 keys at head_dim 128 spilled 9 VGPRs with them; 32 keys fit)."""
     if torch.version.hip:
-        return (64, 32, 4, 1) if dtype == torch.float32 else (128, 64, 8, 1)
+        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill (compiled for gfx942)
+            return (32, 16, 4, 1) if dtype == torch.float32 else (64, 32, 4, 1)
+        if dtype == torch.float32:
+            return 64, 32, 4, 1
+        return (128, 32, 8, 1) if kv_fp8 and head_dim > 64 else (128, 64, 8, 1)
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if head_dim <= 64:
         return 128, 64, 4, 3
+    if head_dim > 128:  # Gemma 3's 256: a 128 x 256 query tile and its fp32 accumulator would not fit (not measured)
+        return 64, 32, 8, 2
     return 128, 64, 8, 2
 
 
-def _prefill_amd_options(dtype: torch.dtype) -> dict[str, int]:
-    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them)."""
+def _prefill_amd_options(dtype: torch.dtype, kv_fp8: bool = False) -> dict[str, int]:
+    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them). fp32 over an fp8 cache
+    needs no waves_per_eu to stay out of scratch (gfx942: 137 VGPRs at head_dim 64, 251 at 128, neither spilling)."""
     if not torch.version.hip:
         return {}
-    return {"waves_per_eu": 2} if dtype == torch.float32 else {"matrix_instr_nonkdim": 16}
+    if dtype == torch.float32:
+        return {} if kv_fp8 else {"waves_per_eu": 2}
+    return {"matrix_instr_nonkdim": 16}
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, block_m: int | None = None,
+                      meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None) -> torch.Tensor:
+                      num_stages: int | None = None, window: int | None = None) -> torch.Tensor:
     """Causal varlen attention of new tokens (q [T, num_heads, head_dim], sequences laid end to end by
     meta.cu_seqlens_q) over their sequences in the paged cache, including any cached prefix of
-    ``context_len - q_len`` tokens. Uses meta.max_seqlen_q (host int) to size the grid.
-    Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros.
+    ``context_len - q_len`` tokens (with a `window` W, each token over its last W). Uses meta.max_seqlen_q (host
+    int) to size the grid.
+    Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros. An fp8 cache is read
+    with `k_scale` / `v_scale`.
 
     The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
-    _check_cache(k_cache, v_cache)
+    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     if meta.cu_seqlens_q is None:
         raise ValueError("prefill_attention needs meta.cu_seqlens_q (got None)")
     num_tokens, num_heads, head_dim = q.shape
@@ -415,7 +516,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     q = _last_dim_contiguous(q)
     block_tables = _last_dim_contiguous(meta.block_tables)
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim, bool(fp8["KV_FP8"]))
     block_m, block_n = block_m or cfg_m, block_n or cfg_n
     num_m_tiles = triton.cdiv(max(1, meta.max_seqlen_q), block_m)
     _prefill_kernel[(num_heads, num_seqs * num_m_tiles)](
@@ -423,8 +524,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_seqs, num_m_tiles,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        IEEE=q.dtype == torch.float32, num_warps=num_warps or cfg_warps,
-        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype))
+        IEEE=q.dtype == torch.float32, WINDOW=_window(window), num_warps=num_warps or cfg_warps,
+        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype, bool(fp8["KV_FP8"])), **fp8)
     return out
 
 

@@ -9,8 +9,9 @@ only that rank's part of one tensor at a time.
 
 Inside the package: `source.py` (ModelSource, ModelLoadError, tensor shapes; imports only the config
 and `preset_table.py`) < `hub.py` (Hub ids in the local Hugging Face cache; model display names),
-`quant.py` (quantized checkpoints refused by name before any weight is read) < `fp8_checkpoint.py` (the FP8
-forms served: their scheme and tensors) < `hf.py` < `gguf_loader.py`,
+`quant.py` (quantized checkpoints refused by name before any weight is read), `kv_scales.py` (an fp8 KV cache's
+declaration and per-layer scale tensors) < `fp8_checkpoint.py` (the FP8 forms served: their scheme and tensors)
+< `hf.py` < `gguf_loader.py`,
 `presets.py` < this facade, which re-exports `source.py`'s and `hub.py`'s names and `UnsupportedQuantization`,
 and imports the format readers only when `resolve_model` needs them.
 """

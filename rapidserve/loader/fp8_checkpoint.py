@@ -14,14 +14,19 @@ Forms served, each read as vLLM reads it:
   activations per token-group of bk) or null (one weight_scale per projection, input_scale when static),
   `modules_to_not_convert` (substrings of module names, as transformers matches them) kept float.
 
+A compressed-tensors `kv_cache_scheme` (an fp8 KV cache with calibrated per-tensor k/v scales) is served: with or
+without fp8 weights (no config_groups: float weights, the cache alone quantized); its declaration is checked here
+(`kv_scales.kv_scheme_problem`), its scale tensors are `loader/kv_scales.py`'s, split out of the headers before
+`check_fp8_tensors` sees them.
+
 Refused by name, from config.json alone (UnsupportedQuantization): every other method (AWQ, GPTQ, bitsandbytes,
 int8 compressed-tensors, NVFP4, ModelOpt, fbgemm_fp8...), and of these forms: weight-only fp8 (no
 input_activations), weight scales per group (MXFP8), asymmetric scales, e5m2 weights, output activations, a
-`kv_cache_scheme` (an fp8 KV cache is issue 39's next part), config groups with different schemes, block weights
-with static activations, a fused projection (q/k/v, gate/up) partly ignored, and block scales that the fused
-projections would split (`parallel.shard.block_shard_problem`). From the headers (`check_fp8_tensors`): a missing
-scale, a scale of the wrong shape or dtype, an fp8 weight where the scheme has a float one or the reverse (an
-fp8 lm_head: the LM head stays float), and a quantizer tensor the scheme does not read (k_scale, zero points).
+kv_cache_scheme not per-tensor static fp8 (per-head scales, int8), config groups with different schemes, block
+weights with static activations, a fused projection (q/k/v, gate/up) partly ignored, and block scales that the
+fused projections would split (`parallel.shard.block_shard_problem`). From the headers (`check_fp8_tensors`): a
+missing scale, a scale of the wrong shape or dtype, an fp8 weight where the scheme has a float one or the reverse
+(an fp8 lm_head: the LM head stays float), and a quantizer tensor the scheme does not read (a q_scale, zero points).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rapidserve.config import ModelConfig
+from rapidserve.loader.kv_scales import kv_scheme_problem
 from rapidserve.loader.quant import (
     FLOAT_DTYPES,
     Quantization,
@@ -114,9 +120,14 @@ def _ct_scheme(group: Mapping[str, Any]) -> tuple[str, tuple[int, int] | None, s
 
 
 def _compressed_tensors(d: Mapping[str, Any], groups: list[tuple[str, ...]],
-                        ) -> tuple[str, tuple[int, int] | None, str, str, set[str]]:
-    """(weights, block, activations, scale name, modules kept float) of a compressed-tensors config."""
+                        ) -> tuple[str, tuple[int, int] | None, str, str, set[str]] | None:
+    """(weights, block, activations, scale name, modules kept float) of a compressed-tensors config; None for one
+    that quantizes only the KV cache (a kv_cache_scheme and no config_groups: float weights)."""
     config_groups = d.get("config_groups")
+    if d.get("kv_cache_scheme") is not None and (problem := kv_scheme_problem(d["kv_cache_scheme"])) is not None:
+        raise _NotServed(problem)
+    if not config_groups and d.get("kv_cache_scheme") is not None:
+        return None  # an fp8 KV cache alone: float weights (loader/kv_scales.py reads the cache's scales)
     if not isinstance(config_groups, Mapping) or not config_groups:
         raise _NotServed("it has no config_groups")
     fmts = {d.get("format")} | {g.get("format") for g in config_groups.values() if isinstance(g, Mapping)}
@@ -124,9 +135,6 @@ def _compressed_tensors(d: Mapping[str, Any], groups: list[tuple[str, ...]],
     if not fmts or not fmts <= set(_CT_FORMATS):
         raise _NotServed(f"format {'/'.join(sorted(map(str, fmts))) or 'none'} (served: float-quantized, "
                          "naive-quantized)")
-    if d.get("kv_cache_scheme") is not None:
-        raise _NotServed("its kv_cache_scheme asks for an fp8 KV cache (k_scale / v_scale), which is not served "
-                         "yet (--kv-cache-dtype fp8 is issue 39's next part)")
     sparsity = d.get("sparsity_config")
     if isinstance(sparsity, Mapping) and sparsity and sparsity.get("format", "dense") != "dense":
         raise _NotServed(f"it is sparse ({sparsity.get('format')})")
@@ -164,14 +172,22 @@ def _hf_fp8(d: Mapping[str, Any], groups: list[tuple[str, ...]],
     return "block", block, "group", "weight_scale_inv", kept
 
 
-def fp8_scheme(q: Quantization, config: ModelConfig) -> QuantizationConfig:
-    """The tree's QuantizationConfig of a declared FP8 form; _NotServed saying what is not served."""
-    groups = projection_groups(config)
+def fp8_scheme(q: Quantization, config: ModelConfig) -> QuantizationConfig | None:
+    """The tree's QuantizationConfig of a declared FP8 form (None: a compressed-tensors config of an fp8 KV cache
+    alone, whose weights are float); _NotServed saying what is not served."""
     d = q.config
+    kv_only = isinstance(d, Mapping) and not d.get("config_groups") and d.get("kv_cache_scheme") is not None
+    if config.moe is not None and not kv_only:
+        raise _NotServed(f"fp8 weights of a mixture-of-experts model ({config.arch}; served: fp8 for dense models, "
+                         "MoE models in bf16/fp16/fp32)")
+    groups = projection_groups(config)
     if not isinstance(d, Mapping):
         raise _NotServed("its quantization config is not a JSON object")
     if q.method == "compressed-tensors":
-        weights, block, acts, scale, kept = _compressed_tensors(d, groups)
+        scheme = _compressed_tensors(d, groups)
+        if scheme is None:
+            return None
+        weights, block, acts, scale, kept = scheme
     elif q.method == "fp8" and q.where.startswith("config.json"):
         weights, block, acts, scale, kept = _hf_fp8(d, groups)
     else:
@@ -201,7 +217,7 @@ def declared_quantization(d: Mapping[str, Any], folder: str) -> Quantization | N
 
 
 def checkpoint_quantization(q: Quantization | None, folder: str, config: ModelConfig) -> QuantizationConfig | None:
-    """The FP8 scheme of a declared quantization (`declared_quantization`; None: a float checkpoint), or
+    """The FP8 scheme of a declared quantization (`declared_quantization`; None: float weights), or
     UnsupportedQuantization naming what of it is not served (module docstring). No weight is read."""
     if q is None:
         return None

@@ -139,6 +139,10 @@ def config_from_gguf(reader: Any, path: str) -> ModelConfig:
     if arch not in GGUF_ARCHES:
         raise ModelLoadError(path, f"GGUF architecture {arch!r} is not supported")
     tensors = {t.name: t for t in reader.tensors}
+    if int(_field(reader, f"{arch}.expert_count") or 0) > 0:  # a Mixtral GGUF says "llama" with experts
+        raise ModelLoadError(path, f"GGUF mixture-of-experts models ({arch} with {arch}.expert_count="
+                                   f"{_field(reader, f'{arch}.expert_count')}) are not supported; use the model's "
+                                   "Hugging Face safetensors folder (mixtral and qwen3_moe are served from those)")
 
     def need(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")
@@ -244,6 +248,7 @@ def _config_from_json(d: dict[str, Any]) -> ModelConfig:
     d = dict(d)
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"]) if d.get("rope_scaling") else None
     d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    d["layer_types"] = tuple(d.get("layer_types") or ())
     return ModelConfig(**d)
 
 

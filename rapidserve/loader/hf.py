@@ -1,11 +1,15 @@
 """Hugging Face model folders: config.json -> ModelConfig, safetensors (single or sharded) -> tensors.
 
-Only config.json, the quantization side files and the safetensors headers are read when the folder is
-resolved (to refuse a quantized checkpoint by name, `quant.py`, or read an FP8 one's scheme,
-`fp8_checkpoint.py`; then to check every tensor the config and the scheme need is there with the right shape
-and dtype); `weights()` then streams one tensor at a time through `safe_open`, and `shard_weights(layout)` one
-tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows or columns
-(`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped file.
+The model types of `hf_arch.MODEL_TYPES` are read (what is architecture-specific: hf_arch.py, e.g. Gemma 3's config
+and a multimodal checkpoint's text weights, which are read under their own names and handed on under ours).
+
+Only config.json, the quantization side files, the safetensors headers and the fp8 KV cache's scale tensors (two
+numbers a layer, `kv_scales.py`) are read when the folder is resolved (to refuse a quantized checkpoint by name,
+`quant.py`, or read an FP8 one's scheme, `fp8_checkpoint.py`; then to check every tensor the config and the scheme
+need is there with the right shape and dtype); `weights()` then streams one tensor at a time through `safe_open`,
+and `shard_weights(layout)` one tensor-parallel rank's parts through `get_slice`, which reads only the rank's rows
+or columns (`parallel.shard.shard_bounds`; an FP8 checkpoint's block scales by its blocks) from the memory-mapped
+file.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,9 +26,14 @@ from safetensors import SafetensorError, safe_open
 from rapidserve.config import ModelConfig, RopeScaling
 from rapidserve.config_base import ConfigError
 from rapidserve.loader.fp8_checkpoint import check_fp8_tensors, checkpoint_quantization, declared_quantization
+from rapidserve.loader.hf_arch import gemma3_config, model_type_problem, rope_scaling, sliding_fields, text_weights
+from rapidserve.loader.hf_arch import token_ids as _token_ids
 from rapidserve.loader.hub import display_name
+from rapidserve.loader.kv_scales import check_kv_scale_tensors, declares_kv_cache, read_kv_scales
+from rapidserve.loader.moe_hf import moe_config_from_hf
 from rapidserve.loader.quant import refuse_quantized_tensors
 from rapidserve.loader.source import ModelLoadError, ModelSource, check_tensor_shapes, expected_tensor_shapes
+from rapidserve.moe_config import MOE_ARCHES
 from rapidserve.parallel.shard import Block, TPLayout, pad_vocab, shard_bounds, shard_kind
 from rapidserve.quant_config import QuantizationConfig
 
@@ -38,7 +47,7 @@ _ST_DTYPES: dict[torch.dtype, str] = {
 
 
 def _rope(d: dict[str, Any], path: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and llama3 scaling from either transformers 4 (`rope_theta` + `rope_scaling`) or
+    """rope_theta and llama3 / linear scaling from either transformers 4 (`rope_theta` + `rope_scaling`) or
     transformers 5 (`rope_parameters`, possibly keyed by layer type) configs."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -48,44 +57,26 @@ def _rope(d: dict[str, Any], path: str) -> tuple[float, RopeScaling | None]:
     if theta is None and isinstance(params, dict):
         theta = params.get("rope_theta")
     theta = float(theta if theta is not None else 10000.0)
-    if not isinstance(scaling, dict):
-        return theta, None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ModelLoadError(path, f"rope scaling type {rope_type!r} is not supported "
-                                   "(supported: none/default, llama3)")
-    try:
-        return theta, RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-        )
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
-        raise ModelLoadError(path, f"invalid llama3 rope scaling {scaling}: {e}") from e
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    return theta, rope_scaling(scaling, path)
 
 
 def config_from_hf_dict(d: dict[str, Any], path: str, name: str = "model") -> ModelConfig:
-    """Build a ModelConfig from a parsed config.json (llama, qwen2, qwen3)."""
+    """Build a ModelConfig from a parsed config.json (the model types of hf_arch.MODEL_TYPES; mixtral, qwen3_moe:
+    `moe_hf.py`)."""
     arch = d.get("model_type")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ModelLoadError(path, f"model_type {arch!r} is not supported")
+    problem = model_type_problem(arch)
+    if problem is not None:
+        raise ModelLoadError(path, problem)
+    if arch in MOE_ARCHES:
+        return moe_config_from_hf(d, path, lambda dense: config_from_hf_dict(dense, path, name))
+    if arch in ("gemma3", "gemma3_text"):
+        return gemma3_config(d, path, name)
     if d.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(path, f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
     if d.get("mlp_bias"):
         raise ModelLoadError(path, "mlp_bias=true is not supported")
     try:
-        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        hidden, heads, layers = int(d["hidden_size"]), int(d["num_attention_heads"]), int(d["num_hidden_layers"])
         theta, scaling = _rope(d, path)
         eos = _token_ids(d.get("eos_token_id"))
         return ModelConfig(
@@ -93,7 +84,7 @@ def config_from_hf_dict(d: dict[str, Any], path: str, name: str = "model") -> Mo
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
@@ -107,6 +98,7 @@ def config_from_hf_dict(d: dict[str, Any], path: str, name: str = "model") -> Mo
             bos_token_id=d.get("bos_token_id") if isinstance(d.get("bos_token_id"), int) else None,
             eos_token_ids=eos,
             name=name,
+            **sliding_fields(d, arch, layers),
         )
     except KeyError as e:
         raise ModelLoadError(path, f"config field {e.args[0]!r} is missing") from e
@@ -179,30 +171,47 @@ def read_safetensors_headers(files: Iterable[str]) -> dict[str, tuple[str, tuple
     return {name: (file, shape) for name, (file, shape, _) in read_safetensors_index(files).items()}
 
 
-def _read_each(names: dict[str, str],
-               read: Callable[[Any, str, str], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+class _Renamed:
+    """A safe_open handle that reads tensor `stored[name]` for `name` (hf_arch.text_weights)."""
+
+    def __init__(self, handle: Any, stored: Mapping[str, str]) -> None:
+        self.handle, self.stored = handle, stored
+
+    def get_slice(self, name: str) -> Any:
+        return self.handle.get_slice(self.stored.get(name, name))
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.stored.get(name, name))
+
+
+def _read_each(names: dict[str, str], read: Callable[[Any, str, str], torch.Tensor],
+               stored: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """`read(handle, name, file)` for each name (name -> file) in order, each file opened once and
-    memory-mapped; an unreadable tensor is a ModelLoadError naming the file."""
+    memory-mapped; an unreadable tensor is a ModelLoadError naming the file. `stored`: name -> the name the file
+    holds it under, where they differ (a multimodal checkpoint's text model)."""
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
         for name, file in names.items():
             try:
                 if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                    handle = stack.enter_context(safe_open(file, framework="pt"))
+                    handles[file] = handle if stored is None else _Renamed(handle, stored)
                 tensor = read(handles[file], name, file)
             except (SafetensorError, OSError) as e:
                 raise ModelLoadError(file, f"cannot read tensor {name}: {e}") from e
             yield name, tensor
 
 
-def stream_safetensors(names: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_safetensors(names: dict[str, str],
+                       stored: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `name -> tensor` for names (name -> file) in the given order, one tensor at a time
-    (each file is opened once and memory-mapped)."""
-    return _read_each(names, lambda handle, name, file: handle.get_tensor(name))
+    (each file is opened once and memory-mapped; `stored` as `_read_each`'s)."""
+    return _read_each(names, lambda handle, name, file: handle.get_tensor(name), stored)
 
 
 def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int, ...]], lay: TPLayout,
-                             block: Block | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                             block: Block | None = None,
+                             stored: Mapping[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensor-parallel rank `lay.rank`'s part of each tensor of `names` (name -> file), in order.
 
     Invariants: each part equals `shard_tensor(name, whole, lay)` bit for bit (the vocabulary's padding
@@ -230,7 +239,7 @@ def stream_safetensors_shard(names: dict[str, str], shapes: dict[str, tuple[int,
         part = part.clone(memory_format=torch.contiguous_format)
         return pad_vocab(part, lay.vocab) if shard_kind(name) == "vocab" else part
 
-    return _read_each(names, read)
+    return _read_each(names, read, stored)
 
 
 def read_hf_config(folder: str) -> tuple[ModelConfig, dict[str, Any], QuantizationConfig | None]:
@@ -260,6 +269,13 @@ def load_hf_folder(folder: str) -> ModelSource:
     folder = os.path.abspath(folder)
     config, d, quant = read_hf_config(folder)
     found = read_safetensors_index(_weight_files(folder))
+    stored = text_weights(found, d.get("model_type"), folder)  # a multimodal checkpoint's text model: ours -> its
+    if stored is not None:
+        found = {ours: found[theirs] for ours, theirs in stored.items()}
+    declared = declares_kv_cache(d)
+    kv = check_kv_scale_tensors(found, config, declared, folder)  # the fp8 KV cache's scales: split out, read now
+    kv_scales = read_kv_scales(kv, {n: found[n][0] for n in kv}, config.num_layers, folder, stored) if kv else None
+    found = {n: f for n, f in found.items() if n not in kv}
     if quant is None:
         shapes = expected_tensor_shapes(config)
         refuse_quantized_tensors({n: t for n, (_, _, t) in found.items()}, frozenset(shapes), folder)
@@ -273,17 +289,20 @@ def load_hf_folder(folder: str) -> ModelSource:
     dtype = d.get("dtype") or d.get("torch_dtype") or "unknown dtype"
     return ModelSource(
         config=config,
-        weights=lambda: stream_safetensors(needed),
-        shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay, block),
+        weights=lambda: stream_safetensors(needed, stored),
+        shard_weights=lambda lay: stream_safetensors_shard(needed, shapes, lay, block, stored),
         num_tensors=len(needed),
         tokenizer_dir=tokenizer_dir,
         tokenizer_file=None,
         chat_template=chat_template,
         hf_folder=folder,
         description=f"{config.arch} model folder {folder} ({len(set(needed.values()))} safetensors "
-                    f"file(s), {dtype}{', fp8' if quant is not None else ''}, {config.num_params() / 1e9:.2f}B "
+                    f"file(s), {dtype}{', fp8' if quant is not None else ''}"
+                    f"{', fp8 KV cache scales' if kv_scales is not None else ''}, {config.num_params() / 1e9:.2f}B "
                     "params)",
         quantization=quant,
+        kv_cache_scheme=declared,
+        kv_scales=kv_scales,
     )
 
 

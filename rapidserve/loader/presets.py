@@ -14,7 +14,8 @@ pays the whole model's draw time.
 `dummy:<folder>` (`--load-format dummy`, `load_dummy`) is the same machinery for any Hugging Face folder:
 its config.json's shapes, random weights seeded from the model's name, its tokenizer if it has one; an FP8
 checkpoint's folder gives its FP8 scheme, the random float weights quantized at load (static activation scales,
-which only calibration gives, become dynamic per-tensor ones).
+which only calibration gives, become dynamic per-tensor ones), and its kv_cache_scheme an fp8 KV cache with
+uncalibrated scales (1.0).
 
 `save_as_hf_folder` writes any ModelSource as a Hugging Face folder (config.json + safetensors) so
 transformers' own implementation can load exactly the same weights.
@@ -34,6 +35,9 @@ import torch
 
 from rapidserve.config import ModelConfig
 from rapidserve.loader.hf import read_hf_config, tokenizer_of, write_safetensors
+from rapidserve.loader.hf_arch import arch_config_json
+from rapidserve.loader.kv_scales import declares_kv_cache
+from rapidserve.loader.moe_hf import dense_twin, moe_hf_config_dict
 from rapidserve.loader.preset_table import list_presets, preset_table
 from rapidserve.loader.source import ModelLoadError, ModelSource, expected_tensor_shapes, load_hf_tokenizer
 from rapidserve.parallel.shard import TPLayout, owned_shard, shard_tensor
@@ -60,8 +64,8 @@ def preset_tensor(preset: str, config: ModelConfig, name: str, shape: tuple[int,
     g = torch.Generator(device=device)
     g.manual_seed(_seed(preset, name))
     x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
-    if name.endswith("norm.weight"):
-        x = 1.0 + 0.05 * x
+    if name.endswith("norm.weight"):  # Gemma 3's norms multiply by 1 + weight
+        x = (0.0 if config.arch == "gemma3" else 1.0) + 0.05 * x
     elif name.endswith(".bias"):
         x = 0.05 * x
     elif name == "model.embed_tokens.weight":
@@ -69,7 +73,7 @@ def preset_tensor(preset: str, config: ModelConfig, name: str, shape: tuple[int,
         x = x * (config.hidden_size ** -0.25 if config.tie_word_embeddings else 1.0)
     else:
         std = 1.0 / math.sqrt(shape[1])
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):  # w2: a Mixtral expert's down
             std /= math.sqrt(2 * config.num_layers)
         x = x * std
     return x.to(dtype)
@@ -96,7 +100,7 @@ def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dty
     if not os.path.isdir(folder):
         raise ModelLoadError(folder, "--load-format dummy needs a Hugging Face model folder (or Hub id) whose "
                                      "config.json gives the architecture; this is not a folder")
-    config, _, quant = read_hf_config(folder)
+    config, d, quant = read_hf_config(folder)
     tokenizer_dir, chat_template = tokenizer_of(folder)
     if quant is not None:  # the checkpoint's FP8 scheme over random float weights, quantized at load
         quant = dataclasses.replace(quant, online=True, activations="tensor" if quant.activations == "static" else
@@ -104,16 +108,17 @@ def load_dummy(folder: str, device: str | torch.device = "cpu", dtype: torch.dty
                                                               "(--load-format dummy)")
     return random_source(f"dummy:{config.name}", config, device, dtype, tokenizer_dir, chat_template,
                          description=f"{config.arch} model {folder} with random weights (--load-format dummy)",
-                         hf_folder=folder, quantization=quant)
+                         hf_folder=folder, quantization=quant, kv_cache_scheme=declares_kv_cache(d))
 
 
 def random_source(key: str, config: ModelConfig, device: str | torch.device, dtype: torch.dtype,
                   tokenizer_dir: str | None = None, chat_template: str | None = None,
                   description: str = "", hf_folder: str | None = None,
-                  quantization: QuantizationConfig | None = None) -> ModelSource:
+                  quantization: QuantizationConfig | None = None, kv_cache_scheme: bool = False) -> ModelSource:
     """A ModelSource of `config`'s shapes whose every tensor is `preset_tensor(key, ...)` (see load_preset);
     `hf_folder`: the Hugging Face folder whose architecture it randomizes (its generation_config.json applies);
-    `quantization`: the FP8 scheme (online) its float weights are quantized with at load."""
+    `quantization`: the FP8 scheme (online) its float weights are quantized with at load; `kv_cache_scheme`: its
+    folder declares an fp8 KV cache (whose scales, random weights being uncalibrated, are 1.0)."""
     shapes = expected_tensor_shapes(config)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,18 +133,24 @@ def random_source(key: str, config: ModelConfig, device: str | torch.device, dty
         config=config, weights=weights, shard_weights=shard_weights, num_tensors=len(shapes),
         tokenizer_dir=tokenizer_dir, tokenizer_file=None, chat_template=chat_template,
         description=f"{description} ({config.num_params() / 1e9:.2f}B params)", hf_folder=hf_folder,
-        quantization=quantization,
+        quantization=quantization, kv_cache_scheme=kv_cache_scheme,
     )
 
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields).
+    """A transformers-compatible config.json (LlamaConfig / Qwen2Config / Qwen3Config fields; MistralConfig's and
+    Gemma3TextConfig's: hf_arch.arch_config_json).
 
     RoPE is written both the transformers 4 way (rope_theta, rope_scaling) and the transformers 5
-    way (rope_parameters); each version reads its own keys.
+    way (rope_parameters); each version reads its own keys. Mixture-of-experts models (MixtralConfig /
+    Qwen3MoeConfig): their dense family's dict with the experts' fields, `moe_hf.moe_hf_config_dict`.
     """
+    if config.moe is not None:
+        return moe_hf_config_dict(config, hf_config_dict(dense_twin(config), dtype))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+        rope = {"rope_type": "linear", "rope_theta": config.rope_theta, "factor": config.rope_scaling.factor}
+    elif config.rope_scaling is not None:
         rs = config.rope_scaling
         rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": rs.factor,
                 "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
@@ -148,7 +159,7 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         config.eos_token_ids[0] if config.eos_token_ids else None)
     d: dict[str, Any] = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[config.arch]],
+                           "qwen3": "Qwen3ForCausalLM"}.get(config.arch)],  # the others': arch_config_json
         "model_type": config.arch,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
@@ -172,11 +183,13 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
     }
     if config.arch != "qwen2":
         d["attention_bias"] = config.attention_bias
-    if config.arch != "llama":
-        d["use_sliding_window"] = False
-        d["sliding_window"] = None
+    if config.arch in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = config.sliding_window is not None
+        d["sliding_window"] = config.sliding_window
         d["max_window_layers"] = config.num_layers
-    return d
+        if config.layer_types:
+            d["layer_types"] = list(config.layer_types)
+    return arch_config_json(config, d)
 
 
 def save_as_hf_folder(source: ModelSource, path: str | os.PathLike[str],

@@ -4,8 +4,8 @@
 tensor names and shapes a `ModelConfig` needs, `rank_weights` (one tensor-parallel rank's weight
 stream) and `load_hf_tokenizer` (the transformers tokenizer of a source). The format readers (hf.py,
 gguf_loader.py, presets.py), `rapidserve.loader.resolve_model` and `rapidserve.tokenizer` build on it;
-it imports nothing from rapidserve but the config, the preset table and `parallel.shard` (the pure
-sharding plan, which imports nothing of the loader).
+it imports nothing from rapidserve but the config (with `moe_config`'s tensor names), the preset table and
+`parallel.shard` (the pure sharding plan, which imports nothing of the loader).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import torch
 
 from rapidserve.config import ARCHES, ModelConfig
 from rapidserve.loader.preset_table import list_presets
+from rapidserve.moe_config import moe_tensor_shapes
 from rapidserve.parallel.shard import ShardError, TPLayout, shard_shape, sharded_weights, tp_layout
-from rapidserve.quant_config import QuantizationConfig
+from rapidserve.quant_config import KVScales, QuantizationConfig
 
 
 def supported_forms() -> str:
@@ -75,6 +76,11 @@ class ModelSource:
     # The FP8 scheme the weights come in (an FP8 checkpoint: its weights, scales and input scales are in the
     # stream; `online`, a dummy of one: float weights quantized at load), None: float weights.
     quantization: QuantizationConfig | None = None
+    # The fp8 KV cache (loader/kv_scales.py): whether the checkpoint's config declares one (a kv_cache_scheme:
+    # `--kv-cache-dtype auto` then stores fp8), and its calibrated per-layer scales when its tensors carry them
+    # (read when the source is resolved; never in the weight stream).
+    kv_cache_scheme: bool = False
+    kv_scales: KVScales | None = None
 
 
 def rank_weights(source: ModelSource, layout: TPLayout,
@@ -131,11 +137,17 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if config.moe is not None and config.moe.sparse(n):
+            shapes.update(moe_tensor_shapes(config.arch, config.moe, h, n))
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.arch == "gemma3":  # norms before and after the MLP too
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)

@@ -1,9 +1,11 @@
 """Rotary position embedding tables.
 
-The inverse frequencies follow Hugging Face transformers' definitions exactly (default and
-"llama3" scaling), computed in float32, so CPU fp32 output is bit-compatible with transformers.
+The inverse frequencies follow Hugging Face transformers' definitions exactly (default, "llama3" and
+"linear" scaling), computed in float32, so CPU fp32 output is bit-compatible with transformers.
 The table is laid out [max_positions, head_dim] float32: cos in the first head_dim/2 columns, sin in
-the last head_dim/2 (the layout `rapidserve.ops.apply_rope` reads).
+the last head_dim/2 (the layout `rapidserve.ops.apply_rope` reads). Gemma 3 (`rope_local_theta` set) has two,
+stacked [2, max_positions, head_dim]: [0] its sliding layers' (unscaled, base rope_local_theta), [1] its global
+layers' (rope_theta, rope_scaling); each layer passes its own on (rapidserve/models/gemma3.py).
 """
 
 from __future__ import annotations
@@ -36,14 +38,23 @@ def llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 def inv_freq_for(cfg: ModelConfig) -> torch.Tensor:
     inv = default_inv_freq(cfg.head_dim, cfg.rope_theta)
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":
+        inv = inv / cfg.rope_scaling.factor
+    elif cfg.rope_scaling is not None:
         inv = llama3_inv_freq(inv, cfg.rope_scaling)
     return inv
 
 
-def cos_sin_table(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq)."""
-    inv = inv_freq_for(cfg)
+def _table(inv: torch.Tensor, max_positions: int) -> torch.Tensor:
     pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
     freqs = pos[:, None] * inv[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device).contiguous()
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def cos_sin_table(cfg: ModelConfig, max_positions: int, device: torch.device) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos(pos * inv_freq) | sin(pos * inv_freq); Gemma 3's two of them,
+    [2, max_positions, head_dim] (local, global: the module docstring)."""
+    table = _table(inv_freq_for(cfg), max_positions)
+    if cfg.rope_local_theta is not None:
+        table = torch.stack((_table(default_inv_freq(cfg.head_dim, cfg.rope_local_theta), max_positions), table))
+    return table.to(device).contiguous()

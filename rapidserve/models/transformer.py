@@ -1,8 +1,10 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Mistral families (Gemma 3: gemma3.py builds on it).
 
 The families differ only by flags of `ModelConfig`: q/k/v bias (qwen2), per-head q/k RMSNorm
-(qwen3), llama3 RoPE scaling, tied embeddings. Projections are fused (qkv, gate|up) so a layer is
-four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors.
+(qwen3), llama3 RoPE scaling, tied embeddings, sliding-window attention (mistral: each layer's `window`, which it
+passes to the attention backend). Projections are fused (qkv, gate|up) so a layer is
+four GEMMs; `load_weights` maps Hugging Face parameter names onto the fused tensors. `registry.causal_lm_class`
+picks the model class of an architecture.
 
 The forward pass takes a flat batch of tokens (all sequences end to end) and an
 `AttentionMetadata`; the elementwise ops and the attention backend are injected (`Ops`,
@@ -16,23 +18,31 @@ down_proj outputs are all-reduced, the vocabulary-parallel embedding looks up th
 zero) and all-reduces, and `compute_logits` gathers every rank's vocabulary slice (all ranks get the
 whole [T, vocab] logits; only the leader samples).
 
+Mixture-of-experts (issue 40; mixtral, qwen3_moe): a layer the config's `moe` makes sparse has a
+`models/moe.py` `MoeBlock` (router and stacked experts) instead of the dense gate|up and down projections.
+
 FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the scheme quantizes is an
 `ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
 `models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
+An fp8 KV cache (`kv_dtype`): each layer holds its `k_scale` / `v_scale` (float32 [1] parameters, from the config
+tree, never from the weight stream; shared with the prefill worker like every parameter), which its K/V write
+(`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/attention/kv_quant.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
+from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
+from rapidserve.models.moe import MoeBlock
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
@@ -64,12 +74,16 @@ def _linear_silu_and_mul(ops: Ops, x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
-                 quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None) -> None:
+                 quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None,
+                 kv_scales: tuple[float, float] | None = None) -> None:
         """`cfg`: this rank's shard of the model (the whole model without `tp`). `quant`: the fp8 scheme, for layer
-        `index` (its projections' HF names) in weight format `fp8` (default: the device's, `ops.fp8.fp8_dtype`)."""
+        `index` (its projections' HF names) in weight format `fp8` (default: the device's, `ops.fp8.fp8_dtype`).
+        `kv_scales`: an fp8 KV cache's (k_scale, v_scale) for this layer, as its pool's format takes them
+        (`CausalLM`), kept as float32 [1] parameters `k_scale` / `v_scale` (None: a cache of the model's dtype)."""
         super().__init__()
         h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         self.cfg, self.tp = cfg, tp
+        self.scale, self.window = cfg.attn_scale, cfg.layer_window(index)  # attention's softmax scale, sliding window
         fp8 = fp8 or fp8_dtype(device)
 
         def weight(fused: str, n: int, k: int) -> Weight:
@@ -82,10 +96,19 @@ class DecoderLayer(nn.Module):
         self.o_proj = weight("o_proj", h, cfg.q_size)
         self.q_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
         self.k_norm = _param((cfg.head_dim,), dtype, device) if cfg.qk_norm else None
-        self.gate_up_proj = weight("gate_up_proj", 2 * cfg.intermediate_size, h)
-        self.down_proj = weight("down_proj", h, cfg.intermediate_size)
+        # a sparse layer's experts instead of the dense MLP (models/moe.py)
+        self.moe = MoeBlock(cfg.moe, h, dtype, device) if cfg.moe is not None and cfg.moe.sparse(index) else None
+        if self.moe is None:
+            self.gate_up_proj = weight("gate_up_proj", 2 * cfg.intermediate_size, h)
+            self.down_proj = weight("down_proj", h, cfg.intermediate_size)
         self.input_layernorm = _param((h,), dtype, device)
         self.post_attention_layernorm = _param((h,), dtype, device)
+        self.k_scale: nn.Parameter | None = None
+        self.v_scale: nn.Parameter | None = None
+        if kv_scales is not None:  # the same on every tensor-parallel rank: one scale per layer's whole tensor
+            self.k_scale, self.v_scale = (
+                nn.Parameter(torch.full((1,), float(s), dtype=torch.float32, device=device), requires_grad=False)
+                for s in kv_scales)
 
     def forward(
         self,
@@ -101,8 +124,12 @@ class DecoderLayer(nn.Module):
         """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them)."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = attend(attn, q, kv[0], kv[1], meta, self.cfg.head_dim**-0.5)
-        return self.post_attention(o, residual, ops)
+        return self.post_attention(self.attention(q, kv, meta, attn), residual, ops)
+
+    def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        """This layer's attention of its queries over the cache (its scale and sliding window; an fp8 cache read
+        with the layer's scales)."""
+        return attend(attn, q, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale, window=self.window)
 
     def pre_attention(
         self,
@@ -133,7 +160,7 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = kv
         # (q/k norm,) RoPE and the K/V write in one launch on GPUs; from here on k and v are read from the cache
         q = ops.rope_write(q, k, v, self.q_norm, self.k_norm, eps, positions, cos_sin, k_cache, v_cache,
-                           slot_mapping)
+                           slot_mapping, self.k_scale, self.v_scale)
         return q, residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
@@ -147,14 +174,36 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce(hidden)
 
         hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
-        hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
+        if self.moe is not None:
+            hidden = self.moe(hidden, ops)
+        else:
+            hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
 
 
+def _kv_layer_scales(num_layers: int, kv_dtype: torch.dtype | None,
+                     kv_scales: Sequence[tuple[float, float]] | None) -> list[tuple[float, float] | None]:
+    """Each layer's (k_scale, v_scale) as a pool of `kv_dtype` takes them (doubled for e4m3fnuz), or None each for
+    a pool of the model's dtype."""
+    if kv_dtype is None:
+        if kv_scales is not None:
+            raise ValueError("kv_scales are an fp8 KV cache's: give its kv_dtype")
+        return [None] * num_layers
+    if kv_dtype not in FP8_KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype}: an fp8 KV pool is one of {FP8_KV_DTYPES} (None: the model's dtype)")
+    scales = list(kv_scales) if kv_scales is not None else [(1.0, 1.0)] * num_layers
+    if len(scales) != num_layers:
+        raise ValueError(f"{len(scales)} layers' kv scales for {num_layers} layers")
+    factor = 2.0 if kv_dtype == torch.float8_e4m3fnuz else 1.0
+    return [(k * factor, v * factor) for k, v in scales]
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head."""
+
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer  # an architecture's subclass puts its own here
 
     def __init__(
         self,
@@ -167,10 +216,16 @@ class CausalLM(nn.Module):
         tp: TPGroup | None = None,
         quant: QuantizationConfig | None = None,
         fp8: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         """`cfg`: the whole model; with `tp`, this process builds and loads rank `tp.rank`'s shard. `quant`: the
-        fp8 scheme (None or method "none": float weights), its weights in `fp8` (default: the device's format)."""
+        fp8 scheme (None or method "none": float weights), its weights in `fp8` (default: the device's format).
+        `kv_dtype`: the KV pool's dtype when it is fp8 (None: the model's dtype), whose per-layer `kv_scales` (in
+        e4m3fn units, `CacheConfig.layer_kv_scales`) each layer keeps; an e4m3fnuz pool (ROCm's gfx94x) doubles
+        them, as its weights' scales (`ops.fp8.to_fnuz`): the same numbers stored, half the values' bits."""
         super().__init__()
+        layer_scales = _kv_layer_scales(cfg.num_layers, kv_dtype, kv_scales)
         self.full_cfg, self.tp = cfg, tp
         if tp is not None:
             cfg = shard_config(cfg, tp.layout)
@@ -178,7 +233,8 @@ class CausalLM(nn.Module):
         self.dtype, self.device = dtype, device
         self.quant = quant if quant is not None and quant.enabled else None
         self.embed_tokens = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp, self.quant, n, fp8)
+        self.kv_dtype = kv_dtype
+        self.layers = nn.ModuleList(self.layer_class(cfg, dtype, device, tp, self.quant, n, fp8, layer_scales[n])
                                     for n in range(cfg.num_layers))
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else _param(
@@ -271,13 +327,15 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head, 0, cfg.vocab_size)
         for n, layer in enumerate(self.layers):
             p = f"model.layers.{n}."
-            for proj, w, off, rows in (("self_attn.q_proj", layer.qkv_proj, 0, q),
-                                       ("self_attn.k_proj", layer.qkv_proj, q, kv),
-                                       ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
-                                       ("self_attn.o_proj", layer.o_proj, 0, cfg.hidden_size),
-                                       ("mlp.gate_proj", layer.gate_up_proj, 0, i),
-                                       ("mlp.up_proj", layer.gate_up_proj, i, i),
-                                       ("mlp.down_proj", layer.down_proj, 0, cfg.hidden_size)):
+            projections = [("self_attn.q_proj", layer.qkv_proj, 0, q), ("self_attn.k_proj", layer.qkv_proj, q, kv),
+                           ("self_attn.v_proj", layer.qkv_proj, q + kv, kv),
+                           ("self_attn.o_proj", layer.o_proj, 0, cfg.hidden_size)]
+            if layer.moe is not None:
+                out.update(layer.moe.targets(cfg.arch, n))
+            else:
+                projections += [("mlp.gate_proj", layer.gate_up_proj, 0, i), ("mlp.up_proj", layer.gate_up_proj, i, i),
+                                ("mlp.down_proj", layer.down_proj, 0, cfg.hidden_size)]
+            for proj, w, off, rows in projections:
                 if isinstance(w, Fp8Linear) and self.quant is not None:
                     out.update(fp8_weights.fp8_parts(p + proj, w, off, rows, self.quant))
                 else:

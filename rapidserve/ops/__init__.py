@@ -12,16 +12,21 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   per-head q/k RMSNorm then RoPE (the Triton version in one launch, in place, like apply_rope)
 - ``silu_and_mul(x [..., 2I]) -> [..., I]``
 - ``rope_write(q, k, v, q_weight | None, k_weight | None, eps, positions, cos_sin_cache, k_cache, v_cache,
-  slot_mapping) -> q``: what a layer does between its qkv projection and attention: (q/k RMSNorm,) RoPE,
-  and k/v written to their cache slots (layout: rapidserve/attention/metadata.py); the Triton version in
-  one launch, q rotated in place, k left unrotated (callers use the cache from then on)
+  slot_mapping, k_scale=None, v_scale=None) -> q``: what a layer does between its qkv projection and attention:
+  (q/k RMSNorm,) RoPE, and k/v written to their cache slots (layout: rapidserve/attention/metadata.py; an fp8
+  cache quantized with the layer's scales, rapidserve/attention/kv_quant.py); the Triton version in one launch,
+  q rotated in place, k left unrotated (callers use the cache from then on)
 - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
   gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
   of at most `triton_skinny.MAX_ROWS` (16) rows through `triton_skinny` (one kernel each; the gated one
   never writes the [T, 2I] product) on NVIDIA GPUs, where it was measured; everything else through
   torch's F.linear (cuBLAS / hipBLASLt)
+- ``moe_experts(x [T, h], w13 [E, 2I, h], w2 [E, h, I], weights [T, k] fp32, ids [T, k] int32) -> [T, h]``: a
+  mixture-of-experts layer's experts (issue 40; routing by `ops.moe.route`): `moe.moe_experts_ref` (a loop over
+  experts) in the torch bundle, `triton_moe.fused_moe` (tokens sorted by expert, one grouped GEMM launch per
+  projection, CUDA-graph safe) in the Triton one, on both vendors
 - ``fp8_linear(x [T, K], layer: fp8.Fp8Linear, bias [N] | None) -> [T, N]``: a projection stored in fp8 (issue 39,
-  rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8.gpu_linear` (torch._scaled_mm, the
+  rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8_gpu.gpu_linear` (torch._scaled_mm, the
   Triton block kernel) in the Triton one; `fp8_ops(bundle, device)` puts the reference back on a GPU without fp8
 
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
@@ -42,7 +47,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from rapidserve.ops import fp8, torch_ops
+from rapidserve.ops import fp8, moe, torch_ops
 
 
 class RopeWrite(Protocol):
@@ -50,7 +55,8 @@ class RopeWrite(Protocol):
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, /) -> torch.Tensor: ...
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, /) -> torch.Tensor: ...
 
 
 class Linear(Protocol):
@@ -58,6 +64,13 @@ class Linear(Protocol):
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, /
                  ) -> torch.Tensor: ...
+
+
+class MoeExperts(Protocol):
+    """`moe_experts`'s signature (see the module docstring)."""
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor, /) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +88,7 @@ class Ops:
     linear: Linear
     linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_linear: Callable[[torch.Tensor, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor]
+    moe_experts: MoeExperts = moe.moe_experts_ref
 
 
 def torch_ops_bundle() -> Ops:
@@ -86,13 +100,13 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import triton_ops
+    from rapidserve.ops import fp8_gpu, triton_ops
 
     if skinny is None:
         skinny = torch.version.hip is None
     ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
-              _cublas_then(triton_ops.silu_and_mul), fp8.gpu_linear)
+              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, _fused_moe())
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -102,6 +116,12 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
 
     return dataclasses.replace(ops, name="triton", linear=triton_skinny.linear,
                                linear_silu_and_mul=linear_silu_and_mul)
+
+
+def _fused_moe() -> MoeExperts:
+    from rapidserve.ops import triton_moe
+
+    return triton_moe.fused_moe
 
 
 def _cublas_then(silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
@@ -133,12 +153,13 @@ def unfused_ops(ops: Ops) -> Ops:
 
     def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if q_weight is not None and k_weight is not None:
             q, k = ops.qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin)
         else:
             q, k = ops.apply_rope(q, k, positions, cos_sin)
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         return q
 
     return dataclasses.replace(cublas_linears(ops), name=ops.name + "-unfused", rope_write=rope_write)
@@ -160,5 +181,5 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Linear", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "torch_ops_bundle",
+__all__ = ["Linear", "MoeExperts", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "torch_ops_bundle",
            "triton_ops_bundle", "unfused_ops"]

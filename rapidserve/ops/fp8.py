@@ -13,16 +13,21 @@ The math, which every path computes (up to the order of float32 sums):
     x8, sx = quantize_input(x)                    x8 = fp8(clamp(x / sx, -fp8_max, fp8_max)), sx per token /
                                                   tensor / token-group (the scheme's activations)
     y[m, n] = sum_k (x8[m, k] sx[m, k]) (w8[n, k] sw[n, k]) (+ bias[n])   sx, sw broadcast over what they cover
-The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py):
+The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py; the GPU ones routed by `fp8_gpu.gpu_linear`):
 - `reference_linear`: dequantizes x8 and the weight to the compute dtype and calls F.linear. CPU, and GPUs
   without fp8 (`fp8_supported`): the definition the CPU tests check against.
 - `scaled_mm_linear`: per-row scales (weights) x per-token or per-tensor scales (activations) through
   `torch._scaled_mm`'s row-wise scaling (cuBLASLt / CUTLASS on sm_89+, hipBLASLt on MI300): fp8 products
   accumulated in float32, scaled in its epilogue, bfloat16 out.
 - `triton_fp8.block_linear`: 128x128-style block scales (`gpu_linear` routes them there).
+- `triton_fp8_skinny.skinny_fp8_linear`: decode's calls of at most 16 rows with per-token activations and per-row
+  weight scales on NVIDIA (`gpu_linear` routes them there as the bf16 linear routes its own): one kernel that
+  quantizes x as `quantize_input` does and multiplies fp8 by fp8 (cuBLASLt's fp8 GEMMs read small-M weights at
+  well under the memory bandwidth: bench/results/fp8_linear_probe.md).
 
-Activations are quantized by the same torch code on every path, so only the GEMM differs. Nothing reads a device
-value on the host: every path is CUDA-graph safe.
+Activations are quantized by the same math on every path (per-token ones on a GPU by one Triton kernel,
+`triton_fp8.quantize_tokens`, equal up to the device's float32 division), so only the GEMM differs. Nothing
+reads a device value on the host: every path is CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -119,7 +124,9 @@ def quantize_input(x: torch.Tensor, activations: str, fp8: torch.dtype, input_sc
                    group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] as (x8 [M, K] fp8, scale float32): scale [M, 1] ("token"), [1, 1] ("tensor", "static": the given
     `input_scale`), [M, ceil(K / group)] ("group"). x8 = fp8(clamp(x / scale, +-fp8_max)), scale = amax / fp8_max
-    over what it covers (amax at least MIN_AMAX). Pure torch: the same numbers on every device."""
+    over what it covers (amax at least MIN_AMAX), formed as amax * (1 / fp8_max) in float32 (CUDA torch divides
+    a tensor by a scalar that way and the CPU does not: the explicit product is the same bits on every device and
+    in the Triton kernels). Pure torch: the same numbers on every device."""
     xf = x.float()
     top = fp8_max(fp8)
     if activations == "static":
@@ -128,17 +135,17 @@ def quantize_input(x: torch.Tensor, activations: str, fp8: torch.dtype, input_sc
         scale = input_scale.float().reshape(1, 1)
         return (xf / scale).clamp(-top, top).to(fp8), scale
     if activations == "token":
-        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) / top
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=MIN_AMAX) * (1.0 / top)
         return (xf / scale).clamp(-top, top).to(fp8), scale
     if activations == "tensor":
-        scale = xf.abs().amax().clamp(min=MIN_AMAX).reshape(1, 1) / top
+        scale = xf.abs().amax().clamp(min=MIN_AMAX).reshape(1, 1) * (1.0 / top)
         return (xf / scale).clamp(-top, top).to(fp8), scale
     if activations != "group" or group is None:
         raise ValueError(f"fp8 activations {activations!r} (group={group}): use token, tensor, static or group")
     m, k = xf.shape
     groups = cdiv(k, group)
     padded = F.pad(xf, (0, groups * group - k)).reshape(m, groups, group)
-    scale = padded.abs().amax(dim=-1).clamp(min=MIN_AMAX) / top  # [M, groups]
+    scale = padded.abs().amax(dim=-1).clamp(min=MIN_AMAX) * (1.0 / top)  # [M, groups]
     x8 = (padded / scale.unsqueeze(-1)).clamp(-top, top).reshape(m, groups * group)[:, :k]
     return x8.contiguous().to(fp8), scale
 
@@ -192,40 +199,6 @@ def reference_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | Non
     return F.linear(xq, layer.dequantized(x.dtype), bias)
 
 
-def scaled_mm_ok(x: torch.Tensor, layer: Fp8Linear) -> bool:
-    """Whether `scaled_mm_linear` takes this call: per-row weight scales, and K, N multiples of 16 (its GEMM's
-    alignment)."""
-    n, k = layer.weight.shape
-    return layer.block is None and k % 16 == 0 and n % 16 == 0 and x.shape[0] > 0
-
-
-def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`torch._scaled_mm` with row-wise scales: scale_a [M, 1] (a per-tensor activation scale repeated over the
-    rows), scale_b [1, N] (the weight's per-row scales); x8 row-major, the weight [N, K] row-major read as its
-    transpose, column-major [K, N]. Out in bfloat16 (what row-wise scaling writes), then x's dtype."""
-    x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
-    if sx.shape[0] != x8.shape[0]:
-        sx = sx.expand(x8.shape[0], 1).contiguous()
-    out = torch._scaled_mm(x8, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.reshape(1, -1),
-                           out_dtype=torch.bfloat16)
-    out = out.to(x.dtype)
-    return out if bias is None else out + bias
-
-
-def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales through
-    `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through `reference_linear`."""
-    if layer.block is not None:
-        from rapidserve.ops import triton_fp8
-
-        x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
-        out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
-        return out if bias is None else out + bias
-    if scaled_mm_ok(x, layer):
-        return scaled_mm_linear(x, layer, bias)
-    return reference_linear(x, layer, bias)
-
-
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "Fp8Linear", "dequantize_input", "dequantize_weight", "expand_scale",
-           "fp8_dtype", "fp8_max", "fp8_supported", "gpu_linear", "quantize_input", "quantize_weight",
-           "reference_linear", "scaled_mm_linear", "to_fnuz"]
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "dequantize_input", "dequantize_weight",
+           "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported", "quantize_input", "quantize_weight",
+           "reference_linear", "to_fnuz"]

@@ -59,16 +59,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(q/k RMSNorm when the weights are given,) RoPE, then k and v written to their cache slots (as the
-    torch attention backend's write_kv). Returns the rotated q, a new tensor."""
+    torch attention backend's write_kv: an fp8 cache quantized with `k_scale` / `v_scale`). Returns the rotated q,
+    a new tensor."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rope_write takes both q/k norm weights or neither")
     if q_weight is not None and k_weight is not None:
         q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
     else:
         q, k = apply_rope(q, k, positions, cos_sin_cache)
-    torch_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    torch_write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops.fp8 import MIN_AMAX, fp8_max
+
 
 class BlockConfig(NamedTuple):
     block_m: int
@@ -101,4 +103,43 @@ def block_linear(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch
     return out
 
 
-__all__ = ["BlockConfig", "block_config", "block_linear"]
+@triton.jit
+def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, TOP: tl.constexpr, RCP: tl.constexpr,
+                            MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `program_id`: amax over the row (first pass), then q = fp8(clamp(x / s, +-TOP)) with
+    s = max(amax, MIN_AMAX) * RCP, RCP = 1 / TOP (second pass, the row's re-read mostly from L2), and s stored."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) * RCP
+    q_row = q_ptr + row * stride_qm
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP)  # IEEE division, as torch
+        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_tokens(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8.quantize_input(x, "token", fp8)` as one kernel: (x8 [M, K] fp8, scale [M, 1] float32). The same
+    numbers: IEEE division and the hardware's round-to-nearest-even cast (the interpreter's cast rounds otherwise)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"quantize_tokens takes a 2-D x with a contiguous last dim; got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=fp8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block = min(4096, triton.next_power_of_2(max(k, 16)))
+    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=fp8_max(fp8), RCP=1.0 / fp8_max(fp8),
+                                  MIN_AMAX=MIN_AMAX,
+                                  BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    return q, scale
+
+
+__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens"]

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.attention.triton_paged import check_cache, to_cache, write_kv
+
 
 def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
@@ -255,10 +257,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 # ------------------------------------------------------- (q/k norm,) RoPE and the KV-cache write, one launch
 @triton.jit
 def _rope_write_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slot_ptr, kc_ptr, vc_ptr,
-                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps, ks_ptr, vs_ptr,
                        NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                        CACHE_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_QH: tl.constexpr,
-                       BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                       BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr,
+                       FP8_MAX: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c, s = _cos_sin(cs_ptr, pos, HALF, BLOCK_HALF, q_ptr.dtype.element_ty)
@@ -278,29 +281,29 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slo
     wmask = (h[:, None] < live) & (j[None, :] < HALF)
     dst = ((slot // CACHE_BLOCK) * (NUM_K_HEADS * CACHE_BLOCK * 2 * HALF) + h[:, None] * (CACHE_BLOCK * 2 * HALF)
            + (slot % CACHE_BLOCK) * (2 * HALF) + j[None, :])
-    tl.store(kc_ptr + dst, o1.to(kc_ptr.dtype.element_ty), mask=wmask)
-    tl.store(kc_ptr + dst + HALF, o2.to(kc_ptr.dtype.element_ty), mask=wmask)
+    tl.store(kc_ptr + dst, to_cache(o1, ks_ptr, kc_ptr, KV_FP8, FP8_MAX), mask=wmask)
+    tl.store(kc_ptr + dst + HALF, to_cache(o2, ks_ptr, kc_ptr, KV_FP8, FP8_MAX), mask=wmask)
     pv = v_ptr + t * stride_vt + h[:, None] * stride_vh + j[None, :]
     v1 = tl.load(pv, mask=wmask, other=0.0)
     v2 = tl.load(pv + HALF, mask=wmask, other=0.0)
-    tl.store(vc_ptr + dst, v1.to(vc_ptr.dtype.element_ty), mask=wmask)
-    tl.store(vc_ptr + dst + HALF, v2.to(vc_ptr.dtype.element_ty), mask=wmask)
+    tl.store(vc_ptr + dst, to_cache(v1, vs_ptr, vc_ptr, KV_FP8, FP8_MAX), mask=wmask)
+    tl.store(vc_ptr + dst + HALF, to_cache(v2, vs_ptr, vc_ptr, KV_FP8, FP8_MAX), mask=wmask)
 
 
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One launch for what a layer does between its qkv projection and attention: (Qwen3's per-head q/k
     RMSNorm when the weights are given,) RoPE of q IN PLACE, and the rotated k and v written to their
-    cache slots (rows with slot < 0 write nothing). Returns q (rotated); k is left as it was. Same
-    results as qk_norm_rope / apply_rope then write_kv. Norm weights of another dtype than q take that
-    unfused path."""
+    cache slots (rows with slot < 0 write nothing; an fp8 cache quantized with `k_scale` / `v_scale`, as
+    triton_paged.write_kv). Returns q (rotated); k is left as it was. Same results as qk_norm_rope / apply_rope
+    then write_kv. Norm weights of another dtype than q take that unfused path."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rope_write takes both q/k norm weights or neither")
     if q_weight is not None and k_weight is not None and (q_weight.dtype != q.dtype or k_weight.dtype != k.dtype):
-        from rapidserve.attention.triton_paged import write_kv
         q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return q
     q, k, cache, blocks = _rope_args(q, k, positions, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -314,6 +317,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
             or k_cache.shape[3] != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError(f"k_cache and v_cache must both be contiguous [num_blocks, {k.shape[1]}, block_size, "
                          f"{head_dim}]; got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}]; got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
@@ -323,7 +327,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
         q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, positions,
         cache, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], CACHE_BLOCK=k_cache.shape[2],
-        HAS_NORM=q_weight is not None, **blocks, enable_fp_fusion=False)
+        HAS_NORM=q_weight is not None, **blocks, **fp8, enable_fp_fusion=False)
     return q
 
 

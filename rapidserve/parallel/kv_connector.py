@@ -18,7 +18,8 @@ the same three calls over the same block indices.
 Pool layout (kv_pool.py): `[layers, K|V, blocks, kv_heads, block_size, head_dim]`, so the blocks of
 a transfer are one `index_select` on dim 2, gathered into a contiguous buffer that crosses the link
 in one copy, and scattered with `index_copy_` on the far side (in pieces of at most `max_copy_bytes`,
-which bounds the buffers).
+which bounds the buffers). An fp8 pool (`--kv-cache-dtype fp8`) is moved as bytes (a uint8 view): both pools
+have the one dtype (checked), and the layers' scales are the same on both instances (the config's).
 
 Stream ordering on GPUs (device A: local, staging; device B: remote, decode's pool). The connector
 has two streams of its own: `copy_stream` on A, `remote_stream` on B. torch runs a cross-device copy
@@ -160,7 +161,7 @@ class DevicePeerConnector:
                              "differ in more than their number of blocks")
         if local.device.type != remote.device.type:
             raise ValueError(f"one pool is on {local.device}, the other on {remote.device}")
-        self.local, self.remote = local, remote
+        self.local, self.remote = _as_copyable(local), _as_copyable(remote)
         self.cuda = local.device.type == "cuda"
         if self.cuda and local.device == remote.device:
             raise ValueError(f"both pools are on {local.device}: on one GPU the rapid mode shares one pool in place")
@@ -235,6 +236,12 @@ class DevicePeerConnector:
                 raise ValueError(f"{what} blocks {bad[:8]} are not in 0..{n - 1}")
             if len(set(blocks)) != len(blocks):
                 raise ValueError(f"{what} blocks {list(blocks)} name a block twice")
+
+
+def _as_copyable(pool: torch.Tensor) -> torch.Tensor:
+    """The pool as the copies take it: an fp8 pool viewed as bytes (uint8, the same memory and shape), whose
+    `index_copy_` torch does not implement for float8 dtypes; blocks are moved bit for bit either way."""
+    return pool.view(torch.uint8) if pool.dtype.is_floating_point and pool.element_size() == 1 else pool
 
 
 def _copy_blocks(src: torch.Tensor, src_blocks: Sequence[int], dst: torch.Tensor, dst_blocks: Sequence[int]) -> None:

@@ -18,6 +18,9 @@ Layout (Megatron-style, the scheme vLLM and SGLang use):
   rows (the embedding's lookups are masked per rank and all-reduced; the LM head's logits gathered and the
   padding dropped).
 - replicated: the norms (and Qwen3's per-head q/k norms, which act on one head_dim).
+- mixture-of-experts (issue 40, rapidserve/moe_config.py): every expert splits as the dense MLP does, so each rank
+  holds a slice of every expert's features (gate/up `w1`/`w3`/`gate_proj`/`up_proj` column-parallel, down
+  `w2`/`down_proj` row-parallel, summed by the same all-reduce); the router (`gate.weight`) is replicated.
 - fp8 scales (rapidserve/quant_config.py): a projection's `weight_scale` / `weight_scale_inv` follows its weight's
   output rows: one per row ([N] or [N, 1]) splits with the rows of a column-parallel (or KV) weight and is
   replicated for a row-parallel one, whose output rows are whole on every rank; block scales [ceil(N/bn),
@@ -28,6 +31,7 @@ Layout (Megatron-style, the scheme vLLM and SGLang use):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -43,6 +47,8 @@ _COLUMN = ("self_attn.q_proj.", "mlp.gate_proj.", "mlp.up_proj.")
 _KV = ("self_attn.k_proj.", "self_attn.v_proj.")
 _ROW = ("self_attn.o_proj.", "mlp.down_proj.")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT_COLUMN = ("w1", "w3", "gate_proj", "up_proj")  # an expert's projections, after `.experts.<e>.`
+_EXPERT_ROW = ("w2", "down_proj")
 _SCALES = ("weight_scale", "weight_scale_inv")  # an fp8 projection's weight scales (module docstring)
 Block = tuple[int, int]
 
@@ -63,6 +69,7 @@ class TPLayout:
     intermediate: int  # MLP intermediate features per rank
     vocab: int  # vocabulary rows per rank (the padded vocabulary / tp)
     head_dim: int
+    moe_intermediate: int = 0  # each expert's features per rank (0: no experts)
 
     @property
     def kv_head_index(self) -> int:
@@ -82,7 +89,8 @@ def tp_layout(cfg: ModelConfig, tp: int, rank: int) -> TPLayout:
     else:
         kv, replicas = 1, tp // cfg.num_kv_heads
     vocab = -(-cfg.vocab_size // tp)
-    return TPLayout(tp, rank, cfg.num_heads // tp, kv, replicas, cfg.intermediate_size // tp, vocab, cfg.head_dim)
+    return TPLayout(tp, rank, cfg.num_heads // tp, kv, replicas, cfg.intermediate_size // tp, vocab, cfg.head_dim,
+                    cfg.moe.intermediate_size // tp if cfg.moe is not None else 0)
 
 
 def shard_kind(name: str) -> Kind:
@@ -94,6 +102,12 @@ def shard_kind(name: str) -> Kind:
         return "replicated"
     if any(k in name for k in _KV):
         return "kv"
+    if ".experts." in name and leaf == "weight":
+        proj = name.rsplit(".", 2)[-2]
+        if proj in _EXPERT_COLUMN:
+            return "column"
+        if proj in _EXPERT_ROW:
+            return "row"
     if any(k in name for k in _COLUMN):
         return "column"
     if any(k in name for k in _ROW) and (name.endswith(".weight") or leaf in _SCALES):
@@ -240,5 +254,6 @@ def shard_config(cfg: ModelConfig, lay: TPLayout) -> ModelConfig:
     (the padded vocabulary / tp). Its parameter and KV-pool shapes follow from it as for a whole model."""
     if lay.tp == 1:
         return cfg
+    moe = None if cfg.moe is None else dataclasses.replace(cfg.moe, intermediate_size=lay.moe_intermediate)
     return cfg.replace(num_heads=lay.heads, num_kv_heads=lay.kv_heads, intermediate_size=lay.intermediate,
-                       vocab_size=lay.vocab)
+                       vocab_size=lay.vocab, moe=moe)

@@ -1,5 +1,6 @@
 """A profile measured where the user runs: `rapidserve serve` on a GPU with no profile for its (GPU, model,
-tensor-parallel size) measures a short one at start, caches it, and the next start reads it.
+tensor-parallel size, variant: fp8 weights / KV cache, profile.ProfileVariant) measures a short one at start,
+caches it, and the next start reads it.
 
 Which profile an adaptive engine reads (`choose_profile`, pure; table-tested):
   `--profile` given > the committed `profiles/<gpu>__<model>.json` > (auto-profile, the default; not with
@@ -45,11 +46,13 @@ from rapidserve.partition.profile import (
     Configuration,
     Profile,
     ProfileError,
+    ProfileVariant,
     default_profiles_dir,
     load_profile,
     model_label,
     profile_filename,
     save_profile,
+    variant_of,
 )
 from rapidserve.partition_config import PartitionConfig
 
@@ -112,13 +115,15 @@ def reads_profile(cfg: EngineConfig) -> bool:
     return cfg.launch.mode == "rapid" and p.mode == "adaptive" and p.backend != "none"
 
 
-def cache_state(path: Path, gpu: str, model: str, tp: int = 1) -> tuple[CacheState, str]:
+def cache_state(path: Path, gpu: str, model: str, tp: int = 1,
+                variant: ProfileVariant | None = None) -> tuple[CacheState, str]:
     """The cached profile's state, and what is wrong with it when it does not load (any ProfileError: bad
-    JSON, a failed validation, another GPU, model or size)."""
+    JSON, a failed validation, another GPU, model, size or variant: fp8 weights, fp8 KV cache)."""
     if not path.exists():
         return "absent", ""
     try:
-        load_profile(path, expect_gpu=gpu, expect_model=model_label(model), expect_tp=tp)
+        load_profile(path, expect_gpu=gpu, expect_model=model_label(model), expect_tp=tp,
+                     expect_variant=variant or ProfileVariant())
     except ProfileError as e:
         return "corrupt", str(e)
     return "valid", ""
@@ -165,7 +170,8 @@ def measure_short(cfg: EngineConfig, gpu: str, deadline: float, *, clock: Callab
     backend = open_backend(kind, runner.device, configs, ("decode", "prefill"))
     peaks = measure_peaks(runner.device, runner.dtype)
     roof = roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, spec.batch_buckets,
-                            spec.context_buckets, spec.prefill_tokens, dtype_bytes=runner.dtype.itemsize)
+                            spec.context_buckets, spec.prefill_tokens, dtype_bytes=runner.dtype.itemsize,
+                            kv_bytes=runner.kv_dtype.itemsize, variant=variant_of(cfg))
     if clock() >= deadline:
         return None, "loading the model took the whole budget before a cell could be measured"
     prof, pitems = prepare(runner, backend, spec, show_progress=False)
@@ -200,10 +206,10 @@ def profile_for_start(cfg: EngineConfig, cache_dir: Path, deadline: float, *, on
         splits = cfg.partition.backend != "auto" or detect_kind(device) != "none"
     else:  # the caller says: as on a GPU that splits
         splits = True
-    tp = cfg.parallel.tensor_parallel_size
-    committed = default_profiles_dir() / profile_filename(gpu, cfg.model, tp)
-    cached = cache_dir / profile_filename(gpu, cfg.model, tp)
-    state, problem = cache_state(cached, gpu, cfg.model, tp)
+    tp, variant = cfg.parallel.tensor_parallel_size, variant_of(cfg)
+    committed = default_profiles_dir() / profile_filename(gpu, cfg.model, tp, variant)
+    cached = cache_dir / profile_filename(gpu, cfg.model, tp, variant)
+    state, problem = cache_state(cached, gpu, cfg.model, tp, variant)
     choice = choose_profile(given=cfg.partition.profile, committed=committed, committed_exists=committed.exists(),
                             cached=cached, cache=state, auto=True, on_gpu=on_gpu, tp=tp, policy=cfg.partition.policy,
                             reads_profile=reads_profile(cfg) and splits)

@@ -29,12 +29,13 @@ FIT_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the token budget: the roo
 
 
 def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Configuration], budget: int, *,
-                   dtype_bytes: int = 2, tp: int = 1) -> dict[str, LinearModel]:
+                   dtype_bytes: int = 2, tp: int = 1, kv_bytes: float | None = None) -> dict[str, LinearModel]:
     """Per configuration, prefill time (ms) = a + b * tokens, least squares over the roofline's time of one
     chunk of budget/16 .. budget tokens alone on the configuration's prefill units (all of them where it
     is overallocated): DRIFT's contention-free linear model. tp > 1 (`model_cfg` the whole model): the line
     of one rank's shard plus the line of its collectives (`roofline.collectives_ms`, affine in the tokens,
-    so the sum is exactly the shard's estimate plus the collectives term at every size)."""
+    so the sum is exactly the shard's estimate plus the collectives term at every size). `kv_bytes`: the KV pool's
+    element size (1 for an fp8 cache; default dtype_bytes)."""
     sizes = sorted({max(1, round(budget * f)) for f in FIT_FRACTIONS} | {max(2, budget)})
     b = dtype_bytes
     link = fit_linear([(n, collectives_ms(model_cfg, n, 1, peaks, tp=tp, dtype_bytes=b)) for n in sizes])
@@ -42,7 +43,7 @@ def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Confi
     for c in configs:
         units = c.prefill_units if c.decode_units else peaks.num_compute_units
         own = fit_linear([(n, 1e3 * step_seconds(without_collectives(prefill_operators(
-            model_cfg, n, tp=tp, dtype_bytes=b)), units, peaks)) for n in sizes])
+            model_cfg, n, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)), units, peaks)) for n in sizes])
         out[c.name] = LinearModel(own.a_ms + link.a_ms, own.b_ms_per_token + link.b_ms_per_token)  # tp 1: + 0
     return out
 

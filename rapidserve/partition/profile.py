@@ -3,6 +3,11 @@
 A profile holds, for each decode batch bucket x context bucket x configuration, the decode step
 latency alone and beside a running prefill (p50/p95, ms) and the prefill throughput (tokens/s)
 under that configuration. `rapidserve profile` writes them to `profiles/<gpu>__<model>.json`.
+
+The same model runs at other speeds with fp8 weights (--quantization fp8, an FP8 checkpoint) or an fp8 KV cache
+(--kv-cache-dtype fp8): those are other profiles (`ProfileVariant`), recorded in the file (`quantization`,
+`kv_cache_dtype`; absent in older files: none and auto) and in its name, `<gpu>__<model>__fp8__kvfp8.json`, so a
+profile of one is never read for the other (`load_profile(expect_variant=...)` refuses it by name).
 """
 
 from __future__ import annotations
@@ -12,9 +17,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from rapidserve.config import EngineConfig
 
 SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1,)
 OVERALLOCATED = "overallocated"
@@ -22,6 +30,28 @@ OVERALLOCATED = "overallocated"
 
 class ProfileError(ValueError):
     """A profile file is unreadable, malformed, or for another GPU/model."""
+
+
+class ProfileVariant(msgspec.Struct, frozen=True):
+    """What of a run besides the GPU and model changes its timings: its weights' quantization ("none" or "fp8",
+    `QuantizationConfig.method`) and its KV cache's dtype ("auto" or "fp8", `CacheConfig.kv_cache_dtype`)."""
+
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def suffix(self) -> str:
+        """The file name's part for it: "" (bf16 weights and cache), "__fp8", "__kvfp8", "__fp8__kvfp8"."""
+        return ("__fp8" if self.quantization == "fp8" else "") + ("__kvfp8" if self.kv_cache_dtype == "fp8" else "")
+
+    def describe(self) -> str:
+        return (f"{'fp8' if self.quantization == 'fp8' else 'unquantized'} weights, "
+                f"{'an fp8' if self.kv_cache_dtype == 'fp8' else 'the model dtype'} KV cache")
+
+
+def variant_of(cfg: EngineConfig) -> ProfileVariant:
+    """The profile variant `cfg` runs."""
+    return ProfileVariant(cfg.quantization.method, cfg.cache.kv_cache_dtype)
 
 
 class Configuration(msgspec.Struct, frozen=True):
@@ -69,6 +99,13 @@ class Profile(msgspec.Struct, frozen=True):
     # how the figures were made beyond `source`, for the start-up log (an auto-profile measured at start:
     # how many cells were measured, the others being the roofline's scaled by them; partition/autoprofile.py)
     note: str = ""
+    # the run's weights and KV cache (ProfileVariant; the profiles written before these fields: none and auto)
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def variant(self) -> ProfileVariant:
+        return ProfileVariant(self.quantization, self.kv_cache_dtype)
 
     def configuration(self, name: str) -> Configuration | None:
         for c in self.configurations:
@@ -239,6 +276,9 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
     _check_buckets(path, "context_buckets", p.context_buckets)
     if p.tensor_parallel_size < 1:
         raise _fail(path, "tensor_parallel_size", f"must be >= 1, got {p.tensor_parallel_size}")
+    for field, allowed in (("quantization", ("none", "fp8")), ("kv_cache_dtype", ("auto", "fp8"))):
+        if getattr(p, field) not in allowed:
+            raise _fail(path, field, f"must be one of {', '.join(allowed)}, got {getattr(p, field)!r}")
     seen: set[tuple[str, int, int]] = set()
     for i, e in enumerate(p.entries):
         f = f"entries[{i}]"
@@ -276,10 +316,10 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
 
 def load_profile(
     path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None,
-    expect_tp: int | None = None,
+    expect_tp: int | None = None, expect_variant: ProfileVariant | None = None,
 ) -> Profile:
-    """Read and validate a profile; optionally check it was measured for this GPU, model and tensor-parallel
-    size (a whole model: 1; a rank's shard: the size it was cut for)."""
+    """Read and validate a profile; optionally check it was measured for this GPU, model, tensor-parallel
+    size (a whole model: 1; a rank's shard: the size it was cut for) and variant (fp8 weights, fp8 KV cache)."""
     spath = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -319,6 +359,10 @@ def load_profile(
                     f"the profile measures {'the whole model' if have == 1 else f'a shard of tensor parallel {have}'}, "
                     f"this run uses tensor parallel {want}. Run `rapidserve profile"
                     f"{f' --shard-of-tp {want}' if want > 1 else ''}` to measure it.")
+    if expect_variant is not None and prof.variant != expect_variant:
+        raise _fail(spath, "kv_cache_dtype" if prof.quantization == expect_variant.quantization else "quantization",
+                    f"the profile measures {prof.variant.describe()}, this run uses {expect_variant.describe()}. Run "
+                    "`rapidserve profile` with this run's --quantization / --kv-cache-dtype to measure it.")
     return prof
 
 
@@ -354,10 +398,12 @@ def model_label(model: str) -> str:
     return display_name(model)
 
 
-def profile_filename(gpu: str, model: str, tp: int = 1) -> str:
-    """`<gpu>__<model>.json`, both slugged (`...__tp<N>.json` for a rank's shard under tensor parallel N):
-    where `rapidserve profile` writes and the engine looks."""
-    return f"{slug(gpu)}__{slug(model_label(model))}{f'__tp{tp}' if tp > 1 else ''}.json"
+def profile_filename(gpu: str, model: str, tp: int = 1, variant: ProfileVariant | None = None) -> str:
+    """`<gpu>__<model>.json`, both slugged (`...__fp8__kvfp8` for fp8 weights and KV cache, `ProfileVariant.suffix`;
+    `...__tp<N>.json` for a rank's shard under tensor parallel N): where `rapidserve profile` writes and the engine
+    looks."""
+    return (f"{slug(gpu)}__{slug(model_label(model))}{(variant or ProfileVariant()).suffix}"
+            f"{f'__tp{tp}' if tp > 1 else ''}.json")
 
 
 def default_profiles_dir() -> Path:

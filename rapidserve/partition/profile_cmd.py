@@ -54,7 +54,8 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
                        allow_abbrev=False)
     add_model_args(p)
     add_partition_args(p, with_mode=False)
-    p.add_argument("--out", default=None, help="profile path (default: profiles/<gpu>__<model>.json)")
+    p.add_argument("--out", default=None, help="profile path (default: profiles/<gpu>__<model>.json; with fp8 "
+                                               "weights and/or KV cache <gpu>__<model>__fp8__kvfp8.json)")
     p.add_argument("--batch-buckets", type=_int_list, default=(1, 8, 16, 32, 64, 128))
     p.add_argument("--context-buckets", type=_int_list, default=(512, 2048, 8192))
     p.add_argument("--prefill-tokens", type=positive_int, default=4096, help="tokens per concurrent prefill forward")
@@ -72,7 +73,13 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
-    from rapidserve.partition.profile import Configuration, default_profiles_dir, profile_filename, save_profile
+    from rapidserve.partition.profile import (
+        Configuration,
+        default_profiles_dir,
+        profile_filename,
+        save_profile,
+        variant_of,
+    )
     from rapidserve.partition.profiler import ProfileSpec, run_profile
     from rapidserve.partition.runtime import gpu_name
     from rapidserve.runner import ModelRunner
@@ -109,7 +116,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
     run = run_profile(runner, backend, spec, gpu, cfg.model)
     if a.shard_of_tp > 1:
         run = dataclasses.replace(run, profile=msgspec.structs.replace(run.profile, tensor_parallel_size=a.shard_of_tp))
-    out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model, a.shard_of_tp)
+    out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model, a.shard_of_tp,
+                                                                              variant_of(cfg))
     save_profile(run.profile, out)
     summary: dict[str, Any] = {"profile": str(out), "seconds": round(run.seconds, 1),
                                "solo_prefill_tokens_per_s": round(run.solo_prefill_tokens_per_s, 1)}
@@ -181,7 +189,8 @@ def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Pat
 
     peaks = measure_peaks(runner.device, runner.dtype)
     predicted = roofline_profile(cfg.model_config, measured.gpu, measured.model, peaks, measured.configurations,
-                                 measured.batch_buckets, measured.context_buckets, spec.prefill_tokens)
+                                 measured.batch_buckets, measured.context_buckets, spec.prefill_tokens,
+                                 kv_bytes=runner.kv_dtype.itemsize, variant=measured.variant)
     report = compare(measured, predicted)
     md = out.with_suffix(".roofline.md")
     md.write_text(report.to_markdown() + "\n")

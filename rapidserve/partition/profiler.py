@@ -224,5 +224,6 @@ def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpe
                       configurations=list(configs), batch_buckets=list(spec.batch_buckets),
                       context_buckets=list(spec.context_buckets), entries=entries,
                       created=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured",
-                      prefill_tokens=spec.prefill_tokens)
+                      prefill_tokens=spec.prefill_tokens, quantization=runner.cfg.quantization.method,
+                      kv_cache_dtype=runner.cfg.cache.kv_cache_dtype)
     return ProfileRun(profile, solo, time.perf_counter() - t0)

@@ -11,12 +11,16 @@ that phase gets (below), and the step time the sum over operators. Operators, pe
   write, O, gate/up, SiLU*mul, down; the embedding gather (T rows), final norm, LM head (R rows:
   decode R=batch, prefill R=1). GEMM flops = 2*T*K*N, bytes = (K*N + T*K + T*N) * dtype_bytes.
 * sequence-level (attention, per sequence): decode over `context` cached positions:
-  flops = 4*Hq*d*context, bytes = (2*Hkv*d*context + 2*Hq*d) * dtype_bytes (the KV read dominates);
+  flops = 4*Hq*d*context, bytes = 2*Hkv*d*context * kv_bytes + 2*Hq*d * dtype_bytes (the KV read dominates);
   a prefill chunk of n tokens after `prefix` cached ones (causal):
-  flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = (2*n*Hq*d + 2*Hkv*d*(prefix+n)) * dtype_bytes.
+  flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = 2*n*Hq*d * dtype_bytes + 2*Hkv*d*(prefix+n) * kv_bytes.
+  kv_bytes: the KV pool's element size (`kv_element_bytes`: 1 with --kv-cache-dtype fp8, else dtype_bytes), also
+  the K/V write of rope_kv_write. Weights are counted at dtype_bytes (fp8 weights are not modelled yet).
 * communication (tp > 1, `collective_ops`): ring all-reduces of T*h, link_bytes = 2(tp-1)/tp*T*h*b, two
   per layer (after o_proj and down_proj) and one after the vocabulary-parallel embedding, and an all-gather
   of the logits, (tp-1)/tp*R*V'*b (V' the vocabulary padded to a multiple of tp). Zero at tp=1.
+* mixture-of-experts layers (partition/moe_costs.py): router, gate|up and down of the experts the step reads
+  (a decode step the expected unique experts of its batch, a prefill chunk all of them) instead of the dense MLP.
 
 Tensor parallelism (tp > 1): an estimate of one rank is its shard's estimate (every operator at the
 rank's share) plus its collectives (`collectives_ms`), each phase's on its own communicator, so neither
@@ -57,8 +61,9 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import msgspec
 
-from rapidserve.config import ModelConfig
-from rapidserve.partition.profile import Configuration, Entry, Profile
+from rapidserve.config import CacheConfig, ModelConfig
+from rapidserve.partition.moe_costs import experts_read, moe_operator_terms
+from rapidserve.partition.profile import Configuration, Entry, Profile, ProfileVariant
 
 if TYPE_CHECKING:
     import torch
@@ -131,12 +136,22 @@ def _tp_sizes(cfg: ModelConfig, tp: int) -> tuple[int, int, int, int]:
     return cfg.num_heads // tp, max(1, cfg.num_kv_heads // tp), cfg.intermediate_size // tp, -(-cfg.vocab_size // tp)
 
 
+def kv_element_bytes(cache: CacheConfig, dtype_bytes: float = 2) -> float:
+    """Bytes of one KV pool element: 1 for an fp8 cache, else the model's `dtype_bytes`."""
+    return 1.0 if cache.fp8_kv else dtype_bytes
+
+
 def _step_ops(
-    cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int
+    cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int,
+    experts: float = 0.0, kv_b: float | None = None,
 ) -> list[Operator]:
-    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head."""
+    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head; a
+    mixture-of-experts model's sparse layers read `experts` experts each (partition/moe_costs.py); `kv_b`: bytes of
+    a KV pool element, default `b`."""
+    kv_b = b if kv_b is None else kv_b
     heads, kv_heads, inter, vocab = _tp_sizes(cfg, tp)
     h, d, L, T = cfg.hidden_size, cfg.head_dim, cfg.num_layers, tokens
+    dense = L if cfg.moe is None else L - cfg.moe.num_sparse(L)  # layers with the dense MLP
     q, kv = heads * d, kv_heads * d
     bias = (q + 2 * kv) if cfg.attention_bias else 0
     ops = [
@@ -145,15 +160,18 @@ def _step_ops(
         Operator("qkv_proj", "token", 2 * T * h * (q + 2 * kv), (h * (q + 2 * kv) + bias) * b,
                  T * (h + q + 2 * kv) * b, count=L),
         Operator("rope_kv_write", "token", 3 * T * (q + kv), (2 * d if cfg.qk_norm else 0) * b,
-                 (2 * T * (q + kv) + 2 * T * kv) * b, count=L),
+                 2 * T * (q + kv) * b + 2 * T * kv * kv_b, count=L),
         Operator("attention", "sequence", attn_flops, 0.0, attn_io, count=L),
         Operator("o_proj", "token", 2 * T * q * h, q * h * b, T * (q + h) * b, count=L),
-        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b, count=L),
-        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=L),
-        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=L),
+        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b,
+                 count=dense),
+        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=dense),
+        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=dense),
         Operator("final_norm", "token", 5 * rows * h, h * b, 4 * rows * h * b),
         Operator("lm_head", "token", 2 * rows * h * vocab, h * vocab * b, rows * (h + vocab) * b),
     ]
+    ops += [Operator(name, "token", f, w, io, count=n)
+            for name, f, w, io, n in moe_operator_terms(cfg, T, experts, tp, b)]
     return ops + collective_ops(cfg, T, rows, tp=tp, dtype_bytes=b)
 
 
@@ -191,44 +209,49 @@ def without_collectives(ops: Iterable[Operator]) -> list[Operator]:
 
 
 def decode_operators(
-    cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2
+    cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2, kv_bytes: float | None = None
 ) -> list[Operator]:
-    """One decode step: `batch` sequences, one new token each, attending to `context` positions each."""
+    """One decode step: `batch` sequences, one new token each, attending to `context` positions each (`kv_bytes`:
+    the KV pool's element size, default `dtype_bytes`)."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch={batch} and context={context} must be >= 1")
     (heads, kv_heads, _, _), d = _tp_sizes(cfg, tp), cfg.head_dim
+    kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * context * batch
-    io = (2 * kv_heads * d * context + 2 * heads * d) * batch * dtype_bytes
-    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes)
+    io = (2 * kv_heads * d * context * kv_b + 2 * heads * d * dtype_bytes) * batch
+    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, experts_read(cfg, batch), kv_b)
 
 
 def prefill_operators(
-    cfg: ModelConfig, chunk_tokens: int, *, prefix: int = 0, tp: int = 1, dtype_bytes: int = 2
+    cfg: ModelConfig, chunk_tokens: int, *, prefix: int = 0, tp: int = 1, dtype_bytes: int = 2,
+    kv_bytes: float | None = None,
 ) -> list[Operator]:
     """One prefill chunk of one sequence: `chunk_tokens` new tokens after `prefix` cached ones (causal)."""
     if chunk_tokens < 1 or prefix < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 and prefix={prefix} >= 0")
     (heads, kv_heads, _, _), d, n = _tp_sizes(cfg, tp), cfg.head_dim, chunk_tokens
+    kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * (n * prefix + n * (n + 1) / 2)
-    io = (2 * n * heads * d + 2 * kv_heads * d * (prefix + n)) * dtype_bytes
-    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes)
+    io = 2 * n * heads * d * dtype_bytes + 2 * kv_heads * d * (prefix + n) * kv_b
+    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b)
 
 
 def mixed_operators(
     cfg: ModelConfig, contexts: Sequence[int], chunks: Sequence[tuple[int, int]], *, tp: int = 1,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, kv_bytes: float | None = None,
 ) -> list[Operator]:
     """One mixed forward (hybrid / DuetServe's aggregated batch): one new token for each decode context,
     and prompt chunks (tokens, prefix); token-level operators over all tokens, attention per sequence."""
     if any(c < 1 for c in contexts) or any(n < 1 or p < 0 for n, p in chunks) or not (contexts or chunks):
         raise ValueError(f"contexts={list(contexts)} and chunks={list(chunks)}: need work, contexts >= 1, "
                          "chunk tokens >= 1, prefixes >= 0")
-    return mixed_operators_summed(cfg, len(contexts), sum(contexts), chunks, tp=tp, dtype_bytes=dtype_bytes)
+    return mixed_operators_summed(cfg, len(contexts), sum(contexts), chunks, tp=tp, dtype_bytes=dtype_bytes,
+                                  kv_bytes=kv_bytes)
 
 
 def mixed_operators_summed(
     cfg: ModelConfig, batch: int, context_sum: int, chunks: Sequence[tuple[int, int]], *, tp: int = 1,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, kv_bytes: float | None = None,
 ) -> list[Operator]:
     """`mixed_operators` of `batch` decode rows whose contexts add up to `context_sum`: the decode rows' attention
     is linear in each context, so their sum is all it needs (a policy's search over chunk sizes sums once)."""
@@ -236,12 +259,13 @@ def mixed_operators_summed(
         raise ValueError(f"batch={batch}, context_sum={context_sum} and chunks={list(chunks)}: need work, contexts "
                          ">= 1, chunk tokens >= 1, prefixes >= 0")
     (heads, kv_heads, _, _), d, b = _tp_sizes(cfg, tp), cfg.head_dim, dtype_bytes
+    kv_b = b if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * context_sum
-    io = (2 * kv_heads * d * context_sum + 2 * heads * d * batch) * b
+    io = 2 * kv_heads * d * context_sum * kv_b + 2 * heads * d * batch * b
     flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
-    io += sum((2 * n * heads * d + 2 * kv_heads * d * (p + n)) * b for n, p in chunks)
+    io += sum(2 * n * heads * d * b + 2 * kv_heads * d * (p + n) * kv_b for n, p in chunks)
     tokens = batch + sum(n for n, _ in chunks)
-    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b)
+    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, experts_read(cfg, tokens), kv_b)
 
 
 def totals(ops: Sequence[Operator]) -> tuple[float, float]:
@@ -283,31 +307,33 @@ def step_seconds(ops: Iterable[Operator], units: int, peaks: Peaks, bw: float | 
 
 
 def decode_step_ms(
-    model_cfg: ModelConfig, batch: int, context: int, units: int, peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2
+    model_cfg: ModelConfig, batch: int, context: int, units: int, peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
+    kv_bytes: float | None = None,
 ) -> float:
     """Decode step latency (ms) alone on `units` units."""
-    return 1e3 * step_seconds(decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=dtype_bytes), units, peaks)
+    ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
+    return 1e3 * step_seconds(ops, units, peaks)
 
 
 def prefill_tokens_per_s(
     model_cfg: ModelConfig, chunk_tokens: int, units: int, peaks: Peaks, tp: int = 1, *, prefix: int = 0,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, kv_bytes: float | None = None,
 ) -> float:
     """Prefill throughput (tokens/s) alone on `units` units, one chunk of `chunk_tokens` at a time."""
-    ops = prefill_operators(model_cfg, chunk_tokens, prefix=prefix, tp=tp, dtype_bytes=dtype_bytes)
+    ops = prefill_operators(model_cfg, chunk_tokens, prefix=prefix, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
     return chunk_tokens / step_seconds(ops, units, peaks)
 
 
 def concurrent(
     model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
-    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
+    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2, kv_bytes: float | None = None,
 ) -> tuple[float, float]:
     """(decode step ms, prefill tokens/s) with both phases running; decode_units == 0: overallocated.
     tp > 1: the shard's concurrency (`model_cfg` is the whole model) plus each phase's collectives
     (`plus_collectives`), as a measured shard profile gets them."""
     b = dtype_bytes
-    d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b)
-    p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b)
+    d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)
+    p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)
     t_d, tps = _concurrent_compute(without_collectives(d_ops), without_collectives(p_ops), decode_units,
                                    prefill_units, prefill_chunk, peaks)
     if tp == 1:
@@ -339,18 +365,18 @@ def _concurrent_compute(d_ops: Sequence[Operator], p_ops: Sequence[Operator], de
 
 def decode_step_ms_beside_prefill(
     model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
-    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
+    peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2, kv_bytes: float | None = None,
 ) -> float:
     """Decode step latency (ms) while prefill runs chunks of `prefill_chunk`; decode_units=0: overallocated."""
     return concurrent(model_cfg, batch, context, decode_units, prefill_units, prefill_chunk, peaks, tp,
-                      dtype_bytes=dtype_bytes)[0]
+                      dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)[0]
 
 
 def roofline_profile(
     model_cfg: ModelConfig, gpu_name: str, model_name: str, peaks: Peaks, configurations: Sequence[Configuration],
     batch_buckets: Sequence[int], context_buckets: Sequence[int], prefill_chunk: int, *, tp: int = 1,
     dtype_bytes: int = 2, p95_over_p50_alone: float = 1.1, p95_over_p50_beside: float = 1.25,
-    created: str | None = None,
+    created: str | None = None, kv_bytes: float | None = None, variant: ProfileVariant | None = None,
 ) -> Profile:
     """A Profile (source="roofline") with every (configuration, batch, context) entry estimated.
 
@@ -359,20 +385,23 @@ def roofline_profile(
     tp) put through `with_collectives`, exactly as a measured shard profile is; its p95s are the shard's plus
     the collectives (the link model has no spread)."""
     entries = []
-    p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes))
+    p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes,
+                                                  kv_bytes=kv_bytes))
     for c in configurations:
         alone_units = c.decode_units or peaks.num_compute_units
         for bb in batch_buckets:
             for cb in context_buckets:
-                d_ops = without_collectives(decode_operators(model_cfg, bb, cb, tp=tp, dtype_bytes=dtype_bytes))
+                d_ops = without_collectives(decode_operators(model_cfg, bb, cb, tp=tp, dtype_bytes=dtype_bytes,
+                                                             kv_bytes=kv_bytes))
                 alone = 1e3 * step_seconds(d_ops, alone_units, peaks)
                 t_d, tps = _concurrent_compute(d_ops, p_ops, c.decode_units, c.prefill_units, prefill_chunk, peaks)
                 entries.append(Entry(c.name, bb, cb, alone, alone * p95_over_p50_alone, t_d,
                                      t_d * p95_over_p50_beside, tps))
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    v = variant or ProfileVariant()
     shard = Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
                     list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk,
-                    tensor_parallel_size=tp)
+                    tensor_parallel_size=tp, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype)
     return with_collectives(shard, model_cfg, peaks, dtype_bytes=dtype_bytes)
 
 

@@ -58,12 +58,21 @@ from rapidserve.partition.profile import (
     OVERALLOCATED,
     Configuration,
     Profile,
+    ProfileVariant,
     default_profiles_dir,
     load_profile,
     model_label,
     profile_filename,
+    variant_of,
 )
-from rapidserve.partition.roofline import Peaks, collective_ops, measure_peaks, roofline_profile, with_collectives
+from rapidserve.partition.roofline import (
+    Peaks,
+    collective_ops,
+    kv_element_bytes,
+    measure_peaks,
+    roofline_profile,
+    with_collectives,
+)
 from rapidserve.partition_config import PartitionConfig
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
@@ -165,7 +174,8 @@ def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dty
     size = getattr(dtype, "itemsize", 2)
     plan.prefill_models = prefill_models(cfg.model_config, plan.peaks, plan.configurations,
                                          cfg.scheduler.max_num_batched_tokens, dtype_bytes=size,
-                                         tp=cfg.parallel.tensor_parallel_size)
+                                         tp=cfg.parallel.tensor_parallel_size,
+                                         kv_bytes=kv_element_bytes(cfg.cache, size))
     fits = ", ".join(f"{k} {v.a_ms:.3g} + {v.b_ms_per_token:.3g} ms/token" for k, v in plan.prefill_models.items())
     plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
 
@@ -185,10 +195,11 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
         return PartitionPlan(kind, [c], None, f"static {c.name}: decode {c.decode_units} of {g.total} units ({kind})")
     gpu = gpu_name(device)
     tp = cfg.parallel.tensor_parallel_size
-    path, why_not = profile_path(p.profile, default_profiles_dir(), gpu, cfg.model, tp)
+    variant = variant_of(cfg)
+    path, why_not = profile_path(p.profile, default_profiles_dir(), gpu, cfg.model, tp, variant)
     if path is not None:
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model),
-                            expect_tp=None if p.profile else tp)
+                            expect_tp=None if p.profile else tp, expect_variant=variant)
         if prof.tensor_parallel_size not in (1, tp):
             fix = (f"run `rapidserve profile --shard-of-tp {tp}`" if tp > 1 else
                    f"give a whole-model profile (`rapidserve profile` without --shard-of-tp), or serve with "
@@ -217,20 +228,23 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
                          f"{kind}; {describe_peaks(peaks)}", peaks)
 
 
-def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str, tp: int) -> tuple[Path | None, str]:
+def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str, tp: int,
+                 variant: ProfileVariant | None = None) -> tuple[Path | None, str]:
     """Which profile the engine uses: the one given (`--profile`, at any tensor-parallel size), else the
-    committed one for this GPU and model, `profile_filename(gpu, model, tp)` (a rank's shard under tensor
-    parallel tp > 1: `rapidserve profile --shard-of-tp tp` writes it). None and why when there is none,
-    so the roofline stands in."""
+    committed one for this GPU, model and variant (fp8 weights / KV cache), `profile_filename(gpu, model, tp,
+    variant)` (a rank's shard under tensor parallel tp > 1: `rapidserve profile --shard-of-tp tp` writes it). None
+    and why when there is none, so the roofline stands in."""
     if explicit:
         return Path(explicit), ""
-    path = profiles_dir / profile_filename(gpu, model, tp)
+    path = profiles_dir / profile_filename(gpu, model, tp, variant)
     if path.exists():
         return path, ""
+    flags = "".join(f" {f}" for f, on in (("--quantization fp8", variant and variant.quantization == "fp8"),
+                                          ("--kv-cache-dtype fp8", variant and variant.kv_cache_dtype == "fp8")) if on)
     if tp > 1:
         return None, (f"tensor parallelism: no profile of one rank's shard at {path} (run `rapidserve profile "
-                      f"--model {model} --shard-of-tp {tp}` to measure one)")
-    return None, f"no profile at {path} (run `rapidserve profile --model {model}` to measure one)"
+                      f"--model {model}{flags} --shard-of-tp {tp}` to measure one)")
+    return None, f"no profile at {path} (run `rapidserve profile --model {model}{flags}` to measure one)"
 
 
 def describe_peaks(peaks: Peaks) -> str:
@@ -242,7 +256,8 @@ def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration],
     rank's shard put through `with_collectives`, as a measured shard profile is."""
     return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
                             ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens,
-                            tp=cfg.parallel.tensor_parallel_size)
+                            tp=cfg.parallel.tensor_parallel_size, kv_bytes=kv_element_bytes(cfg.cache),
+                            variant=variant_of(cfg))
 
 
 def open_streams(wire: PlanWire, device: Any, roles: tuple[Role, ...]) -> PartitionBackend:

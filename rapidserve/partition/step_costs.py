@@ -86,19 +86,20 @@ class RooflineCosts:
     configurations: tuple[Configuration, ...]
     tp: int = 1
     dtype_bytes: int = 2
+    kv_bytes: float | None = None  # the KV pool's element size (1: an fp8 cache; None: dtype_bytes)
     _memo: dict[tuple[str, int, int, int], tuple[float, float]] = field(default_factory=dict, compare=False,
                                                                        repr=False)
 
     def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
         ops = mixed_operators_summed(self.model_cfg, len(contexts), sum(contexts), chunks, tp=self.tp,
-                                     dtype_bytes=self.dtype_bytes)
+                                     dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes)
         return 1e3 * step_seconds(ops, self.peaks.num_compute_units, self.peaks)
 
     def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
         c = _configuration(self.configurations, config)
         units = c.decode_units or self.peaks.num_compute_units
         return decode_step_ms(self.model_cfg, max(batch, 1), max(context, 1), units, self.peaks, self.tp,
-                              dtype_bytes=self.dtype_bytes)
+                              dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes)
 
     def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         key = (config, batch, -(-max(context, 1) // CONTEXT_GRAIN) * CONTEXT_GRAIN, prefill_tokens)
@@ -112,7 +113,8 @@ class RooflineCosts:
     def _split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         c = _configuration(self.configurations, config)
         return concurrent(self.model_cfg, max(batch, 1), max(context, 1), c.decode_units, c.prefill_units,
-                          max(prefill_tokens, 1), self.peaks, self.tp, dtype_bytes=self.dtype_bytes)
+                          max(prefill_tokens, 1), self.peaks, self.tp, dtype_bytes=self.dtype_bytes,
+                          kv_bytes=self.kv_bytes)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
         raise ValueError("the adaptive policy without a measured profile needs the plan's peaks (resolve_plan measures "
                          "them for --policy duet)")
     return RooflineCosts(cfg.model_config, plan.peaks, tuple(plan.configurations),
-                         tp=cfg.parallel.tensor_parallel_size)
+                         tp=cfg.parallel.tensor_parallel_size, kv_bytes=1.0 if cfg.cache.fp8_kv else None)
 
 
 def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int = 2) -> StepPolicy:
@@ -156,7 +156,8 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
     if p.policy == "duet":
         costs = step_costs(cfg, plan)
         if isinstance(costs, RooflineCosts) and costs.dtype_bytes != dtype_bytes:
-            costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes)
+            costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes,
+                                  costs.kv_bytes)
         return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps,
                                                 prefill_batch_tokens=sched.prefill_batch_tokens))
     if p.policy == "drift":

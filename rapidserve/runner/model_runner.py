@@ -31,10 +31,10 @@ from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.kv_events import KVEventLog
-from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, num_blocks_for_budget, pool_spec
+from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, kv_cache_dtype, num_blocks_for_budget, pool_spec
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
-from rapidserve.models.transformer import CausalLM
+from rapidserve.models.registry import causal_lm_class
 from rapidserve.ops import fp8_ops, get_ops
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
@@ -121,25 +121,33 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         elif source is not None and source.quantization is not None:
             raise ConfigError(f"the model is an FP8 checkpoint ({source.quantization.describe()}) and the config's "
                               "quantization is none: build the config from this model")
-        self.attn = get_attention_backend(cfg.runner.attention_backend, self.device)
-        log.info("attention backend: %s", self.attn.name)
+        if source is not None and cfg.cache.kv_scales is not None and source.kv_scales != cfg.cache.kv_scales:
+            raise ConfigError("the config's fp8 KV cache scales are not the model's (its checkpoint carries "
+                              f"{'none' if source.kv_scales is None else 'others'}): build the config from this model")
+        self.kv_dtype = kv_cache_dtype(cfg.cache, self.dtype, self.device)  # ConfigError on a GPU without fp8
+        fp8_kv = self.kv_dtype != self.dtype
+        self.attn = get_attention_backend(cfg.runner.attention_backend, self.device, self.kv_dtype)
+        log.info("attention backend: %s%s", self.attn.name, f" ({self.attn.kv_note})" if self.attn.kv_note else "")
+        kv_scales = cfg.cache.layer_kv_scales(self.mcfg.num_layers) if fp8_kv else None
+        kv = {"kv_dtype": self.kv_dtype if fp8_kv else None, "kv_scales": kv_scales}
         t0 = time.perf_counter()
         if attached is not None:
             from rapidserve.runner.model_sharing import attach_model
 
             self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                                    max(self.max_model_len, 1), attached, tp, quant)
+                                                    max(self.max_model_len, 1), attached, tp, quant, **kv)
         else:
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
             cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
-            self.model = CausalLM(self.mcfg, self.ops, self.attn, self.dtype, self.device,
-                                  max_positions=max(self.max_model_len, 1), tp=tp, quant=quant)
+            self.model = causal_lm_class(self.mcfg)(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+                                                    max_positions=max(self.max_model_len, 1), tp=tp, quant=quant,
+                                                    **kv)
             log.info("loading weights: %s", source.description)
             self._load(source, show_progress)
             log.info("weights loaded in %.1f s", time.perf_counter() - t0)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
-            log.info("KV cache: %d blocks of %d tokens", self.kv_pool.num_blocks, self.block_size)
+            log.info("KV cache: %d blocks of %d tokens, %s", self.kv_pool.num_blocks, self.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
             # written on the current stream; the engine computes on partition streams that do not wait
@@ -157,10 +165,13 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
 
     def block_manager(self) -> BlockManager:
         """The block tables and prefix cache over this runner's pool (for the one process that owns them).
-        The cache's hashes start from the model's name, dtype and fp8 scheme: whatever changes the K/V changes them.
-        With --kv-events-config it logs the cache's block events (rapidserve/kv_events.py) for its owner to send."""
-        quant = self.cfg.quantization
-        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}{'|' + repr(quant) if quant.enabled else ''}".encode()
+        The cache's hashes start from the model's name, dtype, fp8 scheme and KV cache format (fp8 and its scales):
+        whatever changes the K/V changes them. With --kv-events-config it logs the cache's block events
+        (rapidserve/kv_events.py) for its owner to send."""
+        quant, cache = self.cfg.quantization, self.cfg.cache
+        fp8 = (f"|{quant!r}" if quant.enabled else "") + (
+            f"|kv {self.kv_dtype} {cache.layer_kv_scales(self.mcfg.num_layers)}" if cache.fp8_kv else "")
+        salt = f"{self.cfg.model}|{self.dtype}|{self.block_size}{fp8}".encode()
         kv = self.cfg.kv_events
         events = KVEventLog(self.block_size, kv.none_hash) if kv.publishing else None
         return BlockManager(self.kv_pool.num_blocks, self.block_size,
@@ -188,13 +199,13 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         if cache.num_blocks is not None or self.device.type != "cpu":
             return None
         shard = self.mcfg if self.tp is None else shard_config(self.mcfg, self.tp.layout)  # this rank's KV heads
-        return num_blocks_for_budget(cache.cpu_kv_bytes, pool_spec(shard, cache, self.dtype, 1).bytes_per_block,
+        return num_blocks_for_budget(cache.cpu_kv_bytes, pool_spec(shard, cache, self.kv_dtype, 1).bytes_per_block,
                                      self.block_size, self.max_model_len, cpu=True)
 
     def _allocate_kv_pool(self, cpu_blocks: int | None) -> KVPool:
         cache = self.cfg.cache
         shard = self.model.cfg  # this rank's KV heads under tensor parallelism
-        probe = pool_spec(shard, cache, self.dtype, 1)
+        probe = pool_spec(shard, cache, self.kv_dtype, 1)
         if cache.num_blocks is not None:
             n = cache.num_blocks
         elif cpu_blocks is not None:
@@ -204,7 +215,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                                       self.max_model_len)
         if self.tp is not None:
             n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
-        return KVPool.allocate(pool_spec(shard, cache, self.dtype, n), self.device)
+        return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
 
     def _gpu_kv_budget(self) -> int:
         """total * utilization - memory in use - the activation peak of the largest step."""
@@ -212,7 +223,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
                  tokens)
-        scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.dtype,
+        scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.kv_dtype,
                                             -(-tokens // self.block_size)), self.device)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -26,6 +26,7 @@ attaches with it), and below `rapidserve.engine` (whose decode worker exports wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from torch import nn
 from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator
+from rapidserve.models.registry import causal_lm_class
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.models.transformer import CausalLM, WeightError
 from rapidserve.ops import Ops
@@ -54,7 +56,7 @@ class SharedState:
     """What the decode worker sends the prefill worker once: handles to its tensors, never copies."""
 
     params: dict[str, torch.Tensor]  # CausalLM.named_parameters() names (no lm_head when tied)
-    kv: torch.Tensor  # the pool, [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
+    kv: torch.Tensor  # the pool, [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim], its dtype with it
     block_size: int
 
 
@@ -102,7 +104,8 @@ def _check(what: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, dev
         raise SharedStateError(f"{what} has shape {tuple(t.shape)}, expected {shape}: the shared state was "
                                "exported from a model with a different configuration")
     if t.dtype != dtype:
-        raise SharedStateError(f"{what} has dtype {t.dtype}, expected {dtype}")
+        raise SharedStateError(f"{what} has dtype {t.dtype}, expected {dtype}: the shared state was exported from "
+                               "a model with a different configuration (--dtype, --quantization, --kv-cache-dtype)")
     if not _same_device(t.device, device):
         raise SharedStateError(f"{what} is on {t.device}, expected {device} (is the same GPU visible to "
                                "both processes, under the same index?)")
@@ -114,24 +117,30 @@ def _check(what: str, t: object, shape: tuple[int, ...], dtype: torch.dtype, dev
 def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torch.dtype,
                  device: torch.device, max_positions: int | None,
                  shared: SharedState, tp: TPGroup | None = None,
-                 quant: QuantizationConfig | None = None) -> tuple[CausalLM, KVPool]:
+                 quant: QuantizationConfig | None = None, kv_dtype: torch.dtype | None = None,
+                 kv_scales: Sequence[tuple[float, float]] | None = None) -> tuple[CausalLM, KVPool]:
     """A CausalLM and a KVPool over the exporter's memory: no parameter or KV memory of their own.
 
-    `cfg`, `dtype`, `max_positions` and `quant` (the fp8 scheme: its weights, scales and input scales are
-    parameters like any other, in the device's fp8 format) must be those the exporter's model was built with; the
-    outputs are then the exporter's, bit for bit on the same device and kernels.
+    `cfg`, `dtype`, `max_positions`, `quant` (the fp8 scheme: its weights, scales and input scales are
+    parameters like any other, in the device's fp8 format) and `kv_dtype` / `kv_scales` (an fp8 KV pool: its
+    dtype, checked against the shared pool's, and the layers' k_scale / v_scale, parameters too) must be those the
+    exporter's model was built with; the outputs are then the exporter's, bit for bit on the same device and
+    kernels.
     """
     device = torch.device(device)
     meta = torch.device("meta")
-    model = CausalLM(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp, quant=quant,
-                     fp8=fp8_dtype(device))
+    model = causal_lm_class(cfg)(cfg, ops, attn, dtype, meta, max_positions=max_positions, tp=tp, quant=quant,
+                                 fp8=fp8_dtype(device), kv_dtype=kv_dtype, kv_scales=kv_scales)
     cfg = model.cfg  # this rank's shard under tensor parallelism (its KV heads size the pool)
     expected = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(expected) - set(shared.params))
     unexpected = sorted(set(shared.params) - set(expected))
     if missing or unexpected:
+        kv = any(n.endswith(("k_scale", "v_scale")) for n in (*missing, *unexpected))
         raise SharedStateError(f"the shared weights do not match a {cfg.arch} model with this configuration: "
-                               f"missing {missing}, unexpected {unexpected}")
+                               f"missing {missing}, unexpected {unexpected}"
+                               + ("; the exporter's KV cache is fp8 and this one's is not, or the reverse "
+                                  "(--kv-cache-dtype)" if kv else ""))
     for name, placeholder in expected.items():
         t = shared.params[name]
         _check(f"parameter {name!r}", t, tuple(placeholder.shape), placeholder.dtype, device)
@@ -140,14 +149,16 @@ def attach_model(cfg: ModelConfig, ops: Ops, attn: AttentionBackend, dtype: torc
         setattr(owner, leaf, nn.Parameter(t, requires_grad=False))
     model.device = device
     # The RoPE table is computed, not loaded: each process builds its own (same length as the meta one).
-    model.cos_sin = cos_sin_table(cfg, int(model.cos_sin.shape[0]), device)
+    model.cos_sin = cos_sin_table(cfg, int(model.cos_sin.shape[-2]), device)  # [positions, D] (Gemma 3: [2, ...])
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise SharedStateError(f"attach_model does not know how to rebuild {left} of CausalLM on {device}")
-    return model, _attach_pool(cfg, dtype, device, shared)
+    return model, _attach_pool(cfg, kv_dtype or dtype, device, shared)
 
 
 def _attach_pool(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shared: SharedState) -> KVPool:
+    """The shared pool, checked: its shape, and its dtype `dtype` (the model's, or the fp8 the config asks for:
+    a pool exported by a worker of another --kv-cache-dtype is refused by name)."""
     kv = shared.kv
     if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__

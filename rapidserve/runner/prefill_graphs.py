@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.attention import AttentionMetadata, attend
+from rapidserve.attention import AttentionMetadata
 from rapidserve.config import RunnerConfig
 
 if TYPE_CHECKING:
@@ -220,10 +220,9 @@ class PrefillGraphs:
                                   non_blocking=True)
         if carry is not None:
             carry.apply(self.ids[:t])
-        scale = self.model.cfg.head_dim ** -0.5
         q, o = self.q[:t], self.o[:t]
-        for i, (k_cache, v_cache) in enumerate(self.kv_layers):
+        for i, kv in enumerate(self.kv_layers):
             pieces[i].replay()
-            o.copy_(attend(self.model.attn, q, k_cache, v_cache, meta, scale))
+            o.copy_(self.model.layers[i].attention(q, kv, meta, self.model.attn))
         pieces[-1].replay()
         return self.out[:t]

@@ -86,8 +86,9 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
 
 def cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
     """The labels of ``vllm:cache_config_info``: vLLM's CacheConfig field names, values as Python's str() of
-    them as vLLM prints them (``"True"``, ``"None"``, ``"0.9"``), for the settings rapidserve has."""
-    return {"block_size": str(cache.block_size), "cache_dtype": "auto",
+    them as vLLM prints them (``"True"``, ``"None"``, ``"0.9"``), for the settings rapidserve has (``cache_dtype``: the
+    resolved one, "auto" or "fp8")."""
+    return {"block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_cpu_blocks": "None",
             "num_gpu_blocks": str(num_gpu_blocks), "num_gpu_blocks_override": str(cache.num_blocks),

@@ -322,6 +322,9 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     max_tokens = resolve_max_tokens(r, max(len(p) for p in prompts), ctx.max_model_len, ctx.default_max_tokens)
     params = build_params(r, plan.n, max_tokens, logprobs, plan.structured, ctx.tokenizer,
                           PromptLimits(ctx.vocab_size, ctx.max_model_len), ctx.defaults)
+    if plan.tools is not None and plan.tools.mode == "auto" and plan.tools.parser == "mistral":
+        # Mistral's [TOOL_CALLS] is a special token: the text keeps special tokens to be parsed (as vLLM does)
+        params = params.replace(skip_special_tokens=False)
     include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),

@@ -1,7 +1,7 @@
 """Tool calling, the answer side (issue 19): generated text -> the assistant message's `tool_calls`.
 
 `answer(text, plan)` gives a whole message's content and calls by the plan's mode (`tools.ToolPlan`):
-- "auto": the server's parser (`tool_parsers.parse`: hermes `<tool_call>` or llama3_json);
+- "auto": the server's parser (`tool_parsers.parse`: hermes `<tool_call>`, llama3_json or mistral `[TOOL_CALLS]`);
 - "required": the JSON array of `{"name", "parameters"}` the constraint asks for;
 - "named": the output is the forced function's arguments object;
 - "none": the text as it is.
@@ -20,6 +20,7 @@ from typing import Any
 
 from rapidserve.server.tool_parsers import Delta, ToolCall, parse
 from rapidserve.server.tool_streams import HermesStream, JsonCallStream
+from rapidserve.server.tool_streams_mistral import MistralStream
 from rapidserve.server.tools import ToolPlan
 
 
@@ -105,9 +106,11 @@ class ToolStream:
     """The deltas of one choice's text under `plan` (which must parse: mode other than "none")."""
 
     def __init__(self, plan: ToolPlan) -> None:
-        self._stream: HermesStream | JsonCallStream
+        self._stream: HermesStream | JsonCallStream | MistralStream
         if plan.mode == "auto" and plan.parser == "hermes":
             self._stream = HermesStream()
+        elif plan.mode == "auto" and plan.parser == "mistral":
+            self._stream = MistralStream()
         elif plan.mode == "auto":
             self._stream = JsonCallStream("llama3_json")
         elif plan.mode == "required":

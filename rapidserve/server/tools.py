@@ -29,7 +29,8 @@ from rapidserve.server.schemas import ChatCompletionRequest, ChatMessage, NamedT
 from rapidserve.server_config import TOOL_CALL_PARSERS
 
 ToolMode = Literal["none", "auto", "required", "named"]
-_FAMILY_PARSER = MappingProxyType({"qwen2": "hermes", "qwen3": "hermes", "llama": "llama3_json"})
+_FAMILY_PARSER = MappingProxyType({"qwen2": "hermes", "qwen3": "hermes", "qwen3_moe": "hermes", "llama": "llama3_json",
+                                  "mistral": "mistral", "mixtral": "mistral"})
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class ToolPlan:
 
 def resolve_parser(flag: str, chat_template: str | None, arch: str) -> str | None:
     """The tool-call format for `--tool-call-parser flag`: the flag itself, or for "auto" the format
-    the chat template writes calls in (`<tool_call>`: hermes; `<|python_tag|>` / `"parameters"`:
-    llama3_json), else the model family's (Qwen2/Qwen3: hermes, Llama: llama3_json); None if unknown."""
+    the chat template writes calls in (`<tool_call>`: hermes; `[TOOL_CALLS]`: mistral; `<|python_tag|>` /
+    `"parameters"`: llama3_json), else the model family's (Qwen2/Qwen3/Qwen3-MoE: hermes, Llama: llama3_json,
+    Mistral/Mixtral: mistral); None if unknown."""
     if flag not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser {flag!r}: use one of {', '.join(TOOL_CALL_PARSERS)}")
     if flag != "auto":
@@ -71,6 +73,8 @@ def resolve_parser(flag: str, chat_template: str | None, arch: str) -> str | Non
     template = chat_template or ""
     if "<tool_call>" in template:
         return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
         return "llama3_json"
     return _FAMILY_PARSER.get(arch)

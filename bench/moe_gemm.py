@@ -1,0 +1,149 @@
+"""GPU micro-benchmark of the fused MoE experts (issue 40, rapidserve/ops/triton_moe.py) on one layer of a real
+MoE preset (random weights; tokens routed uniformly at random, as load-balanced routers aim for).
+
+    python bench/moe_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tp 1] [--dtype bfloat16] [--json PATH]
+
+Prefill (T tokens, T*k pairs): the grouped GEMMs (alignment, gate|up with SiLU-and-mul, down with the routing
+weights, the k-way sum) as TFLOP/s of the experts' work, 6*T*k*h*I flops, against the dense GEMM rate of the same
+work on cuBLAS (one [T*k, h] x [h, 2I] and one [T*k, I] x [I, h] GEMM through every pair: the rate a perfectly
+balanced grouped GEMM could reach). Decode (batch B): the step's experts as a CUDA-graph replay (how the engine
+runs them) and as plain launches, against the copy ceiling: the bytes of the experts this batch's routing actually
+reads (its unique experts x 3*h*I*dtype) over the device's copy bandwidth (read+write bytes of a 1 GiB copy per
+second). "of ceiling" = ceiling time / measured time. Each shape is checked against the torch reference before it
+is timed. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_timing import time_ms  # noqa: E402
+from rapidserve.loader.preset_table import preset_table  # noqa: E402
+from rapidserve.ops import torch_ops  # noqa: E402
+from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
+from rapidserve.ops.triton_moe import fused_moe, moe_config  # noqa: E402
+
+PREFILL_TOKENS = (256, 1024, 4096, 8192)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s (read + write) of a 1 GiB device copy."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median(time_ms(lambda: dst.copy_(src), 20))
+    return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def layer(model: str, tp: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(router [E, h], w13 [E, 2I', h], w2 [E, h, I'], top_k, hidden) of one layer of `model` at tp's share."""
+    cfg = preset_table()[model]
+    moe = cfg.moe
+    if moe is None:
+        raise SystemExit(f"{model} is not a mixture-of-experts preset")
+    e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size // tp
+    g = torch.Generator(device="cuda").manual_seed(0)
+    router = (torch.randn(e, h, device="cuda", generator=g) / h**0.5).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(dtype)
+    return router, w13, w2, moe.top_k, h
+
+
+def check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    got = fused_moe(x, w13, w2, weights, ids).float()
+    want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    err = float((got - want).abs().max() / want.abs().max())
+    if not err < 3e-2:
+        raise SystemExit(f"fused_moe disagrees with the reference: relative error {err:.3g} at {tuple(x.shape)}")
+
+
+def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float) -> list[dict[str, object]]:
+    router, w13, w2, k, h = layer(model, tp, dtype)
+    e, i = w13.shape[0], w13.shape[1] // 2
+    rows: list[dict[str, object]] = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for t in PREFILL_TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=dtype, generator=g)
+        weights, ids = route(F.linear(x, router), k, True)
+        check(x[:64], w13, w2, weights[:64], ids[:64])
+        flops = 6 * t * k * h * i
+        ms = median(time_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d), 10))
+        xs = torch.randn(t * k, h, device="cuda", dtype=dtype, generator=g)
+        dense_ms = median(time_ms(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]), 10))
+        rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
+                     "block_m": moe_config(t * k, e).block_m, "ms": ms, "tflops": flops / ms / 1e9,
+                     "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9, "vs_dense": dense_ms / ms})
+    for b in DECODE_BATCHES:
+        x = torch.randn(b, h, device="cuda", dtype=dtype, generator=g)
+        weights, ids = route(F.linear(x, router), k, True)
+        check(x, w13, w2, weights, ids)
+        unique = int(torch.unique(ids).numel())
+        read = unique * 3 * h * i * w13.element_size()
+        eager_ms = median(time_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d), 50))
+        fused_moe(x, w13, w2, weights, ids)
+        torch.cuda.synchronize()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            fused_moe(x, w13, w2, weights, ids)
+        graph_ms = median(time_ms(graph.replay, 50))
+        ceiling_ms = read / copy_bw * 1e3
+        rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
+                     "block_m": moe_config(b * k, e).block_m, "unique_experts": unique, "bytes_read": read,
+                     "ms": graph_ms, "eager_ms": eager_ms, "gbps": read / graph_ms / 1e6, "ceiling_ms": ceiling_ms,
+                     "of_ceiling": ceiling_ms / graph_ms})
+    return rows
+
+
+def table(rows: list[dict[str, object]], copy_bw: float) -> str:
+    out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", "",
+           "| model | tp | prefill tokens | pairs | BLOCK_M | grouped ms | grouped TFLOP/s | dense TFLOP/s "
+           "| vs dense |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["phase"] == "prefill":
+            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
+                       f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} |")
+    out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["phase"] == "decode":
+            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['unique_experts']} | "
+                       f"{int(r['bytes_read']) / 1e6:.1f} | {float(r['ms']) * 1e3:.1f} | "
+                       f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b")
+    ap.add_argument("--tp", type=int, default=1, help="time one rank's slice of every expert at this TP size")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--json", type=Path, help="write the rows here too")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA or ROCm GPU", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    copy_bw = copy_bandwidth()
+    rows = [r for m in args.models.split(",") for r in bench_model(m, args.tp, dtype, copy_bw)]
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows},
+                                        indent=1))
+    print(table(rows, copy_bw))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

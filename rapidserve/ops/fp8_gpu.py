@@ -1,0 +1,63 @@
+"""The fp8 linear of GPUs that multiply fp8 (`Ops.fp8_linear` of the Triton bundle): which kernel takes a call.
+The math every path computes, and the reference, are in rapidserve/ops/fp8.py; the paths:
+- per-row weight scales: `torch._scaled_mm` with row-wise scales (`scaled_mm_linear`), per-token activations
+  quantized by one Triton kernel (`triton_fp8.quantize_tokens`); at decode's 1-16 rows on NVIDIA the Triton
+  skinny kernel (`triton_fp8_skinny`);
+- block scales: the Triton block GEMM (`triton_fp8.block_linear`);
+- shapes none of them takes (K or N not a multiple of 16): `fp8.reference_linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapidserve.ops import triton_fp8, triton_fp8_skinny
+from rapidserve.ops.fp8 import Fp8Linear, quantize_input, reference_linear
+
+FAST_ACCUM = True  # `scaled_mm_linear`'s use_fast_accum (its docstring)
+
+
+def scaled_mm_ok(x: torch.Tensor, layer: Fp8Linear) -> bool:
+    """Whether `scaled_mm_linear` takes this call: per-row weight scales, and K, N multiples of 16 (its GEMM's
+    alignment)."""
+    n, k = layer.weight.shape
+    return layer.block is None and k % 16 == 0 and n % 16 == 0 and x.shape[0] > 0
+
+
+def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`torch._scaled_mm` with row-wise scales: scale_a [M, 1] (a per-tensor activation scale repeated over the
+    rows), scale_b [1, N] (the weight's per-row scales); x8 row-major, the weight [N, K] row-major read as its
+    transpose, column-major [K, N]. Out in bfloat16 (what row-wise scaling writes), then x's dtype. Per-token
+    activations of a 2-D x on a GPU are quantized by one Triton kernel (`triton_fp8.quantize_tokens`: the torch
+    code is six passes over x); the GEMM accumulates with `use_fast_accum` (Hopper's fp8 tensor-core sums without
+    the periodic float32 promotion, as vLLM's CUTLASS fp8 kernels run)."""
+    if layer.activations == "token" and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        x8, sx = triton_fp8.quantize_tokens(x, layer.weight.dtype)
+    else:
+        x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+    if sx.shape[0] != x8.shape[0]:
+        sx = sx.expand(x8.shape[0], 1).contiguous()
+    out = torch._scaled_mm(x8, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.reshape(1, -1),
+                           out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
+    activations at 1-16 rows on NVIDIA through the skinny kernel (where its grid is wide enough), other per-row
+    ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
+    `reference_linear`."""
+    if layer.block is not None:
+        x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+        out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
+        return out if bias is None else out + bias
+    if (layer.activations == "token" and layer.block is None and torch.version.hip is None
+            and triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)):
+        return triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias)
+    if scaled_mm_ok(x, layer):
+        return scaled_mm_linear(x, layer, bias)
+    return reference_linear(x, layer, bias)
+
+
+__all__ = ["FAST_ACCUM", "gpu_linear", "scaled_mm_linear", "scaled_mm_ok"]

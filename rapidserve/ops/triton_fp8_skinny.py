@@ -1,0 +1,104 @@
+"""Decode's fp8 linear layers (at most MAX_ROWS = 16 rows, per-row weight scales, per-token activations): the rows
+quantized by `triton_fp8.quantize_tokens`, then one Triton kernel that multiplies fp8 by fp8, reading each weight
+byte once (issue 39).
+
+Why: a decode step at batch 1-16 is a read of every weight once, so fp8 weights should halve it. Through
+`torch._scaled_mm` (cuBLASLt's row-wise fp8 GEMM) plus the quantizer the Qwen3-8B projections at one row took
+13-35 us on the H200, no faster than bf16 (8-52 us); widening the fp8 weight to bf16 inside the bf16 skinny
+kernel was slower still (the conversions bound it), and quantizing the rows inside each program (IEEE division
+of 16 x K values in every one of ~200 programs) took 88-275 us: bench/results/fp8_linear_probe.md.
+
+The math is `fp8.reference_linear`'s for "token" activations, up to the order of float32 sums:
+    x8, sx = quantize_tokens(x)                     (quantize_input's numbers, bit for bit on the GPU)
+    out[m, n] = (sum_k x8[m, k] w8[n, k]) * sx[m] * sw[n] (+ bias[n])
+Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, accumulating
+tl.dot(x8 tile, w8 tile^T) in float32 over K in BLOCK_K steps (rows past M masked), scaled in its epilogue.
+No split-K. Graph-safe (no host reads of device values). NVIDIA only (`fp8_gpu.gpu_linear` routes here when
+torch.version.hip is None): on ROCm the kernels are not measured, and its calls go to `torch._scaled_mm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rapidserve.ops.triton_fp8 import quantize_tokens
+from rapidserve.ops.triton_skinny import MAX_ROWS, MIN_PROGRAMS, SkinnyConfig, skinny_config
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def fp8_config(n: int, k: int) -> SkinnyConfig:
+    """Tile sizes for an [N, K] fp8 weight: the bf16 kernel's BLOCK_N with K steps twice as long (the same bytes a
+    step), at most 1024."""
+    cfg = skinny_config(n, k)
+    return cfg._replace(block_k=min(1024, 2 * cfg.block_k))
+
+
+@triton.jit
+def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    x_rows = x8_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x8 = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + kk[None, :])
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc = tl.dot(x8, tl.trans(w), acc)
+    sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
+    acc = acc * sx[:, None] * tl.load(sw_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    dt = out_ptr.dtype.element_ty
+    if HAS_BIAS:  # as reference_linear: the product in the output dtype, then the bias added
+        acc = acc.to(dt).to(tl.float32) + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def fp8_ok(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `skinny_fp8_linear` may take this call: 1..MAX_ROWS rows of a 2-D bf16/fp16 x with a contiguous
+    last dim, a contiguous fp8 weight [N, K] and float32 scales [N]."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype in FP8_DTYPES and x.stride(-1) == 1 and weight.is_contiguous()
+            and x.shape[1] == weight.shape[1] and scale.dtype == torch.float32
+            and tuple(scale.shape) == (weight.shape[0],) and scale.is_contiguous())
+
+
+def routed(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether `fp8_gpu.gpu_linear` sends this call here: on a GPU, a call that `fp8_ok`, and a grid of at least
+    MIN_PROGRAMS programs (a thin grid, a tensor-parallel shard or a small model, stays on `torch._scaled_mm`)."""
+    return (x.is_cuda and fp8_ok(x, weight, scale)
+            and -(-weight.shape[0] // fp8_config(*weight.shape).block_n) >= MIN_PROGRAMS)
+
+
+def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) through an fp8 projection (weight [N, K], float32 scale [N]) -> [M, N] in x's
+    dtype (module docstring). ValueError for what it cannot take; callers check `fp8_ok` first."""
+    n, k = weight.shape
+    if not fp8_ok(x, weight, scale):
+        raise ValueError(f"skinny_fp8_linear takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] with a contiguous last "
+                         f"dim, a contiguous fp8 weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
+    cfg = config or fp8_config(n, k)
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    x8, sx = quantize_tokens(x, weight.dtype)
+    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x8, sx, weight, scale, bias if bias is not None else scale, out, x.shape[0], n, k, x8.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
+
+
+__all__ = ["fp8_config", "fp8_ok", "routed", "skinny_fp8_linear"]

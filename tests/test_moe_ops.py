@@ -1,0 +1,221 @@
+"""Mixture-of-experts ops (issue 40): routing as transformers' Mixtral and Qwen3-MoE routers, the reference experts
+against a token-by-token computation, the expert alignment's layout, and the fused Triton grouped GEMMs
+(`ops/triton_moe.py`) against the reference: under the Triton interpreter on CPU (in a subprocess; fp32/fp16),
+natively on a GPU in tests/test_moe_gpu.py.
+
+Run as a script (``TRITON_INTERPRET=1 python tests/test_moe_ops.py``) it performs the interpreter checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interp import run_interpreted
+
+from rapidserve.ops import get_ops, torch_ops_bundle
+from rapidserve.ops.moe import align_block_size, max_padded, moe_experts_ref, route
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def moe_inputs(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+               renormalize: bool = True, device: str = "cpu",
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [t, h], w13 [e, 2i, h], w2 [e, h, i], routing weights, ids) with activations O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    weights, ids = route(torch.randn(t, e, generator=g) * 2, k, renormalize)
+    return (x.to(dtype).to(device), w13.to(dtype).to(device), w2.to(dtype).to(device), weights.to(device),
+            ids.to(device))
+
+
+def naive_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """Token by token, slot by slot, in float64: the definition."""
+    i = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = w13[e].double() @ x[t].double()
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (F.silu(gu[:i]) * gu[i:]))
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_transformers_routers(renormalize: bool) -> None:
+    """Mixtral's router (always renormalised) and Qwen3-MoE's (norm_topk_prob) pick the same experts with the same
+    weights; renormalised top-k is the softmax over the top-k logits."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    qwen = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(23, 32, generator=g), torch.randn(8, 32, generator=g)
+    weights, ids = route(F.linear(x, w), 2, renormalize)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32 and ids.shape == (23, 2)
+    if renormalize:
+        ref = mixtral.MixtralTopKRouter(MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2))
+        ref.weight.data.copy_(w)
+        _, want_w, want_ids = ref(x)
+        top_logits = torch.gather(F.linear(x, w), 1, ids.long())
+        torch.testing.assert_close(weights, torch.softmax(top_logits, -1))
+    else:
+        torch.testing.assert_close(weights, torch.gather(torch.softmax(F.linear(x, w), -1), 1, ids.long()))
+    ref = qwen.Qwen3MoeTopKRouter(Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=2,
+                                                 norm_topk_prob=renormalize))
+    ref.weight.data.copy_(w)
+    _, want_w, want_ids = ref(x)
+    assert torch.equal(ids.long(), want_ids) and torch.equal(weights, want_w)
+
+
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 8, 2), (7, 16, 4), (30, 8, 1), (5, 4, 4)])
+def test_reference_experts_are_the_definition(t: int, e: int, k: int) -> None:
+    x, w13, w2, weights, ids = moe_inputs(t, e, k, 24, 40, seed=t)
+    got = moe_experts_ref(x, w13, w2, weights, ids)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def check_alignment(ids: torch.Tensor, e: int, bm: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+                    num_post: torch.Tensor) -> None:
+    """The layout `ops.moe.Alignment` documents, checked from its definition."""
+    flat = ids.reshape(-1).tolist()
+    pairs, p = len(flat), max_padded(len(flat), e, bm)
+    assert sorted_ids.dtype == expert_ids.dtype == num_post.dtype == torch.int32
+    assert sorted_ids.shape == (p,) and expert_ids.shape == (p // bm,) and num_post.shape == (1,)
+    rows, blocks, total = sorted_ids.tolist(), expert_ids.tolist(), int(num_post)
+    want_total = sum(-(-flat.count(x) // bm) * bm for x in range(e))
+    assert total == want_total and total % bm == 0 and total <= p
+    start = 0
+    for x in range(e):  # expert by expert, in expert order, each run starting on a block
+        mine = [n for n, v in enumerate(flat) if v == x]
+        run = -(-len(mine) // bm) * bm
+        assert rows[start:start + len(mine)] == mine  # its pairs in pair order
+        assert rows[start + len(mine):start + run] == [pairs] * (run - len(mine))  # then the sentinel
+        assert blocks[start // bm:(start + run) // bm] == [x] * (run // bm)
+        start += run
+    assert rows[total:] == [pairs] * (p - total) and blocks[total // bm:] == [-1] * ((p - total) // bm)
+
+
+ALIGN_CASES = [(1, 8, 2, 16), (3, 128, 8, 16), (37, 8, 2, 16), (37, 8, 2, 64), (64, 16, 4, 32), (700, 8, 2, 64),
+               (5, 4, 4, 16), (2, 3, 1, 32)]
+
+
+@pytest.mark.parametrize(("t", "e", "k", "bm"), ALIGN_CASES)
+def test_torch_alignment_layout(t: int, e: int, k: int, bm: int) -> None:
+    _, _, _, _, ids = moe_inputs(t, e, k, 8, 8, seed=t + e)
+    check_alignment(ids, e, bm, *align_block_size(ids, e, bm))
+
+
+@pytest.mark.parametrize(("pairs", "e", "bm", "want"), [
+    (2, 8, 16, 32),  # at most two experts have pairs: 2 + 2 * 15
+    (16, 8, 16, 144),  # 16 + 8 * 15 = 136, rounded up to a block
+    (1, 128, 16, 16),
+    (8, 128, 16, 128),  # one decode token of Qwen3-30B-A3B: 8 experts, 8 + 8 * 15
+    (65536, 128, 64, 65536 + 128 * 63 + 0),  # a long prefill: every expert may pad
+])
+def test_max_padded(pairs: int, e: int, bm: int, want: int) -> None:
+    assert max_padded(pairs, e, bm) == want
+
+
+def test_bundles_pick_the_experts_path() -> None:
+    assert get_ops(torch.device("cpu")).moe_experts is moe_experts_ref
+    assert torch_ops_bundle().moe_experts is moe_experts_ref
+    if HAS_TRITON:
+        from rapidserve.ops import triton_moe, triton_ops_bundle
+        assert triton_ops_bundle(skinny=False).moe_experts is triton_moe.fused_moe
+        assert triton_ops_bundle(skinny=True).moe_experts is triton_moe.fused_moe
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 128)), (2, 8, (16, 64, 128)),
+                                                  (256, 8, (32, 64, 64)), (16384, 8, (64, 128, 64)),
+                                                  (65536, 128, (64, 128, 64))])
+def test_tile_rule(pairs: int, e: int, want: tuple[int, int, int]) -> None:
+    from rapidserve.ops.triton_moe import moe_config
+
+    assert tuple(moe_config(pairs, e))[:3] == want
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 64, 4, 2)), (2, 8, (16, 64, 64, 4, 2)),
+                                                  (256, 8, (32, 64, 64, 4, 2)), (16384, 8, (64, 128, 64, 8, 2))])
+def test_tile_rule_on_rocm(pairs: int, e: int, want: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROCm: decode's small runs step K by 64 (128 took one 4-wave workgroup a gfx942 CU, by its LDS: flagged by
+    bench/amd_compile_check.py), and every tile has two stages."""
+    from rapidserve.ops.triton_moe import moe_config
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert tuple(moe_config(pairs, e)) == want
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(("mutate", "match"), [
+    (lambda a: {**a, "x": a["x"].t()}, "contiguous last dim"),
+    (lambda a: {**a, "w13": a["w13"][:, :-1]}, r"w13 must be a contiguous \[E, 2I, 24\]"),
+    (lambda a: {**a, "w2": a["w2"][:, :, :-1].contiguous()}, r"w2 must be a contiguous \[8, 24, 40\]"),
+    (lambda a: {**a, "x": a["x"].half()}, "same dtype"),
+    (lambda a: {**a, "ids": a["ids"][:2]}, r"both be \[5, top_k\]"),
+    (lambda a: {**a, "weights": a["weights"].half()}, "must be float32"),
+])
+def test_fused_moe_refuses_bad_inputs(mutate, match: str) -> None:  # noqa: ANN001 - a table of lambdas
+    from rapidserve.ops.triton_moe import fused_moe
+
+    x, w13, w2, weights, ids = moe_inputs(5, 8, 2, 24, 40)
+    args = mutate({"x": x, "w13": w13, "w2": w2, "weights": weights, "ids": ids})
+    with pytest.raises(ValueError, match=match):
+        fused_moe(args["x"], args["w13"], args["w2"], args["weights"], args["ids"])
+
+
+def check_fused(dtypes: list[torch.dtype], device: str) -> None:
+    """`fused_moe` == `moe_experts_ref` (the same routing) over batch sizes, expert counts and all three tile
+    configurations (decode runs of a few rows, prefill runs), through both alignments (one program up to 1024
+    pairs, torch's sort above); the one-program alignment equals the torch one exactly."""
+    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, MoeKernelConfig, align, fused_moe
+
+    for t, e, k, bm in ALIGN_CASES[:-1]:
+        _, _, _, _, ids = moe_inputs(t, e, k, 8, 8, seed=t + e, device=device)
+        if ids.numel() <= ALIGN_ONE_PROGRAM:
+            got, want = align(ids, e, bm), align_block_size(ids, e, bm)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b), (t, e, k, bm)
+            check_alignment(ids.cpu(), e, bm, *(a.cpu() for a in got))
+    cases = [(1, 8, 2, 64, 96, None), (1, 16, 4, 64, 32, None), (9, 8, 2, 48, 80, None), (40, 8, 2, 64, 64, None),
+             (600, 8, 2, 32, 48, None),  # 1200 pairs: the torch alignment
+             (33, 16, 4, 40, 24, MoeKernelConfig(32, 32, 32, 4, 2)),
+             (70, 4, 2, 64, 64, MoeKernelConfig(64, 64, 32, 4, 2)),
+             (3, 8, 2, 200, 72, MoeKernelConfig(16, 32, 64, 4, 2))]  # K and N not multiples of the tiles
+    for dtype in dtypes:
+        for t, e, k, h, i, cfg in cases:
+            x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t * e, device=device)
+            got = fused_moe(x, w13, w2, weights, ids, cfg)
+            want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+            assert got.dtype == dtype and got.shape == x.shape
+            atol = 2e-5 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 4e-3)
+            case = (t, e, k, dtype)
+            torch.testing.assert_close(got.float(), want, atol=atol, rtol=2e-2,
+                                       msg=lambda m, case=case: f"{case} {m}")
+        # an empty batch: nothing launched
+        x, w13, w2, weights, ids = moe_inputs(0, 8, 2, 16, 16, dtype, device=device)
+        assert fused_moe(x, w13, w2, weights, ids).shape == (0, 16)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_moe_interpreter() -> None:
+    """The alignment kernel and both grouped GEMMs under TRITON_INTERPRET=1 (fp32 and fp16)."""
+    run_interpreted(__file__, timeout=600)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    check_fused([torch.float32, torch.float16], "cpu")
+    print("fused moe: ok")
