@@ -298,6 +298,7 @@ def finish_launched(a: argparse.Namespace, launched: Launched, report: dict[str,
         after = sl.shm_entries()
         new = sorted(set(after) - set(shm_pre))
         left = sl.attributable(new, pids)
+        left = sorted(set(left) - sl.held_elsewhere(left, pids))  # sem.mp-* another program holds: not the server's
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.5)

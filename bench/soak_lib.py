@@ -461,3 +461,29 @@ def shm_summary(entries: Sequence[str], pids: Iterable[int] = ()) -> dict[str, i
     return {"total": len(entries), "sem": sum(e.startswith("sem.") for e in entries),
             "sem_mp": sum(e.startswith("sem.mp-") for e in entries),
             "server": len(attributable(entries, pids, mp_sems=False))}
+
+
+def held_elsewhere(entries: Iterable[str], pids: Iterable[int], shm_dir: str = SHM_DIR) -> set[str]:
+    """The entries that a live process outside `pids` has mapped: in use by another program (another test,
+    another server), so not left behind by `pids` whatever the name says (``sem.mp-*`` carry no pid). Matched
+    by inode: a POSIX semaphore is mapped under the temporary name it was created as, not its own."""
+    inodes: dict[int, str] = {}
+    for e in entries:
+        try:
+            inodes[os.stat(os.path.join(shm_dir, e)).st_ino] = e
+        except OSError:  # gone meanwhile
+            continue
+    mine = {str(p) for p in pids}
+    held: set[str] = set()
+    for pid in os.listdir("/proc") if inodes else ():
+        if not pid.isdigit() or pid in mine:
+            continue
+        try:
+            maps = _read(f"/proc/{pid}/maps")
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in maps.splitlines():
+            f = line.split(maxsplit=5)
+            if len(f) == 6 and f[5].startswith(shm_dir + "/") and f[4].isdigit() and int(f[4]) in inodes:
+                held.add(inodes[int(f[4])])
+    return held

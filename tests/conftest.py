@@ -1,6 +1,6 @@
 """Shared test setup: `gpu`-marked tests are skipped where no CUDA/ROCm GPU is visible; fixtures
 several files use (`make_ring`, `tok`: the embedded SmolLM2 tokenizer, `smollm2_hf`: transformers' own
-load of the embedded SmolLM2 GGUF, fp32; about 10 s, so loaded once for the session and never modified)."""
+load of the embedded SmolLM2 GGUF, fp32; about 30 s, so loaded once for the session and never modified)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from rapidserve.ipc import ShmRing, new_engine_id, ring_name
 from rapidserve.loader import resolve_model
@@ -17,6 +18,14 @@ from rapidserve.tokenizer import Tokenizer
 
 # Helper modules whose asserts should explain themselves like a test's (pytest rewrites only test files).
 pytest.register_assert_rewrite("tests.decode_sched_fakes", "tests.server_fakes")
+
+# One compute thread in each test process and in the processes it starts (unless OMP_NUM_THREADS says otherwise):
+# beside the engine workers a test runs (one thread each on 2 cores) and the other pytest-xdist worker, OpenMP
+# threads outnumber the free cores and spin at every barrier. Measured on 2 loaded cores, SmolLM2 greedy in two
+# processes at once: 45 s and 29 s of CPU each at 2 threads, 13 s and 7 s at 1. The engine's workers set their
+# own count (rapidserve/engine/worker_build.py) whatever this says.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _has_gpu() -> bool:
@@ -74,17 +83,42 @@ def make_ring() -> Iterator[MakeRing]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf() -> Any:
+def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """transformers' AutoModelForCausalLM of the embedded SmolLM2 GGUF (dequantized, fp32, eval mode).
-    Shared: tests must only run it, never change its weights or settings."""
-    import torch
+    Shared: tests must only run it, never change its weights or settings.
+
+    transformers reads the GGUF once per test run: it parses the file's metadata in Python (about 30 s). Under
+    pytest-xdist the first worker to need it also writes what it read (config and fp32 weights, safetensors: the
+    same numbers) to the run's shared temporary folder, and the others load that (under a second)."""
+    import json
+
+    from filelock import FileLock
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from rapidserve.loader import default_gguf_path
 
-    path = default_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    def from_gguf() -> Any:
+        path = default_gguf_path()
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return from_gguf()
+    shared = tmp_path_factory.getbasetemp().parent / "smollm2_hf"  # the workers' base folders share this parent
+    with FileLock(f"{shared}.lock"):
+        if (shared / "model.safetensors").exists():
+            return AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32).eval()
+        model = from_gguf()
+        config = model.config.to_dict()
+        config.pop("quantization_config")  # where it came from (GGUF); the weights written are plain fp32
+        tied = model.config.tie_word_embeddings
+        shared.mkdir(exist_ok=True)
+        (shared / "config.json").write_text(json.dumps(config))
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+                  str(shared / "model.safetensors.part"), metadata={"format": "pt"})
+        (shared / "model.safetensors.part").rename(shared / "model.safetensors")
+        return model
 
 
 @pytest.fixture(scope="module")

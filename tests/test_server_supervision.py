@@ -4,8 +4,9 @@ model, token ids only, so a restart takes ~2 s).
 Each death: the stream in flight ends with an OpenAI error event then `data: [DONE]` within 2 s,
 /health answers 503 while the workers restart and 200 after, the log has one line for the death
 (worker, pid, signal) and one for the restart (how long it took), and the counters move by one.
-Ten deaths in a row are each recovered; the next one is past the windowed restart budget and the
-server exits non-zero for its supervisor. A SIGSTOPped worker is detected within the heartbeat
+Deaths in a row (two of each worker) are each recovered; the next one is past the windowed restart
+budget and the server exits non-zero for its supervisor (ten in a row through the engine alone:
+tests/test_supervision.py). A SIGSTOPped worker is detected within the heartbeat
 bound and handled the same way.
 """
 
@@ -57,12 +58,15 @@ async def kill_mid_stream(s: Srv, victim: str, sig: int = signal.SIGKILL) -> tup
         return events, t_end - t0
 
 
-def test_ten_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_path: Path) -> None:
+RESTARTS = 4  # the budget: each worker dies twice, recovered each time; the next death is past it
+
+
+def test_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    s = start(*TINY, "--max-restarts", "10", "--restart-window-s", "600", env=LONG_OK, log=str(log))
+    s = start(*TINY, "--max-restarts", str(RESTARTS), "--restart-window-s", "600", env=LONG_OK, log=str(log))
     try:
         async def main() -> None:
-            for i in range(10):
+            for i in range(RESTARTS):
                 victim = ROLES[i % 2]
                 before = counters(s.url)
                 events, took = await kill_mid_stream(s, victim)
@@ -75,7 +79,7 @@ def test_ten_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_p
                 assert after["engine_worker_deaths_total"] - before["engine_worker_deaths_total"] == 1
                 assert after["engine_restarts_total"] - before["engine_restarts_total"] == 1
                 assert after["error"] - before["error"] == 1
-            events, took = await kill_mid_stream(s, "decode")  # the 11th: past the budget
+            events, took = await kill_mid_stream(s, "decode")  # one more: past the budget
             assert ended_with_error(events, "engine_unavailable") and took < 2.0, events[-3:]
 
         asyncio.run(main())
@@ -87,9 +91,9 @@ def test_ten_deaths_each_recovered_then_past_the_budget_the_server_exits_1(tmp_p
     text = log.read_text()
     deaths = re.findall(r"rapidserve.engine: the (decode|prefill) worker died \(killed by SIGKILL, pid \d+\); "
                         r"\d+ request\(s\) in flight failed", text)
-    assert len(deaths) == 11, text[-3000:]
-    assert len(re.findall(r"workers restarted in \d+\.\d s \(restart \d+;", text)) == 10
-    assert "restart budget used up (10 in 600 s)" in text and "down for good" in text
+    assert len(deaths) == RESTARTS + 1, text[-3000:]
+    assert len(re.findall(r"workers restarted in \d+\.\d s \(restart \d+;", text)) == RESTARTS
+    assert f"restart budget used up ({RESTARTS} in 600 s)" in text and "down for good" in text
 
 
 def test_stopped_worker_is_detected_within_the_heartbeat_bound(tmp_path: Path) -> None:

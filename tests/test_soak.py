@@ -196,6 +196,26 @@ def test_shm_attribution() -> None:
     assert sl.shm_summary(entries, [1234]) == {"total": 7, "sem": 3, "sem_mp": 1, "server": 1}
 
 
+@pytest.mark.skipif(not os.path.isdir(sl.SHM_DIR), reason="needs /dev/shm")
+def test_a_semaphore_another_process_holds_was_not_left_behind() -> None:
+    """A sem.mp-* that a live process outside the server's pids has mapped is that process's (another test
+    beside the soak, under pytest-xdist); one nobody maps is left behind, whoever made it."""
+    import posix_ipc
+
+    held = posix_ipc.Semaphore(f"/mp-held-{os.getpid()}", posix_ipc.O_CREX, mode=0o600)  # mapped by this process
+    orphan = f"sem.mp-orphan-{os.getpid()}"
+    open(os.path.join(sl.SHM_DIR, orphan), "wb").close()  # named like one, mapped by nobody
+    try:
+        sems = [f"sem.mp-held-{os.getpid()}", orphan]
+        assert set(sems) <= set(sl.shm_entries())
+        assert sl.held_elsewhere(sems, [os.getpid() + 10**7]) == {sems[0]}  # this process: another program
+        assert sl.held_elsewhere(sems, [os.getpid()]) == set()  # this process is among the pids: its own
+    finally:
+        os.unlink(os.path.join(sl.SHM_DIR, orphan))
+        held.unlink()
+        held.close()
+
+
 # ---------------------------------------------------------------- checks and verdict
 
 

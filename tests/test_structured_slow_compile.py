@@ -1,7 +1,8 @@
 """A grammar that compiles slowly stalls nobody (CPU, the real workers in this process, channels as lists:
-tests/test_worker_faults.py's harness). Each worker's compile is made to take 1.5 s (on the compile pool's
-thread); meanwhile a plain request keeps getting a token every step and the loop keeps turning. Then the
-structured request runs and its output follows its grammar. Covered: hybrid (held at admission), rapid with
+tests/test_worker_faults.py's harness). Each worker's compile is held on the compile pool's thread until the
+loop has turned 50 times and a plain request has had 50 tokens meanwhile (a compile as slow as the test says,
+on any machine); a turn that waited for the compile would leave it waiting out its gate. Then the structured
+request runs and its output follows its grammar. Covered: hybrid (held at admission), rapid with
 the slow compile in prefill (the job is passed over) and in decode (the request runs there only once
 compiled); an abort while compiling releases everything; a compile that fails fails its request alone, with
 the message it had before compiles moved to the pool."""
@@ -12,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -26,7 +28,8 @@ from rapidserve.structured import GrammarBook
 from tests.test_structured_workers import REGEX, _texts, tiny_tokenizer_dir
 from tests.test_worker_faults import FakeIO, _decode_worker, _fused_worker, _prefill_worker
 
-SLOW_S = 1.5
+HELD_TURNS = 50  # loop turns, and tokens of the plain request, while the structured one waits for its compile
+GATE_S = 60.0  # the longest a compile waits for the test to let it through (a turn blocked on it: it waits it out)
 SO = StructuredOutputs(regex=REGEX)
 
 
@@ -42,17 +45,25 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, ModelRunner, A
     return cfg, ModelRunner(cfg, source, show_progress=False), AutoTokenizer.from_pretrained(tok)
 
 
-def slow_compiles(monkeypatch: pytest.MonkeyPatch, book: GrammarBook) -> list[str]:
-    """Every compile of `book` sleeps SLOW_S first; returns the names of the threads that compiled."""
-    real, threads = book.cache._make, []
+@dataclass
+class SlowCompiles:
+    """Every compile of a GrammarBook, held on its thread until the test opens `gate`."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    threads: list[str] = field(default_factory=list)  # the names of the threads that compiled
+    waited_out: list[bool] = field(default_factory=list)  # per compile: its gate never opened (a turn blocked)
+
+
+def slow_compiles(monkeypatch: pytest.MonkeyPatch, book: GrammarBook) -> SlowCompiles:
+    real, slow = book.cache._make, SlowCompiles()
 
     def make(so: StructuredOutputs) -> Any:
-        threads.append(threading.current_thread().name)
-        time.sleep(SLOW_S)
+        slow.threads.append(threading.current_thread().name)
+        slow.waited_out.append(not slow.gate.wait(GATE_S))
         return real(so)
 
     monkeypatch.setattr(book.cache, "_make", make)
-    return threads
+    return slow
 
 
 def plain(rid: str = "plain") -> m.NewRequest:
@@ -69,31 +80,30 @@ def count(io: FakeIO, rid: str) -> int:
 
 
 class Meter:
-    """Loop turns, the longest gap between two, and the plain request's tokens, while `rid` has none (or
-    no more than `before`): the time its grammar held it back."""
+    """Loop turns and the plain request's tokens while `rid` has none (or no more than `before`): the time its
+    grammar held it back. Once both reach HELD_TURNS it lets the held compiles through."""
 
-    def __init__(self, io: FakeIO, rid: str, before: int = 0) -> None:
-        self.io, self.rid, self.before = io, rid, before
-        self.turns, self.longest, self.plain0 = 0, 0.0, count(io, "plain")
-        self.t0 = self.last = time.perf_counter()
-        self.held_s = 0.0
+    def __init__(self, io: FakeIO, rid: str, slow: SlowCompiles, before: int = 0) -> None:
+        self.io, self.rid, self.slow, self.before = io, rid, slow, before
+        self.turns, self.plain0 = 0, count(io, "plain")
+        self.t0 = time.perf_counter()
         self.plain_meanwhile = 0
 
     def turn(self) -> bool:
         """Count a turn; True while `rid` is still held back."""
-        now = time.perf_counter()
-        self.longest, self.last = max(self.longest, now - self.last), now
         if count(self.io, self.rid) > self.before:
             return False
         self.turns += 1
-        self.held_s = now - self.t0
         self.plain_meanwhile = count(self.io, "plain") - self.plain0
+        if self.turns >= HELD_TURNS and self.plain_meanwhile >= HELD_TURNS:
+            self.slow.gate.set()  # its compile may finish now
+        assert time.perf_counter() - self.t0 < 2 * GATE_S, "the structured request never ran"
         return True
 
     def check(self) -> None:
-        assert self.held_s >= SLOW_S * 0.9, self.held_s  # it waited for its compile...
-        assert self.turns >= 50 and self.plain_meanwhile >= 50, vars(self)  # ...while the loop turned and streamed
-        assert self.longest < SLOW_S / 3, self.longest  # no turn waited for the compile
+        assert self.slow.gate.is_set(), vars(self)  # it waited for its compile, while the loop turned and streamed
+        assert self.turns >= HELD_TURNS and self.plain_meanwhile >= HELD_TURNS, vars(self)
+        assert self.slow.waited_out and not any(self.slow.waited_out), self.slow  # no turn waited for a compile
 
 
 def until(pred: Callable[[], bool], turn: Callable[[], None], limit_s: float = 60.0) -> None:
@@ -108,25 +118,24 @@ def test_hybrid_streams_on_while_a_grammar_compiles_and_an_abort_meanwhile_relea
     cfg, runner, hf = setup
     io = FakeIO()
     w = _fused_worker(cfg, runner, io)
-    threads = slow_compiles(monkeypatch, w.grammar)
+    slow = slow_compiles(monkeypatch, w.grammar)
     io.inbox.append(plain())
     def turn() -> None:
         w.turn()
 
     until(lambda: count(io, "plain") >= 3, turn)
     io.inbox += [structured("json"), structured("gone", StructuredOutputs(regex="[a-z]{4}"))]
-    meter = Meter(io, "json")
+    meter = Meter(io, "json", slow)
     while meter.turn():
         turn()
         if meter.turns == 10:
             io.inbox.append(m.Abort("gone"))  # while its compile runs
-        assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
     meter.check()
     assert "gone" not in w.sched.reqs and "gone" not in w.grammar.compiles
     until(lambda: "json" not in w.sched.reqs, turn)
     text, reason = _texts(io, hf)["json"]
     assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
-    assert threads == ["grammar-compile"] * 2  # json's and gone's, both on the pool
+    assert slow.threads == ["grammar-compile"] * 2  # json's and gone's, both on the pool
     io.inbox.append(m.Abort("plain"))
     until(lambda: not w.sched.reqs and not w.inflight, turn)
     w.publish()
@@ -142,7 +151,7 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
     cfg, runner, hf = setup
     io = FakeIO()
     w, p = _decode_worker(cfg, runner, io), _prefill_worker(cfg, runner, io)
-    threads = slow_compiles(monkeypatch, p.grammar if slow_in == "prefill" else w.grammar)
+    slow = slow_compiles(monkeypatch, p.grammar if slow_in == "prefill" else w.grammar)
 
     def turn() -> None:
         w.step()
@@ -165,18 +174,17 @@ def test_rapid_streams_on_while_a_grammar_compiles(setup: tuple[Any, ModelRunner
     w.handle(structured("json"))
     w.handle(structured("gone", StructuredOutputs(regex="[a-z]{4}")))
     # prefill holds the job back (no token at all), or decode does (only prefill's first token)
-    meter = Meter(io, "json", before=0 if slow_in == "prefill" else 1)
+    meter = Meter(io, "json", slow, before=0 if slow_in == "prefill" else 1)
     while meter.turn():
         turn()
         if meter.turns == 10:  # while its compile runs: released in both workers
             w.handle(m.Abort("gone"))
-        assert time.perf_counter() - meter.t0 < 30, "the structured request never ran"
     meter.check()
     assert "gone" not in w.sched.reqs and "gone" not in w.grammar.compiles and "gone" not in p.grammar.compiles
     until(lambda: w.sched.reqs.get("json") is None, turn)
     text, reason = _texts(io, hf)["json"]
     assert reason == "stop" and re.fullmatch(REGEX, text), (text, reason)
-    assert threads == ["grammar-compile"] * 2  # json's and gone's
+    assert slow.threads == ["grammar-compile"] * 2  # json's and gone's
     w.handle(m.Abort("plain"))
     until(lambda: not w.sched.reqs and not w.inflight, turn)
     assert len(w.grammar) == 0 and len(p.grammar) == 0 and not p.waiting_prefill

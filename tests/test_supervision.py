@@ -9,6 +9,7 @@ import dataclasses
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,7 @@ from rapidserve.config_base import ConfigError
 from rapidserve.engine.client import AsyncEngine, EngineError, describe_exit
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
+from tests.test_soak import sl
 
 
 def config(**launch: object) -> object:
@@ -28,6 +30,13 @@ def config(**launch: object) -> object:
 
 def mp_semaphores() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("sem.mp-")}
+
+
+def left_semaphores(before: set[str]) -> set[str]:
+    """sem.mp-* made since `before` that no process but this one holds (the engine's workers are gone by then):
+    a named semaphore another test's process has mapped (under pytest-xdist, beside this one) is not ours."""
+    new = mp_semaphores() - before
+    return new - sl.held_elsewhere(new, [os.getpid()])
 
 
 LONG = 8000  # tokens: a request still running when its worker is killed
@@ -79,7 +88,7 @@ def test_ten_deaths_in_a_row_each_recovered() -> None:
             assert sum("workers restarted in" in e for e in engine.events) == 10
         finally:
             await engine.shutdown()
-        assert mp_semaphores() <= before  # the start-up hand-off leaves no named semaphore behind
+        assert not left_semaphores(before)  # the start-up hand-off leaves no named semaphore behind
 
     asyncio.run(main())
 
@@ -230,8 +239,10 @@ def test_a_full_inbox_never_blocks_the_event_loop() -> None:
     asyncio.run(main())
 
 
-def _nap_forever(sem_name: str) -> None:
-    """A worker's idle loop: SIGTERM ends it (worker_signals), naps on a semaphore in between."""
+def _nap_forever(sem_name: str, ready: Any, ended: Any) -> None:
+    """A worker's idle loop: SIGTERM ends it (worker_signals), naps on a semaphore in between; `ready` is set
+    once its handler is in place (a SIGTERM before that would end it by the default action, proving nothing);
+    `ended`: when (monotonic, system-wide) the SystemExit came out of the nap."""
     import posix_ipc
 
     from rapidserve.engine.worker_io import worker_signals
@@ -239,8 +250,13 @@ def _nap_forever(sem_name: str) -> None:
 
     worker_signals()
     sem = posix_ipc.Semaphore(sem_name)
-    while True:
-        nap_on(sem, 0.25)
+    ready.set()
+    try:
+        while True:
+            nap_on(sem, 0.25)
+    except SystemExit:
+        ended.value = time.monotonic()
+        raise
 
 
 def test_sigterm_ends_a_worker_that_is_napping_on_a_semaphore() -> None:
@@ -253,15 +269,20 @@ def test_sigterm_ends_a_worker_that_is_napping_on_a_semaphore() -> None:
     name = f"/rapidserve-test-nap-{os.getpid()}"
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
     try:
-        p = mp.get_context("spawn").Process(target=_nap_forever, args=(name,), daemon=True)
+        ctx = mp.get_context("spawn")
+        ready, ended = ctx.Event(), ctx.Value("d", 0.0, lock=False)
+        p = ctx.Process(target=_nap_forever, args=(name, ready, ended), daemon=True)
         p.start()
-        time.sleep(3.0)  # spawned and napping
+        # its handler in place (a loaded machine took over 3 s to spawn it), then napping: its loop spends all
+        # but microseconds of each 0.25 s nap inside the semaphore wait
+        assert ready.wait(120), "the napping worker never started"
+        time.sleep(0.5)
         assert p.is_alive()
         t0 = time.monotonic()
         p.terminate()
         p.join(5.0)
         assert not p.is_alive() and p.exitcode == 0, p.exitcode
-        assert time.monotonic() - t0 < 1.0
+        assert 0 < ended.value - t0 < 1.0  # at the end of the nap it was in (0.25 s), not the interpreter's exit
     finally:
         sem.unlink()
 
