@@ -88,7 +88,12 @@ def rapid() -> dict[str, tuple[list[int], int | None]]:
 
 def test_disagg_gives_rapid_modes_tokens_and_frees_every_block(rapid: dict[str, tuple[list[int], int | None]]) -> None:
     disagg = asyncio.run(scenario("disagg"))
-    assert disagg == rapid
+    # how much of the aborted prompt was prefilled (and so cached) before the abort landed is a race in
+    # either mode (CI once saw 192 cached tokens in rapid and 0 in disagg): its tokens must agree, and
+    # its cached count be whole blocks of the prompt
+    (toks_a, cached_a), (toks_b, cached_b) = disagg.pop("after-abort"), dict(rapid).pop("after-abort")
+    assert toks_a == toks_b and all(c is not None and c % 16 == 0 and c <= 192 for c in (cached_a, cached_b))
+    assert disagg == {k: v for k, v in rapid.items() if k != "after-abort"}
     assert all(len(toks) == NEW for toks, _ in disagg.values())
     # the prefix cache was hit: the second request on SYS found its three full blocks in decode's pool
     assert disagg["sys+30"][1] == 48 and disagg["sys+2"][1] == 48
