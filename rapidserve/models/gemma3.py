@@ -74,8 +74,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         hidden = ops.rms_norm(hidden, self.post_attention_layernorm, eps)
-        hidden, residual = ops.add_rms_norm(hidden, residual, self.pre_feedforward_layernorm, eps)
-        hidden = _linear(ops, gelu_tanh_and_mul(_linear(ops, hidden, self.gate_up_proj)), self.down_proj)
+        # the pre-feedforward norm quantizes its rows for an fp8 gate|up as DecoderLayer's does (`fused_fp8`); the
+        # GELU-tanh product has no fused quantizer, so down takes float rows
+        normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.pre_feedforward_layernorm)
+        hidden = _linear(ops, gelu_tanh_and_mul(_linear(ops, normed, self.gate_up_proj)), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return ops.rms_norm(hidden, self.post_feedforward_layernorm, eps), residual
