@@ -77,6 +77,14 @@ def test_bundles_that_turn_the_fusion_off() -> None:
     ref = fp8_ops(gpu_without_fp8, "cpu")  # a bundle whose fp8 linear the device cannot run
     assert ref.fp8_linear is fp8.reference_linear and ref.fp8_linear_rows is fp8.reference_linear_rows
     assert not ref.fuse_fp8
+    if HAS_TRITON:  # the GPU bundle: the fused kernels and the rows' GEMM routing; unfused_ops as before the fusion
+        from rapidserve.ops import fp8_gpu, triton_fp8_fused, triton_ops_bundle
+
+        tri = triton_ops_bundle(skinny=True)
+        assert tri.fuse_fp8 and tri.add_rms_norm_fp8 is triton_fp8_fused.add_rms_norm_fp8
+        assert tri.silu_and_mul_fp8 is triton_fp8_fused.silu_and_mul_fp8
+        assert tri.fp8_linear_rows is fp8_gpu.gpu_linear_rows
+        assert not unfused_ops(tri).fuse_fp8 and unfused_fp8(tri).name == "triton-fp8unfused"
 
 
 @pytest.mark.parametrize("dt", [FN, FNUZ])
@@ -161,6 +169,41 @@ def test_a_tiny_fp8_model_takes_the_fused_path_with_the_same_logits(preset: str,
         else:
             assert calls == Counter(fp8_linear=4 * layers), calls
     assert out[True].dtype == torch.float32 and torch.equal(out[True], out[False])
+
+
+def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[str]:
+    """The layouts of the row reductions (`tt.reduce` operands) of `kernel`'s with-residual launch for Qwen3-8B's
+    rows (4096) on `target`, compiled (no GPU) as bench/amd_compile_check.py compiles it."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.amd_compile_check import make_job
+    from bench.amd_launches import TARGETS, Shape, capture, jit_function
+
+    tg = TARGETS[target]
+    launch = next(x for x in capture(Shape("qwen3-8b", 1, dtype), tg).launches
+                  if x.kernel == kernel and x.kwargs["HAS_RESIDUAL"])
+    job = make_job(launch, tg, {})
+    compiled = triton.compile(ASTSource(jit_function(kernel), job.signature, job.constexprs, job.attrs),
+                              target=GPUTarget(tg.backend, tg.arch, tg.warp_size), options=job.options)
+    ir = compiled.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+    return [layouts[m] for m in re.findall(r"\}\) : \(tensor<\d+xf32, (#\w+)>\) -> f32", ir)]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize(("target", "dtype"), [("sm_90", "bfloat16"), ("gfx942", "float32")])
+def test_the_fused_norm_sums_in_the_unfused_kernels_layout(target: str, dtype: str) -> None:
+    """Bit-exactness of the fused RMSNorm rests on its float32 sum of squares running in the same order as
+    triton_ops' kernel's, i.e. over the same layout: compiled for the target, every reduction of the fused kernel
+    (the sum, then the amax) takes the layout of the unfused kernel's sum (an fp8 store left to itself would lay the
+    row out 16 to a thread: triton_fp8_fused's VEC)."""
+    unfused = _reduce_layouts("_rms_norm_kernel", target, dtype)
+    fused = _reduce_layouts("_rms_norm_fp8_kernel", target, dtype)
+    assert len(unfused) == 1 and len(fused) == 2 and set(fused) == set(unfused), (unfused, fused)
 
 
 # --------------------------------------------------------------------------------------- the interpreter checks

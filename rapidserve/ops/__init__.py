@@ -162,9 +162,9 @@ def cublas_linears(ops: Ops) -> Ops:
 
 
 def unfused_ops(ops: Ops) -> Ops:
-    """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear and
-    SiLU-and-mul on its own: the layer as it ran before these changes (for A/B measurements; the engine
-    never uses it)."""
+    """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear,
+    SiLU-and-mul on its own and each fp8 projection quantizing its own input (`unfused_fp8`): the layer as it
+    ran before these changes (for A/B measurements; the engine never uses it)."""
     if ops.name == "torch":
         return ops
     from rapidserve.attention.triton_paged import write_kv

@@ -25,6 +25,10 @@ The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py; the GPU ones routed by 
   quantizes x as `quantize_input` does and multiplies fp8 by fp8 (cuBLASLt's fp8 GEMMs read small-M weights at
   well under the memory bandwidth: bench/results/fp8_linear_probe.md).
 
+Rows already quantized per token (`QuantizedRows`, by the fused RMSNorm / SiLU-and-mul of ops/triton_fp8_fused.py
+or `quantize_rows`) go through `reference_linear_rows` / `fp8_gpu.gpu_linear_rows`: the same routes on the same
+numbers, for the layers that `takes_rows` (per-token activations, per-row weight scales).
+
 Activations are quantized by the same math on every path (per-token ones on a GPU by one Triton kernel,
 `triton_fp8.quantize_tokens`, equal up to the device's float32 division), so only the GEMM differs. Nothing
 reads a device value on the host: every path is CUDA-graph safe.

@@ -40,7 +40,7 @@ def _fp8_args(fp8: torch.dtype) -> dict[str, float]:
 @triton.jit
 def _rms_norm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_cols, stride_x, stride_r, eps,
                          TOP: tl.constexpr, RCP: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, VEC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     # a 2-D x is triton_ops' row view (n_inner 1, inner stride 0): the same loads and sums as its kernel
     y = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, 1, stride_x, 0, stride_r, 0, n_cols, eps, HAS_RESIDUAL,
@@ -48,7 +48,12 @@ def _rms_norm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_cols,
     y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # what rms_norm stores and quantize_tokens loads
     cols = tl.arange(0, BLOCK)
     scale = token_scale(tl.abs(y), RCP, MIN_AMAX)  # past n_cols y is 0
-    tl.store(q_ptr + row * n_cols + cols, to_fp8(y, scale, TOP, q_ptr.dtype.element_ty), mask=cols < n_cols)
+    # The fp8 store's offsets are `cols` spelled as runs of VEC (x's elements a 16-byte access): the compiler then
+    # vectorises it as x's loads, so the row keeps their layout. A 16-wide fp8 store would lay out every value of
+    # the row, the sum of squares included, 16 to a thread, and the float32 sum would run in another order than
+    # triton_ops' kernel's (ttgir of both: tests/test_fp8_fused.py checks that the reductions' layouts agree).
+    offs = (cols // VEC) * VEC + cols % VEC
+    tl.store(q_ptr + row * n_cols + offs, to_fp8(y, scale, TOP, q_ptr.dtype.element_ty), mask=offs < n_cols)
     tl.store(s_ptr + row, scale)
 
 
@@ -81,7 +86,8 @@ def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     block = triton.next_power_of_2(n_cols)  # triton_ops' launch: one row a program, the same warps
     _rms_norm_fp8_kernel[(m,)](x, r, weight, q, scale, res_out if res_out is not None else x, n_cols, x.stride(0),
                                r.stride(0) if residual is not None else 0, eps, **_fp8_args(fp8),
-                               HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+                               HAS_RESIDUAL=residual is not None, BLOCK=block, VEC=16 // x.element_size(),
+                               num_warps=_warps(block),
                                enable_fp_fusion=False)
     return QuantizedRows(q, scale, x.dtype), res_out
 
