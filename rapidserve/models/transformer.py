@@ -25,8 +25,8 @@ FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the s
 `ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
 `models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
 A projection with dynamic per-token activations and per-row weight scales gets its input already quantized by the op
-that makes it (`fused_fp8`: the RMSNorm before q|k|v and gate|up, the SiLU-and-mul before down), the same numbers
-as its own quantizer's without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
+that makes it (`projections.fused_fp8`: the RMSNorm before q|k|v and gate|up, the SiLU-and-mul before down), the
+same numbers as its own quantizer's without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
 An fp8 KV cache (`kv_dtype`): each layer holds its `k_scale` / `v_scale` (float32 [1] parameters, from the config
 tree, never from the weight stream; shared with the prefill worker like every parameter), which its K/V write
 (`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/attention/kv_quant.py).
@@ -46,9 +46,10 @@ from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
+from rapidserve.models.projections import Rows, Weight, fused_fp8, linear, mlp
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, fp8_dtype, takes_rows
+from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
 from rapidserve.parallel.shard import shard_config
 from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
 
@@ -56,46 +57,12 @@ if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
-
-
 class WeightError(ValueError):
     """A checkpoint tensor is missing, unexpected or of the wrong shape."""
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-Rows = torch.Tensor | QuantizedRows  # a projection's input: float rows, or rows its producer quantized (fused_fp8)
-
-
-def fused_fp8(ops: Ops, w: Weight | None) -> torch.dtype | None:
-    """The fp8 format in which the op that makes projection `w`'s input quantizes it (RMSNorm, SiLU-and-mul: the
-    bundle's `*_fp8` ops), or None where `w` takes float rows: the fusion is on (`ops.fuse_fp8`) and `w` is fp8 with
-    dynamic per-token activations and per-row weight scales (`fp8.takes_rows`). Static or per-tensor activation
-    scales, block weight scales, float projections (and MoE experts, w None) keep the float rows."""
-    if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w):
-        return w.weight.dtype
-    return None
-
-
-def _linear(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(x, QuantizedRows):
-        assert isinstance(w, Fp8Linear)  # only fused_fp8's projections are given quantized rows
-        return ops.fp8_linear_rows(x, w, bias)
-    return ops.fp8_linear(x, w, bias) if isinstance(w, Fp8Linear) else ops.linear(x, w, bias)
-
-
-def _mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight) -> torch.Tensor:
-    """down(silu(gate) * up) of the (normed) rows x; with an fp8 gate|up, SiLU-and-mul quantizes its output for
-    `down` where `fused_fp8` says so."""
-    if not isinstance(gate_up, Fp8Linear):
-        assert not isinstance(x, QuantizedRows)
-        return _linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
-    h = _linear(ops, x, gate_up)
-    fp8 = fused_fp8(ops, down)
-    return _linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
 
 
 class DecoderLayer(nn.Module):
@@ -172,7 +139,7 @@ class DecoderLayer(nn.Module):
         written). Returns (q [T, heads, head_dim], residual)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         normed, residual = self.norm_for(ops, self.qkv_proj, hidden, residual, self.input_layernorm)
-        qkv = _linear(ops, normed, self.qkv_proj, self.qkv_bias)
+        qkv = linear(ops, normed, self.qkv_proj, self.qkv_bias)
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -203,7 +170,7 @@ class DecoderLayer(nn.Module):
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
         [T, heads * head_dim]. Returns (hidden, residual) for the next layer."""
         cfg = self.cfg
-        hidden = _linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        hidden = linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 
@@ -212,7 +179,7 @@ class DecoderLayer(nn.Module):
             hidden = self.moe(hidden, ops)
         else:
             normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.post_attention_layernorm)
-            hidden = _mlp(ops, normed, self.gate_up_proj, self.down_proj)
+            hidden = mlp(ops, normed, self.gate_up_proj, self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual
