@@ -10,7 +10,8 @@ with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 bl
 weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Triton block GEMM) at decode and prefill
 steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
 KV_FP8 variants) at decode, prefill and mixed steps, and per-row fp8 weights' launches (`_fp8_token_launches`: the
-per-token quantizer, and NVIDIA's skinny fp8 GEMM). Each
+per-token quantizer, the norms and SiLU-and-mul that quantize their output for them, and NVIDIA's skinny fp8 GEMM).
+Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
@@ -55,6 +56,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_block_kernel": ("rapidserve.ops.triton_fp8", "fp8: layers with fp8 block weight scales"),
     "_quantize_tokens_kernel": ("rapidserve.ops.triton_fp8", "fp8: per-row fp8 weights' per-token activations"),
     "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
+    "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
+    "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
     "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
     "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
@@ -318,8 +321,11 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     per-token activations: `triton_fp8.quantize_tokens` of each projection's input (the `torch._scaled_mm` path's
     quantizer, which asks for a CUDA tensor, so meta tensors skip it there; its variants depend on K and x's dtype
     only), and on NVIDIA the skinny fp8 kernel by `triton_fp8_skinny.routed`'s rule at 1, 2 and MAX_ROWS rows (the
-    JIT's three specialisations of M). The experts of an MoE layer have no fp8 path (refused at load)."""
-    from rapidserve.ops import triton_fp8
+    JIT's three specialisations of M). The fused producers of those inputs (`triton_fp8_fused`, which the model
+    takes for these layers: `transformer.fused_fp8`): the RMSNorm alone (the first layer) and after the residual
+    add, and the MLP's SiLU-and-mul; their variants depend on the row width and x's dtype only. The experts of an MoE
+    layer have no fp8 path (refused at load)."""
+    from rapidserve.ops import triton_fp8, triton_fp8_fused
     from rapidserve.ops import triton_fp8_skinny as fsk
     from rapidserve.ops.triton_skinny import MAX_ROWS, MIN_PROGRAMS
     projections = [(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None)]
@@ -334,3 +340,9 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
             for rows in (1, 2, MAX_ROWS):
                 fsk.skinny_fp8_linear(x[:rows], w8, sw, bias)
         triton_fp8.quantize_tokens(x, fp8)
+    h = torch.empty(MAX_ROWS, layer.input_layernorm.shape[0], dtype=dtype, device=layer.input_layernorm.device)
+    triton_fp8_fused.rms_norm_fp8(h, layer.input_layernorm, 1e-6, fp8)
+    triton_fp8_fused.add_rms_norm_fp8(h, torch.empty_like(h), layer.input_layernorm, 1e-6, fp8)
+    if layer.moe is None:
+        n2 = layer.gate_up_proj.shape[0]
+        triton_fp8_fused.silu_and_mul_fp8(torch.empty(MAX_ROWS, n2, dtype=dtype, device=h.device), fp8)

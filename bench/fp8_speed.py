@@ -9,6 +9,9 @@ dynamic per-token activation scales, the `quant_config.ONLINE_FP8` scheme), it m
             (ms; target: step time falls with the bytes, >= 1.6x fewer bytes read per step)
   logits    the last token's logits of three prompts, fp8 against bf16 (relative error of the norm) and
             whether the argmax agrees
+  fusion    the fp8 decode step again with the fusion of activation quantization into the norms and SiLU-and-mul
+            off (`ops.unfused_fp8`: each fp8 projection quantizes its own input, a launch and a pass more), its
+            graphs captured in the same process: the columns "fp8 unfused ms" and "fusion gain" (unfused / fused)
 Medians over repeats with min/max. Writes <out>/fp8_speed.json and .md; prints the table last.
 """
 
@@ -32,6 +35,7 @@ from model_runner import engine_config, preset_source, stats  # noqa: E402
 
 from rapidserve.config import EngineConfig, ModelConfig  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
+from rapidserve.ops import unfused_fp8  # noqa: E402
 from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 
@@ -51,11 +55,20 @@ def weight_bytes(runner: ModelRunner) -> int:
         b.numel() * b.element_size() for b in runner.model.buffers() if b.dtype != torch.float32 or b.numel() > 1)
 
 
-def measure(runner: ModelRunner, mcfg: ModelConfig, reps: int) -> dict[str, object]:
+def measure(runner: ModelRunner, mcfg: ModelConfig, reps: int, fusion_ab: bool = False) -> dict[str, object]:
+    """Prefill and decode times and the logits of three prompts; with `fusion_ab` also each decode step with the
+    fp8 fusion off (graphs captured under the key "unfused")."""
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):
         pool.tensor[layer].normal_()
     runner.capture_decode_graphs(key="full")
+    if fusion_ab:
+        fused_ops = runner.model.ops
+        runner.model.ops = unfused_fp8(fused_ops)
+        try:
+            runner.capture_decode_graphs(key="unfused")
+        finally:
+            runner.model.ops = fused_ops
     bs, nblocks = runner.block_size, pool.num_blocks
     g = torch.Generator().manual_seed(1)
     out: dict[str, object] = {"weight_bytes": weight_bytes(runner)}
@@ -75,7 +88,14 @@ def measure(runner: ModelRunner, mcfg: ModelConfig, reps: int) -> dict[str, obje
         graph = runner.decode_graph(b, "full")
         step = graph.replay if graph is not None else (lambda items=items: runner.decode(items, graph_key="full"))
         ms = time_ms(step, reps=3 * reps)
-        dec.append({"batch": b, "ctx": CTX, "replay_ms": stats(ms)})
+        row: dict[str, object] = {"batch": b, "ctx": CTX, "replay_ms": stats(ms)}
+        if fusion_ab:
+            runner.decode(items, graph_key="unfused")
+            graph = runner.decode_graph(b, "unfused")
+            step = graph.replay if graph is not None else (
+                lambda items=items: runner.decode(items, graph_key="unfused"))
+            row["unfused_replay_ms"] = stats(time_ms(step, reps=3 * reps))
+        dec.append(row)
     out["decode"] = dec
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, mcfg.vocab_size, (n,), generator=g).tolist() for n in (100, 37, 300)]
@@ -106,7 +126,7 @@ def main() -> int:
     runs: dict[str, dict[str, object]] = {}
     for kind in ("bf16", "fp8"):
         runner = build(name, mcfg, kind == "fp8")
-        runs[kind] = measure(runner, mcfg, a.reps)
+        runs[kind] = measure(runner, mcfg, a.reps, fusion_ab=kind == "fp8")
         del runner
         torch.cuda.empty_cache()
         print(kind, "done", flush=True)
@@ -121,11 +141,13 @@ def main() -> int:
     rows = []
     for i, p in enumerate(runs["bf16"]["prefill"]):  # type: ignore[arg-type]
         b, f = p["ms"]["median"], runs["fp8"]["prefill"][i]["ms"]["median"]  # type: ignore[index]
-        rows.append((f"prefill {p['shape']}", b, f, runs["fp8"]["prefill"][i]["ms"]))  # type: ignore[index]
+        rows.append((f"prefill {p['shape']}", b, f, runs["fp8"]["prefill"][i]["ms"], None))  # type: ignore[index]
     for i, d in enumerate(runs["bf16"]["decode"]):  # type: ignore[arg-type]
-        b, f = d["replay_ms"]["median"], runs["fp8"]["decode"][i]["replay_ms"]["median"]  # type: ignore[index]
-        rows.append((f"decode b={d['batch']} ctx={d['ctx']}", b, f, runs["fp8"]["decode"][i]["replay_ms"]))  # type: ignore[index]
-    res["table"] = [{"row": r, "bf16_ms": b, "fp8_ms": f, "speedup": b / f, "fp8_spread": s} for r, b, f, s in rows]
+        q = runs["fp8"]["decode"][i]  # type: ignore[index]
+        b, f = d["replay_ms"]["median"], q["replay_ms"]["median"]
+        rows.append((f"decode b={d['batch']} ctx={d['ctx']}", b, f, q["replay_ms"], q["unfused_replay_ms"]["median"]))
+    res["table"] = [{"row": r, "bf16_ms": b, "fp8_ms": f, "speedup": b / f, "fp8_spread": s, "fp8_unfused_ms": u,
+                     "fusion_gain": None if u is None else u / f} for r, b, f, s, u in rows]
     wb, wf = runs["bf16"]["weight_bytes"], runs["fp8"]["weight_bytes"]
     res["weight_bytes_ratio"] = wb / wf  # type: ignore[operator]
     os.makedirs(a.out, exist_ok=True)
@@ -135,11 +157,16 @@ def main() -> int:
              f"Command: `{res['command']}`. Medians of {a.reps} (prefill) / {3 * a.reps} (decode replay) runs.", "",
              f"Weight bytes bf16 / fp8: {res['weight_bytes_ratio']:.2f}x. Logits rel. err fp8 vs bf16: "
              + ", ".join(f"{e:.4f}" for e in errs) + f"; argmax agrees: {agree}", "",
-             "| row | bf16 ms | fp8 ms (min-max) | fp8 speedup |", "|---|---|---|---|"]
+             "fp8 unfused: the same fp8 model with each projection quantizing its own input (`ops.unfused_fp8`); "
+             "fusion gain = fp8 unfused / fp8.", "",
+             "| row | bf16 ms | fp8 ms (min-max) | fp8 speedup | fp8 unfused ms | fusion gain |",
+             "|---|---|---|---|---|---|"]
     for t in res["table"]:  # type: ignore[union-attr]
         s = t["fp8_spread"]
+        u = "-" if t["fp8_unfused_ms"] is None else f"{t['fp8_unfused_ms']:.3f}"
+        gain = "-" if t["fusion_gain"] is None else f"{t['fusion_gain']:.3f}x"
         lines.append(f"| {t['row']} | {t['bf16_ms']:.2f} | {t['fp8_ms']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                     f"{t['speedup']:.2f}x |")
+                     f"{t['speedup']:.2f}x | {u} | {gain} |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "fp8_speed.md"), "w") as fh:
         fh.write(md)

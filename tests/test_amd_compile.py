@@ -75,7 +75,8 @@ def captures() -> dict[str, list[tuple[Shape, list]]]:
 
 
 def test_capture_reaches_every_kernel_on_its_platforms(captures: dict[str, list[tuple[Shape, list]]]) -> None:
-    assert {"_fp8_block_kernel", "_quantize_tokens_kernel"} == FP8_ONLY
+    assert {"_fp8_block_kernel", "_quantize_tokens_kernel", "_rms_norm_fp8_kernel", "_silu_and_mul_fp8_kernel"} \
+        == FP8_ONLY
     amd = {launch.kernel for _, launches in captures["gfx942"] for launch in launches}
     nv = {launch.kernel for _, launches in captures["sm_90"] for launch in launches}
     assert amd == set(KERNELS) - NVIDIA_ONLY  # the skinny GEMM never on the ROCm path

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
-from rapidserve.models.transformer import CausalLM, DecoderLayer, KVCache, _linear, _param
+from rapidserve.models.projections import linear
+from rapidserve.models.transformer import CausalLM, DecoderLayer, KVCache, _param
 from rapidserve.ops import Ops
 from rapidserve.quant_config import QuantizationConfig
 
@@ -70,12 +71,14 @@ class Gemma3DecoderLayer(DecoderLayer):
         """The o projection, its norm, the residual add and pre-feedforward norm, the GELU-tanh MLP and its norm.
         Returns (the MLP's normed output, the residual stream before it)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        hidden = _linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        hidden = linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         hidden = ops.rms_norm(hidden, self.post_attention_layernorm, eps)
-        hidden, residual = ops.add_rms_norm(hidden, residual, self.pre_feedforward_layernorm, eps)
-        hidden = _linear(ops, gelu_tanh_and_mul(_linear(ops, hidden, self.gate_up_proj)), self.down_proj)
+        # the pre-feedforward norm quantizes its rows for an fp8 gate|up as DecoderLayer's does (`fused_fp8`); the
+        # GELU-tanh product has no fused quantizer, so down takes float rows
+        normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.pre_feedforward_layernorm)
+        hidden = linear(ops, gelu_tanh_and_mul(linear(ops, normed, self.gate_up_proj)), self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return ops.rms_norm(hidden, self.post_feedforward_layernorm, eps), residual

@@ -24,6 +24,9 @@ Mixture-of-experts (issue 40; mixtral, qwen3_moe): a layer the config's `moe` ma
 FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the scheme quantizes is an
 `ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
 `models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
+A projection with dynamic per-token activations and per-row weight scales gets its input already quantized by the op
+that makes it (`projections.fused_fp8`: the RMSNorm before q|k|v and gate|up, the SiLU-and-mul before down), the
+same numbers as its own quantizer's without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
 An fp8 KV cache (`kv_dtype`): each layer holds its `k_scale` / `v_scale` (float32 [1] parameters, from the config
 tree, never from the weight stream; shared with the prefill worker like every parameter), which its K/V write
 (`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/attention/kv_quant.py).
@@ -43,6 +46,7 @@ from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
+from rapidserve.models.projections import Rows, Weight, fused_fp8, linear, mlp
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
@@ -53,23 +57,12 @@ if TYPE_CHECKING:
     from rapidserve.parallel.group import TPGroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
-
-
 class WeightError(ValueError):
     """A checkpoint tensor is missing, unexpected or of the wrong shape."""
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _linear(ops: Ops, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return ops.fp8_linear(x, w, bias) if isinstance(w, Fp8Linear) else ops.linear(x, w, bias)
-
-
-def _linear_silu_and_mul(ops: Ops, x: torch.Tensor, w: Weight) -> torch.Tensor:
-    return ops.silu_and_mul(ops.fp8_linear(x, w, None)) if isinstance(w, Fp8Linear) else ops.linear_silu_and_mul(x, w)
 
 
 class DecoderLayer(nn.Module):
@@ -145,14 +138,9 @@ class DecoderLayer(nn.Module):
         projection, (q/k norm,) RoPE and the K/V write into the cache at `slot_mapping` (slot -1: nothing
         written). Returns (q [T, heads, head_dim], residual)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm, eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm, eps)
-
-        t = hidden.shape[0]
-        qkv = _linear(ops, hidden, self.qkv_proj, self.qkv_bias)
+        normed, residual = self.norm_for(ops, self.qkv_proj, hidden, residual, self.input_layernorm)
+        qkv = linear(ops, normed, self.qkv_proj, self.qkv_bias)
+        t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -163,21 +151,35 @@ class DecoderLayer(nn.Module):
                            slot_mapping, self.k_scale, self.v_scale)
         return q, residual
 
+    def norm_for(self, ops: Ops, w: Weight | None, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 weight: torch.Tensor) -> tuple[Rows, torch.Tensor]:
+        """The RMSNorm (after the residual add, unless `residual` is None: the first layer's, whose residual is
+        `hidden`) whose output feeds projection `w`: quantized for it where `fused_fp8` says so. Returns (the normed
+        rows, the residual stream)."""
+        eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w)
+        if residual is None:
+            normed = ops.rms_norm(hidden, weight, eps) if fp8 is None else ops.rms_norm_fp8(hidden, weight, eps, fp8)
+            return normed, hidden
+        if fp8 is None:
+            return ops.add_rms_norm(hidden, residual, weight, eps)
+        return ops.add_rms_norm_fp8(hidden, residual, weight, eps, fp8)
+
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
                        ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after attention, row by row: the o projection, the residual add and norm, the MLP
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
         [T, heads * head_dim]. Returns (hidden, residual) for the next layer."""
-        cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        hidden = _linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        cfg = self.cfg
+        hidden = linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 
-        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, eps)
         if self.moe is not None:
+            hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, cfg.rms_norm_eps)
             hidden = self.moe(hidden, ops)
         else:
-            hidden = _linear(ops, _linear_silu_and_mul(ops, hidden, self.gate_up_proj), self.down_proj)
+            normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.post_attention_layernorm)
+            hidden = mlp(ops, normed, self.gate_up_proj, self.down_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return hidden, residual

@@ -28,6 +28,14 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 - ``fp8_linear(x [T, K], layer: fp8.Fp8Linear, bias [N] | None) -> [T, N]``: a projection stored in fp8 (issue 39,
   rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8_gpu.gpu_linear` (torch._scaled_mm, the
   Triton block kernel) in the Triton one; `fp8_ops(bundle, device)` puts the reference back on a GPU without fp8
+- the producers of an fp8 projection's input, fused with its per-token quantization (issue 39; the model takes them
+  when `fuse_fp8` and the next projection `fp8.takes_rows`): ``rms_norm_fp8(x, weight, eps, fp8) -> QuantizedRows``,
+  ``add_rms_norm_fp8(x, residual, weight, eps, fp8) -> (QuantizedRows, residual + x)``, ``silu_and_mul_fp8(x, fp8)
+  -> QuantizedRows`` (`fp8.QuantizedRows`: q fp8 [T, K], scale [T, 1], the rows' dtype), and
+  ``fp8_linear_rows(rows, layer, bias) -> [T, N]``, `fp8_linear` of the rows they quantize: the op then
+  `fp8.quantize_rows` and `fp8.reference_linear_rows` in the torch bundle, one launch each
+  (`triton_fp8_fused`) and `fp8_gpu.gpu_linear_rows` in the Triton one; the same numbers as the unfused ops.
+  `unfused_fp8(bundle)` turns the fusion off (the A/B of bench/fp8_speed.py)
 
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
 it: see its docstring). `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches,
@@ -89,6 +97,14 @@ class Ops:
     linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_linear: Callable[[torch.Tensor, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor]
     moe_experts: MoeExperts = moe.moe_experts_ref
+    rms_norm_fp8: Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], fp8.QuantizedRows] = (
+        torch_ops.rms_norm_fp8)
+    add_rms_norm_fp8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.dtype],
+                               tuple[fp8.QuantizedRows, torch.Tensor]] = torch_ops.add_rms_norm_fp8
+    silu_and_mul_fp8: Callable[[torch.Tensor, torch.dtype], fp8.QuantizedRows] = torch_ops.silu_and_mul_fp8
+    fp8_linear_rows: Callable[[fp8.QuantizedRows, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor] = (
+        fp8.reference_linear_rows)
+    fuse_fp8: bool = True  # whether the model fuses the quantization of fp8 projections' inputs into their producers
 
 
 def torch_ops_bundle() -> Ops:
@@ -100,13 +116,15 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import fp8_gpu, triton_ops
+    from rapidserve.ops import fp8_gpu, triton_fp8_fused, triton_ops
 
     if skinny is None:
         skinny = torch.version.hip is None
     ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
-              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, _fused_moe())
+              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, _fused_moe(),
+              triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
+              fp8_gpu.gpu_linear_rows)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -144,9 +162,9 @@ def cublas_linears(ops: Ops) -> Ops:
 
 
 def unfused_ops(ops: Ops) -> Ops:
-    """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear and
-    SiLU-and-mul on its own: the layer as it ran before these changes (for A/B measurements; the engine
-    never uses it)."""
+    """`ops` with RoPE and the KV write as two launches, every linear through torch's F.linear,
+    SiLU-and-mul on its own and each fp8 projection quantizing its own input (`unfused_fp8`): the layer as it
+    ran before these changes (for A/B measurements; the engine never uses it)."""
     if ops.name == "torch":
         return ops
     from rapidserve.attention.triton_paged import write_kv
@@ -162,16 +180,24 @@ def unfused_ops(ops: Ops) -> Ops:
         write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
         return q
 
-    return dataclasses.replace(cublas_linears(ops), name=ops.name + "-unfused", rope_write=rope_write)
+    return dataclasses.replace(unfused_fp8(cublas_linears(ops)), name=ops.name + "-unfused", rope_write=rope_write)
+
+
+def unfused_fp8(ops: Ops) -> Ops:
+    """`ops` with `fuse_fp8` off: every fp8 projection quantizes its own input (`fp8_linear`), as before the fused
+    producers (the A/B of bench/fp8_speed.py; the engine runs with the fusion)."""
+    return ops if not ops.fuse_fp8 else dataclasses.replace(ops, name=ops.name + "-fp8unfused", fuse_fp8=False)
 
 
 def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
     """`ops` with the fp8 linear `device` can run: its own where the device multiplies fp8 (`fp8.fp8_supported`)
     or the bundle's is already the reference, else `fp8.reference_linear` (a GPU without fp8: the weights
-    dequantized at each call, correct and slow)."""
+    dequantized at each call, correct and slow) with the fused producers off (their Triton kernels write fp8, which
+    such a GPU has no conversions for)."""
     if ops.fp8_linear is fp8.reference_linear or fp8.fp8_supported(device):
         return ops
-    return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear)
+    return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear,
+                               fp8_linear_rows=fp8.reference_linear_rows, fuse_fp8=False)
 
 
 def get_ops(device: torch.device | str) -> Ops:
@@ -182,4 +208,4 @@ def get_ops(device: torch.device | str) -> Ops:
 
 
 __all__ = ["Linear", "MoeExperts", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "torch_ops_bundle",
-           "triton_ops_bundle", "unfused_ops"]
+           "triton_ops_bundle", "unfused_fp8", "unfused_ops"]

@@ -25,12 +25,18 @@ The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py; the GPU ones routed by 
   quantizes x as `quantize_input` does and multiplies fp8 by fp8 (cuBLASLt's fp8 GEMMs read small-M weights at
   well under the memory bandwidth: bench/results/fp8_linear_probe.md).
 
+Rows already quantized per token (`QuantizedRows`, by the fused RMSNorm / SiLU-and-mul of ops/triton_fp8_fused.py
+or `quantize_rows`) go through `reference_linear_rows` / `fp8_gpu.gpu_linear_rows`: the same routes on the same
+numbers, for the layers that `takes_rows` (per-token activations, per-row weight scales).
+
 Activations are quantized by the same math on every path (per-token ones on a GPU by one Triton kernel,
 `triton_fp8.quantize_tokens`, equal up to the device's float32 division), so only the GEMM differs. Nothing
 reads a device value on the host: every path is CUDA-graph safe.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -195,10 +201,62 @@ def reference_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | Non
     """The definition (module docstring): x quantized as the scheme says, x8 and the weight dequantized to x's
     dtype, F.linear. Runs anywhere; on a GPU it writes the dequantized weight each call (slow)."""
     x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
-    xq = dequantize_input(x8, sx, layer.group).to(x.dtype)
-    return F.linear(xq, layer.dequantized(x.dtype), bias)
+    return _dequantized_linear(x8, sx, layer, x.dtype, bias)
 
 
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "dequantize_input", "dequantize_weight",
-           "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported", "quantize_input", "quantize_weight",
-           "reference_linear", "to_fnuz"]
+def _dequantized_linear(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torch.dtype,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    xq = dequantize_input(x8, sx, layer.group).to(dtype)
+    return F.linear(xq, layer.dequantized(dtype), bias)
+
+
+class QuantizedRows(NamedTuple):
+    """Rows already quantized per token (issue 39's fusion: the op that makes a projection's input, RMSNorm or
+    SiLU-and-mul, writes them): `q` [M, K] fp8 and `scale` [M, 1] float32, `quantize_input(x, "token", fp8)`'s
+    numbers for the rows x it would have written, and `dtype`, x's dtype (the projection's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_rows(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
+    """x [M, K] quantized per token (`quantize_input(x, "token", fp8)`) as `QuantizedRows`: the reference of the
+    fused ops (torch_ops' `*_fp8`)."""
+    x8, sx = quantize_input(x, "token", fp8)
+    return QuantizedRows(x8, sx, x.dtype)
+
+
+def takes_rows(layer: Fp8Linear) -> bool:
+    """Whether `layer` takes `QuantizedRows` (`reference_linear_rows`, `fp8_gpu.gpu_linear_rows`): dynamic
+    per-token activations and per-row weight scales, the scheme whose input quantization the op before it can
+    do. Static or per-tensor activation scales and block weight scales (per-token-group activations) quantize
+    their input themselves."""
+    return layer.activations == "token" and layer.block is None
+
+
+def reference_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference_linear` of the rows x that `rows` quantize (the same numbers: quantizing is all that moved out),
+    out in rows.dtype. ValueError for a layer that does not `takes_rows` or rows of another fp8 format or width."""
+    check_rows(rows, layer)
+    return _dequantized_linear(rows.q, rows.scale, layer, rows.dtype, bias)
+
+
+def check_rows(rows: QuantizedRows, layer: Fp8Linear) -> None:
+    """ValueError naming what does not fit unless `layer` `takes_rows` these rows (its fp8 format, its K columns,
+    one float32 scale a row)."""
+    n, k = layer.weight.shape
+    if not takes_rows(layer):
+        raise ValueError(f"pre-quantized rows feed per-token fp8 layers with per-row weight scales, not "
+                         f"{layer.extra_repr()}: pass the float rows")
+    q, s = rows.q, rows.scale
+    if q.dim() != 2 or q.shape[1] != k or q.dtype != layer.weight.dtype or s.dtype != torch.float32 \
+            or tuple(s.shape) != (q.shape[0], 1):
+        raise ValueError(f"quantized rows for a {n}x{k} {layer.weight.dtype} layer must be q [M, {k}] of that dtype "
+                         f"and scale [M, 1] float32; got q {tuple(q.shape)} {q.dtype}, scale {tuple(s.shape)} "
+                         f"{s.dtype}")
+
+
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "check_rows", "dequantize_input",
+           "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported", "quantize_input",
+           "quantize_rows", "quantize_weight", "reference_linear", "reference_linear_rows", "takes_rows", "to_fnuz"]

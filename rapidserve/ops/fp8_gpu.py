@@ -5,6 +5,8 @@ The math every path computes, and the reference, are in rapidserve/ops/fp8.py; t
   skinny kernel (`triton_fp8_skinny`);
 - block scales: the Triton block GEMM (`triton_fp8.block_linear`);
 - shapes none of them takes (K or N not a multiple of 16): `fp8.reference_linear`.
+`gpu_linear_rows` takes rows already quantized per token by the op that made them (triton_fp8_fused: RMSNorm,
+SiLU-and-mul) through the same routing, minus the quantizer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from rapidserve.ops import triton_fp8, triton_fp8_skinny
-from rapidserve.ops.fp8 import Fp8Linear, quantize_input, reference_linear
+from rapidserve.ops.fp8 import (
+    Fp8Linear,
+    QuantizedRows,
+    check_rows,
+    quantize_input,
+    reference_linear,
+    reference_linear_rows,
+)
 
 FAST_ACCUM = True  # `scaled_mm_linear`'s use_fast_accum (its docstring)
 
@@ -35,11 +44,16 @@ def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | Non
         x8, sx = triton_fp8.quantize_tokens(x, layer.weight.dtype)
     else:
         x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
+    return _scaled_mm(x8, sx, layer, x.dtype, bias)
+
+
+def _scaled_mm(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torch.dtype,
+               bias: torch.Tensor | None) -> torch.Tensor:
     if sx.shape[0] != x8.shape[0]:
         sx = sx.expand(x8.shape[0], 1).contiguous()
     out = torch._scaled_mm(x8, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale.reshape(1, -1),
                            out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM)
-    out = out.to(x.dtype)
+    out = out.to(dtype)
     return out if bias is None else out + bias
 
 
@@ -60,4 +74,17 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
     return reference_linear(x, layer, bias)
 
 
-__all__ = ["FAST_ACCUM", "gpu_linear", "scaled_mm_linear", "scaled_mm_ok"]
+def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`gpu_linear` of the rows x that `rows` quantize (a fused producer's output, triton_fp8_fused), for layers that
+    `takes_rows`: the same routing on the same quantized numbers, so the same kernel and the same result as
+    `gpu_linear(x, layer, bias)`, without the quantizer (the skinny kernel at 1-16 rows on NVIDIA, else
+    `torch._scaled_mm`, else the reference). ValueError for a layer or rows that do not fit (`fp8.check_rows`)."""
+    check_rows(rows, layer)
+    if torch.version.hip is None and triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale):
+        return triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, bias)
+    if scaled_mm_ok(rows.q, layer):
+        return _scaled_mm(rows.q, rows.scale, layer, rows.dtype, bias)
+    return reference_linear_rows(rows, layer, bias)
+
+
+__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "scaled_mm_linear", "scaled_mm_ok"]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.attention.torch_ref import write_kv as torch_write_kv
+from rapidserve.ops.fp8 import QuantizedRows, quantize_rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,3 +91,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # transformers applies silu to the contiguous output of gate_proj; on CPU silu's vectorised and
     # strided paths can differ in the last bit, so take the same (contiguous) path.
     return F.silu(gate.contiguous()) * up
+
+
+# The fused producers of fp8 projections' inputs (issue 39), here as their definition: the op, then its rows
+# quantized per token (`fp8.quantize_rows`). The Triton bundle's (ops/triton_fp8_fused.py) do both in one launch.
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: torch.dtype) -> QuantizedRows:
+    """rms_norm(x [M, N]) quantized per token to `fp8`."""
+    return quantize_rows(rms_norm(x, weight, eps), fp8)
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     fp8: torch.dtype) -> tuple[QuantizedRows, torch.Tensor]:
+    """add_rms_norm's (normed rows quantized per token to `fp8`, residual + x)."""
+    normed, new_residual = add_rms_norm(x, residual, weight, eps)
+    return quantize_rows(normed, fp8), new_residual
+
+
+def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
+    """silu_and_mul(x [M, 2I]) quantized per token to `fp8`."""
+    return quantize_rows(silu_and_mul(x), fp8)

@@ -115,13 +115,25 @@ def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, TOP: t
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), MIN_AMAX) * RCP
+    scale = token_scale(amax, RCP, MIN_AMAX)
     q_row = q_ptr + row * stride_qm
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP)  # IEEE division, as torch
-        tl.store(q_row + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=k0 + offs < K)
+        tl.store(q_row + k0 + offs, to_fp8(x, scale, TOP, q_ptr.dtype.element_ty), mask=k0 + offs < K)
     tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def token_scale(amax, RCP: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """A row's scale from `amax`, [BLOCK] running maxima of |x| (0 where masked): max(amax, MIN_AMAX) * RCP in
+    float32, `quantize_input`'s product (also the fused producers' of triton_fp8_fused)."""
+    return tl.maximum(tl.max(amax, 0), MIN_AMAX) * RCP
+
+
+@triton.jit
+def to_fp8(x, scale, TOP: tl.constexpr, fp8: tl.constexpr):
+    """fp8(clamp(x / scale, -TOP, TOP)) of float32 x: IEEE division, as torch (also the fused producers')."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP).to(fp8)
 
 
 def quantize_tokens(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,4 +154,4 @@ def quantize_tokens(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, to
     return q, scale
 
 
-__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens"]
+__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens", "to_fp8", "token_scale"]

@@ -13,8 +13,10 @@ The math is `fp8.reference_linear`'s for "token" activations, up to the order of
     out[m, n] = (sum_k x8[m, k] w8[n, k]) * sx[m] * sw[n] (+ bias[n])
 Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows, accumulating
 tl.dot(x8 tile, w8 tile^T) in float32 over K in BLOCK_K steps (rows past M masked), scaled in its epilogue.
-No split-K. Graph-safe (no host reads of device values). NVIDIA only (`fp8_gpu.gpu_linear` routes here when
-torch.version.hip is None): on ROCm the kernels are not measured, and its calls go to `torch._scaled_mm`.
+No split-K. Graph-safe (no host reads of device values). `skinny_fp8_linear_rows` takes rows that the op before
+the projection already quantized (issue 39's fusion, ops/triton_fp8_fused.py): the same kernel, no quantizer
+launch. NVIDIA only (`fp8_gpu.gpu_linear` routes here when torch.version.hip is None): on ROCm the kernels are
+not measured, and its calls go to `torch._scaled_mm`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops.fp8 import QuantizedRows
 from rapidserve.ops.triton_fp8 import quantize_tokens
 from rapidserve.ops.triton_skinny import MAX_ROWS, MIN_PROGRAMS, SkinnyConfig, skinny_config
 
@@ -63,20 +66,55 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, s
     tl.store(out, acc.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def _fits(rows: int, cols: int, dense: bool, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (0 < rows <= MAX_ROWS and dtype in (torch.bfloat16, torch.float16) and weight.dtype in FP8_DTYPES
+            and dense and weight.is_contiguous() and cols == weight.shape[1] and scale.dtype == torch.float32
+            and tuple(scale.shape) == (weight.shape[0],) and scale.is_contiguous())
+
+
 def fp8_ok(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `skinny_fp8_linear` may take this call: 1..MAX_ROWS rows of a 2-D bf16/fp16 x with a contiguous
     last dim, a contiguous fp8 weight [N, K] and float32 scales [N]."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype in FP8_DTYPES and x.stride(-1) == 1 and weight.is_contiguous()
-            and x.shape[1] == weight.shape[1] and scale.dtype == torch.float32
-            and tuple(scale.shape) == (weight.shape[0],) and scale.is_contiguous())
+    return x.dim() == 2 and _fits(x.shape[0], x.shape[1], x.stride(-1) == 1, x.dtype, weight, scale)
+
+
+def rows_ok(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """`fp8_ok` for rows already quantized (`skinny_fp8_linear_rows`): the same bounds on q [M, K] (of the weight's
+    fp8 format, scale [M, 1] float32) and the rows' dtype."""
+    q = rows.q
+    return (q.dim() == 2 and q.dtype == weight.dtype and rows.scale.dtype == torch.float32
+            and tuple(rows.scale.shape) == (q.shape[0], 1) and rows.scale.is_contiguous()
+            and _fits(q.shape[0], q.shape[1], q.stride(-1) == 1, rows.dtype, weight, scale))
+
+
+def _wide(weight: torch.Tensor) -> bool:
+    return -(-weight.shape[0] // fp8_config(*weight.shape).block_n) >= MIN_PROGRAMS
 
 
 def routed(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether `fp8_gpu.gpu_linear` sends this call here: on a GPU, a call that `fp8_ok`, and a grid of at least
     MIN_PROGRAMS programs (a thin grid, a tensor-parallel shard or a small model, stays on `torch._scaled_mm`)."""
-    return (x.is_cuda and fp8_ok(x, weight, scale)
-            and -(-weight.shape[0] // fp8_config(*weight.shape).block_n) >= MIN_PROGRAMS)
+    return x.is_cuda and fp8_ok(x, weight, scale) and _wide(weight)
+
+
+def routed_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """`routed` for quantized rows (`fp8_gpu.gpu_linear_rows`): the same calls of the same rows go here."""
+    return rows.q.is_cuda and rows_ok(rows, weight, scale) and _wide(weight)
+
+
+def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+            dtype: torch.dtype, config: SkinnyConfig | None) -> torch.Tensor:
+    n, k = weight.shape
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
+    cfg = config or fp8_config(n, k)
+    out = torch.empty((x8.shape[0], n), dtype=dtype, device=x8.device)
+    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x8, sx, weight, scale, bias if bias is not None else scale, out, x8.shape[0], n, k, x8.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return out
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -88,17 +126,21 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         raise ValueError(f"skinny_fp8_linear takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] with a contiguous last "
                          f"dim, a contiguous fp8 weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
-    cfg = config or fp8_config(n, k)
-    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     x8, sx = quantize_tokens(x, weight.dtype)
-    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x8, sx, weight, scale, bias if bias is not None else scale, out, x.shape[0], n, k, x8.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return out
+    return _launch(x8, sx, weight, scale, bias, x.dtype, config)
 
 
-__all__ = ["fp8_config", "fp8_ok", "routed", "skinny_fp8_linear"]
+def skinny_fp8_linear_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """`skinny_fp8_linear` of the rows that `rows` quantize (the fused producers' output, triton_fp8_fused): the
+    same kernel on the same x8 and scales, out in rows.dtype. ValueError unless `rows_ok`."""
+    if not rows_ok(rows, weight, scale):
+        n, k = weight.shape
+        raise ValueError(f"skinny_fp8_linear_rows takes 1..{MAX_ROWS} rows q [M, {k}] of the weight's fp8 with "
+                         f"scale [M, 1] float32 (of bf16/fp16 rows), a contiguous weight and float32 scales [{n}]; "
+                         f"got q {tuple(rows.q.shape)} {rows.q.dtype}, scale {tuple(rows.scale.shape)}, rows of "
+                         f"{rows.dtype}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)}")
+    return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config)
+
+
+__all__ = ["fp8_config", "fp8_ok", "routed", "routed_rows", "rows_ok", "skinny_fp8_linear", "skinny_fp8_linear_rows"]

@@ -24,11 +24,12 @@ def _warps(block: int) -> int:
 
 # ----------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
-                     stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Row ``row`` of x is at ``(row // n_inner) * stride_xo + (row % n_inner) * stride_xi``."""
-    row = tl.program_id(0).to(tl.int64)
+def _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
+             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Row `row` normalised, weight * h.to(dtype), in float32 before its rounding to the output dtype ([BLOCK],
+    0 past n_cols); with HAS_RESIDUAL the sum residual + x, rounded to x's dtype, is what is normalised and is
+    stored to res_out's row first. Row ``row`` of x is at ``(row // n_inner) * stride_xo + (row % n_inner) *
+    stride_xi``. (Shared with triton_fp8_fused's RMSNorm that quantizes its output: the same numbers.)"""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     outer = row // n_inner
@@ -42,8 +43,18 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
     variance = tl.sum(h * h, axis=0) / n_cols
     h = h * tl.rsqrt(variance + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    return h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
+                     stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    y = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri, n_cols,
+                 eps, HAS_RESIDUAL, BLOCK)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -333,15 +344,22 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
 
 # ------------------------------------------------------------------------------------ SiLU and mul
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in float32 before its rounding to the output dtype, silu rounded to gate's dtype first (as
+    torch). (Shared with triton_fp8_fused's SiLU-and-mul that quantizes its output: the same numbers.)"""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return act.to(tl.float32) * up.to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
     gate = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + n_inter + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    out = act.to(tl.float32) * up.to(tl.float32)
+    out = _silu_mul(gate, up)
     tl.store(out_ptr + t * n_inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

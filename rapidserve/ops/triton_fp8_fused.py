@@ -1,0 +1,160 @@
+"""RMSNorm (alone or after the residual add) and SiLU-and-mul that write their output as per-token fp8 rows, the
+input of the fp8 projection after them (issue 39: the separate quantizer cost a launch and a pass over the rows per
+projection). Each row y of the op's output, exactly as triton_ops computes it and rounded to x's dtype, becomes
+
+    scale = max(amax |y|, MIN_AMAX) * (1 / fp8_max)     float32, `fp8.quantize_input`'s product
+    q     = fp8(clamp(y / scale, -fp8_max, fp8_max))   IEEE division, the hardware's round-to-nearest-even cast
+
+through the same Triton helpers as `triton_fp8.quantize_tokens` (`token_scale`, `to_fp8`), so `op` then
+`quantize_tokens` and the fused op give the same bits on the GPU; y is never written (the residual sum of
+`add_rms_norm_fp8` is, as `triton_ops.add_rms_norm` writes it). The results are `fp8.QuantizedRows` for
+`fp8_gpu.gpu_linear_rows`.
+
+Layouts: x [M, K] (2-D; a last dim that is not contiguous is copied first), the output q [M, K] (RMSNorm) or
+[M, I] (SiLU-and-mul of x [M, 2I] = cat(gate, up)) contiguous, scale [M, 1] float32. One program a row: RMSNorm
+holds its row in registers as triton_ops' kernel does (the same launch sizes, so the same float32 sums); SiLU-and-mul
+holds it when I <= ONE_PASS_COLS, else reads it twice in BLOCK-column steps (the amax, then the quantized values; the
+second read mostly from L2). A norm weight of another dtype than x (whose product promotes) takes the two unfused
+launches. No host reads of device values and no value-dependent shapes: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rapidserve.ops import triton_ops
+from rapidserve.ops.fp8 import MIN_AMAX, QuantizedRows, fp8_max
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_scale
+from rapidserve.ops.triton_ops import _rms_row, _silu_mul, _warps
+
+ONE_PASS_COLS = 16384  # SiLU-and-mul rows up to this wide stay in registers (16 warps: 32 values a thread)
+LOOP_BLOCK = 4096  # wider rows: column steps of this many, as quantize_tokens takes them
+
+
+def _fp8_args(fp8: torch.dtype) -> dict[str, float]:
+    return {"TOP": fp8_max(fp8), "RCP": 1.0 / fp8_max(fp8), "MIN_AMAX": MIN_AMAX}  # quantize_tokens' constants
+
+
+@triton.jit
+def _rms_norm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_cols, stride_x, stride_r, eps,
+                         TOP: tl.constexpr, RCP: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr, VEC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    # a 2-D x is triton_ops' row view (n_inner 1, inner stride 0): the same loads and sums as its kernel
+    y = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, 1, stride_x, 0, stride_r, 0, n_cols, eps, HAS_RESIDUAL,
+                 BLOCK)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # what rms_norm stores and quantize_tokens loads
+    cols = tl.arange(0, BLOCK)
+    scale = token_scale(tl.abs(y), RCP, MIN_AMAX)  # past n_cols y is 0
+    # The fp8 store's offsets are `cols` spelled as runs of VEC (x's elements a 16-byte access): the compiler then
+    # vectorises it as x's loads, so the row keeps their layout. A 16-wide fp8 store would lay out every value of
+    # the row, the sum of squares included, 16 to a thread, and the float32 sum would run in another order than
+    # triton_ops' kernel's (ttgir of both: tests/test_fp8_fused.py checks that the reductions' layouts agree).
+    offs = (cols // VEC) * VEC + cols % VEC
+    tl.store(q_ptr + row * n_cols + offs, to_fp8(y, scale, TOP, q_ptr.dtype.element_ty), mask=offs < n_cols)
+    tl.store(s_ptr + row, scale)
+
+
+def _check_2d(name: str, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2:
+        raise ValueError(f"{name} takes rows x [M, K]; got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             fp8: torch.dtype) -> tuple[QuantizedRows, torch.Tensor | None]:
+    x = _check_2d("rms_norm_fp8", x)
+    m, n_cols = x.shape
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight must be [{n_cols}] (the last dim of x); got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
+    if weight.dtype != x.dtype:  # the norm's output promotes: the unfused launches, the same numbers
+        if residual is None:
+            y, res = triton_ops.rms_norm(x, weight, eps), None
+        else:
+            y, res = triton_ops.add_rms_norm(x, residual, weight, eps)
+        return QuantizedRows(*quantize_tokens(y, fp8), y.dtype), res
+    q = torch.empty((m, n_cols), dtype=fp8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if m == 0 or n_cols == 0:
+        return QuantizedRows(q, scale, x.dtype), res_out
+    r = _check_2d("add_rms_norm_fp8", residual) if residual is not None else x
+    block = triton.next_power_of_2(n_cols)  # triton_ops' launch: one row a program, the same warps
+    _rms_norm_fp8_kernel[(m,)](x, r, weight, q, scale, res_out if res_out is not None else x, n_cols, x.stride(0),
+                               r.stride(0) if residual is not None else 0, eps, **_fp8_args(fp8),
+                               HAS_RESIDUAL=residual is not None, BLOCK=block, VEC=16 // x.element_size(),
+                               num_warps=_warps(block),
+                               enable_fp_fusion=False)
+    return QuantizedRows(q, scale, x.dtype), res_out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: torch.dtype) -> QuantizedRows:
+    """`triton_ops.rms_norm(x, weight, eps)` quantized per token to `fp8` in one launch (module docstring)."""
+    return _rms_fp8(x, None, weight, eps, fp8)[0]
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     fp8: torch.dtype) -> tuple[QuantizedRows, torch.Tensor]:
+    """`triton_ops.add_rms_norm`'s (normed rows quantized per token to `fp8`, residual + x) in one launch."""
+    rows, res = _rms_fp8(x, residual, weight, eps, fp8)
+    assert res is not None
+    return rows, res
+
+
+@triton.jit
+def _silu_row(x_row, cols, n_inter):
+    """silu(gate) * up of columns `cols` (0 past n_inter) rounded to x's dtype, as float32."""
+    mask = cols < n_inter
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + n_inter + cols, mask=mask, other=0.0)
+    return _silu_mul(gate, up).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_xt, n_inter, TOP: tl.constexpr, RCP: tl.constexpr,
+                             MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + t * stride_xt
+    q_row = q_ptr + t * n_inter
+    offs = tl.arange(0, BLOCK)
+    fp8 = q_ptr.dtype.element_ty
+    if ONE_PASS:  # the row in registers (BLOCK >= n_inter)
+        y = _silu_row(x_row, offs, n_inter)
+        scale = token_scale(tl.abs(y), RCP, MIN_AMAX)
+        tl.store(q_row + offs, to_fp8(y, scale, TOP, fp8), mask=offs < n_inter)
+    else:  # the amax over the row, then the row again, quantized
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, n_inter, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_silu_row(x_row, k0 + offs, n_inter)))
+        scale = token_scale(amax, RCP, MIN_AMAX)
+        for k0 in range(0, n_inter, BLOCK):
+            y = _silu_row(x_row, k0 + offs, n_inter)
+            tl.store(q_row + k0 + offs, to_fp8(y, scale, TOP, fp8), mask=k0 + offs < n_inter)
+    tl.store(s_ptr + t, scale)
+
+
+def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype, one_pass_cols: int = ONE_PASS_COLS) -> QuantizedRows:
+    """`triton_ops.silu_and_mul(x)` (x [M, 2I] = cat(gate, up)) quantized per token to `fp8` in one launch: q
+    [M, I], scale [M, 1] (module docstring). `one_pass_cols`: the widest row held in registers (tests set it
+    lower to take the two-pass loop)."""
+    x = _check_2d("silu_and_mul_fp8", x)
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul_fp8 needs an even last dim (cat(gate, up)); got {tuple(x.shape)}")
+    m, n_inter = x.shape[0], x.shape[1] // 2
+    q = torch.empty((m, n_inter), dtype=fp8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0 or n_inter == 0:
+        return QuantizedRows(q, scale, x.dtype)
+    one_pass = n_inter <= one_pass_cols
+    block = triton.next_power_of_2(n_inter) if one_pass else LOOP_BLOCK
+    _silu_and_mul_fp8_kernel[(m,)](x, q, scale, x.stride(0), n_inter, **_fp8_args(fp8), BLOCK=block,
+                                   ONE_PASS=one_pass, num_warps=max(4, min(16, block // 512)),
+                                   enable_fp_fusion=False)
+    return QuantizedRows(q, scale, x.dtype)
+
+
+__all__ = ["LOOP_BLOCK", "ONE_PASS_COLS", "add_rms_norm_fp8", "rms_norm_fp8", "silu_and_mul_fp8"]

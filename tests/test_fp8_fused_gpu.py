@@ -1,0 +1,122 @@
+"""The fused producers of per-token fp8 rows (issue 39, ops/triton_fp8_fused.py) on a GPU that multiplies fp8: bit
+for bit the unfused path (the op's Triton kernel, then `triton_fp8.quantize_tokens`, whose bits test_fp8_gpu checks
+against torch), at Qwen3-8B / Llama-8B row widths; the GEMM of the fused rows (`fp8_gpu.gpu_linear_rows`) gives
+`gpu_linear`'s output exactly on both of its paths (the skinny kernel at 1-16 rows, `torch._scaled_mm` above); and
+an fp8 model gives the same logits fused and unfused, in prefill and in captured decode graphs. Skipped without such
+a GPU (the CPU checks: test_fp8_fused.py); the lead's GPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rapidserve.ops import fp8, fp8_gpu
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and fp8.fp8_supported(CUDA)
+
+
+needs_fp8 = pytest.mark.skipif(not _fp8_gpu(), reason="no GPU that multiplies fp8 (sm_89+, gfx94x)")
+
+
+def _rows(m: int, k: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16) * 3
+    x[0, :3] = torch.tensor([125.4, -136.0, 0.0], dtype=torch.bfloat16)  # a large value, rounding near a binade
+    if m > 2:
+        x[1] = 0  # an all-zero row: MIN_AMAX
+    return x
+
+
+def _same(got: fp8.QuantizedRows, want: tuple[torch.Tensor, torch.Tensor], label: object) -> None:
+    q, s = want
+    assert torch.equal(got.scale, s), (label, (got.scale - s).abs().max())
+    bad = got.q.view(torch.uint8) != q.view(torch.uint8)
+    assert not bad.any(), (label, f"{int(bad.sum())} of {bad.numel()} differ")
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (16, 4096), (64, 5120), (300, 8192), (3, 100)])
+def test_fused_norms_equal_the_unfused_kernels_bit_for_bit(m: int, k: int) -> None:
+    from rapidserve.ops import triton_fp8, triton_fp8_fused, triton_ops
+
+    dt = fp8.fp8_dtype(CUDA)
+    x, r = _rows(m, k, m), _rows(m, k, m + 1)
+    w = (1 + 0.1 * torch.randn(k, device=CUDA)).to(torch.bfloat16)
+    y = triton_ops.rms_norm(x, w, 1e-6)
+    _same(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt), triton_fp8.quantize_tokens(y, dt), ("rms", m, k))
+    _same(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt), fp8.quantize_input(y, "token", dt), ("rms/torch", m, k))
+    y, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
+    rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt)
+    assert torch.equal(got_res, res)
+    _same(rows, triton_fp8.quantize_tokens(y, dt), ("add_rms", m, k))
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "inter"), [(1, 12288), (16, 14336), (64, 12288), (5, 25600), (3, 100)])
+def test_fused_silu_and_mul_equals_the_unfused_kernels_bit_for_bit(m: int, inter: int) -> None:
+    """Rows held in registers (I <= ONE_PASS_COLS) and the two-pass loop (wider, or forced)."""
+    from rapidserve.ops import triton_fp8, triton_fp8_fused, triton_ops
+
+    dt = fp8.fp8_dtype(CUDA)
+    x = _rows(m, 2 * inter, m)
+    want = triton_fp8.quantize_tokens(triton_ops.silu_and_mul(x), dt)
+    _same(triton_fp8_fused.silu_and_mul_fp8(x, dt), want, ("silu", m, inter))
+    _same(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass_cols=16), want, ("silu loop", m, inter))
+
+
+@needs_fp8
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (64, 24576, 4096), (300, 4096, 4096),
+                                           (5, 200, 304)])
+def test_the_gemm_of_fused_rows_is_gpu_linears(m: int, n: int, k: int) -> None:
+    """`gpu_linear_rows(quantized x)` takes `gpu_linear(x)`'s kernel on the same fp8 rows: the same output."""
+    from rapidserve.ops import triton_fp8_skinny
+
+    torch.manual_seed(n)
+    dt = fp8.fp8_dtype(CUDA)
+    layer = fp8.Fp8Linear(n, k, dt, "token", None, CUDA)
+    w8, s = fp8.quantize_weight(torch.randn(n, k, device=CUDA) / k**0.5, "channel", None, dt)
+    layer.weight.copy_(w8)
+    layer.weight_scale.copy_(s)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    rows = fp8.QuantizedRows(*fp8.quantize_input(x, "token", dt), x.dtype)
+    skinny = torch.version.hip is None and triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)
+    assert triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale) == skinny
+    b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+    for bias in (None, b):
+        got = fp8_gpu.gpu_linear_rows(rows, layer, bias)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, fp8_gpu.gpu_linear(x, layer, bias)), (m, skinny)
+
+
+@needs_fp8
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_an_fp8_model_gives_the_same_logits_fused_and_unfused_in_graphs(preset: str) -> None:
+    """`--quantization fp8` (per-token activations): the engine's bundle fuses; prefill logits and the logits of a
+    decode step replayed from captured graphs equal those of the same model with the fusion off."""
+    from rapidserve.config_builder import build_engine_config
+    from rapidserve.ops import triton_fp8_fused, unfused_fp8
+    from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+
+    cfg, source = build_engine_config(f"preset:{preset}", device="cuda", dtype="bfloat16", quantization="fp8",
+                                      num_kv_blocks=64)
+    runner = ModelRunner(cfg, source, show_progress=False)
+    base = runner.model.ops
+    assert base.fuse_fp8 and base.rms_norm_fp8 is triton_fp8_fused.rms_norm_fp8
+    prompts = [[(7 * i + 3) % 500 + 3 for i in range(21)], [(5 * i + 1) % 400 + 3 for i in range(9)]]
+    items = [PrefillItem(prompts[0], 0, [0, 1]), PrefillItem(prompts[1], 0, [2])]
+    fused = runner.prefill(items)
+    runner.model.ops = unfused_fp8(base)
+    unfused = runner.prefill(items)  # rewrites the same K/V (the same bits)
+    runner.capture_decode_graphs(key="unfused", show_progress=False)
+    runner.model.ops = base
+    runner.capture_decode_graphs(key="fused", show_progress=False)
+    assert torch.equal(fused, unfused)
+    steps = [DecodeItem(11, 21, [0, 1]), DecodeItem(13, 9, [2])]
+    got = runner.decode(steps, graph_key="fused")
+    want = runner.decode(steps, graph_key="unfused")
+    assert runner.decode_graph(2, "fused") is not None and runner.decode_graph(2, "unfused") is not None
+    assert torch.equal(got, want)
