@@ -65,7 +65,7 @@ FOLLOWERS_EXIT_S = 3.0  # a leader waits this long for its followers at exit: wi
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
     """The config of tensor-parallel rank `rank`: its GPU (`ParallelConfig.gpus()`); the CPU stays the CPU. Disagg
-    mode's config is every rank's: its builders pick each rank's GPU (`disagg.rank_device`)."""
+    mode's config is every rank's: its builders pick each rank's GPU (`disagg.disagg_devices`)."""
     dev = cfg.runner.device
     if cfg.parallel.tensor_parallel_size == 1 or dev == "cpu" or cfg.launch.mode == "disagg":
         return cfg
