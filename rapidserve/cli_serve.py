@@ -40,14 +40,19 @@ def add_serve_parser(sub: Any) -> None:
                     help="(default: rapid, or hybrid with --policy fused) rapid: prefill and decode in two processes "
                          "sharing weights and KV; hybrid: one "
                          "process, Sarathi-Serve/vLLM-style chunked prefill mixed with decodes in one forward "
-                         "pass per step under --max-num-batched-tokens (the baseline); disagg: prefill on GPU 0 "
-                         "and decode on GPU 1, each with its own copy of the weights, the prompt's KV copied "
-                         "into decode's pool over NVLink/PCIe (the 1P1D disaggregated baseline; needs two GPUs, "
-                         "no -tp/-dp; on CPU both run on the CPU)")
+                         "pass per step under --max-num-batched-tokens (the baseline); disagg: a prefill side on "
+                         "the first N GPUs (N = --prefill-tensor-parallel-size, default -tp) and a decode side on "
+                         "the next M (M = -tp), each with its own copy of the weights sharded over its GPUs, the "
+                         "prompt's KV copied into decode's pool over NVLink/PCIe, each rank its own KV heads "
+                         "(the NPMD disaggregated baseline; 1P1D by default, on two GPUs; N and M must divide the "
+                         "model's KV heads and one the other; no -dp; on CPU every rank runs on the CPU)")
     par = sv.add_argument_group("parallelism (GPUs picked with CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
     par.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
                      help="GPUs each layer is split over (NCCL/RCCL on GPUs, gloo on CPU): per GPU a decode and a "
                           "prefill worker (rapid) or a hybrid worker; must divide the model's attention heads")
+    par.add_argument("--prefill-tensor-parallel-size", "--prefill-tp", type=positive_int, default=None,
+                     help="--mode disagg only: GPUs the prefill side's layers are split over (default: -tp, the "
+                          "decode side's); prefill takes the first N GPUs, decode the next -tp")
     par.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                      help="independent engines behind this one server, each on its own GPUs (least-loaded "
                           "dispatch)")
@@ -121,7 +126,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     model = serve_model(a)  # MODEL or --model
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
     pcfg = partition_config(a)
-    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size)
+    parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+                              prefill_tensor_parallel_size=a.prefill_tensor_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
         raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")

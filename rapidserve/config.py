@@ -22,6 +22,12 @@ from rapidserve.moe_config import MoeConfig
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.quant_config import KV_CACHE_DTYPES, KVScales, QuantizationConfig
 
+
+def divisors(n: int) -> str:
+    """The divisors of `n` up to 16, for messages ("1, 2, 4, 8")."""
+    return ", ".join(str(d) for d in range(1, min(n, 16) + 1) if n % d == 0)
+
+
 Arch = Literal["llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe"]
 ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixtral", "qwen3_moe")
 # A layer's attention (ModelConfig.layer_types, transformers' names): over every earlier token, or the last
@@ -166,27 +172,25 @@ class ModelConfig:
     def replace(self, **kw: object) -> ModelConfig:
         return dataclasses.replace(self, **kw)
 
-    def tp_problem(self, tp: int) -> str | None:
+    def tp_problem(self, tp: int, flag: str = "--tensor-parallel-size") -> str | None:
         """Why this model cannot be split over `tp` tensor-parallel ranks (None: it can). Attention heads and
-        MLP features must divide; KV heads must divide, or (fewer KV heads than ranks) divide tp."""
-        def divisors(n: int) -> str:
-            return ", ".join(str(d) for d in range(1, min(n, 16) + 1) if n % d == 0)
-
+        MLP features must divide; KV heads must divide, or (fewer KV heads than ranks) divide tp. `flag`: the
+        flag the message names (disagg's prefill side: --prefill-tensor-parallel-size)."""
         if tp < 1:
-            return f"--tensor-parallel-size {tp} must be >= 1"
+            return f"{flag} {tp} must be >= 1"
         if self.num_heads % tp:
-            return (f"--tensor-parallel-size {tp} must divide the model's {self.num_heads} attention heads; "
+            return (f"{flag} {tp} must divide the model's {self.num_heads} attention heads; "
                     f"use one of {divisors(self.num_heads)}")
         if self.intermediate_size % tp:
-            return f"--tensor-parallel-size {tp} must divide the MLP's {self.intermediate_size} features"
+            return f"{flag} {tp} must divide the MLP's {self.intermediate_size} features"
         if self.moe is not None and self.moe.intermediate_size % tp:
-            return (f"--tensor-parallel-size {tp} must divide each expert's {self.moe.intermediate_size} features "
+            return (f"{flag} {tp} must divide each expert's {self.moe.intermediate_size} features "
                     "(every rank holds a slice of every expert)")
         if self.num_kv_heads >= tp and self.num_kv_heads % tp:
-            return (f"--tensor-parallel-size {tp} must divide the model's {self.num_kv_heads} KV heads, or be a "
+            return (f"{flag} {tp} must divide the model's {self.num_kv_heads} KV heads, or be a "
                     f"multiple of them; use one of {divisors(self.num_kv_heads)}")
         if self.num_kv_heads < tp and tp % self.num_kv_heads:
-            return (f"--tensor-parallel-size {tp} is more than the model's {self.num_kv_heads} KV heads and not "
+            return (f"{flag} {tp} is more than the model's {self.num_kv_heads} KV heads and not "
                     "a multiple of them: each KV head must be replicated on a whole number of ranks")
         return None
 
@@ -311,30 +315,73 @@ class ParallelConfig:
     """How many GPUs one server uses (rapidserve.parallel): `tensor_parallel_size` ranks hold a shard of every
     layer each (per rank a decode and a prefill worker in rapid mode, a hybrid worker in hybrid mode);
     `data_parallel_size` independent engines sit behind the one router. The GPUs are `devices` (indices as
-    CUDA/ROCm numbers them), default 0 .. tp * dp - 1."""
+    CUDA/ROCm numbers them), default 0 .. tp * dp - 1.
+
+    Disagg mode (engine/disagg.py) runs a prefill side of `prefill_tp` ranks and a decode side of
+    `tensor_parallel_size` ranks (decode owns the KV pool), `prefill_tp + tensor_parallel_size` GPUs in all:
+    prefill on the first, decode on the next (`disagg_gpus`); `prefill_tensor_parallel_size` (None: the same as
+    `tensor_parallel_size`) is read by disagg mode only."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     devices: tuple[int, ...] | None = None
+    prefill_tensor_parallel_size: int | None = None  # --prefill-tensor-parallel-size (disagg only)
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size >= 1,
                f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1 (1: no tensor parallelism)")
         _check(self.data_parallel_size >= 1,
                f"data_parallel_size={self.data_parallel_size} must be >= 1 (1: one engine)")
+        _check(self.prefill_tensor_parallel_size is None or self.prefill_tensor_parallel_size >= 1,
+               f"--prefill-tensor-parallel-size {self.prefill_tensor_parallel_size} must be >= 1")
         if self.devices is not None:
-            _check((len(self.devices) == self.world_size or self.world_size == 1 and len(self.devices) == 2)
-                   and len(set(self.devices)) == len(self.devices) and all(d >= 0 for d in self.devices),
-                   f"devices={list(self.devices)} must be {self.world_size} distinct GPU indices "
-                   f"(tensor_parallel_size x data_parallel_size), or two for --mode disagg (prefill, decode)")
+            _check(len(set(self.devices)) == len(self.devices) and all(d >= 0 for d in self.devices),
+                   f"devices={list(self.devices)} must be distinct GPU indices")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
 
+    @property
+    def prefill_tp(self) -> int:
+        """Disagg's prefill side's tensor-parallel size."""
+        return self.prefill_tensor_parallel_size or self.tensor_parallel_size
+
     def gpus(self) -> tuple[int, ...]:
         """The GPU index of each (dp replica, tp rank), replica-major: engine i's rank r is [i * tp + r]."""
         return self.devices if self.devices is not None else tuple(range(self.world_size))
+
+    def disagg_gpus(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Disagg: (the prefill ranks' GPUs, the decode ranks'): the first prefill_tp of `devices` (default
+        0, 1, ...), then the next tensor_parallel_size."""
+        n, m = self.prefill_tp, self.tensor_parallel_size
+        gpus = self.devices if self.devices is not None else tuple(range(n + m))
+        return tuple(gpus[:n]), tuple(gpus[n:n + m])
+
+    def disagg_problem(self, model: ModelConfig) -> str | None:
+        """Why disagg mode cannot run this way (None: it can): one prefill and one decode side, each sharded
+        whole KV heads per rank (parallel/kv_routes.py), one side's size dividing the other's; `devices`, if given,
+        listing every rank's GPU."""
+        n, m, k = self.prefill_tp, self.tensor_parallel_size, model.num_kv_heads
+        if self.data_parallel_size != 1:
+            return (f"--mode disagg runs one prefill and one decode side: it takes no data parallelism "
+                    f"(--data-parallel-size {self.data_parallel_size}); use -dp 1, or --mode rapid with -dp")
+        for flag, t in (("--tensor-parallel-size", m), ("--prefill-tensor-parallel-size", n)):  # -tp: both's default
+            problem = model.tp_problem(t, flag)
+            if problem is not None:
+                return f"--mode disagg: {problem}"
+            if k % t:
+                return (f"--mode disagg: {flag} {t} must divide the model's {k} KV heads (each rank holds whole "
+                        f"heads of its own, which move to and from the ranks of the other side that hold them; "
+                        f"replicated KV heads are not supported in disagg); use one of {divisors(k)}")
+        if n % m and m % n:
+            return (f"--mode disagg: --prefill-tensor-parallel-size {n} and --tensor-parallel-size {m}: one must "
+                    f"divide the other (each rank of the smaller side then pairs with whole ranks of the larger); "
+                    f"e.g. {n} and {n}, or {m} and {m}")
+        if self.devices is not None and len(self.devices) != n + m:
+            return (f"devices={list(self.devices)}: --mode disagg uses {n + m} GPUs (prefill's {n}, then "
+                    f"decode's {m}); list {n + m}")
+        return None
 
 
 @dataclass(frozen=True)
@@ -373,14 +420,18 @@ class EngineConfig:
         sched = self.scheduler  # before anything is sized by it (the RoPE table, the KV pool), in every engine path
         problem = self.model_config.max_model_len_problem(sched.max_model_len, sched.allow_long_max_model_len)
         _check(problem is None, problem or "")
-        if self.launch.mode == "disagg":  # one prefill and one decode instance, a GPU each (engine/disagg.py)
-            _check(par.world_size == 1, f"--mode disagg runs one prefill and one decode instance on a GPU each: it "
-                   f"takes no tensor or data parallelism (tensor_parallel_size={par.tensor_parallel_size}, "
-                   f"data_parallel_size={par.data_parallel_size}); use 1 and 1")
+        if self.launch.mode == "disagg":  # a prefill and a decode side, on GPUs of their own (engine/disagg.py)
+            problem = par.disagg_problem(self.model_config)
+            _check(problem is None, problem or "")
+            n, m = par.prefill_tp, par.tensor_parallel_size
             _check(self.runner.device in ("auto", "cpu", "cuda"), f"device={self.runner.device!r} names one GPU but "
-                   "--mode disagg uses two (prefill on GPU 0, decode on GPU 1, or ParallelConfig.devices); use "
-                   "--device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
+                   f"--mode disagg uses {n + m} (prefill on GPUs {list(range(n))}, decode on "
+                   f"{list(range(n, n + m))}, or ParallelConfig.devices); use --device cuda (or auto) and pick GPUs "
+                   "with CUDA_VISIBLE_DEVICES")
         else:
+            _check(par.prefill_tensor_parallel_size is None,
+                   f"--prefill-tensor-parallel-size {par.prefill_tensor_parallel_size}: read by --mode disagg only "
+                   f"(--mode {self.launch.mode}'s prefill runs on the decode side's ranks, -tp); drop it")
             _check(par.devices is None or len(par.devices) == par.world_size,
-                   f"devices={list(par.devices or ())}: two GPUs for one engine are for --mode disagg (prefill, "
-                   f"decode); mode {self.launch.mode} uses {par.world_size}")
+                   f"devices={list(par.devices or ())}: mode {self.launch.mode} uses {par.world_size} GPUs "
+                   "(tensor_parallel_size x data_parallel_size); list that many")

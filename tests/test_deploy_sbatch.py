@@ -359,6 +359,11 @@ AMD8 = {"RAPIDSERVE_GPU_VENDOR": "amd", "ROCR_VISIBLE_DEVICES": EIGHT, "GPU_DEVI
     (["--mode", "disagg"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
     (["--mode=disagg", "-tp", "1"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
     (["--mode", "hybrid", "-tp", "2"], NV8, ["0,1", "2,3", "4,5", "6,7"]),
+    (["--mode", "disagg", "-tp", "2"], NV8, ["0,1,2,3", "4,5,6,7"]),  # 2P2D
+    (["--mode", "disagg", "--prefill-tp", "1", "-tp", "2"], {**NV8, "RAPIDSERVE_REPLICAS": "2"},
+     ["0,1,2", "3,4,5"]),  # 1P2D
+    (["--mode", "disagg", "--prefill-tensor=2"], {**NV8, "RAPIDSERVE_REPLICAS": "2"},
+     ["0,1,2", "3,4,5"]),  # 2P1D, argparse's abbreviation
     (["-tp", "2"], {"RAPIDSERVE_GPU_VENDOR": "nvidia", "CUDA_VISIBLE_DEVICES": "1,3,5,7"}, ["1,3", "5,7"]),
     (["-tp", "2"], {**NV8, "RAPIDSERVE_GPUS": "4,5,6,7"}, ["4,5", "6,7"]),
     (["-tp", "3"], {**NV8, "RAPIDSERVE_REPLICAS": "2"}, ["0,1,2", "3,4,5"]),  # the first 2 x 3 of 8
@@ -384,7 +389,8 @@ def test_each_replica_gets_tp_x_dp_consecutive_gpus(args: list[str], env: dict[s
                         *args], out
         # the server, parsing the same flags, uses exactly the GPUs the script gave the replica
         a = build_parser().parse_args(argv[1:])
-        need = 2 if a.mode == "disagg" else a.tensor_parallel_size * a.data_parallel_size
+        tp = a.tensor_parallel_size
+        need = (a.prefill_tensor_parallel_size or tp) + tp if a.mode == "disagg" else tp * a.data_parallel_size
         assert need == group.count(",") + 1, (argv, group)
     assert f"devices {' '.join(groups)}" in out
 
@@ -412,7 +418,10 @@ def test_cpu_ignores_the_gpu_grouping() -> None:
     (["--data-parallel-size="], NV8, "-dp/--data-parallel-size must be a positive whole number"),
     (["--model", "/m", "-tp"], NV8, "-tp/--tensor-parallel-size needs a value"),
     (["--mode"], NV8, "--mode needs a value: rapid, hybrid or disagg"),
-    (["--mode", "disagg", "-tp", "2"], NV8, "--mode disagg takes no -tp/-dp (got -tp 2)"),
+    (["--mode", "disagg", "-dp", "2"], NV8, "--mode disagg takes no -dp (got -dp 2)"),
+    (["--mode", "disagg", "--prefill-tp", "2"], NV8,
+     "not a multiple of the 3 GPUs each replica uses (--mode disagg with 2 prefill + 1 decode GPUs)"),
+    (["--prefill-tp", "0"], NV8, "--prefill-tensor-parallel-size must be a positive whole number"),
     (["-tp", "0"], {"RAPIDSERVE_GPU_VENDOR": "none"}, "-tp/--tensor-parallel-size must be"),  # on CPU too
     ([], {**NV8, "RAPIDSERVE_DRY_RUN": "yes"}, "RAPIDSERVE_DRY_RUN must be 0 or 1"),
 ])

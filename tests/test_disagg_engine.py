@@ -2,7 +2,9 @@
 same greedy tokens as rapid mode for the same requests, through the same AsyncEngine, including a
 prompt longer than the token budget (chunked, its blocks pushed chunk by chunk), a request that finds
 its prefix cached in decode's pool (pulled into staging), several at once and an abort; afterwards
-every decode block and every staging block is free. And a real server process in disagg mode."""
+every decode block and every staging block is free. The same with tensor parallelism on either side (2P2D, and
+2P1D: two prefill ranks each pushing its KV head into the one decode rank's pool, through a leader and a follower
+that mirrors its KV moves and fences them). And a real server process in disagg mode."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 import pytest
 
 from rapidserve import SamplingParams
-from rapidserve.config import EngineConfig
+from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
@@ -40,10 +42,12 @@ TOGETHER = {"u5": _rand(5), "u40": _rand(40), "u100": _rand(100), "sys+2": SYS +
 ABORTED = _rand(200)
 
 
-def config(mode: str) -> EngineConfig:
+def config(mode: str, prefill_tp: int = 1, decode_tp: int = 1) -> EngineConfig:
     cfg, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=24, max_model_len=256,
                                  max_num_batched_tokens=BUDGET)
-    return dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300))  # type: ignore[arg-type]
+    parallel = ParallelConfig(tensor_parallel_size=decode_tp, prefill_tensor_parallel_size=prefill_tp)
+    return dataclasses.replace(cfg, launch=LaunchConfig(mode=mode, mps="off", startup_timeout_s=300),  # type: ignore[arg-type]
+                               parallel=parallel if mode == "disagg" else ParallelConfig())
 
 
 async def one(engine: AsyncEngine, rid: str, prompt: list[int]) -> tuple[list[int], int | None]:
@@ -51,8 +55,8 @@ async def one(engine: AsyncEngine, rid: str, prompt: list[int]) -> tuple[list[in
     return [t.token_id for t in toks], toks[0].cached_tokens
 
 
-async def scenario(mode: str) -> dict[str, tuple[list[int], int | None]]:
-    engine = await AsyncEngine.start(config(mode))
+async def scenario(mode: str, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, tuple[list[int], int | None]]:
+    engine = await AsyncEngine.start(config(mode, prefill_tp, decode_tp))
     try:
         out = {rid: await one(engine, rid, p) for rid, p in ALONE.items()}
         got = await asyncio.gather(*(one(engine, rid, p) for rid, p in TOGETHER.items()))
@@ -76,6 +80,11 @@ async def scenario(mode: str) -> dict[str, tuple[list[int], int | None]]:
             ready = engine.workers.ready if engine.workers else {}
             assert ready["prefill"].info["mode"] == "disagg" and "peer copy" in ready["prefill"].info["kv_connector"]
             assert int(ready["prefill"].info["staging_blocks"]) == 24
+            procs = sorted(engine.workers.procs)  # type: ignore[union-attr]
+            assert procs == ["decode"] + [f"decode.{s}" for s in range(1, decode_tp)] + \
+                ["prefill"] + [f"prefill.{r}" for r in range(1, prefill_tp)]
+            assert ready["decode"].info["ranks"] == f"{prefill_tp}P{decode_tp}D"
+            assert ready["prefill"].info["kv_connector"].count("peer copy") == max(1, decode_tp // prefill_tp)
         return out
     finally:
         await engine.shutdown()
@@ -86,8 +95,10 @@ def rapid() -> dict[str, tuple[list[int], int | None]]:
     return asyncio.run(scenario("rapid"))
 
 
-def test_disagg_gives_rapid_modes_tokens_and_frees_every_block(rapid: dict[str, tuple[list[int], int | None]]) -> None:
-    disagg = asyncio.run(scenario("disagg"))
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 1), (2, 2), (2, 1)], ids=["1P1D", "2P2D", "2P1D"])
+def test_disagg_gives_rapid_modes_tokens_and_frees_every_block(rapid: dict[str, tuple[list[int], int | None]],
+                                                               prefill_tp: int, decode_tp: int) -> None:
+    disagg = asyncio.run(scenario("disagg", prefill_tp, decode_tp))
     # how much of the aborted prompt was prefilled (and so cached) before the abort landed is a race in
     # either mode (CI once saw 192 cached tokens in rapid and 0 in disagg): its tokens must agree, and
     # its cached count be whole blocks of the prompt

@@ -1,35 +1,50 @@
-"""Disagg mode (`rapidserve serve --mode disagg`): one prefill instance on one GPU, one decode
-instance on another, behind the same router and rings as rapid mode (DistServe / Dynamo 1P1D, the
-disaggregated baseline).
+"""Disagg mode (`rapidserve serve --mode disagg`): a prefill side on N GPUs and a decode side on M others (NPMD),
+behind the same router and rings as rapid mode (DistServe / Dynamo's disaggregated baseline; 1P1D by default).
 
 The message flow is rapid mode's, so the decode worker and its scheduler are unchanged: decode owns
-the weights, the KV pool, the block tables and the prefix cache on its GPU (the whole GPU: partition
+the weights, the KV pool, the block tables and the prefix cache on its GPUs (the whole GPU: partition
 plan "none"), and hands each admitted request to prefill in a KVReady naming its blocks in that pool.
 What differs is prefill's side:
-- it loads its own copy of the weights on its GPU and computes into a staging KV pool there, whose
+- it loads its own copy of the weights on its GPUs and computes into a staging KV pool there, whose
   blocks its own `StagingAllocator` (parallel/staging.py) hands out per job;
 - the one-time hand-off from decode carries the IPC handle of decode's KV pool only (shared memory
   on CPU), through which a `KVConnector` (parallel/kv_connector.py: `DevicePeerConnector`, a peer
   copy) moves blocks between the two pools.
+
+Tensor parallelism on either side (`--prefill-tensor-parallel-size N`, `--tensor-parallel-size M`; checked by
+`ParallelConfig.disagg_problem`: N and M divide the model's KV heads, one divides the other). GPUs: prefill rank
+r on `disagg_gpus()[0][r]` (default GPU r), decode rank s on `disagg_gpus()[1][s]` (default GPU N + s). Each side
+is a tensor-parallel group of its own (engine/tp_workers.py): rank 0 leads, ranks 1.. follow its calls
+(parallel/mirror.py). Every rank's pool (decode's, and prefill's staging pool) holds that rank's KV heads only,
+the same block indices on every rank of a side (decode's block tables, prefill's staging blocks: both decided by
+the side's leader; each side's ranks agree on their pool's size). Prefill rank r moves blocks only with the decode
+ranks whose heads overlap its own, and only the overlapping heads (parallel/kv_routes.py: with N == M, rank r <->
+rank r; with N | M, one prefill rank <-> M/N decode ranks, each over a slice of its heads; with M | N the
+reverse). At start-up decode rank s hands its pool to each prefill rank it overlaps (`decode_peers`), one pipe
+per pair. The prefill leader publishes each of its pulls and pushes to its followers, in order with the forwards
+(mirror.KVMove), and each rank moves its own heads; the leader's waits for its moves (below) also wait, through a
+fence (mirror.KVFence: the followers wait for theirs, then join one all-reduce the leader reads on the host;
+parallel/kv_mirror.py), for every follower's. So each invariant below holds on every rank of both sides.
 
 One job (a KVReady): when a batch first takes it, it gets staging blocks for all its tokens (local[i]
 stands for the KVReady's block_ids[i]) and the blocks of the prefix decode has cached
 (`cached_tokens`) are pulled into them; each forward computes into staging and, as soon as it is
 queued, the blocks it completed (full blocks, and at the end the last one) are pushed into decode's
 blocks. PrefillDone (and a first token that ends the request) is published only once every push of
-the job has landed, and its staging blocks are then freed; a job that fails or is dropped has its
-pushes waited for and its staging freed before PrefillFailed / Dropped, so decode never frees or
+the job has landed on every rank, and its staging blocks are then freed; a job that fails or is dropped has
+its pushes waited for and its staging freed before PrefillFailed / Dropped, so decode never frees or
 reads a block a push still writes, and no staging block leaks.
 
 Stream ordering (GPU; the connector's docstring gives each copy's steps): forwards run on prefill's
-stream S on GPU A. A pull is queued on S's order (its scatter on S, ahead of the forward that reads
+stream S on each prefill GPU. A pull is queued on S's order (its scatter on S, ahead of the forward that reads
 it). A push of chunk k waits for S at the point after chunk k's forward, then gathers, copies and
 scatters on the connector's own streams, so chunk k+1's forward (queued on S right after) runs
 beside chunk k's copy. Chunk k+1 only writes blocks chunk k did not complete (the partial last block
 of chunk k is pushed with a later chunk), so a push never reads a block a later forward writes.
-The host waits on the pushes' events (`Transfer.wait`) before PrefillDone / PrefillFailed / Dropped,
-and before a retry rewrites blocks a failed attempt pushed; staging blocks are reused only after that
-wait, and later writes to them are queued on S, behind every earlier forward.
+The host waits on the pushes' events (`Transfer.wait`; on the leader with followers, the fence) before
+PrefillDone / PrefillFailed / Dropped, and before a retry rewrites blocks a failed attempt pushed; staging blocks
+are reused only after that wait, and later writes to them are queued on S, behind every earlier forward (a
+follower replays the fence before any later forward, in the mirror's order).
 """
 
 from __future__ import annotations
@@ -37,10 +52,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from rapidserve.config import EngineConfig
@@ -49,13 +66,26 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.faults import is_fatal
 from rapidserve.engine.prefill_worker import Job, PrefillWorker
+from rapidserve.engine.tp_workers import TPSeat, capture_decode, lead, open_group, send_plan
 from rapidserve.engine.worker_build import BUILDERS, memory_info
 from rapidserve.engine.worker_io import Build, WorkerIO
+from rapidserve.ipc import Receiver
 from rapidserve.loader import resolve_model
-from rapidserve.parallel.kv_connector import DevicePeerConnector, KVConnector, Transfer, attach_pool, export_pool
+from rapidserve.parallel.kv_connector import (
+    DevicePeerConnector,
+    KVConnector,
+    ShardedConnector,
+    SharedPool,
+    Transfer,
+    attach_pool,
+    export_pool,
+)
+from rapidserve.parallel.kv_mirror import FollowerKV, MirroredConnector
+from rapidserve.parallel.kv_routes import head_routes, prefill_routes
+from rapidserve.parallel.mirror import Setup, wait_message
 from rapidserve.parallel.staging import StagingAllocator
 from rapidserve.partition.backend import PartitionBackend
-from rapidserve.partition.runtime import DecodePartition, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition, PlanWire, open_streams, resolve_plan
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
@@ -70,18 +100,31 @@ def builders_for(cfg: EngineConfig) -> dict[str, Build]:
     return {**BUILDERS, "decode": build_disagg_decode, "prefill": build_disagg_prefill}
 
 
-def disagg_devices(cfg: EngineConfig) -> tuple[torch.device, torch.device]:
-    """(prefill's device, decode's): GPUs 0 and 1, or `ParallelConfig.devices`; on CPU both the CPU."""
+def _gpus(ids: Sequence[int]) -> str:
+    return f"GPU {ids[0]}" if len(ids) == 1 else f"GPUs {', '.join(map(str, ids))}"
+
+
+def disagg_devices(cfg: EngineConfig) -> tuple[list[torch.device], list[torch.device]]:
+    """(the prefill ranks' devices, the decode ranks'): `ParallelConfig.disagg_gpus` (prefill on the first N GPUs,
+    decode on the next M); on CPU every rank the CPU. ConfigError when those GPUs are not all visible."""
     dev = resolve_device(cfg.runner.device)
+    par = cfg.parallel
     if dev.type == "cpu":
-        return dev, dev
-    gpus = cfg.parallel.devices or (0, 1)
+        return [dev] * par.prefill_tp, [dev] * par.tensor_parallel_size
+    pre, dec = par.disagg_gpus()
     n = torch.cuda.device_count()
-    if len(gpus) != 2 or n < 2 or max(gpus) >= n:
-        raise ConfigError(f"--mode disagg runs prefill on GPU {gpus[0]} and decode on GPU {gpus[-1]}, but {n} GPU"
-                          f"{'' if n == 1 else 's'} {'is' if n == 1 else 'are'} visible; it needs two (check "
-                          "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES), or use --mode rapid on one GPU")
-    return torch.device("cuda", gpus[0]), torch.device("cuda", gpus[1])
+    if max(pre + dec) >= n:
+        raise ConfigError(f"--mode disagg runs prefill on {_gpus(pre)} and decode on {_gpus(dec)}, but {n} GPU"
+                          f"{'' if n == 1 else 's'} {'is' if n == 1 else 'are'} visible; it needs {len(pre + dec)} "
+                          "(check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES), or use --mode rapid on one GPU")
+    return [torch.device("cuda", g) for g in pre], [torch.device("cuda", g) for g in dec]
+
+
+def handoff_pairs(cfg: EngineConfig) -> list[tuple[int, int]]:
+    """(decode rank, prefill rank) of every start-up hand-off of decode's pool: the pairs that share KV heads."""
+    par = cfg.parallel
+    return [(h.decode_rank, h.prefill_rank)
+            for h in head_routes(cfg.model_config.num_kv_heads, par.prefill_tp, par.tensor_parallel_size)]
 
 
 def instance_config(cfg: EngineConfig) -> EngineConfig:
@@ -90,54 +133,116 @@ def instance_config(cfg: EngineConfig) -> EngineConfig:
                                                               slo_itl_ms=cfg.partition.slo_itl_ms))
 
 
-def _load(cfg: EngineConfig, dev: torch.device) -> ModelRunner:
-    """This instance's own weights and KV pool on `dev` (made the current GPU: the runner takes it)."""
+def _load(cfg: EngineConfig, dev: torch.device, seat: TPSeat | None) -> ModelRunner:
+    """This rank's own weights (its shard, in its group) and KV pool on `dev` (made the current GPU: the group
+    and the runner take it)."""
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # on CPU the two instances share the cores
+    else:  # on CPU every rank of both sides shares the cores
+        ranks = cfg.parallel.prefill_tp + cfg.parallel.tensor_parallel_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // ranks))
     source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
-    return ModelRunner(cfg, source, show_progress=False)
+    return ModelRunner(cfg, source, show_progress=False, tp=open_group(cfg, seat))
 
 
-def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
-                        seat: Any = None) -> tuple[dict[str, str], DecodeWorker]:
-    """Rapid mode's decode worker on its own GPU; the hand-off carries only its KV pool. (`seat`: always None,
-    disagg takes no tensor parallelism.)"""
-    _, dev = disagg_devices(cfg)
+def _rank(seat: TPSeat | None) -> int:
+    return 0 if seat is None else seat.spec.rank
+
+
+def _hand_pool(handoff: Sequence[Any], runner: ModelRunner, rank: int, wire: PlanWire) -> None:
+    """Decode rank `rank`'s pool to each prefill rank it shares heads with (`handoff`: a pipe to each)."""
+    shared = export_pool(runner.kv_pool)
+    for conn in handoff:
+        conn.send((os.getpid(), rank, shared, wire))
+        conn.close()
+
+
+def _connect(cfg: EngineConfig, runner: ModelRunner, handoff: Sequence[Any], rank: int,
+             owners: list[int]) -> tuple[KVConnector, int, PlanWire]:
+    """Prefill rank `rank`'s connector to the decode pools it shares heads with (one pipe each, by decode rank),
+    the decode pool's number of blocks and decode's plan; the pools' owners are added to `owners`."""
+    par = cfg.parallel
+    routes = prefill_routes(cfg.model_config.num_kv_heads, par.prefill_tp, par.tensor_parallel_size, rank)
+    decode_devs = disagg_devices(cfg)[1]
+    parts: list[KVConnector] = []
+    blocks, wire = 0, None
+    for route, conn in zip(routes, handoff, strict=True):
+        if not conn.poll(cfg.launch.startup_timeout_s):
+            raise TimeoutError(f"no KV pool from decode rank {route.decode_rank} in "
+                               f"{cfg.launch.startup_timeout_s:.0f} s")
+        owner_pid, sender, shared, wire = conn.recv()
+        conn.close()
+        assert isinstance(shared, SharedPool)
+        if sender != route.decode_rank:
+            raise RuntimeError(f"prefill rank {rank} got decode rank {sender}'s pool for rank {route.decode_rank}'s")
+        owners.append(int(owner_pid))
+        remote = attach_pool(shared, runner.kv_pool, decode_devs[route.decode_rank],
+                             kv_heads=cfg.model_config.num_kv_heads // par.tensor_parallel_size)
+        blocks = int(remote.shape[2])
+        parts.append(DevicePeerConnector(runner.kv_pool.tensor, remote, local_heads=route.prefill_heads,
+                                         remote_heads=route.decode_heads))
+    assert wire is not None
+    return (parts[0] if len(parts) == 1 else ShardedConnector(parts)), blocks, wire
+
+
+def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],
+                        seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
+    """Rapid mode's decode worker on its own GPU (rank 0 of the decode side, with its followers under `seat`); the
+    hand-off carries only its KV pool, to each prefill rank it shares heads with."""
+    dev = disagg_devices(cfg)[1][0]
     cfg = instance_config(cfg)
-    runner = _load(cfg, dev)
+    runner = _load(cfg, dev, seat)
     plan = resolve_plan(cfg, runner.device, runner.dtype)
+    send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
     parts = open_streams(plan.wire(), runner.device, ("decode",))
-    for c in parts.configurations:
-        runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
-                                     whole_gpu=c.decode_whole)
-    handoff.send((os.getpid(), export_pool(runner.kv_pool), plan.wire()))
-    handoff.close()
+    capture_decode(runner, parts)
+    _hand_pool(handoff, runner, 0, plan.wire())
+    lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
-            "configurations": ",".join(parts.names), "mode": "disagg", **memory_info(runner)}
-    return info, DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan, cfg.model_config,
-                                                                 cfg.scheduler.max_num_batched_tokens), parts)
+            "configurations": ",".join(parts.names), "mode": "disagg",
+            "ranks": f"{cfg.parallel.prefill_tp}P{cfg.parallel.tensor_parallel_size}D", **memory_info(runner)}
+    return info, DecodeWorker(cfg, runner, io, DecodePartition(
+        cfg.partition, plan, cfg.model_config, cfg.scheduler.max_num_batched_tokens,
+        tensor_parallel_size=cfg.parallel.tensor_parallel_size), parts)
 
 
-def build_disagg_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,
-                         seat: Any = None) -> tuple[dict[str, str], DisaggPrefillWorker]:
-    """Its own weights and staging pool on its GPU (loaded while decode loads), then decode's pool."""
-    dev, decode_dev = disagg_devices(cfg)
+def build_disagg_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],
+                         seat: TPSeat | None = None) -> tuple[dict[str, str], DisaggPrefillWorker]:
+    """Its own weights and staging pool on its GPU (loaded while decode loads), then decode's pools; with
+    followers (`seat`) its connector publishes every move to them (parallel/kv_mirror.py)."""
+    dev = disagg_devices(cfg)[0][0]
     cfg = instance_config(cfg)
-    runner = _load(cfg, dev)
-    if not handoff.poll(cfg.launch.startup_timeout_s):
-        raise TimeoutError(f"no KV pool from the decode worker in {cfg.launch.startup_timeout_s:.0f} s")
-    owner_pid, shared, wire = handoff.recv()
-    handoff.close()
-    io.peer_pids.append(int(owner_pid))  # the owner of the decode pool: we end with it
-    remote = attach_pool(shared, runner.kv_pool, decode_dev)
-    connector = DevicePeerConnector(runner.kv_pool.tensor, remote)
+    runner = _load(cfg, dev, seat)
+    connector, decode_blocks, wire = _connect(cfg, runner, handoff, 0, io.peer_pids)  # we end with their owners
     parts = open_streams(wire, runner.device, ("prefill",))
-    worker = DisaggPrefillWorker(cfg, runner, io, parts, wire.initial, connector, int(remote.shape[2]))
+    lead(runner, seat, parts, "prefill")
+    if runner.leader is not None:
+        connector = MirroredConnector(connector, runner.leader)
+    worker = DisaggPrefillWorker(cfg, runner, io, parts, wire.initial, connector, decode_blocks)
     info = {"device": str(runner.device), "mode": "disagg", "staging_blocks": str(runner.kv_pool.num_blocks),
             "kv_connector": connector.describe(), **memory_info(runner)}
     return info, worker
+
+
+def start_disagg_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Receiver[Any], handoff: Sequence[Any],
+                          peers: list[int]) -> tuple[ModelRunner, PartitionBackend | None, FollowerKV | None]:
+    """A follower of either side (tp_workers.run_follower's `start`), call for call as its leader's start-up:
+    decode loads its shard, captures the plan's graphs and hands its pool to the prefill ranks it shares heads
+    with; prefill loads its own shard and attaches the decode pools it moves heads with."""
+    rank = seat.spec.rank
+    pre, dec = disagg_devices(cfg)
+    cfg = instance_config(cfg)
+    if role == "decode":
+        runner = _load(cfg, dec[rank], seat)
+        setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
+        wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
+        parts = open_streams(wire, runner.device, ("decode",))
+        capture_decode(runner, parts)  # as the leader (build_disagg_decode)
+        _hand_pool(handoff, runner, rank, wire)
+        return runner, parts, None
+    runner = _load(cfg, pre[rank], seat)
+    connector, _, wire = _connect(cfg, runner, handoff, rank, peers)
+    return runner, open_streams(wire, runner.device, ("prefill",)), FollowerKV(connector)
 
 
 @dataclass

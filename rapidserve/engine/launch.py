@@ -6,7 +6,9 @@ build)` with its role's builder (`engine/worker_build.py`): in rapid mode decode
 together (prefill waits for decode's one-time hand-off of IPC handles to its weights and KV pool); in
 hybrid mode (`LaunchConfig.mode`) one worker, the decode worker with every step fused (role hybrid),
 sits in decode's seat and only r2d and d2r exist;
-disagg mode starts rapid's two workers with its own builders (engine/disagg.py), one GPU each.
+disagg mode starts rapid's two workers with its own builders (engine/disagg.py), on GPUs of their own, each
+side with its own number of tensor-parallel ranks (`tp_workers.role_sizes`) and one hand-off pipe per pair of
+decode and prefill ranks that share KV heads.
 It waits for each worker's Ready; a worker that fails, exits or is not ready within
 `startup_timeout_s` stops everything and raises.
 
@@ -43,6 +45,16 @@ def _visible_gpus(cfg: EngineConfig) -> int:
     return int(torch.cuda.device_count())
 
 
+def _handoff(pipes: dict[tuple[int, int], tuple[Any, Any]], role: str, rank: int, disagg: bool) -> Any:
+    """The hand-off ends of `role`'s rank `rank` (pipes by (decode rank, prefill rank)): rapid mode's one pipe end
+    (None for hybrid); disagg's ends of every pair it is in, by the other side's rank."""
+    if role == "hybrid":
+        return None
+    side, end = (0, 1) if role == "decode" else (1, 0)  # decode writes (tx), prefill reads (rx)
+    ends = [pipes[pair][end] for pair in sorted(pipes, key=lambda p: p[1 - side]) if pair[side] == rank]
+    return tuple(ends) if disagg else ends[0]
+
+
 @dataclass
 class WorkerSet:
     cfg: EngineConfig
@@ -56,8 +68,15 @@ class WorkerSet:
 
     @classmethod
     def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
-        from rapidserve.engine.disagg import builders_for  # loads torch: only once workers start
-        from rapidserve.engine.tp_workers import check_tp_gpus, rank_config, run_follower, tp_env, tp_seats
+        from rapidserve.engine.disagg import builders_for, handoff_pairs, start_disagg_follower
+        from rapidserve.engine.tp_workers import (
+            check_tp_gpus,
+            rank_config,
+            role_sizes,
+            run_follower,
+            tp_env,
+            tp_seats,
+        )
 
         check_tp_gpus(cfg, _visible_gpus(cfg))
         builders = builders_for(cfg)  # role -> builder; disagg mode's own (engine/disagg.py), its GPUs checked
@@ -74,26 +93,28 @@ class WorkerSet:
         ws = cls(cfg, names, rings, doorbells, {}, Sender(rings["r2d"], RING_TYPES["r2d"].types), recv, {})
         ctx = mp.get_context("spawn")
         roles = ("hybrid",) if hybrid else ("decode", "prefill")
-        tp = cfg.parallel.tensor_parallel_size
-        # The one-time hand-off of IPC handles (decode -> prefill, per GPU) is a pipe: unlike a Queue it
-        # makes no named semaphore, so nothing is left in /dev/shm when a worker is killed. The router
-        # keeps no end of it once both workers have theirs.
-        pipes = [ctx.Pipe(duplex=False) for _ in range(tp)]
-        seats = tp_seats(cfg, eid, roles, ws.rings)  # adds the mirror rings to ws.rings (unlinked by stop)
+        disagg = cfg.launch.mode == "disagg"
+        sizes = role_sizes(cfg, roles)  # ranks per role: -tp each; disagg's prefill side its own
+        # The one-time hand-off of IPC handles (decode rank s -> prefill rank r) is a pipe per pair: unlike a
+        # Queue it makes no named semaphore, so nothing is left in /dev/shm when a worker is killed. The router
+        # keeps no end of it once both workers have theirs. Rapid: s = r, its weights and pool; disagg: every
+        # pair that shares KV heads (engine/disagg.py), its pool.
+        pairs = [] if hybrid else handoff_pairs(cfg) if disagg else [(r, r) for r in range(sizes["decode"])]
+        pipes = {pair: ctx.Pipe(duplex=False) for pair in pairs}
+        seats = tp_seats(cfg, eid, sizes, ws.rings)  # adds the mirror rings to ws.rings (unlinked by stop)
         try:
-            for rank in range(tp):
-                rx, tx = pipes[rank]
-                handoff = {"decode": tx, "prefill": rx, "hybrid": None}
-                rcfg = rank_config(cfg, rank)
-                for role in roles:
-                    seat = seats[role][rank] if seats else None
-                    renv = {**tp_env(role), **env} if seats else env
+            for role in roles:
+                for rank in range(sizes[role]):
+                    handoff = _handoff(pipes, role, rank, disagg)
+                    rcfg = rank_config(cfg, rank)
+                    seat = seats[role][rank] if role in seats else None
+                    renv = {**tp_env(role), **env} if seat is not None else env
                     if rank == 0:
                         target: Any = run_worker
-                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff[role], renv,
-                                                 seat)
+                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff, renv, seat)
                     else:
-                        target, args = run_follower, (role, seat, rcfg, os.getpid(), handoff[role], renv)
+                        target = run_follower
+                        args = (role, seat, rcfg, os.getpid(), handoff, renv, start_disagg_follower if disagg else None)
                     name = role if rank == 0 else f"{role}.{rank}"
                     p = ctx.Process(target=target, name=f"rapidserve-{name}", daemon=True, args=args)
                     p.start()
@@ -104,7 +125,7 @@ class WorkerSet:
             ws.stop(graceful=False)
             raise
         finally:
-            for rx, tx in pipes:
+            for rx, tx in pipes.values():
                 rx.close()
                 tx.close()
         return ws

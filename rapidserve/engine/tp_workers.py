@@ -41,7 +41,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
 from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
-from rapidserve.parallel.mirror import Leader, MirrorMessage, Setup, follow, wait_message
+from rapidserve.parallel.mirror import KVReplayer, Leader, MirrorMessage, Setup, follow, wait_message
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.profile import OVERALLOCATED
 from rapidserve.partition.runtime import PlanWire, open_streams
@@ -64,9 +64,10 @@ FOLLOWERS_EXIT_S = 3.0  # a leader waits this long for its followers at exit: wi
 
 
 def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
-    """The config of tensor-parallel rank `rank`: its GPU (`ParallelConfig.gpus()`); the CPU stays the CPU."""
+    """The config of tensor-parallel rank `rank`: its GPU (`ParallelConfig.gpus()`); the CPU stays the CPU. Disagg
+    mode's config is every rank's: its builders pick each rank's GPU (`disagg.disagg_devices`)."""
     dev = cfg.runner.device
-    if cfg.parallel.tensor_parallel_size == 1 or dev == "cpu":
+    if cfg.parallel.tensor_parallel_size == 1 or dev == "cpu" or cfg.launch.mode == "disagg":
         return cfg
     if dev == "auto" and not torch.cuda.is_available():
         return dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, device="cpu"))
@@ -77,8 +78,8 @@ def rank_config(cfg: EngineConfig, rank: int) -> EngineConfig:
 def check_tp_gpus(cfg: EngineConfig, visible: int) -> None:
     """ConfigError, in the router before any worker starts, when the ranks' GPUs are not all visible."""
     tp, dev = cfg.parallel.tensor_parallel_size, cfg.runner.device
-    if tp == 1 or dev == "cpu" or (dev == "auto" and visible == 0):
-        return
+    if tp == 1 or dev == "cpu" or (dev == "auto" and visible == 0) or cfg.launch.mode == "disagg":
+        return  # disagg's GPUs are checked by its builders_for (engine/disagg.py)
     gpus = cfg.parallel.gpus()[:tp]
     if visible <= max(gpus):
         raise ConfigError(f"--tensor-parallel-size {tp} needs GPUs {list(gpus)} but {visible} "
@@ -112,15 +113,23 @@ def tp_env(role: str) -> dict[str, str | None]:
     return {k: os.environ.get(k, v) for k, v in want.items()}
 
 
-def tp_seats(cfg: EngineConfig, eid: str, roles: tuple[str, ...], rings: dict[str, ShmRing]) -> dict[str, list[TPSeat]]:
-    """Every rank's seat of each role, creating the mirror rings (added to `rings` under their labels, so
-    the launcher unlinks them with the others); {} without tensor parallelism."""
-    tp = cfg.parallel.tensor_parallel_size
-    if tp == 1:
-        return {}
+def role_sizes(cfg: EngineConfig, roles: tuple[str, ...]) -> dict[str, int]:
+    """How many tensor-parallel ranks each role runs: -tp each; disagg's prefill side its own size
+    (`ParallelConfig.prefill_tp`)."""
+    par = cfg.parallel
+    return {r: par.prefill_tp if r == "prefill" and cfg.launch.mode == "disagg" else par.tensor_parallel_size
+            for r in roles}
+
+
+def tp_seats(cfg: EngineConfig, eid: str, sizes: dict[str, int], rings: dict[str, ShmRing]) -> dict[str, list[TPSeat]]:
+    """Every rank's seat of each role of more than one rank (`sizes`: `role_sizes`), creating the mirror rings
+    (added to `rings` under their labels, so the launcher unlinks them with the others); a role of one rank has
+    none (no group)."""
     slots = max(16, -(-mirror_ring_bytes(cfg) // MIRROR_SLOT_BYTES))
     out: dict[str, list[TPSeat]] = {}
-    for role in roles:
+    for role, tp in sizes.items():
+        if tp == 1:
+            continue
         specs = group_specs(role, tp, "auto")
         names = []
         for r in range(1, tp):
@@ -257,43 +266,24 @@ def send_plan(seat: TPSeat | None, wire: PlanWire) -> None:
 
 
 # ---- followers ------------------------------------------------------------------------------------
+FollowerStart = Callable[[str, TPSeat, EngineConfig, Receiver[Any], Any, list[int]],
+                         tuple[ModelRunner, PartitionBackend | None, KVReplayer | None]]
+
+
 def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, handoff: Any,
-                 env: dict[str, str | None]) -> None:
-    """The entry point of a follower process (spawned): build the shard, then replay the leader's calls.
-    A failure ends the process; the router sees a dead worker and restarts the engine."""
+                 env: dict[str, str | None], start: FollowerStart | None = None) -> None:
+    """The entry point of a follower process (spawned): build the shard (`start`, default `start_follower`: rapid
+    and hybrid mode's; disagg's is `disagg.start_disagg_follower`), then replay the leader's calls. A failure ends
+    the process; the router sees a dead worker and restarts the engine."""
     from rapidserve.engine.worker_io import apply_env, no_named_locks, worker_signals
 
     apply_env(env)
     worker_signals()
     no_named_locks()
-    tp = open_group(cfg, seat)
-    assert tp is not None
     inbox = Receiver(ShmRing.attach(seat.rings[0]), MirrorMessage)
-    peers = [parent_pid]
+    peers = [parent_pid]  # the processes whose end ends ours (start adds the owners of memory it attached)
     try:
-        parts: PartitionBackend | None = None
-        if role == "prefill":
-            if not handoff.poll(cfg.launch.startup_timeout_s):
-                raise TimeoutError(f"no weights from decode rank {tp.rank} in {cfg.launch.startup_timeout_s:.0f} s")
-            owner_pid, shared, wire = handoff.recv()
-            handoff.close()
-            peers.append(int(owner_pid))
-            runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=tp)
-            parts = open_streams(wire, runner.device, ("prefill",))
-            capture_prefill(cfg, runner, parts)  # as the leader (worker_build.build_prefill), in its order
-        else:
-            runner = load_runner(cfg, tp)
-            if role == "decode":
-                setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
-                wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
-                parts = open_streams(wire, runner.device, ("decode",))
-                capture_decode(runner, parts)  # as the leader (worker_build.build_decode)
-                from rapidserve.runner.model_sharing import export_shared
-
-                handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
-                handoff.close()
-            else:
-                capture_hybrid(runner)  # as the leader (worker_build.build_hybrid)
+        runner, parts, kv = (start or start_follower)(role, seat, cfg, inbox, handoff, peers)
 
         def stream_of(name: str | None) -> Any:
             return parts.stream(name, role) if parts is not None and name is not None else None  # type: ignore[arg-type]
@@ -301,9 +291,40 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
         def alive() -> bool:
             return os.getppid() == parent_pid and all(pid_alive(p) for p in peers)
 
-        follow(runner, inbox, stream_of, alive)  # until Stop, while the leader (and its TCP store) waits for our exit
+        follow(runner, inbox, stream_of, alive, kv=kv)  # until Stop, while the leader (and its TCP store) waits
     except SystemExit:
         pass
     finally:
         # No destroy_process_group (see the module's docstring): the communicator goes with the process.
         inbox.close()
+
+
+def start_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Receiver[Any], handoff: Any,
+                   peers: list[int]) -> tuple[ModelRunner, PartitionBackend | None, KVReplayer | None]:
+    """Rapid and hybrid mode's follower start-up, call for call as its leader's (module docstring)."""
+    tp = open_group(cfg, seat)
+    assert tp is not None
+    parts: PartitionBackend | None = None
+    if role == "prefill":
+        if not handoff.poll(cfg.launch.startup_timeout_s):
+            raise TimeoutError(f"no weights from decode rank {tp.rank} in {cfg.launch.startup_timeout_s:.0f} s")
+        owner_pid, shared, wire = handoff.recv()
+        handoff.close()
+        peers.append(int(owner_pid))
+        runner = ModelRunner(cfg, None, attached=shared, show_progress=False, tp=tp)
+        parts = open_streams(wire, runner.device, ("prefill",))
+        capture_prefill(cfg, runner, parts)  # as the leader (worker_build.build_prefill), in its order
+    else:
+        runner = load_runner(cfg, tp)
+        if role == "decode":
+            setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
+            wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
+            parts = open_streams(wire, runner.device, ("decode",))
+            capture_decode(runner, parts)  # as the leader (worker_build.build_decode)
+            from rapidserve.runner.model_sharing import export_shared
+
+            handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
+            handoff.close()
+        else:
+            capture_hybrid(runner)  # as the leader (worker_build.build_hybrid)
+    return runner, parts, None

@@ -18,8 +18,12 @@ the same three calls over the same block indices.
 Pool layout (kv_pool.py): `[layers, K|V, blocks, kv_heads, block_size, head_dim]`, so the blocks of
 a transfer are one `index_select` on dim 2, gathered into a contiguous buffer that crosses the link
 in one copy, and scattered with `index_copy_` on the far side (in pieces of at most `max_copy_bytes`,
-which bounds the buffers). An fp8 pool (`--kv-cache-dtype fp8`) is moved as bytes (a uint8 view): both pools
-have the one dtype (checked), and the layers' scales are the same on both instances (the config's).
+which bounds the buffers). Under tensor parallelism (parallel/kv_routes.py) each pool holds its rank's KV heads
+and a connector moves one slice of them (dim 3: `local_heads` of the staging pool <-> `remote_heads` of the
+decode pool, as long as each other); `ShardedConnector` is one rank's connectors to every decode rank it
+shares heads with, moving the same blocks through each. An fp8 pool (`--kv-cache-dtype fp8`) is moved as
+bytes (a uint8 view): both pools have the one dtype (checked), and the layers' scales are the same on both
+instances (the config's; per layer, not per head, so a head slice needs no scales of its own).
 
 Stream ordering on GPUs (device A: local, staging; device B: remote, decode's pool). The connector
 has two streams of its own: `copy_stream` on A, `remote_stream` on B. torch runs a cross-device copy
@@ -54,6 +58,7 @@ import torch
 from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator
 
 BLOCK_DIM = 2  # the pool's block dimension
+HEAD_DIM = 3  # the pool's KV-head dimension
 DEFAULT_MAX_COPY_BYTES = 256 * 2**20
 
 
@@ -126,15 +131,17 @@ def export_pool(pool: KVPool) -> SharedPool:
     return SharedPool(pool.tensor, pool.block_size)
 
 
-def attach_pool(shared: SharedPool, like: KVPool, device: torch.device) -> torch.Tensor:
-    """The remote pool's tensor, checked against the staging pool `like` (same layers, heads, block size,
-    head size and dtype; any number of blocks) and the device it must be on."""
+def attach_pool(shared: SharedPool, like: KVPool, device: torch.device, kv_heads: int | None = None) -> torch.Tensor:
+    """The remote pool's tensor, checked against the staging pool `like` (same layers, block size, head size and
+    dtype, `kv_heads` KV heads (default: as many as `like`); any number of blocks) and the device it must be on."""
     kv = shared.kv
     if not isinstance(kv, torch.Tensor) or kv.dim() != 6:
         got = tuple(kv.shape) if isinstance(kv, torch.Tensor) else type(kv).__name__
         raise ValueError(f"the decode pool is {got}, expected a 6-D tensor")
     want = list(like.tensor.shape)
     want[BLOCK_DIM] = kv.shape[BLOCK_DIM]
+    if kv_heads is not None:
+        want[HEAD_DIM] = kv_heads
     if list(kv.shape) != want or shared.block_size != like.block_size or kv.dtype != like.tensor.dtype:
         raise ValueError(f"the decode pool {tuple(kv.shape)} {kv.dtype} (block size {shared.block_size}) does not "
                          f"match the staging pool {tuple(like.tensor.shape)} {like.tensor.dtype} but for its blocks")
@@ -150,17 +157,29 @@ def attach_pool(shared: SharedPool, like: KVPool, device: torch.device) -> torch
 
 class DevicePeerConnector:
     """`KVConnector` by plain tensor copies between two pools this process can address (module doc:
-    the stream ordering on GPUs). `local`, `remote`: 6-D pools alike but for their number of blocks."""
+    the stream ordering on GPUs). `local`, `remote`: 6-D pools alike but for their number of blocks; with
+    `local_heads` / `remote_heads` ([start, stop) of dim 3, as long as each other) only those heads of each
+    move (tensor parallelism: parallel/kv_routes.py); the pools may then hold different numbers of heads."""
 
-    def __init__(self, local: torch.Tensor, remote: torch.Tensor,
-                 max_copy_bytes: int = DEFAULT_MAX_COPY_BYTES) -> None:
+    def __init__(self, local: torch.Tensor, remote: torch.Tensor, max_copy_bytes: int = DEFAULT_MAX_COPY_BYTES,
+                 local_heads: tuple[int, int] | None = None, remote_heads: tuple[int, int] | None = None) -> None:
+        if local.dim() != 6 or remote.dim() != 6:
+            raise ValueError(f"pools {tuple(local.shape)} and {tuple(remote.shape)} must be 6-D")
+        lh = local_heads or (0, local.shape[HEAD_DIM])
+        rh = remote_heads or (0, remote.shape[HEAD_DIM])
+        if not (0 <= lh[0] < lh[1] <= local.shape[HEAD_DIM] and 0 <= rh[0] < rh[1] <= remote.shape[HEAD_DIM]
+                and lh[1] - lh[0] == rh[1] - rh[0]):
+            raise ValueError(f"heads {list(lh)} of the local pool {tuple(local.shape)} and {list(rh)} of the remote "
+                             f"pool {tuple(remote.shape)} are not two slices of one length")
+        local, remote = local[:, :, :, lh[0]:lh[1]], remote[:, :, :, rh[0]:rh[1]]
         shape_l, shape_r = list(local.shape), list(remote.shape)
         shape_l[BLOCK_DIM] = shape_r[BLOCK_DIM] = 0
-        if local.dim() != 6 or shape_l != shape_r or local.dtype != remote.dtype:
+        if shape_l != shape_r or local.dtype != remote.dtype:
             raise ValueError(f"pools {tuple(local.shape)} {local.dtype} and {tuple(remote.shape)} {remote.dtype} "
                              "differ in more than their number of blocks")
         if local.device.type != remote.device.type:
             raise ValueError(f"one pool is on {local.device}, the other on {remote.device}")
+        self.heads = (lh, rh)
         self.local, self.remote = _as_copyable(local), _as_copyable(remote)
         self.cuda = local.device.type == "cuda"
         if self.cuda and local.device == remote.device:
@@ -171,12 +190,14 @@ class DevicePeerConnector:
         self.remote_stream = torch.cuda.Stream(remote.device) if self.cuda else None
 
     def describe(self) -> str:
+        (l0, l1), (r0, r1) = self.heads
+        heads = f", KV heads {l0}..{l1 - 1} <-> {r0}..{r1 - 1}"
         if not self.cuda:
-            return f"peer copy {self.local.device} <-> {self.remote.device} (pools in this host's memory)"
+            return f"peer copy {self.local.device} <-> {self.remote.device} (pools in this host's memory{heads})"
         a, b = self.local.device, self.remote.device
         peer = torch.cuda.can_device_access_peer(a.index or 0, b.index or 0)
         how = "peer-to-peer (NVLink or PCIe)" if peer else "no peer access: staged through host memory by the driver"
-        return f"peer copy {a} <-> {b}, {how}"
+        return f"peer copy {a} <-> {b}, {how}{heads}"
 
     def push(self, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> Transfer:
         self._check(local_blocks, remote_blocks)
@@ -236,6 +257,40 @@ class DevicePeerConnector:
                 raise ValueError(f"{what} blocks {bad[:8]} are not in 0..{n - 1}")
             if len(set(blocks)) != len(blocks):
                 raise ValueError(f"{what} blocks {list(blocks)} name a block twice")
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """Several transfers as one: landed when all have."""
+
+    parts: tuple[Transfer, ...]
+
+    def done(self) -> bool:
+        return all(t.done() for t in self.parts)
+
+    def wait(self) -> None:
+        for t in self.parts:
+            t.wait()
+
+
+class ShardedConnector:
+    """One tensor-parallel prefill rank's `KVConnector`: a connector (a head slice: parallel/kv_routes.py) to each
+    decode rank it shares heads with; a pull or push moves the same blocks through every one, so each of this
+    rank's heads comes from (goes to) the one decode rank that holds it. The stream ordering is each part's."""
+
+    def __init__(self, parts: Sequence[KVConnector]) -> None:
+        if not parts:
+            raise ValueError("a sharded connector needs at least one decode rank")
+        self.parts = list(parts)
+
+    def describe(self) -> str:
+        return "; ".join(p.describe() for p in self.parts)
+
+    def pull(self, remote_blocks: Sequence[int], local_blocks: Sequence[int]) -> Transfer:
+        return Transfers(tuple(p.pull(remote_blocks, local_blocks) for p in self.parts))
+
+    def push(self, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> Transfer:
+        return Transfers(tuple(p.push(local_blocks, remote_blocks) for p in self.parts))
 
 
 def _as_copyable(pool: torch.Tensor) -> torch.Tensor:

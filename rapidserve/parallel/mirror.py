@@ -20,6 +20,13 @@ Invariants:
   (`stream` names it; None: the default stream) and, on a switch, its new stream waits for the old one.
 - Start-up: every rank loads, sizes its pool (`TPGroup.agree_min`) and captures the same decode graphs
   in the same order before following; those calls are not published.
+- Disagg mode's prefill side (engine/disagg.py): the leader's KV moves between its staging pool and the decode
+  pools are published too (`KVMove`, in order with the forwards: a pull before the forward that reads it, a
+  push after the forward that wrote its blocks), each rank moving its own heads (parallel/kv_routes.py).
+  Whenever the leader waits for its moves to land (before PrefillDone, PrefillFailed, Dropped, a retry or
+  reusing staging blocks) it publishes `KVFence`: each follower waits until every move it replayed so far has
+  landed, then joins one all-reduce with the leader, which reads its result on the host; so once
+  `Leader.kv_fence` returns, every rank's moves published before it have landed.
 """
 
 from __future__ import annotations
@@ -106,7 +113,33 @@ class Stop(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-MirrorMessage = Forward | Sampled | Setup | Stop
+class KVMove(msgspec.Struct, tag=True, frozen=True):
+    """Disagg: move blocks as the leader did (`KVConnector.pull(remote, local)` / `push(local, remote)`), each rank
+    its own heads, on the stream of its configuration `stream`."""
+
+    kind: Literal["pull", "push"]
+    local: list[int]
+    remote: list[int]
+    stream: str | None = None
+
+
+class KVFence(msgspec.Struct, tag=True, frozen=True):
+    """Disagg: wait until every KVMove so far has landed, then join the leader's all-reduce (module docstring)."""
+
+    stream: str | None = None
+
+
+class KVReplayer(Protocol):
+    """A follower's side of the KV moves: its own connector (engine/disagg.py)."""
+
+    def move(self, msg: KVMove) -> None: ...
+
+    def land(self) -> None:
+        """Block until every move so far has landed."""
+        ...
+
+
+MirrorMessage = Forward | Sampled | Setup | Stop | KVMove | KVFence
 KEEP_SAMPLES = 4  # a Carry reads the last step's tokens; a few more for safety
 
 
@@ -146,6 +179,18 @@ class Leader:
         self.tp.broadcast(token_ids.contiguous())
         self._sampled = [*self._sampled[-(KEEP_SAMPLES - 1):], (token_ids, seq)]
 
+    def kv_move(self, kind: Literal["pull", "push"], local: Sequence[int], remote: Sequence[int]) -> None:
+        """Publish a KV move the leader has just queued itself (after its checks passed)."""
+        self._send(KVMove(kind, list(local), list(remote), self._stream()))
+
+    def kv_fence(self) -> None:
+        """Return once every follower's KV moves published so far have landed (module docstring)."""
+        self._send(KVFence(self._stream()))
+        one = torch.ones(1, dtype=torch.int64, device=self.tp.device)
+        got = int(self.tp.all_reduce(one).item())  # the host waits: each follower joins once its moves landed
+        if got != self.tp.size:
+            raise RuntimeError(f"a KV fence counted {got} ranks of {self.tp.size}")
+
     def stop(self, reason: str, timeout_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
              sleep: Callable[[float], None] = time.sleep,
              follower_gone: Callable[[int], bool] | None = None) -> list[bool]:
@@ -159,9 +204,11 @@ class Leader:
 class Follower:
     """A follower's state between messages: its partition streams and the last sampled tokens."""
 
-    def __init__(self, runner: Replayer, stream_of: Callable[[str | None], Any]) -> None:
-        """`stream_of(name)`: this worker's stream of that configuration (None: the default stream)."""
-        self.runner, self.stream_of = runner, stream_of
+    def __init__(self, runner: Replayer, stream_of: Callable[[str | None], Any],
+                 kv: KVReplayer | None = None) -> None:
+        """`stream_of(name)`: this worker's stream of that configuration (None: the default stream); `kv`: a
+        disagg prefill rank's KV moves (None: KVMove and KVFence are refused)."""
+        self.runner, self.stream_of, self.kv = runner, stream_of, kv
         self.sampled: dict[int, torch.Tensor] = {}
         self._last: Any = None
 
@@ -183,7 +230,15 @@ class Follower:
             raise RuntimeError("a Setup message after start-up")
         stream = self._enter(msg.stream)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if isinstance(msg, Sampled):
+            if isinstance(msg, KVMove | KVFence):
+                if self.kv is None:
+                    raise RuntimeError(f"a {type(msg).__name__} to a follower that moves no KV (not disagg's prefill)")
+                if isinstance(msg, KVMove):
+                    self.kv.move(msg)
+                else:
+                    self.kv.land()  # on the host, before joining: the leader learns that our moves landed
+                    self.runner.tp.all_reduce(torch.ones(1, dtype=torch.int64, device=self.runner.device))  # type: ignore[union-attr]
+            elif isinstance(msg, Sampled):
                 t = torch.empty(msg.n, dtype=torch.int64, device=self.runner.device)
                 self.runner.tp.broadcast(t)  # type: ignore[union-attr]
                 self.sampled[msg.seq] = t
@@ -195,10 +250,10 @@ class Follower:
 
 
 def follow(runner: Replayer, inbox: Receiver[Any], stream_of: Callable[[str | None], Any],
-           alive: Callable[[], bool], idle_s: float = 0.5) -> str:
+           alive: Callable[[], bool], idle_s: float = 0.5, kv: KVReplayer | None = None) -> str:
     """A follower's loop: replay the leader's calls until Stop or until `alive()` turns False (the
     leader or the router died); returns why it ended."""
-    f = Follower(runner, stream_of)
+    f = Follower(runner, stream_of, kv)
     while True:
         msg = inbox.recv(timeout=idle_s)
         if msg is None:
