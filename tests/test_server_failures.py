@@ -36,8 +36,8 @@ def srv() -> Iterator[Srv]:
         assert stop(s) == 0
 
 
-def worker_pids(server_pid: int) -> list[int]:
-    """The engine's worker processes: the server's multiprocessing children."""
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each child of `pid`."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -47,9 +47,16 @@ def worker_pids(server_pid: int) -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == server_pid and "multiprocessing" in cmd and "resource_tracker" not in cmd:
-            found.append(int(entry))
-    return sorted(found)
+        if ppid == pid:
+            found.append((int(entry), cmd))
+    return found
+
+
+def worker_pids(server_pid: int) -> list[int]:
+    """The engine's worker processes, in start order: the children of the server's multiprocessing fork server
+    (engine/launch.py worker_context)."""
+    servers = [pid for pid, cmd in _children(server_pid) if "multiprocessing.forkserver" in cmd]
+    return sorted(pid for fs in servers for pid, _ in _children(fs))
 
 
 def counters(url: str) -> dict[str, float]:

@@ -272,16 +272,17 @@ FollowerStart = Callable[[str, TPSeat, EngineConfig, Receiver[Any], Any, list[in
 
 def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, handoff: Any,
                  env: dict[str, str | None], start: FollowerStart | None = None) -> None:
-    """The entry point of a follower process (spawned): build the shard (`start`, default `start_follower`: rapid
-    and hybrid mode's; disagg's is `disagg.start_disagg_follower`), then replay the leader's calls. A failure ends
-    the process; the router sees a dead worker and restarts the engine."""
-    from rapidserve.engine.worker_io import apply_env, no_named_locks, worker_signals
+    """The entry point of a follower process (forked from the fork server): build the shard (`start`, default
+    `start_follower`: rapid and hybrid mode's; disagg's is `disagg.start_disagg_follower`), then replay the leader's
+    calls. A failure ends the process; the router sees a dead worker and restarts the engine."""
+    from rapidserve.engine.worker_io import apply_env, no_named_locks, run_exit_handlers, worker_signals
 
     apply_env(env)
     worker_signals()
     no_named_locks()
     inbox = Receiver(ShmRing.attach(seat.rings[0]), MirrorMessage)
     peers = [parent_pid]  # the processes whose end ends ours (start adds the owners of memory it attached)
+    start_ppid = os.getppid()  # the fork server, which ends with the router (worker_io.WorkerIO.others_alive)
     try:
         runner, parts, kv = (start or start_follower)(role, seat, cfg, inbox, handoff, peers)
 
@@ -289,7 +290,7 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
             return parts.stream(name, role) if parts is not None and name is not None else None  # type: ignore[arg-type]
 
         def alive() -> bool:
-            return os.getppid() == parent_pid and all(pid_alive(p) for p in peers)
+            return os.getppid() == start_ppid and all(pid_alive(p) for p in peers)
 
         follow(runner, inbox, stream_of, alive, kv=kv)  # until Stop, while the leader (and its TCP store) waits
     except SystemExit:
@@ -297,6 +298,7 @@ def run_follower(role: str, seat: TPSeat, cfg: EngineConfig, parent_pid: int, ha
     finally:
         # No destroy_process_group (see the module's docstring): the communicator goes with the process.
         inbox.close()
+        run_exit_handlers()
 
 
 def start_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Receiver[Any], handoff: Any,

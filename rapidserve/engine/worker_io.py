@@ -17,6 +17,7 @@ A worker's channels are named by whom they reach: `io.to_router`, `io.to_prefill
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import gc
@@ -70,7 +71,8 @@ class WorkerIO:
 
     def __init__(self, seat: str, names: ChannelNames, parent_pid: int) -> None:
         self.seat = seat
-        self.parent_pid = parent_pid
+        self.parent_pid = parent_pid  # the router
+        self.start_ppid = os.getppid()  # the fork server (launch.worker_context), which ends with the router
         self.peer_pids: list[int] = []
         self.recv: list[Receiver[Any]] = []
         self._out: dict[str, Sender[Any]] = {}  # by reader
@@ -115,12 +117,14 @@ class WorkerIO:
         return wait_any(self.recv, self.doorbell, timeout)
 
     def others_alive(self, every_s: float = 0.25) -> bool:
-        """False once the router (our parent) or a peer worker has died; checked at most every_s."""
+        """False once the router or a peer worker has died; checked at most every_s. A worker's parent is the fork
+        server the router started, which exits when the router does: the worker is then re-parented, which
+        tells the router's end even should its pid be reused."""
         now = time.monotonic()
         if now - self._last_check < every_s:
             return True
         self._last_check = now
-        if os.getppid() != self.parent_pid or not pid_alive(self.parent_pid):
+        if os.getppid() != self.start_ppid or not pid_alive(self.parent_pid):
             return False
         return all(pid_alive(p) for p in self.peer_pids)
 
@@ -153,9 +157,9 @@ Build = Callable[[EngineConfig, WorkerIO, Any, Any], tuple[dict[str, str], Worke
 
 def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, parent_pid: int, handoff: Any,
                env: dict[str, str | None], seat: Any = None) -> None:
-    """The entry point of every worker process (spawned): attach the channels, `build` the worker
-    (load or attach the model...), say Ready, run its loop. A failure is reported (WorkerError) and
-    ends the process: the router fails the requests in flight and restarts the workers."""
+    """The entry point of every worker process (forked from the fork server, launch.worker_context): attach the
+    channels, `build` the worker (load or attach the model...), say Ready, run its loop. A failure is reported
+    (WorkerError) and ends the process: the router fails the requests in flight and restarts the workers."""
     apply_env(env)
     worker_signals()
     no_named_locks()
@@ -177,6 +181,7 @@ def run_worker(role: str, build: Build, cfg: EngineConfig, names: ChannelNames, 
         if not io.others_alive(every_s=0.0):  # the router died without cleaning up: we do it
             unlink_names(names)
         io.close()
+        run_exit_handlers()
 
 
 def worker_logging(role: str, level: str) -> None:
@@ -199,13 +204,20 @@ def unlink_names(names: ChannelNames) -> None:
             posix_ipc.unlink_semaphore("/" + name)
 
 
+def run_exit_handlers() -> None:
+    """Run what the interpreter's exit would (atexit; each handler once), at the end of a worker's entry point:
+    a worker forked from the fork server (launch.worker_context) ends with os._exit, which skips them, where a
+    spawned one ran them. A TP leader stops its followers there (tp_workers.stop_followers)."""
+    atexit._run_exitfuncs()
+
+
 def apply_env(env: dict[str, str | None]) -> None:
-    """Set (or, for None, remove) the variables the router chose for this worker (MPS pipes...)."""
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """Make the process's environment exactly `env` (`launch.worker_env`: the router's when it started this
+    worker, with its choices for it, MPS pipes..., applied; None: absent). A worker is forked from a fork server
+    begun earlier, whose environment may be older than the router's; every variable a worker's libraries read
+    is read after this (CUDA's and HIP's at their first call, the allocator's at its first allocation)."""
+    os.environ.clear()
+    os.environ.update({k: v for k, v in env.items() if v is not None})
 
 
 def settle_heap() -> None:
