@@ -149,6 +149,7 @@ from compare_tables import (  # noqa: E402
     vllm_keys,  # noqa: F401
     write_report,
 )
+from compare_tp import resolve_tp_systems  # noqa: E402
 
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
@@ -253,8 +254,9 @@ def select_systems(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[Sy
             p.error(f"--vllm-serve {a.vllm_serve_path}: no such file")
     try:
         shlex.split(a.serve_args)
+        systems = resolve_tp_systems(systems, a.serve_args)  # disagg-npmd's halves of the TP size
     except ValueError as e:
-        p.error(f"--serve-args: {e}")
+        p.error(f"--serve-args: {e}" if "disagg" not in str(e) else str(e))
     return systems
 
 
