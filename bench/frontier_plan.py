@@ -57,7 +57,7 @@ RESERVE_GIB = 10.0  # beside the weights: activations, graphs, communicators and
 SESSION_S = 1800  # a session's device time
 MACHINE_START_S = 120
 STASH_CALL_S = 25  # one `vs_vllm.sh --stash` call: ~55 MiB over, copied into the stash
-VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the first call that runs vLLM; the model folder ~6 s
+VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
 STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0}  # per system, by kind
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
@@ -162,20 +162,18 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
              f"  closed-loop peak guess (prefill-bound, from qwen3-8b's {REF_PEAK} req/s on one H200): "
              f"{peak:.2g} req/s; weights {weights_gib(cfg):.0f} GiB bf16"]
     calls = [Call("machine start", MACHINE_START_S, "a minute or more, held")]
-    needs_vllm = any(group_systems(g, cfg, tp, gpu_gib, gpu_mem)[1] for g in groups)
-    if needs_vllm and not stashed:
+    if not stashed:  # vLLM's FA3 build serves ours too (FA3_FROM_VLLM=1): every group wants it installed
         calls.append(Call(f"vLLM stash: {vllm_parts} calls", vllm_parts * STASH_CALL_S,
                           "bash bench/vs_vllm.sh --stash, one part each, back to back"))
-    first_vllm = needs_vllm
+    first_vllm = not stashed
     for i in range(0, len(groups), slots):
         side = []
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
-            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s,
-                                   first_vllm and bool(vllm)))
+            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm))
             if note:
                 lines.append(f"  {g}: {note}")
-        first_vllm = first_vllm and not any("vllm" in c.what for c in side)
+        first_vllm = False  # the first call installs it
         calls.append(Call(" | ".join(c.what for c in side), max(c.seconds for c in side),
                           " | ".join(c.detail for c in side)))
     total = 0.0
@@ -211,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--max-probes", type=int, default=6)
     pl.add_argument("--budget-s", type=float, default=540)
     pl.add_argument("--vllm-parts", type=int, default=8)
-    pl.add_argument("--stashed", action="store_true", help="vLLM is stashed on the machine already")
+    pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
     for q in (g, pl):
         q.add_argument("--tp", type=int, default=1)
         q.add_argument("--preset", default="qwen3-8b")
