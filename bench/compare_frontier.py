@@ -99,7 +99,7 @@ def versus_ours(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], ref: str
     (`BEST_CHUNK`: the best of the `hybrid-*` systems at that bound, where two or more ran); `ratio` None where
     the other's goodput is 0, `exact` False where either figure is a bound. Nothing without a `ref` frontier."""
     out: list[dict[str, Any]] = []
-    chunks = {f["label"] for f in frontiers if f["label"].startswith(HYBRID_PREFIX) and f["label"] not in vllm}
+    chunks = {f["label"] for f in frontiers if f["label"].startswith(HYBRID_PREFIX) and f["label"] not in vllm | {ref}}
     for r in (f for f in frontiers if f["label"] == ref):
         others = [f["label"] for f in frontiers if f["title"] == r["title"] and f["label"] not in vllm | {ref}]
         for q in search_shares(r):
@@ -128,14 +128,15 @@ def _ratio(x: Mapping[str, Any] | None) -> str:
 def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     """The report: per workload and share, goodput by system and ITL bound, the better vLLM and our ratios."""
     vllm = vllm_labels(meta)
-    vs, own = versus_better_vllm(frontiers, vllm), versus_ours(frontiers, vllm)
+    ref = meta.get("reference") or REFERENCE
+    vs, own = versus_better_vllm(frontiers, vllm), versus_ours(frontiers, vllm, ref)
     lines = [f"# rapidserve compare: goodput frontier, {meta.get('model')}", "",
              f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; {meta.get('per_rate')}",
              "- goodput at (p95 ITL bound B, share q): the highest Poisson rate (req/s) at which at least q of the "
              "requests meet both B (the p95 of the request's own inter-token gaps) and the TTFT rule (TTFT <= "
              "max(1 s, 1 s per 1000 prompt tokens)), found per system by searching the rate "
              "(rapidserve/benchmark/goodput.py). The better vLLM: the best of the vLLM settings at each bound.",
-             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{REFERENCE} / X`: "
+             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
     for s in meta.get("systems", []):
@@ -157,7 +158,7 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
             for other in dict.fromkeys(x["over"] for x in own if x["workload"] == title and x["share"] == q):
                 cells = [_ratio(next((x for x in own if x["over"] == other and x["workload"] == title
                                       and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
-                lines.append(f"| {REFERENCE} / {other} | " + " | ".join(cells) + " | |")
+                lines.append(f"| {ref} / {other} | " + " | ".join(cells) + " | |")
             if not any(f["label"] in vllm for f in mine):
                 continue
             best = [better_vllm(frontiers, vllm, title, b, q) for b in bounds]
@@ -194,7 +195,8 @@ def write_frontier_report(a: argparse.Namespace, meta: dict[str, Any], results: 
     with open(base + ".json", "w") as f:
         json.dump(jsonable({**meta, "rows": [], "sweeps": [], "frontiers": frontiers,
                             "versus_better_vllm": versus_better_vllm(frontiers, vllm),
-                            "versus_ours": versus_ours(frontiers, vllm), "plots": plots}), f, indent=1)
+                            "versus_ours": versus_ours(frontiers, vllm, meta.get("reference") or REFERENCE),
+                            "plots": plots}), f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(frontier_markdown(frontiers, meta))
     return [base + ".json", base + ".md", *plots.values()]

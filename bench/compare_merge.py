@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_continue import MATCH, MATCH_NEWER, load_prior  # noqa: E402
-from compare_frontier import write_frontier_report  # noqa: E402
+from compare_frontier import REFERENCE, write_frontier_report  # noqa: E402
 
 
 def merge_reports(paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", help="compare.py --goodput-search reports (<name>.json), in table order")
     p.add_argument("--out", required=True, help="folder of the merged <name>.json / .md")
     p.add_argument("--name", default="frontier_merged")
+    p.add_argument("--reference", default=REFERENCE,
+                   help="the system the ratios divide (default %(default)s: the engine's default policy)")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -80,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in skipped:
         print(f"compare_merge: skipped {line}", file=sys.stderr)
     os.makedirs(a.out, exist_ok=True)
-    meta = {k: v for k, v in merged.items() if k != "frontiers"}
+    meta = {**{k: v for k, v in merged.items() if k != "frontiers"}, "reference": a.reference}
     paths = write_frontier_report(argparse.Namespace(out=a.out, name=a.name), meta, [], plot=not a.no_plot,
                                   prior={"frontiers": merged["frontiers"]})
     print("wrote " + ", ".join(paths))

@@ -33,7 +33,8 @@
 # logs.tar.gz (the setup log, each group's log, setup log and detail archive). Knobs: vs_vllm.sh's (PRESET,
 # WORKLOADS, NUM_PROMPTS, SEARCH_ARGS, MAX_MODEL_LEN, GPU_MEM, SERVE_ARGS, SYSTEMS), TP (1), GROUP (comma- or
 # space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
-# MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), KIND_GPUS (--plan: the
+# MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
+# table's own ratios divide by: rapidserve), KIND_GPUS (--plan: the
 # machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). Further arguments go to each group's
 # vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
 set -uo pipefail
@@ -93,7 +94,8 @@ done
 read -ra earlier <<<"${MERGE_WITH:-}"
 name="${NAME:-frontier_tp}"
 if [ "$((${#earlier[@]} + ${#reports[@]}))" -gt 0 ]; then
-    "$py" bench/compare_merge.py "${earlier[@]}" "${reports[@]}" --out "$out" --name "$name" 2>&1 | tee -a "$setup_log"
+    "$py" bench/compare_merge.py "${earlier[@]}" "${reports[@]}" --out "$out" --name "$name" \
+        --reference "${REFERENCE:-rapidserve}" 2>&1 | tee -a "$setup_log"
 fi
 tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
 for g in "${groups[@]}"; do

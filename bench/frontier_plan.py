@@ -188,9 +188,16 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
 
 
 def _model(preset: str) -> ModelConfig:
-    from rapidserve.loader.preset_table import preset_table
+    """The preset's ModelConfig, from rapidserve/loader/preset_table.py read alone: the loader package imports
+    torch (5 s), which this plan does not need."""
+    import importlib.util
 
-    table = preset_table()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rapidserve", "loader", "preset_table.py")
+    spec = importlib.util.spec_from_file_location("_frontier_preset_table", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = mod.preset_table()
     if preset not in table:
         raise ValueError(f"PRESET={preset}: give one of {', '.join(sorted(table))}")
     return table[preset]
