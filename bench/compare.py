@@ -22,7 +22,8 @@ reports its brackets so far, marked unfinished, and the report says so. One fron
 
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
-  `--system LABEL=FLAGS` is one more with your flags.
+  `--system LABEL=FLAGS` is one more with your flags. `--tensor-parallel-size N` in --serve-args shards ours and
+  vLLM over N GPUs; `disagg-npmd` then runs prefill on N/2 of them and decode on N/2 (bench/compare_tp.py).
 - `vllm` or `vllm:FLAGS` (`--system LABEL=vllm:FLAGS`): the real vLLM on `--vllm-model DIR` (a model folder,
   e.g. the Qwen3-8B-shaped one ../shared/peer_vllm/make_model.py writes). Started through serve_vllm.sh
   (`--vllm-serve`; default: shared/peer_vllm/serve_vllm.sh in the repo, ../shared/peer_vllm/serve_vllm.sh,

@@ -6,7 +6,9 @@ rate at which a share q of requests meet a per-request p95 ITL bound and the TTF
 share. The better vLLM at (workload, bound, share) is the highest goodput any vLLM system (vLLM at one of
 its settings) reached there, and each of our systems' ratio is its goodput over that. A figure whose search
 did not settle (unfinished, or beyond the rates probed) is a bound, not a value: its cell says so and a
-ratio taken from it is marked `*`.
+ratio taken from it is marked `*`. RAPID-Serve's own baselines (`versus_ours`): the engine's default policy
+(`rapidserve`, or the report's `reference`) over each other system of ours (hybrid at each chunk size,
+disagg-npmd, ...) and over the best hybrid chunk at each bound.
 
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the

@@ -38,8 +38,18 @@
 #   (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request of every probe or sweep and
 #   each server's log, vLLM's included).
 #
+# Several GPUs (issue 41: the 70B and Mixtral shapes at TP 4 / 8; issues 37/39/40 at TP 2): TP=N shards every
+# system over N GPUs (ours `--tensor-parallel-size N`, vLLM the same flag) and the multi-GPU groups of
+# bench/frontier_plan.py (ours-tp: rapidserve and disagg-npmd, prefill on N/2 GPUs and decode on N/2;
+# hybrid-chunks: hybrid at chunk 512, 1024, 2048; vllm-default, vllm-1024, vllm-2048: one vLLM setting a call, as a
+# big shape's vLLM start takes ~3 min) run one per call, or side by side on the slots of a bigger machine through
+# bench/frontier_parallel.sh, whose header has the session's run(...) calls and whose `--plan` prints what fits the
+# 30 minutes of device time (here, on the CPU). `--prepare`: vLLM installed and the model folder written, nothing run.
+#
 # Without vLLM (no stashed parts, no recipe, or the install failed) it runs our systems only and says so.
-# Knobs (environment): MODE (frontier | sweep), GROUP (above; without it SYSTEMS and VLLM_SYSTEMS say), SYSTEMS (ours;
+# Knobs (environment): MODE (frontier | sweep), GROUP (above, or any of bench/frontier_plan.py's, `a+b` for two in
+# one call; without it SYSTEMS and VLLM_SYSTEMS say; a group's systems of ours give way to SYSTEMS), TP (1), SERVE_ARGS
+# (more flags for every server of ours, e.g. `--device cpu`; vLLM gets those it shares), SYSTEMS (ours;
 # default: frontier rapidserve,always-fused,always-split; sweep rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default:
 # frontier vllm-best, all four settings, which one call cannot hold: give GROUP; sweep vllm; e.g.
 # "vllm:,vllm:--no-enable-prefix-caching"; set and empty: vLLM is installed for its FA3 build but not served),
@@ -135,7 +145,7 @@ say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
 . bench/wheels.sh
 carried_wheels vs_vllm || { say "installing the carried wheels (.whl) failed"; exit 2; }
 gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
-say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")' 2>&1 | tail -1)"
+say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, importlib.metadata as m; print("python", sys.version.split()[0] + ", torch", m.version("torch"))' 2>&1 | tail -1)"
 
 preset="${PRESET:-qwen3-8b}"
 # The systems of this call: a GROUP (MODE=frontier; bench/frontier_plan.py's table, `a+b` for two), else SYSTEMS

@@ -154,22 +154,44 @@ def test_merge_joins_the_groups_and_skips_what_does_not_compare(tmp_path, capsys
     assert merge.main([str(tmp_path / "missing.json"), "--out", str(tmp_path), "--no-plot"]) == 1
 
 
-STAND_IN = """#!/usr/bin/env bash
-# serve_vllm.sh's contract (MODEL PORT [flags]; its own session; pid and log in the run dir; 0 once healthy) with
-# a rapidserve CPU server in vLLM's place: it notes vLLM's flags, then drops the TP size (one CPU stands in).
+# serve_vllm.sh's contract (MODEL PORT [flags]; its own session; pid and log in the run dir; 0 once healthy), its
+# server a light stand-in for vLLM: an OpenAI-style streaming /v1/completions sending max_tokens chunks 2 ms apart
+# (and the usage), which starts in a second where a CPU rapidserve server takes ten or more.
+STAND_IN_SERVER = """
+import asyncio, json, sys
+from aiohttp import web
+async def completions(req):
+    body = await req.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(req)
+    n = int(body["max_tokens"])
+    for i in range(n):
+        await asyncio.sleep(0.002)
+        chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(chunk)}\\n\\n".encode())
+    usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+    await resp.write(f"data: {json.dumps(usage)}\\n\\ndata: [DONE]\\n\\n".encode())
+    return resp
+async def health(req):
+    return web.Response(text="ok")
+async def models(req):
+    return web.json_response({"data": [{"id": "peer", "max_model_len": 256}]})
+app = web.Application()
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+STAND_IN = f"""#!/usr/bin/env bash
 MODEL=$1; PORT=$2; shift 2
 echo "stand-in vllm for $MODEL: $*"
-args=(); while [ $# -gt 0 ]; do
-  if [ "$1" = --tensor-parallel-size ]; then shift 2; else args+=("$1"); shift; fi
-done
-setsid "$STAND_IN_PY" -m rapidserve.cli serve --model preset:tiny-llama --device cpu --num-kv-blocks 64 --mode hybrid \\
-  --port "$PORT" "${args[@]}" > "$STAND_IN_RUN/vllm_$PORT.log" 2>&1 &
+setsid "$STAND_IN_PY" -c '{STAND_IN_SERVER}' "$PORT" > "$STAND_IN_RUN/vllm_$PORT.log" 2>&1 &
 echo $! > "$STAND_IN_RUN/vllm_$PORT.pid"
-for i in $(seq 1 240); do
-  sleep 0.5
+for i in $(seq 1 120); do
+  sleep 0.25
   "$STAND_IN_PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null \\
-    && { echo "healthy"; exit 0; }
-  kill -0 "$(cat "$STAND_IN_RUN/vllm_$PORT.pid")" 2>/dev/null || { echo "died"; exit 1; }
+    && {{ echo "healthy"; exit 0; }}
+  kill -0 "$(cat "$STAND_IN_RUN/vllm_$PORT.pid")" 2>/dev/null || {{ echo "died"; exit 1; }}
 done
 exit 1
 """
@@ -210,3 +232,4 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
         setup = t.extractfile("./setup.log").read().decode()  # type: ignore[union-attr]
     assert "hybrid-chunks on GPUs 0,1" in setup and "vllm-default on GPUs 2,3" in setup
     assert "frontier plan: tiny-llama at TP 2 on 4 GPUs: 2 group(s) side by side" in setup
+    assert "prepared: vLLM in" in setup and "failed" not in setup
