@@ -22,7 +22,8 @@ reports its brackets so far, marked unfinished, and the report says so. One fron
 
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
-  `--system LABEL=FLAGS` is one more with your flags.
+  `--system LABEL=FLAGS` is one more with your flags. `--tensor-parallel-size N` in --serve-args shards ours and
+  vLLM over N GPUs; `disagg-npmd` then runs prefill on N/2 of them and decode on N/2 (bench/compare_tp.py).
 - `vllm` or `vllm:FLAGS` (`--system LABEL=vllm:FLAGS`): the real vLLM on `--vllm-model DIR` (a model folder,
   e.g. the Qwen3-8B-shaped one ../shared/peer_vllm/make_model.py writes). Started through serve_vllm.sh
   (`--vllm-serve`; default: shared/peer_vllm/serve_vllm.sh in the repo, ../shared/peer_vllm/serve_vllm.sh,
@@ -149,6 +150,7 @@ from compare_tables import (  # noqa: E402
     vllm_keys,  # noqa: F401
     write_report,
 )
+from compare_tp import resolve_tp_systems  # noqa: E402
 
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
@@ -253,8 +255,9 @@ def select_systems(p: argparse.ArgumentParser, a: argparse.Namespace) -> list[Sy
             p.error(f"--vllm-serve {a.vllm_serve_path}: no such file")
     try:
         shlex.split(a.serve_args)
+        systems = resolve_tp_systems(systems, a.serve_args)  # disagg-npmd's halves of the TP size
     except ValueError as e:
-        p.error(f"--serve-args: {e}")
+        p.error(f"--serve-args: {e}" if "disagg" not in str(e) else str(e))
     return systems
 
 

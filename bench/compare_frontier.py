@@ -6,7 +6,9 @@ rate at which a share q of requests meet a per-request p95 ITL bound and the TTF
 share. The better vLLM at (workload, bound, share) is the highest goodput any vLLM system (vLLM at one of
 its settings) reached there, and each of our systems' ratio is its goodput over that. A figure whose search
 did not settle (unfinished, or beyond the rates probed) is a bound, not a value: its cell says so and a
-ratio taken from it is marked `*`.
+ratio taken from it is marked `*`. RAPID-Serve's own baselines (`versus_ours`): the engine's default policy
+(`rapidserve`, or the report's `reference`) over each other system of ours (hybrid at each chunk size,
+disagg-npmd, ...) and over the best hybrid chunk at each bound.
 
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
@@ -31,6 +33,9 @@ from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
 from rapidserve.benchmark.report import jsonable  # noqa: E402
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares  # noqa: E402
 
+REFERENCE = "rapidserve"  # the engine's default policy: the system RAPID-Serve's own baselines are divided into
+HYBRID_PREFIX = "hybrid-"  # hybrid at one chunk size (--max-num-batched-tokens): hybrid-512, hybrid-1024, ...
+BEST_CHUNK = "best hybrid chunk"
 # Start-up time guessed for a system still to run, by kind (vLLM: torch.compile and CUDA graphs, 2-3 min).
 STARTUP_GUESS_S: dict[str, float] = {"vllm": 180.0, "rapidserve": 60.0, "ext": 0.0}
 
@@ -61,7 +66,7 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
 def better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], title: str, bound: float | None,
                 share: float) -> dict[str, Any] | None:
     """The vLLM system with the highest goodput at (bound, share) on the workload: {"system", "goodput",
-    "status"}; None when no vLLM system was searched there."""
+    "status"}; None when no vLLM system was searched there. (Of any set of labels: the best of them.)"""
     best: dict[str, Any] | None = None
     for f in frontiers:
         e = entry(f, bound, share) if f["title"] == title and f["label"] in vllm else None
@@ -90,6 +95,32 @@ def versus_better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str]) -
     return out
 
 
+def versus_ours(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], ref: str = REFERENCE) -> list[dict[str, Any]]:
+    """RAPID-Serve's own baselines: per workload, bound and share, `ref`'s goodput (the engine's default policy)
+    over each other system of ours (hybrid at a chunk size, disagg-npmd, ...) and over the best hybrid chunk
+    (`BEST_CHUNK`: the best of the `hybrid-*` systems at that bound, where two or more ran); `ratio` None where
+    the other's goodput is 0, `exact` False where either figure is a bound. Nothing without a `ref` frontier."""
+    out: list[dict[str, Any]] = []
+    chunks = {f["label"] for f in frontiers if f["label"].startswith(HYBRID_PREFIX) and f["label"] not in vllm | {ref}}
+    for r in (f for f in frontiers if f["label"] == ref):
+        others = [f["label"] for f in frontiers if f["title"] == r["title"] and f["label"] not in vllm | {ref}]
+        for q in search_shares(r):
+            for b in search_bounds(r):
+                mine = entry(r, b, q)
+                if mine is None:
+                    continue
+                for other in [*others, *([BEST_CHUNK] if len(chunks) >= 2 else [])]:
+                    best = better_vllm(frontiers, chunks if other == BEST_CHUNK else {other}, r["title"], b, q)
+                    if best is None:
+                        continue
+                    out.append({"system": ref, "over": other, "over_system": best["system"], "workload": r["title"],
+                                "itl_bound_ms": b, "share": q, "goodput": float(mine["goodput"]),
+                                "over_goodput": best["goodput"],
+                                "ratio": float(mine["goodput"]) / best["goodput"] if best["goodput"] > 0 else None,
+                                "exact": mine["status"] == CONVERGED and best["status"] == CONVERGED})
+    return out
+
+
 def _ratio(x: Mapping[str, Any] | None) -> str:
     if x is None or x["ratio"] is None:
         return "-"
@@ -99,14 +130,17 @@ def _ratio(x: Mapping[str, Any] | None) -> str:
 def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
     """The report: per workload and share, goodput by system and ITL bound, the better vLLM and our ratios."""
     vllm = vllm_labels(meta)
-    vs = versus_better_vllm(frontiers, vllm)
+    ref = meta.get("reference") or REFERENCE
+    vs, own = versus_better_vllm(frontiers, vllm), versus_ours(frontiers, vllm, ref)
     lines = [f"# rapidserve compare: goodput frontier, {meta.get('model')}", "",
              f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; {meta.get('per_rate')}",
              "- goodput at (p95 ITL bound B, share q): the highest Poisson rate (req/s) at which at least q of the "
              "requests meet both B (the p95 of the request's own inter-token gaps) and the TTFT rule (TTFT <= "
              "max(1 s, 1 s per 1000 prompt tokens)), found per system by searching the rate "
              "(rapidserve/benchmark/goodput.py). The better vLLM: the best of the vLLM settings at each bound.",
-             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value.", ""]
+             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
+             f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
+             f"`{HYBRID_PREFIX}*` at each bound).", ""]
     for s in meta.get("systems", []):
         lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
     for w in meta.get("workloads", []):
@@ -123,6 +157,10 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
                 done = "finished" if f["finished"] else f"unfinished ({f['stopped']})"
                 lines.append(f"| {f['label']} | " + " | ".join(goodput_cell(entry(f, b, q)) for b in bounds)
                              + f" | {done} |")
+            for other in dict.fromkeys(x["over"] for x in own if x["workload"] == title and x["share"] == q):
+                cells = [_ratio(next((x for x in own if x["over"] == other and x["workload"] == title
+                                      and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
+                lines.append(f"| {ref} / {other} | " + " | ".join(cells) + " | |")
             if not any(f["label"] in vllm for f in mine):
                 continue
             best = [better_vllm(frontiers, vllm, title, b, q) for b in bounds]
@@ -158,7 +196,9 @@ def write_frontier_report(a: argparse.Namespace, meta: dict[str, Any], results: 
     vllm = vllm_labels(meta)
     with open(base + ".json", "w") as f:
         json.dump(jsonable({**meta, "rows": [], "sweeps": [], "frontiers": frontiers,
-                            "versus_better_vllm": versus_better_vllm(frontiers, vllm), "plots": plots}), f, indent=1)
+                            "versus_better_vllm": versus_better_vllm(frontiers, vllm),
+                            "versus_ours": versus_ours(frontiers, vllm, meta.get("reference") or REFERENCE),
+                            "plots": plots}), f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(frontier_markdown(frontiers, meta))
     return [base + ".json", base + ".md", *plots.values()]

@@ -37,6 +37,7 @@ SYSTEMS: dict[str, str] = {
     "rapid-static-0.25": "--mode rapid --partition static:0.25",
     "rapid-static-0.5": "--mode rapid --partition static:0.5",
     "hybrid-512": "--mode hybrid --max-num-batched-tokens 512",
+    "hybrid-1024": "--mode hybrid --max-num-batched-tokens 1024",
     "hybrid-2048": "--mode hybrid --max-num-batched-tokens 2048",
     "hybrid-8192": "--mode hybrid --max-num-batched-tokens 8192",
     # The goodput frontier's three (issue 37): the engine's default policy (whatever `rapidserve serve` runs
@@ -46,9 +47,13 @@ SYSTEMS: dict[str, str] = {
     "always-fused": "--mode hybrid",
     "always-split": "--mode rapid --policy rapid",
     "duet": "--mode rapid --policy duet",  # DuetServe's adaptive policy in the one engine (fused or split per step)
+    # NPMD disaggregation on the GPUs the others get: its flags follow --serve-args' --tensor-parallel-size N
+    # (prefill on N/2, decode on N/2; bench/compare_tp.py), this placeholder is replaced.
+    "disagg-npmd": "--mode disagg",
 }
 FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # --systems' default: a search
-SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in FRONTIER_SYSTEMS)  # ... a sweep
+# ... a sweep: the rest, but for the multi-GPU frontier's own (bench/frontier_plan.py's groups), named when wanted
+SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its
@@ -59,7 +64,7 @@ VLLM_BEST = "vllm-best"  # in --systems: one vLLM system per VLLM_SETTINGS
 # Flags of `rapidserve serve` that vLLM's server takes under the same name and meaning: given in
 # --serve-args, a vLLM system gets them too.
 SHARED_VALUE_FLAGS: tuple[str, ...] = ("--max-model-len", "--gpu-memory-utilization", "--max-num-batched-tokens",
-                                       "--max-num-seqs")
+                                       "--max-num-seqs", "--tensor-parallel-size")
 SHARED_SWITCHES: tuple[str, ...] = ("--enforce-eager",)
 # Where serve_vllm.sh is looked for (relative to the repo root) when --vllm-serve is not given. The
 # ../shared folder does not travel to the GPU machine: bench/vs_vllm.sh's header says how the recipe gets there.

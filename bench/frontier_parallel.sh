@@ -1,66 +1,107 @@
 #!/usr/bin/env bash
-# The goodput frontier of bench/vs_vllm.sh's three system groups side by side, one GPU each, in ONE device call
-# of a machine with several GPUs of one model (nvidia-h200-x2 / -x4): the groups run at the same time on
-# separate GPUs of one host (same GPU model, same client code, each client its own process), so one 10-minute
-# call holds what would otherwise take three.
+# The goodput frontier of bench/vs_vllm.sh's system groups side by side in ONE device call: each group on GPUs of
+# its own (TP of them: ours `--tensor-parallel-size TP`, vLLM the same flag), the groups at the same time on one
+# host (same GPU model, same client code, each client its own process); then one table of every group, with the
+# engine default's ratios to the better vLLM and to our baselines (bench/compare_merge.py).
 #
-#   run(command="bash bench/frontier_parallel.sh", carry=[".whl"], kind="nvidia-h200-x4", timeout_s=600)
-#   (after the --stash calls of bench/vs_vllm.sh, on the same machine)
+# Groups (bench/frontier_plan.py): ours, vllm-a, vllm-b (one GPU each, issue 37), ours-tp (rapidserve and
+# disagg-npmd: prefill on TP/2 GPUs, decode on TP/2), hybrid-chunks (hybrid at chunk 512, 1024, 2048),
+# vllm-default, vllm-1024, vllm-2048 (vLLM at one setting each: a big shape's vLLM start takes ~3 min); `a+b` runs
+# two groups' systems one after the other in one slot. A machine of G GPUs holds G/TP slots; a call runs at most
+# that many groups (each inside BUDGET_S, 540 s), the rest go to the next call.
 #
-# GPU 0: ours (rapidserve, always-fused, always-split, one after the other); GPU 1: vllm-a (vLLM default and
-# --max-num-batched-tokens 1024); GPU 2: vllm-b (2048 and --performance-mode interactivity), where a third GPU
-# exists. vLLM is installed and the model folder written once, before the groups start. Each group's
-# frontier JSON + markdown come back in $OUT (frontier_<group>.json/.md) with one log per group; join them
-# here with `python bench/compare.py --continue-from ...` or read them side by side. Knobs: vs_vllm.sh's
-# (WORKLOADS, NUM_PROMPTS, SEARCH_ARGS, MAX_MODEL_LEN, GPU_MEM, PRESET), BUDGET_S (each group's, 540).
+# The plan first, here on the CPU (no device time): which calls, how long each, what fits a session's 30 minutes:
+#   KIND_GPUS=4 TP=4 PRESET=llama-3.1-70b GROUP=ours-tp,hybrid-chunks,vllm-default bash bench/frontier_parallel.sh --plan
+# The session (after `bash bench/vs_vllm.sh --split` here: its header's step 0), issue 41 on nvidia-h200-x4,
+# Llama-3.1-70B shape at TP 4 (one slot: one group a call), each call's frontier_<group>.json copied from $OUT
+# into bench/results/h200x4_MMDD/ here before the next call, which folds it into its table with MERGE_WITH:
+#   run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cK", ".peer/peer_vllm"], kind="nvidia-h200-x4",
+#       timeout_s=120)                                          # K = 0 .. N-1, back to back
+#   run(command="TP=4 PRESET=llama-3.1-70b GROUP=ours-tp NUM_PROMPTS=48 bash bench/frontier_parallel.sh",
+#       carry=[".whl"], kind="nvidia-h200-x4", timeout_s=600)
+#   run(command="TP=4 PRESET=llama-3.1-70b GROUP=hybrid-chunks NUM_PROMPTS=48
+#       MERGE_WITH=bench/results/h200x4_MMDD/frontier_ours-tp.json bash bench/frontier_parallel.sh", carry=[".whl"],
+#       kind="nvidia-h200-x4", timeout_s=600)
+#   later (the plan says what fits): GROUP=vllm-default, vllm-1024; PRESET=mixtral-8x7b GROUP=ours-tp+hybrid-chunks
+# On nvidia-h200-x8 at TP 4 two groups share a call (GROUP=ours-tp,hybrid-chunks then vllm-default,vllm-1024);
+# at TP 8 one. Issue 37/39/40 at TP 2: nvidia-h200-x2 one group a call, nvidia-h200-x4 two (GROUP=ours-tp,
+# hybrid-chunks then vllm-default,vllm-1024); the 70B shape's disagg-npmd (1P1D: 131 GiB of weights on one GPU) is
+# dropped with its reason, Mixtral's (87 GiB) runs.
+#
+# vLLM is installed and the model folder written once (`vs_vllm.sh --prepare`), before the groups start. Back in
+# $OUT (at most 8 files): frontier_<group>.json per group, the table <NAME>.md / .json (+ its frontier plot), and
+# logs.tar.gz (the setup log, each group's log, setup log and detail archive). Knobs: vs_vllm.sh's (PRESET,
+# WORKLOADS, NUM_PROMPTS, SEARCH_ARGS, MAX_MODEL_LEN, GPU_MEM, SERVE_ARGS, SYSTEMS), TP (1), GROUP (comma- or
+# space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
+# MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
+# table's own ratios divide by: rapidserve), KIND_GPUS (--plan: the
+# machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). Further arguments go to each group's
+# vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
+py="${PYTHON:-python3}"
+tp="${TP:-1}"
+read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
+if [ "${1:-}" = --plan ]; then
+    exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
+        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}"
+fi
 out="${OUT:-bench/results/frontier_parallel}"
 mkdir -p "$out"
-py="${PYTHON:-python3}"
-stash="${PEER_STASH:-/root/peerstash}"
-site="${PEER_SITE:-/root/peersite}"  # read by peer_env.sh
-export site
-model="${PEER_MODEL:-/root/peermodel}"
-setup_log="$out/setup.log"
+work="$(mktemp -d)"
+setup_log="$work/setup.log"
 t0=$(date +%s)
 say() { echo "frontier_parallel [$(( $(date +%s) - t0 )) s]: $*" | tee -a "$setup_log"; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-# shellcheck source=bench/wheels.sh
-. bench/wheels.sh
-carried_wheels frontier_parallel || exit 2
-recipe=""
-for d in "$stash/peer_vllm" .peer/peer_vllm; do [ -f "$d/install.sh" ] && recipe="$d" && break; done
-why_not=""
-# shellcheck source=bench/peer_env.sh
-. bench/peer_env.sh
-peer_install
-[ -n "$why_not" ] && say "vLLM not installed: $why_not"
-if [ -z "$why_not" ] && [ ! -f "$model/config.json" ] && [ -n "$recipe" ]; then
-    "$py" "$recipe/make_model.py" "$model" >>"$setup_log" 2>&1 || say "make_model.py failed"
+ngpu="${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+slots=$((ngpu / tp))
+if [ "$slots" -lt 1 ]; then
+    say "TP=$tp needs $tp GPUs; $ngpu found"
+    exit 2
 fi
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
-groups=(ours vllm-a vllm-b)
-[ "$ngpu" -lt 3 ] && groups=(ours vllm-a)
-say "$ngpu GPUs: groups ${groups[*]} on GPUs 0..$(( ${#groups[@]} - 1 ))"
-work="$(mktemp -d)"
+if [ -z "${GROUP:-}" ] && [ "${#groups[@]}" -gt "$slots" ]; then
+    groups=("${groups[@]:0:$slots}")  # the default: as many of ours, vllm-a, vllm-b as there are GPUs
+fi
+if [ "${#groups[@]}" -gt "$slots" ]; then
+    say "${#groups[@]} groups (${groups[*]}) but $slots slot(s) of $tp GPU(s) on $ngpu GPUs: give at most $slots" \
+        "in GROUP, the rest in the next call (bash bench/frontier_parallel.sh --plan says which)"
+    exit 2
+fi
+"$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
+    --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+    2>&1 | tee -a "$setup_log"
+GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
+say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
 pids=()
 for i in "${!groups[@]}"; do
     g=${groups[$i]}
+    gpus=$(seq -s, $((i * tp)) $((i * tp + tp - 1)))
     mkdir -p "$work/$g"
-    CUDA_VISIBLE_DEVICES=$i OUT="$work/$g" GROUP=$g NAME="frontier_$g" BUDGET_S="${BUDGET_S:-540}" \
-        bash bench/vs_vllm.sh >"$out/$g.log" 2>&1 &
+    say "$g on GPUs $gpus"
+    CUDA_VISIBLE_DEVICES=$gpus OUT="$work/$g" GROUP=$g NAME="frontier_$g" BUDGET_S="${BUDGET_S:-540}" TP="$tp" \
+        bash bench/vs_vllm.sh "$@" >"$work/$g.log" 2>&1 &
     pids+=($!)
     sleep 2  # the free-port pick of one group is not raced by the next
 done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
+reports=()
 for g in "${groups[@]}"; do
-    cp "$work/$g/frontier_$g.json" "$work/$g/frontier_$g.md" "$out/" 2>/dev/null || say "$g: no frontier report"
+    if cp "$work/$g/frontier_$g.json" "$out/" 2>/dev/null; then reports+=("$out/frontier_$g.json")
+    else say "$g: no frontier report (see $g.log in logs.tar.gz)"; fi
 done
+read -ra earlier <<<"${MERGE_WITH:-}"
+name="${NAME:-frontier_tp}"
+if [ "$((${#earlier[@]} + ${#reports[@]}))" -gt 0 ]; then
+    "$py" bench/compare_merge.py "${earlier[@]}" "${reports[@]}" --out "$out" --name "$name" \
+        --reference "${REFERENCE:-rapidserve}" 2>&1 | tee -a "$setup_log"
+fi
+tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
 for g in "${groups[@]}"; do
-    echo "== $g"
-    head -60 "$out/frontier_$g.md" 2>/dev/null
+    echo "== $g (log tail)"
+    tail -5 "$work/$g.log"
 done
+[ -f "$out/$name.md" ] && { echo "===== $out/$name.md"; cat "$out/$name.md"; }
+rm -rf "$work"
 exit $status

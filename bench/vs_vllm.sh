@@ -38,8 +38,18 @@
 #   (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request of every probe or sweep and
 #   each server's log, vLLM's included).
 #
+# Several GPUs (issue 41: the 70B and Mixtral shapes at TP 4 / 8; issues 37/39/40 at TP 2): TP=N shards every
+# system over N GPUs (ours `--tensor-parallel-size N`, vLLM the same flag) and the multi-GPU groups of
+# bench/frontier_plan.py (ours-tp: rapidserve and disagg-npmd, prefill on N/2 GPUs and decode on N/2;
+# hybrid-chunks: hybrid at chunk 512, 1024, 2048; vllm-default, vllm-1024, vllm-2048: one vLLM setting a call, as a
+# big shape's vLLM start takes ~3 min) run one per call, or side by side on the slots of a bigger machine through
+# bench/frontier_parallel.sh, whose header has the session's run(...) calls and whose `--plan` prints what fits the
+# 30 minutes of device time (here, on the CPU). `--prepare`: vLLM installed and the model folder written, nothing run.
+#
 # Without vLLM (no stashed parts, no recipe, or the install failed) it runs our systems only and says so.
-# Knobs (environment): MODE (frontier | sweep), GROUP (above; without it SYSTEMS and VLLM_SYSTEMS say), SYSTEMS (ours;
+# Knobs (environment): MODE (frontier | sweep), GROUP (above, or any of bench/frontier_plan.py's, `a+b` for two in
+# one call; without it SYSTEMS and VLLM_SYSTEMS say; a group's systems of ours give way to SYSTEMS), TP (1), SERVE_ARGS
+# (more flags for every server of ours, e.g. `--device cpu`; vLLM gets those it shares), SYSTEMS (ours;
 # default: frontier rapidserve,always-fused,always-split; sweep rapid-adaptive,hybrid-2048), VLLM_SYSTEMS (default:
 # frontier vllm-best, all four settings, which one call cannot hold: give GROUP; sweep vllm; e.g.
 # "vllm:,vllm:--no-enable-prefix-caching"; set and empty: vLLM is installed for its FA3 build but not served),
@@ -135,8 +145,32 @@ say() { echo "vs_vllm [$(elapsed) s]: $*" | tee -a "$setup_log"; }
 . bench/wheels.sh
 carried_wheels vs_vllm || { say "installing the carried wheels (.whl) failed"; exit 2; }
 gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
-say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")' 2>&1 | tail -1)"
+say "GPU: ${gpu:-none found}; $("$py" -c 'import sys, importlib.metadata as m; print("python", sys.version.split()[0] + ", torch", m.version("torch"))' 2>&1 | tail -1)"
 
+preset="${PRESET:-qwen3-8b}"
+# The systems of this call: a GROUP (MODE=frontier; bench/frontier_plan.py's table, `a+b` for two), else SYSTEMS
+# (ours; set and empty: only --system extras) and VLLM_SYSTEMS (vLLM's). A group's own systems of ours give way
+# to SYSTEMS when it is set and not empty.
+if [ "$mode" = frontier ]; then
+    ours="${SYSTEMS-rapidserve,always-fused,always-split}"
+    vllm_wanted="${VLLM_SYSTEMS-vllm-best}"
+else
+    ours="${SYSTEMS-rapid-adaptive,hybrid-2048}"
+    vllm_wanted="${VLLM_SYSTEMS-vllm}"
+fi
+tp="${TP:-1}"
+gpu_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 | awk '{printf "%.0f", $1 / 1024}')
+if [ -n "${GROUP:-}" ]; then
+    if ! group_out=$("$py" bench/frontier_plan.py group "$GROUP" --tp "$tp" --preset "$preset" \
+            --gpu-gib "${gpu_gib:-140}" --gpu-mem "${GPU_MEM:-0.8}" 2>"$work/group.err"); then
+        say "$(cat "$work/group.err")"
+        exit 2
+    fi
+    { read -r g_ours; read -r g_vllm; read -r g_note; } <<<"$group_out"
+    [ -n "$g_note" ] && say "$g_note"
+    [ -n "$g_ours" ] && [ -n "${SYSTEMS:-}" ] && g_ours="$SYSTEMS"
+    ours="$g_ours"; vllm_wanted="$g_vllm"
+fi
 # The recipe (install.sh, make_model.py, serve_vllm.sh): stashed by --stash, or wherever it is found.
 recipe="$(find_recipe)"
 
@@ -145,7 +179,6 @@ recipe="$(find_recipe)"
 why_not=""
 peer_install  # sets why_not when vLLM cannot be installed
 [ -z "$why_not" ] && [ "${FA3_FROM_VLLM:-1}" = 1 ] && expose_fa3  # our engine's attention backend 'auto' finds FA3
-preset="${PRESET:-qwen3-8b}"
 if [ -z "$why_not" ] && [ "$preset" != qwen3-8b ]; then  # another preset's shape: our own folder maker
     model="$model-$preset"
     if [ ! -f "$model/config.json" ]; then
@@ -161,23 +194,11 @@ if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
         "$py" "$recipe/make_model.py" "$model" 2>&1 | tee -a "$setup_log" || why_not="make_model.py failed"
     fi
 fi
-
-# The systems of this call: a GROUP (MODE=frontier), else SYSTEMS (ours; set and empty: only --system extras) and
-# VLLM_SYSTEMS (vLLM's).
-if [ "$mode" = frontier ]; then
-    ours="${SYSTEMS-rapidserve,always-fused,always-split}"
-    vllm_wanted="${VLLM_SYSTEMS-vllm-best}"
-else
-    ours="${SYSTEMS-rapid-adaptive,hybrid-2048}"
-    vllm_wanted="${VLLM_SYSTEMS-vllm}"
+if [ "${1:-}" = --prepare ]; then  # bench/frontier_parallel.sh: vLLM and the model folder once, before its groups
+    say "prepared: ${why_not:-vLLM in $site, model folder $model}"
+    exit 0
 fi
-case "${GROUP:-}" in
-    "") ;;
-    vllm-a) ours=""; vllm_wanted="vllm:,vllm:--max-num-batched-tokens 1024" ;;
-    vllm-b) ours=""; vllm_wanted="vllm:--max-num-batched-tokens 2048,vllm:--performance-mode interactivity" ;;
-    ours) ours="${SYSTEMS:-duet,always-fused,always-split}"; vllm_wanted="" ;;
-    *) say "GROUP=$GROUP: give vllm-a, vllm-b or ours (or leave it unset and set SYSTEMS / VLLM_SYSTEMS)"; exit 2 ;;
-esac
+
 # The workloads: fixed 4096:64 for the frontier, issue 15's multiturn for the sweep; TRACE_WORKLOADS (';'-separated
 # `rapidserve bench` flag sets, e.g. "--workload trace --trace .traces/azure_conv_2023.csv.gz --duration-s 60
 # --time-scale 3" for a sweep, "--workload trace --trace ... --trace-arrivals poisson --num-prompts 64" for the
@@ -230,8 +251,10 @@ if [ -n "${CONTINUE_FROM:-}" ]; then
     [ -f "$CONTINUE_FROM" ] || { say "CONTINUE_FROM=$CONTINUE_FROM: no such file (copy the earlier call's report into the tree)"; exit 2; }
     continue_args=(--continue-from "$CONTINUE_FROM")
 fi
-cmd=("$py" bench/compare.py --model "preset:$preset" --systems "$systems" "${vllm_args[@]}"
-     --serve-args "--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
+serve_args="--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GPU_MEM:-0.8}"
+[ "$tp" != 1 ] && serve_args+=" --tensor-parallel-size $tp"  # ours and vLLM (a flag both take)
+[ -n "${SERVE_ARGS:-}" ] && serve_args+=" $SERVE_ARGS"
+cmd=("$py" bench/compare.py --model "preset:$preset" --systems "$systems" "${vllm_args[@]}" --serve-args "$serve_args"
      "${workload_args[@]}" "${load_args[@]}" "${continue_args[@]}" --warmup "${WARMUP:-4}"
      --startup-timeout-s 300 --budget-s $((left - 100)) --out "$work" --name "$name" "$@")
 say "$(printf '%q ' "${cmd[@]}")"

@@ -1,0 +1,242 @@
+"""The goodput frontier's system groups, and the device-time plan of a session that measures them
+(bench/vs_vllm.sh and bench/frontier_parallel.sh read both; pure, tested on CPU).
+
+A group is what one device call runs (one after another on the same GPUs, inside the call's 10 minutes; `a+b`: both
+groups' systems in one call, for shapes whose searches are short):
+
+| group | systems |
+|---|---|
+| ours | duet, always-fused, always-split (issue 37 on one GPU) |
+| vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
+| ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
+| hybrid-chunks | hybrid at chunk 512, 1024, 2048 (RAPID-Serve's own baseline: `--mode hybrid`, its chunk) |
+| vllm-default / vllm-1024 / vllm-2048 | vLLM at one setting each (a big shape's vLLM start takes ~3 min: one a call) |
+
+With TP=N every system of a group holds the same N GPUs (ours `--tensor-parallel-size N`, vLLM the same flag);
+a machine of G GPUs runs G/N groups side by side (bench/frontier_parallel.sh). disagg-npmd is dropped, with the
+reason, where TP is odd or 1, where the engine's own check refuses it (`ParallelConfig.disagg_problem`), or where
+the weights do not fit half the GPUs (each side holds a whole copy).
+
+    python bench/frontier_plan.py plan --gpus 4 --tp 4 --preset llama-3.1-70b --groups ours-tp,hybrid-chunks
+    python bench/frontier_plan.py group ours-tp --tp 2 --preset llama-3.1-70b   # 3 lines: ours, vLLM, note
+
+The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
+TP 2 with its dummy loader, ours 20-60 s; a machine's start "a minute or more"; the stash calls ~25 s each),
+and a prefill-bound guess of each system's closed-loop peak (qwen3-8b's 8.5 req/s on one H200 at 4096:64,
+scaled by active parameters, prompt length and TP at 85% per doubling): a plan, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rapidserve.config import ModelConfig, ParallelConfig  # noqa: E402
+
+GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our systems, vLLM's systems)
+    "ours": (("duet", "always-fused", "always-split"), ()),
+    "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),
+    "vllm-b": ((), ("vllm:--max-num-batched-tokens 2048", "vllm:--performance-mode interactivity")),
+    "ours-tp": (("rapidserve", "disagg-npmd"), ()),
+    "hybrid-chunks": (("hybrid-512", "hybrid-1024", "hybrid-2048"), ()),
+    "vllm-default": ((), ("vllm:",)),
+    "vllm-1024": ((), ("vllm:--max-num-batched-tokens 1024",)),
+    "vllm-2048": ((), ("vllm:--max-num-batched-tokens 2048",)),
+}
+TP_GROUPS: tuple[str, ...] = ("ours-tp", "hybrid-chunks", "vllm-default", "vllm-1024", "vllm-2048")
+
+GIB = 1 << 30
+H200_GIB = 140.0  # nvidia-smi's 143771 MiB
+RESERVE_GIB = 10.0  # beside the weights: activations, graphs, communicators and a KV pool worth having
+SESSION_S = 1800  # a session's device time
+MACHINE_START_S = 120
+STASH_CALL_S = 25  # one `vs_vllm.sh --stash` call: ~55 MiB over, copied into the stash
+VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
+CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
+STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0}  # per system, by kind
+MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
+REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
+REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
+
+
+def params(cfg: ModelConfig) -> tuple[float, float]:
+    """(all parameters, those one token uses) of a model, from its shapes (the experts counted top_k of n)."""
+    h, q, kv, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
+    attn = h * (2 * q + 2 * kv)
+    if cfg.moe is None:
+        mlp = mlp_active = 3 * h * cfg.intermediate_size
+    else:
+        mlp = 3 * h * cfg.moe.intermediate_size * cfg.moe.num_experts + h * cfg.moe.num_experts
+        mlp_active = 3 * h * cfg.moe.intermediate_size * cfg.moe.top_k
+    head = v * h * (1 if cfg.tie_word_embeddings else 2)
+    return float(cfg.num_layers * (attn + mlp) + head), float(cfg.num_layers * (attn + mlp_active) + v * h)
+
+
+def weights_gib(cfg: ModelConfig, bytes_per_param: int = 2) -> float:
+    return params(cfg)[0] * bytes_per_param / GIB
+
+
+def disagg_note(cfg: ModelConfig, tp: int, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8) -> str | None:
+    """Why disagg-npmd cannot run beside the others at TP `tp` (None: it can): its two halves of the GPUs."""
+    if tp < 2 or tp % 2:
+        return f"disagg-npmd not run: it halves the TP {tp} GPUs (prefill, decode): give an even TP >= 2"
+    half = tp // 2
+    problem = ParallelConfig(tensor_parallel_size=half, prefill_tensor_parallel_size=half).disagg_problem(cfg)
+    if problem is not None:
+        return f"disagg-npmd not run: {problem}"
+    per_gpu, room = weights_gib(cfg) / half, gpu_gib * gpu_mem
+    if per_gpu + RESERVE_GIB > room:
+        return (f"disagg-npmd not run: each side holds the whole model over {half} GPU(s): {per_gpu:.0f} GiB of bf16 "
+                f"weights a GPU, + {RESERVE_GIB:.0f} GiB beside them > {gpu_mem:g} x {gpu_gib:.0f} GiB; needs TP >= "
+                f"{2 * math.ceil(weights_gib(cfg) / (room - RESERVE_GIB))}")
+    return None
+
+
+def group_systems(group: str, cfg: ModelConfig, tp: int, gpu_gib: float = H200_GIB,
+                  gpu_mem: float = 0.8) -> tuple[list[str], list[str], str]:
+    """(our systems, vLLM's systems, a note: what was dropped and why, or '') of a group at TP `tp`.
+    ValueError for an unknown group, or a TP the model cannot be split over."""
+    names = group.split("+")  # several groups in one call: ours-tp+hybrid-chunks
+    bad = [g for g in names if g not in GROUPS]
+    if bad:
+        raise ValueError(f"GROUP={group}: {', '.join(bad)}? give one of {', '.join(GROUPS)}, or several joined by +")
+    problem = cfg.tp_problem(tp, "TP") if tp > 1 else None
+    if problem is not None:
+        raise ValueError(problem)
+    ours = list(dict.fromkeys(s for g in names for s in GROUPS[g][0]))
+    vllm = list(dict.fromkeys(s for g in names for s in GROUPS[g][1]))
+    note = disagg_note(cfg, tp, gpu_gib, gpu_mem) if "disagg-npmd" in ours else None
+    if note is not None:
+        ours.remove("disagg-npmd")
+    return ours, vllm, note or ""
+
+
+def peak_guess(cfg: ModelConfig, tp: int, prompt: int) -> float:
+    """A prefill-bound guess of a system's closed-loop peak, req/s (see the docstring)."""
+    eff = 0.85 ** math.log2(tp) if tp > 1 else 1.0
+    return REF_PEAK * (REF_ACTIVE * REF_PROMPT) / (params(cfg)[1] * prompt) * tp * eff
+
+
+class Call(NamedTuple):
+    what: str
+    seconds: float
+    detail: str
+
+
+def kind_of(system: str) -> str:
+    return "vllm" if system.startswith("vllm") else "hybrid" if system.startswith("hybrid") else "ours"
+
+
+def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
+               budget_s: float, first_vllm: bool) -> Call:
+    """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it)."""
+    setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
+    startups = sum(STARTUP_S[kind_of(s)] for s in systems)
+    probe_s = 1.6 * num_prompts / peak + 2  # probes lie between peak/4 and the peak, most near peak/2
+    want = num_prompts / peak + max_probes * probe_s  # the closed-loop peak, then the probes
+    share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems))
+    probes = min(max_probes, max(0, int((share - num_prompts / peak) // probe_s)))
+    seconds = min(setup + startups + len(systems) * want, budget_s + CALL_OVERHEAD_S)
+    cut = "" if probes >= max_probes else f", cut from {max_probes} by BUDGET_S {budget_s:g}"
+    return Call(f"{group} [{', '.join(systems)}]", seconds,
+                f"start-ups ~{startups:.0f} s, {len(systems)} search(es) of ~{probes} probes (~{probe_s:.0f} s "
+                f"each{cut})")
+
+
+def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
+         num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
+         stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8) -> list[str]:
+    """The session's calls, in order, with their estimated device time and what fits in SESSION_S."""
+    slots = gpus // tp
+    if slots < 1:
+        raise ValueError(f"TP {tp} needs {tp} GPUs; the machine has {gpus}")
+    peak = peak_guess(cfg, tp, prompt)
+    lines = [f"frontier plan: {preset} at TP {tp} on {gpus} GPUs: {slots} group(s) side by side per call; "
+             f"{prompt}-token prompts, {num_prompts} arrivals a probe, <= {max_probes} probes, BUDGET_S {budget_s:g}",
+             f"  closed-loop peak guess (prefill-bound, from qwen3-8b's {REF_PEAK} req/s on one H200): "
+             f"{peak:.2g} req/s; weights {weights_gib(cfg):.0f} GiB bf16"]
+    calls = [Call("machine start", MACHINE_START_S, "a minute or more, held")]
+    if not stashed:  # vLLM's FA3 build serves ours too (FA3_FROM_VLLM=1): every group wants it installed
+        calls.append(Call(f"vLLM stash: {vllm_parts} calls", vllm_parts * STASH_CALL_S,
+                          "bash bench/vs_vllm.sh --stash, one part each, back to back"))
+    first_vllm = not stashed
+    for i in range(0, len(groups), slots):
+        side = []
+        for g in groups[i:i + slots]:
+            ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
+            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm))
+            if note:
+                lines.append(f"  {g}: {note}")
+        first_vllm = False  # the first call installs it
+        calls.append(Call(" | ".join(c.what for c in side), max(c.seconds for c in side),
+                          " | ".join(c.detail for c in side)))
+    total = 0.0
+    for k, c in enumerate(calls):
+        total += c.seconds
+        mark = "" if total <= SESSION_S else "  <- over the session's 30 min: next session"
+        lines.append(f"  {k}. {c.what}: ~{c.seconds:.0f} s ({c.detail}); total ~{total:.0f} s{mark}")
+    lines.append(f"  total ~{total:.0f} s of {SESSION_S} s: "
+                 + ("fits" if total <= SESSION_S else f"over by {total - SESSION_S:.0f} s: run the calls marked "
+                    "over in a later session (or fewer probes, fewer groups)"))
+    return lines
+
+
+def _model(preset: str) -> ModelConfig:
+    """The preset's ModelConfig, from rapidserve/loader/preset_table.py read alone: the loader package imports
+    torch (5 s), which this plan does not need."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rapidserve", "loader", "preset_table.py")
+    spec = importlib.util.spec_from_file_location("_frontier_preset_table", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = mod.preset_table()
+    if preset not in table:
+        raise ValueError(f"PRESET={preset}: give one of {', '.join(sorted(table))}")
+    return table[preset]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="the frontier's groups and a session's device-time plan")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("group", help="print a group's systems: ours, vLLM's (comma-separated), a note")
+    g.add_argument("group")
+    pl = sub.add_parser("plan", help="print the calls of a session and their estimated device time")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--groups", default=",".join(TP_GROUPS[:3]))
+    pl.add_argument("--prompt", type=int, default=4096, help="prompt tokens of the workload")
+    pl.add_argument("--num-prompts", type=int, default=48)
+    pl.add_argument("--max-probes", type=int, default=6)
+    pl.add_argument("--budget-s", type=float, default=540)
+    pl.add_argument("--vllm-parts", type=int, default=8)
+    pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
+    for q in (g, pl):
+        q.add_argument("--tp", type=int, default=1)
+        q.add_argument("--preset", default="qwen3-8b")
+        q.add_argument("--gpu-gib", type=float, default=H200_GIB)
+        q.add_argument("--gpu-mem", type=float, default=0.8)
+    a = p.parse_args(argv)
+    try:
+        cfg = _model(a.preset)
+        if a.cmd == "group":
+            ours, vllm, note = group_systems(a.group, cfg, a.tp, a.gpu_gib, a.gpu_mem)
+            print(",".join(ours), ",".join(vllm), note, sep="\n")
+        else:
+            groups = [x.strip() for x in a.groups.split(",") if x.strip()]
+            print("\n".join(plan(cfg, a.preset, a.gpus, a.tp, groups, a.prompt, a.num_prompts, a.max_probes,
+                                 a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem)))
+    except ValueError as e:
+        print(f"frontier_plan: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The multi-GPU goodput frontier (issues 37, 41): TP in compare.py's systems (ours and vLLM), disagg-npmd on
+halves of the GPUs, frontier_plan.py's groups and device-time plan, the engine default's ratios to our baselines,
+compare_merge.py, and bench/frontier_parallel.sh run end to end on CPU with a stand-in vLLM (two groups side by
+side in slots of TP 2, merged into one table)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from typing import Any
+
+import pytest
+
+from tests.test_bench_compare import _load
+from tests.test_server import ROOT
+
+compare = _load()
+tp = _load("compare_tp")
+plan = _load("frontier_plan")
+frontier = _load("compare_frontier")
+merge = _load("compare_merge")
+MODEL = {p: plan._model(p) for p in ("llama-3.1-70b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-8b")}
+
+
+@pytest.mark.parametrize("args,want", [("", 1), ("--max-model-len 8192", 1), ("--tensor-parallel-size 4", 4),
+                                       ("-tp 2 --tensor-parallel-size=8", 8), ("--tensor-parallel-size 2 -tp 4", 4)])
+def test_serve_tp(args: str, want: int) -> None:
+    assert tp.serve_tp(args) == want
+
+
+def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.CaptureFixture[str]) -> None:
+    assert compare.main(["--dry-run", "--goodput-search", "--systems", "rapidserve,disagg-npmd,hybrid-1024,vllm:",
+                         "--vllm-model", "/m", "--vllm-serve", "none", "--port", "8123", "--workloads", "4096:64",
+                         "--serve-args", "--max-model-len 8192 --tensor-parallel-size 4"]) == 0
+    lines = dict(x.split(": ", 1) for x in capsys.readouterr().out.splitlines()[:4])
+    assert lines["rapidserve"].endswith("--port 8123 --max-model-len 8192 --tensor-parallel-size 4")
+    assert lines["disagg-npmd"].endswith("--tensor-parallel-size 4 --mode disagg --prefill-tensor-parallel-size 2 "
+                                         "--tensor-parallel-size 2")  # the later -tp wins (argparse)
+    assert lines["hybrid-1024"].endswith("--mode hybrid --max-num-batched-tokens 1024")
+    assert lines["vllm"].endswith("--port 8123 --max-model-len 8192 --tensor-parallel-size 4")
+    for serve in ("--tensor-parallel-size 3", ""):  # disagg-npmd needs halves
+        with pytest.raises(SystemExit):
+            compare.main(["--dry-run", "--goodput-search", "--systems", "disagg-npmd", "--serve-args", serve])
+        assert "needs an even --tensor-parallel-size >= 2" in capsys.readouterr().err
+    assert "disagg-npmd" not in compare.SWEEP_SYSTEMS and "hybrid-1024" not in compare.SWEEP_SYSTEMS
+
+
+@pytest.mark.parametrize("group,preset,size,ours,vllm,note", [
+    ("ours-tp", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], [], ""),
+    ("ours-tp", "llama-3.1-70b", 2, ["rapidserve"], [], "131 GiB of bf16 weights a GPU"),  # 1P1D: a whole 70B
+    ("ours-tp", "mixtral-8x7b", 2, ["rapidserve", "disagg-npmd"], [], ""),
+    ("ours-tp", "qwen3-30b-a3b", 8, ["rapidserve", "disagg-npmd"], [], ""),  # 4 KV heads: 4P4D
+    ("ours-tp", "qwen3-8b", 1, ["rapidserve"], [], "give an even TP >= 2"),
+    ("hybrid-chunks", "llama-3.1-70b", 8, ["hybrid-512", "hybrid-1024", "hybrid-2048"], [], ""),
+    ("vllm-default", "mixtral-8x7b", 4, [], ["vllm:"], ""),
+    ("vllm-a", "qwen3-8b", 1, [], ["vllm:", "vllm:--max-num-batched-tokens 1024"], ""),
+    ("ours-tp+vllm-1024", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], ["vllm:--max-num-batched-tokens 1024"],
+     ""),
+])
+def test_group_systems(group: str, preset: str, size: int, ours: list[str], vllm: list[str], note: str) -> None:
+    got = plan.group_systems(group, MODEL[preset], size)
+    assert got[:2] == (ours, vllm) and note in got[2] and bool(got[2]) == bool(note)
+
+
+@pytest.mark.parametrize("group,size,match", [("nope", 1, "nope? give one of"), ("ours-tp+x", 2, "x? give"),
+                                             ("ours-tp", 3, "3")])
+def test_group_errors(group: str, size: int, match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        plan.group_systems(group, MODEL["llama-3.1-70b"], size)
+
+
+def test_plan_says_what_fits_a_session() -> None:
+    lines = plan.plan(MODEL["llama-3.1-70b"], "llama-3.1-70b", 4, 4, ["ours-tp", "hybrid-chunks", "vllm-default"])
+    text = "\n".join(lines)
+    assert "1 group(s) side by side" in lines[0] and "weights 131 GiB" in lines[1]
+    assert [x.split(".", 1)[0].strip() for x in lines[2:-1]] == ["0", "1", "2", "3", "4"]  # start, stash, 3 calls
+    assert "vLLM stash: 8 calls" in text and "4. vllm-default [vllm:]" in text
+    assert lines[-2].endswith("next session") and "over by" in lines[-1]
+    two = plan.plan(MODEL["mixtral-8x7b"], "mixtral-8x7b", 8, 4, ["ours-tp", "hybrid-chunks"], stashed=True)
+    assert "2 group(s) side by side" in two[0] and "ours-tp [rapidserve, disagg-npmd] | hybrid-chunks" in two[3]
+    assert two[-1].endswith("fits") and "stash" not in "\n".join(two)
+    ratio = plan.peak_guess(MODEL["mixtral-8x7b"], 4, 4096) / plan.peak_guess(MODEL["llama-3.1-70b"], 4, 4096)
+    assert ratio == pytest.approx(69.50 / 12.75, rel=0.01)  # by active parameters
+    with pytest.raises(ValueError, match="needs 8 GPUs"):
+        plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 4, 8, ["ours-tp"])
+
+
+def g(bound: float | None, lo: float | None, status: str = "converged") -> dict[str, Any]:
+    return {"itl_bound_ms": bound, "share": 0.9, "goodput": lo or 0.0, "lo": lo, "hi": None, "status": status}
+
+
+def fr(label: str, e50: dict[str, Any], eun: dict[str, Any]) -> dict[str, Any]:
+    return {"label": label, "title": "w", "workload": {}, "path": None, "finished": True, "stopped": None,
+            "goodput": [eun, e50], "probes": [], "search": {"settings": {"itl_bounds_ms": [50.0], "shares": [0.9]}}}
+
+
+OWN = [fr("rapidserve", g(50.0, 3.0), g(None, 6.0)), fr("disagg-npmd", g(50.0, 2.0), g(None, 3.0)),
+       fr("hybrid-512", g(50.0, 1.5), g(None, 4.0)), fr("hybrid-2048", g(50.0, None, "below_min_rate"), g(None, 5.0)),
+       fr("vllm", g(50.0, 1.0), g(None, 6.0, "unfinished"))]
+OWN_META = {"model": "m", "workloads": [], "systems": [
+    {"label": f["label"], "kind": "vllm" if f["label"] == "vllm" else "rapidserve", "flags": "", "status": "ok"}
+    for f in OWN]}
+
+
+def test_the_default_over_our_baselines() -> None:
+    vs = {(x["over"], x["itl_bound_ms"]): x for x in frontier.versus_ours(OWN, {"vllm"})}
+    assert sorted({o for o, _ in vs}) == ["best hybrid chunk", "disagg-npmd", "hybrid-2048", "hybrid-512"]
+    assert vs[("disagg-npmd", 50.0)]["ratio"] == 1.5 and vs[("disagg-npmd", None)]["ratio"] == 2.0
+    assert vs[("hybrid-2048", 50.0)]["ratio"] is None and not vs[("hybrid-2048", 50.0)]["exact"]  # 0 there
+    best = vs[("best hybrid chunk", None)]
+    assert best["over_system"] == "hybrid-2048" and best["ratio"] == 1.2 and best["exact"]
+    assert vs[("best hybrid chunk", 50.0)]["over_system"] == "hybrid-512"
+    assert frontier.versus_ours(OWN[1:], {"vllm"}) == []  # no rapidserve: no rows
+    md = frontier.frontier_markdown(OWN, OWN_META)
+    assert "| rapidserve / disagg-npmd | 1.50x | 2.00x | |" in md
+    assert "| rapidserve / hybrid-2048 | - | 1.20x | |" in md
+    assert "| rapidserve / best hybrid chunk | 2.00x | 1.20x | |" in md
+    assert "| rapidserve / better vLLM | 3.00x | 1.00x* | |" in md  # vLLM's unbounded search did not settle
+
+
+def _report(tmp_path: Any, name: str, frontiers: list[dict[str, Any]], **meta: Any) -> str:
+    base = {"model": "m", "serve_args": "--tensor-parallel-size 4", "workloads": [], "itl_bounds_ms": [100, 50],
+            "rates": "inf", "per_rate": "48 Poisson arrivals per probe", "arrival": "poisson", "seed": 0,
+            "peak_fractions": None, "mode": "goodput_search", "search": {"max_probes": 6}, "peaks": {},
+            "vllm_baseline": None}
+    labels = {f["label"] for f in frontiers}
+    m = {**base, **meta, "systems": [s for s in OWN_META["systems"] if s["label"] in labels]}
+    frontier.write_frontier_report(argparse.Namespace(out=str(tmp_path), name=name), m, [], plot=False,
+                                   prior={"frontiers": frontiers})
+    return str(tmp_path / f"{name}.json")
+
+
+def test_merge_joins_the_groups_and_skips_what_does_not_compare(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    a = _report(tmp_path, "a", OWN[:2])
+    b = _report(tmp_path, "b", OWN[2:])
+    other_tp = _report(tmp_path, "c", OWN[2:3], serve_args="--tensor-parallel-size 2")
+    again = _report(tmp_path, "d", OWN[:1])
+    assert merge.main([a, str(tmp_path / "missing.json"), other_tp, b, again, "--out", str(tmp_path / "m"),
+                       "--name", "all", "--no-plot"]) == 0
+    err = capsys.readouterr().err
+    assert "missing.json: no such file" in err and "ran with serve_args = '--tensor-parallel-size 2'" in err
+    assert "rapidserve already in an earlier report" in err
+    data = json.loads((tmp_path / "m" / "all.json").read_text())
+    assert [f["label"] for f in data["frontiers"]] == [f["label"] for f in OWN]
+    assert [s["report"] for s in data["systems"]] == [a, a, b, b, b]
+    assert {x["over"] for x in data["versus_ours"]} >= {"disagg-npmd", "best hybrid chunk"}
+    assert "| rapidserve / disagg-npmd |" in (tmp_path / "m" / "all.md").read_text()
+    assert merge.main([str(tmp_path / "missing.json"), "--out", str(tmp_path), "--no-plot"]) == 1
+
+
+# serve_vllm.sh's contract (MODEL PORT [flags]; its own session; pid and log in the run dir; 0 once healthy), its
+# server a light stand-in for vLLM: an OpenAI-style streaming /v1/completions sending max_tokens chunks 2 ms apart
+# (and the usage), which starts in a second where a CPU rapidserve server takes ten or more.
+STAND_IN_SERVER = """
+import asyncio, json, sys
+from aiohttp import web
+async def completions(req):
+    body = await req.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(req)
+    n = int(body["max_tokens"])
+    for i in range(n):
+        await asyncio.sleep(0.002)
+        chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(chunk)}\\n\\n".encode())
+    usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+    await resp.write(f"data: {json.dumps(usage)}\\n\\ndata: [DONE]\\n\\n".encode())
+    return resp
+async def health(req):
+    return web.Response(text="ok")
+async def models(req):
+    return web.json_response({"data": [{"id": "peer", "max_model_len": 256}]})
+app = web.Application()
+app.router.add_get("/health", health)
+app.router.add_get("/v1/models", models)
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+STAND_IN = f"""#!/usr/bin/env bash
+MODEL=$1; PORT=$2; shift 2
+echo "stand-in vllm for $MODEL: $*"
+setsid "$STAND_IN_PY" -c '{STAND_IN_SERVER}' "$PORT" > "$STAND_IN_RUN/vllm_$PORT.log" 2>&1 &
+echo $! > "$STAND_IN_RUN/vllm_$PORT.pid"
+for i in $(seq 1 120); do
+  sleep 0.25
+  "$STAND_IN_PY" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null \\
+    && {{ echo "healthy"; exit 0; }}
+  kill -0 "$(cat "$STAND_IN_RUN/vllm_$PORT.pid")" 2>/dev/null || {{ echo "died"; exit 1; }}
+done
+exit 1
+"""
+
+
+@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
+def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    recipe, site, run_dir, out = (tmp_path / d for d in ("recipe", "site", "run", "out"))
+    for d in (recipe, site / "vllm", run_dir, tmp_path / "pm-tiny-llama"):
+        d.mkdir(parents=True)
+    (recipe / "serve_vllm.sh").write_text(STAND_IN)
+    (recipe / "install.sh").write_text("exit 1\n")
+    (recipe / "make_model.py").write_text("raise SystemExit(1)\n")
+    (site / "vllm" / "__init__.py").write_text("__version__ = 'stand-in'\n")
+    (tmp_path / "pm-tiny-llama" / "config.json").write_text("{}")  # the folder exists: not written again
+    env = {**os.environ, "PYTHON": sys.executable, "STAND_IN_PY": sys.executable, "STAND_IN_RUN": str(run_dir),
+           "PEER_VLLM_DIR": str(recipe), "PEER_SITE": str(site), "PEER_STASH": str(tmp_path / "stash"),
+           "PEER_MODEL": str(tmp_path / "pm"), "FA3_FROM_VLLM": "0", "OUT": str(out), "NGPU": "4", "TP": "2",
+           "GROUP": "hybrid-chunks,vllm-default", "SYSTEMS": "hybrid-512", "PRESET": "tiny-llama",
+           "REFERENCE": "hybrid-512", "WORKLOADS": "24:4", "NUM_PROMPTS": "4", "WARMUP": "1", "MAX_MODEL_LEN": "256",
+           "SEARCH_ARGS": "--search-max-probes 1 --search-discard 1 --search-tolerance 0.5", "BUDGET_S": "170",
+           "SERVE_ARGS": "--device cpu --num-kv-blocks 64", "NAME": "tp2"}
+    argv = ["bash", "bench/frontier_parallel.sh", "--token-range", "3:1000", "--vllm-run-dir", str(run_dir)]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert set(os.listdir(out)) - {"tp2__fixed-24-4_frontier.png"} == {  # the plot, where matplotlib is there
+        "frontier_hybrid-chunks.json", "frontier_vllm-default.json", "logs.tar.gz", "tp2.json", "tp2.md"}
+    data = json.loads((out / "tp2.json").read_text())
+    cmds = {s["label"]: s["command"] for s in data["systems"]}
+    assert cmds["hybrid-512"].endswith("--tensor-parallel-size 2 --device cpu --num-kv-blocks 64 --mode hybrid "
+                                       "--max-num-batched-tokens 512")
+    assert cmds["vllm"].endswith("--max-model-len 256 --gpu-memory-utilization 0.8 --tensor-parallel-size 2")
+    assert [f["label"] for f in data["frontiers"]] == ["hybrid-512", "vllm"]
+    assert data["versus_better_vllm"] and all(x["better_vllm_system"] == "vllm" for x in data["versus_better_vllm"])
+    md = (out / "tp2.md").read_text()
+    assert "| **better vLLM** |" in md and "| hybrid-512 / better vLLM |" in md
+    with tarfile.open(out / "logs.tar.gz") as t:
+        setup = t.extractfile("./setup.log").read().decode()  # type: ignore[union-attr]
+    assert "hybrid-chunks on GPUs 0,1" in setup and "vllm-default on GPUs 2,3" in setup
+    assert "frontier plan: tiny-llama at TP 2 on 4 GPUs: 2 group(s) side by side" in setup
+    assert "prepared: vLLM in" in setup and "failed" not in setup
