@@ -211,16 +211,17 @@ def parse_table(d: object, path: str) -> MoeTable:
     return MoeTable(key, source, tuple(buckets))
 
 
+def config_json(c: MoeKernelConfig) -> dict[str, Any]:
+    """One bucket's config as a file holds it."""
+    return {"BLOCK_M": c.block_m, "gate_up": dict(zip(TILE_FIELDS, c.gate_up, strict=True)),
+            "down": dict(zip(TILE_FIELDS, c.down, strict=True))}
+
+
 def table_json(table: MoeTable) -> dict[str, Any]:
     """The file's content of `table` (what `parse_table` reads back)."""
-    def tiles(t: GemmTiles) -> dict[str, int]:
-        return dict(zip(TILE_FIELDS, t, strict=True))
-
     k = table.key
     return {"device_name": k.device_name, "E": k.num_experts, "N": k.n, "K": k.k, "dtype": k.dtype,
-            "source": table.source,
-            "configs": {f"{b:g}": {"BLOCK_M": c.block_m, "gate_up": tiles(c.gate_up), "down": tiles(c.down)}
-                        for b, c in table.buckets}}
+            "source": table.source, "configs": {f"{b:g}": config_json(c) for b, c in table.buckets}}
 
 
 def load_table(path: Path) -> MoeTable:
