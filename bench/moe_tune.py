@@ -9,9 +9,10 @@ Per model and TP slice (one layer, random weights), per token count T of 1..8192
 table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
 GEMM alone under each candidate tile (`moe_tune_space`: about 500 timed configurations a shape, 71 distinct kernel
 compiles in all, compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best
-BLOCK_M, and the whole layer under it against the untuned rule (the rule is written where it is faster). Timing: a
-CUDA graph of the launches over R routings (R = 8 at decode sizes: other experts each launch, so weights come from
-HBM as in a model's step, not from L2), replayed until about 20 ms of each candidate are measured, median. The sweep
+BLOCK_M, and the whole layer under it against the untuned rule (the rule is written where it is faster), and the
+alignment alone (its share of the layer at decode sizes). Timing: a CUDA graph of the launches over R routings (R = 8
+at decode sizes: other experts each launch, so weights come from HBM as in a model's step, not from L2), replayed
+3-25 times (about 20 ms of each candidate), median. The sweep
 stops starting points at --budget-s seconds after the start (default 330: with ~90 s of moe_gemm's table after it,
 the run stays under 8 minutes on one H200); points not reached are listed and take their nearest tuned bucket.
 
@@ -75,6 +76,7 @@ class Point:
     tuned_ms: float
     kept: str
     config: MoeKernelConfig
+    align_ms: float  # the alignment alone under the kept BLOCK_M (part of both layer times)
 
 
 def shape_of(model: str, tp: int) -> space.Shape:
@@ -115,7 +117,7 @@ def timed(clock: Clock, launches: Sequence[Callable[[], object]], failed: list[s
     try:
         return clock(launches)
     except Exception as e:  # noqa: BLE001 - a candidate that cannot run is a result of the sweep, listed by name
-        if "CUDA error" in str(e):  # the context is gone: nothing after it could be measured
+        if "CUDA" in str(e) or "HIP" in str(e):  # a device fault: the context is gone, nothing after it would run
             raise
         failed.append(f"{what}: {type(e).__name__}")
         return float("inf")
@@ -141,7 +143,7 @@ def warm(jobs: list[tuple[str, int, int, GemmTiles, bool]], dtype: str) -> int:
                 launch_down(act, torch.randn(8, 256, 256, dtype=dt, device=dev) / 16, out,
                             weights.reshape(-1).contiguous(), al, bm, tiles, even_k)
             ok += 1
-        except Exception:  # noqa: BLE001, S112 - the sweep lists what cannot compile when it meets it
+        except Exception:  # noqa: BLE001 - the sweep lists what cannot compile when it meets it
             continue
     torch.cuda.synchronize()
     return ok
@@ -204,15 +206,22 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
             win = space.fastest(times)
             winners.append((win, times[win]))
         best[bm] = (winners[0][0], winners[0][1], winners[1][0], winners[1][1])
-    tuned = space.choose(best)
     rule = rule_config(pairs, shape.num_experts, torch.version.hip is not None)
-    if not quick:  # (the dry run's final table checks the same config at the same T)
-        moe_gemm.check(x[:64], w13, w2, routes[0][0][:64], routes[0][1][:64], tuned)
-    layer = {name: clock([partial(fused_moe, x, w13, w2, w, ids, cfg) for w, ids in routes])
+    tuned = space.choose(best) or rule
+    try:
+        if not quick:  # (the dry run's final table checks the same config at the same T)
+            moe_gemm.check(x[:64], w13, w2, routes[0][0][:64], routes[0][1][:64], tuned)
+    except SystemExit as e:  # wrong results under these tiles: listed, and the rule kept
+        failed.append(f"{shape.model} tp{shape.tp} T={tokens} {describe(tuned)}: {e}")
+        tuned = rule
+    layer = {name: timed(clock, [partial(fused_moe, x, w13, w2, w, ids, cfg) for w, ids in routes], failed,
+                         f"{shape.model} tp{shape.tp} T={tokens} layer {name} {describe(cfg)}")
              for name, cfg in (("tuned", tuned), ("rule", rule))}
     keep = tuned if layer["tuned"] <= layer["rule"] else rule
+    align_ms = timed(clock, [partial(align, ids, shape.num_experts, keep.block_m) for _, ids in routes], failed,
+                     f"{shape.model} tp{shape.tp} T={tokens} align")
     return Point(shape.model, shape.tp, tokens, pairs, space.per_expert(shape, tokens), layer["rule"],
-                 layer["tuned"], "tuned" if keep is tuned else "rule", keep)
+                 layer["tuned"], "tuned" if keep is tuned else "rule", keep, align_ms)
 
 
 def describe(c: MoeKernelConfig) -> str:
@@ -222,12 +231,12 @@ def describe(c: MoeKernelConfig) -> str:
 
 
 def summary(points: list[Point]) -> str:
-    out = ["| model | tp | tokens | pairs/expert | rule us | tuned us | speedup | kept | config |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | tp | tokens | pairs/expert | rule us | tuned us | speedup | align us | kept | config |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p.model, p.tp, p.tokens)):
         out.append(f"| {p.model} | {p.tp} | {p.tokens} | {p.per_expert:g} | {p.rule_ms * 1e3:.1f} | "
-                   f"{p.tuned_ms * 1e3:.1f} | {p.rule_ms / min(p.rule_ms, p.tuned_ms):.2f} | {p.kept} | "
-                   f"{describe(p.config)} |")
+                   f"{p.tuned_ms * 1e3:.1f} | {p.rule_ms / min(p.rule_ms, p.tuned_ms):.2f} | {p.align_ms * 1e3:.1f} | "
+                   f"{p.kept} | {describe(p.config)} |")
     return "\n".join(out)
 
 

@@ -15,6 +15,7 @@ Per (shape, token count T) point, with p = T * top_k / E pairs per expert on ave
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
@@ -114,10 +115,13 @@ def fastest(times: Mapping[GemmTiles, float]) -> GemmTiles:
     return min(times, key=lambda t: times[t])
 
 
-def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> MoeKernelConfig:
+def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> MoeKernelConfig | None:
     """BLOCK_M -> (gate|up tiles, ms, down tiles, ms) of each BLOCK_M's winners: the BLOCK_M of the least sum (the
-    smaller BLOCK_M on a tie: less padding)."""
-    bm = min(sorted(best), key=lambda b: best[b][1] + best[b][3])
+    smaller BLOCK_M on a tie: less padding); None when no BLOCK_M had both GEMMs run (every candidate failed)."""
+    ok = [b for b in sorted(best) if math.isfinite(best[b][1] + best[b][3])]
+    if not ok:
+        return None
+    bm = min(ok, key=lambda b: best[b][1] + best[b][3])
     gu, _, dn, _ = best[bm]
     return MoeKernelConfig(bm, gu, dn)
 

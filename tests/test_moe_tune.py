@@ -54,6 +54,8 @@ def test_choose_takes_the_fastest_sum() -> None:
     assert space.fastest({a: 2.0, b: 1.0, c: 1.0}) == b  # the first listed on a tie
     assert space.choose({16: (a, 1.0, b, 3.0), 32: (b, 2.0, c, 1.0)}) == MoeKernelConfig(32, b, c)
     assert space.choose({64: (a, 1.0, b, 1.0), 32: (b, 1.0, c, 1.0)}) == MoeKernelConfig(32, b, c)  # tie: smaller
+    assert space.choose({16: (a, 1.0, b, 3.0), 32: (b, float("inf"), c, 0.1)}) == MoeKernelConfig(16, a, b)
+    assert space.choose({16: (a, float("inf"), b, 1.0)}) is None  # nothing ran: the caller keeps the rule
     assert space.other_groups(space.GROUPS) == (1, 32, ALL_M)
 
 
