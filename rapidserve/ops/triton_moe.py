@@ -32,7 +32,15 @@ import triton
 import triton.language as tl
 
 from rapidserve.ops.moe import Alignment, align_block_size, max_padded
-from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig, MoeTables, TableKey, load_tables, lookup
+from rapidserve.ops.moe_tiles import (
+    GemmTiles,
+    MoeKernelConfig,
+    MoeTables,
+    TableKey,
+    load_tables,
+    lookup,
+    rule_config,
+)
 
 ALIGN_ONE_PROGRAM = 1024  # at most this many pairs are aligned by one program of `_align_kernel`
 
@@ -51,8 +59,12 @@ def moe_config(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype,
     """Tiles for `pairs` (token, slot) pairs over `num_experts` experts of intermediate size n and hidden size k:
     the tuned table of (this device, E, N, K, dtype) (`tables`, default the packaged ones; `ops.moe_tiles`), else
     the untuned rule."""
-    key = TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch."))
-    return lookup(TUNED if tables is None else tables, key, pairs, torch.version.hip is not None)
+    tables = TUNED if tables is None else tables
+    hip = torch.version.hip is not None
+    if not tables:
+        return rule_config(pairs, num_experts, hip)
+    return lookup(tables, TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch.")), pairs,
+                  hip)
 
 
 @triton.jit
