@@ -2,6 +2,7 @@
 MoE preset (random weights; tokens routed uniformly at random, as load-balanced routers aim for).
 
     python bench/moe_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tp 1] [--dtype bfloat16] [--json PATH]
+                             [--tables DIR]
 
 Prefill (T tokens, T*k pairs): the grouped GEMMs (alignment, gate|up with SiLU-and-mul, down with the routing
 weights, the k-way sum) as TFLOP/s of the experts' work, 6*T*k*h*I flops, against the dense GEMM rate of the same
@@ -9,8 +10,12 @@ work on cuBLAS (one [T*k, h] x [h, 2I] and one [T*k, I] x [I, h] GEMM through ev
 balanced grouped GEMM could reach). Decode (batch B): the step's experts as a CUDA-graph replay (how the engine
 runs them) and as plain launches, against the copy ceiling: the bytes of the experts this batch's routing actually
 reads (its unique experts x 3*h*I*dtype) over the device's copy bandwidth (read+write bytes of a 1 GiB copy per
-second). "of ceiling" = ceiling time / measured time. Each shape is checked against the torch reference before it
-is timed. The table comes last.
+second). "of ceiling" = ceiling time / measured time. Prefill rows also give the floor a grouped GEMM cannot beat,
+the larger of the dense time and the bytes of every expert the routing reads over the copy bandwidth ("vs floor" =
+floor / measured: at short prefills of many experts the weights' bytes bound it, not the dense rate). Tiles: the
+packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tune.py's output), else the rule; the
+BLOCK_M column names the tiles used. Each shape is checked against the torch reference before it is timed. The
+table comes last. `bench_model` also runs on the CPU under the Triton interpreter (bench/moe_tune.py --dry-run).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +36,7 @@ from bench.gpu_timing import time_ms  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
+from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
 from rapidserve.ops.triton_moe import fused_moe, moe_config  # noqa: E402
 
 PREFILL_TOKENS = (256, 1024, 4096, 8192)
@@ -39,82 +47,120 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s (read + write) of a 1 GiB device copy."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+def cpu_time_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn on the host clock (the CPU dry run)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def timer(device: str) -> Callable[..., list[float]]:
+    return time_ms if device == "cuda" else cpu_time_ms
+
+
+def copy_bandwidth(device: str = "cuda", numel: int = 1 << 29) -> float:
+    """Bytes/s (read + write) of a device copy (1 GiB of bf16 by default)."""
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = median(time_ms(lambda: dst.copy_(src), 20))
+    ms = median(timer(device)(lambda: dst.copy_(src), 20))
     return 2 * src.numel() * src.element_size() / (ms / 1e3)
 
 
-def layer(model: str, tp: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+def layer(model: str, tp: int, dtype: torch.dtype, device: str = "cuda",
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """(router [E, h], w13 [E, 2I', h], w2 [E, h, I'], top_k, hidden) of one layer of `model` at tp's share."""
     cfg = preset_table()[model]
     moe = cfg.moe
     if moe is None:
         raise SystemExit(f"{model} is not a mixture-of-experts preset")
     e, h, i = moe.num_experts, cfg.hidden_size, moe.intermediate_size // tp
-    g = torch.Generator(device="cuda").manual_seed(0)
-    router = (torch.randn(e, h, device="cuda", generator=g) / h**0.5).to(dtype)
-    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) / h**0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, device="cuda", generator=g) / i**0.5).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    router = (torch.randn(e, h, device=device, generator=g) / h**0.5).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).to(dtype)
     return router, w13, w2, moe.top_k, h
 
 
-def check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
-    got = fused_moe(x, w13, w2, weights, ids).float()
+def check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+          config: MoeKernelConfig | None = None, tables: MoeTables | None = None) -> None:
+    got = fused_moe(x, w13, w2, weights, ids, config, tables).float()
     want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     err = float((got - want).abs().max() / want.abs().max())
     if not err < 3e-2:
-        raise SystemExit(f"fused_moe disagrees with the reference: relative error {err:.3g} at {tuple(x.shape)}")
+        raise SystemExit(f"fused_moe disagrees with the reference: relative error {err:.3g} at {tuple(x.shape)} "
+                         f"({config or 'tables'})")
 
 
-def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float) -> list[dict[str, object]]:
-    router, w13, w2, k, h = layer(model, tp, dtype)
+def graph_ms(fn: Callable[[], object], reps: int, device: str) -> float:
+    """Median ms of a CUDA-graph replay of fn (the engine's decode path); on the CPU, of fn."""
+    if device != "cuda":
+        return median(cpu_time_ms(fn, reps))
+    fn()
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fn()
+    return median(time_ms(graph.replay, reps))
+
+
+def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables: MoeTables | None = None,
+                device: str = "cuda", prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
+                decode_batches: tuple[int, ...] = DECODE_BATCHES, reps: tuple[int, int] = (10, 50),
+                ) -> list[dict[str, object]]:
+    """The rows of `model`'s layer at tp: prefill (`reps[0]` timings each) and decode (`reps[1]`), on `tables`."""
+    router, w13, w2, k, h = layer(model, tp, dtype, device)
     e, i = w13.shape[0], w13.shape[1] // 2
+    dev = torch.device(device)
     rows: list[dict[str, object]] = []
-    g = torch.Generator(device="cuda").manual_seed(1)
-    for t in PREFILL_TOKENS:
-        x = torch.randn(t, h, device="cuda", dtype=dtype, generator=g)
+    g = torch.Generator(device=device).manual_seed(1)
+    clock = timer(device)
+    for t in prefill_tokens:
+        x = torch.randn(t, h, device=device, dtype=dtype, generator=g)
         weights, ids = route(F.linear(x, router), k, True)
-        check(x[:64], w13, w2, weights[:64], ids[:64])
+        check(x[:64], w13, w2, weights[:64], ids[:64], moe_config(t * k, e, i, h, dtype, dev, tables))
         flops = 6 * t * k * h * i
-        ms = median(time_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d), 10))
-        xs = torch.randn(t * k, h, device="cuda", dtype=dtype, generator=g)
-        dense_ms = median(time_ms(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]), 10))
+        ms = median(clock(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables), reps[0]))
+        xs = torch.randn(t * k, h, device=device, dtype=dtype, generator=g)
+        dense_ms = median(clock(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]),
+                                reps[0]))
+        read = int(torch.unique(ids).numel()) * 3 * h * i * w13.element_size()
+        floor_ms = max(dense_ms, read / copy_bw * 1e3)
         rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
-                     "block_m": moe_config(t * k, e).block_m, "ms": ms, "tflops": flops / ms / 1e9,
-                     "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9, "vs_dense": dense_ms / ms})
-    for b in DECODE_BATCHES:
-        x = torch.randn(b, h, device="cuda", dtype=dtype, generator=g)
+                     "block_m": moe_config(t * k, e, i, h, dtype, dev, tables).block_m, "ms": ms,
+                     "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
+                     "vs_dense": dense_ms / ms, "floor_ms": floor_ms, "vs_floor": floor_ms / ms})
+    for b in decode_batches:
+        x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
         weights, ids = route(F.linear(x, router), k, True)
-        check(x, w13, w2, weights, ids)
+        check(x, w13, w2, weights, ids, None, tables)
         unique = int(torch.unique(ids).numel())
         read = unique * 3 * h * i * w13.element_size()
-        eager_ms = median(time_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d), 50))
-        fused_moe(x, w13, w2, weights, ids)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            fused_moe(x, w13, w2, weights, ids)
-        graph_ms = median(time_ms(graph.replay, 50))
+        step = lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables)
+        eager_ms = median(clock(step, reps[1]))
+        replay_ms = graph_ms(step, reps[1], device)
         ceiling_ms = read / copy_bw * 1e3
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
-                     "block_m": moe_config(b * k, e).block_m, "unique_experts": unique, "bytes_read": read,
-                     "ms": graph_ms, "eager_ms": eager_ms, "gbps": read / graph_ms / 1e6, "ceiling_ms": ceiling_ms,
-                     "of_ceiling": ceiling_ms / graph_ms})
+                     "block_m": moe_config(b * k, e, i, h, dtype, dev, tables).block_m, "unique_experts": unique,
+                     "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
+                     "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms})
     return rows
 
 
 def table(rows: list[dict[str, object]], copy_bw: float) -> str:
     out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", "",
            "| model | tp | prefill tokens | pairs | BLOCK_M | grouped ms | grouped TFLOP/s | dense TFLOP/s "
-           "| vs dense |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| vs dense | floor ms | vs floor |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "prefill":
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
-                       f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} |")
+                       f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} | {r['floor_ms']:.3f} | "
+                       f"{r['vs_floor']:.2f} |")
     out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -131,13 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="time one rank's slice of every expert at this TP size")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--json", type=Path, help="write the rows here too")
+    ap.add_argument("--tables", type=Path, help="tuned tables from this folder (bench/moe_tune.py's moe_configs/) "
+                    "instead of the packaged ones")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA or ROCm GPU", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth()
-    rows = [r for m in args.models.split(",") for r in bench_model(m, args.tp, dtype, copy_bw)]
+    tables = load_tables(args.tables) if args.tables else None
+    rows = [r for m in args.models.split(",") for r in bench_model(m, args.tp, dtype, copy_bw, tables)]
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows},
                                         indent=1))

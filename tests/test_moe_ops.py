@@ -19,6 +19,7 @@ from triton_interp import run_interpreted
 
 from rapidserve.ops import get_ops, torch_ops_bundle
 from rapidserve.ops.moe import align_block_size, max_padded, moe_experts_ref, route
+from rapidserve.ops.moe_tiles import ALL_M, MoeKernelConfig, rule_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -135,26 +136,33 @@ def test_bundles_pick_the_experts_path() -> None:
         assert triton_ops_bundle(skinny=True).moe_experts is triton_moe.fused_moe
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 128)), (2, 8, (16, 64, 128)),
                                                   (256, 8, (32, 64, 64)), (16384, 8, (64, 128, 64)),
                                                   (65536, 128, (64, 128, 64))])
 def test_tile_rule(pairs: int, e: int, want: tuple[int, int, int]) -> None:
-    from rapidserve.ops.triton_moe import moe_config
+    """The untuned rule (`moe_tiles.rule_config`): both GEMMs on the same tiles, m blocks fastest."""
+    cfg = rule_config(pairs, e, hip=False)
+    assert (cfg.block_m, cfg.gate_up.block_n, cfg.gate_up.block_k) == want
+    assert cfg.down == cfg.gate_up and cfg.gate_up.group_m == ALL_M
 
-    assert tuple(moe_config(pairs, e))[:3] == want
+
+@pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 64, 4, 2)), (2, 8, (16, 64, 64, 4, 2)),
+                                                  (256, 8, (32, 64, 64, 4, 2)), (16384, 8, (64, 128, 64, 8, 2))])
+def test_tile_rule_on_rocm(pairs: int, e: int, want: tuple[int, ...]) -> None:
+    """ROCm: decode's small runs step K by 64 (128 took one 4-wave workgroup a gfx942 CU, by its LDS: flagged by
+    bench/amd_compile_check.py), and every tile has two stages."""
+    assert rule_config(pairs, e, hip=True) == MoeKernelConfig.same(*want)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize(("pairs", "e", "want"), [(8, 128, (16, 64, 64, 4, 2)), (2, 8, (16, 64, 64, 4, 2)),
-                                                  (256, 8, (32, 64, 64, 4, 2)), (16384, 8, (64, 128, 64, 8, 2))])
-def test_tile_rule_on_rocm(pairs: int, e: int, want: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROCm: decode's small runs step K by 64 (128 took one 4-wave workgroup a gfx942 CU, by its LDS: flagged by
-    bench/amd_compile_check.py), and every tile has two stages."""
+def test_moe_config_falls_back_to_the_rule_without_a_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No packaged table names the CPU or the meta device: `moe_config` is the rule there (ROCm's on ROCm)."""
     from rapidserve.ops.triton_moe import moe_config
 
+    for device in (torch.device("cpu"), torch.device("meta")):
+        assert moe_config(8, 128, 768, 2048, torch.bfloat16, device) == rule_config(8, 128, hip=False)
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    assert tuple(moe_config(pairs, e)) == want
+    assert moe_config(256, 8, 64, 64, torch.float16, torch.device("meta")) == rule_config(256, 8, hip=True)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -179,7 +187,7 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
     """`fused_moe` == `moe_experts_ref` (the same routing) over batch sizes, expert counts and all three tile
     configurations (decode runs of a few rows, prefill runs), through both alignments (one program up to 1024
     pairs, torch's sort above); the one-program alignment equals the torch one exactly."""
-    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, MoeKernelConfig, align, fused_moe
+    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe
 
     for t, e, k, bm in ALIGN_CASES[:-1]:
         _, _, _, _, ids = moe_inputs(t, e, k, 8, 8, seed=t + e, device=device)
@@ -190,9 +198,9 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
             check_alignment(ids.cpu(), e, bm, *(a.cpu() for a in got))
     cases = [(1, 8, 2, 64, 96, None), (1, 16, 4, 64, 32, None), (9, 8, 2, 48, 80, None), (40, 8, 2, 64, 64, None),
              (600, 8, 2, 32, 48, None),  # 1200 pairs: the torch alignment
-             (33, 16, 4, 40, 24, MoeKernelConfig(32, 32, 32, 4, 2)),
-             (70, 4, 2, 64, 64, MoeKernelConfig(64, 64, 32, 4, 2)),
-             (3, 8, 2, 200, 72, MoeKernelConfig(16, 32, 64, 4, 2))]  # K and N not multiples of the tiles
+             (33, 16, 4, 40, 24, MoeKernelConfig.same(32, 32, 32, 4, 2)),
+             (70, 4, 2, 64, 64, MoeKernelConfig.same(64, 64, 32, 4, 2)),
+             (3, 8, 2, 200, 72, MoeKernelConfig.same(16, 32, 64, 4, 2))]  # K and N not multiples of the tiles
     for dtype in dtypes:
         for t, e, k, h, i, cfg in cases:
             x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t * e, device=device)
@@ -208,9 +216,39 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
         assert fused_moe(x, w13, w2, weights, ids).shape == (0, 16)
 
 
+def check_variants(dtypes: list[torch.dtype], device: str) -> None:
+    """The kernels' variants give the same bits: the unmasked K loop (EVEN_K) and the masked one, and the program
+    order (GROUP_M of 1, 4 with a short last group, and every m block in one); every output row written (the
+    buffers start as NaN); per-GEMM tiles (gate|up and down on different ones) against the reference."""
+    from rapidserve.ops.moe_tiles import GemmTiles
+    from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
+
+    for dtype in dtypes:
+        x, w13, w2, weights, ids = moe_inputs(9, 8, 2, 64, 64, dtype, seed=5, device=device)
+        al = align(ids, 8, 16)
+        assert al.expert_ids.numel() == 9  # m blocks: 4 + 4 + 1 with GROUP_M 4
+        acts, outs = [], []
+        for group_m, even_k in [(ALL_M, True), (ALL_M, False), (1, True), (4, True), (4, False)]:
+            tiles = GemmTiles(32, 32, group_m, 4, 2)
+            act = torch.full((18, 64), float("nan"), dtype=dtype, device=device)
+            launch_gate_up(x, w13, act, al, 2, 16, tiles, even_k)
+            out = torch.full((18, 64), float("nan"), dtype=dtype, device=device)
+            launch_down(act, w2, out, weights.reshape(-1).contiguous(), al, 16, tiles, even_k)
+            acts.append(act)
+            outs.append(out)
+        assert not outs[0].isnan().any()
+        for i in range(1, len(outs)):
+            assert torch.equal(acts[i], acts[0]) and torch.equal(outs[i], outs[0]), (dtype, i)
+        want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        atol = 2e-5 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(outs[0].view(9, 2, 64).sum(1).float(), want, atol=atol, rtol=2e-2)
+        split = MoeKernelConfig(16, GemmTiles(16, 64, 2, 4, 2), GemmTiles(64, 16, 1, 4, 3))
+        torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, split).float(), want, atol=atol, rtol=2e-2)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_fused_moe_interpreter() -> None:
-    """The alignment kernel and both grouped GEMMs under TRITON_INTERPRET=1 (fp32 and fp16)."""
+    """The alignment kernel and both grouped GEMMs (and their variants) under TRITON_INTERPRET=1 (fp32 and fp16)."""
     run_interpreted(__file__, timeout=600)
 
 
@@ -218,4 +256,5 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
     check_fused([torch.float32, torch.float16], "cpu")
+    check_variants([torch.float32, torch.float16], "cpu")
     print("fused moe: ok")

@@ -1,0 +1,153 @@
+"""The pruned tile space bench/moe_tune.py sweeps for the fused MoE GEMMs (ops/triton_moe.py), and its choice of the
+winner: pure functions, no GPU (tests/test_moe_tune.py checks them on CPU).
+
+Per (shape, token count T) point, with p = T * top_k / E pairs per expert on average:
+
+- BLOCK_M: `block_m_candidates(p)`, 1-3 sizes around p (decode's runs of a few rows only 16; long prefills 64, 128);
+- per BLOCK_M, each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages) from a hand-pruned list (`GATE_UP`, `DOWN`: small
+  N tiles and deep K steps for decode's memory-bound runs, wide N tiles and 8 warps for prefill's compute-bound ones;
+  the untuned rule's own tiles always among them), less those whose pipeline stages exceed Hopper's shared memory,
+  each timed at GROUP_M = `FIRST_GROUP`;
+- then GROUP_M (a runtime argument: no compile) swept over `GROUPS` on each GEMM's winner;
+- the BLOCK_M whose two winners sum fastest wins (`choose`); it is kept only if the whole layer (alignment, both GEMMs,
+  sum) beats the rule's config at that point, else the rule's config is written (`bench/moe_tune.py` times both).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, rule_config
+
+TOKENS = (8192, 4096, 1024, 256, 1, 8, 64, 2048, 512, 128, 32, 16, 4, 2)  # bench/moe_gemm.py's rows first
+SMEM_BYTES = 232448  # one Hopper block's shared memory (227 KiB)
+FIRST_GROUP = 8
+GROUPS = (1, 8, 32, ALL_M)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M. gate|up holds two BLOCK_M x BLOCK_N accumulators.
+GATE_UP: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {
+    16: ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5), (128, 128, 4, 3)),
+    32: ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4)),
+    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 5)),
+    128: ((64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)),
+}
+DOWN: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {
+    16: ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 5), (256, 64, 4, 4)),
+    32: ((64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3)),
+    64: ((64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
+    128: ((128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
+}
+# the --dry-run space: tiny tiles the interpreter runs quickly
+QUICK_GATE_UP: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {16: ((16, 32, 4, 2), (32, 64, 4, 2))}
+QUICK_DOWN: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {16: ((32, 16, 4, 2), (64, 32, 4, 2))}
+QUICK_GROUPS = (ALL_M,)
+QUICK_TOKENS = (4,)
+
+
+class Shape(NamedTuple):
+    """One rank's slice of one MoE layer: E experts, N = its intermediate size, K = hidden, top_k."""
+
+    model: str
+    tp: int
+    num_experts: int
+    n: int
+    k: int
+    top_k: int
+
+
+def per_expert(shape: Shape, tokens: int) -> float:
+    return tokens * shape.top_k / shape.num_experts
+
+
+def block_m_candidates(p: float, quick: bool = False) -> tuple[int, ...]:
+    """BLOCK_M sizes worth timing at p pairs per expert: near p, never far above it (padding is wasted work)."""
+    if quick or p <= 4:
+        return (16,)
+    if p <= 12:
+        return (16, 32)
+    if p <= 48:
+        return (16, 32, 64)
+    if p <= 192:
+        return (32, 64, 128)
+    return (64, 128)
+
+
+def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, products: int, elem: int = 2) -> int:
+    """Shared memory of the pipelined A and B tiles: `stages` buffers of a BLOCK_M x BLOCK_K tile of A and
+    `products` BLOCK_K x BLOCK_N tiles of weights (2 for gate|up)."""
+    return stages * (block_m * block_k + products * block_k * block_n) * elem
+
+
+def _tiles(block_m: int, table: Mapping[int, tuple[tuple[int, int, int, int], ...]], products: int,
+           quick: bool) -> list[GemmTiles]:
+    rule = rule_config(block_m * 8, 8, hip=False)  # the rule's tiles at this BLOCK_M
+    own = [] if quick or rule.block_m != block_m else [
+        (rule.gate_up.block_n, rule.gate_up.block_k, rule.gate_up.num_warps, rule.gate_up.num_stages)]
+    out: list[GemmTiles] = []
+    for bn, bk, warps, stages in [*table[block_m], *own]:
+        t = GemmTiles(bn, bk, FIRST_GROUP, warps, stages)
+        if t not in out and smem_bytes(block_m, bn, bk, stages, products) <= SMEM_BYTES:
+            out.append(t)
+    return out
+
+
+def gate_up_candidates(block_m: int, quick: bool = False) -> list[GemmTiles]:
+    return _tiles(block_m, QUICK_GATE_UP if quick else GATE_UP, 2, quick)
+
+
+def down_candidates(block_m: int, quick: bool = False) -> list[GemmTiles]:
+    return _tiles(block_m, QUICK_DOWN if quick else DOWN, 1, quick)
+
+
+def with_group(tiles: GemmTiles, group_m: int) -> GemmTiles:
+    return tiles._replace(group_m=group_m)
+
+
+def other_groups(groups: tuple[int, ...]) -> tuple[int, ...]:
+    """The GROUP_M values the sweep times after the first."""
+    return tuple(g for g in groups if g != FIRST_GROUP)
+
+
+def fastest(times: Mapping[GemmTiles, float]) -> GemmTiles:
+    """The tiles of the least time; the first listed on a tie."""
+    return min(times, key=lambda t: times[t])
+
+
+def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> MoeKernelConfig | None:
+    """BLOCK_M -> (gate|up tiles, ms, down tiles, ms) of each BLOCK_M's winners: the BLOCK_M of the least sum (the
+    smaller BLOCK_M on a tie: less padding); None when no BLOCK_M had both GEMMs run (every candidate failed)."""
+    ok = [b for b in sorted(best) if math.isfinite(best[b][1] + best[b][3])]
+    if not ok:
+        return None
+    bm = min(ok, key=lambda b: best[b][1] + best[b][3])
+    gu, _, dn, _ = best[bm]
+    return MoeKernelConfig(bm, gu, dn)
+
+
+def compile_set(shapes: Iterable[Shape], quick: bool = False) -> set[tuple[str, int, int, GemmTiles, bool]]:
+    """Every distinct kernel compile the sweep needs: (kernel, TOP_K (gate|up) or 0, BLOCK_M, tiles with GROUP_M 1,
+    EVEN_K); GROUP_M is a runtime argument and does not compile."""
+    out: set[tuple[str, int, int, GemmTiles, bool]] = set()
+    for s in shapes:
+        for t in TOKENS if not quick else QUICK_TOKENS:
+            for bm in block_m_candidates(per_expert(s, t), quick):
+                for g in gate_up_candidates(bm, quick):
+                    out.add(("gate_up", s.top_k, bm, with_group(g, 1), s.k % g.block_k == 0))
+                for d in down_candidates(bm, quick):
+                    out.add(("down", 0, bm, with_group(d, 1), s.n % d.block_k == 0))
+    return out
+
+
+def space_size(shape: Shape, quick: bool = False) -> int:
+    """Timed configurations at one shape over all token counts: tiles at the first GROUP_M, then the GROUP_M sweep
+    of each winner, then the layer under the winner and under the rule."""
+    groups = QUICK_GROUPS if quick else GROUPS
+    n = 0
+    for t in TOKENS if not quick else QUICK_TOKENS:
+        for bm in block_m_candidates(per_expert(shape, t), quick):
+            n += len(gate_up_candidates(bm, quick)) + len(down_candidates(bm, quick)) + 2 * len(other_groups(groups))
+        n += 2
+    return n
+

@@ -1,0 +1,75 @@
+"""bench/moe_tune.py (issue 40): its pruned tile space and the choice of the winner as pure functions, and the whole
+script end to end on the CPU under the Triton interpreter (--dry-run: a tiny shape, two tiles a GEMM), down to
+the tables it writes (read back as the engine reads them) and bench/moe_gemm.py's table printed last."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from triton_interp import run_interpreted
+
+from bench import moe_tune_space as space
+from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, TableKey, load_tables, rule_config
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [space.Shape("mixtral-8x7b", 1, 8, 14336, 4096, 2), space.Shape("mixtral-8x7b", 2, 8, 7168, 4096, 2),
+          space.Shape("qwen3-30b-a3b", 1, 128, 768, 2048, 8), space.Shape("qwen3-30b-a3b", 2, 128, 384, 2048, 8)]
+
+
+@pytest.mark.parametrize(("p", "want"), [(0.0625, (16,)), (4, (16,)), (4.5, (16, 32)), (12, (16, 32)),
+                                         (16, (16, 32, 64)), (64, (32, 64, 128)), (512, (64, 128)),
+                                         (2048, (64, 128))])
+def test_block_m_candidates(p: float, want: tuple[int, ...]) -> None:
+    assert space.block_m_candidates(p) == want
+    assert space.block_m_candidates(p, quick=True) == (16,)
+
+
+def test_the_space_fits_shared_memory_and_holds_the_rule() -> None:
+    """Every candidate's stages fit one Hopper block's shared memory; the rule's own tiles are candidates at its
+    BLOCK_M (so the sweep can only find the rule or better on the kernels' own timings)."""
+    for bm in (16, 32, 64, 128):
+        for tiles, products in ((space.gate_up_candidates(bm), 2), (space.down_candidates(bm), 1)):
+            assert tiles and len(set(tiles)) == len(tiles)
+            assert all(t.group_m == space.FIRST_GROUP for t in tiles)
+            assert all(space.smem_bytes(bm, t.block_n, t.block_k, t.num_stages, products) <= space.SMEM_BYTES
+                       for t in tiles)
+    assert space.smem_bytes(64, 128, 128, 3, 2) > space.SMEM_BYTES  # such a tile is left out
+    for pairs in (8, 256, 16384):
+        rule = rule_config(pairs, 8, hip=False)
+        assert space.with_group(rule.gate_up, space.FIRST_GROUP) in space.gate_up_candidates(rule.block_m)
+        assert space.with_group(rule.down, space.FIRST_GROUP) in space.down_candidates(rule.block_m)
+
+
+def test_the_sweep_size_stated_in_the_docstring() -> None:
+    """bench/moe_tune.py's docstring: about 500 timed configurations a shape, 71 distinct compiles in all."""
+    assert [space.space_size(s) for s in SHAPES] == [514, 514, 488, 488]
+    assert len(space.compile_set(SHAPES)) == 71
+    assert sorted(space.TOKENS) == [2**i for i in range(14)]  # 1..8192
+
+
+def test_choose_takes_the_fastest_sum() -> None:
+    a, b, c = GemmTiles(32, 128, 8, 4, 4), GemmTiles(64, 64, 1, 4, 4), GemmTiles(128, 64, ALL_M, 8, 3)
+    assert space.fastest({a: 2.0, b: 1.0, c: 1.0}) == b  # the first listed on a tie
+    assert space.choose({16: (a, 1.0, b, 3.0), 32: (b, 2.0, c, 1.0)}) == MoeKernelConfig(32, b, c)
+    assert space.choose({64: (a, 1.0, b, 1.0), 32: (b, 1.0, c, 1.0)}) == MoeKernelConfig(32, b, c)  # tie: smaller
+    assert space.choose({16: (a, 1.0, b, 3.0), 32: (b, float("inf"), c, 0.1)}) == MoeKernelConfig(16, a, b)
+    assert space.choose({16: (a, float("inf"), b, 1.0)}) is None  # nothing ran: the caller keeps the rule
+    assert space.other_groups(space.GROUPS) == (1, 32, ALL_M)
+
+
+def test_dry_run_end_to_end(tmp_path: Path) -> None:
+    """The whole script on the CPU: sweep, tables written and validated, the summary and moe_gemm's table last."""
+    out = run_interpreted(str(ROOT / "bench" / "moe_tune.py"), "--dry-run", "--out", str(tmp_path), timeout=300)
+    tables = load_tables(tmp_path / "moe_configs")
+    key = TableKey("cpu", 16, 32, 64, "float16")  # tiny-qwen3-moe: E 16, I 32, hidden 64
+    assert set(tables) == {key} and "dry run" in tables[key].source
+    ((per_expert, cfg),) = tables[key].buckets
+    assert per_expert == 1.0 and cfg.block_m == 16  # T = 4, top_k 4, 16 experts
+    report = json.loads((tmp_path / "moe_tune.json").read_text())
+    (point,) = report["points"]
+    assert point["tokens"] == 4 and point["kept"] in ("tuned", "rule") and report["failed"] == []
+    rows = json.loads((tmp_path / "moe_gemm.json").read_text())["rows"]
+    assert [(r["phase"], r["tokens"], r["block_m"]) for r in rows] == [("prefill", 4, 16), ("decode", 1, 16)]
+    assert out.rstrip().splitlines()[-1].startswith("| tiny-qwen3-moe | 1 | 1 | ")  # the decode table last
