@@ -56,6 +56,15 @@ def worker_context() -> Any:
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server now: it imports FORKSERVER_PRELOAD in its own process while this one goes on
+    (`rapidserve serve` reads the model and the tokenizer meanwhile), so the workers' start finds it ready."""
+    from multiprocessing import forkserver
+
+    worker_context()
+    forkserver.ensure_running()
+
+
 def worker_env(overrides: dict[str, str | None]) -> dict[str, str | None]:
     """A worker's whole environment: this process's now, with the router's choices for that worker (`overrides`;
     None removes a variable). `worker_io.apply_env` makes it the worker's exactly."""

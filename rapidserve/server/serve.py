@@ -34,6 +34,7 @@ from aiohttp import web
 
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
+from rapidserve.engine.launch import start_fork_server
 from rapidserve.server.connections import GuardedRunner
 from rapidserve.server.startup import StartupGate, bind_sockets, configure_logging, off_loop, process_age_s
 from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
@@ -167,6 +168,7 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     where = ", ".join(f"http://{_address(s)}" for s in sockets)
     log.info("listening on %s; /health answers 503 \"starting\" until the engine is ready", where)
     warn_if_exposed(scfg)
+    start_fork_server()  # the workers' fork server imports torch beside this process's start-up
     warming: asyncio.Future[None] | None = None
     try:
         gate.set_step("loading the engine's code (torch), reading the model's configuration and, on a GPU with no "
