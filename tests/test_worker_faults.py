@@ -8,6 +8,7 @@ the runner for one "poisoned" request (its seed), as a bad parameter reaching th
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import defaultdict
 from typing import Any
@@ -328,20 +329,17 @@ def _read(w: DecodeWorker) -> None:
 
 def _run_ahead(w: DecodeWorker, steps: int, before: Any = None, grace_s: float = 60.0) -> None:
     """Turn the worker's loop by hand (`before(i)` runs ahead of turn i) until every request has ended.
-    After `steps` turns it keeps turning, a millisecond apart, for up to `grace_s` seconds of wall
-    clock: work on other threads (a grammar compile on the pool) takes longer on a loaded machine, and
-    a turn count alone would fail there (CI did)."""
-    deadline = None
-    i = 0
-    while True:
+    Past `steps` turns it goes on, a millisecond apart, until `grace_s` seconds of wall clock from the
+    start: work on other threads (a grammar compile on the pool) takes longer on a loaded machine, and a
+    turn count alone failed there (CI did)."""
+    deadline = time.monotonic() + grace_s
+    for i in itertools.count():
         if before is not None:
             before(i)
         w.turn()
         if not w.inflight and not w.sched.reqs:
             return
-        i += 1
-        if i >= steps:
-            deadline = deadline if deadline is not None else time.monotonic() + grace_s
+        if i + 1 >= steps:
             if time.monotonic() > deadline:
                 raise AssertionError(f"requests still running: {list(w.sched.reqs)}")
             time.sleep(0.001)
