@@ -58,7 +58,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
-    "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
+    "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: decode batches (<= 128 pairs)"),
+    "_align_count_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
+    "_align_scatter_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
     "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
