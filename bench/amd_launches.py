@@ -15,7 +15,8 @@ Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
-layer 0 is sparse: its experts' launches (`ops/triton_moe.py`) are captured at every step.
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its alignment's `ops/triton_moe_align.py`) are captured
+at every step.
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
