@@ -128,4 +128,11 @@ def test_alignment_interpreter() -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    from rapidserve.ops.triton_moe_align import align_into, empty_alignment
+
+    for one_program in (True, False):  # no pairs: the total 0, nothing else to write
+        out = empty_alignment(0, 8, 16, torch.device("cpu"))
+        out.num_post.fill_(POISON)
+        got = align_into(torch.zeros(0, 2, dtype=torch.int32), 8, 16, out, one_program)
+        assert got.sorted_ids.numel() == got.expert_ids.numel() == 0 and got.num_post.tolist() == [0]
     print(f"alignment: {check_table('cpu')} cases ok")

@@ -22,8 +22,8 @@ sort keeps it: the layout is deterministic, and equal to `align_block_size`'s.
   work is about block / SUB + NB / NB_TILE tile steps (NB_TILE = SUB), least where block ~ NB ~ sqrt(pairs).
 
 Every row < max_padded (`ops.moe.max_padded`) and every block of sorted_ids / expert_ids is written exactly once,
-by one thread, so no store races another. Expert ids must lie in [0, E) (the router's top-k does): an id outside
-counts for no expert and its row is left unwritten.
+by one thread, so no store races another. Expert ids must lie in [0, E) (the router's top-k does): a pair of an id
+outside counts for no expert and is in no run.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from rapidserve.ops.moe import Alignment, max_padded
 
 ONE_PROGRAM = 128  # at most this many pairs are aligned by `_align_one_kernel`, more by the two-launch path
 TILE = 4096  # elements of the one-hot tile [SUB, E_P] (and of the count table's [NB_TILE, E_P] tile)
-WARPS = 4
+WARPS = 8
 MB_TILE = tl.constexpr(32)  # blocks whose expert one step finds
 PAD_TILE = tl.constexpr(16)  # padding rows a step writes per expert
 TAIL = tl.constexpr(1024)  # rows past the total a step writes
@@ -181,14 +181,14 @@ def align_into(ids: torch.Tensor, num_experts: int, block_m: int, out: Alignment
                one_program: bool | None = None) -> Alignment:
     """Writes every element of `out` (`empty_alignment`'s buffers) with the `Alignment` of expert ids [T, k] (int32,
     on their device; module docstring): one program for at most ONE_PROGRAM pairs, else two launches;
-    `one_program` forces the path (tests, the benches). Returns `out`."""
+    `one_program` forces the path (tests, the benches; no pairs always take one program). Returns `out`."""
     flat = ids.reshape(-1).to(torch.int32)
     pairs, rows = flat.numel(), out.sorted_ids.numel()
     if rows != max_padded(pairs, num_experts, block_m) or out.expert_ids.numel() != rows // block_m:
         raise ValueError(f"alignment buffers of {rows} rows and {out.expert_ids.numel()} blocks for {pairs} pairs: "
                          "allocate them with empty_alignment(pairs, num_experts, block_m, device)")
     e_p, sub = triton.next_power_of_2(num_experts), sub_pairs(num_experts)
-    if pairs <= ONE_PROGRAM if one_program is None else one_program:
+    if pairs == 0 or (pairs <= ONE_PROGRAM if one_program is None else one_program):
         _align_one_kernel[(1,)](flat, out.sorted_ids, out.expert_ids, out.num_post, pairs, rows,
                                 BLOCK_M=block_m, SUB=sub, E_P=e_p, num_warps=WARPS)
         return out
