@@ -1,8 +1,8 @@
 """A mixture-of-experts layer's experts as grouped GEMMs in Triton (issue 40), on NVIDIA and AMD alike.
 
 `fused_moe(x, w13, w2, weights, ids)` computes what `ops.moe.moe_experts_ref` does (see ops/moe.py for the
-layouts) in four launches, none of which reads a device value on the host, with shapes fixed by the batch, so a
-decode step's CUDA graph captures it:
+layouts) in four steps (four launches; five above ALIGN_ONE_PROGRAM pairs), none of which reads a device value on
+the host, with shapes fixed by the batch, so a decode step's CUDA graph captures it:
 
 1. alignment: the T*k (token, slot) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M
    (`ops.moe.Alignment`, vLLM's moe_align_block_size layout; `ops/triton_moe_align.py`): a stable counting sort
