@@ -1,7 +1,7 @@
 """Where a small-batch decode step's time goes, kernel by kernel (issue 16: decode >= 90% of the roofline).
 
     python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
-                                   [--variants fused,unfused] [--sweep] [--out DIR]
+                                   [--variants fused,unfused] [--sweep] [--quantization fp8] [--out DIR]
 
 For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
   - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
@@ -16,12 +16,16 @@ For each decode batch (2048-token contexts, a CUDA-graph replay as the engine ru
 Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
 RoPE and the KV write as two launches, cuBLAS for every linear (the layer before these changes), captured
 as another graph set, so the two are measured in one process on the same GPU.
+`--quantization fp8`: the same weights quantized at load (`quant_config.ONLINE_FP8`, as bench/fp8_speed.py), the
+bytes counted from the model's own tensors; `unfused` is then `ops.unfused_fp8` (each projection quantizes its own
+input) and the bf16 linear-layer section is not run (its layers are fp8).
 Writes <out>/decode_profile.json and .md; prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -37,10 +41,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
+from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
 
 REPS = 30
@@ -129,6 +135,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--variants", default="fused,unfused")
     ap.add_argument("--sweep", action="store_true", help="time every skinny tile configuration too")
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: weights quantized at load (per-channel, dynamic per-token activations)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -145,6 +153,9 @@ def main() -> int:
     name = a.model.removeprefix("preset:")
     mcfg = preset_config(name)
     ecfg = engine_config(name, mcfg, "bfloat16", batches, 8192, 0.9)
+    fp8 = a.quantization == "fp8"
+    if fp8:
+        ecfg = dataclasses.replace(ecfg, quantization=ONLINE_FP8)
     runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):
@@ -152,8 +163,8 @@ def main() -> int:
     fused = runner.model.ops
     for v in variants:
         if v == "unfused":
-            from rapidserve.ops import unfused_ops  # the A/B's other side: see the module docstring
-            runner.model.ops = unfused_ops(fused)
+            from rapidserve.ops import unfused_fp8, unfused_ops  # the A/B's other side: see the module docstring
+            runner.model.ops = unfused_fp8(fused) if fp8 else unfused_ops(fused)
         else:
             runner.model.ops = fused
         runner.capture_decode_graphs(key=v, show_progress=False)
@@ -162,12 +173,15 @@ def main() -> int:
     n_params = mcfg.num_params()
     emb = mcfg.vocab_size * mcfg.hidden_size
     weight_bytes = (n_params - (0 if mcfg.tie_word_embeddings else emb)) * 2  # embedding read b rows only
+    if fp8:  # the model's own tensors (fp8 weights, their scales, the bf16 rest), less the embedding's rows
+        weight_bytes = model_bytes(runner) - (0 if mcfg.tie_word_embeddings else emb * 2)
     rows: list[dict[str, object]] = []
     lin_by_batch = {}
     for b in batches:
         items = [DecodeItem(1, a.ctx - 1, [(i * per + j) % pool.num_blocks for j in range(per)]) for i in range(b)]
         nbytes = weight_bytes + b * mcfg.hidden_size * 2 + b * a.ctx * mcfg.kv_bytes_per_token(2)
-        lin = lin_by_batch[b] = linears(runner, b, a.sweep)
+        if not fp8:
+            lin_by_batch[b] = linears(runner, b, a.sweep)
         for v in variants:
             runner.decode(items, graph_key=v)  # puts this batch's inputs in place
             graph = runner.decode_graph(b, v)
@@ -184,13 +198,14 @@ def main() -> int:
                          "kernels": ks[:16]})
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
-           "ctx": a.ctx, "attention": runner.attn.name, "ceilings": ceil,
+           "ctx": a.ctx, "quantization": a.quantization, "attention": runner.attn.name, "ceilings": ceil,
            "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]), "rows": rows,
            "linears": lin_by_batch}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "decode_profile.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    lines = [f"# Decode step by kernel: {a.model} bf16 on {res['gpu']} ({res['date']})", "",
+    kind = "fp8 weights" if fp8 else "bf16"
+    lines = [f"# Decode step by kernel: {a.model} {kind} on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`. Context {a.ctx}, attention {runner.attn.name}, copy ceiling "
              f"{copy_tbps:.2f} TB/s. Graph replays with their inputs in place.", ""]
     for r in rows:
