@@ -53,6 +53,8 @@ FULL = h100_profile()  # overallocated + split16/32/48/64 on 132 SMs
         dict(backend="hip-cumask", profile="p.json"),
         dict(hysteresis_steps=0),
         dict(slo_itl_ms=0.5),
+        dict(slo_itl_ms=50),  # an int of ms
+        dict(slo_itl_ms=None),  # no ITL SLO (--slo-itl-ms none)
         dict(decode_shares=(0.3,)),
     ],
 )
@@ -73,6 +75,11 @@ def test_partition_config_valid(kw: dict[str, Any]) -> None:
         (dict(backend="cuda"), "partition backend='cuda'; use auto, cuda-green, hip-cumask or none"),
         (dict(slo_itl_ms=0.0), "slo_itl_ms=0.0 must be > 0"),
         (dict(slo_itl_ms=-5.0), "slo_itl_ms"),
+        (dict(slo_itl_ms=float("inf")), "slo_itl_ms=inf must be > 0 and finite \\(ms\\), or None: no ITL SLO "
+                                        "\\(--slo-itl-ms none\\)"),
+        (dict(slo_itl_ms=float("nan")), "slo_itl_ms=nan must be > 0 and finite"),
+        (dict(slo_itl_ms="none"), "slo_itl_ms='none' must be > 0 and finite \\(ms\\), or None"),  # the flag's word
+        (dict(slo_itl_ms=True), "slo_itl_ms=True must be > 0"),
         (dict(hysteresis_steps=-1), "hysteresis_steps=-1 must be >= 0"),
         (dict(decode_shares=()), "non-empty tuple of shares"),
         (dict(decode_shares=(0.25, 1.0)), "decode_shares"),
@@ -164,8 +171,8 @@ def test_partition_parse_errors(text: str, pattern: str) -> None:
         (["serve", "--partition", "static:0"], "argument --partition: .*must be in \\(0, 1\\)"),
         (["serve", "--partition", "static:abc"], "e.g. static:0.25"),
         (["serve", "--partition-backend", "cuda"], "argument --partition-backend: invalid choice: 'cuda'"),
-        (["serve", "--slo-itl-ms", "0"], "argument --slo-itl-ms: 0.0 must be a positive number"),
-        (["serve", "--slo-itl-ms", "inf"], "argument --slo-itl-ms: inf must be a positive number"),
+        (["serve", "--slo-itl-ms", "0"], "argument --slo-itl-ms: '0' must be a positive, finite number of ms, or none"),
+        (["serve", "--slo-itl-ms", "inf"], "argument --slo-itl-ms: 'inf' must be a positive, finite number of ms"),
         (["serve", "--slo-itl-ms", "fast"], "'fast' is not a number"),
         (["profile", "--batch-buckets", "8,1"], "argument --batch-buckets: '8,1': give strictly ascending positive"),
         (["profile", "--batch-buckets", "1,1"], "strictly ascending"),
