@@ -28,7 +28,15 @@ from rapidserve.partition.profile import (
     slug,
 )
 from rapidserve.partition.profile_cmd import cmd_profile
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
+from rapidserve.partition.runtime import (
+    DecodePartition,
+    PartitionPlan,
+    PlanWire,
+    Switch,
+    open_streams,
+    resolve_plan,
+    slo_note,
+)
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
@@ -248,6 +256,21 @@ def test_cli_profile_defaults() -> None:
 
 
 # ---- resolve_plan on CPU ------------------------------------------------------------------------
+NO_SLO_NOTE = "no ITL SLO (--slo-itl-ms none): every step fused with the whole token budget, never split"
+
+
+@pytest.mark.parametrize(("partition", "configs", "want"), [
+    (dict(), 5, "ITL SLO 50 ms"), (dict(slo_itl_ms=12.5), 5, "ITL SLO 12.5 ms"),
+    (dict(policy="duet", slo_itl_ms=None), 5, NO_SLO_NOTE), (dict(policy="duet", slo_itl_ms=None), 1, NO_SLO_NOTE),
+    (dict(), 1, ""),  # one configuration: the SLO chooses nothing
+    (dict(mode="static", static_decode_share=0.25), 1, ""), (dict(mode="off", slo_itl_ms=None), 1, ""),
+])
+def test_the_plan_line_says_the_itl_slo_it_decides_with(partition: dict[str, Any], configs: int, want: str) -> None:
+    names = list(FULL.configurations)[:configs]
+    plan = PartitionPlan("cuda-green", names, FULL if configs > 1 else None, "test")
+    assert slo_note(PartitionConfig(**partition), plan) == want
+
+
 def engine_config(**partition: Any) -> EngineConfig:
     return EngineConfig("preset:tiny-llama", preset_config("tiny-llama"), partition=PartitionConfig(**partition))
 
@@ -262,6 +285,8 @@ def engine_config(**partition: Any) -> EngineConfig:
         (dict(backend="none", profile="/nonexistent/profile.json"), "no partition backend on cpu"),
         (dict(mode="off", backend="cuda-green"), "partition off"),  # off needs no backend at all
         (dict(mode="off", backend="hip-cumask"), "partition off"),
+        (dict(policy="duet", slo_itl_ms=None), f"no partition backend on cpu; {NO_SLO_NOTE}"),  # the start-up line
+        (dict(mode="off", slo_itl_ms=None), "partition off"),  # no SLO is read: nothing to say
     ],
 )
 def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:
