@@ -1,7 +1,8 @@
 """Decode's skinny fp8 GEMM, its decisions on CPU (issue 39): the tuned tables (ops/fp8_tiles.py: format, validation
 naming the file and field, lookup by rows), which calls `triton_fp8_skinny.plan` sends to the kernel and with which
-tiles (a table's entry, the untuned rule, or torch._scaled_mm). The kernels' numbers: test_fp8_ops.py /
-test_fp8_fused.py (interpreter), test_fp8_gpu.py / test_fp8_fused_gpu.py (GPU)."""
+tiles (a table's entry, the untuned rule, or torch._scaled_mm), and how many slices the fused producers cut a row into
+(`triton_fp8_fused.slice_cols`). The kernels' numbers: test_fp8_ops.py / test_fp8_fused.py (interpreter),
+test_fp8_gpu.py / test_fp8_fused_gpu.py (GPU)."""
 
 from __future__ import annotations
 
@@ -144,3 +145,23 @@ def test_which_calls_the_skinny_kernel_takes(rows: int, n: int, k: int, device: 
     assert fsk.plan(rows, n, k, device, TABLES) == want
     if device == "GPU B":  # no table at all: the same
         assert fsk.plan(rows, n, k, device, {}) == want
+
+
+@needs_triton
+@pytest.mark.parametrize(("rows", "cols", "min_slice", "want"), [
+    (1, 12288, 1024, 1024),  # SiLU-and-mul of Qwen3-8B at one row: 12 programs
+    (16, 12288, 1024, 2048),  # 8 pieces a row at most (128 // 16): 6 of 2048
+    (64, 12288, 1024, 8192),  # 2 pieces a row: 8192 + 4096
+    (128, 12288, 1024, 12288),  # the rows alone fill the GPU: one program a row
+    (1, 4096, 1024, 1024),  # RMSNorm at one row: 4 slices
+    (40, 4096, 1024, 2048),  # 3 pieces allowed: 2 of 2048
+    (64, 4096, 1024, 2048),
+    (3, 96, 1024, 96),  # narrower than one slice: whole rows
+    (1, 1500, 1024, 1500),
+    (1, 3000, 1024, 2048),  # 2 pieces: 2048 + 952
+])
+def test_slices_of_a_row(rows: int, cols: int, min_slice: int, want: int) -> None:
+    from rapidserve.ops.triton_fp8_fused import TARGET_PROGRAMS, slice_cols
+
+    assert TARGET_PROGRAMS == 128
+    assert slice_cols(rows, cols, min_slice) == want
