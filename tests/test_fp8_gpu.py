@@ -99,8 +99,8 @@ def test_decode_rows_take_the_kernel_the_plan_gives(m: int, n: int, k: int) -> N
 
 @needs_fp8
 @pytest.mark.skipif(torch.version.hip is not None, reason="the skinny kernels serve NVIDIA only (not measured on ROCm)")
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 64])
-@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 12288), (200, 304)])
+@pytest.mark.parametrize("m", [1, 16, 33, 64])  # the JIT's three specialisations of M (1, % 16, other)
+@pytest.mark.parametrize(("n", "k"), [(4096, 12288), (200, 304)])
 def test_every_tile_family_gives_the_reference(m: int, n: int, k: int) -> None:
     """The skinny fp8 kernel on each family of tiles bench/fp8_sweep.py times, at 1-64 rows: a 16-row tile
     (mma.sync, fp8 widened to fp16), a 64-row tile (wgmma, x8 @ w8^T), the swapped order on the smallest row tile
