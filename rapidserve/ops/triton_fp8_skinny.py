@@ -17,9 +17,10 @@ rows past M masked), accumulating tl.dot in float32 over K in BLOCK_K steps, sca
 The tiles (`fp8_tiles.Fp8Tiles`) decide which tensor-core instruction Triton emits on Hopper (compiled for sm_90 on
 a CPU, Triton 3.9): with BLOCK_M = 16 or 32 the product is x8 @ w8^T on mma.sync, which has no fp8 form there, so
 both operands are widened to fp16 in registers every K step (cvt.rn.f16x2.e4m3x2); with BLOCK_M = 64, or with SWAP
-(the product computed as w8 @ x8^T, the weight tile the tall operand, BLOCK_N >= 64, then transposed for the
-epilogue), it is wgmma's native e4m3 x e4m3 from shared memory. Both operands are K-major, as fp8 wgmma needs, and
-reach shared memory by 16-byte cp.async in num_stages pipeline stages.
+(the product computed as w8 @ x8^T, the weight tile the tall operand, then transposed for the epilogue) and
+BLOCK_N >= 64, at 4 or 8 warps, it is wgmma's native e4m3 x e4m3 from shared memory (a swapped tile narrower than 64
+falls back to mma.sync). Both operands are K-major, as fp8 wgmma needs, and reach shared memory by 16-byte cp.async
+in num_stages pipeline stages. Which family reads the weights fastest is measured, not assumed: the sweep times them.
 
 Which call goes here, with which tiles, is `plan`, a pure function of (rows, N, K, device, tables): the tuned table
 of this GPU (`fp8_tiles`, measured by bench/decode_profile.py --quantization fp8 --sweep) where it covers the call,
