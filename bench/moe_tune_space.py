@@ -13,11 +13,13 @@ Per (shape, token count T) point, with p = T * top_k / E pairs per expert on ave
   sum) beats the rule's config at that point, else the rule's config is written (`bench/moe_tune.py` times both).
 
 Decode is memory-bound: each program streams its expert's [BLOCK_N, K] weight tiles once, the same bytes whatever the
-tile, so what a tile decides is how evenly the programs spread over the SMs (`grid_balance`: the SMs' busy share
+tile, so one thing a tile decides is how evenly the programs spread over the SMs (`grid_balance`: the SMs' busy share
 when each streams its resident programs' tiles at an equal rate; `resident`: programs one SM holds, by shared memory
 and warps). At Qwen3-30B-A3B's batch 1 (8 experts, gate|up N = 768) the BLOCK_M 16 list had none above 0.73 (BLOCK_N
 16 with BLOCK_K 256 and 4 stages: 384 programs, 2 resident an SM, so two waves of 264; BLOCK_N 32: 192 programs, two on
-60 SMs and one on 72); (16, 128, 4, 4) holds 4 an SM: all 384 at once, 2-3 an SM, 0.97 (tests/test_moe_tune.py).
+60 SMs and one on 72); (16, 128, 4, 4) holds 4 an SM: all 384 at once, 2-3 an SM, 0.97 (tests/test_moe_tune.py). The
+model leaves out what a program's own rate depends on (its bytes in flight, the L2): the H200 sweep of 09:51 UTC chose
+BLOCK_N 64-128 there (96-48 programs), so the sweep, not the model, decides; the model only says which tiles to try.
 """
 
 from __future__ import annotations
