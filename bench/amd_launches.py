@@ -15,7 +15,8 @@ Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
-layer 0 is sparse: its experts' launches (`ops/triton_moe.py`) are captured at every step.
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its alignment's `ops/triton_moe_align.py`) are captured
+at every step.
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -58,7 +59,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
-    "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
+    "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: decode batches (<= 128 pairs)"),
+    "_align_count_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
+    "_align_scatter_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
     "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
