@@ -98,8 +98,8 @@ def test_table_covers_every_key_and_keeps_the_measured_defaults() -> None:
     assert dc.decode_config(False, BF16, False, 256) == DecodeConfig(32, 4, 2, 2, False)
     assert dc.decode_config(True, BF16, False, 128) == DecodeConfig(64, 4, 1, 2, False)
     assert dc.decode_config(True, FP32, False, 256) == DecodeConfig(16, 4, 1, 2, False)
-    # an fp8 cache: bf16 tiles under a bf16 q
-    assert dc.decode_config(False, BF16, True, 128) == DecodeConfig(64, 4, 3, 2, False)
+    # an fp8 cache: NVIDIA's tiles in fp16, ROCm's as before
+    assert dc.decode_config(False, BF16, True, 128) == DecodeConfig(64, 4, 3, 2, True)
     assert dc.decode_config(True, BF16, True, 128) == DecodeConfig(64, 4, 1, 2, False)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         dc.decode_config(False, torch.int8, False, 128)
@@ -154,7 +154,7 @@ def test_launch_takes_the_table_entry() -> None:
 
 def test_fp8_cache_under_bf16_takes_fp16_dots_on_nvidia_only() -> None:
     (_, kw), = _launch(64, BF16, torch.float8_e4m3fn, hip=False)[0]
-    assert kw["F16_DOTS"] is False and kw["KV_FP8"] is True
+    assert kw["F16_DOTS"] is True and kw["KV_FP8"] is True
     (_, kw), = _launch(64, FP16, torch.float8_e4m3fn, hip=False)[0]
     assert kw["F16_DOTS"] is False  # an fp16 q takes fp16 dots anyway
     (_, kw), = _launch(64, BF16, torch.float8_e4m3fnuz, hip=True, sms=304)[0]

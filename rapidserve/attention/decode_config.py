@@ -48,9 +48,9 @@ class DecodeConfig(NamedTuple):
 # the key tiles and a stage less keep K and V's stages in shared memory.
 DECODE_TABLE: Mapping[tuple[str, str, str, str], DecodeConfig] = MappingProxyType({
     ("cuda", "16-bit", "model", "<=128"): DecodeConfig(64, 4, 3, 2, False),
-    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 4, 3, 2, False),
+    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 4, 3, 2, True),
     ("cuda", "16-bit", "model", ">128"): DecodeConfig(32, 4, 2, 2, False),
-    ("cuda", "16-bit", "fp8", ">128"): DecodeConfig(32, 4, 2, 2, False),
+    ("cuda", "16-bit", "fp8", ">128"): DecodeConfig(32, 4, 2, 2, True),
     ("cuda", "fp32", "model", "<=128"): DecodeConfig(32, 4, 2, 2, False),
     ("cuda", "fp32", "fp8", "<=128"): DecodeConfig(32, 4, 2, 2, False),
     ("cuda", "fp32", "model", ">128"): DecodeConfig(32, 4, 2, 2, False),
