@@ -104,11 +104,11 @@ def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatc
     """NVIDIA's launch parameters as measured there; ROCm's from the gfx942 compile check (triton_paged.py)."""
     from rapidserve.attention import triton_paged as tp
     bf16, fp32 = torch.bfloat16, torch.float32
-    nvidia = (tp._decode_config(bf16, 128), tp._decode_config(fp32, 128), tp._prefill_config(bf16, 128),
+    nvidia = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
               tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16))
     assert nvidia == ((64, 4, 3), (32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 2), {})
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    rocm = (tp._decode_config(bf16, 128), tp._decode_config(fp32, 128), tp._prefill_config(bf16, 128),
+    rocm = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
             tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16),
             tp._prefill_amd_options(fp32))
     assert rocm == ((64, 4, 1), (32, 4, 1), (128, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 1),

@@ -23,7 +23,9 @@ An fp8 cache (float8_e4m3fn, or e4m3fnuz on ROCm's gfx94x; rapidserve/attention/
 ``k_scale`` / ``v_scale`` (float32 [1] device tensors, loaded by the kernels): write_kv stores
 fp8(clamp(x / scale, +-fp8_max)); the attention kernels load fp8 tiles, convert them to q's dtype (exact: every
 e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in once: the scores are multiplied by
-k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v).
+k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v). Decode under a bf16 q
+converts them to fp16 instead where its table says so (F16_DOTS, NVIDIA: one conversion an element pair instead of
+three; rapidserve/attention/decode_config.py), q with them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.attention.decode_config import (
+    DecodeConfig,
+    decode_block_s,
+    decode_config,
+    launch_splits,
+    reduce_warps,
+    uses_fp16_dots,
+)
 from rapidserve.attention.kv_quant import cache_scales
 from rapidserve.attention.metadata import AttentionMetadata
 
@@ -140,13 +150,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr):
+                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr, F16_DOTS: tl.constexpr):
     """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
     WINDOW keys when WINDOW > 0).
 
     DIRECT (one split): writes the normalised output. Otherwise writes the fp32 partial output
     ``part[b, h, split, :]`` (normalised within the split) and its log2-sum-exp ``lse[b, h, split]``.
     KV_FP8: the tiles are fp8, converted to q's dtype; k_scale joins qk_scale, v_scale scales the output.
+    F16_DOTS (an fp8 cache under a bf16 q): q is converted to fp16 once, so the tiles convert to fp16 (exact, one
+    instruction per element pair on sm_89+; bf16 takes three: rapidserve/attention/decode_config.py) and both dots
+    run in fp16 with fp32 accumulation. bf16 -> fp16 is exact for |q| in [2^-14, 65504]; a program whose largest
+    |q| exceeds 2^15 first multiplies q by 2^15 / max|q| and divides qk_scale by the same factor.
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -172,6 +186,12 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     if KV_FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
+    if F16_DOTS:
+        q32 = q.to(tl.float32)
+        big = tl.max(tl.max(tl.abs(q32), axis=1), axis=0)
+        shrink = tl.where(big > 32768.0, 32768.0 / big, 1.0)
+        q = (q32 * shrink).to(tl.float16)
+        qk_scale = qk_scale / shrink
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -246,55 +266,17 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the Triton interpreter on CPU
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
-                      block_n: int, num_sms: int, waves: int = 2) -> int:
-    """Splits per (sequence, kv head): enough programs for ``waves`` x the SMs, at most one split per
-    key tile of the longest sequence the block table can hold. Depends on shapes only."""
-    max_tiles = max(1, triton.cdiv(max_blocks_per_seq * block_size, block_n))
-    want = triton.cdiv(waves * num_sms, max(1, batch * num_kv_heads))
-    return max(1, min(want, max_tiles))
-
-
-def decode_block_s(num_splits: int, num_kv_heads: int, num_sms: int, waves: int = 2, cap: int = 64) -> int:
-    """The reduce kernel's split tile: the largest split count decode_num_splits gives on this device and model
-    (batch 1) rounded up to a power of two, at most `cap` (a larger tile costs registers), unless `num_splits`
-    itself is larger. One compiled variant serves every step where 2 x SMs / num_kv_heads <= cap; with fewer kv
-    heads per rank (4 or fewer on an H100: Qwen3-8B at -tp 2) the smallest batches get their own, which decode
-    graph capture compiles before serving."""
-    most = min(cap, triton.cdiv(waves * num_sms, max(1, num_kv_heads)))
-    return triton.next_power_of_2(max(num_splits, most))
-
-
 # ROCm launch parameters (torch.version.hip set): chosen from the kernels compiled for gfx942 (MI300X) on a CPU
 # machine, never run on one (bench/amd_compile_check.py; its table: bench/results/amd_compile/). The ROCm Triton
 # guides recommend num_stages=1 for loops with two dots (flash attention) and the 16x16 MFMA
 # (matrix_instr_nonkdim=16) where registers are short. NVIDIA's num_stages=3 gives the decode kernel 32 KiB of LDS
 # a workgroup (2 waves per SIMD); one stage halves it (3 waves, VGPR-bound). NVIDIA's prefill tiles spill on gfx942
 # (256 VGPRs and scratch) with the default 32x32 MFMA; with the 16x16 one and one stage they fit (204 VGPRs at
-# head_dim 128: 2 waves; 123 at 64: 4). fp32 prefill needs waves_per_eu=2 to stay out of scratch. The reduce kernel
-# holds its [BLOCK_S, BLOCK_D] fp32 partials in registers: with 4 warps, BLOCK_S 512 (a rank of one kv head at
-# batch 2 on 304 CUs) allows 1 wave and 1024 (batch 1) spills; so on ROCm it takes up to 16 warps (<= 64 partials a
-# thread) and at most ROCM_MAX_SPLITS splits (1024 x 128 spills even at 16 warps, whose 1024 threads cap a wave at
-# 128 VGPRs).
-ROCM_MAX_SPLITS = 512
-
-
-def _reduce_warps(block_s: int, block_d: int) -> int:
-    """The reduce kernel's num_warps: 4 on NVIDIA; on ROCm enough wave64 warps for <= 64 partials a thread."""
-    if not torch.version.hip:
-        return 4
-    return min(16, max(4, block_s * block_d // (64 * 64)))
-
-
-def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages)."""
-    if torch.version.hip:  # head_dim 256 (Gemma 3): half the key tile, or its registers cap gfx942 at 1 wave
-        return (32 if dtype == torch.float32 else 64) // (2 if head_dim > 128 else 1), 4, 1
-    if dtype == torch.float32:
-        return 32, 4, 2
-    if head_dim > 128:  # Gemma 3's 256: half the key tiles and a stage less keep K and V's stages in shared memory
-        return 32, 4, 2
-    return 64, 4, 3
+# head_dim 128: 2 waves; 123 at 64: 4). fp32 prefill needs waves_per_eu=2 to stay out of scratch. Decode's table,
+# split rule and reduce-kernel warps (ROCm's split cap among them): rapidserve/attention/decode_config.py.
+def _decode_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
+    """This platform's DECODE_TABLE entry for a launch."""
+    return decode_config(bool(torch.version.hip), dtype, kv_fp8, head_dim)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -302,12 +284,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
     context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
     Returns [B, num_heads, head_dim]. An fp8 cache is read with `k_scale` / `v_scale`.
 
-    The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
+    The launch configuration is decode_config.DECODE_TABLE's for this platform, dtype, cache and head_dim; the
+    optional arguments override it (for benchmarks and tuning): `config` the whole entry, then `block_n`,
+    `num_warps`, `num_stages` its fields, `num_splits` the split rule."""
     fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
@@ -324,13 +308,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = _last_dim_contiguous(q)
     block_tables = _last_dim_contiguous(block_tables)
     group = num_heads // num_kv_heads
-    cfg_n, cfg_warps, cfg_stages = _decode_config(q.dtype, head_dim)
-    block_n = block_n or cfg_n
+    kv_fp8 = bool(fp8["KV_FP8"])
+    hip = bool(torch.version.hip)
+    cfg = config or _decode_config(q.dtype, head_dim, kv_fp8)
+    cfg = cfg._replace(block_n=block_n or cfg.block_n, num_warps=num_warps or cfg.num_warps,
+                       num_stages=num_stages or cfg.num_stages)
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n,
-                                       _num_sms(q.device))
-        if torch.version.hip:  # Gemma 3's head_dim 256: 128 splits, the reduce kernel's 8-warp partials of 256 x 128
-            num_splits = min(num_splits, ROCM_MAX_SPLITS if head_dim <= 128 else ROCM_MAX_SPLITS * 64 // head_dim)
+        num_splits = launch_splits(batch, num_kv_heads, block_tables.shape[1], block_size, head_dim, cfg,
+                                   _num_sms(q.device), hip)
     direct = num_splits == 1
     if direct:
         lse = part = out  # unused
@@ -342,14 +327,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, lse, part,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
-        num_warps=num_warps or cfg_warps, num_stages=num_stages or cfg_stages, **fp8)
+        F16_DOTS=uses_fp16_dots(cfg, q.dtype, kv_fp8), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8)
     if not direct:
-        block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device))
+        block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device), cfg.waves)
         _decode_reduce_kernel[(batch * num_heads,)](
             out, lse, part, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=_reduce_warps(block_s, block_d))
+            num_warps=reduce_warps(block_s, block_d, hip))
     return out
 
 

@@ -31,6 +31,7 @@ sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root,
 from gpu_timing import time_ms  # noqa: E402
 
 from rapidserve.attention import triton_paged as tp  # noqa: E402
+from rapidserve.attention.decode_config import decode_num_splits  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 SPLITS = (4, 8, 12, 16, 24, 32, 48, 64)
@@ -87,7 +88,7 @@ def main() -> int:
         caches, table, ctxs = layer_caches(batch, ctx, args.layers, max_blocks, gen)
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=None)
         want = tp.decode_attention(q, *caches[0], table, ctxs, D**-0.5)
-        auto = tp.decode_num_splits(batch, HKV, max_blocks, BLOCK, tp._decode_config(q.dtype, D)[0], sms)
+        auto = decode_num_splits(batch, HKV, max_blocks, BLOCK, tp._decode_config(q.dtype, D).block_n, sms)
         default = graph_us(caches, q, table, ctxs, {})
         best = (default, "default")
         for s, n, st in itertools.product(SPLITS, BLOCK_NS, STAGES):

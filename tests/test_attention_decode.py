@@ -1,0 +1,155 @@
+"""The Triton decode kernel's fp16-dot path (an fp8 KV cache under a bf16 q, `F16_DOTS`:
+rapidserve/attention/decode_config.py) and the tuning sweep's tile shapes, under the Triton interpreter on CPU
+against the torch reference over the dequantized cache in fp32: GQA ratios 1 / 4 / 8, odd context lengths (not
+multiples of the page or the tile), empty rows, batch 1 to 64, split counts from 1 to more than the tiles, sliding
+windows, e4m3fn and e4m3fnuz, block_n from 16 to 128 against pages of 8 to 32, and queries past fp16's range.
+
+(The interpreter's bf16 dots are wrong, so bf16 dots, the path of a bf16 cache, are checked on a GPU only:
+tests/test_attention.py's gpu tests; fp16 and fp32 ones by tests/test_attention.py and test_kv_fp8_attention.py.)
+
+Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_decode.py fp16_dots|ranges``) it performs the
+interpreter checks; `test_triton_interpreter` does exactly that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+
+import pytest
+import torch
+from test_attention import Batch, decode_seqs, make_batch
+from test_kv_fp8_attention import fp8_cache, scales, write_all
+from triton_interp import run_interpreted
+
+from rapidserve.attention import kv_quant as kq
+from rapidserve.attention import torch_ref as ref
+from rapidserve.attention.decode_config import DecodeConfig
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
+F16_DOTS = DecodeConfig(64, 4, 3, 2, True)  # block_n, warps and stages are overridden per case (the interpreter
+# ignores warps and stages)
+
+
+def _fp8_batch(ctxs: list[int], bs: int, group: int, d: int, hkv: int, cache: torch.dtype = FN,
+               seed: int = 0) -> tuple[Batch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode batch with a bf16 q over an fp8 cache holding every key and value: (batch, kc, vc, ks, vs)."""
+    b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
+                   dtype=torch.bfloat16, decode=True, strided_q=True, seed=seed)
+    kc, vc = fp8_cache(b, cache)
+    ks, vs = scales(0.011, 0.017)
+    write_all(b, kc, vc, ks, vs)
+    return b, kc, vc, ks, vs
+
+
+def _check(q: torch.Tensor, b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+           block_n: int, splits: tuple[int | None, ...], window: int | None = None, what: object = "") -> None:
+    """The kernel with fp16 dots, each split count, against the fp32 reference over the dequantized cache (the
+    output is bf16: within its rounding)."""
+    from rapidserve.attention import triton_paged as tp
+
+    d = q.shape[-1]
+    args = (b.meta.block_tables, b.meta.context_lens, d**-0.5)
+    want = ref.decode_attention(q.float(), kq.dequantize(kc, ks, torch.float32), kq.dequantize(vc, vs, torch.float32),
+                                *args, window=window)
+    for n in splits:
+        got = tp.decode_attention(q, kc, vc, *args, ks, vs, num_splits=n, config=F16_DOTS._replace(block_n=block_n),
+                                  window=window)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1e-2,
+                                   msg=lambda m, c=(what, block_n, n, window): f"{c}: {m}")
+
+
+def _interp_fp16_dots() -> None:
+    cases = [  # (block_size, group, head_dim, kv heads, contexts, block_n, split counts, windows, cache)
+        (16, 4, 64, 2, [100, 0, 1, 48, 49, 17], 64, (1, 13), (None, 1, 37), FN),  # Qwen3's GQA 4; 13 > its tiles
+        (8, 1, 32, 4, [33, 1, 5, 70], 16, (None, 1, 3), (None, 9), FN),  # GQA 1
+        (16, 8, 32, 1, [250, 16, 1, 129], 128, (None, 1, 2, 5), (None, 100), FN),  # GQA 8, tiles of 8 pages
+        (32, 4, 32, 2, [70, 0, 31, 33], 16, (None, 1, 4, 9), (None,), FNUZ),  # tiles smaller than pages; ROCm's fp8
+        (8, 2, 64, 2, [63, 64, 65, 127], 32, (None, 1, 3), (None, 64), FNUZ),
+    ]
+    for bs, group, d, hkv, ctxs, bn, splits, windows, cache in cases:
+        b, kc, vc, ks, vs = _fp8_batch(ctxs, bs, group, d, hkv, cache)
+        for window in windows:
+            _check(b.q, b, kc, vc, ks, vs, bn, splits, window, (bs, group, d, hkv, ctxs, cache))
+    # batch 64 of odd lengths (empty rows among them), one kv head of 4 q heads
+    rng = random.Random(3)
+    ctxs = [rng.choice([0, 1, 2, 7, 15, 16, 17, 31, 33, 40]) for _ in range(64)]
+    b, kc, vc, ks, vs = _fp8_batch(ctxs, 8, 4, 32, 1, seed=4)
+    _check(b.q, b, kc, vc, ks, vs, 16, (1, 3), None, "batch 64")
+
+
+def _interp_ranges() -> None:
+    """Queries past fp16's range (65504): the kernel scales q down by max|q| / 2^15 for the dots and back into the
+    score scale, so the result is the reference's (a plain fp16 cast would give inf and NaN)."""
+    b, kc, vc, ks, vs = _fp8_batch([100, 1, 48, 17], 16, 4, 64, 2, seed=7)
+    q = b.q.clone()
+    q[0, 1, 5] = 7.0e4  # one head of sequence 0, over fp16's largest value
+    q[2, 4:8] *= 3.0e4  # a whole kv group of sequence 2, scaled up
+    q[3, :, 3] = -1.0e5
+    assert q.float().abs().max() > 65504
+    _check(q, b, kc, vc, ks, vs, 64, (1, 3), None, "large q")
+    # small queries stay within fp16's subnormal spacing of the reference
+    _check(b.q * 1e-3, b, kc, vc, ks, vs, 32, (2,), None, "small q")
+
+
+INTERP_CHECKS = {"fp16_dots": _interp_fp16_dots, "ranges": _interp_ranges}
+
+# the sweep's corners (bench/decode_attn_tune.py): tiles of 32-128 keys, 2-8 warps, 2-5 stages, both dot types
+GPU_CONFIGS = [DecodeConfig(32, 2, 2, 1, True), DecodeConfig(64, 4, 3, 2, False), DecodeConfig(64, 4, 5, 4, True),
+               DecodeConfig(64, 8, 3, 8, True), DecodeConfig(128, 4, 3, 3, False), DecodeConfig(128, 8, 5, 6, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=[f"n{c.block_n}w{c.num_warps}s{c.num_stages}" for c in GPU_CONFIGS])
+def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
+    """Each sweep corner on the GPU against the fp32 reference (the bf16 dots the interpreter cannot check), Qwen3's
+    shape, odd contexts; over an fp8 cache also queries past fp16's range."""
+    from rapidserve.attention import triton_paged as tp
+    from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
+
+    cuda = torch.device("cuda")
+    if fp8 and not fp8_supported(cuda):
+        pytest.skip("no fp8 on this GPU")
+    ctxs = [2048, 1, 0, 17, 999, 64, 4000, 333]
+    b = make_batch(decode_seqs(ctxs), num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                   device="cuda", decode=True, strided_q=True, seed=11)
+    args = (b.meta.block_tables, b.meta.context_lens, 128**-0.5)
+    if fp8:
+        kc, vc = (torch.full(b.k_cache.shape, float("nan"), device=cuda).to(fp8_dtype(cuda)) for _ in range(2))
+        ks, vs = (t.to(cuda) for t in scales(0.011, 0.017))
+        write_all(b, kc, vc, ks, vs)
+        sc: tuple[torch.Tensor, ...] = (ks, vs)
+        kf, vf = kq.dequantize(kc, ks, torch.float32), kq.dequantize(vc, vs, torch.float32)
+    else:
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        kc, vc, sc, kf, vf = b.k_cache, b.v_cache, (), b.k_cache.float(), b.v_cache.float()
+    queries = [b.q]
+    if fp8:
+        big = b.q.clone()
+        big[0, 1, 5], big[4, 8:12] = 7.0e4, big[4, 8:12] * 3.0e4
+        queries.append(big)
+    for q in queries:
+        want = ref.decode_attention(q.float(), kf, vf, *args)
+        for splits in (None, 1, 7):
+            got = tp.decode_attention(q, kc, vc, *args, *sc, num_splits=splits, config=cfg)
+            torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2, msg=lambda m, n=splits: f"{n}: {m}")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
+def test_triton_interpreter(check: str) -> None:
+    """The decode kernel's fp16-dot path under TRITON_INTERPRET=1, against the torch reference."""
+    run_interpreted(__file__, check)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
+    for name in sys.argv[1:] or sorted(INTERP_CHECKS):
+        INTERP_CHECKS[name]()
+        print(f"{name}: ok")
