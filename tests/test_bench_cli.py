@@ -7,13 +7,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from rapidserve.benchmark.plot import plot_sweeps, x_positions
 from rapidserve.cli import build_parser
-from tests.test_server import ROOT, Srv, start, stop
+from tests.test_server import ROOT, Srv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -103,10 +102,8 @@ def test_plot_several_systems(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def smol() -> Iterator[Srv]:
-    s = start()  # the embedded SmolLM2 on CPU, --max-model-len 1024, both workers
-    yield s
-    assert stop(s) == 0
+def smol(smol_server: Srv) -> Srv:
+    return smol_server  # the embedded SmolLM2 on CPU, --max-model-len 1024, both workers (tests/conftest.py)
 
 
 def test_bench_sweep_against_a_real_server(smol: Srv, tmp_path) -> None:  # type: ignore[no-untyped-def]
