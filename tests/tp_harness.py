@@ -1,19 +1,16 @@
 """Starting the ranks of a CPU (gloo) tensor-parallel group in tests, with one mirror ring per follower.
 
-The ranks are forks of the engine's own fork server (`engine.launch.worker_context`: a fresh interpreter that
-imported torch and the workers' modules once, as the engine's tensor-parallel workers start), each given this
-process's environment as it is now; a spawned interpreter per rank spent 3-4 CPU-s importing torch first."""
+The ranks are forks of the engine's own fork server (tests/fork_context.py), each in this process's environment as
+it is now; a spawned interpreter per rank spent 3-4 CPU-s importing torch first."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-from rapidserve.engine.launch import worker_context
-from rapidserve.engine.worker_io import apply_env
 from rapidserve.ipc import ShmRing, new_engine_id, ring_name
 from rapidserve.parallel.group import group_specs
+from tests.fork_context import child_context, with_env
 
 
 def run_ranks(target: Callable[..., None], tp: int, before: tuple[Any, ...] = (), after: tuple[Any, ...] = (),
@@ -21,14 +18,13 @@ def run_ranks(target: Callable[..., None], tp: int, before: tuple[Any, ...] = ()
     """Run `target(*before, spec, ring_names, *after, queue)` in `tp` processes (one per rank of a gloo group;
     ring_names[r - 1] is follower r's mirror ring); each puts `(rank, *results)` on the queue.
     Returns rank -> results; every process must exit 0."""
-    ctx = worker_context()
+    ctx = child_context()
     q = ctx.Queue()
     eid = new_engine_id()
     rings = [ShmRing.create(ring_name(eid, f"m{r}"), 64, slot_size) for r in range(1, tp)]
     names = [r.name for r in rings]
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, args=(env, target, (*before, s, names, *after, q)))
-             for s in group_specs(role, tp, "gloo")]
+    procs = [ctx.Process(target=run, args=args) for run, args in
+             (with_env(target, *before, s, names, *after, q) for s in group_specs(role, tp, "gloo"))]
     for p in procs:
         p.start()
     try:
@@ -47,9 +43,3 @@ def run_ranks(target: Callable[..., None], tp: int, before: tuple[Any, ...] = ()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return got
 
-
-def _rank_main(env: dict[str, str], target: Callable[..., None], args: tuple[Any, ...]) -> None:
-    """A rank's process: the test process's environment (the fork server's is from when it started), then
-    `target(*args)`."""
-    apply_env(dict(env))
-    target(*args)
