@@ -15,7 +15,8 @@ Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
-layer 0 is sparse: its experts' launches (`ops/triton_moe.py`) are captured at every step.
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its alignment's `ops/triton_moe_align.py`) are captured
+at every step.
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -58,7 +59,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
-    "_align_kernel": ("rapidserve.ops.triton_moe", "MoE layers: decode batches and short prefills"),
+    "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: decode batches (<= 128 pairs)"),
+    "_align_count_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
+    "_align_scatter_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
     "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
@@ -320,14 +323,15 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     """The launches of `ops.fp8_gpu.gpu_linear` for per-row fp8 weights of this layer's projections' shapes, with
     per-token activations: `triton_fp8.quantize_tokens` of each projection's input (the `torch._scaled_mm` path's
     quantizer, which asks for a CUDA tensor, so meta tensors skip it there; its variants depend on K and x's dtype
-    only), and on NVIDIA the skinny fp8 kernel by `triton_fp8_skinny.routed`'s rule at 1, 2 and MAX_ROWS rows (the
-    JIT's three specialisations of M). The fused producers of those inputs (`triton_fp8_fused`, which the model
-    takes for these layers: `transformer.fused_fp8`): the RMSNorm alone (the first layer) and after the residual
-    add, and the MLP's SiLU-and-mul; their variants depend on the row width and x's dtype only. The experts of an MoE
-    layer have no fp8 path (refused at load)."""
+    only), and on NVIDIA the skinny fp8 kernel with the tiles `triton_fp8_skinny.plan` gives at 1, 2, 16, 24 and 64
+    rows (the JIT's three specialisations of M) by the untuned rule and by each packaged table. The fused producers
+    of those inputs (`triton_fp8_fused`, which the model takes for these layers: `transformer.fused_fp8`): the
+    RMSNorm alone (the first layer) and after the residual add, and the MLP's SiLU-and-mul, at one row (cut into
+    slices) and at 256 (one program a row); their variants depend on the row width, x's dtype and the slices only.
+    The experts of an MoE layer have no fp8 path (refused at load)."""
     from rapidserve.ops import triton_fp8, triton_fp8_fused
     from rapidserve.ops import triton_fp8_skinny as fsk
-    from rapidserve.ops.triton_skinny import MAX_ROWS, MIN_PROGRAMS
+    from rapidserve.ops.fp8_tiles import MAX_ROWS
     projections = [(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None)]
     if layer.moe is None:
         projections += [(layer.gate_up_proj, None), (layer.down_proj, None)]
@@ -336,13 +340,17 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
         x = torch.empty(MAX_ROWS, k, dtype=dtype, device=w.device)
         w8 = torch.empty(n, k, dtype=fp8, device=w.device)
         sw = torch.empty(n, dtype=torch.float32, device=w.device)
-        if not hip and fsk.fp8_ok(x, w8, sw) and -(-n // fsk.fp8_config(n, k).block_n) >= MIN_PROGRAMS:
-            for rows in (1, 2, MAX_ROWS):
-                fsk.skinny_fp8_linear(x[:rows], w8, sw, bias)
+        if not hip and fsk.fp8_ok(x, w8, sw):
+            for rows in (1, 2, 16, 24, 64):
+                for tables, dev in [({}, ""), *(({d: t}, d) for d, t in fsk.TUNED.items())]:
+                    tiles = fsk.plan(rows, n, k, dev, tables)
+                    if tiles is not None:
+                        fsk.skinny_fp8_linear(x[:rows], w8, sw, bias, config=tiles)
         triton_fp8.quantize_tokens(x, fp8)
-    h = torch.empty(MAX_ROWS, layer.input_layernorm.shape[0], dtype=dtype, device=layer.input_layernorm.device)
-    triton_fp8_fused.rms_norm_fp8(h, layer.input_layernorm, 1e-6, fp8)
-    triton_fp8_fused.add_rms_norm_fp8(h, torch.empty_like(h), layer.input_layernorm, 1e-6, fp8)
-    if layer.moe is None:
-        n2 = layer.gate_up_proj.shape[0]
-        triton_fp8_fused.silu_and_mul_fp8(torch.empty(MAX_ROWS, n2, dtype=dtype, device=h.device), fp8)
+    for rows in (1, 256):
+        h = torch.empty(rows, layer.input_layernorm.shape[0], dtype=dtype, device=layer.input_layernorm.device)
+        triton_fp8_fused.rms_norm_fp8(h, layer.input_layernorm, 1e-6, fp8)
+        triton_fp8_fused.add_rms_norm_fp8(h, torch.empty_like(h), layer.input_layernorm, 1e-6, fp8)
+        if layer.moe is None:
+            n2 = layer.gate_up_proj.shape[0]
+            triton_fp8_fused.silu_and_mul_fp8(torch.empty(rows, n2, dtype=dtype, device=h.device), fp8)

@@ -1,7 +1,8 @@
 """Where a small-batch decode step's time goes, kernel by kernel (issue 16: decode >= 90% of the roofline).
 
     python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
-                                   [--variants fused,unfused] [--sweep] [--out DIR]
+                                   [--variants fused,unfused] [--sweep] [--quantization fp8] [--out DIR]
+                                   [--write-tables] [--budget-s 240] [--jobs 14]
 
 For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
   - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
@@ -16,17 +17,27 @@ For each decode batch (2048-token contexts, a CUDA-graph replay as the engine ru
 Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
 RoPE and the KV write as two launches, cuBLAS for every linear (the layer before these changes), captured
 as another graph set, so the two are measured in one process on the same GPU.
+`--quantization fp8`: the same weights quantized at load (`quant_config.ONLINE_FP8`, as bench/fp8_speed.py), the
+bytes counted from the model's own tensors; `unfused` is then `ops.unfused_fp8` (each projection quantizes its own
+input), and the linear-layer section is bench/fp8_sweep.py's: each fp8 projection through torch._scaled_mm and the
+engine's op, with `--sweep` every tile configuration of the skinny fp8 kernel (rows up to 64; its kernels compiled
+first in --jobs processes, the sweep given --budget-s seconds) and the fused producers' row slices. The sweep's
+choices are written as this GPU's table, <out>/fp8_configs/device_name=<GPU>.json (ops/fp8_tiles.py's format,
+merged into the packaged table of this GPU if there is one); `--write-tables` also writes it into
+rapidserve/ops/fp8_configs/ of this checkout, where later runs (and the engine) load it: commit it from there.
 Writes <out>/decode_profile.json and .md; prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -37,10 +48,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import fp8_sweep  # noqa: E402
+from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
+from rapidserve.ops.fp8_tiles import CONFIG_DIR  # noqa: E402
+from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
 
 REPS = 30
@@ -128,8 +143,16 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--variants", default="fused,unfused")
-    ap.add_argument("--sweep", action="store_true", help="time every skinny tile configuration too")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every skinny tile configuration too (fp8: the fp8 kernel's, written as a table)")
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                    help="fp8: weights quantized at load (per-channel, dynamic per-token activations)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--write-tables", action="store_true",
+                    help="fp8 --sweep: also write the tuned table into rapidserve/ops/fp8_configs/ of this checkout")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="fp8 --sweep: seconds to start sweep points in")
+    ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
+                    help="fp8 --sweep: processes compiling the candidate kernels first")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_profile needs a GPU", file=sys.stderr)
@@ -145,6 +168,13 @@ def main() -> int:
     name = a.model.removeprefix("preset:")
     mcfg = preset_config(name)
     ecfg = engine_config(name, mcfg, "bfloat16", batches, 8192, 0.9)
+    fp8 = a.quantization == "fp8"
+    if fp8:
+        ecfg = dataclasses.replace(ecfg, quantization=ONLINE_FP8)
+    if fp8 and a.sweep:  # before this process takes the GPU's memory: the compiling processes need a little
+        shapes = fp8_sweep.shapes_of(mcfg)
+        print(fp8_sweep.precompile([(b, n, k) for b in batches if b <= fp8_sweep.MAX_ROWS for n, k in shapes],
+                                   a.jobs), flush=True)
     runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):
@@ -152,8 +182,8 @@ def main() -> int:
     fused = runner.model.ops
     for v in variants:
         if v == "unfused":
-            from rapidserve.ops import unfused_ops  # the A/B's other side: see the module docstring
-            runner.model.ops = unfused_ops(fused)
+            from rapidserve.ops import unfused_fp8, unfused_ops  # the A/B's other side: see the module docstring
+            runner.model.ops = unfused_fp8(fused) if fp8 else unfused_ops(fused)
         else:
             runner.model.ops = fused
         runner.capture_decode_graphs(key=v, show_progress=False)
@@ -162,12 +192,20 @@ def main() -> int:
     n_params = mcfg.num_params()
     emb = mcfg.vocab_size * mcfg.hidden_size
     weight_bytes = (n_params - (0 if mcfg.tie_word_embeddings else emb)) * 2  # embedding read b rows only
+    if fp8:  # the model's own tensors (fp8 weights, their scales, the bf16 rest), less the embedding's rows
+        weight_bytes = model_bytes(runner) - (0 if mcfg.tie_word_embeddings else emb * 2)
     rows: list[dict[str, object]] = []
-    lin_by_batch = {}
+    lin_by_batch, prod_by_batch = {}, {}
+    deadline = time.monotonic() + a.budget_s
     for b in batches:
         items = [DecodeItem(1, a.ctx - 1, [(i * per + j) % pool.num_blocks for j in range(per)]) for i in range(b)]
         nbytes = weight_bytes + b * mcfg.hidden_size * 2 + b * a.ctx * mcfg.kv_bytes_per_token(2)
-        lin = lin_by_batch[b] = linears(runner, b, a.sweep)
+        if not fp8:
+            lin_by_batch[b] = linears(runner, b, a.sweep)
+        else:
+            lin_by_batch[b] = fp8_sweep.fp8_linears(runner.model, b, a.sweep, deadline)
+            if a.sweep:
+                prod_by_batch[b] = fp8_sweep.producers(runner.model, b)
         for v in variants:
             runner.decode(items, graph_key=v)  # puts this batch's inputs in place
             graph = runner.decode_graph(b, v)
@@ -184,13 +222,17 @@ def main() -> int:
                          "kernels": ks[:16]})
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
-           "ctx": a.ctx, "attention": runner.attn.name, "ceilings": ceil,
+           "ctx": a.ctx, "quantization": a.quantization, "attention": runner.attn.name, "ceilings": ceil,
            "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]), "rows": rows,
-           "linears": lin_by_batch}
+           "linears": lin_by_batch, "producers": prod_by_batch}
     os.makedirs(a.out, exist_ok=True)
+    if fp8 and a.sweep:
+        res["fp8_table"] = fp8_sweep.write_table(lin_by_batch, str(res["gpu"]), f"{res['command']} ({res['date']})",
+                                                 a.out, CONFIG_DIR if a.write_tables else None)
     with open(os.path.join(a.out, "decode_profile.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
-    lines = [f"# Decode step by kernel: {a.model} bf16 on {res['gpu']} ({res['date']})", "",
+    kind = "fp8 weights" if fp8 else "bf16"
+    lines = [f"# Decode step by kernel: {a.model} {kind} on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`. Context {a.ctx}, attention {runner.attn.name}, copy ceiling "
              f"{copy_tbps:.2f} TB/s. Graph replays with their inputs in place.", ""]
     for r in rows:
@@ -199,7 +241,11 @@ def main() -> int:
         lines.append("|---|---|---|---|")
         for k in r["kernels"]:  # type: ignore[union-attr]
             lines.append(f"| `{k['name'][:70]}` | {k['launches']:.0f} | {k['us']:.0f} | {k['us_each']:.1f} |")
-    for b, lin in lin_by_batch.items():
+    if fp8:
+        lines += fp8_sweep.markdown(lin_by_batch, prod_by_batch)
+        if "fp8_table" in res:
+            lines += ["\n## the sweep's choices (bench/fp8_sweep.py)\n", *(f"- {x}" for x in res["fp8_table"])]
+    for b, lin in ({} if fp8 else lin_by_batch).items():
         lines.append(f"\n## linear layers alone at batch {b} (36 layers' weights in one graph; us per call, TB/s)\n")
         lines.append("| layer | [N, K] | cuBLAS | engine (config) | best swept (config) |")
         lines.append("|---|---|---|---|---|")

@@ -12,6 +12,9 @@ dynamic per-token activation scales, the `quant_config.ONLINE_FP8` scheme), it m
   fusion    the fp8 decode step again with the fusion of activation quantization into the norms and SiLU-and-mul
             off (`ops.unfused_fp8`: each fp8 projection quantizes its own input, a launch and a pass more), its
             graphs captured in the same process: the columns "fp8 unfused ms" and "fusion gain" (unfused / fused)
+  fp8 KV    the fp8 model again with `--kv-cache-dtype fp8` (uncalibrated scales, 1.0): at batch 64 x 2048 the bf16
+            KV cache is about as many bytes a step as the fp8 weights, so the weights alone cannot make a step 1.6x
+            faster there; the columns "fp8+KV fp8 ms" and its speedup over bf16
 Medians over repeats with min/max. Writes <out>/fp8_speed.json and .md; prints the table last.
 """
 
@@ -43,10 +46,12 @@ BATCHES = (1, 16, 64)
 CTX = 2048
 
 
-def build(name: str, mcfg: ModelConfig, fp8: bool) -> ModelRunner:
+def build(name: str, mcfg: ModelConfig, fp8: bool, kv_fp8: bool = False) -> ModelRunner:
     cfg: EngineConfig = engine_config(name, mcfg, "bfloat16", BATCHES, 8192, 0.45)
     if fp8:
         cfg = dataclasses.replace(cfg, quantization=ONLINE_FP8)
+    if kv_fp8:
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_dtype="fp8"))
     return ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
 
 
@@ -124,15 +129,18 @@ def main() -> int:
                               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                               "model": a.model, "command": "python bench/fp8_speed.py " + " ".join(sys.argv[1:])}
     runs: dict[str, dict[str, object]] = {}
-    for kind in ("bf16", "fp8"):
-        runner = build(name, mcfg, kind == "fp8")
+    for kind in ("bf16", "fp8", "fp8_kv"):
+        runner = build(name, mcfg, kind != "bf16", kv_fp8=kind == "fp8_kv")
         runs[kind] = measure(runner, mcfg, a.reps, fusion_ab=kind == "fp8")
         del runner
         torch.cuda.empty_cache()
         print(kind, "done", flush=True)
-    ref, q = runs["bf16"]["logits"], runs["fp8"]["logits"]
-    errs = [float((y - x).norm() / x.norm()) for x, y in zip(ref, q, strict=True)]  # type: ignore[arg-type]
-    agree = [int(x.argmax()) == int(y.argmax()) for x, y in zip(ref, q, strict=True)]  # type: ignore[arg-type]
+    ref = runs["bf16"]["logits"]
+    errs, agree = {}, {}
+    for kind in ("fp8", "fp8_kv"):
+        q = runs[kind]["logits"]
+        errs[kind] = [float((y - x).norm() / x.norm()) for x, y in zip(ref, q, strict=True)]  # type: ignore[arg-type]
+        agree[kind] = [int(x.argmax()) == int(y.argmax()) for x, y in zip(ref, q, strict=True)]  # type: ignore[arg-type]
     for kind in runs:
         runs[kind].pop("logits")
     res["runs"] = runs
@@ -141,13 +149,17 @@ def main() -> int:
     rows = []
     for i, p in enumerate(runs["bf16"]["prefill"]):  # type: ignore[arg-type]
         b, f = p["ms"]["median"], runs["fp8"]["prefill"][i]["ms"]["median"]  # type: ignore[index]
-        rows.append((f"prefill {p['shape']}", b, f, runs["fp8"]["prefill"][i]["ms"], None))  # type: ignore[index]
+        kv = runs["fp8_kv"]["prefill"][i]["ms"]["median"]  # type: ignore[index]
+        rows.append((f"prefill {p['shape']}", b, f, runs["fp8"]["prefill"][i]["ms"], None, kv))  # type: ignore[index]
     for i, d in enumerate(runs["bf16"]["decode"]):  # type: ignore[arg-type]
         q = runs["fp8"]["decode"][i]  # type: ignore[index]
         b, f = d["replay_ms"]["median"], q["replay_ms"]["median"]
-        rows.append((f"decode b={d['batch']} ctx={d['ctx']}", b, f, q["replay_ms"], q["unfused_replay_ms"]["median"]))
+        kv = runs["fp8_kv"]["decode"][i]["replay_ms"]["median"]  # type: ignore[index]
+        rows.append((f"decode b={d['batch']} ctx={d['ctx']}", b, f, q["replay_ms"], q["unfused_replay_ms"]["median"],
+                     kv))
     res["table"] = [{"row": r, "bf16_ms": b, "fp8_ms": f, "speedup": b / f, "fp8_spread": s, "fp8_unfused_ms": u,
-                     "fusion_gain": None if u is None else u / f} for r, b, f, s, u in rows]
+                     "fusion_gain": None if u is None else u / f, "fp8_kv_ms": kv, "fp8_kv_speedup": b / kv}
+                    for r, b, f, s, u, kv in rows]
     wb, wf = runs["bf16"]["weight_bytes"], runs["fp8"]["weight_bytes"]
     res["weight_bytes_ratio"] = wb / wf  # type: ignore[operator]
     os.makedirs(a.out, exist_ok=True)
@@ -156,17 +168,19 @@ def main() -> int:
     lines = [f"# FP8 weights vs bf16: {a.model} on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`. Medians of {a.reps} (prefill) / {3 * a.reps} (decode replay) runs.", "",
              f"Weight bytes bf16 / fp8: {res['weight_bytes_ratio']:.2f}x. Logits rel. err fp8 vs bf16: "
-             + ", ".join(f"{e:.4f}" for e in errs) + f"; argmax agrees: {agree}", "",
+             + ", ".join(f"{e:.4f}" for e in errs["fp8"]) + f"; argmax agrees: {agree['fp8']}; with the fp8 KV "
+             "cache too: " + ", ".join(f"{e:.4f}" for e in errs["fp8_kv"]) + f"; argmax agrees: {agree['fp8_kv']}",
+             "",
              "fp8 unfused: the same fp8 model with each projection quantizing its own input (`ops.unfused_fp8`); "
              "fusion gain = fp8 unfused / fp8.", "",
-             "| row | bf16 ms | fp8 ms (min-max) | fp8 speedup | fp8 unfused ms | fusion gain |",
-             "|---|---|---|---|---|---|"]
+             "| row | bf16 ms | fp8 ms (min-max) | fp8 speedup | fp8 unfused ms | fusion gain | fp8+KV fp8 ms | "
+             "speedup |", "|---|---|---|---|---|---|---|---|"]
     for t in res["table"]:  # type: ignore[union-attr]
         s = t["fp8_spread"]
         u = "-" if t["fp8_unfused_ms"] is None else f"{t['fp8_unfused_ms']:.3f}"
         gain = "-" if t["fusion_gain"] is None else f"{t['fusion_gain']:.3f}x"
         lines.append(f"| {t['row']} | {t['bf16_ms']:.2f} | {t['fp8_ms']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | "
-                     f"{t['speedup']:.2f}x | {u} | {gain} |")
+                     f"{t['speedup']:.2f}x | {u} | {gain} | {t['fp8_kv_ms']:.2f} | {t['fp8_kv_speedup']:.2f}x |")
     md = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "fp8_speed.md"), "w") as fh:
         fh.write(md)

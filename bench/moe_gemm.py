@@ -14,8 +14,11 @@ second). "of ceiling" = ceiling time / measured time. Prefill rows also give the
 the larger of the dense time and the bytes of every expert the routing reads over the copy bandwidth ("vs floor" =
 floor / measured: at short prefills of many experts the weights' bytes bound it, not the dense rate). Tiles: the
 packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tune.py's output), else the rule; the
-BLOCK_M column names the tiles used. Each shape is checked against the torch reference before it is timed. The
-table comes last. `bench_model` also runs on the CPU under the Triton interpreter (bench/moe_tune.py --dry-run).
+BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
+per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
+path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch).
+Each shape is checked against the torch reference before it is timed. The table comes last. `bench_model` also runs
+on the CPU under the Triton interpreter (bench/moe_tune.py --dry-run).
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
 from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
-from rapidserve.ops.triton_moe import fused_moe, moe_config  # noqa: E402
+from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe, moe_config  # noqa: E402
 
 PREFILL_TOKENS = (256, 1024, 4096, 8192)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+ALIGN_CALLS = 8  # alignments a timed graph holds (the replay's own cost spread over them)
+ONE_PROGRAM_MAX = 4096  # pairs above which the one-program alignment is not timed (it is serial over the pairs)
 
 
 def median(xs: list[float]) -> float:
@@ -108,6 +113,25 @@ def graph_ms(fn: Callable[[], object], reps: int, device: str) -> float:
     return median(time_ms(graph.replay, reps))
 
 
+def align_us(ids: torch.Tensor, num_experts: int, block_m: int, reps: int, device: str) -> dict[str, object]:
+    """The alignment alone, microseconds per call on each path (module docstring), and the path fused_moe takes."""
+    out: dict[str, object] = {"align_path": "one" if ids.numel() <= ALIGN_ONE_PROGRAM else "two"}
+    for name, one in (("one", True), ("two", False)):
+        if one and ids.numel() > ONE_PROGRAM_MAX:
+            out[f"align_{name}_us"] = None
+            continue
+        calls = lambda one=one: [align(ids, num_experts, block_m, one) for _ in range(ALIGN_CALLS)]
+        out[f"align_{name}_us"] = graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS
+    return out
+
+
+def align_cell(r: dict[str, object]) -> str:
+    def one(name: str) -> str:
+        v = r[f"align_{name}_us"]
+        return "-" if v is None else f"{float(v):.1f}{'*' if r['align_path'] == name else ''}"
+    return f"{one('one')} / {one('two')}"
+
+
 def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables: MoeTables | None = None,
                 device: str = "cuda", prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
                 decode_batches: tuple[int, ...] = DECODE_BATCHES, reps: tuple[int, int] = (10, 50),
@@ -130,10 +154,12 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
                                 reps[0]))
         read = int(torch.unique(ids).numel()) * 3 * h * i * w13.element_size()
         floor_ms = max(dense_ms, read / copy_bw * 1e3)
+        bm = moe_config(t * k, e, i, h, dtype, dev, tables).block_m
         rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
-                     "block_m": moe_config(t * k, e, i, h, dtype, dev, tables).block_m, "ms": ms,
+                     "block_m": bm, "ms": ms,
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
-                     "vs_dense": dense_ms / ms, "floor_ms": floor_ms, "vs_floor": floor_ms / ms})
+                     "vs_dense": dense_ms / ms, "floor_ms": floor_ms, "vs_floor": floor_ms / ms,
+                     **align_us(ids, e, bm, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
         weights, ids = route(F.linear(x, router), k, True)
@@ -144,30 +170,33 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         eager_ms = median(clock(step, reps[1]))
         replay_ms = graph_ms(step, reps[1], device)
         ceiling_ms = read / copy_bw * 1e3
+        bm = moe_config(b * k, e, i, h, dtype, dev, tables).block_m
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
-                     "block_m": moe_config(b * k, e, i, h, dtype, dev, tables).block_m, "unique_experts": unique,
+                     "block_m": bm, "unique_experts": unique,
                      "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
-                     "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms})
+                     "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms,
+                     **align_us(ids, e, bm, reps[1], device)})
     return rows
 
 
 def table(rows: list[dict[str, object]], copy_bw: float) -> str:
     out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", "",
            "| model | tp | prefill tokens | pairs | BLOCK_M | grouped ms | grouped TFLOP/s | dense TFLOP/s "
-           "| vs dense | floor ms | vs floor |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| vs dense | floor ms | vs floor | align us (one / two) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "prefill":
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
                        f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} | {r['floor_ms']:.3f} | "
-                       f"{r['vs_floor']:.2f} |")
-    out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling |",
-            "|---|---|---|---|---|---|---|---|---|"]
+                       f"{r['vs_floor']:.2f} | {align_cell(r)} |")
+    out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling "
+            "| align us (one / two) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "decode":
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['unique_experts']} | "
                        f"{int(r['bytes_read']) / 1e6:.1f} | {float(r['ms']) * 1e3:.1f} | "
-                       f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} |")
+                       f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} | "
+                       f"{align_cell(r)} |")
     return "\n".join(out)
 
 

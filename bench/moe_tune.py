@@ -7,7 +7,7 @@ as tables (rapidserve/ops/moe_tiles.py's format), and re-run bench/moe_gemm.py's
 
 Per model and TP slice (one layer, random weights), per token count T of 1..8192 (`moe_tune_space.TOKENS`, the
 table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
-GEMM alone under each candidate tile (`moe_tune_space`: about 500 timed configurations a shape, 71 distinct kernel
+GEMM alone under each candidate tile (`moe_tune_space`: about 500 timed configurations a shape, 73 distinct kernel
 compiles in all, compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best
 BLOCK_M, and the whole layer under it against the untuned rule (the rule is written where it is faster), and the
 alignment alone (its share of the layer at decode sizes). Timing: a CUDA graph of the launches over R routings (R = 8

@@ -11,6 +11,15 @@ Per (shape, token count T) point, with p = T * top_k / E pairs per expert on ave
 - then GROUP_M (a runtime argument: no compile) swept over `GROUPS` on each GEMM's winner;
 - the BLOCK_M whose two winners sum fastest wins (`choose`); it is kept only if the whole layer (alignment, both GEMMs,
   sum) beats the rule's config at that point, else the rule's config is written (`bench/moe_tune.py` times both).
+
+Decode is memory-bound: each program streams its expert's [BLOCK_N, K] weight tiles once, the same bytes whatever the
+tile, so one thing a tile decides is how evenly the programs spread over the SMs (`grid_balance`: the SMs' busy share
+when each streams its resident programs' tiles at an equal rate; `resident`: programs one SM holds, by shared memory
+and warps). At Qwen3-30B-A3B's batch 1 (8 experts, gate|up N = 768) the BLOCK_M 16 list had none above 0.73 (BLOCK_N
+16 with BLOCK_K 256 and 4 stages: 384 programs, 2 resident an SM, so two waves of 264; BLOCK_N 32: 192 programs, two on
+60 SMs and one on 72); (16, 128, 4, 4) holds 4 an SM: all 384 at once, 2-3 an SM, 0.97 (tests/test_moe_tune.py). The
+model leaves out what a program's own rate depends on (its bytes in flight, the L2): the H200 sweep of 09:51 UTC chose
+BLOCK_N 64-128 there (96-48 programs), so the sweep, not the model, decides; the model only says which tiles to try.
 """
 
 from __future__ import annotations
@@ -23,12 +32,16 @@ from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, rule_con
 
 TOKENS = (8192, 4096, 1024, 256, 1, 8, 64, 2048, 512, 128, 32, 16, 4, 2)  # bench/moe_gemm.py's rows first
 SMEM_BYTES = 232448  # one Hopper block's shared memory (227 KiB)
+SMS = 132  # H100 / H200 SXM streaming multiprocessors
+SM_SMEM_BYTES = 233472  # one Hopper SM's shared memory (228 KiB), 1 KiB of it reserved per resident block
+SM_WARPS = 64
 FIRST_GROUP = 8
 GROUPS = (1, 8, 32, ALL_M)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M. gate|up holds two BLOCK_M x BLOCK_N accumulators.
 GATE_UP: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {
-    16: ((16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5), (128, 128, 4, 3)),
+    16: ((16, 256, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
+         (128, 128, 4, 3)),
     32: ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4)),
     64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 5)),
     128: ((64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)),
@@ -78,6 +91,31 @@ def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, products: 
     """Shared memory of the pipelined A and B tiles: `stages` buffers of a BLOCK_M x BLOCK_K tile of A and
     `products` BLOCK_K x BLOCK_N tiles of weights (2 for gate|up)."""
     return stages * (block_m * block_k + products * block_k * block_n) * elem
+
+
+def resident(block_m: int, tiles: GemmTiles, products: int) -> int:
+    """Programs of these tiles one Hopper SM holds at once: by shared memory (`smem_bytes` + 1 KiB each) and warps."""
+    smem = smem_bytes(block_m, tiles.block_n, tiles.block_k, tiles.num_stages, products) + 1024
+    return min(SM_SMEM_BYTES // smem, SM_WARPS // tiles.num_warps)
+
+
+def grid_balance(programs: int, per_sm: int, sms: int = SMS) -> float:
+    """The SMs' busy share of a memory-bound grid of `programs` equal programs, `per_sm` resident an SM, each SM
+    streaming its resident programs at an equal rate: all resident (programs <= per_sm * sms), the time is that of the
+    SM with the most, ceil(programs / sms); else of ceil(programs / (per_sm * sms)) full waves."""
+    slots = per_sm * sms
+    if programs <= slots:
+        return programs / (-(-programs // sms) * sms)
+    return programs / (-(-programs // slots) * slots)
+
+
+def decode_balance(shape: Shape, tokens: int, gemm: str, tiles: GemmTiles, block_m: int = 16) -> float:
+    """`grid_balance` of one GEMM at a decode batch of `tokens` whose pairs all go to distinct experts (top_k *
+    tokens of them, at most E; one run each): programs = experts x N blocks (gate|up: N = the intermediate size; down:
+    the hidden size)."""
+    experts = min(shape.num_experts, shape.top_k * tokens)
+    n, products = (shape.n, 2) if gemm == "gate_up" else (shape.k, 1)
+    return grid_balance(experts * -(-n // tiles.block_n), resident(block_m, tiles, products))
 
 
 def _tiles(block_m: int, table: Mapping[int, tuple[tuple[int, int, int, int], ...]], products: int,

@@ -137,6 +137,24 @@ def positive_float(text: str) -> float:
     return v
 
 
+NO_SLO = "none"  # --slo-itl-ms's word for no ITL SLO (vLLM has no such flag; --prefill-graph-tokens spells its none so)
+
+
+def slo_ms(text: str) -> float | None:
+    """--slo-itl-ms: a positive, finite number of ms, or none (None: no ITL SLO)."""
+    if text.strip().lower() == NO_SLO:
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ms; give one (e.g. 50), or {NO_SLO} for no "
+                                         "ITL SLO") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive, finite number of ms, or {NO_SLO} for no ITL "
+                                         "SLO")
+    return v
+
+
 def nonneg_float(text: str) -> float:
     try:
         v = float(text)
@@ -172,7 +190,12 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "minute) and cache it in $XDG_CACHE_HOME/rapidserve/profiles (~/.cache/...), where "
                             "the next start finds it; --no-auto-profile uses the roofline estimate instead")
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
-    g.add_argument("--slo-itl-ms", type=positive_float, default=50.0, help="inter-token latency SLO (ms)")
+    g.add_argument("--slo-itl-ms", type=slo_ms, default=50.0, metavar="MS|none",
+                   help="inter-token latency SLO (ms) the adaptive policies decide with (default 50), or none: no ITL "
+                        "SLO, maximise throughput. --policy duet then runs every step fused with the whole "
+                        "--max-num-batched-tokens budget (never split); --policy fused, --mode hybrid and a fixed or "
+                        "no --partition read no SLO anyway; --policy rapid and drift (and `rapidserve profile`) "
+                        "choose their split by the SLO and refuse none")
     if with_mode:
         g.add_argument("--policy", default=None, choices=POLICIES,
                        help="the shape of each step: rapid (always split: the profile's configuration with the most "

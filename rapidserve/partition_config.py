@@ -1,8 +1,8 @@
 """The `PartitionConfig` section of the config tree (`EngineConfig.partition`): how decode and prefill split the GPU.
 
 Plain data: the partition mode (`--partition`), the policy (POLICIES; rapidserve/policy_spec.py declares what each
-uses and reads), the ITL and TTFT SLOs, the profile and how it is read; each field checked alone when built
-(config_base.ConfigError).
+uses and reads), the ITL SLO (or none) and the TTFT SLO, the profile and how it is read; each field checked alone
+when built (config_base.ConfigError).
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class PartitionConfig:
     them;
     partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
     ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
+    slo_itl_ms: the inter-token latency SLO in ms the adaptive policies decide with (rapid, duet, drift under
+    --partition adaptive), or None (`--slo-itl-ms none`): no ITL SLO, maximise throughput. Only duet honours None
+    (every step fused with the whole token budget, partition/policies.py); a fixed or no partition, --policy fused
+    and `LLM` read no SLO, so None is what they run anyway; rapid, drift and `rapidserve profile` choose or mark
+    configurations by the SLO and refuse None (policy_spec: their `needs`).
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
     without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
     time model fitted at start-up (one for every configuration).
@@ -50,7 +55,7 @@ class PartitionConfig:
     static_decode_share: float | None = None
     backend: str = "auto"  # auto | cuda-green | hip-cumask | none
     profile: str | None = None  # a profile file; None: profiles/<gpu>__<model>.json if present, else roofline
-    slo_itl_ms: float = 50.0
+    slo_itl_ms: float | None = 50.0  # None: no ITL SLO (class docstring)
     hysteresis_steps: int = 8
     decode_shares: tuple[float, ...] = (0.125, 0.25, 0.375, 0.5)
     policy: str = "rapid"
@@ -68,7 +73,9 @@ class PartitionConfig:
                f"static decode share {self.static_decode_share} must be in (0, 1), e.g. static:0.25")
         check(self.backend in ("auto", "cuda-green", "hip-cumask", "none"),
                f"partition backend={self.backend!r}; use auto, cuda-green, hip-cumask or none")
-        check(self.slo_itl_ms > 0, f"slo_itl_ms={self.slo_itl_ms} must be > 0")
+        slo = self.slo_itl_ms
+        check(slo is None or (isinstance(slo, (int, float)) and not isinstance(slo, bool) and 0 < slo < float("inf")),
+              f"slo_itl_ms={slo!r} must be > 0 and finite (ms), or None: no ITL SLO (--slo-itl-ms none)")
         check(self.policy in POLICIES, f"policy={self.policy!r}; use one of {', '.join(POLICIES)}")
         check(self.hysteresis_steps >= 0, f"hysteresis_steps={self.hysteresis_steps} must be >= 0")
         check(self.slo_ttft_ms is None or 0 < self.slo_ttft_ms < float("inf"),

@@ -21,7 +21,13 @@ partition it fixes. From these alone `conflicts` derives, for a run, a policy an
   `--partition static:0.25 --policy duet`: refused);
 * every other setting given must be read: by the run, or by the policy under that partition mode; the piecewise
   prefill graphs' buckets only where the run's and the policy's prefill capture graphs and `--enforce-eager` is
-  off. Each refusal says how to fix it (drop the flag, or the policies / modes that read it).
+  off. Each refusal says how to fix it (drop the flag, or the policies / modes that read it);
+* a setting given as None (`--slo-itl-ms none`: no ITL SLO) must not be one its reader `needs`: rapid and drift
+  choose their split by the ITL SLO and `rapidserve profile` marks its table and plot with it, so they refuse none,
+  saying why and what to use instead; duet reads it and honours none (every step fused with the whole budget).
+A value the run or its partition mode runs at anyway is no conflict (`fixes`, `PARTITION_FIXES`): `--mps off` in
+hybrid and disagg mode; with no partition `--partition-backend none`; with a fixed or no partition (so under
+--policy fused, --mode hybrid and disagg too) and in `LLM`, whose steps are all fused, no ITL SLO (none).
 A setting counts as given when its value in the tree differs from the field's default: the tree holds values,
 so one given at its default value is not told apart from one left out (it changes nothing either way).
 `--mode` and `--policy` left out are resolved from each other (`resolve_mode`, `resolve_policy`) before this.
@@ -83,9 +89,13 @@ SETTINGS: tuple[Setting, ...] = (
 )
 BY_PATH = {s.path: s for s in SETTINGS}
 GRAPHS = "runner.prefill_graph_tokens"
-# What a partition mode makes of a setting whatever the policy: with no partition the backend is "none", so giving
-# exactly that is no conflict.
-PARTITION_FIXES: Mapping[str, Mapping[str, object]] = {OFF: {"partition.backend": "none"}}
+# What a partition mode makes of a setting whatever the policy: with no partition the backend is "none", and with a
+# fixed or no partition nothing reads an ITL SLO (None: none), so giving exactly that is no conflict.
+PARTITION_FIXES: Mapping[str, Mapping[str, object]] = {
+    STATIC: {"partition.slo_itl_ms": None}, OFF: {"partition.backend": "none", "partition.slo_itl_ms": None}}
+# Where a setting given as None (no ITL SLO) cannot run, what to use instead (the end of each `needs` message).
+NO_SLO_INSTEAD = ("give a number of ms, or for throughput without an SLO use --policy duet (every step fused with "
+                  "the whole token budget) or --policy fused (--mode hybrid)")
 
 _SERVING = frozenset({"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "cache.enable_prefix_caching"})
 _SERVER = _SERVING | {"kv_events.enable_kv_cache_events"}  # a server's router publishes the KV events
@@ -102,6 +112,7 @@ class PolicySpec:
     reads: Mapping[str, frozenset[str]]  # per partition mode, the settings it reads
     no_graphs: str | None = None  # None: its prefill captures piecewise graphs; else why it does not
     why_not: Mapping[str, str] = field(default_factory=dict)  # why it does not read a setting (messages)
+    needs: Mapping[str, str] = field(default_factory=dict)  # settings it reads that None cannot give: why, and the fix
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,7 @@ class RunSpec:
     api: bool = False  # its settings come as `LLM` keywords (messages name them both ways)
     why_not: Mapping[str, str] = field(default_factory=dict)
     fixes: Mapping[str, object] = field(default_factory=dict)  # settings it runs at one value (giving it: no conflict)
+    needs: Mapping[str, str] = field(default_factory=dict)  # settings it reads that None cannot give: why, and the fix
 
 
 DECODE_PREFILL = ("decode", "prefill")
@@ -130,7 +142,10 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                 STATIC: frozenset({"scheduler.prefill_batch_tokens", "partition.backend"}),
                 OFF: frozenset({"scheduler.prefill_batch_tokens"})},
                why_not={"scheduler.async_scheduling": "its decode worker always schedules one step ahead and its "
-                                                      "prefill worker has no steps to schedule ahead"}),
+                                                      "prefill worker has no steps to schedule ahead"},
+               needs={"partition.slo_itl_ms": "--policy rapid chooses its split from the ITL SLO (the profile's "
+                                              "configuration with the most prefill throughput within it); "
+                                              f"{NO_SLO_INSTEAD}"}),
     PolicySpec("duet", "fused when a step fits the ITL SLO, else split (DuetServe)", DECODE_PREFILL, (ADAPTIVE,),
                {ADAPTIVE: _SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", "partition.profile_lookup"}},
                why_not={"scheduler.async_scheduling": "its decode worker always schedules one step ahead and its "
@@ -142,7 +157,10 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                why_not={"scheduler.prefill_batch_tokens": "DRIFT's dispatcher sizes its own prefill batches, "
                                                            "within --max-num-batched-tokens",
                         "partition.profile_lookup": "DRIFT reads the profile's buckets rounded up",
-                        "scheduler.async_scheduling": "its decode worker always schedules one step ahead"}),
+                        "scheduler.async_scheduling": "its decode worker always schedules one step ahead"},
+               needs={"partition.slo_itl_ms": "--policy drift chooses its split from the ITL SLO (the most prefill "
+                                              "units whose decode step meets it) and sizes its prefill's layer blocks "
+                                              f"to it; {NO_SLO_INSTEAD}"}),
 )}
 RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
     RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVER | {"launch.mps"}, default_policy=DEFAULT_POLICY),
@@ -155,7 +173,8 @@ RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
                      "launch.mps": "one worker per GPU, no MPS"}, fixes={"launch.mps": "off"}),
     RunSpec("offline", "LLM and `rapidserve generate`", (), _SERVING | {"scheduler.async_scheduling"}, api=True,
             why_not={"scheduler.prefill_batch_tokens": "one process, whose steps max_num_batched_tokens bounds",
-                     "kv_events.enable_kv_cache_events": "the KV events are published by a server's router"}),
+                     "kv_events.enable_kv_cache_events": "the KV events are published by a server's router"},
+            fixes={"partition.slo_itl_ms": None}),  # every step fused: no ITL SLO is read
     RunSpec("profile", "`rapidserve profile`", (),
             frozenset({"partition.backend", "partition.slo_itl_ms", "partition.decode_shares"}),
             no_graphs="its prefill forwards run eager, as the engine's longer-than-any-bucket ones do",
@@ -164,7 +183,11 @@ RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
                      "scheduler.prefill_batch_tokens": "its prefill forwards hold --prefill-tokens tokens",
                      "cache.enable_prefix_caching": "it caches no prompts",
                      "kv_events.enable_kv_cache_events": "it caches no prompts",
-                     "scheduler.async_scheduling": "it runs no hybrid scheduler"}),
+                     "scheduler.async_scheduling": "it runs no hybrid scheduler"},
+            needs={"partition.slo_itl_ms": "`rapidserve profile` picks each cell's best configuration within the ITL "
+                                           "SLO in its table and draws the SLO on its plot; give a number of ms (the "
+                                           "measurements are the same whatever the SLO: the engine reads them with "
+                                           "its own --slo-itl-ms)"}),
 )}
 assert tuple(sorted(POLICY_SPECS)) == tuple(sorted(POLICIES)), \
     "partition_config.POLICIES and POLICY_SPECS must name the same"
@@ -241,7 +264,14 @@ def conflicts(run: str, policy: str, given: Mapping[str, object], *, eager: bool
     else:
         pmode, reads, fixes = None, r.reads, dict(r.fixes)
     for path, value in given.items():
-        if (path == "partition.mode" and p is not None) or path in reads or fixes.get(path, object()) == value:
+        if fixes.get(path, object()) == value:
+            continue
+        if value is None and path in reads:
+            why = (p.needs.get(path) if p is not None and path in p.reads[pmode] else None) or r.needs.get(path)
+            if why is not None:
+                out.append(f"{BY_PATH[path].label(value, r.api)} none: {why}")
+            continue
+        if (path == "partition.mode" and p is not None) or path in reads:
             continue
         label = BY_PATH[path].label(value, r.api)
         if path == GRAPHS:

@@ -3,6 +3,7 @@ profile (numbers chosen so each case is worked out by hand below) and on the roo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.correction import Correction, corrected
 from rapidserve.partition.manager import ManagerState, beside_prefill_ms, forward_ms
-from rapidserve.partition.policies import AdaptiveParams, DuetPolicy, decide_adaptive, fused_chunk
+from rapidserve.partition.policies import AdaptiveParams, DuetPolicy, decide_adaptive, decode_config, fused_chunk
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, validate_profile
 from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds, without_collectives
@@ -129,6 +130,11 @@ CASES = [
     # limit 9: not even decode alone (13 ms) fits; fastest decode step: split64's 13.52 ms (fused 256: 14 ms)
     ("nothing meets the SLO: the fastest decode step", state(slo=10.0), Split("split64", 8192, 26)),
     ("no SLO: fused with the whole budget", state(slo=None), Fused(8192)),
+    # decode on split64, which a 15.2 ms SLO would keep (13.52 ms beside prefill): with none, fused and the whole GPU
+    ("no SLO, decode on a split a tight SLO keeps: fused with the whole budget", state(slo=None,
+                                                                                     current=DecodeAlone("split64")),
+     Fused(8192)),
+    ("no SLO, a step budget of 512 tokens: fused with all of it", state(slo=None, budget=512), Fused(512)),
     ("no SLO, prefill worker busy: never fused; the split with the most prefill throughput",
      state(slo=None, busy=2000, current=DecodeAlone("split64")), Split("split64", 8192, 26)),
     ("prefill worker busy: never fused, keep its split", state(busy=2000, current=DecodeAlone("split32")),
@@ -147,6 +153,40 @@ CASES = [
 def test_branch(name: str, st: ShapeState, want: StepShape) -> None:
     d, _ = decide_adaptive(st, COSTS)
     assert d.shape == want, d.reason
+
+
+@pytest.mark.parametrize(("name", "st"), [
+    ("a tight SLO (15.2 ms) that split64 meets", state(slo=15.2)),
+    ("no shape meets 10 ms: the fastest decode step is split64's", state(slo=10.0)),
+    ("decode on split32: the current kind is kept within the switch gain", state(current=DecodeAlone("split32"))),
+    ("decode on split64 under a tight SLO", state(slo=15.2, current=DecodeAlone("split64"))),
+    ("a step budget of 2048 under a tight SLO", state(slo=15.2, budget=2048)),
+])
+def test_no_slo_fuses_with_the_whole_budget_where_an_slo_splits(name: str, st: ShapeState) -> None:
+    """`--slo-itl-ms none`: every state in which an SLO makes duet split (the situation is checked first) gives one
+    fused step with the whole token budget instead, whatever the split held before; the whole GPU from then on."""
+    with_slo, _ = decide_adaptive(st, COSTS)
+    assert isinstance(with_slo.shape, Split), with_slo.reason
+    held = ManagerState(decode_config(st.current), 100)
+    d, mem = decide_adaptive(dataclasses.replace(st, slo_itl_ms=None), COSTS, held=held)
+    assert d.shape == Fused(st.max_chunk_tokens) and d.meets_slo, d.reason
+    assert d.reason == "no ITL SLO: fused with the whole token budget" and mem.config == OVERALLOCATED
+    assert d.model_ms is not None and d.model_ms > 0  # still predicted: the worker feeds its correction
+
+
+def test_duet_without_an_slo_never_splits() -> None:
+    """A run of steps under the roofline costs with no SLO (the prefill worker is never handed a prompt, so it stays
+    idle): prompts pending, fused with the whole budget; nothing pending, decode alone on the whole GPU."""
+    policy, shape = DuetPolicy(ROOF), WHOLE
+    for step in range(24):
+        batch = (0, 1, 64, 256)[step % 4]
+        waiting = PROMPTS if step % 3 else ()
+        st = ShapeState((8192,) * batch, waiting, 0, shape, None, 8192)
+        shape = policy.decide(st)
+        assert shape == (Fused(8192) if waiting else DecodeAlone(OVERALLOCATED)), (step, policy.last)
+        assert policy.last is not None and policy.last.model_ms is not None
+        policy.observe(StepTiming(shape, batch, min(8192, st.pending_tokens), policy.last.model_ms,
+                                  1.3 * policy.last.model_ms + 1.0))
 
 
 def test_prefill_busy_never_fuses_in_any_state() -> None:

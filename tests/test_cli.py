@@ -162,3 +162,33 @@ def test_serve_flags_map_to_the_server_config() -> None:
 ])
 def test_serve_usage_errors_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert needle in usage_error(capsys, "serve", *args)
+
+
+SLO_NUMBER = "must be a positive, finite number of ms, or none for no ITL SLO"
+SLO_WORD = "is not a number of ms; give one (e.g. 50), or none for no ITL SLO"
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("none", None), ("None", None), (" NONE ", None),  # no ITL SLO
+    ("50", 50.0), ("0.5", 0.5), ("1e3", 1000.0),
+    ("0", f"'0' {SLO_NUMBER}"), ("-1", f"'-1' {SLO_NUMBER}"), ("inf", f"'inf' {SLO_NUMBER}"),
+    ("nan", f"'nan' {SLO_NUMBER}"),
+    ("abc", f"'abc' {SLO_WORD}"), ("off", f"'off' {SLO_WORD}"), ("", f"'' {SLO_WORD}"),  # one spelling: none
+])
+@pytest.mark.parametrize("command", ["serve", "profile"])
+def test_slo_itl_ms_is_a_number_of_ms_or_none(command: str, text: str, want: float | str | None,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--slo-itl-ms as argparse parses it for both commands that take it: the value, or a usage error (exit 2)
+    naming the flag, what was given and what is allowed."""
+    from rapidserve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([command]).slo_itl_ms == 50.0  # the default
+    if not isinstance(want, str):
+        assert parser.parse_args([command, "--slo-itl-ms", text]).slo_itl_ms == want
+        return
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([command, f"--slo-itl-ms={text}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --slo-itl-ms: {want}" in err, err

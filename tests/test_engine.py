@@ -41,11 +41,11 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def engine_config(policy: str = "rapid", **launch: object) -> object:
+def engine_config(policy: str = "rapid", slo_itl_ms: float | None = 50.0, **launch: object) -> object:
     cfg, _ = build_engine_config(None, device="cpu", dtype="float32", num_kv_blocks=40, max_model_len=512,
                                  max_num_batched_tokens=256)
     return dataclasses.replace(cfg, launch=LaunchConfig(mps="off", startup_timeout_s=300, **launch),  # type: ignore[arg-type]
-                               partition=dataclasses.replace(cfg.partition, policy=policy))
+                               partition=dataclasses.replace(cfg.partition, policy=policy, slo_itl_ms=slo_itl_ms))
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -123,6 +123,30 @@ def test_duet_policy_engine_matches_llm(reference: tuple[list[list[int]], list[l
             await wait_blocks_free(engine)
         finally:
             await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_duet_policy_without_an_slo_matches_llm(reference: tuple[list[list[int]], list[list[int]]]) -> None:
+    """--policy duet --slo-itl-ms none in rapid mode: the decode worker fuses every step with the whole token budget
+    (tests/test_step_shapes.py shows it hands the prefill worker nothing), the start-up log line of the plan says so,
+    and the tokens are the reference's."""
+    prompts, want = reference
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(engine_config(policy="duet", slo_itl_ms=None))  # type: ignore[arg-type]
+        try:
+            assert engine.cfg.launch.mode == "rapid" and sorted(engine.workers.procs) == ["decode", "prefill"]  # type: ignore[union-attr]
+            line = next(e for e in engine.events if e.startswith("decode partition:"))
+            assert "no ITL SLO (--slo-itl-ms none): every step fused with the whole token budget" in line, line
+            params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+            got = await asyncio.gather(*(collect(engine, f"r{i}", p, params) for i, p in enumerate(prompts[:6])))
+            assert got == want[:6]
+            await wait_blocks_free(engine)
+            assert engine.stats is not None and engine.stats.partition_switches == 0
+        finally:
+            await engine.shutdown()
+        assert shm_entries(os.getpid()) == []
 
     asyncio.run(main())
 

@@ -171,9 +171,10 @@ def test_a_tiny_fp8_model_takes_the_fused_path_with_the_same_logits(preset: str,
     assert out[True].dtype == torch.float32 and torch.equal(out[True], out[False])
 
 
-def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[str]:
-    """The layouts of the row reductions (`tt.reduce` operands) of `kernel`'s with-residual launch for Qwen3-8B's
-    rows (4096) on `target`, compiled (no GPU) as bench/amd_compile_check.py compiles it."""
+def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[list[str]]:
+    """The layouts of the row reductions (`tt.reduce` operands) of each of `kernel`'s distinct with-residual launches
+    for Qwen3-8B's rows (4096) on `target` (the fused kernel's: one program a row, and rows cut into slices),
+    compiled (no GPU) as bench/amd_compile_check.py compiles them."""
     import re
 
     import triton
@@ -184,14 +185,20 @@ def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[str]:
     from bench.amd_launches import TARGETS, Shape, capture, jit_function
 
     tg = TARGETS[target]
-    launch = next(x for x in capture(Shape("qwen3-8b", 1, dtype), tg).launches
-                  if x.kernel == kernel and x.kwargs["HAS_RESIDUAL"])
-    job = make_job(launch, tg, {})
-    compiled = triton.compile(ASTSource(jit_function(kernel), job.signature, job.constexprs, job.attrs),
-                              target=GPUTarget(tg.backend, tg.arch, tg.warp_size), options=job.options)
-    ir = compiled.asm["ttgir"]
-    layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
-    return [layouts[m] for m in re.findall(r"\}\) : \(tensor<\d+xf32, (#\w+)>\) -> f32", ir)]
+    out, seen = [], set()
+    for launch in capture(Shape("qwen3-8b", 1, dtype), tg).launches:
+        if launch.kernel != kernel or not launch.kwargs["HAS_RESIDUAL"]:
+            continue
+        job = make_job(launch, tg, {})
+        if job.key() in seen:
+            continue
+        seen.add(job.key())
+        compiled = triton.compile(ASTSource(jit_function(kernel), job.signature, job.constexprs, job.attrs),
+                                  target=GPUTarget(tg.backend, tg.arch, tg.warp_size), options=job.options)
+        ir = compiled.asm["ttgir"]
+        layouts = dict(re.findall(r"^(#\w+) = (.*)$", ir, re.M))
+        out.append([layouts[m] for m in re.findall(r"\}\) : \(tensor<\d+xf32, (#\w+)>\) -> f32", ir)])
+    return out
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -199,11 +206,13 @@ def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[str]:
 def test_the_fused_norm_sums_in_the_unfused_kernels_layout(target: str, dtype: str) -> None:
     """Bit-exactness of the fused RMSNorm rests on its float32 sum of squares running in the same order as
     triton_ops' kernel's, i.e. over the same layout: compiled for the target, every reduction of the fused kernel
-    (the sum, then the amax) takes the layout of the unfused kernel's sum (an fp8 store left to itself would lay the
-    row out 16 to a thread: triton_fp8_fused's VEC)."""
-    unfused = _reduce_layouts("_rms_norm_kernel", target, dtype)
-    fused = _reduce_layouts("_rms_norm_fp8_kernel", target, dtype)
-    assert len(unfused) == 1 and len(fused) == 2 and set(fused) == set(unfused), (unfused, fused)
+    (the sum, then the amax), one program a row or rows cut into slices, takes the layout of the unfused kernel's sum
+    (an fp8 store left to itself would lay the row out 16 to a thread: triton_fp8_fused's VEC)."""
+    (unfused,) = _reduce_layouts("_rms_norm_kernel", target, dtype)
+    variants = _reduce_layouts("_rms_norm_fp8_kernel", target, dtype)
+    assert len(unfused) == 1 and len(variants) == 2, (unfused, variants)  # one program a row; slices
+    for fused in variants:
+        assert len(fused) == 2 and set(fused) == set(unfused), (unfused, fused)
 
 
 # --------------------------------------------------------------------------------------- the interpreter checks
@@ -238,18 +247,31 @@ def check_fused_kernels() -> None:
             y = triton_ops.rms_norm(x, w, 1e-6)
             q, s = triton_fp8.quantize_tokens(y, dt)
             assert torch.equal(s, fp8.quantize_input(y, "token", dt)[1]), label
-            _same_rows(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt), q, s, xdt, label)
-            y, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
-            rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt)
-            assert torch.equal(got_res, res), label
-            _same_rows(rows, *triton_fp8.quantize_tokens(y, dt), xdt, label)
+            y_res, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
+            q_res, s_res = triton_fp8.quantize_tokens(y_res, dt)
+            # one program a row (the rule's choice at these sizes), then rows cut into slices (the last one partial):
+            # every program takes the whole row's amax and quantizes its slice, the same bits
+            for width in (None, 64, 32, 16):
+                _same_rows(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt, width), q, s, xdt, (label, width))
+                rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt, width)
+                assert torch.equal(got_res, res), (label, width)
+                _same_rows(rows, q_res, s_res, xdt, (label, width))
             # a strided x (a column slice): copied first, the same numbers
             wide = torch.cat([x, x], dim=1)[:, k:]
             _same_rows(triton_fp8_fused.rms_norm_fp8(wide, w, 1e-6, dt), q, s, xdt, label)
             y = triton_ops.silu_and_mul(x)
             q, s = triton_fp8.quantize_tokens(y, dt)
-            for one_pass in (triton_fp8_fused.ONE_PASS_COLS, 16):  # in registers; the two-pass loop
-                _same_rows(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass), q, s, xdt, (label, one_pass))
+            # in registers; the two-pass loop; slices of the row (the last one partial), each in one or more steps
+            for one_pass, width in ((triton_fp8_fused.ONE_PASS_COLS, None), (16, None), (16, 1 << 20),
+                                    (triton_fp8_fused.ONE_PASS_COLS, 32), (16, 16), (16, 64)):
+                _same_rows(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass, width), q, s, xdt,
+                           (label, one_pass, width))
+        # a row of more than LOOP_BLOCK columns cut into slices of two LOOP_BLOCK steps each, the last one partial
+        long_rows = (torch.randn(2, 2 * 9000, generator=g) * 4).to(torch.bfloat16)
+        want = triton_fp8.quantize_tokens(triton_ops.silu_and_mul(long_rows), dt)
+        for width in (None, 8192):
+            _same_rows(triton_fp8_fused.silu_and_mul_fp8(long_rows, dt, slice_width=width), *want, torch.bfloat16,
+                       width)
         # a norm weight of another dtype (its product promotes): the unfused launches, float32 rows
         w32 = torch.rand(k, generator=g) + 0.5
         rows = triton_fp8_fused.rms_norm_fp8(x.to(torch.bfloat16), w32, 1e-6, dt)
@@ -267,7 +289,7 @@ def check_fused_kernels() -> None:
         assert torch.equal(got, triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b))
         assert triton_fp8_skinny.rows_ok(rows, layer.weight, layer.weight_scale)
         assert not triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale)  # a CPU tensor
-        with pytest.raises(ValueError, match="skinny_fp8_linear_rows takes 1..16 rows"):
+        with pytest.raises(ValueError, match="skinny_fp8_linear_rows takes 1..64 rows"):
             triton_fp8_skinny.skinny_fp8_linear_rows(rows._replace(dtype=torch.float32), layer.weight,
                                                      layer.weight_scale)
     with pytest.raises(ValueError, match="rows x"):

@@ -1,9 +1,10 @@
 """The fused producers of per-token fp8 rows (issue 39, ops/triton_fp8_fused.py) on a GPU that multiplies fp8: bit
 for bit the unfused path (the op's Triton kernel, then `triton_fp8.quantize_tokens`, whose bits test_fp8_gpu checks
-against torch), at Qwen3-8B / Llama-8B row widths; the GEMM of the fused rows (`fp8_gpu.gpu_linear_rows`) gives
-`gpu_linear`'s output exactly on both of its paths (the skinny kernel at 1-16 rows, `torch._scaled_mm` above); and
-an fp8 model gives the same logits fused and unfused, in prefill and in captured decode graphs. Skipped without such
-a GPU (the CPU checks: test_fp8_fused.py); the lead's GPU runs."""
+against torch), at Qwen3-8B / Llama-8B row widths, one program a row or rows cut into slices; the GEMM of the fused
+rows (`fp8_gpu.gpu_linear_rows`) gives `gpu_linear`'s output exactly on both of its paths (the skinny kernel where
+`triton_fp8_skinny.plan` routes, `torch._scaled_mm` elsewhere) and on each tile family of the skinny kernel; and an
+fp8 model gives the same logits fused and unfused, in prefill and in captured decode graphs. Skipped without such a
+GPU (the CPU checks: test_fp8_fused.py); the lead's GPU runs."""
 
 from __future__ import annotations
 
@@ -40,38 +41,45 @@ def _same(got: fp8.QuantizedRows, want: tuple[torch.Tensor, torch.Tensor], label
 
 
 @needs_fp8
+@pytest.mark.parametrize("width", [None, 1024, 2048, 1 << 30])
 @pytest.mark.parametrize(("m", "k"), [(1, 4096), (16, 4096), (64, 5120), (300, 8192), (3, 100)])
-def test_fused_norms_equal_the_unfused_kernels_bit_for_bit(m: int, k: int) -> None:
+def test_fused_norms_equal_the_unfused_kernels_bit_for_bit(m: int, k: int, width: int | None) -> None:
+    """The rule's slices of a row (`slice_width` None), given slices (the last one partial for 5120) and one program a
+    row: the same bits."""
     from rapidserve.ops import triton_fp8, triton_fp8_fused, triton_ops
 
     dt = fp8.fp8_dtype(CUDA)
     x, r = _rows(m, k, m), _rows(m, k, m + 1)
     w = (1 + 0.1 * torch.randn(k, device=CUDA)).to(torch.bfloat16)
     y = triton_ops.rms_norm(x, w, 1e-6)
-    _same(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt), triton_fp8.quantize_tokens(y, dt), ("rms", m, k))
-    _same(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt), fp8.quantize_input(y, "token", dt), ("rms/torch", m, k))
+    label = (m, k, width)
+    rows = triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt, width)
+    _same(rows, triton_fp8.quantize_tokens(y, dt), ("rms", label))
+    _same(rows, fp8.quantize_input(y, "token", dt), ("rms/torch", label))
     y, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
-    rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt)
-    assert torch.equal(got_res, res)
-    _same(rows, triton_fp8.quantize_tokens(y, dt), ("add_rms", m, k))
+    rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt, width)
+    assert torch.equal(got_res, res), label
+    _same(rows, triton_fp8.quantize_tokens(y, dt), ("add_rms", label))
 
 
 @needs_fp8
 @pytest.mark.parametrize(("m", "inter"), [(1, 12288), (16, 14336), (64, 12288), (5, 25600), (3, 100)])
 def test_fused_silu_and_mul_equals_the_unfused_kernels_bit_for_bit(m: int, inter: int) -> None:
-    """Rows held in registers (I <= ONE_PASS_COLS) and the two-pass loop (wider, or forced)."""
+    """Rows held in registers (I <= ONE_PASS_COLS), the two-pass loop (wider, or forced), the rule's slices and given
+    ones (one step or several a slice, the last one partial)."""
     from rapidserve.ops import triton_fp8, triton_fp8_fused, triton_ops
 
     dt = fp8.fp8_dtype(CUDA)
     x = _rows(m, 2 * inter, m)
     want = triton_fp8.quantize_tokens(triton_ops.silu_and_mul(x), dt)
-    _same(triton_fp8_fused.silu_and_mul_fp8(x, dt), want, ("silu", m, inter))
-    _same(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass_cols=16), want, ("silu loop", m, inter))
+    for one_pass, width in ((triton_fp8_fused.ONE_PASS_COLS, None), (16, 1 << 30), (triton_fp8_fused.ONE_PASS_COLS,
+                                                                                    1 << 30), (16, 1024), (16, 8192)):
+        _same(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass, width), want, ("silu", m, inter, one_pass, width))
 
 
 @needs_fp8
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (64, 24576, 4096), (300, 4096, 4096),
-                                           (5, 200, 304)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (40, 6144, 4096), (64, 24576, 4096),
+                                           (300, 4096, 4096), (5, 200, 304)])
 def test_the_gemm_of_fused_rows_is_gpu_linears(m: int, n: int, k: int) -> None:
     """`gpu_linear_rows(quantized x)` takes `gpu_linear(x)`'s kernel on the same fp8 rows: the same output."""
     from rapidserve.ops import triton_fp8_skinny
@@ -90,6 +98,15 @@ def test_the_gemm_of_fused_rows_is_gpu_linears(m: int, n: int, k: int) -> None:
     for bias in (None, b):
         got = fp8_gpu.gpu_linear_rows(rows, layer, bias)
         assert got.dtype == torch.bfloat16 and torch.equal(got, fp8_gpu.gpu_linear(x, layer, bias)), (m, skinny)
+    if torch.version.hip is None and m <= 64:  # each tile family (16/64-row tiles, both operand orders): the same
+        from rapidserve.ops.fp8_tiles import Fp8Tiles
+
+        bm = next(t for t in (16, 32, 64) if m <= t)
+        for tiles in (triton_fp8_skinny.rule_tiles(m, n, k), Fp8Tiles(64, 32, 256, 4, 3),
+                      Fp8Tiles(bm, 64, 256, 4, 4, True)):
+            got = triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, b, config=tiles)
+            want = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=tiles)
+            assert torch.equal(got, want), (m, tiles.label())
 
 
 @needs_fp8

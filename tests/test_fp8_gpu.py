@@ -1,6 +1,7 @@
 """The fp8 GPU paths (issue 39) against the CPU-checked reference, on a GPU that multiplies fp8 (NVIDIA sm_89+,
-AMD gfx94x; skipped elsewhere, and everywhere without a GPU): `torch._scaled_mm` with row-wise scales, the Triton
-block-scale GEMM at small and Qwen3-8B sizes, and FP8 checkpoints end to end through `LLM` (bf16, CUDA graphs)
+AMD gfx94x; skipped elsewhere, and everywhere without a GPU): `torch._scaled_mm` with row-wise scales, decode's
+skinny fp8 kernel (1-64 rows, where `triton_fp8_skinny.plan` routes, and each tile family), the Triton block-scale
+GEMM at small and Qwen3-8B sizes, and FP8 checkpoints end to end through `LLM` (bf16, CUDA graphs)
 against the same checkpoints on the CPU reference path. Not run on the CPU machines: the lead's GPU runs."""
 
 from __future__ import annotations
@@ -72,22 +73,56 @@ def test_token_quantizer_equals_torch_bit_for_bit(m: int, k: int) -> None:
 
 @needs_fp8
 @pytest.mark.skipif(torch.version.hip is not None, reason="the skinny kernels serve NVIDIA only (not measured on ROCm)")
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (5, 24576, 4096)])
-def test_decode_rows_take_the_skinny_fp8_kernel(m: int, n: int, k: int) -> None:
-    """At most 16 rows of a wide fp8 weight go to `skinny_fp8_linear`, which quantizes them as the definition does:
-    the reference's numbers up to float32 sum order and the bf16 output's rounding; with a bias too."""
-    from rapidserve.ops import triton_fp8_skinny
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (16, 4096, 12288), (5, 24576, 4096), (17, 6144, 4096),
+                                           (40, 4096, 12288), (64, 24576, 4096)])
+def test_decode_rows_take_the_kernel_the_plan_gives(m: int, n: int, k: int) -> None:
+    """`gpu_linear` sends 1-64 rows of a wide fp8 weight to `skinny_fp8_linear` exactly where
+    `triton_fp8_skinny.plan` gives tiles (the untuned rule: 1-16 rows; a packaged table of this GPU: what it says),
+    else to torch._scaled_mm; either way the reference's numbers up to float32 sum order and the bf16 output's
+    rounding; with a bias too."""
+    from rapidserve.ops import triton_fp8_skinny as fsk
 
     torch.manual_seed(m)
     layer = _layer(n, k, "token", None)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
-    assert triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)
+    planned = fsk.plan(m, n, k, fsk.device_name(CUDA), fsk.TUNED)
+    assert fsk.routed(x, layer.weight, layer.weight_scale) == (planned is not None)
+    if not fsk.TUNED.get(fsk.device_name(CUDA)):  # the rule alone: 1-16 rows here
+        assert (planned is not None) == (m <= fsk.RULE_ROWS)
     want = fp8.reference_linear(x.float(), layer)
+    tol = (2e-3 if planned is not None else 1e-2) * float(want.abs().max())  # cuBLASLt: fast accumulation
     got = fp8_gpu.gpu_linear(x, layer)
-    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=2e-3 * float(want.abs().max()))
+    torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=tol)
     b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
-    torch.testing.assert_close(fp8_gpu.gpu_linear(x, layer, b).float(), want + b.float(), rtol=1.6e-2,
-                               atol=4e-3 * float(want.abs().max()))
+    torch.testing.assert_close(fp8_gpu.gpu_linear(x, layer, b).float(), want + b.float(), rtol=1.6e-2, atol=2 * tol)
+
+
+@needs_fp8
+@pytest.mark.skipif(torch.version.hip is not None, reason="the skinny kernels serve NVIDIA only (not measured on ROCm)")
+@pytest.mark.parametrize("m", [1, 16, 33, 64])  # the JIT's three specialisations of M (1, % 16, other)
+@pytest.mark.parametrize(("n", "k"), [(4096, 12288), (200, 304)])
+def test_every_tile_family_gives_the_reference(m: int, n: int, k: int) -> None:
+    """The skinny fp8 kernel on each family of tiles bench/fp8_sweep.py times, at 1-64 rows: a 16-row tile
+    (mma.sync, fp8 widened to fp16), a 64-row tile (wgmma, x8 @ w8^T), the swapped order on the smallest row tile
+    (wgmma, w8 @ x8^T; 4 and 8 warps); N and K tails (200 x 304); with a bias: the reference's numbers."""
+    from rapidserve.ops import triton_fp8_skinny as fsk
+    from rapidserve.ops.fp8_tiles import Fp8Tiles
+
+    torch.manual_seed(m + n)
+    layer = _layer(n, k, "token", None)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+    want = fp8.reference_linear(x.float(), layer)
+    bm = next(t for t in (16, 32, 64) if m <= t)
+    families = [fsk.rule_tiles(m, n, k), Fp8Tiles(64, 16, 256, 4, 3), Fp8Tiles(64, 32, 512, 4, 3),
+                Fp8Tiles(bm, 64, 256, 4, 4, True), Fp8Tiles(bm, 128, 128, 8, 3, True)]
+    for tiles in families:
+        got = fsk.skinny_fp8_linear(x, layer.weight, layer.weight_scale, config=tiles)
+        torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=2e-3 * float(want.abs().max()),
+                                   msg=lambda e, t=tiles: f"{t.label()}: {e}")
+        got = fsk.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=tiles)
+        torch.testing.assert_close(got.float(), want + b.float(), rtol=1.6e-2, atol=4e-3 * float(want.abs().max()),
+                                   msg=lambda e, t=tiles: f"{t.label()} + bias: {e}")
 
 
 @needs_fp8

@@ -299,10 +299,11 @@ def _interp_cast(y: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
 
 def check_row_kernels() -> None:
     """The per-token quantizer equals `quantize_input(.., "token")` exactly (the interpreter divides as torch does);
-    the skinny fp8 linear equals the definition on the same fp8 rows, with and
-    without bias, and refuses what it cannot take."""
+    the skinny fp8 linear equals the definition on the same fp8 rows (`reference_linear_rows`), with and without
+    bias, on each tile family, and gives the same output from rows quantized before (`skinny_fp8_linear_rows`); it
+    refuses what it cannot take."""
     from rapidserve.ops import triton_fp8, triton_fp8_skinny
-    from rapidserve.ops.triton_skinny import SkinnyConfig
+    from rapidserve.ops.fp8_tiles import Fp8Tiles
 
     g = torch.Generator().manual_seed(3)
     for dt in (FN, FNUZ):
@@ -321,23 +322,36 @@ def check_row_kernels() -> None:
             want = _interp_cast((x.float() / ws).clamp(-top, top), dt)
             assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), (dt, m, k)
         assert triton_fp8.quantize_tokens(x[:0], dt)[0].shape == (0, x.shape[1])
-        # float16 rows: the interpreter's tl.dot is wrong in bfloat16 (test_fused_decode_ops interprets fp16 too)
-        for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, SkinnyConfig(16, 256, 4, 2))):
+        # float16 rows: the interpreter's tl.dot is wrong in bfloat16 (test_fused_decode_ops interprets fp16 too).
+        # Rows 1..64; N and K tails (masked weight loads); 16-row tiles (mma.sync on the GPU), 64-row tiles and the
+        # swapped operand order (wgmma); the default tiles (the rule's: 16 rows, or 64 above RULE_ROWS)
+        for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, Fp8Tiles(16, 16, 256, 4, 2)),
+                             (1, 128, 256, Fp8Tiles(16, 64, 128, 4, 3, True)),
+                             (17, 96, 160, Fp8Tiles(32, 32, 64, 4, 2)), (33, 80, 96, Fp8Tiles(64, 64, 32, 4, 2, True)),
+                             (64, 200, 304, None), (40, 48, 1000, Fp8Tiles(64, 16, 128, 4, 2)),
+                             (64, 64, 128, Fp8Tiles(64, 64, 128, 8, 2, True))):
             layer, _ = _layer(n, k, "token", None, dt, seed=m)
             x = torch.randn(m, k, generator=g).to(torch.float16)
             x8, sx = triton_fp8.quantize_tokens(x, dt)  # the interpreter's cast (checked above)
-            want = torch.nn.functional.linear(x8.float() * sx, layer.dequantized()).to(torch.float16)
-            got = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, config=cfg)
-            torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+            rows = fp8.QuantizedRows(x8, sx, torch.float32)  # the reference in float32, on the same fp8 rows
             b = torch.randn(n, generator=g).to(torch.float16)
-            got = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=cfg)
-            torch.testing.assert_close(got, (want.float() + b.float()).to(torch.float16), atol=4e-3, rtol=2e-3)
+            for bias in (None, b):
+                want = fp8.reference_linear_rows(rows, layer, None if bias is None else bias.float())
+                got = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias, config=cfg)
+                assert got.dtype == torch.float16 and got.shape == (m, n)
+                err = float((got.float() - want).abs().max())
+                assert err <= 4e-3 + 2e-3 * float(want.abs().max()), (m, n, k, cfg, bias is not None, err)
+                same = triton_fp8_skinny.skinny_fp8_linear_rows(rows._replace(dtype=torch.float16), layer.weight,
+                                                                layer.weight_scale, bias, config=cfg)
+                assert torch.equal(same, got), (m, n, k, cfg)
         with pytest.raises(ValueError, match="float32 scales"):
             triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale[:-1])
-        with pytest.raises(ValueError, match="1..16 rows"):
-            triton_fp8_skinny.skinny_fp8_linear(torch.zeros(17, k, dtype=torch.float16), layer.weight,
+        with pytest.raises(ValueError, match="1..64 rows"):
+            triton_fp8_skinny.skinny_fp8_linear(torch.zeros(65, k, dtype=torch.float16), layer.weight,
                                                 layer.weight_scale)
-
+        with pytest.raises(ValueError, match="hold 16 rows; the call has 17"):
+            triton_fp8_skinny.skinny_fp8_linear(torch.zeros(17, k, dtype=torch.float16), layer.weight,
+                                                layer.weight_scale, config=Fp8Tiles(16, 16, 64, 4, 2))
 
 if __name__ == "__main__":
     sys.exit(run_checks({"block": check_block_kernel, "rows": check_row_kernels}, sys.argv[1:]))

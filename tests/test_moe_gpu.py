@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_moe_align import check_table
 from test_moe_ops import check_fused, moe_inputs
 
 from rapidserve import LLM, SamplingParams
@@ -20,8 +21,14 @@ CUDA = torch.device("cuda")
 
 
 def test_fused_moe_small_shapes_on_the_gpu() -> None:
-    """The interpreter's cases natively, in fp32 (IEEE), bf16 and fp16; both alignments agree exactly."""
+    """The interpreter's cases natively, in fp32 (IEEE), bf16 and fp16; both alignment paths equal the torch one
+    exactly."""
     check_fused([torch.float32, torch.bfloat16, torch.float16], "cuda")
+
+
+def test_alignment_table_on_the_gpu() -> None:
+    """tests/test_moe_align.py's table natively: both paths equal the torch alignment, every row written."""
+    assert check_table("cuda") > 40
 
 
 @pytest.mark.parametrize(("e", "k", "h", "i"), [(8, 2, 4096, 14336 // 8), (128, 8, 2048, 768)],
@@ -38,7 +45,7 @@ def test_fused_moe_real_shapes(e: int, k: int, h: int, i: int, t: int) -> None:
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("t", [6, 300])  # 24 pairs: the one-program alignment; 1200: torch's sort
+@pytest.mark.parametrize("t", [6, 300])  # 24 pairs: the one-program alignment; 1200: the two-launch one
 def test_fused_moe_replays_in_a_cuda_graph(t: int) -> None:
     """Captured once for a batch of t tokens, replayed on new inputs and new routing (copied into the captured
     buffers): the eager result each time, with no host read during capture (a sync would fail the capture)."""

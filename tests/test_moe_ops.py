@@ -185,22 +185,22 @@ def test_fused_moe_refuses_bad_inputs(mutate, match: str) -> None:  # noqa: ANN0
 
 def check_fused(dtypes: list[torch.dtype], device: str) -> None:
     """`fused_moe` == `moe_experts_ref` (the same routing) over batch sizes, expert counts and all three tile
-    configurations (decode runs of a few rows, prefill runs), through both alignments (one program up to 1024
-    pairs, torch's sort above); the one-program alignment equals the torch one exactly."""
-    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe
+    configurations (decode runs of a few rows, prefill runs), through both alignment paths (one program up to
+    ALIGN_ONE_PROGRAM pairs, two launches above), and with every token routed to one expert of 60 (top-1: one long
+    run, the other experts empty); both alignment paths equal the torch one exactly (tests/test_moe_align.py)."""
+    from test_moe_align import check_paths
+
+    from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, fused_moe
 
     for t, e, k, bm in ALIGN_CASES[:-1]:
         _, _, _, _, ids = moe_inputs(t, e, k, 8, 8, seed=t + e, device=device)
-        if ids.numel() <= ALIGN_ONE_PROGRAM:
-            got, want = align(ids, e, bm), align_block_size(ids, e, bm)
-            for a, b in zip(got, want, strict=True):
-                assert torch.equal(a, b), (t, e, k, bm)
-            check_alignment(ids.cpu(), e, bm, *(a.cpu() for a in got))
+        check_paths(ids, e, bm, (t, e, k, bm))
     cases = [(1, 8, 2, 64, 96, None), (1, 16, 4, 64, 32, None), (9, 8, 2, 48, 80, None), (40, 8, 2, 64, 64, None),
-             (600, 8, 2, 32, 48, None),  # 1200 pairs: the torch alignment
+             (600, 8, 2, 32, 48, None),  # 1200 pairs: the two-launch alignment
              (33, 16, 4, 40, 24, MoeKernelConfig.same(32, 32, 32, 4, 2)),
              (70, 4, 2, 64, 64, MoeKernelConfig.same(64, 64, 32, 4, 2)),
-             (3, 8, 2, 200, 72, MoeKernelConfig.same(16, 32, 64, 4, 2))]  # K and N not multiples of the tiles
+             (3, 8, 2, 200, 72, MoeKernelConfig.same(16, 32, 64, 4, 2)),  # K and N not multiples of the tiles
+             (20, 128, 8, 32, 24, MoeKernelConfig.same(16, 16, 32, 4, 2))]  # Qwen3's routing: runs of a pair or two
     for dtype in dtypes:
         for t, e, k, h, i, cfg in cases:
             x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t * e, device=device)
@@ -211,6 +211,13 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
             case = (t, e, k, dtype)
             torch.testing.assert_close(got.float(), want, atol=atol, rtol=2e-2,
                                        msg=lambda m, case=case: f"{case} {m}")
+        x, w13, w2, weights, ids = moe_inputs(300, 60, 1, 32, 48, dtype, seed=3, device=device)
+        ids = torch.full_like(ids, 41)
+        assert ids.numel() > ALIGN_ONE_PROGRAM
+        got = fused_moe(x, w13, w2, weights, ids, MoeKernelConfig.same(16, 32, 32, 4, 2))
+        want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
+        atol = 2e-5 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 4e-3)
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=2e-2)
         # an empty batch: nothing launched
         x, w13, w2, weights, ids = moe_inputs(0, 8, 2, 16, 16, dtype, device=device)
         assert fused_moe(x, w13, w2, weights, ids).shape == (0, 16)

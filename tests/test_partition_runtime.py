@@ -28,7 +28,15 @@ from rapidserve.partition.profile import (
     slug,
 )
 from rapidserve.partition.profile_cmd import cmd_profile
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, Switch, open_streams, resolve_plan
+from rapidserve.partition.runtime import (
+    DecodePartition,
+    PartitionPlan,
+    PlanWire,
+    Switch,
+    open_streams,
+    resolve_plan,
+    slo_note,
+)
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile
@@ -53,6 +61,8 @@ FULL = h100_profile()  # overallocated + split16/32/48/64 on 132 SMs
         dict(backend="hip-cumask", profile="p.json"),
         dict(hysteresis_steps=0),
         dict(slo_itl_ms=0.5),
+        dict(slo_itl_ms=50),  # an int of ms
+        dict(slo_itl_ms=None),  # no ITL SLO (--slo-itl-ms none)
         dict(decode_shares=(0.3,)),
     ],
 )
@@ -73,6 +83,11 @@ def test_partition_config_valid(kw: dict[str, Any]) -> None:
         (dict(backend="cuda"), "partition backend='cuda'; use auto, cuda-green, hip-cumask or none"),
         (dict(slo_itl_ms=0.0), "slo_itl_ms=0.0 must be > 0"),
         (dict(slo_itl_ms=-5.0), "slo_itl_ms"),
+        (dict(slo_itl_ms=float("inf")), "slo_itl_ms=inf must be > 0 and finite \\(ms\\), or None: no ITL SLO "
+                                        "\\(--slo-itl-ms none\\)"),
+        (dict(slo_itl_ms=float("nan")), "slo_itl_ms=nan must be > 0 and finite"),
+        (dict(slo_itl_ms="none"), "slo_itl_ms='none' must be > 0 and finite \\(ms\\), or None"),  # the flag's word
+        (dict(slo_itl_ms=True), "slo_itl_ms=True must be > 0"),
         (dict(hysteresis_steps=-1), "hysteresis_steps=-1 must be >= 0"),
         (dict(decode_shares=()), "non-empty tuple of shares"),
         (dict(decode_shares=(0.25, 1.0)), "decode_shares"),
@@ -164,8 +179,8 @@ def test_partition_parse_errors(text: str, pattern: str) -> None:
         (["serve", "--partition", "static:0"], "argument --partition: .*must be in \\(0, 1\\)"),
         (["serve", "--partition", "static:abc"], "e.g. static:0.25"),
         (["serve", "--partition-backend", "cuda"], "argument --partition-backend: invalid choice: 'cuda'"),
-        (["serve", "--slo-itl-ms", "0"], "argument --slo-itl-ms: 0.0 must be a positive number"),
-        (["serve", "--slo-itl-ms", "inf"], "argument --slo-itl-ms: inf must be a positive number"),
+        (["serve", "--slo-itl-ms", "0"], "argument --slo-itl-ms: '0' must be a positive, finite number of ms, or none"),
+        (["serve", "--slo-itl-ms", "inf"], "argument --slo-itl-ms: 'inf' must be a positive, finite number of ms"),
         (["serve", "--slo-itl-ms", "fast"], "'fast' is not a number"),
         (["profile", "--batch-buckets", "8,1"], "argument --batch-buckets: '8,1': give strictly ascending positive"),
         (["profile", "--batch-buckets", "1,1"], "strictly ascending"),
@@ -241,6 +256,21 @@ def test_cli_profile_defaults() -> None:
 
 
 # ---- resolve_plan on CPU ------------------------------------------------------------------------
+NO_SLO_NOTE = "no ITL SLO (--slo-itl-ms none): every step fused with the whole token budget, never split"
+
+
+@pytest.mark.parametrize(("partition", "configs", "want"), [
+    (dict(), 5, "ITL SLO 50 ms"), (dict(slo_itl_ms=12.5), 5, "ITL SLO 12.5 ms"),
+    (dict(policy="duet", slo_itl_ms=None), 5, NO_SLO_NOTE), (dict(policy="duet", slo_itl_ms=None), 1, NO_SLO_NOTE),
+    (dict(), 1, ""),  # one configuration: the SLO chooses nothing
+    (dict(mode="static", static_decode_share=0.25), 1, ""), (dict(mode="off", slo_itl_ms=None), 1, ""),
+])
+def test_the_plan_line_says_the_itl_slo_it_decides_with(partition: dict[str, Any], configs: int, want: str) -> None:
+    names = list(FULL.configurations)[:configs]
+    plan = PartitionPlan("cuda-green", names, FULL if configs > 1 else None, "test")
+    assert slo_note(PartitionConfig(**partition), plan) == want
+
+
 def engine_config(**partition: Any) -> EngineConfig:
     return EngineConfig("preset:tiny-llama", preset_config("tiny-llama"), partition=PartitionConfig(**partition))
 
@@ -255,6 +285,8 @@ def engine_config(**partition: Any) -> EngineConfig:
         (dict(backend="none", profile="/nonexistent/profile.json"), "no partition backend on cpu"),
         (dict(mode="off", backend="cuda-green"), "partition off"),  # off needs no backend at all
         (dict(mode="off", backend="hip-cumask"), "partition off"),
+        (dict(policy="duet", slo_itl_ms=None), f"no partition backend on cpu; {NO_SLO_NOTE}"),  # the start-up line
+        (dict(mode="off", slo_itl_ms=None), "partition off"),  # no SLO is read: nothing to say
     ],
 )
 def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:

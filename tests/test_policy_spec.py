@@ -303,3 +303,95 @@ def test_builder_checks_the_launch_it_is_given() -> None:
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", async_scheduling=False,
                                  launch=LaunchConfig(mode="hybrid"))
     assert cfg.partition.policy == "fused" and not cfg.scheduler.async_scheduling
+
+
+# ---- --slo-itl-ms none (no ITL SLO) --------------------------------------------------------------------------------
+# Written out from what the engine does with no SLO: duet fuses every step with the whole token budget
+# (partition/policies.py); a fixed or no partition, the fused policy (hybrid, disagg) and LLM read no SLO, so none is
+# what they run anyway; rapid and drift choose their split by the SLO, and `rapidserve profile` marks its table and
+# plot with it: they refuse none, saying why and what to use instead.
+INSTEAD = ("give a number of ms", "--policy duet (every step fused with the whole token budget)",
+           "--policy fused (--mode hybrid)")
+NO_SLO: dict[tuple[str, str, str], tuple[str, ...] | None] = {
+    ("rapid", "rapid", "adaptive"): ("--slo-itl-ms none: --policy rapid chooses its split from the ITL SLO", *INSTEAD),
+    ("rapid", "rapid", "static"): None,
+    ("rapid", "rapid", "off"): None,
+    ("rapid", "duet", "adaptive"): None,
+    ("rapid", "drift", "adaptive"): ("--slo-itl-ms none: --policy drift chooses its split from the ITL SLO", *INSTEAD),
+    ("hybrid", "fused", "off"): None,
+    ("disagg", "rapid", "off"): None,
+    ("offline", DEFAULT_POLICY, "adaptive"): None,
+    ("profile", DEFAULT_POLICY, "adaptive"): ("--slo-itl-ms none: `rapidserve profile` picks each cell's best "
+                                              "configuration within the ITL SLO", "give a number of ms"),
+}
+
+
+@pytest.mark.parametrize(("run", "policy", "mode"), list(NO_SLO))
+def test_no_itl_slo_in_every_cell_is_run_or_refused_saying_why(run: str, policy: str, mode: str) -> None:
+    given: dict[str, object] = {"partition.slo_itl_ms": None}
+    if mode != "adaptive" and RUN_SPECS[run].partition is None:
+        given["partition.mode"] = mode
+    found, want = conflicts(run, policy, given), NO_SLO[run, policy, mode]
+    if want is None:
+        assert found == [], found
+    else:
+        assert len(found) == 1 and all(n in found[0] for n in want), found
+
+
+def test_the_no_slo_table_covers_every_runnable_cell() -> None:
+    assert set(NO_SLO) == set(READS)
+
+
+def test_a_number_of_ms_is_still_refused_where_no_slo_is_read() -> None:
+    """What none is accepted for (nothing reads an SLO there) is not a way to give a number that would be ignored."""
+    for run, policy, mode in (("hybrid", "fused", "off"), ("offline", DEFAULT_POLICY, "adaptive"),
+                              ("rapid", "rapid", "static")):
+        given: dict[str, object] = {"partition.slo_itl_ms": 30.0}
+        if run == "rapid":
+            given["partition.mode"] = mode
+        (msg,) = conflicts(run, policy, given)
+        assert "--slo-itl-ms" in msg and "not read" in msg and "drop it" in msg, msg
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    ([], ("--slo-itl-ms none: --policy rapid chooses its split", "--policy duet")),  # rapid: the default policy
+    (["--policy", "rapid"], ("--slo-itl-ms none: --policy rapid",)),
+    (["--policy", "drift"], ("--slo-itl-ms none: --policy drift",)),
+])
+def test_serve_refuses_no_slo_where_the_split_needs_one(argv: list[str], names: tuple[str, ...],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "/nonexistent", "--slo-itl-ms", "none", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rapidserve: error:") and err.count("\n") == 1 and all(n in err for n in names), err
+
+
+def test_profile_refuses_no_slo_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--model", "/nonexistent", "--slo-itl-ms", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "--slo-itl-ms none: `rapidserve profile`" in err and "give a number of ms" in err, err
+
+
+@pytest.mark.parametrize(("argv", "mode", "policy"), [
+    (["--policy", "duet"], "rapid", "duet"), (["--mode", "hybrid"], "hybrid", "fused"),
+    (["--policy", "fused"], "hybrid", "fused"), (["--partition", "off"], "rapid", "rapid"),
+    (["--partition", "static:0.25"], "rapid", "rapid"), (["--mode", "disagg"], "disagg", "rapid"),
+])
+def test_serve_builds_no_slo_where_it_runs(argv: list[str], mode: str, policy: str) -> None:
+    from unittest import mock
+
+    with mock.patch("rapidserve.server.serve.run", return_value=0) as run_:
+        assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--slo-itl-ms", "none", *argv]) == 0
+    cfg, _ = run_.call_args.args[1]()
+    assert (cfg.launch.mode, cfg.partition.policy, cfg.partition.slo_itl_ms) == (mode, policy, None)
+
+
+def test_llm_runs_without_an_itl_slo() -> None:
+    """`LLM` (and `rapidserve generate`, which has no --slo-itl-ms) fuses every step: no SLO is what it runs."""
+    from rapidserve import LLM, SamplingParams
+
+    llm = LLM("preset:tiny-llama", device="cpu", show_progress=False, partition=PartitionConfig(slo_itl_ms=None))
+    assert llm.config.partition.slo_itl_ms is None
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ConfigError, match="--slo-itl-ms: not read by LLM"):
+        LLM("/nonexistent", device="cpu", partition=PartitionConfig(slo_itl_ms=30.0))

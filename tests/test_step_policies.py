@@ -17,7 +17,13 @@ from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.runtime import PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
-from rapidserve.partition.step_policies import DriftPolicy, FusedPolicy, RapidPolicy, make_step_policy
+from rapidserve.partition.step_policies import (
+    DriftPolicy,
+    DuetWithoutSlo,
+    FusedPolicy,
+    RapidPolicy,
+    make_step_policy,
+)
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import POLICY_SPECS
 from tests.test_adaptive_policy import CONFIGS, H100, PROMPTS, WHOLE, state, synthetic_profile
@@ -62,7 +68,7 @@ def test_drift_is_split_on_drifts_configuration() -> None:
     assert p.decide(state(batch=0)) == Split("overallocated", 8192)  # no decode: the most prefill units at once
 
 
-@pytest.mark.parametrize("cls", [FusedPolicy, RapidPolicy, DuetPolicy, DriftPolicy])
+@pytest.mark.parametrize("cls", [FusedPolicy, RapidPolicy, DuetPolicy, DriftPolicy, DuetWithoutSlo])
 def test_each_declares_the_workers_policy_spec_gives_it(cls: type) -> None:
     assert cls.workers == POLICY_SPECS[cls.name].workers
 
@@ -109,3 +115,23 @@ def test_duet_policy_runs_on_a_roofline_plan() -> None:
     duet = make_step_policy(cfg(policy="duet"), plan(synthetic_roofline_profile()))
     shape = duet.decide(ShapeState((2048,) * 64, PROMPTS, 0, WHOLE, 50.0, 8192))
     assert shape == Fused(1520)  # the Qwen3-8B sanity point of test_adaptive_policy
+
+
+def test_duet_without_an_slo_is_fused_with_the_whole_budget_on_every_plan() -> None:
+    """`--slo-itl-ms none`: with a cost model (a measured profile, or the roofline and its peaks) duet is DuetPolicy,
+    whose rule for no SLO is fused with the whole budget; on a plan without one (one configuration: a CPU,
+    --partition-backend none) the same rule needs no prediction: DuetWithoutSlo, duet's workers, never a split."""
+    no_slo = cfg(policy="duet", slo_itl_ms=None)
+    states = [state(slo=None), state(slo=None, batch=0), state(slo=None, waiting=()), state(slo=None, budget=512),
+              state(slo=None, current=DecodeAlone("split64"))]
+    for p in (plan(PROFILE), plan(synthetic_roofline_profile())):
+        duet = make_step_policy(no_slo, p)
+        assert isinstance(duet, DuetPolicy)
+        assert [duet.decide(st) for st in states] == [Fused(8192), Fused(8192), DecodeAlone(OVERALLOCATED),
+                                                      Fused(512), Fused(8192)]
+    bare = PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, "no partition backend on cpu")
+    duet = make_step_policy(no_slo, bare)
+    assert isinstance(duet, DuetWithoutSlo) and duet.workers == ("decode", "prefill") and not duet.reads_waiting
+    assert [duet.decide(st) for st in states] == [Fused(8192), Fused(8192), Fused(8192), Fused(512), Fused(8192)]
+    with pytest.raises(ValueError, match="needs the plan's peaks"):  # with an SLO a cost model is needed
+        make_step_policy(cfg(policy="duet"), bare)

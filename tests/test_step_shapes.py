@@ -23,10 +23,13 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.partition.backend import Granularity, PartitionBackend
+from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.roofline import Peaks, roofline_profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape
-from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, ScriptedPolicy
+from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, DuetWithoutSlo, ScriptedPolicy
+from rapidserve.partition_config import PartitionConfig
 from tests.test_worker_faults import FakeIO
 
 NEW = 12
@@ -205,3 +208,42 @@ def test_no_async_scheduling_gives_the_same_tokens(smollm: tuple[LLM, list[list[
     assert launched and set(launched) == {0}  # nothing left in flight after a step
     assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
     assert d.runner.tokens.in_use == 0 and d.sched.blocks.num_free == d.sched.blocks.num_blocks
+
+
+@pytest.mark.parametrize("two_configs", [False, True], ids=["one configuration", "two configurations"])
+def test_duet_without_an_slo_fuses_every_step_and_never_splits(
+        smollm: tuple[LLM, list[list[int]], list[list[int]]], two_configs: bool) -> None:
+    """`--mode rapid --policy duet --slo-itl-ms none`: the decode worker's own policy (`default_policy`) runs every
+    step fused with the whole token budget, on a plan without a cost model (one configuration, as on a CPU:
+    `DuetWithoutSlo`) and on an adaptive one (two configurations, the roofline and its peaks: `DuetPolicy`). Nothing
+    is handed to the prefill worker beside it and no configuration is switched; greedy tokens as LLM's, every block
+    back."""
+    llm, prompts, want = smollm
+    cfg = dataclasses.replace(llm.config, partition=PartitionConfig(policy="duet", slo_itl_ms=None))
+    configs = CONFIGS if two_configs else CONFIGS[:1]
+    peaks = Peaks(782e12, 2.98e12, 132, device="H100-like") if two_configs else None
+    profile = roofline_profile(cfg.model_config, "cpu", MODEL, peaks, configs, [1, 8], [512], 48) if peaks else None
+    plan = PartitionPlan("none", configs, profile, "test", peaks)
+    io, backend = FakeIO(), CpuSplits()
+    d = DecodeWorker(cfg, llm.engine.runner, io, DecodePartition(cfg.partition, plan), backend)  # type: ignore[arg-type]
+    p = PrefillWorker(cfg, llm.engine.runner, io, backend, OVERALLOCATED)  # type: ignore[arg-type]
+    assert isinstance(d.policy, DuetPolicy if two_configs else DuetWithoutSlo) and d.has_prefill
+    assert d.partition.adaptive == two_configs
+    shapes: list[StepShape] = []
+    decide = d.policy.decide
+
+    def recorded(st: ShapeState) -> StepShape:
+        shapes.append(decide(st))
+        return shapes[-1]
+
+    d.policy.decide = recorded  # type: ignore[method-assign]
+    free0 = d.sched.blocks.num_free
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    told = serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)])
+    assert told == [] and not io.sent["p2r"]  # no KVReady, no SetPartition: the prefill worker never had work
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
+    assert shapes and not any(isinstance(s, Split) for s in shapes)
+    assert Fused(cfg.scheduler.max_num_batched_tokens) in shapes  # the whole budget (48 tokens), decodes included
+    assert set(shapes) <= {Fused(48), DecodeAlone(OVERALLOCATED)}, set(shapes)
+    assert d.partition.steps.keys() == {OVERALLOCATED} and d.partition.num_switches == 0
+    assert d.sched.blocks.num_free == free0 and not p.waiting_prefill and d.runner.tokens.in_use == 0

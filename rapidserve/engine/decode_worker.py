@@ -247,9 +247,10 @@ class DecodeWorker(StepCycle):
 def default_policy(cfg: EngineConfig, partition: DecodePartition, rapid: RapidInputs) -> StepPolicy:
     """The policy of a decode worker with a prefill worker beside it: `--policy duet` runs DuetServe's adaptive
     policy (partition/policies.py: fused while the predicted step meets the ITL SLO, else split) where the plan
-    can switch configurations; `rapid` and `drift` (and duet on a plan of one configuration) run today's
-    partition manager as `AlwaysSplit`."""
-    sc = cfg.scheduler
-    if cfg.partition.policy == "duet" and partition.adaptive and partition.plan.peaks is not None:
+    can switch configurations, and with no ITL SLO (`--slo-itl-ms none`) on every plan (every step fused with the
+    whole token budget: it never splits); `rapid` and `drift` (and duet with an SLO on a plan of one configuration)
+    run today's partition manager as `AlwaysSplit`."""
+    sc, p = cfg.scheduler, cfg.partition
+    if p.policy == "duet" and (p.slo_itl_ms is None or (partition.adaptive and partition.plan.peaks is not None)):
         return make_step_policy(cfg, partition.plan)
     return AlwaysSplit(partition, sc.prefill_batch_tokens or sc.max_num_batched_tokens, rapid)

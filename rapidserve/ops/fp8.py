@@ -20,10 +20,11 @@ The paths (`Ops.fp8_linear`, rapidserve/ops/__init__.py; the GPU ones routed by 
   `torch._scaled_mm`'s row-wise scaling (cuBLASLt / CUTLASS on sm_89+, hipBLASLt on MI300): fp8 products
   accumulated in float32, scaled in its epilogue, bfloat16 out.
 - `triton_fp8.block_linear`: 128x128-style block scales (`gpu_linear` routes them there).
-- `triton_fp8_skinny.skinny_fp8_linear`: decode's calls of at most 16 rows with per-token activations and per-row
-  weight scales on NVIDIA (`gpu_linear` routes them there as the bf16 linear routes its own): one kernel that
-  quantizes x as `quantize_input` does and multiplies fp8 by fp8 (cuBLASLt's fp8 GEMMs read small-M weights at
-  well under the memory bandwidth: bench/results/fp8_linear_probe.md).
+- `triton_fp8_skinny.skinny_fp8_linear`: decode's calls of at most 64 rows with per-token activations and per-row
+  weight scales on NVIDIA (`gpu_linear` routes them there by `triton_fp8_skinny.plan`: 1-16 rows by the untuned
+  rule, 17-64 where this GPU's measured table says so): one kernel that quantizes x as `quantize_input` does and
+  multiplies fp8 by fp8 (cuBLASLt's fp8 GEMMs read small-M weights at well under the memory bandwidth:
+  bench/results/fp8_linear_probe.md).
 
 Rows already quantized per token (`QuantizedRows`, by the fused RMSNorm / SiLU-and-mul of ops/triton_fp8_fused.py
 or `quantize_rows`) go through `reference_linear_rows` / `fp8_gpu.gpu_linear_rows`: the same routes on the same

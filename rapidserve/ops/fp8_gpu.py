@@ -1,8 +1,8 @@
 """The fp8 linear of GPUs that multiply fp8 (`Ops.fp8_linear` of the Triton bundle): which kernel takes a call.
 The math every path computes, and the reference, are in rapidserve/ops/fp8.py; the paths:
 - per-row weight scales: `torch._scaled_mm` with row-wise scales (`scaled_mm_linear`), per-token activations
-  quantized by one Triton kernel (`triton_fp8.quantize_tokens`); at decode's 1-16 rows on NVIDIA the Triton
-  skinny kernel (`triton_fp8_skinny`);
+  quantized by one Triton kernel (`triton_fp8.quantize_tokens`); at decode's 1-64 rows on NVIDIA the Triton
+  skinny kernel where `triton_fp8_skinny.plan` gives it tiles (1-16 rows untuned, more where a measured table says);
 - block scales: the Triton block GEMM (`triton_fp8.block_linear`);
 - shapes none of them takes (K or N not a multiple of 16): `fp8.reference_linear`.
 `gpu_linear_rows` takes rows already quantized per token by the op that made them (triton_fp8_fused: RMSNorm,
@@ -59,7 +59,7 @@ def _scaled_mm(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torc
 
 def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
-    activations at 1-16 rows on NVIDIA through the skinny kernel (where its grid is wide enough), other per-row
+    activations at 1-64 rows on NVIDIA through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
     ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
     `reference_linear`."""
     if layer.block is not None:
@@ -77,7 +77,7 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
 def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`gpu_linear` of the rows x that `rows` quantize (a fused producer's output, triton_fp8_fused), for layers that
     `takes_rows`: the same routing on the same quantized numbers, so the same kernel and the same result as
-    `gpu_linear(x, layer, bias)`, without the quantizer (the skinny kernel at 1-16 rows on NVIDIA, else
+    `gpu_linear(x, layer, bias)`, without the quantizer (the skinny kernel where routed on NVIDIA, else
     `torch._scaled_mm`, else the reference). ValueError for a layer or rows that do not fit (`fp8.check_rows`)."""
     check_rows(rows, layer)
     if torch.version.hip is None and triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale):

@@ -11,8 +11,8 @@ token alignment the fused Triton kernels (`ops/triton_moe.py`) read.
   path).
 - ``align_block_size(ids, num_experts, block_m) -> Alignment``: the (token, slot) pairs sorted by expert, each
   expert's run padded to a multiple of `block_m` (see `Alignment`), from torch ops on the device without a host
-  read: `triton_moe` uses it for batches too large for its one-program alignment kernel, and its tests check that
-  kernel against it.
+  read: the reference that the Triton alignment (`ops/triton_moe_align.py`, which `triton_moe` runs) equals bit
+  for bit (tests/test_moe_align.py).
 
 Shapes are fixed by the batch alone (the padding bound `max_padded`), so a captured CUDA graph replays them.
 """

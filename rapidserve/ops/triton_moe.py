@@ -1,13 +1,13 @@
 """A mixture-of-experts layer's experts as grouped GEMMs in Triton (issue 40), on NVIDIA and AMD alike.
 
 `fused_moe(x, w13, w2, weights, ids)` computes what `ops.moe.moe_experts_ref` does (see ops/moe.py for the
-layouts) in four launches, none of which reads a device value on the host, with shapes fixed by the batch, so a
-decode step's CUDA graph captures it:
+layouts) in four steps (four launches; five above ALIGN_ONE_PROGRAM pairs), none of which reads a device value on
+the host, with shapes fixed by the batch, so a decode step's CUDA graph captures it:
 
 1. alignment: the T*k (token, slot) pairs sorted by expert, each expert's run padded to a multiple of BLOCK_M
-   (`ops.moe.Alignment`, vLLM's moe_align_block_size layout): one program of `_align_kernel` for up to
-   ALIGN_ONE_PROGRAM pairs (decode batches, short chunks: a loop over experts, each a masked cumulative sum over
-   the pairs), else `ops.moe.align_block_size`'s torch ops (a sort; longer prefills).
+   (`ops.moe.Alignment`, vLLM's moe_align_block_size layout; `ops/triton_moe_align.py`): a stable counting sort
+   vectorised over the experts, one program for up to ALIGN_ONE_PROGRAM pairs (decode batches), else two launches
+   (per-block counts, then every program's share of the rows), the same bits as `ops.moe.align_block_size`.
 2. gate|up: `_gate_up_kernel`, one program per (m, n) tile of a 1-D grid (`_program_tile`: GROUP_M m blocks a
    group, an L2 swizzle): one BLOCK_M run of one expert's pairs x BLOCK_N features: the pairs' token rows of x
    gathered (each loaded once per K step for both products), times the expert's gate and up tiles (two
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.ops.moe import Alignment, align_block_size, max_padded
+from rapidserve.ops.moe import Alignment
 from rapidserve.ops.moe_tiles import (
     GemmTiles,
     MoeKernelConfig,
@@ -41,9 +41,8 @@ from rapidserve.ops.moe_tiles import (
     lookup,
     rule_config,
 )
-
-ALIGN_ONE_PROGRAM = 1024  # at most this many pairs are aligned by one program of `_align_kernel`
-
+from rapidserve.ops.triton_moe_align import ONE_PROGRAM as ALIGN_ONE_PROGRAM
+from rapidserve.ops.triton_moe_align import align
 
 TUNED: MoeTables = load_tables()  # the packaged tables, validated once at import (read-only)
 
@@ -65,53 +64,6 @@ def moe_config(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype,
         return rule_config(pairs, num_experts, hip)
     return lookup(tables, TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch.")), pairs,
                   hip)
-
-
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, padded_rows,
-                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK_TAIL: tl.constexpr):
-    """One program: `ops.moe.Alignment` of `pairs` <= BLOCK expert ids; every row < padded_rows written once."""
-    offs = tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1)
-    pad = tl.arange(0, BLOCK_M)
-    blocks = tl.arange(0, BLOCK_B)
-    start = tl.full([], 0, tl.int32)
-    for e in range(NUM_EXPERTS):
-        hit = (ids == e).to(tl.int32)
-        n = tl.sum(hit, axis=0)
-        pos = tl.cumsum(hit, axis=0) - 1
-        tl.store(sorted_ptr + start + pos, offs, mask=hit != 0)
-        padded = (n + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        tl.store(sorted_ptr + start + n + pad, tl.zeros([BLOCK_M], tl.int32) + pairs, mask=pad < padded - n)
-        tl.store(expert_ptr + start // BLOCK_M + blocks, tl.zeros([BLOCK_B], tl.int32) + e,
-                 mask=blocks < padded // BLOCK_M)
-        start += padded
-    tl.store(post_ptr, start)
-    for r0 in range(0, padded_rows, BLOCK_TAIL):
-        rows = r0 + tl.arange(0, BLOCK_TAIL)
-        tail = (rows >= start) & (rows < padded_rows)
-        tl.store(sorted_ptr + rows, tl.zeros([BLOCK_TAIL], tl.int32) + pairs, mask=tail)
-        tl.store(expert_ptr + rows // BLOCK_M, tl.zeros([BLOCK_TAIL], tl.int32) - 1,
-                 mask=tail & (rows % BLOCK_M == 0))
-
-
-def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
-    """`ops.moe.Alignment` of expert ids [T, k] (int32) on their device: `_align_kernel` for at most
-    ALIGN_ONE_PROGRAM pairs, `ops.moe.align_block_size` above."""
-    pairs = ids.numel()
-    if pairs > ALIGN_ONE_PROGRAM:
-        return align_block_size(ids, num_experts, block_m)
-    p = max_padded(pairs, num_experts, block_m)
-    dev = ids.device
-    sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(p // block_m, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
-    block = triton.next_power_of_2(max(pairs, 16))
-    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), sorted_ids, expert_ids, num_post, pairs, p,
-                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK=block,
-                        BLOCK_B=triton.next_power_of_2(max(-(-pairs // block_m), 2)), BLOCK_TAIL=256)
-    return Alignment(sorted_ids, expert_ids, num_post)
 
 
 @triton.jit
@@ -278,3 +230,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)
     launch_down(act, w2, out, weights.reshape(-1).contiguous(), al, cfg.block_m, cfg.down)
     return out.view(t, top_k, h).sum(dim=1)
+
+
+__all__ = ["ALIGN_ONE_PROGRAM", "TUNED", "align", "device_name", "fused_moe", "launch_down", "launch_gate_up",
+           "moe_config"]

@@ -25,11 +25,12 @@ def _warps(block: int) -> int:
 # ----------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
-             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Row `row` normalised, weight * h.to(dtype), in float32 before its rounding to the output dtype ([BLOCK],
-    0 past n_cols); with HAS_RESIDUAL the sum residual + x, rounded to x's dtype, is what is normalised and is
-    stored to res_out's row first. Row ``row`` of x is at ``(row // n_inner) * stride_xo + (row % n_inner) *
-    stride_xi``. (Shared with triton_fp8_fused's RMSNorm that quantizes its output: the same numbers.)"""
+             HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """(Row `row` normalised, weight * h.to(dtype), in float32 before its rounding to the output dtype ([BLOCK],
+    0 past n_cols); rsqrt(mean(h^2) + eps), the scalar h was multiplied by). With HAS_RESIDUAL the sum residual + x,
+    rounded to x's dtype, is what is normalised and (STORE_RESIDUAL) is stored to res_out's row first. Row ``row``
+    of x is at ``(row // n_inner) * stride_xo + (row % n_inner) * stride_xi``. (Shared with triton_fp8_fused's
+    RMSNorm that quantizes its output: the same numbers.)"""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     outer = row // n_inner
@@ -38,12 +39,14 @@ def _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_x
     if HAS_RESIDUAL:
         r = tl.load(r_ptr + outer * stride_ro + inner * stride_ri + cols, mask=mask, other=0.0)
         x = (r.to(tl.float32) + x.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
+        if STORE_RESIDUAL:
+            tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     h = x.to(tl.float32)
     variance = tl.sum(h * h, axis=0) / n_cols
-    h = h * tl.rsqrt(variance + eps)
+    rstd = tl.rsqrt(variance + eps)
+    h = h * rstd
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return h.to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    return h.to(x.dtype).to(tl.float32) * w.to(tl.float32), rstd
 
 
 @triton.jit
@@ -51,8 +54,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
                      stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    y = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri, n_cols,
-                 eps, HAS_RESIDUAL, BLOCK)
+    y, _ = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
+                    n_cols, eps, HAS_RESIDUAL, True, BLOCK)
     cols = tl.arange(0, BLOCK)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 

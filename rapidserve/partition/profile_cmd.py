@@ -88,7 +88,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
     # The model flags are built as given, so that the one flag check (policy_spec, run "profile") refuses those the
     # profile does not read before anything loads; then `for_profiling` puts the profile's own sizes in their place.
     # --max-model-len is checked against the model's max_position_embeddings as in every run (unless
-    # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN); the length the buckets need may pass it: they measure timings, not text
+    # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN); the length the buckets need may pass it: they measure timings, not text.
+    # --slo-itl-ms none is refused there too (policy_spec: the profile run `needs` the SLO for its table and plot)
     cfg, source = build_engine_config(
         a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         allow_long_max_model_len=allow_long_max_model_len(os.environ),

@@ -121,12 +121,26 @@ def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partition
     """The run's plan; `source`, logged once at start (the decode worker's Ready), says where each cost model
     came from and, under tensor parallelism, which of them hold the collectives (`tp_cost_models`)."""
     plan = _resolve_plan(cfg, device, dtype)
+    slo = slo_note(cfg.partition, plan)
+    if slo:
+        plan.source += f"; {slo}"
     if cfg.partition.policy == "drift":
         with_prefill_models(plan, cfg, device, dtype)
     note = tp_cost_models(cfg, plan)
     if note:
         plan.source += f"; {note}"
     return plan
+
+
+def slo_note(pcfg: PartitionConfig, plan: PartitionPlan) -> str:
+    """The ITL SLO the policy decides with, for the plan's line in the start-up log (`decode partition: ...`): "ITL
+    SLO 50 ms" where an adaptive plan has configurations to choose among, "no ITL SLO ..." (--slo-itl-ms none: duet,
+    the one adaptive policy that runs without one, policy_spec) on every plan; "" where no SLO is read."""
+    if pcfg.mode != "adaptive":
+        return ""
+    if pcfg.slo_itl_ms is None:
+        return "no ITL SLO (--slo-itl-ms none): every step fused with the whole token budget, never split"
+    return f"ITL SLO {pcfg.slo_itl_ms:g} ms" if plan.profile is not None and len(plan.configurations) > 1 else ""
 
 
 def tp_cost_models(cfg: EngineConfig, plan: PartitionPlan) -> str:

@@ -6,7 +6,9 @@
   (partition/manager.py `decide`: the profile's configuration with the most prefill throughput whose decode
   step beside prefill meets the ITL SLO, with its hysteresis), or the plan's one configuration (`--partition
   static` / `off`). Prompts go to the prefill worker (`Split`), in batches of `prefill_batch_tokens`.
-* `DuetPolicy` (`--policy duet`, DuetServe): partition/policies.py, fused when it can, split when it must.
+* `DuetPolicy` (`--policy duet`, DuetServe): partition/policies.py, fused when it can, split when it must. With no
+  ITL SLO (`--slo-itl-ms none`) its rule is every step fused with the whole token budget, never split; on a plan
+  with no cost model (one configuration: a CPU, `--partition-backend none`) that rule runs as `DuetWithoutSlo`.
 * `DriftPolicy` (`--policy drift`, DRIFT): always split; the configuration is DRIFT's (partition/drift.py
   `decide_drift` over every configuration, carried out with hysteresis by drift_plan.py's
   `drift_configuration`); its prefill worker forms, sizes and preempts its own batches (engine/drift_prefill.py).
@@ -59,6 +61,16 @@ class FusedPolicy:
 
     def observe(self, timing: StepTiming) -> None:
         """Nothing to correct: the fused policy predicts nothing."""
+
+
+class DuetWithoutSlo(FusedPolicy):
+    """`--policy duet --slo-itl-ms none` on a plan without a cost model (no measured profile, no peaks: one
+    configuration, nothing to switch): `decide_adaptive`'s rule for no SLO, fused with the whole token budget,
+    which needs no prediction, on duet's workers (the prefill worker is started and never handed a prompt)."""
+
+    name = "duet"
+    workers = POLICY_SPECS["duet"].workers
+    reads_waiting = False  # the decision reads no queue
 
 
 def _split_or_alone(state: ShapeState, config: str, batch_tokens: int | None) -> StepShape:
@@ -131,6 +143,11 @@ class DriftPolicy:
         """Nothing to correct: DRIFT's models are fitted at start-up (or given)."""
 
 
+def has_cost_model(plan: PartitionPlan) -> bool:
+    """Whether `step_costs` has what it builds the adaptive policy's cost model from: a measured profile, or peaks."""
+    return (plan.profile is not None and plan.profile.source == "measured") or plan.peaks is not None
+
+
 def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
     """The adaptive policy's cost model for this run: the measured profile where the plan has one, else the roofline
     with the plan's peaks (its configurations), one rank's shard plus its collectives at -tp N."""
@@ -154,6 +171,8 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
                            hysteresis_steps=p.hysteresis_steps, prefill_batch_tokens=sched.prefill_batch_tokens,
                            interpolate=p.profile_lookup == "interpolate")
     if p.policy == "duet":
+        if p.slo_itl_ms is None and not has_cost_model(plan):
+            return DuetWithoutSlo()  # no cost model, and none needed: every step fused with the whole budget
         costs = step_costs(cfg, plan)
         if isinstance(costs, RooflineCosts) and costs.dtype_bytes != dtype_bytes:
             costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes,
