@@ -126,7 +126,7 @@ def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def smol_server() -> Iterator[Any]:
     """`rapidserve serve` of the embedded SmolLM2 with the default flags (tests/test_server.py's `start()`: CPU,
     --max-model-len 1024, rapid mode, both workers), started once per test process (per pytest-xdist worker)
-    for the files that need exactly that server, instead of one per file (a start is about 16 CPU-s on 2 cores).
+    for the files that need exactly that server, instead of one per file (a start is about 15 CPU-s on 2 cores).
     Its users only send it requests, each test's answers independent of what came before (no absolute counter
     or cache-hit checks, no signals, no killed workers, nothing left running after a test); a test that needs
     other flags or fresh state starts its own. Stopped with SIGTERM at the end: it drains and exits 0."""

@@ -73,8 +73,8 @@ def test_every_triton_kernel_is_in_the_check() -> None:
 
 @pytest.fixture(scope="module")
 def captured() -> dict[tuple[str, Shape], Capture]:
-    """capture() of every CI shape on gfx942 and sm_90, by (target, shape): made once for this module (about
-    half of the CI matrix's capture time; the matrix test below reuses them)."""
+    """capture() of every CI shape on gfx942 and sm_90, by (target, shape): made once for this module (the
+    matrix test below reuses them rather than capturing them again)."""
     return {(t, s): capture(s, TARGETS[t]) for t in ("gfx942", "sm_90") for s in shapes("ci", t)}
 
 
