@@ -37,17 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from rapidserve.loader import ModelLoadError
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """What ends a command with a message and EXIT_USAGE: a bad configuration, invalid sampling parameters and
+    the like (ValueError), and a model that cannot be loaded (the loader's ModelLoadError, once the command has
+    imported the loader: one that never did, `bench` or a flag argparse refused, started without torch)."""
+    model_load_error = getattr(sys.modules.get("rapidserve.loader"), "ModelLoadError", None)
+    return (ConfigError, ValueError) if model_load_error is None else (ConfigError, ValueError, model_load_error)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except (ModelLoadError, ConfigError) as e:
-        print(f"rapidserve: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as e:  # invalid sampling parameters and the like
+    except _usage_errors() as e:
         print(f"rapidserve: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -1,6 +1,7 @@
 """Shared test setup: `gpu`-marked tests are skipped where no CUDA/ROCm GPU is visible; fixtures
 several files use (`make_ring`, `tok`: the embedded SmolLM2 tokenizer, `smollm2_hf`: transformers' own
-load of the embedded SmolLM2 GGUF, fp32; about 30 s, so loaded once for the session and never modified)."""
+load of the embedded SmolLM2 GGUF, fp32; about 30 s, so loaded once for the session and never modified;
+`smol_server`: a `rapidserve serve` of the embedded SmolLM2 with the default flags, one per test process)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,21 @@ def smollm2_hf(tmp_path_factory: pytest.TempPathFactory) -> Any:
                   str(shared / "model.safetensors.part"), metadata={"format": "pt"})
         (shared / "model.safetensors.part").rename(shared / "model.safetensors")
         return model
+
+
+@pytest.fixture(scope="session")
+def smol_server() -> Iterator[Any]:
+    """`rapidserve serve` of the embedded SmolLM2 with the default flags (tests/test_server.py's `start()`: CPU,
+    --max-model-len 1024, rapid mode, both workers), started once per test process (per pytest-xdist worker)
+    for the files that need exactly that server, instead of one per file (a start is about 15 CPU-s on 2 cores).
+    Its users only send it requests, each test's answers independent of what came before (no absolute counter
+    or cache-hit checks, no signals, no killed workers, nothing left running after a test); a test that needs
+    other flags or fresh state starts its own. Stopped with SIGTERM at the end: it drains and exits 0."""
+    from tests.test_server import start, stop
+
+    s = start()
+    yield s
+    assert stop(s) == 0
 
 
 @pytest.fixture(scope="module")

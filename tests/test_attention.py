@@ -3,20 +3,19 @@ reference against transformers' own SDPA attention, and the Triton kernels again
 (under the Triton interpreter on CPU, in a subprocess, and natively on a GPU).
 
 Run as a script (``TRITON_INTERPRET=1 python tests/test_attention.py write_kv|prefill|decode``) it
-performs the interpreter checks; the ``test_triton_interpreter`` test does exactly that.
+performs the interpreter checks; the ``test_triton_interpreter`` tests do exactly that (all in one subprocess).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_interp import run_interpreted
+from triton_interp import interpreted_checks, run_checks, selected
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import torch_ref as ref
@@ -323,11 +322,17 @@ def _interp_decode() -> None:
 INTERP_CHECKS = {"write_kv": _interp_write_kv, "prefill": _interp_prefill, "decode": _interp_decode}
 
 
+@pytest.fixture(scope="module")
+def interpreter(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The session's interpreter checks of this module, in one subprocess (tests/triton_interp.py)."""
+    return interpreted_checks(__file__, selected(request, "check"))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
-def test_triton_interpreter(check: str) -> None:
+def test_triton_interpreter(interpreter: dict[str, str], check: str) -> None:
     """The Triton kernels under TRITON_INTERPRET=1 (fp32/fp16: the interpreter's bf16 is inexact)."""
-    run_interpreted(__file__, check)
+    assert interpreter[check] == "", interpreter[check]
 
 
 # -------------------------------------------------------------------------------------------- GPU
@@ -418,11 +423,7 @@ def test_gpu_decode_cuda_graph_replay() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    for name in sys.argv[1:] or sorted(INTERP_CHECKS):
-        INTERP_CHECKS[name]()
-        print(f"{name}: ok")
+    sys.exit(run_checks(INTERP_CHECKS, sys.argv[1:]))
 
 
 # ---------------------------------------------------------------------------------- mixed steps

@@ -5,7 +5,7 @@ the Triton kernels against the reference under the Triton interpreter (a subproc
 the context giving exactly the unwindowed answer.
 
 Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_window.py prefill|decode``) it performs the
-interpreter checks; `test_triton_interpreter_window` does exactly that.
+interpreter checks; `test_triton_interpreter_window` does exactly that (both in one subprocess).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_attention import Batch, decode_seqs, make_batch  # noqa: E402
-from triton_interp import run_interpreted  # noqa: E402
+from triton_interp import interpreted_checks, run_checks, selected  # noqa: E402
 
 from rapidserve.attention import attend, fa3, get_attention_backend, split_decode_rows  # noqa: E402
 from rapidserve.attention import torch_ref as ref  # noqa: E402
@@ -200,12 +200,18 @@ def _interp_decode() -> None:
 INTERP_CHECKS = {"prefill": _interp_prefill, "decode": _interp_decode}
 
 
+@pytest.fixture(scope="module")
+def interpreter(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The session's interpreter checks of this module, in one subprocess (tests/triton_interp.py)."""
+    return interpreted_checks(__file__, selected(request, "check"))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
-def test_triton_interpreter_window(check: str) -> None:
+def test_triton_interpreter_window(interpreter: dict[str, str], check: str) -> None:
     """The Triton kernels' windowed paths under TRITON_INTERPRET=1 (fp32/fp16)."""
-    run_interpreted(__file__, check)
+    assert interpreter[check] == "", interpreter[check]
 
 
 if __name__ == "__main__":
-    INTERP_CHECKS[sys.argv[1]]()
+    sys.exit(run_checks(INTERP_CHECKS, sys.argv[1:]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from rapidserve.benchmark.plot import PLOT_NEEDS
 from rapidserve.benchmark.results import frontier_points
 from rapidserve.cli import build_parser, main
 from tests.test_bench_cli import PNG_MAGIC, bench
-from tests.test_server import Srv, start, stop
+from tests.test_server import Srv
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -119,10 +118,8 @@ def test_search_markdown_and_plot(tmp_path, monkeypatch) -> None:  # type: ignor
 
 
 @pytest.fixture(scope="module")
-def smol() -> Iterator[Srv]:
-    s = start()  # the embedded SmolLM2 on CPU, --max-model-len 1024, both workers
-    yield s
-    assert stop(s) == 0
+def smol(smol_server: Srv) -> Srv:
+    return smol_server  # the embedded SmolLM2 on CPU, --max-model-len 1024, both workers (tests/conftest.py)
 
 
 def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from rapidserve.kv_pool import KVPool
 from rapidserve.parallel.kv_connector import DevicePeerConnector, Landed, SharedPool, attach_pool, export_pool
+from tests.fork_context import child_context
 
 LAYERS, HEADS, BS, DIM = 3, 2, 4, 5
 TIMEOUT_S = 120
@@ -129,7 +129,7 @@ def _child(inbox: Any, outbox: Any) -> None:
 def test_push_and_pull_across_processes_through_the_hand_off() -> None:
     owner = KVPool(pool(8, 12), BS)
     before = owner.tensor.clone()
-    ctx = tmp.get_context("spawn")
+    ctx = child_context()  # a fork of the engine's fork server, as the prefill worker starts
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_child, args=(inbox, outbox), daemon=True)
     proc.start()

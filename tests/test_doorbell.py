@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import statistics
@@ -18,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 from conftest import MakeRing
+from fork_context import child_context
 
 from rapidserve.ipc import (
     DOORBELL_NAME_MAX,
@@ -204,7 +204,7 @@ def test_mark_closed_wakes_wait_any(bell: Doorbell, make_ring: MakeRing) -> None
 def test_single_ring_wait_with_doorbell_across_processes(bell: Doorbell, make_ring: MakeRing) -> None:
     """get()/wait() on a ring that has a doorbell still sleep on (and are woken via) its .rd."""
     ring = make_ring(slots=4, slot_size=16, doorbell=bell.name)
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     rx, tx = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_writer, args=([ring.name], 20, 7, 0.01, 0.02, tx))
     proc.start()
@@ -227,7 +227,7 @@ def test_wake_latency_across_processes(bell: Doorbell, make_ring: MakeRing) -> N
     """2,000 wake-ups, each ring in turn, random gaps: every one prompt, none lost."""
     count, nrings = 2000, 3
     rings = [make_ring(slots=16, slot_size=16, doorbell=bell.name) for _ in range(nrings)]
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     rx, tx = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_writer, args=([r.name for r in rings], count, 1234, 0.0002, 0.003, tx))
     proc.start()
@@ -272,7 +272,7 @@ def test_always_sleep_stress(bell: Doorbell, make_ring: MakeRing) -> None:
     count, nrings = 10_000, 3
     bell.spin_s = 0.0
     rings = [make_ring(slots=64, slot_size=16, doorbell=bell.name) for _ in range(nrings)]
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     rx, tx = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_writer, args=([r.name for r in rings], count, 99, 0.0, 0.0, tx))
     proc.start()

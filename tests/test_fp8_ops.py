@@ -10,13 +10,12 @@ Run as a script (``TRITON_INTERPRET=1 python tests/test_fp8_ops.py``) it perform
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from triton_interp import run_interpreted
+from triton_interp import interpreted_checks, run_checks, selected_by_test
 
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
@@ -241,16 +240,25 @@ def test_block_scales_that_do_not_split_on_blocks() -> None:
     assert "o_proj 128 columns" in (block_shard_problem(CFG, 4, (64, 256)) or "")
 
 
+INTERP_TESTS = {"block": "test_block_kernel_interpreter", "rows": "test_row_kernels_interpreter"}  # check -> test
+
+
+@pytest.fixture(scope="module")
+def interpreter(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The session's interpreter checks of this module, in one subprocess (tests/triton_interp.py)."""
+    return interpreted_checks(__file__, selected_by_test(request, INTERP_TESTS), timeout=1200)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_block_kernel_interpreter() -> None:
+def test_block_kernel_interpreter(interpreter: dict[str, str]) -> None:
     """The Triton block kernel under TRITON_INTERPRET=1 against the reference, e4m3fn and e4m3fnuz."""
-    run_interpreted(__file__, timeout=600)
+    assert interpreter["block"] == "", interpreter["block"]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_row_kernels_interpreter() -> None:
+def test_row_kernels_interpreter(interpreter: dict[str, str]) -> None:
     """The per-token quantizer and decode's skinny fp8 linear under TRITON_INTERPRET=1, e4m3fn and e4m3fnuz."""
-    run_interpreted(__file__, "rows", timeout=600)
+    assert interpreter["rows"] == "", interpreter["rows"]
 
 
 def check_block_kernel() -> None:
@@ -346,11 +354,4 @@ def check_row_kernels() -> None:
                                                 layer.weight_scale, config=Fp8Tiles(16, 16, 64, 4, 2))
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    if sys.argv[1:] == ["rows"]:
-        check_row_kernels()
-        print("fp8 row kernels: ok")
-    else:
-        check_block_kernel()
-        print("fp8 block kernel: ok")
+    sys.exit(run_checks({"block": check_block_kernel, "rows": check_row_kernels}, sys.argv[1:]))

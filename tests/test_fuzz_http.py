@@ -7,6 +7,9 @@ batches of at most 3 prompts and token ids inside the vocabulary (so valid reque
 Examples are bounded (MAX_EXAMPLES per route x mode x stream) to keep the test under two minutes. In
 positive mode some generation must have run (200), so the narrowing cannot silently drift into
 testing only refusals; negative mode may see 200s where the narrowed copy is stricter than the server.
+Hypothesis draws a test's examples first (derandomized: the same ones every run, whatever the server
+answers); they are then sent all at once, as concurrent clients would (the generating ones share the
+engine's batches: one at a time, each waited for its few decode steps alone), and every answer is checked.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -139,22 +143,35 @@ def _fuzz(srv: Srv, schema: Any, method: str, path: str, mode: str, stream: bool
 
     op = schema[path][method]
     strategy = op.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+    cases: list[Any] = []
 
     @settings(max_examples=MAX_EXAMPLES[mode], deadline=None, database=None, derandomize=True,
               phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
     @given(case=strategy)
-    def run(case: Any) -> None:
+    def draw(case: Any) -> None:
         if stream is not None and isinstance(case.body, dict):
             if mode == "positive":
                 _as_sent(case.body, stream)
             else:
                 case.body["stream"] = stream
-        response = case.call(base_url=srv.url, timeout=120)
-        statuses.append(response.status_code)
-        _check(response, stream if isinstance(case.body, dict) else None)
+        cases.append(case)
 
-    statuses: list[int] = []
-    run()
+    draw()
+    assert cases
+
+    def send(case: Any) -> tuple[int, str | None]:
+        response = case.call(base_url=srv.url, timeout=120)
+        try:
+            _check(response, stream if isinstance(case.body, dict) else None)
+        except AssertionError as e:
+            return response.status_code, f"{case.method} {case.path} {case.body!r:.500}: {e}"
+        return response.status_code, None
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(send, cases))
+    statuses = [status for status, _ in results]
+    failed = [why for _, why in results if why is not None]
+    assert not failed, f"{len(failed)} of {len(cases)} answers wrong:\n" + "\n".join(failed)
     if mode == "positive":  # the narrowing keeps valid requests coming: some must have generated
         assert 200 in statuses, statuses
 

@@ -14,13 +14,12 @@ import http.client
 import json
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import pytest
 
-from tests.test_server import Srv, start, stop
+from tests.test_server import Srv
 
 CAPACITY = 256 + 512  # the server's default --max-num-seqs + --max-waiting
 LIMIT = 8 * 1024 * 1024  # the default --max-request-bytes
@@ -28,10 +27,8 @@ JSON = "application/json"
 
 
 @pytest.fixture(scope="module")
-def srv() -> Iterator[Srv]:
-    s = start()
-    yield s
-    assert stop(s) == 0
+def srv(smol_server: Srv) -> Srv:
+    return smol_server  # the session's default-flag server (tests/conftest.py)
 
 
 def request(srv: Srv, method: str, path: str, body: bytes | None = None, content_type: str | None = JSON,

@@ -13,18 +13,17 @@
   to the Triton kernel with the scales.
 
 Run as a script (``TRITON_INTERPRET=1 python tests/test_kv_fp8_attention.py write|rope_write|decode|prefill``) it
-performs the interpreter checks; `test_triton_interpreter` does exactly that."""
+performs the interpreter checks; `test_triton_interpreter` does exactly that (all in one subprocess)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 from test_attention import DECODE_CASES, PREFILL_CASES, Batch, decode_seqs, make_batch
-from triton_interp import run_interpreted
+from triton_interp import interpreted_checks, run_checks, selected
 
 from rapidserve.attention import attend, get_attention_backend
 from rapidserve.attention import kv_quant as kq
@@ -386,16 +385,18 @@ INTERP_CHECKS = {"write": _interp_write, "rope_write": _interp_rope_write, "deco
                  "prefill": _interp_prefill}
 
 
+@pytest.fixture(scope="module")
+def interpreter(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The session's interpreter checks of this module, in one subprocess (tests/triton_interp.py)."""
+    return interpreted_checks(__file__, selected(request, "check"))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
-def test_triton_interpreter(check: str) -> None:
+def test_triton_interpreter(interpreter: dict[str, str], check: str) -> None:
     """The Triton kernels with an fp8 cache under TRITON_INTERPRET=1, against the torch reference."""
-    run_interpreted(__file__, check)
+    assert interpreter[check] == "", interpreter[check]
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    for name in sys.argv[1:] or sorted(INTERP_CHECKS):
-        INTERP_CHECKS[name]()
-        print(f"{name}: ok")
+    sys.exit(run_checks(INTERP_CHECKS, sys.argv[1:]))

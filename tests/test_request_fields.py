@@ -360,12 +360,50 @@ def llm() -> LLM:
     return LLM(show_progress=False, max_model_len=1024)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.llm], ids=lambda c: c.name)
-def test_field_through_llm(llm: LLM, case: Case) -> None:
-    fields = {"max_tokens": 8, "temperature": 0, **(case.fields if case.llm_fields is None else case.llm_fields)}
-    params = SamplingParams(**fields)
-    outs = llm.generate([QUESTION], params, use_tqdm=False)
-    choices = [{"_text": c.text, "_completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                "logprobs": c.logprobs} for c in outs[0].outputs]
-    case.check(choices)
+LLM_CASES = [c for c in CASES if c.llm]
+
+
+def _llm_params(case: Case) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 8, "temperature": 0,
+                             **(case.fields if case.llm_fields is None else case.llm_fields)})
+
+
+def _llm_choices(out: Any) -> list[dict[str, Any]]:
+    return [{"_text": c.text, "_completion_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+             "logprobs": c.logprobs} for c in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def llm_results(llm: LLM) -> dict[str, list[dict[str, Any]] | BaseException]:
+    """Every LLM case's choices from one `generate` call (they share batches, as the server's cases do: one
+    call instead of one each, which took a second per case on 2 cores). Should that call raise, each case runs
+    alone, so that each test reports its own error."""
+    params: dict[str, SamplingParams | BaseException] = {}
+    for case in LLM_CASES:
+        try:
+            params[case.name] = _llm_params(case)
+        except Exception as e:  # noqa: BLE001 - the case's own test raises it
+            params[case.name] = e
+    ok = {name: p for name, p in params.items() if isinstance(p, SamplingParams)}
+    results: dict[str, list[dict[str, Any]] | BaseException] = {
+        name: p for name, p in params.items() if isinstance(p, BaseException)}
+    try:
+        outs = llm.generate([QUESTION] * len(ok), list(ok.values()), use_tqdm=False)
+        results.update({name: _llm_choices(o) for name, o in zip(ok, outs, strict=True)})
+    except Exception:  # noqa: BLE001 - one at a time below: each case's test gets its own outcome
+        for name, p in ok.items():
+            try:
+                results[name] = _llm_choices(llm.generate([QUESTION], p, use_tqdm=False)[0])
+            except Exception as e:  # noqa: BLE001 - raised by that case's test
+                results[name] = e
+    return results
+
+
+@pytest.mark.parametrize("case", LLM_CASES, ids=lambda c: c.name)
+def test_field_through_llm(llm: LLM, llm_results: dict[str, list[dict[str, Any]] | BaseException],
+                           case: Case) -> None:
+    got = llm_results[case.name]
+    if isinstance(got, BaseException):
+        raise got
+    case.check(got)
     assert llm.engine.runner.tokens.in_use == 0  # every penalty slot freed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -20,6 +19,7 @@ from typing import Any
 import posix_ipc
 import pytest
 from conftest import MakeRing
+from fork_context import child_context
 
 from rapidserve.ipc.ring import (
     MessageTooLarge,
@@ -208,7 +208,7 @@ def _child_result(proc: Any, rx: Any, timeout: float = 30) -> Any:
 
 def test_sleeping_reader_woken_by_other_process(make_ring: MakeRing) -> None:
     ring = make_ring(slots=4, slot_size=16)
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     rx, tx = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_late_writer, args=(ring.name, 10, 0.05, tx))
     proc.start()
@@ -229,7 +229,7 @@ def test_full_writer_woken_by_other_process(make_ring: MakeRing) -> None:
     ring = make_ring(slots=2, slot_size=16)
     ring.put(b"a")
     ring.put(b"b")
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     rx, tx = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_late_reader, args=(ring.name, 3, 0.5, tx))
     proc.start()
@@ -357,7 +357,7 @@ def test_stress_two_processes(make_ring: MakeRing, count: int, spin_s: float) ->
     """
     ring = make_ring(slots=64, slot_size=128)
     ring.spin_s = spin_s
-    ctx = mp.get_context("spawn")
+    ctx = child_context()
     proc = ctx.Process(target=_stress_writer, args=(ring.name, count, 1234, spin_s))
     t0 = time.monotonic()
     proc.start()

@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -57,10 +56,9 @@ def stop(s: Srv) -> int:
 
 
 @pytest.fixture(scope="module")
-def srv() -> Iterator[Srv]:
-    s = start()
-    yield s
-    assert stop(s) == 0  # SIGTERM: drain and exit 0
+def srv(smol_server: Srv) -> Srv:
+    """The session's default-flag server (tests/conftest.py: stopped with SIGTERM at the end, it must exit 0)."""
+    return smol_server
 
 
 def http(url: str, method: str = "GET", body: bytes | None = None,

@@ -1,4 +1,5 @@
-"""export_shared / attach_model: a spawned process computes with the exporter's weights and KV pool in place."""
+"""export_shared / attach_model: another process (a fork of the engine's fork server, as a worker starts:
+tests/fork_context.py) computes with the exporter's weights and KV pool in place."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.config import EngineConfig, ModelConfig
@@ -20,6 +20,7 @@ from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import get_ops
 from rapidserve.runner import ModelRunner, PrefillItem, resolve_dtype
 from rapidserve.runner.model_sharing import SharedState, SharedStateError, attach_model, export_shared, shared_bytes
+from tests.fork_context import child_context
 
 PROMPT = [(7 * i + 3) % 1200 for i in range(20)]  # 20 tokens: one full block of 16 and a partial one
 PARENT_BLOCKS, CHILD_BLOCKS = [0, 1], [5, 9]
@@ -89,7 +90,7 @@ def _touch_all(inbox: Any, outbox: Any) -> None:
 
 
 def _run_child(target: Any, first: Any, state: SharedState) -> tuple[Any, ...]:
-    ctx = tmp.get_context("spawn")
+    ctx = child_context()
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=target, args=(inbox, outbox), daemon=True)
     proc.start()

