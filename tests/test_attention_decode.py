@@ -2,7 +2,8 @@
 rapidserve/attention/decode_config.py) and the tuning sweep's tile shapes, under the Triton interpreter on CPU
 against the torch reference over the dequantized cache in fp32: GQA ratios 1 / 4 / 8, odd context lengths (not
 multiples of the page or the tile), empty rows, batch 1 to 64, split counts from 1 to more than the tiles, sliding
-windows, e4m3fn and e4m3fnuz, block_n from 16 to 128 against pages of 8 to 32, and queries past fp16's range.
+windows (tiles start at the page of the window's first key), e4m3fn and e4m3fnuz, block_n from 16 to 128 against
+pages of 8 to 32 (tiles of 1-16 whole pages, or slices of one), and queries past fp16's range.
 
 (The interpreter's bf16 dots are wrong, so bf16 dots, the path of a bf16 cache, are checked on a GPU only:
 tests/test_attention.py's gpu tests; fp16 and fp32 ones by tests/test_attention.py and test_kv_fp8_attention.py.)
@@ -68,8 +69,9 @@ def _interp_fp16_dots() -> None:
         (16, 4, 64, 2, [100, 0, 1, 48, 49, 17], 64, (1, 13), (None, 1, 37), FN),  # Qwen3's GQA 4; 13 > its tiles
         (8, 1, 32, 4, [33, 1, 5, 70], 16, (None, 1, 3), (None, 9), FN),  # GQA 1
         (16, 8, 32, 1, [250, 16, 1, 129], 128, (None, 1, 2, 5), (None, 100), FN),  # GQA 8, tiles of 8 pages
-        (32, 4, 32, 2, [70, 0, 31, 33], 16, (None, 1, 4, 9), (None,), FNUZ),  # tiles smaller than pages; ROCm's fp8
+        (32, 4, 32, 2, [70, 0, 31, 33], 16, (None, 1, 4, 9), (None, 20), FNUZ),  # tiles are slices of pages; ROCm's
         (8, 2, 64, 2, [63, 64, 65, 127], 32, (None, 1, 3), (None, 64), FNUZ),
+        (8, 4, 32, 1, [129, 3, 64], 128, (1, 2), (None, 50), FN),  # 16 pages a tile
     ]
     for bs, group, d, hkv, ctxs, bn, splits, windows, cache in cases:
         b, kc, vc, ks, vs = _fp8_batch(ctxs, bs, group, d, hkv, cache)

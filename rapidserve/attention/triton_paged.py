@@ -4,16 +4,18 @@ Layouts (see rapidserve/attention/metadata.py):
 
 - ``k_cache`` / ``v_cache``: [num_blocks, num_kv_heads, block_size, head_dim], contiguous, so one
   (block, kv head) page is a contiguous [block_size, head_dim] tile. Token ``t`` of sequence ``i`` is
-  at block ``block_tables[i, t // block_size]``, offset ``t % block_size``. Key tiles are gathered
-  token by token through the block table, so tile sizes are independent of block_size.
+  at block ``block_tables[i, t // block_size]``, offset ``t % block_size``. Prefill gathers its key tiles
+  token by token through the block table; decode's tiles are whole pages (or a slice of one page), one table
+  read a page. Tile sizes are independent of block_size (both powers of two).
 - ``q``: [T, num_heads, head_dim] (prefill, sequences end to end) or [B, num_heads, head_dim]
   (decode); any strides on the first two dims, the last dim must be contiguous.
 - Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
 
 Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
 p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
-variants of each): decode's key tiles start at each sequence's first key in the window, prefill's at the first
-key its query tile's first row sees, every one of them masked (causal and window).
+variants of each): decode's key tiles start at the page (or page slice) of each sequence's first key in the window
+(the keys before it masked), prefill's at the first key its query tile's first row sees, every one of them masked
+(causal and window).
 
 Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
 shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
@@ -166,12 +168,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    # Key tiles start at the window's first key (0 without one): tokens are gathered one by one through the block
-    # table, so a tile need not start on a multiple of BLOCK_N, and only the last tile needs a mask.
+    # Each key tile is PAGES whole pages of ROWS keys (block_size and BLOCK_N are powers of two: BLOCK_N / block_size
+    # pages, or a BLOCK_N-key slice of one page), one block-table read a page. Tiles start at the ROWS-aligned slice
+    # holding the window's first key (0 without one), so every tile holds a visible key; the keys before the
+    # window's first and from ctx on are masked.
+    PAGES: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
+    ROWS: tl.constexpr = BLOCK_N // PAGES
     first = 0
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
-    num_tiles = tl.cdiv(ctx - first, BLOCK_N)
+    start0 = first // ROWS * ROWS
+    num_tiles = tl.cdiv(ctx - start0, BLOCK_N)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
@@ -200,10 +207,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
     for tile in range(tile_lo, tile_hi):
-        tok = first + tile * BLOCK_N + n
+        start = start0 + tile * BLOCK_N
+        tok = start + n
         tok_mask = tok < ctx
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
+        if WINDOW > 0:
+            tok_mask = tok_mask & (tok >= first)
+        pg = start // BLOCK_SIZE + tl.arange(0, PAGES)
+        blk = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+        rows = (start % BLOCK_SIZE + tl.arange(0, ROWS)) * HEAD_DIM  # 0.. unless a tile is a slice of its page
+        off = tl.reshape((blk * page_stride + head_off)[:, None] + rows[None, :], [BLOCK_N])[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
