@@ -17,11 +17,11 @@ The table (`DECODE_TABLE`) is keyed by (platform, q dtype, KV cache, head_dim) a
   128 (3 programs an SM instead of 4). On gfx942 the fp16 variant takes more conversions (262 v_cvt against 82 in
   the AMDGCN), so ROCm keeps bf16. Both variants are candidates of the tuning sweep.
 
-NVIDIA's bf16 entry was measured (bench/results/attention_kernels.md, h100_1127/decode/decode_attn_sweep.md: at
-most 2-7% from the best of 72 configurations at batch 1-16 on an H100; at batch 64 x 2048 on an H200 it reads
-537 MB a layer in 126 us, ~4.25 TB/s, at the copy ceiling: bench/results/decode_profile_fp8/). The rest are
-rules (ROCm's from the gfx942 compile check, bench/results/amd_compile/). `python bench/decode_attn_tune.py`
-times the candidates on a GPU and prints the entries to put here.
+NVIDIA's 16-bit head_dim <= 128 entries were measured by `bench/decode_attn_tune.py` on an H200 (2026-11-29,
+bench/results/decode_attn_tune_h200/): over Qwen3-8B's attention at 1x2048, 16x2048, 64x2048 and 16x8192, the bf16
+entry is 1.065x each shape's best (geometric mean) where the earlier entry was 1.288x, and the fp8 entry 1.047x
+against 1.284x. The rest are rules (ROCm's from the gfx942 compile check, bench/results/amd_compile/).
+`python bench/decode_attn_tune.py` times the candidates on a GPU and prints the entries to put here.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class DecodeConfig(NamedTuple):
 # for head_dim 256 (Gemma 3) half the key tile, or its registers cap gfx942 at 1 wave. NVIDIA head_dim 256: half
 # the key tiles and a stage less keep K and V's stages in shared memory.
 DECODE_TABLE: Mapping[tuple[str, str, str, str], DecodeConfig] = MappingProxyType({
-    ("cuda", "16-bit", "model", "<=128"): DecodeConfig(64, 4, 3, 2, False),
-    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 4, 3, 2, True),
+    ("cuda", "16-bit", "model", "<=128"): DecodeConfig(64, 2, 5, 3, False),
+    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 2, 3, 3, True),
     ("cuda", "16-bit", "model", ">128"): DecodeConfig(32, 4, 2, 2, False),
     ("cuda", "16-bit", "fp8", ">128"): DecodeConfig(32, 4, 2, 2, True),
     ("cuda", "fp32", "model", "<=128"): DecodeConfig(32, 4, 2, 2, False),
