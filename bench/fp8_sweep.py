@@ -203,7 +203,7 @@ def _warm(jobs: list[tuple[int, int, Fp8Tiles]]) -> int:
     the kernels land in Triton's on-disk cache. Returns how many compiled."""
     ok = 0
     for rows, splits, t in jobs:
-        n, k = 256, (1024 if splits == 1 else splits * t.block_k)
+        n, k = 256, (splits * t.block_k if t.split_k > 1 else 1024)
         w = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         try:
             fsk.skinny_fp8_linear_rows(_rows(rows, k, w.dtype), w, torch.ones(n, device="cuda"), None, config=t)
