@@ -57,6 +57,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_block_kernel": ("rapidserve.ops.triton_fp8", "fp8: layers with fp8 block weight scales"),
     "_quantize_tokens_kernel": ("rapidserve.ops.triton_fp8", "fp8: per-row fp8 weights' per-token activations"),
     "_fp8_skinny_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
+    "_fp8_split_reduce_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
     "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: decode batches (<= 128 pairs)"),
@@ -65,6 +66,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
     "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
 }
+SPLIT_K = 4  # the K slices of the split-K launches captured beside each packaged table's (`_fp8_token_launches`)
 NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
 FP8_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why.startswith("fp8"))  # not on targets without fp8
 FP8_BLOCK = QuantizationConfig(method="fp8", weights="block", block=(128, 128), activations="group",
@@ -324,7 +326,9 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     per-token activations: `triton_fp8.quantize_tokens` of each projection's input (the `torch._scaled_mm` path's
     quantizer, which asks for a CUDA tensor, so meta tensors skip it there; its variants depend on K and x's dtype
     only), and on NVIDIA the skinny fp8 kernel with the tiles `triton_fp8_skinny.plan` gives at 1, 2, 16, 24 and 64
-    rows (the JIT's three specialisations of M) by the untuned rule and by each packaged table. The fused producers
+    rows (the JIT's three specialisations of M) by the untuned rule and by each packaged table, and the split-K form
+    (a table's `split_k`: the kernel's SPLIT variant, then the reduce kernel) of the rule's tiles at 1 and 64 rows,
+    SPLIT_K slices, whether or not a packaged table names one yet. The fused producers
     of those inputs (`triton_fp8_fused`, which the model takes for these layers: `transformer.fused_fp8`): the
     RMSNorm alone (the first layer) and after the residual add, and the MLP's SiLU-and-mul, at one row (cut into
     slices) and at 256 (one program a row); their variants depend on the row width, x's dtype and the slices only.
@@ -346,6 +350,9 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
                     tiles = fsk.plan(rows, n, k, dev, tables)
                     if tiles is not None:
                         fsk.skinny_fp8_linear(x[:rows], w8, sw, bias, config=tiles)
+            for rows in (1, 64):
+                tiles = fsk.rule_tiles(rows, n, k)._replace(split_k=SPLIT_K)
+                fsk.skinny_fp8_linear(x[:rows], w8, sw, bias, config=tiles)
         triton_fp8.quantize_tokens(x, fp8)
     for rows in (1, 256):
         h = torch.empty(rows, layer.input_layernorm.shape[0], dtype=dtype, device=layer.input_layernorm.device)

@@ -2,17 +2,17 @@
 and with `--sweep` the skinny fp8 kernel's tiles and the fused producers' row slices, whose best tiles become a table
 (rapidserve/ops/fp8_tiles.py's format) for this GPU.
 
-Per batch and projection (qkv, o, gate_up, down of the 36 layers; its rows quantized once, as the fused producers
-hand them over): torch._scaled_mm (cuBLASLt), the engine's op (`ops.fp8_linear_rows`: `triton_fp8_skinny.plan`'s
-choice) and, swept, every tile configuration of `candidates` (rows in one 16-, 32- or 64-row tile; BLOCK_N x BLOCK_K,
-warps, stages; both operand orders; at most SMEM_LIMIT bytes of pipelined tiles), each checked against the reference
-on the first layer (one that cannot run or is wrong is listed, not timed) and timed as one CUDA graph of the 36
-layers' calls (distinct weights: none is re-read from L2), median replay. The kernels are compiled first, in
---jobs processes (Triton's on-disk cache). The table keeps, per (shape, batch), the fastest of the candidates, the
-engine's current choice and torch._scaled_mm, the current choice unless another beats it by MARGIN. The fused producers
-(`add_rms_norm_fp8` of the hidden rows, `silu_and_mul_fp8` of the MLP's) at each slice width of SLICES: printed, for
-`triton_fp8_fused`'s constants. The sweep stops starting points at its deadline; points not reached keep the current
-choice and are listed.
+Per batch and projection (qkv, o, gate_up, down of the 36 layers; its rows quantized once, as the fused producers hand
+them over): torch._scaled_mm (cuBLASLt), the engine's op (`ops.fp8_linear_rows`: `triton_fp8_skinny.plan`'s choice)
+and, swept, every tile configuration of `candidates` (rows in one 16-, 32- or 64-row tile; BLOCK_N x BLOCK_K, warps,
+stages; both operand orders; at most SMEM_LIMIT bytes of pipelined tiles; split-K, K cut into 2-8 slices where the grid
+is thin), each checked against the reference on the first layer (one that cannot run or is wrong is listed, not timed)
+and timed as one CUDA graph of the 36 layers' calls (distinct weights: none is re-read from L2), median replay. The
+kernels are compiled first, in --jobs processes (Triton's on-disk cache). The table keeps, per (shape, batch), the
+fastest of the candidates, the engine's current choice and torch._scaled_mm, the current choice unless another beats it
+by MARGIN. The fused producers (`add_rms_norm_fp8` of the hidden rows, `silu_and_mul_fp8` of the MLP's) at each slice
+width of SLICES: printed, for `triton_fp8_fused`'s constants. The sweep stops starting points at its deadline; points
+not reached keep the current choice and are listed.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ from rapidserve.ops.fp8_tiles import (
 LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 SMEM_LIMIT = 200 * 1024  # of the H100/H200's 227 KiB a block may take, with room for Triton's own
 MARGIN = 0.02  # a swept choice replaces the current one only when this much faster
+SPLITS = (2, 4, 8)  # K slices of the split-K candidates
+MAX_SPLIT_PROGRAMS = 1024  # a split candidate's grid at most (about 8 programs an SM of the H100/H200's 132)
 SLICES = (None, 1 << 30, 4096, 2048, 1024, 512)  # None: the rule (slice_cols); 1 << 30: one program a row
 Calls = list[Callable[[], object]]
 
@@ -67,15 +69,29 @@ def candidates(rows: int, n: int, k: int) -> list[Fp8Tiles]:
     """The tiles swept for `rows` rows of an [n, k] weight: the untuned rule's (`rule_tiles`, first); the swapped
     order (the weight as wgmma's 64-tall operand: BLOCK_N 64 or 128) on the smallest row tile; x8 @ w8^T on a 64-row
     tile (wgmma with BLOCK_N 16-64: more programs); K steps of 128-512; 4 or 8 warps; 3-6 stages; pipelined tiles
-    within SMEM_LIMIT and no larger than the weight."""
+    within SMEM_LIMIT and no larger than the weight; then `split_candidates`."""
     bm = block_m(rows)
     rule = fsk.rule_tiles(rows, n, k)
     out = []
     for bn, warps in ((64, 4), (128, 4), (128, 8)):
         out += [Fp8Tiles(bm, bn, bk, warps, st, True) for bk in (128, 256, 512) for st in (3, 4, 6)]
     out += [Fp8Tiles(64, bn, bk, 4, st, False) for bn in (16, 32, 64) for bk in (256, 512) for st in (3, 4)]
+    out += split_candidates(rows, n, k)
     return [rule, *(t for t in dict.fromkeys(out) if t != rule and t.smem_bytes() <= SMEM_LIMIT and t.block_n <= n
                     and t.block_k <= max(k, 32))]
+
+
+def split_candidates(rows: int, n: int, k: int) -> list[Fp8Tiles]:
+    """The split-K tiles swept (ops/triton_fp8_skinny.py: K cut into slices, a second kernel adds them): SPLITS of
+    each family on tiles with fewer stages and shorter K steps than the one-pass ones (a few programs an SM, each a
+    slice of K): the swapped order (BLOCK_N 64 or 128, on the smallest row tile), x8 @ w8^T on a 16-row tile (1-16
+    rows: mma.sync) or a 64-row one (17-64 rows: wgmma). Only where the grid stays within MAX_SPLIT_PROGRAMS and each
+    slice takes at least two K steps (a thin grid over a long K: q|k|v, o and down of Qwen3-8B, and gate|up at 2)."""
+    bm = block_m(rows)
+    bases = [Fp8Tiles(bm, 64, 128, 4, 4, True), Fp8Tiles(bm, 64, 256, 4, 3, True), Fp8Tiles(bm, 128, 128, 4, 3, True)]
+    bases += [Fp8Tiles(16, 32, 256, 4, 3), Fp8Tiles(16, 64, 256, 4, 3)] if rows <= 16 else [Fp8Tiles(64, 32, 256, 4, 3)]
+    return [t._replace(split_k=s) for t in bases for s in SPLITS
+            if -(-n // t.block_n) * s <= MAX_SPLIT_PROGRAMS and k >= 2 * s * t.block_k]
 
 
 def graph_us(calls: Calls) -> float:
@@ -123,7 +139,7 @@ def fp8_linears(model: Any, batch: int, sweep: bool, deadline: float, clock: Clo
     for name in LAYERS:
         layers: list[Fp8Linear] = [getattr(layer, name) for layer in model.layers]
         n, k = layers[0].weight.shape
-        nbytes = sum(w.weight.numel() for w in layers)
+        nbytes = sum(w.weight.numel() for w in layers) // len(layers)  # a call's fp8 weight bytes (TB/s per call)
         rows = _rows(batch, k, layers[0].weight.dtype, layers[0].weight.device, dtype)
         current = fsk.plan(batch, n, k, fsk.device_name(rows.q.device), fsk.TUNED)
         row: dict[str, Any] = {
@@ -180,13 +196,14 @@ def producers(model: Any, batch: int, clock: Clock = graph_us,
     return out
 
 
-def _warm(jobs: list[tuple[int, int, int, Fp8Tiles]]) -> int:
-    """Compile `jobs` (rows, n, k, tiles) in this process by launching each on small tensors of the same
+def _warm(jobs: list[tuple[int, int, Fp8Tiles]]) -> int:
+    """Compile `jobs` (rows, K slices, tiles) in this process by launching each on small tensors of the same
     specialisation as the sweep's (the same rows; N, K and strides multiples of 16 that each tile divides, as
-    Qwen3-8B's do): the kernels land in Triton's on-disk cache. Returns how many compiled."""
+    Qwen3-8B's do; split-K: a K cut into as many slices as the sweep's, which the reduce kernel is specialised on):
+    the kernels land in Triton's on-disk cache. Returns how many compiled."""
     ok = 0
-    for rows, _, _, t in jobs:
-        n, k = 256, 1024
+    for rows, splits, t in jobs:
+        n, k = 256, (splits * t.block_k if t.split_k > 1 else 1024)
         w = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         try:
             fsk.skinny_fp8_linear_rows(_rows(rows, k, w.dtype), w, torch.ones(n, device="cuda"), None, config=t)
@@ -199,7 +216,8 @@ def _warm(jobs: list[tuple[int, int, int, Fp8Tiles]]) -> int:
 
 def precompile(points: Iterable[tuple[int, int, int]], jobs: int) -> str:
     """Every candidate kernel of `points` (rows, n, k) compiled in `jobs` spawned processes; what happened."""
-    todo = sorted({(rows, 0, 0, t) for rows, n, k in points for t in candidates(rows, n, k)}, key=str)
+    todo = sorted({(rows, fsk.split_slices(k, t)[1], t) for rows, n, k in points for t in candidates(rows, n, k)},
+                  key=str)
     t0 = time.perf_counter()
     chunks = [todo[i::jobs] for i in range(jobs)]
     try:

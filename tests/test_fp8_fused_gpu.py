@@ -98,12 +98,12 @@ def test_the_gemm_of_fused_rows_is_gpu_linears(m: int, n: int, k: int) -> None:
     for bias in (None, b):
         got = fp8_gpu.gpu_linear_rows(rows, layer, bias)
         assert got.dtype == torch.bfloat16 and torch.equal(got, fp8_gpu.gpu_linear(x, layer, bias)), (m, skinny)
-    if torch.version.hip is None and m <= 64:  # each tile family (16/64-row tiles, both operand orders): the same
+    if torch.version.hip is None and m <= 64:  # each tile family (16/64-row tiles, both orders, split-K): the same
         from rapidserve.ops.fp8_tiles import Fp8Tiles
 
         bm = next(t for t in (16, 32, 64) if m <= t)
         for tiles in (triton_fp8_skinny.rule_tiles(m, n, k), Fp8Tiles(64, 32, 256, 4, 3),
-                      Fp8Tiles(bm, 64, 256, 4, 4, True)):
+                      Fp8Tiles(bm, 64, 256, 4, 4, True), Fp8Tiles(bm, 64, 256, 4, 3, True, 4)):
             got = triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, b, config=tiles)
             want = triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=tiles)
             assert torch.equal(got, want), (m, tiles.label())

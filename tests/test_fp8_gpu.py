@@ -104,7 +104,9 @@ def test_decode_rows_take_the_kernel_the_plan_gives(m: int, n: int, k: int) -> N
 def test_every_tile_family_gives_the_reference(m: int, n: int, k: int) -> None:
     """The skinny fp8 kernel on each family of tiles bench/fp8_sweep.py times, at 1-64 rows: a 16-row tile
     (mma.sync, fp8 widened to fp16), a 64-row tile (wgmma, x8 @ w8^T), the swapped order on the smallest row tile
-    (wgmma, w8 @ x8^T; 4 and 8 warps); N and K tails (200 x 304); with a bias: the reference's numbers."""
+    (wgmma, w8 @ x8^T; 4 and 8 warps), and each cut into K slices (split-K: the split kernel, then the reduce
+    kernel), which give the same bits when run again; N and K tails (200 x 304); with a bias: the reference's
+    numbers."""
     from rapidserve.ops import triton_fp8_skinny as fsk
     from rapidserve.ops.fp8_tiles import Fp8Tiles
 
@@ -116,10 +118,14 @@ def test_every_tile_family_gives_the_reference(m: int, n: int, k: int) -> None:
     bm = next(t for t in (16, 32, 64) if m <= t)
     families = [fsk.rule_tiles(m, n, k), Fp8Tiles(64, 16, 256, 4, 3), Fp8Tiles(64, 32, 512, 4, 3),
                 Fp8Tiles(bm, 64, 256, 4, 4, True), Fp8Tiles(bm, 128, 128, 8, 3, True)]
+    families += [fsk.rule_tiles(m, n, k)._replace(split_k=3), Fp8Tiles(64, 32, 256, 4, 3, False, 8),
+                 Fp8Tiles(bm, 64, 256, 4, 3, True, 4), Fp8Tiles(bm, 128, 128, 4, 4, True, 2)]
     for tiles in families:
         got = fsk.skinny_fp8_linear(x, layer.weight, layer.weight_scale, config=tiles)
         torch.testing.assert_close(got.float(), want, rtol=1.6e-2, atol=2e-3 * float(want.abs().max()),
                                    msg=lambda e, t=tiles: f"{t.label()}: {e}")
+        if tiles.split_k > 1:  # the reduce adds the slices in a fixed order: deterministic
+            assert torch.equal(fsk.skinny_fp8_linear(x, layer.weight, layer.weight_scale, config=tiles), got)
         got = fsk.skinny_fp8_linear(x, layer.weight, layer.weight_scale, b, config=tiles)
         torch.testing.assert_close(got.float(), want + b.float(), rtol=1.6e-2, atol=4e-3 * float(want.abs().max()),
                                    msg=lambda e, t=tiles: f"{t.label()} + bias: {e}")

@@ -39,10 +39,21 @@ def test_candidates_fit_the_rows_and_the_gpu(rows: int, n: int, k: int) -> None:
         assert t.block_m >= rows and t.block_m in (16, 32, 64), t
         assert t.smem_bytes() <= fp8_sweep.SMEM_LIMIT and t.block_n <= n, t
         assert not t.swap or t.block_n >= 64, t  # swapped: the weight tile is wgmma's 64-tall operand
+        if t.split_k > 1:  # a thin grid cut along a long K: each slice at least two K steps, the grid bounded
+            assert t.split_k in fp8_sweep.SPLITS and t.split_k in fp8_tiles.SPLITS_K, t
+            assert k >= 2 * t.split_k * t.block_k and -(-n // t.block_n) * t.split_k <= 1024, t
+            assert fsk.split_slices(k, t)[1] == t.split_k, t  # as many slices as asked
+    splits = {(t.swap, t.block_m, t.split_k) for t in c if t.split_k > 1}
     if (n, k) in QWEN3_8B:
-        assert 25 <= len(c) <= 35, len(c)
+        assert 32 <= len(c) <= 45, len(c)  # the sweep's budget (--budget-s) covers about this many a point
         assert any(t.swap and t.block_m == fp8_sweep.block_m(rows) for t in c)
         assert any(not t.swap and t.block_m == 64 and t.block_n == 16 for t in c)
+        assert {s for _, _, s in splits} == ({2, 4, 8} if n <= 6144 else {2, 4})  # gate|up: a wide grid already
+        if n <= 6144:  # the thin grids: every family split
+            assert (True, fp8_sweep.block_m(rows), 8) in splits  # the swapped order
+            assert (False, 16 if rows <= 16 else 64, 2) in splits  # x8 @ w8^T: mma.sync / wgmma
+    else:
+        assert splits == set()  # 304 is too short a K to cut
 
 
 def _row(current: Fp8Tiles | None, engine: float, scaled: float, swept: dict[Fp8Tiles, float | None]) -> dict:
@@ -57,6 +68,7 @@ def _row(current: Fp8Tiles | None, engine: float, scaled: float, swept: dict[Fp8
 RULE = Fp8Tiles(16, 64, 512, 4, 4)
 SWAP = Fp8Tiles(16, 64, 256, 4, 4, True)
 WIDE = Fp8Tiles(64, 16, 256, 4, 3)
+SPLIT = Fp8Tiles(16, 64, 256, 4, 3, True, 4)
 
 
 @pytest.mark.parametrize(("row", "want"), [
@@ -66,6 +78,8 @@ WIDE = Fp8Tiles(64, 16, 256, 4, 3)
     (_row(None, 23.0, 23.0, {WIDE: 15.0, SWAP: None}), WIDE),  # 17-64 rows: off cuBLASLt; a failed candidate ignored
     (_row(None, 23.0, 23.1, {WIDE: 22.9}), SCALED_MM),  # not clearly faster than cuBLASLt: stays there
     (_row(SWAP, 12.0, 20.0, {RULE: 16.0}), SWAP),  # a packaged table's tiles (not a candidate) kept
+    (_row(RULE, 16.0, 20.0, {RULE: 16.1, SWAP: 12.0, SPLIT: 9.0}), SPLIT),  # split-K fastest: taken, split_k with it
+    (_row(SPLIT, 9.0, 20.0, {RULE: 16.0, SPLIT: 9.1}), SPLIT),  # a table's split-K tiles kept
 ])
 def test_which_measured_option_a_point_keeps(row: dict, want: object) -> None:
     picked = fp8_sweep.choose(row)
@@ -81,7 +95,8 @@ def test_points_not_swept_choose_nothing() -> None:
 
 def test_the_sweep_writes_a_table_the_engine_loads(tmp_path: Path) -> None:
     lin = {1: {"qkv_proj": _row(RULE, 16.0, 20.0, {RULE: 16.1, SWAP: 12.0}),
-               "o_proj": {**_row(RULE, 11.0, 12.0, {RULE: 11.0}), "shape": [4096, 4096]}},
+               "o_proj": {**_row(RULE, 11.0, 12.0, {RULE: 11.0}), "shape": [4096, 4096]},
+               "down_proj": {**_row(RULE, 18.0, 30.0, {RULE: 18.0, SPLIT: 14.0}), "shape": [4096, 12288]}},
            64: {"qkv_proj": _row(None, 23.0, 23.0, {WIDE: 15.0}),
                 "o_proj": {**_row(None, 11.0, 12.0, {}), "sweep": "not reached (--budget-s)", "shape": [4096, 4096]}}}
     old = Fp8Table("GPU A", "older", MappingProxyType({(6144, 4096): ((1, RULE),), (100, 200): ((8, RULE),)}))
@@ -94,11 +109,15 @@ def test_the_sweep_writes_a_table_the_engine_loads(tmp_path: Path) -> None:
     assert table.source == "a test sweep"
     assert dict(table.shapes) == {(6144, 4096): ((1, SWAP), (64, WIDE)),  # swept: replaced
                                   (4096, 4096): ((1, RULE),),  # the current choice kept
+                                  (4096, 12288): ((1, SPLIT),),  # split-K, its split_k in the file
                                   (100, 200): ((8, RULE),)}  # the packaged table's other shapes kept
+    assert fsk.plan(1, 4096, 12288, "GPU A", tables) == SPLIT
     assert fsk.plan(40, 6144, 4096, "GPU A", tables) == WIDE  # rows 17-64 now on the kernel
     assert any("not swept" in n and "[4096, 4096] batch 64" in n for n in notes), notes
     assert notes[-1].startswith("fp8 table written: ")
-    assert json.loads(files[0].read_text())["shapes"]["6144x4096"]["64"]["BLOCK_M"] == 64
+    written = json.loads(files[0].read_text())["shapes"]
+    assert written["6144x4096"]["64"]["BLOCK_M"] == 64 and "split_k" not in written["6144x4096"]["64"]
+    assert written["4096x12288"]["1"]["split_k"] == 4
     assert fp8_sweep.write_table({1: {"o_proj": _row(RULE, 1.0, 1.0, {})}}, "GPU A", "x", tmp_path / "none",
                                  None)[-1] == "no fp8 table written: nothing was swept"
 

@@ -22,9 +22,12 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 T1 = Fp8Tiles(16, 64, 256, 4, 4, True)
 T16 = Fp8Tiles(16, 32, 512, 4, 3, False)
 T32 = Fp8Tiles(32, 64, 256, 4, 4, True)
+T1_SPLIT = Fp8Tiles(16, 64, 256, 4, 3, True, 4)  # split-K: four K slices, then the reduce kernel
+T64_SPLIT = Fp8Tiles(64, 32, 256, 4, 3, False, 8)
 TABLES = MappingProxyType({"GPU A": Fp8Table("GPU A", "test", MappingProxyType({
     (6144, 4096): ((1, T1), (16, T16), (64, SCALED_MM)),
     (4096, 12288): ((32, T32),),
+    (4096, 4096): ((1, T1_SPLIT), (64, T64_SPLIT)),
 }))})
 
 
@@ -44,7 +47,8 @@ def test_a_table_round_trips_and_the_packaged_tables_load(tmp_path: Path) -> Non
     d = _good()
     assert d["shapes"]["6144x4096"]["64"] == "scaled_mm"  # type: ignore[index]
     assert d["shapes"]["6144x4096"]["1"] == {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256,  # type: ignore[index]
-                                             "num_warps": 4, "num_stages": 4, "SWAP": True}
+                                             "num_warps": 4, "num_stages": 4, "SWAP": True}  # no split_k: 1
+    assert d["shapes"]["4096x4096"]["1"]["split_k"] == 4  # type: ignore[index]
     assert fp8_tiles.load_tables(tmp_path) == {"GPU A": table}
     assert fp8_tiles.load_tables(tmp_path / "none") == {}
     for t in fp8_tiles.load_tables().values():  # whatever is committed parses, and names its own device
@@ -60,7 +64,10 @@ def test_a_table_round_trips_and_the_packaged_tables_load(tmp_path: Path) -> Non
     ("GPU A", 4096, 12288, 8, T32),
     ("GPU A", 4096, 12288, 32, T32),
     ("GPU A", 4096, 12288, 33, None),  # past the largest key: not covered
-    ("GPU A", 4096, 4096, 1, None),  # a shape without a table
+    ("GPU A", 4096, 4096, 1, T1_SPLIT),  # split-K entries
+    ("GPU A", 4096, 4096, 2, T64_SPLIT),
+    ("GPU A", 4096, 4096, 65, None),
+    ("GPU A", 2048, 4096, 1, None),  # a shape without a table
     ("GPU B", 6144, 4096, 1, None),  # a device without a file
 ])
 def test_lookup(device: str, n: int, k: int, rows: int, want: object) -> None:
@@ -86,6 +93,14 @@ def _set(d: dict, path: str, value: object) -> dict:
     ("shapes/6144x4096/1/SWAP", 1, r"\.1\.SWAP: must be true or false, got 1"),
     ("shapes/6144x4096/1/GROUP_M", 8, r"\.1\.GROUP_M: unknown field"),
     ("shapes/6144x4096/1/num_warps", KeyError, r"\.1\.num_warps: missing"),
+    ("shapes/6144x4096/1/split_k", 2, None),  # optional: 1 where left out
+    ("shapes/4096x4096/1/split_k", KeyError, None),
+    ("shapes/4096x4096/1/split_k", 5, r"shapes\.4096x4096\.1\.split_k: must be one of \[1, 2, 3, 4, 6, 8, 12, 16\], "
+                                      r"got 5"),
+    ("shapes/4096x4096/1/split_k", 0, r"\.1\.split_k: must be one of"),
+    ("shapes/4096x4096/1/split_k", True, r"\.1\.split_k: must be one of .*, got True"),
+    ("shapes/4096x4096/1/split_k", "4", r"\.1\.split_k: must be one of .*, got '4'"),
+    ("shapes/4096x4096/1/splitk", 4, r"\.1\.splitk: unknown field \(allowed: BLOCK_M, .*, SWAP, split_k\)"),
     ("shapes/6144x4096/16/BLOCK_M", 16, None),  # 16 rows in a 16-row tile: fine
     ("shapes/4096x12288/32/BLOCK_M", 16, r"shapes\.4096x12288\.32\.BLOCK_M: must hold the key's 32 rows, got 16"),
     ("shapes/6144x4096/65", "scaled_mm", r"shapes\.6144x4096\.65: the key must be a row count in 1\.\.64"),
@@ -121,6 +136,19 @@ def test_a_file_that_is_not_json(tmp_path: Path) -> None:
 def test_tiles_shared_memory() -> None:
     assert Fp8Tiles(16, 64, 512, 4, 4).smem_bytes() == 4 * 80 * 512
     assert Fp8Tiles(64, 32, 256, 4, 3, True).label() == "m64 32x256 w4 s3 swap"
+    assert Fp8Tiles(64, 32, 256, 4, 3, True, 4).label() == "m64 32x256 w4 s3 swap split4"
+    assert Fp8Tiles(16, 64, 512, 4, 4).split_k == 1  # the default: one program a column tile
+
+
+def test_split_k_left_out_reads_as_one(tmp_path: Path) -> None:
+    """A file written before split-K (no split_k anywhere) loads as it did: every entry one pass over K."""
+    d = _good()
+    for by_rows in d["shapes"].values():  # type: ignore[union-attr]
+        for entry in by_rows.values():
+            if isinstance(entry, dict):
+                entry.pop("split_k", None)
+    table = fp8_tiles.load_table(_file(tmp_path, d))
+    assert {e.split_k for entries in table.shapes.values() for _, e in entries if isinstance(e, Fp8Tiles)} == {1}
 
 
 @needs_triton
@@ -131,7 +159,11 @@ def test_tiles_shared_memory() -> None:
     (64, 6144, 4096, "GPU A", None),
     (20, 4096, 12288, "GPU A", T32),  # 17-64 rows where a table says so
     (33, 4096, 12288, "GPU A", None),  # past the table's rows: the rule, which keeps 17+ rows on torch._scaled_mm
-    (1, 4096, 4096, "GPU A", Fp8Tiles(16, 32, 512, 4, 4)),  # no table for the shape: the rule (fp8_config's tiles)
+    (1, 2048, 6144, "GPU A", None),  # no table for the shape: the rule, here a thin grid (torch._scaled_mm)
+    (1, 4096, 4096, "GPU B", Fp8Tiles(16, 32, 512, 4, 4)),  # no table for the device: the rule (fp8_config's tiles)
+    (1, 4096, 4096, "GPU A", T1_SPLIT),  # a table's split-K tiles, as they are
+    (16, 4096, 4096, "GPU A", T64_SPLIT),
+    (64, 4096, 4096, "GPU A", T64_SPLIT),
     (16, 6144, 4096, "GPU B", Fp8Tiles(16, 64, 512, 4, 4)),  # no table for the device: the rule
     (16, 4096, 12288, "GPU B", Fp8Tiles(16, 32, 1024, 4, 4)),  # long K: longer steps
     (17, 6144, 4096, "GPU B", None),

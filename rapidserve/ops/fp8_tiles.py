@@ -5,18 +5,19 @@ fp8 --sweep` on the GPU it names, named ``device_name={torch.cuda.get_device_nam
 
     {"device_name": "NVIDIA H200", "source": "free text: what measured it, when",
      "shapes": {"6144x4096": {"1": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
-                                    "num_stages": 4, "SWAP": true},
-                              "16": {...the same six fields...},
+                                    "num_stages": 4, "SWAP": true, "split_k": 4},
+                              "16": {...the same fields...},
                               "64": "scaled_mm"}, ...}}
 
 A shape is a weight's "NxK" (output features x input features, one rank's slice). A key is a row count the sweep
 measured (1..MAX_ROWS); a call of r rows takes the entry of the smallest key >= r, and one past the largest key is not
 covered (`lookup` returns None: the caller's untuned rule). An entry is the kernel's tiles (`Fp8Tiles`: BLOCK_M rows,
 at least the key's, so every call it covers fits in one row tile; BLOCK_N output columns a program; K steps of
-BLOCK_K; warps; pipeline stages; SWAP: the weight tile as the product's first operand, see triton_fp8_skinny) or
-"scaled_mm": those rows go to `torch._scaled_mm` (cuBLASLt), measured faster there. Every file is validated when the
-tables load (`load_tables`, at the import of triton_fp8_skinny): a bad one raises `Fp8TableError` naming the file and
-the field. Plain data, no Triton: tested on CPU.
+BLOCK_K; warps; pipeline stages; SWAP: the weight tile as the product's first operand; split_k, optional (files
+without it read as 1, one program a column tile): the K slices a column tile is cut into, summed by a second kernel;
+see triton_fp8_skinny) or "scaled_mm": those rows go to `torch._scaled_mm` (cuBLASLt), measured faster there. Every
+file is validated when the tables load (`load_tables`, at the import of triton_fp8_skinny): a bad one raises
+`Fp8TableError` naming the file and the field. Plain data, no Triton: tested on CPU.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ BLOCKS_N = (16, 32, 64, 128, 256)
 BLOCKS_K = (32, 64, 128, 256, 512, 1024)  # fp8 wgmma steps K by 32
 WARPS = (1, 2, 4, 8, 16)
 MAX_STAGES = 8
+SPLITS_K = (1, 2, 3, 4, 6, 8, 12, 16)  # K slices a launch may take (1: one program a column tile, no reduce)
 SCALED_MM = "scaled_mm"  # an entry that sends its rows to torch._scaled_mm
 TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP")
+OPTIONAL_FIELDS = {"split_k": 1}  # tile fields a file may leave out, with their defaults (files before split-K)
 TOP_FIELDS = ("device_name", "source", "shapes")
 
 
@@ -47,7 +50,9 @@ class Fp8TableError(ConfigError):
 
 
 class Fp8Tiles(NamedTuple):
-    """One launch of the skinny fp8 kernel: row tile, column tile, K step, warps, stages, operand order."""
+    """One launch of the skinny fp8 kernel: row tile, column tile, K step, warps, stages, operand order, and the K
+    slices (`split_k` > 1: that many programs a column tile, each summing a slice of K into a float32 workspace that
+    a second kernel adds up; triton_fp8_skinny)."""
 
     block_m: int
     block_n: int
@@ -55,6 +60,7 @@ class Fp8Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     swap: bool = False
+    split_k: int = 1
 
     def smem_bytes(self) -> int:
         """Shared memory of its pipelined fp8 operand tiles: stages x (BLOCK_M + BLOCK_N) x BLOCK_K bytes (Triton's
@@ -63,7 +69,7 @@ class Fp8Tiles(NamedTuple):
 
     def label(self) -> str:
         return (f"m{self.block_m} {self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
-                f"{' swap' if self.swap else ''}")
+                f"{' swap' if self.swap else ''}{f' split{self.split_k}' if self.split_k > 1 else ''}")
 
 
 Entry = Fp8Tiles | str  # tiles, or SCALED_MM
@@ -100,12 +106,13 @@ def _fail(path: str, field: str, problem: str) -> Fp8TableError:
     return Fp8TableError(f"{path}: {field}: {problem}")
 
 
-def _only(d: object, fields: tuple[str, ...], path: str, where: str) -> Mapping[str, Any]:
+def _only(d: object, fields: tuple[str, ...], path: str, where: str,
+          optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     if not isinstance(d, dict):
         raise _fail(path, where.rstrip(".") or "the file", f"must be a JSON object, got {type(d).__name__}")
-    extra = sorted(set(d) - set(fields))
+    extra = sorted(set(d) - set(fields) - set(optional))
     if extra:
-        raise _fail(path, f"{where}{extra[0]}", f"unknown field (allowed: {', '.join(fields)})")
+        raise _fail(path, f"{where}{extra[0]}", f"unknown field (allowed: {', '.join((*fields, *optional))})")
     missing = [f for f in fields if f not in d]
     if missing:
         raise _fail(path, f"{where}{missing[0]}", "missing")
@@ -120,12 +127,13 @@ def _int(d: Mapping[str, Any], name: str, path: str, where: str, allowed: tuple[
 
 
 def parse_tiles(d: object, path: str, where: str) -> Fp8Tiles:
-    d = _only(d, TILE_FIELDS, path, where)
+    d = {**OPTIONAL_FIELDS, **_only(d, TILE_FIELDS, path, where, tuple(OPTIONAL_FIELDS))}
     if not isinstance(d["SWAP"], bool):
         raise _fail(path, f"{where}SWAP", f"must be true or false, got {d['SWAP']!r}")
     return Fp8Tiles(_int(d, "BLOCK_M", path, where, BLOCKS_M), _int(d, "BLOCK_N", path, where, BLOCKS_N),
                     _int(d, "BLOCK_K", path, where, BLOCKS_K), _int(d, "num_warps", path, where, WARPS),
-                    _int(d, "num_stages", path, where, tuple(range(1, MAX_STAGES + 1))), d["SWAP"])
+                    _int(d, "num_stages", path, where, tuple(range(1, MAX_STAGES + 1))), d["SWAP"],
+                    _int(d, "split_k", path, where, SPLITS_K))
 
 
 def _shape_key(name: str, path: str) -> tuple[int, int]:
@@ -172,7 +180,9 @@ def parse_table(d: object, path: str) -> Fp8Table:
 
 
 def tiles_json(t: Fp8Tiles) -> dict[str, Any]:
-    return dict(zip(TILE_FIELDS, t, strict=True))
+    """The file's fields of `t`; split_k only where it is not 1 (so a table without split-K reads as before)."""
+    return {**dict(zip(TILE_FIELDS, t[:len(TILE_FIELDS)], strict=True)),
+            **({"split_k": t.split_k} if t.split_k != 1 else {})}
 
 
 def table_json(table: Fp8Table) -> dict[str, Any]:
@@ -196,6 +206,6 @@ def load_tables(directory: Path = CONFIG_DIR) -> Fp8Tables:
     return MappingProxyType({t.device_name: t for t in map(load_table, files)})
 
 
-__all__ = ["CONFIG_DIR", "MAX_ROWS", "SCALED_MM", "Entry", "Fp8Table", "Fp8TableError", "Fp8Tables", "Fp8Tiles",
-           "file_name", "load_table", "load_tables", "lookup", "parse_table", "parse_tiles", "table_json",
+__all__ = ["CONFIG_DIR", "MAX_ROWS", "SCALED_MM", "SPLITS_K", "Entry", "Fp8Table", "Fp8TableError", "Fp8Tables",
+           "Fp8Tiles", "file_name", "load_table", "load_tables", "lookup", "parse_table", "parse_tiles", "table_json",
            "tiles_json"]

@@ -1,6 +1,7 @@
 """Decode's fp8 linear layers (at most MAX_ROWS = 64 rows, per-row weight scales, per-token activations): the rows
 quantized by `triton_fp8.quantize_tokens` (or already quantized by the op before, `skinny_fp8_linear_rows`), then one
-Triton kernel that multiplies fp8 by fp8, reading each weight byte once (issue 39).
+Triton kernel that multiplies fp8 by fp8, reading each weight byte once (issue 39), and with split-K a second, small
+one that adds its K slices.
 
 Why: a decode step at batch 1-64 is a read of every weight once, so fp8 weights should halve it. Through
 `torch._scaled_mm` (cuBLASLt's row-wise fp8 GEMM) plus the quantizer the Qwen3-8B projections at one row took
@@ -13,7 +14,8 @@ The math is `fp8.reference_linear`'s for "token" activations, up to the order of
     x8, sx = quantize_tokens(x)                     (quantize_input's numbers, bit for bit on the GPU)
     out[m, n] = (sum_k x8[m, k] w8[n, k]) * sx[m] * sw[n] (+ bias[n])
 Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M rows (one row tile of BLOCK_M >= M,
-rows past M masked), accumulating tl.dot in float32 over K in BLOCK_K steps, scaled in its epilogue. No split-K.
+rows past M masked), accumulating tl.dot in float32 over K in BLOCK_K steps, scaled in its epilogue.
+
 The tiles (`fp8_tiles.Fp8Tiles`) decide which tensor-core instruction Triton emits on Hopper (compiled for sm_90 on
 a CPU, Triton 3.9): with BLOCK_M = 16 or 32 the product is x8 @ w8^T on mma.sync, which has no fp8 form there, so
 both operands are widened to fp16 in registers every K step (cvt.rn.f16x2.e4m3x2); with BLOCK_M = 64, or with SWAP
@@ -22,14 +24,30 @@ BLOCK_N >= 64, at 4 or 8 warps, it is wgmma's native e4m3 x e4m3 from shared mem
 falls back to mma.sync). Both operands are K-major, as fp8 wgmma needs, and reach shared memory by 16-byte cp.async
 in num_stages pipeline stages. Which family reads the weights fastest is measured, not assumed: the sweep times them.
 
-Which call goes here, with which tiles, is `plan`, a pure function of (rows, N, K, device, tables): the tuned table
-of this GPU (`fp8_tiles`, measured by bench/decode_profile.py --quantization fp8 --sweep) where it covers the call,
-its entry either tiles or "scaled_mm"; else the untuned rule, the kernel as it was before the tables: at most
-RULE_ROWS = 16 rows, tiles of the bf16 skinny kernel with K steps twice as long (`fp8_config`), on a grid of at least
-MIN_PROGRAMS programs (a thin grid, a tensor-parallel shard or a small model, stays on `torch._scaled_mm`), and
-17-64 rows on `torch._scaled_mm`. Graph-safe (no host reads of device values). NVIDIA only (`fp8_gpu.gpu_linear`
-routes here when torch.version.hip is None): on ROCm the kernels are not measured, and its calls go to
-`torch._scaled_mm`.
+Split-K (`Fp8Tiles.split_k` = S > 1), for the shapes whose N gives fewer column tiles than the GPU has SMs (Qwen3-8B's
+q|k|v, o and down at BLOCK_N 32-64: 96-128 programs on the H200's 132 SMs, one program a SM with the few loads it keeps
+in flight): K is cut into slices of K_PER = ceil(ceil(K / S) / BLOCK_K) * BLOCK_K (whole K steps, so a tile with K %
+BLOCK_K == 0 keeps its unmasked loads), splits = ceil(K / K_PER) <= S of them (`split_slices`), and program (p, s) sums
+the products of slice s into its float32 tile of a workspace [splits, M, N]: raw sums, no scale, every element written,
+so the workspace is a torch.empty (nothing to zero, no atomics). A second kernel (`_fp8_split_reduce_kernel`) adds the
+splits in the order 0, 1, ..., then applies sx[m] * sw[n] and the bias once, as the one-pass epilogue does
+(`_epilogue`, shared), and writes the output. The sums' order is fixed, so a split launch gives the same bits on every
+run, as the one-pass one does; the two differ only in where the float32 sums are cut. Costs: the second launch and a
+workspace of splits x M x N x 4 bytes, written then read again (0.1 MB for q|k|v at one row and S = 4, 6.3 MB at 64
+rows, against 25 MB of weight), which stays in L2. Not taken: one launch where the last program of a column tile to
+finish adds the slices (a counter a tile, atomics): its counters must start at zero on every call, so either a memset
+launch beside it (two launches again) or a buffer kept between calls, which every stream's calls would share (no module
+state here, and a race between streams). Which (tiles, S) a shape takes is measured, never assumed: the sweep times S
+of 2, 4 and 8, both kernels in each timing, against the one-pass tiles.
+
+Which call goes here, with which tiles, is `plan`, a pure function of (rows, N, K, device, tables): the tuned table of
+this GPU (`fp8_tiles`, measured by bench/decode_profile.py --quantization fp8 --sweep) where it covers the call, its
+entry either tiles (split-K where the entry says so) or "scaled_mm"; else the untuned rule, the kernel as it was before
+the tables (one pass over K): at most RULE_ROWS = 16 rows, tiles of the bf16 skinny kernel with K steps twice as long
+(`fp8_config`), on a grid of at least MIN_PROGRAMS programs (a thin grid, a tensor-parallel shard or a small model,
+stays on `torch._scaled_mm`), and 17-64 rows on `torch._scaled_mm`. Graph-safe (no host reads of device values). NVIDIA
+only (`fp8_gpu.gpu_linear` routes here when torch.version.hip is None): on ROCm the kernels are not measured, and its
+calls go to `torch._scaled_mm`.
 """
 
 from __future__ import annotations
@@ -38,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.fp8 import QuantizedRows, cdiv
 from rapidserve.ops.fp8_tiles import MAX_ROWS, SCALED_MM, Fp8Tables, Fp8Tiles, load_tables, lookup
 from rapidserve.ops.triton_fp8 import quantize_tokens
 from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, skinny_config
@@ -85,6 +103,22 @@ def plan(rows: int, n: int, k: int, device_name: str, tables: Fp8Tables) -> Fp8T
     return rule_tiles(rows, n, k)
 
 
+def split_slices(k: int, tiles: Fp8Tiles) -> tuple[int, int]:
+    """(K_PER, splits) of a launch over K input features (module docstring): slices of whole BLOCK_K steps, as even
+    as that allows, at most `tiles.split_k` of them and none empty; (k, 1) without split-K."""
+    if tiles.split_k <= 1:
+        return k, 1
+    k_per = cdiv(cdiv(k, tiles.split_k), tiles.block_k) * tiles.block_k
+    return k_per, cdiv(k, k_per)
+
+
+def reduce_tile(rows: int) -> tuple[int, int]:
+    """The reduce kernel's [BLOCK_M, BLOCK_N] tile for `rows` rows: the rows (a power of two >= 1, at most 16) times
+    1024 // that columns (1024 outputs a program, 8 a thread at 4 warps: 6 programs for one row of q|k|v)."""
+    bm = min(16, triton.next_power_of_2(rows))
+    return bm, 1024 // bm
+
+
 def device_name(device: torch.device) -> str:
     """The name tables are keyed by: torch.cuda.get_device_name on a GPU (no device read), else the device type (the
     interpreter's "cpu", the compile check's "meta"), which no packaged table names."""
@@ -97,17 +131,25 @@ def _planned(rows: int, weight: torch.Tensor, tables: Fp8Tables | None) -> Fp8Ti
 
 
 @triton.jit
-def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
+def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K_PER, stride_xm, stride_wn,
+                       stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
+    """Column tile program_id(0) over all of K; SPLIT: over K slice program_id(1), [s * K_PER, (s + 1) * K_PER) cut at
+    K, its raw float32 sums stored at out_ptr, the workspace [splits, M, N] (module docstring)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x8_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    if SPLIT:
+        k_lo = tl.program_id(1) * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
+    else:  # the whole of K, as before split-K (the same loop)
+        k_lo = 0
+        k_hi = K
     # SWAP: acc^T [BLOCK_N, BLOCK_M] = w8 @ x8^T, the weight tile as wgmma's 64-tall operand
     acc_t = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         x8 = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
@@ -121,6 +163,16 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, s
         else:
             acc_t = tl.dot(x8, tl.trans(w), acc_t, max_num_imprecise_acc=PROMOTE)
     acc = tl.trans(acc_t) if SWAP else acc_t
+    if SPLIT:  # this slice's raw sums; `_fp8_split_reduce_kernel` scales them
+        part = out_ptr + tl.program_id(1).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    else:
+        _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    """out[rm, rn] = acc * sx[rm] * sw[rn] (+ bias[rn]) in out's dtype, for the rows rm < M and columns rn < N."""
     sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
     acc = acc * sx[:, None] * tl.load(sw_ptr + rn, mask=rn < N, other=0.0)[None, :]
     dt = out_ptr.dtype.element_ty
@@ -128,6 +180,21 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, s
         acc = acc.to(dt).to(tl.float32) + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
     tl.store(out, acc.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _fp8_split_reduce_kernel(ws_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                             SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[rm, rn] for rows [program_id(0) * BLOCK_M, ...) and columns [program_id(1) * BLOCK_N, ...): the SPLITS
+    slices' float32 sums of the workspace [SPLITS, M, N] added in order 0, 1, ..., then `_epilogue`."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    part = ws_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    acc = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part + s * M * N, mask=mask, other=0.0)
+    _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS)
 
 
 def _fits(rows: int, cols: int, dense: bool, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -173,11 +240,20 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     if cfg.block_m < m:
         raise ValueError(f"tiles {cfg.label()} hold {cfg.block_m} rows; the call has {m}")
     out = torch.empty((m, n), dtype=dtype, device=x8.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x8, sx, weight, scale, bias if bias is not None else scale, out, m, n, k, x8.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
-        SWAP=cfg.swap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    b = bias if bias is not None else scale
+    k_per, splits = split_slices(k, cfg)
+    # splits > 1: the kernel writes its slices' sums to a float32 workspace, which the reduce kernel scales into out
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x8.device) if splits > 1 else out
+    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,
+        SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PROMOTE=min(cfg.block_k, PROMOTE_EVERY), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        bm, bn = reduce_tile(m)
+        _fp8_split_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            ws, sx, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_M=bm,
+            BLOCK_N=bn, num_warps=4)
     return out
 
 
@@ -208,5 +284,5 @@ def skinny_fp8_linear_rows(rows: QuantizedRows, weight: torch.Tensor, scale: tor
     return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config)
 
 
-__all__ = ["RULE_ROWS", "TUNED", "device_name", "fp8_config", "fp8_ok", "plan", "routed", "routed_rows", "rows_ok",
-           "rule_tiles", "skinny_fp8_linear", "skinny_fp8_linear_rows"]
+__all__ = ["RULE_ROWS", "TUNED", "device_name", "fp8_config", "fp8_ok", "plan", "reduce_tile", "routed", "routed_rows",
+           "rows_ok", "rule_tiles", "skinny_fp8_linear", "skinny_fp8_linear_rows", "split_slices"]
