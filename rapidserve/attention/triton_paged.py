@@ -174,6 +174,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     # window's first and from ctx on are masked.
     PAGES: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
     ROWS: tl.constexpr = BLOCK_N // PAGES
+    HEAD_ALIGN: tl.constexpr = HEAD_DIM & -HEAD_DIM  # the largest power of two dividing HEAD_DIM
     first = 0
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
@@ -215,7 +216,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
         pg = start // BLOCK_SIZE + tl.arange(0, PAGES)
         blk = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < ctx, other=0).to(tl.int64)
         rows = (start % BLOCK_SIZE + tl.arange(0, ROWS)) * HEAD_DIM  # 0.. unless a tile is a slice of its page
-        off = tl.reshape((blk * page_stride + head_off)[:, None] + rows[None, :], [BLOCK_N])[:, None] + d[None, :]
+        # Each key's row starts at a multiple of HEAD_DIM. Said explicitly: tl.reshape drops what Triton knows of
+        # its input's divisibility, and without it Triton 3.6 (the GPU machines') loads the tiles one element a
+        # thread per instruction (sm_90 SASS: 256 LDG.E.U16 a thread per 64-key bf16 tile, LDG.E.U8 for fp8) and,
+        # as cp.async needs 4 bytes or more, never pipelines them. With it: 16-byte cp.async, staged ahead.
+        base = tl.multiple_of(tl.reshape((blk * page_stride + head_off)[:, None] + rows[None, :], [BLOCK_N]),
+                              HEAD_ALIGN)
+        off = base[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
