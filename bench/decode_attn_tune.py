@@ -8,9 +8,9 @@ Qwen3-8B's attention (32 q heads, 8 kv heads, head_dim 128), bf16 queries, pages
 shuffled, a block table as wide as --max-model-len (the decode graphs' width), every sequence at the shape's
 context; for each KV cache (auto: bf16; fp8: the GPU's format, per-tensor scales) and each batch x context:
 
-1. every tile candidate (`tile_candidates`: block_n x num_warps x num_stages; over an fp8 cache each with fp16 dots
-   and a few with bf16 dots, `DecodeConfig.fp16_dots`) at the table's waves, every output checked against the torch
-   reference before it is timed;
+1. every tile candidate (`tile_candidates`: block_n x num_warps x num_stages x the block-table prefetch,
+   `DecodeConfig.prefetch`; over an fp8 cache each with fp16 dots and a few with bf16 dots, `DecodeConfig.fp16_dots`)
+   at the table's waves, every output checked against the torch reference before it is timed;
 2. the TOP tiles (`rank`: the geometric mean over the shapes of each one's time over that shape's best) at each of
    WAVES (the split rule's programs per SM);
 3. the engine's own launch (no override) as the row "default".
@@ -20,7 +20,8 @@ L2, as in a model's step), replayed 15 times after 3, median over L: microsecond
 Rates: a layer's K/V bytes over that time, against the copy ceiling (a 1 GiB device copy, read + write bytes, as
 bench/model_runner.py) and the read ceiling (torch.sum of 1 GiB), measured in the same process.
 
-Writes $OUT/decode_attn_tune.json (every row) and .md, and prints last, per cache: each shape's default and best,
+Writes $OUT/decode_attn_tune.json (every row) and .md (again after each cache, so a run cut short keeps the caches
+it finished), and prints last, per cache: each shape's default and best,
 every tile at the table's waves, the top tiles at each waves, and the DECODE_TABLE entry best over all the shapes
 (`pick_entry`: one entry serves every batch) to paste into rapidserve/attention/decode_config.py.
 """
@@ -55,31 +56,35 @@ TOP = 4
 Row = dict[str, object]
 
 
-def tile_candidates(size: str = "full") -> list[tuple[int, int, int]]:
-    """(block_n, num_warps, num_stages) to time ("full": 28, "quick": 6, "dry": 2 for the interpreter): 32-128 keys a
-    tile, 2-8 warps (sm_90 compiles: 32 keys x 8 warps and 128 x 2 waste threads or registers), 2-5 stages (Triton
-    3.9's pipeliner double-buffers K/V from 5 stages; 2-4 keep one buffer)."""
+def tile_candidates(size: str = "full") -> list[tuple[int, int, int, bool]]:
+    """(block_n, num_warps, num_stages, prefetch) to time ("full": 42, "quick": 6, "dry": 2 for the interpreter): 32-128
+    keys a tile, 2-8 warps (sm_90 compiles: 32 keys x 8 warps and 128 x 2 waste threads or registers); without the
+    block-table prefetch 2, 3 and 5 stages (Triton 3.6 on sm_90: 2 loads the table in the tile's iteration, 3 and 4
+    compile alike to one K/V buffer, 5 to two), with it 2-4 (s - 1 buffers; bench/results/decode_attn_compile/)."""
     if size == "dry":
-        return [(16, 4, 2), (32, 4, 3)]
+        return [(16, 4, 2, False), (32, 4, 3, True)]
     if size == "quick":
-        return [(32, 4, 2), (64, 4, 3), (64, 4, 5), (64, 8, 3), (128, 4, 3), (128, 8, 3)]
+        return [(32, 4, 2, False), (64, 4, 3, False), (64, 4, 5, False), (64, 4, 3, True), (64, 2, 3, True),
+                (128, 4, 2, True)]
     pairs = ((32, 2), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8))
-    return [(n, w, s) for n, w in pairs for s in (2, 3, 4, 5)]
+    stages = ((2, False), (3, False), (5, False), (2, True), (3, True), (4, True))
+    return [(n, w, s, pf) for n, w in pairs for s, pf in stages]
 
 
 def candidates(table: DecodeConfig, fp8: bool, size: str) -> list[DecodeConfig]:
     """Step 1's configurations: every tile at the table's waves; over an fp8 cache with fp16 dots, and with bf16
     dots for the table's tile and (but in a dry run) three others: the conversions' cost, `DecodeConfig.fp16_dots`."""
-    out = [DecodeConfig(n, w, s, table.waves, fp8) for n, w, s in tile_candidates(size)]
+    out = [DecodeConfig(n, w, s, table.waves, fp8, pf) for n, w, s, pf in tile_candidates(size)]
     if fp8:
-        slow = [(table.block_n, table.num_warps, table.num_stages)]
-        slow += [] if size == "dry" else [(64, 8, 3), (128, 4, 3), (32, 4, 2)]
-        out += [DecodeConfig(n, w, s, table.waves, False) for n, w, s in dict.fromkeys(slow)]
+        slow = [(table.block_n, table.num_warps, table.num_stages, table.prefetch)]
+        slow += [] if size == "dry" else [(64, 8, 3, False), (128, 4, 3, False), (64, 4, 3, True)]
+        out += [DecodeConfig(n, w, s, table.waves, False, pf) for n, w, s, pf in dict.fromkeys(slow)]
     return out
 
 
 def _key(cfg: DecodeConfig) -> str:
-    return f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} waves{cfg.waves}" + (" f16" if cfg.fp16_dots else "")
+    return (f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} waves{cfg.waves}" + (" pf" if cfg.prefetch else "")
+            + (" f16" if cfg.fp16_dots else ""))
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -274,7 +279,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="1x2048,16x2048,64x2048,16x8192", help="batch x context, comma-separated")
     ap.add_argument("--max-model-len", type=int, default=8192, help="the block table's width in tokens")
     ap.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    ap.add_argument("--quick", action="store_true", help="six tiles instead of 28")
+    ap.add_argument("--quick", action="store_true", help="six tiles instead of 42")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter: tiny shapes, fp16 queries")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/results")))
     args = ap.parse_args()
@@ -301,18 +306,19 @@ def main() -> int:
         sms, fp8_format = torch.cuda.get_device_properties(0).multi_processor_count, fp8_dtype(torch.device("cuda"))
         gpu = torch.cuda.get_device_name(0)
     ceil = ceilings(args.dry_run)
-    rows: list[Row] = []
-    for kv in kvs:
-        rows += bench_cache(fp8_format if kv == "fp8" else dtype, dtype, shapes, args, dims, device, sms)
     names = [f"{b}x{c}" for b, c in shapes]
     meta = {"gpu": gpu, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
             "command": "python bench/decode_attn_tune.py " + " ".join(sys.argv[1:]),
             "what": f"q heads {dims[0]}, kv heads {dims[1]}, head_dim {dims[2]}, {str(dtype).removeprefix('torch.')} "
                     f"q, block {args.block_size}, table {args.max_model_len} tokens wide, {sms} SMs"}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_attn_tune.json").write_text(json.dumps({**meta, "ceilings": ceil, "rows": rows}, indent=1))
-    text = report(rows, ceil, names, meta)
-    (args.out / "decode_attn_tune.md").write_text(text)
+    rows: list[Row] = []
+    for kv in kvs:
+        rows += bench_cache(fp8_format if kv == "fp8" else dtype, dtype, shapes, args, dims, device, sms)
+        (args.out / "decode_attn_tune.json").write_text(json.dumps({**meta, "ceilings": ceil, "rows": rows},
+                                                                   indent=1))
+        text = report(rows, ceil, names, meta)
+        (args.out / "decode_attn_tune.md").write_text(text)
     print(text)
     return 0
 

@@ -8,14 +8,17 @@ pages of 8 to 32 (tiles of 1-16 whole pages, or slices of one), and queries past
 (The interpreter's bf16 dots are wrong, so bf16 dots, the path of a bf16 cache, are checked on a GPU only:
 tests/test_attention.py's gpu tests; fp16 and fp32 ones by tests/test_attention.py and test_kv_fp8_attention.py.)
 
-Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_decode.py fp16_dots|ranges``) it performs the
-interpreter checks; `test_triton_interpreter` does exactly that.
+The block-table prefetch (`DecodeConfig.prefetch`: each tile's pages loaded one iteration early) is checked the same
+way over fp16 and fp8 caches: pages of 8-32 (tiles of one to eight pages, or slices of one), shuffled, windows,
+a batch of varied contexts, split counts that leave some splits empty.
+
+Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_decode.py fp16_dots|ranges|prefetch``) it performs
+the interpreter checks; `test_triton_interpreter` runs them all in one subprocess.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 import sys
 
@@ -23,7 +26,7 @@ import pytest
 import torch
 from test_attention import Batch, decode_seqs, make_batch
 from test_kv_fp8_attention import fp8_cache, scales, write_all
-from triton_interp import run_interpreted
+from triton_interp import interpreted_checks, run_checks, selected
 
 from rapidserve.attention import kv_quant as kq
 from rapidserve.attention import torch_ref as ref
@@ -47,7 +50,8 @@ def _fp8_batch(ctxs: list[int], bs: int, group: int, d: int, hkv: int, cache: to
 
 
 def _check(q: torch.Tensor, b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-           block_n: int, splits: tuple[int | None, ...], window: int | None = None, what: object = "") -> None:
+           block_n: int, splits: tuple[int | None, ...], window: int | None = None, what: object = "",
+           prefetch: bool = False) -> None:
     """The kernel with fp16 dots, each split count, against the fp32 reference over the dequantized cache (the
     output is bf16: within its rounding)."""
     from rapidserve.attention import triton_paged as tp
@@ -56,12 +60,12 @@ def _check(q: torch.Tensor, b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: to
     args = (b.meta.block_tables, b.meta.context_lens, d**-0.5)
     want = ref.decode_attention(q.float(), kq.dequantize(kc, ks, torch.float32), kq.dequantize(vc, vs, torch.float32),
                                 *args, window=window)
+    cfg = F16_DOTS._replace(block_n=block_n, prefetch=prefetch)
     for n in splits:
-        got = tp.decode_attention(q, kc, vc, *args, ks, vs, num_splits=n, config=F16_DOTS._replace(block_n=block_n),
-                                  window=window)
+        got = tp.decode_attention(q, kc, vc, *args, ks, vs, num_splits=n, config=cfg, window=window)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=1.5e-2, rtol=1e-2,
-                                   msg=lambda m, c=(what, block_n, n, window): f"{c}: {m}")
+                                   msg=lambda m, c=(what, block_n, n, window, prefetch): f"{c}: {m}")
 
 
 def _interp_fp16_dots() -> None:
@@ -98,16 +102,51 @@ def _interp_ranges() -> None:
     _check(b.q * 1e-3, b, kc, vc, ks, vs, 32, (2,), None, "small q")
 
 
-INTERP_CHECKS = {"fp16_dots": _interp_fp16_dots, "ranges": _interp_ranges}
+def _interp_prefetch() -> None:
+    """The block-table prefetch against the reference: an fp16 cache (the model's dtype, fp16 q) and fp8 caches under
+    fp16 dots, tiles of 2-8 pages and half pages, windows, empty rows, more splits than tiles (empty splits load the
+    entries past the context, masked), a batch of varied contexts."""
+    from rapidserve.attention import triton_paged as tp
 
-# the sweep's corners (bench/decode_attn_tune.py): tiles of 32-128 keys, 2-8 warps, 2-5 stages, both dot types
+    fp16 = DecodeConfig(32, 4, 3, 2, False, True)
+    cases = [  # (block_size, group, kv heads, contexts, block_n, (split count, window) pairs)
+        (16, 4, 2, [100, 0, 1, 48, 49, 17], 32, ((9, None), (None, 37))),  # 2 pages a tile; 9 splits > 4 tiles
+        (32, 2, 1, [70, 31, 33, 1], 16, ((4, 20),)),  # tiles are half pages
+    ]
+    for bs, group, hkv, ctxs, bn, runs in cases:
+        b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=32, block_size=bs,
+                       dtype=torch.float16, decode=True, strided_q=True, seed=bs)
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        args = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 32**-0.5)
+        for n, window in runs:
+            got = tp.decode_attention(*args, num_splits=n, window=window, config=fp16._replace(block_n=bn))
+            torch.testing.assert_close(got.float(), ref.decode_attention(*args, window=window).float(), atol=4e-3,
+                                       rtol=1e-3, msg=lambda m, c=(bs, group, ctxs, bn, n, window): f"{c}: {m}")
+    b, kc, vc, ks, vs = _fp8_batch([129, 3, 64, 8], 8, 8, 32, 1, FN, seed=8)  # 8 pages a tile
+    _check(b.q, b, kc, vc, ks, vs, 64, (2,), 50, "8 pages", prefetch=True)
+    _check(b.q, b, kc, vc, ks, vs, 64, (1,), None, "8 pages", prefetch=True)
+    b, kc, vc, ks, vs = _fp8_batch([70, 31, 33, 1], 32, 2, 32, 1, FNUZ, seed=32)  # half pages
+    _check(b.q, b, kc, vc, ks, vs, 16, (1,), None, "half pages", prefetch=True)
+    rng = random.Random(5)  # a batch of varied contexts, none a multiple of the page
+    ctxs = [rng.choice([1, 3, 7, 9, 15, 17, 23, 31, 33, 45]) for _ in range(12)]
+    b, kc, vc, ks, vs = _fp8_batch(ctxs, 8, 4, 32, 1, seed=6)
+    _check(b.q, b, kc, vc, ks, vs, 16, (3,), None, "varied", prefetch=True)
+
+
+INTERP_CHECKS = {"fp16_dots": _interp_fp16_dots, "ranges": _interp_ranges, "prefetch": _interp_prefetch}
+
+# the sweep's corners (bench/decode_attn_tune.py): tiles of 32-128 keys, 2-8 warps, 2-5 stages, both dot types, the
+# block-table prefetch with one to three K/V buffers
 GPU_CONFIGS = [DecodeConfig(32, 2, 2, 1, True), DecodeConfig(64, 4, 3, 2, False), DecodeConfig(64, 4, 5, 4, True),
-               DecodeConfig(64, 8, 3, 8, True), DecodeConfig(128, 4, 3, 3, False), DecodeConfig(128, 8, 5, 6, True)]
+               DecodeConfig(64, 8, 3, 8, True), DecodeConfig(128, 4, 3, 3, False), DecodeConfig(128, 8, 5, 6, True),
+               DecodeConfig(32, 4, 2, 2, False, True), DecodeConfig(64, 2, 3, 3, True, True),
+               DecodeConfig(64, 4, 4, 2, False, True), DecodeConfig(128, 4, 3, 1, True, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
-@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=[f"n{c.block_n}w{c.num_warps}s{c.num_stages}" for c in GPU_CONFIGS])
+@pytest.mark.parametrize("cfg", GPU_CONFIGS, ids=[f"n{c.block_n}w{c.num_warps}s{c.num_stages}" + "pf" * c.prefetch
+                                                  for c in GPU_CONFIGS])
 def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
     """Each sweep corner on the GPU against the fp32 reference (the bf16 dots the interpreter cannot check), Qwen3's
     shape, odd contexts; over an fp8 cache also queries past fp16's range."""
@@ -142,16 +181,19 @@ def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
             torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2, msg=lambda m, n=splits: f"{n}: {m}")
 
 
+@pytest.fixture(scope="module")
+def interpreter(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The session's interpreter checks of this module, in one subprocess (tests/triton_interp.py)."""
+    return interpreted_checks(__file__, selected(request, "check"))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("check", sorted(INTERP_CHECKS))
-def test_triton_interpreter(check: str) -> None:
-    """The decode kernel's fp16-dot path under TRITON_INTERPRET=1, against the torch reference."""
-    run_interpreted(__file__, check)
+def test_triton_interpreter(interpreter: dict[str, str], check: str) -> None:
+    """The decode kernel's fp16-dot path and the block-table prefetch under TRITON_INTERPRET=1, against the torch
+    reference."""
+    assert interpreter[check] == "", interpreter[check]
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    for name in sys.argv[1:] or sorted(INTERP_CHECKS):
-        INTERP_CHECKS[name]()
-        print(f"{name}: ok")
+    sys.exit(run_checks(INTERP_CHECKS, sys.argv[1:]))

@@ -171,3 +171,15 @@ def test_overrides_replace_the_entry_then_its_fields() -> None:
     assert red[0][1]["BLOCK_S"] == 64
     (grid, kw), = _launch(16, BF16, BF16, hip=False, config=cfg, block_n=32, num_stages=3, num_splits=7)[0]
     assert grid == (16, 8, 7) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 8, 3)
+
+
+def test_block_table_prefetch_follows_the_configuration() -> None:
+    """PREFETCH is the configuration's (a field defaulting to False: every table entry launches as before it
+    existed), on both platforms."""
+    assert DecodeConfig(64, 2, 5, 3, False).prefetch is False
+    assert not any(c.prefetch for c in dc.DECODE_TABLE.values())
+    (_, kw), = _launch(64, BF16, BF16, hip=False)[0]
+    assert kw["PREFETCH"] is False
+    for hip, cache in ((False, BF16), (False, torch.float8_e4m3fn), (True, torch.float8_e4m3fnuz)):
+        (_, kw), = _launch(16, BF16, cache, hip=hip, config=DecodeConfig(32, 4, 3, 2, True, True))[0]
+        assert kw["PREFETCH"] is True and kw["BLOCK_N"] == 32

@@ -16,11 +16,20 @@ The table (`DECODE_TABLE`) is keyed by (platform, q dtype, KV cache, head_dim) a
   TB/s if F2FP shares that rate, against a 4.16 TB/s copy ceiling on an H200. The price: 143 registers instead of
   128 (3 programs an SM instead of 4). On gfx942 the fp16 variant takes more conversions (262 v_cvt against 82 in
   the AMDGCN), so ROCm keeps bf16. Both variants are candidates of the tuning sweep.
+- ``prefetch``: the kernel loads the next tile's block-table entries one iteration early (a loop-carried value), so
+  a tile's K/V addresses never wait on a load of the same iteration. What the stages buy depends on it (sm_90,
+  Triton 3.6, 64-key bf16 tiles at head_dim 128; bench/decode_attn_compile.py): without it the pipeliner stages the
+  table load before the K/V loads, so num_stages 2 loads the table synchronously each tile and keeps one K/V
+  buffer, 3 and 4 one buffer (39 KiB a program, 5 an SM), 5 two (72 KiB, 3 an SM); with it num_stages s keeps s - 1
+  K/V buffers (2: one, without the table's wait; 3: two, 72 KiB; 4: three, 104 KiB). On gfx942 (num_stages 1, no
+  pipelining) it takes the table's latency off each tile's K/V loads at the same VGPRs.
 
 NVIDIA's 16-bit head_dim <= 128 entries were measured by `bench/decode_attn_tune.py` on an H200 (2026-11-29,
 bench/results/decode_attn_tune_h200/): over Qwen3-8B's attention at 1x2048, 16x2048, 64x2048 and 16x8192, the bf16
 entry is 1.065x each shape's best (geometric mean) where the earlier entry was 1.288x, and the fp8 entry 1.047x
-against 1.284x. The rest are rules (ROCm's from the gfx942 compile check, bench/results/amd_compile/).
+against 1.284x. That kernel's loads were one element each under the GPU's Triton 3.6 (fixed since: the tl.multiple_of
+in triton_paged.py; bench/results/decode_attn_compile/), so those entries are valid but were chosen among slow tiles
+and need the sweep again. The rest are rules (ROCm's from the gfx942 compile check, bench/results/amd_compile/).
 `python bench/decode_attn_tune.py` times the candidates on a GPU and prints the entries to put here.
 """
 
@@ -39,6 +48,7 @@ class DecodeConfig(NamedTuple):
     num_stages: int
     waves: int  # programs per SM the split rule aims for
     fp16_dots: bool  # an fp8 cache under a bf16 q: tiles and q converted to fp16 for the dots
+    prefetch: bool = False  # the next tile's block-table entries loaded one iteration early (False: the same one)
 
 
 # (platform, q dtype, KV cache, head_dim) -> DecodeConfig. platform: "cuda" | "rocm" (torch.version.hip set);

@@ -152,7 +152,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
-                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr, F16_DOTS: tl.constexpr):
+                         FP8_MAX: tl.constexpr, WINDOW: tl.constexpr, F16_DOTS: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
     WINDOW keys when WINDOW > 0).
 
@@ -163,6 +164,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     instruction per element pair on sm_89+; bf16 takes three: rapidserve/attention/decode_config.py) and both dots
     run in fp16 with fp32 accumulation. bf16 -> fp16 is exact for |q| in [2^-14, 65504]; a program whose largest
     |q| exceeds 2^15 first multiplies q by 2^15 / max|q| and divides qk_scale by the same factor.
+    PREFETCH: each iteration loads the next tile's block-table entries, so the K/V addresses come from the previous
+    iteration (rapidserve/attention/decode_config.py, DecodeConfig.prefetch).
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -174,6 +177,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     # window's first and from ctx on are masked.
     PAGES: tl.constexpr = (BLOCK_N + BLOCK_SIZE - 1) // BLOCK_SIZE
     ROWS: tl.constexpr = BLOCK_N // PAGES
+    HEAD_ALIGN: tl.constexpr = HEAD_DIM & -HEAD_DIM  # the largest power of two dividing HEAD_DIM
     first = 0
     if WINDOW > 0:
         first = tl.maximum(ctx - WINDOW, 0)
@@ -206,16 +210,31 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
     page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
+    pages = tl.arange(0, PAGES)
+    if PREFETCH:  # the first tile's pages; each iteration then loads the next tile's (entries past ctx: masked)
+        pg_next = (start0 + tile_lo * BLOCK_N) // BLOCK_SIZE + pages
+        blk_next = tl.load(bt_row + pg_next, mask=pg_next * BLOCK_SIZE < ctx, other=0)
     for tile in range(tile_lo, tile_hi):
         start = start0 + tile * BLOCK_N
         tok = start + n
         tok_mask = tok < ctx
         if WINDOW > 0:
             tok_mask = tok_mask & (tok >= first)
-        pg = start // BLOCK_SIZE + tl.arange(0, PAGES)
-        blk = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+        if PREFETCH:
+            blk = blk_next.to(tl.int64)
+            pg_next = (start + BLOCK_N) // BLOCK_SIZE + pages
+            blk_next = tl.load(bt_row + pg_next, mask=pg_next * BLOCK_SIZE < ctx, other=0)
+        else:
+            pg = start // BLOCK_SIZE + pages
+            blk = tl.load(bt_row + pg, mask=pg * BLOCK_SIZE < ctx, other=0).to(tl.int64)
         rows = (start % BLOCK_SIZE + tl.arange(0, ROWS)) * HEAD_DIM  # 0.. unless a tile is a slice of its page
-        off = tl.reshape((blk * page_stride + head_off)[:, None] + rows[None, :], [BLOCK_N])[:, None] + d[None, :]
+        # Each key's row starts at a multiple of HEAD_DIM. Said explicitly: tl.reshape drops what Triton knows of
+        # its input's divisibility, and without it Triton 3.6 (the GPU machines') loads the tiles one element a
+        # thread per instruction (sm_90 SASS: 256 LDG.E.U16 a thread per 64-key bf16 tile, LDG.E.U8 for fp8) and,
+        # as cp.async needs 4 bytes or more, never pipelines them. With it: 16-byte cp.async, staged ahead.
+        base = tl.multiple_of(tl.reshape((blk * page_stride + head_off)[:, None] + rows[None, :], [BLOCK_N]),
+                              HEAD_ALIGN)
+        off = base[:, None] + d[None, :]
         kv_mask = tok_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
         s = _dot(q, tl.trans(k), IEEE) * qk_scale
@@ -341,7 +360,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
-        F16_DOTS=uses_fp16_dots(cfg, q.dtype, kv_fp8), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fp8)
+        F16_DOTS=uses_fp16_dots(cfg, q.dtype, kv_fp8), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **fp8)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device), cfg.waves)
         _decode_reduce_kernel[(batch * num_heads,)](
