@@ -22,7 +22,10 @@ from triton_interp import run_interpreted
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 POISON = -7
 EXPERTS = (1, 8, 60, 128, 256)
-PAIRS = (1, 5, 16, 127, 128, 129, 513, 1024, 2999)
+# 2049, the thousands: the least count at which E = 128 sums its count table in two tile steps (NB = 33 programs >
+# NB_TILE = 32) and E = 256 scatters a program's pairs in four (block 64 = 4 * SUB) with a table of three; its last
+# block holds one pair. 513 is the least at which E = 256 crosses NB_TILE (NB = 17 > 16) and E = 8 takes two programs.
+PAIRS = (1, 5, 16, 127, 128, 129, 513, 1024, 2049)
 BLOCK_MS = (16, 32, 64, 128)
 ROUTINGS = ("uniform", "one", "few", "skewed")
 
@@ -117,6 +120,26 @@ def test_case_table_covers_the_brief() -> None:
     assert len(few) < 60 // 5 and all(x % 7 == 3 for x in few)  # most experts empty
     assert routing("one", 9, 60, 0).unique().tolist() == [59]
     assert list(itertools.chain(*routing("skewed", 400, 128, 2).tolist())).count(64) > 250
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_case_table_reaches_the_two_launch_edges() -> None:
+    """The pair counts of PAIRS's comment: more programs than one tile of the count table sums (E = 128 at the
+    largest count, E = 256 from 513 on), several scatter steps a program, a last block of one pair, two programs."""
+    import triton
+
+    from rapidserve.ops import triton_moe_align as al
+
+    def programs(pairs: int, e: int) -> int:
+        return -(-pairs // al.pairs_per_program(pairs, e))
+
+    def nb_tile(e: int) -> int:
+        return max(al.TILE // triton.next_power_of_2(e), 1)
+
+    assert programs(PAIRS[-1], 128) > nb_tile(128) >= programs(1024, 128)
+    assert programs(513, 256) > nb_tile(256) >= programs(PAIRS[5], 256)
+    assert al.pairs_per_program(PAIRS[-1], 256) == 4 * al.sub_pairs(256)
+    assert PAIRS[-1] % al.pairs_per_program(PAIRS[-1], 128) == 1 and programs(513, 8) == 2
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
