@@ -70,7 +70,7 @@ def _check(q: torch.Tensor, b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: to
 
 def _interp_fp16_dots() -> None:
     cases = [  # (block_size, group, head_dim, kv heads, contexts, block_n, split counts, windows, cache)
-        (16, 4, 64, 2, [100, 0, 1, 48, 49, 17], 64, (1, 13), (None, 1, 37), FN),  # Qwen3's GQA 4; 13 > its tiles
+        (16, 4, 64, 2, [100, 0, 1, 48, 49, 17], 64, (1, 3), (None, 1, 37), FN),  # Qwen3's GQA 4; 3 > its 2 tiles
         (8, 1, 32, 4, [33, 1, 5, 70], 16, (None, 1, 3), (None, 9), FN),  # GQA 1
         (16, 8, 32, 1, [250, 16, 1, 129], 128, (None, 1, 2, 5), (None, 100), FN),  # GQA 8, tiles of 8 pages
         (32, 4, 32, 2, [70, 0, 31, 33], 16, (None, 1, 4, 9), (None, 20), FNUZ),  # tiles are slices of pages; ROCm's

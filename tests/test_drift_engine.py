@@ -40,8 +40,9 @@ def _prompts(llm: LLM) -> dict[str, list[int]]:
 def reference() -> tuple[dict[str, list[int]], dict[str, list[int]]]:
     llm = LLM(dtype="float32", device="cpu", show_progress=False, max_model_len=1024)
     prompts = _prompts(llm)
-    outs = llm.generate(list(prompts.values()), GREEDY, use_tqdm=False)
-    return prompts, {k: o.outputs[0].token_ids for k, o in zip(prompts, outs, strict=True)}
+    kept = [k for k in prompts if k != "aborted"]  # the aborted request's tokens are never compared (800 tokens)
+    outs = llm.generate([prompts[k] for k in kept], GREEDY, use_tqdm=False)
+    return prompts, {k: o.outputs[0].token_ids for k, o in zip(kept, outs, strict=True)}
 
 
 def drift_config() -> EngineConfig:

@@ -200,7 +200,7 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
              (33, 16, 4, 40, 24, MoeKernelConfig.same(32, 32, 32, 4, 2)),
              (70, 4, 2, 64, 64, MoeKernelConfig.same(64, 64, 32, 4, 2)),
              (3, 8, 2, 200, 72, MoeKernelConfig.same(16, 32, 64, 4, 2)),  # K and N not multiples of the tiles
-             (20, 128, 8, 32, 24, MoeKernelConfig.same(16, 16, 32, 4, 2))]  # Qwen3's routing: runs of a pair or two
+             (10, 128, 8, 32, 24, MoeKernelConfig.same(16, 16, 32, 4, 2))]  # Qwen3's routing: runs of a pair or two
     for dtype in dtypes:
         for t, e, k, h, i, cfg in cases:
             x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t * e, device=device)

@@ -520,12 +520,13 @@ def test_unreachable_server_is_a_fail_not_a_crash(tmp_path: Any, capsys: pytest.
 @pytest.mark.slow
 def test_real_server_soak_on_cpu(tmp_path: Any) -> None:
     serve = f"{sys.executable} -m rapidserve.cli serve --device cpu --port 0 --max-model-len 1024"
-    cmd = [sys.executable, os.path.join(BENCH, "soak.py"), "--launch", serve, "--rate", "0.5", "--duration-s", "20",
-           "--sample-interval-s", "1", "--warmup-s", "6", "--max-prompt-tokens", "64", "--max-output-tokens", "24",
+    cmd = [sys.executable, os.path.join(BENCH, "soak.py"), "--launch", serve, "--rate", "1", "--duration-s", "10",
+           "--sample-interval-s", "0.5", "--warmup-s", "3", "--max-prompt-tokens", "64", "--max-output-tokens", "24",
            "--abort-stream-fraction", "0.5", "--abort-timeout-fraction", "0.3", "--abort-timeout-s", "0.2:1.0",
            "--drain-s", "30", "--check-shm-after-exit", "--out-dir", str(tmp_path)]
-    # 20 s at 0.5/s, seed 0: 10 arrivals, among them a stream dropped after 5 tokens and a 24-token request
-    # given up on after 0.22 s; a sample a second: about 20 load samples
+    # 10 s at 1/s, seed 0: the same 10 arrivals as 20 s at 0.5/s (the arrival gaps are drawn from their own seed and
+    # scaled by the rate; the requests from another), among them a stream dropped after 5 tokens and a 24-token
+    # request given up on after 0.22 s; a sample every 0.5 s: about 20 load samples
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400)

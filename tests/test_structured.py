@@ -37,8 +37,24 @@ def hf() -> Any:
     return load_hf_tokenizer(resolve_model(None))
 
 
+@pytest.fixture(scope="module")
+def view(hf: Any) -> Any:
+    """llguidance's view of the tokenizer (`trial.ll_tokenizer`, about a CPU-second for SmolLM2's vocabulary)."""
+    from rapidserve.structured.trial import ll_tokenizer
+
+    return ll_tokenizer(hf, VOCAB, EOS)
+
+
 @pytest.fixture()
-def book(hf: Any) -> GrammarBook:
+def book(hf: Any, view: Any, monkeypatch: pytest.MonkeyPatch) -> GrammarBook:
+    """A fresh book (no matchers, nothing compiled) that loads the module's tokenizer view, as one engine's books
+    share theirs (read-only), instead of building its own; the tests that check how a book loads its view make
+    their own books."""
+    from rapidserve.structured import matchers
+
+    real = matchers.ll_tokenizer
+    monkeypatch.setattr(matchers, "ll_tokenizer", lambda tok, vocab_size, eos: view if (
+        tok is hf and vocab_size == VOCAB and tuple(eos) == EOS) else real(tok, vocab_size, eos))
     return GrammarBook(lambda: hf, VOCAB, EOS, cache_size=2)
 
 

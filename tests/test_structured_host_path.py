@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,28 @@ PLACEHOLDER = -1
 @pytest.fixture(scope="module")
 def hf() -> Any:
     return load_hf_tokenizer(resolve_model(None))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_tokenizer_view() -> Iterator[None]:
+    """llguidance's view of the tokenizer (`trial.ll_tokenizer`: about a CPU-second for SmolLM2's vocabulary, and
+    this module's books, the fresh ones that replay rows from scratch among them, would build 20) is built once and
+    shared by every book here, as one engine's books share theirs: the view is read-only; the matchers and masks
+    the tests compare are each book's own."""
+    from rapidserve.structured import matchers
+
+    real = matchers.ll_tokenizer
+    views: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+
+    def shared(hf: Any, vocab_size: int, eos: Sequence[int]) -> Any:
+        key = (id(hf), vocab_size, tuple(eos))
+        if key not in views:
+            views[key] = real(hf, vocab_size, eos)
+        return views[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matchers, "ll_tokenizer", shared)
+        yield
 
 
 def book_of(hf: Any) -> GrammarBook:

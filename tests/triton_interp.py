@@ -20,8 +20,10 @@ _BEGIN, _END = "@@interpreter check ", "@@interpreter check done "  # the script
 
 
 def _env() -> dict[str, str]:
+    """TRITON_INTERPRET=1, and on PYTHONPATH the repository and tests/interp_site (its sitecustomize makes the
+    interpreter's device function calls cheaper: see there)."""
     return {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+        p for p in (str(REPO / "tests" / "interp_site"), str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def run_interpreted(script: str, *args: str, timeout: float = 300) -> str:
