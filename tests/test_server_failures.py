@@ -95,7 +95,12 @@ def ended_with_error(events: list[str], code: str) -> bool:
 
 
 def finished_normally(events: list[str]) -> bool:
-    return events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    """The stream's last chunk before [DONE] carries a stop or length finish; False for an error event there (a
+    request cut before its first token has only the error and [DONE])."""
+    if len(events) < 2 or events[-1] != "[DONE]":
+        return False
+    choices = json.loads(events[-2]).get("choices") or [{}]
+    return choices[0].get("finish_reason") in ("stop", "length")
 
 
 def test_client_disconnects_count_as_abort_exactly_once(srv: Srv) -> None:
