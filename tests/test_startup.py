@@ -264,3 +264,36 @@ def test_disable_log_requests_silences_the_request_line(log_requests: bool, capl
     asyncio.run(scenario())
     lines = [r.getMessage() for r in caplog.records if r.name == REQUEST_LOG]
     assert (len(lines) == 1 and lines[0].startswith("request cmpl-")) if log_requests else lines == []
+
+
+def test_readiness_line_comes_after_the_signal_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supervisor that sends SIGTERM as soon as it reads the readiness line gets the graceful stop, not the
+    default handler's exit 143: when the line is printed, SIGTERM and SIGINT are the server's own."""
+    import signal
+
+    from rapidserve.server import serve as serve_mod
+
+    engine = StartedEngine()
+    seen: list[tuple[Any, Any]] = []
+
+    def spy_print(*args: Any, **kwargs: Any) -> None:
+        if args and str(args[0]).startswith("rapidserve: serving"):
+            seen.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
+            engine.fatal.set()  # ready: now end the server (the engine gives up)
+
+    monkeypatch.setattr(serve_mod, "print", spy_print, raising=False)
+
+    async def start(ecfg: Any) -> StartedEngine:
+        return engine
+
+    async def scenario() -> int:
+        sockets = bind_sockets("127.0.0.1", 0)
+        scfg = ServerConfig(port=0, served_model_name=("fake",))
+        return await asyncio.wait_for(serve(scfg, lambda: (ECFG, SOURCE), sockets, "preset:fake", time.monotonic(),
+                                            start), 30)
+
+    default_term, default_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert asyncio.run(scenario()) == 1
+    assert len(seen) == 1
+    term, intr = seen[0]
+    assert term is not default_term and intr is not default_int, seen  # asyncio's handlers, not the defaults

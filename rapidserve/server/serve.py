@@ -206,9 +206,6 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     for site in sites:
         await site.start()
     await gate.close()
-    print(f"rapidserve: serving {names[0]} on http://{scfg.host}:{port} (ready in {time.monotonic() - t0:.1f} s)",
-          flush=True)  # counted from the process's start
-
     stop, hurry = asyncio.Event(), asyncio.Event()
 
     def on_signal(sig: signal.Signals) -> None:
@@ -222,6 +219,9 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    # readiness only once SIGTERM / SIGINT are ours: a supervisor that signals on this line gets the graceful stop
+    print(f"rapidserve: serving {names[0]} on http://{scfg.host}:{port} (ready in {time.monotonic() - t0:.1f} s)",
+          flush=True)  # counted from the process's start
     await _first(stop, engine.fatal)
     fatal = engine.fatal.is_set() and not stop.is_set()
 
