@@ -137,10 +137,14 @@ def row_key(job: Job) -> str:
     """A launch's identity across runs and Triton versions (`--before`): kernel, argument types, constexprs, the
     arguments specialised as multiples of 16, warps and stages (Job.key() holds every compile option, which differ
     between Triton versions)."""
-    names = jit_function(job.kernel).arg_names
-    aligned = sorted(names[p[0]] for p, v in job.attrs.items() if ["tt.divisibility", 16] in v)
-    return repr((job.kernel, sorted(job.signature.items()), sorted(job.named_constexprs().items()), aligned,
+    return repr((job.kernel, sorted(job.signature.items()), sorted(job.named_constexprs().items()), aligned_args(job),
                  job.options.get("num_warps"), job.options.get("num_stages")))
+
+
+def aligned_args(job: Job) -> list[str]:
+    """The arguments the JIT specialised as multiples of 16 (pointers: 16-byte aligned)."""
+    names = jit_function(job.kernel).arg_names
+    return sorted(names[p[0]] for p, v in job.attrs.items() if ["tt.divisibility", 16] in v)
 
 
 def audit_job(job: Job) -> dict[str, Any]:
@@ -163,6 +167,7 @@ def audit(todo: list[Job], procs: int = 1) -> list[dict[str, Any]]:
         with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
             results = list(pool.map(audit_job, todo))
     rows = [{"kernel": j.kernel, "key": row_key(j), "signature": j.signature, "constexprs": j.named_constexprs(),
+             "aligned": aligned_args(j),
              "options": {k: v for k, v in j.launch_options().items() if k in ("num_warps", "num_stages")},
              "used_by": j.used_by, **res} for j, res in zip(todo, results, strict=True)]
     return sorted(rows, key=lambda r: (r["kernel"], json.dumps(r["constexprs"], sort_keys=True, default=str),
@@ -212,9 +217,10 @@ def _cells(r: dict[str, Any]) -> list[str]:
             str(r["spill_bytes"]), f"{r['programs_per_sm']} ({r['limiter']})"]
 
 
-def _launch_text(r: dict[str, Any], consts: list[str], sig: list[str]) -> str:
-    parts = [f"{n}={r['constexprs'].get(n)}" for n in consts]
+def _launch_text(r: dict[str, Any], consts: list[str], sig: list[str], aligned: set[str]) -> str:
+    parts = [f"{n}={r['constexprs'][n]}" for n in consts if n in r["constexprs"]]
     parts += [f"{n}:{r['signature'].get(n)}" for n in sig]
+    parts += [f"{n}%16=0" for n in sorted(aligned & set(r.get("aligned", [])))]
     parts += [f"w{r['options'].get('num_warps')} s{r['options'].get('num_stages')}"]
     return " ".join(str(p).replace("True", "1").replace("False", "0") for p in parts)
 
@@ -230,6 +236,8 @@ def table(report: dict[str, Any], before: dict[str, dict[str, Any]] | None = Non
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == kernel]
         consts, sig = _varying(mine, "constexprs"), _varying(mine, "signature")
+        sets = [set(r.get("aligned", [])) for r in mine]
+        aligned = set.union(*sets) - set.intersection(*sets)  # the multiples of 16 that tell the rows apart
         for r in mine:
             cells = _cells(r)
             old = (before or {}).get(r["key"])
@@ -240,7 +248,8 @@ def table(report: dict[str, Any], before: dict[str, dict[str, Any]] | None = Non
             flags = ", ".join(r.get("flags", [])) or "-"
             if old is not None and old.get("flags", []) != r.get("flags", []):
                 flags = f"{', '.join(old.get('flags', [])) or '-'} -> {flags}"
-            lines.append("| " + " | ".join([kernel, _launch_text(r, consts, sig), *cells, flags, used_s]) + " |")
+            lines.append("| " + " | ".join([kernel, _launch_text(r, consts, sig, aligned), *cells, flags, used_s])
+                         + " |")
     return "\n".join(lines)
 
 
@@ -262,7 +271,8 @@ def markdown(report: dict[str, Any], command: str, before: dict[str, Any] | None
         out.append(f"- before: Triton {before['triton']} ({before['date']}, `{before.get('command', '')}`); "
                    "changed cells read before -> after")
     if findings:
-        out.append(f"- what the table says, kernel by kernel, and the hints it led to: [{FINDINGS}]({FINDINGS})")
+        out.append(f"- what the table says, kernel by kernel (the short sites, and whether a hint applies): "
+                   f"[{FINDINGS}]({FINDINGS})")
     return "\n".join([*out, "", table(report, {r["key"]: r for r in before["rows"]} if before else None)]) + "\n"
 
 

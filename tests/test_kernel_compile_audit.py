@@ -140,13 +140,14 @@ def _row(ldg: dict[int, int], key: str = "k", n: int = 64) -> dict[str, Any]:
 def test_table_marks_what_changed() -> None:
     """A row's launch shows what differs between the kernel's rows; with an earlier run, changed cells read
     before -> after and unchanged ones stay plain."""
-    after = {"rows": [_row({128: 4}), _row({128: 8}, "k2", 128)]}
+    after = {"rows": [_row({128: 4}), _row({128: 8}, "k2", 128), {**_row({128: 8}, "k3", 128), "aligned": ["M"]}]}
     text = kca.table(after, {"k": _row({16: 256})})
-    first, second = text.splitlines()[2:4]
+    first, second, third = text.splitlines()[2:5]
     assert "| _k | BLOCK_N=64 w4 s3 | 16b x256 -> 128b x4 | - | - | load a.py:1 16b x256 < 128b -> - |" in first
     assert "short -> -" in first
     assert "+1 more" in first
-    assert "BLOCK_N=128" in second and "->" not in second
+    assert "| BLOCK_N=128 w4 s3 |" in second and "->" not in second
+    assert "| BLOCK_N=128 M%16=0 w4 s3 |" in third  # a specialisation is what tells these two apart
 
 
 def _triton36() -> Path | None:
