@@ -87,7 +87,8 @@ def make_job(launch: Launch, target: Target, binders: dict[tuple[str, str], Any]
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # Triton 3.9's; 3.6 (the GPU machines') has none
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     bound, specialization, opts = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, opts)
     return Job(launch.kernel, target.name, signature, constexprs, attrs, dict(options.__dict__))

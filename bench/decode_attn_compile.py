@@ -10,25 +10,23 @@ left (the H200 sweep's kernel had 256 a thread per tile under Triton 3.6), the K
 shared memory and registers a program, programs an SM (the H100/H200 limits of bench/amd_occupancy.py), and the
 SASS instructions a thread of the loop's body. Triton's code for one kernel differs between versions (3.9 inferred
 divisibilities that 3.6 lost), so the page names the Triton that compiled it. Writes DIR/decode_attn_compile.md and
-.json and prints the table.
+.json and prints the table. The compile and the readings of SASS are bench/sm90_compile.py's, which
+bench/kernel_compile_audit.py uses for every other kernel.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.amd_occupancy import Hopper  # noqa: E402
+from bench.sm90_compile import compile_sm90, cuobjdump, loop_body, programs_per_sm, resources  # noqa: E402
 from rapidserve.attention.decode_config import DecodeConfig  # noqa: E402
 
 SIGNATURE = {"q_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
@@ -45,8 +43,6 @@ def compile_split(cfg: DecodeConfig, kv: str = "bf16", *, head_dim: int = 128, g
     """The split kernel compiled as decode_attention launches it with `cfg` over a `kv` cache ("bf16" or "fp8":
     e4m3fn; fp8 with cfg.fp16_dots takes fp16 dots), pointers 16-byte aligned, q's strides multiples of 16."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from rapidserve.attention import triton_paged as tp
 
@@ -60,9 +56,8 @@ def compile_split(cfg: DecodeConfig, kv: str = "bf16", *, head_dim: int = 128, g
     signature = {n: types.get(n, "constexpr") for n in fn.arg_names}
     constexprs = {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n not in types}
     aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n in ("stride_qb", "stride_qh")]
-    src = ASTSource(fn, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget(*target),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return compile_sm90(fn, signature, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned},
+                        {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, target)
 
 
 def kv_buffers(ttgir: str, block_n: int) -> int:
@@ -71,48 +66,16 @@ def kv_buffers(ttgir: str, block_n: int) -> int:
     return max((int(n) for n in found), default=0)
 
 
-def loop_sass(cubin: bytes) -> collections.Counter[str]:
+def loop_sass(cubin: bytes) -> Any:
     """Opcodes of the kernel's largest loop body (the longest backward branch) in the cubin's SASS."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best: list[str] = []
-    for addr, text in ins:
-        jump = re.search(r"\bBRA\b.*0x([0-9a-f]+)", text)
-        if jump and int(jump.group(1), 16) < addr:
-            body = [t for a, t in ins if int(jump.group(1), 16) <= a <= addr]
-            best = body if len(body) > len(best) else best
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in best)
-
-
-def programs_per_sm(regs: int, smem: int, num_warps: int, spec: Hopper | None = None) -> tuple[int, str]:
-    """Programs an SM holds and what limits them (regs, smem, blocks, warps; H100 / H200 unless `spec`)."""
-    spec = spec or Hopper()
-    per_warp = -(-max(regs, 1) * 32 // spec.reg_unit) * spec.reg_unit
-    limits = {"regs": spec.regs_per_sm // (per_warp * num_warps),
-              "smem": spec.smem_per_sm // (smem + spec.smem_reserved_per_block),
-              "blocks": spec.max_blocks_per_sm, "warps": spec.max_warps_per_sm // num_warps}
-    most = min(limits.values())
-    return most, ",".join(k for k, v in limits.items() if v == most)
+    return loop_body(cuobjdump(cubin, "-sass"))
 
 
 def analyse(kernel: Any, cfg: DecodeConfig) -> dict[str, Any]:
     """What one compiled variant does: its loads, buffers, resources and loop."""
-    import triton
-
     ptx, cubin = kernel.asm["ptx"], kernel.asm["cubin"]
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        res = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))  # type: ignore[union-attr]
-    local = int(re.search(r"LOCAL:(\d+)", res).group(1))  # type: ignore[union-attr]
+    res = resources(cubin)
+    regs, local = res["regs"], res["spill_bytes"]
     smem = int(kernel.metadata.shared)
     loop = loop_sass(cubin)
     programs, limiter = programs_per_sm(regs, smem, cfg.num_warps)

@@ -1,0 +1,195 @@
+"""bench/kernel_compile_audit.py and bench/sm90_compile.py: the SASS readings as pure functions (opcode widths, a
+listing's loads, stores, copies and tensor-core family), the audit's shapes and its before/after table; and, where
+the GPU machines' Triton 3.6 is installed in a side directory (RAPIDSERVE_TRITON36=DIR, `pip install --target DIR`
+of the triton 3.6.0 wheel), the audit end to end on the KV-cache write kernel under that Triton: 16-byte loads and
+stores, nothing narrow, no spills (this machine's Triton infers facts 3.6 lost: bench/results/kernel_compile_audit/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import kernel_compile_audit as kca
+from bench.amd_launches import Shape
+from bench.sm90_compile import (
+    by_width,
+    global_access_sites,
+    memory_ops,
+    ptx_access_sites,
+    short_accesses,
+    width,
+    widths_text,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+TRITON36_ENV = "RAPIDSERVE_TRITON36"
+
+
+@pytest.mark.parametrize(("op", "bits"), [
+    ("LDG.E.U16", 16), ("LDG.E.S8", 8), ("LDG.E", 32), ("LDG.E.64", 64), ("LDG.E.128.CONSTANT", 128),
+    ("LDG.E.EL.U8", 8), ("STG.E.U16", 16), ("LDGSTS.E.BYPASS.LTC128B.128", 128), ("LDGSTS.E.LTC128B.64", 64),
+    ("LDGSTS.E.LTC128B", 32),
+])
+def test_opcode_width(op: str, bits: int) -> None:
+    assert width(op) == bits
+
+
+def test_reads_a_listing() -> None:
+    sass = """
+        /*0070*/                   LDG.E.U16 R2, desc[UR4][R2.64] ;
+        /*0080*/              @!P0 LDG.E.U16 R4, desc[UR4][R4.64] ;
+        /*0090*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*00a0*/               @P1 LDGSTS.E.BYPASS.LTC128B.128 [R11], desc[UR4][R12.64] ;
+        /*00b0*/                   UTMALDG.2D [UR8], [UR10] ;
+        /*00c0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*00d0*/                   HMMA.16816.F32.BF16 R40, R4, R8, R40 ;
+        /*00e0*/                   STG.E.64 desc[UR4][R2.64], R20 ;
+        /*00f0*/                   EXIT ;
+    """
+    got = memory_ops(sass)
+    assert got["ldg"] == {16: 2, 128: 1} and got["stg"] == {64: 1} and got["cp_async"] == {128: 1}
+    assert got["tma"] == 1 and got["mma"] == "mma.sync+wgmma" and got["instructions"] == 9
+    assert memory_ops("/*0000*/ LDG.E R1, desc[UR4][R2.64] ;")["mma"] == "-"
+    assert by_width(["LDG.E", "LDG.E", "LDG.E.64"]) == {32: 2, 64: 1}
+    assert widths_text({16: 256, 128: 4}) == "16b x256, 128b x4" and widths_text({"128": 1}) == "128b x1"
+    assert widths_text({}) == "-"
+
+
+TTGIR = """
+#blocked = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [2, 1], order = [1, 0]}>
+#blocked1 = #ttg.blocked<{sizePerThread = [1, 8], threadsPerWarp = [4, 8], warpsPerCTA = [2, 1], order = [1, 0]}>
+#loc5 = loc("/src/rapidserve/attention/triton_paged.py":220:20)
+#loc6 = loc("/src/rapidserve/ops/triton_ops.py":160:21)
+#loc7 = loc("/src/rapidserve/ops/triton_ops.py":283:74)
+#loc8 = loc("/src/rapidserve/ops/triton_ops.py":40:9)
+#loc9 = loc("/src/rapidserve/ops/triton_ops.py":41:5)
+#loc20 = loc("k"(#loc5))
+#loc21 = loc(callsite(#loc6 at #loc7))
+    %k = tt.load %p, %m, %o : tensor<64x128x!tt.ptr<bf16>, #blocked> loc(#loc20)
+    %x = tt.load %q, %m2 : tensor<1x64x!tt.ptr<bf16>, #blocked1> loc(#loc21)
+    %s = tt.load %r : !tt.ptr<f32> loc(#loc8)
+    tt.store %d, %v, %m3 : tensor<4x128x!tt.ptr<f8E4M3FN>, #blocked1> loc(#loc9)
+"""
+PTX = """
+\t.loc\t1 220 20                        // triton_paged.py:220:20
+\t@%p1 ld.global.b16 { %rs1 }, [ %rd1 + 0 ];
+\t@%p1 ld.global.b16 { %rs2 }, [ %rd2 + 0 ];
+\t.loc\t2 160 21                        // triton_ops.py:160:21 @[ triton_ops.py:283:74 ]
+\t@%p2 ld.global.b16 { %rs3 }, [ %rd3 + 0 ];
+\t.loc\t2 40 9                          // triton_ops.py:40:9
+\tld.global.b32 { %r1 }, [ %rd4 + 0 ];
+\t.loc\t1 220 20                        // triton_paged.py:220:20
+\tcp.async.cg.shared.global [ %r2 + 0 ], [ %rd5 + 0 ], 0x10, %r3;
+\t.loc\t2 41 5                          // triton_ops.py:41:5
+\t@%p3 st.global.b32 [ %rd6 + 0 ], { %r4 };
+\t@%p3 st.global.v2.b32 [ %rd7 + 0 ], { %r5, %r6 };
+"""
+
+
+def test_short_accesses_by_source_line() -> None:
+    """A [64, 128] bf16 tile over 2 warps holds 128 elements a thread: 16-byte accesses are possible, so its
+    one-element loads are short (the decode kernel's fault before 05f93ef); a [1, 64] tile holds one element a thread
+    (16 bits is all it can take) and a scalar its own width: neither is short. Inlined sites match by their chain;
+    stores are read alike."""
+    sites = global_access_sites(TTGIR, 2)
+    assert sites["load", ("triton_paged.py:220:20",)] == {"elem_bits": 16, "shape": [64, 128], "ideal": 128}
+    assert sites["load", ("triton_ops.py:160:21", "triton_ops.py:283:74")]["ideal"] == 16
+    assert sites["load", ("triton_ops.py:40:9",)] == {"elem_bits": 32, "shape": [], "ideal": 32}
+    assert sites["store", ("triton_ops.py:41:5",)] == {"elem_bits": 8, "shape": [4, 128], "ideal": 64}
+    ptx = ptx_access_sites(PTX)
+    assert ptx["load", ("triton_paged.py:220:20",)] == {16: 2, 128: 1}
+    assert ptx["load", ("triton_ops.py:160:21", "triton_ops.py:283:74")] == {16: 1}
+    assert ptx["store", ("triton_ops.py:41:5",)] == {32: 1, 64: 1}
+    assert short_accesses(PTX, TTGIR, 2) == []  # the tile's widest access is a 16-byte copy, the store's 8 bytes
+    one_by_one = PTX.replace("cp.async.cg.shared.global [ %r2 + 0 ], [ %rd5 + 0 ], 0x10, %r3;", "")
+    one_by_one = one_by_one.replace("st.global.v2.b32 [ %rd7 + 0 ], { %r5, %r6 };", "")
+    short = short_accesses(one_by_one, TTGIR, 2)
+    assert short == [{"op": "load", "site": "triton_paged.py:220", "bits": {16: 2}, "ideal": 128, "elem_bits": 16,
+                      "shape": [64, 128]},
+                     {"op": "store", "site": "triton_ops.py:41", "bits": {32: 1}, "ideal": 64, "elem_bits": 8,
+                      "shape": [4, 128]}]
+    assert kca.short_text(short) == ("load triton_paged.py:220 16b x2 < 128b; "
+                                     "store triton_ops.py:41 32b x1 < 64b")
+
+
+def test_shapes() -> None:
+    assert kca.parse_shape("qwen3-8b") == Shape("qwen3-8b", 1, "bfloat16", 16)
+    assert kca.parse_shape("mixtral-8x7b:2:float16:32") == Shape("mixtral-8x7b", 2, "float16", 32)
+    for bad in ("", "qwen3-8b:two", "a:1:bfloat16:16:x", "a:1:bfloat16:big"):
+        with pytest.raises(ValueError, match="preset"):
+            kca.parse_shape(bad)
+    ci = kca.parse_shapes("ci,qwen3-8b")  # the CI matrix already holds qwen3-8b at tp 1: no duplicate
+    assert Shape("qwen3-8b", 1, "bfloat16") in ci and len(ci) == len(set(ci)) > 10
+
+
+def _row(ldg: dict[int, int], key: str = "k", n: int = 64) -> dict[str, Any]:
+    short = [{"op": "load", "site": "a.py:1", "bits": {16: 256}, "ideal": 128}] if 16 in ldg else []
+    return {"kernel": "_k", "key": key, "signature": {"x_ptr": "*bf16"}, "constexprs": {"BLOCK_N": n},
+            "options": {"num_warps": 4, "num_stages": 3}, "used_by": ["qwen3-8b: decode b1", "b", "c"], "ldg": ldg,
+            "stg": {}, "cp_async": {}, "tma": 0, "mma": "-", "smem": 0, "regs": 32, "spill_bytes": 0,
+            "programs_per_sm": 16, "limiter": "regs", "short": short,
+            "flags": ["short"] if short else []}
+
+
+def test_table_marks_what_changed() -> None:
+    """A row's launch shows what differs between the kernel's rows; with an earlier run, changed cells read
+    before -> after and unchanged ones stay plain."""
+    after = {"rows": [_row({128: 4}), _row({128: 8}, "k2", 128), {**_row({128: 8}, "k3", 128), "aligned": ["M"]}]}
+    text = kca.table(after, {"k": _row({16: 256})})
+    first, second, third = text.splitlines()[2:5]
+    assert "| _k | BLOCK_N=64 w4 s3 | 16b x256 -> 128b x4 | - | - | load a.py:1 16b x256 < 128b -> - |" in first
+    assert "short -> -" in first
+    assert "+1 more" in first
+    assert "| BLOCK_N=128 w4 s3 |" in second and "->" not in second
+    assert "| BLOCK_N=128 M%16=0 w4 s3 |" in third  # a specialisation is what tells these two apart
+
+
+def _triton36() -> Path | None:
+    d = os.environ.get(TRITON36_ENV)
+    if not d or not (Path(d) / "triton" / "__init__.py").exists():
+        return None
+    return Path(d) if any(Path(d).glob("triton-3.6*.dist-info")) else None
+
+
+AUDIT_WRITE_KV = """
+import json, sys
+import torch
+from bench import kernel_compile_audit as kca
+from rapidserve.attention import triton_paged
+
+meta = torch.device("meta")
+def write(dtype):  # one token's keys and values of Qwen3-8B (8 kv heads of 128) into a cache of `dtype`
+    kv = torch.empty(1, 8, 128, dtype=torch.bfloat16, device=meta)
+    cache = torch.empty(1024, 8, 16, 128, dtype=dtype, device=meta)
+    scale = torch.empty(1, dtype=torch.float32, device=meta) if dtype != torch.bfloat16 else None
+    triton_paged.write_kv(kv, kv, cache, cache, torch.empty(1, dtype=torch.int64, device=meta), scale, scale)
+rows = kca.audit(kca.make_jobs([("write_kv", kca.record(lambda: write(torch.float8_e4m3fn), "fp8 cache"))]))
+import triton
+print(json.dumps({"triton": triton.__version__, "rows": rows}))
+"""
+
+
+@pytest.mark.skipif(_triton36() is None, reason=f"no Triton 3.6 side directory: set {TRITON36_ENV}=DIR after "
+                    "`pip install --no-deps --target DIR triton==3.6.0` (the GPU machines' version; the wheel is in "
+                    "/opt/pypi/files here); this machine's own Triton infers facts 3.6 loses")
+def test_audit_under_triton36(tmp_path: Path) -> None:
+    """The audit under Triton 3.6, in a subprocess, of the KV-cache write kernel as write_kv launches it for one
+    token of Qwen3-8B over an fp8 cache (bf16 rows in, fp8 rows out): it compiles for sm_90 with 16-byte loads and
+    stores, nothing short, no spill."""
+    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AUDIT_WRITE_KV], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["triton"].startswith("3.6")
+    (row,) = report["rows"]
+    assert row["kernel"] == "_write_kv_kernel" and row["signature"]["kc_ptr"] == "*fp8e4nv", row
+    assert row["short"] == [] and row["flags"] == [] and row["spill_bytes"] == 0, row
+    assert not {"8", "16"} & set(row["ldg"]) and row["ldg"]["128"] >= 2, row  # k and v (and the slot, the scales)
+    assert set(row["stg"]) == {"128"} and row["mma"] == "-", row
