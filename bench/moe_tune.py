@@ -7,11 +7,11 @@ as tables (rapidserve/ops/moe_tiles.py's format), and re-run bench/moe_gemm.py's
 
 Per model and TP slice (one layer, random weights), per token count T of 1..8192 (`moe_tune_space.TOKENS`, the
 table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
-GEMM alone under each candidate tile (`moe_tune_space`: about 500 timed configurations a shape, 73 distinct kernel
-compiles in all, compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best
-BLOCK_M, and the whole layer under it against the untuned rule (the rule is written where it is faster), and the
-alignment alone (its share of the layer at decode sizes). The down GEMM's times include the top-k sum it now does in
-its own launch. Timing: a CUDA graph of the launches over R routings (R = 8
+GEMM alone under each candidate tile (`moe_tune_space`: about 600 timed configurations a shape, split K among
+them at decode sizes, 109 distinct kernel compiles in all, compiled first by --jobs processes into Triton's cache),
+GROUP_M swept on the winners, the best BLOCK_M, and the whole layer under it against the untuned rule (the rule is
+written where it is faster), and the alignment alone (its share of the layer at decode sizes). The down GEMM's times
+include the top-k sum it now does in its own launch. Timing: a CUDA graph of the launches over R routings (R = 8
 at decode sizes: other experts each launch, so weights come from HBM as in a model's step, not from L2), replayed
 3-25 times (about 20 ms of each candidate), median. The sweep
 stops starting points at --budget-s seconds after the start (default 330: with ~90 s of moe_gemm's table after it,
