@@ -17,6 +17,8 @@ packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tun
 BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
 path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch).
+"no PDL us" (decode): "graph us" with programmatic dependent launch off (`triton_moe.use_pdl`: on by default on
+Hopper and later, so gate|up and down start before the launch before them ends), the A/B of that overlap.
 "layer us" (decode): the whole MoE block as the model runs it, in a CUDA graph: the router's GEMM, then
 `routed_moe` (routing + alignment in one launch at decode sizes, gate|up, down with the top-k sum); "graph us" is
 `fused_moe` from a given routing (the alignment, gate|up, down), the issue's measure. "route+align us": the routing
@@ -195,12 +197,15 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         replay_ms = graph_ms(step, reps[1], device)
         layer_ms = graph_ms(lambda x=x: routed_moe(x, F.linear(x, router), w13, w2, k, True, None, tables), reps[1],
                             device)
+        no_pdl_ms = graph_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables, pdl=False),
+                             reps[1], device)
         ceiling_ms = read / copy_bw * 1e3
         bm = moe_config(b * k, e, i, h, dtype, dev, tables).block_m
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
                      "block_m": bm, "unique_experts": unique,
                      "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
                      "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms, "layer_ms": layer_ms,
+                     "no_pdl_ms": no_pdl_ms,
                      "route_align_us": route_align_us(logits, k, bm, reps[1], device),
                      **align_us(ids, e, bm, reps[1], device)})
     return rows
@@ -217,13 +222,15 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
                        f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} | {r['floor_ms']:.3f} | "
                        f"{r['vs_floor']:.2f} | {align_cell(r)} |")
     out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling "
-            "| layer us | align us (one / two) | route+align us |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| no PDL us | layer us | align us (one / two) | route+align us |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "decode":
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['unique_experts']} | "
                        f"{int(r['bytes_read']) / 1e6:.1f} | {float(r['ms']) * 1e3:.1f} | "
                        f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} | "
-                       f"{float(r['layer_ms']) * 1e3:.1f} | {align_cell(r)} | {float(r['route_align_us']):.1f} |")
+                       f"{float(r['no_pdl_ms']) * 1e3:.1f} | {float(r['layer_ms']) * 1e3:.1f} | {align_cell(r)} | "
+                       f"{float(r['route_align_us']):.1f} |")
     return "\n".join(out)
 
 

@@ -104,7 +104,8 @@ def test_routed_moe_real_shapes(e: int, k: int, h: int, i: int, t: int, cfg: Moe
 @pytest.mark.parametrize("t", [1, 6, 40])  # 8, 48 pairs: one-program routing; 320: the routing launch, two aligning
 def test_routed_moe_replays_in_a_cuda_graph(t: int) -> None:
     """`routed_moe` with split K captured once and replayed on new inputs and logits: the eager bits each time (the
-    semaphores zeroed by the alignment's launch in every replay, the sums in a fixed order)."""
+    semaphores zeroed by the alignment's launch in every replay, the sums in a fixed order), with programmatic
+    dependent launch as the GPU has it (on for H100/H200: kept in the graph as programmatic edges) and without."""
     from rapidserve.ops.triton_moe import routed_moe
 
     x, w13, w2, _, _ = moe_inputs(t, 128, 8, 2048, 768, torch.bfloat16, device="cuda")
@@ -121,6 +122,7 @@ def test_routed_moe_replays_in_a_cuda_graph(t: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, routed_moe(x, logits, w13, w2, 8, True, SPLIT)), seed
+        assert torch.equal(out, routed_moe(x, logits, w13, w2, 8, True, SPLIT, pdl=False)), seed
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])

@@ -35,6 +35,14 @@ and graph replays give the eager bits. The semaphores (`semaphores`) are zeroed 
 zero by every launch, so the standalone `launch_gate_up` / `launch_down` (benches, tests) can reuse theirs. One
 slot and one split: down stores the token's row directly.
 
+Programmatic dependent launch (NVIDIA compute capability 9.0 and later, where this Triton has `launch_pdl`;
+`use_pdl`): gate|up and down are launched so their programs may start before the launch before them ends (CUDA graphs
+keep that as a programmatic edge), hiding the gap between the three launches. Each waits (`gdc_wait`: the launch
+before complete and its writes visible) before it reads anything; gate|up then lets down's programs start
+(`gdc_launch_dependents`), which happens only once every gate|up program has passed its wait, so the alignment is
+complete before any down program runs too. Off on ROCm and in the interpreter; `pdl=False` turns it off (the bench's
+A/B).
+
 Every expert's weight is read once per BLOCK_N column block per run of BLOCK_M pairs: at decode, with fewer pairs
 than an expert's BLOCK_M, once per step; experts no pair chose are not read at all. The tiles (`MoeKernelConfig`:
 BLOCK_M, and each GEMM's BLOCK_N, BLOCK_K, GROUP_M, warps, stages and SPLIT_K) come from `moe_config`: the tuned
@@ -126,7 +134,7 @@ def _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K: tl.constex
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, N, K, group_m,
                     splits, split_steps, stride_xm, stride_we, stride_wn, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                    EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, USE_GDC: tl.constexpr):
     """act[pair] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for one run of BLOCK_M pairs of expert e and
     BLOCK_N of its N features, over split s's K range of split_steps steps of BLOCK_K; w [E, 2N, K] (gate rows
     [0, N), up rows [N, 2N)), row-major. Loads are masked only on a K tail (EVEN_K: K % BLOCK_K == 0, none): padding
@@ -136,6 +144,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert
     docstring)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
+    if USE_GDC:  # launched early (programmatic dependent launch): the alignment's launch complete and visible first
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # then down's programs may start (and wait in turn)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -216,7 +227,8 @@ def _reduce_tokens(part_ptr, out_ptr, sems, tokens, last, offs_n, n_ok, pairs, N
 def _down_kernel(a_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, N, K,
                  group_m, splits, split_steps, stride_am, stride_we, stride_wn, stride_om,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr):
+                 EVEN_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, IEEE: tl.constexpr,
+                 USE_GDC: tl.constexpr):
     """weight[pair] * (act[pair] @ down[e].T) for one run of BLOCK_M pairs of expert e and BLOCK_N of the N hidden
     features, over split s's K range (as `_gate_up_kernel`'s); w [E, N, K] row-major, weights [T*k] float32; masks as
     `_gate_up_kernel`'s (padding rows read act's row 0). REDUCE (top_k or splits above 1): stored in part
@@ -225,6 +237,8 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_p
     product is the token's row of out."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
+    if USE_GDC:  # launched early: gate|up's launch complete and visible first
+        tl.extra.cuda.gdc_wait()
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -339,11 +353,36 @@ def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.T
     return sems
 
 
+def pdl_available() -> bool:
+    """Whether this Triton launches with programmatic dependent launch (`launch_pdl`, `tl.extra.cuda.gdc_wait`)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def use_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """`pdl` resolved: None means on where the GPU and Triton have it (NVIDIA compute capability 9.0 and later: H100,
+    H200, Blackwell), else off (ROCm, the CPU's interpreter, older GPUs); True means on if this Triton has it, whatever
+    the device (the compile check on meta tensors); False off."""
+    if pdl is None:
+        pdl = (device.type == "cuda" and torch.version.hip is None
+               and torch.cuda.get_device_capability(device)[0] >= 9)
+    return pdl and torch.version.hip is None and pdl_available()
+
+
+def _pdl_options(pdl: bool) -> dict[str, bool]:
+    return {"USE_GDC": pdl, **({"launch_pdl": True} if pdl else {})}
+
+
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Alignment, top_k: int, block_m: int,
-                   tiles: GemmTiles, even_k: bool | None = None, sems: torch.Tensor | None = None) -> None:
+                   tiles: GemmTiles, even_k: bool | None = None, sems: torch.Tensor | None = None,
+                   pdl: bool | None = None) -> None:
     """act [pairs, I] = SiLU(gate) * up of every pair's token row of x (`_gate_up_kernel`); `even_k` (default:
     whether K % BLOCK_K == 0) picks the unmasked K loop: forcing it off is for the tests. Where `tiles` split K:
-    `sems` (int32, zero, at least the tiles; left zero) count the splits, new zeros when None."""
+    `sems` (int32, zero, at least the tiles; left zero) count the splits, new zeros when None. `pdl`: programmatic
+    dependent launch (`use_pdl`; the module docstring)."""
     pairs, inter, h = act.shape[0], act.shape[1], x.shape[1]
     m_blocks = al.expert_ids.numel()
     n_blocks = triton.cdiv(inter, tiles.block_n)
@@ -357,16 +396,17 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Al
         split.splits, split.k_split // tiles.block_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1,
-        IEEE=x.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        IEEE=x.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_pdl_options(use_pdl(pdl, x.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, al: Alignment,
                 top_k: int, block_m: int, tiles: GemmTiles, even_k: bool | None = None,
-                sems: torch.Tensor | None = None) -> None:
+                sems: torch.Tensor | None = None, pdl: bool | None = None) -> None:
     """out [T, h] = for each token the sum over its top_k pairs of the pair's routing weight (`weights` [pairs]
     float32) times its act row @ down[e].T (`_down_kernel`, which sums them too); `even_k` as `launch_gate_up`'s.
     Where a token has more than one partial row (top_k x splits > 1): `sems` (int32, zero, at least T x the n
-    blocks; left zero) count them, new zeros when None."""
+    blocks; left zero) count them, new zeros when None. `pdl` as `launch_gate_up`'s."""
     pairs, h, inter = act.shape[0], out.shape[1], act.shape[1]
     if out.shape[0] * top_k != pairs:
         raise ValueError(f"out must be [{pairs // top_k}, {h}] for {pairs} pairs of top_k {top_k}, got "
@@ -385,19 +425,20 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights:
         _group_m(tiles, m_blocks), split.splits, split.k_split // tiles.block_k, act.stride(0), w2.stride(0),
         w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=inter % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1, REDUCE=reduce,
-        IEEE=act.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        IEEE=act.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_pdl_options(use_pdl(pdl, out.device)))
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, top_k: int,
-            cfg: MoeKernelConfig, sems: torch.Tensor) -> torch.Tensor:
+            cfg: MoeKernelConfig, sems: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
     """The two grouped GEMMs on an alignment: [T, h]. `sems`: `semaphores`' counts (gate|up's first), zero."""
     t, h = x.shape
     pairs, inter = t * top_k, w13.shape[1] // 2
     gate_up, _ = semaphores(cfg, t, top_k, w13.shape[0], inter, h)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, al, top_k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up])
+    launch_gate_up(x, w13, act, al, top_k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up], pdl=pdl)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    launch_down(act, w2, out, weights.reshape(-1), al, top_k, cfg.block_m, cfg.down, sems=sems[gate_up:])
+    launch_down(act, w2, out, weights.reshape(-1), al, top_k, cfg.block_m, cfg.down, sems=sems[gate_up:], pdl=pdl)
     return out
 
 
@@ -409,9 +450,10 @@ def _new_sems(cfg: MoeKernelConfig, t: int, top_k: int, num_experts: int, inter:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, config: MoeKernelConfig | None = None, tables: MoeTables | None = None,
-              ) -> torch.Tensor:
+              pdl: bool | None = None) -> torch.Tensor:
     """The experts' weighted sum per token [T, h] in x's dtype (module docstring; `ops.moe.moe_experts_ref`'s
-    contract). `config`: the tiles (default `moe_config`'s from `tables`, default the packaged ones)."""
+    contract). `config`: the tiles (default `moe_config`'s from `tables`, default the packaged ones); `pdl`:
+    programmatic dependent launch of the two GEMMs (`use_pdl`: default where the GPU has it)."""
     _check(x, w13, w2, weights, ids)
     t, h = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
@@ -420,15 +462,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     cfg = config or moe_config(t * top_k, num_experts, inter, h, x.dtype, x.device, tables)
     sems = _new_sems(cfg, t, top_k, num_experts, inter, h, x.device)
     al = align(ids, num_experts, cfg.block_m, zero=sems)
-    return experts(x, w13, w2, weights.contiguous(), al, top_k, cfg, sems)
+    return experts(x, w13, w2, weights.contiguous(), al, top_k, cfg, sems, pdl)
 
 
 def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                renormalize: bool, config: MoeKernelConfig | None = None, tables: MoeTables | None = None,
-               ) -> torch.Tensor:
+               pdl: bool | None = None) -> torch.Tensor:
     """The MoE layer from its router's logits [T, E]: `ops.moe.moe_layer_ref`'s contract (`ops.moe.route`, then the
     experts), in three launches at decode sizes (routing + alignment + zeroed semaphores in one,
-    `triton_moe_route.route_align`; gate|up; down with the top-k sum). `config`, `tables` as `fused_moe`'s."""
+    `triton_moe_route.route_align`; gate|up; down with the top-k sum). `config`, `tables`, `pdl` as `fused_moe`'s."""
     _check_experts(x, w13, w2)
     t, h = x.shape
     if logits.dim() != 2 or logits.shape[0] != t or logits.shape[1] != w13.shape[0]:
@@ -441,8 +483,9 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
     cfg = config or moe_config(t * top_k, num_experts, inter, h, x.dtype, x.device, tables)
     sems = _new_sems(cfg, t, top_k, num_experts, inter, h, x.device)
     weights, _, al = route_align(logits, top_k, renormalize, cfg.block_m, zero=sems)
-    return experts(x, w13, w2, weights, al, top_k, cfg, sems)
+    return experts(x, w13, w2, weights, al, top_k, cfg, sems, pdl)
 
 
 __all__ = ["ALIGN_ONE_PROGRAM", "SPLIT_SCRATCH_BYTES", "TUNED", "Split", "align", "device_name", "experts",
-           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "routed_moe", "semaphores", "split_plan"]
+           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "pdl_available", "routed_moe", "semaphores",
+           "split_plan", "use_pdl"]
