@@ -29,6 +29,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from rapidserve.ops.moe_plan import split_plan
 from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, rule_config
 
 TOKENS = (8192, 4096, 1024, 256, 1, 8, 64, 2048, 512, 128, 32, 16, 4, 2)  # bench/moe_gemm.py's rows first
@@ -114,11 +115,9 @@ def grid_balance(programs: int, per_sm: int, sms: int = SMS) -> float:
 
 
 def splits(k: int, tiles: GemmTiles) -> int:
-    """Programs one tile's K range of `k` takes under tiles.split_k (`triton_moe.split_plan` without its scratch
+    """Programs one tile's K range of `k` takes under tiles.split_k (`ops.moe_plan.split_plan` without its scratch
     bound, which decode sizes never reach): whole BLOCK_K steps each, no empty split."""
-    steps = -(-k // tiles.block_k)
-    per = -(-steps // min(tiles.split_k, steps))
-    return -(-steps // per)
+    return split_plan(k, tiles, 0, 0).splits
 
 
 def decode_balance(shape: Shape, tokens: int, gemm: str, tiles: GemmTiles, block_m: int = 16) -> float:

@@ -1,7 +1,8 @@
-"""The fused MoE layer's launches (issue 40): the split-K plan and the semaphores of `ops/triton_moe.py` as pure
-functions, and the launches of one MoE block counted on meta tensors (no GPU, no kernel run): the router's GEMM and
-three Triton launches at decode sizes (`ops/triton_moe_route.py` routes and aligns in one). The kernels themselves are
-checked against the torch reference in tests/test_moe_ops.py (interpreter) and tests/test_moe_gpu.py."""
+"""The fused MoE layer's launches (issue 40): the split-K plan and the semaphores of `ops/triton_moe.py`
+(`ops/moe_plan.py`) as pure functions, and the launches of one MoE block counted on meta tensors (no GPU, no kernel
+run): the router's GEMM and three Triton launches at decode sizes (`ops/triton_moe_route.py` routes and aligns in
+one). The kernels themselves are checked against the torch reference in tests/test_moe_ops.py (interpreter) and
+tests/test_moe_gpu.py."""
 
 from __future__ import annotations
 
@@ -16,13 +17,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rapidserve.ops.moe import route
+from rapidserve.ops.moe_plan import semaphores, split_plan
 from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
-@needs_triton
 @pytest.mark.parametrize(("k", "block_k", "split_k", "rows", "width", "want"), [
     (768, 128, 1, 8, 2048, (1, 768)),  # no field: one program a tile, as before
     (768, 128, 2, 8, 2048, (2, 384)),  # Qwen3-30B-A3B's down at batch 1
@@ -33,14 +34,11 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
     (768, 128, 2, 65536, 2048, (1, 768)),  # 2 x 512 MiB of partial sums: past SPLIT_SCRATCH_BYTES, no split
 ])
 def test_split_plan(k: int, block_k: int, split_k: int, rows: int, width: int, want: tuple[int, int]) -> None:
-    from rapidserve.ops.triton_moe import split_plan
-
     got = split_plan(k, GemmTiles(64, block_k, 1, 4, 3, split_k), rows, width)
     assert tuple(got) == want
     assert (got.splits - 1) * got.k_split < k <= got.splits * got.k_split and got.k_split % block_k == 0
 
 
-@needs_triton
 @pytest.mark.parametrize(("tokens", "top_k", "gate_up_split", "down_split", "want"), [
     (1, 8, 1, 1, (0, 1 * 2048 // 64)),  # the top-k sum: one a (token, n block)
     (1, 1, 1, 1, (0, 0)),  # one slot, no split: down stores the token's row, nothing counted
@@ -48,8 +46,6 @@ def test_split_plan(k: int, block_k: int, split_k: int, rows: int, width: int, w
     (3, 8, 2, 1, (24 * 768 // 64, 3 * 2048 // 64)),  # 24 pairs: 24 + 24 x 15 = 384 padded rows, 24 m blocks
 ])
 def test_semaphores(tokens: int, top_k: int, gate_up_split: int, down_split: int, want: tuple[int, int]) -> None:
-    from rapidserve.ops.triton_moe import semaphores
-
     cfg = MoeKernelConfig(16, GemmTiles(64, 128, 1, 4, 3, gate_up_split), GemmTiles(64, 128, 1, 4, 3, down_split))
     assert semaphores(cfg, tokens, top_k, 128, 768, 2048) == want
 

@@ -54,13 +54,12 @@ cores with fp32 sums.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from rapidserve.ops.moe import Alignment, max_padded
+from rapidserve.ops.moe import Alignment
+from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, pdl_available, semaphores, split_plan, use_pdl
 from rapidserve.ops.moe_tiles import (
     GemmTiles,
     MoeKernelConfig,
@@ -75,7 +74,6 @@ from rapidserve.ops.triton_moe_align import align
 from rapidserve.ops.triton_moe_route import route_align
 
 TUNED: MoeTables = load_tables()  # the packaged tables, validated once at import (read-only)
-SPLIT_SCRATCH_BYTES = 64 << 20  # the most fp32 partial sums a split GEMM may hold (`split_plan`)
 
 
 def device_name(device: torch.device) -> str:
@@ -310,40 +308,6 @@ def _group_m(tiles: GemmTiles, m_blocks: int) -> int:
     return min(tiles.group_m, m_blocks)  # keeps group_m * n blocks within the grid (int32 in the kernel)
 
 
-class Split(NamedTuple):
-    """How one GEMM's K range is cut: `splits` programs a tile, each over `k_split` (whole BLOCK_K steps) of K."""
-
-    splits: int
-    k_split: int
-
-
-def split_plan(k: int, tiles: GemmTiles, rows: int, width: int) -> Split:
-    """The split of K under `tiles`: at most tiles.split_k parts of whole BLOCK_K steps (fewer where K has fewer
-    steps: no split is empty), and none where the fp32 partial sums of `rows` rows of `width` columns per split would
-    pass SPLIT_SCRATCH_BYTES (a long prefill under a decode bucket's tiles)."""
-    steps = triton.cdiv(k, tiles.block_k)
-    want = min(tiles.split_k, steps)
-    if want > 1 and want * rows * width * 4 > SPLIT_SCRATCH_BYTES:
-        want = 1
-    k_split = triton.cdiv(steps, want) * tiles.block_k
-    return Split(triton.cdiv(k, k_split), k_split)
-
-
-def semaphores(cfg: MoeKernelConfig, tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
-               ) -> tuple[int, int]:
-    """(gate|up's, down's) int32 semaphores: one a (m block, n block) tile where gate|up splits K, one a (token,
-    n block) where down sums more than one partial row (top_k x splits > 1); 0 where none is needed."""
-    pairs = tokens * top_k
-    gate_up = 0
-    if split_plan(hidden, cfg.gate_up, pairs, 2 * inter).splits > 1:
-        m_blocks = max_padded(pairs, num_experts, cfg.block_m) // cfg.block_m
-        gate_up = m_blocks * triton.cdiv(inter, cfg.gate_up.block_n)
-    down = 0
-    if top_k * split_plan(inter, cfg.down, pairs, hidden).splits > 1:
-        down = tokens * triton.cdiv(hidden, cfg.down.block_n)
-    return gate_up, down
-
-
 def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:
     """The caller's zeroed semaphores (at least `need`), else new zeros (standalone launches: the benches, tests)."""
     if sems is None:
@@ -351,25 +315,6 @@ def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.T
     if sems.dtype != torch.int32 or sems.numel() < need:
         raise ValueError(f"semaphores must be int32 of at least {need} elements, got {sems.dtype} x {sems.numel()}")
     return sems
-
-
-def pdl_available() -> bool:
-    """Whether this Triton launches with programmatic dependent launch (`launch_pdl`, `tl.extra.cuda.gdc_wait`)."""
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
-
-
-def use_pdl(pdl: bool | None, device: torch.device) -> bool:
-    """`pdl` resolved: None means on where the GPU and Triton have it (NVIDIA compute capability 9.0 and later: H100,
-    H200, Blackwell), else off (ROCm, the CPU's interpreter, older GPUs); True means on if this Triton has it, whatever
-    the device (the compile check on meta tensors); False off."""
-    if pdl is None:
-        pdl = (device.type == "cuda" and torch.version.hip is None
-               and torch.cuda.get_device_capability(device)[0] >= 9)
-    return pdl and torch.version.hip is None and pdl_available()
 
 
 def _pdl_options(pdl: bool) -> dict[str, bool]:
