@@ -15,8 +15,10 @@ Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
 GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton_skinny.routed`. The MoE presets'
-layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its alignment's `ops/triton_moe_align.py`) are captured
-at every step.
+layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its routing and alignment's `ops/triton_moe_route.py` and
+`ops/triton_moe_align.py`) are captured at every step, and at one decode batch with K split in both GEMMs (a tuned
+table may ask for it; the rule never does), plus `fused_moe` of a given routing (`_align_one_kernel`: what the
+benches and tests call).
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -60,7 +62,9 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_split_reduce_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
-    "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: decode batches (<= 128 pairs)"),
+    "_route_align_kernel": ("rapidserve.ops.triton_moe_route", "MoE layers: decode batches (<= 128 pairs)"),
+    "_route_kernel": ("rapidserve.ops.triton_moe_route", "MoE layers: larger batches, prefill"),
+    "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: fused_moe of a given routing (benches)"),
     "_align_count_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_align_scatter_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
@@ -194,7 +198,12 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
         from rapidserve.attention import triton_paged
+        from rapidserve.ops import triton_moe
         stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
+        # the MoE GEMMs' programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta
+        # device's (off)
+        stack.enter_context(mock.patch.object(triton_moe, "use_pdl", lambda pdl, device: pdl is not False
+                                              and not target.hip and triton_moe.pdl_available()))
         stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
         yield
 
@@ -250,6 +259,9 @@ def capture(shape: Shape, target: Target) -> Capture:
         forward("prefill", prefill)
         forward("prefill, unfused_ops", prefill, unfused_ops(ops))
         forward("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta))
+        if layer.moe is not None:
+            step[0] = "MoE experts: split K, fused_moe"
+            _moe_launches(layer, dtype, meta)
         if not target.hip:
             step[0] = "skinny linears (batch <= 16)"
             _skinny_launches(layer, dtype)
@@ -319,6 +331,24 @@ def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
         for rows in (1, 2, sk.MAX_ROWS):
             if sk.wide_enough(*w.shape, gated):
                 sk.skinny_linear(torch.empty(rows, w.shape[1], dtype=dtype, device=w.device), w, bias, gated=gated)
+
+
+def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device) -> None:
+    """The experts' kernel variants the engine's steps under the untuned rule do not reach: split K in both GEMMs
+    (`GemmTiles.split_k` 2 on the rule's decode tiles: the SPLIT variants) at one token through `routed_moe`, and
+    `fused_moe` of a given routing at one token (the one-program alignment alone)."""
+    from rapidserve.ops import triton_moe
+    from rapidserve.ops.moe_tiles import rule_config
+    moe = layer.moe
+    assert moe is not None
+    k = moe.moe.top_k
+    rule = rule_config(k, moe.moe.num_experts, torch.version.hip is not None)
+    split = rule._replace(gate_up=rule.gate_up._replace(split_k=2), down=rule.down._replace(split_k=2))
+    x = torch.empty(1, moe.gate.shape[1], dtype=dtype, device=device)
+    logits = torch.empty(1, moe.moe.num_experts, dtype=dtype, device=device)
+    triton_moe.routed_moe(x, logits, moe.w13, moe.w2, k, moe.moe.renormalize, split)
+    triton_moe.fused_moe(x, moe.w13, moe.w2, torch.empty(1, k, device=device),
+                         torch.empty(1, k, dtype=torch.int32, device=device))
 
 
 def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtype, hip: bool) -> None:

@@ -17,6 +17,12 @@ packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tun
 BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
 path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch).
+"no PDL us" (decode): "graph us" with programmatic dependent launch off (`triton_moe.use_pdl`: on by default on
+Hopper and later, so gate|up and down start before the launch before them ends), the A/B of that overlap.
+"layer us" (decode): the whole MoE block as the model runs it, in a CUDA graph: the router's GEMM, then
+`routed_moe` (routing + alignment in one launch at decode sizes, gate|up, down with the top-k sum); "graph us" is
+`fused_moe` from a given routing (the alignment, gate|up, down), the issue's measure. "route+align us": the routing
+and alignment launch alone (`triton_moe_route.route_align`), per call in a graph of ALIGN_CALLS.
 Each shape is checked against the torch reference before it is timed. The table comes last. `bench_model` also runs
 on the CPU under the Triton interpreter (bench/moe_tune.py --dry-run).
 """
@@ -38,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu_timing import time_ms  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
-from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
+from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref, route  # noqa: E402
 from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
-from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe, moe_config  # noqa: E402
+from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe, moe_config, routed_moe  # noqa: E402
+from rapidserve.ops.triton_moe_route import route_align  # noqa: E402
 
 PREFILL_TOKENS = (256, 1024, 4096, 8192)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -101,6 +108,17 @@ def check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.T
                          f"({config or 'tables'})")
 
 
+def check_layer(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                tables: MoeTables | None = None) -> None:
+    """`routed_moe` (the routing in the kernels) against the torch routing and reference experts."""
+    logits = F.linear(x, router)
+    got = routed_moe(x, logits, w13, w2, top_k, True, None, tables).float()
+    want = moe_layer_ref(x.float(), logits, w13.float(), w2.float(), top_k, True)
+    err = float((got - want).abs().max() / want.abs().max())
+    if not err < 3e-2:
+        raise SystemExit(f"routed_moe disagrees with the reference: relative error {err:.3g} at {tuple(x.shape)}")
+
+
 def graph_ms(fn: Callable[[], object], reps: int, device: str) -> float:
     """Median ms of a CUDA-graph replay of fn (the engine's decode path); on the CPU, of fn."""
     if device != "cuda":
@@ -123,6 +141,12 @@ def align_us(ids: torch.Tensor, num_experts: int, block_m: int, reps: int, devic
         calls = lambda one=one: [align(ids, num_experts, block_m, one) for _ in range(ALIGN_CALLS)]
         out[f"align_{name}_us"] = graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS
     return out
+
+
+def route_align_us(logits: torch.Tensor, top_k: int, block_m: int, reps: int, device: str) -> float:
+    """The routing + alignment launch(es) `routed_moe` takes, microseconds per call in a graph of ALIGN_CALLS."""
+    calls = lambda: [route_align(logits, top_k, True, block_m) for _ in range(ALIGN_CALLS)]
+    return graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS
 
 
 def align_cell(r: dict[str, object]) -> str:
@@ -162,19 +186,27 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
                      **align_us(ids, e, bm, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
-        weights, ids = route(F.linear(x, router), k, True)
+        logits = F.linear(x, router)
+        weights, ids = route(logits, k, True)
         check(x, w13, w2, weights, ids, None, tables)
+        check_layer(x, router, w13, w2, k, tables)
         unique = int(torch.unique(ids).numel())
         read = unique * 3 * h * i * w13.element_size()
         step = lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables)
         eager_ms = median(clock(step, reps[1]))
         replay_ms = graph_ms(step, reps[1], device)
+        layer_ms = graph_ms(lambda x=x: routed_moe(x, F.linear(x, router), w13, w2, k, True, None, tables), reps[1],
+                            device)
+        no_pdl_ms = graph_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables, pdl=False),
+                             reps[1], device)
         ceiling_ms = read / copy_bw * 1e3
         bm = moe_config(b * k, e, i, h, dtype, dev, tables).block_m
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
                      "block_m": bm, "unique_experts": unique,
                      "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
-                     "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms,
+                     "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms, "layer_ms": layer_ms,
+                     "no_pdl_ms": no_pdl_ms,
+                     "route_align_us": route_align_us(logits, k, bm, reps[1], device),
                      **align_us(ids, e, bm, reps[1], device)})
     return rows
 
@@ -190,13 +222,15 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
                        f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} | {r['floor_ms']:.3f} | "
                        f"{r['vs_floor']:.2f} | {align_cell(r)} |")
     out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling "
-            "| align us (one / two) |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "| no PDL us | layer us | align us (one / two) | route+align us |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "decode":
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['unique_experts']} | "
                        f"{int(r['bytes_read']) / 1e6:.1f} | {float(r['ms']) * 1e3:.1f} | "
                        f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} | "
-                       f"{align_cell(r)} |")
+                       f"{float(r['no_pdl_ms']) * 1e3:.1f} | {float(r['layer_ms']) * 1e3:.1f} | {align_cell(r)} | "
+                       f"{float(r['route_align_us']):.1f} |")
     return "\n".join(out)
 
 

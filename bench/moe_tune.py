@@ -7,10 +7,11 @@ as tables (rapidserve/ops/moe_tiles.py's format), and re-run bench/moe_gemm.py's
 
 Per model and TP slice (one layer, random weights), per token count T of 1..8192 (`moe_tune_space.TOKENS`, the
 table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
-GEMM alone under each candidate tile (`moe_tune_space`: about 500 timed configurations a shape, 73 distinct kernel
-compiles in all, compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best
-BLOCK_M, and the whole layer under it against the untuned rule (the rule is written where it is faster), and the
-alignment alone (its share of the layer at decode sizes). Timing: a CUDA graph of the launches over R routings (R = 8
+GEMM alone under each candidate tile (`moe_tune_space`: about 600 timed configurations a shape, split K among
+them at decode sizes, 109 distinct kernel compiles in all, compiled first by --jobs processes into Triton's cache),
+GROUP_M swept on the winners, the best BLOCK_M, and the whole layer under it against the untuned rule (the rule is
+written where it is faster), and the alignment alone (its share of the layer at decode sizes). The down GEMM's times
+include the top-k sum it now does in its own launch. Timing: a CUDA graph of the launches over R routings (R = 8
 at decode sizes: other experts each launch, so weights come from HBM as in a model's step, not from L2), replayed
 3-25 times (about 20 ms of each candidate), median. The sweep
 stops starting points at --budget-s seconds after the start (default 330: with ~90 s of moe_gemm's table after it,
@@ -125,23 +126,23 @@ def timed(clock: Clock, launches: Sequence[Callable[[], object]], failed: list[s
 
 def warm(jobs: list[tuple[str, int, int, GemmTiles, bool]], dtype: str) -> int:
     """Compile `jobs` (`moe_tune_space.compile_set`) in this process by launching each on tiny tensors of the same
-    specialisation as the real ones (dims and strides multiples of 16, K = N = 256 >= every BLOCK_K): the kernels
-    land in Triton's on-disk cache, where the sweep's first launch finds them. Returns how many compiled."""
+    specialisation as the real ones (dims and strides multiples of 16, K = N = 512: at least two steps of every
+    BLOCK_K, so a split tile splits here too): the kernels land in Triton's on-disk cache, where the sweep's first
+    launch finds them. Returns how many compiled."""
     dt, dev = getattr(torch, dtype), torch.device("cuda")
     ok = 0
     for kernel, top_k, bm, tiles, even_k in jobs:
-        k = top_k or 2
-        x = torch.randn(4, 256, dtype=dt, device=dev)
-        weights, ids = route(torch.randn(4, 8, device=dev), k, True)
+        x = torch.randn(4, 512, dtype=dt, device=dev)
+        weights, ids = route(torch.randn(4, 8, device=dev), top_k, True)
         al = align(ids, 8, bm)
-        act = torch.randn(4 * k, 256, dtype=dt, device=dev)
+        act = torch.randn(4 * top_k, 512, dtype=dt, device=dev)
         try:
             if kernel == "gate_up":
-                launch_gate_up(x, torch.randn(8, 512, 256, dtype=dt, device=dev) / 16, act, al, k, bm, tiles, even_k)
+                launch_gate_up(x, torch.randn(8, 1024, 512, dtype=dt, device=dev) / 16, act, al, top_k, bm, tiles,
+                               even_k)
             else:
-                out = torch.empty(4 * k, 256, dtype=dt, device=dev)
-                launch_down(act, torch.randn(8, 256, 256, dtype=dt, device=dev) / 16, out,
-                            weights.reshape(-1).contiguous(), al, bm, tiles, even_k)
+                launch_down(act, torch.randn(8, 512, 512, dtype=dt, device=dev) / 16, torch.empty_like(x),
+                            weights.reshape(-1).contiguous(), al, top_k, bm, tiles, even_k)
             ok += 1
         except Exception:  # noqa: BLE001 - the sweep lists what cannot compile when it meets it
             continue
@@ -177,19 +178,26 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
     routes = routings(tokens, shape, count, str(dev))
     x = torch.randn(tokens, shape.k, dtype=dt, device=dev)
     act = torch.randn(pairs, shape.n, dtype=dt, device=dev)
-    out = torch.empty(pairs, shape.k, dtype=dt, device=dev)
+    out = torch.empty(tokens, shape.k, dtype=dt, device=dev)
     flat = [w.reshape(-1).contiguous() for w, _ in routes]
     groups = space.QUICK_GROUPS if quick else space.GROUPS
     best: dict[int, tuple[GemmTiles, float, GemmTiles, float]] = {}
     for bm in space.block_m_candidates(space.per_expert(shape, tokens), quick):
         als: list[Alignment] = [align(ids, shape.num_experts, bm) for _, ids in routes]
         m_blocks = als[0].expert_ids.numel()
+        # semaphores for any candidate (at most one a 16-wide n block of a tile or a token), zero; every launch
+        # leaves them zero, so the launches of a graph and its replays share them
+        sems = torch.zeros(max(m_blocks * -(-shape.n // 16), tokens * -(-shape.k // 16)), dtype=torch.int32,
+                           device=dev)
 
-        def gu(t: GemmTiles, als: list[Alignment] = als, bm: int = bm) -> list[Callable[[], object]]:
-            return [partial(launch_gate_up, x, w13, act, al, k, bm, t) for al in als]
+        def gu(t: GemmTiles, als: list[Alignment] = als, bm: int = bm, sems: torch.Tensor = sems,
+               ) -> list[Callable[[], object]]:
+            return [partial(launch_gate_up, x, w13, act, al, k, bm, t, sems=sems) for al in als]
 
-        def dn(t: GemmTiles, als: list[Alignment] = als, bm: int = bm) -> list[Callable[[], object]]:
-            return [partial(launch_down, act, w2, out, f, al, bm, t) for f, al in zip(flat, als, strict=True)]
+        def dn(t: GemmTiles, als: list[Alignment] = als, bm: int = bm, sems: torch.Tensor = sems,
+               ) -> list[Callable[[], object]]:
+            return [partial(launch_down, act, w2, out, f, al, k, bm, t, sems=sems)
+                    for f, al in zip(flat, als, strict=True)]
 
         winners = []
         for cands, launches, name in ((space.gate_up_candidates(bm, quick), gu, "gate_up"),
@@ -226,7 +234,8 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
 
 def describe(c: MoeKernelConfig) -> str:
     def t(g: GemmTiles) -> str:
-        return f"{g.block_n}x{g.block_k} g{g.group_m} w{g.num_warps} s{g.num_stages}"
+        return f"{g.block_n}x{g.block_k} g{g.group_m} w{g.num_warps} s{g.num_stages}" + (
+            f" k{g.split_k}" if g.split_k > 1 else "")
     return f"M{c.block_m} gate_up {t(c.gate_up)} / down {t(c.down)}"
 
 

@@ -4,10 +4,11 @@ winner: pure functions, no GPU (tests/test_moe_tune.py checks them on CPU).
 Per (shape, token count T) point, with p = T * top_k / E pairs per expert on average:
 
 - BLOCK_M: `block_m_candidates(p)`, 1-3 sizes around p (decode's runs of a few rows only 16; long prefills 64, 128);
-- per BLOCK_M, each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages) from a hand-pruned list (`GATE_UP`, `DOWN`: small
-  N tiles and deep K steps for decode's memory-bound runs, wide N tiles and 8 warps for prefill's compute-bound ones;
-  the untuned rule's own tiles always among them), less those whose pipeline stages exceed Hopper's shared memory,
-  each timed at GROUP_M = `FIRST_GROUP`;
+- per BLOCK_M, each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) from a hand-pruned list (`GATE_UP`,
+  `DOWN`: small N tiles and deep K steps for decode's memory-bound runs, and at BLOCK_M 16 the same wide tiles with K
+  split over 2 or 4 programs, so a few experts' tiles still fill the SMs; wide N tiles and 8 warps for prefill's
+  compute-bound ones; the untuned rule's own tiles always among them), less those whose pipeline stages exceed
+  Hopper's shared memory, each timed at GROUP_M = `FIRST_GROUP`;
 - then GROUP_M (a runtime argument: no compile) swept over `GROUPS` on each GEMM's winner;
 - the BLOCK_M whose two winners sum fastest wins (`choose`); it is kept only if the whole layer (alignment, both GEMMs,
   sum) beats the rule's config at that point, else the rule's config is written (`bench/moe_tune.py` times both).
@@ -28,6 +29,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+from rapidserve.ops.moe_plan import split_plan
 from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, rule_config
 
 TOKENS = (8192, 4096, 1024, 256, 1, 8, 64, 2048, 512, 128, 32, 16, 4, 2)  # bench/moe_gemm.py's rows first
@@ -38,23 +40,26 @@ SM_WARPS = 64
 FIRST_GROUP = 8
 GROUPS = (1, 8, 32, ALL_M)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M. gate|up holds two BLOCK_M x BLOCK_N accumulators.
-GATE_UP: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) per BLOCK_M. gate|up holds two BLOCK_M x BLOCK_N accumulators.
+Tile = tuple[int, ...]
+GATE_UP: Mapping[int, tuple[Tile, ...]] = {
     16: ((16, 256, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
-         (128, 128, 4, 3)),
+         (128, 128, 4, 3), (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4),
+         (32, 128, 4, 3, 4)),
     32: ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4)),
     64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 5)),
     128: ((64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)),
 }
-DOWN: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {
-    16: ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 5), (256, 64, 4, 4)),
+DOWN: Mapping[int, tuple[Tile, ...]] = {
+    16: ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 5), (256, 64, 4, 4),
+         (128, 128, 4, 4, 2), (128, 128, 4, 4, 4), (256, 64, 4, 4, 2), (256, 64, 4, 4, 4), (64, 128, 4, 4, 2)),
     32: ((64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3)),
     64: ((64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
     128: ((128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
 }
 # the --dry-run space: tiny tiles the interpreter runs quickly
-QUICK_GATE_UP: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {16: ((16, 32, 4, 2), (32, 64, 4, 2))}
-QUICK_DOWN: Mapping[int, tuple[tuple[int, int, int, int], ...]] = {16: ((32, 16, 4, 2), (64, 32, 4, 2))}
+QUICK_GATE_UP: Mapping[int, tuple[Tile, ...]] = {16: ((16, 32, 4, 2), (32, 32, 4, 2, 2))}
+QUICK_DOWN: Mapping[int, tuple[Tile, ...]] = {16: ((32, 16, 4, 2), (64, 16, 4, 2, 2))}
 QUICK_GROUPS = (ALL_M,)
 QUICK_TOKENS = (4,)
 
@@ -109,23 +114,28 @@ def grid_balance(programs: int, per_sm: int, sms: int = SMS) -> float:
     return programs / (-(-programs // slots) * slots)
 
 
+def splits(k: int, tiles: GemmTiles) -> int:
+    """Programs one tile's K range of `k` takes under tiles.split_k (`ops.moe_plan.split_plan` without its scratch
+    bound, which decode sizes never reach): whole BLOCK_K steps each, no empty split."""
+    return split_plan(k, tiles, 0, 0).splits
+
+
 def decode_balance(shape: Shape, tokens: int, gemm: str, tiles: GemmTiles, block_m: int = 16) -> float:
     """`grid_balance` of one GEMM at a decode batch of `tokens` whose pairs all go to distinct experts (top_k *
-    tokens of them, at most E; one run each): programs = experts x N blocks (gate|up: N = the intermediate size; down:
-    the hidden size)."""
+    tokens of them, at most E; one run each): programs = experts x N blocks x K splits (gate|up: N = the intermediate
+    size, K the hidden; down: the other way round)."""
     experts = min(shape.num_experts, shape.top_k * tokens)
-    n, products = (shape.n, 2) if gemm == "gate_up" else (shape.k, 1)
-    return grid_balance(experts * -(-n // tiles.block_n), resident(block_m, tiles, products))
+    n, k, products = (shape.n, shape.k, 2) if gemm == "gate_up" else (shape.k, shape.n, 1)
+    return grid_balance(experts * -(-n // tiles.block_n) * splits(k, tiles), resident(block_m, tiles, products))
 
 
-def _tiles(block_m: int, table: Mapping[int, tuple[tuple[int, int, int, int], ...]], products: int,
-           quick: bool) -> list[GemmTiles]:
+def _tiles(block_m: int, table: Mapping[int, tuple[Tile, ...]], products: int, quick: bool) -> list[GemmTiles]:
     rule = rule_config(block_m * 8, 8, hip=False)  # the rule's tiles at this BLOCK_M
-    own = [] if quick or rule.block_m != block_m else [
+    own: list[Tile] = [] if quick or rule.block_m != block_m else [
         (rule.gate_up.block_n, rule.gate_up.block_k, rule.gate_up.num_warps, rule.gate_up.num_stages)]
     out: list[GemmTiles] = []
-    for bn, bk, warps, stages in [*table[block_m], *own]:
-        t = GemmTiles(bn, bk, FIRST_GROUP, warps, stages)
+    for bn, bk, warps, stages, *split in [*table[block_m], *own]:
+        t = GemmTiles(bn, bk, FIRST_GROUP, warps, stages, *split)
         if t not in out and smem_bytes(block_m, bn, bk, stages, products) <= SMEM_BYTES:
             out.append(t)
     return out
@@ -164,17 +174,23 @@ def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> Moe
     return MoeKernelConfig(bm, gu, dn)
 
 
+def compile_key(tiles: GemmTiles, k: int) -> GemmTiles:
+    """The tiles as the JIT sees them: GROUP_M and the split count are runtime arguments (GROUP_M 1, SPLIT_K 1 or 2
+    for whether K is split at all, at this GEMM's K)."""
+    return tiles._replace(group_m=1, split_k=min(splits(k, tiles), 2))
+
+
 def compile_set(shapes: Iterable[Shape], quick: bool = False) -> set[tuple[str, int, int, GemmTiles, bool]]:
-    """Every distinct kernel compile the sweep needs: (kernel, TOP_K (gate|up) or 0, BLOCK_M, tiles with GROUP_M 1,
-    EVEN_K); GROUP_M is a runtime argument and does not compile."""
+    """Every distinct kernel compile the sweep needs: (kernel, TOP_K, BLOCK_M, `compile_key` tiles, EVEN_K); GROUP_M
+    and the number of splits are runtime arguments and do not compile."""
     out: set[tuple[str, int, int, GemmTiles, bool]] = set()
     for s in shapes:
         for t in TOKENS if not quick else QUICK_TOKENS:
             for bm in block_m_candidates(per_expert(s, t), quick):
                 for g in gate_up_candidates(bm, quick):
-                    out.add(("gate_up", s.top_k, bm, with_group(g, 1), s.k % g.block_k == 0))
+                    out.add(("gate_up", s.top_k, bm, compile_key(g, s.k), s.k % g.block_k == 0))
                 for d in down_candidates(bm, quick):
-                    out.add(("down", 0, bm, with_group(d, 1), s.n % d.block_k == 0))
+                    out.add(("down", s.top_k, bm, compile_key(d, s.n), s.n % d.block_k == 0))
     return out
 
 

@@ -3,25 +3,28 @@ against a token-by-token computation, the expert alignment's layout, and the fus
 (`ops/triton_moe.py`) against the reference: under the Triton interpreter on CPU (in a subprocess; fp32/fp16),
 natively on a GPU in tests/test_moe_gpu.py.
 
-Run as a script (``TRITON_INTERPRET=1 python tests/test_moe_ops.py``) it performs the interpreter checks.
+Run as a script (``TRITON_INTERPRET=1 python tests/test_moe_ops.py [check ...]``) it performs the interpreter checks
+(`interpreter_checks`: the fused experts and their variants, and the decode-size folds of ops/triton_moe_route.py and
+ops/triton_moe.py: the Triton routing, split K, the top-k sum in the down GEMM's launch).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interp import run_interpreted
+from triton_interp import interpreted_checks, run_checks, selected
 
 from rapidserve.ops import get_ops, torch_ops_bundle
-from rapidserve.ops.moe import align_block_size, max_padded, moe_experts_ref, route
-from rapidserve.ops.moe_tiles import ALL_M, MoeKernelConfig, rule_config
+from rapidserve.ops.moe import align_block_size, max_padded, moe_experts_ref, moe_layer_ref, route
+from rapidserve.ops.moe_tiles import ALL_M, GemmTiles, MoeKernelConfig, rule_config
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+POISON = -7
 
 
 def moe_inputs(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -226,7 +229,8 @@ def check_fused(dtypes: list[torch.dtype], device: str) -> None:
 def check_variants(dtypes: list[torch.dtype], device: str) -> None:
     """The kernels' variants give the same bits: the unmasked K loop (EVEN_K) and the masked one, and the program
     order (GROUP_M of 1, 4 with a short last group, and every m block in one); every output row written (the
-    buffers start as NaN); per-GEMM tiles (gate|up and down on different ones) against the reference."""
+    buffers start as NaN), the semaphores down sums the top-k rows with left zero (and reused by the next launch);
+    per-GEMM tiles (gate|up and down on different ones) against the reference."""
     from rapidserve.ops.moe_tiles import GemmTiles
     from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
 
@@ -234,13 +238,15 @@ def check_variants(dtypes: list[torch.dtype], device: str) -> None:
         x, w13, w2, weights, ids = moe_inputs(9, 8, 2, 64, 64, dtype, seed=5, device=device)
         al = align(ids, 8, 16)
         assert al.expert_ids.numel() == 9  # m blocks: 4 + 4 + 1 with GROUP_M 4
+        sems = torch.zeros(9 * 2, dtype=torch.int32, device=device)  # 9 tokens x 2 column blocks of 32
         acts, outs = [], []
         for group_m, even_k in [(ALL_M, True), (ALL_M, False), (1, True), (4, True), (4, False)]:
             tiles = GemmTiles(32, 32, group_m, 4, 2)
             act = torch.full((18, 64), float("nan"), dtype=dtype, device=device)
             launch_gate_up(x, w13, act, al, 2, 16, tiles, even_k)
-            out = torch.full((18, 64), float("nan"), dtype=dtype, device=device)
-            launch_down(act, w2, out, weights.reshape(-1).contiguous(), al, 16, tiles, even_k)
+            out = torch.full((9, 64), float("nan"), dtype=dtype, device=device)
+            launch_down(act, w2, out, weights.reshape(-1).contiguous(), al, 2, 16, tiles, even_k, sems)
+            assert not sems.any()
             acts.append(act)
             outs.append(out)
         assert not outs[0].isnan().any()
@@ -248,20 +254,108 @@ def check_variants(dtypes: list[torch.dtype], device: str) -> None:
             assert torch.equal(acts[i], acts[0]) and torch.equal(outs[i], outs[0]), (dtype, i)
         want = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
         atol = 2e-5 if dtype == torch.float32 else 4e-3
-        torch.testing.assert_close(outs[0].view(9, 2, 64).sum(1).float(), want, atol=atol, rtol=2e-2)
+        torch.testing.assert_close(outs[0].float(), want, atol=atol, rtol=2e-2)
         split = MoeKernelConfig(16, GemmTiles(16, 64, 2, 4, 2), GemmTiles(64, 16, 1, 4, 3))
         torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, split).float(), want, atol=atol, rtol=2e-2)
 
 
+def _close_to(got: torch.Tensor, want: torch.Tensor, what: object) -> None:
+    atol = 2e-5 if got.dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2e-2, msg=lambda m: f"{what}: {m}")
+
+
+def check_route(device: str) -> None:
+    """`triton_moe_route.route` and `route_align` (both paths) against `ops.moe.route` and `align_block_size`: the
+    same ids, the weights to fp32 rounding; E not a power of two, k = 1 and k = E, tokens past one routing tile (40
+    tokens of 128 experts: tiles of 32), bf16 logits (distinct: ties may order either way); the zeros written over a
+    poisoned buffer on both paths."""
+    from rapidserve.ops.triton_moe_route import route as triton_route
+    from rapidserve.ops.triton_moe_route import route_align
+
+    g = torch.Generator().manual_seed(0)
+    for t, e, k, renorm, bf16 in [(1, 8, 2, True, False), (7, 6, 3, False, False), (5, 4, 4, True, False),
+                                  (9, 16, 1, False, True), (40, 128, 2, True, True)]:
+        logits = torch.randn(t, e, generator=g) * 3
+        if bf16:  # sixteenths in [-4, 4): exact in bf16, no two alike in a row
+            logits = ((torch.stack([torch.randperm(e, generator=g) for _ in range(t)]) - e // 2) / 16 * (64 / e))
+            logits = logits.to(torch.bfloat16)
+        logits = logits.to(device)
+        want_w, want_ids = route(logits, k, renorm)
+        got_w, got_ids = triton_route(logits, k, renorm)
+        case = (t, e, k, renorm, logits.dtype)
+        assert torch.equal(got_ids, want_ids), case
+        torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+        for one_program in (True, False) if t in (7, 40) else ():
+            zero = torch.full((37,), POISON, dtype=torch.int32, device=device)
+            w, ids, al = route_align(logits, k, renorm, 16, zero, one_program)
+            assert torch.equal(ids, want_ids) and not zero.any(), (case, one_program)
+            torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+            for name, a, b in zip(al._fields, al, align_block_size(want_ids, e, 16), strict=True):
+                assert torch.equal(a, b), (case, one_program, name)
+
+
+def check_split(device: str) -> None:
+    """Split K in both GEMMs and the fused top-k sum against the reference: 5 tokens of top-2 over 4 experts (runs
+    of a few tokens, none a multiple of BLOCK_M 16), hidden 40 (gate|up's second split ends in a K tail), down's K in
+    2 splits; the standalone launches on one set of zeroed semaphores (left zero by each, so the next launch may take
+    them) giving the bits of `fused_moe` (the sum's order is fixed); one slot with a split (down's fp32 partials, a
+    sum of the splits only); a token sent twice to one expert (two rows of one run, counted by one vector atomic)."""
+    from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
+
+    split = MoeKernelConfig(16, GemmTiles(32, 16, 1, 4, 2, 2), GemmTiles(64, 16, 2, 4, 2, 2))
+    x, w13, w2, weights, ids = moe_inputs(5, 4, 2, 40, 32, seed=2, device=device)
+    got = fused_moe(x, w13, w2, weights, ids, split)
+    _close_to(got, moe_experts_ref(x, w13, w2, weights, ids), "split")
+    al = align(ids, 4, 16)
+    sems = torch.zeros(5 * 1, dtype=torch.int32, device=device)  # down's: 5 tokens x 1 n block; gate|up's: 5 x 1 tiles
+    act, out = torch.empty(10, 32, device=device), torch.empty(5, 40, device=device)
+    launch_gate_up(x, w13, act, al, 2, 16, split.gate_up, sems=sems)
+    assert not sems.any()  # as it was: the next launch may take it
+    launch_down(act, w2, out, weights.reshape(-1), al, 2, 16, split.down, sems=sems)
+    assert not sems.any() and torch.equal(out, got)
+    x, w13, w2, weights, ids = moe_inputs(3, 4, 1, 32, 32, seed=4, device=device)
+    _close_to(fused_moe(x, w13, w2, weights, ids, split), moe_experts_ref(x, w13, w2, weights, ids), "top-1")
+    x, w13, w2, weights, ids = moe_inputs(3, 4, 2, 32, 32, seed=5, device=device)
+    ids[1] = ids[1, 0]  # token 1: both slots on one expert
+    _close_to(fused_moe(x, w13, w2, weights, ids, split), moe_experts_ref(x, w13, w2, weights, ids), "twice")
+
+
+def check_routed(device: str) -> None:
+    """`routed_moe` (routing in the kernels) against `moe_layer_ref` (the torch routing, then the reference): a
+    decode size (one program) with split K, and 70 tokens of top-2 (140 pairs: the routing launch, then the
+    two-launch alignment); no tokens."""
+    from rapidserve.ops.triton_moe import routed_moe
+
+    split = MoeKernelConfig(16, GemmTiles(32, 16, 1, 4, 2, 2), GemmTiles(32, 16, 1, 4, 2, 2))
+    for t, e, k, renorm, cfg in [(3, 6, 3, False, split), (70, 4, 2, True, MoeKernelConfig.same(64, 32, 32, 4, 2))]:
+        x, w13, w2, _, _ = moe_inputs(t, e, k, 32, 32, seed=t, device=device)
+        logits = (torch.randn(t, e, generator=torch.Generator().manual_seed(t)) * 2).to(device)
+        got = routed_moe(x, logits, w13, w2, k, renorm, cfg)
+        _close_to(got, moe_layer_ref(x, logits, w13, w2, k, renorm), (t, e, k, renorm, cfg))
+    x, w13, w2, _, _ = moe_inputs(0, 8, 2, 16, 16, device=device)
+    assert routed_moe(x, torch.zeros(0, 8, device=device), w13, w2, 2, True).shape == (0, 16)
+
+
+def interpreter_checks() -> dict[str, Callable[[], None]]:
+    """The Triton kernels' checks on CPU (fp32 and fp16 where the dtype matters), run by name in one subprocess."""
+    both = [torch.float32, torch.float16]
+    return {"fused": lambda: check_fused(both, "cpu"), "variants": lambda: check_variants(both, "cpu"),
+            "route": lambda: check_route("cpu"), "split": lambda: check_split("cpu"),
+            "routed": lambda: check_routed("cpu")}
+
+
+@pytest.fixture(scope="module")
+def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
+    return interpreted_checks(__file__, selected(request, "check"), timeout=900)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_fused_moe_interpreter() -> None:
-    """The alignment kernel and both grouped GEMMs (and their variants) under TRITON_INTERPRET=1 (fp32 and fp16)."""
-    run_interpreted(__file__, timeout=600)
+@pytest.mark.parametrize("check", ["fused", "variants", "route", "split", "routed"])
+def test_fused_moe_interpreter(interpreted: dict[str, str], check: str) -> None:
+    """The alignment kernel, both grouped GEMMs (and their variants), the routing kernels, split K and the fused top-k
+    sum under TRITON_INTERPRET=1."""
+    assert interpreted[check] == "", interpreted[check]
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
-    check_fused([torch.float32, torch.float16], "cpu")
-    check_variants([torch.float32, torch.float16], "cpu")
-    print("fused moe: ok")
+    sys.exit(run_checks(interpreter_checks(), sys.argv[1:]))

@@ -82,6 +82,17 @@ def test_a_table_round_trips_through_its_file(tmp_path: Path) -> None:
     assert dict(load_tables(tmp_path / "absent")) == {}
 
 
+def test_split_k_is_optional_and_written_only_where_set(tmp_path: Path) -> None:
+    """SPLIT_K (issue 40: decode's short grids): absent means 1, so today's files mean what they meant; a table with
+    splits round-trips, and only the split GEMMs' objects carry the field."""
+    split = MoeKernelConfig(16, GemmTiles(64, 128, 1, 4, 4, 4), GemmTiles(128, 128, 8, 4, 4))
+    table = MoeTable(KEY, "test", ((0.0625, split), (4.0, MID)))
+    d = table_json(table)
+    assert d["configs"]["0.0625"]["gate_up"]["SPLIT_K"] == 4 and "SPLIT_K" not in d["configs"]["0.0625"]["down"]
+    assert load_table(write(tmp_path, d)) == table
+    assert GemmTiles(64, 128, 1, 4, 4).split_k == 1
+
+
 def test_the_packaged_tables_load() -> None:
     """Whatever tables ship (bench/moe_tune.py --write-repo) validate, each named for its key."""
     tables = load_tables(CONFIG_DIR)
@@ -115,6 +126,12 @@ DEL = object()
     (_set("configs.4.down.BLOCK_K", DEL), r"configs\.4\.down\.BLOCK_K: missing"),
     (_set("configs.4.down", DEL), r"configs\.4\.down: missing"),
     (_set("configs.4.gate_up.split_k", 2), r"configs\.4\.gate_up\.split_k: unknown field \(allowed: BLOCK_N"),
+    (_set("configs.4.gate_up.SPLIT_K", 0), r"configs\.4\.gate_up\.SPLIT_K: must be in \[1, 16\], got 0"),
+    (_set("configs.4.gate_up.SPLIT_K", 2.0), r"configs\.4\.gate_up\.SPLIT_K: must be an integer, got 2\.0"),
+    (_set("configs.4.gate_up.SPLIT_K", 17), r"configs\.4\.gate_up\.SPLIT_K: must be in \[1, 16\], got 17"),
+    # gate|up's K is the file's K (2048: 32 steps of MID's BLOCK_K 64), down's its N (768: 12 steps of 64)
+    (_set("configs.4.down.SPLIT_K", 13), r"configs\.4\.down\.SPLIT_K: must be at most 12 \(K = 768 is 12 steps of "
+                                         r"BLOCK_K 64; each split takes at least one\), got 13"),
     (_set("configs.4.gate_up", [64, 64]), r"configs\.4\.gate_up: must be a JSON object, got list"),
     (_set("configs.4.extra", 1), r"configs\.4\.extra: unknown field"),
     (_set("configs.-1", table_json(TABLE)["configs"]["4"]), r"configs\.-1: the key must be a positive number"),

@@ -117,3 +117,14 @@ def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatc
     fp8 = (tp._prefill_config(bf16, 128, True), tp._prefill_config(bf16, 64, True),
            tp._prefill_amd_options(fp32, True), tp._prefill_amd_options(bf16, True))
     assert fp8 == ((128, 32, 8, 1), (128, 64, 8, 1), {}, {"matrix_instr_nonkdim": 16})
+
+
+def test_moe_layer_takes_the_triton_kernels_on_rocm(rocm: None) -> None:
+    """An MoE layer on ROCm runs the same Triton routing, alignment and grouped GEMMs as on NVIDIA (issue 40:
+    `triton_moe.routed_moe`, three launches at decode); no table names an AMD device here, so ROCm's untuned rule:
+    K steps of 64, no split K (tests/test_amd_compile.py compiles every variant for gfx942, the split ones too)."""
+    from rapidserve.ops import triton_moe
+    ops = get_ops(CUDA)
+    assert ops.moe_layer is triton_moe.routed_moe and ops.moe_experts is triton_moe.fused_moe
+    cfg = triton_moe.moe_config(8, 128, 768, 2048, torch.bfloat16, torch.device("meta"))
+    assert (cfg.gate_up.block_k, cfg.gate_up.split_k, cfg.down.split_k) == (64, 1, 1)

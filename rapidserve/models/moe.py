@@ -1,9 +1,10 @@
 """The mixture-of-experts MLP of a decoder layer (issue 40; mixtral, qwen3_moe: rapidserve/moe_config.py).
 
 `MoeBlock` holds the router [E, h] and every expert's weights stacked: `w13` [E, 2I, h] (each expert's gate rows
-[0, I), up rows [I, 2I), as the dense layer's fused gate|up) and `w2` [E, h, I]. Its forward routes each token
-(`ops.moe.route`: the family's normalisation) and calls the `Ops` bundle's `moe_experts` (the torch loop over
-experts on CPU, the grouped Triton GEMMs on GPUs). Under tensor parallelism the block is built at the rank's
+[0, I), up rows [I, 2I), as the dense layer's fused gate|up) and `w2` [E, h, I]. Its forward computes the router's
+logits (one GEMM) and calls the `Ops` bundle's `moe_layer` with the family's top-k and normalisation (on CPU
+`ops.moe.route` then the torch loop over experts; on GPUs the Triton routing + alignment, then the grouped GEMMs:
+three launches at decode, `ops/triton_moe.py`). Under tensor parallelism the block is built at the rank's
 shard (`MoeConfig.intermediate_size` is the rank's slice of every expert), the router is whole on every rank (the
 same routing everywhere, from the same all-reduced input), and the decoder layer all-reduces the block's partial
 sums as it does the dense MLP's. `targets` maps the Hugging Face names of one layer onto these tensors for
@@ -18,7 +19,6 @@ from torch import nn
 
 from rapidserve.moe_config import MoeConfig, expert_names, moe_prefix
 from rapidserve.ops import Ops
-from rapidserve.ops.moe import route
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -38,8 +38,7 @@ class MoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         """[T, h] -> the experts' weighted sum [T, h] (this rank's partial sum under tensor parallelism)."""
-        weights, ids = route(F.linear(x, self.gate), self.moe.top_k, self.moe.renormalize)
-        return ops.moe_experts(x, self.w13, self.w2, weights, ids)
+        return ops.moe_layer(x, F.linear(x, self.gate), self.w13, self.w2, self.moe.top_k, self.moe.renormalize)
 
     def targets(self, arch: str, layer: int) -> dict[str, tuple[torch.Tensor, int, int]]:
         """Hugging Face name -> (destination, row offset, rows) of layer `layer`'s router and experts."""

@@ -25,6 +25,10 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   mixture-of-experts layer's experts (issue 40; routing by `ops.moe.route`): `moe.moe_experts_ref` (a loop over
   experts) in the torch bundle, `triton_moe.fused_moe` (tokens sorted by expert, one grouped GEMM launch per
   projection, CUDA-graph safe) in the Triton one, on both vendors
+- ``moe_layer(x [T, h], logits [T, E], w13, w2, top_k, renormalize) -> [T, h]``: the same from the router's logits
+  (what the model calls): `moe.moe_layer_ref` (`moe.route`, then the reference experts) in the torch bundle,
+  `triton_moe.routed_moe` in the Triton one (routing, alignment and the zeroed semaphores in one launch at decode
+  sizes, then gate|up with SiLU-and-mul, then down with the routing weights and the top-k sum: three launches)
 - ``fp8_linear(x [T, K], layer: fp8.Fp8Linear, bias [N] | None) -> [T, N]``: a projection stored in fp8 (issue 39,
   rapidserve/ops/fp8.py): `fp8.reference_linear` in the torch bundle, `fp8_gpu.gpu_linear` (torch._scaled_mm, the
   Triton block kernel) in the Triton one; `fp8_ops(bundle, device)` puts the reference back on a GPU without fp8
@@ -81,6 +85,13 @@ class MoeExperts(Protocol):
                  ids: torch.Tensor, /) -> torch.Tensor: ...
 
 
+class MoeLayer(Protocol):
+    """`moe_layer`'s signature (see the module docstring)."""
+
+    def __call__(self, x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                 renormalize: bool, /) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Ops:
     name: str
@@ -97,6 +108,7 @@ class Ops:
     linear_silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     fp8_linear: Callable[[torch.Tensor, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor]
     moe_experts: MoeExperts = moe.moe_experts_ref
+    moe_layer: MoeLayer = moe.moe_layer_ref
     rms_norm_fp8: Callable[[torch.Tensor, torch.Tensor, float, torch.dtype], fp8.QuantizedRows] = (
         torch_ops.rms_norm_fp8)
     add_rms_norm_fp8: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.dtype],
@@ -122,7 +134,7 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
         skinny = torch.version.hip is None
     ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
-              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, _fused_moe(),
+              _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, *_fused_moe(),
               triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
               fp8_gpu.gpu_linear_rows)
     if not skinny:
@@ -136,10 +148,10 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
                                linear_silu_and_mul=linear_silu_and_mul)
 
 
-def _fused_moe() -> MoeExperts:
+def _fused_moe() -> tuple[MoeExperts, MoeLayer]:
     from rapidserve.ops import triton_moe
 
-    return triton_moe.fused_moe
+    return triton_moe.fused_moe, triton_moe.routed_moe
 
 
 def _cublas_then(silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
@@ -207,5 +219,5 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Linear", "MoeExperts", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "torch_ops_bundle",
-           "triton_ops_bundle", "unfused_fp8", "unfused_ops"]
+__all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops",
+           "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops"]

@@ -9,6 +9,9 @@ token alignment the fused Triton kernels (`ops/triton_moe.py`) read.
   up), the outputs of a token's k experts weighted and summed. A loop over experts, as transformers' eager
   experts: for the CPU and for checking the kernels (it reads the routing on the host, so it is no CUDA-graph
   path).
+- ``moe_layer_ref(x, logits [T, E], w13, w2, top_k, renormalize) -> [T, h]``: the layer from its router's logits,
+  `route` then `moe_experts_ref` (the torch bundle's `Ops.moe_layer`; the Triton one's routes in its kernels,
+  `triton_moe.routed_moe`).
 - ``align_block_size(ids, num_experts, block_m) -> Alignment``: the (token, slot) pairs sorted by expert, each
   expert's run padded to a multiple of `block_m` (see `Alignment`), from torch ops on the device without a host
   read: the reference that the Triton alignment (`ops/triton_moe_align.py`, which `triton_moe` runs) equals bit
@@ -48,6 +51,13 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         y = F.linear(act, w2[e]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(x.dtype))
     return out
+
+
+def moe_layer_ref(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                  renormalize: bool) -> torch.Tensor:
+    """The MoE layer's output [T, h] from its router's logits [T, E]: `route`, then `moe_experts_ref`."""
+    weights, ids = route(logits, top_k, renormalize)
+    return moe_experts_ref(x, w13, w2, weights, ids)
 
 
 def max_padded(pairs: int, num_experts: int, block_m: int) -> int:

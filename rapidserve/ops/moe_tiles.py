@@ -9,13 +9,17 @@ A tuned table is one JSON file per (device, E, N, K, dtype) in `rapidserve/ops/m
      "configs": {"<pairs per expert>": {"BLOCK_M": 16,
                                         "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1,
                                                     "num_warps": 4, "num_stages": 4},
-                                        "down": {...the same five fields...}}, ...}}
+                                        "down": {...the same fields, "SPLIT_K": 2}}, ...}}
 
 E: experts; N: one rank's intermediate size I (w13 [E, 2N, K], w2 [E, K, N]); K: the hidden size; dtype: the
 activations' and weights' torch dtype name. `gate_up` tiles the [pairs, K] x [K, N] gate and up products (two
 accumulators of BLOCK_N), `down` the [pairs, N] x [N, K] one; BLOCK_M (the alignment's run padding) is shared.
 GROUP_M: how many m blocks a group of programs walks before the next n block (`_program_tile`'s L2 swizzle); at least
-the m-block count means m blocks fastest. A key is the pairs per expert it was tuned at (T * top_k / E, a decimal
+the m-block count means m blocks fastest. SPLIT_K (optional, default 1: one program a tile, as before the field):
+the most programs a tile's K range is cut into, for decode's short grids (8 experts x a few N blocks leave most SMs
+idle); each split takes whole BLOCK_K steps, so fewer run where K has fewer steps (`split_plan` in triton_moe.py), and
+the table may not ask for more splits than the GEMM has K steps (gate_up's K is the file's K, down's is its N). A file
+writes the field only where it is not 1. A key is the pairs per expert it was tuned at (T * top_k / E, a decimal
 number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale (`pick_bucket`),
 the smaller on a tie. Every file is validated when the tables load (`load_tables`, at the import of `triton_moe`): a
 bad one raises `MoeTableError` naming the file and the field. A shape no table covers gets `rule_config`, the rule
@@ -41,7 +45,8 @@ MAX_STAGES = 8
 MAX_GROUP_M = 1 << 16
 ALL_M = MAX_GROUP_M  # GROUP_M that puts every m block in one group: m blocks fastest (the order before tuning)
 DTYPES = ("bfloat16", "float16", "float32")
-TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+MAX_SPLIT_K = 16
+TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
 TOP_FIELDS = ("device_name", "E", "N", "K", "dtype", "source", "configs")
 
 
@@ -50,13 +55,15 @@ class MoeTableError(ConfigError):
 
 
 class GemmTiles(NamedTuple):
-    """One grouped GEMM's launch: its N and K tiles, the swizzle group, warps and pipeline stages."""
+    """One grouped GEMM's launch: its N and K tiles, the swizzle group, warps and pipeline stages, and the most
+    programs one tile's K range is split into (1: none)."""
 
     block_n: int
     block_k: int
     group_m: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 class MoeKernelConfig(NamedTuple):
@@ -162,11 +169,18 @@ def _only(d: object, fields: Sequence[str], path: str, where: str) -> Mapping[st
     return d
 
 
-def parse_tiles(d: object, path: str, where: str) -> GemmTiles:
+def parse_tiles(d: object, path: str, where: str, k: int) -> GemmTiles:
+    """One GEMM's tiles; `k`: the GEMM's K (its SPLIT_K may not exceed its K steps)."""
     d = _only(d, TILE_FIELDS, path, where)
-    return GemmTiles(_int(d, "BLOCK_N", path, where, BLOCKS), _int(d, "BLOCK_K", path, where, BLOCKS),
-                     _int(d, "GROUP_M", path, where, hi=MAX_GROUP_M), _int(d, "num_warps", path, where, WARPS),
-                     _int(d, "num_stages", path, where, hi=MAX_STAGES))
+    tiles = GemmTiles(_int(d, "BLOCK_N", path, where, BLOCKS), _int(d, "BLOCK_K", path, where, BLOCKS),
+                      _int(d, "GROUP_M", path, where, hi=MAX_GROUP_M), _int(d, "num_warps", path, where, WARPS),
+                      _int(d, "num_stages", path, where, hi=MAX_STAGES),
+                      _int(d, "SPLIT_K", path, where, hi=MAX_SPLIT_K) if "SPLIT_K" in d else 1)
+    steps = -(-k // tiles.block_k)
+    if tiles.split_k > steps:
+        raise _fail(path, f"{where}SPLIT_K", f"must be at most {steps} (K = {k} is {steps} steps of BLOCK_K "
+                    f"{tiles.block_k}; each split takes at least one), got {tiles.split_k}")
+    return tiles
 
 
 def parse_table(d: object, path: str) -> MoeTable:
@@ -202,8 +216,8 @@ def parse_table(d: object, path: str) -> MoeTable:
             if part not in c:
                 raise _fail(path, where + part, "missing")
         buckets.append((per_expert, MoeKernelConfig(_int(c, "BLOCK_M", path, where, BLOCKS),
-                                                    parse_tiles(c["gate_up"], path, where + "gate_up."),
-                                                    parse_tiles(c["down"], path, where + "down."))))
+                                                    parse_tiles(c["gate_up"], path, where + "gate_up.", key.k),
+                                                    parse_tiles(c["down"], path, where + "down.", key.n))))
     buckets.sort(key=lambda b: b[0])
     for (a, _), (b, _) in zip(buckets, buckets[1:], strict=False):
         if a == b:
@@ -211,10 +225,14 @@ def parse_table(d: object, path: str) -> MoeTable:
     return MoeTable(key, source, tuple(buckets))
 
 
+def tiles_json(t: GemmTiles) -> dict[str, int]:
+    """One GEMM's tiles as a file holds them: SPLIT_K only where it is not 1 (a file without it means 1)."""
+    return {f: v for f, v in zip(TILE_FIELDS, t, strict=True) if (f, v) != ("SPLIT_K", 1)}
+
+
 def config_json(c: MoeKernelConfig) -> dict[str, Any]:
     """One bucket's config as a file holds it."""
-    return {"BLOCK_M": c.block_m, "gate_up": dict(zip(TILE_FIELDS, c.gate_up, strict=True)),
-            "down": dict(zip(TILE_FIELDS, c.down, strict=True))}
+    return {"BLOCK_M": c.block_m, "gate_up": tiles_json(c.gate_up), "down": tiles_json(c.down)}
 
 
 def table_json(table: MoeTable) -> dict[str, Any]:

@@ -9,7 +9,8 @@ pair's row is its expert's run start + the pairs of that expert before its chunk
 the tile times those per-expert values: no gather). Pairs keep their order within an expert's run, as torch's stable
 sort keeps it: the layout is deterministic, and equal to `align_block_size`'s.
 
-- `_align_one_kernel` (at most ONE_PROGRAM pairs: decode batches): one program counts every pair (one pass over
+- `_align_one_kernel` (at most ONE_PROGRAM pairs: decode batches; its body `_align_all` is also the second half of
+  `triton_moe_route`'s routing kernel): one program counts every pair (one pass over
   the tiles), lays out the runs (each expert's count padded to BLOCK_M, their cumulative sum), then writes every
   pair's row (a second pass), the sentinel T*k into each run's padding (a [E_P, 16] tile a step: at most BLOCK_M - 1
   rows an expert) and into every row past the padded total, and each BLOCK_M block's expert (the number of runs that
@@ -20,6 +21,9 @@ sort keeps it: the layout is deterministic, and equal to `align_block_size`'s.
   blocks before its own: its pairs' base rows), writes its own pairs' rows, its share of the padding (column chunks
   of every expert's), of the blocks' experts and of the rows past the total; program 0 stores the total. A program's
   work is about block / SUB + NB / NB_TILE tile steps (NB_TILE = SUB), least where block ~ NB ~ sqrt(pairs).
+
+Both paths also write zeros into a caller's int32 buffer (`zero`: the grouped GEMMs' semaphores, which must be zero
+before they run; the one program all of it, the count launch a share each), so clearing it costs no launch.
 
 Every row < max_padded (`ops.moe.max_padded`) and every block of sorted_ids / expert_ids is written exactly once,
 by one thread, so no store races another. Expert ids must lie in [0, E) (the router's top-k does): a pair of an id
@@ -104,10 +108,18 @@ def _fill_tail(sorted_ptr, total, lo, hi, pairs):
         tl.store(sorted_ptr + rows, tl.zeros([TAIL], tl.int32) + pairs, mask=rows < hi)
 
 
-@triton.jit(do_not_specialize=["pairs", "rows"])
-def _align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, rows,
-                      BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr):
-    """The whole `Alignment` of `pairs` expert ids in one program (module docstring); rows = max_padded."""
+@triton.jit
+def _zero(zero_ptr, lo, hi):
+    """Zeros into zero_ptr[lo, hi) (the grouped GEMMs' semaphores, `align_into`'s `zero`)."""
+    for z in range(lo, hi, TAIL):
+        offs = z + tl.arange(0, TAIL)
+        tl.store(zero_ptr + offs, tl.zeros([TAIL], tl.int32), mask=offs < hi)
+
+
+@triton.jit
+def _align_all(ids_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, rows, BLOCK_M: tl.constexpr, SUB: tl.constexpr,
+               E_P: tl.constexpr):
+    """The whole `Alignment` of `pairs` expert ids by this one program (module docstring); rows = max_padded."""
     totals = _count(ids_ptr, 0, pairs, pairs, SUB, E_P)
     starts, ends = _runs(totals, BLOCK_M)
     total = tl.max(ends, axis=0)
@@ -118,14 +130,26 @@ def _align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, rows,
     tl.store(post_ptr, total)
 
 
-@triton.jit(do_not_specialize=["pairs", "block"])
-def _align_count_kernel(ids_ptr, counts_ptr, pairs, block, NUM_EXPERTS: tl.constexpr, SUB: tl.constexpr,
-                        E_P: tl.constexpr):
-    """counts[b, e] = pairs of expert e among pairs [b * block, (b + 1) * block), b this program."""
+@triton.jit(do_not_specialize=["pairs", "rows", "n_zero"])
+def _align_one_kernel(ids_ptr, sorted_ptr, expert_ptr, post_ptr, zero_ptr, pairs, rows, n_zero,
+                      BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr):
+    """The whole `Alignment` of `pairs` expert ids in one program (module docstring), and n_zero zeros at
+    zero_ptr."""
+    _align_all(ids_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, rows, BLOCK_M, SUB, E_P)
+    _zero(zero_ptr, 0, n_zero)
+
+
+@triton.jit(do_not_specialize=["pairs", "block", "n_zero"])
+def _align_count_kernel(ids_ptr, counts_ptr, zero_ptr, pairs, block, n_zero, NUM_EXPERTS: tl.constexpr,
+                        SUB: tl.constexpr, E_P: tl.constexpr):
+    """counts[b, e] = pairs of expert e among pairs [b * block, (b + 1) * block), b this program; and its share of
+    the n_zero zeros at zero_ptr."""
     b = tl.program_id(0)
     experts = tl.arange(0, E_P)
     counts = _count(ids_ptr, b * block, b * block + block, pairs, SUB, E_P)
     tl.store(counts_ptr + b * NUM_EXPERTS + experts, counts, mask=experts < NUM_EXPERTS)
+    share = tl.cdiv(n_zero, tl.num_programs(0))
+    _zero(zero_ptr, b * share, tl.minimum(b * share + share, n_zero))
 
 
 @triton.jit(do_not_specialize=["pairs", "block", "rows"])
@@ -177,33 +201,51 @@ def empty_alignment(pairs: int, num_experts: int, block_m: int, device: torch.de
                      torch.empty(1, dtype=torch.int32, device=device))
 
 
-def align_into(ids: torch.Tensor, num_experts: int, block_m: int, out: Alignment,
-               one_program: bool | None = None) -> Alignment:
-    """Writes every element of `out` (`empty_alignment`'s buffers) with the `Alignment` of expert ids [T, k] (int32,
-    on their device; module docstring): one program for at most ONE_PROGRAM pairs, else two launches;
-    `one_program` forces the path (tests, the benches; no pairs always take one program). Returns `out`."""
-    flat = ids.reshape(-1).to(torch.int32)
-    pairs, rows = flat.numel(), out.sorted_ids.numel()
+def check_buffers(pairs: int, num_experts: int, block_m: int, out: Alignment) -> None:
+    rows = out.sorted_ids.numel()
     if rows != max_padded(pairs, num_experts, block_m) or out.expert_ids.numel() != rows // block_m:
         raise ValueError(f"alignment buffers of {rows} rows and {out.expert_ids.numel()} blocks for {pairs} pairs: "
                          "allocate them with empty_alignment(pairs, num_experts, block_m, device)")
+
+
+def zero_target(zero: torch.Tensor | None, out: Alignment) -> tuple[torch.Tensor, int]:
+    """(pointer, count) of `zero` for the kernels: an int32 contiguous tensor, or nothing (a dummy, 0)."""
+    if zero is None:
+        return out.num_post, 0
+    if zero.dtype != torch.int32 or not zero.is_contiguous():
+        raise ValueError(f"zero must be a contiguous int32 tensor, got {zero.dtype}")
+    return zero, zero.numel()
+
+
+def align_into(ids: torch.Tensor, num_experts: int, block_m: int, out: Alignment,
+               one_program: bool | None = None, zero: torch.Tensor | None = None) -> Alignment:
+    """Writes every element of `out` (`empty_alignment`'s buffers) with the `Alignment` of expert ids [T, k] (int32,
+    on their device; module docstring): one program for at most ONE_PROGRAM pairs, else two launches;
+    `one_program` forces the path (tests, the benches; no pairs always take one program). `zero` (int32): filled
+    with zeros by the same launches (the grouped GEMMs' semaphores, `triton_moe`), so they cost no launch of their
+    own. Returns `out`."""
+    flat = ids.reshape(-1).to(torch.int32)
+    pairs, rows = flat.numel(), out.sorted_ids.numel()
+    check_buffers(pairs, num_experts, block_m, out)
+    zero_ptr, n_zero = zero_target(zero, out)
     e_p, sub = triton.next_power_of_2(num_experts), sub_pairs(num_experts)
     if pairs == 0 or (pairs <= ONE_PROGRAM if one_program is None else one_program):
-        _align_one_kernel[(1,)](flat, out.sorted_ids, out.expert_ids, out.num_post, pairs, rows,
+        _align_one_kernel[(1,)](flat, out.sorted_ids, out.expert_ids, out.num_post, zero_ptr, pairs, rows, n_zero,
                                 BLOCK_M=block_m, SUB=sub, E_P=e_p, num_warps=WARPS)
         return out
     block = pairs_per_program(pairs, num_experts)
     nb = -(-pairs // block)
     counts = torch.empty(nb, num_experts, dtype=torch.int32, device=flat.device)
-    _align_count_kernel[(nb,)](flat, counts, pairs, block, NUM_EXPERTS=num_experts, SUB=sub, E_P=e_p,
-                               num_warps=WARPS)
+    _align_count_kernel[(nb,)](flat, counts, zero_ptr, pairs, block, n_zero, NUM_EXPERTS=num_experts, SUB=sub,
+                               E_P=e_p, num_warps=WARPS)
     _align_scatter_kernel[(nb,)](flat, counts, out.sorted_ids, out.expert_ids, out.num_post, pairs, block, rows,
                                  NUM_EXPERTS=num_experts, BLOCK_M=block_m, SUB=sub, E_P=e_p,
                                  NB_TILE=max(TILE // e_p, 1), num_warps=WARPS)
     return out
 
 
-def align(ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None) -> Alignment:
+def align(ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
+          zero: torch.Tensor | None = None) -> Alignment:
     """`ops.moe.Alignment` of expert ids [T, k] on their device, in new buffers (`align_into`)."""
     out = empty_alignment(ids.numel(), num_experts, block_m, ids.device)
-    return align_into(ids, num_experts, block_m, out, one_program)
+    return align_into(ids, num_experts, block_m, out, one_program, zero)
