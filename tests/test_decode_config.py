@@ -93,14 +93,14 @@ def test_table_covers_every_key_and_keeps_the_measured_defaults() -> None:
     assert all(c.waves >= 1 and c.block_n >= 16 and c.block_n & (c.block_n - 1) == 0 for c in dc.DECODE_TABLE.values())
     # NVIDIA bf16 / fp16 as tuned on an H200 (bench/results/decode_attn_tune_h200/), fp32 as measured before the
     # table (tests/test_rocm_paths.py checks the tuples too)
-    assert dc.decode_config(False, BF16, False, 128) == DecodeConfig(64, 2, 5, 3, False)
-    assert dc.decode_config(False, FP16, False, 128) == DecodeConfig(64, 2, 5, 3, False)
+    assert dc.decode_config(False, BF16, False, 128) == DecodeConfig(32, 2, 5, 2, False)
+    assert dc.decode_config(False, FP16, False, 128) == DecodeConfig(32, 2, 5, 2, False)
     assert dc.decode_config(False, FP32, False, 128) == DecodeConfig(32, 4, 2, 2, False)
     assert dc.decode_config(False, BF16, False, 256) == DecodeConfig(32, 4, 2, 2, False)
     assert dc.decode_config(True, BF16, False, 128) == DecodeConfig(64, 4, 1, 2, False)
     assert dc.decode_config(True, FP32, False, 256) == DecodeConfig(16, 4, 1, 2, False)
     # an fp8 cache: NVIDIA's tiles in fp16, ROCm's as before
-    assert dc.decode_config(False, BF16, True, 128) == DecodeConfig(64, 2, 3, 3, True)
+    assert dc.decode_config(False, BF16, True, 128) == DecodeConfig(64, 2, 5, 3, True)
     assert dc.decode_config(True, BF16, True, 128) == DecodeConfig(64, 4, 1, 2, False)
     with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
         dc.decode_config(False, torch.int8, False, 128)
@@ -147,10 +147,10 @@ def _launch(batch: int, dtype: torch.dtype, cache: torch.dtype, hip: bool, sms: 
 
 def test_launch_takes_the_table_entry() -> None:
     (grid, kw), = _launch(64, BF16, BF16, hip=False)[0]
-    assert grid == (64, 8, 1) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 2, 5)
+    assert grid == (64, 8, 1) and (kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (32, 2, 5)
     assert kw["F16_DOTS"] is False and kw["DIRECT"] is True
     split, red = _launch(16, BF16, BF16, hip=False)
-    assert split[0][0] == (16, 8, 4) and red[0][0] == (16 * 32,) and red[0][1]["BLOCK_S"] == 64
+    assert split[0][0] == (16, 8, 3) and red[0][0] == (16 * 32,) and red[0][1]["BLOCK_S"] == 64
 
 
 def test_fp8_cache_under_bf16_takes_fp16_dots_on_nvidia_only() -> None:

@@ -106,7 +106,7 @@ def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatc
     bf16, fp32 = torch.bfloat16, torch.float32
     nvidia = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
               tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16))
-    assert nvidia == ((64, 2, 5), (32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 2), {})
+    assert nvidia == ((32, 2, 5), (32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 2), {})
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
     rocm = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
             tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16),

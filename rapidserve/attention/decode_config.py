@@ -24,12 +24,12 @@ The table (`DECODE_TABLE`) is keyed by (platform, q dtype, KV cache, head_dim) a
   K/V buffers (2: one, without the table's wait; 3: two, 72 KiB; 4: three, 104 KiB). On gfx942 (num_stages 1, no
   pipelining) it takes the table's latency off each tile's K/V loads at the same VGPRs.
 
-NVIDIA's 16-bit head_dim <= 128 entries were measured by `bench/decode_attn_tune.py` on an H200 (2026-11-29,
-bench/results/decode_attn_tune_h200/): over Qwen3-8B's attention at 1x2048, 16x2048, 64x2048 and 16x8192, the bf16
-entry is 1.065x each shape's best (geometric mean) where the earlier entry was 1.288x, and the fp8 entry 1.047x
-against 1.284x. That kernel's loads were one element each under the GPU's Triton 3.6 (fixed since: the tl.multiple_of
-in triton_paged.py; bench/results/decode_attn_compile/), so those entries are valid but were chosen among slow tiles
-and need the sweep again. The rest are rules (ROCm's from the gfx942 compile check, bench/results/amd_compile/).
+NVIDIA's 16-bit head_dim <= 128 entries were measured by `bench/decode_attn_tune.py` on an H200 (2026-11-29 16:02,
+after the tl.multiple_of fix in triton_paged.py that ended one-element loads under the GPU's Triton 3.6;
+bench/results/decode_attn_tune_h200/): over Qwen3-8B's attention at 1x2048, 16x2048, 64x2048 and 16x8192 the bf16
+entry is each shape's best (the earlier 64-key entry 1.119x) at 82-101% of the copy ceiling from 16x2048 up, the fp8
+entry 1.026x each shape's best (the earlier one 1.162x) at 53-79%. The rest are rules (ROCm's from the gfx942 compile
+check, bench/results/amd_compile/).
 `python bench/decode_attn_tune.py` times the candidates on a GPU and prints the entries to put here.
 """
 
@@ -57,8 +57,8 @@ class DecodeConfig(NamedTuple):
 # for head_dim 256 (Gemma 3) half the key tile, or its registers cap gfx942 at 1 wave. NVIDIA head_dim 256: half
 # the key tiles and a stage less keep K and V's stages in shared memory.
 DECODE_TABLE: Mapping[tuple[str, str, str, str], DecodeConfig] = MappingProxyType({
-    ("cuda", "16-bit", "model", "<=128"): DecodeConfig(64, 2, 5, 3, False),
-    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 2, 3, 3, True),
+    ("cuda", "16-bit", "model", "<=128"): DecodeConfig(32, 2, 5, 2, False),
+    ("cuda", "16-bit", "fp8", "<=128"): DecodeConfig(64, 2, 5, 3, True),
     ("cuda", "16-bit", "model", ">128"): DecodeConfig(32, 4, 2, 2, False),
     ("cuda", "16-bit", "fp8", ">128"): DecodeConfig(32, 4, 2, 2, True),
     ("cuda", "fp32", "model", "<=128"): DecodeConfig(32, 4, 2, 2, False),
