@@ -40,10 +40,11 @@ SM_WARPS = 64
 FIRST_GROUP = 8
 GROUPS = (1, 8, 32, ALL_M)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K[, TMA[, PERSISTENT]]]) per BLOCK_M. gate|up holds two
-# BLOCK_M x BLOCK_N accumulators. From BLOCK_M 32 up (prefill) the H200 tables' winners also come with the weights by
-# TMA, on a persistent grid (one program an SM; two for a down tile two of which fit an SM), and both
-# (ops/triton_moe_gemm.py; bench/results/moe_prefill.md says why).
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K[, TMA[, PERSISTENT[, REDUCE_N]]]]) per BLOCK_M. gate|up holds
+# two BLOCK_M x BLOCK_N accumulators. From BLOCK_M 32 up (prefill) the H200 tables' winners also come with the weights
+# by TMA, on a persistent grid (one program an SM; two for a down tile two of which fit an SM), and both; at BLOCK_M
+# 128 a down tile whose top-k sum takes quarters (REDUCE_N 64: Qwen3's top-8 then compiles to 220 registers and no
+# spill; the rule's halves 255 and 16 bytes) (ops/triton_moe_gemm.py; bench/results/moe_prefill.md says why).
 Tile = tuple[int, ...]
 GATE_UP: Mapping[int, tuple[Tile, ...]] = {
     16: ((16, 256, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
@@ -64,7 +65,7 @@ DOWN: Mapping[int, tuple[Tile, ...]] = {
     64: ((64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4),
          (256, 64, 8, 4, 1, 1), (128, 64, 4, 4, 1, 1), (256, 64, 8, 4, 1, 0, 1), (128, 64, 4, 3, 1, 1, 2)),
     128: ((128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4),
-          (256, 64, 8, 4, 1, 1), (256, 64, 8, 3, 1, 0, 1), (256, 64, 8, 3, 1, 1, 1)),
+          (256, 64, 8, 4, 1, 1), (256, 64, 8, 3, 1, 0, 1), (256, 64, 8, 3, 1, 1, 1), (256, 64, 8, 4, 1, 0, 0, 64)),
 }
 # the --dry-run space: tiny tiles the interpreter runs quickly
 QUICK_GATE_UP: Mapping[int, tuple[Tile, ...]] = {16: ((16, 32, 4, 2), (32, 32, 4, 2, 2))}

@@ -155,19 +155,20 @@ def test_grid_size(tiles: GemmTiles, m_blocks: int, n_blocks: int, splits: int, 
 
 @needs_triton
 @pytest.mark.parametrize(("block_m", "tiles", "top_k", "want"), [
-    (64, GemmTiles(256, 64, 8, 8, 4), 8, 128),  # Qwen3-30B-A3B's prefill down: 512 elements a thread at once -> 2 x 256
-    (128, GemmTiles(256, 64, 8, 8, 4), 8, 64),  # its BLOCK_M 128 candidate: 4 chunks
+    (64, GemmTiles(256, 64, 8, 8, 4), 8, 256),  # Qwen3-30B-A3B's prefill down: 512 elements a thread, whole
+    (64, GemmTiles(256, 64, 8, 8, 4, reduce_n=128), 8, 128),  # a table's REDUCE_N: halves
+    (128, GemmTiles(256, 64, 8, 8, 4), 8, 128),  # BLOCK_M 128: 1024 elements a thread, halves of 512
+    (128, GemmTiles(256, 64, 8, 4, 4), 8, 64),  # on 4 warps: quarters
     (128, GemmTiles(256, 64, 8, 8, 4), 2, 256),  # Mixtral's top-2: whole (256 a thread)
     (16, GemmTiles(128, 128, 8, 4, 4), 8, 128),  # decode tiles: whole, as before
-    (32, GemmTiles(256, 64, 8, 8, 3), 8, 256),
     (128, GemmTiles(16, 64, 8, 1, 4), 8, 16),  # never below 16 columns
 ])
 def test_reduce_width(block_m: int, tiles: GemmTiles, top_k: int, want: int) -> None:
-    """down's top-k sum takes its tile's columns whole unless its partial tiles are more than REDUCE_ELEMS elements a
-    thread at once (`triton_moe_gemm.reduce_width`)."""
+    """down's top-k sum takes a table's REDUCE_N columns at a time, else its tile's columns whole unless its partial
+    tiles are more than REDUCE_ELEMS elements a thread at once (`triton_moe_gemm.reduce_width`)."""
     from rapidserve.ops.triton_moe_gemm import REDUCE_ELEMS, reduce_width
 
-    assert REDUCE_ELEMS == 256 and reduce_width(block_m, tiles, top_k) == want
+    assert REDUCE_ELEMS == 512 and reduce_width(block_m, tiles, top_k) == want
 
 
 @needs_triton

@@ -262,12 +262,12 @@ def check_variants(dtypes: list[torch.dtype], device: str) -> None:
 def check_prefill_variants(dtypes: list[torch.dtype], device: str) -> None:
     """The prefill variants of ops/triton_moe_gemm.py against the pointer-load, one-program-a-tile launch: the weights
     by TMA descriptors, a persistent grid of 1 or 2 programs an SM (OFF_GPU_SMS "SMs" here: a few programs
-    looping over many tiles), both; down's top-k sum in column chunks (`reduce_width` < BLOCK_N: top-8 of 16
-    experts, down's BLOCK_N 128 on one warp: two chunks of 64) and whole. Bits equal everywhere but TMA in fp32,
-    where the interpreter's matmul of the transposed tile rounds differently (close); every row written (NaN-
-    poisoned outputs); a K tail (hidden 40 over BLOCK_K 32) and an N that is no multiple of BLOCK_N (intermediate
-    24 over 16: the descriptor's box runs into the next expert's rows, not stored); rows of 12 bytes cannot take
-    a descriptor (`use_tma` falls back). Then `fused_moe` on such tables against the reference."""
+    looping over many tiles), both; down's top-k sum in column chunks (REDUCE_N 32 of down's BLOCK_N 128, top-8
+    of 16 experts) and whole. Bits equal everywhere but TMA in fp32, where the interpreter's matmul of the
+    transposed tile rounds differently (close); every row written (NaN-poisoned outputs); a K tail (hidden 40
+    over BLOCK_K 32) and an N that is no multiple of BLOCK_N (intermediate 24 over 16: the descriptor's box runs
+    into the next expert's rows, not stored); rows of 12 bytes cannot take a descriptor (`use_tma` falls back).
+    Then `fused_moe` on such tables against the reference."""
     from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
     from rapidserve.ops.triton_moe_gemm import grid_size, reduce_width, use_tma
 
@@ -276,13 +276,13 @@ def check_prefill_variants(dtypes: list[torch.dtype], device: str) -> None:
             x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t + k, device=device)
             al = align(ids, e, 16)
             base = GemmTiles(16, 32, 4, warps, 2)
-            if k == 8:  # 16 rows x 128 columns x 8 slots on one warp: above REDUCE_ELEMS, in two chunks
-                assert reduce_width(16, base._replace(block_n=128), 8) == 64
+            down_base = base._replace(block_n=128, reduce_n=32 if k == 8 else 0)  # top-8: 4 chunks of 32 columns
+            assert reduce_width(16, down_base, k) == (32 if k == 8 else 128)
             results = []
             for tma, persistent in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]:
                 tiles = base._replace(tma=tma, persistent=persistent)
                 assert use_tma(tiles, w13) == bool(tma) and use_tma(tiles, w2) == bool(tma)
-                down = tiles._replace(block_n=128)
+                down = down_base._replace(tma=tma, persistent=persistent)
                 act = torch.full((t * k, i), float("nan"), dtype=dtype, device=device)
                 launch_gate_up(x, w13, act, al, k, 16, tiles)
                 out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
@@ -299,7 +299,7 @@ def check_prefill_variants(dtypes: list[torch.dtype], device: str) -> None:
                     assert torch.equal(act, act0) and torch.equal(out, out0), case
             _close_to(out0, moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids), (dtype, t, e, k))
             prefill = MoeKernelConfig(16, GemmTiles(16, 32, 2, warps, 2, 1, 1, 1),
-                                      GemmTiles(128, 32, 2, warps, 2, 1, 1))
+                                      down_base._replace(group_m=2, tma=1))
             _close_to(fused_moe(x, w13, w2, weights, ids, prefill),
                       moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids), (dtype, t, e, k, "fused"))
         assert grid_size(GemmTiles(16, 32, 4, 4, 2, 1, 0, 2), 9, 4, 1, torch.device(device)) == 6  # 2 x 3 "SMs"

@@ -43,12 +43,12 @@ def test_the_space_fits_shared_memory_and_holds_the_rule() -> None:
 
 
 def test_the_sweep_size_stated_in_the_docstring() -> None:
-    """bench/moe_tune.py's docstring: about 700 timed configurations a shape, 143 distinct compiles in all (the split-K
-    candidates at BLOCK_M 16, the down kernel's TOP_K, which its top-k sum made a constexpr, and 34 compiles of the
-    TMA / persistent prefill candidates: 602 / 598 and 109 before them, 522 / 498 and 73 before split K)."""
-    assert [space.space_size(s) for s in SHAPES] == [714, 714, 684, 684]
-    assert len(space.compile_set(SHAPES)) == 143
-    assert sum(1 for c in space.compile_set(SHAPES) if c[3].tma or c[3].persistent) == 34
+    """bench/moe_tune.py's docstring: about 700 timed configurations a shape, 145 distinct compiles in all (the split-K
+    candidates at BLOCK_M 16, the down kernel's TOP_K, which its top-k sum made a constexpr, and 36 compiles of the
+    TMA / persistent / REDUCE_N prefill candidates: 602 / 598 and 109 before them, 522 / 498 and 73 before split K)."""
+    assert [space.space_size(s) for s in SHAPES] == [720, 720, 688, 688]
+    assert len(space.compile_set(SHAPES)) == 145
+    assert sum(1 for c in space.compile_set(SHAPES) if c[3].tma or c[3].persistent or c[3].reduce_n) == 36
     assert sorted(space.TOKENS) == [2**i for i in range(14)]  # 1..8192
 
 
@@ -99,6 +99,8 @@ def test_prefill_candidates_tma_and_persistent() -> None:
     assert space.compile_key(two, 768) == GemmTiles(128, 64, 1, 4, 3, 1, 1, 1)
     assert space.compile_key(two._replace(tma=0), 768) != space.compile_key(two, 768)
     assert GemmTiles(128, 64, 8, 4, 3, 1, 1, 2) in space.down_candidates(64)  # two programs an SM: 72 KiB each
+    assert GemmTiles(256, 64, 8, 8, 4, 1, 0, 0, 64) in space.down_candidates(128)  # top-k sum in quarters
+    assert not any(c.reduce_n for c in space.gate_up_candidates(64))
 
 
 def test_choose_takes_the_fastest_sum() -> None:

@@ -45,7 +45,7 @@ from rapidserve.ops.moe_plan import split_plan, use_pdl
 from rapidserve.ops.moe_tiles import GemmTiles
 
 OFF_GPU_SMS = 3  # the "SMs" a persistent grid is sized for off a GPU (the interpreter: a few programs, many tiles each)
-REDUCE_ELEMS = 256  # partial-row elements a thread of down's top-k sum loads at once, at most (`reduce_width`)
+REDUCE_ELEMS = 512  # partial-row elements a thread of down's top-k sum loads at once by the rule (`reduce_width`)
 
 
 @triton.jit
@@ -199,8 +199,8 @@ def _reduce_columns(part_ptr, out_ptr, tokens, last, offs_n, pairs, N, splits, s
 def _reduce_tokens(part_ptr, out_ptr, sems, tokens, last, pid_n, pairs, N, splits, stride_om, TOP_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RED_N: tl.constexpr, SPLIT: tl.constexpr):
     """The tile's columns of out for the tokens whose last partial this program wrote (`_reduce_columns`): all at
-    once, or RED_N at a time where all at once would hold more loads than the registers do (`reduce_width`); their
-    semaphores back to 0."""
+    once, or RED_N at a time (`reduce_width`: fewer registers, a round of loads more a chunk); their semaphores back
+    to 0."""
     tokens = tokens.to(tl.int64)
     if RED_N == BLOCK_N:
         _reduce_columns(part_ptr, out_ptr, tokens, last, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pairs, N, splits,
@@ -329,12 +329,15 @@ def _weights_arg(w: torch.Tensor, tiles: GemmTiles, tma: bool) -> torch.Tensor |
 
 
 def reduce_width(block_m: int, tiles: GemmTiles, top_k: int) -> int:
-    """Columns of down's tile that its top-k sum (`_reduce_tokens`) takes at a time: all BLOCK_N, unless the TOP_K
-    partial tiles it loads at once would be more than REDUCE_ELEMS elements a thread, then the widest power of two
-    that keeps them within it (at least 16). Holding them all cost Qwen3-30B-A3B's prefill tile (BLOCK_M 64,
-    BLOCK_N 256, 8 warps, top-8: 512 elements a thread) 255 registers and 160 bytes of spill a thread under Triton
-    3.6 on sm_90, and 1240 bytes at BLOCK_M 128; in two halves, 138 registers and none
-    (bench/results/moe_prefill.md)."""
+    """Columns of down's tile that its top-k sum (`_reduce_tokens`) loads at a time: the tiles' REDUCE_N where set,
+    else all BLOCK_N unless the TOP_K partial tiles would be more than REDUCE_ELEMS elements a thread at once, then
+    the widest power of two within it (at least 16). Compiled for sm_90 under Triton 3.6 at Qwen3-30B-A3B's top-8
+    (bench/results/moe_prefill.md): BLOCK_M 64, BLOCK_N 256, 8 warps (512 elements a thread) whole, 149 registers
+    and no spill (ptxas interleaves the loads with the sums; before this sum's rewrite, 255 and 160 bytes of spill a
+    thread); BLOCK_M 128 (1024) whole 255 and 248 bytes, in halves (the rule) 255 and 16, in quarters (REDUCE_N 64)
+    220 and none. A chunk more is a round of loads more, so the rule chunks only past 512."""
+    if tiles.reduce_n:
+        return tiles.reduce_n
     width = tiles.block_n
     while width > 16 and block_m * width * top_k > REDUCE_ELEMS * 32 * tiles.num_warps:
         width //= 2
