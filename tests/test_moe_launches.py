@@ -173,7 +173,8 @@ def test_reduce_width(block_m: int, tiles: GemmTiles, top_k: int, want: int) -> 
 
 @needs_triton
 def test_tma_only_where_the_rows_and_platform_allow(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`use_tma`: the tiles ask, rows of 16-byte multiples (bf16 K a multiple of 8) at an aligned base, not ROCm."""
+    """`use_tma`: the tiles ask, rows of 16-byte multiples (bf16 K a multiple of 8) at an aligned base, NVIDIA at
+    compute capability 9.0 or later, not ROCm."""
     from rapidserve.ops.triton_moe_gemm import use_tma
 
     tma, plain = GemmTiles(128, 64, 8, 4, 4, 1, 1), GemmTiles(128, 64, 8, 4, 4)
@@ -181,5 +182,11 @@ def test_tma_only_where_the_rows_and_platform_allow(monkeypatch: pytest.MonkeyPa
     assert use_tma(tma, w) and not use_tma(plain, w)
     assert not use_tma(tma, torch.empty(8, 16, 36, dtype=torch.bfloat16))  # 72-byte rows
     assert not use_tma(tma, torch.empty(8 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 64))  # base + 2 bytes
+    on_gpu = mock.Mock(wraps=w, device=torch.device("cuda"), shape=w.shape)  # the capability asked of its device
+    on_gpu.element_size.return_value, on_gpu.data_ptr.return_value = 2, 0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert use_tma(tma, on_gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no TMA
+    assert not use_tma(tma, on_gpu)
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
     assert not use_tma(tma, w)

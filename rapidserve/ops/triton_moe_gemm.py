@@ -314,9 +314,13 @@ def _pdl_options(pdl: bool) -> dict[str, bool]:
 
 def use_tma(tiles: GemmTiles, w: torch.Tensor) -> bool:
     """Whether a launch reads the weights `w` [E, rows, K] by TMA (module docstring): the tiles ask for it, the
-    platform is NVIDIA's (or the interpreter's), and the rows are 16-byte multiples at a 16-byte aligned base."""
-    return (bool(tiles.tma) and torch.version.hip is None and (w.shape[-1] * w.element_size()) % 16 == 0
-            and w.data_ptr() % 16 == 0)
+    platform is NVIDIA's at compute capability 9.0 or later (or the interpreter's, or the compile check's meta
+    tensors), and the rows are 16-byte multiples at a 16-byte aligned base."""
+    if not tiles.tma or torch.version.hip is not None:
+        return False
+    if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9:
+        return False
+    return (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
 def _weights_arg(w: torch.Tensor, tiles: GemmTiles, tma: bool) -> torch.Tensor | TensorDescriptor:
