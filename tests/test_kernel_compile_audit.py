@@ -21,6 +21,7 @@ from bench.sm90_compile import (
     by_width,
     global_access_sites,
     memory_ops,
+    parse_res_usage,
     ptx_access_sites,
     short_accesses,
     width,
@@ -90,6 +91,24 @@ PTX = """
 \t@%p3 st.global.b32 [ %rd6 + 0 ], { %r4 };
 \t@%p3 st.global.v2.b32 [ %rd7 + 0 ], { %r5, %r6 };
 """
+
+
+@pytest.mark.parametrize(("line", "want"), [
+    # the MoE down kernel at Qwen3-30B-A3B's prefill tiles before its chunked top-k sum (bench/results/moe_prefill.md)
+    (" Function _down_kernel:\n  REG:255 STACK:160 SHARED:1024 LOCAL:0 CONSTANT[0]:664 TEXTURE:0 SURFACE:0 SAMPLER:0",
+     {"regs": 255, "spill_bytes": 160}),
+    ("  REG:138 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:664", {"regs": 138, "spill_bytes": 0}),
+    ("  REG:40 STACK:8 SHARED:0 LOCAL:16 CONSTANT[0]:400", {"regs": 40, "spill_bytes": 24}),
+])
+def test_spill_is_the_stack_frame_and_local(line: str, want: dict[str, int]) -> None:
+    """ptxas spills into the stack frame (STACK), LOCAL staying 0: a Triton kernel calls nothing, so the frame is
+    spill; reading LOCAL alone had the audit call a 160-byte spill none."""
+    assert parse_res_usage(line) == want
+
+
+def test_spill_reading_needs_the_line() -> None:
+    with pytest.raises(ValueError, match="no REG/STACK/LOCAL line"):
+        parse_res_usage("Resource usage:\n")
 
 
 def test_short_accesses_by_source_line() -> None:
