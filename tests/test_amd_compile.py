@@ -148,6 +148,22 @@ def test_occupancy_pieces() -> None:
     assert (smem.waves, smem.limiter) == (2, "smem")
 
 
+def test_controls_take_one_variant_of_each_family() -> None:
+    """The ci matrix's cut: every gfx942 job kept; of a control's, the first of each (kernel, pointer dtypes), which
+    counts the others it stands for."""
+    def job(kernel: str, target: str, dtypes: tuple[str, ...], block: int) -> check.Job:
+        sig = {f"p{i}": f"*{d}" for i, d in enumerate(dtypes)} | {"n": "i32"}
+        return check.Job(kernel, target, sig, {(len(sig),): block}, {}, {})
+
+    jobs = [job(k, t, d, b) for t in ("gfx942", "sm_90") for k in ("a", "b") for d in (("bf16",), ("bf16", "fp8e4nv"))
+            for b in (16, 32, 64)]
+    kept = check.controls_by_family(jobs)
+    assert [j for j in kept if j.target == "gfx942"] == jobs[:12]
+    control = [j for j in kept if j.target == "sm_90"]
+    assert [(j.kernel, j.family()[1], next(iter(j.constexprs.values())), j.stands_for) for j in control] == [
+        (k, d, 16, 2) for k in ("a", "b") for d in (("*bf16",), ("*bf16", "*fp8e4nv"))]
+
+
 @pytest.mark.slow
 def test_ci_matrix_compiles_for_amd_and_the_control(tmp_path: Path, captured: dict[tuple[str, Shape], Capture],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -162,7 +178,13 @@ def test_ci_matrix_compiles_for_amd_and_the_control(tmp_path: Path, captured: di
     report = json.loads((tmp_path / "amd_compile_ci.json").read_text())
     s = report["summary"]
     for target in ("gfx942", "gfx90a", "sm_90"):
-        assert s[target]["failed"] == 0 and s[target]["compiled"] == s[target]["total"] > 50, s[target]
+        assert s[target]["failed"] == 0 and s[target]["compiled"] == s[target]["total"], s[target]
+        assert s[target]["variants"] > 50, s[target]  # distinct compiles captured
+    assert s["gfx942"]["total"] == s["gfx942"]["variants"]  # the product target: every variant compiled
+    for target in ("gfx90a", "sm_90"):  # the controls: one variant of each (kernel, pointer dtypes) family
+        families = [(r["kernel"], tuple(v for v in r["signature"].values() if v.startswith("*")))
+                    for r in report["rows"] if r["target"] == target]
+        assert len(families) == len(set(families)) == s[target]["total"] < s[target]["variants"], s[target]
     assert set(s["gfx942"]["kernels"]) == set(KERNELS) - NVIDIA_ONLY
     assert set(s["gfx90a"]["kernels"]) == set(KERNELS) - NVIDIA_ONLY - FP8_ONLY  # MI250X: no fp8, the reference
     assert set(s["sm_90"]["kernels"]) == set(KERNELS)
