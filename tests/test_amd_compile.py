@@ -128,7 +128,8 @@ def test_one_kernel_compiles_for_each_target(captures: dict[str, list[tuple[Shap
     (157, 0, 97, 32768, 4, 2, "lds"),  # two 4-wave workgroups a CU
     (256, 0, 50, 0, 8, 2, "vgpr"),
     (128, 0, 50, 0, 4, 4, "vgpr"),
-    (64, 0, 101, 0, 4, 7, "sgpr"),  # more than 100 SGPRs: 7
+    (64, 0, 82, 0, 4, 7, "sgpr"),  # 82 + 16 for the trap handler -> 112: 800 // 112 (LLVM's figure, _route_kernel)
+    (64, 0, 101, 0, 4, 6, "sgpr"),  # 117 -> 128
     (101, 28, 50, 0, 4, 3, "vgpr"),  # AGPRs after the VGPRs rounded to 4: 104 + 28 = 132 -> 136
     (7, 0, 10, 0, 1, 8, "-"),
     (32, 0, 30, 16384, 1, 1, "lds"),  # four 1-wave workgroups a CU: one wave a SIMD
@@ -141,7 +142,7 @@ def test_cdna_occupancy(vgpr: int, agpr: int, sgpr: int, lds: int, warps: int, w
 
 def test_occupancy_pieces() -> None:
     assert total_vgprs(101, 0) == 101 and total_vgprs(101, 3) == 107
-    assert [sgpr_waves(s, CDNA["gfx942"]) for s in (40, 88, 100, 102)] == [8, 8, 8, 7]
+    assert [sgpr_waves(s, CDNA["gfx942"]) for s in (40, 80, 81, 96, 97, 102)] == [8, 8, 7, 7, 6, 6]
     assert hopper_occupancy(255, 0, 4).waves == 2  # 8192 registers a warp: two 4-warp blocks an SM
     assert hopper_occupancy(32, 0, 4).waves == 16
     smem = hopper_occupancy(32, 100 * 1024, 4)  # two blocks of 100 KiB (+1 KiB reserved) an SM
