@@ -40,6 +40,7 @@ from bench.amd_launches import KERNELS, NVIDIA_ONLY, TARGETS, Launch, Target, ca
 from bench.amd_occupancy import CDNA, cdna_occupancy, hopper_occupancy  # noqa: E402
 
 MIN_WAVES = 2  # waves per SIMD below which a gfx942 variant is flagged
+PRODUCT = "gfx942"  # the target checked at every variant in every matrix; the others are controls
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rapidserve" / "triton-compile-check"
 
 
@@ -54,10 +55,15 @@ class Job:
     attrs: dict[tuple[int, ...], Any]
     options: dict[str, Any]
     used_by: list[str] = field(default_factory=list)  # "shape: step" of every launch that compiles to this
+    stands_for: int = 0  # other variants of its family that a control target of the ci matrix does not compile
 
     def key(self) -> str:
         return repr((self.kernel, self.target, sorted(self.signature.items()), sorted(self.constexprs.items()),
                      sorted((k, repr(v)) for k, v in self.attrs.items()), sorted(self.options.items())))
+
+    def family(self) -> tuple[str, tuple[str, ...]]:
+        """(kernel, the dtypes of its pointers): the compiles a control target of the ci matrix takes one of."""
+        return self.kernel, tuple(v for v in self.signature.values() if v.startswith("*"))
 
     def named_constexprs(self) -> dict[str, Any]:
         names = jit_function(self.kernel).arg_names
@@ -164,7 +170,10 @@ def assess(job: Job, res: dict[str, Any]) -> dict[str, Any]:
 
 def plan(matrix: str, targets: list[str]) -> tuple[list[Job], list[dict[str, str]]]:
     """Every distinct compile of the matrix on the targets, with the launches that use it; and the shapes that
-    were skipped on a target (and why)."""
+    were skipped on a target (and why). In the ci matrix a control target (not PRODUCT) compiles one variant of
+    each `Job.family`, the first captured (`controls_by_family`): nothing is flagged on a control, so its other
+    variants would only repeat the family's compile for the target and the occupancy model's agreement with
+    LLVM's; PRODUCT compiles every variant (its flags are the check)."""
     jobs: dict[str, Job] = {}
     binders: dict[tuple[str, str], Any] = {}
     skipped = []
@@ -179,7 +188,22 @@ def plan(matrix: str, targets: list[str]) -> tuple[list[Job], list[dict[str, str
                 use = f"{shape.label}: {launch.step}"
                 if use not in job.used_by:
                     job.used_by.append(use)
-    return list(jobs.values()), skipped
+    return controls_by_family(list(jobs.values())) if matrix == "ci" else list(jobs.values()), skipped
+
+
+def controls_by_family(jobs: list[Job]) -> list[Job]:
+    """PRODUCT's jobs all; of each control target's, the first of each family, its `stands_for` the others."""
+    first: dict[tuple[str, tuple[str, tuple[str, ...]]], Job] = {}
+    out = []
+    for job in jobs:
+        if job.target == PRODUCT:
+            out.append(job)
+        elif (job.target, job.family()) in first:
+            first[job.target, job.family()].stands_for += 1
+        else:
+            first[job.target, job.family()] = job
+            out.append(job)
+    return out
 
 
 def _cpu_seconds() -> float:
@@ -214,7 +238,7 @@ def run(matrix: str, targets: list[str], jobs: int, cache_dir: Path) -> dict[str
         dtype = next((v[1:] for v in job.signature.values() if v.startswith("*")), "-")
         rows.append({"kernel": job.kernel, "target": job.target, "dtype": dtype, "constexprs": job.named_constexprs(),
                      "options": job.launch_options(), "signature": job.signature, **res, **assess(job, res),
-                     "used_by": job.used_by})
+                     "used_by": job.used_by, "stands_for": job.stands_for})
     return {"matrix": matrix, "targets": targets, "triton": __import__("triton").__version__,
             "seconds": {"capture": round(t_plan, 1), "total": round(time.perf_counter() - t0, 1),
                         "cpu": round(_cpu_seconds() - cpu0, 1)},
@@ -228,6 +252,7 @@ def summary(rows: list[dict[str, Any]], targets: list[str]) -> dict[str, Any]:
     for t in targets:
         mine = [r for r in rows if r["target"] == t]
         out[t] = {"compiled": sum("error" not in r for r in mine), "total": len(mine),
+                  "variants": len(mine) + sum(r.get("stands_for", 0) for r in mine),
                   "failed": sum("error" in r for r in mine), "flagged": sum(bool(r["flags"]) for r in mine),
                   "kernels": sorted({r["kernel"] for r in mine})}
     return out
@@ -268,7 +293,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
            + command + "`; the method is in bench/amd_compile_check.py and docs/amd.md.", ""]
     for t in report["targets"]:
         tg = TARGETS[t]
-        out.append(f"- {t} ({tg.gpu}): {s[t]['compiled']}/{s[t]['total']} variants compiled, {s[t]['failed']} "
+        cut = "" if s[t]["variants"] == s[t]["total"] else f" (one a kernel and pointer dtypes of {s[t]['variants']})"
+        out.append(f"- {t} ({tg.gpu}): {s[t]['compiled']}/{s[t]['total']} variants compiled{cut}, {s[t]['failed']} "
                    f"failed, {s[t]['flagged']} flagged; kernels: {len(s[t]['kernels'])}")
     nv = ", ".join(report["nvidia_only"])
     out += [f"- kernels launchable on ROCm: {len(report['kernels']) - len(report['nvidia_only'])} (+ {nv}, NVIDIA "

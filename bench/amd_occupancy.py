@@ -7,7 +7,10 @@ backend (`AMDGPUBaseInfo.cpp`: getNumWavesPerEUWithNumVGPRs, getOccupancyWithNum
 - VGPRs: one file of 512 registers per lane per SIMD, shared by the architectural VGPRs and the AGPRs
   (accumulation registers, placed after the VGPRs at a multiple of 4); a wave gets its total rounded up to
   a granule of 8, so waves = 512 // round8(total) (at most 8);
-- SGPRs: at most 100 for 8 waves, more for 7 (the most a wave can address is 102 plus VCC);
+- SGPRs: 800 a SIMD, allocated to a wave in granules of 16 after the trap handler's 16, so waves =
+  800 // round16(SGPRs + 16): 80 or fewer for 8 waves, 96 for 7, 112 for 6 (the LLVM in Triton 3.9's wheel,
+  its `occupancy()` expression with the SGPR budget and trap reserve; the older rule, 8 waves up to 100 SGPRs,
+  disagrees with it: a gfx942 compile of _route_kernel with 82 SGPRs and VGPRs for 8 waves reports 7);
 - LDS: 64 KiB per CU, shared by the workgroups resident on it; a workgroup's waves spread over the 4 SIMDs.
   Triton allocates LDS dynamically (at launch: the compiled kernel's `metadata.shared`), so the code object's
   `group_segment_fixed_size` and LLVM's "; Occupancy:" line see 0 bytes and leave LDS out; this module does not.
@@ -27,6 +30,9 @@ class Cdna:
     max_waves_per_simd: int = 8
     vgprs_per_lane: int = 512
     vgpr_granule: int = 8
+    sgprs_per_simd: int = 800
+    sgpr_granule: int = 16
+    sgpr_trap_reserve: int = 16  # a wave's SGPRs for the trap handler, counted before the granule
     lds_per_cu: int = 64 * 1024
     simds_per_cu: int = 4
 
@@ -57,11 +63,10 @@ def vgpr_waves(total: int, spec: Cdna) -> int:
 
 
 def sgpr_waves(sgprs: int, spec: Cdna) -> int:
-    """GFX9 family (gfx90a, gfx942 included): 80 SGPRs or fewer for 10 waves, 88 for 9, 100 for 8, else 7."""
-    for limit, waves in ((80, 10), (88, 9), (100, 8)):
-        if sgprs <= limit:
-            return min(waves, spec.max_waves_per_simd)
-    return min(7, spec.max_waves_per_simd)
+    """GFX9 family (gfx90a, gfx942 included): the SIMD's SGPRs over a wave's, its own and the trap handler's
+    rounded up to the granule (at most 8 waves: 80 SGPRs or fewer; 96 for 7, 112 for 6)."""
+    per_wave = _round_up(sgprs + spec.sgpr_trap_reserve, spec.sgpr_granule)
+    return max(1, min(spec.max_waves_per_simd, spec.sgprs_per_simd // per_wave))
 
 
 def lds_waves(lds_bytes: int, num_warps: int, spec: Cdna) -> int:
