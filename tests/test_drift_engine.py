@@ -23,10 +23,13 @@ from tests.test_engine import chat_prompts, collect, wait_blocks_free
 NEW = 8
 LONG = 900  # SmolLM2-135M on one CPU thread: ~1.6 s of prefill, 30 blocks of one layer here
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-# Predicted prefill: 10 ms a token; TTFT SLO: 500 ms + 20 s per 1K tokens. The long prompt (9 s predicted,
-# SLO 18.5 s) has the slack; a 20-token one (SLO 0.9 s) would miss behind it, and preempts it.
-DRIFT = PartitionConfig(policy="drift", slo_ttft_ms=500.0, slo_ttft_ms_per_1k_tokens=20000.0,
-                        drift_prefill_model=(0.0, 10.0))
+# The dispatcher decides on predicted times, so the preemption is forced, not raced: predicted prefill 1 s a token;
+# TTFT SLO 21 s + 1200 s per 1K tokens. The long prompt (900 s predicted, SLO 1101 s) has the slack for a 20-token
+# one (20 s predicted, SLO 45 s), which behind even the last of its 30 layers (30 s predicted) would miss: seen at
+# any block boundary of the long prompt within 25 s of its arrival (real time), the short request preempts it.
+# The short request is sent after the long one, so its batch (the whole budget) starts first.
+DRIFT = PartitionConfig(policy="drift", slo_ttft_ms=21000.0, slo_ttft_ms_per_1k_tokens=1_200_000.0,
+                        drift_prefill_model=(0.0, 1000.0))
 
 
 def _prompts(llm: LLM) -> dict[str, list[int]]:
