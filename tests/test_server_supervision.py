@@ -44,6 +44,18 @@ async def health_until_ok(url: str, timeout: float = 60) -> list[tuple[int, str]
     raise AssertionError(f"/health never answered 200: {seen[-5:]}")
 
 
+async def all_workers(s: Srv, within_s: float = 20.0) -> list[int]:
+    """The engine's worker pids once /proc lists one a role (a reading of /proc can miss a process that is being
+    scanned as it forks or execs; under a loaded machine one read listed none while the stream was running)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        pids = worker_pids(s.proc.pid)
+        if len(pids) >= len(ROLES) or time.monotonic() > deadline:
+            assert len(pids) >= len(ROLES), f"worker pids {pids} for roles {ROLES} after {within_s} s"
+            return pids
+        await asyncio.sleep(0.1)
+
+
 async def kill_mid_stream(s: Srv, victim: str, sig: int = signal.SIGKILL) -> tuple[list[str], float]:
     """Start a long stream, then signal the `victim` worker; the stream's events and how long after
     the signal it ended."""
@@ -51,7 +63,7 @@ async def kill_mid_stream(s: Srv, victim: str, sig: int = signal.SIGKILL) -> tup
         started = asyncio.Event()
         stream = asyncio.create_task(read_events(session, s.url, LONG, started))
         await asyncio.wait_for(started.wait(), 60)
-        pid = worker_pids(s.proc.pid)[ROLES.index(victim)]
+        pid = (await all_workers(s))[ROLES.index(victim)]
         t0 = time.monotonic()
         os.kill(pid, sig)
         events, t_end = await asyncio.wait_for(stream, 30)
