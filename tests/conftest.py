@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from rapidserve.ipc import ShmRing, new_engine_id, ring_name  # noqa: E402
 from rapidserve.loader import resolve_model  # noqa: E402
 from rapidserve.tokenizer import Tokenizer  # noqa: E402
+from tests.run_order import longest_first  # noqa: E402
 
 # Helper modules whose asserts should explain themselves like a test's (pytest rewrites only test files).
 pytest.register_assert_rewrite("tests.decode_sched_fakes", "tests.server_fakes")
@@ -66,7 +67,14 @@ def _logging_as_it_was() -> Iterator[None]:
         root.removeHandler(h)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") in ("loadfile", "loadscope"):  # pytest-xdist's controller, handing out files:
+        config.option.loadscopereorder = False  # in the workers' order (tests/run_order.py), not by number of tests
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its collection is the order the controller hands out
+        items[:] = longest_first(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")
