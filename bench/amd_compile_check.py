@@ -40,7 +40,10 @@ from bench.amd_launches import KERNELS, NVIDIA_ONLY, TARGETS, Launch, Target, ca
 from bench.amd_occupancy import CDNA, cdna_occupancy, hopper_occupancy  # noqa: E402
 
 MIN_WAVES = 2  # waves per SIMD below which a gfx942 variant is flagged
-PRODUCT = "gfx942"  # the target checked at every variant in every matrix; the others are controls
+PRODUCT = "gfx942"  # the target whose every tile configuration the ci matrix checks; the others are controls
+# Constexprs that only count heads (index arithmetic and the head masks; the tiles are their own constexprs,
+# BLOCK_G, BLOCK_QH, ...): the ci matrix compiles PRODUCT once per variant without them (`Job.tiles`).
+HEAD_COUNTS = frozenset({"NUM_HEADS", "NUM_KV_HEADS", "NUM_Q_HEADS", "NUM_K_HEADS", "GROUP"})
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rapidserve" / "triton-compile-check"
 
 
@@ -55,7 +58,7 @@ class Job:
     attrs: dict[tuple[int, ...], Any]
     options: dict[str, Any]
     used_by: list[str] = field(default_factory=list)  # "shape: step" of every launch that compiles to this
-    stands_for: int = 0  # other variants of its family that a control target of the ci matrix does not compile
+    stands_for: int = 0  # the other variants of its ci-matrix cut (`ci_cut`) that are not compiled
 
     def key(self) -> str:
         return repr((self.kernel, self.target, sorted(self.signature.items()), sorted(self.constexprs.items()),
@@ -65,9 +68,22 @@ class Job:
         """(kernel, the dtypes of its pointers): the compiles a control target of the ci matrix takes one of."""
         return self.kernel, tuple(v for v in self.signature.values() if v.startswith("*"))
 
+    def tiles(self) -> str:
+        """The key without the HEAD_COUNTS constexprs: the compiles PRODUCT takes one of in the ci matrix."""
+        names = jit_function(self.kernel).arg_names
+        kept = {k: v for k, v in self.constexprs.items() if names[k[0]] not in HEAD_COUNTS}
+        return repr((self.kernel, self.target, sorted(self.signature.items()), sorted(kept.items()),
+                     sorted((k, repr(v)) for k, v in self.attrs.items()), sorted(self.options.items())))
+
     def named_constexprs(self) -> dict[str, Any]:
         names = jit_function(self.kernel).arg_names
         return {names[path[0]]: v for path, v in sorted(self.constexprs.items())}
+
+    def named_attrs(self) -> dict[str, list[list[Any]]]:
+        """The JIT's specialisation of each argument that has one (`tt.divisibility`, AMD's `tt.pointer_range`):
+        what tells apart two variants whose constexprs, dtypes and options are the same."""
+        names = jit_function(self.kernel).arg_names
+        return {names[path[0]]: [list(a) for a in v] for path, v in sorted(self.attrs.items()) if v}
 
     def launch_options(self) -> dict[str, Any]:
         """The launch options that differ between variants (num_warps, num_stages, AMD's own)."""
@@ -170,10 +186,12 @@ def assess(job: Job, res: dict[str, Any]) -> dict[str, Any]:
 
 def plan(matrix: str, targets: list[str]) -> tuple[list[Job], list[dict[str, str]]]:
     """Every distinct compile of the matrix on the targets, with the launches that use it; and the shapes that
-    were skipped on a target (and why). In the ci matrix a control target (not PRODUCT) compiles one variant of
-    each `Job.family`, the first captured (`controls_by_family`): nothing is flagged on a control, so its other
-    variants would only repeat the family's compile for the target and the occupancy model's agreement with
-    LLVM's; PRODUCT compiles every variant (its flags are the check)."""
+    were skipped on a target (and why). In the ci matrix (`ci_cut`) a control target (not PRODUCT) compiles one
+    variant of each `Job.family`, the first captured: nothing is flagged on a control, so its other variants would
+    only repeat the family's compile for the target and the occupancy model's agreement with LLVM's. PRODUCT (its
+    flags are the check) compiles every tile configuration (`Job.tiles`: every variant but for the head counts,
+    which only move index arithmetic and masks: in the full matrix of 1320 compiles and the ci matrix's 401 no
+    two PRODUCT variants that differ in head counts alone differ in waves or flags, nor by more than 3 VGPRs)."""
     jobs: dict[str, Job] = {}
     binders: dict[tuple[str, str], Any] = {}
     skipped = []
@@ -188,20 +206,20 @@ def plan(matrix: str, targets: list[str]) -> tuple[list[Job], list[dict[str, str
                 use = f"{shape.label}: {launch.step}"
                 if use not in job.used_by:
                     job.used_by.append(use)
-    return controls_by_family(list(jobs.values())) if matrix == "ci" else list(jobs.values()), skipped
+    return ci_cut(list(jobs.values())) if matrix == "ci" else list(jobs.values()), skipped
 
 
-def controls_by_family(jobs: list[Job]) -> list[Job]:
-    """PRODUCT's jobs all; of each control target's, the first of each family, its `stands_for` the others."""
-    first: dict[tuple[str, tuple[str, tuple[str, ...]]], Job] = {}
+def ci_cut(jobs: list[Job]) -> list[Job]:
+    """Of PRODUCT's jobs, the first of each `Job.tiles`; of each control target's, the first of each `Job.family`;
+    each kept job's `stands_for` the others."""
+    first: dict[object, Job] = {}
     out = []
     for job in jobs:
-        if job.target == PRODUCT:
-            out.append(job)
-        elif (job.target, job.family()) in first:
-            first[job.target, job.family()].stands_for += 1
+        key = job.tiles() if job.target == PRODUCT else (job.target, job.family())
+        if key in first:
+            first[key].stands_for += 1
         else:
-            first[job.target, job.family()] = job
+            first[key] = job
             out.append(job)
     return out
 
@@ -237,7 +255,8 @@ def run(matrix: str, targets: list[str], jobs: int, cache_dir: Path) -> dict[str
     for job, res in zip(todo, results, strict=True):
         dtype = next((v[1:] for v in job.signature.values() if v.startswith("*")), "-")
         rows.append({"kernel": job.kernel, "target": job.target, "dtype": dtype, "constexprs": job.named_constexprs(),
-                     "options": job.launch_options(), "signature": job.signature, **res, **assess(job, res),
+                     "options": job.launch_options(), "signature": job.signature, "attrs": job.named_attrs(),
+                     **res, **assess(job, res),
                      "used_by": job.used_by, "stands_for": job.stands_for})
     return {"matrix": matrix, "targets": targets, "triton": __import__("triton").__version__,
             "seconds": {"capture": round(t_plan, 1), "total": round(time.perf_counter() - t0, 1),
@@ -293,7 +312,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
            + command + "`; the method is in bench/amd_compile_check.py and docs/amd.md.", ""]
     for t in report["targets"]:
         tg = TARGETS[t]
-        cut = "" if s[t]["variants"] == s[t]["total"] else f" (one a kernel and pointer dtypes of {s[t]['variants']})"
+        what = "tile configuration" if t == PRODUCT else "kernel and pointer dtypes"
+        cut = "" if s[t]["variants"] == s[t]["total"] else f" (one a {what} of {s[t]['variants']})"
         out.append(f"- {t} ({tg.gpu}): {s[t]['compiled']}/{s[t]['total']} variants compiled{cut}, {s[t]['failed']} "
                    f"failed, {s[t]['flagged']} flagged; kernels: {len(s[t]['kernels'])}")
     nv = ", ".join(report["nvidia_only"])

@@ -7,15 +7,27 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
-import torch
+# Python's bytecode caches on for the run and every process it starts, before anything below imports rapidserve:
+# under PYTHONDONTWRITEBYTECODE=1 (set in some CI images, and on the helpers' machine) nothing is ever cached, so
+# every server, engine fork server, CLI and interpreter-check subprocess the suite starts compiles rapidserve's ~150
+# modules from source again (about 1.2 CPU-s a process; tests/test_cli.py + test_server.py: 56.8 -> 51.7 CPU-s), and
+# pytest rewrites every test module's asserts at each collection (18 CPU-s with its cache, 50 without; in one
+# clean run the two workers collect at once, so that part pays off only on a rerun). The caches go to __pycache__/
+# (git-ignored).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
-from rapidserve.ipc import ShmRing, new_engine_id, ring_name
-from rapidserve.loader import resolve_model
-from rapidserve.tokenizer import Tokenizer
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rapidserve.ipc import ShmRing, new_engine_id, ring_name  # noqa: E402
+from rapidserve.loader import resolve_model  # noqa: E402
+from rapidserve.tokenizer import Tokenizer  # noqa: E402
+from tests.run_order import longest_first  # noqa: E402
 
 # Helper modules whose asserts should explain themselves like a test's (pytest rewrites only test files).
 pytest.register_assert_rewrite("tests.decode_sched_fakes", "tests.server_fakes")
@@ -55,7 +67,14 @@ def _logging_as_it_was() -> Iterator[None]:
         root.removeHandler(h)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") in ("loadfile", "loadscope"):  # pytest-xdist's controller, handing out files:
+        config.option.loadscopereorder = False  # in the workers' order (tests/run_order.py), not by number of tests
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its collection is the order the controller hands out
+        items[:] = longest_first(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")

@@ -149,20 +149,26 @@ def test_occupancy_pieces() -> None:
     assert (smem.waves, smem.limiter) == (2, "smem")
 
 
-def test_controls_take_one_variant_of_each_family() -> None:
-    """The ci matrix's cut: every gfx942 job kept; of a control's, the first of each (kernel, pointer dtypes), which
-    counts the others it stands for."""
-    def job(kernel: str, target: str, dtypes: tuple[str, ...], block: int) -> check.Job:
-        sig = {f"p{i}": f"*{d}" for i, d in enumerate(dtypes)} | {"n": "i32"}
-        return check.Job(kernel, target, sig, {(len(sig),): block}, {}, {})
+def test_ci_cut_keeps_every_tile_configuration_and_one_variant_of_each_control_family() -> None:
+    """The ci matrix's cut: of gfx942's jobs, the first of each variant but for the head counts (two GQA groups of
+    one tile configuration: one compile); of a control's, the first of each (kernel, pointer dtypes); each counts
+    the others it stands for."""
+    names = check.jit_function("_decode_split_kernel").arg_names
+    at = {n: (names.index(n),) for n in ("NUM_KV_HEADS", "GROUP", "BLOCK_N")}
 
-    jobs = [job(k, t, d, b) for t in ("gfx942", "sm_90") for k in ("a", "b") for d in (("bf16",), ("bf16", "fp8e4nv"))
-            for b in (16, 32, 64)]
-    kept = check.controls_by_family(jobs)
-    assert [j for j in kept if j.target == "gfx942"] == jobs[:12]
-    control = [j for j in kept if j.target == "sm_90"]
-    assert [(j.kernel, j.family()[1], next(iter(j.constexprs.values())), j.stands_for) for j in control] == [
-        (k, d, 16, 2) for k in ("a", "b") for d in (("*bf16",), ("*bf16", "*fp8e4nv"))]
+    def job(target: str, dtypes: tuple[str, ...], kv_heads: int, group: int, block_n: int) -> check.Job:
+        sig = {f"p{i}": f"*{d}" for i, d in enumerate(dtypes)} | {"n": "i32"}
+        return check.Job("_decode_split_kernel", target, sig,
+                         {at["NUM_KV_HEADS"]: kv_heads, at["GROUP"]: group, at["BLOCK_N"]: block_n}, {}, {})
+
+    jobs = [job(t, d, h, g, n) for t in ("gfx942", "sm_90") for d in (("bf16",), ("bf16", "fp8e4nv"))
+            for n in (32, 64) for h, g in ((8, 4), (1, 8), (4, 7))]
+    kept = check.ci_cut(jobs)
+    product = [(j.family()[1], j.constexprs[at["BLOCK_N"]], j.stands_for) for j in kept if j.target == "gfx942"]
+    assert product == [(d, n, 2) for d in (("*bf16",), ("*bf16", "*fp8e4nv")) for n in (32, 64)]
+    assert all(j.constexprs[at["GROUP"]] == 4 for j in kept)  # the first of each, as captured
+    control = [(j.family()[1], j.constexprs[at["BLOCK_N"]], j.stands_for) for j in kept if j.target == "sm_90"]
+    assert control == [(d, 32, 5) for d in (("*bf16",), ("*bf16", "*fp8e4nv"))]
 
 
 @pytest.mark.slow
@@ -181,7 +187,10 @@ def test_ci_matrix_compiles_for_amd_and_the_control(tmp_path: Path, captured: di
     for target in ("gfx942", "gfx90a", "sm_90"):
         assert s[target]["failed"] == 0 and s[target]["compiled"] == s[target]["total"], s[target]
         assert s[target]["variants"] > 50, s[target]  # distinct compiles captured
-    assert s["gfx942"]["total"] == s["gfx942"]["variants"]  # the product target: every variant compiled
+    tiles = [(r["kernel"], json.dumps(r["signature"]), json.dumps(r["attrs"]), json.dumps(r["options"], sort_keys=True),
+              json.dumps({k: v for k, v in r["constexprs"].items() if k not in check.HEAD_COUNTS}, sort_keys=True))
+             for r in report["rows"] if r["target"] == "gfx942"]  # the product target: every tile configuration
+    assert len(tiles) == len(set(tiles)) == s["gfx942"]["total"] < s["gfx942"]["variants"], s["gfx942"]
     for target in ("gfx90a", "sm_90"):  # the controls: one variant of each (kernel, pointer dtypes) family
         families = [(r["kernel"], tuple(v for v in r["signature"].values() if v.startswith("*")))
                     for r in report["rows"] if r["target"] == target]

@@ -17,7 +17,6 @@ import pytest
 
 from tests.test_server import Srv, http, start, stop
 
-openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())
@@ -27,7 +26,9 @@ PROMPT = [{"role": "user", "content": "Answer with one JSON value for the schema
 
 @pytest.fixture(scope="module", params=["rapid", "hybrid"])
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, Srv, Any]]:
-    """rapid: the session's default-flag server (tests/conftest.py; rapid is the default mode); hybrid: its own."""
+    """rapid: the session's default-flag server (tests/conftest.py; rapid is the default mode); hybrid: its own.
+    (openai is imported here, not at collection: about 2 CPU-s in each pytest-xdist worker that never runs this.)"""
+    openai = pytest.importorskip("openai")
     s = request.getfixturevalue("smol_server") if request.param == "rapid" else start("--mode", request.param)
     try:
         yield request.param, s, openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
