@@ -48,12 +48,10 @@ async def all_workers(s: Srv, within_s: float = 20.0) -> list[int]:
     """The engine's worker pids once /proc lists one a role (a reading of /proc can miss a process that is being
     scanned as it forks or execs; under a loaded machine one read listed none while the stream was running)."""
     deadline = time.monotonic() + within_s
-    while True:
-        pids = worker_pids(s.proc.pid)
-        if len(pids) >= len(ROLES) or time.monotonic() > deadline:
-            assert len(pids) >= len(ROLES), f"worker pids {pids} for roles {ROLES} after {within_s} s"
-            return pids
+    while len(pids := worker_pids(s.proc.pid)) < len(ROLES) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
+    assert len(pids) >= len(ROLES), f"worker pids {pids} for roles {ROLES} after {within_s} s"
+    return pids
 
 
 async def kill_mid_stream(s: Srv, victim: str, sig: int = signal.SIGKILL) -> tuple[list[str], float]:
