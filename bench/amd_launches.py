@@ -198,12 +198,11 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
         from rapidserve.attention import triton_paged
-        from rapidserve.ops import triton_moe
+        from rapidserve.ops import pdl
         stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
-        # the MoE GEMMs' programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta
-        # device's (off)
-        stack.enter_context(mock.patch.object(triton_moe, "use_pdl", lambda pdl, device: pdl is not False
-                                              and not target.hip and triton_moe.pdl_available()))
+        # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off)
+        stack.enter_context(mock.patch.object(pdl, "use_pdl", lambda on, device: on is not False
+                                              and not target.hip and pdl.pdl_available()))
         stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
         yield
 

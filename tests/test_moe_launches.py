@@ -117,20 +117,3 @@ def test_one_moe_layer_launches(tokens: int, want_kernels: list[str]) -> None:
         route(torch.empty(tokens, 128, dtype=torch.bfloat16, device=meta), 8, True)
     assert len(before.ops) == 6, before.ops
 
-
-@needs_triton
-def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`triton_moe.use_pdl`: by default on for NVIDIA compute capability 9.0 and later (H100/H200: gate|up and down
-    start before the launch before them ends, then wait), off for older GPUs, the CPU's interpreter and ROCm; True
-    forces it where this Triton has it (the compile check on meta tensors), False turns it off."""
-    from rapidserve.ops import triton_moe
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    have = triton_moe.pdl_available()
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert triton_moe.use_pdl(None, cuda) is have and triton_moe.use_pdl(True, torch.device("meta")) is have
-    assert not triton_moe.use_pdl(False, cuda) and not triton_moe.use_pdl(None, cpu)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not triton_moe.use_pdl(None, cuda)
-    monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    assert not triton_moe.use_pdl(True, cuda)

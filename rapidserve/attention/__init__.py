@@ -28,6 +28,7 @@ imported only when requested, so CPU installs need neither.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from rapidserve.attention.metadata import (
 )
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.pdl import bind_pdl, takes_pdl
 
 BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
 
@@ -126,6 +128,15 @@ def get_attention_backend(name: str, device: torch.device | str,
                             torch_ref.decode_attention, graph_safe=False)
 
 
+def no_pdl(attn: AttentionBackend) -> AttentionBackend:
+    """`attn` with programmatic dependent launch off in its entry points that take `pdl` (the Triton decode kernels:
+    rapidserve/ops/pdl.py): the A/B of bench/decode_profile.py."""
+    fields = {name: bind_pdl(getattr(attn, name), False) for name in ("write_kv", "prefill_attention",
+                                                                      "decode_attention")
+              if takes_pdl(getattr(attn, name))}
+    return attn if not fields else dataclasses.replace(attn, name=attn.name + "-nopdl", **fields)
+
+
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None,
            window: int | None = None) -> torch.Tensor:
@@ -149,5 +160,5 @@ def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return torch.cat([decoded, rest])
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend",
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend", "no_pdl",
            "split_decode_rows"]

@@ -28,6 +28,11 @@ e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in 
 k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v). Decode under a bf16 q
 converts them to fp16 instead where its table says so (F16_DOTS, NVIDIA: one conversion an element pair instead of
 three; rapidserve/attention/decode_config.py), q with them.
+
+Programmatic dependent launch (`rapidserve/ops/pdl.py`; NVIDIA sm_90+, on by default there, `pdl=False` off) for
+decode: the split kernel waits for the kernel before (RoPE + KV write) first and lets the next start after its key
+loop (its grid is `waves` x the SMs); the reduce kernel waits, then lets the next start at once. write_kv and prefill
+launch without it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from rapidserve.attention.decode_config import (
 )
 from rapidserve.attention.kv_quant import cache_scales
 from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.ops import pdl as pdl_launch
 
 _LOG2E = 1.4426950408889634
 
@@ -153,7 +159,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                          FP8_MAX: tl.constexpr, WINDOW: tl.constexpr, F16_DOTS: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
     """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
     WINDOW keys when WINDOW > 0).
 
@@ -166,7 +172,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     |q| exceeds 2^15 first multiplies q by 2^15 / max|q| and divides qk_scale by the same factor.
     PREFETCH: each iteration loads the next tile's block-table entries, so the K/V addresses come from the previous
     iteration (rapidserve/attention/decode_config.py, DecodeConfig.prefetch).
+    USE_GDC (`ops.pdl`): waits for the kernel before (the new keys' write) first; lets the next kernel start after
+    the key loop.
     """
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -247,6 +257,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
+    if USE_GDC:  # after the key loop (`ops.pdl`, rule 3)
+        tl.extra.cuda.gdc_launch_dependents()
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -265,8 +277,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp."""
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_GDC: tl.constexpr):
+    """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp. USE_GDC (`ops.pdl`):
+    waits for the split kernel, then lets the next kernel start."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -315,14 +332,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     window: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                     window: int | None = None, config: DecodeConfig | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
     context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
     Returns [B, num_heads, head_dim]. An fp8 cache is read with `k_scale` / `v_scale`.
 
     The launch configuration is decode_config.DECODE_TABLE's for this platform, dtype, cache and head_dim; the
     optional arguments override it (for benchmarks and tuning): `config` the whole entry, then `block_n`,
-    `num_warps`, `num_stages` its fields, `num_splits` the split rule."""
+    `num_warps`, `num_stages` its fields, `num_splits` the split rule. `pdl`: programmatic dependent launch of both
+    kernels (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
@@ -354,6 +373,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
+    gdc = pdl_launch.launch_options(pdl_launch.use_pdl(pdl, q.device))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, lse, part,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
@@ -361,12 +381,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
         F16_DOTS=uses_fp16_dots(cfg, q.dtype, kv_fp8), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **fp8)
+        num_stages=cfg.num_stages, **fp8, **gdc)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device), cfg.waves)
         _decode_reduce_kernel[(batch * num_heads,)](
             out, lse, part, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=reduce_warps(block_s, block_d, hip))
+            num_warps=reduce_warps(block_s, block_d, hip), **gdc)
     return out
 
 

@@ -36,12 +36,14 @@ zero by every launch, so the standalone `launch_gate_up` / `launch_down` (benche
 slot and one split: down stores the token's row directly.
 
 Programmatic dependent launch (NVIDIA compute capability 9.0 and later, where this Triton has `launch_pdl`;
-`use_pdl`): gate|up and down are launched so their programs may start before the launch before them ends (CUDA graphs
-keep that as a programmatic edge), hiding the gap between the three launches. Each waits (`gdc_wait`: the launch
-before complete and its writes visible) before it reads anything; gate|up then lets down's programs start
-(`gdc_launch_dependents`), which happens only once every gate|up program has passed its wait, so the alignment is
-complete before any down program runs too. Off on ROCm and in the interpreter; `pdl=False` turns it off (the bench's
-A/B).
+`ops.pdl`, whose rules these kernels keep): gate|up and down are launched so their programs may start before the
+launch before them ends (CUDA graphs keep that as a programmatic edge), hiding the gap between the three launches.
+Each waits (`gdc_wait`: the launch before complete and its writes visible) before it reads anything; gate|up lets
+down's programs start (`gdc_launch_dependents`) after its K loop, before its epilogue and cross-program sums: its grid
+may exceed one wave, and down's programs, resident early and waiting, would take the SM slots of gate|up's later
+ones (h-moesmall let them start right after the wait: Mixtral's decode layer at batch 1 took 203 us in a graph
+against 178 without PDL). down lets the next kernel start after its K loop too. Off on ROCm and in the interpreter;
+`pdl=False` turns it off (the bench's A/B).
 
 Every expert's weight is read once per BLOCK_N column block per run of BLOCK_M pairs: at decode, with fewer pairs
 than an expert's BLOCK_M, once per step; experts no pair chose are not read at all. The tiles (`MoeKernelConfig`:
@@ -58,8 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.moe import Alignment
-from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, pdl_available, semaphores, split_plan, use_pdl
+from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, semaphores, split_plan
 from rapidserve.ops.moe_tiles import (
     GemmTiles,
     MoeKernelConfig,
@@ -144,7 +147,6 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert
     pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
     if USE_GDC:  # launched early (programmatic dependent launch): the alignment's launch complete and visible first
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # then down's programs may start (and wait in turn)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -180,6 +182,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if USE_GDC:  # after the K loop (`ops.pdl`, rule 3): down's programs may start, and wait in turn
+        tl.extra.cuda.gdc_launch_dependents()
     mask = row_ok[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         mine = part_ptr + (pid_s * pairs + rows).to(tl.int64)[:, None] * (2 * N) + offs_n[None, :]
@@ -261,6 +265,8 @@ def _down_kernel(a_ptr, w_ptr, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_p
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if USE_GDC:  # after the K loop (`ops.pdl`, rule 3)
+        tl.extra.cuda.gdc_launch_dependents()
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     n_ok = offs_n < N
     mask = row_ok[:, None] & n_ok[None, :]
@@ -317,17 +323,13 @@ def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.T
     return sems
 
 
-def _pdl_options(pdl: bool) -> dict[str, bool]:
-    return {"USE_GDC": pdl, **({"launch_pdl": True} if pdl else {})}
-
-
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Alignment, top_k: int, block_m: int,
                    tiles: GemmTiles, even_k: bool | None = None, sems: torch.Tensor | None = None,
                    pdl: bool | None = None) -> None:
     """act [pairs, I] = SiLU(gate) * up of every pair's token row of x (`_gate_up_kernel`); `even_k` (default:
     whether K % BLOCK_K == 0) picks the unmasked K loop: forcing it off is for the tests. Where `tiles` split K:
     `sems` (int32, zero, at least the tiles; left zero) count the splits, new zeros when None. `pdl`: programmatic
-    dependent launch (`use_pdl`; the module docstring)."""
+    dependent launch (`ops.pdl.use_pdl`; the module docstring)."""
     pairs, inter, h = act.shape[0], act.shape[1], x.shape[1]
     m_blocks = al.expert_ids.numel()
     n_blocks = triton.cdiv(inter, tiles.block_n)
@@ -342,7 +344,7 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Al
         TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1,
         IEEE=x.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **_pdl_options(use_pdl(pdl, x.device)))
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, al: Alignment,
@@ -371,7 +373,7 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights:
         w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=inter % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1, REDUCE=reduce,
         IEEE=act.dtype == torch.float32, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **_pdl_options(use_pdl(pdl, out.device)))
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, out.device)))
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, top_k: int,
@@ -398,7 +400,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               pdl: bool | None = None) -> torch.Tensor:
     """The experts' weighted sum per token [T, h] in x's dtype (module docstring; `ops.moe.moe_experts_ref`'s
     contract). `config`: the tiles (default `moe_config`'s from `tables`, default the packaged ones); `pdl`:
-    programmatic dependent launch of the two GEMMs (`use_pdl`: default where the GPU has it)."""
+    programmatic dependent launch of the two GEMMs (`ops.pdl.use_pdl`: default where the GPU has it)."""
     _check(x, w13, w2, weights, ids)
     t, h = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
@@ -432,5 +434,4 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
 
 
 __all__ = ["ALIGN_ONE_PROGRAM", "SPLIT_SCRATCH_BYTES", "TUNED", "Split", "align", "device_name", "experts",
-           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "pdl_available", "routed_moe", "semaphores",
-           "split_plan", "use_pdl"]
+           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "routed_moe", "semaphores", "split_plan"]
