@@ -254,6 +254,8 @@ def step():
     q = triton_ops.rope_write(q.view(1, heads, d), k.view(1, kv, d), v.view(1, kv, d), e(d), e(d), 1e-6, e(1,
         dtype=torch.int64), e(8192, d, dtype=torch.float32), cache, cache, e(1, dtype=torch.int64))
     triton_paged.decode_attention(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088)
+    triton_paged.decode_attention_fp8(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088,
+                                      out_fp8=fp8)  # the output quantized for an fp8 o_proj in the reduce kernel
     triton_fp8_fused.add_rms_norm_fp8(x, x, w, 1e-6, fp8)
     triton_fp8_fused.silu_and_mul_fp8(e(1, 2 * inter), fp8)
     fsk.skinny_fp8_linear(x, e(h, h, dtype=fp8), e(h, dtype=torch.float32),
@@ -265,7 +267,7 @@ launches = kca.record(step, "decode")
 first = {}
 for launch in launches:
     if launch.kernel != "_align_one_kernel":  # the MoE alignment: after the router's GEMM, launched without PDL
-        first.setdefault(launch.kernel, launch)
+        first.setdefault((launch.kernel, launch.kwargs.get("FP8_OUT"), launch.kwargs.get("ZERO_COUNTS")), launch)
 rows = kca.audit(kca.make_jobs([("pdl", list(first.values()))]))
 import triton
 print(json.dumps({"triton": triton.__version__, "rows": rows}))
@@ -275,25 +277,26 @@ print(json.dumps({"triton": triton.__version__, "rows": rows}))
 @pytest.mark.skipif(_triton36() is None, reason=f"no Triton 3.6 side directory: set {TRITON36_ENV}=DIR (see "
                     "test_audit_under_triton36)")
 def test_pdl_placement_under_triton36(tmp_path: Path) -> None:
-    """Every kernel of a decode step, launched as the engine launches it for one row of Qwen3-8B (and a Qwen3-30B-A3B
-    MoE layer's experts) with programmatic dependent launch on (the sm_90 target), compiled for sm_90 under Triton
-    3.6 (the GPU machines'): one griddepcontrol.wait before any global access and one launch_dependents after it
-    (rapidserve/ops/pdl.py's rules 1 and 2); the small kernels let their dependents start before any load, the GEMMs
-    and the attention's split kernel after their main loop's loads (rule 3), and the skinny GEMMs prefetch their
-    weights into L2 before the wait."""
+    """Every kernel of a decode step, launched as the engine launches it for one row of Qwen3-8B (the attention's also
+    with its output quantized for an fp8 o_proj, and a Qwen3-30B-A3B MoE layer's experts) with programmatic dependent
+    launch on (the sm_90 target), compiled for sm_90 under Triton 3.6 (the GPU machines'): one griddepcontrol.wait
+    before any global access and one launch_dependents after it (rapidserve/ops/pdl.py's rules 1 and 2); the small
+    kernels let their dependents start before any load, the GEMMs and the attention's split kernel after their main
+    loop's loads (rule 3), and the skinny GEMMs prefetch their weights into L2 before the wait."""
     env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", AUDIT_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["triton"].startswith("3.6")
-    rows = {r["kernel"]: r for r in report["rows"]}
     late = {"_fp8_skinny_kernel", "_skinny_kernel", "_decode_split_kernel", "_gate_up_kernel", "_down_kernel"}
     early = {"_rms_norm_kernel", "_rope_write_kernel", "_decode_reduce_kernel", "_rms_norm_fp8_kernel",
              "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_fp8_split_reduce_kernel"}
-    assert set(rows) == late | early, set(rows) ^ (late | early)
-    for name, row in rows.items():
-        pdl = row["pdl"]
+    names = [r["kernel"] for r in report["rows"]]
+    assert set(names) == late | early, set(names) ^ (late | early)
+    assert names.count("_decode_reduce_kernel") == 2 == names.count("_decode_split_kernel")  # with and without fp8
+    for row in report["rows"]:
+        name, pdl = row["kernel"], row["pdl"]
         assert pdl["wait"] == 1 and pdl["before_wait"] == 0 and pdl["dependents"] == 1, (name, pdl)
         assert pdl["dependents_before_wait"] == 0 and "pdl-order" not in row["flags"], (name, pdl)
         if name in early:

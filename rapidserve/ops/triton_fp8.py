@@ -141,6 +141,12 @@ def to_fp8(x, scale, TOP: tl.constexpr, fp8: tl.constexpr):
     return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP).to(fp8)
 
 
+def token_constants(fp8: torch.dtype) -> dict[str, float]:
+    """The per-token quantizer's constexprs for `fp8` (TOP = fp8_max, RCP = 1 / TOP, MIN_AMAX), which every kernel
+    that quantizes rows as `quantize_tokens` does takes."""
+    return {"TOP": fp8_max(fp8), "RCP": 1.0 / fp8_max(fp8), "MIN_AMAX": MIN_AMAX}
+
+
 def quantize_tokens(x: torch.Tensor, fp8: torch.dtype, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8.quantize_input(x, "token", fp8)` as one kernel: (x8 [M, K] fp8, scale [M, 1] float32). The same
     numbers: IEEE division and the hardware's round-to-nearest-even cast (the interpreter's cast rounds otherwise).
@@ -154,10 +160,11 @@ def quantize_tokens(x: torch.Tensor, fp8: torch.dtype, pdl: bool | None = None) 
     if m == 0:
         return q, scale
     block = min(4096, triton.next_power_of_2(max(k, 16)))
-    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=fp8_max(fp8), RCP=1.0 / fp8_max(fp8),
-                                  MIN_AMAX=MIN_AMAX, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), **token_constants(fp8),
+                                  BLOCK=block, num_warps=4 if block <= 2048 else 8,
                                   **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return q, scale
 
 
-__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens", "to_fp8", "token_scale"]
+__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens", "to_fp8", "token_constants",
+           "token_scale"]

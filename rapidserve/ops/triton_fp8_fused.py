@@ -40,8 +40,8 @@ import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops import triton_ops
-from rapidserve.ops.fp8 import MIN_AMAX, QuantizedRows, fp8_max
-from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_scale
+from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
 from rapidserve.ops.triton_ops import _rms_row, _silu_mul, _warps
 
 ONE_PASS_COLS = 16384  # SiLU-and-mul rows up to this wide stay in registers (16 warps: 32 values a thread)
@@ -60,10 +60,6 @@ def slice_cols(rows: int, cols: int, min_slice: int, target: int = TARGET_PROGRA
         return cols
     width = max(min_slice, triton.next_power_of_2(-(-cols // pieces)))
     return cols if width >= cols else width
-
-
-def _fp8_args(fp8: torch.dtype) -> dict[str, float]:
-    return {"TOP": fp8_max(fp8), "RCP": 1.0 / fp8_max(fp8), "MIN_AMAX": MIN_AMAX}  # quantize_tokens' constants
 
 
 @triton.jit
@@ -151,7 +147,7 @@ def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     width = _slice_width(slice_width, slice_cols(m, n_cols, RMS_MIN_SLICE), block)
     _rms_norm_fp8_kernel[(m, triton.cdiv(n_cols, width))](
         x, r, weight, q, scale, res_out if res_out is not None else x, n_cols, x.stride(0),
-        r.stride(0) if residual is not None else 0, eps, **_fp8_args(fp8), HAS_RESIDUAL=residual is not None,
+        r.stride(0) if residual is not None else 0, eps, **token_constants(fp8), HAS_RESIDUAL=residual is not None,
         BLOCK=block, VEC=16 // x.element_size(), WHOLE=width >= block, SLICE=width, num_warps=_warps(block),
         enable_fp_fusion=False, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return QuantizedRows(q, scale, x.dtype), res_out
@@ -247,8 +243,8 @@ def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype, one_pass_cols: int = ONE
     if width >= n_inter:
         width = triton.cdiv(n_inter, q_block) * q_block
     _silu_and_mul_fp8_kernel[(m, triton.cdiv(n_inter, width))](
-        x, q, scale, x.stride(0), n_inter, width, **_fp8_args(fp8), BLOCK=block, ONE_PASS=one_pass, Q_BLOCK=q_block,
-        num_warps=max(4, min(16, block // 512)), enable_fp_fusion=False,
+        x, q, scale, x.stride(0), n_inter, width, **token_constants(fp8), BLOCK=block, ONE_PASS=one_pass,
+        Q_BLOCK=q_block, num_warps=max(4, min(16, block // 512)), enable_fp_fusion=False,
         **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return QuantizedRows(q, scale, x.dtype)
 
