@@ -158,7 +158,7 @@ def assess(job: Job, res: dict[str, Any]) -> dict[str, Any]:
                                   (f"< {MIN_WAVES} waves/SIMD", occ.waves < MIN_WAVES)) if bad]
     else:
         occ = hopper_occupancy(res["reg"], res["lds"], res["num_warps"])
-        flags = ["spills"] if res["local"] > 0 else []
+        flags = ["spills"] if res["local"] + res["stack"] > 0 else []  # ptxas spills to the stack frame (STACK)
     return {"waves": occ.waves, "limiter": occ.limiter, "waves_by": occ.by, "flags": flags}
 
 

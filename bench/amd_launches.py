@@ -68,8 +68,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: fused_moe of a given routing (benches)"),
     "_align_count_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
     "_align_scatter_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: larger batches, prefill"),
-    "_gate_up_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
-    "_down_kernel": ("rapidserve.ops.triton_moe", "MoE layers"),
+    "_gate_up_kernel": ("rapidserve.ops.triton_moe_gemm", "MoE layers"),
+    "_down_kernel": ("rapidserve.ops.triton_moe_gemm", "MoE layers"),
 }
 SPLIT_K = 4  # the K slices of the split-K launches captured beside each packaged table's (`_fp8_token_launches`)
 NVIDIA_ONLY = frozenset(k for k, (_, why) in KERNELS.items() if why == "nvidia")
@@ -199,11 +199,13 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
         from rapidserve.attention import triton_paged
-        from rapidserve.ops import pdl
+        from rapidserve.ops import pdl, triton_moe_gemm
         stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
-        # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off)
+        # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off),
+        # and the MoE GEMMs' persistent grids sized for its SMs / CUs
         stack.enter_context(mock.patch.object(pdl, "use_pdl", lambda on, device: on is not False
                                               and not target.hip and pdl.pdl_available()))
+        stack.enter_context(mock.patch.object(triton_moe_gemm, "sm_count", lambda device: target.units))
         stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
         yield
 
@@ -260,7 +262,7 @@ def capture(shape: Shape, target: Target) -> Capture:
         forward("prefill, unfused_ops", prefill, unfused_ops(ops))
         forward("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta))
         if layer.moe is not None:
-            step[0] = "MoE experts: split K, fused_moe"
+            step[0] = "MoE experts: split K, fused_moe, TMA + persistent prefill"
             _moe_launches(layer, dtype, meta)
         if not target.hip:
             step[0] = "skinny linears (batch <= 16)"
@@ -342,8 +344,10 @@ def _skinny_launches(layer: DecoderLayer, dtype: torch.dtype) -> None:
 
 def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device) -> None:
     """The experts' kernel variants the engine's steps under the untuned rule do not reach: split K in both GEMMs
-    (`GemmTiles.split_k` 2 on the rule's decode tiles: the SPLIT variants) at one token through `routed_moe`, and
-    `fused_moe` of a given routing at one token (the one-program alignment alone)."""
+    (`GemmTiles.split_k` 2 on the rule's decode tiles: the SPLIT variants) at one token through `routed_moe`,
+    `fused_moe` of a given routing at one token (the one-program alignment alone), and at a prefill of 1024 tokens
+    on the rule's prefill tiles with the weights by TMA on a persistent grid (a tuned table may ask for both;
+    ops/triton_moe_gemm.py: NVIDIA takes the descriptors, ROCm the pointer loads whatever the tiles say)."""
     from rapidserve.ops import triton_moe
     from rapidserve.ops.moe_tiles import rule_config
     moe = layer.moe
@@ -356,6 +360,12 @@ def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device)
     triton_moe.routed_moe(x, logits, moe.w13, moe.w2, k, moe.moe.renormalize, split)
     triton_moe.fused_moe(x, moe.w13, moe.w2, torch.empty(1, k, device=device),
                          torch.empty(1, k, dtype=torch.int32, device=device))
+    t = 1024
+    prefill = rule_config(t * k, moe.moe.num_experts, torch.version.hip is not None)
+    prefill = prefill._replace(gate_up=prefill.gate_up._replace(tma=1, persistent=1),
+                               down=prefill.down._replace(tma=1, persistent=1))
+    triton_moe.fused_moe(torch.empty(t, x.shape[1], dtype=dtype, device=device), moe.w13, moe.w2,
+                         torch.empty(t, k, device=device), torch.empty(t, k, dtype=torch.int32, device=device), prefill)
 
 
 def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtype, hip: bool) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole `pytest -m gpu` suite on a GPU machine, in one call, optionally several times in a row.
 #
-#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [-- extra pytest args]
+#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [--part K/N] [-- extra pytest args]
 #
 # - Installs the wheels carried in .whl/ (if any, and msgspec / posix_ipc are missing) into /tmp/site
 #   and puts it on PYTHONPATH (the lent GPU machines lack those two and reach no registry).
@@ -9,6 +9,9 @@
 #   first: the order that exposed the graph-capture stream race), `-m gpu`, N times.
 # - --budget-s: a further run starts only if the last run's time still fits in S seconds overall.
 # - --timeout-s: per-test limit through pytest-timeout when it is installed (default 300).
+# - --part K/N: only the K-th of N contiguous slices of the sorted file list (the whole suite outgrew one 600-s device
+#   call on one H200: 546 s on 2026-11-29). Parts 1..N, one call each back to back, run every file once in the
+#   default order; the summary says which part it was.
 # - Logs go to $OUT (when set) or bench/results/gpu_suite_logs/: gpu_suite_runN.log, and the summary
 #   as gpu_suite.md / gpu_suite.json (command, GPU, date, versions, per-run counts and failures).
 # - The summary table (run, passed, failed, skipped, seconds) is printed last.
@@ -19,17 +22,29 @@ all_args="$*"
 repeat=1
 budget=0
 per_test=300
+part=""
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --repeat) repeat="$2"; shift 2 ;;
         --budget-s) budget="$2"; shift 2 ;;
         --timeout-s) per_test="$2"; shift 2 ;;
+        --part) part="$2"; shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+
+if [ -n "$part" ]; then
+    if ! [[ "$part" =~ ^([0-9]+)/([0-9]+)$ ]] || [ "${BASH_REMATCH[1]}" -lt 1 ] \
+        || [ "${BASH_REMATCH[1]}" -gt "${BASH_REMATCH[2]}" ]; then
+        echo "gpu_suite.sh: --part must be K/N with 1 <= K <= N (got '$part')" >&2
+        exit 2
+    fi
+    k="${BASH_REMATCH[1]}"
+    n="${BASH_REMATCH[2]}"
+fi
 
 cd "$(dirname "$0")/.." || exit 2
 out="${OUT:-bench/results/gpu_suite_logs}"
@@ -43,6 +58,12 @@ export PYTHONUNBUFFERED=1
 carried_wheels gpu_suite.sh || exit 2
 
 mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | sort)
+if [ -n "$part" ]; then
+    total=${#files[@]}
+    lo=$(((k - 1) * total / n))
+    hi=$((k * total / n))
+    files=("${files[@]:lo:hi-lo}")
+fi
 timeout_args=()
 if "$py" -c 'import pytest_timeout' 2>/dev/null; then
     timeout_args=(--timeout="$per_test")

@@ -87,7 +87,9 @@ def record(call: Callable[[], object], label: str) -> list[Launch]:
 
 def moe_table_launches() -> list[Launch]:
     """The MoE kernels' launches (alignment, gate|up, down) at each bucket of every packaged MoE table, as `fused_moe`
-    makes them with that bucket's config at its pairs count (meta tensors: nothing runs)."""
+    makes them with that bucket's config at its pairs count (meta tensors: nothing runs); at the prefill buckets
+    (BLOCK_M 64 and up) also with both GEMMs' weights by TMA, and by TMA on a persistent grid (the variants
+    ops/triton_moe_gemm.py offers the tuner: bench/results/moe_prefill.md)."""
     import torch
 
     from rapidserve.loader.preset_table import preset_table
@@ -99,7 +101,12 @@ def moe_table_launches() -> list[Launch]:
     for key, table in triton_moe.TUNED.items():
         dtype = getattr(torch, key.dtype)
         top_k = top_ks.get((key.num_experts, key.k), 2)
-        for per_expert, cfg in table.buckets:
+        variants = [(per_expert, cfg, "") for per_expert, cfg in table.buckets]
+        variants += [(per_expert, cfg._replace(gate_up=cfg.gate_up._replace(tma=1, persistent=p),
+                                               down=cfg.down._replace(tma=1, persistent=p)),
+                      ", TMA, persistent" if p else ", TMA")
+                     for per_expert, cfg in table.buckets if cfg.block_m >= 64 for p in (0, 1)]
+        for per_expert, cfg, variant in variants:
             pairs = max(top_k, round(per_expert * key.num_experts) // top_k * top_k)
             t = pairs // top_k
             out += record(lambda t=t, top_k=top_k, dtype=dtype, key=key, cfg=cfg: triton_moe.fused_moe(
@@ -108,7 +115,7 @@ def moe_table_launches() -> list[Launch]:
                 torch.empty(key.num_experts, key.k, key.n, dtype=dtype, device=meta),
                 torch.empty(t, top_k, dtype=torch.float32, device=meta),
                 torch.empty(t, top_k, dtype=torch.int32, device=meta), config=cfg),
-                f"MoE table E={key.num_experts} N={key.n} K={key.k}, {per_expert:g} pairs an expert")
+                f"MoE table E={key.num_experts} N={key.n} K={key.k}, {per_expert:g} pairs an expert{variant}")
     return out
 
 

@@ -7,12 +7,21 @@ MoE preset (random weights; tokens routed uniformly at random, as load-balanced 
 Prefill (T tokens, T*k pairs): the grouped GEMMs (alignment, gate|up with SiLU-and-mul, down with the routing
 weights, the k-way sum) as TFLOP/s of the experts' work, 6*T*k*h*I flops, against the dense GEMM rate of the same
 work on cuBLAS (one [T*k, h] x [h, 2I] and one [T*k, I] x [I, h] GEMM through every pair: the rate a perfectly
-balanced grouped GEMM could reach). Decode (batch B): the step's experts as a CUDA-graph replay (how the engine
+balanced grouped GEMM could reach), both timed as CUDA-graph replays: the GPU's time. "eager ms": `fused_moe` called
+back to back from Python (`back_to_back_ms`), the rate of the engine's eager prefill, whose host path (five Triton
+launches and a few allocations) bounds it where the kernels take less (at 256-1024 tokens, before this column, the
+table's times were those of single eager calls from an idle GPU: the host's). "align / gate_up / down us": each
+launch alone in a graph (the alignment on the path `fused_moe` takes; gate|up and down on that alignment). "bound
+ms": what a grouped GEMM cannot beat, the larger of the dense time (the same flops at the dense rate) and the
+compulsory bytes (the weights of every expert the routing reads, x read, out written) over the copy bandwidth;
+"bound by" says which; "of bound" = bound / graph ms. At short prefills of many experts the weights' bytes set it
+(Qwen3-30B-A3B reads all 128 experts, 1.2 GB at tp 1, from 256 tokens on), so "vs dense" cannot reach 1 there
+however good the kernels.
+
+Decode (batch B): the step's experts as a CUDA-graph replay (how the engine
 runs them) and as plain launches, against the copy ceiling: the bytes of the experts this batch's routing actually
 reads (its unique experts x 3*h*I*dtype) over the device's copy bandwidth (read+write bytes of a 1 GiB copy per
-second). "of ceiling" = ceiling time / measured time. Prefill rows also give the floor a grouped GEMM cannot beat,
-the larger of the dense time and the bytes of every expert the routing reads over the copy bandwidth ("vs floor" =
-floor / measured: at short prefills of many experts the weights' bytes bound it, not the dense rate). Tiles: the
+second). "of ceiling" = ceiling time / measured time. Tiles: the
 packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tune.py's output), else the rule; the
 BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
@@ -45,8 +54,17 @@ from bench.gpu_timing import time_ms  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref, route  # noqa: E402
+from rapidserve.ops.moe_plan import semaphores  # noqa: E402
 from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
-from rapidserve.ops.triton_moe import ALIGN_ONE_PROGRAM, align, fused_moe, moe_config, routed_moe  # noqa: E402
+from rapidserve.ops.triton_moe import (  # noqa: E402
+    ALIGN_ONE_PROGRAM,
+    align,
+    fused_moe,
+    launch_down,
+    launch_gate_up,
+    moe_config,
+    routed_moe,
+)
 from rapidserve.ops.triton_moe_route import route_align  # noqa: E402
 
 PREFILL_TOKENS = (256, 1024, 4096, 8192)
@@ -131,6 +149,40 @@ def graph_ms(fn: Callable[[], object], reps: int, device: str) -> float:
     return median(time_ms(graph.replay, reps))
 
 
+def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
+    """ms per call of `calls` calls of fn launched back to back from Python (one pair of events around all of them,
+    after a warm-up): the larger of the host's time per call and the GPU's; on the CPU, of fn."""
+    if device != "cuda":
+        return median(cpu_time_ms(fn, calls))
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(calls):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / calls
+
+
+def gemm_parts_ms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  cfg: MoeKernelConfig, reps: int, device: str) -> tuple[float, float]:
+    """(gate|up, down) ms, each launch alone in a graph on one alignment of `ids` under cfg (`graph_ms`)."""
+    t, h = x.shape
+    e, inter, k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
+    al = align(ids, e, cfg.block_m)
+    gate_up, down = semaphores(cfg, t, k, e, inter, h)
+    sems = torch.zeros(gate_up + down + 1, dtype=torch.int32, device=device)  # left zero by every launch
+    act = torch.empty(t * k, inter, dtype=x.dtype, device=device)
+    out = torch.empty_like(x)
+    flat = weights.reshape(-1).contiguous()
+    gu_ms = graph_ms(lambda: launch_gate_up(x, w13, act, al, k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up + 1]),
+                     reps, device)
+    dn_ms = graph_ms(lambda: launch_down(act, w2, out, flat, al, k, cfg.block_m, cfg.down, sems=sems[gate_up:]), reps,
+                     device)
+    return gu_ms, dn_ms
+
+
 def align_us(ids: torch.Tensor, num_experts: int, block_m: int, reps: int, device: str) -> dict[str, object]:
     """The alignment alone, microseconds per call on each path (module docstring), and the path fused_moe takes."""
     out: dict[str, object] = {"align_path": "one" if ids.numel() <= ALIGN_ONE_PROGRAM else "two"}
@@ -170,20 +222,25 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
     for t in prefill_tokens:
         x = torch.randn(t, h, device=device, dtype=dtype, generator=g)
         weights, ids = route(F.linear(x, router), k, True)
-        check(x[:64], w13, w2, weights[:64], ids[:64], moe_config(t * k, e, i, h, dtype, dev, tables))
+        cfg = moe_config(t * k, e, i, h, dtype, dev, tables)
+        check(x[:64], w13, w2, weights[:64], ids[:64], cfg)
         flops = 6 * t * k * h * i
-        ms = median(clock(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables), reps[0]))
+        call = lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables)
+        ms = graph_ms(call, reps[0], device)
+        gate_up_ms, down_ms = gemm_parts_ms(x, w13, w2, weights, ids, cfg, reps[0], device)
         xs = torch.randn(t * k, h, device=device, dtype=dtype, generator=g)
-        dense_ms = median(clock(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]),
-                                reps[0]))
+        dense_ms = graph_ms(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]), reps[0],
+                            device)
         read = int(torch.unique(ids).numel()) * 3 * h * i * w13.element_size()
-        floor_ms = max(dense_ms, read / copy_bw * 1e3)
-        bm = moe_config(t * k, e, i, h, dtype, dev, tables).block_m
+        bytes_ms = (read + 2 * x.numel() * x.element_size()) / copy_bw * 1e3
+        bound_ms = max(dense_ms, bytes_ms)
         rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
-                     "block_m": bm, "ms": ms,
+                     "block_m": cfg.block_m, "ms": ms, "eager_ms": back_to_back_ms(call, reps[0], device),
+                     "gate_up_ms": gate_up_ms, "down_ms": down_ms,
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
-                     "vs_dense": dense_ms / ms, "floor_ms": floor_ms, "vs_floor": floor_ms / ms,
-                     **align_us(ids, e, bm, reps[0], device)})
+                     "vs_dense": dense_ms / ms, "bytes_read": read, "bound_ms": bound_ms,
+                     "bound_by": "bytes" if bytes_ms > dense_ms else "flops", "of_bound": bound_ms / ms,
+                     **align_us(ids, e, cfg.block_m, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
         logits = F.linear(x, router)
@@ -213,14 +270,17 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
 
 def table(rows: list[dict[str, object]], copy_bw: float) -> str:
     out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write)", "",
-           "| model | tp | prefill tokens | pairs | BLOCK_M | grouped ms | grouped TFLOP/s | dense TFLOP/s "
-           "| vs dense | floor ms | vs floor | align us (one / two) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | tp | prefill tokens | pairs | BLOCK_M | graph ms | eager ms | align / gate_up / down us "
+           "| TFLOP/s | dense TFLOP/s | vs dense | bound ms | bound by | of bound | align us (one / two) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "prefill":
+            path = float(r[f"align_{r['align_path']}_us"])
+            parts = f"{path:.1f} / {float(r['gate_up_ms']) * 1e3:.1f} / {float(r['down_ms']) * 1e3:.1f}"
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
-                       f"{r['tflops']:.0f} | {r['dense_tflops']:.0f} | {r['vs_dense']:.2f} | {r['floor_ms']:.3f} | "
-                       f"{r['vs_floor']:.2f} | {align_cell(r)} |")
+                       f"{r['eager_ms']:.3f} | {parts} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} | "
+                       f"{r['vs_dense']:.2f} | {r['bound_ms']:.3f} | {r['bound_by']} | {r['of_bound']:.2f} | "
+                       f"{align_cell(r)} |")
     out += ["", "| model | tp | decode batch | unique experts | MB read | graph us | eager us | GB/s | of ceiling "
             "| no PDL us | layer us | align us (one / two) | route+align us |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -7,15 +7,15 @@ as tables (rapidserve/ops/moe_tiles.py's format), and re-run bench/moe_gemm.py's
 
 Per model and TP slice (one layer, random weights), per token count T of 1..8192 (`moe_tune_space.TOKENS`, the
 table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
-GEMM alone under each candidate tile (`moe_tune_space`: about 600 timed configurations a shape, split K among
-them at decode sizes, 109 distinct kernel compiles in all, compiled first by --jobs processes into Triton's cache),
-GROUP_M swept on the winners, the best BLOCK_M, and the whole layer under it against the untuned rule (the rule is
-written where it is faster), and the alignment alone (its share of the layer at decode sizes). The down GEMM's times
-include the top-k sum it now does in its own launch. Timing: a CUDA graph of the launches over R routings (R = 8
-at decode sizes: other experts each launch, so weights come from HBM as in a model's step, not from L2), replayed
-3-25 times (about 20 ms of each candidate), median. The sweep
-stops starting points at --budget-s seconds after the start (default 330: with ~90 s of moe_gemm's table after it,
-the run stays under 8 minutes on one H200); points not reached are listed and take their nearest tuned bucket.
+GEMM alone under each candidate tile (`moe_tune_space`: about 700 timed configurations a shape, split K among them
+at decode sizes, TMA, persistent grids and chunked top-k sums at prefill sizes, 145 distinct kernel compiles in all,
+compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best BLOCK_M, and the
+whole layer under it against the untuned rule (the rule is written where it is faster), and the alignment alone (its
+share of the layer at decode sizes). The down GEMM's times include the top-k sum it now does in its own launch.
+Timing: a CUDA graph of the launches over R routings (R = 8 at decode sizes: other experts each launch, so weights
+come from HBM as in a model's step, not from L2), replayed 3-25 times (about 20 ms of each candidate), median. The
+sweep stops starting points at --budget-s seconds after the start (default 330: with ~90 s of moe_gemm's table after
+it, the run stays under 8 minutes on one H200); points not reached are listed and take their nearest tuned bucket.
 
 Writes $OUT/moe_configs/*.json (one file per device, E, N, K, dtype; with --write-repo also into
 rapidserve/ops/moe_configs/ for a commit), $OUT/moe_tune.json (every point: the times of the rule and the tuned
@@ -234,8 +234,9 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
 
 def describe(c: MoeKernelConfig) -> str:
     def t(g: GemmTiles) -> str:
-        return f"{g.block_n}x{g.block_k} g{g.group_m} w{g.num_warps} s{g.num_stages}" + (
-            f" k{g.split_k}" if g.split_k > 1 else "")
+        return (f"{g.block_n}x{g.block_k} g{g.group_m} w{g.num_warps} s{g.num_stages}"
+                + (f" k{g.split_k}" if g.split_k > 1 else "") + (" tma" if g.tma else "")
+                + (f" p{g.persistent}" if g.persistent else "") + (f" r{g.reduce_n}" if g.reduce_n else ""))
     return f"M{c.block_m} gate_up {t(c.gate_up)} / down {t(c.down)}"
 
 

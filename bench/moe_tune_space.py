@@ -40,22 +40,32 @@ SM_WARPS = 64
 FIRST_GROUP = 8
 GROUPS = (1, 8, 32, ALL_M)
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) per BLOCK_M. gate|up holds two BLOCK_M x BLOCK_N accumulators.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K[, TMA[, PERSISTENT[, REDUCE_N]]]]) per BLOCK_M. gate|up holds
+# two BLOCK_M x BLOCK_N accumulators. From BLOCK_M 32 up (prefill) the H200 tables' winners also come with the weights
+# by TMA, on a persistent grid (one program an SM; two for a down tile two of which fit an SM), and both; at BLOCK_M
+# 128 a down tile whose top-k sum takes quarters (REDUCE_N 64: Qwen3's top-8 then compiles to 220 registers and no
+# spill; the rule's halves 255 and 16 bytes) (ops/triton_moe_gemm.py; bench/results/moe_prefill.md says why).
 Tile = tuple[int, ...]
 GATE_UP: Mapping[int, tuple[Tile, ...]] = {
     16: ((16, 256, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 64, 4, 5),
          (128, 128, 4, 3), (128, 128, 4, 3, 2), (128, 128, 4, 3, 4), (64, 128, 4, 4, 2), (64, 128, 4, 4, 4),
          (32, 128, 4, 3, 4)),
-    32: ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4)),
-    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 5)),
-    128: ((64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3)),
+    32: ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4),
+         (64, 128, 4, 4, 1, 1), (64, 128, 4, 4, 1, 1, 1)),
+    64: ((64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 5),
+         (128, 64, 4, 4, 1, 1), (128, 64, 4, 4, 1, 0, 1), (128, 64, 4, 4, 1, 1, 1)),
+    128: ((64, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4), (64, 128, 8, 3),
+          (128, 64, 8, 4, 1, 1), (128, 64, 8, 3, 1, 0, 1), (128, 64, 8, 3, 1, 1, 1)),
 }
 DOWN: Mapping[int, tuple[Tile, ...]] = {
     16: ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 64, 4, 5), (256, 64, 4, 4),
          (128, 128, 4, 4, 2), (128, 128, 4, 4, 4), (256, 64, 4, 4, 2), (256, 64, 4, 4, 4), (64, 128, 4, 4, 2)),
-    32: ((64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3)),
-    64: ((64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
-    128: ((128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4)),
+    32: ((64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (256, 64, 8, 3),
+         (256, 64, 8, 3, 1, 1), (256, 64, 8, 3, 1, 1, 1)),
+    64: ((64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4),
+         (256, 64, 8, 4, 1, 1), (128, 64, 4, 4, 1, 1), (256, 64, 8, 4, 1, 0, 1), (128, 64, 4, 3, 1, 1, 2)),
+    128: ((128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3), (256, 64, 8, 4),
+          (256, 64, 8, 4, 1, 1), (256, 64, 8, 3, 1, 0, 1), (256, 64, 8, 3, 1, 1, 1), (256, 64, 8, 4, 1, 0, 0, 64)),
 }
 # the --dry-run space: tiny tiles the interpreter runs quickly
 QUICK_GATE_UP: Mapping[int, tuple[Tile, ...]] = {16: ((16, 32, 4, 2), (32, 32, 4, 2, 2))}
@@ -134,8 +144,8 @@ def _tiles(block_m: int, table: Mapping[int, tuple[Tile, ...]], products: int, q
     own: list[Tile] = [] if quick or rule.block_m != block_m else [
         (rule.gate_up.block_n, rule.gate_up.block_k, rule.gate_up.num_warps, rule.gate_up.num_stages)]
     out: list[GemmTiles] = []
-    for bn, bk, warps, stages, *split in [*table[block_m], *own]:
-        t = GemmTiles(bn, bk, FIRST_GROUP, warps, stages, *split)
+    for bn, bk, warps, stages, *rest in [*table[block_m], *own]:
+        t = GemmTiles(bn, bk, FIRST_GROUP, warps, stages, *rest)
         if t not in out and smem_bytes(block_m, bn, bk, stages, products) <= SMEM_BYTES:
             out.append(t)
     return out
@@ -175,9 +185,10 @@ def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> Moe
 
 
 def compile_key(tiles: GemmTiles, k: int) -> GemmTiles:
-    """The tiles as the JIT sees them: GROUP_M and the split count are runtime arguments (GROUP_M 1, SPLIT_K 1 or 2
-    for whether K is split at all, at this GEMM's K)."""
-    return tiles._replace(group_m=1, split_k=min(splits(k, tiles), 2))
+    """The tiles as the JIT sees them: GROUP_M, the split count and a persistent grid's size are runtime arguments
+    (GROUP_M 1, SPLIT_K 1 or 2 for whether K is split at all, at this GEMM's K; PERSISTENT 1 or 0 for whether the
+    grid is persistent)."""
+    return tiles._replace(group_m=1, split_k=min(splits(k, tiles), 2), persistent=min(tiles.persistent, 1))
 
 
 def compile_set(shapes: Iterable[Shape], quick: bool = False) -> set[tuple[str, int, int, GemmTiles, bool]]:

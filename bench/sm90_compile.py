@@ -26,8 +26,9 @@ instructions, a loop's body once):
   atomics; the bulk L2 prefetch ``UBLKPF`` is no access), the griddepcontrol.launch_dependents ones (``PREEXIT``:
   rule 2 wants them after the wait) and how many of the global loads come before the first of them (a late trigger:
   all but the epilogue's), in address order (`pdl_sites`, `pdl_text`);
-- resources: registers and spill (``LOCAL``) bytes from ``cuobjdump -res-usage``, shared memory from the compiled
-  kernel's metadata, and the programs an SM holds (`programs_per_sm`: H100/H200 limits) with what limits them.
+- resources: registers and spill (``STACK`` + ``LOCAL``) bytes from ``cuobjdump -res-usage`` (`parse_res_usage`),
+  shared memory from the compiled kernel's metadata, and the programs an SM holds (`programs_per_sm`: H100/H200
+  limits) with what limits them.
 
 Triton's code for one source differs between versions (3.9 infers divisibilities that 3.6, the GPU machines'
 version, loses), so a reading names the Triton that compiled it: run under the GPU machines' Triton with
@@ -311,13 +312,20 @@ def programs_per_sm(regs: int, smem: int, num_warps: int, spec: Hopper | None = 
     return most, ",".join(k for k, v in limits.items() if v == most)
 
 
-def resources(cubin: bytes) -> dict[str, int]:
-    """Registers and spill (local memory) bytes a thread, from `cuobjdump -res-usage`."""
-    text = cuobjdump(cubin, "-res-usage")
+def parse_res_usage(text: str) -> dict[str, int]:
+    """Registers and spill bytes a thread from `cuobjdump -res-usage`'s text: spill is the stack frame (STACK: where
+    ptxas puts spilled registers; a Triton kernel calls no function, every helper is inlined, so its frame holds
+    nothing else) plus LOCAL. Before 2026-11-29 only LOCAL was read, which ptxas leaves 0 when it spills to the
+    frame: the MoE down kernel of Qwen3-30B-A3B's prefill tiles (STACK 160) read as no spill."""
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
     if found is None:
-        raise ValueError(f"cuobjdump -res-usage printed no REG/LOCAL line: {text!r}")
-    return {"regs": int(found.group(1)), "spill_bytes": int(found.group(3))}
+        raise ValueError(f"cuobjdump -res-usage printed no REG/STACK/LOCAL line: {text!r}")
+    return {"regs": int(found.group(1)), "spill_bytes": int(found.group(2)) + int(found.group(3))}
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """Registers and spill bytes a thread of a cubin (`parse_res_usage`)."""
+    return parse_res_usage(cuobjdump(cubin, "-res-usage"))
 
 
 def summarise(kernel: Any) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from bench.sm90_compile import (
     by_width,
     global_access_sites,
     memory_ops,
+    parse_res_usage,
     pdl_sites,
     pdl_text,
     ptx_access_sites,
@@ -129,6 +130,24 @@ PTX = """
 \t@%p3 st.global.b32 [ %rd6 + 0 ], { %r4 };
 \t@%p3 st.global.v2.b32 [ %rd7 + 0 ], { %r5, %r6 };
 """
+
+
+@pytest.mark.parametrize(("line", "want"), [
+    # the MoE down kernel at Qwen3-30B-A3B's prefill tiles before its chunked top-k sum (bench/results/moe_prefill.md)
+    (" Function _down_kernel:\n  REG:255 STACK:160 SHARED:1024 LOCAL:0 CONSTANT[0]:664 TEXTURE:0 SURFACE:0 SAMPLER:0",
+     {"regs": 255, "spill_bytes": 160}),
+    ("  REG:138 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:664", {"regs": 138, "spill_bytes": 0}),
+    ("  REG:40 STACK:8 SHARED:0 LOCAL:16 CONSTANT[0]:400", {"regs": 40, "spill_bytes": 24}),
+])
+def test_spill_is_the_stack_frame_and_local(line: str, want: dict[str, int]) -> None:
+    """ptxas spills into the stack frame (STACK), LOCAL staying 0: a Triton kernel calls nothing, so the frame is
+    spill; reading LOCAL alone had the audit call a 160-byte spill none."""
+    assert parse_res_usage(line) == want
+
+
+def test_spill_reading_needs_the_line() -> None:
+    with pytest.raises(ValueError, match="no REG/STACK/LOCAL line"):
+        parse_res_usage("Resource usage:\n")
 
 
 def test_short_accesses_by_source_line() -> None:
@@ -304,3 +323,70 @@ def test_pdl_placement_under_triton36(tmp_path: Path) -> None:
         else:  # the main loop's loads first: what follows is the epilogue's (scales, bias, the split sums)
             assert pdl["loads_before_dependents"] >= pdl["loads"] / 2 > 0, (name, pdl)
             assert (pdl["prefetch"] > 0) is (name in {"_fp8_skinny_kernel", "_skinny_kernel"}), (name, pdl)
+
+
+AUDIT_MOE_PDL = """
+import json
+import torch
+from bench import kernel_compile_audit as kca
+from rapidserve.ops import triton_moe
+from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
+
+meta, bf16 = torch.device("meta"), torch.bfloat16
+def e(*shape, dtype=bf16):
+    return torch.empty(*shape, dtype=dtype, device=meta)
+E, N, K, top_k, t = 128, 768, 2048, 8, 512  # Qwen3-30B-A3B's experts at a 512-token prefill
+tiles = GemmTiles(128, 64, 8, 4, 3)
+jobs = []
+for tma, persistent in ((1, 0), (0, 1), (1, 1)):
+    both = tiles._replace(tma=tma, persistent=persistent)
+    for pdl in (True, False):
+        launches = kca.record(lambda both=both, pdl=pdl: triton_moe.fused_moe(
+            e(t, K), e(E, 2 * N, K), e(E, K, N), e(t, top_k, dtype=torch.float32), e(t, top_k, dtype=torch.int32),
+            config=MoeKernelConfig(64, both, both), pdl=pdl), "prefill")
+        jobs.append((f"tma={tma} persistent={persistent} pdl={pdl}",
+                     [x for x in launches if x.kernel in ("_gate_up_kernel", "_down_kernel")]))
+rows = kca.audit(kca.make_jobs(jobs))
+import triton
+print(json.dumps({"triton": triton.__version__, "rows": rows}))
+"""
+
+
+@pytest.mark.skipif(_triton36() is None, reason=f"no Triton 3.6 side directory: set {TRITON36_ENV}=DIR (see "
+                    "test_audit_under_triton36)")
+def test_moe_gemm_variants_pdl_under_triton36(tmp_path: Path) -> None:
+    """The MoE GEMMs' prefill variants (ops/triton_moe_gemm.py: TMA, persistent, both) at Qwen3-30B-A3B's experts,
+    compiled for sm_90 under Triton 3.6 with programmatic dependent launch on and off: on, one wait before any global
+    access (the tile count and the TMA loads included) and launch_dependents only after it (no pdl-order flag); a
+    one-tile program triggers once, after its K loop's loads; a persistent one only on its last tile (a runtime
+    test: gate|up's flattened, software-pipelined tile loop may hold the instruction twice, and its place in address
+    order says nothing of when it runs). (A one-tile program's epilogue loads may outnumber its main loop's: down's
+    top-k sum, or any with TMA, so the check is that every cp.async / TMA copy comes before the trigger.) The late
+    trigger costs no pipelining: the same cp.async and TMA copies and spill as without PDL."""
+    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AUDIT_MOE_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["triton"].startswith("3.6")
+    by: dict[tuple[str, int, int, bool], dict] = {}
+    for row in report["rows"]:
+        c = row["constexprs"]
+        by[(row["kernel"], int(c["TMA"]), int(c["PERSISTENT"]), bool(c["USE_GDC"]))] = row
+    assert len(by) == 12 == len(report["rows"]), sorted(by)
+    for (name, tma, persistent, on), row in by.items():
+        pdl, off = row["pdl"], by[(name, tma, persistent, False)]
+        assert "pdl-order" not in row["flags"] and pdl["before_wait"] == 0 == pdl["dependents_before_wait"], (
+            name, tma, persistent, on, pdl)
+        if not on:
+            assert pdl["wait"] == 0 == pdl["dependents"], (name, tma, persistent, pdl)
+            continue
+        assert pdl["wait"] == 1 and pdl["dependents"] >= 1, (name, tma, persistent, pdl)
+        if not persistent:  # every main-loop copy (cp.async, TMA: the epilogue's loads are plain) before it
+            copies = sum(row["cp_async"].values()) + row["tma"]
+            assert pdl["dependents"] == 1 and pdl["loads_before_dependents"] >= copies > 0, (name, tma, pdl)
+        else:  # not at once after the wait (the loop's loads first in address order too)
+            assert pdl["loads_before_dependents"] > 0, (name, tma, pdl)
+        assert (row["tma"] > 0) is bool(tma), (name, tma, persistent, row["tma"])
+        assert (row["cp_async"], row["tma"], row["spill_bytes"]) == (off["cp_async"], off["tma"], off["spill_bytes"]), (
+            name, tma, persistent)

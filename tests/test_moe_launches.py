@@ -69,7 +69,7 @@ class _Ops(TorchDispatchMode):
 @contextmanager
 def counted() -> Iterator[tuple[list[str], list[str]]]:
     """(torch ops, Triton kernels) launched within: the MoE kernels record instead of running (meta tensors)."""
-    from rapidserve.ops import triton_moe, triton_moe_align, triton_moe_route
+    from rapidserve.ops import triton_moe_align, triton_moe_gemm, triton_moe_route
 
     kernels: list[str] = []
 
@@ -85,7 +85,7 @@ def counted() -> Iterator[tuple[list[str], list[str]]]:
             mock.patch.multiple(triton_moe_align, _align_one_kernel=Recorder("align_one"),
                                 _align_count_kernel=Recorder("align_count"),
                                 _align_scatter_kernel=Recorder("align_scatter")), \
-            mock.patch.multiple(triton_moe, _gate_up_kernel=Recorder("gate_up"), _down_kernel=Recorder("down")), \
+            mock.patch.multiple(triton_moe_gemm, _gate_up_kernel=Recorder("gate_up"), _down_kernel=Recorder("down")), \
             _Ops() as ops:
         yield ops.ops, kernels
 
@@ -117,3 +117,58 @@ def test_one_moe_layer_launches(tokens: int, want_kernels: list[str]) -> None:
         route(torch.empty(tokens, 128, dtype=torch.bfloat16, device=meta), 8, True)
     assert len(before.ops) == 6, before.ops
 
+
+@needs_triton
+@pytest.mark.parametrize(("tiles", "m_blocks", "n_blocks", "splits", "sms", "want"), [
+    (GemmTiles(128, 64, 8, 4, 4), 192, 6, 1, 132, 192 * 6),  # one program a tile
+    (GemmTiles(128, 64, 8, 4, 4, 2), 24, 6, 2, 132, 24 * 6 * 2),  # a tile's splits each
+    (GemmTiles(128, 64, 8, 4, 4, 1, 0, 1), 192, 6, 1, 132, 132),  # persistent: one an SM
+    (GemmTiles(128, 64, 8, 4, 3, 1, 1, 2), 1150, 8, 1, 132, 264),  # two an SM
+    (GemmTiles(128, 64, 8, 4, 3, 1, 1, 2), 40, 3, 1, 132, 120),  # at most the tiles
+    (GemmTiles(128, 64, 8, 4, 3, 2, 0, 1), 40, 3, 2, 132, 240),  # split K: not persistent (a table refuses both)
+])
+def test_grid_size(tiles: GemmTiles, m_blocks: int, n_blocks: int, splits: int, sms: int, want: int,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from rapidserve.ops import triton_moe_gemm
+
+    monkeypatch.setattr(triton_moe_gemm, "sm_count", lambda device: sms)
+    assert triton_moe_gemm.grid_size(tiles, m_blocks, n_blocks, splits, torch.device("meta")) == want
+
+
+@needs_triton
+@pytest.mark.parametrize(("block_m", "tiles", "top_k", "want"), [
+    (64, GemmTiles(256, 64, 8, 8, 4), 8, 256),  # Qwen3-30B-A3B's prefill down: 512 elements a thread, whole
+    (64, GemmTiles(256, 64, 8, 8, 4, reduce_n=128), 8, 128),  # a table's REDUCE_N: halves
+    (128, GemmTiles(256, 64, 8, 8, 4), 8, 128),  # BLOCK_M 128: 1024 elements a thread, halves of 512
+    (128, GemmTiles(256, 64, 8, 4, 4), 8, 64),  # on 4 warps: quarters
+    (128, GemmTiles(256, 64, 8, 8, 4), 2, 256),  # Mixtral's top-2: whole (256 a thread)
+    (16, GemmTiles(128, 128, 8, 4, 4), 8, 128),  # decode tiles: whole, as before
+    (128, GemmTiles(16, 64, 8, 1, 4), 8, 16),  # never below 16 columns
+])
+def test_reduce_width(block_m: int, tiles: GemmTiles, top_k: int, want: int) -> None:
+    """down's top-k sum takes a table's REDUCE_N columns at a time, else its tile's columns whole unless its partial
+    tiles are more than REDUCE_ELEMS elements a thread at once (`triton_moe_gemm.reduce_width`)."""
+    from rapidserve.ops.triton_moe_gemm import REDUCE_ELEMS, reduce_width
+
+    assert REDUCE_ELEMS == 512 and reduce_width(block_m, tiles, top_k) == want
+
+
+@needs_triton
+def test_tma_only_where_the_rows_and_platform_allow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`use_tma`: the tiles ask, rows of 16-byte multiples (bf16 K a multiple of 8) at an aligned base, NVIDIA at
+    compute capability 9.0 or later, not ROCm."""
+    from rapidserve.ops.triton_moe_gemm import use_tma
+
+    tma, plain = GemmTiles(128, 64, 8, 4, 4, 1, 1), GemmTiles(128, 64, 8, 4, 4)
+    w = torch.empty(8, 1536, 2048, dtype=torch.bfloat16)
+    assert use_tma(tma, w) and not use_tma(plain, w)
+    assert not use_tma(tma, torch.empty(8, 16, 36, dtype=torch.bfloat16))  # 72-byte rows
+    assert not use_tma(tma, torch.empty(8 * 16 * 64 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 64))  # base + 2 bytes
+    on_gpu = mock.Mock(wraps=w, device=torch.device("cuda"), shape=w.shape)  # the capability asked of its device
+    on_gpu.element_size.return_value, on_gpu.data_ptr.return_value = 2, 0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert use_tma(tma, on_gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # A100: no TMA
+    assert not use_tma(tma, on_gpu)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert not use_tma(tma, w)

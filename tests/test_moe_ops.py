@@ -259,6 +259,56 @@ def check_variants(dtypes: list[torch.dtype], device: str) -> None:
         torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, split).float(), want, atol=atol, rtol=2e-2)
 
 
+def check_prefill_variants(dtypes: list[torch.dtype], device: str) -> None:
+    """The prefill variants of ops/triton_moe_gemm.py against the pointer-load, one-program-a-tile launch: the weights
+    by TMA descriptors, a persistent grid of 1 or 2 programs an SM (OFF_GPU_SMS "SMs" here: a few programs
+    looping over many tiles), both; down's top-k sum in column chunks (REDUCE_N 32 of down's BLOCK_N 128, top-8
+    of 16 experts) and whole. Bits equal everywhere but TMA in fp32, where the interpreter's matmul of the
+    transposed tile rounds differently (close); every row written (NaN-poisoned outputs); a K tail (hidden 40
+    over BLOCK_K 32) and an N that is no multiple of BLOCK_N (intermediate 24 over 16: the descriptor's box runs
+    into the next expert's rows, not stored); rows of 12 bytes cannot take a descriptor (`use_tma` falls back).
+    Then `fused_moe` on such tables against the reference."""
+    from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
+    from rapidserve.ops.triton_moe_gemm import grid_size, reduce_width, sm_count, use_tma
+
+    for dtype in dtypes:
+        for t, e, k, h, i, warps in [(9, 8, 2, 64, 64, 4), (11, 4, 2, 40, 24, 4), (6, 16, 8, 128, 32, 1)]:
+            x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, dtype, seed=t + k, device=device)
+            al = align(ids, e, 16)
+            base = GemmTiles(16, 32, 4, warps, 2)
+            down_base = base._replace(block_n=128, reduce_n=32 if k == 8 else 0)  # top-8: 4 chunks of 32 columns
+            assert reduce_width(16, down_base, k) == (32 if k == 8 else 128)
+            results = []
+            for tma, persistent in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]:
+                tiles = base._replace(tma=tma, persistent=persistent)
+                assert use_tma(tiles, w13) == bool(tma) and use_tma(tiles, w2) == bool(tma)
+                down = down_base._replace(tma=tma, persistent=persistent)
+                act = torch.full((t * k, i), float("nan"), dtype=dtype, device=device)
+                launch_gate_up(x, w13, act, al, k, 16, tiles)
+                out = torch.full((t, h), float("nan"), dtype=dtype, device=device)
+                launch_down(act, w2, out, weights.reshape(-1).contiguous(), al, k, 16, down)
+                results.append((tma, act, out))
+            _, act0, out0 = results[0]
+            assert not act0.isnan().any() and not out0.isnan().any()
+            for tma, act, out in results[1:]:
+                case = (dtype, t, e, k, tma)
+                if tma and dtype == torch.float32:
+                    _close_to(act, act0, case)
+                    _close_to(out, out0, case)
+                else:
+                    assert torch.equal(act, act0) and torch.equal(out, out0), case
+            _close_to(out0, moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids), (dtype, t, e, k))
+            prefill = MoeKernelConfig(16, GemmTiles(16, 32, 2, warps, 2, 1, 1, 1),
+                                      down_base._replace(group_m=2, tma=1))
+            _close_to(fused_moe(x, w13, w2, weights, ids, prefill),
+                      moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids), (dtype, t, e, k, "fused"))
+        sms = sm_count(torch.device(device))  # OFF_GPU_SMS (3 "SMs": 6 programs, fewer than 36 tiles) off a GPU
+        assert device != "cpu" or sms == 3
+        assert grid_size(GemmTiles(16, 32, 4, 4, 2, 1, 0, 2), 9, 4, 1, torch.device(device)) == min(36, 2 * sms)
+    x, w13, w2, _, _ = moe_inputs(2, 4, 2, 6, 8, torch.float16, device=device)  # rows of 6 halves: 12 bytes
+    assert not use_tma(GemmTiles(16, 16, 1, 4, 2, 1, 1), w13)
+
+
 def _close_to(got: torch.Tensor, want: torch.Tensor, what: object) -> None:
     atol = 2e-5 if got.dtype == torch.float32 else 4e-3
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2e-2, msg=lambda m: f"{what}: {m}")
@@ -340,8 +390,8 @@ def interpreter_checks() -> dict[str, Callable[[], None]]:
     """The Triton kernels' checks on CPU (fp32 and fp16 where the dtype matters), run by name in one subprocess."""
     both = [torch.float32, torch.float16]
     return {"fused": lambda: check_fused(both, "cpu"), "variants": lambda: check_variants(both, "cpu"),
-            "route": lambda: check_route("cpu"), "split": lambda: check_split("cpu"),
-            "routed": lambda: check_routed("cpu")}
+            "prefill_variants": lambda: check_prefill_variants(both, "cpu"), "route": lambda: check_route("cpu"),
+            "split": lambda: check_split("cpu"), "routed": lambda: check_routed("cpu")}
 
 
 @pytest.fixture(scope="module")
@@ -350,10 +400,10 @@ def interpreted(request: pytest.FixtureRequest) -> dict[str, str]:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("check", ["fused", "variants", "route", "split", "routed"])
+@pytest.mark.parametrize("check", ["fused", "variants", "prefill_variants", "route", "split", "routed"])
 def test_fused_moe_interpreter(interpreted: dict[str, str], check: str) -> None:
-    """The alignment kernel, both grouped GEMMs (and their variants), the routing kernels, split K and the fused top-k
-    sum under TRITON_INTERPRET=1."""
+    """The alignment kernel, both grouped GEMMs (and their variants: TMA, persistent grids, the chunked top-k sum),
+    the routing kernels, split K and the fused top-k sum under TRITON_INTERPRET=1."""
     assert interpreted[check] == "", interpreted[check]
 
 

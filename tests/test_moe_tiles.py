@@ -93,6 +93,21 @@ def test_split_k_is_optional_and_written_only_where_set(tmp_path: Path) -> None:
     assert GemmTiles(64, 128, 1, 4, 4).split_k == 1
 
 
+def test_tma_persistent_reduce_n_are_optional_and_written_only_where_set(tmp_path: Path) -> None:
+    """TMA, PERSISTENT and REDUCE_N (ops/triton_moe_gemm.py's prefill variants): absent means 0 (pointer loads, one
+    program a tile, the top-k sum's rule), so today's files mean what they meant; set, they round-trip, written only
+    on the GEMMs that set them."""
+    pre = MoeKernelConfig(64, GemmTiles(128, 64, 8, 4, 4, 1, 1, 1), GemmTiles(256, 64, 1, 8, 4, 1, 0, 2, 128))
+    table = MoeTable(KEY, "test", ((4.0, MID), (64.0, pre)))
+    d = table_json(table)
+    gate_up, down = d["configs"]["64"]["gate_up"], d["configs"]["64"]["down"]
+    assert (gate_up["TMA"], gate_up["PERSISTENT"], down["PERSISTENT"], down["REDUCE_N"]) == (1, 1, 2, 128)
+    assert "TMA" not in down and "REDUCE_N" not in gate_up
+    assert not {"TMA", "PERSISTENT", "SPLIT_K", "REDUCE_N"} & set(d["configs"]["4"]["gate_up"])
+    assert load_table(write(tmp_path, d)) == table
+    assert GemmTiles(64, 128, 1, 4, 4)[6:] == (0, 0, 0)
+
+
 def test_the_packaged_tables_load() -> None:
     """Whatever tables ship (bench/moe_tune.py --write-repo) validate, each named for its key."""
     tables = load_tables(CONFIG_DIR)
@@ -132,6 +147,15 @@ DEL = object()
     # gate|up's K is the file's K (2048: 32 steps of MID's BLOCK_K 64), down's its N (768: 12 steps of 64)
     (_set("configs.4.down.SPLIT_K", 13), r"configs\.4\.down\.SPLIT_K: must be at most 12 \(K = 768 is 12 steps of "
                                          r"BLOCK_K 64; each split takes at least one\), got 13"),
+    (_set("configs.4.gate_up.TMA", 2), r"configs\.4\.gate_up\.TMA: must be one of \[0, 1\], got 2"),
+    (_set("configs.4.gate_up.TMA", True), r"configs\.4\.gate_up\.TMA: must be an integer, got True"),
+    (_set("configs.4.down.PERSISTENT", -1), r"configs\.4\.down\.PERSISTENT: must be in \[0, 8\], got -1"),
+    (_set("configs.4.down.PERSISTENT", 9), r"configs\.4\.down\.PERSISTENT: must be in \[0, 8\], got 9"),
+    (lambda d: d["configs"]["4"]["down"].update(SPLIT_K=2, PERSISTENT=1),
+     r"configs\.4\.down\.PERSISTENT: a persistent grid takes whole tiles: SPLIT_K must be 1 with it, got SPLIT_K 2"),
+    (_set("configs.4.down.REDUCE_N", 48), r"configs\.4\.down\.REDUCE_N: must be one of \[0, 16, 32, 64, 128, 256\]"),
+    (_set("configs.4.down.REDUCE_N", 256), r"configs\.4\.down\.REDUCE_N: must be at most BLOCK_N 128 \(0: the rule\)"),
+    (_set("configs.4.gate_up.REDUCE_N", 32), r"configs\.4\.gate_up\.REDUCE_N: is down's \(its top-k sum\)"),
     (_set("configs.4.gate_up", [64, 64]), r"configs\.4\.gate_up: must be a JSON object, got list"),
     (_set("configs.4.extra", 1), r"configs\.4\.extra: unknown field"),
     (_set("configs.-1", table_json(TABLE)["configs"]["4"]), r"configs\.-1: the key must be a positive number"),

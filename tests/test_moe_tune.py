@@ -43,11 +43,12 @@ def test_the_space_fits_shared_memory_and_holds_the_rule() -> None:
 
 
 def test_the_sweep_size_stated_in_the_docstring() -> None:
-    """bench/moe_tune.py's docstring: about 600 timed configurations a shape, 109 distinct compiles in all (the split-K
-    candidates at BLOCK_M 16, and the down kernel's TOP_K, which its top-k sum made a constexpr: 522 / 498 and 73
-    before)."""
-    assert [space.space_size(s) for s in SHAPES] == [602, 602, 598, 598]
-    assert len(space.compile_set(SHAPES)) == 109
+    """bench/moe_tune.py's docstring: about 700 timed configurations a shape, 145 distinct compiles in all (the split-K
+    candidates at BLOCK_M 16, the down kernel's TOP_K, which its top-k sum made a constexpr, and 36 compiles of the
+    TMA / persistent / REDUCE_N prefill candidates: 602 / 598 and 109 before them, 522 / 498 and 73 before split K)."""
+    assert [space.space_size(s) for s in SHAPES] == [720, 720, 688, 688]
+    assert len(space.compile_set(SHAPES)) == 145
+    assert sum(1 for c in space.compile_set(SHAPES) if c[3].tma or c[3].persistent or c[3].reduce_n) == 36
     assert sorted(space.TOKENS) == [2**i for i in range(14)]  # 1..8192
 
 
@@ -80,6 +81,26 @@ def test_decode_tiles_spread_over_the_sms() -> None:
     # a split tile's programs: Qwen3's down (K 768, 6 steps of 128) in 4 parts takes 3 of 2 steps each
     assert space.splits(768, GemmTiles(128, 128, 1, 4, 4, 4)) == 3
     assert space.decode_balance(qwen, 1, "down", GemmTiles(128, 128, 1, 4, 4, 4)) == pytest.approx(384 / 396)
+
+
+def test_prefill_candidates_tma_and_persistent() -> None:
+    """From BLOCK_M 32 up each GEMM's list holds the H200 tables' prefill winners with the weights by TMA and on a
+    persistent grid (ops/triton_moe_gemm.py); decode's BLOCK_M 16 none (its split-K grids are not persistent); a
+    persistent tile never splits K (the tables refuse it); the JIT compiles a persistent grid once whatever its
+    programs an SM (a runtime grid size), a TMA tile apart from its pointer twin."""
+    for bm in (32, 64, 128):
+        for cands in (space.gate_up_candidates(bm), space.down_candidates(bm)):
+            assert any(c.tma for c in cands) and any(c.persistent for c in cands), bm
+    for cands in (space.gate_up_candidates(16), space.down_candidates(16)):
+        assert not any(c.tma or c.persistent for c in cands)
+    assert all(c.split_k == 1 for bm in (32, 64, 128) for c in (*space.gate_up_candidates(bm),
+                                                               *space.down_candidates(bm)) if c.persistent)
+    two = GemmTiles(128, 64, 8, 4, 3, 1, 1, 2)
+    assert space.compile_key(two, 768) == GemmTiles(128, 64, 1, 4, 3, 1, 1, 1)
+    assert space.compile_key(two._replace(tma=0), 768) != space.compile_key(two, 768)
+    assert GemmTiles(128, 64, 8, 4, 3, 1, 1, 2) in space.down_candidates(64)  # two programs an SM: 72 KiB each
+    assert GemmTiles(256, 64, 8, 8, 4, 1, 0, 0, 64) in space.down_candidates(128)  # top-k sum in quarters
+    assert not any(c.reduce_n for c in space.gate_up_candidates(64))
 
 
 def test_choose_takes_the_fastest_sum() -> None:

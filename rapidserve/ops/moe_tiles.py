@@ -18,12 +18,18 @@ GROUP_M: how many m blocks a group of programs walks before the next n block (`_
 the m-block count means m blocks fastest. SPLIT_K (optional, default 1: one program a tile, as before the field):
 the most programs a tile's K range is cut into, for decode's short grids (8 experts x a few N blocks leave most SMs
 idle); each split takes whole BLOCK_K steps, so fewer run where K has fewer steps (`split_plan` in triton_moe.py), and
-the table may not ask for more splits than the GEMM has K steps (gate_up's K is the file's K, down's is its N). A file
-writes the field only where it is not 1. A key is the pairs per expert it was tuned at (T * top_k / E, a decimal
-number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale (`pick_bucket`),
-the smaller on a tie. Every file is validated when the tables load (`load_tables`, at the import of `triton_moe`): a
-bad one raises `MoeTableError` naming the file and the field. A shape no table covers gets `rule_config`, the rule
-the kernels had before any tuning.
+the table may not ask for more splits than the GEMM has K steps (gate_up's K is the file's K, down's is its N). TMA
+(optional, default 0): 1 reads the expert weights (the B operand, dense per expert) through a TMA tensor descriptor
+on NVIDIA GPUs of compute capability 9.0 and later, where the rows allow it (16-byte aligned; else, and on ROCm, the
+pointer loads). PERSISTENT (optional, default 0: one program a tile): n > 0 launches n programs an SM (at most the
+tiles), each looping over the tiles the alignment filled (`triton_moe_gemm.py`); it needs SPLIT_K 1. REDUCE_N
+(optional, down only, default 0: the rule `triton_moe_gemm.reduce_width`): the columns of the tile the top-k sum
+loads at a time, a power of two up to BLOCK_N (fewer registers, one more round of loads a chunk). A file writes
+these four fields only where they are not their defaults. A key is the pairs per expert it was tuned at (T * top_k /
+E, a decimal number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale
+(`pick_bucket`), the smaller on a tie. Every file is validated when the tables load (`load_tables`, at the import of
+`triton_moe`): a bad one raises `MoeTableError` naming the file and the field. A shape no table covers gets
+`rule_config`, the rule the kernels had before any tuning.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ MAX_GROUP_M = 1 << 16
 ALL_M = MAX_GROUP_M  # GROUP_M that puts every m block in one group: m blocks fastest (the order before tuning)
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_SPLIT_K = 16
-TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K")
+MAX_PERSISTENT = 8  # programs an SM of a persistent grid (PERSISTENT)
+TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K", "TMA", "PERSISTENT", "REDUCE_N")
+OPTIONAL_FIELDS = MappingProxyType({"SPLIT_K": 1, "TMA": 0, "PERSISTENT": 0, "REDUCE_N": 0})  # written where not these
 TOP_FIELDS = ("device_name", "E", "N", "K", "dtype", "source", "configs")
 
 
@@ -55,8 +63,10 @@ class MoeTableError(ConfigError):
 
 
 class GemmTiles(NamedTuple):
-    """One grouped GEMM's launch: its N and K tiles, the swizzle group, warps and pipeline stages, and the most
-    programs one tile's K range is split into (1: none)."""
+    """One grouped GEMM's launch: its N and K tiles, the swizzle group, warps and pipeline stages, the most
+    programs one tile's K range is split into (1: none), whether the expert weights come by TMA (1) or by pointer
+    loads (0), the programs an SM of a persistent grid (0: one program a tile), and (down) the columns its top-k sum
+    takes at a time (0: the rule, `triton_moe_gemm.reduce_width`)."""
 
     block_n: int
     block_k: int
@@ -64,6 +74,9 @@ class GemmTiles(NamedTuple):
     num_warps: int
     num_stages: int
     split_k: int = 1
+    tma: int = 0
+    persistent: int = 0
+    reduce_n: int = 0
 
 
 class MoeKernelConfig(NamedTuple):
@@ -175,11 +188,20 @@ def parse_tiles(d: object, path: str, where: str, k: int) -> GemmTiles:
     tiles = GemmTiles(_int(d, "BLOCK_N", path, where, BLOCKS), _int(d, "BLOCK_K", path, where, BLOCKS),
                       _int(d, "GROUP_M", path, where, hi=MAX_GROUP_M), _int(d, "num_warps", path, where, WARPS),
                       _int(d, "num_stages", path, where, hi=MAX_STAGES),
-                      _int(d, "SPLIT_K", path, where, hi=MAX_SPLIT_K) if "SPLIT_K" in d else 1)
+                      _int(d, "SPLIT_K", path, where, hi=MAX_SPLIT_K) if "SPLIT_K" in d else 1,
+                      _int(d, "TMA", path, where, (0, 1), lo=0) if "TMA" in d else 0,
+                      _int(d, "PERSISTENT", path, where, lo=0, hi=MAX_PERSISTENT) if "PERSISTENT" in d else 0,
+                      _int(d, "REDUCE_N", path, where, (0, *BLOCKS), lo=0) if "REDUCE_N" in d else 0)
     steps = -(-k // tiles.block_k)
     if tiles.split_k > steps:
         raise _fail(path, f"{where}SPLIT_K", f"must be at most {steps} (K = {k} is {steps} steps of BLOCK_K "
                     f"{tiles.block_k}; each split takes at least one), got {tiles.split_k}")
+    if tiles.reduce_n > tiles.block_n:
+        raise _fail(path, f"{where}REDUCE_N", f"must be at most BLOCK_N {tiles.block_n} (0: the rule), got "
+                    f"{tiles.reduce_n}")
+    if tiles.persistent and tiles.split_k > 1:
+        raise _fail(path, f"{where}PERSISTENT", f"a persistent grid takes whole tiles: SPLIT_K must be 1 with it, "
+                    f"got SPLIT_K {tiles.split_k} (drop one of the two fields)")
     return tiles
 
 
@@ -215,8 +237,10 @@ def parse_table(d: object, path: str) -> MoeTable:
         for part in ("gate_up", "down"):
             if part not in c:
                 raise _fail(path, where + part, "missing")
-        buckets.append((per_expert, MoeKernelConfig(_int(c, "BLOCK_M", path, where, BLOCKS),
-                                                    parse_tiles(c["gate_up"], path, where + "gate_up.", key.k),
+        gate_up = parse_tiles(c["gate_up"], path, where + "gate_up.", key.k)
+        if gate_up.reduce_n:
+            raise _fail(path, where + "gate_up.REDUCE_N", "is down's (its top-k sum): leave it out of gate_up")
+        buckets.append((per_expert, MoeKernelConfig(_int(c, "BLOCK_M", path, where, BLOCKS), gate_up,
                                                     parse_tiles(c["down"], path, where + "down.", key.n))))
     buckets.sort(key=lambda b: b[0])
     for (a, _), (b, _) in zip(buckets, buckets[1:], strict=False):
@@ -226,8 +250,9 @@ def parse_table(d: object, path: str) -> MoeTable:
 
 
 def tiles_json(t: GemmTiles) -> dict[str, int]:
-    """One GEMM's tiles as a file holds them: SPLIT_K only where it is not 1 (a file without it means 1)."""
-    return {f: v for f, v in zip(TILE_FIELDS, t, strict=True) if (f, v) != ("SPLIT_K", 1)}
+    """One GEMM's tiles as a file holds them: SPLIT_K, TMA and PERSISTENT only where they are not their defaults
+    (`OPTIONAL_FIELDS`: a file without them means those)."""
+    return {f: v for f, v in zip(TILE_FIELDS, t, strict=True) if OPTIONAL_FIELDS.get(f) != v}
 
 
 def config_json(c: MoeKernelConfig) -> dict[str, Any]:
