@@ -10,7 +10,8 @@ with fp8 (gfx942, sm_90) and bf16 shapes whose heads split into whole 128x128 bl
 weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Triton block GEMM) at decode and prefill
 steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
 KV_FP8 variants) at decode, prefill and mixed steps, and per-row fp8 weights' launches (`_fp8_token_launches`: the
-per-token quantizer, the norms and SiLU-and-mul that quantize their output for them, and NVIDIA's skinny fp8 GEMM).
+per-token quantizer, the norms and SiLU-and-mul that quantize their output for them, and NVIDIA's skinny fp8 GEMM; the
+decode attention whose output is quantized for o_proj, `decode_attention_fp8`, at batch 1, 16 and 64).
 Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
@@ -198,13 +199,12 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
         from rapidserve.attention import triton_paged
-        from rapidserve.ops import triton_moe_gemm
-        from rapidserve.ops.moe_plan import pdl_available
+        from rapidserve.ops import pdl, triton_moe_gemm
         stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
-        # the MoE GEMMs' programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta
-        # device's (off), and their persistent grids sized for its SMs / CUs
-        stack.enter_context(mock.patch.object(triton_moe_gemm, "use_pdl", lambda pdl, device: pdl is not False
-                                              and not target.hip and pdl_available()))
+        # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off),
+        # and the MoE GEMMs' persistent grids sized for its SMs / CUs
+        stack.enter_context(mock.patch.object(pdl, "use_pdl", lambda on, device: on is not False
+                                              and not target.hip and pdl.pdl_available()))
         stack.enter_context(mock.patch.object(triton_moe_gemm, "sm_count", lambda device: target.units))
         stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
         yield
@@ -279,6 +279,13 @@ def capture(shape: Shape, target: Target) -> Capture:
         if target.fp8 is not None:
             step[0] = "fp8 per-row layer (per-token activations)"
             _fp8_token_launches(layer, dtype, target.fp8, target.hip)
+            for b in (1, 16, 64):  # decode's output quantized for the per-row fp8 o_proj (one split at 64 on sm_90)
+                step[0] = f"fp8 per-row layer, attention for o_proj b{b}"
+                q = torch.empty(b, cfg.num_heads, cfg.head_dim, dtype=dtype, device=meta)
+                m = _decode_meta(b, blocks_per_seq, meta)
+                assert attn.decode_attention_fp8 is not None
+                attn.decode_attention_fp8(q, *pool.layers[0], m.block_tables, m.context_lens, layer.scale,
+                                          out_fp8=target.fp8, window=layer.window)
         if target.fp8 is not None:  # --kv-cache-dtype fp8: the same layer over a pool of the target's fp8 format
             kv_pool = KVPool(torch.empty(pool_spec(cfg, cache, target.fp8, num_blocks).shape, dtype=target.fp8,
                                          device=meta), shape.block_size)

@@ -31,7 +31,7 @@ from rapidserve.attention.decode_config import DecodeConfig  # noqa: E402
 
 SIGNATURE = {"q_ptr": "*bf16", "bt_ptr": "*i32", "ctx_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
              "part_ptr": "*fp32", "qk_scale": "fp32", "stride_qb": "i32", "stride_qh": "i32", "stride_bt": "i32",
-             "num_splits": "i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+             "num_splits": "i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "count_ptr": "*i32"}
 # one-element (or two-byte) global loads and 16-byte asynchronous copies, in the PTX
 NARROW = re.compile(r"ld\.global(?:\.\w+)*\.[bus](?:8|16)\b")
 CP16 = re.compile(r"cp\.async\.cg\.shared\.global\S* \[[^]]*\], \[[^]]*\], (?:16|0x10)\b")
@@ -51,7 +51,8 @@ def compile_split(cfg: DecodeConfig, kv: str = "bf16", *, head_dim: int = 128, g
     consts = {"NUM_KV_HEADS": kv_heads, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": block_size,
               "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_D": triton.next_power_of_2(head_dim),
               "BLOCK_N": cfg.block_n, "DIRECT": direct, "IEEE": False, "KV_FP8": fp8, "FP8_MAX": 448.0,
-              "WINDOW": window, "F16_DOTS": fp8 and cfg.fp16_dots, "PREFETCH": cfg.prefetch}
+              "WINDOW": window, "F16_DOTS": fp8 and cfg.fp16_dots, "PREFETCH": cfg.prefetch,
+              "USE_GDC": True, "ZERO_COUNTS": False}  # programmatic dependent launch as on sm_90 (ops/pdl.py)
     types = {**SIGNATURE, "kc_ptr": "*fp8e4nv" if fp8 else "*bf16", "vc_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     signature = {n: types.get(n, "constexpr") for n in fn.arg_names}
     constexprs = {(i,): consts[n] for i, n in enumerate(fn.arg_names) if n not in types}

@@ -2,7 +2,7 @@
 
     python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
                                    [--variants fused,unfused] [--sweep] [--quantization fp8] [--out DIR]
-                                   [--write-tables] [--budget-s 240] [--jobs 14]
+                                   [--write-tables] [--budget-s 240] [--jobs 14] [--no-pdl-ab]
 
 For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
   - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
@@ -17,6 +17,10 @@ For each decode batch (2048-token contexts, a CUDA-graph replay as the engine ru
 Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
 RoPE and the KV write as two launches, cuBLAS for every linear (the layer before these changes), captured
 as another graph set, so the two are measured in one process on the same GPU.
+Programmatic dependent launch (rapidserve/ops/pdl.py; on by default on sm_90+): each variant is captured twice more
+where the GPU has it, with PDL off in every kernel (`ops.no_pdl`, `attention.no_pdl`: "no PDL ms") and with PDL but
+no weight prefetch before the GEMMs' wait (triton_skinny.PREFETCH_BYTES 0 at capture: "no prefetch ms"), and the
+three replays are timed alike (`--no-pdl-ab`: only the default).
 `--quantization fp8`: the same weights quantized at load (`quant_config.ONLINE_FP8`, as bench/fp8_speed.py), the
 bytes counted from the model's own tensors; `unfused` is then `ops.unfused_fp8` (each projection quantizes its own
 input), and the linear-layer section is bench/fp8_sweep.py's: each fp8 projection through torch._scaled_mm and the
@@ -40,6 +44,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +58,11 @@ from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
+from rapidserve.attention import no_pdl as no_pdl_attention  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
+from rapidserve.ops import no_pdl, triton_skinny  # noqa: E402
 from rapidserve.ops.fp8_tiles import CONFIG_DIR  # noqa: E402
+from rapidserve.ops.pdl import use_pdl  # noqa: E402
 from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
 
@@ -153,6 +161,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=240.0, help="fp8 --sweep: seconds to start sweep points in")
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                     help="fp8 --sweep: processes compiling the candidate kernels first")
+    ap.add_argument("--no-pdl-ab", action="store_true",
+                    help="capture and time only the default graphs (no 'no PDL' / 'no prefetch' replays)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_profile needs a GPU", file=sys.stderr)
@@ -179,14 +189,22 @@ def main() -> int:
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):
         pool.tensor[layer].normal_()
-    fused = runner.model.ops
+    fused, attn = runner.model.ops, runner.model.attn
+    pdl_ab = not a.no_pdl_ab and use_pdl(None, torch.device("cuda"))
     for v in variants:
         if v == "unfused":
             from rapidserve.ops import unfused_fp8, unfused_ops  # the A/B's other side: see the module docstring
-            runner.model.ops = unfused_fp8(fused) if fp8 else unfused_ops(fused)
+            ops = unfused_fp8(fused) if fp8 else unfused_ops(fused)
         else:
-            runner.model.ops = fused
+            ops = fused
+        runner.model.ops = ops
         runner.capture_decode_graphs(key=v, show_progress=False)
+        if pdl_ab:
+            with mock.patch.object(triton_skinny, "PREFETCH_BYTES", 0):  # read at each launch: baked into the graph
+                runner.capture_decode_graphs(key=f"{v}-noprefetch", show_progress=False)
+            runner.model.ops, runner.model.attn = no_pdl(ops), no_pdl_attention(attn)
+            runner.capture_decode_graphs(key=f"{v}-nopdl", show_progress=False)
+            runner.model.attn = attn
     runner.model.ops = fused
     per = a.ctx // runner.block_size
     n_params = mcfg.num_params()
@@ -214,12 +232,18 @@ def main() -> int:
             ks = kernels(graph.replay, steps=5)
             busy = sum(float(k["us"]) for k in ks)  # type: ignore[arg-type]
             med = statistics.median(ms)
+            ab = {}
+            for other in ("nopdl", "noprefetch") if pdl_ab else ():
+                runner.decode(items, graph_key=f"{v}-{other}")
+                g = runner.decode_graph(b, f"{v}-{other}")
+                assert g is not None, f"no decode graph for batch {b} ({other})"
+                ab[f"{other}_ms"] = statistics.median(time_ms(g.replay, reps=REPS))
             rows.append({"batch": b, "variant": v, "replay_ms": med, "replay_min_ms": min(ms),
                          "replay_max_ms": max(ms), "bytes": nbytes,
                          "frac_of_copy": nbytes / (med * 1e-3) / 1e12 / copy_tbps,
                          "kernel_us": busy, "gap_us": med * 1e3 - busy,
                          "launches": sum(float(k["launches"]) for k in ks),  # type: ignore[arg-type]
-                         "kernels": ks[:16]})
+                         "kernels": ks[:16], **ab})
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
            "ctx": a.ctx, "quantization": a.quantization, "attention": runner.attn.name, "ceilings": ceil,
@@ -261,12 +285,13 @@ def main() -> int:
             cfg = "x".join(str(c) for c in row["config"][:2]) + f" w{row['config'][2]} s{row['config'][3]}"
             lines.append(f"| {label} | {row['shape']} | {cb['us_each']:.1f} ({cb['tbps']:.2f}) | "
                          f"{en['us_each']:.1f} ({en['tbps']:.2f}) {cfg} | {best} |")
-    lines += ["", "| batch | variant | replay ms (min-max) | of copy ceiling | launches | kernels us | gaps us |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| batch | variant | replay ms (min-max) | no PDL ms | no prefetch ms | of copy ceiling | launches | "
+              "kernels us | gaps us |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        no_pdl_ms, no_pf_ms = (f"{r[k]:.3f}" if k in r else "-" for k in ("nopdl_ms", "noprefetch_ms"))
         lines.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} ({r['replay_min_ms']:.3f}-"
-                     f"{r['replay_max_ms']:.3f}) | {float(r['frac_of_copy']):.1%} | {r['launches']:.0f} | "
-                     f"{r['kernel_us']:.0f} | {r['gap_us']:.0f} |")
+                     f"{r['replay_max_ms']:.3f}) | {no_pdl_ms} | {no_pf_ms} | {float(r['frac_of_copy']):.1%} | "
+                     f"{r['launches']:.0f} | {r['kernel_us']:.0f} | {r['gap_us']:.0f} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "decode_profile.md"), "w") as f:
         f.write(text)

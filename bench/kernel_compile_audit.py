@@ -15,6 +15,12 @@ cache; plus the MoE kernels at every bucket of every packaged MoE table (`fused_
 (bench/amd_compile_check.make_job: pointer and integer divisibility, == 1) and compiled once; a row lists the steps
 that use it.
 
+The PDL column reads where a kernel launched with programmatic dependent launch (rapidserve/ops/pdl.py: every decode
+kernel on sm_90) waits and lets the next kernel start, in its SASS (`pdl_sites`): "wait first" (no global access
+and no launch_dependents before griddepcontrol.wait: else the row is flagged "pdl-order"), how many of its global
+loads come before launch_dependents (all but the epilogue's for the GEMMs and the attention's split kernel), and its
+bulk L2 prefetches.
+
 A row is flagged "short" when a source line's global loads or stores are narrower than its layout allows
 (`short_accesses` of bench/sm90_compile.py: the PTX's accesses by source line against the TTGIR's tile a thread
 holds): a contiguous row read one element an instruction, as the decode attention's K/V tiles were under Triton 3.6
@@ -44,7 +50,7 @@ if __package__ in (None, ""):
 
 from bench.amd_compile_check import Job, make_job  # noqa: E402
 from bench.amd_launches import TARGETS, Launch, Shape, capture, jit_function, recording, shapes  # noqa: E402
-from bench.sm90_compile import compile_sm90, summarise, widths_text  # noqa: E402
+from bench.sm90_compile import compile_sm90, pdl_text, summarise, widths_text  # noqa: E402
 
 DEFAULT_SHAPES = ("qwen3-8b:1:bfloat16", "gemma3-12b:1:bfloat16", "qwen3-30b-a3b:1:bfloat16", "mixtral-8x7b:2:bfloat16")
 FINDINGS = "findings.md"  # a hand-written reading of the table in --out, linked from the README when present
@@ -162,7 +168,10 @@ def audit_job(job: Job) -> dict[str, Any]:
         out = summarise(kernel)
     except Exception as e:  # noqa: BLE001 - a failed compile is a row of the audit, named
         return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:100] if str(e).strip() else ''}"}
-    return {**out, "flags": ["short"] if out["short"] else [], "compile_s": round(time.perf_counter() - t0, 1)}
+    pdl = out["pdl"]
+    flags = (["short"] if out["short"] else []) + (["pdl-order"] if pdl["before_wait"] or pdl["dependents_before_wait"]
+                                                    else [])
+    return {**out, "flags": flags, "compile_s": round(time.perf_counter() - t0, 1)}
 
 
 def audit(todo: list[Job], procs: int = 1) -> list[dict[str, Any]]:
@@ -218,10 +227,10 @@ def short_text(short: list[dict[str, Any]]) -> str:
 
 def _cells(r: dict[str, Any]) -> list[str]:
     if "error" in r:
-        return [r["error"]] + [""] * 8
+        return [r["error"]] + [""] * 9
     return [widths_text(r["ldg"]), widths_text(r["stg"]), widths_text(r["cp_async"]) + (f", TMA x{r['tma']}"
             if r["tma"] else ""), short_text(r.get("short", [])), r["mma"], str(r["smem"]), str(r["regs"]),
-            str(r["spill_bytes"]), f"{r['programs_per_sm']} ({r['limiter']})"]
+            str(r["spill_bytes"]), f"{r['programs_per_sm']} ({r['limiter']})", pdl_text(r.get("pdl", {}))]
 
 
 def _launch_text(r: dict[str, Any], consts: list[str], sig: list[str], aligned: set[str]) -> str:
@@ -237,7 +246,7 @@ def table(report: dict[str, Any], before: dict[str, dict[str, Any]] | None = Non
     kernel's rows, its warps and stages, the summary, and the steps that use it; with `before` (rows by key) a cell
     that changed reads "before -> after"."""
     head = ["kernel", "launch", "LDG", "STG", "cp.async", "short", "mma", "smem B", "regs", "spill B",
-            "programs/SM", "flags", "used by"]
+            "programs/SM", "PDL", "flags", "used by"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = report["rows"]
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
@@ -271,7 +280,9 @@ def markdown(report: dict[str, Any], command: str, before: dict[str, Any] | None
            "short: the source lines whose loads or stores (PTX, by width) are narrower than what a thread of their "
            "layout could move at once if the addresses were known contiguous and aligned (bench/sm90_compile.py, "
            "`short_accesses`; flag short); mma: wgmma (HGMMA / QGMMA) or mma.sync (HMMA); programs/SM: H100/H200 "
-           "limits (limiter). The launch column lists what differs between one kernel's rows.", "",
+           "limits (limiter); PDL: programmatic dependent launch (rapidserve/ops/pdl.py; `pdl_text`: where the "
+           "griddepcontrol wait and launch_dependents sit among the global accesses; flag pdl-order: an access "
+           "or launch_dependents before the wait). The launch column lists what differs between one kernel's rows.", "",
            f"- {len(rows)} launches of {len({r['kernel'] for r in rows})} kernels; "
            f"{sum('error' in r for r in rows)} failed to compile; with short accesses: {', '.join(flagged) or 'none'}"]
     if before is not None:

@@ -26,7 +26,7 @@ packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tun
 BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
 path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch).
-"no PDL us" (decode): "graph us" with programmatic dependent launch off (`triton_moe.use_pdl`: on by default on
+"no PDL us" (decode): "graph us" with programmatic dependent launch off (`rapidserve.ops.pdl.use_pdl`: on by default on
 Hopper and later, so gate|up and down start before the launch before them ends), the A/B of that overlap.
 "layer us" (decode): the whole MoE block as the model runs it, in a CUDA graph: the router's GEMM, then
 `routed_moe` (routing + alignment in one launch at decode sizes, gate|up, down with the top-k sum); "graph us" is

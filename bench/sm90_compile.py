@@ -21,6 +21,11 @@ instructions, a loop's body once):
   narrower than their tile allows (`short_accesses`: the TTGIR's tensor and layout give the elements a thread
   holds, so 16 bytes is the most it could move at once when they are contiguous; a one-element-a-thread tile is not
   short at 2 bytes), the way to tell a lost divisibility or contiguity fact from a small tile;
+- ``pdl``: programmatic dependent launch (rapidserve/ops/pdl.py): the griddepcontrol.wait instructions (SASS
+  ``ACQBULK``), the global accesses placed before the first of them (rule 1 wants none: loads, stores, copies and
+  atomics; the bulk L2 prefetch ``UBLKPF`` is no access), the griddepcontrol.launch_dependents ones (``PREEXIT``:
+  rule 2 wants them after the wait) and how many of the global loads come before the first of them (a late trigger:
+  all but the epilogue's), in address order (`pdl_sites`, `pdl_text`);
 - resources: registers and spill (``STACK`` + ``LOCAL``) bytes from ``cuobjdump -res-usage`` (`parse_res_usage`),
   shared memory from the compiled kernel's metadata, and the programs an SM holds (`programs_per_sm`: H100/H200
   limits) with what limits them.
@@ -111,6 +116,38 @@ def memory_ops(sass: str) -> dict[str, Any]:
             "tma": sum(o.split(".")[0] in ("UTMALDG", "UBLKCP") for o in ops),
             "mma": "+".join(mma) if mma else "-",
             "instructions": len(ops)}
+
+
+_ACCESS = frozenset({"LDG", "STG", "LDGSTS", "ATOMG", "ATOM", "RED", "REDG", "UTMALDG", "UTMASTG", "UBLKCP"})
+_LOADS = frozenset({"LDG", "LDGSTS", "UTMALDG", "UBLKCP"})
+
+
+def pdl_sites(sass: str) -> dict[str, int]:
+    """Programmatic dependent launch in a SASS listing (module docstring): `wait` and `dependents` instructions,
+    `before_wait` global accesses before the first wait, `dependents_before_wait` 1 where the first launch_dependents
+    comes before it (rule 2 of rapidserve/ops/pdl.py), `prefetch` bulk L2 prefetches, `loads` global loads and
+    `loads_before_dependents` those before the first launch_dependents (all of them when there is none)."""
+    ops = [(a, opcode(t).split(".")[0]) for a, t in instructions(sass)]
+    waits = [a for a, o in ops if o == "ACQBULK"]
+    deps = [a for a, o in ops if o == "PREEXIT"]
+    loads = [a for a, o in ops if o in _LOADS]
+    return {"wait": len(waits), "dependents": len(deps), "prefetch": sum(o == "UBLKPF" for _, o in ops),
+            "before_wait": sum(o in _ACCESS and a < waits[0] for a, o in ops) if waits else 0,
+            "dependents_before_wait": int(bool(deps) and (not waits or deps[0] < waits[0])),
+            "loads": len(loads), "loads_before_dependents": sum(a < deps[0] for a in loads) if deps else len(loads)}
+
+
+def pdl_text(sites: dict[str, int]) -> str:
+    """`pdl_sites` in a table cell: "-" (no PDL), else the wait (with the accesses before it, when any), where the
+    dependents start (after how many of the loads) and the prefetches."""
+    if not sites.get("wait") and not sites.get("dependents"):
+        return "-"
+    wait = f"wait after {sites['before_wait']} accesses" if sites["before_wait"] else "wait first"
+    deps = (f"dependents after {sites['loads_before_dependents']}/{sites['loads']} loads" if sites["dependents"]
+            else "no dependents call")
+    if sites.get("dependents_before_wait"):
+        deps += ", dependents before the wait"
+    return f"{wait}; {deps}" + (f"; L2 prefetch x{sites['prefetch']}" if sites["prefetch"] else "")
 
 
 _LOC = re.compile(r"^#(loc\d*) = loc\((.*)\)\s*$")
@@ -302,7 +339,7 @@ def summarise(kernel: Any) -> dict[str, Any]:
     loop = loop_body(sass)
     return {**memory_ops(sass), **res, "smem": smem, "num_warps": warps, "programs_per_sm": programs,
             "limiter": limiter, "short": short_accesses(kernel.asm["ptx"], kernel.asm["ttgir"], warps),
-            "loop_instructions": sum(loop.values()), "loop_top": dict(loop.most_common(6))}
+            "loop_instructions": sum(loop.values()), "loop_top": dict(loop.most_common(6)), "pdl": pdl_sites(sass)}
 
 
 def widths_text(counts: dict[int, int] | dict[str, int]) -> str:
@@ -311,4 +348,4 @@ def widths_text(counts: dict[int, int] | dict[str, int]) -> str:
 
 
 __all__ = ["SM90", "WIDTHS", "by_width", "compile_sm90", "cuobjdump", "instructions", "loop_body", "memory_ops",
-           "programs_per_sm", "resources", "summarise", "width", "widths_text"]
+           "pdl_sites", "pdl_text", "programs_per_sm", "resources", "summarise", "width", "widths_text"]

@@ -10,10 +10,11 @@ tests/test_attention.py's gpu tests; fp16 and fp32 ones by tests/test_attention.
 
 The block-table prefetch (`DecodeConfig.prefetch`: each tile's pages loaded one iteration early) is checked the same
 way over fp16 and fp8 caches: pages of 8-32 (tiles of one to eight pages, or slices of one), shuffled, windows,
-a batch of varied contexts, split counts that leave some splits empty.
+a batch of varied contexts, split counts that leave some splits empty. The output quantized for an fp8 o projection
+(`decode_attention_fp8`) against the separate quantizer of the float output, bit for bit.
 
-Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_decode.py fp16_dots|ranges|prefetch``) it performs
-the interpreter checks; `test_triton_interpreter` runs them all in one subprocess.
+Run as a script (``TRITON_INTERPRET=1 python tests/test_attention_decode.py fp16_dots|ranges|prefetch|fp8_out``) it
+performs the interpreter checks; `test_triton_interpreter` runs them all in one subprocess.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import random
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -133,7 +135,40 @@ def _interp_prefetch() -> None:
     _check(b.q, b, kc, vc, ks, vs, 16, (3,), None, "varied", prefetch=True)
 
 
-INTERP_CHECKS = {"fp16_dots": _interp_fp16_dots, "ranges": _interp_ranges, "prefetch": _interp_prefetch}
+def _interp_fp8_out() -> None:
+    """`decode_attention_fp8` (the output quantized for an fp8 o projection, in the reduce kernel: the last program of
+    each sequence quantizes its row) gives `quantize_tokens` of `decode_attention`'s output bit for bit, both
+    interpreted (the interpreter's fp8 cast rounds its own way in both), its scales `quantize_input`'s: over an fp16
+    cache (8 heads of 32: one quantizing step) and an fp8 one (fp16 dots; 16 heads of 128: 2048 columns, two steps of
+    1024), empty rows among them (scale from MIN_AMAX), e4m3fn and e4m3fnuz, split counts 1 (no reduce kernel: the
+    separate quantizer) to more than the tiles."""
+    from rapidserve.attention import triton_paged as tp
+    from rapidserve.ops import fp8 as fp8_ops
+    from rapidserve.ops.triton_fp8 import quantize_tokens
+
+    b = make_batch(decode_seqs([100, 0, 1, 48, 49]), num_kv_heads=2, group=4, head_dim=32, block_size=16,
+                   dtype=torch.float16, decode=True, strided_q=True, seed=9)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    fp16 = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 32**-0.5), {}
+    f, kc, vc, ks, vs = _fp8_batch([70, 0, 33], 16, 8, 128, 2, FNUZ, seed=10)
+    fp8_cache = (f.q, kc, vc, f.meta.block_tables, f.meta.context_lens, 128**-0.5, ks, vs), {"config": F16_DOTS}
+    for (args, kw), fmt, splits in ((fp16, FN, (1, 2, 7)), (fp16, FNUZ, (3,)), (fp8_cache, FN, (1, 2, 6))):
+        for n in splits:
+            out = tp.decode_attention(*args, num_splits=n, **kw)
+            rows = tp.decode_attention_fp8(*args, out_fp8=fmt, num_splits=n, **kw)
+            flat = out.view(out.shape[0], -1)
+            q8, s8 = quantize_tokens(flat, fmt)
+            label = (fmt, n, tuple(out.shape))
+            assert rows.dtype == out.dtype and rows.q.dtype == fmt and rows.q.shape == flat.shape, label
+            assert torch.equal(rows.scale, s8) and torch.equal(rows.scale, fp8_ops.quantize_input(flat, "token",
+                                                                                               fmt)[1]), label
+            assert torch.equal(rows.q.view(torch.uint8), q8.view(torch.uint8)), label
+    with pytest.raises(ValueError, match="out_fp8 must be float8_e4m3fn"):
+        tp.decode_attention_fp8(*fp16[0], out_fp8=torch.bfloat16)
+
+
+INTERP_CHECKS = {"fp16_dots": _interp_fp16_dots, "ranges": _interp_ranges, "prefetch": _interp_prefetch,
+                 "fp8_out": _interp_fp8_out}
 
 # the sweep's corners (bench/decode_attn_tune.py): tiles of 32-128 keys, 2-8 warps, 2-5 stages, both dot types, the
 # block-table prefetch with one to three K/V buffers
@@ -179,6 +214,42 @@ def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
         for splits in (None, 1, 7):
             got = tp.decode_attention(q, kc, vc, *args, *sc, num_splits=splits, config=cfg)
             torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2, msg=lambda m, n=splits: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_gpu_fp8_output_is_the_quantizers(batch: int, kv_fp8: bool) -> None:
+    """`decode_attention_fp8` on the GPU at Qwen3-8B's decode shape (32 heads of 128 over 8 kv heads, contexts up to
+    4000, empty rows), the engine's split rule and forced counts (1: the separate quantizer), with and without PDL:
+    the bits of `quantize_tokens` of `decode_attention`'s output (the hardware's cast, the real atomics)."""
+    from rapidserve.attention import triton_paged as tp
+    from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
+    from rapidserve.ops.triton_fp8 import quantize_tokens
+
+    cuda = torch.device("cuda")
+    if not fp8_supported(cuda):
+        pytest.skip("no fp8 on this GPU")
+    fmt = fp8_dtype(cuda)
+    ctxs = [[2048, 1, 0, 17, 999, 64, 4000, 333][i % 8] for i in range(batch)]
+    b = make_batch(decode_seqs(ctxs), num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=torch.bfloat16,
+                   device="cuda", decode=True, strided_q=True, seed=batch)
+    args: tuple[Any, ...] = (b.meta.block_tables, b.meta.context_lens, 128**-0.5)
+    if kv_fp8:
+        kc, vc = (torch.zeros(b.k_cache.shape, device=cuda).to(fmt) for _ in range(2))
+        ks, vs = (t.to(cuda) for t in scales(0.011, 0.017))
+        write_all(b, kc, vc, ks, vs)
+        args = (b.q, kc, vc, *args, ks, vs)
+    else:
+        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        args = (b.q, b.k_cache, b.v_cache, *args)
+    for splits in (None, 1, 7):
+        for pdl in (None, False):
+            out = tp.decode_attention(*args, num_splits=splits, pdl=pdl)
+            rows = tp.decode_attention_fp8(*args, out_fp8=fmt, num_splits=splits, pdl=pdl)
+            q8, s8 = quantize_tokens(out.view(batch, -1), fmt)
+            assert torch.equal(rows.scale, s8), (splits, pdl)
+            assert torch.equal(rows.q.view(torch.uint8), q8.view(torch.uint8)), (splits, pdl)
 
 
 @pytest.fixture(scope="module")

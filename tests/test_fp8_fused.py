@@ -171,6 +171,70 @@ def test_a_tiny_fp8_model_takes_the_fused_path_with_the_same_logits(preset: str,
     assert out[True].dtype == torch.float32 and torch.equal(out[True], out[False])
 
 
+@pytest.mark.parametrize(("preset", "acts"), [("tiny-llama", "token"), ("tiny-gemma3", "token"),
+                                              ("tiny-llama", "tensor")])
+def test_decode_attention_quantizes_for_o_proj_with_the_same_logits(preset: str, acts: str) -> None:
+    """In a decode step the attention's output reaches an fp8 o_proj that takes quantized rows as those rows
+    (`attention.attend`'s out_fp8: the torch backend's `decode_attention_fp8`), so no projection quantizes its own
+    input there (Gemma 3: its GELU-tanh MLP's down still does); the logits are the unfused path's bit for bit, over
+    the same cache. Per-tensor activations fuse nothing. A prefill step keeps o_proj's own quantizer (the previous
+    test)."""
+    from rapidserve.config_builder import build_engine_config
+    from rapidserve.quant_config import ONLINE_FP8
+    from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+
+    cfg, source = build_engine_config(f"preset:{preset}", device="cpu", dtype="bfloat16", quantization="fp8",
+                                      num_kv_blocks=16, enforce_eager=True)
+    cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(ONLINE_FP8, activations=acts))
+    runner = ModelRunner(cfg, source, show_progress=False)
+    layers = cfg.model_config.num_layers
+    base = runner.model.ops
+    prompts = [[(7 * i + 3) % 500 + 3 for i in range(21)], [(5 * i + 1) % 400 + 3 for i in range(9)]]
+    tables = [[0, 1], [2]]
+    runner.prefill([PrefillItem(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
+    items = [DecodeItem(11, 21, tables[0]), DecodeItem(12, 9, tables[1])]
+    out = {}
+    for fuse in (True, False):
+        calls: Counter[str] = Counter()
+        runner.model.ops = _counting(base if fuse else unfused_fp8(base), calls)
+        out[fuse] = runner.decode(items)  # the same slots written with the same values each time
+        runner.model.ops = base
+        gelu = preset == "tiny-gemma3"
+        if fuse and acts == "token":
+            assert calls == Counter(rms_norm_fp8=1, add_rms_norm_fp8=2 * layers - 1,
+                                    silu_and_mul_fp8=0 if gelu else layers, fp8_linear_rows=(3 if gelu else 4) * layers,
+                                    fp8_linear=layers if gelu else 0), calls
+        else:
+            assert calls == Counter(fp8_linear=4 * layers), calls
+    assert out[True].shape[0] == 2 and torch.equal(out[True], out[False])
+
+
+def test_attend_returns_quantized_rows_only_for_decode_steps() -> None:
+    """`attend(..., out_fp8=)`: a decode step's output as `QuantizedRows` ([B, heads * head_dim], the numbers of
+    `quantize_rows` of the float output), a prefill or mixed step's as the float output (o_proj quantizes it); a
+    backend without `decode_attention_fp8` gives the float output."""
+    from test_attention import decode_seqs, make_batch
+
+    from rapidserve.attention import attend, get_attention_backend, split_decode_rows
+    from rapidserve.attention import torch_ref as ref
+
+    attn = get_attention_backend("torch", "cpu")
+    b = make_batch(decode_seqs([9, 0, 33]), num_kv_heads=2, group=2, head_dim=16, block_size=8, decode=True)
+    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    args = (b.q, b.k_cache, b.v_cache, b.meta, 0.25)
+    rows = attend(attn, *args, out_fp8=FN)
+    flat = attend(attn, *args).reshape(3, -1)
+    assert isinstance(rows, fp8.QuantizedRows) and rows.q.shape == (3, 64)
+    want = fp8.quantize_rows(flat, FN)
+    assert torch.equal(rows.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(rows.scale, want.scale)
+    assert isinstance(attend(dataclasses.replace(attn, decode_attention_fp8=None), *args, out_fp8=FN), torch.Tensor)
+    p = make_batch([(1, 4), (3, 2)], num_kv_heads=2, group=2, head_dim=16, block_size=8)
+    ref.write_kv(p.k_new, p.v_new, p.k_cache, p.v_cache, p.meta.slot_mapping)
+    for meta in (p.meta, split_decode_rows(p.meta, [1, 3])):  # prefill, then a mixed step
+        got = attend(attn, p.q, p.k_cache, p.v_cache, meta, 0.25, out_fp8=FN)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, attend(attn, p.q, p.k_cache, p.v_cache, meta, 0.25))
+
+
 def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[list[str]]:
     """The layouts of the row reductions (`tt.reduce` operands) of each of `kernel`'s distinct with-residual launches
     for Qwen3-8B's rows (4096) on `target` (the fused kernel's: one program a row, and rows cut into slices),

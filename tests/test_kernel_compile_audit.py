@@ -22,6 +22,8 @@ from bench.sm90_compile import (
     global_access_sites,
     memory_ops,
     parse_res_usage,
+    pdl_sites,
+    pdl_text,
     ptx_access_sites,
     short_accesses,
     width,
@@ -60,6 +62,43 @@ def test_reads_a_listing() -> None:
     assert by_width(["LDG.E", "LDG.E", "LDG.E.64"]) == {32: 2, 64: 1}
     assert widths_text({16: 256, 128: 4}) == "16b x256, 128b x4" and widths_text({"128": 1}) == "128b x1"
     assert widths_text({}) == "-"
+
+
+GEMM_SASS = """
+        /*0010*/                   S2R R33, SR_CTAID.X ;
+        /*0020*/                   UBLKPF.L2 [UR8], UR4 ;
+        /*0030*/                   ACQBULK ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR10][R48.64], P0 ;
+        /*0050*/                   HMMA.16816.F32.BF16 R40, R4, R8, R40 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R5+0x800], desc[UR10][R46.64], P0 ;
+        /*0070*/                   PREEXIT ;
+        /*0080*/                   LDG.E R2, desc[UR4][R2.64] ;
+        /*0090*/                   STG.E.128 desc[UR4][R2.64], R20 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_pdl_sites() -> None:
+    """Where a kernel launched with PDL waits and lets the next start, from its SASS: a GEMM that prefetches, waits
+    before any access, and triggers after its K loop (two of three loads before); a small kernel that waits and
+    triggers first; one that reads before its wait and one that triggers before it (rules 1 and 2 of
+    rapidserve/ops/pdl.py broken: the audit flags both); a kernel without PDL."""
+    gemm = pdl_sites(GEMM_SASS)
+    assert gemm == {"wait": 1, "dependents": 1, "prefetch": 1, "before_wait": 0, "dependents_before_wait": 0,
+                    "loads": 3, "loads_before_dependents": 2}
+    assert pdl_text(gemm) == "wait first; dependents after 2/3 loads; L2 prefetch x1"
+    small = (GEMM_SASS.replace("PREEXIT", "NOP").replace("ACQBULK", "PREEXIT").replace("S2R R33, SR_CTAID.X", "ACQBULK")
+             .replace("UBLKPF.L2 [UR8], UR4", "NOP"))
+    assert pdl_text(pdl_sites(small)) == "wait first; dependents after 0/3 loads"
+    early = GEMM_SASS.replace("S2R R33, SR_CTAID.X", "LDG.E R7, desc[UR4][R8.64]")
+    assert pdl_sites(early)["before_wait"] == 1 and pdl_text(pdl_sites(early)).startswith("wait after 1 accesses")
+    eager = GEMM_SASS.replace("PREEXIT", "NOP").replace("S2R R33, SR_CTAID.X", "PREEXIT")  # dependents before the wait
+    assert pdl_sites(eager)["dependents_before_wait"] == 1 and "dependents before the wait" in pdl_text(
+        pdl_sites(eager))
+    assert gemm["dependents_before_wait"] == 0 == pdl_sites(small)["dependents_before_wait"]
+    plain = GEMM_SASS.replace("ACQBULK", "NOP").replace("PREEXIT", "NOP")
+    assert pdl_sites(plain)["wait"] == 0 and pdl_text(pdl_sites(plain)) == "-"
+    assert pdl_text({}) == "-"  # a row of an audit from before the column
 
 
 TTGIR = """
@@ -212,3 +251,142 @@ def test_audit_under_triton36(tmp_path: Path) -> None:
     assert row["short"] == [] and row["flags"] == [] and row["spill_bytes"] == 0, row
     assert not {"8", "16"} & set(row["ldg"]) and row["ldg"]["128"] >= 2, row  # k and v (and the slot, the scales)
     assert set(row["stg"]) == {"128"} and row["mma"] == "-", row
+
+
+AUDIT_PDL = """
+import json
+import torch
+from bench import kernel_compile_audit as kca
+from rapidserve.attention import triton_paged
+from rapidserve.ops import triton_fp8_fused, triton_fp8_skinny as fsk, triton_moe, triton_ops, triton_skinny
+
+meta, bf16, fp8 = torch.device("meta"), torch.bfloat16, torch.float8_e4m3fn
+h, inter, heads, kv, d = 4096, 12288, 32, 8, 128  # Qwen3-8B at one decode row
+def e(*shape, dtype=bf16):
+    return torch.empty(*shape, dtype=dtype, device=meta)
+def step():
+    x, w = e(1, h), e(h)
+    triton_ops.add_rms_norm(x, x, w, 1e-6)
+    qkv = e(1, (heads + 2 * kv) * d)
+    q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
+    cache = e(4096, kv, 16, d)
+    q = triton_ops.rope_write(q.view(1, heads, d), k.view(1, kv, d), v.view(1, kv, d), e(d), e(d), 1e-6, e(1,
+        dtype=torch.int64), e(8192, d, dtype=torch.float32), cache, cache, e(1, dtype=torch.int64))
+    triton_paged.decode_attention(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088)
+    triton_paged.decode_attention_fp8(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088,
+                                      out_fp8=fp8)  # the output quantized for an fp8 o_proj in the reduce kernel
+    triton_fp8_fused.add_rms_norm_fp8(x, x, w, 1e-6, fp8)
+    triton_fp8_fused.silu_and_mul_fp8(e(1, 2 * inter), fp8)
+    fsk.skinny_fp8_linear(x, e(h, h, dtype=fp8), e(h, dtype=torch.float32),
+                          config=fsk.rule_tiles(1, h, h)._replace(split_k=4))
+    triton_skinny.skinny_linear(x, e(2 * inter, h), gated=True)
+    triton_moe.fused_moe(e(1, 2048), e(128, 1536, 2048), e(128, 2048, 768), e(1, 8, dtype=torch.float32),
+                         e(1, 8, dtype=torch.int32))
+launches = kca.record(step, "decode")
+first = {}
+for launch in launches:
+    if launch.kernel != "_align_one_kernel":  # the MoE alignment: after the router's GEMM, launched without PDL
+        first.setdefault((launch.kernel, launch.kwargs.get("FP8_OUT"), launch.kwargs.get("ZERO_COUNTS")), launch)
+rows = kca.audit(kca.make_jobs([("pdl", list(first.values()))]))
+import triton
+print(json.dumps({"triton": triton.__version__, "rows": rows}))
+"""
+
+
+@pytest.mark.skipif(_triton36() is None, reason=f"no Triton 3.6 side directory: set {TRITON36_ENV}=DIR (see "
+                    "test_audit_under_triton36)")
+def test_pdl_placement_under_triton36(tmp_path: Path) -> None:
+    """Every kernel of a decode step, launched as the engine launches it for one row of Qwen3-8B (the attention's also
+    with its output quantized for an fp8 o_proj, and a Qwen3-30B-A3B MoE layer's experts) with programmatic dependent
+    launch on (the sm_90 target), compiled for sm_90 under Triton 3.6 (the GPU machines'): one griddepcontrol.wait
+    before any global access and one launch_dependents after it (rapidserve/ops/pdl.py's rules 1 and 2); the small
+    kernels let their dependents start before any load, the GEMMs and the attention's split kernel after their main
+    loop's loads (rule 3), and the skinny GEMMs prefetch their weights into L2 before the wait."""
+    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AUDIT_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["triton"].startswith("3.6")
+    late = {"_fp8_skinny_kernel", "_skinny_kernel", "_decode_split_kernel", "_gate_up_kernel", "_down_kernel"}
+    early = {"_rms_norm_kernel", "_rope_write_kernel", "_decode_reduce_kernel", "_rms_norm_fp8_kernel",
+             "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_fp8_split_reduce_kernel"}
+    names = [r["kernel"] for r in report["rows"]]
+    assert set(names) == late | early, set(names) ^ (late | early)
+    assert names.count("_decode_reduce_kernel") == 2 == names.count("_decode_split_kernel")  # with and without fp8
+    for row in report["rows"]:
+        name, pdl = row["kernel"], row["pdl"]
+        assert pdl["wait"] == 1 and pdl["before_wait"] == 0 and pdl["dependents"] == 1, (name, pdl)
+        assert pdl["dependents_before_wait"] == 0 and "pdl-order" not in row["flags"], (name, pdl)
+        if name in early:
+            assert pdl["loads_before_dependents"] == 0 and pdl["prefetch"] == 0, (name, pdl)
+        else:  # the main loop's loads first: what follows is the epilogue's (scales, bias, the split sums)
+            assert pdl["loads_before_dependents"] >= pdl["loads"] / 2 > 0, (name, pdl)
+            assert (pdl["prefetch"] > 0) is (name in {"_fp8_skinny_kernel", "_skinny_kernel"}), (name, pdl)
+
+
+AUDIT_MOE_PDL = """
+import json
+import torch
+from bench import kernel_compile_audit as kca
+from rapidserve.ops import triton_moe
+from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
+
+meta, bf16 = torch.device("meta"), torch.bfloat16
+def e(*shape, dtype=bf16):
+    return torch.empty(*shape, dtype=dtype, device=meta)
+E, N, K, top_k, t = 128, 768, 2048, 8, 512  # Qwen3-30B-A3B's experts at a 512-token prefill
+tiles = GemmTiles(128, 64, 8, 4, 3)
+jobs = []
+for tma, persistent in ((1, 0), (0, 1), (1, 1)):
+    both = tiles._replace(tma=tma, persistent=persistent)
+    for pdl in (True, False):
+        launches = kca.record(lambda both=both, pdl=pdl: triton_moe.fused_moe(
+            e(t, K), e(E, 2 * N, K), e(E, K, N), e(t, top_k, dtype=torch.float32), e(t, top_k, dtype=torch.int32),
+            config=MoeKernelConfig(64, both, both), pdl=pdl), "prefill")
+        jobs.append((f"tma={tma} persistent={persistent} pdl={pdl}",
+                     [x for x in launches if x.kernel in ("_gate_up_kernel", "_down_kernel")]))
+rows = kca.audit(kca.make_jobs(jobs))
+import triton
+print(json.dumps({"triton": triton.__version__, "rows": rows}))
+"""
+
+
+@pytest.mark.skipif(_triton36() is None, reason=f"no Triton 3.6 side directory: set {TRITON36_ENV}=DIR (see "
+                    "test_audit_under_triton36)")
+def test_moe_gemm_variants_pdl_under_triton36(tmp_path: Path) -> None:
+    """The MoE GEMMs' prefill variants (ops/triton_moe_gemm.py: TMA, persistent, both) at Qwen3-30B-A3B's experts,
+    compiled for sm_90 under Triton 3.6 with programmatic dependent launch on and off: on, one wait before any global
+    access (the tile count and the TMA loads included) and launch_dependents only after it (no pdl-order flag); a
+    one-tile program triggers once, after its K loop's loads; a persistent one only on its last tile (a runtime
+    test: gate|up's flattened, software-pipelined tile loop may hold the instruction twice, and its place in address
+    order says nothing of when it runs). (A one-tile program's epilogue loads may outnumber its main loop's: down's
+    top-k sum, or any with TMA, so the check is that every cp.async / TMA copy comes before the trigger.) The late
+    trigger costs no pipelining: the same cp.async and TMA copies and spill as without PDL."""
+    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AUDIT_MOE_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["triton"].startswith("3.6")
+    by: dict[tuple[str, int, int, bool], dict] = {}
+    for row in report["rows"]:
+        c = row["constexprs"]
+        by[(row["kernel"], int(c["TMA"]), int(c["PERSISTENT"]), bool(c["USE_GDC"]))] = row
+    assert len(by) == 12 == len(report["rows"]), sorted(by)
+    for (name, tma, persistent, on), row in by.items():
+        pdl, off = row["pdl"], by[(name, tma, persistent, False)]
+        assert "pdl-order" not in row["flags"] and pdl["before_wait"] == 0 == pdl["dependents_before_wait"], (
+            name, tma, persistent, on, pdl)
+        if not on:
+            assert pdl["wait"] == 0 == pdl["dependents"], (name, tma, persistent, pdl)
+            continue
+        assert pdl["wait"] == 1 and pdl["dependents"] >= 1, (name, tma, persistent, pdl)
+        if not persistent:  # every main-loop copy (cp.async, TMA: the epilogue's loads are plain) before it
+            copies = sum(row["cp_async"].values()) + row["tma"]
+            assert pdl["dependents"] == 1 and pdl["loads_before_dependents"] >= copies > 0, (name, tma, pdl)
+        else:  # not at once after the wait (the loop's loads first in address order too)
+            assert pdl["loads_before_dependents"] > 0, (name, tma, pdl)
+        assert (row["tma"] > 0) is bool(tma), (name, tma, persistent, row["tma"])
+        assert (row["cp_async"], row["tma"], row["spill_bytes"]) == (off["cp_async"], off["tma"], off["spill_bytes"]), (
+            name, tma, persistent)

@@ -119,24 +119,6 @@ def test_one_moe_layer_launches(tokens: int, want_kernels: list[str]) -> None:
 
 
 @needs_triton
-def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`triton_moe.use_pdl`: by default on for NVIDIA compute capability 9.0 and later (H100/H200: gate|up and down
-    start before the launch before them ends, then wait), off for older GPUs, the CPU's interpreter and ROCm; True
-    forces it where this Triton has it (the compile check on meta tensors), False turns it off."""
-    from rapidserve.ops import triton_moe
-
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    have = triton_moe.pdl_available()
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert triton_moe.use_pdl(None, cuda) is have and triton_moe.use_pdl(True, torch.device("meta")) is have
-    assert not triton_moe.use_pdl(False, cuda) and not triton_moe.use_pdl(None, cpu)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert not triton_moe.use_pdl(None, cuda)
-    monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    assert not triton_moe.use_pdl(True, cuda)
-
-
-@needs_triton
 @pytest.mark.parametrize(("tiles", "m_blocks", "n_blocks", "splits", "sms", "want"), [
     (GemmTiles(128, 64, 8, 4, 4), 192, 6, 1, 132, 192 * 6),  # one program a tile
     (GemmTiles(128, 64, 8, 4, 4, 2), 24, 6, 2, 132, 24 * 6 * 2),  # a tile's splits each

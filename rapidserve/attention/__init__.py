@@ -12,6 +12,12 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
 - ``decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None,
   window=None) -> Tensor [B, num_heads, head_dim]``
 
+and, for an fp8 o projection that takes quantized rows (issue 39), ``decode_attention_fp8(..., *, out_fp8,
+window=None) -> ops.fp8.QuantizedRows`` (q [B, num_heads * head_dim] fp8, scale [B, 1]): decode's output quantized
+per token, the numbers of the projection's own quantizer (torch: `fp8.quantize_rows` of the output; Triton, FA3's
+decode: in the reduce kernel, rapidserve/attention/triton_paged.py). `attend(..., out_fp8=...)` returns it for a decode
+step; prefill and mixed steps return the float output, which the projection quantizes itself.
+
 `k_scale` / `v_scale`: an fp8 cache's per-layer scales (float32 [1] device tensors), which every backend applies
 as rapidserve/attention/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
 model's dtype. `window` W (a sliding-window layer: Mistral, Gemma 3's local layers) limits each query to the last
@@ -28,6 +34,7 @@ imported only when requested, so CPU installs need neither.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +42,7 @@ import torch
 from rapidserve.attention.metadata import (
     AttentionMetadata,
     DecodeAttention,
+    DecodeAttentionFp8,
     PrefillAttention,
     Scale,
     WriteKV,
@@ -42,13 +50,16 @@ from rapidserve.attention.metadata import (
 )
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.pdl import bind_pdl, takes_pdl
 
 BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The three attention entry points of one implementation.
+    """The attention entry points of one implementation (module docstring; `decode_attention_fp8` None: the o
+    projection quantizes decode's output itself).
 
     ``graph_safe`` says whether write_kv/decode_attention may be captured in a CUDA graph (they
     read no device values on the host). ``one_call_mixed`` says prefill_attention serves a mixed
@@ -63,6 +74,7 @@ class AttentionBackend:
     graph_safe: bool = False
     one_call_mixed: bool = False
     kv_note: str = ""  # filled by get_attention_backend for its cache dtype: how this backend reads it
+    decode_attention_fp8: DecodeAttentionFp8 | None = None
 
 
 def _is_gpu(device: torch.device) -> bool:
@@ -80,7 +92,8 @@ def _triton(device: torch.device) -> AttentionBackend:
         raise ConfigError(f"attention_backend='triton' needs the triton package, which failed to "
                           f"import ({e}); install triton or use attention_backend='torch'") from e
     return AttentionBackend("triton", triton_paged.write_kv, triton_paged.prefill_attention,
-                            triton_paged.decode_attention, graph_safe=True)
+                            triton_paged.decode_attention, graph_safe=True,
+                            decode_attention_fp8=triton_paged.decode_attention_fp8)
 
 
 def _fa3(device: torch.device, kv_dtype: torch.dtype | None) -> AttentionBackend:
@@ -92,7 +105,8 @@ def _fa3(device: torch.device, kv_dtype: torch.dtype | None) -> AttentionBackend
     impl = fa3.Fa3Attention(kernel, fallback_prefill=triton.prefill_attention)
     note = f"{impl.describe_kv(kv_dtype)}, Triton decode" if kv_dtype is not None else ""
     return AttentionBackend(f"fa3:{kernel.source}", triton.write_kv, impl.prefill_attention,
-                            triton.decode_attention, graph_safe=True, one_call_mixed=True, kv_note=note)
+                            triton.decode_attention, graph_safe=True, one_call_mixed=True, kv_note=note,
+                            decode_attention_fp8=triton.decode_attention_fp8)
 
 
 def get_attention_backend(name: str, device: torch.device | str,
@@ -123,19 +137,34 @@ def get_attention_backend(name: str, device: torch.device | str,
         return _triton(device)
     from rapidserve.attention import torch_ref
     return AttentionBackend("torch", torch_ref.write_kv, torch_ref.prefill_attention,
-                            torch_ref.decode_attention, graph_safe=False)
+                            torch_ref.decode_attention, graph_safe=False,
+                            decode_attention_fp8=torch_ref.decode_attention_fp8)
+
+
+def no_pdl(attn: AttentionBackend) -> AttentionBackend:
+    """`attn` with programmatic dependent launch off in its entry points that take `pdl` (the Triton decode kernels:
+    rapidserve/ops/pdl.py): the A/B of bench/decode_profile.py."""
+    names = ("write_kv", "prefill_attention", "decode_attention", "decode_attention_fp8")
+    fields = {name: bind_pdl(getattr(attn, name), False) for name in names
+              if getattr(attn, name) is not None and takes_pdl(getattr(attn, name))}
+    return attn if not fields else dataclasses.replace(attn, name=attn.name + "-nopdl", **fields)
 
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
     """Attention of this step's queries (keys and values already written to the cache; an fp8 cache's scales
-    `k_scale` / `v_scale`); `window`: a sliding-window layer's (None: every earlier key).
+    `k_scale` / `v_scale`); `window`: a sliding-window layer's (None: every earlier key). `out_fp8`: the fp8 format
+    of an o projection that takes quantized rows; a decode step then returns its output as those rows
+    (`decode_attention_fp8`, where the backend has it), any other step the float output.
 
     A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
     them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""
     kw = {} if window is None else {"window": window}  # None is every backend's default: left out
     if not meta.is_prefill:
+        if out_fp8 is not None and attn.decode_attention_fp8 is not None:
+            return attn.decode_attention_fp8(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                             k_scale, v_scale, out_fp8=out_fp8, **kw)
         return attn.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale,
                                      v_scale, **kw)
     nd = meta.num_decode_seqs
@@ -149,5 +178,5 @@ def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return torch.cat([decoded, rest])
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend",
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend", "no_pdl",
            "split_decode_rows"]

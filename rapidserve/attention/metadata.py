@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:  # (rapidserve.ops imports this package's modules as it loads)
+    from rapidserve.ops.fp8 import QuantizedRows
 
 
 @dataclass
@@ -86,6 +89,16 @@ class PrefillAttention(Protocol):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, k_scale: Scale = None, v_scale: Scale = None, /, *,
                  window: int | None = None) -> torch.Tensor: ...
+
+
+class DecodeAttentionFp8(Protocol):
+    """A backend's `decode_attention_fp8(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None,
+    v_scale=None, *, out_fp8, window=None)`: `decode_attention`'s output [B, heads * head_dim] quantized per token to
+    `out_fp8` for an fp8 o projection (`ops.fp8.QuantizedRows`, the numbers of `fp8.quantize_rows` of that output)."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, k_scale: Scale = None, v_scale: Scale = None, /, *,
+                 out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows: ...
 
 
 class DecodeAttention(Protocol):

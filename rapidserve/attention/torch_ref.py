@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from rapidserve.attention.kv_quant import cache_scales, dequantize, quantize
 from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.ops.fp8 import QuantizedRows, quantize_rows
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -170,6 +171,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                   group, scale, scales, window)
         start += size
     return out
+
+
+def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                         out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows:
+    """`decode_attention`'s output [B, num_heads * head_dim] quantized per token to `out_fp8` (`fp8.quantize_rows`:
+    the reference of the Triton kernels' fused quantization, the numbers of the o projection's own quantizer)."""
+    out = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, window)
+    return quantize_rows(out.reshape(out.shape[0], -1), out_fp8)
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -28,6 +28,23 @@ e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in 
 k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v). Decode under a bf16 q
 converts them to fp16 instead where its table says so (F16_DOTS, NVIDIA: one conversion an element pair instead of
 three; rapidserve/attention/decode_config.py), q with them.
+
+Decode's output quantized for an fp8 o projection (`decode_attention_fp8`: issue 39, the projection's per-token
+quantizer fused into the attention): each row of the output [B, heads x head_dim] as `fp8.QuantizedRows`, the bits of
+`triton_fp8.quantize_tokens` of `decode_attention`'s output. A row's scale needs the amax over all its heads, and the
+reduce kernel's programs are per (sequence, head): each stores its head's output (the model's dtype, as before) and
+its amax, then counts itself in the sequence's int32 counter (acquire-release, GPU scope, after a barrier: every
+thread's stores first); the program that brings the count to the head count takes the heads' amaxes, re-reads the
+row from L2 (.cg) and writes its fp8 values and scale. The counters are zeroed by the split kernel (program (b, 0, 0)
+of each sequence), which completes before the reduce kernel reads them. One split (DIRECT: no reduce kernel) keeps the
+separate quantizer launch. Costs: one atomic a (sequence, head) and one program a sequence that quantizes the row
+(heads x head_dim divisions), against the quantizer's launch of about 2 us a layer (H200, Qwen3-8B at batch 1-64,
+bench/results/fp8_sweep_h200/decode_profile.md).
+
+Programmatic dependent launch (`rapidserve/ops/pdl.py`; NVIDIA sm_90+, on by default there, `pdl=False` off) for
+decode: the split kernel waits for the kernel before (RoPE + KV write) first and lets the next start after its key
+loop (its grid is `waves` x the SMs); the reduce kernel waits, then lets the next start at once. write_kv and prefill
+launch without it.
 """
 
 from __future__ import annotations
@@ -46,6 +63,9 @@ from rapidserve.attention.decode_config import (
 )
 from rapidserve.attention.kv_quant import cache_scales
 from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.ops import pdl as pdl_launch
+from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
 
 _LOG2E = 1.4426950408889634
 
@@ -147,13 +167,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # The reduce kernel's BLOCK_S is the process's largest split count rounded up, capped at 64 (decode_block_s), not
 # each step's: one variant with 2 x SMs / 64 kv heads per rank or more (5+ on an H100), two or three below that.
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr,
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_ptr, part_ptr, count_ptr,
                          qk_scale, stride_qb, stride_qh, stride_bt, num_splits, ks_ptr, vs_ptr,
                          NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr,
                          FP8_MAX: tl.constexpr, WINDOW: tl.constexpr, F16_DOTS: tl.constexpr,
-                         PREFETCH: tl.constexpr):
+                         PREFETCH: tl.constexpr, USE_GDC: tl.constexpr, ZERO_COUNTS: tl.constexpr):
     """Program (b, kv head, split): the GQA group's queries against one slice of the sequence's keys (its last
     WINDOW keys when WINDOW > 0).
 
@@ -166,10 +186,18 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
     |q| exceeds 2^15 first multiplies q by 2^15 / max|q| and divides qk_scale by the same factor.
     PREFETCH: each iteration loads the next tile's block-table entries, so the K/V addresses come from the previous
     iteration (rapidserve/attention/decode_config.py, DecodeConfig.prefetch).
+    USE_GDC (`ops.pdl`): waits for the kernel before (the new keys' write) first; lets the next kernel start after
+    the key loop. ZERO_COUNTS (the reduce kernel quantizes for an fp8 o projection: module docstring): program
+    (b, 0, 0) zeroes sequence b's counter.
     """
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if ZERO_COUNTS:  # noqa: SIM102 (a compile-time branch of the kernel)
+        if (kvh == 0) & (split == 0):
+            tl.store(count_ptr + b, 0)
     ctx = tl.load(ctx_ptr + b)
     # Each key tile is PAGES whole pages of ROWS keys (block_size and BLOCK_N are powers of two: BLOCK_N / block_size
     # pages, or a BLOCK_N-key slice of one page), one block-table read a page. Tiles start at the ROWS-aligned slice
@@ -247,6 +275,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m_i = m_new
 
+    if USE_GDC:  # after the key loop (`ops.pdl`, rule 3)
+        tl.extra.cuda.gdc_launch_dependents()
     has = l_i > 0.0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -264,9 +294,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, lse_pt
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
-                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp."""
+def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits, amax_ptr, count_ptr, q8_ptr, s8_ptr,
+                          HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_GDC: tl.constexpr, FP8_OUT: tl.constexpr, NUM_HEADS: tl.constexpr,
+                          BLOCK_H: tl.constexpr, Q_BLOCK: tl.constexpr, TOP: tl.constexpr, RCP: tl.constexpr,
+                          MIN_AMAX: tl.constexpr):
+    """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp. USE_GDC (`ops.pdl`):
+    waits for the split kernel, then lets the next kernel start. FP8_OUT: then the row's last program quantizes it
+    (`_quantize_row`, module docstring)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -279,7 +317,37 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits,
                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     total = tl.sum(w, axis=0)
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * HEAD_DIM + d, o, mask=d < HEAD_DIM)
+    if FP8_OUT:
+        _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, tl.max(tl.abs(o.to(tl.float32)), axis=0),
+                      HEAD_DIM, NUM_HEADS, BLOCK_H, Q_BLOCK, TOP, RCP, MIN_AMAX)
+
+
+@triton.jit
+def _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, amax, HEAD_DIM: tl.constexpr,
+                  NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, Q_BLOCK: tl.constexpr, TOP: tl.constexpr,
+                  RCP: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """The reduce kernel's program `row` = (b, h) of an fp8 output, its head stored in out and `amax` its largest
+    |value| (of the stored values): stores the amax at amax[row] and counts itself in b's counter; the program that
+    counts last quantizes b's row of out [B, NUM_HEADS * HEAD_DIM] as `triton_fp8.quantize_tokens` does (the heads'
+    amaxes' max, which is the row's; the same division and cast) into q8 [B, NUM_HEADS * HEAD_DIM] and s8 [B]."""
+    tl.store(amax_ptr + row, amax)
+    tl.debug_barrier()  # every thread's stores of the head before the counter says so (release)
+    b = row // NUM_HEADS
+    if tl.atomic_add(count_ptr + b, 1, sem="acq_rel", scope="gpu") == NUM_HEADS - 1:
+        tl.debug_barrier()  # the acquire before any thread's loads
+        heads = tl.arange(0, BLOCK_H)
+        amaxes = tl.load(amax_ptr + b * NUM_HEADS + heads, mask=heads < NUM_HEADS, other=0.0, cache_modifier=".cg")
+        scale = token_scale(amaxes, RCP, MIN_AMAX)
+        width: tl.constexpr = NUM_HEADS * HEAD_DIM
+        cols = tl.arange(0, Q_BLOCK)
+        for k0 in range(0, width, Q_BLOCK):
+            mask = k0 + cols < width
+            x = tl.load(out_ptr + b * width + k0 + cols, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(q8_ptr + b * width + k0 + cols, to_fp8(x.to(tl.float32), scale, TOP, q8_ptr.dtype.element_ty),
+                     mask=mask)
+        tl.store(s8_ptr + b, scale)
 
 
 def _window(window: int | None) -> int:
@@ -315,14 +383,42 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     window: int | None = None, config: DecodeConfig | None = None) -> torch.Tensor:
+                     window: int | None = None, config: DecodeConfig | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
     """Flash-decoding: q [B, num_heads, head_dim] (one token per sequence) over each sequence's
     context_lens[b] cached tokens (its last `window` with a window); context_len 0 gives zeros.
     Returns [B, num_heads, head_dim]. An fp8 cache is read with `k_scale` / `v_scale`.
 
     The launch configuration is decode_config.DECODE_TABLE's for this platform, dtype, cache and head_dim; the
     optional arguments override it (for benchmarks and tuning): `config` the whole entry, then `block_n`,
-    `num_warps`, `num_stages` its fields, `num_splits` the split rule."""
+    `num_warps`, `num_stages` its fields, `num_splits` the split rule. `pdl`: programmatic dependent launch of both
+    kernels (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, None, num_splits,
+                   block_n, num_warps, num_stages, window, config, pdl)[0]
+
+
+def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
+                         out_fp8: torch.dtype, num_splits: int | None = None, window: int | None = None,
+                         config: DecodeConfig | None = None, pdl: bool | None = None) -> QuantizedRows:
+    """`decode_attention`'s output [B, num_heads * head_dim] quantized per token to `out_fp8` for an fp8 o
+    projection (module docstring): the bits of `triton_fp8.quantize_tokens` of that output, with the quantization in
+    the reduce kernel (one split: the quantizer's launch after it). ValueError for a format that is not fp8."""
+    if out_fp8 not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+        raise ValueError(f"out_fp8 must be float8_e4m3fn or float8_e4m3fnuz (the o projection's format); got {out_fp8}")
+    rows = _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out_fp8, num_splits,
+                   None, None, None, window, config, pdl)[1]
+    assert rows is not None
+    return rows
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+            out_fp8: torch.dtype | None, num_splits: int | None, block_n: int | None, num_warps: int | None,
+            num_stages: int | None, window: int | None, config: DecodeConfig | None,
+            pdl: bool | None) -> tuple[torch.Tensor, QuantizedRows | None]:
+    """The decode launches: (the output [B, num_heads, head_dim], its rows quantized to `out_fp8` or None)."""
     fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
@@ -334,8 +430,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"block_tables must be [{batch}, max_blocks] and context_lens [{batch}]; got "
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    width = num_heads * head_dim
+
+    def new_rows(fp8_dtype: torch.dtype) -> QuantizedRows:
+        return QuantizedRows(torch.empty((batch, width), dtype=fp8_dtype, device=q.device),
+                             torch.empty((batch, 1), dtype=torch.float32, device=q.device), q.dtype)
+
     if batch == 0:
-        return out
+        return out, None if out_fp8 is None else new_rows(out_fp8)
     q = _last_dim_contiguous(q)
     block_tables = _last_dim_contiguous(block_tables)
     group = num_heads // num_kv_heads
@@ -353,21 +455,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    fused = out_fp8 is not None and not direct  # the reduce kernel quantizes; its counters zeroed by the split kernel
+    rows = new_rows(out_fp8) if fused and out_fp8 is not None else None
+    counts = torch.empty(batch, dtype=torch.int32, device=q.device) if fused else out
     block_d = triton.next_power_of_2(head_dim)
+    on = pdl_launch.use_pdl(pdl, q.device)
+    gdc = pdl_launch.launch_options(on)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, lse, part,
+        q, k_cache, v_cache, block_tables, context_lens, out, lse, part, counts,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_splits,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         DIRECT=direct, IEEE=q.dtype == torch.float32, WINDOW=_window(window),
         F16_DOTS=uses_fp16_dots(cfg, q.dtype, kv_fp8), PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **fp8)
+        num_stages=cfg.num_stages, ZERO_COUNTS=fused, **fp8, **gdc)
     if not direct:
         block_s = decode_block_s(num_splits, num_kv_heads, _num_sms(q.device), cfg.waves)
+        if rows is not None:
+            quant = {"amax_ptr": torch.empty(batch * num_heads, dtype=torch.float32, device=q.device),
+                     "q8_ptr": rows.q, "s8_ptr": rows.scale, "NUM_HEADS": num_heads,
+                     "BLOCK_H": triton.next_power_of_2(num_heads), "Q_BLOCK": min(1024, triton.next_power_of_2(width)),
+                     **token_constants(rows.q.dtype)}
+        else:  # one compiled variant for every model: nothing of the quantization is read
+            quant = {"amax_ptr": out, "q8_ptr": out, "s8_ptr": out, "NUM_HEADS": 1, "BLOCK_H": 1, "Q_BLOCK": 1,
+                     "TOP": 0.0, "RCP": 0.0, "MIN_AMAX": 0.0}
         _decode_reduce_kernel[(batch * num_heads,)](
-            out, lse, part, num_splits, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
-            num_warps=reduce_warps(block_s, block_d, hip))
-    return out
+            out, lse, part, num_splits, count_ptr=counts, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
+            FP8_OUT=rows is not None, num_warps=reduce_warps(block_s, block_d, hip), **quant, **gdc)
+    elif out_fp8 is not None:  # one split: the output is written by the split kernel, then quantized
+        rows = QuantizedRows(*quantize_tokens(out.view(batch, width), out_fp8, pdl=on), q.dtype)
+    return out, rows
 
 
 # ------------------------------------------------------------------------------------------ prefill

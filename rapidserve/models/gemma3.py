@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
-from rapidserve.models.projections import linear
+from rapidserve.models.projections import attention_rows, linear
 from rapidserve.models.transformer import CausalLM, DecoderLayer, KVCache, _param
 from rapidserve.ops import Ops
+from rapidserve.ops.fp8 import QuantizedRows
 from rapidserve.quant_config import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -66,12 +67,13 @@ class Gemma3DecoderLayer(DecoderLayer):
         """As DecoderLayer's, with this layer's RoPE table of the model's two (`cos_sin` [2, positions, D])."""
         return super().pre_attention(hidden, residual, positions, cos_sin[self.rope_table], kv, slot_mapping, ops)
 
-    def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
+    def post_attention(self, o: torch.Tensor | QuantizedRows, residual: torch.Tensor,
                        ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """The o projection, its norm, the residual add and pre-feedforward norm, the GELU-tanh MLP and its norm.
-        Returns (the MLP's normed output, the residual stream before it)."""
+        """The o projection (of attention's output, or its rows quantized for an fp8 o_proj), its norm, the residual
+        add and pre-feedforward norm, the GELU-tanh MLP and its norm. Returns (the MLP's normed output, the residual
+        stream before it)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        hidden = linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        hidden = linear(ops, attention_rows(o, cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         hidden = ops.rms_norm(hidden, self.post_attention_layernorm, eps)

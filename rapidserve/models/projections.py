@@ -1,8 +1,8 @@
 """How a decoder layer calls its projections (transformer.py, gemma3.py): a projection is a float weight or an fp8
 `ops.fp8.Fp8Linear` (issue 39), and its input is float rows or, for an fp8 projection with dynamic per-token
-activations and per-row weight scales, rows that the op before it (RMSNorm, SiLU-and-mul) already quantized
-(`fused_fp8`, `ops.fp8.QuantizedRows`): the same numbers as the projection's own quantizer, one launch and one pass
-over the rows fewer.
+activations and per-row weight scales, rows that the op before it (RMSNorm, SiLU-and-mul, a decode step's
+attention for o_proj) already quantized (`fused_fp8`, `ops.fp8.QuantizedRows`): the same numbers as the projection's
+own quantizer, one launch and one pass over the rows fewer.
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ def fused_fp8(ops: Ops, w: Weight | None) -> torch.dtype | None:
     return None
 
 
+def attention_rows(o: torch.Tensor | QuantizedRows, width: int) -> Rows:
+    """Attention's output as the o projection's input rows [T, width]: the float output [T, heads, head_dim] (or
+    [T, width]) reshaped, or the rows a decode step's attention already quantized for it (`attention.attend`'s
+    `out_fp8`, which the layer passes where `fused_fp8` says the projection takes them)."""
+    return o if isinstance(o, QuantizedRows) else o.reshape(o.shape[0], width)
+
+
 def linear(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias) by the bundle's op for `w` and x: float, fp8, or fp8 of quantized rows."""
     if isinstance(x, QuantizedRows):
@@ -46,4 +53,4 @@ def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight) -> torch.Tensor:
     return linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
 
 
-__all__ = ["Rows", "Weight", "fused_fp8", "linear", "mlp"]
+__all__ = ["Rows", "Weight", "attention_rows", "fused_fp8", "linear", "mlp"]

@@ -25,8 +25,9 @@ FP8 (issue 39; `quant`, rapidserve/quant_config.py): each fused projection the s
 `ops.fp8.Fp8Linear` (fp8 weight, float32 scales) instead of a float parameter, computed by `ops.fp8_linear`;
 `models/fp8_weights.py` loads its HF-named weight, scales and input scales (or quantizes float weights at load).
 A projection with dynamic per-token activations and per-row weight scales gets its input already quantized by the op
-that makes it (`projections.fused_fp8`: the RMSNorm before q|k|v and gate|up, the SiLU-and-mul before down), the
-same numbers as its own quantizer's without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
+that makes it (`projections.fused_fp8`: the RMSNorm before q|k|v and gate|up, the SiLU-and-mul before down, and in a
+decode step the attention before o_proj: `attention.attend`'s `out_fp8`), the same numbers as its own quantizer's
+without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
 An fp8 KV cache (`kv_dtype`): each layer holds its `k_scale` / `v_scale` (float32 [1] parameters, from the config
 tree, never from the weight stream; shared with the prefill worker like every parameter), which its K/V write
 (`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/attention/kv_quant.py).
@@ -46,10 +47,10 @@ from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
-from rapidserve.models.projections import Rows, Weight, fused_fp8, linear, mlp
+from rapidserve.models.projections import Rows, Weight, attention_rows, fused_fp8, linear, mlp
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, fp8_dtype
+from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, fp8_dtype
 from rapidserve.parallel.shard import shard_config
 from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
 
@@ -117,12 +118,16 @@ class DecoderLayer(nn.Module):
         """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them)."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        return self.post_attention(self.attention(q, kv, meta, attn), residual, ops)
+        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj))
+        return self.post_attention(o, residual, ops)
 
-    def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend,
+                  out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
         """This layer's attention of its queries over the cache (its scale and sliding window; an fp8 cache read
-        with the layer's scales)."""
-        return attend(attn, q, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale, window=self.window)
+        with the layer's scales). `out_fp8`: o_proj's format where it takes quantized rows (`fused_fp8`); a decode
+        step's output is then those rows (`attention.attend`)."""
+        return attend(attn, q, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale, window=self.window,
+                      out_fp8=out_fp8)
 
     def pre_attention(
         self,
@@ -164,13 +169,13 @@ class DecoderLayer(nn.Module):
             return ops.add_rms_norm(hidden, residual, weight, eps)
         return ops.add_rms_norm_fp8(hidden, residual, weight, eps, fp8)
 
-    def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
+    def post_attention(self, o: torch.Tensor | QuantizedRows, residual: torch.Tensor,
                        ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after attention, row by row: the o projection, the residual add and norm, the MLP
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
-        [T, heads * head_dim]. Returns (hidden, residual) for the next layer."""
+        [T, heads * head_dim], or those rows quantized for o_proj. Returns (hidden, residual) for the next layer."""
         cfg = self.cfg
-        hidden = linear(ops, o.reshape(o.shape[0], cfg.q_size), self.o_proj)
+        hidden = linear(ops, attention_rows(o, cfg.q_size), self.o_proj)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
 

@@ -41,6 +41,10 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   (`triton_fp8_fused`) and `fp8_gpu.gpu_linear_rows` in the Triton one; the same numbers as the unfused ops.
   `unfused_fp8(bundle)` turns the fusion off (the A/B of bench/fp8_speed.py)
 
+The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
+`rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:
+that default; False: off), and `no_pdl(bundle)` binds it off in every one (the A/B of bench/decode_profile.py).
+
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
 it: see its docstring). `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches,
 every linear through F.linear and SiLU-and-mul on its own, as before these changes (bench/decode_profile.py
@@ -60,6 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.ops import fp8, moe, torch_ops
+from rapidserve.ops.pdl import bind_pdl, takes_pdl
 
 
 class RopeWrite(Protocol):
@@ -141,8 +146,8 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
         return ops
     from rapidserve.ops import triton_skinny
 
-    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul)
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+        return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul, pdl)
 
     return dataclasses.replace(ops, name="triton", linear=triton_skinny.linear,
                                linear_silu_and_mul=linear_silu_and_mul)
@@ -154,11 +159,11 @@ def _fused_moe() -> tuple[MoeExperts, MoeLayer]:
     return triton_moe.fused_moe, triton_moe.routed_moe
 
 
-def _cublas_then(silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`linear_silu_and_mul` as torch's F.linear, then the given `silu_and_mul`."""
-    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(F.linear(x, weight))
+def _cublas_then(silu_and_mul: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`linear_silu_and_mul` as torch's F.linear, then the given `silu_and_mul` (given `pdl` when that is not None:
+    a Triton one)."""
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+        return silu_and_mul(F.linear(x, weight), **({} if pdl is None else {"pdl": pdl}))
     return linear_silu_and_mul
 
 
@@ -195,6 +200,14 @@ def unfused_ops(ops: Ops) -> Ops:
     return dataclasses.replace(unfused_fp8(cublas_linears(ops)), name=ops.name + "-unfused", rope_write=rope_write)
 
 
+def no_pdl(ops: Ops) -> Ops:
+    """`ops` with programmatic dependent launch off in every function that takes `pdl` (the Triton launchers; the
+    torch bundle has none): the A/B of bench/decode_profile.py, which captures decode graphs with both."""
+    fields = {f.name: bind_pdl(getattr(ops, f.name), False) for f in dataclasses.fields(ops)
+              if callable(getattr(ops, f.name)) and takes_pdl(getattr(ops, f.name))}
+    return ops if not fields else dataclasses.replace(ops, name=ops.name + "-nopdl", **fields)
+
+
 def unfused_fp8(ops: Ops) -> Ops:
     """`ops` with `fuse_fp8` off: every fp8 projection quantizes its own input (`fp8_linear`), as before the fused
     producers (the A/B of bench/fp8_speed.py; the engine runs with the fusion)."""
@@ -219,5 +232,5 @@ def get_ops(device: torch.device | str) -> Ops:
     return torch_ops_bundle()
 
 
-__all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops",
+__all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "no_pdl",
            "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops"]

@@ -33,15 +33,17 @@ def scaled_mm_ok(x: torch.Tensor, layer: Fp8Linear) -> bool:
     return layer.block is None and k % 16 == 0 and n % 16 == 0 and x.shape[0] > 0
 
 
-def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_mm_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
     """`torch._scaled_mm` with row-wise scales: scale_a [M, 1] (a per-tensor activation scale repeated over the
     rows), scale_b [1, N] (the weight's per-row scales); x8 row-major, the weight [N, K] row-major read as its
     transpose, column-major [K, N]. Out in bfloat16 (what row-wise scaling writes), then x's dtype. Per-token
     activations of a 2-D x on a GPU are quantized by one Triton kernel (`triton_fp8.quantize_tokens`: the torch
     code is six passes over x); the GEMM accumulates with `use_fast_accum` (Hopper's fp8 tensor-core sums without
-    the periodic float32 promotion, as vLLM's CUTLASS fp8 kernels run)."""
+    the periodic float32 promotion, as vLLM's CUTLASS fp8 kernels run). `pdl`: the quantizer's programmatic dependent
+    launch (`ops.pdl.use_pdl`)."""
     if layer.activations == "token" and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
-        x8, sx = triton_fp8.quantize_tokens(x, layer.weight.dtype)
+        x8, sx = triton_fp8.quantize_tokens(x, layer.weight.dtype, pdl=pdl)
     else:
         x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
     return _scaled_mm(x8, sx, layer, x.dtype, bias)
@@ -57,31 +59,35 @@ def _scaled_mm(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torc
     return out if bias is None else out + bias
 
 
-def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None,
+               pdl: bool | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
     activations at 1-64 rows on NVIDIA through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
     ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
-    `reference_linear`."""
+    `reference_linear`. `pdl`: programmatic dependent launch of the skinny kernel and the per-token quantizer
+    (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     if layer.block is not None:
         x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
         out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
         return out if bias is None else out + bias
     if (layer.activations == "token" and layer.block is None and torch.version.hip is None
             and triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)):
-        return triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias)
+        return triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias, pdl=pdl)
     if scaled_mm_ok(x, layer):
-        return scaled_mm_linear(x, layer, bias)
+        return scaled_mm_linear(x, layer, bias, pdl=pdl)
     return reference_linear(x, layer, bias)
 
 
-def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None,
+                    pdl: bool | None = None) -> torch.Tensor:
     """`gpu_linear` of the rows x that `rows` quantize (a fused producer's output, triton_fp8_fused), for layers that
     `takes_rows`: the same routing on the same quantized numbers, so the same kernel and the same result as
     `gpu_linear(x, layer, bias)`, without the quantizer (the skinny kernel where routed on NVIDIA, else
-    `torch._scaled_mm`, else the reference). ValueError for a layer or rows that do not fit (`fp8.check_rows`)."""
+    `torch._scaled_mm`, else the reference); `pdl` as `gpu_linear`'s. ValueError for a layer or rows that do not fit
+    (`fp8.check_rows`)."""
     check_rows(rows, layer)
     if torch.version.hip is None and triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale):
-        return triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, bias)
+        return triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, bias, pdl=pdl)
     if scaled_mm_ok(rows.q, layer):
         return _scaled_mm(rows.q, rows.scale, layer, rows.dtype, bias)
     return reference_linear_rows(rows, layer, bias)

@@ -1,14 +1,11 @@
 """How the fused MoE kernels (`ops/triton_moe.py`, issue 40) cut their work and launch: the split of a GEMM's K range
 over several programs (`GemmTiles.split_k`, from the tuned tables of `ops.moe_tiles`) and the int32 semaphores the
 cross-program sums count on, as pure functions (bench/moe_tune_space.py uses the same plan to count a candidate's
-programs); and whether the GEMMs launch with programmatic dependent launch (`use_pdl`). Triton is imported only to
-ask what it supports."""
+programs)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
-
-import torch
 
 from rapidserve.ops.moe import max_padded
 from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
@@ -54,24 +51,4 @@ def semaphores(cfg: MoeKernelConfig, tokens: int, top_k: int, num_experts: int, 
     return gate_up, down
 
 
-def pdl_available() -> bool:
-    """Whether this Triton launches with programmatic dependent launch (`launch_pdl`, `tl.extra.cuda.gdc_wait`)."""
-    try:
-        import triton.language.extra.cuda as tl_cuda
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl_cuda, "gdc_wait")
-
-
-def use_pdl(pdl: bool | None, device: torch.device) -> bool:
-    """`pdl` resolved: None means on where the GPU and Triton have it (NVIDIA compute capability 9.0 and later: H100,
-    H200, Blackwell), else off (ROCm, the CPU's interpreter, older GPUs); True means on if this Triton has it, whatever
-    the device (the compile check on meta tensors); False off."""
-    if pdl is None:
-        pdl = (device.type == "cuda" and torch.version.hip is None
-               and torch.cuda.get_device_capability(device)[0] >= 9)
-    return pdl and torch.version.hip is None and pdl_available()
-
-
-__all__ = ["SPLIT_SCRATCH_BYTES", "Split", "pdl_available", "semaphores", "split_plan", "use_pdl"]
+__all__ = ["SPLIT_SCRATCH_BYTES", "Split", "semaphores", "split_plan"]

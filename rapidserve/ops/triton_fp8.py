@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.fp8 import MIN_AMAX, fp8_max
 
 
@@ -105,9 +106,13 @@ def block_linear(x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor, sw: torch
 
 @triton.jit
 def _quantize_tokens_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, TOP: tl.constexpr, RCP: tl.constexpr,
-                            MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr):
+                            MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """Row `program_id`: amax over the row (first pass), then q = fp8(clamp(x / s, +-TOP)) with
-    s = max(amax, MIN_AMAX) * RCP, RCP = 1 / TOP (second pass, the row's re-read mostly from L2), and s stored."""
+    s = max(amax, MIN_AMAX) * RCP, RCP = 1 / TOP (second pass, the row's re-read mostly from L2), and s stored.
+    USE_GDC (`ops.pdl`): waits for the kernel before, then lets the next one start."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
@@ -136,9 +141,16 @@ def to_fp8(x, scale, TOP: tl.constexpr, fp8: tl.constexpr):
     return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP).to(fp8)
 
 
-def quantize_tokens(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def token_constants(fp8: torch.dtype) -> dict[str, float]:
+    """The per-token quantizer's constexprs for `fp8` (TOP = fp8_max, RCP = 1 / TOP, MIN_AMAX), which every kernel
+    that quantizes rows as `quantize_tokens` does takes."""
+    return {"TOP": fp8_max(fp8), "RCP": 1.0 / fp8_max(fp8), "MIN_AMAX": MIN_AMAX}
+
+
+def quantize_tokens(x: torch.Tensor, fp8: torch.dtype, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`fp8.quantize_input(x, "token", fp8)` as one kernel: (x8 [M, K] fp8, scale [M, 1] float32). The same
-    numbers: IEEE division and the hardware's round-to-nearest-even cast (the interpreter's cast rounds otherwise)."""
+    numbers: IEEE division and the hardware's round-to-nearest-even cast (the interpreter's cast rounds otherwise).
+    `pdl`: programmatic dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"quantize_tokens takes a 2-D x with a contiguous last dim; got {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -148,10 +160,11 @@ def quantize_tokens(x: torch.Tensor, fp8: torch.dtype) -> tuple[torch.Tensor, to
     if m == 0:
         return q, scale
     block = min(4096, triton.next_power_of_2(max(k, 16)))
-    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), TOP=fp8_max(fp8), RCP=1.0 / fp8_max(fp8),
-                                  MIN_AMAX=MIN_AMAX,
-                                  BLOCK=block, num_warps=4 if block <= 2048 else 8)
+    _quantize_tokens_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), **token_constants(fp8),
+                                  BLOCK=block, num_warps=4 if block <= 2048 else 8,
+                                  **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return q, scale
 
 
-__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens", "to_fp8", "token_scale"]
+__all__ = ["BlockConfig", "block_config", "block_linear", "quantize_tokens", "to_fp8", "token_constants",
+           "token_scale"]

@@ -27,7 +27,9 @@ RMSNorm holds its row in registers as triton_ops' kernel does (the same launch s
 slices recompute their columns with the row's rsqrt). SiLU-and-mul holds its row when it is one slice of at most
 ONE_PASS_COLS, else reads it in LOOP_BLOCK-column steps, the amax first, then its slice's quantized values. A norm
 weight of another dtype than x (whose product promotes) takes the two unfused launches. No host reads of device values
-and no value-dependent shapes: CUDA-graph safe.
+and no value-dependent shapes: CUDA-graph safe. Programmatic dependent launch (`ops.pdl`; NVIDIA sm_90+, on by default
+there, `pdl=False` off): both kernels wait for the kernel before first, then let the next kernel (the fp8 GEMM, which
+prefetches its weights meanwhile) start.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops import triton_ops
-from rapidserve.ops.fp8 import MIN_AMAX, QuantizedRows, fp8_max
-from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_scale
+from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
 from rapidserve.ops.triton_ops import _rms_row, _silu_mul, _warps
 
 ONE_PASS_COLS = 16384  # SiLU-and-mul rows up to this wide stay in registers (16 warps: 32 values a thread)
@@ -57,10 +60,6 @@ def slice_cols(rows: int, cols: int, min_slice: int, target: int = TARGET_PROGRA
         return cols
     width = max(min_slice, triton.next_power_of_2(-(-cols // pieces)))
     return cols if width >= cols else width
-
-
-def _fp8_args(fp8: torch.dtype) -> dict[str, float]:
-    return {"TOP": fp8_max(fp8), "RCP": 1.0 / fp8_max(fp8), "MIN_AMAX": MIN_AMAX}  # quantize_tokens' constants
 
 
 @triton.jit
@@ -82,9 +81,14 @@ def _rms_slice(x_ptr, r_ptr, w_ptr, res_out_ptr, row, stride_x, stride_r, n_cols
 @triton.jit
 def _rms_norm_fp8_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, n_cols, stride_x, stride_r, eps,
                          TOP: tl.constexpr, RCP: tl.constexpr, MIN_AMAX: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, VEC: tl.constexpr, WHOLE: tl.constexpr, SLICE: tl.constexpr):
+                         BLOCK: tl.constexpr, VEC: tl.constexpr, WHOLE: tl.constexpr, SLICE: tl.constexpr,
+                         USE_GDC: tl.constexpr):
     """WHOLE: one program a row (grid [M, 1]); else grid [M, cdiv(n_cols, SLICE)], program (row, s) quantizes
-    columns [s * SLICE, (s + 1) * SLICE) (module docstring)."""
+    columns [s * SLICE, (s + 1) * SLICE) (module docstring). USE_GDC (`ops.pdl`): waits for the kernel before, then
+    lets the next one start."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     fp8 = q_ptr.dtype.element_ty
     # a 2-D x is triton_ops' row view (n_inner 1, inner stride 0): the same loads and sums as its kernel
@@ -120,7 +124,7 @@ def _check_2d(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-             fp8: torch.dtype, slice_width: int | None) -> tuple[QuantizedRows, torch.Tensor | None]:
+             fp8: torch.dtype, slice_width: int | None, pdl: bool | None) -> tuple[QuantizedRows, torch.Tensor | None]:
     x = _check_2d("rms_norm_fp8", x)
     m, n_cols = x.shape
     if weight.shape != (n_cols,):
@@ -129,10 +133,10 @@ def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
     if weight.dtype != x.dtype:  # the norm's output promotes: the unfused launches, the same numbers
         if residual is None:
-            y, res = triton_ops.rms_norm(x, weight, eps), None
+            y, res = triton_ops.rms_norm(x, weight, eps, pdl=pdl), None
         else:
-            y, res = triton_ops.add_rms_norm(x, residual, weight, eps)
-        return QuantizedRows(*quantize_tokens(y, fp8), y.dtype), res
+            y, res = triton_ops.add_rms_norm(x, residual, weight, eps, pdl=pdl)
+        return QuantizedRows(*quantize_tokens(y, fp8, pdl=pdl), y.dtype), res
     q = torch.empty((m, n_cols), dtype=fp8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
@@ -143,9 +147,9 @@ def _rms_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tenso
     width = _slice_width(slice_width, slice_cols(m, n_cols, RMS_MIN_SLICE), block)
     _rms_norm_fp8_kernel[(m, triton.cdiv(n_cols, width))](
         x, r, weight, q, scale, res_out if res_out is not None else x, n_cols, x.stride(0),
-        r.stride(0) if residual is not None else 0, eps, **_fp8_args(fp8), HAS_RESIDUAL=residual is not None,
+        r.stride(0) if residual is not None else 0, eps, **token_constants(fp8), HAS_RESIDUAL=residual is not None,
         BLOCK=block, VEC=16 // x.element_size(), WHOLE=width >= block, SLICE=width, num_warps=_warps(block),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return QuantizedRows(q, scale, x.dtype), res_out
 
 
@@ -159,18 +163,19 @@ def _slice_width(given: int | None, rule: int, block: int) -> int:
 
 
 def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8: torch.dtype,
-                 slice_width: int | None = None) -> QuantizedRows:
+                 slice_width: int | None = None, pdl: bool | None = None) -> QuantizedRows:
     """`triton_ops.rms_norm(x, weight, eps)` quantized per token to `fp8` in one launch (module docstring).
     `slice_width`: columns a program quantizes (default `slice_cols`' rule; the row's width or more: one program a
-    row)."""
-    return _rms_fp8(x, None, weight, eps, fp8, slice_width)[0]
+    row). `pdl`: programmatic dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    return _rms_fp8(x, None, weight, eps, fp8, slice_width, pdl)[0]
 
 
 def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     fp8: torch.dtype, slice_width: int | None = None) -> tuple[QuantizedRows, torch.Tensor]:
+                     fp8: torch.dtype, slice_width: int | None = None,
+                     pdl: bool | None = None) -> tuple[QuantizedRows, torch.Tensor]:
     """`triton_ops.add_rms_norm`'s (normed rows quantized per token to `fp8`, residual + x) in one launch;
-    `slice_width` as `rms_norm_fp8`'s."""
-    rows, res = _rms_fp8(x, residual, weight, eps, fp8, slice_width)
+    `slice_width`, `pdl` as `rms_norm_fp8`'s."""
+    rows, res = _rms_fp8(x, residual, weight, eps, fp8, slice_width, pdl)
     assert res is not None
     return rows, res
 
@@ -187,7 +192,12 @@ def _silu_row(x_row, cols, n_inter):
 @triton.jit
 def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_xt, n_inter, slice_width, TOP: tl.constexpr,
                              RCP: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-                             Q_BLOCK: tl.constexpr):
+                             Q_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    """Program (token, slice) (module docstring). USE_GDC (`ops.pdl`): waits for the kernel before, then lets the
+    next one start."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     sl = tl.program_id(1)
     x_row = x_ptr + t * stride_xt
@@ -213,11 +223,11 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, s_ptr, stride_xt, n_inter, slice_widt
 
 
 def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype, one_pass_cols: int = ONE_PASS_COLS,
-                     slice_width: int | None = None) -> QuantizedRows:
+                     slice_width: int | None = None, pdl: bool | None = None) -> QuantizedRows:
     """`triton_ops.silu_and_mul(x)` (x [M, 2I] = cat(gate, up)) quantized per token to `fp8` in one launch: q
     [M, I], scale [M, 1] (module docstring). `one_pass_cols`: the widest row held in registers (tests set it
     lower to take the loop); `slice_width`: columns a program quantizes (default `slice_cols`' rule; I or more: one
-    program a row)."""
+    program a row); `pdl`: programmatic dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     x = _check_2d("silu_and_mul_fp8", x)
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul_fp8 needs an even last dim (cat(gate, up)); got {tuple(x.shape)}")
@@ -233,8 +243,9 @@ def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype, one_pass_cols: int = ONE
     if width >= n_inter:
         width = triton.cdiv(n_inter, q_block) * q_block
     _silu_and_mul_fp8_kernel[(m, triton.cdiv(n_inter, width))](
-        x, q, scale, x.stride(0), n_inter, width, **_fp8_args(fp8), BLOCK=block, ONE_PASS=one_pass, Q_BLOCK=q_block,
-        num_warps=max(4, min(16, block // 512)), enable_fp_fusion=False)
+        x, q, scale, x.stride(0), n_inter, width, **token_constants(fp8), BLOCK=block, ONE_PASS=one_pass,
+        Q_BLOCK=q_block, num_warps=max(4, min(16, block // 512)), enable_fp_fusion=False,
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return QuantizedRows(q, scale, x.dtype)
 
 

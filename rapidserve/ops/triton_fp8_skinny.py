@@ -40,6 +40,11 @@ launch beside it (two launches again) or a buffer kept between calls, which ever
 state here, and a race between streams). Which (tiles, S) a shape takes is measured, never assumed: the sweep times S
 of 2, 4 and 8, both kernels in each timing, against the one-pass tiles.
 
+Programmatic dependent launch (`ops.pdl`; NVIDIA sm_90+, on by default there, `pdl=False` off), as the bf16 kernel's
+(triton_skinny): a program pulls the first bytes of its weight rows (of its K slice) into L2 before it waits for the
+kernel before (`prefetch_rows`, `prefetch_bytes`: triton_skinny.PREFETCH_BYTES over the launch) and lets the next
+kernel start after its K loop; the split-K reduce kernel waits first and lets the next start at once (it is small).
+
 Which call goes here, with which tiles, is `plan`, a pure function of (rows, N, K, device, tables): the tuned table of
 this GPU (`fp8_tiles`, measured by bench/decode_profile.py --quantization fp8 --sweep) where it covers the call, its
 entry either tiles (split-K where the entry says so) or "scaled_mm"; else the untuned rule, the kernel as it was before
@@ -56,10 +61,12 @@ import torch
 import triton
 import triton.language as tl
 
+from rapidserve.ops import pdl as pdl_launch
+from rapidserve.ops import triton_skinny
 from rapidserve.ops.fp8 import QuantizedRows, cdiv
 from rapidserve.ops.fp8_tiles import MAX_ROWS, SCALED_MM, Fp8Tables, Fp8Tiles, load_tables, lookup
 from rapidserve.ops.triton_fp8 import quantize_tokens
-from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, skinny_config
+from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, prefetch_bytes, prefetch_rows, skinny_config
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 # Products of K summed in wgmma's fp8 accumulator before they are added into fp32 (sm_90 only; `max_num_imprecise_acc`).
@@ -132,10 +139,13 @@ def _planned(rows: int, weight: torch.Tensor, tables: Fp8Tables | None) -> Fp8Ti
 
 @triton.jit
 def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K_PER, stride_xm, stride_wn,
-                       stride_om, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
+                       stride_om, prefetch, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PROMOTE: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr):
     """Column tile program_id(0) over all of K; SPLIT: over K slice program_id(1), [s * K_PER, (s + 1) * K_PER) cut at
-    K, its raw float32 sums stored at out_ptr, the workspace [splits, M, N] (module docstring)."""
+    K, its raw float32 sums stored at out_ptr, the workspace [splits, M, N] (module docstring). USE_GDC (`ops.pdl`):
+    PREFETCH pulls the first `prefetch` bytes of its weight rows' slice into L2, then it waits for the kernel before;
+    it lets the next one start after its K loop."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -147,6 +157,11 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
     else:  # the whole of K, as before split-K (the same loop)
         k_lo = 0
         k_hi = K
+    if USE_GDC:
+        if PREFETCH:  # the weights (no kernel writes them; fp8: a byte an element), rows past N clamped to the last
+            prefetch_rows(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_lo,
+                          tl.minimum(prefetch, k_hi - k_lo))
+        tl.extra.cuda.gdc_wait()  # x8 and sx are the kernel before's output
     # SWAP: acc^T [BLOCK_N, BLOCK_M] = w8 @ x8^T, the weight tile as wgmma's 64-tall operand
     acc_t = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -162,6 +177,8 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
             acc_t = tl.dot(w, tl.trans(x8), acc_t, max_num_imprecise_acc=PROMOTE)
         else:
             acc_t = tl.dot(x8, tl.trans(w), acc_t, max_num_imprecise_acc=PROMOTE)
+    if USE_GDC:  # after the K loop (`ops.pdl`, rule 3)
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.trans(acc_t) if SWAP else acc_t
     if SPLIT:  # this slice's raw sums; `_fp8_split_reduce_kernel` scales them
         part = out_ptr + tl.program_id(1).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
@@ -184,9 +201,14 @@ def _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_
 
 @triton.jit
 def _fp8_split_reduce_kernel(ws_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
-                             SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                             SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             USE_GDC: tl.constexpr):
     """out[rm, rn] for rows [program_id(0) * BLOCK_M, ...) and columns [program_id(1) * BLOCK_N, ...): the SPLITS
-    slices' float32 sums of the workspace [SPLITS, M, N] added in order 0, 1, ..., then `_epilogue`."""
+    slices' float32 sums of the workspace [SPLITS, M, N] added in order 0, 1, ..., then `_epilogue`. USE_GDC
+    (`ops.pdl`): waits for the split kernel, then lets the next kernel start."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -231,7 +253,7 @@ def routed_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            dtype: torch.dtype, config: Fp8Tiles | None) -> torch.Tensor:
+            dtype: torch.dtype, config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None) -> torch.Tensor:
     n, k = weight.shape
     m = x8.shape[0]
     if bias is not None and bias.shape != (n,):
@@ -244,44 +266,54 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     k_per, splits = split_slices(k, cfg)
     # splits > 1: the kernel writes its slices' sums to a float32 workspace, which the reduce kernel scales into out
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x8.device) if splits > 1 else out
-    _fp8_skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), out.stride(0),
+    tiles = triton.cdiv(n, cfg.block_n)
+    on = pdl_launch.use_pdl(pdl, x8.device)
+    budget = triton_skinny.PREFETCH_BYTES if prefetch is None else prefetch
+    ahead = prefetch_bytes(weight, tiles * splits * cfg.block_n, k_per, budget) if on else 0
+    _fp8_skinny_kernel[(tiles, splits)](
+        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), out.stride(0), ahead,
         HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,
         SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PROMOTE=min(cfg.block_k, PROMOTE_EVERY), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PROMOTE=min(cfg.block_k, PROMOTE_EVERY), PREFETCH=ahead > 0, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_launch.launch_options(on))
     if splits > 1:
         bm, bn = reduce_tile(m)
         _fp8_split_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             ws, sx, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_M=bm,
-            BLOCK_N=bn, num_warps=4)
+            BLOCK_N=bn, num_warps=4, **pdl_launch.launch_options(on))
     return out
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: Fp8Tiles | None = None) -> torch.Tensor:
+                      config: Fp8Tiles | None = None, pdl: bool | None = None,
+                      prefetch: int | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) through an fp8 projection (weight [N, K], float32 scale [N]) -> [M, N] in x's
-    dtype (module docstring), on `config`'s tiles (default: `plan`'s, else `rule_tiles`). ValueError for what it
-    cannot take; callers check `fp8_ok` first."""
+    dtype (module docstring), on `config`'s tiles (default: `plan`'s, else `rule_tiles`). `pdl`: programmatic
+    dependent launch of its launches, the quantizer's included (`ops.pdl.use_pdl`; None: where the GPU has it), with
+    `prefetch` bytes of weight pulled into L2 before the wait (default triton_skinny.PREFETCH_BYTES; 0: none).
+    ValueError for what it cannot take; callers check `fp8_ok` first."""
     n, k = weight.shape
     if not fp8_ok(x, weight, scale):
         raise ValueError(f"skinny_fp8_linear takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] with a contiguous last "
                          f"dim, a contiguous fp8 weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
-    x8, sx = quantize_tokens(x, weight.dtype)
-    return _launch(x8, sx, weight, scale, bias, x.dtype, config)
+    x8, sx = quantize_tokens(x, weight.dtype, pdl=pdl)
+    return _launch(x8, sx, weight, scale, bias, x.dtype, config, pdl, prefetch)
 
 
 def skinny_fp8_linear_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
-                           bias: torch.Tensor | None = None, config: Fp8Tiles | None = None) -> torch.Tensor:
+                           bias: torch.Tensor | None = None, config: Fp8Tiles | None = None, pdl: bool | None = None,
+                           prefetch: int | None = None) -> torch.Tensor:
     """`skinny_fp8_linear` of the rows that `rows` quantize (the fused producers' output, triton_fp8_fused): the
-    same kernel and tiles on the same x8 and scales, out in rows.dtype. ValueError unless `rows_ok`."""
+    same kernel and tiles on the same x8 and scales, out in rows.dtype; `pdl`, `prefetch` as there. ValueError unless
+    `rows_ok`."""
     if not rows_ok(rows, weight, scale):
         n, k = weight.shape
         raise ValueError(f"skinny_fp8_linear_rows takes 1..{MAX_ROWS} rows q [M, {k}] of the weight's fp8 with "
                          f"scale [M, 1] float32 (of bf16/fp16 rows), a contiguous weight and float32 scales [{n}]; "
                          f"got q {tuple(rows.q.shape)} {rows.q.dtype}, scale {tuple(rows.scale.shape)}, rows of "
                          f"{rows.dtype}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)}")
-    return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config)
+    return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config, pdl, prefetch)
 
 
 __all__ = ["RULE_ROWS", "TUNED", "device_name", "fp8_config", "fp8_ok", "plan", "reduce_tile", "routed", "routed_rows",

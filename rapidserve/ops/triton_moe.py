@@ -35,12 +35,15 @@ zero by every launch, so the standalone `launch_gate_up` / `launch_down` (benche
 slot and one split: down stores the token's row directly.
 
 Programmatic dependent launch (NVIDIA compute capability 9.0 and later, where this Triton has `launch_pdl`;
-`use_pdl`): gate|up and down are launched so their programs may start before the launch before them ends (CUDA graphs
-keep that as a programmatic edge), hiding the gap between the three launches. Each waits (`gdc_wait`: the launch
-before complete and its writes visible) before it reads anything; gate|up then lets down's programs start
-(`gdc_launch_dependents`), which happens only once every gate|up program has passed its wait, so the alignment is
-complete before any down program runs too. Off on ROCm and in the interpreter; `pdl=False` turns it off (the bench's
-A/B).
+`ops.pdl`, whose rules these kernels keep): gate|up and down are launched so their programs may start before the
+launch before them ends (CUDA graphs keep that as a programmatic edge), hiding the gap between the three launches.
+Each waits (`gdc_wait`: the launch before complete and its writes visible) before it reads anything; gate|up lets
+down's programs start (`gdc_launch_dependents`) after its K loop, before its epilogue and cross-program sums: its grid
+may exceed one wave, and down's programs, resident early and waiting, would take the SM slots of gate|up's later
+ones (h-moesmall let them start right after the wait: Mixtral's decode layer at batch 1 took 203 us in a graph
+against 178 without PDL). down lets the next kernel start after its K loop too; a persistent program of either after
+its last tile's K loop (`triton_moe_gemm.py`). Off on ROCm and in the interpreter; `pdl=False` turns it off (the
+bench's A/B).
 
 Every expert's weight is read once per BLOCK_N column block per run of BLOCK_M pairs: at decode, with fewer pairs
 than an expert's BLOCK_M, once per step; experts no pair chose are not read at all. The tiles (`MoeKernelConfig`:
@@ -55,7 +58,7 @@ from __future__ import annotations
 import torch
 
 from rapidserve.ops.moe import Alignment
-from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, pdl_available, semaphores, split_plan, use_pdl
+from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, semaphores, split_plan
 from rapidserve.ops.moe_tiles import (
     MoeKernelConfig,
     MoeTables,
@@ -138,7 +141,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               pdl: bool | None = None) -> torch.Tensor:
     """The experts' weighted sum per token [T, h] in x's dtype (module docstring; `ops.moe.moe_experts_ref`'s
     contract). `config`: the tiles (default `moe_config`'s from `tables`, default the packaged ones); `pdl`:
-    programmatic dependent launch of the two GEMMs (`use_pdl`: default where the GPU has it)."""
+    programmatic dependent launch of the two GEMMs (`ops.pdl.use_pdl`: default where the GPU has it)."""
     _check(x, w13, w2, weights, ids)
     t, h = x.shape
     num_experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
@@ -172,5 +175,4 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
 
 
 __all__ = ["ALIGN_ONE_PROGRAM", "SPLIT_SCRATCH_BYTES", "TUNED", "Split", "align", "device_name", "experts",
-           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "pdl_available", "routed_moe", "semaphores",
-           "split_plan", "use_pdl"]
+           "fused_moe", "launch_down", "launch_gate_up", "moe_config", "routed_moe", "semaphores", "split_plan"]

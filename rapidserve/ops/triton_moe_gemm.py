@@ -27,6 +27,13 @@ the copy zero-fills past K (no K mask on B); a box past N reads the next expert'
 whose results are not stored, as the pointer path's wrapped columns are not. ROCm takes the pointer loads whatever
 the table says. The gathered x / act rows stay pointer loads (Hopper's TMA has no row gather).
 
+Programmatic dependent launch (`ops.pdl`'s rules; `triton_moe.py` says why the trigger is late): every program
+waits (`gdc_wait`, USE_GDC) before its first global access (the filled-tile count, the sorted rows, the TMA loads:
+copies from global memory like any other) and before an idle one returns; a one-tile program lets the next launch's
+programs start (`gdc_launch_dependents`) after its K loop, before its epilogue; a persistent program only after the
+K loop of its last tile (a runtime test on the tile index: the instruction counts once, at its first run, so an
+earlier tile's would start the dependents while most of its work remains).
+
 Loads are masked only on a K tail (EVEN_K: none): padding rows read token 0's row and pointer columns past N wrap to
 the first rows of the weight, and neither result is stored. The variants (EVEN_K, any GROUP_M, TMA, PERSISTENT) give
 the same bits, split K the same numbers to fp32 rounding (tests/test_moe_ops.py). fp32 inputs multiply in IEEE fp32
@@ -40,8 +47,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.moe import Alignment
-from rapidserve.ops.moe_plan import split_plan, use_pdl
+from rapidserve.ops.moe_plan import split_plan
 from rapidserve.ops.moe_tiles import GemmTiles
 
 OFF_GPU_SMS = 3  # the "SMs" a persistent grid is sized for off a GPU (the interpreter: a few programs, many tiles each)
@@ -85,11 +93,14 @@ def _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K: tl.constex
 def _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m, pid_n,
                   pid_s, k_lo, k_hi, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om,
                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr):
+                  EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+                  USE_GDC: tl.constexpr, trigger):
     """One tile of `_gate_up_kernel` over split pid_s's K range [k_lo, k_hi); w [E, 2N, K] (gate rows [0, N), up rows
     [N, 2N)), row-major (TMA: w_desc over it viewed [E * 2N, K]). SPLIT (more than one split): each split stores
     its fp32 sums in part [splits, pairs, 2N] and counts itself in the tile's semaphore; the split that arrives last
-    sums the splits in split order and applies the epilogue (`triton_moe.py`)."""
+    sums the splits in split order and applies the epilogue (`triton_moe.py`). USE_GDC: the kernel has waited
+    already; where `trigger` (True, or a persistent program's last tile) the next launch's programs may start after
+    this tile's K loop (module docstring)."""
     e = tl.load(expert_ptr + pid_m)
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < pairs
@@ -125,6 +136,10 @@ def _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, 
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if USE_GDC:  # noqa: SIM102 (a constexpr, then a runtime test) after the K loop (`ops.pdl`, rule 3): down's
+        # programs may start, and wait in turn
+        if trigger:
+            tl.extra.cuda.gdc_launch_dependents()
     mask = row_ok[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         mine = part_ptr + (pid_s * pairs + rows).to(tl.int64)[:, None] * (2 * N) + offs_n[None, :]
@@ -159,24 +174,23 @@ def _gate_up_kernel(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         if USE_GDC:  # launched early (programmatic dependent launch): the alignment's launch complete and visible
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()  # then down's programs may start (and wait in turn)
+            tl.extra.cuda.gdc_wait()  # first, before any global access (the tile count, the TMA loads included)
         num_tiles = tl.load(post_ptr) // BLOCK_M * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _program_tile(tile, num_tiles, num_pid_n, group_m)
             _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m,
                           pid_n, 0, 0, K, num_pid_n, 1, stride_xm, stride_we, stride_wn, stride_om, TOP_K, BLOCK_M,
-                          BLOCK_N, BLOCK_K, EVEN_K, False, IEEE, TMA)
+                          BLOCK_N, BLOCK_K, EVEN_K, False, IEEE, TMA, USE_GDC,
+                          tile + tl.num_programs(0) >= num_tiles)  # dependents after the last tile's K loop
     else:
         pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
         if USE_GDC:  # as above
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         if pid_m * BLOCK_M >= tl.load(post_ptr):
             return
         _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m,
                       pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om, TOP_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, IEEE, TMA)
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, IEEE, TMA, USE_GDC, True)
 
 
 @triton.jit
@@ -217,12 +231,12 @@ def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, so
                pid_m, pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, RED_N: tl.constexpr,
-               IEEE: tl.constexpr, TMA: tl.constexpr):
+               IEEE: tl.constexpr, TMA: tl.constexpr, USE_GDC: tl.constexpr, trigger):
     """One tile of `_down_kernel` over split pid_s's K range; w [E, N, K] row-major (TMA: w_desc over [E * N, K]),
     weights [T*k] float32; padding rows read act's row 0. REDUCE (top_k or splits above 1): stored in part
     [splits, pairs, N], counted in the semaphore of each (token, n block), and the program that brings a token's
     count to top_k x splits sums its partial rows into out [T, N] (`_reduce_tokens`); else (one slot, one split) the
-    product is the token's row of out."""
+    product is the token's row of out. USE_GDC, `trigger` as `_gate_up_tile`'s."""
     e = tl.load(expert_ptr + pid_m)
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < pairs
@@ -246,6 +260,9 @@ def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, so
         acc = tl.dot(a, b, acc, input_precision="ieee") if IEEE else tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if USE_GDC:  # noqa: SIM102 (a constexpr, then a runtime test) after the K loop (`ops.pdl`, rule 3)
+        if trigger:
+            tl.extra.cuda.gdc_launch_dependents()
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     n_ok = offs_n < N
     mask = row_ok[:, None] & n_ok[None, :]
@@ -276,14 +293,15 @@ def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, 
     num_programs-th filled tile from this program's (module docstring; `_down_tile`)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        if USE_GDC:  # launched early: gate|up's launch complete and visible first
+        if USE_GDC:  # launched early: gate|up's launch complete and visible first, before any global access
             tl.extra.cuda.gdc_wait()
         num_tiles = tl.load(post_ptr) // BLOCK_M * num_pid_n
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):  # not flattened: module docstring
             pid_m, pid_n = _program_tile(tile, num_tiles, num_pid_n, group_m)
             _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, pairs, N,
                        K, pid_m, pid_n, 0, 0, K, num_pid_n, 1, stride_am, stride_we, stride_wn, stride_om, TOP_K,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, REDUCE, RED_N, IEEE, TMA)
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, REDUCE, RED_N, IEEE, TMA, USE_GDC,
+                       tile + tl.num_programs(0) >= num_tiles)  # dependents after the last tile's K loop
     else:
         pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
         if USE_GDC:  # as above
@@ -292,7 +310,7 @@ def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, 
             return
         _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, pairs, N, K,
                    pid_m, pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
-                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, REDUCE, RED_N, IEEE, TMA)
+                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, REDUCE, RED_N, IEEE, TMA, USE_GDC, True)
 
 
 def _group_m(tiles: GemmTiles, m_blocks: int) -> int:
@@ -306,10 +324,6 @@ def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.T
     if sems.dtype != torch.int32 or sems.numel() < need:
         raise ValueError(f"semaphores must be int32 of at least {need} elements, got {sems.dtype} x {sems.numel()}")
     return sems
-
-
-def _pdl_options(pdl: bool) -> dict[str, bool]:
-    return {"USE_GDC": pdl, **({"launch_pdl": True} if pdl else {})}
 
 
 def use_tma(tiles: GemmTiles, w: torch.Tensor) -> bool:
@@ -371,7 +385,7 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Al
     """act [pairs, I] = SiLU(gate) * up of every pair's token row of x (`_gate_up_kernel`); `even_k` (default:
     whether K % BLOCK_K == 0) picks the unmasked K loop: forcing it off is for the tests. Where `tiles` split K:
     `sems` (int32, zero, at least the tiles; left zero) count the splits, new zeros when None. `pdl`: programmatic
-    dependent launch (`moe_plan.use_pdl`; `triton_moe.py`)."""
+    dependent launch (`ops.pdl.use_pdl`; `triton_moe.py`)."""
     pairs, inter, h = act.shape[0], act.shape[1], x.shape[1]
     m_blocks = al.expert_ids.numel()
     n_blocks = -(-inter // tiles.block_n)
@@ -387,7 +401,8 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Al
         w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         EVEN_K=h % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1,
         IEEE=x.dtype == torch.float32, TMA=tma, PERSISTENT=bool(tiles.persistent) and split.splits == 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_pdl_options(use_pdl(pdl, x.device)))
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, al: Alignment,
@@ -419,7 +434,8 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights:
         SPLIT=split.splits > 1, REDUCE=reduce, RED_N=reduce_width(block_m, tiles, top_k),
         IEEE=act.dtype == torch.float32, TMA=tma,
         PERSISTENT=bool(tiles.persistent) and split.splits == 1, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_pdl_options(use_pdl(pdl, out.device)))
+        num_stages=tiles.num_stages,
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, out.device)))
 
 
 __all__ = ["OFF_GPU_SMS", "REDUCE_ELEMS", "grid_size", "launch_down", "launch_gate_up", "reduce_width", "sm_count",

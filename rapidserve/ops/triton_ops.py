@@ -7,6 +7,11 @@ Reduction order differs from torch, so fp32 sums can differ in the last bit.
 
 No op reads a device value on the host or allocates value-dependent memory: all are CUDA-graph safe.
 Inputs need a contiguous last dim; leading dims may be strided (e.g. q/k views of a fused qkv).
+
+Programmatic dependent launch (`ops.pdl`; NVIDIA sm_90+, on by default there, `pdl=False` off) for the ops of a decode
+step: RMSNorm (with the residual add), RoPE + KV write (`rope_write`) and SiLU-and-mul wait for the kernel before
+first, then let the next kernel start (they are small: one wave or less at decode). The unfused fallbacks (`apply_rope`,
+`qk_norm_rope`, `write_kv`) launch without it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import triton
 import triton.language as tl
 
 from rapidserve.attention.triton_paged import check_cache, to_cache, write_kv
+from rapidserve.ops import pdl as pdl_launch
 
 
 def _warps(block: int) -> int:
@@ -52,7 +58,10 @@ def _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_x
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
                      stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # `ops.pdl`: the kernel before complete first, then the next may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     y, _ = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                     n_cols, eps, HAS_RESIDUAL, True, BLOCK)
@@ -72,7 +81,7 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _rms_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                eps: float, pdl: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1]
     if weight.shape != (n_cols,):
         raise ValueError(f"weight must be [{n_cols}] (the last dim of x); got {tuple(weight.shape)}")
@@ -94,19 +103,20 @@ def _rms_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _rms_norm_kernel[(num_rows,)](
         xv, rv, weight, out, res_out if res_out is not None else out, n_inner, sxo, sxi, sro, sri,
         n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return out, res_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (x [..., N], weight [N]); returns a new contiguous tensor."""
-    return _rms_launch(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim (x [..., N], weight [N]); returns a new contiguous tensor. `pdl`: programmatic
+    dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    return _rms_launch(x, None, weight, eps, pdl)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x) in one pass; returns new tensors."""
-    out, res_out = _rms_launch(x, residual, weight, eps)
+                 eps: float, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) in one pass; returns new tensors. `pdl` as `rms_norm`'s."""
+    out, res_out = _rms_launch(x, residual, weight, eps, pdl)
     assert res_out is not None
     return out, res_out
 
@@ -275,7 +285,10 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slo
                        NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
                        CACHE_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_QH: tl.constexpr,
                        BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, KV_FP8: tl.constexpr,
-                       FP8_MAX: tl.constexpr):
+                       FP8_MAX: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # `ops.pdl`: the qkv projection complete first, then the attention may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c, s = _cos_sin(cs_ptr, pos, HALF, BLOCK_HALF, q_ptr.dtype.element_ty)
@@ -307,12 +320,22 @@ def _rope_write_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, slo
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               pdl: bool | None = None) -> torch.Tensor:
     """One launch for what a layer does between its qkv projection and attention: (Qwen3's per-head q/k
     RMSNorm when the weights are given,) RoPE of q IN PLACE, and the rotated k and v written to their
     cache slots (rows with slot < 0 write nothing; an fp8 cache quantized with `k_scale` / `v_scale`, as
     triton_paged.write_kv). Returns q (rotated); k is left as it was. Same results as qk_norm_rope / apply_rope
-    then write_kv. Norm weights of another dtype than q take that unfused path."""
+    then write_kv. Norm weights of another dtype than q take that unfused path. `pdl`: programmatic dependent
+    launch (`ops.pdl.use_pdl`; None: where the GPU has it).
+
+    Why its own launch (about 3 us a layer at decode, H200): folded into the qkv GEMM's epilogue, a program would
+    need whole heads (the q/k norm spans a head, RoPE pairs column j with j + head_dim / 2), so column tiles of
+    head_dim or more aligned to heads (the tuned 64-wide tiles give q|k|v's 6144 columns 96 programs; 128-wide ones
+    48 on 132 SMs), and under split-K the epilogue is the reduce kernel's; folded into the attention's split kernel,
+    the new token's k and v must reach the cache before any split of its sequence reads them (or the split holding
+    the last key takes them from registers, fp8 cache rounding included) in a loop every decode configuration
+    shares. Neither is clearly cheaper than the launch, whose start PDL overlaps with the qkv GEMM's tail."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rope_write takes both q/k norm weights or neither")
     if q_weight is not None and k_weight is not None and (q_weight.dtype != q.dtype or k_weight.dtype != k.dtype):
@@ -341,7 +364,8 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
         q, k, v, q_weight if q_weight is not None else q, k_weight if k_weight is not None else k, positions,
         cache, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), eps, NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=k.shape[1], CACHE_BLOCK=k_cache.shape[2],
-        HAS_NORM=q_weight is not None, **blocks, **fp8, enable_fp_fusion=False)
+        HAS_NORM=q_weight is not None, **blocks, **fp8, enable_fp_fusion=False,
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, q.device)))
     return q
 
 
@@ -356,7 +380,10 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    if USE_GDC:  # `ops.pdl`: the kernel before complete first, then the next may start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
@@ -366,8 +393,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, n_inter, BLOCK: tl.constexpr
     tl.store(out_ptr + t * n_inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2I] = cat(gate, up) -> silu(gate) * up, a new tensor [..., I]."""
+def silu_and_mul(x: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+    """x [..., 2I] = cat(gate, up) -> silu(gate) * up, a new tensor [..., I]. `pdl`: programmatic dependent launch
+    (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dim (cat(gate, up)); got {tuple(x.shape)}")
     n_inter = x.shape[-1] // 2
@@ -380,5 +408,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n_inter))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n_inter, block))](
         x2, out, x2.stride(0), n_inter, BLOCK=block, num_warps=4 if block >= 512 else 1,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return out

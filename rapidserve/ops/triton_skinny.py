@@ -17,8 +17,15 @@ With the whole GPU only: it reads at a lower rate per SM than cuBLAS, so on a pa
 batch 1-16 was 23-37% slower with it on 16 SMs and 11-19% on 32 (H100 profile, 2026-11-27 06:29 UTC); the
 runner captures graphs of a partial partition with `ops.cublas_linears`.
 
-Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail; launching with
-programmatic dependent launch did not shorten a chain of them (bench/experiments/2026-11/pdl_probe.py). At 24-64 rows (a
+Each call of a small weight also pays about 2.7 us of launch, pipeline fill and tail. Programmatic dependent
+launch (`ops.pdl`; NVIDIA sm_90+, on by default there, `pdl=False` off): the kernel's programs start while the
+kernel before (a norm, SiLU-and-mul) still runs; before waiting for it (`gdc_wait`) each pulls the first bytes of
+its weight rows into L2 (`prefetch_rows`: one bulk prefetch a row, cp.async.bulk.prefetch.L2; PREFETCH_BYTES over
+the launch, so the weights' first tiles arrive while the kernel before ends), and it lets the next kernel start only
+after its K loop (its grid may exceed one wave). A chain of these GEMMs alone with PDL and no prefetch was no faster
+(bench/experiments/2026-11/pdl_probe.py: 14.0 us a layer plain, 14.8 with the dependents launched after the K loop);
+what the prefetch and the small kernels between the GEMMs change is measured by bench/decode_profile.py's "no PDL"
+column. At 24-64 rows (a
 wider row tile, measured on the H200 and removed since) cuBLAS was faster (qkv 16.0 vs 20.6 us at 24 rows),
 so the kernel takes at most 16 rows. A variant
 that formed SiLU-and-mul in the down projection's loads ran 4x slower than cuBLAS (its activation tile
@@ -49,8 +56,36 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rapidserve.ops import pdl as pdl_launch
+
 MAX_ROWS = 16  # BLOCK_M: the tensor-core tile's rows; more rows go to cuBLAS (measured faster there)
 MIN_PROGRAMS = 96  # `linear` uses the kernel only for weights whose grid has at least this many programs
+# With PDL, the weight bytes a launch prefetches into L2 before its wait (`prefetch_bytes`): about what the H200 reads
+# in the ~2-3 us of the small kernel before it (4.8 TB/s), a sixth of its L2; a first choice, not measured yet.
+PREFETCH_BYTES = 8 << 20
+PREFETCH_ALIGN = 16  # cp.async.bulk.prefetch: a 16-byte aligned address and a multiple of 16 bytes
+
+
+def prefetch_bytes(weight: torch.Tensor, rows: int, span: int, budget: int = PREFETCH_BYTES) -> int:
+    """Bytes of each weight row a program prefetches into L2 before its PDL wait: the launch's `budget` over its
+    `rows` rows (programs x rows a program), at most the program's K `span` (in elements; its slices start at
+    multiples of it), a multiple of PREFETCH_ALIGN; 0 (none) where the rows' or slices' starts are not 16-byte
+    aligned or a row would get less than 128 bytes (one L2 line)."""
+    size = weight.element_size()
+    if rows <= 0 or any(b % PREFETCH_ALIGN for b in (weight.data_ptr(), weight.stride(0) * size, span * size)):
+        return 0
+    got = min(span * size, budget // rows) // PREFETCH_ALIGN * PREFETCH_ALIGN
+    return got if got >= 128 else 0
+
+
+@triton.jit
+def prefetch_rows(row_ptrs, nbytes):
+    """Pull the first `nbytes` (> 0, a multiple of 16) at each of the 16-byte aligned `row_ptrs` into L2 (sm_90's
+    cp.async.bulk.prefetch.L2: one instruction a row, no registers or shared memory taken, nothing waited for).
+    Only with PDL (`ops.pdl`): what the kernel reads before its wait, which no kernel writes."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;", "=r,l,r",
+                              [row_ptrs, tl.zeros(row_ptrs.shape, tl.int32) + nbytes], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 class SkinnyConfig(NamedTuple):
@@ -81,18 +116,28 @@ def gated_config(n2: int, k: int) -> SkinnyConfig:
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, prefetch,
                    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+                   PREFETCH: tl.constexpr):
     """out[:, n] = x @ w[n] (+ b[n]) for this program's BLOCK_N columns n; GATED: w is [2N, K] =
     cat(gate, up) and out[:, n] = silu(x @ w[n]) * (x @ w[N + n]), each product rounded to the output
-    dtype first (as silu_and_mul of the linear's output)."""
+    dtype first (as silu_and_mul of the linear's output). USE_GDC (`ops.pdl`): PREFETCH pulls the first `prefetch`
+    bytes of its weight rows into L2, then it waits for the kernel before; it lets the next one start after its K
+    loop."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # int64: I * K may pass 2^31
+    if USE_GDC:
+        if PREFETCH:  # the weights (no kernel writes them), rows past N clamped to the last
+            rows = tl.minimum(rn, N - 1).to(tl.int64)
+            prefetch_rows(w_ptr + rows * stride_wn, prefetch)
+            if GATED:
+                prefetch_rows(w_ptr + (rows + N) * stride_wn, prefetch)
+        tl.extra.cuda.gdc_wait()  # x is the kernel before's output
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -109,6 +154,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, 
             else:
                 u = tl.load(u_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
             acc_u = tl.dot(x, tl.trans(u), acc_u)
+    if USE_GDC:  # after the K loop (`ops.pdl`, rule 3)
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -143,27 +190,33 @@ def wide_enough(n: int, k: int, gated: bool = False) -> bool:
     return -(-n // skinny_config(n, k).block_n) >= MIN_PROGRAMS
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): `skinny_linear` where `routed`, else torch's F.linear."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           pdl: bool | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): `skinny_linear` where `routed`, else torch's F.linear. `pdl`: programmatic dependent
+    launch of the kernel (`ops.pdl.use_pdl`; None: where the GPU has it)."""
     if routed(x, weight):
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
-                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: Callable[..., torch.Tensor],
+                        pdl: bool | None = None) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for an MLP's fused gate|up weight [2I, K]: one gated `skinny_linear`
-    where `routed` (the [M, 2I] product is never written), else F.linear then `silu_and_mul`."""
+    where `routed` (the [M, 2I] product is never written), else F.linear then `silu_and_mul` (given `pdl` when it is
+    not None)."""
     if routed(x, weight, gated=True):
-        return skinny_linear(x, weight, gated=True)
-    return silu_and_mul(F.linear(x, weight))
+        return skinny_linear(x, weight, gated=True, pdl=pdl)
+    return silu_and_mul(F.linear(x, weight), **pdl_launch.pdl_kwargs(pdl))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig | None = None, gated: bool = False, pdl: bool | None = None,
+                  prefetch: int | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N], M <= MAX_ROWS, with `config` (default: the table's). With
-    `gated`, weight is cat(gate, up) [2I, K] and the result is silu_and_mul of the product, [M, I].
-    ValueError for shapes that do not fit; callers check `skinny_ok` first."""
+    `gated`, weight is cat(gate, up) [2I, K] and the result is silu_and_mul of the product, [M, I]. `pdl`:
+    programmatic dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it), with `prefetch` bytes of the
+    weight pulled into L2 before the wait (default PREFETCH_BYTES; 0: none). ValueError for shapes that do not fit;
+    callers check `skinny_ok` first."""
     n, k = weight.shape
     m = x.shape[0]
     if not skinny_ok(x, weight):
@@ -180,13 +233,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     cfg = config or (gated_config(n, k) if gated else skinny_config(n, k))
     n_out = n // 2 if gated else n
     out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+    programs = triton.cdiv(n_out, cfg.block_n)
+    on = pdl_launch.use_pdl(pdl, x.device)
+    ahead = prefetch_bytes(weight, programs * cfg.block_n * (2 if gated else 1), k,
+                           PREFETCH_BYTES if prefetch is None else prefetch) if on else 0
+    _skinny_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, m, n_out, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
+        out.stride(0), ahead, HAS_BIAS=bias is not None, GATED=gated,
         EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False)
+        BLOCK_K=cfg.block_k, PREFETCH=ahead > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False, **pdl_launch.launch_options(on))
     return out
 
 
-__all__ = ["MAX_ROWS", "MIN_PROGRAMS", "SkinnyConfig", "gated_config", "linear", "linear_silu_and_mul", "routed",
-           "skinny_config", "skinny_linear", "skinny_ok", "wide_enough"]
+__all__ = ["MAX_ROWS", "MIN_PROGRAMS", "PREFETCH_BYTES", "SkinnyConfig", "gated_config", "linear",
+           "linear_silu_and_mul", "prefetch_bytes", "prefetch_rows", "routed", "skinny_config", "skinny_linear",
+           "skinny_ok", "wide_enough"]

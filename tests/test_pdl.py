@@ -1,0 +1,205 @@
+"""Programmatic dependent launch (rapidserve/ops/pdl.py) on CPU: when it is on (`use_pdl`), the weight prefetch's
+sizes (`triton_skinny.prefetch_bytes`), the switch that turns it off for a whole bundle (`ops.no_pdl`,
+`attention.no_pdl`), and which kernels a decode step launches with it, recorded on meta tensors for an sm_90 and a
+gfx942 target (bench/amd_launches.py: the engine's own launch code, nothing runs). Where the griddepcontrol
+instructions land in the compiled code: tests/test_kernel_compile_audit.py (under Triton 3.6); that graph replays with
+PDL give the eager bits without it: tests/test_pdl_gpu.py. The interpreter runs every kernel with PDL off (the CPU has
+none), so the kernels' interpreter checks (tests/test_ops.py, test_fp8_*.py, test_attention_decode.py, ...) are the
+PDL-off results."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from rapidserve.ops.pdl import bind_pdl, launch_options, pdl_kwargs, takes_pdl, use_pdl
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+# the kernels of a decode step, every one launched with PDL on sm_90 (`ops.pdl`)
+DECODE_KERNELS = frozenset({
+    "_rms_norm_kernel", "_rope_write_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_silu_and_mul_kernel",
+    "_skinny_kernel", "_fp8_skinny_kernel", "_fp8_split_reduce_kernel", "_rms_norm_fp8_kernel",
+    "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_gate_up_kernel", "_down_kernel"})
+# launched without it: prefill's and the unfused fallbacks' (no kernel of the same step waits on them with PDL), and
+# the MoE routing/alignment (after the router's cuBLAS GEMM)
+PLAIN_KERNELS = frozenset({"_prefill_kernel", "_write_kv_kernel", "_qk_norm_rope_kernel", "_rope_kernel",
+                           "_fp8_block_kernel", "_route_align_kernel", "_route_kernel", "_align_one_kernel",
+                           "_align_count_kernel", "_align_scatter_kernel"})
+
+
+@needs_triton
+def test_programmatic_dependent_launch_only_where_the_gpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`use_pdl`: by default on for NVIDIA compute capability 9.0 and later (H100/H200), off for older GPUs, the CPU's
+    interpreter and ROCm; True forces it where this Triton has it (the compile check on meta tensors), False turns it
+    off. (Moved here from tests/test_moe_launches.py with the helpers, from ops/moe_plan.py.)"""
+    from rapidserve.ops.pdl import pdl_available
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    have = pdl_available()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert use_pdl(None, cuda) is have and use_pdl(True, torch.device("meta")) is have
+    assert not use_pdl(False, cuda) and not use_pdl(None, cpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not use_pdl(None, cuda)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert not use_pdl(True, cuda)
+
+
+def test_launch_arguments() -> None:
+    assert launch_options(True) == {"USE_GDC": True, "launch_pdl": True}
+    assert launch_options(False) == {"USE_GDC": False}  # no launch_pdl option at all: ROCm's backend has none
+    assert pdl_kwargs(None) == {} and pdl_kwargs(False) == {"pdl": False}
+
+
+def test_bind_pdl_keeps_the_name() -> None:
+    def launcher(x: int, pdl: bool | None = None) -> tuple[int, bool | None]:
+        """doc"""
+        return x, pdl
+
+    def plain(x: int) -> int:
+        return x
+
+    bound = bind_pdl(launcher, False)
+    assert bound(3) == (3, False) and bound.__name__ == "launcher" and bound.__doc__ == "doc"
+    assert takes_pdl(launcher) and not takes_pdl(plain) and bind_pdl(plain, False) is plain
+    assert not takes_pdl(len)  # a builtin
+
+
+@needs_triton
+@pytest.mark.parametrize(("rows", "span", "budget", "want"), [
+    (96 * 64, 4096, 8 << 20, 1360),  # fp8 q|k|v at one row: 96 programs of 64 rows, a third of each row
+    (256 * 64, 1024, 8 << 20, 512),  # fp8 o at split 4: 256 programs of 64 rows over 1024-byte slices
+    (96 * 64, 4096, 1 << 30, 4096),  # at most the program's span
+    (384 * 64 * 8, 4096, 8 << 20, 0),  # under one L2 line a row: none
+    (96 * 64, 4096, 0, 0),  # budget 0: off
+    (0, 4096, 8 << 20, 0),
+])
+def test_prefetch_bytes(rows: int, span: int, budget: int, want: int) -> None:
+    from rapidserve.ops.triton_skinny import PREFETCH_ALIGN, prefetch_bytes
+
+    w = torch.empty(6144, 4096, dtype=torch.float8_e4m3fn)
+    got = prefetch_bytes(w, rows, span, budget)
+    assert got == want and got % PREFETCH_ALIGN == 0 and got * rows <= budget
+
+
+@needs_triton
+def test_prefetch_only_where_aligned() -> None:
+    """The bulk prefetch needs 16-byte aligned starts: a row stride, a weight start or a slice span that is not a
+    multiple of 16 bytes gives none."""
+    from rapidserve.ops.triton_skinny import prefetch_bytes
+
+    w = torch.empty(64, 4104, dtype=torch.float8_e4m3fn)
+    assert prefetch_bytes(w, 64, 4104, 8 << 20) == 0  # rows 4104 bytes apart
+    assert prefetch_bytes(w[:, :4096], 64, 4096, 8 << 20) == 0  # the same rows, a view of 4096
+    w = torch.empty(64 * 4096 + 8, dtype=torch.float8_e4m3fn)
+    assert prefetch_bytes(w[8:].view(64, 4096), 64, 4096, 8 << 20) == 0  # starts 8 bytes in
+    assert prefetch_bytes(w[:-8].view(64, 4096), 64, 4104 // 2, 8 << 20) == 0  # slices of 2052 bytes
+    assert prefetch_bytes(w[:-8].view(64, 4096), 64, 4096, 8 << 20) == 4096
+    assert prefetch_bytes(torch.empty(64, 4096, dtype=torch.bfloat16), 64, 4096, 8 << 20) == 8192  # two bytes each
+
+
+@needs_triton
+def test_no_pdl_binds_every_launcher() -> None:
+    """`ops.no_pdl` binds pdl=False in every function of the Triton bundle that launches a decode kernel (and leaves
+    the torch bundle alone); `attention.no_pdl` in the Triton decode attention."""
+    from rapidserve.attention import get_attention_backend
+    from rapidserve.attention import no_pdl as no_pdl_attention
+    from rapidserve.ops import cublas_linears, no_pdl, torch_ops_bundle, triton_ops_bundle
+
+    ops = triton_ops_bundle(skinny=True)
+    launchers = ("rms_norm", "add_rms_norm", "silu_and_mul", "rope_write", "linear", "linear_silu_and_mul",
+                 "fp8_linear", "fp8_linear_rows", "rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8",
+                 "moe_experts", "moe_layer")
+    assert all(takes_pdl(getattr(ops, f)) for f in launchers)
+    off = no_pdl(ops)
+    assert off.name == "triton-nopdl"
+    for f in launchers:
+        fn: Any = getattr(off, f)
+        assert fn.keywords == {"pdl": False}, f
+    assert off.fp8_linear.__name__ == "gpu_linear"  # the runner logs it
+    assert off.apply_rope is ops.apply_rope  # the unfused fallbacks launch without PDL
+    cublas: Any = no_pdl(cublas_linears(ops)).linear_silu_and_mul
+    assert cublas.keywords == {"pdl": False}
+    torch_ops = torch_ops_bundle()
+    assert no_pdl(torch_ops) is torch_ops
+    ref = get_attention_backend("torch", "cpu")
+    assert no_pdl_attention(ref) is ref
+    from rapidserve.attention import AttentionBackend, triton_paged
+
+    attn = AttentionBackend("triton", triton_paged.write_kv, triton_paged.prefill_attention,
+                            triton_paged.decode_attention, graph_safe=True)
+    got: Any = no_pdl_attention(attn).decode_attention
+    assert got.keywords == {"pdl": False} and no_pdl_attention(attn).prefill_attention is attn.prefill_attention
+
+
+def _decode_launches(target_name: str, pdl_off: bool) -> list[Any]:
+    """The launches of a Qwen3-8B decoder layer's decode step at batch 1 and 16 on `target_name` (meta tensors), of
+    the kernels meta tensors do not route there (the skinny GEMMs, which ask for a CUDA tensor: gated bf16, and fp8
+    with its quantizer and at split K with its reduce), of the fp8 projections' fused producers, and of a
+    Qwen3-30B-A3B MoE block, with the bundles' (and the direct calls') PDL switch off when `pdl_off`."""
+    from bench.amd_launches import TARGETS, _decode_meta, _layer_forward, recording
+    from rapidserve.attention import get_attention_backend
+    from rapidserve.attention import no_pdl as no_pdl_attention
+    from rapidserve.kv_pool import KVPool
+    from rapidserve.loader.preset_table import preset_table
+    from rapidserve.models.moe import MoeBlock
+    from rapidserve.models.transformer import DecoderLayer
+    from rapidserve.moe_config import MoeConfig
+    from rapidserve.ops import get_ops, no_pdl, triton_skinny
+    from rapidserve.ops import triton_fp8_skinny as fsk
+
+    target = TARGETS[target_name]
+    meta = torch.device("meta")
+    cfg = preset_table()["qwen3-8b"]
+    h, inter, bf16 = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
+    pdl = False if pdl_off else None
+    sink: list[Any] = []
+    with recording(target, sink, lambda: ""):
+        ops = get_ops(torch.device("cuda"))
+        attn = get_attention_backend("triton", torch.device("cuda"))
+        if pdl_off:
+            ops, attn = no_pdl(ops), no_pdl_attention(attn)
+        pool = KVPool(torch.empty(1, 2, 4096, cfg.num_kv_heads, 16, cfg.head_dim, dtype=bf16, device=meta), 16)
+        cos_sin = torch.empty(8192, cfg.head_dim, dtype=torch.float32, device=meta)
+        layer = DecoderLayer(cfg, bf16, meta)
+        for b in (1, 16):
+            _layer_forward(layer, cfg, bf16, pool, cos_sin, _decode_meta(b, 128, meta), ops, attn, meta)
+        x = torch.empty(1, h, dtype=bf16, device=meta)
+        if not target.hip:
+            triton_skinny.skinny_linear(x, layer.gate_up_proj, gated=True, pdl=pdl)
+            w8 = torch.empty(h, h, dtype=torch.float8_e4m3fn, device=meta)
+            sw = torch.empty(h, dtype=torch.float32, device=meta)
+            fsk.skinny_fp8_linear(x, w8, sw, config=fsk.rule_tiles(1, h, h), pdl=pdl)
+            fsk.skinny_fp8_linear(x, w8, sw, config=fsk.rule_tiles(1, h, h)._replace(split_k=4), pdl=pdl)
+        if target.fp8 is not None:
+            ops.rms_norm_fp8(x, layer.input_layernorm, 1e-6, target.fp8)
+            ops.add_rms_norm_fp8(x, x, layer.input_layernorm, 1e-6, target.fp8)
+            ops.silu_and_mul_fp8(torch.empty(1, 2 * inter, dtype=bf16, device=meta), target.fp8)
+        block = MoeBlock(MoeConfig(num_experts=128, top_k=8, intermediate_size=768, renormalize=True), 2048, bf16,
+                         meta)
+        block(torch.empty(1, 2048, dtype=bf16, device=meta), ops)
+    return sink
+
+
+@needs_triton
+def test_decode_kernels_launch_with_pdl_on_sm90() -> None:
+    """On sm_90 every kernel of a decode step (dense bf16 and fp8 layers, the skinny GEMMs, split-K and its reduce,
+    the MoE experts) launches with PDL (`launch_pdl` and the kernel's USE_GDC) and nothing else does; `no_pdl`
+    bundles launch none with it; on gfx942 (ROCm) none is, and no launch carries the option (its backend has none)."""
+    on = _decode_launches("sm_90", pdl_off=False)
+    kernels = {launch.kernel for launch in on}
+    assert kernels >= DECODE_KERNELS, DECODE_KERNELS - kernels
+    for launch in on:
+        assert launch.kernel in DECODE_KERNELS | PLAIN_KERNELS, launch.kernel
+        want = launch.kernel in DECODE_KERNELS
+        assert launch.kwargs.get("USE_GDC", False) is want and launch.kwargs.get("launch_pdl", False) is want, \
+            launch.kernel
+    for target, off in (("sm_90", True), ("gfx942", False)):
+        for launch in _decode_launches(target, pdl_off=off):
+            assert not launch.kwargs.get("USE_GDC", False) and "launch_pdl" not in launch.kwargs, (target,
+                                                                                                   launch.kernel)
