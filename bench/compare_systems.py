@@ -64,7 +64,8 @@ VLLM_BEST = "vllm-best"  # in --systems: one vLLM system per VLLM_SETTINGS
 # Flags of `rapidserve serve` that vLLM's server takes under the same name and meaning: given in
 # --serve-args, a vLLM system gets them too.
 SHARED_VALUE_FLAGS: tuple[str, ...] = ("--max-model-len", "--gpu-memory-utilization", "--max-num-batched-tokens",
-                                       "--max-num-seqs", "--tensor-parallel-size")
+                                       "--max-num-seqs", "--tensor-parallel-size", "--quantization",
+                                       "--kv-cache-dtype")
 SHARED_SWITCHES: tuple[str, ...] = ("--enforce-eager",)
 # Where serve_vllm.sh is looked for (relative to the repo root) when --vllm-serve is not given. The
 # ../shared folder does not travel to the GPU machine: bench/vs_vllm.sh's header says how the recipe gets there.
