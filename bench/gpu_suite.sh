@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole `pytest -m gpu` suite on a GPU machine, in one call, optionally several times in a row.
 #
-#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [--part K/N] [-- extra pytest args]
+#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [--part K/N | --spread] [-- extra pytest args]
 #
 # - Installs the wheels carried in .whl/ (if any, and msgspec / posix_ipc are missing) into /tmp/site
 #   and puts it on PYTHONPATH (the lent GPU machines lack those two and reach no registry).
@@ -12,6 +12,10 @@
 # - --part K/N: only the K-th of N contiguous slices of the sorted file list (the whole suite outgrew one 600-s device
 #   call on one H200: 546 s on 2026-11-29). Parts 1..N, one call each back to back, run every file once in the
 #   default order; the summary says which part it was.
+# - --spread (a machine of G >= 2 GPUs): part K/G on GPU K-1 (CUDA_VISIBLE_DEVICES), the G parts at the same time,
+#   then the tests that need two GPUs (their names hold `two_gpus`; the parts skip them) on all of them; logs and
+#   summaries under $OUT/partK/ and $OUT/multi/, and one table of them last. The whole suite on 2 x H200: ~400 s
+#   (2026-11-29: 236 s and 364 s side by side, then 29 s), where one H200 takes ~550 s.
 # - Logs go to $OUT (when set) or bench/results/gpu_suite_logs/: gpu_suite_runN.log, and the summary
 #   as gpu_suite.md / gpu_suite.json (command, GPU, date, versions, per-run counts and failures).
 # - The summary table (run, passed, failed, skipped, seconds) is printed last.
@@ -23,6 +27,7 @@ repeat=1
 budget=0
 per_test=300
 part=""
+spread=0
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -30,8 +35,9 @@ while [ $# -gt 0 ]; do
         --budget-s) budget="$2"; shift 2 ;;
         --timeout-s) per_test="$2"; shift 2 ;;
         --part) part="$2"; shift 2 ;;
+        --spread) spread=1; shift ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -56,6 +62,48 @@ export PYTHONUNBUFFERED=1
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
 carried_wheels gpu_suite.sh || exit 2
+
+if [ "$spread" = 1 ]; then
+    if [ -n "$part" ]; then
+        echo "gpu_suite.sh: give --part or --spread, not both" >&2
+        exit 2
+    fi
+    ngpu="$(nvidia-smi -L 2>/dev/null | wc -l)"
+    if [ "$ngpu" -lt 2 ]; then
+        echo "gpu_suite.sh: --spread needs a machine of two or more GPUs ($ngpu found); run it without --spread" >&2
+        exit 2
+    fi
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    pids=()
+    for ((g = 1; g <= ngpu; g++)); do
+        CUDA_VISIBLE_DEVICES=$((g - 1)) OUT="$out/part$g" bash "$0" --repeat 1 --timeout-s "$per_test" \
+            --part "$g/$ngpu" -- "${extra[@]}" >"$out/part$g.txt" 2>&1 &
+        pids+=($!)
+    done
+    status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    mkdir -p "$out/multi"
+    OUT="$out/multi" bash "$0" --repeat 1 --timeout-s "$per_test" -- -k two_gpus "${extra[@]}" \
+        >"$out/multi.txt" 2>&1 || status=1
+    echo "gpu_suite --spread over $ngpu GPUs: part K/$ngpu on GPU K-1 side by side, then the two-GPU tests"
+    echo "| slice | passed | failed | errors | skipped | seconds |"
+    echo "| --- | --- | --- | --- | --- | --- |"
+    for d in $(seq -f "part%g" 1 "$ngpu") multi; do
+        "$py" - "$out/$d/gpu_suite.json" "$d" <<'EOF2'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["runs"]
+except (OSError, ValueError, KeyError):
+    print(f"| {sys.argv[2]} | no summary: see {sys.argv[2]}.txt | | | | |")
+    sys.exit(0)
+for r in rows:
+    print(f"| {sys.argv[2]} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']} |")
+    for f in r["failures"]:
+        print(f"|   {f} | | | | | |")
+EOF2
+    done
+    exit $status
+fi
 
 mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | sort)
 if [ -n "$part" ]; then
