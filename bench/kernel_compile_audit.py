@@ -174,6 +174,28 @@ def audit_job(job: Job) -> dict[str, Any]:
     return {**out, "flags": flags, "compile_s": round(time.perf_counter() - t0, 1)}
 
 
+def compact_uses(uses: list[str]) -> list[str]:
+    """`uses` ("label: step" strings) with the steps that differ only in their batch folded into one entry, in first-
+    seen order: "m: decode b1", "m: decode b2" -> "m: decode b1,2" (a row of the JSON lists a kernel's users without
+    hundreds of near-identical lines)."""
+    groups: dict[str, list[str]] = {}
+    for use in uses:
+        head, sep, last = use.rpartition(" b")
+        key, batch = (head, last) if sep and last.isdigit() else (use, "")
+        seen = groups.setdefault(key, [])
+        if batch and batch not in seen:
+            seen.append(batch)
+    return [f"{k} b{','.join(v)}" if v else k for k, v in groups.items()]
+
+
+def dump_report(report: dict[str, Any]) -> str:
+    """The report as JSON with one line per row (the rows' users compacted by `compact_uses`)."""
+    rows = [{**r, "used_by": compact_uses(r["used_by"])} for r in report["rows"]]
+    head = json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1, default=str)[:-2]
+    body = ",\n  ".join(json.dumps(r, default=str) for r in rows)
+    return f'{head},\n "rows": [\n  {body}\n ]\n}}\n'
+
+
 def audit(todo: list[Job], procs: int = 1) -> list[dict[str, Any]]:
     """One row a job (its launch, the steps that use it and `audit_job`'s summary), sorted by kernel and launch;
     compiled in `procs` processes (Triton's cache: $TRITON_CACHE_DIR, inherited by them)."""
@@ -312,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.kernel_compile_audit " + " ".join(args)  # (--cache-dir changes nothing but time)
     report["command"] = command
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "kernel_compile_audit.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (a.out / "kernel_compile_audit.json").write_text(dump_report(report))
     text = markdown(report, command, before, (a.out / FINDINGS).exists())
     (a.out / "README.md").write_text(text)
     print(text)

@@ -208,6 +208,26 @@ def test_table_marks_what_changed() -> None:
     assert "| BLOCK_N=128 M%16=0 w4 s3 |" in third  # a specialisation is what tells these two apart
 
 
+@pytest.mark.parametrize(("uses", "want"), [
+    (["m: decode b1", "m: decode b2", "m: prefill 512", "n: decode b1", "m: decode b2"],
+     ["m: decode b1,2", "m: prefill 512", "n: decode b1"]),
+    (["m: decode bx", "m: moe table"], ["m: decode bx", "m: moe table"]),  # not a batch: kept as it is
+    ([], []),
+])
+def test_compact_uses(uses: list[str], want: list[str]) -> None:
+    assert kca.compact_uses(uses) == want
+
+
+def test_dump_report_is_the_report_one_row_a_line() -> None:
+    report = {"triton": "3.6.0", "rows": [{**_row({128: 4}), "used_by": ["m: decode b1", "m: decode b8"]},
+                                          _row({128: 8}, "k2", 128)]}
+    text = kca.dump_report(report)
+    back = json.loads(text)
+    assert back["triton"] == "3.6.0" and [r["key"] for r in back["rows"]] == ["k", "k2"]
+    assert back["rows"][0]["used_by"] == ["m: decode b1,8"]
+    assert len(text.splitlines()) == 3 + 2 + 2  # the head's lines, one a row, the closing ones
+
+
 def _triton36() -> Path | None:
     d = os.environ.get(TRITON36_ENV)
     if not d or not (Path(d) / "triton" / "__init__.py").exists():
