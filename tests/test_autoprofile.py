@@ -48,10 +48,9 @@ H200 = "NVIDIA H200"
 
 # ---- which profile ----------------------------------------------------------------------------------------
 BASE: dict[str, Any] = dict(given=None, committed_exists=False, cache="absent", auto=True, on_gpu=True, tp=1,
-                            policy="rapid", reads_profile=True)
+                            reads_profile=True)
 CASES: list[tuple[str, dict[str, Any], str]] = [
     ("nothing anywhere: measure", {}, "measure"),
-    ("drift reads the profile too", dict(policy="drift"), "measure"),
     ("a corrupt cache: measured again", dict(cache="corrupt"), "measure"),
     ("a valid cache", dict(cache="valid"), "cached"),
     ("committed wins over the cache", dict(committed_exists=True, cache="valid"), "committed"),
@@ -64,7 +63,6 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("CPU: nothing measured", dict(on_gpu=False), "roofline"),
     ("CPU with a committed profile", dict(on_gpu=False, committed_exists=True), "committed"),
     ("tensor parallel: a shard profile is `rapidserve profile`'s", dict(tp=2, cache="valid"), "roofline"),
-    ("duet decides from the roofline", dict(policy="duet"), "roofline"),
     ("no profile read (off, static, hybrid, backend none)", dict(reads_profile=False, committed_exists=True),
      "unused"),
 ]
@@ -319,8 +317,8 @@ def test_profile_for_start_measures_caches_and_finds_the_cache(tmp_path: Path,
     assert third.kind == "measured" and "does not load" in third.warning and "invalid JSON" in third.warning
     assert load_profile(path, expect_gpu="cpu", expect_model=MODEL).gpu == "cpu"
     duet = ap.profile_for_start(small_cfg(policy="duet"), tmp_path / "c2", time.monotonic() + 60, on_gpu=True,
-                                measure=no_measure)
-    assert duet.kind == "roofline" and not (tmp_path / "c2").exists()
+                                measure=fake_measure(calls))
+    assert duet.kind == "measured" and (tmp_path / "c2" / profile_filename("cpu", MODEL)).exists()
     save_profile(cpu_profile(), tmp_path / "committed" / profile_filename("cpu", MODEL))  # committed wins
     fourth = ap.profile_for_start(cfg, cache, time.monotonic() + 60, on_gpu=True, measure=no_measure)
     assert fourth.kind == "committed"
@@ -410,7 +408,7 @@ def test_with_auto_profile_gives_the_engine_what_the_child_found(
 
 
 @pytest.mark.parametrize("change", [
-    dict(auto=False), dict(partition=dict(policy="duet")), dict(partition=dict(profile="/given.json")),
+    dict(auto=False), dict(partition=dict(profile="/given.json")),
     dict(partition=dict(mode="off")), dict(partition=dict(backend="none")), dict(tp=2), dict(mode="hybrid"),
     dict(cpu=True),
 ])

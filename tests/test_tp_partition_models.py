@@ -228,7 +228,8 @@ WITH = "= one rank's shard + its collectives (8 a step"  # tiny-llama: 2 x 3 lay
     ("rapid", "shard", None, ["the profile's figures (measured shard profile)"], []),
     ("rapid", "whole", None, [], ["the profile's figures (a WHOLE-MODEL profile, no collectives added"]),
     ("duet", None, None, ["duet's roofline decisions"], []),
-    ("duet", "whole", None, ["duet's roofline decisions"], []),  # duet does not read the profile's figures
+    ("duet", "shard", None, ["the profile's figures (measured shard profile)"], []),  # duet reads a measured one
+    ("duet", "whole", None, [], ["the profile's figures (a WHOLE-MODEL profile, no collectives added"]),
     ("drift", None, None, ["the profile's decode step beside prefill (roofline estimate of the shard)",
                            "drift's prefill models"], []),
     ("drift", "shard", (1.0, 0.5), ["the profile's decode step beside prefill (measured shard profile)"],

@@ -8,8 +8,10 @@ Which profile an adaptive engine reads (`choose_profile`, pure; table-tested):
   `$XDG_CACHE_HOME/rapidserve/profiles/` or `~/.cache/rapidserve/profiles/` under the same file name >
   a short profile measured now and cached there > the roofline estimate.
 Nothing is measured on a CPU, under tensor parallelism (one rank's shard profile comes from `rapidserve
-profile --shard-of-tp N`), under `--policy duet` (it decides from the roofline, not from a profile's
-figures), or where no profile is read at all (partition off or static, backend none, hybrid/disagg mode).
+profile --shard-of-tp N`), or where no profile is read at all (partition off or static, backend none,
+hybrid/disagg mode). `--policy duet` reads a measured profile as rapid does (its step costs,
+partition/step_costs.ProfileCosts), so it is measured for too: on an H200 (2026-11-29) duet deciding from the
+roofline held its 50 ms SLO to 7 req/s where, from a measured profile, it held it to its peak.
 
 Where it runs: `with_auto_profile` (the CLI, after the config is built, before the engine starts) runs
 `profile_for_start` in a child process (spawn), because the GPU's name (the profile's key) and the
@@ -82,11 +84,11 @@ def profile_cache_dir(env: Mapping[str, str]) -> Path:
 
 
 def choose_profile(*, given: str | None, committed: Path, committed_exists: bool, cached: Path, cache: CacheState,
-                   auto: bool, on_gpu: bool, tp: int, policy: str, reads_profile: bool) -> ProfileChoice:
+                   auto: bool, on_gpu: bool, tp: int, reads_profile: bool) -> ProfileChoice:
     """The profile an adaptive engine reads (module docstring), from what is known: `reads_profile` (rapid mode's
     adaptive partition on a backend that splits), the `--profile` given, whether the committed file exists and
-    the cached file's state, `auto` (not `--no-auto-profile`), whether the run is on a GPU, its tensor-parallel
-    size and policy."""
+    the cached file's state, `auto` (not `--no-auto-profile`), whether the run is on a GPU and its tensor-parallel
+    size (every policy that reads a profile, duet included, gets the same choice)."""
     if not reads_profile:
         return ProfileChoice("unused", None, "no profile is read (partition off or static, no partition backend, "
                                              "or not rapid mode)")
@@ -101,8 +103,6 @@ def choose_profile(*, given: str | None, committed: Path, committed_exists: bool
     if tp > 1:
         return ProfileChoice("roofline", None, f"tensor parallel {tp}: `rapidserve profile --shard-of-tp {tp}` "
                                                "measures one rank's shard")
-    if policy == "duet":
-        return ProfileChoice("roofline", None, "--policy duet decides from the roofline")
     if cache == "valid":
         return ProfileChoice("cached", cached, "the profile measured and cached at an earlier start")
     return ProfileChoice("measure", cached, "no profile of this GPU and model"
@@ -211,7 +211,7 @@ def profile_for_start(cfg: EngineConfig, cache_dir: Path, deadline: float, *, on
     cached = cache_dir / profile_filename(gpu, cfg.model, tp, variant)
     state, problem = cache_state(cached, gpu, cfg.model, tp, variant)
     choice = choose_profile(given=cfg.partition.profile, committed=committed, committed_exists=committed.exists(),
-                            cached=cached, cache=state, auto=True, on_gpu=on_gpu, tp=tp, policy=cfg.partition.policy,
+                            cached=cached, cache=state, auto=True, on_gpu=on_gpu, tp=tp,
                             reads_profile=reads_profile(cfg) and splits)
     if choice.kind != "measure":
         return ChildResult(choice.kind, str(choice.path) if choice.path else None,
@@ -294,7 +294,7 @@ def with_auto_profile(cfg: EngineConfig, *, auto: bool, cache_dir: Path,
     p = cfg.partition
     before = choose_profile(given=p.profile, committed=Path(), committed_exists=False, cached=cache_dir,
                             cache="absent", auto=auto, on_gpu=resolve_device(cfg.runner.device).type == "cuda",
-                            tp=cfg.parallel.tensor_parallel_size, policy=p.policy, reads_profile=reads_profile(cfg))
+                            tp=cfg.parallel.tensor_parallel_size, reads_profile=reads_profile(cfg))
     if before.kind != "measure":  # nothing this GPU's name could change: no child
         return cfg
     res = (run or run_child)(cfg, cache_dir)

@@ -151,7 +151,9 @@ def tp_cost_models(cfg: EngineConfig, plan: PartitionPlan) -> str:
     if tp == 1 or prof is None:
         return ""
     with_links, as_given = [], []
-    if pcfg.policy != "duet":  # duet decides from the roofline, not from the profile's figures
+    # duet reads a measured profile's figures as rapid does (partition/step_policies.step_costs), else the roofline
+    duet_roofline = pcfg.policy == "duet" and prof.source != "measured"
+    if not duet_roofline:
         what = "decode step beside prefill" if pcfg.policy == "drift" else "figures"
         if prof.tensor_parallel_size == tp:
             kind = "measured shard profile" if prof.source == "measured" else "roofline estimate of the shard"
@@ -159,7 +161,7 @@ def tp_cost_models(cfg: EngineConfig, plan: PartitionPlan) -> str:
         else:
             as_given.append(f"the profile's {what} (a WHOLE-MODEL profile, no collectives added: `rapidserve "
                             f"profile --shard-of-tp {tp}` measures one rank's)")
-    if pcfg.policy == "duet":
+    if duet_roofline:
         with_links.append("duet's roofline decisions")
     if pcfg.policy == "drift":
         (as_given if pcfg.drift_prefill_model is not None else with_links).append("drift's prefill models")
