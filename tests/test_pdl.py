@@ -335,6 +335,31 @@ def test_the_table_file_round_trips(tmp_path: Path) -> None:
         with_entry(table, "", PdlEntry(1, 16, "x"))
 
 
+def test_bench_writes_the_measured_entry(tmp_path: Path) -> None:
+    """bench/decode_profile.py: the `fused` rows' A/B gives this GPU's entry, written with the packaged table's other
+    entries to <out> and, with --write-pdl-table, the checkout's file (here a copy); the forced choices it A/Bs."""
+    from bench.decode_profile import forced_launches, write_pdl_table
+
+    rows: list[dict[str, Any]] = [
+        {"batch": b, "variant": v, "pdl_ms": p, "nopdl_ms": n, "noprefetch_ms": f}
+        for v in ("fused", "unfused")
+        for b, p, n, f in ((1, 3.215, 3.520, 3.319), (16, 4.774, 4.850, 4.855), (32, 6.0, 5.9, 6.0),
+                           (64, 8.865, 8.339, 8.774))]
+    rows[4]["pdl_ms"] = 1.0  # the unfused variant's rows are not the engine's: ignored
+    packaged = {"NVIDIA H200": PdlEntry(16, MIB8, "old"), "GPU Z": PdlEntry(2, 64, "z")}
+    notes = write_pdl_table(rows, "NVIDIA H200", MIB8, "this run", tmp_path / "out", tmp_path / "repo.json", packaged)
+    for path in (tmp_path / "out" / "pdl_table.json", tmp_path / "repo.json"):
+        assert load_table(path) == {"NVIDIA H200": PdlEntry(16, MIB8, "this run"), "GPU Z": PdlEntry(2, 64, "z")}
+    assert notes[0] == "batch 1: PDL -8.7% against none, the prefetch -3.1% against none", notes
+    assert notes[-1].startswith("PDL table written: ") and "repo.json" in notes[-1]
+    assert write_pdl_table(rows[4:], "NVIDIA H200", MIB8, "x", tmp_path / "none", None, packaged) == [
+        "no PDL table written: no `fused` variant measured with the PDL A/B"]
+    assert not (tmp_path / "none").exists()
+    assert forced_launches("GPU X", {"GPU X": PdlEntry(4, 0, "t")}) == {
+        "pdl": LaunchChoice(True, MIB8), "nopdl": OFF, "noprefetch": LaunchChoice(True, 0)}  # bytes where none
+    assert forced_launches("GPU X", {"GPU X": PdlEntry(4, 4096, "t")})["pdl"] == LaunchChoice(True, 4096)
+
+
 def test_bind_launch() -> None:
     def gemm(x: int, pdl: bool | None = None, prefetch: int | None = None) -> tuple[int, bool | None, int | None]:
         """doc"""
@@ -382,3 +407,72 @@ def test_with_launch_binds_every_launcher() -> None:
                             triton_paged.decode_attention, graph_safe=True)
     on: Any = with_pdl(with_pdl(attn, False), True).decode_attention
     assert on.keywords == {"pdl": True} and with_pdl(attn, True).name == "triton"
+
+
+def _recording_runner(monkeypatch: pytest.MonkeyPatch, log: list[tuple[str, Any, Any]]) -> Any:
+    """A tiny CPU ModelRunner whose norms, linear layers and decode attention take `pdl` (and the linears `prefetch`)
+    and log what each call was given: the torch bundle's numbers, a GPU bundle's launch arguments."""
+    from rapidserve.attention import get_attention_backend
+    from rapidserve.config_builder import build_engine_config
+    from rapidserve.ops import torch_ops_bundle
+    from rapidserve.runner import ModelRunner, model_runner
+
+    base = torch_ops_bundle()
+    attn = get_attention_backend("torch", "cpu")
+
+    def add_rms_norm(x: Any, res: Any, w: Any, eps: float, pdl: bool | None = None) -> Any:
+        log.append(("add_rms_norm", pdl, None))
+        return base.add_rms_norm(x, res, w, eps)
+
+    def linear(x: Any, w: Any, bias: Any = None, pdl: bool | None = None, prefetch: int | None = None) -> Any:
+        log.append(("linear", pdl, prefetch))
+        return base.linear(x, w, bias)
+
+    def decode_attention(*args: Any, pdl: bool | None = None, **kw: Any) -> Any:
+        log.append(("decode_attention", pdl, None))
+        return attn.decode_attention(*args, **kw)
+
+    ops = dataclasses.replace(base, name="recording", add_rms_norm=add_rms_norm, linear=linear)
+    monkeypatch.setattr(model_runner, "get_ops", lambda device: ops)
+    monkeypatch.setattr(model_runner, "get_attention_backend",
+                        lambda *a: dataclasses.replace(attn, decode_attention=decode_attention))
+    cfg, source = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=40,
+                                      max_model_len=64)
+    return ModelRunner(cfg, source, show_progress=False)
+
+
+def test_the_runner_launches_decode_steps_as_the_table_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill and mixed steps launch with PDL off (never measured with it); an eager decode step with the table's
+    choice for its rows (the graphs' buckets take the same path: tests/test_pdl_gpu.py), and the model's own bundles
+    are back after it."""
+    from rapidserve.runner import DecodeItem, PrefillItem, decode_graphs
+
+    log: list[tuple[str, Any, Any]] = []
+    runner = _recording_runner(monkeypatch, log)
+    assert runner.pdl_device == PdlDevice("cpu", False)
+    own = runner.model.ops, runner.model.attn
+
+    def launched(run: Any) -> set[tuple[str, Any, Any]]:
+        log.clear()
+        run()
+        assert {name for name, _, _ in log} >= {"add_rms_norm", "linear"}, log
+        return set(log)
+
+    off = {("add_rms_norm", False, None), ("linear", False, 0)}
+    assert launched(lambda: runner.prefill([PrefillItem(list(range(3, 40)), 0, [0, 1, 2])])) == off
+    mixed = [PrefillItem([5], 36, [0, 1, 2]), PrefillItem(list(range(3, 20)), 0, [3, 4])]
+    assert launched(lambda: runner.prefill(mixed)) == off | {("decode_attention", False, None)}  # its decode rows
+    steps = [DecodeItem(7, 8, [5 + i]) for i in range(20)]
+    assert launched(lambda: runner.decode(steps[:1])) == off | {("decode_attention", False, None)}  # the CPU: off
+    runner.pdl_device = H200  # as on an H200: the packaged table's entry
+    on = {("add_rms_norm", True, None), ("linear", True, MIB8), ("decode_attention", True, None)}
+    for n, want in ((1, on), (16, on), (17, OFF), (20, OFF)):
+        assert runner.decode_launch(n) == (want if want == OFF else LaunchChoice(True, MIB8))
+        got = launched(lambda n=n: runner.decode(steps[:n]))
+        assert got == (on if want is on else off | {("decode_attention", False, None)}), n
+        assert (runner.model.ops, runner.model.attn) == own
+    monkeypatch.setattr(decode_graphs, "PDL_TABLE", {"NVIDIA H200": PdlEntry(2, 4096, "t")})
+    assert launched(lambda: runner.decode(steps[:2])) == {
+        ("add_rms_norm", True, None), ("linear", True, 4096), ("decode_attention", True, None)}
+    assert launched(lambda: runner.prefill(mixed)) == off | {("decode_attention", False, None)}
+    assert runner.decode_launches() == {}  # no graphs on the CPU
