@@ -2,7 +2,7 @@
 
     python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
                                    [--variants fused,unfused] [--sweep] [--quantization fp8] [--out DIR]
-                                   [--write-tables] [--budget-s 240] [--jobs 14] [--no-pdl-ab]
+                                   [--write-tables] [--budget-s 240] [--jobs 14] [--no-pdl-ab] [--write-pdl-table]
 
 For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
   - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
@@ -17,10 +17,17 @@ For each decode batch (2048-token contexts, a CUDA-graph replay as the engine ru
 Variants (`--variants`): `fused` is the model as the engine runs it; `unfused` is `ops.unfused_ops`:
 RoPE and the KV write as two launches, cuBLAS for every linear (the layer before these changes), captured
 as another graph set, so the two are measured in one process on the same GPU.
-Programmatic dependent launch (rapidserve/ops/pdl.py; on by default on sm_90+): each variant is captured twice more
-where the GPU has it, with PDL off in every kernel (`ops.no_pdl`, `attention.no_pdl`: "no PDL ms") and with PDL but
-no weight prefetch before the GEMMs' wait (triton_skinny.PREFETCH_BYTES 0 at capture: "no prefetch ms"), and the
-three replays are timed alike (`--no-pdl-ab`: only the default).
+Programmatic dependent launch (rapidserve/ops/pdl.py): each variant's graphs are captured as the engine captures them,
+each batch launched as the GPU's table chooses ("engine chooses": `ops.pdl_table.pdl_for_step`, on at small batches
+only), and where the GPU has PDL three times more, the same choice forced on every batch whatever the table says: PDL
+and the GEMMs' weight prefetch on ("PDL ms"; the prefetch bytes of the GPU's entry, or triton_skinny.PREFETCH_BYTES),
+PDL off in every kernel ("no PDL ms") and PDL without the prefetch ("no prefetch ms"); all replays are timed alike
+(`--no-pdl-ab`: only the engine's). From the `fused` variant's columns it derives this GPU's entry of the PDL table
+(`pdl_table.measured_entry`: on up to the largest batch where "PDL ms" beats "no PDL ms" by more than 1% at it and at
+every smaller batch measured; the prefetch kept unless "no prefetch ms" beats "PDL ms" by more than 1% there), writes
+the packaged table with it as <out>/pdl_table.json, and `--write-pdl-table` also into rapidserve/ops/pdl_table.json of
+this checkout, where later runs (and the engine) load it: commit it from there. Measure with the batches the engine
+captures around the threshold (e.g. --batches 1,8,16,24,32,64): a batch not measured between two is not assumed on.
 `--quantization fp8`: the same weights quantized at load (`quant_config.ONLINE_FP8`, as bench/fp8_speed.py), the
 bytes counted from the model's own tensors; `unfused` is then `ops.unfused_fp8` (each projection quantizes its own
 input), and the linear-layer section is bench/fp8_sweep.py's: each fp8 projection through torch._scaled_mm and the
@@ -44,7 +51,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from unittest import mock
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +66,11 @@ from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
-from rapidserve.attention import no_pdl as no_pdl_attention  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
-from rapidserve.ops import no_pdl, triton_skinny  # noqa: E402
+from rapidserve.ops import pdl_table, triton_skinny, with_launch  # noqa: E402
 from rapidserve.ops.fp8_tiles import CONFIG_DIR  # noqa: E402
 from rapidserve.ops.pdl import use_pdl  # noqa: E402
+from rapidserve.ops.pdl_table import OFF, LaunchChoice, PdlRow  # noqa: E402
 from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
 
@@ -142,6 +150,41 @@ def linears(runner: ModelRunner, batch: int, sweep: bool) -> dict[str, object]:
 SWEEP = tuple((bn, bk, w, st)
               for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
               for w in (4, 8) for st in (3, 4))
+AB = ("pdl", "nopdl", "noprefetch")  # the PDL A/B's graph keys (after the variant's) and row fields (with _ms)
+
+
+def forced_launches(gpu: str, table: pdl_table.PdlTable = pdl_table.PDL_TABLE) -> dict[str, LaunchChoice]:
+    """The A/B's choices, forced on every batch: PDL with the prefetch (the GPU's entry's bytes, or
+    triton_skinny.PREFETCH_BYTES where the entry has none), PDL off, PDL without the prefetch."""
+    prefetch = pdl_table.entry_for(table, gpu).prefetch_bytes or triton_skinny.PREFETCH_BYTES
+    return {"pdl": LaunchChoice(True, prefetch), "nopdl": OFF, "noprefetch": LaunchChoice(True, 0)}
+
+
+def graph_launch(runner: ModelRunner, key: str, batch: int) -> LaunchChoice:
+    """How the graph `decode()` replays for `batch` sequences under `key` launched (the runner's record)."""
+    launches = runner.decode_launches(key)
+    return launches[min(b for b in launches if b >= batch)]
+
+
+def write_pdl_table(rows: list[dict[str, Any]], gpu: str, prefetch: int, source: str, out: str | Path,
+                    repo_path: Path | None, packaged: pdl_table.PdlTable = pdl_table.PDL_TABLE) -> list[str]:
+    """This GPU's PDL table entry from the `fused` rows' A/B (`pdl_table.measured_entry`, the forced PDL column's
+    `prefetch` bytes), written with the `packaged` table's other entries to <out>/pdl_table.json and, given
+    `repo_path` (rapidserve/ops/pdl_table.json), there too; returns each batch's A/B, the entry and where it went."""
+    measured = [PdlRow(r["batch"], r["pdl_ms"], r["nopdl_ms"], r["noprefetch_ms"]) for r in rows
+                if r["variant"] == "fused" and all(f"{k}_ms" in r for k in AB)]
+    if not measured:
+        return ["no PDL table written: no `fused` variant measured with the PDL A/B"]
+    notes = [f"batch {m.batch}: PDL {m.pdl_ms / m.no_pdl_ms - 1:+.1%} against none, the prefetch "
+             f"{m.pdl_ms / m.no_prefetch_ms - 1:+.1%} against none" for m in sorted(measured)]
+    entry = pdl_table.measured_entry(measured, prefetch, source)
+    table = pdl_table.with_entry(packaged, gpu, entry)
+    paths = [Path(out) / "pdl_table.json", *([repo_path] if repo_path is not None else [])]
+    for path in paths:
+        pdl_table.write_table(path, table)
+    notes.append(f"{gpu}: PDL on up to {entry.max_rows} rows, prefetch {entry.prefetch_bytes} bytes "
+                 f"(the engine's until now: {pdl_table.entry_for(packaged, gpu)[:2]})")
+    return [*notes, "PDL table written: " + ", ".join(map(str, paths))]
 
 
 
@@ -162,7 +205,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)),
                     help="fp8 --sweep: processes compiling the candidate kernels first")
     ap.add_argument("--no-pdl-ab", action="store_true",
-                    help="capture and time only the default graphs (no 'no PDL' / 'no prefetch' replays)")
+                    help="capture and time only the engine's graphs (no 'PDL' / 'no PDL' / 'no prefetch' replays)")
+    ap.add_argument("--write-pdl-table", action="store_true",
+                    help="also write this GPU's measured PDL entry into rapidserve/ops/pdl_table.json of this checkout")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_profile needs a GPU", file=sys.stderr)
@@ -172,6 +217,11 @@ def main() -> int:
     bad = [v for v in variants if v not in ("fused", "unfused")]
     if bad:
         print(f"--variants: unknown {bad}; use fused and/or unfused", file=sys.stderr)
+        return 2
+    pdl_ab = not a.no_pdl_ab and use_pdl(None, torch.device("cuda"))
+    if a.write_pdl_table and not (pdl_ab and "fused" in variants):
+        print("--write-pdl-table needs the PDL A/B of the fused variant: keep `fused` in --variants, leave out "
+              "--no-pdl-ab, on a GPU that launches with PDL (NVIDIA sm_90+)", file=sys.stderr)
         return 2
     ceil = ceilings()
     copy_tbps = float(ceil["copy_tbps"])  # type: ignore[arg-type]
@@ -189,8 +239,9 @@ def main() -> int:
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):
         pool.tensor[layer].normal_()
-    fused, attn = runner.model.ops, runner.model.attn
-    pdl_ab = not a.no_pdl_ab and use_pdl(None, torch.device("cuda"))
+    fused = runner.model.ops
+    gpu = torch.cuda.get_device_name()
+    forced = forced_launches(gpu) if pdl_ab else {}
     for v in variants:
         if v == "unfused":
             from rapidserve.ops import unfused_fp8, unfused_ops  # the A/B's other side: see the module docstring
@@ -198,13 +249,9 @@ def main() -> int:
         else:
             ops = fused
         runner.model.ops = ops
-        runner.capture_decode_graphs(key=v, show_progress=False)
-        if pdl_ab:
-            with mock.patch.object(triton_skinny, "PREFETCH_BYTES", 0):  # read at each launch: baked into the graph
-                runner.capture_decode_graphs(key=f"{v}-noprefetch", show_progress=False)
-            runner.model.ops, runner.model.attn = no_pdl(ops), no_pdl_attention(attn)
-            runner.capture_decode_graphs(key=f"{v}-nopdl", show_progress=False)
-            runner.model.attn = attn
+        runner.capture_decode_graphs(key=v, show_progress=False)  # each batch as the engine's table chooses
+        for other, launch in forced.items():  # the same choice at every batch, whatever the table says
+            runner.capture_decode_graphs(key=f"{v}-{other}", show_progress=False, launch=launch)
     runner.model.ops = fused
     per = a.ctx // runner.block_size
     n_params = mcfg.num_params()
@@ -218,12 +265,14 @@ def main() -> int:
     for b in batches:
         items = [DecodeItem(1, a.ctx - 1, [(i * per + j) % pool.num_blocks for j in range(per)]) for i in range(b)]
         nbytes = weight_bytes + b * mcfg.hidden_size * 2 + b * a.ctx * mcfg.kv_bytes_per_token(2)
+        runner.model.ops = with_launch(fused, runner.decode_launch(b))  # the engine's op launched as its step would
         if not fp8:
             lin_by_batch[b] = linears(runner, b, a.sweep)
         else:
             lin_by_batch[b] = fp8_sweep.fp8_linears(runner.model, b, a.sweep, deadline)
             if a.sweep:
                 prod_by_batch[b] = fp8_sweep.producers(runner.model, b)
+        runner.model.ops = fused
         for v in variants:
             runner.decode(items, graph_key=v)  # puts this batch's inputs in place
             graph = runner.decode_graph(b, v)
@@ -232,8 +281,8 @@ def main() -> int:
             ks = kernels(graph.replay, steps=5)
             busy = sum(float(k["us"]) for k in ks)  # type: ignore[arg-type]
             med = statistics.median(ms)
-            ab = {}
-            for other in ("nopdl", "noprefetch") if pdl_ab else ():
+            ab: dict[str, object] = {"engine_launch": graph_launch(runner, v, b).label()}
+            for other in forced:
                 runner.decode(items, graph_key=f"{v}-{other}")
                 g = runner.decode_graph(b, f"{v}-{other}")
                 assert g is not None, f"no decode graph for batch {b} ({other})"
@@ -244,7 +293,7 @@ def main() -> int:
                          "kernel_us": busy, "gap_us": med * 1e3 - busy,
                          "launches": sum(float(k["launches"]) for k in ks),  # type: ignore[arg-type]
                          "kernels": ks[:16], **ab})
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"gpu": gpu, "torch": torch.__version__,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
            "ctx": a.ctx, "quantization": a.quantization, "attention": runner.attn.name, "ceilings": ceil,
            "command": "python bench/decode_profile.py " + " ".join(sys.argv[1:]), "rows": rows,
@@ -253,6 +302,10 @@ def main() -> int:
     if fp8 and a.sweep:
         res["fp8_table"] = fp8_sweep.write_table(lin_by_batch, str(res["gpu"]), f"{res['command']} ({res['date']})",
                                                  a.out, CONFIG_DIR if a.write_tables else None)
+    if forced:
+        res["pdl_table"] = write_pdl_table(rows, gpu, forced["pdl"].prefetch_bytes,
+                                           f"{res['command']} ({res['date']})", a.out,
+                                           pdl_table.TABLE_PATH if a.write_pdl_table else None)
     with open(os.path.join(a.out, "decode_profile.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     kind = "fp8 weights" if fp8 else "bf16"
@@ -285,13 +338,17 @@ def main() -> int:
             cfg = "x".join(str(c) for c in row["config"][:2]) + f" w{row['config'][2]} s{row['config'][3]}"
             lines.append(f"| {label} | {row['shape']} | {cb['us_each']:.1f} ({cb['tbps']:.2f}) | "
                          f"{en['us_each']:.1f} ({en['tbps']:.2f}) {cfg} | {best} |")
-    lines += ["", "| batch | variant | replay ms (min-max) | no PDL ms | no prefetch ms | of copy ceiling | launches | "
-              "kernels us | gaps us |", "|---|---|---|---|---|---|---|---|---|"]
+    if "pdl_table" in res:
+        lines += ["\n## the PDL table's entry from this run (rapidserve/ops/pdl_table.py)\n",
+                  *(f"- {x}" for x in res["pdl_table"])]
+    lines += ["", "| batch | variant | replay ms (min-max) | engine chooses | PDL ms | no PDL ms | no prefetch ms | "
+              "of copy ceiling | launches | kernels us | gaps us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        no_pdl_ms, no_pf_ms = (f"{r[k]:.3f}" if k in r else "-" for k in ("nopdl_ms", "noprefetch_ms"))
+        pdl_ms, no_pdl_ms, no_pf_ms = (f"{r[f'{k}_ms']:.3f}" if f"{k}_ms" in r else "-" for k in AB)
         lines.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} ({r['replay_min_ms']:.3f}-"
-                     f"{r['replay_max_ms']:.3f}) | {no_pdl_ms} | {no_pf_ms} | {float(r['frac_of_copy']):.1%} | "
-                     f"{r['launches']:.0f} | {r['kernel_us']:.0f} | {r['gap_us']:.0f} |")
+                     f"{r['replay_max_ms']:.3f}) | {r['engine_launch']} | {pdl_ms} | {no_pdl_ms} | {no_pf_ms} | "
+                     f"{float(r['frac_of_copy']):.1%} | {r['launches']:.0f} | {r['kernel_us']:.0f} | "
+                     f"{r['gap_us']:.0f} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "decode_profile.md"), "w") as f:
         f.write(text)

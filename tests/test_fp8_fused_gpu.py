@@ -8,6 +8,8 @@ GPU (the CPU checks: test_fp8_fused.py); the lead's GPU runs."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -121,8 +123,8 @@ def test_an_fp8_model_gives_the_same_logits_fused_and_unfused_in_graphs(preset: 
     cfg, source = build_engine_config(f"preset:{preset}", device="cuda", dtype="bfloat16", quantization="fp8",
                                       num_kv_blocks=64)
     runner = ModelRunner(cfg, source, show_progress=False)
-    base = runner.model.ops
-    assert base.fuse_fp8 and base.rms_norm_fp8 is triton_fp8_fused.rms_norm_fp8
+    base = runner.model.ops  # the engine's bundle, its launchers bound (PDL off outside decode steps: ops/pdl.py)
+    assert base.fuse_fp8 and inspect.unwrap(base.rms_norm_fp8) is triton_fp8_fused.rms_norm_fp8
     prompts = [[(7 * i + 3) % 500 + 3 for i in range(21)], [(5 * i + 1) % 400 + 3 for i in range(9)]]
     items = [PrefillItem(prompts[0], 0, [0, 1]), PrefillItem(prompts[1], 0, [2])]
     fused = runner.prefill(items)

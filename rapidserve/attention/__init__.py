@@ -143,11 +143,21 @@ def get_attention_backend(name: str, device: torch.device | str,
 
 def no_pdl(attn: AttentionBackend) -> AttentionBackend:
     """`attn` with programmatic dependent launch off in its entry points that take `pdl` (the Triton decode kernels:
-    rapidserve/ops/pdl.py): the A/B of bench/decode_profile.py."""
+    rapidserve/ops/pdl.py), named so: tests/test_pdl_gpu.py's eager reference."""
     names = ("write_kv", "prefill_attention", "decode_attention", "decode_attention_fp8")
     fields = {name: bind_pdl(getattr(attn, name), False) for name in names
               if getattr(attn, name) is not None and takes_pdl(getattr(attn, name))}
     return attn if not fields else dataclasses.replace(attn, name=attn.name + "-nopdl", **fields)
+
+
+def with_pdl(attn: AttentionBackend, pdl: bool) -> AttentionBackend:
+    """`attn` with `pdl` bound in its entry points that take it (the Triton decode kernels): how the runner launches
+    a step (`ops.pdl_table.pdl_for_step`; rapidserve/ops/pdl.py says where). `attn` itself where none takes it; a
+    bound backend's earlier choice is overridden."""
+    names = ("write_kv", "prefill_attention", "decode_attention", "decode_attention_fp8")
+    fields = {name: bind_pdl(getattr(attn, name), pdl) for name in names
+              if getattr(attn, name) is not None and takes_pdl(getattr(attn, name))}
+    return attn if not fields else dataclasses.replace(attn, **fields)
 
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -179,4 +189,4 @@ def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 
 
 __all__ = ["BACKEND_NAMES", "AttentionBackend", "AttentionMetadata", "attend", "get_attention_backend", "no_pdl",
-           "split_decode_rows"]
+           "split_decode_rows", "with_pdl"]

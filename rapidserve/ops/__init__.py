@@ -43,7 +43,9 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 
 The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
 `rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:
-that default; False: off), and `no_pdl(bundle)` binds it off in every one (the A/B of bench/decode_profile.py).
+that default; False: off), and `no_pdl(bundle)` binds it off in every one (tests/test_pdl_gpu.py's eager reference);
+`with_launch(bundle, choice)` binds a step's `pdl_table.LaunchChoice` (PDL, and the skinny GEMMs' `prefetch` bytes),
+which is how the runner launches every step.
 
 `cublas_linears(bundle)` keeps every linear on torch's F.linear (decode graphs on a partition of the GPU use
 it: see its docstring). `unfused_ops(bundle)` is the same bundle with RoPE and the KV write as two launches,
@@ -64,7 +66,8 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.ops import fp8, moe, torch_ops
-from rapidserve.ops.pdl import bind_pdl, takes_pdl
+from rapidserve.ops.pdl import bind_launch, bind_pdl, takes_pdl
+from rapidserve.ops.pdl_table import LaunchChoice
 
 
 class RopeWrite(Protocol):
@@ -146,8 +149,9 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
         return ops
     from rapidserve.ops import triton_skinny
 
-    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
-        return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul, pdl)
+    def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, pdl: bool | None = None,
+                            prefetch: int | None = None) -> torch.Tensor:
+        return triton_skinny.linear_silu_and_mul(x, weight, triton_ops.silu_and_mul, pdl, prefetch)
 
     return dataclasses.replace(ops, name="triton", linear=triton_skinny.linear,
                                linear_silu_and_mul=linear_silu_and_mul)
@@ -202,10 +206,19 @@ def unfused_ops(ops: Ops) -> Ops:
 
 def no_pdl(ops: Ops) -> Ops:
     """`ops` with programmatic dependent launch off in every function that takes `pdl` (the Triton launchers; the
-    torch bundle has none): the A/B of bench/decode_profile.py, which captures decode graphs with both."""
+    torch bundle has none), named so (`with_launch(ops, pdl_table.OFF)` is the same launches, the name kept)."""
     fields = {f.name: bind_pdl(getattr(ops, f.name), False) for f in dataclasses.fields(ops)
               if callable(getattr(ops, f.name)) and takes_pdl(getattr(ops, f.name))}
     return ops if not fields else dataclasses.replace(ops, name=ops.name + "-nopdl", **fields)
+
+
+def with_launch(ops: Ops, choice: LaunchChoice) -> Ops:
+    """`ops` with every launcher's `pdl` bound to `choice.pdl` and the skinny GEMMs' `prefetch` to its bytes
+    (`pdl.bind_launch`): how the runner launches a step (`pdl_table.pdl_for_step`; rapidserve/ops/pdl.py says where).
+    The bundle itself where nothing takes `pdl` (the torch bundle); a bound bundle's earlier choice is overridden."""
+    fields = {f.name: bind_launch(getattr(ops, f.name), choice.pdl, choice.prefetch_bytes)
+              for f in dataclasses.fields(ops) if callable(getattr(ops, f.name)) and takes_pdl(getattr(ops, f.name))}
+    return ops if not fields else dataclasses.replace(ops, **fields)
 
 
 def unfused_fp8(ops: Ops) -> Ops:
@@ -233,4 +246,4 @@ def get_ops(device: torch.device | str) -> Ops:
 
 
 __all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "no_pdl",
-           "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops"]
+           "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops", "with_launch"]

@@ -60,34 +60,37 @@ def _scaled_mm(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torc
 
 
 def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None,
-               pdl: bool | None = None) -> torch.Tensor:
+               pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
     activations at 1-64 rows on NVIDIA through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
     ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
     `reference_linear`. `pdl`: programmatic dependent launch of the skinny kernel and the per-token quantizer
-    (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    (`ops.pdl.use_pdl`; None: where the GPU has it); `prefetch`: the skinny kernel's weight bytes pulled into L2
+    before its wait (None: triton_skinny.PREFETCH_BYTES; 0: none)."""
     if layer.block is not None:
         x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
         out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
         return out if bias is None else out + bias
     if (layer.activations == "token" and layer.block is None and torch.version.hip is None
             and triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale)):
-        return triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias, pdl=pdl)
+        return triton_fp8_skinny.skinny_fp8_linear(x, layer.weight, layer.weight_scale, bias, pdl=pdl,
+                                                   prefetch=prefetch)
     if scaled_mm_ok(x, layer):
         return scaled_mm_linear(x, layer, bias, pdl=pdl)
     return reference_linear(x, layer, bias)
 
 
 def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None,
-                    pdl: bool | None = None) -> torch.Tensor:
+                    pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """`gpu_linear` of the rows x that `rows` quantize (a fused producer's output, triton_fp8_fused), for layers that
     `takes_rows`: the same routing on the same quantized numbers, so the same kernel and the same result as
     `gpu_linear(x, layer, bias)`, without the quantizer (the skinny kernel where routed on NVIDIA, else
-    `torch._scaled_mm`, else the reference); `pdl` as `gpu_linear`'s. ValueError for a layer or rows that do not fit
-    (`fp8.check_rows`)."""
+    `torch._scaled_mm`, else the reference); `pdl`, `prefetch` as `gpu_linear`'s. ValueError for a layer or rows
+    that do not fit (`fp8.check_rows`)."""
     check_rows(rows, layer)
     if torch.version.hip is None and triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale):
-        return triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, bias, pdl=pdl)
+        return triton_fp8_skinny.skinny_fp8_linear_rows(rows, layer.weight, layer.weight_scale, bias, pdl=pdl,
+                                                        prefetch=prefetch)
     if scaled_mm_ok(rows.q, layer):
         return _scaled_mm(rows.q, rows.scale, layer, rows.dtype, bias)
     return reference_linear_rows(rows, layer, bias)

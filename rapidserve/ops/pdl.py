@@ -28,7 +28,14 @@ off, they compile without the griddepcontrol instructions and launch without the
 interpreter, GPUs before sm_90, `pdl=False`), with the same results.
 
 `use_pdl(pdl, device)` resolves each launcher's `pdl` argument (None: on where the GPU and this Triton have it);
-`ops.no_pdl` and `attention.no_pdl` turn it off for a whole bundle (bench/decode_profile.py's A/B) with `bind_pdl`.
+`ops.no_pdl` and `attention.no_pdl` turn it off for a whole bundle with `bind_pdl`.
+
+Where the engine uses it (PDL pays at small decode batches and costs at large ones: `ops/pdl_table.py` has the
+measurements): the runner gives the model bundles with PDL bound off (`ops.with_launch`, `attention.with_pdl`, both
+through `bind_launch`) for everything but decode steps (prefill, mixed steps, block-wise prefill tasks, piecewise
+prefill graphs: never measured with PDL), and each decode step, a captured graph's batch bucket or an eager step, the
+bundles of `pdl_table.pdl_for_step` (PDL and the skinny GEMMs' prefetch bytes from the GPU's measured table;
+`pdl_device` gathers the device's facts it reads). rapidserve/runner/decode_graphs.py records each graph's choice.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from rapidserve.ops.pdl_table import PdlDevice
 
 
 def pdl_available() -> bool:
@@ -79,6 +88,14 @@ def takes_pdl(fn: Callable[..., object]) -> bool:
         return False
 
 
+def takes_prefetch(fn: Callable[..., object]) -> bool:
+    """Whether `fn` takes a `prefetch` argument (a launcher of the skinny GEMMs: the L2 prefetch before their wait)."""
+    try:
+        return "prefetch" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def bind_pdl(fn: Callable[..., Any], pdl: bool) -> Callable[..., Any]:
     """`fn` with its `pdl` argument bound (its name and docstring kept, for the logs), or `fn` where it takes none."""
     if not takes_pdl(fn):
@@ -86,4 +103,21 @@ def bind_pdl(fn: Callable[..., Any], pdl: bool) -> Callable[..., Any]:
     return functools.update_wrapper(functools.partial(fn, pdl=pdl), fn)
 
 
-__all__ = ["bind_pdl", "launch_options", "pdl_available", "pdl_kwargs", "takes_pdl", "use_pdl"]
+def bind_launch(fn: Callable[..., Any], pdl: bool, prefetch: int) -> Callable[..., Any]:
+    """`fn` with its `pdl` argument bound and, where it takes one, its `prefetch` bytes (0 where `pdl` is off: the
+    prefetch needs PDL); `fn` itself where it takes no `pdl`. A binding of a bound `fn` overrides the earlier one."""
+    if not takes_pdl(fn):
+        return fn
+    kw: dict[str, Any] = {"pdl": pdl, **({"prefetch": prefetch if pdl else 0} if takes_prefetch(fn) else {})}
+    return functools.update_wrapper(functools.partial(fn, **kw), fn)
+
+
+def pdl_device(device: torch.device) -> PdlDevice:
+    """The facts `pdl_table.pdl_for_step` reads: the table's key (torch.cuda.get_device_name on a GPU, else the
+    device type) and whether kernels launch with PDL there (`use_pdl(None, device)`)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return PdlDevice(name, use_pdl(None, device))
+
+
+__all__ = ["bind_launch", "bind_pdl", "launch_options", "pdl_available", "pdl_device", "pdl_kwargs", "takes_pdl",
+           "takes_prefetch", "use_pdl"]

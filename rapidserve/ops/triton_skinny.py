@@ -60,8 +60,9 @@ from rapidserve.ops import pdl as pdl_launch
 
 MAX_ROWS = 16  # BLOCK_M: the tensor-core tile's rows; more rows go to cuBLAS (measured faster there)
 MIN_PROGRAMS = 96  # `linear` uses the kernel only for weights whose grid has at least this many programs
-# With PDL, the weight bytes a launch prefetches into L2 before its wait (`prefetch_bytes`): about what the H200 reads
-# in the ~2-3 us of the small kernel before it (4.8 TB/s), a sixth of its L2; a first choice, not measured yet.
+# With PDL, the weight bytes a launch prefetches into L2 before its wait (`prefetch_bytes`) when the caller gives none:
+# about what the H200 reads in the ~2-3 us of the small kernel before it (4.8 TB/s), a sixth of its L2; a first choice
+# (measured against none, not against other sizes). The engine passes its GPU's entry of ops/pdl_table.json.
 PREFETCH_BYTES = 8 << 20
 PREFETCH_ALIGN = 16  # cp.async.bulk.prefetch: a 16-byte aligned address and a multiple of 16 bytes
 
@@ -191,21 +192,22 @@ def wide_enough(n: int, k: int, gated: bool = False) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           pdl: bool | None = None) -> torch.Tensor:
+           pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): `skinny_linear` where `routed`, else torch's F.linear. `pdl`: programmatic dependent
-    launch of the kernel (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    launch of the kernel (`ops.pdl.use_pdl`; None: where the GPU has it), `prefetch` its weight bytes pulled into L2
+    before the wait (None: PREFETCH_BYTES; 0: none)."""
     if routed(x, weight):
-        return skinny_linear(x, weight, bias, pdl=pdl)
+        return skinny_linear(x, weight, bias, pdl=pdl, prefetch=prefetch)
     return F.linear(x, weight, bias)
 
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, silu_and_mul: Callable[..., torch.Tensor],
-                        pdl: bool | None = None) -> torch.Tensor:
+                        pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
     """silu_and_mul(x @ weight.T) for an MLP's fused gate|up weight [2I, K]: one gated `skinny_linear`
-    where `routed` (the [M, 2I] product is never written), else F.linear then `silu_and_mul` (given `pdl` when it is
-    not None)."""
+    where `routed` (the [M, 2I] product is never written; `pdl`, `prefetch` as `linear`'s), else F.linear then
+    `silu_and_mul` (given `pdl` when it is not None)."""
     if routed(x, weight, gated=True):
-        return skinny_linear(x, weight, gated=True, pdl=pdl)
+        return skinny_linear(x, weight, gated=True, pdl=pdl, prefetch=prefetch)
     return silu_and_mul(F.linear(x, weight), **pdl_launch.pdl_kwargs(pdl))
 
 

@@ -6,6 +6,13 @@ stream it was captured on (docs/measured.md), so the engine captures one set per
 replays the smallest bucket >= n; a step larger than every bucket, a key with no graphs, CPU, graphs off
 (`use_cuda_graphs`) or a backend whose kernels cannot be captured (`graph_safe`) run eagerly.
 
+Programmatic dependent launch (rapidserve/ops/pdl.py): each bucket's graph is captured with the Triton kernels
+launched as `decode_launch(bucket)` chooses (`ops.pdl_table.pdl_for_step`: PDL and the skinny GEMMs' L2 weight
+prefetch on at small batches, off at large ones, from the GPU's measured table), and an eager step as its row count
+chooses; the model's own bundles (every other forward: prefill, mixed steps) launch with PDL off. Each graph records
+its choice (`DecodeGraph.launch`, `decode_launches(key)`); `capture_decode_graphs(launch=...)` forces one choice on
+every bucket (bench/decode_profile.py's A/B).
+
 Memory layout: one set of static input buffers, sized for the largest bucket m and shared by every bucket and
 key: input_ids [m] int64, positions [m] int64, block_tables [m, max_blocks_per_seq] int32, context_lens [m]
 int32, slot_mapping [m] int64. A step of n rows fills rows [0, n); padding rows up to the bucket get slot -1
@@ -17,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,8 +33,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.attention import AttentionBackend, AttentionMetadata
-from rapidserve.ops import cublas_linears
+from rapidserve.attention import AttentionBackend, AttentionMetadata, with_pdl
+from rapidserve.ops import Ops, cublas_linears, with_launch
+from rapidserve.ops.pdl_table import PDL_TABLE, LaunchChoice, PdlDevice, pdl_for_step
 from rapidserve.runner.inputs import BatchInputs, Carry
 
 if TYPE_CHECKING:
@@ -42,6 +51,7 @@ class DecodeGraph:
     graph: torch.cuda.CUDAGraph
     batch: int
     logits: torch.Tensor  # the graph's output buffer, [batch, vocab]
+    launch: LaunchChoice  # how its Triton kernels were launched (PDL, the GEMMs' prefetch bytes)
 
 
 class DecodeGraphs(BatchInputs):
@@ -56,6 +66,33 @@ class DecodeGraphs(BatchInputs):
     _graphs: dict[str, dict[int, DecodeGraph]]  # per stream key, per batch bucket
     _graph_pool: object | None
     _static: dict[str, torch.Tensor]  # the static input buffers (layout above), empty until the first capture
+    pdl_device: PdlDevice  # what `decode_launch` reads of the device (ops.pdl.pdl_device)
+    # per choice: the (ops, attn) bound from, and the bundles bound (`_launching`)
+    _launch_bundles: dict[LaunchChoice, tuple[Ops, AttentionBackend, Ops, AttentionBackend]]
+
+    def decode_launch(self, rows: int) -> LaunchChoice:
+        """How a decode step of `rows` rows (a graph's bucket, an eager step's sequences) launches its Triton kernels
+        on this device: `ops.pdl_table.pdl_for_step` from the packaged table."""
+        return pdl_for_step(rows, self.pdl_device, PDL_TABLE)
+
+    def decode_launches(self, graph_key: str = "default") -> dict[int, LaunchChoice]:
+        """What each captured graph of `graph_key` chose, by batch bucket (empty: no graphs of that key)."""
+        return {b: g.launch for b, g in sorted(self._graphs.get(graph_key, {}).items())}
+
+    @contextmanager
+    def _launching(self, choice: LaunchChoice) -> Iterator[None]:
+        """The model's ops and attention bound to `choice` while the block runs (a decode step's forward or its
+        capture), then the model's own back. Bound once per choice and bundle pair."""
+        ops, attn = self.model.ops, self.model.attn
+        hit = self._launch_bundles.get(choice)
+        if hit is None or hit[0] is not ops or hit[1] is not attn:
+            hit = (ops, attn, with_launch(ops, choice), with_pdl(attn, choice.pdl))
+            self._launch_bundles[choice] = hit
+        self.model.ops, self.model.attn = hit[2], hit[3]
+        try:
+            yield
+        finally:
+            self.model.ops, self.model.attn = ops, attn
 
     def _decode_run(self, arrays: Sequence[np.ndarray], graph_key: str, carry: Carry | None) -> torch.Tensor:
         """Everything on the current stream: the static buffers are filled on the stream that replays
@@ -75,7 +112,8 @@ class DecodeGraphs(BatchInputs):
         tokens = self._dev(ids)
         if carry is not None:
             carry.apply(tokens)
-        hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
+        with self._launching(self.decode_launch(n)):
+            hidden = self.model(tokens, self._dev(pos), self.kv_pool.layers, meta)
         return self.model.compute_logits(hidden)
 
     def decode_graph(self, n: int, graph_key: str = "default") -> torch.cuda.CUDAGraph | None:
@@ -99,12 +137,15 @@ class DecodeGraphs(BatchInputs):
             s["context_lens"][n:batch].fill_(0)
 
     def capture_decode_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
-                              show_progress: bool = True, whole_gpu: bool = True) -> None:
+                              show_progress: bool = True, whole_gpu: bool = True,
+                              launch: LaunchChoice | None = None) -> None:
         """Capture one decode graph per batch bucket on `stream` (its compute partition sticks).
 
         `whole_gpu`: whether `stream` may use every SM (no partition, or an overallocated one). Graphs of a
         stream limited to part of the GPU run their linear layers through cuBLAS (`ops.cublas_linears`):
         the small-batch Triton kernel is faster only with the whole GPU.
+        `launch`: how every bucket's kernels launch (None: `decode_launch(bucket)`, the table's choice; given: that
+        one for all, bench/decode_profile.py's A/B); each graph records it (`decode_launches`).
 
         Stream ordering (the rule for every side stream here): the static buffers, the weights and the
         KV pool were allocated and written on the caller's current stream, and the capture stream (a
@@ -138,13 +179,16 @@ class DecodeGraphs(BatchInputs):
         log.info("capturing decode graphs [%s]: batch sizes %s", key, ",".join(map(str, sizes)))
         t0 = time.perf_counter()
         try:
-            self._capture(sizes, s, stream, caller, key, show_progress)
+            self._capture(sizes, s, stream, caller, key, show_progress, launch)
         finally:
             self.model.ops = whole_ops
-        log.info("decode graphs [%s] captured in %.1f s", key, time.perf_counter() - t0)
+        chosen = self.decode_launches(key)
+        log.info("decode graphs [%s] captured in %.1f s; on %s: %s", key, time.perf_counter() - t0,
+                 self.pdl_device.name, "; ".join(f"{c.label()} at {','.join(str(b) for b in chosen if chosen[b] == c)}"
+                                                 for c in dict.fromkeys(chosen.values())))
 
     def _capture(self, sizes: list[int], s: dict[str, torch.Tensor], stream: torch.cuda.Stream | None,
-                 caller: torch.cuda.Stream, key: str, show_progress: bool) -> None:
+                 caller: torch.cuda.Stream, key: str, show_progress: bool, launch: LaunchChoice | None) -> None:
         capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
         capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
         graphs: dict[int, DecodeGraph] = {}
@@ -160,12 +204,14 @@ class DecodeGraphs(BatchInputs):
                     h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
                     return self.model.compute_logits(h)
 
-                step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
-                capture_stream.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
-                    logits = step()
-                graphs[b] = DecodeGraph(g, b, logits)
+                choice = launch if launch is not None else self.decode_launch(b)
+                with self._launching(choice):
+                    step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
+                    capture_stream.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
+                        logits = step()
+                graphs[b] = DecodeGraph(g, b, logits, choice)
         caller.wait_stream(capture_stream)
         self._graphs[key] = graphs
         torch.cuda.synchronize(self.device)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rapidserve.attention import get_attention_backend
+from rapidserve.attention import get_attention_backend, with_pdl
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
@@ -35,7 +35,9 @@ from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, kv_cache_d
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
 from rapidserve.models.registry import causal_lm_class
-from rapidserve.ops import fp8_ops, get_ops
+from rapidserve.ops import fp8_ops, get_ops, with_launch
+from rapidserve.ops.pdl import pdl_device
+from rapidserve.ops.pdl_table import OFF
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
@@ -130,17 +132,23 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         log.info("attention backend: %s%s", self.attn.name, f" ({self.attn.kv_note})" if self.attn.kv_note else "")
         kv_scales = cfg.cache.layer_kv_scales(self.mcfg.num_layers) if fp8_kv else None
         kv = {"kv_dtype": self.kv_dtype if fp8_kv else None, "kv_scales": kv_scales}
+        # Programmatic dependent launch (rapidserve/ops/pdl.py): the model's own bundles launch without it (prefill,
+        # mixed steps, block-wise prefill tasks, piecewise prefill graphs: never measured with it); a decode step binds
+        # the table's choice for its rows over them (decode_graphs.py, `decode_launch`).
+        self.pdl_device = pdl_device(self.device)
+        self._launch_bundles = {}
+        model_ops, model_attn = with_launch(self.ops, OFF), with_pdl(self.attn, False)
         t0 = time.perf_counter()
         if attached is not None:
             from rapidserve.runner.model_sharing import attach_model
 
-            self.model, self.kv_pool = attach_model(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+            self.model, self.kv_pool = attach_model(self.mcfg, model_ops, model_attn, self.dtype, self.device,
                                                     max(self.max_model_len, 1), attached, tp, quant, **kv)
         else:
             if source is None:
                 raise ValueError("ModelRunner needs a model source or attached shared weights")
             cpu_blocks = self._cpu_kv_blocks() if kv_pool is None else None  # before anything max_model_len sizes
-            self.model = causal_lm_class(self.mcfg)(self.mcfg, self.ops, self.attn, self.dtype, self.device,
+            self.model = causal_lm_class(self.mcfg)(self.mcfg, model_ops, model_attn, self.dtype, self.device,
                                                     max_positions=max(self.max_model_len, 1), tp=tp, quant=quant,
                                                     **kv)
             log.info("loading weights: %s", source.description)
