@@ -157,6 +157,10 @@ class Finished(msgspec.Struct, tag=True, frozen=True):
     fault: str = ""
 
 
+# The keys of `Stats.step_kinds`: a step's shape as its policy chose it (engine/step_tally.py says which is which)
+STEP_KINDS: tuple[str, ...] = ("fused", "fused_decode", "split", "alone")
+
+
 class StepKindStats(msgspec.Struct, frozen=True):
     """One kind of step's counts in `Stats.step_kinds`, cumulative since the worker started (engine/step_tally.py
     says which kinds there are and how a step is counted): landed steps, their measured time (ms), how many took

@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 from typing import get_args
 
-from rapidserve.engine.messages import StepKindStats
+from rapidserve.engine.messages import STEP_KINDS, StepKindStats
 from rapidserve.partition.correction import Correction, Kind
 from rapidserve.partition.shape import Fused, Split, StepShape, StepTiming
 
-KINDS: tuple[str, ...] = ("fused", "fused_decode", "split", "alone")
+KINDS = STEP_KINDS  # declared with the message that carries them
 FUSED, FUSED_DECODE, SPLIT, ALONE = range(len(KINDS))
 
 
