@@ -258,3 +258,16 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
     assert set(shapes) <= {Fused(48), DecodeAlone(OVERALLOCATED)}, set(shapes)
     assert d.partition.steps.keys() == {OVERALLOCATED} and d.partition.num_switches == 0
     assert d.sched.blocks.num_free == free0 and not p.waiting_prefill and d.runner.tokens.in_use == 0
+    # the Stats' step counts: no split, none over an SLO there is none of; DuetPolicy's predictions are in them and
+    # its correction is sent beside (DuetWithoutSlo predicts and corrects nothing)
+    d._last_stats = 0.0
+    d.publish()
+    last = io.of("d2r", m.Stats)[-1]
+    assert set(last.step_kinds) <= {"fused", "fused_decode", "alone"} and last.step_kinds["fused"].steps > 0
+    assert all(k.over_slo == 0 for k in last.step_kinds.values())
+    fused = last.step_kinds["fused"]
+    if two_configs:
+        assert fused.predicted_ms > 0 and fused.predicted_measured_ms == pytest.approx(fused.measured_ms)
+        assert set(last.step_correction) == {"fused", "split", "decode"}
+    else:
+        assert fused.predicted_ms == 0 and last.step_correction == {}
