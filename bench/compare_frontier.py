@@ -54,12 +54,13 @@ def startup_reserve(kinds: Sequence[str]) -> float:
 
 
 def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
-    """What the report keeps of a search result: its goodput entries, settings and per-probe attainment
-    (every request stays in the result's own file, `path`)."""
+    """What the report keeps of a search result: its goodput entries, settings and per-probe attainment and server
+    steps (rapidserve/benchmark/step_mix.py; every request stays in the result's own file, `path`)."""
     return {"label": res["label"], "title": res.get("title"), "workload": res["workload"], "path": res.get("path"),
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
-            "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary")}
+            "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",
+                                              "server_step_correction")}
                        for p in res.get("probes", [])]}
 
 

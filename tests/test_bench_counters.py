@@ -1,4 +1,5 @@
-"""The server counters `rapidserve bench` reads from /metrics and reports per run (prefix cache, partition)."""
+"""The server counters `rapidserve bench` reads from /metrics and reports per run (prefix cache, partition, the
+decode worker's steps by shape kind)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.report import _server_counts
+from rapidserve.benchmark.step_mix import step_cell
 
 METRICS = """# HELP vllm:prefix_cache_queries_total x
 vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
@@ -104,3 +106,63 @@ def test_ttft_phase_means_over_a_run() -> None:
     assert counter_deltas(before, after) == {"ttft_phases_ms": {"queue": 100.0, "handoff": 2.0}}
     assert _server_counts({"ttft_phases_ms": {"queue": 100.0, "handoff": 2.0}}) == (
         "time to first token, server's means: queue 100 ms, handoff 2 ms")
+
+
+STEP_METRICS = """# HELP rapidserve:steps_total Decode-worker steps landed, by the shape the policy chose.
+# TYPE rapidserve:steps_total counter
+rapidserve:steps_total{kind="fused",model_name="m"} 100.0
+rapidserve:steps_total{kind="split",model_name="m"} 40.0
+rapidserve:steps_total{kind="alone",model_name="m"} 0.0
+rapidserve:step_seconds_total{kind="fused",model_name="m"} 4.2
+rapidserve:steps_over_slo_total{kind="fused",model_name="m"} 7.0
+rapidserve:step_predicted_seconds_total{kind="fused",model_name="m"} 4.0
+rapidserve:step_predicted_measured_seconds_total{kind="fused",model_name="m"} 4.1
+rapidserve:step_correction_ratio{kind="fused",model_name="m"} 1.05
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 10.0
+"""
+
+
+def test_server_counters_parse_the_step_series() -> None:
+    assert _fetch(STEP_METRICS) == {
+        "step:steps:fused": 100.0, "step:steps:split": 40.0, "step:steps:alone": 0.0, "step:measured_s:fused": 4.2,
+        "step:over_slo:fused": 7.0, "step:predicted_s:fused": 4.0, "step:predicted_measured_s:fused": 4.1,
+        "step_correction:fused": 1.05, "prefix_cache_queries": 10.0}
+
+
+def scrape(fused: tuple[float, float, float, float, float], split: tuple[float, float, float],
+           ratio: float) -> dict[str, float]:
+    """A scrape's dict as server_counters gives it: fused (steps, measured s, over, predicted s, predicted's
+    measured s), split (steps, measured s, over; never predicted), the fused correction."""
+    keys = ("steps", "measured_s", "over_slo", "predicted_s", "predicted_measured_s")
+    out = {f"step:{k}:fused": v for k, v in zip(keys, fused, strict=True)}
+    out.update({f"step:{k}:split": v for k, v in zip(keys, split, strict=False)})
+    out.update({"step:steps:alone": 3.0, "step:steps:fused_decode": 0.0, "step_correction:fused": ratio})
+    return out
+
+
+def test_step_deltas_and_the_probe_cell_from_two_scrapes() -> None:
+    before = scrape((100, 4.0, 5, 3.8, 4.0), (40, 0.8, 0), 1.02)
+    after = scrape((162, 6.7, 9, 6.3, 6.7), (70, 1.4, 1), 1.07)
+    after["step:steps:alone"] = 11.0
+    got = counter_deltas(before, after)
+    assert got["server_steps"] == {  # the raw deltas, kinds without a step in the run left out
+        "fused": {"steps": 62, "measured_s": pytest.approx(2.7), "over_slo": 4, "predicted_s": pytest.approx(2.5),
+                  "predicted_measured_s": pytest.approx(2.7)},
+        "split": {"steps": 30, "measured_s": pytest.approx(0.6), "over_slo": 1, "predicted_s": 0.0,
+                  "predicted_measured_s": 0.0},
+        "alone": {"steps": 8, "measured_s": 0.0, "over_slo": 0, "predicted_s": 0.0, "predicted_measured_s": 0.0}}
+    assert got["server_step_correction"] == {"fused": 1.07}  # a gauge: its value at the end
+    assert list(got["server_steps"]) == ["fused", "split", "alone"]  # the server's order
+    assert step_cell(got) == "fused 62% (1.08, 6.5%) / split 30% (-, 3.3%) / alone 8% (-, 0%)"
+    assert _server_counts(got) == ("steps by kind, share (measured/predicted, over SLO): fused 62% (1.08, 6.5%) / "
+                                   "split 30% (-, 3.3%) / alone 8% (-, 0%)")
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"prefix_cache_queries": 1.0}, {"prefix_cache_queries": 2.0}),  # vLLM: no step series
+    (scrape((5, 0.1, 0, 0.1, 0.1), (0, 0, 0), 1.0), scrape((5, 0.1, 0, 0.1, 0.1), (0, 0, 0), 1.0)),  # no step
+])
+def test_no_steps_no_step_fields_and_a_dash(before: dict[str, float], after: dict[str, float]) -> None:
+    got = counter_deltas(before, after)
+    assert "server_steps" not in got and "server_step_correction" not in got
+    assert step_cell(got) == "-" and "steps by kind" not in _server_counts(got)

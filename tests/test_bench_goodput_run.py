@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -64,11 +65,16 @@ def test_search_flags_make_the_search_config() -> None:
                                                budget_s=60.0)
 
 
+# a rapidserve server's steps over a probe (benchmark/step_mix.py)
+STEPS = {"fused": {"steps": 75, "measured_s": 3.3, "over_slo": 3, "predicted_s": 3.0, "predicted_measured_s": 3.3},
+         "split": {"steps": 25, "measured_s": 0.5, "over_slo": 0, "predicted_s": 0.5, "predicted_measured_s": 0.5}}
+
+
 def result(goodput: list[dict[str, Any]], label: str = "sys") -> dict[str, Any]:
     """A search result as run_goodput_search writes it, with two probes."""
-    def probe(rate: float, order: int, att: dict[str, float]) -> dict[str, Any]:
+    def probe(rate: float, order: int, att: dict[str, float], **server: Any) -> dict[str, Any]:
         return {"rate": rate, "order": order, "counted": 64, "attainment": att,
-                "summary": {"ttft_ms": {"p99": 900.0}, "itl_ms": {"p99": 40.0}, "failed": 0}}
+                "summary": {"ttft_ms": {"p99": 900.0}, "itl_ms": {"p99": 40.0}, "failed": 0}, **server}
 
     return {"kind": "goodput_search", "label": label, "base_url": "http://h:1", "model": "m",
             "workload": {"name": "fixed", "input_len": 4096, "output_len": 64}, "created": "now",
@@ -77,7 +83,7 @@ def result(goodput: list[dict[str, Any]], label: str = "sys") -> dict[str, Any]:
                        "start_rate": 4.0, "min_rate": 1.0, "max_rate": 32.0, "probe_requests": 80,
                        "peak_request_throughput": 8.0},
             "probes": [probe(4.0, 1, {"unbounded": 1.0, "100": 0.95, "50": 0.5}),
-                       probe(8.0, 2, {"unbounded": 0.5, "100": 0.2, "50": 0.0})],
+                       probe(8.0, 2, {"unbounded": 0.5, "100": 0.2, "50": 0.0}, server_steps=STEPS)],
             "goodput": goodput, "finished": False, "stopped": "the time budget"}
 
 
@@ -106,7 +112,11 @@ def test_search_markdown_and_plot(tmp_path, monkeypatch) -> None:  # type: ignor
     assert "| 50 ms | < 1 | < 1 |" in md and "| 100 ms | 4 | [0, 4)* |" in md and "| unbounded | 6 | [4, 8)* |" in md
     assert "UNFINISHED: the time budget" in md and "0.5 x the closed-loop peak 8 req/s" in md
     assert "not a sweep's `--goodput` column" in md
-    assert "| 4 | 1 | 64 | 50.0% | 95.0% | 100.0% | 900 | 40.0 | 0 |" in md  # attainment, tightest bound first
+    # attainment, tightest bound first; the server's steps where it counted them (a server without: -)
+    assert "| 4 | 1 | 64 | 50.0% | 95.0% | 100.0% | 900 | 40.0 | 0 | - |" in md
+    assert "| 8 | 2 | 64 | 0.0% | 20.0% | 50.0% | 900 | 40.0 | 0 | fused 75% (1.10, 4.0%) / split 25% (1.00, 0%) |" \
+        in md
+    assert "| failed | server steps: kind share (measured/predicted, over SLO) |" in md
     assert frontier_points(res, 0.9) == [(50.0, 0.0), (100.0, 4.0), (None, 6.0)]
     paths, note = write_search_outputs(res, str(tmp_path), "gs")
     assert note is None and (tmp_path / "gs.png").read_bytes()[:8] == PNG_MAGIC
@@ -159,3 +169,12 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
         assert len(gs) == 5 and gs == sorted(gs, reverse=True)
     md = (tmp_path / "gs.md").read_text()
     assert "| unbounded |" in md and "| 4 | 1 | 6 |" in md and "rapidserve bench goodput search: smol" in md
+    # the server's steps over each probe (its /metrics before and after): rapid mode's decode steps are all split
+    # ones. The workers send their counts every 0.25 s, so the scrapes see the steps up to a quarter second late:
+    # the first probe (8 arrivals at 4 req/s, ~2 s) counts some on any machine; a later, faster one might not
+    first = probes[0]["server_steps"]
+    assert set(first) == {"split"} and first["split"]["steps"] > 0 and first["split"]["measured_s"] > 0
+    assert first["split"]["predicted_s"] == 0 and 0 <= first["split"]["over_slo"] <= first["split"]["steps"]
+    row = next(line for line in md.splitlines() if line.startswith("| 4 | 1 | 6 |"))
+    assert re.search(r"\| split 100% \(-, [0-9.]+%\) \|$", row), row
+    assert "server steps: split 100% (-, " in r.stdout  # said as each probe ends

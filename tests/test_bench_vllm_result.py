@@ -98,7 +98,8 @@ def table_row(label: str, value: str) -> str:
 def test_result_block_is_vllms_table() -> None:
     recs = records()
     run = run_of(recs, prefix_cache={"hit_rate": 0.25}, ttft_phases_ms={"queue": 1.5},
-                 partition={"switches": 3, "decode_steps": {"split16": 30, "overallocated": 10}})
+                 partition={"switches": 3, "decode_steps": {"split16": 30, "overallocated": 10}},
+                 server_steps={"fused": {"steps": 75, "over_slo": 3}, "alone": {"steps": 25, "over_slo": 0}})
     m = serving_metrics(recs, run["summary"], ("ttft", "itl"), (50.0, 99.0))  # type: ignore[arg-type]
     lines = result_block(run, m, ("ttft", "itl"), (50.0, 99.0), max_concurrency=4).splitlines()
     assert lines[:2] == ["Failed requests during benchmark run detected (capping to 10):", "Error (1x): HTTP 400: no"]
@@ -114,7 +115,9 @@ def test_result_block_is_vllms_table() -> None:
                 table_row("Median TTFT (ms):", "150.00"), table_row("P50 TTFT (ms):", "150.00"),
                 table_row("Mean ITL (ms):", "300.00"), table_row("Prefix cache hit rate (%):", "25.00"),
                 table_row("Mean queue time to 1st token (ms):", "1.50"), table_row("Partition switches:", "3"),
-                table_row("Decode steps on split16 (%):", "75.00")):
+                table_row("Decode steps on split16 (%):", "75.00"),
+                table_row("Steps fused (% / % over SLO):", "75.0 / 4.0"),
+                table_row("Steps alone (% / % over SLO):", "25.0 / 0.0")):
         assert row in lines, row
     sections = [x.strip("-") for x in lines if x.startswith("-")]
     assert sections == ["Time to First Token", "Inter-token Latency", "Server counters (/metrics)"]

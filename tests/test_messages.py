@@ -32,6 +32,8 @@ SAMPLES = [
     m.Finished("r1", "abort"),
     m.Finished("r3", "error", "prompt too long"),
     m.Stats(3, 1, 2, 100, 40, 5, "none"),
+    m.Stats(3, 1, 2, 100, 40, 5, "none", step_kinds={"fused": m.StepKindStats(3, 120.5, 1, 110.0, 120.5)},
+            step_correction={"fused": 1.1, "split": 0.9, "decode": 1.0}),
     m.KVEvents([BlockStored([2**64 - 1, 7], None, list(range(32)), 16, None, "GPU", None),
                 BlockRemoved([5, 2**63], "GPU"), AllBlocksCleared()]),
     m.Ready("decode", 1234, {"kv_blocks": "100"}),

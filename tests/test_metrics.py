@@ -7,6 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rapidserve.config import CacheConfig
+from rapidserve.engine.messages import STEP_KINDS, StepKindStats
 from rapidserve.server.metrics import Metrics, build_1_2_5_buckets, request_gauges
 
 MODEL = "smollm2-135m"
@@ -186,6 +187,31 @@ def test_partition_steps_and_switches_count_deltas() -> None:
     assert value(m, "rapidserve:partition_steps_total", config="a") == 9
 
 
+def test_step_series_by_kind_count_deltas_in_seconds() -> None:
+    m = new()
+    for kind in STEP_KINDS:  # pre-created at 0
+        assert value(m, "rapidserve:steps_total", kind=kind) == 0
+    assert not [k for k in samples(m) if k[0] == "rapidserve:step_correction_ratio"]  # no policy reported one
+    m.set_step_stats({"fused": StepKindStats(10, 400.0, 2, 380.0, 400.0), "split": StepKindStats(4, 80.0)},
+                     {"fused": 1.05, "split": 0.9, "decode": 1.0})
+    m.set_step_stats({"fused": StepKindStats(12, 500.0, 3, 470.0, 490.0), "split": StepKindStats(4, 80.0)},
+                     {"fused": 1.1, "split": 0.9, "decode": 1.0})
+    want = {"rapidserve:steps_total": 12, "rapidserve:step_seconds_total": 0.5, "rapidserve:steps_over_slo_total": 3,
+            "rapidserve:step_predicted_seconds_total": 0.47, "rapidserve:step_predicted_measured_seconds_total": 0.49}
+    for name, w in want.items():
+        assert value(m, name, kind="fused") == pytest.approx(w), name
+    assert value(m, "rapidserve:steps_total", kind="split") == 4
+    assert value(m, "rapidserve:step_seconds_total", kind="split") == pytest.approx(0.08)
+    assert value(m, "rapidserve:step_predicted_seconds_total", kind="split") == 0
+    assert value(m, "rapidserve:steps_total", kind="alone") == 0
+    assert value(m, "rapidserve:step_correction_ratio", kind="fused") == pytest.approx(1.1)
+    assert value(m, "rapidserve:step_correction_ratio", kind="split") == pytest.approx(0.9)
+    m.set_step_stats({"fused": StepKindStats(2, 60.0)}, {})  # the engine restarted: its new counts add on
+    assert value(m, "rapidserve:steps_total", kind="fused") == 14
+    assert value(m, "rapidserve:step_seconds_total", kind="fused") == pytest.approx(0.56)
+    assert value(m, "rapidserve:step_correction_ratio", kind="fused") == pytest.approx(1.1)  # last reported
+
+
 @pytest.mark.parametrize(("arrival", "admitted", "started", "sampled", "held", "want"), [
     # queue, admission, prefill, hand-off (seconds)
     (10.0, 10.01, 10.05, 10.15, 10.17, (0.05, 0.01, 0.1, 0.02)),
@@ -284,7 +310,9 @@ VLLM: dict[str, tuple[str, tuple[str, ...], list[float] | None]] = {
 }
 OWN = {"rapidserve:request_admission_time_seconds", "rapidserve:request_first_token_handoff_seconds",
        "rapidserve:partition_info", "rapidserve:partition_steps", "rapidserve:partition_switches",
-       "rapidserve:engine_restarts", "rapidserve:engine_worker_deaths", "rapidserve:request_rejected"}
+       "rapidserve:engine_restarts", "rapidserve:engine_worker_deaths", "rapidserve:request_rejected",
+       "rapidserve:steps", "rapidserve:step_seconds", "rapidserve:steps_over_slo", "rapidserve:step_predicted_seconds",
+       "rapidserve:step_predicted_measured_seconds", "rapidserve:step_correction_ratio"}
 
 
 def test_vllm_names_types_labels_and_buckets() -> None:
@@ -296,6 +324,7 @@ def test_vllm_names_types_labels_and_buckets() -> None:
     m.observe_finished(1.0, 10, 5, "stop", ttft_s=0.1, queue_s=0.2)
     m.observe_samples_done([5, 3])
     m.set_engine_stats(1, 0, 100, 50, 0, "none", partition_steps={"none": 1})
+    m.set_step_stats({"fused": StepKindStats(1, 20.0)}, {"fused": 1.0})
     fams = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
     for name, (typ, extra, buckets) in VLLM.items():
         fam = fams[name]
@@ -308,7 +337,8 @@ def test_vllm_names_types_labels_and_buckets() -> None:
             les = [float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")]
             assert les == [*buckets, float("inf")], name
     assert set(fams) == set(VLLM) | OWN | {"vllm:cache_config_info"}  # every other series is rapidserve's own
-    assert all(set(s.labels) - {"le", "config", "reason"} == {"model_name"} for n in OWN for s in fams[n].samples)
+    assert all(set(s.labels) - {"le", "config", "reason", "kind"} == {"model_name"} for n in OWN
+               for s in fams[n].samples)
 
 
 def test_no_created_series_and_no_global_switch() -> None:

@@ -15,9 +15,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import pytest
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
-from rapidserve.engine.messages import Stats
+from rapidserve.engine.messages import Stats, StepKindStats
 from tests.server_fakes import FakeEngine, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -165,5 +167,32 @@ def test_metrics_route_speaks_vllm_names_and_labels_without_created_series() -> 
         assert samples[("vllm:request_max_num_generation_tokens_count", None)] == 2
         done = {x.labels["finished_reason"]: x.value for x in fams["vllm:request_success"].samples}
         assert done["length"] == 4
+
+    run(main)
+
+
+def test_metrics_route_exposes_the_workers_step_counts() -> None:
+    """The workers' Stats carry their steps by shape kind and the policy's correction (engine/step_tally.py):
+    /metrics exposes them as rapidserve's step series, in seconds, growing by what each Stats adds."""
+    async def main() -> None:
+        engine = FakeEngine()
+        async with running_server(engine) as (_, url), aiohttp.ClientSession() as s:
+            m = await scrape(s, url)
+            assert m[("rapidserve:steps_total", frozenset({("kind", "split")}))] == 0
+            engine.stats = replace(stats(1, 0, 0), step_kinds={"split": StepKindStats(8, 160.0, 1, 120.0, 160.0)},
+                                   step_correction={"split": 1.3})
+            await scrape(s, url)
+            engine.stats = replace(engine.stats, step_kinds={"split": StepKindStats(10, 220.0, 2, 150.0, 220.0)})
+            m = await scrape(s, url)
+
+        def got(name: str, kind: str) -> float:
+            return m[("rapidserve:" + name, frozenset({("kind", kind)}))]
+
+        assert (got("steps_total", "split"), got("steps_over_slo_total", "split")) == (10, 2)
+        assert got("step_seconds_total", "split") == pytest.approx(0.22)
+        assert got("step_predicted_seconds_total", "split") == pytest.approx(0.15)
+        assert got("step_predicted_measured_seconds_total", "split") == pytest.approx(0.22)
+        assert got("step_correction_ratio", "split") == pytest.approx(1.3)
+        assert got("steps_total", "fused") == 0
 
     run(main)

@@ -22,6 +22,7 @@ from rapidserve import LLM, SamplingParams
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
+from rapidserve.engine.step_tally import StepTally
 from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
@@ -156,6 +157,16 @@ def check_transitions(llm: LLM, prompts: list[list[int]], want: list[list[int]],
     assert {type(t.shape) for t in policy.timings} >= {Fused, Split}
     assert all(t.chunk_tokens == 0 for t in policy.timings if not isinstance(t.shape, Fused))
     assert any(t.chunk_tokens > 0 for t in policy.timings)
+    # the same timings, counted by kind, reach the router in the worker's Stats (engine/step_tally.py)
+    tally = StepTally(d.cfg.partition.slo_itl_ms)
+    for x in policy.timings:
+        tally.add(x)
+    kinds = tally.snapshot()
+    assert {"fused", "split", "alone"} <= set(kinds) and sum(k.steps for k in kinds.values()) == len(policy.timings)
+    d._last_stats = 0.0  # the Stats are due: sent at this publish
+    d.publish()
+    last = io.of("d2r", m.Stats)[-1]
+    assert last.step_kinds == kinds and last.step_correction == {}  # a scripted policy corrects nothing
     if two_configs:  # each switch told prefill first; fused steps ran on the whole GPU, split ones on the split
         sets = [x.config for x in told if isinstance(x, m.SetPartition)]
         assert sets and sets[0] == "split16" and set(sets) == {"split16", OVERALLOCATED}
@@ -247,3 +258,16 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
     assert set(shapes) <= {Fused(48), DecodeAlone(OVERALLOCATED)}, set(shapes)
     assert d.partition.steps.keys() == {OVERALLOCATED} and d.partition.num_switches == 0
     assert d.sched.blocks.num_free == free0 and not p.waiting_prefill and d.runner.tokens.in_use == 0
+    # the Stats' step counts: no split, none over an SLO there is none of; DuetPolicy's predictions are in them and
+    # its correction is sent beside (DuetWithoutSlo predicts and corrects nothing)
+    d._last_stats = 0.0
+    d.publish()
+    last = io.of("d2r", m.Stats)[-1]
+    assert set(last.step_kinds) <= {"fused", "fused_decode", "alone"} and last.step_kinds["fused"].steps > 0
+    assert all(k.over_slo == 0 for k in last.step_kinds.values())
+    fused = last.step_kinds["fused"]
+    if two_configs:
+        assert fused.predicted_ms > 0 and fused.predicted_measured_ms == pytest.approx(fused.measured_ms)
+        assert set(last.step_correction) == {"fused", "split", "decode"}
+    else:
+        assert fused.predicted_ms == 0 and last.step_correction == {}

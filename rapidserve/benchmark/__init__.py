@@ -7,7 +7,8 @@ ids, ideal prefix-cache hit rate), `client` (streamed HTTP requests and their ti
 serve` reports it: its printed table and its --save-result JSON), `progress` (a progress bar per
 run), `runner` (a load sweep: `BenchConfig` -> result dict), `goodput` (the papers' goodput and the
 pure steps of its rate search), `search` (the search loop, and its run against a server), `results`
-(reading a result), `report` (a sweep's JSON and markdown), `goodput_report` (a search's), `plot`
+(reading a result), `step_mix` (a rapidserve server's steps by shape kind over a run, from its /metrics),
+`report` (a sweep's JSON and markdown), `goodput_report` (a search's), `plot`
 (throughput / p99 ITL / p99 TTFT against offered load, and goodput against the ITL bound, one line
 per system), `save` (what is written where: only where asked), `flags`, `search_flags` and
 `vllm_flags` (argument types, the search's flags, vLLM `bench serve`'s flag names), `cli`.

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from rapidserve.benchmark.stats import RequestRecord, chunk_itls, reconcile_chunk_tokens
+from rapidserve.benchmark.step_mix import parse_line, step_deltas
 
 
 @dataclass
@@ -214,7 +215,8 @@ async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key
     """The server's cumulative counters the report uses, from GET /metrics: `prefix_cache_queries` and
     `prefix_cache_hits` (prompt tokens; rapidserve's and vLLM's counters share the names
     `<prefix>:prefix_cache_{queries,hits}_total`), `partition_switches` and `partition_steps:<config>`
-    (rapidserve's decode steps per compute partition). None when the server answers no metrics."""
+    (rapidserve's decode steps per compute partition), and rapidserve's step series by shape kind (step_mix.py).
+    None when the server answers no metrics."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with session.get(base_url.rstrip("/") + "/metrics", headers=headers,
@@ -226,6 +228,10 @@ async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key
         return None
     got: dict[str, float] = {}
     for line in text.splitlines():
+        step = parse_line(line)  # rapidserve's steps by shape kind (step_mix.py)
+        if step is not None:
+            got[step[0]] = got.get(step[0], 0.0) + step[1]
+            continue
         p = _PHASE_RE.match(line)
         if p:
             key = f"phase_{p.group(2)}:{_PHASE_NAMES[p.group(1)]}"
@@ -244,8 +250,9 @@ async def server_counters(session: aiohttp.ClientSession, base_url: str, api_key
 def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
     """What a run adds to the report from the server's counters over it: `prefix_cache` (queried and hit
     tokens, hit rate) when the server counts them, `ttft_phases_ms` (the mean of each phase of the time
-    to first token the server measures: `TTFT_PHASES`) and `partition` (switches, decode steps per
-    configuration) when it has more than one configuration."""
+    to first token the server measures: `TTFT_PHASES`), `partition` (switches, decode steps per
+    configuration) when it has more than one configuration, and `server_steps` / `server_step_correction` (the
+    decode worker's steps by shape kind, step_mix.step_deltas) when the server counts them."""
     if before is None or after is None:
         return {}
     d = {k: v - before.get(k, 0.0) for k, v in after.items()}
@@ -263,4 +270,5 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     steps = {k.split(":", 1)[1]: int(v) for k, v in d.items() if k.startswith("partition_steps:") and v > 0}
     if len(steps) > 1 or d.get("partition_switches", 0.0) > 0:
         out["partition"] = {"switches": int(d.get("partition_switches", 0.0)), "decode_steps": steps}
+    out.update(step_deltas(before, after))
     return out

@@ -4,7 +4,8 @@ The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label
 "workload", "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate",
 "max_rate", "probe_requests", "peak_request_throughput"}, "peak" (the closed-loop run, or None with a
 given start rate), "probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key:
-share of counted requests attaining it}], "goodput": [{"itl_bound_ms" (None: unbounded), "share",
+share of counted requests attaining it}; a rapidserve server's steps over the probe: "server_steps" and
+"server_step_correction", step_mix.py], "goodput": [{"itl_bound_ms" (None: unbounded), "share",
 "goodput", "lo", "hi", "status"}], "finished", "stopped" (why probing stopped early, or None),
 "created"} and, for a trace, "trace".
 """
@@ -20,6 +21,7 @@ from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
 from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
 from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
+from rapidserve.benchmark.step_mix import STEP_COLUMN, STEP_LEGEND, step_cell
 
 DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
               "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
@@ -73,15 +75,15 @@ def search_markdown(result: Mapping[str, Any]) -> str:
     for b in bounds:
         lines.append(f"| {bound_label(b)} | " + " | ".join(goodput_cell(entry(result, b, q)) for q in shares) + " |")
     lines += ["", LEGEND, "", "Attainment at each probed rate (share of the counted requests meeting the TTFT rule "
-              "and the bound), in rate order:", "",
+              "and the bound), in rate order. " + STEP_LEGEND, "",
               "| rate (req/s) | probe | counted | " + " | ".join(bound_label(b) for b in bounds)
-              + " | p99 TTFT (ms) | p99 ITL (ms) | failed |", "|---" * (len(bounds) + 6) + "|"]
+              + f" | p99 TTFT (ms) | p99 ITL (ms) | failed | {STEP_COLUMN} |", "|---" * (len(bounds) + 7) + "|"]
     for p in sorted(result.get("probes", []), key=lambda p: float(p["rate"])):
         s = p["summary"]
         att = [fmt(p["attainment"].get(bound_key(b)), ".1%") for b in bounds]
         lines.append(f"| {float(p['rate']):g} | {p['order']} | {p['counted']} | " + " | ".join(att)
                      + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
-                     f" | {s['failed']} |")
+                     f" | {s['failed']} | {step_cell(p)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from rapidserve.benchmark.arrivals import rate_label
 from rapidserve.benchmark.results import load_result, trace_line, workload_title
+from rapidserve.benchmark.step_mix import step_cell
 
 __all__ = [
     "fmt", "jsonable", "load_result", "to_markdown", "trace_line", "workload_title", "write_json_and_markdown",
@@ -116,7 +117,7 @@ def to_markdown(result: Mapping[str, Any]) -> str:
 
 def _server_counts(run: Mapping[str, Any]) -> str:
     """The server's own counts over one run: prefix cache hit rate, where the time to first token went,
-    partition switches and decode steps."""
+    partition switches and decode steps, the decode worker's steps by shape kind (step_mix.py)."""
     parts = []
     pc = (run.get("prefix_cache") or {}).get("hit_rate")
     if pc is not None:
@@ -130,6 +131,8 @@ def _server_counts(run: Mapping[str, Any]) -> str:
         total = sum(steps.values()) or 1
         share = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
         parts.append(f"{part.get('switches', 0)} partition switches; decode steps by configuration: {share}")
+    if run.get("server_steps"):
+        parts.append(f"steps by kind, share (measured/predicted, over SLO): {step_cell(run)}")
     return "; ".join(parts)
 
 

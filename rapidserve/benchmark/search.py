@@ -58,6 +58,7 @@ from rapidserve.benchmark.runner import (
     warm_up,
 )
 from rapidserve.benchmark.stats import RequestRecord, summarize
+from rapidserve.benchmark.step_mix import step_cell
 
 Measure = Callable[[float], Awaitable[Sequence[RequestRecord]]]
 
@@ -179,8 +180,10 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             return records
 
         def tell(p: Probe) -> None:
+            steps = step_cell(runs[p.rate])
             say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
-                     + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds()))
+                     + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds())
+                     + ("" if steps == "-" else f"; server steps: {steps}"))
 
         out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak)
     probes = []

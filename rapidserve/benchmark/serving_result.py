@@ -166,6 +166,11 @@ def server_rows(run: Mapping[str, Any]) -> list[str]:
         total = sum(steps.values()) or 1
         for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
             rows.append(table_row(f"Decode steps on {k} (%):", 100.0 * v / total))
+    kinds = run.get("server_steps") or {}
+    total = sum(d["steps"] for d in kinds.values()) or 1
+    for k, d in kinds.items():  # the decode worker's steps by shape kind (step_mix.py)
+        rows.append(table_row(f"Steps {k} (% / % over SLO):",
+                              f"{100.0 * d['steps'] / total:.1f} / {100.0 * d['over_slo'] / d['steps']:.1f}"))
     return rows
 
 

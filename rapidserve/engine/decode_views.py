@@ -121,9 +121,11 @@ class SchedulerViews:
         return sum(r.num_tokens for r in self.running) // len(self.running) if self.running else 0
 
     def stats(self, partition: str, switches: int, steps: dict[str, int] | None = None,
-              token_slots: int = 0) -> m.Stats:
-        """For the router; `num_prefilling` counts the prompts being computed, by either worker."""
+              token_slots: int = 0, step_kinds: dict[str, m.StepKindStats] | None = None,
+              step_correction: dict[str, float] | None = None) -> m.Stats:
+        """For the router; `num_prefilling` counts the prompts being computed, by either worker. `step_kinds` and
+        `step_correction`: the worker's step counts and its policy's correction (engine/step_tally.py)."""
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling + len(self.chunking), b.num_blocks,
                        b.num_free, self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}),
-                       token_slots)
+                       token_slots, dict(step_kinds or {}), dict(step_correction or {}))

@@ -21,7 +21,8 @@ pause it; the policy sees it among `ShapeState.waiting`). Switching configuratio
 synchronizes the old stream first: the step's sampled tokens, its KV writes and the graphs' static inputs
 (shared by every configuration's graphs) are read or overwritten by the next step on the new stream, which
 nothing else orders after it; the prefill worker hears of the switch (SetPartition) before the KVReady of the
-work it concerns (same ring, in order). Each landed step's measured time goes back to the policy (`observe`).
+work it concerns (same ring, in order). Each landed step's measured time goes back to the policy (`observe`),
+and is counted by kind for the Stats the router gets (`step_timed`, engine/step_tally.py: /metrics' step series).
 
 A step is launched one ahead (`SchedulerConfig.async_scheduling`, the default): the tokens of the step in
 flight stay on the device and feed the next step's inputs directly (`runner.Carry`); the host records them
@@ -50,11 +51,12 @@ from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
 from rapidserve.engine.sampling_step import retain
 from rapidserve.engine.step_cycle import StepCycle, seats
 from rapidserve.engine.step_launch import InFlight, slot_key
+from rapidserve.engine.step_tally import StepTally, correction_ratios
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.runtime import DecodePartition
-from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape
+from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_step_policy
 from rapidserve.runner import ModelRunner
 from rapidserve.structured import GrammarBook
@@ -89,6 +91,7 @@ class DecodeWorker(StepCycle):
         self._launching: StepBatch | None = None
         self._out: list[m.TokenOut] = []
         self._last_stats = 0.0
+        self.tally = StepTally(cfg.partition.slo_itl_ms)  # the landed steps by kind, for Stats (engine/step_tally.py)
         self._stop = False
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids,
                                             cfg.tokenizer)
@@ -207,6 +210,9 @@ class DecodeWorker(StepCycle):
     def step_noted(self) -> None:
         self.partition.note_step()
 
+    def step_timed(self, timing: StepTiming) -> None:
+        self.tally.add(timing)
+
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land while serving the inbox: in a split step, a new request gets its blocks and
         goes to prefill at once when the partition would stay as it is with prefill pending
@@ -241,7 +247,8 @@ class DecodeWorker(StepCycle):
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
             p = self.partition
-            self.io.to_router.try_send(s.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use))
+            self.io.to_router.try_send(s.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use,
+                                               self.tally.snapshot(), correction_ratios(self.policy)))
 
 
 def default_policy(cfg: EngineConfig, partition: DecodePartition, rapid: RapidInputs) -> StepPolicy:

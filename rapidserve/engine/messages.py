@@ -157,6 +157,24 @@ class Finished(msgspec.Struct, tag=True, frozen=True):
     fault: str = ""
 
 
+# The keys of `Stats.step_kinds`: a step's shape as its policy chose it (engine/step_tally.py says which is which)
+STEP_KINDS: tuple[str, ...] = ("fused", "fused_decode", "split", "alone")
+
+
+class StepKindStats(msgspec.Struct, frozen=True):
+    """One kind of step's counts in `Stats.step_kinds`, cumulative since the worker started (engine/step_tally.py
+    says which kinds there are and how a step is counted): landed steps, their measured time (ms), how many took
+    longer than the ITL SLO, and over the steps that had a prediction (the policy's raw cost-model figure,
+    `StepTiming.predicted_ms`) the predictions' sum and those same steps' measured sum, whose ratio is how far off
+    the model was."""
+
+    steps: int = 0
+    measured_ms: float = 0.0
+    over_slo: int = 0
+    predicted_ms: float = 0.0
+    predicted_measured_ms: float = 0.0
+
+
 class Stats(msgspec.Struct, tag=True, frozen=True):
     num_running: int
     num_waiting: int
@@ -170,6 +188,10 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     partition_steps: dict[str, int] = {}  # decode steps launched so far, per compute partition configuration
     token_slots: int = 0  # penalty / bad-word slots in use on the device (logit_controls.py)
+    step_kinds: dict[str, StepKindStats] = {}  # landed steps per shape kind, cumulative (engine/step_tally.py)
+    # the policy's online correction now, measured / predicted per correction kind (partition/correction.py): gauges;
+    # empty when the policy corrects nothing
+    step_correction: dict[str, float] = {}
 
 
 class KVEvents(msgspec.Struct, tag=True, frozen=True):

@@ -11,7 +11,8 @@ owner's stream (engine/step_launch.py), then record the step before it (`ahead`,
 one step in flight between steps) or this one, and give each landed step's time to the policy (`observe`).
 
 Hooks an owner may override: `step_stream` (the stream a step is queued on; default the current one),
-`step_noted` (a step was queued), `_await` (wait for a step to land; the worker serves its inbox meanwhile) and
+`step_noted` (a step was queued), `step_timed` (a step landed: its `StepTiming`, after the policy's `observe`),
+`_await` (wait for a step to land; the worker serves its inbox meanwhile) and
 `step_failed` (after a failed step was cleaned up: the worker goes on, `LLM`'s engine raises what is not a row's
 own constraint failure).
 
@@ -58,6 +59,9 @@ class StepCycle:
 
     def step_noted(self) -> None:
         """A step was queued."""
+
+    def step_timed(self, timing: StepTiming) -> None:
+        """A step landed; `timing` is what the policy was just told of it (`observe`)."""
 
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land."""
@@ -144,8 +148,10 @@ class StepCycle:
         self.inflight.pop(0)
         self._out += self.sched.record(f.sampled, rows, time.monotonic())
         self.sched.chunks_landed(f.batch.chunks)
-        self.policy.observe(StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens,
-                                       f.predicted_ms, f.clock.elapsed_ms()))
+        timing = StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens, f.predicted_ms,
+                            f.clock.elapsed_ms())
+        self.policy.observe(timing)
+        self.step_timed(timing)
 
 
 def seats(max_num_seqs: int, graph_batch_sizes: tuple[int, ...], max_num_batched_tokens: int) -> int:

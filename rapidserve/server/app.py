@@ -144,6 +144,7 @@ class Server:
                                           s.kv_blocks_free, s.num_preemptions, s.partition,
                                           s.prefix_cache_queries, s.prefix_cache_hits, s.partition_switches,
                                           s.partition_steps)
+            self.metrics.set_step_stats(s.step_kinds, s.step_correction)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

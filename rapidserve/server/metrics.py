@@ -40,6 +40,19 @@ the route prefill -> decode -> router); gauge ``rapidserve:partition_info{config
 refused with a 503 before reaching the engine, by the error code the client got: overloaded,
 engine_unavailable, server_shutting_down; they count no prompt tokens and are not in
 ``vllm:request_success_total``).
+
+rapidserve's step series: what the decode worker's step loop ran, by the shape its policy chose (label ``kind``:
+``fused``, a mixed step with prompt tokens; ``fused_decode``, a fused step without any; ``split``, decode beside
+the prefill worker; ``alone``, decode alone on its configuration; engine/step_tally.py), each kind pre-created at
+0. Counters ``rapidserve:steps_total{kind}`` (landed steps), ``rapidserve:step_seconds_total{kind}`` (their
+measured device time; on a CPU the wall time), ``rapidserve:steps_over_slo_total{kind}`` (of them, those that took
+longer than ``--slo-itl-ms``; none without an SLO), ``rapidserve:step_predicted_seconds_total{kind}`` (the policy's
+raw cost-model prediction, summed over the steps that had one: ``--policy duet``'s) and
+``rapidserve:step_predicted_measured_seconds_total{kind}`` (the measured time of those same steps: the rate of this
+over the rate of the predicted one is how far off the model is, by kind); gauge
+``rapidserve:step_correction_ratio{kind}`` (the online correction the policy applies now, measured / predicted per
+correction kind ``fused``, ``split``, ``decode``: partition/correction.py; exposed once a policy that corrects
+reported it). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total).
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from rapidserve.config import CacheConfig
+from rapidserve.engine.messages import STEP_KINDS, StepKindStats
 
 # Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -198,6 +212,27 @@ class Metrics:
         self._steps_seen: dict[str, int] = {}
         self._switches_seen = 0
 
+        def by_kind(name: str, doc: str) -> Counter:
+            c = Counter(_R + name, doc, ["model_name", "kind"], registry=reg)
+            for kind in STEP_KINDS:
+                c.labels(model_name, kind)
+            return c
+
+        # StepKindStats' fields -> (counter, scale to the exposed unit)
+        self._kind_series: dict[str, tuple[Counter, float]] = {
+            "steps": (by_kind("steps", "Decode-worker steps landed, by the shape the policy chose."), 1.0),
+            "measured_ms": (by_kind("step_seconds", "Measured time of those steps, by shape kind."), 1e-3),
+            "over_slo": (by_kind("steps_over_slo", "Steps whose measured time exceeded the ITL SLO, by shape kind."),
+                         1.0),
+            "predicted_ms": (by_kind("step_predicted_seconds", "The policy's raw prediction of the steps that had "
+                                     "one, by shape kind."), 1e-3),
+            "predicted_measured_ms": (by_kind("step_predicted_measured_seconds", "Measured time of the steps that "
+                                              "had a prediction, by shape kind."), 1e-3),
+        }
+        self._kind_seen: dict[tuple[str, str], float] = {}
+        self._correction = Gauge(_R + "step_correction_ratio", "The policy's online correction now: measured / "
+                                 "predicted step time, per correction kind.", ["model_name", "kind"], registry=reg)
+
     def observe_first_token(self, ttft_s: float) -> None:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
         self._ttft.observe(ttft_s)
@@ -294,6 +329,19 @@ class Metrics:
             self._partition.labels(self.model_name, partition).set(1)
             self._partition_now = partition
 
+    def set_step_stats(self, step_kinds: dict[str, StepKindStats], correction: dict[str, float]) -> None:
+        """The engine's cumulative step counts by shape kind (`Stats.step_kinds`; a drop is taken as an engine
+        restart, as `set_engine_stats`'s counters) and its policy's correction ratios now (`Stats.step_correction`)."""
+        for kind, st in step_kinds.items():
+            for f, (series, scale) in self._kind_series.items():
+                now = float(getattr(st, f))
+                seen = self._kind_seen.get((kind, f), 0.0)
+                self._kind_seen[(kind, f)] = now
+                if now != seen:
+                    series.labels(self.model_name, kind).inc(_delta(seen, now) * scale)
+        for kind, ratio in correction.items():
+            self._correction.labels(self.model_name, kind).set(ratio)
+
     def _set_cache_info(self, num_gpu_blocks: int) -> None:
         labels = {"engine": ENGINE, **cache_config_labels(self.cache, num_gpu_blocks)}
         if labels == self._cache_info_now:
@@ -328,6 +376,6 @@ def request_gauges(queued: int, pending: int, decoding: int, engine_active: int 
     return decoding + known, queued + pending - known
 
 
-def _delta(seen: int, now: int) -> int:
+def _delta(seen: float, now: float) -> float:
     """How much a cumulative engine count grew since `seen` (all of `now` after an engine restart)."""
     return now - seen if now >= seen else now
