@@ -334,10 +334,13 @@ def test_profiles_are_keyed_by_the_weights_and_the_kv_cache(tmp_path: Path) -> N
     peaks = Peaks(1e15, 3e12, 132)
     args = (cfg.model_config, "H200", "preset:tiny-llama", peaks, [Configuration("overallocated", 0, 132)], [1, 8],
             [512, 4096], 256)
-    fp8 = roofline_profile(*args, kv_bytes=1, variant=variant_of(cfg))
+    fp8 = roofline_profile(*args, kv_bytes=1, variant=variant_of(cfg), quant=cfg.quantization)
     plain = roofline_profile(*args)
     assert (fp8.quantization, fp8.kv_cache_dtype) == ("fp8", "fp8") and plain.variant == ProfileVariant()
-    # the KV read halves: decode over 4096 positions is faster with fp8 KV, the same at no context to speak of
+    with pytest.raises(ValueError, match="variant quantization='fp8' but the weights estimated are float"):
+        roofline_profile(*args, kv_bytes=1, variant=variant_of(cfg))  # an fp8 profile is estimated with fp8 weights
+    # the KV read halves: decode over 4096 positions gains more with fp8 KV than at no context to speak of (the fp8
+    # weights' gain is the same at both)
     by = {(e.batch, e.context): e.decode_ms_alone_p50 for e in fp8.entries}
     base = {(e.batch, e.context): e.decode_ms_alone_p50 for e in plain.entries}
     assert by[(8, 4096)] < base[(8, 4096)] and (base[(8, 4096)] - by[(8, 4096)]) > (base[(8, 512)] - by[(8, 512)])

@@ -102,7 +102,7 @@ def tp_config(tp: int, profile: Path | None = None) -> EngineConfig:
 def test_the_engine_at_tp_uses_the_shard_profile_with_collectives(tmp_path: Path, fake_gpu: Any,  # noqa: F811
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None: PEAKS)
+    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
     prof = msgspec.structs.replace(shard(2), gpu=H100_NAME)
     save_profile(prof, tmp_path / profile_filename(H100_NAME, "preset:tiny-llama", 2))
     plan = runtime.resolve_plan(tp_config(2), fake_gpu)

@@ -240,7 +240,7 @@ def test_the_start_up_line_says_which_models_hold_the_collectives(
         profile: str | None, drift_given: tuple[float, float] | None, with_links: list[str], as_given: list[str],
 ) -> None:
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None: PEAKS)
+    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
     monkeypatch.setattr(runtime, "roofline_fallback", REAL_FALLBACK)
     given = None
     if profile == "shard":

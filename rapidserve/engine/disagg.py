@@ -85,6 +85,7 @@ from rapidserve.parallel.kv_routes import head_routes, prefill_routes
 from rapidserve.parallel.mirror import Setup, wait_message
 from rapidserve.parallel.staging import StagingAllocator
 from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.roofline import kv_element_bytes
 from rapidserve.partition.runtime import DecodePartition, PlanWire, open_streams, resolve_plan
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.prompt import PromptLimits
@@ -203,7 +204,8 @@ def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],
             "ranks": f"{cfg.parallel.prefill_tp}P{cfg.parallel.tensor_parallel_size}D", **memory_info(runner)}
     return info, DecodeWorker(cfg, runner, io, DecodePartition(
         cfg.partition, plan, cfg.model_config, cfg.scheduler.max_num_batched_tokens,
-        tensor_parallel_size=cfg.parallel.tensor_parallel_size), parts)
+        tensor_parallel_size=cfg.parallel.tensor_parallel_size, kv_bytes=kv_element_bytes(cfg.cache),
+        quant=cfg.quantization), parts)
 
 
 def build_disagg_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],

@@ -40,6 +40,7 @@ from rapidserve.engine.tp_workers import (
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.roofline import kv_element_bytes
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
 from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner, load_runner
@@ -65,7 +66,8 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
             "configurations": ",".join(parts.names), **memory_info(runner)}
     return info, DecodeWorker(cfg, runner, io, DecodePartition(
         cfg.partition, plan, cfg.model_config, cfg.scheduler.max_num_batched_tokens,
-        tensor_parallel_size=cfg.parallel.tensor_parallel_size), parts)
+        tensor_parallel_size=cfg.parallel.tensor_parallel_size, kv_bytes=kv_element_bytes(cfg.cache),
+        quant=cfg.quantization), parts)
 
 
 def build_prefill(cfg: EngineConfig, io: WorkerIO, handoff: Any,

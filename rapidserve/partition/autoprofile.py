@@ -150,10 +150,11 @@ def measure_short(cfg: EngineConfig, gpu: str, deadline: float, *, clock: Callab
 
     from rapidserve.loader import resolve_model
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
+    from rapidserve.partition.peaks import measure_peaks
     from rapidserve.partition.profile_budget import budgeted_profile, cell_order, measure_within, short_spec
     from rapidserve.partition.profile_cmd import for_profiling
     from rapidserve.partition.profiler import entry_of, prepare
-    from rapidserve.partition.roofline import measure_peaks, roofline_profile
+    from rapidserve.partition.roofline import roofline_profile
     from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
 
     spec = short_spec(cfg.scheduler.max_num_seqs, cfg.max_model_len, cfg.scheduler.max_num_batched_tokens)
@@ -168,10 +169,10 @@ def measure_short(cfg: EngineConfig, gpu: str, deadline: float, *, clock: Callab
     configs = (plan_configurations(g, p.decode_shares) if kind != "none"
                else [Configuration(OVERALLOCATED, 0, g.total)])
     backend = open_backend(kind, runner.device, configs, ("decode", "prefill"))
-    peaks = measure_peaks(runner.device, runner.dtype)
+    peaks = measure_peaks(runner.device, runner.dtype, fp8=cfg.quantization.enabled)
     roof = roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, spec.batch_buckets,
                             spec.context_buckets, spec.prefill_tokens, dtype_bytes=runner.dtype.itemsize,
-                            kv_bytes=runner.kv_dtype.itemsize, variant=variant_of(cfg))
+                            kv_bytes=runner.kv_dtype.itemsize, variant=variant_of(cfg), quant=cfg.quantization)
     if clock() >= deadline:
         return None, "loading the model took the whole budget before a cell could be measured"
     prof, pitems = prepare(runner, backend, spec, show_progress=False)

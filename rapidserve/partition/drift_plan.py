@@ -24,18 +24,21 @@ from rapidserve.partition.drift import DriftDecision, LinearModel, fit_linear
 from rapidserve.partition.manager import ManagerState, full_decode_config
 from rapidserve.partition.profile import Configuration, Profile, lookup
 from rapidserve.partition.roofline import Peaks, collectives_ms, prefill_operators, step_seconds, without_collectives
+from rapidserve.quant_config import QuantizationConfig
 
 FIT_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)  # of the token budget: the roofline points a model is fitted to
 
 
 def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Configuration], budget: int, *,
-                   dtype_bytes: int = 2, tp: int = 1, kv_bytes: float | None = None) -> dict[str, LinearModel]:
+                   dtype_bytes: int = 2, tp: int = 1, kv_bytes: float | None = None,
+                   quant: QuantizationConfig | None = None) -> dict[str, LinearModel]:
     """Per configuration, prefill time (ms) = a + b * tokens, least squares over the roofline's time of one
     chunk of budget/16 .. budget tokens alone on the configuration's prefill units (all of them where it
     is overallocated): DRIFT's contention-free linear model. tp > 1 (`model_cfg` the whole model): the line
     of one rank's shard plus the line of its collectives (`roofline.collectives_ms`, affine in the tokens,
     so the sum is exactly the shard's estimate plus the collectives term at every size). `kv_bytes`: the KV pool's
-    element size (1 for an fp8 cache; default dtype_bytes)."""
+    element size (1 for an fp8 cache; default dtype_bytes); `quant`: the weights' quantization (fp8 projections
+    at one byte a value and the fp8 GEMM peak: partition/fp8_costs.py; None: float)."""
     sizes = sorted({max(1, round(budget * f)) for f in FIT_FRACTIONS} | {max(2, budget)})
     b = dtype_bytes
     link = fit_linear([(n, collectives_ms(model_cfg, n, 1, peaks, tp=tp, dtype_bytes=b)) for n in sizes])
@@ -43,7 +46,7 @@ def prefill_models(model_cfg: ModelConfig, peaks: Peaks, configs: Sequence[Confi
     for c in configs:
         units = c.prefill_units if c.decode_units else peaks.num_compute_units
         own = fit_linear([(n, 1e3 * step_seconds(without_collectives(prefill_operators(
-            model_cfg, n, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)), units, peaks)) for n in sizes])
+            model_cfg, n, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes, quant=quant)), units, peaks)) for n in sizes])
         out[c.name] = LinearModel(own.a_ms + link.a_ms, own.b_ms_per_token + link.b_ms_per_token)  # tp 1: + 0
     return out
 

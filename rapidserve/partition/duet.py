@@ -28,6 +28,7 @@ from rapidserve.partition.manager import ManagerState
 from rapidserve.partition.policy import PolicyState, prefill_batch
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds
+from rapidserve.quant_config import QuantizationConfig
 
 Mode = Literal["idle", "decode", "aggregated", "split"]
 
@@ -46,8 +47,10 @@ class DuetDecision:
 
 
 def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits: Sequence[Configuration], *,
-                margin: float = 0.9, tp: int = 1, shared: bool = False) -> DuetDecision:
-    """The next iteration's configuration. Pure: same inputs, same outputs.
+                margin: float = 0.9, tp: int = 1, shared: bool = False, kv_bytes: float | None = None,
+                quant: QuantizationConfig | None = None) -> DuetDecision:
+    """The next iteration's configuration. Pure: same inputs, same outputs. `kv_bytes`: the KV pool's element size
+    (1: an fp8 cache; None: the model dtype's); `quant`: the weights' quantization (fp8: partition/fp8_costs.py).
 
     shared=True is how the two-process engine aggregates: decode and prefill run as two processes on the
     whole GPU, their kernels interleaving, not as one mixed step. Decode's step beside the prefill batch
@@ -63,11 +66,13 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
     if not batch and not contexts:
         return DuetDecision("idle", (), 0, 0, 1, 0.0, 0.0, True, "no work")
     chunks = [(t, p) for _, t, p in batch]
-    t_mix = 1e3 * step_seconds(mixed_operators(model_cfg, contexts, chunks, tp=tp), n, peaks)
+    t_mix = 1e3 * step_seconds(mixed_operators(model_cfg, contexts, chunks, tp=tp, kv_bytes=kv_bytes, quant=quant),
+                               n, peaks)
     step = "decode beside the prefill" if shared else "mixed step"
     if shared and batch and contexts:
         tokens = sum(t for t, _ in chunks)
-        t_mix = concurrent(model_cfg, len(contexts), state.mean_context, 0, n, tokens, peaks, tp)[0]
+        t_mix = concurrent(model_cfg, len(contexts), state.mean_context, 0, n, tokens, peaks, tp, kv_bytes=kv_bytes,
+                           quant=quant)[0]
     if not batch:
         return DuetDecision("decode", (), 0, 0, 1, t_mix, 0.0, t_mix <= limit,
                             f"decode only: {t_mix:.2f} ms on the whole GPU")
@@ -81,7 +86,7 @@ def decide_duet(state: PolicyState, model_cfg: ModelConfig, peaks: Peaks, splits
         if c.decode_units == 0 or c.prefill_units < 1:
             continue
         t_d, tok_s = concurrent(model_cfg, len(contexts), state.mean_context, c.decode_units, c.prefill_units,
-                                tokens, peaks, tp)
+                                tokens, peaks, tp, kv_bytes=kv_bytes, quant=quant)
         t_p = 1e3 * tokens / tok_s
         k = max(1, math.ceil(t_p / t_d))
         ok = t_d <= limit

@@ -185,20 +185,22 @@ def random_weights(shard: Any, device: Any, dtype: Any) -> Callable[[], Any]:
 
 def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Path) -> dict[str, Any]:
     """Predict the same table with the roofline model fed with peaks measured now; report its error."""
-    from rapidserve.partition.roofline import measure_peaks, roofline_profile
+    from rapidserve.partition.peaks import measure_peaks
+    from rapidserve.partition.roofline import roofline_profile
     from rapidserve.partition.roofline_error import compare
 
-    peaks = measure_peaks(runner.device, runner.dtype)
+    peaks = measure_peaks(runner.device, runner.dtype, fp8=cfg.quantization.enabled)
     predicted = roofline_profile(cfg.model_config, measured.gpu, measured.model, peaks, measured.configurations,
                                  measured.batch_buckets, measured.context_buckets, spec.prefill_tokens,
-                                 kv_bytes=runner.kv_dtype.itemsize, variant=measured.variant)
+                                 kv_bytes=runner.kv_dtype.itemsize, variant=measured.variant, quant=cfg.quantization)
     report = compare(measured, predicted)
     md = out.with_suffix(".roofline.md")
     md.write_text(report.to_markdown() + "\n")
     stats = {m: {"median_abs_error": round(s.median_abs, 4), "p90_abs_error": round(s.p90_abs, 4),
                  "median_signed_error": round(s.median_signed, 4)} for m, s in report.stats.items()}
     return {"report": str(md), "peaks": {"matmul_flops": peaks.matmul_flops, "hbm_bw": peaks.hbm_bw,
-                                         "num_compute_units": peaks.num_compute_units}, "errors": stats}
+                                         "num_compute_units": peaks.num_compute_units,
+                                         "fp8_matmul_flops": peaks.fp8_matmul_flops}, "errors": stats}
 
 
 def slo_table(p: Profile, slo_itl_ms: float) -> str:

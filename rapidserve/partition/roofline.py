@@ -4,8 +4,9 @@ Stands in for a measured profile (`source="roofline"`), after DuetServe's attent
 a step is a list of operators, each timed on `u` of the device's `N` compute units (f = u/N) as
     t_op = max(flops / (P * e * f), bytes / bw)        (communication: link_bytes / link_bw + link_latency)
 
-with P the measured GEMM FLOP/s, e = gemm_efficiency (attention: attn_efficiency), bw the bandwidth
-that phase gets (below), and the step time the sum over operators. Operators, per GPU under TP=tp:
+with P the measured GEMM FLOP/s (an fp8 GEMM's: `Peaks.fp8_flops`; partition/peaks.py measures both at start-up),
+e = gemm_efficiency (attention: attn_efficiency), bw the bandwidth that phase gets (below), and the step time the
+sum over operators. Operators, per GPU under TP=tp:
 
 * token-level (cost ~ tokens T; weights read once per step): add+RMSNorm x2, QKV, RoPE + KV-cache
   write, O, gate/up, SiLU*mul, down; the embedding gather (T rows), final norm, LM head (R rows:
@@ -15,7 +16,13 @@ that phase gets (below), and the step time the sum over operators. Operators, pe
   a prefill chunk of n tokens after `prefix` cached ones (causal):
   flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = 2*n*Hq*d * dtype_bytes + 2*Hkv*d*(prefix+n) * kv_bytes.
   kv_bytes: the KV pool's element size (`kv_element_bytes`: 1 with --kv-cache-dtype fp8, else dtype_bytes), also
-  the K/V write of rope_kv_write. Weights are counted at dtype_bytes (fp8 weights are not modelled yet).
+  the K/V write of rope_kv_write.
+* fp8 weights (`quant`, the run's `QuantizationConfig`; partition/fp8_costs.py): the decoder layers' fp8 projections
+  read their weights at one byte a value plus their float32 scales (one per output row, or per 128x128-style
+  block), their fp8 input rows and scales, and multiply at the fp8 GEMM peak; their inputs are quantized by the
+  RMSNorm / SiLU-and-mul / decode attention before them where the engine fuses it (those write fp8 rows), else by
+  a quantizer pass of their own. The embedding, the norms, the LM head (and a mixture-of-experts model's experts)
+  stay at dtype_bytes. Without `quant` (or method "none") every weight is counted at dtype_bytes.
 * communication (tp > 1, `collective_ops`): ring all-reduces of T*h, link_bytes = 2(tp-1)/tp*T*h*b, two
   per layer (after o_proj and down_proj) and one after the vocabulary-parallel embedding, and an all-gather
   of the logits, (tp-1)/tp*R*V'*b (V' the vocabulary padded to a multiple of tp). Zero at tp=1.
@@ -52,63 +59,24 @@ Concurrency (solo rates r_d, r_p = bytes / solo step time break the circularity)
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import msgspec
 
 from rapidserve.config import CacheConfig, ModelConfig
+from rapidserve.partition.fp8_costs import fp8_layers, fused_producer_io, is_fp8, producer_quantizes, projection_terms
 from rapidserve.partition.moe_costs import experts_read, moe_operator_terms
+from rapidserve.partition.peaks import Peaks
+from rapidserve.partition.peaks import measure_peaks as measure_peaks  # its home moved to peaks.py
 from rapidserve.partition.profile import Configuration, Entry, Profile, ProfileVariant
-
-if TYPE_CHECKING:
-    import torch
-
-
-class Peaks(msgspec.Struct, frozen=True):
-    """Measured ceilings of one device plus the model's fitted constants (defaults: H100, docs/measured.md).
-
-    matmul_flops: bf16 GEMM FLOP/s on the whole device; hbm_bw: copy bandwidth, bytes/s (read+write).
-    gemm_efficiency / attn_efficiency: fraction of matmul_flops that serving-shaped GEMMs / attention
-    kernels reach (assumed: cuBLAS at K=4096-14336, FlashAttention-2-class SDPA). bw_efficiency:
-    fraction of copy bandwidth that weight/KV streaming reaches (fitted with bw_knee to docs/measured.md's
-    decode chain, taking 2.98e12 B/s as that H100's copy bandwidth). The contention and overalloc
-    constants are explained in the module docstring. Defaults suit an H100; `measure_peaks` fills the
-    measured fields and keeps them, so `roofline_error.compare` against a measured profile tells how far
-    they carry.
-    """
-
-    matmul_flops: float
-    hbm_bw: float
-    num_compute_units: int
-    gemm_efficiency: float = 0.85
-    attn_efficiency: float = 0.5
-    bw_efficiency: float = 0.88
-    bw_knee: float = 0.285
-    split_contention: float = 0.36
-    prefill_contention: float = 0.47
-    overalloc_wait: float = 0.44
-    link_bw: float = 300e9  # bytes/s of a ring all-reduce between GPUs (NVLink-class); only used at tp > 1
-    link_latency_s: float = 10e-6
-    device: str = ""
-
-    def __post_init__(self) -> None:
-        pos = ("matmul_flops", "hbm_bw", "num_compute_units", "bw_knee", "link_bw", "overalloc_wait")
-        bad = [f"{f} must be > 0" for f in pos if not getattr(self, f) > 0]
-        eff = ("gemm_efficiency", "attn_efficiency", "bw_efficiency")
-        bad += [f"{f} must be in (0, 1]" for f in eff if not 0 < getattr(self, f) <= 1]
-        bad += [f"{f} must be >= 0" for f in ("split_contention", "prefill_contention", "link_latency_s")
-                if not getattr(self, f) >= 0]
-        if bad:
-            raise ValueError("Peaks: " + "; ".join(bad) + f" (got {self})")
+from rapidserve.quant_config import QuantizationConfig
 
 
 class Operator(NamedTuple):
-    """One operator of a step (per GPU), repeated `count` times (e.g. once per layer)."""
+    """One operator of a step (per GPU), repeated `count` times (e.g. once per layer); `fp8`: a GEMM of fp8 operands,
+    its flops timed at `Peaks.fp8_flops` (partition/fp8_costs.py)."""
 
     name: str
     kind: Literal["token", "sequence", "communication"]
@@ -117,6 +85,7 @@ class Operator(NamedTuple):
     io_bytes: float
     link_bytes: float = 0.0
     count: int = 1
+    fp8: bool = False
 
     @property
     def bytes(self) -> float:
@@ -143,36 +112,52 @@ def kv_element_bytes(cache: CacheConfig, dtype_bytes: float = 2) -> float:
 
 def _step_ops(
     cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int,
-    experts: float = 0.0, kv_b: float | None = None,
+    experts: float = 0.0, kv_b: float | None = None, quant: QuantizationConfig | None = None, decode: bool = False,
 ) -> list[Operator]:
     """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head; a
     mixture-of-experts model's sparse layers read `experts` experts each (partition/moe_costs.py); `kv_b`: bytes of
-    a KV pool element, default `b`."""
+    a KV pool element, default `b`. `quant`: the model's weights (None or method "none": float, every projection at
+    `b`; fp8: partition/fp8_costs.py); `decode`: a step of decode rows only, whose attention quantizes o_proj's
+    input where the engine fuses that (fp8 only)."""
     kv_b = b if kv_b is None else kv_b
     heads, kv_heads, inter, vocab = _tp_sizes(cfg, tp)
     h, d, L, T = cfg.hidden_size, cfg.head_dim, cfg.num_layers, tokens
     dense = L if cfg.moe is None else L - cfg.moe.num_sparse(L)  # layers with the dense MLP
     q, kv = heads * d, kv_heads * d
     bias = (q + 2 * kv) if cfg.attention_bias else 0
+    f8, fused = fp8_layers(cfg, quant), producer_quantizes(quant)
+
+    def proj(name: str, k: int, n: int, bias: int, layers: int, input_quantized: bool) -> list[Operator]:
+        return [Operator(nm, "token", f, w, io, count=c, fp8=e) for nm, f, w, io, c, e in projection_terms(
+            name, k, n, bias, layers, f8[name], T, b, quant, input_quantized)]
+
     ops = [
         Operator("embed", "token", 0.0, 0.0, 2 * T * h * b),
-        Operator("add_norm", "token", 5 * T * h, h * b, 4 * T * h * b, count=2 * L),
-        Operator("qkv_proj", "token", 2 * T * h * (q + 2 * kv), (h * (q + 2 * kv) + bias) * b,
-                 T * (h + q + 2 * kv) * b, count=L),
+        *_fused_part(Operator("add_norm", "token", 5 * T * h, h * b, 4 * T * h * b, count=2 * L),
+                     f8["qkv_proj"] + f8["gate_up_proj"] if fused else 0, fused_producer_io(h, T, b, 3)),
+        *proj("qkv_proj", h, q + 2 * kv, bias, L, fused),
         Operator("rope_kv_write", "token", 3 * T * (q + kv), (2 * d if cfg.qk_norm else 0) * b,
                  2 * T * (q + kv) * b + 2 * T * kv * kv_b, count=L),
         Operator("attention", "sequence", attn_flops, 0.0, attn_io, count=L),
-        Operator("o_proj", "token", 2 * T * q * h, q * h * b, T * (q + h) * b, count=L),
-        Operator("gate_up_proj", "token", 4 * T * h * inter, 2 * h * inter * b, T * (h + 2 * inter) * b,
-                 count=dense),
-        Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=dense),
-        Operator("down_proj", "token", 2 * T * inter * h, inter * h * b, T * (inter + h) * b, count=dense),
+        *proj("o_proj", q, h, 0, L, fused and decode),
+        *proj("gate_up_proj", h, 2 * inter, 0, dense, fused),
+        *_fused_part(Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=dense),
+                     f8["down_proj"] if fused else 0, fused_producer_io(inter, T, b, 2)),
+        *proj("down_proj", inter, h, 0, dense, fused),
         Operator("final_norm", "token", 5 * rows * h, h * b, 4 * rows * h * b),
         Operator("lm_head", "token", 2 * rows * h * vocab, h * vocab * b, rows * (h + vocab) * b),
     ]
     ops += [Operator(name, "token", f, w, io, count=n)
             for name, f, w, io, n in moe_operator_terms(cfg, T, experts, tp, b)]
     return ops + collective_ops(cfg, T, rows, tp=tp, dtype_bytes=b)
+
+
+def _fused_part(op: Operator, fused: int, fused_io: float) -> list[Operator]:
+    """`op` with `fused` of its `count` runs writing fp8 rows for the next projection (io `fused_io` each): [op] when
+    none do."""
+    if not fused:
+        return [op]
+    return [o for o in (op._replace(io_bytes=fused_io, count=fused), op._replace(count=op.count - fused)) if o.count]
 
 
 def collective_ops(cfg: ModelConfig, tokens: int, rows: int, *, tp: int, dtype_bytes: int = 2) -> list[Operator]:
@@ -209,22 +194,23 @@ def without_collectives(ops: Iterable[Operator]) -> list[Operator]:
 
 
 def decode_operators(
-    cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2, kv_bytes: float | None = None
+    cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2, kv_bytes: float | None = None,
+    quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
     """One decode step: `batch` sequences, one new token each, attending to `context` positions each (`kv_bytes`:
-    the KV pool's element size, default `dtype_bytes`)."""
+    the KV pool's element size, default `dtype_bytes`; `quant`: the weights' quantization, None: float)."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch={batch} and context={context} must be >= 1")
     (heads, kv_heads, _, _), d = _tp_sizes(cfg, tp), cfg.head_dim
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * context * batch
     io = (2 * kv_heads * d * context * kv_b + 2 * heads * d * dtype_bytes) * batch
-    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, experts_read(cfg, batch), kv_b)
+    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, experts_read(cfg, batch), kv_b, quant, True)
 
 
 def prefill_operators(
     cfg: ModelConfig, chunk_tokens: int, *, prefix: int = 0, tp: int = 1, dtype_bytes: int = 2,
-    kv_bytes: float | None = None,
+    kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
     """One prefill chunk of one sequence: `chunk_tokens` new tokens after `prefix` cached ones (causal)."""
     if chunk_tokens < 1 or prefix < 0:
@@ -233,12 +219,12 @@ def prefill_operators(
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
     flops = 4 * heads * d * (n * prefix + n * (n + 1) / 2)
     io = 2 * n * heads * d * dtype_bytes + 2 * kv_heads * d * (prefix + n) * kv_b
-    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b)
+    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b, quant)
 
 
 def mixed_operators(
     cfg: ModelConfig, contexts: Sequence[int], chunks: Sequence[tuple[int, int]], *, tp: int = 1,
-    dtype_bytes: int = 2, kv_bytes: float | None = None,
+    dtype_bytes: int = 2, kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
     """One mixed forward (hybrid / DuetServe's aggregated batch): one new token for each decode context,
     and prompt chunks (tokens, prefix); token-level operators over all tokens, attention per sequence."""
@@ -246,12 +232,12 @@ def mixed_operators(
         raise ValueError(f"contexts={list(contexts)} and chunks={list(chunks)}: need work, contexts >= 1, "
                          "chunk tokens >= 1, prefixes >= 0")
     return mixed_operators_summed(cfg, len(contexts), sum(contexts), chunks, tp=tp, dtype_bytes=dtype_bytes,
-                                  kv_bytes=kv_bytes)
+                                  kv_bytes=kv_bytes, quant=quant)
 
 
 def mixed_operators_summed(
     cfg: ModelConfig, batch: int, context_sum: int, chunks: Sequence[tuple[int, int]], *, tp: int = 1,
-    dtype_bytes: int = 2, kv_bytes: float | None = None,
+    dtype_bytes: int = 2, kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
     """`mixed_operators` of `batch` decode rows whose contexts add up to `context_sum`: the decode rows' attention
     is linear in each context, so their sum is all it needs (a policy's search over chunk sizes sums once)."""
@@ -265,7 +251,8 @@ def mixed_operators_summed(
     flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
     io += sum(2 * n * heads * d * b + 2 * kv_heads * d * (p + n) * kv_b for n, p in chunks)
     tokens = batch + sum(n for n, _ in chunks)
-    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, experts_read(cfg, tokens), kv_b)
+    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, experts_read(cfg, tokens), kv_b, quant,
+                     not chunks)
 
 
 def totals(ops: Sequence[Operator]) -> tuple[float, float]:
@@ -301,39 +288,42 @@ def step_seconds(ops: Iterable[Operator], units: int, peaks: Peaks, bw: float | 
             t = _one_link_s(o, peaks)
         else:
             eff = peaks.attn_efficiency if o.kind == "sequence" else peaks.gemm_efficiency
-            t = max(o.flops / (peaks.matmul_flops * eff * f), o.bytes / bw)
+            peak = peaks.fp8_flops if o.fp8 else peaks.matmul_flops
+            t = max(o.flops / (peak * eff * f), o.bytes / bw)
         total += o.count * t
     return total
 
 
 def decode_step_ms(
     model_cfg: ModelConfig, batch: int, context: int, units: int, peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2,
-    kv_bytes: float | None = None,
+    kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> float:
     """Decode step latency (ms) alone on `units` units."""
-    ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
+    ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes, quant=quant)
     return 1e3 * step_seconds(ops, units, peaks)
 
 
 def prefill_tokens_per_s(
     model_cfg: ModelConfig, chunk_tokens: int, units: int, peaks: Peaks, tp: int = 1, *, prefix: int = 0,
-    dtype_bytes: int = 2, kv_bytes: float | None = None,
+    dtype_bytes: int = 2, kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> float:
     """Prefill throughput (tokens/s) alone on `units` units, one chunk of `chunk_tokens` at a time."""
-    ops = prefill_operators(model_cfg, chunk_tokens, prefix=prefix, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)
+    ops = prefill_operators(model_cfg, chunk_tokens, prefix=prefix, tp=tp, dtype_bytes=dtype_bytes, kv_bytes=kv_bytes,
+                            quant=quant)
     return chunk_tokens / step_seconds(ops, units, peaks)
 
 
 def concurrent(
     model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
     peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2, kv_bytes: float | None = None,
+    quant: QuantizationConfig | None = None,
 ) -> tuple[float, float]:
     """(decode step ms, prefill tokens/s) with both phases running; decode_units == 0: overallocated.
     tp > 1: the shard's concurrency (`model_cfg` is the whole model) plus each phase's collectives
     (`plus_collectives`), as a measured shard profile gets them."""
     b = dtype_bytes
-    d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)
-    p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes)
+    d_ops = decode_operators(model_cfg, batch, context, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes, quant=quant)
+    p_ops = prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=b, kv_bytes=kv_bytes, quant=quant)
     t_d, tps = _concurrent_compute(without_collectives(d_ops), without_collectives(p_ops), decode_units,
                                    prefill_units, prefill_chunk, peaks)
     if tp == 1:
@@ -366,10 +356,11 @@ def _concurrent_compute(d_ops: Sequence[Operator], p_ops: Sequence[Operator], de
 def decode_step_ms_beside_prefill(
     model_cfg: ModelConfig, batch: int, context: int, decode_units: int, prefill_units: int, prefill_chunk: int,
     peaks: Peaks, tp: int = 1, *, dtype_bytes: int = 2, kv_bytes: float | None = None,
+    quant: QuantizationConfig | None = None,
 ) -> float:
     """Decode step latency (ms) while prefill runs chunks of `prefill_chunk`; decode_units=0: overallocated."""
     return concurrent(model_cfg, batch, context, decode_units, prefill_units, prefill_chunk, peaks, tp,
-                      dtype_bytes=dtype_bytes, kv_bytes=kv_bytes)[0]
+                      dtype_bytes=dtype_bytes, kv_bytes=kv_bytes, quant=quant)[0]
 
 
 def roofline_profile(
@@ -377,28 +368,36 @@ def roofline_profile(
     batch_buckets: Sequence[int], context_buckets: Sequence[int], prefill_chunk: int, *, tp: int = 1,
     dtype_bytes: int = 2, p95_over_p50_alone: float = 1.1, p95_over_p50_beside: float = 1.25,
     created: str | None = None, kv_bytes: float | None = None, variant: ProfileVariant | None = None,
+    quant: QuantizationConfig | None = None,
 ) -> Profile:
     """A Profile (source="roofline") with every (configuration, batch, context) entry estimated.
 
     p95 = p50 * p95_over_p50_* (beside: 1.25, median p95/p50 of docs/measured.md's split runs; alone: assumed).
     tp > 1 (`model_cfg` the whole model): the roofline's profile of one rank's shard (`tensor_parallel_size`
     tp) put through `with_collectives`, exactly as a measured shard profile is; its p95s are the shard's plus
-    the collectives (the link model has no spread)."""
+    the collectives (the link model has no spread). `quant`: the weights' quantization (fp8: partition/fp8_costs.py),
+    which `variant` (default: fp8 or not as `quant` is, the model dtype's KV cache) must agree with: ValueError
+    otherwise (a profile of fp8 weights is another profile)."""
+    weights = "fp8" if is_fp8(quant) else "none"
+    v = variant or ProfileVariant(quantization=weights)
+    if v.quantization != weights:
+        raise ValueError(f"roofline_profile: variant quantization={v.quantization!r} but the weights estimated are "
+                         f"{'fp8' if weights == 'fp8' else 'float'}; pass quant= the run's QuantizationConfig "
+                         "(EngineConfig.quantization) with the variant of the same run (profile.variant_of)")
     entries = []
     p_ops = without_collectives(prefill_operators(model_cfg, prefill_chunk, tp=tp, dtype_bytes=dtype_bytes,
-                                                  kv_bytes=kv_bytes))
+                                                  kv_bytes=kv_bytes, quant=quant))
     for c in configurations:
         alone_units = c.decode_units or peaks.num_compute_units
         for bb in batch_buckets:
             for cb in context_buckets:
                 d_ops = without_collectives(decode_operators(model_cfg, bb, cb, tp=tp, dtype_bytes=dtype_bytes,
-                                                             kv_bytes=kv_bytes))
+                                                             kv_bytes=kv_bytes, quant=quant))
                 alone = 1e3 * step_seconds(d_ops, alone_units, peaks)
                 t_d, tps = _concurrent_compute(d_ops, p_ops, c.decode_units, c.prefill_units, prefill_chunk, peaks)
                 entries.append(Entry(c.name, bb, cb, alone, alone * p95_over_p50_alone, t_d,
                                      t_d * p95_over_p50_beside, tps))
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    v = variant or ProfileVariant()
     shard = Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
                     list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk,
                     tensor_parallel_size=tp, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype)
@@ -425,50 +424,3 @@ def with_collectives(shard: Profile, model_cfg: ModelConfig, peaks: Peaks, *, dt
             decode_ms_beside_prefill_p50=beside, decode_ms_beside_prefill_p95=e.decode_ms_beside_prefill_p95 + d_link,
             prefill_tokens_per_s=tps))
     return msgspec.structs.replace(shard, entries=entries)
-
-
-def _median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
-    """Median wall time of `fn` over `reps` runs after warm-ups (CUDA events on a GPU). A GPU gets 20
-    warm-ups (its clocks ramp up after the idle of model loading: with two, start-up measurements of one
-    H200 are suspected of flipping the adaptive manager's choice between two runs of one build)."""
-    import torch
-
-    cuda, times = device.type == "cuda", []
-    for _ in range(20 if cuda else 2):
-        fn()
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def measure_peaks(device: str | torch.device = "cuda", dtype: torch.dtype | None = None, *, reps: int = 15) -> Peaks:
-    """Measure GEMM FLOP/s (n x n x n: 2n^3 flops) and copy bandwidth (read + write bytes) on `device`.
-
-    Medians of `reps` timed runs. A GPU takes well under 3 s (n=8192, 256 MiB bf16 copy); CPU uses
-    small sizes (n=256, 4 MiB) so tests stay quick. The fitted constants keep their defaults.
-    """
-    import torch
-
-    dev = torch.device(device)
-    dt = torch.bfloat16 if dtype is None else dtype
-    n, elems = (8192, 1 << 27) if dev.type == "cuda" else (256, 1 << 21)
-    a, w = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
-    flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, w), reps, dev)
-    src = torch.empty(elems, device=dev, dtype=dt)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() * src.element_size() / _median_seconds(lambda: dst.copy_(src), reps, dev)
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        return Peaks(flops, bw, props.multi_processor_count, device=props.name)
-    return Peaks(flops, bw, os.cpu_count() or 1, device="cpu")

@@ -53,6 +53,7 @@ from rapidserve.partition.manager import (
     make_state,
     pending_tokens_cap,
 )
+from rapidserve.partition.peaks import Peaks, describe_peaks, measure_peaks
 from rapidserve.partition.policy import PendingWork, PolicyState, WaitingPrefill
 from rapidserve.partition.profile import (
     OVERALLOCATED,
@@ -65,15 +66,9 @@ from rapidserve.partition.profile import (
     profile_filename,
     variant_of,
 )
-from rapidserve.partition.roofline import (
-    Peaks,
-    collective_ops,
-    kv_element_bytes,
-    measure_peaks,
-    roofline_profile,
-    with_collectives,
-)
+from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roofline_profile, with_collectives
 from rapidserve.partition_config import PartitionConfig
+from rapidserve.quant_config import QuantizationConfig
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -186,12 +181,12 @@ def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dty
         plan.source += f"; drift prefill model given: {given[0]:g} + {given[1]:g} ms/token"
         return
     if plan.peaks is None:
-        plan.peaks = measure_peaks(device, dtype)
+        plan.peaks = run_peaks(cfg, device, dtype)
     size = getattr(dtype, "itemsize", 2)
     plan.prefill_models = prefill_models(cfg.model_config, plan.peaks, plan.configurations,
                                          cfg.scheduler.max_num_batched_tokens, dtype_bytes=size,
                                          tp=cfg.parallel.tensor_parallel_size,
-                                         kv_bytes=kv_element_bytes(cfg.cache, size))
+                                         kv_bytes=kv_element_bytes(cfg.cache, size), quant=cfg.quantization)
     fits = ", ".join(f"{k} {v.a_ms:.3g} + {v.b_ms_per_token:.3g} ms/token" for k, v in plan.prefill_models.items())
     plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
 
@@ -224,10 +219,11 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
                                  f"this run uses -tp {tp}: {fix}")
         check_configurations(prof.configurations, g, f"profile {path}")
         shard = prof.tensor_parallel_size > 1
-        peaks = measure_peaks(device, dtype) if p.policy in ("duet", "drift") or shard else None
+        peaks = run_peaks(cfg, device, dtype) if p.policy in ("duet", "drift") or shard else None
         if shard:
             assert peaks is not None
             prof = with_collectives(prof, cfg.model_config, peaks)
+        said = f"; {describe_peaks(peaks, fp8=cfg.quantization.enabled)}" if peaks is not None else ""
         return PartitionPlan(kind, list(prof.configurations), prof,
                              f"adaptive, policy {p.policy}, measured profile {path} "
                              f"({len(prof.configurations)} configurations, {kind}"
@@ -236,12 +232,12 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
                              + (f"; a WHOLE-MODEL profile at tensor parallel {tp}: its figures are not this rank's "
                                 f"(`rapidserve profile --shard-of-tp {tp}` measures them)" if tp > 1 and not shard
                                 else "") + ")"
-                             + (f"; {describe_peaks(peaks)}" if peaks is not None else ""), peaks)
+                             + said, peaks)
     configs = plan_configurations(g, p.decode_shares)
-    peaks = measure_peaks(device, dtype)
+    peaks = run_peaks(cfg, device, dtype)
     prof = roofline_fallback(cfg, gpu, configs, peaks)
     return PartitionPlan(kind, configs, prof, f"adaptive, policy {p.policy}, ROOFLINE ESTIMATE: {why_not}; "
-                         f"{kind}; {describe_peaks(peaks)}", peaks)
+                         f"{kind}; {describe_peaks(peaks, fp8=cfg.quantization.enabled)}", peaks)
 
 
 def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str, tp: int,
@@ -263,8 +259,10 @@ def profile_path(explicit: str | None, profiles_dir: Path, gpu: str, model: str,
     return None, f"no profile at {path} (run `rapidserve profile --model {model}{flags}` to measure one)"
 
 
-def describe_peaks(peaks: Peaks) -> str:
-    return f"peaks measured now: GEMM {peaks.matmul_flops / 1e12:.0f} TFLOP/s, copy {peaks.hbm_bw / 1e12:.2f} TB/s"
+def run_peaks(cfg: EngineConfig, device: Any, dtype: Any) -> Peaks:
+    """The peaks the run's roofline times its operators with, measured now (partition/peaks.py): with fp8 weights
+    (`cfg.quantization`) the fp8 GEMM's too."""
+    return measure_peaks(device, dtype, fp8=cfg.quantization.enabled)
 
 
 def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration], peaks: Peaks) -> Profile:
@@ -273,7 +271,7 @@ def roofline_fallback(cfg: EngineConfig, gpu: str, configs: list[Configuration],
     return roofline_profile(cfg.model_config, gpu, model_label(cfg.model), peaks, configs, ROOFLINE_BATCHES,
                             ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens,
                             tp=cfg.parallel.tensor_parallel_size, kv_bytes=kv_element_bytes(cfg.cache),
-                            variant=variant_of(cfg))
+                            variant=variant_of(cfg), quant=cfg.quantization)
 
 
 def open_streams(wire: PlanWire, device: Any, roles: tuple[Role, ...]) -> PartitionBackend:
@@ -308,6 +306,8 @@ class DecodePartition:
     steps: dict[str, int] = field(default_factory=dict)  # decode steps launched per configuration
     _cap: int | None = None
     tensor_parallel_size: int = 1  # duet's roofline predicts one rank's step, collectives included
+    kv_bytes: float | None = None  # duet's roofline: the KV pool's element size (1: an fp8 cache; None: model dtype)
+    quant: QuantizationConfig | None = None  # duet's roofline: the weights' quantization (None: float)
 
     def note_step(self) -> None:
         """One decode step was launched in the current configuration."""
@@ -335,7 +335,7 @@ class DecodePartition:
         st = PolicyState(time.monotonic(), contexts, waiting, self.pcfg.slo_itl_ms,
                          prefill_budget=self.prefill_budget)
         d = decide_duet(st, self.model_cfg, self.plan.peaks, self.plan.configurations, shared=True,
-                        tp=self.tensor_parallel_size)
+                        tp=self.tensor_parallel_size, kv_bytes=self.kv_bytes, quant=self.quant)
         self.last_duet = d
         name, reason, self.state = duet_configuration(self.state, d, self.plan.configurations,
                                                       hysteresis_steps=self.pcfg.hysteresis_steps,

@@ -2,12 +2,13 @@
 
 One protocol, `StepCosts`, two implementations:
 
-* `RooflineCosts` (no profile for this GPU and model): partition/roofline.py's operators timed with the peaks
-  measured at start-up. A fused step is ONE forward over the decode rows and the prompt chunks together
-  (`mixed_operators`: the token-level operators over decode rows + chunk tokens, each decode row's attention
-  over its context, each chunk's causal attention after its prefix) on the whole GPU; decode beside the
-  prefill worker is `roofline.concurrent` on the configuration's two shares; decode alone is
-  `decode_step_ms` on decode's share.
+* `RooflineCosts` (no profile for this GPU, model and variant): partition/roofline.py's operators timed with the
+  peaks measured at start-up, the weights as the run stores them (`quant`: fp8 projections at one byte a value and
+  the fp8 GEMM peak, partition/fp8_costs.py; the KV pool's element size `kv_bytes`). A fused step is ONE forward
+  over the decode rows and the prompt chunks together (`mixed_operators`: the token-level operators over decode
+  rows + chunk tokens, each decode row's attention over its context, each chunk's causal attention after its
+  prefix) on the whole GPU; decode beside the prefill worker is `roofline.concurrent` on the configuration's two
+  shares; decode alone is `decode_step_ms` on decode's share.
 * `ProfileCosts` (the measured `profiles/<gpu>__<model>.json`, partition/profile.py's tables): decode alone
   and beside prefill are the profile's p95 at the decode batch and mean context (rounded up to its buckets,
   or interpolated: `--profile-lookup`), its step beside prefill bounded by the prefill work actually handed
@@ -41,6 +42,7 @@ from rapidserve.config import ModelConfig
 from rapidserve.partition.manager import beside_prefill_ms, forward_ms
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, estimate
 from rapidserve.partition.roofline import Peaks, concurrent, decode_step_ms, mixed_operators_summed, step_seconds
+from rapidserve.quant_config import QuantizationConfig
 
 Chunk = tuple[int, int]  # (tokens, prefix) of one prompt chunk
 # `RooflineCosts.split` remembers its answers (a roofline `concurrent` costs ~0.5 ms of Python, and a decision asks
@@ -79,7 +81,8 @@ def _configuration(configs: Sequence[Configuration], name: str) -> Configuration
 
 @dataclass(frozen=True)
 class RooflineCosts:
-    """The roofline's costs (module docstring): `model_cfg` the whole model, `tp` its tensor-parallel size."""
+    """The roofline's costs (module docstring): `model_cfg` the whole model, `tp` its tensor-parallel size, `quant` its
+    weights' quantization (None: float weights)."""
 
     model_cfg: ModelConfig
     peaks: Peaks
@@ -87,19 +90,20 @@ class RooflineCosts:
     tp: int = 1
     dtype_bytes: int = 2
     kv_bytes: float | None = None  # the KV pool's element size (1: an fp8 cache; None: dtype_bytes)
+    quant: QuantizationConfig | None = None  # the weights' (EngineConfig.quantization); None: float
     _memo: dict[tuple[str, int, int, int], tuple[float, float]] = field(default_factory=dict, compare=False,
                                                                        repr=False)
 
     def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
         ops = mixed_operators_summed(self.model_cfg, len(contexts), sum(contexts), chunks, tp=self.tp,
-                                     dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes)
+                                     dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes, quant=self.quant)
         return 1e3 * step_seconds(ops, self.peaks.num_compute_units, self.peaks)
 
     def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
         c = _configuration(self.configurations, config)
         units = c.decode_units or self.peaks.num_compute_units
         return decode_step_ms(self.model_cfg, max(batch, 1), max(context, 1), units, self.peaks, self.tp,
-                              dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes)
+                              dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes, quant=self.quant)
 
     def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         key = (config, batch, -(-max(context, 1) // CONTEXT_GRAIN) * CONTEXT_GRAIN, prefill_tokens)
@@ -114,7 +118,7 @@ class RooflineCosts:
         c = _configuration(self.configurations, config)
         return concurrent(self.model_cfg, max(batch, 1), max(context, 1), c.decode_units, c.prefill_units,
                           max(prefill_tokens, 1), self.peaks, self.tp, dtype_bytes=self.dtype_bytes,
-                          kv_bytes=self.kv_bytes)
+                          kv_bytes=self.kv_bytes, quant=self.quant)
 
 
 @dataclass(frozen=True)

@@ -150,7 +150,8 @@ def has_cost_model(plan: PartitionPlan) -> bool:
 
 def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
     """The adaptive policy's cost model for this run: the measured profile where the plan has one, else the roofline
-    with the plan's peaks (its configurations), one rank's shard plus its collectives at -tp N."""
+    with the plan's peaks (its configurations) and the run's weights and KV cache (fp8 or not), one rank's shard plus
+    its collectives at -tp N."""
     p = cfg.partition
     if plan.profile is not None and plan.profile.source == "measured":
         return ProfileCosts(plan.profile, interpolate=p.profile_lookup == "interpolate")
@@ -158,7 +159,8 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
         raise ValueError("the adaptive policy without a measured profile needs the plan's peaks (resolve_plan measures "
                          "them for --policy duet)")
     return RooflineCosts(cfg.model_config, plan.peaks, tuple(plan.configurations),
-                         tp=cfg.parallel.tensor_parallel_size, kv_bytes=1.0 if cfg.cache.fp8_kv else None)
+                         tp=cfg.parallel.tensor_parallel_size, kv_bytes=1.0 if cfg.cache.fp8_kv else None,
+                         quant=cfg.quantization)
 
 
 def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int = 2) -> StepPolicy:
@@ -176,7 +178,7 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
         costs = step_costs(cfg, plan)
         if isinstance(costs, RooflineCosts) and costs.dtype_bytes != dtype_bytes:
             costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes,
-                                  costs.kv_bytes)
+                                  costs.kv_bytes, costs.quant)
         return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps,
                                                 prefill_batch_tokens=sched.prefill_batch_tokens))
     if p.policy == "drift":
