@@ -52,9 +52,12 @@ cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
 tp="${TP:-1}"
 read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
+# the probes a search may make, as vs_vllm.sh passes them (SEARCH_ARGS, default 10; without the flag: bench's 12)
+probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
-        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}"
+        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+        --max-probes "${probes:-12}"
 fi
 out="${OUT:-bench/results/frontier_parallel}"
 mkdir -p "$out"
@@ -80,6 +83,7 @@ if [ "${#groups[@]}" -gt "$slots" ]; then
 fi
 "$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
     --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+    --max-probes "${probes:-12}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
