@@ -9,16 +9,20 @@ request-rate sweep or (`--goodput-search`) as each system's goodput frontier.
     python bench/compare.py --goodput-search --systems rapidserve,always-fused,always-split,vllm \\
         --vllm-model /root/peermodel --workloads 4096:64 --num-prompts 80 --budget-s 540
 
-The goodput frontier (`--goodput-search`; bench/compare_frontier.py): per system and workload, `rapidserve
-bench --goodput-search`'s search (rapidserve/benchmark/goodput.py: the highest Poisson rate at which a share
-of requests, 90% and 99%, meet a per-request p95 ITL bound, 25/50/100/200 ms or none, and the TTFT rule),
-started from that system's own closed-loop peak; the `--search-*` flags are bench's. The default systems are
-ours: `rapidserve` (the engine's default policy), `always-fused` (--mode hybrid) and `always-split` (--policy
-rapid); a bare `vllm` (or `vllm-best`) is vLLM at each of its settings (compare_systems.VLLM_SETTINGS), the
-best of which at each bound is the better vLLM our ratios divide by. `--budget-s` shares the time left
-evenly among the searches still to run (after the later systems' start-ups): a search that runs out
-reports its brackets so far, marked unfinished, and the report says so. One frontier plot per workload
-(<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and share).
+The goodput frontier (`--goodput-search`; bench/compare_frontier.py): per system and workload, `rapidserve bench
+--goodput-search`'s search (rapidserve/benchmark/goodput.py: the highest Poisson rate at which a share of requests,
+90% and 99%, meet a per-request p95 ITL bound, 25/50/100/200 ms or none, and the TTFT rule), started from that
+system's own closed-loop peak; the `--search-*` flags are bench's. The default systems are ours: `rapidserve` (the
+engine's default policy), `always-fused` (--mode hybrid) and `always-split` (--policy rapid); a bare `vllm` (or
+`vllm-best`) is vLLM at each of its settings (compare_systems.VLLM_SETTINGS), the best of which at each bound is the
+better vLLM our ratios divide by. `duet@B` (B in ms) is the adaptive policy (--policy duet) started with
+`--slo-itl-ms B`, searched at bound B alone (the search stops once B's brackets close), `duet@none` the same without
+an SLO, searched unbounded; with any of them the report has the composite row `default (SLO = bound)`, duet@B's
+goodput at each bound B, and takes the ratios of it (bench/compare_slo.py). `--budget-s` shares the time left evenly
+among the searches still to run (after the later systems' start-ups, each as long as the longest of its kind so far,
+else a guess): a search that runs out reports its brackets so far, marked unfinished, and the report says so. One
+frontier plot per workload (<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and
+share).
 
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
@@ -155,7 +159,9 @@ from compare_tp import resolve_tp_systems  # noqa: E402
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
+from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
 from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
+from rapidserve.benchmark.results import bound_label  # noqa: E402
 from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
 from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
@@ -163,19 +169,35 @@ from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
 # ---------------------------------------------------------------- one system's run
 
 
-def search(a: argparse.Namespace, w: Workload, url: str, label: str, salt: int,
+def system_search(scfg: SearchConfig, system: System) -> SearchConfig:
+    """The search settings of one system: --search-* with the system's own bounds (duet@B: B alone), checked.
+    ValueError naming the system when its bounds are not among those searched."""
+    if system.only_bounds is None:
+        return scfg
+    mine = dataclasses.replace(scfg, only_bounds=system.only_bounds)
+    try:
+        mine.check()
+    except ValueError:
+        raise ValueError(f"{system.label} is searched at {', '.join(bound_label(b) for b in system.only_bounds)}: "
+                         "add it to --search-itl-bounds-ms") from None
+    return mine
+
+
+def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: int,
            deadline: float | None) -> dict[str, Any]:
     """One workload's goodput search against the server at `url`, its probes salted from `salt`."""
-    cfg = bench_config(a, w.argv, base_url=url, label=label)
-    return asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), a.search, deadline=deadline))
+    cfg = bench_config(a, w.argv, base_url=url, label=system.label)
+    return asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), system_search(a.search, system),
+                                          deadline=deadline))
 
 
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
                results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None],
-               later: Sequence[str] = ()) -> None:
+               later: Sequence[str] = (), started: dict[str, float] | None = None) -> None:
     """Start one system's server, run every workload's sweep (or goodput search), stop it; append results; set
     info's status. With --peak-fractions the reference system records its closed peak per workload in `peaks`.
-    `later`: the kinds of the systems still to run after this one (a search leaves their start-up time)."""
+    `later`: the kinds of the systems still to run after this one (a search leaves their start-up time, as long as
+    the longest of their kind measured so far in `started`, which this one's start-up joins)."""
     label = system.label
     port = a.port or free_port()
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
@@ -192,6 +214,8 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
     try:
         why = server.wait_ready(url, a.startup_timeout_s)
         info["startup_s"] = round(time.monotonic() - t0, 1)
+        if started is not None and why is None:
+            started[system.kind] = max(started.get(system.kind, 0.0), info["startup_s"])
         if why is not None:
             info["status"] = f"did not start: {why}"
             print(f"   {label}: {info['status']} (see {log_path})", flush=True)
@@ -208,8 +232,8 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             try:
                 if a.goodput_search:  # an even share of the budget left, after the later systems' start-ups
                     left = len(workloads) - wi + len(later) * len(workloads)
-                    res = search(a, w, url, label, base,
-                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later)))
+                    res = search(a, w, url, system, base,
+                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later, started)))
                 else:
                     res = sweep(a.rates, base)
                     if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
@@ -268,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = [s.label for s in systems]
     try:
         a.search = search_config(a)
+        for s in systems if a.search is not None else ():
+            system_search(a.search, s)
         workloads = workload_list(a)
         meta = report_meta(a, workloads)
         prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
@@ -300,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta.update(systems=infos, vllm_baseline=baseline, peak_reference=a.peak_reference, peaks=peaks)
     paths: list[str] = []
     n_prior = len(infos)
+    started: dict[str, float] = {}  # the longest start-up of each kind so far: the later searches' reserve
     report = write_frontier_report if a.goodput_search else write_report
     try:
         for s in systems:
@@ -309,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 info["status"] = "skipped: duration budget spent"
                 continue
             later = [x.kind for x in systems[len(infos) - n_prior:]]
-            run_system(a, s, workloads, deadline, results, info, peaks, later)
+            run_system(a, s, workloads, deadline, results, info, peaks, later, started)
             report(a, meta, results, plot=False, prior=prior)
     finally:
         for s in systems[len(infos) - n_prior:]:  # interrupted before their turn

@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DESCRIPTION)
     p.add_argument("--model", default="preset:qwen3-8b", help="our servers' --model")
     p.add_argument("--systems", default=None,
-                   help=f"comma-separated, run in this order: any of {', '.join(SYSTEMS)}; {VLLM} or {VLLM}:FLAGS "
+                   help=f"comma-separated, run in this order: any of {', '.join(SYSTEMS)}; duet@B (the default "
+                        "policy with --slo-itl-ms B, searched at bound B alone) or duet@none (no SLO, searched "
+                        f"unbounded); {VLLM} or {VLLM}:FLAGS "
                         f"(the real vLLM; with --goodput-search, a bare {VLLM} is {VLLM_BEST}); {VLLM_BEST} (vLLM at "
                         f"each of its settings: {', '.join(repr(f) for f in VLLM_SETTINGS)}); {EXT}:URL (a running "
                         f"server) (default: {','.join(SWEEP_SYSTEMS)}; with --goodput-search "

@@ -56,11 +56,12 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _norm(v: Any) -> Any:
-    """JSON's view of a value (tuples as lists, ints as floats), so a report read back compares with this run's."""
+    """JSON's view of a value (tuples as lists, ints as floats), so a report read back compares with this run's; an
+    object's null fields left out (a search setting added later, at its default None, matches a report without it)."""
     if isinstance(v, (list, tuple)):
         return [_norm(x) for x in v]
     if isinstance(v, dict):
-        return {k: _norm(x) for k, x in v.items()}
+        return {k: _norm(x) for k, x in v.items() if x is not None}
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return v
     return float(v)

@@ -7,8 +7,16 @@ share. The better vLLM at (workload, bound, share) is the highest goodput any vL
 its settings) reached there, and each of our systems' ratio is its goodput over that. A figure whose search
 did not settle (unfinished, or beyond the rates probed) is a bound, not a value: its cell says so and a
 ratio taken from it is marked `*`. RAPID-Serve's own baselines (`versus_ours`): the engine's default policy
-(`rapidserve`, or the report's `reference`) over each other system of ours (hybrid at each chunk size,
-disagg-npmd, ...) and over the best hybrid chunk at each bound.
+(`reference`: the report's, else the composite row where duet@B systems ran, else `rapidserve`) over each other
+system of ours (always-fused, always-split, hybrid at each chunk size, disagg-npmd, ...) and over the best hybrid
+chunk at each bound.
+
+The composite row "default (SLO = bound)" (bench/compare_slo.py): the adaptive policy (`--policy duet`, issue 37's
+default) run with its ITL SLO set to each bound, its cell at bound B duet@B's goodput at B (unbounded: duet@none's).
+It is computed from the duet@B frontiers whenever a report is written (never stored among the frontiers, so a merged
+or continued report computes it afresh), drawn as the default policy's line (black, thick) in the frontier plot (the
+duet@B systems, each searched at one bound, are not drawn), and its ratios stand for the duet@B systems' (which have
+no ratio rows of their own).
 
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
@@ -25,9 +33,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
-from rapidserve.benchmark.goodput import CONVERGED  # noqa: E402
+from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED  # noqa: E402
 from rapidserve.benchmark.goodput_report import LEGEND, goodput_cell  # noqa: E402
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier  # noqa: E402
 from rapidserve.benchmark.report import jsonable  # noqa: E402
@@ -48,9 +59,11 @@ def search_deadline(now: float, deadline: float | None, searches_left: int, rese
     return now + max(0.0, deadline - now - reserve_s) / max(1, searches_left)
 
 
-def startup_reserve(kinds: Sequence[str]) -> float:
-    """The start-up time the systems of these kinds, still to run, will need."""
-    return sum(STARTUP_GUESS_S.get(k, 60.0) for k in kinds)
+def startup_reserve(kinds: Sequence[str], measured: Mapping[str, float] | None = None) -> float:
+    """The start-up time the systems of these kinds, still to run, will need: per system, the longest start-up of
+    its kind `measured` so far in this run, else STARTUP_GUESS_S's guess (our five duet@B servers start in ~20 s
+    each on one H200, a third of the guess: the first searches need not leave the guess's time to the later)."""
+    return sum((measured or {}).get(k, STARTUP_GUESS_S.get(k, 60.0)) for k in kinds)
 
 
 def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,13 +77,25 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
                        for p in res.get("probes", [])]}
 
 
+def searched_entry(f: Mapping[str, Any], bound: float | None, share: float) -> dict[str, Any] | None:
+    """A frontier's entry at (bound, share), None where it has none or did not search that bound (duet@B's others)."""
+    e = entry(f, bound, share)
+    return None if e is None or e.get("status") == NOT_SEARCHED else e
+
+
+def reference(frontiers: Sequence[Mapping[str, Any]], given: str | None = None) -> str:
+    """The system the `X / Y` rows divide by: `given`, else the composite row where duet@B systems ran, else
+    REFERENCE (the engine's default policy as `rapidserve serve` runs it without flags)."""
+    return given or (COMPOSITE if any(is_part(f["label"]) for f in frontiers) else REFERENCE)
+
+
 def better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], title: str, bound: float | None,
                 share: float) -> dict[str, Any] | None:
     """The vLLM system with the highest goodput at (bound, share) on the workload: {"system", "goodput",
     "status"}; None when no vLLM system was searched there. (Of any set of labels: the best of them.)"""
     best: dict[str, Any] | None = None
     for f in frontiers:
-        e = entry(f, bound, share) if f["title"] == title and f["label"] in vllm else None
+        e = searched_entry(f, bound, share) if f["title"] == title and f["label"] in vllm else None
         if e is not None and (best is None or e["goodput"] > best["goodput"]):
             best = {"system": f["label"], "goodput": float(e["goodput"]), "status": e["status"]}
     return best
@@ -78,14 +103,15 @@ def better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], title: s
 
 def versus_better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str]) -> list[dict[str, Any]]:
     """Per workload, system other than vLLM's, bound and share: its goodput over the better vLLM's (None when
-    that is 0), `exact` False when either figure is a bound (a search that did not settle)."""
+    that is 0), `exact` False when either figure is a bound (a search that did not settle). The duet@B systems have
+    none: the composite row, where `frontiers` hold it (with_composite), has theirs."""
     out: list[dict[str, Any]] = []
     for f in frontiers:
-        if f["label"] in vllm:
+        if f["label"] in vllm or is_part(f["label"]):
             continue
         for q in search_shares(f):
             for b in search_bounds(f):
-                e, best = entry(f, b, q), better_vllm(frontiers, vllm, f["title"], b, q)
+                e, best = searched_entry(f, b, q), better_vllm(frontiers, vllm, f["title"], b, q)
                 if e is None or best is None:
                     continue
                 ratio = float(e["goodput"]) / best["goodput"] if best["goodput"] > 0 else None
@@ -100,14 +126,16 @@ def versus_ours(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], ref: str
     """RAPID-Serve's own baselines: per workload, bound and share, `ref`'s goodput (the engine's default policy)
     over each other system of ours (hybrid at a chunk size, disagg-npmd, ...) and over the best hybrid chunk
     (`BEST_CHUNK`: the best of the `hybrid-*` systems at that bound, where two or more ran); `ratio` None where
-    the other's goodput is 0, `exact` False where either figure is a bound. Nothing without a `ref` frontier."""
+    the other's goodput is 0, `exact` False where either figure is a bound. Nothing without a `ref` frontier.
+    The duet@B systems are the composite row's parts, not baselines of it."""
     out: list[dict[str, Any]] = []
     chunks = {f["label"] for f in frontiers if f["label"].startswith(HYBRID_PREFIX) and f["label"] not in vllm | {ref}}
     for r in (f for f in frontiers if f["label"] == ref):
-        others = [f["label"] for f in frontiers if f["title"] == r["title"] and f["label"] not in vllm | {ref}]
+        others = [f["label"] for f in frontiers if f["title"] == r["title"] and f["label"] not in vllm | {ref}
+                  and not is_part(f["label"])]
         for q in search_shares(r):
             for b in search_bounds(r):
-                mine = entry(r, b, q)
+                mine = searched_entry(r, b, q)
                 if mine is None:
                     continue
                 for other in [*others, *([BEST_CHUNK] if len(chunks) >= 2 else [])]:
@@ -128,11 +156,24 @@ def _ratio(x: Mapping[str, Any] | None) -> str:
     return f"{x['ratio']:.2f}x" + ("" if x["exact"] else "*")
 
 
+def _search_cell(f: Mapping[str, Any]) -> str:
+    """The table's last column: how the row's search ended (the composite row: which searches it reads)."""
+    done = "finished" if f["finished"] else f"unfinished ({f['stopped']})"
+    if f["label"] == COMPOSITE:
+        parts = ", ".join(f"`{label}` at {bound_label(None if k == 'unbounded' else float(k))}"
+                          for k, label in f["parts"].items())
+        return f"composite of {parts}; {done}"
+    only = f["search"]["settings"].get("only_bounds")
+    return done if only is None else f"searched at {', '.join(bound_label(b) for b in only)} only; {done}"
+
+
 def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> str:
-    """The report: per workload and share, goodput by system and ITL bound, the better vLLM and our ratios."""
+    """The report: per workload and share, goodput by system and ITL bound (with the composite row where duet@B
+    systems ran), the better vLLM and our ratios."""
     vllm = vllm_labels(meta)
-    ref = meta.get("reference") or REFERENCE
-    vs, own = versus_better_vllm(frontiers, vllm), versus_ours(frontiers, vllm, ref)
+    ref = reference(frontiers, meta.get("reference"))
+    rows = with_composite(frontiers)
+    vs, own = versus_better_vllm(rows, vllm), versus_ours(rows, vllm, ref)
     lines = [f"# rapidserve compare: goodput frontier, {meta.get('model')}", "",
              f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; {meta.get('per_rate')}",
              "- goodput at (p95 ITL bound B, share q): the highest Poisson rate (req/s) at which at least q of the "
@@ -142,12 +183,18 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
              f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
+    if len(rows) > len(frontiers):
+        lines[-1:-1] = [f"- **{COMPOSITE}**: the adaptive policy (`--policy duet`, issue 37's default) as a user who "
+                        "needs bound B runs it, "
+                        "with `--slo-itl-ms B`: its cell at B is `duet@B`'s goodput (a server started with that SLO, "
+                        "searched at B alone; unbounded: `duet@none`, no SLO, maximising throughput). The `duet@B` "
+                        "rows show their own bound only; the ratios are the composite's."]
     for s in meta.get("systems", []):
         lines.append(f"- {s['label']}: `{s['flags']}` - {s['status']}")
     for w in meta.get("workloads", []):
         lines.append(f"- workload {w['title']}: `rapidserve bench {w['flags']}`")
-    for title in dict.fromkeys(f["title"] for f in frontiers):
-        mine = [f for f in frontiers if f["title"] == title]
+    for title in dict.fromkeys(f["title"] for f in rows):
+        mine = [f for f in rows if f["title"] == title]
         bounds = search_bounds(mine[0])
         lines += ["", f"## {title}"]
         for q in search_shares(mine[0]):
@@ -155,20 +202,20 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
             lines += ["", f"Goodput (req/s) with {q:.0%} of requests meeting the bound and the TTFT rule:", "",
                       "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
             for f in mine:
-                done = "finished" if f["finished"] else f"unfinished ({f['stopped']})"
-                lines.append(f"| {f['label']} | " + " | ".join(goodput_cell(entry(f, b, q)) for b in bounds)
-                             + f" | {done} |")
+                name = f"**{COMPOSITE}**" if f["label"] == COMPOSITE else f["label"]
+                lines.append(f"| {name} | " + " | ".join(goodput_cell(entry(f, b, q)) for b in bounds)
+                             + f" | {_search_cell(f)} |")
             for other in dict.fromkeys(x["over"] for x in own if x["workload"] == title and x["share"] == q):
                 cells = [_ratio(next((x for x in own if x["over"] == other and x["workload"] == title
                                       and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
                 lines.append(f"| {ref} / {other} | " + " | ".join(cells) + " | |")
             if not any(f["label"] in vllm for f in mine):
                 continue
-            best = [better_vllm(frontiers, vllm, title, b, q) for b in bounds]
+            best = [better_vllm(rows, vllm, title, b, q) for b in bounds]
             lines.append("| **better vLLM** | " + " | ".join(
                 "-" if x is None else f"{x['goodput']:.3g} (`{x['system']}`)" for x in best) + " | |")
             for f in mine:
-                if f["label"] in vllm:
+                if f["label"] in vllm or is_part(f["label"]):
                     continue
                 cells = [_ratio(next((x for x in vs if x["system"] == f["label"] and x["workload"] == title
                                       and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
@@ -183,23 +230,26 @@ def vllm_labels(meta: Mapping[str, Any]) -> set[str]:
 def write_frontier_report(a: argparse.Namespace, meta: dict[str, Any], results: Sequence[Mapping[str, Any]],
                           plot: bool, prior: Mapping[str, Any] | None = None) -> list[str]:
     """<name>.json, <name>.md and (with `plot`, when matplotlib is there) one <name>__<workload>_frontier.png per
-    workload, from the search results so far (after an earlier report's, `--continue-from`); their paths."""
+    workload, from the search results so far (after an earlier report's, `--continue-from`); their paths. The
+    JSON's "composite" holds the composite rows, "reference" the system the ratios divide by."""
     frontiers = [*(prior.get("frontiers", []) if prior else []), *(frontier_record(r) for r in results)]
+    rows = with_composite(frontiers)
     base = os.path.join(a.out, a.name)
     plots: dict[str, str] = {}
     if plot and frontiers and have_matplotlib():
         for title in dict.fromkeys(f["title"] for f in frontiers):
             path = f"{base}__{safe_name(title)}_frontier.png"
-            plots[title] = plot_frontier([f for f in frontiers if f["title"] == title], path,
-                                         title=f"{meta.get('model')}: goodput frontier, {title}")
+            drawn = [f for f in rows if f["title"] == title and not is_part(f["label"])]
+            plots[title] = plot_frontier(drawn, path, title=f"{meta.get('model')}: goodput frontier, {title}",
+                                         emphasis=(COMPOSITE,))
     elif plot and frontiers:
         print(f"compare: no frontier plots: {PLOT_NEEDS}", flush=True)
     vllm = vllm_labels(meta)
+    ref = reference(frontiers, meta.get("reference"))
     with open(base + ".json", "w") as f:
-        json.dump(jsonable({**meta, "rows": [], "sweeps": [], "frontiers": frontiers,
-                            "versus_better_vllm": versus_better_vllm(frontiers, vllm),
-                            "versus_ours": versus_ours(frontiers, vllm, meta.get("reference") or REFERENCE),
-                            "plots": plots}), f, indent=1)
+        json.dump(jsonable({**meta, "reference": ref, "rows": [], "sweeps": [], "frontiers": frontiers,
+                            "composite": composite(frontiers), "versus_better_vllm": versus_better_vllm(rows, vllm),
+                            "versus_ours": versus_ours(rows, vllm, ref), "plots": plots}), f, indent=1)
     with open(base + ".md", "w") as f:
         f.write(frontier_markdown(frontiers, meta))
     return [base + ".json", base + ".md", *plots.values()]

@@ -7,10 +7,10 @@ running anything again.
 
 Every report must describe the same comparison as the first (compare_continue.load_prior's checks: model,
 --serve-args with its TP size, workloads, search settings, ...); a system label may appear in one report only.
-Writes <name>.json / .md (and the frontier plots, where matplotlib is there) as compare.py does: goodput by
-system and ITL bound, the better vLLM, and the engine default's ratios to vLLM and to our other systems
-(compare_frontier.versus_ours). A report that is missing or does not match is named and skipped; the merge
-fails (exit 1) only when none is left.
+Writes <name>.json / .md (and the frontier plots, where matplotlib is there) as compare.py does: goodput by system
+and ITL bound (with the composite row of the duet@B systems, computed from the merged frontiers), the better vLLM,
+and the engine default's ratios to vLLM and to our other systems (compare_frontier.versus_ours). A report that is
+missing or does not match is named and skipped; the merge fails (exit 1) only when none is left.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_continue import MATCH, MATCH_NEWER, load_prior  # noqa: E402
-from compare_frontier import REFERENCE, write_frontier_report  # noqa: E402
+from compare_frontier import write_frontier_report  # noqa: E402
 
 
 def merge_reports(paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -70,8 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("reports", nargs="+", help="compare.py --goodput-search reports (<name>.json), in table order")
     p.add_argument("--out", required=True, help="folder of the merged <name>.json / .md")
     p.add_argument("--name", default="frontier_merged")
-    p.add_argument("--reference", default=REFERENCE,
-                   help="the system the ratios divide (default %(default)s: the engine's default policy)")
+    p.add_argument("--reference", default=None,
+                   help="the system the ratios divide (default: the engine's default policy, the composite row "
+                        "'default (SLO = bound)' where duet@B systems ran, else rapidserve)")
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
     try:

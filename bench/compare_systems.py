@@ -21,6 +21,9 @@ from collections.abc import Mapping, Sequence
 from typing import IO, NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from compare_slo import SLO_PREFIX, parse_slo_system  # noqa: E402
 
 from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
 
@@ -47,6 +50,7 @@ SYSTEMS: dict[str, str] = {
     "always-fused": "--mode hybrid",
     "always-split": "--mode rapid --policy rapid",
     "duet": "--mode rapid --policy duet",  # DuetServe's adaptive policy in the one engine (fused or split per step)
+    # (and duet@B: duet with --slo-itl-ms B, searched at bound B alone; duet@none: no SLO. bench/compare_slo.py)
     # NPMD disaggregation on the GPUs the others get: its flags follow --serve-args' --tensor-parallel-size N
     # (prefill on N/2, decode on N/2; bench/compare_tp.py), this placeholder is replaced.
     "disagg-npmd": "--mode disagg",
@@ -86,6 +90,7 @@ class System(NamedTuple):
     kind: str  # RAPIDSERVE, VLLM or EXT
     flags: str = ""  # rapidserve: `rapidserve serve` flags; vllm: vLLM flags after the shared ones
     url: str = ""  # ext only
+    only_bounds: tuple[float | None, ...] | None = None  # a goodput search's bounds (duet@B: B alone); None: all
 
     def describe(self) -> str:
         if self.kind == VLLM:
@@ -118,9 +123,9 @@ def vllm_settings() -> list[System]:
 
 
 def parse_systems(names: str, extra: Sequence[str], search: bool = False) -> list[System]:
-    """--systems (comma-separated: SYSTEMS names, vllm, vllm:FLAGS, vllm-best, ext:URL) then each --system
-    LABEL=SPEC (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). With `search` (--goodput-search) a bare
-    `vllm` in --systems is vllm-best (`vllm:` alone: vLLM's defaults only). ValueError saying what is wrong."""
+    """--systems (comma-separated: SYSTEMS names, duet@B or duet@none, vllm, vllm:FLAGS, vllm-best, ext:URL) then
+    each --system LABEL=SPEC (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). With `search` (--goodput-search) a
+    bare `vllm` in --systems is vllm-best (`vllm:` alone: vLLM's defaults only). ValueError saying what is wrong."""
     chosen: list[System] = []
     for n in (s.strip() for s in names.split(",")):
         if not n:
@@ -129,10 +134,13 @@ def parse_systems(names: str, extra: Sequence[str], search: bool = False) -> lis
             chosen += vllm_settings()
             continue
         s = special_system(n)
-        if s is None:
+        slo = parse_slo_system(n) if s is None else None
+        if slo is not None:
+            s = System(slo[0], RAPIDSERVE, slo[1], only_bounds=(slo[2],))
+        elif s is None:
             if n not in SYSTEMS:
-                raise ValueError(f"--systems: unknown {n}; known: {', '.join(SYSTEMS)}, {VLLM}, {VLLM}:FLAGS, "
-                                 f"{VLLM_BEST}, {EXT}:URL")
+                raise ValueError(f"--systems: unknown {n}; known: {', '.join(SYSTEMS)}, {SLO_PREFIX}B, "
+                                 f"{SLO_PREFIX}none, {VLLM}, {VLLM}:FLAGS, {VLLM_BEST}, {EXT}:URL")
             s = System(n, RAPIDSERVE, SYSTEMS[n])
         chosen.append(s)
     for item in extra:

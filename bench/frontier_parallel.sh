@@ -4,8 +4,11 @@
 # host (same GPU model, same client code, each client its own process); then one table of every group, with the
 # engine default's ratios to the better vLLM and to our baselines (bench/compare_merge.py).
 #
-# Groups (bench/frontier_plan.py): ours, vllm-a, vllm-b (one GPU each, issue 37), ours-tp (rapidserve and
-# disagg-npmd: prefill on TP/2 GPUs, decode on TP/2), hybrid-chunks (hybrid at chunk 512, 1024, 2048),
+# Groups (bench/frontier_plan.py): ours, vllm-a, vllm-b (one GPU each, issue 37), ours-slo (duet@25, duet@50,
+# duet@100, duet@200, duet@none: duet started with --slo-itl-ms B, or none, each searched at bound B alone: the
+# table's composite row "default (SLO = bound)", its cell at B duet@B's, whose ratios the table gives; five servers,
+# one after the other: the engine has no runtime SLO knob), ours-tp (rapidserve and disagg-npmd: prefill on TP/2
+# GPUs, decode on TP/2), hybrid-chunks (hybrid at chunk 512, 1024, 2048),
 # vllm-default, vllm-1024, vllm-2048 (vLLM at one setting each: a big shape's vLLM start takes ~3 min); `a+b` runs
 # two groups' systems one after the other in one slot. A machine of G GPUs holds G/TP slots; a call runs at most
 # that many groups (each inside BUDGET_S, 540 s), the rest go to the next call.
@@ -23,6 +26,13 @@
 #       MERGE_WITH=bench/results/h200x4_MMDD/frontier_ours-tp.json bash bench/frontier_parallel.sh", carry=[".whl"],
 #       kind="nvidia-h200-x4", timeout_s=600)
 #   later (the plan says what fits): GROUP=vllm-default, vllm-1024; PRESET=mixtral-8x7b GROUP=ours-tp+hybrid-chunks
+# Issue 37's default at every bound against our two fixed policies, on nvidia-h200-x2 (two slots at TP 1; the plan:
+# KIND_GPUS=2 GROUP=ours-slo,ours bash bench/frontier_parallel.sh --plan), after the stash calls above (on x2):
+#   run(command="GROUP=ours-slo,ours NUM_PROMPTS=48 NAME=frontier_slo bash bench/frontier_parallel.sh",
+#       carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
+# (its table's "default (SLO = bound) / always-fused" and "/ always-split" rows are issue 37's 3% test). The
+# better vLLM from a later call: GROUP=vllm-a,vllm-b MERGE_WITH="bench/results/h200x2_MMDD/frontier_ours-slo.json
+# bench/results/h200x2_MMDD/frontier_ours.json" (this call's reports, copied into the tree first).
 # On nvidia-h200-x8 at TP 4 two groups share a call (GROUP=ours-tp,hybrid-chunks then vllm-default,vllm-1024);
 # at TP 8 one. Issue 37/39/40 at TP 2: nvidia-h200-x2 one group a call, nvidia-h200-x4 two (GROUP=ours-tp,
 # hybrid-chunks then vllm-default,vllm-1024); the 70B shape's disagg-npmd (1P1D: 131 GiB of weights on one GPU) is
@@ -34,7 +44,7 @@
 # WORKLOADS, NUM_PROMPTS, SEARCH_ARGS, MAX_MODEL_LEN, GPU_MEM, SERVE_ARGS, SYSTEMS), TP (1), GROUP (comma- or
 # space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
 # MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
-# table's own ratios divide by: rapidserve), KIND_GPUS (--plan: the
+# table's own ratios divide by; default: the composite row where duet@B ran, else rapidserve), KIND_GPUS (--plan: the
 # machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). Further arguments go to each group's
 # vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
 set -uo pipefail
@@ -42,9 +52,12 @@ cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
 tp="${TP:-1}"
 read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
+# the probes a search may make, as vs_vllm.sh passes them (SEARCH_ARGS, default 10; without the flag: bench's 12)
+probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
-        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}"
+        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+        --max-probes "${probes:-12}"
 fi
 out="${OUT:-bench/results/frontier_parallel}"
 mkdir -p "$out"
@@ -70,6 +83,7 @@ if [ "${#groups[@]}" -gt "$slots" ]; then
 fi
 "$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
     --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+    --max-probes "${probes:-12}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
@@ -94,8 +108,10 @@ done
 read -ra earlier <<<"${MERGE_WITH:-}"
 name="${NAME:-frontier_tp}"
 if [ "$((${#earlier[@]} + ${#reports[@]}))" -gt 0 ]; then
-    "$py" bench/compare_merge.py "${earlier[@]}" "${reports[@]}" --out "$out" --name "$name" \
-        --reference "${REFERENCE:-rapidserve}" 2>&1 | tee -a "$setup_log"
+    ref_args=()
+    [ -n "${REFERENCE:-}" ] && ref_args=(--reference "$REFERENCE")
+    "$py" bench/compare_merge.py "${earlier[@]}" "${reports[@]}" --out "$out" --name "$name" "${ref_args[@]}" \
+        2>&1 | tee -a "$setup_log"
 fi
 tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
 for g in "${groups[@]}"; do

@@ -7,6 +7,7 @@ groups' systems in one call, for shapes whose searches are short):
 | group | systems |
 |---|---|
 | ours | duet, always-fused, always-split (issue 37 on one GPU) |
+| ours-slo | duet@25, @50, @100, @200, @none: duet with `--slo-itl-ms B` (or none), each searched at B alone |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
 | hybrid-chunks | hybrid at chunk 512, 1024, 2048 (RAPID-Serve's own baseline: `--mode hybrid`, its chunk) |
@@ -21,9 +22,15 @@ the weights do not fit half the GPUs (each side holds a whole copy).
     python bench/frontier_plan.py group ours-tp --tp 2 --preset llama-3.1-70b   # 3 lines: ours, vLLM, note
 
 The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
-TP 2 with its dummy loader, ours 20-60 s; a machine's start "a minute or more"; the stash calls ~25 s each),
-and a prefill-bound guess of each system's closed-loop peak (qwen3-8b's 8.5 req/s on one H200 at 4096:64,
-scaled by active parameters, prompt length and TP at 85% per doubling): a plan, not a measurement.
+TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s (no profile measured at its start); a machine's
+start "a minute or more"; the stash calls ~25 s each), and a prefill-bound guess of each system's closed-loop peak
+(qwen3-8b's 8.5 req/s on one H200 at 4096:64, scaled by active parameters, prompt length and TP at 85% per
+doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
+(duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
+
+ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
+knob changes it at runtime), so on two GPUs `GROUP=ours-slo,ours` runs them beside ours' three. The table's
+composite row "default (SLO = bound)" reads duet@B at each bound B (bench/compare_slo.py).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from rapidserve.config import ModelConfig, ParallelConfig  # noqa: E402
 
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our systems, vLLM's systems)
     "ours": (("duet", "always-fused", "always-split"), ()),
+    "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
     "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),
     "vllm-b": ((), ("vllm:--max-num-batched-tokens 2048", "vllm:--performance-mode interactivity")),
     "ours-tp": (("rapidserve", "disagg-npmd"), ()),
@@ -59,7 +67,8 @@ MACHINE_START_S = 120
 STASH_CALL_S = 25  # one `vs_vllm.sh --stash` call: ~55 MiB over, copied into the stash
 VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
-STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0}  # per system, by kind
+STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # per system, by kind (kind_of)
+ONE_BOUND_PROBES = 5  # probes a search of one bound wants (its two shares' brackets closed), at most
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
 REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
 REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
@@ -129,24 +138,36 @@ class Call(NamedTuple):
     detail: str
 
 
-def kind_of(system: str) -> str:
-    return "vllm" if system.startswith("vllm") else "hybrid" if system.startswith("hybrid") else "ours"
+def kind_of(system: str, tp: int = 1) -> str:
+    if system.startswith("vllm"):
+        return "vllm"
+    if system.startswith("hybrid"):
+        return "hybrid"
+    return "duet-tp1" if system.startswith("duet") and tp == 1 else "ours"
+
+
+def probes_wanted(system: str, max_probes: int) -> int:
+    """The probes a system's search wants: a duet@B one searches one bound (bench/compare_slo.py)."""
+    return min(max_probes, ONE_BOUND_PROBES) if "@" in system else max_probes
 
 
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
-               budget_s: float, first_vllm: bool) -> Call:
+               budget_s: float, first_vllm: bool, tp: int = 1) -> Call:
     """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it)."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
-    startups = sum(STARTUP_S[kind_of(s)] for s in systems)
+    startups = sum(STARTUP_S[kind_of(s, tp)] for s in systems)
     probe_s = 1.6 * num_prompts / peak + 2  # probes lie between peak/4 and the peak, most near peak/2
-    want = num_prompts / peak + max_probes * probe_s  # the closed-loop peak, then the probes
+    wanted = [probes_wanted(s, max_probes) for s in systems]
     share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems))
-    probes = min(max_probes, max(0, int((share - num_prompts / peak) // probe_s)))
-    seconds = min(setup + startups + len(systems) * want, budget_s + CALL_OVERHEAD_S)
-    cut = "" if probes >= max_probes else f", cut from {max_probes} by BUDGET_S {budget_s:g}"
+    fit = max(0, int((share - num_prompts / peak) // probe_s))
+    searches = num_prompts / peak * len(systems) + sum(wanted) * probe_s  # each closed-loop peak, then the probes
+    seconds = min(setup + startups + searches, budget_s + CALL_OVERHEAD_S)
+    kinds = ", ".join(f"{wanted.count(w)} search(es) of ~{min(w, fit)} probes"
+                      + (" (one bound each)" if w < max_probes else "")
+                      + ("" if fit >= w else f" (cut from {w} by BUDGET_S {budget_s:g})")
+                      for w in dict.fromkeys(wanted))
     return Call(f"{group} [{', '.join(systems)}]", seconds,
-                f"start-ups ~{startups:.0f} s, {len(systems)} search(es) of ~{probes} probes (~{probe_s:.0f} s "
-                f"each{cut})")
+                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe")
 
 
 def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
@@ -170,7 +191,7 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         side = []
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
-            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm))
+            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp))
             if note:
                 lines.append(f"  {g}: {note}")
         first_vllm = False  # the first call installs it

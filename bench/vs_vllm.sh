@@ -29,8 +29,14 @@
 #      the new report holds every earlier group's frontiers, and the better vLLM is the best of every vLLM setting
 #      run so far. Groups (MODE=frontier):
 #        vllm-a: vLLM's defaults and --max-num-batched-tokens 1024      vllm-b: --max-num-batched-tokens 2048 and
-#        --performance-mode interactivity (a vLLM 0.26 flag)          ours: rapidserve (the engine's default policy),
-#        always-fused (--mode hybrid), always-split (--policy rapid)
+#        --performance-mode interactivity (a vLLM 0.26 flag)          ours: duet (the adaptive policy at its default
+#        SLO, 50 ms), always-fused (--mode hybrid), always-split (--policy rapid)
+#        ours-slo: duet@25, duet@50, duet@100, duet@200, duet@none: duet started with --slo-itl-ms B (none: no SLO,
+#        maximising throughput), each searched at bound B alone (the search stops once B's brackets close); the table
+#        then has the composite row "default (SLO = bound)", duet@B's goodput at each bound B (unbounded: duet@none's),
+#        and its ratios to the better vLLM and to always-fused / always-split are the composite's (issue 37: a user
+#        who needs bound B sets --slo-itl-ms B). Five servers one after the other (~20 s each; the engine reads its
+#        SLO once, at start). On two GPUs, beside ours: bench/frontier_parallel.sh with GROUP=ours-slo,ours.
 #      A 30-minute device budget holds the stash calls and about two groups: run vllm-a and ours first (the better
 #      vLLM is then the best of two settings: the report names it at each bound), vllm-b if time is left.
 #   What comes back in $OUT: <NAME>.md / .json (compare.py's tables and data), <NAME>__<workload>_frontier.png

@@ -3,6 +3,7 @@ vLLM and our ratios (pure), and one comparison on CPU continued by a second run 
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -14,6 +15,7 @@ from tests.test_bench_compare import FAKE_SERVE_VLLM, _load
 
 compare = _load()
 frontier = _load("compare_frontier")
+slo = _load("compare_slo")
 
 
 def test_frontier_systems_and_vllm_settings() -> None:
@@ -68,6 +70,35 @@ def test_search_deadline(now: float, deadline: float | None, left: int, reserve:
 
 def test_startup_reserve() -> None:
     assert frontier.startup_reserve(["vllm", "rapidserve", "ext"]) == 240.0 and frontier.startup_reserve([]) == 0.0
+    # a kind measured in this run reserves its longest start-up so far instead of the guess (five duet@B: ~20 s each)
+    assert frontier.startup_reserve(["rapidserve"] * 4 + ["vllm"], {"rapidserve": 21.5}) == 4 * 21.5 + 180.0
+
+
+def test_duet_at_each_slo_is_a_system_searched_at_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    from rapidserve.benchmark.goodput import SearchConfig
+    from rapidserve.cli import build_parser
+
+    got = compare.parse_systems("duet@25,duet@50.0,duet@none,duet", [], search=True)
+    assert [(s.label, s.kind, s.flags, s.only_bounds) for s in got] == [
+        ("duet@25", "rapidserve", "--mode rapid --policy duet --slo-itl-ms 25", (25.0,)),
+        ("duet@50", "rapidserve", "--mode rapid --policy duet --slo-itl-ms 50", (50.0,)),
+        ("duet@none", "rapidserve", "--mode rapid --policy duet --slo-itl-ms none", (None,)),  # not the default 50
+        ("duet", "rapidserve", "--mode rapid --policy duet", None)]
+    a = build_parser().parse_args(["serve", "--model", "m", *got[2].flags.split()])
+    assert (a.policy, a.slo_itl_ms) == ("duet", None)
+    scfg = SearchConfig()
+    assert compare.system_search(scfg, got[0]) == SearchConfig(only_bounds=(25.0,)) and \
+        compare.system_search(scfg, got[3]) is scfg
+    for bad in ("duet@0", "duet@x", "duet@inf", "duet@"):
+        with pytest.raises(ValueError, match="give duet@B with B the ITL SLO in ms"):
+            compare.parse_systems(bad, [])
+    with pytest.raises(SystemExit):  # its bound must be one the search scores
+        compare.main(["--dry-run", "--goodput-search", "--systems", "duet@30"])
+    assert "duet@30 is searched at 30 ms: add it to --search-itl-bounds-ms" in capsys.readouterr().err
+    assert compare.main(["--dry-run", "--goodput-search", "--systems", "duet@30", "--search-itl-bounds-ms", "30,50",
+                         "--workloads", "4096:64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("duet@30: ") and out.splitlines()[0].endswith("--mode rapid --policy duet --slo-itl-ms 30")
 
 
 def g(bound: float | None, share: float, lo: float | None, hi: float | None, status: str = "converged") -> dict:
@@ -131,12 +162,16 @@ def test_frontier_on_cpu_continued_with_a_stand_in_vllm(tmp_path, monkeypatch) -
               "--workloads", "24:4", "--num-prompts", "8", "--search-discard", "2", "--search-max-probes", "2",
               "--search-tolerance", "0.5", "--token-range", "3:1000", "--warmup", "1", "--out", str(tmp_path),
               "--vllm-model", str(tmp_path), "--vllm-serve", str(script), "--vllm-run-dir", str(run_dir)]
-    assert compare.main([*common, "--systems", "", "--system", "ours=--mode hybrid", "--budget-s", "120",
-                         "--name", "first"]) == 0
+    # the adaptive policy with no ITL SLO (duet@none: --slo-itl-ms none), searched unbounded alone
+    assert compare.main([*common, "--systems", "duet@none", "--budget-s", "120", "--name", "first"]) == 0
     first = json.loads((tmp_path / "first.json").read_text())
     assert first["mode"] == "goodput_search" and first["rows"] == [] and len(first["frontiers"]) == 1
+    assert first["systems"][0]["command"].endswith("--mode rapid --policy duet --slo-itl-ms none")
     (f,) = first["frontiers"]
-    assert f["label"] == "ours" and f["title"] == "fixed 24:4" and len(f["goodput"]) == 10
+    assert f["label"] == "duet@none" and f["title"] == "fixed 24:4" and len(f["goodput"]) == 10
+    assert f["search"]["settings"]["only_bounds"] == [None] and first["search"]["only_bounds"] is None
+    assert [e["itl_bound_ms"] for e in f["goodput"] if e["status"] != "not_searched"] == [None, None]
+    assert [c["goodput"] for c in first["composite"]] == [[{**e, "system": "duet@none"} for e in f["goodput"][:2]]]
     assert f["search"]["peak_request_throughput"] > 0  # started from its own closed-loop peak
     assert 1 <= len(f["probes"]) <= 2 and all(p["counted"] == 6 for p in f["probes"])
     with open(f["path"]) as fh:
@@ -144,15 +179,81 @@ def test_frontier_on_cpu_continued_with_a_stand_in_vllm(tmp_path, monkeypatch) -
     assert compare.main([*common, "--systems", "vllm:", "--continue-from", str(tmp_path / "first.json"),
                          "--name", "second"]) == 0
     data = json.loads((tmp_path / "second.json").read_text())
-    assert [(s["label"], s["status"]) for s in data["systems"]] == [("ours", "ok"), ("vllm", "ok")]
-    assert [x["label"] for x in data["frontiers"]] == ["ours", "vllm"] and data["frontiers"][0] == f
-    vs = data["versus_better_vllm"]
-    assert len(vs) == 10 and all(x["system"] == "ours" and x["better_vllm_system"] == "vllm" for x in vs)
+    assert [(s["label"], s["status"]) for s in data["systems"]] == [("duet@none", "ok"), ("vllm", "ok")]
+    assert [x["label"] for x in data["frontiers"]] == ["duet@none", "vllm"] and data["frontiers"][0] == f
+    vs = data["versus_better_vllm"]  # the composite's (duet@none's unbounded cells), not duet@none's own row
+    assert [(x["system"], x["itl_bound_ms"], x["better_vllm_system"]) for x in vs] == [
+        ("default (SLO = bound)", None, "vllm")] * 2
     md = (tmp_path / "second.md").read_text()
-    assert "| **better vLLM** |" in md and "| ours / better vLLM |" in md
+    assert "| **better vLLM** |" in md and "| default (SLO = bound) / better vLLM | - | - | - | - |" in md
     png = tmp_path / "second__fixed-24-4_frontier.png"
     assert data["plots"] == {"fixed 24:4": str(png)} and png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(SystemExit):  # a sweep cannot continue a search's report
         compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64",
                       "--workloads", "24:4", "--systems", "rapid-adaptive", "--continue-from",
                       str(tmp_path / "second.json"), "--out", str(tmp_path), "--dry-run"])
+
+
+def fs(label: str, entries: list[dict[str, Any]], only: list[float | None] | None = None,
+       stopped: str | None = None) -> dict[str, Any]:
+    return {"label": label, "title": "w", "workload": {}, "path": None, "finished": stopped is None,
+            "stopped": stopped, "goodput": entries, "probes": [],
+            "search": {"settings": {"itl_bounds_ms": [25.0, 50.0], "shares": [0.9], "only_bounds": only}}}
+
+
+NS = "not_searched"  # what a duet@B search reports at the bounds it did not search (misleading values on purpose)
+SLO_FRONTIERS = [
+    fs("always-fused", [g(None, 0.9, 8.6, None, "at_max_rate"), g(50.0, 0.9, 3.2, 3.3),
+                        g(25.0, 0.9, None, 2.1, "below_min_rate")]),
+    fs("always-split", [g(None, 0.9, 7.5, None, "at_max_rate"), g(50.0, 0.9, 7.5, None, "at_max_rate"),
+                        g(25.0, 0.9, 7.5, None, "at_max_rate")]),
+    fs("duet@25", [g(None, 0.9, 9.9, None, NS), g(50.0, 0.9, 9.9, None, NS), g(25.0, 0.9, 7.0, 7.3)], [25.0]),
+    fs("duet@50", [g(None, 0.9, 9.9, None, NS), g(50.0, 0.9, 8.0, 8.3), g(25.0, 0.9, 0.5, 1.0, NS)], [50.0]),
+    fs("duet@none", [g(None, 0.9, 8.6, None, "at_max_rate"), g(50.0, 0.9, 1.0, 2.0, NS), g(25.0, 0.9, 1.0, 2.0, NS)],
+       [None], stopped="the time budget"),
+    fs("vllm", [g(None, 0.9, 8.6, None, "at_max_rate"), g(50.0, 0.9, 2.4, 2.5), g(25.0, 0.9, 1.0, 2.0, "unfinished")]),
+]
+SLO_META = {"model": "m", "workloads": [], "systems": [
+    {"label": f["label"], "kind": "vllm" if f["label"] == "vllm" else "rapidserve", "flags": "", "status": "ok"}
+    for f in SLO_FRONTIERS]}
+
+
+def test_the_composite_row_is_each_duet_at_b_at_its_bound(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (row,) = slo.composite(SLO_FRONTIERS)
+    assert row["label"] == slo.COMPOSITE == "default (SLO = bound)" and row["title"] == "w"
+    assert [(e["itl_bound_ms"], e["goodput"], e["status"], e["system"]) for e in row["goodput"]] == [
+        (25.0, 7.0, "converged", "duet@25"), (50.0, 8.0, "converged", "duet@50"),
+        (None, 8.6, "at_max_rate", "duet@none")]
+    assert row["parts"] == {"25": "duet@25", "50": "duet@50", "unbounded": "duet@none"}
+    assert not row["finished"] and row["stopped"] == "duet@none: the time budget"
+    assert slo.composite(SLO_FRONTIERS[:2]) == []  # no duet@B: no composite
+    assert [e["goodput"] for e in slo.composite([SLO_FRONTIERS[3]])[0]["goodput"]] == [8.0]  # duet@50 alone: 50 ms
+    assert frontier.reference(SLO_FRONTIERS) == slo.COMPOSITE and frontier.reference(FRONTIERS) == "rapidserve"
+    assert frontier.reference(SLO_FRONTIERS, "always-split") == "always-split"
+    md = frontier.frontier_markdown(SLO_FRONTIERS, SLO_META)
+    rows = [x for x in md.splitlines() if x.startswith("| ")]
+    assert rows[3:6] == [  # after the header, always-fused and always-split
+        "| **default (SLO = bound)** | 7 | 8 | >= 8.6 | composite of `duet@25` at 25 ms, `duet@50` at 50 ms, "
+        "`duet@none` at unbounded; unfinished (duet@none: the time budget) |",
+        "| duet@25 | 7 | - | - | searched at 25 ms only; finished |",  # its other bounds: not searched
+        "| duet@50 | - | 8 | - | searched at 50 ms only; finished |"]
+    assert "| default (SLO = bound) / always-fused | - | 2.50x | 1.00x* | |" in md  # fused: 0 at 25 ms
+    assert "| default (SLO = bound) / always-split | 0.93x* | 1.07x* | 1.15x* | |" in md
+    assert "| **better vLLM** | 1 (`vllm`) | 2.4 (`vllm`) | 8.6 (`vllm`) | |" in md
+    assert "| default (SLO = bound) / better vLLM | 7.00x* | 3.33x | 1.00x* | |" in md
+    assert "/ duet@" not in md and "| duet@25 / better vLLM" not in md and "**default (SLO = bound)**: the" in md
+    drawn: list[tuple[list[str], tuple[str, ...]]] = []
+    real = frontier.plot_frontier
+    monkeypatch.setattr(frontier, "plot_frontier", lambda fs, path, title=None, emphasis=(): (
+        drawn.append(([f["label"] for f in fs], tuple(emphasis))), real(fs, path, title=title, emphasis=emphasis))[1])
+    frontier.write_frontier_report(argparse.Namespace(out=str(tmp_path), name="slo"), dict(SLO_META), [], plot=True,
+                                   prior={"frontiers": SLO_FRONTIERS})
+    data = json.loads((tmp_path / "slo.json").read_text())
+    assert [f["label"] for f in data["frontiers"]] == [f["label"] for f in SLO_FRONTIERS]  # the composite: apart
+    assert [c["label"] for c in data["composite"]] == [slo.COMPOSITE] and data["reference"] == slo.COMPOSITE
+    assert {x["system"] for x in data["versus_better_vllm"]} == {"always-fused", "always-split", slo.COMPOSITE}
+    assert {(x["system"], x["over"]) for x in data["versus_ours"]} == {(slo.COMPOSITE, "always-fused"),
+                                                                       (slo.COMPOSITE, "always-split")}
+    # the plot: the composite drawn as the default policy's line (emphasised), the duet@B searches not drawn
+    assert drawn == [(["always-fused", "always-split", slo.COMPOSITE, "vllm"], (slo.COMPOSITE,))]
+    assert (tmp_path / "slo__w_frontier.png").read_bytes()[:4] == b"\x89PNG"

@@ -60,6 +60,7 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("hybrid-chunks", "llama-3.1-70b", 8, ["hybrid-512", "hybrid-1024", "hybrid-2048"], [], ""),
     ("vllm-default", "mixtral-8x7b", 4, [], ["vllm:"], ""),
     ("vllm-a", "qwen3-8b", 1, [], ["vllm:", "vllm:--max-num-batched-tokens 1024"], ""),
+    ("ours-slo", "qwen3-8b", 1, ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none"], [], ""),
     ("ours-tp+vllm-1024", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], ["vllm:--max-num-batched-tokens 1024"],
      ""),
 ])
@@ -89,10 +90,20 @@ def test_plan_says_what_fits_a_session() -> None:
     assert ratio == pytest.approx(69.50 / 12.75, rel=0.01)  # by active parameters
     with pytest.raises(ValueError, match="needs 8 GPUs"):
         plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 4, 8, ["ours-tp"])
+    # issue 37 on two GPUs: the five duet@B servers (~25 s each at TP 1), one bound a search, beside ours' three
+    slo = plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 2, 1, ["ours-slo", "ours"], num_prompts=48, max_probes=10,
+                    stashed=True)
+    assert slo[3].startswith("  1. ours-slo [duet@25, duet@50, duet@100, duet@200, duet@none] | ours [duet, ")
+    assert "start-ups ~125 s, 5 search(es) of ~5 probes (one bound each)" in slo[3] and slo[-1].endswith("fits")
+    assert "3 search(es) of ~8 probes (cut from 10 by BUDGET_S 540)" in slo[3]
+    assert plan.probes_wanted("duet@none", 10) == 5 and plan.probes_wanted("duet", 10) == 10
 
 
 def g(bound: float | None, lo: float | None, status: str = "converged") -> dict[str, Any]:
     return {"itl_bound_ms": bound, "share": 0.9, "goodput": lo or 0.0, "lo": lo, "hi": None, "status": status}
+
+
+NS = "not_searched"
 
 
 def fr(label: str, e50: dict[str, Any], eun: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +141,7 @@ def _report(tmp_path: Any, name: str, frontiers: list[dict[str, Any]], **meta: A
             "peak_fractions": None, "mode": "goodput_search", "search": {"max_probes": 6}, "peaks": {},
             "vllm_baseline": None}
     labels = {f["label"] for f in frontiers}
-    m = {**base, **meta, "systems": [s for s in OWN_META["systems"] if s["label"] in labels]}
+    m = {**base, "systems": [s for s in OWN_META["systems"] if s["label"] in labels], **meta}
     frontier.write_frontier_report(argparse.Namespace(out=str(tmp_path), name=name), m, [], plot=False,
                                    prior={"frontiers": frontiers})
     return str(tmp_path / f"{name}.json")
@@ -152,6 +163,25 @@ def test_merge_joins_the_groups_and_skips_what_does_not_compare(tmp_path, capsys
     assert {x["over"] for x in data["versus_ours"]} >= {"disagg-npmd", "best hybrid chunk"}
     assert "| rapidserve / disagg-npmd |" in (tmp_path / "m" / "all.md").read_text()
     assert merge.main([str(tmp_path / "missing.json"), "--out", str(tmp_path), "--no-plot"]) == 1
+    assert data["reference"] == "rapidserve"  # no duet@B ran: the engine's default as serve runs it
+
+
+def test_merge_makes_the_composite_row_of_the_slo_group(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # a report of before --search-only-bounds existed (no such setting) joins one with it at its default (None)
+    older = _report(tmp_path, "older", OWN[2:3])
+    duet = [fr(label, g(50.0, 4.0 if label == "duet@50" else 9.0, "converged" if label == "duet@50" else NS),
+               g(None, 7.0 if label == "duet@none" else 9.0, "at_max_rate" if label == "duet@none" else NS))
+            for label in ("duet@50", "duet@none")]
+    new = _report(tmp_path, "slo", duet, search={"max_probes": 6, "only_bounds": None},
+                  systems=[{"label": f["label"], "kind": "rapidserve", "flags": "", "status": "ok"} for f in duet])
+    assert merge.main([older, new, "--out", str(tmp_path / "m"), "--name", "all", "--no-plot"]) == 0
+    assert "skipped" not in capsys.readouterr().err
+    data = json.loads((tmp_path / "m" / "all.json").read_text())
+    assert data["reference"] == "default (SLO = bound)" and [f["label"] for f in data["frontiers"]] == [
+        "hybrid-512", "duet@50", "duet@none"]
+    md = (tmp_path / "m" / "all.md").read_text()
+    assert "| **default (SLO = bound)** | 4 | >= 7 |" in md
+    assert "| default (SLO = bound) / hybrid-512 | 2.67x | 1.75x* | |" in md
 
 
 # serve_vllm.sh's contract (MODEL PORT [flags]; its own session; pid and log in the run dir; 0 once healthy), its

@@ -13,6 +13,7 @@ from rapidserve.benchmark.goodput import (
     AT_MAX,
     BELOW_MIN,
     CONVERGED,
+    NOT_SEARCHED,
     UNFINISHED,
     Bracket,
     Probe,
@@ -96,6 +97,14 @@ def test_targets_loosest_first() -> None:
         Target(50.0, 0.99)]
 
 
+@pytest.mark.parametrize("only,want", [
+    (None, [None, 200.0, 50.0]), ((50.0,), [50.0]), ((None,), [None]), ((50.0, None), [None, 50.0]), ((), [])])
+def test_targets_of_some_bounds_only(only: tuple[float | None, ...] | None, want: list[float | None]) -> None:
+    got = targets([50.0, 200.0], [0.9, 0.99], only)
+    assert got == [Target(b, q) for b in want for q in (0.9, 0.99)]
+    assert SearchConfig(itl_bounds_ms=(50.0, 200.0), only_bounds=only).searched() == got
+
+
 def P(rate: float, ok: bool) -> Probe:  # noqa: N802 - a probe that passes Target(None, 0.9) or not
     return Probe(rate, 10, {"unbounded": 10 if ok else 0})
 
@@ -162,6 +171,9 @@ def test_round_rate_and_limits() -> None:
     ({"tolerance": 1.0}, None, "--search-tolerance"), ({"itl_bounds_ms": (0.0,)}, None, "--search-itl-bounds-ms"),
     ({"start_rate": 5.0, "max_rate": 4.0}, None, "--search-max-rate"), ({"min_rate": -1.0}, None, "--search-min"),
     ({"discard": 16}, 16, "--search-discard"), ({"start_fraction": 0.0}, None, "--search-start-fraction"),
+    ({"only_bounds": (30.0,)}, None, "--search-only-bounds 30: give one or more of the bounds searched "
+                                     r"\(unbounded,25,50,100,200"),
+    ({"only_bounds": ()}, None, "--search-only-bounds"),
 ])
 def test_search_config_check(kw: dict[str, object], probe_requests: int | None, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -284,3 +296,40 @@ def test_a_probe_too_long_for_the_budget_leaves_its_target_not_the_others() -> N
     assert (unbounded["status"], unbounded["lo"], unbounded["hi"]) == (CONVERGED, 10.0, 10.3)
     assert (tight["status"], tight["lo"], tight["hi"]) == (UNFINISHED, None, 5.0)
     assert out.stopped is not None and "a probe at 2.5 req/s" in out.stopped
+
+
+@pytest.mark.parametrize("only,capacity", [
+    ((None,), 10.0), ((200.0,), 10.0), ((100.0,), 10.0), ((50.0,), 10.0), ((25.0,), 10.0), ((5.0,), 10.0),
+    ((25.0,), 3.0),  # the bound passes up to the capacity, where the TTFT rule fails
+    ((50.0, None), 10.0),
+])
+def test_a_search_for_some_bounds_stops_when_their_brackets_close(only: tuple[float | None, ...],
+                                                                  capacity: float) -> None:
+    """A policy run with its ITL SLO at one bound is searched at that bound only: its probes follow that bound's
+    targets and stop on the probe that closes their brackets (fewer than the every-bound search, same answer);
+    the other bounds are scored but reported not searched."""
+    bounds = (5.0, 25.0, 50.0, 100.0, 200.0)
+    full_server, server = FakeServer(capacity), FakeServer(capacity)
+    full = run_search(full_server, SearchConfig(itl_bounds_ms=bounds, max_probes=60, discard=D), start=5.0)
+    scfg = SearchConfig(itl_bounds_ms=bounds, max_probes=60, discard=D, only_bounds=only)
+    scfg.check(N)
+    out = run_search(server, scfg, start=5.0)
+    assert out.stopped is None and len(out.goodput) == 12 and len(server.calls) < len(full_server.calls)
+    mine = scfg.searched()
+
+    def settled(probes: Sequence[Probe]) -> bool:
+        return all(next_step(bracket(probes, t), 5.0, out.min_rate, out.max_rate, 0.05).rate is None for t in mine)
+
+    assert settled(out.probes) and not settled(out.probes[:-1])  # the last probe closed them: no probe after
+    full_by = {(e["itl_bound_ms"], e["share"]): e for e in full.goodput}
+    for e in out.goodput:
+        t = Target(e["itl_bound_ms"], e["share"])
+        if t not in mine:
+            assert e["status"] == NOT_SEARCHED, e
+            continue
+        assert e["status"] in (CONVERGED, AT_MAX, BELOW_MIN), e
+        true = server.frontier(t)
+        if e["status"] == CONVERGED:
+            assert e["lo"] <= true < e["hi"] <= e["lo"] * 1.05, (t, true, e)
+        assert e["status"] == full_by[(t.itl_bound_ms, t.share)]["status"]
+        assert abs(e["goodput"] - full_by[(t.itl_bound_ms, t.share)]["goodput"]) <= 0.05 * max(true, 1.0)

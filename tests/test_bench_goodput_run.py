@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, UNFINISHED, SearchConfig
+from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED, SearchConfig
 from rapidserve.benchmark.goodput_report import goodput_cell, search_markdown, write_search_outputs
 from rapidserve.benchmark.plot import PLOT_NEEDS
 from rapidserve.benchmark.results import frontier_points
@@ -27,6 +27,8 @@ from tests.test_server import Srv
     (["--search-max-probes", "0"], ">= 1"),
     (["--search-discard", "-1"], ">= 0"),
     (["--budget-s", "0"], "> 0"),
+    (["--search-only-bounds", "50,x"], "'x' is not a number"),
+    (["--search-only-bounds", "none,unbounded"], "unbounded appears twice"),
 ])
 def test_bad_search_flags_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ei:
@@ -47,6 +49,8 @@ def test_bad_search_flags_exit_2(args: list[str], needle: str, capsys: pytest.Ca
     (["--goodput-search", "--search-tolerance", "1.5"], "--search-tolerance 1.5"),
     (["--goodput-search", "--search-start-rate", "8", "--search-max-rate", "4"], "--search-max-rate"),
     (["--goodput-search", "--num-prompts", "10", "--search-discard", "10"], "leaves nothing"),
+    (["--goodput-search", "--search-only-bounds", "30"], "--search-only-bounds 30: give one or more of the bounds"),
+    (["--search-only-bounds", "50"], "--search-only-bounds only apply with --goodput-search"),
 ])
 def test_search_flag_combinations_exit_2_before_any_request(args: list[str], needle: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
@@ -63,6 +67,8 @@ def test_search_flags_make_the_search_config() -> None:
                                    "--num-prompts", "40"])
     assert search_from_args(a) == SearchConfig(itl_bounds_ms=(30.0, 100.0), shares=(0.95,), max_probes=5,
                                                budget_s=60.0)
+    a = build_parser().parse_args(["bench", "--goodput-search", "--search-only-bounds", "50,unbounded"])
+    assert search_from_args(a) == SearchConfig(only_bounds=(None, 50.0))
 
 
 # a rapidserve server's steps over a probe (benchmark/step_mix.py)
@@ -101,6 +107,7 @@ GOODPUT = [g(None, 0.9, 6.0, 6.25, CONVERGED), g(None, 0.99, 4.0, 8.0, UNFINISHE
     (g(50.0, 0.9, None, 1.0, BELOW_MIN), "< 1"), (g(None, 0.9, 32.0, None, AT_MAX), ">= 32"),
     (g(None, 0.9, 4.0, 8.0, UNFINISHED), "[4, 8)*"), (g(None, 0.9, None, 4.0, UNFINISHED), "[0, 4)*"),
     (g(None, 0.9, 4.0, None, UNFINISHED), "[4, ?)*"), (None, "-"),
+    (g(50.0, 0.9, 4.0, 8.0, NOT_SEARCHED), "-"),  # a bound outside --search-only-bounds: scored, not searched
 ])
 def test_goodput_cell(e: dict[str, Any] | None, cell: str) -> None:
     assert goodput_cell(e) == cell
@@ -118,6 +125,10 @@ def test_search_markdown_and_plot(tmp_path, monkeypatch) -> None:  # type: ignor
         in md
     assert "| failed | server steps: kind share (measured/predicted, over SLO) |" in md
     assert frontier_points(res, 0.9) == [(50.0, 0.0), (100.0, 4.0), (None, 6.0)]
+    only = result([{**e, "status": NOT_SEARCHED} if e["itl_bound_ms"] is not None else e for e in GOODPUT])
+    only["search"]["settings"]["only_bounds"] = [None]
+    assert frontier_points(only, 0.9) == [(50.0, None), (100.0, None), (None, 6.0)]  # no point where not searched
+    assert "| 100 ms | - | - |" in search_markdown(only) and "searched at unbounded only; " in search_markdown(only)
     paths, note = write_search_outputs(res, str(tmp_path), "gs")
     assert note is None and (tmp_path / "gs.png").read_bytes()[:8] == PNG_MAGIC
     assert json.loads((tmp_path / "gs.json").read_text())["goodput"][1]["status"] == UNFINISHED

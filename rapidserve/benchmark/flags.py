@@ -54,3 +54,21 @@ def _share(text: str) -> float:
 
 bounds_arg = _number_list(positive_float, "25,50,100,200")
 shares_arg = _number_list(_share, "0.9,0.99")
+
+
+UNBOUNDED_WORDS = ("unbounded", "none")  # a bound list's word for no ITL bound (the TTFT rule alone)
+
+
+def only_bounds_arg(text: str) -> tuple[float | None, ...]:
+    """--search-only-bounds: ms bounds and/or `unbounded` (or `none`), comma-separated; unbounded first, then the
+    bounds from the smallest up."""
+    words = [part.strip() for part in text.split(",")]
+    free = [w for w in words if w.lower() in UNBOUNDED_WORDS]
+    if len(free) > 1:
+        raise argparse.ArgumentTypeError(f"unbounded appears twice in {text!r}")
+    rest = ",".join(w for w in words if w.lower() not in UNBOUNDED_WORDS)
+    try:
+        bounds = bounds_arg(rest) if rest or not free else ()
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; each is a bound in ms or unbounded") from None
+    return (*([None] if free else []), *bounds)

@@ -22,6 +22,11 @@ tolerance). Every probe is cached by rate and serves every target, so one search
 every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then each to
 the tolerance asked, so a search cut short by its budget still brackets every bound.
 
+A search for some bounds only (`SearchConfig.only_bounds`, e.g. a policy run with its ITL SLO set to one
+bound B, which only B's goodput is asked of) drives its probes by those bounds' targets alone and stops
+once their brackets close; every probe is still scored at every bound, and the other bounds' entries say
+NOT_SEARCHED (their brackets are whatever those probes happened to show, not a search's answer).
+
 This is not `rapidserve bench --goodput`: that one reports, at each offered rate of a sweep, the
 completed requests per second meeting per-request bounds (its itl is the request's largest gap).
 """
@@ -40,6 +45,7 @@ DEFAULT_SHARES: tuple[float, ...] = (0.9, 0.99)
 UNBOUNDED = "unbounded"
 # Search outcomes per target
 CONVERGED, BELOW_MIN, AT_MAX, UNFINISHED = "converged", "below_min_rate", "at_max_rate", "unfinished"
+NOT_SEARCHED = "not_searched"  # a bound outside SearchConfig.only_bounds: scored, never searched
 COARSE_TOLERANCE = 0.25  # the first pass over every target
 
 
@@ -111,12 +117,15 @@ def passes(p: Probe, t: Target) -> bool:
     return p.n > 0 and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9
 
 
-def targets(bounds_ms: Sequence[float], shares: Sequence[float]) -> list[Target]:
+def targets(bounds_ms: Sequence[float], shares: Sequence[float],
+            only: Sequence[float | None] | None = None) -> list[Target]:
     """Every (bound, share), loosest first: unbounded, then the bounds from the largest down; at each
-    bound the shares from the lowest up (a looser target's probes bracket the next one's)."""
+    bound the shares from the lowest up (a looser target's probes bracket the next one's). With `only`,
+    the targets of those bounds alone (None in it: unbounded), in the same order."""
     out: list[Target] = []
     for b in [None, *sorted(bounds_ms, reverse=True)]:
-        out += [Target(b, q) for q in sorted(shares)]
+        if only is None or b in only:
+            out += [Target(b, q) for q in sorted(shares)]
     return out
 
 
@@ -198,6 +207,9 @@ class SearchConfig:
     max_probes: int = 12  # Poisson probes per search (the closed-loop peak not counted)
     discard: int = 16  # warm-up arrivals of each probe left out of its counts
     budget_s: float | None = None  # the search stops (unfinished) rather than start a probe that would end later
+    # the bounds whose brackets the search closes (None in it: unbounded); None: every bound. The others are
+    # scored at each probe all the same, and reported NOT_SEARCHED.
+    only_bounds: tuple[float | None, ...] | None = None
 
     def check(self, probe_requests: int | None = None) -> None:
         """ValueError naming the flag when a setting cannot work."""
@@ -218,6 +230,12 @@ class SearchConfig:
         if lo > hi or (self.start_rate is not None and not lo <= self.start_rate <= hi):
             raise ValueError(f"--search-min-rate {self.min_rate} <= --search-start-rate {self.start_rate} <= "
                              f"--search-max-rate {self.max_rate} must hold")
+        if self.only_bounds is not None:
+            known = self.bounds()
+            bad = [b for b in self.only_bounds if b not in known]
+            if not self.only_bounds or bad:
+                raise ValueError(f"--search-only-bounds {_bounds_text(self.only_bounds)}: give one or more of the "
+                                 f"bounds searched ({_bounds_text(known)}; add a bound to --search-itl-bounds-ms)")
         if probe_requests is not None and self.discard >= probe_requests:
             raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
                              "to count: discard fewer warm-up arrivals or send more")
@@ -235,3 +253,11 @@ class SearchConfig:
     def bounds(self) -> list[float | None]:
         """Every bound a probe is scored at: None (unbounded) and the ITL bounds."""
         return [None, *self.itl_bounds_ms]
+
+    def searched(self) -> list[Target]:
+        """The targets the search drives its probes by: those of `only_bounds`, else every one (`targets`)."""
+        return targets(self.itl_bounds_ms, self.shares, self.only_bounds)
+
+
+def _bounds_text(bounds: Iterable[float | None]) -> str:
+    return ",".join(bound_key(b) for b in bounds) or "(none)"

@@ -6,8 +6,8 @@ The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label
 given start rate), "probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key:
 share of counted requests attaining it}; a rapidserve server's steps over the probe: "server_steps" and
 "server_step_correction", step_mix.py], "goodput": [{"itl_bound_ms" (None: unbounded), "share",
-"goodput", "lo", "hi", "status"}], "finished", "stopped" (why probing stopped early, or None),
-"created"} and, for a trace, "trace".
+"goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds)}], "finished",
+"stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace".
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, bound_key
+from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, bound_key
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
 from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
@@ -37,7 +37,7 @@ LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed 
 
 def goodput_cell(e: Mapping[str, Any] | None) -> str:
     """One target's goodput as a table cell (see LEGEND)."""
-    if e is None:
+    if e is None or e.get("status") == NOT_SEARCHED:
         return "-"
     lo, hi, status = e.get("lo"), e.get("hi"), e.get("status")
     if status == CONVERGED:
@@ -59,6 +59,8 @@ def search_line(result: Mapping[str, Any]) -> str:
     return (f"search: start {s['start_rate']:g} req/s ({start}), rates within [{s['min_rate']:g}, "
             f"{s['max_rate']:g}], tolerance {st['tolerance']:.0%}, at most {st['max_probes']} probes of "
             f"{s['probe_requests']} Poisson arrivals (the first {st['discard']} discarded as warm-up); "
+            + (f"searched at {', '.join(bound_label(b) for b in st['only_bounds'])} only; "
+               if st.get("only_bounds") is not None else "")
             + ("finished" if result.get("finished") else f"UNFINISHED: {result.get('stopped')}"))
 
 

@@ -9,7 +9,9 @@ Optional horizontal lines (`itl_bounds_ms`) mark ITL bounds (e.g. 50 and 100 ms)
 
 `plot_frontier(results, path)` takes goodput search results of one workload (goodput_report.py) and draws
 goodput (requests/s) against the ITL bound, unbounded at the right: a colour per system label, a line
-style per share (solid: the lowest share). An entry whose search did not finish is drawn hollow. With
+style per share (solid: the lowest share). An entry whose search did not finish is drawn hollow; one not
+searched (outside its search's only_bounds) is not drawn. The labels in `emphasis` (bench/compare.py's composite
+row: the default policy) are drawn black and thicker, above the rest. With
 `attainment`, a second panel draws the first result's attainment curves: the share of requests meeting
 each bound at each probed rate, the shares as dashed lines.
 
@@ -127,7 +129,7 @@ def _bound_x(b: float | None) -> float:
 
 
 def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | None = None,
-                  attainment: bool = False) -> str:
+                  attainment: bool = False, emphasis: Sequence[str] = ()) -> str:
     """Draw the goodput frontier of each search result (one workload) into the PNG at `path`; return the path."""
     import matplotlib
 
@@ -142,9 +144,10 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
     cols = 2 if attainment and results else 1
     fig, axes = plt.subplots(1, cols, figsize=(6.0 * cols, 4.2), squeeze=False)
     ax = axes[0][0]
-    labels = list(dict.fromkeys(str(r.get("label")) for r in results))
+    labels = [x for x in dict.fromkeys(str(r.get("label")) for r in results) if x not in emphasis]
     for r in results:
-        color = f"C{labels.index(str(r.get('label'))) % 10}"
+        bold = str(r.get("label")) in emphasis
+        color = "black" if bold else f"C{labels.index(str(r.get('label'))) % 10}"
         for k, q in enumerate(shares):
             pts = [(b, g) for b, g in frontier_points(r, q, bounds) if g is not None]
             if not pts:
@@ -152,9 +155,9 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
             done = [(entry(r, b, q) or {}).get("status") != UNFINISHED for b, _ in pts]
             xv = [xs[_bound_x(b)] for b, _ in pts]
             ax.plot(xv, [g for _, g in pts], color=color, linestyle=LINE_STYLES[k % len(LINE_STYLES)],
-                    label=f"{r.get('label')}, {q:.0%}")
+                    label=f"{r.get('label')}, {q:.0%}", linewidth=2.6 if bold else 1.5, zorder=4 if bold else 2)
             ax.scatter(xv, [g for _, g in pts], color=[color if d else "white" for d in done], edgecolors=color,
-                       zorder=3)
+                       zorder=5 if bold else 3)
     ax.set_xscale("log", base=2)
     ax.set_xticks([xs[_bound_x(b)] for b in bounds])
     ax.set_xticklabels([bound_label(b).replace(" ms", "") for b in bounds])

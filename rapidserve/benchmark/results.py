@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rapidserve.benchmark.goodput import UNBOUNDED
+from rapidserve.benchmark.goodput import NOT_SEARCHED, UNBOUNDED
 
 
 def workload_title(workload: Mapping[str, Any]) -> str:
@@ -80,9 +80,10 @@ def search_shares(result: Mapping[str, Any]) -> list[float]:
 
 def frontier_points(result: Mapping[str, Any], share: float,
                     bounds: Sequence[float | None] | None = None) -> list[tuple[float | None, float | None]]:
-    """(bound, goodput) along the bounds (default: the result's) for one share (None where not searched)."""
+    """(bound, goodput) along the bounds (default: the result's) for one share (None where not searched: no entry,
+    or one of a bound outside the search's only_bounds)."""
     out: list[tuple[float | None, float | None]] = []
     for b in bounds if bounds is not None else search_bounds(result):
         e = entry(result, b, share)
-        out.append((b, None if e is None else float(e["goodput"])))
+        out.append((b, None if e is None or e["status"] == NOT_SEARCHED else float(e["goodput"])))
     return out

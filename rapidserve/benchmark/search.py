@@ -5,9 +5,11 @@ against a real server.
 turn, loosest first, and probes the rates it names with `measure(rate)` (the records of one Poisson run of
 `probe_requests` arrivals); every probe is cached by rate and scored at every bound, so later targets start
 from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to
-the tolerance asked. It stops probing after `scfg.max_probes` probes, and leaves a target whose next probe
-would not end before the deadline (a low rate's probe is long; another target's may still fit); the targets
-not settled then are marked `unfinished`, with their bracket so far.
+the tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once their
+brackets close); the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes`
+probes, and leaves a target whose next probe would not end before the deadline (a low rate's probe is long;
+another target's may still fit); the targets not settled then are marked `unfinished`, with their bracket
+so far.
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -33,6 +35,7 @@ from rapidserve.benchmark.client import Target as Server
 from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.goodput import (
     COARSE_TOLERANCE,
+    NOT_SEARCHED,
     UNFINISHED,
     Probe,
     SearchConfig,
@@ -90,7 +93,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     drain = 0.0
     tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
     for tolerance in tolerances:
-        for t in targets(scfg.itl_bounds_ms, scfg.shares):
+        for t in scfg.searched():
             while exhausted is None:
                 step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance)
                 if step.rate is None:
@@ -111,9 +114,11 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                 if on_probe is not None:
                     on_probe(probe)
     entries = []
+    searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
         step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
-        entries.append(goodput_entry(probes.values(), t, step.status if step.rate is None else UNFINISHED))
+        status = NOT_SEARCHED if t not in searched else step.status if step.rate is None else UNFINISHED
+        entries.append(goodput_entry(probes.values(), t, status))
     unsettled = any(e["status"] == UNFINISHED for e in entries)
     return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None)
 

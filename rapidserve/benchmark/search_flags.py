@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from rapidserve.benchmark.flags import bounds_arg, nonneg_int, positive_float, positive_int, shares_arg
+from rapidserve.benchmark.flags import (
+    bounds_arg,
+    nonneg_int,
+    only_bounds_arg,
+    positive_float,
+    positive_int,
+    shares_arg,
+)
 from rapidserve.benchmark.goodput import DEFAULT_ITL_BOUNDS_MS, DEFAULT_SHARES, SearchConfig
 
 SEARCH_NUM_PROMPTS = 80  # arrivals per probe unless --num-prompts says (16 discarded as warm-up: 64 counted)
@@ -14,7 +21,7 @@ SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
     ("--search-itl-bounds-ms", "itl_bounds_ms"), ("--search-shares", "shares"), ("--search-start-rate", "start_rate"),
     ("--search-start-fraction", "start_fraction"), ("--search-min-rate", "min_rate"),
     ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
-    ("--search-discard", "discard"))
+    ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"))
 
 
 def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -51,6 +58,10 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
     g.add_argument("--search-discard", type=nonneg_int, default=None,
                    help=f"each probe's first arrivals (multiturn: conversations) left out as warm-up (default "
                         f"{d.discard})")
+    g.add_argument("--search-only-bounds", type=only_bounds_arg, default=None, metavar="B|unbounded,...",
+                   help="search these bounds only (of --search-itl-bounds-ms, or unbounded) and stop once their "
+                        "brackets close, e.g. for a server whose ITL SLO is one bound; every probe is still scored at "
+                        "every bound, the others reported not searched (default: every bound)")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "
