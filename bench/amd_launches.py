@@ -63,6 +63,7 @@ KERNELS: dict[str, tuple[str, str]] = {
     "_fp8_split_reduce_kernel": ("rapidserve.ops.triton_fp8_skinny", "nvidia"),
     "_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: the norms before per-token fp8 q|k|v, gate|up"),
     "_silu_and_mul_fp8_kernel": ("rapidserve.ops.triton_fp8_fused", "fp8: SiLU-and-mul before a per-token fp8 down"),
+    "_sums_rms_norm_fp8_kernel": ("rapidserve.ops.triton_fp8_fold", "nvidia"),
     "_route_align_kernel": ("rapidserve.ops.triton_moe_route", "MoE layers: decode batches (<= 128 pairs)"),
     "_route_kernel": ("rapidserve.ops.triton_moe_route", "MoE layers: larger batches, prefill"),
     "_align_one_kernel": ("rapidserve.ops.triton_moe_align", "MoE layers: fused_moe of a given routing (benches)"),
@@ -379,9 +380,12 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     of those inputs (`triton_fp8_fused`, which the model takes for these layers: `transformer.fused_fp8`): the
     RMSNorm alone (the first layer) and after the residual add, and the MLP's SiLU-and-mul, at one row (cut into
     slices) and at 256 (one program a row); their variants depend on the row width, x's dtype and the slices only.
+    On NVIDIA the add + RMSNorm of a split-K GEMM's unreduced sums (`triton_fp8_fold`, SPLIT_K slices), at one row
+    (slices) and at 16 (one program a row).
     The experts of an MoE layer have no fp8 path (refused at load)."""
-    from rapidserve.ops import triton_fp8, triton_fp8_fused
+    from rapidserve.ops import triton_fp8, triton_fp8_fold, triton_fp8_fused
     from rapidserve.ops import triton_fp8_skinny as fsk
+    from rapidserve.ops.fp8 import SplitSums
     from rapidserve.ops.fp8_tiles import MAX_ROWS
     projections = [(layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None)]
     if layer.moe is None:
@@ -408,3 +412,11 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
         if layer.moe is None:
             n2 = layer.gate_up_proj.shape[0]
             triton_fp8_fused.silu_and_mul_fp8(torch.empty(rows, n2, dtype=dtype, device=h.device), fp8)
+    if not hip:  # a split-K GEMM's sums folded into the next norm (ops/fold_table.py): one row, one program a row
+        for rows, width in ((1, None), (16, 1 << 30)):
+            h = layer.input_layernorm
+            sums = SplitSums(torch.empty(SPLIT_K, rows, h.shape[0], dtype=torch.float32, device=h.device),
+                             torch.empty(rows, 1, dtype=torch.float32, device=h.device),
+                             torch.empty(h.shape[0], dtype=torch.float32, device=h.device), None, dtype)
+            triton_fp8_fold.add_rms_norm_fp8_sums(sums, torch.empty(rows, h.shape[0], dtype=dtype, device=h.device),
+                                                  h, 1e-6, fp8, slice_width=width)

@@ -30,12 +30,16 @@ this checkout, where later runs (and the engine) load it: commit it from there. 
 captures around the threshold (e.g. --batches 1,8,16,24,32,64): a batch not measured between two is not assumed on.
 `--quantization fp8`: the same weights quantized at load (`quant_config.ONLINE_FP8`, as bench/fp8_speed.py), the
 bytes counted from the model's own tensors; `unfused` is then `ops.unfused_fp8` (each projection quantizes its own
-input), and the linear-layer section is bench/fp8_sweep.py's: each fp8 projection through torch._scaled_mm and the
-engine's op, with `--sweep` every tile configuration of the skinny fp8 kernel (rows up to 64; its kernels compiled
-first in --jobs processes, the sweep given --budget-s seconds) and the fused producers' row slices. The sweep's
-choices are written as this GPU's table, <out>/fp8_configs/device_name=<GPU>.json (ops/fp8_tiles.py's format,
-merged into the packaged table of this GPU if there is one); `--write-tables` also writes it into
-rapidserve/ops/fp8_configs/ of this checkout, where later runs (and the engine) load it: commit it from there.
+input); the `fused` variant is also captured and timed with the split-K reduces launched rather than folded into the
+RMSNorms after them (`ops.no_split_fold`, ops/fold_table.py: column "unfused small kernels ms", with its launches a
+step), each batch launched as the engine's PDL table chooses: the A/B that puts a measured threshold into
+ops/fold_table.py's entry (the fold is on where the fused column beats it); and the linear-layer section is
+bench/fp8_sweep.py's: each fp8 projection through torch._scaled_mm and the engine's op, with `--sweep` every tile
+configuration of the skinny fp8 kernel (rows up to 64; its kernels compiled first in --jobs processes, the sweep given
+--budget-s seconds) and the fused producers' row slices. The sweep's choices are written as this GPU's table,
+<out>/fp8_configs/device_name=<GPU>.json (ops/fp8_tiles.py's format, merged into the packaged table of this GPU if
+there is one); `--write-tables` also writes it into rapidserve/ops/fp8_configs/ of this checkout, where later runs
+(and the engine) load it: commit it from there.
 Writes <out>/decode_profile.json and .md; prints the table last.
 """
 
@@ -67,7 +71,7 @@ from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
 from rapidserve.loader.presets import preset_config  # noqa: E402
-from rapidserve.ops import pdl_table, triton_skinny, with_launch  # noqa: E402
+from rapidserve.ops import no_split_fold, pdl_table, triton_skinny, with_launch  # noqa: E402
 from rapidserve.ops.fp8_tiles import CONFIG_DIR  # noqa: E402
 from rapidserve.ops.pdl import use_pdl  # noqa: E402
 from rapidserve.ops.pdl_table import OFF, LaunchChoice, PdlRow  # noqa: E402
@@ -151,6 +155,7 @@ SWEEP = tuple((bn, bk, w, st)
               for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256))
               for w in (4, 8) for st in (3, 4))
 AB = ("pdl", "nopdl", "noprefetch")  # the PDL A/B's graph keys (after the variant's) and row fields (with _ms)
+NOFOLD = "nofold"  # fp8's fused variant with the split-K reduces launched (`ops.no_split_fold`): key, row fields
 
 
 def forced_launches(gpu: str, table: pdl_table.PdlTable = pdl_table.PDL_TABLE) -> dict[str, LaunchChoice]:
@@ -250,6 +255,10 @@ def main() -> int:
             ops = fused
         runner.model.ops = ops
         runner.capture_decode_graphs(key=v, show_progress=False)  # each batch as the engine's table chooses
+        if fp8 and v == "fused":  # the same graphs with the split-K reduces launched, not folded into the norms
+            runner.model.ops = no_split_fold(ops)
+            runner.capture_decode_graphs(key=f"{v}-{NOFOLD}", show_progress=False)
+            runner.model.ops = ops
         for other, launch in forced.items():  # the same choice at every batch, whatever the table says
             runner.capture_decode_graphs(key=f"{v}-{other}", show_progress=False, launch=launch)
     runner.model.ops = fused
@@ -282,6 +291,12 @@ def main() -> int:
             busy = sum(float(k["us"]) for k in ks)  # type: ignore[arg-type]
             med = statistics.median(ms)
             ab: dict[str, object] = {"engine_launch": graph_launch(runner, v, b).label()}
+            if fp8 and v == "fused":
+                runner.decode(items, graph_key=f"{v}-{NOFOLD}")
+                g = runner.decode_graph(b, f"{v}-{NOFOLD}")
+                assert g is not None, f"no decode graph for batch {b} ({NOFOLD})"
+                ab[f"{NOFOLD}_ms"] = statistics.median(time_ms(g.replay, reps=REPS))
+                ab[f"{NOFOLD}_launches"] = sum(float(k["launches"]) for k in kernels(g.replay, steps=5))  # type: ignore[arg-type]
             for other in forced:
                 runner.decode(items, graph_key=f"{v}-{other}")
                 g = runner.decode_graph(b, f"{v}-{other}")
@@ -342,12 +357,14 @@ def main() -> int:
         lines += ["\n## the PDL table's entry from this run (rapidserve/ops/pdl_table.py)\n",
                   *(f"- {x}" for x in res["pdl_table"])]
     lines += ["", "| batch | variant | replay ms (min-max) | engine chooses | PDL ms | no PDL ms | no prefetch ms | "
-              "of copy ceiling | launches | kernels us | gaps us |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "unfused small kernels ms (launches) | of copy ceiling | launches | kernels us | gaps us |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pdl_ms, no_pdl_ms, no_pf_ms = (f"{r[f'{k}_ms']:.3f}" if f"{k}_ms" in r else "-" for k in AB)
+        nofold = (f"{r[f'{NOFOLD}_ms']:.3f} ({r[f'{NOFOLD}_launches']:.0f})" if f"{NOFOLD}_ms" in r else "-")
         lines.append(f"| {r['batch']} | {r['variant']} | {r['replay_ms']:.3f} ({r['replay_min_ms']:.3f}-"
                      f"{r['replay_max_ms']:.3f}) | {r['engine_launch']} | {pdl_ms} | {no_pdl_ms} | {no_pf_ms} | "
-                     f"{float(r['frac_of_copy']):.1%} | {r['launches']:.0f} | {r['kernel_us']:.0f} | "
+                     f"{nofold} | {float(r['frac_of_copy']):.1%} | {r['launches']:.0f} | {r['kernel_us']:.0f} | "
                      f"{r['gap_us']:.0f} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(a.out, "decode_profile.md"), "w") as f:

@@ -235,10 +235,11 @@ def test_attend_returns_quantized_rows_only_for_decode_steps() -> None:
         assert isinstance(got, torch.Tensor) and torch.equal(got, attend(attn, p.q, p.k_cache, p.v_cache, meta, 0.25))
 
 
-def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[list[str]]:
+def _reduce_layouts(kernel: str, target: str, dtype: str, residual_only: bool = True) -> list[list[str]]:
     """The layouts of the row reductions (`tt.reduce` operands) of each of `kernel`'s distinct with-residual launches
-    for Qwen3-8B's rows (4096) on `target` (the fused kernel's: one program a row, and rows cut into slices),
-    compiled (no GPU) as bench/amd_compile_check.py compiles them."""
+    (`residual_only` False: every launch, for a kernel without HAS_RESIDUAL) for Qwen3-8B's rows (4096) on `target`
+    (the fused kernel's: one program a row, and rows cut into slices), compiled (no GPU) as
+    bench/amd_compile_check.py compiles them."""
     import re
 
     import triton
@@ -251,7 +252,7 @@ def _reduce_layouts(kernel: str, target: str, dtype: str) -> list[list[str]]:
     tg = TARGETS[target]
     out, seen = [], set()
     for launch in capture(Shape("qwen3-8b", 1, dtype), tg).launches:
-        if launch.kernel != kernel or not launch.kwargs["HAS_RESIDUAL"]:
+        if launch.kernel != kernel or (residual_only and not launch.kwargs["HAS_RESIDUAL"]):
             continue
         job = make_job(launch, tg, {})
         if job.key() in seen:

@@ -3,8 +3,9 @@ for bit the unfused path (the op's Triton kernel, then `triton_fp8.quantize_toke
 against torch), at Qwen3-8B / Llama-8B row widths, one program a row or rows cut into slices; the GEMM of the fused
 rows (`fp8_gpu.gpu_linear_rows`) gives `gpu_linear`'s output exactly on both of its paths (the skinny kernel where
 `triton_fp8_skinny.plan` routes, `torch._scaled_mm` elsewhere) and on each tile family of the skinny kernel; and an
-fp8 model gives the same logits fused and unfused, in prefill and in captured decode graphs. Skipped without such a
-GPU (the CPU checks: test_fp8_fused.py); the lead's GPU runs."""
+fp8 model gives the same logits fused and unfused, in prefill and in captured decode graphs, and a 2-layer
+Qwen3-8B-shaped one the same logits with split-K reduces folded into the norms (ops/fold_table.py) and without.
+Skipped without such a GPU (the CPU checks: test_fp8_fused.py, test_fp8_fold.py); the lead's GPU runs."""
 
 from __future__ import annotations
 
@@ -139,3 +140,78 @@ def test_an_fp8_model_gives_the_same_logits_fused_and_unfused_in_graphs(preset: 
     want = runner.decode(steps, graph_key="unfused")
     assert runner.decode_graph(2, "fused") is not None and runner.decode_graph(2, "unfused") is not None
     assert torch.equal(got, want)
+
+
+@needs_fp8
+@pytest.mark.parametrize("batch", [1, 16])
+def test_split_k_folded_into_the_norms_gives_the_unfolded_logits(batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-layer Qwen3-8B-shaped fp8 runner (the preset's random weights quantized at load): decode graphs with the
+    split-K reduces of o_proj and down_proj folded into the norms after them (ops/fold_table.py; the engine's
+    bundle) give the logits of graphs with the fold off (`no_split_fold`: the reduce kernel, then the norm) bit for
+    bit, at batch 1 and 16. The tiles of o_proj and down_proj (N = hidden) split K in 4 wherever this GPU's plan
+    would not (an H200's table splits them at these batches; another GPU's untuned rule never does), so the fold is
+    exercised on any GPU; both graph sets take the same tiles."""
+    import dataclasses
+    from collections.abc import Iterator
+
+    from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+    from rapidserve.loader import ModelSource, expected_tensor_shapes
+    from rapidserve.loader.preset_table import preset_table
+    from rapidserve.loader.presets import preset_tensor
+    from rapidserve.ops import fold_table, no_split_fold, triton_fp8_skinny
+    from rapidserve.quant_config import ONLINE_FP8
+    from rapidserve.runner import DecodeItem, ModelRunner
+
+    if torch.version.hip is not None:
+        pytest.skip("ROCm's fp8 GEMMs never split K: nothing to fold")
+    assert fold_table.fold_for_step(batch, torch.cuda.get_device_name(CUDA))  # the gate folds at both batches
+    layers, ctx = 2, 256
+    mcfg = dataclasses.replace(preset_table()["qwen3-8b"], num_layers=layers)
+    shapes = expected_tensor_shapes(mcfg)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes.items():
+            yield name, preset_tensor("qwen3-8b", mcfg, name, shape, device=CUDA, dtype=torch.bfloat16)
+
+    planned = triton_fp8_skinny._planned
+
+    def split_hidden(rows: int, weight: torch.Tensor, tables: object) -> object:
+        tiles = planned(rows, weight, tables)  # type: ignore[arg-type]
+        if tiles is None or tiles.split_k > 1 or weight.shape[0] != mcfg.hidden_size:
+            return tiles
+        return tiles._replace(split_k=4)
+
+    monkeypatch.setattr(triton_fp8_skinny, "_planned", split_hidden)
+    source = ModelSource(mcfg, weights, len(shapes), None, None, None, f"qwen3-8b ({layers} layers)")
+    cfg = EngineConfig(model="qwen3-8b", model_config=mcfg, cache=CacheConfig(num_blocks=1024),
+                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=ctx),
+                       runner=RunnerConfig(device="cuda", dtype="bfloat16", graph_batch_sizes=(batch,)))
+    runner = ModelRunner(dataclasses.replace(cfg, quantization=ONLINE_FP8), source, show_progress=False)
+    torch.manual_seed(batch)
+    for layer in range(runner.kv_pool.tensor.shape[0]):  # contexts of random K/V
+        runner.kv_pool.tensor[layer].normal_()
+    base = runner.model.ops
+    assert base.fold_split_k
+    sums_seen: list[bool] = []
+    linear_sums = base.fp8_linear_sums
+
+    def seen(rows: fp8.QuantizedRows, layer: fp8.Fp8Linear, bias: torch.Tensor | None = None,
+             pdl: bool | None = None, prefetch: int | None = None) -> object:  # bound per step as the GEMM's
+        out = linear_sums(rows, layer, bias, pdl=pdl, prefetch=prefetch)
+        sums_seen.append(isinstance(out, fp8.SplitSums))
+        return out
+
+    runner.model.ops = dataclasses.replace(base, fp8_linear_sums=seen)
+    runner.capture_decode_graphs(key="fold", show_progress=False)
+    assert sums_seen and all(sums_seen), sums_seen  # o_proj of both layers and down_proj of the first: all folded
+    runner.model.ops = no_split_fold(base)
+    runner.capture_decode_graphs(key="nofold", show_progress=False)
+    runner.model.ops = base
+    per = ctx // runner.block_size
+    items = [DecodeItem(5 + i, ctx - 1, [(i * per + j) % runner.kv_pool.num_blocks for j in range(per)])
+             for i in range(batch)]
+    got = runner.decode(items, graph_key="fold").clone()
+    want = runner.decode(items, graph_key="nofold")  # rewrites the same slots with the same values
+    assert runner.decode_graph(batch, "fold") is not None and runner.decode_graph(batch, "nofold") is not None
+    assert got.shape[0] == batch and torch.isfinite(got).all()
+    assert torch.equal(got, want), (got - want).abs().max()

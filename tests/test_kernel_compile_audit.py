@@ -278,7 +278,9 @@ import json
 import torch
 from bench import kernel_compile_audit as kca
 from rapidserve.attention import triton_paged
-from rapidserve.ops import triton_fp8_fused, triton_fp8_skinny as fsk, triton_moe, triton_ops, triton_skinny
+from rapidserve.ops import triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny as fsk, triton_moe, triton_ops
+from rapidserve.ops import triton_skinny
+from rapidserve.ops.fp8 import SplitSums
 
 meta, bf16, fp8 = torch.device("meta"), torch.bfloat16, torch.float8_e4m3fn
 h, inter, heads, kv, d = 4096, 12288, 32, 8, 128  # Qwen3-8B at one decode row
@@ -296,6 +298,9 @@ def step():
     triton_paged.decode_attention_fp8(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088,
                                       out_fp8=fp8)  # the output quantized for an fp8 o_proj in the reduce kernel
     triton_fp8_fused.add_rms_norm_fp8(x, x, w, 1e-6, fp8)
+    f32 = torch.float32
+    sums = SplitSums(e(8, 1, h, dtype=f32), e(1, 1, dtype=f32), e(h, dtype=f32), None, bf16)
+    triton_fp8_fold.add_rms_norm_fp8_sums(sums, x, w, 1e-6, fp8)  # down_proj's split-K sums folded into the norm
     triton_fp8_fused.silu_and_mul_fp8(e(1, 2 * inter), fp8)
     fsk.skinny_fp8_linear(x, e(h, h, dtype=fp8), e(h, dtype=torch.float32),
                           config=fsk.rule_tiles(1, h, h)._replace(split_k=4))
@@ -330,7 +335,8 @@ def test_pdl_placement_under_triton36(tmp_path: Path) -> None:
     assert report["triton"].startswith("3.6")
     late = {"_fp8_skinny_kernel", "_skinny_kernel", "_decode_split_kernel", "_gate_up_kernel", "_down_kernel"}
     early = {"_rms_norm_kernel", "_rope_write_kernel", "_decode_reduce_kernel", "_rms_norm_fp8_kernel",
-             "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_fp8_split_reduce_kernel"}
+             "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_fp8_split_reduce_kernel",
+             "_sums_rms_norm_fp8_kernel"}
     names = [r["kernel"] for r in report["rows"]]
     assert set(names) == late | early, set(names) ^ (late | early)
     assert names.count("_decode_reduce_kernel") == 2 == names.count("_decode_split_kernel")  # with and without fp8

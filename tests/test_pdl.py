@@ -51,7 +51,8 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 DECODE_KERNELS = frozenset({
     "_rms_norm_kernel", "_rope_write_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_silu_and_mul_kernel",
     "_skinny_kernel", "_fp8_skinny_kernel", "_fp8_split_reduce_kernel", "_rms_norm_fp8_kernel",
-    "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_gate_up_kernel", "_down_kernel"})
+    "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel", "_gate_up_kernel", "_down_kernel",
+    "_sums_rms_norm_fp8_kernel"})
 # launched without it: prefill's and the unfused fallbacks' (no kernel of the same step waits on them with PDL), and
 # the MoE routing/alignment (after the router's cuBLAS GEMM)
 PLAIN_KERNELS = frozenset({"_prefill_kernel", "_write_kv_kernel", "_qk_norm_rope_kernel", "_rope_kernel",
@@ -179,6 +180,7 @@ def _decode_launches(target_name: str, pdl_off: bool) -> list[Any]:
     from rapidserve.moe_config import MoeConfig
     from rapidserve.ops import get_ops, no_pdl, triton_skinny
     from rapidserve.ops import triton_fp8_skinny as fsk
+    from rapidserve.ops.fp8 import SplitSums
 
     target = TARGETS[target_name]
     meta = torch.device("meta")
@@ -207,6 +209,10 @@ def _decode_launches(target_name: str, pdl_off: bool) -> list[Any]:
             ops.rms_norm_fp8(x, layer.input_layernorm, 1e-6, target.fp8)
             ops.add_rms_norm_fp8(x, x, layer.input_layernorm, 1e-6, target.fp8)
             ops.silu_and_mul_fp8(torch.empty(1, 2 * inter, dtype=bf16, device=meta), target.fp8)
+            if not target.hip:  # a split-K GEMM's sums folded into the next norm (NVIDIA's skinny kernel only)
+                sums = SplitSums(torch.empty(8, 1, h, device=meta), torch.empty(1, 1, device=meta),
+                                 torch.empty(h, device=meta), None, bf16)
+                ops.add_rms_norm_fp8_sums(sums, x, layer.input_layernorm, 1e-6, target.fp8)
         block = MoeBlock(MoeConfig(num_experts=128, top_k=8, intermediate_size=768, renormalize=True), 2048, bf16,
                          meta)
         block(torch.empty(1, 2048, dtype=bf16, device=meta), ops)
@@ -387,7 +393,7 @@ def test_with_launch_binds_every_launcher() -> None:
     from rapidserve.ops import torch_ops_bundle, triton_ops_bundle, with_launch
 
     ops = triton_ops_bundle(skinny=True)
-    gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows")
+    gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows", "fp8_linear_sums")
     for choice in (LaunchChoice(True, MIB8), LaunchChoice(True, 0), OFF):
         for bundle in (ops, with_launch(ops, OFF), with_launch(ops, LaunchChoice(True, 64))):
             bound = with_launch(bundle, choice)

@@ -24,7 +24,7 @@ K/V write and attention take (a sliding layer's windowed attention over the fp8 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,8 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class Gemma3DecoderLayer(DecoderLayer):
     """A Gemma 3 layer: transformer.py's with norms around the MLP too, GELU-tanh, and its own RoPE table."""
+
+    split_sums: ClassVar[bool] = False  # its own pre_attention / post_attention: no split-K sums between layers
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
                  quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None,

@@ -2,7 +2,9 @@
 `ops.fp8.Fp8Linear` (issue 39), and its input is float rows or, for an fp8 projection with dynamic per-token
 activations and per-row weight scales, rows that the op before it (RMSNorm, SiLU-and-mul, a decode step's
 attention for o_proj) already quantized (`fused_fp8`, `ops.fp8.QuantizedRows`): the same numbers as the projection's
-own quantizer, one launch and one pass over the rows fewer.
+own quantizer, one launch and one pass over the rows fewer. A projection whose output only the next RMSNorm reads
+(o_proj, down_proj) may hand that norm its split-K sums unreduced (`linear_sums`, ops/fold_table.py): the norm adds
+them (`Ops.add_rms_norm_fp8_sums`), one launch fewer again.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import torch
 from torch import nn
 
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, takes_rows
+from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, SplitSums, takes_rows
 
 Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
 Rows = torch.Tensor | QuantizedRows  # a projection's input: float rows, or rows its producer quantized (fused_fp8)
+Hidden = torch.Tensor | SplitSums  # a projection's output, or a split-K fp8 GEMM's unreduced sums (`linear_sums`)
 
 
 def fused_fp8(ops: Ops, w: Weight | None) -> torch.dtype | None:
@@ -42,15 +45,31 @@ def linear(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> to
     return ops.fp8_linear(x, w, bias) if isinstance(w, Fp8Linear) else ops.linear(x, w, bias)
 
 
-def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight) -> torch.Tensor:
+def linear_sums(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> Hidden:
+    """`linear`, whose output only an RMSNorm reads (`norm_input`): where the bundle folds split-K reduces
+    (`ops.fold_split_k`) and x is quantized rows of an fp8 `w`, `ops.fp8_linear_sums` (a split-K skinny GEMM's sums
+    unreduced at the rows ops/fold_table.py takes, else the output)."""
+    if ops.fold_split_k and isinstance(x, QuantizedRows) and isinstance(w, Fp8Linear):
+        return ops.fp8_linear_sums(x, w, bias)
+    return linear(ops, x, w, bias)
+
+
+def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) -> Hidden:
     """down(silu(gate) * up) of the (normed) rows x; with an fp8 gate|up, SiLU-and-mul quantizes its output for
-    `down` where `fused_fp8` says so."""
+    `down` where `fused_fp8` says so. `sums`: the output is read by an RMSNorm only (`linear_sums`)."""
+    down_linear = linear_sums if sums else linear
     if not isinstance(gate_up, Fp8Linear):
         assert not isinstance(x, QuantizedRows)
-        return linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
+        return down_linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
     h = linear(ops, x, gate_up)
     fp8 = fused_fp8(ops, down)
-    return linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
+    return down_linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
 
 
-__all__ = ["Rows", "Weight", "attention_rows", "fused_fp8", "linear", "mlp"]
+def norm_input(ops: Ops, hidden: Hidden) -> torch.Tensor:
+    """`hidden` as a tensor for a consumer that cannot add split sums itself (`ops.reduce_sums`: the reduce launch
+    `linear_sums` left out)."""
+    return ops.reduce_sums(hidden) if isinstance(hidden, SplitSums) else hidden
+
+
+__all__ = ["Hidden", "Rows", "Weight", "attention_rows", "fused_fp8", "linear", "linear_sums", "mlp", "norm_input"]

@@ -47,10 +47,20 @@ from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
-from rapidserve.models.projections import Rows, Weight, attention_rows, fused_fp8, linear, mlp
+from rapidserve.models.projections import (
+    Hidden,
+    Rows,
+    Weight,
+    attention_rows,
+    fused_fp8,
+    linear,
+    linear_sums,
+    mlp,
+    norm_input,
+)
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, fp8_dtype
+from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, SplitSums, fp8_dtype
 from rapidserve.parallel.shard import shard_config
 from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
 
@@ -67,6 +77,11 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class DecoderLayer(nn.Module):
+    # Whether this class's layers may pass split-K sums between them (`forward`'s `sums_out`, read by `norm_for`):
+    # `CausalLM.run_layers` asks for them only between two layers that both say so (a subclass with its own
+    # pre_attention or post_attention says False).
+    split_sums: ClassVar[bool] = True
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None,
                  quant: QuantizationConfig | None = None, index: int = 0, fp8: torch.dtype | None = None,
                  kv_scales: tuple[float, float] | None = None) -> None:
@@ -106,7 +121,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: Hidden,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
@@ -114,11 +129,15 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         ops: Ops,
         attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sums_out: bool = False,
+    ) -> tuple[Hidden, torch.Tensor]:
         """The layer: `pre_attention`, attention over the cache, `post_attention` (a piecewise prefill graph,
-        rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them)."""
+        rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them). `sums_out`:
+        the next layer of a class with `split_sums` reads the output (`post_attention`'s); `hidden` may be sums."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
         o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj))
+        if sums_out:
+            return self.post_attention(o, residual, ops, sums_out=True)
         return self.post_attention(o, residual, ops)
 
     def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend,
@@ -131,7 +150,7 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(
         self,
-        hidden: torch.Tensor,
+        hidden: Hidden,
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         cos_sin: torch.Tensor,
@@ -141,7 +160,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before attention, row by row: the input norm (with the residual add), the qkv
         projection, (q/k norm,) RoPE and the K/V write into the cache at `slot_mapping` (slot -1: nothing
-        written). Returns (q [T, heads, head_dim], residual)."""
+        written). `hidden`: the previous layer's output, or its down_proj's split-K sums (`post_attention`'s
+        `sums_out`), which the input norm adds (`norm_for`). Returns (q [T, heads, head_dim], residual)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         normed, residual = self.norm_for(ops, self.qkv_proj, hidden, residual, self.input_layernorm)
         qkv = linear(ops, normed, self.qkv_proj, self.qkv_bias)
@@ -156,12 +176,17 @@ class DecoderLayer(nn.Module):
                            slot_mapping, self.k_scale, self.v_scale)
         return q, residual
 
-    def norm_for(self, ops: Ops, w: Weight | None, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def norm_for(self, ops: Ops, w: Weight | None, hidden: Hidden, residual: torch.Tensor | None,
                  weight: torch.Tensor) -> tuple[Rows, torch.Tensor]:
         """The RMSNorm (after the residual add, unless `residual` is None: the first layer's, whose residual is
-        `hidden`) whose output feeds projection `w`: quantized for it where `fused_fp8` says so. Returns (the normed
-        rows, the residual stream)."""
+        `hidden`) whose output feeds projection `w`: quantized for it where `fused_fp8` says so. `hidden` may be a
+        split-K GEMM's sums (`projections.linear_sums`): the fused norm adds them itself, any other is given them
+        reduced. Returns (the normed rows, the residual stream)."""
         eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w)
+        if isinstance(hidden, SplitSums):
+            if fp8 is not None and residual is not None:
+                return ops.add_rms_norm_fp8_sums(hidden, residual, weight, eps, fp8)
+            hidden = norm_input(ops, hidden)
         if residual is None:
             normed = ops.rms_norm(hidden, weight, eps) if fp8 is None else ops.rms_norm_fp8(hidden, weight, eps, fp8)
             return normed, hidden
@@ -170,22 +195,32 @@ class DecoderLayer(nn.Module):
         return ops.add_rms_norm_fp8(hidden, residual, weight, eps, fp8)
 
     def post_attention(self, o: torch.Tensor | QuantizedRows, residual: torch.Tensor,
-                       ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+                       ops: Ops, sums_out: bool = False) -> tuple[Hidden, torch.Tensor]:
         """Everything after attention, row by row: the o projection, the residual add and norm, the MLP
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or
-        [T, heads * head_dim], or those rows quantized for o_proj. Returns (hidden, residual) for the next layer."""
+        [T, heads * head_dim], or those rows quantized for o_proj. Returns (hidden, residual) for the next layer;
+        `sums_out` (without tensor parallelism): hidden may be down_proj's split-K sums, for the next layer's input
+        norm. o_proj's own sums go to the post-attention norm (`linear_sums`; none under tensor parallelism, whose
+        all-reduce needs the output, or before an MoE block's norm, which reads float rows)."""
         cfg = self.cfg
-        hidden = linear(ops, attention_rows(o, cfg.q_size), self.o_proj)
+        rows = attention_rows(o, cfg.q_size)
+        if self.tp is None and self.moe is None:
+            hidden: Hidden = linear_sums(ops, rows, self.o_proj)
+        else:
+            hidden = linear(ops, rows, self.o_proj)
         if self.tp is not None:
+            assert isinstance(hidden, torch.Tensor)
             self.tp.all_reduce(hidden)
 
         if self.moe is not None:
+            assert isinstance(hidden, torch.Tensor)
             hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm, cfg.rms_norm_eps)
             hidden = self.moe(hidden, ops)
         else:
             normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.post_attention_layernorm)
-            hidden = mlp(ops, normed, self.gate_up_proj, self.down_proj)
+            hidden = mlp(ops, normed, self.gate_up_proj, self.down_proj, sums=sums_out and self.tp is None)
         if self.tp is not None:
+            assert isinstance(hidden, torch.Tensor)
             self.tp.all_reduce(hidden)
         return hidden, residual
 
@@ -298,10 +333,15 @@ class CausalLM(nn.Module):
         on the current stream."""
         if not 0 <= start <= end <= len(self.layers):
             raise ValueError(f"layers [{start}, {end}) out of 0..{len(self.layers)}")
+        out: Hidden = hidden
         for i in range(start, end):
-            hidden, residual = self.layers[i](hidden, residual, positions, self.cos_sin, kv_caches[i], meta,
-                                              self.ops, self.attn)
-        return hidden, residual
+            # between two layers of this call that both take them, down_proj's split-K sums unreduced (the next
+            # layer's input norm adds them: ops/fold_table.py); never out of the last layer of the call
+            sums = i + 1 < end and self.layers[i].split_sums and self.layers[i + 1].split_sums
+            out, residual = self.layers[i](out, residual, positions, self.cos_sin, kv_caches[i], meta, self.ops,
+                                           self.attn, **({"sums_out": True} if sums else {}))
+        assert isinstance(out, torch.Tensor)
+        return out, residual
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

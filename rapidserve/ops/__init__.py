@@ -40,6 +40,14 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   `fp8.quantize_rows` and `fp8.reference_linear_rows` in the torch bundle, one launch each
   (`triton_fp8_fused`) and `fp8_gpu.gpu_linear_rows` in the Triton one; the same numbers as the unfused ops.
   `unfused_fp8(bundle)` turns the fusion off (the A/B of bench/fp8_speed.py)
+- a split-K fp8 GEMM's output handed to the RMSNorm after it unreduced (issue 39, ops/fold_table.py; the model takes
+  it when `fold_split_k`): ``fp8_linear_sums(rows, layer, bias) -> [T, N] | fp8.SplitSums`` (`fp8_linear_rows`,
+  except that in the Triton bundle a skinny fp8 GEMM that splits K at rows the GPU's fold rule takes returns its
+  slices' sums, `fp8_gpu.gpu_linear_sums`; the torch bundle's never does, and has the fold off),
+  ``add_rms_norm_fp8_sums(sums, residual, weight, eps, fp8)``, `add_rms_norm_fp8` of the output they stand for
+  (Triton: one launch, ops/triton_fp8_fold.py), and ``reduce_sums(sums) -> [T, N]`` (the reduce kernel, for any
+  other consumer); the same numbers as the unfused launches. `no_split_fold(bundle)` turns it off
+  (bench/decode_profile.py's A/B)
 
 The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
 `rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:
@@ -125,6 +133,14 @@ class Ops:
     fp8_linear_rows: Callable[[fp8.QuantizedRows, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor] = (
         fp8.reference_linear_rows)
     fuse_fp8: bool = True  # whether the model fuses the quantization of fp8 projections' inputs into their producers
+    fp8_linear_sums: Callable[[fp8.QuantizedRows, fp8.Fp8Linear, torch.Tensor | None],
+                              torch.Tensor | fp8.SplitSums] = fp8.reference_linear_rows
+    add_rms_norm_fp8_sums: Callable[[fp8.SplitSums, torch.Tensor, torch.Tensor, float, torch.dtype],
+                                    tuple[fp8.QuantizedRows, torch.Tensor]] = torch_ops.add_rms_norm_fp8_sums
+    reduce_sums: Callable[[fp8.SplitSums], torch.Tensor] = fp8.reduce_sums_reference
+    # whether the model asks for split-K sums (`fp8_linear_sums`) for the norm after o_proj / down_proj: the Triton
+    # bundle's (whose skinny fp8 GEMM splits K); off in the torch bundle, whose GEMM never does
+    fold_split_k: bool = False
 
 
 def torch_ops_bundle() -> Ops:
@@ -136,7 +152,7 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import fp8_gpu, triton_fp8_fused, triton_ops
+    from rapidserve.ops import fp8_gpu, triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny, triton_ops
 
     if skinny is None:
         skinny = torch.version.hip is None
@@ -144,7 +160,9 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
               triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
               _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, *_fused_moe(),
               triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
-              fp8_gpu.gpu_linear_rows)
+              fp8_gpu.gpu_linear_rows, fp8_linear_sums=fp8_gpu.gpu_linear_sums,
+              add_rms_norm_fp8_sums=triton_fp8_fold.add_rms_norm_fp8_sums, reduce_sums=triton_fp8_skinny.reduce_sums,
+              fold_split_k=True)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -223,8 +241,18 @@ def with_launch(ops: Ops, choice: LaunchChoice) -> Ops:
 
 def unfused_fp8(ops: Ops) -> Ops:
     """`ops` with `fuse_fp8` off: every fp8 projection quantizes its own input (`fp8_linear`), as before the fused
-    producers (the A/B of bench/fp8_speed.py; the engine runs with the fusion)."""
-    return ops if not ops.fuse_fp8 else dataclasses.replace(ops, name=ops.name + "-fp8unfused", fuse_fp8=False)
+    producers (the A/B of bench/fp8_speed.py; the engine runs with the fusion), and no split-K reduce folded
+    (`no_split_fold`: without quantized rows there are no sums to fold)."""
+    if not ops.fuse_fp8:
+        return ops if not ops.fold_split_k else dataclasses.replace(ops, fold_split_k=False)
+    return dataclasses.replace(ops, name=ops.name + "-fp8unfused", fuse_fp8=False, fold_split_k=False)
+
+
+def no_split_fold(ops: Ops) -> Ops:
+    """`ops` with `fold_split_k` off: every split-K fp8 GEMM launches its own reduce kernel and the RMSNorm after it
+    reads its output, as before the fold (ops/fold_table.py; the A/B column "unfused small kernels ms" of
+    bench/decode_profile.py --quantization fp8)."""
+    return ops if not ops.fold_split_k else dataclasses.replace(ops, name=ops.name + "-nofold", fold_split_k=False)
 
 
 def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
@@ -235,7 +263,8 @@ def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
     if ops.fp8_linear is fp8.reference_linear or fp8.fp8_supported(device):
         return ops
     return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear,
-                               fp8_linear_rows=fp8.reference_linear_rows, fuse_fp8=False)
+                               fp8_linear_rows=fp8.reference_linear_rows, fuse_fp8=False,
+                               fp8_linear_sums=fp8.reference_linear_rows, fold_split_k=False)
 
 
 def get_ops(device: torch.device | str) -> Ops:
@@ -246,4 +275,4 @@ def get_ops(device: torch.device | str) -> Ops:
 
 
 __all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "no_pdl",
-           "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops", "with_launch"]
+           "no_split_fold", "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops", "with_launch"]

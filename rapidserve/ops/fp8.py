@@ -221,6 +221,33 @@ class QuantizedRows(NamedTuple):
     dtype: torch.dtype
 
 
+class SplitSums(NamedTuple):
+    """A split-K fp8 GEMM's output before its reduce (issue 39: `triton_fp8_skinny` hands these to the RMSNorm that
+    reads them, `ops/triton_fp8_fold.py`, instead of launching its reduce kernel): `ws` [S, M, N] float32, the raw
+    sums of each K slice s; `sx` [M, 1] float32 the rows' activation scales; `sw` [N] float32 the weight's scales;
+    `bias` [N] or None; `dtype` the output's. Its value is `reduce_sums_reference`'s: the slices added in the order
+    0, 1, ..., S - 1, times sx[m], times sw[n] (+ bias[n] after a rounding to `dtype`), in `dtype`: the reduce
+    kernel's numbers."""
+
+    ws: torch.Tensor
+    sx: torch.Tensor
+    sw: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
+
+
+def reduce_sums_reference(sums: SplitSums) -> torch.Tensor:
+    """The [M, N] output that `sums` stand for (its docstring), in torch: the same float32 operations in the same
+    order as the reduce kernel's (`triton_fp8_skinny._fp8_split_reduce_kernel`)."""
+    acc = sums.ws[0].clone()
+    for s in range(1, sums.ws.shape[0]):
+        acc = acc + sums.ws[s]
+    acc = acc * sums.sx.reshape(-1, 1) * sums.sw.reshape(1, -1)
+    if sums.bias is not None:
+        acc = acc.to(sums.dtype).float() + sums.bias.float()
+    return acc.to(sums.dtype)
+
+
 def quantize_rows(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
     """x [M, K] quantized per token (`quantize_input(x, "token", fp8)`) as `QuantizedRows`: the reference of the
     fused ops (torch_ops' `*_fp8`)."""
@@ -258,6 +285,7 @@ def check_rows(rows: QuantizedRows, layer: Fp8Linear) -> None:
                          f"{s.dtype}")
 
 
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "check_rows", "dequantize_input",
-           "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported", "quantize_input",
-           "quantize_rows", "quantize_weight", "reference_linear", "reference_linear_rows", "takes_rows", "to_fnuz"]
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "SplitSums", "check_rows",
+           "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported",
+           "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference", "reference_linear",
+           "reference_linear_rows", "takes_rows", "to_fnuz"]

@@ -6,17 +6,19 @@ The math every path computes, and the reference, are in rapidserve/ops/fp8.py; t
 - block scales: the Triton block GEMM (`triton_fp8.block_linear`);
 - shapes none of them takes (K or N not a multiple of 16): `fp8.reference_linear`.
 `gpu_linear_rows` takes rows already quantized per token by the op that made them (triton_fp8_fused: RMSNorm,
-SiLU-and-mul) through the same routing, minus the quantizer.
+SiLU-and-mul) through the same routing, minus the quantizer; `gpu_linear_sums` the same, a split-K skinny GEMM's
+output left unreduced for the RMSNorm after it where ops/fold_table.py says so.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rapidserve.ops import triton_fp8, triton_fp8_skinny
+from rapidserve.ops import fold_table, triton_fp8, triton_fp8_skinny
 from rapidserve.ops.fp8 import (
     Fp8Linear,
     QuantizedRows,
+    SplitSums,
     check_rows,
     quantize_input,
     reference_linear,
@@ -96,4 +98,18 @@ def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | 
     return reference_linear_rows(rows, layer, bias)
 
 
-__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "scaled_mm_linear", "scaled_mm_ok"]
+def gpu_linear_sums(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None,
+                    pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor | SplitSums:
+    """`gpu_linear_rows`, except that where the skinny kernel takes the call with K split and the GPU's fold rule
+    takes its rows (`fold_table.fold_for_step`), the slices' sums unreduced (`fp8.SplitSums`: no reduce launch), for
+    the RMSNorm that reads them (`triton_fp8_fold.add_rms_norm_fp8_sums`); the output itself everywhere else.
+    `pdl`, `prefetch` as `gpu_linear`'s."""
+    check_rows(rows, layer)
+    if (torch.version.hip is None and triton_fp8_skinny.routed_rows(rows, layer.weight, layer.weight_scale)
+            and fold_table.fold_for_step(rows.q.shape[0], triton_fp8_skinny.device_name(rows.q.device))):
+        return triton_fp8_skinny.skinny_fp8_linear_sums(rows, layer.weight, layer.weight_scale, bias, pdl=pdl,
+                                                        prefetch=prefetch)
+    return gpu_linear_rows(rows, layer, bias, pdl, prefetch)
+
+
+__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "gpu_linear_sums", "scaled_mm_linear", "scaled_mm_ok"]

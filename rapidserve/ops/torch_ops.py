@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.attention.torch_ref import write_kv as torch_write_kv
-from rapidserve.ops.fp8 import QuantizedRows, quantize_rows
+from rapidserve.ops.fp8 import QuantizedRows, SplitSums, quantize_rows, reduce_sums_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -105,6 +105,12 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     """add_rms_norm's (normed rows quantized per token to `fp8`, residual + x)."""
     normed, new_residual = add_rms_norm(x, residual, weight, eps)
     return quantize_rows(normed, fp8), new_residual
+
+
+def add_rms_norm_fp8_sums(sums: SplitSums, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          fp8: torch.dtype) -> tuple[QuantizedRows, torch.Tensor]:
+    """`add_rms_norm_fp8` of the x that a split-K GEMM's unreduced sums stand for (`fp8.reduce_sums_reference`)."""
+    return add_rms_norm_fp8(reduce_sums_reference(sums), residual, weight, eps, fp8)
 
 
 def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:

@@ -38,7 +38,10 @@ rows, against 25 MB of weight), which stays in L2. Not taken: one launch where t
 finish adds the slices (a counter a tile, atomics): its counters must start at zero on every call, so either a memset
 launch beside it (two launches again) or a buffer kept between calls, which every stream's calls would share (no module
 state here, and a race between streams). Which (tiles, S) a shape takes is measured, never assumed: the sweep times S
-of 2, 4 and 8, both kernels in each timing, against the one-pass tiles.
+of 2, 4 and 8, both kernels in each timing, against the one-pass tiles. Where the output goes straight into an RMSNorm
+(o_proj's and down_proj's in a small decode step, `ops/fold_table.py`), `skinny_fp8_linear_sums` returns
+the workspace with the scales (`fp8.SplitSums`) instead of launching the reduce, and the norm adds the slices itself
+in the same order with the same epilogue (ops/triton_fp8_fold.py): the same numbers, one launch fewer.
 
 Programmatic dependent launch (`ops.pdl`; NVIDIA sm_90+, on by default there, `pdl=False` off), as the bf16 kernel's
 (triton_skinny): a program pulls the first bytes of its weight rows (of its K slice) into L2 before it waits for the
@@ -63,7 +66,7 @@ import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops import triton_skinny
-from rapidserve.ops.fp8 import QuantizedRows, cdiv
+from rapidserve.ops.fp8 import QuantizedRows, SplitSums, cdiv
 from rapidserve.ops.fp8_tiles import MAX_ROWS, SCALED_MM, Fp8Tables, Fp8Tiles, load_tables, lookup
 from rapidserve.ops.triton_fp8 import quantize_tokens
 from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, prefetch_bytes, prefetch_rows, skinny_config
@@ -253,7 +256,8 @@ def routed_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-            dtype: torch.dtype, config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None) -> torch.Tensor:
+            dtype: torch.dtype, config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None,
+            defer: bool = False) -> torch.Tensor | SplitSums:
     n, k = weight.shape
     m = x8.shape[0]
     if bias is not None and bias.shape != (n,):
@@ -261,9 +265,10 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     cfg = config or _planned(m, weight, None) or rule_tiles(m, n, k)
     if cfg.block_m < m:
         raise ValueError(f"tiles {cfg.label()} hold {cfg.block_m} rows; the call has {m}")
-    out = torch.empty((m, n), dtype=dtype, device=x8.device)
     b = bias if bias is not None else scale
     k_per, splits = split_slices(k, cfg)
+    deferred = defer and splits > 1  # the sums are the result: no output tensor
+    out = torch.empty((m, n), dtype=dtype, device=x8.device) if not deferred else None
     # splits > 1: the kernel writes its slices' sums to a float32 workspace, which the reduce kernel scales into out
     ws = torch.empty((splits, m, n), dtype=torch.float32, device=x8.device) if splits > 1 else out
     tiles = triton.cdiv(n, cfg.block_n)
@@ -271,17 +276,35 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     budget = triton_skinny.PREFETCH_BYTES if prefetch is None else prefetch
     ahead = prefetch_bytes(weight, tiles * splits * cfg.block_n, k_per, budget) if on else 0
     _fp8_skinny_kernel[(tiles, splits)](
-        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), out.stride(0), ahead,
+        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), n, ahead,
         HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,
         SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PROMOTE=min(cfg.block_k, PROMOTE_EVERY), PREFETCH=ahead > 0, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_launch.launch_options(on))
-    if splits > 1:
-        bm, bn = reduce_tile(m)
-        _fp8_split_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            ws, sx, scale, b, out, m, n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=splits, BLOCK_M=bm,
-            BLOCK_N=bn, num_warps=4, **pdl_launch.launch_options(on))
+    if deferred:
+        return SplitSums(ws, sx, scale, bias, dtype)
+    assert out is not None
+    return _reduce(SplitSums(ws, sx, scale, bias, dtype), out, on) if splits > 1 else out
+
+
+def _reduce(sums: SplitSums, out: torch.Tensor, on: bool) -> torch.Tensor:
+    """The reduce kernel's launch: `sums` added and scaled into `out` [M, N]; `on`: with PDL."""
+    splits, m, n = sums.ws.shape
+    bm, bn = reduce_tile(m)
+    _fp8_split_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        sums.ws, sums.sx, sums.sw, sums.bias if sums.bias is not None else sums.sw, out, m, n, out.stride(0),
+        HAS_BIAS=sums.bias is not None, SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
+        **pdl_launch.launch_options(on))
     return out
+
+
+def reduce_sums(sums: SplitSums, pdl: bool | None = None) -> torch.Tensor:
+    """The [M, N] output that `sums` stand for (`fp8.SplitSums`), by the reduce kernel that `skinny_fp8_linear_sums`
+    left out: the same launch, the same bits. For a consumer that cannot read the sums itself. `pdl`: its
+    programmatic dependent launch (`ops.pdl.use_pdl`; None: where the GPU has it)."""
+    _, m, n = sums.ws.shape
+    out = torch.empty((m, n), dtype=sums.dtype, device=sums.ws.device)
+    return _reduce(sums, out, pdl_launch.use_pdl(pdl, sums.ws.device)) if m else out
 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -298,7 +321,9 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                          f"dim, a contiguous fp8 weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
                          f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
     x8, sx = quantize_tokens(x, weight.dtype, pdl=pdl)
-    return _launch(x8, sx, weight, scale, bias, x.dtype, config, pdl, prefetch)
+    out = _launch(x8, sx, weight, scale, bias, x.dtype, config, pdl, prefetch)
+    assert isinstance(out, torch.Tensor)  # not deferred
+    return out
 
 
 def skinny_fp8_linear_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
@@ -307,14 +332,32 @@ def skinny_fp8_linear_rows(rows: QuantizedRows, weight: torch.Tensor, scale: tor
     """`skinny_fp8_linear` of the rows that `rows` quantize (the fused producers' output, triton_fp8_fused): the
     same kernel and tiles on the same x8 and scales, out in rows.dtype; `pdl`, `prefetch` as there. ValueError unless
     `rows_ok`."""
+    out = _rows_launch(rows, weight, scale, bias, config, pdl, prefetch, False)
+    assert isinstance(out, torch.Tensor)  # not deferred
+    return out
+
+
+def skinny_fp8_linear_sums(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
+                           bias: torch.Tensor | None = None, config: Fp8Tiles | None = None, pdl: bool | None = None,
+                           prefetch: int | None = None) -> torch.Tensor | SplitSums:
+    """`skinny_fp8_linear_rows`, except that where the tiles split K it returns the slices' sums (`fp8.SplitSums`)
+    without launching the reduce, for the RMSNorm that adds them itself (ops/triton_fp8_fold.py); the output where K
+    is not split."""
+    return _rows_launch(rows, weight, scale, bias, config, pdl, prefetch, True)
+
+
+def _rows_launch(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None,
+                 defer: bool) -> torch.Tensor | SplitSums:
     if not rows_ok(rows, weight, scale):
         n, k = weight.shape
         raise ValueError(f"skinny_fp8_linear_rows takes 1..{MAX_ROWS} rows q [M, {k}] of the weight's fp8 with "
                          f"scale [M, 1] float32 (of bf16/fp16 rows), a contiguous weight and float32 scales [{n}]; "
                          f"got q {tuple(rows.q.shape)} {rows.q.dtype}, scale {tuple(rows.scale.shape)}, rows of "
                          f"{rows.dtype}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)}")
-    return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config, pdl, prefetch)
+    return _launch(rows.q, rows.scale, weight, scale, bias, rows.dtype, config, pdl, prefetch, defer)
 
 
-__all__ = ["RULE_ROWS", "TUNED", "device_name", "fp8_config", "fp8_ok", "plan", "reduce_tile", "routed", "routed_rows",
-           "rows_ok", "rule_tiles", "skinny_fp8_linear", "skinny_fp8_linear_rows", "split_slices"]
+__all__ = ["RULE_ROWS", "TUNED", "device_name", "fp8_config", "fp8_ok", "plan", "reduce_sums", "reduce_tile", "routed",
+           "routed_rows", "rows_ok", "rule_tiles", "skinny_fp8_linear", "skinny_fp8_linear_rows",
+           "skinny_fp8_linear_sums", "split_slices"]
