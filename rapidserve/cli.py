@@ -60,4 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The process ends here: the heap (torch, transformers, the tokenizer: millions of objects) is frozen so that the
+    # interpreter's last garbage collection at exit skips it. That pass collected nothing worth it and took about
+    # 1 CPU-s after a `serve` (0.9 s more between SIGTERM and the exit, measured on 2 cores).
+    import gc
+
+    gc.freeze()
+    sys.exit(code)
