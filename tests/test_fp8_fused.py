@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from triton_interp import run_interpreted
+from triton_interp import exit_passed, run_interpreted
 
 from rapidserve.models.transformer import fused_fp8
 from rapidserve.ops import Ops, fp8, fp8_ops, torch_ops, torch_ops_bundle, unfused_fp8, unfused_ops
@@ -372,3 +372,4 @@ if __name__ == "__main__":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
     check_fused_kernels()
     print("fp8 fused kernels: ok")
+    exit_passed()

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_ops import rope_inputs
-from triton_interp import run_interpreted
+from triton_interp import exit_passed, run_interpreted
 
 from rapidserve.attention import torch_ref
 from rapidserve.ops import cublas_linears, get_ops, triton_ops_bundle, unfused_ops
@@ -292,3 +292,4 @@ if __name__ == "__main__":
     check_rope_write([torch.float32, torch.float16], "cpu", _interp_close)
     check_skinny([torch.float16], "cpu", _interp_close)
     print("fused decode ops: ok")
+    exit_passed()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from triton_interp import run_interpreted
+from triton_interp import exit_passed, run_interpreted
 
 from rapidserve.ops import get_ops
 from rapidserve.ops import torch_ops as tops
@@ -204,3 +204,4 @@ if __name__ == "__main__":
         sys.exit("set TRITON_INTERPRET=1 before running the interpreter checks")
     check_triton_ops([torch.float32, torch.float16], "cpu", _interp_close)
     print("triton ops: ok")
+    exit_passed()

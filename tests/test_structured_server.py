@@ -67,16 +67,26 @@ def test_regex_choice_and_json_object_streamed_and_not(served: tuple[str, Srv, A
     if mode == "hybrid":
         pytest.skip("hybrid: regex, choice and streaming are covered by tests/test_request_fields.py")
     model = client.models.list().data[0].id
-    r = client.completions.create(model=model, prompt="Pick one:", max_tokens=8, extra_body={
-        "guided_choice": ["alpha", "beta", "gamma"]})
+
+    def choice() -> Any:
+        return client.completions.create(model=model, prompt="Pick one:", max_tokens=8, extra_body={
+            "guided_choice": ["alpha", "beta", "gamma"]})
+
+    def regex_streamed() -> str:
+        stream = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=24, stream=True, extra_body={
+            "structured_outputs": {"regex": "[a-c]{2,5}-[0-9]{2}"}})
+        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+    def json_object() -> Any:
+        return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=64, temperature=0.7, seed=2,
+                                              response_format={"type": "json_object"})
+
+    with ThreadPoolExecutor(3) as pool:  # all at once: they share batches (each grammar masks its own row)
+        r_choice, r_regex, r_json = (pool.submit(f) for f in (choice, regex_streamed, json_object))
+        r, text, j = r_choice.result(), r_regex.result(), r_json.result()
     assert r.choices[0].text in ("alpha", "beta", "gamma") and r.choices[0].finish_reason == "stop"
-    stream = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=24, stream=True,
-                                            extra_body={"structured_outputs": {"regex": "[a-c]{2,5}-[0-9]{2}"}})
-    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert re.fullmatch("[a-c]{2,5}-[0-9]{2}", text), text
-    r = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=64, temperature=0.7, seed=2,
-                                       response_format={"type": "json_object"})
-    c = r.choices[0]
+    c = j.choices[0]
     assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict), c
 
 
