@@ -187,10 +187,20 @@ def test_ci_matrix_compiles_for_amd_and_the_control(tmp_path: Path, captured: di
     for target in ("gfx942", "gfx90a", "sm_90"):
         assert s[target]["failed"] == 0 and s[target]["compiled"] == s[target]["total"], s[target]
         assert s[target]["variants"] > 50, s[target]  # distinct compiles captured
+    def ptrs(r: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(v for v in r["signature"].values() if v.startswith("*"))
+
+    def secondary(r: dict[str, Any]) -> bool:  # an fp16 / fp32 model's compile (check.secondary_dtype)
+        p = [v[1:] for v in ptrs(r)]
+        return "fp16" in p or ("fp32" in p and not any(x == "bf16" or x.startswith("fp8") for x in p))
+
+    product = [r for r in report["rows"] if r["target"] == "gfx942"]
     tiles = [(r["kernel"], json.dumps(r["signature"]), json.dumps(r["attrs"]), json.dumps(r["options"], sort_keys=True),
               json.dumps({k: v for k, v in r["constexprs"].items() if k not in check.HEAD_COUNTS}, sort_keys=True))
-             for r in report["rows"] if r["target"] == "gfx942"]  # the product target: every tile configuration
+             for r in product]  # the product target: every tile configuration of a bf16 / fp8 model's kernels
     assert len(tiles) == len(set(tiles)) == s["gfx942"]["total"] < s["gfx942"]["variants"], s["gfx942"]
+    second = [(r["kernel"], ptrs(r)) for r in product if secondary(r)]  # fp16 / fp32: one of each family
+    assert second and len(second) == len(set(second)), second
     for target in ("gfx90a", "sm_90"):  # the controls: one variant of each (kernel, pointer dtypes) family
         families = [(r["kernel"], tuple(v for v in r["signature"].values() if v.startswith("*")))
                     for r in report["rows"] if r["target"] == target]
