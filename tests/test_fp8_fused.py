@@ -123,6 +123,18 @@ def test_rows_that_do_not_fit_are_refused() -> None:
         fp8.reference_linear_rows(rows._replace(scale=rows.scale[:1]), layer)
 
 
+def _tiny_fp8_runner(preset: str, acts: str) -> tuple[Any, int]:
+    """A CPU ModelRunner of `preset` quantized online to fp8 with `acts` activation scales, and its layer count."""
+    from rapidserve.config_builder import build_engine_config
+    from rapidserve.quant_config import ONLINE_FP8
+    from rapidserve.runner import ModelRunner
+
+    cfg, source = build_engine_config(f"preset:{preset}", device="cpu", dtype="bfloat16", quantization="fp8",
+                                      num_kv_blocks=16, enforce_eager=True)
+    cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(ONLINE_FP8, activations=acts))
+    return ModelRunner(cfg, source, show_progress=False), cfg.model_config.num_layers
+
+
 def _counting(ops: Ops, calls: Counter[str]) -> Ops:
     """`ops` with the fused ops and both fp8 linears counting their calls."""
     def wrap(name: str) -> Callable[..., Any]:
@@ -143,15 +155,9 @@ def test_a_tiny_fp8_model_takes_the_fused_path_with_the_same_logits(preset: str,
     q|k|v and gate|up, SiLU-and-mul for down (Gemma 3: GELU-tanh, so down quantizes its own rows), o_proj quantizes
     its own (attention's output); the logits of a prompt are the unfused path's bit for bit. Per-tensor activations
     fuse nothing."""
-    from rapidserve.config_builder import build_engine_config
-    from rapidserve.quant_config import ONLINE_FP8
-    from rapidserve.runner import ModelRunner, PrefillItem
+    from rapidserve.runner import PrefillItem
 
-    cfg, source = build_engine_config(f"preset:{preset}", device="cpu", dtype="bfloat16", quantization="fp8",
-                                      num_kv_blocks=16, enforce_eager=True)
-    cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(ONLINE_FP8, activations=acts))
-    runner = ModelRunner(cfg, source, show_progress=False)
-    layers = cfg.model_config.num_layers
+    runner, layers = _tiny_fp8_runner(preset, acts)
     base = runner.model.ops
     assert base.fuse_fp8
     prompt = [(7 * i + 3) % 500 + 3 for i in range(21)]
@@ -179,15 +185,9 @@ def test_decode_attention_quantizes_for_o_proj_with_the_same_logits(preset: str,
     input there (Gemma 3: its GELU-tanh MLP's down still does); the logits are the unfused path's bit for bit, over
     the same cache. Per-tensor activations fuse nothing. A prefill step keeps o_proj's own quantizer (the previous
     test)."""
-    from rapidserve.config_builder import build_engine_config
-    from rapidserve.quant_config import ONLINE_FP8
-    from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+    from rapidserve.runner import DecodeItem, PrefillItem
 
-    cfg, source = build_engine_config(f"preset:{preset}", device="cpu", dtype="bfloat16", quantization="fp8",
-                                      num_kv_blocks=16, enforce_eager=True)
-    cfg = dataclasses.replace(cfg, quantization=dataclasses.replace(ONLINE_FP8, activations=acts))
-    runner = ModelRunner(cfg, source, show_progress=False)
-    layers = cfg.model_config.num_layers
+    runner, layers = _tiny_fp8_runner(preset, acts)
     base = runner.model.ops
     prompts = [[(7 * i + 3) % 500 + 3 for i in range(21)], [(5 * i + 1) % 400 + 3 for i in range(9)]]
     tables = [[0, 1], [2]]
