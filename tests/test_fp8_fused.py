@@ -314,12 +314,12 @@ def check_fused_kernels() -> None:
             assert torch.equal(s, fp8.quantize_input(y, "token", dt)[1]), label
             y_res, res = triton_ops.add_rms_norm(x, r, w, 1e-6)
             q_res, s_res = triton_fp8.quantize_tokens(y_res, dt)
-            # one program a row (the rule's choice at these sizes), then rows cut into 2 to 10 slices (the last one
-            # partial at k 96 and 300, whole at 1024): every program takes the whole row's amax and quantizes its
-            # slice, the same bits. The widths grow with the row (f) so that rows keep few slices: the interpreter's
-            # cost is per program, and each program takes the whole row's amax.
+            # one program a row (the rule's choice at these sizes), then rows cut into 2 slices and into 5 to 8 (the
+            # last one partial at k 96 and 300, whole at 1024): every program takes the whole row's amax and quantizes
+            # its slice, the same bits. The widths grow with the row (f) so that rows keep few slices: the
+            # interpreter's cost is per program, and each program takes the whole row's amax.
             f = (1 << (k - 1).bit_length()) // 128  # 1, 4, 8
-            for width in (None, 64 * f, 32 * f, 16 * f):
+            for width in (None, 64 * f, 16 * f):
                 _same_rows(triton_fp8_fused.rms_norm_fp8(x, w, 1e-6, dt, width), q, s, xdt, (label, width))
                 rows, got_res = triton_fp8_fused.add_rms_norm_fp8(x, r, w, 1e-6, dt, width)
                 assert torch.equal(got_res, res), (label, width)
@@ -329,9 +329,11 @@ def check_fused_kernels() -> None:
             _same_rows(triton_fp8_fused.rms_norm_fp8(wide, w, 1e-6, dt), q, s, xdt, label)
             y = triton_ops.silu_and_mul(x)
             q, s = triton_fp8.quantize_tokens(y, dt)
-            # in registers; the two-pass loop; slices of the row (the last one partial at k 96 and 300), and one
-            # slice as wide as the row or wider (f as above; 16 * f columns in registers at most: the loop)
-            for one_pass, width in ((triton_fp8_fused.ONE_PASS_COLS, None), (16 * f, None), (16 * f, 1 << 20),
+            # in registers; the two-pass loop with one slice wider than the row (the rule's width here is the whole
+            # row: the same launch); slices of the row (the last one partial at k 96 and 300) (f as above; 16 * f
+            # columns in registers at most: the loop)
+            assert triton_fp8_fused.slice_cols(m, k // 2, triton_fp8_fused.SILU_MIN_SLICE) >= k // 2, label
+            for one_pass, width in ((triton_fp8_fused.ONE_PASS_COLS, None), (16 * f, 1 << 20),
                                     (triton_fp8_fused.ONE_PASS_COLS, 32 * f), (16 * f, 16 * f), (16 * f, 64 * f)):
                 _same_rows(triton_fp8_fused.silu_and_mul_fp8(x, dt, one_pass, width), q, s, xdt,
                            (label, one_pass, width))

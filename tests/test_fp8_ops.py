@@ -270,11 +270,13 @@ def check_block_kernel() -> None:
             x = torch.randn(m, k)
             x8, sx = fp8.quantize_input(x, "group", dt, group=block[1])
             want = fp8.reference_linear(x, layer)
+            outs = []
             for cfg in (None, triton_fp8.BlockConfig(16, 32, min(block[1], 64), 4, 1)):
-                got = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, block, torch.float32, cfg)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-            assert torch.equal(fp8_gpu.gpu_linear(x, layer), triton_fp8.block_linear(x8, sx, layer.weight,
-                                                                                 layer.weight_scale, block, x.dtype))
+                outs.append(triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, block, torch.float32,
+                                                    cfg))
+                torch.testing.assert_close(outs[-1], want, rtol=1e-5, atol=1e-4)
+            assert x.dtype == torch.float32  # outs[0]: block_linear(x8, sx, ..., x.dtype) on the default tiles
+            assert torch.equal(fp8_gpu.gpu_linear(x, layer), outs[0])
         empty = triton_fp8.block_linear(x8[:0], sx[:0], layer.weight, layer.weight_scale, block, torch.float32)
         assert empty.shape == (0, layer.weight.shape[0])
     with pytest.raises(ValueError, match="want"):
@@ -325,11 +327,14 @@ def check_row_kernels() -> None:
         # float16 rows: the interpreter's tl.dot is wrong in bfloat16 (test_fused_decode_ops interprets fp16 too).
         # Rows 1..64; N and K tails (masked weight loads); 16-row tiles (mma.sync on the GPU), 64-row tiles and the
         # swapped operand order (wgmma); the default tiles (the rule's: 16 rows, or 64 above RULE_ROWS)
-        for m, n, k, cfg in ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, Fp8Tiles(16, 16, 256, 4, 2)),
-                             (1, 128, 256, Fp8Tiles(16, 64, 128, 4, 3, True)),
-                             (17, 96, 160, Fp8Tiles(32, 32, 64, 4, 2)), (33, 80, 96, Fp8Tiles(64, 64, 32, 4, 2, True)),
-                             (64, 200, 304, None), (40, 48, 1000, Fp8Tiles(64, 16, 128, 4, 2)),
-                             (64, 64, 128, Fp8Tiles(64, 64, 128, 8, 2, True))):
+        # skinny_fp8_linear_rows is the same launch on the rows quantize_tokens gave: checked once a case, with the
+        # bias on every other case and without it on the rest (both on each dtype).
+        cases = ((1, 64, 512, None), (5, 100, 300, None), (16, 48, 1024, Fp8Tiles(16, 16, 256, 4, 2)),
+                 (1, 128, 256, Fp8Tiles(16, 64, 128, 4, 3, True)),
+                 (17, 96, 160, Fp8Tiles(32, 32, 64, 4, 2)), (33, 80, 96, Fp8Tiles(64, 64, 32, 4, 2, True)),
+                 (64, 200, 304, None), (40, 48, 1000, Fp8Tiles(64, 16, 128, 4, 2)),
+                 (64, 64, 128, Fp8Tiles(64, 64, 128, 8, 2, True)))
+        for c, (m, n, k, cfg) in enumerate(cases):
             layer, _ = _layer(n, k, "token", None, dt, seed=m)
             x = torch.randn(m, k, generator=g).to(torch.float16)
             x8, sx = triton_fp8.quantize_tokens(x, dt)  # the interpreter's cast (checked above)
@@ -341,6 +346,8 @@ def check_row_kernels() -> None:
                 assert got.dtype == torch.float16 and got.shape == (m, n)
                 err = float((got.float() - want).abs().max())
                 assert err <= 4e-3 + 2e-3 * float(want.abs().max()), (m, n, k, cfg, bias is not None, err)
+                if (bias is None) == (c % 2 == 1):  # rows without the bias on even cases, with it on odd ones
+                    continue
                 same = triton_fp8_skinny.skinny_fp8_linear_rows(rows._replace(dtype=torch.float16), layer.weight,
                                                                 layer.weight_scale, bias, config=cfg)
                 assert torch.equal(same, got), (m, n, k, cfg)

@@ -356,9 +356,14 @@ def _interp_decode() -> None:
         ks, vs = scales(0.011, 0.017)
         write_all(b, kc, vc, ks, vs)
         args = (b.q, kc, vc, b.meta.block_tables, b.meta.context_lens, d**-0.5)
-        for window in (None, 1, 37):  # a sliding-window layer over the fp8 cache too
+        # A sliding-window layer over the fp8 cache too. Every config without a window: the table's (case 1 one
+        # split of BLOCK_N 32, two pages a tile; case 2 two splits of 64, eight pages), one split and three of 16;
+        # windows 1 (splits left empty) and 37 (a tile start off the page) with the table's config and three splits:
+        # a window meets the direct and the split path, its start in a multi-page tile and in a one-page one.
+        for window, configs in ((None, ((None, None), (1, 16), (3, 16))), (1, ((None, None), (3, 16))),
+                                (37, ((None, None), (3, 16)))):
             want = ref.decode_attention(*args, ks, vs, window=window)
-            for splits, block_n in ((None, None), (1, 16), (3, 16)):
+            for splits, block_n in configs:
                 got = tp.decode_attention(*args, ks, vs, num_splits=splits, block_n=block_n, window=window)
                 torch.testing.assert_close(got.float(), want.float(), atol=2e-5 if dtype == torch.float32 else 4e-3,
                                            rtol=1e-3, msg=lambda m, c=(bs, ctxs, cache, splits, window): f"{c}: {m}")
