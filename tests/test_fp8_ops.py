@@ -43,14 +43,16 @@ def _layer(n: int, k: int, acts: str, block: tuple[int, int] | None, dt: torch.d
 @pytest.mark.parametrize("dt", [FN, FNUZ])
 def test_quantize_input_is_the_definition(dt: torch.dtype) -> None:
     top = torch.finfo(dt).max
-    x = torch.randn(7, 300) * torch.logspace(-2, 2, 7)[:, None]
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(44)) * torch.logspace(-2, 2, 7)[:, None]
     x[3] = 0.0  # a zero row: amax MIN_AMAX, no 0/0
     x8, s = fp8.quantize_input(x, "token", dt)
     want_s = x.abs().amax(-1, keepdim=True).clamp(min=fp8.MIN_AMAX) * (1.0 / top)  # the product, as CUDA torch forms it
     assert torch.equal(s, want_s) and torch.equal(x8, (x / want_s).clamp(-top, top).to(dt))
     assert not torch.isnan(x8.float()).any() and bool((x8[3].float() == 0).all())
     x8, s = fp8.quantize_input(x, "tensor", dt)
-    assert s.shape == (1, 1) and float(s) == pytest.approx(float(x.abs().max()) / top, rel=1e-7)
+    # the float32 product of the definition, bit for bit (a float64 quotient differs by up to two float32 roundings,
+    # which a relative bound of 1e-7 missed now and then with unseeded inputs)
+    assert s.shape == (1, 1) and torch.equal(s, (x.abs().amax().clamp(min=fp8.MIN_AMAX) * (1.0 / top)).reshape(1, 1))
     x8, s = fp8.quantize_input(x, "static", dt, torch.tensor([0.01]))
     assert float(x8.float().abs().max()) == top  # clipped: static scales saturate, never overflow
     x8, s = fp8.quantize_input(x, "group", dt, group=128)  # 300 columns: groups of 128, 128, 44
