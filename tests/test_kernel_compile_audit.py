@@ -228,6 +228,16 @@ def test_dump_report_is_the_report_one_row_a_line() -> None:
     assert len(text.splitlines()) == 3 + 2 + 2  # the head's lines, one a row, the closing ones
 
 
+def _audit_under_triton36(script: str, tmp_path: Path, timeout: int) -> dict[str, Any]:
+    """The JSON report `script` prints last, run in a subprocess whose Triton is the 3.6 side directory's (its own
+    cache in `tmp_path`)."""
+    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _triton36() -> Path | None:
     d = os.environ.get(TRITON36_ENV)
     if not d or not (Path(d) / "triton" / "__init__.py").exists():
@@ -260,11 +270,7 @@ def test_audit_under_triton36(tmp_path: Path) -> None:
     """The audit under Triton 3.6, in a subprocess, of the KV-cache write kernel as write_kv launches it for one
     token of Qwen3-8B over an fp8 cache (bf16 rows in, fp8 rows out): it compiles for sm_90 with 16-byte loads and
     stores, nothing short, no spill."""
-    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", AUDIT_WRITE_KV], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _audit_under_triton36(AUDIT_WRITE_KV, tmp_path, timeout=120)
     assert report["triton"].startswith("3.6")
     (row,) = report["rows"]
     assert row["kernel"] == "_write_kv_kernel" and row["signature"]["kc_ptr"] == "*fp8e4nv", row
@@ -327,11 +333,7 @@ def test_pdl_placement_under_triton36(tmp_path: Path) -> None:
     before any global access and one launch_dependents after it (rapidserve/ops/pdl.py's rules 1 and 2); the small
     kernels let their dependents start before any load, the GEMMs and the attention's split kernel after their main
     loop's loads (rule 3), and the skinny GEMMs prefetch their weights into L2 before the wait."""
-    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", AUDIT_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _audit_under_triton36(AUDIT_PDL, tmp_path, timeout=900)
     assert report["triton"].startswith("3.6")
     late = {"_fp8_skinny_kernel", "_skinny_kernel", "_decode_split_kernel", "_gate_up_kernel", "_down_kernel"}
     early = {"_rms_norm_kernel", "_rope_write_kernel", "_decode_reduce_kernel", "_rms_norm_fp8_kernel",
@@ -389,11 +391,7 @@ def test_moe_gemm_variants_pdl_under_triton36(tmp_path: Path) -> None:
     order says nothing of when it runs). (A one-tile program's epilogue loads may outnumber its main loop's: down's
     top-k sum, or any with TMA, so the check is that every cp.async / TMA copy comes before the trigger.) The late
     trigger costs no pipelining: the same cp.async and TMA copies and spill as without PDL."""
-    env = {**os.environ, "PYTHONPATH": f"{_triton36()}{os.pathsep}{ROOT}", "TRITON_CACHE_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", AUDIT_MOE_PDL], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = _audit_under_triton36(AUDIT_MOE_PDL, tmp_path, timeout=900)
     assert report["triton"].startswith("3.6")
     by: dict[tuple[str, int, int, bool], dict] = {}
     for row in report["rows"]:
