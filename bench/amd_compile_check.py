@@ -38,6 +38,7 @@ if __package__ in (None, ""):
 
 from bench.amd_launches import KERNELS, NVIDIA_ONLY, TARGETS, Launch, Target, capture, jit_function, shapes  # noqa: E402
 from bench.amd_occupancy import CDNA, cdna_occupancy, hopper_occupancy  # noqa: E402
+from bench.json_rows import dump_report  # noqa: E402
 
 MIN_WAVES = 2  # waves per SIMD below which a gfx942 variant is flagged
 PRODUCT = "gfx942"  # the target whose every tile configuration the ci matrix checks; the others are controls
@@ -325,7 +326,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
            + command + "`; the method is in bench/amd_compile_check.py and docs/amd.md.", ""]
     for t in report["targets"]:
         tg = TARGETS[t]
-        what = "tile configuration" if t == PRODUCT else "kernel and pointer dtypes"
+        what = ("tile configuration (of an fp16 / fp32 model's kernels: a kernel and pointer dtypes)" if t == PRODUCT
+                else "kernel and pointer dtypes")
         cut = "" if s[t]["variants"] == s[t]["total"] else f" (one a {what} of {s[t]['variants']})"
         out.append(f"- {t} ({tg.gpu}): {s[t]['compiled']}/{s[t]['total']} variants compiled{cut}, {s[t]['failed']} "
                    f"failed, {s[t]['flagged']} flagged; kernels: {len(s[t]['kernels'])}")
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m bench.amd_compile_check " + " ".join(args)  # (--cache-dir changes nothing but time)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"amd_compile_{a.matrix}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (a.out / f"amd_compile_{a.matrix}.json").write_text(dump_report(report))
         (a.out / f"amd_compile_{a.matrix}.md").write_text(markdown(report, command))
     for t in reversed(targets):  # gfx942 last
         print(f"\n## {t} ({TARGETS[t].gpu})\n" + table(report, t))

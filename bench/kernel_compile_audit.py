@@ -50,6 +50,7 @@ if __package__ in (None, ""):
 
 from bench.amd_compile_check import Job, make_job  # noqa: E402
 from bench.amd_launches import TARGETS, Launch, Shape, capture, jit_function, recording, shapes  # noqa: E402
+from bench.json_rows import dump_report  # noqa: E402
 from bench.sm90_compile import compile_sm90, pdl_text, summarise, widths_text  # noqa: E402
 
 DEFAULT_SHAPES = ("qwen3-8b:1:bfloat16", "gemma3-12b:1:bfloat16", "qwen3-30b-a3b:1:bfloat16", "mixtral-8x7b:2:bfloat16")
@@ -172,28 +173,6 @@ def audit_job(job: Job) -> dict[str, Any]:
     flags = (["short"] if out["short"] else []) + (["pdl-order"] if pdl["before_wait"] or pdl["dependents_before_wait"]
                                                     else [])
     return {**out, "flags": flags, "compile_s": round(time.perf_counter() - t0, 1)}
-
-
-def compact_uses(uses: list[str]) -> list[str]:
-    """`uses` ("label: step" strings) with the steps that differ only in their batch folded into one entry, in first-
-    seen order: "m: decode b1", "m: decode b2" -> "m: decode b1,2" (a row of the JSON lists a kernel's users without
-    hundreds of near-identical lines)."""
-    groups: dict[str, list[str]] = {}
-    for use in uses:
-        head, sep, last = use.rpartition(" b")
-        key, batch = (head, last) if sep and last.isdigit() else (use, "")
-        seen = groups.setdefault(key, [])
-        if batch and batch not in seen:
-            seen.append(batch)
-    return [f"{k} b{','.join(v)}" if v else k for k, v in groups.items()]
-
-
-def dump_report(report: dict[str, Any]) -> str:
-    """The report as JSON with one line per row (the rows' users compacted by `compact_uses`)."""
-    rows = [{**r, "used_by": compact_uses(r["used_by"])} for r in report["rows"]]
-    head = json.dumps({k: v for k, v in report.items() if k != "rows"}, indent=1, default=str)[:-2]
-    body = ",\n  ".join(json.dumps(r, default=str) for r in rows)
-    return f'{head},\n "rows": [\n  {body}\n ]\n}}\n'
 
 
 def audit(todo: list[Job], procs: int = 1) -> list[dict[str, Any]]:

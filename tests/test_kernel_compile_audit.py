@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from bench import json_rows
 from bench import kernel_compile_audit as kca
 from bench.amd_launches import Shape
 from bench.sm90_compile import (
@@ -215,13 +216,13 @@ def test_table_marks_what_changed() -> None:
     ([], []),
 ])
 def test_compact_uses(uses: list[str], want: list[str]) -> None:
-    assert kca.compact_uses(uses) == want
+    assert json_rows.compact_uses(uses) == want
 
 
 def test_dump_report_is_the_report_one_row_a_line() -> None:
     report = {"triton": "3.6.0", "rows": [{**_row({128: 4}), "used_by": ["m: decode b1", "m: decode b8"]},
                                           _row({128: 8}, "k2", 128)]}
-    text = kca.dump_report(report)
+    text = json_rows.dump_report(report)
     back = json.loads(text)
     assert back["triton"] == "3.6.0" and [r["key"] for r in back["rows"]] == ["k", "k2"]
     assert back["rows"][0]["used_by"] == ["m: decode b1,8"]
