@@ -408,7 +408,7 @@ def test_with_auto_profile_gives_the_engine_what_the_child_found(
 
 
 @pytest.mark.parametrize("change", [
-    dict(auto=False), dict(partition=dict(profile="/given.json")),
+    dict(auto=False), dict(partition=dict(profile="/given.json")), dict(partition=dict(policy="duet", slo_itl_ms=None)),
     dict(partition=dict(mode="off")), dict(partition=dict(backend="none")), dict(tp=2), dict(mode="hybrid"),
     dict(cpu=True),
 ])

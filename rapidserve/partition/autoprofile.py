@@ -110,9 +110,12 @@ def choose_profile(*, given: str | None, committed: Path, committed_exists: bool
 
 
 def reads_profile(cfg: EngineConfig) -> bool:
-    """Whether the engine `cfg` starts reads a partition profile at all."""
+    """Whether the engine `cfg` starts reads a partition profile that can change what it does: not `--policy duet`
+    without an ITL SLO, which fuses every step with the whole token budget whatever a profile says (measuring one
+    would only delay its start)."""
     p = cfg.partition
-    return cfg.launch.mode == "rapid" and p.mode == "adaptive" and p.backend != "none"
+    no_slo_duet = p.policy == "duet" and p.slo_itl_ms is None
+    return cfg.launch.mode == "rapid" and p.mode == "adaptive" and p.backend != "none" and not no_slo_duet
 
 
 def cache_state(path: Path, gpu: str, model: str, tp: int = 1,
