@@ -27,8 +27,8 @@
 #       kind="nvidia-h200-x4", timeout_s=600)
 #   later (the plan says what fits): GROUP=vllm-default, vllm-1024; PRESET=mixtral-8x7b GROUP=ours-tp+hybrid-chunks
 # Issue 37's default at every bound against our two fixed policies, on nvidia-h200-x2 (two slots at TP 1; the plan:
-# KIND_GPUS=2 GROUP=ours-slo,ours bash bench/frontier_parallel.sh --plan), after the stash calls above (on x2):
-#   run(command="GROUP=ours-slo,ours NUM_PROMPTS=48 NAME=frontier_slo bash bench/frontier_parallel.sh",
+# KIND_GPUS=2 GROUP=ours-slo,baselines bash bench/frontier_parallel.sh --plan), after the stash calls above (on x2):
+#   run(command="GROUP=ours-slo,baselines NUM_PROMPTS=48 NAME=frontier_slo bash bench/frontier_parallel.sh",
 #       carry=[".whl"], kind="nvidia-h200-x2", timeout_s=600)
 # (its table's "default (SLO = bound) / always-fused" and "/ always-split" rows are issue 37's 3% test). The
 # better vLLM from a later call: GROUP=vllm-a,vllm-b MERGE_WITH="bench/results/h200x2_MMDD/frontier_ours-slo.json

@@ -8,6 +8,7 @@ groups' systems in one call, for shapes whose searches are short):
 |---|---|
 | ours | duet, always-fused, always-split (issue 37 on one GPU) |
 | ours-slo | duet@25, @50, @100, @200, @none: duet with `--slo-itl-ms B` (or none), each searched at B alone |
+| baselines | always-fused, always-split (beside ours-slo: ours' duet would repeat duet@50's server and search) |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
 | hybrid-chunks | hybrid at chunk 512, 1024, 2048 (RAPID-Serve's own baseline: `--mode hybrid`, its chunk) |
@@ -22,14 +23,16 @@ the weights do not fit half the GPUs (each side holds a whole copy).
     python bench/frontier_plan.py group ours-tp --tp 2 --preset llama-3.1-70b   # 3 lines: ours, vLLM, note
 
 The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
-TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s (no profile measured at its start); a machine's
+TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s with a committed profile (without one, its first
+start measures and caches one, up to 55 s more); a machine's
 start "a minute or more"; the stash calls ~25 s each), and a prefill-bound guess of each system's closed-loop peak
 (qwen3-8b's 8.5 req/s on one H200 at 4096:64, scaled by active parameters, prompt length and TP at 85% per
 doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
 (duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
 
 ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
-knob changes it at runtime), so on two GPUs `GROUP=ours-slo,ours` runs them beside ours' three. The table's
+knob changes it at runtime), so on two GPUs `GROUP=ours-slo,baselines` runs them beside always-fused and
+always-split (`ours` would also run duet at SLO 50, which duet@50 already is). The table's
 composite row "default (SLO = bound)" reads duet@B at each bound B (bench/compare_slo.py).
 """
 
@@ -49,6 +52,7 @@ from rapidserve.config import ModelConfig, ParallelConfig  # noqa: E402
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our systems, vLLM's systems)
     "ours": (("duet", "always-fused", "always-split"), ()),
     "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
+    "baselines": (("always-fused", "always-split"), ()),
     "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),
     "vllm-b": ((), ("vllm:--max-num-batched-tokens 2048", "vllm:--performance-mode interactivity")),
     "ours-tp": (("rapidserve", "disagg-npmd"), ()),

@@ -36,7 +36,7 @@
 #        then has the composite row "default (SLO = bound)", duet@B's goodput at each bound B (unbounded: duet@none's),
 #        and its ratios to the better vLLM and to always-fused / always-split are the composite's (issue 37: a user
 #        who needs bound B sets --slo-itl-ms B). Five servers one after the other (~20 s each; the engine reads its
-#        SLO once, at start). On two GPUs, beside ours: bench/frontier_parallel.sh with GROUP=ours-slo,ours.
+#        SLO once, at start). On two GPUs, beside always-fused and always-split: bench/frontier_parallel.sh with GROUP=ours-slo,baselines.
 #      A 30-minute device budget holds the stash calls and about two groups: run vllm-a and ours first (the better
 #      vLLM is then the best of two settings: the report names it at each bound), vllm-b if time is left.
 #   What comes back in $OUT: <NAME>.md / .json (compare.py's tables and data), <NAME>__<workload>_frontier.png

@@ -61,6 +61,8 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("vllm-default", "mixtral-8x7b", 4, [], ["vllm:"], ""),
     ("vllm-a", "qwen3-8b", 1, [], ["vllm:", "vllm:--max-num-batched-tokens 1024"], ""),
     ("ours-slo", "qwen3-8b", 1, ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none"], [], ""),
+    ("ours-slo+baselines", "qwen3-8b", 1,
+     ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none", "always-fused", "always-split"], [], ""),
     ("ours-tp+vllm-1024", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], ["vllm:--max-num-batched-tokens 1024"],
      ""),
 ])
