@@ -30,7 +30,9 @@ if sys.argv[1:] == ["-d"]:
     os.makedirs(pipe, exist_ok=True)
     d = subprocess.Popen(["sleep", "120"], start_new_session=True, stdin=subprocess.DEVNULL,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for path, text in ((pid_file, str(d.pid)), (control, ""), (state, "running"), (PID_LOG, str(d.pid))):
+    visible = os.path.join(pipe, "visible_devices")  # the real daemon renumbers what it sees from 0
+    for path, text in ((pid_file, str(d.pid)), (control, ""), (state, "running"), (PID_LOG, str(d.pid)),
+                       (visible, os.environ.get("CUDA_VISIBLE_DEVICES", "every GPU"))):
         with open(path, "w") as f:
             f.write(text)
     sys.exit(0)
@@ -42,7 +44,7 @@ if not os.path.exists(state):
 if command == "quit":
     with open(pid_file) as f:
         os.kill(int(f.read()), signal.SIGTERM)
-    for path in (state, control, pid_file):
+    for path in (state, control, pid_file, os.path.join(pipe, "visible_devices")):
         os.remove(path)
 sys.exit(0 if command in ("quit", "get_server_list") else 2)
 '''
@@ -228,3 +230,16 @@ def test_unwritable_workdir_is_inactive_in_auto(work: Path, fake: str, empty_env
     with MpsController(fake, environ=empty_env) as ctl:
         plan = ctl.start("auto", "cuda", str(blocker / "w"))
         assert not plan.active and "cannot create" in plan.reason
+
+
+def test_private_daemon_sees_every_gpu_whatever_the_server_was_given(work: Path, fake: str,
+                                                                    empty_env: dict[str, str]) -> None:
+    """A server pinned with CUDA_VISIBLE_DEVICES=1 (a user's second GPU, or a benchmark's) must not pass it to
+    its daemon: the real daemon renumbers its one GPU as 0, and the workers, still asking for GPU 1, then see no
+    GPU at all (2 x H200, 2026-11-29: the decode worker fell back to the CPU). The workers keep the variable."""
+    env = {**empty_env, "CUDA_VISIBLE_DEVICES": "1"}
+    with MpsController(fake, environ=env) as ctl:
+        plan = ctl.start("auto", "cuda", str(work))
+        assert plan.active and plan.started_by_us and plan.pipe_dir is not None
+        assert (Path(plan.pipe_dir) / "visible_devices").read_text() == "every GPU"
+        assert "CUDA_VISIBLE_DEVICES" not in plan.worker_env()  # the workers inherit the server's "1"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -138,6 +139,10 @@ class AsyncEngine:
     async def _start_workers(self) -> None:
         assert self.loop is not None
         platform = "cpu" if self.cfg.runner.device == "cpu" else gpu_platform()
+        if platform != "cpu" and self.cfg.runner.device == "auto":
+            # The workers use the GPU found here: left at "auto", a worker that cannot reach it (an MPS daemon
+            # that sees other GPUs than CUDA_VISIBLE_DEVICES names) would quietly run the model on the CPU.
+            self.cfg = dataclasses.replace(self.cfg, runner=dataclasses.replace(self.cfg.runner, device="cuda"))
         if self.mps_plan is None and self.cfg.launch.mode in ("hybrid", "disagg"):  # nothing shares a GPU
             why = "one worker process" if self.cfg.launch.mode == "hybrid" else "one worker per GPU"
             self.mps_plan = MpsPlan("off", False, False, None, None, f"{self.cfg.launch.mode} mode: {why}, no MPS")

@@ -32,6 +32,7 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_VAR = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VAR = "CUDA_MPS_LOG_DIRECTORY"
 PERCENT_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+VISIBLE_VAR = "CUDA_VISIBLE_DEVICES"
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
 DEFAULT_LOG_DIR = "/var/log/nvidia-mps"
 TIME_SLICE = "workers will time-slice the GPU; prefill and decode kernels will not overlap"
@@ -144,7 +145,11 @@ class MpsController:
     # --- helpers ---------------------------------------------------------------------------
 
     def _env(self, pipe_dir: str, log_dir: str) -> dict[str, str]:
-        env = {k: v for k, v in self._environ.items() if k != PERCENT_VAR}
+        # A daemon started with CUDA_VISIBLE_DEVICES=N renumbers its one GPU as 0, and a client that then
+        # asks for GPU N (its own CUDA_VISIBLE_DEVICES) finds no GPU at all (measured on 2 x H200: "Client
+        # requested 1 which is not a valid GPU ID in the MPS visible set"). Our daemon sees every GPU; each
+        # worker keeps its own CUDA_VISIBLE_DEVICES.
+        env = {k: v for k, v in self._environ.items() if k not in (PERCENT_VAR, VISIBLE_VAR)}
         env[PIPE_VAR] = pipe_dir
         env[LOG_VAR] = log_dir
         return env

@@ -11,14 +11,25 @@ Why a table: PDL and the prefetch pay at small decode batches and cost at large 
 | 16 | 4.774 | 4.850 (-1.6%) | 4.855 (-1.7%) |
 | 64 | 8.865 | 8.339 (+6.3%: slower) | 8.774 (+1.0%: slower) |
 
-So the H200's entry turns both on up to 16 rows and off from 17; 32 rows were not measured and are off (the
-conservative side). bf16 weights have not been A/B'd: the entry is the fp8 run's. A GPU without an entry takes the
-H200's (`DEFAULT_DEVICE`'s entry of the table, as measured there; `DEFAULT_ENTRY`, the figures above, where the table
-has none either): a guess for every other GPU, the H100 included, until it is measured.
+A second run on 2 x H200 (2026-11-29T22:45Z, `... --batches 1,8,16,24,32,48,64 --write-pdl-table`, and bf16 at
+1/16/64 in the same call), PDL / no PDL:
+
+| batch | fp8 | bf16 |
+|---|---|---|
+| 1 | 3.421 / 3.563 ms (-4.0%) | 4.728 / 4.563 (+3.6%: slower) |
+| 8 | 4.135 / 4.121 (+0.3%) | - |
+| 16 | 4.794 / 4.696 (+2.1%) | 6.270 / 5.733 (+9.4%) |
+| 32 / 48 / 64 | +8.4% / +1.9% / +4.9% | 9.633 / 9.284 at 64 (+3.8%) |
+
+Batches 8-16 swing by about 2% from run to run, and bf16 loses at every batch, so the H200's entry keeps PDL and
+the prefetch on at 1 row only (fp8 gained there twice) and off from 2. The table is per GPU, not per weight dtype:
+at one row bf16 pays ~3% for fp8's ~4-9%. A GPU without an entry takes the H200's (`DEFAULT_DEVICE`'s entry of
+the table, as measured there; `DEFAULT_ENTRY`, the same figures, where the table has none either): a guess for
+every other GPU, the H100 included, until it is measured.
 
 The file, `rapidserve/ops/pdl_table.json` (`TABLE_PATH`), maps `torch.cuda.get_device_name()` to an entry::
 
-    {"NVIDIA H200": {"max_rows": 16, "prefetch_bytes": 8388608, "source": "free text: what measured it, when"}}
+    {"NVIDIA H200": {"max_rows": 1, "prefetch_bytes": 8388608, "source": "free text: what measured it, when"}}
 
 - ``max_rows``: the largest step (in rows: a decode graph's batch bucket, an eager step's sequences) at which PDL
   and the prefetch are on; 0: never;
@@ -84,7 +95,7 @@ class LaunchChoice(NamedTuple):
 PdlTable = Mapping[str, PdlEntry]  # by device name
 OFF = LaunchChoice(False, 0)
 DEFAULT_DEVICE = "NVIDIA H200"  # whose entry a GPU without its own takes
-DEFAULT_ENTRY = PdlEntry(16, DEFAULT_PREFETCH_BYTES, "the NVIDIA H200's figures of 2026-11-29 (module docstring)")
+DEFAULT_ENTRY = PdlEntry(1, DEFAULT_PREFETCH_BYTES, "the NVIDIA H200's figures of 2026-11-29 (module docstring)")
 
 
 def entry_for(table: PdlTable, device_name: str) -> PdlEntry:

@@ -18,6 +18,7 @@ pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_ta
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -67,7 +68,10 @@ def resolve_device(name: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device={name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device={name!r} but no CUDA/ROCm GPU is visible; use --device cpu")
+        mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+        why = (f" to this process, which runs under the MPS daemon at {mps} (a daemon sees only the GPUs its own "
+               "CUDA_VISIBLE_DEVICES named; serve with --mps off, or start the daemon without it)") if mps else ""
+        raise ConfigError(f"device={name!r} but no CUDA/ROCm GPU is visible{why}; use --device cpu")
     return dev
 
 
