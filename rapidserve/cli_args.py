@@ -199,7 +199,7 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
     if with_mode:
         g.add_argument("--policy", default=None, choices=POLICIES,
                        help="the shape of each step: rapid (always split: the profile's configuration with the most "
-                            "prefill throughput within the ITL SLO; the default), duet (DuetServe: fused steps while "
+                            "prefill throughput within the ITL SLO), duet (DuetServe, the default: fused steps while "
                             "the predicted step meets the SLO, else the split with the most prefill throughput), "
                             "drift (split, prefill a layer block at a time on the split with the most prefill units "
                             "within the SLO; a short request may preempt a long prefill: give --slo-ttft-ms) or fused "

@@ -15,10 +15,12 @@ from rapidserve.config_base import ConfigError, check
 # rapid (always split, the profile's choice), duet (fused when a step fits the ITL SLO, else split), drift (split,
 # prefill block-wise), fused (always one mixed step: --mode hybrid's).
 POLICIES = ("rapid", "duet", "drift", "fused")
-# What `--mode rapid --partition adaptive` runs when --policy is left out. The adaptive policy is `duet` (DuetServe's
-# design); it becomes the default once the decode worker carries out fused steps itself (issue 37's engine change):
-# until then `duet` in the engine is the two-process approximation (partition/duet.py), so the default stays rapid.
-DEFAULT_POLICY = "rapid"
+# What `--mode rapid --partition adaptive` runs when --policy is left out: `duet` (DuetServe's design: the decode worker
+# runs fused mixed steps itself and splits only when a fused step would break the ITL SLO). Measured on 2 x H200
+# (2026-11-29, bench/results/h200x2_1129b/): with --slo-itl-ms B it held goodput at or above always-fused and
+# always-split at every bound B of 25-200 ms, and within 1% of always-fused unbounded (4096:64, bf16). A fixed or no
+# partition runs `rapid` (policy_spec.resolve_policy): duet needs the adaptive one.
+DEFAULT_POLICY = "duet"
 PROFILE_LOOKUPS = ("interpolate", "round-up")  # how the manager reads a profile between buckets: profile.estimate
 
 

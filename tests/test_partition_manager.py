@@ -525,7 +525,7 @@ def test_cli_profile_lookup() -> None:
     a = build_parser().parse_args(["serve"])
     assert partition_config(a).profile_lookup == "round-up"  # the default: measured within the SLO
     a = build_parser().parse_args(["serve", "--profile-lookup", "interpolate"])
-    assert partition_config(a) == PartitionConfig(profile_lookup="interpolate")
+    assert partition_config(a) == PartitionConfig(profile_lookup="interpolate", policy="duet")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--profile-lookup", "nearest"])
 

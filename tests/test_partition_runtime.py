@@ -231,14 +231,14 @@ def test_profile_accepts_those_flags_at_their_defaults(capsys: pytest.CaptureFix
 @pytest.mark.parametrize(
     ("argv", "want"),
     [
-        (["serve"], PartitionConfig()),
+        (["serve"], PartitionConfig(policy="duet")),  # the default policy where the partition is adaptive
         (["serve", "--partition", "off"], PartitionConfig(mode="off")),
         (["serve", "--partition", "static:0.25", "--partition-backend", "hip-cumask"],
          PartitionConfig(mode="static", static_decode_share=0.25, backend="hip-cumask")),
         (["serve", "--profile", H100_LLAMA, "--slo-itl-ms", "20"],
-         PartitionConfig(profile=H100_LLAMA, slo_itl_ms=20.0)),
+         PartitionConfig(profile=H100_LLAMA, slo_itl_ms=20.0, policy="duet")),
         (["profile", "--partition-backend", "none", "--slo-itl-ms", "7.5"],
-         PartitionConfig(backend="none", slo_itl_ms=7.5)),
+         PartitionConfig(backend="none", slo_itl_ms=7.5, policy="duet")),
     ],
 )
 def test_cli_partition_config(argv: list[str], want: PartitionConfig) -> None:

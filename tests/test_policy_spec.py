@@ -279,7 +279,9 @@ def test_serve_refuses_them_before_binding_its_port(capsys: pytest.CaptureFixtur
 
 def test_partition_config_resolves_the_policy_from_the_mode() -> None:
     assert partition_config(build_parser().parse_args(["serve", "--mode", "hybrid"])).policy == "fused"
-    assert partition_config(build_parser().parse_args(["serve"])) == PartitionConfig()
+    assert partition_config(build_parser().parse_args(["serve"])) == PartitionConfig(policy=DEFAULT_POLICY)
+    assert DEFAULT_POLICY == "duet"  # the adaptive policy (partition_config.DEFAULT_POLICY's note: measured)
+    assert partition_config(build_parser().parse_args(["serve", "--partition", "off"])).policy == "rapid"
 
 
 @pytest.mark.parametrize(("kwargs", "flag"), [
@@ -354,7 +356,6 @@ def test_a_number_of_ms_is_still_refused_where_no_slo_is_read() -> None:
 
 
 @pytest.mark.parametrize(("argv", "names"), [
-    ([], ("--slo-itl-ms none: --policy rapid chooses its split", "--policy duet")),  # rapid: the default policy
     (["--policy", "rapid"], ("--slo-itl-ms none: --policy rapid",)),
     (["--policy", "drift"], ("--slo-itl-ms none: --policy drift",)),
 ])
@@ -363,6 +364,14 @@ def test_serve_refuses_no_slo_where_the_split_needs_one(argv: list[str], names: 
     assert main(["serve", "--model", "/nonexistent", "--slo-itl-ms", "none", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rapidserve: error:") and err.count("\n") == 1 and all(n in err for n in names), err
+
+
+def test_serve_default_policy_takes_no_slo(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default policy (duet) reads `--slo-itl-ms none` (every step fused): the flag check lets it through and the
+    run goes on to the model, which fails here."""
+    assert main(["serve", "--model", "/nonexistent", "--slo-itl-ms", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "/nonexistent" in err and "--slo-itl-ms" not in err, err
 
 
 def test_profile_refuses_no_slo_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
