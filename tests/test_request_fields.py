@@ -209,10 +209,14 @@ class Served:
     # (TOOL_CASES and chat_field_cases.CHAT_CASES, by name)
 
 
-# Every engine path: rapid, hybrid, disagg (prefill and decode instances, the KV moved between their pools)
-# and rapid at tensor-parallel size 3 (SmolLM2's 9 heads and 3 KV heads split three ways; gloo on CPU).
-ENGINE_PATHS = {"rapid": ("--mode", "rapid"), "hybrid": ("--mode", "hybrid"), "disagg": ("--mode", "disagg"),
-                "rapid-tp3": ("--mode", "rapid", "-tp", "3")}
+# Every engine path: rapid with its default policy (duet: fused steps in the decode worker, split when the SLO
+# needs it) and with --policy rapid (every prompt through the prefill worker), hybrid (--policy fused), disagg
+# (prefill and decode instances, the KV moved between their pools) and rapid at tensor-parallel size 3 (SmolLM2's
+# 9 heads and 3 KV heads split three ways; gloo on CPU), and --policy drift (block-wise prefill in the prefill
+# worker).
+ENGINE_PATHS = {"rapid": ("--mode", "rapid"), "rapid-split": ("--mode", "rapid", "--policy", "rapid"),
+                "hybrid": ("--mode", "hybrid"), "disagg": ("--mode", "disagg"),
+                "rapid-tp3": ("--mode", "rapid", "-tp", "3"), "drift": ("--mode", "rapid", "--policy", "drift")}
 
 
 @pytest.fixture(scope="module", params=list(ENGINE_PATHS))
