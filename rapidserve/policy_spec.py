@@ -225,6 +225,20 @@ def resolve_policy(run: str, policy: str | None, partition_mode: str) -> str:
     return want if (r.partition or partition_mode) in POLICY_SPECS[want].partition_modes or not r.workers else "rapid"
 
 
+def policy_line(run: str, policy: str, partition_mode: str, slo_itl_ms: float | None) -> str:
+    """How the start-up log names the step policy a run carries out: its name and summary, and the ITL SLO where it
+    reads one (an adaptive partition's rapid, duet or drift). A run that splits nothing (hybrid, disagg) names
+    what it does instead."""
+    if run == "hybrid" or policy == "fused":
+        return f"policy fused: {POLICY_SPECS['fused'].summary}"
+    if run == "disagg":
+        return "no step policy: prefill and decode on their own GPUs"
+    line = f"policy {policy}: {POLICY_SPECS[policy].summary}"
+    if partition_mode != ADAPTIVE:
+        return f"{line}, on the {partition_mode} partition"
+    return f"{line}, ITL SLO {'none' if slo_itl_ms is None else f'{slo_itl_ms:g} ms'}"
+
+
 def _readers(path: str) -> str:
     """Who reads `path`, for a refusal's fix: the policies (and the partition mode where not every one) and runs."""
     out = []

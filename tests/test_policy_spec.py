@@ -404,3 +404,21 @@ def test_llm_runs_without_an_itl_slo() -> None:
     assert len(out.outputs[0].token_ids) == 3
     with pytest.raises(ConfigError, match="--slo-itl-ms: not read by LLM"):
         LLM("/nonexistent", device="cpu", partition=PartitionConfig(slo_itl_ms=30.0))
+
+
+@pytest.mark.parametrize(("run", "policy", "mode", "slo", "want"), [
+    ("rapid", "duet", "adaptive", 50.0, "policy duet: fused when a step fits the ITL SLO, else split (DuetServe), "
+                                        "ITL SLO 50 ms"),
+    ("rapid", "duet", "adaptive", None, "policy duet: fused when a step fits the ITL SLO, else split (DuetServe), "
+                                        "ITL SLO none"),
+    ("rapid", "rapid", "static", 50.0, "policy rapid: always split, the profile's configuration (RAPID-Serve), on the "
+                                       "static partition"),
+    ("rapid", "drift", "adaptive", 25.0, "policy drift: split, prefill a layer block at a time (DRIFT), ITL SLO 25 ms"),
+    ("hybrid", "fused", "off", 50.0, "policy fused: always one mixed step on the whole GPU (vLLM / Sarathi-Serve; "
+                                     "--mode hybrid)"),
+    ("disagg", "rapid", "off", 50.0, "no step policy: prefill and decode on their own GPUs"),
+])
+def test_policy_line_names_what_runs(run: str, policy: str, mode: str, slo: float | None, want: str) -> None:
+    from rapidserve.policy_spec import policy_line
+
+    assert policy_line(run, policy, mode, slo) == want

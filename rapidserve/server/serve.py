@@ -35,6 +35,7 @@ from aiohttp import web
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine.launch import start_fork_server
+from rapidserve.policy_spec import policy_line
 from rapidserve.server.connections import GuardedRunner
 from rapidserve.server.startup import StartupGate, bind_sockets, configure_logging, off_loop, process_age_s
 from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
@@ -185,8 +186,9 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
         # the grammar engine's view of the tokenizer (seconds, mostly GIL): loaded while the engine starts
         if trials is not None:
             warming = asyncio.ensure_future(off_loop(trials.warm))
-        gate.set_step(f"starting the engine ({ecfg.launch.mode} mode): its workers load the weights, size the KV "
-                      "cache and capture graphs (each logs its steps)")
+        policy = policy_line(ecfg.launch.mode, ecfg.partition.policy, ecfg.partition.mode, ecfg.partition.slo_itl_ms)
+        gate.set_step(f"starting the engine ({ecfg.launch.mode} mode, {policy}): its workers load the "
+                      "weights, size the KV cache and capture graphs (each logs its steps)")
         engine = await (start or start_engine)(ecfg)
         if warming is not None:
             await warming
