@@ -22,7 +22,6 @@ file is validated when the tables load (`load_tables`, at the import of triton_f
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.table_files import read_table, read_tables
 
 CONFIG_DIR = Path(__file__).resolve().parent / "fp8_configs"
 MAX_ROWS = 64  # the most rows the skinny fp8 kernel takes (one row tile: BLOCK_M <= 64)
@@ -193,17 +193,12 @@ def table_json(table: Fp8Table) -> dict[str, Any]:
 
 
 def load_table(path: Path) -> Fp8Table:
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise _fail(str(path), "the file", f"is not JSON ({e})") from None
-    return parse_table(d, str(path))
+    return read_table(path, parse_table, _fail)
 
 
 def load_tables(directory: Path = CONFIG_DIR) -> Fp8Tables:
     """Every `*.json` table under `directory` (none if it does not exist), validated, by device name; read-only."""
-    files = sorted(directory.glob("*.json")) if directory.is_dir() else []
-    return MappingProxyType({t.device_name: t for t in map(load_table, files)})
+    return read_tables(directory, load_table, lambda t: t.device_name)
 
 
 __all__ = ["CONFIG_DIR", "MAX_ROWS", "SCALED_MM", "SPLITS_K", "Entry", "Fp8Table", "Fp8TableError", "Fp8Tables",

@@ -34,7 +34,6 @@ E, a decimal number, fractions at decode); a call takes the key nearest its own 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.table_files import read_table, read_tables
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
 BLOCKS = (16, 32, 64, 128, 256)  # allowed BLOCK_M, BLOCK_N, BLOCK_K (tl.dot needs >= 16; powers of two)
@@ -268,14 +268,9 @@ def table_json(table: MoeTable) -> dict[str, Any]:
 
 
 def load_table(path: Path) -> MoeTable:
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise _fail(str(path), "the file", f"is not JSON ({e})") from None
-    return parse_table(d, str(path))
+    return read_table(path, parse_table, _fail)
 
 
 def load_tables(directory: Path = CONFIG_DIR) -> MoeTables:
     """Every `*.json` table under `directory` (none if it does not exist), validated, by key; read-only."""
-    files = sorted(directory.glob("*.json")) if directory.is_dir() else []
-    return MappingProxyType({t.key: t for t in map(load_table, files)})
+    return read_tables(directory, load_table, lambda t: t.key)

@@ -53,6 +53,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
+from rapidserve.ops.table_files import read_table
 
 TABLE_PATH = Path(__file__).resolve().parent / "pdl_table.json"
 FIELDS = ("max_rows", "prefetch_bytes", "source")
@@ -194,11 +195,7 @@ def load_table(path: Path = TABLE_PATH) -> PdlTable:
     """The table at `path`, validated (empty where there is no file); read-only."""
     if not path.is_file():
         return MappingProxyType({})
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise _fail(str(path), "the file", f"is not JSON ({e})") from None
-    return parse_table(d, str(path))
+    return read_table(path, parse_table, _fail)
 
 
 def with_entry(table: PdlTable, device_name: str, entry: PdlEntry) -> PdlTable:
