@@ -7,8 +7,10 @@ rendered):
 - `continue_final_message` (default false): end inside the last message so the model goes on with it;
   as in vLLM (and transformers) it needs `add_generation_prompt: false`;
 - `documents`: a retrieval-augmented template's documents (objects of strings);
-- `reasoning_effort` (low, medium, high): a template variable, as vLLM passes it (gpt-oss's templates read it;
-  others ignore it as vLLM's do); also accepted in `chat_template_kwargs`, where it must agree;
+- `reasoning_effort` (none, minimal, low, medium, high, xhigh, max): a template variable, as vLLM passes it
+  (gpt-oss's templates read it; others ignore it as vLLM's do); also accepted in `chat_template_kwargs`, where it
+  must agree; at the top level it also sets `enable_thinking` (false for none, else true) unless
+  `chat_template_kwargs` does, as vLLM does (Qwen3's and Gemma's templates read that);
 - `chat_template_kwargs`: more template variables, an object of JSON values (Qwen3's `enable_thinking`);
   it may carry the three fields above too (vLLM merges them the same way): a value given both there and
   at the top level must agree. Names the renderer itself owns (`tokenize`, `messages`, `tools`...) are
@@ -63,6 +65,9 @@ def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[st
     effort = _merged("reasoning_effort", getattr(r, "reasoning_effort", None), variables)
     if effort is not None:  # a template variable (vLLM passes it to the template): gpt-oss's templates read it
         variables["reasoning_effort"] = effort
+    top = getattr(r, "reasoning_effort", None)
+    if top is not None and "enable_thinking" not in variables:  # as vLLM: templates that opt in to thinking
+        variables["enable_thinking"] = top != "none"
     add_prompt = True if merged["add_generation_prompt"] is None else merged["add_generation_prompt"]
     continue_final = bool(merged["continue_final_message"])
     if not isinstance(add_prompt, bool) or not isinstance(merged["continue_final_message"], bool | None):
