@@ -169,3 +169,24 @@ def test_disable_additional_properties_closes_objects(ctx: rq.ProtocolContext) -
     got = json.loads(r.params.structured_outputs.json)  # type: ignore[union-attr,arg-type]
     assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
     assert got["properties"]["b"]["additionalProperties"] is True  # what a schema says is kept
+
+
+def test_server_flags_for_chats_and_usage(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
+    """--default-chat-template-kwargs (under the request's own, and under reasoning_effort's enable_thinking),
+    --exclude-tools-when-tool-choice-none and --enable-force-include-usage, from the ServerConfig to the request."""
+    cfg = ServerConfig(default_chat_template_kwargs={"x": "D", "enable_thinking": False},
+                       trust_request_chat_template=True, exclude_tools_when_tool_choice_none=True,
+                       force_include_usage=True)
+    ecfg = EngineConfig(model="smol", model_config=dataclasses.replace(MODEL, vocab_size=VOCAB))
+    server = Server(cfg, ecfg, FakeEngine(), tok, "smol", tool_parser="hermes")  # type: ignore[arg-type]
+    c = dataclasses.replace(server.ctx, reasoning_parser="qwen3")
+    template = {"chat_template": "{{ x }}{% if tools %}+tools{% endif %}"}
+    text = lambda body: tok.decode(parse("chat", {"messages": MSGS, **template, **body}, c).prompts[0])  # noqa: E731
+    assert text({}) == "D" and text({"chat_template_kwargs": {"x": "R"}}) == "R"
+    assert not parse("chat", {"messages": MSGS}, c).reasoning.thinking  # type: ignore[union-attr]
+    assert parse("chat", {"messages": MSGS, "reasoning_effort": "high"}, c).reasoning.thinking  # type: ignore[union-attr]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert text({"tools": [tool], "tool_choice": "none"}) == "D"
+    assert text({"tools": [tool], "tool_choice": "auto"}) == "D+tools"
+    assert parse("completion", {"prompt": "hi", "stream": True}, c).include_usage
+    assert not parse("completion", {"prompt": "hi", "stream": True}, ctx).include_usage  # without the flag

@@ -83,7 +83,9 @@ class Server:
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
                                    cfg.max_tokens_default(ecfg.generation), tool_parser,
                                    cfg.trust_request_chat_template, cfg.reasoning_parser, ecfg.generation,
-                                   trials=trials)
+                                   trials=trials, default_template_kwargs=dict(cfg.default_chat_template_kwargs or {}),
+                                   exclude_tools_when_none=cfg.exclude_tools_when_tool_choice_none,
+                                   force_include_usage=cfg.force_include_usage)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False

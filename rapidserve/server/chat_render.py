@@ -18,13 +18,15 @@ rendered):
 - `chat_template`: the request's own template, only on a server started with
   `--trust-request-chat-template` (vLLM's rule: a template is code the server runs), checked to parse;
 - `add_special_tokens` (default false for chat): add the tokenizer's special tokens (BOS) when the
-  rendered text is encoded, on top of those the template writes.
+  rendered text is encoded, on top of those the template writes;
+- the server's `--default-chat-template-kwargs`: variables a request gets unless it sets them itself.
 Pure functions; no model, no server state.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from rapidserve.server.errors import APIError, bad_request
@@ -52,8 +54,10 @@ class ChatRenderFields(Protocol):
     def add_special_tokens(self) -> bool | None: ...
 
 
-def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[str, Any]:
-    """The keywords of `Tokenizer.apply_chat_template` for `r` (beyond messages and tools), checked."""
+def render_options(r: ChatRenderFields, trust_request_template: bool,
+                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keywords of `Tokenizer.apply_chat_template` for `r` (beyond messages and tools), checked; `defaults`:
+    the server's template variables (--default-chat-template-kwargs), under the request's own."""
     variables = dict(r.chat_template_kwargs or {})
     reserved = sorted(RESERVED_KWARGS & variables.keys())
     if reserved:
@@ -68,6 +72,7 @@ def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[st
     top = getattr(r, "reasoning_effort", None)
     if top is not None and "enable_thinking" not in variables:  # as vLLM: templates that opt in to thinking
         variables["enable_thinking"] = top != "none"
+    variables = {**(defaults or {}), **variables}  # the request's own win, as in vLLM
     add_prompt = True if merged["add_generation_prompt"] is None else merged["add_generation_prompt"]
     continue_final = bool(merged["continue_final_message"])
     if not isinstance(add_prompt, bool) or not isinstance(merged["continue_final_message"], bool | None):

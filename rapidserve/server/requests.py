@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -67,6 +68,11 @@ class ProtocolContext:
     # Whether the grammar engine can serve each constraint with the model's tokenizer (compiled and tried
     # off the loop, structured_fields.check_servable); None: not checked here (no tokenizer: the workers fail it)
     trials: GrammarTrials | None = field(default=None, compare=False)
+    # vLLM's server flags: template variables a chat gets unless it sets them, no tools to the template with
+    # tool_choice "none", usage in every answer
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    exclude_tools_when_none: bool = False
+    force_include_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -248,7 +254,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
-        render = render_options(r, ctx.trust_request_chat_template)
+        render = render_options(r, ctx.trust_request_chat_template, ctx.default_template_kwargs)
         work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools) + len(
             json.dumps([render["documents"], render["template_kwargs"]]))
         _check_text_size(work, "messages", "messages", ctx)
@@ -284,6 +290,8 @@ def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[
     if plan.messages is not None:
         assert tok is not None and plan.render is not None
         tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
+        if plan.tools is not None and plan.tools.mode == "none" and ctx.exclude_tools_when_none:
+            tools = None
         try:
             ids = tok.apply_chat_template(plan.messages, tools=tools, **plan.render)
         except Exception as e:  # the template's code failed on this request's inputs
@@ -324,7 +332,8 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     if plan.tools is not None and plan.tools.mode == "auto" and plan.tools.parser == "mistral":
         # Mistral's [TOOL_CALLS] is a special token: the text keeps special tokens to be parsed (as vLLM does)
         params = params.replace(skip_special_tokens=False)
-    include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
+    include_usage = ctx.force_include_usage or (not r.stream if r.stream_options is None else
+                                                bool(r.stream_options.include_usage))
     continuous = r.stream_options is not None and bool(r.stream_options.continuous_usage_stats)
     if continuous and not include_usage:
         raise bad_request("stream_options", "'stream_options.continuous_usage_stats' adds usage to every chunk: it "

@@ -162,7 +162,8 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
         if len(r.prompt) > OFFLOAD_CHARS:
             return await asyncio.to_thread(tok.encode, r.prompt, special)
         return tok.encode(r.prompt, add_special_tokens=special)
-    render = render_options(r, ctx.trust_request_chat_template)  # 400 naming a bad field, as on the chat route
+    # 400 naming a bad field, as on the chat route
+    render = render_options(r, ctx.trust_request_chat_template, ctx.default_template_kwargs)
     messages = template_messages(ChatCompletionRequest(messages=r.messages or []))
     tools = [msgspec.to_builtins(t) for t in r.tools] if r.tools else None
 
