@@ -19,6 +19,7 @@ from rapidserve.cli_generate import add_generate_parser
 from rapidserve.cli_serve import add_serve_parser
 from rapidserve.cli_vllm import CliParser
 from rapidserve.config_base import ConfigError
+from rapidserve.vllm_serve_flags import refuse_prefixes
 
 EXIT_USAGE = 2
 
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
     add_serve_parser(sub)
+    for name in ("generate", "serve"):  # vLLM's flags that begin theirs are refused, not taken as abbreviations
+        refuse_prefixes(sub.choices[name])
 
     from rapidserve.partition.profile_cmd import add_profile_parser
 

@@ -57,10 +57,10 @@ def add_serve_parser(sub: Any) -> None:
                      help="independent engines behind this one server, each on its own GPUs (least-loaded "
                           "dispatch)")
     key = sv.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None,
+    key.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every route but /health and /openapi.json "
                           "(visible in `ps`: prefer --api-key-file or $RAPIDSERVE_API_KEY, read when neither "
-                          "flag is given)")
+                          "flag is given); one key (vLLM takes several: more is refused)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="read the API key from the first line of this file")
     sv.add_argument("--metrics-public", action="store_true",
@@ -77,9 +77,9 @@ def add_serve_parser(sub: Any) -> None:
                          "a folder holding a generation_config.json; a request's own values win")
     sv.add_argument("--max-request-bytes", type=int_at_least(1024), default=8 * 1024 * 1024,
                     help="largest request body accepted (larger: 413)")
-    sv.add_argument("--shutdown-grace-s", type=nonneg_float, default=10.0,
+    sv.add_argument("--shutdown-grace-s", "--shutdown-timeout", type=nonneg_float, default=10.0,
                     help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they are "
-                         "ended with an error")
+                         "ended with an error (--shutdown-timeout: vLLM's name)")
     sv.add_argument("--max-connections", type=positive_int, default=2048,
                     help="open connections at most; beyond it the oldest idle one is closed, or the new "
                          "one answered 503")
@@ -184,9 +184,14 @@ def api_key(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> str 
     """The server's API key: --api-key, else the first line of --api-key-file, else $RAPIDSERVE_API_KEY
     (empty: none). A file that is missing, unreadable or empty is a ConfigError naming it."""
     if a.api_key is not None:
-        if not a.api_key.strip():
+        keys = [a.api_key] if isinstance(a.api_key, str) else list(a.api_key)
+        if len(keys) > 1:
+            raise ConfigError(f"--api-key: rapidserve takes one key, not {len(keys)} (vLLM's flag takes several): "
+                              "give one, and that one to every client (a model given after the key: put MODEL "
+                              "first, or use --model)")
+        if not keys[0].strip():
             raise ConfigError("--api-key is empty; give a key, or leave the flag out")
-        return str(a.api_key)
+        return str(keys[0])
     if a.api_key_file is not None:
         try:
             with open(a.api_key_file, encoding="utf-8") as f:

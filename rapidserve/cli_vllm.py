@@ -17,58 +17,36 @@
   `--scheduling-policy fcfs`, `--tokenizer-mode auto`. (`--quantization` / `-q` and `--kv-cache-dtype` are every
   command's: fp8 / none / auto and auto / fp8 / fp8_e4m3 / the model's dtype accepted, anything else refused by
   name, `engine_settings.check_unsupported_options`.)
+- `--default-chat-template-kwargs`, `--exclude-tools-when-tool-choice-none`, `--enable-force-include-usage`
+  (vLLM's), `--no-enable-log-requests` (= --disable-log-requests), `--shutdown-timeout` (= --shutdown-grace-s).
+- vLLM's flags that ask for what rapidserve does anyway (`-pp 1`, `--no-enable-lora`...): accepted, their help
+  says why (vllm_serve_flags.NO_OP; another value is refused with the same reason).
 - Any other flag: argparse refuses it; `CliParser` rewrites that message to name each flag and say that
-  rapidserve does not support it, with the reason for vLLM's common ones (`UNSUPPORTED`).
+  rapidserve does not support it, with the reason and what to use instead for every vLLM 0.26 flag
+  (vllm_serve_flags.REFUSED). Flags may be spelled with underscores (--max_model_len), as vLLM's parser allows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import sys
 from typing import Any, NoReturn
 
 from rapidserve.config import LOAD_FORMATS
 from rapidserve.config_base import LOG_LEVELS, ConfigError
 from rapidserve.server_config import REASONING_PARSERS
-
-_PROXY = "put a reverse proxy (nginx, envoy) in front of rapidserve for it"
-UNSUPPORTED: dict[str, str] = {  # vLLM serve flags rapidserve lacks -> why (or what to use instead)
-    "--pipeline-parallel-size": "only tensor (-tp) and data (-dp) parallelism",
-    "-pp": "only tensor (-tp) and data (-dp) parallelism",
-    "--enable-lora": "no LoRA adapters", "--lora-modules": "no LoRA adapters", "--max-loras": "no LoRA adapters",
-    "--max-lora-rank": "no LoRA adapters",
-    "--speculative-config": "no speculative decoding",
-    "--cpu-offload-gb": "no weight offloading to CPU memory",
-    "--swap-space": "preempted requests are recomputed, never swapped to CPU memory",
-    "--distributed-executor-backend": "workers are processes of one host (no Ray)",
-    "--limit-mm-per-prompt": "text-only models", "--mm-processor-kwargs": "text-only models",
-    "--ssl-keyfile": f"no TLS: {_PROXY}", "--ssl-certfile": f"no TLS: {_PROXY}", "--ssl-ca-certs": f"no TLS: {_PROXY}",
-    "--root-path": _PROXY, "--allowed-origins": f"no CORS headers: {_PROXY}",
-    "--uds": "TCP only: --host and --port",
-    "--rope-scaling": "the model's config.json is read as it is", "--hf-overrides": "the model's config.json is "
-                                                                                    "read as it is",
-    "--max-seq-len-to-capture": "decode graphs cover batches up to --max-num-seqs, prefill graphs the "
-                                "--prefill-graph-tokens buckets",
-    "--compilation-config": "no torch.compile (CUDA graphs: --enforce-eager, --prefill-graph-tokens)",
-    "-O": "no torch.compile (CUDA graphs: --enforce-eager, --prefill-graph-tokens)",
-    "--tokenizer-revision": "the tokenizer comes from the model's folder, or --tokenizer DIR",
-    "--max-logprobs": "the limit is fixed (20 per token)",
-    "--enable-sleep-mode": "no sleep mode", "--kv-transfer-config": "disaggregation is --mode disagg (one host)",
-    "--enable-expert-parallel": "no expert parallelism: a mixture-of-experts model's experts are each sliced over "
-                                "the tensor-parallel ranks (-tp)",
-    "--api-server-count": "one server process (with --data-parallel-size engines behind it)",
-    "--enable-prompt-embeds": "prompts are text or token ids",
-    "--calculate-kv-scales": "fp8 KV cache scales are the checkpoint's calibrated ones (a compressed-tensors "
-                             "kv_cache_scheme, e.g. from llm-compressor) or 1.0, never computed from the first batch",
-}
+from rapidserve.vllm_serve_flags import add_no_op_flags, refusal
 
 
 class CliParser(argparse.ArgumentParser):
     """argparse, with unknown flags refused by name: "rapidserve does not support --X (why)"."""
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
-        """As argparse's, but the command whose flags were given reports what it does not take (not the top)."""
-        ns, extra = self.parse_known_args(args, namespace)
+        """As argparse's, but the command whose flags were given reports what it does not take (not the top), and
+        a flag may be spelled with underscores (--max_model_len), as vLLM's parser takes it."""
+        ns, extra = self.parse_known_args(dashed(sys.argv[1:] if args is None else list(args)), namespace)
         if extra:
             sub = next((a.choices.get(getattr(ns, "command", None) or "") for a in self._actions
                         if isinstance(a, argparse._SubParsersAction)), None)
@@ -86,9 +64,16 @@ class CliParser(argparse.ArgumentParser):
 
 
 def _refusal(prog: str, flag: str) -> str:
-    why = UNSUPPORTED.get(flag) or next((w for f, w in UNSUPPORTED.items() if f.startswith("-") and len(f) == 2
-                                         and flag.startswith(f) and not flag.startswith("--")), None)
-    return f"{prog} does not support {flag}" + (f" ({why})" if why else "")
+    why = refusal(flag)
+    if why is None:
+        return f"{prog} does not support {flag} (neither a rapidserve flag nor one of vLLM 0.26's)"
+    return f"{prog} does not support vLLM's {flag} ({why})"
+
+
+def dashed(args: list[str]) -> list[str]:
+    """`args` with each flag's underscores as dashes (--max_model_len=8 -> --max-model-len=8), as vLLM spells them;
+    values are left alone."""
+    return [re.sub(r"^--[^=]*", lambda m: m[0].replace("_", "-"), a) if a.startswith("--") else a for a in args]
 
 
 def dtype_name(text: str) -> str:
@@ -121,8 +106,8 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
     logs.add_argument("--uvicorn-log-level", default="info", choices=(*LOG_LEVELS, "trace"),
                       help="the HTTP server's own log (vLLM's flag; the HTTP server is aiohttp; trace = debug)")
     req = logs.add_mutually_exclusive_group()
-    req.add_argument("--disable-log-requests", dest="log_requests", action="store_false", default=True,
-                     help="no log line per request")
+    req.add_argument("--disable-log-requests", "--no-enable-log-requests", dest="log_requests",
+                     action="store_false", default=True, help="no log line per request")
     req.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
                      help="a log line per request (the default)")
     sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
@@ -135,6 +120,15 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
                          "e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}' (keys: "
                          "publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size); block "
                          "hashes are vLLM's sha256 ones, seeded by $PYTHONHASHSEED; needs pyzmq (the kv-events extra)")
+    chat = sv.add_argument_group("vLLM's chat and usage flags")
+    chat.add_argument("--default-chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                      help="chat template variables every chat request gets unless it sets them itself (in "
+                           "chat_template_kwargs, or through reasoning_effort), e.g. '{\"enable_thinking\": false}'")
+    chat.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                      help="a request's tools do not reach the chat template when its tool_choice is \"none\"")
+    chat.add_argument("--enable-force-include-usage", action="store_true",
+                      help="every answer carries usage, streamed ones too (as if stream_options.include_usage)")
+    add_no_op_flags(sv)
     same = sv.add_argument_group("vLLM flags that change nothing on rapidserve (accepted)")
     same.add_argument("--trust-remote-code", action="store_true",
                       help="rapidserve never runs code from a model repository (its model code is its own)")
@@ -158,11 +152,31 @@ class _AlwaysOn(argparse.Action):
                                                "drop the flag")
 
 
+def _template_kwargs(text: str) -> dict[str, Any]:
+    """--default-chat-template-kwargs: a JSON object of template variables the renderer does not own."""
+    from rapidserve.tokenizer import RENDERER_OWNS  # (jinja2: only when the flag is given)
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}): give an object, e.g. "
+                                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a JSON object of template variables")
+    owned = sorted(RENDERER_OWNS & v.keys())
+    if owned:
+        raise argparse.ArgumentTypeError(f"{', '.join(owned)}: the renderer or the request owns "
+                                         f"{'them' if len(owned) > 1 else 'it'}, not a server default")
+    return v
+
+
 def server_fields(a: argparse.Namespace) -> dict[str, Any]:
     """The ServerConfig fields of `rapidserve serve`'s vLLM flags."""
     return {"served_model_name": tuple(a.served_model_name or ()), "log_level": a.log_level,
             "http_log_level": a.uvicorn_log_level, "log_requests": a.log_requests,
-            "reasoning_parser": a.reasoning_parser}
+            "reasoning_parser": a.reasoning_parser, "default_chat_template_kwargs": a.default_chat_template_kwargs,
+            "exclude_tools_when_tool_choice_none": a.exclude_tools_when_tool_choice_none,
+            "force_include_usage": a.enable_force_include_usage}
 
 
 def serve_model(a: argparse.Namespace) -> str | None:

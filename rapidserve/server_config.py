@@ -7,7 +7,9 @@ parsers, chat templates and the server's logs. Not a field of `EngineConfig`: on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rapidserve.config_base import LOG_LEVELS, check
 from rapidserve.generation_config import SamplingDefaults
@@ -50,6 +52,10 @@ class ServerConfig:
     chat_template: str | None = None  # a chat template (its text) used instead of the model's (--chat-template)
     trust_request_chat_template: bool = False  # a chat request may bring its own `chat_template` (vLLM's flag)
     reasoning_parser: str | None = None  # chat answers split into reasoning and content (vLLM's); None: no split
+    # chat template variables a chat request gets unless it sets them (vLLM's --default-chat-template-kwargs)
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # tool_choice "none": no tools to the template (vLLM's flag)
+    force_include_usage: bool = False  # every answer carries usage (vLLM's --enable-force-include-usage)
     # The server process's logs (server/startup.py configure_logging): rapidserve's level (LOG_LEVELS), the HTTP
     # server's own (LOG_LEVELS or "trace", vLLM's --uvicorn-log-level), and the one line per request.
     log_level: str = "info"

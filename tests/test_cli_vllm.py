@@ -339,15 +339,17 @@ def test_configure_logging_levels(restore_logging: Any) -> None:
     (["--quantization", "awq"], "--quantization 'awq' (quantization='awq'): rapidserve quantizes weights with fp8 "
                                 "only"),
     (["-q", "gptq"], "--quantization 'gptq'"),  # main's flag: fp8/none/auto accepted (test_quantized_checkpoints)
-    (["--pipeline-parallel-size", "2"], "does not support --pipeline-parallel-size (only tensor (-tp)"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size: rapidserve does not support '2' (no pipeline "
+                                        "parallelism: tensor (-tp)"),
     (["--enable-lora"], "no LoRA"),
-    (["-O3"], "does not support -O3 (no torch.compile"),
+    (["-O3"], "does not support vLLM's -O3 (no torch.compile"),
     (["--frobnicate=1"], "rapidserve serve does not support --frobnicate"),
     (["--no-enable-chunked-prefill"], "always chunks"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype 'fp8_e5m2' (kv_cache_dtype='fp8_e5m2'): e5m2"),
     (["--kv-cache-dtype", "float16", "--dtype", "bfloat16"], "--kv-cache-dtype float16: the model computes in "
                                                               "bfloat16 (--dtype)"),
-    (["--calculate-kv-scales"], "does not support --calculate-kv-scales (fp8 KV cache scales are the checkpoint's"),
+    (["--calculate-kv-scales"], "does not support vLLM's --calculate-kv-scales (fp8 KV cache scales are the "
+                                "checkpoint's"),
     (["--scheduling-policy", "priority"], "--scheduling-policy"),
 ])
 def test_vllm_flags_rapidserve_lacks_are_refused_by_name(capsys: pytest.CaptureFixture[str], args: list[str],

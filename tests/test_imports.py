@@ -73,9 +73,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point: main and the parser (`cli`), the shared flags (`cli_args`), each command's flags and code
-    # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`).
+    # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`; `vllm_serve_flags`: those it accepts or refuses).
     ("cli", ("rapidserve.cli", "rapidserve.cli_args", "rapidserve.cli_generate", "rapidserve.cli_serve",
-             "rapidserve.cli_vllm")),
+             "rapidserve.cli_vllm", "rapidserve.vllm_serve_flags")),
 )
 
 

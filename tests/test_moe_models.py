@@ -238,4 +238,4 @@ def test_expert_parallel_flag_is_refused_by_name() -> None:
     from rapidserve.cli_vllm import _refusal
 
     msg = _refusal("rapidserve serve", "--enable-expert-parallel")
-    assert "does not support --enable-expert-parallel" in msg and "sliced over the tensor-parallel ranks" in msg
+    assert "does not support vLLM's --enable-expert-parallel" in msg and "sliced over the tensor-parallel ranks" in msg

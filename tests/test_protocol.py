@@ -74,7 +74,9 @@ def _sampling_cases(kind: str, base: dict[str, Any]) -> list[tuple[str, dict[str
         (kind, {**base, "stream": True, "stream_options": 5}, 400, "stream_options"),
         (kind, {**base, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens"),
         (kind, b"{", 400, None), (kind, b"", 400, None), (kind, b"[1, 2]", 400, None),
-        (kind, b'{"prompt": "a",}', 400, None), (kind, b"\xff\xfe", 400, None),
+        (kind, b'{"model": "a",}', 400, None), (kind, b"\xff\xfe", 400, None),
+        (kind, {**base, "max_token": 5}, 400, "max_token"),  # a field it does not know: refused by name, not dropped
+        (kind, {**base, "stream": True, "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options"),
     ]
     return cases
 
@@ -178,7 +180,7 @@ def test_error_details(ctx: rq.ProtocolContext) -> None:
 
 
 def test_completion_defaults(ctx: rq.ProtocolContext, tok: Tokenizer) -> None:
-    r = parse("completion", {"prompt": "Hello there", "unknown_field": {"x": 1}}, ctx)
+    r = parse("completion", {"prompt": "Hello there"}, ctx)
     assert r.kind == "completion" and r.model == "smol"
     assert r.prompts == [tok.encode("Hello there")] and r.prompt_texts == ["Hello there"]
     p = r.params
@@ -318,8 +320,9 @@ def test_deep_bodies_are_400(ctx: rq.ProtocolContext) -> None:
         with pytest.raises(APIError) as ei:
             parse("completion", body, ctx)
         assert ei.value.status == 400 and "levels deep" in ei.value.message
-    deep_ok = {"prompt": "a", "x": json.loads("[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1))}  # skipped
-    assert parse("completion", deep_ok, ctx).prompts
+    deep = json.loads("[" * (MAX_DEPTH - 2) + "]" * (MAX_DEPTH - 2))
+    deep_ok = {"messages": MSG, "chat_template_kwargs": {"x": deep}}
+    assert parse("chat", deep_ok, ctx).prompts
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [
@@ -371,7 +374,8 @@ def test_requests_that_can_never_be_admitted(ctx: rq.ProtocolContext) -> None:
 
 def test_malformed_json_names_the_field(ctx: rq.ProtocolContext) -> None:
     for body, param in ((b'{"prompt": "a", "temperature": NaN}', "temperature"),
-                        (b'{"prompt": "a", "top_p": -Infinity}', "top_p"), (b'{"prompt": "a", "x": NaN}', None)):
+                        (b'{"prompt": "a", "top_p": -Infinity}', "top_p"),
+                        (b'{"prompt": "a", "vllm_xargs": NaN}', "vllm_xargs")):
         with pytest.raises(APIError) as ei:
             parse("completion", body, ctx)
         assert ei.value.param == param and "NaN and Infinity" in ei.value.message

@@ -101,7 +101,8 @@ async def statuses(metrics_public: bool, headers: dict[str, str]) -> dict[str, i
             aiohttp.ClientSession(headers=headers) as s:
         out = {}
         for method, path in ROUTES:
-            body = {"prompt": [1, 2], "max_tokens": 2, "tokens": [1]} if method == "POST" else None
+            body = None if method != "POST" else {"tokens": [1]} if path == "/detokenize" else {"prompt": [1, 2],
+                                                                                                "max_tokens": 2}
             async with s.request(method, url + path, json=body) as r:
                 out[path] = r.status
                 if r.status == 401:

@@ -6,9 +6,9 @@ with choices is a chunk; its token count is `len(token_ids)` when the server sen
 servers), else 1 if it has text, else 0 (an empty chunk carries no token and is skipped). The usage
 event's completion_tokens is the request's output count and fixes up chunks that carried several
 tokens without saying so (`stats.reconcile_chunk_tokens`). With `return_token_ids` (the multiturn
-workload, which re-sends the outputs) the request also asks for vLLM's `return_token_ids`, so vLLM
-streams each chunk's `token_ids` even when it has a tokenizer; servers that do not know the field
-ignore it (OpenAI-compatible servers ignore unknown fields; rapidserve does). `Target.sampling` adds
+workload, which re-sends the outputs) the request also asks for vLLM's `return_token_ids`, so vLLM and
+rapidserve stream each chunk's `token_ids` even when they have a tokenizer; servers that do not know the
+field ignore it (most OpenAI-compatible servers ignore unknown fields). `Target.sampling` adds
 fields to every request (`rapidserve bench --penalties`: presence, frequency and repetition penalties,
 which leave greedy decoding of exactly `max_tokens` tokens, so the same work with the penalties on).
 

@@ -36,9 +36,9 @@ Workloads:
   prompt is turn k-1's prompt + turn k-1's output + `turn_input_len` new tokens, so every later turn
   resends the whole conversation so far (turns 0..k-1, their outputs included) as its prefix (what
   prefix caching can reuse). The outputs are re-sent as the token ids the server returned when it
-  returns them: token-id-only servers always do, vLLM does when asked (`return_token_ids`, which the
-  client sends with every multiturn request; other servers ignore the field). A server that
-  returns only text (rapidserve with a tokenizer, most others) gets a deterministic random stand-in
+  returns them: token-id-only servers always do, vLLM and rapidserve do when asked (`return_token_ids`,
+  which the client sends with every multiturn request; other servers ignore the field). A server that
+  returns only text (most others) gets a deterministic random stand-in
   of the output's length instead, so the previous output's blocks are not what it cached (the
   earlier prompts still are). A conversation's turns are sent one after another; the arrival
   process and `--num-prompts` count conversations.

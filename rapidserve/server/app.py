@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -51,7 +52,7 @@ from rapidserve.server.generation import Choice, Generation
 from rapidserve.server.metrics import Metrics, request_gauges
 from rapidserve.server.middleware import api_error, auth_middleware, error_middleware, redacting
 from rapidserve.server.openapi import openapi_document
-from rapidserve.server.requests import ProtocolContext, parse_request_async
+from rapidserve.server.requests import GenRequest, ProtocolContext, parse_request_async
 from rapidserve.server.startup import REQUEST_LOG
 from rapidserve.server.utility_routes import add_utility_routes
 from rapidserve.server_config import ServerConfig
@@ -82,7 +83,9 @@ class Server:
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
                                    cfg.max_tokens_default(ecfg.generation), tool_parser,
                                    cfg.trust_request_chat_template, cfg.reasoning_parser, ecfg.generation,
-                                   trials=trials)
+                                   trials=trials, default_template_kwargs=dict(cfg.default_chat_template_kwargs or {}),
+                                   exclude_tools_when_none=cfg.exclude_tools_when_tool_choice_none,
+                                   force_include_usage=cfg.force_include_usage)
         self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
@@ -198,11 +201,18 @@ class Server:
             self._requests.pop(rid, None)
             out = sum(len(c.token_ids) for c in choices)
             ttft = min((c.ttft for c in choices if c.ttft is not None), default=float("nan"))
-            request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs finish=%s",
+            request_log.info("request %s kind=%s prompt_tokens=%d generated_tokens=%d ttft=%.3fs total=%.3fs "
+                             "finish=%s%s",
                              rid, kind, sum(len(p) for p in req.prompts), out, ttft, time.monotonic() - t0,
-                             ",".join(str(c.finish_reason) for c in choices))
+                             ",".join(str(c.finish_reason) for c in choices), _asked_ids(req))
 
     def end_all(self, reason: str) -> int:
         """End every request in flight now (shutdown grace over, engine gone): streams get an error
         event and [DONE], the others a 503. Returns how many were ended."""
         return self.gen.end_all(reason)
+
+
+def _asked_ids(req: GenRequest) -> str:
+    """The ids the request gave itself, for its log line: vLLM's request_id, OpenAI's user (an end-user id)."""
+    return "".join(f" {k}={json.dumps(v)}" for k, v in (("request_id", req.request_id), ("user", req.user))
+                   if v is not None)

@@ -6,11 +6,12 @@ none) with 415 and a declared body over the server's limit with 413. `decode_bod
 by C-speed passes over the bytes, never by recursion), JSON that does not parse (the message shows
 where, and names the field whose value is malformed), and any value of the wrong type or out of
 the static ranges of schemas.py, where msgspec's `$.path` becomes `param` and the message quotes
-the field's description.
+the field's description, and any field the Struct does not declare (named, with the nearest field it does).
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import TypeVar
 
@@ -79,6 +80,9 @@ def _validation_error(e: msgspec.ValidationError, typ: type[msgspec.Struct]) -> 
     missing = re.fullmatch(r"Object missing required field `(.+)`", what)
     if missing:
         path = f"{path}.{missing[1]}"
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", what)
+    if unknown:
+        return _unknown_field(f"{path}.{unknown[1]}".removeprefix("."), typ)
     where = path.removeprefix(".")
     if not where:
         return bad_request(None, f"the request body must be a JSON object: {what[:1].lower()}{what[1:]}")
@@ -87,6 +91,15 @@ def _validation_error(e: msgspec.ValidationError, typ: type[msgspec.Struct]) -> 
     # the field's help, also for errors inside the list fields whose help describes their items
     help = _field_help(typ, param) if "." not in where or param in ("messages", "tools", "tool_choice") else None
     return bad_request(param, message + (f" ('{param}' is {help})" if help else ""))
+
+
+def _unknown_field(where: str, typ: type[msgspec.Struct]) -> APIError:
+    """400 for a field the body's Struct does not declare: named, never dropped (vLLM ignores such fields)."""
+    param = re.match(r"[^.\[]*", where)[0]  # type: ignore[index]
+    near = difflib.get_close_matches(where, typ.__struct_fields__, n=1) if param == where else []
+    hint = f"; did you mean '{near[0]}'?" if near else ": remove it"
+    return bad_request(param, f"'{where}' is not a field this server knows (vLLM would ignore it; this server "
+                              f"refuses it rather than drop what was asked for){hint}", code="unknown_field")
 
 
 def _malformed(e: msgspec.DecodeError, body: bytes, typ: type[msgspec.Struct]) -> APIError:

@@ -7,8 +7,10 @@ rendered):
 - `continue_final_message` (default false): end inside the last message so the model goes on with it;
   as in vLLM (and transformers) it needs `add_generation_prompt: false`;
 - `documents`: a retrieval-augmented template's documents (objects of strings);
-- `reasoning_effort` (low, medium, high): a template variable, as vLLM passes it (gpt-oss's templates read it;
-  others ignore it as vLLM's do); also accepted in `chat_template_kwargs`, where it must agree;
+- `reasoning_effort` (none, minimal, low, medium, high, xhigh, max): a template variable, as vLLM passes it
+  (gpt-oss's templates read it; others ignore it as vLLM's do); also accepted in `chat_template_kwargs`, where it
+  must agree; at the top level it also sets `enable_thinking` (false for none, else true) unless
+  `chat_template_kwargs` does, as vLLM does (Qwen3's and Gemma's templates read that);
 - `chat_template_kwargs`: more template variables, an object of JSON values (Qwen3's `enable_thinking`);
   it may carry the three fields above too (vLLM merges them the same way): a value given both there and
   at the top level must agree. Names the renderer itself owns (`tokenize`, `messages`, `tools`...) are
@@ -16,13 +18,15 @@ rendered):
 - `chat_template`: the request's own template, only on a server started with
   `--trust-request-chat-template` (vLLM's rule: a template is code the server runs), checked to parse;
 - `add_special_tokens` (default false for chat): add the tokenizer's special tokens (BOS) when the
-  rendered text is encoded, on top of those the template writes.
+  rendered text is encoded, on top of those the template writes;
+- the server's `--default-chat-template-kwargs`: variables a request gets unless it sets them itself.
 Pure functions; no model, no server state.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from rapidserve.server.errors import APIError, bad_request
@@ -50,8 +54,10 @@ class ChatRenderFields(Protocol):
     def add_special_tokens(self) -> bool | None: ...
 
 
-def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[str, Any]:
-    """The keywords of `Tokenizer.apply_chat_template` for `r` (beyond messages and tools), checked."""
+def render_options(r: ChatRenderFields, trust_request_template: bool,
+                   defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The keywords of `Tokenizer.apply_chat_template` for `r` (beyond messages and tools), checked; `defaults`:
+    the server's template variables (--default-chat-template-kwargs), under the request's own."""
     variables = dict(r.chat_template_kwargs or {})
     reserved = sorted(RESERVED_KWARGS & variables.keys())
     if reserved:
@@ -63,6 +69,10 @@ def render_options(r: ChatRenderFields, trust_request_template: bool) -> dict[st
     effort = _merged("reasoning_effort", getattr(r, "reasoning_effort", None), variables)
     if effort is not None:  # a template variable (vLLM passes it to the template): gpt-oss's templates read it
         variables["reasoning_effort"] = effort
+    top = getattr(r, "reasoning_effort", None)
+    if top is not None and "enable_thinking" not in variables:  # as vLLM: templates that opt in to thinking
+        variables["enable_thinking"] = top != "none"
+    variables = {**(defaults or {}), **variables}  # the request's own win, as in vLLM
     add_prompt = True if merged["add_generation_prompt"] is None else merged["add_generation_prompt"]
     continue_final = bool(merged["continue_final_message"])
     if not isinstance(add_prompt, bool) or not isinstance(merged["continue_final_message"], bool | None):

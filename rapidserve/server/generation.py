@@ -32,6 +32,7 @@ from rapidserve.server.responses import (
     chat_stream_chunks,
     final_response,
     new_chat_streams,
+    response_id,
     stream_chunk,
     usage_chunk,
     usage_dict,
@@ -192,7 +193,8 @@ class Generation:
             await stream.aclose()  # aborts the engine request if it had not finished
 
     def final(self, req: GenRequest, rid: str, created: int, choices: list[Choice]) -> dict[str, Any]:
-        return final_response(req, rid, created, self.model_name, choices, usage(req, choices), self.tok)
+        return final_response(req, response_id(req, rid), created, self.model_name, choices, usage(req, choices),
+                              self.tok)
 
     async def stream(self, request: web.Request, req: GenRequest, rid: str, created: int,
                      choices: list[Choice]) -> web.StreamResponse:
@@ -200,30 +202,34 @@ class Generation:
         an error event, then `data: [DONE]` and the end of the chunked body, never a second response."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         lock = asyncio.Lock()
+        sid = response_id(req, rid)
 
-        async def send(obj: dict[str, Any]) -> None:
+        async def send(obj: dict[str, Any], c: Choice | None = None) -> None:
+            if c is not None and req.continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
+                obj["usage"] = usage_dict(len(c.prompt_ids), len(c.token_ids))
             async with lock:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
         reads = new_chat_streams(req, [c.index for c in choices])  # chat read for reasoning or tool calls
 
         async def on_delta(c: Choice, delta: str, tok: TokenOut) -> None:
-            for chunk in (chat_stream_chunks(req, rid, created, self.model_name, c.index, delta, tok, c.finish_reason,
+            for chunk in (chat_stream_chunks(req, sid, created, self.model_name, c.index, delta, tok, c.finish_reason,
                                              self.tok, reads[c.index]) if reads is not None else
-                          [stream_chunk(req, rid, created, self.model_name, c.index, delta, tok, c.finish_reason,
+                          [stream_chunk(req, sid, created, self.model_name, c.index, delta, tok, c.finish_reason,
                                         self.tok, text_offset=len(c.text) - len(delta))]):
-                await send(chunk)
+                await send(chunk, c)
 
         async def prelude() -> None:
             await resp.prepare(request)
             request[STREAM_KEY] = resp
             for c in choices if req.kind == "chat" else []:
-                await send(chat_role_chunk(rid, created, self.model_name, c.index))
+                await send(chat_role_chunk(sid, created, self.model_name, c.index,
+                                           list(c.prompt_ids) if req.return_token_ids else None), c)
 
         try:
             await self.generate(rid, req, choices, on_delta, prelude)
             if req.include_usage:
-                await send(usage_chunk(req, rid, created, self.model_name, usage(req, choices)))
+                await send(usage_chunk(req, sid, created, self.model_name, usage(req, choices)))
         except (asyncio.CancelledError, ConnectionError):
             raise  # the client went away (or the handler was cancelled): nothing more can be sent
         except Exception as e:  # noqa: BLE001 - ended with an error event, never a second response

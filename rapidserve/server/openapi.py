@@ -63,8 +63,8 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "rapidserve", "version": __version__,
-                 "description": "OpenAI-compatible LLM serving. Unknown request fields are ignored; features the "
-                                "server lacks are refused with 400."},
+                 "description": "OpenAI-compatible LLM serving. A request field the server does not know, or a "
+                                "feature it lacks, is refused with a 400 naming it (never ignored)."},
         "paths": {
             "/v1/completions": _generation("Text completions (OpenAI)", completion),
             "/v1/chat/completions": _generation("Chat completions (OpenAI)", chat),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from rapidserve.sampling_params import SEED_MAX, SamplingParams, StructuredOutpu
 from rapidserve.server.body import decode_body
 from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
+from rapidserve.server.prompt_fields import truncated, truncation
 from rapidserve.server.reasoning_parsers import ReasoningPlan, plan_reasoning
 from rapidserve.server.sampling_fields import build_params, check_controls, resolve_max_tokens
 from rapidserve.server.schemas import (
@@ -66,6 +68,11 @@ class ProtocolContext:
     # Whether the grammar engine can serve each constraint with the model's tokenizer (compiled and tried
     # off the loop, structured_fields.check_servable); None: not checked here (no tokenizer: the workers fail it)
     trials: GrammarTrials | None = field(default=None, compare=False)
+    # vLLM's server flags: template variables a chat gets unless it sets them, no tools to the template with
+    # tool_choice "none", usage in every answer
+    default_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    exclude_tools_when_none: bool = False
+    force_include_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,9 @@ class GenRequest:
     tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
     structured_param: str | None = None  # the field that set params.structured_outputs (errors name it)
     reasoning: ReasoningPlan | None = None  # chat on a server with a reasoning parser: how its answer is split
+    request_id: str | None = None  # the request's own id (vLLM's request_id): the response's id is built on it
+    return_token_ids: bool = False  # answer the token ids too (vLLM's return_token_ids)
+    continuous_usage: bool = False  # every streamed chunk carries its choice's usage (stream_options)
 
 
 # ---------------------------------------------------------------- what depends on the model and server
@@ -169,7 +179,7 @@ def _completion_sources(r: CompletionRequest | GenerateRequest,
                 raise bad_request("prompt", f"this model has no tokenizer: send '{where}' as a list of token ids")
             work += len(s)
         else:
-            s = _truncated(s, r.truncate_prompt_tokens)
+            s = truncated(s, *truncation(r, ctx.max_model_len))
             _check_prompt(s, where, "prompt", ctx)
             work += len(s) if getattr(r, "echo", False) else 0
         sources.append(s)
@@ -244,7 +254,7 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
     if isinstance(r, ChatCompletionRequest):
         messages = template_messages(r)
         tools = plan_tools(r, ctx.tool_parser)
-        render = render_options(r, ctx.trust_request_chat_template)
+        render = render_options(r, ctx.trust_request_chat_template, ctx.default_template_kwargs)
         work = sum(len(m["content"]) for m in messages) + sum(len(json.dumps(t)) for t in tools.tools) + len(
             json.dumps([render["documents"], render["template_kwargs"]]))
         _check_text_size(work, "messages", "messages", ctx)
@@ -276,29 +286,26 @@ def _check_servable(plan: _Plan, ctx: ProtocolContext) -> None:
 def _tokenize(plan: _Plan, ctx: ProtocolContext) -> tuple[list[list[int]], list[str | None]]:
     """The prompts' token ids and texts (echo: decoded from the ids). Slow for long inputs: run off the loop."""
     tok = ctx.tokenizer
-    keep = plan.body.truncate_prompt_tokens
+    keep, side = truncation(plan.body, ctx.max_model_len)
     if plan.messages is not None:
         assert tok is not None and plan.render is not None
         tools = list(plan.tools.tools) if plan.tools is not None and plan.tools.tools else None
+        if plan.tools is not None and plan.tools.mode == "none" and ctx.exclude_tools_when_none:
+            tools = None
         try:
             ids = tok.apply_chat_template(plan.messages, tools=tools, **plan.render)
         except Exception as e:  # the template's code failed on this request's inputs
             raise template_failure(e, plan.render) from None
-        return [_truncated(ids, keep)], [None]
+        return [truncated(ids, keep, side)], [None]
     special = getattr(plan.body, "add_special_tokens", None) is not False
     encoded = [tok.encode(s, add_special_tokens=special) if isinstance(s, str) else s  # type: ignore[union-attr]
                for s in plan.sources]
-    prompts = [_truncated(p, keep) for p in encoded]
+    prompts = [truncated(p, keep, side) for p in encoded]
     texts = [s if isinstance(s, str) and len(p) == len(e) else None  # a truncated text is decoded for echo
              for s, p, e in zip(plan.sources, prompts, encoded, strict=True)]
     if getattr(plan.body, "echo", False) and tok is not None:
         texts = [t if t is not None else tok.decode(p) for t, p in zip(texts, prompts, strict=True)]
     return prompts, texts
-
-
-def _truncated(ids: list[int], keep: int | None) -> list[int]:
-    """vLLM's truncate_prompt_tokens: a prompt longer than `keep` tokens keeps its last `keep`."""
-    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx: ProtocolContext) -> GenRequest:
@@ -325,11 +332,17 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
     if plan.tools is not None and plan.tools.mode == "auto" and plan.tools.parser == "mistral":
         # Mistral's [TOOL_CALLS] is a special token: the text keeps special tokens to be parsed (as vLLM does)
         params = params.replace(skip_special_tokens=False)
-    include_usage = not r.stream if r.stream_options is None else bool(r.stream_options.include_usage)
+    include_usage = ctx.force_include_usage or (not r.stream if r.stream_options is None else
+                                                bool(r.stream_options.include_usage))
+    continuous = r.stream_options is not None and bool(r.stream_options.continuous_usage_stats)
+    if continuous and not include_usage:
+        raise bad_request("stream_options", "'stream_options.continuous_usage_stats' adds usage to every chunk: it "
+                                            "needs 'stream_options.include_usage': true too")
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
                       user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param,
-                      reasoning=plan.reasoning)
+                      reasoning=plan.reasoning, request_id=r.request_id, return_token_ids=bool(r.return_token_ids),
+                      continuous_usage=continuous)
 
 
 def parse_request(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | None = None) -> GenRequest:

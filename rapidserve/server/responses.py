@@ -80,9 +80,24 @@ def chat_chunk(req_id: str, created: int, model: str, choices: list[dict[str, An
     return _envelope("chat.completion.chunk", req_id, created, model, choices, usage)
 
 
-def chat_role_chunk(req_id: str, created: int, model: str, index: int) -> dict[str, Any]:
-    """The first chat chunk of choice `index`: delta {"role": "assistant", "content": ""}."""
-    return chat_chunk(req_id, created, model, [chat_chunk_choice(index, "", role="assistant")])
+def chat_role_chunk(req_id: str, created: int, model: str, index: int,
+                    prompt_token_ids: list[int] | None = None) -> dict[str, Any]:
+    """The first chat chunk of choice `index`: delta {"role": "assistant", "content": ""} (with the prompt's
+    token ids when the request asked for them, as vLLM's first chunks)."""
+    chunk = chat_chunk(req_id, created, model, [chat_chunk_choice(index, "", role="assistant")])
+    if prompt_token_ids is not None:
+        chunk["prompt_token_ids"] = prompt_token_ids
+    return chunk
+
+
+def response_id(req: GenRequest, rid: str) -> str:
+    """The id a response shows: the server's `rid` ("cmpl-..." / "chatcmpl-..."), or with the request's own
+    request_id after that prefix, as vLLM builds it."""
+    return rid if req.request_id is None else f"{rid.split('-', 1)[0]}-{req.request_id}"
+
+
+def _prompt_ids(req: GenRequest, index: int) -> list[int]:
+    return list(req.prompts[index // req.params.n])
 
 
 def generate_response(text: str, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,10 +149,15 @@ def final_response(req: GenRequest, req_id: str, created: int, model: str, choic
         else:
             out.append(chat_choice(c.index, c.text, fr, lp) if req.kind == "chat"
                        else completion_choice(c.index, echo + c.text, fr, lp))
-        if tokenizer is None:  # token-id-only serving: the output as ids (text is empty)
+        if tokenizer is None or req.return_token_ids:  # the output as ids (token-id-only serving: text is empty)
             out[-1]["token_ids"] = list(c.token_ids)
+        if req.return_token_ids and req.kind == "completion":
+            out[-1]["prompt_token_ids"] = _prompt_ids(req, c.index)
     build = chat_response if req.kind == "chat" else completion_response
-    return build(req_id, created, model, out, usage)
+    body = build(req_id, created, model, out, usage)
+    if req.return_token_ids and req.kind == "chat":
+        body["prompt_token_ids"] = list(req.prompts[0])
+    return body
 
 
 def _read_choice(req: GenRequest, index: int, text: str, fr: str | None,
@@ -165,13 +185,15 @@ def chat_stream_chunks(req: GenRequest, req_id: str, created: int, model: str, i
     calls were streamed in auto or required mode)."""
     deltas = stream.feed(delta, finish_reason is not None)
     lp = _logprobs_for(req, tokenizer, [tok.token_id], [tok.logprob], [tok.top_logprobs], 0)
-    if not deltas and lp is not None:
+    if not deltas and (lp is not None or req.return_token_ids):
         deltas = [{}]
     out = []
     for k, d in enumerate(deltas):
-        out.append(chat_chunk(req_id, created, model, [{"index": index, "delta": d,
-                                                         "logprobs": lp if k == 0 else None,
-                                                         "finish_reason": None}]))
+        choice: dict[str, Any] = {"index": index, "delta": d, "logprobs": lp if k == 0 else None,
+                                  "finish_reason": None}
+        if req.return_token_ids:
+            choice["token_ids"] = [tok.token_id] if k == 0 else []
+        out.append(chat_chunk(req_id, created, model, [choice]))
     if finish_reason is not None:
         fr = openai_finish_reason(finish_reason)
         fr = fr if req.tools is None else tool_calls.finish_reason(req.tools, stream.called, fr)
@@ -190,13 +212,14 @@ def stream_chunk(req: GenRequest, req_id: str, created: int, model: str, index: 
         return generate_response(delta, {"id": req_id, "finish_reason": fr})
     lp = _logprobs_for(req, tokenizer, [tok.token_id], [tok.logprob], [tok.top_logprobs], text_offset)
     if req.kind == "chat":
-        return chat_chunk(req_id, created, model, [chat_chunk_choice(index, delta, fr, lp)])
-    if tok.index == 0 and req.echo:
-        delta = _echo(req, index) + delta
-    choice = completion_choice(index, delta, fr, lp)
-    if tokenizer is None:  # token-id-only serving: each event carries its token id (text is empty)
+        choice = chat_chunk_choice(index, delta, fr, lp)
+    else:
+        choice = completion_choice(index, (_echo(req, index) if tok.index == 0 and req.echo else "") + delta, fr, lp)
+        if req.return_token_ids and tok.index == 0:
+            choice["prompt_token_ids"] = _prompt_ids(req, index)
+    if tokenizer is None or req.return_token_ids:  # each event carries its token id (token-id-only: text is empty)
         choice["token_ids"] = [tok.token_id]
-    return completion_chunk(req_id, created, model, [choice])
+    return (chat_chunk if req.kind == "chat" else completion_chunk)(req_id, created, model, [choice])
 
 
 def usage_chunk(req: GenRequest, req_id: str, created: int, model: str, usage: dict[str, Any]) -> dict[str, Any]:

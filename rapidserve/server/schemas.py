@@ -5,13 +5,13 @@
 /openapi.json describes (`openapi.py`). The constraints here are the static ones: types, and ranges
 that bound every value the engine will encode (int64 seeds, bounded counts and lengths); what
 depends on the served model (vocabulary size, context length, capacity) is checked in requests.py.
-Unknown fields are ignored, as OpenAI and vLLM do. Each field's `description` says what is allowed;
+A field a Struct does not declare is refused by name (schema_parts.Strict), never dropped: vLLM ignores
+unknown fields, this server says so. Each field's `description` says what is allowed;
 validation errors quote it.
 """
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta
 
 from rapidserve.sampling_params import (
@@ -26,147 +26,34 @@ from rapidserve.sampling_params import (
     SEED_MAX,
     SEED_MIN,
 )
-
-MAX_N = 16  # samples per prompt
-MAX_TEMPERATURE = 2.0
-MAX_PROMPTS = 1024  # prompts in one completions request (also bounded by the server's capacity)
-MAX_MESSAGES = 1024
-MAX_STOP_CHARS = 1024  # characters in one stop string
-MAX_STOP_TOKEN_IDS = 256
-MAX_TOOLS = 128  # tools in one request, and tool calls in one message
-MAX_BAD_WORD_CHARS = 256
-CHAT_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool", "developer")
-
-TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # and below the model's vocabulary size (checked per model)
-TokenIds = Annotated[list[TokenId], Meta(min_length=1)]
-Text = Annotated[str, Meta(min_length=1)]
-StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
-Role = Literal["system", "user", "assistant", "tool", "developer"]
-
-
-class StreamOptions(msgspec.Struct, kw_only=True):
-    """Options of a streamed answer (only with `stream: true`)."""
-
-    include_usage: bool | None = None
-
-
-class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content: only text parts are supported."""
-
-    type: Literal["text"]
-    text: str
-
-
-FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a function name: 1 to 64 letters, "
-                                    "digits, underscores or dashes")]
-
-
-class CalledFunction(msgspec.Struct, kw_only=True):
-    """The function an earlier assistant turn called: its name and its arguments (a JSON object, as text)."""
-
-    name: Annotated[str, Meta(min_length=1, max_length=256, description="the called function's name")]
-    arguments: Annotated[str, Meta(description="the call's arguments: a JSON object as a string")] = "{}"
-
-
-class MessageToolCall(msgspec.Struct, kw_only=True):
-    """One tool call of an earlier assistant message (OpenAI's shape)."""
-
-    id: Annotated[str, Meta(max_length=256, description="the call's id, which the tool message answering it "
-                                                         "quotes as tool_call_id")] = ""
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(msgspec.Struct, kw_only=True):
-    """One chat message; `content` may be null only for the assistant; `developer` is read as `system`.
-
-    An assistant message may carry the `tool_calls` it made; a `tool` message answers one of them
-    (`tool_call_id`) with its result as `content`."""
-
-    role: Role
-    content: str | list[ContentPart] | None = None
-    name: Annotated[str, Meta(max_length=256, description="the author's name (passed to the chat template)")] \
-        | None = None
-    tool_calls: Annotated[list[MessageToolCall], Meta(max_length=MAX_TOOLS, description=(
-        f"only on assistant messages: at most {MAX_TOOLS} calls {{\"id\", \"type\": \"function\", "
-        "\"function\": {\"name\", \"arguments\": a JSON object as a string}}"))] | None = None
-    tool_call_id: Annotated[str, Meta(max_length=256, description="only on tool messages: the id of the call this "
-                                                                   "message answers")] | None = None
-
-
-class FunctionDefinition(msgspec.Struct, kw_only=True):
-    """A function the model may call (OpenAI's shape)."""
-
-    name: FunctionName
-    description: str | None = None
-    parameters: Annotated[dict[str, Any], Meta(description="the arguments, as a JSON schema of an object (`\"type\": "
-                                                           "\"object\"`); omitted: no arguments")] | None = None
-    strict: bool | None = None
-
-
-class Tool(msgspec.Struct, kw_only=True):
-    """One tool: only functions."""
-
-    type: Annotated[Literal["function"], Meta(description="\"function\" (the only kind of tool)")]
-    function: FunctionDefinition
-
-
-class NamedFunction(msgspec.Struct, kw_only=True):
-    name: FunctionName
-
-
-class NamedToolChoice(msgspec.Struct, kw_only=True):
-    """Force a call of this function (one of `tools`)."""
-
-    type: Annotated[Literal["function"], Meta(description="\"function\"")]
-    function: NamedFunction
-
-
-ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, Meta(
-    description="\"none\" (no calls), \"auto\" (the model decides; needs the server's --enable-auto-tool-choice), "
-                "\"required\" (at least one call) or {\"type\": \"function\", \"function\": {\"name\": one of tools}} "
-                "(a call of that function); default: \"auto\" when tools are given, else \"none\"")]
-
-
-MAX_CHOICES = 256  # guided_choice / structured_outputs.choice alternatives
-MAX_GRAMMAR_CHARS = 65536  # regex and grammar texts (JSON schemas are bounded by the body size)
-MAX_TEMPLATE_CHARS = 65536  # a chat request's own chat template
-Regex = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty regular expression "
-                            f"of at most {MAX_GRAMMAR_CHARS} characters, matched against the whole output")]
-Grammar = Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS, description="a non-empty Lark (or GBNF) "
-                              f"grammar of at most {MAX_GRAMMAR_CHARS} characters")]
-Choices = Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(
-    min_length=1, max_length=MAX_CHOICES, description=f"a list of 1 to {MAX_CHOICES} non-empty strings; the output is "
-                                                      "exactly one of them")]
-JsonSchemaValue = Annotated[dict[str, Any] | str, Meta(description="a JSON schema: an object, or its JSON text")]
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    """`response_format.json_schema` (OpenAI): the output is one JSON value valid against `schema`."""
-
-    name: Annotated[str, Meta(min_length=1, max_length=256, description="the schema's name")] | None = None
-    description: str | None = None
-    schema: Annotated[dict[str, Any], Meta(description="a JSON schema object")] | None = None
-    strict: bool | None = None  # always enforced on this server
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """`{"type": "text"}` (free text), `{"type": "json_object"}` (any JSON object) or
-    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsBody(msgspec.Struct, kw_only=True):
-    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
-
-    json: JsonSchemaValue | None = None
-    regex: Regex | None = None
-    choice: Choices | None = None
-    grammar: Grammar | None = None
-    json_object: bool | None = None
-
+from rapidserve.server.schema_parts import (
+    CHAT_ROLES,
+    MAX_BAD_WORD_CHARS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TEMPLATE_CHARS,
+    MAX_TOOLS,
+    ChatMessage,
+    Choices,
+    Grammar,
+    JsonSchemaValue,
+    Regex,
+    ResponseFormat,
+    StopString,
+    StreamOptions,
+    Strict,
+    StructuredOutputsBody,
+    Text,
+    TokenId,
+    TokenIds,
+    Tool,
+    ToolChoice,
+    Unsupported,
+)
 
 # A field's description (what its error messages quote as "'field' is ...") sits on its non-null type.
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX, description="the most tokens to generate: an integer >= 1 that, "
@@ -177,17 +64,13 @@ Stop = Annotated[StopString | Annotated[list[StopString], Meta(max_length=MAX_ST
                 " such strings")]
 NotSupported = "not supported by this server: only {} or null"
 
-# A vLLM field this server does not serve: any JSON value decodes, and unsupported.py refuses all but null
-# and the value of vLLM's that asks for nothing (its error names the field and that value).
-Unsupported = Annotated[Any, Meta(description="vLLM's field, not supported by this server: only null or vLLM's "
-                                              "default (the value that asks for nothing)")]
 Penalty = f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), subtracted from the logit of a token {{}}"
 BadWord = Annotated[str, Meta(min_length=1, max_length=MAX_BAD_WORD_CHARS)]
 MessagesHelp = (f"a non-empty list of at most {MAX_MESSAGES} messages {{\"role\": one of {', '.join(CHAT_ROLES)}; "
                 "\"content\": a string or a list of {\"type\": \"text\", \"text\": string}}")
 
 
-class _SamplingRequest(msgspec.Struct, kw_only=True):
+class _SamplingRequest(Strict, kw_only=True):
     """The fields every generation endpoint takes (vLLM's names and defaults; null = the default)."""
 
     model: str | None = None
@@ -250,9 +133,24 @@ class _SamplingRequest(msgspec.Struct, kw_only=True):
     guided_decoding_backend: Unsupported = None
     guided_whitespace_pattern: Unsupported = None
     structural_tag: Unsupported = None
-    # vLLM's: keep only the last k prompt tokens (the rendered chat's too) when the prompt is longer
-    truncate_prompt_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX, description=(
-        "an integer >= 1: a longer prompt keeps only its last this many tokens"))] | None = None
+    return_token_offsets: Unsupported = None  # vLLM's /render endpoints' (ignored by its generation endpoints)
+    logprob_token_ids: Unsupported = None
+    ec_transfer_params: Unsupported = None
+    repetition_detection: Unsupported = None
+    thinking_token_budget: Unsupported = None  # vLLM's cap on reasoning tokens
+    # vLLM's: keep only the last (or first) k prompt tokens (the rendered chat's too) when the prompt is longer
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX, description=(
+        "an integer >= 1: a longer prompt keeps only this many tokens (its last; its first with truncation_side "
+        "\"right\"); -1: as many as fit beside max_tokens"))] | None = None
+    truncation_side: Annotated[Literal["left", "right"], Meta(description=(
+        "which end truncate_prompt_tokens cuts: \"left\" keeps the last tokens (the default, as vLLM's for "
+        "generation), \"right\" the first"))] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=256, description=(
+        "the response's id is \"cmpl-\" (chat: \"chatcmpl-\") and this, as vLLM's (1 to 256 characters)"))] \
+        | None = None
+    return_token_ids: Annotated[bool, Meta(description=(
+        "true: each choice also carries its token ids (`token_ids`) and the prompt's (`prompt_token_ids`; streams: "
+        "in each choice's first chunk), as vLLM's"))] | None = None
     response_format: ResponseFormat | None = None
     # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
     structured_outputs: StructuredOutputsBody | None = None
@@ -338,10 +236,32 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     include_reasoning: Annotated[bool, Meta(description=(
         "on a server with --reasoning-parser: false leaves the reasoning out of the answer (default true); "
         "without one there is no reasoning to include"))] | None = None
-    reasoning_effort: Annotated[Literal["low", "medium", "high"], Meta(description=(
+    reasoning_effort: Annotated[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"], Meta(description=(
         "a chat template variable, as in vLLM: templates that read `reasoning_effort` (gpt-oss's) render it; "
-        "the same as chat_template_kwargs.reasoning_effort"))] | None = None
-    thinking_token_budget: Unsupported = None  # vLLM's cap on reasoning tokens: refused (server/unsupported.py)
+        "the same as chat_template_kwargs.reasoning_effort; unless chat_template_kwargs sets enable_thinking, it "
+        "sets it too (false for \"none\", else true), as vLLM does"))] | None = None
+    media_io_kwargs: Unsupported = None  # vLLM's: text-only models here
+    return_prompt_text: Unsupported = None
+    return_assistant_tokens_mask: Unsupported = None  # vLLM's /render endpoints'
+    # OpenAI's fields that vLLM does not declare (it ignores them): refused by name unless they ask for nothing
+    store: Unsupported = None
+    metadata: Unsupported = None
+    service_tier: Unsupported = None
+    modalities: Unsupported = None
+    verbosity: Unsupported = None
+    prediction: Unsupported = None
+    audio: Unsupported = None
+    function_call: Unsupported = None
+    functions: Unsupported = None
+    moderation: Unsupported = None
+    web_search_options: Unsupported = None
+    prompt_cache_retention: Unsupported = None
+    prompt_cache_options: Unsupported = None
+    # accepted, with no effect here (unsupported.NO_EFFECT says why)
+    prompt_cache_key: Annotated[str, Meta(description=(
+        "accepted: this server's prefix cache is automatic and shared, so a key changes nothing"))] | None = None
+    safety_identifier: Annotated[str, Meta(description=(
+        "accepted: an end-user id for a provider's abuse monitoring; it does not change the answer"))] | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):

@@ -1,5 +1,8 @@
 """A request's structured-output fields -> one `StructuredOutputs`, checked before admission.
 
+`structured_outputs.disable_additional_properties` closes a json schema's objects (`closed_objects`);
+`disable_any_whitespace` is always so here (JSON is compact); `whitespace_pattern`, `structural_tag` (there and as
+a response_format type) are refused by name (unsupported.py, here).
 Accepted (vLLM's and OpenAI's names), on every endpoint: `response_format` `{"type": "json_object"}` and
 `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (OpenAI's on chat, vLLM's on
 completions too), `structured_outputs` ({json, regex, choice, grammar, json_object}) and the older `guided_json`,
@@ -39,6 +42,13 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
     """Every structured-output field the request sets, as (its name, the constraint)."""
     out: list[tuple[str, StructuredOutputs]] = []
     rf = r.response_format
+    if rf is not None and rf.type == "structural_tag":
+        raise bad_request("response_format", "'response_format' of type structural_tag is not supported by this "
+                                             "server: use json_schema, json_object, structured_outputs or tools")
+    for name in ("structures", "triggers", "format"):
+        if rf is not None and getattr(rf, name) is not None:
+            raise bad_request("response_format", f"'response_format.{name}' goes only with type structural_tag, "
+                                                 "which this server does not support: leave it out")
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", StructuredOutputs(json_object=True)))
     elif rf is not None and rf.type == "json_schema":
@@ -64,9 +74,35 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
                                                     f"choice, grammar, json_object; got {set_ or 'none'}")
         k = set_[0]
         v = getattr(so, k)
+        if so.disable_additional_properties and k == "json":
+            v = closed_objects(json.loads(v) if isinstance(v, str) else v)
         c = StructuredOutputs(json=_schema_text(v, "structured_outputs.json")) if k == "json" else \
             StructuredOutputs(choice=tuple(v)) if k == "choice" else StructuredOutputs(**{k: v})
         out.append((f"structured_outputs.{k}", c))
+    return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "contains",
+            "additionalItems", "unevaluatedProperties", "unevaluatedItems")  # a schema or a list of schemas
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that does not say (vLLM's
+    structured_outputs.disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in (*_SCHEMAS, "additionalProperties"):
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
     return out
 
 

@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from rapidserve.sampling_params import StructuredOutputs
 from rapidserve.server.errors import bad_request
-from rapidserve.server.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from rapidserve.server.schema_parts import ChatMessage, NamedToolChoice, Tool
+from rapidserve.server.schemas import ChatCompletionRequest
 from rapidserve.server_config import TOOL_CALL_PARSERS
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -107,7 +108,14 @@ def _tool_dict(t: Tool) -> dict[str, Any]:
         f["description"] = t.function.description
     f["parameters"] = t.function.parameters if t.function.parameters is not None else {
         "type": "object", "properties": {}}
-    return {"type": "function", "function": f}
+    defer = t.function.defer_loading if t.function.defer_loading is not None else t.defer_loading
+    for key, v in (("strict", t.function.strict), ("defer_loading", defer)):  # set ones, as vLLM passes them
+        if v is not None:
+            f[key] = v
+    out: dict[str, Any] = {"type": "function", "function": f}
+    if t.defer_loading is not None:
+        out["defer_loading"] = t.defer_loading
+    return out
 
 
 def _mode(choice: str | NamedToolChoice | None, has_tools: bool) -> ToolMode:
@@ -192,8 +200,8 @@ def _show(choice: object) -> str:
 def template_messages(r: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as chat templates read them (HF's shapes): text content joined; `developer` as
     `system`; an assistant's `tool_calls` with their arguments as a dict (as vLLM passes them: templates
-    write them with `tojson`); a tool message's
-    `tool_call_id`. 400 naming the message when one cannot be rendered."""
+    write them with `tojson`) and its `reasoning` (or `reasoning_content`) under both names, as vLLM passes it; a
+    tool message's `tool_call_id`. 400 naming the message when one cannot be rendered."""
     return [_template_message(i, m) for i, m in enumerate(r.messages)]
 
 
@@ -209,6 +217,14 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.role == "tool" and m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if m.reasoning is not None and m.reasoning_content is not None and m.reasoning != m.reasoning_content:
+        raise bad_request("messages", f"'messages[{i}]' has both 'reasoning' and 'reasoning_content' (its older "
+                                      "name), and they differ: give one")
+    if reasoning is not None:
+        if m.role != "assistant":
+            raise bad_request("messages", f"'messages[{i}].reasoning' is only allowed on assistant messages")
+        out["reasoning"] = out["reasoning_content"] = reasoning  # vLLM passes both names to the template
     if m.tool_calls:
         calls = []
         for j, c in enumerate(m.tool_calls):

@@ -1,44 +1,95 @@
 """vLLM's request fields that ask for what this server does not do: refused with a 400 naming the field.
 
-Users come from vLLM, so every field vLLM takes is declared in schemas.py; the ones this server does not
-serve are accepted only while they ask for nothing (null, or vLLM's default), and refused by name
-otherwise, never ignored. `IDLE` lists them with the values that ask for nothing and why the rest is
-refused; `refuse_unsupported` checks a request against it and against the fields whose refusal depends
-on others (`best_of` against `n`). Pure; no model, no server state.
+Users come from vLLM, so every field vLLM takes is declared in schemas.py (and schema_parts.py); the ones this
+server does not serve are accepted only while they ask for nothing (null, or vLLM's default), and refused by
+name otherwise, never ignored. `IDLE` lists them with the values that ask for nothing and why the rest is
+refused (`CHAT_IDLE`: the chat endpoint's own, OpenAI's fields that vLLM does not declare among them; `NESTED`:
+fields inside messages and structured outputs); `NO_EFFECT` lists the few accepted with any value because they
+cannot change an answer here. `refuse_unsupported` checks a request against them and against the fields whose
+refusal depends on others (`best_of` against `n`). Pure; no model, no server state.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from types import MappingProxyType
 from typing import Any
 
 from rapidserve.server.errors import bad_request
 from rapidserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestBody
 
-# field -> (the values that ask for nothing, besides null; why any other is refused)
-IDLE: MappingProxyType[str, tuple[tuple[Any, ...], str]] = MappingProxyType({
+Idle = MappingProxyType[str, tuple[tuple[Any, ...], str]]  # field -> (the values besides null that ask for nothing,
+#                                                              why any other is refused)
+_RENDER = "vLLM answers it only on its /v1/chat/completions/render and /v1/completions/render, which this server does "
+_TOKENS = "use POST /tokenize (return_token_strs), or return_token_ids and POST /detokenize"
+IDLE: Idle = MappingProxyType({
     "use_beam_search": ((False,), "it samples; beam search is not implemented"),
     "prompt_logprobs": ((), "the logprobs of prompt tokens are not computed"),
     "suffix": (("",), "a completion is never followed by a suffix"),
     "priority": ((0,), "requests are served in arrival order (vLLM's fcfs policy, where any other priority is an "
                        "error too)"),
     "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
-    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text"),
+    "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text; return_token_ids gives the ids"),
     "logits_processors": (([],), "no custom logits processors are loaded (vLLM refuses them too without "
                                  "--logits-processor-pattern)"),
     "cache_salt": ((), "the prefix cache is not salted per request"),
     "kv_transfer_params": (({},), "KV is never transferred between servers"),
+    "ec_transfer_params": (({},), "no encoder cache is transferred between servers (text-only models)"),
     "vllm_xargs": (({},), "no extensions read extra arguments"),
     "mm_processor_kwargs": (({},), "the models served here take text only"),
     "prompt_embeds": ((), "prompts are text or token ids"),
     "guided_decoding_backend": ((), "the one grammar engine is llguidance"),
     "guided_whitespace_pattern": ((), "JSON whitespace follows the grammar engine's default"),
     "structural_tag": ((), "structural tags are not supported; use structured_outputs, response_format or tools"),
+    "return_token_offsets": ((False,), f"{_RENDER}not serve; {_TOKENS}"),
+    "logprob_token_ids": (([],), "logprobs are those of the top tokens: ask with logprobs (completions) or "
+                                 "top_logprobs (chat)"),
+    "repetition_detection": (({},), "repeated n-grams do not end a generation here: bound it with max_tokens, or "
+                                    "discourage repeats with repetition_penalty or frequency_penalty"),
+    "thinking_token_budget": ((-1,), "no cap on reasoning tokens is enforced; bound the whole answer with "
+                                     "max_tokens"),
 })
-CHAT_IDLE: MappingProxyType[str, tuple[tuple[Any, ...], str]] = MappingProxyType({  # chat's own (completions echo)
+CHAT_IDLE: Idle = MappingProxyType({  # the chat endpoint's own (completions have an echo of their own)
     "echo": ((False,), "a chat answer is never prefixed with the last message"),
-    "thinking_token_budget": ((), "no cap on reasoning tokens is enforced; bound the whole answer with max_tokens"),
+    "media_io_kwargs": (({},), "the models served here take text only"),
+    "return_prompt_text": ((False,), f"the rendered prompt is not answered: {_TOKENS}"),
+    "return_assistant_tokens_mask": ((False,), f"{_RENDER}not serve"),
+    # OpenAI's, which vLLM does not declare (and ignores)
+    "store": ((False,), "nothing is stored"),
+    "metadata": (({},), "nothing is stored to tag"),
+    "service_tier": (("auto", "default"), "there is one tier"),
+    "modalities": ((["text"],), "the answer is text"),
+    "verbosity": ((), "there is no verbosity control: ask for it in the messages"),
+    "prediction": ((), "predicted outputs are not used"),
+    "audio": ((), "the answer is text"),
+    "function_call": ((), "OpenAI's deprecated form: use tool_choice"),
+    "functions": ((), "OpenAI's deprecated form: use tools"),
+    "moderation": ((), "no moderation is run"),
+    "web_search_options": ((), "the model has no web search"),
+    "prompt_cache_retention": (("in_memory",), "the prefix cache lives in GPU memory while it has room"),
+    "prompt_cache_options": ((), "the prefix cache is automatic and has no options"),
+})
+NESTED: Idle = MappingProxyType({  # "where.field": as IDLE (where: messages[] or structured_outputs)
+    "messages[].tools": ((), "tools go in the request's 'tools'"),
+    "messages[].task": ((), "no model here reads a task marker"),
+    "messages[].refusal": ((), "a refusal is not rendered: put the text in 'content'"),
+    "messages[].audio": ((), "messages are text"),
+    "messages[].function_call": ((), "OpenAI's deprecated form: use 'tool_calls'"),
+    "messages[].annotations": (([],), "annotations are not rendered"),
+    "structured_outputs.whitespace_pattern": ((), "JSON whitespace is always compact here"),
+    "structured_outputs.structural_tag": ((), "structural tags are not supported; use json, regex, choice or "
+                                              "grammar"),
+})
+NO_EFFECT: MappingProxyType[str, str] = MappingProxyType({  # accepted with any (valid) value: why it changes nothing
+    "length_penalty": "beam search's: no effect without beam search (as in vLLM), which this server does not do",
+    "prompt_cache_key": "the prefix cache is automatic and shared by every request, so a key changes nothing",
+    "safety_identifier": "an end-user id for a provider's abuse monitoring: it does not change the answer",
+    "response_format.json_schema.name": "the schema's label: the schema is what is enforced (as in vLLM)",
+    "response_format.json_schema.description": "not shown to the model (as in vLLM): say it in the messages",
+    "response_format.json_schema.strict": "the schema is always enforced here, strict or not (as in vLLM)",
+    "structured_outputs.disable_any_whitespace": "JSON is always generated without whitespace between tokens "
+                                                 "here (false, vLLM's default, allows that too)",
 })
 
 
@@ -46,13 +97,34 @@ def _idle(v: Any, values: tuple[Any, ...]) -> bool:
     return v is None or any(type(v) is type(i) and v == i for i in values)
 
 
+def _refuse(name: str, param: str, values: tuple[Any, ...], why: str) -> None:
+    only = " or ".join(["null", *(json.dumps(i) for i in values)])
+    raise bad_request(param, f"'{name}' is not supported by this server ({why}): send {only}, or leave it out")
+
+
+def _nested(r: RequestBody) -> Iterator[tuple[str, str, str, Any]]:
+    """(NESTED's key, the field's path, its top-level field, its value) of every nested field NESTED lists."""
+    for i, m in enumerate(getattr(r, "messages", None) or []):
+        for key in NESTED:
+            if key.startswith("messages[]."):
+                name = key.removeprefix("messages[].")
+                yield key, f"messages[{i}].{name}", "messages", getattr(m, name)
+    if r.structured_outputs is not None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            yield f"structured_outputs.{name}", f"structured_outputs.{name}", "structured_outputs", \
+                getattr(r.structured_outputs, name)
+
+
 def refuse_unsupported(r: RequestBody, n: int) -> None:
     """A 400 naming the first field of `r` that asks for what this server does not do (see IDLE)."""
     for name, (values, why) in [*IDLE.items(), *(CHAT_IDLE.items() if isinstance(r, ChatCompletionRequest) else ())]:
         v = getattr(r, name, None)
         if not _idle(v, values):
-            only = " or ".join(["null", *(json.dumps(i) for i in values)])
-            raise bad_request(name, f"'{name}' is not supported by this server ({why}): send {only}, or leave it out")
+            _refuse(name, name, values, why)
+    for key, path, param, v in _nested(r):
+        values, why = NESTED[key]
+        if not _idle(v, values):
+            _refuse(path, param, values, why)
     if isinstance(r, CompletionRequest | ChatCompletionRequest) and r.best_of is not None and r.best_of != n:
         raise bad_request("best_of", f"'best_of' is not supported by this server (it returns every sample it "
                                      f"draws): only null or equal to n ({n})")

@@ -32,6 +32,7 @@ from rapidserve.server.body import check_headers, decode_as
 from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.requests import OFFLOAD_CHARS, ProtocolContext
+from rapidserve.server.schema_parts import Strict, Unsupported
 from rapidserve.server.schemas import (
     MAX_MESSAGES,
     MAX_TOOLS,
@@ -52,7 +53,7 @@ UTILITY_PUBLIC_PATHS = frozenset({"/ping", "/version"})  # answered without the 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(Strict, kw_only=True):
     """POST /tokenize: exactly one of `prompt` (a text) and `messages` (a chat)."""
 
     model: str | None = None
@@ -72,9 +73,11 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS, description=f"messages: at most {MAX_TOOLS} tools for "
                                                                          "the chat template")] | None = None
     return_token_strs: Annotated[bool, Meta(description="also answer each token's string (token_strs)")] = False
+    media_io_kwargs: Unsupported = None  # vLLM's (multimodal): null or {} only, the models here take text
+    mm_processor_kwargs: Unsupported = None
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(Strict, kw_only=True):
     """POST /detokenize."""
 
     model: str | None = None
@@ -147,6 +150,10 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
     if tok is None:
         raise bad_request("prompt" if r.prompt is not None else "messages",
                           "this model has no tokenizer (a preset): there is nothing to tokenize with")
+    for name in ("media_io_kwargs", "mm_processor_kwargs"):
+        if getattr(r, name) not in (None, {}):
+            raise bad_request(name, f"'{name}' is not supported by this server (the models served here take text "
+                                    "only): send null or {}, or leave it out")
     if r.prompt is not None:
         for name in ("tools", "continue_final_message", "documents", "chat_template", "chat_template_kwargs"):
             if getattr(r, name) not in (None, False):
@@ -155,7 +162,8 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
         if len(r.prompt) > OFFLOAD_CHARS:
             return await asyncio.to_thread(tok.encode, r.prompt, special)
         return tok.encode(r.prompt, add_special_tokens=special)
-    render = render_options(r, ctx.trust_request_chat_template)  # 400 naming a bad field, as on the chat route
+    # 400 naming a bad field, as on the chat route
+    render = render_options(r, ctx.trust_request_chat_template, ctx.default_template_kwargs)
     messages = template_messages(ChatCompletionRequest(messages=r.messages or []))
     tools = [msgspec.to_builtins(t) for t in r.tools] if r.tools else None
 

@@ -1,0 +1,49 @@
+"""vLLM's prompt-truncation fields of a request body: `truncate_prompt_tokens` and `truncation_side`.
+
+- `truncate_prompt_tokens` k >= 1: a prompt (a chat's rendered prompt too) longer than k tokens keeps k of them;
+  -1: as many as fit beside the requested max tokens (at least one generated token), vLLM's "the model's limit";
+  0 (an empty prompt in vLLM, which then fails) is a 400 naming it;
+- `truncation_side`: "left" (the default, vLLM's for generation) keeps the last tokens, "right" the first.
+Pure; a 400 naming the field otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from rapidserve.server.errors import bad_request
+from rapidserve.server.schemas import ChatCompletionRequest, GenerateRequest, RequestBody
+
+Side = Literal["left", "right"]
+
+
+def requested_max_tokens(r: RequestBody) -> int | None:
+    """The max tokens the request asks for, by the field that wins (max_completion_tokens, max_tokens,
+    /generate's max_new_tokens); None when it asks for none."""
+    if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
+        return r.max_completion_tokens
+    if isinstance(r, GenerateRequest) and r.max_tokens is None:
+        return r.max_new_tokens
+    return r.max_tokens
+
+
+def truncation(r: RequestBody, max_model_len: int) -> tuple[int | None, Side]:
+    """How many prompt tokens `r` keeps (None: all) and from which side ("left": the last ones)."""
+    side: Side = r.truncation_side or "left"
+    k = r.truncate_prompt_tokens
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens", "'truncate_prompt_tokens' 0 would leave no prompt: give an "
+                                                    "integer >= 1, or -1 for as many as fit")
+    if k == -1:
+        k = max(1, max_model_len - (requested_max_tokens(r) or 1))
+    if r.truncation_side is not None and k is None:
+        raise bad_request("truncation_side", "'truncation_side' says which end 'truncate_prompt_tokens' cuts: give "
+                                             "that too, or leave truncation_side out")
+    return k, side
+
+
+def truncated(ids: list[int], keep: int | None, side: Side) -> list[int]:
+    """`ids` cut to `keep` tokens from `side` (the last `keep` for "left")."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
