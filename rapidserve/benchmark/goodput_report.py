@@ -41,9 +41,10 @@ DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request ra
               "then bisecting between a passing and a failing rate). This is not a sweep's `--goodput` column (SLO-met "
               "requests per second at each offered rate).")
 LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed (X) fails; `>= X`: the highest rate "
-          "the search may probe (X: by default the closed-loop peak, past which a finite probe shows no sustained "
-          "rate) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the frontier lies in it); "
-          "`-`: not searched.")
+          "the search may probe (X, its ceiling: by default the closed-loop peak, past which a finite probe shows no "
+          "sustained rate; where a ceiling above the peak was given, the probes above the peak were longer and judged "
+          "by their TTFT backlog too) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the "
+          "frontier lies in it); `-`: not searched.")
 ABOVE_LEGEND = ("Above the peak: a probe at a rate above the server's own closed-loop peak (the search's ceiling lay "
                 "above it) sends more arrivals (--search-above-peak-factor x the counted requests) and fails every "
                 "target where its TTFT backlog grew: u = TTFT / the request's TTFT limit, the medians of its first and "
