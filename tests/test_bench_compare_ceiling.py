@@ -15,6 +15,7 @@ from tests.test_bench_compare import _load
 compare = _load()
 peak = _load("compare_peak")
 frontier = _load("compare_frontier")
+plan = _load("frontier_plan")
 
 
 def fr(label: str, title: str, p: float | None) -> dict[str, Any]:
@@ -119,6 +120,28 @@ def test_frontier_record_keeps_what_the_probes_above_the_peak_add() -> None:
     below, above = frontier.frontier_record(res)["probes"]
     assert "above_peak" not in below and "requests" not in below and below["rate"] == 8.57
     assert (above["above_peak"], above["arrivals"], above["backlog"]["grew"]) == (True, 144, True)
+
+
+@pytest.mark.parametrize("wanted,factor,want", [
+    (5, 1.0, 50.0),  # as before: every probe as long
+    (5, 4.0, 2 * 10.0 + 3 * 16.0),  # ABOVE_PEAK_PROBES of them long
+    (2, 4.0, 2 * 16.0),  # no more than the search wants
+])
+def test_plan_search_seconds(wanted: int, factor: float, want: float) -> None:
+    assert plan.search_s(wanted, 10.0, 16.0, factor) == want
+
+
+def test_the_plan_counts_longer_probes_above_the_peak() -> None:
+    cfg = plan._model("qwen3-8b")
+    short = plan.group_call("ours-slo", ["duet@50"], 8.5, 48, 10, 540, False)
+    long = plan.group_call("ours-slo", ["duet@50"], 8.5, 48, 10, 540, False, above_peak_factor=4.0)
+    # 144 arrivals at 1.2 x 8.5 req/s + 2 s = ~16 s instead of ~11 s, three times
+    assert long.seconds - short.seconds == pytest.approx(3 * ((16 + 4 * 32) / (1.2 * 8.5) - 1.6 * 48 / 8.5))
+    assert "above the peak" not in short.detail and "up to 3 a search above the peak ~16 s each (144 arrivals)" in \
+        long.detail
+    lines = plan.plan(cfg, "qwen3-8b", 2, 1, ["ours-slo", "baselines"], num_prompts=48, max_probes=10, stashed=True,
+                      above_peak_factor=4.0)
+    assert "(cut from 5 by BUDGET_S 540)" in lines[3]  # five one-bound searches with long probes: split the group
 
 
 def test_two_cpu_servers_share_one_ceiling(tmp_path) -> None:  # type: ignore[no-untyped-def]
