@@ -65,6 +65,16 @@ def test_backlog_trend(usage: list[float], first: float, last: float, projected:
     assert (b.first, b.last, b.projected) == pytest.approx((first, last, projected), rel=1e-4)
 
 
+@pytest.mark.parametrize("growth,grew", [(0.0, False), (0.09, False), (0.11, True), (0.2, True)])
+def test_the_backlog_rules_resolution(growth: float, grew: bool) -> None:
+    """sustain.py's resolution: TTFT = 0.3 s + growth x t over T = 20 s of counted arrivals against a 4 s limit fires
+    for growth > (4 - 0.3) / (1.875 x 20) = 0.099 s per s, while every one of these passes attainment at 90% (the
+    steepest puts 7.5% of its requests over 4 s)."""
+    usage = [(0.3 + growth * i * 0.1) / 4.0 for i in range(200)]
+    b = backlog_trend(usage)
+    assert b is not None and b.grew is grew and sum(u > 1.0 for u in usage) <= 0.1 * len(usage)
+
+
 def test_backlog_trend_needs_enough_requests() -> None:
     assert backlog_trend([5.0] * (MIN_TREND_REQUESTS - 1)) is None
     b = Backlog(0.05, 0.31, math.inf, 64)

@@ -33,10 +33,12 @@ of the two medians, so that a tiny TTFT doubling (20 ms to 40 ms) is not read as
 Resolution: with TTFT = b + g t (g = (r - mu) / mu, t the arrival time, the counted requests spanning T seconds, L
 the limit) the rule fires when b + g x 7T/8 + g x T > L, i.e. for g > (L - b) / (1.875 T), while attainment at share
 q alone fails only for g > (L - b) / (q T): the rule sees an overload about half as large. Either way the overload
-that goes unseen shrinks as 1 / T: doubling the probe (factor 2) halves it, which is what the longer probes above the
-peak buy. A rate a little above mu (g below that) can still pass: the goodput found above the
-peak is within that margin of the sustained rate, not exact; the report gives each such probe's first, last and
-projected u so a reader can judge.
+that goes unseen shrinks as 1 / T: doubling the probe (factor 2) halves it, which is what the longer probes above
+the peak buy. A rate a little above mu (g below that) can still pass: the goodput found above the peak is within
+that margin of the sustained rate, not exact; the report gives each such probe's first, last and projected u so a
+reader can judge. The other way round, just below mu the queue fills from empty slowly (its relaxation time grows as
+mu approaches), so the first quarter can read low and a sustainable rate close to mu can fail: just below mu the
+rule can err low, as just above it it can err high by the margin above.
 """
 
 from __future__ import annotations
