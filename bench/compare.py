@@ -24,6 +24,14 @@ else a guess): a search that runs out reports its brackets so far, marked unfini
 frontier plot per workload (<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and
 share).
 
+A search's ceiling is by default its system's own closed-loop peak, which for a server with an ITL SLO (duet@B, vLLM
+at a small chunk) understates what it sustains under Poisson arrivals: its cells read `>= own peak`, floors that do
+not compare across systems. `--search-shared-ceiling` lets every system's search go up to the highest closed-loop
+peak measured so far in the comparison on that workload (its own included; an earlier report's with
+--continue-from; run the highest-peak system first, e.g. duet@none or always-fused), `--search-max-rate R` gives
+every system one rate instead; probes above a system's own peak fail where their TTFT backlog grew, and
+`--search-above-peak-factor F` makes them F x longer (rapidserve/benchmark/sustain.py says why both).
+
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
   `--system LABEL=FLAGS` is one more with your flags. `--tensor-parallel-size N` in --serve-args shards ours and
@@ -122,7 +130,7 @@ from compare_args import (  # noqa: E402
 )
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
 from compare_frontier import search_deadline, startup_reserve, write_frontier_report  # noqa: E402
-from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, highest_peak, merge_results  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -183,21 +191,28 @@ def system_search(scfg: SearchConfig, system: System) -> SearchConfig:
     return mine
 
 
-def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: int,
-           deadline: float | None) -> dict[str, Any]:
-    """One workload's goodput search against the server at `url`, its probes salted from `salt`."""
+def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: int, deadline: float | None,
+           peers: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """One workload's goodput search against the server at `url`, its probes salted from `salt`. With
+    --search-shared-ceiling its ceiling is at least the highest closed-loop peak among `peers` (the searches so far)."""
     cfg = bench_config(a, w.argv, base_url=url, label=system.label)
-    return asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), system_search(a.search, system),
-                                          deadline=deadline))
+    shared = highest_peak(peers, w.title) if getattr(a, "search_shared_ceiling", False) else None
+    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), system_search(a.search, system),
+                                         deadline=deadline, shared_peak=shared[0] if shared else None))
+    if shared is not None:
+        res["search"]["shared_peak_system"] = shared[1]
+    return res
 
 
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
                results: list[dict[str, Any]], info: dict[str, Any], peaks: dict[str, float | None],
-               later: Sequence[str] = (), started: dict[str, float] | None = None) -> None:
+               later: Sequence[str] = (), started: dict[str, float] | None = None,
+               carried: Sequence[dict[str, Any]] = ()) -> None:
     """Start one system's server, run every workload's sweep (or goodput search), stop it; append results; set
     info's status. With --peak-fractions the reference system records its closed peak per workload in `peaks`.
     `later`: the kinds of the systems still to run after this one (a search leaves their start-up time, as long as
-    the longest of their kind measured so far in `started`, which this one's start-up joins)."""
+    the longest of their kind measured so far in `started`, which this one's start-up joins). `carried`: an earlier
+    report's frontiers (--continue-from), whose peaks join this run's for --search-shared-ceiling."""
     label = system.label
     port = a.port or free_port()
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
@@ -233,7 +248,8 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
                 if a.goodput_search:  # an even share of the budget left, after the later systems' start-ups
                     left = len(workloads) - wi + len(later) * len(workloads)
                     res = search(a, w, url, system, base,
-                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later, started)))
+                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later, started)),
+                                 [*carried, *results])
                 else:
                     res = sweep(a.rates, base)
                     if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
@@ -336,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 info["status"] = "skipped: duration budget spent"
                 continue
             later = [x.kind for x in systems[len(infos) - n_prior:]]
-            run_system(a, s, workloads, deadline, results, info, peaks, later, started)
+            run_system(a, s, workloads, deadline, results, info, peaks, later, started,
+                       prior.get("frontiers", []) if prior is not None else [])
             report(a, meta, results, plot=False, prior=prior)
     finally:
         for s in systems[len(infos) - n_prior:]:  # interrupted before their turn
@@ -358,7 +375,8 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
                          else f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
             "mode": "goodput_search" if a.goodput_search else "sweep",
-            "search": None if a.search is None else dataclasses.asdict(a.search),
+            "search": None if a.search is None else {**dataclasses.asdict(a.search),
+                                                     **({"shared_ceiling": True} if a.search_shared_ceiling else {})},
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,

@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="compare")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")
     add_search_args(p, budget=False)
+    p.add_argument("--search-shared-ceiling", action="store_true",
+                   help="with --goodput-search: every system's search may go up to the highest closed-loop peak "
+                        "measured so far in this comparison (per workload, this system's own and an earlier "
+                        "report's with --continue-from included), not only to its own; probes above its own peak "
+                        "are judged by their TTFT backlog (and lengthened by --search-above-peak-factor). Run the "
+                        "system with the highest peak first (e.g. duet@none or always-fused), or give one rate to "
+                        "every system with --search-max-rate instead")
     return p
 
 
@@ -186,7 +193,8 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
     if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
         ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
     if a.goodput_search:
-        check_search_workload(ns)
+        check_search_workload(argparse.Namespace(**{**vars(ns), "search_above_peak_factor":
+                                                    getattr(a, "search_above_peak_factor", None)}))
         if ns.duration_s is not None and ns.workload != "trace":  # a trace's --duration-s is its window
             raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
     cfg = config_from_args(ns)
@@ -219,15 +227,23 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
 def search_config(a: argparse.Namespace) -> SearchConfig | None:
     """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
     given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
+    shared = getattr(a, "search_shared_ceiling", False)
     if not a.goodput_search:
         search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
+        search_flags += ["--search-shared-ceiling"] if shared else []
         if search_flags:
             raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
         return None
     if given:
         raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
                          "arrivals per probe at the rates it picks")
-    cfg = search_from_args(a)
+    cfg = search_from_args(a, shared_ceiling=shared)
+    if shared and cfg.max_rate is not None:
+        raise ValueError("--search-shared-ceiling takes the ceiling from the systems' peaks, --search-max-rate gives "
+                         "one: drop one of them")
+    if shared and cfg.start_rate is not None:
+        raise ValueError("--search-shared-ceiling needs each system's closed-loop peak, which --search-start-rate "
+                         "skips measuring: drop one of them")
     if cfg.max_probes >= SALT_STRIDE:
         raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
                          "salted apart within a workload's stride)")

@@ -18,6 +18,12 @@ or continued report computes it afresh), drawn as the default policy's line (bla
 duet@B systems, each searched at one bound, are not drawn), and its ratios stand for the duet@B systems' (which have
 no ratio rows of their own).
 
+A search whose ceiling lay above its own closed-loop peak (--search-max-rate, or --search-shared-ceiling: the
+highest peak among the comparison's systems so far, bench/compare_peak.py) says so in its `search` column: the
+ceiling, whose peak it was, and how many of its probes ran above its own peak (longer, with
+--search-above-peak-factor) and how many of those failed on a growing TTFT backlog (rapidserve/benchmark/sustain.py).
+A cell `>= X` is always X = that search's own ceiling, the highest rate it probed.
+
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
 others; a search that runs out reports its brackets so far, marked unfinished.
@@ -38,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
-from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED  # noqa: E402
-from rapidserve.benchmark.goodput_report import LEGEND, goodput_cell  # noqa: E402
+from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED, SHARED_PEAK, round_rate  # noqa: E402
+from rapidserve.benchmark.goodput_report import ABOVE_LEGEND, LEGEND, above_peak, goodput_cell  # noqa: E402
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier  # noqa: E402
 from rapidserve.benchmark.report import jsonable  # noqa: E402
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares  # noqa: E402
@@ -73,8 +79,29 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
             "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",
-                                              "server_step_correction")}
+                                              "server_step_correction", *ABOVE_KEYS) if k in p or k not in ABOVE_KEYS}
                        for p in res.get("probes", [])]}
+
+
+ABOVE_KEYS = ("above_peak", "arrivals", "backlog")  # a probe above its own closed-loop peak (search.probe_extra)
+
+
+def ceiling_note(f: Mapping[str, Any]) -> str:
+    """A frontier's ceiling where it lay above its own closed-loop peak, and its probes above that peak: 'ceiling 12
+    req/s (always-fused's peak) above its own peak 8.57: 3 probes above it (176 arrivals each), backlog grew in 1';
+    '' where the ceiling was its own peak (or below it)."""
+    s = f.get("search") or {}
+    peak, top = s.get("peak_request_throughput"), s.get("max_rate")
+    if peak is None or top is None or float(top) <= round_rate(float(peak)):
+        return ""
+    whose = (f"{s['shared_peak_system']}'s peak" if s.get("ceiling") == SHARED_PEAK and s.get("shared_peak_system")
+             else "--search-max-rate" if s.get("ceiling") != SHARED_PEAK else "a shared peak")
+    above = above_peak(f)
+    arrivals = sorted({p.get("arrivals") for p in above if p.get("arrivals") is not None})
+    grew = sum(bool((p.get("backlog") or {}).get("grew")) for p in above)
+    each = f" ({', '.join(str(n) for n in arrivals)} arrivals each)" if arrivals else ""
+    return (f"ceiling {float(top):g} req/s ({whose}) above its own peak {float(peak):.3g}: {len(above)} probe(s) "
+            f"above it{each}, backlog grew in {grew}")
 
 
 def searched_entry(f: Mapping[str, Any], bound: float | None, share: float) -> dict[str, Any] | None:
@@ -164,6 +191,8 @@ def _search_cell(f: Mapping[str, Any]) -> str:
                           for k, label in f["parts"].items())
         return f"composite of {parts}; {done}"
     only = f["search"]["settings"].get("only_bounds")
+    note = ceiling_note(f)
+    done = done if not note else f"{note}; {done}"
     return done if only is None else f"searched at {', '.join(bound_label(b) for b in only)} only; {done}"
 
 
@@ -183,6 +212,8 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
              f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
+    if any(above_peak(f) for f in frontiers):
+        lines[-1:-1] = [f"- {ABOVE_LEGEND} The `search` column says which searches went above their own peak."]
     if len(rows) > len(frontiers):
         lines[-1:-1] = [f"- **{COMPOSITE}**: the adaptive policy (`--policy duet`, issue 37's default) as a user who "
                         "needs bound B runs it, "

@@ -4,12 +4,18 @@ The issue tables ask for figures "at 75% of vLLM's peak rate": the reference sys
 runs its closed sweep (rate inf) first; its completed requests per second there is its peak on that
 workload, and every system then runs Poisson arrivals at the given fractions of it, the reference
 included. Pure helpers, tested on CPU (tests/test_bench_compare.py).
+
+The goodput search's shared ceiling (`--goodput-search --search-shared-ceiling`, `highest_peak`): each system's
+search measures its own closed-loop peak first, and by default stops there; with the shared ceiling it may go up to
+the highest closed-loop peak of the workload's searches so far in the comparison (an earlier report's too, with
+--continue-from), so that a system whose closed-loop peak understates what it sustains (an ITL SLO: its burst's
+decode batch is full) is searched as far as the others, and its cells compare with theirs.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -64,3 +70,15 @@ def merge_results(first: dict[str, Any], second: dict[str, Any]) -> dict[str, An
     merged["config"] = cfg
     return merged
 
+
+
+def highest_peak(searches: Sequence[Mapping[str, Any]], title: str) -> tuple[float, str] | None:
+    """The highest closed-loop peak (req/s) among the goodput searches of workload `title` (search results or a
+    report's frontiers: their "search"'s "peak_request_throughput"), and whose it is (the first to reach it); None
+    where none measured one."""
+    best: tuple[float, str] | None = None
+    for f in searches:
+        peak = (f.get("search") or {}).get("peak_request_throughput")
+        if f.get("title") == title and peak is not None and (best is None or float(peak) > best[0]):
+            best = (float(peak), str(f.get("label")))
+    return best

@@ -52,12 +52,16 @@ cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
 tp="${TP:-1}"
 read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
-# the probes a search may make, as vs_vllm.sh passes them (SEARCH_ARGS, default 10; without the flag: bench's 12)
+# the probes a search may make, as vs_vllm.sh passes them (SEARCH_ARGS, default 10; without the flag: bench's 12), and
+# how much longer its probes above the closed-loop peak are (--search-above-peak-factor, default 1; it goes with a
+# ceiling above the peak in SEARCH_ARGS: --search-shared-ceiling, the highest peak among each group's systems so far,
+# a group being one compare.py run, or --search-max-rate R, one rate for every group)
 probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
+factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\([0-9.][0-9.]*\).*/\1/p')
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
         --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
-        --max-probes "${probes:-12}"
+        --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}"
 fi
 out="${OUT:-bench/results/frontier_parallel}"
 mkdir -p "$out"
@@ -83,7 +87,7 @@ if [ "${#groups[@]}" -gt "$slots" ]; then
 fi
 "$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
     --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
-    --max-probes "${probes:-12}" \
+    --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"

@@ -30,6 +30,15 @@ start "a minute or more"; the stash calls ~25 s each), and a prefill-bound guess
 doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
 (duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
 
+Probes above the closed-loop peak (SEARCH_ARGS with a ceiling above it, `--search-shared-ceiling` or
+`--search-max-rate R`, and `--search-above-peak-factor F`; rapidserve/benchmark/sustain.py): `--above-peak-factor F`
+plans ABOVE_PEAK_PROBES of each search's probes above the peak, each of discard + F x (num_prompts - discard)
+arrivals at about ABOVE_PEAK_RATE x the peak, instead of num_prompts arrivals near half the peak. For qwen3-8b at
+4096:64 (peak ~8.5 req/s), 48 arrivals a probe and F 4: a long probe ~16 s against ~11 s, ~15 s more a search; the
+probe count is still capped by --max-probes, so what grows is each probe's length, not their number. F 1 (the
+default) plans as before: probes above the peak, if the ceiling allows any, are as long as the others (and then the
+plan's ~11 s each, a little long at rates above the peak).
+
 ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
 knob changes it at runtime), so on two GPUs `GROUP=ours-slo,baselines` runs them beside always-fused and
 always-split (`ours` would also run duet at SLO 50, which duet@50 already is). The table's
@@ -73,6 +82,9 @@ VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first g
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
 STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # per system, by kind (kind_of)
 ONE_BOUND_PROBES = 5  # probes a search of one bound wants (its two shares' brackets closed), at most
+ABOVE_PEAK_PROBES = 3  # of a search's probes, those planned above the peak with --above-peak-factor > 1
+ABOVE_PEAK_RATE = 1.2  # their rate, x the peak (between the peak and a ceiling ~1.4-2 x it, bisected)
+SEARCH_DISCARD = 16  # bench's --search-discard default: a long probe's warm-up, unchanged
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
 REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
 REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
@@ -155,28 +167,42 @@ def probes_wanted(system: str, max_probes: int) -> int:
     return min(max_probes, ONE_BOUND_PROBES) if "@" in system else max_probes
 
 
+def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: float) -> float:
+    """The probes of one search: `wanted` of `probe_s` each, ABOVE_PEAK_PROBES of them `long_s` instead where
+    `above_peak_factor` > 1."""
+    long = min(wanted, ABOVE_PEAK_PROBES) if above_peak_factor > 1 else 0
+    return (wanted - long) * probe_s + long * long_s
+
+
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
-               budget_s: float, first_vllm: bool, tp: int = 1) -> Call:
+               budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0) -> Call:
     """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it)."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
     startups = sum(STARTUP_S[kind_of(s, tp)] for s in systems)
     probe_s = 1.6 * num_prompts / peak + 2  # probes lie between peak/4 and the peak, most near peak/2
+    long_n = SEARCH_DISCARD + math.ceil(above_peak_factor * max(0, num_prompts - SEARCH_DISCARD))
+    long_s = long_n / (ABOVE_PEAK_RATE * peak) + 2
     wanted = [probes_wanted(s, max_probes) for s in systems]
     share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems))
-    fit = max(0, int((share - num_prompts / peak) // probe_s))
-    searches = num_prompts / peak * len(systems) + sum(wanted) * probe_s  # each closed-loop peak, then the probes
+    fit = {w: max(0, int((share - num_prompts / peak) // (search_s(w, probe_s, long_s, above_peak_factor) / w)))
+           for w in wanted}
+    searches = num_prompts / peak * len(systems) + sum(search_s(w, probe_s, long_s, above_peak_factor)
+                                                       for w in wanted)  # each closed-loop peak, then the probes
     seconds = min(setup + startups + searches, budget_s + CALL_OVERHEAD_S)
-    kinds = ", ".join(f"{wanted.count(w)} search(es) of ~{min(w, fit)} probes"
+    kinds = ", ".join(f"{wanted.count(w)} search(es) of ~{min(w, fit[w])} probes"
                       + (" (one bound each)" if w < max_probes else "")
-                      + ("" if fit >= w else f" (cut from {w} by BUDGET_S {budget_s:g})")
+                      + ("" if fit[w] >= w else f" (cut from {w} by BUDGET_S {budget_s:g})")
                       for w in dict.fromkeys(wanted))
+    above = (f", up to {ABOVE_PEAK_PROBES} a search above the peak ~{long_s:.0f} s each ({long_n} arrivals)"
+             if above_peak_factor > 1 else "")
     return Call(f"{group} [{', '.join(systems)}]", seconds,
-                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe")
+                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe{above}")
 
 
 def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
          num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
-         stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8) -> list[str]:
+         stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8,
+         above_peak_factor: float = 1.0) -> list[str]:
     """The session's calls, in order, with their estimated device time and what fits in SESSION_S."""
     slots = gpus // tp
     if slots < 1:
@@ -195,7 +221,8 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         side = []
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
-            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp))
+            side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp,
+                                   above_peak_factor))
             if note:
                 lines.append(f"  {g}: {note}")
         first_vllm = False  # the first call installs it
@@ -241,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--max-probes", type=int, default=6)
     pl.add_argument("--budget-s", type=float, default=540)
     pl.add_argument("--vllm-parts", type=int, default=8)
+    pl.add_argument("--above-peak-factor", type=float, default=1.0,
+                    help="SEARCH_ARGS' --search-above-peak-factor: plan each search's probes above the peak that long")
     pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
     for q in (g, pl):
         q.add_argument("--tp", type=int, default=1)
@@ -256,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             groups = [x.strip() for x in a.groups.split(",") if x.strip()]
             print("\n".join(plan(cfg, a.preset, a.gpus, a.tp, groups, a.prompt, a.num_prompts, a.max_probes,
-                                 a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem)))
+                                 a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem, a.above_peak_factor)))
     except ValueError as e:
         print(f"frontier_plan: {e}", file=sys.stderr)
         return 2

@@ -63,7 +63,10 @@
 # --gpu-memory-utilization), WORKLOADS (compare.py's --workloads; default: frontier 4096:64, sweep multiturn),
 # BENCH_ARGS (sweep multiturn: --input-len 2048 --turn-input-len 256 --output-len 64 --num-turns 6), TRACE_WORKLOADS
 # (instead: trace replays, see below; a frontier needs --trace-arrivals poisson in them), SEARCH_ARGS (frontier:
-# compare.py's --search-* flags, default "--search-max-probes 10"), RATES (sweep: inf), NUM_PROMPTS (frontier: 64
+# compare.py's --search-* flags, default "--search-max-probes 10"; to settle `>= own peak` cells, e.g.
+# "--search-max-probes 10 --search-shared-ceiling --search-above-peak-factor 4": every system's search may go up to
+# the highest closed-loop peak of the call's systems so far, run first, its probes above its own peak 4x longer and
+# judged by their TTFT backlog, rapidserve/benchmark/sustain.py; or "--search-max-rate R" for one ceiling), RATES (sweep: inf), NUM_PROMPTS (frontier: 64
 # arrivals per probe; sweep: 32 conversations), WARMUP (4), BUDGET_S (540: the whole script, setup included, ends
 # inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the
 # model shape, ours `preset:PRESET`, vLLM's folder from make_model.py; another preset's folder comes from

@@ -197,7 +197,8 @@ class FakeServer:
         ttft = 0.2 if rate <= self.capacity else 5.0
         return [rec(prompt=100, ttft=ttft, itl=(self.slope * rate * (1 + i / N),) * 8, index=i) for i in range(N)]
 
-    async def measure(self, rate: float) -> list[RequestRecord]:
+    async def measure(self, rate: float, n: int = N) -> list[RequestRecord]:
+        assert n == N  # no probe above a peak: every one of N arrivals
         self.calls.append(rate)
         self.now += N / rate + 1.0
         return self.records(rate)

@@ -52,6 +52,11 @@ def _share(text: str) -> float:
     return float(v)
 
 
+def factor_arg(text: str) -> float:
+    """A factor >= 1 (--search-above-peak-factor)."""
+    return float(_number(float, 1.0)(text))
+
+
 bounds_arg = _number_list(positive_float, "25,50,100,200")
 shares_arg = _number_list(_share, "0.9,0.99")
 

@@ -16,7 +16,8 @@ Definitions (goodput as DistServe and DuetServe measure it):
   higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows.
 
 The search (`next_step`, driven by rapidserve/benchmark/search.py): from a start rate, double while
-the target passes (up to a max rate: by default the closed-loop peak, see `SearchConfig.limits`) and
+the target passes (up to a max rate, the search's ceiling: by default the closed-loop peak, see
+`SearchConfig.ceiling`; a ceiling above the peak is reached through the peak itself, `next_step`'s waypoint) and
 halve while it fails (down to a min rate), then bisect the bracket [lo, hi) until hi <= lo x (1 +
 tolerance). Every probe is cached by rate and serves every target, so one search gives goodput at
 every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then each to
@@ -26,6 +27,10 @@ A search for some bounds only (`SearchConfig.only_bounds`, e.g. a policy run wit
 bound B, which only B's goodput is asked of) drives its probes by those bounds' targets alone and stops
 once their brackets close; every probe is still scored at every bound, and the other bounds' entries say
 NOT_SEARCHED (their brackets are whatever those probes happened to show, not a search's answer).
+
+Above the peak (a ceiling above the server's own closed-loop peak: --search-max-rate, or bench/compare.py's
+--search-shared-ceiling): a probe at a rate above the peak counts --search-above-peak-factor x the requests, and fails
+every target where its TTFT backlog grew (sustain.py says why and how: `Probe.backlog`).
 
 This is not `rapidserve bench --goodput`: that one reports, at each offered rate of a sweep, the
 completed requests per second meeting per-request bounds (its itl is the request's largest gap).
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from rapidserve.benchmark.stats import RequestRecord, percentile
+from rapidserve.benchmark.sustain import Backlog, backlog_trend, probe_arrivals
 
 DEFAULT_ITL_BOUNDS_MS: tuple[float, ...] = (25.0, 50.0, 100.0, 200.0)
 DEFAULT_SHARES: tuple[float, ...] = (0.9, 0.99)
@@ -47,6 +53,10 @@ UNBOUNDED = "unbounded"
 CONVERGED, BELOW_MIN, AT_MAX, UNFINISHED = "converged", "below_min_rate", "at_max_rate", "unfinished"
 NOT_SEARCHED = "not_searched"  # a bound outside SearchConfig.only_bounds: scored, never searched
 COARSE_TOLERANCE = 0.25  # the first pass over every target
+# Where a search's ceiling (its max rate) came from (`SearchConfig.ceiling`)
+OWN_PEAK, MAX_RATE, SHARED_PEAK, START_X8 = "own_peak", "max_rate", "shared_peak", "start_x8"
+CEILING_WORDS = {OWN_PEAK: "the closed-loop peak", MAX_RATE: "--search-max-rate",
+                 SHARED_PEAK: "the comparison's highest closed-loop peak so far", START_X8: "the start rate x 8"}
 
 
 # ---------------------------------------------------------------- per request
@@ -68,6 +78,13 @@ def attains(r: RequestRecord, itl_bound_ms: float | None) -> bool:
         return False
     p95 = p95_itl_s(r.itl_s)
     return itl_bound_ms is None or p95 is None or p95 * 1e3 <= itl_bound_ms
+
+
+def ttft_usage(r: RequestRecord) -> float:
+    """TTFT over the request's TTFT limit (<= 1: within the rule); inf for a request that failed (no first token)."""
+    if not r.success or math.isnan(r.ttft_s):
+        return math.inf
+    return r.ttft_s / ttft_limit_s(r.prompt_tokens)
 
 
 def counted(records: Iterable[RequestRecord], discard: int) -> list[RequestRecord]:
@@ -95,26 +112,41 @@ class Target:
 
 @dataclass(frozen=True)
 class Probe:
-    """One measured rate: how many requests were counted and how many attained each bound."""
+    """One measured rate: how many requests were counted and how many attained each bound; above the server's own
+    closed-loop peak, its TTFT backlog trend (None: not above it, or too few requests to judge)."""
 
     rate: float
     n: int
     attained: Mapping[str, int] = field(default_factory=dict)  # bound_key -> requests
+    above_peak: bool = False
+    backlog: Backlog | None = None
 
     def attainment(self, itl_bound_ms: float | None) -> float:
         return self.attained.get(bound_key(itl_bound_ms), 0) / self.n if self.n else 0.0
 
+    @property
+    def backlog_grew(self) -> bool:
+        return self.backlog is not None and self.backlog.grew
+
 
 def measure_probe(rate: float, records: Sequence[RequestRecord], bounds_ms: Sequence[float | None],
-                  discard: int) -> Probe:
-    """A probe from one run's records: the counted ones, and those attaining each of `bounds_ms`."""
+                  discard: int, above_peak: bool = False) -> Probe:
+    """A probe from one run's records: the counted ones, and those attaining each of `bounds_ms`; `above_peak`: also
+    their TTFT backlog trend (sustain.backlog_trend, in arrival order)."""
     kept = counted(records, discard)
-    return Probe(rate, len(kept), {bound_key(b): sum(attains(r, b) for r in kept) for b in bounds_ms})
+    backlog = None
+    if above_peak:
+        backlog = backlog_trend([ttft_usage(r) for r in sorted(kept, key=lambda r: (r.scheduled_s, r.index))])
+    return Probe(rate, len(kept), {bound_key(b): sum(attains(r, b) for r in kept) for b in bounds_ms},
+                 above_peak, backlog)
 
 
 def passes(p: Probe, t: Target) -> bool:
-    """At least a share t.share of the counted requests attained t's bound (a probe counting none fails)."""
-    return p.n > 0 and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9
+    """At least a share t.share of the counted requests attained t's bound (a probe counting none fails), and (above
+    the peak) its backlog did not grow: a load the server did not sustain fails every target, however many of a
+    short probe's requests attained."""
+    return (p.n > 0 and not p.backlog_grew
+            and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9)
 
 
 def targets(bounds_ms: Sequence[float], shares: Sequence[float],
@@ -146,6 +178,11 @@ def bracket(probes: Iterable[Probe], t: Target) -> Bracket:
     return Bracket(max(oks) if oks else None, hi)
 
 
+class Ceiling(NamedTuple):
+    rate: float  # the highest rate a search may probe (its max rate)
+    source: str  # where it came from: OWN_PEAK, MAX_RATE, SHARED_PEAK or START_X8
+
+
 class Step(NamedTuple):
     rate: float | None  # the next rate to probe; None: this target is done
     status: str  # with rate None: CONVERGED, BELOW_MIN or AT_MAX
@@ -157,18 +194,26 @@ def round_rate(x: float) -> float:
 
 
 def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolerance: float,
-              growth: float = 2.0) -> Step:
+              growth: float = 2.0, waypoint: float | None = None) -> Step:
     """The next rate to probe for one target, or why its search is over.
 
     Nothing probed: `start`. Everything passed: lo x growth (at most max_rate; done, AT_MAX, once
-    max_rate passed). Everything failed: hi / growth (at least min_rate; done, BELOW_MIN, once
-    min_rate failed). Both: done (CONVERGED) when hi <= lo x (1 + tolerance), else the midpoint."""
+    max_rate passed), and no further than `waypoint` while lo is below it. Everything failed: hi / growth
+    (at least min_rate; done, BELOW_MIN, once min_rate failed). Both: done (CONVERGED) when hi <= lo x
+    (1 + tolerance), else the midpoint.
+
+    The waypoint is the closed-loop peak where the ceiling lies above it: the search makes the probes it would
+    make with the peak as its ceiling (short ones) before any above it (long ones), so a search cut short by its
+    budget still has the answer a search capped at the peak would give."""
     lo, hi = b
     if lo is None and hi is None:
         return Step(start, "")
     if hi is None:
         assert lo is not None
-        return Step(None, AT_MAX) if lo >= max_rate else Step(min(round_rate(lo * growth), max_rate), "")
+        if lo >= max_rate:
+            return Step(None, AT_MAX)
+        up = min(round_rate(lo * growth), max_rate)
+        return Step(min(up, waypoint) if waypoint is not None and lo < waypoint else up, "")
     if lo is None:
         return Step(None, BELOW_MIN) if hi <= min_rate else Step(max(round_rate(hi / growth), min_rate), "")
     if hi <= lo * (1.0 + tolerance):
@@ -210,6 +255,9 @@ class SearchConfig:
     # the bounds whose brackets the search closes (None in it: unbounded); None: every bound. The others are
     # scored at each probe all the same, and reported NOT_SEARCHED.
     only_bounds: tuple[float | None, ...] | None = None
+    # probes above the server's own closed-loop peak count this many times the requests of the others (their warm-up
+    # discard unchanged); None: 1, as long as the others (sustain.py says why longer)
+    above_peak_factor: float | None = None
 
     def check(self, probe_requests: int | None = None) -> None:
         """ValueError naming the flag when a setting cannot work."""
@@ -236,19 +284,57 @@ class SearchConfig:
             if not self.only_bounds or bad:
                 raise ValueError(f"--search-only-bounds {_bounds_text(self.only_bounds)}: give one or more of the "
                                  f"bounds searched ({_bounds_text(known)}; add a bound to --search-itl-bounds-ms)")
+        f = self.above_peak_factor
+        if f is not None and not (f >= 1 and math.isfinite(f)):
+            raise ValueError(f"--search-above-peak-factor {f:g}: give a factor >= 1 of the counted requests (1: probes "
+                             "above the peak as long as the others), e.g. 4")
+        if f not in (None, 1.0) and self.start_rate is not None:
+            raise ValueError("--search-above-peak-factor lengthens the probes above the closed-loop peak, which "
+                             "--search-start-rate skips measuring: drop one of them")
         if probe_requests is not None and self.discard >= probe_requests:
             raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
                              "to count: discard fewer warm-up arrivals or send more")
 
-    def limits(self, start: float, peak: float | None = None) -> tuple[float, float]:
-        """(min rate, max rate) for a search from `start`: the given ones, else start / 4 and the closed-loop
-        `peak` (without one, start x 8). A probe is a finite run: above the rate the server sustains, its queue
-        grows for only `n` arrivals and may not yet break the TTFT rule, so rates past the peak measure nothing
-        the server can keep up; the search stops there (AT_MAX: ">= peak")."""
+    def ceiling(self, start: float, peak: float | None = None, shared_peak: float | None = None) -> Ceiling:
+        """The highest rate a search from `start` may probe, and where it came from: --search-max-rate if given
+        (MAX_RATE); else the closed-loop `peak` (OWN_PEAK), or `shared_peak` where that is higher (SHARED_PEAK:
+        bench/compare.py's --search-shared-ceiling, the highest closed-loop peak among the comparison's systems so
+        far); without a peak, start x 8 (START_X8); never below `start`.
+
+        By default nothing is probed past the server's own peak: a probe is a finite run, and above the rate the
+        server sustains its queue grows for only `n` arrivals and may not yet break the TTFT rule, so a pass there
+        says nothing the server can keep up (AT_MAX: ">= peak"). A ceiling above it is asked for (a server with an ITL
+        SLO sustains more under Poisson arrivals than in the closed-loop burst); its probes above the peak are
+        longer (`arrivals`) and fail where their backlog grew (`passes`, sustain.py)."""
+        if self.max_rate is not None:
+            hi, source = self.max_rate, MAX_RATE
+        elif peak is None:
+            hi, source = round_rate(start * 8.0), START_X8
+        elif shared_peak is not None and round_rate(shared_peak) > round_rate(peak):
+            hi, source = round_rate(shared_peak), SHARED_PEAK
+        else:
+            hi, source = round_rate(peak), OWN_PEAK
+        return Ceiling(max(hi, start), source)
+
+    def limits(self, start: float, peak: float | None = None, shared_peak: float | None = None) -> tuple[float, float]:
+        """(min rate, max rate) for a search from `start`: the given min rate, else start / 4; the `ceiling`."""
         lo = self.min_rate if self.min_rate is not None else round_rate(start / 4.0)
-        default_hi = round_rate(peak) if peak is not None else round_rate(start * 8.0)
-        hi = self.max_rate if self.max_rate is not None else default_hi
-        return min(lo, start), max(hi, start)
+        return min(lo, start), self.ceiling(start, peak, shared_peak).rate
+
+    def waypoint(self, max_rate: float, peak: float | None) -> float | None:
+        """The closed-loop peak (rounded) where the ceiling `max_rate` lies above it (`next_step`'s waypoint), else
+        None."""
+        return round_rate(peak) if peak is not None and max_rate > round_rate(peak) else None
+
+    @staticmethod
+    def above_peak(rate: float, peak: float | None) -> bool:
+        """Whether `rate` lies above the closed-loop peak (rounded, as a ceiling at the peak would probe it)."""
+        return peak is not None and rate > round_rate(peak)
+
+    def arrivals(self, rate: float, n: int, peak: float | None) -> int:
+        """A probe's arrivals at `rate`: n, or above the peak the discard then above_peak_factor x the n - discard
+        counted (sustain.probe_arrivals)."""
+        return probe_arrivals(n, self.discard, self.above_peak_factor) if self.above_peak(rate, peak) else n
 
     def bounds(self) -> list[float | None]:
         """Every bound a probe is scored at: None (unbounded) and the ITL bounds."""

@@ -1,13 +1,14 @@
 """A goodput search's result: its markdown, and its files (JSON, markdown, the frontier plot).
 
-The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model",
-"workload", "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate",
-"max_rate", "probe_requests", "peak_request_throughput"}, "peak" (the closed-loop run, or None with a
-given start rate), "probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key:
-share of counted requests attaining it}; a rapidserve server's steps over the probe: "server_steps" and
-"server_step_correction", step_mix.py], "goodput": [{"itl_bound_ms" (None: unbounded), "share",
-"goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds)}], "finished",
-"stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace".
+The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model", "workload",
+"config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate", "max_rate",
+"probe_requests", "peak_request_throughput", "ceiling" (where max_rate came from: goodput.OWN_PEAK, ...),
+"shared_peak"}, "peak" (the closed-loop run, or None with a given start rate), "probes": [a sweep's run dict plus
+"order", "counted" and "attainment" {bound_key: share of counted requests attaining it}; a rapidserve server's steps
+over the probe: "server_steps" and "server_step_correction", step_mix.py; a probe above the closed-loop peak:
+"above_peak" True, "arrivals" and "backlog" (sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
+unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds)}],
+"finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace".
 """
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, bound_key
+from rapidserve.benchmark.goodput import (
+    AT_MAX,
+    BELOW_MIN,
+    CEILING_WORDS,
+    CONVERGED,
+    NOT_SEARCHED,
+    OWN_PEAK,
+    START_X8,
+    bound_key,
+)
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier
 from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
 from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
 from rapidserve.benchmark.step_mix import STEP_COLUMN, STEP_LEGEND, step_cell
+from rapidserve.benchmark.sustain import probe_arrivals
 
 DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
               "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
@@ -30,9 +41,16 @@ DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request ra
               "then bisecting between a passing and a failing rate). This is not a sweep's `--goodput` column (SLO-met "
               "requests per second at each offered rate).")
 LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed (X) fails; `>= X`: the highest rate "
-          "the search may probe (X: by default the closed-loop peak, past which a finite probe shows no sustained "
-          "rate) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the frontier lies in it); "
-          "`-`: not searched.")
+          "the search may probe (X, its ceiling: by default the closed-loop peak, past which a finite probe shows no "
+          "sustained rate; where a ceiling above the peak was given, the probes above the peak were longer and judged "
+          "by their TTFT backlog too) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the "
+          "frontier lies in it); `-`: not searched.")
+ABOVE_LEGEND = ("Above the peak: a probe at a rate above the server's own closed-loop peak (the search's ceiling lay "
+                "above it) sends more arrivals (--search-above-peak-factor x the counted requests) and fails every "
+                "target where its TTFT backlog grew: u = TTFT / the request's TTFT limit, the medians of its first and "
+                "last quarter of counted requests, and u projected one probe length on; GREW when that is over 1 "
+                "(rapidserve/benchmark/sustain.py).")
+ABOVE_COLUMN = "above the peak: arrivals, backlog"
 
 
 def goodput_cell(e: Mapping[str, Any] | None) -> str:
@@ -49,6 +67,42 @@ def goodput_cell(e: Mapping[str, Any] | None) -> str:
     return f"[{fmt(lo, '.3g') if lo is not None else '0'}, {fmt(hi, '.3g') if hi is not None else '?'})*"
 
 
+def above_peak(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The probes of a search result that lay above the server's own closed-loop peak."""
+    return [p for p in result.get("probes", []) if p.get("above_peak")]
+
+
+def backlog_cell(p: Mapping[str, Any]) -> str:
+    """A probe's ABOVE_COLUMN cell: '-' at or below the peak, else its arrivals and backlog trend."""
+    if not p.get("above_peak"):
+        return "-"
+    b = p.get("backlog")
+    if b is None:
+        return f"{p.get('arrivals')} arrivals; too few requests to judge the backlog"
+
+    def u(x: float | None) -> str:
+        return "inf" if x is None else f"{x:.2g}"
+
+    return (f"{p.get('arrivals')} arrivals; TTFT/limit {u(b['first'])} -> {u(b['last'])}, projected "
+            f"{u(b['projected'])}: " + ("GREW (fails every target)" if b["grew"] else "steady"))
+
+
+def ceiling_text(result: Mapping[str, Any]) -> str:
+    """Where the search's ceiling (max rate) came from, and (above the peak) how those probes ran; '' where it is
+    the closed-loop peak or the start rate x 8, as by default."""
+    s = result["search"]
+    source, peak = s.get("ceiling"), s.get("peak_request_throughput")
+    if source in (None, OWN_PEAK, START_X8):
+        return ""
+    st = s["settings"]
+    if peak is None or s["max_rate"] <= float(f"{peak:.3g}"):
+        return f"the ceiling {s['max_rate']:g} req/s is {CEILING_WORDS[source]}"
+    n = probe_arrivals(s["probe_requests"], st["discard"], st.get("above_peak_factor"))
+    return (f"the ceiling {s['max_rate']:g} req/s is {CEILING_WORDS[source]}, above this server's own "
+            f"{peak:.3g}: probes above {peak:.3g} send {n} arrivals ({st.get('above_peak_factor') or 1:g} x the "
+            "counted) and fail every target where their TTFT backlog grew")
+
+
 def search_line(result: Mapping[str, Any]) -> str:
     """How the search ran, in one line."""
     s = result["search"]
@@ -61,6 +115,7 @@ def search_line(result: Mapping[str, Any]) -> str:
             f"{s['probe_requests']} Poisson arrivals (the first {st['discard']} discarded as warm-up); "
             + (f"searched at {', '.join(bound_label(b) for b in st['only_bounds'])} only; "
                if st.get("only_bounds") is not None else "")
+            + (f"{ceiling_text(result)}; " if ceiling_text(result) else "")
             + ("finished" if result.get("finished") else f"UNFINISHED: {result.get('stopped')}"))
 
 
@@ -76,16 +131,18 @@ def search_markdown(result: Mapping[str, Any]) -> str:
              "|---" * (len(shares) + 1) + "|"]
     for b in bounds:
         lines.append(f"| {bound_label(b)} | " + " | ".join(goodput_cell(entry(result, b, q)) for q in shares) + " |")
+    above = bool(above_peak(result))  # the column only where a probe lay above the peak
     lines += ["", LEGEND, "", "Attainment at each probed rate (share of the counted requests meeting the TTFT rule "
-              "and the bound), in rate order. " + STEP_LEGEND, "",
+              "and the bound), in rate order. " + STEP_LEGEND + (" " + ABOVE_LEGEND if above else ""), "",
               "| rate (req/s) | probe | counted | " + " | ".join(bound_label(b) for b in bounds)
-              + f" | p99 TTFT (ms) | p99 ITL (ms) | failed | {STEP_COLUMN} |", "|---" * (len(bounds) + 7) + "|"]
+              + f" | p99 TTFT (ms) | p99 ITL (ms) | failed | {STEP_COLUMN} |" + (f" {ABOVE_COLUMN} |" if above else ""),
+              "|---" * (len(bounds) + 7 + above) + "|"]
     for p in sorted(result.get("probes", []), key=lambda p: float(p["rate"])):
         s = p["summary"]
         att = [fmt(p["attainment"].get(bound_key(b)), ".1%") for b in bounds]
         lines.append(f"| {float(p['rate']):g} | {p['order']} | {p['counted']} | " + " | ".join(att)
                      + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
-                     f" | {s['failed']} | {step_cell(p)} |")
+                     f" | {s['failed']} | {step_cell(p)} |" + (f" {backlog_cell(p)} |" if above else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -94,11 +151,16 @@ def search_block(result: Mapping[str, Any]) -> str:
     the probes, the goodput at each bound and share (cells as the markdown's: see LEGEND), how the search ended."""
     s = result["search"]
     peak, n = s.get("peak_request_throughput"), s["probe_requests"]
+    above = above_peak(result)
+    grew = sum(bool((p.get("backlog") or {}).get("grew")) for p in above)
     lines = [title_line(" Goodput Search Result ", "="),
              table_row("Closed-loop peak (req/s):", float(peak) if peak is not None else "not measured"),
              table_row("Start rate (req/s):", float(s["start_rate"])),
              table_row("Poisson probes:", len(result.get("probes", []))),
              table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}"),
+             *([table_row("Ceiling (req/s):", f"{float(s['max_rate']):g} ({CEILING_WORDS[s['ceiling']]})")]
+               if s.get("ceiling") not in (None, OWN_PEAK, START_X8) else []),
+             *([table_row("Probes above the peak, backlog grew:", f"{len(above)}, {grew}")] if above else []),
              title_line("Goodput (req/s): TTFT rule and p95 ITL bound", "-")]
     for b in search_bounds(result):
         for q in search_shares(result):

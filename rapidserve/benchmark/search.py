@@ -1,15 +1,17 @@
 """The goodput search (`rapidserve bench --goodput-search`): the loop over any measurement, and its run
 against a real server.
 
-`search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in
-turn, loosest first, and probes the rates it names with `measure(rate)` (the records of one Poisson run of
-`probe_requests` arrivals); every probe is cached by rate and scored at every bound, so later targets start
-from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to
-the tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once their
-brackets close); the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes`
-probes, and leaves a target whose next probe would not end before the deadline (a low rate's probe is long;
-another target's may still fit); the targets not settled then are marked `unfinished`, with their bracket
-so far.
+`search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in turn,
+loosest first, and probes the rates it names with `measure(rate, n)` (the records of one Poisson run of n arrivals:
+`probe_requests`, or above the closed-loop `peak` `scfg.arrivals`' longer count, whose probes are also judged by
+their backlog trend, sustain.py); every probe is cached by rate and scored at every bound, so later targets start
+from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to the
+tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once their brackets close);
+the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes` probes, and leaves a target
+whose next probe would not end before the deadline (a low rate's probe is long; another target's may still fit); the
+targets not settled then are marked `unfinished`, with their bracket so far. The ceiling (`scfg.ceiling`) is the
+peak unless --search-max-rate or a comparison's shared peak (`shared_peak`: bench/compare.py
+--search-shared-ceiling) lies above it; then the search reaches it through the peak (`next_step`'s waypoint).
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -25,7 +27,7 @@ import datetime
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -34,9 +36,11 @@ from rapidserve.benchmark.arrivals import rate_label
 from rapidserve.benchmark.client import Target as Server
 from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.goodput import (
+    CEILING_WORDS,
     COARSE_TOLERANCE,
     NOT_SEARCHED,
     UNFINISHED,
+    Ceiling,
     Probe,
     SearchConfig,
     bound_key,
@@ -63,13 +67,14 @@ from rapidserve.benchmark.runner import (
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.step_mix import step_cell
 
-Measure = Callable[[float], Awaitable[Sequence[RequestRecord]]]
+Measure = Callable[[float, int], Awaitable[Sequence[RequestRecord]]]  # (rate, arrivals) -> the run's records
 
 
 @dataclass
 class Outcome:
     """A search's probes (in the order they ran), each target's goodput entry, and why probing stopped
-    before every target was settled (None: every one was)."""
+    before every target was settled (None: every one was); where its max rate came from (`ceiling.source`) and each
+    probe's arrivals (by rate)."""
 
     start: float
     min_rate: float
@@ -77,14 +82,19 @@ class Outcome:
     probes: list[Probe]
     goodput: list[dict[str, Any]]
     stopped: str | None
+    ceiling: Ceiling | None = None
+    arrivals: dict[float, int] | None = None
 
 
 async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, probe_requests: int,
                           clock: Callable[[], float] = time.monotonic, deadline: float | None = None,
-                          on_probe: Callable[[Probe], None] | None = None, peak: float | None = None) -> Outcome:
-    """Search every target's goodput from `start` (requests/s), within `scfg.limits(start, peak)`; see the
-    module docstring. `on_probe` is told each probe's scores as it ends."""
-    lo_rate, hi_rate = scfg.limits(start, peak)
+                          on_probe: Callable[[Probe], None] | None = None, peak: float | None = None,
+                          shared_peak: float | None = None) -> Outcome:
+    """Search every target's goodput from `start` (requests/s), within `scfg.limits(start, peak, shared_peak)`; see
+    the module docstring. `on_probe` is told each probe's scores as it ends."""
+    lo_rate, hi_rate = scfg.limits(start, peak, shared_peak)
+    waypoint = scfg.waypoint(hi_rate, peak)
+    arrivals: dict[float, int] = {}
     bounds = scfg.bounds()
     probes: dict[float, Probe] = {}
     order: list[Probe] = []
@@ -95,32 +105,44 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     for tolerance in tolerances:
         for t in scfg.searched():
             while exhausted is None:
-                step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance)
+                step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint)
                 if step.rate is None:
                     break
                 if len(order) >= scfg.max_probes:
                     exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
                     break
-                if not fits(clock(), deadline, step.rate, probe_requests, drain):
-                    est = probe_requests / step.rate + drain
+                n = scfg.arrivals(step.rate, probe_requests, peak)
+                if not fits(clock(), deadline, step.rate, n, drain):
+                    est = n / step.rate + drain
                     too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
                     break
                 t0 = clock()
-                records = await measure(step.rate)
-                drain = max(0.0, clock() - t0 - probe_requests / step.rate)
-                probe = measure_probe(step.rate, records, bounds, scfg.discard)
+                records = await measure(step.rate, n)
+                drain = max(0.0, clock() - t0 - n / step.rate)
+                probe = measure_probe(step.rate, records, bounds, scfg.discard, scfg.above_peak(step.rate, peak))
                 probes[step.rate] = probe
+                arrivals[step.rate] = n
                 order.append(probe)
                 if on_probe is not None:
                     on_probe(probe)
     entries = []
     searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
-        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance)
+        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance, waypoint=waypoint)
         status = NOT_SEARCHED if t not in searched else step.status if step.rate is None else UNFINISHED
         entries.append(goodput_entry(probes.values(), t, status))
     unsettled = any(e["status"] == UNFINISHED for e in entries)
-    return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None)
+    return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None,
+                   scfg.ceiling(start, peak, shared_peak), arrivals)
+
+
+def probe_extra(p: Probe, out: Outcome) -> dict[str, Any]:
+    """What a probe above the closed-loop peak adds to its record: "above_peak", "arrivals" and "backlog"
+    (sustain.Backlog.to_json, or None where too few requests to judge); nothing for the others."""
+    if not p.above_peak:
+        return {}
+    return {"above_peak": True, "arrivals": (out.arrivals or {}).get(p.rate),
+            "backlog": p.backlog.to_json() if p.backlog is not None else None}
 
 
 def attainment_json(p: Probe, bounds: Sequence[float | None]) -> dict[str, float]:
@@ -146,11 +168,17 @@ async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchCon
 
 
 async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: float | None = None,
-                             clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+                             clock: Callable[[], float] = time.monotonic,
+                             shared_peak: float | None = None) -> dict[str, Any]:
     """Search the goodput frontier of the server at cfg.base_url on cfg's workload; the result dict.
-    `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time."""
+    `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time. `shared_peak`: the
+    highest closed-loop peak of a comparison's other systems so far (bench/compare.py --search-shared-ceiling): the
+    ceiling where it lies above this server's own."""
     if cfg.burstiness != 1.0:
         raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
+    if scfg.above_peak_factor not in (None, 1.0) and cfg.workload.name == "trace":
+        raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
+                         "drop the factor, or give a longer window (--duration-s) for every probe")
     if scfg.budget_s is not None:
         deadline = min(deadline if deadline is not None else math.inf, clock() + scfg.budget_s)
     async with new_session() as session:
@@ -177,29 +205,38 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             start = round_rate(scfg.start_fraction * peak)
         else:
             start = scfg.start_rate
+        top = scfg.ceiling(start, peak, shared_peak)
+        if scfg.waypoint(top.rate, peak) is not None:
+            say(cfg, f"  ceiling {top.rate:g} req/s ({CEILING_WORDS[top.source]}), above the closed-loop peak: "
+                     f"probes above it send {scfg.arrivals(math.inf, n, peak)} arrivals and fail where their backlog "
+                     "grew")
         runs: dict[float, dict[str, Any]] = {}
 
-        async def measure(rate: float) -> list[RequestRecord]:
-            records, runs[rate] = await _one_run(session, target, cfg, rate, len(runs) + 1, replay,
-                                                 f"probe {len(runs) + 1} at {rate_label(rate)} req/s")
+        async def measure(rate: float, arrivals: int) -> list[RequestRecord]:
+            longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
+            what = "" if arrivals == n else f", {arrivals} arrivals (above the peak)"
+            records, runs[rate] = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
+                                                 f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}")
             return records
 
         def tell(p: Probe) -> None:
             steps = step_cell(runs[p.rate])
             say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
                      + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds())
-                     + ("" if steps == "-" else f"; server steps: {steps}"))
+                     + ("" if steps == "-" else f"; server steps: {steps}")
+                     + (f"; above the peak, {p.backlog.describe()}" if p.backlog is not None else ""))
 
-        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak)
+        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak)
     probes = []
     for i, p in enumerate(out.probes):
         probes.append({**runs[p.rate], "order": i + 1, "counted": p.n,
-                       "attainment": attainment_json(p, scfg.bounds())})
+                       "attainment": attainment_json(p, scfg.bounds()), **probe_extra(p, out)})
     return {
         "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
         "workload": cfg.workload.describe(), "config": config_json(cfg),
         "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
-                   "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak},
+                   "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
+                   "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak},
         **({"trace": replay.describe()} if replay is not None else {}),
         "peak": peak_run, "probes": probes, "goodput": out.goodput,
         "finished": out.stopped is None, "stopped": out.stopped,

@@ -7,6 +7,7 @@ import argparse
 
 from rapidserve.benchmark.flags import (
     bounds_arg,
+    factor_arg,
     nonneg_int,
     only_bounds_arg,
     positive_float,
@@ -21,7 +22,8 @@ SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
     ("--search-itl-bounds-ms", "itl_bounds_ms"), ("--search-shares", "shares"), ("--search-start-rate", "start_rate"),
     ("--search-start-fraction", "start_fraction"), ("--search-min-rate", "min_rate"),
     ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
-    ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"))
+    ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"),
+    ("--search-above-peak-factor", "above_peak_factor"))
 
 
 def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -49,7 +51,8 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
     g.add_argument("--search-max-rate", type=positive_float, default=None,
                    help="the highest rate probed; a bound that passes there is reported '>= MAX' (default: the "
                         "closed-loop peak, the most a finite probe can say is sustained; with --search-start-rate: "
-                        "start x 8)")
+                        "start x 8). Above the closed-loop peak the probes are judged by their TTFT backlog too, and "
+                        "--search-above-peak-factor makes them longer")
     g.add_argument("--search-tolerance", type=positive_float, default=None,
                    help=f"stop bisecting when the failing rate <= the passing one x (1 + this) (default "
                         f"{d.tolerance:g})")
@@ -62,18 +65,31 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
                    help="search these bounds only (of --search-itl-bounds-ms, or unbounded) and stop once their "
                         "brackets close, e.g. for a server whose ITL SLO is one bound; every probe is still scored at "
                         "every bound, the others reported not searched (default: every bound)")
+    g.add_argument("--search-above-peak-factor", type=factor_arg, default=None, metavar="F",
+                   help="probes at rates above the server's own closed-loop peak (there are some only where the "
+                        "ceiling lies above it: --search-max-rate, or bench/compare.py's --search-shared-ceiling) "
+                        "count F x the requests of the others, their warm-up discard unchanged, because a longer "
+                        "probe is what makes an overload visible; every probe above the peak also fails where its "
+                        "TTFT backlog grew (rapidserve/benchmark/sustain.py) (default 1: as long as the others)")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "
                             "each unsettled bound's bracket so far, marked unfinished")
 
 
-def search_from_args(a: argparse.Namespace) -> SearchConfig:
-    """SearchConfig from the flags given (the rest: its defaults); ValueError when they cannot work."""
+def search_from_args(a: argparse.Namespace, shared_ceiling: bool = False) -> SearchConfig:
+    """SearchConfig from the flags given (the rest: its defaults); ValueError when they cannot work. `shared_ceiling`:
+    bench/compare.py's --search-shared-ceiling was given (a ceiling above a system's own peak without
+    --search-max-rate)."""
     given = {field: getattr(a, flag[2:].replace("-", "_")) for flag, field in SEARCH_FLAGS}
     cfg = SearchConfig(**{k: v for k, v in given.items() if v is not None},
                        budget_s=getattr(a, "budget_s", None))
     cfg.check(a.num_prompts)
+    if cfg.above_peak_factor not in (None, 1.0) and cfg.max_rate is None and not shared_ceiling:
+        raise ValueError(f"--search-above-peak-factor {cfg.above_peak_factor:g} lengthens the probes above the "
+                         "closed-loop peak, and with the peak as the ceiling there are none: give a ceiling above it, "
+                         "--search-max-rate R" + (" or --search-shared-ceiling" if hasattr(a, "search_shared_ceiling")
+                                                  else " (bench/compare.py: or --search-shared-ceiling)"))
     return cfg
 
 
@@ -98,11 +114,14 @@ def check_search_flags(a: argparse.Namespace) -> None:
 
 
 def check_search_workload(a: argparse.Namespace) -> None:
-    """ValueError when the workload's bench flags cannot be searched: fixed or gamma (--burstiness) arrivals, or a
-    trace replayed at its own timestamps."""
+    """ValueError when the workload's bench flags cannot be searched: fixed or gamma (--burstiness) arrivals, a
+    trace replayed at its own timestamps, or a trace with longer probes above the peak (its window is its count)."""
     if a.arrival == "fixed":
         raise ValueError("--goodput-search measures Poisson arrivals: drop --arrival fixed")
     if getattr(a, "burstiness", None) not in (None, 1.0):
         raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness (gamma arrivals)")
     if a.workload == "trace" and a.trace_arrivals != "poisson":
         raise ValueError("--goodput-search replays a trace's lengths at Poisson arrivals: add --trace-arrivals poisson")
+    if a.workload == "trace" and getattr(a, "search_above_peak_factor", None) not in (None, 1.0):
+        raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
+                         "drop the factor, or give a longer window (--duration-s) for every probe")
