@@ -65,8 +65,9 @@ class CliParser(argparse.ArgumentParser):
 
 def _refusal(prog: str, flag: str) -> str:
     why = refusal(flag)
-    if why is None:
-        return f"{prog} does not support {flag} (neither a rapidserve flag nor one of vLLM 0.26's)"
+    if why is None:  # `serve` is the command vLLM's flags are for; another command's unknown flag may be serve's
+        return f"{prog} does not support {flag}" + (" (neither a rapidserve flag nor one of vLLM 0.26's)"
+                                                    if prog.endswith(" serve") else "")
     return f"{prog} does not support vLLM's {flag} ({why})"
 
 

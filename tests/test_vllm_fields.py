@@ -279,3 +279,27 @@ def test_response_format_on_completions(ctx: rq.ProtocolContext) -> None:
     assert refused("completion", {"prompt": "hi", "response_format": {"type": "xml"}}, ctx).param == "response_format"
     e = refused("completion", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"}, ctx)
     assert e.param == "guided_regex"
+
+
+# What vllm-router (deploy/router) forwards: the client's body plus SGLang's fields at their defaults (captured from
+# vllm-router in front of a recording server, 2026-11-29). Refusing them as unknown failed every routed request.
+ROUTER_ADDS = {"completion": {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                              "return_hidden_states": False, "echo": False, "stream": False},
+               "chat": {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                        "return_hidden_states": False, "separate_reasoning": True, "stream_reasoning": True,
+                        "include_reasoning": True, "continue_final_message": False, "logprobs": False,
+                        "stream": False}}
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_what_vllm_router_forwards_is_accepted_and_other_values_refused_by_name(ctx: rq.ProtocolContext,
+                                                                               kind: str) -> None:
+    base = BASES[kind]
+    assert parse(kind, {**base, **ROUTER_ADDS[kind]}, ctx).params == parse(kind, base, ctx).params
+    asks = {"no_stop_trim": True, "return_hidden_states": True}
+    if kind == "chat":
+        asks |= {"separate_reasoning": False, "stream_reasoning": False}
+    for name, value in asks.items():
+        e = refused(kind, {**base, name: value}, ctx)
+        assert e.param == name and e.code != "unknown_field", e.message
+    assert "include_stop_str_in_output" in refused(kind, {**base, "no_stop_trim": True}, ctx).message

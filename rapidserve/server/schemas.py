@@ -138,6 +138,9 @@ class _SamplingRequest(Strict, kw_only=True):
     ec_transfer_params: Unsupported = None
     repetition_detection: Unsupported = None
     thinking_token_budget: Unsupported = None  # vLLM's cap on reasoning tokens
+    # SGLang's, which vllm-router (deploy/router) adds to every request it forwards, at their defaults
+    no_stop_trim: Unsupported = None
+    return_hidden_states: Unsupported = None
     # vLLM's: keep only the last (or first) k prompt tokens (the rendered chat's too) when the prompt is longer
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=INT32_MAX, description=(
         "an integer >= 1: a longer prompt keeps only this many tokens (its last; its first with truncation_side "
@@ -243,6 +246,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     media_io_kwargs: Unsupported = None  # vLLM's: text-only models here
     return_prompt_text: Unsupported = None
     return_assistant_tokens_mask: Unsupported = None  # vLLM's /render endpoints'
+    separate_reasoning: Unsupported = None  # SGLang's, forwarded by vllm-router at its default (true)
+    stream_reasoning: Unsupported = None  # as separate_reasoning
     # OpenAI's fields that vLLM does not declare (it ignores them): refused by name unless they ask for nothing
     store: Unsupported = None
     metadata: Unsupported = None

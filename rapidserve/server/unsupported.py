@@ -49,12 +49,18 @@ IDLE: Idle = MappingProxyType({
                                     "discourage repeats with repetition_penalty or frequency_penalty"),
     "thinking_token_budget": ((-1,), "no cap on reasoning tokens is enforced; bound the whole answer with "
                                      "max_tokens"),
+    # SGLang's names, which vllm-router adds to every request it forwards (at the values that ask for nothing)
+    "no_stop_trim": ((False,), "SGLang's name: use include_stop_str_in_output: true"),
+    "return_hidden_states": ((False,), "hidden states are not returned"),
 })
 CHAT_IDLE: Idle = MappingProxyType({  # the chat endpoint's own (completions have an echo of their own)
     "echo": ((False,), "a chat answer is never prefixed with the last message"),
     "media_io_kwargs": (({},), "the models served here take text only"),
     "return_prompt_text": ((False,), f"the rendered prompt is not answered: {_TOKENS}"),
     "return_assistant_tokens_mask": ((False,), f"{_RENDER}not serve"),
+    "separate_reasoning": ((True,), "SGLang's name: with --reasoning-parser the reasoning is always separated into "
+                                    "reasoning_content; include_reasoning: false leaves it out"),
+    "stream_reasoning": ((True,), "SGLang's name: the reasoning streams as it is generated"),
     # OpenAI's, which vLLM does not declare (and ignores)
     "store": ((False,), "nothing is stored"),
     "metadata": (({},), "nothing is stored to tag"),
