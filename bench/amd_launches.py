@@ -47,10 +47,10 @@ from rapidserve.quant_config import QuantizationConfig
 
 # kernel -> (module, reached by). "nvidia" kernels are never launched with torch.version.hip set.
 KERNELS: dict[str, tuple[str, str]] = {
-    "_write_kv_kernel": ("rapidserve.attention.triton_paged", "rope_write's fallback, unfused_ops"),
-    "_decode_split_kernel": ("rapidserve.attention.triton_paged", "decode and mixed steps"),
-    "_decode_reduce_kernel": ("rapidserve.attention.triton_paged", "decode steps with more than one split"),
-    "_prefill_kernel": ("rapidserve.attention.triton_paged", "prefill and mixed steps"),
+    "_write_kv_kernel": ("rapidserve.attention.triton_paged_kv", "rope_write's fallback, unfused_ops"),
+    "_decode_split_kernel": ("rapidserve.attention.triton_paged_decode", "decode and mixed steps"),
+    "_decode_reduce_kernel": ("rapidserve.attention.triton_paged_decode", "decode steps with more than one split"),
+    "_prefill_kernel": ("rapidserve.attention.triton_paged_prefill", "prefill and mixed steps"),
     "_rms_norm_kernel": ("rapidserve.ops.triton_ops", "every layer, final norm"),
     "_rope_kernel": ("rapidserve.ops.triton_ops", "unfused_ops (no q/k norm)"),
     "_qk_norm_rope_kernel": ("rapidserve.ops.triton_ops", "rope_write's fallback, unfused_ops (q/k norm)"),
@@ -199,9 +199,9 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
         for name, (module, _) in KERNELS.items():
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
-        from rapidserve.attention import triton_paged
+        from rapidserve.attention import triton_paged_decode
         from rapidserve.ops import pdl, triton_moe_gemm
-        stack.enter_context(mock.patch.object(triton_paged, "_num_sms", lambda device: target.units))
+        stack.enter_context(mock.patch.object(triton_paged_decode, "_num_sms", lambda device: target.units))
         # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off),
         # and the MoE GEMMs' persistent grids sized for its SMs / CUs
         stack.enter_context(mock.patch.object(pdl, "use_pdl", lambda on, device: on is not False

@@ -93,9 +93,11 @@ Row = dict[str, object]
 
 def backends() -> dict[str, object]:
     """name -> object with prefill_attention / decode_attention (the paged backends measured)."""
-    from rapidserve.attention import fa3, triton_paged
+    from rapidserve.attention import AttentionBackend, fa3, triton_paged_decode, triton_paged_kv, triton_paged_prefill
 
-    found: dict[str, object] = {"triton": triton_paged}
+    found: dict[str, object] = {"triton": AttentionBackend("triton", triton_paged_kv.write_kv,
+                                                           triton_paged_prefill.prefill_attention,
+                                                           triton_paged_decode.decode_attention)}
     try:
         kernel = fa3.find_fa3(torch.device("cuda"))
         found["fa3"] = fa3.Fa3Attention(kernel)
@@ -116,7 +118,7 @@ def _row(kind: str, backend: str, shape: str, config: str, ms: float | None, ms_
 
 def bench_decode(impls: dict[str, object], dtype: torch.dtype, block_size: int, sweep: bool,
                  cache: torch.dtype) -> list[Row]:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     rows: list[Row] = []
     elem = torch.finfo(cache).bits // 8
@@ -170,7 +172,7 @@ def _checked_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta
 
 def bench_prefill(impls: dict[str, object], dtype: torch.dtype, block_size: int, sweep: bool,
                   cache: torch.dtype) -> list[Row]:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_prefill as tp
 
     rows: list[Row] = []
     scale = HEAD_DIM**-0.5

@@ -1,5 +1,5 @@
-"""Compile the Triton decode split kernel (rapidserve/attention/triton_paged.py) for sm_90 on any machine (no GPU) and
-report, per launch configuration, what decides its memory rate.
+"""Compile the Triton decode split kernel (rapidserve/attention/triton_paged_decode.py) for sm_90 on any machine (no
+GPU) and report, per launch configuration, what decides its memory rate.
 
     python bench/decode_attn_compile.py --out DIR [--kv auto,fp8] [--size full|quick|dry]
     PYTHONPATH=DIR_WITH_TRITON_3.6 python bench/decode_attn_compile.py ...   # the GPU machines' Triton
@@ -44,7 +44,7 @@ def compile_split(cfg: DecodeConfig, kv: str = "bf16", *, head_dim: int = 128, g
     e4m3fn; fp8 with cfg.fp16_dots takes fp16 dots), pointers 16-byte aligned, q's strides multiples of 16."""
     import triton
 
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     fp8 = kv == "fp8"
     fn = tp._decode_split_kernel

@@ -175,7 +175,7 @@ def ceilings(dry: bool) -> dict[str, float]:
 def bench_cache(cache: torch.dtype, dtype: torch.dtype, shapes: list[tuple[int, int]], args: argparse.Namespace,
                 dims: tuple[int, int, int], device: str, sms: int) -> list[Row]:
     """Steps 1-3 for one KV cache dtype: the rows of every timed configuration (or failure)."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     hq, hkv, d = dims
     fp8 = cache in FP8_KV_DTYPES

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_timing import time_ms  # noqa: E402
 
-from rapidserve.attention.triton_paged import prefill_flops  # noqa: E402
+from rapidserve.attention.triton_paged_prefill import prefill_flops  # noqa: E402
 from rapidserve.config import CacheConfig, EngineConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 from rapidserve.core import EngineCore  # noqa: E402
 from rapidserve.loader import ModelSource, expected_tensor_shapes  # noqa: E402

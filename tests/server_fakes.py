@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from rapidserve.config import EngineConfig, ModelConfig, SchedulerConfig
-from rapidserve.engine.client import EngineError, RequestRejected
+from rapidserve.engine.errors import EngineError, RequestRejected
 from rapidserve.engine.messages import TokenOut
 from rapidserve.sampling_params import SamplingParams
 from rapidserve.server.app import Server

@@ -38,6 +38,19 @@ def _jit_functions() -> Iterator[tuple[str, ast.FunctionDef]]:
                 yield module, node
 
 
+def _imported_names() -> dict[tuple[str, str], tuple[str, str]]:
+    """(module, name) -> (module, name) it was imported from, of every `from rapidserve... import name` under
+    rapidserve/ (a device function the kernels of several modules share, called under its own name)."""
+    out = {}
+    for path in (ROOT / "rapidserve").rglob("*.py"):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("rapidserve."):
+                for alias in node.names:
+                    out[module, alias.asname or alias.name] = (node.module, alias.name)
+    return out
+
+
 def _launched() -> set[str]:
     """Names launched as `name[grid](...)` anywhere under rapidserve/."""
     out = set()
@@ -59,15 +72,18 @@ def test_every_triton_kernel_is_in_the_check() -> None:
     assert kernels == {(module, name) for name, (module, _) in KERNELS.items()}, (
         "launched @triton.jit kernels and bench/amd_launches.py KERNELS differ: add the kernel to KERNELS and make "
         "capture() reach its launch site")
+    imported = _imported_names()
     reached: set[tuple[str, str]] = set()
     todo = list(kernels)
-    while todo:  # device functions called from the kernels, transitively, within the kernel's module
+    while todo:  # device functions called from the kernels, transitively: of the kernel's module, or imported by name
         module, name = todo.pop()
         for node in ast.walk(jit[module, name]):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and (module, node.func.id) in jit and (module, node.func.id) not in reached:
-                reached.add((module, node.func.id))
-                todo.append((module, node.func.id))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                callee = (module, node.func.id)
+                callee = callee if callee in jit else imported.get(callee, callee)
+                if callee in jit and callee not in reached:
+                    reached.add(callee)
+                    todo.append(callee)
     assert set(jit) - kernels - reached == set(), "@triton.jit functions neither launched nor called by a kernel"
 
 
@@ -93,7 +109,8 @@ def test_capture_reaches_every_kernel_on_its_platforms(captures: dict[str, list[
 
 
 def test_capture_uses_each_platforms_launch_parameters(captures: dict[str, list[tuple[Shape, list]]]) -> None:
-    """On ROCm the attention launches take the AMD tuning of triton_paged.py; on NVIDIA none of AMD's options."""
+    """On ROCm the attention launches take the AMD tuning of triton_paged_decode.py and
+    triton_paged_prefill.py; on NVIDIA none of AMD's options."""
     amd_only = {"waves_per_eu", "matrix_instr_nonkdim", "kpack"}
     for target in ("gfx942", "sm_90"):
         for shape, launches in captures[target]:
@@ -104,7 +121,8 @@ def test_capture_uses_each_platforms_launch_parameters(captures: dict[str, list[
                 if launch.kernel == "_decode_split_kernel":
                     assert launch.kwargs["num_stages"] == 1, (shape, launch.step)
                 if launch.kernel == "_prefill_kernel":  # fp32 over an fp8 cache stays out of scratch without
-                    fp32 = {} if launch.kwargs["KV_FP8"] else {"waves_per_eu": 2}  # waves_per_eu (triton_paged.py)
+                    # waves_per_eu (triton_paged_prefill.py)
+                    fp32 = {} if launch.kwargs["KV_FP8"] else {"waves_per_eu": 2}
                     want = fp32 if shape.dtype == "float32" else {"matrix_instr_nonkdim": 16}
                     assert launch.kwargs["num_stages"] == 1 and want.items() <= launch.kwargs.items(), shape
 

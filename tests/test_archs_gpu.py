@@ -34,9 +34,11 @@ def _fa3() -> fa3.Fa3Attention | None:
 @pytest.mark.parametrize(("head_dim", "group", "hkv", "window"), [(256, 2, 8, 1024), (128, 4, 8, 4096), (64, 3, 2, 37)],
                          ids=["gemma3-12b", "mistral-7b", "small-odd-window"])
 def test_windowed_kernels_match_the_reference(backend: str, head_dim: int, group: int, hkv: int, window: int) -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import AttentionBackend, triton_paged_decode, triton_paged_kv, triton_paged_prefill
 
-    impl = _fa3() if backend == "fa3" else tp
+    triton_backend = AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+                                      triton_paged_decode.decode_attention)
+    impl = _fa3() if backend == "fa3" else triton_backend
     if impl is None:
         pytest.skip("no FlashAttention-3 build here")
     seqs = [(2000, 0), (1, 3000), (300, 1500), (2, -1), (64, 1), (5000, 100)]  # (new tokens, cached prefix)

@@ -233,7 +233,7 @@ def test_prefill_kernel_compiles_one_variant_for_every_batch_shape() -> None:
     """The per-step counts are not specialized: each new (== 1, divisible by 16) combination of them compiled a
     variant mid-serving, a 0.5-1 s stall of every request in flight (bench/results/h100_1127/prefill_graphs/)."""
     pytest.importorskip("triton")
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_prefill as tp
 
     k = tp._prefill_kernel
     names = {k.arg_names[i] if isinstance(i, int) else i for i in k.do_not_specialize}
@@ -249,7 +249,7 @@ def test_decode_kernels_compile_one_variant_for_every_step() -> None:
     is specialized, and the reduce kernel's split tile is the same for every batch on one device and model."""
     pytest.importorskip("triton")
     from rapidserve.attention import decode_config as dc
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     assert {"num_splits", "stride_bt"} <= _unspecialized(tp._decode_split_kernel)
     assert "num_splits" in _unspecialized(tp._decode_reduce_kernel)
@@ -265,7 +265,7 @@ def test_decode_kernels_compile_one_variant_for_every_step() -> None:
 
 # --------------------------------------------------------------------------- Triton interpreter
 def _interp_write_kv() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_kv as tp
 
     for dtype in (torch.float32, torch.float16):
         b = make_batch([(3, 5), (2, -1), (9, 0)], num_kv_heads=3, group=1, head_dim=64, block_size=8,
@@ -278,7 +278,7 @@ def _interp_write_kv() -> None:
 
 
 def _interp_prefill() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_prefill as tp
 
     cases = [  # (block_size, group, head_dim, hkv, seqs, dtype, block_m, block_n)
         (16, 3, 64, 3, [(40, 0), (9, 7), (1, 50), (3, -1)], torch.float32, 16, 16),
@@ -299,7 +299,7 @@ def _interp_prefill() -> None:
 
 
 def _interp_decode() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     cases = [  # (block_size, group, head_dim, hkv, ctxs, dtype)
         (16, 3, 64, 3, [100, 0, 1, 48, 49], torch.float32),
@@ -344,7 +344,8 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("shape", [(16, 4, 128, 8), (16, 3, 64, 3), (8, 1, 64, 4), (32, 2, 32, 2)])
 def test_gpu_prefill_and_write_kv(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention.triton_paged_kv import write_kv
+    from rapidserve.attention.triton_paged_prefill import prefill_attention
 
     bs, group, d, hkv = shape
     seqs = [(300, 0), (1, 700), (129, 64), (2, -1), (64, 1), (1000, 37)]
@@ -352,11 +353,11 @@ def test_gpu_prefill_and_write_kv(dtype: torch.dtype, shape: tuple[int, int, int
                    device="cuda", strided_q=True)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
-    tp.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
+    write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
     assert torch.equal(kc.nan_to_num(7.0), b.k_cache.nan_to_num(7.0))
     assert torch.equal(vc.nan_to_num(7.0), b.v_cache.nan_to_num(7.0))
     want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, d**-0.5)
-    got = tp.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
+    got = prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)
 
 
@@ -364,7 +365,7 @@ def test_gpu_prefill_and_write_kv(dtype: torch.dtype, shape: tuple[int, int, int
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("shape", [(16, 4, 128, 8), (16, 3, 64, 3), (16, 1, 128, 4)])
 def test_gpu_decode(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     bs, group, d, hkv = shape
     ctxs = [2048, 1, 0, 17, 999, 64, 4000, 333]

@@ -56,7 +56,7 @@ def _check(q: torch.Tensor, b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: to
            prefetch: bool = False) -> None:
     """The kernel with fp16 dots, each split count, against the fp32 reference over the dequantized cache (the
     output is bf16: within its rounding)."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     d = q.shape[-1]
     args = (b.meta.block_tables, b.meta.context_lens, d**-0.5)
@@ -111,7 +111,7 @@ def _interp_prefetch() -> None:
     """The block-table prefetch against the reference: an fp16 cache (the model's dtype, fp16 q) and fp8 caches under
     fp16 dots, tiles of 2-8 pages and half pages, windows, empty rows, more splits than tiles (empty splits load the
     entries past the context, masked), a batch of varied contexts."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     fp16 = DecodeConfig(32, 4, 3, 2, False, True)
     cases = [  # (block_size, group, kv heads, contexts, block_n, (split count, window) pairs)
@@ -145,7 +145,7 @@ def _interp_fp8_out() -> None:
     cache (8 heads of 32: one quantizing step) and an fp8 one (fp16 dots; 16 heads of 128: 2048 columns, two steps of
     1024), empty rows among them (scale from MIN_AMAX), e4m3fn and e4m3fnuz, split counts 1 (no reduce kernel: the
     separate quantizer) to more than the tiles."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
     from rapidserve.ops import fp8 as fp8_ops
     from rapidserve.ops.triton_fp8 import quantize_tokens
 
@@ -188,7 +188,7 @@ GPU_CONFIGS = [DecodeConfig(32, 2, 2, 1, True), DecodeConfig(64, 4, 3, 2, False)
 def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
     """Each sweep corner on the GPU against the fp32 reference (the bf16 dots the interpreter cannot check), Qwen3's
     shape, odd contexts; over an fp8 cache also queries past fp16's range."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
     from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
 
     cuda = torch.device("cuda")
@@ -226,7 +226,7 @@ def test_gpu_fp8_output_is_the_quantizers(batch: int, kv_fp8: bool) -> None:
     """`decode_attention_fp8` on the GPU at Qwen3-8B's decode shape (32 heads of 128 over 8 kv heads, contexts up to
     4000, empty rows), the engine's split rule and forced counts (1: the separate quantizer), with and without PDL:
     the bits of `quantize_tokens` of `decode_attention`'s output (the hardware's cast, the real atomics)."""
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
     from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
     from rapidserve.ops.triton_fp8 import quantize_tokens
 

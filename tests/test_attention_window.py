@@ -169,7 +169,7 @@ def _atol(dtype: torch.dtype) -> float:
 
 
 def _interp_prefill() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_prefill as tp
 
     for i, case in enumerate(PREFILL_CASES):
         for dtype, bm, bn in ((torch.float32, 16, 16), (torch.float16, 32, 16), (torch.float32, None, None)):
@@ -183,7 +183,7 @@ def _interp_prefill() -> None:
 
 
 def _interp_decode() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     for case in DECODE_CASES:
         for dtype in (torch.float32, torch.float16):

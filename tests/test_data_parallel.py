@@ -12,9 +12,9 @@ import pytest
 
 from rapidserve.config import EngineConfig, ParallelConfig, RunnerConfig
 from rapidserve.config_base import ConfigError
-from rapidserve.engine.client import EngineError
 from rapidserve.engine.data_parallel import DataParallelEngine, engine_configs, pick_engine
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats
+from rapidserve.engine.errors import EngineError
 from rapidserve.engine.messages import Stats, TokenOut
 from rapidserve.sampling_params import SamplingParams
 from tests.server_fakes import ECFG, MODEL, running_server

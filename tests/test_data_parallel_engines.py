@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.config import ParallelConfig
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.data_parallel import DataParallelEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from tests.test_server import http, start, stop

@@ -2,7 +2,7 @@
 rule), and the property it exists for: the decode split kernel's K/V tiles load as 16-byte cp.async, staged in
 shared memory, with no one-element global loads. On the CPU the table's bf16 entry is compiled for sm_90 with the
 installed Triton; with -m gpu, the table's entries and a prefetch variant for the GPU's own target with its Triton
-(the GPU machines' Triton 3.6 lost a divisibility that 3.9 infers: rapidserve/attention/triton_paged.py)."""
+(the GPU machines' Triton 3.6 lost a divisibility that 3.9 infers: rapidserve/attention/triton_paged_decode.py)."""
 
 from __future__ import annotations
 

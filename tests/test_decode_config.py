@@ -1,6 +1,7 @@
 """Decode attention's launch configuration (rapidserve/attention/decode_config.py): the table, the split rule, the
-reduce kernel's split tile and warps as pure functions (tables of cases), and what `triton_paged.decode_attention`
-launches with them (the kernels recorded instead of run, on meta tensors: no GPU, no interpreter)."""
+reduce kernel's split tile and warps as pure functions (tables of cases), and what
+`triton_paged_decode.decode_attention` launches with them (the kernels recorded instead of run, on meta tensors: no
+GPU, no interpreter)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _launch(batch: int, dtype: torch.dtype, cache: torch.dtype, hip: bool, sms: 
     """decode_attention of Qwen3-8B's shape (32 q heads, 8 kv heads, head_dim 128, block 16, a 512-block table) on
     meta tensors: the split and reduce kernels' (grid, kwargs)."""
     pytest.importorskip("triton")
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     meta = torch.device("meta")
     q = torch.empty(batch, 32, 128, dtype=dtype, device=meta)

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from rapidserve import LLM, SamplingParams
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 

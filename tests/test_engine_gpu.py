@@ -31,7 +31,8 @@ import pytest
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from rapidserve.partition_config import PartitionConfig

@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from rapidserve.engine import messages as m
-from rapidserve.engine.client import ConstraintFailed, EngineError, _error_of
+from rapidserve.engine.client import _error_of
+from rapidserve.engine.errors import ConstraintFailed, EngineError
 from rapidserve.engine.faults import RequestsFailed, describe, fault_of, fill_or_blame
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.server.middleware import api_error, error_body

@@ -250,14 +250,14 @@ AUDIT_WRITE_KV = """
 import json, sys
 import torch
 from bench import kernel_compile_audit as kca
-from rapidserve.attention import triton_paged
+from rapidserve.attention import triton_paged_kv
 
 meta = torch.device("meta")
 def write(dtype):  # one token's keys and values of Qwen3-8B (8 kv heads of 128) into a cache of `dtype`
     kv = torch.empty(1, 8, 128, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(1024, 8, 16, 128, dtype=dtype, device=meta)
     scale = torch.empty(1, dtype=torch.float32, device=meta) if dtype != torch.bfloat16 else None
-    triton_paged.write_kv(kv, kv, cache, cache, torch.empty(1, dtype=torch.int64, device=meta), scale, scale)
+    triton_paged_kv.write_kv(kv, kv, cache, cache, torch.empty(1, dtype=torch.int64, device=meta), scale, scale)
 rows = kca.audit(kca.make_jobs([("write_kv", kca.record(lambda: write(torch.float8_e4m3fn), "fp8 cache"))]))
 import triton
 print(json.dumps({"triton": triton.__version__, "rows": rows}))
@@ -284,7 +284,7 @@ AUDIT_PDL = """
 import json
 import torch
 from bench import kernel_compile_audit as kca
-from rapidserve.attention import triton_paged
+from rapidserve.attention import triton_paged_decode
 from rapidserve.ops import triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny as fsk, triton_moe, triton_ops
 from rapidserve.ops import triton_skinny
 from rapidserve.ops.fp8 import SplitSums
@@ -301,9 +301,10 @@ def step():
     cache = e(4096, kv, 16, d)
     q = triton_ops.rope_write(q.view(1, heads, d), k.view(1, kv, d), v.view(1, kv, d), e(d), e(d), 1e-6, e(1,
         dtype=torch.int64), e(8192, d, dtype=torch.float32), cache, cache, e(1, dtype=torch.int64))
-    triton_paged.decode_attention(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088)
-    triton_paged.decode_attention_fp8(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088,
-                                      out_fp8=fp8)  # the output quantized for an fp8 o_proj in the reduce kernel
+    triton_paged_decode.decode_attention(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088)
+    # the output quantized for an fp8 o_proj in the reduce kernel
+    triton_paged_decode.decode_attention_fp8(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32),
+                                             0.088, out_fp8=fp8)
     triton_fp8_fused.add_rms_norm_fp8(x, x, w, 1e-6, fp8)
     f32 = torch.float32
     sums = SplitSums(e(8, 1, h, dtype=f32), e(1, 1, dtype=f32), e(h, dtype=f32), None, bf16)

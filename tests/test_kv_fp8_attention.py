@@ -306,7 +306,7 @@ def interp_fp8_equal(got: torch.Tensor, want: torch.Tensor, off_by_one_step: flo
 
 
 def _interp_write() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_kv as tp
 
     for cache, dtype in ((FN, torch.float32), (FNUZ, torch.float16), (FN, torch.float16)):
         b = make_batch([(3, 5), (2, -1), (9, 0)], num_kv_heads=3, group=1, head_dim=64, block_size=8, dtype=dtype,
@@ -345,7 +345,7 @@ def _interp_rope_write() -> None:
 
 
 def _interp_decode() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_decode as tp
 
     cases = [(16, 3, 64, 3, [100, 0, 1, 48, 49], torch.float32, FN), (8, 4, 32, 2, [8, 9, 0, 64, 120], torch.float16,
                                                                           FNUZ)]
@@ -370,7 +370,7 @@ def _interp_decode() -> None:
 
 
 def _interp_prefill() -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_prefill as tp
 
     cases = [(16, 3, 64, 3, [(40, 0), (9, 7), (1, 50), (3, -1)], torch.float32, FN, 16, 16),
              (8, 4, 32, 2, [(17, 16), (33, 0), (5, 3)], torch.float16, FNUZ, 32, 16)]

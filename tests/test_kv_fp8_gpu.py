@@ -48,7 +48,7 @@ def gpu_scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
 @needs_fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention import triton_paged_kv as tp
     from rapidserve.ops import triton_ops
 
     b = make_batch([(300, 0), (1, 700), (2, -1), (129, 64)], num_kv_heads=8, group=4, head_dim=128, block_size=16,
@@ -80,7 +80,8 @@ def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
 @needs_fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_decode_and_prefill_over_fp8(dtype: torch.dtype) -> None:
-    from rapidserve.attention import triton_paged as tp
+    from rapidserve.attention.triton_paged_decode import decode_attention
+    from rapidserve.attention.triton_paged_prefill import prefill_attention
 
     top = float(torch.finfo(fmt()).max)
     ks, vs = gpu_scales(6 / top, 6 / top)
@@ -92,7 +93,7 @@ def test_triton_decode_and_prefill_over_fp8(dtype: torch.dtype) -> None:
     want = ref.decode_attention(b.q.float(), kq.dequantize(kc, ks, torch.float32), kq.dequantize(vc, vs, torch.float32),
                                 *args)
     for splits in (None, 1, 5, 64):
-        got = tp.decode_attention(b.q, kc, vc, *args, ks, vs, num_splits=splits)
+        got = decode_attention(b.q, kc, vc, *args, ks, vs, num_splits=splits)
         torch.testing.assert_close(got.float(), want, atol=3e-2 if dtype == torch.bfloat16 else 4e-3, rtol=1e-2)
     ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     within_fp8_error(got.float().cpu(), ref.decode_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
@@ -101,7 +102,7 @@ def test_triton_decode_and_prefill_over_fp8(dtype: torch.dtype) -> None:
                    block_size=16, dtype=dtype, device="cuda", strided_q=True, seed=4)
     kc, vc = (t.to(CUDA) for t in fp8_cache(p, fmt()))
     write_all(p, kc, vc, ks, vs)
-    got = tp.prefill_attention(p.q, kc, vc, p.meta, 128**-0.5, ks, vs)
+    got = prefill_attention(p.q, kc, vc, p.meta, 128**-0.5, ks, vs)
     want = ref.prefill_attention(p.q.float(), kq.dequantize(kc, ks, torch.float32),
                                  kq.dequantize(vc, vs, torch.float32), p.meta, 128**-0.5)
     torch.testing.assert_close(got.float(), want, atol=3e-2 if dtype == torch.bfloat16 else 4e-3, rtol=1e-2)

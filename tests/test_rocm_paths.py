@@ -101,21 +101,23 @@ def test_platform_is_rocm_and_takes_no_mps(rocm: None, monkeypatch: pytest.Monke
 
 
 def test_attention_launch_parameters_per_platform(monkeypatch: pytest.MonkeyPatch) -> None:
-    """NVIDIA's launch parameters as measured there; ROCm's from the gfx942 compile check (triton_paged.py)."""
-    from rapidserve.attention import triton_paged as tp
+    """NVIDIA's launch parameters as measured there; ROCm's from the gfx942 compile check (triton_paged_decode.py,
+    triton_paged_prefill.py)."""
+    from rapidserve.attention.triton_paged_decode import _decode_config
+    from rapidserve.attention.triton_paged_prefill import _prefill_amd_options, _prefill_config
     bf16, fp32 = torch.bfloat16, torch.float32
-    nvidia = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
-              tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16))
+    nvidia = (_decode_config(bf16, 128)[:3], _decode_config(fp32, 128)[:3], _prefill_config(bf16, 128),
+              _prefill_config(bf16, 64), _prefill_config(fp32, 128), _prefill_amd_options(bf16))
     assert nvidia == ((32, 2, 5), (32, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 2), {})
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
-    rocm = (tp._decode_config(bf16, 128)[:3], tp._decode_config(fp32, 128)[:3], tp._prefill_config(bf16, 128),
-            tp._prefill_config(bf16, 64), tp._prefill_config(fp32, 128), tp._prefill_amd_options(bf16),
-            tp._prefill_amd_options(fp32))
+    rocm = (_decode_config(bf16, 128)[:3], _decode_config(fp32, 128)[:3], _prefill_config(bf16, 128),
+            _prefill_config(bf16, 64), _prefill_config(fp32, 128), _prefill_amd_options(bf16),
+            _prefill_amd_options(fp32))
     assert rocm == ((64, 4, 1), (32, 4, 1), (128, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 1),
                     {"matrix_instr_nonkdim": 16}, {"waves_per_eu": 2})
     # an fp8 KV cache: 32-key tiles at head_dim 128 (64 spilled 9 VGPRs on gfx942), fp32 without waves_per_eu
-    fp8 = (tp._prefill_config(bf16, 128, True), tp._prefill_config(bf16, 64, True),
-           tp._prefill_amd_options(fp32, True), tp._prefill_amd_options(bf16, True))
+    fp8 = (_prefill_config(bf16, 128, True), _prefill_config(bf16, 64, True),
+           _prefill_amd_options(fp32, True), _prefill_amd_options(bf16, True))
     assert fp8 == ((128, 32, 8, 1), (128, 64, 8, 1), {}, {"matrix_instr_nonkdim": 16})
 
 

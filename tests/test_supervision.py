@@ -15,7 +15,9 @@ import pytest
 
 from rapidserve import SamplingParams
 from rapidserve.config_base import ConfigError
-from rapidserve.engine.client import AsyncEngine, EngineError, describe_exit
+from rapidserve.engine.client import AsyncEngine
+from rapidserve.engine.errors import EngineError
+from rapidserve.engine.supervision import describe_exit
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from tests.test_soak import sl

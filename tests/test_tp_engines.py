@@ -160,7 +160,7 @@ def test_a_dead_rank_is_a_dead_worker(victim: str) -> None:
     import os
     import signal
 
-    from rapidserve.engine.client import EngineError
+    from rapidserve.engine.errors import EngineError
     from tests.test_supervision import collect, start_long, wait_for
 
     # start_long's 8000 tokens: past tiny-llama's 1024 positions (random weights: no text to spoil)

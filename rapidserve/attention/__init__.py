@@ -15,8 +15,8 @@ Every backend offers the same three functions (layouts in rapidserve/attention/m
 and, for an fp8 o projection that takes quantized rows (issue 39), ``decode_attention_fp8(..., *, out_fp8,
 window=None) -> ops.fp8.QuantizedRows`` (q [B, num_heads * head_dim] fp8, scale [B, 1]): decode's output quantized
 per token, the numbers of the projection's own quantizer (torch: `fp8.quantize_rows` of the output; Triton, FA3's
-decode: in the reduce kernel, rapidserve/attention/triton_paged.py). `attend(..., out_fp8=...)` returns it for a decode
-step; prefill and mixed steps return the float output, which the projection quantizes itself.
+decode: in the reduce kernel, rapidserve/attention/triton_paged_decode.py). `attend(..., out_fp8=...)` returns it for
+a decode step; prefill and mixed steps return the float output, which the projection quantizes itself.
 
 `k_scale` / `v_scale`: an fp8 cache's per-layer scales (float32 [1] device tensors), which every backend applies
 as rapidserve/attention/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
@@ -87,13 +87,13 @@ def _triton(device: torch.device) -> AttentionBackend:
         raise ConfigError(f"attention_backend='triton' needs a CUDA or ROCm GPU, but the device is "
                           f"{str(device)!r}; use attention_backend='torch' or 'auto' on CPU")
     try:
-        from rapidserve.attention import triton_paged
+        from rapidserve.attention import triton_paged_decode, triton_paged_kv, triton_paged_prefill
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ConfigError(f"attention_backend='triton' needs the triton package, which failed to "
                           f"import ({e}); install triton or use attention_backend='torch'") from e
-    return AttentionBackend("triton", triton_paged.write_kv, triton_paged.prefill_attention,
-                            triton_paged.decode_attention, graph_safe=True,
-                            decode_attention_fp8=triton_paged.decode_attention_fp8)
+    return AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+                            triton_paged_decode.decode_attention, graph_safe=True,
+                            decode_attention_fp8=triton_paged_decode.decode_attention_fp8)
 
 
 def _fa3(device: torch.device, kv_dtype: torch.dtype | None) -> AttentionBackend:

@@ -1,4 +1,4 @@
-"""Launch configuration of the Triton split-K decode attention (rapidserve/attention/triton_paged.py): the tile
+"""Launch configuration of the Triton split-K decode attention (rapidserve/attention/triton_paged_decode.py): the tile
 table, the split rule and the reduce kernel's split tile. Pure functions of shapes, dtypes and the platform; no
 Triton import, so they are table-tested on any machine (tests/test_decode_config.py).
 
@@ -25,7 +25,7 @@ The table (`DECODE_TABLE`) is keyed by (platform, q dtype, KV cache, head_dim) a
   pipelining) it takes the table's latency off each tile's K/V loads at the same VGPRs.
 
 NVIDIA's 16-bit head_dim <= 128 entries were measured by `bench/decode_attn_tune.py` on an H200 (2026-11-29 16:02,
-after the tl.multiple_of fix in triton_paged.py that ended one-element loads under the GPU's Triton 3.6;
+after the tl.multiple_of fix in triton_paged_decode.py that ended one-element loads under the GPU's Triton 3.6;
 bench/results/decode_attn_tune_h200/): over Qwen3-8B's attention at 1x2048, 16x2048, 64x2048 and 16x8192 the bf16
 entry is each shape's best (the earlier 64-key entry 1.119x) at 82-101% of the copy ceiling from 16x2048 up, the fp8
 entry 1.026x each shape's best (the earlier one 1.162x) at 53-79%. The rest are rules (ROCm's from the gfx942 compile

@@ -11,16 +11,12 @@ event loop; tokens are delivered in index order. It also supervises the workers:
 - death: a worker process that exits is noticed within 0.2 s;
 - hang: a worker that sends nothing (Stats / Heartbeat come every `stats_interval_s`) for
   `heartbeat_timeout_s` is killed and handled as a death.
-On a death every in-flight request ends with `EngineError` at once, one log line names the worker,
-its pid and its exit code or signal, the other worker is stopped, shared memory is unlinked, and the
-workers are restarted (`on_worker_death="restart"`) while the windowed budget allows: at most
-`max_restarts` restarts in any `restart_window_s`. Past it (or with "shutdown", or when restarts
-fail MAX_FAILED_STARTS times in a row) the engine gives up: `state` is "down" and `fatal` is
-set, so the server can exit non-zero for its supervisor to restart it. Nothing blocks forever: a
+What follows a death (every in-flight request fails with `EngineError` at once; the workers restart within a
+windowed budget, or the engine gives up and sets `fatal`) and the engine's states: engine/supervision.py, a base
+class of `AsyncEngine`. What a request fails with: engine/errors.py. Nothing blocks forever: a
 request on an engine that is not ready fails immediately, and the event loop never waits on a full
 ring (`_put`).
 
-States: starting -> ready -> (a death) restarting -> ready ... or -> down (gave up / shut down).
 A new request goes to one place, the decode worker's inbox (or the hybrid worker's, in hybrid mode:
 `LaunchConfig.mode`); decode hands it to prefill with its blocks. Its prompt is checked here first
 (`rapidserve/prompt.py`; the KV pool's capacity comes from the worker's Ready). Tokens come back
@@ -34,7 +30,6 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
-import logging
 import signal
 import threading
 import time
@@ -45,30 +40,16 @@ from typing import Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
+from rapidserve.engine.errors import ConstraintFailed, EngineError, RequestRejected
 from rapidserve.engine.kv_publisher import KVEventPublisher
 from rapidserve.engine.launch import WorkerSet
 from rapidserve.engine.mps import MpsController, MpsPlan
+from rapidserve.engine.supervision import WorkerSupervision
 from rapidserve.ipc import wait_any
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SamplingParams
 
-log = logging.getLogger("rapidserve.engine")
 INBOX_WAIT_S = 5.0  # how long a new request may wait for room in a worker's inbox ring
-MAX_FAILED_STARTS = 3  # restarts that fail one after another before the engine gives up
-
-
-class EngineError(RuntimeError):
-    """The request could not be completed: a worker died, the engine is down, or it was refused."""
-
-
-class RequestRejected(EngineError, ValueError):
-    """The request cannot be served as given (an empty prompt, a token id outside the vocabulary...)."""
-
-
-class ConstraintFailed(EngineError):
-    """The request ended with an error because the grammar engine could not serve its structured-output
-    constraint (`Finished.fault` "structured_outputs"): the request's fault, not the engine's; the
-    message names the constraint and the engine's reason."""
 
 
 def _error_of(msg: m.Finished) -> EngineError | None:
@@ -89,7 +70,7 @@ class _Stream:
     aborted: bool = False  # no token is yielded after an abort, even one queued before it
 
 
-class AsyncEngine:
+class AsyncEngine(WorkerSupervision):
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -341,83 +322,6 @@ class AsyncEngine:
                 s.finished = True
                 s.queue.put_nowait(err)
 
-    def _on_death(self, who: str, pid: int | None, exitcode: int | None, silent_s: float | None) -> None:
-        """In the event loop: fail every in-flight request now, then tear down and maybe restart."""
-        if silent_s is not None:
-            reason = (f"the {who} worker stopped responding (no heartbeat for {silent_s:.1f} s; pid {pid} "
-                      f"killed)")
-        else:
-            reason = f"the {who} worker died ({describe_exit(exitcode)}, pid {pid})"
-        self.deaths_total += 1
-        self.events.append(reason)
-        self.dead_reason = reason
-        inflight = sum(1 for s in self.streams.values() if not s.finished)
-        self._fail_all(EngineError(reason))
-        if self.kv_publisher is not None:  # the dead worker's prefix cache is gone; its successor starts empty
-            self.kv_publisher.cleared()
-        log.error("%s; %d request(s) in flight failed", reason, inflight)
-        self.state = "restarting" if self._may_restart() else "down"
-        assert self.loop is not None
-        self._recovery = self.loop.create_task(self._recover())
-
-    def _may_restart(self) -> bool:
-        """The restart budget: at most max_restarts in any restart_window_s."""
-        lc = self.cfg.launch
-        if self._closing or lc.on_worker_death != "restart":
-            return False
-        now = time.monotonic()
-        while self._restart_times and now - self._restart_times[0] > lc.restart_window_s:
-            self._restart_times.popleft()
-        return len(self._restart_times) < lc.max_restarts
-
-    async def _recover(self) -> None:
-        try:
-            await self._teardown_and_restart()
-        except Exception as e:  # noqa: BLE001 - a recovery that breaks gives up, loudly
-            self.state = "down"
-            self.dead_reason = f"{self.dead_reason}; recovery failed: {type(e).__name__}: {e}"
-            log.exception("engine down for good: %s", self.dead_reason)
-            self.fatal.set()
-
-    async def _teardown_and_restart(self) -> None:
-        assert self.loop is not None
-        await self.loop.run_in_executor(None, self._teardown, False)  # off the loop: joins processes
-        if self._closing:
-            return
-        failed = 0
-        while self.state == "restarting":
-            self._restart_times.append(time.monotonic())
-            t0 = time.monotonic()
-            try:
-                await self._start_workers()
-            except Exception as e:  # noqa: BLE001 - counted against the budget, reported
-                failed += 1
-                self.dead_reason = f"restart failed ({failed}/{MAX_FAILED_STARTS}): {e}"
-                self.events.append(self.dead_reason)
-                log.error("%s", self.dead_reason)
-                ok = failed < MAX_FAILED_STARTS and self._may_restart()
-                self.state = "restarting" if ok else "down"
-                continue
-            self.restarts_total += 1
-            msg = (f"workers restarted in {time.monotonic() - t0:.1f} s (restart {self.restarts_total}; "
-                   f"{len(self._restart_times)} in the last {self.cfg.launch.restart_window_s:.0f} s)")
-            self.events.append(msg)
-            log.warning("%s", msg)
-            return
-        if not self._closing:
-            why = ("on_worker_death=shutdown" if self.cfg.launch.on_worker_death != "restart"
-                   else f"{failed} restarts failed in a row" if failed >= MAX_FAILED_STARTS
-                   else f"restart budget used up ({self.cfg.launch.max_restarts} in "
-                        f"{self.cfg.launch.restart_window_s:.0f} s)")
-            self.dead_reason = f"{self.dead_reason}; giving up: {why}"
-            self.events.append(self.dead_reason)
-            log.error("engine down for good: %s", self.dead_reason)
-            self.fatal.set()
-
-    @property
-    def restarts(self) -> int:
-        return self.restarts_total
-
     @property
     def running(self) -> bool:
         return self.workers is not None and self.state == "ready"
@@ -436,18 +340,6 @@ def heartbeat_bound(cfg: EngineConfig) -> float:
     if cfg.launch.heartbeat_timeout_s is not None:
         return cfg.launch.heartbeat_timeout_s
     return 600.0 if cfg.runner.device == "cpu" or gpu_platform() == "cpu" else 60.0
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """'exit code 1', 'killed by SIGKILL', or 'no exit code' for a process's exit status."""
-    if exitcode is None:
-        return "no exit code"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
 
 
 def _exit_on_sigterm() -> None:

@@ -39,8 +39,9 @@ from typing import Protocol
 from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
-from rapidserve.engine.client import AsyncEngine, EngineError, gpu_platform
+from rapidserve.engine.client import AsyncEngine, gpu_platform
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats
+from rapidserve.engine.errors import EngineError
 from rapidserve.engine.mps import MpsController, MpsPlan
 from rapidserve.sampling_params import SamplingParams
 

@@ -1,49 +1,52 @@
-"""Single-producer / single-consumer byte-message ring in POSIX shared memory (see `ShmRing`)."""
+"""Single-producer / single-consumer byte-message ring in POSIX shared memory (see `ShmRing`). Its segment (memory
+layout, creating and attaching it) and its errors: ring_segment.py."""
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
-import re
 import time
-import uuid
 from collections.abc import Callable
 from typing import Protocol
 
 import posix_ipc
 
+from rapidserve.ipc.ring_segment import (
+    MessageTooLarge,
+    RingClosed,
+    RingError,
+    RingFull,
+    RingLayoutError,
+    attach_segment,
+    create_segment,
+    unlink_segment,
+)
 from rapidserve.ipc.shm import (
     DOORBELL_NAME_MAX,
-    DOORBELL_OFF,
     FIRST_NAP_S,
     HEADER_BYTES,
-    MAGIC,
     NAME_PREFIX,
-    NAME_RE,
     NAP_S,
     SHM_DIR,
     SLEEP_DOORBELL,
     SLEEP_RING,
-    VERSION,
-    VERSION_DOORBELL,
     W_CLOSED,
-    W_CREATOR,
-    W_DOORBELL_LEN,
     W_HEAD,
-    W_MAGIC,
     W_MAX_MESSAGE,
     W_RSLEEP,
     W_SLOT_SIZE,
     W_SLOTS,
     W_TAIL,
-    W_VERSION,
     W_WSLEEP,
+    cleanup_stale,
     nap_on,
+    new_engine_id,
+    pid_alive,
     ring_name,
 )
 
-# Names importers have always taken from here (the constants and helpers now live in shm.py).
+# Names importers have always taken from here (the constants and helpers now live in shm.py, the errors in
+# ring_segment.py).
 __all__ = ["DOORBELL_NAME_MAX", "NAME_PREFIX", "SHM_DIR", "MessageTooLarge", "RingClosed", "RingError", "RingFull",
            "RingLayoutError", "ShmRing", "cleanup_stale", "nap_on", "new_engine_id", "pid_alive", "ring_name"]
 
@@ -59,110 +62,12 @@ class _Named(Protocol):
     name: str
 
 
-class RingError(Exception):
-    """Base class of ring errors."""
-
-
-class RingLayoutError(RingError, ValueError):
-    """A segment is not a valid ring of this version (wrong magic, version, sizes, truncated)."""
-
-
-class MessageTooLarge(RingError, ValueError):
-    """A message exceeds the ring's max_message (at most its whole capacity)."""
-
-
-class RingFull(RingError, TimeoutError):
-    """put() could not find room for the message before its timeout."""
-
-
-class RingClosed(RingError):
-    """The ring was marked closed by one side; nothing more will come (or be read)."""
-
-
-def new_engine_id() -> str:
-    """A short random token identifying one engine instance (shared by all its processes)."""
-    return uuid.uuid4().hex[:12]
-
-
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (this process counts as alive)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an unreaped zombie still answers kill(0) but will never unlink anything
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
-    """Unlink segments and semaphores under /dev/shm named `<prefix><pid>-...` whose pid is dead.
-
-    That covers rings (segment, ``.rd``, ``.wr``) and doorbells (``sem.<name>``) alike, since both
-    names come from `ring_name` and so carry the creating pid.
-
-    Returns the /dev/shm entry names removed. Entries of live processes (this one included) stay.
-    """
-    removed: list[str] = []
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return removed
-    pid_re = re.compile(re.escape(prefix) + r"(\d+)-")
-    for entry in entries:
-        is_sem = entry.startswith("sem.")
-        base = entry[4:] if is_sem else entry
-        m = pid_re.match(base)
-        if m is None or pid_alive(int(m.group(1))):
-            continue
-        try:
-            if is_sem:
-                posix_ipc.unlink_semaphore("/" + base)
-            else:
-                posix_ipc.unlink_shared_memory("/" + base)
-            removed.append(entry)
-        except posix_ipc.ExistentialError:
-            pass  # removed concurrently
-    return removed
-
-
 class ShmRing:
     """SPSC ring of fixed-size slots in one POSIX shared-memory segment, plus two named semaphores.
 
-    Memory layout (all integers little-endian u64, every offset a multiple of 8):
-
-    ======  ========================================================================
-    offset  contents
-    ======  ========================================================================
-    0       line 0, written once by `create`, then read-only: magic ``b"rsvRING\\0"``
-            (stored last, so a half-initialised segment fails `attach`), version,
-            slots, slot_size (payload bytes per slot), max_message, creator pid
-    64      head: number of slots ever published (written only by the writer)
-    128     tail: number of slots ever consumed (written only by the reader)
-    192     reader_sleeping flag (written only by the reader)
-    256     writer_sleeping flag (written only by the writer)
-    320     closed flag (either side; set once); 384-511 reserved
-    512     slot i at ``512 + i * (8 + slot_size)``: a word ``len | flags << 32 |
-            stamp << 40`` (len: payload bytes in this slot; flags: FIRST=1, LAST=2;
-            stamp: low 24 bits of the slot's absolute index) then slot_size payload bytes
-    ======  ========================================================================
-
-    A ring created with a `doorbell` has version 2 (else 1) and records the doorbell's name in
-    line 6, written once by `create` before the magic: offset 384 holds the name's length in
-    bytes (at most `DOORBELL_NAME_MAX` = 120), 392.. the ASCII name. The version differs so that
-    code which predates doorbells refuses to attach (its writer would post only ``.rd`` and a
-    reader asleep on the doorbell would notice the message only when its nap runs out).
-
-    Each mutable word has its own cache line, so the writer's and the reader's stores do not
-    false-share. A message of n bytes takes ``max(1, ceil(n / slot_size))`` consecutive slots
-    (first / middle / last pieces, wrapping from the last slot to slot 0); it must fit in the
-    ring as a whole (``n <= max_message <= slots * slot_size``), else `MessageTooLarge`.
+    Memory layout, names and the doorbell's record in the header: ring_segment.py. A message of n bytes takes
+    ``max(1, ceil(n / slot_size))`` consecutive slots (first / middle / last pieces, wrapping from the last slot to
+    slot 0); it must fit in the ring as a whole (``n <= max_message <= slots * slot_size``), else `MessageTooLarge`.
 
     Publish order. Writer: copy every piece's payload into its slot, write each slot's word, THEN
     store head += pieces (one store publishes the whole message). Reader: load head, then read the
@@ -202,11 +107,9 @@ class ShmRing:
     publication the writer posts ``.rd`` for 1, the doorbell for 2. The flag / re-check argument
     above is per ring and holds unchanged; only the semaphore slept on differs.
 
-    Names: segment ``/dev/shm/<name>``, semaphores ``/dev/shm/sem.<name>.rd`` / ``.wr``, all
-    mode 0o600; `name` must come from `ring_name` (it embeds the creating pid, for
-    `cleanup_stale`). `create` in the owner, `attach` in the peer; `close` unmaps, `unlink`
-    (the owner, at shutdown) removes the names. A `ShmRing` object caches its side's indices, so
-    use one object per role (one may serve as both in a single-process loopback).
+    `create` in the owner, `attach` in the peer; `close` unmaps, `unlink` (the owner, at shutdown)
+    removes the names. A `ShmRing` object caches its side's indices, so use one object per role (one may serve as
+    both in a single-process loopback).
     """
 
     name: str  #: read-only after construction, like slots, slot_size and max_message
@@ -251,119 +154,12 @@ class ShmRing:
         will sleep on in `wait_any`; it is recorded in the header, so the attaching peer uses it.
         """
         bell_name = None if doorbell is None else doorbell if isinstance(doorbell, str) else doorbell.name
-        bell_bytes = b""
-        if bell_name is not None:
-            bell_bytes = bell_name.encode("ascii", "replace")
-            if not NAME_RE.match(bell_name) or len(bell_bytes) > DOORBELL_NAME_MAX:
-                raise ValueError(f"doorbell name {bell_name!r}: must be rapidserve-<pid>-... of at most "
-                                 f"{DOORBELL_NAME_MAX} characters [A-Za-z0-9_.-]")
-        m = NAME_RE.match(name)
-        if m is None or int(m.group(1)) != os.getpid():
-            raise ValueError(f"ring name {name!r} must be rapidserve-<this pid>-...: use ring_name()")
-        if not 1 <= slots <= 1 << 24:
-            raise ValueError(f"slots={slots}: must be in [1, 16777216]")
-        if slot_size < 8 or slot_size % 8 or slot_size > 1 << 30:
-            raise ValueError(f"slot_size={slot_size}: must be a multiple of 8 in [8, 2**30]")
-        capacity = slots * slot_size
-        max_message = capacity if max_message is None else max_message
-        if not 0 <= max_message <= capacity:
-            raise ValueError(f"max_message={max_message}: must be in [0, slots*slot_size={capacity}]")
-        size = HEADER_BYTES + slots * (8 + slot_size)
-        bell = None
-        if bell_name is not None:
-            try:
-                bell = posix_ipc.Semaphore("/" + bell_name)
-            except posix_ipc.ExistentialError:
-                raise FileNotFoundError(f"no doorbell semaphore {SHM_DIR}/sem.{bell_name}: create "
-                                        f"the Doorbell before its rings") from None
-        try:
-            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
-        except BaseException:
-            if bell is not None:
-                bell.close()
-            raise
-        sems: list[posix_ipc.Semaphore] = []
-        try:
-            for suffix in (".rd", ".wr"):
-                sems.append(posix_ipc.Semaphore("/" + name + suffix, posix_ipc.O_CREX, mode=0o600))
-            mm = mmap.mmap(shm.fd, size)
-        except BaseException:
-            shm.close_fd()
-            shm.unlink()
-            for s in sems:
-                s.unlink()
-                s.close()
-            if bell is not None:
-                bell.close()
-            raise
-        shm.close_fd()
-        q = memoryview(mm).cast("Q")
-        q[W_SLOTS], q[W_SLOT_SIZE] = slots, slot_size
-        q[W_MAX_MESSAGE], q[W_CREATOR] = max_message, os.getpid()
-        if bell_name is None:
-            q[W_VERSION] = VERSION
-        else:
-            q[W_VERSION] = VERSION_DOORBELL
-            q[W_DOORBELL_LEN] = len(bell_bytes)
-            mm[DOORBELL_OFF:DOORBELL_OFF + len(bell_bytes)] = bell_bytes
-        q[W_MAGIC] = MAGIC  # last: attach() rejects a segment whose header is not complete
-        q.release()
-        return cls(name, mm, sems[0], sems[1], bell, bell_name)
+        return cls(*create_segment(name, slots, slot_size, max_message, bell_name))
 
     @classmethod
     def attach(cls, name: str) -> ShmRing:
         """Map an existing ring, validating magic, version and sizes (`RingLayoutError` if bad)."""
-        try:
-            shm = posix_ipc.SharedMemory("/" + name)
-        except posix_ipc.ExistentialError:
-            raise FileNotFoundError(f"no ring segment {SHM_DIR}/{name}") from None
-        size = shm.size
-        if size < HEADER_BYTES:
-            shm.close_fd()
-            raise RingLayoutError(f"segment {name!r} is {size} bytes, smaller than the "
-                                  f"{HEADER_BYTES}-byte ring header: truncated or not a ring")
-        mm = mmap.mmap(shm.fd, size)
-        shm.close_fd()
-        q = memoryview(mm).cast("Q")
-        try:
-            magic, version, slots, slot_size, max_message = (q[i] for i in range(5))
-            bell_len = q[W_DOORBELL_LEN]
-        finally:
-            q.release()
-        bell_name = None
-        problem = None
-        if magic != MAGIC:
-            problem = f"bad magic {magic:#x} (want {MAGIC:#x}): not a rapidserve ring, or not initialised"
-        elif version not in (VERSION, VERSION_DOORBELL):
-            problem = f"ring version {version}, this code reads versions {VERSION} and {VERSION_DOORBELL}"
-        elif version == VERSION_DOORBELL and not 0 < bell_len <= DOORBELL_NAME_MAX:
-            problem = f"bad doorbell name length {bell_len} (at most {DOORBELL_NAME_MAX})"
-        elif not slots or not slot_size or slot_size % 8 or max_message > slots * slot_size:
-            problem = f"inconsistent header: slots={slots} slot_size={slot_size} max_message={max_message}"
-        elif size < HEADER_BYTES + slots * (8 + slot_size):
-            problem = (f"truncated: header says {slots} slots of {slot_size} bytes = "
-                       f"{HEADER_BYTES + slots * (8 + slot_size)} bytes, segment has {size}")
-        if problem is None and version == VERSION_DOORBELL:
-            bell_name = mm[DOORBELL_OFF:DOORBELL_OFF + bell_len].decode("ascii", "replace")
-            if not NAME_RE.match(bell_name):
-                problem = f"bad doorbell name {bell_name!r} in the header"
-        sems: list[posix_ipc.Semaphore] = []
-        if problem is None:
-            try:
-                sems = [posix_ipc.Semaphore("/" + name + sfx) for sfx in (".rd", ".wr")]
-            except posix_ipc.ExistentialError:
-                problem = "its semaphores are missing"
-        if problem is None and bell_name is not None:
-            try:
-                sems.append(posix_ipc.Semaphore("/" + bell_name))
-            except posix_ipc.ExistentialError:
-                problem = f"its doorbell semaphore {SHM_DIR}/sem.{bell_name} is missing"
-        if problem is not None:
-            for s in sems:
-                s.close()
-            mm.close()
-            raise RingLayoutError(f"cannot attach ring {name!r}: {problem}")
-        return cls(name, mm, sems[0], sems[1], sems[2] if bell_name else None, bell_name)
+        return cls(*attach_segment(name))
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -608,10 +404,7 @@ class ShmRing:
 
         The doorbell is not the ring's: its owner (`Doorbell.unlink`) removes it.
         """
-        for fn, nm in ((posix_ipc.unlink_shared_memory, ""), (posix_ipc.unlink_semaphore, ".rd"),
-                       (posix_ipc.unlink_semaphore, ".wr")):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                fn("/" + self.name + nm)
+        unlink_segment(self.name)
 
     def __enter__(self) -> ShmRing:
         return self

@@ -1,10 +1,11 @@
-"""What `ring.py` and `doorbell.py` share: names under /dev/shm, the ring header's word map, and sleeping.
+"""What `ring.py` and `doorbell.py` share: names under /dev/shm (and removing those of dead processes:
+`cleanup_stale`), the ring header's word map, and sleeping.
 
-The lowest module of `rapidserve.ipc` (it imports nothing from rapidserve): `ShmRing` (ring.py) lays
-out and reads the header, and `wait_any` (doorbell.py) stores the reader_sleeping word of every ring
-it sleeps on and naps like `ShmRing.wait`. Keeping these here lets doorbell.py use ring.py without
-ring.py knowing about doorbells. The header layout and the wake-up argument are documented on
-`ShmRing` and in doorbell.py.
+The lowest module of `rapidserve.ipc` (it imports nothing from rapidserve): ring_segment.py lays out
+the header, `ShmRing` (ring.py) reads and writes it, and `wait_any` (doorbell.py) stores the
+reader_sleeping word of every ring it sleeps on and naps like `ShmRing.wait`. Keeping these here lets
+doorbell.py use ring.py without ring.py knowing about doorbells. The header layout is documented in
+ring_segment.py, the wake-up argument on `ShmRing` and in doorbell.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import os
 import re
 import signal
+import uuid
 
 import posix_ipc
 
@@ -22,7 +24,7 @@ NAME_RE = re.compile(r"^rapidserve-(\d+)-[A-Za-z0-9_.-]+$")
 
 MAGIC = int.from_bytes(b"rsvRING\x00", "little")
 VERSION = 1  # a ring without a doorbell
-VERSION_DOORBELL = 2  # same layout, plus the doorbell's name in the reserved line (see ShmRing)
+VERSION_DOORBELL = 2  # same layout, plus the doorbell's name in the reserved line (see ring_segment.py)
 HEADER_BYTES = 512  # 8 cache lines
 # Header word indices (8-byte words). Line 0 is written once at creation and then only read.
 W_MAGIC, W_VERSION, W_SLOTS, W_SLOT_SIZE, W_MAX_MESSAGE, W_CREATOR = 0, 1, 2, 3, 4, 5
@@ -64,3 +66,56 @@ def nap_on(sem: posix_ipc.Semaphore, timeout: float) -> bool:
         while True:
             sem.acquire(0)
     return True
+
+
+def new_engine_id() -> str:
+    """A short random token identifying one engine instance (shared by all its processes)."""
+    return uuid.uuid4().hex[:12]
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (this process counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an unreaped zombie still answers kill(0) but will never unlink anything
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cleanup_stale(prefix: str = NAME_PREFIX) -> list[str]:
+    """Unlink segments and semaphores under /dev/shm named `<prefix><pid>-...` whose pid is dead.
+
+    That covers rings (segment, ``.rd``, ``.wr``) and doorbells (``sem.<name>``) alike, since both
+    names come from `ring_name` and so carry the creating pid.
+
+    Returns the /dev/shm entry names removed. Entries of live processes (this one included) stay.
+    """
+    removed: list[str] = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return removed
+    pid_re = re.compile(re.escape(prefix) + r"(\d+)-")
+    for entry in entries:
+        is_sem = entry.startswith("sem.")
+        base = entry[4:] if is_sem else entry
+        m = pid_re.match(base)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        try:
+            if is_sem:
+                posix_ipc.unlink_semaphore("/" + base)
+            else:
+                posix_ipc.unlink_shared_memory("/" + base)
+            removed.append(entry)
+        except posix_ipc.ExistentialError:
+            pass  # removed concurrently
+    return removed

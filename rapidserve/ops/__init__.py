@@ -206,7 +206,7 @@ def unfused_ops(ops: Ops) -> Ops:
     ran before these changes (for A/B measurements; the engine never uses it)."""
     if ops.name == "torch":
         return ops
-    from rapidserve.attention.triton_paged import write_kv
+    from rapidserve.attention.triton_paged_kv import write_kv
 
     def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,

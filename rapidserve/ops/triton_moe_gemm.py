@@ -364,7 +364,7 @@ def reduce_width(block_m: int, tiles: GemmTiles, top_k: int) -> int:
 
 def sm_count(device: torch.device) -> int:
     """SMs (CUs on ROCm) a persistent grid is sized for: the GPU's, else OFF_GPU_SMS. The whole GPU's, as
-    triton_paged's split rule counts them, not a green-context partition's: on a prefill partition of fewer SMs the
+    decode attention's split rule counts them, not a green-context partition's: on a prefill partition of fewer SMs the
     grid's programs queue (correct, but a second, partial wave), and the tuner measured on the whole GPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

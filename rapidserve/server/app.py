@@ -44,8 +44,9 @@ from typing import Any
 from aiohttp import web
 
 from rapidserve.config import EngineConfig
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.data_parallel import DataParallelEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.server.body import check_headers
 from rapidserve.server.errors import APIError
 from rapidserve.server.generation import Choice, Generation

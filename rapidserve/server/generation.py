@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from rapidserve.engine.client import AsyncEngine, EngineError
+from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.data_parallel import DataParallelEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.engine.messages import TokenOut
 from rapidserve.server.detokenizer import IncrementalDetokenizer
 from rapidserve.server.errors import APIError

@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rapidserve.engine.client import ConstraintFailed, EngineError
+from rapidserve.engine.errors import ConstraintFailed, EngineError
 from rapidserve.server.errors import APIError
 from rapidserve.server.redact import Redactor, install
 from rapidserve.server.utility_routes import UTILITY_PUBLIC_PATHS

@@ -30,7 +30,7 @@ sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root,
 
 from gpu_timing import time_ms  # noqa: E402
 
-from rapidserve.attention import triton_paged as tp  # noqa: E402
+from rapidserve.attention import triton_paged_decode as tp  # noqa: E402
 from rapidserve.attention.decode_config import decode_num_splits  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16

@@ -12,7 +12,7 @@ cache and weight (so nothing is in L2 from the layer before), as one CUDA graph:
   - plain: attention, then the projection (the engine's order);
   - prefetch P: a side stream forks at the layer's start, runs a kernel of P programs reading the layer's o
     weight (a sum the graph keeps, so the loads are not dropped), and joins before the projection.
-Both use the engine's kernels (`triton_paged.decode_attention`, `ops.triton_skinny.linear` for <= 16 rows, else
+Both use the engine's kernels (`triton_paged_decode.decode_attention`, `ops.triton_skinny.linear` for <= 16 rows, else
 F.linear). Outputs are checked equal. Prints us per layer for each; writes <out>/l2_prefetch_probe.json.
 """
 
@@ -37,7 +37,7 @@ sys.path[:0] = [HERE, BENCH, os.path.dirname(BENCH)]  # and the repository root,
 from decode_attn_sweep import BLOCK, HQ, D, layer_caches  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 
-from rapidserve.attention import triton_paged as tp  # noqa: E402
+from rapidserve.attention import triton_paged_decode as tp  # noqa: E402
 
 HIDDEN = 4096  # Qwen3-8B's hidden size: the o weight is [HIDDEN, HQ * D]
 TOUCH_BLOCK = 16384  # elements a prefetch program reads per step: 32 KB in flight each

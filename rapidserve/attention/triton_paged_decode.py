@@ -1,33 +1,9 @@
-"""Triton paged-attention kernels (CUDA and ROCm): KV write, split-K decode, varlen prefill.
+"""Triton split-K decode attention (CUDA and ROCm): `decode_attention`, and `decode_attention_fp8` whose output is
+quantized for an fp8 o projection. The cache's layout, the sliding window and the fp8 cache: triton_paged_kv.py; the
+launch configuration (key tile, warps, stages, splits): rapidserve/attention/decode_config.py.
 
-Layouts (see rapidserve/attention/metadata.py):
-
-- ``k_cache`` / ``v_cache``: [num_blocks, num_kv_heads, block_size, head_dim], contiguous, so one
-  (block, kv head) page is a contiguous [block_size, head_dim] tile. Token ``t`` of sequence ``i`` is
-  at block ``block_tables[i, t // block_size]``, offset ``t % block_size``. Prefill gathers its key tiles
-  token by token through the block table; decode's tiles are whole pages (or a slice of one page), one table
-  read a page. Tile sizes are independent of block_size (both powers of two).
-- ``q``: [T, num_heads, head_dim] (prefill, sequences end to end) or [B, num_heads, head_dim]
-  (decode); any strides on the first two dims, the last dim must be contiguous.
-- Outputs are new contiguous tensors [*, num_heads, head_dim] in q's dtype.
-
-Sliding-window attention (`window` W: Mistral, Gemma 3's local layers): the query at position p sees keys
-p - W < t <= p. The window is a compile-time constant of both kernels (WINDOW, 0: none; a model has at most two
-variants of each): decode's key tiles start at the page (or page slice) of each sequence's first key in the window
-(the keys before it masked), prefill's at the first key its query tile's first row sees, every one of them masked
-(causal and window).
-
-Nothing here reads a device value on the host, and decode's launch shape depends only on tensor
-shapes, so write_kv and decode_attention can be captured in a CUDA graph and replayed with other
-slots and context lengths. Softmax runs in fp32 with exp2; fp32 inputs use IEEE (not tf32) dots.
-
-An fp8 cache (float8_e4m3fn, or e4m3fnuz on ROCm's gfx94x; rapidserve/attention/kv_quant.py) takes the layer's
-``k_scale`` / ``v_scale`` (float32 [1] device tensors, loaded by the kernels): write_kv stores
-fp8(clamp(x / scale, +-fp8_max)); the attention kernels load fp8 tiles, convert them to q's dtype (exact: every
-e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in once: the scores are multiplied by
-k_scale with the softmax scale, the output by v_scale (the weighted sum is linear in v). Decode under a bf16 q
-converts them to fp16 instead where its table says so (F16_DOTS, NVIDIA: one conversion an element pair instead of
-three; rapidserve/attention/decode_config.py), q with them.
+Nothing here reads a device value on the host, and the launch shape depends only on tensor shapes, so
+decode_attention can be captured in a CUDA graph (as write_kv) and replayed with other slots and context lengths.
 
 Decode's output quantized for an fp8 o projection (`decode_attention_fp8`: issue 39, the projection's per-token
 quantizer fused into the attention): each row of the output [B, heads x head_dim] as `fp8.QuantizedRows`, the bits of
@@ -61,107 +37,12 @@ from rapidserve.attention.decode_config import (
     reduce_warps,
     uses_fp16_dots,
 )
-from rapidserve.attention.kv_quant import cache_scales
-from rapidserve.attention.metadata import AttentionMetadata
+from rapidserve.attention.triton_paged_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.fp8 import QuantizedRows
 from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
 
-_LOG2E = 1.4426950408889634
 
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-# ----------------------------------------------------------------------------------------- write_kv
-@triton.jit
-def to_cache(x, scale_ptr, cache_ptr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """x as the cache at cache_ptr stores it: fp8(clamp(x / scale, +-FP8_MAX)) for an fp8 cache, else x cast. The
-    division is IEEE's (div_rn, as torch's), so the stored bits are the torch reference's."""
-    if KV_FP8:
-        y = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr))
-        return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX).to(cache_ptr.dtype.element_ty)
-    else:
-        return x.to(cache_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, ks_ptr, vs_ptr,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    # Padding rows (slot < 0) mask every head. (The limit is folded into the head bound because the
-    # interpreter cannot broadcast a scalar boolean into a mask.)
-    live_heads = NUM_KV_HEADS * (slot >= 0).to(tl.int32)
-    mask = (h[:, None] < live_heads) & (d[None, :] < HEAD_DIM)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    dst = (block * (NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM) + h[:, None] * (BLOCK_SIZE * HEAD_DIM)
-           + offset * HEAD_DIM + d[None, :])
-    t64 = t.to(tl.int64)
-    k = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, to_cache(k, ks_ptr, kc_ptr, KV_FP8, FP8_MAX), mask=mask)
-    tl.store(vc_ptr + dst, to_cache(v, vs_ptr, vc_ptr, KV_FP8, FP8_MAX), mask=mask)
-
-
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> dict[str, object]:
-    """The checks every kernel makes of the cache, and its fp8 launch arguments: ks_ptr / vs_ptr (the scales, or
-    the cache itself, never read, for a float cache), KV_FP8, FP8_MAX."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise ValueError("k_cache and v_cache must both be [num_blocks, num_kv_heads, block_size, head_dim] of one "
-                         f"dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
-                         f"{v_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    scales = cache_scales(k_cache, k_scale, v_scale)
-    if scales is None:
-        return {"ks_ptr": k_cache, "vs_ptr": v_cache, "KV_FP8": False, "FP8_MAX": 0.0}
-    if any(t.dtype != torch.float32 or t.numel() != 1 or t.device != k_cache.device for t in scales):
-        raise ValueError(f"k_scale and v_scale must be float32 [1] tensors on {k_cache.device}; got "
-                         f"{[(t.dtype, tuple(t.shape), str(t.device)) for t in scales]}")
-    return {"ks_ptr": scales[0], "vs_ptr": scales[1], "KV_FP8": True,
-            "FP8_MAX": float(torch.finfo(k_cache.dtype).max)}
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped (an fp8
-    cache: quantized with `k_scale` / `v_scale`)."""
-    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
-    if k.shape != v.shape or k.dim() != 3 or k.shape[1:] != (k_cache.shape[1], k_cache.shape[3]):
-        raise ValueError(f"k and v must both be [T, {k_cache.shape[1]}, {k_cache.shape[3]}]; got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    num_tokens = k.shape[0]
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; k has {num_tokens} tokens")
-    if num_tokens == 0:
-        return
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    _, num_kv_heads, block_size, head_dim = k_cache.shape
-    _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=1 if num_kv_heads * head_dim <= 1024 else 4, **fp8)
-
-
-# ------------------------------------------------------------------------------------------- decode
 # Eager decode (hybrid mode's mixed steps, LLM without graphs) sees a new split count and block-table width almost
 # every step: specialized (== 1, % 16 == 0) they compiled variants mid-serving, as the prefill kernel's counts did.
 # The reduce kernel's BLOCK_S is the process's largest split count rounded up, capped at 64 (decode_block_s), not
@@ -350,15 +231,6 @@ def _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, amax, HEAD_
         tl.store(s8_ptr + b, scale)
 
 
-def _window(window: int | None) -> int:
-    """The kernels' WINDOW constant: the window, 0 for none."""
-    if window is None:
-        return 0
-    if window < 1:
-        raise ValueError(f"a sliding window of {window} tokens; it must be >= 1 (None: no window)")
-    return int(window)
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -369,10 +241,9 @@ def _num_sms(device: torch.device) -> int:
 # machine, never run on one (bench/amd_compile_check.py; its table: bench/results/amd_compile/). The ROCm Triton
 # guides recommend num_stages=1 for loops with two dots (flash attention) and the 16x16 MFMA
 # (matrix_instr_nonkdim=16) where registers are short. NVIDIA's num_stages=3 gives the decode kernel 32 KiB of LDS
-# a workgroup (2 waves per SIMD); one stage halves it (3 waves, VGPR-bound). NVIDIA's prefill tiles spill on gfx942
-# (256 VGPRs and scratch) with the default 32x32 MFMA; with the 16x16 one and one stage they fit (204 VGPRs at
-# head_dim 128: 2 waves; 123 at 64: 4). fp32 prefill needs waves_per_eu=2 to stay out of scratch. Decode's table,
-# split rule and reduce-kernel warps (ROCm's split cap among them): rapidserve/attention/decode_config.py.
+# a workgroup (2 waves per SIMD); one stage halves it (3 waves, VGPR-bound). Prefill's: triton_paged_prefill.py.
+# Decode's table, split rule and reduce-kernel warps (ROCm's split cap among them):
+# rapidserve/attention/decode_config.py.
 def _decode_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> DecodeConfig:
     """This platform's DECODE_TABLE entry for a launch."""
     return decode_config(bool(torch.version.hip), dtype, kv_fp8, head_dim)
@@ -485,188 +356,4 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     elif out_fp8 is not None:  # one split: the output is written by the split kernel, then quantized
         rows = QuantizedRows(*quantize_tokens(out.view(batch, width), out_fp8, pdl=on), q.dtype)
     return out, rows
-
-
-# ------------------------------------------------------------------------------------------ prefill
-@triton.jit
-def _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, hi, m_i, l_i, acc, d_mask, n, d,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """The prefill kernel's keys [0, hi) that every row of its query tile sees (no mask): (m_i, l_i, acc) updated."""
-    for start in range(0, hi, BLOCK_N):
-        tok = start + n
-        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
-        k = tl.load(kc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=d_mask[None, :], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-# num_seqs and num_m_tiles change from step to step: specialized (== 1, % 16 == 0), each new combination compiled a
-# variant mid-serving, a 0.5-1 s stall of every request in flight on a fresh machine (py-spy of hybrid mode,
-# 2026-11-27, bench/results/h100_1127/prefill_graphs/README.md). Unspecialized, one variant serves every step.
-@triton.jit(do_not_specialize=["num_seqs", "num_m_tiles"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, cu_ptr, out_ptr,
-                    qk_scale, stride_qt, stride_qh, stride_bt, num_seqs, num_m_tiles, ks_ptr, vs_ptr,
-                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
-                    WINDOW: tl.constexpr):
-    """Program (q head, tile): BLOCK_M new tokens of one sequence against its keys 0 .. diagonal (the last
-    WINDOW of them for each row when WINDOW > 0).
-
-    Tiles are numbered so that the first programs take the last (heaviest) query tile of every
-    sequence; tiles past a sequence's end exit at once. KV_FP8: as _decode_split_kernel.
-    """
-    h = tl.program_id(0)
-    pid = tl.program_id(1)
-    seq = pid % num_seqs
-    m_tile = num_m_tiles - 1 - pid // num_seqs
-    q_start = tl.load(cu_ptr + seq)
-    q_len = tl.load(cu_ptr + seq + 1) - q_start
-    if m_tile * BLOCK_M >= q_len:
-        return
-    ctx = tl.load(ctx_ptr + seq)
-    prefix = ctx - q_len
-    kvh = h // (NUM_HEADS // NUM_KV_HEADS)
-
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
-    m_mask = offs_m < q_len
-    d_mask = d < HEAD_DIM
-    rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(ks_ptr)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kvh * (BLOCK_SIZE * HEAD_DIM)
-    page_stride = NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM  # elements per block (all kv heads)
-
-    # Keys [0, masked_lo) are visible to every row of the tile; [masked_lo, end) need the causal mask. With a window
-    # the keys from the first row's first one (tiles start there: keys are gathered one by one) are all masked
-    # (causal and window), and there is no unmasked loop.
-    end = tl.maximum(tl.minimum(prefix + (m_tile + 1) * BLOCK_M, ctx), 0)
-    if WINDOW > 0:
-        masked_lo = tl.maximum(prefix + m_tile * BLOCK_M - WINDOW + 1, 0)
-    else:
-        masked_lo = tl.minimum(tl.maximum((prefix + m_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N, 0), end)
-        m_i, l_i, acc = _prefill_unmasked(q, kc_ptr, vc_ptr, bt_row, head_off, page_stride, qk_scale, masked_lo,
-                                          m_i, l_i, acc, d_mask, n, d, HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE)
-    for start in range(masked_lo, end, BLOCK_N):
-        tok = start + n
-        tok_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
-        off = (blk * page_stride + head_off + (tok % BLOCK_SIZE) * HEAD_DIM)[:, None] + d[None, :]
-        kv_mask = tok_mask[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
-        if WINDOW > 0:  # noqa: SIM108 (a compile-time branch of the kernel)
-            back = (prefix + offs_m)[:, None] - tok[None, :]  # how far back each key is from each row's token
-            visible = (back >= 0) & (back < WINDOW) & tok_mask[None, :]
-        else:
-            visible = (tok[None, :] <= prefix + offs_m[:, None]) & tok_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw no key yet (a window's first tiles)
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + off, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
-
-    acc = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    if KV_FP8:
-        acc = acc * tl.load(vs_ptr)
-    tl.store(out_ptr + (rows[:, None] * NUM_HEADS + h) * HEAD_DIM + d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
-
-
-def _prefill_config(dtype: torch.dtype, head_dim: int, kv_fp8: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). `kv_fp8`: an fp8 cache, whose tiles' conversions take registers
-    (on gfx942 the bf16 tile of 128 x 64 keys at head_dim 128 spilled 9 VGPRs with them; 32 keys fit)."""
-    if torch.version.hip:
-        if head_dim > 128:  # Gemma 3's 256: the 128 x 256 query tile and its accumulator spill, and with the fp8
-            # cache's and the window's paths in the kernel 64 query rows left gfx942 under 2 waves a SIMD (compiled)
-            return (32, 16, 4, 1) if dtype == torch.float32 else (32, 32, 4, 1)
-        if dtype == torch.float32:
-            return 64, 32, 4, 1
-        return (128, 32, 8, 1) if kv_fp8 and head_dim > 64 else (128, 64, 8, 1)
-    if dtype == torch.float32:
-        return 64, 32, 4, 2
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    if head_dim > 128:  # Gemma 3's 256: a 128 x 256 query tile and its fp32 accumulator would not fit (not measured)
-        return 64, 32, 8, 2
-    return 128, 64, 8, 2
-
-
-def _prefill_amd_options(dtype: torch.dtype, kv_fp8: bool = False) -> dict[str, int]:
-    """The AMD backend's own launch options (none on NVIDIA, whose backend refuses them). fp32 over an fp8 cache
-    needs no waves_per_eu to stay out of scratch (gfx942: 137 VGPRs at head_dim 64, 251 at 128, neither spilling)."""
-    if not torch.version.hip:
-        return {}
-    if dtype == torch.float32:
-        return {} if kv_fp8 else {"waves_per_eu": 2}
-    return {"matrix_instr_nonkdim": 16}
-
-
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, block_m: int | None = None,
-                      block_n: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, window: int | None = None) -> torch.Tensor:
-    """Causal varlen attention of new tokens (q [T, num_heads, head_dim], sequences laid end to end by
-    meta.cu_seqlens_q) over their sequences in the paged cache, including any cached prefix of
-    ``context_len - q_len`` tokens (with a `window` W, each token over its last W). Uses meta.max_seqlen_q (host
-    int) to size the grid.
-    Returns [T, num_heads, head_dim] in q's dtype; sequences with context_len 0 give zeros. An fp8 cache is read
-    with `k_scale` / `v_scale`.
-
-    The optional arguments override the automatic launch configuration (for benchmarks/tuning)."""
-    fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
-    if meta.cu_seqlens_q is None:
-        raise ValueError("prefill_attention needs meta.cu_seqlens_q (got None)")
-    num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"q [T, {num_heads}, {head_dim}] does not fit the cache with {num_kv_heads} "
-                         f"kv heads of head_dim {cache_head_dim} (num_heads must be a multiple of "
-                         "num_kv_heads)")
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    num_seqs = meta.num_seqs
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    q = _last_dim_contiguous(q)
-    block_tables = _last_dim_contiguous(meta.block_tables)
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _prefill_config(q.dtype, head_dim, bool(fp8["KV_FP8"]))
-    block_m, block_n = block_m or cfg_m, block_n or cfg_n
-    num_m_tiles = triton.cdiv(max(1, meta.max_seqlen_q), block_m)
-    _prefill_kernel[(num_heads, num_seqs * num_m_tiles)](
-        q, k_cache, v_cache, block_tables, meta.context_lens, meta.cu_seqlens_q, out,
-        scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), num_seqs, num_m_tiles,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        IEEE=q.dtype == torch.float32, WINDOW=_window(window), num_warps=num_warps or cfg_warps,
-        num_stages=num_stages or cfg_stages, **_prefill_amd_options(q.dtype, bool(fp8["KV_FP8"])), **fp8)
-    return out
-
-
-def prefill_flops(q_lens: list[int], prefixes: list[int], num_heads: int, head_dim: int) -> float:
-    """Causal attention FLOPs (QK^T and PV) of a prefill batch, for benchmarks."""
-    pairs = sum(q * (q + 1) / 2 + q * p for q, p in zip(q_lens, prefixes, strict=True))
-    return 4.0 * pairs * head_dim * num_heads
-
 
