@@ -58,10 +58,16 @@ read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
 # a group being one compare.py run, or --search-max-rate R, one rate for every group)
 probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
 factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\([0-9.][0-9.]*\).*/\1/p')
+# the plan's prompt length: the first workload's, where WORKLOADS gives one as IN:OUT (else the 4096 of 4096:64); the
+# vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh --split made them), else the plan's default
+prompt=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^\([0-9][0-9]*\):[0-9].*/\1/p')
+parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
+plan_extra=(--prompt "${prompt:-4096}")
+[ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
         --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
-        --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}"
+        --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" "${plan_extra[@]}"
 fi
 out="${OUT:-bench/results/frontier_parallel}"
 mkdir -p "$out"
@@ -87,7 +93,7 @@ if [ "${#groups[@]}" -gt "$slots" ]; then
 fi
 "$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
     --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
-    --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" \
+    --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" "${plan_extra[@]}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"

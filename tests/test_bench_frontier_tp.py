@@ -265,3 +265,14 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
     assert "hybrid-chunks on GPUs 0,1" in setup and "vllm-default on GPUs 2,3" in setup
     assert "frontier plan: tiny-llama at TP 2 on 4 GPUs: 2 group(s) side by side" in setup
     assert "prepared: vLLM in" in setup and "failed" not in setup
+
+
+def test_frontier_parallel_plan_reads_the_workload_and_the_stash() -> None:
+    """--plan estimates with the first workload's prompt length (WORKLOADS IN:OUT) and this checkout's stash parts."""
+    env = {**os.environ, "KIND_GPUS": "2", "GROUP": "ours-slo", "WORKLOADS": "2048:28"}
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "2048-token prompts" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "WORKLOADS": "multiturn"}, timeout=60)
+    assert r.returncode == 0 and "4096-token prompts" in r.stdout, r.stdout + r.stderr
