@@ -17,14 +17,14 @@ from rapidserve.server.schemas import ChatCompletionRequest, GenerateRequest, Re
 Side = Literal["left", "right"]
 
 
-def requested_max_tokens(r: RequestBody) -> int | None:
-    """The max tokens the request asks for, by the field that wins (max_completion_tokens, max_tokens,
-    /generate's max_new_tokens); None when it asks for none."""
+def asked_max_tokens(r: RequestBody) -> tuple[str, int | None]:
+    """The field that asks for the max tokens and its value, by the field that wins: a chat's max_completion_tokens,
+    then max_tokens, then /generate's max_new_tokens (value None: the request asks for none)."""
     if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
-        return r.max_completion_tokens
-    if isinstance(r, GenerateRequest) and r.max_tokens is None:
-        return r.max_new_tokens
-    return r.max_tokens
+        return "max_completion_tokens", r.max_completion_tokens
+    if isinstance(r, GenerateRequest) and r.max_tokens is None and r.max_new_tokens is not None:
+        return "max_new_tokens", r.max_new_tokens
+    return "max_tokens", r.max_tokens
 
 
 def truncation(r: RequestBody, max_model_len: int) -> tuple[int | None, Side]:
@@ -35,7 +35,7 @@ def truncation(r: RequestBody, max_model_len: int) -> tuple[int | None, Side]:
         raise bad_request("truncate_prompt_tokens", "'truncate_prompt_tokens' 0 would leave no prompt: give an "
                                                     "integer >= 1, or -1 for as many as fit")
     if k == -1:
-        k = max(1, max_model_len - (requested_max_tokens(r) or 1))
+        k = max(1, max_model_len - (asked_max_tokens(r)[1] or 1))
     if r.truncation_side is not None and k is None:
         raise bad_request("truncation_side", "'truncation_side' says which end 'truncate_prompt_tokens' cuts: give "
                                              "that too, or leave truncation_side out")

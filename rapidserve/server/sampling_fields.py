@@ -19,7 +19,8 @@ from rapidserve.generation_config import SamplingDefaults
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs, resolve_bad_words
 from rapidserve.server.errors import bad_request, show
-from rapidserve.server.schemas import ChatCompletionRequest, GenerateRequest, RequestBody
+from rapidserve.server.prompt_fields import asked_max_tokens
+from rapidserve.server.schemas import RequestBody
 from rapidserve.tokenizer import Tokenizer
 
 # vLLM's defaults of the fields a model's generation config may set
@@ -55,11 +56,7 @@ def check_controls(r: RequestBody, tokenizer: Tokenizer | None, vocab_size: int)
 def resolve_max_tokens(r: RequestBody, longest_prompt: int, max_model_len: int, default: int) -> int:
     """The request's max_tokens: the field that asks, if it fits beside its longest prompt (else a 400
     naming it), or `default` capped by what that prompt leaves (at least 1)."""
-    name, requested = "max_tokens", r.max_tokens
-    if isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
-        name, requested = "max_completion_tokens", r.max_completion_tokens
-    elif isinstance(r, GenerateRequest) and requested is None and r.max_new_tokens is not None:
-        name, requested = "max_new_tokens", r.max_new_tokens
+    name, requested = asked_max_tokens(r)
     room = max_model_len - longest_prompt
     if requested is None:
         return max(1, min(default, room))
