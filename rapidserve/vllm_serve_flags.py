@@ -114,17 +114,14 @@ REFUSED: dict[str, str] = {flag: why for why, flags in (
     (_LORA, "--enable-lora --lora-modules --max-loras --max-lora-rank --max-cpu-loras --lora-dtype "
             "--lora-target-modules --fully-sharded-loras --default-mm-loras --enable-mixed-moe-lora-format "
             "--enable-moe-shared-loras --enable-tower-connector-lora --specialize-active-lora"),
-    (_PP, "--pipeline-parallel-size -pp"), (_CP, "--decode-context-parallel-size -dcp --prefill-context-parallel-size "
-                                                 "-pcp --cp-kv-cache-interleave-size --dcp-kv-cache-interleave-size "
-                                                 "--dcp-comm-backend"),
-    (_HOST, "--nnodes -n --node-rank -r --master-addr --master-port --headless --data-parallel-address -dpa "
+    (_CP, "--cp-kv-cache-interleave-size --dcp-kv-cache-interleave-size --dcp-comm-backend"),
+    (_HOST, "--master-addr --master-port --headless --data-parallel-address -dpa "
             "--data-parallel-rpc-port -dpp --data-parallel-backend -dpb --data-parallel-rank -dpn "
             "--data-parallel-start-rank -dpr --data-parallel-size-local -dpl --data-parallel-hybrid-lb -dph "
             "--data-parallel-external-lb -dpe --data-parallel-multi-port-external-lb -dpm "
             "--data-parallel-supervisor-port --dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s "
             "--dp-supervisor-probe-failure-threshold"),
-    ("workers are processes of one host (mp; no Ray)", "--distributed-executor-backend --ray-workers-use-nsight"),
-    ("one server process, with the -dp engines behind it", "--api-server-count -asc"),
+    ("workers are processes of one host (no Ray)", "--ray-workers-use-nsight"),
     (_EP, "--enable-expert-parallel -ep --enable-eplb --eplb-config --expert-placement-strategy --all2all-backend "
           "--enable-dbo --dbo-decode-token-threshold --dbo-prefill-token-threshold --ubatch-size --enable-elastic-ep "
           "--enable-ep-weight-filter --enable-bf16x3-router-gemm --enable-return-routed-experts --moe-backend"),
@@ -178,8 +175,7 @@ REFUSED: dict[str, str] = {flag: why for why, flags in (
     ("quantization is -q fp8 or the checkpoint's own scheme", "--quantization-config --allow-deprecated-quantization"),
     ("the tokenizer comes from the model's folder, or --tokenizer DIR", "--tokenizer-revision"),
     ("a model without a tokenizer is a preset (token-id prompts only)", "--skip-tokenizer-init"),
-    ("a request may ask for at most 20 logprobs per token, of the sampled distribution", "--max-logprobs "
-                                                                                         "--logprobs-mode"),
+    ("logprobs are of the sampled distribution", "--logprobs-mode"),
     ("sliding windows apply as the model's config.json says", "--disable-sliding-window"),
     ("no cascade attention", "--no-disable-cascade-attn"),
     ("every layer keeps every token's KV (no hybrid KV cache manager)", "--no-disable-hybrid-kv-cache-manager"),
@@ -205,16 +201,13 @@ REFUSED: dict[str, str] = {flag: why for why, flags in (
     ("no config file: give the flags", "--config"), ("no /tokenizer_info route (POST /tokenize answers token "
                                                      "strings)", "--enable-tokenizer-info-endpoint"),
     ("no X-Request-Id header: a request's request_id field names its response", "--enable-request-id-headers"),
-    ("responses carry no system_fingerprint", "--fingerprint-mode --fingerprint-value"),
+    ("responses carry no system_fingerprint", "--fingerprint-value"),
     ("usage.prompt_tokens_details is reported wherever the engine counts prefix-cache hits",
      "--no-enable-prompt-tokens-details"),
     ("no watermarking", "--watermark"), ("use `rapidserve profile`, or NVIDIA Nsight", "--profiler-config"),
-    ("rapidserve runs generative models", "--runner"), ("models are served as they are", "--convert"),
-    ("the model folder's config.json is read as Hugging Face's", "--config-format"),
-    ("every token is streamed as soon as it is sampled", "--stream-interval"),
-    ("the answer's role is assistant", "--response-role"),
-    ("a message's content reaches the template as a string (text parts joined)", "--chat-template-content-format"),
 ) for flag in flags.split()}
+REFUSED.update({flag: why for flag, (_, why) in NO_OP.items()})  # a NO_OP flag where it is not taken (another
+# command; its other values are refused by _Accepted with the same reason)
 
 
 def refusal(flag: str) -> str | None:
