@@ -110,15 +110,13 @@ def _refuse(name: str, param: str, values: tuple[Any, ...], why: str) -> None:
 
 def _nested(r: RequestBody) -> Iterator[tuple[str, str, str, Any]]:
     """(NESTED's key, the field's path, its top-level field, its value) of every nested field NESTED lists."""
-    for i, m in enumerate(getattr(r, "messages", None) or []):
-        for key in NESTED:
-            if key.startswith("messages[]."):
-                name = key.removeprefix("messages[].")
+    for key in NESTED:
+        where, name = key.split(".", 1)
+        if where == "messages[]":
+            for i, m in enumerate(getattr(r, "messages", None) or []):
                 yield key, f"messages[{i}].{name}", "messages", getattr(m, name)
-    if r.structured_outputs is not None:
-        for name in ("whitespace_pattern", "structural_tag"):
-            yield f"structured_outputs.{name}", f"structured_outputs.{name}", "structured_outputs", \
-                getattr(r.structured_outputs, name)
+        elif r.structured_outputs is not None:  # where == "structured_outputs"
+            yield key, key, where, getattr(r.structured_outputs, name)
 
 
 def refuse_unsupported(r: RequestBody, n: int) -> None:
