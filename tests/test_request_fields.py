@@ -118,6 +118,18 @@ CASES = [
     Case("user", {}, llm=False, extra={"user": "someone"}),
     Case("stream_min_tokens", {"min_tokens": 5, "max_tokens": 7}, _all(lambda c: _ntok(c) >= 5, ">= 5 tokens"),
          llm=False, extra={"stream": True}),
+    # vLLM's response and prompt options (the audit of 2026-11-29): every engine path, streamed and not
+    Case("request_id", {}, llm=False, extra={"request_id": "mine-1"}),
+    Case("return_token_ids", {"max_tokens": 4, "ignore_eos": True},
+         _all(lambda c: len(c["token_ids"]) == 4 and len(c["prompt_token_ids"]) > 0, "4 token ids and the prompt's"),
+         llm=False, extra={"return_token_ids": True}),
+    Case("return_token_ids_stream", {"max_tokens": 4, "ignore_eos": True}, llm=False,
+         extra={"stream": True, "return_token_ids": True}),
+    Case("stream_continuous_usage", {}, llm=False,
+         extra={"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+    Case("truncate_prompt_tokens", {"truncate_prompt_tokens": 3}, llm=False),
+    Case("truncate_prompt_tokens_all_that_fit", {"truncate_prompt_tokens": -1}, llm=False),
+    Case("truncation_side_right", {"truncate_prompt_tokens": 2}, llm=False, extra={"truncation_side": "right"}),
 ]
 
 
