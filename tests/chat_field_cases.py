@@ -57,6 +57,15 @@ def _continued(a: Answer, all_: dict[str, Any]) -> None:
     assert "Paris" in _text(a), a
 
 
+def _token_ids(a: Answer, all_: dict[str, Any]) -> None:
+    """return_token_ids: the prompt's ids (the body's, or the first chunk's) and the 3 generated ids."""
+    if isinstance(a, dict):
+        assert len(a["choices"][0]["token_ids"]) == 3 and len(a["prompt_token_ids"]) > 0, a
+        return
+    assert len(a[0]["prompt_token_ids"]) > 0, a[0]
+    assert sum(len(c.get("token_ids") or []) for e in a for c in e["choices"]) == 3, a
+
+
 def _own_template(a: Answer, all_: dict[str, Any]) -> None:
     # the request's template writes the bare question: no system turn, no role headers
     assert _prompt_tokens(a) < _prompt_tokens(all_["plain"]) - 15, a
@@ -93,4 +102,12 @@ CHAT_CASES: dict[str, tuple[dict[str, Any], Check]] = {
     "include_stop_str": ({**FORCE_X, "include_stop_str_in_output": True}, _stop_string_kept),
     "include_stop_str_stream": ({**FORCE_X, "include_stop_str_in_output": True, "stream": True}, _stop_string_kept),
     "created_stream": ({"stream": True, "n": 2, "temperature": 1.0, "seed": 1, "max_tokens": 3}, _created_now),
+    # vLLM's (the audit of 2026-11-29): reasoning_effort "none" sets enable_thinking false, as vLLM does; the token
+    # ids answered; an assistant message's reasoning reaches the template (SmolLM2's does not write it)
+    "reasoning_effort_none": ({**ONE, "reasoning_effort": "none"}, _thinking_off),
+    "return_token_ids": ({"max_tokens": 3, "ignore_eos": True, "return_token_ids": True}, _token_ids),
+    "return_token_ids_stream": ({"max_tokens": 3, "ignore_eos": True, "return_token_ids": True, "stream": True},
+                                _token_ids),
+    "message_reasoning": ({**ONE, "messages": [*PREFILL[:1], {**PREFILL[1], "reasoning": "think"},
+                                               {"role": "user", "content": "And Spain?"}]}, _ok),
 }
