@@ -186,6 +186,11 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     first = probes[0]["server_steps"]
     assert set(first) == {"split"} and first["split"]["steps"] > 0 and first["split"]["measured_s"] > 0
     assert first["split"]["predicted_s"] == 0 and 0 <= first["split"]["over_slo"] <= first["split"]["steps"]
+    # the host's view: token gaps (a request decoded in consecutive steps: 6 output tokens each) and idle time (none
+    # measured on a CPU, where no device events are)
+    split = first["split"]
+    assert 0 < split["gaps"] <= split["steps"] and split["gap_s"] > 0 and 0 <= split["gaps_over_slo"] <= split["gaps"]
+    assert split["idle_s"] == 0
     row = next(line for line in md.splitlines() if line.startswith("| 4 | 1 | 6 |"))
-    assert re.search(r"\| split 100% \(-, [0-9.]+%\) \|$", row), row
+    assert re.search(r"\| split 100% \(-, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms\) \|$", row), row
     assert "server steps: split 100% (-, " in r.stdout  # said as each probe ends

@@ -1,5 +1,6 @@
 """The decode worker's step counts by kind (engine/step_tally.py), as the Stats carry them and data parallelism
-combines them (engine/dp_stats.py); pure, from tables of StepTimings."""
+combines them (engine/dp_stats.py); pure, from tables of StepTimings; and the host's view of a landed step
+(engine/step_cycle.py's `Landed`: its token gap and the device's idle time before it) with fake device events."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import msgspec
 import pytest
 
 from rapidserve.engine import messages as m
+from rapidserve.engine.decode_request import StepBatch
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats
+from rapidserve.engine.step_cycle import Landed
+from rapidserve.engine.step_launch import InFlight, StepClock
 from rapidserve.engine.step_tally import KINDS, StepTally, correction_ratios, step_kind
 from rapidserve.partition.correction import Correction
 from rapidserve.partition.shape import DecodeAlone, Fused, Split, StepShape, StepTiming
@@ -111,3 +115,64 @@ def test_data_parallel_sums_step_counts_across_a_restart_and_averages_ratios() -
     assert s is not None
     assert s.step_kinds["fused"] == m.StepKindStats(15, 530.0, 2, 500.0, 530.0)
     assert s.step_correction == {"fused": 1.0, "split": 0.8, "decode": 1.0}
+
+
+def test_data_parallel_sums_the_host_view_too() -> None:
+    a = stats(step_kinds={"fused": m.StepKindStats(10, 400.0, 2, 380.0, 400.0, 9, 450.0, 3, 1.5)})
+    b = stats(step_kinds={"fused": m.StepKindStats(4, 100.0, 0, 90.0, 100.0, 4, 120.0, 1, 0.5)})
+    s = combine_stats([a, b], [True, True], [CounterCarry().advance(a), CounterCarry().advance(b)])
+    assert s is not None
+    assert s.step_kinds == {"fused": m.StepKindStats(14, 500.0, 2, 470.0, 500.0, 13, 570.0, 4, 2.0)}
+    assert isinstance(s.step_kinds["fused"].gaps, int) and isinstance(s.step_kinds["fused"].gaps_over_slo, int)
+
+
+def h(shape: StepShape, measured: float, gap: float | None, idle: float | None, chunk: int = 0) -> StepTiming:
+    return StepTiming(shape, 8, chunk, None, measured, gap, idle)
+
+
+@pytest.mark.parametrize(("slo", "timings", "want"), [
+    # a fused step within the SLO whose gap was over it (the host late to record it): counted as a gap over
+    (50.0, [h(Fused(512), 45.0, 58.0, 0.2, chunk=512), h(Fused(512), 40.0, 41.0, 0.0, chunk=256)],
+     {"fused": m.StepKindStats(2, 85.0, 0, 0.0, 0.0, 2, 99.0, 1, 0.2)}),
+    # no gap (no request decoded in the step before), no idle figure (a CPU): the step counts, nothing else
+    (50.0, [h(DecodeAlone(), 6.0, None, None)], {"alone": m.StepKindStats(1, 6.0)}),
+    # a gap exactly at the SLO is not over it; without an SLO none is
+    (50.0, [h(SPLIT, 20.0, 50.0, 1.0)], {"split": m.StepKindStats(1, 20.0, 0, 0.0, 0.0, 1, 50.0, 0, 1.0)}),
+    (None, [h(SPLIT, 20.0, 500.0, 0.0)], {"split": m.StepKindStats(1, 20.0, 0, 0.0, 0.0, 1, 500.0, 0, 0.0)}),
+    # figures that are no time are left out
+    (50.0, [h(SPLIT, 20.0, math.nan, -1.0), h(SPLIT, 20.0, math.inf, math.inf)],
+     {"split": m.StepKindStats(2, 40.0)}),
+])
+def test_tally_counts_the_host_view(slo: float | None, timings: list[StepTiming],
+                                    want: dict[str, m.StepKindStats]) -> None:
+    tally = StepTally(slo)
+    for x in timings:
+        tally.add(x)
+    assert tally.snapshot() == want
+
+
+class FakeEvent:
+    """A device event at a time on the device's clock (ms)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def elapsed_time(self, later: FakeEvent) -> float:
+        return later.ms - self.ms
+
+
+def landed(decode: list[object], start: float | None, end: float | None) -> InFlight:
+    clock = StepClock(FakeEvent(start) if start is not None else None, FakeEvent(end) if end is not None else None)
+    return InFlight(StepBatch(decode), [], None, None, None, DecodeAlone(), clock)  # type: ignore[arg-type]
+
+
+def test_landed_gap_and_idle_of_the_next_step() -> None:
+    r1, r2, r3 = object(), object(), object()
+    first = Landed.of(landed([r1, r2], 0.0, 40.0), at=10.0)
+    # r2 decoded in both: a gap of 52 ms on the host; the device idle 3 ms between the steps' events
+    assert first.next(landed([r2, r3], 43.0, 90.0), at=10.052) == (pytest.approx(52.0), 3.0)
+    # no request in common (r3 joined since): no gap; a start before the end (events on one stream): idle 0
+    assert first.next(landed([r3], 39.0, 80.0), at=10.1) == (None, 0.0)
+    # on a CPU (no events): a gap, no idle figure
+    cpu = Landed.of(landed([r1], None, None), at=5.0)
+    assert cpu.next(landed([r1], None, None), at=5.02) == (pytest.approx(20.0), None)

@@ -10,7 +10,8 @@ before and after each run (a sweep's rate, a goodput probe: client.server_counte
 `parse_line`) and `step_deltas` keeps, in the run's JSON:
 
 - "server_steps": per kind that had steps in the run, the raw deltas {"steps", "measured_s", "over_slo", "predicted_s",
-  "predicted_measured_s"};
+  "predicted_measured_s", "gaps", "gap_s", "gaps_over_slo", "idle_s"} (the last four: the host's view,
+  engine/step_tally.py);
 - "server_step_correction": the ratios at the run's end, per correction kind (fused, split, decode).
 
 A server without these series (vLLM) gives neither, and `step_cell` says "-". The workers report their counts every
@@ -18,7 +19,9 @@ A server without these series (vLLM) gives neither, and `step_cell` says "-". Th
 
 `step_cell(run)`: the run in one compact cell (STEP_COLUMN): each kind's share of the steps, then in brackets its
 measured / predicted time (- where none of its steps had a prediction) and the share of its steps over the SLO, e.g.
-"fused 62% (1.08, 6.1%) / split 30% (0.97, 0.2%) / alone 8% (-, 0%)".
+"fused 62% (1.08, 6.1%) / split 30% (0.97, 0.2%) / alone 8% (-, 0%)"; from a server that reports its host's view, each
+kind's bracket adds the share of the token gaps ending at its steps that were over the SLO and the device's mean idle
+time before its steps: "fused 62% (1.08, 6.1%; gaps 9.5% over, idle 0.4 ms)".
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from typing import Any
 # the counters' names (without rapidserve: and _total) -> the run's JSON field
 SERIES: dict[str, str] = {"steps": "steps", "step_seconds": "measured_s", "steps_over_slo": "over_slo",
                           "step_predicted_seconds": "predicted_s",
-                          "step_predicted_measured_seconds": "predicted_measured_s"}
+                          "step_predicted_measured_seconds": "predicted_measured_s", "step_gaps": "gaps",
+                          "step_gap_seconds": "gap_s", "step_gaps_over_slo": "gaps_over_slo",
+                          "step_idle_seconds": "idle_s"}
+COUNTS = ("steps", "over_slo", "gaps", "gaps_over_slo")  # the fields kept as whole numbers
 KINDS = ("fused", "fused_decode", "split", "alone")  # the server's kinds, in display order (others after them)
 LABELS = {"fused_decode": "fused-dec"}
 STEP_COLUMN = "server steps: kind share (measured/predicted, over SLO)"
@@ -75,7 +81,7 @@ def step_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict
         d = kinds[kind]
         n = round(d.get("steps", 0.0))
         if n > 0:
-            steps[kind] = {f: round(d.get(f, 0.0)) if f in ("steps", "over_slo") else round(d.get(f, 0.0), 6)
+            steps[kind] = {f: round(d.get(f, 0.0)) if f in COUNTS else round(d.get(f, 0.0), 6)
                            for f in SERIES.values()}
     if not steps:
         return {}
@@ -102,5 +108,9 @@ def step_cell(run: Mapping[str, Any]) -> str:
         p = d.get("predicted_s") or 0.0
         ratio = f"{d.get('predicted_measured_s', 0.0) / p:.2f}" if p > 0 else "-"
         over = _share(d["over_slo"] / d["steps"])
-        parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({ratio}, {over})")
+        host = ""
+        if d.get("gaps"):  # a server that reports the host's view (older ones do not)
+            idle_ms = 1e3 * d.get("idle_s", 0.0) / d["steps"]
+            host = f"; gaps {_share(d.get('gaps_over_slo', 0) / d['gaps'])} over, idle {idle_ms:.1f} ms"
+        parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({ratio}, {over}{host})")
     return " / ".join(parts)

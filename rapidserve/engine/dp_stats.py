@@ -51,8 +51,8 @@ def _step_kinds(totals: dict[str, float]) -> dict[str, m.StepKindStats]:
         if key.startswith(_KIND):
             kind, f = key[len(_KIND):].rsplit(":", 1)
             by_kind.setdefault(kind, {})[f] = v
-    return {kind: m.StepKindStats(int(f.get("steps", 0)), f.get("measured_ms", 0.0), int(f.get("over_slo", 0)),
-                                  f.get("predicted_ms", 0.0), f.get("predicted_measured_ms", 0.0))
+    ints = {"steps", "over_slo", "gaps", "gaps_over_slo"}
+    return {kind: m.StepKindStats(**{k: int(f.get(k, 0)) if k in ints else float(f.get(k, 0.0)) for k in _KIND_FIELDS})
             for kind, f in sorted(by_kind.items())}
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,7 @@ class StepCycle:
     inflight: list[InFlight]  # launched, not recorded, oldest first (at most one between steps)
     _launching: StepBatch | None  # the batch being launched (a failure at launch blames its chunks)
     _out: list[m.TokenOut]  # landed tokens, for the owner to publish
+    _landed: Landed | None = None  # the last step recorded (for the next one's gap and idle time)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def step_stream(self) -> torch.cuda.Stream | None:
@@ -146,12 +148,46 @@ class StepCycle:
             self._await(f.done)
         rows = landed_rows(f)
         self.inflight.pop(0)
-        self._out += self.sched.record(f.sampled, rows, time.monotonic())
+        now = time.monotonic()
+        self._out += self.sched.record(f.sampled, rows, now)
         self.sched.chunks_landed(f.batch.chunks)
+        gap, idle = self._landed.next(f, now) if self._landed is not None else (None, None)
+        self._landed = Landed.of(f, now)
         timing = StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens, f.predicted_ms,
-                            f.clock.elapsed_ms())
+                            f.clock.elapsed_ms(), gap, idle)
         self.policy.observe(timing)
         self.step_timed(timing)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """The last recorded step, as the next one's `StepTiming.gap_ms` and `idle_ms` need it: when the host recorded
+    it (its tokens go out with the turn's publish, right after), which requests it decoded, and its end event (a
+    GPU's; None on the CPU).
+
+    gap: the host time from this record to the next step's, counted when a request decoded in both (so it is a
+    gap that request's stream got; a step after an idle loop, or whose decodes all joined since, has none). It
+    holds the device time of the next step, the device's idle time before it and how late the host recorded it
+    (a launch, an inbox served, a policy decision before it noticed the step had landed).
+    idle: the device's time between this step's end and the next step's start events (host-bound bubbles: a step
+    launched one ahead has none; a switch of configuration synchronizes, so the bubble is real there too)."""
+
+    at: float
+    decoded: frozenset[int]
+    end: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, f: InFlight, at: float) -> Landed:
+        return cls(at, frozenset(id(r) for r in f.batch.decode), f.clock.end)
+
+    def next(self, f: InFlight, at: float) -> tuple[float | None, float | None]:
+        """(gap_ms, idle_ms) of step `f`, recorded at `at`, after this one."""
+        gap = (at - self.at) * 1e3 if any(id(r) in self.decoded for r in f.batch.decode) else None
+        start = f.clock.start
+        idle = None
+        if self.end is not None and start is not None:
+            idle = max(0.0, float(self.end.elapsed_time(start)))
+        return gap, idle
 
 
 def seats(max_num_seqs: int, graph_batch_sizes: tuple[int, ...], max_num_batched_tokens: int) -> int:

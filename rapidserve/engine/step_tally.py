@@ -18,7 +18,11 @@ Per kind, cumulative since the worker started (a scraper takes deltas): `steps`;
 time; `over_slo`, those whose measured time exceeded the ITL SLO (none counted without an SLO); over the steps
 that had a prediction, `predicted_ms` (the predictions) and `predicted_measured_ms` (those steps' measured time),
 so predicted_measured_ms / predicted_ms is how far off the cost model was, by kind, over any window. A step whose
-measured time is not a finite number >= 0 is counted in `steps` only.
+measured time is not a finite number >= 0 is counted in `steps` only. What the host saw (engine/step_cycle.py's
+`Landed`): `gaps`, `gap_ms` and `gaps_over_slo`, the token gaps that ended at a step of the kind (a request decoded
+in it and in the step before: the gap its stream got, host time included), their sum and those over the SLO; and
+`idle_ms`, the device's idle time before the kind's steps. A step's measured time within the SLO with its gap over
+it is time outside the step: the host late to record it, or the device idle before it.
 
 Cost: `add` runs once per landed step, on the host, after the step was recorded: a few additions into lists made
 once (no allocation but Python's floats, no device work: the measured time is the one the correction reads);
@@ -51,18 +55,29 @@ class StepTally:
     """The cumulative counts of every kind (module docstring), `slo_itl_ms` the SLO a step is compared with
     (None: no SLO, nothing is over it)."""
 
-    __slots__ = ("slo_ms", "steps", "measured_ms", "over_slo", "predicted_ms", "predicted_measured_ms")
+    __slots__ = ("slo_ms", "steps", "measured_ms", "over_slo", "predicted_ms", "predicted_measured_ms", "gaps",
+                 "gap_ms", "gaps_over_slo", "idle_ms")
 
     def __init__(self, slo_itl_ms: float | None) -> None:
         self.slo_ms = math.inf if slo_itl_ms is None else float(slo_itl_ms)
         n = len(KINDS)
-        self.steps, self.over_slo = [0] * n, [0] * n
+        self.steps, self.over_slo, self.gaps, self.gaps_over_slo = [0] * n, [0] * n, [0] * n, [0] * n
         self.measured_ms, self.predicted_ms, self.predicted_measured_ms = [0.0] * n, [0.0] * n, [0.0] * n
+        self.gap_ms, self.idle_ms = [0.0] * n, [0.0] * n
 
     def add(self, t: StepTiming) -> None:
         """Count one landed step."""
         k = step_kind(t.shape, t.chunk_tokens)
         self.steps[k] += 1
+        gap = t.gap_ms
+        if gap is not None and 0.0 <= gap < math.inf:
+            self.gaps[k] += 1
+            self.gap_ms[k] += gap
+            if gap > self.slo_ms:
+                self.gaps_over_slo[k] += 1
+        idle = t.idle_ms
+        if idle is not None and 0.0 <= idle < math.inf:
+            self.idle_ms[k] += idle
         ms = t.measured_ms
         if not 0.0 <= ms < math.inf:  # NaN fails too
             return
@@ -77,7 +92,8 @@ class StepTally:
     def snapshot(self) -> dict[str, StepKindStats]:
         """The counts so far, for `Stats.step_kinds`: the kinds with at least one step."""
         return {name: StepKindStats(self.steps[k], self.measured_ms[k], self.over_slo[k], self.predicted_ms[k],
-                                    self.predicted_measured_ms[k])
+                                    self.predicted_measured_ms[k], self.gaps[k], self.gap_ms[k],
+                                    self.gaps_over_slo[k], self.idle_ms[k])
                 for k, name in enumerate(KINDS) if self.steps[k]}
 
 

@@ -88,6 +88,12 @@ class StepTiming:
     chunk_tokens: int  # prompt tokens in the step (fused) or 0
     predicted_ms: float | None
     measured_ms: float
+    # what the worker's host saw around the step (engine/step_cycle.py `Landed`; None where it could not tell):
+    # the token gap it made (from the previous landed step's recording to this one's, when a request decoded in
+    # both: the gap its stream got, host time included) and the device's idle time before it (the previous step's
+    # end to this one's start, on a GPU)
+    gap_ms: float | None = None
+    idle_ms: float | None = None
 
 
 class StepPolicy(Protocol):

@@ -52,7 +52,11 @@ raw cost-model prediction, summed over the steps that had one: ``--policy duet``
 over the rate of the predicted one is how far off the model is, by kind); gauge
 ``rapidserve:step_correction_ratio{kind}`` (the online correction the policy applies now, measured / predicted per
 correction kind ``fused``, ``split``, ``decode``: partition/correction.py; exposed once a policy that corrects
-reported it). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total).
+reported it). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total). What the worker's host saw
+(engine/step_cycle.py's ``Landed``): ``rapidserve:step_gaps_total{kind}``, ``rapidserve:step_gap_seconds_total{kind}``
+and ``rapidserve:step_gaps_over_slo_total{kind}`` (the token gaps that ended at a step of the kind, host time
+included: a gap over the SLO from a step within it is time outside the step), ``rapidserve:step_idle_seconds_total
+{kind}`` (the device idle before those steps).
 """
 
 from __future__ import annotations
@@ -228,6 +232,13 @@ class Metrics:
                                      "one, by shape kind."), 1e-3),
             "predicted_measured_ms": (by_kind("step_predicted_measured_seconds", "Measured time of the steps that "
                                               "had a prediction, by shape kind."), 1e-3),
+            "gaps": (by_kind("step_gaps", "Token gaps that ended at a step of this kind (a request decoded in it and "
+                             "in the step before), as the decode worker's host saw them."), 1.0),
+            "gap_ms": (by_kind("step_gap_seconds", "The sum of those token gaps, by shape kind."), 1e-3),
+            "gaps_over_slo": (by_kind("step_gaps_over_slo", "Of those token gaps, those longer than the ITL SLO, by "
+                                      "shape kind."), 1.0),
+            "idle_ms": (by_kind("step_idle_seconds", "The device's idle time before the steps of this kind "
+                                "(previous step's end to this one's start), by shape kind."), 1e-3),
         }
         self._kind_seen: dict[tuple[str, str], float] = {}
         self._correction = Gauge(_R + "step_correction_ratio", "The policy's online correction now: measured / "
