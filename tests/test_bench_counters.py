@@ -145,7 +145,7 @@ def test_step_deltas_and_the_probe_cell_from_two_scrapes() -> None:
     after = scrape((162, 6.7, 9, 6.3, 6.7), (70, 1.4, 1), 1.07)
     after["step:steps:alone"] = 11.0
     got = counter_deltas(before, after)
-    host = {"gaps": 0, "gap_s": 0.0, "gaps_over_slo": 0, "idle_s": 0.0}  # an older server: no host's view
+    host = {"gaps": 0, "gap_s": 0.0, "gaps_over_slo": 0, "idle_s": 0.0, "host_s": 0.0}  # an older server: none
     assert got["server_steps"] == {  # the raw deltas, kinds without a step in the run left out
         "fused": {"steps": 62, "measured_s": pytest.approx(2.7), "over_slo": 4, "predicted_s": pytest.approx(2.5),
                   "predicted_measured_s": pytest.approx(2.7), **host},
@@ -165,14 +165,15 @@ def test_the_host_view_in_the_probe_cell() -> None:
     after = scrape((140, 5.6, 5, 5.3, 5.6), (40, 0.8, 0), 1.02)
     # 40 fused steps: 38 of them ended a token gap (1.9 s in all), 6 of those over the SLO; 0.2 s idle before them
     before.update({"step:gaps:fused": 90.0, "step:gap_s:fused": 4.0, "step:gaps_over_slo:fused": 1.0,
-                   "step:idle_s:fused": 0.1})
+                   "step:idle_s:fused": 0.1, "step:host_s:fused": 0.5})
     after.update({"step:gaps:fused": 128.0, "step:gap_s:fused": 5.9, "step:gaps_over_slo:fused": 7.0,
-                  "step:idle_s:fused": 0.3})
+                  "step:idle_s:fused": 0.3, "step:host_s:fused": 0.62})
     got = counter_deltas(before, after)
     fused = got["server_steps"]["fused"]
     assert (fused["gaps"], fused["gaps_over_slo"]) == (38, 6)
     assert fused["gap_s"] == pytest.approx(1.9) and fused["idle_s"] == pytest.approx(0.2)
-    assert step_cell(got) == "fused 100% (1.07, 0%; gaps 15.8% over, idle 5.0 ms)"  # the only kind that stepped
+    # the only kind that stepped; 0.12 s of host time over its 40 steps: 3 ms each
+    assert step_cell(got) == "fused 100% (1.07, 0%; gaps 15.8% over, idle 5.0 ms, host 3.0 ms)"
 
 
 @pytest.mark.parametrize(("before", "after"), [

@@ -190,7 +190,7 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     # measured on a CPU, where no device events are)
     split = first["split"]
     assert 0 < split["gaps"] <= split["steps"] and split["gap_s"] > 0 and 0 <= split["gaps_over_slo"] <= split["gaps"]
-    assert split["idle_s"] == 0
+    assert split["idle_s"] == 0 and split["host_s"] > 0
     row = next(line for line in md.splitlines() if line.startswith("| 4 | 1 | 6 |"))
-    assert re.search(r"\| split 100% \(-, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms\) \|$", row), row
+    assert re.search(r"\| split 100% \(-, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms, host [0-9.]+ ms\) \|$", row), row
     assert "server steps: split 100% (-, " in r.stdout  # said as each probe ends

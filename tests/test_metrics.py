@@ -194,12 +194,13 @@ def test_step_series_by_kind_count_deltas_in_seconds() -> None:
     assert not [k for k in samples(m) if k[0] == "rapidserve:step_correction_ratio"]  # no policy reported one
     m.set_step_stats({"fused": StepKindStats(10, 400.0, 2, 380.0, 400.0), "split": StepKindStats(4, 80.0)},
                      {"fused": 1.05, "split": 0.9, "decode": 1.0})
-    m.set_step_stats({"fused": StepKindStats(12, 500.0, 3, 470.0, 490.0, 11, 560.0, 4, 6.0),
+    m.set_step_stats({"fused": StepKindStats(12, 500.0, 3, 470.0, 490.0, 11, 560.0, 4, 6.0, 36.0),
                       "split": StepKindStats(4, 80.0)}, {"fused": 1.1, "split": 0.9, "decode": 1.0})
     want = {"rapidserve:steps_total": 12, "rapidserve:step_seconds_total": 0.5, "rapidserve:steps_over_slo_total": 3,
             "rapidserve:step_predicted_seconds_total": 0.47, "rapidserve:step_predicted_measured_seconds_total": 0.49,
             "rapidserve:step_gaps_total": 11, "rapidserve:step_gap_seconds_total": 0.56,
-            "rapidserve:step_gaps_over_slo_total": 4, "rapidserve:step_idle_seconds_total": 0.006}
+            "rapidserve:step_gaps_over_slo_total": 4, "rapidserve:step_idle_seconds_total": 0.006,
+            "rapidserve:step_host_seconds_total": 0.036}
     for name, w in want.items():
         assert value(m, name, kind="fused") == pytest.approx(w), name
     assert value(m, "rapidserve:steps_total", kind="split") == 4
@@ -315,7 +316,8 @@ OWN = {"rapidserve:request_admission_time_seconds", "rapidserve:request_first_to
        "rapidserve:engine_restarts", "rapidserve:engine_worker_deaths", "rapidserve:request_rejected",
        "rapidserve:steps", "rapidserve:step_seconds", "rapidserve:steps_over_slo", "rapidserve:step_predicted_seconds",
        "rapidserve:step_predicted_measured_seconds", "rapidserve:step_correction_ratio", "rapidserve:step_gaps",
-       "rapidserve:step_gap_seconds", "rapidserve:step_gaps_over_slo", "rapidserve:step_idle_seconds"}
+       "rapidserve:step_gap_seconds", "rapidserve:step_gaps_over_slo", "rapidserve:step_idle_seconds",
+       "rapidserve:step_host_seconds"}
 
 
 def test_vllm_names_types_labels_and_buckets() -> None:

@@ -118,29 +118,30 @@ def test_data_parallel_sums_step_counts_across_a_restart_and_averages_ratios() -
 
 
 def test_data_parallel_sums_the_host_view_too() -> None:
-    a = stats(step_kinds={"fused": m.StepKindStats(10, 400.0, 2, 380.0, 400.0, 9, 450.0, 3, 1.5)})
-    b = stats(step_kinds={"fused": m.StepKindStats(4, 100.0, 0, 90.0, 100.0, 4, 120.0, 1, 0.5)})
+    a = stats(step_kinds={"fused": m.StepKindStats(10, 400.0, 2, 380.0, 400.0, 9, 450.0, 3, 1.5, 30.0)})
+    b = stats(step_kinds={"fused": m.StepKindStats(4, 100.0, 0, 90.0, 100.0, 4, 120.0, 1, 0.5, 10.0)})
     s = combine_stats([a, b], [True, True], [CounterCarry().advance(a), CounterCarry().advance(b)])
     assert s is not None
-    assert s.step_kinds == {"fused": m.StepKindStats(14, 500.0, 2, 470.0, 500.0, 13, 570.0, 4, 2.0)}
+    assert s.step_kinds == {"fused": m.StepKindStats(14, 500.0, 2, 470.0, 500.0, 13, 570.0, 4, 2.0, 40.0)}
     assert isinstance(s.step_kinds["fused"].gaps, int) and isinstance(s.step_kinds["fused"].gaps_over_slo, int)
 
 
-def h(shape: StepShape, measured: float, gap: float | None, idle: float | None, chunk: int = 0) -> StepTiming:
-    return StepTiming(shape, 8, chunk, None, measured, gap, idle)
+def h(shape: StepShape, measured: float, gap: float | None, idle: float | None, chunk: int = 0,
+      host: float | None = None) -> StepTiming:
+    return StepTiming(shape, 8, chunk, None, measured, gap, idle, host)
 
 
 @pytest.mark.parametrize(("slo", "timings", "want"), [
     # a fused step within the SLO whose gap was over it (the host late to record it): counted as a gap over
-    (50.0, [h(Fused(512), 45.0, 58.0, 0.2, chunk=512), h(Fused(512), 40.0, 41.0, 0.0, chunk=256)],
-     {"fused": m.StepKindStats(2, 85.0, 0, 0.0, 0.0, 2, 99.0, 1, 0.2)}),
+    (50.0, [h(Fused(512), 45.0, 58.0, 0.2, chunk=512, host=9.5), h(Fused(512), 40.0, 41.0, 0.0, chunk=256, host=4.5)],
+     {"fused": m.StepKindStats(2, 85.0, 0, 0.0, 0.0, 2, 99.0, 1, 0.2, 14.0)}),
     # no gap (no request decoded in the step before), no idle figure (a CPU): the step counts, nothing else
     (50.0, [h(DecodeAlone(), 6.0, None, None)], {"alone": m.StepKindStats(1, 6.0)}),
     # a gap exactly at the SLO is not over it; without an SLO none is
     (50.0, [h(SPLIT, 20.0, 50.0, 1.0)], {"split": m.StepKindStats(1, 20.0, 0, 0.0, 0.0, 1, 50.0, 0, 1.0)}),
     (None, [h(SPLIT, 20.0, 500.0, 0.0)], {"split": m.StepKindStats(1, 20.0, 0, 0.0, 0.0, 1, 500.0, 0, 0.0)}),
     # figures that are no time are left out
-    (50.0, [h(SPLIT, 20.0, math.nan, -1.0), h(SPLIT, 20.0, math.inf, math.inf)],
+    (50.0, [h(SPLIT, 20.0, math.nan, -1.0, host=math.nan), h(SPLIT, 20.0, math.inf, math.inf, host=-2.0)],
      {"split": m.StepKindStats(2, 40.0)}),
 ])
 def test_tally_counts_the_host_view(slo: float | None, timings: list[StepTiming],

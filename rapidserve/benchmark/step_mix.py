@@ -10,7 +10,7 @@ before and after each run (a sweep's rate, a goodput probe: client.server_counte
 `parse_line`) and `step_deltas` keeps, in the run's JSON:
 
 - "server_steps": per kind that had steps in the run, the raw deltas {"steps", "measured_s", "over_slo", "predicted_s",
-  "predicted_measured_s", "gaps", "gap_s", "gaps_over_slo", "idle_s"} (the last four: the host's view,
+  "predicted_measured_s", "gaps", "gap_s", "gaps_over_slo", "idle_s", "host_s"} (the last five: the host's view,
   engine/step_tally.py);
 - "server_step_correction": the ratios at the run's end, per correction kind (fused, split, decode).
 
@@ -20,8 +20,9 @@ A server without these series (vLLM) gives neither, and `step_cell` says "-". Th
 `step_cell(run)`: the run in one compact cell (STEP_COLUMN): each kind's share of the steps, then in brackets its
 measured / predicted time (- where none of its steps had a prediction) and the share of its steps over the SLO, e.g.
 "fused 62% (1.08, 6.1%) / split 30% (0.97, 0.2%) / alone 8% (-, 0%)"; from a server that reports its host's view, each
-kind's bracket adds the share of the token gaps ending at its steps that were over the SLO and the device's mean idle
-time before its steps: "fused 62% (1.08, 6.1%; gaps 9.5% over, idle 0.4 ms)".
+kind's bracket adds the share of the token gaps ending at its steps that were over the SLO, the device's mean idle
+time before its steps and the host's mean time to plan and launch one: "fused 62% (1.08, 6.1%; gaps 9.5% over, idle
+0.4 ms, host 3.1 ms)".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SERIES: dict[str, str] = {"steps": "steps", "step_seconds": "measured_s", "steps
                           "step_predicted_seconds": "predicted_s",
                           "step_predicted_measured_seconds": "predicted_measured_s", "step_gaps": "gaps",
                           "step_gap_seconds": "gap_s", "step_gaps_over_slo": "gaps_over_slo",
-                          "step_idle_seconds": "idle_s"}
+                          "step_idle_seconds": "idle_s", "step_host_seconds": "host_s"}
 COUNTS = ("steps", "over_slo", "gaps", "gaps_over_slo")  # the fields kept as whole numbers
 KINDS = ("fused", "fused_decode", "split", "alone")  # the server's kinds, in display order (others after them)
 LABELS = {"fused_decode": "fused-dec"}
@@ -110,7 +111,8 @@ def step_cell(run: Mapping[str, Any]) -> str:
         over = _share(d["over_slo"] / d["steps"])
         host = ""
         if d.get("gaps"):  # a server that reports the host's view (older ones do not)
-            idle_ms = 1e3 * d.get("idle_s", 0.0) / d["steps"]
-            host = f"; gaps {_share(d.get('gaps_over_slo', 0) / d['gaps'])} over, idle {idle_ms:.1f} ms"
+            idle_ms, host_ms = (1e3 * d.get(f, 0.0) / d["steps"] for f in ("idle_s", "host_s"))
+            host = (f"; gaps {_share(d.get('gaps_over_slo', 0) / d['gaps'])} over, idle {idle_ms:.1f} ms, "
+                    f"host {host_ms:.1f} ms")
         parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({ratio}, {over}{host})")
     return " / ".join(parts)

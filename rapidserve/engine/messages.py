@@ -167,7 +167,8 @@ class StepKindStats(msgspec.Struct, frozen=True):
     longer than the ITL SLO, and over the steps that had a prediction (the policy's raw cost-model figure,
     `StepTiming.predicted_ms`) the predictions' sum and those same steps' measured sum, whose ratio is how far off
     the model was. Then what the host saw (`StepTiming.gap_ms`, `idle_ms`): the token gaps that ended at steps of
-    this kind (count, their sum in ms, those longer than the ITL SLO) and the device's idle time before them (ms)."""
+    this kind (count, their sum in ms, those longer than the ITL SLO), the device's idle time before them and the
+    host's time to plan and launch them (ms)."""
 
     steps: int = 0
     measured_ms: float = 0.0
@@ -178,6 +179,7 @@ class StepKindStats(msgspec.Struct, frozen=True):
     gap_ms: float = 0.0
     gaps_over_slo: int = 0
     idle_ms: float = 0.0
+    host_ms: float = 0.0
 
 
 class Stats(msgspec.Struct, tag=True, frozen=True):

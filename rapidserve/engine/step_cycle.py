@@ -104,6 +104,7 @@ class StepCycle:
 
     def _step(self) -> bool:
         """Plan and launch this step, then record the one before it (or, waiting for each step, this one)."""
+        t0 = time.perf_counter()
         hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
         batch = self._plan(hold)
         if batch is None:
@@ -122,6 +123,7 @@ class StepCycle:
         self._launching = None
         # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
         f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
+        f.host_ms = (time.perf_counter() - t0) * 1e3
         self.sched.launched(batch, now)
         self.step_noted()
         self.inflight.append(f)
@@ -154,7 +156,7 @@ class StepCycle:
         gap, idle = self._landed.next(f, now) if self._landed is not None else (None, None)
         self._landed = Landed.of(f, now)
         timing = StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens, f.predicted_ms,
-                            f.clock.elapsed_ms(), gap, idle)
+                            f.clock.elapsed_ms(), gap, idle, f.host_ms)
         self.policy.observe(timing)
         self.step_timed(timing)
 

@@ -21,8 +21,10 @@ so predicted_measured_ms / predicted_ms is how far off the cost model was, by ki
 measured time is not a finite number >= 0 is counted in `steps` only. What the host saw (engine/step_cycle.py's
 `Landed`): `gaps`, `gap_ms` and `gaps_over_slo`, the token gaps that ended at a step of the kind (a request decoded
 in it and in the step before: the gap its stream got, host time included), their sum and those over the SLO; and
-`idle_ms`, the device's idle time before the kind's steps. A step's measured time within the SLO with its gap over
-it is time outside the step: the host late to record it, or the device idle before it.
+`idle_ms`, the device's idle time before the kind's steps; `host_ms`, the host's wall time to plan and launch them
+(beside the device's work when one step runs ahead; the device's idle time when none does). A step's measured time
+within the SLO with its gap over it is time outside the step: the host late to record it, or the device idle before
+it (host_ms says whether planning and launching it was what the device waited for).
 
 Cost: `add` runs once per landed step, on the host, after the step was recorded: a few additions into lists made
 once (no allocation but Python's floats, no device work: the measured time is the one the correction reads);
@@ -56,14 +58,14 @@ class StepTally:
     (None: no SLO, nothing is over it)."""
 
     __slots__ = ("slo_ms", "steps", "measured_ms", "over_slo", "predicted_ms", "predicted_measured_ms", "gaps",
-                 "gap_ms", "gaps_over_slo", "idle_ms")
+                 "gap_ms", "gaps_over_slo", "idle_ms", "host_ms")
 
     def __init__(self, slo_itl_ms: float | None) -> None:
         self.slo_ms = math.inf if slo_itl_ms is None else float(slo_itl_ms)
         n = len(KINDS)
         self.steps, self.over_slo, self.gaps, self.gaps_over_slo = [0] * n, [0] * n, [0] * n, [0] * n
         self.measured_ms, self.predicted_ms, self.predicted_measured_ms = [0.0] * n, [0.0] * n, [0.0] * n
-        self.gap_ms, self.idle_ms = [0.0] * n, [0.0] * n
+        self.gap_ms, self.idle_ms, self.host_ms = [0.0] * n, [0.0] * n, [0.0] * n
 
     def add(self, t: StepTiming) -> None:
         """Count one landed step."""
@@ -78,6 +80,9 @@ class StepTally:
         idle = t.idle_ms
         if idle is not None and 0.0 <= idle < math.inf:
             self.idle_ms[k] += idle
+        host = t.host_ms
+        if host is not None and 0.0 <= host < math.inf:
+            self.host_ms[k] += host
         ms = t.measured_ms
         if not 0.0 <= ms < math.inf:  # NaN fails too
             return
@@ -93,7 +98,7 @@ class StepTally:
         """The counts so far, for `Stats.step_kinds`: the kinds with at least one step."""
         return {name: StepKindStats(self.steps[k], self.measured_ms[k], self.over_slo[k], self.predicted_ms[k],
                                     self.predicted_measured_ms[k], self.gaps[k], self.gap_ms[k],
-                                    self.gaps_over_slo[k], self.idle_ms[k])
+                                    self.gaps_over_slo[k], self.idle_ms[k], self.host_ms[k])
                 for k, name in enumerate(KINDS) if self.steps[k]}
 
 

@@ -90,10 +90,11 @@ class StepTiming:
     measured_ms: float
     # what the worker's host saw around the step (engine/step_cycle.py `Landed`; None where it could not tell):
     # the token gap it made (from the previous landed step's recording to this one's, when a request decoded in
-    # both: the gap its stream got, host time included) and the device's idle time before it (the previous step's
-    # end to this one's start, on a GPU)
+    # both: the gap its stream got, host time included), the device's idle time before it (the previous step's
+    # end to this one's start, on a GPU) and the host's time to plan and launch it
     gap_ms: float | None = None
     idle_ms: float | None = None
+    host_ms: float | None = None  # the host's time to plan and launch the step (wall time: it runs beside the device)
 
 
 class StepPolicy(Protocol):

@@ -56,7 +56,8 @@ reported it). Mean step time of a kind: rate(step_seconds_total) / rate(steps_to
 (engine/step_cycle.py's ``Landed``): ``rapidserve:step_gaps_total{kind}``, ``rapidserve:step_gap_seconds_total{kind}``
 and ``rapidserve:step_gaps_over_slo_total{kind}`` (the token gaps that ended at a step of the kind, host time
 included: a gap over the SLO from a step within it is time outside the step), ``rapidserve:step_idle_seconds_total
-{kind}`` (the device idle before those steps).
+{kind}`` (the device idle before those steps), ``rapidserve:step_host_seconds_total{kind}`` (the host's time to plan
+and launch them).
 """
 
 from __future__ import annotations
@@ -239,6 +240,8 @@ class Metrics:
                                       "shape kind."), 1.0),
             "idle_ms": (by_kind("step_idle_seconds", "The device's idle time before the steps of this kind "
                                 "(previous step's end to this one's start), by shape kind."), 1e-3),
+            "host_ms": (by_kind("step_host_seconds", "The host's wall time to plan and launch the steps of this "
+                                "kind, by shape kind."), 1e-3),
         }
         self._kind_seen: dict[tuple[str, str], float] = {}
         self._correction = Gauge(_R + "step_correction_ratio", "The policy's online correction now: measured / "
