@@ -18,7 +18,13 @@ from rapidserve.config_builder import build_engine_config
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
 from rapidserve.runner import Carry, ModelRunner, PrefillItem
-from rapidserve.runner.prefill_graphs import PrefillGraphs, bucket_for, check_buckets, usable_buckets
+from rapidserve.runner.prefill_graphs import (
+    PREFILL_WORKER_MAX_BUCKET,
+    PrefillGraphs,
+    bucket_for,
+    check_buckets,
+    usable_buckets,
+)
 from tests.test_prefill_task import PREFIX, _tokens
 
 BS = 16
@@ -164,6 +170,29 @@ def test_bad_buckets_are_refused(sizes: tuple[int, ...]) -> None:
         check_buckets(sizes)
     with pytest.raises(ConfigError, match="prefill_graph_tokens"):
         RunnerConfig(prefill_graph_tokens=sizes)
+
+
+def test_the_prefill_workers_cap_leaves_out_the_larger_buckets() -> None:
+    """The prefill worker captures up to PREFILL_WORKER_MAX_BUCKET (its larger forwards' launches hide behind its
+    GPU work); the decode worker's fused steps every bucket the step budget can use (runner/prefill_graphs.py)."""
+    def runner_of(budget: int) -> ModelRunner:
+        cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=8,
+                                     max_model_len=64, max_num_batched_tokens=budget,
+                                     prefill_graph_tokens=(8, 16, 32, 64))
+        return ModelRunner(cfg, resolve_model(cfg.model, preset_device=torch.device("cpu"),
+                                              preset_dtype=torch.float32), show_progress=False)
+
+    capped = runner_of(64)
+    capped.capture_prefill_graphs(show_progress=False, eager=True, max_bucket=16)
+    assert capped._prefill_graphs is not None and capped._prefill_graphs.sizes == (8, 16)
+    every = runner_of(64)
+    every.capture_prefill_graphs(show_progress=False, eager=True)
+    assert every._prefill_graphs is not None and every._prefill_graphs.sizes == (8, 16, 32, 64)
+    none = runner_of(64)
+    none.capture_prefill_graphs(show_progress=False, eager=True, max_bucket=4)  # no bucket that small
+    assert none._prefill_graphs is None
+    assert PREFILL_WORKER_MAX_BUCKET == 512 and 512 in RunnerConfig().prefill_graph_tokens
+    assert max(RunnerConfig().prefill_graph_tokens) == 2048  # the default's larger buckets: fused steps only
 
 
 def test_no_buckets_or_enforce_eager_capture_nothing() -> None:

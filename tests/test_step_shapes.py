@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 
 from rapidserve import LLM, SamplingParams
+from rapidserve.config import EngineConfig
+from rapidserve.config_builder import build_engine_config
 from rapidserve.engine import messages as m
-from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.decode_worker import DecodeWorker, default_policy, fused_graph_key, fused_steps
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.step_tally import StepTally
 from rapidserve.partition.backend import Granularity, PartitionBackend
@@ -271,3 +273,38 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
         assert set(last.step_correction) == {"fused", "split", "decode"}
     else:
         assert fused.predicted_ms == 0 and last.step_correction == {}
+
+
+def _plan(cfg: EngineConfig, configs: list[Configuration], with_profile: bool, with_peaks: bool) -> PartitionPlan:
+    peaks = Peaks(782e12, 2.98e12, 132, device="H100-like")
+    profile = roofline_profile(cfg.model_config, "cpu", MODEL, peaks, configs, [1, 8], [512], 48) if with_profile \
+        else None
+    return PartitionPlan("none", configs, profile, "test", peaks if with_peaks else None)
+
+
+SPLITS_ONLY = [Configuration("split16", 16, 116), Configuration("split64", 64, 68)]
+
+
+@pytest.mark.parametrize(("policy", "slo", "configs", "profile", "peaks", "key"), [
+    ("duet", 50.0, CONFIGS, True, True, OVERALLOCATED),  # adaptive: fused steps on the whole GPU
+    ("duet", None, CONFIGS[:1], False, False, OVERALLOCATED),  # no SLO: every step fused, whatever the plan
+    ("duet", None, SPLITS_ONLY, False, False, "split16"),  # no whole-GPU configuration: the plan's initial one
+    ("duet", 50.0, CONFIGS[:1], False, False, ""),  # an SLO on a plan that cannot switch: always split
+    ("duet", 50.0, CONFIGS, True, False, ""),  # no peaks measured (no cost model): always split
+    ("rapid", 50.0, CONFIGS, True, True, ""),  # rapid and drift never fuse in the decode worker
+    ("drift", 50.0, CONFIGS, True, True, ""),
+])
+def test_which_decode_workers_capture_graphs_for_fused_steps(policy: str, slo: float | None,
+                                                             configs: list[Configuration], profile: bool,
+                                                             peaks: bool, key: str) -> None:
+    """`fused_graph_key` (PlanWire.fused_graphs: the decode ranks capture the fused steps' piecewise prefill graphs
+    on that configuration's stream) says a key exactly where `default_policy` runs fused steps, on the configuration
+    `DecodeWorker.fused_config` runs them on."""
+    base, _ = build_engine_config(MODEL, device="cpu", dtype="float32", num_kv_blocks=8, max_model_len=64)
+    cfg = dataclasses.replace(base, partition=PartitionConfig(policy=policy, slo_itl_ms=slo))
+    plan = _plan(cfg, configs, profile, peaks)
+    assert fused_graph_key(cfg, plan) == key
+    assert fused_steps(cfg, plan) == bool(key)
+    part = DecodePartition(cfg.partition, plan)
+    fuses = not isinstance(default_policy(cfg, part, lambda: (0, 0, False, None)), AlwaysSplit)
+    assert fuses == bool(key)

@@ -245,19 +245,24 @@ class _CaptureLog:
     def capture_decode_graphs(self, stream: object = None, key: str = "default", **kw: object) -> None:
         self.calls.append(("decode", stream, key))
 
-    def capture_prefill_graphs(self, stream: object = None, key: str = "default", **kw: object) -> None:
-        self.calls.append(("prefill", stream, key))
+    def capture_prefill_graphs(self, stream: object = None, key: str = "default", max_bucket: int | None = None,
+                               **kw: object) -> None:
+        self.calls.append(("prefill", stream, key) if max_bucket is None else ("prefill", stream, key, max_bucket))
 
 
 @pytest.mark.parametrize(("role", "policy", "want"), [
     ("decode", "rapid", [("decode", "decode:split16", "split16"), ("decode", "decode:overallocated", "overallocated")]),
-    ("prefill", "rapid", [("prefill", "prefill:split16", "split16"),
-                          ("prefill", "prefill:overallocated", "overallocated")]),
+    # duet's fused steps (PlanWire.fused_graphs): their piecewise prefill graphs after the decode graphs, every bucket
+    ("decode-fused", "duet", [("decode", "decode:split16", "split16"),
+                              ("decode", "decode:overallocated", "overallocated"),
+                              ("prefill", "decode:overallocated", "overallocated")]),
+    ("prefill", "rapid", [("prefill", "prefill:split16", "split16", 512),
+                          ("prefill", "prefill:overallocated", "overallocated", 512)]),
     ("prefill", "drift", []),  # block-wise prefill captures nothing
     ("hybrid", "rapid", [("decode", None, "overallocated"), ("prefill", None, "overallocated")]),
 ])
 def test_every_rank_captures_the_same_graphs_in_the_plans_order(role: str, policy: str,
-                                                                 want: list[tuple[str, object, str]]) -> None:
+                                                                 want: list[tuple[object, ...]]) -> None:
     """Leader (engine/worker_build.py) and followers (tp_workers.run_follower) capture through these three
     functions, so the captures' collectives pair up: one set per configuration, in the plan's order, on that
     configuration's stream of the role."""
@@ -268,6 +273,8 @@ def test_every_rank_captures_the_same_graphs_in_the_plans_order(role: str, polic
     log = _CaptureLog(("split16", "overallocated"))
     if role == "decode":
         tp_workers.capture_decode(log, log)  # type: ignore[arg-type]
+    elif role == "decode-fused":
+        tp_workers.capture_decode(log, log, "overallocated")  # type: ignore[arg-type]
     elif role == "prefill":
         cfg = SimpleNamespace(partition=SimpleNamespace(policy=policy))
         tp_workers.capture_prefill(cfg, log, log)  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ from rapidserve.engine.step_tally import StepTally, correction_ratios
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.policy import PendingWork
-from rapidserve.partition.runtime import DecodePartition
+from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_step_policy
 from rapidserve.runner import ModelRunner
@@ -257,7 +257,26 @@ def default_policy(cfg: EngineConfig, partition: DecodePartition, rapid: RapidIn
     can switch configurations, and with no ITL SLO (`--slo-itl-ms none`) on every plan (every step fused with the
     whole token budget: it never splits); `rapid` and `drift` (and duet with an SLO on a plan of one configuration)
     run today's partition manager as `AlwaysSplit`."""
-    sc, p = cfg.scheduler, cfg.partition
-    if p.policy == "duet" and (p.slo_itl_ms is None or (partition.adaptive and partition.plan.peaks is not None)):
+    sc = cfg.scheduler
+    if fused_steps(cfg, partition.plan):
         return make_step_policy(cfg, partition.plan)
     return AlwaysSplit(partition, sc.prefill_batch_tokens or sc.max_num_batched_tokens, rapid)
+
+
+def fused_steps(cfg: EngineConfig, plan: PartitionPlan) -> bool:
+    """Whether `default_policy` runs fused steps in the decode worker (DuetServe's adaptive policy): `--policy duet`
+    with no ITL SLO, or with one on a plan that can switch configurations (a profile of several, the roofline's
+    peaks measured). Pure."""
+    p = cfg.partition
+    adaptive = plan.profile is not None and len(plan.configurations) > 1  # DecodePartition.adaptive
+    return p.policy == "duet" and (p.slo_itl_ms is None or (adaptive and plan.peaks is not None))
+
+
+def fused_graph_key(cfg: EngineConfig, plan: PartitionPlan) -> str:
+    """The configuration whose decode stream the fused steps run on (`DecodeWorker.fused_config`: the whole GPU,
+    `overallocated`, where the plan has it, else the plan's initial one) when the decode worker runs any, for the
+    piecewise prefill graphs of those steps (`PlanWire.fused_graphs`); "" when it runs none. Pure."""
+    if not fused_steps(cfg, plan):
+        return ""
+    names = [c.name for c in plan.configurations]
+    return OVERALLOCATED if OVERALLOCATED in names else plan.initial

@@ -63,7 +63,7 @@ import torch
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine import messages as m
-from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.decode_worker import DecodeWorker, fused_graph_key
 from rapidserve.engine.faults import is_fatal
 from rapidserve.engine.prefill_worker import Job, PrefillWorker
 from rapidserve.engine.tp_workers import TPSeat, capture_decode, lead, open_group, send_plan
@@ -194,10 +194,11 @@ def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],
     cfg = instance_config(cfg)
     runner = _load(cfg, dev, seat)
     plan = resolve_plan(cfg, runner.device, runner.dtype)
-    send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
-    parts = open_streams(plan.wire(), runner.device, ("decode",))
-    capture_decode(runner, parts)
-    _hand_pool(handoff, runner, 0, plan.wire())
+    wire = msgspec.structs.replace(plan.wire(), fused_graphs=fused_graph_key(cfg, plan))
+    send_plan(seat, wire)  # decode followers capture the same graphs, in this order
+    parts = open_streams(wire, runner.device, ("decode",))
+    capture_decode(runner, parts, wire.fused_graphs)
+    _hand_pool(handoff, runner, 0, wire)
     lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
             "configurations": ",".join(parts.names), "mode": "disagg",
@@ -239,7 +240,7 @@ def start_disagg_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Rec
         setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
         wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
         parts = open_streams(wire, runner.device, ("decode",))
-        capture_decode(runner, parts)  # as the leader (build_disagg_decode)
+        capture_decode(runner, parts, wire.fused_graphs)  # as the leader (build_disagg_decode)
         _hand_pool(handoff, runner, rank, wire)
         return runner, parts, None
     runner = _load(cfg, pre[rank], seat)

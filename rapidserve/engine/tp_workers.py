@@ -46,6 +46,7 @@ from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.profile import OVERALLOCATED
 from rapidserve.partition.runtime import PlanWire, open_streams
 from rapidserve.runner import ModelRunner, load_runner, resolve_device
+from rapidserve.runner.prefill_graphs import PREFILL_WORKER_MAX_BUCKET
 
 
 @dataclass(frozen=True)
@@ -162,13 +163,17 @@ def stream_names(parts: PartitionBackend, role: str) -> dict[int, str]:
     return out
 
 
-def capture_decode(runner: ModelRunner, parts: PartitionBackend) -> None:
+def capture_decode(runner: ModelRunner, parts: PartitionBackend, fused_key: str = "") -> None:
     """The decode worker's graphs, one set per partition configuration (a graph keeps the compute of the stream
-    it was captured on), in the plan's order: every decode rank calls this with the same plan (`Setup`), so the
+    it was captured on), in the plan's order; then, when its policy runs fused steps (`fused_key`, the plan's
+    `PlanWire.fused_graphs`), the piecewise prefill graphs of those steps on that configuration's decode stream,
+    every bucket (runner/prefill_graphs.py). Every decode rank calls this with the same plan (`Setup`), so the
     captures' collectives pair up."""
     for c in parts.configurations:
         runner.capture_decode_graphs(parts.stream(c.name, "decode"), key=c.name, show_progress=False,
                                      whole_gpu=c.decode_whole)
+    if fused_key:
+        runner.capture_prefill_graphs(parts.stream(fused_key, "decode"), key=fused_key, show_progress=False)
 
 
 def capture_hybrid(runner: ModelRunner) -> None:
@@ -179,13 +184,15 @@ def capture_hybrid(runner: ModelRunner) -> None:
 
 
 def capture_prefill(cfg: EngineConfig, runner: ModelRunner, parts: PartitionBackend) -> None:
-    """The rapid prefill worker's piecewise prefill graphs, one set per partition configuration (a graph keeps
-    its stream's compute), in the configurations' order: under tensor parallelism every prefill rank calls this
-    with the same plan, so the captures' collectives pair up. None for drift's block-wise prefill."""
+    """The rapid prefill worker's piecewise prefill graphs (its buckets up to PREFILL_WORKER_MAX_BUCKET), one set
+    per partition configuration (a graph keeps its stream's compute), in the configurations' order: under tensor
+    parallelism every prefill rank calls this with the same plan, so the captures' collectives pair up. None for
+    drift's block-wise prefill."""
     if cfg.partition.policy == "drift":
         return
     for c in parts.configurations:
-        runner.capture_prefill_graphs(parts.stream(c.name, "prefill"), key=c.name, show_progress=False)
+        runner.capture_prefill_graphs(parts.stream(c.name, "prefill"), key=c.name, show_progress=False,
+                                      max_bucket=PREFILL_WORKER_MAX_BUCKET)
 
 
 def lead(runner: ModelRunner, seat: TPSeat | None, parts: PartitionBackend | None, role: str) -> None:
@@ -322,7 +329,7 @@ def start_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Receiver[A
             setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
             wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)
             parts = open_streams(wire, runner.device, ("decode",))
-            capture_decode(runner, parts)  # as the leader (worker_build.build_decode)
+            capture_decode(runner, parts, wire.fused_graphs)  # as the leader (worker_build.build_decode)
             from rapidserve.runner.model_sharing import export_shared
 
             handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))

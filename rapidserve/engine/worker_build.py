@@ -4,8 +4,9 @@ Each `build_*` loads or attaches the model, prepares the compute partition's str
 returns what its Ready message tells the router plus the worker whose loop then runs.
 
 - decode: loads the weights, allocates the KV pool, captures the decode graphs of every partition
-  configuration, and hands the IPC handles of weights and pool to prefill through a one-time pipe
-  (the send returns once prefill has read it all; prefill starts at the same time and waits).
+  configuration (and, when its policy runs fused steps, their piecewise prefill graphs), and hands the IPC handles
+  of weights and pool to prefill through a one-time pipe (the send returns once prefill has read it all; prefill
+  starts at the same time and waits).
 - prefill: attaches decode's weights and pool in place (no copy) and ends with decode, their owner;
   under `--policy drift` it is the block-wise `DriftPrefillWorker`, fed the plan's prefill time models.
 - hybrid: the decode worker alone, its own weights and pool, every step fused (the baseline; no partition, no
@@ -22,10 +23,11 @@ import logging
 import os
 from typing import Any
 
+import msgspec
 import torch
 
 from rapidserve.config import EngineConfig
-from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.engine.decode_worker import DecodeWorker, fused_graph_key
 from rapidserve.engine.drift_prefill import DriftPrefillWorker
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.tp_workers import (
@@ -56,10 +58,11 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     log.info("choosing the compute partition plan (from a measured profile, or a roofline of peaks measured now)")
     plan = resolve_plan(cfg, runner.device, runner.dtype)
     log.info("partition plan: %s", plan.source)
-    send_plan(seat, plan.wire())  # decode followers capture the same graphs, in this order
-    parts = open_streams(plan.wire(), runner.device, ("decode",))
-    capture_decode(runner, parts)
-    handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), plan.wire()))
+    wire = msgspec.structs.replace(plan.wire(), fused_graphs=fused_graph_key(cfg, plan))
+    send_plan(seat, wire)  # decode followers capture the same graphs, in this order
+    parts = open_streams(wire, runner.device, ("decode",))
+    capture_decode(runner, parts, wire.fused_graphs)
+    handoff.send((os.getpid(), export_shared(runner.model, runner.kv_pool), wire))
     handoff.close()
     lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,

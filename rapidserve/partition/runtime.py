@@ -75,13 +75,17 @@ ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 class PlanWire(msgspec.Struct, frozen=True):
-    """What the prefill worker needs of the plan (sent through the start-up hand-off). `prefill_models`:
-    drift only, per configuration the prefill time model (a_ms, b_ms_per_token) both workers decide with."""
+    """What the prefill worker and the decode followers need of the plan (sent through the start-up hand-off and
+    the followers' Setup). `prefill_models`: drift only, per configuration the prefill time model (a_ms,
+    b_ms_per_token) both workers decide with. `fused_graphs`: the configuration whose stream the decode worker's
+    fused steps run on, when its policy runs any (duet: engine/decode_worker.py `fused_graph_key`), so every
+    decode rank captures the piecewise prefill graphs for them there; "" for none."""
 
     backend: str
     configurations: list[Configuration]
     initial: str
     prefill_models: dict[str, tuple[float, float]] = {}
+    fused_graphs: str = ""
 
 
 @dataclass

@@ -331,21 +331,27 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
 
     # ---- piecewise prefill graphs (prefill_graphs.py) -------------------------------------------
     def capture_prefill_graphs(self, stream: torch.cuda.Stream | None = None, key: str = "default",
-                               show_progress: bool = True, eager: bool = False) -> None:
+                               show_progress: bool = True, eager: bool = False,
+                               max_bucket: int | None = None) -> None:
         """Capture the piecewise prefill graphs (prefill_graphs.py) of every token bucket of
         `cfg.runner.prefill_graph_tokens` on `stream` under `key` (up to the first bucket that holds a whole
         step's `max_num_batched_tokens`); `prefill(..., graph_key=key)` then replays
         them for forwards that fit a bucket. Nothing on CPU, with graphs off (`use_cuda_graphs`, no buckets), or
         with a backend whose kernels cannot be captured. `eager`: record the pieces as plain calls instead of
-        graphs (on any device): the CPU tests of the piecewise path. Tensor parallelism: the capture runs the
-        pieces' collectives, so every rank captures the same keys in the same order before it leads or follows
-        (engine/worker_build.py, engine/tp_workers.py), and a follower replays the leader's key."""
+        graphs (on any device): the CPU tests of the piecewise path. `max_bucket`: only the buckets up to it (the
+        prefill worker's PREFILL_WORKER_MAX_BUCKET); the first capture of a runner fixes its buckets. Tensor
+        parallelism: the capture runs the pieces' collectives, so every rank captures the same keys in the same
+        order before it leads or follows (engine/worker_build.py, engine/tp_workers.py), and a follower replays the
+        leader's key."""
         rc = self.cfg.runner
         capturable = self.device.type == "cuda" and rc.use_cuda_graphs and self.attn.graph_safe
         if not rc.prefill_graph_tokens or not (capturable or eager):
             return
+        wanted = [b for b in rc.prefill_graph_tokens if max_bucket is None or b <= max_bucket]
+        if not wanted:
+            return
         if self._prefill_graphs is None:
-            sizes = usable_buckets(rc.prefill_graph_tokens, self.cfg.scheduler.max_num_batched_tokens)
+            sizes = usable_buckets(wanted, self.cfg.scheduler.max_num_batched_tokens)
             self._prefill_graphs = PrefillGraphs(self.model, self.kv_pool.layers, sizes)
         log.info("capturing piecewise prefill graphs [%s]: token buckets %s", key,
                  ",".join(map(str, self._prefill_graphs.sizes)))

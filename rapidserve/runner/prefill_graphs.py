@@ -37,6 +37,10 @@ Tensor parallelism: the pieces' collectives are captured with them, so every ran
 same order before the leader starts to publish (engine/worker_build.py, engine/tp_workers.py), and a follower
 replays the key the leader's Forward names (the same bucket rule on the same inputs picks graph or eager on both).
 
+Which buckets: the prefill worker's up to PREFILL_WORKER_MAX_BUCKET, the decode worker's fused steps (duet's on the
+configuration a fused step runs on, `PlanWire.fused_graphs`; hybrid's) every bucket of the list, both only those a
+step's token budget can use (`usable_buckets`).
+
 Not graphed: forwards longer than the largest bucket (their launches hide behind the GPU's work),
 disaggregated prefill and the block-wise prefill of the drift policy
 (prefill_task.py), whose workers capture none, and a forward into another pool than the captured
@@ -84,6 +88,14 @@ def check_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
     """The token buckets, validated by RunnerConfig's rule (ConfigError, a ValueError): positive integers, unique,
     ascending (empty: no prefill graphs)."""
     return RunnerConfig(prefill_graph_tokens=tuple(sizes)).prefill_graph_tokens
+
+
+# The largest bucket the prefill worker (rapid, duet's split) captures: its forwards of more tokens keep the GPU busy
+# longer than their launch takes (1% saved at 1024 tokens on the H100), so their launches hide behind its work and
+# larger graphs would only cost start-up time and memory. The decode worker's fused steps capture every bucket of
+# RunnerConfig.prefill_graph_tokens: a fused step is launched while the step before it is in flight, whose tokens are
+# recorded only once that launch returns, so an eager launch of 14-30 ms (~400 kernels from Python) delays them.
+PREFILL_WORKER_MAX_BUCKET = 512
 
 
 def usable_buckets(sizes: Sequence[int], max_tokens: int) -> tuple[int, ...]:
