@@ -216,6 +216,34 @@ def test_engine_on_gpu_with_green_partitions_matches_llm(
 
 
 @pytest.mark.gpu
+def test_duet_fused_steps_replay_the_decode_workers_prefill_graphs(
+        reference: tuple[list[list[int]], list[list[int]]], forced_profile: str) -> None:
+    """`--policy duet --slo-itl-ms none` in rapid mode: every step is fused in the decode worker (no split, no
+    hand-off), so the decode worker captures the piecewise prefill graphs of its fused steps on its whole-GPU
+    stream (PlanWire.fused_graphs) and replays them: chunks of at most BUDGET (64) tokens with their decode rows fit
+    its buckets. Greedy tokens equal the eager reference's."""
+    prompts, want = reference
+    cfg = engine_config("adaptive-duet", forced_profile)
+    cfg = dataclasses.replace(cfg, partition=dataclasses.replace(cfg.partition, slo_itl_ms=None))
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            assert engine.workers is not None
+            assert engine.workers.ready["decode"].info["fused_graphs"] == "overallocated"
+            got = await asyncio.gather(*(collect(engine, f"f-{i}", p, GREEDY) for i, p in enumerate(prompts)))
+            assert got == want
+            await wait_blocks_free(engine)
+            assert engine.stats is not None
+            kinds = engine.stats.step_kinds
+            assert kinds["fused"].steps > 0 and "split" not in kinds, kinds  # fused steps ran, and nothing split
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
 def test_killed_gpu_worker_fails_requests_fast_and_engine_recovers(
         reference: tuple[list[list[int]], list[list[int]]]) -> None:
     """kill -9 of decode, then of prefill (uses `engine.running` and `engine.restarts`)."""

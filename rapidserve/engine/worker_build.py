@@ -66,7 +66,8 @@ def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
     handoff.close()
     lead(runner, seat, parts, "decode")
     info = {"kv_blocks": str(runner.kv_pool.num_blocks), "device": str(runner.device), "partition": plan.source,
-            "configurations": ",".join(parts.names), **memory_info(runner)}
+            "configurations": ",".join(parts.names), "fused_graphs": wire.fused_graphs or "none",
+            **memory_info(runner)}
     return info, DecodeWorker(cfg, runner, io, DecodePartition(
         cfg.partition, plan, cfg.model_config, cfg.scheduler.max_num_batched_tokens,
         tensor_parallel_size=cfg.parallel.tensor_parallel_size, kv_bytes=kv_element_bytes(cfg.cache),
