@@ -79,7 +79,8 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
             "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",
-                                              "server_step_correction", *ABOVE_KEYS) if k in p or k not in ABOVE_KEYS}
+                                              "server_step_correction", "again", *ABOVE_KEYS)
+                        if k in p or k not in (*ABOVE_KEYS, "again")}
                        for p in res.get("probes", [])]}
 
 

@@ -21,18 +21,21 @@ from rapidserve.benchmark.goodput import (
     Target,
     attains,
     bracket,
+    contradicted,
     counted,
     fits,
     measure_probe,
     next_step,
     p95_itl_s,
     passes,
+    pooled,
     round_rate,
     targets,
     ttft_limit_s,
 )
 from rapidserve.benchmark.search import search_frontier
 from rapidserve.benchmark.stats import RequestRecord
+from rapidserve.benchmark.sustain import Backlog
 
 
 def rec(prompt: int = 500, ttft: float = 0.5, itl: Sequence[float] = (0.01,) * 10, ok: bool = True,
@@ -334,3 +337,62 @@ def test_a_search_for_some_bounds_stops_when_their_brackets_close(only: tuple[fl
             assert e["lo"] <= true < e["hi"] <= e["lo"] * 1.05, (t, true, e)
         assert e["status"] == full_by[(t.itl_bound_ms, t.share)]["status"]
         assert abs(e["goodput"] - full_by[(t.itl_bound_ms, t.share)]["goodput"]) <= 0.05 * max(true, 1.0)
+
+
+def test_pooled_sums_two_probes_of_a_rate() -> None:
+    a = Probe(6.0, 32, {"unbounded": 32, "50": 12})
+    b = Probe(6.0, 32, {"unbounded": 31, "50": 32, "25": 3})
+    p = pooled(a, b)
+    assert (p.rate, p.n, dict(p.attained)) == (6.0, 64, {"unbounded": 63, "50": 44, "25": 3})
+    assert passes(p, Target(None, 0.9)) and not passes(p, Target(50.0, 0.9))  # 44/64 = 69%
+    grew, steady = Backlog(0.2, 0.8, 1.4, 64), Backlog(0.2, 0.25, 0.3, 64)
+    above = [Probe(9.0, 96, {"unbounded": 96}, True, g) for g in (grew, steady)]
+    assert pooled(above[0], above[1]).backlog == steady  # grew in one of two: not a backlog that grew
+    assert pooled(above[1], above[0]).backlog == steady
+    assert pooled(above[0], above[0]).backlog_grew  # grew in both
+
+
+@pytest.mark.parametrize(("probes", "made", "want"), [
+    ([P(2, True), P(4, False), P(6, True)], {2: 1, 4: 1, 6: 1}, 4),  # a failure below a pass: probe it again
+    ([P(2, True), P(4, False), P(6, True)], {2: 1, 4: 2, 6: 1}, None),  # probed twice already: it stands
+    ([P(2, True), P(4, True), P(6, False)], {2: 1, 4: 1, 6: 1}, None),  # consistent
+    ([P(2, False), P(4, False)], {2: 1, 4: 1}, None),  # nothing passed above the failure
+    ([P(4, True), P(8, True)], {4: 1, 8: 1}, None),  # nothing failed
+    ([P(2, True), P(4, False), P(6, False), P(8, True)], {2: 1, 4: 1, 6: 1, 8: 1}, 4),  # the lowest failure first
+])
+def test_contradicted(probes: list[Probe], made: dict[float, int], want: float | None) -> None:
+    assert contradicted(probes, T, made) == want
+
+
+class NoisyServer(FakeServer):
+    """FakeServer (capacity 10, gaps of 2 ms per req/s: every request within 50 ms up to 12.5 req/s), except that the
+    first probe at each rate in `spurious` has every gap at 200 ms (a short probe's noise: a stall at the wrong
+    moment; its TTFTs are fine); a second probe there sees the true server."""
+
+    def __init__(self, spurious: set[float]) -> None:
+        super().__init__(capacity=10.0, slope=0.002)
+        self.spurious = set(spurious)
+
+    def records(self, rate: float) -> list[RequestRecord]:
+        if rate in self.spurious:
+            self.spurious.discard(rate)
+            return [rec(prompt=100, ttft=0.2, itl=(0.2,) * 8, index=i) for i in range(N)]
+        return super().records(rate)
+
+
+@pytest.mark.parametrize(("share", "settles"), [(0.5, True), (0.9, False)])
+def test_a_failure_below_a_pass_is_probed_again_and_pooled(share: float, settles: bool) -> None:
+    """The unbounded target's probes climb past 5 req/s (5 passes it: TTFTs are fine) to the capacity, 10; the 50-ms
+    target then sees 5 fail (the spurious probe) below 10 passing, and probes 5 once more. Pooled, half of 5's
+    requests are within 50 ms: at a share of 0.5 the pool passes and the bracket settles at the capacity (the true
+    frontier); at 0.9 it still fails and stands (conservative), probed no third time."""
+    server = NoisyServer(spurious={5.0})
+    out = run_search(server, SearchConfig(itl_bounds_ms=(50.0,), shares=(share,), max_probes=30, discard=D), 5.0)
+    assert server.calls.count(5.0) == 2 and all(server.calls.count(r) == 1 for r in server.calls if r != 5.0)
+    assert len(out.probes) == len(server.calls)  # each run reported, the repeat too
+    by = {e["itl_bound_ms"]: e for e in out.goodput}
+    assert by[None]["lo"] <= 10.0 < by[None]["hi"]
+    if settles:
+        assert by[50.0]["status"] == CONVERGED and by[50.0]["lo"] <= 10.0 < by[50.0]["hi"], by[50.0]
+    else:
+        assert by[50.0]["hi"] == 5.0 and (by[50.0]["lo"] is None or by[50.0]["lo"] < 5.0), by[50.0]

@@ -14,6 +14,10 @@ Definitions (goodput as DistServe and DuetServe measure it):
 - goodput(B, q): the highest probed rate that passes (B, q) below the lowest probed rate that
   fails it (`bracket`'s lo; a pass above a failure is noise and not counted). Tighter bounds and
   higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows.
+- A failure below a pass contradicts it: one of the two is a short probe's noise (on an H200, 2026-11-30, one
+  48-arrival probe at 17.8 req/s failed p95-ITL 50 ms while three longer ones at 20.9-24 passed, and set the
+  bracket). The search then probes the failing rate once more (`contradicted`) and pools the two probes' requests
+  (`pooled`): the rate is judged on twice the requests, and the bracket is taken from the pooled probe.
 
 The search (`next_step`, driven by rapidserve/benchmark/search.py): from a start rate, double while
 the target passes (up to a max rate, the search's ceiling: by default the closed-loop peak, see
@@ -141,6 +145,15 @@ def measure_probe(rate: float, records: Sequence[RequestRecord], bounds_ms: Sequ
                  above_peak, backlog)
 
 
+def pooled(a: Probe, b: Probe) -> Probe:
+    """Two probes of one rate as one (module docstring): their counted requests and attaining requests summed;
+    above the peak, a backlog that grew only where both grew (the repeat's trend where the first's grew, else the
+    first's)."""
+    keys = set(a.attained) | set(b.attained)
+    return Probe(a.rate, a.n + b.n, {k: a.attained.get(k, 0) + b.attained.get(k, 0) for k in keys},
+                 a.above_peak or b.above_peak, b.backlog if a.backlog_grew else a.backlog)
+
+
 def passes(p: Probe, t: Target) -> bool:
     """At least a share t.share of the counted requests attained t's bound (a probe counting none fails), and (above
     the peak) its backlog did not grow: a load the server did not sustain fails every target, however many of a
@@ -176,6 +189,16 @@ def bracket(probes: Iterable[Probe], t: Target) -> Bracket:
     hi = min(fails) if fails else None
     oks = [p.rate for p in ps if passes(p, t) and (hi is None or p.rate < hi)]
     return Bracket(max(oks) if oks else None, hi)
+
+
+def contradicted(probes: Iterable[Probe], t: Target, made: Mapping[float, int]) -> float | None:
+    """The rate to probe again for `t` (module docstring): its bracket's hi, the lowest rate failing t, when a higher
+    probed rate passes t and hi was probed once only (`made`: probes run per rate); None otherwise. Pure."""
+    ps = list(probes)
+    hi = bracket(ps, t).hi
+    if hi is None or made.get(hi, 0) != 1:
+        return None
+    return hi if any(p.rate > hi and passes(p, t) for p in ps) else None
 
 
 class Ceiling(NamedTuple):

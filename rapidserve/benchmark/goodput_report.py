@@ -133,14 +133,16 @@ def search_markdown(result: Mapping[str, Any]) -> str:
         lines.append(f"| {bound_label(b)} | " + " | ".join(goodput_cell(entry(result, b, q)) for q in shares) + " |")
     above = bool(above_peak(result))  # the column only where a probe lay above the peak
     lines += ["", LEGEND, "", "Attainment at each probed rate (share of the counted requests meeting the TTFT rule "
-              "and the bound), in rate order. " + STEP_LEGEND + (" " + ABOVE_LEGEND if above else ""), "",
+              "and the bound), in rate order; a rate probed twice (`again`: a failure below a pass, probed once "
+              "more) is judged on the two pooled. " + STEP_LEGEND + (" " + ABOVE_LEGEND if above else ""), "",
               "| rate (req/s) | probe | counted | " + " | ".join(bound_label(b) for b in bounds)
               + f" | p99 TTFT (ms) | p99 ITL (ms) | failed | {STEP_COLUMN} |" + (f" {ABOVE_COLUMN} |" if above else ""),
               "|---" * (len(bounds) + 7 + above) + "|"]
     for p in sorted(result.get("probes", []), key=lambda p: float(p["rate"])):
         s = p["summary"]
         att = [fmt(p["attainment"].get(bound_key(b)), ".1%") for b in bounds]
-        lines.append(f"| {float(p['rate']):g} | {p['order']} | {p['counted']} | " + " | ".join(att)
+        again = " (again)" if p.get("again") else ""  # a failure below a pass, probed once more (goodput.py)
+        lines.append(f"| {float(p['rate']):g} | {p['order']}{again} | {p['counted']} | " + " | ".join(att)
                      + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
                      f" | {s['failed']} | {step_cell(p)} |" + (f" {backlog_cell(p)} |" if above else ""))
     return "\n".join(lines) + "\n"

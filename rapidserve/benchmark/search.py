@@ -5,13 +5,15 @@ against a real server.
 loosest first, and probes the rates it names with `measure(rate, n)` (the records of one Poisson run of n arrivals:
 `probe_requests`, or above the closed-loop `peak` `scfg.arrivals`' longer count, whose probes are also judged by
 their backlog trend, sustain.py); every probe is cached by rate and scored at every bound, so later targets start
-from the brackets earlier ones left. Two passes: every target to COARSE_TOLERANCE, then every target to the
-tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once their brackets close);
-the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes` probes, and leaves a target
-whose next probe would not end before the deadline (a low rate's probe is long; another target's may still fit); the
-targets not settled then are marked `unfinished`, with their bracket so far. The ceiling (`scfg.ceiling`) is the
-peak unless --search-max-rate or a comparison's shared peak (`shared_peak`: bench/compare.py
---search-shared-ceiling) lies above it; then the search reaches it through the peak (`next_step`'s waypoint).
+from the brackets earlier ones left; a failure below a pass (one of them a short probe's noise) has its rate probed
+once more and the two pooled (goodput.py's `contradicted`, `pooled`). Two passes: every target to COARSE_TOLERANCE,
+then every target to the tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once
+their brackets close); the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes`
+probes, and leaves a target whose next probe would not end before the deadline (a low rate's probe is long; another
+target's may still fit); the targets not settled then are marked `unfinished`, with their bracket so far. The
+ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak (`shared_peak`:
+bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak (`next_step`'s
+waypoint).
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -43,12 +45,15 @@ from rapidserve.benchmark.goodput import (
     Ceiling,
     Probe,
     SearchConfig,
+    Step,
     bound_key,
     bracket,
+    contradicted,
     fits,
     goodput_entry,
     measure_probe,
     next_step,
+    pooled,
     round_rate,
     targets,
 )
@@ -96,7 +101,8 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     waypoint = scfg.waypoint(hi_rate, peak)
     arrivals: dict[float, int] = {}
     bounds = scfg.bounds()
-    probes: dict[float, Probe] = {}
+    probes: dict[float, Probe] = {}  # by rate; a rate probed twice: the two pooled
+    made: dict[float, int] = {}  # probes run per rate
     order: list[Probe] = []
     exhausted: str | None = None  # the probes are spent: nothing more is measured
     too_long: str | None = None  # a target's next probe would end after the deadline (a shorter one may still fit)
@@ -105,7 +111,9 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     for tolerance in tolerances:
         for t in scfg.searched():
             while exhausted is None:
-                step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint)
+                again = contradicted(probes.values(), t, made)  # a failure below a pass: probed once more, pooled
+                step = Step(again, "") if again is not None else \
+                    next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint)
                 if step.rate is None:
                     break
                 if len(order) >= scfg.max_probes:
@@ -120,7 +128,8 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                 records = await measure(step.rate, n)
                 drain = max(0.0, clock() - t0 - n / step.rate)
                 probe = measure_probe(step.rate, records, bounds, scfg.discard, scfg.above_peak(step.rate, peak))
-                probes[step.rate] = probe
+                probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
+                made[step.rate] = made.get(step.rate, 0) + 1
                 arrivals[step.rate] = n
                 order.append(probe)
                 if on_probe is not None:
@@ -210,17 +219,19 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             say(cfg, f"  ceiling {top.rate:g} req/s ({CEILING_WORDS[top.source]}), above the closed-loop peak: "
                      f"probes above it send {scfg.arrivals(math.inf, n, peak)} arrivals and fail where their backlog "
                      "grew")
-        runs: dict[float, dict[str, Any]] = {}
+        runs: list[dict[str, Any]] = []  # each probe's run, in the order they ran (a rate probed twice: twice)
 
         async def measure(rate: float, arrivals: int) -> list[RequestRecord]:
             longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
             what = "" if arrivals == n else f", {arrivals} arrivals (above the peak)"
-            records, runs[rate] = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
-                                                 f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}")
+            again = ", again (a failure below a pass)" if any(r["rate"] == rate_json(rate) for r in runs) else ""
+            records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
+                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}{again}")
+            runs.append(run)
             return records
 
         def tell(p: Probe) -> None:
-            steps = step_cell(runs[p.rate])
+            steps = step_cell(runs[-1])
             say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
                      + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds())
                      + ("" if steps == "-" else f"; server steps: {steps}")
@@ -228,9 +239,12 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
 
         out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak)
     probes = []
-    for i, p in enumerate(out.probes):
-        probes.append({**runs[p.rate], "order": i + 1, "counted": p.n,
-                       "attainment": attainment_json(p, scfg.bounds()), **probe_extra(p, out)})
+    seen: set[float] = set()
+    for i, (p, run) in enumerate(zip(out.probes, runs, strict=True)):
+        again = {"again": True} if p.rate in seen else {}  # its rate probed before: the search pooled the two
+        seen.add(p.rate)
+        probes.append({**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
+                       **again, **probe_extra(p, out)})
     return {
         "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
         "workload": cfg.workload.describe(), "config": config_json(cfg),
