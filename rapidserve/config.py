@@ -292,8 +292,8 @@ class RunnerConfig:
     # Token buckets of the piecewise prefill graphs (rapidserve/runner/prefill_graphs.py); () captures none. On the
     # H100 (Qwen3-8B) a prefill forward launched from Python waits for the host up to ~512 tokens; graphs save
     # 49-59% up to 128 tokens, 34% at 256, 5% at 512, 1% at 1024 (bench/results/h100_1127/prefill_graphs/). The
-    # prefill worker captures those up to PREFILL_WORKER_MAX_BUCKET (512); the decode worker's fused steps (duet,
-    # hybrid) all of them: there an eager launch of a larger step holds back the tokens of the step before it.
+    # prefill worker and `LLM` capture those up to PREFILL_WORKER_MAX_BUCKET (512); a server's decode worker's fused
+    # steps (duet, hybrid) all of them: there an eager launch of a larger step holds back the tokens of the step before.
     prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
                                              2048)
     seed: int = 0

@@ -39,6 +39,7 @@ from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.partition.shape import Fused, StepShape
 from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner
+from rapidserve.runner.prefill_graphs import PREFILL_WORKER_MAX_BUCKET
 from rapidserve.sampling_params import SamplingParams, StructuredOutputs
 from rapidserve.structured import GrammarBook, GrammarError
 
@@ -101,7 +102,9 @@ class EngineCore(StepCycle):
         self.cfg = cfg
         self.runner = ModelRunner(cfg, source, show_progress=show_progress)
         self.runner.capture_decode_graphs(show_progress=show_progress, key=GRAPH_KEY)
-        self.runner.capture_prefill_graphs(show_progress=show_progress, key=GRAPH_KEY)
+        # offline: no stream waits on a step's tokens, so the larger buckets a server's fused steps capture buy nothing
+        self.runner.capture_prefill_graphs(show_progress=show_progress, key=GRAPH_KEY,
+                                           max_bucket=PREFILL_WORKER_MAX_BUCKET)
         self.limits = self.runner.limits  # the prompt check (rapidserve/prompt.py) and the context cap
         self.eos_token_ids = eos_token_ids or cfg.model_config.eos_token_ids
         sc = cfg.scheduler

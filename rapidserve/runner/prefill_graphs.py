@@ -90,9 +90,10 @@ def check_buckets(sizes: Sequence[int]) -> tuple[int, ...]:
     return RunnerConfig(prefill_graph_tokens=tuple(sizes)).prefill_graph_tokens
 
 
-# The largest bucket the prefill worker (rapid, duet's split) captures: its forwards of more tokens keep the GPU busy
-# longer than their launch takes (1% saved at 1024 tokens on the H100), so their launches hide behind its work and
-# larger graphs would only cost start-up time and memory. The decode worker's fused steps capture every bucket of
+# The largest bucket the prefill worker (rapid, duet's split) and `LLM` capture: the prefill worker's forwards of more
+# tokens keep the GPU busy longer than their launch takes (1% saved at 1024 tokens on the H100), so their launches hide
+# behind its work, and offline no stream waits on a step's tokens; larger graphs would only cost start-up time and
+# memory there. The decode worker's fused steps capture every bucket of
 # RunnerConfig.prefill_graph_tokens: a fused step is launched while the step before it is in flight, whose tokens are
 # recorded only once that launch returns, so an eager launch of 14-30 ms (~400 kernels from Python) delays them.
 PREFILL_WORKER_MAX_BUCKET = 512
