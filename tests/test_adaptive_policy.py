@@ -8,15 +8,26 @@ import math
 
 import pytest
 
+from rapidserve.config import RunnerConfig
+from rapidserve.config_builder import build_engine_config
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.correction import Correction, corrected
 from rapidserve.partition.manager import ManagerState, beside_prefill_ms, forward_ms
-from rapidserve.partition.policies import AdaptiveParams, DuetPolicy, decide_adaptive, decode_config, fused_chunk
+from rapidserve.partition.policies import (
+    DEFAULT_PARAMS,
+    AdaptiveParams,
+    DuetPolicy,
+    decide_adaptive,
+    decode_config,
+    fused_chunk,
+    on_bucket,
+)
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, validate_profile
 from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds, without_collectives
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
+from rapidserve.partition.step_policies import fused_buckets
 
 BATCHES, CONTEXTS = [1, 16, 64, 256], [512, 2048, 8192]
 CONFIGS = [Configuration(OVERALLOCATED, 0, 132), Configuration("split32", 32, 100),
@@ -352,3 +363,50 @@ def test_sanity_the_chunk_budget_falls_with_the_slo_and_the_batch() -> None:
     assert chunks[0].chunk_tokens < chunks[1].chunk_tokens < chunks[2].chunk_tokens  # type: ignore[union-attr]
     by_batch = [decide_adaptive(state(b, 2048), ROOF)[0].shape for b in (16, 64, 128)]
     assert by_batch[0].chunk_tokens > by_batch[1].chunk_tokens > by_batch[2].chunk_tokens  # type: ignore[union-attr]
+
+
+BUCKETS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+@pytest.mark.parametrize(("chunk", "rows", "pending", "want"), [
+    (1250, 30, 4096, 1250),  # 1280 tokens: on a bucket
+    (1260, 30, 4096, 1250),  # 1290: 10 deferred < 246 of padding: trimmed to end on 1280
+    (1500, 30, 4096, 1500),  # 1530: padding 6 to 1536 beats deferring 250: kept
+    (1400, 30, 4096, 1400),  # 1430: 150 deferred vs 106 of padding: kept (padded to 1536)
+    (1370, 30, 4096, 1250),  # 1400: 120 deferred vs 136 of padding: trimmed
+    (2100, 30, 4096, 2100),  # over the largest bucket: eager, as is
+    (4, 3, 4096, 4),  # 7 tokens: under the smallest bucket
+    (1260, 30, 1260, 1260),  # the chunk finishes every pending prompt: kept for its TTFT
+    (20, 30, 4096, 20),  # 50 tokens: 18 deferred to end on 32 vs 14 of padding to 64: kept
+    (0, 30, 4096, 0),  # no chunk
+])
+def test_on_bucket(chunk: int, rows: int, pending: int, want: int) -> None:
+    assert on_bucket(chunk, rows, pending, BUCKETS) == want
+    assert on_bucket(chunk, rows, pending, ()) == chunk  # no graphs: nothing to end on
+
+
+def test_the_fused_chunk_ends_on_a_bucket_where_the_policy_knows_the_graphs() -> None:
+    """The same state with and without the decode worker's graph buckets: the chunk the SLO allows, then trimmed to end
+    on a bucket when that defers fewer tokens than padding wastes; the step's prediction is the trimmed chunk's."""
+    st = state(batch=64, context=2048, waiting=(WaitingPrefill("a", 0.0, 4096), WaitingPrefill("b", 0.0, 4096)))
+    plain, _ = decide_adaptive(st, COSTS)
+    graphs, _ = decide_adaptive(st, COSTS, params=dataclasses.replace(DEFAULT_PARAMS, graph_buckets=BUCKETS))
+    assert isinstance(plain.shape, Fused) and isinstance(graphs.shape, Fused)
+    c = plain.shape.chunk_tokens
+    assert graphs.shape.chunk_tokens == on_bucket(c, 64, 8192, BUCKETS)
+    assert graphs.model_ms == pytest.approx(COSTS.fused_ms(st.decode_contexts, [(graphs.shape.chunk_tokens, 0)]))
+
+
+@pytest.mark.parametrize(("runner", "budget", "want"), [
+    ({}, 8192, RunnerConfig().prefill_graph_tokens),  # a GPU's default: every bucket
+    ({}, 1000, (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)),  # up to the first at or above the budget
+    ({"use_cuda_graphs": False}, 8192, ()),  # --enforce-eager
+    ({"device": "cpu"}, 8192, ()),  # nothing captured on a CPU
+    ({"prefill_graph_tokens": ()}, 8192, ()),  # --prefill-graph-tokens none
+])
+def test_the_duet_policy_is_told_the_fused_steps_buckets(runner: dict[str, object], budget: int,
+                                                         want: tuple[int, ...]) -> None:
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", max_model_len=64, num_kv_blocks=8)
+    cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, **{"device": "cuda", **runner}),
+                              scheduler=dataclasses.replace(cfg.scheduler, max_num_batched_tokens=budget))
+    assert fused_buckets(cfg) == want

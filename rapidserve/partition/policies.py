@@ -15,7 +15,8 @@ the order they are tried:
    * fused: the largest chunk C (up to max_chunk_tokens and the pending tokens) whose predicted fused step
      (`StepCosts.fused_ms` of the decode rows plus the first C pending tokens in arrival order, times the
      fused correction) is within margin x SLO: an SLO-aware token budget, found by bisection over C (the
-     step time grows with C); its prefill throughput is C / step;
+     step time grows with C), ended on a graph bucket where that wastes less than padding (`on_bucket`); its
+     prefill throughput is C / step;
    * split: over the plan's splits and a few prefill batch sizes P (the pending tokens up to the budget, and
      halvings of it down to min_chunk_tokens), decode's predicted step beside the prefill worker (times the
      split correction) within margin x SLO, the one with the most prefill tokens/s; its look-ahead
@@ -71,6 +72,10 @@ class AdaptiveParams:
     max_lookahead: int = 64  # decode steps per launch at most
     chunk_granularity: int = 16  # the fused chunk search steps by this many tokens
     prefill_batch_tokens: int | None = None  # a split's prefill batch at most (--prefill-batch-tokens; None: budget)
+    # the token buckets of the fused steps' piecewise graphs (the decode worker's; () where it runs them eager): a
+    # fused step of T tokens runs padded to the smallest bucket >= T, so its chunk is trimmed to end on the bucket
+    # below where that defers fewer tokens than the padding would waste (`on_bucket`)
+    graph_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 < self.margin <= 1 and self.min_chunk_tokens >= 1 and self.switch_gain >= 1
@@ -158,6 +163,21 @@ def fused_chunk(state: ShapeState, costs: StepCosts, ratio: float, limit: float,
     if best == 0:
         return 0, costs.fused_ms(state.decode_contexts, []) if state.decode_contexts else 0.0
     return best, ms(best)
+
+
+def on_bucket(chunk: int, decode_rows: int, pending: int, buckets: Sequence[int]) -> int:
+    """The fused chunk to take instead of `chunk` beside `decode_rows` decode rows, where the step's T = rows + chunk
+    tokens replay piecewise graphs padded to a bucket (`buckets`, ascending): the chunk ending on the bucket below T
+    when that defers fewer tokens (T - below) than padding to the bucket above would waste (above - T); `chunk`
+    itself when T is on a bucket, over the largest (eager), under the smallest, when the chunk finishes every pending
+    prompt (its TTFT first), or when the trim would leave no chunk. Pure."""
+    t = decode_rows + chunk
+    if chunk <= 0 or chunk >= pending or not buckets or t > buckets[-1] or t in buckets:
+        return chunk
+    above = next(b for b in buckets if b >= t)
+    below = max((b for b in buckets if b < t), default=0)
+    trimmed = below - decode_rows
+    return trimmed if trimmed > 0 and t - below < above - t else chunk
 
 
 def _batch_sizes(cap: int, floor: int) -> list[int]:
@@ -285,6 +305,9 @@ def _fused_or_split(state: ShapeState, costs: StepCosts, corr: Correction, param
                              True, "no ITL SLO: fused with the whole token budget")
     budget = min(state.max_chunk_tokens, state.pending_tokens)
     c, raw = fused_chunk(state, costs, corr.fused, limit, params.chunk_granularity)
+    trimmed = on_bucket(c, len(state.decode_contexts), state.pending_tokens, params.graph_buckets)
+    if trimmed != c:
+        c, raw = trimmed, costs.fused_ms(state.decode_contexts, chunks(state.waiting, trimmed))
     fused = _Option(Fused(c), raw, raw * corr.fused, 1e3 * c / (raw * corr.fused) if c else 0.0)
     if c == state.pending_tokens:  # one fused step finishes every pending prompt within the SLO: no hand-off
         return _decision(fused, limit, f"{_describe(fused)} finishes every pending prompt within {limit:g} ms")

@@ -180,13 +180,28 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
             costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes,
                                   costs.kv_bytes, costs.quant)
         return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps,
-                                                prefill_batch_tokens=sched.prefill_batch_tokens))
+                                                prefill_batch_tokens=sched.prefill_batch_tokens,
+                                                graph_buckets=fused_buckets(cfg)))
     if p.policy == "drift":
         if plan.profile is None or not plan.prefill_models:
             raise ValueError("--policy drift needs the plan's profile and prefill models (resolve_plan makes them)")
         return DriftPolicy(plan.profile, plan.prefill_models, cfg.model_config.num_layers, slo_ttft_ms=p.slo_ttft_ms,
                            slo_ttft_ms_per_1k_tokens=p.slo_ttft_ms_per_1k_tokens, hysteresis_steps=p.hysteresis_steps)
     raise ValueError(f"policy={p.policy!r}; use one of {', '.join(POLICY_SPECS)}")
+
+
+def fused_buckets(cfg: EngineConfig) -> tuple[int, ...]:
+    """The token buckets a decode worker's fused steps replay graphs of (its capture: runner/prefill_graphs.py, every
+    bucket of `prefill_graph_tokens` a step's budget can use), or () where it captures none (graphs off, a CPU)."""
+    rc, budget = cfg.runner, cfg.scheduler.max_num_batched_tokens
+    if not rc.use_cuda_graphs or rc.device == "cpu":
+        return ()
+    out: list[int] = []
+    for b in rc.prefill_graph_tokens:  # as usable_buckets: those below the budget and the first at or above it
+        out.append(b)
+        if b >= budget:
+            break
+    return tuple(out)
 
 
 # The rapid policy's inputs, read from the decode scheduler as before the one engine (`DecodePartition.advance`):
