@@ -163,7 +163,9 @@ class Tokenization:
         trunc = kw.get("truncation")
         if trunc in (True, "longest_first"):
             keep = length if length is not None else -1
-        elif trunc not in (None, False, "do_not_truncate"):
+        elif trunc == "do_not_truncate":
+            keep = None
+        elif trunc not in (None, False):
             raise bad("truncation", "rapidserve cuts prompts by truncation True or 'longest_first' (keeping "
                                     "max_length tokens) or not at all (False, 'do_not_truncate')")
         for key in ("padding", "pad_prompt_tokens"):

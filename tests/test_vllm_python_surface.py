@@ -340,6 +340,8 @@ def test_tokenization_kwargs(llm: LLM) -> None:
         == full[-4:]
     lower = gen(llm, "hello, my name is").prompt_token_ids
     assert gen(llm, "HELLO, MY NAME IS", tokenization_kwargs={"do_lower_case": True}).prompt_token_ids == lower
+    kept = {"truncate_prompt_tokens": 2, "truncation": "do_not_truncate"}  # vLLM's: no truncation
+    assert gen(llm, "Hello, my name is", tokenization_kwargs=kept).prompt_token_ids == full
     with pytest.raises(LLMArgumentError, match="max_length=4"):
         gen(llm, "Hello, my name is", tokenization_kwargs={"max_length": 4})
     with pytest.raises(LLMArgumentError, match="'padding'"):
