@@ -165,12 +165,14 @@ class BlockManager:
         self._tables[seq_id] = table
         return table
 
-    def allocate_cached(self, seq_id: str, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def allocate_cached(self, seq_id: str, token_ids: Sequence[int], read: bool = True) -> tuple[list[int], int]:
         """Blocks for all of `token_ids`, sharing the longest cached prefix; returns the table and
-        how many leading tokens are cached already (a multiple of the block size, < len(token_ids))."""
+        how many leading tokens are cached already (a multiple of the block size, < len(token_ids)).
+        `read` False (vLLM's skip_reading_prefix_cache): nothing is looked up, every block is fresh (none is
+        cached: 0), and the lookup counts nothing; its blocks are still registered as they are written."""
         if seq_id in self._tables:
             raise BlockManagerError(f"sequence {seq_id!r} already holds blocks")
-        hits = self._match(seq_id, token_ids)
+        hits = self._match(seq_id, token_ids) if read else []
         n = blocks_for(len(token_ids), self.block_size)
         fresh = n - len(hits)
         if fresh + sum(1 for b in hits if self._ref[b] == 0) > len(self._free):
@@ -184,8 +186,9 @@ class BlockManager:
         self._committed[seq_id] = len(hits)
         cached = len(hits) * self.block_size
         if self.enable_caching:
-            self.queries += len(token_ids)
-            self.hits += cached
+            if read:
+                self.queries += len(token_ids)
+                self.hits += cached
             chain = self._chain(seq_id, token_ids, len(token_ids) // self.block_size)
             mine = dict.fromkeys(h for h in chain[len(hits):] if h not in self._block_of and h not in self._pending)
             for h in mine:
@@ -193,10 +196,11 @@ class BlockManager:
             self._pending_of[seq_id] = mine
         return table, cached
 
-    def unlookup(self, num_tokens: int, cached: int) -> None:
+    def unlookup(self, num_tokens: int, cached: int, read: bool = True) -> None:
         """Take back the counts of an `allocate_cached` whose admission was undone (the request waits
-        again and will be looked up anew), so `queries`/`hits` count each admission once."""
-        if self.enable_caching:
+        again and will be looked up anew), so `queries`/`hits` count each admission once (`read`: as given
+        to `allocate_cached`; False counted nothing)."""
+        if self.enable_caching and read:
             self.queries -= num_tokens
             self.hits -= cached
 

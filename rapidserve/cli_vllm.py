@@ -34,7 +34,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from rapidserve.config import LOAD_FORMATS
+from rapidserve.config import DTYPE_ALIASES, LOAD_FORMATS
 from rapidserve.config_base import LOG_LEVELS, ConfigError
 from rapidserve.server_config import REASONING_PARSERS
 from rapidserve.vllm_serve_flags import add_no_op_flags, refusal
@@ -79,7 +79,7 @@ def dashed(args: list[str]) -> list[str]:
 
 def dtype_name(text: str) -> str:
     """--dtype with vLLM's aliases: half -> float16, float -> float32 (the choices are checked after)."""
-    return {"half": "float16", "float": "float32"}.get(text, text)
+    return DTYPE_ALIASES.get(text, text)
 
 
 def add_source_args(g: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
 from rapidserve.config_base import check as _check
@@ -35,6 +36,7 @@ ARCHES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "mixt
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 ROPE_TYPES: tuple[str, ...] = ("llama3", "linear")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+DTYPE_ALIASES: MappingProxyType[str, str] = MappingProxyType({"half": "float16", "float": "float32"})  # vLLM's
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", "fa3")
 # Read once where a run starts (the CLI, `LLM`; config_builder.allow_long_max_model_len), never below: it becomes
 # SchedulerConfig.allow_long_max_model_len (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN).

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from rapidserve.sampling_params import SamplingParams
+
+Side = Literal["left", "right"]  # which end of a prompt truncation keeps: "left" the last tokens, "right" the first
 
 
 class PromptError(ValueError):
@@ -65,3 +68,11 @@ class PromptLimits:
         if bad is not None:
             raise PromptError(f"'{bad[0]}' holds token id {bad[1]}: token ids must be integers in "
                               f"[0, {self.vocab_size})")
+
+
+def truncated(ids: list[int], keep: int | None, side: Side) -> list[int]:
+    """`ids` cut to `keep` tokens from `side` (the last `keep` for "left"): vLLM's truncate_prompt_tokens, for the
+    server's request field and `LLM`'s tokenization_kwargs alike."""
+    if keep is None or len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]

@@ -19,12 +19,20 @@ What is carried here but handled elsewhere:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from functools import cached_property
+from typing import Any
 
 import msgspec
 from msgspec.structs import force_setattr
+
+from rapidserve import vllm_sampling_fields as vllm_fields
+from rapidserve.sampling_checks import SamplingParamsError, check, is_int, is_real, short
+from rapidserve.structured_outputs import STRUCTURED_KINDS, StructuredOutputs, StructuredOutputsParams
+from rapidserve.vllm_sampling_fields import RequestOutputKind
+
+__all__ = ["STRUCTURED_KINDS", "RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputs",
+           "StructuredOutputsParams", "resolve_bad_words"]
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 4
@@ -43,73 +51,8 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32  # a bad word's token sequence; the device keeps this many recent outputs per request
 
 
-class SamplingParamsError(ValueError):
-    """A sampling parameter is invalid; the message says which field and what is allowed."""
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise SamplingParamsError(msg)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
-
-
-class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
-    """A constraint on the generated text, enforced by the grammar engine (vLLM's field names).
-
-    Exactly one is set:
-    - json: a JSON schema, as JSON text; the output is one JSON value that validates against it;
-    - json_object: True = any JSON object;
-    - regex: the whole output matches this regular expression;
-    - choice: the output is exactly one of these strings;
-    - grammar: an EBNF / Lark grammar (as the grammar engine reads it).
-    """
-
-    json: str | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.choice, list):
-            force_setattr(self, "choice", tuple(self.choice))
-        self.validate()
-
-    @property
-    def kind(self) -> str:
-        """Which constraint is set: one of STRUCTURED_KINDS."""
-        for name in STRUCTURED_KINDS:
-            v = getattr(self, name)
-            if v is not None and v is not False:
-                return name
-        raise SamplingParamsError("structured_outputs: no constraint set")
-
-    def validate(self) -> None:
-        set_ = [n for n in STRUCTURED_KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
-        _check(len(set_) == 1, f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
-                               f"got {set_ or 'none'}")
-        _check(isinstance(self.json_object, bool),
-               f"structured_outputs.json_object={self.json_object!r} must be a bool")
-        for name in ("json", "regex", "grammar"):
-            v = getattr(self, name)
-            _check(v is None or (isinstance(v, str) and v.strip() != ""),
-                   f"structured_outputs.{name} must be a non-empty string")
-        _check(self.choice is None or (isinstance(self.choice, tuple) and len(self.choice) > 0
-                                       and all(isinstance(c, str) and c for c in self.choice)),
-               f"structured_outputs.choice={self.choice!r} must be a non-empty list of non-empty strings")
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # dict: cached properties
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True,  # dict: cached properties
+                     omit_defaults=True):  # a field at its default travels as nothing
     """How to pick the next tokens of one request.
 
     - temperature: 0 (or below 1e-5) = greedy; otherwise logits are divided by it.
@@ -132,6 +75,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
       (each word tokenized with and without a leading space, `resolve_bad_words`): the last token of
       a sequence is banned when the outputs so far end with the rest of it (one-token words: always).
     Logprobs are those of the logits before these controls (vLLM's default, raw logprobs).
+
+    Every other field of vLLM 0.26's SamplingParams is here too (vllm_sampling_fields.py says what each does):
+    detokenize and skip_reading_prefix_cache are honoured; output_kind, skip_clone and output_text_buffer_length
+    change nothing; prompt_logprobs, logprob_token_ids, flat_logprobs, spaces_between_special_tokens, extra_args,
+    routed_experts_prompt_start, thinking_token_budget and repetition_detection are refused by name unless they
+    ask for nothing. As vLLM does: None for stop, stop_token_ids, bad_words or logit_bias is none, seed -1 is
+    None (unseeded), logprobs True is 1.
     """
 
     n: int = 1
@@ -156,10 +106,31 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's other fields (vllm_sampling_fields.py)
+    detokenize: bool = True
+    skip_reading_prefix_cache: bool | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
+    prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
+    flat_logprobs: bool = False
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+    routed_experts_prompt_start: int = 0
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Normalise what Python callers may pass loosely (lists, ints for floats, one stop string, a
         # logit_bias dict), so the struct stays hashable and the types match what a decode would produce.
+        for name in ("stop", "stop_token_ids", "bad_words", "logit_bias"):  # vLLM's None: none
+            if getattr(self, name) is None:
+                force_setattr(self, name, ())
+        if is_int(self.seed) and self.seed == -1:  # vLLM's: unseeded
+            force_setattr(self, "seed", None)
+        if self.logprobs is True:  # vLLM's: the chosen token's and the top one's
+            force_setattr(self, "logprobs", 1)
         if isinstance(self.stop, str):
             force_setattr(self, "stop", (self.stop,))
         if isinstance(self.bad_words, str):
@@ -173,75 +144,77 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
                                                               for w in self.bad_words_token_ids))
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             v = getattr(self, name)
-            if _is_int(v):
+            if is_int(v):
                 force_setattr(self, name, float(v))
         force_setattr(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        vllm_fields.normalise(self)
         self.validate()
 
     def validate(self) -> None:
         """Raise `SamplingParamsError` naming the first invalid field."""
-        _check(_is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer >= 1")
-        _check(_is_real(self.temperature) and self.temperature >= 0.0,
+        check(is_int(self.n) and self.n >= 1, f"n={self.n!r} must be an integer >= 1")
+        check(is_real(self.temperature) and self.temperature >= 0.0,
                f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
-        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+        check(is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
                f"top_p={self.top_p!r} must be in (0, 1] (1 = off)")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+        check(is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
                f"top_k={self.top_k!r} must be -1 or an integer >= 0 (0 or -1 = off)")
-        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
+        check(is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p={self.min_p!r} must be in [0, 1] (0 = off)")
-        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+        check(self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
                f"seed={self.seed!r} must be None or an integer in [{SEED_MIN}, {SEED_MAX}] (int64)")
         for name in ("n", "top_k", "max_tokens", "min_tokens"):
             v = getattr(self, name)
-            _check(v is None or not _is_int(v) or v <= INT32_MAX, f"{name}={v!r} must be at most {INT32_MAX}")
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+            check(v is None or not is_int(v) or v <= INT32_MAX, f"{name}={v!r} must be at most {INT32_MAX}")
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens={self.max_tokens!r} must be an integer >= 1 or None")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+        check(is_int(self.min_tokens) and self.min_tokens >= 0,
                f"min_tokens={self.min_tokens!r} must be an integer >= 0")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
                f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_LOGPROBS}]")
-        _check(isinstance(self.stop_token_ids, tuple)
-               and all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
+        check(isinstance(self.stop_token_ids, tuple)
+               and all(is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids),
                f"stop_token_ids={self.stop_token_ids!r} must be a sequence of integers in [0, {INT32_MAX}]")
-        _check(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP_STRINGS,
+        check(isinstance(self.stop, tuple) and len(self.stop) <= MAX_STOP_STRINGS,
                f"stop={self.stop!r} may hold at most {MAX_STOP_STRINGS} strings")
-        _check(all(isinstance(s, str) and s != "" for s in self.stop),
+        check(all(isinstance(s, str) and s != "" for s in self.stop),
                f"stop={self.stop!r} must hold non-empty strings only")
-        _check(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be a bool")
-        _check(isinstance(self.skip_special_tokens, bool),
+        check(isinstance(self.ignore_eos, bool), f"ignore_eos={self.ignore_eos!r} must be a bool")
+        check(isinstance(self.skip_special_tokens, bool),
                f"skip_special_tokens={self.skip_special_tokens!r} must be a bool")
-        _check(isinstance(self.include_stop_str_in_output, bool),
+        check(isinstance(self.include_stop_str_in_output, bool),
                f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be a bool")
         self._validate_controls()
+        vllm_fields.validate(self)
 
     def _validate_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_real(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
+            check(is_real(v) and -MAX_PENALTY <= v <= MAX_PENALTY,
                    f"{name}={v!r} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off)")
-        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0.0,
+        check(is_real(self.repetition_penalty) and self.repetition_penalty > 0.0,
                f"repetition_penalty={self.repetition_penalty!r} must be a finite number > 0 (1 = off)")
         lb = self.logit_bias
-        _check(isinstance(lb, tuple) and len(lb) <= MAX_LOGIT_BIAS_ENTRIES
-               and all(isinstance(e, tuple) and len(e) == 2 and _is_token_id(e[0]) and _is_real(e[1]) for e in lb)
+        check(isinstance(lb, tuple) and len(lb) <= MAX_LOGIT_BIAS_ENTRIES
+               and all(isinstance(e, tuple) and len(e) == 2 and _is_token_id(e[0]) and is_real(e[1]) for e in lb)
                and len({e[0] for e in lb}) == len(lb),
-               f"logit_bias={_short(lb)} must map at most {MAX_LOGIT_BIAS_ENTRIES} distinct token ids (integers in "
+               f"logit_bias={short(lb)} must map at most {MAX_LOGIT_BIAS_ENTRIES} distinct token ids (integers in "
                f"[0, {INT32_MAX}]) to finite numbers (clamped to [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}])")
         a = self.allowed_token_ids
-        _check(a is None or (isinstance(a, tuple) and 0 < len(a) <= MAX_ALLOWED_TOKEN_IDS
+        check(a is None or (isinstance(a, tuple) and 0 < len(a) <= MAX_ALLOWED_TOKEN_IDS
                              and all(_is_token_id(t) for t in a)),
-               f"allowed_token_ids={_short(a)} must be None or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
+               f"allowed_token_ids={short(a)} must be None or a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} "
                f"token ids (integers in [0, {INT32_MAX}])")
-        _check(isinstance(self.bad_words, tuple) and len(self.bad_words) <= MAX_BAD_WORDS
+        check(isinstance(self.bad_words, tuple) and len(self.bad_words) <= MAX_BAD_WORDS
                and all(isinstance(w, str) and w.strip() != "" for w in self.bad_words),
-               f"bad_words={_short(self.bad_words)} must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+               f"bad_words={short(self.bad_words)} must be a list of at most {MAX_BAD_WORDS} non-blank strings")
         bw = self.bad_words_token_ids
-        _check(isinstance(bw, tuple) and len(bw) <= 2 * MAX_BAD_WORDS
+        check(isinstance(bw, tuple) and len(bw) <= 2 * MAX_BAD_WORDS
                and all(isinstance(w, tuple) and 0 < len(w) <= MAX_BAD_WORD_TOKENS and all(_is_token_id(t) for t in w)
                        for w in bw),
-               f"bad_words_token_ids={_short(bw)} must be a list of at most {2 * MAX_BAD_WORDS} token sequences, each "
+               f"bad_words_token_ids={short(bw)} must be a list of at most {2 * MAX_BAD_WORDS} token sequences, each "
                f"of 1 to {MAX_BAD_WORD_TOKENS} token ids (a longer bad word cannot be banned: shorten it)")
 
     @cached_property
@@ -285,14 +258,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, dict=True):  # d
         """A copy with some fields changed (validated again)."""
         return msgspec.structs.replace(self, **kw)
 
+    def clone(self) -> SamplingParams:
+        """vLLM's copy for a request: this one itself, which is frozen (so `skip_clone` changes nothing)."""
+        return self
+
 
 def _is_token_id(v: object) -> bool:
-    return _is_int(v) and 0 <= v <= INT32_MAX  # type: ignore[operator]
-
-
-def _short(v: object, limit: int = 120) -> str:
-    text = repr(v)
-    return text if len(text) <= limit else text[:limit] + "...]"
+    return is_int(v) and 0 <= v <= INT32_MAX  # type: ignore[operator]
 
 
 def _normalise_logit_bias(v: object) -> object:
@@ -312,10 +284,10 @@ def _normalise_logit_bias(v: object) -> object:
         k, b = e
         if isinstance(k, str) and k.strip().lstrip("-").isdigit():
             k = int(k)
-        if _is_real(b):
+        if is_real(b):
             b = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(b)))
         out.append((k, b))
-    if all(_is_int(k) for k, _ in out):
+    if all(is_int(k) for k, _ in out):
         out.sort(key=lambda e: e[0])
     return tuple(out)
 
@@ -333,7 +305,7 @@ def resolve_bad_words(params: SamplingParams, encode: Callable[[str], list[int]]
         plain = tuple(encode(word.lstrip()))
         spaced = tuple(encode(" " + word.lstrip()))
         for ids in (plain, spaced):
-            _check(0 < len(ids) <= MAX_BAD_WORD_TOKENS,
+            check(0 < len(ids) <= MAX_BAD_WORD_TOKENS,
                    f"bad_words: {word!r} is {len(ids)} tokens; a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens")
         seqs.append(plain)
         if spaced[0] != plain[0] and len(spaced) == len(plain):

@@ -43,12 +43,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # --kv-events-config section (`kv_events_config`), the quantization section (`quant_config`), the model's
     # mixture-of-experts section and its tensors' names (`moe_config`), the policies'
     # declarations and the flag check derived from them (`policy_spec`), and the tree's sections from the settings
-    # with every check that needs no model (`engine_settings`).
+    # with every check that needs no model (`engine_settings`). Plus what vLLM's users may ask for and rapidserve's
+    # answers, shared by the CLI, the server and `LLM`: `vllm_serve_flags` (vLLM's serve flags accepted or refused),
+    # `vllm_reasons` (the reasons for vLLM request fields both APIs take); the sampling parameters' parts
+    # (`sampling_checks`, `structured_outputs`, `vllm_sampling_fields`).
     ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
                 "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
                 "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
                 "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
-                "rapidserve.moe_config")),
+                "rapidserve.moe_config", "rapidserve.vllm_serve_flags", "rapidserve.vllm_reasons",
+                "rapidserve.sampling_checks", "rapidserve.structured_outputs", "rapidserve.vllm_sampling_fields")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
@@ -66,16 +70,17 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("partition", ("rapidserve.partition",)),
     # Engines: the one step loop in its worker processes (workers, launcher, client) and in-process (EngineCore).
     ("engine", ("rapidserve.core", "rapidserve.engine")),
-    # The offline API.
-    ("llm", ("rapidserve.llm",)),
+    # The offline API: `LLM` (`llm`), vLLM's LLM(...) arguments (`llm_args`), its generate/chat inputs (`llm_inputs`).
+    ("llm", ("rapidserve.llm", "rapidserve.llm_args", "rapidserve.llm_inputs")),
     # The OpenAI-compatible HTTP server.
     ("server", ("rapidserve.server",)),
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point: main and the parser (`cli`), the shared flags (`cli_args`), each command's flags and code
-    # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`; `vllm_serve_flags`: those it accepts or refuses).
+    # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`; those it accepts or refuses: `vllm_serve_flags`,
+    # in the config layer, where `LLM` reads them too).
     ("cli", ("rapidserve.cli", "rapidserve.cli_args", "rapidserve.cli_generate", "rapidserve.cli_serve",
-             "rapidserve.cli_vllm", "rapidserve.vllm_serve_flags")),
+             "rapidserve.cli_vllm")),
 )
 
 

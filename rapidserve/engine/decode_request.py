@@ -47,6 +47,12 @@ class DecodeRequest:
         return self.request.params
 
     @property
+    def reads_cache(self) -> bool:
+        """Its admission looks its tokens up in the prefix cache (not when its params say
+        skip_reading_prefix_cache: it computes them all; its blocks are cached for others all the same)."""
+        return self.request.params.skip_reading_prefix_cache is not True
+
+    @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_token_ids) + len(self.outputs)
 

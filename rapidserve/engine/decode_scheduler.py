@@ -20,9 +20,10 @@ Policy:
   head of the queue gets blocks for all its tokens under the admission rule every scheduler shares
   (`BlockManager.can_admit`: keep the watermark free, unless nothing else holds blocks). The
   longest cached prefix of its full blocks is shared (`allocate_cached`): the KVReady tells
-  prefill how many tokens are cached, and a chunked prompt starts after them. A request's full blocks
-  are registered in the cache once their K/V are written: the prompt's when PrefillDone comes
-  (prefill's writes landed before it answered) or as its chunks land, decode's as its steps land.
+  prefill how many tokens are cached, and a chunked prompt starts after them (a request whose params say
+  skip_reading_prefix_cache shares none: `DecodeRequest.reads_cache`; nor does it wait for a prefix in flight).
+  A request's full blocks are registered in the cache once their K/V are written: the prompt's when PrefillDone
+  comes (prefill's writes landed before it answered) or as its chunks land, decode's as its steps land.
   Local admission (`plan`) passes over requests in `hold` (their grammar still compiling: this worker
   samples their first token), keeping their place, and admits nothing in a step that preempted.
 - Waiting for a prefix in flight: a waiting request whose next `share_min_tokens` or more tokens past
@@ -191,9 +192,9 @@ class DecodeScheduler(SchedulerViews):
                 passed.append(self.waiting.popleft())
                 continue
             alone = busy == 0 and self.blocks.num_free == self.blocks.num_blocks  # nothing else holds blocks
-            if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, r.tokens):
+            if not self.blocks.can_admit(r.num_tokens, alone, r.req_id, r.tokens if r.reads_cache else None):
                 return None
-            _, r.cached = self.blocks.allocate_cached(r.req_id, r.tokens)
+            _, r.cached = self.blocks.allocate_cached(r.req_id, r.tokens, r.reads_cache)
             r.admitted = now
             self.waiting.popleft()
             return r
@@ -204,7 +205,7 @@ class DecodeScheduler(SchedulerViews):
         for kv in reversed(handed):
             r = self.reqs[kv.request.req_id]
             self.blocks.free(r.req_id)
-            self.blocks.unlookup(r.num_tokens, kv.cached_tokens)
+            self.blocks.unlookup(r.num_tokens, kv.cached_tokens, r.reads_cache)
             r.state = "waiting"
             i = 0  # ahead of the later arrivals only: a request passed over at the head keeps its place
             while i < len(self.waiting) and self.waiting[i].order < r.order:

@@ -97,12 +97,16 @@ class SchedulerViews:
     def _expected_prefix(self, r: DecodeRequest) -> int:
         """Tokens of a waiting request that its prefill will not compute: what its admission would find
         cached now, and the prefix in flight it waits for (`_waits_for_prefix`)."""
+        if not r.reads_cache:
+            return 0
         cached, in_flight = self.blocks.lookahead(r.req_id, r.tokens)
         return cached + (in_flight if in_flight >= self.share_min_tokens else 0)
 
     def _waits_for_prefix(self, r: DecodeRequest) -> bool:
         """Its next `share_min_tokens` or more are being written by a prefilling or chunking request
-        (decode_scheduler.py's docstring)."""
+        (decode_scheduler.py's docstring). Never one that reads nothing from the cache (`reads_cache`)."""
+        if not r.reads_cache:
+            return False
         version = self.blocks.pending_version
         if self._passed.get(r.req_id) == version:
             return True

@@ -9,12 +9,11 @@ Pure; a 400 naming the field otherwise.
 
 from __future__ import annotations
 
-from typing import Literal
-
+from rapidserve.prompt import Side, truncated
 from rapidserve.server.errors import bad_request
 from rapidserve.server.schemas import ChatCompletionRequest, GenerateRequest, RequestBody
 
-Side = Literal["left", "right"]
+__all__ = ["Side", "asked_max_tokens", "truncated", "truncation"]
 
 
 def asked_max_tokens(r: RequestBody) -> tuple[str, int | None]:
@@ -41,9 +40,3 @@ def truncation(r: RequestBody, max_model_len: int) -> tuple[int | None, Side]:
                                              "that too, or leave truncation_side out")
     return k, side
 
-
-def truncated(ids: list[int], keep: int | None, side: Side) -> list[int]:
-    """`ids` cut to `keep` tokens from `side` (the last `keep` for "left")."""
-    if keep is None or len(ids) <= keep:
-        return ids
-    return ids[-keep:] if side == "left" else ids[:keep]

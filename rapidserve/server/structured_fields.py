@@ -1,6 +1,6 @@
 """A request's structured-output fields -> one `StructuredOutputs`, checked before admission.
 
-`structured_outputs.disable_additional_properties` closes a json schema's objects (`closed_objects`);
+`structured_outputs.disable_additional_properties` closes a json schema's objects (structured_outputs.closed_objects);
 `disable_any_whitespace` is always so here (JSON is compact); `whitespace_pattern`, `structural_tag` (there and as
 a response_format type) are refused by name (unsupported.py, here).
 Accepted (vLLM's and OpenAI's names), on every endpoint: `response_format` `{"type": "json_object"}` and
@@ -26,6 +26,7 @@ from rapidserve.sampling_params import SamplingParamsError, StructuredOutputs
 from rapidserve.server.errors import APIError, bad_request
 from rapidserve.server.schemas import RequestBody
 from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials
+from rapidserve.structured_outputs import closed_objects
 
 
 def _schema_text(v: dict[str, Any] | str, param: str) -> str:
@@ -79,30 +80,6 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
         c = StructuredOutputs(json=_schema_text(v, "structured_outputs.json")) if k == "json" else \
             StructuredOutputs(choice=tuple(v)) if k == "choice" else StructuredOutputs(**{k: v})
         out.append((f"structured_outputs.{k}", c))
-    return out
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
-_SCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else", "contains",
-            "additionalItems", "unevaluatedProperties", "unevaluatedItems")  # a schema or a list of schemas
-
-
-def closed_objects(schema: Any) -> Any:
-    """`schema` with `additionalProperties: false` on each object schema that does not say (vLLM's
-    structured_outputs.disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in (*_SCHEMAS, "additionalProperties"):
-        if key in out:
-            out[key] = closed_objects(out[key])
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
     return out
 
 

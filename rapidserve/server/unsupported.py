@@ -5,8 +5,10 @@ server does not serve are accepted only while they ask for nothing (null, or vLL
 name otherwise, never ignored. `IDLE` lists them with the values that ask for nothing and why the rest is
 refused (`CHAT_IDLE`: the chat endpoint's own, OpenAI's fields that vLLM does not declare among them; `NESTED`:
 fields inside messages and structured outputs); `NO_EFFECT` lists the few accepted with any value because they
-cannot change an answer here. `refuse_unsupported` checks a request against them and against the fields whose
-refusal depends on others (`best_of` against `n`). Pure; no model, no server state.
+cannot change an answer here. The reasons for the fields that the Python API takes too (`SamplingParams`,
+`LLM.generate`) are rapidserve/vllm_reasons.py's, which both sides read. `refuse_unsupported` checks a request
+against them and against the fields whose refusal depends on others (`best_of` against `n`). Pure; no model, no
+server state.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 from rapidserve.server.errors import bad_request
 from rapidserve.server.schemas import ChatCompletionRequest, CompletionRequest, RequestBody
+from rapidserve.vllm_reasons import NO_EFFECT as SHARED_NO_EFFECT
+from rapidserve.vllm_reasons import WHY
 
 Idle = MappingProxyType[str, tuple[tuple[Any, ...], str]]  # field -> (the values besides null that ask for nothing,
 #                                                              why any other is refused)
@@ -25,30 +29,26 @@ _RENDER = "vLLM answers it only on its /v1/chat/completions/render and /v1/compl
 _TOKENS = "use POST /tokenize (return_token_strs), or return_token_ids and POST /detokenize"
 IDLE: Idle = MappingProxyType({
     "use_beam_search": ((False,), "it samples; beam search is not implemented"),
-    "prompt_logprobs": ((), "the logprobs of prompt tokens are not computed"),
+    "prompt_logprobs": ((), WHY["prompt_logprobs"]),
     "suffix": (("",), "a completion is never followed by a suffix"),
-    "priority": ((0,), "requests are served in arrival order (vLLM's fcfs policy, where any other priority is an "
-                       "error too)"),
-    "spaces_between_special_tokens": ((True,), "special tokens are decoded as the tokenizer joins them"),
+    "priority": ((0,), WHY["priority"]),
+    "spaces_between_special_tokens": ((True,), WHY["spaces_between_special_tokens"]),
     "return_tokens_as_token_ids": ((False,), "logprobs name tokens by their text; return_token_ids gives the ids"),
     "logits_processors": (([],), "no custom logits processors are loaded (vLLM refuses them too without "
                                  "--logits-processor-pattern)"),
-    "cache_salt": ((), "the prefix cache is not salted per request"),
+    "cache_salt": ((), WHY["cache_salt"]),
     "kv_transfer_params": (({},), "KV is never transferred between servers"),
     "ec_transfer_params": (({},), "no encoder cache is transferred between servers (text-only models)"),
-    "vllm_xargs": (({},), "no extensions read extra arguments"),
-    "mm_processor_kwargs": (({},), "the models served here take text only"),
-    "prompt_embeds": ((), "prompts are text or token ids"),
+    "vllm_xargs": (({},), WHY["vllm_xargs"]),
+    "mm_processor_kwargs": (({},), WHY["mm_processor_kwargs"]),
+    "prompt_embeds": ((), WHY["prompt_embeds"]),
     "guided_decoding_backend": ((), "the one grammar engine is llguidance"),
     "guided_whitespace_pattern": ((), "JSON whitespace follows the grammar engine's default"),
     "structural_tag": ((), "structural tags are not supported; use structured_outputs, response_format or tools"),
     "return_token_offsets": ((False,), f"{_RENDER}not serve; {_TOKENS}"),
-    "logprob_token_ids": (([],), "logprobs are those of the top tokens: ask with logprobs (completions) or "
-                                 "top_logprobs (chat)"),
-    "repetition_detection": (({},), "repeated n-grams do not end a generation here: bound it with max_tokens, or "
-                                    "discourage repeats with repetition_penalty or frequency_penalty"),
-    "thinking_token_budget": ((-1,), "no cap on reasoning tokens is enforced; bound the whole answer with "
-                                     "max_tokens"),
+    "logprob_token_ids": (([],), WHY["logprob_token_ids"]),
+    "repetition_detection": (({},), WHY["repetition_detection"]),
+    "thinking_token_budget": ((-1,), WHY["thinking_token_budget"]),
     # SGLang's names, which vllm-router adds to every request it forwards (at the values that ask for nothing)
     "no_stop_trim": ((False,), "SGLang's name: use include_stop_str_in_output: true"),
     "return_hidden_states": ((False,), "hidden states are not returned"),
@@ -83,9 +83,8 @@ NESTED: Idle = MappingProxyType({  # "where.field": as IDLE (where: messages[] o
     "messages[].audio": ((), "messages are text"),
     "messages[].function_call": ((), "OpenAI's deprecated form: use 'tool_calls'"),
     "messages[].annotations": (([],), "annotations are not rendered"),
-    "structured_outputs.whitespace_pattern": ((), "JSON whitespace is always compact here"),
-    "structured_outputs.structural_tag": ((), "structural tags are not supported; use json, regex, choice or "
-                                              "grammar"),
+    "structured_outputs.whitespace_pattern": ((), WHY["structured_outputs.whitespace_pattern"]),
+    "structured_outputs.structural_tag": ((), WHY["structured_outputs.structural_tag"]),
 })
 NO_EFFECT: MappingProxyType[str, str] = MappingProxyType({  # accepted with any (valid) value: why it changes nothing
     "length_penalty": "beam search's: no effect without beam search (as in vLLM), which this server does not do",
@@ -94,8 +93,7 @@ NO_EFFECT: MappingProxyType[str, str] = MappingProxyType({  # accepted with any 
     "response_format.json_schema.name": "the schema's label: the schema is what is enforced (as in vLLM)",
     "response_format.json_schema.description": "not shown to the model (as in vLLM): say it in the messages",
     "response_format.json_schema.strict": "the schema is always enforced here, strict or not (as in vLLM)",
-    "structured_outputs.disable_any_whitespace": "JSON is always generated without whitespace between tokens "
-                                                 "here (false, vLLM's default, allows that too)",
+    **SHARED_NO_EFFECT,
 })
 
 
