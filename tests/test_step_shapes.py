@@ -308,3 +308,39 @@ def test_which_decode_workers_capture_graphs_for_fused_steps(policy: str, slo: f
     part = DecodePartition(cfg.partition, plan)
     fuses = not isinstance(default_policy(cfg, part, lambda: (0, 0, False, None)), AlwaysSplit)
     assert fuses == bool(key)
+
+
+def test_duet_fused_steps_replay_the_pieces_captured_for_their_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the GPU's decode worker does with `PlanWire.fused_graphs` (tp_workers.capture_decode), on the CPU: the
+    piecewise prefill path captured under the fused steps' configuration (the pieces recorded as plain calls,
+    `eager=True`, where a GPU captures graphs), and every fused step of up to the largest bucket (48-token budget:
+    16, 32, 64) replays it under that key. Greedy tokens as `LLM.generate`'s (eager), every block back."""
+    llm, prompts, want = model_and_reference(MODEL)
+    cfg = dataclasses.replace(llm.config, partition=PartitionConfig(policy="duet", slo_itl_ms=None))
+    peaks = Peaks(782e12, 2.98e12, 132, device="H100-like")
+    profile = roofline_profile(cfg.model_config, "cpu", MODEL, peaks, CONFIGS, [1, 8], [512], 48)
+    plan = PartitionPlan("none", CONFIGS, profile, "test", peaks)
+    key = fused_graph_key(cfg, plan)
+    assert key == OVERALLOCATED
+    runner = llm.engine.runner
+    runner.capture_prefill_graphs(key=key, show_progress=False, eager=True)
+    graphs = runner._prefill_graphs
+    assert graphs is not None and set(graphs.sets) == {key} and graphs.sizes == (16, 32, 64)
+    replays: list[tuple[str, int]] = []
+    run = graphs.run
+
+    def counted(key: str, bucket: int, *args: Any, **kwargs: Any) -> Any:
+        replays.append((key, bucket))
+        return run(key, bucket, *args, **kwargs)
+
+    monkeypatch.setattr(graphs, "run", counted)
+    io, backend = FakeIO(), CpuSplits()
+    d = DecodeWorker(cfg, runner, io, DecodePartition(cfg.partition, plan), backend)  # type: ignore[arg-type]
+    p = PrefillWorker(cfg, runner, io, backend, OVERALLOCATED)  # type: ignore[arg-type]
+    assert isinstance(d.policy, DuetPolicy) and d.fused_config == key
+    free0 = d.sched.blocks.num_free
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)])
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
+    assert replays and {k for k, _ in replays} == {key} and {b for _, b in replays} <= {16, 32, 64}
+    assert d.sched.blocks.num_free == free0 and d.runner.tokens.in_use == 0
