@@ -33,7 +33,7 @@ from rapidserve.benchmark.goodput import (
     targets,
     ttft_limit_s,
 )
-from rapidserve.benchmark.search import search_frontier
+from rapidserve.benchmark.search import search_frontier, start_from_peak
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import Backlog
 
@@ -396,3 +396,17 @@ def test_a_failure_below_a_pass_is_probed_again_and_pooled(share: float, settles
         assert by[50.0]["status"] == CONVERGED and by[50.0]["lo"] <= 10.0 < by[50.0]["hi"], by[50.0]
     else:
         assert by[50.0]["hi"] == 5.0 and (by[50.0]["lo"] is None or by[50.0]["lo"] < 5.0), by[50.0]
+
+
+@pytest.mark.parametrize(("kw", "peak", "want"), [
+    ({}, 391.07, 196.0),  # half the closed-loop peak
+    ({"max_rate": 40.0}, 391.07, 40.0),  # never above the ceiling asked for (it was: the start became the ceiling)
+    ({"min_rate": 30.0}, 20.0, 30.0),  # nor below the floor asked for
+    ({"start_fraction": 0.25}, 8.0, 2.0),
+])
+def test_a_search_starts_within_its_given_limits(kw: dict[str, float], peak: float, want: float) -> None:
+    scfg = SearchConfig(**kw)  # type: ignore[arg-type]
+    start = start_from_peak(scfg, peak)
+    assert start == want
+    lo, hi = scfg.limits(start, peak)
+    assert lo <= start <= hi and (scfg.max_rate is None or hi == scfg.max_rate)

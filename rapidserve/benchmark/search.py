@@ -145,6 +145,17 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                    scfg.ceiling(start, peak, shared_peak), arrivals)
 
 
+def start_from_peak(scfg: SearchConfig, peak: float) -> float:
+    """Where a search starts from the closed-loop peak: `start_fraction` of it, never above a given --search-max-rate
+    (a ceiling below the start would make the start itself the ceiling) nor below a given --search-min-rate."""
+    start = round_rate(scfg.start_fraction * peak)
+    if scfg.max_rate is not None:
+        start = min(start, scfg.max_rate)
+    if scfg.min_rate is not None:
+        start = max(start, scfg.min_rate)
+    return start
+
+
 def probe_extra(p: Probe, out: Outcome) -> dict[str, Any]:
     """What a probe above the closed-loop peak adds to its record: "above_peak", "arrivals" and "backlog"
     (sustain.Backlog.to_json, or None where too few requests to judge); nothing for the others."""
@@ -211,7 +222,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                 raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none "
                                       f"({peak_run['summary']['errors']}): give --search-start-rate")
             say(cfg, f"  closed loop: {peak:.2f} req/s")
-            start = round_rate(scfg.start_fraction * peak)
+            start = start_from_peak(scfg, peak)
         else:
             start = scfg.start_rate
         top = scfg.ceiling(start, peak, shared_peak)
