@@ -10,13 +10,14 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 _LAZY = {
     "LLM": "rapidserve.llm",
     "SamplingParams": "rapidserve.sampling_params",
     "RequestOutput": "rapidserve.outputs",
     "CompletionOutput": "rapidserve.outputs",
+    "Logprob": "rapidserve.outputs",
 }
 
 

@@ -53,6 +53,7 @@ class Generation:
     req: DecodeRequest
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_ranks: list[int | None] = field(default_factory=list)  # each chosen token's rank, with its logprob
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_cached_tokens: int = 0  # prompt tokens its first token found in the prefix cache
 
@@ -191,6 +192,7 @@ class EngineCore(StepCycle):
                 continue
             if t.logprob is not None:
                 gen.output_logprobs.append(t.logprob)
+                gen.output_ranks.append(t.rank)
             if t.top_logprobs is not None:
                 gen.output_top_logprobs.append(t.top_logprobs)
             if t.cached_tokens is not None:

@@ -35,7 +35,7 @@ from rapidserve.llm_inputs import (
     parse_prompts,
     progress,
 )
-from rapidserve.outputs import CompletionOutput, RequestOutput
+from rapidserve.outputs import CompletionOutput, Logprob, RequestOutput
 from rapidserve.sampling_params import SamplingParams, resolve_bad_words
 from rapidserve.tokenizer import RENDERER_OWNS, Tokenizer, check_chat_template, load_chat_template
 
@@ -227,6 +227,30 @@ class LLM:
             text, stop_reason = self._finish(s)
             req.outputs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(s.output_token_ids), cumulative_logprob=sum(lp) if lp else None,
-                logprobs=lp, top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
+                logprobs=self._logprobs(s) if lp is not None else None,
+                top_logprobs=s.output_top_logprobs if s.params.logprobs else None,
                 finish_reason=s.finish_reason, error=errors.get(s.seq_id), stop_reason=stop_reason))
         return req
+
+    def _logprobs(self, s: Generation) -> list[dict[int, Logprob]]:
+        """vLLM's per-position {token id: Logprob}: the chosen token first (its rank from the sampler), then the top
+        tokens (ranks 1..k), each with its text where the output is detokenized."""
+        tok = self.tokenizer if s.params.detokenize else None
+        texts: dict[int, str] = {}
+
+        def text(t: int) -> str | None:
+            if tok is None:
+                return None
+            if t not in texts:
+                texts[t] = tok.decode([t], False)
+            return texts[t]
+
+        out: list[dict[int, Logprob]] = []
+        tops = s.output_top_logprobs if s.params.logprobs else []
+        for pos, (t, lp) in enumerate(zip(s.output_token_ids, s.output_logprobs, strict=False)):
+            rank = s.output_ranks[pos] if pos < len(s.output_ranks) else None
+            d = {t: Logprob(lp, rank, text(t))}
+            for k, (tid, v) in enumerate(tops[pos] if pos < len(tops) else []):
+                d.setdefault(tid, Logprob(v, k + 1, text(tid)))
+            out.append(d)
+        return out

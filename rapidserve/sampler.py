@@ -124,6 +124,11 @@ class SamplingTensors:
         )
 
 
+# One sampled row on the host (`SamplerOutput.rows`): the token id, its logprob, the top (id, logprob) pairs and the
+# token's rank (the last three None where the row did not ask for logprobs; the top pairs where it asked for none)
+SampledRow = tuple[int, float | None, list[tuple[int, float]] | None, int | None]
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     """What one `Sampler.sample` call picked.
@@ -134,11 +139,14 @@ class SamplerOutput:
     - top_logprobs: `(values [B, k], token ids [B, k])`, sorted by value descending, for the
       largest k any row asked; None when that k is 0 or no row asked. A row that asked for fewer
       keeps the first ones.
+    - ranks: `[B]` int64, the chosen token's rank among the vocabulary by those log-probabilities (1: the most
+      likely; ties share the better rank), as vLLM's `Logprob.rank`; with `logprobs`.
     """
 
     token_ids: Tensor
     logprobs: Tensor | None = None
     top_logprobs: tuple[Tensor, Tensor] | None = None
+    ranks: Tensor | None = None
 
     def to_host(self) -> SamplerOutput:
         """A host copy. On a GPU the copies are asynchronous into pinned memory: record an event after
@@ -151,23 +159,27 @@ class SamplerOutput:
             return h.copy_(t, non_blocking=True)
 
         top = None if self.top_logprobs is None else (cp(self.top_logprobs[0]), cp(self.top_logprobs[1]))
-        return SamplerOutput(cp(self.token_ids), None if self.logprobs is None else cp(self.logprobs), top)
+        return SamplerOutput(cp(self.token_ids), None if self.logprobs is None else cp(self.logprobs), top,
+                             None if self.ranks is None else cp(self.ranks))
 
-    def rows(self, params: list[SamplingParams]) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    def rows(self, params: list[SamplingParams]) -> list[SampledRow]:
         """Per row, on the host: (token id, its logprob if the row asked, the row's top (id, logprob) pairs
-        if it asked for k > 0). One device-to-host copy per tensor."""
+        if it asked for k > 0, the token's rank if the row asked). One device-to-host copy per tensor."""
         tokens = self.token_ids.tolist()
         lps = self.logprobs.tolist() if self.logprobs is not None else None
+        ranks = self.ranks.tolist() if self.ranks is not None else None
         vals = ids = None
         if self.top_logprobs is not None:
             vals, ids = (t.tolist() for t in self.top_logprobs)
-        out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
+        out: list[SampledRow] = []
         for i, (tok, p) in enumerate(zip(tokens, params, strict=True)):
-            lp = lps[i] if lps is not None and p.logprobs is not None else None
+            asked = p.logprobs is not None
+            lp = lps[i] if lps is not None and asked else None
+            rank = ranks[i] if ranks is not None and asked else None
             top = None
             if vals is not None and ids is not None and p.logprobs:
                 top = list(zip(ids[i][: p.logprobs], vals[i][: p.logprobs], strict=True))
-            out.append((tok, lp, top))
+            out.append((tok, lp, top, rank))
         return out
 
 
@@ -217,12 +229,13 @@ class Sampler:
             return SamplerOutput(token_ids=token_ids)
         logprobs_all = torch.log_softmax((logits if raw_logits is None else raw_logits).float(), dim=-1)
         chosen = logprobs_all.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs_all > chosen.unsqueeze(1)).sum(dim=-1) + 1  # 1: nothing more likely
         top = None
         if tensors.max_num_logprobs > 0:
             k = min(tensors.max_num_logprobs, vocab_size)
             values, ids = logprobs_all.topk(k, dim=-1, sorted=True)
             top = (values, ids)
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_logprobs=top, ranks=ranks)
 
     def _sample_random(self, logits: Tensor, t: SamplingTensors, params: Sequence[SamplingParams],
                        generators: Sequence[torch.Generator | None]) -> Tensor:

@@ -144,7 +144,7 @@ def launch(s: DecodeScheduler, quiet: bool = True) -> list[DecodeRequest]:
 
 def land(s: DecodeScheduler, batch: list[DecodeRequest], token: int | list[int] = TOK) -> list[m.TokenOut]:
     toks = token if isinstance(token, list) else [token] * len(batch)
-    out = s.record(batch, [(t, -0.5, [(t, -0.5)]) for t in toks])
+    out = s.record(batch, [(t, -0.5, [(t, -0.5)], 1) for t in toks])
     check(s)
     return out
 
@@ -207,7 +207,7 @@ def land_fused(s: DecodeScheduler, batch: StepBatch, token: int | list[int] = TO
     """A fused step lands: its sampled rows' tokens (decodes, then the chunks ending a prompt), then its chunks."""
     sampled = batch.sampled
     toks = token if isinstance(token, list) else [token] * len(sampled)
-    out = s.record(sampled, [(t, -0.5, [(t, -0.5)]) for t in toks], landed)
+    out = s.record(sampled, [(t, -0.5, [(t, -0.5)], 1) for t in toks], landed)
     s.chunks_landed(batch.chunks)
     check(s)
     return out

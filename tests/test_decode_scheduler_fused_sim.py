@@ -109,7 +109,7 @@ class FusedSim(Sim):
             if r.state == "done":  # ended while the step ran: its input was dropped
                 for pos in range(c.start, c.end):
                     self.write(t, pos, GARBAGE, "d")
-                rows += [(TOK, -1.0, None)] if c.samples else []
+                rows += [(TOK, -1.0, None, None)] if c.samples else []
                 continue
             truth = self.learn(r)
             kv_prev = self.read(t, c.start - 1) if c.start else 0
@@ -119,7 +119,7 @@ class FusedSim(Sim):
                 kv_prev = kv_of(kv_prev, r.tokens[pos])
                 self.write(t, pos, kv_prev, "d")
             if c.samples:
-                rows.append((next_token(kv_prev), -1.0, None))
+                rows.append((next_token(kv_prev), -1.0, None, None))
                 self.counts["local recompute" if r.outputs else "local first token"] += 1
         for out in self.s.record(batch.sampled, rows):
             self.emit(out, "decode")
@@ -134,13 +134,13 @@ class FusedSim(Sim):
         if pos >= r.num_tokens:  # ended while the step ran: its input was dropped
             assert r.state != "running"
             self.write(t, pos, GARBAGE, "d")
-            return (TOK, -1.0, None)
+            return (TOK, -1.0, None, None)
         truth = self.learn(r)
         kv_prev = self.read(t, pos - 1)
         assert kv_prev == truth[pos - 1], f"{r.req_id} read other K/V at {pos - 1}"
         kv = kv_of(kv_prev, r.tokens[pos])
         self.write(t, pos, kv, "d")
-        return (next_token(kv), -1.0, None)
+        return (next_token(kv), -1.0, None, None)
 
     def check(self) -> None:
         super().check()

@@ -41,7 +41,7 @@ def step(s: DecodeScheduler, budget: int) -> str:
     """One step with a fake model that samples TOK (the requests end at their max_tokens)."""
     b, preempted = plan(s, budget)
     s.launched(b)
-    s.record(b.sampled, [(TOK, None, None)] * len(b.sampled))
+    s.record(b.sampled, [(TOK, None, None, None)] * len(b.sampled))
     s.chunks_landed(b.chunks)
     check(s)
     return describe(b, preempted)
@@ -173,7 +173,7 @@ def test_abort_while_a_step_is_in_flight_frees_once_it_lands() -> None:
     s.launched(b)
     s.abort("r0")  # the router's Abort arrives while the device runs the step
     assert s.blocks.has("r0")  # the step writes its blocks
-    s.record(b.sampled, [(TOK, None, None)] * len(b.sampled))
+    s.record(b.sampled, [(TOK, None, None, None)] * len(b.sampled))
     s.chunks_landed(b.chunks)
     assert not s.reqs and s.blocks.num_free == 16 and [f.reason for f in s.finished] == ["abort"]
 
@@ -210,6 +210,6 @@ def test_chunks_cover_the_prompt_exactly_once(tokens: int, budget: int) -> None:
         covered += [p for c in b.chunks for p in range(c.start, c.end)]
         covered += [r.tokens_needed - 1 for r in b.decode]
         s.launched(b)
-        s.record(b.sampled, [(TOK, None, None)] * len(b.sampled))
+        s.record(b.sampled, [(TOK, None, None, None)] * len(b.sampled))
         s.chunks_landed(b.chunks)
     assert covered == list(range(tokens))

@@ -291,11 +291,11 @@ class Sim:
                 assert kv_prev == truth[pos - 1], f"{r.req_id} read other K/V at {pos - 1}"
                 kv = kv_of(kv_prev, r.tokens[pos])
                 self.write(t, pos, kv, "d")
-                rows.append((next_token(kv), -1.0, None))
+                rows.append((next_token(kv), -1.0, None, None))
             else:
                 assert r.state != "running"
                 self.write(t, pos, GARBAGE, "d")
-                rows.append((TOK, -1.0, None))
+                rows.append((TOK, -1.0, None, None))
         for out in self.s.record(batch, rows):
             self.emit(out, "decode")
         for r in batch:

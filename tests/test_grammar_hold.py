@@ -101,7 +101,7 @@ def test_fused_a_held_request_is_admitted_once_ready() -> None:
     b = s.plan(64, 64, quiet=True, hold=held("r0"))
     assert b is not None and [c.req.req_id for c in b.chunks] == ["r1"]
     s.launched(b)
-    s.record(b.sampled, [(7, None, None)])
+    s.record(b.sampled, [(7, None, None, None)])
     b = s.plan(64, 64, quiet=True)  # r0's grammar is ready
     assert b is not None and ids(b.decode) == ["r1"] and [c.req.req_id for c in b.chunks] == ["r0"]
     s.launched(b)

@@ -76,7 +76,7 @@ def test_smollm2_greedy_matches_transformers(smollm2: LLM, smollm2_hf: torch.nn.
         assert got.token_ids == want, f"prompt of {len(prompt)} tokens diverged at new token " \
             f"{next(i for i, (a, b) in enumerate(zip(got.token_ids, want, strict=True)) if a != b)}"
         assert got.logprobs is not None
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want_lp, strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got.chosen_logprobs(), want_lp, strict=True)) < 1e-4
 
 
 def test_smollm2_answers_paris(smollm2: LLM) -> None:

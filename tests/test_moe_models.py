@@ -75,7 +75,7 @@ def test_greedy_and_logprobs_match_transformers(moe_pair: tuple[str, Any]) -> No
         got = out.outputs[0]
         assert got.token_ids == want
         assert got.logprobs is not None
-        assert max(abs(a - b) for a, b in zip(got.logprobs, want_lps, strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(got.chosen_logprobs(), want_lps, strict=True)) < 1e-4
 
 
 def test_prefill_logits_match_transformers(moe_pair: tuple[str, Any]) -> None:

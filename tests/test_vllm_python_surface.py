@@ -33,6 +33,7 @@ from rapidserve.llm_inputs import (
     TOKENIZATION_KEYS,
     parse_prompts,
 )
+from rapidserve.outputs import Logprob
 from rapidserve.sampling_params import RequestOutputKind, SamplingParamsError, StructuredOutputs
 from rapidserve.server.unsupported import IDLE, NESTED, NO_EFFECT
 from rapidserve.vllm_reasons import NO_EFFECT as SHARED_NO_EFFECT
@@ -291,6 +292,34 @@ def test_detokenize_false_gives_the_tokens_without_text(llm: LLM) -> None:
     plain, raw = gen(llm, "Hello, my name is"), gen(llm, "Hello, my name is", GREEDY.replace(detokenize=False))
     assert plain.outputs[0].text != "" and raw.outputs[0].text == ""
     assert raw.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_logprobs_are_vllms_dicts_of_logprob(llm: LLM) -> None:
+    """vLLM's shape: per position {token id: Logprob(logprob, rank, decoded_token)}, the chosen token first (its rank
+    from the sampler, over the whole vocabulary), then the top `logprobs` tokens ranked 1..k; `chosen_logprobs()`
+    the chosen ones; cumulative_logprob their sum. Sampled at temperature 1 too, where the chosen token is often not
+    the most likely: its rank is then how many tokens were more likely, plus one."""
+    tok = llm.get_tokenizer()
+    assert tok is not None
+    for params in (GREEDY.replace(logprobs=3), SamplingParams(temperature=1.0, seed=5, max_tokens=12, logprobs=3)):
+        c = gen(llm, "Hello, my name is", params).outputs[0]
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        for d, t in zip(c.logprobs, c.token_ids, strict=True):
+            assert next(iter(d)) == t and all(isinstance(v, Logprob) for v in d.values())
+            chosen = d[t]
+            assert len(d) == (3 if chosen.rank <= 3 else 4), d  # the top 3, and the chosen one if not among them
+            by_rank = sorted(d.values(), key=lambda v: v.rank)
+            assert [v.rank for v in by_rank[:3]] == [1, 2, 3]
+            assert all(a.logprob >= b.logprob for a, b in zip(by_rank, by_rank[1:], strict=False))  # ranked by logprob
+            assert all(v.decoded_token == tok.decode([i], False) for i, v in d.items())
+        assert c.chosen_logprobs() == [d[t].logprob for d, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert c.cumulative_logprob == pytest.approx(sum(c.chosen_logprobs()))
+        if params.temperature == 0:
+            assert all(d[t].rank == 1 for d, t in zip(c.logprobs, c.token_ids, strict=True))
+    raw = gen(llm, "Hello", GREEDY.replace(logprobs=0, detokenize=False)).outputs[0]
+    assert raw.logprobs is not None and all(len(d) == 1 and d[t].decoded_token is None
+                                            for d, t in zip(raw.logprobs, raw.token_ids, strict=True))
+    assert gen(llm, "Hello").outputs[0].logprobs is None and gen(llm, "Hello").outputs[0].chosen_logprobs() == []
 
 
 def test_skip_reading_prefix_cache_computes_the_prompt_whole(llm: LLM) -> None:

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rapidserve.engine import messages as m
+from rapidserve.sampler import SampledRow
 from rapidserve.sampling_params import SamplingParams
 
 State = Literal["waiting", "prefilling", "chunking", "running", "done"]
-Row = tuple[int, float | None, list[tuple[int, float]] | None]  # a sampled token, its logprob, top logprobs
+Row = SampledRow  # a sampled token, its logprob, top logprobs, its rank (sampler.py)
 
 
 @dataclass(eq=False)

@@ -300,7 +300,7 @@ class DecodeScheduler(SchedulerViews):
         request that ended while the step ran gets no token and is freed now. A request's first token
         (its prompt chunked here) carries its cached prefix and where its time to first token went."""
         out: list[m.TokenOut] = []
-        for r, (tok, lp, top) in zip(batch, rows, strict=True):
+        for r, (tok, lp, top, rank) in zip(batch, rows, strict=True):
             r.inflight -= 1
             if r.state != "running":
                 self._release(r)
@@ -312,7 +312,7 @@ class DecodeScheduler(SchedulerViews):
             reason = check_stop(r.params, r.outputs, r.num_tokens, self.eos, self.context_cap)
             times = m.PhaseTimes(r.admitted, landed if r.started is None else r.started, landed) if first else None
             out.append(m.TokenOut(r.req_id, len(r.outputs) - 1, tok, lp, top, reason, r.cached if first else None,
-                                  times))
+                                  times, rank))
             if reason is not None:
                 self._finish(r, reason, notify=False)  # the token carries the reason
         return out

@@ -106,6 +106,7 @@ class TokenOut(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: str | None = None
     cached_tokens: int | None = None  # on a request's first token: prompt tokens found in the prefix cache
     times: PhaseTimes | None = None  # on a request's first token: where its time to first token went
+    rank: int | None = None  # with logprob: the token's rank among the vocabulary (1: the most likely)
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):

@@ -266,13 +266,13 @@ class PrefillWorker:
         firsts, dones = [], []
         rows = out.rows([j.req.params for j in jobs])  # waits for the tokens
         sampled = time.monotonic()
-        for j, (tok, lp, top) in zip(jobs, rows, strict=True):
+        for j, (tok, lp, top, rank) in zip(jobs, rows, strict=True):
             outputs = j.tokens[len(j.req.prompt_token_ids):] + [tok]
             reason = check_stop(j.req.params, outputs, len(j.tokens) + 1, self.eos, self.context_cap)
             first_time = j.output_index == 0
             times = m.PhaseTimes(j.admitted, j.started or sampled, sampled) if first_time else None
             first = m.TokenOut(j.req.req_id, j.output_index, tok, lp, top, reason,
-                               j.cached_tokens if first_time else None, times)
+                               j.cached_tokens if first_time else None, times, rank)
             if reason is not None:  # the request ends here: the router hears it now
                 firsts.append(first)
             dones.append(m.PrefillDone(j.req.req_id, j.attempt, first))
