@@ -35,8 +35,8 @@ WHY: MappingProxyType[str, str] = MappingProxyType({
     "structured_outputs.whitespace_pattern": "JSON whitespace is always compact here",
     "structured_outputs.structural_tag": "structural tags are not supported; use json, regex, choice or grammar",
     # Python's only
-    "flat_logprobs": "logprobs come in rapidserve's one form: CompletionOutput.logprobs (the chosen tokens') and "
-                     "top_logprobs ((token id, logprob) pairs per position)",
+    "flat_logprobs": "logprobs come in vLLM's default form only: per position a {token id: Logprob} dict "
+                     "(CompletionOutput.logprobs; chosen_logprobs() gives the chosen tokens' as floats)",
     "routed_experts_prompt_start": "routed experts are not returned: enable_return_routed_experts is refused",
 })
 NO_EFFECT: MappingProxyType[str, str] = MappingProxyType({  # accepted with any valid value: why nothing changes
