@@ -410,3 +410,18 @@ def test_a_search_starts_within_its_given_limits(kw: dict[str, float], peak: flo
     assert start == want
     lo, hi = scfg.limits(start, peak)
     assert lo <= start <= hi and (scfg.max_rate is None or hi == scfg.max_rate)
+
+
+@pytest.mark.parametrize(("b", "waypoint", "want"), [
+    (Bracket(15.7, None), None, 31.5),  # 31.4 lies within 5% of the ceiling: the ceiling itself
+    (Bracket(10.0, None), None, 20.0),  # 20 is far from it
+    (Bracket(15.7, None), 31.5, 31.5),  # the waypoint (the peak) within 5% of the doubled rate
+    (Bracket(4.0, None), 31.5, 8.0),
+    (Bracket(20.0, None), 31.5, 31.5),  # capped at the waypoint
+    (Bracket(31.5, None), 31.5, 40.0),  # past the waypoint: on to the ceiling (63 > 40)
+])
+def test_a_step_within_the_tolerance_of_the_ceiling_or_waypoint_probes_it(b: Bracket, waypoint: float | None,
+                                                                         want: float) -> None:
+    top = 31.5 if waypoint is None else 40.0
+    step = next_step(b, start=5.0, min_rate=1.0, max_rate=top, tolerance=0.05, waypoint=waypoint)
+    assert step == (want, "")

@@ -221,7 +221,9 @@ def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolera
     """The next rate to probe for one target, or why its search is over.
 
     Nothing probed: `start`. Everything passed: lo x growth (at most max_rate; done, AT_MAX, once
-    max_rate passed), and no further than `waypoint` while lo is below it. Everything failed: hi / growth
+    max_rate passed), and no further than `waypoint` while lo is below it; a step that lands within the tolerance
+    below the waypoint or the ceiling probes that rate instead (a probe at 31.4 then one at the peak, 31.5, is one
+    probe too many). Everything failed: hi / growth
     (at least min_rate; done, BELOW_MIN, once min_rate failed). Both: done (CONVERGED) when hi <= lo x
     (1 + tolerance), else the midpoint.
 
@@ -236,7 +238,13 @@ def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolera
         if lo >= max_rate:
             return Step(None, AT_MAX)
         up = min(round_rate(lo * growth), max_rate)
-        return Step(min(up, waypoint) if waypoint is not None and lo < waypoint else up, "")
+        if waypoint is not None and lo < waypoint:
+            up = min(up, waypoint)
+            if waypoint <= up * (1.0 + tolerance):  # within the tolerance of the waypoint: probe the waypoint itself
+                up = waypoint
+        if max_rate <= up * (1.0 + tolerance):  # within the tolerance of the ceiling: probe the ceiling itself
+            up = max_rate
+        return Step(up, "")
     if lo is None:
         return Step(None, BELOW_MIN) if hi <= min_rate else Step(max(round_rate(hi / growth), min_rate), "")
     if hi <= lo * (1.0 + tolerance):
