@@ -50,6 +50,9 @@ SYSTEMS: dict[str, str] = {
     "always-fused": "--mode hybrid",
     "always-split": "--mode rapid --policy rapid",
     "duet": "--mode rapid --policy duet",  # DuetServe's adaptive policy in the one engine (fused or split per step)
+    # duet with the piecewise graphs of its fused steps cut to 512 tokens, as the prefill worker's: its fused steps of
+    # more tokens launched from Python (the decode worker before 2026-11-30; the A/B of group graphs-ab)
+    "duet-g512": "--mode rapid --policy duet --prefill-graph-tokens 16,32,64,128,256,384,512",
     # (and duet@B: duet with --slo-itl-ms B, searched at bound B alone; duet@none: no SLO. bench/compare_slo.py)
     # NPMD disaggregation on the GPUs the others get: its flags follow --serve-args' --tensor-parallel-size N
     # (prefill on N/2, decode on N/2; bench/compare_tp.py), this placeholder is replaced.
@@ -57,7 +60,8 @@ SYSTEMS: dict[str, str] = {
 }
 FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split")  # --systems' default: a search
 # ... a sweep: the rest, but for the multi-GPU frontier's own (bench/frontier_plan.py's groups), named when wanted
-SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd"))
+SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS
+                                      if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd", "duet-g512"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its
