@@ -33,7 +33,7 @@ from rapidserve.benchmark.goodput import (
     targets,
     ttft_limit_s,
 )
-from rapidserve.benchmark.search import search_frontier, start_from_peak
+from rapidserve.benchmark.search import no_peak_advice, search_frontier, start_from_peak
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import Backlog
 
@@ -425,3 +425,14 @@ def test_a_step_within_the_tolerance_of_the_ceiling_or_waypoint_probes_it(b: Bra
     top = 31.5 if waypoint is None else 40.0
     step = next_step(b, start=5.0, min_rate=1.0, max_rate=top, tolerance=0.05, waypoint=waypoint)
     assert step == (want, "")
+
+
+@pytest.mark.parametrize(("errors", "says"), [
+    ({"HTTP 400: 'prompt' holds 15387: token ids must be integers in [0, 1280)": 10, "(2 other error texts)": 2},
+     "--token-range"),  # every request refused: the workload does not fit the server
+    ({"ClientConnectorError: connection refused": 12}, "--search-start-rate"),
+    ({"HTTP 400: bad": 3, "TimeoutError": 9}, "--search-start-rate"),
+    ({}, "--search-start-rate"),
+])
+def test_a_closed_loop_probe_that_completed_none_says_what_to_do(errors: dict[str, int], says: str) -> None:
+    assert says in no_peak_advice(errors)

@@ -145,6 +145,17 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                    scfg.ceiling(start, peak, shared_peak), arrivals)
 
 
+def no_peak_advice(errors: dict[str, int]) -> str:
+    """What to do when the closed-loop probe completed no request, from its errors (error text -> count; a summary's
+    "(N other error texts)" entry aside): where the server refused every one (HTTP 4xx) the workload does not fit it;
+    else the search can start from a given rate instead of the peak."""
+    texts = [e for e in errors if not e.startswith("(")]
+    if texts and all(e.startswith("HTTP 4") for e in texts):
+        return ("the server refused the workload's requests: make them fit it (e.g. --token-range 3:V for a vocabulary "
+                "of V tokens; --input-len and --output-len within its --max-model-len)")
+    return "give --search-start-rate (with no closed-loop peak the search starts there)"
+
+
 def start_from_peak(scfg: SearchConfig, peak: float) -> float:
     """Where a search starts from the closed-loop peak: `start_fraction` of it, never above a given --search-max-rate
     (a ceiling below the start would make the start itself the ceiling) nor below a given --search-min-rate."""
@@ -219,8 +230,9 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             _, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
             peak = closed_peak(peak_run)
             if peak is None:
-                raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none "
-                                      f"({peak_run['summary']['errors']}): give --search-start-rate")
+                errors = peak_run["summary"]["errors"]
+                raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none ({errors}): "
+                                      + no_peak_advice(errors))
             say(cfg, f"  closed loop: {peak:.2f} req/s")
             start = start_from_peak(scfg, peak)
         else:
