@@ -247,10 +247,11 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         async def measure(rate: float, arrivals: int) -> list[RequestRecord]:
             longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
             what = "" if arrivals == n else f", {arrivals} arrivals (above the peak)"
-            again = ", again (a failure below a pass)" if any(r["rate"] == rate_json(rate) for r in runs) else ""
+            again = any(r["rate"] == rate_json(rate) for r in runs)  # a failure below a pass: the search pools the two
             records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
-                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}{again}")
-            runs.append(run)
+                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
+                                          + (", again (a failure below a pass)" if again else ""))
+            runs.append({**run, "again": True} if again else run)
             return records
 
         def tell(p: Probe) -> None:
@@ -261,13 +262,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                      + (f"; above the peak, {p.backlog.describe()}" if p.backlog is not None else ""))
 
         out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak)
-    probes = []
-    seen: set[float] = set()
-    for i, (p, run) in enumerate(zip(out.probes, runs, strict=True)):
-        again = {"again": True} if p.rate in seen else {}  # its rate probed before: the search pooled the two
-        seen.add(p.rate)
-        probes.append({**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
-                       **again, **probe_extra(p, out)})
+    probes = [{**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
+               **probe_extra(p, out)} for i, (p, run) in enumerate(zip(out.probes, runs, strict=True))]
     return {
         "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
         "workload": cfg.workload.describe(), "config": config_json(cfg),

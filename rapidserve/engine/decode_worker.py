@@ -268,8 +268,7 @@ def fused_steps(cfg: EngineConfig, plan: PartitionPlan) -> bool:
     with no ITL SLO, or with one on a plan that can switch configurations (a profile of several, the roofline's
     peaks measured). Pure."""
     p = cfg.partition
-    adaptive = plan.profile is not None and len(plan.configurations) > 1  # DecodePartition.adaptive
-    return p.policy == "duet" and (p.slo_itl_ms is None or (adaptive and plan.peaks is not None))
+    return p.policy == "duet" and (p.slo_itl_ms is None or (plan.adaptive and plan.peaks is not None))
 
 
 def fused_graph_key(cfg: EngineConfig, plan: PartitionPlan) -> str:

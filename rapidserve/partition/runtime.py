@@ -103,6 +103,11 @@ class PartitionPlan:
             return full_decode_config(self.profile)
         return self.configurations[0].name
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether the plan can switch configurations: a profile (measured or the roofline's) of several."""
+        return self.profile is not None and len(self.configurations) > 1
+
     def wire(self) -> PlanWire:
         return PlanWire(self.backend, list(self.configurations), self.initial,
                         {k: (v.a_ms, v.b_ms_per_token) for k, v in self.prefill_models.items()})
@@ -326,7 +331,7 @@ class DecodePartition:
 
     @property
     def adaptive(self) -> bool:
-        return self.plan.profile is not None and len(self.plan.configurations) > 1
+        return self.plan.adaptive
 
     def advance_duet(self, contexts: tuple[int, ...], waiting: tuple[WaitingPrefill, ...]) -> Switch | None:
         """One step boundary under `--policy duet`: DuetServe's roofline decision (partition/duet.py) from

@@ -45,6 +45,7 @@ from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts, StepCosts
 from rapidserve.policy_spec import POLICY_SPECS
+from rapidserve.runner.prefill_graphs import usable_buckets
 
 
 def _context(state: ShapeState) -> int:
@@ -193,15 +194,10 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
 def fused_buckets(cfg: EngineConfig) -> tuple[int, ...]:
     """The token buckets a decode worker's fused steps replay graphs of (its capture: runner/prefill_graphs.py, every
     bucket of `prefill_graph_tokens` a step's budget can use), or () where it captures none (graphs off, a CPU)."""
-    rc, budget = cfg.runner, cfg.scheduler.max_num_batched_tokens
+    rc = cfg.runner
     if not rc.use_cuda_graphs or rc.device == "cpu":
         return ()
-    out: list[int] = []
-    for b in rc.prefill_graph_tokens:  # as usable_buckets: those below the budget and the first at or above it
-        out.append(b)
-        if b >= budget:
-            break
-    return tuple(out)
+    return usable_buckets(rc.prefill_graph_tokens, cfg.scheduler.max_num_batched_tokens)
 
 
 # The rapid policy's inputs, read from the decode scheduler as before the one engine (`DecodePartition.advance`):
