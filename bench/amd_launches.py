@@ -47,7 +47,7 @@ from rapidserve.quant_config import QuantizationConfig
 
 # kernel -> (module, reached by). "nvidia" kernels are never launched with torch.version.hip set.
 KERNELS: dict[str, tuple[str, str]] = {
-    "_write_kv_kernel": ("rapidserve.attention.triton_paged_kv", "rope_write's fallback, unfused_ops"),
+    "_write_kv_kernel": ("rapidserve.ops.triton_kv", "rope_write's fallback, unfused_ops"),
     "_decode_split_kernel": ("rapidserve.attention.triton_paged_decode", "decode and mixed steps"),
     "_decode_reduce_kernel": ("rapidserve.attention.triton_paged_decode", "decode steps with more than one split"),
     "_prefill_kernel": ("rapidserve.attention.triton_paged_prefill", "prefill and mixed steps"),

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rapidserve.attention import AttentionMetadata  # noqa: E402
 from rapidserve.attention import torch_ref as ref  # noqa: E402
-from rapidserve.attention.kv_quant import FP8_KV_DTYPES as FP8  # noqa: E402
-from rapidserve.attention.kv_quant import quantize  # noqa: E402
+from rapidserve.ops.kv_quant import FP8_KV_DTYPES as FP8  # noqa: E402
+from rapidserve.ops.kv_quant import quantize  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B, Qwen3-8B
 DECODE_BATCHES = (1, 16, 64, 256)
@@ -93,9 +93,10 @@ Row = dict[str, object]
 
 def backends() -> dict[str, object]:
     """name -> object with prefill_attention / decode_attention (the paged backends measured)."""
-    from rapidserve.attention import AttentionBackend, fa3, triton_paged_decode, triton_paged_kv, triton_paged_prefill
+    from rapidserve.attention import AttentionBackend, fa3, triton_paged_decode, triton_paged_prefill
+    from rapidserve.ops import triton_kv
 
-    found: dict[str, object] = {"triton": AttentionBackend("triton", triton_paged_kv.write_kv,
+    found: dict[str, object] = {"triton": AttentionBackend("triton", triton_kv.write_kv,
                                                            triton_paged_prefill.prefill_attention,
                                                            triton_paged_decode.decode_attention)}
     try:

@@ -48,7 +48,7 @@ from gpu_timing import time_ms  # noqa: E402
 
 from rapidserve.attention import torch_ref as ref  # noqa: E402
 from rapidserve.attention.decode_config import DecodeConfig, decode_config, launch_splits, table_key  # noqa: E402
-from rapidserve.attention.kv_quant import FP8_KV_DTYPES, quantize  # noqa: E402
+from rapidserve.ops.kv_quant import FP8_KV_DTYPES, quantize  # noqa: E402
 
 GiB = 1 << 30
 WAVES = (1, 2, 3, 4, 6, 8)

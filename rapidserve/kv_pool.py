@@ -13,7 +13,7 @@ Element type (`kv_cache_dtype`): the model's dtype, or with `--kv-cache-dtype fp
 ROCm's gfx94x: `ops.fp8.fp8_dtype`), one byte an element: a block takes half the bytes of bf16 (a quarter of
 fp32), so the same memory holds twice the tokens (`num_blocks_for_budget` divides by `KVPoolSpec.bytes_per_block`,
 which counts the element size). The values are stored as fp8(x / scale) with each layer's k_scale / v_scale, which
-the layers hold, not the pool (rapidserve/attention/kv_quant.py). The dtype is the pool tensor's own, so it travels
+the layers hold, not the pool (rapidserve/ops/kv_quant.py). The dtype is the pool tensor's own, so it travels
 with it: the prefill worker's attached pool (runner/model_sharing.py) and disagg's remote one
 (parallel/kv_connector.py) are checked against the dtype their own config gives.
 

@@ -19,6 +19,7 @@ from rapidserve import LLM, SamplingParams  # noqa: E402
 from rapidserve.attention import fa3  # noqa: E402
 from rapidserve.attention import torch_ref as ref  # noqa: E402
 from rapidserve.loader.presets import load_preset, save_as_hf_folder  # noqa: E402
+from rapidserve.ops import torch_kv  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -34,9 +35,10 @@ def _fa3() -> fa3.Fa3Attention | None:
 @pytest.mark.parametrize(("head_dim", "group", "hkv", "window"), [(256, 2, 8, 1024), (128, 4, 8, 4096), (64, 3, 2, 37)],
                          ids=["gemma3-12b", "mistral-7b", "small-odd-window"])
 def test_windowed_kernels_match_the_reference(backend: str, head_dim: int, group: int, hkv: int, window: int) -> None:
-    from rapidserve.attention import AttentionBackend, triton_paged_decode, triton_paged_kv, triton_paged_prefill
+    from rapidserve.attention import AttentionBackend, triton_paged_decode, triton_paged_prefill
+    from rapidserve.ops import triton_kv
 
-    triton_backend = AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+    triton_backend = AttentionBackend("triton", triton_kv.write_kv, triton_paged_prefill.prefill_attention,
                                       triton_paged_decode.decode_attention)
     impl = _fa3() if backend == "fa3" else triton_backend
     if impl is None:
@@ -44,14 +46,14 @@ def test_windowed_kernels_match_the_reference(backend: str, head_dim: int, group
     seqs = [(2000, 0), (1, 3000), (300, 1500), (2, -1), (64, 1), (5000, 100)]  # (new tokens, cached prefix)
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
                    device="cuda", strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     scale = head_dim**-0.5
     want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, scale, window=window)
     got = impl.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, scale, window=window)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
     d = make_batch(decode_seqs([3000, 1, 0, window, window + 1, 1500]), num_kv_heads=hkv, group=group,
                    head_dim=head_dim, block_size=16, dtype=torch.bfloat16, device="cuda", decode=True)
-    ref.write_kv(d.k_new, d.v_new, d.k_cache, d.v_cache, d.meta.slot_mapping)
+    torch_kv.write_kv(d.k_new, d.v_new, d.k_cache, d.v_cache, d.meta.slot_mapping)
     args = (d.meta.block_tables, d.meta.context_lens, scale)
     want = ref.decode_attention(d.q.float(), d.k_cache.float(), d.v_cache.float(), *args, window=window)
     got = impl.decode_attention(d.q, d.k_cache, d.v_cache, *args, window=window)

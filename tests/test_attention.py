@@ -20,6 +20,7 @@ from triton_interp import interpreted_checks, run_checks, selected
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import torch_ref as ref
 from rapidserve.config_base import ConfigError
+from rapidserve.ops import torch_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -73,8 +74,8 @@ def make_batch(seqs: list[tuple[int, int]], *, num_kv_heads: int, group: int, he
             v_new.append(rnd(q_len, num_kv_heads, head_dim))
             continue
         # The cached prefix was written by an earlier step.
-        ref.write_kv(keys[i][:prefix], values[i][:prefix], k_cache, v_cache,
-                     torch.tensor(slots[:prefix], dtype=torch.int64))
+        torch_kv.write_kv(keys[i][:prefix], values[i][:prefix], k_cache, v_cache,
+                          torch.tensor(slots[:prefix], dtype=torch.int64))
         new_slots += slots[prefix:]
         k_new.append(keys[i][prefix:])
         v_new.append(values[i][prefix:])
@@ -172,7 +173,7 @@ def test_torch_prefill_matches_naive(case: tuple, strided: bool) -> None:
     bs, group, d, hkv, seqs = case
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=len(seqs),
                    strided_q=strided)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     out = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     assert out.shape == b.q.shape and out.dtype == b.q.dtype
     torch.testing.assert_close(out.double(), naive_attention(b, d**-0.5), atol=2e-5, rtol=1e-4)
@@ -183,7 +184,7 @@ def test_torch_decode_matches_naive(case: tuple) -> None:
     bs, group, d, hkv, ctxs = case
     b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
                    seed=sum(ctxs), decode=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     out = ref.decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
     torch.testing.assert_close(out.double(), naive_attention(b, d**-0.5, decode=True), atol=2e-5, rtol=1e-4)
     for i, c in enumerate(ctxs):
@@ -194,7 +195,7 @@ def test_torch_decode_matches_naive(case: tuple) -> None:
 def test_torch_write_kv_skips_padding() -> None:
     b = make_batch([(3, 2), (2, -1), (4, 0)], num_kv_heads=2, group=1, head_dim=32, block_size=8)
     before = b.k_cache.clone()
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     written = (~torch.isnan(b.k_cache[:, 0, :, 0])).sum() - (~torch.isnan(before[:, 0, :, 0])).sum()
     assert int(written) == 7  # the padding sequence's 2 tokens are not written
 
@@ -205,7 +206,7 @@ def test_torch_reference_matches_transformers_sdpa() -> None:
     hkv, group, d, n = 3, 3, 64, 37
     module = SimpleNamespace(num_key_value_groups=group, is_causal=True, training=False)
     b = make_batch([(n, 0)], num_kv_heads=hkv, group=group, head_dim=d, block_size=16, seed=3)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     out = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     hf_q = b.q.unsqueeze(0).transpose(1, 2)  # [1, Hq, n, D], as transformers lays it out
     hf_k = b.keys[0].unsqueeze(0).transpose(1, 2).contiguous()
@@ -265,13 +266,13 @@ def test_decode_kernels_compile_one_variant_for_every_step() -> None:
 
 # --------------------------------------------------------------------------- Triton interpreter
 def _interp_write_kv() -> None:
-    from rapidserve.attention import triton_paged_kv as tp
+    from rapidserve.ops import triton_kv as tp
 
     for dtype in (torch.float32, torch.float16):
         b = make_batch([(3, 5), (2, -1), (9, 0)], num_kv_heads=3, group=1, head_dim=64, block_size=8,
                        dtype=dtype, seed=1)
         kc, vc = b.k_cache.clone(), b.v_cache.clone()
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         tp.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
         assert torch.equal(kc.nan_to_num(7.0), b.k_cache.nan_to_num(7.0)), dtype
         assert torch.equal(vc.nan_to_num(7.0), b.v_cache.nan_to_num(7.0)), dtype
@@ -290,7 +291,7 @@ def _interp_prefill() -> None:
     for bs, group, d, hkv, seqs, dtype, bm, bn in cases:
         b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype,
                        strided_q=True)
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         want = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
         got = tp.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5, block_m=bm, block_n=bn)
         assert got.dtype == dtype
@@ -310,7 +311,7 @@ def _interp_decode() -> None:
     for bs, group, d, hkv, ctxs, dtype in cases:
         b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
                        dtype=dtype, decode=True, strided_q=True)
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         args = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
         want = ref.decode_attention(*args)
         # the rule's splits, one, fewer than the tiles, more than the tiles of the longest context (7 at 32 keys)
@@ -344,15 +345,15 @@ GPU_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("shape", [(16, 4, 128, 8), (16, 3, 64, 3), (8, 1, 64, 4), (32, 2, 32, 2)])
 def test_gpu_prefill_and_write_kv(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
-    from rapidserve.attention.triton_paged_kv import write_kv
     from rapidserve.attention.triton_paged_prefill import prefill_attention
+    from rapidserve.ops.triton_kv import write_kv
 
     bs, group, d, hkv = shape
     seqs = [(300, 0), (1, 700), (129, 64), (2, -1), (64, 1), (1000, 37)]
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype,
                    device="cuda", strided_q=True)
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
     assert torch.equal(kc.nan_to_num(7.0), b.k_cache.nan_to_num(7.0))
     assert torch.equal(vc.nan_to_num(7.0), b.v_cache.nan_to_num(7.0))
@@ -371,7 +372,7 @@ def test_gpu_decode(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> Non
     ctxs = [2048, 1, 0, 17, 999, 64, 4000, 333]
     b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs,
                    dtype=dtype, device="cuda", decode=True, strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     args = (b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
     want = ref.decode_attention(b.q.float(), args[0].float(), args[1].float(), *args[2:])
     for splits in (None, 1, 5, 64):
@@ -444,7 +445,7 @@ def test_mixed_step_splits_decodes_from_chunks(case: tuple) -> None:
 
     bs, group, d, hkv, seqs = case
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=7, strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     meta = split_decode_rows(b.meta, b.q_lens)
     lead = next((i for i, n in enumerate(b.q_lens) if n != 1), len(b.q_lens))
     assert meta.num_decode_seqs == lead
@@ -486,7 +487,7 @@ def test_gpu_mixed_step(dtype: torch.dtype) -> None:
     seqs = [(1, 4095), (1, 700), (1, 0), (512, 1024), (300, 0)]
     b = make_batch(seqs, num_kv_heads=8, group=4, head_dim=128, block_size=16, dtype=dtype, device="cuda",
                    strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     meta = split_decode_rows(b.meta, b.q_lens)
     got = attend(get_attention_backend("triton", "cuda"), b.q, b.k_cache, b.v_cache, meta, 128**-0.5)
     want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, 128**-0.5)

@@ -30,9 +30,10 @@ from test_attention import Batch, decode_seqs, make_batch
 from test_kv_fp8_attention import fp8_cache, scales, write_all
 from triton_interp import interpreted_checks, run_checks, selected
 
-from rapidserve.attention import kv_quant as kq
 from rapidserve.attention import torch_ref as ref
 from rapidserve.attention.decode_config import DecodeConfig
+from rapidserve.ops import kv_quant as kq
+from rapidserve.ops import torch_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -121,7 +122,7 @@ def _interp_prefetch() -> None:
     for bs, group, hkv, ctxs, bn, runs in cases:
         b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=32, block_size=bs,
                        dtype=torch.float16, decode=True, strided_q=True, seed=bs)
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         args = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 32**-0.5)
         for n, window in runs:
             got = tp.decode_attention(*args, num_splits=n, window=window, config=fp16._replace(block_n=bn))
@@ -151,7 +152,7 @@ def _interp_fp8_out() -> None:
 
     b = make_batch(decode_seqs([100, 0, 1, 48, 49]), num_kv_heads=2, group=4, head_dim=32, block_size=16,
                    dtype=torch.float16, decode=True, strided_q=True, seed=9)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     fp16 = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 32**-0.5), {}
     f, kc, vc, ks, vs = _fp8_batch([70, 0, 33], 16, 8, 128, 2, FNUZ, seed=10)
     fp8_cache = (f.q, kc, vc, f.meta.block_tables, f.meta.context_lens, 128**-0.5, ks, vs), {"config": F16_DOTS}
@@ -205,7 +206,7 @@ def test_gpu_decode_configs(cfg: DecodeConfig, fp8: bool) -> None:
         sc: tuple[torch.Tensor, ...] = (ks, vs)
         kf, vf = kq.dequantize(kc, ks, torch.float32), kq.dequantize(vc, vs, torch.float32)
     else:
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         kc, vc, sc, kf, vf = b.k_cache, b.v_cache, (), b.k_cache.float(), b.v_cache.float()
     queries = [b.q]
     if fp8:
@@ -244,7 +245,7 @@ def test_gpu_fp8_output_is_the_quantizers(batch: int, kv_fp8: bool) -> None:
         write_all(b, kc, vc, ks, vs)
         args = (b.q, kc, vc, *args, ks, vs)
     else:
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
         args = (b.q, b.k_cache, b.v_cache, *args)
     for splits in (None, 1, 7):
         for pdl in (None, False):

@@ -18,6 +18,7 @@ import torch
 from rapidserve.attention import AttentionMetadata, attend, fa3, get_attention_backend, split_decode_rows
 from rapidserve.attention import torch_ref as ref
 from rapidserve.config_base import ConfigError
+from rapidserve.ops import torch_kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_attention import (  # noqa: E402
@@ -71,7 +72,7 @@ FAKE = fa3.Fa3Attention(fa3.Fa3Kernel("fake", fake_fa3, ANY_DTYPE))
 def test_adapter_prefill(case: tuple) -> None:
     bs, group, d, hkv, seqs = case
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     got = FAKE.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     torch.testing.assert_close(got.double(), naive_attention(b, d**-0.5), atol=2e-5, rtol=1e-4)
 
@@ -80,7 +81,7 @@ def test_adapter_prefill(case: tuple) -> None:
 def test_adapter_decode(case: tuple) -> None:
     bs, group, d, hkv, ctxs = case
     b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, decode=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     got = FAKE.decode_attention(b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, d**-0.5)
     torch.testing.assert_close(got.double(), naive_attention(b, d**-0.5, decode=True), atol=2e-5, rtol=1e-4)
 
@@ -89,7 +90,7 @@ def test_adapter_decode(case: tuple) -> None:
 def test_mixed_step_is_one_prefill_call(case: tuple) -> None:
     bs, group, d, hkv, seqs = case
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=7, strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     calls: list[str] = []
 
     def prefill(*a: object) -> torch.Tensor:
@@ -177,13 +178,13 @@ def test_gpu_fa3_prefill(dtype: torch.dtype, shape: tuple[int, int, int, int]) -
     seqs = [(300, 0), (1, 700), (129, 64), (2, -1), (64, 1), (1000, 37)]
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype,
                    device="cuda", strided_q=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, d**-0.5)
     got = impl.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)
     mixed = [(1, 4095), (1, 700), (1, -1), (512, 1024), (300, 0)]
     b = make_batch(mixed, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, dtype=dtype, device="cuda")
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     want = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, d**-0.5)
     got = impl.prefill_attention(b.q, b.k_cache, b.v_cache, split_decode_rows(b.meta, b.q_lens), d**-0.5)
     torch.testing.assert_close(got.float(), want, atol=_atol(dtype), rtol=1e-2)
@@ -198,7 +199,7 @@ def test_gpu_fa3_decode_graph_replay() -> None:
                           dtype=torch.bfloat16, device="cuda", decode=True, seed=s)
                for s, c in enumerate(([500, 17, 0, 1200], [900, 1, 33, 0], [4000, 2, 64, 129]))]
     for b in batches:
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     width = max(b.meta.block_tables.shape[1] for b in batches)
     nblk = max(b.k_cache.shape[0] for b in batches)
     kc = torch.zeros((nblk, *batches[0].k_cache.shape[1:]), dtype=torch.bfloat16, device="cuda")
@@ -239,7 +240,7 @@ def test_gpu_fa3_decode_graph_replay() -> None:
 def test_fp32_prefill_falls_back() -> None:
     """FA3 takes fp16/bf16 only: fp32 prefill goes to the fallback kernel, fp32 decode is refused."""
     b = make_batch([(5, 3)], num_kv_heads=1, group=2, head_dim=32, block_size=8)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     used: list[str] = []
 
     def fallback(*a: object) -> torch.Tensor:

@@ -23,6 +23,7 @@ from triton_interp import interpreted_checks, run_checks, selected  # noqa: E402
 
 from rapidserve.attention import attend, fa3, get_attention_backend, split_decode_rows  # noqa: E402
 from rapidserve.attention import torch_ref as ref  # noqa: E402
+from rapidserve.ops import torch_kv  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -71,7 +72,7 @@ def naive_window(b: Batch, scale: float, window: int, decode: bool = False) -> t
 def _prefill(case: tuple, seed: int = 0, **kw: object) -> Batch:
     bs, group, d, hkv, seqs, _ = case
     b = make_batch(seqs, num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, seed=seed, **kw)  # type: ignore[arg-type]
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     return b
 
 
@@ -79,7 +80,7 @@ def _decode(case: tuple, **kw: object) -> Batch:
     bs, group, d, hkv, ctxs, _ = case
     b = make_batch(decode_seqs(ctxs), num_kv_heads=hkv, group=group, head_dim=d, block_size=bs, decode=True,
                    seed=sum(ctxs), **kw)  # type: ignore[arg-type]
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     return b
 
 
@@ -117,7 +118,7 @@ def test_attend_windows_both_halves_of_a_mixed_step() -> None:
     both get the layer's window; a backend is called without `window` when the layer has none."""
     seqs = [(1, 40), (1, 3), (1, -1), (30, 20), (12, 0)]
     b = make_batch(seqs, num_kv_heads=2, group=2, head_dim=32, block_size=8, seed=5)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     meta = split_decode_rows(b.meta, b.q_lens)
     seen: list[tuple[str, object]] = []
     backend = get_attention_backend("torch", "cpu")

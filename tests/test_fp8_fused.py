@@ -216,11 +216,11 @@ def test_attend_returns_quantized_rows_only_for_decode_steps() -> None:
     from test_attention import decode_seqs, make_batch
 
     from rapidserve.attention import attend, get_attention_backend, split_decode_rows
-    from rapidserve.attention import torch_ref as ref
+    from rapidserve.ops import torch_kv
 
     attn = get_attention_backend("torch", "cpu")
     b = make_batch(decode_seqs([9, 0, 33]), num_kv_heads=2, group=2, head_dim=16, block_size=8, decode=True)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     args = (b.q, b.k_cache, b.v_cache, b.meta, 0.25)
     rows = attend(attn, *args, out_fp8=FN)
     flat = attend(attn, *args).reshape(3, -1)
@@ -229,7 +229,7 @@ def test_attend_returns_quantized_rows_only_for_decode_steps() -> None:
     assert torch.equal(rows.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(rows.scale, want.scale)
     assert isinstance(attend(dataclasses.replace(attn, decode_attention_fp8=None), *args, out_fp8=FN), torch.Tensor)
     p = make_batch([(1, 4), (3, 2)], num_kv_heads=2, group=2, head_dim=16, block_size=8)
-    ref.write_kv(p.k_new, p.v_new, p.k_cache, p.v_cache, p.meta.slot_mapping)
+    torch_kv.write_kv(p.k_new, p.v_new, p.k_cache, p.v_cache, p.meta.slot_mapping)
     for meta in (p.meta, split_decode_rows(p.meta, [1, 3])):  # prefill, then a mixed step
         got = attend(attn, p.q, p.k_cache, p.v_cache, meta, 0.25, out_fp8=FN)
         assert isinstance(got, torch.Tensor) and torch.equal(got, attend(attn, p.q, p.k_cache, p.v_cache, meta, 0.25))

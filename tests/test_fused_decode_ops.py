@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from test_ops import rope_inputs
 from triton_interp import exit_passed, run_interpreted
 
-from rapidserve.attention import torch_ref
-from rapidserve.ops import cublas_linears, get_ops, triton_ops_bundle, unfused_ops
+from rapidserve.ops import cublas_linears, get_ops, torch_kv, triton_ops_bundle, unfused_ops
 from rapidserve.ops import torch_ops as tops
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -142,7 +141,7 @@ def test_torch_rope_write_is_rope_then_write_kv() -> None:
     slots = torch.tensor([0, 5, -1, 16, 47, 30, 2])
     got_q = tops.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
     want_q, want_k = tops.qk_norm_rope(q, k, qw, kw, 1e-6, pos, table)
-    torch_ref.write_kv(want_k, v, want_kc, want_vc, slots)
+    torch_kv.write_kv(want_k, v, want_kc, want_vc, slots)
     assert torch.equal(got_q, want_q) and torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
     with pytest.raises(ValueError, match="both q/k norm weights or neither"):
         tops.rope_write(q, k, v, qw, None, 1e-6, pos, table, kc, vc, slots)

@@ -250,14 +250,14 @@ AUDIT_WRITE_KV = """
 import json, sys
 import torch
 from bench import kernel_compile_audit as kca
-from rapidserve.attention import triton_paged_kv
+from rapidserve.ops import triton_kv
 
 meta = torch.device("meta")
 def write(dtype):  # one token's keys and values of Qwen3-8B (8 kv heads of 128) into a cache of `dtype`
     kv = torch.empty(1, 8, 128, dtype=torch.bfloat16, device=meta)
     cache = torch.empty(1024, 8, 16, 128, dtype=dtype, device=meta)
     scale = torch.empty(1, dtype=torch.float32, device=meta) if dtype != torch.bfloat16 else None
-    triton_paged_kv.write_kv(kv, kv, cache, cache, torch.empty(1, dtype=torch.int64, device=meta), scale, scale)
+    triton_kv.write_kv(kv, kv, cache, cache, torch.empty(1, dtype=torch.int64, device=meta), scale, scale)
 rows = kca.audit(kca.make_jobs([("write_kv", kca.record(lambda: write(torch.float8_e4m3fn), "fp8 cache"))]))
 import triton
 print(json.dumps({"triton": triton.__version__, "rows": rows}))

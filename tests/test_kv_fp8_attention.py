@@ -1,4 +1,4 @@
-"""The fp8 KV cache's arithmetic (issue 39; rapidserve/attention/kv_quant.py) in every attention backend on CPU:
+"""The fp8 KV cache's arithmetic (issue 39; rapidserve/ops/kv_quant.py) in every attention backend on CPU:
 
 - the write: fp8(clamp(x / scale, +-fp8_max)), round-trip error within e4m3's half ulp (2^-4 relative) in its normal
   range, saturating beyond it, with the layer's scale;
@@ -26,8 +26,9 @@ from test_attention import DECODE_CASES, PREFILL_CASES, Batch, decode_seqs, make
 from triton_interp import interpreted_checks, run_checks, selected
 
 from rapidserve.attention import attend, get_attention_backend
-from rapidserve.attention import kv_quant as kq
 from rapidserve.attention import torch_ref as ref
+from rapidserve.ops import kv_quant as kq
+from rapidserve.ops import torch_kv
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
@@ -53,8 +54,8 @@ def write_all(b: Batch, kc: torch.Tensor, vc: torch.Tensor, ks: torch.Tensor, vs
         values.append(v)
     if slots:
         dev = kc.device  # the batch's keys may live on the CPU while the caches are on a GPU (test_kv_fp8_gpu)
-        ref.write_kv(torch.cat(keys).to(dev), torch.cat(values).to(dev), kc, vc, torch.tensor(slots, device=dev), ks,
-                     vs)
+        torch_kv.write_kv(torch.cat(keys).to(dev), torch.cat(values).to(dev), kc, vc, torch.tensor(slots, device=dev),
+                          ks, vs)
 
 
 def within_fp8_error(got: torch.Tensor, exact: torch.Tensor, b: Batch) -> None:
@@ -91,22 +92,22 @@ def test_scales_must_match_the_cache() -> None:
     b = make_batch([(3, 2)], num_kv_heads=2, group=1, head_dim=32, block_size=8)
     kc, vc = fp8_cache(b)
     with pytest.raises(ValueError, match="needs the layer's k_scale and v_scale"):
-        ref.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
+        torch_kv.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping)
     with pytest.raises(ValueError, match="needs the layer's k_scale"):
         ref.decode_attention(b.q[:1], kc, vc, b.meta.block_tables, b.meta.context_lens, 0.1)
     ks, vs = scales(1.0, 1.0)
     with pytest.raises(ValueError, match="stores values unscaled"):
-        ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping, ks, vs)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping, ks, vs)
 
 
 def test_torch_write_kv_quantizes_at_the_slots_and_skips_padding() -> None:
     b = make_batch([(5, 3), (2, -1), (4, 0)], num_kv_heads=2, group=2, head_dim=32, block_size=8, seed=3)
     kc, vc = fp8_cache(b)
     ks, vs = scales(0.02, 0.03)
-    ref.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping, ks, vs)
+    torch_kv.write_kv(b.k_new, b.v_new, kc, vc, b.meta.slot_mapping, ks, vs)
     fk, fv = torch.full(b.k_cache.shape, float("nan")), torch.full(b.v_cache.shape, float("nan"))
-    ref.write_kv(kq.dequantize(kq.quantize(b.k_new, FN, ks), ks, torch.float32),
-                 kq.dequantize(kq.quantize(b.v_new, FN, vs), vs, torch.float32), fk, fv, b.meta.slot_mapping)
+    torch_kv.write_kv(kq.dequantize(kq.quantize(b.k_new, FN, ks), ks, torch.float32),
+                      kq.dequantize(kq.quantize(b.v_new, FN, vs), vs, torch.float32), fk, fv, b.meta.slot_mapping)
     assert torch.equal(kq.dequantize(kc, ks, torch.float32).nan_to_num(7.0), fk.nan_to_num(7.0))
     assert torch.equal(kq.dequantize(vc, vs, torch.float32).nan_to_num(7.0), fv.nan_to_num(7.0))
     written = (b.meta.slot_mapping >= 0).sum().item()
@@ -131,7 +132,7 @@ def test_torch_prefill_reads_the_dequantized_cache(case: tuple, dtype: torch.dty
     got = ref.prefill_attention(b.q, kc, vc, b.meta, d**-0.5, ks, vs)
     want = ref.prefill_attention(b.q, *_dequantized(kc, vc, ks, vs, torch.float32), b.meta, d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)  # the unquantized cache
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)  # the unquantized cache
     exact = ref.prefill_attention(b.q, b.k_cache, b.v_cache, b.meta, d**-0.5)
     within_fp8_error(got, exact, b)
 
@@ -147,7 +148,7 @@ def test_torch_decode_reads_the_dequantized_cache(case: tuple) -> None:
     got = ref.decode_attention(b.q, kc, vc, *args, ks, vs)
     want = ref.decode_attention(b.q, *_dequantized(kc, vc, ks, vs, torch.float32), *args)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)  # the unquantized cache
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)  # the unquantized cache
     exact = ref.decode_attention(b.q, b.k_cache, b.v_cache, *args)
     within_fp8_error(got, exact, b)
 
@@ -306,7 +307,7 @@ def interp_fp8_equal(got: torch.Tensor, want: torch.Tensor, off_by_one_step: flo
 
 
 def _interp_write() -> None:
-    from rapidserve.attention import triton_paged_kv as tp
+    from rapidserve.ops import triton_kv as tp
 
     for cache, dtype in ((FN, torch.float32), (FNUZ, torch.float16), (FN, torch.float16)):
         b = make_batch([(3, 5), (2, -1), (9, 0)], num_kv_heads=3, group=1, head_dim=64, block_size=8, dtype=dtype,
@@ -314,7 +315,7 @@ def _interp_write() -> None:
         ks, vs = scales(0.013, 0.021)
         want_k, want_v = fp8_cache(b, cache)
         got_k, got_v = fp8_cache(b, cache)
-        ref.write_kv(b.k_new, b.v_new, want_k, want_v, b.meta.slot_mapping, ks, vs)
+        torch_kv.write_kv(b.k_new, b.v_new, want_k, want_v, b.meta.slot_mapping, ks, vs)
         tp.write_kv(b.k_new, b.v_new, got_k, got_v, b.meta.slot_mapping, ks, vs)
         interp_fp8_equal(got_k, want_k)
         interp_fp8_equal(got_v, want_v)

@@ -21,9 +21,9 @@ from test_kv_fp8_attention import fp8_cache, scales, within_fp8_error, write_all
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.attention import attend, get_attention_backend, split_decode_rows
-from rapidserve.attention import kv_quant as kq
 from rapidserve.attention import torch_ref as ref
-from rapidserve.ops import fp8
+from rapidserve.ops import fp8, torch_kv
+from rapidserve.ops import kv_quant as kq
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -48,7 +48,7 @@ def gpu_scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
 @needs_fp8
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
-    from rapidserve.attention import triton_paged_kv as tp
+    from rapidserve.ops import triton_kv as tp
     from rapidserve.ops import triton_ops
 
     b = make_batch([(300, 0), (1, 700), (2, -1), (129, 64)], num_kv_heads=8, group=4, head_dim=128, block_size=16,
@@ -56,7 +56,7 @@ def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
     ks, vs = gpu_scales(0.013, 0.021)
     want_k, want_v = (t.to(CUDA) for t in fp8_cache(b, fmt()))
     got_k, got_v = want_k.clone(), want_v.clone()
-    ref.write_kv(b.k_new, b.v_new, want_k, want_v, b.meta.slot_mapping, ks, vs)
+    torch_kv.write_kv(b.k_new, b.v_new, want_k, want_v, b.meta.slot_mapping, ks, vs)
     tp.write_kv(b.k_new, b.v_new, got_k, got_v, b.meta.slot_mapping, ks, vs)
     assert torch.equal(got_k.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
@@ -72,7 +72,7 @@ def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
     caches = [torch.zeros(64, 8, 16, d, device=CUDA).to(fmt()) for _ in range(4)]
     triton_ops.rope_write(q.clone(), k.clone(), v, None, None, 1e-6, pos, table, caches[0], caches[1], slots, ks, vs)
     _, k_rot = triton_ops.apply_rope(q.clone(), k.clone(), pos, table)
-    ref.write_kv(k_rot, v, caches[2], caches[3], slots, ks, vs)
+    torch_kv.write_kv(k_rot, v, caches[2], caches[3], slots, ks, vs)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))
 
@@ -95,7 +95,7 @@ def test_triton_decode_and_prefill_over_fp8(dtype: torch.dtype) -> None:
     for splits in (None, 1, 5, 64):
         got = decode_attention(b.q, kc, vc, *args, ks, vs, num_splits=splits)
         torch.testing.assert_close(got.float(), want, atol=3e-2 if dtype == torch.bfloat16 else 4e-3, rtol=1e-2)
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     within_fp8_error(got.float().cpu(), ref.decode_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(),
                                                              *args).cpu(), b)
     p = make_batch([(300, 0), (1, 700), (129, 64), (2, -1), (1000, 37)], num_kv_heads=8, group=4, head_dim=128,
@@ -160,7 +160,7 @@ def test_fa3_prefills_fp8_within_a_bound_of_bf16() -> None:
     meta = split_decode_rows(b.meta, b.q_lens)
     got = impl.prefill_attention(b.q, kc, vc, meta, 128**-0.5, ks, vs)  # type: ignore[attr-defined]
     assert got.dtype == torch.bfloat16
-    ref.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+    torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
     exact = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, 128**-0.5)
     err = (got.float() - exact).abs()
     # the cache's fp8 and the query's (FA3's fp8 forward quantizes q too): the CPU test of this glue measured

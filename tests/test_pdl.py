@@ -157,9 +157,10 @@ def test_no_pdl_binds_every_launcher() -> None:
     assert no_pdl(torch_ops) is torch_ops
     ref = get_attention_backend("torch", "cpu")
     assert no_pdl_attention(ref) is ref
-    from rapidserve.attention import AttentionBackend, triton_paged_decode, triton_paged_kv, triton_paged_prefill
+    from rapidserve.attention import AttentionBackend, triton_paged_decode, triton_paged_prefill
+    from rapidserve.ops import triton_kv
 
-    attn = AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+    attn = AttentionBackend("triton", triton_kv.write_kv, triton_paged_prefill.prefill_attention,
                             triton_paged_decode.decode_attention, graph_safe=True)
     got: Any = no_pdl_attention(attn).decode_attention
     assert got.keywords == {"pdl": False} and no_pdl_attention(attn).prefill_attention is attn.prefill_attention
@@ -394,11 +395,10 @@ def test_with_launch_binds_every_launcher() -> None:
         AttentionBackend,
         get_attention_backend,
         triton_paged_decode,
-        triton_paged_kv,
         triton_paged_prefill,
         with_pdl,
     )
-    from rapidserve.ops import torch_ops_bundle, triton_ops_bundle, with_launch
+    from rapidserve.ops import torch_ops_bundle, triton_kv, triton_ops_bundle, with_launch
 
     ops = triton_ops_bundle(skinny=True)
     gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows", "fp8_linear_sums")
@@ -417,7 +417,7 @@ def test_with_launch_binds_every_launcher() -> None:
     assert with_launch(torch_ops, LaunchChoice(True, MIB8)) is torch_ops
     ref = get_attention_backend("torch", "cpu")
     assert with_pdl(ref, True) is ref
-    attn = AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+    attn = AttentionBackend("triton", triton_kv.write_kv, triton_paged_prefill.prefill_attention,
                             triton_paged_decode.decode_attention, graph_safe=True)
     on: Any = with_pdl(with_pdl(attn, False), True).decode_attention
     assert on.keywords == {"pdl": True} and with_pdl(attn, True).name == "triton"

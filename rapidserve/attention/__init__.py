@@ -19,7 +19,7 @@ decode: in the reduce kernel, rapidserve/attention/triton_paged_decode.py). `att
 a decode step; prefill and mixed steps return the float output, which the projection quantizes itself.
 
 `k_scale` / `v_scale`: an fp8 cache's per-layer scales (float32 [1] device tensors), which every backend applies
-as rapidserve/attention/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
+as rapidserve/ops/kv_quant.py defines (quantized on write, dequantized on read); None for a cache of the
 model's dtype. `window` W (a sliding-window layer: Mistral, Gemma 3's local layers) limits each query to the last
 W keys, itself included; every backend here takes it (torch: a mask; Triton: a kernel constant; FA3: its
 window_size), over either cache.
@@ -87,11 +87,12 @@ def _triton(device: torch.device) -> AttentionBackend:
         raise ConfigError(f"attention_backend='triton' needs a CUDA or ROCm GPU, but the device is "
                           f"{str(device)!r}; use attention_backend='torch' or 'auto' on CPU")
     try:
-        from rapidserve.attention import triton_paged_decode, triton_paged_kv, triton_paged_prefill
+        from rapidserve.attention import triton_paged_decode, triton_paged_prefill
+        from rapidserve.ops import triton_kv
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ConfigError(f"attention_backend='triton' needs the triton package, which failed to "
                           f"import ({e}); install triton or use attention_backend='torch'") from e
-    return AttentionBackend("triton", triton_paged_kv.write_kv, triton_paged_prefill.prefill_attention,
+    return AttentionBackend("triton", triton_kv.write_kv, triton_paged_prefill.prefill_attention,
                             triton_paged_decode.decode_attention, graph_safe=True,
                             decode_attention_fp8=triton_paged_decode.decode_attention_fp8)
 
@@ -136,7 +137,8 @@ def get_attention_backend(name: str, device: torch.device | str,
     if name == "triton":
         return _triton(device)
     from rapidserve.attention import torch_ref
-    return AttentionBackend("torch", torch_ref.write_kv, torch_ref.prefill_attention,
+    from rapidserve.ops import torch_kv
+    return AttentionBackend("torch", torch_kv.write_kv, torch_ref.prefill_attention,
                             torch_ref.decode_attention, graph_safe=False,
                             decode_attention_fp8=torch_ref.decode_attention_fp8)
 

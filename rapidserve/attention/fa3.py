@@ -28,7 +28,7 @@ The engine's "fa3" backend prefills with FA3 and decodes with Triton: on the H20
 while Triton's decode is as fast at batches of 16-256 and 1.1-1.6x faster at batch 1. FA3 takes fp16
 and bf16 only; fp32 prefill falls back to Triton.
 
-An fp8 KV cache (float8_e4m3fn; rapidserve/attention/kv_quant.py): FA3 reads fp8 K/V only with an fp8 query (its
+An fp8 KV cache (float8_e4m3fn; rapidserve/ops/kv_quant.py): FA3 reads fp8 K/V only with an fp8 query (its
 fp8 forward takes q, k and v in e4m3 alike, with float32 descale factors of shape [batch, kv_heads] that multiply
 them back, and writes bf16). So the query is quantized too, per tensor and dynamically (`quantize_query`: scale =
 max|q| / 448, computed on the device, graph safe), and q_descale / k_descale / v_descale are the query's scale and
@@ -48,8 +48,8 @@ from typing import Protocol
 
 import torch
 
-from rapidserve.attention.kv_quant import cache_scales
 from rapidserve.attention.metadata import AttentionMetadata, PrefillAttention
+from rapidserve.ops.kv_quant import cache_scales
 
 Descales = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, k, v descale factors, each [B, Hkv] float32
 

@@ -16,8 +16,9 @@ from the cache, with the same arguments Hugging Face transformers' "sdpa" attent
 when there is no mask, ``repeat_kv`` + boolean mask otherwise), so fp32 outputs match a transformers
 model as closely as possible: per sequence for prefill; decode batched with a padding mask.
 
-An fp8 cache (rapidserve/attention/kv_quant.py) takes the layer's ``k_scale`` / ``v_scale``: written quantized
-(``kv_quant.quantize``), read dequantized to q's dtype (``kv_quant.dequantize``) before the same attention.
+The KV write is rapidserve/ops/torch_kv.py's `write_kv` (the torch backend's, attention/__init__.py). An fp8 cache
+(rapidserve/ops/kv_quant.py) takes the layer's ``k_scale`` / ``v_scale``: written quantized (``kv_quant.quantize``,
+by that write), read dequantized to q's dtype (``kv_quant.dequantize``) before the same attention.
 
 These functions read lengths on the host (``.tolist()``): they are not CUDA-graph capturable.
 """
@@ -27,35 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rapidserve.attention.kv_quant import cache_scales, dequantize, quantize
 from rapidserve.attention.metadata import AttentionMetadata
 from rapidserve.ops.fp8 import QuantizedRows, quantize_rows
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
-    """Store new keys/values ([T, num_kv_heads, head_dim]) at their slots; rows with slot < 0 are skipped. An fp8
-    cache stores them quantized with `k_scale` / `v_scale` (kv_quant.py)."""
-    scales = cache_scales(k_cache, k_scale, v_scale)
-    if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"k and v must both be [T, num_kv_heads, head_dim]; got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    if slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries; k has {k.shape[0]} tokens")
-    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
-    slots = slot_mapping.to(torch.int64)
-    keep = slots >= 0
-    slots = slots[keep]
-    blocks = slots // block_size
-    offsets = slots % block_size
-    # Advanced indexing on dims 0 and 2 puts the token dim first: [n, num_kv_heads, head_dim].
-    if scales is not None:
-        k_cache[blocks, :, offsets] = quantize(k[keep], k_cache.dtype, scales[0])
-        v_cache[blocks, :, offsets] = quantize(v[keep], v_cache.dtype, scales[1])
-        return
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+from rapidserve.ops.kv_quant import cache_scales, dequantize
 
 
 def _tiles(cache: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

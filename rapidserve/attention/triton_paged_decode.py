@@ -1,6 +1,7 @@
 """Triton split-K decode attention (CUDA and ROCm): `decode_attention`, and `decode_attention_fp8` whose output is
-quantized for an fp8 o projection. The cache's layout, the sliding window and the fp8 cache: triton_paged_kv.py; the
-launch configuration (key tile, warps, stages, splits): rapidserve/attention/decode_config.py.
+quantized for an fp8 o projection. The cache's layout, the sliding window and the fp8 cache:
+rapidserve/ops/triton_kv.py; the launch configuration (key tile, warps, stages, splits):
+rapidserve/attention/decode_config.py.
 
 Nothing here reads a device value on the host, and the launch shape depends only on tensor shapes, so
 decode_attention can be captured in a CUDA graph (as write_kv) and replayed with other slots and context lengths.
@@ -37,10 +38,10 @@ from rapidserve.attention.decode_config import (
     reduce_warps,
     uses_fp16_dots,
 )
-from rapidserve.attention.triton_paged_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.fp8 import QuantizedRows
 from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
+from rapidserve.ops.triton_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 
 
 # Eager decode (hybrid mode's mixed steps, LLM without graphs) sees a new split count and block-table width almost

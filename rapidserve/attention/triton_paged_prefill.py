@@ -1,6 +1,6 @@
 """Triton varlen prefill attention (CUDA and ROCm): `prefill_attention`, causal, of new tokens over their sequences
 in the paged cache (a cached prefix included), and `prefill_flops` for benchmarks. The cache's layout, the sliding
-window and the fp8 cache: triton_paged_kv.py. Prefill launches without programmatic dependent launch.
+window and the fp8 cache: rapidserve/ops/triton_kv.py. Prefill launches without programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from rapidserve.attention.metadata import AttentionMetadata
-from rapidserve.attention.triton_paged_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
+from rapidserve.ops.triton_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 
 
 @triton.jit

@@ -30,7 +30,7 @@ decode step the attention before o_proj: `attention.attend`'s `out_fp8`), the sa
 without the extra launch and pass (issue 39; `ops.unfused_fp8` turns it off).
 An fp8 KV cache (`kv_dtype`): each layer holds its `k_scale` / `v_scale` (float32 [1] parameters, from the config
 tree, never from the weight stream; shared with the prefill worker like every parameter), which its K/V write
-(`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/attention/kv_quant.py).
+(`ops.rope_write`) and its attention (`attention.attend`) take (rapidserve/ops/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from rapidserve.attention import AttentionBackend, AttentionMetadata, attend
-from rapidserve.attention.kv_quant import FP8_KV_DTYPES
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
@@ -61,6 +60,7 @@ from rapidserve.models.projections import (
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, SplitSums, fp8_dtype
+from rapidserve.ops.kv_quant import FP8_KV_DTYPES
 from rapidserve.parallel.shard import shard_config
 from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
 

@@ -14,7 +14,7 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 - ``rope_write(q, k, v, q_weight | None, k_weight | None, eps, positions, cos_sin_cache, k_cache, v_cache,
   slot_mapping, k_scale=None, v_scale=None) -> q``: what a layer does between its qkv projection and attention:
   (q/k RMSNorm,) RoPE, and k/v written to their cache slots (layout: rapidserve/attention/metadata.py; an fp8
-  cache quantized with the layer's scales, rapidserve/attention/kv_quant.py); the Triton version in one launch,
+  cache quantized with the layer's scales, rapidserve/ops/kv_quant.py); the Triton version in one launch,
   q rotated in place, k left unrotated (callers use the cache from then on)
 - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]`` and ``linear_silu_and_mul(x [T, K],
   gate_up [2I, K]) = silu_and_mul(linear(x, gate_up)) -> [T, I]``: the Triton bundle runs decode batches
@@ -206,7 +206,7 @@ def unfused_ops(ops: Ops) -> Ops:
     ran before these changes (for A/B measurements; the engine never uses it)."""
     if ops.name == "torch":
         return ops
-    from rapidserve.attention.triton_paged_kv import write_kv
+    from rapidserve.ops.triton_kv import write_kv
 
     def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
                    k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rapidserve.attention.torch_ref import write_kv as torch_write_kv
 from rapidserve.ops.fp8 import QuantizedRows, SplitSums, quantize_rows, reduce_sums_reference
+from rapidserve.ops.torch_kv import write_kv as torch_write_kv
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,9 +62,9 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
                k_weight: torch.Tensor | None, eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """(q/k RMSNorm when the weights are given,) RoPE, then k and v written to their cache slots (as the
-    torch attention backend's write_kv: an fp8 cache quantized with `k_scale` / `v_scale`). Returns the rotated q,
-    a new tensor."""
+    """(q/k RMSNorm when the weights are given,) RoPE, then k and v written to their cache slots
+    (`torch_kv.write_kv`, the torch attention backend's write too: an fp8 cache quantized with `k_scale` /
+    `v_scale`). Returns the rotated q, a new tensor."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("rope_write takes both q/k norm weights or neither")
     if q_weight is not None and k_weight is not None:

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.attention.triton_paged_kv import check_cache, to_cache, write_kv
 from rapidserve.ops import pdl as pdl_launch
+from rapidserve.ops.triton_kv import check_cache, to_cache, write_kv
 
 
 def _warps(block: int) -> int:
@@ -325,7 +325,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torc
     """One launch for what a layer does between its qkv projection and attention: (Qwen3's per-head q/k
     RMSNorm when the weights are given,) RoPE of q IN PLACE, and the rotated k and v written to their
     cache slots (rows with slot < 0 write nothing; an fp8 cache quantized with `k_scale` / `v_scale`, as
-    triton_paged_kv.write_kv). Returns q (rotated); k is left as it was. Same results as qk_norm_rope / apply_rope
+    triton_kv.write_kv). Returns q (rotated); k is left as it was. Same results as qk_norm_rope / apply_rope
     then write_kv. Norm weights of another dtype than q take that unfused path. `pdl`: programmatic dependent
     launch (`ops.pdl.use_pdl`; None: where the GPU has it).
 

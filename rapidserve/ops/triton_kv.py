@@ -1,6 +1,10 @@
-"""The Triton paged-attention kernels' common ground (CUDA and ROCm): the KV cache's layout and checks, its fp8
-store, the KV write (`write_kv`), and the device helpers both attention kernels use. The kernels: split-K decode in
-rapidserve/attention/triton_paged_decode.py, varlen prefill in rapidserve/attention/triton_paged_prefill.py.
+"""The Triton KV cache's store primitives and the paged-attention kernels' common ground (CUDA and ROCm): the KV
+cache's layout and checks (`check_cache`), its fp8 store (`to_cache`), the KV write (`write_kv`), and the device
+helpers both attention kernels use. It sits in ops/, below the attention package, because both sides use it: the
+attention kernels (split-K decode in rapidserve/attention/triton_paged_decode.py, varlen prefill in
+rapidserve/attention/triton_paged_prefill.py) and the Triton op bundle's fused qk-norm + RoPE + KV write
+(rapidserve/ops/triton_ops.py, `to_cache`; `unfused_ops`' separate write, rapidserve/ops/__init__.py). Its torch
+reference: rapidserve/ops/torch_kv.py.
 
 Layouts (see rapidserve/attention/metadata.py):
 
@@ -20,10 +24,10 @@ two variants of each): decode's key tiles start at the page (or page slice) of e
 (causal and window).
 
 write_kv reads no device value on the host and its launch shape depends only on tensor shapes, so it can be captured
-in a CUDA graph and replayed with other slots (decode_attention too: its module). Softmax runs in fp32 with exp2
-(`_LOG2E`); fp32 inputs use IEEE (not tf32) dots (`_dot`).
+in a CUDA graph and replayed with other slots (decode_attention too: its module). The attention kernels' softmax runs
+in fp32 with exp2 (`_LOG2E`); fp32 inputs use IEEE (not tf32) dots (`_dot`).
 
-An fp8 cache (float8_e4m3fn, or e4m3fnuz on ROCm's gfx94x; rapidserve/attention/kv_quant.py) takes the layer's
+An fp8 cache (float8_e4m3fn, or e4m3fnuz on ROCm's gfx94x; rapidserve/ops/kv_quant.py) takes the layer's
 ``k_scale`` / ``v_scale`` (float32 [1] device tensors, loaded by the kernels; `check_cache`): write_kv stores
 fp8(clamp(x / scale, +-fp8_max)) (`to_cache`); the attention kernels load fp8 tiles, convert them to q's dtype (exact:
 every e4m3 value is a bf16/fp16/fp32 value) for the same dots, and fold the scales in once: the scores are multiplied
@@ -40,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.attention.kv_quant import cache_scales
+from rapidserve.ops.kv_quant import cache_scales
 
 _LOG2E = 1.4426950408889634
 
