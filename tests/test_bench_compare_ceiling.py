@@ -1,6 +1,7 @@
 """bench/compare.py --goodput-search --search-shared-ceiling: every system's search may go up to the highest
 closed-loop peak measured so far in the comparison (bench/compare_peak.py), the flags that go with it, what the
-report says of it (bench/compare_frontier.py), and one comparison of two CPU servers sharing one ceiling."""
+report says of it (bench/compare_frontier.py), bench/frontier_plan.py's probe lengths (the longer ones above the
+peak, and every probe's warm-up: the ramp rule), and one comparison of two CPU servers sharing one ceiling."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, round_rate
+from rapidserve.benchmark import sustain
+from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, SearchConfig, round_rate
 from tests.test_bench_compare import _load
 
 compare = _load()
@@ -142,6 +144,40 @@ def test_the_plan_counts_longer_probes_above_the_peak() -> None:
     lines = plan.plan(cfg, "qwen3-8b", 2, 1, ["ours-slo", "baselines"], num_prompts=48, max_probes=10, stashed=True,
                       above_peak_factor=4.0)
     assert "(cut from 5 by BUDGET_S 540)" in lines[3]  # five one-bound searches with long probes: split the group
+
+
+def test_the_plan_shares_the_ramp_rules_numbers() -> None:
+    """bench/frontier_plan.py runs without the bench client's packages, so it keeps its own copy of these."""
+    assert (plan.RAMP_MARGIN, plan.DEFAULT_MAX_PROBE_ARRIVALS) == (sustain.RAMP_MARGIN,
+                                                                   sustain.DEFAULT_MAX_PROBE_ARRIVALS)
+    assert SearchConfig().discard == plan.SEARCH_DISCARD
+
+
+@pytest.mark.parametrize("rate,counted,life,cap,want", [
+    (10.0, 32, None, 1024, (48 / 10 + 2, 16)),  # as before the ramp rule: the discard, then 2 s to drain
+    (10.0, 32, 1.0, 1024, (48 / 10 + 2, 16)),  # a short lifetime: the discard covers it, drained in 2 s
+    (30.0, 64, 6.0, 1024, ((225 + 64) / 30 + 6, 225)),  # 1024:256: 7.5 s of warm-up, 6 s to drain
+    (40.0, 256, 8.0, 300, (300 / 40 + 8, 400)),  # capped: no longer than the cap
+])
+def test_probe_seconds(rate: float, counted: int, life: float | None, cap: int, want: tuple[float, int]) -> None:
+    got = plan.probe_seconds(rate, counted, life, cap)
+    assert got[0] == pytest.approx(want[0]) and got[1] == want[1]
+
+
+def test_the_plan_counts_the_warm_up() -> None:
+    # 1024:256 (lifetime guess 0.3 + 256 x 25 ms = 6.7 s) at the 80 arrivals a probe of a default search
+    assert plan.lifetime_guess(256) == pytest.approx(6.7) and plan.lifetime_guess(28) == pytest.approx(1.0)
+    before = plan.group_call("baselines", ["always-fused"], 30.0, 80, 10, 540, False)
+    ramp = plan.group_call("baselines", ["always-fused"], 30.0, 80, 10, 540, False, lifetime_s=6.7)
+    # probes at ~peak / 1.6: 1.25 x 6.7 s of warm-up (126 arrivals) then 64, and 6.7 s to drain, against 80 and 2 s
+    warm = -(-18.75 * 8.375 // 1)
+    assert ramp.seconds - before.seconds == pytest.approx(10 * ((warm - 16) / 18.75 + 6.7 - 2))
+    assert "(warm-up ~158 arrivals, lifetime 6.7 s)" in ramp.detail and "warm-up" not in before.detail
+    cfg = plan._model("qwen3-8b")
+    lines = plan.plan(cfg, "qwen3-8b", 2, 1, ["baselines"], prompt=1024, num_prompts=80, max_probes=10,
+                      stashed=True, lifetime_s=6.7)
+    assert "request lifetime 6.7 s (the probes' warm-ups: the ramp rule)" in lines[1]
+    assert "request lifetime" not in plan.plan(cfg, "qwen3-8b", 2, 1, ["baselines"], stashed=True)[1]
 
 
 def test_two_cpu_servers_share_one_ceiling(tmp_path) -> None:  # type: ignore[no-untyped-def]
