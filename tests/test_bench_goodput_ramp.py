@@ -382,6 +382,17 @@ def test_a_probe_that_needs_more_than_the_cap_fails_as_capped() -> None:
     assert out.goodput[1]["hi"] == 40.0  # failed, not passed on a ramp
 
 
+def test_a_trace_window_too_short_for_steady_state_fails_without_a_rerun() -> None:
+    """A trace replays its window's requests (search.py passes its count as the cap): a re-run could be no longer, so
+    a short probe is not run again; it fails."""
+    server = NeverSettles()
+    scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=10, max_probes=1, start_rate=8.0, max_rate=16.0)
+    out = asyncio.run(search_frontier(server.measure, scfg, 8.0, 60, clock=lambda: server.now, cap=60))
+    assert server.calls == [(8.0, 60)] and out.probes[0].ramp is not None
+    assert (out.probes[0].ramp.verdict, out.probes[0].ramp.then) == (SHORT, NO_RERUN_CAP)
+    assert "fails every target (not re-run: the cap allows no longer probe)" in out.probes[0].ramp.describe()
+
+
 def test_the_time_budget_knows_the_warm_up() -> None:
     """A probe's estimated length is its warm-up and counted arrivals over the rate, then one lifetime to drain: at
     10 req/s with a 6 s lifetime, 125 arrivals (12.5 s) + 6 s; a deadline at 15 s starts nothing."""
