@@ -32,6 +32,13 @@ peak measured so far in the comparison on that workload (its own included; an ea
 every system one rate instead; probes above a system's own peak fail where their TTFT backlog grew, and
 `--search-above-peak-factor F` makes them F x longer (rapidserve/benchmark/sustain.py says why both).
 
+Every probe starts from an empty server, whose requests in flight ramp up over one request lifetime (Little's law), so
+it first sends a warm-up, the larger of `--search-discard` arrivals and those within 1.25 lifetimes (estimated from
+the search's own probes, the closed-loop run's before any), and counts only the arrivals released after the lifetime
+it measured; a probe left with too few (short) is run once more with a longer warm-up and fails every target if still
+short, or where steady state needs more than `--search-max-probe-arrivals N` arrivals (default 1024; the ramp rule,
+rapidserve/benchmark/sustain.py). Decode-heavy workloads (1024:256: lifetimes of 5-8 s on an H200) make long probes.
+
 Systems (`--systems`, comma-separated, run one after the other in that order; `--system LABEL=SPEC` adds one):
 - a name of SYSTEMS below: `rapidserve serve --model M --port P <--serve-args> <its flags>` as a subprocess;
   `--system LABEL=FLAGS` is one more with your flags. `--tensor-parallel-size N` in --serve-args shards ours and

@@ -24,6 +24,11 @@ ceiling, whose peak it was, and how many of its probes ran above its own peak (l
 --search-above-peak-factor) and how many of those failed on a growing TTFT backlog (rapidserve/benchmark/sustain.py).
 A cell `>= X` is always X = that search's own ceiling, the highest rate it probed.
 
+Every probe's warm-up follows the ramp rule (rapidserve/benchmark/sustain.py: the larger of --search-discard
+arrivals and those within 1.25 request lifetimes, so that the counted requests meet the server at its steady load);
+the `search` column counts the probes that were short (too few arrivals after their lifetime, even once re-run) or
+capped (steady state needs more than --search-max-probe-arrivals), each of which failed every target.
+
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
 others; a search that runs out reports its brackets so far, marked unfinished.
@@ -45,7 +50,15 @@ from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED, SHARED_PEAK, round_rate  # noqa: E402
-from rapidserve.benchmark.goodput_report import ABOVE_LEGEND, LEGEND, above_peak, goodput_cell  # noqa: E402
+from rapidserve.benchmark.goodput_report import (  # noqa: E402
+    ABOVE_LEGEND,
+    LEGEND,
+    RAMP_LEGEND,
+    above_peak,
+    goodput_cell,
+    has_ramp,
+    ramp_counts,
+)
 from rapidserve.benchmark.plot import PLOT_NEEDS, have_matplotlib, plot_frontier  # noqa: E402
 from rapidserve.benchmark.report import jsonable  # noqa: E402
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares  # noqa: E402
@@ -79,8 +92,8 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
             "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",
-                                              "server_step_correction", "again", *ABOVE_KEYS)
-                        if k in p or k not in (*ABOVE_KEYS, "again")}
+                                              "server_step_correction", "again", "ramp", *ABOVE_KEYS)
+                        if k in p or k not in (*ABOVE_KEYS, "again", "ramp")}
                        for p in res.get("probes", [])]}
 
 
@@ -103,6 +116,15 @@ def ceiling_note(f: Mapping[str, Any]) -> str:
     each = f" ({', '.join(str(n) for n in arrivals)} arrivals each)" if arrivals else ""
     return (f"ceiling {float(top):g} req/s ({whose}) above its own peak {float(peak):.3g}: {len(above)} probe(s) "
             f"above it{each}, backlog grew in {grew}")
+
+
+def ramp_note(f: Mapping[str, Any]) -> str:
+    """A frontier's probes that did not reach steady state (the ramp rule): '2 probe(s) short, 1 capped (failed every
+    target), 3 re-run'; '' where none was short or capped."""
+    short, capped, rerun = ramp_counts(f)
+    if not short and not capped:
+        return ""
+    return f"{short} probe(s) short, {capped} capped (failed every target), {rerun} re-run"
 
 
 def searched_entry(f: Mapping[str, Any], bound: float | None, share: float) -> dict[str, Any] | None:
@@ -192,7 +214,7 @@ def _search_cell(f: Mapping[str, Any]) -> str:
                           for k, label in f["parts"].items())
         return f"composite of {parts}; {done}"
     only = f["search"]["settings"].get("only_bounds")
-    note = ceiling_note(f)
+    note = "; ".join(x for x in (ceiling_note(f), ramp_note(f)) if x)
     done = done if not note else f"{note}; {done}"
     return done if only is None else f"searched at {', '.join(bound_label(b) for b in only)} only; {done}"
 
@@ -213,8 +235,12 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
              f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
+    ramp = any(has_ramp(f) for f in frontiers)
     if any(above_peak(f) for f in frontiers):
-        lines[-1:-1] = [f"- {ABOVE_LEGEND} The `search` column says which searches went above their own peak."]
+        lines[-1:-1] = [f"- {ABOVE_LEGEND} The `search` column says which searches went above their own peak."
+                        + (f" {RAMP_LEGEND} It also counts the probes short or capped." if ramp else "")]
+    elif ramp:
+        lines[-1:-1] = [f"- {RAMP_LEGEND} The `search` column counts the probes short or capped."]
     if len(rows) > len(frontiers):
         lines[-1:-1] = [f"- **{COMPOSITE}**: the adaptive policy (`--policy duet`, issue 37's default) as a user who "
                         "needs bound B runs it, "

@@ -58,11 +58,16 @@ read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
 # a group being one compare.py run, or --search-max-rate R, one rate for every group)
 probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
 factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\([0-9.][0-9.]*\).*/\1/p')
-# the plan's prompt length: the first workload's, where WORKLOADS gives one as IN:OUT (else the 4096 of 4096:64); the
-# vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh --split made them), else the plan's default
+# the plan's prompt and output lengths: the first workload's, where WORKLOADS gives one as IN:OUT (else 4096:64; the
+# output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); the probes' arrival cap
+# (--search-max-probe-arrivals in SEARCH_ARGS); the vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh
+# --split made them), else the plan's default
 prompt=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^\([0-9][0-9]*\):[0-9].*/\1/p')
+output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*/\1/p')
+cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
-plan_extra=(--prompt "${prompt:-4096}")
+plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}")
+[ -n "$cap" ] && plan_extra+=(--max-probe-arrivals "$cap")
 [ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \

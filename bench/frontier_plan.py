@@ -42,6 +42,15 @@ probe count is still capped by --max-probes, so what grows is each probe's lengt
 default) plans as before: probes above the peak, if the ceiling allows any, are as long as the others (and then the
 plan's ~11 s each, a little long at rates above the peak).
 
+Every probe's warm-up (the ramp rule, rapidserve/benchmark/sustain.py): a probe sends the larger of SEARCH_DISCARD
+arrivals and those within RAMP_MARGIN request lifetimes before the ones it counts, and drains for about one lifetime
+after its last arrival, so a probe at rate r lasts about (warm-up + counted) / r + the lifetime (`probe_seconds`, at
+most --max-probe-arrivals arrivals). The lifetime is `--lifetime-s`, else a guess from the workload's output length
+(`lifetime_guess`: LIFE_BASE_S + LIFE_TOKEN_S per output token, from the H200 of 2026-11-30: 1024:256 lived 5-8 s,
+2048:28 about 1 s); `--output` defaults to the 64 of 4096:64 (bench/frontier_parallel.sh passes its workload's). A
+decode-heavy shape's probes are long: 1024:256 at ~30 req/s warms up for ~300 arrivals. Called without a lifetime
+(`plan`, `group_call` from Python), the plan is the one before the ramp rule: the discard, then DRAIN_S to drain.
+
 ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
 knob changes it at runtime), so on two GPUs `GROUP=ours-slo,baselines` runs them beside always-fused and
 always-split (`ours` would also run duet at SLO 50, which duet@50 already is). The table's
@@ -90,7 +99,12 @@ STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # p
 ONE_BOUND_PROBES = 5  # probes a search of one bound wants (its two shares' brackets closed), at most
 ABOVE_PEAK_PROBES = 3  # of a search's probes, those planned above the peak with --above-peak-factor > 1
 ABOVE_PEAK_RATE = 1.2  # their rate, x the peak (between the peak and a ceiling ~1.4-2 x it, bisected)
-SEARCH_DISCARD = 16  # bench's --search-discard default: a long probe's warm-up, unchanged
+SEARCH_DISCARD = 16  # bench's --search-discard default: the fewest warm-up arrivals of a probe
+# rapidserve/benchmark/sustain.py's (this plan runs where the bench client's packages are not installed: not imported)
+RAMP_MARGIN = 1.25  # a probe's warm-up covers this many request lifetimes
+DEFAULT_MAX_PROBE_ARRIVALS = 1024  # --search-max-probe-arrivals' default
+DRAIN_S = 2.0  # a probe's drain after its last arrival, at least (without a lifetime: the whole of it)
+LIFE_BASE_S, LIFE_TOKEN_S = 0.3, 0.025  # a request's lifetime guess: s, and s per output token (see the docstring)
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
 REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
 REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
@@ -173,6 +187,20 @@ def probes_wanted(system: str, max_probes: int) -> int:
     return min(max_probes, ONE_BOUND_PROBES) if "@" in system else max_probes
 
 
+def lifetime_guess(output_tokens: int) -> float:
+    """A request's lifetime (its E2E, s) under load, guessed from its output length (see the docstring)."""
+    return LIFE_BASE_S + LIFE_TOKEN_S * output_tokens
+
+
+def probe_seconds(rate: float, counted: int, lifetime_s: float | None,
+                  cap: int = DEFAULT_MAX_PROBE_ARRIVALS) -> tuple[float, int]:
+    """(seconds, warm-up arrivals) of one probe at `rate` counting `counted` arrivals: its warm-up (the ramp rule)
+    and counted arrivals (at most `cap`) over the rate, then one lifetime to drain (at least DRAIN_S); without a
+    lifetime the warm-up is the discard alone (the plan before the ramp rule)."""
+    warm = max(SEARCH_DISCARD, math.ceil(rate * RAMP_MARGIN * (lifetime_s or 0.0) - 1e-9))  # sustain.warmup_arrivals
+    return min(warm + counted, cap) / rate + max(DRAIN_S, lifetime_s or 0.0), warm
+
+
 def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: float) -> float:
     """The probes of one search: `wanted` of `probe_s` each, ABOVE_PEAK_PROBES of them `long_s` instead where
     `above_peak_factor` > 1."""
@@ -181,13 +209,18 @@ def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: floa
 
 
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
-               budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0) -> Call:
-    """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it)."""
+               budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0,
+               lifetime_s: float | None = None, cap: int = DEFAULT_MAX_PROBE_ARRIVALS) -> Call:
+    """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it).
+    `lifetime_s`: a request's lifetime, for the probes' warm-ups (`probe_seconds`; None: the discard alone)."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
     startups = sum(STARTUP_S[kind_of(s, tp)] for s in systems)
-    probe_s = 1.6 * num_prompts / peak + 2  # probes lie between peak/4 and the peak, most near peak/2
-    long_n = SEARCH_DISCARD + math.ceil(above_peak_factor * max(0, num_prompts - SEARCH_DISCARD))
-    long_s = long_n / (ABOVE_PEAK_RATE * peak) + 2
+    counted = max(0, num_prompts - SEARCH_DISCARD)
+    # probes lie between peak/4 and the peak, most near peak/2: 1 / rate averages ~1.6 / peak, a rate of peak / 1.6
+    probe_s, warm = probe_seconds(peak / 1.6, counted, lifetime_s, cap)
+    long_counted = math.ceil(above_peak_factor * counted)
+    long_s, long_warm = probe_seconds(ABOVE_PEAK_RATE * peak, long_counted, lifetime_s, cap)
+    long_n = min(long_warm + long_counted, cap)
     wanted = [probes_wanted(s, max_probes) for s in systems]
     share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems))
     fit = {w: max(0, int((share - num_prompts / peak) // (search_s(w, probe_s, long_s, above_peak_factor) / w)))
@@ -201,15 +234,18 @@ def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int
                       for w in dict.fromkeys(wanted))
     above = (f", up to {ABOVE_PEAK_PROBES} a search above the peak ~{long_s:.0f} s each ({long_n} arrivals)"
              if above_peak_factor > 1 else "")
+    ramp = f" (warm-up ~{warm} arrivals, lifetime {lifetime_s:.2g} s)" if lifetime_s is not None else ""
     return Call(f"{group} [{', '.join(systems)}]", seconds,
-                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe{above}")
+                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe{ramp}{above}")
 
 
 def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
          num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
          stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8,
-         above_peak_factor: float = 1.0) -> list[str]:
-    """The session's calls, in order, with their estimated device time and what fits in SESSION_S."""
+         above_peak_factor: float = 1.0, lifetime_s: float | None = None,
+         cap: int = DEFAULT_MAX_PROBE_ARRIVALS) -> list[str]:
+    """The session's calls, in order, with their estimated device time and what fits in SESSION_S. `lifetime_s`: a
+    request's lifetime, for the probes' warm-ups (None: the discard alone, as before the ramp rule)."""
     slots = gpus // tp
     if slots < 1:
         raise ValueError(f"TP {tp} needs {tp} GPUs; the machine has {gpus}")
@@ -217,7 +253,9 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
     lines = [f"frontier plan: {preset} at TP {tp} on {gpus} GPUs: {slots} group(s) side by side per call; "
              f"{prompt}-token prompts, {num_prompts} arrivals a probe, <= {max_probes} probes, BUDGET_S {budget_s:g}",
              f"  closed-loop peak guess (prefill-bound, from qwen3-8b's {REF_PEAK} req/s on one H200): "
-             f"{peak:.2g} req/s; weights {weights_gib(cfg):.0f} GiB bf16"]
+             f"{peak:.2g} req/s; weights {weights_gib(cfg):.0f} GiB bf16"
+             + (f"; request lifetime {lifetime_s:.2g} s (the probes' warm-ups: the ramp rule)"
+                if lifetime_s is not None else "")]
     calls = [Call("machine start", MACHINE_START_S, "a minute or more, held")]
     if not stashed:  # vLLM's FA3 build serves ours too (FA3_FROM_VLLM=1): every group wants it installed
         calls.append(Call(f"vLLM stash: {vllm_parts} calls", vllm_parts * STASH_CALL_S,
@@ -228,7 +266,7 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
             side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp,
-                                   above_peak_factor))
+                                   above_peak_factor, lifetime_s, cap))
             if note:
                 lines.append(f"  {g}: {note}")
         first_vllm = False  # the first call installs it
@@ -276,6 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--vllm-parts", type=int, default=8)
     pl.add_argument("--above-peak-factor", type=float, default=1.0,
                     help="SEARCH_ARGS' --search-above-peak-factor: plan each search's probes above the peak that long")
+    pl.add_argument("--output", type=int, default=64, help="output tokens of the workload: the request lifetime's "
+                    "guess, for the probes' warm-ups (the ramp rule)")
+    pl.add_argument("--lifetime-s", type=float, default=None, help="a request's lifetime under load, s (default: "
+                    "guessed from --output)")
+    pl.add_argument("--max-probe-arrivals", type=int, default=DEFAULT_MAX_PROBE_ARRIVALS,
+                    help="SEARCH_ARGS' --search-max-probe-arrivals: no probe is planned longer")
     pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
     for q in (g, pl):
         q.add_argument("--tp", type=int, default=1)
@@ -290,8 +334,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(",".join(ours), ",".join(vllm), note, sep="\n")
         else:
             groups = [x.strip() for x in a.groups.split(",") if x.strip()]
+            life = a.lifetime_s if a.lifetime_s is not None else lifetime_guess(a.output)
             print("\n".join(plan(cfg, a.preset, a.gpus, a.tp, groups, a.prompt, a.num_prompts, a.max_probes,
-                                 a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem, a.above_peak_factor)))
+                                 a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem, a.above_peak_factor,
+                                 life, a.max_probe_arrivals)))
     except ValueError as e:
         print(f"frontier_plan: {e}", file=sys.stderr)
         return 2

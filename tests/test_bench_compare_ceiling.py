@@ -1,6 +1,7 @@
 """bench/compare.py --goodput-search --search-shared-ceiling: every system's search may go up to the highest
 closed-loop peak measured so far in the comparison (bench/compare_peak.py), the flags that go with it, what the
-report says of it (bench/compare_frontier.py), and one comparison of two CPU servers sharing one ceiling."""
+report says of it (bench/compare_frontier.py), bench/frontier_plan.py's probe lengths (the longer ones above the
+peak, and every probe's warm-up: the ramp rule), and one comparison of two CPU servers sharing one ceiling."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, round_rate
+from rapidserve.benchmark import sustain
+from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, SearchConfig, round_rate
 from tests.test_bench_compare import _load
 
 compare = _load()
@@ -144,6 +146,40 @@ def test_the_plan_counts_longer_probes_above_the_peak() -> None:
     assert "(cut from 5 by BUDGET_S 540)" in lines[3]  # five one-bound searches with long probes: split the group
 
 
+def test_the_plan_shares_the_ramp_rules_numbers() -> None:
+    """bench/frontier_plan.py runs without the bench client's packages, so it keeps its own copy of these."""
+    assert (plan.RAMP_MARGIN, plan.DEFAULT_MAX_PROBE_ARRIVALS) == (sustain.RAMP_MARGIN,
+                                                                   sustain.DEFAULT_MAX_PROBE_ARRIVALS)
+    assert SearchConfig().discard == plan.SEARCH_DISCARD
+
+
+@pytest.mark.parametrize("rate,counted,life,cap,want", [
+    (10.0, 32, None, 1024, (48 / 10 + 2, 16)),  # as before the ramp rule: the discard, then 2 s to drain
+    (10.0, 32, 1.0, 1024, (48 / 10 + 2, 16)),  # a short lifetime: the discard covers it, drained in 2 s
+    (30.0, 64, 6.0, 1024, ((225 + 64) / 30 + 6, 225)),  # 1024:256: 7.5 s of warm-up, 6 s to drain
+    (40.0, 256, 8.0, 300, (300 / 40 + 8, 400)),  # capped: no longer than the cap
+])
+def test_probe_seconds(rate: float, counted: int, life: float | None, cap: int, want: tuple[float, int]) -> None:
+    got = plan.probe_seconds(rate, counted, life, cap)
+    assert got[0] == pytest.approx(want[0]) and got[1] == want[1]
+
+
+def test_the_plan_counts_the_warm_up() -> None:
+    # 1024:256 (lifetime guess 0.3 + 256 x 25 ms = 6.7 s) at the 80 arrivals a probe of a default search
+    assert plan.lifetime_guess(256) == pytest.approx(6.7) and plan.lifetime_guess(28) == pytest.approx(1.0)
+    before = plan.group_call("baselines", ["always-fused"], 30.0, 80, 10, 540, False)
+    ramp = plan.group_call("baselines", ["always-fused"], 30.0, 80, 10, 540, False, lifetime_s=6.7)
+    # probes at ~peak / 1.6: 1.25 x 6.7 s of warm-up (126 arrivals) then 64, and 6.7 s to drain, against 80 and 2 s
+    warm = -(-18.75 * 8.375 // 1)
+    assert ramp.seconds - before.seconds == pytest.approx(10 * ((warm - 16) / 18.75 + 6.7 - 2))
+    assert "(warm-up ~158 arrivals, lifetime 6.7 s)" in ramp.detail and "warm-up" not in before.detail
+    cfg = plan._model("qwen3-8b")
+    lines = plan.plan(cfg, "qwen3-8b", 2, 1, ["baselines"], prompt=1024, num_prompts=80, max_probes=10,
+                      stashed=True, lifetime_s=6.7)
+    assert "request lifetime 6.7 s (the probes' warm-ups: the ramp rule)" in lines[1]
+    assert "request lifetime" not in plan.plan(cfg, "qwen3-8b", 2, 1, ["baselines"], stashed=True)[1]
+
+
 def test_two_cpu_servers_share_one_ceiling(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`wide` (the default batch) then `narrow` (--max-num-seqs 1: one request at a time, a far lower closed-loop
     peak): narrow's search may go up to wide's peak, its probes above its own peak twice as long and judged by their
@@ -169,11 +205,18 @@ def test_two_cpu_servers_share_one_ceiling(tmp_path) -> None:  # type: ignore[no
     own = round_rate(pn)
     assert narrow["probes"][0]["rate"] == own and "above_peak" not in narrow["probes"][0]  # the start: its own peak
     above = [p for p in narrow["probes"] if p["rate"] > own]
-    assert above and all(p["above_peak"] and p["arrivals"] == 2 + 2 * 8 and p["counted"] == 16 for p in above)
-    assert all(p["backlog"]["requests"] == 16 and isinstance(p["backlog"]["grew"], bool) for p in above)
+    # above its own peak a probe means to count 2 x 8, after its warm-up (the ramp rule: at least the 2 discarded;
+    # its length and what its lifetime leaves are CPU timings), and its backlog is judged on what it counted
+    assert narrow["probes"][0]["ramp"]["wanted"] == 8
+    assert above and all(p["above_peak"] and p["ramp"]["wanted"] == 16 and p["ramp"]["warmup"] >= 2 for p in above)
+    assert all(p["arrivals"] == p["ramp"]["sent"] == p["ramp"]["warmup"] + 16 for p in above)
+    assert all(p["counted"] == p["ramp"]["counted"] for p in above)
+    assert all(p["backlog"] is None if p["counted"] < 8 else p["backlog"]["requests"] == p["counted"]
+               and isinstance(p["backlog"]["grew"], bool) for p in above)
     with open(narrow["path"]) as f:  # the search's own file: every request of a long probe
-        assert [len(p["requests"]) for p in json.load(f)["probes"]] == [10] + [18] * len(above)
+        assert [len(p["requests"]) for p in json.load(f)["probes"]] == [p["ramp"]["sent"] for p in narrow["probes"]]
     md = (tmp_path / "sh.md").read_text()
+    each = ", ".join(str(n) for n in sorted({p["arrivals"] for p in above}))
     assert f"ceiling {round_rate(pw):g} req/s (wide's peak) above its own peak {pn:.3g}: {len(above)} probe(s) " \
-           "above it (18 arrivals each)" in md
+           f"above it ({each} arrivals each)" in md
     assert "- Above the peak: a probe at a rate above the server's own closed-loop peak" in md

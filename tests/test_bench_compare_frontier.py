@@ -173,9 +173,11 @@ def test_frontier_on_cpu_continued_with_a_stand_in_vllm(tmp_path, monkeypatch) -
     assert [e["itl_bound_ms"] for e in f["goodput"] if e["status"] != "not_searched"] == [None, None]
     assert [c["goodput"] for c in first["composite"]] == [[{**e, "system": "duet@none"} for e in f["goodput"][:2]]]
     assert f["search"]["peak_request_throughput"] > 0  # started from its own closed-loop peak
-    assert 1 <= len(f["probes"]) <= 2 and all(p["counted"] == 6 for p in f["probes"])
-    with open(f["path"]) as fh:
-        assert len(json.load(fh)["probes"][0]["requests"]) == 8  # every request in the search's own file
+    # each probe means to count 8 - 2; its warm-up (the ramp rule) and what its lifetime left are CPU timings
+    assert 1 <= len(f["probes"]) <= 2 and all(p["ramp"]["wanted"] == 6 for p in f["probes"])
+    assert all(p["counted"] == p["ramp"]["counted"] == 6 - p["ramp"]["cut"] for p in f["probes"])
+    with open(f["path"]) as fh:  # every request in the search's own file
+        assert [len(p["requests"]) for p in json.load(fh)["probes"]] == [p["ramp"]["sent"] for p in f["probes"]]
     assert compare.main([*common, "--systems", "vllm:", "--continue-from", str(tmp_path / "first.json"),
                          "--name", "second"]) == 0
     data = json.loads((tmp_path / "second.json").read_text())

@@ -282,3 +282,12 @@ def test_frontier_parallel_plan_reads_the_workload_and_the_stash() -> None:
     r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "WORKLOADS": "multiturn"}, timeout=60)
     assert r.returncode == 0 and "4096-token prompts" in r.stdout, r.stdout + r.stderr
+
+
+def test_frontier_parallel_plans_the_workloads_lifetime() -> None:
+    env = {**os.environ, "KIND_GPUS": "2", "GROUP": "baselines", "WORKLOADS": "1024:256",
+           "SEARCH_ARGS": "--search-max-probes 10 --search-max-probe-arrivals 400"}
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "request lifetime 6.7 s" in r.stdout, r.stdout + r.stderr
+    assert "1024-token prompts" in r.stdout and "(warm-up ~" in r.stdout

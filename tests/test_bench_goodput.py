@@ -39,10 +39,10 @@ from rapidserve.benchmark.sustain import Backlog
 
 
 def rec(prompt: int = 500, ttft: float = 0.5, itl: Sequence[float] = (0.01,) * 10, ok: bool = True,
-        index: int = 0, conversation: int | None = None) -> RequestRecord:
-    return RequestRecord(index, prompt, len(itl) + 1, success=ok, output_tokens=len(itl) + 1 if ok else 0,
-                         ttft_s=ttft if ok else math.nan, e2e_s=ttft + sum(itl), itl_s=list(itl),
-                         conversation=conversation)
+        index: int = 0, conversation: int | None = None, at: float = 0.0, e2e: float | None = None) -> RequestRecord:
+    return RequestRecord(index, prompt, len(itl) + 1, scheduled_s=at, start_s=at, success=ok,
+                         output_tokens=len(itl) + 1 if ok else 0, ttft_s=ttft if ok else math.nan,
+                         e2e_s=ttft + sum(itl) if e2e is None else e2e, itl_s=list(itl), conversation=conversation)
 
 
 @pytest.mark.parametrize("prompt,want", [(0, 1.0), (500, 1.0), (1000, 1.0), (1500, 1.5), (4096, 4.096)])
@@ -189,22 +189,28 @@ N, D = 60, 10  # arrivals per probe, warm-up discarded
 
 
 class FakeServer:
-    """A server model with a known frontier. At rate r, request i's gaps are all slope x r x (1 + i / N) s (so
-    its p95 is that), and its TTFT is 0.2 s below `capacity` and 5 s above (over the 1 s rule). Each call
-    advances a fake clock by the probe's arrival span (N / r) plus 1 s of drain."""
+    """A server model with a known frontier. At rate r, the k-th of the N - D arrivals a probe counts (the last
+    ones: its warm-up comes first) has every gap slope x r x (1 + (D + k) / N) s (so its p95 is that), and its TTFT
+    is 0.2 s below `capacity` and 5 s above (over the 1 s rule). Arrival i is released at i / r and lives 0.1 s past
+    its TTFT (a lifetime kept apart from the gaps, which are what is scored: 0.3 s below capacity keeps the ramp
+    rule's warm-up at the discard up to ~26 req/s; above capacity a 5.1 s lifetime makes the probe short, and it
+    fails as it did). Each call advances a fake clock by the probe's arrival span (n / r) plus 1 s of drain."""
 
     def __init__(self, capacity: float, slope: float = 0.006) -> None:
         self.capacity, self.slope, self.now, self.calls = capacity, slope, 0.0, []  # type: ignore[var-annotated]
+        self.sent: list[int] = []
 
-    def records(self, rate: float) -> list[RequestRecord]:
+    def records(self, rate: float, n: int = N) -> list[RequestRecord]:
         ttft = 0.2 if rate <= self.capacity else 5.0
-        return [rec(prompt=100, ttft=ttft, itl=(self.slope * rate * (1 + i / N),) * 8, index=i) for i in range(N)]
+        w = n - (N - D)  # the warm-up the search planned
+        return [rec(prompt=100, ttft=ttft, itl=(self.slope * rate * (1 + (D + i - w) / N),) * 8, index=i,
+                    at=i / rate, e2e=ttft + 0.1) for i in range(n)]
 
     async def measure(self, rate: float, n: int = N) -> list[RequestRecord]:
-        assert n == N  # no probe above a peak: every one of N arrivals
         self.calls.append(rate)
-        self.now += N / rate + 1.0
-        return self.records(rate)
+        self.sent.append(n)
+        self.now += n / rate + 1.0
+        return self.records(rate, n)
 
     def frontier(self, t: Target) -> float:
         """The highest rate at which a share t.share of the counted requests attain t's bound."""
@@ -373,11 +379,11 @@ class NoisyServer(FakeServer):
         super().__init__(capacity=10.0, slope=0.002)
         self.spurious = set(spurious)
 
-    def records(self, rate: float) -> list[RequestRecord]:
+    def records(self, rate: float, n: int = N) -> list[RequestRecord]:
         if rate in self.spurious:
             self.spurious.discard(rate)
-            return [rec(prompt=100, ttft=0.2, itl=(0.2,) * 8, index=i) for i in range(N)]
-        return super().records(rate)
+            return [rec(prompt=100, ttft=0.2, itl=(0.2,) * 8, index=i, at=i / rate, e2e=0.3) for i in range(n)]
+        return super().records(rate, n)
 
 
 @pytest.mark.parametrize(("share", "settles"), [(0.5, True), (0.9, False)])

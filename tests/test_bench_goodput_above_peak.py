@@ -213,7 +213,12 @@ def test_a_server_that_sustains_more_than_its_peak_settles_above_it(max_rate: fl
     assert out.ceiling == Ceiling(16.0, MAX_RATE if max_rate else SHARED_PEAK)
     long = D + 4 * (N - D)
     assert server.calls[:3] == [(4.0, N), (8.0, N), (16.0, long)]  # today's probes up to the peak, then long ones
-    assert all(n == long for r, n in server.calls if r > 8.0) and all(n == N for r, n in server.calls if r <= 8.0)
+    # every probe above the peak counts 4 x the others' counted arrivals, after the ramp rule's warm-up (the discard,
+    # or more where the lifetime measured below asks for it: 13.5 req/s after 13's 1.0 s)
+    assert [p.ramp.plan.wanted for p in out.probes if p.ramp] == [4 * (N - D) if p.rate > 8.0 else N - D
+                                                                   for p in out.probes]
+    assert [(p.rate, p.ramp.plan.sent) for p in out.probes if p.ramp] == server.calls
+    assert all(p.ramp.plan.warmup >= D and not p.ramp.short for p in out.probes if p.ramp)
     status, lo, hi = settled(out)
     # the sustained 12 req/s, found above the closed-loop peak 8; at most the rule's margin over it (sustain.py:
     # g <= (4 - 0.45) / (1.875 x ~15 s) here)

@@ -153,16 +153,24 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     assert time.monotonic() - t0 < 90
     assert {p.name for p in tmp_path.iterdir()} == {"gs.json", "gs.md", "gs.png"}
     assert "probe 1 at 4 req/s: 100%" in r.stderr  # a progress bar per probe
+    # and a line as each ends: its warm-up (no lifetime known before it: the discard alone) and lifetime
+    assert re.search(r"probe 1 at 4 req/s, \d+ counted: attainment .*; warm-up 2 arrivals \(0 s\), lifetime [0-9.]+ s",
+                     r.stdout), r.stdout
     assert "============= Goodput Search Result ==============" in r.stdout  # its table, printed at the end
     res = json.loads((tmp_path / "gs.json").read_text())
     assert res["kind"] == "goodput_search" and res["label"] == "smol" and res["peak"] is None  # a start rate given
     s = res["search"]
     assert (s["start_rate"], s["min_rate"], s["max_rate"], s["probe_requests"]) == (4.0, 1.0, 32.0, 8)
     probes = res["probes"]
-    assert 1 <= len(probes) <= 2 and probes[0]["rate"] == 4.0 and len({p["rate"] for p in probes}) == len(probes)
+    assert s["max_probe_arrivals"] == 1024 and s["peak_lifetime_s"] is None  # no closed-loop run: no estimate
+    firsts = [p for p in probes if not p["ramp"]["rerun"]]  # a short probe's re-run repeats its rate
+    assert 1 <= len(probes) <= 2 and probes[0]["rate"] == 4.0 and len({p["rate"] for p in firsts}) == len(firsts)
     for p in probes:
-        assert p["counted"] == 6 and len(p["requests"]) == 8  # 2 of 8 discarded as warm-up
-        assert p["summary"]["completed"] == 8 and p["summary"]["failed"] == 0
+        ramp = p["ramp"]  # the ramp rule: a warm-up of at least the 2 discarded, then the 6 it means to count
+        assert ramp["wanted"] == 6 and ramp["warmup"] >= 2 and len(p["requests"]) == ramp["sent"] == ramp["warmup"] + 6
+        assert ramp["lifetime_s"] > 0 and p["counted"] == ramp["counted"] == 6 - ramp["cut"]
+        assert ramp["verdict"] == ("steady" if ramp["counted"] >= ramp["minimum"] == 6 else "short")
+        assert p["summary"]["completed"] == ramp["sent"] and p["summary"]["failed"] == 0
         assert set(p["attainment"]) == {"unbounded", "25", "50", "100", "200"}
         assert all(0.0 <= v <= 1.0 for v in p["attainment"].values())
         att = [p["attainment"][k] for k in ("25", "50", "100", "200", "unbounded")]
@@ -179,7 +187,8 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
               if e["itl_bound_ms"] == b and e["share"] == q]
         assert len(gs) == 5 and gs == sorted(gs, reverse=True)
     md = (tmp_path / "gs.md").read_text()
-    assert "| unbounded |" in md and "| 4 | 1 | 6 |" in md and "rapidserve bench goodput search: smol" in md
+    head = f"| 4 | 1 | {probes[0]['counted']} | warm-up {probes[0]['ramp']['warmup']} arrivals ("
+    assert "| unbounded |" in md and head in md and "rapidserve bench goodput search: smol" in md
     # the server's steps over each probe (its /metrics before and after): rapid mode's decode steps are all split
     # ones. The workers send their counts every 0.25 s, so the scrapes see the steps up to a quarter second late:
     # the first probe (8 arrivals at 4 req/s, ~2 s) counts some on any machine; a later, faster one might not
@@ -191,6 +200,6 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     split = first["split"]
     assert 0 < split["gaps"] <= split["steps"] and split["gap_s"] > 0 and 0 <= split["gaps_over_slo"] <= split["gaps"]
     assert split["idle_s"] == 0 and split["host_s"] > 0
-    row = next(line for line in md.splitlines() if line.startswith("| 4 | 1 | 6 |"))
+    row = next(line for line in md.splitlines() if line.startswith(head))
     assert re.search(r"\| split 100% \(-, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms, host [0-9.]+ ms\) \|$", row), row
     assert "server steps: split 100% (-, " in r.stdout  # said as each probe ends

@@ -7,9 +7,11 @@ Definitions (goodput as DistServe and DuetServe measure it):
   TTFT rule alone: "unbounded").
 - A request attains B when it completed, met the TTFT rule and met B (`attains`); a failed
   request never does.
-- A probe is one run of Poisson arrivals at one rate, a fixed number of requests. Its first
-  `discard` arrivals (a multiturn run: conversations) are a warm-up left out of its counts
-  (`counted`); its attainment at B is attaining / counted requests.
+- A probe is one run of Poisson arrivals at one rate. Its warm-up (the ramp rule, sustain.py: the larger of
+  `discard` arrivals, a multiturn run's conversations, and those within 1.25 request lifetimes) is left out of its
+  counts, and so is any later arrival released before the lifetime the probe measured; its attainment at B is
+  attaining / counted requests. A probe left with too few counted arrivals (short: the server had not reached
+  its steady state) is run once more with a longer warm-up, and fails every target if still short.
 - A probe passes the target (B, q) when its attainment at B is >= q (`passes`).
 - goodput(B, q): the highest probed rate that passes (B, q) below the lowest probed rate that
   fails it (`bracket`'s lo; a pass above a failure is noise and not counted). Tighter bounds and
@@ -48,7 +50,18 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from rapidserve.benchmark.stats import RequestRecord, percentile
-from rapidserve.benchmark.sustain import Backlog, backlog_trend, probe_arrivals
+from rapidserve.benchmark.sustain import (
+    DEFAULT_MAX_PROBE_ARRIVALS,
+    Backlog,
+    ProbePlan,
+    Ramp,
+    arrival_key,
+    arrivals_of,
+    backlog_trend,
+    cap_problem,
+    probe_arrivals,
+    steady_keys,
+)
 
 DEFAULT_ITL_BOUNDS_MS: tuple[float, ...] = (25.0, 50.0, 100.0, 200.0)
 DEFAULT_SHARES: tuple[float, ...] = (0.9, 0.99)
@@ -93,7 +106,7 @@ def ttft_usage(r: RequestRecord) -> float:
 
 def counted(records: Iterable[RequestRecord], discard: int) -> list[RequestRecord]:
     """The records after the warm-up: arrivals (conversations) numbered `discard` and later."""
-    return [r for r in records if (r.conversation if r.conversation is not None else r.index) >= discard]
+    return [r for r in records if arrival_key(r) >= discard]
 
 
 def bound_key(itl_bound_ms: float | None) -> str:
@@ -117,13 +130,15 @@ class Target:
 @dataclass(frozen=True)
 class Probe:
     """One measured rate: how many requests were counted and how many attained each bound; above the server's own
-    closed-loop peak, its TTFT backlog trend (None: not above it, or too few requests to judge)."""
+    closed-loop peak, its TTFT backlog trend (None: not above it, or too few requests to judge); its warm-up and
+    whether it reached steady state (sustain.Ramp; None: counted by the discard alone)."""
 
     rate: float
     n: int
     attained: Mapping[str, int] = field(default_factory=dict)  # bound_key -> requests
     above_peak: bool = False
     backlog: Backlog | None = None
+    ramp: Ramp | None = None
 
     def attainment(self, itl_bound_ms: float | None) -> float:
         return self.attained.get(bound_key(itl_bound_ms), 0) / self.n if self.n else 0.0
@@ -132,33 +147,47 @@ class Probe:
     def backlog_grew(self) -> bool:
         return self.backlog is not None and self.backlog.grew
 
+    @property
+    def unsteady(self) -> bool:
+        """Too few arrivals after its lifetime to judge (sustain.Ramp.short): it fails every target."""
+        return self.ramp is not None and self.ramp.short
+
 
 def measure_probe(rate: float, records: Sequence[RequestRecord], bounds_ms: Sequence[float | None],
-                  discard: int, above_peak: bool = False) -> Probe:
+                  discard: int, above_peak: bool = False, plan: ProbePlan | None = None) -> Probe:
     """A probe from one run's records: the counted ones, and those attaining each of `bounds_ms`; `above_peak`: also
-    their TTFT backlog trend (sustain.backlog_trend, in arrival order)."""
-    kept = counted(records, discard)
+    their TTFT backlog trend (sustain.backlog_trend, in arrival order). With the `plan` it was sent by, the counted
+    ones are the ramp rule's (sustain.steady_keys), else those after the `discard` first arrivals."""
+    ramp = None
+    if plan is None:
+        kept = counted(records, discard)
+    else:
+        keys, ramp = steady_keys(arrivals_of(records), plan)
+        kept = [r for r in records if arrival_key(r) in keys]
     backlog = None
     if above_peak:
         backlog = backlog_trend([ttft_usage(r) for r in sorted(kept, key=lambda r: (r.scheduled_s, r.index))])
     return Probe(rate, len(kept), {bound_key(b): sum(attains(r, b) for r in kept) for b in bounds_ms},
-                 above_peak, backlog)
+                 above_peak, backlog, ramp)
 
 
 def pooled(a: Probe, b: Probe) -> Probe:
     """Two probes of one rate as one (module docstring): their counted requests and attaining requests summed;
     above the peak, a backlog that grew only where both grew (the repeat's trend where the first's grew, else the
-    first's)."""
+    first's). A short probe (`unsteady`) counted nothing at steady state: the other alone stands (the later where
+    both are short)."""
+    if a.unsteady or b.unsteady:
+        return a if b.unsteady and not a.unsteady else b
     keys = set(a.attained) | set(b.attained)
     return Probe(a.rate, a.n + b.n, {k: a.attained.get(k, 0) + b.attained.get(k, 0) for k in keys},
-                 a.above_peak or b.above_peak, b.backlog if a.backlog_grew else a.backlog)
+                 a.above_peak or b.above_peak, b.backlog if a.backlog_grew else a.backlog, b.ramp)
 
 
 def passes(p: Probe, t: Target) -> bool:
-    """At least a share t.share of the counted requests attained t's bound (a probe counting none fails), and (above
-    the peak) its backlog did not grow: a load the server did not sustain fails every target, however many of a
-    short probe's requests attained."""
-    return (p.n > 0 and not p.backlog_grew
+    """At least a share t.share of the counted requests attained t's bound (a probe counting none fails), the probe
+    reached steady state (not `unsteady`), and (above the peak) its backlog did not grow: a load the server did not
+    sustain fails every target, however many of a short probe's requests attained."""
+    return (p.n > 0 and not p.backlog_grew and not p.unsteady
             and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9)
 
 
@@ -287,8 +316,10 @@ class SearchConfig:
     # scored at each probe all the same, and reported NOT_SEARCHED.
     only_bounds: tuple[float | None, ...] | None = None
     # probes above the server's own closed-loop peak count this many times the requests of the others (their warm-up
-    # discard unchanged); None: 1, as long as the others (sustain.py says why longer)
+    # the ramp rule's, as any probe's); None: 1, as long as the others (sustain.py says why longer)
     above_peak_factor: float | None = None
+    # no probe sends more arrivals (warm-up and counted): one that needs more to reach steady state fails (sustain.py)
+    max_probe_arrivals: int = DEFAULT_MAX_PROBE_ARRIVALS
 
     def check(self, probe_requests: int | None = None) -> None:
         """ValueError naming the flag when a setting cannot work."""
@@ -325,6 +356,9 @@ class SearchConfig:
         if probe_requests is not None and self.discard >= probe_requests:
             raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
                              "to count: discard fewer warm-up arrivals or send more")
+        problem = cap_problem(self.max_probe_arrivals, probe_requests, self.discard, f)
+        if problem is not None:
+            raise ValueError(problem)
 
     def ceiling(self, start: float, peak: float | None = None, shared_peak: float | None = None) -> Ceiling:
         """The highest rate a search from `start` may probe, and where it came from: --search-max-rate if given
@@ -363,9 +397,13 @@ class SearchConfig:
         return peak is not None and rate > round_rate(peak)
 
     def arrivals(self, rate: float, n: int, peak: float | None) -> int:
-        """A probe's arrivals at `rate`: n, or above the peak the discard then above_peak_factor x the n - discard
-        counted (sustain.probe_arrivals)."""
+        """A probe's arrivals at `rate` before the ramp rule: n, or above the peak the discard then above_peak_factor
+        x the n - discard counted (sustain.probe_arrivals)."""
         return probe_arrivals(n, self.discard, self.above_peak_factor) if self.above_peak(rate, peak) else n
+
+    def wanted(self, rate: float, n: int, peak: float | None) -> int:
+        """The arrivals a probe at `rate` means to count: n - discard, or above the peak above_peak_factor x that."""
+        return self.arrivals(rate, n, peak) - self.discard
 
     def bounds(self) -> list[float | None]:
         """Every bound a probe is scored at: None (unbounded) and the ITL bounds."""

@@ -3,12 +3,16 @@
 The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model", "workload",
 "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate", "max_rate",
 "probe_requests", "peak_request_throughput", "ceiling" (where max_rate came from: goodput.OWN_PEAK, ...),
-"shared_peak"}, "peak" (the closed-loop run, or None with a given start rate), "probes": [a sweep's run dict plus
-"order", "counted" and "attainment" {bound_key: share of counted requests attaining it}; a rapidserve server's steps
-over the probe: "server_steps" and "server_step_correction", step_mix.py; a probe above the closed-loop peak:
-"above_peak" True, "arrivals" and "backlog" (sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
+"shared_peak", "peak_lifetime_s" (the closed-loop run's median E2E), "max_probe_arrivals" (the cap a probe ran under:
+--search-max-probe-arrivals, a trace's window)}, "peak" (the closed-loop run, or None with a given start rate),
+"probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key: share of counted requests attaining
+it}; "ramp" (its warm-up and whether it reached steady state: sustain.Ramp.to_json; absent from results written
+before the ramp rule); a rapidserve server's steps over the probe: "server_steps" and "server_step_correction",
+step_mix.py; a probe above the closed-loop peak: "above_peak" True, "arrivals" and "backlog"
+(sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
 unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds)}],
-"finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace".
+"finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace". The new keys are
+optional: a result written before them still reads.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
 from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
 from rapidserve.benchmark.step_mix import STEP_COLUMN, STEP_LEGEND, step_cell
-from rapidserve.benchmark.sustain import probe_arrivals
+from rapidserve.benchmark.sustain import CAP_FLAG, CAPPED, RERUN, SHORT, probe_arrivals, ramp_text
 
 DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
               "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
@@ -51,6 +55,15 @@ ABOVE_LEGEND = ("Above the peak: a probe at a rate above the server's own closed
                 "last quarter of counted requests, and u projected one probe length on; GREW when that is over 1 "
                 "(rapidserve/benchmark/sustain.py).")
 ABOVE_COLUMN = "above the peak: arrivals, backlog"
+RAMP_LEGEND = ("Warm-up (the ramp rule, rapidserve/benchmark/sustain.py): a Poisson probe starts from an empty server "
+               "whose requests in flight ramp up to rate x lifetime over one request lifetime (Little's law), so each "
+               "probe first sends a warm-up of the larger of --search-discard arrivals and those within 1.25 "
+               "lifetimes (estimated from the probes before it) and counts only the later arrivals released after "
+               "the lifetime it measured (its median E2E), and one left with fewer than half what it meant to count "
+               "(at least 8) is SHORT, run once more with a warm-up from that lifetime, and fails every target if "
+               "still short, or CAPPED where steady state needs more arrivals than --search-max-probe-arrivals.")
+RAMP_COLUMN = "warm-up: arrivals (s), lifetime, verdict"
+TRACE_CAP = "the trace window's requests (--duration-s)"
 
 
 def goodput_cell(e: Mapping[str, Any] | None) -> str:
@@ -87,6 +100,29 @@ def backlog_cell(p: Mapping[str, Any]) -> str:
             f"{u(b['projected'])}: " + ("GREW (fails every target)" if b["grew"] else "steady"))
 
 
+def has_ramp(result: Mapping[str, Any]) -> bool:
+    """Whether the result's probes say how their warm-up went (written since the ramp rule)."""
+    return any(p.get("ramp") for p in result.get("probes", []))
+
+
+def cap_name(result: Mapping[str, Any]) -> str:
+    """What capped a probe's arrivals: the flag, or a trace's window."""
+    return TRACE_CAP if result.get("trace") else CAP_FLAG
+
+
+def ramp_cell(p: Mapping[str, Any], cap: str = CAP_FLAG) -> str:
+    """A probe's RAMP_COLUMN cell: its warm-up and verdict (sustain.ramp_text), '-' where the result has none."""
+    r = p.get("ramp")
+    return ramp_text(r, cap) if r else "-"
+
+
+def ramp_counts(result: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(short, capped, re-run) among a result's probes."""
+    ramps = [p["ramp"] for p in result.get("probes", []) if p.get("ramp")]
+    return (sum(r.get("verdict") == SHORT for r in ramps), sum(r.get("verdict") == CAPPED for r in ramps),
+            sum(r.get("then") == RERUN for r in ramps))
+
+
 def ceiling_text(result: Mapping[str, Any]) -> str:
     """Where the search's ceiling (max rate) came from, and (above the peak) how those probes ran; '' where it is
     the closed-loop peak or the start rate x 8, as by default."""
@@ -98,8 +134,10 @@ def ceiling_text(result: Mapping[str, Any]) -> str:
     if peak is None or s["max_rate"] <= float(f"{peak:.3g}"):
         return f"the ceiling {s['max_rate']:g} req/s is {CEILING_WORDS[source]}"
     n = probe_arrivals(s["probe_requests"], st["discard"], st.get("above_peak_factor"))
+    send = (f"count {n - st['discard']} arrivals after their warm-up" if "max_probe_arrivals" in st
+            else f"send {n} arrivals")  # before the ramp rule: the discard, then the counted
     return (f"the ceiling {s['max_rate']:g} req/s is {CEILING_WORDS[source]}, above this server's own "
-            f"{peak:.3g}: probes above {peak:.3g} send {n} arrivals ({st.get('above_peak_factor') or 1:g} x the "
+            f"{peak:.3g}: probes above {peak:.3g} {send} ({st.get('above_peak_factor') or 1:g} x the "
             "counted) and fail every target where their TTFT backlog grew")
 
 
@@ -110,9 +148,12 @@ def search_line(result: Mapping[str, Any]) -> str:
     peak = s.get("peak_request_throughput")
     start = (f"{st['start_fraction']:g} x the closed-loop peak {peak:.3g} req/s" if peak is not None
              else "given")
+    n, d = s["probe_requests"], st["discard"]
+    probes = (f"{n} Poisson arrivals (the first {d} discarded as warm-up)" if "max_probe_arrivals" not in st else
+              f"Poisson arrivals, {n - d} counted after a warm-up of at least {d} (the ramp rule: 1.25 request "
+              f"lifetimes; at most {s.get('max_probe_arrivals') or st['max_probe_arrivals']} arrivals a probe)")
     return (f"search: start {s['start_rate']:g} req/s ({start}), rates within [{s['min_rate']:g}, "
-            f"{s['max_rate']:g}], tolerance {st['tolerance']:.0%}, at most {st['max_probes']} probes of "
-            f"{s['probe_requests']} Poisson arrivals (the first {st['discard']} discarded as warm-up); "
+            f"{s['max_rate']:g}], tolerance {st['tolerance']:.0%}, at most {st['max_probes']} probes of {probes}; "
             + (f"searched at {', '.join(bound_label(b) for b in st['only_bounds'])} only; "
                if st.get("only_bounds") is not None else "")
             + (f"{ceiling_text(result)}; " if ceiling_text(result) else "")
@@ -132,17 +173,22 @@ def search_markdown(result: Mapping[str, Any]) -> str:
     for b in bounds:
         lines.append(f"| {bound_label(b)} | " + " | ".join(goodput_cell(entry(result, b, q)) for q in shares) + " |")
     above = bool(above_peak(result))  # the column only where a probe lay above the peak
+    ramp = has_ramp(result)  # and the warm-up's where the probes say (written since the ramp rule)
     lines += ["", LEGEND, "", "Attainment at each probed rate (share of the counted requests meeting the TTFT rule "
               "and the bound), in rate order; a rate probed twice (`again`: a failure below a pass, probed once "
-              "more) is judged on the two pooled. " + STEP_LEGEND + (" " + ABOVE_LEGEND if above else ""), "",
-              "| rate (req/s) | probe | counted | " + " | ".join(bound_label(b) for b in bounds)
+              "more) is judged on the two pooled (a short probe's re-run: on the re-run alone). " + STEP_LEGEND
+              + (" " + ABOVE_LEGEND if above else "") + (" " + RAMP_LEGEND if ramp else ""), "",
+              "| rate (req/s) | probe | counted | " + (f"{RAMP_COLUMN} | " if ramp else "")
+              + " | ".join(bound_label(b) for b in bounds)
               + f" | p99 TTFT (ms) | p99 ITL (ms) | failed | {STEP_COLUMN} |" + (f" {ABOVE_COLUMN} |" if above else ""),
-              "|---" * (len(bounds) + 7 + above) + "|"]
+              "|---" * (len(bounds) + 7 + above + ramp) + "|"]
     for p in sorted(result.get("probes", []), key=lambda p: float(p["rate"])):
         s = p["summary"]
         att = [fmt(p["attainment"].get(bound_key(b)), ".1%") for b in bounds]
         again = " (again)" if p.get("again") else ""  # a failure below a pass, probed once more (goodput.py)
-        lines.append(f"| {float(p['rate']):g} | {p['order']}{again} | {p['counted']} | " + " | ".join(att)
+        again += " (re-run)" if (p.get("ramp") or {}).get("rerun") else ""  # a short probe's second run
+        lines.append(f"| {float(p['rate']):g} | {p['order']}{again} | {p['counted']} | "
+                     + (f"{ramp_cell(p, cap_name(result))} | " if ramp else "") + " | ".join(att)
                      + f" | {fmt(s['ttft_ms'].get('p99'), '.0f')} | {fmt(s['itl_ms'].get('p99'), '.1f')}"
                      f" | {s['failed']} | {step_cell(p)} |" + (f" {backlog_cell(p)} |" if above else ""))
     return "\n".join(lines) + "\n"
@@ -155,14 +201,19 @@ def search_block(result: Mapping[str, Any]) -> str:
     peak, n = s.get("peak_request_throughput"), s["probe_requests"]
     above = above_peak(result)
     grew = sum(bool((p.get("backlog") or {}).get("grew")) for p in above)
+    warm = [p["ramp"]["warmup"] for p in result.get("probes", []) if p.get("ramp")]
     lines = [title_line(" Goodput Search Result ", "="),
              table_row("Closed-loop peak (req/s):", float(peak) if peak is not None else "not measured"),
              table_row("Start rate (req/s):", float(s["start_rate"])),
              table_row("Poisson probes:", len(result.get("probes", []))),
-             table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}"),
+             table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}") if not warm else
+             table_row("Counted per probe, warm-up:", f"{n - s['settings']['discard']}, {min(warm)}-{max(warm)} "
+                       "arrivals"),
              *([table_row("Ceiling (req/s):", f"{float(s['max_rate']):g} ({CEILING_WORDS[s['ceiling']]})")]
                if s.get("ceiling") not in (None, OWN_PEAK, START_X8) else []),
              *([table_row("Probes above the peak, backlog grew:", f"{len(above)}, {grew}")] if above else []),
+             *([table_row("Probes short, capped, re-run:", ", ".join(map(str, ramp_counts(result))))]
+               if has_ramp(result) else []),
              title_line("Goodput (req/s): TTFT rule and p95 ITL bound", "-")]
     for b in search_bounds(result):
         for q in search_shares(result):

@@ -3,12 +3,17 @@ against a real server.
 
 `search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in turn,
 loosest first, and probes the rates it names with `measure(rate, n)` (the records of one Poisson run of n arrivals:
-`probe_requests`, or above the closed-loop `peak` `scfg.arrivals`' longer count, whose probes are also judged by
-their backlog trend, sustain.py); every probe is cached by rate and scored at every bound, so later targets start
-from the brackets earlier ones left; a failure below a pass (one of them a short probe's noise) has its rate probed
-once more and the two pooled (goodput.py's `contradicted`, `pooled`). Two passes: every target to COARSE_TOLERANCE,
-then every target to the tolerance asked. With `scfg.only_bounds` the targets are those bounds' alone (it stops once
-their brackets close); the other bounds' entries are `not_searched`. It stops probing after `scfg.max_probes`
+the probe's warm-up, then the arrivals it counts, `probe_requests` less the discard, or above the closed-loop `peak`
+`scfg.wanted`'s longer count, whose probes are also judged by their backlog trend; at most
+`scfg.max_probe_arrivals`). The warm-up is the ramp rule's (sustain.py): it covers 1.25 request lifetimes, estimated
+from the probes so far (`lifetime_s`: the closed-loop run's before any); a probe left with too few counted arrivals
+after the lifetime it measured is run once more with a warm-up from that lifetime (each run a probe of its own,
+against --search-max-probes and the budget), and fails every target if still short or capped. Every probe is
+cached by rate and scored at every bound, so later targets start from the brackets earlier ones left; a failure
+below a pass (one of them a short probe's noise) has its rate probed once more and the two pooled (goodput.py's
+`contradicted`, `pooled`). Two passes: every target to COARSE_TOLERANCE, then every target to the tolerance asked.
+With `scfg.only_bounds` the targets are those bounds' alone (it stops once their brackets close); the other bounds'
+entries are `not_searched`. It stops probing after `scfg.max_probes`
 probes, and leaves a target whose next probe would not end before the deadline (a low rate's probe is long; another
 target's may still fit); the targets not settled then are marked `unfinished`, with their bracket so far. The
 ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak (`shared_peak`:
@@ -18,7 +23,8 @@ waypoint).
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
 closed-loop probe of `probe_requests` requests at once, whose completed requests per second is the peak the
-search starts from (`scfg.start_fraction` of it), then the probes. Each probe gets its own prompts and
+search starts from (`scfg.start_fraction` of it) and whose median E2E is the first lifetime estimate, then the
+probes. Each probe gets its own prompts and
 arrivals (its index salts them, as a sweep's rates are salted), so none finds another's prompts in a
 prefix cache. The result dict is described in goodput_report.py.
 """
@@ -53,6 +59,7 @@ from rapidserve.benchmark.goodput import (
     goodput_entry,
     measure_probe,
     next_step,
+    passes,
     pooled,
     round_rate,
     targets,
@@ -71,6 +78,18 @@ from rapidserve.benchmark.runner import (
 )
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.step_mix import step_cell
+from rapidserve.benchmark.sustain import (
+    CAP_FLAG,
+    RERUN,
+    ProbePlan,
+    arrivals_of,
+    lifetime_estimate,
+    plan_probe,
+    realized_lifetime,
+    rerun_plan,
+    short_next,
+    with_then,
+)
 
 Measure = Callable[[float, int], Awaitable[Sequence[RequestRecord]]]  # (rate, arrivals) -> the run's records
 
@@ -94,10 +113,14 @@ class Outcome:
 async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, probe_requests: int,
                           clock: Callable[[], float] = time.monotonic, deadline: float | None = None,
                           on_probe: Callable[[Probe], None] | None = None, peak: float | None = None,
-                          shared_peak: float | None = None) -> Outcome:
+                          shared_peak: float | None = None, lifetime_s: float | None = None,
+                          cap: int | None = None) -> Outcome:
     """Search every target's goodput from `start` (requests/s), within `scfg.limits(start, peak, shared_peak)`; see
-    the module docstring. `on_probe` is told each probe's scores as it ends."""
+    the module docstring. `on_probe` is told each probe's scores as it ends (a short one: with what follows it,
+    `Ramp.then`). `lifetime_s`: the closed-loop run's median E2E (the lifetime estimate before any probe); `cap`:
+    the most arrivals a probe may send (default scfg.max_probe_arrivals; a trace: its window's)."""
     lo_rate, hi_rate = scfg.limits(start, peak, shared_peak)
+    cap = scfg.max_probe_arrivals if cap is None else cap
     waypoint = scfg.waypoint(hi_rate, peak)
     arrivals: dict[float, int] = {}
     bounds = scfg.bounds()
@@ -107,6 +130,25 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     exhausted: str | None = None  # the probes are spent: nothing more is measured
     too_long: str | None = None  # a target's next probe would end after the deadline (a shorter one may still fit)
     drain = 0.0
+    lifetimes: dict[float, float] = {}  # the lifetime each rate's latest probe measured (sustain.lifetime_estimate)
+
+    async def run(plan: ProbePlan) -> tuple[Probe, Sequence[RequestRecord]]:
+        nonlocal drain
+        t0 = clock()
+        records = await measure(plan.rate, plan.sent)
+        drain = max(0.0, clock() - t0 - plan.sent / plan.rate)
+        probe = measure_probe(plan.rate, records, bounds, scfg.discard, scfg.above_peak(plan.rate, peak), plan)
+        made[plan.rate] = made.get(plan.rate, 0) + 1
+        arrivals[plan.rate] = plan.sent
+        if probe.ramp is not None and probe.ramp.lifetime_s is not None:
+            lifetimes[plan.rate] = probe.ramp.lifetime_s
+        return probe, records
+
+    def told(probe: Probe) -> None:
+        order.append(probe)
+        if on_probe is not None:
+            on_probe(probe)
+
     tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
     for tolerance in tolerances:
         for t in scfg.searched():
@@ -119,21 +161,27 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                 if len(order) >= scfg.max_probes:
                     exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
                     break
-                n = scfg.arrivals(step.rate, probe_requests, peak)
-                if not fits(clock(), deadline, step.rate, n, drain):
-                    est = n / step.rate + drain
+                life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
+                plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
+                tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
+                if not fits(clock(), deadline, step.rate, plan.sent, tail):
+                    est = plan.sent / step.rate + tail
                     too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
                     break
-                t0 = clock()
-                records = await measure(step.rate, n)
-                drain = max(0.0, clock() - t0 - n / step.rate)
-                probe = measure_probe(step.rate, records, bounds, scfg.discard, scfg.above_peak(step.rate, peak))
+                probe, records = await run(plan)
+                if probe.ramp is not None and probe.ramp.short:
+                    redo = rerun_plan(probe.ramp, scfg.discard)
+                    ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
+                    then = short_next(probe.ramp, redo, any(passes(ramp_too, x) for x in scfg.searched()),
+                                      scfg.max_probes - len(order) - 1,
+                                      fits(clock(), deadline, step.rate, redo.sent,
+                                           max(drain, probe.ramp.lifetime_s or 0.0)))
+                    probe = replace(probe, ramp=with_then(probe.ramp, then))
+                    if then == RERUN:
+                        told(probe)
+                        probe, _ = await run(redo)
+                told(probe)
                 probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
-                made[step.rate] = made.get(step.rate, 0) + 1
-                arrivals[step.rate] = n
-                order.append(probe)
-                if on_probe is not None:
-                    on_probe(probe)
     entries = []
     searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
@@ -168,11 +216,14 @@ def start_from_peak(scfg: SearchConfig, peak: float) -> float:
 
 
 def probe_extra(p: Probe, out: Outcome) -> dict[str, Any]:
-    """What a probe above the closed-loop peak adds to its record: "above_peak", "arrivals" and "backlog"
-    (sustain.Backlog.to_json, or None where too few requests to judge); nothing for the others."""
+    """What a probe adds to its record: "ramp" (its warm-up and verdict: sustain.Ramp.to_json); above the closed-loop
+    peak also "above_peak", "arrivals" and "backlog" (sustain.Backlog.to_json, or None where too few requests to
+    judge)."""
+    extra: dict[str, Any] = {"ramp": p.ramp.to_json()} if p.ramp is not None else {}
     if not p.above_peak:
-        return {}
-    return {"above_peak": True, "arrivals": (out.arrivals or {}).get(p.rate),
+        return extra
+    sent = p.ramp.plan.sent if p.ramp is not None else (out.arrivals or {}).get(p.rate)
+    return {**extra, "above_peak": True, "arrivals": sent,
             "backlog": p.backlog.to_json() if p.backlog is not None else None}
 
 
@@ -217,7 +268,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         n = len(replay.items) if replay is not None else cfg.num_prompts
         if n is None:
             raise ValueError("the goodput search sends a fixed number of requests per probe: give --num-prompts")
-        scfg.check(n)
+        # a trace's probes are its window (`cap` below), whatever its size: the cap is the flag's for the others
+        (scfg if replay is None else replace(scfg, max_probe_arrivals=max(n, scfg.max_probe_arrivals))).check(n)
         label = cfg.label or target.model
         say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
                  f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
@@ -226,31 +278,39 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         await warm_up(session, target, cfg, replay)
         peak_run: dict[str, Any] | None = None
         peak: float | None = None
+        life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
         if scfg.start_rate is None:
-            _, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
+            peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
             peak = closed_peak(peak_run)
+            life = realized_lifetime(arrivals_of(peak_records))
             if peak is None:
                 errors = peak_run["summary"]["errors"]
                 raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none ({errors}): "
                                       + no_peak_advice(errors))
-            say(cfg, f"  closed loop: {peak:.2f} req/s")
+            say(cfg, f"  closed loop: {peak:.2f} req/s" + (f", median E2E {life:.3g} s" if life is not None else ""))
             start = start_from_peak(scfg, peak)
         else:
             start = scfg.start_rate
         top = scfg.ceiling(start, peak, shared_peak)
         if scfg.waypoint(top.rate, peak) is not None:
             say(cfg, f"  ceiling {top.rate:g} req/s ({CEILING_WORDS[top.source]}), above the closed-loop peak: "
-                     f"probes above it send {scfg.arrivals(math.inf, n, peak)} arrivals and fail where their backlog "
-                     "grew")
+                     f"probes above it count {scfg.wanted(math.inf, n, peak)} arrivals after their warm-up and fail "
+                     "where their backlog grew")
         runs: list[dict[str, Any]] = []  # each probe's run, in the order they ran (a rate probed twice: twice)
+        cap, cap_name = (n, "the trace window's requests (--duration-s)") if replay is not None else \
+            (scfg.max_probe_arrivals, CAP_FLAG)
+        rerun: list[float] = []  # the rate of a short probe the search runs once more (told before it runs)
 
         async def measure(rate: float, arrivals: int) -> list[RequestRecord]:
             longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
-            what = "" if arrivals == n else f", {arrivals} arrivals (above the peak)"
-            again = any(r["rate"] == rate_json(rate) for r in runs)  # a failure below a pass: the search pools the two
+            what = "" if arrivals == n else f", {arrivals} arrivals" + (
+                " (above the peak)" if scfg.above_peak(rate, peak) else "")
+            again = rate not in rerun and any(r["rate"] == rate_json(rate) for r in runs)  # a failure below a pass
+            why = ", again (a short probe, a longer warm-up)" if rate in rerun else \
+                ", again (a failure below a pass)" if again else ""
+            rerun.clear()
             records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
-                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
-                                          + (", again (a failure below a pass)" if again else ""))
+                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}{why}")
             runs.append({**run, "again": True} if again else run)
             return records
 
@@ -259,9 +319,12 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
                      + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds())
                      + ("" if steps == "-" else f"; server steps: {steps}")
+                     + (f"; {p.ramp.describe(cap_name)}" if p.ramp is not None else "")
                      + (f"; above the peak, {p.backlog.describe()}" if p.backlog is not None else ""))
+            if p.ramp is not None and p.ramp.then == RERUN:
+                rerun.append(p.rate)
 
-        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak)
+        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak, life, cap)
     probes = [{**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
                **probe_extra(p, out)} for i, (p, run) in enumerate(zip(out.probes, runs, strict=True))]
     return {
@@ -269,6 +332,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         "workload": cfg.workload.describe(), "config": config_json(cfg),
         "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
                    "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
+                   "peak_lifetime_s": life, "max_probe_arrivals": cap,
                    "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak},
         **({"trace": replay.describe()} if replay is not None else {}),
         "peak": peak_run, "probes": probes, "goodput": out.goodput,

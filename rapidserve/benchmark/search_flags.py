@@ -23,7 +23,7 @@ SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
     ("--search-start-fraction", "start_fraction"), ("--search-min-rate", "min_rate"),
     ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
     ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"),
-    ("--search-above-peak-factor", "above_peak_factor"))
+    ("--search-above-peak-factor", "above_peak_factor"), ("--search-max-probe-arrivals", "max_probe_arrivals"))
 
 
 def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -32,8 +32,9 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
     g.add_argument("--goodput-search", action="store_true",
                    help="instead of a sweep, search the Poisson rate for goodput at each p95 ITL bound and share: "
                         "the highest rate at which that share of requests meet the bound and the TTFT rule "
-                        "(TTFT <= max(1 s, 1 s per 1000 prompt tokens)); each probe sends --num-prompts arrivals "
-                        f"(default {SEARCH_NUM_PROMPTS})")
+                        "(TTFT <= max(1 s, 1 s per 1000 prompt tokens)); each probe counts --num-prompts "
+                        f"(default {SEARCH_NUM_PROMPTS}) less --search-discard arrivals, after a warm-up of at least "
+                        "--search-discard (--search-max-probe-arrivals says how long)")
     d = SearchConfig()
     g.add_argument("--search-itl-bounds-ms", type=bounds_arg, default=None, metavar="B1,B2,...",
                    help="per-request p95 ITL bounds, ms (unbounded is always searched too; default: "
@@ -59,8 +60,8 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
     g.add_argument("--search-max-probes", type=positive_int, default=None,
                    help=f"Poisson probes at most, over every bound and share (default {d.max_probes})")
     g.add_argument("--search-discard", type=nonneg_int, default=None,
-                   help=f"each probe's first arrivals (multiturn: conversations) left out as warm-up (default "
-                        f"{d.discard})")
+                   help=f"each probe's first arrivals (multiturn: conversations) left out as warm-up, at least "
+                        f"(more where the requests live longer: --search-max-probe-arrivals) (default {d.discard})")
     g.add_argument("--search-only-bounds", type=only_bounds_arg, default=None, metavar="B|unbounded,...",
                    help="search these bounds only (of --search-itl-bounds-ms, or unbounded) and stop once their "
                         "brackets close, e.g. for a server whose ITL SLO is one bound; every probe is still scored at "
@@ -71,6 +72,12 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
                         "count F x the requests of the others, their warm-up discard unchanged, because a longer "
                         "probe is what makes an overload visible; every probe above the peak also fails where its "
                         "TTFT backlog grew (rapidserve/benchmark/sustain.py) (default 1: as long as the others)")
+    g.add_argument("--search-max-probe-arrivals", type=positive_int, default=None, metavar="N",
+                   help="no probe sends more arrivals than this, its warm-up included. Each probe's warm-up is the "
+                        "larger of --search-discard arrivals and those within 1.25 request lifetimes (estimated from "
+                        "the probes so far; the ramp rule: rapidserve/benchmark/sustain.py), so that the requests it "
+                        "counts meet the server at its steady load; one that would need more than N to get there "
+                        f"fails every target, reported as capped (default {d.max_probe_arrivals})")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "
