@@ -50,6 +50,12 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
     for k in (*MATCH, *MATCH_NEWER):
         was, want = (prior.get(k, "sweep" if k == "mode" else None), now.get(k, "sweep" if k == "mode" else None))
         if _norm(was) != _norm(want):
+            if isinstance(was, dict) and isinstance(want, dict):  # name the settings that differ, not the whole dict
+                a, b = _norm(was), _norm(want)
+                diff = "; ".join(f"{f}: {was.get(f)!r} there, {want.get(f)!r} here" for f in sorted({*a, *b})
+                                 if a.get(f) != b.get(f))
+                raise ValueError(f"--continue-from {path} ran with other {k} settings ({diff}): give the same, or the "
+                                 "two runs do not compare")
             raise ValueError(f"--continue-from {path} ran with {k} = {was!r}; this run has {want!r}: give "
                              "the same, or the two runs do not compare")
     return prior

@@ -523,6 +523,22 @@ def test_continue_from_refuses_a_run_that_does_not_compare(tmp_path, change: lis
     assert ei.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_continue_from_names_the_search_settings_that_differ(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A report from another search (one setting added since: the ramp rule's cap) is refused with that setting
+    named, old and new value, not the two whole settings objects."""
+    cont = _load("compare_continue")
+    settings = {"shares": [0.9, 0.99], "tolerance": 0.05, "discard": 16}
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(_prior(mode="frontier", search=settings)))
+    now = {**_prior(mode="frontier"), "search": {**settings, "max_probe_arrivals": 1024}}
+    with pytest.raises(ValueError) as ei:
+        cont.load_prior(str(path), now)
+    msg = str(ei.value)
+    assert "other search settings (max_probe_arrivals: None there, 1024 here)" in msg
+    assert "tolerance" not in msg and "shares" not in msg
+    assert cont.load_prior(str(path), {**now, "search": settings})["mode"] == "frontier"  # the same settings: taken
+
+
 @pytest.mark.parametrize("prior,match", [
     ({}, "not a compare.py report"),
     (_prior(systems=[{"label": "ref"}]), "`systems` must be a list of objects with label, flags, status"),
