@@ -96,6 +96,10 @@ STASH_CALL_S = 25  # one `vs_vllm.sh --stash` call: ~55 MiB over, copied into th
 VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
 STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # per system, by kind (kind_of)
+# vLLM's start grows with the model (its compile and graph capture go layer by layer, whatever the TP): 60 s for
+# qwen3-8b (15 GiB of bf16 weights; H200 2026-11-30: 60.3 s), 180-190 s for llama-3.1-70b (131 GiB, at TP 2 and 4);
+# a straight line between
+VLLM_STARTUP_POINTS = ((15.0, 60.0), (131.0, 190.0))  # (the model's bf16 weights GiB, start-up s)
 ONE_BOUND_PROBES = 5  # probes a search of one bound wants (its two shares' brackets closed), at most
 ABOVE_PEAK_PROBES = 3  # of a search's probes, those planned above the peak with --above-peak-factor > 1
 ABOVE_PEAK_RATE = 1.2  # their rate, x the peak (between the peak and a ceiling ~1.4-2 x it, bisected)
@@ -201,6 +205,15 @@ def probe_seconds(rate: float, counted: int, lifetime_s: float | None,
     return min(warm + counted, cap) / rate + max(DRAIN_S, lifetime_s or 0.0), warm
 
 
+def vllm_startup_s(model_gib: float | None) -> float:
+    """vLLM's start-up estimate for a model of `model_gib` of weights (VLLM_STARTUP_POINTS' line, never under its
+    first point's time; None: STARTUP_S's, the largest measured)."""
+    if model_gib is None:
+        return STARTUP_S["vllm"]
+    (w0, s0), (w1, s1) = VLLM_STARTUP_POINTS
+    return max(s0, s0 + (s1 - s0) * (model_gib - w0) / (w1 - w0))
+
+
 def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: float) -> float:
     """The probes of one search: `wanted` of `probe_s` each, ABOVE_PEAK_PROBES of them `long_s` instead where
     `above_peak_factor` > 1."""
@@ -210,11 +223,14 @@ def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: floa
 
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
                budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0,
-               lifetime_s: float | None = None, cap: int = DEFAULT_MAX_PROBE_ARRIVALS) -> Call:
+               lifetime_s: float | None = None, cap: int = DEFAULT_MAX_PROBE_ARRIVALS,
+               model_gib: float | None = None) -> Call:
     """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it).
-    `lifetime_s`: a request's lifetime, for the probes' warm-ups (`probe_seconds`; None: the discard alone)."""
+    `lifetime_s`: a request's lifetime, for the probes' warm-ups (`probe_seconds`; None: the discard alone).
+    `model_gib`: the model's weights, for vLLM's start-up (`vllm_startup_s`; None: the largest measured)."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
-    startups = sum(STARTUP_S[kind_of(s, tp)] for s in systems)
+    startups = sum(vllm_startup_s(model_gib) if kind_of(s, tp) == "vllm" else STARTUP_S[kind_of(s, tp)]
+                   for s in systems)
     counted = max(0, num_prompts - SEARCH_DISCARD)
     # probes lie between peak/4 and the peak, most near peak/2: 1 / rate averages ~1.6 / peak, a rate of peak / 1.6
     probe_s, warm = probe_seconds(peak / 1.6, counted, lifetime_s, cap)
@@ -266,7 +282,7 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
             side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp,
-                                   above_peak_factor, lifetime_s, cap))
+                                   above_peak_factor, lifetime_s, cap, weights_gib(cfg)))
             if note:
                 lines.append(f"  {g}: {note}")
         first_vllm = False  # the first call installs it

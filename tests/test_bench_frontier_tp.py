@@ -107,6 +107,19 @@ def test_plan_says_what_fits_a_session() -> None:
     assert plan.probes_wanted("duet@none", 10) == 5 and plan.probes_wanted("duet", 10) == 10
 
 
+@pytest.mark.parametrize("gib,want", [(None, 190.0), (15.0, 60.0), (131.0, 190.0), (73.0, 125.0), (4.0, 60.0)])
+def test_vllm_startup_grows_with_the_model(gib: float | None, want: float) -> None:
+    assert plan.vllm_startup_s(gib) == pytest.approx(want)
+
+
+def test_an_8b_vllm_group_gets_its_probes() -> None:
+    """qwen3-8b's vLLM starts in ~60 s (15 GiB of weights), not the 70B shape's 190: two vLLM servers leave its searches
+    their probes (they made 10 each in one call on 2026-11-30)."""
+    lines = plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 2, 1, ["vllm-a"], prompt=2048, num_prompts=48, max_probes=10,
+                      stashed=True)
+    assert "2 search(es) of ~10 probes," in lines[3] and "cut from" not in lines[3], lines[3]
+
+
 def g(bound: float | None, lo: float | None, status: str = "converged") -> dict[str, Any]:
     return {"itl_bound_ms": bound, "share": 0.9, "goodput": lo or 0.0, "lo": lo, "hi": None, "status": status}
 
