@@ -64,6 +64,9 @@ factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\(
 # --split made them), else the plan's default
 prompt=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^\([0-9][0-9]*\):[0-9].*/\1/p')
 output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*/\1/p')
+if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vllm.sh's multiturn defaults): 2048 + 5 x
+    prompt=3328; output=384                 # 256 new prompt tokens, 6 x 64 output tokens (its lifetime: all turns)
+fi
 cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
 plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}")

@@ -287,14 +287,18 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
 
 
 def test_frontier_parallel_plan_reads_the_workload_and_the_stash() -> None:
-    """--plan estimates with the first workload's prompt length (WORKLOADS IN:OUT) and this checkout's stash parts."""
+    """--plan estimates with the first workload's prompt length (WORKLOADS IN:OUT, or multiturn's conversation) and
+    this checkout's stash parts."""
     env = {**os.environ, "KIND_GPUS": "2", "GROUP": "ours-slo", "WORKLOADS": "2048:28"}
     r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "2048-token prompts" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "WORKLOADS": "multiturn"}, timeout=60)
-    assert r.returncode == 0 and "4096-token prompts" in r.stdout, r.stdout + r.stderr
+    # multiturn: an arrival is a whole conversation (2048 + 5 x 256 new prompt tokens, 6 x 64 output tokens), whose
+    # lifetime spans all its turns
+    assert r.returncode == 0 and "3328-token prompts" in r.stdout, r.stdout + r.stderr
+    assert "request lifetime 9.9 s" in r.stdout
 
 
 def test_frontier_parallel_plans_the_workloads_lifetime() -> None:
