@@ -174,10 +174,10 @@ from compare_tp import resolve_tp_systems  # noqa: E402
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
-from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
 from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
 from rapidserve.benchmark.results import bound_label  # noqa: E402
 from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
+from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
 from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
 

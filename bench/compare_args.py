@@ -39,9 +39,9 @@ from rapidserve.benchmark.cli import (  # noqa: E402
     rates_arg,
     token_range_arg,
 )
-from rapidserve.benchmark.goodput import SearchConfig  # noqa: E402
 from rapidserve.benchmark.report import workload_title  # noqa: E402
 from rapidserve.benchmark.runner import BenchConfig  # noqa: E402
+from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
 from rapidserve.benchmark.search_flags import (  # noqa: E402
     SEARCH_FLAGS,
     SEARCH_NUM_PROMPTS,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from rapidserve.benchmark import sustain
-from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, SearchConfig, round_rate
+from rapidserve.benchmark.goodput import OWN_PEAK, SHARED_PEAK, round_rate
+from rapidserve.benchmark.search_config import SearchConfig
 from tests.test_bench_compare import _load
 
 compare = _load()

@@ -75,7 +75,7 @@ def test_startup_reserve() -> None:
 
 
 def test_duet_at_each_slo_is_a_system_searched_at_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
-    from rapidserve.benchmark.goodput import SearchConfig
+    from rapidserve.benchmark.search_config import SearchConfig
     from rapidserve.cli import build_parser
 
     got = compare.parse_systems("duet@25,duet@50.0,duet@none,duet", [], search=True)

@@ -17,7 +17,6 @@ from rapidserve.benchmark.goodput import (
     UNFINISHED,
     Bracket,
     Probe,
-    SearchConfig,
     Target,
     attains,
     bracket,
@@ -34,6 +33,7 @@ from rapidserve.benchmark.goodput import (
     ttft_limit_s,
 )
 from rapidserve.benchmark.search import no_peak_advice, search_frontier, start_from_peak
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import Backlog
 

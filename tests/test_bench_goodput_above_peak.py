@@ -21,7 +21,6 @@ from rapidserve.benchmark.goodput import (
     START_X8,
     Bracket,
     Ceiling,
-    SearchConfig,
     Target,
     measure_probe,
     next_step,
@@ -30,6 +29,7 @@ from rapidserve.benchmark.goodput import (
 )
 from rapidserve.benchmark.goodput_report import backlog_cell, search_block, search_markdown
 from rapidserve.benchmark.search import Outcome, search_frontier
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import MIN_TREND_REQUESTS, Backlog, backlog_trend, probe_arrivals
 from rapidserve.cli import main

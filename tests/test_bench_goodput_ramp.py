@@ -17,13 +17,13 @@ from rapidserve.benchmark.goodput import (
     CONVERGED,
     UNFINISHED,
     Probe,
-    SearchConfig,
     Target,
     measure_probe,
     passes,
     pooled,
 )
 from rapidserve.benchmark.search import Outcome, search_frontier
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord, percentile
 from rapidserve.benchmark.sustain import (
     CAP_FLAG,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rapidserve.benchmark import sustain
-from rapidserve.benchmark.goodput import CONVERGED, SearchConfig
+from rapidserve.benchmark.goodput import CONVERGED
 from rapidserve.benchmark.goodput_report import (
     RAMP_COLUMN,
     RAMP_LEGEND,
@@ -25,6 +25,7 @@ from rapidserve.benchmark.goodput_report import (
     search_markdown,
     write_search_outputs,
 )
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.sustain import RERUN, Ramp, plan_probe
 from rapidserve.cli import build_parser, main
 from tests.test_bench_compare import _load

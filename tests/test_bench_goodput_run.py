@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED, SearchConfig
+from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED
 from rapidserve.benchmark.goodput_report import goodput_cell, search_markdown, write_search_outputs
 from rapidserve.benchmark.plot import PLOT_NEEDS
 from rapidserve.benchmark.results import frontier_points
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.cli import build_parser, main
 from tests.test_bench_cli import PNG_MAGIC, bench
 from tests.test_server import Srv

@@ -23,7 +23,7 @@ In-process use (as bench/compare.py does):
     result = asyncio.run(run_benchmark(cfg))
     write_outputs(result, "out", "rapid_4096-64")
 
-    from rapidserve.benchmark.goodput import SearchConfig
+    from rapidserve.benchmark.search_config import SearchConfig
     from rapidserve.benchmark.search import run_goodput_search
     found = asyncio.run(run_goodput_search(cfg, SearchConfig(budget_s=300)))  # cfg.num_prompts per probe
 """

@@ -50,7 +50,6 @@ from rapidserve.benchmark.goodput import (
     UNFINISHED,
     Ceiling,
     Probe,
-    SearchConfig,
     Step,
     bound_key,
     bracket,
@@ -76,6 +75,7 @@ from rapidserve.benchmark.runner import (
     say,
     warm_up,
 )
+from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.step_mix import step_cell
 from rapidserve.benchmark.sustain import (

@@ -14,7 +14,8 @@ from rapidserve.benchmark.flags import (
     positive_int,
     shares_arg,
 )
-from rapidserve.benchmark.goodput import DEFAULT_ITL_BOUNDS_MS, DEFAULT_SHARES, SearchConfig
+from rapidserve.benchmark.goodput import DEFAULT_ITL_BOUNDS_MS, DEFAULT_SHARES
+from rapidserve.benchmark.search_config import SearchConfig
 
 SEARCH_NUM_PROMPTS = 80  # arrivals per probe unless --num-prompts says (16 discarded as warm-up: 64 counted)
 # (flag, SearchConfig field)
