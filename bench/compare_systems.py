@@ -53,10 +53,10 @@ SYSTEMS: dict[str, str] = {
     # duet with the piecewise graphs of its fused steps cut to 512 tokens, as the prefill worker's: its fused steps of
     # more tokens launched from Python (the decode worker before 2026-11-30; the A/B of group graphs-ab)
     "duet-g512": "--mode rapid --policy duet --prefill-graph-tokens 16,32,64,128,256,384,512",
-    # duet with its fused steps' buckets every 128 tokens from 1024 to 2048 (the default: every 256): a chunk trimmed to
-    # end on a bucket defers half as many tokens (partition/policies.py `on_bucket`; the A/B of group fill-ab)
-    "duet-g128": ("--mode rapid --policy duet --prefill-graph-tokens "
-                  "16,32,64,128,256,384,512,640,768,896,1024,1152,1280,1408,1536,1664,1792,1920,2048"),
+    # duet with its fused steps' buckets every 256 tokens from 1024 to 2048, as before 2026-11-30 (the default: every
+    # 128): a chunk ends on a bucket or pads to the next (partition/policies.py `on_bucket`; the A/B of group fill-ab)
+    "duet-g256": ("--mode rapid --policy duet --prefill-graph-tokens "
+                  "16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792,2048"),
     # duet at SLO 100 ms with buckets on to 4096 tokens (the default stops at 2048, so its ~4K-token fused steps run
     # eager): whether those launches still delay tokens at 100 ms (the A/B of group g4096-ab, beside duet@100)
     "duet100-g4096": ("--mode rapid --policy duet --slo-itl-ms 100 --prefill-graph-tokens "
@@ -71,7 +71,7 @@ FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split
 # ... a sweep: the rest, but for the multi-GPU frontier's own (bench/frontier_plan.py's groups), named when wanted
 SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS
                                       if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd", "duet-g512",
-                                                    "duet-g128", "duet100-g4096"))
+                                                    "duet-g256", "duet100-g4096"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its

@@ -10,7 +10,7 @@ groups' systems in one call, for shapes whose searches are short):
 | ours-slo | duet@25, @50, @100, @200, @none: duet with `--slo-itl-ms B` (or none), each searched at B alone |
 | baselines | always-fused, always-split (beside ours-slo: ours' duet would repeat duet@50's server and search) |
 | graphs-ab | duet, duet-g512 (its fused steps' graphs cut to 512 tokens: the larger ones launched from Python) |
-| fill-ab | duet, duet-g128 (its fused steps' buckets every 128 tokens from 1024 to 2048: less chunk trimmed) |
+| fill-ab | duet, duet-g256 (its fused steps' buckets every 256 tokens from 1024 to 2048, the default before 11-30) |
 | g4096-ab | duet@100, duet100-g4096 (the same at SLO 100 with buckets on to 4096: ~4K-token fused steps replayed) |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
@@ -73,7 +73,7 @@ from rapidserve.config import ModelConfig, ParallelConfig  # noqa: E402
 GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our systems, vLLM's systems)
     "ours": (("duet", "always-fused", "always-split"), ()),
     "graphs-ab": (("duet", "duet-g512"), ()),
-    "fill-ab": (("duet", "duet-g128"), ()),
+    "fill-ab": (("duet", "duet-g256"), ()),
     "g4096-ab": (("duet@100", "duet100-g4096"), ()),
     "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
     "baselines": (("always-fused", "always-split"), ()),

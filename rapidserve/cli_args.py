@@ -103,7 +103,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-graph-tokens", type=_token_buckets, default=None, metavar="N,N,...|none",
                    help="token buckets of the piecewise prefill graphs: a prefill forward of up to the largest "
                         "is padded to the next bucket and replayed as graphs, attention run between them "
-                        "(default 16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792,2048: the prefill "
+                        "(default 16,32,64,128,256,384,512,640,768,896,1024, then every 128 to 2048: the prefill "
                         "worker captures those up to 512, the decode worker's fused steps all; none: every prefill "
                         "launched from Python)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,

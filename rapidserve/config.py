@@ -296,8 +296,11 @@ class RunnerConfig:
     # 49-59% up to 128 tokens, 34% at 256, 5% at 512, 1% at 1024 (bench/results/h100_1127/prefill_graphs/). The
     # prefill worker and `LLM` capture those up to PREFILL_WORKER_MAX_BUCKET (512); a server's decode worker's fused
     # steps (duet, hybrid) all of them: there an eager launch of a larger step holds back the tokens of the step before.
-    prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792,
-                                             2048)
+    # Above 1024 every 128 tokens: duet ends a fused chunk on a bucket or pads it to the next (policies.on_bucket), and
+    # at 256 apart that cost its fused steps ~5% of their 45-ms budget (H200, 2048:28, 2026-11-30: 42.5 ms a step where
+    # the same server launching them eager filled 44.7); each bucket costs ~0.06 s of capture at start.
+    prefill_graph_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1152, 1280, 1408,
+                                             1536, 1664, 1792, 1920, 2048)
     seed: int = 0
 
     def __post_init__(self) -> None:

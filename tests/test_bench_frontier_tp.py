@@ -49,8 +49,8 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
             compare.main(["--dry-run", "--goodput-search", "--systems", "disagg-npmd", "--serve-args", serve])
         assert "needs an even --tensor-parallel-size >= 2" in capsys.readouterr().err
     assert "disagg-npmd" not in compare.SWEEP_SYSTEMS and "hybrid-1024" not in compare.SWEEP_SYSTEMS
-    # the A/B systems' flags reach the server as written: duet-g128's buckets, duet100-g4096's SLO and buckets
-    for name, want in (("duet-g128", "1024,1152,1280,1408,1536,1664,1792,1920,2048"),
+    # the A/B systems' flags reach the server as written: duet-g256's buckets, duet100-g4096's SLO and buckets
+    for name, want in (("duet-g256", "896,1024,1280,1536,1792,2048"),
                        ("duet100-g4096", "--slo-itl-ms 100 --prefill-graph-tokens 16,")):
         assert want in compare.SYSTEMS[name] and name not in compare.SWEEP_SYSTEMS
 
@@ -65,7 +65,7 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("vllm-default", "mixtral-8x7b", 4, [], ["vllm:"], ""),
     ("vllm-a", "qwen3-8b", 1, [], ["vllm:", "vllm:--max-num-batched-tokens 1024"], ""),
     ("ours-slo", "qwen3-8b", 1, ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none"], [], ""),
-    ("fill-ab", "qwen3-8b", 1, ["duet", "duet-g128"], [], ""),
+    ("fill-ab", "qwen3-8b", 1, ["duet", "duet-g256"], [], ""),
     ("g4096-ab", "qwen3-8b", 1, ["duet@100", "duet100-g4096"], [], ""),
     ("ours-slo+baselines", "qwen3-8b", 1,
      ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none", "always-fused", "always-split"], [], ""),

@@ -193,6 +193,9 @@ def test_the_prefill_workers_cap_leaves_out_the_larger_buckets() -> None:
     assert none._prefill_graphs is None
     assert PREFILL_WORKER_MAX_BUCKET == 512 and 512 in RunnerConfig().prefill_graph_tokens
     assert max(RunnerConfig().prefill_graph_tokens) == 2048  # the default's larger buckets: fused steps only
+    # above 1024 the default's buckets lie 128 apart: a fused chunk ends on one or pads to the next (on_bucket)
+    big = [b for b in RunnerConfig().prefill_graph_tokens if b >= 1024]
+    assert big == list(range(1024, 2049, 128))
 
 
 def test_no_buckets_or_enforce_eager_capture_nothing() -> None:
