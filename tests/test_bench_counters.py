@@ -155,9 +155,10 @@ def test_step_deltas_and_the_probe_cell_from_two_scrapes() -> None:
                   **host}}
     assert got["server_step_correction"] == {"fused": 1.07}  # a gauge: its value at the end
     assert list(got["server_steps"]) == ["fused", "split", "alone"]  # the server's order
-    assert step_cell(got) == "fused 62% (1.08, 6.5%) / split 30% (-, 3.3%) / alone 8% (-, 0%)"
-    assert _server_counts(got) == ("steps by kind, share (measured/predicted, over SLO): fused 62% (1.08, 6.5%) / "
-                                   "split 30% (-, 3.3%) / alone 8% (-, 0%)")
+    # 2.7 s over 62 fused steps: 43.5 ms each; the alone steps were not timed
+    assert step_cell(got) == "fused 62% (43.5 ms; 1.08, 6.5%) / split 30% (20.0 ms; -, 3.3%) / alone 8% (-; -, 0%)"
+    assert _server_counts(got) == ("steps by kind, share (mean step; measured/predicted, over SLO): fused 62% (43.5 "
+                                   "ms; 1.08, 6.5%) / split 30% (20.0 ms; -, 3.3%) / alone 8% (-; -, 0%)")
 
 
 def test_the_host_view_in_the_probe_cell() -> None:
@@ -173,7 +174,7 @@ def test_the_host_view_in_the_probe_cell() -> None:
     assert (fused["gaps"], fused["gaps_over_slo"]) == (38, 6)
     assert fused["gap_s"] == pytest.approx(1.9) and fused["idle_s"] == pytest.approx(0.2)
     # the only kind that stepped; 0.12 s of host time over its 40 steps: 3 ms each
-    assert step_cell(got) == "fused 100% (1.07, 0%; gaps 15.8% over, idle 5.0 ms, host 3.0 ms)"
+    assert step_cell(got) == "fused 100% (40.0 ms; 1.07, 0%; gaps 15.8% over, idle 5.0 ms, host 3.0 ms)"
 
 
 @pytest.mark.parametrize(("before", "after"), [

@@ -122,9 +122,9 @@ def test_search_markdown_and_plot(tmp_path, monkeypatch) -> None:  # type: ignor
     assert "not a sweep's `--goodput` column" in md
     # attainment, tightest bound first; the server's steps where it counted them (a server without: -)
     assert "| 4 | 1 | 64 | 50.0% | 95.0% | 100.0% | 900 | 40.0 | 0 | - |" in md
-    assert "| 8 | 2 | 64 | 0.0% | 20.0% | 50.0% | 900 | 40.0 | 0 | fused 75% (1.10, 4.0%) / split 25% (1.00, 0%) |" \
-        in md
-    assert "| failed | server steps: kind share (measured/predicted, over SLO) |" in md
+    assert ("| 8 | 2 | 64 | 0.0% | 20.0% | 50.0% | 900 | 40.0 | 0 | fused 75% (44.0 ms; 1.10, 4.0%) / split 25% "
+            "(20.0 ms; 1.00, 0%) |") in md
+    assert "| failed | server steps: kind share (mean step; measured/predicted, over SLO) |" in md
     assert frontier_points(res, 0.9) == [(50.0, 0.0), (100.0, 4.0), (None, 6.0)]
     only = result([{**e, "status": NOT_SEARCHED} if e["itl_bound_ms"] is not None else e for e in GOODPUT])
     only["search"]["settings"]["only_bounds"] = [None]
@@ -202,5 +202,6 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     assert 0 < split["gaps"] <= split["steps"] and split["gap_s"] > 0 and 0 <= split["gaps_over_slo"] <= split["gaps"]
     assert split["idle_s"] == 0 and split["host_s"] > 0
     row = next(line for line in md.splitlines() if line.startswith(head))
-    assert re.search(r"\| split 100% \(-, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms, host [0-9.]+ ms\) \|$", row), row
-    assert "server steps: split 100% (-, " in r.stdout  # said as each probe ends
+    cell = r"\| split 100% \([0-9.]+ ms; -, [0-9.]+%; gaps [0-9.]+% over, idle 0\.0 ms, host [0-9.]+ ms\) \|$"
+    assert re.search(cell, row), row
+    assert re.search(r"server steps: split 100% \([0-9.]+ ms; -, ", r.stdout)  # said as each probe ends

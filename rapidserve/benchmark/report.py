@@ -132,7 +132,7 @@ def _server_counts(run: Mapping[str, Any]) -> str:
         share = ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(steps.items(), key=lambda kv: -kv[1]))
         parts.append(f"{part.get('switches', 0)} partition switches; decode steps by configuration: {share}")
     if run.get("server_steps"):
-        parts.append(f"steps by kind, share (measured/predicted, over SLO): {step_cell(run)}")
+        parts.append(f"steps by kind, share (mean step; measured/predicted, over SLO): {step_cell(run)}")
     return "; ".join(parts)
 
 

@@ -18,11 +18,12 @@ A server without these series (vLLM) gives neither, and `step_cell` says "-". Th
 `stats_interval_s` (0.25 s by default), so a run's window is the scrapes' give or take that.
 
 `step_cell(run)`: the run in one compact cell (STEP_COLUMN): each kind's share of the steps, then in brackets its
-measured / predicted time (- where none of its steps had a prediction) and the share of its steps over the SLO, e.g.
-"fused 62% (1.08, 6.1%) / split 30% (0.97, 0.2%) / alone 8% (-, 0%)"; from a server that reports its host's view, each
-kind's bracket adds the share of the token gaps ending at its steps that were over the SLO, the device's mean idle
-time before its steps and the host's mean time to plan and launch one: "fused 62% (1.08, 6.1%; gaps 9.5% over, idle
-0.4 ms, host 3.1 ms)".
+mean measured step (how much of the SLO its steps fill; - where none was timed), its measured / predicted time (-
+where none of its steps had a prediction) and the share of its steps over the SLO, e.g.
+"fused 62% (43.5 ms; 1.08, 6.1%) / split 30% (20.0 ms; 0.97, 0.2%) / alone 8% (-; -, 0%)"; from a server that reports
+its host's view, each kind's bracket adds the share of the token gaps ending at its steps that were over the SLO, the
+device's mean idle time before its steps and the host's mean time to plan and launch one: "fused 62% (43.5 ms; 1.08,
+6.1%; gaps 9.5% over, idle 0.4 ms, host 3.1 ms)".
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SERIES: dict[str, str] = {"steps": "steps", "step_seconds": "measured_s", "steps
 COUNTS = ("steps", "over_slo", "gaps", "gaps_over_slo")  # the fields kept as whole numbers
 KINDS = ("fused", "fused_decode", "split", "alone")  # the server's kinds, in display order (others after them)
 LABELS = {"fused_decode": "fused-dec"}
-STEP_COLUMN = "server steps: kind share (measured/predicted, over SLO)"
+STEP_COLUMN = "server steps: kind share (mean step; measured/predicted, over SLO)"
 STEP_LEGEND = ("The server's steps (rapidserve's /metrics over the run; `-` for a server without them): each shape "
                "kind's share of the decode worker's steps (fused with prompt tokens, fused-dec without, split beside "
                "the prefill worker, alone), then its measured / predicted step time (`-`: no prediction) and the "
@@ -114,5 +115,6 @@ def step_cell(run: Mapping[str, Any]) -> str:
             idle_ms, host_ms = (1e3 * d.get(f, 0.0) / d["steps"] for f in ("idle_s", "host_s"))
             host = (f"; gaps {_share(d.get('gaps_over_slo', 0) / d['gaps'])} over, idle {idle_ms:.1f} ms, "
                     f"host {host_ms:.1f} ms")
-        parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({ratio}, {over}{host})")
+        mean = f"{1e3 * d['measured_s'] / d['steps']:.1f} ms" if d.get("measured_s") else "-"
+        parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({mean}; {ratio}, {over}{host})")
     return " / ".join(parts)
