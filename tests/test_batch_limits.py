@@ -80,3 +80,22 @@ def test_explicit_values_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_default_is_256() -> None:
     cfg, _ = build_engine_config("preset:tiny-llama", device="cpu")
     assert (cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens) == (256, 8192)
+
+
+@pytest.mark.parametrize("batch", [300, 384, 512])
+def test_policy_costs_past_the_profiled_batches(batch: int) -> None:
+    """A decode batch of 300-512 (seats past the profile's largest bucket) reads the largest bucket, flagged."""
+    from pathlib import Path
+
+    from rapidserve.partition.manager import ManagerState, decide
+    from rapidserve.partition.profile import load_profile
+    from rapidserve.partition.step_costs import ProfileCosts
+
+    path = Path(__file__).resolve().parent.parent / "profiles" / "nvidia-h200__preset-qwen3-8b.json"
+    profile = load_profile(path)
+    costs = ProfileCosts(profile)
+    assert costs.fused_ms([2048] * batch, [(512, 0)]) > 0
+    assert costs.decode_alone_ms(costs.whole_config, batch, 2048) > 0
+    d, _ = decide(ManagerState(costs.whole_config, 0), decode_batch=batch, decode_context=2048, prefill_pending=True,
+                  slo_itl_ms=50.0, profile=profile)
+    assert d.beyond_profile and "beyond profiled buckets" in d.reason
