@@ -82,9 +82,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
-    g.add_argument("--max-num-seqs", type=positive_int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=8192,
-                   help="token budget of one forward pass. rapid mode: prompts of one prefill batch (a longer "
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="most requests running at once (default, as vLLM's: 1024 on a GPU with >= 70 GiB that is "
+                        "not an A100, such as the H100, H200 and MI300X; else 256, the CPU too). At most the "
+                        "largest decode graph batch (512) and --max-num-batched-tokens run at once")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="token budget of one forward pass (default 8192; generate, as vLLM's LLM: 16384 on a GPU "
+                        "with >= 70 GiB that is not an A100). rapid mode: prompts of one prefill batch (a longer "
                         "prompt is chunked). hybrid mode and generate: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
                         "at most min(--max-num-seqs, this) requests run at once")

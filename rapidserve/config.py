@@ -290,7 +290,11 @@ class RunnerConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     attention_backend: str = "auto"  # ATTENTION_BACKENDS
     use_cuda_graphs: bool = True
-    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+    # Decode graph buckets; the largest caps the seats (batch_limits.seats), and a worker captures those up to its
+    # seats only (batch_limits.decode_graph_buckets). Up to 512, every 32 from 256: vLLM's default max_num_seqs on a
+    # GPU >= 70 GiB is 1024, and at 256 a decode-heavy load queued what vLLM runs.
+    graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 288, 320, 352,
+                                          384, 416, 448, 480, 512)
     # Token buckets of the piecewise prefill graphs (rapidserve/runner/prefill_graphs.py); () captures none. On the
     # H100 (Qwen3-8B) a prefill forward launched from Python waits for the host up to ~512 tokens; graphs save
     # 49-59% up to 128 tokens, 34% at 256, 5% at 512, 1% at 1024 (bench/results/h100_1127/prefill_graphs/). The

@@ -11,11 +11,25 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, LOAD_FORMATS, CacheConfig, EngineConfig, ParallelConfig
+from rapidserve.batch_limits import (
+    Device,
+    config_seats,
+    default_max_num_batched_tokens,
+    default_max_num_seqs,
+    why_default,
+)
+from rapidserve.config import (
+    ALLOW_LONG_MAX_MODEL_LEN_ENV,
+    LOAD_FORMATS,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import (  # re-exported: the model-free half of the builder
     allow_long_max_model_len,
@@ -104,6 +118,40 @@ def resolve_quantization(flag: str | None, source: ModelSource, model: str | Non
     return quant
 
 
+def device_facts(dev: torch.device) -> Device:
+    """What the batch defaults read of `dev` (batch_limits.Device): a GPU's (CUDA or ROCm) name and total memory from
+    torch.cuda.get_device_properties; the CPU's type alone."""
+    if dev.type != "cuda":
+        return Device(dev.type, 0, dev.type)
+    props = torch.cuda.get_device_properties(dev)
+    return Device("cuda", int(props.total_memory), str(props.name))
+
+
+def resolve_batch_limits(scheduler: SchedulerConfig, max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                         run: str, device: Callable[[], Device]) -> tuple[SchedulerConfig, str]:
+    """(the tree's scheduler section with `max_num_seqs` and `max_num_batched_tokens` as given or, each one None,
+    its default on `device()` for `run` (batch_limits: vLLM's rule), why max_num_seqs is what it is). `device` is
+    read only when a default is needed."""
+    if max_num_seqs is not None and max_num_batched_tokens is not None:
+        return dataclasses.replace(scheduler, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens), "as given"
+    dev = device()
+    seqs = default_max_num_seqs(dev) if max_num_seqs is None else max_num_seqs
+    tokens = default_max_num_batched_tokens(dev, run) if max_num_batched_tokens is None else max_num_batched_tokens
+    return (dataclasses.replace(scheduler, max_num_seqs=seqs, max_num_batched_tokens=tokens),
+            "as given" if max_num_seqs is not None else why_default(dev))
+
+
+def describe_batch_limits(cfg: EngineConfig, why_seqs: str) -> str:
+    """The start-up log's line: max_num_seqs and why, the seats it gives where the largest decode graph or the token
+    budget caps it, and the token budget."""
+    sc = cfg.scheduler
+    n = config_seats(cfg)
+    capped = f" (at most {n} run at once: the largest decode graph batch or the token budget)" if n < sc.max_num_seqs \
+        else ""
+    return f"max_num_seqs {sc.max_num_seqs}: {why_seqs}{capped}; max_num_batched_tokens {sc.max_num_batched_tokens}"
+
+
 def want_float(dtype: torch.dtype) -> str:
     """A torch float dtype as --dtype / --kv-cache-dtype name it ("bfloat16")."""
     return str(dtype).removeprefix("torch.")
@@ -160,7 +208,7 @@ def resolve_kv_cache(flag: str, source: ModelSource, dtype: torch.dtype, device:
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                         max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                         block_size: int = 16, num_kv_blocks: int | None = None,
-                        max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                        max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                         prefill_batch_tokens: int | None = None,
                         enforce_eager: bool = False, prefill_graph_tokens: Sequence[int] | None = None,
                         seed: int = 0, attention_backend: str = "auto", cache_dir: str | None = None,
@@ -197,7 +245,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     is of that form. `generation_config`: where the sampling defaults come from (auto, vllm or a folder, as vLLM's
     --generation-config; checked with the settings, `engine_settings.generation_defaults`; auto's file is read
     once the model is resolved, `resolve_generation_config`). `kv_events_config`: vLLM's --kv-events-config
-    (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED)."""
+    (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED). `max_num_seqs`, `max_num_batched_tokens`: None
+    (not given) resolves by device, as vLLM's defaults (`resolve_batch_limits`, batch_limits.py)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     sections = engine_sections(
@@ -224,12 +273,17 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     mcfg = source.config
     parallel = parallel or ParallelConfig()
     cache = resolve_kv_cache(sections.kv_cache_dtype, source, resolve_dtype(dtype, dev), dev, sections.cache)
+    run = run or sections.launch.mode
+    scheduler, why_seqs = resolve_batch_limits(sections.scheduler, max_num_seqs, max_num_batched_tokens, run,
+                                               lambda: device_facts(dev))
     cfg = EngineConfig(model=model or "default", model_config=mcfg, cache=cache,
-                       scheduler=sections.scheduler, runner=sections.runner, launch=sections.launch,
+                       scheduler=scheduler, runner=sections.runner, launch=sections.launch,
                        partition=sections.partition, parallel=parallel, tokenizer=tokenizer,
                        generation=(sections.generation if sections.generation is not None
                                    else resolve_generation_config("auto", source, model)), kv_events=kv_events,
                        quantization=resolve_quantization(sections.quantization, source, model, parallel))
+    if run != "profile":  # (the profile's decode batches are its --batch-buckets)
+        log.info("%s", describe_batch_limits(cfg, why_seqs))
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,

@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rapidserve.batch_limits import seats
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_request import DecodeRequest
 from rapidserve.engine.decode_scheduler import DecodeScheduler
 from rapidserve.engine.sampling_step import retain
-from rapidserve.engine.step_cycle import StepCycle, seats
+from rapidserve.engine.step_cycle import StepCycle
 from rapidserve.engine.step_launch import slot_key
 from rapidserve.loader import ModelSource, load_hf_tokenizer
 from rapidserve.partition.shape import Fused, StepShape

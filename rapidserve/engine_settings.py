@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rapidserve.batch_limits import SERVER_BATCHED_TOKENS, SMALL_MAX_NUM_SEQS
 from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, CacheConfig, RunnerConfig, SchedulerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.generation_config import (
@@ -156,7 +157,7 @@ class EngineSections:
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                     gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
-                    max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                    max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                     prefill_batch_tokens: int | None = None, enforce_eager: bool = False,
                     prefill_graph_tokens: Sequence[int] | None = None, seed: int = 0,
                     attention_backend: str = "auto", enable_prefix_caching: bool = True,
@@ -179,7 +180,11 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
     cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                         num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype="fp8" if kv_flag == "fp8" else "auto")
-    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    # None (not given): the field's default here, for the checks; the builder resolves it by device
+    # (batch_limits, config_builder.resolve_batch_limits) once the device is known
+    scheduler = SchedulerConfig(max_num_seqs=SMALL_MAX_NUM_SEQS if max_num_seqs is None else max_num_seqs,
+                                max_num_batched_tokens=(SERVER_BATCHED_TOKENS if max_num_batched_tokens is None
+                                                        else max_num_batched_tokens),
                                 prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
                                 async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
     graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}

@@ -46,13 +46,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # with every check that needs no model (`engine_settings`). Plus what vLLM's users may ask for and rapidserve's
     # answers, shared by the CLI, the server and `LLM`: `vllm_serve_flags` (vLLM's serve flags accepted or refused),
     # `vllm_reasons` (the reasons for vLLM request fields both APIs take); the sampling parameters' parts
-    # (`sampling_checks`, `structured_outputs`, `vllm_sampling_fields`).
+    # (`sampling_checks`, `structured_outputs`, `vllm_sampling_fields`). Plus the batch limits' defaults by device,
+    # the seats and the decode graph buckets (`batch_limits`).
     ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
                 "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
                 "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
                 "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
                 "rapidserve.moe_config", "rapidserve.vllm_serve_flags", "rapidserve.vllm_reasons",
-                "rapidserve.sampling_checks", "rapidserve.structured_outputs", "rapidserve.vllm_sampling_fields")),
+                "rapidserve.sampling_checks", "rapidserve.structured_outputs", "rapidserve.vllm_sampling_fields",
+                "rapidserve.batch_limits")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.

@@ -45,11 +45,12 @@ import time
 
 import torch
 
+from rapidserve.batch_limits import seats
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
 from rapidserve.engine.sampling_step import retain
-from rapidserve.engine.step_cycle import StepCycle, seats
+from rapidserve.engine.step_cycle import StepCycle
 from rapidserve.engine.step_launch import InFlight, slot_key
 from rapidserve.engine.step_tally import StepTally, correction_ratios
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events

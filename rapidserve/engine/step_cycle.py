@@ -191,8 +191,3 @@ class Landed:
             idle = max(0.0, float(self.end.elapsed_time(start)))
         return gap, idle
 
-
-def seats(max_num_seqs: int, graph_batch_sizes: tuple[int, ...], max_num_batched_tokens: int) -> int:
-    """How many requests may hold a seat (run, be chunked or prefilled) at once: at most the largest decode graph,
-    and at most one token each within a step's budget."""
-    return min(max_num_seqs, max(graph_batch_sizes), max_num_batched_tokens)

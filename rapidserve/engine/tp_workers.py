@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import torch
 
+from rapidserve.batch_limits import config_seats
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
@@ -89,12 +90,14 @@ def check_tp_gpus(cfg: EngineConfig, visible: int) -> None:
 
 
 def mirror_ring_bytes(cfg: EngineConfig) -> int:
-    """Room for a few of the largest calls: a decode step's block tables (max seqs x the longest table,
-    int32) or a prefill's per-token arrays, plus slack."""
+    """Room for a few of the largest calls: a decode step's block tables (its seats x the longest table,
+    int32: `batch_limits.config_seats`, at most the largest decode graph, not max_num_seqs) or a prefill's per-token
+    arrays, plus slack."""
     blocks = -(-cfg.max_model_len // cfg.cache.block_size)
-    decode = cfg.scheduler.max_num_seqs * (blocks * 4 + 64)
+    rows = config_seats(cfg)
+    decode = rows * (blocks * 4 + 64)
     tokens = max(cfg.scheduler.max_num_batched_tokens, cfg.max_model_len)
-    prefill = tokens * 40 + cfg.scheduler.max_num_seqs * blocks * 4
+    prefill = tokens * 40 + rows * blocks * 4
     return 4 * max(decode, prefill) + (1 << 20)
 
 

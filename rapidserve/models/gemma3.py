@@ -107,10 +107,12 @@ class Gemma3CausalLM(CausalLM):
         return super().embed(input_ids) * self.embed_scale
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, out)
         cap = self.cfg.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap if out is None else out.copy_(torch.tanh(logits / cap) * cap)
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int] | fp8_weights.Fp8Part]:
         out = super()._targets()

@@ -352,13 +352,14 @@ class CausalLM(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [T, vocab] (every rank gets them whole under tensor parallelism)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [T, vocab] (every rank gets them whole under tensor parallelism); written into `out`
+        (float32 [T, vocab]) when given, as the decode graphs' shared output buffer."""
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         logits = F.linear(hidden, weight)
         if self.tp is not None:
             logits = self.tp.gather_vocab(logits)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
     # ---- weights -------------------------------------------------------------------------
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int] | fp8_weights.Fp8Part]:

@@ -70,7 +70,7 @@ from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roof
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.quant_config import QuantizationConfig
 
-ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256]
+ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256, 512]  # up to the largest decode graph (the most seats)
 ROOFLINE_CONTEXTS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 

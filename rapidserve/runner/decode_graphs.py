@@ -1,4 +1,5 @@
-"""Decode CUDA/HIP graphs: one graph per batch-size bucket (RunnerConfig.graph_batch_sizes) per stream key.
+"""Decode CUDA/HIP graphs: one graph per batch-size bucket (RunnerConfig.graph_batch_sizes up to the first at or above
+the worker's seats: `batch_limits.decode_graph_buckets`) per stream key.
 
 `capture_decode_graphs(stream, key)` captures them on `stream`: a graph keeps the compute partition of the
 stream it was captured on (docs/measured.md), so the engine captures one set per partition configuration and
@@ -17,7 +18,10 @@ Memory layout: one set of static input buffers, sized for the largest bucket m a
 key: input_ids [m] int64, positions [m] int64, block_tables [m, max_blocks_per_seq] int32, context_lens [m]
 int32, slot_mapping [m] int64. A step of n rows fills rows [0, n); padding rows up to the bucket get slot -1
 (no K/V written) and context length 0 (attend to nothing). Every graph captures into one private memory pool,
-and its logits stay in the graph's output buffer ([bucket, vocab]) until the next replay of that graph.
+and its logits stay in the key's one output buffer ([largest bucket, vocab] float32, rows [0, bucket) each graph's)
+until the next replay of any graph of that key: the same as one graph replayed twice, which the steps on a key's stream
+already order (a step's logits are sampled on that stream before its next forward). One buffer a key, not one a graph:
+the buckets up to 512 would hold 4455 rows, 2.7 GB at a 151936-token vocabulary, per key (5 keys in rapid mode).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import AttentionBackend, AttentionMetadata, with_pdl
+from rapidserve.batch_limits import config_seats, decode_graph_buckets
 from rapidserve.ops import Ops, cublas_linears, with_launch
 from rapidserve.ops.pdl_table import PDL_TABLE, LaunchChoice, PdlDevice, pdl_for_step
 from rapidserve.runner.inputs import BatchInputs, Carry
@@ -160,7 +165,7 @@ class DecodeGraphs(BatchInputs):
         """
         if self.device.type != "cuda" or not self.cfg.runner.use_cuda_graphs or not self.attn.graph_safe:
             return
-        sizes = list(self.cfg.runner.graph_batch_sizes)
+        sizes = list(decode_graph_buckets(self.cfg.runner.graph_batch_sizes, config_seats(self.cfg)))
         caller = torch.cuda.current_stream(self.device)
         if not self._static:
             m = sizes[-1]
@@ -192,6 +197,7 @@ class DecodeGraphs(BatchInputs):
         capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
         capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
         graphs: dict[int, DecodeGraph] = {}
+        out: torch.Tensor | None = None  # the key's one logits buffer, sized by its largest bucket (captured first)
         with torch.cuda.stream(capture_stream):
             for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
                           disable=not show_progress, leave=False):
@@ -200,17 +206,20 @@ class DecodeGraphs(BatchInputs):
                 meta = AttentionMetadata(False, s["slot_mapping"][:b], s["block_tables"][:b],
                                          s["context_lens"][:b], max_context_len=self.max_model_len)
 
-                def step(b: int = b, meta: AttentionMetadata = meta) -> torch.Tensor:
+                def step(b: int = b, meta: AttentionMetadata = meta, into: torch.Tensor | None = None) -> torch.Tensor:
                     h = self.model(s["input_ids"][:b], s["positions"][:b], self.kv_pool.layers, meta)
-                    return self.model.compute_logits(h)
+                    return self.model.compute_logits(h, None if into is None else into[:b])
 
                 choice = launch if launch is not None else self.decode_launch(b)
                 with self._launching(choice):
-                    step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
+                    warm = step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
+                    if out is None:
+                        out = torch.empty(b, warm.shape[1], dtype=torch.float32, device=self.device)
+                    del warm
                     capture_stream.synchronize()
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self._graph_pool, stream=capture_stream):
-                        logits = step()
+                        logits = step(into=out)
                 graphs[b] = DecodeGraph(g, b, logits, choice)
         caller.wait_stream(capture_stream)
         self._graphs[key] = graphs

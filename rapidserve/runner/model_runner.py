@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import get_attention_backend, with_pdl
+from rapidserve.batch_limits import config_seats
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
@@ -243,7 +244,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         self._prefill_on(scratch, [item])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        max_bs = self.cfg.runner.graph_batch_sizes[-1]
+        max_bs = config_seats(self.cfg)  # the largest decode step (not the largest bucket: buckets beyond go unused)
         peak = max(peak, max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
         del scratch
         torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ is, "degraded" when not all are), /metrics (Prometheus text),
 A request's way: headers and body are checked (server/body.py: JSON content type, size, UTF-8,
 nesting; 415 / 413 / 400), the body is validated into a `GenRequest` (server/requests.py, types in
 server/schemas.py: bad input -> OpenAI-style JSON error, 4xx, nothing else touched); admission is
-bounded (max_num_seqs running per engine + max_waiting queued, beyond that 503 with Retry-After; a request
+bounded (each engine's seats, `batch_limits.seats`, + max_waiting queued, beyond that 503 with Retry-After; a request
 that could never fit is a 400); each prompt x sample becomes one engine request whose tokens are
 detokenized incrementally (stop strings matched on the text, left out of the output unless
 include_stop_str_in_output, as is the text of the stop token that ended it); a
@@ -43,6 +43,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rapidserve.batch_limits import config_seats
 from rapidserve.config import EngineConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.data_parallel import DataParallelEngine
@@ -87,7 +88,8 @@ class Server:
                                    trials=trials, default_template_kwargs=dict(cfg.default_chat_template_kwargs or {}),
                                    exclude_tools_when_none=cfg.exclude_tools_when_tool_choice_none,
                                    force_include_usage=cfg.force_include_usage)
-        self.capacity = ecfg.scheduler.max_num_seqs * ecfg.parallel.data_parallel_size + cfg.max_waiting
+        # the seats (max_num_seqs, at most the largest decode graph: batch_limits.seats) of each engine + the queue
+        self.capacity = config_seats(ecfg) * ecfg.parallel.data_parallel_size + cfg.max_waiting
         self.inflight = 0
         self.draining = False
         self.gen = Generation(engine, tokenizer, self.metrics, model_name)  # running admitted requests
