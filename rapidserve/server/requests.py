@@ -191,8 +191,9 @@ def _check_admissible(n_prompts: int, n: int, param: str, max_choices: int | Non
     if max_choices is not None and n_prompts * n > max_choices:
         raise bad_request(param if n_prompts > max_choices else "n",
                           f"this request asks for {n_prompts * n} sequences ({n_prompts} prompt(s) x n={n}), more "
-                          f"than this server can ever hold at once ({max_choices} sequences: max_num_seqs + "
-                          f"max_waiting): send at most {max_choices} per request")
+                          f"than this server can ever hold at once ({max_choices} sequences: the running seats, "
+                          f"--max-num-seqs capped by the largest decode graph, + --max-waiting): send at most "
+                          f"{max_choices} per request")
 
 
 def _with_tool_constraint(so: StructuredOutputs | None, tools: ToolPlan, ctx: ProtocolContext) \
