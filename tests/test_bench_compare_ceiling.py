@@ -70,6 +70,9 @@ def test_each_search_is_given_the_highest_peak_of_the_searches_before_it(monkeyp
      "there are none: give a ceiling above it, --search-max-rate R or --search-shared-ceiling"),
     (["--goodput-search", "--search-shared-ceiling", "--search-above-peak-factor", "4", "--workload-args",
       "--workload trace --trace t.jsonl --trace-arrivals poisson"], "a trace replays its window's requests"),
+    (["--goodput-search", "--search-max-probe-arrivals", "400", "--workload-args",
+      "--workload trace --trace t.jsonl --trace-arrivals poisson"],
+     "--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's requests"),
 ])
 def test_shared_ceiling_flag_errors(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ei:

@@ -318,6 +318,8 @@ def test_the_report_says_which_probes_were_above_the_peak_and_long() -> None:
      "which --search-start-rate skips measuring"),
     (["--search-above-peak-factor", "2", "--search-max-rate", "20", "--workload", "trace", "--trace", "t.jsonl",
       "--trace-arrivals", "poisson"], "a trace replays its window's requests"),
+    (["--search-max-probe-arrivals", "400", "--workload", "trace", "--trace", "t.jsonl", "--trace-arrivals",
+      "poisson"], "--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's requests"),
 ])
 def test_bad_above_peak_flags_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     # nothing listens on port 9: a check that passed would fail with exit 1 instead

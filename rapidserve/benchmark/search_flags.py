@@ -123,7 +123,8 @@ def check_search_flags(a: argparse.Namespace) -> None:
 
 def check_search_workload(a: argparse.Namespace) -> None:
     """ValueError when the workload's bench flags cannot be searched: fixed or gamma (--burstiness) arrivals, a
-    trace replayed at its own timestamps, or a trace with longer probes above the peak (its window is its count)."""
+    trace replayed at its own timestamps, or a trace with longer probes above the peak or a probe cap (its window
+    is its count)."""
     if a.arrival == "fixed":
         raise ValueError("--goodput-search measures Poisson arrivals: drop --arrival fixed")
     if getattr(a, "burstiness", None) not in (None, 1.0):
@@ -133,3 +134,6 @@ def check_search_workload(a: argparse.Namespace) -> None:
     if a.workload == "trace" and getattr(a, "search_above_peak_factor", None) not in (None, 1.0):
         raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
                          "drop the factor, or give a longer window (--duration-s) for every probe")
+    if a.workload == "trace" and getattr(a, "search_max_probe_arrivals", None) is not None:
+        raise ValueError("--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's "
+                         "requests (the window is the cap): drop the flag, or give the window with --duration-s")
