@@ -9,6 +9,7 @@ import asyncio
 import bisect
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -49,6 +50,7 @@ from rapidserve.benchmark.sustain import (
     short_next,
     steady_keys,
     steady_minimum,
+    upper_lifetime,
     warmup_arrivals,
 )
 
@@ -159,6 +161,29 @@ def test_rerun_plan() -> None:
     assert rerun_plan(lower, 10).warmup == 50  # never a shorter warm-up than its first (50 from a 4 s estimate)
 
 
+def test_rerun_plans_from_the_most_loaded_requests() -> None:
+    # a lifetime still growing through the probe (the load's, as W grows with the batch): 3 s for the first arrival
+    # to 9.4 s for the last; the median (6.2 s) mixes ramp requests in, the upper quartile (7.8 s) is the re-run's
+    growing = [Arrival(i, i * 0.1, 3.0 + 0.1 * i) for i in range(65)]
+    ramp = steady_keys(growing, PLAN)[1]
+    assert ramp.short and ramp.lifetime_s == pytest.approx(6.2) and ramp.upper_s == pytest.approx(7.8)
+    redo = rerun_plan(ramp, 10)
+    assert redo.ramp_s == pytest.approx(1.25 * 7.8) and redo.warmup == 98  # 9.75 s at 10 req/s
+    assert rerun_plan(replace(ramp, upper_s=None), 10).ramp_s == pytest.approx(1.25 * 6.2)  # none known: the median
+
+
+@pytest.mark.parametrize("lives,want", [
+    ([], None),
+    ([2.0], 2.0),
+    ([1.0, 3.0], 2.5),
+    ([1.0, 2.0, 3.0, 4.0, 5.0], 4.0),
+    ([1.0, math.nan, 2.0, 3.0, 4.0, 5.0], 4.0),  # a failed arrival has no lifetime
+])
+def test_upper_lifetime(lives: list[float], want: float | None) -> None:
+    got = upper_lifetime([Arrival(i, 0.0, x) for i, x in enumerate(lives)])
+    assert got == (None if want is None else pytest.approx(want))
+
+
 @pytest.mark.parametrize("ramp,redo,could,left,fits,want", [
     (SHORT_RAMP, REDO, True, 3, True, RERUN),
     (SHORT_RAMP, REDO, False, 3, True, NO_RERUN_FAILS),  # even its ramp requests fail: it fails anyway
@@ -189,7 +214,8 @@ def test_cap_problem(cap: int, n: int | None, discard: int, factor: float | None
 def test_ramp_words() -> None:
     steady = steady_keys(arrivals(65, 0.1, 3.0), PLAN)[1]
     assert steady.describe() == "warm-up 25 arrivals (2.5 s), lifetime 3 s, 5 arrivals before it left out"
-    assert steady.to_json() == {"warmup": 25, "ramp_s": 2.5, "lifetime_s": 3.0, "cut": 5, "counted": 35,
+    assert steady.to_json() == {"warmup": 25, "ramp_s": 2.5, "lifetime_s": 3.0, "upper_lifetime_s": 3.0, "cut": 5,
+                                "counted": 35,
                                 "wanted": 40, "minimum": 20, "needed": 65, "sent": 65, "cap": 1024, "rerun": False,
                                 "verdict": STEADY, "then": ""}
     assert Ramp(PLAN, 5.0, 25, 15, RERUN).describe() == ("warm-up 25 arrivals (2.5 s), lifetime 5 s, 25 arrivals "

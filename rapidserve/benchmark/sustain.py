@@ -25,14 +25,22 @@ state holds 250-320), every counted request is a ramp request and a server "pass
    that completed) is known; counted are the arrivals after the warm-up released at or after W. Where the
    estimate was low, the arrivals before W are left out (`cut`). A probe left with fewer than `steady_minimum`
    (half what it meant to count, at least MIN_TREND_REQUESTS) is short: it cannot pass.
-3. A short probe (`short_next`) is run once more, its warm-up from the W it measured (x RAMP_MARGIN, never fewer
-   arrivals than its first), up to the cap; a re-run still short fails every target (SHORT), and a probe that needed
+3. A short probe (`short_next`) is run once more, its warm-up from the lifetime its most loaded requests showed
+   (`rerun_plan`: the upper quartile of its arrivals' lifetimes, at least W; x RAMP_MARGIN, never fewer arrivals
+   than its first), up to the cap; a re-run still short fails every target (SHORT), and a probe that needed
    more than the cap (`ProbePlan.capped`) and came out short fails as CAPPED: steady state is out of reach within
    the cap. A short probe is not re-run, and fails, where a re-run could not change that: where even its ramp
    requests (all after its warm-up, time aside), which saw a lighter server than steady state would give them, fail
    every target searched (for a server whose latency does not fall as its load grows), or where the cap allows no
    longer probe (a trace's window); nor where the probes or the time budget are spent. Each run is a probe of its
    own in the search's count and report, and a short one is never pooled with another run (`goodput.pooled`).
+
+Why the upper quartile for a re-run: a probe comes out short when its lifetime was underestimated, i.e. when W was
+still growing with the load during the probe (on an H200, 2026-11-30, 1024:256 at 31.2 req/s: W 4.6 s in a first
+run planned from 3.5 s, then 7.2 s in a re-run planned from 4.6 s, short again). Its median mixes the ramp's
+requests with the most loaded ones; the upper quartile is the lifetime of the latter, the better estimate of the
+steady state's. Where W is stationary the quartile lies close to the median (fixed output lengths), so a re-run
+is only slightly longer.
 
 Why the median lifetime, and only the start: the ramp is over for a request released once the requests before it
 have lived a full lifetime; with fixed output lengths the lifetimes lie close to their median (the planning margin
@@ -199,17 +207,28 @@ def realized_lifetime(arrivals: Iterable[Arrival]) -> float | None:
     return statistics.median(lives) if lives else None
 
 
+def upper_lifetime(arrivals: Iterable[Arrival]) -> float | None:
+    """The upper quartile of the completed arrivals' lifetimes (inclusive method; None: none completed): the most
+    loaded requests' lifetime, from which a short probe's re-run plans its warm-up (module docstring, 3.)."""
+    lives = sorted(a.life_s for a in arrivals if math.isfinite(a.life_s))
+    if len(lives) < 2:
+        return lives[0] if lives else None
+    return statistics.quantiles(lives, n=4, method="inclusive")[2]
+
+
 @dataclass(frozen=True)
 class Ramp:
-    """How a probe's warm-up went: its plan, the lifetime it measured, the arrivals after the warm-up left out for
-    coming before that lifetime (`cut`) and those counted; `then`: for a short probe, RERUN or why not (NO_RERUN_*;
-    '' where it cannot be re-run: itself a re-run, or at the cap)."""
+    """How a probe's warm-up went: its plan, the lifetime it measured (the median), the arrivals after the warm-up
+    left out for coming before that lifetime (`cut`) and those counted; `then`: for a short probe, RERUN or why not
+    (NO_RERUN_*; '' where it cannot be re-run: itself a re-run, or at the cap); `upper_s`: the upper quartile of its
+    lifetimes (`upper_lifetime`; None: not known, the median stands for it)."""
 
     plan: ProbePlan
     lifetime_s: float | None
     cut: int
     counted: int
     then: str = ""
+    upper_s: float | None = None
 
     @property
     def minimum(self) -> int:
@@ -229,7 +248,8 @@ class Ramp:
     def to_json(self) -> dict[str, Any]:
         p = self.plan
         return {"warmup": p.warmup, "ramp_s": round(p.ramp_s, 3), "lifetime_s": _rounded(self.lifetime_s),
-                "cut": self.cut, "counted": self.counted, "wanted": p.wanted, "minimum": self.minimum,
+                "upper_lifetime_s": _rounded(self.upper_s), "cut": self.cut, "counted": self.counted,
+                "wanted": p.wanted, "minimum": self.minimum,
                 "needed": p.needed, "sent": p.sent, "cap": p.cap, "rerun": p.rerun, "verdict": self.verdict,
                 "then": self.then}
 
@@ -243,7 +263,7 @@ def steady_keys(arrivals: Sequence[Arrival], plan: ProbePlan) -> tuple[frozenset
     life = realized_lifetime(arrivals)
     after = [a for a in arrivals if a.key >= plan.warmup]
     kept = frozenset(a.key for a in after if life is None or a.at_s >= life)
-    return kept, Ramp(plan, life, len(after) - len(kept), len(kept))
+    return kept, Ramp(plan, life, len(after) - len(kept), len(kept), upper_s=upper_lifetime(arrivals))
 
 
 def short_next(ramp: Ramp, redo: ProbePlan, could_pass: bool, probes_left: int, fits: bool) -> str:
@@ -264,10 +284,12 @@ def short_next(ramp: Ramp, redo: ProbePlan, could_pass: bool, probes_left: int, 
 
 
 def rerun_plan(ramp: Ramp, discard: int) -> ProbePlan:
-    """A short probe's second run: its warm-up from the lifetime it measured (x RAMP_MARGIN, never fewer arrivals
-    than its first), the same arrivals to count, the same cap."""
+    """A short probe's second run: its warm-up from the lifetime its most loaded requests showed (the larger of
+    `upper_s` and the median; x RAMP_MARGIN, never fewer arrivals than its first), the same arrivals to count, the
+    same cap."""
     p = ramp.plan
-    return plan_probe(p.rate, p.wanted, discard, ramp.lifetime_s, p.cap, rerun=True, floor=p.warmup)
+    lives = [x for x in (ramp.lifetime_s, ramp.upper_s) if x is not None and math.isfinite(x)]
+    return plan_probe(p.rate, p.wanted, discard, max(lives) if lives else None, p.cap, rerun=True, floor=p.warmup)
 
 
 def with_then(ramp: Ramp, then: str) -> Ramp:
