@@ -32,7 +32,7 @@ from rapidserve.benchmark.goodput import (
     targets,
     ttft_limit_s,
 )
-from rapidserve.benchmark.search import no_peak_advice, search_frontier, start_from_peak
+from rapidserve.benchmark.search import AGAIN, no_peak_advice, search_frontier, start_from_peak
 from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import Backlog
@@ -199,6 +199,7 @@ class FakeServer:
     def __init__(self, capacity: float, slope: float = 0.006) -> None:
         self.capacity, self.slope, self.now, self.calls = capacity, slope, 0.0, []  # type: ignore[var-annotated]
         self.sent: list[int] = []
+        self.whys: list[str] = []  # what the search said of each run (search.AGAIN, RERUN or "")
 
     def records(self, rate: float, n: int = N) -> list[RequestRecord]:
         ttft = 0.2 if rate <= self.capacity else 5.0
@@ -206,9 +207,10 @@ class FakeServer:
         return [rec(prompt=100, ttft=ttft, itl=(self.slope * rate * (1 + (D + i - w) / N),) * 8, index=i,
                     at=i / rate, e2e=ttft + 0.1) for i in range(n)]
 
-    async def measure(self, rate: float, n: int = N) -> list[RequestRecord]:
+    async def measure(self, rate: float, n: int = N, why: str = "") -> list[RequestRecord]:
         self.calls.append(rate)
         self.sent.append(n)
+        self.whys.append(why)
         self.now += n / rate + 1.0
         return self.records(rate, n)
 
@@ -395,6 +397,8 @@ def test_a_failure_below_a_pass_is_probed_again_and_pooled(share: float, settles
     server = NoisyServer(spurious={5.0})
     out = run_search(server, SearchConfig(itl_bounds_ms=(50.0,), shares=(share,), max_probes=30, discard=D), 5.0)
     assert server.calls.count(5.0) == 2 and all(server.calls.count(r) == 1 for r in server.calls if r != 5.0)
+    assert [w for r, w in zip(server.calls, server.whys, strict=True) if r == 5.0] == ["", AGAIN]  # said so
+    assert server.whys.count(AGAIN) == 1
     assert len(out.probes) == len(server.calls)  # each run reported, the repeat too
     by = {e["itl_bound_ms"]: e for e in out.goodput}
     assert by[None]["lo"] <= 10.0 < by[None]["hi"]

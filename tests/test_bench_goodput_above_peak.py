@@ -178,7 +178,7 @@ class Server:
             out.append(rec(i, self.base * (0.5 + rng.random()) + growth * at, at))
         return out
 
-    async def measure(self, rate: float, n: int) -> list[RequestRecord]:
+    async def measure(self, rate: float, n: int, why: str = "") -> list[RequestRecord]:
         self.calls.append((rate, n))
         self.now += n / rate + 1.0
         return self.records(rate, n)

@@ -283,7 +283,7 @@ class RampServer:
                                      ttft_s=0.2, e2e_s=W, itl_s=gaps))
         return out
 
-    async def measure(self, rate: float, n: int) -> list[RequestRecord]:
+    async def measure(self, rate: float, n: int, why: str = "") -> list[RequestRecord]:
         self.calls.append((rate, n))
         self.now += n / rate + W
         return self.records(rate, n, len(self.calls))
@@ -340,9 +340,11 @@ class NeverSettles:
 
     def __init__(self, ttft: float = 0.1, life: float | None = None) -> None:
         self.ttft, self.life, self.calls, self.now = ttft, life, [], 0.0  # type: ignore[var-annotated]
+        self.whys: list[str] = []  # what the search said of each run
 
-    async def measure(self, rate: float, n: int) -> list[RequestRecord]:
+    async def measure(self, rate: float, n: int, why: str = "") -> list[RequestRecord]:
         self.calls.append((rate, n))
+        self.whys.append(why)
         self.now += n / rate + 1.0
         life = n / rate + 1.0 if self.life is None else self.life
         return [RequestRecord(i, 100, 9, scheduled_s=i / rate, start_s=i / rate, success=True, output_tokens=9,
@@ -362,6 +364,7 @@ def test_a_short_probe_is_run_once_more_then_fails_as_short() -> None:
     # 60 arrivals at 8 req/s live 8.5 s: none after it; the re-run warms up for 1.25 x 8.5 s = 85 arrivals and its
     # 135 arrivals live 17.9 s: still none after it. Its ramp requests were fine, yet it fails every target
     assert server.calls == [(8.0, 60), (8.0, 135)] and len(out.probes) == 2
+    assert server.whys == ["", RERUN]  # the run's own words say it is a re-run (the report's "again (a short probe")
     first, redo = out.probes
     assert first.ramp is not None and (first.ramp.verdict, first.ramp.then, first.ramp.counted) == (SHORT, RERUN, 0)
     assert redo.ramp is not None and redo.ramp.plan.rerun and redo.ramp.plan.warmup == 85

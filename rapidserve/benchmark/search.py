@@ -2,7 +2,7 @@
 against a real server.
 
 `search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in turn,
-loosest first, and probes the rates it names with `measure(rate, n)` (the records of one Poisson run of n arrivals:
+loosest first, and probes the rates it names with `measure(rate, n, why)` (the records of one Poisson run of n arrivals:
 the probe's warm-up, then the arrivals it counts, `probe_requests` less the discard, or above the closed-loop `peak`
 `scfg.wanted`'s longer count, whose probes are also judged by their backlog trend; at most
 `scfg.max_probe_arrivals`). The warm-up is the ramp rule's (sustain.py): it covers 1.25 request lifetimes, estimated
@@ -91,7 +91,10 @@ from rapidserve.benchmark.sustain import (
     with_then,
 )
 
-Measure = Callable[[float, int], Awaitable[Sequence[RequestRecord]]]  # (rate, arrivals) -> the run's records
+# (rate, arrivals, why) -> the run's records; why: "" (a new rate), AGAIN (a failure below a pass, probed once more)
+# or RERUN (a short probe's second run, with a longer warm-up)
+Measure = Callable[[float, int, str], Awaitable[Sequence[RequestRecord]]]
+AGAIN = "again"
 
 
 @dataclass
@@ -132,10 +135,10 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     drain = 0.0
     lifetimes: dict[float, float] = {}  # the lifetime each rate's latest probe measured (sustain.lifetime_estimate)
 
-    async def run(plan: ProbePlan) -> tuple[Probe, Sequence[RequestRecord]]:
+    async def run(plan: ProbePlan, why: str) -> tuple[Probe, Sequence[RequestRecord]]:
         nonlocal drain
         t0 = clock()
-        records = await measure(plan.rate, plan.sent)
+        records = await measure(plan.rate, plan.sent, why)
         drain = max(0.0, clock() - t0 - plan.sent / plan.rate)
         probe = measure_probe(plan.rate, records, bounds, scfg.discard, scfg.above_peak(plan.rate, peak), plan)
         made[plan.rate] = made.get(plan.rate, 0) + 1
@@ -168,7 +171,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                     est = plan.sent / step.rate + tail
                     too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
                     break
-                probe, records = await run(plan)
+                probe, records = await run(plan, AGAIN if again is not None else "")
                 if probe.ramp is not None and probe.ramp.short:
                     redo = rerun_plan(probe.ramp, scfg.discard)
                     ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
@@ -179,7 +182,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                     probe = replace(probe, ramp=with_then(probe.ramp, then))
                     if then == RERUN:
                         told(probe)
-                        probe, _ = await run(redo)
+                        probe, _ = await run(redo, RERUN)
                 told(probe)
                 probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
     entries = []
@@ -299,19 +302,15 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         runs: list[dict[str, Any]] = []  # each probe's run, in the order they ran (a rate probed twice: twice)
         cap, cap_name = (n, "the trace window's requests (--duration-s)") if replay is not None else \
             (scfg.max_probe_arrivals, CAP_FLAG)
-        rerun: list[float] = []  # the rate of a short probe the search runs once more (told before it runs)
-
-        async def measure(rate: float, arrivals: int) -> list[RequestRecord]:
+        async def measure(rate: float, arrivals: int, why: str) -> list[RequestRecord]:
             longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
             what = "" if arrivals == n else f", {arrivals} arrivals" + (
                 " (above the peak)" if scfg.above_peak(rate, peak) else "")
-            again = rate not in rerun and any(r["rate"] == rate_json(rate) for r in runs)  # a failure below a pass
-            why = ", again (a short probe, a longer warm-up)" if rate in rerun else \
-                ", again (a failure below a pass)" if again else ""
-            rerun.clear()
+            words = {RERUN: ", again (a short probe, a longer warm-up)", AGAIN: ", again (a failure below a pass)"}
             records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
-                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}{why}")
-            runs.append({**run, "again": True} if again else run)
+                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
+                                          + words.get(why, ""))
+            runs.append({**run, "again": True} if why == AGAIN else run)
             return records
 
         def tell(p: Probe) -> None:
@@ -321,8 +320,6 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                      + ("" if steps == "-" else f"; server steps: {steps}")
                      + (f"; {p.ramp.describe(cap_name)}" if p.ramp is not None else "")
                      + (f"; above the peak, {p.backlog.describe()}" if p.backlog is not None else ""))
-            if p.ramp is not None and p.ramp.then == RERUN:
-                rerun.append(p.rate)
 
         out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak, life, cap)
     probes = [{**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
