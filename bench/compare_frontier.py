@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
-from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED, SHARED_PEAK, round_rate  # noqa: E402
+from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED, SHARED_PEAK, round_rate, share_note  # noqa: E402
 from rapidserve.benchmark.goodput_report import (  # noqa: E402
     ABOVE_LEGEND,
     LEGEND,
@@ -257,7 +257,9 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
         lines += ["", f"## {title}"]
         for q in search_shares(mine[0]):
             head = ["system", *(bound_label(b) for b in bounds), "search"]
-            lines += ["", f"Goodput (req/s) with {q:.0%} of requests meeting the bound and the TTFT rule:", "",
+            note = share_note(q, [p.get("counted") or 0 for f in mine for p in f.get("probes") or []])
+            lines += ["", f"Goodput (req/s) with {q:.0%} of requests meeting the bound and the TTFT rule"
+                      + (f" ({note}):" if note else ":"), "",
                       "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
             for f in mine:
                 name = f"**{COMPOSITE}**" if f["label"] == COMPOSITE else f["label"]

@@ -259,3 +259,15 @@ def test_the_composite_row_is_each_duet_at_b_at_its_bound(tmp_path, monkeypatch)
     # the plot: the composite drawn as the default policy's line (emphasised), the duet@B searches not drawn
     assert drawn == [(["always-fused", "always-split", slo.COMPOSITE, "vllm"], (slo.COMPOSITE,))]
     assert (tmp_path / "slo__w_frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_share_that_allows_no_miss_says_so() -> None:
+    """99% of 32 counted requests is every one of them: the table's heading says so; 90% of 32 allows 3 misses."""
+    strict = [{**fr("ours", "w", [g(None, 0.9, 6.0, 6.2), g(None, 0.99, 5.0, 6.0)]),
+               "probes": [{"rate": 5.0, "counted": 32}, {"rate": 6.0, "counted": 64}],
+               "search": {"settings": {"itl_bounds_ms": [], "shares": [0.9, 0.99]}}}]
+    md = frontier.frontier_markdown(strict, {"model": "m", "systems": [], "workloads": []})
+    assert "with 90% of requests meeting the bound and the TTFT rule:" in md
+    assert ("with 99% of requests meeting the bound and the TTFT rule (with 32-64 requests counted a probe, 99% "
+            "allows no miss: one request over the bound or the TTFT rule fails the probe (a probe counting >= 100 "
+            "would allow one)):") in md

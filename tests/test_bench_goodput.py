@@ -19,16 +19,19 @@ from rapidserve.benchmark.goodput import (
     Probe,
     Target,
     attains,
+    bound_key,
     bracket,
     contradicted,
     counted,
     fits,
     measure_probe,
+    misses_allowed,
     next_step,
     p95_itl_s,
     passes,
     pooled,
     round_rate,
+    share_note,
     targets,
     ttft_limit_s,
 )
@@ -446,3 +449,27 @@ def test_a_step_within_the_tolerance_of_the_ceiling_or_waypoint_probes_it(b: Bra
 ])
 def test_a_closed_loop_probe_that_completed_none_says_what_to_do(errors: dict[str, int], says: str) -> None:
     assert says in no_peak_advice(errors)
+
+
+@pytest.mark.parametrize("share,counted,want", [
+    (0.9, 32, 3), (0.9, 10, 1), (0.99, 32, 0), (0.99, 100, 1), (0.99, 64, 0), (1.0, 50, 0), (0.5, 7, 3), (0.9, 0, 0),
+])
+def test_misses_allowed_matches_passes(share: float, counted: int, want: int) -> None:
+    assert misses_allowed(share, counted) == want
+    if counted:  # exactly `want` misses pass, one more fails
+        t = Target(50.0, share)
+        assert passes(Probe(1.0, counted, {bound_key(50.0): counted - want}), t)
+        assert want == counted or not passes(Probe(1.0, counted, {bound_key(50.0): counted - want - 1}), t)
+
+
+@pytest.mark.parametrize("share,counted,want", [
+    (0.9, [32], None),
+    (0.99, [32, 64], "with 32-64 requests counted a probe, 99% allows no miss"),
+    (0.99, [32], "with 32 requests counted a probe, 99% allows no miss"),
+    (0.99, [32, 128], None),  # the longer probes allow one
+    (1.0, [32], None),  # every request is what 100% asks for
+    (0.99, [], None),
+])
+def test_share_note(share: float, counted: list[int], want: str | None) -> None:
+    got = share_note(share, counted)
+    assert (got is None) == (want is None) and (want is None or (got or "").startswith(want))

@@ -191,6 +191,24 @@ def passes(p: Probe, t: Target) -> bool:
             and p.attained.get(bound_key(t.itl_bound_ms), 0) >= t.share * p.n - 1e-9)
 
 
+def misses_allowed(share: float, counted: int) -> int:
+    """How many of a probe's `counted` requests may miss a target at `share` and the probe still pass (`passes`)."""
+    return max(0, counted - math.ceil(share * counted - 1e-9))
+
+
+def share_note(share: float, counted: Sequence[int]) -> str | None:
+    """A caveat for a share too strict for the probes' counts (`counted`: each probe's counted requests), or None:
+    where even the largest probe allows no miss, one request over the bound or the TTFT rule fails the probe, so
+    the share reads "every request" and rests on the slowest one (e.g. 99% of 32)."""
+    real = [n for n in counted if n > 0]
+    if not real or share >= 1 or max(misses_allowed(share, n) for n in real) > 0:
+        return None
+    need = math.ceil(1 / (1 - share) - 1e-9)
+    span = f"{min(real)}" if min(real) == max(real) else f"{min(real)}-{max(real)}"
+    return (f"with {span} requests counted a probe, {share:.0%} allows no miss: one request over the bound or the "
+            f"TTFT rule fails the probe (a probe counting >= {need} would allow one)")
+
+
 def targets(bounds_ms: Sequence[float], shares: Sequence[float],
             only: Sequence[float | None] | None = None) -> list[Target]:
     """Every (bound, share), loosest first: unbounded, then the bounds from the largest down; at each

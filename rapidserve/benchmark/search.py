@@ -61,6 +61,7 @@ from rapidserve.benchmark.goodput import (
     passes,
     pooled,
     round_rate,
+    share_note,
     targets,
 )
 from rapidserve.benchmark.replay import Replay
@@ -278,6 +279,11 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                  f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
         if replay is not None:
             say(cfg, "  " + trace_line(replay.describe()))
+        counts = {scfg.wanted(0.0, n, None), scfg.wanted(math.inf, n, 0.0)}  # at or below the peak, above it
+        for q in scfg.shares:
+            note = share_note(q, sorted(counts))
+            if note is not None:
+                say(cfg, f"  share {q:g}: {note}")
         await warm_up(session, target, cfg, replay)
         peak_run: dict[str, Any] | None = None
         peak: float | None = None
