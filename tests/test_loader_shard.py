@@ -48,7 +48,7 @@ TPS = (1, 2, 4)
 
 
 @pytest.fixture
-def test_presets(monkeypatch: pytest.MonkeyPatch) -> None:
+def shard_presets(monkeypatch: pytest.MonkeyPatch) -> None:
     """The preset table with MODELS added (presets.py looks the table up by this name)."""
     real = presets.preset_table
 
@@ -163,7 +163,7 @@ def open_format(fmt: str, name: str, tmp: Path) -> ModelSource:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_rank_parts_equal_shard_tensor_and_reassemble(test_presets: None, tmp_path: Path, fmt: str,
+def test_rank_parts_equal_shard_tensor_and_reassemble(shard_presets: None, tmp_path: Path, fmt: str,
                                                       name: str) -> None:
     source = open_format(fmt, name, tmp_path)
     assert fmt != "gguf" or "F32/Q8_0 dequantized" in source.description
@@ -173,7 +173,7 @@ def test_rank_parts_equal_shard_tensor_and_reassemble(test_presets: None, tmp_pa
 
 
 @pytest.mark.parametrize("name", ["shard-qwen3-pad", "shard-llama"])
-def test_fallback_slices_the_whole_stream_identically(test_presets: None, name: str) -> None:
+def test_fallback_slices_the_whole_stream_identically(shard_presets: None, name: str) -> None:
     """A source without shard_weights (a custom loader) is sliced from `weights()`: the same parts."""
     source = load_preset(name)
     plain = dataclasses.replace(source, shard_weights=None)
@@ -211,7 +211,7 @@ class _SpyHandle:
         return Slice()
 
 
-def test_hf_reads_only_the_rank_range(test_presets: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_reads_only_the_rank_range(shard_presets: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = open_format("hf-index", "shard-qwen3-pad", tmp_path)
     shapes = {n: tuple(t.shape) for n, t in source.weights()}
     calls: list[tuple[Any, ...]] = []
@@ -247,7 +247,7 @@ def _replace_tensor(file: Path, name: str, value: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("index", [False, True])
-def test_wrong_shape_names_file_and_tensor(test_presets: None, tmp_path: Path, index: bool) -> None:
+def test_wrong_shape_names_file_and_tensor(shard_presets: None, tmp_path: Path, index: bool) -> None:
     source = open_format("hf-index" if index else "hf", "shard-llama", tmp_path)
     bad = "model.layers.1.mlp.down_proj.weight"
     file = next(p for p in sorted((tmp_path / "m").glob("*.safetensors")) if bad in load_file(p))
@@ -261,7 +261,7 @@ def test_wrong_shape_names_file_and_tensor(test_presets: None, tmp_path: Path, i
     assert str(file) in str(e.value) and bad in str(e.value) and "the config needs [64, 160]" in str(e.value)
 
 
-def test_layout_must_fit_the_model(test_presets: None) -> None:
+def test_layout_must_fit_the_model(shard_presets: None) -> None:
     source = load_preset("shard-llama-tied")
     with pytest.raises(ShardError, match="must divide the model's 6 attention heads"):
         rank_weights(source, TPLayout(4, 0, 1, 1, 2, 48, 250, 16))
@@ -272,7 +272,7 @@ def test_layout_must_fit_the_model(test_presets: None) -> None:
         rank_weights(source, dataclasses.replace(lay, vocab=lay.vocab + 1))
 
 
-def test_a_loader_part_of_the_wrong_shape_is_caught(test_presets: None) -> None:
+def test_a_loader_part_of_the_wrong_shape_is_caught(shard_presets: None) -> None:
     source = load_preset("shard-llama")
     assert source.shard_weights is not None
     inner: Callable[[TPLayout], Iterator[tuple[str, torch.Tensor]]] = source.shard_weights
