@@ -248,7 +248,7 @@ def test_cli_partition_config(argv: list[str], want: PartitionConfig) -> None:
 def test_cli_profile_defaults() -> None:
     a = build_parser().parse_args(["profile", "--model", "preset:tiny-llama"])
     assert a.func is cmd_profile
-    assert a.batch_buckets == (1, 8, 16, 32, 64, 128) and a.context_buckets == (512, 2048, 8192)
+    assert a.batch_buckets == (1, 8, 16, 32, 64, 128, 256, 512) and a.context_buckets == (512, 2048, 8192)
     assert a.decode_shares == (0.125, 0.25, 0.375, 0.5) and a.prefill_tokens == 4096 and a.decode_reps == 20
     assert a.out is None and not a.no_roofline and a.partition_backend == "auto"
     a = build_parser().parse_args(["profile", "--batch-buckets", "1, 2,4", "--decode-shares", "0.5,0.25"])

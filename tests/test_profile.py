@@ -204,24 +204,64 @@ def _grid_profile() -> Profile:
     (16, 5120, (16, 5120), False),      # halfway in context (2048 .. 8192)
     (20, 4160, (20, 4160), False),      # both: bilinear, the cross term from all four corners
     (1, 100, (1, 512), False),          # below the smallest buckets: the smallest's figures
-    (64, 16384, (32, 8192), True),      # beyond the largest: the largest's, flagged
+    (64, 16384, (32, 8192), True),      # beyond the largest: extrapolated (below), flagged, the entry at the largest
 ])
 def test_estimate_interpolates_between_buckets(batch: int, context: int, want_entry: tuple[int, int],
                                                want_beyond: bool) -> None:
     p = _grid_profile()
     got = estimate(p, "split16", batch, context, interpolate=True)
-    b, c = want_entry
-    assert (got.entry.batch, got.entry.context, got.beyond) == (b, c, want_beyond)
+    assert (got.entry.batch, got.entry.context, got.beyond) == (*want_entry, want_beyond)
+    # the figures: at the query within the buckets' range (the smallest's below it), extrapolated past the largest
+    b, c = (batch, context) if want_beyond else want_entry
     e = got.entry
     assert e.decode_ms_alone_p50 == pytest.approx(b + c / 1000)  # linear figures come out exact
     assert e.decode_ms_beside_prefill_p50 == pytest.approx(2 * (b + c / 1000))
-    assert e.prefill_tokens_per_s == pytest.approx(1000 * b)
-    # b * c is bilinear, so interpolation reproduces it exactly only with all four corners weighed right
+    # prefill's rate beside a bigger batch never rises past the largest bucket's (it would here: 1000 b)
+    assert e.prefill_tokens_per_s == pytest.approx(1000 * min(b, 32))
+    # b * c is bilinear, so interpolation reproduces it exactly only with all four corners weighed right (and the
+    # extrapolation, the batch then the context, each linear in its own)
     assert e.decode_ms_alone_p95 == pytest.approx(b * c / 1000)
     assert e.decode_ms_beside_prefill_p95 == pytest.approx(2 * b * c / 1000)
     rounded = estimate(p, "split16", batch, context)  # the default: the bucket at or above each (`lookup`)
-    assert rounded == lookup(p, "split16", batch, context)
+    if not want_beyond:
+        assert rounded == lookup(p, "split16", batch, context)
     assert rounded.entry.decode_ms_alone_p95 >= e.decode_ms_alone_p95
+
+
+@pytest.mark.parametrize("batch,context,bucket,alone_p50,beside_p95,prefill", [
+    (32, 8192, (32, 8192), 32 + 8.192, 2 * 32 * 8.192, 32000.0),  # the largest bucket itself
+    (48, 8192, (32, 8192), 48 + 8.192, 2 * 48 * 8.192, 32000.0),  # one half step past it in batch
+    (96, 2048, (32, 2048), 96 + 2.048, 2 * 96 * 2.048, 32000.0),
+    (20, 9000, (32, 8192), 32 + 9.0, 2 * 32 * 9.0, 32000.0),  # rounded up in batch (20 -> 32), past in context
+    (24, 30000, (32, 8192), 32 + 30.0, 2 * 32 * 30.0, 32000.0),
+])
+def test_estimate_extrapolates_past_the_largest_bucket_when_rounding_up(batch: int, context: int,
+                                                                        bucket: tuple[int, int], alone_p50: float,
+                                                                        beside_p95: float, prefill: float) -> None:
+    got = estimate(_grid_profile(), "split16", batch, context)
+    e = got.entry
+    assert (e.batch, e.context, got.beyond) == (*bucket, batch > 32 or context > 8192)
+    assert e.decode_ms_alone_p50 == pytest.approx(alone_p50)
+    assert e.decode_ms_beside_prefill_p95 == pytest.approx(beside_p95)
+    assert e.prefill_tokens_per_s == pytest.approx(prefill)
+
+
+def _falling_profile() -> Profile:
+    """Batch buckets [8, 16]: decode 10 ms at 8 and 4 ms at 16 (noise: a step faster at a bigger batch), prefill
+    20k tokens/s at 8 and 12k at 16 beside it; one context bucket."""
+    entries = [Entry("split16", 8, 1024, 10.0, 12.0, 20.0, 22.0, 20000.0),
+               Entry("split16", 16, 1024, 4.0, 5.0, 6.0, 5.0, 12000.0)]
+    return Profile("gpu", "model", 132, [Configuration("split16", 16, 116)], [8, 16], [1024], entries,
+                   "2026-11-27T00:00:00Z", "measured")
+
+
+def test_the_extrapolation_is_bounded() -> None:
+    """Past the largest bucket a decode step is never shorter than there, each p95 at least its p50, and prefill's
+    rate beside it falls at most to half the largest bucket's."""
+    e = estimate(_falling_profile(), "split16", 64, 1024).entry
+    assert (e.decode_ms_alone_p50, e.decode_ms_alone_p95) == (4.0, 5.0)  # the line falls: held at the largest's
+    assert (e.decode_ms_beside_prefill_p50, e.decode_ms_beside_prefill_p95) == (6.0, 6.0)  # p95 raised to its p50
+    assert e.prefill_tokens_per_s == 6000.0  # 12000 - 8000 x 6 steps, floored at half of 12000
 
 
 def test_estimate_names_a_missing_corner() -> None:

@@ -67,6 +67,12 @@ class Configuration(msgspec.Struct, frozen=True):
         return self.decode_units == 0
 
 
+# `rapidserve profile`'s decode batches (--batch-buckets): up to the largest decode graph (runner/decode_graphs.py,
+# 512), as with vLLM's 1024-sequence default the decode batch runs past 128 (1024:256 at 30 req/s: 140-300); a batch
+# past a profile's largest bucket is read by extrapolation (`estimate`)
+DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512)
+
+
 class Entry(msgspec.Struct, frozen=True):
     config: str
     batch: int
@@ -187,8 +193,9 @@ _FIGURES = ("decode_ms_alone_p50", "decode_ms_alone_p95", "decode_ms_beside_pref
 def estimate(profile: Profile, config: str, batch: int, context: int, *, interpolate: bool = False) -> Lookup:
     """`config`'s figures at (batch, context). interpolate=False: `lookup` (each rounded up to its bucket).
     interpolate=True: every figure interpolated linearly between the buckets around the batch and around the
-    context (bilinear over the four measured corners); below the smallest bucket the smallest's figures, beyond
-    the largest the largest's (flagged), as `lookup`.
+    context (bilinear over the four measured corners); below the smallest bucket the smallest's figures. Beyond the
+    largest bucket (flagged, as `lookup`'s), either way: extrapolated linearly from the two largest buckets
+    (`_extended`), the batch first, then the context.
 
     Why: a decode step grows about linearly with its batch and context (weights once, then K/V reads in
     proportion), so rounding up overstates it by up to a whole bucket: 4096-token prompts decode at context
@@ -199,11 +206,38 @@ def estimate(profile: Profile, config: str, batch: int, context: int, *, interpo
     forwards of `prefill_tokens` (4096) tokens; 4096:64's prefill batches hold up to 8192 tokens of 4096-token
     prompts, and decode beside them is slower than the profile has it, which rounding up had hidden. So the
     manager rounds up unless `--profile-lookup interpolate` asks otherwise. (The returned entry's batch and
-    context are the query's, clamped to the profiled range, not a bucket's.)"""
-    if not interpolate:
-        return lookup(profile, config, batch, context)
-    b_lo, b_hi, tb, b_beyond = _around(profile.batch_buckets, batch)
-    c_lo, c_hi, tc, c_beyond = _around(profile.context_buckets, context)
+    context are the query's, clamped to the profiled range, not a bucket's.)
+
+    Beyond the largest bucket the same growth holds, and reading the largest bucket's figures instead understates a
+    step by as much as the batch exceeds it: the committed H200 Qwen3-8B profile stops at batch 128, while with
+    vLLM's default of 1024 sequences 1024:256 ran 140-300 in flight (2026-11-30, bench/results/issue37.md), each read
+    as 128."""
+    bb, cb = profile.batch_buckets, profile.context_buckets
+    if not bb or not cb:
+        raise ValueError("no buckets")
+    b_in, c_in = min(batch, bb[-1]), min(context, cb[-1])
+
+    def at(b: int, c: int) -> dict[str, float]:  # within the buckets' range (each at most the largest)
+        e = (_interpolated(profile, config, b, c) if interpolate else lookup(profile, config, b, c).entry)
+        return {f: getattr(e, f) for f in _FIGURES}
+
+    def by_batch(c: int) -> dict[str, float]:
+        if batch <= bb[-1] or len(bb) < 2:
+            return at(b_in, c)
+        return _extended(at(bb[-1], c), at(bb[-2], c), (batch - bb[-1]) / (bb[-1] - bb[-2]))
+
+    figures = by_batch(c_in)
+    if context > cb[-1] and len(cb) >= 2:
+        figures = _extended(figures, by_batch(cb[-2]), (context - cb[-1]) / (cb[-1] - cb[-2]))
+    low_b, low_c = (min(max(batch, bb[0]), bb[-1]), min(max(context, cb[0]), cb[-1])) if interpolate else \
+        (bucket_up(bb, batch).bucket, bucket_up(cb, context).bucket)
+    return Lookup(Entry(config, low_b, low_c, **figures), batch > bb[-1] or context > cb[-1])
+
+
+def _interpolated(profile: Profile, config: str, batch: int, context: int) -> Entry:
+    """The bilinear interpolation of `config`'s entries at (batch, context), each within the buckets' range."""
+    b_lo, b_hi, tb, _ = _around(profile.batch_buckets, batch)
+    c_lo, c_hi, tc, _ = _around(profile.context_buckets, context)
     corners: dict[tuple[int, int], float] = {}
     for b, c, w in ((b_lo, c_lo, (1 - tb) * (1 - tc)), (b_hi, c_lo, tb * (1 - tc)), (b_lo, c_hi, (1 - tb) * tc),
                     (b_hi, c_hi, tb * tc)):
@@ -218,8 +252,24 @@ def estimate(profile: Profile, config: str, batch: int, context: int, *, interpo
     if missing:
         raise KeyError((config, *missing[0]))
     figures = {f: sum(w * getattr(found[k], f) for k, w in corners.items()) for f in _FIGURES}
-    entry = Entry(config, min(max(batch, b_lo), b_hi), min(max(context, c_lo), c_hi), **figures)
-    return Lookup(entry, b_beyond or c_beyond)
+    return Entry(config, min(max(batch, b_lo), b_hi), min(max(context, c_lo), c_hi), **figures)
+
+
+MIN_EXTENDED_PREFILL = 0.5  # past the buckets, prefill's rate falls to at most this share of the largest bucket's
+
+
+def _extended(last: dict[str, float], before: dict[str, float], t: float) -> dict[str, float]:
+    """The figures `t` bucket-steps past the largest bucket (`last`), on the line through the two largest (`before`
+    one step below): a decode step never shorter than at the largest bucket, prefill's rate beside it never higher
+    and never below MIN_EXTENDED_PREFILL of it, and each p95 at least its p50. Pure."""
+    out = {f: last[f] + (last[f] - before[f]) * t for f in _FIGURES}
+    for f in _FIGURES[:4]:
+        out[f] = max(out[f], last[f])
+    rate = last["prefill_tokens_per_s"]
+    out["prefill_tokens_per_s"] = min(rate, max(out["prefill_tokens_per_s"], MIN_EXTENDED_PREFILL * rate))
+    out["decode_ms_alone_p95"] = max(out["decode_ms_alone_p95"], out["decode_ms_alone_p50"])
+    out["decode_ms_beside_prefill_p95"] = max(out["decode_ms_beside_prefill_p95"], out["decode_ms_beside_prefill_p50"])
+    return out
 
 
 def _fail(path: str, field: str, msg: str) -> ProfileError:

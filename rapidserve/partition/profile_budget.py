@@ -2,7 +2,7 @@
 
 `rapidserve profile` measures every (configuration, batch, context) cell, which takes minutes. The short
 profile `rapidserve serve` measures at start (partition/autoprofile.py) has a deadline instead:
-* `short_spec`: fewer buckets (batches 1/8/32/128, contexts 512/2048/8192, cut to the run's limits),
+* `short_spec`: fewer buckets (batches 1/8/32/128/512, contexts 512/2048/8192, cut to the run's limits),
   fewer repetitions, two prefill forwards per cell instead of three;
 * `cell_order`: the cells round-robin over the configurations, each configuration's grid from its middle
   cell out (the next cell the one farthest from those taken: the corners next), so wherever the deadline
@@ -28,7 +28,7 @@ from rapidserve.partition.profile import Entry, Profile
 from rapidserve.partition.profiler import ProfileSpec
 
 Cell = tuple[str, int, int]  # (configuration, batch bucket, context bucket)
-SHORT_BATCHES = (1, 8, 32, 128)
+SHORT_BATCHES = (1, 8, 32, 128, 512)
 SHORT_CONTEXTS = (512, 2048, 8192)
 SHORT_PREFILL_TOKENS = 4096  # the committed profiles' forward: the manager scales its wait from it
 FIGURES = ("decode_ms_alone_p50", "decode_ms_alone_p95", "decode_ms_beside_prefill_p50",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rapidserve.config import EngineConfig
-from rapidserve.partition.profile import OVERALLOCATED, Profile
+from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, OVERALLOCATED, Profile
 from rapidserve.partition_config import PartitionConfig
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
     add_partition_args(p, with_mode=False)
     p.add_argument("--out", default=None, help="profile path (default: profiles/<gpu>__<model>.json; with fp8 "
                                                "weights and/or KV cache <gpu>__<model>__fp8__kvfp8.json)")
-    p.add_argument("--batch-buckets", type=_int_list, default=(1, 8, 16, 32, 64, 128))
+    p.add_argument("--batch-buckets", type=_int_list, default=DEFAULT_BATCH_BUCKETS)
     p.add_argument("--context-buckets", type=_int_list, default=(512, 2048, 8192))
     p.add_argument("--prefill-tokens", type=positive_int, default=4096, help="tokens per concurrent prefill forward")
     p.add_argument("--decode-shares", type=_share_list, default=(0.125, 0.25, 0.375, 0.5),

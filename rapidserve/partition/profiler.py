@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 
 from rapidserve.partition.backend import PartitionBackend, on_stream
-from rapidserve.partition.profile import Configuration, Entry, Profile, model_label
+from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, Configuration, Entry, Profile, model_label
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 
 
 @dataclass(frozen=True)
 class ProfileSpec:
-    batch_buckets: tuple[int, ...] = (1, 8, 16, 32, 64, 128)
+    batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
     context_buckets: tuple[int, ...] = (512, 2048, 8192)
     prefill_tokens: int = 4096
     decode_reps: int = 20  # replays timed for "alone"
