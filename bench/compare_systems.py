@@ -62,6 +62,10 @@ SYSTEMS: dict[str, str] = {
     "duet100-g4096": ("--mode rapid --policy duet --slo-itl-ms 100 --prefill-graph-tokens "
                       "16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792,2048,2304,2560,2816,3072,3328,3584,"
                       "3840,4096"),
+    # duet reading its profile between buckets rather than at the bucket above (a 1150-token context is read at the
+    # 2048 bucket by default; KV reads bound decode at large batches: 1024:256 at 30 req/s runs 140-300 in flight,
+    # bench/results/issue37.md); its online correction absorbs a steady bias either way (the A/B of group lookup-ab)
+    "duet-interp": "--mode rapid --policy duet --profile-lookup interpolate",
     # (and duet@B: duet with --slo-itl-ms B, searched at bound B alone; duet@none: no SLO. bench/compare_slo.py)
     # NPMD disaggregation on the GPUs the others get: its flags follow --serve-args' --tensor-parallel-size N
     # (prefill on N/2, decode on N/2; bench/compare_tp.py), this placeholder is replaced.
@@ -71,7 +75,7 @@ FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split
 # ... a sweep: the rest, but for the multi-GPU frontier's own (bench/frontier_plan.py's groups), named when wanted
 SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS
                                       if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd", "duet-g512",
-                                                    "duet-g256", "duet100-g4096"))
+                                                    "duet-g256", "duet100-g4096", "duet-interp"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its
