@@ -41,7 +41,8 @@
 #      vLLM is then the best of two settings: the report names it at each bound), vllm-b if time is left.
 #   What comes back in $OUT: <NAME>.md / .json (compare.py's tables and data), <NAME>__<workload>_frontier.png
 #   (MODE=frontier: goodput against the ITL bound, a line per system) or <NAME>.png (MODE=sweep), vs_vllm_setup.log
-#   (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (every request of every probe or sweep and
+#   (GPU, install, model, the compare.py command), vs_vllm_detail.tar.gz (a second run into the same OUT: its files
+#   under the next free stem, <NAME>_2.*, <NAME>_2_detail.tar.gz) (every request of every probe or sweep and
 #   each server's log, vLLM's included).
 #
 # Several GPUs (issue 41: the 70B and Mixtral shapes at TP 4 / 8; issues 37/39/40 at TP 2): TP=N shards every
@@ -142,8 +143,16 @@ case "$mode" in frontier) default_name=frontier ;; sweep) default_name=vs_vllm ;
 name="${NAME:-$default_name}"  # compare.py's --name: the tables' file stem
 out="${OUT:-bench/results/vs_vllm}"
 mkdir -p "$out"
+# a second run into the same OUT (two seeds in one device call) keeps the first's files: the next free stem
+if compgen -G "$out/$name.*" >/dev/null; then
+    n=2
+    while compgen -G "$out/${name}_$n.*" >/dev/null; do n=$((n + 1)); done
+    echo "vs_vllm: $out/$name.* are an earlier run's: this run's tables are ${name}_$n.*" >&2
+    name="${name}_$n"
+fi
+detail="$out/vs_vllm_detail.tar.gz" setup_log="$out/vs_vllm_setup.log"
+[ -e "$detail" ] && detail="$out/${name}_detail.tar.gz" setup_log="$out/${name}_setup.log"
 work="$(mktemp -d)"
-setup_log="$out/vs_vllm_setup.log"
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 # Multi-GPU machines: NVLink multicast stays off for every program (the device library's KINDS.md).
@@ -276,7 +285,7 @@ say "compare.py exited with $status after $(elapsed) s in all"
 for f in "$work/$name".md "$work/$name".json "$work/$name".png "$work/$name"__*_frontier.png; do
     [ -f "$f" ] && cp "$f" "$out/"
 done
-tar -czf "$out/vs_vllm_detail.tar.gz" -C "$work" . 2>/dev/null
+tar -czf "$detail" -C "$work" . 2>/dev/null
 rm -rf "$work"
 [ -n "$why_not" ] && echo "NOTE: vLLM was not run: $why_not"
 if [ -f "$out/$name.md" ]; then
