@@ -91,6 +91,18 @@ def test_hybrid_engine_matches_llm_aborts_free_blocks_and_a_killed_worker_fails_
                 if len(got) == 3:
                     await engine.abort("abort-decode")
             assert len(got) == 3
+            # ... and one the worker has finished, every token queued and unread, aborted after 3: nothing more comes
+            # either (forced: the consumer waits until the stream has its last token before it reads on)
+            late = engine.generate("abort-late", prompts[0], greedy)
+            got = [(await late.__anext__()).token_id]
+            deadline = time.monotonic() + 60
+            while not engine.streams["abort-late"].finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert engine.streams["abort-late"].finished and engine.streams["abort-late"].queue.qsize() == NEW - 1
+            got += [(await late.__anext__()).token_id for _ in range(2)]
+            await engine.abort("abort-late")
+            got += [t.token_id async for t in late]
+            assert got == want[0][:3] and "abort-late" not in engine.streams
             # a prompt the worker cannot serve ends with an error, and the engine goes on
             with pytest.raises(EngineError, match="token ids"):
                 await collect(engine, "bad", [10**9], greedy)

@@ -220,13 +220,19 @@ class AsyncEngine(WorkerSupervision):
             self.streams.pop(req_id, None)
 
     async def abort(self, req_id: str) -> None:
+        """End `req_id`'s stream: nothing more is yielded, not even tokens queued before the abort (a request the
+        worker already finished, whose last tokens the consumer has not read yet, included: it is not told, there is
+        nothing to stop there)."""
         s = self.streams.get(req_id)
-        if s is not None and not s.finished and self.workers is not None:
-            s.finished = s.aborted = True
+        if s is None or s.aborted:
+            return
+        if not s.finished and self.workers is not None:
+            s.finished = True
             if not any(t.finish_reason is not None for t in s.early.values()):  # its end has not come yet
                 self._settling.add(req_id)
             self._post_abort(req_id)
-            s.queue.put_nowait(None)
+        s.aborted = True
+        s.queue.put_nowait(None)
 
     async def _put(self, msg: m.NewRequest | m.Abort) -> None:
         """Send without ever blocking the event loop: a full ring (a busy or hung reader) is retried
