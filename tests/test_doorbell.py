@@ -46,6 +46,17 @@ def bell() -> Iterator[Doorbell]:
     b.unlink()
 
 
+@pytest.fixture
+def long_naps(monkeypatch: pytest.MonkeyPatch) -> float:
+    """`wait_any`'s long naps last 60 s (not 250 ms): a post that is missed, or a timeout that is not honoured,
+    then costs seconds, far apart from a wake-up that works (ms), so a bound of a few seconds tells them apart
+    however loaded the machine is. Returns the nap."""
+    import rapidserve.ipc.doorbell as doorbell_mod
+
+    monkeypatch.setattr(doorbell_mod, "NAP_S", 60.0)
+    return 60.0
+
+
 
 def _words(name: str, *offsets: int) -> list[int]:
     data = Path(f"/dev/shm/{name}").read_bytes()
@@ -138,36 +149,44 @@ def test_pending_message_returns_at_once(bell: Doorbell, make_ring: MakeRing) ->
     rings[2].put(b"x")
     t = time.monotonic()
     assert wait_any(rings, bell, None) and wait_any(rings, bell, 0) and bell.wait_any(rings, 5)
-    assert time.monotonic() - t < 0.01
-    assert bell.sleeps == 0
+    assert bell.sleeps == 0  # returned at once: never slept on the doorbell
+    assert time.monotonic() - t < 2.5  # (and did not wait out the 5 s timeout; the clock only guards a hang)
     assert rings[2].try_get() == b"x" and rings[2].try_get() is None  # nothing was consumed
 
 
-def test_timeout(bell: Doorbell, make_ring: MakeRing) -> None:
+def test_timeout(bell: Doorbell, make_ring: MakeRing, long_naps: float) -> None:
     rings = [make_ring(doorbell=bell.name) for _ in range(2)]
-    t = time.monotonic()
     assert not wait_any(rings, bell, 0)
-    assert time.monotonic() - t < 0.01
+    assert bell.sleeps == 0  # 0: just check, never sleep
     for timeout in (0.0005, 0.05):
         t = time.monotonic()
         assert not wait_any(rings, bell, timeout)
-        assert timeout <= time.monotonic() - t < timeout + 0.2
+        # at least the timeout, and not a long nap past it (60 s here: the upper bound has seconds of slack)
+        assert timeout <= time.monotonic() - t < timeout + 5.0
     assert all(_words(r.name, 192) == [0] for r in rings)  # flags cleared on the way out
 
 
 def test_flags_set_while_asleep(bell: Doorbell, make_ring: MakeRing) -> None:
+    """The sleep flags are set while `wait_any` sleeps and cleared on its way out. Forced: the waiter has no
+    timeout to run out, the flags are read until they are set, and only a message then ends the wait (the way
+    out on a timeout clears them too: test_timeout)."""
     rings = [make_ring(doorbell=bell.name) for _ in range(3)]
     result: list[bool] = []
-    th = threading.Thread(target=lambda: result.append(wait_any(rings, bell, 0.3)))
+    th = threading.Thread(target=lambda: result.append(wait_any(rings, bell, 60)), daemon=True)
     th.start()
-    time.sleep(0.1)
-    asleep = [_words(r.name, 192)[0] for r in rings]
-    th.join()
-    assert asleep == [2, 2, 2] and result == [False]
+    deadline = time.monotonic() + 30
+    while (asleep := [_words(r.name, 192)[0] for r in rings]) != [2, 2, 2]:
+        assert time.monotonic() < deadline and th.is_alive(), f"the waiter never set its sleep flags: {asleep}"
+        time.sleep(0.001)
+    assert result == []  # still asleep: nothing has come
+    rings[1].put(b"x")
+    th.join(30)
+    assert result == [True]
     assert [_words(r.name, 192)[0] for r in rings] == [0, 0, 0]
+    assert rings[1].try_get() == b"x"
 
 
-def test_receivers_and_threads(bell: Doorbell, make_ring: MakeRing) -> None:
+def test_receivers_and_threads(bell: Doorbell, make_ring: MakeRing, long_naps: float) -> None:
     class Ping(msgspec.Struct, tag=True):
         n: int
 
@@ -179,22 +198,23 @@ def test_receivers_and_threads(bell: Doorbell, make_ring: MakeRing) -> None:
         th = threading.Timer(0.005, txs[target].send, args=(Ping(k),))
         th.start()
         t = time.monotonic()
-        assert wait_any(rxs, bell, 5)
-        assert time.monotonic() - t < 0.1
+        assert wait_any(rxs, bell, 10)
+        # woken by the send's post: a missed post would sleep out the 10 s (the long naps last 60 s here)
+        assert time.monotonic() - t < 5.0
         th.join()
         assert rxs[1 - target].try_recv() is None and rxs[target].try_recv() == Ping(k)
     for tx in txs:
         tx.close()
 
 
-def test_mark_closed_wakes_wait_any(bell: Doorbell, make_ring: MakeRing) -> None:
+def test_mark_closed_wakes_wait_any(bell: Doorbell, make_ring: MakeRing, long_naps: float) -> None:
     rings = [make_ring(doorbell=bell.name) for _ in range(2)]
     peer = ShmRing.attach(rings[1].name)
     th = threading.Timer(0.02, peer.mark_closed)
     th.start()
     t = time.monotonic()
-    assert wait_any(rings, bell, 5)  # closed counts as ready, like EOF in select()
-    assert time.monotonic() - t < 0.1
+    assert wait_any(rings, bell, 10)  # closed counts as ready, like EOF in select()
+    assert time.monotonic() - t < 5.0  # woken by mark_closed's post, not at the 10 s timeout (naps: 60 s here)
     th.join()
     with pytest.raises(RingClosed):
         rings[1].get(0)

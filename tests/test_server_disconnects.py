@@ -44,21 +44,39 @@ def assert_quiet(records: list[logging.LogRecord], gone: int) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_gone_while_its_body_arrives_is_one_debug_line(stream: bool,
+def test_a_client_gone_while_its_body_arrives_is_one_debug_line(stream: bool, monkeypatch: pytest.MonkeyPatch,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    real_read = web.BaseRequest.read
+    reading: list[str] = []  # the paths whose handler is reading its body
+
+    async def read(self: web.BaseRequest) -> bytes:
+        reading.append(self.path)
+        return await real_read(self)
+
+    monkeypatch.setattr(web.BaseRequest, "read", read)
+
+    def gone_lines() -> int:
+        return sum("client went away" in r.getMessage() for r in caplog.records)
+
+    async def until(ok: Any, what: str) -> None:
+        deadline = asyncio.get_running_loop().time() + 15
+        while not ok():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.005)
+
     async def main() -> None:
         engine = FakeEngine()
         async with running_server(engine) as (server, url):
             host, port = url.removeprefix("http://").split(":")
-            for path in ROUTES:
+            for i, path in enumerate(ROUTES):
                 body = json.dumps({**BODIES[path], "stream": stream}).encode()
                 _, writer = await asyncio.open_connection(host, int(port))
                 writer.write(head(path, body) + body[:5])  # the head and a part of the body
                 await writer.drain()
-                await asyncio.sleep(0.1)  # the handler is reading the body
-                writer.close()
-            await asyncio.sleep(0.3)
-            assert server.inflight == 0 and not engine.live
+                await until(lambda n=i + 1: reading == list(ROUTES[:n]), f"{path}'s handler never read its body")
+                writer.close()  # while the handler is reading the body
+                await until(lambda n=i + 1: gone_lines() == n, f"{path}: no 'client went away' line")
+            await until(lambda: server.inflight == 0 and not engine.live, "requests still in flight")
             async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=BODIES["/generate"]) as r:
                 assert r.status == 200  # and the server goes on
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -286,34 +288,58 @@ def test_a_dead_end_ends_the_request_and_a_constraint_allowing_nothing_is_refuse
     assert not failed and mask.num_rows == 0  # after EOS under ignore_eos: unconstrained
 
 
+class SeenLock:
+    """A lock that counts the threads that came to it (`comers`), so a test can wait until a thread is at it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.comers: list[str] = []
+
+    def __enter__(self) -> SeenLock:
+        self.comers.append(threading.current_thread().name)
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def until(ok: Any, what: str, timeout: float = 30.0) -> None:
+    """Poll `ok()` until it is true; fail after `timeout` s saying `what` never happened."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
+        time.sleep(0.001)
+
+
 def test_warm_loads_the_tokenizer_once_in_the_background_and_fills_never_import_llguidance_torch(hf: Any) -> None:
     """Workers on a GPU call `warm` at start, so the first constraint does not stall their loop on the
     tokenizer; a fill racing the warming thread waits for it, and the loader runs once. Filling does
     not import llguidance.torch (its import builds a torch.compile kernel: seconds of stall)."""
     import subprocess
     import sys
-    import threading
-    import time
 
-    calls: list[int] = []
+    calls: list[str] = []
     gate = threading.Event()
 
     def slow_loader() -> Any:
-        calls.append(1)
-        gate.wait(5)
+        calls.append(threading.current_thread().name)
+        assert gate.wait(60)
         return hf
 
     book = GrammarBook(slow_loader, VOCAB, EOS)
+    book._tok_lock = SeenLock()  # type: ignore[assignment]
     book.warm()
-    time.sleep(0.05)  # the warming thread is inside the loader now
+    until(lambda: calls == ["grammar-warm"], "the warming thread inside the loader")
     filled: list[Any] = []
     racer = threading.Thread(target=lambda: filled.append(book.fill([GrammarRow(0, "r", params(regex="[0-9]+"), [])],
                                                                      pin=False)))
     racer.start()
-    gate.set()
+    until(lambda: len(book._tok_lock.comers) == 2, "the fill at the tokenizer's lock")  # type: ignore[attr-defined]
+    gate.set()  # only now does the load end: the fill raced it and waited
     racer.join(30)
     mask, failed = filled[0]
-    assert not failed and calls == [1]
+    assert not failed and calls == ["grammar-warm"]  # loaded once, by the warming thread
     assert set(mask.allowed(0, VOCAB)) <= set(range(VOCAB)) and mask.allowed(0, VOCAB)
 
     unwarmable = GrammarBook(lambda: None, VOCAB, EOS)
@@ -413,13 +439,14 @@ def test_llm_refuses_a_constraint_the_engine_cannot_serve_and_fails_only_the_req
     assert len(llm.engine.grammar) == 0
 
 
-def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any) -> None:
+def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's GrammarTrials: llguidance's view of the tokenizer is loaded once (warm and concurrent
     first constraints wait for one load; no EOS ids: the tokenizer's own), and each constraint's verdict,
     success or failure, is cached: asked again it answers at once, without a compile."""
-    import threading
-    import time
+    import types
 
+    import rapidserve.structured.trial as trial_module
     from rapidserve.structured import GrammarTrials
 
     loads: list[int] = []
@@ -430,14 +457,33 @@ def test_server_trials_load_the_tokenizer_once_and_remember_each_verdict(hf: Any
         gate.wait(30)  # every check below arrives while the tokenizer is still loading
         return hf
 
+    class SeenEvent(threading.Event):
+        """The trial's Event, counting the threads that wait for its verdict."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.waiters: list[str] = []
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.waiters.append(threading.current_thread().name)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(trial_module, "threading", types.SimpleNamespace(Lock=threading.Lock, Event=SeenEvent))
     trials = GrammarTrials(loader, VOCAB, ())
+    trials._tok_lock = SeenLock()  # type: ignore[assignment]
     threading.Thread(target=trials.warm, daemon=True).start()  # as `serve` does while the engine starts
+    until(lambda: loads == [1], "the warming thread inside the loader")
     ok = StructuredOutputs(regex="[0-9]+")
     assert not trials.known(ok)
     threads = [threading.Thread(target=trials.check, args=(ok,)) for _ in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+
+    def settled() -> bool:  # one trial at the tokenizer's lock (the load holds it), two waiting for its verdict
+        running = dict(trials._running)
+        return len(trials._tok_lock.comers) == 2 and ok in running and len(running[ok].waiters) == 2  # type: ignore
+
+    until(settled, f"one trial under way, two waiting: {trials._running}, {trials._tok_lock.comers}")  # type: ignore
     assert list(trials._running) == [ok]  # one trial under way; the other two wait for its verdict
     gate.set()
     for t in threads:

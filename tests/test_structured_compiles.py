@@ -45,6 +45,42 @@ class ManualPool:
         self.started.clear()
 
 
+class WaitedOnFuture(Future[Any]):
+    """A Future that sets `waited` when someone asks for its outcome (`result` / `exception`)."""
+
+    def __init__(self, waited: threading.Event) -> None:
+        super().__init__()
+        self.waited = waited
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.waited.set()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.waited.set()
+        return super().exception(timeout)
+
+
+class WaitedOnPool:
+    """A CompilePool(1) whose futures say when someone waits on them (`waited`)."""
+
+    def __init__(self) -> None:
+        self.pool, self.waited = CompilePool(1), threading.Event()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        f = WaitedOnFuture(self.waited)
+        f.set_running_or_notify_cancel()
+
+        def run() -> None:
+            try:
+                f.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the compile's error, for the waiter
+                f.set_exception(e)
+
+        self.pool.submit(run)
+        return f
+
+
 def so(regex: str) -> StructuredOutputs:
     return StructuredOutputs(regex=regex)
 
@@ -182,11 +218,19 @@ def test_the_cache_remembers_failures_as_failures_never_as_a_grammar() -> None:
 def test_template_of_an_unprepared_request_compiles_in_place_and_an_early_one_waits() -> None:
     c, _, made = make_compiles()
     assert c.template("never-prepared", so("x")) == "grammar of x" and made == ["x"]  # in place, cached
-    real = Compiles(GrammarCache(lambda s: time.sleep(0.2) or f"slow {s.regex}"), CompilePool(1))
+    # The compile under way on the pool's thread ends only once `template` waits for it: forced, not timed.
+    pool = WaitedOnPool()
+    threads: list[str] = []
+
+    def slow(s: StructuredOutputs) -> str:
+        threads.append(threading.current_thread().name)
+        assert pool.waited.wait(60), "nobody waited for the compile under way"
+        return f"slow {s.regex}"
+
+    real = Compiles(GrammarCache(slow), pool)
     assert not real.prepare("a", so("y")) and real.compiling() == {"a"}
-    t0 = time.perf_counter()
     assert real.template("a", so("y")) == "slow y"  # waits for the compile under way (the LLM path)
-    assert time.perf_counter() - t0 > 0.1 and real.compiling() == frozenset()
+    assert threads == ["grammar-compile"] and real.compiling() == frozenset()  # compiled once, not in place
 
 
 def test_pool_runs_in_daemon_threads_on_demand_and_lets_idle_threads_end() -> None:
@@ -197,16 +241,20 @@ def test_pool_runs_in_daemon_threads_on_demand_and_lets_idle_threads_end() -> No
     def job(i: int) -> int:
         names.append(threading.current_thread().name)
         assert threading.current_thread().daemon
-        gate.wait(5)
+        assert gate.wait(60)
         return i
 
     futs = [pool.submit(lambda i=i: job(i)) for i in range(3)]
-    time.sleep(0.05)
-    assert pool.live == 2 and futs[0].running() and futs[1].running() and not futs[2].running()
+    assert pool.live == 2  # two threads started, no more
+    deadline = time.monotonic() + 30
+    while len(names) < 2:  # both threads took a job (and hold it until the gate opens)
+        assert time.monotonic() < deadline, f"jobs started: {names}"
+        time.sleep(0.001)
+    assert futs[0].running() and futs[1].running() and not futs[2].running()
     assert futs[2].cancel()  # not started: cancelled, never runs
     gate.set()
-    assert [f.result(5) for f in futs[:2]] == [0, 1] and len(names) == 2
-    deadline = time.monotonic() + 5
+    assert [f.result(30) for f in futs[:2]] == [0, 1] and len(names) == 2
+    deadline = time.monotonic() + 30
     while pool.live and time.monotonic() < deadline:
         time.sleep(0.02)
     assert pool.live == 0  # idle threads ended
