@@ -159,7 +159,12 @@ def test_killed_worker_fails_requests_and_engine_restarts(victim: str) -> None:
         try:
             params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
             tasks = [asyncio.create_task(collect(engine, f"k{i}", [1, 2, 3, 4 + i] * 20, params)) for i in range(4)]
-            await asyncio.sleep(1.0)
+            # forced: the kill lands while every request is in flight (decoding has begun, none has ended: 400 tokens
+            # each, through a pool too small for the four at once), not after a fixed sleep they might outlast
+            deadline = time.monotonic() + 30
+            while not any(s.next_index > 0 for s in engine.streams.values()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            assert len(engine.streams) == 4 and not any(s.finished for s in engine.streams.values())
             pid = engine.workers.procs[victim].pid  # type: ignore[union-attr]
             others = [p.pid for p in engine.workers.procs.values()]  # type: ignore[union-attr]
             t0 = time.monotonic()
