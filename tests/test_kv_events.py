@@ -264,6 +264,29 @@ def engine_config(mode: str, endpoint: str, replay: str, policy: str | None = No
     return cfg
 
 
+def probe_prompt(k: int) -> list[int]:
+    """The k-th probe: one full block of its own token (no prefix shared with any other prompt here), so computing it
+    publishes one BlockStored."""
+    return [1100 + k] * (BS + 1)
+
+
+async def subscribed(probe: Any, events_so_far: Any) -> int:
+    """Returns once the subscriber has received an event: ZMQ drops what a publisher sends before a subscription
+    reaches it, however long that takes, so rather than sleep and hope, this runs probe prompts (`probe(k)`, k = 0,
+    1, ...) until one's BlockStored comes through; the number of probes run."""
+    deadline = time.monotonic() + 60
+    k = 0
+    while not events_so_far():
+        assert time.monotonic() < deadline, f"no event reached the subscriber after {k} probe prompts"
+        await probe(k)
+        k += 1
+        for _ in range(20):  # its events, published as its blocks were stored, may still be on their way
+            if events_so_far():
+                break
+            await asyncio.sleep(0.01)
+    return k
+
+
 def test_the_hash_seed_is_the_runs_pythonhashseed(tmp_path: Path) -> None:
     cfg = engine_config("rapid", f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/r")
     assert cfg.kv_events.publishing and cfg.kv_events.none_hash == vllm_none_hash(SEED)
@@ -277,7 +300,7 @@ MODES = [("rapid", None), ("rapid", "duet"), ("rapid", "drift"), ("hybrid", None
 @pytest.mark.parametrize(("mode", "policy"), MODES)
 def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, policy: str | None, tmp_path: Path) -> None:
     """A prompt's full blocks arrive as BlockStored with vLLM's hashes; later prompts evict them (a pool of 14
-    blocks): BlockRemoved names them. A replay from sequence 0 returns the same batches."""
+    blocks): BlockRemoved names them. A replay from the first sequence received returns the same batches."""
     zmq = pytest.importorskip("zmq")
     msgpack = pytest.importorskip("msgpack")
     from rapidserve.engine.client import AsyncEngine
@@ -310,15 +333,16 @@ def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, policy: str | N
         engine = await AsyncEngine.start(cfg)
         try:
             sub.connect(endpoint)
-            await asyncio.sleep(0.3)  # the subscription reaches the publisher
+            probes = await subscribed(lambda k: run(engine, f"probe{k}", probe_prompt(k)), events_so_far)
             prompt = list(range(10, 10 + 3 * BS + 5))
             await run(engine, "a", prompt)
             want = vllm_hashes(prompt)
-            await until(lambda ev: [h for e in ev if e[0] == "BlockStored" for h in e[1]][:3] == want, "BlockStored")
-            first = next(e for e in events_so_far() if e[0] == "BlockStored")
+            await until(lambda ev: [h for e in ev if e[0] == "BlockStored" for h in e[1] if h in want] == want,
+                        "BlockStored")
+            first = next(e for e in events_so_far() if e[0] == "BlockStored" and e[1][0] in want)
             assert first[2] is None and first[4] == BS and first[5] is None and first[6] == "GPU"
             assert first[3] == prompt[:len(first[1]) * BS]
-            chains = [want]
+            chains = [want, *(vllm_hashes(probe_prompt(k)) for k in range(probes))]
             for i in range(4):  # distinct prompts of 8 blocks each: the pool of 14 must evict a's blocks
                 b = [3 + (200 * (i + 1) + t) % 1270 for t in range(8 * BS)]  # (the vocabulary: 1280 ids)
                 chains.append(vllm_hashes(b))
@@ -334,7 +358,8 @@ def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, policy: str | N
                 assert e[1] == chain[k:k + len(e[1])] and e[2] == (chain[k - 1] if k else None), e
             req = ctx.socket(zmq.DEALER)
             req.connect(replay)
-            req.send_multipart([b"", (0).to_bytes(8, "big")])
+            start = int.from_bytes(frames[0][1], "big")  # the first batch this subscriber received (0 but for probes
+            req.send_multipart([b"", start.to_bytes(8, "big")])  # published before its subscription took)
             replayed = []
             while True:
                 assert req.poll(10_000)
@@ -343,7 +368,7 @@ def test_a_subscriber_sees_stored_then_removed_blocks(mode: str, policy: str | N
                     break
                 replayed.append(payload)
             assert replayed[:len(frames)] == [f[2] for f in frames]
-            assert [int.from_bytes(f[1], "big") for f in frames] == list(range(len(frames)))
+            assert [int.from_bytes(f[1], "big") for f in frames] == list(range(start, start + len(frames)))
             req.close(0)
             assert all(msgpack.unpackb(f[2], raw=False)[2] == 0 for f in frames)  # data_parallel_rank
         finally:
@@ -364,6 +389,7 @@ def test_a_worker_death_publishes_all_blocks_cleared(tmp_path: Path) -> None:
     import signal
 
     from rapidserve.engine.client import AsyncEngine
+    from rapidserve.sampling_params import SamplingParams
 
     endpoint = f"ipc://{tmp_path}/kv"
     cfg = dataclasses.replace(engine_config("hybrid", endpoint, f"ipc://{tmp_path}/r"),
@@ -372,19 +398,29 @@ def test_a_worker_death_publishes_all_blocks_cleared(tmp_path: Path) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
 
+    got: list[list[Any]] = []
+
+    def events_so_far() -> list[list[Any]]:
+        while sub.poll(0):
+            got.extend(msgpack.unpackb(sub.recv_multipart()[2], raw=False)[1])
+        return got
+
+    async def run(engine: AsyncEngine, rid: str, prompt: list[int]) -> None:
+        async for _ in engine.generate(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)):
+            pass
+
     async def main() -> None:
         engine = await AsyncEngine.start(cfg)
         try:
             sub.connect(endpoint)
-            await asyncio.sleep(0.3)
+            await subscribed(lambda k: run(engine, f"probe{k}", probe_prompt(k)), events_so_far)
             assert engine.workers is not None
+            seen = len(events_so_far())
             os.kill(engine.workers.procs["hybrid"].pid, signal.SIGKILL)  # type: ignore[arg-type]
             deadline = time.monotonic() + 20
-            while not sub.poll(0):  # the event loop must run: it handles the death
-                assert time.monotonic() < deadline, "no AllBlocksCleared"
+            while ["AllBlocksCleared"] not in events_so_far()[seen:]:  # the event loop must run: it handles the death
+                assert time.monotonic() < deadline, f"no AllBlocksCleared: {got[seen:]}"
                 await asyncio.sleep(0.05)
-            _, seq, payload = sub.recv_multipart()
-            assert msgpack.unpackb(payload, raw=False)[1] == [["AllBlocksCleared"]]
         finally:
             await engine.shutdown()
 
