@@ -128,11 +128,23 @@ def test_openai_client_reads_cached_tokens(server: tuple[Srv, bool]) -> None:
     assert r.usage.prompt_tokens_details.cached_tokens == (32 if caching else 0)
 
 
+def settled(url: str, name: str, reads: int = 3, gap_s: float = 0.3, within_s: float = 20.0) -> float:
+    """`name`'s value once it has stayed the same over `reads` reads `gap_s` apart (the engine publishes its stats
+    every 0.25 s, so a request that ended before this call is counted by then however late its update comes)."""
+    deadline = time.monotonic() + within_s
+    last, same = metric(url, name), 1
+    while same < reads:
+        assert time.monotonic() < deadline, f"{name} did not settle within {within_s} s (last {last})"
+        time.sleep(gap_s)
+        now = metric(url, name)
+        last, same = now, (same + 1 if now == last else 1)
+    return last
+
+
 def test_metrics_count_queries_and_hits(server: tuple[Srv, bool]) -> None:
     s, caching = server
     p = _prompt(90)
-    time.sleep(0.6)  # the engine's stats come every 0.25 s: earlier requests are all counted by now
-    q0, h0 = metric(s.url, QUERIES), metric(s.url, HITS)
+    q0, h0 = settled(s.url, QUERIES), metric(s.url, HITS)  # earlier tests' requests all counted before the baseline
     post(s, "/v1/completions", body(p))
     post(s, "/v1/completions", body(p))
     deadline = time.monotonic() + 10  # the engine's stats come every 0.25 s
