@@ -158,6 +158,9 @@ def test_goodput_search_against_a_real_server(smol: Srv, tmp_path) -> None:  # t
     assert re.search(r"probe 1 at 4 req/s, \d+ counted: attainment .*; warm-up 2 arrivals \(0 s\), lifetime [0-9.]+ s",
                      r.stdout), r.stdout
     assert "============= Goodput Search Result ==============" in r.stdout  # its table, printed at the end
+    # 6 counted a probe: 90% allows no miss either, and the preamble says so for both shares
+    assert "share 0.99: with 6 requests counted a probe, 99% allows no miss" in r.stdout, r.stdout
+    assert "share 0.9: with 6 requests counted a probe, 90% allows no miss" in r.stdout
     res = json.loads((tmp_path / "gs.json").read_text())
     assert res["kind"] == "goodput_search" and res["label"] == "smol" and res["peak"] is None  # a start rate given
     s = res["search"]

@@ -86,6 +86,7 @@ from rapidserve.benchmark.sustain import (
     arrivals_of,
     lifetime_estimate,
     plan_probe,
+    probe_arrivals,
     realized_lifetime,
     rerun_plan,
     short_next,
@@ -279,9 +280,10 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                  f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
         if replay is not None:
             say(cfg, "  " + trace_line(replay.describe()))
-        counts = {scfg.wanted(0.0, n, None), scfg.wanted(math.inf, n, 0.0)}  # at or below the peak, above it
+        # what a probe counts at or below the closed-loop peak, and above it (longer: --search-above-peak-factor)
+        counts = [n - scfg.discard, probe_arrivals(n, scfg.discard, scfg.above_peak_factor) - scfg.discard]
         for q in scfg.shares:
-            note = share_note(q, sorted(counts))
+            note = share_note(q, counts)
             if note is not None:
                 say(cfg, f"  share {q:g}: {note}")
         await warm_up(session, target, cfg, replay)
