@@ -13,6 +13,7 @@ import pytest
 
 import rapidserve.partition.runtime as runtime
 from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.partition.backend import Granularity
 from rapidserve.partition.drift_plan import prefill_models
 from rapidserve.partition.duet import decide_duet
@@ -50,6 +51,15 @@ def test_step_costs_of_an_fp8_run_carry_its_quantization() -> None:
     assert isinstance(costs, RooflineCosts) and costs.quant == ONLINE_FP8
     plain = step_costs(qwen_cfg(QuantizationConfig(), policy="duet"), plan)
     assert isinstance(plain, RooflineCosts) and not (plain.quant and plain.quant.enabled)
+
+
+def test_profile_lookup_without_a_measured_profile_is_refused() -> None:
+    """Duet on the roofline (no measured profile) has no buckets to read between: `--profile-lookup interpolate`
+    would change nothing, so it is refused by name rather than ignored; with a measured profile it is read."""
+    plan = PartitionPlan("cuda-green", list(CONFIGS), None, "roofline of peaks measured now", H200)
+    with pytest.raises(ConfigError, match="--profile-lookup interpolate reads a measured profile.*roofline of peaks"):
+        step_costs(qwen_cfg(QuantizationConfig(), policy="duet", profile_lookup="interpolate"), plan)
+    assert isinstance(step_costs(qwen_cfg(QuantizationConfig(), policy="duet"), plan), RooflineCosts)
 
 
 def test_drift_prefill_models_of_fp8_weights_are_faster() -> None:

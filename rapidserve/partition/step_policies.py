@@ -35,6 +35,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.partition.drift import LinearModel, decide_drift
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, effective_prefill_units
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
@@ -156,6 +157,10 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
     p = cfg.partition
     if plan.profile is not None and plan.profile.source == "measured":
         return ProfileCosts(plan.profile, interpolate=p.profile_lookup == "interpolate")
+    if p.profile_lookup == "interpolate":  # the roofline is no table of buckets: the flag would change nothing
+        raise ConfigError(f"--profile-lookup interpolate reads a measured profile between its buckets, and this run "
+                          f"has none ({plan.source}): the adaptive policy prices its steps with the roofline. Give "
+                          "--profile PATH, let the auto-profile measure one (no --no-auto-profile), or drop the flag")
     if plan.peaks is None:
         raise ValueError("the adaptive policy without a measured profile needs the plan's peaks (resolve_plan measures "
                          "them for --policy duet)")
