@@ -113,6 +113,9 @@ class PolicySpec:
     no_graphs: str | None = None  # None: its prefill captures piecewise graphs; else why it does not
     why_not: Mapping[str, str] = field(default_factory=dict)  # why it does not read a setting (messages)
     needs: Mapping[str, str] = field(default_factory=dict)  # settings it reads that None cannot give: why, and the fix
+    # of its --partition adaptive settings, those it still reads where the device has no partition backend (a CPU):
+    # the rest only choose among partition configurations (`unread_without_partition`)
+    without_partition: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -145,11 +148,13 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                                                       "prefill worker has no steps to schedule ahead"},
                needs={"partition.slo_itl_ms": "--policy rapid chooses its split from the ITL SLO (the profile's "
                                               "configuration with the most prefill throughput within it); "
-                                              f"{NO_SLO_INSTEAD}"}),
+                                              f"{NO_SLO_INSTEAD}"},
+               without_partition=frozenset({"scheduler.prefill_batch_tokens"})),
     PolicySpec("duet", "fused when a step fits the ITL SLO, else split (DuetServe)", DECODE_PREFILL, (ADAPTIVE,),
                {ADAPTIVE: _SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", "partition.profile_lookup"}},
                why_not={"scheduler.async_scheduling": "its decode worker always schedules one step ahead and its "
-                                                      "prefill worker has no steps to schedule ahead"}),
+                                                      "prefill worker has no steps to schedule ahead"},
+               without_partition=frozenset({"scheduler.prefill_batch_tokens"})),
     PolicySpec("drift", "split, prefill a layer block at a time (DRIFT)", DECODE_PREFILL, (ADAPTIVE,),
                {ADAPTIVE: _SPLIT_ADAPTIVE | {"partition.slo_ttft_ms", "partition.slo_ttft_ms_per_1k_tokens",
                                              "partition.drift_prefill_model"}},
@@ -160,7 +165,10 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                         "scheduler.async_scheduling": "its decode worker always schedules one step ahead"},
                needs={"partition.slo_itl_ms": "--policy drift chooses its split from the ITL SLO (the most prefill "
                                               "units whose decode step meets it) and sizes its prefill's layer blocks "
-                                              f"to it; {NO_SLO_INSTEAD}"}),
+                                              f"to it; {NO_SLO_INSTEAD}"},
+               # its prefill worker forms, sizes (to the ITL SLO) and preempts its batches on any device
+               without_partition=frozenset({"partition.slo_itl_ms", "partition.slo_ttft_ms",
+                                            "partition.slo_ttft_ms_per_1k_tokens", "partition.drift_prefill_model"})),
 )}
 RUN_SPECS: Mapping[str, RunSpec] = {r.name: r for r in (
     RunSpec("rapid", "--mode rapid", DECODE_PREFILL, _SERVER | {"launch.mps"}, default_policy=DEFAULT_POLICY),
@@ -336,6 +344,28 @@ def given_settings(sections: Mapping[str, object]) -> dict[str, object]:
         value = getattr(obj, name)
         if value != default:
             out[s.path] = value
+    return out
+
+
+def unread_without_partition(policy: str, given: Mapping[str, object], where: str) -> list[str]:
+    """The settings `given` (path -> value) that `policy` reads only to choose among partition configurations, on a
+    run whose plan turned out to have none (`where`: why, e.g. "no partition backend on cpu"): the static check
+    (`conflicts`) passed them for --partition adaptive, but the device has nothing to choose between, so they would
+    change nothing. One sentence each, with its fix; [] when none. A value the policy honours without a partition is
+    kept: what the policy declares it reads without one (`PolicySpec.without_partition`), duet's --slo-itl-ms none
+    (every step fused), and --partition-backend none (the cause, not a conflict)."""
+    p = POLICY_SPECS[policy]
+    if ADAPTIVE not in p.partition_modes:
+        return []
+    plain = p.without_partition | {"partition.backend"}
+    out = []
+    for path, value in given.items():
+        if path not in p.reads[ADAPTIVE] or path in plain or (path == "partition.slo_itl_ms" and value is None):
+            continue
+        label = BY_PATH[path].label(value, False)
+        out.append(f"{label} {value}: not read by --policy {policy} here ({where}: the workers share the whole "
+                   "device, with no partition configurations to choose among); drop it, or run where a partition "
+                   "backend is (a GPU: --partition-backend auto)")
     return out
 
 

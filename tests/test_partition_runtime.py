@@ -282,7 +282,6 @@ def engine_config(**partition: Any) -> EngineConfig:
         (dict(mode="off"), "partition off"),
         (dict(mode="static", static_decode_share=0.25), "no partition backend on cpu"),
         (dict(backend="none"), "no partition backend on cpu"),
-        (dict(backend="none", profile="/nonexistent/profile.json"), "no partition backend on cpu"),
         (dict(mode="off", backend="cuda-green"), "partition off"),  # off needs no backend at all
         (dict(mode="off", backend="hip-cumask"), "partition off"),
         (dict(policy="duet", slo_itl_ms=None), f"no partition backend on cpu; {NO_SLO_NOTE}"),  # the start-up line
@@ -299,6 +298,35 @@ def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:
     assert isinstance(streams, NoPartition) and streams.stream(OVERALLOCATED, "decode") is None
     dp = DecodePartition(engine_config(**partition).partition, plan)
     assert not dp.adaptive and dp.current == OVERALLOCATED and dp.advance(4, 100, True) is None
+
+
+@pytest.mark.parametrize(
+    ("partition", "refused"),
+    [
+        # what only an adaptive plan reads, on a device with no partition backend: nothing to choose among
+        (dict(policy="duet", profile_lookup="interpolate"), "--profile-lookup interpolate"),
+        (dict(policy="duet", slo_itl_ms=100.0), "--slo-itl-ms 100.0"),
+        (dict(policy="rapid", decode_shares=(0.25, 0.5)), "--decode-shares"),
+        (dict(policy="rapid", hysteresis_steps=3), "PartitionConfig.hysteresis_steps 3"),
+        (dict(backend="none", profile="/nonexistent/profile.json"), "--profile /nonexistent/profile.json"),
+        (dict(policy="duet", backend="none", profile_lookup="interpolate"), "--profile-lookup interpolate"),
+    ],
+)
+def test_resolve_plan_cpu_refuses_what_no_partition_reads(partition: dict[str, Any], refused: str) -> None:
+    """The static check passes an adaptive policy's settings (the device is not known there); on a CPU the plan has
+    no configurations to choose among, so each such setting given is refused by name, not silently dropped."""
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(engine_config(**partition), CPU)
+    msg = str(e.value)
+    assert msg.startswith(refused) and "no partition backend on cpu" in msg and "drop it" in msg
+
+
+@pytest.mark.parametrize("partition", [dict(policy="duet", slo_itl_ms=None), dict(backend="none"), dict(),
+                                        dict(mode="off", hysteresis_steps=3)])
+def test_resolve_plan_cpu_keeps_what_it_honours(partition: dict[str, Any]) -> None:
+    """duet's --slo-itl-ms none (every step fused) is honoured without a partition, --partition-backend none is the
+    cause itself, and --partition off is the static check's to judge: none is refused here."""
+    assert resolve_plan(engine_config(**partition), CPU).backend == "none"
 
 
 @pytest.mark.parametrize(
