@@ -47,6 +47,7 @@ from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 from rapidserve.parallel.shard import block_shard_problem
 from rapidserve.partition_config import PartitionConfig
+from rapidserve.policy_spec import RUN_SPECS, given_settings, unread_without_partition
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
@@ -282,6 +283,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                        generation=(sections.generation if sections.generation is not None
                                    else resolve_generation_config("auto", source, model)), kv_events=kv_events,
                        quantization=resolve_quantization(sections.quantization, source, model, parallel))
+    check_partition_device(run, cfg.partition, dev)
     if run != "profile":  # (the profile's decode batches are its --batch-buckets)
         log.info("%s", describe_batch_limits(cfg, why_seqs))
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
@@ -289,6 +291,22 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
                     mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source
+
+
+def check_partition_device(run: str, partition: PartitionConfig, dev: torch.device) -> None:
+    """Before any worker starts: on a run whose policy picks among partition configurations (--partition adaptive)
+    where the device can have none (a CPU, or --partition-backend none), the settings that only make that choice are
+    refused by name (`policy_spec.unread_without_partition`), a one-line ConfigError. A GPU without a backend is
+    only known at the plan (partition/runtime.py `_resolve_plan`, the same check)."""
+    r = RUN_SPECS.get(run)
+    if r is None or not r.workers or r.partition is not None or partition.mode != "adaptive":
+        return
+    if dev.type != "cpu" and partition.backend != "none":
+        return
+    why = "--partition-backend none" if partition.backend == "none" else f"no partition backend on {dev}"
+    unread = unread_without_partition(partition.policy, given_settings({"partition": partition}), why)
+    if unread:
+        raise ConfigError("; ".join(unread))
 
 
 def resolve_generation_config(spec: str, source: ModelSource, model: str | None) -> SamplingDefaults:

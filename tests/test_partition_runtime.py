@@ -633,3 +633,27 @@ def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
     assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), adaptive_plan(QWEN3)).advance(32, 2048, True) is not None
     static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static split32")
     assert DecodePartition(PartitionConfig(slo_itl_ms=50.0), static).prefill_tokens_cap == 0
+
+
+@pytest.mark.parametrize(
+    ("run", "partition", "device", "refused"),
+    [
+        ("rapid", dict(policy="duet", profile_lookup="interpolate"), "cpu", "--profile-lookup interpolate"),
+        ("rapid", dict(policy="rapid", slo_itl_ms=100.0), "cpu", "--slo-itl-ms 100.0"),
+        ("rapid", dict(policy="duet", backend="none", decode_shares=(0.5,)), "cuda", "--decode-shares"),
+        ("rapid", dict(policy="duet", slo_itl_ms=None), "cpu", None),  # honoured: every step fused
+        ("rapid", dict(policy="drift", slo_itl_ms=80.0), "cpu", None),  # DRIFT's prefill sizes its blocks by it
+        ("rapid", dict(policy="duet", profile_lookup="interpolate"), "cuda", None),  # the plan's to judge
+        ("hybrid", dict(policy="fused", mode="off"), "cpu", None),
+    ],
+)
+def test_check_partition_device(run: str, partition: dict[str, Any], device: str, refused: str | None) -> None:
+    """The serve command's check before any worker starts (config_builder): one line, naming the setting."""
+    from rapidserve.config_builder import check_partition_device
+
+    pc = PartitionConfig(**partition)
+    if refused is None:
+        check_partition_device(run, pc, torch.device(device))
+        return
+    with pytest.raises(ConfigError, match=f"^{refused}.*drop it"):
+        check_partition_device(run, pc, torch.device(device))
