@@ -69,6 +69,7 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("fill-ab", "qwen3-8b", 1, ["duet", "duet-g256"], [], ""),
     ("g4096-ab", "qwen3-8b", 1, ["duet@100", "duet100-g4096"], [], ""),
     ("lookup-ab", "qwen3-8b", 1, ["duet", "duet-interp"], [], ""),
+    ("duet", "qwen3-8b", 1, ["duet"], [], ""),
     ("ours-slo+baselines", "qwen3-8b", 1,
      ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none", "always-fused", "always-split"], [], ""),
     ("ours-tp+vllm-1024", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], ["vllm:--max-num-batched-tokens 1024"],
