@@ -14,6 +14,7 @@ groups' systems in one call, for shapes whose searches are short):
 | fill-ab | duet, duet-g256 (its fused steps' buckets every 256 tokens from 1024 to 2048, the default before 11-30) |
 | g4096-ab | duet@100, duet100-g4096 (the same at SLO 100 with buckets on to 4096: ~4K-token fused steps replayed) |
 | lookup-ab | duet, duet-interp (its profile read between buckets, `--profile-lookup interpolate`, not rounded up) |
+| margin-ab | duet (its SLO margin adapted, the default), duet-m90 (fixed at 0.9 x SLO, as before 2026-11-30) |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
 | hybrid-chunks | hybrid at chunk 512, 1024, 2048 (RAPID-Serve's own baseline: `--mode hybrid`, its chunk) |
@@ -79,6 +80,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our s
     "fill-ab": (("duet", "duet-g256"), ()),
     "g4096-ab": (("duet@100", "duet100-g4096"), ()),
     "lookup-ab": (("duet", "duet-interp"), ()),
+    "margin-ab": (("duet", "duet-m90"), ()),
     "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
     "baselines": (("always-fused", "always-split"), ()),
     "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),

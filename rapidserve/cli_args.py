@@ -181,6 +181,19 @@ def _drift_model(text: str) -> tuple[float, float]:
     return a, b
 
 
+def _slo_margin(text: str) -> float | None:
+    """--slo-margin: auto (None: adapted) or a share in (0, 1]."""
+    if text == "auto":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a share of the ITL SLO in (0, 1], e.g. 0.9") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share of the ITL SLO must be in (0, 1] (or auto)")
+    return v
+
+
 def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
     g = p.add_argument_group("compute partition (decode / prefill)")
     if with_mode:
@@ -222,6 +235,10 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "buckets: round-up (to the bucket at or above each: conservative, it overstates a step "
                             "by up to a bucket) or interpolate (linearly between them: more prefill throughput, "
                             "but measured over the ITL SLO on 4096-token prompts)")
+        g.add_argument("--slo-margin", type=_slo_margin, default=None, metavar="auto|SHARE",
+                       help="duet: the share of --slo-itl-ms each step is planned within: auto (the default: adapted "
+                            "between 0.8 and 0.97 to how often its steps made a token gap over the SLO, holding that "
+                            "under 1%%) or a fixed share in (0, 1], e.g. 0.9")
         g.add_argument("--drift-prefill-model", type=_drift_model, default=None, metavar="A_MS,B_MS_PER_TOKEN",
                        help="drift: the prefill time model a + b x tokens (ms) to use instead of the one fitted "
                             "at start-up from the roofline (one for every configuration)")
@@ -246,7 +263,8 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  policy=policy, slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
-                                 profile_lookup=getattr(a, "profile_lookup", "round-up"))
+                                 profile_lookup=getattr(a, "profile_lookup", "round-up"),
+                                 slo_margin=getattr(a, "slo_margin", None))
     if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
         load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)
     return pcfg

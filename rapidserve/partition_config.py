@@ -46,6 +46,9 @@ class PartitionConfig:
     (every step fused with the whole token budget, partition/policies.py); a fixed or no partition, --policy fused
     and `LLM` read no SLO, so None is what they run anyway; rapid, drift and `rapidserve profile` choose or mark
     configurations by the SLO and refuse None (policy_spec: their `needs`).
+    slo_margin (duet): the share of the ITL SLO each step is planned within; None (`--slo-margin auto`, the default)
+    adapts it between 0.8 and 0.97 to how often the steps it sized made a token gap over the SLO
+    (partition/margin.py); a number fixes it (0.9 was duet's before 2026-11-30).
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
     without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
     time model fitted at start-up (one for every configuration).
@@ -65,6 +68,7 @@ class PartitionConfig:
     slo_ttft_ms_per_1k_tokens: float = 0.0
     drift_prefill_model: tuple[float, float] | None = None
     profile_lookup: str = "round-up"
+    slo_margin: float | None = None  # duet: the share of the SLO its steps are planned within; None: adapted (auto)
 
     def __post_init__(self) -> None:
         check(self.mode in ("adaptive", "off", "static"),
@@ -91,6 +95,9 @@ class PartitionConfig:
                f"drift_prefill_model={m} must be (a_ms >= 0, b_ms_per_token > 0)")
         check(self.profile_lookup in PROFILE_LOOKUPS,
                f"profile_lookup={self.profile_lookup!r}; use one of {', '.join(PROFILE_LOOKUPS)}")
+        mg = self.slo_margin
+        check(mg is None or (isinstance(mg, (int, float)) and not isinstance(mg, bool) and 0 < mg <= 1),
+              f"slo_margin={mg!r} must be in (0, 1] (a share of the ITL SLO), or None: adapted (--slo-margin auto)")
         check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

@@ -52,7 +52,8 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     # the A/B systems' flags reach the server as written: duet-g256's buckets, duet100-g4096's SLO and buckets
     for name, want in (("duet-g256", "896,1024,1280,1536,1792,2048"),
                        ("duet100-g4096", "--slo-itl-ms 100 --prefill-graph-tokens 16,"),
-                       ("duet-interp", "--policy duet --profile-lookup interpolate")):
+                       ("duet-interp", "--policy duet --profile-lookup interpolate"),
+                       ("duet-m90", "--policy duet --slo-margin 0.9")):
         assert want in compare.SYSTEMS[name] and name not in compare.SWEEP_SYSTEMS
 
 
@@ -70,6 +71,7 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("g4096-ab", "qwen3-8b", 1, ["duet@100", "duet100-g4096"], [], ""),
     ("lookup-ab", "qwen3-8b", 1, ["duet", "duet-interp"], [], ""),
     ("duet", "qwen3-8b", 1, ["duet"], [], ""),
+    ("margin-ab", "qwen3-8b", 1, ["duet", "duet-m90"], [], ""),
     ("ours-slo+baselines", "qwen3-8b", 1,
      ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none", "always-fused", "always-split"], [], ""),
     ("ours-tp+vllm-1024", "llama-3.1-70b", 4, ["rapidserve", "disagg-npmd"], ["vllm:--max-num-batched-tokens 1024"],

@@ -38,6 +38,7 @@ from typing import get_args
 
 from rapidserve.engine.messages import STEP_KINDS, StepKindStats
 from rapidserve.partition.correction import Correction, Kind
+from rapidserve.partition.margin import Margin
 from rapidserve.partition.shape import Fused, Split, StepShape, StepTiming
 
 KINDS = STEP_KINDS  # declared with the message that carries them
@@ -104,8 +105,14 @@ class StepTally:
 
 def correction_ratios(policy: object) -> dict[str, float]:
     """The policy's online correction now (`Stats.step_correction`: measured / predicted per correction kind), or
-    nothing for a policy that corrects nothing (one without a `Correction` as its `correction`)."""
+    nothing for a policy that corrects nothing (one without a `Correction` as its `correction`); with it, under
+    "slo_margin", the share of the ITL SLO its steps are planned within now where it adapts it (duet with an SLO and
+    `--slo-margin auto`: partition/margin.py)."""
     c = getattr(policy, "correction", None)
     if not isinstance(c, Correction):
         return {}
-    return {k: c.ratio(k) for k in get_args(Kind)}
+    out = {k: c.ratio(k) for k in get_args(Kind)}
+    m = getattr(policy, "margin", None)
+    if isinstance(m, Margin) and getattr(policy, "margin_params", None) is not None:  # adapted, not fixed
+        out["slo_margin"] = m.margin
+    return out

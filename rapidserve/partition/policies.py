@@ -38,17 +38,19 @@ included in both), multiplied by the running measured/predicted ratio of its kin
 The decode worker copies `DuetPolicy.last.model_ms` (the raw prediction of decode's next step) into the
 `StepTiming` of that step and gives it back through `observe`, which updates the ratio: a GPU 30% slower than
 the model makes every prediction 30% longer within ~25 steps, so the fused chunk shrinks to what the GPU
-really fits in the SLO; one outlier moves a ratio by at most 5%.
+really fits in the SLO; one outlier moves a ratio by at most 5%. The margin of "margin x SLO" is itself adapted from
+the same timings unless fixed (`--slo-margin`; partition/margin.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction, CorrectionParams, corrected
 from rapidserve.partition.manager import ManagerState
+from rapidserve.partition.margin import Margin, MarginParams, adapted
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.shape import (
     OVERALLOCATED,
@@ -365,23 +367,33 @@ def decide_adaptive(state: ShapeState, costs: StepCosts, correction: Correction 
 
 
 class DuetPolicy:
-    """`--policy duet` as a `StepPolicy`: `decide_adaptive` with its memory (hysteresis and the online correction)
-    kept between steps. `last`: the latest decision, whose `model_ms` the worker copies into that step's
-    `StepTiming.predicted_ms`."""
+    """`--policy duet` as a `StepPolicy`: `decide_adaptive` with its memory (hysteresis, the online correction and,
+    with `margin` given, the SLO margin adapted to the gaps its steps made: partition/margin.py; None: the fixed
+    `params.margin`) kept between steps. `last`: the latest decision, whose `model_ms` the worker copies into that
+    step's `StepTiming.predicted_ms`."""
 
     name = "duet"
     workers = POLICY_SPECS["duet"].workers
 
     def __init__(self, costs: StepCosts, params: AdaptiveParams = DEFAULT_PARAMS,
-                 correction: CorrectionParams = DEFAULT_CORRECTION) -> None:
+                 correction: CorrectionParams = DEFAULT_CORRECTION, margin: MarginParams | None = None) -> None:
         self.costs, self.params, self.correction_params = costs, params, correction
         self.correction = Correction()
+        self.margin_params = margin
+        self.margin = Margin(margin.start) if margin is not None else Margin(params.margin)
+        self.slo_itl_ms: float | None = None  # the SLO of the latest decision, which `observe` judges gaps by
         self.held: ManagerState | None = None
         self.last: ShapeDecision | None = None
 
     def decide(self, state: ShapeState) -> StepShape:
-        self.last, self.held = decide_adaptive(state, self.costs, self.correction, self.held, self.params)
+        self.slo_itl_ms = state.slo_itl_ms
+        params = self.params
+        if self.margin_params is not None and self.margin.margin != params.margin:
+            params = replace(params, margin=self.margin.margin)
+        self.last, self.held = decide_adaptive(state, self.costs, self.correction, self.held, params)
         return self.last.shape
 
     def observe(self, timing: StepTiming) -> None:
         self.correction = corrected(self.correction, timing, self.correction_params)
+        if self.margin_params is not None:
+            self.margin = adapted(self.margin, timing, self.slo_itl_ms, self.margin_params)

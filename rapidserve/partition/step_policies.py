@@ -39,6 +39,7 @@ from rapidserve.config_base import ConfigError
 from rapidserve.partition.drift import LinearModel, decide_drift
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, effective_prefill_units
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
+from rapidserve.partition.margin import DEFAULT_MARGIN
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy
 from rapidserve.partition.policy import PendingWork, PolicyState
 from rapidserve.partition.profile import Profile
@@ -185,9 +186,11 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
         if isinstance(costs, RooflineCosts) and costs.dtype_bytes != dtype_bytes:
             costs = RooflineCosts(costs.model_cfg, costs.peaks, costs.configurations, costs.tp, dtype_bytes,
                                   costs.kv_bytes, costs.quant)
-        return DuetPolicy(costs, AdaptiveParams(hysteresis_steps=p.hysteresis_steps,
-                                                prefill_batch_tokens=sched.prefill_batch_tokens,
-                                                graph_buckets=fused_buckets(cfg)))
+        params = AdaptiveParams(hysteresis_steps=p.hysteresis_steps, prefill_batch_tokens=sched.prefill_batch_tokens,
+                                graph_buckets=fused_buckets(cfg),
+                                **({} if p.slo_margin is None else {"margin": p.slo_margin}))
+        adapt = p.slo_margin is None and p.slo_itl_ms is not None  # with no SLO there is no margin to adapt
+        return DuetPolicy(costs, params, margin=DEFAULT_MARGIN if adapt else None)
     if p.policy == "drift":
         if plan.profile is None or not plan.prefill_models:
             raise ValueError("--policy drift needs the plan's profile and prefill models (resolve_plan makes them)")

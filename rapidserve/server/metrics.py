@@ -52,7 +52,8 @@ raw cost-model prediction, summed over the steps that had one: ``--policy duet``
 over the rate of the predicted one is how far off the model is, by kind); gauge
 ``rapidserve:step_correction_ratio{kind}`` (the online correction the policy applies now, measured / predicted per
 correction kind ``fused``, ``split``, ``decode``: partition/correction.py; exposed once a policy that corrects
-reported it). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total). What the worker's host saw
+reported it; beside them ``kind="slo_margin"``, duet's share of the ITL SLO its steps are planned within now,
+partition/margin.py). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total). What the worker's host saw
 (engine/step_cycle.py's ``Landed``): ``rapidserve:step_gaps_total{kind}``, ``rapidserve:step_gap_seconds_total{kind}``
 and ``rapidserve:step_gaps_over_slo_total{kind}`` (the token gaps that ended at a step of the kind, host time
 included: a gap over the SLO from a step within it is time outside the step), ``rapidserve:step_idle_seconds_total

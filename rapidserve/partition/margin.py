@@ -1,0 +1,82 @@
+"""The share of the ITL SLO duet plans its steps within, adapted to the token gaps its steps really made.
+
+Duet (partition/policies.py) takes a step only where its corrected prediction is within `margin x SLO`. The margin
+covers what the prediction leaves out: the host's time around a step, a step's jitter, a correction still catching
+up. A fixed 0.9 leaves a tenth of the SLO unspent however well the predictions hold, and what the SLO is judged by is
+each request's p95 inter-token gap: what must stay rare is a gap over the SLO, not a step near it. A step of 1440
+tokens holds its decode rows' KV reads (~13 ms for 300 sequences of 1.2k tokens on an H200) whatever its prompt chunk,
+so the last 5% of the SLO goes whole to prompt tokens: ~10% more of them a step.
+
+`adapted` (pure) folds each landed step into a decayed count of the gaps that ended at *binding* steps (fused steps
+that carried prompt tokens and took at least `binding` x the planned limit: the steps the margin sized) and of those
+gaps over the SLO, then moves the margin: down by `down` while the share of gaps over exceeds `target_over`, up by
+`up` while it is under half of it, within [lo, hi], once `min_gaps` (decayed) have been counted. Steps far below the
+limit (a light load) change nothing, so a margin learnt under load is not inflated by idle periods. `target_over` is
+1%: a request's p95 allows 5% of its gaps over the bound, and gaps over cluster in the requests running while prompts
+arrive, so the engine-wide share is held well below that.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from rapidserve.partition.shape import Fused, StepTiming
+
+
+@dataclass(frozen=True)
+class MarginParams:
+    start: float = 0.9  # the margin before anything was measured (the fixed margin duet had)
+    lo: float = 0.8
+    hi: float = 0.97
+    target_over: float = 0.01  # the share of binding steps' gaps over the SLO to hold
+    decay: float = 0.995  # per counted gap (half-life ~140 gaps)
+    min_gaps: float = 50.0  # (decayed) gaps counted before the margin moves
+    up: float = 0.002
+    down: float = 0.01
+    binding: float = 0.8  # a step counts when it took at least this share of the limit it was planned within
+
+    def __post_init__(self) -> None:
+        if not (0 < self.lo <= self.start <= self.hi <= 1 and 0 < self.target_over < 1 and 0 < self.decay < 1
+                and self.min_gaps >= 1 and self.up > 0 and self.down > 0 and 0 < self.binding <= 1):
+            raise ValueError(f"MarginParams({self}): need 0 < lo <= start <= hi <= 1, 0 < target_over < 1, "
+                             "0 < decay < 1, min_gaps >= 1, up > 0, down > 0, 0 < binding <= 1")
+
+
+DEFAULT_MARGIN = MarginParams()
+
+
+@dataclass(frozen=True)
+class Margin:
+    """The margin now and the decayed counts it was moved by."""
+
+    margin: float = DEFAULT_MARGIN.start
+    gaps: float = 0.0
+    over: float = 0.0
+
+    @property
+    def over_share(self) -> float:
+        return self.over / self.gaps if self.gaps > 0 else 0.0
+
+
+def adapted(m: Margin, timing: StepTiming, slo_itl_ms: float | None,
+            params: MarginParams = DEFAULT_MARGIN) -> Margin:
+    """`m` with one landed step folded in (module docstring). Pure. No SLO, no gap (no request decoded in both this
+    step and the one before), a step that carried no prompt tokens or one well under the limit: `m` unchanged."""
+    gap = timing.gap_ms
+    if slo_itl_ms is None or gap is None or not math.isfinite(gap) or gap < 0:
+        return m
+    if not isinstance(timing.shape, Fused) or timing.chunk_tokens <= 0:
+        return m
+    if not timing.measured_ms >= params.binding * m.margin * slo_itl_ms:
+        return m
+    gaps = m.gaps * params.decay + 1.0
+    over = m.over * params.decay + (1.0 if gap > slo_itl_ms else 0.0)
+    margin = m.margin
+    if gaps >= params.min_gaps:
+        share = over / gaps
+        if share > params.target_over:
+            margin -= params.down
+        elif share < params.target_over / 2:
+            margin += params.up
+    return replace(m, margin=min(max(margin, params.lo), params.hi), gaps=gaps, over=over)
