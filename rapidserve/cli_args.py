@@ -186,12 +186,9 @@ def _slo_margin(text: str) -> float | None:
     if text == "auto":
         return None
     try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give auto or a share of the ITL SLO in (0, 1], e.g. 0.9") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a share of the ITL SLO must be in (0, 1] (or auto)")
-    return v
+        return fraction(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}: give auto or a share of the ITL SLO in (0, 1], e.g. 0.9") from None
 
 
 def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> None:
