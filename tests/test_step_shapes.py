@@ -275,6 +275,36 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
         assert fused.predicted_ms == 0 and last.step_correction == {}
 
 
+def test_duet_adapts_its_margin_in_the_decode_worker(smollm: tuple[LLM, list[list[int]], list[list[int]]]) -> None:
+    """DuetPolicy with an SLO in the decode worker (the adaptive CPU plan: two configurations, a roofline and its
+    peaks) folds each landed step into its SLO margin (partition/margin.py). The situation is forced: an ITL SLO of
+    0.01 ms that every CPU step's gap is over, and a margin that moves from the first counted gap, so each binding
+    fused step lowers it; the worker's Stats carry the margin it ends with. Greedy tokens as LLM's, every block back."""
+    from rapidserve.partition.margin import MarginParams
+
+    llm, prompts, want = smollm
+    cfg = dataclasses.replace(llm.config, partition=PartitionConfig(policy="duet", slo_itl_ms=0.01))
+    peaks = Peaks(782e12, 2.98e12, 132, device="H100-like")
+    plan = PartitionPlan("none", CONFIGS, roofline_profile(cfg.model_config, "cpu", MODEL, peaks, CONFIGS, [1, 8],
+                                                            [512], 48), "test", peaks)
+    io, backend = FakeIO(), CpuSplits()
+    d = DecodeWorker(cfg, llm.engine.runner, io, DecodePartition(cfg.partition, plan), backend)  # type: ignore[arg-type]
+    p = PrefillWorker(cfg, llm.engine.runner, io, backend, OVERALLOCATED)  # type: ignore[arg-type]
+    policy = d.policy
+    assert isinstance(policy, DuetPolicy) and policy.margin_params is not None and policy.margin.margin == 0.9
+    policy.margin_params = MarginParams(min_gaps=1.0, binding=1e-6)  # move from the first gap; every step binds
+    free0 = d.sched.blocks.num_free
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(prompts)])
+    assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
+    assert d.sched.blocks.num_free == free0
+    assert policy.margin.gaps > 0 and policy.margin.over == pytest.approx(policy.margin.gaps)  # every gap over
+    assert policy.margin.margin < 0.9
+    d._last_stats = 0.0
+    d.publish()
+    assert io.of("d2r", m.Stats)[-1].step_correction["slo_margin"] == pytest.approx(policy.margin.margin)
+
+
 def _plan(cfg: EngineConfig, configs: list[Configuration], with_profile: bool, with_peaks: bool) -> PartitionPlan:
     peaks = Peaks(782e12, 2.98e12, 132, device="H100-like")
     profile = roofline_profile(cfg.model_config, "cpu", MODEL, peaks, configs, [1, 8], [512], 48) if with_profile \
