@@ -49,8 +49,10 @@ def step(gap: float | None, measured: float = 44.0, shape: object = Fused(1024),
         (Margin(0.9, 3.0, 0.0), step(None), 50.0, Margin(0.9, 3.0, 0.0)),
         (Margin(0.9, 3.0, 0.0), step(float("nan")), 50.0, Margin(0.9, 3.0, 0.0)),
         (Margin(0.9, 3.0, 0.0), step(45.0, chunk=0), 50.0, Margin(0.9, 3.0, 0.0)),
-        (Margin(0.9, 3.0, 0.0), step(60.0, shape=Split("split32", 1024)), 50.0, Margin(0.9, 3.0, 0.0)),
         (Margin(0.9, 3.0, 0.0), step(60.0, shape=DecodeAlone("overallocated")), 50.0, Margin(0.9, 3.0, 0.0)),
+        # decode on a split's share was sized by the margin too (Split, or DecodeAlone on a split): counted
+        (Margin(0.9, 3.0, 0.0), step(60.0, shape=Split("split32", 1024), chunk=0), 50.0, Margin(0.85, 2.5, 1.0)),
+        (Margin(0.9, 3.0, 0.0), step(45.0, shape=DecodeAlone("split32"), chunk=0), 50.0, Margin(0.91, 2.5, 0.0)),
         (Margin(0.9, 3.0, 0.0), step(20.0, measured=20.0), 50.0, Margin(0.9, 3.0, 0.0)),
     ],
 )

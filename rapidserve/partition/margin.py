@@ -7,8 +7,9 @@ each request's p95 inter-token gap: what must stay rare is a gap over the SLO, n
 tokens holds its decode rows' KV reads (~13 ms for 300 sequences of 1.2k tokens on an H200) whatever its prompt chunk,
 so the last 5% of the SLO goes whole to prompt tokens: ~10% more of them a step.
 
-`adapted` (pure) folds each landed step into a decayed count of the gaps that ended at *binding* steps (fused steps
-that carried prompt tokens and took at least `binding` x the planned limit: the steps the margin sized) and of those
+`adapted` (pure) folds each landed step into a decayed count of the gaps that ended at *binding* steps (those the
+margin sized, `sized_by_margin`: fused steps that carried prompt tokens, decode on a split's share; and that took at
+least `binding` x the limit) and of those
 gaps over the SLO, then moves the margin on the event, once `min_gaps` (decayed) have been counted: a gap over the SLO
 while the share over exceeds `target_over` lowers it by `down`, a gap within while the share is under half of it
 raises it by `up` (additive both ways, within [lo, hi]); in between it holds. Moving on events rather than on the
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from rapidserve.partition.shape import Fused, StepTiming
+from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepTiming
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,27 @@ class Margin:
         return self.over / self.gaps if self.gaps > 0 else 0.0
 
 
+def sized_by_margin(timing: StepTiming) -> bool:
+    """Whether the margin sized this step: a fused step that carried prompt tokens (its chunk), or decode on a split's
+    share (a `Split`, or `DecodeAlone` on a split while the prefill worker holds prompts: duet picks the split whose
+    decode step is within the limit). Decode alone on the whole GPU, with nothing pending, was not sized by it."""
+    shape = timing.shape
+    if isinstance(shape, Fused):
+        return timing.chunk_tokens > 0
+    if isinstance(shape, Split):
+        return True
+    return isinstance(shape, DecodeAlone) and shape.config != OVERALLOCATED
+
+
 def adapted(m: Margin, timing: StepTiming, slo_itl_ms: float | None,
             params: MarginParams = DEFAULT_MARGIN) -> Margin:
     """`m` with one landed step folded in (module docstring). Pure. No SLO, no gap (no request decoded in both this
-    step and the one before), a step that carried no prompt tokens or one well under the limit: `m` unchanged."""
+    step and the one before), a step the margin did not size (decode alone on the whole GPU, a fused step without
+    prompt tokens) or one well under the limit: `m` unchanged."""
     gap = timing.gap_ms
     if slo_itl_ms is None or gap is None or not math.isfinite(gap) or gap < 0:
         return m
-    if not isinstance(timing.shape, Fused) or timing.chunk_tokens <= 0:
+    if not sized_by_margin(timing):
         return m
     if not timing.measured_ms >= params.binding * m.margin * slo_itl_ms:
         return m
