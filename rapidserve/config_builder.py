@@ -47,7 +47,7 @@ from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 from rapidserve.parallel.shard import block_shard_problem
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.policy_spec import RUN_SPECS, given_settings, unread_without_partition
+from rapidserve.policy_spec import RUN_SPECS, given_settings, static_without_backend, unread_without_partition
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
@@ -284,6 +284,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                                    else resolve_generation_config("auto", source, model)), kv_events=kv_events,
                        quantization=resolve_quantization(sections.quantization, source, model, parallel))
     check_partition_device(run, cfg.partition, dev)
+    if dev.type == "cpu" and cfg.runner.prefill_graph_tokens and \
+            "runner.prefill_graph_tokens" in given_settings({"runner": cfg.runner}):  # as vLLM's graph sizes on a CPU
+        log.warning("--prefill-graph-tokens %s: a CPU runs every forward eager (no CUDA graphs are captured), so the "
+                    "buckets change nothing here", ",".join(map(str, cfg.runner.prefill_graph_tokens)))
     if run != "profile":  # (the profile's decode batches are its --batch-buckets)
         log.info("%s", describe_batch_limits(cfg, why_seqs))
     if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
@@ -294,16 +298,19 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
 
 
 def check_partition_device(run: str, partition: PartitionConfig, dev: torch.device) -> None:
-    """Before any worker starts: on a run whose policy picks among partition configurations (--partition adaptive)
-    where the device can have none (a CPU, or --partition-backend none), the settings that only make that choice are
-    refused by name (`policy_spec.unread_without_partition`), a one-line ConfigError. A GPU without a backend is
-    only known at the plan (partition/runtime.py `_resolve_plan`, the same check)."""
+    """Before any worker starts, where the device can have no partition (a CPU, or --partition-backend none): a static
+    split (`--partition static:S`) is refused, and on a run whose policy picks among partition configurations
+    (--partition adaptive) so are the settings that only make that choice (`policy_spec.unread_without_partition`);
+    a one-line ConfigError. A GPU without a backend is only known at the plan (partition/runtime.py `_resolve_plan`,
+    the same checks)."""
     r = RUN_SPECS.get(run)
-    if r is None or not r.workers or r.partition is not None or partition.mode != "adaptive":
+    if r is None or not r.workers or r.partition is not None or partition.mode == "off":
         return
     if dev.type != "cpu" and partition.backend != "none":
         return
     why = "--partition-backend none" if partition.backend == "none" else f"no partition backend on {dev}"
+    if partition.mode == "static":
+        raise ConfigError(static_without_backend(partition, why))
     unread = unread_without_partition(partition.policy, given_settings({"partition": partition}), why)
     if unread:
         raise ConfigError("; ".join(unread))

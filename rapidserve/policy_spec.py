@@ -371,6 +371,14 @@ def unread_without_partition(policy: str, given: Mapping[str, object], where: st
     return out
 
 
+def static_without_backend(partition: object, where: str) -> str:
+    """Why `--partition static:S` cannot run where there is no partition backend (`where`: why)."""
+    share = getattr(partition, "static_decode_share", None)
+    return (f"--partition static:{share:g}: {where}, so decode cannot be given a share of the device (the workers "
+            "would share all of it, silently unsplit); drop it (--partition off runs both workers on the whole device) "
+            "or run where a partition backend is (a GPU: --partition-backend auto)")
+
+
 def check_settings(run: str, policy: str, sections: Mapping[str, object], *, eager: bool = False) -> None:
     """`conflicts` of the settings in `sections` (`given_settings`); ConfigError, one line, when there are any."""
     found = conflicts(run, policy, given_settings(sections), eager=eager)

@@ -280,7 +280,6 @@ def engine_config(**partition: Any) -> EngineConfig:
     [
         (dict(), "no partition backend on cpu"),
         (dict(mode="off"), "partition off"),
-        (dict(mode="static", static_decode_share=0.25), "no partition backend on cpu"),
         (dict(backend="none"), "no partition backend on cpu"),
         (dict(mode="off", backend="cuda-green"), "partition off"),  # off needs no backend at all
         (dict(mode="off", backend="hip-cumask"), "partition off"),
@@ -311,6 +310,9 @@ def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:
         (dict(policy="rapid", hysteresis_steps=3), "PartitionConfig.hysteresis_steps 3"),
         (dict(backend="none", profile="/nonexistent/profile.json"), "--profile /nonexistent/profile.json"),
         (dict(policy="duet", backend="none", profile_lookup="interpolate"), "--profile-lookup interpolate"),
+        # a static share asked for where nothing can give it
+        (dict(mode="static", static_decode_share=0.25), "--partition static:0.25"),
+        (dict(mode="static", static_decode_share=0.25, backend="none"), "--partition static:0.25"),
     ],
 )
 def test_resolve_plan_cpu_refuses_what_no_partition_reads(partition: dict[str, Any], refused: str) -> None:
@@ -646,6 +648,11 @@ def test_short_prefill_work_keeps_decode_on_the_whole_gpu() -> None:
         ("rapid", dict(policy="drift", slo_itl_ms=80.0), "cpu", None),  # DRIFT's prefill sizes its blocks by it
         ("rapid", dict(policy="duet", profile_lookup="interpolate"), "cuda", None),  # the plan's to judge
         ("hybrid", dict(policy="fused", mode="off"), "cpu", None),
+        ("rapid", dict(policy="rapid", mode="static", static_decode_share=0.25), "cpu", "--partition static:0.25"),
+        ("rapid", dict(policy="rapid", mode="static", static_decode_share=0.25, backend="none"), "cuda",
+         "--partition static:0.25"),
+        ("rapid", dict(policy="rapid", mode="static", static_decode_share=0.25), "cuda", None),
+        ("rapid", dict(policy="rapid", mode="off"), "cpu", None),
     ],
 )
 def test_check_partition_device(run: str, partition: dict[str, Any], device: str, refused: str | None) -> None:
@@ -658,3 +665,20 @@ def test_check_partition_device(run: str, partition: dict[str, Any], device: str
         return
     with pytest.raises(ConfigError, match=f"^{refused}.*drop it"):
         check_partition_device(run, pc, torch.device(device))
+
+
+def test_prefill_graph_tokens_on_a_cpu_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """No CUDA graphs on a CPU: buckets given there change nothing, and the log says so (vLLM warns likewise); the
+    default buckets, and `none`, say nothing."""
+    import logging
+
+    from rapidserve.config_builder import build_engine_config
+
+    with caplog.at_level(logging.WARNING, logger="rapidserve.config"):
+        build_engine_config("preset:tiny-llama", device="cpu", prefill_graph_tokens=(16, 64))
+    assert any("--prefill-graph-tokens 16,64: a CPU runs every forward eager" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rapidserve.config"):
+        build_engine_config("preset:tiny-llama", device="cpu")
+        build_engine_config("preset:tiny-llama", device="cpu", prefill_graph_tokens=())
+    assert not any("--prefill-graph-tokens" in r.message for r in caplog.records)

@@ -69,7 +69,7 @@ from rapidserve.partition.profile import (
 )
 from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roofline_profile, with_collectives
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.policy_spec import given_settings, unread_without_partition
+from rapidserve.policy_spec import given_settings, static_without_backend, unread_without_partition
 from rapidserve.quant_config import QuantizationConfig
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256, 512]  # up to the largest decode graph (the most seats)
@@ -207,6 +207,8 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     kind = detect_kind(device) if p.backend == "auto" else p.backend
     if p.mode == "off" or kind == "none":
         why = "partition off" if p.mode == "off" else f"no partition backend on {device}"
+        if p.mode == "static":  # a share asked for, and nothing here can give it
+            raise ConfigError(static_without_backend(p, why))
         if p.mode == "adaptive":  # the static check passed the adaptive policy's settings; this device reads none
             unread = unread_without_partition(p.policy, given_settings({"partition": p}), why)
             if unread:
