@@ -274,6 +274,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     mcfg = source.config
     parallel = parallel or ParallelConfig()
     cache = resolve_kv_cache(sections.kv_cache_dtype, source, resolve_dtype(dtype, dev), dev, sections.cache)
+    if dev.type == "cpu":
+        cache = cpu_kv_space(cache, env)
     run = run or sections.launch.mode
     scheduler, why_seqs = resolve_batch_limits(sections.scheduler, max_num_seqs, max_num_batched_tokens, run,
                                                lambda: device_facts(dev))
@@ -295,6 +297,31 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                     "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
                     mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source
+
+
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's: the CPU backend's KV cache, in GiB
+
+
+def cpu_kv_space(cache: CacheConfig, env: Mapping[str, str]) -> CacheConfig:
+    """The KV pool of a CPU run, as vLLM's CPU backend sizes it: `VLLM_CPU_KVCACHE_SPACE` GiB where set (a positive
+    number, else a ConfigError naming it), else `cpu_kv_bytes` (512 MiB); `--num-kv-blocks` still wins. A CPU has no
+    free device memory to take a share of, so `--gpu-memory-utilization` given there changes nothing: said in the
+    log, with what sizes the pool instead."""
+    text = env.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if text:
+        try:
+            gib = float(text)
+        except ValueError:
+            gib = float("nan")
+        if not 0 < gib < float("inf"):
+            raise ConfigError(f"{CPU_KVCACHE_SPACE_ENV}={text!r}: the CPU KV cache's size in GiB must be a positive "
+                              "number (e.g. 4), or unset (512 MiB)")
+        cache = dataclasses.replace(cache, cpu_kv_bytes=int(gib * 2**30))
+    if cache.gpu_memory_utilization != CacheConfig().gpu_memory_utilization and cache.num_blocks is None:
+        log.warning("--gpu-memory-utilization %g: not read on a CPU (no device memory to take a share of); the KV pool "
+                    "takes %.2f GiB (%s, else 512 MiB), or size it with --num-kv-blocks", cache.gpu_memory_utilization,
+                    cache.cpu_kv_bytes / 2**30, f"${CPU_KVCACHE_SPACE_ENV} GiB")
+    return cache
 
 
 def check_partition_device(run: str, partition: PartitionConfig, dev: torch.device) -> None:

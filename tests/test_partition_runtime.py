@@ -666,19 +666,3 @@ def test_check_partition_device(run: str, partition: dict[str, Any], device: str
     with pytest.raises(ConfigError, match=f"^{refused}.*drop it"):
         check_partition_device(run, pc, torch.device(device))
 
-
-def test_prefill_graph_tokens_on_a_cpu_is_said(caplog: pytest.LogCaptureFixture) -> None:
-    """No CUDA graphs on a CPU: buckets given there change nothing, and the log says so (vLLM warns likewise); the
-    default buckets, and `none`, say nothing."""
-    import logging
-
-    from rapidserve.config_builder import build_engine_config
-
-    with caplog.at_level(logging.WARNING, logger="rapidserve.config"):
-        build_engine_config("preset:tiny-llama", device="cpu", prefill_graph_tokens=(16, 64))
-    assert any("--prefill-graph-tokens 16,64: a CPU runs every forward eager" in r.message for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="rapidserve.config"):
-        build_engine_config("preset:tiny-llama", device="cpu")
-        build_engine_config("preset:tiny-llama", device="cpu", prefill_graph_tokens=())
-    assert not any("--prefill-graph-tokens" in r.message for r in caplog.records)

@@ -383,7 +383,7 @@ def test_profile_refuses_no_slo_before_loading(capsys: pytest.CaptureFixture[str
 @pytest.mark.parametrize(("argv", "mode", "policy"), [
     (["--policy", "duet"], "rapid", "duet"), (["--mode", "hybrid"], "hybrid", "fused"),
     (["--policy", "fused"], "hybrid", "fused"), (["--partition", "off"], "rapid", "rapid"),
-    (["--partition", "static:0.25"], "rapid", "rapid"), (["--mode", "disagg"], "disagg", "rapid"),
+    (["--mode", "disagg"], "disagg", "rapid"),
 ])
 def test_serve_builds_no_slo_where_it_runs(argv: list[str], mode: str, policy: str) -> None:
     from unittest import mock
@@ -392,6 +392,18 @@ def test_serve_builds_no_slo_where_it_runs(argv: list[str], mode: str, policy: s
         assert main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--slo-itl-ms", "none", *argv]) == 0
     cfg, _ = run_.call_args.args[1]()
     assert (cfg.launch.mode, cfg.partition.policy, cfg.partition.slo_itl_ms) == (mode, policy, None)
+
+
+def test_serve_refuses_a_static_split_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """A static share needs a partition backend; a CPU has none, so `--partition static:0.25` (with an SLO of none,
+    which a static partition runs anyway) is refused by name before any worker starts, not served unsplit."""
+    from unittest import mock
+
+    with mock.patch("rapidserve.server.serve.run", side_effect=lambda _s, build, *a, **k: build() and 0) as run_:
+        code = main(["serve", "--model", "preset:tiny-llama", "--device", "cpu", "--slo-itl-ms", "none",
+                     "--partition", "static:0.25"])
+    err = capsys.readouterr().err
+    assert run_.called and code == 2 and "--partition static:0.25: no partition backend on cpu" in err, err
 
 
 def test_llm_runs_without_an_itl_slo() -> None:
