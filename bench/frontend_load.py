@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import random
@@ -34,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from table_out import write_table_files  # noqa: E402
 
 
 class StepEngine:
@@ -202,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"frontend_load: {a.requests} arrivals at {rate:g} req/s ...", file=sys.stderr, flush=True)
         rows.append(run_rate(rate, a.requests, a.input_len, a.output_len, a.step_ms / 1e3, a.seed))
     md = table(rows)
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "frontend_load.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "rows": rows},
-                                                             indent=1))
-        (a.out / "frontend_load.md").write_text(f"`python bench/frontend_load.py {' '.join(sys.argv[1:])}`\n\n{md}\n")
+    write_table_files(a.out, "frontend_load", a, rows, md)
     print(md)
     return 0
 

@@ -15,12 +15,14 @@ configuration), or the chunk's effect on later steps; the GPU A/B is bench/front
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from table_out import write_table_files  # noqa: E402
 
 from rapidserve.partition.margin import DEFAULT_MARGIN, Margin, adapted  # noqa: E402
 from rapidserve.partition.shape import Fused, StepTiming  # noqa: E402
@@ -60,11 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {r['jitter']:.0%} | {r['host_ms']} | {r['margin_every']} | {r['margin_mean']} | "
               f"{r['gaps_over_share']:.2%} |" for r in rows]
     md = "\n".join(lines)
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "margin_sim.json").write_text(json.dumps({"args": {**vars(a), "out": str(a.out)}, "rows": rows},
-                                                          indent=1))
-        (a.out / "margin_sim.md").write_text(f"`python bench/margin_sim.py {' '.join(sys.argv[1:])}`\n\n{md}\n")
+    write_table_files(a.out, "margin_sim", a, rows, md)
     print(md)
     return 0
 
