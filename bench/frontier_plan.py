@@ -31,7 +31,7 @@ the weights do not fit half the GPUs (each side holds a whole copy).
 The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
 TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s with a committed profile (without one, its first
 start measures and caches one, up to 55 s more); a machine's
-start "a minute or more"; the stash calls ~25 s each), and a prefill-bound guess of each system's closed-loop peak
+start "a minute or more"; the stash calls ~8 s each on a warm machine), and a prefill-bound guess of each system's closed-loop peak
 (qwen3-8b's 8.5 req/s on one H200 at 4096:64, scaled by active parameters, prompt length and TP at 85% per
 doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
 (duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
@@ -98,7 +98,7 @@ H200_GIB = 140.0  # nvidia-smi's 143771 MiB
 RESERVE_GIB = 10.0  # beside the weights: activations, graphs, communicators and a KV pool worth having
 SESSION_S = 1800  # a session's device time
 MACHINE_START_S = 120
-STASH_CALL_S = 25  # one `vs_vllm.sh --stash` call: ~55 MiB over, copied into the stash
+STASH_CALL_S = 8  # one `vs_vllm.sh --stash` call on a warm machine: ~55 MiB over; 9 took 56 s of lease on 2026-11-30
 VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
 STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # per system, by kind (kind_of)

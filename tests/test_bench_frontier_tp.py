@@ -90,11 +90,12 @@ def test_group_errors(group: str, size: int, match: str) -> None:
 
 
 def test_plan_says_what_fits_a_session() -> None:
-    lines = plan.plan(MODEL["llama-3.1-70b"], "llama-3.1-70b", 4, 4, ["ours-tp", "hybrid-chunks", "vllm-default"])
+    lines = plan.plan(MODEL["llama-3.1-70b"], "llama-3.1-70b", 4, 4,
+                      ["ours-tp", "hybrid-chunks", "vllm-default", "vllm-1024"])
     text = "\n".join(lines)
     assert "1 group(s) side by side" in lines[0] and "weights 131 GiB" in lines[1]
-    assert [x.split(".", 1)[0].strip() for x in lines[2:-1]] == ["0", "1", "2", "3", "4"]  # start, stash, 3 calls
-    assert "vLLM stash: 8 calls" in text and "4. vllm-default [vllm:]" in text
+    assert [x.split(".", 1)[0].strip() for x in lines[2:-1]] == ["0", "1", "2", "3", "4", "5"]  # start, stash, 4 calls
+    assert "vLLM stash: 8 calls" in text and "4. vllm-default [vllm:]" in text and "over" not in lines[-3]
     assert lines[-2].endswith("next session") and "over by" in lines[-1]
     two = plan.plan(MODEL["mixtral-8x7b"], "mixtral-8x7b", 8, 4, ["ours-tp", "hybrid-chunks"], stashed=True)
     assert "2 group(s) side by side" in two[0] and "ours-tp [rapidserve, disagg-npmd] | hybrid-chunks" in two[3]
