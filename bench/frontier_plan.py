@@ -30,8 +30,8 @@ the weights do not fit half the GPUs (each side holds a whole copy).
 
 The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
 TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s with a committed profile (without one, its first
-start measures and caches one, up to 55 s more); a machine's
-start "a minute or more"; the stash calls ~8 s each on a warm machine), and a prefill-bound guess of each system's closed-loop peak
+start measures and caches one, up to 55 s more); a machine's start "a minute or more"; the stash calls ~8 s each
+on a warm machine), and a prefill-bound guess of each system's closed-loop peak
 (qwen3-8b's 8.5 req/s on one H200 at 4096:64, scaled by active parameters, prompt length and TP at 85% per
 doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
 (duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
