@@ -175,6 +175,9 @@ def test_the_host_view_in_the_probe_cell() -> None:
     assert fused["gap_s"] == pytest.approx(1.9) and fused["idle_s"] == pytest.approx(0.2)
     # the only kind that stepped; 0.12 s of host time over its 40 steps: 3 ms each
     assert step_cell(got) == "fused 100% (40.0 ms; 1.07, 0%; gaps 15.8% over, idle 5.0 ms, host 3.0 ms)"
+    # duet's adapted SLO margin (a gauge beside the correction ratios) ends the cell
+    got["server_step_correction"] = {**got["server_step_correction"], "slo_margin": 0.954}
+    assert step_cell(got).endswith("host 3.0 ms) / margin 0.954")
 
 
 @pytest.mark.parametrize(("before", "after"), [

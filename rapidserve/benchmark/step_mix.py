@@ -23,7 +23,8 @@ where none of its steps had a prediction) and the share of its steps over the SL
 "fused 62% (43.5 ms; 1.08, 6.1%) / split 30% (20.0 ms; 0.97, 0.2%) / alone 8% (-; -, 0%)"; from a server that reports
 its host's view, each kind's bracket adds the share of the token gaps ending at its steps that were over the SLO, the
 device's mean idle time before its steps and the host's mean time to plan and launch one: "fused 62% (43.5 ms; 1.08,
-6.1%; gaps 9.5% over, idle 0.4 ms, host 3.1 ms)".
+6.1%; gaps 9.5% over, idle 0.4 ms, host 3.1 ms)"; from a server whose policy adapts its SLO margin (duet), the
+margin at the run's end last: "... / margin 0.95" (its gauge `step_correction_ratio{kind="slo_margin"}`).
 """
 
 from __future__ import annotations
@@ -117,4 +118,7 @@ def step_cell(run: Mapping[str, Any]) -> str:
                     f"host {host_ms:.1f} ms")
         mean = f"{1e3 * d['measured_s'] / d['steps']:.1f} ms" if d.get("measured_s") else "-"
         parts.append(f"{LABELS.get(kind, kind)} {d['steps'] / total:.0%} ({mean}; {ratio}, {over}{host})")
+    margin = (run.get("server_step_correction") or {}).get("slo_margin")
+    if margin is not None:  # duet's adapted SLO margin at the run's end (partition/margin.py)
+        parts.append(f"margin {margin:.3g}")
     return " / ".join(parts)
