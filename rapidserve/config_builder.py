@@ -47,7 +47,7 @@ from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
 from rapidserve.parallel.shard import block_shard_problem
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.policy_spec import RUN_SPECS, given_settings, static_without_backend, unread_without_partition
+from rapidserve.policy_spec import RUN_SPECS, check_without_partition, given_settings
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 
 __all__ = ["allow_long_max_model_len", "build_engine_config", "check_unsupported_options", "load_format_spec",
@@ -325,22 +325,17 @@ def cpu_kv_space(cache: CacheConfig, env: Mapping[str, str]) -> CacheConfig:
 
 
 def check_partition_device(run: str, partition: PartitionConfig, dev: torch.device) -> None:
-    """Before any worker starts, where the device can have no partition (a CPU, or --partition-backend none): a static
-    split (`--partition static:S`) is refused, and on a run whose policy picks among partition configurations
-    (--partition adaptive) so are the settings that only make that choice (`policy_spec.unread_without_partition`);
-    a one-line ConfigError. A GPU without a backend is only known at the plan (partition/runtime.py `_resolve_plan`,
-    the same checks)."""
+    """Before any worker starts, where the device can have no partition (a CPU, or --partition-backend none):
+    `policy_spec.check_without_partition` (a static split, or the settings only an adaptive partition reads, refused
+    in one line). A GPU without a backend is only known at the plan (partition/runtime.py `_resolve_plan`, which
+    runs the same check)."""
     r = RUN_SPECS.get(run)
-    if r is None or not r.workers or r.partition is not None or partition.mode == "off":
+    if r is None or not r.workers or r.partition is not None:  # no workers, or a run that fixes its partition
         return
     if dev.type != "cpu" and partition.backend != "none":
         return
-    why = "--partition-backend none" if partition.backend == "none" else f"no partition backend on {dev}"
-    if partition.mode == "static":
-        raise ConfigError(static_without_backend(partition, why))
-    unread = unread_without_partition(partition.policy, given_settings({"partition": partition}), why)
-    if unread:
-        raise ConfigError("; ".join(unread))
+    check_without_partition(partition, "--partition-backend none" if partition.backend == "none"
+                            else f"no partition backend on {dev}")
 
 
 def resolve_generation_config(spec: str, source: ModelSource, model: str | None) -> SamplingDefaults:

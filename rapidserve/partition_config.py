@@ -98,6 +98,8 @@ class PartitionConfig:
         mg = self.slo_margin
         check(mg is None or (isinstance(mg, (int, float)) and not isinstance(mg, bool) and 0 < mg <= 1),
               f"slo_margin={mg!r} must be in (0, 1] (a share of the ITL SLO), or None: adapted (--slo-margin auto)")
+        check(mg is None or slo is not None, f"--slo-margin {mg} is a share of the ITL SLO, and --slo-itl-ms none "
+              "gives none (every step fused with the whole budget): drop --slo-margin, or give --slo-itl-ms MS")
         check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

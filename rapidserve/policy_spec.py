@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rapidserve.config_base import ConfigError
-from rapidserve.partition_config import DEFAULT_POLICY, POLICIES
+from rapidserve.partition_config import DEFAULT_POLICY, POLICIES, PartitionConfig
 
 ADAPTIVE, STATIC, OFF = "adaptive", "static", "off"
 PARTITION_MODES = (ADAPTIVE, STATIC, OFF)
@@ -371,12 +371,20 @@ def unread_without_partition(policy: str, given: Mapping[str, object], where: st
     return out
 
 
-def static_without_backend(partition: object, where: str) -> str:
-    """Why `--partition static:S` cannot run where there is no partition backend (`where`: why)."""
-    share = getattr(partition, "static_decode_share", None)
-    return (f"--partition static:{share:g}: {where}, so decode cannot be given a share of the device (the workers "
-            "would share all of it, silently unsplit); drop it (--partition off runs both workers on the whole device) "
-            "or run where a partition backend is (a GPU: --partition-backend auto)")
+def check_without_partition(partition: PartitionConfig, where: str) -> None:
+    """Where the run turned out to have no partition (`where`: why, e.g. "no partition backend on cpu"): a static
+    split asked for, or the settings only an adaptive partition reads (`unread_without_partition`), are a ConfigError
+    (one line); a partition of `off`, or an adaptive one given none of those, passes. Called before the workers start
+    where the device is known (config_builder.check_partition_device) and at the plan (partition/runtime.py)."""
+    if partition.mode == "static":
+        raise ConfigError(f"--partition static:{partition.static_decode_share:g}: {where}, so decode cannot be given "
+                          "a share of the device (the workers would share all of it, silently unsplit); drop it "
+                          "(--partition off runs both workers on the whole device) or run where a partition backend "
+                          "is (a GPU: --partition-backend auto)")
+    if partition.mode == ADAPTIVE:
+        unread = unread_without_partition(partition.policy, given_settings({"partition": partition}), where)
+        if unread:
+            raise ConfigError("; ".join(unread))
 
 
 def check_settings(run: str, policy: str, sections: Mapping[str, object], *, eager: bool = False) -> None:

@@ -135,6 +135,14 @@ def test_config_refuses_a_bad_margin(bad: object) -> None:
         PartitionConfig(policy="duet", slo_margin=bad)  # type: ignore[arg-type]
 
 
+def test_a_margin_without_an_slo_is_refused() -> None:
+    """`--slo-itl-ms none --slo-margin 0.95`: duet then fuses every step with the whole budget and plans within no
+    SLO, so the margin would change nothing: refused, naming both flags."""
+    with pytest.raises(ConfigError, match="--slo-margin 0.95 is a share of the ITL SLO, and --slo-itl-ms none"):
+        PartitionConfig(policy="duet", slo_itl_ms=None, slo_margin=0.95)
+    assert PartitionConfig(policy="duet", slo_itl_ms=None).slo_margin is None  # auto with no SLO: nothing given
+
+
 def test_flag_values() -> None:
     from rapidserve.cli_args import _slo_margin
 

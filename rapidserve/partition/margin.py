@@ -5,19 +5,19 @@ covers what the prediction leaves out: the host's time around a step, a step's j
 up. A fixed 0.9 leaves a tenth of the SLO unspent however well the predictions hold, and what the SLO is judged by is
 each request's p95 inter-token gap: what must stay rare is a gap over the SLO, not a step near it. A step of 1440
 tokens holds its decode rows' KV reads (~13 ms for 300 sequences of 1.2k tokens on an H200) whatever its prompt chunk,
-so the last 5% of the SLO goes whole to prompt tokens: ~10% more of them a step.
+so the SLO's last share goes whole to prompt tokens (0.97 rather than 0.9 of a 50-ms SLO: ~14% more of them a step
+on 1024:256's near-limit steps).
 
-`adapted` (pure) folds each landed step into a decayed count of the gaps that ended at *binding* steps (those the
-margin sized, `sized_by_margin`: fused steps that carried prompt tokens, decode on a split's share; and that took at
-least `binding` x the limit) and of those
-gaps over the SLO, then moves the margin on the event, once `min_gaps` (decayed) have been counted: a gap over the SLO
-while the share over exceeds `target_over` lowers it by `down`, a gap within while the share is under half of it
-raises it by `up` (additive both ways, within [lo, hi]); in between it holds. Moving on events rather than on the
-share alone keeps a cluster of slow steps from walking the margin to `lo` while the decayed share comes back down
-(`bench/margin_sim.py`: with step jitter of 1 / 2 / 4 / 6% it settles near 0.97 / 0.95 / 0.91 / 0.84 with ~1% of
-gaps over). Steps far below the limit (a light load) change nothing, so a margin learnt under load is not inflated by
-idle periods. `target_over` is 1%: a request's p95 allows 5% of its gaps over the bound, and gaps over cluster in the
-requests running while prompts arrive, so the engine-wide share is held well below that.
+`adapted` (pure) folds each landed step into a decayed count of the gaps that ended at *binding* steps (those the margin
+sized, `sized_by_margin`: fused steps that carried prompt tokens, decode on a split's share; and that took at least
+`binding` x the limit) and of those gaps over the SLO, then moves the margin on the event, once `min_gaps` (decayed)
+have been counted: a gap over the SLO while the share over exceeds `target_over` lowers it by `down`, a gap within while
+the share is under half of it raises it by `up` (additive both ways, within [lo, hi]); in between it holds. Moving on
+events rather than on the share alone keeps a cluster of slow steps from walking the margin to `lo` while the decayed
+share comes back down (`bench/margin_sim.py`: with step jitter of 1 / 2 / 4 / 6% it settles near 0.97 / 0.95 / 0.91 /
+0.84 with ~1% of gaps over). Steps far below the limit (a light load) change nothing, so a margin learnt under load is
+not inflated by idle periods. `target_over` is 1%: a request's p95 allows 5% of its gaps over the bound, and gaps over
+cluster in the requests running while prompts arrive, so the engine-wide share is held well below that.
 """
 
 from __future__ import annotations
@@ -57,10 +57,6 @@ class Margin:
     margin: float = DEFAULT_MARGIN.start
     gaps: float = 0.0
     over: float = 0.0
-
-    @property
-    def over_share(self) -> float:
-        return self.over / self.gaps if self.gaps > 0 else 0.0
 
 
 def sized_by_margin(timing: StepTiming) -> bool:

@@ -26,7 +26,6 @@ from typing import Any
 import msgspec
 
 from rapidserve.config import EngineConfig, ModelConfig
-from rapidserve.config_base import ConfigError
 from rapidserve.partition.backend import (
     PartitionBackend,
     PartitionError,
@@ -69,7 +68,7 @@ from rapidserve.partition.profile import (
 )
 from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roofline_profile, with_collectives
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.policy_spec import given_settings, static_without_backend, unread_without_partition
+from rapidserve.policy_spec import check_without_partition
 from rapidserve.quant_config import QuantizationConfig
 
 ROOFLINE_BATCHES = [1, 8, 16, 32, 64, 128, 256, 512]  # up to the largest decode graph (the most seats)
@@ -207,12 +206,7 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     kind = detect_kind(device) if p.backend == "auto" else p.backend
     if p.mode == "off" or kind == "none":
         why = "partition off" if p.mode == "off" else f"no partition backend on {device}"
-        if p.mode == "static":  # a share asked for, and nothing here can give it
-            raise ConfigError(static_without_backend(p, why))
-        if p.mode == "adaptive":  # the static check passed the adaptive policy's settings; this device reads none
-            unread = unread_without_partition(p.policy, given_settings({"partition": p}), why)
-            if unread:
-                raise ConfigError("; ".join(unread))
+        check_without_partition(p, why)  # a static share, or what only an adaptive partition reads: refused
         return PartitionPlan("none", [Configuration(OVERALLOCATED, 0, 0)], None, why)
     if getattr(device, "type", "cpu") != "cuda":  # an explicit GPU backend: say so before probing the driver
         raise PartitionError(f"partition backend {kind!r} needs a GPU; this run is on {device}: use --partition off")
