@@ -206,6 +206,16 @@ def _ratio(x: Mapping[str, Any] | None) -> str:
     return f"{x['ratio']:.2f}x" + ("" if x["exact"] else "*")
 
 
+def _better_cell(frontiers: Sequence[Mapping[str, Any]], title: str, best: Mapping[str, Any] | None,
+                 bound: float | None, share: float) -> str:
+    """The better vLLM's cell: its system's own goodput cell (a bracket stays a bracket: an unfinished search's
+    lower bound is not its goodput) and which setting it is."""
+    if best is None:
+        return "-"
+    f = next(f for f in frontiers if f["title"] == title and f["label"] == best["system"])
+    return f"{goodput_cell(searched_entry(f, bound, share))} (`{best['system']}`)"
+
+
 def _search_cell(f: Mapping[str, Any]) -> str:
     """The table's last column: how the row's search ended (the composite row: which searches it reads)."""
     done = "finished" if f["finished"] else f"unfinished ({f['stopped']})"
@@ -273,7 +283,7 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
                 continue
             best = [better_vllm(rows, vllm, title, b, q) for b in bounds]
             lines.append("| **better vLLM** | " + " | ".join(
-                "-" if x is None else f"{x['goodput']:.3g} (`{x['system']}`)" for x in best) + " | |")
+                _better_cell(rows, title, x, b, q) for x, b in zip(best, bounds, strict=True)) + " | |")
             for f in mine:
                 if f["label"] in vllm or is_part(f["label"]):
                     continue

@@ -140,8 +140,9 @@ def test_better_vllm_is_the_best_setting_at_each_bound() -> None:
     md = frontier.frontier_markdown(FRONTIERS, META)
     assert "| ours | 3 | 6 | finished |" in md and "| vllm | < 1 | 8 | finished |" in md
     assert "| vllm:--max-num-batched-tokens 1024 | [2, 4)* | 7 | unfinished (the time budget) |" in md
-    assert "| **better vLLM** | 2 (`vllm:--max-num-batched-tokens 1024`) | 8 (`vllm`) | |" in md
+    assert "| **better vLLM** | [2, 4)* (`vllm:--max-num-batched-tokens 1024`) | 8 (`vllm`) | |" in md
     assert "| ours / better vLLM | 1.50x* | 0.75x | |" in md and "| ours / better vLLM | - | - | |" in md
+    assert "| **better vLLM** | < 0.25 (`vllm`) | < 0.25 (`vllm`) | |" in md  # not "0": its cell, as searched
     assert md.index("## w") < md.index("## v")
 
 
@@ -241,7 +242,7 @@ def test_the_composite_row_is_each_duet_at_b_at_its_bound(tmp_path, monkeypatch)
         "| duet@50 | - | 8 | - | searched at 50 ms only; finished |"]
     assert "| default (SLO = bound) / always-fused | - | 2.50x | 1.00x* | |" in md  # fused: 0 at 25 ms
     assert "| default (SLO = bound) / always-split | 0.93x* | 1.07x* | 1.15x* | |" in md
-    assert "| **better vLLM** | 1 (`vllm`) | 2.4 (`vllm`) | 8.6 (`vllm`) | |" in md
+    assert "| **better vLLM** | [1, 2)* (`vllm`) | 2.4 (`vllm`) | >= 8.6 (`vllm`) | |" in md
     assert "| default (SLO = bound) / better vLLM | 7.00x* | 3.33x | 1.00x* | |" in md
     assert "/ duet@" not in md and "| duet@25 / better vLLM" not in md and "**default (SLO = bound)**: the" in md
     drawn: list[tuple[list[str], tuple[str, ...]]] = []
