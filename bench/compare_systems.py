@@ -66,6 +66,9 @@ SYSTEMS: dict[str, str] = {
     # 2048 bucket by default; KV reads bound decode at large batches: 1024:256 at 30 req/s runs 140-300 in flight,
     # bench/results/issue37.md); its online correction absorbs a steady bias either way (the A/B of group lookup-ab)
     "duet-interp": "--mode rapid --policy duet --profile-lookup interpolate",
+    # duet as it read its profile before 2026-11-30 (`round-up` for the fused composition too, where the default
+    # `auto` interpolates it: partition_config.lookup_interpolates); the A/B of group lookup-ab
+    "duet-roundup": "--mode rapid --policy duet --profile-lookup round-up",
     # duet at the fixed margin it had before 2026-11-30 (steps planned within 0.9 x SLO) where the default adapts it
     # to the gaps its steps made (partition/margin.py: 0.8-0.97); the A/B of group margin-ab
     "duet-m90": "--mode rapid --policy duet --slo-margin 0.9",
@@ -78,7 +81,8 @@ FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split
 # ... a sweep: the rest, but for the multi-GPU frontier's own (bench/frontier_plan.py's groups), named when wanted
 SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS
                                       if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd", "duet-g512",
-                                                    "duet-g256", "duet100-g4096", "duet-interp", "duet-m90"))
+                                                    "duet-g256", "duet100-g4096", "duet-interp", "duet-m90",
+                                                    "duet-roundup"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its

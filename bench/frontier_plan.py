@@ -13,7 +13,7 @@ groups' systems in one call, for shapes whose searches are short):
 | graphs-ab | duet, duet-g512 (its fused steps' graphs cut to 512 tokens: the larger ones launched from Python) |
 | fill-ab | duet, duet-g256 (its fused steps' buckets every 256 tokens from 1024 to 2048, the default before 11-30) |
 | g4096-ab | duet@100, duet100-g4096 (the same at SLO 100 with buckets on to 4096: ~4K-token fused steps replayed) |
-| lookup-ab | duet, duet-interp (its profile read between buckets, `--profile-lookup interpolate`, not rounded up) |
+| lookup-ab | duet (`auto`: fused steps read between buckets), duet-roundup (before 11-30), duet-interp (splits too) |
 | margin-ab | duet (its SLO margin adapted, the default), duet-m90 (fixed at 0.9 x SLO, as before 2026-11-30) |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
@@ -79,7 +79,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our s
     "graphs-ab": (("duet", "duet-g512"), ()),
     "fill-ab": (("duet", "duet-g256"), ()),
     "g4096-ab": (("duet@100", "duet100-g4096"), ()),
-    "lookup-ab": (("duet", "duet-interp"), ()),
+    "lookup-ab": (("duet", "duet-roundup", "duet-interp"), ()),
     "margin-ab": (("duet", "duet-m90"), ()),
     "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
     "baselines": (("always-fused", "always-split"), ()),

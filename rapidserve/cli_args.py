@@ -226,12 +226,13 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                             "its prompt tokens / 1000; without it nothing is preempted")
         g.add_argument("--slo-ttft-ms-per-1k-tokens", type=nonneg_float, default=0.0,
                        help="drift: what each 1000 prompt tokens add to --slo-ttft-ms (e.g. 1000: 1 s per 1K)")
-        g.add_argument("--profile-lookup", default="round-up", choices=PROFILE_LOOKUPS,
-                       help="how --policy rapid (and duet's cost model) reads the profile for a decode batch and "
-                            "context between its "
-                            "buckets: round-up (to the bucket at or above each: conservative, it overstates a step "
-                            "by up to a bucket) or interpolate (linearly between them: more prefill throughput, "
-                            "but measured over the ITL SLO on 4096-token prompts)")
+        g.add_argument("--profile-lookup", default="auto", choices=PROFILE_LOOKUPS,
+                       help="how --policy rapid and duet's cost model read the profile for a decode batch and "
+                            "context between its buckets: round-up (to the bucket at or above each: conservative, "
+                            "it overstates a step by up to a bucket), interpolate (linearly between them: more "
+                            "prefill throughput, but splits measured over the ITL SLO on 4096-token prompts) or auto "
+                            "(the default: round-up for splits and decode alone, interpolate for duet's fused steps, "
+                            "whose one correction ratio would otherwise carry the rounding's bias into their chunks)")
         g.add_argument("--slo-margin", type=_slo_margin, default=None, metavar="auto|SHARE",
                        help="duet: the share of --slo-itl-ms each step is planned within: auto (the default: adapted "
                             "between 0.8 and 0.97 to how often its steps made a token gap over the SLO, holding that "
@@ -260,7 +261,7 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  policy=policy, slo_ttft_ms=getattr(a, "slo_ttft_ms", None),
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
-                                 profile_lookup=getattr(a, "profile_lookup", "round-up"),
+                                 profile_lookup=getattr(a, "profile_lookup", "auto"),
                                  slo_margin=getattr(a, "slo_margin", None))
     if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
         load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)

@@ -21,7 +21,17 @@ POLICIES = ("rapid", "duet", "drift", "fused")
 # always-split at every bound B of 25-200 ms, and within 1% of always-fused unbounded (4096:64, bf16). A fixed or no
 # partition runs `rapid` (policy_spec.resolve_policy): duet needs the adaptive one.
 DEFAULT_POLICY = "duet"
-PROFILE_LOOKUPS = ("interpolate", "round-up")  # how the manager reads a profile between buckets: profile.estimate
+PROFILE_LOOKUPS = ("auto", "interpolate", "round-up")  # how a profile is read between buckets: profile.estimate
+
+
+def lookup_interpolates(profile_lookup: str, *, fused: bool) -> bool:
+    """Whether `--profile-lookup profile_lookup` reads the profile between its buckets (linearly) rather than rounding
+    up to them, for duet's fused-step composition (`fused`) or for a decode step on a configuration (decode alone,
+    decode beside the prefill worker: the rapid manager's and duet's splits). `auto` (the default) interpolates the
+    fused composition only (PartitionConfig's docstring says why)."""
+    if profile_lookup not in PROFILE_LOOKUPS:
+        raise ValueError(f"profile_lookup={profile_lookup!r}; use one of {', '.join(PROFILE_LOOKUPS)}")
+    return profile_lookup == "interpolate" or (profile_lookup == "auto" and fused)
 
 
 @dataclass(frozen=True)
@@ -37,10 +47,19 @@ class PartitionConfig:
     configuration with the most prefill units within the ITL SLO; a short request may preempt a long prefill
     batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
     profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
-    buckets are read: round-up (to the bucket at or above each) or interpolate (linearly between the buckets around
-    them;
-    partition/profile.py `estimate`). round-up stays the default: on the H100, 4096:64 all at once, interpolate
-    ran 6% more requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27).
+    buckets are read: round-up (to the bucket at or above each), interpolate (linearly between the buckets around
+    them; partition/profile.py `estimate`), or auto (the default): round-up for a decode step on a configuration
+    (the rapid manager's choice, duet's split and decode alone), interpolate for duet's fused-step composition
+    (`lookup_interpolates`). Round-up for splits: on the H100, 4096:64 all at once, interpolate ran 6% more
+    requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27): the profile's steps
+    beside prefill were measured beside smaller forwards than the run's. Interpolate for the fused composition
+    (alone(B, c) + the chunk at the prefill rate, partition/step_costs.py), because its online correction is one
+    ratio for the whole step: rounding up overstated the decode part by up to a bucket (the H200 Qwen3-8B profile's
+    buckets are batch 256 / 512 and context 2048 / 8192: 300 rows at context 1150 with 1140 prompt tokens read as
+    64.5 ms rounded up, 45.8 ms interpolated, 42.3 ms measured), the ratio learnt that bias and shrank the chunk
+    part with it, and steps whose share of decode differed from the average ran over the limit (multi-turn chat on 2
+    x H200, 2026-11-30: measured / predicted 0.58-0.68 and 2.3% of fused steps over 50 ms at a margin of 0.8,
+    bench/results/h200x2_1130e/).
     slo_itl_ms: the inter-token latency SLO in ms the adaptive policies decide with (rapid, duet, drift under
     --partition adaptive), or None (`--slo-itl-ms none`): no ITL SLO, maximise throughput. Only duet honours None
     (every step fused with the whole token budget, partition/policies.py); a fixed or no partition, --policy fused
@@ -67,7 +86,7 @@ class PartitionConfig:
     slo_ttft_ms: float | None = None
     slo_ttft_ms_per_1k_tokens: float = 0.0
     drift_prefill_model: tuple[float, float] | None = None
-    profile_lookup: str = "round-up"
+    profile_lookup: str = "auto"
     slo_margin: float | None = None  # duet: the share of the SLO its steps are planned within; None: adapted (auto)
 
     def __post_init__(self) -> None:

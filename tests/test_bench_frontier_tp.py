@@ -69,7 +69,7 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     ("ours-slo", "qwen3-8b", 1, ["duet@25", "duet@50", "duet@100", "duet@200", "duet@none"], [], ""),
     ("fill-ab", "qwen3-8b", 1, ["duet", "duet-g256"], [], ""),
     ("g4096-ab", "qwen3-8b", 1, ["duet@100", "duet100-g4096"], [], ""),
-    ("lookup-ab", "qwen3-8b", 1, ["duet", "duet-interp"], [], ""),
+    ("lookup-ab", "qwen3-8b", 1, ["duet", "duet-roundup", "duet-interp"], [], ""),
     ("duet", "qwen3-8b", 1, ["duet"], [], ""),
     ("margin-ab", "qwen3-8b", 1, ["duet", "duet-m90"], [], ""),
     ("ours-slo+baselines", "qwen3-8b", 1,

@@ -495,7 +495,7 @@ def test_profile_lookup_config_invalid() -> None:
     from rapidserve.config_base import ConfigError
     from rapidserve.partition_config import PartitionConfig
 
-    with pytest.raises(ConfigError, match="profile_lookup='nearest'; use one of interpolate, round-up"):
+    with pytest.raises(ConfigError, match="profile_lookup='nearest'; use one of auto, interpolate, round-up"):
         PartitionConfig(profile_lookup="nearest")
 
 
@@ -523,7 +523,7 @@ def test_cli_profile_lookup() -> None:
     from rapidserve.partition_config import PartitionConfig
 
     a = build_parser().parse_args(["serve"])
-    assert partition_config(a).profile_lookup == "round-up"  # the default: measured within the SLO
+    assert partition_config(a).profile_lookup == "auto"  # the default: splits rounded up, fused steps interpolated
     a = build_parser().parse_args(["serve", "--profile-lookup", "interpolate"])
     assert partition_config(a) == PartitionConfig(profile_lookup="interpolate", policy="duet")
     with pytest.raises(SystemExit):
@@ -539,8 +539,8 @@ def test_decode_partition_reads_the_profile_as_configured() -> None:
 
     plan = PartitionPlan("cuda-green", list(FULL.configurations), FULL, "synthetic H100 profile")
     got = {}
-    for how in ("interpolate", "round-up"):
+    for how in ("interpolate", "round-up", "auto"):
         dp = DecodePartition(PartitionConfig(slo_itl_ms=5.0, profile_lookup=how), plan)
         dp.advance(8, 4160, prefill_pending=True)
         got[how] = dp.current
-    assert got == {"interpolate": "split32", "round-up": "split64"}
+    assert got == {"interpolate": "split32", "round-up": "split64", "auto": "split64"}  # auto: a split rounds up

@@ -91,6 +91,9 @@ def test_make_step_policy() -> None:
     assert isinstance(fixed, RapidPolicy) and fixed.decide(state()) == Split("split32", 8192)
     duet = make_step_policy(cfg(policy="duet", profile_lookup="interpolate"), plan(PROFILE))
     assert isinstance(duet, DuetPolicy) and duet.costs == ProfileCosts(PROFILE, interpolate=True)
+    for how, want in (("auto", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=True)),
+                      ("round-up", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=False))):
+        assert make_step_policy(cfg(policy="duet", profile_lookup=how), plan(PROFILE)).costs == want
     capped = make_step_policy(dataclasses.replace(cfg(policy="duet"), scheduler=SchedulerConfig(
         prefill_batch_tokens=2048)), plan(PROFILE))
     assert capped.decide(state(slo=15.2)) == Split("split64", 2048, 7)  # --prefill-batch-tokens caps its batches

@@ -186,7 +186,8 @@ def decide(
     prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget);
     prefill_longest: the longest pending prompt, cached prefix included (None: not known, so decode's wait
     on the whole GPU is not scaled to the forward); interpolate: read the profile between its buckets
-    (`profile.estimate`), else (the default, `--profile-lookup round-up`) round batch and context up to them."""
+    (`profile.estimate`), else (`--profile-lookup auto`, the default, or `round-up`) round batch and context up
+    to them."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")
     if not 0 < margin <= 1:

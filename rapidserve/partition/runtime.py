@@ -67,7 +67,7 @@ from rapidserve.partition.profile import (
     variant_of,
 )
 from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roofline_profile, with_collectives
-from rapidserve.partition_config import PartitionConfig
+from rapidserve.partition_config import PartitionConfig, lookup_interpolates
 from rapidserve.policy_spec import check_without_partition
 from rapidserve.quant_config import QuantizationConfig
 
@@ -437,7 +437,8 @@ class DecodePartition:
                       hysteresis_steps=0 if idle else self.pcfg.hysteresis_steps, decode_running=not idle,
                       prefill_tokens=pending.tokens if prefill_pending and pending else None,
                       prefill_longest=pending.longest if prefill_pending and pending else None,
-                      prefill_budget=self.prefill_budget, interpolate=self.pcfg.profile_lookup == "interpolate")
+                      prefill_budget=self.prefill_budget,
+                      interpolate=lookup_interpolates(self.pcfg.profile_lookup, fused=False))
 
     def use(self, name: str, reason: str) -> Switch | None:
         """Hold configuration `name` from the next step on, as a step shape chose it (partition/shape.py;

@@ -16,7 +16,8 @@ One protocol, `StepCosts`, two implementations:
   profile's under that configuration. The profile measures no fused step, so one is composed from what it
   does measure, the same decomposition as the roofline's:
       fused(B rows at context c, C chunk tokens) = alone(B, c) + max(0, (B + C) / R - alone(B, c0))
-  where alone(B, c) is decode's step alone on the whole GPU (weights once, the rows' KV reads), alone(B, c0)
+  where alone(B, c) is decode's step alone on the whole GPU (weights once, the rows' KV reads; read between the
+  buckets unless `--profile-lookup round-up`: partition_config's docstring says why), alone(B, c0)
   the same rows at the smallest profiled context (the weight read and the rows' own work, nearly no
   attention), and R the whole GPU's prefill tokens/s (the overallocated configuration at batch 1, the least
   decode beside it). So a small chunk rides on the weight read decode pays anyway (the max is 0), a large
@@ -123,18 +124,22 @@ class RooflineCosts:
 
 @dataclass(frozen=True)
 class ProfileCosts:
-    """The measured profile's costs (module docstring). `interpolate`: read between buckets
-    (`--profile-lookup interpolate`), else round batch and context up to them."""
+    """The measured profile's costs (module docstring). `interpolate`: a decode step on a configuration (alone,
+    beside prefill) read between the buckets, else rounded up to them; `interpolate_fused`: the same for the fused
+    composition's decode terms (`--profile-lookup`: partition_config.lookup_interpolates; auto interpolates the
+    fused composition only)."""
 
     profile: Profile
     interpolate: bool = False
+    interpolate_fused: bool = True
     configurations: tuple[Configuration, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "configurations", tuple(self.profile.configurations))
 
-    def _entry(self, config: str, batch: int, context: int) -> Entry:
-        return estimate(self.profile, config, max(batch, 1), max(context, 1), interpolate=self.interpolate).entry
+    def _entry(self, config: str, batch: int, context: int, interpolate: bool | None = None) -> Entry:
+        how = self.interpolate if interpolate is None else interpolate
+        return estimate(self.profile, config, max(batch, 1), max(context, 1), interpolate=how).entry
 
     @property
     def whole_config(self) -> str:
@@ -156,8 +161,8 @@ class ProfileCosts:
         tokens = batch + sum(n for n, _ in chunks)
         if batch:
             context = -(-sum(contexts) // batch)
-            alone = self._entry(whole, batch, context).decode_ms_alone_p95
-            base = self._entry(whole, batch, 1).decode_ms_alone_p95
+            alone = self._entry(whole, batch, context, self.interpolate_fused).decode_ms_alone_p95
+            base = self._entry(whole, batch, 1, self.interpolate_fused).decode_ms_alone_p95
         else:
             alone = base = forward_ms(self.profile, whole)
         return alone + max(0.0, 1e3 * tokens / self.whole_prefill_tokens_per_s - base)

@@ -46,6 +46,7 @@ from rapidserve.partition.profile import Profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts, StepCosts
+from rapidserve.partition_config import lookup_interpolates
 from rapidserve.policy_spec import POLICY_SPECS
 from rapidserve.runner.prefill_graphs import usable_buckets
 
@@ -157,7 +158,8 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
     its collectives at -tp N."""
     p = cfg.partition
     if plan.profile is not None and plan.profile.source == "measured":
-        return ProfileCosts(plan.profile, interpolate=p.profile_lookup == "interpolate")
+        return ProfileCosts(plan.profile, interpolate=lookup_interpolates(p.profile_lookup, fused=False),
+                            interpolate_fused=lookup_interpolates(p.profile_lookup, fused=True))
     if p.profile_lookup == "interpolate":  # the roofline is no table of buckets: the flag would change nothing
         raise ConfigError(f"--profile-lookup interpolate reads a measured profile between its buckets, and this run "
                           f"has none ({plan.source}): the adaptive policy prices its steps with the roofline. Give "
@@ -178,7 +180,7 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
     if p.policy == "rapid":
         return RapidPolicy(plan.profile if len(plan.configurations) > 1 else None, plan.initial,
                            hysteresis_steps=p.hysteresis_steps, prefill_batch_tokens=sched.prefill_batch_tokens,
-                           interpolate=p.profile_lookup == "interpolate")
+                           interpolate=lookup_interpolates(p.profile_lookup, fused=False))
     if p.policy == "duet":
         if p.slo_itl_ms is None and not has_cost_model(plan):
             return DuetWithoutSlo()  # no cost model, and none needed: every step fused with the whole budget
