@@ -24,6 +24,19 @@ else a guess): a search that runs out reports its brackets so far, marked unfini
 frontier plot per workload (<name>__<workload>_frontier.png: goodput against the ITL bound, a line per system and
 share).
 
+One search is one draw of Poisson arrivals, and its goodput is as noisy as that draw (the same vLLM setting: [30.9,
+33.5) req/s one day, [23.4, 25.9) the next). `--search-repeats N` runs each system's search on each workload N times
+against the same server (not restarted between them), each repetition a whole search (its closed-loop peak, then at
+most --search-max-probes probes) with arrivals and prompts of its own (compare_args.repeat_salt; repetition k of every
+system meets the same ones) and its own share of --budget-s (the searches still to run count every repetition). Each
+cell of the report is then the median over the repetitions with their spread, `31 (30.9–33.5, n=3)`; a repetition
+that did not settle makes the cell a bracket of the median, `[30, 32]* (20–35, n=3, 1 unsettled)`, never a figure
+(bench/compare_repeats.py says how the median of brackets is formed); the better vLLM and every ratio are of the
+medians; a table per workload and share lists each repetition's own cells; the JSON keeps every repetition's search
+(compare_runs/<name>__<system>__<workload>__rep<k>.json has every request) beside the medians; the plot draws the
+medians with the spread as error bars. A report continues (--continue-from) or merges (bench/compare_merge.py) only
+with reports of the same N.
+
 A search's ceiling is by default its system's own closed-loop peak, which for a server with an ITL SLO (duet@B, vLLM
 at a small chunk) understates what it sustains under Poisson arrivals: its cells read `>= own peak`, floors that do
 not compare across systems. `--search-shared-ceiling` lets every system's search go up to the highest closed-loop
@@ -118,8 +131,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
-
 # the repo root (rapidserve) and this folder (compare_systems, compare_tables: also when loaded by file path)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -136,8 +147,10 @@ from compare_args import (  # noqa: E402
     workload_list,
 )
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
-from compare_frontier import search_deadline, startup_reserve, write_frontier_report  # noqa: E402
-from compare_peak import closed_peak, fraction_rates, highest_peak, merge_results  # noqa: E402
+from compare_frontier import write_frontier_report  # noqa: E402
+from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
+from compare_repeats import REPEATS  # noqa: E402
+from compare_search import RUN_ERRORS, repeats, system_search, workload_searches  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -174,41 +187,10 @@ from compare_tp import resolve_tp_systems  # noqa: E402
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
-from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
-from rapidserve.benchmark.results import bound_label  # noqa: E402
-from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
-from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
 from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
 
 # ---------------------------------------------------------------- one system's run
-
-
-def system_search(scfg: SearchConfig, system: System) -> SearchConfig:
-    """The search settings of one system: --search-* with the system's own bounds (duet@B: B alone), checked.
-    ValueError naming the system when its bounds are not among those searched."""
-    if system.only_bounds is None:
-        return scfg
-    mine = dataclasses.replace(scfg, only_bounds=system.only_bounds)
-    try:
-        mine.check()
-    except ValueError:
-        raise ValueError(f"{system.label} is searched at {', '.join(bound_label(b) for b in system.only_bounds)}: "
-                         "add it to --search-itl-bounds-ms") from None
-    return mine
-
-
-def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: int, deadline: float | None,
-           peers: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """One workload's goodput search against the server at `url`, its probes salted from `salt`. With
-    --search-shared-ceiling its ceiling is at least the highest closed-loop peak among `peers` (the searches so far)."""
-    cfg = bench_config(a, w.argv, base_url=url, label=system.label)
-    shared = highest_peak(peers, w.title) if getattr(a, "search_shared_ceiling", False) else None
-    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), system_search(a.search, system),
-                                         deadline=deadline, shared_peak=shared[0] if shared else None))
-    if shared is not None:
-        res["search"]["shared_peak_system"] = shared[1]
-    return res
 
 
 def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Workload], deadline: float | None,
@@ -251,27 +233,28 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             # so no run finds another's prompts in a server's prefix cache; every system gets the same
             # prompts and arrivals at the same rate.
             base = SALT_STRIDE * wi
+            if a.goodput_search:  # each search (repetition) an even share of the budget left after later start-ups
+                found, err = workload_searches(a, system, url, w, wi, len(workloads), deadline, later, started,
+                                               [*carried, *results])
+                results += [found] if found is not None else []
+                if err is not None:
+                    info["status"] = f"error on {w.title}: {err}"
+                    print(f"   {label}: {info['status']}", flush=True)
+                continue
             try:
-                if a.goodput_search:  # an even share of the budget left, after the later systems' start-ups
-                    left = len(workloads) - wi + len(later) * len(workloads)
-                    res = search(a, w, url, system, base,
-                                 search_deadline(time.monotonic(), deadline, left, startup_reserve(later, started)),
-                                 [*carried, *results])
-                else:
-                    res = sweep(a.rates, base)
-                    if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
-                        peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
-                    extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
-                    if extra:
-                        res = merge_results(res, sweep(extra, base + len(a.rates)))
-            except (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+                res = sweep(a.rates, base)
+                if a.peak_fractions and label == a.peak_reference and w.title not in peaks:
+                    peaks[w.title] = closed_peak(res)  # the reference's closed peak sets every system's rates
+                extra = fraction_rates(peaks.get(w.title), a.peak_fractions or (), a.rates)
+                if extra:
+                    res = merge_results(res, sweep(extra, base + len(a.rates)))
+            except RUN_ERRORS as e:
                 info["status"] = f"error on {w.title}: {e}"
                 print(f"   {label}: {info['status']}", flush=True)
                 continue
             res["title"] = w.title
             stem, runs_dir = safe_name(f"{a.name}__{label}__{w.title}"), os.path.join(a.out, "compare_runs")
-            res["path"] = (write_search_outputs(res, runs_dir, stem, plot=False)[0] if a.goodput_search
-                           else write_outputs(res, runs_dir, stem, plot=False))["json"]
+            res["path"] = write_outputs(res, runs_dir, stem, plot=False)["json"]
             results.append(res)
     except (KeyboardInterrupt, SystemExit):
         info["status"] = "interrupted"
@@ -340,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{s.label}: {shlex.join(server.cmd or [])}")
         for w in workloads:
             print(f"workload {w.title}: rapidserve bench {shlex.join([*shlex.split(a.bench_args), *w.argv])}")
+        if repeats(a) > 1:
+            print(f"each search runs {repeats(a)} times (--search-repeats), each repetition with its own arrivals")
         return 0
     os.makedirs(a.out, exist_ok=True)
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None
@@ -383,7 +368,8 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
             "mode": "goodput_search" if a.goodput_search else "sweep",
             "search": None if a.search is None else {**dataclasses.asdict(a.search),
-                                                     **({"shared_ceiling": True} if a.search_shared_ceiling else {})},
+                                                     **({"shared_ceiling": True} if a.search_shared_ceiling else {}),
+                                                     **({REPEATS: repeats(a)} if repeats(a) > 1 else {})},
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,

@@ -151,7 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "are judged by their TTFT backlog (and lengthened by --search-above-peak-factor). Run the "
                         "system with the highest peak first (e.g. duet@none or always-fused), or give one rate to "
                         "every system with --search-max-rate instead")
+    p.add_argument("--search-repeats", type=repeats_arg, default=None, metavar="N",
+                   help="with --goodput-search: run each system's search on each workload N times against the same "
+                        "server, each repetition with its own arrivals and prompts; the report gives each cell's "
+                        "median over the repetitions and their spread, takes every ratio of the medians and lists "
+                        "each repetition's cells (bench/compare_repeats.py); each repetition gets its own share of "
+                        "--budget-s and its own --search-max-probes (default 1: one search, as without the flag)")
     return p
+
+
+def repeats_arg(text: str) -> int:
+    """--search-repeats' N: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give how many times each search runs, "
+                                         ">= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give how many times each search runs, an integer >= 1 (1: once)")
+    return n
 
 
 def _fractions(text: str) -> tuple[float, ...]:
@@ -176,6 +194,14 @@ class _BenchFlags(argparse.ArgumentParser):
 
 
 SALT_STRIDE = 1000  # prompt salts per workload (bench's rate index is added): far more than any sweep's rates
+
+
+def repeat_salt(workload: int, repetition: int, workloads: int) -> int:
+    """The salt base of repetition `repetition` (0, 1, ...: --search-repeats) of a search on workload number `workload`
+    of `workloads`: a stride of its own for each (workload, repetition), repetition 0's that of the workload alone
+    (as without repetitions), so that no probe of one meets another's prompts or arrivals, and every system's
+    repetition k gets the same ones."""
+    return SALT_STRIDE * (workload + repetition * workloads)
 
 
 def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "http://127.0.0.1:8000",
@@ -232,6 +258,7 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
     if not a.goodput_search:
         search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
         search_flags += ["--search-shared-ceiling"] if shared else []
+        search_flags += ["--search-repeats"] if getattr(a, "search_repeats", None) is not None else []
         if search_flags:
             raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
         return None

@@ -3,7 +3,8 @@ run's report. Pure helpers, tested on CPU (tests/test_bench_compare.py).
 
 The earlier report (<name>.json) must describe the same comparison: the same model, --serve-args, workloads (titles
 and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions, and the same mode (a sweep
-or --goodput-search) with the same search settings; anything else is refused with what differs. A goodput search's
+or --goodput-search) with the same search settings (--search-repeats among them: a report of medians over N
+repetitions continues only with N); anything else is refused with what differs. A goodput search's
 report carries its systems' frontiers on as a sweep's carries its rows.
 Its systems that produced rows are kept as they are (their rows and sweeps come first in
 the new report, and each keeps the file it ran in under "report"); its systems that did not run (skipped, not
@@ -47,6 +48,11 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
                              f" (entry {bad[0] if bad else '?'} is not)")
     if not isinstance(prior["peaks"], dict):
         raise ValueError(f"--continue-from {path}: `peaks` must be an object (workload title -> req/s)")
+    was_n, want_n = search_repeats(prior), search_repeats(now)
+    if was_n != want_n:
+        raise ValueError(f"--continue-from {path} ran each search {was_n} time(s) (--search-repeats {was_n}); this run "
+                         f"{want_n}: its cells are medians over another number of repetitions (or none), and a ratio "
+                         f"between the two would mix them: give --search-repeats {was_n}, or start a new report")
     for k in (*MATCH, *MATCH_NEWER):
         was, want = (prior.get(k, "sweep" if k == "mode" else None), now.get(k, "sweep" if k == "mode" else None))
         if _norm(was) != _norm(want):
@@ -59,6 +65,12 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"--continue-from {path} ran with {k} = {was!r}; this run has {want!r}: give "
                              "the same, or the two runs do not compare")
     return prior
+
+
+def search_repeats(report: Mapping[str, Any]) -> int:
+    """How many times a report's searches ran each (--search-repeats; 1 where its search settings do not say)."""
+    search = report.get("search")
+    return int(search.get("repeats") or 1) if isinstance(search, Mapping) else 1
 
 
 def _norm(v: Any) -> Any:

@@ -29,9 +29,15 @@ arrivals and those within 1.25 request lifetimes, so that the counted requests m
 the `search` column counts the probes that were short (too few arrivals after their lifetime, even once re-run) or
 capped (steady state needs more than --search-max-probe-arrivals), each of which failed every target.
 
+With --search-repeats N (bench/compare_repeats.py) every frontier is the median over N searches: its cells give the
+median and the spread (`31 (30.9–33.5, n=3)`, a bracket of the median `[a, b]*` where a repetition did not settle),
+the better vLLM and every ratio are taken of the medians (exact only where every repetition of both settled), the
+plot draws the medians with the spread as error bars, and a table after each share's lists each repetition's cells.
+
 The time budget (`--budget-s`): each search gets an even share of what is left, after the start-up time the
 systems still to run will need (`search_deadline`, `startup_reserve`), so one slow search cannot starve the
-others; a search that runs out reports its brackets so far, marked unfinished.
+others (with --search-repeats, each repetition is a search of its own); a search that runs out reports its brackets so
+far, marked unfinished.
 """
 
 from __future__ import annotations
@@ -46,6 +52,16 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compare_repeats import (  # noqa: E402
+    REPEATS,
+    REPEATS_LEGEND,
+    cell,
+    repeated_record,
+    repeats_note,
+    repeats_of,
+    repeats_table,
+    searches,
+)
 from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
@@ -55,7 +71,6 @@ from rapidserve.benchmark.goodput_report import (  # noqa: E402
     LEGEND,
     RAMP_LEGEND,
     above_peak,
-    goodput_cell,
     has_ramp,
     ramp_counts,
 )
@@ -87,7 +102,11 @@ def startup_reserve(kinds: Sequence[str], measured: Mapping[str, float] | None =
 
 def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
     """What the report keeps of a search result: its goodput entries, settings and per-probe attainment and server
-    steps (rapidserve/benchmark/step_mix.py; every request stays in the result's own file, `path`)."""
+    steps (rapidserve/benchmark/step_mix.py; every request stays in the result's own file, `path`). A repeated search
+    (--search-repeats: "repeats", each repetition's result): its medians, each repetition's record kept
+    (compare_repeats.repeated_record)."""
+    if REPEATS in res:
+        return repeated_record(res["label"], res["title"], [frontier_record(r) for r in res[REPEATS]])
     return {"label": res["label"], "title": res.get("title"), "workload": res["workload"], "path": res.get("path"),
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
@@ -213,7 +232,7 @@ def _better_cell(frontiers: Sequence[Mapping[str, Any]], title: str, best: Mappi
     if best is None:
         return "-"
     f = next(f for f in frontiers if f["title"] == title and f["label"] == best["system"])
-    return f"{goodput_cell(searched_entry(f, bound, share))} (`{best['system']}`)"
+    return f"{cell(searched_entry(f, bound, share))} (`{best['system']}`)"
 
 
 def _search_cell(f: Mapping[str, Any]) -> str:
@@ -224,7 +243,7 @@ def _search_cell(f: Mapping[str, Any]) -> str:
                           for k, label in f["parts"].items())
         return f"composite of {parts}; {done}"
     only = f["search"]["settings"].get("only_bounds")
-    note = "; ".join(x for x in (ceiling_note(f), ramp_note(f)) if x)
+    note = "; ".join(x for x in (ceiling_note(f), ramp_note(f)) if x) if REPEATS not in f else repeats_note(f)
     done = done if not note else f"{note}; {done}"
     return done if only is None else f"searched at {', '.join(bound_label(b) for b in only)} only; {done}"
 
@@ -245,8 +264,10 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
              f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
-    ramp = any(has_ramp(f) for f in frontiers)
-    if any(above_peak(f) for f in frontiers):
+    ramp = any(has_ramp(s) for f in frontiers for s in searches(f))
+    if repeats_of(frontiers):
+        lines[-1:-1] = [f"- {REPEATS_LEGEND}"]
+    if any(above_peak(s) for f in frontiers for s in searches(f)):
         lines[-1:-1] = [f"- {ABOVE_LEGEND} The `search` column says which searches went above their own peak."
                         + (f" {RAMP_LEGEND} It also counts the probes short or capped." if ramp else "")]
     elif ramp:
@@ -267,30 +288,38 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
         lines += ["", f"## {title}"]
         for q in search_shares(mine[0]):
             head = ["system", *(bound_label(b) for b in bounds), "search"]
-            note = share_note(q, [p.get("counted") or 0 for f in mine for p in f.get("probes") or []])
+            note = share_note(q, [p.get("counted") or 0 for f in mine for s in searches(f)
+                                  for p in s.get("probes") or []])
             lines += ["", f"Goodput (req/s) with {q:.0%} of requests meeting the bound and the TTFT rule"
                       + (f" ({note}):" if note else ":"), "",
                       "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
             for f in mine:
                 name = f"**{COMPOSITE}**" if f["label"] == COMPOSITE else f["label"]
-                lines.append(f"| {name} | " + " | ".join(goodput_cell(entry(f, b, q)) for b in bounds)
+                lines.append(f"| {name} | " + " | ".join(cell(entry(f, b, q)) for b in bounds)
                              + f" | {_search_cell(f)} |")
             for other in dict.fromkeys(x["over"] for x in own if x["workload"] == title and x["share"] == q):
                 cells = [_ratio(next((x for x in own if x["over"] == other and x["workload"] == title
                                       and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
                 lines.append(f"| {ref} / {other} | " + " | ".join(cells) + " | |")
-            if not any(f["label"] in vllm for f in mine):
-                continue
-            best = [better_vllm(rows, vllm, title, b, q) for b in bounds]
-            lines.append("| **better vLLM** | " + " | ".join(
-                _better_cell(rows, title, x, b, q) for x, b in zip(best, bounds, strict=True)) + " | |")
-            for f in mine:
-                if f["label"] in vllm or is_part(f["label"]):
-                    continue
-                cells = [_ratio(next((x for x in vs if x["system"] == f["label"] and x["workload"] == title
-                                      and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
-                lines.append(f"| {f['label']} / better vLLM | " + " | ".join(cells) + " | |")
+            if any(f["label"] in vllm for f in mine):
+                lines += _vllm_rows(rows, mine, vllm, vs, title, bounds, q)
+            lines += repeats_table(mine, bounds, q, _search_cell)
     return "\n".join(lines) + "\n"
+
+
+def _vllm_rows(rows: Sequence[Mapping[str, Any]], mine: Sequence[Mapping[str, Any]], vllm: set[str],
+               vs: Sequence[Mapping[str, Any]], title: str, bounds: Sequence[float | None], q: float) -> list[str]:
+    """A share's table's better-vLLM row, then each of our systems' ratio to it."""
+    best = [better_vllm(rows, vllm, title, b, q) for b in bounds]
+    lines = ["| **better vLLM** | " + " | ".join(
+        _better_cell(rows, title, x, b, q) for x, b in zip(best, bounds, strict=True)) + " | |"]
+    for f in mine:
+        if f["label"] in vllm or is_part(f["label"]):
+            continue
+        cells = [_ratio(next((x for x in vs if x["system"] == f["label"] and x["workload"] == title
+                              and x["itl_bound_ms"] == b and x["share"] == q), None)) for b in bounds]
+        lines.append(f"| {f['label']} / better vLLM | " + " | ".join(cells) + " | |")
+    return lines
 
 
 def vllm_labels(meta: Mapping[str, Any]) -> set[str]:

@@ -19,6 +19,7 @@ compare = _load()
 peak = _load("compare_peak")
 frontier = _load("compare_frontier")
 plan = _load("frontier_plan")
+searching = _load("compare_search")
 
 
 def fr(label: str, title: str, p: float | None) -> dict[str, Any]:
@@ -45,17 +46,17 @@ def test_each_search_is_given_the_highest_peak_of_the_searches_before_it(monkeyp
         seen.append(shared_peak)
         return {"search": {"peak_request_throughput": 3.0}}
 
-    monkeypatch.setattr(compare, "run_goodput_search", fake)
+    monkeypatch.setattr(searching, "run_goodput_search", fake)
     a = compare.build_parser().parse_args(["--goodput-search", "--search-shared-ceiling", "--workloads", "24:4"])
     a.search = compare.search_config(a)
     (w,) = compare.workload_list(a)
     system = compare.parse_systems("rapidserve", [], search=True)[0]
     peers = [fr("carried", w.title, 11.9), fr("ran", w.title, 8.57), fr("elsewhere", "other", 20.0)]
-    res = compare.search(a, w, "http://h:1", system, 0, None, peers)
+    res = searching.search(a, w, "http://h:1", system, 0, None, peers)
     assert seen == [11.9] and res["search"]["shared_peak_system"] == "carried"
-    compare.search(a, w, "http://h:1", system, 0, None, [])  # the first system: its own peak alone
+    searching.search(a, w, "http://h:1", system, 0, None, [])  # the first system: its own peak alone
     a.search_shared_ceiling = False
-    compare.search(a, w, "http://h:1", system, 0, None, peers)  # without the flag: nobody's
+    searching.search(a, w, "http://h:1", system, 0, None, peers)  # without the flag: nobody's
     assert seen == [11.9, None, None]
 
 

@@ -11,7 +11,9 @@ Optional horizontal lines (`itl_bounds_ms`) mark ITL bounds (e.g. 50 and 100 ms)
 goodput (requests/s) against the ITL bound, unbounded at the right: a colour per system label, a line
 style per share (solid: the lowest share). An entry whose search did not finish is drawn hollow; one not
 searched (outside its search's only_bounds) is not drawn. The labels in `emphasis` (bench/compare.py's composite
-row: the default policy) are drawn black and thicker, above the rest. With
+row: the default policy) are drawn black and thicker, above the rest. An entry that is the median over repeated
+searches (bench/compare.py --search-repeats: its "repeats" has their "min" and "max") gets an error bar from the least
+to the greatest repetition's goodput. With
 `attainment`, a second panel draws the first result's attainment curves: the share of requests meeting
 each bound at each probed rate, the shares as dashed lines.
 
@@ -158,6 +160,10 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
                     label=f"{r.get('label')}, {q:.0%}", linewidth=2.6 if bold else 1.5, zorder=4 if bold else 2)
             ax.scatter(xv, [g for _, g in pts], color=[color if d else "white" for d in done], edgecolors=color,
                        zorder=5 if bold else 3)
+            spread = _spread(r, q, pts)
+            if spread is not None:
+                ax.errorbar(xv, [g for _, g in pts], yerr=spread, fmt="none", ecolor=color, capsize=3,
+                            linewidth=1.0, zorder=2)
     ax.set_xscale("log", base=2)
     ax.set_xticks([xs[_bound_x(b)] for b in bounds])
     ax.set_xticklabels([bound_label(b).replace(" ms", "") for b in bounds])
@@ -165,7 +171,9 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
     ax.set_xlabel("per-request p95 ITL bound (ms)")
     ax.set_ylabel("goodput (requests/s)")
     ax.set_ylim(bottom=0)
-    ax.set_title("goodput at each bound (hollow: the search did not settle it)", fontsize=9)
+    repeated = any(_spread(r, q, frontier_points(r, q, bounds)) is not None for r in results for q in shares)
+    ax.set_title("goodput at each bound (hollow: the search did not settle it)" + (
+        "\nmedians over repeated searches, bars: their min-max" if repeated else ""), fontsize=9)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
@@ -177,6 +185,23 @@ def plot_frontier(results: Sequence[Mapping[str, Any]], path: str, title: str | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _spread(result: Mapping[str, Any], share: float,
+            pts: Sequence[tuple[float | None, float | None]]) -> list[list[float]] | None:
+    """Error bars (below, above) for the points of a frontier whose entries are medians over repeated searches (their
+    "repeats": {"min", "max"}, bench/compare_repeats.py); None where none is."""
+    below, above, any_spread = [], [], False
+    for b, g in pts:
+        r = (entry(result, b, share) or {}).get("repeats")
+        if g is None or not isinstance(r, Mapping):
+            below.append(0.0)
+            above.append(0.0)
+            continue
+        any_spread = True
+        below.append(max(0.0, g - float(r["min"])))
+        above.append(max(0.0, float(r["max"]) - g))
+    return [below, above] if any_spread else None
 
 
 def _plot_attainment(ax: Any, result: Mapping[str, Any], shares: Sequence[float]) -> None:
