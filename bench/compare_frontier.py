@@ -104,10 +104,11 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
     """What the report keeps of a search result: its goodput entries, settings and per-probe attainment and server
     steps (rapidserve/benchmark/step_mix.py; every request stays in the result's own file, `path`). A repeated search
     (--search-repeats: "repeats", each repetition's result): its medians, each repetition's record kept
-    (compare_repeats.repeated_record)."""
+    (compare_repeats.repeated_record), with its number ("repeat") and the salt of its probes ("salt_base")."""
     if REPEATS in res:
         return repeated_record(res["label"], res["title"], [frontier_record(r) for r in res[REPEATS]])
     return {"label": res["label"], "title": res.get("title"), "workload": res["workload"], "path": res.get("path"),
+            **{k: res[k] for k in ("repeat", "salt_base") if k in res},
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
             "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",

@@ -148,10 +148,8 @@ def repeated_record(label: str, title: str, reps: Sequence[Mapping[str, Any]]) -
 
 
 def repeats_note(f: Mapping[str, Any]) -> str:
-    """A repeated frontier's `search` cell: how many repetitions, how many finished."""
-    reps = searches(f)
-    done = sum(bool(r["finished"]) for r in reps)
-    return f"median of {len(reps)} repetitions, {done} finished (each below)"
+    """A repeated frontier's note in its `search` cell: how many repetitions (each one's own cell: the table below)."""
+    return f"median of {len(searches(f))} repetitions (each below)"
 
 
 def repeats_table(rows: Sequence[Mapping[str, Any]], bounds: Sequence[float | None], share: float,

@@ -92,15 +92,15 @@ def workload_searches(a: argparse.Namespace, system: System, url: str, w: Worklo
     n, done = repeats(a), []
     stem = safe_name(f"{a.name}__{system.label}__{w.title}")
     for k in range(n):
-        left = searches_left(n, workloads, wi, k, len(later))
+        left, salt = searches_left(n, workloads, wi, k, len(later)), repeat_salt(wi, k, workloads)
         try:
-            res = search(a, w, url, system, repeat_salt(wi, k, workloads),
+            res = search(a, w, url, system, salt,
                          search_deadline(clock(), deadline, left, startup_reserve(later, started)), [*peers, *done])
         except RUN_ERRORS as e:
             return _joined(system, w, done), str(e) if n == 1 else f"repetition {k + 1} of {n}: {e}"
         res["title"] = w.title
-        if n > 1:
-            res["repeat"] = k + 1
+        if n > 1:  # which repetition, and the salt its probes' arrivals and prompts were drawn from (probe i: + i)
+            res.update(repeat=k + 1, salt_base=salt)
         name = stem if n == 1 else f"{stem}__rep{k + 1}"
         res["path"] = write_search_outputs(res, os.path.join(a.out, "compare_runs"), name, plot=False)[0]["json"]
         done.append(res)

@@ -45,8 +45,9 @@
 # space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
 # MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
 # table's own ratios divide by; default: the composite row where duet@B ran, else rapidserve), KIND_GPUS (--plan: the
-# machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). Further arguments go to each group's
-# vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
+# machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). SEARCH_ARGS="... --search-repeats N" runs
+# every search N times (the table's cells: medians with their spread); the plan counts every repetition. Further
+# arguments go to each group's vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
@@ -58,6 +59,9 @@ read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
 # a group being one compare.py run, or --search-max-rate R, one rate for every group)
 probes=$(echo "${SEARCH_ARGS:---search-max-probes 10}" | sed -n 's/.*--search-max-probes[ =]*\([0-9][0-9]*\).*/\1/p')
 factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\([0-9.][0-9.]*\).*/\1/p')
+# each search's repetitions (--search-repeats N in SEARCH_ARGS: compare.py runs every search N times and reports the
+# medians; the plan shares BUDGET_S over every repetition and says where it cannot fit them)
+repeats=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-repeats[ =]*\(-*[0-9][0-9]*\).*/\1/p')
 # the plan's prompt and output lengths: the first workload's, where WORKLOADS gives one as IN:OUT (else 4096:64; the
 # output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); the probes' arrival cap
 # (--search-max-probe-arrivals in SEARCH_ARGS); the vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh
@@ -69,7 +73,7 @@ if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vl
 fi
 cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
-plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}")
+plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}" --repeats "${repeats:-1}")
 [ -n "$cap" ] && plan_extra+=(--max-probe-arrivals "$cap")
 [ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then

@@ -115,6 +115,7 @@ RAMP_MARGIN = 1.25  # a probe's warm-up covers this many request lifetimes
 DEFAULT_MAX_PROBE_ARRIVALS = 1024  # --search-max-probe-arrivals' default
 DRAIN_S = 2.0  # a probe's drain after its last arrival, at least (without a lifetime: the whole of it)
 LIFE_BASE_S, LIFE_TOKEN_S = 0.3, 0.025  # a request's lifetime guess: s, and s per output token (see the docstring)
+CALL_S = 600  # a device call's limit
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
 REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
 REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
@@ -182,6 +183,7 @@ class Call(NamedTuple):
     what: str
     seconds: float
     detail: str
+    note: str = ""  # what the plan says of it on a line of its own (BUDGET_S cannot fit --search-repeats)
 
 
 def kind_of(system: str, tp: int = 1) -> str:
@@ -230,10 +232,13 @@ def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: floa
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
                budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0,
                lifetime_s: float | None = None, cap: int = DEFAULT_MAX_PROBE_ARRIVALS,
-               model_gib: float | None = None) -> Call:
+               model_gib: float | None = None, repeats: int = 1) -> Call:
     """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it).
     `lifetime_s`: a request's lifetime, for the probes' warm-ups (`probe_seconds`; None: the discard alone).
-    `model_gib`: the model's weights, for vLLM's start-up (`vllm_startup_s`; None: the largest measured)."""
+    `model_gib`: the model's weights, for vLLM's start-up (`vllm_startup_s`; None: the largest measured).
+    `repeats`: compare.py's --search-repeats, each system's search that many times (each repetition a search of its
+    own: its closed-loop peak, its probes, its share); where BUDGET_S cannot give every repetition its probes the
+    detail says so, and what BUDGET_S would."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
     startups = sum(vllm_startup_s(model_gib) if kind_of(s, tp) == "vllm" else STARTUP_S[kind_of(s, tp)]
                    for s in systems)
@@ -244,36 +249,51 @@ def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int
     long_s, long_warm = probe_seconds(ABOVE_PEAK_RATE * peak, long_counted, lifetime_s, cap)
     long_n = min(long_warm + long_counted, cap)
     wanted = [probes_wanted(s, max_probes) for s in systems]
-    share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems))
+    share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems) * repeats)
     fit = {w: max(0, int((share - num_prompts / peak) // (search_s(w, probe_s, long_s, above_peak_factor) / w)))
            for w in wanted}
-    searches = num_prompts / peak * len(systems) + sum(search_s(w, probe_s, long_s, above_peak_factor)
-                                                       for w in wanted)  # each closed-loop peak, then the probes
+    searches = repeats * (num_prompts / peak * len(systems) + sum(search_s(w, probe_s, long_s, above_peak_factor)
+                                                                  for w in wanted))  # each peak, then the probes
     seconds = min(setup + startups + searches, budget_s + CALL_OVERHEAD_S)
-    kinds = ", ".join(f"{wanted.count(w)} search(es) of ~{min(w, fit[w])} probes"
+    over = f" over {repeats} repetitions" if repeats > 1 else ""
+    each = f" x {repeats} repetitions" if repeats > 1 else ""
+    kinds = ", ".join(f"{wanted.count(w)} search(es){each} of ~{min(w, fit[w])} probes"
                       + (" (one bound each)" if w < max_probes else "")
-                      + ("" if fit[w] >= w else f" (cut from {w} by BUDGET_S {budget_s:g})")
+                      + ("" if fit[w] >= w else f" (cut from {w} by BUDGET_S {budget_s:g}{over})")
                       for w in dict.fromkeys(wanted))
+    note = ""
+    if repeats > 1 and any(fit[w] < w for w in wanted):
+        full = max(num_prompts / peak + search_s(w, probe_s, long_s, above_peak_factor) for w in wanted)
+        need = setup + startups + MARGIN_S + full * len(systems) * repeats
+        note = (f"BUDGET_S {budget_s:g} " + ("cannot fit" if min(fit.values()) < 1 else "does not fit")
+                + f" {repeats} repetitions of each search: ~{share:.0f} s each, a whole one ~{full:.0f} s; "
+                f"BUDGET_S ~{need:.0f} would" + (f" (more than a call's {CALL_S} s: fewer systems a call, or fewer "
+                                                 "repetitions)" if need > CALL_S - CALL_OVERHEAD_S else ""))
     above = (f", up to {ABOVE_PEAK_PROBES} a search above the peak ~{long_s:.0f} s each ({long_n} arrivals)"
              if above_peak_factor > 1 else "")
     ramp = f" (warm-up ~{warm} arrivals, lifetime {lifetime_s:.2g} s)" if lifetime_s is not None else ""
     return Call(f"{group} [{', '.join(systems)}]", seconds,
-                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe{ramp}{above}")
+                f"start-ups ~{startups:.0f} s, {kinds}, ~{probe_s:.0f} s a probe{ramp}{above}", note)
 
 
 def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
          num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
          stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8,
          above_peak_factor: float = 1.0, lifetime_s: float | None = None,
-         cap: int = DEFAULT_MAX_PROBE_ARRIVALS) -> list[str]:
+         cap: int = DEFAULT_MAX_PROBE_ARRIVALS, repeats: int = 1) -> list[str]:
     """The session's calls, in order, with their estimated device time and what fits in SESSION_S. `lifetime_s`: a
-    request's lifetime, for the probes' warm-ups (None: the discard alone, as before the ramp rule)."""
+    request's lifetime, for the probes' warm-ups (None: the discard alone, as before the ramp rule). `repeats`: each
+    search's repetitions (compare.py --search-repeats)."""
     slots = gpus // tp
+    if repeats < 1:
+        raise ValueError(f"--search-repeats {repeats}: each search runs at least once (give N >= 1)")
     if slots < 1:
         raise ValueError(f"TP {tp} needs {tp} GPUs; the machine has {gpus}")
     peak = peak_guess(cfg, tp, prompt)
     lines = [f"frontier plan: {preset} at TP {tp} on {gpus} GPUs: {slots} group(s) side by side per call; "
-             f"{prompt}-token prompts, {num_prompts} arrivals a probe, <= {max_probes} probes, BUDGET_S {budget_s:g}",
+             f"{prompt}-token prompts, {num_prompts} arrivals a probe, <= {max_probes} probes"
+             + (f", each search {repeats} times (--search-repeats)" if repeats > 1 else "")
+             + f", BUDGET_S {budget_s:g}",
              f"  closed-loop peak guess (prefill-bound, from qwen3-8b's {REF_PEAK} req/s on one H200): "
              f"{peak:.2g} req/s; weights {weights_gib(cfg):.0f} GiB bf16"
              + (f"; request lifetime {lifetime_s:.2g} s (the probes' warm-ups: the ramp rule)"
@@ -288,9 +308,8 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
             side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp,
-                                   above_peak_factor, lifetime_s, cap, weights_gib(cfg)))
-            if note:
-                lines.append(f"  {g}: {note}")
+                                   above_peak_factor, lifetime_s, cap, weights_gib(cfg), repeats))
+            lines += [f"  {g}: {x}" for x in (note, side[-1].note) if x]
         first_vllm = False  # the first call installs it
         calls.append(Call(" | ".join(c.what for c in side), max(c.seconds for c in side),
                           " | ".join(c.detail for c in side)))
@@ -342,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "guessed from --output)")
     pl.add_argument("--max-probe-arrivals", type=int, default=DEFAULT_MAX_PROBE_ARRIVALS,
                     help="SEARCH_ARGS' --search-max-probe-arrivals: no probe is planned longer")
+    pl.add_argument("--repeats", type=int, default=1, help="SEARCH_ARGS' --search-repeats: each search that many times")
     pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
     for q in (g, pl):
         q.add_argument("--tp", type=int, default=1)
@@ -359,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             life = a.lifetime_s if a.lifetime_s is not None else lifetime_guess(a.output)
             print("\n".join(plan(cfg, a.preset, a.gpus, a.tp, groups, a.prompt, a.num_prompts, a.max_probes,
                                  a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem, a.above_peak_factor,
-                                 life, a.max_probe_arrivals)))
+                                 life, a.max_probe_arrivals, a.repeats)))
     except ValueError as e:
         print(f"frontier_plan: {e}", file=sys.stderr)
         return 2

@@ -68,7 +68,8 @@
 # "--search-max-probes 10 --search-shared-ceiling --search-above-peak-factor 4": every system's search may go up to
 # the highest closed-loop peak of the call's systems so far, run first, its probes above its own peak 4x longer and
 # judged by their TTFT backlog, rapidserve/benchmark/sustain.py; or "--search-max-rate R" for one ceiling; every
-# probe also warms up for 1.25 request lifetimes, at most --search-max-probe-arrivals, sustain.py's ramp rule),
+# probe also warms up for 1.25 request lifetimes, at most --search-max-probe-arrivals, sustain.py's ramp rule; add
+# "--search-repeats 3" to run every search 3 times and report the medians with their spread),
 # RATES (sweep: inf), NUM_PROMPTS (frontier: 64
 # arrivals per probe; sweep: 32 conversations), WARMUP (4), BUDGET_S (540: the whole script, setup included, ends
 # inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the

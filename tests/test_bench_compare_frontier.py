@@ -53,6 +53,8 @@ def test_dry_run_defaults_to_the_frontier_systems(capsys: pytest.CaptureFixture[
     (["--goodput-search", "--workload-args", "--workload trace --trace t.csv"], "--trace-arrivals poisson"),
     (["--goodput-search", "--bench-args", "--duration-s 5"], "drop --duration-s"),
     (["--goodput-search", "--search-max-probes", "1000"], "at most 999"),
+    (["--goodput-search", "--search-repeats", "0"], "argument --search-repeats: 0: give how many times each search"),
+    (["--search-repeats", "2"], "--search-repeats only apply with --goodput-search"),  # more: *_repeats.py
 ])
 def test_search_flag_errors(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ei:
