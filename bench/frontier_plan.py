@@ -54,6 +54,13 @@ most --max-probe-arrivals arrivals). The lifetime is `--lifetime-s`, else a gues
 decode-heavy shape's probes are long: 1024:256 at ~30 req/s warms up for ~300 arrivals. Called without a lifetime
 (`plan`, `group_call` from Python), the plan is the one before the ramp rule: the discard, then DRAIN_S to drain.
 
+Repeated searches (SEARCH_ARGS' `--search-repeats N`, `--repeats N` here; bench/compare_repeats.py): compare.py runs
+each system's search N times against the same server, each repetition a whole search (its closed-loop peak and its
+probes) with an even share of the budget, so the plan counts N closed-loop runs and N x the probes per system (the
+start-up once) and shares BUDGET_S over N x the systems' searches; where a repetition's share cannot hold the probes
+it wants, the plan says so on a line of its own (`BUDGET_S ... does not fit N repetitions`; `cannot fit` where it
+holds no probe), with the BUDGET_S that would, and whether that is more than a device call's 600 s.
+
 ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
 knob changes it at runtime), so on two GPUs `GROUP=ours-slo,baselines` runs them beside always-fused and
 always-split (`ours` would also run duet at SLO 50, which duet@50 already is). The table's

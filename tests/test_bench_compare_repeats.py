@@ -1,6 +1,6 @@
 """bench/compare.py --goodput-search --search-repeats N: the median and spread over repetitions (pure), the report's
-cells and ratios from the medians, the repetitions' salts and time shares, the plan's account of them, the refusals,
-and one CPU comparison with two repetitions."""
+cells and ratios from the medians, the repetitions' salts and time shares, the refusals, and one CPU comparison with two
+repetitions (the device plan's account of them: tests/test_bench_frontier_tp.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ searching = _load("compare_search")
 args = _load("compare_args")
 cont = _load("compare_continue")
 merge = _load("compare_merge")
-plan = _load("frontier_plan")
 plot = pytest.importorskip("rapidserve.benchmark.plot")
 
 
@@ -330,31 +329,6 @@ def test_one_repeat_is_the_report_without_the_flag(capsys: pytest.CaptureFixture
     assert compare.main(["--dry-run", "--goodput-search", "--systems", "rapidserve", "--search-repeats", "2"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == ("each search runs 2 times (--search-repeats), each repetition "
                                                         "with its own arrivals")
-
-
-def test_the_plan_counts_every_repetition() -> None:
-    cfg = plan._model("qwen3-8b")
-    kw: dict[str, Any] = {"num_prompts": 48, "max_probes": 6, "stashed": True}
-    once = plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], **kw)
-    assert plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=1, **kw) == once
-    twice = plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=2, **kw)
-    calls = [next(x for x in lines if "duet [duet]" in x) for lines in (once, twice)]
-    assert "each search 2 times (--search-repeats)" in twice[0]
-    assert "1 search(es) x 2 repetitions of ~6 probes" in calls[1]
-    assert not any("fit" in x for x in twice[1:-1])  # the budget holds both repetitions
-    peak = plan.peak_guess(cfg, 1, 4096)
-    fixed = plan.CALL_OVERHEAD_S + plan.STARTUP_S["duet-tp1"]  # the call's overhead and the server's start-up: once
-    secs = [plan.group_call("duet", ["duet"], peak, 48, 6, 540, False, repeats=n).seconds - fixed for n in (1, 2, 3)]
-    assert secs[1] == pytest.approx(2 * secs[0]) and secs[2] == pytest.approx(3 * secs[0])  # the searches: N x
-    three = plan.plan(cfg, "qwen3-8b", 2, 1, ["ours-slo", "ours"], num_prompts=48, max_probes=10, stashed=True,
-                      repeats=3)
-    notes = [x for x in three if "does not fit 3 repetitions" in x]
-    assert [x.split(":")[0].strip() for x in notes] == ["ours-slo", "ours"] and "more than a call's 600 s" in notes[1]
-    assert "(cut from 10 by BUDGET_S 540 over 3 repetitions)" in three[-2]
-    starved = plan.plan(cfg, "qwen3-8b", 1, 1, ["ours"], num_prompts=48, max_probes=10, stashed=True, repeats=20)
-    assert any("BUDGET_S 540 cannot fit 20 repetitions" in x for x in starved)
-    with pytest.raises(ValueError, match="--search-repeats 0"):
-        plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=0)
 
 
 # ---------------------------------------------------------------- one CPU comparison, two repetitions

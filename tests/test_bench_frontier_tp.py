@@ -113,6 +113,31 @@ def test_plan_says_what_fits_a_session() -> None:
     assert plan.probes_wanted("duet@none", 10) == 5 and plan.probes_wanted("duet", 10) == 10
 
 
+def test_the_plan_counts_every_repetition() -> None:
+    cfg = MODEL["qwen3-8b"]
+    kw: dict[str, Any] = {"num_prompts": 48, "max_probes": 6, "stashed": True}
+    once = plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], **kw)
+    assert plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=1, **kw) == once
+    twice = plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=2, **kw)
+    calls = [next(x for x in lines if "duet [duet]" in x) for lines in (once, twice)]
+    assert "each search 2 times (--search-repeats)" in twice[0]
+    assert "1 search(es) x 2 repetitions of ~6 probes" in calls[1]
+    assert not any("fit" in x for x in twice[1:-1])  # the budget holds both repetitions
+    peak = plan.peak_guess(cfg, 1, 4096)
+    fixed = plan.CALL_OVERHEAD_S + plan.STARTUP_S["duet-tp1"]  # the call's overhead and the server's start-up: once
+    secs = [plan.group_call("duet", ["duet"], peak, 48, 6, 540, False, repeats=n).seconds - fixed for n in (1, 2, 3)]
+    assert secs[1] == pytest.approx(2 * secs[0]) and secs[2] == pytest.approx(3 * secs[0])  # the searches: N x
+    three = plan.plan(cfg, "qwen3-8b", 2, 1, ["ours-slo", "ours"], num_prompts=48, max_probes=10, stashed=True,
+                      repeats=3)
+    notes = [x for x in three if "does not fit 3 repetitions" in x]
+    assert [x.split(":")[0].strip() for x in notes] == ["ours-slo", "ours"] and "more than a call's 600 s" in notes[1]
+    assert "(cut from 10 by BUDGET_S 540 over 3 repetitions)" in three[-2]
+    starved = plan.plan(cfg, "qwen3-8b", 1, 1, ["ours"], num_prompts=48, max_probes=10, stashed=True, repeats=20)
+    assert any("BUDGET_S 540 cannot fit 20 repetitions" in x for x in starved)
+    with pytest.raises(ValueError, match="--search-repeats 0"):
+        plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=0)
+
+
 @pytest.mark.parametrize("gib,want", [(None, 190.0), (15.0, 60.0), (131.0, 190.0), (73.0, 125.0), (4.0, 60.0)])
 def test_vllm_startup_grows_with_the_model(gib: float | None, want: float) -> None:
     assert plan.vllm_startup_s(gib) == pytest.approx(want)
@@ -314,3 +339,16 @@ def test_frontier_parallel_plans_the_workloads_lifetime() -> None:
                        text=True, timeout=60)
     assert r.returncode == 0 and "request lifetime 6.7 s" in r.stdout, r.stdout + r.stderr
     assert "1024-token prompts" in r.stdout and "(warm-up ~" in r.stdout
+
+
+def test_frontier_parallel_plans_the_repetitions() -> None:
+    """SEARCH_ARGS' --search-repeats N reaches the plan: each search N times, and where BUDGET_S cannot hold them."""
+    env = {**os.environ, "KIND_GPUS": "2", "GROUP": "ours-slo,ours", "SEARCH_ARGS": "--search-max-probes 10 "
+           "--search-repeats 3"}
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "each search 3 times (--search-repeats)" in r.stdout, r.stdout + r.stderr
+    assert "ours-slo: BUDGET_S 540 does not fit 3 repetitions of each search" in r.stdout
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "SEARCH_ARGS": "--search-repeats 0"}, timeout=60)
+    assert r.returncode == 2 and "--search-repeats 0: each search runs at least once" in r.stderr
