@@ -234,9 +234,8 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
             # prompts and arrivals at the same rate.
             base = SALT_STRIDE * wi
             if a.goodput_search:  # each search (repetition) an even share of the budget left after later start-ups
-                found, err = workload_searches(a, system, url, w, wi, len(workloads), deadline, later, started,
-                                               [*carried, *results])
-                results += [found] if found is not None else []
+                err = workload_searches(a, system, url, w, wi, len(workloads), deadline, later, started, results,
+                                        [*carried, *results])
                 if err is not None:
                     info["status"] = f"error on {w.title}: {err}"
                     print(f"   {label}: {info['status']}", flush=True)

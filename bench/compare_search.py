@@ -81,15 +81,16 @@ def searches_left(n: int, workloads: int, workload: int, repetition: int, later:
 
 
 def workload_searches(a: argparse.Namespace, system: System, url: str, w: Workload, wi: int, workloads: int,
-                      deadline: float | None, later: Sequence[str], started: Mapping[str, float],
-                      peers: Sequence[Mapping[str, Any]],
-                      clock: Callable[[], float] = time.monotonic) -> tuple[dict[str, Any] | None, str | None]:
+                      deadline: float | None, later: Sequence[str], started: Mapping[str, float] | None,
+                      results: list[dict[str, Any]], peers: Sequence[Mapping[str, Any]] = (),
+                      clock: Callable[[], float] = time.monotonic) -> str | None:
     """The system's searches on workload `w` (number `wi` of `workloads`), --search-repeats of them, each written to
-    <out>/compare_runs/ (`<name>__<label>__<workload>`, `__rep<k>` after it where N > 1); `later`: the kinds of the
-    systems still to run (their start-ups are reserved). (The result: the search's, or where N > 1 {"label",
-    "title", "workload", "repeats": each repetition's}; None where none ran), (the error that stopped them, or
-    None): a repetition that fails keeps those before it."""
-    n, done = repeats(a), []
+    <out>/compare_runs/ (`<name>__<label>__<workload>`, `__rep<k>` after it where N > 1) and joined to `results` as
+    soon as it ends (so that a comparison cut short reports the repetitions that ran): the search's result, or where
+    N > 1 {"label", "title", "workload", "repeats": each repetition's result}. `later`: the kinds of the systems still
+    to run (their start-ups are reserved); `peers`: the searches before these (--search-shared-ceiling). The error
+    that stopped them, else None (a repetition that fails keeps those before it)."""
+    n, done, slot = repeats(a), list[dict[str, Any]](), len(results)
     stem = safe_name(f"{a.name}__{system.label}__{w.title}")
     for k in range(n):
         left, salt = searches_left(n, workloads, wi, k, len(later)), repeat_salt(wi, k, workloads)
@@ -97,20 +98,14 @@ def workload_searches(a: argparse.Namespace, system: System, url: str, w: Worklo
             res = search(a, w, url, system, salt,
                          search_deadline(clock(), deadline, left, startup_reserve(later, started)), [*peers, *done])
         except RUN_ERRORS as e:
-            return _joined(system, w, done), str(e) if n == 1 else f"repetition {k + 1} of {n}: {e}"
+            return str(e) if n == 1 else f"repetition {k + 1} of {n}: {e}"
         res["title"] = w.title
         if n > 1:  # which repetition, and the salt its probes' arrivals and prompts were drawn from (probe i: + i)
             res.update(repeat=k + 1, salt_base=salt)
         name = stem if n == 1 else f"{stem}__rep{k + 1}"
         res["path"] = write_search_outputs(res, os.path.join(a.out, "compare_runs"), name, plot=False)[0]["json"]
         done.append(res)
-    return _joined(system, w, done), None
-
-
-def _joined(system: System, w: Workload, done: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """One search's result as it is; several repetitions' under "repeats"; None for none."""
-    if not done:
-        return None
-    if len(done) == 1 and "repeat" not in done[0]:
-        return done[0]
-    return {"label": system.label, "title": w.title, "workload": done[0]["workload"], REPEATS: list(done)}
+        joined = res if n == 1 else {"label": system.label, "title": w.title, "workload": done[0]["workload"],
+                                     REPEATS: list(done)}
+        results[slot:] = [joined]
+    return None

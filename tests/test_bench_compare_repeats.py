@@ -248,9 +248,13 @@ def test_each_repetition_is_a_search_of_its_own(tmp_path, monkeypatch) -> None: 
     a = _args(["--workloads", "24:4,32:4", "--search-repeats", "3"], tmp_path)
     ws = compare.workload_list(a)
     system = compare.parse_systems("rapidserve", [], search=True)[0]
-    res, err = searching.workload_searches(a, system, "http://h:1", ws[1], 1, 2, 1000.0, ["vllm"], {}, [],
-                                           clock=lambda: 0.0)
-    assert err is None and [(r["repeat"], r["salt_base"]) for r in res["repeats"]] == [(1, 1000), (2, 3000), (3, 5000)]
+    earlier = {"label": "before", "title": "fixed 32:4"}
+    results: list[dict[str, Any]] = [earlier]
+    assert searching.workload_searches(a, system, "http://h:1", ws[1], 1, 2, 1000.0, ["vllm"], {}, results,
+                                       clock=lambda: 0.0) is None
+    assert results[0] is earlier and len(results) == 2  # the repetitions joined as one result, after the others
+    res = results[1]
+    assert [(r["repeat"], r["salt_base"]) for r in res["repeats"]] == [(1, 1000), (2, 3000), (3, 5000)]
     # repetition k of workload 1 of 2: salts 1000 x (1 + 2k); each an even share of what is left after vLLM's
     # start-up (180 s guessed), over the searches left: 3 x (1 workload of this system + 2 of the later one) - k
     assert calls == [(1000, (1000 - 180) / 9), (3000, (1000 - 180) / 8), (5000, (1000 - 180) / 7)]
@@ -258,19 +262,24 @@ def test_each_repetition_is_a_search_of_its_own(tmp_path, monkeypatch) -> None: 
     assert res["label"] == "rapidserve" and res["title"] == "fixed 32:4" and "path" not in res
     assert searching.searches_left(3, 2, 1, 0, 1) == 9 and searching.searches_left(1, 2, 0, 0, 0) == 2
     calls.clear()
-    fail_at.append(1)  # the second repetition fails: the first is kept, the error says which
-    res, err = searching.workload_searches(a, system, "http://h:1", ws[0], 0, 2, None, [], {}, [])
-    assert err == "repetition 2 of 3: server gone" and [r["repeat"] for r in res["repeats"]] == [1]
+    fail_at.append(1)  # the second repetition fails: the first is kept (in the results as it ended), the error says
+    results = []
+    assert searching.workload_searches(a, system, "http://h:1", ws[0], 0, 2, None, [], {}, results) == (
+        "repetition 2 of 3: server gone")
+    assert [[r["repeat"] for r in x["repeats"]] for x in results] == [[1]]
     calls.clear()
     fail_at.clear()
     one = _args(["--workloads", "24:4"], tmp_path)  # without the flag: one search, as before
-    res, err = searching.workload_searches(one, system, "http://h:1", ws[0], 0, 1, None, [], {}, [])
-    assert err is None and calls == [(0, None)] and not {"repeats", "repeat", "salt_base"} & set(res)
+    results = []
+    assert searching.workload_searches(one, system, "http://h:1", ws[0], 0, 1, None, [], {}, results) is None
+    (res,) = results
+    assert calls == [(0, None)] and not {"repeats", "repeat", "salt_base"} & set(res)
     assert res["path"] == "t__rapidserve__fixed-24-4.json"
     calls.clear()
     fail_at.append(0)
-    assert searching.workload_searches(one, system, "http://h:1", ws[0], 0, 1, None, [], {}, []) == (None,
-                                                                                                     "server gone")
+    results = []
+    assert searching.workload_searches(one, system, "http://h:1", ws[0], 0, 1, None, [], {}, results) == "server gone"
+    assert results == []
 
 
 # ---------------------------------------------------------------- refusals: continue, merge, plan
