@@ -1,7 +1,8 @@
 """The decode worker's HOST time per step of its one loop, by phase, on the CPU (no GPU; the model a stand-in).
 
     PYTHONPATH=. python bench/host_step_cost.py [--waiting 0,16,64,256,1024] [--rows 32,128,300,512]
-        [--chunks 0,512,1024,2048] [--steps 30] [--warmup 5] [--label after] [--out DIR] [--profile W,R,C]
+        [--chunks 0,512,1024,2048] [--steps 40] [--warmup 5] [--label after] [--out DIR] [--profile W,R,C]
+        [--tree DIR]
 
 What runs: the real `DecodeWorker` (engine/decode_worker.py) turn by turn, with its real `DecodeScheduler`,
 `BlockManager` (prefix caching on, block size 16), `StepCycle`, `launch_step`, the runner's real input building
@@ -17,8 +18,8 @@ decode-only step), and before every turn the queue is topped up (new 1024-token 
 inbox) to W waiting requests plus the ceil(C / 1024) the step's chunk admits, so the chunk always finds prompt
 work and W requests wait beyond it. A prompt's first token ends it, so the decode batch stays at R.
 
-Phases (ms per turn, mean over --steps turns after --warmup; exclusive: a phase's time excludes the phases
-called inside it):
+Phases (ms per turn, the median over --steps turns after --warmup, each phase's on its own, so they need not add up
+to the host's median; exclusive: a phase's time excludes the phases called inside it):
 - inbox: `io.drain` + `DecodeWorker.handle` (msgspec decode, `DecodeScheduler.add`);
 - state: `shape_state` (the policy's view of the queues); decide: `DuetPolicy.decide`;
 - plan: `DecodeScheduler.plan` / `schedule` (growth, admission: hashing, block allocation) and `launched`;
@@ -44,6 +45,7 @@ import os
 import platform
 import pstats
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -54,7 +56,15 @@ from typing import Any
 import msgspec
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+def _tree() -> str:
+    """The rapidserve to measure: `--tree DIR`'s (read before anything imports it), else this checkout's."""
+    if "--tree" in sys.argv:
+        return os.path.abspath(sys.argv[sys.argv.index("--tree") + 1])
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+sys.path.insert(0, _tree())
 
 from rapidserve.config import EngineConfig  # noqa: E402
 from rapidserve.config_builder import build_engine_config  # noqa: E402
@@ -162,6 +172,7 @@ class PinnedChunk:
 
     def __init__(self, inner: DuetPolicy, chunk: int) -> None:
         self.inner, self.chunk = inner, chunk
+        self.reads_queue_head = getattr(inner, "reads_queue_head", False)  # as the worker would tell duet
 
     @property
     def last(self) -> Any:
@@ -251,25 +262,30 @@ class Cell:
         step_cycle.launch_step = ph.wrap("launch", launch)  # type: ignore[assignment]
         ph.patch(w, "_complete", "record")
         ph.patch(w, "publish", "publish")
-        turns = 0.0
+        turns: list[dict[str, float]] = []
         try:
             for _ in range(steps):
+                ph.ms.clear()
                 t0 = time.perf_counter()
                 if profile is not None:
                     profile.enable()
                 w.turn()
                 if profile is not None:
                     profile.disable()
-                turns += (time.perf_counter() - t0) * 1e3
+                wall = (time.perf_counter() - t0) * 1e3
+                turn = {p: ph.ms.get(p, 0.0) for p in PHASES[:-2]}
+                turn["host"] = wall - ph.ms.get("model", 0.0)
+                turn["other"] = turn["host"] - sum(turn[p] for p in PHASES[:-2])
+                turns.append(turn)
                 self.io.sent.clear()
                 self.top_up()
         finally:
             step_cycle.launch_step = launch  # type: ignore[assignment]
             r.model = model  # type: ignore[assignment]
-        out = {k: v / steps for k, v in ph.ms.items()}
-        named = sum(out.get(p, 0.0) for p in PHASES[:-2])
-        host = turns / steps - out.get("model", 0.0)
-        out["other"], out["host"] = host - named, host
+        # medians over the turns: a turn the OS took the core from (another process) moves no figure
+        out = {p: statistics.median(t[p] for t in turns) for p in PHASES}
+        out["host_mean"] = statistics.fmean(t["host"] for t in turns)
+        out["host_max"] = max(t["host"] for t in turns)
         out["running"] = float(len(w.sched.running))
         return out
 
@@ -313,12 +329,14 @@ def main() -> None:
     ap.add_argument("--waiting", default="0,16,64,256,1024")
     ap.add_argument("--rows", default="32,128,300,512")
     ap.add_argument("--chunks", default="0,512,1024,2048")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-model-len", type=int, default=40960, help="Qwen3-8B's (the decode block tables' width)")
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", type=Path, default=None, help="merge the rows into DIR/host_step_cost.json")
     ap.add_argument("--profile", default=None, help="W,R,C: cProfile that one cell's measured turns instead")
+    ap.add_argument("--tree", default=None, help="measure the rapidserve of this folder (e.g. a worktree of a base "
+                    "commit) with this script")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.profile:

@@ -30,7 +30,7 @@ from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, roofline_profile
 from rapidserve.partition.runtime import DecodePartition, PartitionPlan
-from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape
+from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, queue_head
 from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, DuetWithoutSlo, ScriptedPolicy
 from rapidserve.partition_config import PartitionConfig
 from tests.test_worker_faults import FakeIO
@@ -242,10 +242,16 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
     p = PrefillWorker(cfg, llm.engine.runner, io, backend, OVERALLOCATED)  # type: ignore[arg-type]
     assert isinstance(d.policy, DuetPolicy if two_configs else DuetWithoutSlo) and d.has_prefill
     assert d.partition.adaptive == two_configs
+    assert (d.queue_head, d.reads_queue) == (two_configs, two_configs)  # DuetPolicy: the queue's head (ShapeState)
     shapes: list[StepShape] = []
     decide = d.policy.decide
+    cut = 0
 
     def recorded(st: ShapeState) -> StepShape:
+        nonlocal cut
+        whole = d.sched.pending_prefill()
+        assert st.waiting == (queue_head(whole, st.max_chunk_tokens) if two_configs else ())  # DuetWithoutSlo: none
+        cut += 0 < len(st.waiting) < len(whole)
         shapes.append(decide(st))
         return shapes[-1]
 
@@ -256,6 +262,7 @@ def test_duet_without_an_slo_fuses_every_step_and_never_splits(
     assert told == [] and not io.sent["p2r"]  # no KVReady, no SetPartition: the prefill worker never had work
     assert [[t.token_id for t in streams(io)[f"q{i}"]] for i in range(len(prompts))] == want
     assert shapes and not any(isinstance(s, Split) for s in shapes)
+    assert (cut > 0) == two_configs  # the queue was longer than a step's budget (48 tokens) now and then
     assert Fused(cfg.scheduler.max_num_batched_tokens) in shapes  # the whole budget (48 tokens), decodes included
     assert set(shapes) <= {Fused(48), DecodeAlone(OVERALLOCATED)}, set(shapes)
     assert d.partition.steps.keys() == {OVERALLOCATED} and d.partition.num_switches == 0

@@ -10,12 +10,16 @@
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_request import DecodeRequest
 from rapidserve.partition.policy import PendingWork, WaitingPrefill
-from rapidserve.partition.shape import ShapeState, StepShape
+from rapidserve.partition.shape import ShapeState, StepShape, queue_head
+
+_PENDING = frozenset(("waiting", "prefilling", "chunking"))  # the states whose prompt is not yet computed
+_ORDER = attrgetter("order")
 
 
 class SchedulerViews:
@@ -45,19 +49,20 @@ class SchedulerViews:
         return bool(self.waiting) or bool(self.chunking) or self.num_prefilling > 0
 
     # ---- the policies' inputs -----------------------------------------------------------------
-    def pending_prefill(self) -> tuple[WaitingPrefill, ...]:
+    def pending_prefill(self, head: int | None = None) -> tuple[WaitingPrefill, ...]:
         """Prompt work not yet done, in arrival order, for the scheduling policy: each request's tokens
         beyond what is in the cache (a prefilling one's cached prefix, prefill's progress not being known
         here; a chunking one's tokens computed so far; a waiting one's prefix is what its admission would
-        find cached now)."""
-        reqs = sorted((r for r in self.reqs.values() if r.state in ("waiting", "prefilling", "chunking")
-                       and not r.aborting), key=lambda r: r.order)
-        out = []
-        for r in reqs:
-            prefix = r.cached if r.state == "prefilling" else r.computed if r.state == "chunking" else \
-                self._expected_prefix(r)
-            out.append(WaitingPrefill(r.req_id, r.request.arrival, max(1, r.num_tokens - prefix), prefix))
-        return tuple(out)
+        find cached now). `head` (tokens): only `queue_head(that list, head)` (partition/shape.py), the entries
+        behind it not looked up (a prefix lookup each, every step: milliseconds a step with a thousand queued)."""
+        reqs = sorted((r for r in self.reqs.values() if r.state in _PENDING and not r.aborting), key=_ORDER)
+        entries = map(self._pending_entry, reqs)  # lazy: `queue_head` makes only the entries it lists
+        return tuple(entries) if head is None else queue_head(entries, head)
+
+    def _pending_entry(self, r: DecodeRequest) -> WaitingPrefill:
+        prefix = r.cached if r.state == "prefilling" else r.computed if r.state == "chunking" else \
+            self._expected_prefix(r)
+        return WaitingPrefill(r.req_id, r.request.arrival, max(1, r.num_tokens - prefix), prefix)
 
     def prefill_worker_tokens(self) -> int:
         """Prompt tokens handed to the prefill worker and not answered yet (its cached prefix left out)."""
@@ -65,13 +70,16 @@ class SchedulerViews:
                    if r.state == "prefilling" and not r.aborting)
 
     def shape_state(self, current: StepShape, slo_itl_ms: float | None, max_chunk_tokens: int,
-                    queue: bool = True) -> ShapeState:
+                    queue: bool = True, head: bool = False) -> ShapeState:
         """What a step policy is told at this step boundary (partition/shape.py). `waiting` lists every
         prompt not yet computed, those the prefill worker holds included (also in `prefill_worker_tokens`);
         `queue=False` (a policy that reads no queue: `reads_waiting`) leaves it empty, saving a prefix lookup
-        per queued prompt each step."""
-        return ShapeState(self.decode_contexts(), self.pending_prefill() if queue else (),
-                          self.prefill_worker_tokens(), current, slo_itl_ms, max_chunk_tokens)
+        per queued prompt each step; `head=True` (a policy that reads only the queue's first `max_chunk_tokens`
+        tokens: `reads_queue_head`) lists only that head (`pending_prefill(max_chunk_tokens)`; what it keeps:
+        `ShapeState`'s docstring)."""
+        waiting = self.pending_prefill(max_chunk_tokens if head else None) if queue else ()
+        return ShapeState(self.decode_contexts(), waiting, self.prefill_worker_tokens(), current, slo_itl_ms,
+                          max_chunk_tokens)
 
     def pending_work(self, cap: int) -> PendingWork:
         """Prompt tokens still to compute (a prefilling request's beyond its cached prefix, prefill's progress

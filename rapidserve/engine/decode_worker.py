@@ -83,6 +83,9 @@ class DecodeWorker(StepCycle):
         # A policy that reads no queue (`reads_waiting = False`) is told none: a prefix lookup per queued prompt
         # each step saved (ms a step with a thousand queued on a CPU core)
         self.reads_queue = bool(getattr(self.policy, "reads_waiting", True))
+        # one that reads only the queue's head (`reads_queue_head`: DuetPolicy) is told only that: a lookup per prompt
+        # in the first step's token budget, however long the queue (partition/shape.py ShapeState)
+        self.queue_head = bool(getattr(self.policy, "reads_queue_head", False))
         self.step_tokens, self.ahead = sc.max_num_batched_tokens, sc.async_scheduling
         self.config = partition.current  # the configuration whose stream and graphs the steps use
         self.shape: StepShape = DecodeAlone(self.config)
@@ -143,7 +146,8 @@ class DecodeWorker(StepCycle):
     def begin_step(self) -> None:
         """Ask the policy for this step's shape and carry out its configuration before admission, so prefill
         hears of a switch before the KVReady of the work it concerns (same ring, in order)."""
-        state = self.sched.shape_state(self.shape, self.cfg.partition.slo_itl_ms, self.step_tokens, self.reads_queue)
+        state = self.sched.shape_state(self.shape, self.cfg.partition.slo_itl_ms, self.step_tokens, self.reads_queue,
+                                       self.queue_head)
         shape = self.policy.decide(state)
         if isinstance(shape, Split) and not self.has_prefill:
             raise RuntimeError(f"step policy {self.policy.name!r} asked for a split step, but it runs without a "

@@ -20,6 +20,7 @@ cases on CPU. The worker carries a decision out and feeds back the measured step
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +60,15 @@ StepShape = Fused | Split | DecodeAlone
 
 @dataclass(frozen=True)
 class ShapeState:
-    """What a policy is told at one step boundary."""
+    """What a policy is told at one step boundary.
+
+    `waiting` may be only the head of the queue, for a policy that says it reads no further
+    (`reads_queue_head = True`, an optional attribute of a `StepPolicy`; absent: False): then it is
+    `queue_head(queue, max_chunk_tokens)` (the worker builds it lazily: engine/decode_views.py `pending_prefill`).
+    What such a policy may rely on, and all it may read: `pending_tokens` is the whole queue's when that is at
+    most `max_chunk_tokens` and above `max_chunk_tokens` otherwise (so `min(max_chunk_tokens, pending_tokens)` and
+    whether a chunk of at most `max_chunk_tokens` finishes every pending prompt are the whole queue's), and the
+    first `max_chunk_tokens` tokens of the queue are listed as in the whole one (partition/policies.py `chunks`)."""
 
     decode_contexts: tuple[int, ...]  # each running request's context (tokens in the cache)
     waiting: tuple[WaitingPrefill, ...]  # admitted-or-waiting prompt work not yet computed, arrival order
@@ -77,6 +86,20 @@ class ShapeState:
     @property
     def pending_tokens(self) -> int:
         return sum(w.tokens for w in self.waiting)
+
+
+def queue_head(waiting: Iterable[WaitingPrefill], tokens: int) -> tuple[WaitingPrefill, ...]:
+    """The head of a queue in arrival order: its entries up to and including the one whose tokens take their sum
+    past `tokens` (all of them when their sum is at most `tokens`). `waiting` is read no further than that, so a
+    lazily made queue's later entries are never made. Pure."""
+    out: list[WaitingPrefill] = []
+    total = 0
+    for w in waiting:
+        out.append(w)
+        total += w.tokens
+        if total > tokens:
+            break
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ The engine carries them out through the one decode worker (engine/decode_worker.
 * `ScriptedPolicy` (tests): the shapes of a list, or of a function of the call count and the state, so a test
   forces fused -> split -> fused transitions where it wants them.
 A policy may say it reads no queue (`reads_waiting = False`, an optional attribute; absent: True): the worker
-then leaves `ShapeState.waiting` empty rather than look up every queued prompt's cached prefix each step.
+then leaves `ShapeState.waiting` empty rather than look up every queued prompt's cached prefix each step; one that
+reads only the queue's head (`reads_queue_head = True`: `DuetPolicy`) is told only that head (partition/shape.py
+`ShapeState`).
 """
 
 from __future__ import annotations
