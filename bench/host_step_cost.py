@@ -28,7 +28,9 @@ to the host's median; exclusive: a phase's time excludes the phases called insid
 - record: `StepCycle._complete` (landed rows, `record`, `chunks_landed`, `observe`);
 - publish: `DecodeWorker.publish` (retain, encode TokenBatch / Finished / Stats);
 - other: the turn's wall time minus the above and the stand-in model (begin_step's rest, `_step`'s rest);
-- host: the turn's wall time minus the stand-in model.
+- host: the turn's wall time minus the stand-in model;
+- full gc: one full pass of Python's collector over the cell's state after the turns (start-up's objects frozen,
+  as a worker freezes them): the pause a turn takes when a generation-2 collection falls in it.
 Times are this machine's (2 CPU cores here); only their ratios carry over to a GPU host. No GPU-side effect is
 measured: on a GPU the host also launches the kernels (36 layers of piecewise graphs + attention), not counted here.
 """
@@ -39,6 +41,7 @@ import argparse
 import cProfile
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import os
@@ -201,6 +204,8 @@ def engine(max_rows: int, max_model_len: int) -> tuple[EngineConfig, ModelRunner
     cfg = dataclasses.replace(cfg, runner=dataclasses.replace(cfg.runner, graph_batch_sizes=(1, 2048)))
     runner = load_runner(cfg)
     runner.model = StandIn(runner.model)  # type: ignore[assignment]
+    gc.collect()
+    gc.freeze()  # as a worker settles its heap after start-up (engine/worker_io.py settle_heap)
     return cfg, runner
 
 
@@ -287,6 +292,9 @@ class Cell:
         out["host_mean"] = statistics.fmean(t["host"] for t in turns)
         out["host_max"] = max(t["host"] for t in turns)
         out["running"] = float(len(w.sched.running))
+        t0 = time.perf_counter()
+        gc.collect()
+        out["full_gc"] = (time.perf_counter() - t0) * 1e3  # one full pass of the collector over this state
         return out
 
 
@@ -307,20 +315,19 @@ def ints(text: str) -> list[int]:
 
 
 def table(rows: list[dict[str, Any]], labels: list[str]) -> str:
-    head = "| W | R | C | " + " | ".join(f"{p} ({labels[-1]})" if p != "host" else "host" for p in PHASES[:-1])
-    if len(labels) > 1:
-        head += " | " + " | ".join(f"host {lab}" for lab in labels)
-    else:
-        head += f" | host ({labels[0]})"
-    lines = [head + " |", "|" + "---|" * (head.count("|") - 1)]
+    """One line per cell: the last label's phases (ms per turn), then each label's host time and full collection."""
+    last = labels[-1]
+    head = ["W", "R", "C", *(f"{p} ({last})" for p in PHASES[:-1]), *(f"host {lab}" for lab in labels),
+            *(f"full gc {lab}" for lab in labels)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cells: dict[tuple[int, int, int], dict[str, dict[str, float]]] = defaultdict(dict)
     for row in rows:
         cells[(row["waiting"], row["rows"], row["chunk"])][row["label"]] = row["ms"]
     for (w, r, c), by in sorted(cells.items()):
-        last = by.get(labels[-1]) or next(iter(by.values()))
-        vals = [f"{last.get(p, 0.0):.2f}" for p in PHASES[:-1]]
-        hosts = [f"{by[lab]['host']:.2f}" if lab in by else "-" for lab in labels]
-        lines.append(f"| {w} | {r} | {c} | " + " | ".join(vals + hosts) + " |")
+        phases = by.get(last, {})
+        vals = [f"{phases[p]:.2f}" if p in phases else "-" for p in PHASES[:-1]]
+        vals += [f"{by[lab][k]:.2f}" if k in by.get(lab, {}) else "-" for k in ("host", "full_gc") for lab in labels]
+        lines.append(f"| {w} | {r} | {c} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 

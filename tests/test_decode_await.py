@@ -71,8 +71,9 @@ def worker(inbox: list[list[Any]], partition: DecodePartition) -> DecodeWorker:
     w.cfg = Cfg(partition.pcfg)  # type: ignore[assignment]
     w.io = IO(deque(inbox))  # type: ignore[assignment]
     w.sched, w.partition, w.grammar = make(), partition, Grammar()  # type: ignore[assignment]
-    w._out, w._stop = [], False
+    w._out, w._first, w._stop = [], [], False
     w.policy, w.has_prefill, w.reads_queue = AlwaysSplit(partition, 8192, w._rapid_inputs), True, True
+    w.queue_head = False
     w.config = w.fused_config = partition.current
     w.shape, w.step_tokens = Split(partition.current, 8192), 8192
     return w
@@ -105,7 +106,7 @@ def test_await_serves_the_inbox(plan: PartitionPlan, slo: float, handed: list[st
     w._await(Event(5))  # type: ignore[arg-type]
     assert [kv.req_id for kv in w.io.to_prefill.sent] == handed
     assert not w.io.to_router.sent  # r0's first token streams after the step has landed (publish)
-    assert [t.req_id for t in w._out] == ["r0"]
+    assert [t.req_id for t in w._first] == ["r0"]  # held for the publish after the next launch
     assert [r.req_id for r in w.sched.waiting] == ([] if handed else ["r1"])
 
 

@@ -27,6 +27,9 @@ and is counted by kind for the Stats the router gets (`step_timed`, engine/step_
 A step is launched one ahead (`SchedulerConfig.async_scheduling`, the default): the tokens of the step in
 flight stay on the device and feed the next step's inputs directly (`runner.Carry`); the host records them
 (emit, stop, free) while the next one runs. `--no-async-scheduling` records each step before planning the next.
+A step in flight that has already landed when the next one is to be planned (the host late) is recorded and
+published first (`step_landed_early`, engine/step_cycle.py's docstring: the order), so its tokens never wait for
+the next step's planning and launch.
 
 Structured outputs (rapidserve/structured): the matcher state is not sent by prefill; this worker builds its
 own matcher by replaying the tokens it knows (the first token from PrefillDone; after a preemption, every
@@ -93,7 +96,8 @@ class DecodeWorker(StepCycle):
         self.fused_config = OVERALLOCATED if OVERALLOCATED in names else self.config  # a fused step: the whole GPU
         self.inflight: list[InFlight] = []  # launched, not recorded, oldest first (at most one between turns)
         self._launching: StepBatch | None = None
-        self._out: list[m.TokenOut] = []
+        self._out: list[m.TokenOut] = []  # the landed steps' tokens (StepCycle)
+        self._first: list[m.TokenOut] = []  # first tokens from PrefillDone, sent at the publish after the next launch
         self._last_stats = 0.0
         self.tally = StepTally(cfg.partition.slo_itl_ms)  # the landed steps by kind, for Stats (engine/step_tally.py)
         self._stop = False
@@ -131,7 +135,7 @@ class DecodeWorker(StepCycle):
         elif isinstance(msg, m.PrefillDone):
             first = self.sched.prefill_done(msg)
             if first is not None:
-                self._out.append(first)  # streamed with this loop's publish, once the next step is launched
+                self._first.append(first)  # streamed with this loop's publish, once the next step is launched
         elif isinstance(msg, m.PrefillFailed):
             self.sched.prefill_failed(msg)
         elif isinstance(msg, m.Dropped):
@@ -218,6 +222,9 @@ class DecodeWorker(StepCycle):
     def step_timed(self, timing: StepTiming) -> None:
         self.tally.add(timing)
 
+    def step_landed_early(self) -> None:
+        self.publish(landed=True)  # the landed step's tokens go out before this step is planned (engine/step_cycle.py)
+
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land while serving the inbox: in a split step, a new request gets its blocks and
         goes to prefill at once when the partition would stay as it is with prefill pending
@@ -237,13 +244,18 @@ class DecodeWorker(StepCycle):
                     self.partition.keeps_with_prefill(len(s.running), s.mean_context(), self._pending_work()):
                 self.admit()
 
-    def publish(self) -> None:
+    def publish(self, landed: bool = False) -> None:
+        """What the steps produced, to the router. `landed`: a step recorded before this one's planning
+        (`step_landed_early`): the first tokens from PrefillDone wait for the publish after this step's launch."""
         s = self.sched
         # penalty slots and matchers of requests no longer running (ended, preempted) are released; compiles: ended
         retain(self.runner, self.grammar, ((r.req_id, slot_key(r)) for r in s.running), known=s.reqs)
-        if self._out:
-            self.io.to_router.send(m.TokenBatch(self._out))
+        out = self._out if landed else self._first + self._out
+        if out:
+            self.io.to_router.send(m.TokenBatch(out))
             self._out = []
+            if not landed:
+                self._first = []
         for fin in s.finished:
             self.io.to_router.send(fin)
         s.finished.clear()

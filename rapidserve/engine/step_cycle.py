@@ -10,8 +10,22 @@ in flight the pool is not quiet, and a plan that must preempt waits for that ste
 owner's stream (engine/step_launch.py), then record the step before it (`ahead`, `SchedulerConfig.async_scheduling`:
 one step in flight between steps) or this one, and give each landed step's time to the policy (`observe`).
 
+The order, scheduling ahead. While the device is the bottleneck (its step takes longer than the host's turn) the
+step in flight, N, is still running when step N+1 is planned, so N+1 is planned and launched first (its decode rows
+fed N's tokens on the device, `runner.Carry`) and N is recorded as soon as it lands, with N+1 queued behind it: the
+device never waits for the host. When the host is late (a turn longer than the device's step: a long queue, a
+collector pause, a burst of arrivals), N has landed before N+1 is planned; recording it only after N+1's planning
+and launch would hold its tokens back by that much for nothing (the device is idle either way). So a step in flight
+whose end event has completed (`InFlight.landed`: a GPU's, asked without waiting) is recorded first and handed to
+the owner (`step_landed_early`: the decode worker publishes its tokens then), and N+1 is planned with nothing in
+flight, as `--no-async-scheduling` plans every step; the step after it is planned ahead again. On the CPU a step is
+done when its launch returns (no event), and the order stays the ahead one. Recording N before N+1 is planned, never
+between N+1's planning and its launch, keeps the block rule: a request that N ends is not in N+1, and its blocks
+are freed only once nothing launched writes them (engine/decode_scheduler.py).
+
 Hooks an owner may override: `step_stream` (the stream a step is queued on; default the current one),
 `step_noted` (a step was queued), `step_timed` (a step landed: its `StepTiming`, after the policy's `observe`),
+`step_landed_early` (the step in flight was recorded before this one's planning: publish it now),
 `_await` (wait for a step to land; the worker serves its inbox meanwhile) and
 `step_failed` (after a failed step was cleaned up: the worker goes on, `LLM`'s engine raises what is not a row's
 own constraint failure).
@@ -65,6 +79,10 @@ class StepCycle:
     def step_timed(self, timing: StepTiming) -> None:
         """A step landed; `timing` is what the policy was just told of it (`observe`)."""
 
+    def step_landed_early(self) -> None:
+        """The step in flight had landed before this one was planned and was recorded then: what it produced (`_out`,
+        `sched.finished`) may go out now, ahead of this step's planning and launch."""
+
     def _await(self, done: torch.cuda.Event) -> None:
         """Wait for a step to land."""
         done.synchronize()
@@ -103,7 +121,12 @@ class StepCycle:
         return False
 
     def _step(self) -> bool:
-        """Plan and launch this step, then record the one before it (or, waiting for each step, this one)."""
+        """Plan and launch this step, then record the one before it (or, waiting for each step, this one). A step in
+        flight that has landed already is recorded first, and handed to the owner (`step_landed_early`), before this
+        step is planned (module docstring: the order)."""
+        if self.inflight and self.inflight[-1].landed:
+            self._complete_all()
+            self.step_landed_early()
         t0 = time.perf_counter()
         hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
         batch = self._plan(hold)

@@ -87,6 +87,12 @@ class InFlight:
         """Every request whose blocks the step writes."""
         return self.batch.decode + [c.req for c in self.batch.chunks]
 
+    @property
+    def landed(self) -> bool:
+        """Known to have landed without waiting: its end event has completed. Never on the CPU, where `done` is None
+        (the step was done on return, and the caller keeps the order it has for a step in flight)."""
+        return self.done is not None and bool(self.done.query())
+
 
 def slot_key(r: DecodeRequest) -> tuple[str, int]:
     """The key of a request's penalty slot (logit_controls.py): a new one after each preemption."""
