@@ -214,6 +214,18 @@ class BlockManager:
         table.extend(added)
         return added
 
+    def try_grow(self, seq_id: str, new_len: int) -> bool:
+        """`grow` when the free blocks allow it (True, the table covers `new_len` tokens), else nothing (False): a
+        scheduler's `can_grow` then `grow` in one look at the table (once per running sequence per step)."""
+        table = self._tables[seq_id]
+        n = -(-new_len // self.block_size) - len(table)
+        if n <= 0:
+            return True
+        if n > len(self._free):
+            return False
+        table.extend(self._take() for _ in range(n))
+        return True
+
     def needs_commit(self, seq_id: str, num_computed: int) -> bool:
         """Whether `commit` with this count would register a block: a cheap test for the per-step
         callers, which then build the token list only when a block has filled up."""

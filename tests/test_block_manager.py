@@ -266,3 +266,30 @@ def test_check_catches_a_stale_pending_block() -> None:
     b._pending_of.pop("a")
     with pytest.raises(BlockManagerError, match="pending"):
         b.check()
+
+
+@pytest.mark.parametrize(("have", "new_len", "free", "grown"), [
+    (2, 8, 3, True),  # covered already: nothing taken, whatever is free
+    (2, 8, 0, True),
+    (2, 9, 1, True),  # one block more
+    (2, 13, 2, True),  # two more, exactly what is free
+    (2, 13, 1, False),  # two more, one free: nothing changes
+    (2, 9, 0, False),
+])
+def test_try_grow_is_can_grow_then_grow(have: int, new_len: int, free: int, grown: bool) -> None:
+    """`try_grow` grows exactly as `can_grow` then `grow` would (the same blocks, in order), or changes nothing."""
+    tables = []
+    for tried in (True, False):
+        b = bm(n=have + free + 2)
+        b.allocate("a", have * BS)
+        b.allocate("x", 2 * BS)  # two blocks held elsewhere, so the free list is `free` long
+        assert b.num_free == free
+        if tried:
+            assert b.try_grow("a", new_len) is grown
+        else:
+            assert b.can_grow("a", new_len) is grown
+            if grown:
+                b.grow("a", new_len)
+        b.check()
+        tables.append((list(b.table("a")), b.num_free))
+    assert tables[0] == tables[1] and (len(tables[0][0]) * BS >= new_len) == grown

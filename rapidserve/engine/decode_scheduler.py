@@ -223,10 +223,12 @@ class DecodeScheduler(SchedulerViews):
         and blocks but sit out the step (not grown; still preemptible), and join once ready. Such a
         request has no step in flight: it has never been in a batch of this worker."""
         batch: list[DecodeRequest] = []
+        blocks = self.blocks
         for r in list(self.running):
-            if r.state != "running" or r.req_id in hold or self._ends_in_flight(r):
+            if r.state != "running" or r.req_id in hold or (r.inflight and self._ends_in_flight(r)):
                 continue  # preempted as a victim earlier in this pass; held; finishing
-            while not self.blocks.can_grow(r.req_id, r.tokens_needed):
+            need = r.tokens_needed
+            while not blocks.try_grow(r.req_id, need):  # grown when the pool allows, else a victim is freed
                 if not quiet:
                     return None
                 victim = max(self.running + self.chunking, key=lambda x: x.order)
@@ -234,7 +236,6 @@ class DecodeScheduler(SchedulerViews):
                 if victim is r:
                     break
             else:
-                self.blocks.grow(r.req_id, r.tokens_needed)
                 batch.append(r)
         return [r for r in batch if r.state == "running"]
 

@@ -54,9 +54,13 @@ def retain(runner: ModelRunner, book: GrammarBook | None, running: Iterable[tupl
            known: Iterable[str] | None = None) -> None:
     """Free what requests no longer running hold: penalty slots (logit_controls.py; `running` gives each
     running request's id and slot key) and matchers; with `known` (the requests the engine still has),
-    the compile states of every other request."""
+    the compile states of every other request. Holding none of them (most steps), `running` is not read: a
+    generator over the running batch costs nothing then."""
+    holder = book if book is not None and len(book) else None  # a book holding matchers or compile states
+    if holder is None and not runner.tokens.in_use:
+        return
     keep = list(running)
     if runner.tokens.in_use:
         runner.tokens.retain(key for _, key in keep)
-    if book is not None and len(book):
-        book.retain((rid for rid, _ in keep), known=known)
+    if holder is not None:
+        holder.retain((rid for rid, _ in keep), known=known)
