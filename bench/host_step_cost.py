@@ -301,7 +301,7 @@ class Cell:
 
 
 class _Called:
-    """The stand-in model with its call and logits timed as "model" (excluded from the host's time)."""
+    """The stand-in model, its call and logits timed as "model" (left out of the host's time)."""
 
     def __init__(self, model: StandIn, ph: Phases) -> None:
         self.ops, self.attn, self.cfg = model.ops, model.attn, model.cfg
@@ -346,19 +346,17 @@ def main() -> None:
     ap.add_argument("--label", default="run")
     ap.add_argument("--out", type=Path, default=None, help="merge the rows into DIR/host_step_cost.json")
     ap.add_argument("--profile", default=None, help="W,R,C: cProfile that one cell's measured turns instead")
-    ap.add_argument("--tree", default=None, help="measure the rapidserve of this folder (e.g. a worktree of a base "
-                    "commit) with this script")
+    ap.add_argument("--tree", default=None, help="measure the rapidserve of this folder (a worktree of a base commit)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.profile:
         w, r, c = ints(args.profile)
         cfg, runner = engine(r, args.max_model_len)
-        cell = Cell(cfg, runner, w, r, c, 0)
+        cell, prof = Cell(cfg, runner, w, r, c, 0), cProfile.Profile()
         cell.setup()
-        prof = cProfile.Profile()
         cell.measure(args.steps, args.warmup, prof)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        for key, n in (("tottime", 30), ("cumulative", 40)):
+            pstats.Stats(prof).sort_stats(key).print_stats(n)
         return
     grid = [(w, r, c) for r in ints(args.rows) for w in ints(args.waiting) for c in ints(args.chunks)]
     cfg, runner = engine(max(ints(args.rows)), args.max_model_len)

@@ -374,9 +374,7 @@ class DuetPolicy:
 
     name = "duet"
     workers = POLICY_SPECS["duet"].workers
-    # it reads the queue only through `pending_tokens` capped at max_chunk_tokens and `chunks` of at most that many
-    # tokens: the worker lists only the queue's head (ShapeState's docstring), not a prefix lookup per queued prompt
-    reads_queue_head = True
+    reads_queue_head = True  # it reads no more of the queue than its head (shape.py ShapeState; table-tested)
 
     def __init__(self, costs: StepCosts, params: AdaptiveParams = DEFAULT_PARAMS,
                  correction: CorrectionParams = DEFAULT_CORRECTION, margin: MarginParams | None = None) -> None:
