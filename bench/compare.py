@@ -154,6 +154,7 @@ from compare_search import RUN_ERRORS, repeats, system_search, workload_searches
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
+    RAPIDSERVE,
     SWEEP_SYSTEMS,
     SYSTEMS,  # noqa: F401
     VLLM,
@@ -207,8 +208,10 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
     url = system.url if system.kind == EXT else f"http://127.0.0.1:{port}"
     log_path = os.path.join(a.out, "compare_logs", f"{a.name}__{safe_name(label)}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    server = make_server(a, system, port)
-    info.update(url=url, log=log_path, status="ok")
+    trace = (os.path.join(a.out, "compare_logs", f"{a.name}__{safe_name(label)}.steps.jsonl")
+             if a.step_traces and system.kind == RAPIDSERVE else None)
+    server = make_server(a, system, port, trace)
+    info.update(url=url, log=log_path, status="ok", **({"step_trace": trace} if trace else {}))
     if server.cmd is not None:
         info["command"] = shlex.join(server.cmd)
     print(f"== {label}: {info.get('command') or url}", flush=True)

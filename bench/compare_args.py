@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout-s", type=positive_float, default=900.0,
                    help="per server (vLLM takes 2-3 min: torch.compile and CUDA graphs)")
     p.add_argument("--port", type=nonneg_int, default=0, help="server port (default: a free one)")
+    p.add_argument("--step-traces", action="store_true",
+                   help="start each rapidserve server with --step-trace "
+                        "<out>/compare_logs/<name>__<system>.steps.jsonl (every landed step of its decode "
+                        "worker; python bench/step_fit.py reads them)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--name", default="compare")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")

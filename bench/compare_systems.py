@@ -437,11 +437,13 @@ class ScriptVllm(Server):
         return self.log_file
 
 
-def make_server(a: argparse.Namespace, system: System, port: int) -> Server:
+def make_server(a: argparse.Namespace, system: System, port: int, step_trace: str | None = None) -> Server:
+    """How `system` is started; a rapidserve server with `step_trace` appends its decode worker's steps there."""
     if system.kind == EXT:
         return Server()
     if system.kind == RAPIDSERVE:
-        return ChildServer(serve_command(a.model, port, a.serve_args, system.flags))
+        trace = ["--step-trace", step_trace] if step_trace else []
+        return ChildServer([*serve_command(a.model, port, a.serve_args, system.flags), *trace])
     cmd = vllm_command(a.vllm_model, port, a.serve_args, system.flags, a.vllm_serve_path)
     if a.vllm_serve_path:
         return ScriptVllm(cmd, port, a.vllm_run_dir)

@@ -110,6 +110,10 @@ def add_serve_parser(sub: Any) -> None:
     sv.add_argument("--restart-window-s", type=positive_float, default=600.0)
     sv.add_argument("--heartbeat-timeout-s", type=positive_float, default=None,
                     help="a worker silent this long is killed as hung (default: 60 on a GPU, 600 on a CPU)")
+    sv.add_argument("--step-trace", metavar="PATH", default=None,
+                    help="append every landed step of the decode worker to PATH, a JSON line each: its shape, rows, "
+                         "contexts, prompt chunks, the policy's prediction and the measured time (for "
+                         "bench/step_fit.py; -dp N: PATH.dp<i> per engine); a diagnostic, ~250 bytes a step")
     add_partition_args(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -119,6 +123,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     `engine_sections`), then `run`: the port is bound first (busy: exit 1 at once), and the config tree is built
     (`build`: a bad model or --max-model-len exits 2), then auto-profiled, while it answers 503 starting."""
     from rapidserve.config import ParallelConfig
+    from rapidserve.engine.step_trace import check_trace_path
     from rapidserve.launch_config import LaunchConfig
     from rapidserve.server.serve import run
     from rapidserve.server.startup import BindError
@@ -131,9 +136,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
         raise ConfigError(f"--device {a.device} names one GPU but --tensor-parallel-size x --data-parallel-size uses "
                           f"{parallel.world_size}; use --device cuda (or auto) and pick GPUs with CUDA_VISIBLE_DEVICES")
+    if a.step_trace is not None:
+        check_trace_path(a.step_trace)  # before the model loads: a bad path fails at once
     launch = LaunchConfig(mps=a.mps, on_worker_death=a.on_worker_death, mode=serve_mode(a),
                           max_restarts=a.max_restarts, restart_window_s=a.restart_window_s,
-                          heartbeat_timeout_s=a.heartbeat_timeout_s, log_level=a.log_level)
+                          heartbeat_timeout_s=a.heartbeat_timeout_s, log_level=a.log_level,
+                          step_trace=a.step_trace)
     engine_sections(**setting_kwargs(a), launch=launch, partition=pcfg)  # type: ignore[arg-type]
 
     def build() -> tuple[object, object]:  # on a thread of `run`, once the port answers (imports torch)

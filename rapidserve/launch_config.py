@@ -40,11 +40,13 @@ class LaunchConfig:
     stats_interval_s: float = 0.25
     mode: EngineMode = "rapid"  # which workers start (ENGINE_MODES); hybrid and disagg use no MPS
     log_level: str = "info"  # the workers' logging (LOG_LEVELS): their start-up steps are logged at info
+    step_trace: str | None = None  # --step-trace: the decode worker appends each landed step here (engine/step_trace)
 
     def __post_init__(self) -> None:
         check(self.mps in ("auto", "on", "off"), f"mps={self.mps!r}; use auto, on or off")
         check(self.log_level in LOG_LEVELS, f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         check(self.mode in ENGINE_MODES, f"mode={self.mode!r}; use one of {list(ENGINE_MODES)}")
+        check(self.step_trace is None or bool(self.step_trace), "step_trace='': give a file path, or None for none")
         check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
         check(self.startup_timeout_s > 0, f"startup_timeout_s={self.startup_timeout_s} must be > 0")

@@ -43,6 +43,7 @@ from rapidserve.engine.client import AsyncEngine, gpu_platform
 from rapidserve.engine.dp_stats import CounterCarry, combine_stats
 from rapidserve.engine.errors import EngineError
 from rapidserve.engine.mps import MpsController, MpsPlan
+from rapidserve.engine.step_trace import trace_path
 from rapidserve.sampling_params import SamplingParams
 
 log = logging.getLogger("rapidserve.engine")
@@ -104,7 +105,10 @@ def engine_configs(cfg: EngineConfig, visible_gpus: int) -> list[EngineConfig]:
             own = par.gpus()[i * tp:(i + 1) * tp]
             runner = dataclasses.replace(cfg.runner, device=f"cuda:{own[0]}")
         kv_events = dataclasses.replace(cfg.kv_events, data_parallel_rank=i)  # its own KV events port (+ i)
-        out.append(dataclasses.replace(cfg, runner=runner, parallel=ParallelConfig(tp, 1, own), kv_events=kv_events))
+        launch = cfg.launch if cfg.launch.step_trace is None else dataclasses.replace(
+            cfg.launch, step_trace=trace_path(cfg.launch.step_trace, i))  # its own --step-trace file
+        out.append(dataclasses.replace(cfg, runner=runner, parallel=ParallelConfig(tp, 1, own), kv_events=kv_events,
+                                       launch=launch))
     return out
 
 

@@ -56,6 +56,7 @@ from rapidserve.engine.sampling_step import retain
 from rapidserve.engine.step_cycle import StepCycle
 from rapidserve.engine.step_launch import InFlight, slot_key
 from rapidserve.engine.step_tally import StepTally, correction_ratios
+from rapidserve.engine.step_trace import StepTrace
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.policy import PendingWork
@@ -100,6 +101,7 @@ class DecodeWorker(StepCycle):
         self._first: list[m.TokenOut] = []  # first tokens from PrefillDone, sent at the publish after the next launch
         self._last_stats = 0.0
         self.tally = StepTally(cfg.partition.slo_itl_ms)  # the landed steps by kind, for Stats (engine/step_tally.py)
+        self.trace = StepTrace(cfg.launch.step_trace) if cfg.launch.step_trace else None  # --step-trace
         self._stop = False
         self.grammar = GrammarBook.for_model(cfg.model, cfg.model_config.vocab_size, cfg.model_config.eos_token_ids,
                                             cfg.tokenizer)
@@ -114,6 +116,8 @@ class DecodeWorker(StepCycle):
                 return
         self.step_guarded(self._complete_all)  # the last steps' tokens go out before the worker ends
         self.publish()
+        if self.trace is not None:
+            self.trace.close()
 
     def turn(self) -> None:
         """One turn of the loop: messages, this step's shape, the step, what it produced."""
@@ -263,6 +267,8 @@ class DecodeWorker(StepCycle):
         now = time.monotonic()
         if now - self._last_stats >= self.cfg.launch.stats_interval_s:
             self._last_stats = now
+            if self.trace is not None:
+                self.trace.flush()
             p = self.partition
             self.io.to_router.try_send(s.stats(p.current, p.num_switches, p.steps, self.runner.tokens.in_use,
                                                self.tally.snapshot(), correction_ratios(self.policy)))

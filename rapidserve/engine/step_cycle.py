@@ -48,6 +48,8 @@ from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
 from rapidserve.engine.faults import RequestsFailed, describe, is_fatal
 from rapidserve.engine.step_launch import InFlight, landed_rows, launch_step
+from rapidserve.engine.step_tally import correction_ratios
+from rapidserve.engine.step_trace import StepTrace
 from rapidserve.partition.backend import on_stream
 from rapidserve.partition.shape import Fused, StepPolicy, StepShape, StepTiming
 from rapidserve.runner import ModelRunner
@@ -67,6 +69,7 @@ class StepCycle:
     _launching: StepBatch | None  # the batch being launched (a failure at launch blames its chunks)
     _out: list[m.TokenOut]  # landed tokens, for the owner to publish
     _landed: Landed | None = None  # the last step recorded (for the next one's gap and idle time)
+    trace: StepTrace | None = None  # --step-trace: every landed step, a line each (engine/step_trace.py)
 
     # ---- hooks ----------------------------------------------------------------------------------
     def step_stream(self) -> torch.cuda.Stream | None:
@@ -181,6 +184,8 @@ class StepCycle:
         timing = StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens, f.predicted_ms,
                             f.clock.elapsed_ms(), gap, idle, f.host_ms)
         self.policy.observe(timing)
+        if self.trace is not None:
+            self.trace.add(f.batch, timing, correction_ratios(self.policy), now)
         self.step_timed(timing)
 
 
