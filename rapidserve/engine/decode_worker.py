@@ -110,14 +110,16 @@ class DecodeWorker(StepCycle):
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
-        while not self._stop:
-            self.turn()
-            if not self.io.others_alive():
-                return
-        self.step_guarded(self._complete_all)  # the last steps' tokens go out before the worker ends
-        self.publish()
-        if self.trace is not None:
-            self.trace.close()
+        try:
+            while not self._stop:
+                self.turn()
+                if not self.io.others_alive():
+                    return
+            self.step_guarded(self._complete_all)  # the last steps' tokens go out before the worker ends
+            self.publish()
+        finally:  # a peer's death or an error too: the lines buffered since the last Stats (the process ends in
+            if self.trace is not None:  # os._exit, which writes out nothing)
+                self.trace.close()
 
     def turn(self) -> None:
         """One turn of the loop: messages, this step's shape, the step, what it produced."""

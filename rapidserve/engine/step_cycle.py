@@ -150,6 +150,8 @@ class StepCycle:
         # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
         f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
         f.host_ms = (time.perf_counter() - t0) * 1e3
+        if self.trace is not None:  # the contexts the rows attend to: their counts once recorded are one more each
+            f.context_sum = sum(r.tokens_needed for r in batch.decode)
         self.sched.launched(batch, now)
         self.step_noted()
         self.inflight.append(f)
@@ -185,7 +187,7 @@ class StepCycle:
                             f.clock.elapsed_ms(), gap, idle, f.host_ms)
         self.policy.observe(timing)
         if self.trace is not None:
-            self.trace.add(f.batch, timing, correction_ratios(self.policy), now)
+            self.trace.add(f.batch, f.context_sum, timing, correction_ratios(self.policy), now)
         self.step_timed(timing)
 
 

@@ -81,6 +81,7 @@ class InFlight:
     rows: dict[int, int] = field(default_factory=dict)  # id(request) -> its row among the sampled
     predicted_ms: float | None = None  # the policy's raw prediction of this step (`StepTiming`), if it made one
     host_ms: float | None = None  # the host's wall time to plan and launch it (`StepTiming.host_ms`)
+    context_sum: int = 0  # its decode rows' contexts as launched, summed (tokens_needed each); set for --step-trace
 
     @property
     def requests(self) -> list[DecodeRequest]:

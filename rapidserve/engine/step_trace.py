@@ -11,8 +11,9 @@ which cost model would have fitted the steps.
 
 Cost: only with the flag. A record costs a pass over the step's decode rows (their contexts) and one msgspec
 encode, ~20 us at 300 rows on one CPU core; lines are buffered and written out with the worker's Stats (every
-`stats_interval_s`) and when it ends, so a worker killed hard loses at most that interval's lines. A restarted
-worker appends to the same file: its first record follows the last one the dead worker flushed. The file grows
+`stats_interval_s`) and when its loop ends however it ends (a Shutdown, a peer's death, an error), so only a worker
+killed hard loses that interval's lines. A restarted worker appends to the same file: its first record follows the
+last one the dead worker flushed, a line the dead worker left cut short (killed mid-write) dropped first. The file grows
 ~250 bytes a step (~20 MB an hour at 25 steps/s): a diagnostic for benchmarks, not for a server left running.
 """
 
@@ -39,7 +40,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True):
     kind: str  # step_tally.KINDS: fused, fused_decode, split, alone
     shape: str  # the policy's shape, e.g. "Fused(chunk_tokens=1024)"
     rows: int  # decode rows
-    context_sum: int  # the decode rows' contexts (tokens each attends to), summed
+    context_sum: int  # the decode rows' contexts (tokens each attends to, as launched: InFlight.context_sum), summed
     chunks: list[tuple[int, int]]  # prompt chunks: (tokens, cached tokens before them)
     measured_ms: float
     predicted_ms: float | None = None  # the policy's raw prediction (before its correction), if it made one
@@ -76,13 +77,16 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self.path = path
         self._file: IO[bytes] = open(path, "ab")  # noqa: SIM115 - held for the worker's life, closed by close()
+        self._file.truncate(whole_lines(path))  # a line cut short by a worker killed mid-write: dropped
         self._lines: list[bytes] = []
         self._enc = msgspec.json.Encoder()
 
-    def add(self, batch: StepBatch, timing: StepTiming, correction: Mapping[str, float], at: float) -> None:
-        """Buffer the record of a step that carried `batch` and was recorded at `at` as `timing`."""
+    def add(self, batch: StepBatch, context_sum: int, timing: StepTiming, correction: Mapping[str, float],
+            at: float) -> None:
+        """Buffer the record of a step that carried `batch` (its decode rows' contexts as launched: `context_sum`)
+        and was recorded at `at` as `timing`."""
         rec = StepRecord(at, KINDS[step_kind(timing.shape, timing.chunk_tokens)], repr(timing.shape),
-                         len(batch.decode), sum(r.num_tokens for r in batch.decode),
+                         len(batch.decode), context_sum,
                          [(c.length, c.start) for c in batch.chunks], timing.measured_ms, timing.predicted_ms,
                          timing.gap_ms, timing.idle_ms, timing.host_ms, dict(correction))
         self._lines.append(self._enc.encode(rec) + b"\n")
@@ -96,6 +100,20 @@ class StepTrace:
     def close(self) -> None:
         self.flush()
         self._file.close()
+
+
+def whole_lines(path: str, tail: int = 1 << 16) -> int:
+    """The size of the file at `path` up to and including its last newline (0 if it has none)."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        while end > 0:
+            start = max(0, end - tail)
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                return start + at + 1
+            end = start
+    return 0
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[StepRecord]:
