@@ -113,17 +113,18 @@ CORRECTIONS = [  # the online correction's ratios (fused, split, decode) at both
 LIMIT = AdaptiveParams().margin * DUET_SLO_MS
 
 
-def duet_policy(gpu: str, speedup: float, interpolate: bool = False) -> DuetPolicy:
+def duet_policy(gpu: str, speedup: float, lookup: str = "auto") -> DuetPolicy:
     """The policy the decode worker runs for test_engine_gpu's `adaptive-duet` (`make_step_policy` on the plan
     `resolve_plan` makes of the forcing profile given as --profile, with peaks measured on a GPU `speedup` x an
-    H100): DuetPolicy on the profile's costs, whatever the peaks."""
+    H100): DuetPolicy on the profile's costs, whatever the peaks; `lookup`: its --profile-lookup (the GPU test's is
+    the default, auto)."""
     g = DEVICES[gpu]
     configs = plan_configurations(g, SHARES)
     prof = forcing_profile(gpu, MODEL, configs, g.total, BUDGET)
     peaks = Peaks(matmul_flops=H100.matmul_flops * speedup, hbm_bw=H100.hbm_bw * speedup, num_compute_units=g.total)
     plan = PartitionPlan("cuda-green", configs, prof, "forcing profile", peaks)
     pcfg = PartitionConfig(policy="duet", slo_itl_ms=DUET_SLO_MS, hysteresis_steps=0, decode_shares=SHARES,
-                           profile_lookup="interpolate" if interpolate else "round-up")
+                           profile_lookup=lookup)
     cfg = EngineConfig(MODEL, preset_config("tiny-llama"), partition=pcfg,
                        scheduler=SchedulerConfig(max_num_batched_tokens=BUDGET))
     policy = make_step_policy(cfg, plan)
@@ -149,16 +150,17 @@ WAITING = {  # prompt work as decode's queue shows it: one token of a prefix-cac
 }
 
 
-@pytest.mark.parametrize(("gpu", "speedup", "interpolate"),
+@pytest.mark.parametrize(("gpu", "speedup", "lookup"),
                          [(g, 1, i) for g in ("NVIDIA H200", "NVIDIA H100 PCIe", "AMD Instinct MI300X")
-                          for i in (False, True)] + [("NVIDIA H200", s, False) for s in SPEEDS[1:]])
+                          for i in ("auto", "round-up", "interpolate")]
+                         + [("NVIDIA H200", s, "auto") for s in SPEEDS[1:]])
 def test_duet_on_the_forcing_profile_splits_beside_decode_and_returns_to_the_whole_gpu(
-        gpu: str, speedup: float, interpolate: bool) -> None:
+        gpu: str, speedup: float, lookup: str) -> None:
     """The pure decision over a table of states, the correction at both clamps, from every configuration and
     hysteresis memory: decode running + prompts pending -> a split meeting the SLO (no fused chunk fits, by
     far); nothing pending, prefill worker idle -> decode alone on the whole GPU; nothing pending, prefill worker
     busy -> decode stays on a split; no decode running, nothing with the prefill worker -> fused (no switch)."""
-    policy = duet_policy(gpu, speedup, interpolate)
+    policy = duet_policy(gpu, speedup, lookup)
     costs, names = policy.costs, [c.name for c in policy.costs.configurations]
     for current in names:
         shapes = [DecodeAlone(current)] + ([Fused(BUDGET)] if current == OVERALLOCATED else [Split(current, BUDGET)])

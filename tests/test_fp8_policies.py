@@ -54,11 +54,13 @@ def test_step_costs_of_an_fp8_run_carry_its_quantization() -> None:
 
 
 def test_profile_lookup_without_a_measured_profile_is_refused() -> None:
-    """Duet on the roofline (no measured profile) has no buckets to read between: `--profile-lookup interpolate`
-    would change nothing, so it is refused by name rather than ignored; with a measured profile it is read."""
+    """Duet on the roofline (no measured profile) has no buckets to read between or round up to: `--profile-lookup
+    interpolate` or `round-up` would change nothing, so either is refused by name rather than ignored (auto, the
+    default, is no choice made); with a measured profile it is read."""
     plan = PartitionPlan("cuda-green", list(CONFIGS), None, "roofline of peaks measured now", H200)
-    with pytest.raises(ConfigError, match="--profile-lookup interpolate reads a measured profile.*roofline of peaks"):
-        step_costs(qwen_cfg(QuantizationConfig(), policy="duet", profile_lookup="interpolate"), plan)
+    for how in ("interpolate", "round-up"):
+        with pytest.raises(ConfigError, match=f"--profile-lookup {how} reads a measured profile.*roofline of peaks"):
+            step_costs(qwen_cfg(QuantizationConfig(), policy="duet", profile_lookup=how), plan)
     assert isinstance(step_costs(qwen_cfg(QuantizationConfig(), policy="duet"), plan), RooflineCosts)
 
 

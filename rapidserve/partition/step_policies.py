@@ -162,8 +162,8 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
     if plan.profile is not None and plan.profile.source == "measured":
         return ProfileCosts(plan.profile, interpolate=lookup_interpolates(p.profile_lookup, fused=False),
                             interpolate_fused=lookup_interpolates(p.profile_lookup, fused=True))
-    if p.profile_lookup == "interpolate":  # the roofline is no table of buckets: the flag would change nothing
-        raise ConfigError(f"--profile-lookup interpolate reads a measured profile between its buckets, and this run "
+    if p.profile_lookup != "auto":  # the roofline is no table of buckets: the flag (given) would change nothing
+        raise ConfigError(f"--profile-lookup {p.profile_lookup} reads a measured profile's buckets, and this run "
                           f"has none ({plan.source}): the adaptive policy prices its steps with the roofline. Give "
                           "--profile PATH, let the auto-profile measure one (no --no-auto-profile), or drop the flag")
     if plan.peaks is None:
