@@ -22,8 +22,9 @@ P = MarginParams(start=0.9, lo=0.8, hi=0.97, target_over=0.1, decay=0.5, min_gap
                  binding=0.8)
 
 
-def step(gap: float | None, measured: float = 44.0, shape: object = Fused(1024), chunk: int = 1000) -> StepTiming:
-    return StepTiming(shape, 64, chunk, 40.0, measured, gap)  # type: ignore[arg-type]
+def step(gap: float | None, measured: float = 44.0, shape: object = Fused(1024), chunk: int = 1000,
+         idle: float | None = None) -> StepTiming:
+    return StepTiming(shape, 64, chunk, 40.0, measured, gap, idle)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -54,6 +55,12 @@ def step(gap: float | None, measured: float = 44.0, shape: object = Fused(1024),
         (Margin(0.9, 3.0, 0.0), step(60.0, shape=Split("split32", 1024), chunk=0), 50.0, Margin(0.85, 2.5, 1.0)),
         (Margin(0.9, 3.0, 0.0), step(45.0, shape=DecodeAlone("split32"), chunk=0), 50.0, Margin(0.91, 2.5, 0.0)),
         (Margin(0.9, 3.0, 0.0), step(20.0, measured=20.0), 50.0, Margin(0.9, 3.0, 0.0)),
+        # a gap over the SLO only by the device's idle time before the step (a host-bound bubble): not counted;
+        # over by more than that idle time: counted as over (the step itself was too long)
+        (Margin(0.9, 1.0, 0.0), step(55.0, idle=7.0), 50.0, Margin(0.9, 1.0, 0.0)),
+        (Margin(0.9, 1.0, 0.0), step(55.0, idle=3.0), 50.0, Margin(0.85, 1.5, 1.0)),
+        (Margin(0.9, 1.0, 0.0), step(45.0, idle=7.0), 50.0, Margin(0.91, 1.5, 0.0)),  # within: counted as ever
+        (Margin(0.9, 1.0, 0.0), step(55.0, idle=float("nan")), 50.0, Margin(0.85, 1.5, 1.0)),
     ],
 )
 def test_adapted(before: Margin, timing: StepTiming, slo: float | None, after: Margin) -> None:

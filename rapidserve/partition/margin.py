@@ -16,7 +16,13 @@ the share is under half of it raises it by `up` (additive both ways, within [lo,
 events rather than on the share alone keeps a cluster of slow steps from walking the margin to `lo` while the decayed
 share comes back down (`bench/margin_sim.py`: with step jitter of 1 / 2 / 4 / 6% it settles near 0.97 / 0.95 / 0.91 /
 0.84 with ~1% of gaps over). Steps far below the limit (a light load) change nothing, so a margin learnt under load is
-not inflated by idle periods. `target_over` is 1%: a request's p95 allows 5% of its gaps over the bound, and gaps over
+not inflated by idle periods. A gap over the SLO that would have been within it but for the device's idle time
+before its step (the host late to plan and launch it: a step planned with nothing in flight, after a preemption's
+quiet pool or a long host turn) is not counted either way: a smaller step would not have closed that bubble, and
+on 2 x H200 (2026-11-30, bench/results/h200x2_1130e/) gaps over in a probe above the peak (12 over 50 ms in 133
+fused steps, no step's device time over it, 80 ms of device idle in the probe: ~7-ms bubbles, by the totals; the
+step trace, engine/step_trace.py, tells each apart) walked the margin to its floor, where it stayed for ~800 fused
+steps. `target_over` is 1%: a request's p95 allows 5% of its gaps over the bound, and gaps over
 cluster in the requests running while prompts arrive, so the engine-wide share is held well below that.
 """
 
@@ -84,6 +90,9 @@ def adapted(m: Margin, timing: StepTiming, slo_itl_ms: float | None,
     if not timing.measured_ms >= params.binding * m.margin * slo_itl_ms:
         return m
     is_over = gap > slo_itl_ms
+    idle = timing.idle_ms
+    if is_over and idle is not None and math.isfinite(idle) and gap - idle <= slo_itl_ms:
+        return m  # a host-bound bubble: within the SLO but for the device's wait for the host (module docstring)
     gaps = m.gaps * params.decay + 1.0
     over = m.over * params.decay + (1.0 if is_over else 0.0)
     margin = m.margin
