@@ -10,8 +10,9 @@
 # - --budget-s: a further run starts only if the last run's time still fits in S seconds overall.
 # - --timeout-s: per-test limit through pytest-timeout when it is installed (default 300).
 # - --part K/N: only the K-th of N contiguous slices of the sorted file list (the whole suite outgrew one 600-s device
-#   call on one H200: 546 s on 2026-11-29). Parts 1..N, one call each back to back, run every file once in the
-#   default order; the summary says which part it was.
+#   call on one H200: 546 s on 2026-11-29), cut to about equal time by bench/gpu_suite_times.json
+#   (bench/gpu_suite_parts.py; the summary's file_seconds refresh it). Parts 1..N, one call each back to back, run
+#   every file once in the default order; the summary says which part it was.
 # - --spread (a machine of G >= 2 GPUs): part K/G on GPU K-1 (CUDA_VISIBLE_DEVICES), the G parts at the same time,
 #   then the tests that need two GPUs (their names hold `two_gpus`; the parts skip them) on all of them; logs and
 #   summaries under $OUT/partK/ and $OUT/multi/, and one table of them last. The whole suite on 2 x H200: ~400 s
@@ -85,6 +86,10 @@ if [ "$spread" = 1 ]; then
     mkdir -p "$out/multi"
     OUT="$out/multi" bash "$0" --repeat 1 --timeout-s "$per_test" -- -k two_gpus "${extra[@]}" \
         >"$out/multi.txt" 2>&1 || status=1
+    # the parts' seconds per file, one file first among $OUT's (a call brings back a limited count):
+    # review it and copy it to bench/gpu_suite_times.json to balance the next --spread
+    "$py" bench/gpu_suite_parts.py --merge "$out"/part*/gpu_suite.json >"$out/gpu_suite_times.json" 2>/dev/null \
+        || rm -f "$out/gpu_suite_times.json"
     echo "gpu_suite --spread over $ngpu GPUs: part K/$ngpu on GPU K-1 side by side, then the two-GPU tests"
     echo "| slice | passed | failed | errors | skipped | seconds |"
     echo "| --- | --- | --- | --- | --- | --- |"
@@ -106,11 +111,8 @@ EOF2
 fi
 
 mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | sort)
-if [ -n "$part" ]; then
-    total=${#files[@]}
-    lo=$(((k - 1) * total / n))
-    hi=$((k * total / n))
-    files=("${files[@]:lo:hi-lo}")
+if [ -n "$part" ]; then  # contiguous slices balanced by bench/gpu_suite_times.json (bench/gpu_suite_parts.py)
+    mapfile -t files < <("$py" bench/gpu_suite_parts.py --part "$k/$n" "${files[@]}")
 fi
 timeout_args=()
 if "$py" -c 'import pytest_timeout' 2>/dev/null; then
@@ -172,6 +174,10 @@ for i in range(1, runs + 1):
     rows.append(row)
 summary = {"command": f"bench/gpu_suite.sh {args}".strip(), "gpu": gpu, "versions": versions,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": rows}
+if (work / "run1.xml").exists():  # seconds per file, for bench/gpu_suite_times.json (bench/gpu_suite_parts.py --merge)
+    sys.path.insert(0, "bench")
+    from gpu_suite_parts import file_seconds
+    summary["file_seconds"] = file_seconds(work / "run1.xml")
 (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
 table = ["| run | passed | failed | errors | skipped | seconds |", "| --- | --- | --- | --- | --- | --- |"]
 table += [f"| {r['run']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']} |" for r in rows]
