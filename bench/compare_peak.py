@@ -35,13 +35,16 @@ def fractions_arg(text: str) -> tuple[float, ...]:
 
 
 def closed_peak(result: dict[str, Any]) -> float | None:
-    """Completed requests per second of a bench result's closed run (rate inf), or None without one
-    (or when it completed nothing)."""
+    """Arrivals per second a bench result's closed run (rate inf) completed, in the unit of its rates: completed
+    requests per second, over a multi-turn workload's turns (its arrivals are conversations); None without one (or
+    when it completed nothing)."""
+    spec = (result.get("config") or {}).get("workload_spec") or {}
+    turns = int(spec.get("num_turns") or 1) if spec.get("name") == "multiturn" else 1
     for run in result.get("runs", []):
         if run.get("rate") in ("inf", math.inf):
             s = run.get("summary", {})
             rps = float(s.get("request_throughput") or 0.0)
-            return rps if rps > 0 and s.get("completed", 0) > 0 else None
+            return rps / turns if rps > 0 and s.get("completed", 0) > 0 else None
     return None
 
 

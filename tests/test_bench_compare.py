@@ -409,6 +409,10 @@ def test_peak_fraction_helpers() -> None:
     assert peak.closed_peak(res) == 4.0
     assert peak.closed_peak({"runs": [run(2.0, 100, 20)]}) is None
     assert peak.closed_peak({"runs": [run("inf", 0, None, completed=0)]}) is None
+    # a multi-turn workload's arrivals are conversations: its peak in conversations/s, the unit of its rates
+    turns = {"config": {"workload_spec": {"name": "multiturn", "num_turns": 4}}}
+    assert peak.closed_peak({**res, **turns}) == 1.0
+    assert peak.closed_peak({**res, "config": {"workload_spec": {"name": "fixed", "num_turns": 4}}}) == 4.0
     assert peak.fraction_rates(4.0, (0.25, 0.5, 0.75), (1.0, 2.0, INF)) == (3.0,)  # 1.0 and 2.0 already run
     assert peak.fraction_rates(None, (0.5,), ()) == ()
     merged = peak.merge_results({"runs": [run("inf", 3, 1)], "config": {"rates": ["inf"]}, "skipped_rates": []},

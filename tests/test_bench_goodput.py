@@ -473,3 +473,23 @@ def test_misses_allowed_matches_passes(share: float, counted: int, want: int) ->
 def test_share_note(share: float, counted: list[int], want: str | None) -> None:
     got = share_note(share, counted)
     assert (got is None) == (want is None) and (want is None or (got or "").startswith(want))
+
+
+
+def test_the_closed_loop_peak_is_in_the_unit_of_the_rates() -> None:
+    """A multi-turn probe's rate counts conversations and its summary counts their turns: the closed-loop peak the
+    search starts from and is capped by is turns/s over the turns (2 x H200, 2026-11-30: 35.3 turns/s of 6-turn
+    conversations had been read as 35.3 conversations/s)."""
+    from dataclasses import replace
+
+    from rapidserve.benchmark.runner import BenchConfig
+    from rapidserve.benchmark.search import arrival_turns, closed_peak
+    from rapidserve.benchmark.workloads import WorkloadSpec
+
+    run = {"summary": {"completed": 288, "request_throughput": 35.28}}
+    assert closed_peak(run) == 35.28 and closed_peak(run, 6) == pytest.approx(5.88)
+    assert closed_peak({"summary": {"completed": 0, "request_throughput": 0.0}}, 6) is None
+    cfg = BenchConfig()
+    assert arrival_turns(cfg) == 1
+    assert arrival_turns(replace(cfg, workload=WorkloadSpec(name="multiturn", num_turns=6))) == 6
+    assert arrival_turns(replace(cfg, workload=WorkloadSpec(name="fixed", num_turns=6))) == 1

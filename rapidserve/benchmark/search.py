@@ -237,10 +237,17 @@ def attainment_json(p: Probe, bounds: Sequence[float | None]) -> dict[str, float
     return {bound_key(b): p.attainment(b) for b in bounds}
 
 
-def closed_peak(run: dict[str, Any]) -> float | None:
-    """Completed requests per second of a closed-loop run (None when it completed nothing)."""
+def arrival_turns(cfg: BenchConfig) -> int:
+    """Requests an arrival makes: a multi-turn conversation's turns (its arrivals are conversations), else 1."""
+    return cfg.workload.num_turns if cfg.workload.name == "multiturn" else 1
+
+
+def closed_peak(run: dict[str, Any], turns: int = 1) -> float | None:
+    """Arrivals per second a closed-loop run completed, in the unit of the probes' rates: its completed requests per
+    second over `turns` (`arrival_turns`: a multi-turn workload's arrivals are conversations of that many requests,
+    its summary counts the requests); None when it completed nothing."""
     s = run["summary"]
-    return float(s["request_throughput"]) if s["completed"] and s["request_throughput"] > 0 else None
+    return float(s["request_throughput"]) / turns if s["completed"] and s["request_throughput"] > 0 else None
 
 
 async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
@@ -292,7 +299,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
         if scfg.start_rate is None:
             peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
-            peak = closed_peak(peak_run)
+            peak = closed_peak(peak_run, arrival_turns(cfg))
             life = realized_lifetime(arrivals_of(peak_records))
             if peak is None:
                 errors = peak_run["summary"]["errors"]
