@@ -14,7 +14,10 @@ is not credited for what it memorised):
   n / 2) over the chunks: a chunk's attention to its prefix and itself), least squares, no prediction used: the
   shape-by-shape model a profile-free fit would give.
 For each: the median and p95 of |error| / measured, and the share of steps the model put within `margin x SLO` that
-took longer than the SLO (a sized step's overrun: what breaks the ITL bound). The table is printed last.
+took longer than the SLO (a sized step's overrun: what breaks the ITL bound). Before it, every step by how it was
+launched (behind a step in flight, or with none: engine/step_cycle.py LAUNCHES) with its gaps and steps over the SLO
+and the device's idle time before it: a gap over with no step over it is a host-bound bubble, and this says which
+launches made them. The models' table is printed last.
 """
 
 from __future__ import annotations
@@ -114,6 +117,30 @@ def fit_traces(paths: Sequence[str], slo_ms: float, margin: float) -> list[Fit]:
     return [f for f in fits if f is not None]
 
 
+def gaps_by_launch(paths: Sequence[str], slo_ms: float) -> list[tuple[str, int, int, int, float]]:
+    """Per launch (engine/step_cycle.py LAUNCHES: behind a step in flight, or with none and why), over every step of
+    the traces: (launch, steps, token gaps over the SLO, steps whose device time was over it, mean device idle ms
+    before a step): where the gaps over the SLO with no step over it come from."""
+    acc: dict[str, list[float]] = {}
+    for path in paths:
+        for r in read_trace(path):
+            a = acc.setdefault(r.launch or "-", [0, 0, 0, 0.0, 0])
+            a[0] += 1
+            a[1] += r.gap_ms is not None and r.gap_ms > slo_ms
+            a[2] += r.measured_ms > slo_ms
+            if r.idle_ms is not None:
+                a[3] += r.idle_ms
+                a[4] += 1
+    return [(k, int(a[0]), int(a[1]), int(a[2]), a[3] / a[4] if a[4] else 0.0) for k, a in sorted(acc.items())]
+
+
+def launch_table(rows: Sequence[tuple[str, int, int, int, float]], slo_ms: float) -> str:
+    lines = [f"| launch | steps | gaps over {slo_ms:g} ms | steps over {slo_ms:g} ms | mean idle before (ms) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {k} | {n} | {g} | {o} | {i:.2f} |" for k, n, g, o, i in rows]
+    return "\n".join(lines) + "\n"
+
+
 def table(fits: Sequence[Fit], slo_ms: float, margin: float) -> str:
     """The linear model's coefficients, then the table (last)."""
     lines = ["Linear model (ms per unit, fitted on the earlier halves): "
@@ -147,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"step_fit: {e}", file=sys.stderr)
         return 1
-    md = table(fits, a.slo_itl_ms, a.margin)
+    md = launch_table(gaps_by_launch(a.traces, a.slo_itl_ms), a.slo_itl_ms) + "\n" + table(fits, a.slo_itl_ms, a.margin)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "step_fit.json"), "w") as f:

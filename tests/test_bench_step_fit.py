@@ -60,6 +60,16 @@ def test_linear_model_recovers_the_steps_and_the_ratio_does_not(tmp_path: Path) 
     assert 0.0 <= f.overruns["ratio"] <= 1.0
 
 
+def test_gaps_by_launch(tmp_path: Path) -> None:
+    p = tmp_path / "c.steps.jsonl"
+    enc = msgspec.json.Encoder()
+    recs = [StepRecord(1.0, "fused", "Fused()", 8, 800, [], 40.0, 40.0, 58.0, 12.0, 9.0, launch="quiet-pool"),
+            StepRecord(2.0, "fused", "Fused()", 8, 800, [], 52.0, 40.0, 53.0, 0.0, 5.0, launch="ahead"),
+            StepRecord(3.0, "fused", "Fused()", 8, 800, [], 40.0, 40.0, 41.0, 0.2, 5.0, launch="ahead")]
+    p.write_bytes(b"".join(enc.encode(r) + b"\n" for r in recs))
+    assert fit.gaps_by_launch([str(p)], 50.0) == [("ahead", 2, 1, 1, 0.1), ("quiet-pool", 1, 1, 0, 12.0)]
+
+
 def test_steps_without_a_prediction_are_left_out_and_small_kinds_skipped(tmp_path: Path) -> None:
     p = tmp_path / "b.steps.jsonl"
     enc = msgspec.json.Encoder()
@@ -78,6 +88,7 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert fit.main([str(tmp_path / "a.steps.jsonl"), str(tmp_path / "b.steps.jsonl"), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| fused | 400 | linear |" in text and text.rstrip().splitlines()[-1].startswith("| fused | 400 | linear |")
+    assert "\n| - | 800 | 0 | " in text  # synthetic steps: no launch recorded, no gap
     assert os.path.isfile(out / "step_fit.json") and "step_fit.py" in (out / "step_fit.md").read_text()
     with pytest.raises(SystemExit):
         fit.main([str(tmp_path / "none.jsonl")])

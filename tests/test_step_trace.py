@@ -100,6 +100,8 @@ def test_a_cpu_engine_traces_every_landed_step(tmp_path: Path) -> None:
     assert sum(r.rows for r in recs) <= 3 * (NEW_TOKENS - 1)  # each request's tokens after its first, in decode rows
     assert sum(r.rows for r in recs) >= NEW_TOKENS - 1
     assert all(r.context_sum >= r.rows for r in recs)
+    # the first step of the run had nothing in flight; on a CPU no step lands before the next is planned (no events)
+    assert recs[0].launch == "idle" and {r.launch for r in recs} <= {"idle", "ahead", "quiet-pool"}
     n = len(recs)
     asyncio.run(main())  # a second engine (a restarted worker, a new server) appends
     assert len(read_trace(path)) > n
@@ -182,7 +184,8 @@ def test_a_restarted_worker_appends_after_a_line_cut_short(tmp_path: Path) -> No
     for before in (good + good[:30], good[:30], good, b""):
         p.write_bytes(before)
         trace = StepTrace(str(p))
-        trace.add(StepBatch(), 0, StepTiming(DecodeAlone("overallocated"), 0, 0, None, 1.0, None, None, None), {}, 2.0)
+        timing = StepTiming(DecodeAlone("overallocated"), 0, 0, None, 1.0, None, None, None)
+        trace.add(StepBatch(), 0, "idle", timing, {}, 2.0)
         trace.close()
         recs = read_trace(p)
         assert [r.t for r in recs] == [1.0] * before.count(b"\n") + [2.0], before

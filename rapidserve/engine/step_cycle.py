@@ -55,6 +55,14 @@ from rapidserve.partition.shape import Fused, StepPolicy, StepShape, StepTiming
 from rapidserve.runner import ModelRunner
 from rapidserve.structured import GrammarBook
 
+# How a step was launched (`InFlight.launch`, for --step-trace): behind the step in flight (the device never waits for
+# the host); after the step in flight had landed before this one was planned (the host late: recorded early); after a
+# plan that needed a quiet pool waited for the step in flight (a preemption); with nothing in flight (the first step
+# after an idle loop, or every step under --no-async-scheduling). All but the first may leave the device idle for the
+# host's planning and launch: the bubbles a gap over the SLO with no step over it is made of.
+AHEAD, LANDED, QUIET_POOL, IDLE = "ahead", "landed", "quiet-pool", "idle"
+LAUNCHES = (AHEAD, LANDED, QUIET_POOL, IDLE)
+
 
 class StepCycle:
     runner: ModelRunner
@@ -127,9 +135,11 @@ class StepCycle:
         """Plan and launch this step, then record the one before it (or, waiting for each step, this one). A step in
         flight that has landed already is recorded first, and handed to the owner (`step_landed_early`), before this
         step is planned (module docstring: the order)."""
+        how = AHEAD
         if self.inflight and self.inflight[-1].landed:
             self._complete_all()
             self.step_landed_early()
+            how = LANDED
         t0 = time.perf_counter()
         hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
         batch = self._plan(hold)
@@ -137,6 +147,7 @@ class StepCycle:
             self._complete_all()  # preemption needs a quiet pool: let the step in flight land first
             batch = self._plan(hold)
             assert batch is not None
+            how = QUIET_POOL
         if not batch:
             self._complete_all()
             return False
@@ -152,6 +163,7 @@ class StepCycle:
         f.host_ms = (time.perf_counter() - t0) * 1e3
         if self.trace is not None:  # the contexts the rows attend to: their counts once recorded are one more each
             f.context_sum = sum(r.tokens_needed for r in batch.decode)
+            f.launch = how if prev is not None or how != AHEAD else IDLE
         self.sched.launched(batch, now)
         self.step_noted()
         self.inflight.append(f)
@@ -187,7 +199,7 @@ class StepCycle:
                             f.clock.elapsed_ms(), gap, idle, f.host_ms)
         self.policy.observe(timing)
         if self.trace is not None:
-            self.trace.add(f.batch, f.context_sum, timing, correction_ratios(self.policy), now)
+            self.trace.add(f.batch, f.context_sum, f.launch, timing, correction_ratios(self.policy), now)
         self.step_timed(timing)
 
 

@@ -82,6 +82,8 @@ class InFlight:
     predicted_ms: float | None = None  # the policy's raw prediction of this step (`StepTiming`), if it made one
     host_ms: float | None = None  # the host's wall time to plan and launch it (`StepTiming.host_ms`)
     context_sum: int = 0  # its decode rows' contexts as launched, summed (tokens_needed each); set for --step-trace
+    # how it was launched (step_cycle.LAUNCHES: behind a step in flight, or with none, and why); set for --step-trace
+    launch: str = ""
 
     @property
     def requests(self) -> list[DecodeRequest]:

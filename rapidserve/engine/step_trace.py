@@ -48,6 +48,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True):
     idle_ms: float | None = None
     host_ms: float | None = None
     correction: dict[str, float] = {}  # the policy's correction ratios then (step_tally.correction_ratios)
+    launch: str = ""  # how it was launched (engine/step_cycle.py LAUNCHES): ahead, landed, quiet-pool, idle
 
 
 def trace_path(path: str, data_parallel_rank: int | None) -> str:
@@ -81,14 +82,14 @@ class StepTrace:
         self._lines: list[bytes] = []
         self._enc = msgspec.json.Encoder()
 
-    def add(self, batch: StepBatch, context_sum: int, timing: StepTiming, correction: Mapping[str, float],
-            at: float) -> None:
-        """Buffer the record of a step that carried `batch` (its decode rows' contexts as launched: `context_sum`)
-        and was recorded at `at` as `timing`."""
+    def add(self, batch: StepBatch, context_sum: int, launch: str, timing: StepTiming,
+            correction: Mapping[str, float], at: float) -> None:
+        """Buffer the record of a step that carried `batch` (its decode rows' contexts as launched: `context_sum`),
+        was launched as `launch` says (step_cycle.LAUNCHES) and was recorded at `at` as `timing`."""
         rec = StepRecord(at, KINDS[step_kind(timing.shape, timing.chunk_tokens)], repr(timing.shape),
                          len(batch.decode), context_sum,
                          [(c.length, c.start) for c in batch.chunks], timing.measured_ms, timing.predicted_ms,
-                         timing.gap_ms, timing.idle_ms, timing.host_ms, dict(correction))
+                         timing.gap_ms, timing.idle_ms, timing.host_ms, dict(correction), launch)
         self._lines.append(self._enc.encode(rec) + b"\n")
 
     def flush(self) -> None:
