@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import msgspec
 import numpy as np
 import pytest
 
 from rapidserve.engine.step_trace import StepRecord
+from tests.bench_module import load_bench
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("step_fit", ROOT / "bench" / "step_fit.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["step_fit"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fit = _load()
+fit = load_bench("step_fit")
 
 
 def synthetic(path: Path, n: int = 400, seed: int = 0) -> None:

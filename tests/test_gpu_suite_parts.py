@@ -3,27 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_module import load_bench
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_suite_parts", ROOT / "bench" / "gpu_suite_parts.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_suite_parts"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-parts = _load()
+parts = load_bench("gpu_suite_parts")
 FILES = [f"tests/test_{c}.py" for c in "abcdef"]
 
 
