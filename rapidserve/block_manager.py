@@ -217,13 +217,11 @@ class BlockManager:
     def try_grow(self, seq_id: str, new_len: int) -> bool:
         """`grow` when the free blocks allow it (True, the table covers `new_len` tokens), else nothing (False): a
         scheduler's `can_grow` then `grow` in one look at the table (once per running sequence per step)."""
-        table = self._tables[seq_id]
-        n = -(-new_len // self.block_size) - len(table)
-        if n <= 0:
-            return True
+        n = self.blocks_needed_to_grow(seq_id, new_len)
         if n > len(self._free):
             return False
-        table.extend(self._take() for _ in range(n))
+        if n:
+            self._tables[seq_id].extend(self._take() for _ in range(n))
         return True
 
     def needs_commit(self, seq_id: str, num_computed: int) -> bool:

@@ -153,6 +153,8 @@ class StepCycle:
             return False
         now = time.monotonic()
         prev = self.inflight[-1] if self.inflight else None
+        if prev is None and how == AHEAD:
+            how = IDLE  # nothing was in flight to launch behind
         self._launching = batch
         with on_stream(self.step_stream()):
             f = launch_step(self.runner, self.grammar, self.sched.eos, self.sched.blocks.table, batch, prev,
@@ -163,7 +165,7 @@ class StepCycle:
         f.host_ms = (time.perf_counter() - t0) * 1e3
         if self.trace is not None:  # the contexts the rows attend to: their counts once recorded are one more each
             f.context_sum = sum(r.tokens_needed for r in batch.decode)
-            f.launch = how if prev is not None or how != AHEAD else IDLE
+            f.launch = how
         self.sched.launched(batch, now)
         self.step_noted()
         self.inflight.append(f)
