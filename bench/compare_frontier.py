@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,7 @@ from compare_repeats import (  # noqa: E402
     REPEATS,
     REPEATS_LEGEND,
     cell,
+    entry_bounds,
     repeated_record,
     repeats_note,
     repeats_of,
@@ -161,14 +163,42 @@ def reference(frontiers: Sequence[Mapping[str, Any]], given: str | None = None) 
 
 def better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], title: str, bound: float | None,
                 share: float) -> dict[str, Any] | None:
-    """The vLLM system with the highest goodput at (bound, share) on the workload: {"system", "goodput",
-    "status"}; None when no vLLM system was searched there. (Of any set of labels: the best of them.)"""
+    """The vLLM system with the highest goodput at (bound, share) on the workload: {"system", "goodput", "status",
+    "lower", "upper"}; None when no vLLM system was searched there. (Of any set of labels: the best of them.) "lower"
+    and "upper" bound the best of them where searches did not settle: the largest of their lower bounds and the
+    largest of their upper ones (math.inf: none), so a ratio to it is bounded whichever of them is truly best."""
     best: dict[str, Any] | None = None
+    lower, upper = 0.0, 0.0
     for f in frontiers:
         e = searched_entry(f, bound, share) if f["title"] == title and f["label"] in vllm else None
-        if e is not None and (best is None or e["goodput"] > best["goodput"]):
+        if e is None:
+            continue
+        lo, up = entry_bounds(e)
+        lower, upper = max(lower, lo), max(upper, up)
+        if best is None or e["goodput"] > best["goodput"]:
             best = {"system": f["label"], "goodput": float(e["goodput"]), "status": e["status"]}
+    if best is not None:
+        best.update(lower=lower, upper=upper)
     return best
+
+
+def ratio_range(mine: tuple[float, float], theirs: tuple[float, float]) -> tuple[float, float]:
+    """(least, greatest) our goodput over theirs can be, each given as (lower, upper) bounds (upper math.inf: none):
+    our lower over their upper (0 where theirs is unbounded above), our upper over their lower (math.inf where
+    theirs may be 0 or ours is unbounded above). Pure."""
+    (lo_m, up_m), (lo_t, up_t) = mine, theirs
+    least = 0.0 if math.isinf(up_t) or up_t <= 0 else lo_m / up_t
+    greatest = math.inf if lo_t <= 0 or math.isinf(up_m) else up_m / lo_t
+    return least, greatest
+
+
+def _versus(e: Mapping[str, Any], best: Mapping[str, Any]) -> dict[str, Any]:
+    """The ratio fields of our entry `e` over `best` (better_vllm's): the ratio of the goodputs (None where theirs is
+    0), whether both settled, and the range the ratio lies in."""
+    least, greatest = ratio_range(entry_bounds(e), (best["lower"], best["upper"]))
+    return {"ratio": float(e["goodput"]) / best["goodput"] if best["goodput"] > 0 else None,
+            "exact": e["status"] == CONVERGED and best["status"] == CONVERGED,
+            "ratio_lo": least, "ratio_hi": None if math.isinf(greatest) else greatest}
 
 
 def versus_better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str]) -> list[dict[str, Any]]:
@@ -184,11 +214,9 @@ def versus_better_vllm(frontiers: Sequence[Mapping[str, Any]], vllm: set[str]) -
                 e, best = searched_entry(f, b, q), better_vllm(frontiers, vllm, f["title"], b, q)
                 if e is None or best is None:
                     continue
-                ratio = float(e["goodput"]) / best["goodput"] if best["goodput"] > 0 else None
                 out.append({"system": f["label"], "workload": f["title"], "itl_bound_ms": b, "share": q,
                             "goodput": float(e["goodput"]), "better_vllm": best["goodput"],
-                            "better_vllm_system": best["system"], "ratio": ratio,
-                            "exact": e["status"] == CONVERGED and best["status"] == CONVERGED})
+                            "better_vllm_system": best["system"], **_versus(e, best)})
     return out
 
 
@@ -214,16 +242,22 @@ def versus_ours(frontiers: Sequence[Mapping[str, Any]], vllm: set[str], ref: str
                         continue
                     out.append({"system": ref, "over": other, "over_system": best["system"], "workload": r["title"],
                                 "itl_bound_ms": b, "share": q, "goodput": float(mine["goodput"]),
-                                "over_goodput": best["goodput"],
-                                "ratio": float(mine["goodput"]) / best["goodput"] if best["goodput"] > 0 else None,
-                                "exact": mine["status"] == CONVERGED and best["status"] == CONVERGED})
+                                "over_goodput": best["goodput"], **_versus(mine, best)})
     return out
 
 
 def _ratio(x: Mapping[str, Any] | None) -> str:
-    if x is None or x["ratio"] is None:
+    """A ratio's cell: `1.23x` where both searches settled, else the range it lies in (module docstring)."""
+    if x is None:
         return "-"
-    return f"{x['ratio']:.2f}x" + ("" if x["exact"] else "*")
+    if x["exact"]:
+        return "-" if x["ratio"] is None else f"{x['ratio']:.2f}x"
+    least, greatest = x.get("ratio_lo") or 0.0, x.get("ratio_hi")
+    if least > 0 and greatest is not None:
+        return f"{least:.2f}x*" if f"{least:.2f}" == f"{greatest:.2f}" else f"{least:.2f}–{greatest:.2f}x*"
+    if least > 0:
+        return f">= {least:.2f}x*"
+    return "?*" if greatest is None else f"<= {greatest:.2f}x*"
 
 
 def _better_cell(frontiers: Sequence[Mapping[str, Any]], title: str, best: Mapping[str, Any] | None,
@@ -262,7 +296,9 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
              "requests meet both B (the p95 of the request's own inter-token gaps) and the TTFT rule (TTFT <= "
              "max(1 s, 1 s per 1000 prompt tokens)), found per system by searching the rate "
              "(rapidserve/benchmark/goodput.py). The better vLLM: the best of the vLLM settings at each bound.",
-             f"- {LEGEND} A ratio marked `*` is taken from a bound, not a settled value. `{ref} / X`: "
+             f"- {LEGEND} A ratio marked `*` is a range, not a value: a search on either side did not settle, "
+             "and the ratio lies in `a–bx*` (our lower bound over the other's upper, our upper over its lower; "
+             f"`>= ax*` or `<= bx*` with one side unbounded, `?*` with neither). `{ref} / X`: "
              f"the engine's default policy over our other systems (RAPID-Serve's baselines; `{BEST_CHUNK}`: the best "
              f"`{HYBRID_PREFIX}*` at each bound).", ""]
     ramp = any(has_ramp(s) for f in frontiers for s in searches(f))

@@ -11,16 +11,17 @@ bound L and an upper bound U on its goodput (`entry_bounds`): a settled value (`
 bracket `[lo, hi)*` (the search stopped first) L = lo (0 where nothing passed), U = hi (none: infinite); `>= X` (it
 passed at its ceiling) L = X, U infinite; `< X` (it failed at its lowest rate) L = 0, U = X. The median is monotone in
 every repetition's value, so the median of the true values lies in [median of the L, median of the U]. The entry's
-`goodput` (what the ratios divide) is the median of the L: the median over the lower bounds.
+`goodput` is the median of the L: the median over the lower bounds; a ratio to a median that did not settle is the
+range [median L, median U] allows (compare_frontier.py `ratio_range`).
 
 - every repetition converged: `converged`, the cell `31 (30.9–33.5, n=3)`: the median, then the least and the
   greatest repetition's value;
 - every one `>= X`: `at_max_rate`, `>= 32 (31–33, n=3)` (the range of their X); every one `< X`: `below_min_rate`,
   `< 0.5 (0.25–1, n=3)` (the range of their X);
 - otherwise (a bracket among them, or a mix of kinds): `unfinished` (a bound, never a value: a ratio taken from it is
-  marked `*`), the cell `[a, b]*` (the median lies in it: a the median of the L, b that of the U), `>= a*` where b is
-  infinite, `a*` where the two agree (the settled repetitions pin the median), then the range of the repetitions'
-  L (lower bounds where unsettled) and how many were unsettled: `[30, 32]* (20–35, n=3, 1 unsettled)`.
+  a range, marked `*`), the cell `[a, b]*` (the median lies in it: a the median of the L, b that of the U), `>= a*`
+  where b is infinite, `a*` where the two agree (the settled repetitions pin the median), then the range of the
+  repetitions' L (lower bounds where unsettled) and how many were unsettled: `[30, 32]* (20–35, n=3, 1 unsettled)`.
 
 A repeated frontier (`repeated_record`) is a frontier record (compare_frontier.frontier_record) whose `goodput` holds
 the median entries (each with "repeats": {"n", "goodput" (each repetition's L), "cells" (each one's own cell), "min",
@@ -50,9 +51,9 @@ REPEATS_LEGEND = (
     "upper one (the bracket's upper end, `< X`'s X, none for `>= X`), and the median lies between the median of the "
     "lower and that of the upper bounds: the cell says `[a, b]*` (`>= a*` without an upper bound, `a*` where the two "
     "agree), its range is of the lower bounds and `k unsettled` counts those repetitions; where every repetition is "
-    "`>= X` (`< X`), the cell is `>=` (`<`) the median X and the range that of the X. Ratios divide the medians (the "
-    "median's lower bound where a repetition did not settle, the ratio then marked `*`). Each repetition's own cells: "
-    "the table after each share's.")
+    "`>= X` (`< X`), the cell is `>=` (`<`) the median X and the range that of the X. Ratios divide the medians "
+    "(where a repetition did not settle: the range the ratio of the medians lies in, marked `*`). Each "
+    "repetition's own cells: the table after each share's.")
 
 
 def searches(f: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -130,20 +130,25 @@ META = {"model": "m", "systems": [{"label": "ours", "kind": "rapidserve", "flags
 def test_better_vllm_is_the_best_setting_at_each_bound() -> None:
     vllm = frontier.vllm_labels(META)
     assert frontier.better_vllm(FRONTIERS, vllm, "w", None, 0.9) == {"system": "vllm", "goodput": 8.0,
-                                                                     "status": "converged"}
+                                                                     "status": "converged", "lower": 8.0, "upper": 8.0}
+    # the best setting's bounds: the largest lower bound (mbt 1024's 2) and the largest upper one (its 4; vllm < 1)
     assert frontier.better_vllm(FRONTIERS, vllm, "w", 50.0, 0.9) == {
-        "system": "vllm:--max-num-batched-tokens 1024", "goodput": 2.0, "status": "unfinished"}
+        "system": "vllm:--max-num-batched-tokens 1024", "goodput": 2.0, "status": "unfinished", "lower": 2.0,
+        "upper": 4.0}
     assert frontier.better_vllm(FRONTIERS, vllm, "w", 50.0, 0.99) is None  # not searched
     vs = {(x["workload"], x["itl_bound_ms"]): x for x in frontier.versus_better_vllm(FRONTIERS, vllm)}
     assert len(vs) == 4 and all(x["system"] == "ours" for x in vs.values())
     assert vs[("w", None)]["ratio"] == 0.75 and vs[("w", None)]["exact"]
     assert vs[("w", 50.0)]["ratio"] == 1.5 and not vs[("w", 50.0)]["exact"]  # from an unfinished bracket
+    assert (vs[("w", 50.0)]["ratio_lo"], vs[("w", 50.0)]["ratio_hi"]) == (0.75, 1.5)  # 3 over [2, 4)
     assert vs[("v", None)]["ratio"] is None  # the better vLLM's goodput is 0: no ratio
     md = frontier.frontier_markdown(FRONTIERS, META)
     assert "| ours | 3 | 6 | finished |" in md and "| vllm | < 1 | 8 | finished |" in md
     assert "| vllm:--max-num-batched-tokens 1024 | [2, 4)* | 7 | unfinished (the time budget) |" in md
     assert "| **better vLLM** | [2, 4)* (`vllm:--max-num-batched-tokens 1024`) | 8 (`vllm`) | |" in md
-    assert "| ours / better vLLM | 1.50x* | 0.75x | |" in md and "| ours / better vLLM | - | - | |" in md
+    assert "| ours / better vLLM | 0.75–1.50x* | 0.75x | |" in md  # a range: not 3 / 2, one bound over the other
+    # on v vLLM fails at its lowest rate 0.25, where ours holds 0.5 (50 ms) and 1 (unbounded): at least 2x and 4x
+    assert "| ours / better vLLM | >= 2.00x* | >= 4.00x* | |" in md
     assert "| **better vLLM** | < 0.25 (`vllm`) | < 0.25 (`vllm`) | |" in md  # not "0": its cell, as searched
     assert md.index("## w") < md.index("## v")
 
@@ -242,10 +247,11 @@ def test_the_composite_row_is_each_duet_at_b_at_its_bound(tmp_path, monkeypatch)
         "`duet@none` at unbounded; unfinished (duet@none: the time budget) |",
         "| duet@25 | 7 | - | - | searched at 25 ms only; finished |",  # its other bounds: not searched
         "| duet@50 | - | 8 | - | searched at 50 ms only; finished |"]
-    assert "| default (SLO = bound) / always-fused | - | 2.50x | 1.00x* | |" in md  # fused: 0 at 25 ms
-    assert "| default (SLO = bound) / always-split | 0.93x* | 1.07x* | 1.15x* | |" in md
+    # fused fails 25 ms at its lowest rate 2.1: the default's 7 is at least 3.33x; both at the ceiling unbounded: ?
+    assert "| default (SLO = bound) / always-fused | >= 3.33x* | 2.50x | ?* | |" in md
+    assert "| default (SLO = bound) / always-split | <= 0.93x* | <= 1.07x* | ?* | |" in md  # split >= 7.5 at 25
     assert "| **better vLLM** | [1, 2)* (`vllm`) | 2.4 (`vllm`) | >= 8.6 (`vllm`) | |" in md
-    assert "| default (SLO = bound) / better vLLM | 7.00x* | 3.33x | 1.00x* | |" in md
+    assert "| default (SLO = bound) / better vLLM | 3.50–7.00x* | 3.33x | ?* | |" in md  # 7 over vLLM's [1, 2)
     assert "/ duet@" not in md and "| duet@25 / better vLLM" not in md and "**default (SLO = bound)**: the" in md
     drawn: list[tuple[list[str], tuple[str, ...]]] = []
     real = frontier.plot_frontier

@@ -155,9 +155,9 @@ def test_the_better_vllm_and_the_ratios_are_of_the_medians() -> None:
     frontiers = [OURS, VLLM, VLLM_1024]
     vllm = frontier.vllm_labels(META)
     assert frontier.better_vllm(frontiers, vllm, "w", None, 0.9) == {"system": "vllm", "goodput": 5.0,
-                                                                     "status": CONVERGED}
-    assert frontier.better_vllm(frontiers, vllm, "w", 50.0, 0.9) == {"system": "vllm:1024", "goodput": 1.5,
-                                                                     "status": UNFINISHED}  # over vllm's 1.1
+                                                                     "status": CONVERGED, "lower": 5.0, "upper": 5.0}
+    assert frontier.better_vllm(frontiers, vllm, "w", 50.0, 0.9) == {
+        "system": "vllm:1024", "goodput": 1.5, "status": UNFINISHED, "lower": 1.5, "upper": 1.8}  # over vllm's 1.1
     vs = {x["itl_bound_ms"]: x for x in frontier.versus_better_vllm(frontiers, vllm)}
     assert vs[None]["ratio"] == 8.0 / 5.0 and vs[None]["exact"]
     assert vs[50.0]["ratio"] == 3.0 / 1.5 and not vs[50.0]["exact"]  # a repetition of vllm:1024 did not settle
@@ -167,7 +167,7 @@ def test_the_better_vllm_and_the_ratios_are_of_the_medians() -> None:
             "(each below); unfinished (repetition 1: the time budget) |") in md
     assert ("| **better vLLM** | [1.5, 1.8]* (1–1.8, n=3, 1 unsettled) (`vllm:1024`) | 5 (4–9, n=3) (`vllm`) | |"
             in md)
-    assert "| ours / better vLLM | 2.00x* | 1.60x | |" in md
+    assert "| ours / better vLLM | 1.67–2.00x* | 1.60x | |" in md  # 3 over the median's [1.5, 1.8]
     assert "Each repetition (90% of requests; the cells above are their medians):" in md
     assert "| ours | 1 | 3 | 6 | finished |" in md and "| ours | 3 | 2.8 | 10 | finished |" in md
     assert "| vllm:1024 | 1 | [1, 2)* | 4.5 | unfinished (the time budget) |" in md
