@@ -1,0 +1,201 @@
+"""What a fused step costs beyond its tokens, and in which kernels (issue 37: where the 50-ms SLO's time goes).
+
+    python bench/fused_step_profile.py [--model preset:qwen3-8b] [--backend auto] [--steps 8] [--out DIR]
+
+A fused step is the decode worker's mixed forward (engine/step_launch.py `launch_step`): the running requests' decode
+rows as one-token prompt items first, then the prompt chunks, replaying the piecewise prefill graphs up to their
+largest bucket (2048 tokens) and eager above. The step traces of 2026-11-30 (bench/results/h200x2_1130f/) fitted
+duet's fused steps on 4096:64 to ~7.8 ms a step + 18.2 us a prompt token + the chunks' attention: this script says
+where that fixed part lies. For each shape of `SHAPES` (decode rows at a context, one prompt chunk after a cached
+prefix) it builds the step's items the way `launch_step` does, times the forward (CUDA events, median of --steps
+after a warm-up) and, under torch.profiler, sums its kernels' device time by category (bench/step_profile.py's) and
+the time no kernel ran (the gaps: launches between the graph pieces and the eager attention).
+
+Then a least-squares line through the shapes without decode rows, ms = fixed + per_token x T (+ the chunks' causal
+attention pairs), the fixed part of a step on this GPU, and per shape its tokens/s against the largest chunk's.
+Writes <out>/fused_step_profile.json and .md; prints the table last. Needs a GPU (the CPU tests cover `fit`,
+`step_items` and `table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    rows: int  # decode rows
+    context: int  # each decode row's context (tokens in the cache after its step)
+    chunk: int  # prompt tokens of the step's one chunk
+    prefix: int  # tokens of that prompt already in the cache
+
+    @property
+    def tokens(self) -> int:
+        return self.rows + self.chunk
+
+    @property
+    def label(self) -> str:
+        rows = f"{self.rows} x {self.context}" if self.rows else "0"
+        return f"rows {rows}, chunk {self.chunk}" + (f" after {self.prefix}" if self.prefix else "")
+
+
+# The shapes of the 1130f traces (4096:64: 1-17 rows at ~4K beside 1-2K chunks; 1024:256: ~100-300 rows at ~1.1K
+# beside ~1.1K) and a ladder of chunks alone for the fit.
+SHAPES: tuple[Shape, ...] = (
+    Shape(0, 0, 512, 0), Shape(0, 0, 1024, 0), Shape(0, 0, 1616, 0), Shape(0, 0, 2048, 0), Shape(0, 0, 4096, 0),
+    Shape(0, 0, 8192, 0), Shape(1, 4097, 1616, 0), Shape(17, 4100, 1296, 1616), Shape(104, 1150, 1136, 0),
+    Shape(300, 1150, 1136, 0),
+)
+
+
+def pairs(s: Shape) -> float:
+    """The chunk's causal attention: query-key pairs (each of its tokens attends to the prefix and the chunk so far)."""
+    return s.chunk * (s.prefix + (s.chunk + 1) / 2)
+
+
+def step_items(s: Shape, block_size: int, num_blocks: int, vocab: int, seed: int = 0) -> list[Any]:
+    """The step's items as `launch_step` makes them: the decode rows (one token at position context - 1), then the
+    chunk (its tokens after its prefix, logits for its last); block tables over a pool of `num_blocks` (ValueError
+    when the shape needs more)."""
+    from rapidserve.runner import PrefillItem
+
+    rng = np.random.default_rng(seed)
+    need = s.rows * -(-s.context // block_size) + -(-(s.prefix + s.chunk) // block_size)
+    if need > num_blocks:
+        raise ValueError(f"{s.label} needs {need} KV blocks; the pool has {num_blocks}")
+    items, nxt = [], 0
+    for _ in range(s.rows):
+        n = -(-s.context // block_size)
+        items.append(PrefillItem([int(rng.integers(vocab))], s.context - 1, list(range(nxt, nxt + n))))
+        nxt += n
+    n = -(-(s.prefix + s.chunk) // block_size)
+    items.append(PrefillItem(rng.integers(0, vocab, s.chunk).tolist(), s.prefix, list(range(nxt, nxt + n))))
+    return items
+
+
+def fit(points: Sequence[tuple[Shape, float]]) -> dict[str, float]:
+    """ms = fixed + per_token x tokens + per_mpair x (attention pairs / 1e6), least squares over `points` (the
+    shapes without decode rows); ValueError with fewer than three."""
+    if len(points) < 3:
+        raise ValueError("the fit needs at least three shapes")
+    x = np.array([[1.0, s.tokens, pairs(s) / 1e6] for s, _ in points])
+    y = np.array([ms for _, ms in points])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    err = np.abs(x @ coef - y) / y
+    return {"fixed_ms": float(coef[0]), "per_token_us": float(coef[1] * 1e3), "per_mpair_ms": float(coef[2]),
+            "median_abs_err": float(np.median(err))}
+
+
+def table(rows: Sequence[dict[str, Any]], cats: Sequence[str], f: dict[str, float] | None) -> str:
+    """The report's table: per shape its step time, prompt tokens/s (and of the best chunk alone), the kernel
+    categories and the gaps; then the fit."""
+    best = max((r["chunk_tokens_per_s"] for r in rows if r["rows"] == 0), default=0.0)
+    head = ["shape", "ms (min-max)", "prompt tok/s", "of best", *cats, "gaps"]
+    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for r in rows:
+        c = r["categories_ms"]
+        out.append(f"| {r['label']} | {r['ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
+                   f"{r['chunk_tokens_per_s']:,.0f} | {r['chunk_tokens_per_s'] / best if best else 0:.2f} | "
+                   + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} |")
+    if f is not None:
+        out += ["", f"Fit over the shapes without decode rows: **{f['fixed_ms']:.2f} ms a step** + "
+                    f"{f['per_token_us']:.2f} us a token + {f['per_mpair_ms']:.3f} ms per million query-key pairs "
+                    f"(median abs error {f['median_abs_err']:.1%})."]
+    return "\n".join(out)
+
+
+def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape]) -> tuple[str, list[dict[str, Any]]]:
+    import torch
+    from gpu_timing import time_ms
+    from model_runner import engine_config, preset_source
+    from step_profile import kernel_times
+    from torch.profiler import ProfilerActivity, profile
+
+    from rapidserve.loader.presets import preset_config
+    from rapidserve.runner import ModelRunner
+
+    name = model.removeprefix("preset:")
+    mcfg = preset_config(name)
+    ecfg = engine_config(name, mcfg, "bfloat16", (1,), 16384, 0.9)
+    ecfg = dataclasses.replace(ecfg, runner=dataclasses.replace(ecfg.runner, attention_backend=backend))
+    runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
+    pool = runner.kv_pool
+    for layer in range(pool.tensor.shape[0]):
+        pool.tensor[layer].normal_()
+    runner.capture_prefill_graphs(key="default", show_progress=False)  # the decode worker's fused-step graphs
+    out = []
+    for s in shapes:
+        items = step_items(s, runner.block_size, pool.num_blocks, mcfg.vocab_size)
+
+        def fn(items: list[Any] = items) -> Any:
+            return runner.prefill(items)
+
+        wall = time_ms(fn, reps=steps)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn()
+            torch.cuda.synchronize()
+        cats, top = kernel_times(prof, steps)
+        ms = statistics.median(wall)
+        out.append({"label": s.label, **dataclasses.asdict(s), "ms": ms, "min_ms": min(wall), "max_ms": max(wall),
+                    "chunk_tokens_per_s": 1e3 * s.chunk / ms, "categories_ms": cats, "top_kernels_ms": top,
+                    "gaps_ms": max(0.0, ms - sum(cats.values()))})
+        print(f"{s.label}: {ms:.2f} ms", flush=True)
+    return runner.attn.name, out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="preset:qwen3-8b")
+    ap.add_argument("--backend", default="auto", help="attention backend (RunnerConfig.attention_backend)")
+    ap.add_argument("--steps", type=int, default=8, help="timed forwards a shape (median), and profiled")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "fused_step_profile"))
+    a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error("--steps must be >= 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("fused_step_profile needs a GPU", file=sys.stderr)
+        return 2
+    from step_profile import CATEGORIES
+
+    backend, rows = measure(a.model, a.backend, a.steps, SHAPES)
+    alone = [(s, r["ms"]) for s, r in zip(SHAPES, rows, strict=True) if s.rows == 0]
+    f = fit(alone) if len(alone) >= 3 else None
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": backend,
+           "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
+           "command": "python bench/fused_step_profile.py " + " ".join(sys.argv[1:]), "fit": f, "shapes": rows}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "fused_step_profile.json"), "w") as fh:
+        json.dump(res, fh, indent=1)
+    text = (f"# A fused step's time by kernel category: {a.model} bf16 on {res['gpu']} ({res['date']}, {backend})\n\n"
+            f"Command: `{res['command']}`. Milliseconds per step (median of {a.steps}); `gaps`: step time no "
+            "kernel ran.\n\n" + table(rows, cats, f) + "\n")
+    for r in rows:
+        text += f"\nLongest kernels, {r['label']} (ms per step):\n\n"
+        text += "\n".join(f"- {v:.3f} `{k}`" for k, v in r["top_kernels_ms"].items()) + "\n"
+    with open(os.path.join(a.out, "fused_step_profile.md"), "w") as fh:
+        fh.write(text)
+    print(text[text.index("| shape"):text.index("\n\nLongest") if "\n\nLongest" in text else len(text)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
