@@ -149,6 +149,7 @@ from compare_args import (  # noqa: E402
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
 from compare_frontier import write_frontier_report  # noqa: E402
 from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
+from compare_prior import hints_text, load_hints  # noqa: E402
 from compare_repeats import REPEATS  # noqa: E402
 from compare_search import RUN_ERRORS, repeats, system_search, workload_searches  # noqa: E402
 from compare_systems import (  # noqa: E402
@@ -302,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.search = search_config(a)
         for s in systems if a.search is not None else ():
             system_search(a.search, s)
+        a.search_hints = load_hints(a.search_start_from) if a.search_start_from else {}
         workloads = workload_list(a)
         meta = report_meta(a, workloads)
         prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
@@ -327,6 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"workload {w.title}: rapidserve bench {shlex.join([*shlex.split(a.bench_args), *w.argv])}")
         if repeats(a) > 1:
             print(f"each search runs {repeats(a)} times (--search-repeats), each repetition with its own arrivals")
+        for s in systems if a.search_start_from else ():
+            for w in workloads:
+                hints = a.search_hints.get((s.label, w.title))
+                print(f"{s.label} on {w.title}: " + (f"starts from its earlier brackets {hints_text(hints)}" if hints
+                                                     else "no earlier search: starts from its closed-loop peak"))
         return 0
     os.makedirs(a.out, exist_ok=True)
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None
@@ -369,6 +376,7 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
                          else f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
             "mode": "goodput_search" if a.goodput_search else "sweep",
+            **({"search_start_from": list(a.search_start_from)} if getattr(a, "search_start_from", None) else {}),
             "search": None if a.search is None else {**dataclasses.asdict(a.search),
                                                      **({"shared_ceiling": True} if a.search_shared_ceiling else {}),
                                                      **({REPEATS: repeats(a)} if repeats(a) > 1 else {})},

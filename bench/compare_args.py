@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_peak import fractions_arg  # noqa: E402
+from compare_prior import paths_arg  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -155,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "are judged by their TTFT backlog (and lengthened by --search-above-peak-factor). Run the "
                         "system with the highest peak first (e.g. duet@none or always-fused), or give one rate to "
                         "every system with --search-max-rate instead")
+    p.add_argument("--search-start-from", type=start_from_arg, default=None, metavar="REPORT.json[,...]",
+                   help="with --goodput-search: start each system's search on each workload where its search in "
+                        "these earlier compare.py reports ended (same system label, same workload): the ends of "
+                        "each target's bracket are probed first, then bisected (bench/compare_prior.py); the "
+                        "closed-loop peak is still measured")
     p.add_argument("--search-repeats", type=repeats_arg, default=None, metavar="N",
                    help="with --goodput-search: run each system's search on each workload N times against the same "
                         "server, each repetition with its own arrivals and prompts; the report gives each cell's "
@@ -162,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "each repetition's cells (bench/compare_repeats.py); each repetition gets its own share of "
                         "--budget-s and its own --search-max-probes (default 1: one search, as without the flag)")
     return p
+
+
+def start_from_arg(text: str) -> tuple[str, ...]:
+    """--search-start-from's report paths (read later, by compare.py: load_hints)."""
+    try:
+        return paths_arg(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def repeats_arg(text: str) -> int:
@@ -263,6 +277,7 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
         search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
         search_flags += ["--search-shared-ceiling"] if shared else []
         search_flags += ["--search-repeats"] if getattr(a, "search_repeats", None) is not None else []
+        search_flags += ["--search-start-from"] if getattr(a, "search_start_from", None) is not None else []
         if search_flags:
             raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
         return None

@@ -59,10 +59,15 @@ def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: i
            peers: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
     """One workload's goodput search against the server at `url`, its probes salted from `salt`. With
     --search-shared-ceiling its ceiling is at least the highest closed-loop peak among `peers` (the searches so far,
-    each repetition of a repeated one)."""
+    each repetition of a repeated one); with --search-start-from it starts from this system's earlier brackets on
+    this workload."""
     cfg = bench_config(a, w.argv, base_url=url, label=system.label)
     shared = highest_peak(flatten(peers), w.title) if getattr(a, "search_shared_ceiling", False) else None
-    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), system_search(a.search, system),
+    scfg = system_search(a.search, system)
+    hints = getattr(a, "search_hints", {}).get((system.label, w.title))  # --search-start-from: compare_prior.py
+    if hints:
+        scfg = dataclasses.replace(scfg, hints=hints)
+    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), scfg,
                                          deadline=deadline, shared_peak=shared[0] if shared else None))
     if shared is not None:
         res["search"]["shared_peak_system"] = shared[1]

@@ -4,6 +4,7 @@ against a fake server whose frontier is known."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -493,3 +494,50 @@ def test_the_closed_loop_peak_is_in_the_unit_of_the_rates() -> None:
     assert arrival_turns(cfg) == 1
     assert arrival_turns(replace(cfg, workload=WorkloadSpec(name="multiturn", num_turns=6))) == 6
     assert arrival_turns(replace(cfg, workload=WorkloadSpec(name="fixed", num_turns=6))) == 1
+
+
+@pytest.mark.parametrize("b,hint,want", [
+    (Bracket(None, None), (9.97, 12.0), (9.97, "")),  # nothing probed: the earlier lo
+    (Bracket(None, None), (None, 12.0), (6.0, "")),  # only an upper end known: below it
+    (Bracket(None, None), (0.5, 12.0), (1.25, "")), (Bracket(None, None), (90.0, None), (40.0, "")),  # within limits
+    (Bracket(9.97, None), (9.97, 12.0), (12.0, "")),  # it passed: the earlier hi, not 2 x lo
+    (Bracket(12.0, None), (9.97, 12.0), (24.0, "")),  # the earlier hi passed too: growth as without a hint
+    (Bracket(None, 9.0), (3.41, 6.81), (3.41, "")),  # everything failed: the earlier lo, not hi / 2
+    (Bracket(None, 3.0), (3.41, 6.81), (1.5, "")),  # the earlier lo failed too: halve as without it
+    (Bracket(9.97, 12.0), (9.97, 12.0), (11.0, "")), (Bracket(4, 4.19), (1.0, 9.0), (None, CONVERGED)),  # bisect
+    (Bracket(40, None), (9.97, 50.0), (None, AT_MAX)), (Bracket(None, 1.25), (3.41, 6.81), (None, BELOW_MIN)),
+])
+def test_next_step_from_an_earlier_bracket(b: Bracket, hint: tuple[float | None, float | None],
+                                           want: tuple[float | None, str]) -> None:
+    assert tuple(next_step(b, start=5.0, min_rate=1.25, max_rate=40.0, tolerance=0.05, hint=hint)) == want
+
+
+@pytest.mark.parametrize("capacity,hint_scale", [(10.0, 1.0), (10.0, 0.8), (10.0, 1.25), (3.0, 1.0)])
+def test_a_search_from_earlier_brackets_settles_sooner_and_right_where_they_moved(capacity: float,
+                                                                                 hint_scale: float) -> None:
+    """The earlier search's brackets (the true frontier, then moved by hint_scale as between sessions) make the search
+    converge in no more probes than from scratch, and to the same truth."""
+    scfg = SearchConfig(itl_bounds_ms=(50.0, 100.0), shares=(0.9,), max_probes=40, discard=D)
+    scratch_server = FakeServer(capacity=capacity)
+    scratch = run_search(scratch_server, scfg, start=5.0)
+    assert scratch.stopped is None
+    hints = tuple((t.itl_bound_ms, t.share, round_rate(scratch_server.frontier(t) * hint_scale * 0.97),
+                   round_rate(scratch_server.frontier(t) * hint_scale * 1.1)) for t in scfg.searched())
+    server = FakeServer(capacity=capacity)
+    hinted = run_search(server, dataclasses.replace(scfg, hints=hints), start=5.0)
+    assert hinted.stopped is None and len(server.calls) <= len(scratch_server.calls)
+    if hint_scale == 1.0:
+        assert len(server.calls) < len(scratch_server.calls)
+    for e in hinted.goodput:
+        true = server.frontier(Target(e["itl_bound_ms"], e["share"]))
+        assert e["status"] == CONVERGED and e["lo"] <= true < e["hi"] <= e["lo"] * 1.05, (e, true)
+
+
+def test_hints_are_checked() -> None:
+    SearchConfig(hints=((None, 0.9, 3.0, 4.0), (50.0, 0.9, None, 2.0))).check()
+    for bad in ((None, 0.9, 4.0, 3.0), (None, 0.9, -1.0, None), (None, 0.9, None, math.inf)):
+        with pytest.raises(ValueError, match="--search-start-from: the earlier bracket .* is no bracket"):
+            SearchConfig(hints=(bad,)).check()
+    assert SearchConfig(hints=((50.0, 0.9, 3.0, 4.0),)).hint(Target(50.0, 0.9)) == (3.0, 4.0)
+    assert SearchConfig(hints=((50.0, 0.9, 3.0, 4.0),)).hint(Target(50.0, 0.99)) is None
+    assert SearchConfig().hint(Target(None, 0.9)) is None

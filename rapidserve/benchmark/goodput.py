@@ -264,7 +264,8 @@ def round_rate(x: float) -> float:
 
 
 def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolerance: float,
-              growth: float = 2.0, waypoint: float | None = None) -> Step:
+              growth: float = 2.0, waypoint: float | None = None,
+              hint: tuple[float | None, float | None] | None = None) -> Step:
     """The next rate to probe for one target, or why its search is over.
 
     Nothing probed: `start`. Everything passed: lo x growth (at most max_rate; done, AT_MAX, once
@@ -276,15 +277,26 @@ def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolera
 
     The waypoint is the closed-loop peak where the ceiling lies above it: the search makes the probes it would
     make with the peak as its ceiling (short ones) before any above it (long ones), so a search cut short by its
-    budget still has the answer a search capped at the peak would give."""
+    budget still has the answer a search capped at the peak would give.
+
+    `hint` (lo, hi): where an earlier search of this target put its frontier (`--search-start-from`; either end None:
+    not known). The first probe is at its lo (else its hi / growth), within [min_rate, max_rate]; while everything
+    passed, the next is its hi where that lies above the highest pass (instead of lo x growth); while everything
+    failed, its lo where that lies below the lowest failure (instead of hi / growth); between a pass and a failure,
+    an earlier end that lies inside (beyond the tolerance of both) before the midpoint. So two probes re-establish a
+    bracket the earlier search took several to find (the probes are shared: a target after the first starts from
+    theirs), and bisection goes on from there. Where the hint is wrong, the search
+    moves on as without it."""
     lo, hi = b
+    hint_lo, hint_hi = hint if hint is not None else (None, None)
     if lo is None and hi is None:
-        return Step(start, "")
+        first = hint_lo if hint_lo is not None else round_rate(hint_hi / growth) if hint_hi is not None else None
+        return Step(start if first is None else min(max(first, min_rate), max_rate), "")
     if hi is None:
         assert lo is not None
         if lo >= max_rate:
             return Step(None, AT_MAX)
-        up = min(round_rate(lo * growth), max_rate)
+        up = min(hint_hi if hint_hi is not None and hint_hi > lo else round_rate(lo * growth), max_rate)
         if waypoint is not None and lo < waypoint:
             up = min(up, waypoint)
             if waypoint <= up * (1.0 + tolerance):  # within the tolerance of the waypoint: probe the waypoint itself
@@ -293,9 +305,15 @@ def next_step(b: Bracket, start: float, min_rate: float, max_rate: float, tolera
             up = max_rate
         return Step(up, "")
     if lo is None:
-        return Step(None, BELOW_MIN) if hi <= min_rate else Step(max(round_rate(hi / growth), min_rate), "")
+        if hi <= min_rate:
+            return Step(None, BELOW_MIN)
+        down = hint_lo if hint_lo is not None and hint_lo < hi else round_rate(hi / growth)
+        return Step(max(down, min_rate), "")
     if hi <= lo * (1.0 + tolerance):
         return Step(None, CONVERGED)
+    inside = [x for x in (hint_hi, hint_lo) if x is not None and lo * (1.0 + tolerance) < x < hi / (1.0 + tolerance)]
+    if inside:  # an earlier end within the bracket (the upper first): it splits the bracket where the frontier was
+        return Step(inside[0], "")
     mid = round_rate((lo + hi) / 2.0)
     return Step(mid, "") if lo < mid < hi else Step(None, CONVERGED)  # rounding closed it
 

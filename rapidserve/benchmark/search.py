@@ -154,13 +154,17 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
         if on_probe is not None:
             on_probe(probe)
 
-    tolerances = sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)  # coarse to fine
+    # coarse to fine: a bracket round every target before any is refined; from earlier brackets (`hints`), where the
+    # brackets are already known, fine at once
+    tolerances = [scfg.tolerance] if scfg.hints and all(scfg.hint(t) for t in scfg.searched()) else \
+        sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)
     for tolerance in tolerances:
         for t in scfg.searched():
             while exhausted is None:
                 again = contradicted(probes.values(), t, made)  # a failure below a pass: probed once more, pooled
                 step = Step(again, "") if again is not None else \
-                    next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint)
+                    next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint,
+                              hint=scfg.hint(t))
                 if step.rate is None:
                     break
                 if len(order) >= scfg.max_probes:
@@ -190,7 +194,8 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     entries = []
     searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
-        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance, waypoint=waypoint)
+        step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, scfg.tolerance, waypoint=waypoint,
+                         hint=scfg.hint(t))
         status = NOT_SEARCHED if t not in searched else step.status if step.rate is None else UNFINISHED
         entries.append(goodput_entry(probes.values(), t, status))
     unsettled = any(e["status"] == UNFINISHED for e in entries)

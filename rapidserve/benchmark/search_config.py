@@ -47,6 +47,14 @@ class SearchConfig:
     above_peak_factor: float | None = None
     # no probe sends more arrivals (warm-up and counted): one that needs more to reach steady state fails (sustain.py)
     max_probe_arrivals: int = DEFAULT_MAX_PROBE_ARRIVALS
+    # where an earlier search of the same system and workload put each target's frontier: (bound, share, lo, hi),
+    # either end None where not known (bench/compare.py --search-start-from); goodput.next_step says how it is used
+    # (None: no earlier search, and a report's settings match one from before this field)
+    hints: tuple[tuple[float | None, float, float | None, float | None], ...] | None = None
+
+    def hint(self, t: Target) -> tuple[float | None, float | None] | None:
+        """The earlier (lo, hi) of target `t`, None where there is none."""
+        return next(((lo, hi) for b, q, lo, hi in self.hints or () if b == t.itl_bound_ms and q == t.share), None)
 
     def check(self, probe_requests: int | None = None) -> None:
         """ValueError naming the flag when a setting cannot work."""
@@ -73,6 +81,11 @@ class SearchConfig:
             if not self.only_bounds or bad:
                 raise ValueError(f"--search-only-bounds {_bounds_text(self.only_bounds)}: give one or more of the "
                                  f"bounds searched ({_bounds_text(known)}; add a bound to --search-itl-bounds-ms)")
+        for b, q, lo, hi in self.hints or ():
+            if (lo is not None and not (lo > 0 and math.isfinite(lo))) or (hi is not None and not (
+                    hi > 0 and math.isfinite(hi))) or (lo is not None and hi is not None and lo >= hi):
+                raise ValueError(f"--search-start-from: the earlier bracket [{lo}, {hi}) at {bound_key(b)}, share "
+                                 f"{q:g} is no bracket (each end a positive rate, lo below hi)")
         f = self.above_peak_factor
         if f is not None and not (f >= 1 and math.isfinite(f)):
             raise ValueError(f"--search-above-peak-factor {f:g}: give a factor >= 1 of the counted requests (1: probes "
