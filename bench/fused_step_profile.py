@@ -117,7 +117,26 @@ def table(rows: Sequence[dict[str, Any]], cats: Sequence[str], f: dict[str, floa
     return "\n".join(out)
 
 
-def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape]) -> tuple[str, list[dict[str, Any]]]:
+# The ladder: a chunk alone every 128 tokens from 256 to 4096 (past the largest graph bucket, 2048), timed only. The
+# fused step pads to its bucket (128 tokens apart above 1024) and its GEMMs run in waves of output tiles over the SMs,
+# so its time need not grow smoothly with the chunk: where tokens/s dips between two chunk sizes, a policy choosing
+# the chunk could prefer the better (bench/results/h200x2_1130f/README.md).
+LADDER = tuple(range(256, 4096 + 1, 128))
+
+
+def ladder_table(rungs: Sequence[dict[str, Any]]) -> str:
+    """The ladder: per chunk its ms, tokens/s and tokens/s over the best rung at or below it (a dip below 1 is a
+    chunk size that buys fewer tokens a second than a smaller one)."""
+    out = ["| chunk tokens | ms | tokens/s | of the best below |", "|---|---|---|---|"]
+    best = 0.0
+    for r in rungs:
+        best = max(best, r["tokens_per_s"])
+        out.append(f"| {r['tokens']} | {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / best:.2f} |")
+    return "\n".join(out)
+
+
+def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
+            ladder: Sequence[int] = ()) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     import torch
     from gpu_timing import time_ms
     from model_runner import engine_config, preset_source
@@ -155,7 +174,12 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape]) -> tu
                     "chunk_tokens_per_s": 1e3 * s.chunk / ms, "categories_ms": cats, "top_kernels_ms": top,
                     "gaps_ms": max(0.0, ms - sum(cats.values()))})
         print(f"{s.label}: {ms:.2f} ms", flush=True)
-    return runner.attn.name, out
+    rungs = []
+    for t in ladder:
+        items = step_items(Shape(0, 0, t, 0), runner.block_size, pool.num_blocks, mcfg.vocab_size)
+        ms = statistics.median(time_ms(lambda items=items: runner.prefill(items), reps=steps))
+        rungs.append({"tokens": t, "ms": ms, "tokens_per_s": 1e3 * t / ms})
+    return runner.attn.name, out, rungs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="timed forwards a shape (median), and profiled")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "fused_step_profile"))
+    ap.add_argument("--no-ladder", action="store_true", help="skip the ladder of chunk sizes (LADDER)")
     a = ap.parse_args(argv)
     if a.steps < 1:
         ap.error("--steps must be >= 1")
@@ -175,25 +200,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from step_profile import CATEGORIES
 
-    backend, rows = measure(a.model, a.backend, a.steps, SHAPES)
+    backend, rows, rungs = measure(a.model, a.backend, a.steps, SHAPES, () if a.no_ladder else LADDER)
     alone = [(s, r["ms"]) for s, r in zip(SHAPES, rows, strict=True) if s.rows == 0]
     f = fit(alone) if len(alone) >= 3 else None
     cats = [c for c, _ in CATEGORIES] + ["other"]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": backend,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
-           "command": "python bench/fused_step_profile.py " + " ".join(sys.argv[1:]), "fit": f, "shapes": rows}
+           "command": "python bench/fused_step_profile.py " + " ".join(sys.argv[1:]), "fit": f, "shapes": rows,
+           "ladder": rungs}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fused_step_profile.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     text = (f"# A fused step's time by kernel category: {a.model} bf16 on {res['gpu']} ({res['date']}, {backend})\n\n"
             f"Command: `{res['command']}`. Milliseconds per step (median of {a.steps}); `gaps`: step time no "
             "kernel ran.\n\n" + table(rows, cats, f) + "\n")
+    if rungs:
+        text += ("\nThe ladder: one chunk alone at each size (no profiler; median of the timed forwards):\n\n"
+                 + ladder_table(rungs) + "\n")
     for r in rows:
         text += f"\nLongest kernels, {r['label']} (ms per step):\n\n"
         text += "\n".join(f"- {v:.3f} `{k}`" for k, v in r["top_kernels_ms"].items()) + "\n"
     with open(os.path.join(a.out, "fused_step_profile.md"), "w") as fh:
         fh.write(text)
-    print(text[text.index("| shape"):text.index("\n\nLongest") if "\n\nLongest" in text else len(text)])
+    print(text[text.index("| shape"):text.index("\nLongest") if "\nLongest" in text else len(text)])
     return 0
 
 

@@ -51,3 +51,13 @@ def test_the_table_gives_each_shape_against_the_best_chunk_alone() -> None:
                                                    "median_abs_err": 0.015})
     assert "| rows 1 x 4097, chunk 1616 | 42.30 (42.00-43.00) | 38,200 | 0.90 | 33.00 | 0.00 | 2.25 |" in text
     assert "**7.80 ms a step** + 18.20 us a token" in text and "(median abs error 1.5%)" in text
+
+
+def test_the_ladder_says_where_a_larger_chunk_buys_fewer_tokens_a_second() -> None:
+    rungs = [{"tokens": 1024, "ms": 25.0, "tokens_per_s": 40960.0},
+             {"tokens": 1152, "ms": 30.0, "tokens_per_s": 38400.0},
+             {"tokens": 1280, "ms": 30.5, "tokens_per_s": 41967.0}]
+    rows = fsp.ladder_table(rungs).splitlines()
+    assert rows[2:] == ["| 1024 | 25.00 | 40,960 | 1.00 |", "| 1152 | 30.00 | 38,400 | 0.94 |",
+                        "| 1280 | 30.50 | 41,967 | 1.00 |"]
+    assert fsp.LADDER == tuple(range(256, 4097, 128))
