@@ -60,4 +60,4 @@ def test_the_ladder_says_where_a_larger_chunk_buys_fewer_tokens_a_second() -> No
     rows = fsp.ladder_table(rungs).splitlines()
     assert rows[2:] == ["| 1024 | 25.00 | 40,960 | 1.00 |", "| 1152 | 30.00 | 38,400 | 0.94 |",
                         "| 1280 | 30.50 | 41,967 | 1.00 |"]
-    assert fsp.LADDER == tuple(range(256, 4097, 128))
+    assert tuple(range(256, 4097, 128)) == fsp.LADDER
