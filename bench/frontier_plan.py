@@ -8,7 +8,7 @@ groups' systems in one call, for shapes whose searches are short):
 |---|---|
 | ours | duet, always-fused, always-split (issue 37 on one GPU) |
 | duet | duet alone (beside vllm-default, for workloads whose probes are long: multi-turn, traces) |
-| duet-none | duet (its default SLO, 50 ms) and duet@none (no SLO: the whole token budget every step, searched unbounded) |
+| duet-none | duet (its default SLO, 50 ms) and duet@none (no SLO: the whole budget every step; searched unbounded) |
 | ours-slo | duet@25, @50, @100, @200, @none: duet with `--slo-itl-ms B` (or none), each searched at B alone |
 | baselines | always-fused, always-split (beside ours-slo: ours' duet would repeat duet@50's server and search) |
 | graphs-ab | duet, duet-g512 (its fused steps' graphs cut to 512 tokens: the larger ones launched from Python) |
