@@ -140,8 +140,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
     import torch
     from gpu_timing import time_ms
     from model_runner import engine_config, preset_source
-    from step_profile import kernel_times
-    from torch.profiler import ProfilerActivity, profile
+    from step_profile import timed_and_profiled
 
     from rapidserve.loader.presets import preset_config
     from rapidserve.runner import ModelRunner
@@ -162,13 +161,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
         def fn(items: list[Any] = items) -> Any:
             return runner.prefill(items)
 
-        wall = time_ms(fn, reps=steps)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        cats, top = kernel_times(prof, steps)
+        wall, cats, top = timed_and_profiled(fn, steps)
         ms = statistics.median(wall)
         out.append({"label": s.label, **dataclasses.asdict(s), "ms": ms, "min_ms": min(wall), "max_ms": max(wall),
                     "chunk_tokens_per_s": 1e3 * s.chunk / ms, "categories_ms": cats, "top_kernels_ms": top,

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -70,6 +71,19 @@ def kernel_times(prof: profile, steps: int) -> tuple[dict[str, float], dict[str,
     return dict(by_cat), top
 
 
+def timed_and_profiled(fn: Callable[[], object], steps: int) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """`fn`'s wall ms over `steps` calls (CUDA events, after a warm-up), then `kernel_times` of `steps` more under
+    torch.profiler: (each call's ms, ms per call by category, ms per call of the longest kernels)."""
+    wall = time_ms(fn, reps=steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    cats, top = kernel_times(prof, steps)
+    return wall, cats, top
+
+
 def measure(model: str, backend: str, steps: int) -> dict[str, object]:
     name = model.removeprefix("preset:")
     mcfg = preset_config(name)
@@ -93,13 +107,7 @@ def measure(model: str, backend: str, steps: int) -> dict[str, object]:
     steps_fns = (("prefill", functools.partial(runner.prefill, prefill_items)),
                  ("decode", functools.partial(runner.decode, decode_items, graph_key="full")))
     for phase, fn in steps_fns:
-        wall = time_ms(fn, reps=steps)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        cats, top = kernel_times(prof, steps)
+        wall, cats, top = timed_and_profiled(fn, steps)
         out[phase] = {"wall_ms": statistics.median(wall), "wall_min_ms": min(wall), "wall_max_ms": max(wall),
                       "categories_ms": cats, "top_kernels_ms": top}
     del runner, steps_fns
