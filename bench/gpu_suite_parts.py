@@ -25,10 +25,11 @@ TIMES = Path(__file__).resolve().parent / "gpu_suite_times.json"
 
 
 def weights(files: Sequence[str], seconds: Mapping[str, float]) -> list[float]:
-    """Each file's weight: its seconds, else the median of the known ones among `seconds`, else 1."""
+    """Each file's weight: its seconds (0 too: a file whose tests all skip on one GPU, the two-GPU ones), else the
+    median of the non-zero ones among `seconds`, else 1."""
     known = [float(s) for s in seconds.values() if s > 0]
     fill = statistics.median(known) if known else 1.0
-    return [float(seconds[f]) if seconds.get(f, 0) > 0 else fill for f in files]
+    return [float(seconds[f]) if f in seconds else fill for f in files]
 
 
 def slices(files: Sequence[str], w: Sequence[float], n: int) -> list[list[str]]:

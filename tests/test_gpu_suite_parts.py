@@ -39,6 +39,8 @@ def test_slices_with_fewer_files_than_parts() -> None:
 def test_weights_fill_unknown_files_with_the_median() -> None:
     assert parts.weights(FILES[:3], {FILES[0]: 10.0, FILES[1]: 30.0, "tests/other.py": 20.0}) == [10.0, 30.0, 20.0]
     assert parts.weights(FILES[:2], {}) == [1.0, 1.0]
+    # a file known to take no time (its tests skip on one GPU) weighs nothing, not the median
+    assert parts.weights(FILES[:3], {FILES[0]: 0.0, FILES[1]: 30.0, "tests/other.py": 20.0}) == [0.0, 30.0, 25.0]
 
 
 def test_file_seconds_from_junit(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The fused MoE kernels (issue 40, rapidserve/ops/triton_moe.py) on a GPU against the CPU-checked reference, and a
-tiny MoE preset end to end through `LLM` (bf16, CUDA graphs) against the same model on the CPU reference path.
+tiny MoE preset end to end through `LLM` (bf16, CUDA graphs) against the same model on the CPU reference path (the
+prefill variants: test_moe_prefill_gpu.py; the layer from its router: test_moe_routed_gpu.py).
 Skipped without a CUDA or ROCm GPU (both vendors run the same Triton kernels): the lead's GPU runs."""
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_moe_align import check_table
-from test_moe_ops import check_fused, check_prefill_variants, check_route, check_routed, check_split, moe_inputs
+from test_moe_ops import check_fused, moe_inputs
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.loader.presets import load_preset, save_as_hf_folder
-from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref
-from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
+from rapidserve.ops.moe import moe_experts_ref
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -68,96 +68,6 @@ def test_fused_moe_replays_in_a_cuda_graph(t: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused_moe(x, w13, w2, weights, ids)), seed
-
-
-def test_prefill_variants_small_shapes_on_the_gpu() -> None:
-    """The interpreter's check of the TMA / persistent / chunked top-k sum variants natively (fp16 only: the bits are
-    compared; fp32 against its TMA twin to rounding), with the GPU's SM count sizing the persistent grids."""
-    check_prefill_variants([torch.float16, torch.float32], "cuda")
-
-
-@pytest.mark.parametrize(("e", "k", "h", "i", "t"), [(8, 2, 4096, 14336 // 8, 1024), (128, 8, 2048, 768, 1024),
-                                                     (128, 8, 2048, 768, 256)],
-                         ids=["mixtral-8x7b-tp8", "qwen3-30b-a3b", "qwen3-30b-a3b-short"])
-def test_prefill_variants_real_shapes(e: int, k: int, h: int, i: int, t: int) -> None:
-    """At real prefill shapes (bf16), the packaged tiles' variants (weights by TMA, a persistent grid of 1 and 2
-    programs an SM, both; down's top-k sum in chunks where its tile holds too many partial rows) give the bits of
-    the pointer-load launch, one program a tile, and agree with the reference; and the same under a CUDA graph."""
-    from rapidserve.ops.triton_moe import fused_moe, moe_config
-
-    x, w13, w2, weights, ids = moe_inputs(t, e, k, h, i, torch.bfloat16, seed=t, device="cuda")
-    base = moe_config(t * k, e, i, h, x.dtype, x.device)
-    base = base._replace(gate_up=base.gate_up._replace(tma=0, persistent=0, split_k=1),
-                         down=base.down._replace(tma=0, persistent=0, split_k=1))
-    want = fused_moe(x, w13, w2, weights, ids, base)
-    ref = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
-    torch.testing.assert_close(want.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    for tma, persistent in [(1, 0), (0, 1), (1, 1), (1, 2)]:
-        cfg = base._replace(gate_up=base.gate_up._replace(tma=tma, persistent=persistent),
-                            down=base.down._replace(tma=tma, persistent=persistent))
-        assert torch.equal(fused_moe(x, w13, w2, weights, ids, cfg), want), (tma, persistent)
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out = fused_moe(x, w13, w2, weights, ids, cfg)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-
-
-def test_routing_split_and_topk_sum_small_shapes_on_the_gpu() -> None:
-    """The interpreter's checks of the decode-size folds natively: the routing kernels (both paths) against torch's
-    routing, split K and the top-k sum in the down launch (its semaphores' acquire/release across programs, which the
-    interpreter runs one at a time), `routed_moe` against the torch routing + reference."""
-    check_route("cuda")
-    check_split("cuda")
-    check_routed("cuda")
-
-
-# decode tiles with K split in both GEMMs (what a tuned table may ask for), and the same tiles unsplit
-SPLIT = MoeKernelConfig(16, GemmTiles(64, 128, 1, 4, 3, 4), GemmTiles(128, 128, 1, 4, 4, 3))
-
-
-@pytest.mark.parametrize(("e", "k", "h", "i"), [(8, 2, 4096, 14336 // 8), (128, 8, 2048, 768)],
-                         ids=["mixtral-8x7b-tp8", "qwen3-30b-a3b"])
-@pytest.mark.parametrize("t", [1, 3, 16, 64])
-@pytest.mark.parametrize("cfg", [None, SPLIT], ids=["tables", "split"])
-def test_routed_moe_real_shapes(e: int, k: int, h: int, i: int, t: int, cfg: MoeKernelConfig | None) -> None:
-    """The MoE layer from its router's logits at real layer shapes and decode batches (the one-program routing up to
-    128 pairs, the routing launch + two-launch alignment above), bf16, against the torch routing and the float32
-    reference on the same inputs; the same bits on a second call (the top-k sum's order is fixed)."""
-    from rapidserve.ops.triton_moe import routed_moe
-
-    x, w13, w2, _, _ = moe_inputs(t, e, k, h, i, torch.bfloat16, seed=t, device="cuda")
-    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t)).to(torch.bfloat16).cuda()
-    got = routed_moe(x, logits, w13, w2, k, True, cfg)
-    want = moe_layer_ref(x.float(), logits, w13.float(), w2.float(), k, True)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    assert torch.equal(got, routed_moe(x, logits, w13, w2, k, True, cfg))
-
-
-@pytest.mark.parametrize("t", [1, 6, 40])  # 8, 48 pairs: one-program routing; 320: the routing launch, two aligning
-def test_routed_moe_replays_in_a_cuda_graph(t: int) -> None:
-    """`routed_moe` with split K captured once and replayed on new inputs and logits: the eager bits each time (the
-    semaphores zeroed by the alignment's launch in every replay, the sums in a fixed order), with programmatic
-    dependent launch as the GPU has it (on for H100/H200: kept in the graph as programmatic edges) and without."""
-    from rapidserve.ops.triton_moe import routed_moe
-
-    x, w13, w2, _, _ = moe_inputs(t, 128, 8, 2048, 768, torch.bfloat16, device="cuda")
-    logits = torch.randn(t, 128, device="cuda").to(torch.bfloat16)
-    routed_moe(x, logits, w13, w2, 8, True, SPLIT)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out = routed_moe(x, logits, w13, w2, 8, True, SPLIT)
-    for seed in (1, 2, 3):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
-        logits.copy_(torch.randn(logits.shape, device="cuda", generator=g))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, routed_moe(x, logits, w13, w2, 8, True, SPLIT)), seed
-        assert torch.equal(out, routed_moe(x, logits, w13, w2, 8, True, SPLIT, pdl=False)), seed
 
 
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-moe"])
