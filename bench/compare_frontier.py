@@ -29,6 +29,8 @@ arrivals and those within 1.25 request lifetimes, so that the counted requests m
 the `search` column counts the probes that were short (too few arrivals after their lifetime, even once re-run) or
 capped (steady state needs more than --search-max-probe-arrivals), each of which failed every target.
 
+With --search-ttft-rate R each workload's section ends with every system's TTFT at R (bench/compare_ttft.py).
+
 With --search-repeats N (bench/compare_repeats.py) every frontier is the median over N searches: its cells give the
 median and the spread (`31 (30.9–33.5, n=3)`, a bracket of the median `[a, b]*` where a repetition did not settle),
 the better vLLM and every ratio are taken of the medians (exact only where every repetition of both settled), the
@@ -65,6 +67,7 @@ from compare_repeats import (  # noqa: E402
     searches,
 )
 from compare_slo import COMPOSITE, composite, is_part, with_composite  # noqa: E402
+from compare_ttft import ttft_lines  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.goodput import CONVERGED, NOT_SEARCHED, SHARED_PEAK, round_rate, share_note  # noqa: E402
@@ -114,8 +117,8 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
             "search": res["search"], "goodput": res["goodput"], "finished": res["finished"],
             "stopped": res["stopped"],
             "probes": [{k: p.get(k) for k in ("rate", "order", "counted", "attainment", "summary", "server_steps",
-                                              "server_step_correction", "again", "ramp", *ABOVE_KEYS)
-                        if k in p or k not in (*ABOVE_KEYS, "again", "ramp")}
+                                              "server_step_correction", "again", "ttft_probe", "ramp", *ABOVE_KEYS)
+                        if k in p or k not in (*ABOVE_KEYS, "again", "ttft_probe", "ramp")}
                        for p in res.get("probes", [])]}
 
 
@@ -341,6 +344,7 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
             if any(f["label"] in vllm for f in mine):
                 lines += _vllm_rows(rows, mine, vllm, vs, title, bounds, q)
             lines += repeats_table(mine, bounds, q, _search_cell)
+        lines += ttft_lines([f for f in frontiers if f["title"] == title], vllm)
     return "\n".join(lines) + "\n"
 
 

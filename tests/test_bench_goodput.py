@@ -541,3 +541,22 @@ def test_hints_are_checked() -> None:
     assert SearchConfig(hints=((50.0, 0.9, 3.0, 4.0),)).hint(Target(50.0, 0.9)) == (3.0, 4.0)
     assert SearchConfig(hints=((50.0, 0.9, 3.0, 4.0),)).hint(Target(50.0, 0.99)) is None
     assert SearchConfig().hint(Target(None, 0.9)) is None
+
+
+def test_one_more_probe_at_the_ttft_rate_after_the_search_and_no_bracket_reads_it() -> None:
+    scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), max_probes=40, discard=D)
+    plain_server = FakeServer(capacity=10.0)
+    plain = run_search(plain_server, scfg, start=5.0)
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, dataclasses.replace(scfg, ttft_rate=7.77), start=5.0)
+    assert server.calls == [*plain_server.calls, 7.77] and server.whys[-1] == "ttft"
+    assert out.goodput == plain.goodput and out.probes[-1].rate == 7.77  # reported among the probes, read by none
+    again = FakeServer(capacity=10.0)
+    run_search(again, dataclasses.replace(scfg, ttft_rate=plain_server.calls[1]), start=5.0)  # the search probed it
+    assert again.calls == plain_server.calls
+    late = FakeServer(capacity=10.0)  # no time left after the search: not run
+    run_search(late, dataclasses.replace(scfg, ttft_rate=0.5), start=5.0, deadline=sum(
+        N / r + 1.0 for r in plain_server.calls) + 1.0)
+    assert late.calls == plain_server.calls
+    with pytest.raises(ValueError, match="--search-ttft-rate -1"):
+        SearchConfig(ttft_rate=-1.0).check()

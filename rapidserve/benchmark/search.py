@@ -18,7 +18,9 @@ probes, and leaves a target whose next probe would not end before the deadline (
 target's may still fit); the targets not settled then are marked `unfinished`, with their bracket so far. The
 ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak (`shared_peak`:
 bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak (`next_step`'s
-waypoint).
+waypoint). With `scfg.ttft_rate` (--search-ttft-rate R) one more probe at R after the search, unless the search
+probed R itself (and the budget allows): the same rate on every system of a comparison, whose TTFT the report's TTFT
+table reads (issue 37: TTFT p50 at 0.75 of vLLM's peak); it is not among the goodput probes (no bracket reads it).
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -97,6 +99,7 @@ from rapidserve.benchmark.sustain import (
 # or RERUN (a short probe's second run, with a longer warm-up)
 Measure = Callable[[float, int, str], Awaitable[Sequence[RequestRecord]]]
 AGAIN = "again"
+TTFT = "ttft"  # the probe at --search-ttft-rate, after the search: its TTFT is the report's, not a goodput probe
 
 
 @dataclass
@@ -191,6 +194,13 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                         probe, _ = await run(redo, RERUN)
                 told(probe)
                 probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
+    if scfg.ttft_rate is not None and round_rate(scfg.ttft_rate) not in probes:  # the TTFT table's probe
+        r = round_rate(scfg.ttft_rate)
+        life = lifetime_estimate(r, lifetimes, lifetime_s)
+        plan = plan_probe(r, scfg.wanted(r, probe_requests, peak), scfg.discard, life, cap)
+        if fits(clock(), deadline, r, plan.sent, max(drain, life or 0.0)):
+            probe, _ = await run(plan, TTFT)
+            told(probe)
     entries = []
     searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
@@ -326,11 +336,12 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
             what = "" if arrivals == n else f", {arrivals} arrivals" + (
                 " (above the peak)" if scfg.above_peak(rate, peak) else "")
-            words = {RERUN: ", again (a short probe, a longer warm-up)", AGAIN: ", again (a failure below a pass)"}
+            words = {RERUN: ", again (a short probe, a longer warm-up)", AGAIN: ", again (a failure below a pass)",
+                     TTFT: ", for TTFT at one rate (--search-ttft-rate)"}
             records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
                                           f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
                                           + words.get(why, ""))
-            runs.append({**run, "again": True} if why == AGAIN else run)
+            runs.append({**run, "again": True} if why == AGAIN else {**run, "ttft_probe": True} if why == TTFT else run)
             return records
 
         def tell(p: Probe) -> None:

@@ -47,6 +47,8 @@ class SearchConfig:
     above_peak_factor: float | None = None
     # no probe sends more arrivals (warm-up and counted): one that needs more to reach steady state fails (sustain.py)
     max_probe_arrivals: int = DEFAULT_MAX_PROBE_ARRIVALS
+    # after the search, one probe at this rate (unless it probed it): TTFT at one rate for every system (search.py)
+    ttft_rate: float | None = None
     # where an earlier search of the same system and workload put each target's frontier: (bound, share, lo, hi),
     # either end None where not known (bench/compare.py --search-start-from); goodput.next_step says how it is used
     # (None: no earlier search, and a report's settings match one from before this field)
@@ -68,7 +70,8 @@ class SearchConfig:
             raise ValueError(f"--search-start-fraction {self.start_fraction}: give a fraction of the peak in (0, 4]")
         if self.max_probes < 1:
             raise ValueError("--search-max-probes must be >= 1")
-        for name, v in (("start-rate", self.start_rate), ("min-rate", self.min_rate), ("max-rate", self.max_rate)):
+        for name, v in (("start-rate", self.start_rate), ("min-rate", self.min_rate), ("max-rate", self.max_rate),
+                        ("ttft-rate", self.ttft_rate)):
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"--search-{name} {v}: give a positive finite rate (requests/s)")
         lo, hi = self.min_rate or 0.0, self.max_rate or math.inf

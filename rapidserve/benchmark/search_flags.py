@@ -24,7 +24,8 @@ SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
     ("--search-start-fraction", "start_fraction"), ("--search-min-rate", "min_rate"),
     ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
     ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"),
-    ("--search-above-peak-factor", "above_peak_factor"), ("--search-max-probe-arrivals", "max_probe_arrivals"))
+    ("--search-above-peak-factor", "above_peak_factor"), ("--search-max-probe-arrivals", "max_probe_arrivals"),
+    ("--search-ttft-rate", "ttft_rate"))
 
 
 def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -79,6 +80,10 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
                         "the probes so far; the ramp rule: rapidserve/benchmark/sustain.py), so that the requests it "
                         "counts meet the server at its steady load; one that would need more than N to get there "
                         f"fails every target, reported as capped (default {d.max_probe_arrivals})")
+    g.add_argument("--search-ttft-rate", type=positive_float, default=None, metavar="REQ_PER_S",
+                   help="after the search, one more probe at this Poisson rate (unless the search probed it), for "
+                        "TTFT at one rate: give every system of a comparison the same rate, e.g. 0.75 x vLLM "
+                        "default's closed-loop peak (bench/compare.py reports the TTFT of each system's probe there)")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "
