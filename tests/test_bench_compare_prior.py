@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED
+from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED, round_rate
 from tests.test_bench_compare import _load
 
 compare = _load()
@@ -97,3 +97,31 @@ def test_the_flag_needs_a_goodput_search(capsys) -> None:  # type: ignore[no-unt
     with pytest.raises(SystemExit):
         compare.main(["--dry-run", "--goodput-search", "--systems", "rapidserve", "--search-start-from", "/nope.json"])
     assert "--search-start-from /nope.json: No such file or directory" in capsys.readouterr().err
+
+
+def test_a_cpu_server_searched_again_from_its_earlier_report_with_a_ttft_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two comparisons of one CPU server: the second starts from the first's brackets (its first probe at the first
+    searched target's earlier lower end, clamped into its limits) and ends with a probe at --search-ttft-rate, whose
+    TTFT the report's table gives. Structure only: CPU timings are not asserted."""
+    base = ["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64", "--goodput-search",
+            "--systems", "", "--system", "wide=", "--workloads", "24:4", "--num-prompts", "10", "--search-discard",
+            "2", "--search-max-probes", "3", "--search-start-fraction", "1", "--search-tolerance", "0.5",
+            "--search-itl-bounds-ms", "1000", "--search-shares", "0.9", "--search-only-bounds", "none",
+            "--token-range", "3:1000", "--warmup", "1", "--budget-s", "120", "--out", str(tmp_path)]
+    assert compare.main([*base, "--name", "first"]) == 0
+    first = json.loads((tmp_path / "first.json").read_text())
+    (hint,) = [h for h in prior.load_hints([str(tmp_path / "first.json")])[("wide", first["frontiers"][0]["title"])]
+               if h[0] is None]
+    assert compare.main([*base, "--name", "second", "--search-start-from", str(tmp_path / "first.json"),
+                         "--search-ttft-rate", "0.777"]) == 0
+    second = json.loads((tmp_path / "second.json").read_text())
+    assert second["search_start_from"] == [str(tmp_path / "first.json")]
+    (f,) = second["frontiers"]
+    s = f["search"]
+    lo, hi = hint[2], hint[3]
+    want = lo if lo is not None else round_rate(hi / 2)
+    assert f["probes"][0]["rate"] == min(max(want, s["min_rate"]), s["max_rate"])
+    assert f["probes"][-1]["rate"] == 0.777 and f["probes"][-1]["ttft_probe"] is True
+    assert s["settings"]["hints"] is not None and s["settings"]["ttft_rate"] == 0.777
+    md = (tmp_path / "second.md").read_text()
+    assert "TTFT at 0.777 req/s" in md and "| wide | 0.777 |" in md
