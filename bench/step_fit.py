@@ -47,9 +47,12 @@ def features(r: StepRecord) -> list[float]:
 
 
 def policy_ms(r: StepRecord) -> float | None:
-    """What the policy planned the step at: its raw prediction times its correction of the step's kind then (the
+    """What the policy planned the step at: the trace's `planned_ms` where it has one (the corrected prediction the
+    policy compared with the SLO), else its raw prediction times its correction of the step's kind then (the
     correction's kinds: partition/correction.py; a split's decode and a fused decode-only step are corrected as
     "split" / "decode"), or the raw prediction where it held none."""
+    if r.planned_ms is not None:
+        return r.planned_ms
     if r.predicted_ms is None:
         return None
     key = {"fused": "fused", "fused_decode": "decode", "split": "split", "alone": "decode"}.get(r.kind, r.kind)

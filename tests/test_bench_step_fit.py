@@ -81,3 +81,11 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "no such trace file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         fit.main([str(tmp_path / "a.steps.jsonl"), "--margin", "1.5"])
+
+
+def test_the_policy_prediction_is_what_it_planned_where_the_trace_says() -> None:
+    base = StepRecord(0.0, "fused", "Fused()", 64, 64 * 1000, [(512, 0)], 40.0, 30.0, correction={"fused": 1.2})
+    assert fit.policy_ms(base) == pytest.approx(36.0)  # an older trace: raw x the kind's ratio then
+    planned = msgspec.structs.replace(base, planned_ms=33.0)  # the size class's ratio, 1.1, as the policy used it
+    assert fit.policy_ms(planned) == 33.0
+    assert fit.policy_ms(msgspec.structs.replace(base, predicted_ms=None)) is None

@@ -189,3 +189,28 @@ def test_a_restarted_worker_appends_after_a_line_cut_short(tmp_path: Path) -> No
         trace.close()
         recs = read_trace(p)
         assert [r.t for r in recs] == [1.0] * before.count(b"\n") + [2.0], before
+
+
+def test_a_step_records_what_the_policy_planned_it_at(tiny: Tiny, tmp_path: Path) -> None:
+    """The policy's raw prediction and its corrected one (the decision's `model_ms` and `predicted_ms`: what it
+    compared with the SLO) reach the step's timing and its trace record, so bench/step_fit.py judges the prediction
+    the policy used (with a correction by size class, not the one fused ratio the record also holds)."""
+    from types import SimpleNamespace
+
+    class Planned(ScriptedPolicy):
+        def decide(self, state: ShapeState) -> StepShape:
+            self.last = SimpleNamespace(model_ms=10.0 + self.calls, predicted_ms=12.5 + self.calls)
+            return super().decide(state)
+
+    path = tmp_path / "steps.jsonl"
+    d, p, io = workers(tiny[0], Planned(lambda k, st: phases(k, st, OVERALLOCATED)), False)
+    d.trace = StepTrace(str(path))
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    serve(d, p, io, [m.NewRequest(f"q{i}", pr, greedy, float(i)) for i, pr in enumerate(tiny[1][:2])])
+    d.trace.close()
+    recs = read_trace(path)
+    timings = d.policy.timings  # type: ignore[attr-defined]
+    assert recs and len(timings) == len(recs)
+    assert all(r.planned_ms is not None and r.predicted_ms is not None and r.planned_ms == r.predicted_ms + 2.5
+               for r in recs)
+    assert [(t.predicted_ms, t.planned_ms) for t in timings] == [(r.predicted_ms, r.planned_ms) for r in recs]

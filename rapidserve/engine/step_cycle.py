@@ -160,8 +160,11 @@ class StepCycle:
             f = launch_step(self.runner, self.grammar, self.sched.eos, self.sched.blocks.table, batch, prev,
                             self.config, self.shape)
         self._launching = None
-        # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time
-        f.predicted_ms = getattr(getattr(self.policy, "last", None), "model_ms", None)
+        # what the policy predicted for this step (DuetPolicy.last.model_ms), fed back with its measured time, and
+        # what it planned it at (corrected: `predicted_ms` of its decision), for the step trace
+        last = getattr(self.policy, "last", None)
+        f.predicted_ms = getattr(last, "model_ms", None)
+        f.planned_ms = getattr(last, "predicted_ms", None)
         f.host_ms = (time.perf_counter() - t0) * 1e3
         if self.trace is not None:  # the contexts the rows attend to: their counts once recorded are one more each
             f.context_sum = sum(r.tokens_needed for r in batch.decode)
@@ -198,7 +201,7 @@ class StepCycle:
         gap, idle = self._landed.next(f, now) if self._landed is not None else (None, None)
         self._landed = Landed.of(f, now)
         timing = StepTiming(f.shape, len(f.batch.decode), f.batch.chunk_tokens, f.predicted_ms,
-                            f.clock.elapsed_ms(), gap, idle, f.host_ms)
+                            f.clock.elapsed_ms(), gap, idle, f.host_ms, f.planned_ms)
         self.policy.observe(timing)
         if self.trace is not None:
             self.trace.add(f.batch, f.context_sum, f.launch, timing, correction_ratios(self.policy), now)

@@ -80,6 +80,7 @@ class InFlight:
     clock: StepClock
     rows: dict[int, int] = field(default_factory=dict)  # id(request) -> its row among the sampled
     predicted_ms: float | None = None  # the policy's raw prediction of this step (`StepTiming`), if it made one
+    planned_ms: float | None = None  # that prediction corrected, as the policy compared it with the SLO
     host_ms: float | None = None  # the host's wall time to plan and launch it (`StepTiming.host_ms`)
     context_sum: int = 0  # its decode rows' contexts as launched, summed (tokens_needed each); set for --step-trace
     # how it was launched (step_cycle.LAUNCHES: behind a step in flight, or with none, and why); set for --step-trace

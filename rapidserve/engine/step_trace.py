@@ -49,6 +49,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True):
     host_ms: float | None = None
     correction: dict[str, float] = {}  # the policy's correction ratios then (step_tally.correction_ratios)
     launch: str = ""  # how it was launched (engine/step_cycle.py LAUNCHES): ahead, landed, quiet-pool, idle
+    planned_ms: float | None = None  # the prediction the policy compared with the SLO (raw x its correction then)
 
 
 def trace_path(path: str, data_parallel_rank: int | None) -> str:
@@ -89,7 +90,7 @@ class StepTrace:
         rec = StepRecord(at, KINDS[step_kind(timing.shape, timing.chunk_tokens)], repr(timing.shape),
                          len(batch.decode), context_sum,
                          [(c.length, c.start) for c in batch.chunks], timing.measured_ms, timing.predicted_ms,
-                         timing.gap_ms, timing.idle_ms, timing.host_ms, dict(correction), launch)
+                         timing.gap_ms, timing.idle_ms, timing.host_ms, dict(correction), launch, timing.planned_ms)
         self._lines.append(self._enc.encode(rec) + b"\n")
 
     def flush(self) -> None:

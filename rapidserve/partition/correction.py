@@ -13,6 +13,16 @@ Kinds (`kind_of`), one ratio each, as their errors differ:
   configuration, which is how decode runs while the prefill worker still holds prompts);
 * "decode": decode alone on the whole GPU (`DecodeAlone` overallocated, or a fused step with no prompt tokens).
 
+Fused steps also keep a ratio per size class (`SIZE_EDGES`: the step's tokens, decode rows plus prompt tokens),
+because the fused model's error depends on the step's size: its composition (step_costs.py) prices prompt tokens at
+the whole GPU's rate for 4096-token forwards and has no per-step fixed part, so it under-predicts small steps and not
+large ones. Measured on the H200 (2026-11-30, bench/results/h200x2_1130f/, the step traces): measured / predicted
+1.41 at 384 tokens, 1.15-1.21 at 640-768, 0.97-1.01 at 1152-1536 on multi-turn, where the one fused ratio (an average
+over the mix, 1.03-1.46) priced the large steps that meet the SLO up to 24% too slow, and their chunks came out
+smaller than the SLO allowed. `Correction.fused_ratio(tokens)` is the ratio of the step's class once that class has
+`MIN_CLASS_SAMPLES` steps, else that of the nearest class that has (a larger step is first priced at what the largest
+learnt class says, and learns its own as it runs), else the one fused ratio.
+
 The update (pure, `corrected`): the sample r = measured / predicted is first clamped to within a factor
 `step_clamp` of the current ratio (one outlier, a step that waited for a page fault or a compile, moves the
 ratio at most alpha * (step_clamp - 1): 5% with the defaults), then r' = (1 - alpha) * ratio + alpha * r, and
@@ -24,25 +34,45 @@ non-positive time change nothing.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepShape, StepTiming
 
 Kind = Literal["fused", "split", "decode"]
+# the fused steps' size classes: class k holds steps of SIZE_EDGES[k - 1] < tokens <= SIZE_EDGES[k] (the last, above)
+SIZE_EDGES: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144, 8192)
+MIN_CLASS_SAMPLES = 8  # a class's own ratio is read once it has folded in this many steps
+
+
+def size_class(tokens: int) -> int:
+    """The size class of a fused step of `tokens` tokens (decode rows plus prompt tokens)."""
+    return bisect_left(SIZE_EDGES, tokens)
 
 
 @dataclass(frozen=True)
 class Correction:
-    """Measured / predicted step time per kind (1.0: the model is right)."""
+    """Measured / predicted step time per kind (1.0: the model is right), and per size class of the fused steps:
+    (class, ratio, steps folded in), ascending by class."""
 
     fused: float = 1.0
     split: float = 1.0
     decode: float = 1.0
     samples: int = 0  # timings folded in so far (for logs)
+    fused_classes: tuple[tuple[int, float, int], ...] = ()
 
     def ratio(self, kind: Kind) -> float:
         return float(getattr(self, kind))
+
+    def fused_ratio(self, tokens: int) -> float:
+        """The ratio a fused step of `tokens` tokens is priced at: its class's, else the nearest learnt class's (the
+        smaller on a tie), else the one fused ratio (module docstring)."""
+        learnt = [(k, r) for k, r, n in self.fused_classes if n >= MIN_CLASS_SAMPLES]
+        if not learnt:
+            return self.fused
+        c = size_class(tokens)
+        return min(learnt, key=lambda kr: (abs(kr[0] - c), kr[0]))[1]
 
 
 @dataclass(frozen=True)
@@ -77,6 +107,18 @@ def corrected(c: Correction, timing: StepTiming, params: CorrectionParams = DEFA
         return c
     kind = kind_of(timing.shape, timing.chunk_tokens)
     cur = c.ratio(kind)
-    sample = min(max(timing.measured_ms / p, cur / params.step_clamp), cur * params.step_clamp)
-    new = min(max((1 - params.alpha) * cur + params.alpha * sample, params.lo), params.hi)
-    return replace(c, samples=c.samples + 1, **{kind: new})
+    out = replace(c, samples=c.samples + 1, **{kind: _folded(cur, timing.measured_ms / p, params)})
+    if kind != "fused":
+        return out
+    k = size_class(timing.decode_batch + timing.chunk_tokens)
+    mine = next(((r, n) for j, r, n in c.fused_classes if j == k), None)
+    ratio, n = mine if mine is not None else (cur, 0)  # a new class starts from the one fused ratio
+    entry = (k, _folded(ratio, timing.measured_ms / p, params), n + 1)
+    return replace(out, fused_classes=tuple(sorted([*(e for e in c.fused_classes if e[0] != k), entry])))
+
+
+def _folded(cur: float, r: float, params: CorrectionParams) -> float:
+    """`cur` with one sample `r` folded in: clamped to within step_clamp of it, averaged with weight alpha, then
+    clamped to [lo, hi]."""
+    sample = min(max(r, cur / params.step_clamp), cur * params.step_clamp)
+    return min(max((1 - params.alpha) * cur + params.alpha * sample, params.lo), params.hi)

@@ -14,9 +14,9 @@ the order they are tried:
 3. Decode running and prompts pending, the prefill worker idle: the two candidates are
    * fused: the largest chunk C (up to max_chunk_tokens and the pending tokens) whose predicted fused step
      (`StepCosts.fused_ms` of the decode rows plus the first C pending tokens in arrival order, times the
-     fused correction) is within margin x SLO: an SLO-aware token budget, found by bisection over C (the
-     step time grows with C), ended on a graph bucket where that wastes less than padding (`on_bucket`); its
-     prefill throughput is C / step;
+     fused correction of a step that size) is within margin x SLO: an SLO-aware token budget, found by
+     bisection over C (the step time grows with C), ended on a graph bucket where that wastes less than
+     padding (`on_bucket`); its prefill throughput is C / step;
    * split: over the plan's splits and a few prefill batch sizes P (the pending tokens up to the budget, and
      halvings of it down to min_chunk_tokens), decode's predicted step beside the prefill worker (times the
      split correction) within margin x SLO, the one with the most prefill tokens/s; its look-ahead
@@ -34,7 +34,8 @@ the order they are tried:
 
 Predicting and correcting: every time is a `StepCosts` prediction (partition/step_costs.py: the measured
 profile where one exists, else the roofline with the peaks measured at start-up, tensor-parallel collectives
-included in both), multiplied by the running measured/predicted ratio of its kind (partition/correction.py).
+included in both), multiplied by the running measured/predicted ratio of its kind (partition/correction.py; a
+fused step's, of its size class: the fused model's error depends on the step's size).
 The decode worker copies `DuetPolicy.last.model_ms` (the raw prediction of decode's next step) into the
 `StepTiming` of that step and gives it back through `observe`, which updates the ratio: a GPU 30% slower than
 the model makes every prediction 30% longer within ~25 steps, so the fused chunk shrinks to what the GPU
@@ -45,7 +46,7 @@ the same timings unless fixed (`--slo-margin`; partition/margin.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction, CorrectionParams, corrected
@@ -135,31 +136,38 @@ def _mean(contexts: Sequence[int]) -> int:
     return -(-sum(contexts) // len(contexts)) if contexts else 0
 
 
-def fused_chunk(state: ShapeState, costs: StepCosts, ratio: float, limit: float,
+def fused_chunk(state: ShapeState, costs: StepCosts, ratio: float | Callable[[int], float], limit: float,
                 granularity: int = 16) -> tuple[int, float]:
-    """(C, raw ms): the largest prompt chunk C <= min(max_chunk_tokens, pending) whose fused step, times `ratio`,
+    """(C, raw ms): the largest prompt chunk C <= min(max_chunk_tokens, pending) whose fused step, times its
+    correction (`ratio`: one ratio, or the ratio of a step of T tokens, decode rows plus C: `Correction.fused_ratio`),
     is within `limit` ms, searched on multiples of `granularity` (and the cap itself), with the step's raw
-    prediction; (0, the decode-only step) when not even the smallest chunk fits."""
+    prediction; (0, the decode-only step) when not even the smallest chunk fits. (With ratios by size the predicate
+    need not grow with C; the bisection still returns a C that fits.)"""
     cap = min(state.max_chunk_tokens, state.pending_tokens)
+    rows = len(state.decode_contexts)
+    of = ratio if callable(ratio) else (lambda _tokens: ratio)
 
     def ms(c: int) -> float:
         return costs.fused_ms(state.decode_contexts, chunks(state.waiting, c))
 
+    def fits(c: int, raw: float | None = None) -> bool:
+        return (ms(c) if raw is None else raw) * of(rows + c) <= limit
+
     top = ms(cap)
-    if top * ratio <= limit:
+    if fits(cap, top):
         return cap, top
     lo, hi = 0, (cap - 1) // granularity  # candidates k * granularity for k in [lo, hi]; cap itself does not fit
     best = 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ms(mid * granularity) * ratio <= limit:
+        if fits(mid * granularity):
             lo = mid
         else:
             hi = mid - 1
     best = lo * granularity
     if best == 0 and cap > 0 and granularity > 1:  # below one granule: try the largest that fits in it
         small = min(cap, granularity - 1)
-        while small > 0 and ms(small) * ratio > limit:
+        while small > 0 and not fits(small):
             small //= 2
         best = small
     if best == 0:
@@ -268,7 +276,7 @@ def _no_decode(state: ShapeState, costs: StepCosts, corr: Correction, params: Ad
     budget = min(state.max_chunk_tokens, state.pending_tokens)
     if state.prefill_worker_tokens == 0:
         raw = costs.fused_ms((), chunks(state.waiting, state.max_chunk_tokens))
-        step = raw * corr.fused
+        step = raw * corr.fused_ratio(budget)
         return ShapeDecision(Fused(state.max_chunk_tokens), raw, step, 1e3 * budget / step, True,
                              "no decode running: the prompts alone on the whole GPU in the decode worker")
     rates = {c.name: costs.split(c.name, 1, 1, budget)[1] for c in costs.configurations}
@@ -300,17 +308,20 @@ def _prefill_busy(state: ShapeState, costs: StepCosts, corr: Correction, params:
 
 def _fused_or_split(state: ShapeState, costs: StepCosts, corr: Correction, params: AdaptiveParams, limit: float,
                     current: str, held_steps: int) -> ShapeDecision:
+    rows = len(state.decode_contexts)
     if state.slo_itl_ms is None:
         raw = costs.fused_ms(state.decode_contexts, chunks(state.waiting, state.max_chunk_tokens))
         budget = min(state.max_chunk_tokens, state.pending_tokens)
-        return ShapeDecision(Fused(state.max_chunk_tokens), raw, raw * corr.fused, 1e3 * budget / (raw * corr.fused),
+        step = raw * corr.fused_ratio(rows + budget)
+        return ShapeDecision(Fused(state.max_chunk_tokens), raw, step, 1e3 * budget / step,
                              True, "no ITL SLO: fused with the whole token budget")
     budget = min(state.max_chunk_tokens, state.pending_tokens)
-    c, raw = fused_chunk(state, costs, corr.fused, limit, params.chunk_granularity)
-    trimmed = on_bucket(c, len(state.decode_contexts), state.pending_tokens, params.graph_buckets)
+    c, raw = fused_chunk(state, costs, corr.fused_ratio, limit, params.chunk_granularity)
+    trimmed = on_bucket(c, rows, state.pending_tokens, params.graph_buckets)
     if trimmed != c:
         c, raw = trimmed, costs.fused_ms(state.decode_contexts, chunks(state.waiting, trimmed))
-    fused = _Option(Fused(c), raw, raw * corr.fused, 1e3 * c / (raw * corr.fused) if c else 0.0)
+    step = raw * corr.fused_ratio(rows + c)
+    fused = _Option(Fused(c), raw, step, 1e3 * c / step if c else 0.0)
     if c == state.pending_tokens:  # one fused step finishes every pending prompt within the SLO: no hand-off
         return _decision(fused, limit, f"{_describe(fused)} finishes every pending prompt within {limit:g} ms")
     useful = c > 0 and c >= min(params.min_chunk_tokens, budget)
@@ -326,7 +337,8 @@ def _fused_or_split(state: ShapeState, costs: StepCosts, corr: Correction, param
             return _decision(fused, limit, f"{_describe(fused)} within {limit:g} ms{why}")
         smallest = min(params.min_chunk_tokens, budget)
         raw = costs.fused_ms(state.decode_contexts, chunks(state.waiting, smallest))
-        small = _Option(Fused(smallest), raw, raw * corr.fused, 1e3 * smallest / (raw * corr.fused))
+        step = raw * corr.fused_ratio(rows + smallest)
+        small = _Option(Fused(smallest), raw, step, 1e3 * smallest / step)
         pick = min([small, *opts.values()], key=lambda o: (o.step_ms, decode_config(o.shape)))
         return _decision(pick, limit,
                          f"SLO cannot be met ({limit:g} ms): {_describe(pick)} has the fastest decode step")

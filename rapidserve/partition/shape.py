@@ -118,6 +118,8 @@ class StepTiming:
     gap_ms: float | None = None
     idle_ms: float | None = None
     host_ms: float | None = None  # the host's time to plan and launch the step (wall time: it runs beside the device)
+    # the prediction the policy compared with the SLO (its raw one times its correction then), where it made one
+    planned_ms: float | None = None
 
 
 class StepPolicy(Protocol):

@@ -1,0 +1,89 @@
+"""The fused steps' correction by size class (partition/correction.py): the fused cost model's error depends on the
+step's size, so a mix of small and large steps must not price the large ones at the small ones' ratio."""
+
+from __future__ import annotations
+
+import pytest
+from test_adaptive_policy import COSTS, PROMPTS, state
+
+from rapidserve.partition.correction import MIN_CLASS_SAMPLES, SIZE_EDGES, Correction, corrected, size_class
+from rapidserve.partition.policies import DuetPolicy, decide_adaptive, fused_chunk
+from rapidserve.partition.shape import Fused, Split, StepTiming
+
+
+@pytest.mark.parametrize(("tokens", "want"), [(1, 0), (256, 0), (257, 1), (1024, 3), (1025, 4), (1536, 5),
+                                              (8192, 11), (8193, 12), (100_000, 12)])
+def test_size_class(tokens: int, want: int) -> None:
+    assert size_class(tokens) == want and len(SIZE_EDGES) == 12
+
+
+def fused(rows: int, chunk: int, measured: float, predicted: float) -> StepTiming:
+    return StepTiming(Fused(chunk), rows, chunk, predicted, measured)
+
+
+def test_a_fused_step_updates_the_one_ratio_and_its_class_which_starts_from_it() -> None:
+    c = corrected(Correction(fused=1.2), fused(64, 1400, 10.0, 10.0))  # 1464 tokens: class 5, new: from 1.2
+    assert c.fused == pytest.approx(1.18) and c.fused_classes == ((5, pytest.approx(1.18), 1),)
+    c = corrected(c, fused(10, 300, 14.0, 10.0))  # 310 tokens: class 1, from the one ratio then (1.18)
+    assert c.fused == pytest.approx(0.9 * 1.18 + 0.14) and [k for k, _, _ in c.fused_classes] == [1, 5]
+    assert c.fused_classes[0][1] == pytest.approx(0.9 * 1.18 + 0.14)
+    c = corrected(c, fused(64, 1400, 10.0, 10.0))  # class 5 again: from its own ratio
+    assert c.fused_classes[1] == (5, pytest.approx(0.9 * 1.18 + 0.1), 2)
+    same = corrected(c, StepTiming(Split("split32", 100), 64, 0, 10.0, 30.0))  # another kind: no class changes
+    assert same.fused_classes == c.fused_classes and same.split > 1.0
+    assert corrected(c, StepTiming(Fused(0), 64, 0, 10.0, 30.0)).fused_classes == c.fused_classes  # decode-only
+    assert corrected(c, fused(64, 1400, 10.0, None)) == c  # type: ignore[arg-type]  # no prediction: nothing
+
+
+@pytest.mark.parametrize(("classes", "tokens", "want"), [
+    ((), 1500, 1.3),  # nothing learnt: the one ratio
+    (((5, 0.95, MIN_CLASS_SAMPLES - 1),), 1500, 1.3),  # too few in its class
+    (((5, 0.95, MIN_CLASS_SAMPLES),), 1500, 0.95),  # its own
+    (((1, 1.4, 50), (5, 0.95, 50)), 300, 1.4), (((1, 1.4, 50), (5, 0.95, 50)), 1900, 0.95),  # nearest learnt
+    (((1, 1.4, 50), (5, 0.95, 50)), 3000, 0.95),  # a larger step than any learnt: the largest learnt class's
+    (((2, 1.2, 50), (4, 1.0, 50)), 800, 1.2),  # class 3 between two learnt ones: the smaller's (conservative)
+])
+def test_the_ratio_a_fused_step_is_priced_at(classes: tuple[tuple[int, float, int], ...], tokens: int,
+                                             want: float) -> None:
+    assert Correction(fused=1.3, fused_classes=classes).fused_ratio(tokens) == want
+
+
+def test_small_steps_no_longer_shrink_the_large_chunk() -> None:
+    """Multi-turn's mix on the H200 (bench/results/h200x2_1130f/): small fused steps ran 1.4x their prediction, large
+    ones 1.0x, and the one ratio between them (1.24) priced the large ones 24% slow. Here (the synthetic profile)
+    that made the fused chunk so small that a split won; with the classes learnt the step fuses the chunk a 1.0
+    ratio gives."""
+    st = state(64, 2048)
+    mixed = Correction(fused=1.24)
+    learnt = Correction(fused=1.24, fused_classes=((1, 1.41, 100), (5, 1.0, 100), (6, 1.0, 100)))
+    (d_mixed, _), (d_learnt, _) = (decide_adaptive(st, COSTS, c) for c in (mixed, learnt))
+    assert isinstance(d_mixed.shape, Split) and "fused 1136-token chunk" in d_mixed.reason
+    assert fused_chunk(st, COSTS, 1.24, 45.0)[0] == 1136
+    assert isinstance(d_learnt.shape, Fused) and d_learnt.shape.chunk_tokens == fused_chunk(st, COSTS, 1.0, 45.0)[0]
+    assert d_learnt.shape.chunk_tokens > 1136
+    assert d_learnt.predicted_ms == pytest.approx(d_learnt.model_ms) and d_learnt.predicted_ms <= 45.0
+
+
+def test_the_policy_learns_the_classes_from_a_mix_of_steps() -> None:
+    """A DuetPolicy fed alternating small steps measured at 1.4x and large ones at 1.0x (as multi-turn ran): the one
+    ratio settles between, each class at its own, and the next large chunk is sized at 1.0."""
+    policy, st = DuetPolicy(COSTS), state(64, 2048)
+    for _ in range(40):
+        policy.observe(fused(64, 200, 14.0, 10.0))
+        policy.observe(fused(64, 1400, 40.0, 40.0))
+    c = policy.correction
+    assert 1.1 < c.fused < 1.3
+    assert c.fused_ratio(264) == pytest.approx(1.4, rel=0.01) and c.fused_ratio(1464) == pytest.approx(1.0, rel=0.01)
+    shape = policy.decide(st)
+    assert isinstance(shape, Fused) and shape.chunk_tokens >= fused_chunk(st, COSTS, 1.01, 45.0)[0]
+    assert shape.chunk_tokens > fused_chunk(st, COSTS, c.fused, 45.0)[0]
+
+
+def test_prompts_alone_and_no_slo_are_priced_by_their_size_too() -> None:
+    c = Correction(fused=1.3, fused_classes=((11, 1.0, 50),))  # 8192-token steps measured right
+    d, _ = decide_adaptive(state(0, 2048, PROMPTS), COSTS, c)  # no decode: the whole budget, 8192 tokens
+    assert d.shape == Fused(8192) and d.predicted_ms == pytest.approx(d.model_ms)
+    d, _ = decide_adaptive(state(64, 2048, PROMPTS, slo=None), COSTS, c)  # no SLO: 64 + 8192 tokens
+    assert d.shape == Fused(8192) and d.predicted_ms == pytest.approx(d.model_ms)
+    d, _ = decide_adaptive(state(64, 2048, PROMPTS, slo=None), COSTS, Correction(fused=1.3))
+    assert d.predicted_ms == pytest.approx(1.3 * d.model_ms)  # nothing learnt: the one ratio, as before
