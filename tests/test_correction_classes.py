@@ -8,7 +8,7 @@ from test_adaptive_policy import COSTS, PROMPTS, state
 
 from rapidserve.partition.correction import MIN_CLASS_SAMPLES, SIZE_EDGES, Correction, corrected, size_class
 from rapidserve.partition.policies import DuetPolicy, decide_adaptive, fused_chunk
-from rapidserve.partition.shape import Fused, Split, StepTiming
+from rapidserve.partition.shape import DecodeAlone, Fused, Split, StepTiming
 
 
 @pytest.mark.parametrize(("tokens", "want"), [(1, 0), (256, 0), (257, 1), (1024, 3), (1025, 4), (1536, 5),
@@ -87,3 +87,41 @@ def test_prompts_alone_and_no_slo_are_priced_by_their_size_too() -> None:
     assert d.shape == Fused(8192) and d.predicted_ms == pytest.approx(d.model_ms)
     d, _ = decide_adaptive(state(64, 2048, PROMPTS, slo=None), COSTS, Correction(fused=1.3))
     assert d.predicted_ms == pytest.approx(1.3 * d.model_ms)  # nothing learnt: the one ratio, as before
+
+
+def split_step(config: str, measured: float, predicted: float, alone: bool = False) -> StepTiming:
+    shape = DecodeAlone(config) if alone else Split(config, 256, 4)
+    return StepTiming(shape, 64, 0, predicted, measured)
+
+
+def test_decode_on_a_split_keeps_a_ratio_per_configuration_and_may_fall_to_a_quarter() -> None:
+    """Multi-turn on the H200: decode beside short prefill batches ran at 0.35-0.49 of the profile's beside-prefill
+    step, and the one split ratio sat at its old clamp 0.5. Now each configuration learns its own, down to 0.25."""
+    c = Correction()
+    for _ in range(60):
+        c = corrected(c, split_step("split32", 3.5, 10.0))
+        c = corrected(c, split_step("split16", 6.5, 10.0, alone=True))  # decode alone on split16: its own too
+    assert c.split_ratio("split32") == pytest.approx(0.35, abs=0.01) and c.split_ratio("split16") == pytest.approx(
+        0.65, abs=0.01)
+    assert 0.35 < c.split < 0.65 and c.split_ratio("split64") == c.split  # never run: the one split ratio
+    for _ in range(100):
+        c = corrected(c, split_step("split32", 1.0, 10.0))  # 0.1: held at lo_split
+    assert c.split_ratio("split32") == pytest.approx(0.25)
+    f = Correction()
+    for _ in range(100):
+        f = corrected(f, fused(64, 1400, 1.0, 10.0))
+    assert f.fused == pytest.approx(0.5) and f.fused_ratio(1464) == pytest.approx(0.5)  # fused keeps its 0.5
+    assert Correction(split=0.5, split_configs=(("split32", 0.4, MIN_CLASS_SAMPLES - 1),)).split_ratio("split32") == 0.5
+
+
+def test_a_split_is_priced_at_its_configurations_ratio() -> None:
+    """split32's decode beside prefill, learnt at 0.4 of the profile's, is priced so in the policy's options and its
+    decision, where the one split ratio (0.5) priced it 25% slower."""
+    from rapidserve.partition.policies import DEFAULT_PARAMS, split_options
+
+    st = state(64, 2048)
+    one = split_options(st, COSTS, Correction(split=0.5), DEFAULT_PARAMS, 8192)
+    learnt = split_options(st, COSTS, Correction(split=0.5, split_configs=(("split32", 0.4, 50),)), DEFAULT_PARAMS,
+                           8192)
+    assert learnt["split32"].step_ms == pytest.approx(0.8 * one["split32"].step_ms)
+    assert learnt["split64"].step_ms == pytest.approx(one["split64"].step_ms)

@@ -23,6 +23,14 @@ smaller than the SLO allowed. `Correction.fused_ratio(tokens)` is the ratio of t
 `MIN_CLASS_SAMPLES` steps, else that of the nearest class that has (a larger step is first priced at what the largest
 learnt class says, and learns its own as it runs), else the one fused ratio.
 
+Decode on a split keeps a ratio per configuration too (`Correction.split_ratio(config)`, its own once it has
+`MIN_CLASS_SAMPLES` steps, else the one split ratio), and its ratio may fall to `lo_split` (0.25), below the others'
+0.5: the profile's step beside prefill was measured beside a saturating 4096-token prefill stream, and on the H200's
+multi-turn trace (2026-11-30) decode on split16 / 32 / 48 / 64 beside the short turns the prefill worker was handed ran
+at 0.49 / 0.35 / 0.37 / 0.43 of that prediction (and decode alone on split16 at 0.65): the one split ratio sat at its
+clamp, 0.5, pricing every split's decode step up to 1.4x slow, so the policy gave decode more of the GPU than it
+needed, or fused where a split would have had more prefill throughput.
+
 The update (pure, `corrected`): the sample r = measured / predicted is first clamped to within a factor
 `step_clamp` of the current ratio (one outlier, a step that waited for a page fault or a compile, moves the
 ratio at most alpha * (step_clamp - 1): 5% with the defaults), then r' = (1 - alpha) * ratio + alpha * r, and
@@ -36,11 +44,12 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepShape, StepTiming
 
 Kind = Literal["fused", "split", "decode"]
+K = TypeVar("K", int, str)
 # the fused steps' size classes: class k holds steps of SIZE_EDGES[k - 1] < tokens <= SIZE_EDGES[k] (the last, above)
 SIZE_EDGES: tuple[int, ...] = (256, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 6144, 8192)
 MIN_CLASS_SAMPLES = 8  # a class's own ratio is read once it has folded in this many steps
@@ -61,9 +70,15 @@ class Correction:
     decode: float = 1.0
     samples: int = 0  # timings folded in so far (for logs)
     fused_classes: tuple[tuple[int, float, int], ...] = ()
+    split_configs: tuple[tuple[str, float, int], ...] = ()  # (configuration, ratio, steps folded in), by name
 
     def ratio(self, kind: Kind) -> float:
         return float(getattr(self, kind))
+
+    def split_ratio(self, config: str) -> float:
+        """The ratio decode on split `config` is priced at: the configuration's own once it has MIN_CLASS_SAMPLES
+        steps, else the one split ratio."""
+        return next((r for c, r, n in self.split_configs if c == config and n >= MIN_CLASS_SAMPLES), self.split)
 
     def fused_ratio(self, tokens: int) -> float:
         """The ratio a fused step of `tokens` tokens is priced at: its class's, else the nearest learnt class's (the
@@ -81,10 +96,13 @@ class CorrectionParams:
     step_clamp: float = 1.5  # one sample counts as at most this factor above (or below) the current ratio
     lo: float = 0.5
     hi: float = 4.0
+    lo_split: float = 0.25  # the split kind's lower clamp (module docstring: its model is the most pessimistic)
 
     def __post_init__(self) -> None:
-        if not (0 < self.alpha <= 1 and self.step_clamp >= 1 and 0 < self.lo <= 1 <= self.hi):
-            raise ValueError(f"CorrectionParams({self}): need 0 < alpha <= 1, step_clamp >= 1, 0 < lo <= 1 <= hi")
+        if not (0 < self.alpha <= 1 and self.step_clamp >= 1 and 0 < self.lo <= 1 <= self.hi
+                and 0 < self.lo_split <= 1):
+            raise ValueError(f"CorrectionParams({self}): need 0 < alpha <= 1, step_clamp >= 1, 0 < lo <= 1 <= hi, "
+                             "0 < lo_split <= 1")
 
 
 DEFAULT_CORRECTION = CorrectionParams()
@@ -107,18 +125,29 @@ def corrected(c: Correction, timing: StepTiming, params: CorrectionParams = DEFA
         return c
     kind = kind_of(timing.shape, timing.chunk_tokens)
     cur = c.ratio(kind)
-    out = replace(c, samples=c.samples + 1, **{kind: _folded(cur, timing.measured_ms / p, params)})
-    if kind != "fused":
-        return out
-    k = size_class(timing.decode_batch + timing.chunk_tokens)
-    mine = next(((r, n) for j, r, n in c.fused_classes if j == k), None)
-    ratio, n = mine if mine is not None else (cur, 0)  # a new class starts from the one fused ratio
-    entry = (k, _folded(ratio, timing.measured_ms / p, params), n + 1)
-    return replace(out, fused_classes=tuple(sorted([*(e for e in c.fused_classes if e[0] != k), entry])))
+    lo = params.lo_split if kind == "split" else params.lo
+    r = timing.measured_ms / p
+    out = replace(c, samples=c.samples + 1, **{kind: _folded(cur, r, params, lo)})
+    if kind == "fused":
+        k = size_class(timing.decode_batch + timing.chunk_tokens)
+        return replace(out, fused_classes=_keyed(c.fused_classes, k, cur, r, params, lo))
+    if kind == "split":
+        assert isinstance(timing.shape, (Split, DecodeAlone))
+        return replace(out, split_configs=_keyed(c.split_configs, timing.shape.config, cur, r, params, lo))
+    return out
 
 
-def _folded(cur: float, r: float, params: CorrectionParams) -> float:
+def _keyed(entries: tuple[tuple[K, float, int], ...], key: K, start: float, r: float, params: CorrectionParams,
+           lo: float) -> tuple[tuple[K, float, int], ...]:
+    """`entries` (key, ratio, steps) with sample `r` folded into `key`'s (a new key starts from `start`, the kind's
+    one ratio before this sample), sorted by key."""
+    mine = next(((x, n) for k, x, n in entries if k == key), None)
+    ratio, n = mine if mine is not None else (start, 0)
+    return tuple(sorted([*(e for e in entries if e[0] != key), (key, _folded(ratio, r, params, lo), n + 1)]))
+
+
+def _folded(cur: float, r: float, params: CorrectionParams, lo: float) -> float:
     """`cur` with one sample `r` folded in: clamped to within step_clamp of it, averaged with weight alpha, then
     clamped to [lo, hi]."""
     sample = min(max(r, cur / params.step_clamp), cur * params.step_clamp)
-    return min(max((1 - params.alpha) * cur + params.alpha * sample, params.lo), params.hi)
+    return min(max((1 - params.alpha) * cur + params.alpha * sample, lo), params.hi)

@@ -208,7 +208,7 @@ def split_options(state: ShapeState, costs: StepCosts, corr: Correction, params:
             continue
         for p in _batch_sizes(tokens, min(params.min_chunk_tokens, tokens)):
             raw, tps = costs.split(c.name, batch, context, p)
-            step = raw * corr.split
+            step = raw * corr.split_ratio(c.name)
             k = max(1, min(params.max_lookahead, math.ceil(1e3 * p / tps / step))) if step > 0 and tps > 0 else 1
             o = _Option(Split(c.name, p, k), raw, step, tps)
             if c.name not in out or tps > out[c.name].tokens_per_s:
@@ -262,8 +262,8 @@ def _nothing_pending(state: ShapeState, costs: StepCosts, corr: Correction, para
                          f"{decode_config(pick.shape)} ({pick.step_ms:.1f} ms)")
     if current != whole and batch > 0 and held_steps < params.hysteresis_steps:
         raw = costs.decode_alone_ms(current, batch, context)
-        if raw * corr.split <= limit:
-            return ShapeDecision(DecodeAlone(current), raw, raw * corr.split, 0.0, True,
+        if raw * corr.split_ratio(current) <= limit:
+            return ShapeDecision(DecodeAlone(current), raw, raw * corr.split_ratio(current), 0.0, True,
                                  f"nothing pending: hold {current} (held {held_steps} < {params.hysteresis_steps} "
                                  "steps) before decode takes the whole GPU")
     raw = costs.decode_alone_ms(whole, batch, context) if batch else 0.0
