@@ -72,6 +72,7 @@ SYSTEMS: dict[str, str] = {
     # duet at the fixed margin it had before 2026-11-30 (steps planned within 0.9 x SLO) where the default adapts it
     # to the gaps its steps made (partition/margin.py: 0.8-0.97); the A/B of group margin-ab
     "duet-m90": "--mode rapid --policy duet --slo-margin 0.9",
+    "duet-perkind": "--mode rapid --policy duet --step-correction per-kind",
     # (and duet@B: duet with --slo-itl-ms B, searched at bound B alone; duet@none: no SLO. bench/compare_slo.py)
     # NPMD disaggregation on the GPUs the others get: its flags follow --serve-args' --tensor-parallel-size N
     # (prefill on N/2, decode on N/2; bench/compare_tp.py), this placeholder is replaced.
@@ -82,7 +83,7 @@ FRONTIER_SYSTEMS: tuple[str, ...] = ("rapidserve", "always-fused", "always-split
 SWEEP_SYSTEMS: tuple[str, ...] = tuple(n for n in SYSTEMS
                                       if n not in (*FRONTIER_SYSTEMS, "hybrid-1024", "disagg-npmd", "duet-g512",
                                                     "duet-g256", "duet100-g4096", "duet-interp", "duet-m90",
-                                                    "duet-roundup"))
+                                                    "duet-perkind", "duet-roundup"))
 
 RAPIDSERVE, VLLM, EXT = "rapidserve", "vllm", "ext"
 # vLLM's settings the frontier compares ours with (the better vLLM at each bound is the best of them): its

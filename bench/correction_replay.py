@@ -29,7 +29,7 @@ from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, StepSh
 
 SCHEMES = ("fused: one ratio (before)", "fused: by size (now)", "split: one ratio, clamp 0.5 (before)",
            "split: by configuration, clamp 0.25 (now)")
-BEFORE = CorrectionParams(lo_split=0.5)  # the split kind's lower clamp before 2026-11-30 (the others' 0.5)
+BEFORE = CorrectionParams(by_shape=False)  # the correction before 2026-11-30 (--step-correction per-kind)
 
 
 def config_of(r: StepRecord) -> str:

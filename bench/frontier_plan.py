@@ -16,6 +16,7 @@ groups' systems in one call, for shapes whose searches are short):
 | g4096-ab | duet@100, duet100-g4096 (the same at SLO 100 with buckets on to 4096: ~4K-token fused steps replayed) |
 | lookup-ab | duet (`auto`: fused steps read between buckets), duet-roundup (before 11-30), duet-interp (splits too) |
 | margin-ab | duet (its SLO margin adapted, the default), duet-m90 (fixed at 0.9 x SLO, as before 2026-11-30) |
+| correction-ab | duet (its correction by step shape, the default), duet-perkind (one ratio a kind, as before 11-30) |
 | vllm-a / vllm-b | vLLM default and --max-num-batched-tokens 1024 / 2048 and --performance-mode interactivity |
 | ours-tp | rapidserve (the engine's default policy) and disagg-npmd (prefill on TP/2 GPUs, decode on TP/2) |
 | hybrid-chunks | hybrid at chunk 512, 1024, 2048 (RAPID-Serve's own baseline: `--mode hybrid`, its chunk) |
@@ -90,6 +91,7 @@ GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our s
     "g4096-ab": (("duet@100", "duet100-g4096"), ()),
     "lookup-ab": (("duet", "duet-roundup", "duet-interp"), ()),
     "margin-ab": (("duet", "duet-m90"), ()),
+    "correction-ab": (("duet", "duet-perkind"), ()),
     "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
     "baselines": (("always-fused", "always-split"), ()),
     "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),

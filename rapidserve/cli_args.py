@@ -16,7 +16,7 @@ from rapidserve.cli_vllm import add_source_args, dtype_name
 from rapidserve.config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import allow_long_max_model_len
-from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, PartitionConfig
+from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, STEP_CORRECTIONS, PartitionConfig
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
 
@@ -237,6 +237,10 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                        help="duet: the share of --slo-itl-ms each step is planned within: auto (the default: adapted "
                             "between 0.8 and 0.97 to how often its steps made a token gap over the SLO, holding that "
                             "under 1%%) or a fixed share in (0, 1], e.g. 0.9")
+        g.add_argument("--step-correction", default="by-shape", choices=STEP_CORRECTIONS,
+                       help="duet: how its online correction of the cost model is kept: by-shape (the default: a "
+                            "fused step's ratio by its size, decode on a split's by configuration) or per-kind (one "
+                            "ratio for all fused steps, one for all splits, as before 2026-11-30)")
         g.add_argument("--drift-prefill-model", type=_drift_model, default=None, metavar="A_MS,B_MS_PER_TOKEN",
                        help="drift: the prefill time model a + b x tokens (ms) to use instead of the one fitted "
                             "at start-up from the roofline (one for every configuration)")
@@ -262,7 +266,8 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  slo_ttft_ms_per_1k_tokens=getattr(a, "slo_ttft_ms_per_1k_tokens", 0.0),
                                  drift_prefill_model=getattr(a, "drift_prefill_model", None),
                                  profile_lookup=getattr(a, "profile_lookup", "auto"),
-                                 slo_margin=getattr(a, "slo_margin", None))
+                                 slo_margin=getattr(a, "slo_margin", None),
+                                 step_correction=getattr(a, "step_correction", "by-shape"))
     if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
         load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)
     return pcfg

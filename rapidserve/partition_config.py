@@ -22,6 +22,7 @@ POLICIES = ("rapid", "duet", "drift", "fused")
 # partition runs `rapid` (policy_spec.resolve_policy): duet needs the adaptive one.
 DEFAULT_POLICY = "duet"
 PROFILE_LOOKUPS = ("auto", "interpolate", "round-up")  # how a profile is read between buckets: profile.estimate
+STEP_CORRECTIONS = ("by-shape", "per-kind")  # duet's online correction: partition/correction.py
 
 
 def lookup_interpolates(profile_lookup: str, *, fused: bool) -> bool:
@@ -68,6 +69,9 @@ class PartitionConfig:
     slo_margin (duet): the share of the ITL SLO each step is planned within; None (`--slo-margin auto`, the default)
     adapts it between 0.8 and 0.97 to how often the steps it sized made a token gap over the SLO
     (partition/margin.py); a number fixes it (0.9 was duet's before 2026-11-30).
+    step_correction (duet): how its online correction of measured / predicted step times is kept: by-shape (the
+    default since 2026-11-30: a fused step's by its size class, decode on a split's by configuration, the split's down
+    to 0.25) or per-kind (one ratio per kind, each clamped to [0.5, 4], as before): partition/correction.py.
     drift only: slo_ttft_ms (+ slo_ttft_ms_per_1k_tokens x prompt tokens / 1000) is a request's TTFT SLO,
     without which nothing is preempted; drift_prefill_model (a_ms, b_ms_per_token) replaces the prefill
     time model fitted at start-up (one for every configuration).
@@ -88,6 +92,7 @@ class PartitionConfig:
     drift_prefill_model: tuple[float, float] | None = None
     profile_lookup: str = "auto"
     slo_margin: float | None = None  # duet: the share of the SLO its steps are planned within; None: adapted (auto)
+    step_correction: str = "by-shape"  # duet: by-shape (fused by size, split by configuration) | per-kind
 
     def __post_init__(self) -> None:
         check(self.mode in ("adaptive", "off", "static"),
@@ -119,6 +124,8 @@ class PartitionConfig:
               f"slo_margin={mg!r} must be in (0, 1] (a share of the ITL SLO), or None: adapted (--slo-margin auto)")
         check(mg is None or slo is not None, f"--slo-margin {mg} is a share of the ITL SLO, and --slo-itl-ms none "
               "gives none (every step fused with the whole budget): drop --slo-margin, or give --slo-itl-ms MS")
+        check(self.step_correction in STEP_CORRECTIONS,
+              f"step_correction={self.step_correction!r}; use one of {', '.join(STEP_CORRECTIONS)}")
         check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

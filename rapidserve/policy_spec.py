@@ -85,6 +85,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("partition.drift_prefill_model", "--drift-prefill-model"),
     Setting("partition.profile_lookup", "--profile-lookup"),
     Setting("partition.slo_margin", "--slo-margin"),
+    Setting("partition.step_correction", "--step-correction"),
     Setting("launch.mps", "--mps"),
     Setting("kv_events.enable_kv_cache_events", "--kv-events-config", "kv_events_config"),
 )
@@ -153,7 +154,7 @@ POLICY_SPECS: Mapping[str, PolicySpec] = {p.name: p for p in (
                without_partition=frozenset({"scheduler.prefill_batch_tokens"})),
     PolicySpec("duet", "fused when a step fits the ITL SLO, else split (DuetServe)", DECODE_PREFILL, (ADAPTIVE,),
                {ADAPTIVE: _SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", "partition.profile_lookup",
-                                             "partition.slo_margin"}},
+                                             "partition.slo_margin", "partition.step_correction"}},
                why_not={"scheduler.async_scheduling": "its decode worker always schedules one step ahead and its "
                                                       "prefill worker has no steps to schedule ahead"},
                without_partition=frozenset({"scheduler.prefill_batch_tokens"})),

@@ -53,7 +53,8 @@ def test_tp_reaches_ours_and_vllm_and_disagg_takes_the_halves(capsys: pytest.Cap
     for name, want in (("duet-g256", "896,1024,1280,1536,1792,2048"),
                        ("duet100-g4096", "--slo-itl-ms 100 --prefill-graph-tokens 16,"),
                        ("duet-interp", "--policy duet --profile-lookup interpolate"),
-                       ("duet-m90", "--policy duet --slo-margin 0.9")):
+                       ("duet-m90", "--policy duet --slo-margin 0.9"),
+                       ("duet-perkind", "--policy duet --step-correction per-kind")):
         assert want in compare.SYSTEMS[name] and name not in compare.SWEEP_SYSTEMS
 
 

@@ -125,3 +125,33 @@ def test_a_split_is_priced_at_its_configurations_ratio() -> None:
                            8192)
     assert learnt["split32"].step_ms == pytest.approx(0.8 * one["split32"].step_ms)
     assert learnt["split64"].step_ms == pytest.approx(one["split64"].step_ms)
+
+
+def test_per_kind_learns_no_class_and_clamps_splits_at_a_half() -> None:
+    """--step-correction per-kind (the correction before 2026-11-30): one ratio per kind, the split's held at 0.5."""
+    from rapidserve.partition.correction import CorrectionParams
+
+    per_kind = CorrectionParams(by_shape=False)
+    c = Correction()
+    for _ in range(100):
+        c = corrected(c, fused(64, 200, 14.0, 10.0), per_kind)
+        c = corrected(c, split_step("split32", 3.0, 10.0), per_kind)
+    assert c.fused_classes == () and c.split_configs == ()
+    assert c.fused_ratio(264) == c.fused == pytest.approx(1.4, rel=0.01) and c.split_ratio("split32") == c.split == 0.5
+
+
+def test_the_flag_reaches_the_policy() -> None:
+    from rapidserve.config import EngineConfig, SchedulerConfig
+    from rapidserve.loader.presets import preset_config
+    from rapidserve.partition.runtime import PartitionPlan
+    from rapidserve.partition.step_policies import make_step_policy
+    from rapidserve.partition_config import PartitionConfig
+
+    cfg = EngineConfig(model="preset:qwen3-8b", model_config=preset_config("qwen3-8b"),
+                       scheduler=SchedulerConfig(max_model_len=8192),
+                       partition=PartitionConfig(policy="duet", step_correction="per-kind"))
+    plan = PartitionPlan("cuda-green", list(COSTS.profile.configurations), COSTS.profile, "a synthetic profile")
+    policy = make_step_policy(cfg, plan)
+    assert isinstance(policy, DuetPolicy) and policy.correction_params.by_shape is False
+    with pytest.raises(Exception, match="step_correction='per-step'; use one of by-shape, per-kind"):
+        PartitionConfig(policy="duet", step_correction="per-step")

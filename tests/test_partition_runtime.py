@@ -305,6 +305,7 @@ def test_resolve_plan_cpu(partition: dict[str, Any], reason: str) -> None:
         # what only an adaptive plan reads, on a device with no partition backend: nothing to choose among
         (dict(policy="duet", profile_lookup="interpolate"), "--profile-lookup interpolate"),
         (dict(policy="duet", slo_margin=0.95), "--slo-margin 0.95"),
+        (dict(policy="duet", step_correction="per-kind"), "--step-correction per-kind"),
         (dict(policy="duet", slo_itl_ms=100.0), "--slo-itl-ms 100.0"),
         (dict(policy="rapid", decode_shares=(0.25, 0.5)), "--decode-shares"),
         (dict(policy="rapid", hysteresis_steps=3), "PartitionConfig.hysteresis_steps 3"),

@@ -97,6 +97,7 @@ class CorrectionParams:
     lo: float = 0.5
     hi: float = 4.0
     lo_split: float = 0.25  # the split kind's lower clamp (module docstring: its model is the most pessimistic)
+    by_shape: bool = True  # fused by size class, split by configuration; False: one ratio per kind (--step-correction)
 
     def __post_init__(self) -> None:
         if not (0 < self.alpha <= 1 and self.step_clamp >= 1 and 0 < self.lo <= 1 <= self.hi
@@ -125,9 +126,11 @@ def corrected(c: Correction, timing: StepTiming, params: CorrectionParams = DEFA
         return c
     kind = kind_of(timing.shape, timing.chunk_tokens)
     cur = c.ratio(kind)
-    lo = params.lo_split if kind == "split" else params.lo
+    lo = params.lo_split if kind == "split" and params.by_shape else params.lo
     r = timing.measured_ms / p
     out = replace(c, samples=c.samples + 1, **{kind: _folded(cur, r, params, lo)})
+    if not params.by_shape:  # one ratio per kind: no class is learnt, so fused_ratio and split_ratio read the kind's
+        return out
     if kind == "fused":
         k = size_class(timing.decode_batch + timing.chunk_tokens)
         return replace(out, fused_classes=_keyed(c.fused_classes, k, cur, r, params, lo))

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
+from rapidserve.partition.correction import CorrectionParams
 from rapidserve.partition.drift import LinearModel, decide_drift
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, effective_prefill_units
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
@@ -194,7 +195,8 @@ def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int
                                 graph_buckets=fused_buckets(cfg),
                                 **({} if p.slo_margin is None else {"margin": p.slo_margin}))
         adapt = p.slo_margin is None and p.slo_itl_ms is not None  # with no SLO there is no margin to adapt
-        return DuetPolicy(costs, params, margin=DEFAULT_MARGIN if adapt else None)
+        correction = CorrectionParams(by_shape=p.step_correction == "by-shape")
+        return DuetPolicy(costs, params, correction, margin=DEFAULT_MARGIN if adapt else None)
     if p.policy == "drift":
         if plan.profile is None or not plan.prefill_models:
             raise ValueError("--policy drift needs the plan's profile and prefill models (resolve_plan makes them)")
