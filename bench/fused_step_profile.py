@@ -8,8 +8,10 @@ largest bucket (2048 tokens) and eager above. The step traces of 2026-11-30 (ben
 duet's fused steps on 4096:64 to ~7.8 ms a step + 18.2 us a prompt token + the chunks' attention: this script says
 where that fixed part lies. For each shape of `SHAPES` (decode rows at a context, one prompt chunk after a cached
 prefix) it builds the step's items the way `launch_step` does, times the forward (CUDA events, median of --steps
-after a warm-up) and, under torch.profiler, sums its kernels' device time by category (bench/step_profile.py's) and
-the time no kernel ran (the gaps: launches between the graph pieces and the eager attention).
+after a warm-up, each right behind an untimed one as the engine launches its steps one ahead, so the host's work
+on it is not counted: gpu_timing.back_to_back_ms) and, under torch.profiler, sums its kernels' device time by
+category (bench/step_profile.py's) and the time no kernel ran (the gaps: launches between the graph pieces and the
+eager attention).
 
 Then a least-squares line through the shapes without decode rows, ms = fixed + per_token x T (+ the chunks' causal
 attention pairs), the fixed part of a step on this GPU, and per shape its tokens/s against the largest chunk's.
@@ -138,7 +140,7 @@ def ladder_table(rungs: Sequence[dict[str, Any]]) -> str:
 def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
             ladder: Sequence[int] = ()) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     import torch
-    from gpu_timing import time_ms
+    from gpu_timing import back_to_back_ms
     from model_runner import engine_config, preset_source
     from step_profile import timed_and_profiled
 
@@ -147,7 +149,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
 
     name = model.removeprefix("preset:")
     mcfg = preset_config(name)
-    ecfg = engine_config(name, mcfg, "bfloat16", (1,), 16384, 0.9)
+    ecfg = engine_config(name, mcfg, "bfloat16", (512,), 16384, 0.9)  # max_num_seqs 512: SHAPES' 301 sequences
     ecfg = dataclasses.replace(ecfg, runner=dataclasses.replace(ecfg.runner, attention_backend=backend))
     runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     pool = runner.kv_pool
@@ -161,7 +163,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
         def fn(items: list[Any] = items) -> Any:
             return runner.prefill(items)
 
-        wall, cats, top = timed_and_profiled(fn, steps)
+        wall, cats, top = timed_and_profiled(fn, steps, back_to_back_ms)
         ms = statistics.median(wall)
         out.append({"label": s.label, **dataclasses.asdict(s), "ms": ms, "min_ms": min(wall), "max_ms": max(wall),
                     "chunk_tokens_per_s": 1e3 * s.chunk / ms, "categories_ms": cats, "top_kernels_ms": top,
@@ -170,7 +172,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape],
     rungs = []
     for t in ladder:
         items = step_items(Shape(0, 0, t, 0), runner.block_size, pool.num_blocks, mcfg.vocab_size)
-        ms = statistics.median(time_ms(lambda items=items: runner.prefill(items), reps=steps))
+        ms = statistics.median(back_to_back_ms(lambda items=items: runner.prefill(items), reps=steps))
         rungs.append({"tokens": t, "ms": ms, "tokens_per_s": 1e3 * t / ms})
     return runner.attn.name, out, rungs
 

@@ -22,3 +22,23 @@ def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]
         e.synchronize()
         out.append(s.elapsed_time(e))
     return out
+
+
+def back_to_back_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of the device's work of each of `reps` calls of fn, each timed right behind an untimed call with
+    nothing waited for between them: its start event fires when the call before it ends on the device, so where the
+    host prepares a call faster than the device runs the one before (the engine's steps, launched one ahead), its
+    host work (inputs, launches) is not counted, as it is not in the engine's step times."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        fn()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e))
+    return out

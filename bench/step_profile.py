@@ -71,10 +71,12 @@ def kernel_times(prof: profile, steps: int) -> tuple[dict[str, float], dict[str,
     return dict(by_cat), top
 
 
-def timed_and_profiled(fn: Callable[[], object], steps: int) -> tuple[list[float], dict[str, float], dict[str, float]]:
-    """`fn`'s wall ms over `steps` calls (CUDA events, after a warm-up), then `kernel_times` of `steps` more under
-    torch.profiler: (each call's ms, ms per call by category, ms per call of the longest kernels)."""
-    wall = time_ms(fn, reps=steps)
+def timed_and_profiled(fn: Callable[[], object], steps: int, timer: Callable[..., list[float]] = time_ms,
+                       ) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """`fn`'s ms over `steps` calls (`timer`: gpu_timing's time_ms, each call alone, or back_to_back_ms, its device
+    work behind the call before), then `kernel_times` of `steps` more under torch.profiler: (each call's ms, ms per
+    call by category, ms per call of the longest kernels)."""
+    wall = timer(fn, reps=steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
