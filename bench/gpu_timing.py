@@ -8,13 +8,16 @@ from collections.abc import Callable
 import torch
 
 
-def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of each of `reps` calls of fn (CUDA events around each), after `warmup` calls."""
+def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, behind: bool = False) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn (CUDA events around each), after `warmup` calls; `behind`: each
+    timed call right behind an untimed one (back_to_back_ms)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
+        if behind:
+            fn()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()
@@ -29,16 +32,4 @@ def back_to_back_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> lis
     nothing waited for between them: its start event fires when the call before it ends on the device, so where the
     host prepares a call faster than the device runs the one before (the engine's steps, launched one ahead), its
     host work (inputs, launches) is not counted, as it is not in the engine's step times."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        out.append(s.elapsed_time(e))
-    return out
+    return time_ms(fn, reps, warmup, behind=True)
