@@ -107,9 +107,10 @@ def test_the_gpu_tests_round_switches_under_rapid() -> None:
 
 H100 = Peaks(matmul_flops=794e12, hbm_bw=2.98e12, num_compute_units=132)
 SPEEDS = [1, 10, 1000]  # GPUs 1x, 10x and 1000x an H100 (the peaks the plan measured at start-up)
-LO, HI = DEFAULT_CORRECTION.lo, DEFAULT_CORRECTION.hi
+LO, HI, LO_SPLIT = DEFAULT_CORRECTION.lo, DEFAULT_CORRECTION.hi, DEFAULT_CORRECTION.lo_split
 CORRECTIONS = [  # the online correction's ratios (fused, split, decode) at both clamps, and the worst mixes
-    Correction(), Correction(LO, LO, LO), Correction(HI, HI, HI), Correction(LO, HI, HI), Correction(HI, LO, LO)]
+    Correction(), Correction(LO, LO, LO), Correction(HI, HI, HI), Correction(LO, HI, HI), Correction(HI, LO, LO),
+    Correction(LO, LO_SPLIT, LO), Correction(HI, LO_SPLIT, LO)]  # the split's own lower clamp
 LIMIT = AdaptiveParams().margin * DUET_SLO_MS
 
 
@@ -237,4 +238,7 @@ def test_the_gpu_tests_round_switches_twice_under_duet(speedup: float, factor: f
         assert step((), (), 0) == DecodeAlone(OVERALLOCATED)  # the last holder aborted
         assert switches == 2 * (round_ + 1), configs
     want = HI if factor > 1 else LO if factor < 1 else 1.0
-    assert policy.correction.split == pytest.approx(want) and policy.correction.decode == pytest.approx(want)
+    want_split = LO_SPLIT if factor < 1 else want  # the split kind may fall further (partition/correction.py)
+    assert policy.correction.split == pytest.approx(want_split) and policy.correction.decode == pytest.approx(want)
+    assert all(policy.correction.split_ratio(c) == pytest.approx(want_split)
+               for c, _, _ in policy.correction.split_configs)
