@@ -200,7 +200,9 @@ def _versus(e: Mapping[str, Any], best: Mapping[str, Any]) -> dict[str, Any]:
     0), whether both settled, and the range the ratio lies in."""
     least, greatest = ratio_range(entry_bounds(e), (best["lower"], best["upper"]))
     return {"ratio": float(e["goodput"]) / best["goodput"] if best["goodput"] > 0 else None,
-            "exact": e["status"] == CONVERGED and best["status"] == CONVERGED,
+            # exact where ours settled and so did the best of theirs: every setting that could be the best settled at
+            # it (an unsettled one whose upper bound lies above leaves lower < upper)
+            "exact": e["status"] == CONVERGED and best["status"] == CONVERGED and best["lower"] == best["upper"],
             "ratio_lo": least, "ratio_hi": None if math.isinf(greatest) else greatest}
 
 

@@ -280,3 +280,14 @@ def test_a_share_that_allows_no_miss_says_so() -> None:
     assert ("with 99% of requests meeting the bound and the TTFT rule (with 32-64 requests counted a probe, 99% "
             "allows no miss: one request over the bound or the TTFT rule fails the probe (a probe counting >= 100 "
             "would allow one)):") in md
+
+
+def test_a_ratio_is_exact_only_where_every_setting_that_could_be_the_better_vllm_settled() -> None:
+    """Ours settled at 15 and vLLM default at 10, but mbt 1024's search stopped in [5, 20): it could be the best, so
+    the ratio is the range 0.75-1.50x, not 1.50x."""
+    frontiers = [fr("ours", "w", [g(50.0, 0.9, 15.0, 15.5)]), fr("vllm", "w", [g(50.0, 0.9, 10.0, 10.4)]),
+                 fr("vllm:--max-num-batched-tokens 1024", "w", [g(50.0, 0.9, 5.0, 20.0, "unfinished")], False)]
+    (x,) = frontier.versus_better_vllm(frontiers, frontier.vllm_labels(META))
+    assert not x["exact"] and (x["ratio_lo"], x["ratio_hi"]) == (0.75, 1.5)
+    (x,) = frontier.versus_better_vllm(frontiers[:2], frontier.vllm_labels(META))  # both settled: exact
+    assert x["exact"] and x["ratio"] == 1.5

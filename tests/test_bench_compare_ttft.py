@@ -54,3 +54,17 @@ def test_a_repeated_search_gives_the_median_of_its_repetitions() -> None:
     assert row is not None and row["ttft_p50_ms"] == 200.0 and row["n"] == 3
     (line,) = [x for x in ttft.ttft_lines([f], set()) if x.startswith("| duet")]
     assert line == "| duet (median of 3) | 6.37 | 200 | 900 | 45 | 6.2 | - |"  # no vLLM: no ratio
+
+
+def test_the_ttft_probe_is_not_counted_among_the_searchs_probes() -> None:
+    """It is no goodput probe: the search's notes (probes above its peak, their backlog, short or capped probes) leave
+    it out."""
+    from rapidserve.benchmark.goodput_report import above_peak, ramp_counts
+
+    f = {"label": "duet", "search": {"peak_request_throughput": 8.0, "max_rate": 12.0, "ceiling": "max_rate"},
+         "probes": [{"rate": 10.0, "above_peak": True, "arrivals": 176, "backlog": {"grew": False},
+                     "ramp": {"verdict": "ok"}},
+                    {"rate": 11.0, "above_peak": True, "arrivals": 176, "backlog": {"grew": True}, "ttft_probe": True,
+                     "ramp": {"verdict": "short"}}]}
+    assert [p["rate"] for p in above_peak(f)] == [10.0] and ramp_counts(f) == (0, 0, 0)
+    assert frontier.ceiling_note(f).endswith("1 probe(s) above it (176 arrivals each), backlog grew in 0")

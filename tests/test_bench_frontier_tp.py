@@ -152,8 +152,8 @@ def test_an_8b_vllm_group_gets_its_probes() -> None:
     assert "2 search(es) of ~10 probes," in lines[3] and "cut from" not in lines[3], lines[3]
 
 
-def g(bound: float | None, lo: float | None, status: str = "converged") -> dict[str, Any]:
-    return {"itl_bound_ms": bound, "share": 0.9, "goodput": lo or 0.0, "lo": lo, "hi": None, "status": status}
+def g(bound: float | None, lo: float | None, status: str = "converged", hi: float | None = None) -> dict[str, Any]:
+    return {"itl_bound_ms": bound, "share": 0.9, "goodput": lo or 0.0, "lo": lo, "hi": hi, "status": status}
 
 
 NS = "not_searched"
@@ -165,7 +165,8 @@ def fr(label: str, e50: dict[str, Any], eun: dict[str, Any]) -> dict[str, Any]:
 
 
 OWN = [fr("rapidserve", g(50.0, 3.0), g(None, 6.0)), fr("disagg-npmd", g(50.0, 2.0), g(None, 3.0)),
-       fr("hybrid-512", g(50.0, 1.5), g(None, 4.0)), fr("hybrid-2048", g(50.0, None, "below_min_rate"), g(None, 5.0)),
+       fr("hybrid-512", g(50.0, 1.5), g(None, 4.0)),
+       fr("hybrid-2048", g(50.0, None, "below_min_rate", 1.0), g(None, 5.0)),
        fr("vllm", g(50.0, 1.0), g(None, 6.0, "unfinished"))]
 OWN_META = {"model": "m", "workloads": [], "systems": [
     {"label": f["label"], "kind": "vllm" if f["label"] == "vllm" else "rapidserve", "flags": "", "status": "ok"}
@@ -183,7 +184,7 @@ def test_the_default_over_our_baselines() -> None:
     assert frontier.versus_ours(OWN[1:], {"vllm"}) == []  # no rapidserve: no rows
     md = frontier.frontier_markdown(OWN, OWN_META)
     assert "| rapidserve / disagg-npmd | 1.50x | 2.00x | |" in md
-    assert "| rapidserve / hybrid-2048 | ?* | 1.20x | |" in md  # below its min rate, no bound given: anything
+    assert "| rapidserve / hybrid-2048 | >= 3.00x* | 1.20x | |" in md  # it fails at its lowest rate, 1: ours is 3
     assert "| rapidserve / best hybrid chunk | 2.00x | 1.20x | |" in md
     assert "| rapidserve / better vLLM | 3.00x | <= 1.00x* | |" in md  # vLLM's unbounded search: >= 6, unsettled
 

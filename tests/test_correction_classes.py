@@ -155,3 +155,57 @@ def test_the_flag_reaches_the_policy() -> None:
     assert isinstance(policy, DuetPolicy) and policy.correction_params.by_shape is False
     with pytest.raises(Exception, match="step_correction='per-step'; use one of by-shape, per-kind"):
         PartitionConfig(policy="duet", step_correction="per-step")
+
+
+H200_LIKE = Correction(fused=1.2, fused_classes=((1, 1.41, 50), (2, 1.18, 50), (3, 1.15, 50), (4, 1.0, 50),
+                                                 (5, 1.0, 50), (6, 1.0, 50)))  # small steps slow, large ones not
+
+
+def test_the_chunk_is_the_largest_that_fits_across_the_class_edges() -> None:
+    """A larger step can be priced lower (its class learnt at 1.0 where the one below it has 1.15): the search takes
+    each class from the largest down, so it finds the largest chunk that fits, not the first a bisection over all
+    sizes stops at (64 rows at 512, a 26-ms limit: 976 tokens fit at 1.0 where a bisection found 832 at 1.15)."""
+    st = state(64, 512)
+    c, raw = fused_chunk(st, COSTS, H200_LIKE, 26.0)
+    assert c == 976 and raw * H200_LIKE.fused_ratio(64 + c) <= 26.0
+    for k in range(c + 16, min(st.max_chunk_tokens, st.pending_tokens) + 1, 16):  # nothing larger fits
+        assert COSTS.fused_ms(st.decode_contexts, [(k, 0)]) * H200_LIKE.fused_ratio(64 + k) > 26.0, k
+    assert fused_chunk(st, COSTS, 1.0, 26.0) == fused_chunk(st, COSTS, Correction(fused=1.0), 26.0)  # one ratio: same
+
+
+def test_a_trim_to_the_bucket_below_never_prices_the_step_over_the_limit() -> None:
+    """on_bucket may end a chunk on the bucket below (an edge of a size class too); where that smaller step's class
+    prices it over the limit the chunk stays as found (padded up), so a fused step the policy takes meets the SLO."""
+    import dataclasses
+
+    from rapidserve.config import RunnerConfig
+    from rapidserve.partition.policies import DEFAULT_PARAMS
+
+    buckets = tuple(b for b in RunnerConfig().prefill_graph_tokens if b <= 8192)
+    params = dataclasses.replace(DEFAULT_PARAMS, graph_buckets=buckets)
+    for batch in (1, 16, 64, 256):
+        for ctx in (512, 2048, 8192):
+            for tenth in range(100, 1500, 5):
+                slo = tenth / 10 / params.margin
+                d, _ = decide_adaptive(state(batch, ctx, slo=slo), COSTS, H200_LIKE, None, params)
+                if isinstance(d.shape, Fused) and d.shape.chunk_tokens > 0:
+                    assert d.meets_slo and d.predicted_ms is not None and d.predicted_ms <= tenth / 10 + 1e-9, (
+                        batch, ctx, tenth, d.reason)
+
+
+def test_decode_alone_on_a_whole_gpu_that_is_a_split_is_priced_as_a_split() -> None:
+    """A plan without an overallocated configuration (the whole GPU is its largest split): decode alone there is
+    learnt as the split kind (correction.kind_of), so it is priced at that configuration's split ratio."""
+    from rapidserve.partition.policies import whole_config
+    from rapidserve.partition.profile import Profile
+    from rapidserve.partition.step_costs import ProfileCosts
+
+    prof = COSTS.profile
+    splits = [c for c in prof.configurations if c.decode_units > 0]
+    no_whole = Profile(prof.gpu, prof.model, prof.num_compute_units, splits, prof.batch_buckets, prof.context_buckets,
+                       [e for e in prof.entries if e.config != "overallocated"], prof.created, prof.source)
+    costs = ProfileCosts(no_whole)
+    whole = whole_config(costs)
+    corr = Correction(split=0.4, split_configs=((whole, 0.4, 50),))
+    d, _ = decide_adaptive(state(16, 2048, (), current=DecodeAlone(whole)), costs, corr)
+    assert d.shape == DecodeAlone(whole) and d.predicted_ms == pytest.approx(0.4 * d.model_ms)

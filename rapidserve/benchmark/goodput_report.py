@@ -80,9 +80,15 @@ def goodput_cell(e: Mapping[str, Any] | None) -> str:
     return f"[{fmt(lo, '.3g') if lo is not None else '0'}, {fmt(hi, '.3g') if hi is not None else '?'})*"
 
 
+def search_probes(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A search result's goodput probes: its probes but the one at --search-ttft-rate after the search (`ttft_probe`,
+    which no bracket reads, search.py)."""
+    return [p for p in result.get("probes", []) if not p.get("ttft_probe")]
+
+
 def above_peak(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """The probes of a search result that lay above the server's own closed-loop peak."""
-    return [p for p in result.get("probes", []) if p.get("above_peak")]
+    """The goodput probes of a search result that lay above the server's own closed-loop peak."""
+    return [p for p in search_probes(result) if p.get("above_peak")]
 
 
 def backlog_cell(p: Mapping[str, Any]) -> str:
@@ -117,8 +123,8 @@ def ramp_cell(p: Mapping[str, Any], cap: str = CAP_FLAG) -> str:
 
 
 def ramp_counts(result: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(short, capped, re-run) among a result's probes."""
-    ramps = [p["ramp"] for p in result.get("probes", []) if p.get("ramp")]
+    """(short, capped, re-run) among a result's goodput probes."""
+    ramps = [p["ramp"] for p in search_probes(result) if p.get("ramp")]
     return (sum(r.get("verdict") == SHORT for r in ramps), sum(r.get("verdict") == CAPPED for r in ramps),
             sum(r.get("then") == RERUN for r in ramps))
 

@@ -46,13 +46,13 @@ the same timings unless fixed (`--slo-margin`; partition/margin.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction, CorrectionParams, corrected
+from rapidserve.partition.fused_chunk import chunks, fused_chunk, on_bucket
 from rapidserve.partition.manager import ManagerState
 from rapidserve.partition.margin import Margin, MarginParams, adapted
-from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.shape import (
     OVERALLOCATED,
     DecodeAlone,
@@ -62,7 +62,7 @@ from rapidserve.partition.shape import (
     StepShape,
     StepTiming,
 )
-from rapidserve.partition.step_costs import Chunk, StepCosts
+from rapidserve.partition.step_costs import StepCosts
 from rapidserve.policy_spec import POLICY_SPECS
 
 
@@ -120,74 +120,8 @@ def whole_config(costs: StepCosts) -> str:
     return max(costs.configurations, key=lambda c: (c.decode_units, c.name)).name
 
 
-def chunks(waiting: Sequence[WaitingPrefill], budget: int) -> list[Chunk]:
-    """The prompt chunks of a step taking `budget` tokens of the queue in arrival order: (tokens, prefix) each."""
-    out, left = [], budget
-    for w in waiting:
-        if left <= 0:
-            break
-        n = min(w.tokens, left)
-        out.append((n, w.prefix))
-        left -= n
-    return out
-
-
 def _mean(contexts: Sequence[int]) -> int:
     return -(-sum(contexts) // len(contexts)) if contexts else 0
-
-
-def fused_chunk(state: ShapeState, costs: StepCosts, ratio: float | Callable[[int], float], limit: float,
-                granularity: int = 16) -> tuple[int, float]:
-    """(C, raw ms): the largest prompt chunk C <= min(max_chunk_tokens, pending) whose fused step, times its
-    correction (`ratio`: one ratio, or the ratio of a step of T tokens, decode rows plus C: `Correction.fused_ratio`),
-    is within `limit` ms, searched on multiples of `granularity` (and the cap itself), with the step's raw
-    prediction; (0, the decode-only step) when not even the smallest chunk fits. (With ratios by size the predicate
-    need not grow with C; the bisection still returns a C that fits.)"""
-    cap = min(state.max_chunk_tokens, state.pending_tokens)
-    rows = len(state.decode_contexts)
-    of = ratio if callable(ratio) else (lambda _tokens: ratio)
-
-    def ms(c: int) -> float:
-        return costs.fused_ms(state.decode_contexts, chunks(state.waiting, c))
-
-    def fits(c: int, raw: float | None = None) -> bool:
-        return (ms(c) if raw is None else raw) * of(rows + c) <= limit
-
-    top = ms(cap)
-    if fits(cap, top):
-        return cap, top
-    lo, hi = 0, (cap - 1) // granularity  # candidates k * granularity for k in [lo, hi]; cap itself does not fit
-    best = 0
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * granularity):
-            lo = mid
-        else:
-            hi = mid - 1
-    best = lo * granularity
-    if best == 0 and cap > 0 and granularity > 1:  # below one granule: try the largest that fits in it
-        small = min(cap, granularity - 1)
-        while small > 0 and not fits(small):
-            small //= 2
-        best = small
-    if best == 0:
-        return 0, costs.fused_ms(state.decode_contexts, []) if state.decode_contexts else 0.0
-    return best, ms(best)
-
-
-def on_bucket(chunk: int, decode_rows: int, pending: int, buckets: Sequence[int]) -> int:
-    """The fused chunk to take instead of `chunk` beside `decode_rows` decode rows, where the step's T = rows + chunk
-    tokens replay piecewise graphs padded to a bucket (`buckets`, ascending): the chunk ending on the bucket below T
-    when that defers fewer tokens (T - below) than padding to the bucket above would waste (above - T); `chunk`
-    itself when T is on a bucket, over the largest (eager), under the smallest, when the chunk finishes every pending
-    prompt (its TTFT first), or when the trim would leave no chunk. Pure."""
-    t = decode_rows + chunk
-    if chunk <= 0 or chunk >= pending or not buckets or t > buckets[-1] or t in buckets:
-        return chunk
-    above = next(b for b in buckets if b >= t)
-    below = max((b for b in buckets if b < t), default=0)
-    trimmed = below - decode_rows
-    return trimmed if trimmed > 0 and t - below < above - t else chunk
 
 
 def _batch_sizes(cap: int, floor: int) -> list[int]:
@@ -267,7 +201,10 @@ def _nothing_pending(state: ShapeState, costs: StepCosts, corr: Correction, para
                                  f"nothing pending: hold {current} (held {held_steps} < {params.hysteresis_steps} "
                                  "steps) before decode takes the whole GPU")
     raw = costs.decode_alone_ms(whole, batch, context) if batch else 0.0
-    return ShapeDecision(DecodeAlone(whole), raw, raw * corr.decode, 0.0, raw * corr.decode <= limit,
+    # decode alone on the whole GPU is the decode kind's; where the plan has no overallocated configuration the whole
+    # GPU is its largest split, whose steps the correction learns as the split kind's (correction.kind_of)
+    ratio = corr.decode if whole == OVERALLOCATED else corr.split_ratio(whole)
+    return ShapeDecision(DecodeAlone(whole), raw, raw * ratio, 0.0, raw * ratio <= limit,
                          "nothing pending: decode alone on the whole GPU")
 
 
@@ -316,10 +253,12 @@ def _fused_or_split(state: ShapeState, costs: StepCosts, corr: Correction, param
         return ShapeDecision(Fused(state.max_chunk_tokens), raw, step, 1e3 * budget / step,
                              True, "no ITL SLO: fused with the whole token budget")
     budget = min(state.max_chunk_tokens, state.pending_tokens)
-    c, raw = fused_chunk(state, costs, corr.fused_ratio, limit, params.chunk_granularity)
+    c, raw = fused_chunk(state, costs, corr, limit, params.chunk_granularity)
     trimmed = on_bucket(c, rows, state.pending_tokens, params.graph_buckets)
-    if trimmed != c:
-        c, raw = trimmed, costs.fused_ms(state.decode_contexts, chunks(state.waiting, trimmed))
+    if trimmed != c:  # ended on the bucket below, unless its size class prices that step over the limit
+        raw_t = costs.fused_ms(state.decode_contexts, chunks(state.waiting, trimmed))
+        if raw_t * corr.fused_ratio(rows + trimmed) <= limit:
+            c, raw = trimmed, raw_t
     step = raw * corr.fused_ratio(rows + c)
     fused = _Option(Fused(c), raw, step, 1e3 * c / step if c else 0.0)
     if c == state.pending_tokens:  # one fused step finishes every pending prompt within the SLO: no hand-off
