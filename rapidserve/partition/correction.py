@@ -31,10 +31,14 @@ at 0.49 / 0.35 / 0.37 / 0.43 of that prediction (and decode alone on split16 at 
 clamp, 0.5, pricing every split's decode step up to 1.4x slow, so the policy gave decode more of the GPU than it
 needed, or fused where a split would have had more prefill throughput.
 
+`--step-correction per-kind` (`CorrectionParams.by_shape` False) keeps one ratio per kind, each clamped to [0.5, 4],
+as before 2026-11-30: no class is learnt, so `fused_ratio` and `split_ratio` read the kind's.
+
 The update (pure, `corrected`): the sample r = measured / predicted is first clamped to within a factor
 `step_clamp` of the current ratio (one outlier, a step that waited for a page fault or a compile, moves the
 ratio at most alpha * (step_clamp - 1): 5% with the defaults), then r' = (1 - alpha) * ratio + alpha * r, and
-the result is clamped to [lo, hi] (a broken timer cannot make the policy believe the GPU is 100x slower). A
+the result is clamped to [lo, hi] (the split kind's lo: lo_split; a broken timer cannot make the policy believe
+the GPU is 100x slower). A
 steady 1.3 is reached to within 2% in about 25 steps. Steps without a prediction (None) or with a
 non-positive time change nothing.
 """
