@@ -46,6 +46,7 @@ VALUES: dict[str, object] = {
     "partition.slo_ttft_ms_per_1k_tokens": 100.0,
     "partition.drift_prefill_model": (1.0, 0.1),
     "partition.profile_lookup": "interpolate",
+    "partition.step_correction": "per-kind",
     "launch.mps": "on",
 }
 SERVING = {"scheduler.max_num_seqs", "scheduler.max_num_batched_tokens", "cache.enable_prefix_caching"}
@@ -64,14 +65,15 @@ GRAPHS = "runner.prefill_graph_tokens"
 # - --mps: only rapid mode runs two processes on one GPU (hybrid one process, disagg one per GPU);
 # - partition settings: read by the policy that picks configurations under adaptive (rapid, duet, drift); static
 #   reads only the backend; off reads none; drift's TTFT SLO and prefill model only by drift; --profile-lookup by
-#   rapid and duet (duet's cost model reads the profile); profile reads the backend, SLO and decode shares.
+#   rapid and duet (duet's cost model reads the profile), --step-correction by duet alone; profile reads the
+#   backend, SLO and decode shares.
 READS: dict[tuple[str, str, str], set[str]] = {
     ("rapid", "rapid", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
                                                                "partition.profile_lookup"},
     ("rapid", "rapid", "static"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS, "partition.backend"},
     ("rapid", "rapid", "off"): RAPID | {"scheduler.prefill_batch_tokens", GRAPHS},
     ("rapid", "duet", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"scheduler.prefill_batch_tokens", GRAPHS,
-                                                              "partition.profile_lookup"},
+                                                              "partition.profile_lookup", "partition.step_correction"},
     ("rapid", "drift", "adaptive"): RAPID | SPLIT_ADAPTIVE | {"partition.slo_ttft_ms",
                                                                "partition.slo_ttft_ms_per_1k_tokens",
                                                                "partition.drift_prefill_model"},
