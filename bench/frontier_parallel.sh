@@ -62,6 +62,8 @@ factor=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-above-peak-factor[ =]*\(
 # each search's repetitions (--search-repeats N in SEARCH_ARGS: compare.py runs every search N times and reports the
 # medians; the plan shares BUDGET_S over every repetition and says where it cannot fit them)
 repeats=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-repeats[ =]*\(-*[0-9][0-9]*\).*/\1/p')
+# --search-ttft-rate R: one more probe after each search (the TTFT table's), counted in the plan's probes
+case " ${SEARCH_ARGS:-} " in *" --search-ttft-rate"*) probes=$(( ${probes:-12} + 1 ));; esac
 # the plan's prompt and output lengths: the first workload's, where WORKLOADS gives one as IN:OUT (else 4096:64; the
 # output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); the probes' arrival cap
 # (--search-max-probe-arrivals in SEARCH_ARGS); the vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh
