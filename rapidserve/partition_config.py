@@ -126,6 +126,10 @@ class PartitionConfig:
               "gives none (every step fused with the whole budget): drop --slo-margin, or give --slo-itl-ms MS")
         check(self.step_correction in STEP_CORRECTIONS,
               f"step_correction={self.step_correction!r}; use one of {', '.join(STEP_CORRECTIONS)}")
+        check(self.step_correction == "by-shape" or slo is not None,
+              f"--step-correction {self.step_correction} chooses how duet's predictions are corrected before they "
+              "meet the ITL SLO, and --slo-itl-ms none gives none (every step fused with the whole budget, nothing "
+              "compared): drop --step-correction, or give --slo-itl-ms MS")
         check(len(self.decode_shares) > 0 and all(0.0 < s < 1.0 for s in self.decode_shares),
                f"decode_shares={self.decode_shares} must be a non-empty tuple of shares in (0, 1)")
 

@@ -209,3 +209,26 @@ def test_decode_alone_on_a_whole_gpu_that_is_a_split_is_priced_as_a_split() -> N
     corr = Correction(split=0.4, split_configs=((whole, 0.4, 50),))
     d, _ = decide_adaptive(state(16, 2048, (), current=DecodeAlone(whole)), costs, corr)
     assert d.shape == DecodeAlone(whole) and d.predicted_ms == pytest.approx(0.4 * d.model_ms)
+
+
+def test_classes_learnt_alike_are_one_segment_of_the_chunk_search() -> None:
+    """The chunk search bisects once where the ratio does not change across classes (nothing learnt, or learnt
+    alike): no evaluation per class edge on the decode worker's host path; and where classes differ, one segment
+    each."""
+    from rapidserve.partition.fused_chunk import _ratio_segments
+
+    assert _ratio_segments(Correction(fused=1.2), 64, 8192) == [(1, 8192, 1.2)]
+    alike = Correction(fused=1.2, fused_classes=((3, 1.2, 50), (5, 1.2, 50)))
+    assert _ratio_segments(alike, 64, 8192) == [(1, 8192, 1.2)]
+    segments = _ratio_segments(H200_LIKE, 64, 3000)
+    assert [r for _, _, r in segments] == [1.41, 1.18, 1.15, 1.0] and segments[0][0] == 1 and segments[-1][1] == 3000
+    assert all(a[1] + 1 == b[0] for a, b in zip(segments, segments[1:], strict=False))
+
+
+def test_the_flag_is_refused_where_no_slo_is_compared() -> None:
+    from rapidserve.config_base import ConfigError
+    from rapidserve.partition_config import PartitionConfig
+
+    with pytest.raises(ConfigError, match="--step-correction per-kind .* --slo-itl-ms none gives none"):
+        PartitionConfig(policy="duet", slo_itl_ms=None, step_correction="per-kind")
+    assert PartitionConfig(policy="duet", slo_itl_ms=None).step_correction == "by-shape"  # the default: no flag

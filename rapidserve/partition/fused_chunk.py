@@ -73,16 +73,22 @@ def _ratio_at(ratio: float | Correction, tokens: int) -> float:
 
 def _ratio_segments(ratio: float | Correction, rows: int, cap: int) -> list[tuple[int, int, float]]:
     """The chunk sizes 1..cap beside `rows` decode rows cut where the ratio changes (one ratio: one segment; a
-    `Correction`: at its size classes' edges), ascending: (first chunk, last chunk, ratio)."""
+    `Correction`: at those of its size classes' edges where the ratio differs, so that a correction with no class
+    learnt, or classes learnt alike, is searched in one bisection), ascending: (first chunk, last chunk, ratio)."""
     if cap < 1:
         return []
     if not isinstance(ratio, Correction):
         return [(1, cap, float(ratio))]
-    out, first = [], 1
+    out: list[tuple[int, int, float]] = []
+    first = 1
     for edge in (*SIZE_EDGES, None):
         last = cap if edge is None else min(cap, edge - rows)
         if last >= first:
-            out.append((first, last, ratio.fused_ratio(rows + first)))
+            r = ratio.fused_ratio(rows + first)
+            if out and out[-1][2] == r:
+                out[-1] = (out[-1][0], last, r)
+            else:
+                out.append((first, last, r))
             first = last + 1
         if first > cap:
             break
