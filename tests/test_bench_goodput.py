@@ -22,6 +22,7 @@ from rapidserve.benchmark.goodput import (
     attains,
     bound_key,
     bracket,
+    bracket_width,
     contradicted,
     counted,
     fits,
@@ -35,6 +36,7 @@ from rapidserve.benchmark.goodput import (
     share_note,
     targets,
     ttft_limit_s,
+    widest_first,
 )
 from rapidserve.benchmark.search import AGAIN, no_peak_advice, search_frontier, start_from_peak
 from rapidserve.benchmark.search_config import SearchConfig
@@ -305,13 +307,50 @@ def test_search_stops_before_a_probe_that_would_pass_the_deadline() -> None:
 def test_a_probe_too_long_for_the_budget_leaves_its_target_not_the_others() -> None:
     server = FakeServer(capacity=10.0)
     scfg = SearchConfig(itl_bounds_ms=(5.0,), shares=(0.9,), max_probes=60, discard=D)
-    out = run_search(server, scfg, start=5.0, deadline=55.0)
-    # the 5 ms target's next probe (2.5 req/s, ~25 s) never fits; the unbounded one is still refined past it
-    assert server.calls == [5.0, 10.0, 20.0, 15.0, 12.5, 11.2, 10.6, 10.3] and server.now <= 55.0
+    out = run_search(server, scfg, start=5.0, deadline=38.0)
+    # after 5, 10, 20 (~20 s) the 5 ms target, the widest ([min, 5)), wants 2.5 req/s (~20 s): it never fits; the
+    # unbounded one is still refined past it while its probes fit
+    assert 2.5 not in server.calls and server.calls[:5] == [5.0, 10.0, 20.0, 15.0, 12.5] and server.now <= 38.0
     unbounded, tight = out.goodput
-    assert (unbounded["status"], unbounded["lo"], unbounded["hi"]) == (CONVERGED, 10.0, 10.3)
+    assert unbounded["status"] == UNFINISHED and unbounded["lo"] == 10.0 and unbounded["hi"] <= 12.5
     assert (tight["status"], tight["lo"], tight["hi"]) == (UNFINISHED, None, 5.0)
-    assert out.stopped is not None and "a probe at 2.5 req/s" in out.stopped
+    assert out.stopped is not None and "time budget" in out.stopped
+
+
+def test_the_widest_bracket_is_refined_first() -> None:
+    # the 2 x H200 case (2026-11-30): with few probes, the tight bound must not stay [0, x) while every probe goes
+    # to the loose one: each probe goes to the target whose bracket is widest in log terms
+    server = FakeServer(capacity=10.0)
+    scfg = SearchConfig(itl_bounds_ms=(20.0,), shares=(0.9,), max_probes=6, discard=D)  # frontiers 10, 1.75
+    out = run_search(server, scfg, start=5.0)
+    unbounded, tight = out.goodput
+    assert tight["lo"] is not None and unbounded["lo"] is not None  # both brackets closed on both sides
+    widths = [math.log(e["hi"] / e["lo"]) for e in (unbounded, tight)]
+    assert max(widths) < math.log(2.0) + 1e-9, (server.calls, out.goodput)  # loosest first: [10, 12.5), [0, 2.5)
+
+
+@pytest.mark.parametrize(("lo", "hi", "width"), [
+    (10.0, 12.0, math.log(1.2)),
+    (None, 8.0, math.log(8.0 / 0.5)),  # no pass yet: from the search's min rate
+    (8.0, None, math.log(16.0 / 8.0)),  # no failure yet: to its max rate
+    (None, None, math.log(16.0 / 0.5)),
+    (12.0, 12.0, 0.0),
+    (None, 0.5, 0.0),  # the min rate failed: nothing left below
+    (16.0, None, 0.0),  # the max rate passed: nothing left above
+])
+def test_bracket_width(lo: float | None, hi: float | None, width: float) -> None:
+    assert bracket_width(Bracket(lo, hi), 0.5, 16.0) == pytest.approx(width)
+
+
+@pytest.mark.parametrize(("brackets", "order"), [
+    ([(None, 12.0, 13.0), (50.0, None, 8.49)], [50.0, None]),  # the 4096:64 case: [0, 8.49) before [12, 13)
+    ([(None, 10.0, 12.0), (50.0, 10.0, 12.0)], [None, 50.0]),  # a tie: the given (loosest-first) order
+    ([(None, 8.0, 16.0), (100.0, 4.0, 5.0), (50.0, 1.0, 4.0)], [50.0, None, 100.0]),
+])
+def test_widest_first(brackets: list[tuple[float | None, float | None, float | None]],
+                      order: list[float | None]) -> None:
+    got = widest_first([(Target(b, 0.9), Bracket(lo, hi)) for b, lo, hi in brackets], 0.5, 16.0)
+    assert [t.itl_bound_ms for t in got] == order
 
 
 @pytest.mark.parametrize("only,capacity", [

@@ -238,6 +238,24 @@ def bracket(probes: Iterable[Probe], t: Target) -> Bracket:
     return Bracket(max(oks) if oks else None, hi)
 
 
+def bracket_width(b: Bracket, min_rate: float, max_rate: float) -> float:
+    """How far a target is from settled: log(hi / lo), an end not yet found taken at the search's limit (no pass:
+    `min_rate`; no failure: `max_rate`). A bracket of [0, 8.49) is as wide as the search's whole range below 8.49,
+    which is what a report's ratio range then spans. Pure."""
+    lo = b.lo if b.lo is not None else min_rate
+    hi = b.hi if b.hi is not None else max_rate
+    return math.log(hi / lo) if 0 < lo < hi else 0.0
+
+
+def widest_first(brackets: Sequence[tuple[Target, Bracket]], min_rate: float, max_rate: float) -> list[Target]:
+    """The targets in the order a search refines them: the widest bracket first (`bracket_width`), ties in the given
+    order (loosest first). A search cut short by its probes or its budget so leaves its brackets about equally wide,
+    rather than the loosest target settled and a tight one still [0, x) (2 x H200, 2026-11-30: vLLM's 50-ms
+    bracket on 4096:64 stayed [0, 8.49) while all seven probes went to its unbounded one). Pure."""
+    order = sorted(range(len(brackets)), key=lambda i: (-bracket_width(brackets[i][1], min_rate, max_rate), i))
+    return [brackets[i][0] for i in order]
+
+
 def contradicted(probes: Iterable[Probe], t: Target, made: Mapping[float, int]) -> float | None:
     """The rate to probe again for `t` (module docstring): its bracket's hi, the lowest rate failing t, when a higher
     probed rate passes t and hi was probed once only (`made`: probes run per rate); None otherwise. Pure."""

@@ -1,26 +1,26 @@
 """The goodput search (`rapidserve bench --goodput-search`): the loop over any measurement, and its run
 against a real server.
 
-`search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for each target in turn,
-loosest first, and probes the rates it names with `measure(rate, n, why)` (the records of one Poisson run of n arrivals:
-the probe's warm-up, then the arrivals it counts, `probe_requests` less the discard, or above the closed-loop `peak`
-`scfg.wanted`'s longer count, whose probes are also judged by their backlog trend; at most
+`search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for the next rate of the target
+whose bracket is widest (`widest_first`: log hi / lo, an end not yet found at the search's limit; ties loosest first), a
+contradicted target's re-probe before any, and probes the rates it names with `measure(rate, n, why)` (the records of
+one Poisson run of n arrivals: the probe's warm-up, then the arrivals it counts, `probe_requests` less the discard, or
+above the closed-loop `peak` `scfg.wanted`'s longer count, whose probes are also judged by their backlog trend; at most
 `scfg.max_probe_arrivals`). The warm-up is the ramp rule's (sustain.py): it covers 1.25 request lifetimes, estimated
 from the probes so far (`lifetime_s`: the closed-loop run's before any); a probe left with too few counted arrivals
-after the lifetime it measured is run once more with a warm-up from that lifetime (each run a probe of its own,
-against --search-max-probes and the budget), and fails every target if still short or capped. Every probe is
-cached by rate and scored at every bound, so later targets start from the brackets earlier ones left; a failure
-below a pass (one of them a short probe's noise) has its rate probed once more and the two pooled (goodput.py's
-`contradicted`, `pooled`). Two passes: every target to COARSE_TOLERANCE, then every target to the tolerance asked.
-With `scfg.only_bounds` the targets are those bounds' alone (it stops once their brackets close); the other bounds'
-entries are `not_searched`. It stops probing after `scfg.max_probes`
-probes, and leaves a target whose next probe would not end before the deadline (a low rate's probe is long; another
-target's may still fit); the targets not settled then are marked `unfinished`, with their bracket so far. The
-ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak (`shared_peak`:
-bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak (`next_step`'s
-waypoint). With `scfg.ttft_rate` (--search-ttft-rate R) one more probe at R after the search, unless the search
-probed R itself (and the budget allows): the same rate on every system of a comparison, whose TTFT the report's TTFT
-table reads (issue 37: TTFT p50 at 0.75 of vLLM's peak); it is not among the goodput probes (no bracket reads it).
+after the lifetime it measured is run once more with a warm-up from that lifetime (each run a probe of its own, against
+--search-max-probes and the budget), and fails every target if still short or capped. Every probe is cached by rate and
+scored at every bound, so later targets start from the brackets earlier ones left; a failure below a pass (one of them a
+short probe's noise) has its rate probed once more and the two pooled (goodput.py's `contradicted`, `pooled`). Two
+passes: every target to COARSE_TOLERANCE, then every target to the tolerance asked. With `scfg.only_bounds` the targets
+are those bounds' alone (it stops once their brackets close); the other bounds' entries are `not_searched`. It stops
+probing after `scfg.max_probes` probes, and leaves a target whose next probe would not end before the deadline (a low
+rate's probe is long; another target's may still fit); the targets not settled then are marked `unfinished`, with their
+bracket so far. The ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak
+(`shared_peak`: bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak
+(`next_step`'s waypoint). With `scfg.ttft_rate` (--search-ttft-rate R) one more probe at R after the search, unless the
+search probed R itself (and the budget allows): the same rate on every system of a comparison, whose TTFT the report's
+TTFT table reads (issue 37: TTFT p50 at 0.75 of vLLM's peak); it is not among the goodput probes (no bracket reads it).
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -53,6 +53,7 @@ from rapidserve.benchmark.goodput import (
     Ceiling,
     Probe,
     Step,
+    Target,
     bound_key,
     bracket,
     contradicted,
@@ -65,6 +66,7 @@ from rapidserve.benchmark.goodput import (
     round_rate,
     share_note,
     targets,
+    widest_first,
 )
 from rapidserve.benchmark.replay import Replay
 from rapidserve.benchmark.results import bound_label, trace_line
@@ -161,39 +163,54 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     # brackets are already known, fine at once
     tolerances = [scfg.tolerance] if scfg.hints and all(scfg.hint(t) for t in scfg.searched()) else \
         sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)
+    def next_probe(tolerance: float, skipped: set[Target]) -> tuple[Target, Step, bool] | None:
+        """The next (target, step, whether it re-probes a contradiction): a contradicted target's first, else the
+        widest bracket's (`widest_first`); None when every target not `skipped` is settled at this tolerance."""
+        live = [t for t in scfg.searched() if t not in skipped]
+        for t in live:
+            again = contradicted(probes.values(), t, made)  # a failure below a pass: probed once more, pooled
+            if again is not None:
+                return t, Step(again, ""), True
+        for t in widest_first([(t, bracket(probes.values(), t)) for t in live], lo_rate, hi_rate):
+            step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint,
+                             hint=scfg.hint(t))
+            if step.rate is not None:
+                return t, step, False
+        return None
+
     for tolerance in tolerances:
-        for t in scfg.searched():
-            while exhausted is None:
-                again = contradicted(probes.values(), t, made)  # a failure below a pass: probed once more, pooled
-                step = Step(again, "") if again is not None else \
-                    next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint,
-                              hint=scfg.hint(t))
-                if step.rate is None:
-                    break
-                if len(order) >= scfg.max_probes:
-                    exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
-                    break
-                life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
-                plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
-                tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
-                if not fits(clock(), deadline, step.rate, plan.sent, tail):
-                    est = plan.sent / step.rate + tail
-                    too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
-                    break
-                probe, records = await run(plan, AGAIN if again is not None else "")
-                if probe.ramp is not None and probe.ramp.short:
-                    redo = rerun_plan(probe.ramp, scfg.discard)
-                    ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
-                    then = short_next(probe.ramp, redo, any(passes(ramp_too, x) for x in scfg.searched()),
-                                      scfg.max_probes - len(order) - 1,
-                                      fits(clock(), deadline, step.rate, redo.sent,
-                                           max(drain, probe.ramp.lifetime_s or 0.0)))
-                    probe = replace(probe, ramp=with_then(probe.ramp, then))
-                    if then == RERUN:
-                        told(probe)
-                        probe, _ = await run(redo, RERUN)
-                told(probe)
-                probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
+        skipped: set[Target] = set()  # targets whose next probe would end after the deadline
+        while exhausted is None:
+            nxt = next_probe(tolerance, skipped)
+            if nxt is None:
+                break
+            t, step, again = nxt
+            assert step.rate is not None
+            if len(order) >= scfg.max_probes:
+                exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
+                break
+            life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
+            plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
+            tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
+            if not fits(clock(), deadline, step.rate, plan.sent, tail):
+                est = plan.sent / step.rate + tail
+                too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
+                skipped.add(t)  # another target's (shorter) probe may still fit
+                continue
+            probe, records = await run(plan, AGAIN if again else "")
+            if probe.ramp is not None and probe.ramp.short:
+                redo = rerun_plan(probe.ramp, scfg.discard)
+                ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
+                then = short_next(probe.ramp, redo, any(passes(ramp_too, x) for x in scfg.searched()),
+                                  scfg.max_probes - len(order) - 1,
+                                  fits(clock(), deadline, step.rate, redo.sent,
+                                       max(drain, probe.ramp.lifetime_s or 0.0)))
+                probe = replace(probe, ramp=with_then(probe.ramp, then))
+                if then == RERUN:
+                    told(probe)
+                    probe, _ = await run(redo, RERUN)
+            told(probe)
+            probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
     if scfg.ttft_rate is not None and round_rate(scfg.ttft_rate) not in probes:  # the TTFT table's probe
         r = round_rate(scfg.ttft_rate)
         life = lifetime_estimate(r, lifetimes, lifetime_s)
