@@ -593,9 +593,14 @@ def test_one_more_probe_at_the_ttft_rate_after_the_search_and_no_bracket_reads_i
     again = FakeServer(capacity=10.0)
     run_search(again, dataclasses.replace(scfg, ttft_rate=plain_server.calls[1]), start=5.0)  # the search probed it
     assert again.calls == plain_server.calls
-    late = FakeServer(capacity=10.0)  # no time left after the search: not run
-    run_search(late, dataclasses.replace(scfg, ttft_rate=0.5), start=5.0, deadline=sum(
-        N / r + 1.0 for r in plain_server.calls) + 1.0)
-    assert late.calls == plain_server.calls
+    budget = sum(N / r + 1.0 for r in plain_server.calls) + 1.0  # the whole search's time, no more
+    late = FakeServer(capacity=10.0)  # the TTFT probe's time is kept from the search's probes: it still runs
+    run_search(late, dataclasses.replace(scfg, ttft_rate=7.77), start=5.0, deadline=budget)
+    assert late.calls[-1] == 7.77 and late.whys[-1] == "ttft" and late.now <= budget
+    assert late.calls[:3] == plain_server.calls[:3] and 7.77 not in late.calls[:-1]
+    assert sum(N / r + 1.0 for r in late.calls[:-1]) < budget - (N / 7.77 + 1.0)  # the search gave up what it needed
+    never = FakeServer(capacity=10.0)  # a TTFT probe longer than the whole budget: nothing kept, and not run
+    run_search(never, dataclasses.replace(scfg, ttft_rate=0.01), start=5.0, deadline=budget)
+    assert never.calls == plain_server.calls
     with pytest.raises(ValueError, match="--search-ttft-rate -1"):
         SearchConfig(ttft_rate=-1.0).check()

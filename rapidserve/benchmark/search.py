@@ -19,8 +19,9 @@ rate's probe is long; another target's may still fit); the targets not settled t
 bracket so far. The ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak
 (`shared_peak`: bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak
 (`next_step`'s waypoint). With `scfg.ttft_rate` (--search-ttft-rate R) one more probe at R after the search, unless the
-search probed R itself (and the budget allows): the same rate on every system of a comparison, whose TTFT the report's
-TTFT table reads (issue 37: TTFT p50 at 0.75 of vLLM's peak); it is not among the goodput probes (no bracket reads it).
+search probed R itself (its expected time is kept from the search's probes where the budget allows it at all): the same
+rate on every system of a comparison, whose TTFT the report's TTFT table reads (issue 37: TTFT p50 at 0.75 of vLLM's
+peak); it is not among the goodput probes (no bracket reads it).
 
 `run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
@@ -163,6 +164,25 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     # brackets are already known, fine at once
     tolerances = [scfg.tolerance] if scfg.hints and all(scfg.hint(t) for t in scfg.searched()) else \
         sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)
+    ttft = round_rate(scfg.ttft_rate) if scfg.ttft_rate is not None else None
+
+    def ttft_plan() -> tuple[ProbePlan, float] | None:
+        """The TTFT probe still to run (none once the search probed its rate) and its expected seconds."""
+        if ttft is None or ttft in probes:
+            return None
+        life = lifetime_estimate(ttft, lifetimes, lifetime_s)
+        plan = plan_probe(ttft, scfg.wanted(ttft, probe_requests, peak), scfg.discard, life, cap)
+        return plan, plan.sent / ttft + max(drain, life or 0.0)
+
+    def search_deadline() -> float | None:
+        """The deadline of the search's own probes: the TTFT probe's time kept before the budget's end, where it
+        fits at all (a comparison's TTFT table needs that probe on every system; 2 x H200, 2026-11-30: it was the
+        one cut on the systems whose searches ran long)."""
+        pending = ttft_plan()
+        if deadline is None or pending is None or clock() + pending[1] > deadline:
+            return deadline
+        return deadline - pending[1]
+
     def next_probe(tolerance: float, skipped: set[Target]) -> tuple[Target, Step, bool] | None:
         """The next (target, step, whether it re-probes a contradiction): a contradicted target's first, else the
         widest bracket's (`widest_first`); None when every target not `skipped` is settled at this tolerance."""
@@ -192,7 +212,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
             life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
             plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
             tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
-            if not fits(clock(), deadline, step.rate, plan.sent, tail):
+            if not fits(clock(), search_deadline(), step.rate, plan.sent, tail):
                 est = plan.sent / step.rate + tail
                 too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
                 skipped.add(t)  # another target's (shorter) probe may still fit
@@ -203,7 +223,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                 ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
                 then = short_next(probe.ramp, redo, any(passes(ramp_too, x) for x in scfg.searched()),
                                   scfg.max_probes - len(order) - 1,
-                                  fits(clock(), deadline, step.rate, redo.sent,
+                                  fits(clock(), search_deadline(), step.rate, redo.sent,
                                        max(drain, probe.ramp.lifetime_s or 0.0)))
                 probe = replace(probe, ramp=with_then(probe.ramp, then))
                 if then == RERUN:
@@ -211,13 +231,10 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                     probe, _ = await run(redo, RERUN)
             told(probe)
             probes[step.rate] = pooled(probes[step.rate], probe) if step.rate in probes else probe
-    if scfg.ttft_rate is not None and round_rate(scfg.ttft_rate) not in probes:  # the TTFT table's probe
-        r = round_rate(scfg.ttft_rate)
-        life = lifetime_estimate(r, lifetimes, lifetime_s)
-        plan = plan_probe(r, scfg.wanted(r, probe_requests, peak), scfg.discard, life, cap)
-        if fits(clock(), deadline, r, plan.sent, max(drain, life or 0.0)):
-            probe, _ = await run(plan, TTFT)
-            told(probe)
+    pending = ttft_plan()  # the TTFT table's probe
+    if pending is not None and (deadline is None or clock() + pending[1] <= deadline):
+        probe, _ = await run(pending[0], TTFT)
+        told(probe)
     entries = []
     searched = scfg.searched()
     for t in targets(scfg.itl_bounds_ms, scfg.shares):
