@@ -604,3 +604,42 @@ def test_one_more_probe_at_the_ttft_rate_after_the_search_and_no_bracket_reads_i
     assert never.calls == plain_server.calls
     with pytest.raises(ValueError, match="--search-ttft-rate -1"):
         SearchConfig(ttft_rate=-1.0).check()
+
+
+def test_a_search_probe_at_the_ttft_rate_keeps_no_time_for_itself() -> None:
+    """A search probe at the --search-ttft-rate serves as the TTFT probe (none runs after it): no time is kept from
+    it for a TTFT probe there. 5 req/s (~13 s), then 10 (~7 s) end at 20 s, within 20.5; keeping 10's own ~7 s had
+    cut it, and the TTFT probe then ran at 10 all the same, read by no bracket."""
+    scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), max_probes=40, discard=D)
+    plain = FakeServer(capacity=10.0)
+    run_search(plain, scfg, start=5.0, deadline=20.5)
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, dataclasses.replace(scfg, ttft_rate=10.0), start=5.0, deadline=20.5)
+    assert server.calls == plain.calls == [5.0, 10.0] and server.whys == ["", ""]
+    assert (out.goodput[0]["lo"], out.goodput[0]["hi"]) == (10.0, None)
+
+
+def test_the_ttft_probe_never_takes_the_search_s_first_probe() -> None:
+    """Where the budget fits the search's first probe (5 req/s, ~12 s of 15) but not it and the TTFT probe (~8 s), the
+    search runs its probe, as without --search-ttft-rate, and the TTFT probe is the one left out: a search of no
+    probe settles nothing (keeping the TTFT probe's time from the first had left every target [None, None))."""
+    scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), max_probes=40, discard=D)
+    plain = FakeServer(capacity=10.0)
+    want = run_search(plain, scfg, start=5.0, deadline=15.0)
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, dataclasses.replace(scfg, ttft_rate=7.77), start=5.0, deadline=15.0)
+    assert server.calls == plain.calls == [5.0] and server.whys == [""]
+    assert out.goodput == want.goodput and out.goodput[0]["lo"] == 5.0 and out.stopped == want.stopped
+
+
+def test_a_probe_cut_for_the_ttft_probe_says_so() -> None:
+    """A probe that would end within the budget but not before the time kept for the TTFT probe is not said to end
+    after the budget alone: 10 req/s (~7 s) at 13 s ends at 20 s, within 26 s but not within 26 less the TTFT probe's
+    ~9 s (7.77 req/s: 60 / 7.77 + 1 s), which then runs."""
+    scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), max_probes=40, discard=D, only_bounds=(None,),
+                        ttft_rate=7.77)
+    server = FakeServer(capacity=10.0)
+    out = run_search(server, scfg, start=5.0, deadline=26.0)
+    assert server.calls == [5.0, 7.77] and server.whys == ["", "ttft"]
+    assert out.stopped == ("the time budget: a probe at 10 req/s (~7 s) would end after it, less the ~9 s kept for "
+                           "the --search-ttft-rate probe at 7.77 req/s")

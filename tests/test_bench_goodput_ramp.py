@@ -393,6 +393,31 @@ def test_a_short_probe_not_run_again_for_want_of_probes_or_time_fails(max_probes
     assert not passes(out.probes[0], Target(None, 0.9)) and (8.0, 135) not in server.calls
 
 
+class SettlesBelow10(NeverSettles):
+    """NeverSettles above 10 req/s; below it every request lives 0.13 s (steady at once)."""
+
+    async def measure(self, rate: float, n: int, why: str = "") -> list[RequestRecord]:
+        self.life = 0.13 if rate < 10.0 else None
+        return await super().measure(rate, n, why)
+
+
+def test_a_short_probe_at_the_ttft_rate_is_re_run_without_time_kept_for_itself() -> None:
+    """A short probe at the --search-ttft-rate is re-run where the budget allows it, as without the flag: the probe
+    there (or its re-run) serves as the TTFT probe, so no time is kept from its re-run for one (keeping it had
+    refused the re-run, and then no TTFT probe ran either: the rate was probed)."""
+    def search(ttft: float | None) -> tuple[list[tuple[float, int]], list[str], list[str | None]]:
+        server = SettlesBelow10()
+        scfg = SearchConfig(itl_bounds_ms=(50.0,), shares=(0.9,), discard=10, max_probes=5, start_rate=8.0,
+                            max_rate=16.0, ttft_rate=ttft)
+        out = asyncio.run(search_frontier(server.measure, scfg, 8.0, 60, clock=lambda: server.now, deadline=30.0))
+        return server.calls, server.whys, [p.ramp.then if p.ramp is not None else None for p in out.probes]
+
+    runs = [search(None), search(16.0)]
+    assert runs[1] == runs[0]
+    assert runs[1][:2] == ([(8.0, 60), (16.0, 60), (16.0, 145), (12.0, 60)], ["", "", RERUN, ""])
+    assert runs[1][2][1] == RERUN
+
+
 def test_a_probe_that_needs_more_than_the_cap_fails_as_capped() -> None:
     server = NeverSettles()
     out = settle_search(server, cap=100)

@@ -26,8 +26,9 @@ the target passes (up to a max rate, the search's ceiling: by default the closed
 `SearchConfig.ceiling`; a ceiling above the peak is reached through the peak itself, `next_step`'s waypoint) and
 halve while it fails (down to a min rate), then bisect the bracket [lo, hi) until hi <= lo x (1 +
 tolerance). Every probe is cached by rate and serves every target, so one search gives goodput at
-every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then each to
-the tolerance asked, so a search cut short by its budget still brackets every bound.
+every bound and share. It runs coarse to fine: every target first to COARSE_TOLERANCE, then every one to
+the tolerance asked, each probe going to the target whose bracket is widest (`widest_first`), so a search cut
+short by its probes or its budget still brackets every bound, about as closely.
 
 A search for some bounds only (`SearchConfig.only_bounds`, e.g. a policy run with its ITL SLO set to one
 bound B, which only B's goodput is asked of) drives its probes by those bounds' targets alone and stops
@@ -212,8 +213,8 @@ def share_note(share: float, counted: Sequence[int]) -> str | None:
 def targets(bounds_ms: Sequence[float], shares: Sequence[float],
             only: Sequence[float | None] | None = None) -> list[Target]:
     """Every (bound, share), loosest first: unbounded, then the bounds from the largest down; at each
-    bound the shares from the lowest up (a looser target's probes bracket the next one's). With `only`,
-    the targets of those bounds alone (None in it: unbounded), in the same order."""
+    bound the shares from the lowest up (the order a search breaks ties of bracket width in: `widest_first`). With
+    `only`, the targets of those bounds alone (None in it: unbounded), in the same order."""
     out: list[Target] = []
     for b in [None, *sorted(bounds_ms, reverse=True)]:
         if only is None or b in only:

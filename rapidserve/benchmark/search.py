@@ -10,7 +10,7 @@ above the closed-loop `peak` `scfg.wanted`'s longer count, whose probes are also
 from the probes so far (`lifetime_s`: the closed-loop run's before any); a probe left with too few counted arrivals
 after the lifetime it measured is run once more with a warm-up from that lifetime (each run a probe of its own, against
 --search-max-probes and the budget), and fails every target if still short or capped. Every probe is cached by rate and
-scored at every bound, so later targets start from the brackets earlier ones left; a failure below a pass (one of them a
+scored at every bound, so each target's bracket is read from every probe so far; a failure below a pass (one of them a
 short probe's noise) has its rate probed once more and the two pooled (goodput.py's `contradicted`, `pooled`). Two
 passes: every target to COARSE_TOLERANCE, then every target to the tolerance asked. With `scfg.only_bounds` the targets
 are those bounds' alone (it stops once their brackets close); the other bounds' entries are `not_searched`. It stops
@@ -19,7 +19,8 @@ rate's probe is long; another target's may still fit); the targets not settled t
 bracket so far. The ceiling (`scfg.ceiling`) is the peak unless --search-max-rate or a comparison's shared peak
 (`shared_peak`: bench/compare.py --search-shared-ceiling) lies above it; then the search reaches it through the peak
 (`next_step`'s waypoint). With `scfg.ttft_rate` (--search-ttft-rate R) one more probe at R after the search, unless the
-search probed R itself (its expected time is kept from the search's probes where the budget allows it at all): the same
+search probed R itself: its expected time is kept from the search's probes after its first (a search of no probe
+settles nothing), where it fits the budget at all, and from none at R (that probe serves as the TTFT one). R is the same
 rate on every system of a comparison, whose TTFT the report's TTFT table reads (issue 37: TTFT p50 at 0.75 of vLLM's
 peak); it is not among the goodput probes (no bracket reads it).
 
@@ -174,14 +175,20 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
         plan = plan_probe(ttft, scfg.wanted(ttft, probe_requests, peak), scfg.discard, life, cap)
         return plan, plan.sent / ttft + max(drain, life or 0.0)
 
-    def search_deadline() -> float | None:
-        """The deadline of the search's own probes: the TTFT probe's time kept before the budget's end, where it
-        fits at all (a comparison's TTFT table needs that probe on every system; 2 x H200, 2026-11-30: it was the
-        one cut on the systems whose searches ran long)."""
+    def kept_s(rate: float) -> float:
+        """The seconds kept before the budget's end from a search probe at `rate` for the TTFT probe (a comparison's
+        TTFT table needs that probe on every system; 2 x H200, 2026-11-30: it was the one cut on the systems whose
+        searches ran long): its expected time, while it is still to run and fits at all; none for a probe at its rate
+        (that probe, or its re-run, serves as the TTFT probe), nor before the search has measured any rate (its
+        first probe, re-run included, is never given up for the TTFT probe: a search of no probe settles nothing)."""
         pending = ttft_plan()
-        if deadline is None or pending is None or clock() + pending[1] > deadline:
-            return deadline
-        return deadline - pending[1]
+        if deadline is None or pending is None or not probes or rate == ttft or clock() + pending[1] > deadline:
+            return 0.0
+        return pending[1]
+
+    def search_deadline(rate: float) -> float | None:
+        """The deadline of a search probe at `rate`: the budget's end less `kept_s`."""
+        return None if deadline is None else deadline - kept_s(rate)
 
     def next_probe(tolerance: float, skipped: set[Target]) -> tuple[Target, Step, bool] | None:
         """The next (target, step, whether it re-probes a contradiction): a contradicted target's first, else the
@@ -212,9 +219,10 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
             life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
             plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
             tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
-            if not fits(clock(), search_deadline(), step.rate, plan.sent, tail):
-                est = plan.sent / step.rate + tail
-                too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it"
+            if not fits(clock(), search_deadline(step.rate), step.rate, plan.sent, tail):
+                est, kept = plan.sent / step.rate + tail, kept_s(step.rate)
+                too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it" + (
+                    f", less the ~{kept:.0f} s kept for the --search-ttft-rate probe at {ttft:g} req/s" if kept else "")
                 skipped.add(t)  # another target's (shorter) probe may still fit
                 continue
             probe, records = await run(plan, AGAIN if again else "")
@@ -223,7 +231,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
                 ramp_too = measure_probe(step.rate, records, bounds, plan.warmup)  # time aside: a lighter load
                 then = short_next(probe.ramp, redo, any(passes(ramp_too, x) for x in scfg.searched()),
                                   scfg.max_probes - len(order) - 1,
-                                  fits(clock(), search_deadline(), step.rate, redo.sent,
+                                  fits(clock(), search_deadline(step.rate), step.rate, redo.sent,
                                        max(drain, probe.ramp.lifetime_s or 0.0)))
                 probe = replace(probe, ramp=with_then(probe.ramp, then))
                 if then == RERUN:
