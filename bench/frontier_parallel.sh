@@ -45,7 +45,8 @@
 # space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
 # MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
 # table's own ratios divide by; default: the composite row where duet@B ran, else rapidserve), KIND_GPUS (--plan: the
-# machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists). SEARCH_ARGS="... --search-repeats N" runs
+# machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists), PIN_CPUS / TOPO_FILE (each group on its GPUs'
+# NUMA cores: bench/cpu_slots.py). SEARCH_ARGS="... --search-repeats N" runs
 # every search N times (the table's cells: medians with their spread); the plan counts every repetition. Further
 # arguments go to each group's vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).
 set -uo pipefail
@@ -111,14 +112,34 @@ fi
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
+# each group's CPU cores (bench/cpu_slots.py: its GPUs' NUMA cores, shared out among groups on one node), so that
+# side-by-side servers and clients do not contend for the host's cores. PIN_CPUS: auto (pin where `nvidia-smi topo
+# -m` gives the GPUs' CPU affinity, or TOPO_FILE holds such output), 1 (pin, equal parts where no topology), 0 (off)
+slot_spec=""
+for i in "${!groups[@]}"; do slot_spec+="${slot_spec:+;}$(seq -s, $((i * tp)) $((i * tp + tp - 1)))"; done
+pin="${PIN_CPUS:-auto}"
+cpu_lists=()
+topo_args=()
+[ -n "${TOPO_FILE:-}" ] && topo_args=(--topo-file "$TOPO_FILE")
+if [ "$pin" = auto ]; then
+    if [ -n "${TOPO_FILE:-}" ] || nvidia-smi topo -m 2>/dev/null | grep -q "CPU Affinity"; then pin=1; else pin=0; fi
+fi
+if [ "$pin" = 1 ] && command -v taskset >/dev/null; then
+    mapfile -t cpu_lists < <("$py" bench/cpu_slots.py --slots "$slot_spec" "${topo_args[@]}" 2>>"$setup_log")
+    [ "${#cpu_lists[@]}" -eq "${#groups[@]}" ] || { say "CPU pinning: off (bench/cpu_slots.py gave no list)"; cpu_lists=(); }
+else
+    say "CPU pinning: off (PIN_CPUS=${PIN_CPUS:-auto}: no GPU topology, or taskset missing)"
+fi
 pids=()
 for i in "${!groups[@]}"; do
     g=${groups[$i]}
     gpus=$(seq -s, $((i * tp)) $((i * tp + tp - 1)))
     mkdir -p "$work/$g"
-    say "$g on GPUs $gpus"
+    pin_cmd=()
+    if [ -n "${cpu_lists[$i]:-}" ]; then pin_cmd=(taskset -c "${cpu_lists[$i]}"); fi
+    say "$g on GPUs $gpus${pin_cmd[*]:+, CPUs ${cpu_lists[$i]}}"
     CUDA_VISIBLE_DEVICES=$gpus OUT="$work/$g" GROUP=$g NAME="frontier_$g" BUDGET_S="${BUDGET_S:-540}" TP="$tp" \
-        bash bench/vs_vllm.sh "$@" >"$work/$g.log" 2>&1 &
+        "${pin_cmd[@]}" bash bench/vs_vllm.sh "$@" >"$work/$g.log" 2>&1 &
     pids+=($!)
     sleep 2  # the free-port pick of one group is not raced by the next
 done

@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 
 from tests.test_bench_compare import _load
+from tests.test_bench_cpu_slots import TOPO_TWO_NODES
 from tests.test_server import ROOT
 
 compare = _load()
 tp = _load("compare_tp")
 plan = _load("frontier_plan")
+cpu_slots = _load("cpu_slots")
 frontier = _load("compare_frontier")
 merge = _load("compare_merge")
 MODEL = {p: plan._model(p) for p in ("llama-3.1-70b", "mixtral-8x7b", "qwen3-30b-a3b", "qwen3-8b")}
@@ -297,7 +299,9 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
            "GROUP": "hybrid-chunks,vllm-default", "SYSTEMS": "hybrid-512", "PRESET": "tiny-llama",
            "REFERENCE": "hybrid-512", "WORKLOADS": "24:4", "NUM_PROMPTS": "4", "WARMUP": "1", "MAX_MODEL_LEN": "256",
            "SEARCH_ARGS": "--search-max-probes 1 --search-discard 1 --search-tolerance 0.5", "BUDGET_S": "170",
-           "SERVE_ARGS": "--device cpu --num-kv-blocks 64", "NAME": "tp2"}
+           "SERVE_ARGS": "--device cpu --num-kv-blocks 64", "NAME": "tp2", "TOPO_FILE": str(tmp_path / "topo.txt")}
+    # the GPUs' topology as nvidia-smi prints it (tests/test_bench_cpu_slots.py): each group pinned to its CPUs
+    (tmp_path / "topo.txt").write_text(TOPO_TWO_NODES)
     argv = ["bash", "bench/frontier_parallel.sh", "--token-range", "3:1000", "--vllm-run-dir", str(run_dir)]
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
@@ -314,7 +318,9 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
     assert "| **better vLLM** |" in md and "| hybrid-512 / better vLLM |" in md
     with tarfile.open(out / "logs.tar.gz") as t:
         setup = t.extractfile("./setup.log").read().decode()  # type: ignore[union-attr]
-    assert "hybrid-chunks on GPUs 0,1" in setup and "vllm-default on GPUs 2,3" in setup
+    assert "hybrid-chunks on GPUs 0,1, CPUs " in setup and "vllm-default on GPUs 2,3, CPUs " in setup
+    pinned = re.findall(r"on GPUs [0-9,]+, CPUs ([0-9,-]+)", setup)
+    assert len(pinned) == 2 and not cpu_slots.parse_cpu_list(pinned[0]) & cpu_slots.parse_cpu_list(pinned[1])
     assert "frontier plan: tiny-llama at TP 2 on 4 GPUs: 2 group(s) side by side" in setup
     assert "prepared: vLLM in" in setup and "failed" not in setup
 
