@@ -112,23 +112,23 @@ fi
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
-# each group's CPU cores (bench/cpu_slots.py: its GPUs' NUMA cores, shared out among groups on one node), so that
-# side-by-side servers and clients do not contend for the host's cores. PIN_CPUS: auto (pin where `nvidia-smi topo
-# -m` gives the GPUs' CPU affinity, or TOPO_FILE holds such output), 1 (pin, equal parts where no topology), 0 (off)
+# each group's CPU cores (bench/cpu_slots.py: its GPUs' NUMA cores, shared out among groups on one node by physical
+# core), so that side-by-side servers and clients do not contend for the host's cores. PIN_CPUS: auto (pin where
+# `nvidia-smi topo -m`, or TOPO_FILE holding such output, gives every group's GPUs their CPU affinity), 1 (pin,
+# equal parts where no topology), 0 (off); never where there are fewer allowed cores than groups
 slot_spec=""
 for i in "${!groups[@]}"; do slot_spec+="${slot_spec:+;}$(seq -s, $((i * tp)) $((i * tp + tp - 1)))"; done
 pin="${PIN_CPUS:-auto}"
 cpu_lists=()
-topo_args=()
-[ -n "${TOPO_FILE:-}" ] && topo_args=(--topo-file "$TOPO_FILE")
-if [ "$pin" = auto ]; then
-    if [ -n "${TOPO_FILE:-}" ] || nvidia-smi topo -m 2>/dev/null | grep -q "CPU Affinity"; then pin=1; else pin=0; fi
-fi
-if [ "$pin" = 1 ] && command -v taskset >/dev/null; then
-    mapfile -t cpu_lists < <("$py" bench/cpu_slots.py --slots "$slot_spec" "${topo_args[@]}" 2>>"$setup_log")
-    [ "${#cpu_lists[@]}" -eq "${#groups[@]}" ] || { say "CPU pinning: off (bench/cpu_slots.py gave no list)"; cpu_lists=(); }
+slot_args=(--slots "$slot_spec")
+[ -n "${TOPO_FILE:-}" ] && slot_args+=(--topo-file "$TOPO_FILE")
+[ "$pin" = auto ] && slot_args+=(--require-topology)  # cpu_slots.py reads the whole output (no grep -q: SIGPIPE)
+if { [ "$pin" = auto ] || [ "$pin" = 1 ]; } && command -v taskset >/dev/null; then
+    mapfile -t cpu_lists < <("$py" bench/cpu_slots.py "${slot_args[@]}" 2>>"$setup_log")
+    [ "${#cpu_lists[@]}" -eq "${#groups[@]}" ] \
+        || { say "CPU pinning: off (PIN_CPUS=$pin: no GPU topology, or fewer cores than groups)"; cpu_lists=(); }
 else
-    say "CPU pinning: off (PIN_CPUS=${PIN_CPUS:-auto}: no GPU topology, or taskset missing)"
+    say "CPU pinning: off (PIN_CPUS=$pin, or taskset missing)"
 fi
 pids=()
 for i in "${!groups[@]}"; do
