@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from rapidserve.partition.profile import Profile, ProfileError, bucket_up, entry_index, load_profile  # noqa: E402
+from rapidserve.partition.profile import Profile, ProfileError, load_profile  # noqa: E402
+from rapidserve.partition.profile_lookup import bucket_up, entry_index  # noqa: E402
 
 
 @dataclass(frozen=True)

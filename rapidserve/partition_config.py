@@ -21,7 +21,7 @@ POLICIES = ("rapid", "duet", "drift", "fused")
 # always-split at every bound B of 25-200 ms, and within 1% of always-fused unbounded (4096:64, bf16). A fixed or no
 # partition runs `rapid` (policy_spec.resolve_policy): duet needs the adaptive one.
 DEFAULT_POLICY = "duet"
-PROFILE_LOOKUPS = ("auto", "interpolate", "round-up")  # how a profile is read between buckets: profile.estimate
+PROFILE_LOOKUPS = ("auto", "interpolate", "round-up")  # how a profile is read between buckets: profile_lookup.estimate
 STEP_CORRECTIONS = ("by-shape", "per-kind")  # duet's online correction: partition/correction.py
 
 
@@ -49,7 +49,7 @@ class PartitionConfig:
     batch at a block boundary; adaptive) or fused (always one mixed step: --mode hybrid's worker).
     profile_lookup (rapid policy, duet's cost model): how a decode batch and context between the profile's
     buckets are read: round-up (to the bucket at or above each), interpolate (linearly between the buckets around
-    them; partition/profile.py `estimate`), or auto (the default): round-up for a decode step on a configuration
+    them; partition/profile_lookup.py `estimate`), or auto (the default): round-up for a decode step on a configuration
     (the rapid manager's choice, duet's split and decode alone), interpolate for duet's fused-step composition
     (`lookup_interpolates`). Round-up for splits: on the H100, 4096:64 all at once, interpolate ran 6% more
     requests/s but p99 ITL 63 ms against the 50 ms SLO (bench/results/issue16.md, 2026-11-27): the profile's steps

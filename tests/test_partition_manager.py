@@ -15,7 +15,8 @@ from rapidserve.partition.manager import (
     make_state,
     pending_tokens_cap,
 )
-from rapidserve.partition.profile import Configuration, Entry, Profile, bucket_up, lookup
+from rapidserve.partition.profile import Configuration, Entry, Profile
+from rapidserve.partition.profile_lookup import bucket_up, lookup
 
 PREFILL_TOKENS = 8192  # the prefill step of docs/measured.md: an 8192-token GEMM pair
 # name -> (decode units, alone p50, alone p95, beside p50, beside p95, prefill step ms), batch 64 on 132 SMs

@@ -15,12 +15,10 @@ from rapidserve.partition.profile import (
     Entry,
     Profile,
     ProfileError,
-    bucket_up,
-    estimate,
     load_profile,
-    lookup,
     save_profile,
 )
+from rapidserve.partition.profile_lookup import bucket_up, estimate, lookup
 
 GPU, MODEL = "NVIDIA H100 80GB HBM3", "llama-3-8b"
 

@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from rapidserve.config import ModelConfig
 from rapidserve.partition.drift import DriftDecision, LinearModel, fit_linear
 from rapidserve.partition.manager import ManagerState, full_decode_config
-from rapidserve.partition.profile import Configuration, Profile, estimate
+from rapidserve.partition.profile import Configuration, Profile
+from rapidserve.partition.profile_lookup import estimate
 from rapidserve.partition.roofline import Peaks, collectives_ms, prefill_operators, step_seconds, without_collectives
 from rapidserve.quant_config import QuantizationConfig
 
@@ -57,7 +58,7 @@ def effective_prefill_units(profile: Profile) -> dict[str, int]:
 
 def decode_ms_beside(profile: Profile, batch: int, context: int) -> dict[str, float]:
     """Decode's step p95 beside a running prefill (ms) per configuration, at the profile's bucket (past the largest:
-    extrapolated, `profile.estimate`)."""
+    extrapolated, `profile_lookup.estimate`)."""
     return {c.name: estimate(profile, c.name, max(batch, 1), max(context, 1)).entry.decode_ms_beside_prefill_p95
             for c in profile.configurations}
 

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rapidserve.partition.profile import OVERALLOCATED, Entry, Profile, estimate, lookup
+from rapidserve.partition.profile import OVERALLOCATED, Entry, Profile
+from rapidserve.partition.profile_lookup import estimate, lookup
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def decide(
     prefill forward (None: no limit), so prefill's next forward has min(prefill_tokens, prefill_budget);
     prefill_longest: the longest pending prompt, cached prefix included (None: not known, so decode's wait
     on the whole GPU is not scaled to the forward); interpolate: read the profile between its buckets
-    (`profile.estimate`), else (`--profile-lookup auto`, the default, or `round-up`) round batch and context up
+    (`profile_lookup.estimate`), else (`--profile-lookup auto`, the default, or `round-up`) round batch and context up
     to them."""
     if slo_itl_ms <= 0:
         raise ValueError("slo_itl_ms must be positive")

@@ -41,7 +41,8 @@ from typing import Protocol
 
 from rapidserve.config import ModelConfig
 from rapidserve.partition.manager import beside_prefill_ms, forward_ms
-from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, estimate
+from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile
+from rapidserve.partition.profile_lookup import estimate
 from rapidserve.partition.roofline import Peaks, concurrent, decode_step_ms, mixed_operators_summed, step_seconds
 from rapidserve.quant_config import QuantizationConfig
 
