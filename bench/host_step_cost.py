@@ -78,9 +78,10 @@ from rapidserve.engine import step_cycle  # noqa: E402
 from rapidserve.engine.decode_worker import DecodeWorker  # noqa: E402
 from rapidserve.engine.worker_io import RING_TYPES  # noqa: E402
 from rapidserve.partition.margin import DEFAULT_MARGIN  # noqa: E402
+from rapidserve.partition.plan import PartitionPlan  # noqa: E402
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy  # noqa: E402
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, load_profile  # noqa: E402
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan  # noqa: E402
+from rapidserve.partition.runtime import DecodePartition  # noqa: E402
 from rapidserve.partition.shape import Fused, ShapeState, StepShape, StepTiming  # noqa: E402
 from rapidserve.partition.step_costs import ProfileCosts  # noqa: E402
 from rapidserve.partition_config import PartitionConfig  # noqa: E402

@@ -327,7 +327,7 @@ def cpu_kv_space(cache: CacheConfig, env: Mapping[str, str]) -> CacheConfig:
 def check_partition_device(run: str, partition: PartitionConfig, dev: torch.device) -> None:
     """Before any worker starts, where the device can have no partition (a CPU, or --partition-backend none):
     `policy_spec.check_without_partition` (a static split, or the settings only an adaptive partition reads, refused
-    in one line). A GPU without a backend is only known at the plan (partition/runtime.py `_resolve_plan`, which
+    in one line). A GPU without a backend is only known at the plan (partition/plan.py `_resolve_plan`, which
     runs the same check)."""
     r = RUN_SPECS.get(run)
     if r is None or not r.workers or r.partition is not None:  # no workers, or a run that fixes its partition

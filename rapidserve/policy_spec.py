@@ -376,7 +376,7 @@ def check_without_partition(partition: PartitionConfig, where: str) -> None:
     """Where the run turned out to have no partition (`where`: why, e.g. "no partition backend on cpu"): a static
     split asked for, or the settings only an adaptive partition reads (`unread_without_partition`), are a ConfigError
     (one line); a partition of `off`, or an adaptive one given none of those, passes. Called before the workers start
-    where the device is known (config_builder.check_partition_device) and at the plan (partition/runtime.py)."""
+    where the device is known (config_builder.check_partition_device) and at the plan (partition/plan.py)."""
     if partition.mode == "static":
         raise ConfigError(f"--partition static:{partition.static_decode_share:g}: {where}, so decode cannot be given "
                           "a share of the device (the workers would share all of it, silently unsplit); drop it "

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-import rapidserve.partition.runtime as runtime
+import rapidserve.partition.plan as partition_plan
 from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
@@ -339,7 +339,7 @@ def test_the_engine_reads_a_cached_profile_with_its_note(tmp_path: Path, fake_gp
     save_profile(prof, path)
     cfg = EngineConfig("/models/llama-3-8b", preset_config("tiny-llama"),
                        partition=PartitionConfig(backend="cuda-green", profile=str(path)))
-    plan = runtime.resolve_plan(cfg, fake_gpu)
+    plan = partition_plan.resolve_plan(cfg, fake_gpu)
     assert plan.profile == prof and f"measured profile {path}" in plan.source and "7 of 60 cells" in plan.source
 
 

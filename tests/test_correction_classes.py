@@ -143,7 +143,7 @@ def test_per_kind_learns_no_class_and_clamps_splits_at_a_half() -> None:
 def test_the_flag_reaches_the_policy() -> None:
     from rapidserve.config import EngineConfig, SchedulerConfig
     from rapidserve.loader.presets import preset_config
-    from rapidserve.partition.runtime import PartitionPlan
+    from rapidserve.partition.plan import PartitionPlan
     from rapidserve.partition.step_policies import make_step_policy
     from rapidserve.partition_config import PartitionConfig
 

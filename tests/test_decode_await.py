@@ -12,8 +12,9 @@ import pytest
 
 from rapidserve.engine import messages as m
 from rapidserve.engine.decode_worker import DecodeWorker
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.profile import Configuration
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import Split
 from rapidserve.partition.step_policies import AlwaysSplit
 from rapidserve.partition_config import PartitionConfig

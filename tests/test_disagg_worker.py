@@ -27,7 +27,7 @@ from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader import resolve_model
 from rapidserve.parallel.kv_connector import DevicePeerConnector
-from rapidserve.partition.runtime import open_streams, resolve_plan
+from rapidserve.partition.plan import open_streams, resolve_plan
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams
 from tests.test_worker_faults import POISON, FakeIO

@@ -17,10 +17,11 @@ from rapidserve.loader.presets import preset_config
 from rapidserve.partition.drift import DriftDecision, LinearModel
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, prefill_models
 from rapidserve.partition.manager import ManagerState
+from rapidserve.partition.plan import PartitionPlan, PlanWire, resolve_plan
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, prefill_operators, step_seconds
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, PlanWire, resolve_plan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile

@@ -20,8 +20,9 @@ from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.loader import resolve_model
 from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.drift import LinearModel
+from rapidserve.partition.plan import PartitionPlan, open_streams, resolve_plan
 from rapidserve.partition.profile import Configuration
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.runner import ModelRunner
 from rapidserve.runner.prefill_task import PrefillTask

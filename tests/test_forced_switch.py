@@ -16,11 +16,12 @@ from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import Granularity, check_configurations, cu_granularity, plan_configurations
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction
 from rapidserve.partition.manager import ManagerState, decide, make_state
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy, decide_adaptive
 from rapidserve.partition.policy import PendingWork, WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, load_profile, model_label, save_profile, validate_profile
 from rapidserve.partition.roofline import Peaks
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts
 from rapidserve.partition.step_policies import make_step_policy

@@ -11,18 +11,19 @@ from typing import Any
 import msgspec
 import pytest
 
-import rapidserve.partition.runtime as runtime
+import rapidserve.partition.plan as partition_plan
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.partition.backend import Granularity
 from rapidserve.partition.drift_plan import prefill_models
 from rapidserve.partition.duet import decide_duet
 from rapidserve.partition.peaks import Peaks
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import decide_adaptive
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import Configuration, ProfileVariant
 from rapidserve.partition.roofline import concurrent, decode_step_ms, mixed_operators, roofline_profile, step_seconds
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split
 from rapidserve.partition.step_costs import RooflineCosts
 from rapidserve.partition.step_policies import step_costs
@@ -92,9 +93,9 @@ def fp8_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[dict[str, A
         return msgspec.structs.replace(H200, fp8_matmul_flops=1.3e15) if kw.get("fp8") else H200
 
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "device_granularity", lambda kind, device: Granularity(132, 8, 8))
-    monkeypatch.setattr(runtime, "gpu_name", lambda device: "NVIDIA H200")
-    monkeypatch.setattr(runtime, "measure_peaks", peaks)
+    monkeypatch.setattr(partition_plan, "device_granularity", lambda kind, device: Granularity(132, 8, 8))
+    monkeypatch.setattr(partition_plan, "gpu_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(partition_plan, "measure_peaks", peaks)
     return calls
 
 
@@ -105,11 +106,11 @@ def test_the_plan_measures_and_uses_the_fp8_peak(fp8_gpu: list[dict[str, Any]], 
     """No profile of this variant: the roofline fallback with the fp8 peak measured (fp8 weights) and said, the fp8
     variant's profile, and drift's prefill models of fp8 weights."""
     cfg = qwen_cfg(quant, backend="cuda-green", policy=policy)
-    plan = runtime.resolve_plan(cfg, SimpleNamespace(type="cuda", index=0))
+    plan = partition_plan.resolve_plan(cfg, SimpleNamespace(type="cuda", index=0))
     assert fp8_gpu and all(kw == {"fp8": quant.enabled} for kw in fp8_gpu)
     assert ("fp8 GEMM 1300 TFLOP/s" in plan.source) == quant.enabled
     assert plan.profile is not None and plan.profile.quantization == ("fp8" if quant.enabled else "none")
-    want = runtime.roofline_fallback(cfg, "NVIDIA H200", plan.configurations, plan.peaks)  # type: ignore[arg-type]
+    want = partition_plan.roofline_fallback(cfg, "NVIDIA H200", plan.configurations, plan.peaks)  # type: ignore[arg-type]
     assert plan.profile.entries == want.entries
     if policy == "drift":
         assert plan.prefill_models == prefill_models(QWEN, plan.peaks, plan.configurations,  # type: ignore[arg-type]

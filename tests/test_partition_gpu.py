@@ -18,8 +18,8 @@ import torch
 import torch.multiprocessing as tmp
 
 from rapidserve.partition.backend import device_granularity, plan_configurations, static_configuration
+from rapidserve.partition.plan import PlanWire, open_streams
 from rapidserve.partition.profile import Configuration
-from rapidserve.partition.runtime import PlanWire, open_streams
 from rapidserve.partition_config import PartitionConfig
 
 TIMEOUT_S = 120

@@ -535,7 +535,8 @@ def test_decode_partition_reads_the_profile_as_configured() -> None:
     """The runtime passes --profile-lookup to the manager: at 4160 tokens of context (the synthetic profile's 8192
     bucket doubles the step) and a 5 ms SLO, split32 meets it only when interpolated; rounded up nothing does, and
     the manager falls back to the lowest step, split64."""
-    from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+    from rapidserve.partition.plan import PartitionPlan
+    from rapidserve.partition.runtime import DecodePartition
     from rapidserve.partition_config import PartitionConfig
 
     plan = PartitionPlan("cuda-green", list(FULL.configurations), FULL, "synthetic H100 profile")

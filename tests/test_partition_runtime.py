@@ -17,6 +17,7 @@ from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import NoPartition, PartitionError
+from rapidserve.partition.plan import PartitionPlan, PlanWire, open_streams, resolve_plan, slo_note
 from rapidserve.partition.policy import PendingWork
 from rapidserve.partition.profile import (
     OVERALLOCATED,
@@ -28,15 +29,7 @@ from rapidserve.partition.profile import (
     slug,
 )
 from rapidserve.partition.profile_cmd import cmd_profile
-from rapidserve.partition.runtime import (
-    DecodePartition,
-    PartitionPlan,
-    PlanWire,
-    Switch,
-    open_streams,
-    resolve_plan,
-    slo_note,
-)
+from rapidserve.partition.runtime import DecodePartition, Switch
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_settings
 from tests.test_partition_manager import h100_profile

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
-import rapidserve.partition.runtime as runtime
+import rapidserve.partition.plan as partition_plan
 from rapidserve.cli import main
 from rapidserve.config import EngineConfig
 from rapidserve.loader.presets import preset_config
@@ -208,13 +208,13 @@ def test_load_profile_refuses_other_gpu_or_model(measured: ProfileRun, gpu: str 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> Any:
     """resolve_plan on a pretend H100 (cuda-green): granularity and name patched, nothing touches a driver."""
-    monkeypatch.setattr(runtime, "device_granularity", lambda kind, device: Granularity(132, 8, 8))
-    monkeypatch.setattr(runtime, "gpu_name", lambda device: H100_NAME)
+    monkeypatch.setattr(partition_plan, "device_granularity", lambda kind, device: Granularity(132, 8, 8))
+    monkeypatch.setattr(partition_plan, "gpu_name", lambda device: H100_NAME)
 
     def no_roofline(*a: Any, **k: Any) -> Profile:
         raise AssertionError("a profile was expected to be found")
 
-    monkeypatch.setattr(runtime, "roofline_fallback", no_roofline)
+    monkeypatch.setattr(partition_plan, "roofline_fallback", no_roofline)
     return SimpleNamespace(type="cuda", index=0)
 
 
@@ -225,7 +225,7 @@ def plan_config(model: str, profile: Path | None = None) -> EngineConfig:
 
 def test_resolve_plan_refuses_profile_of_another_gpu(measured: ProfileRun, fake_gpu: Any) -> None:
     with pytest.raises(ProfileError, match="gpu: profile is for 'cpu'.*Run `rapidserve profile`"):
-        runtime.resolve_plan(plan_config("preset:tiny-llama", measured.out), fake_gpu)
+        partition_plan.resolve_plan(plan_config("preset:tiny-llama", measured.out), fake_gpu)
 
 
 @pytest.mark.parametrize("model", ["preset:llama-3-8b", "preset:tiny-llama", "/models/llama-3-8b"])
@@ -235,9 +235,9 @@ def test_resolve_plan_uses_or_refuses_h100_profile(tmp_path: Path, fake_gpu: Any
     save_profile(FULL, path)
     if model != "/models/llama-3-8b":
         with pytest.raises(ProfileError, match="model: profile is for 'llama-3-8b'.*Run `rapidserve profile`"):
-            runtime.resolve_plan(plan_config(model, path), fake_gpu)
+            partition_plan.resolve_plan(plan_config(model, path), fake_gpu)
         return
-    plan = runtime.resolve_plan(plan_config(model, path), fake_gpu)
+    plan = partition_plan.resolve_plan(plan_config(model, path), fake_gpu)
     assert plan.backend == "cuda-green" and plan.profile == FULL
     assert [c.name for c in plan.configurations] == ["overallocated", "split16", "split32", "split48", "split64"]
     assert plan.source.startswith(f"adaptive, policy rapid, measured profile {path}") and plan.initial == OVERALLOCATED
@@ -247,7 +247,7 @@ def test_resolve_plan_finds_profile_in_profiles_dir(tmp_path: Path, fake_gpu: An
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
     save_profile(FULL, tmp_path / profile_filename(H100_NAME, "/models/llama-3-8b"))
-    plan = runtime.resolve_plan(plan_config("/models/llama-3-8b"), fake_gpu)
+    plan = partition_plan.resolve_plan(plan_config("/models/llama-3-8b"), fake_gpu)
     assert plan.profile == FULL and "nvidia-h100-80gb-hbm3__llama-3-8b.json" in plan.source
 
 
@@ -260,4 +260,4 @@ def test_resolve_plan_refuses_splits_this_gpu_cannot_make(tmp_path: Path, fake_g
     path = tmp_path / "odd.json"
     save_profile(prof, path)
     with pytest.raises(PartitionError, match="configuration 'split16' splits 116 units.*rapidserve profile"):
-        runtime.resolve_plan(plan_config("/models/llama-3-8b", path), fake_gpu)
+        partition_plan.resolve_plan(plan_config("/models/llama-3-8b", path), fake_gpu)

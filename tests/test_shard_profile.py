@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-import rapidserve.partition.runtime as runtime
+import rapidserve.partition.plan as partition_plan
 from rapidserve.cli import main
 from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.loader.presets import preset_config
@@ -86,7 +86,7 @@ def test_profile_path(tmp_path: Path, explicit: str | None, tp: int, present: li
              "tp2": profile_filename(H100_NAME, "preset:tiny-llama", 2)}
     for k in present:
         (tmp_path / files[k]).write_text("{}")
-    path, reason = runtime.profile_path(explicit, tmp_path, H100_NAME, "preset:tiny-llama", tp)
+    path, reason = partition_plan.profile_path(explicit, tmp_path, H100_NAME, "preset:tiny-llama", tp)
     if want is None:
         assert path is None and why in reason
     else:
@@ -102,10 +102,10 @@ def tp_config(tp: int, profile: Path | None = None) -> EngineConfig:
 def test_the_engine_at_tp_uses_the_shard_profile_with_collectives(tmp_path: Path, fake_gpu: Any,  # noqa: F811
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
+    monkeypatch.setattr(partition_plan, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
     prof = msgspec.structs.replace(shard(2), gpu=H100_NAME)
     save_profile(prof, tmp_path / profile_filename(H100_NAME, "preset:tiny-llama", 2))
-    plan = runtime.resolve_plan(tp_config(2), fake_gpu)
+    plan = partition_plan.resolve_plan(tp_config(2), fake_gpu)
     assert plan.profile == with_collectives(prof, TINY, PEAKS)
     assert "a shard of tensor parallel 2" in plan.source
     assert "tensor parallel 2: the profile's figures (measured shard profile) = one rank's shard + its collectives (" \
@@ -117,7 +117,7 @@ def test_the_engine_refuses_a_shard_profile_of_another_size(tmp_path: Path, fake
     path = tmp_path / "given.json"
     save_profile(msgspec.structs.replace(shard(4), gpu=H100_NAME), path)
     with pytest.raises(PartitionError, match="a shard of tensor parallel 4; this run uses -tp 2.*--shard-of-tp 2"):
-        runtime.resolve_plan(tp_config(2, path), fake_gpu)
+        partition_plan.resolve_plan(tp_config(2, path), fake_gpu)
 
 
 def test_load_profile_checks_the_tensor_parallel_size(tmp_path: Path) -> None:
@@ -160,12 +160,12 @@ def test_a_shard_profile_given_at_tp1_says_what_to_do(tmp_path: Path, fake_gpu: 
     save_profile(msgspec.structs.replace(shard(2), gpu=H100_NAME), path)
     with pytest.raises(PartitionError, match="a shard of tensor parallel 2; this run uses -tp 1: give a whole-model "
                                              "profile .* or serve with -tp 2"):
-        runtime.resolve_plan(tp_config(1, path), fake_gpu)
+        partition_plan.resolve_plan(tp_config(1, path), fake_gpu)
 
 
 def test_a_whole_model_profile_given_at_tp_is_used_and_flagged(tmp_path: Path, fake_gpu: Any) -> None:  # noqa: F811
     path = tmp_path / "given.json"
     whole = msgspec.structs.replace(shard(1), gpu=H100_NAME)
     save_profile(whole, path)
-    plan = runtime.resolve_plan(tp_config(2, path), fake_gpu)
+    plan = partition_plan.resolve_plan(tp_config(2, path), fake_gpu)
     assert plan.profile == whole and "a WHOLE-MODEL profile at tensor parallel 2" in plan.source

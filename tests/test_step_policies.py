@@ -11,10 +11,10 @@ from rapidserve.config import EngineConfig, SchedulerConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.manager import decide, make_state
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
-from rapidserve.partition.runtime import PartitionPlan
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
 from rapidserve.partition.step_policies import (

@@ -26,10 +26,11 @@ from rapidserve.engine.decode_worker import DecodeWorker, default_policy, fused_
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.engine.step_tally import StepTally
 from rapidserve.partition.backend import Granularity, PartitionBackend
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import Peaks, roofline_profile
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, queue_head
 from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, DuetWithoutSlo, ScriptedPolicy
 from rapidserve.partition_config import PartitionConfig

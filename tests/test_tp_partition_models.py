@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
+import rapidserve.partition.plan as partition_plan
 import rapidserve.partition.runtime as runtime
 from rapidserve.config import EngineConfig, ModelConfig, ParallelConfig
 from rapidserve.loader.presets import preset_config
@@ -48,7 +49,7 @@ ODD_VOCAB = ModelConfig(arch="llama", vocab_size=1001, hidden_size=64, intermedi
 PEAKS = Peaks(matmul_flops=700e12, hbm_bw=3e12, num_compute_units=132, link_bw=300e9, link_latency_s=1e-5)
 CONFIGS = h100_profile().configurations  # overallocated and splits of 16..64 of 132 units
 AT_TP = [(QWEN, 2), (QWEN, 4), (LLAMA70, 2), (LLAMA70, 8)]
-REAL_FALLBACK = runtime.roofline_fallback  # before the fake_gpu fixture replaces it
+REAL_FALLBACK = partition_plan.roofline_fallback  # before the fake_gpu fixture replaces it
 
 
 def shard(model: ModelConfig, tp: int) -> ModelConfig:
@@ -130,8 +131,8 @@ def test_the_roofline_fallback_at_tp_is_the_shard_estimate_through_with_collecti
     cfg = tp_config(QWEN, tp)
     got = REAL_FALLBACK(cfg, H100_NAME, list(CONFIGS), PEAKS)
     bare = roofline_profile(shard(QWEN, tp), H100_NAME, model_label(cfg.model), PEAKS, CONFIGS,
-                            runtime.ROOFLINE_BATCHES, runtime.ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens,
-                            created=got.created)
+                            partition_plan.ROOFLINE_BATCHES, partition_plan.ROOFLINE_CONTEXTS,
+                            cfg.scheduler.max_num_batched_tokens, created=got.created)
     want = with_collectives(msgspec.structs.replace(bare, tensor_parallel_size=tp), QWEN, PEAKS)
     assert got.tensor_parallel_size == tp and len(got.entries) == len(want.entries) == len(bare.entries)
     tokens = bare.prefill_tokens
@@ -148,8 +149,8 @@ def test_the_roofline_fallback_at_tp_is_the_shard_estimate_through_with_collecti
 def test_the_roofline_fallback_at_tp1_is_the_whole_model_unchanged() -> None:
     cfg = tp_config(QWEN, 1)
     got = REAL_FALLBACK(cfg, H100_NAME, list(CONFIGS), PEAKS)
-    want = roofline_profile(QWEN, H100_NAME, model_label(cfg.model), PEAKS, CONFIGS, runtime.ROOFLINE_BATCHES,
-                            runtime.ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens, created=got.created)
+    want = roofline_profile(QWEN, H100_NAME, model_label(cfg.model), PEAKS, CONFIGS, partition_plan.ROOFLINE_BATCHES,
+                            partition_plan.ROOFLINE_CONTEXTS, cfg.scheduler.max_num_batched_tokens, created=got.created)
     assert got == want and got.tensor_parallel_size == 1
 
 
@@ -207,7 +208,7 @@ def test_decode_partition_passes_its_tensor_parallel_size_to_duet(monkeypatch: p
         raise StopIteration
 
     monkeypatch.setattr(runtime, "decide_duet", fake_duet)
-    plan = runtime.PartitionPlan("cuda-green", list(CONFIGS), h100_profile(), "test", PEAKS)
+    plan = partition_plan.PartitionPlan("cuda-green", list(CONFIGS), h100_profile(), "test", PEAKS)
     dp = runtime.DecodePartition(PartitionConfig(backend="cuda-green", policy="duet"), plan, QWEN, 8192,
                                  tensor_parallel_size=2)
     with pytest.raises(StopIteration):
@@ -240,8 +241,8 @@ def test_the_start_up_line_says_which_models_hold_the_collectives(
         profile: str | None, drift_given: tuple[float, float] | None, with_links: list[str], as_given: list[str],
 ) -> None:
     monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path))
-    monkeypatch.setattr(runtime, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
-    monkeypatch.setattr(runtime, "roofline_fallback", REAL_FALLBACK)
+    monkeypatch.setattr(partition_plan, "measure_peaks", lambda device, dtype=None, fp8=False: PEAKS)
+    monkeypatch.setattr(partition_plan, "roofline_fallback", REAL_FALLBACK)
     given = None
     if profile == "shard":
         save_profile(tiny_profile(2), tmp_path / profile_filename(H100_NAME, "preset:tiny-llama", 2))
@@ -249,7 +250,7 @@ def test_the_start_up_line_says_which_models_hold_the_collectives(
         given = tmp_path / "whole.json"
         save_profile(tiny_profile(1), given)
     cfg = tp_config(TINY, 2, policy, profile=given, drift_given=drift_given)
-    plan = runtime.resolve_plan(cfg, fake_gpu)
+    plan = partition_plan.resolve_plan(cfg, fake_gpu)
     assert plan.source.count("; tensor parallel 2") == 1  # said once, last
     note = plan.source[plan.source.index("; tensor parallel 2"):]
     if with_links:
@@ -265,10 +266,10 @@ def test_the_start_up_line_says_which_models_hold_the_collectives(
         want = REAL_FALLBACK(cfg, H100_NAME, plan.configurations, PEAKS)
         assert plan.profile is not None and plan.profile.entries == want.entries
         assert plan.profile.tensor_parallel_size == 2
-    one = runtime.resolve_plan(tp_config(TINY, 1, policy, drift_given=drift_given), fake_gpu)
+    one = partition_plan.resolve_plan(tp_config(TINY, 1, policy, drift_given=drift_given), fake_gpu)
     assert "tensor parallel" not in one.source
 
 
 def test_no_line_without_a_cost_model(fake_gpu: Any) -> None:  # noqa: F811
-    plan = runtime.PartitionPlan("none", [Configuration("overallocated", 0, 0)], None, "partition off")
-    assert runtime.tp_cost_models(tp_config(TINY, 2), plan) == ""
+    plan = partition_plan.PartitionPlan("none", [Configuration("overallocated", 0, 0)], None, "partition off")
+    assert partition_plan.tp_cost_models(tp_config(TINY, 2), plan) == ""

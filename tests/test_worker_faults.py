@@ -23,8 +23,9 @@ from rapidserve.engine.decode_worker import DecodeWorker
 from rapidserve.engine.faults import is_fatal
 from rapidserve.engine.prefill_worker import PrefillWorker
 from rapidserve.loader import resolve_model
+from rapidserve.partition.plan import PartitionPlan, open_streams, resolve_plan
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner
 from rapidserve.sampling_params import SamplingParams

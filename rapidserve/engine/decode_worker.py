@@ -59,8 +59,9 @@ from rapidserve.engine.step_tally import StepTally, correction_ratios
 from rapidserve.engine.step_trace import StepTrace
 from rapidserve.engine.worker_io import WorkerIO, send_kv_events
 from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policy import PendingWork
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import OVERALLOCATED, DecodeAlone, Fused, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_policies import AlwaysSplit, RapidInputs, make_step_policy
 from rapidserve.runner import ModelRunner

@@ -85,8 +85,9 @@ from rapidserve.parallel.kv_routes import head_routes, prefill_routes
 from rapidserve.parallel.mirror import Setup, wait_message
 from rapidserve.parallel.staging import StagingAllocator
 from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.plan import PlanWire, open_streams, resolve_plan
 from rapidserve.partition.roofline import kv_element_bytes
-from rapidserve.partition.runtime import DecodePartition, PlanWire, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype

@@ -44,8 +44,8 @@ from rapidserve.ipc import Receiver, Sender, ShmRing, pid_alive, ring_name
 from rapidserve.parallel.group import GroupSpec, TPGroup, group_specs
 from rapidserve.parallel.mirror import KVReplayer, Leader, MirrorMessage, Setup, follow, wait_message
 from rapidserve.partition.backend import PartitionBackend
+from rapidserve.partition.plan import PlanWire, open_streams
 from rapidserve.partition.profile import OVERALLOCATED
-from rapidserve.partition.runtime import PlanWire, open_streams
 from rapidserve.runner import ModelRunner, load_runner, resolve_device
 from rapidserve.runner.prefill_graphs import PREFILL_WORKER_MAX_BUCKET
 

@@ -41,9 +41,10 @@ from rapidserve.engine.tp_workers import (
 )
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.drift import LinearModel
+from rapidserve.partition.plan import PartitionPlan, open_streams, resolve_plan
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
 from rapidserve.partition.roofline import kv_element_bytes
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan, open_streams, resolve_plan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.step_policies import AlwaysFused
 from rapidserve.runner import ModelRunner, load_runner
 from rapidserve.runner.model_sharing import export_shared

@@ -104,7 +104,7 @@ class Sampled(msgspec.Struct, tag=True, frozen=True):
 
 
 class Setup(msgspec.Struct, tag=True, frozen=True):
-    """Start-up, leader to followers: the partition plan (a msgpack `partition.runtime.PlanWire`)."""
+    """Start-up, leader to followers: the partition plan (a msgpack `partition.plan.PlanWire`)."""
 
     plan: bytes
 

@@ -200,7 +200,7 @@ def profile_for_start(cfg: EngineConfig, cache_dir: Path, deadline: float, *, on
     and cache one when neither loads. `on_gpu` None: whether `cfg`'s device is a GPU (tests pass True to run the
     measuring path on a CPU)."""
     from rapidserve.partition.backend import detect_kind
-    from rapidserve.partition.runtime import gpu_name
+    from rapidserve.partition.plan import gpu_name
     from rapidserve.runner import resolve_device
 
     device = resolve_device(cfg.runner.device)

@@ -1,5 +1,5 @@
 """The device's measured ceilings the roofline (partition/roofline.py) times its operators with, and how they are
-measured at start-up (`measure_peaks`: partition/runtime.py logs them as "peaks measured now: ...").
+measured at start-up (`measure_peaks`: partition/plan.py logs them as "peaks measured now: ...").
 
 Measured: the GEMM FLOP/s of one n x n x n bf16 matmul, the copy bandwidth of one large copy, and, for a model with
 fp8 weights (`--quantization fp8`, an FP8 checkpoint: `QuantizationConfig.enabled`), the FLOP/s of one n x n x n

@@ -73,6 +73,7 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 def cmd_profile(a: argparse.Namespace) -> int:
     from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
+    from rapidserve.partition.plan import gpu_name
     from rapidserve.partition.profile import (
         Configuration,
         default_profiles_dir,
@@ -81,7 +82,6 @@ def cmd_profile(a: argparse.Namespace) -> int:
         variant_of,
     )
     from rapidserve.partition.profiler import ProfileSpec, run_profile
-    from rapidserve.partition.runtime import gpu_name
     from rapidserve.runner import ModelRunner
 
     spec = ProfileSpec(a.batch_buckets, a.context_buckets, a.prefill_tokens, a.decode_reps)

@@ -43,10 +43,11 @@ from rapidserve.partition.drift import LinearModel, decide_drift
 from rapidserve.partition.drift_plan import decode_ms_beside, drift_configuration, effective_prefill_units
 from rapidserve.partition.manager import ManagerState, decide, full_decode_config, make_state
 from rapidserve.partition.margin import DEFAULT_MARGIN
+from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy
 from rapidserve.partition.policy import PendingWork, PolicyState
 from rapidserve.partition.profile import Profile
-from rapidserve.partition.runtime import DecodePartition, PartitionPlan
+from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts, StepCosts
 from rapidserve.partition_config import lookup_interpolates
@@ -176,7 +177,7 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
 
 
 def make_step_policy(cfg: EngineConfig, plan: PartitionPlan, *, dtype_bytes: int = 2) -> StepPolicy:
-    """The StepPolicy `cfg.partition.policy` names, built from the run's partition plan (partition/runtime.py)."""
+    """The StepPolicy `cfg.partition.policy` names, built from the run's partition plan (partition/plan.py)."""
     p, sched = cfg.partition, cfg.scheduler
     if p.policy == "fused":
         return FusedPolicy()
