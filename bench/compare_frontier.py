@@ -122,7 +122,7 @@ def frontier_record(res: Mapping[str, Any]) -> dict[str, Any]:
                        for p in res.get("probes", [])]}
 
 
-ABOVE_KEYS = ("above_peak", "arrivals", "backlog")  # a probe above its own closed-loop peak (search.probe_extra)
+ABOVE_KEYS = ("above_peak", "arrivals", "backlog")  # a probe above its own closed-loop peak (search_run.probe_extra)
 
 
 def ceiling_note(f: Mapping[str, Any]) -> str:

@@ -3,10 +3,11 @@ repetition (--search-repeats N) with its own salt, deadline and result file.
 
 Repetition k of the search on workload number i (of W) salts its probes from compare_args.repeat_salt(i, k, W), so the
 repetitions' arrivals and prompts differ from each other's and from every other workload's, while every system's
-repetition k meets the same ones. Each repetition is a whole search (`rapidserve.benchmark.search.run_goodput_search`:
-its closed-loop peak, then its probes, at most --search-max-probes) against the same server (no restart between
-repetitions), and gets an even share of the time left, as each search does without repetitions
-(compare_frontier.search_deadline): the searches still to run count every repetition.
+repetition k meets the same ones. Each repetition is a whole search
+(`rapidserve.benchmark.search_run.run_goodput_search`: its closed-loop peak, then its probes, at most
+--search-max-probes) against the same server (no restart between repetitions), and gets an even share of the time
+left, as each search does without repetitions (compare_frontier.search_deadline): the searches still to run count
+every repetition.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from compare_systems import System  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
 from rapidserve.benchmark.results import bound_label  # noqa: E402
-from rapidserve.benchmark.search import run_goodput_search  # noqa: E402
 from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
+from rapidserve.benchmark.search_run import run_goodput_search  # noqa: E402
 
 # what a search (or a sweep) may raise that ends the workload's runs on that system, not the comparison
 RUN_ERRORS = (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError)

@@ -38,8 +38,9 @@ from rapidserve.benchmark.goodput import (
     ttft_limit_s,
     widest_first,
 )
-from rapidserve.benchmark.search import AGAIN, no_peak_advice, search_frontier, start_from_peak
+from rapidserve.benchmark.search import AGAIN, search_frontier
 from rapidserve.benchmark.search_config import SearchConfig
+from rapidserve.benchmark.search_run import no_peak_advice, start_from_peak
 from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import Backlog
 
@@ -523,7 +524,7 @@ def test_the_closed_loop_peak_is_in_the_unit_of_the_rates() -> None:
     from dataclasses import replace
 
     from rapidserve.benchmark.runner import BenchConfig
-    from rapidserve.benchmark.search import arrival_turns, closed_peak
+    from rapidserve.benchmark.search_run import arrival_turns, closed_peak
     from rapidserve.benchmark.workloads import WorkloadSpec
 
     run = {"summary": {"completed": 288, "request_throughput": 35.28}}

@@ -24,7 +24,7 @@ In-process use (as bench/compare.py does):
     write_outputs(result, "out", "rapid_4096-64")
 
     from rapidserve.benchmark.search_config import SearchConfig
-    from rapidserve.benchmark.search import run_goodput_search
+    from rapidserve.benchmark.search_run import run_goodput_search
     found = asyncio.run(run_goodput_search(cfg, SearchConfig(budget_s=300)))  # cfg.num_prompts per probe
 """
 

@@ -351,7 +351,7 @@ def cmd_search(a: argparse.Namespace) -> int:
 
     from rapidserve.benchmark.goodput_report import search_block, write_search_outputs
     from rapidserve.benchmark.report import workload_title
-    from rapidserve.benchmark.search import run_goodput_search
+    from rapidserve.benchmark.search_run import run_goodput_search
 
     if a.num_prompts is None and a.workload != "trace":
         a.num_prompts = SEARCH_NUM_PROMPTS

@@ -1,6 +1,6 @@
 """A goodput search's result: its markdown, and its files (JSON, markdown, the frontier plot).
 
-The result dict (`search.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model", "workload",
+The result dict (`search_run.run_goodput_search`): {"kind": "goodput_search", "label", "base_url", "model", "workload",
 "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate", "max_rate",
 "probe_requests", "peak_request_throughput", "ceiling" (where max_rate came from: goodput.OWN_PEAK, ...),
 "shared_peak", "peak_lifetime_s" (the closed-loop run's median E2E), "max_probe_arrivals" (the cap a probe ran under:
@@ -82,7 +82,7 @@ def goodput_cell(e: Mapping[str, Any] | None) -> str:
 
 def search_probes(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """A search result's goodput probes: its probes but the one at --search-ttft-rate after the search (`ttft_probe`,
-    which no bracket reads, search.py)."""
+    which no bracket reads: search.py runs it, search_run.py marks it)."""
     return [p for p in result.get("probes", []) if not p.get("ttft_probe")]
 
 

@@ -1,5 +1,5 @@
-"""The goodput search (`rapidserve bench --goodput-search`): the loop over any measurement, and its run
-against a real server.
+"""The goodput search (`rapidserve bench --goodput-search`): the loop over any measurement. Its run against a real
+server is search_run.py's.
 
 `search_frontier(measure, scfg, start, probe_requests)` asks `next_step` (goodput.py) for the next rate of the target
 whose bracket is widest (`widest_first`: log hi / lo, an end not yet found at the search's limit; ties loosest first), a
@@ -23,32 +23,16 @@ search probed R itself: its expected time is kept from the search's probes after
 settles nothing), where it fits the budget at all, and from none at R (that probe serves as the TTFT one). R is the same
 rate on every system of a comparison, whose TTFT the report's TTFT table reads (issue 37: TTFT p50 at 0.75 of vLLM's
 peak); it is not among the goodput probes (no bracket reads it).
-
-`run_goodput_search(cfg, scfg)` runs it against `cfg.base_url`: the model and max model length as
-`run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
-closed-loop probe of `probe_requests` requests at once, whose completed requests per second is the peak the
-search starts from (`scfg.start_fraction` of it) and whose median E2E is the first lifetime estimate, then the
-probes. Each probe gets its own prompts and
-arrivals (its index salts them, as a sweep's rates are salted), so none finds another's prompts in a
-prefix cache. The result dict is described in goodput_report.py.
 """
 
 from __future__ import annotations
 
-import datetime
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
-import aiohttp
-
-from rapidserve.benchmark.arrivals import rate_label
-from rapidserve.benchmark.client import Target as Server
-from rapidserve.benchmark.client import counter_deltas, server_counters
 from rapidserve.benchmark.goodput import (
-    CEILING_WORDS,
     COARSE_TOLERANCE,
     NOT_SEARCHED,
     UNFINISHED,
@@ -56,7 +40,6 @@ from rapidserve.benchmark.goodput import (
     Probe,
     Step,
     Target,
-    bound_key,
     bracket,
     contradicted,
     fits,
@@ -66,34 +49,16 @@ from rapidserve.benchmark.goodput import (
     passes,
     pooled,
     round_rate,
-    share_note,
     targets,
     widest_first,
 )
-from rapidserve.benchmark.replay import Replay
-from rapidserve.benchmark.results import bound_label, trace_line
-from rapidserve.benchmark.runner import (
-    BenchConfig,
-    config_json,
-    new_session,
-    prepare,
-    rate_json,
-    run_rate,
-    say,
-    warm_up,
-)
 from rapidserve.benchmark.search_config import SearchConfig
-from rapidserve.benchmark.stats import RequestRecord, summarize
-from rapidserve.benchmark.step_mix import step_cell
+from rapidserve.benchmark.stats import RequestRecord
 from rapidserve.benchmark.sustain import (
-    CAP_FLAG,
     RERUN,
     ProbePlan,
-    arrivals_of,
     lifetime_estimate,
     plan_probe,
-    probe_arrivals,
-    realized_lifetime,
     rerun_plan,
     short_next,
     with_then,
@@ -253,159 +218,3 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
     unsettled = any(e["status"] == UNFINISHED for e in entries)
     return Outcome(start, lo_rate, hi_rate, order, entries, (exhausted or too_long) if unsettled else None,
                    scfg.ceiling(start, peak, shared_peak), arrivals)
-
-
-def no_peak_advice(errors: dict[str, int]) -> str:
-    """What to do when the closed-loop probe completed no request, from its errors (error text -> count; a summary's
-    "(N other error texts)" entry aside): where the server refused every one (HTTP 4xx) the workload does not fit it;
-    else the search can start from a given rate instead of the peak."""
-    texts = [e for e in errors if not e.startswith("(")]
-    if texts and all(e.startswith("HTTP 4") for e in texts):
-        return ("the server refused the workload's requests: make them fit it (e.g. --token-range 3:V for a vocabulary "
-                "of V tokens; --input-len and --output-len within its --max-model-len)")
-    return "give --search-start-rate (with no closed-loop peak the search starts there)"
-
-
-def start_from_peak(scfg: SearchConfig, peak: float) -> float:
-    """Where a search starts from the closed-loop peak: `start_fraction` of it, never above a given --search-max-rate
-    (a ceiling below the start would make the start itself the ceiling) nor below a given --search-min-rate."""
-    start = round_rate(scfg.start_fraction * peak)
-    if scfg.max_rate is not None:
-        start = min(start, scfg.max_rate)
-    if scfg.min_rate is not None:
-        start = max(start, scfg.min_rate)
-    return start
-
-
-def probe_extra(p: Probe, out: Outcome) -> dict[str, Any]:
-    """What a probe adds to its record: "ramp" (its warm-up and verdict: sustain.Ramp.to_json); above the closed-loop
-    peak also "above_peak", "arrivals" and "backlog" (sustain.Backlog.to_json, or None where too few requests to
-    judge)."""
-    extra: dict[str, Any] = {"ramp": p.ramp.to_json()} if p.ramp is not None else {}
-    if not p.above_peak:
-        return extra
-    sent = p.ramp.plan.sent if p.ramp is not None else (out.arrivals or {}).get(p.rate)
-    return {**extra, "above_peak": True, "arrivals": sent,
-            "backlog": p.backlog.to_json() if p.backlog is not None else None}
-
-
-def attainment_json(p: Probe, bounds: Sequence[float | None]) -> dict[str, float]:
-    """A probe's attainment at each bound, by bound_key."""
-    return {bound_key(b): p.attainment(b) for b in bounds}
-
-
-def arrival_turns(cfg: BenchConfig) -> int:
-    """Requests an arrival makes: a multi-turn conversation's turns (its arrivals are conversations), else 1."""
-    return cfg.workload.num_turns if cfg.workload.name == "multiturn" else 1
-
-
-def closed_peak(run: dict[str, Any], turns: int = 1) -> float | None:
-    """Arrivals per second a closed-loop run completed, in the unit of the probes' rates: its completed requests per
-    second over `turns` (`arrival_turns`: a multi-turn workload's arrivals are conversations of that many requests,
-    its summary counts the requests); None when it completed nothing."""
-    s = run["summary"]
-    return float(s["request_throughput"]) / turns if s["completed"] and s["request_throughput"] > 0 else None
-
-
-async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
-                   replay: Replay | None, desc: str) -> tuple[list[RequestRecord], dict[str, Any]]:
-    before = await server_counters(session, cfg.base_url, cfg.api_key)
-    records, _ = await run_rate(session, target, cfg, rate, cfg.salt_base + index, replay, desc=desc)
-    after = await server_counters(session, cfg.base_url, cfg.api_key)
-    run: dict[str, Any] = {"rate": rate_json(rate), "summary": summarize(records, cfg.slos_ms),
-                           "requests": [r.to_json() for r in records]}
-    run.update(counter_deltas(before, after))
-    return records, run
-
-
-async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: float | None = None,
-                             clock: Callable[[], float] = time.monotonic,
-                             shared_peak: float | None = None) -> dict[str, Any]:
-    """Search the goodput frontier of the server at cfg.base_url on cfg's workload; the result dict.
-    `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time. `shared_peak`: the
-    highest closed-loop peak of a comparison's other systems so far (bench/compare.py --search-shared-ceiling): the
-    ceiling where it lies above this server's own."""
-    if cfg.burstiness != 1.0:
-        raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
-    if scfg.above_peak_factor not in (None, 1.0) and cfg.workload.name == "trace":
-        raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
-                         "drop the factor, or give a longer window (--duration-s) for every probe")
-    if scfg.budget_s is not None:
-        deadline = min(deadline if deadline is not None else math.inf, clock() + scfg.budget_s)
-    async with new_session() as session:
-        target, cfg, replay = await prepare(session, cfg)
-        n = len(replay.items) if replay is not None else cfg.num_prompts
-        if n is None:
-            raise ValueError("the goodput search sends a fixed number of requests per probe: give --num-prompts")
-        # a trace's probes are its window (`cap` below), whatever its size: the cap is the flag's for the others
-        (scfg if replay is None else replace(scfg, max_probe_arrivals=max(n, scfg.max_probe_arrivals))).check(n)
-        label = cfg.label or target.model
-        say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
-                 f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
-        if replay is not None:
-            say(cfg, "  " + trace_line(replay.describe()))
-        # what a probe counts at or below the closed-loop peak, and above it (longer: --search-above-peak-factor)
-        counts = [n - scfg.discard, probe_arrivals(n, scfg.discard, scfg.above_peak_factor) - scfg.discard]
-        for q in scfg.shares:
-            note = share_note(q, counts)
-            if note is not None:
-                say(cfg, f"  share {q:g}: {note}")
-        await warm_up(session, target, cfg, replay)
-        peak_run: dict[str, Any] | None = None
-        peak: float | None = None
-        life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
-        if scfg.start_rate is None:
-            peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
-            peak = closed_peak(peak_run, arrival_turns(cfg))
-            life = realized_lifetime(arrivals_of(peak_records))
-            if peak is None:
-                errors = peak_run["summary"]["errors"]
-                raise ConnectionError(f"the closed-loop probe ({n} requests at once) completed none ({errors}): "
-                                      + no_peak_advice(errors))
-            say(cfg, f"  closed loop: {peak:.2f} req/s" + (f", median E2E {life:.3g} s" if life is not None else ""))
-            start = start_from_peak(scfg, peak)
-        else:
-            start = scfg.start_rate
-        top = scfg.ceiling(start, peak, shared_peak)
-        if scfg.waypoint(top.rate, peak) is not None:
-            say(cfg, f"  ceiling {top.rate:g} req/s ({CEILING_WORDS[top.source]}), above the closed-loop peak: "
-                     f"probes above it count {scfg.wanted(math.inf, n, peak)} arrivals after their warm-up and fail "
-                     "where their backlog grew")
-        runs: list[dict[str, Any]] = []  # each probe's run, in the order they ran (a rate probed twice: twice)
-        cap, cap_name = (n, "the trace window's requests (--duration-s)") if replay is not None else \
-            (scfg.max_probe_arrivals, CAP_FLAG)
-        async def measure(rate: float, arrivals: int, why: str) -> list[RequestRecord]:
-            longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
-            what = "" if arrivals == n else f", {arrivals} arrivals" + (
-                " (above the peak)" if scfg.above_peak(rate, peak) else "")
-            words = {RERUN: ", again (a short probe, a longer warm-up)", AGAIN: ", again (a failure below a pass)",
-                     TTFT: ", for TTFT at one rate (--search-ttft-rate)"}
-            records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
-                                          f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
-                                          + words.get(why, ""))
-            runs.append({**run, "again": True} if why == AGAIN else {**run, "ttft_probe": True} if why == TTFT else run)
-            return records
-
-        def tell(p: Probe) -> None:
-            steps = step_cell(runs[-1])
-            say(cfg, f"  probe {len(runs)} at {rate_label(p.rate)} req/s, {p.n} counted: attainment "
-                     + ", ".join(f"{bound_label(b)} {p.attainment(b):.0%}" for b in scfg.bounds())
-                     + ("" if steps == "-" else f"; server steps: {steps}")
-                     + (f"; {p.ramp.describe(cap_name)}" if p.ramp is not None else "")
-                     + (f"; above the peak, {p.backlog.describe()}" if p.backlog is not None else ""))
-
-        out = await search_frontier(measure, scfg, start, n, clock, deadline, tell, peak, shared_peak, life, cap)
-    probes = [{**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
-               **probe_extra(p, out)} for i, (p, run) in enumerate(zip(out.probes, runs, strict=True))]
-    return {
-        "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
-        "workload": cfg.workload.describe(), "config": config_json(cfg),
-        "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
-                   "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
-                   "peak_lifetime_s": life, "max_probe_arrivals": cap,
-                   "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak},
-        **({"trace": replay.describe()} if replay is not None else {}),
-        "peak": peak_run, "probes": probes, "goodput": out.goodput,
-        "finished": out.stopped is None, "stopped": out.stopped,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
