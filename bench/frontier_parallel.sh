@@ -74,6 +74,11 @@ output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*
 if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vllm.sh's multiturn defaults): 2048 + 5 x
     prompt=3328; output=384                 # 256 new prompt tokens, 6 x 64 output tokens (its lifetime: all turns)
 fi
+if [ -n "${TRACE_WORKLOADS:-}" ]; then  # a trace's first requests' mean lengths (bench/trace_lengths.py), where it reads
+    read -ra first_set <<<"${TRACE_WORKLOADS%%;*}"
+    if lengths=$("$py" bench/trace_lengths.py --max-model-len "${MAX_MODEL_LEN:-8192}" -- "${first_set[@]}" 2>/dev/null)
+    then read -r prompt output <<<"$lengths"; fi
+fi
 cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
 plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}" --repeats "${repeats:-1}")
