@@ -53,6 +53,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
 tp="${TP:-1}"
+case "${PIN_CPUS:-auto}" in
+    auto|1|0) ;;
+    *) echo "frontier_parallel: PIN_CPUS=${PIN_CPUS}: give auto (pin where the GPUs' topology is known), 1 or 0" >&2
+       exit 2 ;;
+esac
 read -ra groups <<<"$(echo "${GROUP:-ours,vllm-a,vllm-b}" | tr ',' ' ')"
 # the probes a search may make, as vs_vllm.sh passes them (SEARCH_ARGS, default 10; without the flag: bench's 12), and
 # how much longer its probes above the closed-loop peak are (--search-above-peak-factor, default 1; it goes with a
@@ -74,10 +79,15 @@ output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*
 if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vllm.sh's multiturn defaults): 2048 + 5 x
     prompt=3328; output=384                 # 256 new prompt tokens, 6 x 64 output tokens (its lifetime: all turns)
 fi
-if [ -n "${TRACE_WORKLOADS:-}" ]; then  # a trace's first requests' mean lengths (bench/trace_lengths.py), where it reads
+if [ -n "${TRACE_WORKLOADS:-}" ]; then  # the first trace's first requests' mean lengths (bench/trace_lengths.py: it
+    # needs the package's dependencies: this checkout's .venv where PYTHON is not given)
     read -ra first_set <<<"${TRACE_WORKLOADS%%;*}"
-    if lengths=$("$py" bench/trace_lengths.py --max-model-len "${MAX_MODEL_LEN:-8192}" -- "${first_set[@]}" 2>/dev/null)
-    then read -r prompt output <<<"$lengths"; fi
+    tl_py="$py"; [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && tl_py=.venv/bin/python
+    tl_err="$(mktemp)"
+    if lengths=$("$tl_py" bench/trace_lengths.py --max-model-len "${MAX_MODEL_LEN:-8192}" -- "${first_set[@]}" \
+        2>"$tl_err"); then read -r prompt output <<<"$lengths"
+    else echo "frontier_parallel: the trace's lengths not read ($(tail -1 "$tl_err")): the plan assumes 4096:64" >&2; fi
+    rm -f "$tl_err"
 fi
 cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)

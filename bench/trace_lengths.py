@@ -5,44 +5,33 @@ the prompt and output lengths, 4096:64 unless told).
     python bench/trace_lengths.py [--max-model-len 8192] -- --workload trace --trace FILE --num-prompts 64 [...]
 
 Reads the flags of one `rapidserve bench` trace workload (others ignored): the first --num-prompts requests from
---trace-start seconds, each prompt clipped so that prompt + output fits --max-model-len (as the replay's default
-`--trace-overflow clip` keeps the output), and prints "PROMPT OUTPUT", the rounded means. Exit 2 naming the flag or
+--trace-start seconds, each clipped to --max-model-len as the replay's default `--trace-overflow clip` clips it
+(`workloads.clip_lengths`), and prints "PROMPT OUTPUT", the rounded means. Exit 2 naming the flag or
 the file where it cannot.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rapidserve.benchmark.traces import TraceRequest, load_trace  # noqa: E402
+from rapidserve.benchmark.workloads import clip_lengths  # noqa: E402
 
 
-def _traces() -> ModuleType:
-    """rapidserve/benchmark/traces.py by its path (standard library only): the plan runs where the package's
-    dependencies may not be installed (the system Python that `--plan` uses), as frontier_plan.py reads presets."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rapidserve", "benchmark", "traces.py")
-    spec = importlib.util.spec_from_file_location("_trace_lengths_traces", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve the module by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def window_means(requests: Sequence[Any], start_s: float, n: int, max_model_len: int) -> tuple[int, int]:
-    """(prompt, output) means of the first `n` requests at or after `start_s`, prompts clipped to the room the output
-    leaves in `max_model_len`. ValueError where the window holds none."""
+def window_means(requests: Sequence[TraceRequest], start_s: float, n: int, max_model_len: int) -> tuple[int, int]:
+    """(prompt, output) means of the first `n` requests at or after `start_s`, each clipped to `max_model_len` as the
+    replay clips them (`workloads.clip_lengths`). ValueError where the window holds none."""
     window = [r for r in requests if r.t_s >= start_s][:n]
     if not window:
         raise ValueError(f"no request at or after --trace-start {start_s:g} s")
-    outs = [min(r.output_len, max_model_len - 1) for r in window]
-    ins = [max(1, min(r.input_len, max_model_len - o)) for r, o in zip(window, outs, strict=True)]
-    return round(statistics.mean(ins)), round(statistics.mean(outs))
+    lens = [clip_lengths(r.input_len, r.output_len, max_model_len) for r in window]
+    return round(statistics.mean(i for i, _ in lens)), round(statistics.mean(o for _, o in lens))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.num_prompts < 1 or a.max_model_len < 2:
         ap.error("--num-prompts must be >= 1 and --max-model-len >= 2")
     try:
-        prompt, output = window_means(_traces().load_trace(a.trace).requests, a.trace_start, a.num_prompts,
-                                      a.max_model_len)
+        prompt, output = window_means(load_trace(a.trace).requests, a.trace_start, a.num_prompts, a.max_model_len)
     except ValueError as e:  # traces.TraceError is a ValueError
         print(f"trace_lengths: {e}", file=sys.stderr)
         return 2

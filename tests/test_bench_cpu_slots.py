@@ -252,3 +252,10 @@ def test_frontier_parallel_pins_nothing_without_a_gpu_topology(tmp_path, topo: s
     assert {g: gpus for g, (gpus, _) in seen.items()} == {"ours": "0", "vllm-a": "1"}
     every = slots.format_cpu_list(os.sched_getaffinity(0))
     assert {cpus for _, cpus in seen.values()} == {every}
+
+
+def test_frontier_parallel_refuses_an_unknown_pin_cpus() -> None:
+    env = {**os.environ, "KIND_GPUS": "2", "GROUP": "ours", "PIN_CPUS": "yes"}
+    r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "PIN_CPUS=yes: give auto" in r.stderr

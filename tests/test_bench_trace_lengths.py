@@ -26,7 +26,7 @@ def reqs(*lens: tuple[float, int, int]) -> list[TraceRequest]:
     (0.0, 2, 8192, (2000, 20)),  # the first two
     (0.0, 10, 8192, (round((1000 + 3000 + 8092 + 5) / 4), round((10 + 30 + 100 + 1) / 4))),  # 9000 clipped to 8092
     (1.5, 10, 8192, (round((8092 + 5) / 2), round(101 / 2))),  # from the window's start
-    (0.0, 1, 8, (1, 7)),  # an output longer than the model: clipped to leave one prompt token
+    (0.0, 1, 8, (4, 4)),  # over the model's length: the output capped at half of it, the prompt takes the rest
 ])
 def test_window_means(start: float, n: int, mml: int, want: tuple[int, int]) -> None:
     got = tl.window_means(reqs((0, 1000, 10), (1, 3000, 30), (2, 9000, 100), (3, 5, 1)) if mml > 8 else
@@ -49,6 +49,13 @@ def test_the_command_line_and_the_plan(tmp_path) -> None:  # type: ignore[no-unt
     bad = subprocess.run([sys.executable, "bench/trace_lengths.py", "--", "--trace", str(tmp_path / "none.csv")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "none.csv" in bad.stderr
+    zero = subprocess.run([sys.executable, "bench/trace_lengths.py", *flags[:-1], "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert zero.returncode == 2 and "--num-prompts must be >= 1" in zero.stderr
+    unread = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "KIND_GPUS": "2", "GROUP": "ours",
+                                 "TRACE_WORKLOADS": f"--workload trace --trace {tmp_path / 'none.csv'}"}, timeout=60)
+    assert unread.returncode == 0 and "4096-token prompts" in unread.stdout and "none.csv" in unread.stderr
     env = {**os.environ, "PYTHON": sys.executable, "KIND_GPUS": "2", "GROUP": "ours",
            "TRACE_WORKLOADS": " ".join(flags[1:])}
     plan = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,

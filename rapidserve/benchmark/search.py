@@ -132,13 +132,19 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
         sorted({max(scfg.tolerance, COARSE_TOLERANCE), scfg.tolerance}, reverse=True)
     ttft = round_rate(scfg.ttft_rate) if scfg.ttft_rate is not None else None
 
+    def plan_at(rate: float) -> tuple[ProbePlan, float]:
+        """A probe at `rate` as planned now, and its tail: after its last arrival a probe drains for about one
+        lifetime."""
+        life = lifetime_estimate(rate, lifetimes, lifetime_s)
+        plan = plan_probe(rate, scfg.wanted(rate, probe_requests, peak), scfg.discard, life, cap)
+        return plan, max(drain, life or 0.0)
+
     def ttft_plan() -> tuple[ProbePlan, float] | None:
         """The TTFT probe still to run (none once the search probed its rate) and its expected seconds."""
         if ttft is None or ttft in probes:
             return None
-        life = lifetime_estimate(ttft, lifetimes, lifetime_s)
-        plan = plan_probe(ttft, scfg.wanted(ttft, probe_requests, peak), scfg.discard, life, cap)
-        return plan, plan.sent / ttft + max(drain, life or 0.0)
+        plan, tail = plan_at(ttft)
+        return plan, plan.sent / ttft + tail
 
     def kept_s(rate: float) -> float:
         """The seconds kept before the budget's end from a search probe at `rate` for the TTFT probe (a comparison's
@@ -163,9 +169,9 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
             again = contradicted(probes.values(), t, made)  # a failure below a pass: probed once more, pooled
             if again is not None:
                 return t, Step(again, ""), True
-        for t in widest_first([(t, bracket(probes.values(), t)) for t in live], lo_rate, hi_rate):
-            step = next_step(bracket(probes.values(), t), start, lo_rate, hi_rate, tolerance, waypoint=waypoint,
-                             hint=scfg.hint(t))
+        brackets = {t: bracket(probes.values(), t) for t in live}
+        for t in widest_first(list(brackets.items()), lo_rate, hi_rate):
+            step = next_step(brackets[t], start, lo_rate, hi_rate, tolerance, waypoint=waypoint, hint=scfg.hint(t))
             if step.rate is not None:
                 return t, step, False
         return None
@@ -181,9 +187,7 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
             if len(order) >= scfg.max_probes:
                 exhausted = f"{scfg.max_probes} probes made (--search-max-probes)"
                 break
-            life = lifetime_estimate(step.rate, lifetimes, lifetime_s)
-            plan = plan_probe(step.rate, scfg.wanted(step.rate, probe_requests, peak), scfg.discard, life, cap)
-            tail = max(drain, life or 0.0)  # after its last arrival a probe drains for about one lifetime
+            plan, tail = plan_at(step.rate)
             if not fits(clock(), search_deadline(step.rate), step.rate, plan.sent, tail):
                 est, kept = plan.sent / step.rate + tail, kept_s(step.rate)
                 too_long = f"the time budget: a probe at {step.rate:g} req/s (~{est:.0f} s) would end after it" + (
