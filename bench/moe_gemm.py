@@ -59,6 +59,7 @@ from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # 
 from rapidserve.ops.triton_moe import (  # noqa: E402
     ALIGN_ONE_PROGRAM,
     align,
+    align_tails,
     fused_moe,
     launch_down,
     launch_gate_up,
@@ -167,19 +168,20 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
 
 def gemm_parts_ms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   cfg: MoeKernelConfig, reps: int, device: str) -> tuple[float, float]:
-    """(gate|up, down) ms, each launch alone in a graph on one alignment of `ids` under cfg (`graph_ms`)."""
+    """(gate|up, down) ms, each GEMM alone in a graph on one alignment of `ids` under cfg (`graph_ms`; with
+    TAIL_BLOCK_M its two launches, on the alignment at the tail block and its lists)."""
     t, h = x.shape
     e, inter, k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
-    al = align(ids, e, cfg.block_m)
+    al, tails = align_tails(ids, e, cfg.block_m, cfg.tail_m) if cfg.tail_m else (align(ids, e, cfg.block_m), None)
     gate_up, down = semaphores(cfg, t, k, e, inter, h)
     sems = torch.zeros(gate_up + down + 1, dtype=torch.int32, device=device)  # left zero by every launch
     act = torch.empty(t * k, inter, dtype=x.dtype, device=device)
     out = torch.empty_like(x)
     flat = weights.reshape(-1).contiguous()
-    gu_ms = graph_ms(lambda: launch_gate_up(x, w13, act, al, k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up + 1]),
-                     reps, device)
-    dn_ms = graph_ms(lambda: launch_down(act, w2, out, flat, al, k, cfg.block_m, cfg.down, sems=sems[gate_up:]), reps,
-                     device)
+    gu_ms = graph_ms(lambda: launch_gate_up(x, w13, act, al, k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up + 1],
+                                            tails=tails), reps, device)
+    dn_ms = graph_ms(lambda: launch_down(act, w2, out, flat, al, k, cfg.block_m, cfg.down, sems=sems[gate_up:],
+                                         tails=tails), reps, device)
     return gu_ms, dn_ms
 
 
@@ -240,7 +242,7 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
                      "vs_dense": dense_ms / ms, "bytes_read": read, "bound_ms": bound_ms,
                      "bound_by": "bytes" if bytes_ms > dense_ms else "flops", "of_bound": bound_ms / ms,
-                     **align_us(ids, e, cfg.block_m, reps[0], device)})
+                     "tail_m": cfg.tail_m, **align_us(ids, e, cfg.align_m, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
         logits = F.linear(x, router)
@@ -277,7 +279,8 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
         if r["phase"] == "prefill":
             path = float(r[f"align_{r['align_path']}_us"])
             parts = f"{path:.1f} / {float(r['gate_up_ms']) * 1e3:.1f} / {float(r['down_ms']) * 1e3:.1f}"
-            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
+            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']}"
+                       f"{' + tail ' + str(r['tail_m']) if r.get('tail_m') else ''} | {r['ms']:.3f} | "
                        f"{r['eager_ms']:.3f} | {parts} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} | "
                        f"{r['vs_dense']:.2f} | {r['bound_ms']:.3f} | {r['bound_by']} | {r['of_bound']:.2f} | "
                        f"{align_cell(r)} |")
