@@ -23,6 +23,14 @@ Split K (`GemmTiles.split_k`, from the tuned tables; 1 by default): at decode a 
 most SMs idle, so a tile's K range may be cut into `splits` programs (`split_plan`: whole BLOCK_K steps each, no
 empty split, none past SPLIT_SCRATCH_BYTES of partial sums).
 
+Tail blocks (`MoeKernelConfig.tail_m`, a table's TAIL_BLOCK_M; 0 by default: all of the above unchanged): at
+prefill a BLOCK_M of 64-128 leaves each expert a last, partly empty tile (Qwen3-30B-A3B at 4096 tokens: ~20% of the
+MMA work padding). With it the alignment pads each run to the tail block only and lists each expert's full BLOCK_M
+tiles and its remaining tail blocks (`ops.moe.TailBlocks`; always the two-launch alignment, after a separate routing
+launch in `routed_moe`), and each GEMM runs twice on its tiles, the full tiles at BLOCK_M, then the tail blocks at
+TAIL_BLOCK_M. down's top-k sum spans the two launches: they share the partial rows and the per-token semaphores, so
+a token's last partial, in either launch, sums all of them in slot order: the same bits as one launch.
+
 Cross-program sums without atomics on the data (deterministic): a program stores its partial tile (down: each pair's
 weighted row, in x's dtype, or fp32 when K is split; gate|up: the fp32 gate and up sums of its split) in a scratch
 buffer, then (after a barrier: every thread's stores made before) adds one to a semaphore with acquire-release

@@ -19,6 +19,11 @@ instead of the pipeline draining between tiles. down's is not: Triton 3.6's Fuse
 branch around its top-k sum, and without that branch the flattened loop compiled with no cp.async pipeline at all,
 so each of its tiles pipelines its own K loop.
 
+Tail blocks (`launch_gate_up` / `launch_down` with `tails`, `ops.moe.TailBlocks`): two launches of each kernel with
+LISTS, the first over the experts' full BLOCK_M tiles, the second at BLOCK_M = the tail block over the rest; a tile's
+first row and expert come from the list (`_first_row`), the filled count from the list's (`_filled`), so grids stay
+fixed by the pairs count. Without LISTS the kernels compute pid_m x BLOCK_M and the padded total / BLOCK_M as before.
+
 The weights (the B operand: dense per expert). By pointer loads (cp.async on Hopper), or with TMA (`GemmTiles.tma`
 1, NVIDIA compute capability 9.0 and later, rows of 16-byte multiples at a 16-byte aligned base: `use_tma`) through a
 host-built tensor descriptor of w viewed [E * rows, K] (gate|up: the gate tile at row e * 2N + n0, the up tile N rows
