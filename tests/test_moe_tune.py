@@ -152,3 +152,26 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     assert rows[0]["block_m"] == cfg.block_m and rows[0]["tail_m"] == cfg.tail_m
     assert not any("tail" in f for f in report["failed"])  # the tail candidate (BLOCK_M 32, tail 16) ran
     assert out.rstrip().splitlines()[-1].startswith("| tiny-qwen3-moe | 1 | 1 | ")  # the decode table last
+
+
+def test_moe_gemm_align_us_times_the_path_a_tail_config_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/moe_gemm.py's "align us" under a TAIL_BLOCK_M: `fused_moe` then always takes the two launches, which
+    also write the block lists (`align_tails`), whatever the pairs: that is the path timed and starred, the one
+    program (which has no lists) not at all; without a tail both paths as before, at BLOCK_M."""
+    import torch
+
+    from bench import moe_gemm
+
+    TILES = GemmTiles(64, 64, 1, 4, 3)  # noqa: N806
+    calls: list[tuple[str, tuple[object, ...]]] = []
+    monkeypatch.setattr(moe_gemm, "graph_ms", lambda fn, reps, device: (fn(), 1.0)[1])
+    monkeypatch.setattr(moe_gemm, "align", lambda *a: calls.append(("align", a[1:])))
+    monkeypatch.setattr(moe_gemm, "align_tails", lambda *a: calls.append(("align_tails", a[1:])))
+    ids = torch.zeros(8, 2, dtype=torch.int32)  # 16 pairs: the one-program path without a tail
+    got = moe_gemm.align_us(ids, 4, MoeKernelConfig(64, TILES, TILES, 16), 1, "cpu")
+    assert got["align_path"] == "two" and got["align_one_us"] is None and got["align_two_us"] is not None
+    assert set(calls) == {("align_tails", (4, 64, 16))}
+    calls.clear()
+    got = moe_gemm.align_us(ids, 4, MoeKernelConfig(64, TILES, TILES), 1, "cpu")
+    assert got["align_path"] == "one" and got["align_one_us"] is not None and got["align_two_us"] is not None
+    assert set(calls) == {("align", (4, 64, True)), ("align", (4, 64, False))}
