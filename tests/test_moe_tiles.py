@@ -118,6 +118,8 @@ def test_tail_block_m_is_optional_and_written_only_where_set(tmp_path: Path) -> 
     assert list(d["configs"]["512"])[:2] == ["BLOCK_M", "TAIL_BLOCK_M"]
     assert load_table(write(tmp_path, d)) == table
     assert (MID.tail_m, MID.align_m, tail.align_m) == (0, 32, 16)
+    d["configs"]["4"]["TAIL_BLOCK_M"] = 0  # the default written out means none, as TMA / PERSISTENT / REDUCE_N 0 do
+    assert load_table(write(tmp_path, d)) == table
 
 
 def test_the_packaged_tables_load() -> None:
@@ -168,8 +170,8 @@ DEL = object()
     (_set("configs.4.down.REDUCE_N", 48), r"configs\.4\.down\.REDUCE_N: must be one of \[0, 16, 32, 64, 128, 256\]"),
     (_set("configs.4.down.REDUCE_N", 256), r"configs\.4\.down\.REDUCE_N: must be at most BLOCK_N 128 \(0: the rule\)"),
     (_set("configs.4.gate_up.REDUCE_N", 32), r"configs\.4\.gate_up\.REDUCE_N: is down's \(its top-k sum\)"),
-    (_set("configs.4.TAIL_BLOCK_M", 8), r"configs\.4\.TAIL_BLOCK_M: must be one of \[16, 32, 64\], got 8"),
-    (_set("configs.4.TAIL_BLOCK_M", 24), r"configs\.4\.TAIL_BLOCK_M: must be one of \[16, 32, 64\], got 24"),
+    (_set("configs.4.TAIL_BLOCK_M", 8), r"configs\.4\.TAIL_BLOCK_M: must be one of \[0, 16, 32, 64\], got 8"),
+    (_set("configs.4.TAIL_BLOCK_M", 24), r"configs\.4\.TAIL_BLOCK_M: must be one of \[0, 16, 32, 64\], got 24"),
     (_set("configs.4.TAIL_BLOCK_M", 32), r"configs\.4\.TAIL_BLOCK_M: must be below BLOCK_M 32 .*got 32"),
     (_set("configs.4.TAIL_BLOCK_M", 64), r"configs\.4\.TAIL_BLOCK_M: must be below BLOCK_M 32 .*got 64"),
     (_set("configs.4.TAIL_BLOCK_M", "16"), r"configs\.4\.TAIL_BLOCK_M: must be an integer, got '16'"),

@@ -29,9 +29,9 @@ loads at a time, a power of two up to BLOCK_N (fewer registers, one more round o
 smaller block only, and each GEMM runs in two launches on its tiles, every expert's full BLOCK_M tiles, then the
 rest of its rows (fewer than BLOCK_M) in blocks of TAIL_BLOCK_M (`ops.moe.TailBlocks`): an expert pads at most
 TAIL_BLOCK_M - 1 rows instead of BLOCK_M - 1 (prefill, where BLOCK_M 64-128 tiles leave a mostly empty last tile an
-expert); one of `TAIL_BLOCKS`, below BLOCK_M. A file writes these five fields only where they are not their
-defaults. A key is the pairs per expert it was tuned at (T * top_k /
-E, a decimal number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale
+expert); one of `TAIL_BLOCKS`, below BLOCK_M (0 written out: none, as the other optional fields' defaults). A file
+writes these five fields only where they are not their defaults. A key is the pairs per expert it was tuned at (T *
+top_k / E, a decimal number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale
 (`pick_bucket`), the smaller on a tie. Every file is validated when the tables load (`load_tables`, at the import of
 `triton_moe`): a bad one raises `MoeTableError` naming the file and the field. A shape no table covers gets
 `rule_config`, the rule the kernels had before any tuning.
@@ -255,10 +255,10 @@ def parse_table(d: object, path: str) -> MoeTable:
         if gate_up.reduce_n:
             raise _fail(path, where + "gate_up.REDUCE_N", "is down's (its top-k sum): leave it out of gate_up")
         block_m = _int(c, "BLOCK_M", path, where, BLOCKS)
-        tail_m = _int(c, "TAIL_BLOCK_M", path, where, TAIL_BLOCKS) if "TAIL_BLOCK_M" in c else 0
+        tail_m = _int(c, "TAIL_BLOCK_M", path, where, (0, *TAIL_BLOCKS), lo=0) if "TAIL_BLOCK_M" in c else 0
         if tail_m >= block_m:
             raise _fail(path, where + "TAIL_BLOCK_M", f"must be below BLOCK_M {block_m} (the block of the rows past "
-                        f"an expert's full BLOCK_M tiles; leave it out for none), got {tail_m}")
+                        f"an expert's full BLOCK_M tiles; leave it out or 0 for none), got {tail_m}")
         buckets.append((per_expert, MoeKernelConfig(block_m, gate_up, parse_tiles(c["down"], path, where + "down.",
                                                                                    key.n), tail_m)))
     buckets.sort(key=lambda b: b[0])
