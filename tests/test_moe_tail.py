@@ -73,6 +73,23 @@ def test_semaphores_cover_the_larger_list() -> None:
                                                                           256 * 32)
 
 
+def test_experts_refuses_a_tail_config_without_its_lists() -> None:
+    """`experts` under a TAIL_BLOCK_M takes the lists (its semaphores are sized for their launches: gate|up's for the
+    larger list, fewer than one launch at BLOCK_M over the same pairs needs), and without one takes none."""
+    from rapidserve.ops.moe import align_block_size
+    from rapidserve.ops.triton_moe import experts
+
+    x, w13, w2, weights, ids = moe_inputs(64, 8, 2, 32, 32)
+    tiles = GemmTiles(32, 16, 4, 4, 2)
+    cfg = MoeKernelConfig(32, tiles, tiles, 16)
+    sems = torch.zeros(sum(semaphores(cfg, 64, 2, 8, 32, 32)), dtype=torch.int32)
+    with pytest.raises(ValueError, match="TAIL_BLOCK_M 16 needs the block lists"):
+        experts(x, w13, w2, weights, align_block_size(ids, 8, 32), 2, cfg, sems)
+    with pytest.raises(ValueError, match="TAIL_BLOCK_M 0 needs"):
+        experts(x, w13, w2, weights, align_block_size(ids, 8, 16), 2, cfg._replace(tail_m=0), sems, None,
+                tail_blocks_ref(ids, 8, 32, 16))
+
+
 # (counts an expert, top_k, BLOCK_M, TAIL_BLOCK_M): ragged runs: none, exactly BLOCK_M, BLOCK_M + 1, fewer than the
 # tail block, 2 x BLOCK_M - 1, a multiple of the tail block
 RAGGED = [([32, 0, 33, 5, 63, 16, 1, 10], 2, 32, 16),

@@ -131,6 +131,9 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     """The two grouped GEMMs on an alignment: [T, h]. `sems`: `semaphores`' counts (gate|up's first), zero.
     `tails`: the block lists where cfg has a TAIL_BLOCK_M (`al` then aligned at it): each GEMM in two launches."""
     t, h = x.shape
+    if bool(cfg.tail_m) != (tails is not None):  # the semaphores below are sized for the launches cfg names
+        raise ValueError(f"cfg's TAIL_BLOCK_M {cfg.tail_m} needs the block lists (tails) of an alignment at it, and "
+                         f"only it: got tails={'None' if tails is None else 'lists'} (`align_tails`)")
     pairs, inter = t * top_k, w13.shape[1] // 2
     gate_up, _ = semaphores(cfg, t, top_k, w13.shape[0], inter, h)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
