@@ -19,7 +19,7 @@ GEMM (NVIDIA only) is captured for the NVIDIA target by the same rule as `triton
 layer 0 is sparse: its experts' launches (`ops/triton_moe.py`, its routing and alignment's `ops/triton_moe_route.py` and
 `ops/triton_moe_align.py`) are captured at every step, and at one decode batch with K split in both GEMMs (a tuned
 table may ask for it; the rule never does), plus `fused_moe` of a given routing (`_align_one_kernel`: what the
-benches and tests call).
+benches and tests call) and a prefill under a TAIL_BLOCK_M (the GEMMs' two launches on block lists: `_moe_launches`).
 
 KERNELS names every launchable `@triton.jit` kernel of rapidserve/ and where it is patched;
 tests/test_amd_compile.py fails when rapidserve/ gains a kernel that is not in it.
@@ -263,7 +263,7 @@ def capture(shape: Shape, target: Target) -> Capture:
         forward("prefill, unfused_ops", prefill, unfused_ops(ops))
         forward("mixed", _prefill_meta([1] * 32 + [2048], shape.block_size, meta))
         if layer.moe is not None:
-            step[0] = "MoE experts: split K, fused_moe, TMA + persistent prefill"
+            step[0] = "MoE experts: split K, fused_moe, TMA + persistent prefill, tail blocks"
             _moe_launches(layer, dtype, meta)
         if not target.hip:
             step[0] = "skinny linears (batch <= 16)"
@@ -348,7 +348,10 @@ def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device)
     (`GemmTiles.split_k` 2 on the rule's decode tiles: the SPLIT variants) at one token through `routed_moe`,
     `fused_moe` of a given routing at one token (the one-program alignment alone), and at a prefill of 1024 tokens
     on the rule's prefill tiles with the weights by TMA on a persistent grid (a tuned table may ask for both;
-    ops/triton_moe_gemm.py: NVIDIA takes the descriptors, ROCm the pointer loads whatever the tiles say)."""
+    ops/triton_moe_gemm.py: NVIDIA takes the descriptors, ROCm the pointer loads whatever the tiles say); and the
+    same prefill with a TAIL_BLOCK_M of 16 (`ops.moe.TailBlocks`), on the plain and the TMA + persistent tiles: the
+    GEMMs' LISTS variants at BLOCK_M and at the tail block, and the alignment's scatter writing the lists (FULL_M),
+    which no untuned step reaches and the interpreter's tests never compile."""
     from rapidserve.ops import triton_moe
     from rapidserve.ops.moe_tiles import rule_config
     moe = layer.moe
@@ -365,8 +368,10 @@ def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device)
     prefill = rule_config(t * k, moe.moe.num_experts, torch.version.hip is not None)
     prefill = prefill._replace(gate_up=prefill.gate_up._replace(tma=1, persistent=1),
                                down=prefill.down._replace(tma=1, persistent=1))
-    triton_moe.fused_moe(torch.empty(t, x.shape[1], dtype=dtype, device=device), moe.w13, moe.w2,
-                         torch.empty(t, k, device=device), torch.empty(t, k, dtype=torch.int32, device=device), prefill)
+    tail = rule_config(t * k, moe.moe.num_experts, torch.version.hip is not None)._replace(tail_m=16)
+    for cfg in (prefill, tail, prefill._replace(tail_m=16)):
+        triton_moe.fused_moe(torch.empty(t, x.shape[1], dtype=dtype, device=device), moe.w13, moe.w2,
+                             torch.empty(t, k, device=device), torch.empty(t, k, dtype=torch.int32, device=device), cfg)
 
 
 def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtype, hip: bool) -> None:

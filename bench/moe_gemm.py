@@ -25,7 +25,8 @@ second). "of ceiling" = ceiling time / measured time. Tiles: the
 packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tune.py's output), else the rule; the
 BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
-path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch).
+path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch;
+under a TAIL_BLOCK_M the two launches alone, at the tail block and writing the block lists: fused_moe's path there).
 "no PDL us" (decode): "graph us" with programmatic dependent launch off (`rapidserve.ops.pdl.use_pdl`: on by default on
 Hopper and later, so gate|up and down start before the launch before them ends), the A/B of that overlap.
 "layer us" (decode): the whole MoE block as the model runs it, in a CUDA graph: the router's GEMM, then
@@ -59,12 +60,14 @@ from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # 
 from rapidserve.ops.triton_moe import (  # noqa: E402
     ALIGN_ONE_PROGRAM,
     align,
+    align_tails,
     fused_moe,
     launch_down,
     launch_gate_up,
     moe_config,
     routed_moe,
 )
+from rapidserve.ops.triton_moe_align import empty_tails  # noqa: E402
 from rapidserve.ops.triton_moe_route import route_align  # noqa: E402
 
 PREFILL_TOKENS = (256, 1024, 4096, 8192)
@@ -167,37 +170,53 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
 
 def gemm_parts_ms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   cfg: MoeKernelConfig, reps: int, device: str) -> tuple[float, float]:
-    """(gate|up, down) ms, each launch alone in a graph on one alignment of `ids` under cfg (`graph_ms`)."""
+    """(gate|up, down) ms, each GEMM alone in a graph on one alignment of `ids` under cfg (`graph_ms`; with
+    TAIL_BLOCK_M its two launches, on the alignment at the tail block and its lists)."""
     t, h = x.shape
     e, inter, k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
-    al = align(ids, e, cfg.block_m)
+    al, tails = align_tails(ids, e, cfg.block_m, cfg.tail_m) if cfg.tail_m else (align(ids, e, cfg.block_m), None)
     gate_up, down = semaphores(cfg, t, k, e, inter, h)
     sems = torch.zeros(gate_up + down + 1, dtype=torch.int32, device=device)  # left zero by every launch
     act = torch.empty(t * k, inter, dtype=x.dtype, device=device)
     out = torch.empty_like(x)
     flat = weights.reshape(-1).contiguous()
-    gu_ms = graph_ms(lambda: launch_gate_up(x, w13, act, al, k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up + 1]),
-                     reps, device)
-    dn_ms = graph_ms(lambda: launch_down(act, w2, out, flat, al, k, cfg.block_m, cfg.down, sems=sems[gate_up:]), reps,
-                     device)
+    gu_ms = graph_ms(lambda: launch_gate_up(x, w13, act, al, k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up + 1],
+                                            tails=tails), reps, device)
+    dn_ms = graph_ms(lambda: launch_down(act, w2, out, flat, al, k, cfg.block_m, cfg.down, sems=sems[gate_up:],
+                                         tails=tails), reps, device)
     return gu_ms, dn_ms
 
 
-def align_us(ids: torch.Tensor, num_experts: int, block_m: int, reps: int, device: str) -> dict[str, object]:
-    """The alignment alone, microseconds per call on each path (module docstring), and the path fused_moe takes."""
+def align_us(ids: torch.Tensor, num_experts: int, cfg: MoeKernelConfig, reps: int, device: str) -> dict[str, object]:
+    """The alignment alone under cfg, microseconds per call on each path (module docstring), and the path fused_moe
+    takes. With a TAIL_BLOCK_M only the two launches, at the tail block and writing the block lists
+    (`align_tails`): fused_moe takes them whatever the pairs (the one program has no lists)."""
+    if cfg.tail_m:
+        calls = lambda: [align_tails(ids, num_experts, cfg.block_m, cfg.tail_m) for _ in range(ALIGN_CALLS)]
+        return {"align_path": "two", "align_one_us": None,
+                "align_two_us": graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS}
     out: dict[str, object] = {"align_path": "one" if ids.numel() <= ALIGN_ONE_PROGRAM else "two"}
     for name, one in (("one", True), ("two", False)):
         if one and ids.numel() > ONE_PROGRAM_MAX:
             out[f"align_{name}_us"] = None
             continue
-        calls = lambda one=one: [align(ids, num_experts, block_m, one) for _ in range(ALIGN_CALLS)]
+        calls = lambda one=one: [align(ids, num_experts, cfg.block_m, one) for _ in range(ALIGN_CALLS)]
         out[f"align_{name}_us"] = graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS
     return out
 
 
-def route_align_us(logits: torch.Tensor, top_k: int, block_m: int, reps: int, device: str) -> float:
-    """The routing + alignment launch(es) `routed_moe` takes, microseconds per call in a graph of ALIGN_CALLS."""
-    calls = lambda: [route_align(logits, top_k, True, block_m) for _ in range(ALIGN_CALLS)]
+def route_align_us(logits: torch.Tensor, top_k: int, cfg: MoeKernelConfig, reps: int, device: str) -> float:
+    """The routing + alignment launch(es) `routed_moe` takes under cfg (with a TAIL_BLOCK_M: `route` then the two
+    launches at the tail block, writing the block lists), microseconds per call in a graph of ALIGN_CALLS."""
+    t, e = logits.shape
+
+    def one() -> object:
+        if not cfg.tail_m:
+            return route_align(logits, top_k, True, cfg.block_m)
+        tails = empty_tails(t * top_k, e, cfg.block_m, cfg.tail_m, logits.device)
+        return route_align(logits, top_k, True, cfg.tail_m, tails=tails)
+
+    calls = lambda: [one() for _ in range(ALIGN_CALLS)]
     return graph_ms(calls, reps, device) * 1e3 / ALIGN_CALLS
 
 
@@ -240,7 +259,7 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
                      "vs_dense": dense_ms / ms, "bytes_read": read, "bound_ms": bound_ms,
                      "bound_by": "bytes" if bytes_ms > dense_ms else "flops", "of_bound": bound_ms / ms,
-                     **align_us(ids, e, cfg.block_m, reps[0], device)})
+                     "tail_m": cfg.tail_m, **align_us(ids, e, cfg, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
         logits = F.linear(x, router)
@@ -257,14 +276,14 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         no_pdl_ms = graph_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables, pdl=False),
                              reps[1], device)
         ceiling_ms = read / copy_bw * 1e3
-        bm = moe_config(b * k, e, i, h, dtype, dev, tables).block_m
+        cfg = moe_config(b * k, e, i, h, dtype, dev, tables)
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
-                     "block_m": bm, "unique_experts": unique,
+                     "block_m": cfg.block_m, "tail_m": cfg.tail_m, "unique_experts": unique,
                      "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
                      "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms, "layer_ms": layer_ms,
                      "no_pdl_ms": no_pdl_ms,
-                     "route_align_us": route_align_us(logits, k, bm, reps[1], device),
-                     **align_us(ids, e, bm, reps[1], device)})
+                     "route_align_us": route_align_us(logits, k, cfg, reps[1], device),
+                     **align_us(ids, e, cfg, reps[1], device)})
     return rows
 
 
@@ -277,7 +296,8 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
         if r["phase"] == "prefill":
             path = float(r[f"align_{r['align_path']}_us"])
             parts = f"{path:.1f} / {float(r['gate_up_ms']) * 1e3:.1f} / {float(r['down_ms']) * 1e3:.1f}"
-            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']} | {r['ms']:.3f} | "
+            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']}"
+                       f"{' + tail ' + str(r['tail_m']) if r.get('tail_m') else ''} | {r['ms']:.3f} | "
                        f"{r['eager_ms']:.3f} | {parts} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} | "
                        f"{r['vs_dense']:.2f} | {r['bound_ms']:.3f} | {r['bound_by']} | {r['of_bound']:.2f} | "
                        f"{align_cell(r)} |")

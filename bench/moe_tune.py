@@ -6,10 +6,12 @@ as tables (rapidserve/ops/moe_tiles.py's format), and re-run bench/moe_gemm.py's
     TRITON_INTERPRET=1 python bench/moe_tune.py --dry-run --out DIR   # CPU: the whole flow on a tiny shape
 
 Per model and TP slice (one layer, random weights), per token count T of 1..8192 (`moe_tune_space.TOKENS`, the
-table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment, then each
-GEMM alone under each candidate tile (`moe_tune_space`: about 700 timed configurations a shape, split K among them
-at decode sizes, TMA, persistent grids and chunked top-k sums at prefill sizes, 145 distinct kernel compiles in all,
-compiled first by --jobs processes into Triton's cache), GROUP_M swept on the winners, the best BLOCK_M, and the
+table's rows first), on T random tokens routed uniformly at random: each BLOCK_M candidate's alignment (at prefill
+sizes also BLOCK_M 64 / 128 with a TAIL_BLOCK_M of 16 / 32: the alignment at the tail block and its block lists), then
+each GEMM alone under each candidate tile (`moe_tune_space`: about 1000-1100 timed configurations a shape, split K
+among them at decode sizes, TMA, persistent grids, chunked top-k sums and the tail blocks' two launches at prefill
+sizes, 245 kernel launch variants in all (145 before the tail candidates), compiled first by --jobs processes into
+Triton's cache), GROUP_M swept on the winners, the best BLOCK_M (and tail), and the
 whole layer under it against the untuned rule (the rule is written where it is faster), and the alignment alone (its
 share of the layer at decode sizes). The down GEMM's times include the top-k sum it now does in its own launch.
 Timing: a CUDA graph of the launches over R routings (R = 8 at decode sizes: other experts each launch, so weights
@@ -45,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import moe_gemm  # noqa: E402
 from bench import moe_tune_space as space  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
-from rapidserve.ops.moe import Alignment, route  # noqa: E402
+from rapidserve.ops.moe import Alignment, TailBlocks, route  # noqa: E402
 from rapidserve.ops.moe_tiles import (  # noqa: E402
     CONFIG_DIR,
     GemmTiles,
@@ -58,7 +60,15 @@ from rapidserve.ops.moe_tiles import (  # noqa: E402
     rule_config,
     table_json,
 )
-from rapidserve.ops.triton_moe import align, device_name, fused_moe, launch_down, launch_gate_up  # noqa: E402
+from rapidserve.ops.triton_moe import (  # noqa: E402
+    align,
+    align_tails,
+    device_name,
+    fused_moe,
+    launch_down,
+    launch_gate_up,
+)
+from rapidserve.ops.triton_moe_gemm import m_lists  # noqa: E402
 
 MIN_MS = 20.0  # measured GPU time per candidate
 Clock = Callable[[Sequence[Callable[[], object]]], float]
@@ -124,25 +134,30 @@ def timed(clock: Clock, launches: Sequence[Callable[[], object]], failed: list[s
         return float("inf")
 
 
-def warm(jobs: list[tuple[str, int, int, GemmTiles, bool]], dtype: str) -> int:
+def aligned(ids: torch.Tensor, num_experts: int, block_m: int, tail: int) -> tuple[Alignment, TailBlocks | None]:
+    """The alignment (and with a tail block its lists) a launch at (BLOCK_M, TAIL_BLOCK_M; 0: none) takes."""
+    return align_tails(ids, num_experts, block_m, tail) if tail else (align(ids, num_experts, block_m), None)
+
+
+def warm(jobs: list[tuple[str, int, int, GemmTiles, bool, int]], dtype: str) -> int:
     """Compile `jobs` (`moe_tune_space.compile_set`) in this process by launching each on tiny tensors of the same
     specialisation as the real ones (dims and strides multiples of 16, K = N = 512: at least two steps of every
     BLOCK_K, so a split tile splits here too): the kernels land in Triton's on-disk cache, where the sweep's first
     launch finds them. Returns how many compiled."""
     dt, dev = getattr(torch, dtype), torch.device("cuda")
     ok = 0
-    for kernel, top_k, bm, tiles, even_k in jobs:
+    for kernel, top_k, bm, tiles, even_k, tail in jobs:
         x = torch.randn(4, 512, dtype=dt, device=dev)
         weights, ids = route(torch.randn(4, 8, device=dev), top_k, True)
-        al = align(ids, 8, bm)
+        al, tails = aligned(ids, 8, bm, tail)
         act = torch.randn(4 * top_k, 512, dtype=dt, device=dev)
         try:
             if kernel == "gate_up":
                 launch_gate_up(x, torch.randn(8, 1024, 512, dtype=dt, device=dev) / 16, act, al, top_k, bm, tiles,
-                               even_k)
+                               even_k, tails=tails)
             else:
                 launch_down(act, torch.randn(8, 512, 512, dtype=dt, device=dev) / 16, torch.empty_like(x),
-                            weights.reshape(-1).contiguous(), al, top_k, bm, tiles, even_k)
+                            weights.reshape(-1).contiguous(), al, top_k, bm, tiles, even_k, tails=tails)
             ok += 1
         except Exception:  # noqa: BLE001 - the sweep lists what cannot compile when it meets it
             continue
@@ -181,28 +196,29 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
     out = torch.empty(tokens, shape.k, dtype=dt, device=dev)
     flat = [w.reshape(-1).contiguous() for w, _ in routes]
     groups = space.QUICK_GROUPS if quick else space.GROUPS
-    best: dict[int, tuple[GemmTiles, float, GemmTiles, float]] = {}
-    for bm in space.block_m_candidates(space.per_expert(shape, tokens), quick):
-        als: list[Alignment] = [align(ids, shape.num_experts, bm) for _, ids in routes]
-        m_blocks = als[0].expert_ids.numel()
+    best: dict[tuple[int, int], tuple[GemmTiles, float, GemmTiles, float]] = {}
+    for bm, tail in space.m_candidates(space.per_expert(shape, tokens), quick):
+        als = [aligned(ids, shape.num_experts, bm, tail) for _, ids in routes]
+        m_blocks = max(experts.numel() for _, experts, *_ in m_lists(*als[0][:1], bm, als[0][1]))  # the larger launch
         # semaphores for any candidate (at most one a 16-wide n block of a tile or a token), zero; every launch
         # leaves them zero, so the launches of a graph and its replays share them
         sems = torch.zeros(max(m_blocks * -(-shape.n // 16), tokens * -(-shape.k // 16)), dtype=torch.int32,
                            device=dev)
 
-        def gu(t: GemmTiles, als: list[Alignment] = als, bm: int = bm, sems: torch.Tensor = sems,
-               ) -> list[Callable[[], object]]:
-            return [partial(launch_gate_up, x, w13, act, al, k, bm, t, sems=sems) for al in als]
+        def gu(t: GemmTiles, als: list[tuple[Alignment, TailBlocks | None]] = als, bm: int = bm,
+               sems: torch.Tensor = sems) -> list[Callable[[], object]]:
+            return [partial(launch_gate_up, x, w13, act, al, k, bm, t, sems=sems, tails=tails) for al, tails in als]
 
-        def dn(t: GemmTiles, als: list[Alignment] = als, bm: int = bm, sems: torch.Tensor = sems,
-               ) -> list[Callable[[], object]]:
-            return [partial(launch_down, act, w2, out, f, al, k, bm, t, sems=sems)
-                    for f, al in zip(flat, als, strict=True)]
+        def dn(t: GemmTiles, als: list[tuple[Alignment, TailBlocks | None]] = als, bm: int = bm,
+               sems: torch.Tensor = sems) -> list[Callable[[], object]]:
+            return [partial(launch_down, act, w2, out, f, al, k, bm, t, sems=sems, tails=tails)
+                    for f, (al, tails) in zip(flat, als, strict=True)]
 
         winners = []
         for cands, launches, name in ((space.gate_up_candidates(bm, quick), gu, "gate_up"),
                                       (space.down_candidates(bm, quick), dn, "down")):
-            times = {t: timed(clock, launches(t), failed, f"{shape.model} tp{shape.tp} T={tokens} {name} bm{bm} {t}")
+            m_name = f"bm{bm}" + (f"+tail{tail}" if tail else "")
+            times = {t: timed(clock, launches(t), failed, f"{shape.model} tp{shape.tp} T={tokens} {name} {m_name} {t}")
                      for t in cands}
             win = space.fastest(times)
             seen = {min(win.group_m, m_blocks)}  # GROUP_M past the m-block count is the same order
@@ -210,10 +226,10 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
                 if min(g, m_blocks) not in seen:
                     seen.add(min(g, m_blocks))
                     t = space.with_group(win, g)
-                    times[t] = timed(clock, launches(t), failed, f"{name} bm{bm} {t}")
+                    times[t] = timed(clock, launches(t), failed, f"{name} {m_name} {t}")
             win = space.fastest(times)
             winners.append((win, times[win]))
-        best[bm] = (winners[0][0], winners[0][1], winners[1][0], winners[1][1])
+        best[bm, tail] = (winners[0][0], winners[0][1], winners[1][0], winners[1][1])
     rule = rule_config(pairs, shape.num_experts, torch.version.hip is not None)
     tuned = space.choose(best) or rule
     try:
@@ -226,8 +242,8 @@ def tune_point(shape: space.Shape, tokens: int, w13: torch.Tensor, w2: torch.Ten
                          f"{shape.model} tp{shape.tp} T={tokens} layer {name} {describe(cfg)}")
              for name, cfg in (("tuned", tuned), ("rule", rule))}
     keep = tuned if layer["tuned"] <= layer["rule"] else rule
-    align_ms = timed(clock, [partial(align, ids, shape.num_experts, keep.block_m) for _, ids in routes], failed,
-                     f"{shape.model} tp{shape.tp} T={tokens} align")
+    align_ms = timed(clock, [partial(aligned, ids, shape.num_experts, keep.block_m, keep.tail_m) for _, ids in routes],
+                     failed, f"{shape.model} tp{shape.tp} T={tokens} align")
     return Point(shape.model, shape.tp, tokens, pairs, space.per_expert(shape, tokens), layer["rule"],
                  layer["tuned"], "tuned" if keep is tuned else "rule", keep, align_ms)
 
@@ -237,7 +253,7 @@ def describe(c: MoeKernelConfig) -> str:
         return (f"{g.block_n}x{g.block_k} g{g.group_m} w{g.num_warps} s{g.num_stages}"
                 + (f" k{g.split_k}" if g.split_k > 1 else "") + (" tma" if g.tma else "")
                 + (f" p{g.persistent}" if g.persistent else "") + (f" r{g.reduce_n}" if g.reduce_n else ""))
-    return f"M{c.block_m} gate_up {t(c.gate_up)} / down {t(c.down)}"
+    return f"M{c.block_m}{f' tail{c.tail_m}' if c.tail_m else ''} gate_up {t(c.gate_up)} / down {t(c.down)}"
 
 
 def summary(points: list[Point]) -> str:

@@ -4,6 +4,9 @@ winner: pure functions, no GPU (tests/test_moe_tune.py checks them on CPU).
 Per (shape, token count T) point, with p = T * top_k / E pairs per expert on average:
 
 - BLOCK_M: `block_m_candidates(p)`, 1-3 sizes around p (decode's runs of a few rows only 16; long prefills 64, 128);
+  above TAIL_MIN_P pairs an expert (prefill) also BLOCK_M 64 and 128 with a TAIL_BLOCK_M (`TAILS`: each expert's
+  rows past its full tiles in a second launch of blocks of 16 or 32, `ops.moe.TailBlocks`), timed as further m
+  candidates (`m_candidates`) on their BLOCK_M's tiles (the tail launch takes the same tiles);
 - per BLOCK_M, each GEMM's (BLOCK_N, BLOCK_K, num_warps, num_stages[, SPLIT_K]) from a hand-pruned list (`GATE_UP`,
   `DOWN`: small N tiles and deep K steps for decode's memory-bound runs, and at BLOCK_M 16 the same wide tiles with K
   split over 2 or 4 programs, so a few experts' tiles still fill the SMs; wide N tiles and 8 warps for prefill's
@@ -68,8 +71,14 @@ DOWN: Mapping[int, tuple[Tile, ...]] = {
           (256, 64, 8, 4, 1, 1), (256, 64, 8, 3, 1, 0, 1), (256, 64, 8, 3, 1, 1, 1), (256, 64, 8, 4, 1, 0, 0, 64)),
 }
 # the --dry-run space: tiny tiles the interpreter runs quickly
-QUICK_GATE_UP: Mapping[int, tuple[Tile, ...]] = {16: ((16, 32, 4, 2), (32, 32, 4, 2, 2))}
-QUICK_DOWN: Mapping[int, tuple[Tile, ...]] = {16: ((32, 16, 4, 2), (64, 16, 4, 2, 2))}
+# the tail blocks (TAIL_BLOCK_M) tried with each prefill BLOCK_M, above TAIL_MIN_P pairs an expert: at Qwen3-30B-A3B's
+# 4096 tokens (256 +- 16 pairs an expert) BLOCK_M 128 pads about half the experts by a mostly empty third tile (~20% of
+# the MMA work), a tail of 16 or 32 by at most 15 or 31 rows (bench/results/moe_tune_h200_1130/README.md)
+TAILS: Mapping[int, tuple[int, ...]] = {64: (16,), 128: (16, 32)}
+TAIL_MIN_P = 48
+QUICK_GATE_UP: Mapping[int, tuple[Tile, ...]] = {16: ((16, 32, 4, 2), (32, 32, 4, 2, 2)), 32: ((16, 32, 4, 2),)}
+QUICK_DOWN: Mapping[int, tuple[Tile, ...]] = {16: ((32, 16, 4, 2), (64, 16, 4, 2, 2)), 32: ((32, 16, 4, 2),)}
+QUICK_TAILS = ((32, 16),)  # the dry run's tail candidate: BLOCK_M 32, tail blocks of 16
 QUICK_GROUPS = (ALL_M,)
 QUICK_TOKENS = (4,)
 
@@ -100,6 +109,17 @@ def block_m_candidates(p: float, quick: bool = False) -> tuple[int, ...]:
     if p <= 192:
         return (32, 64, 128)
     return (64, 128)
+
+
+def m_candidates(p: float, quick: bool = False) -> tuple[tuple[int, int], ...]:
+    """(BLOCK_M, TAIL_BLOCK_M) pairs worth timing at p pairs per expert: each of `block_m_candidates` without a tail
+    (0), then above TAIL_MIN_P the `TAILS` of each (the dry run: QUICK_TAILS)."""
+    plain = tuple((bm, 0) for bm in block_m_candidates(p, quick))
+    if quick:
+        return plain + QUICK_TAILS
+    if p <= TAIL_MIN_P:
+        return plain
+    return plain + tuple((bm, tail) for bm, _ in plain for tail in TAILS.get(bm, ()))
 
 
 def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, products: int, elem: int = 2) -> int:
@@ -173,15 +193,19 @@ def fastest(times: Mapping[GemmTiles, float]) -> GemmTiles:
     return min(times, key=lambda t: times[t])
 
 
-def choose(best: Mapping[int, tuple[GemmTiles, float, GemmTiles, float]]) -> MoeKernelConfig | None:
-    """BLOCK_M -> (gate|up tiles, ms, down tiles, ms) of each BLOCK_M's winners: the BLOCK_M of the least sum (the
-    smaller BLOCK_M on a tie: less padding); None when no BLOCK_M had both GEMMs run (every candidate failed)."""
-    ok = [b for b in sorted(best) if math.isfinite(best[b][1] + best[b][3])]
+def choose(best: Mapping[int | tuple[int, int], tuple[GemmTiles, float, GemmTiles, float]]) -> MoeKernelConfig | None:
+    """BLOCK_M or (BLOCK_M, TAIL_BLOCK_M; 0: none) -> (gate|up tiles, ms, down tiles, ms) of each m candidate's
+    winners: the candidate of the least sum (on a tie the smaller BLOCK_M: less padding; at one BLOCK_M no tail, then
+    the smaller: fewer launches); None when no candidate had both GEMMs run (every candidate failed)."""
+    def m(key: int | tuple[int, int]) -> tuple[int, int]:
+        return key if isinstance(key, tuple) else (key, 0)
+
+    ok = [b for b in sorted(best, key=m) if math.isfinite(best[b][1] + best[b][3])]
     if not ok:
         return None
-    bm = min(ok, key=lambda b: best[b][1] + best[b][3])
-    gu, _, dn, _ = best[bm]
-    return MoeKernelConfig(bm, gu, dn)
+    win = min(ok, key=lambda b: best[b][1] + best[b][3])
+    gu, _, dn, _ = best[win]
+    return MoeKernelConfig(m(win)[0], gu, dn, m(win)[1])
 
 
 def compile_key(tiles: GemmTiles, k: int) -> GemmTiles:
@@ -191,17 +215,19 @@ def compile_key(tiles: GemmTiles, k: int) -> GemmTiles:
     return tiles._replace(group_m=1, split_k=min(splits(k, tiles), 2), persistent=min(tiles.persistent, 1))
 
 
-def compile_set(shapes: Iterable[Shape], quick: bool = False) -> set[tuple[str, int, int, GemmTiles, bool]]:
-    """Every distinct kernel compile the sweep needs: (kernel, TOP_K, BLOCK_M, `compile_key` tiles, EVEN_K); GROUP_M
-    and the number of splits are runtime arguments and do not compile."""
-    out: set[tuple[str, int, int, GemmTiles, bool]] = set()
+def compile_set(shapes: Iterable[Shape], quick: bool = False) -> set[tuple[str, int, int, GemmTiles, bool, int]]:
+    """Every distinct kernel launch the sweep compiles: (kernel, TOP_K, BLOCK_M, `compile_key` tiles, EVEN_K,
+    TAIL_BLOCK_M); GROUP_M and the number of splits are runtime arguments and do not compile. One with a tail (not 0)
+    compiles the kernel twice, its full tiles' launch and its tail blocks' (the latter shared by the BLOCK_Ms of one
+    tail)."""
+    out: set[tuple[str, int, int, GemmTiles, bool, int]] = set()
     for s in shapes:
         for t in TOKENS if not quick else QUICK_TOKENS:
-            for bm in block_m_candidates(per_expert(s, t), quick):
+            for bm, tail in m_candidates(per_expert(s, t), quick):
                 for g in gate_up_candidates(bm, quick):
-                    out.add(("gate_up", s.top_k, bm, compile_key(g, s.k), s.k % g.block_k == 0))
+                    out.add(("gate_up", s.top_k, bm, compile_key(g, s.k), s.k % g.block_k == 0, tail))
                 for d in down_candidates(bm, quick):
-                    out.add(("down", s.top_k, bm, compile_key(d, s.n), s.n % d.block_k == 0))
+                    out.add(("down", s.top_k, bm, compile_key(d, s.n), s.n % d.block_k == 0, tail))
     return out
 
 
@@ -211,7 +237,7 @@ def space_size(shape: Shape, quick: bool = False) -> int:
     groups = QUICK_GROUPS if quick else GROUPS
     n = 0
     for t in TOKENS if not quick else QUICK_TOKENS:
-        for bm in block_m_candidates(per_expert(shape, t), quick):
+        for bm, _ in m_candidates(per_expert(shape, t), quick):
             n += len(gate_up_candidates(bm, quick)) + len(down_candidates(bm, quick)) + 2 * len(other_groups(groups))
         n += 2
     return n

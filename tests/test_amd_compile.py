@@ -108,6 +108,22 @@ def test_capture_reaches_every_kernel_on_its_platforms(captures: dict[str, list[
     assert nv == set(KERNELS)
 
 
+def test_capture_reaches_the_moe_tail_variants(captures: dict[str, list[tuple[Shape, list]]]) -> None:
+    """A tuned table's TAIL_BLOCK_M (`ops.moe.TailBlocks`) compiles kernel variants no other launch reaches: both
+    GEMMs with LISTS (at BLOCK_M and at the tail block) and the alignment's scatter writing the lists (FULL_M).
+    The interpreter's tests never compile them: the check must, on both platforms."""
+    for target in ("gfx942", "sm_90"):
+        seen = set()
+        for _, launches in captures[target]:
+            for launch in launches:
+                if launch.kernel in ("_gate_up_kernel", "_down_kernel") and launch.kwargs.get("LISTS"):
+                    seen.add((launch.kernel, launch.kwargs["BLOCK_M"]))
+                if launch.kernel == "_align_scatter_kernel" and launch.kwargs.get("FULL_M", 0) > 0:
+                    seen.add((launch.kernel, launch.kwargs["FULL_M"]))
+        assert {(k, m) for k in ("_gate_up_kernel", "_down_kernel") for m in (64, 16)} \
+            | {("_align_scatter_kernel", 64)} <= seen, (target, sorted(seen))
+
+
 def test_capture_uses_each_platforms_launch_parameters(captures: dict[str, list[tuple[Shape, list]]]) -> None:
     """On ROCm the attention launches take the AMD tuning of triton_paged_decode.py and
     triton_paged_prefill.py; on NVIDIA none of AMD's options."""

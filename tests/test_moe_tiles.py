@@ -108,6 +108,20 @@ def test_tma_persistent_reduce_n_are_optional_and_written_only_where_set(tmp_pat
     assert GemmTiles(64, 128, 1, 4, 4)[6:] == (0, 0, 0)
 
 
+def test_tail_block_m_is_optional_and_written_only_where_set(tmp_path: Path) -> None:
+    """TAIL_BLOCK_M (the tail blocks' second launch, `ops.moe.TailBlocks`): absent means none (0, the alignment at
+    BLOCK_M), so today's files mean what they meant; set, it round-trips next to BLOCK_M, on that bucket only."""
+    tail = BIG._replace(tail_m=16)
+    table = MoeTable(KEY, "test", ((4.0, MID), (512.0, tail)))
+    d = table_json(table)
+    assert d["configs"]["512"]["TAIL_BLOCK_M"] == 16 and "TAIL_BLOCK_M" not in d["configs"]["4"]
+    assert list(d["configs"]["512"])[:2] == ["BLOCK_M", "TAIL_BLOCK_M"]
+    assert load_table(write(tmp_path, d)) == table
+    assert (MID.tail_m, MID.align_m, tail.align_m) == (0, 32, 16)
+    d["configs"]["4"]["TAIL_BLOCK_M"] = 0  # the default written out means none, as TMA / PERSISTENT / REDUCE_N 0 do
+    assert load_table(write(tmp_path, d)) == table
+
+
 def test_the_packaged_tables_load() -> None:
     """Whatever tables ship (bench/moe_tune.py --write-repo) validate, each named for its key."""
     tables = load_tables(CONFIG_DIR)
@@ -156,6 +170,13 @@ DEL = object()
     (_set("configs.4.down.REDUCE_N", 48), r"configs\.4\.down\.REDUCE_N: must be one of \[0, 16, 32, 64, 128, 256\]"),
     (_set("configs.4.down.REDUCE_N", 256), r"configs\.4\.down\.REDUCE_N: must be at most BLOCK_N 128 \(0: the rule\)"),
     (_set("configs.4.gate_up.REDUCE_N", 32), r"configs\.4\.gate_up\.REDUCE_N: is down's \(its top-k sum\)"),
+    (_set("configs.4.TAIL_BLOCK_M", 8), r"configs\.4\.TAIL_BLOCK_M: must be one of \[0, 16, 32, 64\], got 8"),
+    (_set("configs.4.TAIL_BLOCK_M", 24), r"configs\.4\.TAIL_BLOCK_M: must be one of \[0, 16, 32, 64\], got 24"),
+    (_set("configs.4.TAIL_BLOCK_M", 32), r"configs\.4\.TAIL_BLOCK_M: must be below BLOCK_M 32 .*got 32"),
+    (_set("configs.4.TAIL_BLOCK_M", 64), r"configs\.4\.TAIL_BLOCK_M: must be below BLOCK_M 32 .*got 64"),
+    (_set("configs.4.TAIL_BLOCK_M", "16"), r"configs\.4\.TAIL_BLOCK_M: must be an integer, got '16'"),
+    (_set("configs.4.TAIL_BLOCK_M", True), r"configs\.4\.TAIL_BLOCK_M: must be an integer, got True"),
+    (_set("configs.4.gate_up.TAIL_BLOCK_M", 16), r"configs\.4\.gate_up\.TAIL_BLOCK_M: unknown field"),
     (_set("configs.4.gate_up", [64, 64]), r"configs\.4\.gate_up: must be a JSON object, got list"),
     (_set("configs.4.extra", 1), r"configs\.4\.extra: unknown field"),
     (_set("configs.-1", table_json(TABLE)["configs"]["4"]), r"configs\.-1: the key must be a positive number"),

@@ -43,12 +43,15 @@ def test_the_space_fits_shared_memory_and_holds_the_rule() -> None:
 
 
 def test_the_sweep_size_stated_in_the_docstring() -> None:
-    """bench/moe_tune.py's docstring: about 700 timed configurations a shape, 145 distinct compiles in all (the split-K
+    """bench/moe_tune.py's docstring: about 1000-1100 timed configurations a shape, 245 launch variants in all, 100 of
+    them the tail candidates' (BLOCK_M 64 / 128 with TAIL_BLOCK_M: 720 / 688 and 145 before them; the split-K
     candidates at BLOCK_M 16, the down kernel's TOP_K, which its top-k sum made a constexpr, and 36 compiles of the
-    TMA / persistent / REDUCE_N prefill candidates: 602 / 598 and 109 before them, 522 / 498 and 73 before split K)."""
-    assert [space.space_size(s) for s in SHAPES] == [720, 720, 688, 688]
-    assert len(space.compile_set(SHAPES)) == 145
-    assert sum(1 for c in space.compile_set(SHAPES) if c[3].tma or c[3].persistent or c[3].reduce_n) == 36
+    TMA / persistent / REDUCE_N prefill candidates: 602 / 598 and 109 before those, 522 / 498 and 73 before split K)."""
+    assert [space.space_size(s) for s in SHAPES] == [1128, 1128, 960, 960]
+    assert len(space.compile_set(SHAPES)) == 245
+    assert sum(1 for c in space.compile_set(SHAPES) if c[5]) == 100
+    assert sum(1 for c in space.compile_set(SHAPES) if not c[5] and (c[3].tma or c[3].persistent or c[3].reduce_n)) \
+        == 36
     assert sorted(space.TOKENS) == [2**i for i in range(14)]  # 1..8192
 
 
@@ -103,6 +106,21 @@ def test_prefill_candidates_tma_and_persistent() -> None:
     assert not any(c.reduce_n for c in space.gate_up_candidates(64))
 
 
+@pytest.mark.parametrize(("p", "want"), [
+    (4, ((16, 0),)), (48, ((16, 0), (32, 0), (64, 0))),  # decode and short prefills: no tail
+    (64, ((32, 0), (64, 0), (128, 0), (64, 16), (128, 16), (128, 32))),
+    (256, ((64, 0), (128, 0), (64, 16), (128, 16), (128, 32))),  # Qwen3-30B-A3B at 4096 tokens
+])
+def test_m_candidates_add_tails_at_prefill(p: float, want: tuple[tuple[int, int], ...]) -> None:
+    """The tail blocks (TAIL_BLOCK_M) are timed above TAIL_MIN_P pairs an expert, on BLOCK_M 64 and 128, on their
+    BLOCK_M's tiles; the dry run times one (BLOCK_M 32, tail 16) on the quick tiles."""
+    assert space.m_candidates(p) == want
+    assert space.m_candidates(p, quick=True) == ((16, 0), (32, 16))
+    for bm, tail in want:
+        assert not tail or (tail < bm and bm % tail == 0)
+    assert space.gate_up_candidates(32, quick=True) and space.down_candidates(32, quick=True)
+
+
 def test_choose_takes_the_fastest_sum() -> None:
     a, b, c = GemmTiles(32, 128, 8, 4, 4), GemmTiles(64, 64, 1, 4, 4), GemmTiles(128, 64, ALL_M, 8, 3)
     assert space.fastest({a: 2.0, b: 1.0, c: 1.0}) == b  # the first listed on a tie
@@ -110,6 +128,11 @@ def test_choose_takes_the_fastest_sum() -> None:
     assert space.choose({64: (a, 1.0, b, 1.0), 32: (b, 1.0, c, 1.0)}) == MoeKernelConfig(32, b, c)  # tie: smaller
     assert space.choose({16: (a, 1.0, b, 3.0), 32: (b, float("inf"), c, 0.1)}) == MoeKernelConfig(16, a, b)
     assert space.choose({16: (a, float("inf"), b, 1.0)}) is None  # nothing ran: the caller keeps the rule
+    # (BLOCK_M, TAIL_BLOCK_M) keys: the tail's config when it is faster; on a tie no tail, then the smaller tail
+    assert space.choose({(128, 0): (a, 2.0, b, 2.0), (128, 16): (a, 1.5, c, 2.0)}) == MoeKernelConfig(128, a, c, 16)
+    assert space.choose({(128, 32): (a, 1.0, b, 1.0), (128, 16): (a, 1.0, b, 1.0), (128, 0): (a, 1.0, b, 1.0)}) \
+        == MoeKernelConfig(128, a, b)
+    assert space.choose({(128, 32): (a, 1.0, b, 1.0), (128, 16): (a, 1.0, b, 1.0)}) == MoeKernelConfig(128, a, b, 16)
     assert space.other_groups(space.GROUPS) == (1, 32, ALL_M)
 
 
@@ -120,10 +143,35 @@ def test_dry_run_end_to_end(tmp_path: Path) -> None:
     key = TableKey("cpu", 16, 32, 64, "float16")  # tiny-qwen3-moe: E 16, I 32, hidden 64
     assert set(tables) == {key} and "dry run" in tables[key].source
     ((per_expert, cfg),) = tables[key].buckets
-    assert per_expert == 1.0 and cfg.block_m == 16  # T = 4, top_k 4, 16 experts
+    assert per_expert == 1.0 and (cfg.block_m, cfg.tail_m) in ((16, 0), (32, 16))  # T = 4, top_k 4, 16 experts
     report = json.loads((tmp_path / "moe_tune.json").read_text())
     (point,) = report["points"]
     assert point["tokens"] == 4 and point["kept"] in ("tuned", "rule") and report["failed"] == []
     rows = json.loads((tmp_path / "moe_gemm.json").read_text())["rows"]
-    assert [(r["phase"], r["tokens"], r["block_m"]) for r in rows] == [("prefill", 4, 16), ("decode", 1, 16)]
+    assert [(r["phase"], r["tokens"]) for r in rows] == [("prefill", 4), ("decode", 1)]
+    assert rows[0]["block_m"] == cfg.block_m and rows[0]["tail_m"] == cfg.tail_m
+    assert not any("tail" in f for f in report["failed"])  # the tail candidate (BLOCK_M 32, tail 16) ran
     assert out.rstrip().splitlines()[-1].startswith("| tiny-qwen3-moe | 1 | 1 | ")  # the decode table last
+
+
+def test_moe_gemm_align_us_times_the_path_a_tail_config_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/moe_gemm.py's "align us" under a TAIL_BLOCK_M: `fused_moe` then always takes the two launches, which
+    also write the block lists (`align_tails`), whatever the pairs: that is the path timed and starred, the one
+    program (which has no lists) not at all; without a tail both paths as before, at BLOCK_M."""
+    import torch
+
+    from bench import moe_gemm
+
+    TILES = GemmTiles(64, 64, 1, 4, 3)  # noqa: N806
+    calls: list[tuple[str, tuple[object, ...]]] = []
+    monkeypatch.setattr(moe_gemm, "graph_ms", lambda fn, reps, device: (fn(), 1.0)[1])
+    monkeypatch.setattr(moe_gemm, "align", lambda *a: calls.append(("align", a[1:])))
+    monkeypatch.setattr(moe_gemm, "align_tails", lambda *a: calls.append(("align_tails", a[1:])))
+    ids = torch.zeros(8, 2, dtype=torch.int32)  # 16 pairs: the one-program path without a tail
+    got = moe_gemm.align_us(ids, 4, MoeKernelConfig(64, TILES, TILES, 16), 1, "cpu")
+    assert got["align_path"] == "two" and got["align_one_us"] is None and got["align_two_us"] is not None
+    assert set(calls) == {("align_tails", (4, 64, 16))}
+    calls.clear()
+    got = moe_gemm.align_us(ids, 4, MoeKernelConfig(64, TILES, TILES), 1, "cpu")
+    assert got["align_path"] == "one" and got["align_one_us"] is not None and got["align_two_us"] is not None
+    assert set(calls) == {("align", (4, 64, True)), ("align", (4, 64, False))}

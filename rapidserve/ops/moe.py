@@ -16,6 +16,10 @@ token alignment the fused Triton kernels (`ops/triton_moe.py`) read.
   expert's run padded to a multiple of `block_m` (see `Alignment`), from torch ops on the device without a host
   read: the reference that the Triton alignment (`ops/triton_moe_align.py`, which `triton_moe` runs) equals bit
   for bit (tests/test_moe_align.py).
+- ``TailBlocks``: with a tile table's TAIL_BLOCK_M (`MoeKernelConfig.tail_m`) the alignment pads each run to the
+  tail block only and also lists each expert's full BLOCK_M tiles (the GEMMs' main launch) and the tail blocks of
+  its remainder (their second launch), so an expert pads at most TAIL_BLOCK_M - 1 rows instead of BLOCK_M - 1;
+  `tail_blocks_ref` is the reference of those lists (tests).
 
 Shapes are fixed by the batch alone (the padding bound `max_padded`), so a captured CUDA graph replays them.
 """
@@ -97,3 +101,55 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     expert_ids = torch.searchsorted(ends, block_starts, right=True)
     expert_ids = torch.where(block_starts < ends[-1], expert_ids, -1).to(torch.int32)
     return Alignment(sorted_ids, expert_ids, ends[-1:].to(torch.int32))
+
+
+class TailBlocks(NamedTuple):
+    """The blocks of the two launches of each grouped GEMM over an `Alignment` padded to `tail_m` (TAIL_BLOCK_M):
+    an expert whose run holds n tail blocks (n * tail_m rows from its run start s, its pairs then at most tail_m - 1
+    sentinels) has f = n // (block_m / tail_m) full BLOCK_M tiles, rows s + j * block_m (j < f), in the main
+    launch's lists, and its other n - f * block_m / tail_m blocks, rows s + f * block_m + i * tail_m, in the tail
+    launch's; both in expert order. `main_starts` / `tail_starts` [capacity] int32: each block's first row in
+    sorted_ids (0 past the filled); `main_experts` / `tail_experts`: its expert (-1 past the filled); `counts` [2]
+    int32: the blocks filled (main, tail). A token's pairs may fall in both launches: down's top-k sum counts them
+    across the two (`ops/triton_moe.py`). Capacities: `tail_capacity`."""
+
+    main_starts: torch.Tensor
+    main_experts: torch.Tensor
+    tail_starts: torch.Tensor
+    tail_experts: torch.Tensor
+    counts: torch.Tensor
+    block_m: int
+    tail_m: int
+
+
+def tail_capacity(pairs: int, num_experts: int, block_m: int, tail_m: int) -> tuple[int, int]:
+    """(main, tail) list lengths of `TailBlocks` for `pairs` pairs (at least 1 each): the full tiles are at most the
+    tail-padded rows / block_m, the tail blocks at most block_m / tail_m - 1 an expert that has pairs."""
+    rows = max_padded(pairs, num_experts, tail_m)
+    return max(rows // block_m, 1), max(min(rows // tail_m, min(pairs, num_experts) * (block_m // tail_m - 1)), 1)
+
+
+def tail_blocks_ref(ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int) -> TailBlocks:
+    """`TailBlocks` of expert ids [T, k] from torch ops (reads the counts on the host: the tests' reference)."""
+    flat = ids.reshape(-1).to(torch.int64)
+    dev = flat.device
+    n_main, n_tail = tail_capacity(flat.numel(), num_experts, block_m, tail_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + tail_m - 1) // tail_m
+    starts = (blocks * tail_m).cumsum(0) - blocks * tail_m
+    per = block_m // tail_m
+    lists: list[tuple[list[int], list[int]]] = [([], []), ([], [])]
+    for e, (n, s) in enumerate(zip(blocks.tolist(), starts.tolist(), strict=True)):
+        full = n // per
+        lists[0][0].extend(s + j * block_m for j in range(full))
+        lists[1][0].extend(s + full * block_m + i * tail_m for i in range(n - full * per))
+        lists[0][1].extend([e] * full)
+        lists[1][1].extend([e] * (n - full * per))
+
+    def pad(values: list[int], size: int, fill: int) -> torch.Tensor:
+        return torch.tensor(values + [fill] * (size - len(values)), dtype=torch.int32, device=dev)
+
+    return TailBlocks(pad(lists[0][0], n_main, 0), pad(lists[0][1], n_main, -1), pad(lists[1][0], n_tail, 0),
+                      pad(lists[1][1], n_tail, -1),
+                      torch.tensor([len(lists[0][0]), len(lists[1][0])], dtype=torch.int32, device=dev), block_m,
+                      tail_m)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from rapidserve.ops.moe import max_padded
+from rapidserve.ops.moe import max_padded, tail_capacity
 from rapidserve.ops.moe_tiles import GemmTiles, MoeKernelConfig
 
 SPLIT_SCRATCH_BYTES = 64 << 20  # the most fp32 partial sums a split GEMM may hold (`split_plan`)
@@ -38,12 +38,15 @@ def split_plan(k: int, tiles: GemmTiles, rows: int, width: int) -> Split:
 
 def semaphores(cfg: MoeKernelConfig, tokens: int, top_k: int, num_experts: int, inter: int, hidden: int,
                ) -> tuple[int, int]:
-    """(gate|up's, down's) int32 semaphores: one a (m block, n block) tile where gate|up splits K, one a (token,
-    n block) where down sums more than one partial row (top_k x splits > 1); 0 where none is needed."""
+    """(gate|up's, down's) int32 semaphores: one a (m block, n block) tile where gate|up splits K (with TAIL_BLOCK_M
+    the blocks of its larger list), one a (token, n block) where down sums more than one partial row (top_k x
+    splits > 1); 0 where none is needed."""
     pairs = tokens * top_k
     gate_up = 0
     if split_plan(hidden, cfg.gate_up, pairs, 2 * inter).splits > 1:
         m_blocks = max_padded(pairs, num_experts, cfg.block_m) // cfg.block_m
+        if cfg.tail_m:  # the larger of the two launches' lists: each leaves them zero for the next
+            m_blocks = max(tail_capacity(pairs, num_experts, cfg.block_m, cfg.tail_m))
         gate_up = m_blocks * _cdiv(inter, cfg.gate_up.block_n)
     down = 0
     if top_k * split_plan(inter, cfg.down, pairs, hidden).splits > 1:

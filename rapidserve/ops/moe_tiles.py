@@ -6,7 +6,7 @@ A tuned table is one JSON file per (device, E, N, K, dtype) in `rapidserve/ops/m
 
     {"device_name": "NVIDIA H200", "E": 128, "N": 768, "K": 2048, "dtype": "bfloat16",
      "source": "free text: what measured it, when",
-     "configs": {"<pairs per expert>": {"BLOCK_M": 16,
+     "configs": {"<pairs per expert>": {"BLOCK_M": 16, ["TAIL_BLOCK_M": 16,]
                                         "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1,
                                                     "num_warps": 4, "num_stages": 4},
                                         "down": {...the same fields, "SPLIT_K": 2}}, ...}}
@@ -24,9 +24,14 @@ on NVIDIA GPUs of compute capability 9.0 and later, where the rows allow it (16-
 pointer loads). PERSISTENT (optional, default 0: one program a tile): n > 0 launches n programs an SM (at most the
 tiles), each looping over the tiles the alignment filled (`triton_moe_gemm.py`); it needs SPLIT_K 1. REDUCE_N
 (optional, down only, default 0: the rule `triton_moe_gemm.reduce_width`): the columns of the tile the top-k sum
-loads at a time, a power of two up to BLOCK_N (fewer registers, one more round of loads a chunk). A file writes
-these four fields only where they are not their defaults. A key is the pairs per expert it was tuned at (T * top_k /
-E, a decimal number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale
+loads at a time, a power of two up to BLOCK_N (fewer registers, one more round of loads a chunk). TAIL_BLOCK_M
+(optional, next to BLOCK_M, shared by both GEMMs; default 0: none): the alignment pads each expert's run to this
+smaller block only, and each GEMM runs in two launches on its tiles, every expert's full BLOCK_M tiles, then the
+rest of its rows (fewer than BLOCK_M) in blocks of TAIL_BLOCK_M (`ops.moe.TailBlocks`): an expert pads at most
+TAIL_BLOCK_M - 1 rows instead of BLOCK_M - 1 (prefill, where BLOCK_M 64-128 tiles leave a mostly empty last tile an
+expert); one of `TAIL_BLOCKS`, below BLOCK_M (0 written out: none, as the other optional fields' defaults). A file
+writes these five fields only where they are not their defaults. A key is the pairs per expert it was tuned at (T *
+top_k / E, a decimal number, fractions at decode); a call takes the key nearest its own pairs per expert on a log scale
 (`pick_bucket`), the smaller on a tie. Every file is validated when the tables load (`load_tables`, at the import of
 `triton_moe`): a bad one raises `MoeTableError` naming the file and the field. A shape no table covers gets
 `rule_config`, the rule the kernels had before any tuning.
@@ -53,6 +58,7 @@ ALL_M = MAX_GROUP_M  # GROUP_M that puts every m block in one group: m blocks fa
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_SPLIT_K = 16
 MAX_PERSISTENT = 8  # programs an SM of a persistent grid (PERSISTENT)
+TAIL_BLOCKS = (16, 32, 64)  # allowed TAIL_BLOCK_M (below BLOCK_M: it divides it)
 TILE_FIELDS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K", "TMA", "PERSISTENT", "REDUCE_N")
 OPTIONAL_FIELDS = MappingProxyType({"SPLIT_K": 1, "TMA": 0, "PERSISTENT": 0, "REDUCE_N": 0})  # written where not these
 TOP_FIELDS = ("device_name", "E", "N", "K", "dtype", "source", "configs")
@@ -80,11 +86,19 @@ class GemmTiles(NamedTuple):
 
 
 class MoeKernelConfig(NamedTuple):
-    """BLOCK_M (shared: the alignment pads each expert's run to it) and each GEMM's tiles."""
+    """BLOCK_M (shared: the alignment pads each expert's run to it) and each GEMM's tiles; `tail_m` (TAIL_BLOCK_M,
+    0: none) the block the alignment pads to instead, the rows past an expert's full BLOCK_M tiles run by a second
+    launch of each GEMM (module docstring)."""
 
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+    tail_m: int = 0
+
+    @property
+    def align_m(self) -> int:
+        """The block each expert's run is padded to: TAIL_BLOCK_M where set, else BLOCK_M."""
+        return self.tail_m or self.block_m
 
     @classmethod
     def same(cls, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
@@ -233,15 +247,20 @@ def parse_table(d: object, path: str) -> MoeTable:
         if not (math.isfinite(per_expert) and per_expert > 0):
             raise _fail(path, f"configs.{name}", "the key must be a positive number (pairs per expert)")
         where = f"configs.{name}."
-        c = _only(c, ("BLOCK_M", "gate_up", "down"), path, where)
+        c = _only(c, ("BLOCK_M", "TAIL_BLOCK_M", "gate_up", "down"), path, where)
         for part in ("gate_up", "down"):
             if part not in c:
                 raise _fail(path, where + part, "missing")
         gate_up = parse_tiles(c["gate_up"], path, where + "gate_up.", key.k)
         if gate_up.reduce_n:
             raise _fail(path, where + "gate_up.REDUCE_N", "is down's (its top-k sum): leave it out of gate_up")
-        buckets.append((per_expert, MoeKernelConfig(_int(c, "BLOCK_M", path, where, BLOCKS), gate_up,
-                                                    parse_tiles(c["down"], path, where + "down.", key.n))))
+        block_m = _int(c, "BLOCK_M", path, where, BLOCKS)
+        tail_m = _int(c, "TAIL_BLOCK_M", path, where, (0, *TAIL_BLOCKS), lo=0) if "TAIL_BLOCK_M" in c else 0
+        if tail_m >= block_m:
+            raise _fail(path, where + "TAIL_BLOCK_M", f"must be below BLOCK_M {block_m} (the block of the rows past "
+                        f"an expert's full BLOCK_M tiles; leave it out or 0 for none), got {tail_m}")
+        buckets.append((per_expert, MoeKernelConfig(block_m, gate_up, parse_tiles(c["down"], path, where + "down.",
+                                                                                   key.n), tail_m)))
     buckets.sort(key=lambda b: b[0])
     for (a, _), (b, _) in zip(buckets, buckets[1:], strict=False):
         if a == b:
@@ -256,8 +275,9 @@ def tiles_json(t: GemmTiles) -> dict[str, int]:
 
 
 def config_json(c: MoeKernelConfig) -> dict[str, Any]:
-    """One bucket's config as a file holds it."""
-    return {"BLOCK_M": c.block_m, "gate_up": tiles_json(c.gate_up), "down": tiles_json(c.down)}
+    """One bucket's config as a file holds it (TAIL_BLOCK_M only where set)."""
+    tail = {"TAIL_BLOCK_M": c.tail_m} if c.tail_m else {}
+    return {"BLOCK_M": c.block_m, **tail, "gate_up": tiles_json(c.gate_up), "down": tiles_json(c.down)}
 
 
 def table_json(table: MoeTable) -> dict[str, Any]:

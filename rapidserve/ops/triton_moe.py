@@ -23,6 +23,14 @@ Split K (`GemmTiles.split_k`, from the tuned tables; 1 by default): at decode a 
 most SMs idle, so a tile's K range may be cut into `splits` programs (`split_plan`: whole BLOCK_K steps each, no
 empty split, none past SPLIT_SCRATCH_BYTES of partial sums).
 
+Tail blocks (`MoeKernelConfig.tail_m`, a table's TAIL_BLOCK_M; 0 by default: all of the above unchanged): at
+prefill a BLOCK_M of 64-128 leaves each expert a last, partly empty tile (Qwen3-30B-A3B at 4096 tokens: ~20% of the
+MMA work padding). With it the alignment pads each run to the tail block only and lists each expert's full BLOCK_M
+tiles and its remaining tail blocks (`ops.moe.TailBlocks`; always the two-launch alignment, after a separate routing
+launch in `routed_moe`), and each GEMM runs twice on its tiles, the full tiles at BLOCK_M, then the tail blocks at
+TAIL_BLOCK_M. down's top-k sum spans the two launches: they share the partial rows and the per-token semaphores, so
+a token's last partial, in either launch, sums all of them in slot order: the same bits as one launch.
+
 Cross-program sums without atomics on the data (deterministic): a program stores its partial tile (down: each pair's
 weighted row, in x's dtype, or fp32 when K is split; gate|up: the fp32 gate and up sums of its split) in a scratch
 buffer, then (after a barrier: every thread's stores made before) adds one to a semaphore with acquire-release
@@ -57,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-from rapidserve.ops.moe import Alignment
+from rapidserve.ops.moe import Alignment, TailBlocks
 from rapidserve.ops.moe_plan import SPLIT_SCRATCH_BYTES, Split, semaphores, split_plan
 from rapidserve.ops.moe_tiles import (
     MoeKernelConfig,
@@ -68,7 +76,7 @@ from rapidserve.ops.moe_tiles import (
     rule_config,
 )
 from rapidserve.ops.triton_moe_align import ONE_PROGRAM as ALIGN_ONE_PROGRAM
-from rapidserve.ops.triton_moe_align import align
+from rapidserve.ops.triton_moe_align import align, align_into, align_tails, empty_alignment, empty_tails
 from rapidserve.ops.triton_moe_gemm import launch_down, launch_gate_up
 from rapidserve.ops.triton_moe_route import route_align
 
@@ -118,16 +126,27 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, al: Alignment, top_k: int,
-            cfg: MoeKernelConfig, sems: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
-    """The two grouped GEMMs on an alignment: [T, h]. `sems`: `semaphores`' counts (gate|up's first), zero."""
+            cfg: MoeKernelConfig, sems: torch.Tensor, pdl: bool | None = None,
+            tails: TailBlocks | None = None) -> torch.Tensor:
+    """The two grouped GEMMs on an alignment: [T, h]. `sems`: `semaphores`' counts (gate|up's first), zero.
+    `tails`: the block lists where cfg has a TAIL_BLOCK_M (`al` then aligned at it): each GEMM in two launches."""
     t, h = x.shape
+    if bool(cfg.tail_m) != (tails is not None):  # the semaphores below are sized for the launches cfg names
+        raise ValueError(f"cfg's TAIL_BLOCK_M {cfg.tail_m} needs the block lists (tails) of an alignment at it, and "
+                         f"only it: got tails={'None' if tails is None else 'lists'} (`align_tails`)")
     pairs, inter = t * top_k, w13.shape[1] // 2
     gate_up, _ = semaphores(cfg, t, top_k, w13.shape[0], inter, h)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w13, act, al, top_k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up], pdl=pdl)
+    launch_gate_up(x, w13, act, al, top_k, cfg.block_m, cfg.gate_up, sems=sems[:gate_up], pdl=pdl, tails=tails)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    launch_down(act, w2, out, weights.reshape(-1), al, top_k, cfg.block_m, cfg.down, sems=sems[gate_up:], pdl=pdl)
+    launch_down(act, w2, out, weights.reshape(-1), al, top_k, cfg.block_m, cfg.down, sems=sems[gate_up:], pdl=pdl,
+                tails=tails)
     return out
+
+
+def _new_tails(cfg: MoeKernelConfig, pairs: int, num_experts: int, device: torch.device) -> TailBlocks | None:
+    """The block lists' buffers where cfg has a TAIL_BLOCK_M, else None."""
+    return empty_tails(pairs, num_experts, cfg.block_m, cfg.tail_m, device) if cfg.tail_m else None
 
 
 def _new_sems(cfg: MoeKernelConfig, t: int, top_k: int, num_experts: int, inter: int, h: int,
@@ -149,8 +168,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return torch.zeros_like(x)
     cfg = config or moe_config(t * top_k, num_experts, inter, h, x.dtype, x.device, tables)
     sems = _new_sems(cfg, t, top_k, num_experts, inter, h, x.device)
-    al = align(ids, num_experts, cfg.block_m, zero=sems)
-    return experts(x, w13, w2, weights.contiguous(), al, top_k, cfg, sems, pdl)
+    tails = _new_tails(cfg, t * top_k, num_experts, x.device)
+    al = align_into(ids, num_experts, cfg.align_m, empty_alignment(t * top_k, num_experts, cfg.align_m, x.device),
+                    zero=sems, tails=tails)
+    return experts(x, w13, w2, weights.contiguous(), al, top_k, cfg, sems, pdl, tails)
 
 
 def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -170,9 +191,11 @@ def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
         return torch.zeros_like(x)
     cfg = config or moe_config(t * top_k, num_experts, inter, h, x.dtype, x.device, tables)
     sems = _new_sems(cfg, t, top_k, num_experts, inter, h, x.device)
-    weights, _, al = route_align(logits, top_k, renormalize, cfg.block_m, zero=sems)
-    return experts(x, w13, w2, weights, al, top_k, cfg, sems, pdl)
+    tails = _new_tails(cfg, t * top_k, num_experts, x.device)
+    weights, _, al = route_align(logits, top_k, renormalize, cfg.align_m, zero=sems, tails=tails)
+    return experts(x, w13, w2, weights, al, top_k, cfg, sems, pdl, tails)
 
 
-__all__ = ["ALIGN_ONE_PROGRAM", "SPLIT_SCRATCH_BYTES", "TUNED", "Split", "align", "device_name", "experts",
+__all__ = ["ALIGN_ONE_PROGRAM", "SPLIT_SCRATCH_BYTES", "TUNED", "Split", "align", "align_tails", "device_name",
+           "experts",
            "fused_moe", "launch_down", "launch_gate_up", "moe_config", "routed_moe", "semaphores", "split_plan"]

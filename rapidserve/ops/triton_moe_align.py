@@ -22,6 +22,13 @@ sort keeps it: the layout is deterministic, and equal to `align_block_size`'s.
   of every expert's), of the blocks' experts and of the rows past the total; program 0 stores the total. A program's
   work is about block / SUB + NB / NB_TILE tile steps (NB_TILE = SUB), least where block ~ NB ~ sqrt(pairs).
 
+Tail blocks (a tile table's TAIL_BLOCK_M, `ops.moe.TailBlocks`): the alignment runs at BLOCK_M = the tail block,
+and `_align_scatter_kernel` (FULL_M, the GEMMs' BLOCK_M, above 0) also writes the two GEMM launches' block lists
+from the runs it has laid out: each expert's full FULL_M tiles, then its remaining tail blocks, found for a share
+of each list by the same [MB_TILE, E_P] comparison as the blocks' experts (`_fill_list`); program 0 stores the
+counts. `align_into` then always takes the two launches (the one program, shared with the routing kernel, has no
+lists).
+
 Both paths also write zeros into a caller's int32 buffer (`zero`: the grouped GEMMs' semaphores, which must be zero
 before they run; the one program all of it, the count launch a share each), so clearing it costs no launch.
 
@@ -38,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.ops.moe import Alignment, max_padded
+from rapidserve.ops.moe import Alignment, TailBlocks, max_padded, tail_capacity
 
 ONE_PROGRAM = 128  # at most this many pairs are aligned by `_align_one_kernel`, more by the two-launch path
 TILE = 4096  # elements of the one-hot tile [SUB, E_P] (and of the count table's [NB_TILE, E_P] tile)
@@ -101,6 +108,42 @@ def _fill_blocks(expert_ptr, ends, total, lo, hi, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _fill_list(start_ptr, list_expert_ptr, first, lo_idx, hi_idx, lo, hi, STEP: tl.constexpr, E_P: tl.constexpr):
+    """Entries [lo, hi) of a `TailBlocks` list: entry j lies in the expert e with lo_idx[e] <= j < hi_idx[e]; its
+    block starts at row first[e] + (j - lo_idx[e]) * STEP (0 and expert -1 in no expert's range)."""
+    experts = tl.arange(0, E_P)
+    for j in range(lo, hi, MB_TILE):
+        idx = j + tl.arange(0, MB_TILE)
+        hot = (lo_idx[None, :] <= idx[:, None]) & (idx[:, None] < hi_idx[None, :])
+        row = tl.sum(tl.where(hot, first[None, :] + (idx[:, None] - lo_idx[None, :]) * STEP, 0), axis=1)
+        e = tl.sum(tl.where(hot, experts[None, :] + 1, 0), axis=1) - 1
+        tl.store(start_ptr + idx, row, mask=idx < hi)
+        tl.store(list_expert_ptr + idx, e, mask=idx < hi)
+
+
+@triton.jit
+def _fill_lists(ms_ptr, me_ptr, ts_ptr, te_ptr, cnt_ptr, starts, ends, n_main, n_tail, b, nb, BLOCK_M: tl.constexpr,
+                FULL_M: tl.constexpr, E_P: tl.constexpr):
+    """Program b of nb's share of the `TailBlocks` lists (capacities n_main, n_tail) of the runs [starts, ends)
+    (padded to BLOCK_M, the tail block): each expert's full FULL_M tiles, then its other blocks; program 0 the
+    counts."""
+    per = FULL_M // BLOCK_M
+    blocks = (ends - starts) // BLOCK_M
+    full = blocks // per
+    tail = blocks - full * per
+    main_end = tl.cumsum(full, axis=0)
+    tail_end = tl.cumsum(tail, axis=0)
+    share = tl.cdiv(n_main, nb)
+    _fill_list(ms_ptr, me_ptr, starts, main_end - full, main_end, b * share, tl.minimum(b * share + share, n_main),
+               FULL_M, E_P)
+    share = tl.cdiv(n_tail, nb)
+    _fill_list(ts_ptr, te_ptr, starts + full * FULL_M, tail_end - tail, tail_end, b * share,
+               tl.minimum(b * share + share, n_tail), BLOCK_M, E_P)
+    tl.store(cnt_ptr, tl.max(main_end, axis=0), mask=b == 0)
+    tl.store(cnt_ptr + 1, tl.max(tail_end, axis=0), mask=b == 0)
+
+
+@triton.jit
 def _fill_tail(sorted_ptr, total, lo, hi, pairs):
     """The sentinel `pairs` into rows [max(lo, total), hi)."""
     for r in range(tl.maximum(lo, total), hi, TAIL):
@@ -152,11 +195,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, zero_ptr, pairs, block, n_zero, NUM
     _zero(zero_ptr, b * share, tl.minimum(b * share + share, n_zero))
 
 
-@triton.jit(do_not_specialize=["pairs", "block", "rows"])
-def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, block, rows,
-                          NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr,
-                          NB_TILE: tl.constexpr):
-    """This program's share of the `Alignment` from the count table [NB, E] (module docstring)."""
+@triton.jit(do_not_specialize=["pairs", "block", "rows", "n_main", "n_tail"])
+def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, post_ptr, ms_ptr, me_ptr, ts_ptr, te_ptr,
+                          cnt_ptr, pairs, block, rows, n_main, n_tail, NUM_EXPERTS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, SUB: tl.constexpr, E_P: tl.constexpr, NB_TILE: tl.constexpr,
+                          FULL_M: tl.constexpr):
+    """This program's share of the `Alignment` from the count table [NB, E] (module docstring), and with FULL_M
+    (above 0) of the `TailBlocks` lists (ms/me: main starts/experts, ts/te: tail's, cnt: counts)."""
     b = tl.program_id(0)
     nb = tl.num_programs(0)
     experts = tl.arange(0, E_P)
@@ -178,6 +223,9 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ptr, post_ptr,
     share = tl.cdiv(rows, nb)
     _fill_tail(sorted_ptr, total, b * share, tl.minimum(b * share + share, rows), pairs)
     tl.store(post_ptr, total, mask=b == 0)
+    if FULL_M > 0:
+        _fill_lists(ms_ptr, me_ptr, ts_ptr, te_ptr, cnt_ptr, starts, ends, n_main, n_tail, b, nb, BLOCK_M, FULL_M,
+                    E_P)
 
 
 def sub_pairs(num_experts: int) -> int:
@@ -217,18 +265,45 @@ def zero_target(zero: torch.Tensor | None, out: Alignment) -> tuple[torch.Tensor
     return zero, zero.numel()
 
 
+def empty_tails(pairs: int, num_experts: int, block_m: int, tail_m: int, device: torch.device) -> TailBlocks:
+    """Uninitialised buffers of the `TailBlocks` of `pairs` pairs (`tail_capacity`); block_m the GEMMs' BLOCK_M, a
+    multiple of tail_m above it."""
+    if not (tail_m < block_m and block_m % tail_m == 0):
+        raise ValueError(f"the tail block {tail_m} must divide BLOCK_M {block_m} and be smaller")
+    n_main, n_tail = tail_capacity(pairs, num_experts, block_m, tail_m)
+    new = lambda n: torch.empty(n, dtype=torch.int32, device=device)  # noqa: E731
+    return TailBlocks(new(n_main), new(n_main), new(n_tail), new(n_tail), new(2), block_m, tail_m)
+
+
+def _check_tails(pairs: int, num_experts: int, block_m: int, tails: TailBlocks) -> None:
+    want = tail_capacity(pairs, num_experts, tails.block_m, tails.tail_m)
+    if tails.tail_m != block_m or (tails.main_starts.numel(), tails.tail_starts.numel()) != want:
+        raise ValueError(f"tail block lists of {tails.main_starts.numel()} / {tails.tail_starts.numel()} blocks at "
+                         f"tail {tails.tail_m} for {pairs} pairs aligned at {block_m}: allocate them with "
+                         "empty_tails(pairs, num_experts, block_m, tail_m, device) and align at tail_m")
+
+
 def align_into(ids: torch.Tensor, num_experts: int, block_m: int, out: Alignment,
-               one_program: bool | None = None, zero: torch.Tensor | None = None) -> Alignment:
+               one_program: bool | None = None, zero: torch.Tensor | None = None,
+               tails: TailBlocks | None = None) -> Alignment:
     """Writes every element of `out` (`empty_alignment`'s buffers) with the `Alignment` of expert ids [T, k] (int32,
     on their device; module docstring): one program for at most ONE_PROGRAM pairs, else two launches;
     `one_program` forces the path (tests, the benches; no pairs always take one program). `zero` (int32): filled
     with zeros by the same launches (the grouped GEMMs' semaphores, `triton_moe`), so they cost no launch of their
-    own. Returns `out`."""
+    own. `tails` (`empty_tails`' buffers, block_m their tail block): also written, by the two launches whatever the
+    pairs. Returns `out`."""
     flat = ids.reshape(-1).to(torch.int32)
     pairs, rows = flat.numel(), out.sorted_ids.numel()
     check_buffers(pairs, num_experts, block_m, out)
     zero_ptr, n_zero = zero_target(zero, out)
     e_p, sub = triton.next_power_of_2(num_experts), sub_pairs(num_experts)
+    if tails is not None:
+        _check_tails(pairs, num_experts, block_m, tails)
+        if pairs == 0:  # no program to write them: nothing to list
+            for t, fill in zip(tails[:5], (0, -1, 0, -1, 0), strict=True):
+                t.fill_(fill)
+        else:
+            one_program = False
     if pairs == 0 or (pairs <= ONE_PROGRAM if one_program is None else one_program):
         _align_one_kernel[(1,)](flat, out.sorted_ids, out.expert_ids, out.num_post, zero_ptr, pairs, rows, n_zero,
                                 BLOCK_M=block_m, SUB=sub, E_P=e_p, num_warps=WARPS)
@@ -238,9 +313,12 @@ def align_into(ids: torch.Tensor, num_experts: int, block_m: int, out: Alignment
     counts = torch.empty(nb, num_experts, dtype=torch.int32, device=flat.device)
     _align_count_kernel[(nb,)](flat, counts, zero_ptr, pairs, block, n_zero, NUM_EXPERTS=num_experts, SUB=sub,
                                E_P=e_p, num_warps=WARPS)
-    _align_scatter_kernel[(nb,)](flat, counts, out.sorted_ids, out.expert_ids, out.num_post, pairs, block, rows,
-                                 NUM_EXPERTS=num_experts, BLOCK_M=block_m, SUB=sub, E_P=e_p,
-                                 NB_TILE=max(TILE // e_p, 1), num_warps=WARPS)
+    lists = (out.num_post,) * 5 if tails is None else tails[:5]
+    n_main, n_tail = (0, 0) if tails is None else (tails.main_starts.numel(), tails.tail_starts.numel())
+    _align_scatter_kernel[(nb,)](flat, counts, out.sorted_ids, out.expert_ids, out.num_post, *lists, pairs, block,
+                                 rows, n_main, n_tail, NUM_EXPERTS=num_experts, BLOCK_M=block_m, SUB=sub, E_P=e_p,
+                                 NB_TILE=max(TILE // e_p, 1), FULL_M=0 if tails is None else tails.block_m,
+                                 num_warps=WARPS)
     return out
 
 
@@ -249,3 +327,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool |
     """`ops.moe.Alignment` of expert ids [T, k] on their device, in new buffers (`align_into`)."""
     out = empty_alignment(ids.numel(), num_experts, block_m, ids.device)
     return align_into(ids, num_experts, block_m, out, one_program, zero)
+
+
+def align_tails(ids: torch.Tensor, num_experts: int, block_m: int, tail_m: int,
+                zero: torch.Tensor | None = None) -> tuple[Alignment, TailBlocks]:
+    """The `Alignment` of expert ids [T, k] at the tail block `tail_m` and its `TailBlocks` for the GEMMs' BLOCK_M
+    `block_m`, in new buffers, in the two launches (`align_into`)."""
+    tails = empty_tails(ids.numel(), num_experts, block_m, tail_m, ids.device)
+    out = empty_alignment(ids.numel(), num_experts, tail_m, ids.device)
+    return align_into(ids, num_experts, tail_m, out, False, zero, tails), tails

@@ -19,6 +19,11 @@ instead of the pipeline draining between tiles. down's is not: Triton 3.6's Fuse
 branch around its top-k sum, and without that branch the flattened loop compiled with no cp.async pipeline at all,
 so each of its tiles pipelines its own K loop.
 
+Tail blocks (`launch_gate_up` / `launch_down` with `tails`, `ops.moe.TailBlocks`): two launches of each kernel with
+LISTS, the first over the experts' full BLOCK_M tiles, the second at BLOCK_M = the tail block over the rest; a tile's
+first row and expert come from the list (`_first_row`), the filled count from the list's (`_filled`), so grids stay
+fixed by the pairs count. Without LISTS the kernels compute pid_m x BLOCK_M and the padded total / BLOCK_M as before.
+
 The weights (the B operand: dense per expert). By pointer loads (cp.async on Hopper), or with TMA (`GemmTiles.tma`
 1, NVIDIA compute capability 9.0 and later, rows of 16-byte multiples at a 16-byte aligned base: `use_tma`) through a
 host-built tensor descriptor of w viewed [E * rows, K] (gate|up: the gate tile at row e * 2N + n0, the up tile N rows
@@ -48,7 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rapidserve.ops import pdl as pdl_launch
-from rapidserve.ops.moe import Alignment
+from rapidserve.ops.moe import Alignment, TailBlocks
 from rapidserve.ops.moe_plan import split_plan
 from rapidserve.ops.moe_tiles import GemmTiles
 
@@ -90,8 +95,20 @@ def _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K: tl.constex
 
 
 @triton.jit
+def _first_row(start_ptr, pid_m, BLOCK_M: tl.constexpr, LISTS: tl.constexpr):
+    """The first row of sorted_ids of m block pid_m: its entry of a `TailBlocks` list (LISTS), else pid_m x BLOCK_M."""
+    return tl.load(start_ptr + pid_m) if LISTS else pid_m * BLOCK_M
+
+
+@triton.jit
+def _filled(post_ptr, BLOCK_M: tl.constexpr, LISTS: tl.constexpr):
+    """The m blocks the alignment filled: a `TailBlocks` count (LISTS), else the padded total / BLOCK_M."""
+    return tl.load(post_ptr) if LISTS else tl.load(post_ptr) // BLOCK_M
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m, pid_n,
-                  pid_s, k_lo, k_hi, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om,
+                  pid_s, k_lo, k_hi, row0, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om,
                   TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
                   USE_GDC: tl.constexpr, trigger):
@@ -100,9 +117,9 @@ def _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, 
     its fp32 sums in part [splits, pairs, 2N] and counts itself in the tile's semaphore; the split that arrives last
     sums the splits in split order and applies the epilogue (`triton_moe.py`). USE_GDC: the kernel has waited
     already; where `trigger` (True, or a persistent program's last tile) the next launch's programs may start after
-    this tile's K loop (module docstring)."""
+    this tile's K loop (module docstring). row0: the tile's first row of sorted_ids (`_first_row`)."""
     e = tl.load(expert_ptr + pid_m)
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
     row_ok = rows < pairs
     tokens = tl.where(row_ok, rows // TOP_K, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,33 +181,36 @@ def _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, 
 
 
 @triton.jit(do_not_specialize=["pairs", "group_m", "splits", "split_steps"])
-def _gate_up_kernel(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, post_ptr, pairs, N, K,
-                    group_m, splits, split_steps, stride_xm, stride_we, stride_wn, stride_om,
+def _gate_up_kernel(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, post_ptr, start_ptr,
+                    pairs, N, K, group_m, splits, split_steps, stride_xm, stride_we, stride_wn, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, USE_GDC: tl.constexpr,
-                    TMA: tl.constexpr, PERSISTENT: tl.constexpr):
+                    TMA: tl.constexpr, PERSISTENT: tl.constexpr, LISTS: tl.constexpr):
     """act[pair] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T), a tile a program or (PERSISTENT) every
-    num_programs-th filled tile from this program's (module docstring; `_gate_up_tile`)."""
+    num_programs-th filled tile from this program's (module docstring; `_gate_up_tile`). LISTS: the m blocks are a
+    `TailBlocks` list's (start_ptr its starts, expert_ptr its experts, post_ptr its count)."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         if USE_GDC:  # launched early (programmatic dependent launch): the alignment's launch complete and visible
             tl.extra.cuda.gdc_wait()  # first, before any global access (the tile count, the TMA loads included)
-        num_tiles = tl.load(post_ptr) // BLOCK_M * num_pid_n
+        num_tiles = _filled(post_ptr, BLOCK_M, LISTS) * num_pid_n
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
             pid_m, pid_n = _program_tile(tile, num_tiles, num_pid_n, group_m)
+            row0 = _first_row(start_ptr, pid_m, BLOCK_M, LISTS)
             _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m,
-                          pid_n, 0, 0, K, num_pid_n, 1, stride_xm, stride_we, stride_wn, stride_om, TOP_K, BLOCK_M,
-                          BLOCK_N, BLOCK_K, EVEN_K, False, IEEE, TMA, USE_GDC,
+                          pid_n, 0, 0, K, row0, num_pid_n, 1, stride_xm, stride_we, stride_wn, stride_om, TOP_K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, IEEE, TMA, USE_GDC,
                           tile + tl.num_programs(0) >= num_tiles)  # dependents after the last tile's K loop
     else:
         pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
         if USE_GDC:  # as above
             tl.extra.cuda.gdc_wait()
-        if pid_m * BLOCK_M >= tl.load(post_ptr):
+        if pid_m >= _filled(post_ptr, BLOCK_M, LISTS):
             return
+        row0 = _first_row(start_ptr, pid_m, BLOCK_M, LISTS)
         _gate_up_tile(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, sorted_ptr, expert_ptr, pairs, N, K, pid_m,
-                      pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om, TOP_K,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, IEEE, TMA, USE_GDC, True)
+                      pid_n, pid_s, k_lo, k_hi, row0, num_pid_n, splits, stride_xm, stride_we, stride_wn, stride_om,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, IEEE, TMA, USE_GDC, True)
 
 
 @triton.jit
@@ -228,7 +248,7 @@ def _reduce_tokens(part_ptr, out_ptr, sems, tokens, last, pid_n, pairs, N, split
 
 @triton.jit
 def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, pairs, N, K,
-               pid_m, pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
+               pid_m, pid_n, pid_s, k_lo, k_hi, row0, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, RED_N: tl.constexpr,
                IEEE: tl.constexpr, TMA: tl.constexpr, USE_GDC: tl.constexpr, trigger):
@@ -238,7 +258,7 @@ def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, so
     count to top_k x splits sums its partial rows into out [T, N] (`_reduce_tokens`); else (one slot, one split) the
     product is the token's row of out. USE_GDC, `trigger` as `_gate_up_tile`'s."""
     e = tl.load(expert_ptr + pid_m)
-    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = tl.load(sorted_ptr + row0 + tl.arange(0, BLOCK_M))
     row_ok = rows < pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -285,31 +305,34 @@ def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, so
 
 @triton.jit(do_not_specialize=["pairs", "group_m", "splits", "split_steps"])
 def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, post_ptr,
-                 pairs, N, K, group_m, splits, split_steps, stride_am, stride_we, stride_wn, stride_om,
+                 start_ptr, pairs, N, K, group_m, splits, split_steps, stride_am, stride_we, stride_wn, stride_om,
                  TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SPLIT: tl.constexpr, REDUCE: tl.constexpr, RED_N: tl.constexpr,
-                 IEEE: tl.constexpr, USE_GDC: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr):
+                 IEEE: tl.constexpr, USE_GDC: tl.constexpr, TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+                 LISTS: tl.constexpr):
     """weight[pair] * (act[pair] @ down[e].T) summed per token, a tile a program or (PERSISTENT) every
-    num_programs-th filled tile from this program's (module docstring; `_down_tile`)."""
+    num_programs-th filled tile from this program's (module docstring; `_down_tile`). LISTS as `_gate_up_kernel`'s."""
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         if USE_GDC:  # launched early: gate|up's launch complete and visible first, before any global access
             tl.extra.cuda.gdc_wait()
-        num_tiles = tl.load(post_ptr) // BLOCK_M * num_pid_n
+        num_tiles = _filled(post_ptr, BLOCK_M, LISTS) * num_pid_n
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):  # not flattened: module docstring
             pid_m, pid_n = _program_tile(tile, num_tiles, num_pid_n, group_m)
+            row0 = _first_row(start_ptr, pid_m, BLOCK_M, LISTS)
             _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, pairs, N,
-                       K, pid_m, pid_n, 0, 0, K, num_pid_n, 1, stride_am, stride_we, stride_wn, stride_om, TOP_K,
+                       K, pid_m, pid_n, 0, 0, K, row0, num_pid_n, 1, stride_am, stride_we, stride_wn, stride_om, TOP_K,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, False, REDUCE, RED_N, IEEE, TMA, USE_GDC,
                        tile + tl.num_programs(0) >= num_tiles)  # dependents after the last tile's K loop
     else:
         pid_m, pid_n, pid_s, k_lo, k_hi = _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K, SPLIT)
         if USE_GDC:  # as above
             tl.extra.cuda.gdc_wait()
-        if pid_m * BLOCK_M >= tl.load(post_ptr):
+        if pid_m >= _filled(post_ptr, BLOCK_M, LISTS):
             return
+        row0 = _first_row(start_ptr, pid_m, BLOCK_M, LISTS)
         _down_tile(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, sorted_ptr, expert_ptr, pairs, N, K,
-                   pid_m, pid_n, pid_s, k_lo, k_hi, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
+                   pid_m, pid_n, pid_s, k_lo, k_hi, row0, num_pid_n, splits, stride_am, stride_we, stride_wn, stride_om,
                    TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, REDUCE, RED_N, IEEE, TMA, USE_GDC, True)
 
 
@@ -379,44 +402,64 @@ def grid_size(tiles: GemmTiles, m_blocks: int, n_blocks: int, splits: int, devic
     return m_blocks * n_blocks * splits
 
 
+def m_lists(al: Alignment, block_m: int, tails: TailBlocks | None,
+            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]]:
+    """Each launch of a grouped GEMM: (block starts, their experts, the filled count, BLOCK_M, LISTS). One launch
+    over the alignment's BLOCK_M blocks; with `tails` (`ops.moe.TailBlocks`, `al` aligned at its tail block) the
+    full tiles' list at block_m, then the tail blocks' list at tails.tail_m."""
+    if tails is None:
+        return [(al.sorted_ids, al.expert_ids, al.num_post, block_m, False)]
+    if tails.block_m != block_m or al.expert_ids.numel() * tails.tail_m != al.sorted_ids.numel():
+        raise ValueError(f"tail block lists of BLOCK_M {tails.block_m} / tail {tails.tail_m} for a launch at "
+                         f"BLOCK_M {block_m} over an alignment of {al.sorted_ids.numel()} rows in "
+                         f"{al.expert_ids.numel()} blocks: align at the tail block (`align_tails`)")
+    return [(tails.main_starts, tails.main_experts, tails.counts[:1], block_m, True),
+            (tails.tail_starts, tails.tail_experts, tails.counts[1:], tails.tail_m, True)]
+
+
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Alignment, top_k: int, block_m: int,
                    tiles: GemmTiles, even_k: bool | None = None, sems: torch.Tensor | None = None,
-                   pdl: bool | None = None) -> None:
+                   pdl: bool | None = None, tails: TailBlocks | None = None) -> None:
     """act [pairs, I] = SiLU(gate) * up of every pair's token row of x (`_gate_up_kernel`); `even_k` (default:
     whether K % BLOCK_K == 0) picks the unmasked K loop: forcing it off is for the tests. Where `tiles` split K:
-    `sems` (int32, zero, at least the tiles; left zero) count the splits, new zeros when None. `pdl`: programmatic
-    dependent launch (`ops.pdl.use_pdl`; `triton_moe.py`)."""
+    `sems` (int32, zero, at least the tiles of the larger launch; left zero) count the splits, new zeros when None.
+    `pdl`: programmatic dependent launch (`ops.pdl.use_pdl`; `triton_moe.py`). `tails`: two launches, the full tiles
+    then the tail blocks on the same tiles (`m_lists`)."""
     pairs, inter, h = act.shape[0], act.shape[1], x.shape[1]
-    m_blocks = al.expert_ids.numel()
+    launches = m_lists(al, block_m, tails)
+    m_most = max(experts.numel() for _, experts, *_ in launches)
     n_blocks = -(-inter // tiles.block_n)
     split = split_plan(h, tiles, pairs, 2 * inter)
     part = sem = act
     if split.splits > 1:
         part = torch.empty(split.splits, pairs, 2 * inter, dtype=torch.float32, device=x.device)
-        sem = _sems(sems, m_blocks * n_blocks, x.device)
+        sem = _sems(sems, m_most * n_blocks, x.device)
     tma = use_tma(tiles, w13)
-    _gate_up_kernel[(grid_size(tiles, m_blocks, n_blocks, split.splits, x.device),)](
-        x, w13, _weights_arg(w13, tiles, tma), act, part, sem, al.sorted_ids, al.expert_ids, al.num_post, pairs, inter,
-        h, _group_m(tiles, m_blocks), split.splits, split.k_split // tiles.block_k, x.stride(0), w13.stride(0),
-        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        EVEN_K=h % tiles.block_k == 0 if even_k is None else even_k, SPLIT=split.splits > 1,
-        IEEE=x.dtype == torch.float32, TMA=tma, PERSISTENT=bool(tiles.persistent) and split.splits == 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
+    for starts, experts, filled, bm, lists in launches:
+        m_blocks = experts.numel()
+        _gate_up_kernel[(grid_size(tiles, m_blocks, n_blocks, split.splits, x.device),)](
+            x, w13, _weights_arg(w13, tiles, tma), act, part, sem, al.sorted_ids, experts, filled, starts, pairs,
+            inter, h, _group_m(tiles, m_blocks), split.splits, split.k_split // tiles.block_k, x.stride(0),
+            w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, EVEN_K=h % tiles.block_k == 0 if even_k is None else even_k,
+            SPLIT=split.splits > 1, IEEE=x.dtype == torch.float32, TMA=tma,
+            PERSISTENT=bool(tiles.persistent) and split.splits == 1, LISTS=lists, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, al: Alignment,
                 top_k: int, block_m: int, tiles: GemmTiles, even_k: bool | None = None,
-                sems: torch.Tensor | None = None, pdl: bool | None = None) -> None:
+                sems: torch.Tensor | None = None, pdl: bool | None = None, tails: TailBlocks | None = None) -> None:
     """out [T, h] = for each token the sum over its top_k pairs of the pair's routing weight (`weights` [pairs]
     float32) times its act row @ down[e].T (`_down_kernel`, which sums them too); `even_k` as `launch_gate_up`'s.
     Where a token has more than one partial row (top_k x splits > 1): `sems` (int32, zero, at least T x the n
-    blocks; left zero) count them, new zeros when None. `pdl` as `launch_gate_up`'s."""
+    blocks; left zero) count them, new zeros when None. `pdl`, `tails` as `launch_gate_up`'s: the two launches
+    share the partial rows and the semaphores, so a token whose pairs fall in both is summed by the program that
+    brings its count to top_k x splits, in the tail launch (the same sum, in the same order, as one launch's)."""
     pairs, h, inter = act.shape[0], out.shape[1], act.shape[1]
     if out.shape[0] * top_k != pairs:
         raise ValueError(f"out must be [{pairs // top_k}, {h}] for {pairs} pairs of top_k {top_k}, got "
                          f"{tuple(out.shape)}")
-    m_blocks = al.expert_ids.numel()
     n_blocks = -(-h // tiles.block_n)
     split = split_plan(inter, tiles, pairs, h)
     reduce = top_k * split.splits > 1
@@ -426,17 +469,18 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights:
         part = torch.empty(split.splits, pairs, h, dtype=part_dtype, device=out.device)
         sem = _sems(sems, out.shape[0] * n_blocks, out.device)
     tma = use_tma(tiles, w2)
-    _down_kernel[(grid_size(tiles, m_blocks, n_blocks, split.splits, out.device),)](
-        act, w2, _weights_arg(w2, tiles, tma), out, part, sem, weights, al.sorted_ids, al.expert_ids, al.num_post,
-        pairs, h, inter, _group_m(tiles, m_blocks), split.splits, split.k_split // tiles.block_k, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, EVEN_K=inter % tiles.block_k == 0 if even_k is None else even_k,
-        SPLIT=split.splits > 1, REDUCE=reduce, RED_N=reduce_width(block_m, tiles, top_k),
-        IEEE=act.dtype == torch.float32, TMA=tma,
-        PERSISTENT=bool(tiles.persistent) and split.splits == 1, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, out.device)))
+    for starts, experts, filled, bm, lists in m_lists(al, block_m, tails):
+        m_blocks = experts.numel()
+        _down_kernel[(grid_size(tiles, m_blocks, n_blocks, split.splits, out.device),)](
+            act, w2, _weights_arg(w2, tiles, tma), out, part, sem, weights, al.sorted_ids, experts, filled, starts,
+            pairs, h, inter, _group_m(tiles, m_blocks), split.splits, split.k_split // tiles.block_k, act.stride(0),
+            w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_M=bm, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, EVEN_K=inter % tiles.block_k == 0 if even_k is None else even_k,
+            SPLIT=split.splits > 1, REDUCE=reduce, RED_N=reduce_width(bm, tiles, top_k),
+            IEEE=act.dtype == torch.float32, TMA=tma, PERSISTENT=bool(tiles.persistent) and split.splits == 1,
+            LISTS=lists, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, out.device)))
 
 
-__all__ = ["OFF_GPU_SMS", "REDUCE_ELEMS", "grid_size", "launch_down", "launch_gate_up", "reduce_width", "sm_count",
-           "use_tma"]
+__all__ = ["OFF_GPU_SMS", "REDUCE_ELEMS", "grid_size", "launch_down", "launch_gate_up", "m_lists", "reduce_width",
+           "sm_count", "use_tma"]

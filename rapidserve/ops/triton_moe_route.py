@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rapidserve.ops.moe import Alignment
+from rapidserve.ops.moe import Alignment, TailBlocks
 from rapidserve.ops.triton_moe_align import (
     ONE_PROGRAM,
     TILE,
@@ -123,17 +123,19 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def route_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int, zero: torch.Tensor | None = None,
-                one_program: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+                one_program: bool | None = None, tails: TailBlocks | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """(weights [T, k] float32, ids [T, k] int32, their `Alignment` under block_m) of router logits [T, E], in new
     buffers, and zeros into `zero` (int32, optional): one launch for at most ONE_PROGRAM pairs, else `route` then
-    `align_into`'s two launches; `one_program` forces the path (tests; no tokens always take one program)."""
+    `align_into`'s two launches; `one_program` forces the path (tests; no tokens always take one program). `tails`
+    (`empty_tails`' buffers, block_m their tail block): written too, always by `route` then the two launches."""
     _check(logits, top_k)
     t, e = logits.shape
     pairs = t * top_k
     out = empty_alignment(pairs, e, block_m, logits.device)
-    if not (pairs == 0 or (pairs <= ONE_PROGRAM if one_program is None else one_program)):
+    if tails is not None or not (pairs == 0 or (pairs <= ONE_PROGRAM if one_program is None else one_program)):
         weights, ids = route(logits, top_k, renormalize)
-        return weights, ids, align_into(ids, e, block_m, out, False, zero)
+        return weights, ids, align_into(ids, e, block_m, out, False, zero, tails)
     check_buffers(pairs, e, block_m, out)
     zero_ptr, n_zero = zero_target(zero, out)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
