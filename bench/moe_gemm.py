@@ -1,7 +1,7 @@
 """GPU micro-benchmark of the fused MoE experts (issue 40, rapidserve/ops/triton_moe.py) on one layer of a real
 MoE preset (random weights; tokens routed uniformly at random, as load-balanced routers aim for).
 
-    python bench/moe_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tp 1] [--dtype bfloat16] [--json PATH]
+    python bench/moe_gemm.py [--models mixtral-8x7b,qwen3-30b-a3b] [--tp 1[,2]] [--dtype bfloat16] [--json PATH]
                              [--tables DIR]
 
 Prefill (T tokens, T*k pairs): the grouped GEMMs (alignment, gate|up with SiLU-and-mul, down with the routing
@@ -102,6 +102,51 @@ def copy_bandwidth(device: str = "cuda", numel: int = 1 << 29) -> float:
     dst = torch.empty_like(src)
     ms = median(timer(device)(lambda: dst.copy_(src), 20))
     return 2 * src.numel() * src.element_size() / (ms / 1e3)
+
+
+def moe_presets() -> list[str]:
+    """The presets with a mixture-of-experts layer: what --models may name."""
+    return sorted(name for name, cfg in preset_table().items() if cfg.moe is not None)
+
+
+def parse_models(text: str) -> list[str]:
+    """--models: comma-separated MoE presets, each once; ValueError naming what is allowed otherwise."""
+    allowed = moe_presets()
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in models if m not in allowed]
+    if not models or bad or len(set(models)) != len(models):
+        why = f"{', '.join(bad)} not a mixture-of-experts preset" if bad else "empty or repeated"
+        raise ValueError(f"--models {text!r}: {why}; allowed (comma-separated): {', '.join(allowed)}")
+    return models
+
+
+def parse_tps(text: str, models: list[str]) -> list[int]:
+    """--tp: comma-separated TP sizes >= 1 that split every model's expert intermediate size evenly."""
+    try:
+        tps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--tp {text!r}: comma-separated whole numbers >= 1 (e.g. 1,2)") from None
+    if not tps or min(tps) < 1 or len(set(tps)) != len(tps):
+        raise ValueError(f"--tp {text!r}: comma-separated whole numbers >= 1, each once (e.g. 1,2)")
+    for m in models:
+        size = preset_table()[m].moe.intermediate_size  # type: ignore[union-attr]  # parse_models: MoE only
+        odd = [t for t in tps if size % t]
+        if odd:
+            raise ValueError(f"--tp {text!r}: {m}'s expert intermediate size {size} does not split "
+                             f"{', '.join(map(str, odd))} ways; use sizes that divide it")
+    return tps
+
+
+def read_tables_dir(folder: Path) -> MoeTables:
+    """--tables: a folder holding at least one tuned table (bench/moe_tune.py's moe_configs/), validated; a missing
+    or empty folder is refused (it would time the untuned rule under the name of tuned tables)."""
+    if not folder.is_dir():
+        raise ValueError(f"--tables {folder}: no such folder; give bench/moe_tune.py's --out DIR/moe_configs")
+    tables = load_tables(folder)
+    if not tables:
+        raise ValueError(f"--tables {folder}: holds no table (*.json named E=...,N=...,K=...,device_name=...,"
+                         f"dtype=....json); give bench/moe_tune.py's --out DIR/moe_configs")
+    return tables
 
 
 def layer(model: str, tp: int, dtype: torch.dtype, device: str = "cuda",
@@ -317,19 +362,25 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b")
-    ap.add_argument("--tp", type=int, default=1, help="time one rank's slice of every expert at this TP size")
+    ap.add_argument("--tp", default="1", help="time one rank's slice of every expert at these TP sizes "
+                    "(comma-separated)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     ap.add_argument("--json", type=Path, help="write the rows here too")
     ap.add_argument("--tables", type=Path, help="tuned tables from this folder (bench/moe_tune.py's moe_configs/) "
                     "instead of the packaged ones")
     args = ap.parse_args(argv)
+    try:
+        models = parse_models(args.models)
+        tps = parse_tps(args.tp, models)
+        tables = read_tables_dir(args.tables) if args.tables else None
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         print("needs a CUDA or ROCm GPU", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     copy_bw = copy_bandwidth()
-    tables = load_tables(args.tables) if args.tables else None
-    rows = [r for m in args.models.split(",") for r in bench_model(m, args.tp, dtype, copy_bw, tables)]
+    rows = [r for m in models for tp in tps for r in bench_model(m, tp, dtype, copy_bw, tables)]
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": copy_bw, "rows": rows},
                                         indent=1))

@@ -297,12 +297,16 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--dry-run runs the kernels on the CPU: set TRITON_INTERPRET=1")
         device, dtype_name, models, tps, clock = "cpu", "float16", ["tiny-qwen3-moe"], [1], cpu_clock
-    elif not torch.cuda.is_available():
-        print("needs a CUDA or ROCm GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
-        return 2
     else:
+        try:  # the flags first: a bad one is refused by name on any machine
+            models = moe_gemm.parse_models(args.models)
+            tps = moe_gemm.parse_tps(args.tp, models)
+        except ValueError as e:
+            ap.error(str(e))
+        if not torch.cuda.is_available():
+            print("needs a CUDA or ROCm GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
         device, dtype_name, clock = "cuda", args.dtype, gpu_clock
-        models, tps = args.models.split(","), [int(t) for t in args.tp.split(",")]
     dtype = getattr(torch, dtype_name)
     shapes = [shape_of(m, tp) for m in models for tp in tps]
     dev_name = device_name(torch.device(device))
@@ -344,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(points) + "\n")
     copy_bw = moe_gemm.copy_bandwidth(device, 1 << 20 if quick else 1 << 29)
     sizes = {"prefill_tokens": (4,), "decode_batches": (1,), "reps": (1, 1)} if quick else {}
-    rows = [r for m in models for r in moe_gemm.bench_model(m, 1, dtype, copy_bw, loaded, device, **sizes)]
+    # at every TP size tuned: the check's rows are those of the tables this run wrote (before 2026-11-30 it timed
+    # tp 1 only, so a --tp 2 run printed tp 1 rows on the untuned rule: the folder held no tp 1 table)
+    rows = [r for m in models for tp in tps
+            for r in moe_gemm.bench_model(m, tp, dtype, copy_bw, loaded, device, **sizes)]
     (args.out / "moe_gemm.json").write_text(json.dumps({"device": dev_name, "copy_bw": copy_bw, "rows": rows},
                                                        indent=1))
     print(f"bench/moe_gemm.py on the tuned tables ({time.perf_counter() - start:.0f} s in all)\n")

@@ -175,3 +175,40 @@ def test_moe_gemm_align_us_times_the_path_a_tail_config_takes(monkeypatch: pytes
     got = moe_gemm.align_us(ids, 4, MoeKernelConfig(64, TILES, TILES), 1, "cpu")
     assert got["align_path"] == "one" and got["align_one_us"] is not None and got["align_two_us"] is not None
     assert set(calls) == {("align", (4, 64, True)), ("align", (4, 64, False))}
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--models", "llama-3.1-8b"], "llama-3.1-8b not a mixture-of-experts preset; allowed"),
+    (["--models", "mixtral-8x7b,mixtral-8x7b"], "empty or repeated"),
+    (["--tp", "two"], "comma-separated whole numbers"),
+    (["--tp", "0"], "each once"),
+    (["--models", "mixtral-8x7b", "--tp", "3"], "14336 does not split 3 ways"),
+])
+@pytest.mark.parametrize("script", ["moe_gemm", "moe_tune"])
+def test_bad_flags_are_refused_by_name_before_any_gpu_work(script: str, argv: list[str], says: str,
+                                                          tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both scripts refuse a model that is not an MoE preset, a TP size that is not a whole number >= 1 or does not
+    split a model's experts, on any machine, before they look for a GPU; before, moe_gemm raised a KeyError deep in
+    `layer` or int() failed in a traceback."""
+    import importlib
+
+    mod = importlib.import_module(f"bench.{script}")
+    extra = ["--out", str(tmp_path)] if script == "moe_tune" else []
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv + extra)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_moe_gemm_refuses_a_tables_folder_that_holds_no_table(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--tables naming a missing or empty folder is refused: before, it loaded no table and timed the untuned rule
+    under the name of tuned tables (2026-11-30: a --tables path absent on the GPU machine gave a TP 2 table of rule
+    times, caught only because the tile columns did not match the tuning's)."""
+    from bench import moe_gemm
+
+    for folder, says in ((tmp_path / "absent", "no such folder"), (tmp_path, "holds no table")):
+        with pytest.raises(SystemExit) as e:
+            moe_gemm.main(["--tables", str(folder)])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert moe_gemm.read_tables_dir(ROOT / "rapidserve" / "ops" / "moe_configs")  # the packaged folder passes
+    assert moe_gemm.parse_tps("1,2", ["mixtral-8x7b", "qwen3-30b-a3b"]) == [1, 2]
