@@ -239,7 +239,8 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
     if a.goodput_search:
         check_search_workload(argparse.Namespace(**{
             **vars(ns), "search_above_peak_factor": getattr(a, "search_above_peak_factor", None),
-            "search_max_probe_arrivals": getattr(a, "search_max_probe_arrivals", None)}))
+            "search_max_probe_arrivals": getattr(a, "search_max_probe_arrivals", None),
+            "search_trace_probe": getattr(a, "search_trace_probe", None)}))
         if ns.duration_s is not None and ns.workload != "trace":  # a trace's --duration-s is its window
             raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
     cfg = config_from_args(ns)

@@ -70,10 +70,11 @@ def test_each_search_is_given_the_highest_peak_of_the_searches_before_it(monkeyp
      "--search-above-peak-factor 4 lengthens the probes above the closed-loop peak, and with the peak as the ceiling "
      "there are none: give a ceiling above it, --search-max-rate R or --search-shared-ceiling"),
     (["--goodput-search", "--search-shared-ceiling", "--search-above-peak-factor", "4", "--workload-args",
-      "--workload trace --trace t.jsonl --trace-arrivals poisson"], "a trace replays its window's requests"),
+      "--workload trace --trace t.jsonl --trace-arrivals poisson"],
+     "each probe replays the trace's whole window: give --search-trace-probe N"),
     (["--goodput-search", "--search-max-probe-arrivals", "400", "--workload-args",
       "--workload trace --trace t.jsonl --trace-arrivals poisson"],
-     "--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's requests"),
+     "--search-max-probe-arrivals caps a probe's arrivals, but a trace's window is its cap"),
 ])
 def test_shared_ceiling_flag_errors(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as ei:

@@ -317,9 +317,13 @@ def test_the_report_says_which_probes_were_above_the_peak_and_long() -> None:
     (["--search-above-peak-factor", "2", "--search-max-rate", "20", "--search-start-rate", "4"],
      "which --search-start-rate skips measuring"),
     (["--search-above-peak-factor", "2", "--search-max-rate", "20", "--workload", "trace", "--trace", "t.jsonl",
-      "--trace-arrivals", "poisson"], "a trace replays its window's requests"),
+      "--trace-arrivals", "poisson"], "each probe replays the trace's whole window: give --search-trace-probe N"),
     (["--search-max-probe-arrivals", "400", "--workload", "trace", "--trace", "t.jsonl", "--trace-arrivals",
-      "poisson"], "--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's requests"),
+      "poisson"], "--search-max-probe-arrivals caps a probe's arrivals, but a trace's window is its cap"),
+    (["--search-trace-probe", "48"], "--search-trace-probe sets a trace's arrivals per probe; for this workload "
+                                     "--num-prompts does"),
+    (["--search-trace-probe", "0", "--workload", "trace", "--trace", "t.jsonl", "--trace-arrivals", "poisson"],
+     "--search-trace-probe: 0 must be an integer >= 1"),
 ])
 def test_bad_above_peak_flags_exit_2(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     # nothing listens on port 9: a check that passed would fail with exit 1 instead

@@ -217,6 +217,7 @@ def test_ramp_words() -> None:
     assert steady.to_json() == {"warmup": 25, "ramp_s": 2.5, "lifetime_s": 3.0, "upper_lifetime_s": 3.0, "cut": 5,
                                 "counted": 35,
                                 "wanted": 40, "minimum": 20, "needed": 65, "sent": 65, "cap": 1024, "rerun": False,
+                                "above_peak": False,
                                 "verdict": STEADY, "then": ""}
     assert Ramp(PLAN, 5.0, 25, 15, RERUN).describe() == ("warm-up 25 arrivals (2.5 s), lifetime 5 s, 25 arrivals "
                                                          "before it left out; SHORT: 15 counted, minimum 20: re-run")

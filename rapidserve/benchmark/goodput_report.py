@@ -36,7 +36,7 @@ from rapidserve.benchmark.report import fmt, write_json_and_markdown
 from rapidserve.benchmark.results import bound_label, entry, search_bounds, search_shares, trace_line, workload_title
 from rapidserve.benchmark.serving_result import WIDTH, table_row, title_line
 from rapidserve.benchmark.step_mix import STEP_COLUMN, STEP_LEGEND, step_cell
-from rapidserve.benchmark.sustain import CAP_FLAG, CAPPED, RERUN, SHORT, probe_arrivals, ramp_text
+from rapidserve.benchmark.sustain import CAP_FLAG, CAPPED, RERUN, SHORT, TRACE_CAP, probe_arrivals, ramp_text
 
 DEFINITION = ("goodput at (ITL bound B, share q): the highest Poisson request rate at which at least q of the "
               "requests meet both the ITL bound (the p95 of the request's own inter-token gaps <= B; a request with "
@@ -63,7 +63,6 @@ RAMP_LEGEND = ("Warm-up (the ramp rule, rapidserve/benchmark/sustain.py): a Pois
                "(at least 8) is SHORT, run once more with a warm-up from that lifetime, and fails every target if "
                "still short, or CAPPED where steady state needs more arrivals than --search-max-probe-arrivals.")
 RAMP_COLUMN = "warm-up: arrivals (s), lifetime, verdict"
-TRACE_CAP = "the trace window's requests (--duration-s)"
 
 
 def goodput_cell(e: Mapping[str, Any] | None) -> str:

@@ -136,7 +136,8 @@ async def search_frontier(measure: Measure, scfg: SearchConfig, start: float, pr
         """A probe at `rate` as planned now, and its tail: after its last arrival a probe drains for about one
         lifetime."""
         life = lifetime_estimate(rate, lifetimes, lifetime_s)
-        plan = plan_probe(rate, scfg.wanted(rate, probe_requests, peak), scfg.discard, life, cap)
+        plan = plan_probe(rate, scfg.wanted(rate, probe_requests, peak), scfg.discard, life, cap,
+                          above_peak=scfg.above_peak(rate, peak))
         return plan, max(drain, life or 0.0)
 
     def ttft_plan() -> tuple[ProbePlan, float] | None:

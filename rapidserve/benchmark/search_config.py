@@ -49,6 +49,9 @@ class SearchConfig:
     max_probe_arrivals: int = DEFAULT_MAX_PROBE_ARRIVALS
     # after the search, one probe at this rate (unless it probed it): TTFT at one rate for every system (search.py)
     ttft_rate: float | None = None
+    # a trace's arrivals per probe, its first requests (None: the whole window, as before 2026-11-30); the window
+    # (the trace's --num-prompts / --duration-s) is then the cap from which warm-ups and probes above the peak draw
+    trace_probe: int | None = None
     # where an earlier search of the same system and workload put each target's frontier: (bound, share, lo, hi),
     # either end None where not known (bench/compare.py --search-start-from); goodput.next_step says how it is used
     # (None: no earlier search, and a report's settings match one from before this field)
@@ -96,6 +99,8 @@ class SearchConfig:
         if f not in (None, 1.0) and self.start_rate is not None:
             raise ValueError("--search-above-peak-factor lengthens the probes above the closed-loop peak, which "
                              "--search-start-rate skips measuring: drop one of them")
+        if self.trace_probe is not None and self.trace_probe < 1:
+            raise ValueError(f"--search-trace-probe {self.trace_probe}: give a positive number of arrivals")
         if probe_requests is not None and self.discard >= probe_requests:
             raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
                              "to count: discard fewer warm-up arrivals or send more")

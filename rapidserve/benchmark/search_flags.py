@@ -25,7 +25,7 @@ SEARCH_FLAGS: tuple[tuple[str, str], ...] = (
     ("--search-max-rate", "max_rate"), ("--search-tolerance", "tolerance"), ("--search-max-probes", "max_probes"),
     ("--search-discard", "discard"), ("--search-only-bounds", "only_bounds"),
     ("--search-above-peak-factor", "above_peak_factor"), ("--search-max-probe-arrivals", "max_probe_arrivals"),
-    ("--search-ttft-rate", "ttft_rate"))
+    ("--search-ttft-rate", "ttft_rate"), ("--search-trace-probe", "trace_probe"))
 
 
 def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
@@ -84,6 +84,12 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
                    help="after the search, one more probe at this Poisson rate (unless the search probed it), for "
                         "TTFT at one rate: give every system of a comparison the same rate, e.g. 0.75 x vLLM "
                         "default's closed-loop peak (bench/compare.py reports the TTFT of each system's probe there)")
+    g.add_argument("--search-trace-probe", type=positive_int, default=None, metavar="N",
+                   help="a trace workload: each probe sends the window's first N requests (N - --search-discard "
+                        "counted), and the window (the trace's --num-prompts or --duration-s) is the most a probe "
+                        "may send: warm-ups the ramp rule lengthens and probes above the peak "
+                        "(--search-above-peak-factor) take further requests from it. A probe above the peak that "
+                        "the window cuts fails (default: every probe is the whole window)")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "
@@ -136,9 +142,15 @@ def check_search_workload(a: argparse.Namespace) -> None:
         raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness (gamma arrivals)")
     if a.workload == "trace" and a.trace_arrivals != "poisson":
         raise ValueError("--goodput-search replays a trace's lengths at Poisson arrivals: add --trace-arrivals poisson")
-    if a.workload == "trace" and getattr(a, "search_above_peak_factor", None) not in (None, 1.0):
-        raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
-                         "drop the factor, or give a longer window (--duration-s) for every probe")
+    probe = getattr(a, "search_trace_probe", None)
+    if probe is not None and a.workload != "trace":
+        raise ValueError("--search-trace-probe sets a trace's arrivals per probe; for this workload --num-prompts "
+                         "does: drop --search-trace-probe")
+    if a.workload == "trace" and probe is None and getattr(a, "search_above_peak_factor", None) not in (None, 1.0):
+        raise ValueError("--search-above-peak-factor sends more arrivals, but each probe replays the trace's whole "
+                         "window: give --search-trace-probe N (a probe's arrivals) below the window's requests "
+                         "(--num-prompts), or drop the factor")
     if a.workload == "trace" and getattr(a, "search_max_probe_arrivals", None) is not None:
-        raise ValueError("--search-max-probe-arrivals caps a probe's arrivals, but a trace replays its window's "
-                         "requests (the window is the cap): drop the flag, or give the window with --duration-s")
+        raise ValueError("--search-max-probe-arrivals caps a probe's arrivals, but a trace's window is its cap: "
+                         "drop the flag, and give the window with --num-prompts or --duration-s (and a probe's "
+                         "arrivals with --search-trace-probe)")

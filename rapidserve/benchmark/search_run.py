@@ -41,7 +41,14 @@ from rapidserve.benchmark.search import AGAIN, TTFT, Outcome, search_frontier
 from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.step_mix import step_cell
-from rapidserve.benchmark.sustain import CAP_FLAG, RERUN, arrivals_of, probe_arrivals, realized_lifetime
+from rapidserve.benchmark.sustain import (
+    CAP_FLAG,
+    RERUN,
+    TRACE_CAP,
+    arrivals_of,
+    probe_arrivals,
+    realized_lifetime,
+)
 
 
 def no_peak_advice(errors: dict[str, int]) -> str:
@@ -96,6 +103,23 @@ def closed_peak(run: dict[str, Any], turns: int = 1) -> float | None:
     return float(s["request_throughput"]) / turns if s["completed"] and s["request_throughput"] > 0 else None
 
 
+def first(replay: Replay | None, k: int) -> Replay | None:
+    """A trace's first k requests (a probe's arrivals; k at most the window: the search's cap)."""
+    if replay is None or k >= len(replay.items):
+        return replay
+    return replace(replay, items=replay.items[:k])
+
+
+def trace_window_problem(n: int, window: int, scfg: SearchConfig) -> None:
+    """ValueError where a trace's window cannot hold a probe of n arrivals (above the peak: its longer probe)."""
+    need = probe_arrivals(n, scfg.discard, scfg.above_peak_factor)
+    if need > window:
+        what = (f"--search-trace-probe {n}" if scfg.trace_probe is not None else f"the window's {n}") + (
+            f" with --search-above-peak-factor {scfg.above_peak_factor:g}" if need > n else "")
+        raise ValueError(f"a probe of {what} needs {need} arrivals, and the trace window holds {window}: give the "
+                         "trace a larger window (--num-prompts or --duration-s), or a smaller --search-trace-probe")
+
+
 async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
                    replay: Replay | None, desc: str) -> tuple[list[RequestRecord], dict[str, Any]]:
     before = await server_counters(session, cfg.base_url, cfg.api_key)
@@ -116,21 +140,25 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
     ceiling where it lies above this server's own."""
     if cfg.burstiness != 1.0:
         raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
-    if scfg.above_peak_factor not in (None, 1.0) and cfg.workload.name == "trace":
-        raise ValueError("--search-above-peak-factor sends more arrivals, but a trace replays its window's requests: "
-                         "drop the factor, or give a longer window (--duration-s) for every probe")
+    if scfg.trace_probe is not None and cfg.workload.name != "trace":
+        raise ValueError("--search-trace-probe sets a trace's arrivals per probe; for this workload --num-prompts "
+                         "does: drop --search-trace-probe")
     if scfg.budget_s is not None:
         deadline = min(deadline if deadline is not None else math.inf, clock() + scfg.budget_s)
     async with new_session() as session:
         target, cfg, replay = await prepare(session, cfg)
-        n = len(replay.items) if replay is not None else cfg.num_prompts
+        window = len(replay.items) if replay is not None else None
+        n = (scfg.trace_probe or window) if window is not None else cfg.num_prompts
         if n is None:
             raise ValueError("the goodput search sends a fixed number of requests per probe: give --num-prompts")
-        # a trace's probes are its window (`cap` below), whatever its size: the cap is the flag's for the others
-        (scfg if replay is None else replace(scfg, max_probe_arrivals=max(n, scfg.max_probe_arrivals))).check(n)
+        if window is not None:
+            trace_window_problem(n, window, scfg)
+        # a trace's window is its probes' cap (`cap` below); the cap is the flag's for the others
+        (scfg if window is None else replace(scfg, max_probe_arrivals=max(window, n))).check(n)
         label = cfg.label or target.model
         say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
-                 f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)")
+                 f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)"
+                 + (f", from a trace window of {window}" if window is not None and window > n else ""))
         if replay is not None:
             say(cfg, "  " + trace_line(replay.describe()))
         # what a probe counts at or below the closed-loop peak, and above it (longer: --search-above-peak-factor)
@@ -144,7 +172,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         peak: float | None = None
         life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
         if scfg.start_rate is None:
-            peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, replay, "closed loop")
+            peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, first(replay, n),
+                                                    "closed loop")
             peak = closed_peak(peak_run, arrival_turns(cfg))
             life = realized_lifetime(arrivals_of(peak_records))
             if peak is None:
@@ -161,15 +190,14 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                      f"probes above it count {scfg.wanted(math.inf, n, peak)} arrivals after their warm-up and fail "
                      "where their backlog grew")
         runs: list[dict[str, Any]] = []  # each probe's run, in the order they ran (a rate probed twice: twice)
-        cap, cap_name = (n, "the trace window's requests (--duration-s)") if replay is not None else \
-            (scfg.max_probe_arrivals, CAP_FLAG)
+        cap, cap_name = (window, TRACE_CAP) if window is not None else (scfg.max_probe_arrivals, CAP_FLAG)
         async def measure(rate: float, arrivals: int, why: str) -> list[RequestRecord]:
-            longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its window (checked)
+            longer = replace(cfg, num_prompts=arrivals) if replay is None else cfg  # a trace: its first arrivals
             what = "" if arrivals == n else f", {arrivals} arrivals" + (
                 " (above the peak)" if scfg.above_peak(rate, peak) else "")
             words = {RERUN: ", again (a short probe, a longer warm-up)", AGAIN: ", again (a failure below a pass)",
                      TTFT: ", for TTFT at one rate (--search-ttft-rate)"}
-            records, run = await _one_run(session, target, longer, rate, len(runs) + 1, replay,
+            records, run = await _one_run(session, target, longer, rate, len(runs) + 1, first(replay, arrivals),
                                           f"probe {len(runs) + 1} at {rate_label(rate)} req/s{what}"
                                           + words.get(why, ""))
             runs.append({**run, "again": True} if why == AGAIN else {**run, "ttft_probe": True} if why == TTFT else run)
@@ -191,7 +219,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         "workload": cfg.workload.describe(), "config": config_json(cfg),
         "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
                    "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
-                   "peak_lifetime_s": life, "max_probe_arrivals": cap,
+                   "peak_lifetime_s": life, "max_probe_arrivals": cap, "trace_window": window,
                    "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak},
         **({"trace": replay.describe()} if replay is not None else {}),
         "peak": peak_run, "probes": probes, "goodput": out.goodput,

@@ -58,7 +58,9 @@ its cells read `>= own peak`, floors that do not compare across systems. A searc
 
 1. Longer probes (`probe_arrivals`): a probe above the peak counts `factor` x the requests of one at or below it
    (--search-above-peak-factor; its warm-up the ramp rule's, as every probe's), because overload shows through the
-   TTFT rule only once the queue has grown for long enough (see the resolution below).
+   TTFT rule only once the queue has grown for long enough (see the resolution below). A probe above the peak that
+   the cap cut (--search-max-probe-arrivals, or a trace's window) fails as CAPPED, whatever it counted: it is
+   shorter than planned, and the overload the backlog rule misses grows as its span shrinks.
 2. The backlog rule (`backlog_trend`), applied to every probe above the peak: the probe fails every target when the
    TTFT of its counted requests trends up so fast that, kept up for one more probe of the same length, it would put
    the typical request over its TTFT limit. Its counted requests come after the ramp (the ramp rule), so the TTFT
@@ -111,6 +113,7 @@ NO_RERUN_PROBES = "not re-run: --search-max-probes spent"
 NO_RERUN_BUDGET = "not re-run: it would end after the time budget"
 NO_RERUN_CAP = "not re-run: the cap allows no longer probe"
 CAP_FLAG = "--search-max-probe-arrivals"
+TRACE_CAP = "the trace window's requests (--num-prompts / --duration-s)"  # a trace's cap: its window
 
 
 def probe_arrivals(n: int, discard: int, factor: float | None) -> int:
@@ -145,8 +148,9 @@ def lifetime_estimate(rate: float, lifetimes: Mapping[float, float], fallback: f
 class ProbePlan:
     """What one probe sends: its warm-up (arrivals, and the seconds of ramp it was planned to cover), the arrivals it
     means to count, those it needs (the ramp's warm-up and those) and those it sends (at most `cap`: where that
-    cuts it, the warm-up shrinks to what the cap leaves, and the check's lifetime decides); `rerun`: a short probe's
-    second run."""
+    cuts it, the warm-up shrinks to what the cap leaves, and the check's lifetime decides; above the peak such a
+    probe fails, `Ramp.verdict`); `rerun`: a short probe's second run; `above_peak`: a probe above the server's
+    closed-loop peak, judged by the backlog rule too."""
 
     rate: float
     warmup: int
@@ -156,6 +160,7 @@ class ProbePlan:
     sent: int
     cap: int
     rerun: bool = False
+    above_peak: bool = False
 
     @property
     def capped(self) -> bool:
@@ -164,14 +169,15 @@ class ProbePlan:
 
 
 def plan_probe(rate: float, wanted: int, discard: int, lifetime_s: float | None, cap: int,
-               rerun: bool = False, floor: int = 0) -> ProbePlan:
+               rerun: bool = False, floor: int = 0, above_peak: bool = False) -> ProbePlan:
     """The plan of a probe at `rate` counting `wanted` arrivals, from a lifetime estimate (None: unknown, the discard
-    alone); `floor`: the fewest warm-up arrivals (a re-run's: its first run's)."""
+    alone); `floor`: the fewest warm-up arrivals (a re-run's: its first run's); `above_peak`: above the server's
+    closed-loop peak."""
     ramp_s = RAMP_MARGIN * lifetime_s if lifetime_s is not None and math.isfinite(lifetime_s) else 0.0
     warm = max(floor, warmup_arrivals(rate, ramp_s, discard))
     sent = min(warm + wanted, cap)
     return ProbePlan(rate, warm if sent == warm + wanted else max(discard, sent - wanted), ramp_s, wanted,
-                     warm + wanted, sent, cap, rerun)
+                     warm + wanted, sent, cap, rerun, above_peak)
 
 
 class Arrival(NamedTuple):
@@ -236,7 +242,12 @@ class Ramp:
 
     @property
     def verdict(self) -> str:
-        """STEADY: judged at steady state; SHORT or CAPPED (it needed more than the cap): fails every target."""
+        """STEADY: judged at steady state; SHORT or CAPPED (it needed more than the cap): fails every target. Above
+        the peak a probe the cap cut is CAPPED whatever it counted: the backlog rule's resolution is its counted
+        span (module docstring), and a cut probe is shorter than the one planned to show an overload (2026-11-30,
+        a 64-request trace window: vLLM passed 24 req/s, 1.7x its closed-loop peak, on 27 requests over ~1 s)."""
+        if self.plan.above_peak and self.plan.capped:
+            return CAPPED
         if self.counted >= self.minimum:
             return STEADY
         return CAPPED if self.plan.capped else SHORT
@@ -250,7 +261,8 @@ class Ramp:
         return {"warmup": p.warmup, "ramp_s": round(p.ramp_s, 3), "lifetime_s": _rounded(self.lifetime_s),
                 "upper_lifetime_s": _rounded(self.upper_s), "cut": self.cut, "counted": self.counted,
                 "wanted": p.wanted, "minimum": self.minimum,
-                "needed": p.needed, "sent": p.sent, "cap": p.cap, "rerun": p.rerun, "verdict": self.verdict,
+                "needed": p.needed, "sent": p.sent, "cap": p.cap, "rerun": p.rerun, "above_peak": p.above_peak,
+                "verdict": self.verdict,
                 "then": self.then}
 
     def describe(self, cap_name: str = CAP_FLAG) -> str:
@@ -289,7 +301,8 @@ def rerun_plan(ramp: Ramp, discard: int) -> ProbePlan:
     same cap."""
     p = ramp.plan
     lives = [x for x in (ramp.lifetime_s, ramp.upper_s) if x is not None and math.isfinite(x)]
-    return plan_probe(p.rate, p.wanted, discard, max(lives) if lives else None, p.cap, rerun=True, floor=p.warmup)
+    return plan_probe(p.rate, p.wanted, discard, max(lives) if lives else None, p.cap, rerun=True, floor=p.warmup,
+                      above_peak=p.above_peak)
 
 
 def with_then(ramp: Ramp, then: str) -> Ramp:
@@ -311,7 +324,9 @@ def ramp_text(r: Mapping[str, Any], cap_name: str = CAP_FLAG) -> str:
         return text
     text += f"; {verdict.upper()}: {r['counted']} counted, minimum {r['minimum']}"
     if verdict == CAPPED:
-        text += f": steady state not reached within {cap_name} {r['cap']}"
+        text += (f": above the peak, a probe cut by {cap_name} {r['cap']} is too short for the backlog rule"
+                 if r.get("above_peak") and r["counted"] >= r["minimum"]
+                 else f": steady state not reached within {cap_name} {r['cap']}")
     then = r.get("then") or ""
     return text + (f": {then}" if then == RERUN else ": fails every target" + (f" ({then})" if then else ""))
 

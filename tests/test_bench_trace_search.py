@@ -1,0 +1,98 @@
+"""The goodput search on a trace (rapidserve/benchmark/search_run.py): with --search-trace-probe N each probe sends
+the window's first requests (N, or what the ramp rule and a probe above the peak need, up to the window), against the
+in-process fake server of test_bench_trace_run; a window too small for a probe is refused before any request; and
+above the peak a probe the window cut fails (sustain.Ramp.verdict)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from test_bench_trace_run import MOON, Fast, trace_cfg, with_fast
+
+from rapidserve.benchmark.replay import Replay, build_replay
+from rapidserve.benchmark.search_config import SearchConfig
+from rapidserve.benchmark.search_run import first, run_goodput_search, trace_window_problem
+from rapidserve.benchmark.sustain import CAPPED, STEADY, TRACE_CAP, Ramp, plan_probe
+from rapidserve.benchmark.traces import TraceSpec
+from rapidserve.benchmark.workloads import WorkloadSpec
+
+
+def window_of(n: int) -> Replay:
+    """The Mooncake excerpt's first n requests at Poisson arrivals, as the search's fake-server runs replay them."""
+    return build_replay(WorkloadSpec("trace", max_model_len=8192, trace=TraceSpec(MOON, arrivals="poisson")), n, None)
+
+
+FAST_SEARCH = SearchConfig(discard=2, start_rate=200.0, max_probes=2, tolerance=0.5, shares=(0.9,),
+                           itl_bounds_ms=(50.0,), trace_probe=8)
+
+
+def test_probes_send_the_windows_first_requests() -> None:
+    """A window of 24, probes of 8: the closed loop is skipped (a start rate), each probe sends its plan's arrivals
+    (the warm-up and the 6 counted), the window's first ones, the same lengths at every rate; the result says the
+    window and the probe size."""
+    async def test(fake: Fast, url: str) -> dict[str, Any]:
+        return await run_goodput_search(trace_cfg(url, MOON, arrivals="poisson", num_prompts=24, warmup=1),
+                                        FAST_SEARCH)
+
+    res = with_fast(8192, test)
+    replay = window_of(24)
+    s = res["search"]
+    assert (s["probe_requests"], s["trace_window"], s["max_probe_arrivals"]) == (8, 24, 24)
+    assert res["trace"]["replayed"] == 24 and 1 <= len(res["probes"]) <= 2
+    for p in res["probes"]:
+        ramp = p["ramp"]
+        assert ramp["wanted"] == 6 and ramp["cap"] == 24 and len(p["requests"]) == ramp["sent"] <= 24
+        lengths = [r["prompt_tokens"] for r in sorted(p["requests"], key=lambda r: r["index"])]
+        assert lengths == [it.input_len for it in replay.items[:ramp["sent"]]]
+
+
+def test_a_window_too_small_for_a_probe_is_refused_before_any_request() -> None:
+    async def test(fake: Fast, url: str) -> str:
+        with pytest.raises(ValueError) as e:
+            await run_goodput_search(trace_cfg(url, MOON, arrivals="poisson", num_prompts=24),
+                                     replace(FAST_SEARCH, trace_probe=16, above_peak_factor=2.0, start_rate=None,
+                                             max_rate=400.0))
+        assert fake.bodies == []
+        return str(e.value)
+
+    said = with_fast(8192, test)
+    assert said == ("a probe of --search-trace-probe 16 with --search-above-peak-factor 2 needs 30 arrivals, and the "
+                    "trace window holds 24: give the trace a larger window (--num-prompts or --duration-s), or a "
+                    "smaller --search-trace-probe")
+
+
+@pytest.mark.parametrize(("n", "window", "factor", "ok"), [
+    (8, 24, None, True), (24, 24, None, True), (25, 24, None, False),  # the whole window: as before the flag
+    (16, 30, 2.0, True), (16, 29, 2.0, False),  # 2 + 2 x 14 = 30 above the peak
+])
+def test_trace_window_problem(n: int, window: int, factor: float | None, ok: bool) -> None:
+    scfg = SearchConfig(discard=2, above_peak_factor=factor, trace_probe=n)
+    if ok:
+        trace_window_problem(n, window, scfg)
+    else:
+        with pytest.raises(ValueError, match="the trace window holds"):
+            trace_window_problem(n, window, scfg)
+
+
+def test_first_takes_a_prefix_and_leaves_the_window_whole() -> None:
+    replay = window_of(12)
+    assert first(None, 5) is None and first(replay, 12) is replay and first(replay, 99) is replay
+    assert first(replay, 5).items == replay.items[:5]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("above", "sent", "counted", "verdict"), [
+    (False, 64, 27, STEADY),  # below the peak a cut warm-up is judged by the check: enough counted after W
+    (True, 64, 27, CAPPED),  # above it a cut probe fails, whatever it counted (2026-11-30: vLLM at 24 req/s)
+    (True, 200, 27, STEADY),  # not cut: judged as any
+    (False, 64, 10, CAPPED),  # cut and short: as before
+])
+def test_above_the_peak_a_probe_the_cap_cut_fails(above: bool, sent: int, counted: int, verdict: str) -> None:
+    plan = plan_probe(24.0, 48, 16, 1.5, sent, above_peak=above)  # warm-up 45 (1.25 x 1.5 s at 24 req/s) + 48
+    assert plan.needed == 93 and plan.capped == (sent < 93)
+    ramp = Ramp(plan, 1.5, 48 - counted, counted)
+    assert ramp.verdict == verdict and ramp.to_json()["above_peak"] == above
+    if above and verdict == CAPPED:
+        assert "above the peak, a probe cut by " + TRACE_CAP + " 64 is too short for the backlog rule" in \
+            ramp.describe(TRACE_CAP)
