@@ -87,6 +87,10 @@ def test_first_takes_a_prefix_and_leaves_the_window_whole() -> None:
     (True, 64, 27, CAPPED),  # above it a cut probe fails, whatever it counted (2026-11-30: vLLM at 24 req/s)
     (True, 200, 27, STEADY),  # not cut: judged as any
     (False, 64, 10, CAPPED),  # cut and short: as before
+    # above the peak, the cap took only warm-up (every arrival it meant to count counted, none before its lifetime):
+    # its span is the planned one, judged as any (e.g. a Poisson search's --search-max-probe-arrivals cutting a long
+    # warm-up); before, it failed as CAPPED all the same
+    (True, 64, 48, STEADY),
 ])
 def test_above_the_peak_a_probe_the_cap_cut_fails(above: bool, sent: int, counted: int, verdict: str) -> None:
     plan = plan_probe(24.0, 48, 16, 1.5, sent, above_peak=above)  # warm-up 45 (1.25 x 1.5 s at 24 req/s) + 48

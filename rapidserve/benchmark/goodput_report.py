@@ -61,7 +61,9 @@ RAMP_LEGEND = ("Warm-up (the ramp rule, rapidserve/benchmark/sustain.py): a Pois
                "lifetimes (estimated from the probes before it) and counts only the later arrivals released after "
                "the lifetime it measured (its median E2E), and one left with fewer than half what it meant to count "
                "(at least 8) is SHORT, run once more with a warm-up from that lifetime, and fails every target if "
-               "still short, or CAPPED where steady state needs more arrivals than --search-max-probe-arrivals.")
+               "still short, or CAPPED where steady state needs more arrivals than the cap "
+               "(--search-max-probe-arrivals, a trace's window); above the peak a probe the cap cut is CAPPED too "
+               "where it counted fewer than it meant to, too short for the backlog rule.")
 RAMP_COLUMN = "warm-up: arrivals (s), lifetime, verdict"
 
 

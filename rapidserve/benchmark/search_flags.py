@@ -89,7 +89,8 @@ def add_search_args(p: argparse.ArgumentParser, budget: bool = True) -> None:
                         "counted), and the window (the trace's --num-prompts or --duration-s) is the most a probe "
                         "may send: warm-ups the ramp rule lengthens and probes above the peak "
                         "(--search-above-peak-factor) take further requests from it. A probe above the peak that "
-                        "the window cuts fails (default: every probe is the whole window)")
+                        "the window cuts short of the arrivals it means to count fails (default: every probe is the "
+                        "whole window)")
     if budget:
         g.add_argument("--budget-s", type=positive_float, default=None,
                        help="no probe starts that would end after this many seconds: the search stops and reports "

@@ -59,8 +59,11 @@ its cells read `>= own peak`, floors that do not compare across systems. A searc
 1. Longer probes (`probe_arrivals`): a probe above the peak counts `factor` x the requests of one at or below it
    (--search-above-peak-factor; its warm-up the ramp rule's, as every probe's), because overload shows through the
    TTFT rule only once the queue has grown for long enough (see the resolution below). A probe above the peak that
-   the cap cut (--search-max-probe-arrivals, or a trace's window) fails as CAPPED, whatever it counted: it is
-   shorter than planned, and the overload the backlog rule misses grows as its span shrinks.
+   the cap cut (--search-max-probe-arrivals, or a trace's window) and that counted fewer than it meant to (its
+   shortened warm-up left arrivals before its lifetime) fails as CAPPED, even with the check's minimum counted: its
+   counted span is shorter than planned, and the overload the backlog rule misses grows as that span shrinks. One
+   whose cut warm-up still left every arrival it meant to count (none before its lifetime) spans what was planned,
+   and is judged as any.
 2. The backlog rule (`backlog_trend`), applied to every probe above the peak: the probe fails every target when the
    TTFT of its counted requests trends up so fast that, kept up for one more probe of the same length, it would put
    the typical request over its TTFT limit. Its counted requests come after the ramp (the ramp rule), so the TTFT
@@ -149,8 +152,8 @@ class ProbePlan:
     """What one probe sends: its warm-up (arrivals, and the seconds of ramp it was planned to cover), the arrivals it
     means to count, those it needs (the ramp's warm-up and those) and those it sends (at most `cap`: where that
     cuts it, the warm-up shrinks to what the cap leaves, and the check's lifetime decides; above the peak such a
-    probe fails, `Ramp.verdict`); `rerun`: a short probe's second run; `above_peak`: a probe above the server's
-    closed-loop peak, judged by the backlog rule too."""
+    probe fails where it counted fewer than it meant to, `Ramp.verdict`); `rerun`: a short probe's second run;
+    `above_peak`: a probe above the server's closed-loop peak, judged by the backlog rule too."""
 
     rate: float
     warmup: int
@@ -243,10 +246,12 @@ class Ramp:
     @property
     def verdict(self) -> str:
         """STEADY: judged at steady state; SHORT or CAPPED (it needed more than the cap): fails every target. Above
-        the peak a probe the cap cut is CAPPED whatever it counted: the backlog rule's resolution is its counted
-        span (module docstring), and a cut probe is shorter than the one planned to show an overload (2026-11-30,
-        a 64-request trace window: vLLM passed 24 req/s, 1.7x its closed-loop peak, on 27 requests over ~1 s)."""
-        if self.plan.above_peak and self.plan.capped:
+        the peak a probe the cap cut is CAPPED where it counted fewer than it meant to, even the check's minimum:
+        the backlog rule's resolution is its counted span (module docstring), and such a probe is shorter than the
+        one planned to show an overload (2026-11-30, a 64-request trace window: vLLM passed 24 req/s, 1.7x its
+        closed-loop peak, on 27 requests over ~1 s). Where the cut took only warm-up (every arrival it meant to count
+        counted) its span is the planned one, and it is judged as any."""
+        if self.plan.above_peak and self.plan.capped and self.counted < self.plan.wanted:
             return CAPPED
         if self.counted >= self.minimum:
             return STEADY
