@@ -243,6 +243,9 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
             "search_trace_probe": getattr(a, "search_trace_probe", None)}))
         if ns.duration_s is not None and ns.workload != "trace":  # a trace's --duration-s is its window
             raise ValueError("--goodput-search sends --num-prompts arrivals per probe: drop --duration-s")
+        search = getattr(a, "search", None)  # compare.py's main sets it first (search_config)
+        if ns.workload == "trace" and isinstance(search, SearchConfig):  # its probe and window, before any server
+            search.check(ns.num_prompts, trace=True, window=ns.num_prompts)
     cfg = config_from_args(ns)
     if not isinstance(cfg, BenchConfig):
         raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")

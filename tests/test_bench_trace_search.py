@@ -12,8 +12,8 @@ import pytest
 from test_bench_trace_run import MOON, Fast, trace_cfg, with_fast
 
 from rapidserve.benchmark.replay import Replay, build_replay
-from rapidserve.benchmark.search_config import SearchConfig
-from rapidserve.benchmark.search_run import first, run_goodput_search, trace_window_problem
+from rapidserve.benchmark.search_config import SearchConfig, trace_window_problem
+from rapidserve.benchmark.search_run import first, run_goodput_search
 from rapidserve.benchmark.sustain import CAPPED, STEADY, TRACE_CAP, Ramp, plan_probe
 from rapidserve.benchmark.traces import TraceSpec
 from rapidserve.benchmark.workloads import WorkloadSpec
@@ -100,3 +100,43 @@ def test_above_the_peak_a_probe_the_cap_cut_fails(above: bool, sent: int, counte
     if above and verdict == CAPPED:
         assert "above the peak, a probe cut by " + TRACE_CAP + " 64 is too short for the backlog rule" in \
             ramp.describe(TRACE_CAP)
+
+
+TRACE_FLAGS = ["--workload", "trace", "--trace", MOON, "--trace-arrivals", "poisson"]
+
+
+@pytest.mark.parametrize(("args", "rc", "says"), [
+    # a window of 1024 with probes of 64, 4x longer above the peak (16 + 4 x 48 = 208): it goes (exit 1: nothing
+    # listens on port 9); before, the flags were checked as 1024-arrival probes against --search-max-probe-arrivals'
+    # default 1024, a flag a trace may not take, and refused
+    (["--num-prompts", "1024", "--search-trace-probe", "64", "--search-above-peak-factor", "4",
+      "--search-max-rate", "20"], 1, "cannot search"),
+    # refused with the flags before any request (before: only once the server answered, naming --num-prompts)
+    (["--num-prompts", "30", "--search-trace-probe", "8"], 2,
+     "--search-discard 16 leaves nothing of --search-trace-probe 8 to count"),
+    (["--num-prompts", "30", "--search-trace-probe", "64"], 2,
+     "a probe of --search-trace-probe 64 needs 64 arrivals, and the trace window holds 30"),
+    (["--num-prompts", "10"], 2, "--search-discard 16 leaves nothing of --num-prompts 10 to count"),  # as before
+])
+def test_the_trace_flags_are_checked_as_a_traces(args: list[str], rc: int, says: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`rapidserve bench --goodput-search` on a trace checks its probe (--search-trace-probe, else the window) against
+    the discard and the window, not --num-prompts against --search-max-probe-arrivals."""
+    from rapidserve.cli import main
+
+    assert main(["bench", "--base-url", "http://127.0.0.1:9", "--goodput-search", *TRACE_FLAGS, *args]) == rc
+    assert says in capsys.readouterr().err
+
+
+def test_compare_checks_each_trace_workloads_window_before_any_server(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/compare.py refuses a trace workload whose window cannot hold a probe with the workload named, before any
+    server starts (before: the search raised it once the server was up, costing its start-up)."""
+    from tests.test_bench_compare import _load
+
+    compare = _load()
+    base = ["--dry-run", "--systems", "rapidserve", "--goodput-search", "--search-trace-probe", "64"]
+    with pytest.raises(SystemExit) as e:
+        compare.main([*base, "--workload-args", " ".join([*TRACE_FLAGS, "--num-prompts", "30"])])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--num-prompts 30`: a probe of --search-trace-probe 64 needs 64 arrivals" in err
+    assert compare.main([*base, "--workload-args", " ".join([*TRACE_FLAGS, "--num-prompts", "256"])]) == 0

@@ -61,8 +61,11 @@ class SearchConfig:
         """The earlier (lo, hi) of target `t`, None where there is none."""
         return next(((lo, hi) for b, q, lo, hi in self.hints or () if b == t.itl_bound_ms and q == t.share), None)
 
-    def check(self, probe_requests: int | None = None) -> None:
-        """ValueError naming the flag when a setting cannot work."""
+    def check(self, probe_requests: int | None = None, trace: bool = False, window: int | None = None) -> None:
+        """ValueError naming the flag when a setting cannot work. `probe_requests`: a probe's arrivals (--num-prompts;
+        None: not known yet). `trace`: a trace workload, whose probes are `trace_probe` arrivals (else
+        `probe_requests`: its whole window) and whose cap is its window (`window`: its requests, at most; None: not
+        known yet; `trace_window_problem`), not --search-max-probe-arrivals."""
         if not self.shares or any(not 0 < q <= 1 for q in self.shares):
             raise ValueError(f"--search-shares {self.shares}: each share must be in (0, 1], e.g. 0.9,0.99")
         if any(not (b > 0 and math.isfinite(b)) for b in self.itl_bounds_ms):
@@ -101,10 +104,16 @@ class SearchConfig:
                              "--search-start-rate skips measuring: drop one of them")
         if self.trace_probe is not None and self.trace_probe < 1:
             raise ValueError(f"--search-trace-probe {self.trace_probe}: give a positive number of arrivals")
-        if probe_requests is not None and self.discard >= probe_requests:
-            raise ValueError(f"--search-discard {self.discard} leaves nothing of --num-prompts {probe_requests} "
+        n, flag = ((self.trace_probe, "--search-trace-probe") if trace and self.trace_probe is not None
+                   else (probe_requests, "--num-prompts"))
+        if n is not None and self.discard >= n:
+            raise ValueError(f"--search-discard {self.discard} leaves nothing of {flag} {n} "
                              "to count: discard fewer warm-up arrivals or send more")
-        problem = cap_problem(self.max_probe_arrivals, probe_requests, self.discard, f)
+        if trace:
+            if n is not None and window is not None:
+                trace_window_problem(n, window, self)
+            return
+        problem = cap_problem(self.max_probe_arrivals, n, self.discard, f)
         if problem is not None:
             raise ValueError(problem)
 
@@ -160,6 +169,16 @@ class SearchConfig:
     def searched(self) -> list[Target]:
         """The targets the search drives its probes by: those of `only_bounds`, else every one (`targets`)."""
         return targets(self.itl_bounds_ms, self.shares, self.only_bounds)
+
+
+def trace_window_problem(n: int, window: int, scfg: SearchConfig) -> None:
+    """ValueError where a trace's window cannot hold a probe of n arrivals (above the peak: its longer probe)."""
+    need = probe_arrivals(n, scfg.discard, scfg.above_peak_factor)
+    if need > window:
+        what = (f"--search-trace-probe {n}" if scfg.trace_probe is not None else f"the window's {n}") + (
+            f" with --search-above-peak-factor {scfg.above_peak_factor:g}" if need > n else "")
+        raise ValueError(f"a probe of {what} needs {need} arrivals, and the trace window holds {window}: give the "
+                         "trace a larger window (--num-prompts or --duration-s), or a smaller --search-trace-probe")
 
 
 def _bounds_text(bounds: Iterable[float | None]) -> str:

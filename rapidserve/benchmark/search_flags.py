@@ -104,7 +104,8 @@ def search_from_args(a: argparse.Namespace, shared_ceiling: bool = False) -> Sea
     given = {field: getattr(a, flag[2:].replace("-", "_")) for flag, field in SEARCH_FLAGS}
     cfg = SearchConfig(**{k: v for k, v in given.items() if v is not None},
                        budget_s=getattr(a, "budget_s", None))
-    cfg.check(a.num_prompts)
+    trace = getattr(a, "workload", None) == "trace"  # bench/compare.py: each workload's own (compare_args.py)
+    cfg.check(a.num_prompts, trace=trace, window=a.num_prompts if trace else None)
     if cfg.above_peak_factor not in (None, 1.0) and cfg.max_rate is None and not shared_ceiling:
         raise ValueError(f"--search-above-peak-factor {cfg.above_peak_factor:g} lengthens the probes above the "
                          "closed-loop peak, and with the peak as the ceiling there are none: give a ceiling above it, "

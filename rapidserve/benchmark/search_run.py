@@ -110,16 +110,6 @@ def first(replay: Replay | None, k: int) -> Replay | None:
     return replace(replay, items=replay.items[:k])
 
 
-def trace_window_problem(n: int, window: int, scfg: SearchConfig) -> None:
-    """ValueError where a trace's window cannot hold a probe of n arrivals (above the peak: its longer probe)."""
-    need = probe_arrivals(n, scfg.discard, scfg.above_peak_factor)
-    if need > window:
-        what = (f"--search-trace-probe {n}" if scfg.trace_probe is not None else f"the window's {n}") + (
-            f" with --search-above-peak-factor {scfg.above_peak_factor:g}" if need > n else "")
-        raise ValueError(f"a probe of {what} needs {need} arrivals, and the trace window holds {window}: give the "
-                         "trace a larger window (--num-prompts or --duration-s), or a smaller --search-trace-probe")
-
-
 async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchConfig, rate: float, index: int,
                    replay: Replay | None, desc: str) -> tuple[list[RequestRecord], dict[str, Any]]:
     before = await server_counters(session, cfg.base_url, cfg.api_key)
@@ -151,10 +141,9 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         n = (scfg.trace_probe or window) if window is not None else cfg.num_prompts
         if n is None:
             raise ValueError("the goodput search sends a fixed number of requests per probe: give --num-prompts")
-        if window is not None:
-            trace_window_problem(n, window, scfg)
-        # a trace's window is its probes' cap (`cap` below); the cap is the flag's for the others
-        (scfg if window is None else replace(scfg, max_probe_arrivals=max(window, n))).check(n)
+        # a trace's window is its probes' cap (`cap` below; checked against them: trace_window_problem); the cap is
+        # the flag's for the others
+        scfg.check(n, trace=window is not None, window=window)
         label = cfg.label or target.model
         say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
                  f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)"
