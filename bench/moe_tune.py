@@ -21,7 +21,8 @@ it, the run stays under 8 minutes on one H200); points not reached are listed an
 
 Writes $OUT/moe_configs/*.json (one file per device, E, N, K, dtype; with --write-repo also into
 rapidserve/ops/moe_configs/ for a commit), $OUT/moe_tune.json (every point: the times of the rule and the tuned
-config), and prints the sweep's summary and, last, bench/moe_gemm.py's table (TP 1) on the new tables.
+config), and prints the sweep's summary and, last, bench/moe_gemm.py's table on the new tables (at every TP size
+tuned). --dry-run's shape is fixed: --models, --tp, --dtype, --jobs and --write-repo are refused with it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from rapidserve.ops.triton_moe import (  # noqa: E402
 from rapidserve.ops.triton_moe_gemm import m_lists  # noqa: E402
 
 MIN_MS = 20.0  # measured GPU time per candidate
+DEFAULT_MODELS, DEFAULT_TPS = "mixtral-8x7b,qwen3-30b-a3b", "1,2"  # --models, --tp
 Clock = Callable[[Sequence[Callable[[], object]]], float]
 
 
@@ -279,12 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
                     help="folder for moe_configs/ and moe_tune.json (default $OUT)")
-    ap.add_argument("--models", default="mixtral-8x7b,qwen3-30b-a3b")
-    ap.add_argument("--tp", default="1,2", help="comma-separated TP sizes whose slices to tune")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    ap.add_argument("--models", default=None, help=f"comma-separated MoE presets (default {DEFAULT_MODELS})")
+    ap.add_argument("--tp", default=None, help=f"comma-separated TP sizes whose slices to tune (default {DEFAULT_TPS})")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16"), help="default bfloat16")
     ap.add_argument("--budget-s", type=float, default=330.0, help="start no sweep point after this many seconds")
-    ap.add_argument("--jobs", type=int, default=min(14, os.cpu_count() or 1),
-                    help="processes compiling the kernels before the sweep (0: compile as the sweep goes)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes compiling the kernels before the sweep (0: compile as the sweep goes; default "
+                    "min(14, the CPUs))")
     ap.add_argument("--write-repo", action="store_true", help=f"also write the tables into {CONFIG_DIR}")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter: tiny-qwen3-moe, float16, "
                     "two tiles a GEMM, one token count, and a one-row table: checks the flow, measures nothing")
@@ -294,27 +297,35 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required (or set $OUT)")
     quick = args.dry_run
     if quick:
+        # the dry run's shape is fixed: a flag that would choose another is refused, not silently ignored
+        fixed = [flag for flag, v in (("--models", args.models), ("--tp", args.tp), ("--dtype", args.dtype),
+                                      ("--jobs", args.jobs), ("--write-repo", args.write_repo or None))
+                 if v is not None]
+        if fixed:
+            ap.error(f"--dry-run tunes tiny-qwen3-moe at TP 1 in float16 on the CPU, writing only --out: drop "
+                     f"{', '.join(fixed)}")
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--dry-run runs the kernels on the CPU: set TRITON_INTERPRET=1")
         device, dtype_name, models, tps, clock = "cpu", "float16", ["tiny-qwen3-moe"], [1], cpu_clock
     else:
         try:  # the flags first: a bad one is refused by name on any machine
-            models = moe_gemm.parse_models(args.models)
-            tps = moe_gemm.parse_tps(args.tp, models)
+            models = moe_gemm.parse_models(args.models or DEFAULT_MODELS)
+            tps = moe_gemm.parse_tps(args.tp or DEFAULT_TPS, models)
         except ValueError as e:
             ap.error(str(e))
         if not torch.cuda.is_available():
             print("needs a CUDA or ROCm GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
             return 2
-        device, dtype_name, clock = "cuda", args.dtype, gpu_clock
+        device, dtype_name, clock = "cuda", args.dtype or "bfloat16", gpu_clock
     dtype = getattr(torch, dtype_name)
     shapes = [shape_of(m, tp) for m in models for tp in tps]
     dev_name = device_name(torch.device(device))
     print(f"{dev_name}: {len(shapes)} shapes, timed configs per shape "
           f"{[space.space_size(s, quick) for s in shapes]}, {len(space.compile_set(shapes, quick))} compiles",
           flush=True)
-    if device == "cuda" and args.jobs > 0:
-        precompile(shapes, dtype_name, args.jobs)
+    jobs = min(14, os.cpu_count() or 1) if args.jobs is None else args.jobs
+    if device == "cuda" and jobs > 0:
+        precompile(shapes, dtype_name, jobs)
     points: list[Point] = []
     failed: list[str] = []
     skipped: list[str] = []
@@ -332,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     source = (f"bench/moe_tune.py on {dev_name}, {stamp}, torch {torch.__version__}, triton {triton.__version__}"
               f"{', dry run' if quick else ''}")
-    folders = [args.out / "moe_configs"] + ([CONFIG_DIR] if args.write_repo and not quick else [])
+    folders = [args.out / "moe_configs"] + ([CONFIG_DIR] if args.write_repo else [])  # never with --dry-run
     written = tables_of(points, shapes, dev_name, dtype_name, source)
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)

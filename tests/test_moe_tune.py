@@ -212,3 +212,21 @@ def test_moe_gemm_refuses_a_tables_folder_that_holds_no_table(tmp_path: Path,
         assert e.value.code == 2 and says in capsys.readouterr().err
     assert moe_gemm.read_tables_dir(ROOT / "rapidserve" / "ops" / "moe_configs")  # the packaged folder passes
     assert moe_gemm.parse_tps("1,2", ["mixtral-8x7b", "qwen3-30b-a3b"]) == [1, 2]
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--models", "mixtral-8x7b"], "drop --models"),
+    (["--tp", "2", "--dtype", "bfloat16"], "drop --tp, --dtype"),
+    (["--write-repo"], "drop --write-repo"),
+    (["--jobs", "4"], "drop --jobs"),
+])
+def test_moe_tune_dry_run_refuses_the_flags_it_would_ignore(argv: list[str], says: str, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--dry-run tunes tiny-qwen3-moe at TP 1 in float16 whatever --models, --tp, --dtype say, compiles as it goes
+    and never writes the repository's tables: those flags are refused with it, on any machine; before, they were
+    silently ignored (a `--dry-run --models mixtral-8x7b` check ran the tiny shape and said nothing)."""
+    from bench import moe_tune
+
+    with pytest.raises(SystemExit) as e:
+        moe_tune.main(["--dry-run", "--out", str(tmp_path), *argv])
+    assert e.value.code == 2 and "--dry-run tunes tiny-qwen3-moe" in (err := capsys.readouterr().err) and says in err
