@@ -74,9 +74,9 @@ repeats=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-repeats[ =]*\(-*[0-9][0
 # --search-ttft-rate R: one more probe after each search (the TTFT table's), counted in the plan's probes
 case " ${SEARCH_ARGS:-} " in *" --search-ttft-rate"*) probes=$(( ${probes:-12} + 1 ));; esac
 # the plan's prompt and output lengths: the first workload's, where WORKLOADS gives one as IN:OUT (else 4096:64; the
-# output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); the probes' arrival cap
-# (--search-max-probe-arrivals in SEARCH_ARGS); the vLLM stash's part count: this checkout's .peer/c* (bench/vs_vllm.sh
-# --split made them), else the plan's default
+# output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); a probe's arrivals and
+# their cap (--search-max-probe-arrivals in SEARCH_ARGS; a trace: its window, below); the vLLM stash's part count:
+# this checkout's .peer/c* (bench/vs_vllm.sh --split made them), else the plan's default
 prompt=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^\([0-9][0-9]*\):[0-9].*/\1/p')
 output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*/\1/p')
 if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vllm.sh's multiturn defaults): 2048 + 5 x
@@ -93,13 +93,21 @@ if [ -n "${TRACE_WORKLOADS:-}" ]; then  # the first trace's first requests' mean
     rm -f "$tl_err"
 fi
 cap=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-max-probe-arrivals[ =]*\([0-9][0-9]*\).*/\1/p')
+plan_n="${NUM_PROMPTS:-48}"
+if [ -n "${TRACE_WORKLOADS:-}" ]; then  # a trace's probe: --search-trace-probe N in SEARCH_ARGS, else its whole window
+    # (the first trace's --num-prompts); the window is the probes' cap (warm-ups and probes above the peak draw on it)
+    window=$(echo "${TRACE_WORKLOADS%%;*}" | sed -n 's/.*--num-prompts[ =]*\([0-9][0-9]*\).*/\1/p')
+    trace_probe=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-trace-probe[ =]*\([0-9][0-9]*\).*/\1/p')
+    plan_n="${trace_probe:-${window:-$plan_n}}"
+    [ -n "$window" ] && cap="$window"
+fi
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
 plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}" --repeats "${repeats:-1}")
 [ -n "$cap" ] && plan_extra+=(--max-probe-arrivals "$cap")
 [ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
-        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+        --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "$plan_n" --budget-s "${BUDGET_S:-540}" \
         --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" "${plan_extra[@]}"
 fi
 out="${OUT:-bench/results/frontier_parallel}"
@@ -125,7 +133,7 @@ if [ "${#groups[@]}" -gt "$slots" ]; then
     exit 2
 fi
 "$py" bench/frontier_plan.py plan --gpus "$ngpu" --tp "$tp" --preset "${PRESET:-qwen3-8b}" --stashed \
-    --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "${NUM_PROMPTS:-48}" --budget-s "${BUDGET_S:-540}" \
+    --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "$plan_n" --budget-s "${BUDGET_S:-540}" \
     --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" "${plan_extra[@]}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"

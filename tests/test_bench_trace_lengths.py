@@ -61,3 +61,23 @@ def test_the_command_line_and_the_plan(tmp_path) -> None:  # type: ignore[no-unt
     plan = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=60)
     assert plan.returncode == 0 and "2000-token prompts" in plan.stdout, plan.stdout + plan.stderr
+
+
+def test_the_plan_of_a_trace_search_counts_its_probe_not_num_prompts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench/frontier_parallel.sh --plan on a trace: each probe is --search-trace-probe's arrivals (else the trace's
+    whole window, its --num-prompts), capped by the window; before, the plan took NUM_PROMPTS (48) whatever the
+    trace's probes were."""
+    trace = tmp_path / "t.csv"
+    trace.write_text(AZURE)
+    flags = f"--workload trace --trace {trace} --trace-arrivals poisson --num-prompts 256"
+
+    def plan(search_args: str) -> str:
+        env = {**os.environ, "PYTHON": sys.executable, "KIND_GPUS": "2", "GROUP": "ours", "TRACE_WORKLOADS": flags,
+               "SEARCH_ARGS": search_args}
+        r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    assert "64 arrivals a probe" in plan("--search-max-probes 10 --search-trace-probe 64")
+    assert "256 arrivals a probe" in plan("--search-max-probes 10")  # the whole window
