@@ -140,3 +140,7 @@ def test_compare_checks_each_trace_workloads_window_before_any_server(capsys: py
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--num-prompts 30`: a probe of --search-trace-probe 64 needs 64 arrivals" in err
     assert compare.main([*base, "--workload-args", " ".join([*TRACE_FLAGS, "--num-prompts", "256"])]) == 0
+    # longer probes above the peak go on a trace with a probe smaller than its window (compare_args passes the flag
+    # on to each workload's check): 16 + 4 x 48 = 208 of 256
+    assert compare.main([*base, "--search-shared-ceiling", "--search-above-peak-factor", "4", "--workload-args",
+                         " ".join([*TRACE_FLAGS, "--num-prompts", "256"])]) == 0
