@@ -23,7 +23,8 @@ runs them) and as plain launches, against the copy ceiling: the bytes of the exp
 reads (its unique experts x 3*h*I*dtype) over the device's copy bandwidth (read+write bytes of a 1 GiB copy per
 second). "of ceiling" = ceiling time / measured time. Tiles: the
 packaged tuned tables (`ops.moe_tiles`), or those in --tables DIR (bench/moe_tune.py's output), else the rule; the
-BLOCK_M column names the tiles used. "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
+BLOCK_M column names the tiles used, "(rule)" where no table of this shape and device was there (the decode table
+marks its tp column). "align us": the alignment alone (ops/triton_moe_align.py) under that BLOCK_M,
 per call in a CUDA graph of ALIGN_CALLS calls, on each of its paths: one program / two launches (the one-program
 path only up to ONE_PROGRAM_MAX pairs; `*` marks the path `fused_moe` takes, ALIGN_ONE_PROGRAM pairs the switch;
 under a TAIL_BLOCK_M the two launches alone, at the tail block and writing the block lists: fused_moe's path there).
@@ -56,11 +57,13 @@ from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref, route  # noqa: E402
 from rapidserve.ops.moe_plan import semaphores  # noqa: E402
-from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
+from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, TableKey, load_tables  # noqa: E402
 from rapidserve.ops.triton_moe import (  # noqa: E402
     ALIGN_ONE_PROGRAM,
+    TUNED,
     align,
     align_tails,
+    device_name,
     fused_moe,
     launch_down,
     launch_gate_up,
@@ -272,6 +275,14 @@ def align_cell(r: dict[str, object]) -> str:
     return f"{one('one')} / {one('two')}"
 
 
+def tiles_source(tables: MoeTables | None, num_experts: int, n: int, k: int, dtype: torch.dtype,
+                 device: torch.device) -> str:
+    """"tuned" where `tables` (None: the packaged ones) hold this shape's table for this device, else "rule": a row
+    says which tiles it timed (a --tables folder of other shapes or devices times the rule, and says so)."""
+    key = TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch."))
+    return "tuned" if key in (TUNED if tables is None else tables) else "rule"
+
+
 def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables: MoeTables | None = None,
                 device: str = "cuda", prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
                 decode_batches: tuple[int, ...] = DECODE_BATCHES, reps: tuple[int, int] = (10, 50),
@@ -280,6 +291,7 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
     router, w13, w2, k, h = layer(model, tp, dtype, device)
     e, i = w13.shape[0], w13.shape[1] // 2
     dev = torch.device(device)
+    source = tiles_source(tables, e, i, h, dtype, dev)
     rows: list[dict[str, object]] = []
     g = torch.Generator(device=device).manual_seed(1)
     clock = timer(device)
@@ -299,7 +311,8 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         bytes_ms = (read + 2 * x.numel() * x.element_size()) / copy_bw * 1e3
         bound_ms = max(dense_ms, bytes_ms)
         rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
-                     "block_m": cfg.block_m, "ms": ms, "eager_ms": back_to_back_ms(call, reps[0], device),
+                     "block_m": cfg.block_m, "tiles": source, "ms": ms,
+                     "eager_ms": back_to_back_ms(call, reps[0], device),
                      "gate_up_ms": gate_up_ms, "down_ms": down_ms,
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
                      "vs_dense": dense_ms / ms, "bytes_read": read, "bound_ms": bound_ms,
@@ -323,13 +336,18 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         ceiling_ms = read / copy_bw * 1e3
         cfg = moe_config(b * k, e, i, h, dtype, dev, tables)
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
-                     "block_m": cfg.block_m, "tail_m": cfg.tail_m, "unique_experts": unique,
+                     "block_m": cfg.block_m, "tail_m": cfg.tail_m, "tiles": source, "unique_experts": unique,
                      "bytes_read": read, "ms": replay_ms, "eager_ms": eager_ms, "gbps": read / replay_ms / 1e6,
                      "ceiling_ms": ceiling_ms, "of_ceiling": ceiling_ms / replay_ms, "layer_ms": layer_ms,
                      "no_pdl_ms": no_pdl_ms,
                      "route_align_us": route_align_us(logits, k, cfg, reps[1], device),
                      **align_us(ids, e, cfg, reps[1], device)})
     return rows
+
+
+def rule_mark(r: dict[str, object]) -> str:
+    """' (rule)' on a row timed on the untuned rule (no table for its shape here), '' on tuned tiles."""
+    return " (rule)" if r.get("tiles") == "rule" else ""
 
 
 def table(rows: list[dict[str, object]], copy_bw: float) -> str:
@@ -342,7 +360,7 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
             path = float(r[f"align_{r['align_path']}_us"])
             parts = f"{path:.1f} / {float(r['gate_up_ms']) * 1e3:.1f} / {float(r['down_ms']) * 1e3:.1f}"
             out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['pairs']} | {r['block_m']}"
-                       f"{' + tail ' + str(r['tail_m']) if r.get('tail_m') else ''} | {r['ms']:.3f} | "
+                       f"{' + tail ' + str(r['tail_m']) if r.get('tail_m') else ''}{rule_mark(r)} | {r['ms']:.3f} | "
                        f"{r['eager_ms']:.3f} | {parts} | {r['tflops']:.0f} | {r['dense_tflops']:.0f} | "
                        f"{r['vs_dense']:.2f} | {r['bound_ms']:.3f} | {r['bound_by']} | {r['of_bound']:.2f} | "
                        f"{align_cell(r)} |")
@@ -351,7 +369,7 @@ def table(rows: list[dict[str, object]], copy_bw: float) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["phase"] == "decode":
-            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {r['unique_experts']} | "
+            out.append(f"| {r['model']} | {r['tp']}{rule_mark(r)} | {r['tokens']} | {r['unique_experts']} | "
                        f"{int(r['bytes_read']) / 1e6:.1f} | {float(r['ms']) * 1e3:.1f} | "
                        f"{float(r['eager_ms']) * 1e3:.1f} | {r['gbps']:.0f} | {r['of_ceiling']:.2f} | "
                        f"{float(r['no_pdl_ms']) * 1e3:.1f} | {float(r['layer_ms']) * 1e3:.1f} | {align_cell(r)} | "

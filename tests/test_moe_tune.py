@@ -230,3 +230,21 @@ def test_moe_tune_dry_run_refuses_the_flags_it_would_ignore(argv: list[str], say
     with pytest.raises(SystemExit) as e:
         moe_tune.main(["--dry-run", "--out", str(tmp_path), *argv])
     assert e.value.code == 2 and "--dry-run tunes tiny-qwen3-moe" in (err := capsys.readouterr().err) and says in err
+
+
+def test_moe_gemm_rows_say_whether_their_tiles_were_tuned() -> None:
+    """A row timed on the rule says so: a --tables folder of other shapes or devices (or none packaged for this GPU)
+    times the untuned rule, which before 2026-11-30 the table printed under the name of tuned tiles."""
+    import torch
+
+    from bench import moe_gemm
+    from rapidserve.ops.moe_tiles import load_tables
+
+    packaged = load_tables(ROOT / "rapidserve" / "ops" / "moe_configs")
+    h200 = next(k for k in packaged if k.device_name == "NVIDIA H200")
+    dev = torch.device("cpu")  # the interpreter's device name, which no packaged table names
+    assert moe_gemm.tiles_source(packaged, h200.num_experts, h200.n, h200.k, torch.bfloat16, dev) == "rule"
+    here = {TableKey("cpu", h200.num_experts, h200.n, h200.k, "bfloat16"): packaged[h200]}
+    assert moe_gemm.tiles_source(here, h200.num_experts, h200.n, h200.k, torch.bfloat16, dev) == "tuned"
+    assert moe_gemm.tiles_source(here, h200.num_experts, h200.n, h200.k, torch.float16, dev) == "rule"
+    assert moe_gemm.rule_mark({"tiles": "rule"}) == " (rule)" and moe_gemm.rule_mark({"tiles": "tuned"}) == ""
