@@ -201,10 +201,11 @@ def add_partition_args(p: argparse.ArgumentParser, with_mode: bool = True) -> No
                        help="profile file for adaptive (default: profiles/<gpu>__<model>.json if present, else "
                             "the one auto-profile measured and cached, else a roofline estimate)")
         g.add_argument("--auto-profile", action=argparse.BooleanOptionalAction, default=True,
-                       help="serve, adaptive partition on one GPU per engine (policy rapid or drift), no profile "
-                            "given or committed for this GPU and model: measure a short one at start (under a "
-                            "minute) and cache it in $XDG_CACHE_HOME/rapidserve/profiles (~/.cache/...), where "
-                            "the next start finds it; --no-auto-profile uses the roofline estimate instead")
+                       help="serve, adaptive partition on one GPU per engine (policy duet with an ITL SLO, rapid or "
+                            "drift), no profile given or committed for this GPU and model: measure a short one at "
+                            "start (under a minute) and cache it in $XDG_CACHE_HOME/rapidserve/profiles "
+                            "(~/.cache/...), where the next start finds it; --no-auto-profile uses the roofline "
+                            "estimate instead")
     g.add_argument("--partition-backend", default="auto", choices=("auto", "cuda-green", "hip-cumask", "none"))
     g.add_argument("--slo-itl-ms", type=slo_ms, default=50.0, metavar="MS|none",
                    help="inter-token latency SLO (ms) the adaptive policies decide with (default 50), or none: no ITL "
