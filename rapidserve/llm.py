@@ -37,6 +37,7 @@ from rapidserve.llm_inputs import (
 )
 from rapidserve.outputs import CompletionOutput, Logprob, RequestOutput
 from rapidserve.sampling_params import SamplingParams, resolve_bad_words
+from rapidserve.stop_rules import first_stop_string
 from rapidserve.tokenizer import RENDERER_OWNS, Tokenizer, check_chat_template, load_chat_template
 
 log = logging.getLogger("rapidserve.llm")
@@ -101,13 +102,28 @@ class LLM:
         return resolve_bad_words(params, lambda text: tok.encode(text, add_special_tokens=False))
 
     def _stop_string_hit(self, seq: Generation) -> str | None:
-        if not seq.params.stop or self.tokenizer is None:
+        """"stop" once a stop string ends in the text, none of them within the first min_tokens outputs' (vLLM's
+        rule, stop_rules.first_stop_string); else None. Only the last 16 tokens' text is searched, once they all
+        follow the first min_tokens."""
+        params, ids = seq.params, seq.output_token_ids
+        if not params.stop or self.tokenizer is None or len(ids) <= params.min_tokens:
             return None
-        tail = self.tokenizer.decode(seq.output_token_ids[-16:], seq.params.skip_special_tokens)
-        return "stop" if any(s in tail for s in seq.params.stop) else None
+        if len(ids) - params.min_tokens > 16:
+            text, floor = self.tokenizer.decode(ids[-16:], params.skip_special_tokens), 0
+        else:
+            text, floor = self._text_and_floor(ids, params)
+        return "stop" if first_stop_string(text, params.stop, floor) is not None else None
+
+    def _text_and_floor(self, ids: list[int], params: SamplingParams) -> tuple[str, int]:
+        """The text of `ids`, and how many of its characters the first min_tokens of them made."""
+        assert self.tokenizer is not None
+        floor = len(self.tokenizer.decode(ids[:params.min_tokens], params.skip_special_tokens)) \
+            if params.min_tokens else 0
+        return self.tokenizer.decode(ids, params.skip_special_tokens), floor
 
     def _finish(self, seq: Generation) -> tuple[str, int | str | None]:
-        """The output text and stop_reason as vLLM makes them: the text up to the earliest stop string, which it
+        """The output text and stop_reason as vLLM makes them: the text up to the earliest stop string (of those
+        that end past the first min_tokens outputs' text), which it
         keeps only with `include_stop_str_in_output`, as it keeps the text of the stop token (EOS, a stop id) that
         ended it; "" with detokenize=False. stop_reason: that stop string, or that stop token's id when it is one
         of stop_token_ids and not an EOS it would have stopped on anyway; None otherwise (EOS, length)."""
@@ -117,10 +133,10 @@ class LLM:
         stop_id = last if last in params.stop_token_ids and last not in eos else None
         if self.tokenizer is None or not params.detokenize:
             return "", stop_id
-        text = self.tokenizer.decode(ids, params.skip_special_tokens)
-        hits = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
-        if hits:
-            cut, s = min(hits)
+        text, floor = self._text_and_floor(ids, params)
+        hit = first_stop_string(text, params.stop, floor)
+        if hit is not None:
+            cut, s = hit
             return (text[:cut + len(s)] if params.include_stop_str_in_output else text[:cut]), s
         if last is not None and not params.include_stop_str_in_output:
             return self.tokenizer.decode(ids[:-1], params.skip_special_tokens), stop_id  # ended by a stop token

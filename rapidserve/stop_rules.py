@@ -3,10 +3,14 @@
 A request ends after an output token on EOS (unless `ignore_eos`) or one of its `stop_token_ids` (neither
 below `min_tokens`, which bans them meanwhile: `early_stop_bans`, except that a grammar request gets EOS only
 once its grammar is complete, and then ends), on `max_tokens`, or at the context cap (the window, or the KV
-pool's capacity where that is smaller). Stop strings are the caller's (they need the text).
+pool's capacity where that is smaller). Stop strings are the caller's (they need the text): `first_stop_string`
+is their one match rule, which, as vLLM's, matches none that ends within the text of the first `min_tokens`
+outputs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from rapidserve.sampling_params import SamplingParams
 
@@ -48,3 +52,12 @@ def early_stop_bans(params: SamplingParams, num_outputs: int, eos_token_ids: tup
         return []
     banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     return sorted(banned)
+
+
+def first_stop_string(text: str, stops: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in `text` (its index and itself), or None: only a match that ends past the first
+    `floor` characters counts. `floor`: how much of `text` the first `min_tokens` outputs made (as vLLM's
+    detokenizer, which searches for stop strings only in the text that follows them, and the stop strings that
+    straddle its end), so a stop string never ends a request below min_tokens; 0 without min_tokens."""
+    hits = [(i, s) for s in stops if s and (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    return min(hits) if hits else None

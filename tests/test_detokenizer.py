@@ -183,6 +183,22 @@ def test_include_stop_keeps_the_stop_string_and_holds_nothing_back(tok: Tokenize
     assert "".join(deltas) + tail == "one two" and not d.stopped
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_no_stop_string_ends_within_min_tokens(tok: Tokenizer, include_stop: bool) -> None:
+    """vLLM's rule (its detokenizer, PR 22014): a stop string that ends within the text of the first min_tokens
+    tokens is not matched; the first one ending after it is, a stop string straddling that point too."""
+    ids = char_ids(tok, "xaxbxcx")
+    d = IncrementalDetokenizer(tok, [], True, ("x",), include_stop, min_tokens=4)
+    out = "".join(d.add(i) for i in ids) + d.flush()
+    assert d.stopped and out == ("xaxbx" if include_stop else "xaxb")
+    d = IncrementalDetokenizer(tok, [], True, ("bx",), include_stop, min_tokens=4)  # "b" is token 4, "x" token 5
+    out = "".join(d.add(i) for i in ids) + d.flush()
+    assert d.stopped and out == ("xaxbx" if include_stop else "xax")
+    d = IncrementalDetokenizer(tok, [], True, ("ax",), include_stop, min_tokens=4)  # only within them: never
+    out = "".join(d.add(i) for i in ids) + d.flush()
+    assert not d.stopped and out == "xaxbxcx"
+
+
 # ---------------------------------------------------------------- per-token strings
 
 

@@ -108,6 +108,17 @@ CASES = [
                                        "include_stop_str_in_output": True},
          _all(lambda c: c["_text"] == "x" and c["finish_reason"] == "stop", "the stop token kept"), llm=False,
          extra={"stream": True}),
+    # vLLM matches no stop string that ends within the first min_tokens tokens' text: "x" forced, stop "x"
+    Case("min_tokens_with_stop_string", {"logit_bias": {"104": 100}, "stop": ["x"], "min_tokens": 4, "max_tokens": 6,
+                                         "ignore_eos": True},
+         _all(lambda c: c["_text"] == "xxxx" and c["finish_reason"] == "stop", "4 tokens' text, then the stop")),
+    Case("min_tokens_with_stop_string_kept", {"logit_bias": {"104": 100}, "stop": ["x"], "min_tokens": 4,
+                                              "max_tokens": 6, "ignore_eos": True, "include_stop_str_in_output": True},
+         _all(lambda c: c["_text"] == "xxxxx" and c["finish_reason"] == "stop", "5 x, the stop string kept")),
+    Case("min_tokens_with_stop_string_stream", {"logit_bias": {"104": 100}, "stop": ["x"], "min_tokens": 4,
+                                                "max_tokens": 6, "ignore_eos": True},
+         _all(lambda c: c["_text"] == "xxxx" and c["finish_reason"] == "stop", "4 tokens' text, then the stop"),
+         llm=False, extra={"stream": True}),
     # request options: HTTP only
     Case("stream", {}, llm=False, extra={"stream": True}),
     Case("stream_usage", {}, llm=False, extra={"stream": True, "stream_options": {"include_usage": True}}),

@@ -7,10 +7,11 @@ sentencepiece tokens, multi-byte characters split across tokens). A delta whose 
 U+FFFD (an incomplete UTF-8 sequence) is held back until the next tokens complete the character.
 
 Stop strings are matched on the detokenized text: the earliest match ends the output before the stop
-string, and text that may still become the start of a stop string is held back until it cannot. With
-`include_stop` (vLLM's `include_stop_str_in_output`) the output ends after the stop string instead, and
-nothing is held back: text is released as soon as it is complete, and a match is searched over the
-new text and the released tail a stop string could straddle.
+string (none that ends within the text of the first `min_tokens` tokens, as in vLLM:
+`stop_rules.first_stop_string`), and text that may still become the start of a stop string is held back
+until it cannot. With `include_stop` (vLLM's `include_stop_str_in_output`) the output ends after the stop
+string instead, and nothing is held back: text is released as soon as it is complete, and a match is
+searched over the new text and the released tail a stop string could straddle.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from rapidserve.stop_rules import first_stop_string
 from rapidserve.tokenizer import Tokenizer
 
 # How many prompt tokens give the first output token its context (vLLM uses the same 5).
@@ -42,11 +44,13 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = (), include_stop: bool = False) -> None:
+                 stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
+        self._floor = 0  # characters of text the first min_tokens tokens made: no stop string may end within it
         self.stopped = False
         self.stop_str: str | None = None
         self.output_ids: list[int] = []
@@ -84,7 +88,10 @@ class IncrementalDetokenizer:
             return ""
         self.output_ids.append(token_id)
         self._ids.append(token_id)
-        return self._release(self._next_text(final=False), final=False)
+        delta = self._next_text(final=False)
+        if len(self.output_ids) <= self.min_tokens:
+            self._floor = len(self.text) + len(self._pending) + len(delta)
+        return self._release(delta, final=False)
 
     def add_many(self, token_ids: Iterable[int]) -> str:
         """`add` each token in turn (stopping at a stop string); return the joined deltas."""
@@ -112,9 +119,9 @@ class IncrementalDetokenizer:
         pending = self._pending + delta
         # Every match starts inside `pending`: earlier text was released only once it could not
         # begin a stop string.
-        hits = [(i, s) for s in self.stop if (i := pending.find(s)) >= 0]
-        if hits:
-            cut, self.stop_str = min(hits)
+        hit = first_stop_string(pending, self.stop, self._floor - len(self.text))
+        if hit is not None:
+            cut, self.stop_str = hit
             self.stopped = True
             out, self._pending = pending[:cut], ""
         elif final:
@@ -130,10 +137,10 @@ class IncrementalDetokenizer:
         """`include_stop`: release `delta`, cut just after the earliest stop string that ends in it."""
         tail = self.text[len(self.text) - self._max_hold:] if self._max_hold else ""
         window = tail + delta  # released text was searched already: every match here ends inside `delta`
-        hits = [(i, s) for s in self.stop if (i := window.find(s)) >= 0]
+        hit = first_stop_string(window, self.stop, self._floor - (len(self.text) - len(tail)))
         out = delta
-        if hits:
-            start, self.stop_str = min(hits)
+        if hit is not None:
+            start, self.stop_str = hit
             self.stopped = True
             out = window[len(tail):start + len(self.stop_str)]
         self.text += out

@@ -151,7 +151,7 @@ class Generation:
         p = req.params
         params = p.for_sample(c.index % p.n)
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
-                                       p.include_stop_str_in_output)
+                                       p.include_stop_str_in_output, p.min_tokens)
         t0 = last = time.monotonic()
         stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         c.state = "pending"
