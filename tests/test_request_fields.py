@@ -357,6 +357,21 @@ def test_field_through_server(server: Served, case: Case) -> None:
     assert status == 200  # no worker died of it (nor of any other case)
 
 
+def test_generate_return_token_ids_through_server(server: Served) -> None:
+    """/generate's return_token_ids on every engine path, whole and streamed: the ids come back (it dropped them)."""
+    body = {"prompt": QUESTION, "max_tokens": 4, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+    status, _, raw = http(server.srv.url + "/generate", "POST", json.dumps(body).encode(),
+                          {"Content-Type": "application/json"})
+    out = json.loads(raw)
+    assert status == 200 and len(out["token_ids"]) == 4 and len(out["prompt_token_ids"]) > 0, raw
+    status, _, raw = http(server.srv.url + "/generate", "POST", json.dumps({**body, "stream": True}).encode(),
+                          {"Content-Type": "application/json"})
+    events = [json.loads(ln[6:]) for ln in raw.decode().split("\n") if ln.startswith("data: {")]
+    assert status == 200 and [len(e["token_ids"]) for e in events] == [1, 1, 1, 1], raw
+    assert events[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert http(server.srv.url + "/health")[0] == 200
+
+
 BAD_CONTROLS = [
     ("presence_penalty", 3), ("presence_penalty", "1"), ("frequency_penalty", -2.5), ("repetition_penalty", 0),
     ("logit_bias", {"49152": 1}), ("logit_bias", {"a": 1}), ("logit_bias", {"1": "x"}), ("allowed_token_ids", []),

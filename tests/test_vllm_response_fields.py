@@ -100,6 +100,44 @@ def test_return_token_ids_and_continuous_usage_streamed(tok: Tokenizer) -> None:
     with_server(tok, check)
 
 
+def test_generate_answers_return_token_ids(tok: Tokenizer) -> None:
+    """/generate takes return_token_ids (every endpoint's field): its answer carries the ids as completions' do,
+    whole and streamed (the prompt's in the first event); it dropped them, answering text alone."""
+    prompt = tok.encode("hello there")
+
+    async def check(post: Post) -> None:
+        status, out = await post("/generate", {"prompt": prompt, "max_tokens": 3, "return_token_ids": True})
+        assert status == 200 and out["token_ids"] == [5, 6, 7] and out["prompt_token_ids"] == prompt, out
+        status, events = await post("/generate", {"prompt": "hello there", "max_tokens": 3, "stream": True,
+                                                  "return_token_ids": True})
+        assert status == 200 and [e["token_ids"] for e in events] == [[5], [6], [7]], events
+        assert [e.get("prompt_token_ids") for e in events] == [tok.encode("hello there"), None, None]
+        status, out = await post("/generate", {"prompt": prompt, "max_tokens": 2})  # not asked: not there
+        assert status == 200 and "token_ids" not in out and "prompt_token_ids" not in out
+
+    with_server(tok, check)
+
+
+def test_generate_without_a_tokenizer_answers_the_ids() -> None:
+    """A model without a tokenizer (a preset) answers empty text: /generate gives the output's token ids then, as
+    completions do, streamed and not (it answered "" and nothing else)."""
+    from tests.server_fakes import running_server
+
+    async def main() -> None:
+        import aiohttp
+
+        async with running_server(FakeEngine(delay=0)) as (_, url), aiohttp.ClientSession() as s:
+            async with s.post(url + "/generate", json={"prompt": [1, 2], "max_tokens": 3}) as r:
+                out = await r.json()
+            assert r.status == 200 and out["text"] == "" and out["token_ids"] == [5, 6, 7], out
+            async with s.post(url + "/generate", json={"prompt": [1, 2], "max_tokens": 2, "stream": True}) as r:
+                text = await r.text()
+            events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+            assert [e["token_ids"] for e in events] == [[5], [6]], events
+
+    asyncio.run(main())
+
+
 def test_user_and_request_id_are_in_the_request_log_line(tok: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
     async def check(post: Post) -> None:
         assert (await post("/v1/completions", {"prompt": "hi", "max_tokens": 1, "user": "alice",

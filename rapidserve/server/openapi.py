@@ -68,7 +68,8 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/completions": _generation("Text completions (OpenAI)", completion),
             "/v1/chat/completions": _generation("Chat completions (OpenAI)", chat),
-            "/generate": _generation("Plain generation: {text, meta_info}", generate),
+            "/generate": _generation("Plain generation: {text, meta_info} (with return_token_ids also token_ids, "
+                                     "prompt_token_ids)", generate),
             "/v1/models": {"get": _op("The served model", {"200": _json(obj, "the model list"),
                                                            **_errors("401")}, False)},
             "/health": {"get": _op("Readiness", {"200": _json(health, "ready"),

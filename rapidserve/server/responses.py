@@ -100,9 +100,17 @@ def _prompt_ids(req: GenRequest, index: int) -> list[int]:
     return list(req.prompts[index // req.params.n])
 
 
-def generate_response(text: str, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """/generate's answer (SGLang's shape) {"text", "meta_info"}; streams send one per delta."""
-    return {"text": text, "meta_info": dict(meta)}
+def generate_response(text: str, meta: Mapping[str, Any], token_ids: Sequence[int] | None = None,
+                      prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """/generate's answer (SGLang's shape) {"text", "meta_info"}; streams send one per delta. With `token_ids`
+    (return_token_ids, or a model without a tokenizer, whose text is empty) the output's ids too, and with
+    `prompt_token_ids` the prompt's (return_token_ids: in a stream's first event), named as completions' are."""
+    out: dict[str, Any] = {"text": text, "meta_info": dict(meta)}
+    if token_ids is not None:
+        out["token_ids"] = list(token_ids)
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(prompt_token_ids)
+    return out
 
 
 # ---------------------------------------------------------------- whole responses of a GenRequest
@@ -138,7 +146,9 @@ def final_response(req: GenRequest, req_id: str, created: int, model: str, choic
     if req.kind == "generate":
         c = choices[0]
         return generate_response(c.text, {"id": req_id, "finish_reason": openai_finish_reason(c.finish_reason),
-                                          **usage})
+                                          **usage},
+                                 c.token_ids if tokenizer is None or req.return_token_ids else None,
+                                 _prompt_ids(req, c.index) if req.return_token_ids else None)
     out = []
     for c in sorted(choices, key=lambda c: c.index):
         fr = openai_finish_reason(c.finish_reason)
@@ -209,7 +219,9 @@ def stream_chunk(req: GenRequest, req_id: str, created: int, model: str, index: 
     length of the choice's text sent before this event (for completions' logprobs.text_offset)."""
     fr = openai_finish_reason(finish_reason)
     if req.kind == "generate":
-        return generate_response(delta, {"id": req_id, "finish_reason": fr})
+        return generate_response(delta, {"id": req_id, "finish_reason": fr},
+                                 [tok.token_id] if tokenizer is None or req.return_token_ids else None,
+                                 _prompt_ids(req, index) if req.return_token_ids and tok.index == 0 else None)
     lp = _logprobs_for(req, tokenizer, [tok.token_id], [tok.logprob], [tok.top_logprobs], text_offset)
     if req.kind == "chat":
         choice = chat_chunk_choice(index, delta, fr, lp)

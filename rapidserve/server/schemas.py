@@ -152,8 +152,8 @@ class _SamplingRequest(Strict, kw_only=True):
         "the response's id is \"cmpl-\" (chat: \"chatcmpl-\") and this, as vLLM's (1 to 256 characters)"))] \
         | None = None
     return_token_ids: Annotated[bool, Meta(description=(
-        "true: each choice also carries its token ids (`token_ids`) and the prompt's (`prompt_token_ids`; streams: "
-        "in each choice's first chunk), as vLLM's"))] | None = None
+        "true: each choice (/generate: the answer) also carries its token ids (`token_ids`) and the prompt's "
+        "(`prompt_token_ids`; streams: in each choice's first chunk), as vLLM's"))] | None = None
     response_format: ResponseFormat | None = None
     # Structured outputs (vLLM's fields; at most one of these and a non-text response_format).
     structured_outputs: StructuredOutputsBody | None = None
