@@ -212,6 +212,8 @@ TOOL_CASES = {
     "tools_auto": {"tools": [TOOL], "tool_choice": "auto"},
     "tools_none": {"tools": [TOOL], "tool_choice": "none"},
     "tools_required": {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+    "tools_auto_not_parallel": {"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False},
+    "tools_auto_not_parallel_stream": {"tools": [TOOL], "parallel_tool_calls": False, "stream": True},
     "tools_named": {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
     "tools_history": {"tools": [TOOL], "messages": HISTORY},
     "tools_stream_n_stop": {"tools": [TOOL], "stream": True, "n": 2, "temperature": 1.0, "seed": 3,
@@ -327,11 +329,14 @@ def test_tool_field_through_server(server: Served, name: str) -> None:
             m = c["message"]
             assert isinstance(m["content"], str) or m["tool_calls"], c
             assert all(t["function"]["name"] == "get_weather" for t in m.get("tool_calls") or [])
+            assert fields.get("parallel_tool_calls") is not False or len(m.get("tool_calls") or []) <= 1
             assert c["finish_reason"] in ("stop", "length", "tool_calls")
     else:  # streamed: every choice ends with a finish reason; usage when asked
         ends = {c["index"]: c["finish_reason"] for e in got for c in e["choices"] if c["finish_reason"]}
         assert sorted(ends) == list(range(fields.get("n", 1))), got[-3:]
         assert all(r in ("stop", "length", "tool_calls") for r in ends.values())
+        if fields.get("parallel_tool_calls") is False:  # only call 0 is streamed
+            assert all(t["index"] == 0 for e in got for c in e["choices"] for t in c["delta"].get("tool_calls") or [])
         if fields.get("stream_options"):
             assert got[-1]["usage"]["completion_tokens"] > 0
     assert http(server.srv.url + "/health")[0] == 200  # no worker died of it

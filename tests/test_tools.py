@@ -4,6 +4,7 @@ rendering tools and tool messages, the parser choice, and the answer and stream 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -290,6 +291,22 @@ def test_answer_and_stream_agree(plan: str, text: str, content: str | None,
             continue  # streamed as the call it began before the cut; the whole answer is its text
         assert [(n, json.loads(args)) for n, args in got_calls] == calls, (seed, got_calls)
         assert got_content.strip() == (content or "") if calls else got_content == text
+
+
+@pytest.mark.parametrize("plan", ["hermes", "llama3_json"])
+def test_parallel_tool_calls_false_keeps_the_first_call(ctx: rq.ProtocolContext, plan: str) -> None:
+    """parallel_tool_calls false with tool_choice "auto": as vLLM, only the model's first call is answered, whole and
+    streamed (it was dropped: both calls were answered). The request's plan carries it."""
+    assert parse({"tools": TOOLS, "parallel_tool_calls": False}, ctx).tools.parallel is False  # type: ignore[union-attr]
+    assert parse({"tools": TOOLS}, ctx).tools.parallel is True  # type: ignore[union-attr]
+    text, content, calls = next((t, c, k) for p, t, c, k in TEXTS if p == plan and len(k) == 2)
+    one = dataclasses.replace(PLANS[plan], parallel=False)
+    a = tc.answer(text, one)
+    assert (a.content, _calls(a)) == (content, calls[:1])
+    assert tc.finish_reason(one, bool(a.calls), "stop") == "tool_calls"
+    for seed in (None, *range(6)):
+        got_content, got_calls, _ = _reassemble(_stream(one, text, seed))
+        assert [(n, json.loads(args)) for n, args in got_calls] == calls[:1], (seed, got_calls)
 
 
 @pytest.mark.parametrize("plan", ["required", "hermes"])

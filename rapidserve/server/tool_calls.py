@@ -9,7 +9,8 @@ Text that does not parse (possible only while the constraint is not enforced, or
 the output) stays the message's content with no calls, as vLLM's parsers leave text they cannot
 read. `ToolStream` gives the same calls as OpenAI-style deltas while the text is generated;
 `finish_reason` is "tool_calls" when "auto" or "required" produced calls (a named function's answer
-keeps the engine's "stop", as OpenAI's and vLLM's do).
+keeps the engine's "stop", as OpenAI's and vLLM's do). With parallel_tool_calls false (`ToolPlan.parallel`) only
+the first call is answered, whole and streamed, as vLLM's answer keeps it.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def answer(text: str, plan: ToolPlan) -> ToolAnswer:
     if plan.mode == "auto":
         assert plan.parser is not None
         parsed = parse(text, plan.parser)
-        return ToolAnswer(parsed.content, parsed.calls) if parsed.calls else ToolAnswer(text, ())
+        calls = parsed.calls if plan.parallel else parsed.calls[:1]
+        return ToolAnswer(parsed.content, calls) if calls else ToolAnswer(text, ())
     if plan.mode == "required":
         calls = _required_calls(text, plan.names)
         return ToolAnswer(None, calls) if calls else ToolAnswer(text, ())
@@ -119,6 +121,7 @@ class ToolStream:
             self._stream = JsonCallStream("named", plan.function)
         else:
             raise ValueError("tool_choice \"none\" streams plain content: no ToolStream")
+        self._parallel = plan.parallel
 
     @property
     def called(self) -> bool:
@@ -126,7 +129,12 @@ class ToolStream:
         return self._stream.called
 
     def feed(self, text: str) -> list[Delta]:
-        return [d for d in self._stream.feed(text) if d.index is not None or d.content]
+        return self._kept(self._stream.feed(text))
 
     def finish(self) -> list[Delta]:
-        return [d for d in self._stream.finish() if d.index is not None or d.content]
+        return self._kept(self._stream.finish())
+
+    def _kept(self, deltas: list[Delta]) -> list[Delta]:
+        """The deltas with something in them; without parallel calls, none of a second call (vLLM keeps index 0)."""
+        return [d for d in deltas if (d.index is not None and (self._parallel or d.index == 0))
+                or (d.index is None and d.content)]

@@ -43,7 +43,9 @@ class ToolPlan:
     - names: the tools' function names, in order;
     - parser: the tool-call format to parse ("auto" mode only);
     - function: the forced function's name ("named" mode only);
-    - schema: the JSON schema the output is constrained to ("required" and "named"), as JSON text.
+    - schema: the JSON schema the output is constrained to ("required" and "named"), as JSON text;
+    - parallel: the request's parallel_tool_calls is not false; false keeps only the first call the model makes, as
+      vLLM's answer does ("auto"; "required"'s schema allows one call then, and "named" makes one anyway).
     """
 
     mode: ToolMode
@@ -52,6 +54,7 @@ class ToolPlan:
     parser: str | None = None
     function: str | None = None
     schema: str | None = None
+    parallel: bool = True
 
     @property
     def parses(self) -> bool:
@@ -180,10 +183,11 @@ def plan_tools(r: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
                                              "--enable-auto-tool-choice (and --tool-call-parser for models whose "
                                              "family is not recognised); send tool_choice \"required\", a named "
                                              "function or \"none\" instead")
-        return ToolPlan("auto", dicts, names, parser=auto_parser)
+        return ToolPlan("auto", dicts, names, parser=auto_parser, parallel=r.parallel_tool_calls is not False)
     if mode == "required":
         schema = required_schema(dicts, r.parallel_tool_calls is not False)
-        return ToolPlan("required", dicts, names, schema=json.dumps(schema, ensure_ascii=False))
+        return ToolPlan("required", dicts, names, schema=json.dumps(schema, ensure_ascii=False),
+                        parallel=r.parallel_tool_calls is not False)
     assert isinstance(r.tool_choice, NamedToolChoice)
     name = r.tool_choice.function.name
     if name not in names:
