@@ -159,6 +159,8 @@ def test_tokenize_a_requests_own_chat_template_needs_the_flag(tok: Tokenizer) ->
     ({"messages": MSGS, "continue_final_message": True}, 400, "continue_final_message"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),
     ({"prompt": "hi", "continue_final_message": True}, 400, "continue_final_message"),
+    ({"prompt": "hi", "add_generation_prompt": False}, 400, "add_generation_prompt"),  # was accepted and ignored
+    ({"prompt": "hi", "add_generation_prompt": True}, 400, "add_generation_prompt"),
     ({"messages": MSGS, "chat_template": "{{ x }}"}, 400, "chat_template"),  # no --trust-request-chat-template
     ({"messages": MSGS, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
     ({"messages": MSGS, "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),

@@ -158,6 +158,10 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
         for name in ("tools", "continue_final_message", "documents", "chat_template", "chat_template_kwargs"):
             if getattr(r, name) not in (None, False):
                 raise bad_request(name, f"'{name}' goes with 'messages', not with 'prompt'")
+        if r.add_generation_prompt is not None:  # either value: a text is tokenized as it is, with no turn header
+            raise bad_request("add_generation_prompt", "'add_generation_prompt' goes with 'messages' (it ends the "
+                                                       "rendered chat with the assistant's turn header); a 'prompt' "
+                                                       "is tokenized as it is: leave it out")
         special = True if r.add_special_tokens is None else r.add_special_tokens
         if len(r.prompt) > OFFLOAD_CHARS:
             return await asyncio.to_thread(tok.encode, r.prompt, special)
