@@ -85,6 +85,9 @@ class StructuredOutputs(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
             v = getattr(self, name)
             check(isinstance(v, bool), f"structured_outputs.{name}={v!r} must be a bool")
+        check(not self.disable_additional_properties or self.json is not None,
+              f"structured_outputs.disable_additional_properties=True closes the objects of a JSON schema (json), and "
+              f"this constraint is {set_[0]}, which it would not change: leave it False")
         for name in ("json", "regex", "grammar"):
             v = getattr(self, name)
             check(v is None or (isinstance(v, str) and v.strip() != ""),

@@ -279,6 +279,18 @@ def test_response_format_on_completions(ctx: rq.ProtocolContext) -> None:
     assert refused("completion", {"prompt": "hi", "response_format": {"type": "xml"}}, ctx).param == "response_format"
     e = refused("completion", {"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"}, ctx)
     assert e.param == "guided_regex"
+    # a schema that the type would not enforce, and a JSON-schema option on another constraint: refused by name
+    # (both were accepted and dropped, the output unconstrained by the schema)
+    for kind in ("completion", "chat"):
+        base = BASES[kind]
+        for t in ("text", "json_object"):
+            e = refused(kind, {**base, "response_format": {"type": t, "json_schema": {"name": "p", "schema": {
+                "type": "object"}}}}, ctx)
+            assert e.param == "response_format" and "json_schema" in e.message, e.message
+        e = refused(kind, {**base, "structured_outputs": {"regex": "a+", "disable_additional_properties": True}}, ctx)
+        assert e.param == "structured_outputs" and "disable_additional_properties" in e.message, e.message
+        p = parse(kind, {**base, "structured_outputs": {"regex": "a+", "disable_additional_properties": False}}, ctx)
+        assert p.params.structured_outputs is not None and p.params.structured_outputs.regex == "a+"
 
 
 # What vllm-router (deploy/router) forwards: the client's body plus SGLang's fields at their defaults (captured from

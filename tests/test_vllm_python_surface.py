@@ -140,6 +140,9 @@ def test_structured_outputs_take_vllms_fields() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=StructuredOutputs) == so  # closing again: same
     assert json.loads(StructuredOutputs(json=schema).json or "") == schema  # not closed unless asked
     assert StructuredOutputs(regex="a+", disable_any_whitespace=True).regex == "a+"
+    for other in ({"regex": "a+"}, {"choice": ["a"]}, {"json_object": True}):  # it closes nothing there: refused
+        with pytest.raises(SamplingParamsError, match="disable_additional_properties"):
+            StructuredOutputs(**other, disable_additional_properties=True)
     assert "structured_outputs.disable_any_whitespace" in SHARED_NO_EFFECT and set(SHARED_NO_EFFECT) <= set(NO_EFFECT)
     for name in ("whitespace_pattern", "structural_tag"):
         with pytest.raises(SamplingParamsError) as e:

@@ -50,6 +50,10 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
         if rf is not None and getattr(rf, name) is not None:
             raise bad_request("response_format", f"'response_format.{name}' goes only with type structural_tag, "
                                                  "which this server does not support: leave it out")
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise bad_request("response_format", f"'response_format.json_schema' goes only with type json_schema, and "
+                                             f"type is {rf.type}, which would not enforce it: send type "
+                                             "json_schema, or leave json_schema out")
     if rf is not None and rf.type == "json_object":
         out.append(("response_format", StructuredOutputs(json_object=True)))
     elif rf is not None and rf.type == "json_schema":
@@ -75,6 +79,10 @@ def _candidates(r: RequestBody) -> list[tuple[str, StructuredOutputs]]:
                                                     f"choice, grammar, json_object; got {set_ or 'none'}")
         k = set_[0]
         v = getattr(so, k)
+        if so.disable_additional_properties and k != "json":
+            raise bad_request("structured_outputs", "'structured_outputs.disable_additional_properties' closes the "
+                                                    f"objects of a JSON schema ('json'), and this one is '{k}', "
+                                                    "which it would not change: leave it out")
         if so.disable_additional_properties and k == "json":
             v = closed_objects(json.loads(v) if isinstance(v, str) else v)
         c = StructuredOutputs(json=_schema_text(v, "structured_outputs.json")) if k == "json" else \
