@@ -475,3 +475,26 @@ def test_profile_command_has_no_auto_profile_flag(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit) as e:
         main(["profile", "--no-auto-profile"])
     assert e.value.code == 2 and "--no-auto-profile" in capsys.readouterr().err
+
+
+def test_a_cached_profile_of_another_model_under_the_same_name_is_measured_again(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiles are found by the model's name alone (a folder's last component), so `/a/model` (dense) and `/b/model`
+    (mixture of experts) share a cache file: the MoE model must not read the dense model's timings as its own. The
+    profile records the model's shape, and one measured for another shape is measured again, saying why."""
+    from rapidserve.loader.presets import load_preset, save_as_hf_folder
+
+    monkeypatch.setenv("RAPIDSERVE_PROFILES_DIR", str(tmp_path / "committed"))
+    cache = tmp_path / "cache"
+    cfgs = {}
+    for where, preset in (("a", "tiny-llama"), ("b", "tiny-mixtral")):
+        save_as_hf_folder(load_preset(preset), tmp_path / where / "model")
+        cfg, _ = build_engine_config(str(tmp_path / where / "model"), device="cpu", dtype="float32",
+                                     max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
+        cfgs[where] = cfg
+    dense = ap.profile_for_start(cfgs["a"], cache, time.monotonic() + 120, on_gpu=True)  # the real short measurement
+    assert dense.kind == "measured" and dense.path == str(cache / profile_filename("cpu", "/b/model"))
+    calls: list[str] = []
+    moe = ap.profile_for_start(cfgs["b"], cache, time.monotonic() + 60, on_gpu=True, measure=fake_measure(calls))
+    assert moe.kind == "measured" and calls == ["cpu"], moe.message
+    assert "does not load" in moe.warning and "model_shape" in moe.warning and "mixtral" in moe.warning

@@ -52,6 +52,7 @@ from rapidserve.partition.profile import (
     default_profiles_dir,
     load_profile,
     model_label,
+    model_shape,
     profile_filename,
     save_profile,
     variant_of,
@@ -119,14 +120,15 @@ def reads_profile(cfg: EngineConfig) -> bool:
 
 
 def cache_state(path: Path, gpu: str, model: str, tp: int = 1,
-                variant: ProfileVariant | None = None) -> tuple[CacheState, str]:
+                variant: ProfileVariant | None = None, shape: str | None = None) -> tuple[CacheState, str]:
     """The cached profile's state, and what is wrong with it when it does not load (any ProfileError: bad
-    JSON, a failed validation, another GPU, model, size or variant: fp8 weights, fp8 KV cache)."""
+    JSON, a failed validation, another GPU, model, size or variant: fp8 weights, fp8 KV cache; with `shape`
+    (profile.model_shape), a model of another shape under the same name)."""
     if not path.exists():
         return "absent", ""
     try:
         load_profile(path, expect_gpu=gpu, expect_model=model_label(model), expect_tp=tp,
-                     expect_variant=variant or ProfileVariant())
+                     expect_variant=variant or ProfileVariant(), expect_shape=shape)
     except ProfileError as e:
         return "corrupt", str(e)
     return "valid", ""
@@ -213,7 +215,7 @@ def profile_for_start(cfg: EngineConfig, cache_dir: Path, deadline: float, *, on
     tp, variant = cfg.parallel.tensor_parallel_size, variant_of(cfg)
     committed = default_profiles_dir() / profile_filename(gpu, cfg.model, tp, variant)
     cached = cache_dir / profile_filename(gpu, cfg.model, tp, variant)
-    state, problem = cache_state(cached, gpu, cfg.model, tp, variant)
+    state, problem = cache_state(cached, gpu, cfg.model, tp, variant, model_shape(cfg.model_config))
     choice = choose_profile(given=cfg.partition.profile, committed=committed, committed_exists=committed.exists(),
                             cached=cached, cache=state, auto=True, on_gpu=on_gpu, tp=tp,
                             reads_profile=reads_profile(cfg) and splits)

@@ -43,6 +43,7 @@ from rapidserve.partition.profile import (
     default_profiles_dir,
     load_profile,
     model_label,
+    model_shape,
     profile_filename,
     variant_of,
 )
@@ -200,7 +201,8 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     path, why_not = profile_path(p.profile, default_profiles_dir(), gpu, cfg.model, tp, variant)
     if path is not None:
         prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model),
-                            expect_tp=None if p.profile else tp, expect_variant=variant)
+                            expect_tp=None if p.profile else tp, expect_variant=variant,
+                            expect_shape=model_shape(cfg.model_config))
         if prof.tensor_parallel_size not in (1, tp):
             fix = (f"run `rapidserve profile --shard-of-tp {tp}`" if tp > 1 else
                    f"give a whole-model profile (`rapidserve profile` without --shard-of-tp), or serve with "

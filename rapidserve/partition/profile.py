@@ -9,6 +9,11 @@ The same model runs at other speeds with fp8 weights (--quantization fp8, an FP8
 (--kv-cache-dtype fp8): those are other profiles (`ProfileVariant`), recorded in the file (`quantization`,
 `kv_cache_dtype`; absent in older files: none and auto) and in its name, `<gpu>__<model>__fp8__kvfp8.json`, so a
 profile of one is never read for the other (`load_profile(expect_variant=...)` refuses it by name).
+
+A profile is found by the model's name (`model_label`: a folder's last component), which two models can share
+(`/a/model` and `/b/model`, a dense model and a mixture-of-experts one): the file records the model's shape too
+(`model_shape`: the whole model's, for a shard profile as well; absent in older files: not checked), and
+`load_profile(expect_shape=...)` refuses one measured for another shape, naming both.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 
 if TYPE_CHECKING:
-    from rapidserve.config import EngineConfig
+    from rapidserve.config import EngineConfig, ModelConfig
 
 SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1,)
 OVERALLOCATED = "overallocated"
@@ -107,6 +112,8 @@ class Profile(msgspec.Struct, frozen=True):
     # the run's weights and KV cache (ProfileVariant; the profiles written before these fields: none and auto)
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    # the whole model's shape (`model_shape`; "" in the profiles written before this field: not checked)
+    model_shape: str = ""
 
     @property
     def variant(self) -> ProfileVariant:
@@ -225,12 +232,25 @@ def validate_profile(p: Profile, path: str = "<profile>") -> None:
                     raise _fail(path, "entries", f"missing entry for config={c.name!r} batch={b} context={x}")
 
 
+def model_shape(cfg: ModelConfig) -> str:
+    """What of a model's architecture its timings follow, in one line (`Profile.model_shape`): the family, layers,
+    hidden size, heads, KV heads, head size, MLP features and vocabulary, and a mixture-of-experts model's experts
+    (how many, how many a token, each one's features, the layers with a dense MLP)."""
+    out = (f"{cfg.arch} layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_heads}/{cfg.num_kv_heads}x"
+           f"{cfg.head_dim} intermediate={cfg.intermediate_size} vocab={cfg.vocab_size}")
+    if cfg.moe is not None:
+        out += (f" experts={cfg.moe.num_experts} top_k={cfg.moe.top_k} expert_intermediate={cfg.moe.intermediate_size}"
+                f" dense_layers={len(cfg.moe.dense_layers)}")
+    return out
+
+
 def load_profile(
     path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None,
-    expect_tp: int | None = None, expect_variant: ProfileVariant | None = None,
+    expect_tp: int | None = None, expect_variant: ProfileVariant | None = None, expect_shape: str | None = None,
 ) -> Profile:
     """Read and validate a profile; optionally check it was measured for this GPU, model, tensor-parallel
-    size (a whole model: 1; a rank's shard: the size it was cut for) and variant (fp8 weights, fp8 KV cache)."""
+    size (a whole model: 1; a rank's shard: the size it was cut for), variant (fp8 weights, fp8 KV cache) and
+    model shape (`model_shape` of the whole model; a profile that records none is not checked)."""
     spath = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -264,6 +284,10 @@ def load_profile(
     if mismatches:
         field = "gpu" if mismatches[0].startswith("gpu") else "model"
         raise _fail(spath, field, "; ".join(mismatches) + ". Run `rapidserve profile` to measure this GPU and model.")
+    if expect_shape is not None and prof.model_shape and prof.model_shape != expect_shape:
+        raise _fail(spath, "model_shape", f"the profile was measured for another model named {prof.model!r} "
+                                          f"({prof.model_shape}); this run's is {expect_shape}. Run `rapidserve "
+                                          "profile` to measure this model, or give its own profile with --profile")
     if expect_tp is not None and prof.tensor_parallel_size != expect_tp:
         have, want = prof.tensor_parallel_size, expect_tp
         raise _fail(spath, "tensor_parallel_size",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rapidserve.config import EngineConfig
-from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, OVERALLOCATED, Profile
+from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, OVERALLOCATED, Profile, model_shape
 from rapidserve.partition_config import PartitionConfig
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, run="profile",
         revision=a.revision, download_dir=a.download_dir, load_format=a.load_format,
         partition=PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms, decode_shares=a.decode_shares))
+    whole = model_shape(cfg.model_config)  # what the profile records, a shard's too (the engine checks the whole's)
     if a.shard_of_tp > 1:
         cfg, source = shard_of_tp(cfg, source, a.shard_of_tp)
     cfg = for_profiling(cfg, spec, PartitionConfig(backend=a.partition_backend, slo_itl_ms=a.slo_itl_ms,
@@ -116,7 +117,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     run = run_profile(runner, backend, spec, gpu, cfg.model)
     if a.shard_of_tp > 1:
-        run = dataclasses.replace(run, profile=msgspec.structs.replace(run.profile, tensor_parallel_size=a.shard_of_tp))
+        run = dataclasses.replace(run, profile=msgspec.structs.replace(run.profile, tensor_parallel_size=a.shard_of_tp,
+                                                                       model_shape=whole))
     out = Path(a.out) if a.out else default_profiles_dir() / profile_filename(gpu, cfg.model, a.shard_of_tp,
                                                                               variant_of(cfg))
     save_profile(run.profile, out)

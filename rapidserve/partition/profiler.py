@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from rapidserve.partition.backend import PartitionBackend, on_stream
-from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, Configuration, Entry, Profile, model_label
+from rapidserve.partition.profile import (
+    DEFAULT_BATCH_BUCKETS,
+    Configuration,
+    Entry,
+    Profile,
+    model_label,
+    model_shape,
+)
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
 
 
@@ -225,5 +232,6 @@ def run_profile(runner: ModelRunner, backend: PartitionBackend, spec: ProfileSpe
                       context_buckets=list(spec.context_buckets), entries=entries,
                       created=datetime.now(timezone.utc).isoformat(timespec="seconds"), source="measured",
                       prefill_tokens=spec.prefill_tokens, quantization=runner.cfg.quantization.method,
-                      kv_cache_dtype=runner.cfg.cache.kv_cache_dtype)
+                      kv_cache_dtype=runner.cfg.cache.kv_cache_dtype,
+                      model_shape=model_shape(runner.cfg.model_config))  # a shard's: profile_cmd records the whole's
     return ProfileRun(profile, solo, time.perf_counter() - t0)

@@ -70,7 +70,7 @@ from rapidserve.partition.fp8_costs import fp8_layers, fused_producer_io, is_fp8
 from rapidserve.partition.moe_costs import experts_read, moe_operator_terms
 from rapidserve.partition.peaks import Peaks
 from rapidserve.partition.peaks import measure_peaks as measure_peaks  # its home moved to peaks.py
-from rapidserve.partition.profile import Configuration, Entry, Profile, ProfileVariant
+from rapidserve.partition.profile import Configuration, Entry, Profile, ProfileVariant, model_shape
 from rapidserve.quant_config import QuantizationConfig
 
 
@@ -400,7 +400,8 @@ def roofline_profile(
     stamp = created or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     shard = Profile(gpu_name, model_name, peaks.num_compute_units, list(configurations), list(batch_buckets),
                     list(context_buckets), entries, stamp, "roofline", prefill_tokens=prefill_chunk,
-                    tensor_parallel_size=tp, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype)
+                    tensor_parallel_size=tp, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype,
+                    model_shape=model_shape(model_cfg))
     return with_collectives(shard, model_cfg, peaks, dtype_bytes=dtype_bytes)
 
 
