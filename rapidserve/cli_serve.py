@@ -113,7 +113,8 @@ def add_serve_parser(sub: Any) -> None:
     sv.add_argument("--step-trace", metavar="PATH", default=None,
                     help="append every landed step of the decode worker to PATH, a JSON line each: its shape, rows, "
                          "contexts, prompt chunks, the policy's prediction and the measured time (for "
-                         "bench/step_fit.py; -dp N: PATH.dp<i> per engine); a diagnostic, ~250 bytes a step")
+                         "bench/step_fit.py; -dp N: one file per engine, .dp<i> before the suffix: steps.jsonl -> "
+                         "steps.dp1.jsonl); a diagnostic, ~250 bytes a step")
     add_partition_args(sv)
     sv.set_defaults(func=cmd_serve)
 
