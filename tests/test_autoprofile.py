@@ -25,6 +25,7 @@ from rapidserve.partition.profile import (
     Entry,
     Profile,
     load_profile,
+    model_shape,
     profile_filename,
     save_profile,
     validate_profile,
@@ -308,7 +309,7 @@ def test_profile_for_start_measures_caches_and_finds_the_cache(tmp_path: Path,
     cfg = small_cfg()
     calls: list[str] = []
     first = ap.profile_for_start(cfg, cache, time.monotonic() + 60, on_gpu=True, measure=fake_measure(calls))
-    path = cache / profile_filename("cpu", MODEL)
+    path = cache / ap.cache_filename("cpu", MODEL, 1, None, model_shape(cfg.model_config))
     assert first.kind == "measured" and first.path == str(path) and calls == ["cpu"] and not first.warning
     assert "measured a short profile of preset:tiny-llama on cpu" in first.message and "3 of 50" in first.message
     assert load_profile(path, expect_gpu="cpu", expect_model=MODEL).note.startswith("auto-profile")
@@ -320,7 +321,7 @@ def test_profile_for_start_measures_caches_and_finds_the_cache(tmp_path: Path,
     assert load_profile(path, expect_gpu="cpu", expect_model=MODEL).gpu == "cpu"
     duet = ap.profile_for_start(small_cfg(policy="duet"), tmp_path / "c2", time.monotonic() + 60, on_gpu=True,
                                 measure=fake_measure(calls))
-    assert duet.kind == "measured" and (tmp_path / "c2" / profile_filename("cpu", MODEL)).exists()
+    assert duet.kind == "measured" and (tmp_path / "c2" / path.name).exists()
     save_profile(cpu_profile(), tmp_path / "committed" / profile_filename("cpu", MODEL))  # committed wins
     fourth = ap.profile_for_start(cfg, cache, time.monotonic() + 60, on_gpu=True, measure=no_measure)
     assert fourth.kind == "committed"
@@ -493,8 +494,18 @@ def test_a_cached_profile_of_another_model_under_the_same_name_is_measured_again
                                      max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64)
         cfgs[where] = cfg
     dense = ap.profile_for_start(cfgs["a"], cache, time.monotonic() + 120, on_gpu=True)  # the real short measurement
-    assert dense.kind == "measured" and dense.path == str(cache / profile_filename("cpu", "/b/model"))
+    shapes = {w: model_shape(c.model_config) for w, c in cfgs.items()}
+    assert dense.kind == "measured" and dense.path == str(cache / ap.cache_filename("cpu", "/a/model", 1, None,
+                                                                                   shapes["a"]))
     calls: list[str] = []
     moe = ap.profile_for_start(cfgs["b"], cache, time.monotonic() + 60, on_gpu=True, measure=fake_measure(calls))
-    assert moe.kind == "measured" and calls == ["cpu"], moe.message
-    assert "does not load" in moe.warning and "model_shape" in moe.warning and "mixtral" in moe.warning
+    assert moe.kind == "measured" and calls == ["cpu"] and moe.path != dense.path, moe.message  # a cache of its own
+    assert Path(dense.path).exists() and not moe.warning  # the dense model's cache is kept, not measured over
+    again = ap.profile_for_start(cfgs["a"], cache, time.monotonic() + 60, on_gpu=True, measure=no_measure)
+    assert again.kind == "cached" and again.path == dense.path  # and read at its next start
+    # a file of the other shape under this model's cache name (a digest collision, or a copied file) is still refused
+    Path(moe.path).write_bytes(Path(dense.path).read_bytes())
+    calls.clear()
+    redo = ap.profile_for_start(cfgs["b"], cache, time.monotonic() + 60, on_gpu=True, measure=fake_measure(calls))
+    assert redo.kind == "measured" and calls == ["cpu"], redo.message
+    assert "does not load" in redo.warning and "model_shape" in redo.warning and "mixtral" in redo.warning

@@ -5,7 +5,9 @@ caches it, and the next start reads it.
 Which profile an adaptive engine reads (`choose_profile`, pure; table-tested):
   `--profile` given > the committed `profiles/<gpu>__<model>.json` > (auto-profile, the default; not with
   `--no-auto-profile`, which keeps the committed-or-roofline choice of before) the user's cache,
-  `$XDG_CACHE_HOME/rapidserve/profiles/` or `~/.cache/rapidserve/profiles/` under the same file name >
+  `$XDG_CACHE_HOME/rapidserve/profiles/` or `~/.cache/rapidserve/profiles/` under the committed file name with a
+  digest of the model's shape before `.json` (`cache_filename`: two models named alike, folders `/a/model` and
+  `/b/model`, keep a cache each instead of measuring over each other at every start) >
   a short profile measured now and cached there > the roofline estimate.
 Nothing is measured on a CPU, under tensor parallelism (one rank's shard profile comes from `rapidserve
 profile --shard-of-tp N`), or where no profile is read at all (partition off or static, backend none,
@@ -31,6 +33,7 @@ and measured again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -76,6 +79,14 @@ class ProfileChoice:
     kind: ChoiceKind
     path: Path | None
     why: str
+
+
+def cache_filename(gpu: str, model: str, tp: int, variant: ProfileVariant | None, shape: str) -> str:
+    """The auto-profile cache's file: `profile_filename` with the first 8 hex digits of the SHA-1 of the model's shape
+    (`profile.model_shape`) before `.json`, so that models named alike keep a cache each (the profile's own
+    model_shape is still checked when it loads)."""
+    digest = hashlib.sha1(shape.encode()).hexdigest()[:8]
+    return f"{profile_filename(gpu, model, tp, variant).removesuffix('.json')}__{digest}.json"
 
 
 def profile_cache_dir(env: Mapping[str, str]) -> Path:
@@ -214,8 +225,9 @@ def profile_for_start(cfg: EngineConfig, cache_dir: Path, deadline: float, *, on
         splits = True
     tp, variant = cfg.parallel.tensor_parallel_size, variant_of(cfg)
     committed = default_profiles_dir() / profile_filename(gpu, cfg.model, tp, variant)
-    cached = cache_dir / profile_filename(gpu, cfg.model, tp, variant)
-    state, problem = cache_state(cached, gpu, cfg.model, tp, variant, model_shape(cfg.model_config))
+    shape = model_shape(cfg.model_config)
+    cached = cache_dir / cache_filename(gpu, cfg.model, tp, variant, shape)
+    state, problem = cache_state(cached, gpu, cfg.model, tp, variant, shape)
     choice = choose_profile(given=cfg.partition.profile, committed=committed, committed_exists=committed.exists(),
                             cached=cached, cache=state, auto=True, on_gpu=on_gpu, tp=tp,
                             reads_profile=reads_profile(cfg) and splits)
