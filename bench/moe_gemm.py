@@ -57,18 +57,18 @@ from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref, route  # noqa: E402
 from rapidserve.ops.moe_plan import semaphores  # noqa: E402
-from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, TableKey, load_tables  # noqa: E402
+from rapidserve.ops.moe_tiles import MoeKernelConfig, MoeTables, load_tables  # noqa: E402
 from rapidserve.ops.triton_moe import (  # noqa: E402
     ALIGN_ONE_PROGRAM,
     TUNED,
     align,
     align_tails,
-    device_name,
     fused_moe,
     launch_down,
     launch_gate_up,
     moe_config,
     routed_moe,
+    table_key,
 )
 from rapidserve.ops.triton_moe_align import empty_tails  # noqa: E402
 from rapidserve.ops.triton_moe_route import route_align  # noqa: E402
@@ -279,8 +279,7 @@ def tiles_source(tables: MoeTables | None, num_experts: int, n: int, k: int, dty
                  device: torch.device) -> str:
     """"tuned" where `tables` (None: the packaged ones) hold this shape's table for this device, else "rule": a row
     says which tiles it timed (a --tables folder of other shapes or devices times the rule, and says so)."""
-    key = TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch."))
-    return "tuned" if key in (TUNED if tables is None else tables) else "rule"
+    return "tuned" if table_key(num_experts, n, k, dtype, device) in (TUNED if tables is None else tables) else "rule"
 
 
 def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables: MoeTables | None = None,

@@ -89,6 +89,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
+def table_key(num_experts: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> TableKey:
+    """The key of the tuned table for E experts of intermediate size n and hidden size k in `dtype` on `device`."""
+    return TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch."))
+
+
 def moe_config(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                tables: MoeTables | None = None) -> MoeKernelConfig:
     """Tiles for `pairs` (token, slot) pairs over `num_experts` experts of intermediate size n and hidden size k:
@@ -98,8 +103,7 @@ def moe_config(pairs: int, num_experts: int, n: int, k: int, dtype: torch.dtype,
     hip = torch.version.hip is not None
     if not tables:
         return rule_config(pairs, num_experts, hip)
-    return lookup(tables, TableKey(device_name(device), num_experts, n, k, str(dtype).removeprefix("torch.")), pairs,
-                  hip)
+    return lookup(tables, table_key(num_experts, n, k, dtype, device), pairs, hip)
 
 
 def _check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
