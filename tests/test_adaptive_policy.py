@@ -24,7 +24,15 @@ from rapidserve.partition.policies import (
 )
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, validate_profile
-from rapidserve.partition.roofline import Peaks, concurrent, mixed_operators, step_seconds, without_collectives
+from rapidserve.partition.roofline import (
+    Peaks,
+    concurrent,
+    mixed_operators,
+    prefill_operators,
+    prefix_pair_ms,
+    step_seconds,
+    without_collectives,
+)
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
 from rapidserve.partition.step_policies import fused_buckets
@@ -81,6 +89,32 @@ def test_profile_fused_step_is_composed_from_decode_alone_and_the_prefill_rate()
     assert COSTS.fused_ms((2048,) * 64, [(100, 0)]) == pytest.approx(13.0)  # rides on the weight read decode pays
     assert COSTS.fused_ms((2048,) * 64, []) == pytest.approx(13.0)
     assert COSTS.fused_ms((), [(4000, 0)]) == pytest.approx(4000 / 40)  # no decode: the forward's tokens at R
+
+
+@pytest.mark.parametrize(("chunks", "pairs"), [
+    ([(1000, 0)], 0),  # no prefix: the composition as measured (the profile's forward had prefix 0)
+    ([(1000, 8192)], 1000 * 8192),  # a chunk after 8192 cached tokens: each of its tokens attends to them
+    ([(512, 4096), (300, 0), (200, 11000)], 512 * 4096 + 200 * 11000),  # per chunk, summed
+])
+def test_profile_fused_step_adds_a_chunks_attention_to_its_prefix(chunks: list[tuple[int, int]], pairs: int) -> None:
+    """tokens x prefix (query, key) pairs at `prefix_pair_ms` each, on top of the composition: on an H200 the Mooncake
+    trace's fused steps, chunks after long prefixes, ran 1.08-1.22x their prediction without it."""
+    rate = prefix_pair_ms(QWEN, H100)
+    with_prefix = dataclasses.replace(COSTS, prefix_pair_ms=rate)
+    assert with_prefix.fused_ms((2048,) * 64, chunks) == pytest.approx(COSTS.fused_ms((2048,) * 64, chunks)
+                                                                       + rate * pairs)
+    assert with_prefix.fused_ms((2048,) * 64, []) == COSTS.fused_ms((2048,) * 64, [])  # decode alone: unchanged
+
+
+def test_prefix_pair_ms_is_the_roofline_attention_operators_compute_term() -> None:
+    """Against the roofline's own prefill model: once a prefix makes the attention compute-bound, a chunk's prefill
+    time grows by prefix_pair_ms per added (query, key) pair; per rank at -tp 2 half the heads, half the time."""
+    rate = prefix_pair_ms(QWEN, H100)
+    def chunk_ms(prefix: int) -> float:
+        return 1e3 * step_seconds(prefill_operators(QWEN, 1024, prefix=prefix), 132, H100)
+    assert chunk_ms(16384) - chunk_ms(8192) == pytest.approx(rate * 1024 * 8192, rel=1e-9)
+    assert prefix_pair_ms(QWEN, H100, tp=2) == pytest.approx(rate / 2)
+    assert 0.3e-6 < rate < 3e-6  # Qwen3-8B on an H100-like GPU: about a millisecond per million pairs
 
 
 def test_profile_split_is_the_managers_beside_prefill_bound() -> None:

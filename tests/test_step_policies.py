@@ -15,6 +15,7 @@ from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.roofline import prefix_pair_ms
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts
 from rapidserve.partition.step_policies import (
@@ -89,11 +90,15 @@ def test_make_step_policy() -> None:
     static = PartitionPlan("cuda-green", [Configuration("split32", 32, 100)], None, "static")
     fixed = make_step_policy(cfg(mode="static", static_decode_share=0.25), static)
     assert isinstance(fixed, RapidPolicy) and fixed.decide(state()) == Split("split32", 8192)
+    pairs = prefix_pair_ms(QWEN, H100)  # the plan's peaks price a chunk's attention to its prefix
     duet = make_step_policy(cfg(policy="duet", profile_lookup="interpolate"), plan(PROFILE))
-    assert isinstance(duet, DuetPolicy) and duet.costs == ProfileCosts(PROFILE, interpolate=True)
-    for how, want in (("auto", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=True)),
-                      ("round-up", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=False))):
+    assert isinstance(duet, DuetPolicy) and duet.costs == ProfileCosts(PROFILE, interpolate=True, prefix_pair_ms=pairs)
+    for how, want in (("auto", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=True, prefix_pair_ms=pairs)),
+                      ("round-up", ProfileCosts(PROFILE, interpolate=False, interpolate_fused=False,
+                                                prefix_pair_ms=pairs))):
         assert make_step_policy(cfg(policy="duet", profile_lookup=how), plan(PROFILE)).costs == want
+    no_peaks = dataclasses.replace(plan(PROFILE), peaks=None)  # none measured: no prefix term (the profile alone)
+    assert make_step_policy(cfg(policy="duet"), no_peaks).costs.prefix_pair_ms == 0.0  # type: ignore[attr-defined]
     capped = make_step_policy(dataclasses.replace(cfg(policy="duet"), scheduler=SchedulerConfig(
         prefill_batch_tokens=2048)), plan(PROFILE))
     assert capped.decide(state(slo=15.2)) == Split("split64", 2048, 7)  # --prefill-batch-tokens caps its batches

@@ -303,6 +303,15 @@ def decode_step_ms(
     return 1e3 * step_seconds(ops, units, peaks)
 
 
+def prefix_pair_ms(model_cfg: ModelConfig, peaks: Peaks, tp: int = 1) -> float:
+    """Milliseconds a (query, key) pair of a prompt chunk's attention to its cached prefix adds on the whole GPU,
+    every layer: the attention operator's compute term per pair (4 x q heads x head_dim flops a layer at the
+    'sequence' efficiency). A long prefix makes that operator compute-bound, so its time grows by this per pair;
+    what a fused step composed from a profile measured at prefix 0 leaves out (partition/step_costs.py)."""
+    heads = _tp_sizes(model_cfg, tp)[0]
+    return 1e3 * 4 * heads * model_cfg.head_dim * model_cfg.num_layers / (peaks.matmul_flops * peaks.attn_efficiency)
+
+
 def prefill_tokens_per_s(
     model_cfg: ModelConfig, chunk_tokens: int, units: int, peaks: Peaks, tp: int = 1, *, prefix: int = 0,
     dtype_bytes: int = 2, kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
