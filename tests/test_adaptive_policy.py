@@ -26,10 +26,12 @@ from rapidserve.partition.policy import WaitingPrefill
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile, validate_profile
 from rapidserve.partition.roofline import (
     Peaks,
+    attention_windows,
     concurrent,
     mixed_operators,
     prefill_operators,
     prefix_pair_ms,
+    prefix_pairs,
     step_seconds,
     without_collectives,
 )
@@ -115,6 +117,45 @@ def test_prefix_pair_ms_is_the_roofline_attention_operators_compute_term() -> No
     assert chunk_ms(16384) - chunk_ms(8192) == pytest.approx(rate * 1024 * 8192, rel=1e-9)
     assert prefix_pair_ms(QWEN, H100, tp=2) == pytest.approx(rate / 2)
     assert 0.3e-6 < rate < 3e-6  # Qwen3-8B on an H100-like GPU: about a millisecond per million pairs
+
+
+@pytest.mark.parametrize("window", [None, 1, 7, 64])
+def test_prefix_pairs_are_the_pairs_beyond_the_same_chunk_at_prefix_0(window: int | None) -> None:
+    """Counted one query at a time: the query at position j (1-based) sees min(W, j) keys; what the chunk at positions
+    prefix+1..prefix+n sees beyond the same chunk at 1..n. Without a window tokens x prefix; with one at most
+    W(W-1)/2 however long the prefix (a sliding layer's chunk attends to its last W keys only); non-decreasing in
+    the chunk (fused_chunk's bisection)."""
+    def brute(n: int, p: int) -> int:
+        seen = (lambda j: j) if window is None else (lambda j: min(window, j))
+        return sum(seen(p + i) for i in range(1, n + 1)) - sum(seen(i) for i in range(1, n + 1))
+    for n in (1, 2, 5, 63, 64, 65, 200):
+        for p in (0, 1, 6, 7, 8, 100, 1000):
+            assert prefix_pairs(n, p, window) == brute(n, p), (n, p)
+            assert prefix_pairs(n + 1, p, window) >= prefix_pairs(n, p, window)
+            if window is not None:
+                assert prefix_pairs(n, p, window) <= window * (window - 1) // 2
+    assert prefix_pairs(1000, 100000, None) == 1000 * 100000
+
+
+def test_attention_windows_are_the_layers_windows_and_their_shares() -> None:
+    assert attention_windows(QWEN) == ((None, 1.0),)
+    assert attention_windows(preset_config("mistral-7b")) == ((4096, 1.0),)  # every layer (layer_types empty)
+    assert attention_windows(preset_config("gemma3-12b")) == ((1024, 40 / 48), (None, 8 / 48))  # 5 local : 1 global
+
+
+def test_a_sliding_layers_chunk_attends_to_its_window_of_the_prefix_only() -> None:
+    """Mistral-7B-v0.1 (every layer a 4096 window): a 1000-token chunk after 100K cached tokens adds
+    1000 x 4096 - 1000 x 1001 / 2 pairs a layer, not 1000 x 100K (24x less); Gemma 3 (5 of 6 layers a 1024 window):
+    the global sixth at 1000 x 100K, the rest within their windows."""
+    rate = prefix_pair_ms(QWEN, H100)
+    mistral = dataclasses.replace(COSTS, prefix_pair_ms=rate, prefix_windows=((4096, 1.0),))
+    gemma = dataclasses.replace(COSTS, prefix_pair_ms=rate, prefix_windows=((1024, 5 / 6), (None, 1 / 6)))
+    base = COSTS.fused_ms((2048,) * 64, [(1000, 100000)])
+    assert mistral.fused_ms((2048,) * 64, [(1000, 100000)]) == pytest.approx(base + rate * (1000 * 4096 - 500500))
+    assert gemma.fused_ms((2048,) * 64, [(1000, 100000)]) == pytest.approx(
+        base + rate * (5 / 6 * (1000 * 1024 - 500500) + 1 / 6 * 1000 * 100000))
+    assert mistral.fused_ms((2048,) * 64, [(1000, 2000)]) == pytest.approx(  # a prefix within the window: all of it
+        COSTS.fused_ms((2048,) * 64, [(1000, 2000)]) + rate * 1000 * 2000)
 
 
 def test_profile_split_is_the_managers_beside_prefill_bound() -> None:

@@ -99,6 +99,12 @@ def test_make_step_policy() -> None:
         assert make_step_policy(cfg(policy="duet", profile_lookup=how), plan(PROFILE)).costs == want
     no_peaks = dataclasses.replace(plan(PROFILE), peaks=None)  # none measured: no prefix term (the profile alone)
     assert make_step_policy(cfg(policy="duet"), no_peaks).costs.prefix_pair_ms == 0.0  # type: ignore[attr-defined]
+    gemma = preset_config("gemma3-12b")  # 40 of its 48 layers attend to the last 1024 tokens only
+    windowed = make_step_policy(EngineConfig("preset:gemma3-12b", gemma, partition=PartitionConfig(policy="duet")),
+                                plan(PROFILE)).costs
+    added = windowed.fused_ms((2048,) * 64, [(1000, 100000)]) - windowed.fused_ms((2048,) * 64, [(1000, 0)])
+    want = prefix_pair_ms(gemma, H100) * (8 / 48 * 1000 * 100000 + 40 / 48 * (1000 * 1024 - 1000 * 1001 // 2))
+    assert added == pytest.approx(want)  # not 1000 x 100K pairs on every layer: 5.8x that
     capped = make_step_policy(dataclasses.replace(cfg(policy="duet"), scheduler=SchedulerConfig(
         prefill_batch_tokens=2048)), plan(PROFILE))
     assert capped.decide(state(slo=15.2)) == Split("split64", 2048, 7)  # --prefill-batch-tokens caps its batches

@@ -306,10 +306,40 @@ def decode_step_ms(
 def prefix_pair_ms(model_cfg: ModelConfig, peaks: Peaks, tp: int = 1) -> float:
     """Milliseconds a (query, key) pair of a prompt chunk's attention to its cached prefix adds on the whole GPU,
     every layer: the attention operator's compute term per pair (4 x q heads x head_dim flops a layer at the
-    'sequence' efficiency). A long prefix makes that operator compute-bound, so its time grows by this per pair;
-    what a fused step composed from a profile measured at prefix 0 leaves out (partition/step_costs.py)."""
+    'sequence' efficiency). A chunk of more than a few dozen tokens makes that operator compute-bound (2 x Hq/Hkv x
+    tokens flops per KV byte read), so its time grows by this per pair; what a fused step composed from a profile
+    measured at prefix 0 leaves out (partition/step_costs.py). A layer with a sliding window has fewer pairs
+    (`prefix_pairs`), and a chunk of a few tokens after a long prefix is bound by the prefix's KV read instead, which
+    this does not price."""
     heads = _tp_sizes(model_cfg, tp)[0]
     return 1e3 * 4 * heads * model_cfg.head_dim * model_cfg.num_layers / (peaks.matmul_flops * peaks.attn_efficiency)
+
+
+def attention_windows(model_cfg: ModelConfig) -> tuple[tuple[int | None, float], ...]:
+    """The model's layers' attention windows (None: every earlier token), each with the share of the layers that has
+    it, ascending by window, None last: ((None, 1.0),) for a model with no sliding window, ((4096, 1.0),) for
+    Mistral-7B-v0.1, ((1024, 5/6), (None, 1/6)) for Gemma 3 (`ModelConfig.layer_window`)."""
+    counts: dict[int | None, int] = {}
+    for layer in range(model_cfg.num_layers):
+        w = model_cfg.layer_window(layer)
+        counts[w] = counts.get(w, 0) + 1
+    order = sorted(counts, key=lambda w: (w is None, w or 0))
+    return tuple((w, counts[w] / model_cfg.num_layers) for w in order)
+
+
+def prefix_pairs(tokens: int, prefix: int, window: int | None = None) -> int:
+    """The (query, key) pairs one layer's attention of a chunk of `tokens` after `prefix` cached ones has beyond the
+    same chunk's at prefix 0 (what a profile measured at prefix 0 leaves out): tokens x prefix without a window; with
+    a sliding `window` W (a query sees its last W keys, itself included) a query sees at most W keys whatever the
+    prefix, so at most W(W-1)/2 in all however long the prefix or the chunk. Non-decreasing in `tokens`."""
+    if window is None:
+        return tokens * prefix
+
+    def seen(m: int) -> int:  # the pairs of positions 1..m, each over its last `window` keys: sum of min(W, j)
+        k = min(m, window)
+        return k * (k + 1) // 2 + (m - k) * window
+
+    return seen(prefix + tokens) - seen(prefix) - seen(tokens)
 
 
 def prefill_tokens_per_s(

@@ -24,7 +24,9 @@ One protocol, `StepCosts`, two implementations:
   one costs its tokens at the prefill rate, and the decode rows' attention over their contexts is added
   on top. A chunk's attention to its cached prefix, which the profile's own forward (prefix 0) did not have,
   is added at the roofline's rate per (query, key) pair (`prefix_pair_ms`: `roofline.prefix_pair_ms` from the
-  peaks measured at start-up; 0 where there are none): tokens x prefix pairs. On an H200, 2026-11-30, the
+  peaks measured at start-up; 0 where there are none): tokens x prefix pairs, or on a layer with a sliding window
+  W (Mistral-7B-v0.1, Gemma 3's local layers: `prefix_windows`) the pairs within W, at most W(W-1)/2 a chunk
+  (`roofline.prefix_pairs`). On an H200, 2026-11-30, the
   Mooncake trace's fused steps (12K-token prompts in chunks after long prefixes) ran 1.08-1.22x their prediction
   without it, 22-33% of their token gaps over the SLO. The online correction (partition/correction.py) absorbs
   what steady bias remains.
@@ -47,7 +49,14 @@ from rapidserve.config import ModelConfig
 from rapidserve.partition.manager import beside_prefill_ms, forward_ms
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile
 from rapidserve.partition.profile_lookup import estimate
-from rapidserve.partition.roofline import Peaks, concurrent, decode_step_ms, mixed_operators_summed, step_seconds
+from rapidserve.partition.roofline import (
+    Peaks,
+    concurrent,
+    decode_step_ms,
+    mixed_operators_summed,
+    prefix_pairs,
+    step_seconds,
+)
 from rapidserve.quant_config import QuantizationConfig
 
 Chunk = tuple[int, int]  # (tokens, prefix) of one prompt chunk
@@ -138,6 +147,9 @@ class ProfileCosts:
     interpolate: bool = False
     interpolate_fused: bool = True
     prefix_pair_ms: float = 0.0  # a chunk's attention to its cached prefix, ms per (query, key) pair (docstring)
+    # the layers' attention windows and the share of the layers with each (`roofline.attention_windows`): a sliding
+    # layer's chunk attends to at most its window of the prefix (`roofline.prefix_pairs`)
+    prefix_windows: tuple[tuple[int | None, float], ...] = ((None, 1.0),)
     configurations: tuple[Configuration, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,7 +183,8 @@ class ProfileCosts:
             base = self._entry(whole, batch, 1, self.interpolate_fused).decode_ms_alone_p95
         else:
             alone = base = forward_ms(self.profile, whole)
-        prefix = self.prefix_pair_ms * sum(n * p for n, p in chunks)
+        prefix = self.prefix_pair_ms * sum(share * prefix_pairs(n, p, w) for n, p in chunks if p
+                                           for w, share in self.prefix_windows) if self.prefix_pair_ms else 0.0
         return alone + max(0.0, 1e3 * tokens / self.whole_prefill_tokens_per_s - base) + prefix
 
     def decode_alone_ms(self, config: str, batch: int, context: int) -> float:

@@ -47,7 +47,7 @@ from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy
 from rapidserve.partition.policy import PendingWork, PolicyState
 from rapidserve.partition.profile import Profile
-from rapidserve.partition.roofline import prefix_pair_ms
+from rapidserve.partition.roofline import attention_windows, prefix_pair_ms
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepPolicy, StepShape, StepTiming
 from rapidserve.partition.step_costs import ProfileCosts, RooflineCosts, StepCosts
@@ -166,7 +166,8 @@ def step_costs(cfg: EngineConfig, plan: PartitionPlan) -> StepCosts:
         pairs = 0.0 if plan.peaks is None else prefix_pair_ms(cfg.model_config, plan.peaks,
                                                               cfg.parallel.tensor_parallel_size)
         return ProfileCosts(plan.profile, interpolate=lookup_interpolates(p.profile_lookup, fused=False),
-                            interpolate_fused=lookup_interpolates(p.profile_lookup, fused=True), prefix_pair_ms=pairs)
+                            interpolate_fused=lookup_interpolates(p.profile_lookup, fused=True), prefix_pair_ms=pairs,
+                            prefix_windows=attention_windows(cfg.model_config))
     if p.profile_lookup != "auto":  # the roofline is no table of buckets: the flag (given) would change nothing
         raise ConfigError(f"--profile-lookup {p.profile_lookup} reads a measured profile's buckets, and this run "
                           f"has none ({plan.source}): the adaptive policy prices its steps with the roofline. Give "
