@@ -11,10 +11,15 @@ sum over operators. Operators, per GPU under TP=tp:
 * token-level (cost ~ tokens T; weights read once per step): add+RMSNorm x2, QKV, RoPE + KV-cache
   write, O, gate/up, SiLU*mul, down; the embedding gather (T rows), final norm, LM head (R rows:
   decode R=batch, prefill R=1). GEMM flops = 2*T*K*N, bytes = (K*N + T*K + T*N) * dtype_bytes.
-* sequence-level (attention, per sequence): decode over `context` cached positions:
-  flops = 4*Hq*d*context, bytes = 2*Hkv*d*context * kv_bytes + 2*Hq*d * dtype_bytes (the KV read dominates);
-  a prefill chunk of n tokens after `prefix` cached ones (causal):
-  flops = 4*Hq*d*(n*prefix + n(n+1)/2), bytes = 2*n*Hq*d * dtype_bytes + 2*Hkv*d*(prefix+n) * kv_bytes.
+* sequence-level (attention, per sequence, per layer over the keys it attends: one operator per group of layers
+  with the same window, partition/attention_costs.py): decode over K = `context` cached positions:
+  flops = 4*Hq*d*K, bytes = 2*Hkv*d*K * kv_bytes + 2*Hq*d * dtype_bytes (the KV read dominates);
+  a prefill chunk of n tokens after `prefix` cached ones (causal), with A (query, key) pairs and K keys read:
+  A = n*prefix + n(n+1)/2, K = prefix + n;  flops = 4*Hq*d*A, bytes = 2*n*Hq*d * dtype_bytes + 2*Hkv*d*K * kv_bytes.
+  A layer with a sliding window W (Mistral-7B-v0.1's every layer, Gemma 3's local ones; the kernels skip the rest)
+  attends to the last W keys only: decode K = min(context, W); a chunk A = sum over its queries i < n of
+  min(prefix+i+1, W), K = min(prefix+n, W-1+n) (the window's keys, not the prefix's). A model without windows has
+  one group, every layer, as before.
   kv_bytes: the KV pool's element size (`kv_element_bytes`: 1 with --kv-cache-dtype fp8, else dtype_bytes), also
   the K/V write of rope_kv_write.
 * fp8 weights (`quant`, the run's `QuantizationConfig`; partition/fp8_costs.py): the decoder layers' fp8 projections
@@ -59,13 +64,16 @@ Concurrency (solo rates r_d, r_p = bytes / solo step time break the circularity)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Literal, NamedTuple
 
 import msgspec
 
 from rapidserve.config import CacheConfig, ModelConfig
+from rapidserve.partition.attention_costs import attention_terms, clipped_context_sums
+from rapidserve.partition.attention_costs import attention_windows as attention_windows  # moved there
+from rapidserve.partition.attention_costs import prefix_pairs as prefix_pairs  # moved there
 from rapidserve.partition.fp8_costs import fp8_layers, fused_producer_io, is_fp8, producer_quantizes, projection_terms
 from rapidserve.partition.moe_costs import experts_read, moe_operator_terms
 from rapidserve.partition.peaks import Peaks
@@ -111,10 +119,11 @@ def kv_element_bytes(cache: CacheConfig, dtype_bytes: float = 2) -> float:
 
 
 def _step_ops(
-    cfg: ModelConfig, tokens: int, rows: int, attn_flops: float, attn_io: float, tp: int, b: int,
+    cfg: ModelConfig, tokens: int, rows: int, attention: Sequence[tuple[str, float, float, int]], tp: int, b: int,
     experts: float = 0.0, kv_b: float | None = None, quant: QuantizationConfig | None = None, decode: bool = False,
 ) -> list[Operator]:
-    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head; a
+    """All operators of one forward step over `tokens` tokens, `rows` of which reach the LM head; `attention`: the
+    (name, flops, io bytes, layers) of each window group's attention (partition/attention_costs.py); a
     mixture-of-experts model's sparse layers read `experts` experts each (partition/moe_costs.py); `kv_b`: bytes of
     a KV pool element, default `b`. `quant`: the model's weights (None or method "none": float, every projection at
     `b`; fp8: partition/fp8_costs.py); `decode`: a step of decode rows only, whose attention quantizes o_proj's
@@ -138,7 +147,7 @@ def _step_ops(
         *proj("qkv_proj", h, q + 2 * kv, bias, L, fused),
         Operator("rope_kv_write", "token", 3 * T * (q + kv), (2 * d if cfg.qk_norm else 0) * b,
                  2 * T * (q + kv) * b + 2 * T * kv * kv_b, count=L),
-        Operator("attention", "sequence", attn_flops, 0.0, attn_io, count=L),
+        *(Operator(name, "sequence", f, 0.0, io, count=n) for name, f, io, n in attention),
         *proj("o_proj", q, h, 0, L, fused and decode),
         *proj("gate_up_proj", h, 2 * inter, 0, dense, fused),
         *_fused_part(Operator("act_mul", "token", 5 * T * inter, 0.0, 3 * T * inter * b, count=dense),
@@ -197,29 +206,29 @@ def decode_operators(
     cfg: ModelConfig, batch: int, context: int, *, tp: int = 1, dtype_bytes: int = 2, kv_bytes: float | None = None,
     quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
-    """One decode step: `batch` sequences, one new token each, attending to `context` positions each (`kv_bytes`:
-    the KV pool's element size, default `dtype_bytes`; `quant`: the weights' quantization, None: float)."""
+    """One decode step: `batch` sequences, one new token each, attending to `context` positions each (a layer with a
+    sliding window W: to min(context, W)); `kv_bytes`: the KV pool's element size, default `dtype_bytes`; `quant`: the
+    weights' quantization, None: float."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch={batch} and context={context} must be >= 1")
-    (heads, kv_heads, _, _), d = _tp_sizes(cfg, tp), cfg.head_dim
+    heads, kv_heads, _, _ = _tp_sizes(cfg, tp)
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
-    flops = 4 * heads * d * context * batch
-    io = (2 * kv_heads * d * context * kv_b + 2 * heads * d * dtype_bytes) * batch
-    return _step_ops(cfg, batch, batch, flops, io, tp, dtype_bytes, experts_read(cfg, batch), kv_b, quant, True)
+    attn = attention_terms(cfg, heads, kv_heads, batch, context * batch, (), dtype_bytes, kv_b)
+    return _step_ops(cfg, batch, batch, attn, tp, dtype_bytes, experts_read(cfg, batch), kv_b, quant, True)
 
 
 def prefill_operators(
     cfg: ModelConfig, chunk_tokens: int, *, prefix: int = 0, tp: int = 1, dtype_bytes: int = 2,
     kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
 ) -> list[Operator]:
-    """One prefill chunk of one sequence: `chunk_tokens` new tokens after `prefix` cached ones (causal)."""
+    """One prefill chunk of one sequence: `chunk_tokens` new tokens after `prefix` cached ones (causal; a layer with
+    a sliding window: each query over its last W keys, attention_costs.chunk_pairs / chunk_keys)."""
     if chunk_tokens < 1 or prefix < 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1 and prefix={prefix} >= 0")
-    (heads, kv_heads, _, _), d, n = _tp_sizes(cfg, tp), cfg.head_dim, chunk_tokens
+    (heads, kv_heads, _, _), n = _tp_sizes(cfg, tp), chunk_tokens
     kv_b = dtype_bytes if kv_bytes is None else kv_bytes
-    flops = 4 * heads * d * (n * prefix + n * (n + 1) / 2)
-    io = 2 * n * heads * d * dtype_bytes + 2 * kv_heads * d * (prefix + n) * kv_b
-    return _step_ops(cfg, n, 1, flops, io, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b, quant)
+    attn = attention_terms(cfg, heads, kv_heads, 0, 0, [(n, prefix)], dtype_bytes, kv_b)
+    return _step_ops(cfg, n, 1, attn, tp, dtype_bytes, experts_read(cfg, n, every=True), kv_b, quant)
 
 
 def mixed_operators(
@@ -232,26 +241,26 @@ def mixed_operators(
         raise ValueError(f"contexts={list(contexts)} and chunks={list(chunks)}: need work, contexts >= 1, "
                          "chunk tokens >= 1, prefixes >= 0")
     return mixed_operators_summed(cfg, len(contexts), sum(contexts), chunks, tp=tp, dtype_bytes=dtype_bytes,
-                                  kv_bytes=kv_bytes, quant=quant)
+                                  kv_bytes=kv_bytes, quant=quant, window_sums=clipped_context_sums(cfg, contexts))
 
 
 def mixed_operators_summed(
     cfg: ModelConfig, batch: int, context_sum: int, chunks: Sequence[tuple[int, int]], *, tp: int = 1,
     dtype_bytes: int = 2, kv_bytes: float | None = None, quant: QuantizationConfig | None = None,
+    window_sums: Mapping[int, int] | None = None,
 ) -> list[Operator]:
     """`mixed_operators` of `batch` decode rows whose contexts add up to `context_sum`: the decode rows' attention
-    is linear in each context, so their sum is all it needs (a policy's search over chunk sizes sums once)."""
+    is linear in each context, so their sum is all it needs (a policy's search over chunk sizes sums once); on a
+    layer with a sliding window W, the sum of min(context, W), `window_sums[W]` (`clipped_context_sums`); without
+    it min(context_sum, batch x W), an upper bound, exact when every context is on the same side of W."""
     if batch < 0 or context_sum < batch or any(n < 1 or p < 0 for n, p in chunks) or not (batch or chunks):
         raise ValueError(f"batch={batch}, context_sum={context_sum} and chunks={list(chunks)}: need work, contexts "
                          ">= 1, chunk tokens >= 1, prefixes >= 0")
-    (heads, kv_heads, _, _), d, b = _tp_sizes(cfg, tp), cfg.head_dim, dtype_bytes
+    (heads, kv_heads, _, _), b = _tp_sizes(cfg, tp), dtype_bytes
     kv_b = b if kv_bytes is None else kv_bytes
-    flops = 4 * heads * d * context_sum
-    io = 2 * kv_heads * d * context_sum * kv_b + 2 * heads * d * batch * b
-    flops += sum(4 * heads * d * (n * p + n * (n + 1) / 2) for n, p in chunks)
-    io += sum(2 * n * heads * d * b + 2 * kv_heads * d * (p + n) * kv_b for n, p in chunks)
+    attn = attention_terms(cfg, heads, kv_heads, batch, context_sum, chunks, b, kv_b, window_sums)
     tokens = batch + sum(n for n, _ in chunks)
-    return _step_ops(cfg, tokens, batch + len(chunks), flops, io, tp, b, experts_read(cfg, tokens), kv_b, quant,
+    return _step_ops(cfg, tokens, batch + len(chunks), attn, tp, b, experts_read(cfg, tokens), kv_b, quant,
                      not chunks)
 
 
@@ -313,33 +322,6 @@ def prefix_pair_ms(model_cfg: ModelConfig, peaks: Peaks, tp: int = 1) -> float:
     this does not price."""
     heads = _tp_sizes(model_cfg, tp)[0]
     return 1e3 * 4 * heads * model_cfg.head_dim * model_cfg.num_layers / (peaks.matmul_flops * peaks.attn_efficiency)
-
-
-def attention_windows(model_cfg: ModelConfig) -> tuple[tuple[int | None, float], ...]:
-    """The model's layers' attention windows (None: every earlier token), each with the share of the layers that has
-    it, ascending by window, None last: ((None, 1.0),) for a model with no sliding window, ((4096, 1.0),) for
-    Mistral-7B-v0.1, ((1024, 5/6), (None, 1/6)) for Gemma 3 (`ModelConfig.layer_window`)."""
-    counts: dict[int | None, int] = {}
-    for layer in range(model_cfg.num_layers):
-        w = model_cfg.layer_window(layer)
-        counts[w] = counts.get(w, 0) + 1
-    order = sorted(counts, key=lambda w: (w is None, w or 0))
-    return tuple((w, counts[w] / model_cfg.num_layers) for w in order)
-
-
-def prefix_pairs(tokens: int, prefix: int, window: int | None = None) -> int:
-    """The (query, key) pairs one layer's attention of a chunk of `tokens` after `prefix` cached ones has beyond the
-    same chunk's at prefix 0 (what a profile measured at prefix 0 leaves out): tokens x prefix without a window; with
-    a sliding `window` W (a query sees its last W keys, itself included) a query sees at most W keys whatever the
-    prefix, so at most W(W-1)/2 in all however long the prefix or the chunk. Non-decreasing in `tokens`."""
-    if window is None:
-        return tokens * prefix
-
-    def seen(m: int) -> int:  # the pairs of positions 1..m, each over its last `window` keys: sum of min(W, j)
-        k = min(m, window)
-        return k * (k + 1) // 2 + (m - k) * window
-
-    return seen(prefix + tokens) - seen(prefix) - seen(tokens)
 
 
 def prefill_tokens_per_s(

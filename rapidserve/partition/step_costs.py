@@ -7,8 +7,11 @@ One protocol, `StepCosts`, two implementations:
   the fp8 GEMM peak, partition/fp8_costs.py; the KV pool's element size `kv_bytes`). A fused step is ONE forward
   over the decode rows and the prompt chunks together (`mixed_operators`: the token-level operators over decode
   rows + chunk tokens, each decode row's attention over its context, each chunk's causal attention after its
-  prefix) on the whole GPU; decode beside the prefill worker is `roofline.concurrent` on the configuration's two
-  shares; decode alone is `decode_step_ms` on decode's share.
+  prefix; on a layer with a sliding window W, Mistral-7B-v0.1's every layer or Gemma 3's local ones, a row's over
+  min(context, W) keys and a chunk's over the pairs and keys within W: partition/attention_costs.py) on the whole
+  GPU; decode beside the prefill worker is `roofline.concurrent` on the configuration's two shares (decode rows
+  at the mean context: an upper bound on a windowed model, min(mean, W) >= the mean of min(context, W)); decode
+  alone is `decode_step_ms` on decode's share.
 * `ProfileCosts` (the measured `profiles/<gpu>__<model>.json`, partition/profile.py's tables): decode alone
   and beside prefill are the profile's p95 at the decode batch and mean context (rounded up to its buckets,
   or interpolated: `--profile-lookup`), its step beside prefill bounded by the prefill work actually handed
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rapidserve.config import ModelConfig
+from rapidserve.partition.attention_costs import clipped_context_sums, prefix_pairs
 from rapidserve.partition.manager import beside_prefill_ms, forward_ms
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile
 from rapidserve.partition.profile_lookup import estimate
@@ -54,7 +58,6 @@ from rapidserve.partition.roofline import (
     concurrent,
     decode_step_ms,
     mixed_operators_summed,
-    prefix_pairs,
     step_seconds,
 )
 from rapidserve.quant_config import QuantizationConfig
@@ -111,7 +114,8 @@ class RooflineCosts:
 
     def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
         ops = mixed_operators_summed(self.model_cfg, len(contexts), sum(contexts), chunks, tp=self.tp,
-                                     dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes, quant=self.quant)
+                                     dtype_bytes=self.dtype_bytes, kv_bytes=self.kv_bytes, quant=self.quant,
+                                     window_sums=clipped_context_sums(self.model_cfg, contexts))
         return 1e3 * step_seconds(ops, self.peaks.num_compute_units, self.peaks)
 
     def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
