@@ -113,11 +113,13 @@ def admit(s: DecodeScheduler) -> list[m.KVReady]:
         assert kv.request is r.request and kv.block_ids == s.blocks.table(kv.req_id)
         assert len(kv.block_ids) == blocks_for(r.num_tokens, BS) and kv.outputs == r.outputs
         assert kv.outputs is not r.outputs and kv.attempt == r.attempt
-        # the leading full blocks found in the cache (leaving a token to compute), then fresh ones for prefill
-        c, b = kv.cached_tokens, s.blocks
+        # the leading full blocks found in the cache (leaving a token to compute), then those a prompt chunked here
+        # wrote before a split handed it over (hand_over: up to its last full block), then fresh ones for prefill
+        c, st, b = kv.cached_tokens, kv.start_tokens, s.blocks
         assert c % BS == 0 and 0 <= c < r.num_tokens and (c == 0 or b.enable_caching)
+        assert st % BS == 0 and c <= st < r.num_tokens and (st == c or r.handed) and r.computed == st
         assert all(blk in b._hash_of for blk in kv.block_ids[:c // BS])
-        assert all(b._ref[blk] == 1 and blk not in b._hash_of for blk in kv.block_ids[c // BS:])
+        assert all(b._ref[blk] == 1 and blk not in b._hash_of for blk in kv.block_ids[st // BS:])
     return kvs
 
 

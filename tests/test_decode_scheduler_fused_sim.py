@@ -77,6 +77,17 @@ class FusedSim(Sim):
         self.complete()
         self.step = (batch, writes)
 
+    def admit(self) -> None:
+        """A split step: the prompts chunked here whose chunks have landed go to prefill too (hand_over), from their
+        last full block; prefill_step checks that what they wrote is what it reads."""
+        s = self.s
+        ready = {r.req_id for r in s.chunking if r.chunks_inflight == 0}
+        n = len(self.prefill)
+        super().admit()
+        self.counts["chunked, handed over"] += len(ready & {kv.req_id for kv in self.prefill[n:]})
+        self.counts["hand-over unadmitted"] += len(ready & {r.req_id for r in s.chunking})
+        assert not any(r.chunks_inflight == 0 for r in s.chunking if r.req_id not in ready)
+
     def fail_in_flight(self) -> None:
         """Whatever step is in flight wrote garbage and fails with every running request."""
         s, reqs = self.s, []
@@ -178,7 +189,7 @@ def test_fused_simulation_reaches_every_path(cache: bool) -> None:
         total += simulate(seed, cache).counts
     paths = ["fused chunks", "local first token", "local recompute", "fused deferred", "preempted while chunking",
              "fused fail", "fused fail_batch", "abort chunking", "abort chunking+", "abort prefilling",
-             "abort running+", "preemptions", "ended by a token"]
+             "abort running+", "preemptions", "ended by a token", "chunked, handed over", "hand-over unadmitted"]
     if cache:
         paths += ["hit, in use", "waited for a prefix in flight"]
     for what in paths:

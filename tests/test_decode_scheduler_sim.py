@@ -203,7 +203,7 @@ class Sim:
         self.counts["abort " + ("gone" if r is None else f"{r.state}{'+' if r.writing or r.aborting else ''}")] += 1
         self.seen[rid].aborted = True
         for kv in [kv for kv in self.prefill if kv.req_id == rid]:  # prefill may have written part of it
-            for pos in range(kv.cached_tokens, self.rng.randint(kv.cached_tokens, self.s.reqs[rid].num_tokens)):
+            for pos in range(kv.start_tokens, self.rng.randint(kv.start_tokens, self.s.reqs[rid].num_tokens)):
                 self.write(kv.block_ids, pos, GARBAGE, "p")
         if self.s.abort(rid):  # Drop: prefill forgets the job if it still has it, and answers Dropped
             self.prefill = [kv for kv in self.prefill if kv.req_id != rid]
@@ -236,9 +236,10 @@ class Sim:
             return
         kv = self.prefill.pop(0)
         toks = kv.request.prompt_token_ids + kv.outputs
-        c, t = kv.cached_tokens, kv.block_ids
+        c, t = kv.start_tokens, kv.block_ids  # the cached prefix, or up to where decode's chunks wrote it
         truth = kvs_of(toks)
-        assert [self.read(t, pos) for pos in range(c)] == truth[:c], "a cache hit holds other K/V"
+        assert [self.read(t, pos) for pos in range(c)] == truth[:c], "a cache hit or a chunk handed over holds " \
+            "other K/V"
         if self.rng.random() < 0.05:  # it broke, part way
             for pos in range(c, self.rng.randint(c, len(toks))):
                 self.write(t, pos, GARBAGE, "p")
@@ -345,7 +346,7 @@ class Sim:
             r = s.reqs[kv.req_id]
             assert r.state == "prefilling" and r.attempt == kv.attempt and b.table(kv.req_id) == kv.block_ids
             assert all(blk in b._hash_of for blk in kv.block_ids[:kv.cached_tokens // BS])  # what it reads
-            for pos in range(kv.cached_tokens, r.num_tokens, BS):
+            for pos in range(kv.start_tokens, r.num_tokens, BS):
                 self.owned(kv.block_ids, pos)
         if self.inflight is not None:  # the step in flight writes these blocks: still theirs, and their own
             for r, pos in self.inflight[1]:

@@ -2,8 +2,9 @@
 of requests, on CPU, the real decode and prefill workers in this process (the channels are lists:
 tests/test_worker_faults.py's harness) over one ModelRunner.
 
-A prompt chunked in the decode worker's fused steps goes on there across a split (paused, then continued at the
-next fused step); a prompt handed to the prefill worker in a split step stays there; decodes go on in every shape.
+A prompt chunked in the decode worker's fused steps goes to the prefill worker at the next split step, from its last
+full block (`DecodeScheduler.hand_over`); a prompt handed to the prefill worker in a split step stays there; decodes
+go on in every shape.
 Greedy outputs equal `LLM.generate`'s, every KV block is back at the end, and every landed step's time went back
 to the policy. With two configurations (streams: the current one, as on CPU), the fused steps run on the whole
 GPU's and the split steps on the split's, and the prefill worker hears of each switch before the work it
@@ -112,11 +113,11 @@ def streams(io: FakeIO) -> dict[str, list[m.TokenOut]]:
 
 
 def phases(k: int, state: ShapeState, split: str) -> StepShape:
-    """Fused for 4 turns (prompts chunked here), split for 4 (the rest go to prefill; chunked ones pause), and
-    again; a decode-alone turn now and then."""
+    """Fused for 6 turns (prompts chunked here, the first to its end), split for 6 (the rest go to prefill, those
+    chunked here from their last full block), and again; a decode-alone turn now and then."""
     if k % 13 == 12:
         return DecodeAlone(split)
-    return Fused(16) if (k // 4) % 2 == 0 else Split(split, 48)
+    return Fused(16) if (k // 6) % 2 == 0 else Split(split, 48)
 
 
 @pytest.mark.parametrize("two_configs", [False, True], ids=["one configuration", "two configurations"])
@@ -144,11 +145,16 @@ def check_transitions(llm: LLM, prompts: list[list[int]], want: list[list[int]],
         assert [t.index for t in toks] == list(range(NEW)), i
         assert [t.token_id for t in toks] == w, f"q{i} (prompt of {len(prompts[i])} tokens) diverged"
     assert not io.of("d2r", m.Finished)
-    # both paths served first tokens: chunked here (their first token from the decode worker, with its times) and
-    # computed by the prefill worker (handed over in a KVReady)
-    handed = {x.req_id for x in told if isinstance(x, m.KVReady)}
+    # every path served first tokens: chunked here to the end (their first token from the decode worker, with its
+    # times), computed by the prefill worker (handed over in a KVReady), and chunked here, then handed over by a
+    # split step from its last full block (hand_over: prefill computed the rest, its first token as the fused
+    # step would have sampled it)
+    kvs = [x for x in told if isinstance(x, m.KVReady)]
+    handed = {x.req_id for x in kvs if x.attempt == 0}  # a request preempted may be recomputed either way
     assert handed and handed != set(got), handed
-    # a prompt was chunked over a split: its chunks ran in fused steps before and after split steps
+    over = [x for x in kvs if x.computed_tokens > x.cached_tokens]
+    assert over and any(x.computed_tokens == 0 for x in kvs), [(x.req_id, x.computed_tokens) for x in kvs]
+    assert all(x.computed_tokens % d.sched.blocks.block_size == 0 for x in over)
     assert any(s.current == Fused(16) for s in policy.states) and any(isinstance(s.current, Split)
                                                                       for s in policy.states)
     assert d.sched.num_preemptions > 0  # the small pool: recomputed here or by prefill

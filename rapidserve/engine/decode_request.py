@@ -36,6 +36,7 @@ class DecodeRequest:
     # Its prompt computed here (state chunking; a fused step's chunks):
     computed: int = 0  # tokens whose K/V are written or queued: the cached prefix, then the chunks launched
     chunks_inflight: int = 0  # launched steps not yet recorded that compute a chunk of it and sample nothing
+    handed: bool = False  # chunked here, then handed to the prefill worker (a split step: DecodeScheduler.hand_over)
     admitted: float = 0.0  # when its blocks were allocated (PhaseTimes.admitted of its first token)
     started: float | None = None  # when its first chunk was queued (PhaseTimes.started)
 

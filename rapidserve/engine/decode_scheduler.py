@@ -13,7 +13,8 @@ handed to the prefill worker in a KVReady, which carries the request; prefill wr
 chunking (blocks allocated here; this worker computes the prompt, a chunk per fused step) -> running
 (in the decode batch) -> done. Requests are admitted in arrival order; a preempted one goes back to the
 head of the queue. A request handed to the prefill worker stays there until PrefillDone, PrefillFailed
-or Dropped; one chunked here goes on here (whatever the later steps' shapes), a chunk per fused step.
+or Dropped; one chunked here goes on here, a chunk per fused step, until a split step hands the rest of its
+prompt to the prefill worker (`hand_over`, once its chunks have landed): a split step computes no chunk here.
 
 Policy:
 - Admission (both kinds): while fewer than `max_seqs` requests are prefilling, chunking or running, the
@@ -169,16 +170,33 @@ class DecodeScheduler(SchedulerViews):
 
     # ---- admission ----------------------------------------------------------------------------
     def admit(self, now: float = 0.0) -> list[m.KVReady]:
-        """Blocks for waiting requests, in order, while the seats and the pool allow; each KVReady
-        carries the request (and, after a preemption, the outputs to recompute) to prefill, stamped
-        `now` (the worker's clock: where the request's time to first token went, `PhaseTimes`)."""
-        out: list[m.KVReady] = []
+        """A split step's prompts to prefill: first the prompts being chunked here (`hand_over`), then blocks for
+        waiting requests, in order, while the seats and the pool allow; each KVReady carries the request (and,
+        after a preemption, the outputs to recompute) to prefill, stamped `now` (the worker's clock: where the
+        request's time to first token went, `PhaseTimes`)."""
+        out = self.hand_over()
         passed: list[DecodeRequest] = []  # waiting for a prefix in flight: they keep their places
         busy = self.busy
         while (r := self._admit_head(frozenset(), passed, busy, now)) is not None:
-            r.state, busy = "prefilling", busy + 1
+            r.state, r.computed, busy = "prefilling", r.cached, busy + 1
             out.append(m.KVReady(r.request, self.blocks.table(r.req_id), list(r.outputs), r.attempt, r.cached, now))
         self.waiting.extendleft(reversed(passed))
+        return out
+
+    def hand_over(self) -> list[m.KVReady]:
+        """The prompts being chunked here whose chunks have all landed, to prefill (a split step: only fused
+        steps compute a chunk here, so a prompt left chunking through split steps would wait until decode has
+        nothing to run, which on the H200 held 23K-token prompts for 20-110 s). Prefill computes from the
+        last full block its chunks wrote (`KVReady.computed_tokens`; the tokens of a part-written block are
+        computed again, into the same slots: that block is no one else's until it is full) and samples the first
+        token; the KVReady keeps the request's admission time and prefix-cache hits."""
+        out: list[m.KVReady] = []
+        bs = self.blocks.block_size
+        for r in [r for r in self.chunking if r.chunks_inflight == 0]:
+            self.chunking.remove(r)
+            r.state, r.computed, r.handed = "prefilling", max(r.cached, r.computed // bs * bs), True
+            out.append(m.KVReady(r.request, self.blocks.table(r.req_id), list(r.outputs), r.attempt, r.cached,
+                                 r.admitted, r.computed))
         return out
 
     def _admit_head(self, hold: AbstractSet[str], passed: list[DecodeRequest], busy: int,
@@ -201,9 +219,17 @@ class DecodeScheduler(SchedulerViews):
         return None
 
     def unadmit(self, handed: list[m.KVReady]) -> None:
-        """These KVReadys were not sent (prefill's inbox was full): their requests wait again, in order."""
+        """These KVReadys were not sent (prefill's inbox was full): their requests wait again, in order (one
+        `hand_over` handed goes on chunking here, keeping its blocks)."""
         for kv in reversed(handed):
             r = self.reqs[kv.request.req_id]
+            if r.handed:
+                r.state, r.handed = "chunking", False
+                i = 0
+                while i < len(self.chunking) and self.chunking[i].order < r.order:
+                    i += 1
+                self.chunking.insert(i, r)
+                continue
             self.blocks.free(r.req_id)
             self.blocks.unlookup(r.num_tokens, kv.cached_tokens, r.reads_cache)
             r.state = "waiting"
@@ -352,7 +378,7 @@ class DecodeScheduler(SchedulerViews):
     def _preempt(self, r: DecodeRequest) -> None:
         (self.running if r.state == "running" else self.chunking).remove(r)
         self.blocks.free(r.req_id)
-        r.state, r.attempt, r.computed, r.started = "waiting", r.attempt + 1, 0, None
+        r.state, r.attempt, r.computed, r.started, r.handed = "waiting", r.attempt + 1, 0, None, False
         self.num_preemptions += 1
         self.waiting.appendleft(r)
 

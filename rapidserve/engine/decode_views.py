@@ -51,8 +51,9 @@ class SchedulerViews:
     # ---- the policies' inputs -----------------------------------------------------------------
     def pending_prefill(self, head: int | None = None) -> tuple[WaitingPrefill, ...]:
         """Prompt work not yet done, in arrival order, for the scheduling policy: each request's tokens
-        beyond what is in the cache (a prefilling one's cached prefix, prefill's progress not being known
-        here; a chunking one's tokens computed so far; a waiting one's prefix is what its admission would
+        beyond what is in the cache (a prefilling one's cached prefix, or the chunks computed here before a split
+        handed it over: prefill's progress not being known here; a chunking one's tokens computed so far; a
+        waiting one's prefix is what its admission would
         find cached now). `head` (tokens): only `queue_head(that list, head)` (partition/shape.py), the entries
         behind it not looked up (a prefix lookup each, every step: milliseconds a step with a thousand queued)."""
         reqs = sorted((r for r in self.reqs.values() if r.state in _PENDING and not r.aborting), key=_ORDER)
@@ -60,13 +61,12 @@ class SchedulerViews:
         return tuple(entries) if head is None else queue_head(entries, head)
 
     def _pending_entry(self, r: DecodeRequest) -> WaitingPrefill:
-        prefix = r.cached if r.state == "prefilling" else r.computed if r.state == "chunking" else \
-            self._expected_prefix(r)
+        prefix = r.computed if r.state in ("prefilling", "chunking") else self._expected_prefix(r)
         return WaitingPrefill(r.req_id, r.request.arrival, max(1, r.num_tokens - prefix), prefix)
 
     def prefill_worker_tokens(self) -> int:
-        """Prompt tokens handed to the prefill worker and not answered yet (its cached prefix left out)."""
-        return sum(max(1, r.num_tokens - r.cached) for r in self.reqs.values()
+        """Prompt tokens handed to the prefill worker and not answered yet (what the blocks held then left out)."""
+        return sum(max(1, r.num_tokens - r.computed) for r in self.reqs.values()
                    if r.state == "prefilling" and not r.aborting)
 
     def shape_state(self, current: StepShape, slo_itl_ms: float | None, max_chunk_tokens: int,
@@ -93,7 +93,7 @@ class SchedulerViews:
             if r.state in ("prefilling", "chunking") and not r.aborting:
                 longest = max(longest, r.num_tokens)
                 if counting:
-                    total += max(1, r.num_tokens - (r.cached if r.state == "prefilling" else r.computed))
+                    total += max(1, r.num_tokens - r.computed)
                     counting = total <= cap
         for r in self.waiting:
             longest = max(longest, r.num_tokens)

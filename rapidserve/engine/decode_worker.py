@@ -12,13 +12,15 @@ Step shapes, asked at every turn (`begin_step`):
   prompts in progress first, then local admissions: blocks allocated as for prefill, prefix cache included),
   on the whole GPU (`overallocated`, where the plan has it). A prompt whose last chunk is in the step samples
   its first token there and joins the running batch; nothing goes to a prefill worker.
-- `Split(config, ...)`: decode-only steps on `config`'s share; waiting prompts go to the prefill worker
-  (KVReady), which computes them on the rest. (`lookahead` > 1 is carried out as 1: one decode step a launch.)
+- `Split(config, ...)`: decode-only steps on `config`'s share; prompts being chunked here, then waiting ones,
+  go to the prefill worker (KVReady), which computes them on the rest. (`lookahead` > 1 is carried out as 1:
+  one decode step a launch.)
 - `DecodeAlone(config)`: decode-only steps on `config`, no prompt work.
 A request handed to the prefill worker stays there until PrefillDone, PrefillFailed or Dropped, whatever the
-later shapes; a prompt being chunked here goes on here, at the next fused step (split and decode-alone steps
-pause it; the policy sees it among `ShapeState.waiting`). Switching configuration after a step in flight
-synchronizes the old stream first: the step's sampled tokens, its KV writes and the graphs' static inputs
+later shapes; a prompt being chunked here goes on here at the next fused step, or goes to the prefill worker
+at the next split step once its chunks have landed (`DecodeScheduler.hand_over`, from its last full block; a
+decode-alone step pauses it; the policy sees it among `ShapeState.waiting`). Switching configuration after a
+step in flight synchronizes the old stream first: the step's sampled tokens, its KV writes and the graphs' static inputs
 (shared by every configuration's graphs) are read or overwritten by the next step on the new stream, which
 nothing else orders after it; the prefill worker hears of the switch (SetPartition) before the KVReady of the
 work it concerns (same ring, in order). Each landed step's measured time goes back to the policy (`observe`),
@@ -193,7 +195,8 @@ class DecodeWorker(StepCycle):
             self.io.to_prefill.send(m.SetPartition(target, self.partition.sent_hint()))
 
     def admit(self) -> None:
-        """Waiting prompts to the prefill worker (a split step)."""
+        """Prompts to the prefill worker (a split step): those chunked here whose chunks have landed, then the
+        waiting ones."""
         handed = self.sched.admit(time.monotonic())
         for i, kv in enumerate(handed):
             # Decode never blocks on prefill: with prefill's inbox full the rest wait, and decode keeps

@@ -59,15 +59,26 @@ class KVReady(msgspec.Struct, tag=True, frozen=True):
     The request travels here (prefill hears of it from decode only, and forgets it once it has sent
     PrefillDone). `outputs` is empty for a first prefill; after a preemption by recompute it holds
     the outputs so far, which are computed after the prompt. `attempt` counts preemptions, so a
-    stale PrefillDone of an earlier attempt is recognised.
+    stale PrefillDone of an earlier attempt is recognised. `computed_tokens` > `cached_tokens`: decode
+    computed the prompt's first chunks itself in fused steps, then a split step handed the rest over
+    (`DecodeScheduler.admit`); prefill computes from there, and still reports only `cached_tokens` as
+    found in the prefix cache.
     """
 
     request: NewRequest
     block_ids: list[int]
     outputs: list[int] = []
     attempt: int = 0
-    cached_tokens: int = 0  # leading tokens already in the blocks (prefix cache): prefill computes the rest
+    cached_tokens: int = 0  # leading tokens found in the prefix cache (the first token's usage reports them)
     admitted: float = 0.0  # decode's time.monotonic() when it allocated the blocks (PhaseTimes.admitted)
+    # leading tokens already in the blocks: the cached ones, or more where decode's fused chunks wrote them (a
+    # multiple of the block size); prefill computes the rest. 0: as many as cached_tokens
+    computed_tokens: int = 0
+
+    @property
+    def start_tokens(self) -> int:
+        """Where prefill starts: the leading tokens whose K/V the blocks hold already."""
+        return max(self.cached_tokens, self.computed_tokens)
 
     @property
     def req_id(self) -> str:

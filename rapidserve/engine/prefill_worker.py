@@ -58,7 +58,7 @@ class Job:
     tokens: list[int]  # everything to compute: the prompt, or prompt + outputs after a preemption
     blocks: list[int]
     attempt: int
-    done_tokens: int = 0  # computed so far (the cached prefix, then chunks)
+    done_tokens: int = 0  # computed so far (the cached prefix or decode's chunks: KVReady.start_tokens, then chunks)
     cached_tokens: int = 0  # of those, found in the prefix cache
     admitted: float = 0.0  # decode allocated its blocks (KVReady.admitted)
     started: float | None = None  # its first chunk was queued on the device (`mark_started`)
@@ -66,7 +66,7 @@ class Job:
     @classmethod
     def of(cls, kv: m.KVReady) -> Job:
         return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt,
-                   done_tokens=kv.cached_tokens, cached_tokens=kv.cached_tokens, admitted=kv.admitted)
+                   done_tokens=kv.start_tokens, cached_tokens=kv.cached_tokens, admitted=kv.admitted)
 
     def mark_started(self, now: float) -> None:
         """A forward over one of its chunks is about to be queued: the first one starts its prefill."""

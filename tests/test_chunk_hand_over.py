@@ -1,0 +1,54 @@
+"""A prompt chunked in the decode worker's fused steps, then a run of split steps: the split hands it to the prefill
+worker (`DecodeScheduler.hand_over`), which computes the rest from its last full block and samples its first token.
+
+Before this, only a fused step computed such a prompt, so a policy that split while decodes ran left it waiting until
+decode had nothing to run: on the H200 (2026-11-30, Mooncake trace, duet) 23K-token prompts that arrived just behind
+a short one were chunked in one fused step and then waited 20-110 s for their first token while later prompts went
+by. The real decode and prefill workers on CPU (tests/test_step_shapes.py's harness), the policy forced to split from
+the fourth step on, one request decoding all along."""
+
+from __future__ import annotations
+
+from rapidserve import LLM, SamplingParams
+from rapidserve.engine import messages as m
+from rapidserve.partition.profile import OVERALLOCATED
+from rapidserve.partition.shape import Fused, ShapeState, Split, StepShape
+from rapidserve.partition.step_policies import ScriptedPolicy
+from tests.test_step_shapes import MODEL, serve, workers
+
+LONG, BIG = 60, 120  # tokens the decoding request generates; the big prompt's length
+
+
+def fuse_then_split(k: int, state: ShapeState) -> StepShape:
+    """Three fused steps of 16 prompt tokens (the short prompt, then the big one's first chunks), then splits only."""
+    return Fused(16) if k < 3 else Split(OVERALLOCATED, 48)
+
+
+def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run() -> None:
+    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=512, num_kv_blocks=40,
+              max_num_batched_tokens=48)
+    short, big = [5, 9, 14, 3, 7, 11, 30, 8, 21], [(37 * i) % 1200 + 3 for i in range(BIG)]
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        [short, big], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (LONG, 4)],
+        use_tqdm=False)]
+    policy = ScriptedPolicy(fuse_then_split)
+    d, p, io = workers(llm, policy, two_configs=False)
+    free0 = d.sched.blocks.num_free
+    told = serve(d, p, io, [
+        m.NewRequest("decodes", short, SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True), 0.0),
+        m.NewRequest("big", big, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), 1.0)])
+    kv = [x for x in told if isinstance(x, m.KVReady)]
+    assert [x.req_id for x in kv] == ["big"]  # the short prompt ran to its end in the first fused step
+    bs = d.sched.blocks.block_size
+    # its fused chunks wrote 9 + 16 + 16 tokens' worth (16 + 16 + 9 of it); prefill starts at the last full block
+    assert kv[0].cached_tokens == 0 and kv[0].computed_tokens == (16 - 9 + 16 + 16) // bs * bs > 0
+    # the big prompt's first token came while the other request still decoded, not after it ended
+    order = [(t.req_id, t.index) for b in io.of("d2r", m.TokenBatch) for t in b.tokens]
+    first_big = order.index(("big", 0))
+    decoded_before = sum(1 for rid, _ in order[:first_big] if rid == "decodes")
+    assert decoded_before < LONG // 4, (decoded_before, order)
+    # the same greedy tokens as LLM's, every block back
+    got = {rid: [t.token_id for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == rid]
+           for rid in ("decodes", "big")}
+    assert got == {"decodes": want[0], "big": want[1]}
+    assert not io.of("d2r", m.Finished) and d.sched.blocks.num_free == free0 and not d.sched.reqs
