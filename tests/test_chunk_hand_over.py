@@ -4,10 +4,13 @@ worker (`DecodeScheduler.hand_over`), which computes the rest from its last full
 Before this, only a fused step computed such a prompt, so a policy that split while decodes ran left it waiting until
 decode had nothing to run: on the H200 (2026-11-30, Mooncake trace, duet) 23K-token prompts that arrived just behind
 a short one were chunked in one fused step and then waited 20-110 s for their first token while later prompts went
-by. The real decode and prefill workers on CPU (tests/test_step_shapes.py's harness), the policy forced to split from
-the fourth step on, one request decoding all along."""
+by. The real decode and prefill workers in this process (tests/test_step_shapes.py's harness), on CPU and on a GPU
+(`-m gpu`: prefill's kernels reading what decode's fused chunks wrote), the policy forced to split from the fourth
+step on, one request decoding all along."""
 
 from __future__ import annotations
+
+import pytest
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.engine import messages as m
@@ -24,8 +27,9 @@ def fuse_then_split(k: int, state: ShapeState) -> StepShape:
     return Fused(16) if k < 3 else Split(OVERALLOCATED, 48)
 
 
-def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run() -> None:
-    llm = LLM(MODEL, dtype="float32", device="cpu", show_progress=False, max_model_len=512, num_kv_blocks=40,
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(device: str) -> None:
+    llm = LLM(MODEL, dtype="float32", device=device, show_progress=False, max_model_len=512, num_kv_blocks=40,
               max_num_batched_tokens=48)
     short, big = [5, 9, 14, 3, 7, 11, 30, 8, 21], [(37 * i) % 1200 + 3 for i in range(BIG)]
     want = [o.outputs[0].token_ids for o in llm.generate(
