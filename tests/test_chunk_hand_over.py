@@ -5,8 +5,9 @@ Before this, only a fused step computed such a prompt, so a policy that split wh
 decode had nothing to run: on the H200 (2026-11-30, Mooncake trace, duet) 23K-token prompts that arrived just behind
 a short one were chunked in one fused step and then waited 20-110 s for their first token while later prompts went
 by. The real decode and prefill workers in this process (tests/test_step_shapes.py's harness), on CPU and on a GPU
-(`-m gpu`: prefill's kernels reading what decode's fused chunks wrote), the policy forced to split from the fourth
-step on, one request decoding all along."""
+(`-m gpu`: prefill's kernels reading what decode's fused chunks wrote; one process and one stream here, so not the
+engine's ordering across its two processes, a chunk's end event recorded before the KVReady goes, which no GPU test
+forces a hand-over through yet), the policy forced to split from the fourth step on, one request decoding all along."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rapidserve.engine import messages as m
 from rapidserve.partition.profile import OVERALLOCATED
 from rapidserve.partition.shape import Fused, ShapeState, Split, StepShape
 from rapidserve.partition.step_policies import ScriptedPolicy
+from tests import test_worker_faults
 from tests.test_step_shapes import MODEL, serve, workers
 
 LONG, BIG = 60, 120  # tokens the decoding request generates; the big prompt's length
@@ -28,7 +30,9 @@ def fuse_then_split(k: int, state: ShapeState) -> StepShape:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(device: str) -> None:
+def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(device: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_worker_faults, "untimed", lambda msg: msg)  # the rings keep the first tokens' PhaseTimes
     llm = LLM(MODEL, dtype="float32", device=device, show_progress=False, max_model_len=512, num_kv_blocks=40,
               max_num_batched_tokens=48)
     short, big = [5, 9, 14, 3, 7, 11, 30, 8, 21], [(37 * i) % 1200 + 3 for i in range(BIG)]
@@ -38,6 +42,14 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     policy = ScriptedPolicy(fuse_then_split)
     d, p, io = workers(llm, policy, two_configs=False)
     free0 = d.sched.blocks.num_free
+    started: dict[str, float | None] = {}  # when decode queued each handed-over prompt's first chunk
+    hand_over = d.sched.hand_over
+
+    def spy() -> list[m.KVReady]:
+        started.update((r.req_id, r.started) for r in d.sched.chunking)
+        return hand_over()
+
+    monkeypatch.setattr(d.sched, "hand_over", spy)
     told = serve(d, p, io, [
         m.NewRequest("decodes", short, SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True), 0.0),
         m.NewRequest("big", big, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), 1.0)])
@@ -51,6 +63,10 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     first_big = order.index(("big", 0))
     decoded_before = sum(1 for rid, _ in order[:first_big] if rid == "decodes")
     assert decoded_before < LONG // 4, (decoded_before, order)
+    # its TTFT's phases: prefill started with decode's first chunk, not at the hand-over (else queue time)
+    first = next(t for b in io.of("d2r", m.TokenBatch) for t in b.tokens if (t.req_id, t.index) == ("big", 0))
+    assert first.times is not None and started["big"] is not None and first.times.started == started["big"]
+    assert kv[0].started == started["big"] and first.times.admitted <= first.times.started <= first.times.sampled
     # the same greedy tokens as LLM's, every block back
     got = {rid: [t.token_id for b in io.of("d2r", m.TokenBatch) for t in b.tokens if t.req_id == rid]
            for rid in ("decodes", "big")}

@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 
+from rapidserve.engine import messages as m
 from rapidserve.engine.decode_scheduler import DecodeRequest, Row, StepBatch
 from tests.decode_sched_fakes import BS, TOK
 from tests.test_decode_scheduler_sim import GARBAGE, SEEDS, Outcome, Sim, Write, kv_of, next_token
@@ -82,11 +83,22 @@ class FusedSim(Sim):
         last full block; prefill_step checks that what they wrote is what it reads."""
         s = self.s
         ready = {r.req_id for r in s.chunking if r.chunks_inflight == 0}
-        n = len(self.prefill)
-        super().admit()
+        n, back = len(self.prefill), self.counts["hand-over unadmitted"]
+        unadmit = s.unadmit
+
+        def counted(handed: list[m.KVReady]) -> None:  # prefill's inbox was full: back to chunking here
+            self.counts["hand-over unadmitted"] += sum(1 for kv in handed if s.reqs[kv.req_id].handed)
+            unadmit(handed)
+            assert all(s.reqs[kv.req_id].state == "chunking" for kv in handed if kv.req_id in ready)
+
+        s.unadmit = counted  # type: ignore[method-assign]
+        try:
+            super().admit()
+        finally:
+            del s.unadmit
         self.counts["chunked, handed over"] += len(ready & {kv.req_id for kv in self.prefill[n:]})
-        self.counts["hand-over unadmitted"] += len(ready & {r.req_id for r in s.chunking})
-        assert not any(r.chunks_inflight == 0 for r in s.chunking if r.req_id not in ready)
+        # a prompt ready to go stays here only when prefill's inbox was full for it
+        assert len(ready & {r.req_id for r in s.chunking}) == self.counts["hand-over unadmitted"] - back
 
     def fail_in_flight(self) -> None:
         """Whatever step is in flight wrote garbage and fails with every running request."""

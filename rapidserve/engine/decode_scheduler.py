@@ -189,14 +189,15 @@ class DecodeScheduler(SchedulerViews):
         nothing to run, which on the H200 held 23K-token prompts for 20-110 s). Prefill computes from the
         last full block its chunks wrote (`KVReady.computed_tokens`; the tokens of a part-written block are
         computed again, into the same slots: that block is no one else's until it is full) and samples the first
-        token; the KVReady keeps the request's admission time and prefix-cache hits."""
+        token; the KVReady keeps the request's admission time, when its first chunk started (the TTFT's split into
+        queue and prefill: `PhaseTimes`) and its prefix-cache hits."""
         out: list[m.KVReady] = []
         bs = self.blocks.block_size
         for r in [r for r in self.chunking if r.chunks_inflight == 0]:
             self.chunking.remove(r)
             r.state, r.computed, r.handed = "prefilling", max(r.cached, r.computed // bs * bs), True
             out.append(m.KVReady(r.request, self.blocks.table(r.req_id), list(r.outputs), r.attempt, r.cached,
-                                 r.admitted, r.computed))
+                                 r.admitted, r.computed, r.started))
         return out
 
     def _admit_head(self, hold: AbstractSet[str], passed: list[DecodeRequest], busy: int,

@@ -74,6 +74,7 @@ class KVReady(msgspec.Struct, tag=True, frozen=True):
     # leading tokens already in the blocks: the cached ones, or more where decode's fused chunks wrote them (a
     # multiple of the block size); prefill computes the rest. 0: as many as cached_tokens
     computed_tokens: int = 0
+    started: float | None = None  # decode queued the prompt's first fused chunk then (PhaseTimes.started), if it did
 
     @property
     def start_tokens(self) -> int:

@@ -66,7 +66,8 @@ class Job:
     @classmethod
     def of(cls, kv: m.KVReady) -> Job:
         return cls(kv.request, list(kv.request.prompt_token_ids) + list(kv.outputs), list(kv.block_ids), kv.attempt,
-                   done_tokens=kv.start_tokens, cached_tokens=kv.cached_tokens, admitted=kv.admitted)
+                   done_tokens=kv.start_tokens, cached_tokens=kv.cached_tokens, admitted=kv.admitted,
+                   started=kv.started)
 
     def mark_started(self, now: float) -> None:
         """A forward over one of its chunks is about to be queued: the first one starts its prefill."""
