@@ -230,6 +230,36 @@ def test_least_loaded_dispatch_abort_to_the_owner_and_a_death_in_one_engine() ->
     asyncio.run(main())
 
 
+def test_each_engines_stats_by_index_and_placed_told_before_the_hand_over() -> None:
+    """/metrics labels each engine's vLLM series by its index: `engine_stats` gives each one's own Stats (None
+    while it is not running), and `placed` names the engine a request goes to before it is handed over."""
+    async def main() -> None:
+        members = [Member(), Member()]
+        dp = DataParallelEngine(ECFG, members)  # type: ignore[arg-type]
+        assert dp.engine_stats == [None, None]
+        members[0].stats, members[1].stats = stats(kv_blocks_total=64), stats(kv_blocks_total=128, num_running=5)
+        assert [s.kv_blocks_total if s else None for s in dp.engine_stats] == [64, 128]
+        members[1].state = "restarting"
+        assert dp.engine_stats == [members[0].stats, None]
+        members[1].state = "ready"
+        told: list[tuple[str, int, bool]] = []
+        gens = []
+        for rid in ("a", "b", "c"):
+            gen = dp.generate(rid, [1], SamplingParams(), placed=lambda i, rid=rid: told.append(
+                (rid, i, rid in members[i].served or dp.owner(rid) is not None)))
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)
+            members[dp.owner(rid)].step(rid, 0)  # type: ignore[index]
+            await task
+            gens.append(gen)
+        assert told == [("a", 0, False), ("b", 1, False), ("c", 0, False)]
+        for g in gens:
+            await g.aclose()
+        await dp.shutdown()
+
+    asyncio.run(main())
+
+
 def test_one_engine_giving_up_is_the_engine_giving_up_and_health_lists_every_engine() -> None:
     async def main() -> None:
         import aiohttp

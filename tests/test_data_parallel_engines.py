@@ -1,7 +1,8 @@
 """Data parallelism with real workers on CPU (`preset:tiny-llama`, token ids only).
 
 - `rapidserve serve --data-parallel-size 2` (rapid mode): concurrent greedy requests are spread over
-  both engines and answer exactly what one engine answers; /health lists both, /metrics sums them.
+  both engines and answer exactly what one engine answers; /health lists both, /metrics labels each one's
+  vLLM series by its index (each engine's own prefix cache, KV usage and pool).
 - Two hybrid engines in-process: a worker killed in one ends that engine's requests with its error and
   nothing else; the other engine's requests go on and take the new ones while it restarts; an abort
   reaches the engine that holds the request.
@@ -52,12 +53,13 @@ async def reference_outputs() -> list[list[int]]:
         await engine.shutdown()
 
 
-def metric(url: str, name: str) -> float:
-    for fam in text_string_to_metric_families(http(url + "/metrics")[2].decode()):
-        for s in fam.samples:
-            if s.name == name:
-                return float(s.value)
-    raise AssertionError(f"{name} not in /metrics")
+def per_engine(url: str, name: str) -> dict[str, dict[str, Any]]:
+    """Sample `name` of each engine in /metrics, by its `engine` label: its labels and its value (`value`)."""
+    got = {s.labels["engine"]: {**s.labels, "value": float(s.value)}
+           for fam in text_string_to_metric_families(http(url + "/metrics")[2].decode())
+           for s in fam.samples if s.name == name}
+    assert got, f"{name} not in /metrics"
+    return got
 
 
 def test_two_engines_behind_one_server_answer_as_one_engine() -> None:
@@ -87,14 +89,21 @@ def test_two_engines_behind_one_server_answer_as_one_engine() -> None:
             deadline = time.monotonic() + 30  # each engine reports its Stats every 0.25 s
             queried = sum(len(p) for p in PROMPTS)  # every prompt token was looked up in one of the caches
 
-            def settled() -> tuple[float, float]:  # the two come from each engine's latest Stats: wait for both,
-                # one engine's Stats from after its last lookup can predate its last blocks' release
-                return (metric(srv.url, "vllm:prefix_cache_queries_total"),
-                        metric(srv.url, "vllm:kv_cache_usage_perc"))
+            def settled() -> tuple[dict[str, float], dict[str, float]]:  # each engine's own, from its latest Stats:
+                # wait for both, one engine's Stats from after its last lookup can predate its last blocks' release
+                return tuple({e: s["value"] for e, s in per_engine(srv.url, name).items()}  # type: ignore[return-value]
+                             for name in ("vllm:prefix_cache_queries_total", "vllm:kv_cache_usage_perc"))
 
-            while settled() != (queried, 0.0):
-                assert time.monotonic() < deadline, settled()
+            while True:
+                queries, usage = settled()
+                if sum(queries.values()) == queried and usage == {"0": 0.0, "1": 0.0}:
+                    break
+                assert time.monotonic() < deadline, (queries, usage)
                 await asyncio.sleep(0.1)
+            assert min(queries.values()) > 0  # each engine looked up the prompts it served
+            # each engine's pool in its own cache_config_info (--num-kv-blocks is each engine's; not their sum)
+            info = per_engine(srv.url, "vllm:cache_config_info")
+            assert {e: s["num_gpu_blocks"] for e, s in info.items()} == {"0": "64", "1": "64"}
         finally:
             assert stop(srv) == 0
 

@@ -19,8 +19,9 @@ import pytest
 from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
+from rapidserve.engine.data_parallel import DataParallelEngine
 from rapidserve.engine.messages import Stats, StepKindStats
-from tests.server_fakes import FakeEngine, running_server
+from tests.server_fakes import ECFG, FakeEngine, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -196,3 +197,77 @@ def test_metrics_route_exposes_the_workers_step_counts() -> None:
         assert got("steps_total", "fused") == 0
 
     run(main)
+
+
+class Member(FakeEngine):
+    """A FakeEngine as one engine of a DataParallelEngine."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(delay)
+        self.events: list[str] = []
+
+    async def abort(self, req_id: str) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        self.state = "down"
+
+
+def test_two_engines_each_expose_their_own_vllm_series() -> None:
+    """Behind a DataParallelEngine of two engines of different pools: each engine's gauges from its own Stats and
+    the requests it holds, each request's series on the engine that served it, each pool in its cache_config_info;
+    a restarting engine shows no KV usage."""
+    async def main() -> None:
+        a, b = Member(delay=0.001), Member(delay=0.001)
+        for e in (a, b):
+            e.first_token.clear()
+        dp = DataParallelEngine(ECFG, [a, b])
+        try:
+            async with running_server(dp) as (_, url), aiohttp.ClientSession() as s:  # type: ignore[arg-type]
+                body = {"prompt": [1, 2, 3], "max_tokens": 2}
+                posts = [asyncio.create_task(s.post(url + "/v1/completions", json=body)) for _ in range(3)]
+                await wait_until(lambda: (len(a.live), len(b.live)) == (2, 1))  # least loaded, ties to engine 0
+                a.stats = replace(stats(0, 1, 1), kv_blocks_total=64, kv_blocks_free=32, prefix_cache_queries=6)
+                b.stats = replace(stats(0, 0, 1), kv_blocks_total=128, kv_blocks_free=128, prefix_cache_queries=3)
+                held = await scrape_engines(s, url)
+                for e in (a, b):
+                    e.first_token.set()
+                for r in await asyncio.gather(*posts):
+                    assert r.status == 200
+                    await r.read()
+                    r.release()
+                done = await scrape_engines(s, url)
+                b.state = "restarting"
+                restarting = await scrape_engines(s, url)
+        finally:
+            await dp.shutdown()
+
+        def at(m: Samples, name: str, engine: str, **labels: str) -> float:
+            return m[(name, frozenset({("engine", engine), *labels.items()}))]
+
+        assert [(at(held, "vllm:num_requests_running", e), at(held, "vllm:num_requests_waiting", e))
+                for e in "01"] == [(1, 1), (0, 1)]  # engine 0 prefills one of its two
+        assert [at(held, "vllm:kv_cache_usage_perc", e) for e in "01"] == [0.5, 0.0]
+        assert [at(done, "vllm:prefix_cache_queries_total", e) for e in "01"] == [6, 3]
+        assert [at(done, "vllm:prompt_tokens_total", e) for e in "01"] == [6, 3]
+        assert [at(done, "vllm:time_to_first_token_seconds_count", e) for e in "01"] == [2, 1]
+        assert [at(done, "vllm:request_success_total", e, finished_reason="length") for e in "01"] == [2, 1]
+        assert [at(done, "vllm:request_params_max_tokens_sum", e) for e in "01"] == [4, 2]
+        assert [at(done, n, e) for n in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+                for e in "01"] == [0, 0, 0, 0]
+        info = sorted((dict(lab)["engine"], dict(lab)["num_gpu_blocks"]) for n, lab in done
+                      if n == "vllm:cache_config_info")
+        assert info == [("0", "64"), ("1", "128")]  # each engine's own pool
+        assert [at(restarting, "vllm:kv_cache_usage_perc", e) for e in "01"] == [0.5, 0.0]
+        assert at(restarting, "vllm:prefix_cache_queries_total", "1") == 3  # its counts stay
+        assert held[("rapidserve:partition_info", frozenset({("config", "none")}))] == 1  # the whole server's
+
+    run(main)
+
+
+async def scrape_engines(s: aiohttp.ClientSession, url: str) -> Samples:
+    """The samples of /metrics keyed by name and labels, the `engine` label kept (`model_name` left out)."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k != "model_name")): x.value
+            for fam in text_string_to_metric_families(text) for x in fam.samples}

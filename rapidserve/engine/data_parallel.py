@@ -33,7 +33,7 @@ import dataclasses
 import importlib
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from rapidserve.config import EngineConfig, ParallelConfig
@@ -180,15 +180,18 @@ class DataParallelEngine:
         self.fatal.set()
 
     # ---- requests ---------------------------------------------------------------------------
-    async def generate(self, req_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[m.TokenOut]:
+    async def generate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       placed: Callable[[int], None] | None = None) -> AsyncIterator[m.TokenOut]:
         """Tokens of one request in order, from the engine `pick_engine` chose; raises EngineError as
-        `AsyncEngine.generate` does, and at once when no engine is running."""
+        `AsyncEngine.generate` does, and at once when no engine is running. `placed(i)` is told the engine's
+        index once it is chosen, before the request is handed to it (the server's metrics label by it)."""
         if req_id in self._owner:
             raise EngineError(f"request id {req_id!r} is already in flight")
         i = None if self.fatal.is_set() else pick_engine(self.in_flight, [e.running for e in self.engines])
         if i is None:
             raise EngineError(f"no engine is running ({self.state}): {self.dead_reason or 'not started'}")
+        if placed is not None:  # (before any bookkeeping: were it to raise, nothing is held)
+            placed(i)
         self._owner[req_id] = i
         self.in_flight[i] += 1
         self.dispatched[i] += 1
@@ -264,9 +267,16 @@ class DataParallelEngine:
         return sum(e.deaths_total for e in self.engines)
 
     @property
+    def engine_stats(self) -> list[m.Stats | None]:
+        """Each engine's latest Stats, by index (the server's ``vllm:`` series label each engine's own by its
+        index, as vLLM does); None for one that is not running (restarting, down: it holds no requests and no
+        pool) or has not reported yet."""
+        return [e.stats if e.running else None for e in self.engines]
+
+    @property
     def stats(self) -> m.Stats | None:
         """The engines' Stats as one (dp_stats.combine_stats: counters summed and kept monotonic across
-        one engine's restart; gauges summed over the running engines)."""
+        one engine's restart; gauges summed over the running engines): the server's ``rapidserve:`` series."""
         now = [e.stats for e in self.engines]
         self._carry = [c.advance(s) for c, s in zip(self._carry, now, strict=True)]
         return combine_stats(now, [e.running for e in self.engines], self._carry)

@@ -1,4 +1,9 @@
-"""The Stats of several data-parallel engines as one (`DataParallelEngine.stats`), for /metrics.
+"""The Stats of several data-parallel engines as one (`DataParallelEngine.stats`): the whole server's.
+
+/metrics' ``vllm:`` series do not read this: as vLLM labels each engine core's series by its index, each engine's
+are its own Stats (`DataParallelEngine.engine_stats`, by index; server/metrics.py). The combined Stats feeds the
+``rapidserve:`` series (labelled by model only: server/metrics_own.py): the partition, its steps and switches, the
+step kinds and corrections; and whatever reads `engine.stats` as of one engine (the benches).
 
 How each field combines:
 - counters (`num_preemptions`, `partition_switches`, `prefix_cache_queries`, `prefix_cache_hits`,

@@ -79,7 +79,8 @@ class Server:
         self.cfg, self.ecfg, self.engine, self.tok = cfg, ecfg, engine, tokenizer
         self.model_name = model_name  # reported in responses; requests may name it or any of `aliases`
         self.model_names = (model_name, *aliases)
-        self.metrics = Metrics(model_name, ecfg.max_model_len, ecfg.cache)
+        engines = len(engine.engines) if isinstance(engine, DataParallelEngine) else 1
+        self.metrics = Metrics(model_name, ecfg.max_model_len, ecfg.cache, engines)  # vLLM's series: one per engine
         if trials is None and tokenizer is not None:
             trials = grammar_trials(ecfg, tokenizer)
         self.ctx = ProtocolContext(tokenizer, self.model_names, ecfg.max_model_len, ecfg.model_config.vocab_size,
@@ -137,19 +138,26 @@ class Server:
             "max_model_len": self.ecfg.max_model_len} for name in self.model_names]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text. The request gauges are the server's own counts now (`request_gauges`: the
-        workers' periodic stats only say which requests without a token yet are being prefilled)."""
-        s = self.engine.stats
+        """Prometheus text. vLLM's series per engine, from its own Stats; the request gauges are the server's own
+        counts now, of the requests each engine holds (`request_gauges`: the workers' periodic stats only say which
+        requests without a token yet are being prefilled); rapidserve's from the whole server's Stats."""
+        s = self.engine.stats  # with data parallelism the engines' combined (engine/dp_stats.py)
+        dp = isinstance(self.engine, DataParallelEngine)
+        per = self.engine.engine_stats if dp else [s]
         self.metrics.set_engine_counters(self.engine.restarts_total, self.engine.deaths_total)
-        where = Counter(c.state for choices in self._requests.values() for c in choices)
-        running, waiting = request_gauges(where["queued"], where["pending"], where["decoding"],
-                                          None if s is None else s.num_running + s.num_prefilling)
-        self.metrics.set_requests(running, waiting)
+        # with one engine a request not yet handed to it is its anyway; with several, on none until dispatched
+        where = Counter((c.engine if dp else 0, c.state) for choices in self._requests.values() for c in choices)
+        for i, e in enumerate(per):
+            running, waiting = request_gauges(where[i, "queued"], where[i, "pending"], where[i, "decoding"],
+                                              None if e is None else e.num_running + e.num_prefilling)
+            if e is None:
+                self.metrics.set_requests(running, waiting, i)
+                self.metrics.engine_down(i)
+            else:
+                self.metrics.set_engine(i, running, waiting, e.kv_blocks_total, e.kv_blocks_free, e.num_preemptions,
+                                        e.prefix_cache_queries, e.prefix_cache_hits)
         if s is not None:
-            self.metrics.set_engine_stats(running, waiting, s.kv_blocks_total,
-                                          s.kv_blocks_free, s.num_preemptions, s.partition,
-                                          s.prefix_cache_queries, s.prefix_cache_hits, s.partition_switches,
-                                          s.partition_steps)
+            self.metrics.set_partition(s.partition, s.partition_switches, s.partition_steps)
             self.metrics.set_step_stats(s.step_kinds, s.step_correction)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})

@@ -62,6 +62,9 @@ class Choice:
     # where it is, for the request gauges: "queued" (admitted, not yet handed to the engine), "pending" (in the
     # engine, no token yet), "decoding" (a token came), "done" (its engine request ended)
     state: Literal["queued", "pending", "decoding", "done"] = "queued"
+    # the index of the engine it was handed to (with data parallelism, the one dispatch picked), for the metrics'
+    # `engine` label; None until then (one that never reached an engine counts on engine 0)
+    engine: int | None = None
 
 
 class Generation:
@@ -102,10 +105,6 @@ class Generation:
                 refusal = self.refusal()  # (it may have changed while the response began)
                 if refusal is not None:
                     raise refusal
-            for c in choices:
-                self.metrics.add_prompt_tokens(len(c.prompt_ids))
-            for _ in req.prompts:
-                self.metrics.observe_params(req.params.n, req.params.max_tokens)
             tasks = [asyncio.ensure_future(self.run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -129,10 +128,12 @@ class Generation:
             now = time.monotonic()
             for c in choices if refusal is None else []:
                 self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
-                                              c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue)
+                                              c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue,
+                                              engine=c.engine or 0)
             n = req.params.n  # choice i * n + j is prompt i's sample j
             for i in range(len(req.prompts) if refusal is None else 0):
-                self.metrics.observe_samples_done([len(c.token_ids) for c in choices[i * n:(i + 1) * n]])
+                self.metrics.observe_samples_done([len(c.token_ids) for c in choices[i * n:(i + 1) * n]],
+                                                  engine=choices[i * n].engine or 0)
 
     def refusal(self) -> EngineError | None:
         """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,
@@ -153,7 +154,18 @@ class Generation:
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, p.min_tokens)
         t0 = last = time.monotonic()
-        stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
+
+        def placed(engine: int) -> None:  # counted on the engine it went to; a prompt's parameters with its first
+            c.engine = engine  # sample (vLLM counts them on the engine that finished its last)
+            self.metrics.add_prompt_tokens(len(c.prompt_ids), engine)
+            if c.index % p.n == 0:
+                self.metrics.observe_params(p.n, p.max_tokens, engine)
+
+        if isinstance(self.engine, DataParallelEngine):  # `placed` once dispatch picks the engine
+            stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params, placed=placed)
+        else:
+            placed(0)
+            stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         c.state = "pending"
         try:
             async for tok in stream:
@@ -162,13 +174,13 @@ class Generation:
                     c.state = "decoding"
                     c.ttft = now - t0
                     c.cached_tokens = tok.cached_tokens
-                    self.metrics.observe_first_token(c.ttft)
+                    self.metrics.observe_first_token(c.ttft, c.engine or 0)
                     if tok.times is not None:
                         ph = tok.times
                         c.queue = max(0.0, ph.started - t0)
-                        self.metrics.observe_phases(t0, ph.admitted, ph.started, ph.sampled, now)
+                        self.metrics.observe_phases(t0, ph.admitted, ph.started, ph.sampled, now, c.engine or 0)
                 else:
-                    self.metrics.observe_token(now - last)
+                    self.metrics.observe_token(now - last, c.engine or 0)
                 last = now
                 c.token_ids.append(tok.token_id)
                 c.logprobs.append(tok.logprob)

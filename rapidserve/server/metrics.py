@@ -2,13 +2,27 @@
 
 A dashboard, alert, autoscaler or router built for vLLM reads a rapidserve server unchanged: every series
 whose meaning matches one of vLLM v1's (vllm/v1/metrics/loggers.py) carries vLLM's name with the ``vllm:``
-prefix, its type, its buckets and its labels ``model_name`` and ``engine``. ``engine`` is always "0": with
-``--data-parallel-size N`` the series are the sum over the N engines behind this server (engine/dp_stats.py),
-where vLLM would label each engine. What vLLM has no series for keeps the ``rapidserve:`` prefix, labelled
-``model_name`` only. Counters carry prometheus_client's ``_total`` suffix as vLLM's do; no ``_created``
-series is exposed (they would double the series for nothing a dashboard reads): they are filtered at render,
-so no global prometheus_client setting is touched. Every `Metrics` owns a private `CollectorRegistry`, so
-several servers (or tests) in one process never share series.
+prefix, its type, its buckets and its labels ``model_name`` and ``engine``. What vLLM has no series for keeps the
+``rapidserve:`` prefix, labelled ``model_name`` only (server/metrics_own.py). Counters carry prometheus_client's
+``_total`` suffix as vLLM's do; no ``_created`` series is exposed (they would double the series for nothing a
+dashboard reads): they are filtered at render, so no global prometheus_client setting is touched. Every `Metrics`
+owns a private `CollectorRegistry`, so several servers (or tests) in one process never share series.
+
+``engine`` is the engine's index, as vLLM 0.26's `PrometheusStatLogger` labels each engine core of a data-parallel
+front end: with one engine every series has ``engine="0"``; with ``--data-parallel-size N`` every ``vllm:`` series
+exists once per engine, ``engine="0"`` .. ``"N-1"``, all pre-created (counters and histograms at 0), each with that
+engine's own values. Per engine: the gauges from its own Stats and the server's count of the requests it holds
+(`request_gauges`; with several engines a request admitted but not yet dispatched is in no engine's gauges, as one
+vLLM's API server has not yet sent to an engine core is in no scheduler's); the counters of its Stats
+(preemptions, prefix cache); and every request series of the requests it served (a request is an engine request: a
+prompt's sample; the per-prompt series, ``request_params_*`` and ``request_max_num_generation_tokens``, count on the
+engine of the prompt's first sample; vLLM counts ``n`` and the most generation tokens on the engine that finished the
+prompt's last). An engine that is not
+running (restarting, down) reports no KV usage (0) and keeps its counts. ``vllm:cache_config_info`` is one series
+per engine; its ``num_gpu_blocks`` is that engine's own pool. (vLLM 0.26 puts the same labels on every engine's
+series, ``num_gpu_blocks`` being the sum over the engines: vllm/v1/engine/core_client.py `_apply_ready_response`
+adds each engine's count into the front end's one CacheConfig. rapidserve's engines may have pools of different
+sizes, and a per-engine series labelled with the total misleads: add the engines' ``num_gpu_blocks`` for it.)
 
 vLLM's series (see docs/operations.md for what to watch):
 
@@ -29,48 +43,20 @@ vLLM's series (see docs/operations.md for what to watch):
   chunk queued to the end), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
   ``vllm:request_max_num_generation_tokens`` (per prompt: the most output tokens among its ``n`` samples),
   ``vllm:request_params_n``, ``vllm:request_params_max_tokens``.
-
-rapidserve's own: histograms ``rapidserve:request_admission_time_seconds`` (arrival to its KV blocks allocated:
-in rapid mode the decode worker's handing it to prefill; part of the queue time) and
-``rapidserve:request_first_token_handoff_seconds`` (first token sampled to the server holding it: in rapid mode
-the route prefill -> decode -> router); gauge ``rapidserve:partition_info{config}`` (1, current only); counters
-``rapidserve:partition_steps_total{config}`` (decode steps launched in each compute partition configuration),
-``rapidserve:partition_switches_total``, ``rapidserve:engine_restarts_total``,
-``rapidserve:engine_worker_deaths_total`` and ``rapidserve:request_rejected_total{reason}`` (HTTP requests
-refused with a 503 before reaching the engine, by the error code the client got: overloaded,
-engine_unavailable, server_shutting_down; they count no prompt tokens and are not in
-``vllm:request_success_total``).
-
-rapidserve's step series: what the decode worker's step loop ran, by the shape its policy chose (label ``kind``:
-``fused``, a mixed step with prompt tokens; ``fused_decode``, a fused step without any; ``split``, decode beside
-the prefill worker; ``alone``, decode alone on its configuration; engine/step_tally.py), each kind pre-created at
-0. Counters ``rapidserve:steps_total{kind}`` (landed steps), ``rapidserve:step_seconds_total{kind}`` (their
-measured device time; on a CPU the wall time), ``rapidserve:steps_over_slo_total{kind}`` (of them, those that took
-longer than ``--slo-itl-ms``; none without an SLO), ``rapidserve:step_predicted_seconds_total{kind}`` (the policy's
-raw cost-model prediction, summed over the steps that had one: ``--policy duet``'s) and
-``rapidserve:step_predicted_measured_seconds_total{kind}`` (the measured time of those same steps: the rate of this
-over the rate of the predicted one is how far off the model is, by kind); gauge
-``rapidserve:step_correction_ratio{kind}`` (the online correction the policy applies now, measured / predicted per
-correction kind ``fused``, ``split``, ``decode``: partition/correction.py; exposed once a policy that corrects
-reported it; beside them ``kind="slo_margin"``, duet's share of the ITL SLO its steps are planned within now,
-partition/margin.py). Mean step time of a kind: rate(step_seconds_total) / rate(steps_total). What the worker's host saw
-(engine/step_cycle.py's ``Landed``): ``rapidserve:step_gaps_total{kind}``, ``rapidserve:step_gap_seconds_total{kind}``
-and ``rapidserve:step_gaps_over_slo_total{kind}`` (the token gaps that ended at a step of the kind, host time
-included: a gap over the SLO from a step within it is time outside the step), ``rapidserve:step_idle_seconds_total
-{kind}`` (the device idle before those steps), ``rapidserve:step_host_seconds_total{kind}`` (the host's time to plan
-and launch them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 
 from rapidserve.config import CacheConfig
-from rapidserve.engine.messages import STEP_KINDS, StepKindStats
+from rapidserve.engine.messages import StepKindStats
+from rapidserve.server.metrics_own import OwnSeries, delta
 
 # Bucket boundaries as vLLM's (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -83,13 +69,10 @@ N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Reasons pre-created at 0 so that rate() works before the first request of each kind finishes.
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECT_REASONS = ("overloaded", "engine_unavailable", "server_shutting_down")
-ENGINE = "0"  # vLLM's `engine` label: one combined engine (module doc)
 # How the prefix cache's blocks are hashed for KV events (engine/kv_events.py): vLLM's default.
 PREFIX_CACHING_HASH_ALGO = "sha256"
 
 _V = "vllm:"
-_R = "rapidserve:"
 
 
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
@@ -128,252 +111,220 @@ class _WithoutCreated:
             yield out
 
 
-class Metrics:
-    """The server's metrics for one model; render() gives the /metrics response. `max_model_len` bounds the
-    token-count buckets (vLLM's); `cache` is described by ``vllm:cache_config_info``."""
+class _Engine:
+    """One engine's series (the children of vLLM's families labelled with its index) and what its Stats said last."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache: CacheConfig) -> None:
+    def __init__(self, fams: dict[str, Any], success: Counter, model_name: str, index: int) -> None:
+        who = (model_name, str(index))
+        self.s = {name: fam.labels(*who) for name, fam in fams.items()}
+        self.success = {reason: success.labels(*who, reason) for reason in FINISH_REASONS}
+        self.preemptions_seen = 0
+        self.prefix_seen = (0, 0)
+        self.cache_info: dict[str, str] | None = None  # the labels of its current cache_config_info series
+
+
+class Metrics:
+    """The server's metrics for one model served by `engines` engines; render() gives the /metrics response.
+    `max_model_len` bounds the token-count buckets (vLLM's); `cache` is described by ``vllm:cache_config_info``.
+    Each `engine` argument is an engine's index (module doc)."""
+
+    def __init__(self, model_name: str, max_model_len: int, cache: CacheConfig, engines: int = 1) -> None:
         self.model_name = model_name
         self.cache = cache
         self.registry = CollectorRegistry(auto_describe=True)
-        reg, lab, who = self.registry, ["model_name", "engine"], (model_name, ENGINE)
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(_V + name, doc, lab, buckets=buckets, registry=reg).labels(*who)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(_V + name, doc, lab, registry=reg).labels(*who)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(_V + name, doc, lab, registry=reg).labels(*who)
-
+        reg, lab = self.registry, ["model_name", "engine"]
         tokens = build_1_2_5_buckets(max_model_len)
-        self._ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                          TTFT_BUCKETS)
-        self._itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self._tpot_old = hist("time_per_output_token_seconds", "Histogram of time per output token in seconds "
-                              "(the inter-token latency's older name).", ITL_BUCKETS)
-        self._tpot = hist("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds "
-                          "per request: (e2e - ttft) / (output tokens - 1).", ITL_BUCKETS)
-        self._e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                         REQUEST_LATENCY_BUCKETS)
-        self._queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request: "
-                           "arrival to its first prompt chunk queued.", REQUEST_LATENCY_BUCKETS)
-        self._prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request: "
-                             "first prompt chunk queued to first token sampled.", REQUEST_LATENCY_BUCKETS)
-        self._decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                            REQUEST_LATENCY_BUCKETS)
-        self._inference = hist("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for "
-                               "request.", REQUEST_LATENCY_BUCKETS)
-        self._req_prompt = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self._req_gen = hist("request_generation_tokens", "Number of generation tokens processed.", tokens)
-        self._req_max_gen = hist("request_max_num_generation_tokens",
-                                 "Histogram of maximum number of requested generation tokens.", tokens)
-        self._params_n = hist("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
-        self._params_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                                       tokens)
-
-        self._running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self._waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self._cache_info = Gauge(_V + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 ["engine", *cache_config_labels(cache, 0)], registry=reg)
-        self._cache_info_now: dict[str, str] | None = None
-
-        self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self._gen_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        lat = REQUEST_LATENCY_BUCKETS
+        # short name -> (vLLM's name without the prefix, documentation, buckets; None: a gauge, (): a counter)
+        spec: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
+            "ttft": ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+            "itl": ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            "tpot_old": ("time_per_output_token_seconds", "Histogram of time per output token in seconds (the "
+                         "inter-token latency's older name).", ITL_BUCKETS),
+            "tpot": ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per "
+                     "request: (e2e - ttft) / (output tokens - 1).", ITL_BUCKETS),
+            "e2e": ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", lat),
+            "queue": ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request: arrival "
+                      "to its first prompt chunk queued.", lat),
+            "prefill": ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request: first "
+                        "prompt chunk queued to first token sampled.", lat),
+            "decode": ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", lat),
+            "inference": ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+                          lat),
+            "req_prompt": ("request_prompt_tokens", "Number of prefill tokens processed.", tokens),
+            "req_gen": ("request_generation_tokens", "Number of generation tokens processed.", tokens),
+            "req_max_gen": ("request_max_num_generation_tokens", "Histogram of maximum number of requested "
+                            "generation tokens.", tokens),
+            "params_n": ("request_params_n", "Histogram of the n request parameter.", N_BUCKETS),
+            "params_max_tokens": ("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                  tokens),
+            "running": ("num_requests_running", "Number of requests in model execution batches.", None),
+            "waiting": ("num_requests_waiting", "Number of requests waiting to be processed.", None),
+            "kv_usage": ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", None),
+            "prompt_tokens": ("prompt_tokens", "Number of prefill tokens processed.", ()),
+            "gen_tokens": ("generation_tokens", "Number of generation tokens processed.", ()),
+        }
+        fams: dict[str, Any] = {}
+        for key, (name, doc, buckets) in spec.items():
+            if buckets is None:
+                fams[key] = Gauge(_V + name, doc, lab, registry=reg)
+            elif buckets == ():
+                fams[key] = Counter(_V + name, doc, lab, registry=reg)
+            else:
+                fams[key] = Histogram(_V + name, doc, lab, buckets=buckets, registry=reg)
+            if key == "kv_usage":  # vLLM's order of families, for an unchanged exposition
+                self._cache_info = Gauge(_V + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                         ["engine", *cache_config_labels(cache, 0)], registry=reg)
         self._success = Counter(_V + "request_success", "Count of successfully processed requests.",
                                 [*lab, "finished_reason"], registry=reg)
-        for reason in FINISH_REASONS:
-            self._success.labels(*who, reason)
-        self._preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
-        self._prefix_queries = counter("prefix_cache_queries",
-                                       "Prefix cache queries, in terms of number of queried tokens.")
-        self._prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self._preemptions_seen = 0
-        self._prefix_seen = (0, 0)
+        for key, name, doc in (("preemptions", "num_preemptions", "Cumulative number of preemption from the engine."),
+                               ("prefix_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number "
+                                "of queried tokens."),
+                               ("prefix_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                "tokens.")):
+            fams[key] = Counter(_V + name, doc, lab, registry=reg)
+        self._fams = fams
+        self._engines = [_Engine(fams, self._success, model_name, i) for i in range(max(1, engines))]
+        self.own = OwnSeries(reg, model_name, TTFT_BUCKETS)
 
-        # rapidserve's own series (vLLM has none of these)
-        def phase(name: str, doc: str) -> Histogram:
-            return Histogram(_R + name, doc, ["model_name"], buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+    def _of(self, engine: int) -> _Engine:
+        """Engine `engine`'s series (created on first use past the engines given at construction)."""
+        while len(self._engines) <= engine:
+            self._engines.append(_Engine(self._fams, self._success, self.model_name, len(self._engines)))
+        return self._engines[engine]
 
-        def own(name: str, doc: str) -> Counter:
-            return Counter(_R + name, doc, ["model_name"], registry=reg).labels(model_name)
-
-        self._admission = phase("request_admission_time_seconds", "Arrival to the request's KV blocks allocated.")
-        self._handoff = phase("request_first_token_handoff_seconds", "First token sampled to the server holding it.")
-        self._partition = Gauge(_R + "partition_info", "Current compute partition (value 1 for the current config).",
-                                ["model_name", "config"], registry=reg)
-        self._partition_now: str | None = None
-        self._rejected = Counter(_R + "request_rejected", "Requests refused (503) before reaching the engine, by "
-                                 "error code.", ["model_name", "reason"], registry=reg)
-        for reason in REJECT_REASONS:
-            self._rejected.labels(model_name, reason)
-        self._restarts = own("engine_restarts", "Engine worker restarts since the server started.")
-        self._deaths = own("engine_worker_deaths", "Engine worker deaths since the server started.")
-        self._restarts_seen = self._deaths_seen = 0
-        self._partition_steps = Counter(_R + "partition_steps", "Decode steps launched, per compute partition "
-                                        "configuration.", ["model_name", "config"], registry=reg)
-        self._partition_switches = own("partition_switches", "Compute partition switches.")
-        self._steps_seen: dict[str, int] = {}
-        self._switches_seen = 0
-
-        def by_kind(name: str, doc: str) -> Counter:
-            c = Counter(_R + name, doc, ["model_name", "kind"], registry=reg)
-            for kind in STEP_KINDS:
-                c.labels(model_name, kind)
-            return c
-
-        # StepKindStats' fields -> (counter, scale to the exposed unit)
-        self._kind_series: dict[str, tuple[Counter, float]] = {
-            "steps": (by_kind("steps", "Decode-worker steps landed, by the shape the policy chose."), 1.0),
-            "measured_ms": (by_kind("step_seconds", "Measured time of those steps, by shape kind."), 1e-3),
-            "over_slo": (by_kind("steps_over_slo", "Steps whose measured time exceeded the ITL SLO, by shape kind."),
-                         1.0),
-            "predicted_ms": (by_kind("step_predicted_seconds", "The policy's raw prediction of the steps that had "
-                                     "one, by shape kind."), 1e-3),
-            "predicted_measured_ms": (by_kind("step_predicted_measured_seconds", "Measured time of the steps that "
-                                              "had a prediction, by shape kind."), 1e-3),
-            "gaps": (by_kind("step_gaps", "Token gaps that ended at a step of this kind (a request decoded in it and "
-                             "in the step before), as the decode worker's host saw them."), 1.0),
-            "gap_ms": (by_kind("step_gap_seconds", "The sum of those token gaps, by shape kind."), 1e-3),
-            "gaps_over_slo": (by_kind("step_gaps_over_slo", "Of those token gaps, those longer than the ITL SLO, by "
-                                      "shape kind."), 1.0),
-            "idle_ms": (by_kind("step_idle_seconds", "The device's idle time before the steps of this kind "
-                                "(previous step's end to this one's start), by shape kind."), 1e-3),
-            "host_ms": (by_kind("step_host_seconds", "The host's wall time to plan and launch the steps of this "
-                                "kind, by shape kind."), 1e-3),
-        }
-        self._kind_seen: dict[tuple[str, str], float] = {}
-        self._correction = Gauge(_R + "step_correction_ratio", "The policy's online correction now: measured / "
-                                 "predicted step time, per correction kind.", ["model_name", "kind"], registry=reg)
-
-    def observe_first_token(self, ttft_s: float) -> None:
+    # ---- per request (the engine that served it) --------------------------------------------
+    def observe_first_token(self, ttft_s: float, engine: int = 0) -> None:
         """A request's first output token arrived `ttft_s` seconds after the request did."""
-        self._ttft.observe(ttft_s)
+        self._of(engine).s["ttft"].observe(ttft_s)
 
-    def observe_phases(self, arrival: float, admitted: float, started: float, sampled: float, held: float) -> None:
+    def observe_phases(self, arrival: float, admitted: float, started: float, sampled: float, held: float,
+                       engine: int = 0) -> None:
         """Where one request's time to first token went, on one monotonic clock: the server got it at
         `arrival`, the engine allocated its blocks at `admitted`, queued its first prompt chunk at `started`
         and had its first token at `sampled`; the server held that token at `held`. A phase that comes out
         negative (the engine's stamp precedes the server's by a hair) counts as 0."""
-        self._queue.observe(max(0.0, started - arrival))
-        self._admission.observe(max(0.0, admitted - arrival))
-        self._prefill.observe(max(0.0, sampled - started))
-        self._handoff.observe(max(0.0, held - sampled))
+        s = self._of(engine).s
+        s["queue"].observe(max(0.0, started - arrival))
+        self.own.admission.observe(max(0.0, admitted - arrival))
+        s["prefill"].observe(max(0.0, sampled - started))
+        self.own.handoff.observe(max(0.0, held - sampled))
 
-    def observe_token(self, itl_s: float) -> None:
+    def observe_token(self, itl_s: float, engine: int = 0) -> None:
         """A later output token arrived `itl_s` seconds after the previous one of its request."""
-        self._itl.observe(itl_s)
-        self._tpot_old.observe(itl_s)
+        s = self._of(engine).s
+        s["itl"].observe(itl_s)
+        s["tpot_old"].observe(itl_s)
 
-    def observe_params(self, n: int, max_tokens: int | None) -> None:
+    def observe_params(self, n: int, max_tokens: int | None, engine: int = 0) -> None:
         """One prompt of a request was admitted with these sampling parameters (a request of several
         prompts is several, as vLLM counts them); a `max_tokens` left unset is not observed, as vLLM's."""
-        self._params_n.observe(n)
+        s = self._of(engine).s
+        s["params_n"].observe(n)
         if max_tokens:
-            self._params_max_tokens.observe(max_tokens)
+            s["params_max_tokens"].observe(max_tokens)
 
-    def observe_samples_done(self, output_tokens: list[int]) -> None:
+    def observe_samples_done(self, output_tokens: list[int], engine: int = 0) -> None:
         """Every sample of one prompt ended, with these output token counts: the most of them is the
         prompt's ``request_max_num_generation_tokens``."""
         if output_tokens:
-            self._req_max_gen.observe(max(output_tokens))
+            self._of(engine).s["req_max_gen"].observe(max(output_tokens))
 
     def observe_finished(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
-                         ttft_s: float | None = None, queue_s: float | None = None) -> None:
+                         ttft_s: float | None = None, queue_s: float | None = None, engine: int = 0) -> None:
         """A request finished (any reason, aborts included); counts its output tokens.
 
         With `ttft_s` and more than one output token, also observes the time per output token
         ``(e2e_s - ttft_s) / (num_output_tokens - 1)``; with `ttft_s`, the decode time ``e2e_s - ttft_s``;
         with `queue_s` (arrival to its first prompt chunk queued), the inference time ``e2e_s - queue_s``.
         """
+        e = self._of(engine)
+        s = e.s
         if ttft_s is not None:
-            self._decode.observe(max(0.0, e2e_s - ttft_s))
+            s["decode"].observe(max(0.0, e2e_s - ttft_s))
         if queue_s is not None:
-            self._inference.observe(max(0.0, e2e_s - queue_s))
-        self._e2e.observe(e2e_s)
-        self._req_prompt.observe(num_prompt_tokens)
-        self._req_gen.observe(num_output_tokens)
+            s["inference"].observe(max(0.0, e2e_s - queue_s))
+        s["e2e"].observe(e2e_s)
+        s["req_prompt"].observe(num_prompt_tokens)
+        s["req_gen"].observe(num_output_tokens)
         if num_output_tokens > 0:
-            self._gen_tokens.inc(num_output_tokens)
-        self._success.labels(self.model_name, ENGINE, str(finish_reason)).inc()
+            s["gen_tokens"].inc(num_output_tokens)
+        reason = str(finish_reason)
+        (e.success.get(reason) or self._success.labels(self.model_name, str(engine), reason)).inc()
         if ttft_s is not None and num_output_tokens > 1:
-            self._tpot.observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
+            s["tpot"].observe(max(0.0, e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def add_prompt_tokens(self, n: int, engine: int = 0) -> None:
+        """`n` prompt tokens were handed to engine `engine`."""
+        if n > 0:
+            self._of(engine).s["prompt_tokens"].inc(n)
 
     def observe_rejected(self, reason: str) -> None:
         """A request was refused with a 503 before reaching the engine; `reason` is the error code it got."""
-        self._rejected.labels(self.model_name, reason).inc()
+        self.own.observe_rejected(reason)
 
-    def set_requests(self, num_running: int, num_waiting: int) -> None:
-        """The request gauges (the server's own counts: `request_gauges`)."""
-        self._running.set(num_running)
-        self._waiting.set(num_waiting)
+    # ---- per engine, at a scrape ------------------------------------------------------------
+    def set_requests(self, num_running: int, num_waiting: int, engine: int = 0) -> None:
+        """The request gauges of engine `engine` (the server's own counts: `request_gauges`)."""
+        s = self._of(engine).s
+        s["running"].set(num_running)
+        s["waiting"].set(num_waiting)
 
-    def add_prompt_tokens(self, n: int) -> None:
-        """`n` prompt tokens were admitted."""
-        if n > 0:
-            self._prompt_tokens.inc(n)
+    def set_engine(self, engine: int, num_running: int, num_waiting: int, kv_blocks_total: int, kv_blocks_free: int,
+                   num_preemptions: int, prefix_queries: int = 0, prefix_hits: int = 0) -> None:
+        """Engine `engine`'s latest stats, with its request gauges (as `set_requests`; the server derives them from
+        its own counts, `request_gauges`); `num_preemptions` and the prefix cache's tokens are the engine's
+        cumulative counts (a drop is taken as a restart of its workers: counting starts again from the new value)."""
+        e = self._of(engine)
+        q0, h0 = e.prefix_seen
+        e.s["prefix_queries"].inc(delta(q0, prefix_queries))
+        e.s["prefix_hits"].inc(delta(h0, prefix_hits))
+        e.prefix_seen = (prefix_queries, prefix_hits)
+        self.set_requests(num_running, num_waiting, engine)
+        used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
+        e.s["kv_usage"].set(min(1.0, max(0.0, used)))
+        e.s["preemptions"].inc(delta(e.preemptions_seen, num_preemptions))
+        e.preemptions_seen = num_preemptions
+        if kv_blocks_total > 0:
+            self._set_cache_info(e, engine, kv_blocks_total)
+
+    def engine_down(self, engine: int) -> None:
+        """Engine `engine` is not running (restarting, down): it holds no KV cache; its counts and its
+        ``cache_config_info`` stay."""
+        self._of(engine).s["kv_usage"].set(0.0)
+
+    def _set_cache_info(self, e: _Engine, engine: int, num_gpu_blocks: int) -> None:
+        labels = {"engine": str(engine), **cache_config_labels(self.cache, num_gpu_blocks)}
+        if labels == e.cache_info:
+            return
+        if e.cache_info is not None:  # the pool changed size (a restart): one current series per engine
+            self._cache_info.remove(*e.cache_info.values())
+        self._cache_info.labels(**labels).set(1)
+        e.cache_info = labels
+
+    # ---- the whole server (rapidserve's own series) -----------------------------------------
+    def set_partition(self, partition: str, partition_switches: int = 0,
+                      partition_steps: dict[str, int] | None = None) -> None:
+        """The compute partition now, and the cumulative switches and steps per configuration (metrics_own.py)."""
+        self.own.set_partition(partition, partition_switches, partition_steps)
 
     def set_engine_stats(self, num_running: int, num_waiting: int, kv_blocks_total: int, kv_blocks_free: int,
                          num_preemptions: int, partition: str, prefix_queries: int = 0,
                          prefix_hits: int = 0, partition_switches: int = 0,
                          partition_steps: dict[str, int] | None = None) -> None:
-        """Latest engine stats, with the request gauges (as `set_requests`; the server derives them from its
-        own counts, `request_gauges`); `num_preemptions` and the prefix cache's tokens are the engine's
-        cumulative counts (a drop is taken as an engine restart: counting starts again from the new value)."""
-        q0, h0 = self._prefix_seen
-        self._prefix_queries.inc(_delta(q0, prefix_queries))
-        self._prefix_hits.inc(_delta(h0, prefix_hits))
-        self._prefix_seen = (prefix_queries, prefix_hits)
-        self._partition_switches.inc(_delta(self._switches_seen, partition_switches))
-        self._switches_seen = partition_switches
-        for config, n in (partition_steps or {}).items():
-            self._partition_steps.labels(self.model_name, config).inc(_delta(self._steps_seen.get(config, 0), n))
-            self._steps_seen[config] = n
-        self.set_requests(num_running, num_waiting)
-        used = 1.0 - kv_blocks_free / kv_blocks_total if kv_blocks_total > 0 else 0.0
-        self._kv_usage.set(min(1.0, max(0.0, used)))
-        self._preemptions.inc(_delta(self._preemptions_seen, num_preemptions))
-        self._preemptions_seen = num_preemptions
-        if kv_blocks_total > 0:
-            self._set_cache_info(kv_blocks_total)
-        if partition != self._partition_now:
-            if self._partition_now is not None:
-                self._partition.remove(self.model_name, self._partition_now)
-            self._partition.labels(self.model_name, partition).set(1)
-            self._partition_now = partition
+        """One engine's whole Stats: engine 0's series (`set_engine`) and the partition (`set_partition`)."""
+        self.set_engine(0, num_running, num_waiting, kv_blocks_total, kv_blocks_free, num_preemptions,
+                        prefix_queries, prefix_hits)
+        self.set_partition(partition, partition_switches, partition_steps)
 
     def set_step_stats(self, step_kinds: dict[str, StepKindStats], correction: dict[str, float]) -> None:
         """The engine's cumulative step counts by shape kind (`Stats.step_kinds`; a drop is taken as an engine
-        restart, as `set_engine_stats`'s counters) and its policy's correction ratios now (`Stats.step_correction`)."""
-        for kind, st in step_kinds.items():
-            for f, (series, scale) in self._kind_series.items():
-                now = float(getattr(st, f))
-                seen = self._kind_seen.get((kind, f), 0.0)
-                self._kind_seen[(kind, f)] = now
-                if now != seen:
-                    series.labels(self.model_name, kind).inc(_delta(seen, now) * scale)
-        for kind, ratio in correction.items():
-            self._correction.labels(self.model_name, kind).set(ratio)
-
-    def _set_cache_info(self, num_gpu_blocks: int) -> None:
-        labels = {"engine": ENGINE, **cache_config_labels(self.cache, num_gpu_blocks)}
-        if labels == self._cache_info_now:
-            return
-        if self._cache_info_now is not None:  # the pool changed size (a restart): one current series only
-            self._cache_info.remove(*self._cache_info_now.values())
-        self._cache_info.labels(**labels).set(1)
-        self._cache_info_now = labels
+        restart) and its policy's correction ratios now (`Stats.step_correction`)."""
+        self.own.set_step_stats(step_kinds, correction)
 
     def set_engine_counters(self, restarts_total: int, deaths_total: int) -> None:
         """The engine's cumulative worker restarts and deaths (they only grow)."""
-        if restarts_total > self._restarts_seen:
-            self._restarts.inc(restarts_total - self._restarts_seen)
-            self._restarts_seen = restarts_total
-        if deaths_total > self._deaths_seen:
-            self._deaths.inc(deaths_total - self._deaths_seen)
-            self._deaths_seen = deaths_total
+        self.own.set_engine_counters(restarts_total, deaths_total)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for the /metrics response."""
@@ -386,11 +337,7 @@ def request_gauges(queued: int, pending: int, decoding: int, engine_active: int 
     (a token came). Only which pending ones are being prefilled is the engine's to know: `engine_active`
     (running + prefilling in the workers' latest periodic stats; None before any) minus those decoding, capped
     at `pending`, as stale stats may count requests that have ended since. A request that has ended is in
-    neither, whatever the stats say; a decoding one that the engine preempted still counts as running."""
+    neither, whatever the stats say; a decoding one that the engine preempted still counts as running.
+    With several engines: one engine's counts and stats."""
     known = 0 if engine_active is None else min(pending, max(0, engine_active - decoding))
     return decoding + known, queued + pending - known
-
-
-def _delta(seen: float, now: float) -> float:
-    """How much a cumulative engine count grew since `seen` (all of `now` after an engine restart)."""
-    return now - seen if now >= seen else now
