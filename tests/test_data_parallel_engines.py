@@ -101,9 +101,9 @@ def test_two_engines_behind_one_server_answer_as_one_engine() -> None:
                 assert time.monotonic() < deadline, (queries, usage)
                 await asyncio.sleep(0.1)
             assert min(queries.values()) > 0  # each engine looked up the prompts it served
-            # each engine's pool in its own cache_config_info (--num-kv-blocks is each engine's; not their sum)
+            # --num-kv-blocks is each engine's; cache_config_info's num_gpu_blocks is their sum on each, as vLLM 0.26
             info = per_engine(srv.url, "vllm:cache_config_info")
-            assert {e: s["num_gpu_blocks"] for e, s in info.items()} == {"0": "64", "1": "64"}
+            assert {e: s["num_gpu_blocks"] for e, s in info.items()} == {"0": "128", "1": "128"}
         finally:
             assert stop(srv) == 0
 

@@ -1,6 +1,7 @@
 """The server's metrics with several data-parallel engines: every ``vllm:`` series once per engine, labelled
 ``engine="<index>"`` as vLLM 0.26's PrometheusStatLogger labels each engine core's, with that engine's own values
-(its own pool in ``vllm:cache_config_info``); rapidserve's own series stay the whole server's, labelled by model."""
+(``vllm:cache_config_info`` labelled with the engines' summed pool on each, as vLLM 0.26); rapidserve's own series
+stay the whole server's, labelled by model."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_each_engine_has_its_own_series(e: Engine) -> None:
         assert of(fams, "vllm:request_success_total", e.index, finished_reason=reason) == (n if reason == e.reason
                                                                                             else 0)
     (info,) = [lab for _, lab, v in fams["vllm:cache_config_info"] if lab["engine"] == str(e.index) and v == 1]
-    assert info["num_gpu_blocks"] == str(e.blocks) and info["block_size"] == "16"  # its own pool, not the sum
+    assert info["num_gpu_blocks"] == str(sum(x.blocks for x in TABLE)) and info["block_size"] == "16"  # vLLM's sum
 
 
 def test_every_vllm_series_exists_for_every_engine_and_rapidserve_series_for_the_server() -> None:
@@ -114,7 +115,7 @@ def test_every_vllm_series_exists_for_every_engine_and_rapidserve_series_for_the
             assert name.startswith("rapidserve:") and all("engine" not in lab for _, lab, _ in samples), name
     fams = parsed(two_engines())
     assert {lab["engine"]: lab["num_gpu_blocks"] for _, lab, _ in fams["vllm:cache_config_info"]} == {
-        "0": "500", "1": "300"}
+        "0": "800", "1": "800"}  # the engines' sum on each, as vLLM 0.26
     assert [(n, lab) for n, lab, _ in fams["rapidserve:partition_info"]] == [
         ("rapidserve:partition_info", {"model_name": MODEL, "config": "d25+none"})]
     assert [v for n, lab, v in fams["rapidserve:steps"] if lab["kind"] == "split"] == [9]
@@ -131,7 +132,7 @@ def test_one_engine_restarting_moves_only_its_own_series() -> None:
     m.set_engine(1, 1, 0, 200, 150, 1, 5, 1)
     fams = parsed(m)
     assert {lab["engine"]: lab["num_gpu_blocks"] for _, lab, _ in fams["vllm:cache_config_info"]} == {
-        "0": "500", "1": "200"}
+        "0": "700", "1": "700"}  # one current series each, the new sum
     assert of(fams, "vllm:prefix_cache_queries_total", 1) == 13
     assert of(fams, "vllm:num_preemptions_total", 1) == 1
     assert of(fams, "vllm:kv_cache_usage_perc", 1) == pytest.approx(0.25)

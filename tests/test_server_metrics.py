@@ -257,7 +257,7 @@ def test_two_engines_each_expose_their_own_vllm_series() -> None:
                 for e in "01"] == [0, 0, 0, 0]
         info = sorted((dict(lab)["engine"], dict(lab)["num_gpu_blocks"]) for n, lab in done
                       if n == "vllm:cache_config_info")
-        assert info == [("0", "64"), ("1", "128")]  # each engine's own pool
+        assert info == [("0", "192"), ("1", "192")]  # the engines' sum on each series, as vLLM 0.26
         assert [at(restarting, "vllm:kv_cache_usage_perc", e) for e in "01"] == [0.5, 0.0]
         assert at(restarting, "vllm:prefix_cache_queries_total", "1") == 3  # its counts stay
         assert held[("rapidserve:partition_info", frozenset({("config", "none")}))] == 1  # the whole server's

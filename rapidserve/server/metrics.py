@@ -19,10 +19,10 @@ prompt's sample; the per-prompt series, ``request_params_*`` and ``request_max_n
 engine of the prompt's first sample; vLLM counts ``n`` and the most generation tokens on the engine that finished the
 prompt's last). An engine that is not
 running (restarting, down) reports no KV usage (0) and keeps its counts. ``vllm:cache_config_info`` is one series
-per engine; its ``num_gpu_blocks`` is that engine's own pool. (vLLM 0.26 puts the same labels on every engine's
-series, ``num_gpu_blocks`` being the sum over the engines: vllm/v1/engine/core_client.py `_apply_ready_response`
-adds each engine's count into the front end's one CacheConfig. rapidserve's engines may have pools of different
-sizes, and a per-engine series labelled with the total misleads: add the engines' ``num_gpu_blocks`` for it.)
+per engine with the same labels, its ``num_gpu_blocks`` the sum of the engines' pools, as vLLM 0.26's
+(vllm/v1/engine/core_client.py `_apply_ready_response` adds each engine's count into the front end's one
+CacheConfig), so a dashboard reading a vLLM server's capacity from it reads ours the same; each engine's own pool is
+in its Stats (`kv_usage_perc` is per engine).
 
 vLLM's series (see docs/operations.md for what to watch):
 
@@ -121,6 +121,7 @@ class _Engine:
         self.preemptions_seen = 0
         self.prefix_seen = (0, 0)
         self.cache_info: dict[str, str] | None = None  # the labels of its current cache_config_info series
+        self.pool_blocks = 0  # its KV pool, as its latest Stats said (0: not reported yet)
 
 
 class Metrics:
@@ -285,8 +286,12 @@ class Metrics:
         e.s["kv_usage"].set(min(1.0, max(0.0, used)))
         e.s["preemptions"].inc(delta(e.preemptions_seen, num_preemptions))
         e.preemptions_seen = num_preemptions
-        if kv_blocks_total > 0:
-            self._set_cache_info(e, engine, kv_blocks_total)
+        if kv_blocks_total > 0 and kv_blocks_total != e.pool_blocks:
+            e.pool_blocks = kv_blocks_total
+            total = sum(x.pool_blocks for x in self._engines)  # vLLM's num_gpu_blocks: the engines' sum, on each
+            for i, x in enumerate(self._engines):
+                if x.pool_blocks:
+                    self._set_cache_info(x, i, total)
 
     def engine_down(self, engine: int) -> None:
         """Engine `engine` is not running (restarting, down): it holds no KV cache; its counts and its
