@@ -6,8 +6,10 @@ decode had nothing to run: on the H200 (2026-11-30, Mooncake trace, duet) 23K-to
 a short one were chunked in one fused step and then waited 20-110 s for their first token while later prompts went
 by. The real decode and prefill workers in this process (tests/test_step_shapes.py's harness), on CPU and on a GPU
 (`-m gpu`: prefill's kernels reading what decode's fused chunks wrote; one process and one stream here, so not the
-engine's ordering across its two processes, a chunk's end event recorded before the KVReady goes, which no GPU test
-forces a hand-over through yet), the policy forced to split from the fourth step on, one request decoding all along."""
+engine's ordering across its two processes, a chunk's end event recorded before the KVReady goes:
+tests/test_engine_gpu.py `test_duet_hands_a_prompt_chunked_in_decode_to_the_prefill_worker` forces a hand-over
+through that), the policy forced to split from the fourth step on, one request decoding all along; the hand-over is
+counted once (`num_hand_overs`)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     assert kv[0].cached_tokens == 0 and kv[0].computed_tokens == (16 - 9 + 16 + 16) // bs * bs > 0
     if landed is not None:  # the first split (decision 3) finds the last fused step in flight unless it has landed
         assert at["big"] == (3 if landed else 4), at
+    # counted once (Stats.num_hand_overs: /metrics' rapidserve:prompts_handed_over_total)
+    assert d.sched.num_hand_overs == 1 and d.sched.stats("overallocated", 0).num_hand_overs == 1
     # the big prompt's first token came while the other request still decoded, not after it ended
     order = [(t.req_id, t.index) for b in io.of("d2r", m.TokenBatch) for t in b.tokens]
     first_big = order.index(("big", 0))

@@ -89,23 +89,25 @@ def stats(**kw: object) -> Stats:
 
 
 def test_combined_stats_sum_counters_across_a_restart_and_gauges_of_running_engines() -> None:
-    a = stats(num_preemptions=3, prefix_cache_queries=10, prefix_cache_hits=4, partition_steps={"off": 5})
-    b = stats(num_running=2, num_preemptions=1, prefix_cache_queries=6, partition="d25")
+    a = stats(num_preemptions=3, prefix_cache_queries=10, prefix_cache_hits=4, partition_steps={"off": 5},
+              num_hand_overs=2)
+    b = stats(num_running=2, num_preemptions=1, prefix_cache_queries=6, partition="d25", num_hand_overs=1)
     carries = [CounterCarry().advance(a), CounterCarry().advance(b)]
     s = combine_stats([a, b], [True, True], carries)
     assert s is not None
     assert (s.num_running, s.num_waiting, s.kv_blocks_total, s.kv_blocks_free) == (3, 4, 200, 80)
-    assert (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits) == (4, 16, 4)
+    assert (s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits, s.num_hand_overs) == (4, 16, 4, 3)
     assert s.partition_steps == {"off": 5} and s.partition == "none+d25"
     # engine 0 restarts: while it is down its gauges are left out, its counts stay
     s = combine_stats([a, b], [False, True], carries)
     assert s is not None and (s.num_running, s.kv_blocks_total, s.num_preemptions, s.partition) == (2, 100, 4, "d25")
     # its new workers count from 0: the sum never goes down, and grows with what they count
-    a2 = stats(num_preemptions=1, prefix_cache_queries=2, partition_steps={"off": 1})
+    a2 = stats(num_preemptions=1, prefix_cache_queries=2, partition_steps={"off": 1}, num_hand_overs=1)
     carries[0] = carries[0].advance(a2)
     s = combine_stats([a2, b], [True, True], carries)
     assert s is not None
     assert (s.num_preemptions, s.prefix_cache_queries, s.partition_steps) == (5, 18, {"off": 6})
+    assert s.num_hand_overs == 4  # the dead generation's 2, the new one's 1, engine 1's 1
     assert combine_stats([None, None], [True, True], [CounterCarry(), CounterCarry()]) is None
 
 

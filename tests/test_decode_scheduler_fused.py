@@ -5,7 +5,8 @@ Tables of step shapes (budgets, order, seats, pool), then: grammar holds at loca
 step that preempted, preemption of a chunking request, scheduling ahead (a chunk planned while the one before is
 in flight), the first token's cached prefix and PhaseTimes, aborts of a chunking request in each state, a failed
 batch, the prefix cache (a prompt waits for a prefix being chunked, then shares it), a prompt handed to the
-prefill worker beside one chunked here, and what the policies are told (`pending_prefill`, `shape_state`)."""
+prefill worker beside one chunked here, the hand-overs counted (`num_hand_overs`), and what the policies are told
+(`pending_prefill`, `shape_state`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from tests.decode_sched_fakes import (
     fin,
     fuse,
     ids,
+    land,
     land_fused,
+    launch,
     make,
     new,
     params,
@@ -210,6 +213,38 @@ def test_a_prompt_handed_to_prefill_beside_one_chunked_here() -> None:
     assert shape(b) == ([], [("r1", 4, 1, True), ("r2", 0, 5, True)])
     land_fused(s, b)
     for rid in ("r1", "r2"):
+        s.abort(rid)
+    assert all_free(s)
+
+
+def test_hand_overs_are_counted_and_one_unadmitted_is_taken_back() -> None:
+    """`num_hand_overs` (Stats; /metrics' rapidserve:prompts_handed_over_total) counts the prompts chunked here that a
+    split step handed to the prefill worker (`hand_over`): not one whose chunk is still in flight, not a waiting
+    prompt admitted to prefill, and one un-admitted (prefill's inbox full: it goes on chunking here) is taken back
+    until it really goes."""
+    s = make(max_seqs=4)
+    start(s, new(9, 3))  # r9 decodes
+    s.add(new(0, 10))
+    b = fuse(s, 4)
+    assert shape(b) == (["r9"], [("r0", 0, 4, False)])
+    assert admit(s) == [] and s.num_hand_overs == 0  # a split while r0's chunk is in flight: it stays
+    land_fused(s, b)
+    s.add(new(1, 5))
+    kvs = admit(s)  # r0 goes on at prefill from its 4 tokens; r1 goes there as any waiting prompt
+    assert ids(kvs) == ["r0", "r1"] and [kv.computed_tokens for kv in kvs] == [4, 0] and s.num_hand_overs == 1
+    s.unadmit(kvs)  # prefill's inbox was full: r0 goes on chunking here, r1 waits again
+    assert (s.reqs["r0"].state, s.reqs["r1"].state, s.num_hand_overs) == ("chunking", "waiting", 0)
+    b = fuse(s, 4)
+    assert shape(b) == (["r9"], [("r0", 4, 4, False)])
+    land_fused(s, b)
+    kvs = admit(s)
+    assert ids(kvs) == ["r0", "r1"] and kvs[0].computed_tokens == 8 and s.num_hand_overs == 1
+    assert s.stats("split", 0).num_hand_overs == 1
+    for kv in kvs:
+        assert answer(s, kv) is not None
+    land(s, launch(s))
+    assert s.num_hand_overs == 1  # cumulative
+    for rid in ("r9", "r0", "r1"):
         s.abort(rid)
     assert all_free(s)
 

@@ -97,6 +97,7 @@ class FusedSim(Sim):
         finally:
             del s.unadmit
         self.counts["chunked, handed over"] += len(ready & {kv.req_id for kv in self.prefill[n:]})
+        assert s.num_hand_overs == self.counts["chunked, handed over"]  # those sent, never those un-admitted
         # a prompt ready to go stays here only when prefill's inbox was full for it
         assert len(ready & {r.req_id for r in s.chunking}) == self.counts["hand-over unadmitted"] - back
 

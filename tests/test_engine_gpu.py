@@ -9,6 +9,9 @@
   configuration; duet reads the same profile with an SLO that every split meets and no fused step does, and a
   chain of holder requests keeps decode running from before the prompts are sent until after they finished, so
   they reach decode beside a running decode (duet's condition for a split);
+- duet's hand-over across the two processes (`test_duet_hands_a_prompt_chunked_in_decode_to_the_prefill_worker`):
+  a prompt whose first chunk the decode worker computed in the fused step that ended another prompt goes to the
+  prefill worker at the next split, which reads what decode's chunk wrote; counted in Stats.num_hand_overs;
 - kill -9 of the decode worker, then of the prefill worker, with requests in flight: each request
   ends with EngineError within 2 s, the engine restarts and serves the next request correctly.
 
@@ -27,12 +30,14 @@ import signal
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from rapidserve import LLM, SamplingParams
 from rapidserve.config import EngineConfig
 from rapidserve.engine.client import AsyncEngine
 from rapidserve.engine.errors import EngineError
+from rapidserve.engine.step_trace import StepRecord
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
 from rapidserve.partition_config import PartitionConfig
@@ -237,6 +242,60 @@ def test_duet_fused_steps_replay_the_decode_workers_prefill_graphs(
             assert engine.stats is not None
             kinds = engine.stats.step_kinds
             assert kinds["fused"].steps > 0 and "split" not in kinds, kinds  # fused steps ran, and nothing split
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.gpu
+def test_duet_hands_a_prompt_chunked_in_decode_to_the_prefill_worker(forced_profile: str, tmp_path: Path) -> None:
+    """With nothing running, P1 (14 x BUDGET + 5 tokens) and P2 (200) are sent back to back, P1 first (the rings are
+    FIFO). Under the forcing profile (tests/forced_switch.py) duet fuses while no decode runs (`_no_decode`:
+    Fused(BUDGET), BUDGET = max_num_batched_tokens): 14 fused steps of P1 alone (each spends the whole budget, so P2
+    waits), then the step with P1's last 5 tokens, which samples its first token, and P2's first 59, which leaves P2
+    chunking. At the next boundary P1 decodes and P2 is pending with the prefill worker idle: no fused chunk fits
+    beside a decode, every split meets the SLO, so duet splits, and the split hands P2 to the prefill worker
+    (`DecodeScheduler.hand_over`: at once, the switch having synchronized the fused step; else at the split after,
+    P1 still decoding with 64 tokens to go), which computes it from its last full block (48) on, reading the K/V
+    decode's chunk wrote in the other process. P2 need not reach decode in P1's drain, only by the 15th fused turn:
+    each of those turns plans and launches a forward of BUDGET tokens (host work no GPU's speed removes) against the
+    microseconds between the two sends. The step trace shows the premise itself (the fused steps' chunks, the split
+    after them), so a lost race would read as one, not as a hand-over bug; tests/test_forced_switch.py runs this
+    sequence on CPU through the real scheduler and policy."""
+    import torch
+
+    rng = random.Random(7)
+    p1, p2 = ([rng.randrange(3, 1280) for _ in range(n)] for n in (14 * BUDGET + 5, 200))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (64, NEW)]
+    llm = LLM(MODEL, dtype="float32", device="cuda", show_progress=False, max_model_len=MAX_LEN,
+              num_kv_blocks=KV_BLOCKS, prefill_graph_tokens=())
+    want = [o.outputs[0].token_ids for o in llm.generate([p1, p2], params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    cfg = engine_config("adaptive-duet", forced_profile)
+    trace = tmp_path / "steps.jsonl"
+    cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, step_trace=str(trace)))
+
+    async def main() -> None:
+        engine = await AsyncEngine.start(cfg)
+        try:
+            tasks = [asyncio.create_task(collect(engine, rid, p, sp))  # P1's NewRequest goes first: tasks run in order
+                     for rid, p, sp in (("p1", p1, params[0]), ("p2", p2, params[1]))]
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == want
+            await wait_blocks_free(engine)  # a Stats sent after both ended: the trace was flushed before it
+            recs = [msgspec.json.decode(line, type=StepRecord) for line in trace.read_bytes().splitlines()]
+            # the premise: 14 fused steps of P1 alone, then P1's last 5 tokens with P2's first 59, then a split while P1
+            # decodes (P2 never chunked in decode again)
+            fused = [i for i, r in enumerate(recs) if r.chunks]
+            assert [recs[i].chunks for i in fused] == [[(BUDGET, BUDGET * k)] for k in range(14)] + \
+                [[(5, 14 * BUDGET), (BUDGET - 5, 0)]], [(r.kind, r.chunks) for r in recs[:20]]
+            after = recs[fused[-1] + 1]
+            assert (after.kind, after.rows) == ("split", 1), after
+            s = engine.stats
+            assert s is not None and s.num_hand_overs == 1, s  # P2, the only prompt left chunking
+            assert s.step_kinds["fused"].steps == 15 and s.step_kinds["split"].steps >= 1, s.step_kinds
         finally:
             await engine.shutdown()
 

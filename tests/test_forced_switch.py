@@ -2,8 +2,9 @@
 rapid manager on the forcing profile switches exactly on whether prefill has work, for any batch, context and
 pending work, on every GPU shape; duet (DuetPolicy on the profile's costs) with the test's SLO splits whenever
 decode runs beside pending prompts and takes the whole GPU back when nothing is pending, at any GPU speed and
-with its online correction at either clamp; and the GPU test's request sequence (a holder, then eight prompts,
-twice) switches at least twice a round under both."""
+with its online correction at either clamp; the GPU test's request sequence (a holder, then eight prompts,
+twice) switches at least twice a round under both; and its hand-over test's two prompts, under duet and the real
+decode scheduler, leave the second chunking at the first split, which hands it to the prefill worker."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig, SchedulerConfig
+from rapidserve.engine import messages as m
+from rapidserve.engine.decode_scheduler import DecodeScheduler, StepBatch
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import Granularity, check_configurations, cu_granularity, plan_configurations
 from rapidserve.partition.correction import DEFAULT_CORRECTION, Correction
@@ -26,6 +30,7 @@ from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, St
 from rapidserve.partition.step_costs import ProfileCosts
 from rapidserve.partition.step_policies import make_step_policy
 from rapidserve.partition_config import PartitionConfig
+from rapidserve.sampling_params import SamplingParams
 from tests.forced_switch import DUET_SLO_MS, forcing_profile, split_for_prefill
 
 MODEL = "preset:tiny-llama"
@@ -243,3 +248,41 @@ def test_the_gpu_tests_round_switches_twice_under_duet(speedup: float, factor: f
     assert policy.correction.split == pytest.approx(want_split) and policy.correction.decode == pytest.approx(want)
     assert all(policy.correction.split_ratio(c) == pytest.approx(want_split)
                for c, _, _ in policy.correction.split_configs)
+
+
+@pytest.mark.parametrize("factor", [1e-3, 1e3])  # the GPU far faster / far slower than predicted
+@pytest.mark.parametrize("p2_at", [0, 7, 14])  # the fused turn by which P2 is in decode's queue
+def test_the_gpu_hand_over_tests_prompts_chunk_p2_with_p1s_last_tokens_then_a_split_hands_it_over(
+        factor: float, p2_at: int) -> None:
+    """test_engine_gpu's `test_duet_hands_a_prompt_chunked_in_decode_to_the_prefill_worker` as the decode worker's
+    scheduler and policy see it (the real DecodeScheduler, each step landing before the next turn, as the switch to a
+    split synchronizes the fused step): P1 (14 x BUDGET + 5 tokens) is fused alone while no decode runs, P2 (200)
+    waiting behind it, whichever of those 15 turns P2 reached the queue by; the 15th fused step computes P1's last 5
+    tokens and P2's first 59, the next turn splits (P1 decodes) and hands P2 over from its last full block, counted."""
+    policy = duet_policy("NVIDIA H200", 1)
+    s = DecodeScheduler(BlockManager(256, 16, 0.0, enable_caching=True, salt=b"m"), 256, (2,), 1024)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (64, 16)]
+    p1 = m.NewRequest("p1", [3 + i % 1000 for i in range(14 * BUDGET + 5)], greedy[0], 0.0)
+    p2 = m.NewRequest("p2", [1100 + i % 150 for i in range(200)], greedy[1], 0.0)
+    s.add(p1)
+    chunks: list[list[tuple[str, int, int]]] = []
+    handed: list[m.KVReady] = []
+    for turn in range(40):
+        if turn == p2_at:
+            s.add(p2)
+        shape = policy.decide(s.shape_state(policy.last.shape if policy.last else DecodeAlone(OVERALLOCATED),
+                                            DUET_SLO_MS, BUDGET, True, True))
+        if isinstance(shape, Split):
+            handed = s.admit()
+            if handed:
+                break
+        batch = s.plan(shape.chunk_tokens, BUDGET, True) if isinstance(shape, Fused) else StepBatch(s.schedule(True))
+        assert batch is not None
+        s.launched(batch)
+        chunks.append([(c.req.req_id, c.start, c.length) for c in batch.chunks])
+        s.record(batch.sampled, [(5, -0.5, None, None)] * len(batch.sampled))
+        s.chunks_landed(batch.chunks)
+        land(policy, shape, len(batch.decode), batch.chunk_tokens, factor)
+    assert chunks == [[("p1", BUDGET * k, BUDGET)] for k in range(14)] + [[("p1", 14 * BUDGET, 5), ("p2", 0, 59)]]
+    assert isinstance(shape, Split) and [r.req_id for r in s.running] == ["p1"], policy.last
+    assert [(kv.req_id, kv.computed_tokens) for kv in handed] == [("p2", 48)] and s.num_hand_overs == 1

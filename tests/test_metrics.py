@@ -187,6 +187,16 @@ def test_partition_steps_and_switches_count_deltas() -> None:
     assert value(m, "rapidserve:partition_steps_total", config="a") == 9
 
 
+def test_prompts_handed_over_count_deltas() -> None:
+    m = new()
+    assert value(m, "rapidserve:prompts_handed_over_total") == 0  # exposed from the start
+    m.set_hand_overs(3)
+    m.set_hand_overs(7)
+    assert value(m, "rapidserve:prompts_handed_over_total") == 7  # the engine's cumulative count, not summed
+    m.set_hand_overs(2)  # the engine restarted: its new count adds on
+    assert value(m, "rapidserve:prompts_handed_over_total") == 9
+
+
 def test_step_series_by_kind_count_deltas_in_seconds() -> None:
     m = new()
     for kind in STEP_KINDS:  # pre-created at 0
@@ -317,7 +327,7 @@ OWN = {"rapidserve:request_admission_time_seconds", "rapidserve:request_first_to
        "rapidserve:steps", "rapidserve:step_seconds", "rapidserve:steps_over_slo", "rapidserve:step_predicted_seconds",
        "rapidserve:step_predicted_measured_seconds", "rapidserve:step_correction_ratio", "rapidserve:step_gaps",
        "rapidserve:step_gap_seconds", "rapidserve:step_gaps_over_slo", "rapidserve:step_idle_seconds",
-       "rapidserve:step_host_seconds"}
+       "rapidserve:step_host_seconds", "rapidserve:prompts_handed_over"}
 
 
 def test_vllm_names_types_labels_and_buckets() -> None:

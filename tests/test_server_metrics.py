@@ -173,17 +173,20 @@ def test_metrics_route_speaks_vllm_names_and_labels_without_created_series() -> 
 
 
 def test_metrics_route_exposes_the_workers_step_counts() -> None:
-    """The workers' Stats carry their steps by shape kind and the policy's correction (engine/step_tally.py):
-    /metrics exposes them as rapidserve's step series, in seconds, growing by what each Stats adds."""
+    """The workers' Stats carry their steps by shape kind and the policy's correction (engine/step_tally.py), and the
+    prompts handed from decode's fused chunks to prefill: /metrics exposes them as rapidserve's step series, in
+    seconds, and its hand-over counter, growing by what each Stats adds."""
     async def main() -> None:
         engine = FakeEngine()
         async with running_server(engine) as (_, url), aiohttp.ClientSession() as s:
             m = await scrape(s, url)
             assert m[("rapidserve:steps_total", frozenset({("kind", "split")}))] == 0
+            assert m[("rapidserve:prompts_handed_over_total", frozenset())] == 0
             engine.stats = replace(stats(1, 0, 0), step_kinds={"split": StepKindStats(8, 160.0, 1, 120.0, 160.0)},
-                                   step_correction={"split": 1.3})
+                                   step_correction={"split": 1.3}, num_hand_overs=2)
             await scrape(s, url)
-            engine.stats = replace(engine.stats, step_kinds={"split": StepKindStats(10, 220.0, 2, 150.0, 220.0)})
+            engine.stats = replace(engine.stats, step_kinds={"split": StepKindStats(10, 220.0, 2, 150.0, 220.0)},
+                                   num_hand_overs=5)
             m = await scrape(s, url)
 
         def got(name: str, kind: str) -> float:
@@ -195,6 +198,7 @@ def test_metrics_route_exposes_the_workers_step_counts() -> None:
         assert got("step_predicted_measured_seconds_total", "split") == pytest.approx(0.22)
         assert got("step_correction_ratio", "split") == pytest.approx(1.3)
         assert got("steps_total", "fused") == 0
+        assert m[("rapidserve:prompts_handed_over_total", frozenset())] == 5  # the Stats' count, not summed per scrape
 
     run(main)
 

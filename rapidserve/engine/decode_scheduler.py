@@ -97,6 +97,9 @@ class DecodeScheduler(SchedulerViews):
         self.chunking: list[DecodeRequest] = []  # prompts computed here, in admission order
         self.finished: list[m.Finished] = []  # for the router; the worker publishes and clears it
         self.num_preemptions = 0
+        # prompts chunked here, then handed to the prefill worker by a split step (`hand_over`), cumulative; one
+        # un-admitted (prefill's inbox full: `unadmit`) is taken back, so this counts the hand-overs prefill was sent
+        self.num_hand_overs = 0
         self._arrivals = 0
 
     # ---- messages in --------------------------------------------------------------------------
@@ -190,7 +193,8 @@ class DecodeScheduler(SchedulerViews):
         last full block its chunks wrote (`KVReady.computed_tokens`; the tokens of a part-written block are
         computed again, into the same slots: that block is no one else's until it is full) and samples the first
         token; the KVReady keeps the request's admission time, when its first chunk started (the TTFT's split into
-        queue and prefill: `PhaseTimes`) and its prefix-cache hits."""
+        queue and prefill: `PhaseTimes`) and its prefix-cache hits. Each is counted in `num_hand_overs` (Stats;
+        /metrics' ``rapidserve:prompts_handed_over_total``)."""
         out: list[m.KVReady] = []
         bs = self.blocks.block_size
         for r in [r for r in self.chunking if r.chunks_inflight == 0]:
@@ -198,6 +202,7 @@ class DecodeScheduler(SchedulerViews):
             r.state, r.computed, r.handed = "prefilling", max(r.cached, r.computed // bs * bs), True
             out.append(m.KVReady(r.request, self.blocks.table(r.req_id), list(r.outputs), r.attempt, r.cached,
                                  r.admitted, r.computed, r.started))
+        self.num_hand_overs += len(out)
         return out
 
     def _admit_head(self, hold: AbstractSet[str], passed: list[DecodeRequest], busy: int,
@@ -221,11 +226,12 @@ class DecodeScheduler(SchedulerViews):
 
     def unadmit(self, handed: list[m.KVReady]) -> None:
         """These KVReadys were not sent (prefill's inbox was full): their requests wait again, in order (one
-        `hand_over` handed goes on chunking here, keeping its blocks)."""
+        `hand_over` handed goes on chunking here, keeping its blocks, and is no longer counted in `num_hand_overs`)."""
         for kv in reversed(handed):
             r = self.reqs[kv.request.req_id]
             if r.handed:
                 r.state, r.handed = "chunking", False
+                self.num_hand_overs -= 1
                 i = 0
                 while i < len(self.chunking) and self.chunking[i].order < r.order:
                     i += 1

@@ -31,6 +31,7 @@ class SchedulerViews:
     chunking: list[DecodeRequest]
     _passed: dict[str, int]
     num_preemptions: int
+    num_hand_overs: int
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -140,4 +141,4 @@ class SchedulerViews:
         b = self.blocks
         return m.Stats(len(self.running), len(self.waiting), self.num_prefilling + len(self.chunking), b.num_blocks,
                        b.num_free, self.num_preemptions, partition, switches, b.queries, b.hits, dict(steps or {}),
-                       token_slots, dict(step_kinds or {}), dict(step_correction or {}))
+                       token_slots, dict(step_kinds or {}), dict(step_correction or {}), self.num_hand_overs)

@@ -3,12 +3,12 @@
 /metrics' ``vllm:`` series do not read this: as vLLM labels each engine core's series by its index, each engine's
 are its own Stats (`DataParallelEngine.engine_stats`, by index; server/metrics.py). The combined Stats feeds the
 ``rapidserve:`` series (labelled by model only: server/metrics_own.py): the partition, its steps and switches, the
-step kinds and corrections; and whatever reads `engine.stats` as of one engine (the benches).
+step kinds and corrections, the prompts handed over; and whatever reads `engine.stats` as of one engine (the benches).
 
 How each field combines:
 - counters (`num_preemptions`, `partition_switches`, `prefix_cache_queries`, `prefix_cache_hits`,
-  each configuration's `partition_steps` and each field of each step kind's `step_kinds`): the sum over
-  engines of everything each engine counted, in this and its earlier worker generations. An engine's
+  `num_hand_overs`, each configuration's `partition_steps` and each field of each step kind's `step_kinds`): the
+  sum over engines of everything each engine counted, in this and its earlier worker generations. An engine's
   counts start again from 0 when its workers restart; `CounterCarry` notices the drop and keeps what the
   dead generation had counted, so the sum never goes down because one engine restarted (the server's
   metrics take a drop as a restart of the whole engine and would count the survivors' totals twice). The
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from rapidserve.engine import messages as m
 
-COUNTERS = ("num_preemptions", "partition_switches", "prefix_cache_queries", "prefix_cache_hits")
+COUNTERS = ("num_preemptions", "partition_switches", "prefix_cache_queries", "prefix_cache_hits", "num_hand_overs")
 GAUGES = ("num_running", "num_waiting", "num_prefilling", "kv_blocks_total", "kv_blocks_free", "token_slots")
 _STEPS = "partition_steps:"  # counter keys of partition_steps, by configuration
 _KIND = "step_kinds:"  # counter keys of step_kinds: `step_kinds:<kind>:<field>`

@@ -212,6 +212,9 @@ class Stats(msgspec.Struct, tag=True, frozen=True):
     # the policy's online correction now, measured / predicted per correction kind (partition/correction.py): gauges;
     # empty when the policy corrects nothing
     step_correction: dict[str, float] = {}
+    # prompts whose first chunks this worker computed in fused steps and whose rest a split step handed to the prefill
+    # worker (DecodeScheduler.hand_over), cumulative; an un-admitted hand-over (prefill's inbox full) is not counted
+    num_hand_overs: int = 0
 
 
 class KVEvents(msgspec.Struct, tag=True, frozen=True):

@@ -159,6 +159,7 @@ class Server:
         if s is not None:
             self.metrics.set_partition(s.partition, s.partition_switches, s.partition_steps)
             self.metrics.set_step_stats(s.step_kinds, s.step_correction)
+            self.metrics.set_hand_overs(s.num_hand_overs)
         body, ctype = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": ctype})
 

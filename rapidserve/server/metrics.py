@@ -322,6 +322,11 @@ class Metrics:
                         prefix_queries, prefix_hits)
         self.set_partition(partition, partition_switches, partition_steps)
 
+    def set_hand_overs(self, num_hand_overs: int) -> None:
+        """The engine's cumulative prompts handed from decode's fused chunks to the prefill worker
+        (`Stats.num_hand_overs`; a drop is taken as an engine restart): metrics_own.py."""
+        self.own.set_hand_overs(num_hand_overs)
+
     def set_step_stats(self, step_kinds: dict[str, StepKindStats], correction: dict[str, float]) -> None:
         """The engine's cumulative step counts by shape kind (`Stats.step_kinds`; a drop is taken as an engine
         restart) and its policy's correction ratios now (`Stats.step_correction`)."""
