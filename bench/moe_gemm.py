@@ -216,6 +216,34 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
     return s.elapsed_time(e) / calls
 
 
+def experts_read(ids: torch.Tensor, w13: torch.Tensor) -> tuple[int, int]:
+    """(unique experts, bytes of their weights) that the routing `ids` makes the experts read: each chosen expert's
+    gate|up and down, 3*h*I elements of w13's dtype."""
+    unique = int(torch.unique(ids).numel())
+    h, i = w13.shape[2], w13.shape[1] // 2
+    return unique, unique * 3 * h * i * w13.element_size()
+
+
+def decode_ceiling_ms(read: int, copy_bw: float) -> float:
+    """The copy ceiling of a decode step (module docstring): `read` bytes of expert weights at the copy bandwidth."""
+    return read / copy_bw * 1e3
+
+
+def prefill_bound(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, copy_bw: float,
+                  reps: int, device: str, g: torch.Generator) -> dict[str, object]:
+    """The bound of a prefill (module docstring): "dense_ms" (the same flops as one dense gate|up and down GEMM pair
+    on cuBLAS through all T*k pairs, a CUDA-graph replay; its input drawn from `g`), "bytes_read" (the chosen
+    experts' weights), "bound_ms" = max(dense_ms, (bytes_read + x read + out written) at the copy bandwidth) and
+    "bound_by" ("flops" or "bytes")."""
+    t, h = x.shape
+    xs = torch.randn(t * ids.shape[1], h, device=device, dtype=x.dtype, generator=g)
+    dense_ms = graph_ms(lambda: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]), reps, device)
+    _, read = experts_read(ids, w13)
+    bytes_ms = (read + 2 * x.numel() * x.element_size()) / copy_bw * 1e3
+    return {"dense_ms": dense_ms, "bytes_read": read, "bound_ms": max(dense_ms, bytes_ms),
+            "bound_by": "bytes" if bytes_ms > dense_ms else "flops"}
+
+
 def gemm_parts_ms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   cfg: MoeKernelConfig, reps: int, device: str) -> tuple[float, float]:
     """(gate|up, down) ms, each GEMM alone in a graph on one alignment of `ids` under cfg (`graph_ms`; with
@@ -303,19 +331,15 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         call = lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables)
         ms = graph_ms(call, reps[0], device)
         gate_up_ms, down_ms = gemm_parts_ms(x, w13, w2, weights, ids, cfg, reps[0], device)
-        xs = torch.randn(t * k, h, device=device, dtype=dtype, generator=g)
-        dense_ms = graph_ms(lambda xs=xs: F.linear(torch_ops.silu_and_mul(F.linear(xs, w13[0])), w2[0]), reps[0],
-                            device)
-        read = int(torch.unique(ids).numel()) * 3 * h * i * w13.element_size()
-        bytes_ms = (read + 2 * x.numel() * x.element_size()) / copy_bw * 1e3
-        bound_ms = max(dense_ms, bytes_ms)
+        bound = prefill_bound(x, ids, w13, w2, copy_bw, reps[0], device, g)
+        dense_ms, bound_ms = bound["dense_ms"], bound["bound_ms"]
         rows.append({"model": model, "tp": tp, "phase": "prefill", "tokens": t, "pairs": t * k,
                      "block_m": cfg.block_m, "tiles": source, "ms": ms,
                      "eager_ms": back_to_back_ms(call, reps[0], device),
                      "gate_up_ms": gate_up_ms, "down_ms": down_ms,
                      "tflops": flops / ms / 1e9, "dense_ms": dense_ms, "dense_tflops": flops / dense_ms / 1e9,
-                     "vs_dense": dense_ms / ms, "bytes_read": read, "bound_ms": bound_ms,
-                     "bound_by": "bytes" if bytes_ms > dense_ms else "flops", "of_bound": bound_ms / ms,
+                     "vs_dense": dense_ms / ms, "bytes_read": bound["bytes_read"], "bound_ms": bound_ms,
+                     "bound_by": bound["bound_by"], "of_bound": bound_ms / ms,
                      "tail_m": cfg.tail_m, **align_us(ids, e, cfg, reps[0], device)})
     for b in decode_batches:
         x = torch.randn(b, h, device=device, dtype=dtype, generator=g)
@@ -323,8 +347,7 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
         weights, ids = route(logits, k, True)
         check(x, w13, w2, weights, ids, None, tables)
         check_layer(x, router, w13, w2, k, tables)
-        unique = int(torch.unique(ids).numel())
-        read = unique * 3 * h * i * w13.element_size()
+        unique, read = experts_read(ids, w13)
         step = lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables)
         eager_ms = median(clock(step, reps[1]))
         replay_ms = graph_ms(step, reps[1], device)
@@ -332,7 +355,7 @@ def bench_model(model: str, tp: int, dtype: torch.dtype, copy_bw: float, tables:
                             device)
         no_pdl_ms = graph_ms(lambda x=x, w=weights, d=ids: fused_moe(x, w13, w2, w, d, None, tables, pdl=False),
                              reps[1], device)
-        ceiling_ms = read / copy_bw * 1e3
+        ceiling_ms = decode_ceiling_ms(read, copy_bw)
         cfg = moe_config(b * k, e, i, h, dtype, dev, tables)
         rows.append({"model": model, "tp": tp, "phase": "decode", "tokens": b, "pairs": b * k,
                      "block_m": cfg.block_m, "tail_m": cfg.tail_m, "tiles": source, "unique_experts": unique,

@@ -1,0 +1,470 @@
+"""Our fused MoE experts against a maintained kernel (issue 40: "use a maintained kernel where one installs and runs
+on the GPU machine ... measure candidates"): rapidserve's `fused_moe` (rapidserve/ops/triton_moe.py) and vLLM's
+`fused_experts` (vllm/model_executor/layers/fused_moe/fused_moe.py: Triton GEMMs on its tuned configs, the
+alignment from its compiled _moe_C), on one layer of a MoE preset with the same random weights and the same routing.
+
+    python bench/moe_candidates.py [--models qwen3-30b-a3b,mixtral-8x7b] [--tp 1[,2]] [--dtype bfloat16]
+        [--decode-batches 1,2,4,8,16,32,64] [--prefill-tokens 1024,4096,8192] [--vllm-path DIR] [--tables DIR]
+        [--budget-s S] [--json PATH]
+    TRITON_INTERPRET=1 python bench/moe_candidates.py --dry-run [--vllm-path DIR] [--json PATH]   # CPU: the flow
+
+The layer, the routing and the limits are bench/moe_gemm.py's (imported, not copied): a rank's slice at each --tp
+(w13 [E, 2I/tp, h] gate rows then up rows, w2 [E, h, I/tp]; vLLM 0.26 takes exactly this layout, w1 = w13 with
+N = 2I, so both get the same tensors), tokens routed uniformly at random (a random router's softmax top-k,
+renormalised; weights float32, ids int32 as vLLM's own fused_topk gives them). Per row, before any timing, each
+candidate's output is checked against the torch reference (`moe_experts_ref` in float32; relative error < 3e-2, as
+moe_gemm's check) and the two against each other; a candidate that fails or disagrees is not timed and the row says
+why. Times: "us", a CUDA-graph replay of the call (median; how the engine runs decode, and the GPU's time of a
+prefill); "eager us", calls launched back to back from Python (per call: the larger of host and GPU time).
+Limits: decode, moe_gemm's copy ceiling (the weights of the experts the batch's routing reads, at the copy bandwidth
+of a 1 GiB device copy); prefill, moe_gemm's bound (the larger of the same flops on dense cuBLAS GEMMs and the
+compulsory bytes at the copy bandwidth). "of ceiling" / "of bound" = limit / time (1 = at the limit).
+"vLLM/ours" = vLLM's time / ours (above 1: ours is faster). Columns "ours tiles": BLOCK_M (+ TAIL_BLOCK_M) and
+whether a tuned table of this shape and device was found ("tuned") or the rule; "vLLM config": BLOCK_SIZE_M x _N x
+_K, GROUP_SIZE_M, warps, stages, "tuned" where vLLM found its shipped config file for this E, N = I/tp and device
+(E=128,N=768,device_name=NVIDIA_H200.json ...; it picks the entry whose batch key is nearest the token count),
+"naive" where vLLM 0.26 skips the alignment (tokens * top_k * 4 <= E: Qwen3-30B-A3B decode at batches 1-4,
+Mixtral at 1).
+
+vLLM is optional: --vllm-path DIR goes first on sys.path (after torch, Triton and rapidserve are imported; it is
+pip's --target of the peer install, /root/peersite on the GPU machine, whose only package the image also has is
+setuptools). Its fused_moe module is imported in a child process first (a crash or hang there cannot take our rows
+with it), then here; if either fails (or DIR holds no vllm), every row says why ("vllm not importable: ...") and
+ours are still timed. Importing it needs no vLLM config: the functional `fused_experts` path (config lookup,
+moe_align_block_size, the two GEMMs, silu_and_mul and moe_sum from its compiled ops) reads only environment
+variables (VLLM_LOGGING_LEVEL defaults to WARNING here).
+
+Rows run in order tp, model, decode batches then prefill tokens; none starts after --budget-s seconds (those left
+are listed as skipped); a row that fails outside the candidates (the reference, the bound) says so and the next
+runs; --json PATH is rewritten after every row (so a call cut short still returns what finished), the tables
+beside it as PATH with .md. The table comes last.
+
+GPU machine (H200), next session. It reaches no package index; vLLM 0.26.0 and its missing wheels are the peer
+benchmark's parts, /work/main/.peer/c0 ... c8 (bench/vs_vllm.sh step 0 made them: fetch.py, then --split; .peer is
+git-ignored, so carry names them):
+  1. One call a part, back to back (the machine keeps its disk only while held; if one of them lands on a fresh
+     machine, begin again at c0), K = 0 .. 8 (as many as there are .peer/c* folders):
+        run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cK", ".peer/peer_vllm"], timeout_s=120)
+  2. At once, on the same machine, the install (what bench/peer_env.sh's peer_install runs: install.sh, stashed by
+     --stash, unpacks the parts and pip-installs them with --target /root/peersite, beside the image's torch; skipped
+     when an earlier call installed it) and this script, in one call whose command is these two lines (a newline
+     or "; " between them; $SECONDS: the install's time comes off the budget):
+     S=/root/peersite; [ -f $S/vllm/__init__.py ] || bash /root/peerstash/peer_vllm/install.sh 2>&1 | tail -3
+     python3 bench/moe_candidates.py --vllm-path $S --tp 1,2 --budget-s $((500-SECONDS)) --json $OUT/moe_candidates.json
+     with timeout_s=600. Without the stash calls, or if the install fails, the same command still times ours and
+     each row says why vLLM is missing. Rows at tp 2 come last: those the budget leaves out are listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import moe_gemm  # noqa: E402
+from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
+from rapidserve.ops.moe_tiles import MoeTables  # noqa: E402
+from rapidserve.ops.triton_moe import fused_moe, moe_config  # noqa: E402
+
+DEFAULT_MODELS = "qwen3-30b-a3b,mixtral-8x7b"  # Qwen3 first: its decode is where ours is furthest from the ceiling
+DECODE_BATCHES = moe_gemm.DECODE_BATCHES
+PREFILL_TOKENS = (1024, 4096, 8192)
+REPS = (10, 50)  # timings per prefill row, per decode row (moe_gemm's)
+TOL = 3e-2  # relative error against the reference (moe_gemm's check)
+VLLM_MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
+PROBE_S = 150  # the child process's import of vLLM (it takes ~10-20 s on the GPU machine)
+DRY_RUN = {"model": "tiny-qwen3-moe", "dtype": "float16", "decode": (1, 4), "prefill": (32,), "reps": (1, 1)}
+Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Candidate:
+    """One experts kernel: `run(x, w13, w2, weights, ids) -> [T, h]` (None: not available, `why` says why);
+    `describe(tokens, top_k, w13, w2)`: the tiles it takes there, for the row."""
+    name: str  # the rows' key prefix: "ours" / "vllm"
+    label: str  # in messages and the table
+    run: Experts | None
+    why: str = ""
+    describe: Callable[[int, int, torch.Tensor, torch.Tensor], str] | None = None
+    version: str = ""
+    where: str = ""  # the folder it was imported from
+
+
+def short(e: BaseException, limit: int = 200) -> str:
+    """An exception as one line: its type and the first line of its message, at most `limit` characters."""
+    msg = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {msg[0] if msg else ''}".rstrip(": ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def ours(tables: MoeTables | None) -> Candidate:
+    def describe(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
+        e, i, h = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
+        cfg = moe_config(t * k, e, i, h, w13.dtype, w13.device, tables)
+        source = moe_gemm.tiles_source(tables, e, i, h, w13.dtype, w13.device)
+        return f"{cfg.block_m}{f'+tail {cfg.tail_m}' if cfg.tail_m else ''} {source}"
+
+    return Candidate("ours", "ours", lambda x, w13, w2, w, ids: fused_moe(x, w13, w2, w, ids, None, tables),
+                     describe=describe)
+
+
+def probe_vllm(path: Path | None, timeout: float = PROBE_S) -> str:
+    """Import vLLM's fused_moe module in a child process first ("" if it imports; else why not, its traceback's last
+    line): an import that crashes the process (a compiled op built against another torch) or hangs would otherwise
+    take our rows with it."""
+    code = (f"import sys; sys.path.insert(0, {str(path)!r}); " if path is not None else "") + \
+        f"import importlib; importlib.import_module({VLLM_MODULE!r})"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"importing {VLLM_MODULE} took more than {timeout:g} s (in a child process)"
+    if proc.returncode == 0:
+        return ""
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    if proc.returncode < 0:
+        return f"importing {VLLM_MODULE} killed the child process (signal {-proc.returncode})"
+    last = lines[-1].strip() if lines else f"exit {proc.returncode}, nothing on stderr"
+    return last if len(last) <= 200 else last[:197] + "..."
+
+
+def load_vllm(path: Path | None) -> Candidate:
+    """vLLM's `fused_experts` as a candidate, or one that says why not ("vllm not importable: ..."). `path`: a
+    folder holding the vllm package (pip --target), put first on sys.path."""
+    def missing(why: str) -> Candidate:
+        return Candidate("vllm", "vLLM", None, why=f"vllm not importable: {why}")
+
+    if path is not None and not (path / "vllm" / "__init__.py").is_file():
+        return missing(f"--vllm-path {path} holds no vllm/__init__.py (install not run or failed?)")
+    for var, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("VLLM_LOGGING_LEVEL", "WARNING")):
+        os.environ.setdefault(var, value)
+    why = probe_vllm(path)
+    if why:
+        return missing(why)
+    if path is not None and str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    try:
+        import vllm
+
+        fm = importlib.import_module(VLLM_MODULE)
+    except Exception as e:  # noqa: BLE001 - any failure to import is the reason vLLM is not measured
+        return missing(short(e))
+    version = str(getattr(vllm, "__version__", "?"))
+    fused_experts = getattr(fm, "fused_experts", None)
+    if fused_experts is None:
+        return missing(f"vllm {version}: no fused_experts in {VLLM_MODULE}")
+
+    def dtype_str(dtype: torch.dtype) -> str | None:
+        """vLLM's config-file dtype of an unquantized layer (None for bf16/fp16, as _get_config_dtype_str)."""
+        from vllm.model_executor.layers.fused_moe.config import _get_config_dtype_str
+
+        return _get_config_dtype_str(dtype)
+
+    def describe(t: int, k: int, w13: torch.Tensor, w2: torch.Tensor) -> str:
+        e, i = w13.shape[0], w2.shape[2]
+        d = dtype_str(w13.dtype)
+        cfg = fm.try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), k, d, t)
+        tuned = "tuned" if fm.get_moe_configs(e, i, d) else "default"
+        naive = " naive" if t * k * 4 <= e else ""  # vLLM 0.26's _prepare_expert_assignment: no alignment
+        return (f"{cfg.get('BLOCK_SIZE_M')}x{cfg.get('BLOCK_SIZE_N')}x{cfg.get('BLOCK_SIZE_K')} "
+                f"g{cfg.get('GROUP_SIZE_M', 1)} w{cfg.get('num_warps', '?')} s{cfg.get('num_stages', '?')} "
+                f"{tuned}{naive}")
+
+    # positional, as 0.26's signature: (hidden_states, w1 [E, 2I, h], w2 [E, h, I], topk_weights, topk_ids);
+    # activation SiLU-and-mul on [gate | up] (its default), no expert map, unquantized
+    return Candidate("vllm", "vLLM", lambda x, w13, w2, w, ids: fused_experts(x, w13, w2, w, ids),
+                     describe=describe, version=version, where=str(Path(str(vllm.__file__)).parent))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (want in float32)."""
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+            ids: torch.Tensor, want: torch.Tensor, reps: int, device: str,
+            graph_ms: Callable[..., float] = moe_gemm.graph_ms,
+            eager_ms: Callable[..., float] = moe_gemm.back_to_back_ms) -> dict[str, object]:
+    """Each candidate on (x, ...): its output against `want` (the reference), then, where it agrees, its graph and
+    eager ms; and the two outputs against each other ("between_err", relative to max |want|). Keys per candidate
+    NAME: NAME_ms, NAME_eager_ms, NAME_err, NAME_config, NAME_why ("" when it was timed)."""
+    row: dict[str, object] = {}
+    outs: dict[str, torch.Tensor] = {}
+    t, k = ids.shape
+    for c in cands:
+        n = c.name
+        row.update({f"{n}_ms": None, f"{n}_eager_ms": None, f"{n}_err": None, f"{n}_config": None,
+                    f"{n}_why": c.why})
+        if c.run is None:
+            continue
+        if c.describe is not None:
+            try:
+                row[f"{n}_config"] = c.describe(t, k, w13, w2)
+            except Exception as e:  # noqa: BLE001 - the description is a courtesy: the row goes on without it
+                row[f"{n}_config"] = f"? ({short(e, 60)})"
+        call = lambda c=c: c.run(x, w13, w2, weights, ids)  # type: ignore[misc]  # run is not None here
+        try:
+            got = call()
+            sync(device)
+        except Exception as e:  # noqa: BLE001 - one candidate failing leaves the other its row
+            row[f"{n}_why"] = f"{c.label} failed: {short(e)}"
+            continue
+        if tuple(got.shape) != tuple(want.shape):
+            row[f"{n}_why"] = f"{c.label} returned {tuple(got.shape)}, not {tuple(want.shape)}"
+            continue
+        err = rel_err(got, want)
+        row[f"{n}_err"] = err
+        if not err < TOL:  # NaN fails too
+            row[f"{n}_why"] = f"{c.label} disagrees with the reference: relative error {err:.3g}"
+            continue
+        outs[n] = got
+        for key, clock in ((f"{n}_ms", graph_ms), (f"{n}_eager_ms", eager_ms)):
+            try:
+                row[key] = clock(call, reps, device)
+            except Exception as e:  # noqa: BLE001 - e.g. a capture that fails: said in the row
+                what = "graph" if key == f"{n}_ms" else "eager"
+                row[f"{n}_why"] = f"{row[f'{n}_why']}; " * bool(row[f"{n}_why"]) + f"{c.label} {what} timing " \
+                    f"failed: {short(e)}"
+    pair = list(outs.values())
+    row["between_err"] = float((pair[0].float() - pair[1].float()).abs().max() / want.abs().max()) \
+        if len(pair) == 2 else None
+    return row
+
+
+def ratio(a: object, b: object) -> float | None:
+    return float(a) / float(b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
+
+
+def finish_row(row: dict[str, object], limit_ms: float) -> dict[str, object]:
+    """The derived columns: vLLM/ours and each candidate's share of the limit (ceiling or bound)."""
+    row["vllm_over_ours"] = ratio(row.get("vllm_ms"), row.get("ours_ms"))
+    for n in ("ours", "vllm"):
+        row[f"{n}_of_limit"] = ratio(limit_ms, row.get(f"{n}_ms"))
+    return row
+
+
+def bench_layer(model: str, tp: int, dtype: torch.dtype, copy_bw: float, cands: list[Candidate], device: str,
+                decode_batches: tuple[int, ...], prefill_tokens: tuple[int, ...], reps: tuple[int, int],
+                deadline: float, emit: Callable[[dict[str, object]], None], skipped: list[str]) -> None:
+    """`model`'s layer at tp: every decode batch, then every prefill token count, each row passed to `emit`; one
+    that would start after `deadline` (time.perf_counter) is appended to `skipped` instead."""
+    router, w13, w2, k, h = moe_gemm.layer(model, tp, dtype, device)
+    w13f, w2f = w13.float(), w2.float()
+    g = torch.Generator(device=device).manual_seed(1)
+    for phase, sizes in (("decode", decode_batches), ("prefill", prefill_tokens)):
+        for t in sizes:
+            name = f"{model} tp{tp} {phase} {t}"
+            if time.perf_counter() > deadline:
+                skipped.append(name)
+                continue
+            row: dict[str, object] = {"model": model, "tp": tp, "phase": phase, "tokens": t, "pairs": t * k,
+                                      "unique_experts": None, "bytes_read": None}
+            try:
+                x = torch.randn(t, h, device=device, dtype=dtype, generator=g)
+                weights, ids = route(F.linear(x, router), k, True)
+                want = moe_experts_ref(x.float(), w13f, w2f, weights, ids).float()
+                row["unique_experts"], row["bytes_read"] = unique, read = moe_gemm.experts_read(ids, w13)
+                row.update(measure(cands, x, w13, w2, weights, ids, want, reps[phase == "decode"], device))
+                if phase == "decode":
+                    row["ceiling_ms"] = limit = moe_gemm.decode_ceiling_ms(read, copy_bw)
+                else:
+                    bound = moe_gemm.prefill_bound(x, ids, w13, w2, copy_bw, reps[0], device, g)
+                    row.update(bound)
+                    limit = float(bound["bound_ms"])  # type: ignore[arg-type]  # prefill_bound's float
+                finish_row(row, limit)
+            except Exception as e:  # noqa: BLE001 - the row says so and the next one runs (what finished is kept)
+                row["error"] = f"row failed: {short(e)}"
+            emit(row)
+            x = weights = ids = want = None  # type: ignore[assignment]  # freed before the next row's
+    del router, w13, w2, w13f, w2f
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cell(v: object, fmt: str, scale: float = 1.0) -> str:
+    """v (scaled) in `fmt`; '-' where it is missing (None, NaN). fmt 'd': a whole number as it is."""
+    if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, fmt) if fmt == "d" else format(float(v) * scale, fmt)
+
+
+def err_cell(r: dict[str, object]) -> str:
+    return " / ".join(cell(r.get(key), ".1e") for key in ("ours_err", "vllm_err", "between_err"))
+
+
+def note(r: dict[str, object]) -> str:
+    return "; ".join(str(r[key]) for key in ("error", "ours_why", "vllm_why") if r.get(key)).replace("|", "/")
+
+
+def table(rows: list[dict[str, object]], copy_bw: float, vllm: Candidate) -> str:
+    """The decode table, then the prefill table (module docstring for the columns)."""
+    head = "vLLM " + (f"{vllm.version}: fused_experts" if vllm.run is not None else f"not measured: {vllm.why}")
+    out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); {head}", ""]
+    spec = {"decode": ("decode batch", "ceiling us", "of ceiling", "ceiling_ms", ".1f"),
+            "prefill": ("prefill tokens", "bound us", "of bound", "bound_ms", ".0f")}
+    for phase, (size, limit, of, limit_key, us) in spec.items():
+        mine = [r for r in rows if r["phase"] == phase]
+        if not mine:
+            continue
+        extra = " | bound by" if phase == "prefill" else ""
+        out += [f"| model | tp | {size} | unique experts | {limit}{extra} | ours us | vLLM us | vLLM/ours | ours {of} "
+                f"| vLLM {of} | ours eager us | vLLM eager us | rel err ours / vLLM / between | ours tiles "
+                f"| vLLM config | note |",
+                "|" + "---|" * (16 + bool(extra))]
+        for r in mine:
+            bound_by = f" | {r.get('bound_by', '-')}" if phase == "prefill" else ""
+            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {cell(r.get('unique_experts'), 'd')} | "
+                       f"{cell(r.get(limit_key), us, 1e3)}{bound_by} | {cell(r.get('ours_ms'), us, 1e3)} | "
+                       f"{cell(r.get('vllm_ms'), us, 1e3)} | {cell(r.get('vllm_over_ours'), '.2f')} | "
+                       f"{cell(r.get('ours_of_limit'), '.2f')} | {cell(r.get('vllm_of_limit'), '.2f')} | "
+                       f"{cell(r.get('ours_eager_ms'), us, 1e3)} | {cell(r.get('vllm_eager_ms'), us, 1e3)} | "
+                       f"{err_cell(r)} | {r.get('ours_config') or '-'} | {r.get('vllm_config') or '-'} | "
+                       f"{note(r) or '-'} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
+def parse_counts(flag: str, text: str) -> tuple[int, ...]:
+    """--decode-batches / --prefill-tokens: comma-separated whole numbers >= 1, each once, in the order given."""
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: comma-separated whole numbers >= 1 (e.g. 1,2,4)") from None
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise ValueError(f"{flag} {text!r}: comma-separated whole numbers >= 1, each once (e.g. 1,2,4)")
+    return counts
+
+
+def parse_budget(text: str) -> float:
+    try:
+        budget = float(text)
+    except ValueError:
+        budget = float("nan")
+    if not budget > 0 or math.isinf(budget):
+        raise ValueError(f"--budget-s {text!r}: a number of seconds > 0 (no row starts after it)")
+    return budget
+
+
+def write_json(path: Path | None, report: dict[str, object], tables: str | None = None) -> None:
+    if path is None:
+        return
+    path.write_text(json.dumps(report, indent=1))
+    if tables is not None:
+        path.with_suffix(".md").write_text(tables + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=None, help=f"comma-separated MoE presets (default {DEFAULT_MODELS})")
+    ap.add_argument("--tp", default=None, help="time one rank's slice of every expert at these TP sizes "
+                    "(comma-separated; default 1)")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16"), help="default bfloat16")
+    ap.add_argument("--decode-batches", default=None,
+                    help=f"comma-separated (default {','.join(map(str, DECODE_BATCHES))})")
+    ap.add_argument("--prefill-tokens", default=None,
+                    help=f"comma-separated (default {','.join(map(str, PREFILL_TOKENS))})")
+    ap.add_argument("--vllm-path", type=Path, default=None,
+                    help="a folder holding the vllm package (pip --target; /root/peersite on the GPU machine), put "
+                    "first on sys.path; without it, `import vllm` as installed")
+    ap.add_argument("--tables", type=Path, help="our tuned tables from this folder (bench/moe_tune.py's "
+                    "moe_configs/) instead of the packaged ones")
+    ap.add_argument("--budget-s", default="480", help="start no row after this many seconds (default 480)")
+    ap.add_argument("--json", type=Path, help="write the rows here (after every row), the tables beside it (.md)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter: tiny-qwen3-moe, float16, "
+                    "decode 1 and 4, prefill 32, one timing each: checks the flow, measures nothing")
+    args = ap.parse_args(argv)
+    start = time.perf_counter()
+    try:  # every flag first: a bad one is refused by name on any machine
+        budget = parse_budget(args.budget_s)
+        if args.dry_run:
+            fixed = [flag for flag, v in (("--models", args.models), ("--tp", args.tp), ("--dtype", args.dtype),
+                                          ("--decode-batches", args.decode_batches),
+                                          ("--prefill-tokens", args.prefill_tokens), ("--tables", args.tables))
+                     if v is not None]
+            if fixed:
+                raise ValueError(f"--dry-run times {DRY_RUN['model']} at TP 1 in float16 on the CPU: drop "
+                                 f"{', '.join(fixed)}")
+            models, tps, dtype_name = [str(DRY_RUN["model"])], [1], str(DRY_RUN["dtype"])
+            decode, prefill = DRY_RUN["decode"], DRY_RUN["prefill"]
+            reps: tuple[int, int] = DRY_RUN["reps"]  # type: ignore[assignment]
+            tables = None
+        else:
+            models = moe_gemm.parse_models(args.models or DEFAULT_MODELS)
+            tps = moe_gemm.parse_tps(args.tp or "1", models)
+            dtype_name = args.dtype or "bfloat16"
+            decode = parse_counts("--decode-batches", args.decode_batches or ",".join(map(str, DECODE_BATCHES)))
+            prefill = parse_counts("--prefill-tokens", args.prefill_tokens or ",".join(map(str, PREFILL_TOKENS)))
+            reps = REPS
+            tables = moe_gemm.read_tables_dir(args.tables) if args.tables else None
+        if args.json is not None and not args.json.parent.is_dir():
+            raise ValueError(f"--json {args.json}: no folder {args.json.parent}")
+    except ValueError as e:
+        ap.error(str(e))
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            ap.error("--dry-run runs the kernels on the CPU: set TRITON_INTERPRET=1")
+        device = "cpu"
+    elif not torch.cuda.is_available():
+        print("needs a CUDA or ROCm GPU (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    else:
+        device = "cuda"
+    dtype = getattr(torch, dtype_name)
+    vllm = load_vllm(args.vllm_path)
+    print(f"vLLM: {vllm.version + ' from ' + vllm.where if vllm.run else vllm.why}", flush=True)
+    cands = [ours(tables), vllm]
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
+    copy_bw = moe_gemm.copy_bandwidth(device, 1 << 20 if args.dry_run else 1 << 29)
+    rows: list[dict[str, object]] = []
+    skipped: list[str] = []
+
+    def report(done: bool) -> dict[str, object]:
+        return {"device": dev_name, "copy_bw": copy_bw, "dtype": dtype_name, "torch": torch.__version__,
+                "vllm": {"version": vllm.version or None, "why": vllm.why or None, "from": vllm.where or None,
+                         "vllm_path": str(args.vllm_path) if args.vllm_path else None},
+                "budget_s": budget, "done": done, "skipped": skipped, "rows": rows}
+
+    def emit(row: dict[str, object]) -> None:
+        rows.append(row)
+        print(f"[{time.perf_counter() - start:.0f} s] {row['model']} tp{row['tp']} {row['phase']} {row['tokens']}: "
+              f"ours {cell(row.get('ours_ms'), '.1f', 1e3)} us, vLLM {cell(row.get('vllm_ms'), '.1f', 1e3)} us, "
+              f"vLLM/ours {cell(row.get('vllm_over_ours'), '.2f')}{' (' + note(row) + ')' if note(row) else ''}",
+              flush=True)
+        write_json(args.json, report(False))
+
+    deadline = start + budget
+    for tp in tps:
+        for model in models:
+            try:
+                bench_layer(model, tp, dtype, copy_bw, cands, device, decode, prefill, reps, deadline, emit, skipped)
+            except Exception as e:  # noqa: BLE001 - e.g. the layer's weights not fitting: the next layer still runs
+                skipped.append(f"{model} tp{tp} (failed: {short(e)})")
+                print(f"{model} tp{tp} failed: {short(e)}", flush=True)
+    tables_text = table(rows, copy_bw, vllm)
+    if skipped:
+        tables_text += f"\n\nnot run (past --budget-s {budget:g}, or failed): {', '.join(skipped)}"
+    write_json(args.json, report(True), tables_text)
+    print(f"\n{dev_name}, {dtype_name}, {time.perf_counter() - start:.0f} s\n")
+    print(tables_text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
