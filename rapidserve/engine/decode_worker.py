@@ -175,8 +175,6 @@ class DecodeWorker(StepCycle):
             if self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
                 p.sent_hint()
         if isinstance(shape, Split):
-            if self.sched.chunking:  # a fused step in flight that has landed (a switch synchronized it) is recorded
-                self.step_guarded(self.record_landed)  # first: its prompts' last chunks land, and they go now
             self.admit()
 
     def _switch(self, target: str, why: str) -> None:

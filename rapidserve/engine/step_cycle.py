@@ -77,7 +77,6 @@ class StepCycle:
     _launching: StepBatch | None  # the batch being launched (a failure at launch blames its chunks)
     _out: list[m.TokenOut]  # landed tokens, for the owner to publish
     _landed: Landed | None = None  # the last step recorded (for the next one's gap and idle time)
-    _early: bool = False  # the step in flight was recorded early (`record_landed`) since the last launch
     trace: StepTrace | None = None  # --step-trace: every landed step, a line each (engine/step_trace.py)
 
     # ---- hooks ----------------------------------------------------------------------------------
@@ -136,8 +135,11 @@ class StepCycle:
         """Plan and launch this step, then record the one before it (or, waiting for each step, this one). A step in
         flight that has landed already is recorded first, and handed to the owner (`step_landed_early`), before this
         step is planned (module docstring: the order)."""
-        self.record_landed()
-        how, self._early = LANDED if self._early else AHEAD, False
+        how = AHEAD
+        if self.inflight and self.inflight[-1].landed:
+            self._complete_all()
+            self.step_landed_early()
+            how = LANDED
         t0 = time.perf_counter()
         hold = self.grammar.compiling()  # requests whose grammar still compiles sit this step out
         batch = self._plan(hold)
@@ -172,18 +174,6 @@ class StepCycle:
         self.inflight.append(f)
         while len(self.inflight) > (1 if self.ahead else 0):
             self._complete()
-        return True
-
-    def record_landed(self) -> bool:
-        """Record the steps in flight if the newest has landed (its end event completed: a GPU's, asked without
-        waiting) and hand them to the owner (`step_landed_early`); True if it did. `_step` asks first (the module
-        docstring's order); the decode worker asks before a split step's admission too, so a prompt whose last
-        chunk that step computed counts it and goes to prefill in this split (`DecodeScheduler.hand_over`)."""
-        if not (self.inflight and self.inflight[-1].landed):
-            return False
-        self._complete_all()
-        self.step_landed_early()
-        self._early = True
         return True
 
     def _plan(self, hold: AbstractSet[str]) -> StepBatch | None:
