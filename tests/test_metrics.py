@@ -335,9 +335,8 @@ def test_vllm_names_types_labels_and_buckets() -> None:
     m.observe_first_token(0.1)
     m.observe_token(0.02)
     m.observe_phases(1.0, 1.1, 1.2, 1.3, 1.4)
-    m.observe_params(2, 64)
-    m.observe_finished(1.0, 10, 5, "stop", ttft_s=0.1, queue_s=0.2)
-    m.observe_samples_done([5, 3])
+    m.observe_finished(1.0, 10, 5, "stop", ttft_s=0.1, queue_s=0.2, max_tokens=64)
+    m.observe_samples_done([5, 3], 2)
     m.set_engine_stats(1, 0, 100, 50, 0, "none", partition_steps={"none": 1})
     m.set_step_stats({"fused": StepKindStats(1, 20.0)}, {"fused": 1.0})
     fams = {f.name: f for f in text_string_to_metric_families(m.render()[0].decode())}
@@ -383,17 +382,21 @@ def test_cache_config_info() -> None:
 
 
 def test_request_params_and_max_generation_tokens() -> None:
+    """vLLM 0.26: max_tokens with each finished engine request (a sample), n and the most generation tokens once per
+    prompt (its parent request) when its samples are done."""
     m = new()
-    m.observe_params(3, 100)
-    m.observe_params(1, None)  # max_tokens unset: not observed, as vLLM's
+    for _ in range(3):
+        m.observe_finished(1.0, 3, 4, "length", max_tokens=100)
+    m.observe_finished(1.0, 3, 4, "length", max_tokens=None)  # max_tokens unset: not observed, as vLLM's
+    assert value(m, "vllm:request_params_max_tokens_count") == 3
+    assert value(m, "vllm:request_params_max_tokens_bucket", le="100.0") == 3
+    m.observe_samples_done([4, 9, 2], 3)
+    m.observe_samples_done([4], 1)
+    m.observe_samples_done([])  # (no n: not observed)
     assert value(m, "vllm:request_params_n_count") == 2
     assert value(m, "vllm:request_params_n_sum") == 4
-    assert value(m, "vllm:request_params_max_tokens_count") == 1
-    assert value(m, "vllm:request_params_max_tokens_bucket", le="100.0") == 1
-    m.observe_samples_done([4, 9, 2])
-    m.observe_samples_done([])
-    assert value(m, "vllm:request_max_num_generation_tokens_count") == 1
-    assert value(m, "vllm:request_max_num_generation_tokens_sum") == 9
+    assert value(m, "vllm:request_max_num_generation_tokens_count") == 2
+    assert value(m, "vllm:request_max_num_generation_tokens_sum") == 13
 
 
 @pytest.mark.parametrize(("top", "want"), [(1, (1,)), (4, (1, 2)), (100, (1, 2, 5, 10, 20, 50, 100)),

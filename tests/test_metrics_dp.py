@@ -47,13 +47,12 @@ def two_engines() -> Metrics:
     for e in TABLE:
         for ttft in e.ttfts:
             m.add_prompt_tokens(e.prompt, e.index)
-            m.observe_params(1, e.output, e.index)
             m.observe_first_token(ttft, e.index)
             for _ in range(e.output - 1):
                 m.observe_token(e.itl, e.index)
             m.observe_finished(ttft + e.itl * (e.output - 1), e.prompt, e.output, e.reason, ttft_s=ttft,
-                               engine=e.index)
-            m.observe_samples_done([e.output], e.index)
+                               max_tokens=e.output, engine=e.index)
+            m.observe_samples_done([e.output], 1, e.index)
         m.set_engine(e.index, e.running, e.waiting, e.blocks, e.free, e.preemptions, *e.prefix)
     m.set_partition("d25+none", 1, {"d25": 7})
     m.set_step_stats({"split": StepKindStats(9, 90.0)}, {"split": 1.1})
@@ -94,6 +93,7 @@ def test_each_engine_has_its_own_series(e: Engine) -> None:
     assert of(fams, "vllm:request_prompt_tokens_sum", e.index) == n * e.prompt
     assert of(fams, "vllm:request_params_max_tokens_sum", e.index) == n * e.output
     assert of(fams, "vllm:request_max_num_generation_tokens_count", e.index) == n
+    assert of(fams, "vllm:request_params_n_count", e.index) == n
     for reason in ("stop", "length", "abort", "error"):
         assert of(fams, "vllm:request_success_total", e.index, finished_reason=reason) == (n if reason == e.reason
                                                                                             else 0)
@@ -139,12 +139,32 @@ def test_one_engine_restarting_moves_only_its_own_series() -> None:
     assert of(fams, "vllm:prefix_cache_queries_total", 0) == 40  # engine 0 untouched
 
 
-def test_one_engine_is_engine_zero() -> None:
-    """One engine: `set_engine_stats` (its Stats and the partition) and every observation land on engine "0"."""
-    m = Metrics(MODEL, 2048, CACHE)
-    m.set_engine_stats(1, 2, 100, 50, 3, "none", 4, 1)
-    m.observe_first_token(0.1)
+def test_cache_config_info_waits_for_every_engine() -> None:
+    """vLLM 0.26 labels cache_config_info once, with every engine's pool summed (core_client's
+    _apply_ready_response runs for each engine before the loggers exist): never a partial sum that a second series
+    then replaces."""
+    m = Metrics(MODEL, 2048, CACHE, engines=3)
+    m.set_engine(0, 0, 0, 64, 64, 0)
+    m.set_engine(2, 0, 0, 32, 32, 0)
+    m.engine_down(1)  # still starting
+    assert parsed(m)["vllm:cache_config_info"] == []
+    m.set_engine(1, 0, 0, 64, 64, 0)
+    m.set_engine(0, 0, 0, 64, 60, 0)  # (its pool unchanged)
+    info = [(lab["engine"], lab["num_gpu_blocks"], v) for _, lab, v in parsed(m)["vllm:cache_config_info"]]
+    assert sorted(info) == [("0", "160", 1), ("1", "160", 1), ("2", "160", 1)]
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_an_engine_index_outside_the_engines_is_refused(engines: int) -> None:
+    """Every engine's series are made at construction (vLLM pre-creates them): an index outside 0..N-1 is a bug in
+    the caller, not a new engine to add series for."""
+    m = Metrics(MODEL, 2048, CACHE, engines=engines)
+    for bad in (-1, engines):
+        with pytest.raises(ValueError, match=f"no engine {bad}: the engines are 0..{engines - 1}"):
+            m.observe_first_token(0.1, bad)
+        with pytest.raises(ValueError, match="no engine"):
+            m.set_engine(bad, 0, 0, 10, 10, 0)
+    m.observe_first_token(0.1, engines - 1)
     fams = parsed(m)
-    assert {lab["engine"] for f, s in fams.items() if f.startswith("vllm:") for _, lab, _ in s} == {"0"}
-    assert of(fams, "vllm:kv_cache_usage_perc", 0) == 0.5
-    assert of(fams, "vllm:time_to_first_token_seconds_count", 0) == 1
+    assert {lab["engine"] for _, lab, _ in fams["vllm:time_to_first_token_seconds"]} == {str(i) for i in
+                                                                                          range(engines)}

@@ -20,7 +20,12 @@ from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from rapidserve.engine.data_parallel import DataParallelEngine
+from rapidserve.engine.errors import EngineError
 from rapidserve.engine.messages import Stats, StepKindStats
+from rapidserve.server.app import Server
+from rapidserve.server.generation import Choice
+from rapidserve.server.requests import parse_request
+from rapidserve.server_config import ServerConfig
 from tests.server_fakes import ECFG, FakeEngine, running_server
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -141,7 +146,8 @@ def test_503_refusals_are_rejected_not_engine_errors_and_count_no_prompt_tokens(
 
 def test_metrics_route_speaks_vllm_names_and_labels_without_created_series() -> None:
     """GET /metrics after requests: vLLM's series with `model_name` (the served name) and `engine`, the request
-    parameters observed per prompt, no `_created` sample anywhere; rapidserve's own series keep their prefix."""
+    parameters observed as vLLM 0.26 does (n per prompt, max_tokens per sample), no `_created` sample anywhere;
+    rapidserve's own series keep their prefix."""
     async def main() -> None:
         engine = FakeEngine(delay=0.001)
         engine.stats = stats(running=0, prefilling=0, waiting=0)
@@ -164,7 +170,7 @@ def test_metrics_route_speaks_vllm_names_and_labels_without_created_series() -> 
         assert not [n for n in fams if not n.startswith(("vllm:", "rapidserve:"))]
         samples = {(x.name, x.labels.get("le")): x.value for f in fams.values() for x in f.samples}
         assert samples[("vllm:request_params_n_count", None)] == 2  # two prompts, n=2 each
-        assert samples[("vllm:request_params_max_tokens_sum", None)] == 6
+        assert samples[("vllm:request_params_max_tokens_sum", None)] == 12  # per sample, as vLLM 0.26
         assert samples[("vllm:request_max_num_generation_tokens_count", None)] == 2
         done = {x.labels["finished_reason"]: x.value for x in fams["vllm:request_success"].samples}
         assert done["length"] == 4
@@ -275,3 +281,104 @@ async def scrape_engines(s: aiohttp.ClientSession, url: str) -> Samples:
         text = await r.text()
     return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k != "model_name")): x.value
             for fam in text_string_to_metric_families(text) for x in fam.samples}
+
+
+def at(m: Samples, name: str, engine: str, **labels: str) -> float:
+    return m[(name, frozenset({("engine", engine), *labels.items()}))]
+
+
+def test_a_sample_whose_engine_died_is_the_error_and_its_sibling_an_abort_on_its_own_engine() -> None:
+    """n=2 with sample 0 on engine 0 and sample 1 on engine 1, whose worker dies: the error is engine 1's only;
+    sample 0, cancelled with the request, is an engine request the server aborted on engine 0 (counted as every
+    abort the server makes: metrics.py), not an error of an engine that never failed."""
+    async def main() -> None:
+        a, b = Member(delay=0.02), Member(delay=0.02)
+        dp = DataParallelEngine(ECFG, [a, b])
+        try:
+            async with running_server(dp) as (_, url), aiohttp.ClientSession() as s:  # type: ignore[arg-type]
+                post = asyncio.create_task(s.post(url + "/v1/completions",
+                                                  json={"prompt": [1, 2, 3], "max_tokens": 50, "n": 2}))
+                await wait_until(lambda: (len(a.live), len(b.live)) == (1, 1))
+                b.die.set()
+                r = await post
+                assert r.status == 503
+                r.release()
+                m = await scrape_engines(s, url)
+        finally:
+            await dp.shutdown()
+        reasons = ("error", "abort", "length")
+        assert [at(m, "vllm:request_success_total", "0", finished_reason=x) for x in reasons] == [0, 1, 0]
+        assert [at(m, "vllm:request_success_total", "1", finished_reason=x) for x in reasons] == [1, 0, 0]
+        assert [at(m, "vllm:e2e_request_latency_seconds_count", e) for e in "01"] == [1, 1]
+        assert a.aborted  # its engine request was aborted, as counted
+
+    run(main)
+
+
+def test_request_parameters_are_counted_on_the_engines_vllm_counts_them_on() -> None:
+    """vLLM 0.26 (vllm/v1/metrics/loggers.py record, engine/parallel_sampling.py): max_tokens with each finished
+    sample on its engine; n and the most generation tokens once per prompt, when its last sample finishes, on that
+    sample's engine. Sample 1 runs on the slower engine 1 and ends last."""
+    async def main() -> None:
+        a, b = Member(delay=0.001), Member(delay=0.05)
+        dp = DataParallelEngine(ECFG, [a, b])
+        try:
+            async with running_server(dp) as (_, url), aiohttp.ClientSession() as s:  # type: ignore[arg-type]
+                async with s.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "n": 2}) as r:
+                    assert r.status == 200
+                    await r.read()
+                m = await scrape_engines(s, url)
+        finally:
+            await dp.shutdown()
+        assert [at(m, "vllm:e2e_request_latency_seconds_count", e) for e in "01"] == [1, 1]  # one sample each
+        assert [at(m, "vllm:request_params_max_tokens_count", e) for e in "01"] == [1, 1]
+        assert [at(m, "vllm:request_params_max_tokens_sum", e) for e in "01"] == [3, 3]
+        assert [at(m, "vllm:request_params_n_count", e) for e in "01"] == [0, 1]
+        assert at(m, "vllm:request_params_n_sum", "1") == 2
+        assert [at(m, "vllm:request_max_num_generation_tokens_count", e) for e in "01"] == [0, 1]
+
+    run(main)
+
+
+def test_a_request_that_reached_no_engine_is_counted_on_none() -> None:
+    """With several engines, a request that never reached one (the client left while its stream began; dispatch
+    found no engine running) is no engine's: vLLM counts a request only on the engine core that ran it. With one
+    engine, one whose stream never began is an abort on engine 0, as before data parallelism."""
+    body = b'{"prompt": [1, 2, 3], "max_tokens": 3, "n": 2, "stream": true}'
+
+    async def prelude() -> None:
+        raise ConnectionResetError("client went away")
+
+    async def counted(engine: FakeEngine | DataParallelEngine, left: bool) -> Samples:
+        server = Server(ServerConfig(port=0), ECFG, engine, None, "m")  # type: ignore[arg-type]
+        req = parse_request("completion", body, server.ctx)
+        choices = [Choice(j, [1, 2, 3]) for j in range(2)]
+        if not left:  # every engine goes down after the request's admission, before its dispatch
+            server.gen.refusal = lambda: None  # type: ignore[method-assign]
+            for e in getattr(engine, "engines", [engine]):
+                e.state = "restarting"
+        with pytest.raises((ConnectionError, EngineError)):
+            await server.gen.generate("cmpl-x", req, choices, None, prelude if left else None)
+        assert all(c.engine is None for c in choices)
+        return {(x.name, frozenset((k, v) for k, v in x.labels.items() if k != "model_name")): x.value
+                for fam in text_string_to_metric_families(server.metrics.render()[0].decode()) for x in fam.samples}
+
+    async def main() -> None:
+        for left in (True, False):
+            dp = DataParallelEngine(ECFG, [Member(0.001), Member(0.001)])
+            m = await counted(dp, left)
+            await dp.shutdown()
+            for e in "01":
+                assert [at(m, "vllm:request_success_total", e, finished_reason=x)
+                        for x in ("stop", "length", "abort", "error")] == [0, 0, 0, 0], (left, e)
+                for name in ("e2e_request_latency_seconds", "request_prompt_tokens",
+                             "request_max_num_generation_tokens", "request_params_n", "request_params_max_tokens"):
+                    assert at(m, f"vllm:{name}_count", e) == 0, (left, name, e)
+                assert at(m, "vllm:prompt_tokens_total", e) == 0
+        m = await counted(FakeEngine(), True)
+        assert at(m, "vllm:request_success_total", "0", finished_reason="abort") == 2
+        assert at(m, "vllm:request_max_num_generation_tokens_count", "0") == 1
+        assert [at(m, f"vllm:{x}", "0") for x in ("request_params_n_count", "request_params_max_tokens_count",
+                                                    "prompt_tokens_total")] == [0, 0, 0]
+
+    run(main)

@@ -1,7 +1,7 @@
 """The generation path of an admitted request: its choices run on the engine, streamed or answered whole.
 
 `Generation.generate` runs every choice (one prompt x sample, `Choice`) of a request on the engine, the
-first failure ending the others, and counts each choice once in the metrics however it ends; `run` is one
+first failure ending the others, and counts each choice once in the metrics however it ends (`_count`); `run` is one
 choice (incremental detokenizing, stop strings, timings; closing its engine stream aborts the engine
 request); `stream` sends server-sent events that always end well-formed; `final` is a non-stream body;
 `usage` the request's usage. `end_all` ends every request in flight (shutdown grace over, engine gone).
@@ -63,7 +63,8 @@ class Choice:
     # engine, no token yet), "decoding" (a token came), "done" (its engine request ended)
     state: Literal["queued", "pending", "decoding", "done"] = "queued"
     # the index of the engine it was handed to (with data parallelism, the one dispatch picked), for the metrics'
-    # `engine` label; None until then (one that never reached an engine counts on engine 0)
+    # `engine` label; None until then (`Generation._count`: with several engines one that never reached an engine
+    # is counted on none, as vLLM counts a request only on the engine core that ran it)
     engine: int | None = None
 
 
@@ -105,6 +106,9 @@ class Generation:
                 refusal = self.refusal()  # (it may have changed while the response began)
                 if refusal is not None:
                     raise refusal
+            if not isinstance(self.engine, DataParallelEngine):  # one engine: every choice is its from here
+                for c in choices:
+                    self._placed(c, 0)
             tasks = [asyncio.ensure_future(self.run(rid, req, c, on_delta)) for c in choices]
             group = asyncio.gather(*tasks)
             self._active.add(group)
@@ -123,17 +127,56 @@ class Generation:
         finally:
             if group is not None:
                 self._active.discard(group)
+            # the choices whose own run raised (their engine failed them; a client gone is an abort)
+            raised = {k for k, t in enumerate(tasks) if t.done() and not t.cancelled()
+                      and t.exception() is not None and not isinstance(t.exception(), ConnectionError)}
             for t in tasks:
                 t.cancel()  # those still running after a failure; their engine requests are aborted
-            now = time.monotonic()
-            for c in choices if refusal is None else []:
-                self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids),
-                                              c.finish_reason or failure, ttft_s=c.ttft, queue_s=c.queue,
-                                              engine=c.engine or 0)
-            n = req.params.n  # choice i * n + j is prompt i's sample j
-            for i in range(len(req.prompts) if refusal is None else 0):
-                self.metrics.observe_samples_done([len(c.token_ids) for c in choices[i * n:(i + 1) * n]],
-                                                  engine=choices[i * n].engine or 0)
+            if refusal is None:
+                self._count(req, choices, t0, raised, failure)
+
+    def _count(self, req: GenRequest, choices: list[Choice], t0: float, raised: set[int], failure: str) -> None:
+        """Count a request's choices once each in the metrics, each on the engine it went to, when the request ends.
+
+        A choice that ended is counted with its finish reason; one whose own run raised (`raised`: its engine failed
+        it) as "error"; one still running that the request's end cancels (its engine request aborted: a client that
+        went away, or a sibling's failure) as "abort" on its own engine, as rapidserve counts every engine request
+        the server aborts (vLLM 0.26 counts none of those: metrics.py). `failure` ("error" or "abort") is the
+        request's when nothing it ran raised (its stream's prelude failed). With several engines a choice that never
+        reached one (the client left while the response began; dispatch found no engine running) is counted
+        nowhere: vLLM counts a request only on the engine core that ran it. With one engine every choice is engine
+        0's, as before data parallelism (one whose prelude failed is an abort there, without its parameters).
+
+        vLLM 0.26 (vllm/v1/metrics/loggers.py `record`, engine/output_processor.py, engine/parallel_sampling.py)
+        observes ``request_params_max_tokens`` with each finished engine request (a sample) on its engine, and
+        ``request_params_n`` and ``request_max_num_generation_tokens`` once per prompt (a parent request), when its
+        last sample finishes, on the engine that finished it (the engine whose outputs carried that finish): here,
+        the sample that ended last."""
+        now = time.monotonic()
+        p = req.params
+        dp = isinstance(self.engine, DataParallelEngine)
+        for k, c in enumerate(choices):
+            engine = 0 if c.engine is None and not dp else c.engine
+            if engine is None:
+                continue
+            reason = c.finish_reason or ("error" if k in raised or (failure == "error" and not raised) else "abort")
+            self.metrics.observe_finished((c.t_end or now) - t0, len(c.prompt_ids), len(c.token_ids), reason,
+                                          ttft_s=c.ttft, queue_s=c.queue,
+                                          max_tokens=p.max_tokens if c.engine is not None else None, engine=engine)
+        n = p.n  # choice i * n + j is prompt i's sample j
+        for i in range(len(req.prompts)):
+            samples = choices[i * n:(i + 1) * n]
+            tokens = [len(c.token_ids) for c in samples]
+            ends = [(c.t_end or now, c.engine) for c in samples if c.engine is not None]
+            if ends:
+                self.metrics.observe_samples_done(tokens, n, max(ends, key=lambda x: x[0])[1])
+            elif not dp:  # one engine, its prelude failed: its most tokens (0) only, as before
+                self.metrics.observe_samples_done(tokens, None, 0)
+
+    def _placed(self, c: Choice, engine: int) -> None:
+        """Choice `c` goes to engine `engine`: its prompt tokens count there."""
+        c.engine = engine
+        self.metrics.add_prompt_tokens(len(c.prompt_ids), engine)
 
     def refusal(self) -> EngineError | None:
         """Why no request can go to the engine now (end_all ran, or the engine is not ready: starting,
@@ -154,17 +197,10 @@ class Generation:
         detok = IncrementalDetokenizer(self.tok, c.prompt_ids, p.skip_special_tokens, p.stop,
                                        p.include_stop_str_in_output, p.min_tokens)
         t0 = last = time.monotonic()
-
-        def placed(engine: int) -> None:  # counted on the engine it went to; a prompt's parameters with its first
-            c.engine = engine  # sample (vLLM counts them on the engine that finished its last)
-            self.metrics.add_prompt_tokens(len(c.prompt_ids), engine)
-            if c.index % p.n == 0:
-                self.metrics.observe_params(p.n, p.max_tokens, engine)
-
-        if isinstance(self.engine, DataParallelEngine):  # `placed` once dispatch picks the engine
-            stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params, placed=placed)
-        else:
-            placed(0)
+        if isinstance(self.engine, DataParallelEngine):  # placed once dispatch picks the engine, before the hand-over
+            stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params,
+                                          placed=lambda i: self._placed(c, i))
+        else:  # (placed on engine 0 by generate)
             stream = self.engine.generate(f"{rid}-{c.index}", c.prompt_ids, params)
         c.state = "pending"
         try:
@@ -174,7 +210,7 @@ class Generation:
                     c.state = "decoding"
                     c.ttft = now - t0
                     c.cached_tokens = tok.cached_tokens
-                    self.metrics.observe_first_token(c.ttft, c.engine or 0)
+                    self.metrics.observe_first_token(c.ttft, c.engine or 0)  # (placed by now)
                     if tok.times is not None:
                         ph = tok.times
                         c.queue = max(0.0, ph.started - t0)

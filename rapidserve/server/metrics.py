@@ -14,26 +14,32 @@ exists once per engine, ``engine="0"`` .. ``"N-1"``, all pre-created (counters a
 engine's own values. Per engine: the gauges from its own Stats and the server's count of the requests it holds
 (`request_gauges`; with several engines a request admitted but not yet dispatched is in no engine's gauges, as one
 vLLM's API server has not yet sent to an engine core is in no scheduler's); the counters of its Stats
-(preemptions, prefix cache); and every request series of the requests it served (a request is an engine request: a
-prompt's sample; the per-prompt series, ``request_params_*`` and ``request_max_num_generation_tokens``, count on the
-engine of the prompt's first sample; vLLM counts ``n`` and the most generation tokens on the engine that finished the
-prompt's last). An engine that is not
+(preemptions, prefix cache); and every request series of the requests it served. As vLLM 0.26 records them
+(vllm/v1/metrics/loggers.py `PrometheusStatLogger.record(..., engine_idx)`, fed per engine's outputs by
+engine/async_llm.py): a request is an engine request, a prompt's sample, counted on the engine that ran it, with its
+``request_params_max_tokens``; ``request_params_n`` and ``request_max_num_generation_tokens`` are per prompt (vLLM's
+parent request, engine/parallel_sampling.py), observed when its last sample ends, on that sample's engine. A request
+that never reached an engine (the client left while a stream began; no engine running) is counted on none (with one
+engine: as an abort on engine 0, as before data parallelism). An engine that is not
 running (restarting, down) reports no KV usage (0) and keeps its counts. ``vllm:cache_config_info`` is one series
 per engine with the same labels, its ``num_gpu_blocks`` the sum of the engines' pools, as vLLM 0.26's
 (vllm/v1/engine/core_client.py `_apply_ready_response` adds each engine's count into the front end's one
-CacheConfig), so a dashboard reading a vLLM server's capacity from it reads ours the same; each engine's own pool is
-in its Stats (`kv_usage_perc` is per engine).
+CacheConfig before the loggers exist), so a dashboard reading a vLLM server's capacity from it reads ours the same:
+exposed once every engine has reported its pool (never a partial sum), replaced when a restarted engine's pool
+differs; each engine's own pool is in its Stats (`kv_usage_perc` is per engine). An engine index outside
+0..N-1 is a ValueError.
 
 vLLM's series (see docs/operations.md for what to watch):
 
 * gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (the server's own count of engine
   requests in flight at the scrape: `request_gauges`), ``vllm:kv_cache_usage_perc`` (0..1),
   ``vllm:cache_config_info`` (1; the KV cache settings as labels, vLLM's ``CacheConfig.metrics_info()`` keys:
-  `cache_config_labels`; exposed once the engine has reported its pool);
+  `cache_config_labels`; exposed once every engine has reported its pool);
 * counters ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
   ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in the prefix
-  cache, and found there), ``vllm:request_success_total{finished_reason}`` (stop, length, abort: the client went
-  away or the server stopped it; and error: the engine failed it);
+  cache, and found there), ``vllm:request_success_total{finished_reason}`` (stop, length; abort: the server
+  aborted the engine request, its client having gone away, the server stopping, or a sibling sample on another
+  engine failing; error: its own engine failed it);
 * histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and its older name
   ``vllm:time_per_output_token_seconds`` (the same observations, as vLLM still exposes both),
   ``vllm:request_time_per_output_token_seconds`` (per request: (e2e - ttft) / (output tokens - 1)),
@@ -42,7 +48,7 @@ vLLM's series (see docs/operations.md for what to watch):
   ``vllm:request_decode_time_seconds`` (first token to the end), ``vllm:request_inference_time_seconds`` (first
   chunk queued to the end), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
   ``vllm:request_max_num_generation_tokens`` (per prompt: the most output tokens among its ``n`` samples),
-  ``vllm:request_params_n``, ``vllm:request_params_max_tokens``.
+  ``vllm:request_params_n`` (per prompt), ``vllm:request_params_max_tokens`` (per sample).
 """
 
 from __future__ import annotations
@@ -189,9 +195,10 @@ class Metrics:
         self.own = OwnSeries(reg, model_name, TTFT_BUCKETS)
 
     def _of(self, engine: int) -> _Engine:
-        """Engine `engine`'s series (created on first use past the engines given at construction)."""
-        while len(self._engines) <= engine:
-            self._engines.append(_Engine(self._fams, self._success, self.model_name, len(self._engines)))
+        """Engine `engine`'s series; ValueError for an index that is not one of the engines given at construction
+        (their series are all made there, as vLLM pre-creates each engine's)."""
+        if not 0 <= engine < len(self._engines):
+            raise ValueError(f"no engine {engine!r}: the engines are 0..{len(self._engines) - 1}")
         return self._engines[engine]
 
     # ---- per request (the engine that served it) --------------------------------------------
@@ -217,30 +224,33 @@ class Metrics:
         s["itl"].observe(itl_s)
         s["tpot_old"].observe(itl_s)
 
-    def observe_params(self, n: int, max_tokens: int | None, engine: int = 0) -> None:
-        """One prompt of a request was admitted with these sampling parameters (a request of several
-        prompts is several, as vLLM counts them); a `max_tokens` left unset is not observed, as vLLM's."""
+    def observe_samples_done(self, output_tokens: list[int], n: int | None = None, engine: int = 0) -> None:
+        """Every sample of one prompt (a parent request: a request of several prompts is several, as vLLM counts
+        them) ended, with these output token counts, the last on engine `engine`: the most of them is the
+        prompt's ``request_max_num_generation_tokens``, and `n` (unless None) its ``request_params_n``, as vLLM 0.26
+        records both when a parent request's last child finishes, on the engine that finished it."""
         s = self._of(engine).s
-        s["params_n"].observe(n)
-        if max_tokens:
-            s["params_max_tokens"].observe(max_tokens)
-
-    def observe_samples_done(self, output_tokens: list[int], engine: int = 0) -> None:
-        """Every sample of one prompt ended, with these output token counts: the most of them is the
-        prompt's ``request_max_num_generation_tokens``."""
         if output_tokens:
-            self._of(engine).s["req_max_gen"].observe(max(output_tokens))
+            s["req_max_gen"].observe(max(output_tokens))
+        if n is not None:
+            s["params_n"].observe(n)
 
     def observe_finished(self, e2e_s: float, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str,
-                         ttft_s: float | None = None, queue_s: float | None = None, engine: int = 0) -> None:
-        """A request finished (any reason, aborts included); counts its output tokens.
+                         ttft_s: float | None = None, queue_s: float | None = None, max_tokens: int | None = None,
+                         engine: int = 0) -> None:
+        """An engine request (a prompt's sample) finished on engine `engine` (any reason, aborts included); counts
+        its output tokens.
 
         With `ttft_s` and more than one output token, also observes the time per output token
         ``(e2e_s - ttft_s) / (num_output_tokens - 1)``; with `ttft_s`, the decode time ``e2e_s - ttft_s``;
-        with `queue_s` (arrival to its first prompt chunk queued), the inference time ``e2e_s - queue_s``.
+        with `queue_s` (arrival to its first prompt chunk queued), the inference time ``e2e_s - queue_s``; its
+        `max_tokens` parameter, as vLLM 0.26 observes ``request_params_max_tokens`` with each finished engine
+        request (one left unset or 0 is not observed, as vLLM's ``if finished_request.max_tokens_param``).
         """
         e = self._of(engine)
         s = e.s
+        if max_tokens:
+            s["params_max_tokens"].observe(max_tokens)
         if ttft_s is not None:
             s["decode"].observe(max(0.0, e2e_s - ttft_s))
         if queue_s is not None:
@@ -288,9 +298,9 @@ class Metrics:
         e.preemptions_seen = num_preemptions
         if kv_blocks_total > 0 and kv_blocks_total != e.pool_blocks:
             e.pool_blocks = kv_blocks_total
-            total = sum(x.pool_blocks for x in self._engines)  # vLLM's num_gpu_blocks: the engines' sum, on each
-            for i, x in enumerate(self._engines):
-                if x.pool_blocks:
+            if all(x.pool_blocks for x in self._engines):  # once every engine has reported its pool (vLLM sets it
+                total = sum(x.pool_blocks for x in self._engines)  # once all are ready): their sum, on each
+                for i, x in enumerate(self._engines):
                     self._set_cache_info(x, i, total)
 
     def engine_down(self, engine: int) -> None:
