@@ -39,7 +39,7 @@ def test_render_lists_every_metric_with_model_label() -> None:
     text = body.decode()
     assert content_type.startswith("text/plain")
     label = f'model_name="{MODEL}"'
-    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+    for hist in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "request_time_per_output_token_seconds", "e2e_request_latency_seconds"):
         for suffix in ("_bucket", "_sum", "_count"):
             assert any(line.startswith(f"vllm:{hist}{suffix}{{") and label in line and 'engine="0"' in line
@@ -65,8 +65,6 @@ def test_histograms_move_with_observations() -> None:
     assert value(m, "vllm:time_to_first_token_seconds_bucket", le="0.1") == 0
     assert value(m, "vllm:inter_token_latency_seconds_count") == 2
     assert value(m, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.08)
-    assert value(m, "vllm:time_per_output_token_seconds_count") == 2  # vLLM's older name, the same observations
-    assert value(m, "vllm:time_per_output_token_seconds_sum") == pytest.approx(0.08)
 
     m.observe_finished(2.2, 7, 11, "stop", ttft_s=0.2)  # (2.2 - 0.2) / 10 = 0.2 s per output token
     assert value(m, "vllm:e2e_request_latency_seconds_count") == 1
@@ -289,7 +287,8 @@ def test_request_gauges_are_set_without_engine_stats() -> None:
     assert value(m, "vllm:num_requests_waiting") == 5
 
 
-# vLLM v1's series (vllm/v1/metrics/loggers.py): type, extra labels beyond model_name and engine, buckets.
+# vLLM 0.26's series (vllm/v1/metrics/loggers.py): type, extra labels beyond model_name and engine, buckets. (No
+# vllm:time_per_output_token_seconds: 0.26 exports only its newer name, inter_token_latency_seconds.)
 TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
         80.0, 160.0, 640.0, 2560.0]
 ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -308,7 +307,6 @@ VLLM: dict[str, tuple[str, tuple[str, ...], list[float] | None]] = {
     "vllm:request_success": ("counter", ("finished_reason",), None),
     "vllm:time_to_first_token_seconds": ("histogram", (), TTFT),
     "vllm:inter_token_latency_seconds": ("histogram", (), ITL),
-    "vllm:time_per_output_token_seconds": ("histogram", (), ITL),
     "vllm:request_time_per_output_token_seconds": ("histogram", (), ITL),
     "vllm:e2e_request_latency_seconds": ("histogram", (), LATENCY),
     "vllm:request_queue_time_seconds": ("histogram", (), LATENCY),

@@ -94,7 +94,7 @@ def test_each_engine_has_its_own_series(e: Engine) -> None:
     assert of(fams, "vllm:request_params_max_tokens_sum", e.index) == n * e.output
     assert of(fams, "vllm:request_max_num_generation_tokens_count", e.index) == n
     assert of(fams, "vllm:request_params_n_count", e.index) == n
-    for reason in ("stop", "length", "abort", "error"):
+    for reason in ("stop", "length", "abort", "error", "repetition"):
         assert of(fams, "vllm:request_success_total", e.index, finished_reason=reason) == (n if reason == e.reason
                                                                                             else 0)
     (info,) = [lab for _, lab, v in fams["vllm:cache_config_info"] if lab["engine"] == str(e.index) and v == 1]
@@ -113,6 +113,9 @@ def test_every_vllm_series_exists_for_every_engine_and_rapidserve_series_for_the
             assert all(v == 0 for _, _, v in samples), name
         else:
             assert name.startswith("rapidserve:") and all("engine" not in lab for _, lab, _ in samples), name
+    # vLLM 0.26 pre-creates request_success for every FinishReason (vllm/v1/engine/__init__.py), in its order
+    assert [(lab["engine"], lab["finished_reason"]) for _, lab, _ in fams["vllm:request_success"]] == [
+        (e, r) for e in "01" for r in ("stop", "length", "abort", "error", "repetition")]
     fams = parsed(two_engines())
     assert {lab["engine"]: lab["num_gpu_blocks"] for _, lab, _ in fams["vllm:cache_config_info"]} == {
         "0": "800", "1": "800"}  # the engines' sum on each, as vLLM 0.26

@@ -106,7 +106,7 @@ def test_a_client_gone_before_its_stream_begins_is_one_debug_line(monkeypatch: p
             async with s.get(url + "/metrics") as r:
                 done = {x.labels["finished_reason"]: x.value for fam in text_string_to_metric_families(await r.text())
                         for x in fam.samples if x.name == "vllm:request_success_total"}
-            assert done == {"stop": 0, "length": 0, "abort": 2, "error": 0}, done
+            assert done == {"stop": 0, "length": 0, "abort": 2, "error": 0, "repetition": 0}, done
 
     with caplog.at_level(logging.DEBUG):
         asyncio.run(asyncio.wait_for(main(), 20))

@@ -20,8 +20,10 @@ while the app runs, every log record is scrubbed of the API key and Authorizatio
 Failures never cut a connection or answer twice: an engine failure (a worker died) or the end of
 the shutdown grace (`end_all`) ends a stream with an OpenAI-style error event and `data: [DONE]`,
 and a non-stream request with 503 + Retry-After. Every engine request is counted once in
-`request_success_total`: its finish reason, `abort` (client gone, shutdown) or `error` (engine); a request
-refused with a 503 before it reached the engine, in `request_rejected_total` (server/metrics.py). The
+`request_success_total`, on its engine: its finish reason, `abort` (client gone, shutdown, a sibling sample's
+failure) or `error` (its engine failed it); with several engines one that never reached an engine on none
+(server/generation.py `_count`); a request refused with a 503 before it reached the engine, in
+`request_rejected_total` (server/metrics.py). The
 request gauges are the server's own counts of the choices in flight (`Choice.state`).
 
 `Server` is the route table; it composes the middleware (server/middleware.py: error mapping, the API key,

@@ -39,9 +39,8 @@ vLLM's series (see docs/operations.md for what to watch):
   ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt tokens looked up in the prefix
   cache, and found there), ``vllm:request_success_total{finished_reason}`` (stop, length; abort: the server
   aborted the engine request, its client having gone away, the server stopping, or a sibling sample on another
-  engine failing; error: its own engine failed it);
-* histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and its older name
-  ``vllm:time_per_output_token_seconds`` (the same observations, as vLLM still exposes both),
+  engine failing; error: its own engine failed it; repetition: pre-created at 0 as vLLM 0.26's, never counted);
+* histograms ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:request_time_per_output_token_seconds`` (per request: (e2e - ttft) / (output tokens - 1)),
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (arrival to the first prompt chunk
   queued on the device), ``vllm:request_prefill_time_seconds`` (first chunk queued to first token sampled),
@@ -49,6 +48,19 @@ vLLM's series (see docs/operations.md for what to watch):
   chunk queued to the end), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``,
   ``vllm:request_max_num_generation_tokens`` (per prompt: the most output tokens among its ``n`` samples),
   ``vllm:request_params_n`` (per prompt), ``vllm:request_params_max_tokens`` (per sample).
+
+Checked against vLLM 0.26's vllm/v1/metrics/loggers.py: its request_success has a child per FinishReason, pre-created
+(``repetition`` included: so here); it exports ``vllm:inter_token_latency_seconds`` only, the older
+``vllm:time_per_output_token_seconds`` being gone (not even behind --show-hidden-metrics-for-version: not exported
+here either). Aborts differ, deliberately: vLLM 0.26 counts none of the front end's aborts (a client gone:
+AsyncLLM.abort drops the request in OutputProcessor.abort_requests without stats, and EngineCore.abort_requests'
+Scheduler.finish_requests sends no output), so its ``abort`` counts only requests an engine core ended itself (a pause
+with mode "abort") and an aborted request is in none of its finished-request histograms; nor does it count requests
+failed by a dead engine (EngineDeadError), its ``error`` being a request-level failure the engine core reports.
+rapidserve counts every engine request the server aborts, and every one an engine failed, as a finished request
+(``abort``, ``error``) in all of them: the soak harness checks ``request_success{abort}`` against the aborts its
+clients made, and an error rate is what to alert on. Compare abort rates and e2e latency with a vLLM server with that
+in mind.
 """
 
 from __future__ import annotations
@@ -73,8 +85,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
-# Reasons pre-created at 0 so that rate() works before the first request of each kind finishes.
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# Reasons pre-created at 0 so that rate() works before the first request of each kind finishes: vLLM 0.26's
+# FinishReason, in its order (vllm/v1/engine/__init__.py; loggers.py pre-creates one child per reason and engine).
+# rapidserve never ends a request with "repetition" (repetition_detection is refused), but the series is there.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 # How the prefix cache's blocks are hashed for KV events (engine/kv_events.py): vLLM's default.
 PREFIX_CACHING_HASH_ALGO = "sha256"
 
@@ -146,8 +160,6 @@ class Metrics:
         spec: dict[str, tuple[str, str, tuple[float, ...] | None]] = {
             "ttft": ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
             "itl": ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-            "tpot_old": ("time_per_output_token_seconds", "Histogram of time per output token in seconds (the "
-                         "inter-token latency's older name).", ITL_BUCKETS),
             "tpot": ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per "
                      "request: (e2e - ttft) / (output tokens - 1).", ITL_BUCKETS),
             "e2e": ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", lat),
@@ -220,9 +232,7 @@ class Metrics:
 
     def observe_token(self, itl_s: float, engine: int = 0) -> None:
         """A later output token arrived `itl_s` seconds after the previous one of its request."""
-        s = self._of(engine).s
-        s["itl"].observe(itl_s)
-        s["tpot_old"].observe(itl_s)
+        self._of(engine).s["itl"].observe(itl_s)
 
     def observe_samples_done(self, output_tokens: list[int], n: int | None = None, engine: int = 0) -> None:
         """Every sample of one prompt (a parent request: a request of several prompts is several, as vLLM counts
