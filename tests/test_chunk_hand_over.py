@@ -58,7 +58,8 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     kv = [x for x in told if isinstance(x, m.KVReady)]
     assert [x.req_id for x in kv] == ["big"]  # the short prompt ran to its end in the first fused step
     bs = d.sched.blocks.block_size
-    # its fused chunks wrote 9 + 16 + 16 tokens' worth (16 + 16 + 9 of it); prefill starts at the last full block
+    # its fused chunks wrote 7 + 16 + 16 = 39 tokens (the first step's 16 less the short prompt's 9); prefill starts
+    # at the last full block (32)
     assert kv[0].cached_tokens == 0 and kv[0].computed_tokens == (16 - 9 + 16 + 16) // bs * bs > 0
     # counted once (Stats.num_hand_overs: /metrics' rapidserve:prompts_handed_over_total)
     assert d.sched.num_hand_overs == 1 and d.sched.stats("overallocated", 0).num_hand_overs == 1

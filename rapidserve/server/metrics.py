@@ -20,13 +20,13 @@ engine/async_llm.py): a request is an engine request, a prompt's sample, counted
 ``request_params_max_tokens``; ``request_params_n`` and ``request_max_num_generation_tokens`` are per prompt (vLLM's
 parent request, engine/parallel_sampling.py), observed when its last sample ends, on that sample's engine. A request
 that never reached an engine (the client left while a stream began; no engine running) is counted on none (with one
-engine: as an abort on engine 0, as before data parallelism). An engine that is not
-running (restarting, down) reports no KV usage (0) and keeps its counts. ``vllm:cache_config_info`` is one series
-per engine with the same labels, its ``num_gpu_blocks`` the sum of the engines' pools, as vLLM 0.26's
-(vllm/v1/engine/core_client.py `_apply_ready_response` adds each engine's count into the front end's one
-CacheConfig before the loggers exist), so a dashboard reading a vLLM server's capacity from it reads ours the same:
-exposed once every engine has reported its pool (never a partial sum), replaced when a restarted engine's pool
-differs; each engine's own pool is in its Stats (`kv_usage_perc` is per engine). An engine index outside
+engine: as an abort on engine 0, as before data parallelism). Under data parallelism an engine that is not running
+(restarting, down) reports no KV usage (0) and keeps its counts (one engine alone: its last Stats stand).
+``vllm:cache_config_info`` is one series per engine with the same labels, its ``num_gpu_blocks`` the sum of the
+engines' pools, as vLLM 0.26's (vllm/v1/engine/core_client.py `_apply_ready_response` adds each engine's count into
+the front end's one CacheConfig before the loggers exist), so a dashboard reading a vLLM server's capacity from it
+reads ours the same: exposed once every engine has reported its pool (never a partial sum), replaced when a restarted
+engine's pool differs; each engine's own pool is in its Stats (`kv_usage_perc` is per engine). An engine index outside
 0..N-1 is a ValueError.
 
 vLLM's series (see docs/operations.md for what to watch):

@@ -11,9 +11,10 @@ decode worker's handing it to prefill; part of the queue time) and ``rapidserve:
 (first token sampled to the server holding it: in rapid mode the route prefill -> decode -> router); gauge
 ``rapidserve:partition_info{config}`` (1, current only; under data parallelism the engines' configurations, distinct,
 joined by "+"); counters ``rapidserve:partition_steps_total{config}`` (decode steps launched in each compute partition
-configuration), ``rapidserve:partition_switches_total``, ``rapidserve:prompts_handed_over_total`` (prompts whose
-first chunks the decode worker computed in fused steps and whose rest a split step handed to the prefill worker:
-``--policy duet``'s hand-overs, engine/decode_scheduler.py `hand_over`), ``rapidserve:engine_restarts_total``,
+configuration), ``rapidserve:partition_switches_total``, ``rapidserve:prompts_handed_over_total`` (hand-overs of
+prompts whose first chunks the decode worker computed in fused steps and whose rest a split step handed to the
+prefill worker, a prompt preempted and chunked again counted again: ``--policy duet``'s, engine/decode_scheduler.py
+`hand_over`), ``rapidserve:engine_restarts_total``,
 ``rapidserve:engine_worker_deaths_total`` and ``rapidserve:request_rejected_total{reason}`` (HTTP requests refused
 with a 503 before reaching the engine, by the error code the client got: overloaded, engine_unavailable,
 server_shutting_down; they count no prompt tokens and are not in ``vllm:request_success_total``).
@@ -85,8 +86,8 @@ class OwnSeries:
         self._partition_switches = own("partition_switches", "Compute partition switches.")
         self._steps_seen: dict[str, int] = {}
         self._switches_seen = 0
-        self._hand_overs = own("prompts_handed_over", "Prompts whose first chunks the decode worker computed in fused "
-                               "steps and whose rest a split step handed to the prefill worker.")
+        self._hand_overs = own("prompts_handed_over", "Hand-overs of prompts whose first chunks the decode worker "
+                               "computed in fused steps and whose rest a split step handed to the prefill worker.")
         self._hand_overs_seen = 0
 
         def by_kind(name: str, doc: str) -> Counter:
