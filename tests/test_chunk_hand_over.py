@@ -26,14 +26,30 @@ from tests.test_step_shapes import MODEL, serve, workers
 LONG, BIG = 60, 120  # tokens the decoding request generates; the big prompt's length
 
 
-def fuse_then_split(k: int, state: ShapeState) -> StepShape:
+def fuse_then_split(k: int, state: ShapeState, split: str = OVERALLOCATED) -> StepShape:
     """Three fused steps of 16 prompt tokens (the short prompt, then the big one's first chunks), then splits only."""
-    return Fused(16) if k < 3 else Split(OVERALLOCATED, 48)
+    return Fused(16) if k < 3 else Split(split, 48)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(device: str,
+class Synced:
+    """A decode stream that only counts its synchronizes (the switch's): as a GPU's, it has landed what it ran."""
+
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+@pytest.mark.parametrize(("device", "synced"), [("cpu", False), ("cpu", True),
+                                               pytest.param("cuda", False, marks=pytest.mark.gpu)],
+                         ids=["cpu", "cpu, the switch to the split synchronizes", "cuda"])
+def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(device: str, synced: bool,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`synced`: two configurations (fused steps on the whole GPU, splits on split16) whose decode streams count
+    synchronizes, as a switch of configuration does on a GPU: the first split records the fused step in flight before
+    its admission and hands the prompt over in that split. Without a switch (one configuration), the first split finds
+    the last fused step in flight (launched one ahead) and the prompt goes at the next."""
     monkeypatch.setattr(test_worker_faults, "untimed", lambda msg: msg)  # the rings keep the first tokens' PhaseTimes
     llm = LLM(MODEL, dtype="float32", device=device, show_progress=False, max_model_len=512, num_kv_blocks=40,
               max_num_batched_tokens=48)
@@ -41,15 +57,23 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     want = [o.outputs[0].token_ids for o in llm.generate(
         [short, big], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (LONG, 4)],
         use_tqdm=False)]
-    policy = ScriptedPolicy(fuse_then_split)
-    d, p, io = workers(llm, policy, two_configs=False)
+    policy = ScriptedPolicy(lambda k, st: fuse_then_split(k, st, "split16" if synced else OVERALLOCATED))
+    d, p, io = workers(llm, policy, two_configs=synced)
+    streams = {name: Synced() for name in ("split16", OVERALLOCATED)}
+    if synced:
+        for name, s in streams.items():
+            d.backend._streams[(name, "decode")] = s  # type: ignore[union-attr]
+        monkeypatch.setattr(d, "step_stream", lambda: None)  # the steps themselves run on the CPU's current stream
     free0 = d.sched.blocks.num_free
     started: dict[str, float | None] = {}  # when decode queued each handed-over prompt's first chunk
+    at: dict[str, int] = {}  # the policy's decision whose split handed it over (the first split: decision 3)
     hand_over = d.sched.hand_over
 
     def spy() -> list[m.KVReady]:
         started.update((r.req_id, r.started) for r in d.sched.chunking)
-        return hand_over()
+        out = hand_over()
+        at.update((kv.req_id, len(policy.states) - 1) for kv in out)
+        return out
 
     monkeypatch.setattr(d.sched, "hand_over", spy)
     told = serve(d, p, io, [
@@ -61,6 +85,8 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     # its fused chunks wrote 7 + 16 + 16 = 39 tokens (the first step's 16 less the short prompt's 9); prefill starts
     # at the last full block (32)
     assert kv[0].cached_tokens == 0 and kv[0].computed_tokens == (16 - 9 + 16 + 16) // bs * bs > 0
+    assert at["big"] == (3 if synced else 4), at
+    assert not synced or streams[OVERALLOCATED].syncs >= 1  # the fused steps' stream, left for the split
     # counted once (Stats.num_hand_overs: /metrics' rapidserve:prompts_handed_over_total)
     assert d.sched.num_hand_overs == 1 and d.sched.stats("overallocated", 0).num_hand_overs == 1
     # the big prompt's first token came while the other request still decoded, not after it ended

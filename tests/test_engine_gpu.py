@@ -256,13 +256,13 @@ def test_duet_hands_a_prompt_chunked_in_decode_to_the_prefill_worker(forced_prof
     waits), then the step with P1's last 5 tokens, which samples its first token, and P2's first 59, which leaves P2
     chunking. At the next boundary P1 decodes and P2 is pending with the prefill worker idle: no fused chunk fits
     beside a decode, every split meets the SLO, so duet splits, and the split hands P2 to the prefill worker
-    (`DecodeScheduler.hand_over`: at the first split whose admission finds P2's last chunk recorded, the fused step
-    launched one ahead being recorded in the split's first step; P1 still decodes 64 tokens), which computes it from
-    its last full block (48) on, reading the K/V decode's chunk wrote in the other process. P2 need not reach decode
-    in P1's drain, only by the 15th fused turn: each of those turns plans and launches a forward of BUDGET tokens
-    (host work no GPU's speed removes) against the microseconds between the two sends. The step trace shows the
-    premise itself (the fused steps' chunks, the split after them), so a lost race would read as one, not as a
-    hand-over bug; tests/test_forced_switch.py runs this sequence on CPU through the real scheduler and policy."""
+    (`DecodeScheduler.hand_over`: the switch to the split synchronized the stream of the fused steps, so the last
+    one is recorded before the split's admission and P2 goes in that split; P1 still decodes 64 tokens), which
+    computes it from its last full block (48) on, reading the K/V decode's chunk wrote in the other process. P2 need
+    not reach decode in P1's drain, only by the 15th fused turn: each of those turns plans and launches a forward of
+    BUDGET tokens (host work no GPU's speed removes) against the microseconds between the two sends. The step trace
+    shows the premise itself (the fused steps' chunks, the split after them), so a lost race would read as one, not
+    as a hand-over bug; tests/test_forced_switch.py runs this sequence on CPU through the real scheduler and policy."""
     import torch
 
     rng = random.Random(7)

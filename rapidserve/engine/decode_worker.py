@@ -167,17 +167,31 @@ class DecodeWorker(StepCycle):
                                f"prefill worker (its workers: {self.policy.workers})")
         self.shape = shape
         target = self.fused_config if isinstance(shape, Fused) else shape.config
+        synced = False
         if target != self.config:
             last = getattr(self.policy, "last", None)  # a policy that explains its choice (DuetPolicy)
-            self._switch(target, f"{type(shape).__name__}: {last.reason}" if last is not None else type(shape).__name__)
+            synced = self._switch(target, f"{type(shape).__name__}: {last.reason}" if last is not None
+                                  else type(shape).__name__)
         elif self.has_prefill and self.partition.hint_due():  # drift: a new step estimate alone never blocks
             p = self.partition
             if self.io.to_prefill.try_send(m.SetPartition(p.current, p.hint_ms)):
                 p.sent_hint()
         if isinstance(shape, Split):
+            if synced and self.inflight and self.sched.chunking:
+                # the switch synchronized the stream the step in flight ran on: it has landed, so it is recorded now
+                # (no look at its event) and a prompt whose last chunk it computed goes to prefill in this split
+                self.step_guarded(self._record_synced)
             self.admit()
 
-    def _switch(self, target: str, why: str) -> None:
+    def _record_synced(self) -> bool:
+        """Record the steps in flight, known to have landed (their stream was synchronized), and publish them."""
+        self._complete_all()
+        self.step_landed_early()
+        return False
+
+    def _switch(self, target: str, why: str) -> bool:
+        """Decode onto `target`'s configuration; True when the stream the steps in flight ran on was synchronized
+        (a GPU's: they have landed)."""
         old = None
         if self.backend is not None:
             self.backend.stream(target, "decode")  # PartitionError naming the plan's configurations, if not one
@@ -193,6 +207,7 @@ class DecodeWorker(StepCycle):
         self.config = target
         if self.has_prefill:
             self.io.to_prefill.send(m.SetPartition(target, self.partition.sent_hint()))
+        return old is not None
 
     def admit(self) -> None:
         """Prompts to the prefill worker (a split step): those chunked here whose chunks have landed, then the
