@@ -100,6 +100,23 @@ def test_return_token_ids_and_continuous_usage_streamed(tok: Tokenizer) -> None:
     with_server(tok, check)
 
 
+def test_generate_streams_continuous_usage_in_meta_info(tok: Tokenizer) -> None:
+    """/generate's events are SGLang's {text, meta_info}: with stream_options.continuous_usage_stats each token's
+    event carries the counts so far in its meta_info, where its last (usage) event has them; they went top-level as
+    `usage`, an OpenAI chunk's place, in the same stream."""
+    prompt = tok.encode("hello there")
+
+    async def check(post: Post) -> None:
+        status, chunks = await post("/generate", {
+            "prompt": prompt, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        assert status == 200 and all("usage" not in c for c in chunks), chunks
+        assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 2, 3, 3]  # the last: the usage event
+        assert {c["meta_info"]["prompt_tokens"] for c in chunks} == {len(prompt)}
+
+    with_server(tok, check)
+
+
 def test_generate_answers_return_token_ids(tok: Tokenizer) -> None:
     """/generate takes return_token_ids (every endpoint's field): its answer carries the ids as completions' do,
     whole and streamed (the prompt's in the first event); it dropped them, answering text alone."""

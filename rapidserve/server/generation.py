@@ -255,7 +255,11 @@ class Generation:
 
         async def send(obj: dict[str, Any], c: Choice | None = None) -> None:
             if c is not None and req.continuous_usage:  # vLLM's continuous_usage_stats: the choice's usage so far
-                obj["usage"] = usage_dict(len(c.prompt_ids), len(c.token_ids))
+                counts = usage_dict(len(c.prompt_ids), len(c.token_ids))
+                if req.kind == "generate":  # /generate's events carry their counts in meta_info (SGLang's shape),
+                    obj["meta_info"].update(counts)  # as its last event does (responses.usage_chunk)
+                else:
+                    obj["usage"] = counts
             async with lock:
                 await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
