@@ -7,7 +7,8 @@
 #   suite    bench/gpu_suite.sh: `pytest -m gpu` with FA3 found, so the engine tests run attention_backend
 #            auto = FA3 (SUITE_BUDGET_S, default 330; SUITE_ARGS replaces gpu_suite.sh's flags, e.g. on x2 the whole
 #            suite side by side: SUITE_ARGS="--spread --timeout-s 150". Without the stash, gpu_suite.sh alone skips
-#            the FA3 tests: 11 skipped at 2026-11-30, no FlashAttention-3 build found);
+#            the FA3 tests: 11 skipped at 2026-11-30, no FlashAttention-3 build found; TRITON_CACHE=DIR passes
+#            --triton-cache DIR on: Triton's cache seeded from and packed for the carried DIR, see gpu_suite.sh);
 #   runner   bench/model_runner.py --model preset:qwen3-8b (GEMM/copy ceilings, prefill and decode rates);
 #   profile  bench/step_profile.py: one prefill and one decode step by kernel category, Triton vs FA3;
 #   partition  `rapidserve profile` of preset:qwen3-8b on this GPU (the adaptive manager's table), then
@@ -62,7 +63,8 @@ if [[ $parts == *,kernels,* ]]; then
 fi
 if [[ $parts == *,suite,* ]]; then
     # shellcheck disable=SC2086  # SUITE_ARGS: words for gpu_suite.sh
-    OUT="$out" bash bench/gpu_suite.sh ${SUITE_ARGS:---repeat 1 --budget-s ${SUITE_BUDGET_S:-330} --timeout-s 200}
+    OUT="$out" bash bench/gpu_suite.sh ${TRITON_CACHE:+--triton-cache "$TRITON_CACHE"} \
+        ${SUITE_ARGS:---repeat 1 --budget-s ${SUITE_BUDGET_S:-330} --timeout-s 200}
     s=$?; status=$((status || s))
 fi
 if [[ $parts == *,runner,* ]]; then

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole `pytest -m gpu` suite on a GPU machine, in one call, optionally several times in a row.
 #
-#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [--part K/N | --spread] [-- extra pytest args]
+#   bench/gpu_suite.sh [--repeat N] [--budget-s S] [--timeout-s T] [--part K/N | --spread] [--triton-cache DIR]
+#                      [-- extra pytest args]
 #
 # - Installs the wheels carried in .whl/ (if any, and msgspec / posix_ipc are missing) into /tmp/site
 #   and puts it on PYTHONPATH (the lent GPU machines lack those two and reach no registry).
@@ -20,6 +21,25 @@
 # - Logs go to $OUT (when set) or bench/results/gpu_suite_logs/: gpu_suite_runN.log, and the summary
 #   as gpu_suite.md / gpu_suite.json (command, GPU, date, versions, per-run counts and failures).
 # - The summary table (run, passed, failed, skipped, seconds) is printed last.
+# - --triton-cache DIR (a repo-relative, git-ignored folder the session carries, e.g. .triton): Triton's kernel cache
+#   carried between sessions (each GPU machine starts bare, and half the suite's time was Triton compiling: the MoE
+#   files ~335 s of ~690 s of test time). TRITON_CACHE_DIR is set to a fresh folder under /tmp, seeded from DIR's
+#   triton_cache.tar.xz (or triton_cache.part00, .part01, ...) when there is one; after the runs, what loading needs
+#   (each kernel's metadata json, cubin and group file, Triton's gcc-built launcher .so; no IRs) of every entry the
+#   runs read or wrote goes to $OUT/triton_cache.tar.xz, or parts of <= 15 MiB (bench/triton_cache.py; --spread: the
+#   parts and the two-GPU run share the one cache). Its line ("triton cache: N of M entries packed (R read from the
+#   seed, C compiled in this run): ...") comes after the table. Entries are keyed by the kernels' source (and line),
+#   Triton's own build, ptxas and the arch (90), so a cache from an older commit only misses, never loads a stale
+#   kernel. The archive lies at $OUT's top level: of more than 8 files (--spread leaves 14) the device brought the
+#   top-level ones back first in an earlier call; check the call's files_left_out all the same.
+#   First session:  run(command="bash bench/gpu_suite.sh --spread --triton-cache .triton", carry=[".whl"],
+#                   kind="nvidia-h200-x2"), then here:
+#                   mkdir -p .triton && cp /work/.device/N/triton_cache* .triton/ && echo /.triton/ >>.git/info/exclude
+#                   (N: the call's files folder; replace .triton/'s old archive files, never mix two packs' parts).
+#   Next sessions:  the same command with carry=[".whl", ".triton"]; copy the new archive over .triton/ again.
+#   Through fa3_check.sh: env TRITON_CACHE=.triton (run(command="TRITON_CACHE=.triton bash bench/fa3_check.sh", ...)).
+#   What it saves: compare the summaries' file_seconds (gpu_suite.json) of a run without and one with a seed.
+#   Without the flag nothing of this runs.
 # Exit status: 0 when every run passed with no failure or error, else 1.
 set -uo pipefail
 
@@ -29,6 +49,7 @@ budget=0
 per_test=300
 part=""
 spread=0
+tcache=""
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -37,8 +58,9 @@ while [ $# -gt 0 ]; do
         --timeout-s) per_test="$2"; shift 2 ;;
         --part) part="$2"; shift 2 ;;
         --spread) spread=1; shift ;;
+        --triton-cache) tcache="$2"; shift 2 ;;
         --) shift; extra=("$@"); break ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,43p' "$0"; exit 0 ;;
         *) echo "gpu_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -63,6 +85,27 @@ export PYTHONUNBUFFERED=1
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
 carried_wheels gpu_suite.sh || exit 2
+
+if [ -n "$tcache" ]; then  # Triton's cache, seeded from the carried archive (bench/triton_cache.py)
+    tcache_work="$(mktemp -d /tmp/triton_cache.XXXXXX)"
+    export TRITON_CACHE_DIR="$tcache_work/cache"
+    mkdir -p "$TRITON_CACHE_DIR"
+    if [ -d "$tcache" ] && compgen -G "$tcache/triton_cache.*" >/dev/null; then
+        "$py" bench/triton_cache.py unpack "$tcache" "$TRITON_CACHE_DIR" \
+            || echo "gpu_suite: the carried Triton cache in $tcache could not be read: starting without it"
+    else
+        echo "gpu_suite: no triton_cache.tar.xz nor triton_cache.partNN in $tcache: Triton compiles every kernel"
+    fi
+    tcache_since=$(date +%s)  # after the unpack, whose files' times lie in the past: pack tells what the runs read
+fi
+# pack_triton_cache: with --triton-cache, what loading needs of the entries read or written since the unpack into
+# $out/triton_cache.tar.xz (or .partNN), its line printed; the working cache removed
+pack_triton_cache() {
+    [ -n "$tcache" ] || return 0
+    "$py" bench/triton_cache.py pack "$TRITON_CACHE_DIR" "$out" --since "$tcache_since" 2>&1 \
+        || echo "gpu_suite: the Triton cache was not packed"
+    rm -rf "$tcache_work"
+}
 
 if [ "$spread" = 1 ]; then
     if [ -n "$part" ]; then
@@ -107,6 +150,7 @@ for r in rows:
         print(f"|   {f} | | | | | |")
 EOF2
     done
+    pack_triton_cache
     exit $status
 fi
 
@@ -193,4 +237,9 @@ sys.exit(0 if ok else 1)
 EOF
 status=$?
 rm -rf "$work"
+if [ -n "$tcache" ]; then
+    line="$(pack_triton_cache)"
+    echo "$line"
+    printf '\n%s\n' "$line" >>"$out/gpu_suite.md"
+fi
 exit $status
