@@ -133,7 +133,10 @@ def split_options(state: ShapeState, costs: StepCosts, corr: Correction, params:
                   tokens: int) -> dict[str, _Option]:
     """Per split configuration (decode on a share), its best prefill batch of at most `tokens` tokens (and of
     `params.prefill_batch_tokens`): the most prefill tokens/s (ties: the larger batch), with decode's step beside it
-    and the look-ahead k."""
+    and the look-ahead k. The batch's tokens/s counts its chunks' attention to their cached prefixes (the queue's
+    first `p` tokens: a prompt chunked here or a prefix-cache hit continues after one), as a fused chunk's is counted:
+    priced on one side only, a split looked faster than it is deep into long prompts and after long cached
+    conversations (`StepCosts.prefix_ms`)."""
     batch, context = len(state.decode_contexts), _mean(state.decode_contexts)
     tokens = min(tokens, params.prefill_batch_tokens or tokens)
     out: dict[str, _Option] = {}
@@ -142,6 +145,9 @@ def split_options(state: ShapeState, costs: StepCosts, corr: Correction, params:
             continue
         for p in _batch_sizes(tokens, min(params.min_chunk_tokens, tokens)):
             raw, tps = costs.split(c.name, batch, context, p)
+            extra = costs.prefix_ms(c.name, chunks(state.waiting, p))  # its chunks' attention to their prefixes
+            if extra and tps > 0:  # priced as the fused composition prices it (step_costs.py), on the split's share
+                tps = p / (p / tps + extra / 1e3)
             step = raw * corr.split_ratio(c.name)
             k = max(1, min(params.max_lookahead, math.ceil(1e3 * p / tps / step))) if step > 0 and tps > 0 else 1
             o = _Option(Split(c.name, p, k), raw, step, tps)

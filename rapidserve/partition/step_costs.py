@@ -31,8 +31,11 @@ One protocol, `StepCosts`, two implementations:
   W (Mistral-7B-v0.1, Gemma 3's local layers: `prefix_windows`) the pairs within W, at most W(W-1)/2 a chunk
   (`roofline.prefix_pairs`). On an H200, 2026-11-30, the
   Mooncake trace's fused steps (12K-token prompts in chunks after long prefixes) ran 1.08-1.22x their prediction
-  without it, 22-33% of their token gaps over the SLO. The online correction (partition/correction.py) absorbs
-  what steady bias remains.
+  without it, 22-33% of their token gaps over the SLO. The split's prefill batch pays the same pairs
+  (`prefix_ms`: the same rate and windows, on the configuration's prefill share, whole units over its prefill
+  units; in both models), which its tokens/s (a forward at prefix 0) leaves out: priced on the fused side alone,
+  a split looked faster than it is deep into long prompts and after long cached conversations. The online
+  correction (partition/correction.py) absorbs what steady bias remains.
 
 Tensor parallelism: every figure is one rank's, collectives included, as the existing models have it: the
 roofline's operators carry their collectives (`roofline.collective_ops`, `concurrent`'s `plus_collectives`),
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rapidserve.config import ModelConfig
-from rapidserve.partition.attention_costs import clipped_context_sums, prefix_pairs
+from rapidserve.partition.attention_costs import attention_windows, clipped_context_sums, prefix_pairs
 from rapidserve.partition.manager import beside_prefill_ms, forward_ms
 from rapidserve.partition.profile import OVERALLOCATED, Configuration, Entry, Profile
 from rapidserve.partition.profile_lookup import estimate
@@ -58,6 +61,7 @@ from rapidserve.partition.roofline import (
     concurrent,
     decode_step_ms,
     mixed_operators_summed,
+    prefix_pair_ms,
     step_seconds,
 )
 from rapidserve.quant_config import QuantizationConfig
@@ -88,6 +92,24 @@ class StepCosts(Protocol):
         """(decode step ms, prefill tokens/s) with decode on `config`'s decode share and the prefill worker
         running a batch of `prefill_tokens` tokens on the rest (overallocated: both on the whole GPU)."""
         ...
+
+    def prefix_ms(self, config: str, chunks: Sequence[Chunk]) -> float:
+        """What the prefill worker's batch of these chunks adds on `config`'s prefill share for their attention to
+        their cached prefixes, which `split`'s tokens/s (a forward at prefix 0) leaves out: the same pairs the fused
+        composition prices, at the same rate per pair, on the share's units (0 without a rate)."""
+        ...
+
+
+def _prefill_share(configs: Sequence[Configuration], name: str) -> float:
+    """The whole GPU's units over `name`'s prefill units (1 for overallocated): a share's slowdown on compute."""
+    c = _configuration(configs, name)
+    whole = max(x.prefill_units for x in configs)
+    return whole / c.prefill_units if c.prefill_units > 0 else 1.0
+
+
+def _windowed_pairs(chunks: Sequence[Chunk], windows: Sequence[tuple[int | None, float]]) -> float:
+    """The chunks' (query, key) pairs beyond their prefixes, weighted by the layers' attention windows."""
+    return sum(share * prefix_pairs(n, p, w) for n, p in chunks if p for w, share in windows)
 
 
 def _configuration(configs: Sequence[Configuration], name: str) -> Configuration:
@@ -132,6 +154,11 @@ class RooflineCosts:
                 self._memo.clear()
             hit = self._memo[key] = self._split(config, batch, key[2], prefill_tokens)
         return hit
+
+    def prefix_ms(self, config: str, chunks: Sequence[Chunk]) -> float:
+        pairs = _windowed_pairs(chunks, attention_windows(self.model_cfg))
+        return prefix_pair_ms(self.model_cfg, self.peaks, self.tp) * pairs * _prefill_share(self.configurations,
+                                                                                            config) if pairs else 0.0
 
     def _split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         c = _configuration(self.configurations, config)
@@ -187,8 +214,7 @@ class ProfileCosts:
             base = self._entry(whole, batch, 1, self.interpolate_fused).decode_ms_alone_p95
         else:
             alone = base = forward_ms(self.profile, whole)
-        prefix = self.prefix_pair_ms * sum(share * prefix_pairs(n, p, w) for n, p in chunks if p
-                                           for w, share in self.prefix_windows) if self.prefix_pair_ms else 0.0
+        prefix = self.prefix_pair_ms * _windowed_pairs(chunks, self.prefix_windows) if self.prefix_pair_ms else 0.0
         return alone + max(0.0, 1e3 * tokens / self.whole_prefill_tokens_per_s - base) + prefix
 
     def decode_alone_ms(self, config: str, batch: int, context: int) -> float:
@@ -197,3 +223,9 @@ class ProfileCosts:
     def split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         e = self._entry(config, batch, context)
         return beside_prefill_ms(e, prefill_tokens, forward_ms(self.profile, config)), e.prefill_tokens_per_s
+
+    def prefix_ms(self, config: str, chunks: Sequence[Chunk]) -> float:
+        if not self.prefix_pair_ms:
+            return 0.0
+        pairs = _windowed_pairs(chunks, self.prefix_windows)
+        return self.prefix_pair_ms * pairs * _prefill_share(self.configurations, config) if pairs else 0.0
