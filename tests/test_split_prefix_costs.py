@@ -5,8 +5,8 @@ The fused composition adds a chunk's (query, key) pairs beyond its prefix at `pr
 on one side only, duet saw a split as faster than a fused step deep into a long prompt or after a long cached
 conversation: with the committed H200 profile and H200 peaks, 8 decode rows at 12K and a prompt's last 3000 tokens
 after 8000 chunked, duet split (31.3K tok/s predicted) over a fused 1056-token chunk (23.5K); on the H200's Mooncake
-run (2026-11-30, 21:00 UTC) 97-99% of duet's steps were split. Now `StepCosts.prefix_ms` prices the same pairs on
-the split's prefill share and `split_options` counts them in its tokens/s."""
+run (2026-11-30, 21:00 UTC) 77-85% of duet's steps were split, about 1% fused. Now `StepCosts.prefix_ms` prices the
+same pairs on the split's prefill share and `split_options` counts them in its tokens/s."""
 
 from __future__ import annotations
 
