@@ -100,13 +100,6 @@ class StepCosts(Protocol):
         ...
 
 
-def _prefill_share(configs: Sequence[Configuration], name: str) -> float:
-    """The whole GPU's units over `name`'s prefill units (1 for overallocated): a share's slowdown on compute."""
-    c = _configuration(configs, name)
-    whole = max(x.prefill_units for x in configs)
-    return whole / c.prefill_units if c.prefill_units > 0 else 1.0
-
-
 def _windowed_pairs(chunks: Sequence[Chunk], windows: Sequence[tuple[int | None, float]]) -> float:
     """The chunks' (query, key) pairs beyond their prefixes, weighted by the layers' attention windows."""
     return sum(share * prefix_pairs(n, p, w) for n, p in chunks if p for w, share in windows)
@@ -133,6 +126,8 @@ class RooflineCosts:
     quant: QuantizationConfig | None = None  # the weights' (EngineConfig.quantization); None: float
     _memo: dict[tuple[str, int, int, int], tuple[float, float]] = field(default_factory=dict, compare=False,
                                                                        repr=False)
+    _pair_ms: float = field(init=False, compare=False, repr=False)  # roofline.prefix_pair_ms of the run
+    _windows: tuple[tuple[int | None, float], ...] = field(init=False, compare=False, repr=False)
 
     def fused_ms(self, contexts: Sequence[int], chunks: Sequence[Chunk]) -> float:
         ops = mixed_operators_summed(self.model_cfg, len(contexts), sum(contexts), chunks, tp=self.tp,
@@ -155,10 +150,17 @@ class RooflineCosts:
             hit = self._memo[key] = self._split(config, batch, key[2], prefill_tokens)
         return hit
 
+    def __post_init__(self) -> None:  # what prefix_ms reads each decision: fixed for the run
+        object.__setattr__(self, "_pair_ms", prefix_pair_ms(self.model_cfg, self.peaks, self.tp))
+        object.__setattr__(self, "_windows", attention_windows(self.model_cfg))
+
     def prefix_ms(self, config: str, chunks: Sequence[Chunk]) -> float:
-        pairs = _windowed_pairs(chunks, attention_windows(self.model_cfg))
-        return prefix_pair_ms(self.model_cfg, self.peaks, self.tp) * pairs * _prefill_share(self.configurations,
-                                                                                            config) if pairs else 0.0
+        pairs = _windowed_pairs(chunks, self._windows)
+        if not pairs:
+            return 0.0
+        c = _configuration(self.configurations, config)
+        units = self.peaks.num_compute_units
+        return self._pair_ms * pairs * units / (c.prefill_units if c.decode_units else units)
 
     def _split(self, config: str, batch: int, context: int, prefill_tokens: int) -> tuple[float, float]:
         c = _configuration(self.configurations, config)
@@ -228,4 +230,5 @@ class ProfileCosts:
         if not self.prefix_pair_ms:
             return 0.0
         pairs = _windowed_pairs(chunks, self.prefix_windows)
-        return self.prefix_pair_ms * pairs * _prefill_share(self.configurations, config) if pairs else 0.0
+        p = self.profile  # on the split's prefill share: whole units over its own (overallocated: all of them)
+        return self.prefix_pair_ms * pairs * p.num_compute_units / p.effective_prefill_units(config) if pairs else 0.0
