@@ -18,7 +18,7 @@ import pytest
 from rapidserve import LLM, SamplingParams
 from rapidserve.engine import messages as m
 from rapidserve.partition.profile import OVERALLOCATED
-from rapidserve.partition.shape import Fused, ShapeState, Split, StepShape
+from rapidserve.partition.shape import Fused, ShapeState, Split, StepShape, StepTiming
 from rapidserve.partition.step_policies import ScriptedPolicy
 from tests import test_worker_faults
 from tests.test_step_shapes import MODEL, serve, workers
@@ -64,6 +64,19 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
         for name, s in streams.items():
             d.backend._streams[(name, "decode")] = s  # type: ignore[union-attr]
         monkeypatch.setattr(d, "step_stream", lambda: None)  # the steps themselves run on the CPU's current stream
+    launches: list[tuple[str, str]] = []  # each landed step's shape and how it was launched (the step trace's)
+
+    class Trace:
+        def add(self, batch: object, context_sum: int, launch: str, timing: StepTiming, *rest: object) -> None:
+            launches.append((type(timing.shape).__name__, launch))
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    d.trace = Trace()  # type: ignore[assignment]
     free0 = d.sched.blocks.num_free
     started: dict[str, float | None] = {}  # when decode queued each handed-over prompt's first chunk
     at: dict[str, int] = {}  # the policy's decision whose split handed it over (the first split: decision 3)
@@ -87,6 +100,8 @@ def test_a_prompt_chunked_here_goes_to_prefill_at_a_split_while_decodes_run(devi
     assert kv[0].cached_tokens == 0 and kv[0].computed_tokens == (16 - 9 + 16 + 16) // bs * bs > 0
     assert at["big"] == (3 if synced else 4), at
     assert not synced or streams[OVERALLOCATED].syncs >= 1  # the fused steps' stream, left for the split
+    # the first split step: behind the last fused one, or, recorded before it at the switch, `landed` (not `idle`)
+    assert launches[3] == ("Split", "landed" if synced else "ahead"), launches[:5]
     # counted once (Stats.num_hand_overs: /metrics' rapidserve:prompts_handed_over_total)
     assert d.sched.num_hand_overs == 1 and d.sched.stats("overallocated", 0).num_hand_overs == 1
     # the big prompt's first token came while the other request still decoded, not after it ended

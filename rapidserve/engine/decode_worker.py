@@ -180,14 +180,8 @@ class DecodeWorker(StepCycle):
             if synced and self.inflight and self.sched.chunking:
                 # the switch synchronized the stream the step in flight ran on: it has landed, so it is recorded now
                 # (no look at its event) and a prompt whose last chunk it computed goes to prefill in this split
-                self.step_guarded(self._record_synced)
+                self.step_guarded(self.record_early)
             self.admit()
-
-    def _record_synced(self) -> bool:
-        """Record the steps in flight, known to have landed (their stream was synchronized), and publish them."""
-        self._complete_all()
-        self.step_landed_early()
-        return False
 
     def _switch(self, target: str, why: str) -> bool:
         """Decode onto `target`'s configuration; True when the stream the steps in flight ran on was synchronized

@@ -77,6 +77,7 @@ class StepCycle:
     _launching: StepBatch | None  # the batch being launched (a failure at launch blames its chunks)
     _out: list[m.TokenOut]  # landed tokens, for the owner to publish
     _landed: Landed | None = None  # the last step recorded (for the next one's gap and idle time)
+    _early: bool = False  # the owner recorded the step in flight before this step's turn (`record_early`)
     trace: StepTrace | None = None  # --step-trace: every landed step, a line each (engine/step_trace.py)
 
     # ---- hooks ----------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ class StepCycle:
         """Plan and launch this step, then record the one before it (or, waiting for each step, this one). A step in
         flight that has landed already is recorded first, and handed to the owner (`step_landed_early`), before this
         step is planned (module docstring: the order)."""
-        how = AHEAD
+        how = LANDED if self._early else AHEAD
+        self._early = False
         if self.inflight and self.inflight[-1].landed:
             self._complete_all()
             self.step_landed_early()
@@ -175,6 +177,14 @@ class StepCycle:
         while len(self.inflight) > (1 if self.ahead else 0):
             self._complete()
         return True
+
+    def record_early(self) -> bool:
+        """Record the steps in flight, which the owner knows have landed (it synchronized their stream), and hand them
+        over (`step_landed_early`); the next step's trace says `landed`, as `_step`'s own early record does."""
+        self._complete_all()
+        self.step_landed_early()
+        self._early = True
+        return False
 
     def _plan(self, hold: AbstractSet[str]) -> StepBatch | None:
         quiet = not self.inflight
