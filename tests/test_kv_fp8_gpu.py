@@ -164,8 +164,12 @@ def test_fa3_prefills_fp8_within_a_bound_of_bf16() -> None:
     exact = ref.prefill_attention(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.meta, 128**-0.5)
     err = (got.float() - exact).abs()
     # the cache's fp8 and the query's (FA3's fp8 forward quantizes q too): the CPU test of this glue measured
-    # max 0.07, mean 0.01 on unit-variance data
-    assert float(err.max()) < 0.15 and float(err.mean()) < 0.02, (float(err.max()), float(err.mean()))
+    # max 0.07, mean 0.01 on unit-variance data. FA3's fp8 forward also rounds the softmax probabilities to e4m3 for
+    # its P @ V (relative 2^-4 each), which the CPU test does not model: a row led by one key may be off by up to
+    # 2^-4 of that key's |v|, so the largest error is bounded by that on top of the glue's (the H200, 2026-11-30:
+    # max 0.216, mean 0.0042 against a bound 0.15 that left P out)
+    bound = 0.07 + 2**-4 * float(torch.cat([v.float().abs().flatten() for v in b.values]).max())
+    assert float(err.max()) < bound and float(err.mean()) < 0.02, (float(err.max()), bound, float(err.mean()))
     backend = get_attention_backend("fa3", CUDA, torch.float8_e4m3fn)
     assert "fp8" in backend.kv_note
     mixed = attend(backend, b.q, kc, vc, meta, 128**-0.5, ks, vs)
