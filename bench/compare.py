@@ -45,6 +45,13 @@ peak measured so far in the comparison on that workload (its own included; an ea
 every system one rate instead; probes above a system's own peak fail where their TTFT backlog grew, and
 `--search-above-peak-factor F` makes them F x longer (rapidserve/benchmark/sustain.py says why both).
 
+`--search-start-from REPORT.json[,...]` starts each system's search from its brackets in an earlier report (same
+label, same workload: bench/compare_prior.py); `--search-peak-from-prior` also reuses the closed-loop peak and median
+E2E that earlier search recorded instead of running the closed loop (where it recorded none, the closed loop runs and
+the log says why). A peak of another session may be 10-25% off this server's: it moves the start, the ceiling and
+which probes count as above the peak. Each frontier's `search` says where its peak came from ("peak_reused_from"),
+and so does its `search` column; a report with reused peaks continues and merges with one without.
+
 Every probe starts from an empty server, whose requests in flight ramp up over one request lifetime (Little's law), so
 it first sends a warm-up, the larger of `--search-discard` arrivals and those within 1.25 lifetimes (estimated from
 the search's own probes, the closed-loop run's before any), and counts only the arrivals released after the lifetime
@@ -149,7 +156,7 @@ from compare_args import (  # noqa: E402
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
 from compare_frontier import write_frontier_report  # noqa: E402
 from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
-from compare_prior import hints_text, load_hints  # noqa: E402
+from compare_prior import hints_text, load_searches, peak_for  # noqa: E402
 from compare_repeats import REPEATS  # noqa: E402
 from compare_search import RUN_ERRORS, repeats, system_search, workload_searches  # noqa: E402
 from compare_systems import (  # noqa: E402
@@ -303,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.search = search_config(a)
         for s in systems if a.search is not None else ():
             system_search(a.search, s)
-        a.search_hints = load_hints(a.search_start_from) if a.search_start_from else {}
+        a.search_hints, a.search_peaks = load_searches(a.search_start_from) if a.search_start_from else ({}, {})
         workloads = workload_list(a)
         meta = report_meta(a, workloads)
         prior = None if a.continue_from is None else load_prior(a.continue_from, meta)
@@ -333,7 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for w in workloads:
                 hints = a.search_hints.get((s.label, w.title))
                 print(f"{s.label} on {w.title}: " + (f"starts from its earlier brackets {hints_text(hints)}" if hints
-                                                     else "no earlier search: starts from its closed-loop peak"))
+                                                     else "no earlier brackets: starts from its closed-loop peak"))
+                if a.search_peak_from_prior:
+                    print(f"  {peak_for(a.search_peaks, s.label, w.title)[1]}")
         return 0
     os.makedirs(a.out, exist_ok=True)
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None
@@ -377,6 +386,9 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
             "mode": "goodput_search" if a.goodput_search else "sweep",
             **({"search_start_from": list(a.search_start_from)} if getattr(a, "search_start_from", None) else {}),
+            # not among the `search` settings (compare_continue.MATCH_NEWER): a report whose peaks were reused
+            # continues, and merges with, one whose were measured; each frontier's search says which it was
+            **({"search_peak_from_prior": True} if getattr(a, "search_peak_from_prior", False) else {}),
             "search": None if a.search is None else {**dataclasses.asdict(a.search),
                                                      **({"shared_ceiling": True} if a.search_shared_ceiling else {}),
                                                      **({REPEATS: repeats(a)} if repeats(a) > 1 else {})},

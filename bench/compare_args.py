@@ -160,7 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --goodput-search: start each system's search on each workload where its search in "
                         "these earlier compare.py reports ended (same system label, same workload): the ends of "
                         "each target's bracket are probed first, then bisected (bench/compare_prior.py); the "
-                        "closed-loop peak is still measured")
+                        "closed-loop peak is still measured (unless --search-peak-from-prior)")
+    p.add_argument("--search-peak-from-prior", action="store_true",
+                   help="with --search-start-from: where the earlier search of the same system on the same workload "
+                        "(the report its brackets come from) recorded a closed-loop peak, reuse that peak and its "
+                        "closed-loop median E2E (the first probe's lifetime estimate) instead of running the "
+                        "closed-loop probe (35-40 s a system on Mooncake's 64 prompts of 11K tokens); where it "
+                        "recorded none, the closed loop runs as without the flag and the log says why. The log and "
+                        "each search's report say the peak was reused and from which file (peak_reused_from). Risk: "
+                        "a peak measured in another session, even on another machine of the same kind, may differ "
+                        "by 10-25%%, which moves the search's start and ceiling (its own peak, or "
+                        "--search-shared-ceiling's highest) and which probes count as above the peak (judged by "
+                        "their TTFT backlog)")
     p.add_argument("--search-repeats", type=repeats_arg, default=None, metavar="N",
                    help="with --goodput-search: run each system's search on each workload N times against the same "
                         "server, each repetition with its own arrivals and prompts; the report gives each cell's "
@@ -282,6 +293,7 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
         search_flags += ["--search-shared-ceiling"] if shared else []
         search_flags += ["--search-repeats"] if getattr(a, "search_repeats", None) is not None else []
         search_flags += ["--search-start-from"] if getattr(a, "search_start_from", None) is not None else []
+        search_flags += ["--search-peak-from-prior"] if getattr(a, "search_peak_from_prior", False) else []
         if search_flags:
             raise ValueError(f"{', '.join(search_flags)} only apply with --goodput-search")
         return None
@@ -295,6 +307,13 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
     if shared and cfg.start_rate is not None:
         raise ValueError("--search-shared-ceiling needs each system's closed-loop peak, which --search-start-rate "
                          "skips measuring: drop one of them")
+    if getattr(a, "search_peak_from_prior", False):
+        if getattr(a, "search_start_from", None) is None:
+            raise ValueError("--search-peak-from-prior reuses the closed-loop peaks of --search-start-from's "
+                             "reports: give --search-start-from REPORT.json[,...] too")
+        if cfg.start_rate is not None:
+            raise ValueError("--search-peak-from-prior reuses each system's closed-loop peak to start its search "
+                             "from, and --search-start-rate starts every search without one: drop one of them")
     if cfg.max_probes >= SALT_STRIDE:
         raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
                          "salted apart within a workload's stride)")

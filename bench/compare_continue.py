@@ -5,7 +5,10 @@ The earlier report (<name>.json) must describe the same comparison: the same mod
 and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions, and the same mode (a sweep
 or --goodput-search) with the same search settings (--search-repeats among them: a report of medians over N
 repetitions continues only with N); anything else is refused with what differs. A goodput search's
-report carries its systems' frontiers on as a sweep's carries its rows.
+report carries its systems' frontiers on as a sweep's carries its rows. Where the searches started
+(--search-start-from's brackets) and whether their closed-loop peaks were reused (--search-peak-from-prior) are not
+matched (the report's top-level "search_start_from" and "search_peak_from_prior", not its `search` settings): they
+change how a search starts, not what it measures, and each frontier's own `search` records them.
 Its systems that produced rows are kept as they are (their rows and sweeps come first in
 the new report, and each keeps the file it ran in under "report"); its systems that did not run (skipped, not
 started, interrupted) may run now under the same label, and their old entries are dropped. The earlier run's

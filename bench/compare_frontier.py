@@ -22,7 +22,9 @@ A search whose ceiling lay above its own closed-loop peak (--search-max-rate, or
 highest peak among the comparison's systems so far, bench/compare_peak.py) says so in its `search` column: the
 ceiling, whose peak it was, and how many of its probes ran above its own peak (longer, with
 --search-above-peak-factor) and how many of those failed on a growing TTFT backlog (rapidserve/benchmark/sustain.py).
-A cell `>= X` is always X = that search's own ceiling, the highest rate it probed.
+A cell `>= X` is always X = that search's own ceiling, the highest rate it probed. A search whose closed-loop peak
+was reused from an earlier report (--search-peak-from-prior, bench/compare_prior.py) says so there too, and from
+which file.
 
 Every probe's warm-up follows the ramp rule (rapidserve/benchmark/sustain.py: the larger of --search-discard
 arrivals and those within 1.25 request lifetimes, so that the counted requests meet the server at its steady load);
@@ -141,6 +143,16 @@ def ceiling_note(f: Mapping[str, Any]) -> str:
     each = f" ({', '.join(str(n) for n in arrivals)} arrivals each)" if arrivals else ""
     return (f"ceiling {float(top):g} req/s ({whose}) above its own peak {float(peak):.3g}: {len(above)} probe(s) "
             f"above it{each}, backlog grew in {grew}")
+
+
+def peak_note(f: Mapping[str, Any]) -> str:
+    """Where a search's closed-loop peak was reused from an earlier report instead of measured
+    (--search-peak-from-prior): 'closed-loop peak 1.67 reused from trace_mooncake.json'; else ''."""
+    s = f.get("search") or {}
+    src, peak = s.get("peak_reused_from"), s.get("peak_request_throughput")
+    if not src:
+        return ""
+    return f"closed-loop peak {float(peak):.3g} reused from {os.path.basename(str(src))}"
 
 
 def ramp_note(f: Mapping[str, Any]) -> str:
@@ -283,7 +295,8 @@ def _search_cell(f: Mapping[str, Any]) -> str:
                           for k, label in f["parts"].items())
         return f"composite of {parts}; {done}"
     only = f["search"]["settings"].get("only_bounds")
-    note = "; ".join(x for x in (ceiling_note(f), ramp_note(f)) if x) if REPEATS not in f else repeats_note(f)
+    note = ("; ".join(x for x in (peak_note(f), ceiling_note(f), ramp_note(f)) if x) if REPEATS not in f
+            else repeats_note(f))
     done = done if not note else f"{note}; {done}"
     return done if only is None else f"searched at {', '.join(bound_label(b) for b in only)} only; {done}"
 

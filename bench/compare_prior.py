@@ -8,22 +8,50 @@ probes that bracket's ends first (rapidserve/benchmark/goodput.py `next_step`'s 
 Nothing else changes: the closed-loop peak is still measured (the probes above it are still judged by their
 backlog), and a hint that no longer holds (the frontier moved between sessions) costs what it costs, no more.
 
+`--search-peak-from-prior` (with --search-start-from) also reuses the closed-loop peak the same earlier search recorded
+(its "search"'s "peak_request_throughput") and its closed-loop median E2E ("peak_lifetime_s", the first probe's
+lifetime estimate; a report without it: none, the first probe estimates its own as with --search-start-rate), so the
+search runs no closed loop (35-40 s a system on Mooncake's 64 prompts of 11K tokens at once): `load_searches`' peaks,
+`peak_for`. A repeated report's (--search-repeats) peak is the median of its repetitions', and so is its lifetime. A
+peak measured in another session, even on a machine of the same kind, may be 10-25% off this server's today, and it
+sets the search's start, its ceiling (by default) and which probes count as above the peak (judged by their TTFT
+backlog): the search's result records where it came from ("peak_reused_from", "peak_measured_in": where an earlier
+search had reused it in turn, the report that measured it). Where the reports have no search of that system on that
+workload, or it recorded no peak (it started from --search-start-rate), the closed loop runs as without the flag and
+the log says why (the result's "peak_not_reused").
+
 Pure (tested on CPU): the reports are read into {(system label, workload title): hints}, each hint (bound, share,
 lo, hi) with the earlier entry's ends as rapidserve/benchmark/results.py's entries hold them (`lo` None where
 nothing passed; `hi` None where the ceiling passed); entries not searched are left out. A repeated report's medians
-give their own ends.
+give their own ends. Their peaks: {(system label, workload title): PriorPeak} for every earlier search, a later
+report's replacing an earlier one's, as the hints are.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from rapidserve.benchmark.goodput import NOT_SEARCHED, bound_key
+from rapidserve.benchmark.search_run import KnownPeak
 
 Hint = tuple[float | None, float, float | None, float | None]  # (bound ms or None: unbounded, share, lo, hi)
 Hints = dict[tuple[str, str], tuple[Hint, ...]]
+PEAK_FLAG = "--search-peak-from-prior"
+
+
+class PriorPeak(NamedTuple):
+    """An earlier search's closed-loop peak: the report it was read from, and the peak (None: that search recorded
+    none, e.g. it started from --search-start-rate)."""
+
+    source: str
+    peak: KnownPeak | None
+
+
+Peaks = dict[tuple[str, str], PriorPeak]
 
 
 def entry_hint(e: Mapping[str, Any]) -> Hint | None:
@@ -60,22 +88,73 @@ def report_hints(report: Mapping[str, Any], source: str) -> Hints:
     return out
 
 
-def load_hints(paths: Iterable[str]) -> Hints:
-    """The hints of every report in `paths`, a later report's replacing an earlier one's for the same system and
-    workload; ValueError naming the file that cannot be read."""
-    out: Hints = {}
+def frontier_peak(f: Mapping[str, Any], source: str) -> KnownPeak | None:
+    """The closed-loop peak and lifetime an earlier frontier's search recorded (a repeated one's: the medians of its
+    repetitions'), None where it recorded no peak; ValueError naming `source` where a recorded value is no number."""
+    reps = f.get("repeats")
+    runs = [r.get("search") or {} for r in (reps if isinstance(reps, list) else [f]) if isinstance(r, Mapping)]
+    try:
+        peaks = [float(s["peak_request_throughput"]) for s in runs if s.get("peak_request_throughput") is not None]
+        lives = [float(s["peak_lifetime_s"]) for s in runs if s.get("peak_lifetime_s") is not None]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--search-start-from {source}: {f.get('label')} on {f.get('title')}: a closed-loop peak or "
+                         f"lifetime that is no number ({err})") from None
+    peaks = [p for p in peaks if p > 0 and math.isfinite(p)]
+    lives = [x for x in lives if x > 0 and math.isfinite(x)]
+    if not peaks:
+        return None
+    measured = next((str(s["peak_measured_in"]) for s in runs if s.get("peak_measured_in")), source)
+    return KnownPeak(statistics.median(peaks), statistics.median(lives) if lives else None, source, measured)
+
+
+def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:
+    """{(label, title): PriorPeak} of every frontier of one report (report_hints has checked its shape)."""
+    return {(str(f["label"]), str(f["title"])): PriorPeak(source, frontier_peak(f, source))
+            for f in report["frontiers"]}
+
+
+def read_report(path: str) -> dict[str, Any]:
+    """The JSON object at `path`; ValueError naming the file that cannot be read."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--search-start-from {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--search-start-from {path}: not JSON ({e})") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"--search-start-from {path}: not a compare.py goodput-search report (no frontiers)")
+    return report
+
+
+def load_searches(paths: Iterable[str]) -> tuple[Hints, Peaks]:
+    """The hints and the closed-loop peaks of every report in `paths`, each a later report's replacing an earlier
+    one's for the same system and workload; ValueError naming the file that cannot be read."""
+    hints: Hints = {}
+    peaks: Peaks = {}
     for path in paths:
-        try:
-            with open(path) as f:
-                report = json.load(f)
-        except OSError as e:
-            raise ValueError(f"--search-start-from {path}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--search-start-from {path}: not JSON ({e})") from None
-        if not isinstance(report, dict):
-            raise ValueError(f"--search-start-from {path}: not a compare.py goodput-search report (no frontiers)")
-        out.update(report_hints(report, path))
-    return out
+        report = read_report(path)
+        hints.update(report_hints(report, path))
+        peaks.update(report_peaks(report, path))
+    return hints, peaks
+
+
+def load_hints(paths: Iterable[str]) -> Hints:
+    """The hints of every report in `paths` (load_searches')."""
+    return load_searches(paths)[0]
+
+
+def peak_for(peaks: Peaks, label: str, title: str) -> tuple[KnownPeak | None, str]:
+    """(the peak a search of `label` on workload `title` reuses, None where there is none; what the log says: where
+    it came from, or why the closed loop runs)."""
+    prior = peaks.get((label, title))
+    if prior is None:
+        return None, (f"no earlier search of {label} on {title} in --search-start-from's reports: its closed-loop "
+                      f"peak is measured ({PEAK_FLAG} has none to reuse)")
+    if prior.peak is None:
+        return None, (f"its earlier search in {prior.source} recorded no closed-loop peak (--search-start-rate): its "
+                      f"closed-loop peak is measured ({PEAK_FLAG} has none to reuse)")
+    return prior.peak, f"closed-loop peak {prior.peak.describe()}: no closed loop runs"
 
 
 def paths_arg(text: str) -> tuple[str, ...]:

@@ -29,14 +29,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_args import Workload, bench_config, repeat_salt  # noqa: E402
 from compare_frontier import search_deadline, startup_reserve  # noqa: E402
 from compare_peak import highest_peak  # noqa: E402
+from compare_prior import peak_for  # noqa: E402
 from compare_repeats import REPEATS, flatten  # noqa: E402
 from compare_systems import System  # noqa: E402
 
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.goodput_report import write_search_outputs  # noqa: E402
 from rapidserve.benchmark.results import bound_label  # noqa: E402
+from rapidserve.benchmark.runner import say  # noqa: E402
 from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
-from rapidserve.benchmark.search_run import run_goodput_search  # noqa: E402
+from rapidserve.benchmark.search_run import KnownPeak, run_goodput_search  # noqa: E402
 
 # what a search (or a sweep) may raise that ends the workload's runs on that system, not the comparison
 RUN_ERRORS = (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError)
@@ -61,17 +63,27 @@ def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: i
     """One workload's goodput search against the server at `url`, its probes salted from `salt`. With
     --search-shared-ceiling its ceiling is at least the highest closed-loop peak among `peers` (the searches so far,
     each repetition of a repeated one); with --search-start-from it starts from this system's earlier brackets on
-    this workload."""
+    this workload, and with --search-peak-from-prior from that search's closed-loop peak too (no closed loop; each
+    repetition alike), where it recorded one (else the closed loop runs, the log and the result's
+    "peak_not_reused" saying why)."""
     cfg = bench_config(a, w.argv, base_url=url, label=system.label)
     shared = highest_peak(flatten(peers), w.title) if getattr(a, "search_shared_ceiling", False) else None
     scfg = system_search(a.search, system)
     hints = getattr(a, "search_hints", {}).get((system.label, w.title))  # --search-start-from: compare_prior.py
     if hints:
         scfg = dataclasses.replace(scfg, hints=hints)
-    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), scfg,
-                                         deadline=deadline, shared_peak=shared[0] if shared else None))
+    known: KnownPeak | None = None
+    why: str | None = None
+    if getattr(a, "search_peak_from_prior", False):
+        known, why = peak_for(getattr(a, "search_peaks", {}), system.label, w.title)
+        if known is None:
+            say(cfg, f"{system.label} on {w.title}: {why}")
+    res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), scfg, deadline=deadline,
+                                         shared_peak=shared[0] if shared else None, known_peak=known))
     if shared is not None:
         res["search"]["shared_peak_system"] = shared[1]
+    if why is not None and known is None:
+        res["search"]["peak_not_reused"] = why
     return res
 
 

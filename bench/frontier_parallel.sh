@@ -47,8 +47,9 @@
 # table's own ratios divide by; default: the composite row where duet@B ran, else rapidserve), KIND_GPUS (--plan: the
 # machine's GPUs), NGPU (the GPUs to use, default all nvidia-smi lists), PIN_CPUS / TOPO_FILE (each group on its GPUs'
 # NUMA cores: bench/cpu_slots.py). SEARCH_ARGS="... --search-repeats N" runs
-# every search N times (the table's cells: medians with their spread); the plan counts every repetition. A trace
-# (TRACE_WORKLOADS): give it a window larger than a probe (--num-prompts 256 there) and a probe's arrivals in
+# every search N times (the table's cells: medians with their spread); the plan counts every repetition.
+# SEARCH_ARGS="--search-start-from R.json --search-peak-from-prior": R's brackets and peaks, no closed loop (compare.py).
+# A trace (TRACE_WORKLOADS): give it a window larger than a probe (--num-prompts 256 there) and a probe's arrivals in
 # SEARCH_ARGS (--search-trace-probe 64): warm-ups and probes above the peak draw further requests from the window,
 # and one the window cuts above the peak fails (2026-11-30: a 64-request window let vLLM pass 1.7x its peak). Further
 # arguments go to each group's vs_vllm.sh and on to compare.py (`--dry-run` prints each group's server commands).

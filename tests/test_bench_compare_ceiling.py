@@ -42,7 +42,8 @@ def test_highest_peak(searches: list[dict[str, Any]], title: str, want: tuple[fl
 def test_each_search_is_given_the_highest_peak_of_the_searches_before_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: list[float | None] = []
 
-    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None) -> dict[str, Any]:
+    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None,
+                   known_peak: Any = None) -> dict[str, Any]:
         seen.append(shared_peak)
         return {"search": {"peak_request_throughput": 3.0}}
 

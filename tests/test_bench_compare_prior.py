@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,7 +70,8 @@ def test_reports_read_into_hints_by_system_and_workload(tmp_path) -> None:  # ty
 def test_each_search_starts_from_its_own_systems_earlier_brackets(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: list[Any] = []
 
-    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None) -> dict[str, Any]:
+    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None,
+                   known_peak: Any = None) -> dict[str, Any]:
         seen.append(scfg.hints)
         return {"search": {"peak_request_throughput": 3.0}}
 
@@ -125,3 +127,178 @@ def test_a_cpu_server_searched_again_from_its_earlier_report_with_a_ttft_probe(t
     assert s["settings"]["hints"] is not None and s["settings"]["ttft_rate"] == 0.777
     md = (tmp_path / "second.md").read_text()
     assert "TTFT at 0.777 req/s" in md and "| wide | 0.777 |" in md
+
+
+# ---------------------------------------------------------------- --search-peak-from-prior: the earlier closed loop
+
+
+def fr(label: str, peak: float | None, life: float | None = None, **search: Any) -> dict[str, Any]:
+    """A frontier of workload 'fixed 24:4' whose search recorded `peak` and `life`."""
+    return {"label": label, "title": "fixed 24:4", "goodput": [e(None, 10.0, 20.0, UNFINISHED)],
+            "search": {"peak_request_throughput": peak, "peak_lifetime_s": life, **search}}
+
+
+@pytest.mark.parametrize("frontier,want", [
+    (fr("a", 40.0, 0.5), (40.0, 0.5, "r.json")),
+    (fr("a", 40.0), (40.0, None, "r.json")),  # a report from before the lifetime was recorded: the peak alone
+    (fr("a", None, 0.5), None),  # started from --search-start-rate: no peak
+    (fr("a", 0.0), None),
+    (fr("a", 40.0, 0.5, peak_reused_from="old.json", peak_measured_in="first.json"), (40.0, 0.5, "first.json")),
+    # a repeated search (--search-repeats): the medians of its repetitions'
+    ({"label": "a", "title": "fixed 24:4", "goodput": [], "search": {"repeats": 3},
+      "repeats": [fr("a", 30.0, 0.4), fr("a", 50.0), fr("a", 40.0, 0.6)]}, (40.0, 0.5, "r.json")),
+])
+def test_frontier_peak(frontier: dict[str, Any], want: tuple[float, float | None, str] | None) -> None:
+    got = prior.frontier_peak(frontier, "r.json")
+    assert (got if got is None else (got.request_throughput, got.lifetime_s, got.measured_in)) == want
+    assert got is None or got.source == "r.json"
+
+
+def test_peaks_are_read_with_the_hints_and_say_why_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"frontiers": [fr("x", 8.0, 2.0), fr("y", 9.0)]}))
+    b.write_text(json.dumps({"frontiers": [fr("x", None)]}))  # later: x started from a rate there
+    hints, peaks = prior.load_searches([str(a), str(b)])
+    assert set(hints) == set(peaks) == {("x", "fixed 24:4"), ("y", "fixed 24:4")}
+    cases = [("y", "9.00 req/s, no median E2E recorded, reused from " + str(a)),
+             ("x", f"its earlier search in {b} recorded no closed-loop peak (--search-start-rate)"),
+             ("z", "no earlier search of z on fixed 24:4 in --search-start-from's reports")]
+    for label, says in cases:
+        known, why = prior.peak_for(peaks, label, "fixed 24:4")
+        assert (known is not None) == (label == "y") and says in why
+    assert prior.load_searches([str(a)])[1][("x", "fixed 24:4")].peak.lifetime_s == 2.0  # type: ignore[union-attr]
+    a.write_text(json.dumps({"frontiers": [fr("x", "fast")]}))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"--search-start-from {a}: x on fixed 24:4: a closed-loop peak"):
+        prior.load_searches([str(a)])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--search-peak-from-prior"], "--search-peak-from-prior only apply with --goodput-search"),
+    (["--goodput-search", "--search-peak-from-prior"],
+     "--search-peak-from-prior reuses the closed-loop peaks of --search-start-from's reports: give "
+     "--search-start-from REPORT.json[,...] too"),
+    (["--goodput-search", "--search-peak-from-prior", "--search-start-from", "x.json", "--search-start-rate", "2"],
+     "--search-peak-from-prior reuses each system's closed-loop peak to start its search from, and "
+     "--search-start-rate starts every search without one: drop one of them"),
+])
+def test_peak_from_prior_flag_errors(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        compare.main(["--dry-run", "--systems", "rapidserve", *argv])
+    assert ei.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_each_search_and_repetition_is_given_its_own_prior_peak(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """compare_search hands run_goodput_search the system's earlier peak (every repetition alike) or, where there is
+    none, no peak and the result says why; without the flag, none. With --search-shared-ceiling a reused peak counts
+    among the peers' as a measured one."""
+    seen: list[tuple[Any, Any]] = []
+
+    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None,
+                   known_peak: Any = None) -> dict[str, Any]:
+        seen.append((known_peak, shared_peak))
+        return {"label": cfg.label, "workload": {}, "search": {
+            "peak_request_throughput": known_peak.request_throughput if known_peak else 3.0}}
+
+    monkeypatch.setattr(searching, "run_goodput_search", fake)
+    monkeypatch.setattr(searching, "write_search_outputs", lambda res, d, name, plot: ({"json": f"{name}.json"}, None))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"frontiers": [fr("rapidserve", 8.0, 2.0)]}))
+    base = ["--goodput-search", "--workloads", "24:4", "--search-start-from", str(path), "--out", str(tmp_path)]
+    for flags, want in (([], [None, None]), (["--search-peak-from-prior"], [8.0, 8.0])):
+        seen.clear()
+        a = compare.build_parser().parse_args([*base, "--search-repeats", "2", *flags])
+        a.search = compare.search_config(a)
+        a.search_hints, a.search_peaks = prior.load_searches(a.search_start_from)
+        (w,) = compare.workload_list(a)
+        results: list[dict[str, Any]] = []
+        for label in ("rapidserve", "other"):
+            system = compare.parse_systems(label, [], search=True)[0] if label == "rapidserve" else \
+                compare.parse_systems("", [f"{label}="], search=True)[0]
+            assert searching.workload_searches(a, system, "http://h:1", w, 0, 1, None, [], {}, results) is None
+        assert [k.request_throughput if k else None for k, _ in seen[:2]] == want  # each repetition
+        assert [k for k, _ in seen[2:]] == [None, None]  # `other`: none earlier
+        other = results[1]["repeats"]
+        assert all(("peak_not_reused" in r["search"]) == bool(flags) for r in other)
+        if flags:
+            assert "no earlier search of other on fixed 24:4" in other[0]["search"]["peak_not_reused"]
+    seen.clear()
+    a = compare.build_parser().parse_args([*base, "--search-peak-from-prior", "--search-shared-ceiling"])
+    a.search = compare.search_config(a)
+    a.search_hints, a.search_peaks = prior.load_searches(a.search_start_from)
+    (w,) = compare.workload_list(a)
+    peer = {"label": "rapidserve", "title": w.title, "search": {"peak_request_throughput": 8.0,
+                                                                "peak_reused_from": str(path)}}
+    searching.search(a, w, "http://h:1", compare.parse_systems("", ["other="], search=True)[0], 0, None, [peer])
+    assert seen == [(None, 8.0)]
+
+
+class FastThread:
+    """test_bench_trace_run's fake server (every completion answered at once; the bodies recorded) on a thread of its
+    own, for compare.main, whose searches run their own event loops."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        from aiohttp import web
+        from test_bench_trace_run import Fast
+
+        self.fake, self.loop = Fast(8192), asyncio.new_event_loop()
+        self.runner = web.AppRunner(self.fake.app())
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def test_a_search_with_a_prior_peak_runs_no_closed_loop(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Two fake servers: `a`, whose earlier search recorded a peak, gets no closed-loop burst (its server sees the
+    warm-up and the probes' requests alone) and its search starts and stops at that peak; `b`, absent from the earlier
+    report, runs its closed loop as without the flag, and the log and its result say why. The report records the
+    reuse (JSON, markdown) and continues a report without the flag."""
+    servers = [FastThread(), FastThread()]
+    try:
+        path = tmp_path / "prior.json"
+        path.write_text(json.dumps({"frontiers": [fr("a", 40.0, 0.05)]}))
+        argv = ["--goodput-search", "--systems", "", "--system", f"a=ext:{servers[0].url}", "--system",
+                f"b=ext:{servers[1].url}", "--workloads", "24:4", "--num-prompts", "10", "--search-discard", "2",
+                "--search-max-probes", "2", "--search-tolerance", "0.5", "--search-itl-bounds-ms", "1000",
+                "--search-shares", "0.9", "--search-only-bounds", "none", "--warmup", "1", "--out", str(tmp_path),
+                "--name", "second", "--search-start-from", str(path)]
+        assert compare.main([*argv, "--search-peak-from-prior"]) == 0
+        log = capsys.readouterr().out
+        report = json.loads((tmp_path / "second.json").read_text())
+        fa, fb = report["frontiers"]
+        runs = [json.loads(Path(f["path"]).read_text()) for f in (fa, fb)]
+        sent = [sum(len(p["requests"]) for p in r["probes"]) for r in runs]
+        assert len(servers[0].fake.bodies) == 1 + sent[0]  # the warm-up, then the probes: no closed loop
+        assert len(servers[1].fake.bodies) == 1 + 10 + sent[1]  # b: its closed loop of 10 at once
+        s = fa["search"]
+        assert (s["peak_request_throughput"], s["peak_lifetime_s"], s["start_rate"], s["max_rate"]) == (
+            40.0, 0.05, 20.0, 40.0)
+        assert s["peak_reused_from"] == s["peak_measured_in"] == str(path) and runs[0]["peak"] is None
+        assert "peak_reused_from" not in fb["search"] and runs[1]["peak"] is not None
+        assert "no earlier search of b on fixed 24:4" in fb["search"]["peak_not_reused"]
+        assert report["search_peak_from_prior"] is True and "search_peak_from_prior" not in report["search"]
+        assert f"closed loop not run: its peak 40.00 req/s, median E2E 0.05 s, reused from {path}" in log
+        assert "b on fixed 24:4: no earlier search of b" in log
+        assert "closed-loop peak 40 reused from prior.json" in (tmp_path / "second.md").read_text()
+        # a report with reused peaks continues (and merges with) one without the flag, and the other way round
+        cont = _load("compare_continue")
+        plain = compare.build_parser().parse_args(argv)
+        plain.search = compare.search_config(plain)
+        (w,) = compare.workload_list(plain)
+        assert cont.load_prior(str(tmp_path / "second.json"), compare.report_meta(plain, [w]))
+    finally:
+        for s in servers:
+            s.close()

@@ -237,7 +237,8 @@ def test_each_repetition_is_a_search_of_its_own(tmp_path, monkeypatch) -> None: 
     calls: list[tuple[int, float | None]] = []
     fail_at: list[int] = []
 
-    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None) -> dict[str, Any]:
+    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None,
+                   known_peak: Any = None) -> dict[str, Any]:
         if len(calls) in fail_at:
             raise ConnectionError("server gone")
         calls.append((cfg.salt_base, deadline))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rapidserve.benchmark.goodput import AT_MAX, BELOW_MIN, CONVERGED, NOT_SEARCHED, UNFINISHED
-from rapidserve.benchmark.goodput_report import goodput_cell, search_markdown, write_search_outputs
+from rapidserve.benchmark.goodput_report import goodput_cell, search_block, search_markdown, write_search_outputs
 from rapidserve.benchmark.plot import PLOT_NEEDS
 from rapidserve.benchmark.results import frontier_points
 from rapidserve.benchmark.search_config import SearchConfig
@@ -120,6 +120,11 @@ def test_search_markdown_and_plot(tmp_path, monkeypatch) -> None:  # type: ignor
     assert "| 50 ms | < 1 | < 1 |" in md and "| 100 ms | 4 | [0, 4)* |" in md and "| unbounded | 6 | [4, 8)* |" in md
     assert "UNFINISHED: the time budget" in md and "0.5 x the closed-loop peak 8 req/s" in md
     assert "not a sweep's `--goodput` column" in md
+    assert "reused from" not in md and "reused from" not in search_block(res)
+    res["search"]["peak_reused_from"] = "/r/prior.json"  # bench/compare.py --search-peak-from-prior
+    assert "0.5 x the closed-loop peak 8 req/s, reused from /r/prior.json" in search_markdown(res)
+    assert re.search(r"Closed-loop peak reused from: +prior\.json", search_block(res))
+    del res["search"]["peak_reused_from"]
     # attainment, tightest bound first; the server's steps where it counted them (a server without: -)
     assert "| 4 | 1 | 64 | 50.0% | 95.0% | 100.0% | 900 | 40.0 | 0 | - |" in md
     assert ("| 8 | 2 | 64 | 0.0% | 20.0% | 50.0% | 900 | 40.0 | 0 | fused 75% (44.0 ms; 1.10, 4.0%) / split 25% "

@@ -13,7 +13,7 @@ from test_bench_trace_run import MOON, Fast, trace_cfg, with_fast
 
 from rapidserve.benchmark.replay import Replay, build_replay
 from rapidserve.benchmark.search_config import SearchConfig, trace_window_problem
-from rapidserve.benchmark.search_run import first, run_goodput_search
+from rapidserve.benchmark.search_run import KnownPeak, first, run_goodput_search
 from rapidserve.benchmark.sustain import CAPPED, STEADY, TRACE_CAP, Ramp, plan_probe
 from rapidserve.benchmark.traces import TraceSpec
 from rapidserve.benchmark.workloads import WorkloadSpec
@@ -46,6 +46,41 @@ def test_probes_send_the_windows_first_requests() -> None:
         assert ramp["wanted"] == 6 and ramp["cap"] == 24 and len(p["requests"]) == ramp["sent"] <= 24
         lengths = [r["prompt_tokens"] for r in sorted(p["requests"], key=lambda r: r["index"])]
         assert lengths == [it.input_len for it in replay.items[:ramp["sent"]]]
+
+
+@pytest.mark.parametrize("life", [0.05, None])  # None: a report from before the lifetime was recorded
+def test_a_known_peak_stands_for_the_closed_loop(life: float | None) -> None:
+    """bench/compare.py --search-peak-from-prior: given a peak (and its lifetime), no closed loop runs (the server sees
+    the warm-up and the probes alone), the search starts at start_fraction of it, its ceiling is that peak, and the
+    result records it and where it came from."""
+    async def test(fake: Fast, url: str) -> tuple[dict[str, Any], int]:
+        res = await run_goodput_search(trace_cfg(url, MOON, arrivals="poisson", num_prompts=24, warmup=1),
+                                       replace(FAST_SEARCH, start_rate=None),
+                                       known_peak=KnownPeak(400.0, life, "b.json", "a.json"))
+        return res, len(fake.bodies)
+
+    res, bodies = with_fast(8192, test)
+    s = res["search"]
+    assert bodies == 1 + sum(len(p["requests"]) for p in res["probes"]) and res["peak"] is None
+    assert (s["peak_request_throughput"], s["peak_lifetime_s"], s["start_rate"], s["max_rate"]) == (
+        400.0, life, 200.0, 400.0)
+    assert (s["peak_reused_from"], s["peak_measured_in"]) == ("b.json", "a.json")
+
+
+@pytest.mark.parametrize(("scfg", "peak", "says"), [
+    (replace(FAST_SEARCH, start_rate=2.0), 8.0, "--search-start-rate gives one: drop one of them"),
+    (replace(FAST_SEARCH, start_rate=None), 0.0, "the closed-loop peak reused from p.json is 0.0: not a positive"),
+])
+def test_a_known_peak_that_cannot_be_used_is_refused_before_any_request(scfg: SearchConfig, peak: float,
+                                                                        says: str) -> None:
+    async def test(fake: Fast, url: str) -> str:
+        with pytest.raises(ValueError) as e:
+            await run_goodput_search(trace_cfg(url, MOON, arrivals="poisson", num_prompts=24), scfg,
+                                     known_peak=KnownPeak(peak, None, "p.json", "p.json"))
+        assert fake.bodies == []
+        return str(e.value)
+
+    assert says in with_fast(8192, test)
 
 
 def test_a_window_too_small_for_a_probe_is_refused_before_any_request() -> None:

@@ -4,7 +4,10 @@ The result dict (`search_run.run_goodput_search`): {"kind": "goodput_search", "l
 "config" (as a sweep's), "search": {"settings" (SearchConfig), "start_rate", "min_rate", "max_rate",
 "probe_requests", "peak_request_throughput", "ceiling" (where max_rate came from: goodput.OWN_PEAK, ...),
 "shared_peak", "peak_lifetime_s" (the closed-loop run's median E2E), "max_probe_arrivals" (the cap a probe ran under:
---search-max-probe-arrivals, a trace's window)}, "peak" (the closed-loop run, or None with a given start rate),
+--search-max-probe-arrivals, a trace's window); where the peak and lifetime were reused from an earlier report instead
+of measured (bench/compare.py --search-peak-from-prior: search_run.KnownPeak) also "peak_reused_from" (that report)
+and "peak_measured_in" (the report whose search measured it)}, "peak" (the closed-loop run, or None with a given
+start rate or a reused peak),
 "probes": [a sweep's run dict plus "order", "counted" and "attainment" {bound_key: share of counted requests attaining
 it}; "ramp" (its warm-up and whether it reached steady state: sustain.Ramp.to_json; absent from results written
 before the ramp rule); a rapidserve server's steps over the probe: "server_steps" and "server_step_correction",
@@ -154,7 +157,7 @@ def search_line(result: Mapping[str, Any]) -> str:
     st = s["settings"]
     peak = s.get("peak_request_throughput")
     start = (f"{st['start_fraction']:g} x the closed-loop peak {peak:.3g} req/s" if peak is not None
-             else "given")
+             else "given") + (f", reused from {s['peak_reused_from']}" if s.get("peak_reused_from") else "")
     n, d = s["probe_requests"], st["discard"]
     probes = (f"{n} Poisson arrivals (the first {d} discarded as warm-up)" if "max_probe_arrivals" not in st else
               f"Poisson arrivals, {n - d} counted after a warm-up of at least {d} (the ramp rule: 1.25 request "
@@ -211,6 +214,8 @@ def search_block(result: Mapping[str, Any]) -> str:
     warm = [p["ramp"]["warmup"] for p in result.get("probes", []) if p.get("ramp")]
     lines = [title_line(" Goodput Search Result ", "="),
              table_row("Closed-loop peak (req/s):", float(peak) if peak is not None else "not measured"),
+             *([table_row("Closed-loop peak reused from:", os.path.basename(s["peak_reused_from"]))]
+               if s.get("peak_reused_from") else []),
              table_row("Start rate (req/s):", float(s["start_rate"])),
              table_row("Poisson probes:", len(result.get("probes", []))),
              table_row("Arrivals per probe, counted:", f"{n}, {n - s['settings']['discard']}") if not warm else

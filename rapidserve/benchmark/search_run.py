@@ -5,7 +5,9 @@ measurement, `search_frontier`, is search.py's.
 `run_benchmark` resolves them, `cfg.warmup` unrecorded requests, then (without `scfg.start_rate`) one
 closed-loop probe of `probe_requests` requests at once, whose completed requests per second is the peak the
 search starts from (`scfg.start_fraction` of it) and whose median E2E is the first lifetime estimate, then the
-probes. Each probe gets its own prompts and
+probes. Given a `KnownPeak` (bench/compare.py --search-peak-from-prior: an earlier report's), the closed loop is not
+run: that peak and its lifetime stand for it in every use (the start, the ceiling, the probes above the peak, the
+first lifetime estimate) and the result's "search" says where it came from. Each probe gets its own prompts and
 arrivals (its index salts them, as a sweep's rates are salted), so none finds another's prompts in a
 prefix cache. The result dict is described in goodput_report.py.
 """
@@ -17,7 +19,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -49,6 +51,29 @@ from rapidserve.benchmark.sustain import (
     probe_arrivals,
     realized_lifetime,
 )
+
+
+class KnownPeak(NamedTuple):
+    """A closed-loop peak measured before this search, reused instead of running the closed loop (bench/compare.py
+    --search-peak-from-prior): the peak (arrivals per second, as `closed_peak` gives it), the closed-loop run's median
+    E2E (None where the report did not record it: the first probe then estimates its own lifetime, as with a given
+    start rate), the report it was read from and the report that measured it (the same, unless that report had
+    reused it in turn)."""
+
+    request_throughput: float
+    lifetime_s: float | None
+    source: str
+    measured_in: str
+
+    def to_json(self) -> dict[str, Any]:
+        """What a result's "search" records of it (beside "peak_request_throughput" and "peak_lifetime_s")."""
+        return {"peak_reused_from": self.source, "peak_measured_in": self.measured_in}
+
+    def describe(self) -> str:
+        """'1.67 req/s, median E2E 21.9 s, reused from a.json (measured in b.json)': for the log."""
+        life = f", median E2E {self.lifetime_s:.3g} s" if self.lifetime_s is not None else ", no median E2E recorded"
+        also = f" (measured in {self.measured_in})" if self.measured_in != self.source else ""
+        return f"{self.request_throughput:.2f} req/s{life}, reused from {self.source}{also}"
 
 
 def no_peak_advice(errors: dict[str, int]) -> str:
@@ -123,11 +148,20 @@ async def _one_run(session: aiohttp.ClientSession, target: Server, cfg: BenchCon
 
 async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: float | None = None,
                              clock: Callable[[], float] = time.monotonic,
-                             shared_peak: float | None = None) -> dict[str, Any]:
+                             shared_peak: float | None = None,
+                             known_peak: KnownPeak | None = None) -> dict[str, Any]:
     """Search the goodput frontier of the server at cfg.base_url on cfg's workload; the result dict.
     `deadline` (a `clock` value) and scfg.budget_s, whichever is sooner, bound the probes' time. `shared_peak`: the
     highest closed-loop peak of a comparison's other systems so far (bench/compare.py --search-shared-ceiling): the
-    ceiling where it lies above this server's own."""
+    ceiling where it lies above this server's own. `known_peak`: this server's closed-loop peak and lifetime from an
+    earlier search (bench/compare.py --search-peak-from-prior), used instead of running the closed loop."""
+    if known_peak is not None and scfg.start_rate is not None:
+        raise ValueError("a reused closed-loop peak sets the search's start, and --search-start-rate gives one: drop "
+                         "one of them")
+    if known_peak is not None and not (known_peak.request_throughput > 0
+                                       and math.isfinite(known_peak.request_throughput)):
+        raise ValueError(f"the closed-loop peak reused from {known_peak.source} is "
+                         f"{known_peak.request_throughput!r}: not a positive rate")
     if cfg.burstiness != 1.0:
         raise ValueError("--goodput-search measures Poisson arrivals: drop --burstiness")
     if scfg.trace_probe is not None and cfg.workload.name != "trace":
@@ -160,7 +194,11 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         peak_run: dict[str, Any] | None = None
         peak: float | None = None
         life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
-        if scfg.start_rate is None:
+        if known_peak is not None:  # --search-peak-from-prior: no closed loop
+            peak, life = known_peak.request_throughput, known_peak.lifetime_s
+            say(cfg, f"  closed loop not run: its peak {known_peak.describe()} (--search-peak-from-prior)")
+            start = start_from_peak(scfg, peak)
+        elif scfg.start_rate is None:
             peak_records, peak_run = await _one_run(session, target, cfg, math.inf, 0, first(replay, n),
                                                     "closed loop")
             peak = closed_peak(peak_run, arrival_turns(cfg))
@@ -209,7 +247,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
                    "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
                    "peak_lifetime_s": life, "max_probe_arrivals": cap, "trace_window": window,
-                   "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak},
+                   "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak,
+                   **(known_peak.to_json() if known_peak is not None else {})},
         **({"trace": replay.describe()} if replay is not None else {}),
         "peak": peak_run, "probes": probes, "goodput": out.goodput,
         "finished": out.stopped is None, "stopped": out.stopped,
