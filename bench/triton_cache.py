@@ -33,40 +33,45 @@ or after it; without --since, or where the file system keeps no atimes, every en
 group files' paths made bare names; unpack writes them back with the paths absolute under the new CACHE, and every
 file's times in the past, so that the next pack can tell the entries the run read. The archive is a tar.xz, split
 into parts of at most --split-mib MiB named triton_cache.part00, .part01, ... when larger (the device brings files
-of at most 16 MiB back).
+of at most 16 MiB back). Writing and reading the archive is bench/cache_archive.py's, shared with bench/vllm_cache.py
+(vLLM's torch.compile cache); what loading needs and the group files' paths are this module's.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import lzma
 import os
 import re
 import sys
 import tarfile
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+if __package__:  # imported as bench.triton_cache
+    from . import cache_archive as ca
+else:  # run as a script, or loaded by tests/bench_module.py: bench/ on the path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import cache_archive as ca
+
+# the packing, the archive's reading and the atime probe are bench/cache_archive.py's (shared with vllm_cache.py)
+CacheError = ca.CacheError
+atime_tracked = ca.atime_tracked
+compress = ca.compress
 
 NAME = "triton_cache"
-SPLIT_MIB = 15
+SPLIT_MIB = ca.SPLIT_MIB
 # xz preset 9 (a 64-MiB dictionary: the cubins are much alike) took no longer than 6 on 430 sm_90 kernels of
 # rapidserve (bench/amd_compile_check --targets sm_90: 37 MiB of cubin+json): 1.4 MiB against 2.1 MiB, ~11 s on a
 # shared 2-core machine; preset 1 1.2 s for 5.4 MiB. Tars larger than CHUNK_MIB are compressed in chunks side by side.
 PRESET = 9
-CHUNK_MIB = 64
+CHUNK_MIB = ca.CHUNK_MIB
 ENTRY_RE = re.compile(r"^[A-Z2-7]{52}$")  # base32 of a sha256, '=' stripped (runtime/cache.py `_base32`)
 GROUP_PREFIX = "__grp__"
 BINARY_EXTS = (".cubin", ".hsaco")  # backend.binary_ext: nvidia, amd
-PART_RE = re.compile(rf"^{NAME}\.part(\d+)$")
-
-
-class CacheError(Exception):
-    """A missing folder, a tree that is not a Triton cache, or an archive that is not one of ours."""
+PART_RE = ca.part_re(NAME)
 
 
 @dataclass
@@ -122,50 +127,8 @@ def needed(d: Path) -> Entry:
     return e
 
 
-def atime_tracked(cache: Path) -> bool:
-    """Whether reading a file here moves its atime (not so under noatime): a probe file, its times set in the past,
-    read once."""
-    probe = cache / f".atime_probe.{os.getpid()}"
-    try:
-        probe.write_bytes(b"probe")
-        old = time.time() - 3600
-        os.utime(probe, (old, old))
-        probe.read_bytes()
-        return os.stat(probe).st_atime > old + 1
-    except OSError:
-        return False
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def touched(d: Path, since: float, atimes: bool) -> bool:
-    """Whether any file of the entry folder was read (its atime, where tracked) or written at or after `since`."""
-    for f in d.iterdir():
-        try:
-            st = f.stat()
-        except OSError:
-            continue
-        if st.st_mtime >= since or (atimes and st.st_atime >= since):
-            return True
-    return False
-
-
-def created(d: Path, since: float) -> bool:
-    """Whether the entry was written at or after `since` (compiled in this run, not read from the seed)."""
-    return any(f.stat().st_mtime >= since for f in d.iterdir())
-
-
-def compress(data: bytes, preset: int = PRESET, chunk_mib: int = CHUNK_MIB) -> bytes:
-    """`data` as .xz: chunks of `chunk_mib` MiB compressed side by side (lzma lets go of the GIL), one xz stream
-    each, joined (a valid .xz file, as `xz -T` writes: LZMAFile and tarfile's "r:xz" read every stream)."""
-    size = chunk_mib * 1024 * 1024
-    chunks = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
-    with ThreadPoolExecutor(max_workers=min(len(chunks), os.cpu_count() or 1)) as pool:
-        return b"".join(pool.map(lambda c: lzma.compress(c, preset=preset), chunks))
-
-
-def _archive_paths(out: Path) -> list[Path]:
-    return sorted(p for p in out.iterdir() if p.name == f"{NAME}.tar.xz" or PART_RE.match(p.name))
+def _files(d: Path) -> list[Path]:
+    return list(d.iterdir())
 
 
 def pack(cache: Path, out: Path, since: float | None = None, split_mib: float = SPLIT_MIB,
@@ -177,8 +140,8 @@ def pack(cache: Path, out: Path, since: float | None = None, split_mib: float = 
     dirs = entry_dirs(cache)
     atimes = since is None or atime_tracked(cache)
     if since is not None:
-        kept = [d for d in dirs if touched(d, since, atimes) or not atimes]
-        new = sum(created(d, since) for d in kept)
+        kept = [d for d in dirs if ca.touched(_files(d), since, atimes) or not atimes]
+        new = sum(ca.written(_files(d), since) for d in kept)
     else:
         kept, new = dirs, 0
     entries = [e for e in (needed(d) for d in kept) if e.files]
@@ -186,32 +149,17 @@ def pack(cache: Path, out: Path, since: float | None = None, split_mib: float = 
         raise CacheError(f"{cache}: none of its {len(dirs)} entries " + ("was used or created since "
                          f"{time.strftime('%FT%TZ', time.gmtime(since))} with a loadable kernel or module"
                          if since is not None else "holds a loadable kernel or module"))
-    buf = io.BytesIO()
-    raw = 0
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for e in entries:
-            for name, data in sorted(e.files.items()):
-                info = tarfile.TarInfo(f"{e.key}/{name}")
-                info.size, info.mode = len(data), 0o644
-                try:
-                    info.mtime = int((cache / e.key / name).stat().st_mtime)
-                except OSError:
-                    info.mtime = int(t0)
-                tar.addfile(info, io.BytesIO(data))
-                raw += len(data)
-    blob = compress(buf.getvalue(), preset)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in _archive_paths(out):
-        old.unlink()
-    limit = int(split_mib * 1024 * 1024)
-    if len(blob) <= limit:
-        paths = [out / f"{NAME}.tar.xz"]
-        paths[0].write_bytes(blob)
-    else:
-        paths = []
-        for i, start in enumerate(range(0, len(blob), limit)):
-            paths.append(out / f"{NAME}.part{i:02d}")
-            paths[-1].write_bytes(blob[start:start + limit])
+
+    def mtime(key: str, name: str) -> float:
+        try:
+            return (cache / key / name).stat().st_mtime
+        except OSError:
+            return t0
+
+    tar, raw = ca.tar_bytes((f"{e.key}/{name}", data, mtime(e.key, name))
+                            for e in entries for name, data in sorted(e.files.items()))
+    blob = ca.compress(tar, preset, CHUNK_MIB)
+    paths = ca.write_archive(blob, out, NAME, split_mib)
     seeded = len(kept) - new if since is not None else None
     return {"entries": len(entries), "kernels": sum(len(e.kernels) for e in entries),
             "modules": sum(len(e.modules) for e in entries), "in_cache": len(dirs), "created": new,
@@ -221,26 +169,7 @@ def pack(cache: Path, out: Path, since: float | None = None, split_mib: float = 
 
 def _open_archive(src: Path) -> tarfile.TarFile:
     """The archive at `src`: a .tar.xz, one part, or a folder holding triton_cache.tar.xz or its parts."""
-    if src.is_dir():
-        whole = src / f"{NAME}.tar.xz"
-        parts = sorted((p for p in src.iterdir() if PART_RE.match(p.name)), key=lambda p: int(PART_RE.match(p.name)[1]))
-        if whole.is_file():
-            data = whole.read_bytes()
-        elif parts:
-            numbers = [int(PART_RE.match(p.name)[1]) for p in parts]
-            if numbers != list(range(len(parts))):
-                raise CacheError(f"{src}: the parts {[p.name for p in parts]} are not part00.. without a gap")
-            data = b"".join(p.read_bytes() for p in parts)
-        else:
-            raise CacheError(f"{src}: holds no {NAME}.tar.xz nor {NAME}.partNN")
-    elif src.is_file():
-        data = src.read_bytes()
-    else:
-        raise CacheError(f"{src}: no such file or folder (the packed Triton cache)")
-    try:
-        return tarfile.open(fileobj=io.BytesIO(data), mode="r:xz")
-    except (tarfile.TarError, lzma.LZMAError, EOFError) as e:
-        raise CacheError(f"{src}: not a readable {NAME} archive (tar.xz): {e}") from e
+    return ca.open_archive(src, NAME, "Triton cache")
 
 
 def _members(tar: tarfile.TarFile, src: Path) -> Iterable[tuple[tarfile.TarInfo, str, str]]:
@@ -256,26 +185,21 @@ def unpack(src: Path, cache: Path) -> dict:
     file's atime and mtime at least two seconds in the past (pack --since tells the entries a run read)."""
     tar = _open_archive(src)
     cache = cache.resolve()
-    now = time.time()
-    keys, n, raw = set(), 0, 0
     with tar:
-        for m, key, name in list(_members(tar, src)):
-            data = tar.extractfile(m).read()  # type: ignore[union-attr]
-            d = cache / key
-            d.mkdir(parents=True, exist_ok=True)
-            if name.startswith(GROUP_PREFIX):
-                try:
-                    children = json.loads(data)["child_paths"]
-                    data = json.dumps({"child_paths": {c: str(d / Path(p).name) for c, p in children.items()}}).encode()
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise CacheError(f"{src}: {m.name}: not a Triton group file ({e})") from e
-            (d / name).write_bytes(data)
-            t = min(float(m.mtime), now - 2)
-            os.utime(d / name, (t, t))
-            keys.add(key)
-            n += 1
-            raw += len(data)
-    return {"entries": len(keys), "files": n, "raw_bytes": raw}
+        members = list(_members(tar, src))
+
+        def absolute(rel: PurePosixPath, data: bytes) -> bytes:
+            if not rel.name.startswith(GROUP_PREFIX):
+                return data
+            d = cache / rel.parent.name
+            try:
+                children = json.loads(data)["child_paths"]
+                return json.dumps({"child_paths": {c: str(d / Path(p).name) for c, p in children.items()}}).encode()
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CacheError(f"{src}: {rel}: not a Triton group file ({e})") from e
+
+        n, raw = ca.unpack_members(tar, [(m, PurePosixPath(key, name)) for m, key, name in members], cache, absolute)
+    return {"entries": len({key for _, key, _ in members}), "files": n, "raw_bytes": raw}
 
 
 def stats(path: Path) -> dict:
@@ -298,7 +222,7 @@ def stats(path: Path) -> dict:
         if not (path / f"{NAME}.tar.xz").is_file() and not any(PART_RE.match(p.name) for p in path.iterdir()):
             raise CacheError(f"{path}: neither a Triton cache (no entry folders) nor a folder holding {NAME}.tar.xz "
                              f"or {NAME}.partNN")
-        packed = sum(p.stat().st_size for p in _archive_paths(path))
+        packed = sum(p.stat().st_size for p in ca.archive_paths(path, NAME))
     elif path.is_file():
         packed = path.stat().st_size
     else:
@@ -311,8 +235,7 @@ def stats(path: Path) -> dict:
             "raw_bytes": sum(m.size for m, _, _ in members), "bytes": packed}
 
 
-def mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+mib = ca.mib
 
 
 def pack_line(r: dict, out: Path) -> str:
@@ -321,7 +244,7 @@ def pack_line(r: dict, out: Path) -> str:
     if r["reused"] is not None:
         seed = (f" ({r['reused']} read from the seed, {r['created']} compiled in this run)" if r["atimes"] else
                 " (no atimes on this file system: every entry kept)")
-    files = r["files"][0] if len(r["files"]) == 1 else f"{len(r['files'])} parts {r['files'][0]}..{r['files'][-1]}"
+    files = ca.files_text(r["files"])
     return (f"triton cache: {r['entries']} of {r['in_cache']} entries packed{seed}: {r['kernels']} kernels, "
             f"{r['modules']} C modules, {mib(r['raw_bytes'])} -> {mib(r['bytes'])} in {out}/{files}, "
             f"{r['seconds']} s")
