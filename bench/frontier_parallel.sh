@@ -40,7 +40,19 @@
 #
 # vLLM is installed and the model folder written once (`vs_vllm.sh --prepare`), before the groups start. Back in
 # $OUT (at most 8 files): frontier_<group>.json per group, the table <NAME>.md / .json (+ its frontier plot), and
-# logs.tar.gz (the setup log, each group's log, setup log and detail archive). Knobs: vs_vllm.sh's (PRESET,
+# logs.tar.gz (the setup log, each group's log, setup log and detail archive); with VLLM_CACHE also
+# vllm_cache.tar.xz (or its parts) when that stays within 8 files (G groups + table, plot and logs: G + 4, so up
+# to 3 groups with one archive file), else inside logs.tar.gz as vllm_cache/... when logs.tar.gz stays under 16 MiB,
+# else not returned (its line says why).
+# VLLM_CACHE=DIR (as bench/vs_vllm.sh's header says: vLLM's torch.compile cache carried between sessions): seeded
+# ONCE here into VLLM_CACHE_ROOT=/tmp/vllm_cache_root before the groups start, shared by every group's vLLM starts
+# (side by side, as vLLM's default ~/.cache/vllm would be), and packed once after them (bench/peer_env.sh):
+#   first session:  run(command="VLLM_CACHE=.vllmcache GROUP=vllm-a,vllm-b bash bench/frontier_parallel.sh",
+#                   carry=[".whl"], kind="nvidia-h200-x2"), then here: python bench/vllm_cache.py take
+#                   /work/.device/N .vllmcache (from the top of the call's files or inside its logs.tar.gz);
+#   next sessions:  carry=[".whl", ".vllmcache"]; take each call's new archive before the next call (it holds the
+#                   seed's entries and the call's; a call on a fresh machine packs only what it carried and compiled).
+# Knobs: vs_vllm.sh's (PRESET,
 # WORKLOADS, NUM_PROMPTS, SEARCH_ARGS, MAX_MODEL_LEN, GPU_MEM, SERVE_ARGS, SYSTEMS), TP (1), GROUP (comma- or
 # space-separated; default ours,vllm-a,vllm-b, as many as fit), BUDGET_S (each group's, 540), NAME (the table's stem, frontier_tp),
 # MERGE_WITH (earlier calls' frontier_<group>.json in the tree, folded into the table), REFERENCE (the system the
@@ -56,6 +68,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 py="${PYTHON:-python3}"
+vcache="${VLLM_CACHE:-}"  # seeded and packed here, once; the groups' vs_vllm.sh get VLLM_CACHE_ROOT, not VLLM_CACHE
+unset VLLM_CACHE
 tp="${TP:-1}"
 case "${PIN_CPUS:-auto}" in
     auto|1|0) ;;
@@ -138,6 +152,9 @@ fi
     --max-probes "${probes:-12}" --above-peak-factor "${factor:-1}" "${plan_extra[@]}" \
     2>&1 | tee -a "$setup_log"
 GROUP="" OUT="$work/prepare" bash bench/vs_vllm.sh --prepare >>"$setup_log" 2>&1 || say "vs_vllm.sh --prepare failed"
+# shellcheck source=bench/peer_env.sh
+. bench/peer_env.sh
+[ -n "$vcache" ] && vllm_cache_seed "$vcache"  # VLLM_CACHE_ROOT for every group's vLLM starts
 say "$ngpu GPUs, TP $tp: groups ${groups[*]} in slots of $tp GPU(s)"
 # each group's CPU cores (bench/cpu_slots.py: its GPUs' NUMA cores, shared out among groups on one node by physical
 # core), so that side-by-side servers and clients do not contend for the host's cores. PIN_CPUS: auto (pin where
@@ -186,10 +203,13 @@ if [ "$((${#earlier[@]} + ${#reports[@]}))" -gt 0 ]; then
         2>&1 | tee -a "$setup_log"
 fi
 tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
+# with VLLM_CACHE: the archive into $OUT, or into logs.tar.gz when $OUT's 8 files are taken; its line comes last
+vcache_line="$(vllm_cache_pack "$out" "$out/logs.tar.gz" $((t0 + ${BUDGET_S:-540} + 50)))"
 for g in "${groups[@]}"; do
     echo "== $g (log tail)"
     tail -5 "$work/$g.log"
 done
 [ -f "$out/$name.md" ] && { echo "===== $out/$name.md"; cat "$out/$name.md"; }
+[ -n "$vcache_line" ] && echo "$vcache_line"
 rm -rf "$work"
 exit $status

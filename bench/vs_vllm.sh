@@ -75,8 +75,26 @@
 # inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the
 # model shape, ours `preset:PRESET`, vLLM's folder from make_model.py; another preset's folder comes from
 # bench/make_peer_model.py), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention
-# backend auto is FA3; 0: they keep Triton).
+# backend auto is FA3; 0: they keep Triton), VLLM_CACHE (below).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--search-tolerance 0.1`.
+#
+# VLLM_CACHE=DIR (a repo-relative, git-ignored folder the session carries, e.g. .vllmcache): vLLM's torch.compile
+# cache carried between sessions (each start spends ~29 s of its ~60-80 s compiling what the last session compiled).
+# Before the first vLLM start VLLM_CACHE_ROOT is set to /tmp/vllm_cache_root (fixed: the cache names absolute paths),
+# seeded from DIR's vllm_cache.tar.xz (or vllm_cache.part00, .part01, ...) when there is one; after the runs what
+# vLLM's compile cache holds (torch_compile_cache/, its torch_aot_compile/ and inductor_cache/, modelinfos/; not the
+# startup plan, the P2P probe or autotuner caches) goes to $OUT/vllm_cache.tar.xz, or parts of <= 15 MiB, or into
+# the detail archive when $OUT's 8 files are taken (bench/vllm_cache.py, bench/peer_env.sh). Its line ("vllm cache:
+# N of M entries packed (R of the seed's S read, C compiled in this run): F files, X MiB -> Y MiB") says what it did;
+# "nothing new" when the seed already held it all (no archive). Entries are keyed by vLLM's config hash, its code
+# and env factors and torch's and Triton's builds, so an archive from another vLLM or setting only misses. vLLM's
+# configuration is untouched. Without VLLM_CACHE nothing of this runs.
+#   First session:  run(command="VLLM_CACHE=.vllmcache GROUP=vllm-a bash bench/vs_vllm.sh", carry=[".whl"]), then
+#                   here: python bench/vllm_cache.py take /work/.device/N .vllmcache (N: the call's files folder; it
+#                   finds the archive at the top or inside a .tar.gz and replaces .vllmcache's old archive files).
+#   Next sessions:  the same with carry=[".whl", ".vllmcache"]; take each call's new archive again (it holds the
+#                   seed's entries and the call's). A hit: vLLM's log (in the detail archive) says "Directly load
+#                   AOT compilation from path ..." and "Directly load the compiled graph(s) for compile range ...".
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 2
@@ -138,6 +156,8 @@ fi
 
 t_start=$(date +%s)
 budget="${BUDGET_S:-540}"
+vcache="${VLLM_CACHE:-}"  # read once; not passed on (vLLM warns of VLLM_* variables it does not know)
+unset VLLM_CACHE
 mode="${MODE:-frontier}"
 case "$mode" in frontier) default_name=frontier ;; sweep) default_name=vs_vllm ;;
     *) echo "vs_vllm: MODE=$mode: give frontier or sweep" >&2; exit 2 ;; esac
@@ -252,6 +272,13 @@ else
     systems="$ours"
     say "vLLM SKIPPED: $why_not. Running rapidserve's systems only ($ours)."
 fi
+if [ -n "$vcache" ]; then  # VLLM_CACHE: VLLM_CACHE_ROOT for every vLLM compare.py starts (bench/peer_env.sh)
+    if [ -z "$why_not" ] && [ -n "$vllm_wanted" ]; then
+        vllm_cache_seed "$vcache"
+    else
+        say "vllm cache: VLLM_CACHE=$vcache unused: no vLLM runs in this call"
+    fi
+fi
 
 left=$((budget - $(elapsed)))
 if [ "$left" -lt 120 ]; then
@@ -288,6 +315,7 @@ for f in "$work/$name".md "$work/$name".json "$work/$name".png "$work/$name"__*_
 done
 tar -czf "$detail" -C "$work" . 2>/dev/null
 rm -rf "$work"
+vllm_cache_pack "$out" "$detail" $((t_start + budget + 50))  # with VLLM_CACHE; the fallback: the detail archive
 [ -n "$why_not" ] && echo "NOTE: vLLM was not run: $why_not"
 if [ -f "$out/$name.md" ]; then
     echo "===== $out/$name.md"

@@ -271,6 +271,11 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 STAND_IN = f"""#!/usr/bin/env bash
 MODEL=$1; PORT=$2; shift 2
 echo "stand-in vllm for $MODEL: $*"
+env | grep '^VLLM_CACHE' > "$STAND_IN_RUN/cache_env_$PORT"  # what a real vLLM would see of VLLM_CACHE
+if [ -n "${{VLLM_CACHE_ROOT:-}}" ]; then  # compiles into its cache root, as vLLM does
+  mkdir -p "$VLLM_CACHE_ROOT/torch_compile_cache/5eed5eed00/rank_0_0/backbone"
+  echo "{{}}" > "$VLLM_CACHE_ROOT/torch_compile_cache/5eed5eed00/rank_0_0/backbone/vllm_compile_cache.py"
+fi
 setsid "$STAND_IN_PY" -c '{STAND_IN_SERVER}' "$PORT" > "$STAND_IN_RUN/vllm_$PORT.log" 2>&1 &
 echo $! > "$STAND_IN_RUN/vllm_$PORT.pid"
 for i in $(seq 1 120); do
@@ -283,30 +288,54 @@ exit 1
 """
 
 
-@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
-def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def _stand_in(tmp_path, **env: str) -> tuple[dict[str, str], Any, Any]:  # type: ignore[no-untyped-def]
+    """The recipe with the stand-in vLLM, an 'installed' vLLM and the model folder; the environment for
+    vs_vllm.sh / frontier_parallel.sh (tiny-llama, one probe), `env` over it. Returns (env, run_dir, out)."""
     recipe, site, run_dir, out = (tmp_path / d for d in ("recipe", "site", "run", "out"))
     for d in (recipe, site / "vllm", run_dir, tmp_path / "pm-tiny-llama"):
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
     (recipe / "serve_vllm.sh").write_text(STAND_IN)
     (recipe / "install.sh").write_text("exit 1\n")
     (recipe / "make_model.py").write_text("raise SystemExit(1)\n")
     (site / "vllm" / "__init__.py").write_text("__version__ = 'stand-in'\n")
     (tmp_path / "pm-tiny-llama" / "config.json").write_text("{}")  # the folder exists: not written again
-    env = {**os.environ, "PYTHON": sys.executable, "STAND_IN_PY": sys.executable, "STAND_IN_RUN": str(run_dir),
-           "PEER_VLLM_DIR": str(recipe), "PEER_SITE": str(site), "PEER_STASH": str(tmp_path / "stash"),
-           "PEER_MODEL": str(tmp_path / "pm"), "FA3_FROM_VLLM": "0", "OUT": str(out), "NGPU": "4", "TP": "2",
-           "GROUP": "hybrid-chunks,vllm-default", "SYSTEMS": "hybrid-512", "PRESET": "tiny-llama",
-           "REFERENCE": "hybrid-512", "WORKLOADS": "24:4", "NUM_PROMPTS": "4", "WARMUP": "1", "MAX_MODEL_LEN": "256",
-           "SEARCH_ARGS": "--search-max-probes 1 --search-discard 1 --search-tolerance 0.5", "BUDGET_S": "170",
-           "SERVE_ARGS": "--device cpu --num-kv-blocks 64", "NAME": "tp2", "TOPO_FILE": str(tmp_path / "topo.txt")}
+    base = {**os.environ, "PYTHON": sys.executable, "STAND_IN_PY": sys.executable, "STAND_IN_RUN": str(run_dir),
+            "PEER_VLLM_DIR": str(recipe), "PEER_SITE": str(site), "PEER_STASH": str(tmp_path / "stash"),
+            "PEER_MODEL": str(tmp_path / "pm"), "FA3_FROM_VLLM": "0", "OUT": str(out), "PRESET": "tiny-llama",
+            "WORKLOADS": "24:4", "NUM_PROMPTS": "4", "WARMUP": "1", "MAX_MODEL_LEN": "256",
+            "SEARCH_ARGS": "--search-max-probes 1 --search-discard 1 --search-tolerance 0.5", "BUDGET_S": "170",
+            "SERVE_ARGS": "--device cpu --num-kv-blocks 64"}
+    return {**base, **env}, run_dir, out
+
+
+@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
+def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two groups side by side; VLLM_CACHE: the carried seed unpacked once into VLLM_CACHE_ROOT, which every vLLM
+    start sees (VLLM_CACHE itself does not reach vLLM), and the seed's entries with the one vLLM compiled packed
+    back into $OUT beside the 5 other files."""
+    from tests.test_vllm_cache import _fake_root, vc
+
+    _fake_root(tmp_path / "earlier_root")
+    vc.pack(tmp_path / "earlier_root", tmp_path / "vllmcache")  # an earlier session's archive, carried
+    env, run_dir, out = _stand_in(
+        tmp_path, NGPU="4", TP="2", GROUP="hybrid-chunks,vllm-default", SYSTEMS="hybrid-512", REFERENCE="hybrid-512",
+        NAME="tp2", TOPO_FILE=str(tmp_path / "topo.txt"), VLLM_CACHE=str(tmp_path / "vllmcache"),
+        VLLM_CACHE_ROOT=str(tmp_path / "vllm_root"))
     # the GPUs' topology as nvidia-smi prints it (tests/test_bench_cpu_slots.py): each group pinned to its CPUs
     (tmp_path / "topo.txt").write_text(TOPO_TWO_NODES)
     argv = ["bash", "bench/frontier_parallel.sh", "--token-range", "3:1000", "--vllm-run-dir", str(run_dir)]
     r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert set(os.listdir(out)) - {"tp2__fixed-24-4_frontier.png"} == {  # the plot, where matplotlib is there
-        "frontier_hybrid-chunks.json", "frontier_vllm-default.json", "logs.tar.gz", "tp2.json", "tp2.md"}
+        "frontier_hybrid-chunks.json", "frontier_vllm-default.json", "logs.tar.gz", "tp2.json", "tp2.md",
+        "vllm_cache.tar.xz"}
+    assert [f.name for f in run_dir.glob("cache_env_*")]  # vLLM started, and saw the root alone
+    for f in run_dir.glob("cache_env_*"):
+        assert f.read_text().split() == [f"VLLM_CACHE_ROOT={tmp_path / 'vllm_root'}"]
+    last = r.stdout.strip().splitlines()[-1]  # after the table
+    assert "]: vllm cache: 4 of 4 entries packed (" in last and "1 compiled in this run" in last, last
+    assert f"in {out}/vllm_cache.tar.xz" in last
+    assert vc.stats(out)["by_entry"].keys() == {e.rel for e in vc.entries(tmp_path / "vllm_root")}
     data = json.loads((out / "tp2.json").read_text())
     cmds = {s["label"]: s["command"] for s in data["systems"]}
     assert cmds["hybrid-512"].endswith("--tensor-parallel-size 2 --device cpu --num-kv-blocks 64 --mode hybrid "
@@ -323,6 +352,39 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
     assert len(pinned) == 2 and not cpu_slots.parse_cpu_list(pinned[0]) & cpu_slots.parse_cpu_list(pinned[1])
     assert "frontier plan: tiny-llama at TP 2 on 4 GPUs: 2 group(s) side by side" in setup
     assert "prepared: vLLM in" in setup and "failed" not in setup
+    assert "vllm cache: 3 entries (7 files, " in setup  # the seed, once, for both groups
+    assert f"from {tmp_path / 'vllmcache'} into {tmp_path / 'vllm_root'}" in setup
+
+
+@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
+def test_vs_vllm_carries_the_compile_cache_from_call_to_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vs_vllm.sh with VLLM_CACHE: no archive yet (vLLM compiles, one line says so), this call's cache packed into
+    $OUT; taken into the carried folder here, the next call seeds from it, vLLM finds its entry, and nothing new
+    is packed."""
+    from tests.test_vllm_cache import vc
+
+    carried = tmp_path / "vllmcache"
+    for call in (1, 2):
+        env, run_dir, _ = _stand_in(tmp_path, GROUP="vllm-default", SYSTEMS="", VLLM_CACHE=str(carried),
+                                    VLLM_CACHE_ROOT=str(tmp_path / f"root{call}"), OUT=str(tmp_path / f"out{call}"))
+        out = tmp_path / f"out{call}"
+        for f in run_dir.glob("cache_env_*"):
+            f.unlink()  # the earlier call's
+        r = subprocess.run(["bash", "bench/vs_vllm.sh", "--vllm-run-dir", str(run_dir)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        setup = (out / "vs_vllm_setup.log").read_text()
+        assert [f.read_text().split() for f in run_dir.glob("cache_env_*")] == [
+            [f"VLLM_CACHE_ROOT={tmp_path / f'root{call}'}"]]  # vLLM's one start saw the root, not VLLM_CACHE
+        if call == 1:
+            assert f"vllm cache: no vllm_cache.tar.xz nor vllm_cache.partNN in {carried}: vLLM compiles as" in setup
+            assert "vllm cache: 1 of 1 entries packed (no seed, 1 compiled in this run): 1 files, " in setup
+            assert {p.name for p in out.iterdir()} - {"frontier__fixed-24-4_frontier.png"} == {  # the plot: matplotlib
+                "frontier.json", "frontier.md", "vllm_cache.tar.xz", "vs_vllm_detail.tar.gz", "vs_vllm_setup.log"}
+            assert vc.main(["take", str(out), str(carried)]) == 0
+        else:
+            assert f"vllm cache: 1 entries (1 files, 0 KiB) from {carried} into {tmp_path / 'root2'}" in setup
+            assert "vllm cache: nothing new" in setup and not (out / "vllm_cache.tar.xz").exists()
 
 
 def test_frontier_parallel_plan_reads_the_workload_and_the_stash() -> None:
