@@ -293,3 +293,17 @@ def test_tokenize_and_detokenize_fields(btok: Tokenizer) -> None:
     asyncio.run(main())
     assert seen["tokenize_chat.media_io_kwargs"] == "refused" and seen["tokenize_prompt.add_special_tokens"] == \
         "honoured"
+
+
+def test_include_reasoning_false_without_a_parser_is_refused_by_name(ctxs: dict[str, rq.ProtocolContext]) -> None:
+    """vLLM 0.26 accepts `include_reasoning: false` on a server without a reasoning parser and ignores it (the thinking
+    stays in the content); here it cannot be honoured either, so it is refused by name; true (the default) and the
+    same request on a server with a parser are accepted."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    refused = outcome("chat", {**body, "include_reasoning": False}, ctxs["plain"])
+    assert isinstance(refused, APIError) and refused.status == 400 and refused.param == "include_reasoning"
+    assert "--reasoning-parser" in refused.message and "qwen3" in refused.message
+    assert outcome("chat", {**body, "include_reasoning": True}, ctxs["plain"]) == outcome("chat", body, ctxs["plain"])
+    honoured = outcome("chat", {**body, "include_reasoning": False}, ctxs["reasoning"])
+    assert not isinstance(honoured, APIError) and honoured.reasoning is not None
+    assert honoured.reasoning.include is False

@@ -41,6 +41,7 @@ from rapidserve.server.schemas import (
 from rapidserve.server.structured_fields import check_servable, structured_field_of, structured_outputs_of
 from rapidserve.server.tools import ToolPlan, plan_tools, template_messages
 from rapidserve.server.unsupported import refuse_unsupported
+from rapidserve.server_config import REASONING_PARSERS
 from rapidserve.structured import GrammarCache, GrammarError, GrammarTrials, check
 from rapidserve.tokenizer import Tokenizer
 
@@ -265,6 +266,12 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         _check_admissible(1, n, "messages", max_choices)
         so = _with_tool_constraint(so, tools, ctx)
         param = param or ("tools" if so is not None else None)
+        if r.include_reasoning is False and ctx.reasoning_parser is None:  # vLLM ignores it here; we cannot honour it
+            raise bad_request("include_reasoning", "include_reasoning: false leaves the reasoning out of the answer, "
+                                                   "which needs a server started with --reasoning-parser (one of "
+                                                   f"{', '.join(REASONING_PARSERS)}): without one the reasoning is "
+                                                   "not told apart from the content; drop the field or start the "
+                                                   "server with a parser")
         reasoning = plan_reasoning(ctx.reasoning_parser, render["template_kwargs"], r.include_reasoning)
         _check_constraint_after_reasoning(reasoning, param)
         return _Plan(kind, model, r, n, [], messages, "messages", work, tools, so, render,  # type: ignore[arg-type]

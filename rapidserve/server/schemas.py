@@ -238,7 +238,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     include_reasoning: Annotated[bool, Meta(description=(
         "on a server with --reasoning-parser: false leaves the reasoning out of the answer (default true); "
-        "without one there is no reasoning to include"))] | None = None
+        "without one false is refused (the reasoning is not told apart from the content), true changes "
+        "nothing"))] | None = None
     reasoning_effort: Annotated[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"], Meta(description=(
         "a chat template variable, as in vLLM: templates that read `reasoning_effort` (gpt-oss's) render it; "
         "the same as chat_template_kwargs.reasoning_effort; unless chat_template_kwargs sets enable_thinking, it "
