@@ -29,6 +29,7 @@ report's replacing an earlier one's, as the hints are.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import statistics
@@ -41,6 +42,10 @@ from rapidserve.benchmark.search_run import KnownPeak
 Hint = tuple[float | None, float, float | None, float | None]  # (bound ms or None: unbounded, share, lo, hi)
 Hints = dict[tuple[str, str], tuple[Hint, ...]]
 PEAK_FLAG = "--search-peak-from-prior"
+# ead0549 (2026-11-30 12:32 UTC): from then on a multi-turn search records its closed-loop peak in conversations/s,
+# the unit of its rates; a report created before it recorded the run's requests (turns) per second, num_turns x that
+# (bench/results/h200x2_1130e/multiturn.json: 35.3 "req/s" for 5.9 conversations/s)
+TURNS_PEAK_BEFORE = datetime.datetime(2026, 11, 30, 12, 32, 12, tzinfo=datetime.timezone.utc)
 
 
 class PriorPeak(NamedTuple):
@@ -88,9 +93,29 @@ def report_hints(report: Mapping[str, Any], source: str) -> Hints:
     return out
 
 
-def frontier_peak(f: Mapping[str, Any], source: str) -> KnownPeak | None:
+def turns_per_peak(f: Mapping[str, Any], created: Any) -> int:
+    """What a multi-turn frontier's recorded peak is to be divided by: its num_turns where its report was created
+    before the peak was recorded in conversations/s (TURNS_PEAK_BEFORE), else 1."""
+    reps = f.get("repeats")
+    first = reps[0] if isinstance(reps, list) and reps and isinstance(reps[0], Mapping) else {}
+    w = f.get("workload") or first.get("workload") or {}
+    if not isinstance(w, Mapping) or w.get("name") != "multiturn" or not isinstance(created, str):
+        return 1
+    try:
+        when = datetime.datetime.fromisoformat(created)
+        turns = int(w.get("num_turns") or 1)
+    except (TypeError, ValueError):
+        return 1
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(turns, 1) if when < TURNS_PEAK_BEFORE else 1
+
+
+def frontier_peak(f: Mapping[str, Any], source: str, created: Any = None) -> KnownPeak | None:
     """The closed-loop peak and lifetime an earlier frontier's search recorded (a repeated one's: the medians of its
-    repetitions'), None where it recorded no peak; ValueError naming `source` where a recorded value is no number."""
+    repetitions'), None where it recorded no peak; ValueError naming `source` where a recorded value is no number.
+    `created`: the report's; a multi-turn peak recorded before TURNS_PEAK_BEFORE (in turns/s) is given in
+    conversations/s, the unit of the rates."""
     reps = f.get("repeats")
     runs = [r.get("search") or {} for r in (reps if isinstance(reps, list) else [f]) if isinstance(r, Mapping)]
     try:
@@ -104,12 +129,13 @@ def frontier_peak(f: Mapping[str, Any], source: str) -> KnownPeak | None:
     if not peaks:
         return None
     measured = next((str(s["peak_measured_in"]) for s in runs if s.get("peak_measured_in")), source)
-    return KnownPeak(statistics.median(peaks), statistics.median(lives) if lives else None, source, measured)
+    return KnownPeak(statistics.median(peaks) / turns_per_peak(f, created), statistics.median(lives) if lives else None,
+                     source, measured)
 
 
 def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:
     """{(label, title): PriorPeak} of every frontier of one report (report_hints has checked its shape)."""
-    return {(str(f["label"]), str(f["title"])): PriorPeak(source, frontier_peak(f, source))
+    return {(str(f["label"]), str(f["title"])): PriorPeak(source, frontier_peak(f, source, report.get("created")))
             for f in report["frontiers"]}
 
 

@@ -172,6 +172,28 @@ def test_peaks_are_read_with_the_hints_and_say_why_none(tmp_path) -> None:  # ty
         prior.load_searches([str(a)])
 
 
+
+def test_a_multi_turn_peak_recorded_in_turns_per_second_is_reused_in_conversations_per_second(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Before ead0549 (2026-11-30 12:32 UTC) a multi-turn search recorded its closed-loop peak in requests (turns) per
+    second, num_turns x the conversations/s its rates are in: such a report's peak is reused over its turns (it
+    was reused as it stood: 6 x too high, so the search started and capped far above the server's peak); later
+    reports', and other workloads', as they stand."""
+    mt = {"name": "multiturn", "input_len": 2048, "output_len": 64, "num_turns": 6, "turn_input_len": 256}
+
+    def report(created: str, workload: dict[str, Any]) -> str:
+        path = tmp_path / f"{created[:13]}_{workload['name']}.json"
+        path.write_text(json.dumps({"created": created, "frontiers": [{**fr("x", 36.0, 8.0), "workload": workload}]}))
+        return str(path)
+
+    for created, workload, want in (("2026-11-30T11:15:43+00:00", mt, 6.0), ("2026-11-30T13:39:04+00:00", mt, 36.0),
+                                    ("2026-11-30T11:15:43+00:00", {"name": "fixed"}, 36.0)):
+        known, _ = prior.peak_for(prior.load_searches([report(created, workload)])[1], "x", "fixed 24:4")
+        assert known is not None and known.request_throughput == pytest.approx(want) and known.lifetime_s == 8.0
+    old = Path(__file__).parent.parent / "bench/results/h200x2_1130e/multiturn.json"
+    if old.is_file():  # the one such report in the tree: 35.3 turns/s of 6-turn conversations
+        known, _ = prior.peak_for(prior.load_searches([str(old)])[1], "duet", "multiturn 2048:64 x6 (+256/turn)")
+        assert known is not None and known.request_throughput == pytest.approx(35.28 / 6, rel=1e-3)
+
 @pytest.mark.parametrize("argv,says", [
     (["--search-peak-from-prior"], "--search-peak-from-prior only apply with --goodput-search"),
     (["--goodput-search", "--search-peak-from-prior"],
