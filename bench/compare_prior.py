@@ -129,8 +129,9 @@ def frontier_peak(f: Mapping[str, Any], source: str, created: Any = None) -> Kno
     if not peaks:
         return None
     measured = next((str(s["peak_measured_in"]) for s in runs if s.get("peak_measured_in")), source)
+    sizes = {s.get("probe_requests") for s in runs if isinstance(s.get("probe_requests"), int)}
     return KnownPeak(statistics.median(peaks) / turns_per_peak(f, created), statistics.median(lives) if lives else None,
-                     source, measured)
+                     source, measured, sizes.pop() if len(sizes) == 1 else None)
 
 
 def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:

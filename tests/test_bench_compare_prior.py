@@ -154,6 +154,16 @@ def test_frontier_peak(frontier: dict[str, Any], want: tuple[float, float | None
     assert got is None or got.source == "r.json"
 
 
+def test_frontier_peak_carries_its_closed_loops_size() -> None:
+    """The requests the earlier closed loop sent at once (its search's probe_requests; a repeated one's, shared by
+    its repetitions), which run_goodput_search compares with its own; None where not recorded."""
+    assert prior.frontier_peak(fr("a", 40.0, 0.5, probe_requests=48), "r.json").probe_requests == 48  # type: ignore[union-attr]
+    assert prior.frontier_peak(fr("a", 40.0, 0.5), "r.json").probe_requests is None  # type: ignore[union-attr]
+    reps = {"label": "a", "title": "fixed 24:4", "goodput": [], "search": {"repeats": 2},
+            "repeats": [fr("a", 30.0, probe_requests=64), fr("a", 50.0, probe_requests=64)]}
+    assert prior.frontier_peak(reps, "r.json").probe_requests == 64  # type: ignore[union-attr]
+
+
 def test_peaks_are_read_with_the_hints_and_say_why_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"frontiers": [fr("x", 8.0, 2.0), fr("y", 9.0)]}))

@@ -67,6 +67,28 @@ def test_a_known_peak_stands_for_the_closed_loop(life: float | None) -> None:
     assert (s["peak_reused_from"], s["peak_measured_in"]) == ("b.json", "a.json")
 
 
+
+@pytest.mark.parametrize("size", [8, 16])
+def test_a_known_peak_of_a_closed_loop_of_another_size_is_measured_again(size: int) -> None:
+    """A closed loop sends its probe's n requests at once, so its peak is that concurrency's: an earlier peak from a
+    closed loop of 16 (another --num-prompts or --search-trace-probe) does not stand for this search's of 8 (its
+    closed loop runs, and the log and the result say why); one of 8 does."""
+    async def test(fake: Fast, url: str) -> tuple[dict[str, Any], int]:
+        res = await run_goodput_search(trace_cfg(url, MOON, arrivals="poisson", num_prompts=24, warmup=1),
+                                       replace(FAST_SEARCH, start_rate=None),
+                                       known_peak=KnownPeak(400.0, 0.05, "b.json", "b.json", size))
+        return res, len(fake.bodies)
+
+    res, bodies = with_fast(8192, test)
+    s, probes = res["search"], sum(len(p["requests"]) for p in res["probes"])
+    if size == 8:
+        assert bodies == 1 + probes and res["peak"] is None and s["peak_reused_from"] == "b.json"
+        assert "peak_not_reused" not in s and s["peak_request_throughput"] == 400.0
+    else:
+        assert bodies == 1 + 8 + probes and res["peak"] is not None and "peak_reused_from" not in s
+        assert "sent 16 requests at once, this one sends 8" in s["peak_not_reused"]
+        assert s["peak_request_throughput"] != 400.0
+
 @pytest.mark.parametrize(("scfg", "peak", "says"), [
     (replace(FAST_SEARCH, start_rate=2.0), 8.0, "--search-start-rate gives one: drop one of them"),
     (replace(FAST_SEARCH, start_rate=None), 0.0, "the closed-loop peak reused from p.json is 0.0: not a positive"),

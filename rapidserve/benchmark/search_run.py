@@ -58,12 +58,14 @@ class KnownPeak(NamedTuple):
     --search-peak-from-prior): the peak (arrivals per second, as `closed_peak` gives it), the closed-loop run's median
     E2E (None where the report did not record it: the first probe then estimates its own lifetime, as with a given
     start rate), the report it was read from and the report that measured it (the same, unless that report had
-    reused it in turn)."""
+    reused it in turn), and how many requests its closed loop sent at once (None: not recorded); a closed loop of
+    another size measured another peak (its concurrency), and the search then runs its own."""
 
     request_throughput: float
     lifetime_s: float | None
     source: str
     measured_in: str
+    probe_requests: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """What a result's "search" records of it (beside "peak_request_throughput" and "peak_lifetime_s")."""
@@ -191,6 +193,13 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
             if note is not None:
                 say(cfg, f"  share {q:g}: {note}")
         await warm_up(session, target, cfg, replay)
+        not_reused: str | None = None
+        if known_peak is not None and known_peak.probe_requests not in (None, n):
+            not_reused = (f"its earlier closed loop ({known_peak.source}) sent {known_peak.probe_requests} requests at "
+                          f"once, this one sends {n}: its closed-loop peak is measured (--search-peak-from-prior "
+                          "reuses a closed loop of the same size only)")
+            say(cfg, f"  {not_reused}")
+            known_peak = None
         peak_run: dict[str, Any] | None = None
         peak: float | None = None
         life: float | None = None  # the closed-loop run's median E2E: the first probe's lifetime estimate
@@ -248,7 +257,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
                    "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,
                    "peak_lifetime_s": life, "max_probe_arrivals": cap, "trace_window": window,
                    "ceiling": out.ceiling.source if out.ceiling is not None else None, "shared_peak": shared_peak,
-                   **(known_peak.to_json() if known_peak is not None else {})},
+                   **(known_peak.to_json() if known_peak is not None else {}),
+                   **({"peak_not_reused": not_reused} if not_reused is not None else {})},
         **({"trace": replay.describe()} if replay is not None else {}),
         "peak": peak_run, "probes": probes, "goodput": out.goodput,
         "finished": out.stopped is None, "stopped": out.stopped,
