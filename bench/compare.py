@@ -342,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{s.label} on {w.title}: " + (f"starts from its earlier brackets {hints_text(hints)}" if hints
                                                      else "no earlier brackets: starts from its closed-loop peak"))
                 if a.search_peak_from_prior:
-                    print(f"  {peak_for(a.search_peaks, s.label, w.title)[1]}")
+                    setup = {"model": a.model, "serve_args": a.serve_args}
+                    print(f"  {peak_for(a.search_peaks, s.label, w.title, setup)[1]}")
         return 0
     os.makedirs(a.out, exist_ok=True)
     deadline = time.monotonic() + a.duration_budget_s if a.duration_budget_s else None

@@ -48,12 +48,19 @@ PEAK_FLAG = "--search-peak-from-prior"
 TURNS_PEAK_BEFORE = datetime.datetime(2026, 11, 30, 12, 32, 12, tzinfo=datetime.timezone.utc)
 
 
+# what the report a peak is reused from must share with this run (compare.py's report header): the server the peak was
+# measured on (the model's shape, --serve-args: TP, max model length, GPU memory), which the system's label and the
+# workload's title do not name
+SETUP = ("model", "serve_args")
+
+
 class PriorPeak(NamedTuple):
     """An earlier search's closed-loop peak: the report it was read from, and the peak (None: that search recorded
-    none, e.g. it started from --search-start-rate)."""
+    none, e.g. it started from --search-start-rate), and that report's SETUP values (None: it records none)."""
 
     source: str
     peak: KnownPeak | None
+    setup: Mapping[str, Any] | None = None
 
 
 Peaks = dict[tuple[str, str], PriorPeak]
@@ -136,8 +143,9 @@ def frontier_peak(f: Mapping[str, Any], source: str, created: Any = None) -> Kno
 
 def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:
     """{(label, title): PriorPeak} of every frontier of one report (report_hints has checked its shape)."""
-    return {(str(f["label"]), str(f["title"])): PriorPeak(source, frontier_peak(f, source, report.get("created")))
-            for f in report["frontiers"]}
+    setup = {k: report[k] for k in SETUP if k in report} or None
+    return {(str(f["label"]), str(f["title"])):
+            PriorPeak(source, frontier_peak(f, source, report.get("created")), setup) for f in report["frontiers"]}
 
 
 def read_report(path: str) -> dict[str, Any]:
@@ -171,9 +179,11 @@ def load_hints(paths: Iterable[str]) -> Hints:
     return load_searches(paths)[0]
 
 
-def peak_for(peaks: Peaks, label: str, title: str) -> tuple[KnownPeak | None, str]:
+def peak_for(peaks: Peaks, label: str, title: str,
+             setup: Mapping[str, Any] | None = None) -> tuple[KnownPeak | None, str]:
     """(the peak a search of `label` on workload `title` reuses, None where there is none; what the log says: where
-    it came from, or why the closed loop runs)."""
+    it came from, or why the closed loop runs). `setup`: this run's SETUP values; a peak from a report with others
+    (another model or --serve-args: another server) is not reused."""
     prior = peaks.get((label, title))
     if prior is None:
         return None, (f"no earlier search of {label} on {title} in --search-start-from's reports: its closed-loop "
@@ -181,6 +191,12 @@ def peak_for(peaks: Peaks, label: str, title: str) -> tuple[KnownPeak | None, st
     if prior.peak is None:
         return None, (f"its earlier search in {prior.source} recorded no closed-loop peak (--search-start-rate): its "
                       f"closed-loop peak is measured ({PEAK_FLAG} has none to reuse)")
+    there, here = prior.setup or {}, setup or {}
+    differ = [k for k in SETUP if k in there and k in here and there[k] != here[k]]
+    if differ:
+        return None, (f"its earlier search in {prior.source} ran with another "
+                      + "; ".join(f"{k} ({there[k]!r} there, {here[k]!r} here)" for k in differ)
+                      + f": its closed-loop peak is measured ({PEAK_FLAG} reuses a peak of the same server only)")
     return prior.peak, f"closed-loop peak {prior.peak.describe()}: no closed loop runs"
 
 

@@ -75,7 +75,8 @@ def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: i
     known: KnownPeak | None = None
     why: str | None = None
     if getattr(a, "search_peak_from_prior", False):
-        known, why = peak_for(getattr(a, "search_peaks", {}), system.label, w.title)
+        known, why = peak_for(getattr(a, "search_peaks", {}), system.label, w.title,
+                              {"model": getattr(a, "model", None), "serve_args": getattr(a, "serve_args", None)})
         if known is None:
             say(cfg, f"{system.label} on {w.title}: {why}")
     res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), scfg, deadline=deadline,

@@ -204,6 +204,42 @@ def test_a_multi_turn_peak_recorded_in_turns_per_second_is_reused_in_conversatio
         known, _ = prior.peak_for(prior.load_searches([str(old)])[1], "duet", "multiturn 2048:64 x6 (+256/turn)")
         assert known is not None and known.request_throughput == pytest.approx(35.28 / 6, rel=1e-3)
 
+
+def test_a_peak_measured_on_another_server_is_not_reused(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A system's label and a workload's title do not name the server: a report of another model shape or other
+    --serve-args (TP, max model length, GPU memory: frontier_parallel.sh's SEARCH_ARGS kept across presets or TP)
+    measured another peak, and the search runs its own closed loop, the log saying why; the same server's is reused."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"model": "preset:qwen3-8b", "serve_args": "--max-model-len 8192",
+                                "frontiers": [fr("rapidserve", 8.0, 2.0)]}))
+    peaks = prior.load_searches([str(path)])[1]
+    same = {"model": "preset:qwen3-8b", "serve_args": "--max-model-len 8192"}
+    assert prior.peak_for(peaks, "rapidserve", "fixed 24:4", same)[0] is not None
+    assert prior.peak_for(peaks, "rapidserve", "fixed 24:4")[0] is not None  # no setup given: as before
+    tp = {**same, "serve_args": "--max-model-len 8192 --tensor-parallel-size 4"}
+    known, why = prior.peak_for(peaks, "rapidserve", "fixed 24:4", tp)
+    assert known is None and "serve_args ('--max-model-len 8192' there" in why
+    known, why = prior.peak_for(peaks, "rapidserve", "fixed 24:4", {**same, "model": "preset:llama-3.1-70b"})
+    assert known is None and "model ('preset:qwen3-8b' there, 'preset:llama-3.1-70b' here)" in why
+    seen: list[Any] = []
+
+    async def fake(cfg: Any, scfg: Any, deadline: Any = None, shared_peak: float | None = None,
+                   known_peak: Any = None) -> dict[str, Any]:
+        seen.append(known_peak)
+        return {"label": cfg.label, "workload": {}, "search": {"peak_request_throughput": 3.0}}
+
+    monkeypatch.setattr(searching, "run_goodput_search", fake)
+    for model, reused in (("preset:qwen3-8b", True), ("preset:llama-3.1-70b", False)):
+        a = compare.build_parser().parse_args(["--goodput-search", "--workloads", "24:4", "--model", model,
+                                               "--serve-args", "--max-model-len 8192", "--search-start-from",
+                                               str(path), "--search-peak-from-prior", "--out", str(tmp_path)])
+        a.search = compare.search_config(a)
+        a.search_hints, a.search_peaks = prior.load_searches(a.search_start_from)
+        (w,) = compare.workload_list(a)
+        res = searching.search(a, w, "http://h:1", compare.parse_systems("rapidserve", [], search=True)[0], 0, None,
+                               [])
+        assert (seen[-1] is not None) == reused and ("peak_not_reused" in res["search"]) == (not reused)
+
 @pytest.mark.parametrize("argv,says", [
     (["--search-peak-from-prior"], "--search-peak-from-prior only apply with --goodput-search"),
     (["--goodput-search", "--search-peak-from-prior"],
