@@ -232,18 +232,22 @@ def place(paths: Sequence[Path], out: Path, name: str, fallback: Path | None = N
                          f"reach {file_mib:g} MiB")
     with tarfile.open(fallback, "r:gz") as old:
         members = [(m, old.extractfile(m).read() if m.isfile() else None) for m in old.getmembers()]  # type: ignore[union-attr]
+    # written beside it (a rename), and removed whatever stops it: a file left in `out` would be one more of its
+    # max_files, which are taken when this runs (vllm_cache.py turns the bench scripts' timeout into an exception here)
     tmp = fallback.with_name(fallback.name + ".tmp")
-    with tarfile.open(tmp, "w:gz") as new:
-        for m, data in members:
-            if PurePosixPath(m.name).parts[-2:-1] == (name,) and m.name.rsplit("/", 1)[-1].startswith(name + "."):
-                continue  # an earlier pack's files inside it
-            new.addfile(m, io.BytesIO(data) if data is not None else None)
-        for p in paths:
-            new.add(p, arcname=f"./{name}/{p.name}")
-    if tmp.stat().st_size >= file_mib * 2**20:
-        tmp.unlink()
-        raise CacheError(f"not returned: {why}, and {fallback.name} with it would reach {file_mib:g} MiB")
-    tmp.replace(fallback)
+    try:
+        with tarfile.open(tmp, "w:gz") as new:
+            for m, data in members:
+                if PurePosixPath(m.name).parts[-2:-1] == (name,) and m.name.rsplit("/", 1)[-1].startswith(name + "."):
+                    continue  # an earlier pack's files inside it
+                new.addfile(m, io.BytesIO(data) if data is not None else None)
+            for p in paths:
+                new.add(p, arcname=f"./{name}/{p.name}")
+        if tmp.stat().st_size >= file_mib * 2**20:
+            raise CacheError(f"not returned: {why}, and {fallback.name} with it would reach {file_mib:g} MiB")
+        tmp.replace(fallback)
+    finally:
+        tmp.unlink(missing_ok=True)
     for p in paths:
         p.unlink(missing_ok=True)
     return f"inside {fallback} as {name}/{files_text([p.name for p in paths])} ({why})"

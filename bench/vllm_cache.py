@@ -57,6 +57,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -320,6 +321,10 @@ def stats(path: Path) -> dict:
             "by_entry": manifest["entries"]}
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -351,11 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r = pack(a.root, staging, a.since, a.max_mib, a.split_mib, a.preset, skip_unchanged=a.skip_unchanged)
                 line = pack_line(r)
                 if not r["skipped"]:
+                    # the bench scripts' `timeout` (SIGTERM) while the archive goes into OUT or its .tar.gz: an
+                    # exception, so that place removes what it had half written there (SIGTERM's default leaves it)
+                    term = signal.signal(signal.SIGTERM, _terminated)
                     try:
                         where = ca.place([Path(p) for p in r["paths"]], a.out, NAME, a.fallback, a.max_files)
                     except CacheError as e:
                         print(f"{line}; {e}")
                         return 1
+                    finally:
+                        signal.signal(signal.SIGTERM, term)
                     line += f"; {where}"
                 print(line)
             finally:

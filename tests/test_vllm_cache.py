@@ -308,3 +308,42 @@ def test_the_bench_scripts_seed_and_pack(tmp_path: Path, seed: str) -> None:
     assert ("no seed, " in lines[1]) == (seed != "good") and "1 compiled in this run" in lines[1]
     assert f"in {tmp_path / 'out'}/vllm_cache.tar.xz" in lines[1]
     assert vc.stats(tmp_path / "out")["entries"] == packed
+
+
+def test_a_pack_stopped_while_it_adds_to_the_tar_gz_leaves_nothing_more_in_out(tmp_path: Path) -> None:
+    """peer_env.sh's vllm_cache_pack runs the pack under `timeout` (SIGTERM at the call's budget). The .tar.gz
+    fallback is taken when OUT's files are used up, and place writes it anew beside it: a SIGTERM there must not leave
+    that half-written .tmp in OUT (one file over the device's 8, which drops another), and the .tar.gz stays whole."""
+    _fake_root(tmp_path / "root")
+    out = tmp_path / "out"
+    out.mkdir()
+    with tarfile.open(out / "logs.tar.gz", "w:gz") as tar:
+        tar.add(ROOT / "bench" / "vllm_cache.py", arcname="./setup.log")
+    before = (out / "logs.tar.gz").read_bytes()
+    started = tmp_path / "adding"
+    script = f"""
+import sys, tarfile, time
+sys.path.insert(0, {str(ROOT)!r})
+from bench import vllm_cache as vc
+def slow(self, *args, **kwargs):
+    open({str(started)!r}, "w").close()
+    time.sleep(60)
+tarfile.TarFile.add = slow
+sys.exit(vc.main(["pack", {str(tmp_path / "root")!r}, {str(out)!r}, "--fallback", {str(out / "logs.tar.gz")!r},
+                  "--max-files", "1"]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(600):
+            if started.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert started.exists() and any(p.name.endswith(".tmp") for p in out.iterdir())
+        proc.terminate()
+        assert proc.wait(timeout=20) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz"]
+    assert (out / "logs.tar.gz").read_bytes() == before
