@@ -47,7 +47,7 @@
 # VLLM_CACHE=DIR (as bench/vs_vllm.sh's header says: vLLM's torch.compile cache carried between sessions): seeded
 # ONCE here into VLLM_CACHE_ROOT=/tmp/vllm_cache_root before the groups start, shared by every group's vLLM starts
 # (side by side, as vLLM's default ~/.cache/vllm would be), and packed once after them (bench/peer_env.sh):
-#   first session:  run(command="VLLM_CACHE=.vllmcache GROUP=vllm-a,vllm-b bash bench/frontier_parallel.sh",
+#   first session:  run(command="VLLM_CACHE=.vllmcache BUDGET_S=500 GROUP=vllm-a,vllm-b bash bench/frontier_parallel.sh",
 #                   carry=[".whl"], kind="nvidia-h200-x2"), then here: python bench/vllm_cache.py take
 #                   /work/.device/N .vllmcache (from the top of the call's files or inside its logs.tar.gz);
 #   next sessions:  carry=[".whl", ".vllmcache"]; take each call's new archive before the next call (it holds the
@@ -204,7 +204,9 @@ if [ "$((${#earlier[@]} + ${#reports[@]}))" -gt 0 ]; then
 fi
 tar -czf "$out/logs.tar.gz" -C "$work" . 2>/dev/null
 # with VLLM_CACHE: the archive into $OUT, or into logs.tar.gz when $OUT's 8 files are taken; its line comes last
-vcache_line="$(vllm_cache_pack "$out" "$out/logs.tar.gz" $((t0 + ${BUDGET_S:-540} + 50)))"
+# the pack's deadline is the device call's (CALL_S, 600 s less a margin), not BUDGET_S's: the groups' budgets start
+# after the vLLM install, so at BUDGET_S 540 little is left; with VLLM_CACHE give BUDGET_S ~500 for a ~40-s pack
+vcache_line="$(vllm_cache_pack "$out" "$out/logs.tar.gz" $((t0 + ${CALL_S:-585})))"
 for g in "${groups[@]}"; do
     echo "== $g (log tail)"
     tail -5 "$work/$g.log"

@@ -315,7 +315,8 @@ for f in "$work/$name".md "$work/$name".json "$work/$name".png "$work/$name"__*_
 done
 tar -czf "$detail" -C "$work" . 2>/dev/null
 rm -rf "$work"
-vllm_cache_pack "$out" "$detail" $((t_start + budget + 50))  # with VLLM_CACHE; the fallback: the detail archive
+# with VLLM_CACHE; the fallback: the detail archive; the deadline: the device call's (CALL_S, 600 s less a margin)
+vllm_cache_pack "$out" "$detail" $((t_start + ${CALL_S:-585}))
 [ -n "$why_not" ] && echo "NOTE: vLLM was not run: $why_not"
 if [ -f "$out/$name.md" ]; then
     echo "===== $out/$name.md"
