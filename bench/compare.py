@@ -156,7 +156,7 @@ from compare_args import (  # noqa: E402
 from compare_continue import carried_systems, choose_baseline, choose_reference, load_prior  # noqa: E402
 from compare_frontier import write_frontier_report  # noqa: E402
 from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
-from compare_prior import hints_text, load_searches, peak_for  # noqa: E402
+from compare_prior import hints_text, load_searches, peak_for, workload_flags  # noqa: E402
 from compare_repeats import REPEATS  # noqa: E402
 from compare_search import RUN_ERRORS, repeats, system_search, workload_searches  # noqa: E402
 from compare_systems import (  # noqa: E402
@@ -342,7 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{s.label} on {w.title}: " + (f"starts from its earlier brackets {hints_text(hints)}" if hints
                                                      else "no earlier brackets: starts from its closed-loop peak"))
                 if a.search_peak_from_prior:
-                    setup = {"model": a.model, "serve_args": a.serve_args}
+                    setup = {"model": a.model, "serve_args": a.serve_args,
+                             "workload": workload_flags(a.bench_args, w.argv)}
                     print(f"  {peak_for(a.search_peaks, s.label, w.title, setup)[1]}")
         return 0
     os.makedirs(a.out, exist_ok=True)
@@ -396,7 +397,7 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
-            "workloads": [{"title": w.title, "flags": shlex.join([*shlex.split(a.bench_args), *w.argv])}
+            "workloads": [{"title": w.title, "flags": workload_flags(a.bench_args, w.argv)}
                           for w in workloads]}
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import shlex
 import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
@@ -50,8 +51,14 @@ TURNS_PEAK_BEFORE = datetime.datetime(2026, 11, 30, 12, 32, 12, tzinfo=datetime.
 
 # what the report a peak is reused from must share with this run (compare.py's report header): the server the peak was
 # measured on (the model's shape, --serve-args: TP, max model length, GPU memory), which the system's label and the
-# workload's title do not name
-SETUP = ("model", "serve_args")
+# workload's title do not name, and the workload's flags (`workload_flags`: a trace's title names its file only, not
+# its window, start or arrivals)
+SETUP = ("model", "serve_args", "workload")
+
+
+def workload_flags(bench_args: str | None, argv: Iterable[str]) -> str:
+    """A workload's flags as compare.py's report header writes them ("workloads"[i]["flags"])."""
+    return shlex.join([*shlex.split(bench_args or ""), *argv])
 
 
 class PriorPeak(NamedTuple):
@@ -143,9 +150,17 @@ def frontier_peak(f: Mapping[str, Any], source: str, created: Any = None) -> Kno
 
 def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:
     """{(label, title): PriorPeak} of every frontier of one report (report_hints has checked its shape)."""
-    setup = {k: report[k] for k in SETUP if k in report} or None
+    flags = {str(w.get("title")): w.get("flags") for w in report.get("workloads") or [] if isinstance(w, Mapping)}
+
+    def setup(title: str) -> dict[str, Any] | None:
+        here = {k: report[k] for k in SETUP if k in report}
+        if flags.get(title) is not None:
+            here["workload"] = flags[title]
+        return here or None
+
     return {(str(f["label"]), str(f["title"])):
-            PriorPeak(source, frontier_peak(f, source, report.get("created")), setup) for f in report["frontiers"]}
+            PriorPeak(source, frontier_peak(f, source, report.get("created")), setup(str(f["title"])))
+            for f in report["frontiers"]}
 
 
 def read_report(path: str) -> dict[str, Any]:

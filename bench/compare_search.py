@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_args import Workload, bench_config, repeat_salt  # noqa: E402
 from compare_frontier import search_deadline, startup_reserve  # noqa: E402
 from compare_peak import highest_peak  # noqa: E402
-from compare_prior import peak_for  # noqa: E402
+from compare_prior import peak_for, workload_flags  # noqa: E402
 from compare_repeats import REPEATS, flatten  # noqa: E402
 from compare_systems import System  # noqa: E402
 
@@ -76,7 +76,8 @@ def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: i
     why: str | None = None
     if getattr(a, "search_peak_from_prior", False):
         known, why = peak_for(getattr(a, "search_peaks", {}), system.label, w.title,
-                              {"model": getattr(a, "model", None), "serve_args": getattr(a, "serve_args", None)})
+                              {"model": getattr(a, "model", None), "serve_args": getattr(a, "serve_args", None),
+                               "workload": workload_flags(getattr(a, "bench_args", None), w.argv)})
         if known is None:
             say(cfg, f"{system.label} on {w.title}: {why}")
     res = asyncio.run(run_goodput_search(dataclasses.replace(cfg, salt_base=salt), scfg, deadline=deadline,

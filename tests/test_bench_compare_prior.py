@@ -370,3 +370,21 @@ def test_a_search_with_a_prior_peak_runs_no_closed_loop(tmp_path, capsys) -> Non
     finally:
         for s in servers:
             s.close()
+
+
+def test_a_peak_of_the_same_title_with_other_workload_flags_is_not_reused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A trace's title names its file only: another window (--num-prompts), start or arrivals gives another closed
+    loop, so the report's workload flags must equal this run's (compare.py's header writes them with
+    `workload_flags`); the same flags reuse it."""
+    title = "trace mooncake_conversation.jsonl.gz"
+    flags = prior.workload_flags("", ["--workload", "trace", "--trace", "t.jsonl.gz", "--num-prompts", "256"])
+    assert flags == "--workload trace --trace t.jsonl.gz --num-prompts 256"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"model": "m", "serve_args": "", "workloads": [{"title": title, "flags": flags}],
+                                "frontiers": [{**fr("duet", 1.67, 21.9), "title": title}]}))
+    peaks = prior.load_searches([str(path)])[1]
+    here = {"model": "m", "serve_args": ""}
+    assert prior.peak_for(peaks, "duet", title, {**here, "workload": flags})[0] is not None
+    other = prior.workload_flags("", ["--workload", "trace", "--trace", "t.jsonl.gz", "--num-prompts", "512"])
+    known, why = prior.peak_for(peaks, "duet", title, {**here, "workload": other})
+    assert known is None and "workload (" in why and "--num-prompts 512" in why
