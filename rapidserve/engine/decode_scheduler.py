@@ -232,18 +232,12 @@ class DecodeScheduler(SchedulerViews):
             if r.handed:
                 r.state, r.handed = "chunking", False
                 self.num_hand_overs -= 1
-                i = 0
-                while i < len(self.chunking) and self.chunking[i].order < r.order:
-                    i += 1
-                self.chunking.insert(i, r)
+                _insert_before_later(self.chunking, r)
                 continue
             self.blocks.free(r.req_id)
             self.blocks.unlookup(r.num_tokens, kv.cached_tokens, r.reads_cache)
             r.state = "waiting"
-            i = 0  # ahead of the later arrivals only: a request passed over at the head keeps its place
-            while i < len(self.waiting) and self.waiting[i].order < r.order:
-                i += 1
-            self.waiting.insert(i, r)
+            _insert_before_later(self.waiting, r)
 
     # ---- the next step ------------------------------------------------------------------------
     def schedule(self, quiet: bool, hold: AbstractSet[str] = frozenset()) -> list[DecodeRequest] | None:
@@ -410,3 +404,12 @@ class DecodeScheduler(SchedulerViews):
         self.blocks.free(r.req_id)  # at most once: nothing allocates under a held id
         if not r.drop_pending:
             del self.reqs[r.req_id]
+
+
+def _insert_before_later(queue: list[DecodeRequest] | deque[DecodeRequest], r: DecodeRequest) -> None:
+    """`r` into `queue` before its first later arrival (by `order`): ahead of the later arrivals only, so a request
+    passed over at the head keeps its place."""
+    i = 0
+    while i < len(queue) and queue[i].order < r.order:
+        i += 1
+    queue.insert(i, r)
