@@ -39,11 +39,11 @@
 # dropped with its reason, Mixtral's (87 GiB) runs.
 #
 # vLLM is installed and the model folder written once (`vs_vllm.sh --prepare`), before the groups start. Back in
-# $OUT (at most 8 files): frontier_<group>.json per group, the table <NAME>.md / .json (+ its frontier plot), and
-# logs.tar.gz (the setup log, each group's log, setup log and detail archive); with VLLM_CACHE also
-# vllm_cache.tar.xz (or its parts) when that stays within 8 files (G groups + table, plot and logs: G + 4, so up
-# to 3 groups with one archive file), else inside logs.tar.gz as vllm_cache/... when logs.tar.gz stays under 16 MiB,
-# else not returned (its line says why).
+# $OUT (at most 8 files): frontier_<group>.json per group (`a+b`: frontier_a_b.json), the table <NAME>.md /
+# .json (+ its frontier plot), and logs.tar.gz (the setup log, each group's log, setup log and detail archive);
+# with VLLM_CACHE also vllm_cache.tar.xz (or its parts) when that stays within 8 files (G groups + table, plot and
+# logs: G + 4, so up to 3 groups with one archive file), else inside logs.tar.gz as vllm_cache/... when
+# logs.tar.gz stays under 16 MiB, else not returned (its line says why).
 # VLLM_CACHE=DIR (as bench/vs_vllm.sh's header says: vLLM's torch.compile cache carried between sessions): seeded
 # ONCE here into VLLM_CACHE_ROOT=/tmp/vllm_cache_root before the groups start, shared by every group's vLLM starts
 # (side by side, as vLLM's default ~/.cache/vllm would be), and packed once after them (bench/peer_env.sh):
@@ -191,7 +191,9 @@ status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 reports=()
 for g in "${groups[@]}"; do
-    if cp "$work/$g/frontier_$g.json" "$out/" 2>/dev/null; then reports+=("$out/frontier_$g.json")
+    # in $OUT a `a+b` group's report is frontier_a_b.json: the device brings back no file whose name has a `+`
+    if cp "$work/$g/frontier_$g.json" "$out/frontier_${g//+/_}.json" 2>/dev/null; then
+        reports+=("$out/frontier_${g//+/_}.json")
     else say "$g: no frontier report (see $g.log in logs.tar.gz)"; fi
 done
 read -ra earlier <<<"${MERGE_WITH:-}"

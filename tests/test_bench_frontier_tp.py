@@ -357,6 +357,23 @@ def test_frontier_parallel_on_cpu_two_groups_at_tp2(tmp_path) -> None:  # type: 
 
 
 @pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
+def test_frontier_parallel_names_a_joined_groups_report_without_a_plus(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`a+b` (two groups' systems one after the other in one slot): its report reaches $OUT as frontier_a_b.json
+    (2026-12-01: the device brought back no file named with a `+`, so the group's report, the one MERGE_WITH
+    reads, stayed in logs.tar.gz), and the table holds both groups' systems."""
+    env, run_dir, out = _stand_in(tmp_path, NGPU="1", GROUP="vllm-default+hybrid-chunks", SYSTEMS="hybrid-512",
+                                  NAME="joined", PIN_CPUS="0")
+    argv = ["bash", "bench/frontier_parallel.sh", "--token-range", "3:1000", "--vllm-run-dir", str(run_dir)]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert not [f for f in os.listdir(out) if "+" in f]
+    assert {"frontier_vllm-default_hybrid-chunks.json", "joined.json", "joined.md"} <= set(os.listdir(out))
+    data = json.loads((out / "frontier_vllm-default_hybrid-chunks.json").read_text())
+    assert {s["label"] for s in data["systems"]} == {"vllm", "hybrid-512"}
+    assert [f["label"] for f in json.loads((out / "joined.json").read_text())["frontiers"]] == ["vllm", "hybrid-512"]
+
+
+@pytest.mark.skipif(shutil.which("setsid") is None or not os.path.isdir("/proc"), reason="needs setsid and /proc")
 def test_vs_vllm_carries_the_compile_cache_from_call_to_call(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """vs_vllm.sh with VLLM_CACHE: no archive yet (vLLM compiles, one line says so), this call's cache packed into
     $OUT; taken into the carried folder here, the next call seeds from it, vLLM finds its entry, and nothing new
