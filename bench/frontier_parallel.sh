@@ -119,6 +119,7 @@ fi
 parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
 plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}" --repeats "${repeats:-1}")
 [ -n "$cap" ] && plan_extra+=(--max-probe-arrivals "$cap")
+case " ${SEARCH_ARGS:-} " in *" --search-peak-from-prior "*) plan_extra+=(--peak-from-prior) ;; esac
 [ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \

@@ -62,6 +62,8 @@ probes) with an even share of the budget, so the plan counts N closed-loop runs 
 start-up once) and shares BUDGET_S over N x the systems' searches; where a repetition's share cannot hold the probes
 it wants, the plan says so on a line of its own (`BUDGET_S ... does not fit N repetitions`; `cannot fit` where it
 holds no probe), with the BUDGET_S that would, and whether that is more than a device call's 600 s.
+With SEARCH_ARGS' `--search-peak-from-prior` (`--peak-from-prior` here) no search runs its closed loop (num_prompts at
+once, num_prompts / peak s; 35-40 s a system on Mooncake's 11K-token prompts): the plan leaves it out.
 
 ours-slo's five servers start one after the other (the engine reads its ITL SLO once, from its frozen config: no
 knob changes it at runtime), so on two GPUs `GROUP=ours-slo,baselines` runs them beside always-fused and
@@ -243,17 +245,19 @@ def search_s(wanted: int, probe_s: float, long_s: float, above_peak_factor: floa
 def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int, max_probes: int,
                budget_s: float, first_vllm: bool, tp: int = 1, above_peak_factor: float = 1.0,
                lifetime_s: float | None = None, cap: int = DEFAULT_MAX_PROBE_ARRIVALS,
-               model_gib: float | None = None, repeats: int = 1) -> Call:
+               model_gib: float | None = None, repeats: int = 1, peak_from_prior: bool = False) -> Call:
     """One group's device call: its start-ups, then each search's share of what is left (as compare.py shares it).
     `lifetime_s`: a request's lifetime, for the probes' warm-ups (`probe_seconds`; None: the discard alone).
     `model_gib`: the model's weights, for vLLM's start-up (`vllm_startup_s`; None: the largest measured).
     `repeats`: compare.py's --search-repeats, each system's search that many times (each repetition a search of its
     own: its closed-loop peak, its probes, its share); where BUDGET_S cannot give every repetition its probes the
-    detail says so, and what BUDGET_S would."""
+    detail says so, and what BUDGET_S would. `peak_from_prior`: SEARCH_ARGS' --search-peak-from-prior, no closed-loop
+    run (each search reuses its earlier report's peak)."""
     setup = CALL_OVERHEAD_S + (VLLM_INSTALL_S if first_vllm else 0)
     startups = sum(vllm_startup_s(model_gib) if kind_of(s, tp) == "vllm" else STARTUP_S[kind_of(s, tp)]
                    for s in systems)
     counted = max(0, num_prompts - SEARCH_DISCARD)
+    closed_s = 0.0 if peak_from_prior else num_prompts / peak  # a search's closed-loop run
     # probes lie between peak/4 and the peak, most near peak/2: 1 / rate averages ~1.6 / peak, a rate of peak / 1.6
     probe_s, warm = probe_seconds(peak / 1.6, counted, lifetime_s, cap)
     long_counted = math.ceil(above_peak_factor * counted)
@@ -261,9 +265,9 @@ def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int
     long_n = min(long_warm + long_counted, cap)
     wanted = [probes_wanted(s, max_probes) for s in systems]
     share = max(0.0, budget_s - setup - startups - MARGIN_S) / max(1, len(systems) * repeats)
-    fit = {w: max(0, int((share - num_prompts / peak) // (search_s(w, probe_s, long_s, above_peak_factor) / w)))
+    fit = {w: max(0, int((share - closed_s) // (search_s(w, probe_s, long_s, above_peak_factor) / w)))
            for w in wanted}
-    searches = repeats * (num_prompts / peak * len(systems) + sum(search_s(w, probe_s, long_s, above_peak_factor)
+    searches = repeats * (closed_s * len(systems) + sum(search_s(w, probe_s, long_s, above_peak_factor)
                                                                   for w in wanted))  # each peak, then the probes
     seconds = min(setup + startups + searches, budget_s + CALL_OVERHEAD_S)
     over = f" over {repeats} repetitions" if repeats > 1 else ""
@@ -274,7 +278,7 @@ def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int
                       for w in dict.fromkeys(wanted))
     note = ""
     if repeats > 1 and any(fit[w] < w for w in wanted):
-        full = max(num_prompts / peak + search_s(w, probe_s, long_s, above_peak_factor) for w in wanted)
+        full = max(closed_s + search_s(w, probe_s, long_s, above_peak_factor) for w in wanted)
         need = setup + startups + MARGIN_S + full * len(systems) * repeats
         note = (f"BUDGET_S {budget_s:g} " + ("cannot fit" if min(fit.values()) < 1 else "does not fit")
                 + f" {repeats} repetitions of each search: ~{share:.0f} s each, a whole one ~{full:.0f} s; "
@@ -291,10 +295,10 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
          num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
          stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8,
          above_peak_factor: float = 1.0, lifetime_s: float | None = None,
-         cap: int = DEFAULT_MAX_PROBE_ARRIVALS, repeats: int = 1) -> list[str]:
+         cap: int = DEFAULT_MAX_PROBE_ARRIVALS, repeats: int = 1, peak_from_prior: bool = False) -> list[str]:
     """The session's calls, in order, with their estimated device time and what fits in SESSION_S. `lifetime_s`: a
     request's lifetime, for the probes' warm-ups (None: the discard alone, as before the ramp rule). `repeats`: each
-    search's repetitions (compare.py --search-repeats)."""
+    search's repetitions (compare.py --search-repeats). `peak_from_prior`: no closed-loop runs (`group_call`)."""
     slots = gpus // tp
     if repeats < 1:
         raise ValueError(f"--search-repeats {repeats}: each search runs at least once (give N >= 1)")
@@ -319,7 +323,7 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
         for g in groups[i:i + slots]:
             ours, vllm, note = group_systems(g, cfg, tp, gpu_gib, gpu_mem)
             side.append(group_call(g, [*vllm, *ours], peak, num_prompts, max_probes, budget_s, first_vllm, tp,
-                                   above_peak_factor, lifetime_s, cap, weights_gib(cfg), repeats))
+                                   above_peak_factor, lifetime_s, cap, weights_gib(cfg), repeats, peak_from_prior))
             lines += [f"  {g}: {x}" for x in (note, side[-1].note) if x]
         first_vllm = False  # the first call installs it
         calls.append(Call(" | ".join(c.what for c in side), max(c.seconds for c in side),
@@ -373,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--max-probe-arrivals", type=int, default=DEFAULT_MAX_PROBE_ARRIVALS,
                     help="SEARCH_ARGS' --search-max-probe-arrivals: no probe is planned longer")
     pl.add_argument("--repeats", type=int, default=1, help="SEARCH_ARGS' --search-repeats: each search that many times")
+    pl.add_argument("--peak-from-prior", action="store_true",
+                    help="SEARCH_ARGS' --search-peak-from-prior: no closed-loop run before each search")
     pl.add_argument("--stashed", action="store_true", help="vLLM is installed on the machine already (a warm one)")
     for q in (g, pl):
         q.add_argument("--tp", type=int, default=1)
@@ -390,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             life = a.lifetime_s if a.lifetime_s is not None else lifetime_guess(a.output)
             print("\n".join(plan(cfg, a.preset, a.gpus, a.tp, groups, a.prompt, a.num_prompts, a.max_probes,
                                  a.budget_s, a.vllm_parts, a.stashed, a.gpu_gib, a.gpu_mem, a.above_peak_factor,
-                                 life, a.max_probe_arrivals, a.repeats)))
+                                 life, a.max_probe_arrivals, a.repeats, a.peak_from_prior)))
     except ValueError as e:
         print(f"frontier_plan: {e}", file=sys.stderr)
         return 2

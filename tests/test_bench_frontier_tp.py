@@ -141,6 +141,24 @@ def test_the_plan_counts_every_repetition() -> None:
         plan.plan(cfg, "qwen3-8b", 1, 1, ["duet"], repeats=0)
 
 
+def test_the_plan_leaves_out_the_closed_loop_a_prior_peak_replaces() -> None:
+    """--search-peak-from-prior: no search runs its closed loop (num_prompts at once, num_prompts / peak s), so each
+    system's search is that much shorter, and the plan run by frontier_parallel.sh reads the flag from SEARCH_ARGS."""
+    cfg = MODEL["mixtral-8x7b"]
+    peak = plan.peak_guess(cfg, 1, 4096)
+    secs = [plan.group_call("vllm-a", ["vllm:", "vllm:--max-num-batched-tokens 1024"], peak, 48, 10, 5000, False,
+                            peak_from_prior=reuse).seconds for reuse in (False, True)]
+    assert secs[0] - secs[1] == pytest.approx(2 * 48 / peak)  # two systems' closed loops
+    env = {**os.environ, "KIND_GPUS": "1", "GROUP": "duet"}  # one search well inside BUDGET_S
+    totals = []
+    for extra in ("", " --search-peak-from-prior"):
+        r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, env={**env, "SEARCH_ARGS": "--search-max-probes 10" + extra})
+        assert r.returncode == 0, r.stderr
+        totals.append(int(re.search(r"total ~(\d+) s of", r.stdout).group(1)))  # type: ignore[union-attr]
+    assert totals[1] < totals[0]
+
+
 @pytest.mark.parametrize("gib,want", [(None, 190.0), (15.0, 60.0), (131.0, 190.0), (73.0, 125.0), (4.0, 60.0)])
 def test_vllm_startup_grows_with_the_model(gib: float | None, want: float) -> None:
     assert plan.vllm_startup_s(gib) == pytest.approx(want)
