@@ -150,6 +150,7 @@ from compare_args import (  # noqa: E402
     bench_config,
     build_parser,
     parse_workload,  # noqa: F401
+    probe_text,
     search_config,
     workload_list,
 )
@@ -398,7 +399,9 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
             "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
             "workloads": [{"title": w.title, "flags": workload_flags(a.bench_args, w.argv)}
-                          for w in workloads]}
+                          for w in workloads],
+            **({"probe_text": probe_text(a, workloads)} if a.goodput_search else {})}
+
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

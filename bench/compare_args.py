@@ -318,3 +318,25 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
         raise ValueError(f"--search-max-probes {cfg.max_probes}: at most {SALT_STRIDE - 1} (each probe's prompts are "
                          "salted apart within a workload's stride)")
     return cfg
+
+
+def probe_text(a: argparse.Namespace, workloads: Sequence[Workload]) -> str:
+    """What a probe of the search sends, for the report's header: `per_rate` (in compare_continue.MATCH, so kept as
+    it was) says "N Poisson arrivals per probe" with N the --num-prompts, which on a trace is the window the probes
+    draw from, not a probe (--search-trace-probe's arrivals, else the whole window)."""
+    probe_n = a.num_prompts or SEARCH_NUM_PROMPTS
+    traces = sum(1 for w in workloads if _is_trace(w.argv))
+    fixed = f"{probe_n} Poisson arrivals per probe"
+    if not traces:
+        return fixed
+    trace_probe = getattr(a.search, "trace_probe", None)
+    each = (f"the first {trace_probe} requests of its window per probe (more where the ramp rule or a probe above "
+            "the peak asks)" if trace_probe is not None else "its whole window per probe")
+    on_traces = f"on a trace (its requests at Poisson arrivals of the probe's rate) {each}"
+    return on_traces if traces == len(workloads) else f"{fixed}; {on_traces}"
+
+
+def _is_trace(argv: Sequence[str]) -> bool:
+    """Whether a workload's `rapidserve bench` flags replay a trace (`--workload trace` or `--workload=trace`)."""
+    pairs = zip(argv, [*argv[1:], ""], strict=True)
+    return any(x == "--workload=trace" or (x == "--workload" and nxt == "trace") for x, nxt in pairs)

@@ -309,7 +309,8 @@ def frontier_markdown(frontiers: Sequence[Mapping[str, Any]], meta: Mapping[str,
     rows = with_composite(frontiers)
     vs, own = versus_better_vllm(rows, vllm), versus_ours(rows, vllm, ref)
     lines = [f"# rapidserve compare: goodput frontier, {meta.get('model')}", "",
-             f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; {meta.get('per_rate')}",
+             f"- {meta.get('created')}; serve args: `{meta.get('serve_args') or '(none)'}`; "
+             f"{meta.get('probe_text') or meta.get('per_rate')}",
              "- goodput at (p95 ITL bound B, share q): the highest Poisson rate (req/s) at which at least q of the "
              "requests meet both B (the p95 of the request's own inter-token gaps) and the TTFT rule (TTFT <= "
              "max(1 s, 1 s per 1000 prompt tokens)), found per system by searching the rate "

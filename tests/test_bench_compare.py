@@ -620,3 +620,23 @@ def test_vs_vllm_summary_command(tmp_path, capsys) -> None:  # type: ignore[no-u
             vs_vllm_summary.main(argv)
         assert ei.value.code == 2
     assert "give a compare.py report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argvs,trace_probe,want", [
+    ([("--workload", "fixed")], None, "48 Poisson arrivals per probe"),
+    ([("--workload", "trace", "--num-prompts", "256")], 64,
+     "on a trace (its requests at Poisson arrivals of the probe's rate) the first 64 requests of its window per probe"),
+    ([("--workload=trace",)], None, "on a trace (its requests at Poisson arrivals of the probe's rate) its whole "
+                                    "window per probe"),
+    ([("--workload", "fixed"), ("--workload", "trace")], 64, "48 Poisson arrivals per probe; on a trace"),
+])
+def test_the_header_says_what_a_probe_sends(argvs: list[tuple[str, ...]], trace_probe: int | None, want: str) -> None:
+    """The report's header (`probe_text`): a trace's probe is not --num-prompts arrivals (the old `per_rate`, kept
+    for compare_continue.MATCH, said "N Poisson arrivals per probe" there too)."""
+    from compare_args import Workload, probe_text
+
+    from rapidserve.benchmark.search_config import SearchConfig
+
+    a = argparse.Namespace(num_prompts=48, search=SearchConfig(trace_probe=trace_probe))
+    text = probe_text(a, [Workload(tuple(v), f"w{i}") for i, v in enumerate(argvs)])
+    assert text.startswith(want)
