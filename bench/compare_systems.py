@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_slo import SLO_PREFIX, parse_slo_system  # noqa: E402
+from make_peer_model import vllm_quantization_flags  # noqa: E402
 
 from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
 
@@ -220,8 +221,9 @@ def shared_serve_flags(serve_args: str) -> list[str]:
 def vllm_command(model_dir: str, port: int, serve_args: str, flags: str, serve_script: str | None,
                  python: str = sys.executable) -> list[str]:
     """How a vLLM system is started: through serve_vllm.sh when there is one, else vLLM's OpenAI server
-    module directly (dummy weights in bf16, as the script does; `flags` can override both)."""
-    vflags = [*shared_serve_flags(serve_args), *shlex.split(flags)]
+    module directly (dummy weights in bf16, as the script does; `flags` can override both). Where the model folder
+    declares its FP8 scheme (bench/make_peer_model.py --fp8), vLLM reads it there and gets no --quantization."""
+    vflags = vllm_quantization_flags([*shared_serve_flags(serve_args), *shlex.split(flags)], model_dir)
     if serve_script:
         return ["bash", serve_script, model_dir, str(port), *vflags]
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--load-format", "dummy",

@@ -74,7 +74,10 @@
 # arrivals per probe; sweep: 32 conversations), WARMUP (4), BUDGET_S (540: the whole script, setup included, ends
 # inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the
 # model shape, ours `preset:PRESET`, vLLM's folder from make_model.py; another preset's folder comes from
-# bench/make_peer_model.py), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention
+# bench/make_peer_model.py), VLLM_FP8 (checkpoint: vLLM's folder declares an FP8_DYNAMIC checkpoint, written by
+# make_peer_model.py --fp8, so vLLM allocates fp8 weights as for a real FP8 checkpoint instead of quantizing bf16 ones
+# at load (the 70B shape in fp8 on one GPU); give ours the same scheme with SERVE_ARGS="--quantization fp8", which
+# vLLM then does not get: compare_systems.vllm_command), FA3_FROM_VLLM (1: rapidserve's servers find vLLM's FlashAttention-3 build, so attention
 # backend auto is FA3; 0: they keep Triton), VLLM_CACHE (below).
 # Further arguments go to compare.py after the script's own (they win), e.g. `--search-tolerance 0.1`.
 #
@@ -220,11 +223,19 @@ recipe="$(find_recipe)"
 why_not=""
 peer_install  # sets why_not when vLLM cannot be installed
 [ -z "$why_not" ] && [ "${FA3_FROM_VLLM:-1}" = 1 ] && expose_fa3  # our engine's attention backend 'auto' finds FA3
-if [ -z "$why_not" ] && [ "$preset" != qwen3-8b ]; then  # another preset's shape: our own folder maker
-    model="$model-$preset"
+fp8_folder=()
+case "${VLLM_FP8:-}" in
+    "") ;;
+    checkpoint) fp8_folder=(--fp8) ;;
+    *) echo "vs_vllm: VLLM_FP8=${VLLM_FP8}: give checkpoint (vLLM's folder declares FP8_DYNAMIC) or leave it unset" >&2
+       exit 2 ;;
+esac
+if [ -z "$why_not" ] && { [ "$preset" != qwen3-8b ] || [ -n "${fp8_folder[*]}" ]; }; then  # our own folder maker
+    model="$model-$preset${fp8_folder[*]:+-fp8}"
     if [ ! -f "$model/config.json" ]; then
-        say "writing the $preset-shaped model folder $model"
-        "$py" bench/make_peer_model.py "$preset" "$model" 2>&1 | tee -a "$setup_log" || why_not="make_peer_model.py failed"
+        say "writing the $preset-shaped model folder $model${fp8_folder[*]:+ (FP8_DYNAMIC checkpoint)}"
+        "$py" bench/make_peer_model.py "$preset" "$model" "${fp8_folder[@]}" 2>&1 | tee -a "$setup_log" \
+            || why_not="make_peer_model.py failed"
     fi
 fi
 if [ -z "$why_not" ] && [ ! -f "$model/config.json" ]; then
