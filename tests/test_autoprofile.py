@@ -38,7 +38,8 @@ from rapidserve.partition.profile_budget import (
     measure_within,
     short_spec,
 )
-from rapidserve.partition.roofline import Peaks, roofline_profile
+from rapidserve.partition.roofline import Peaks
+from rapidserve.partition.roofline_profile import roofline_profile
 from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import fake_gpu  # noqa: F401 - the fixture

@@ -22,7 +22,8 @@ from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import decide_adaptive
 from rapidserve.partition.policy import PolicyState, WaitingPrefill
 from rapidserve.partition.profile import Configuration, ProfileVariant
-from rapidserve.partition.roofline import concurrent, decode_step_ms, mixed_operators, roofline_profile, step_seconds
+from rapidserve.partition.roofline import concurrent, decode_step_ms, mixed_operators, step_seconds
+from rapidserve.partition.roofline_profile import roofline_profile
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split
 from rapidserve.partition.step_costs import RooflineCosts

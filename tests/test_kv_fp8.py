@@ -323,7 +323,8 @@ def test_profiles_are_keyed_by_the_weights_and_the_kv_cache(tmp_path: Path) -> N
         save_profile,
         variant_of,
     )
-    from rapidserve.partition.roofline import Peaks, roofline_profile
+    from rapidserve.partition.roofline import Peaks
+    from rapidserve.partition.roofline_profile import roofline_profile
 
     names = {profile_filename("NVIDIA H200", "preset:qwen3-8b", tp, ProfileVariant(q, kv))
              for tp in (1, 2) for q in ("none", "fp8") for kv in ("auto", "fp8")}

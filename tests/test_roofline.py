@@ -21,10 +21,10 @@ from rapidserve.partition.roofline import (
     measure_peaks,
     prefill_operators,
     prefill_tokens_per_s,
-    roofline_profile,
     totals,
 )
 from rapidserve.partition.roofline_error import compare
+from rapidserve.partition.roofline_profile import roofline_profile
 
 LLAMA3_8B = ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                         num_heads=32, num_kv_heads=8, head_dim=128, name="llama-3-8b")

@@ -26,9 +26,9 @@ from rapidserve.partition.roofline import (
     mixed_operators_summed,
     prefill_operators,
     prefill_tokens_per_s,
-    roofline_profile,
     step_seconds,
 )
+from rapidserve.partition.roofline_profile import roofline_profile
 from rapidserve.partition.step_costs import RooflineCosts
 from rapidserve.quant_config import ONLINE_FP8, QuantizationConfig
 

@@ -1,7 +1,7 @@
 """A measured partition profile under tensor parallelism (issue 17): `rapidserve profile --shard-of-tp N`
 measures one rank's shard alone on one GPU (here: the CPU), the engine at `-tp N` finds it as
 `<gpu>__<model>__tpN.json` and adds the collectives from the roofline's link model
-(`roofline.with_collectives`); without one it keeps the roofline estimate, as before."""
+(`roofline_profile.with_collectives`); without one it keeps the roofline estimate, as before."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.loader.presets import preset_config
 from rapidserve.partition.backend import PartitionError
 from rapidserve.partition.profile import ProfileError, load_profile, profile_filename, save_profile
-from rapidserve.partition.roofline import Peaks, with_collectives
+from rapidserve.partition.roofline import Peaks
+from rapidserve.partition.roofline_profile import with_collectives
 from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import H100_NAME, fake_gpu  # noqa: F401 (a fixture)

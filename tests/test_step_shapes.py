@@ -30,7 +30,8 @@ from rapidserve.partition.backend import Granularity, PartitionBackend
 from rapidserve.partition.plan import PartitionPlan
 from rapidserve.partition.policies import DuetPolicy
 from rapidserve.partition.profile import OVERALLOCATED, Configuration
-from rapidserve.partition.roofline import Peaks, roofline_profile
+from rapidserve.partition.roofline import Peaks
+from rapidserve.partition.roofline_profile import roofline_profile
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.shape import DecodeAlone, Fused, ShapeState, Split, StepShape, queue_head
 from rapidserve.partition.step_policies import AlwaysFused, AlwaysSplit, DuetWithoutSlo, ScriptedPolicy

@@ -34,9 +34,8 @@ from rapidserve.partition.roofline import (
     decode_step_ms,
     plus_collectives,
     prefill_tokens_per_s,
-    roofline_profile,
-    with_collectives,
 )
+from rapidserve.partition.roofline_profile import roofline_profile, with_collectives
 from rapidserve.partition_config import PartitionConfig
 from tests.test_partition_manager import h100_profile
 from tests.test_profiler import H100_NAME, fake_gpu  # noqa: F401 (a fixture)

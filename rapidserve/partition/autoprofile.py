@@ -170,7 +170,7 @@ def measure_short(cfg: EngineConfig, gpu: str, deadline: float, *, clock: Callab
     from rapidserve.partition.profile_budget import budgeted_profile, cell_order, measure_within, short_spec
     from rapidserve.partition.profile_cmd import for_profiling
     from rapidserve.partition.profiler import entry_of, prepare
-    from rapidserve.partition.roofline import roofline_profile
+    from rapidserve.partition.roofline_profile import roofline_profile
     from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
 
     spec = short_spec(cfg.scheduler.max_num_seqs, cfg.max_model_len, cfg.scheduler.max_num_batched_tokens)

@@ -47,7 +47,8 @@ from rapidserve.partition.profile import (
     profile_filename,
     variant_of,
 )
-from rapidserve.partition.roofline import collective_ops, kv_element_bytes, roofline_profile, with_collectives
+from rapidserve.partition.roofline import collective_ops, kv_element_bytes
+from rapidserve.partition.roofline_profile import roofline_profile, with_collectives
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import check_without_partition
 

@@ -104,7 +104,7 @@ class Profile(msgspec.Struct, frozen=True):
     prefill_tokens: int = 4096
     # > 1: one tensor-parallel rank's shard of the model, measured alone on one GPU (`rapidserve profile
     # --shard-of-tp N`): its figures hold no collectives; the engine adds them from the roofline's link model
-    # (`roofline.with_collectives`) when it serves at that tensor-parallel size
+    # (`roofline_profile.with_collectives`) when it serves at that tensor-parallel size
     tensor_parallel_size: int = 1
     # how the figures were made beyond `source`, for the start-up log (an auto-profile measured at start:
     # how many cells were measured, the others being the roofline's scaled by them; partition/autoprofile.py)

@@ -188,8 +188,8 @@ def random_weights(shard: Any, device: Any, dtype: Any) -> Callable[[], Any]:
 def roofline_check(cfg: Any, runner: Any, measured: Profile, spec: Any, out: Path) -> dict[str, Any]:
     """Predict the same table with the roofline model fed with peaks measured now; report its error."""
     from rapidserve.partition.peaks import measure_peaks
-    from rapidserve.partition.roofline import roofline_profile
     from rapidserve.partition.roofline_error import compare
+    from rapidserve.partition.roofline_profile import roofline_profile
 
     peaks = measure_peaks(runner.device, runner.dtype, fp8=cfg.quantization.enabled)
     predicted = roofline_profile(cfg.model_config, measured.gpu, measured.model, peaks, measured.configurations,

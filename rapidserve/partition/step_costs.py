@@ -39,7 +39,7 @@ One protocol, `StepCosts`, two implementations:
 
 Tensor parallelism: every figure is one rank's, collectives included, as the existing models have it: the
 roofline's operators carry their collectives (`roofline.collective_ops`, `concurrent`'s `plus_collectives`),
-and a measured shard profile comes here already put through `roofline.with_collectives` by the plan
+and a measured shard profile comes here already put through `roofline_profile.with_collectives` by the plan
 (partition/plan.py), so its decode steps and prefill rate hold them.
 
 All times are milliseconds, predicted, uncorrected; nothing here touches a device.
