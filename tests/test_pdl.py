@@ -401,7 +401,8 @@ def test_with_launch_binds_every_launcher() -> None:
     from rapidserve.ops import torch_ops_bundle, triton_kv, triton_ops_bundle, with_launch
 
     ops = triton_ops_bundle(skinny=True)
-    gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows", "fp8_linear_sums")
+    gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows", "fp8_linear_sums",
+             "fp8_linear_silu_and_mul")
     for choice in (LaunchChoice(True, MIB8), LaunchChoice(True, 0), OFF):
         for bundle in (ops, with_launch(ops, OFF), with_launch(ops, LaunchChoice(True, 64))):
             bound = with_launch(bundle, choice)

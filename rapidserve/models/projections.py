@@ -4,7 +4,10 @@ activations and per-row weight scales, rows that the op before it (RMSNorm, SiLU
 attention for o_proj) already quantized (`fused_fp8`, `ops.fp8.QuantizedRows`): the same numbers as the projection's
 own quantizer, one launch and one pass over the rows fewer. A projection whose output only the next RMSNorm reads
 (o_proj, down_proj) may hand that norm its split-K sums unreduced (`linear_sums`, ops/fold_table.py): the norm adds
-them (`Ops.add_rms_norm_fp8_sums`), one launch fewer again.
+them (`Ops.add_rms_norm_fp8_sums`), one launch fewer again. A projection that runs W8A16 at the step's rows
+(`Ops.w8a16`, ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes the float rows of the plain
+producers instead (`fused_fp8` of those rows says None), and an MLP whose gate|up and down both do takes SiLU-and-mul
+in gate|up's epilogue (`Ops.fp8_linear_silu_and_mul`), as the bf16 path does.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ Rows = torch.Tensor | QuantizedRows  # a projection's input: float rows, or rows
 Hidden = torch.Tensor | SplitSums  # a projection's output, or a split-K fp8 GEMM's unreduced sums (`linear_sums`)
 
 
-def fused_fp8(ops: Ops, w: Weight | None) -> torch.dtype | None:
+def fused_fp8(ops: Ops, w: Weight | None, rows: int | None = None) -> torch.dtype | None:
     """The fp8 format in which the op that makes projection `w`'s input quantizes it (RMSNorm, SiLU-and-mul: the
     bundle's `*_fp8` ops), or None where `w` takes float rows: the fusion is on (`ops.fuse_fp8`) and `w` is fp8 with
-    dynamic per-token activations and per-row weight scales (`fp8.takes_rows`). Static or per-tensor activation
-    scales, block weight scales, float projections (and MoE experts, w None) keep the float rows."""
-    if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w):
+    dynamic per-token activations and per-row weight scales (`fp8.takes_rows`), and does not run W8A16 at the call's
+    `rows` (`ops.w8a16`; rows None: not asked). Static or per-tensor activation scales, block weight scales, float
+    projections (and MoE experts, w None) keep the float rows."""
+    if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w) and not (rows and ops.w8a16(rows, w)):
         return w.weight.dtype
     return None
 
@@ -61,8 +65,12 @@ def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) ->
     if not isinstance(gate_up, Fp8Linear):
         assert not isinstance(x, QuantizedRows)
         return down_linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
+    rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.shape[0]
+    if isinstance(x, torch.Tensor) and isinstance(down, Fp8Linear) and rows and ops.w8a16(rows, gate_up) \
+            and ops.w8a16(rows, down):  # W8A16 both: SiLU-and-mul in gate|up's epilogue, float rows for down
+        return down_linear(ops, ops.fp8_linear_silu_and_mul(x, gate_up), down)
     h = linear(ops, x, gate_up)
-    fp8 = fused_fp8(ops, down)
+    fp8 = fused_fp8(ops, down, rows)
     return down_linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
 
 

@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them). `sums_out`:
         the next layer of a class with `split_sums` reads the output (`post_attention`'s); `hidden` may be sums."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj))
+        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj, q.shape[0]))
         if sums_out:
             return self.post_attention(o, residual, ops, sums_out=True)
         return self.post_attention(o, residual, ops)
@@ -182,7 +182,8 @@ class DecoderLayer(nn.Module):
         `hidden`) whose output feeds projection `w`: quantized for it where `fused_fp8` says so. `hidden` may be a
         split-K GEMM's sums (`projections.linear_sums`): the fused norm adds them itself, any other is given them
         reduced. Returns (the normed rows, the residual stream)."""
-        eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w)
+        rows = hidden.ws.shape[1] if isinstance(hidden, SplitSums) else hidden.shape[0]
+        eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w, rows)
         if isinstance(hidden, SplitSums):
             if fp8 is not None and residual is not None:
                 return ops.add_rms_norm_fp8_sums(hidden, residual, weight, eps, fp8)

@@ -49,6 +49,14 @@ reference (numerically identical to transformers) elsewhere. Signatures:
   other consumer); the same numbers as the unfused launches. `no_split_fold(bundle)` turns it off
   (bench/decode_profile.py's A/B)
 
+- W8A16 (issue 39, ops/triton_w8a16.py: fp8 weights, the rows in fp16 with no per-token scale, no quantizer before the
+  GEMM): ``w8a16(rows, layer) -> bool`` says whether `rows` float rows of an fp8 projection run W8A16 (the Triton
+  bundle: `fp8_gpu.w8a16_routed`, by ops/w8a16_table.json, EMPTY until a GPU measures it: the engine runs W8A8; the
+  torch bundle: never), so the model hands that projection the float rows of the plain producers (`fused_fp8`), and
+  ``fp8_linear_silu_and_mul(x, gate_up) -> [T, I]``, SiLU-and-mul of an fp8 gate|up's product (W8A16: in the GEMM's
+  epilogue, one launch). `with_w8a16(bundle, table)` binds another table (`w8a16_table.forced`: every row count the
+  kernel takes; bench/decode_profile.py's `w8a16` variant and the GPU tests)
+
 The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
 `rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:
 that default; False: off), and `no_pdl(bundle)` binds it off in every one (tests/test_pdl_gpu.py's eager reference);
@@ -66,7 +74,9 @@ Triton is imported only when the Triton ops are requested.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -141,6 +151,8 @@ class Ops:
     # whether the model asks for split-K sums (`fp8_linear_sums`) for the norm after o_proj / down_proj: the Triton
     # bundle's (whose skinny fp8 GEMM splits K); off in the torch bundle, whose GEMM never does
     fold_split_k: bool = False
+    w8a16: Callable[[int, fp8.Fp8Linear], bool] = torch_ops.no_w8a16
+    fp8_linear_silu_and_mul: Callable[[torch.Tensor, fp8.Fp8Linear], torch.Tensor] = torch_ops.fp8_linear_silu_and_mul
 
 
 def torch_ops_bundle() -> Ops:
@@ -162,7 +174,7 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
               triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
               fp8_gpu.gpu_linear_rows, fp8_linear_sums=fp8_gpu.gpu_linear_sums,
               add_rms_norm_fp8_sums=triton_fp8_fold.add_rms_norm_fp8_sums, reduce_sums=triton_fp8_skinny.reduce_sums,
-              fold_split_k=True)
+              fold_split_k=True, w8a16=fp8_gpu.w8a16_routed, fp8_linear_silu_and_mul=fp8_gpu.gpu_linear_silu_and_mul)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -264,7 +276,28 @@ def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
         return ops
     return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear,
                                fp8_linear_rows=fp8.reference_linear_rows, fuse_fp8=False,
-                               fp8_linear_sums=fp8.reference_linear_rows, fold_split_k=False)
+                               fp8_linear_sums=fp8.reference_linear_rows, fold_split_k=False,
+                               w8a16=torch_ops.no_w8a16, fp8_linear_silu_and_mul=torch_ops.fp8_linear_silu_and_mul)
+
+
+W8A16_FIELDS = ("fp8_linear", "w8a16", "fp8_linear_silu_and_mul")  # the fields that read the W8A16 table
+
+
+def with_w8a16(ops: Ops, table: Mapping[str, object]) -> Ops:
+    """`ops` with the W8A16 table `table` (ops/w8a16_table.py; `w8a16_table.forced(gpu)`: every row count the kernel
+    takes) bound into every one of `W8A16_FIELDS` that takes it (the Triton bundle's, as their `w8a16` argument), named
+    so; the bundle itself where none does (the torch bundle never runs W8A16). Bind before `with_launch`, which keeps
+    this binding."""
+    fields = {name: functools.update_wrapper(functools.partial(getattr(ops, name), w8a16=table), getattr(ops, name))
+              for name in W8A16_FIELDS if _takes(getattr(ops, name), "w8a16")}
+    return ops if not fields else dataclasses.replace(ops, name=ops.name + "-w8a16", **fields)
+
+
+def _takes(fn: Callable[..., object], arg: str) -> bool:
+    try:
+        return arg in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def get_ops(device: torch.device | str) -> Ops:
@@ -275,4 +308,5 @@ def get_ops(device: torch.device | str) -> Ops:
 
 
 __all__ = ["Linear", "MoeExperts", "MoeLayer", "Ops", "RopeWrite", "cublas_linears", "fp8_ops", "get_ops", "no_pdl",
-           "no_split_fold", "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops", "with_launch"]
+           "no_split_fold", "torch_ops_bundle", "triton_ops_bundle", "unfused_fp8", "unfused_ops", "with_launch",
+           "with_w8a16"]

@@ -46,6 +46,7 @@ from torch import nn
 FP8_E4M3FN = torch.float8_e4m3fn
 FP8_E4M3FNUZ = torch.float8_e4m3fnuz
 MIN_AMAX = 1e-12  # a row (or group, tensor) of zeros gets this amax, not a 0 scale (0 / 0)
+HALF_MAX = 65504.0  # float16's largest finite value: W8A16's activations saturate there (`to_half`)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -248,6 +249,25 @@ def reduce_sums_reference(sums: SplitSums) -> torch.Tensor:
     return acc.to(sums.dtype)
 
 
+def to_half(x: torch.Tensor) -> torch.Tensor:
+    """x as W8A16's activations (ops/triton_w8a16.py): float16, clamped to +-HALF_MAX first (a saturating cast, as
+    e4m3's is at 448), rounded to nearest even; x of float16 unchanged."""
+    return x if x.dtype == torch.float16 else x.float().clamp(-HALF_MAX, HALF_MAX).to(torch.float16)
+
+
+def reference_linear_half(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16 (ops/triton_w8a16.py) of float rows x [M, K] through a per-row-scaled fp8 layer: out[m, n] =
+    (sum_k to_half(x)[m, k] w8[n, k]) * sw[n] (+ bias[n] after a rounding to x's dtype), float32 sums, out in x's
+    dtype: the kernel's numbers up to the order of its float32 sums. No activation scale and no quantizer: fp16's 10
+    mantissa bits against e4m3's 3."""
+    if layer.block is not None or layer.weight_scale.dim() != 1:
+        raise ValueError(f"W8A16 takes per-row weight scales; got {layer.extra_repr()}")
+    acc = F.linear(to_half(x).float(), layer.weight.float()) * layer.weight_scale.float()
+    if bias is not None:
+        acc = acc.to(x.dtype).float() + bias.float()
+    return acc.to(x.dtype)
+
+
 def quantize_rows(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
     """x [M, K] quantized per token (`quantize_input(x, "token", fp8)`) as `QuantizedRows`: the reference of the
     fused ops (torch_ops' `*_fp8`)."""
@@ -285,7 +305,7 @@ def check_rows(rows: QuantizedRows, layer: Fp8Linear) -> None:
                          f"{s.dtype}")
 
 
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "SplitSums", "check_rows",
-           "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max", "fp8_supported",
-           "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference", "reference_linear",
-           "reference_linear_rows", "takes_rows", "to_fnuz"]
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "HALF_MAX", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "SplitSums",
+           "check_rows", "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max",
+           "fp8_supported", "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference",
+           "reference_linear", "reference_linear_half", "reference_linear_rows", "takes_rows", "to_fnuz", "to_half"]

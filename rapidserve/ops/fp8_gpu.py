@@ -8,13 +8,17 @@ The math every path computes, and the reference, are in rapidserve/ops/fp8.py; t
 `gpu_linear_rows` takes rows already quantized per token by the op that made them (triton_fp8_fused: RMSNorm,
 SiLU-and-mul) through the same routing, minus the quantizer; `gpu_linear_sums` the same, a split-K skinny GEMM's
 output left unreduced for the RMSNorm after it where ops/fold_table.py says so.
+W8A16 (ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes float rows of per-token layers where the
+W8A16 table says (`w8a16_routed`: ops/w8a16_table.py, empty by default, so nothing goes there unless a GPU measured it
+or a caller passes a table, `w8a16=`): in `gpu_linear` and `gpu_linear_silu_and_mul` (gate|up with SiLU-and-mul in
+the GEMM's epilogue); the model asks `w8a16_routed` first so that the producers of those rows do not quantize them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rapidserve.ops import fold_table, triton_fp8, triton_fp8_skinny
+from rapidserve.ops import fold_table, triton_fp8, triton_fp8_skinny, triton_ops, triton_w8a16
 from rapidserve.ops.fp8 import (
     Fp8Linear,
     QuantizedRows,
@@ -23,7 +27,9 @@ from rapidserve.ops.fp8 import (
     quantize_input,
     reference_linear,
     reference_linear_rows,
+    takes_rows,
 )
+from rapidserve.ops.w8a16_table import W8a16Table
 
 FAST_ACCUM = True  # `scaled_mm_linear`'s use_fast_accum (its docstring)
 
@@ -61,14 +67,29 @@ def _scaled_mm(x8: torch.Tensor, sx: torch.Tensor, layer: Fp8Linear, dtype: torc
     return out if bias is None else out + bias
 
 
+def w8a16_routed(rows: int, layer: Fp8Linear, w8a16: W8a16Table | None = None, gated: bool = False) -> bool:
+    """Whether `rows` float rows of `layer` run W8A16 (`gpu_linear`; gated: `gpu_linear_silu_and_mul`): a per-token
+    layer with per-row weight scales (`fp8.takes_rows`) in e4m3fn on an NVIDIA GPU, the W8A16 table (`w8a16`: default
+    the packaged one, ops/w8a16_table.py) taking the rows and `triton_w8a16.plan` giving tiles. `Ops.w8a16` of the
+    Triton bundle: the model asks it before it lets a producer quantize the rows."""
+    return (takes_rows(layer) and torch.version.hip is None and layer.weight.is_cuda
+            and layer.weight.dtype == torch.float8_e4m3fn
+            and triton_w8a16.planned(rows, layer.weight, w8a16, gated) is not None)
+
+
 def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None,
-               pdl: bool | None = None, prefetch: int | None = None) -> torch.Tensor:
+               pdl: bool | None = None, prefetch: int | None = None, w8a16: W8a16Table | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
-    activations at 1-64 rows on NVIDIA through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
+    activations at 1-64 rows on NVIDIA through W8A16 where `triton_w8a16.routed` (the W8A16 table `w8a16`, default the
+    packaged one: empty), else through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
     ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
     `reference_linear`. `pdl`: programmatic dependent launch of the skinny kernel and the per-token quantizer
     (`ops.pdl.use_pdl`; None: where the GPU has it); `prefetch`: the skinny kernel's weight bytes pulled into L2
     before its wait (None: triton_skinny.PREFETCH_BYTES; 0: none)."""
+    if (takes_rows(layer) and torch.version.hip is None
+            and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16)):
+        return triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias, pdl=pdl, prefetch=prefetch,
+                                         table=w8a16)
     if layer.block is not None:
         x8, sx = quantize_input(x, layer.activations, layer.weight.dtype, layer.input_scale, layer.group)
         out = triton_fp8.block_linear(x8, sx, layer.weight, layer.weight_scale, layer.block, x.dtype)
@@ -80,6 +101,19 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
     if scaled_mm_ok(x, layer):
         return scaled_mm_linear(x, layer, bias, pdl=pdl)
     return reference_linear(x, layer, bias)
+
+
+def gpu_linear_silu_and_mul(x: torch.Tensor, layer: Fp8Linear, pdl: bool | None = None, prefetch: int | None = None,
+                            w8a16: W8a16Table | None = None) -> torch.Tensor:
+    """silu_and_mul(gpu_linear(x, layer)) for an MLP's fp8 gate|up [2I, K]: one W8A16 launch with SiLU-and-mul in its
+    epilogue where `triton_w8a16.routed(gated=True)` (`w8a16` as `gpu_linear`'s), else `gpu_linear` then
+    `triton_ops.silu_and_mul`: the same numbers either way up to the GEMM's float32 sums. `pdl`, `prefetch` as
+    `gpu_linear`'s."""
+    if (takes_rows(layer) and torch.version.hip is None
+            and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16, gated=True)):
+        return triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, pdl=pdl,
+                                                      prefetch=prefetch, table=w8a16)
+    return triton_ops.silu_and_mul(gpu_linear(x, layer, None, pdl, prefetch, w8a16), pdl=pdl)
 
 
 def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None,
@@ -112,4 +146,5 @@ def gpu_linear_sums(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | 
     return gpu_linear_rows(rows, layer, bias, pdl, prefetch)
 
 
-__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "gpu_linear_sums", "scaled_mm_linear", "scaled_mm_ok"]
+__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "gpu_linear_silu_and_mul", "gpu_linear_sums",
+           "scaled_mm_linear", "scaled_mm_ok", "w8a16_routed"]

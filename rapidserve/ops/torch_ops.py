@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rapidserve.ops.fp8 import QuantizedRows, SplitSums, quantize_rows, reduce_sums_reference
+from rapidserve.ops.fp8 import (
+    Fp8Linear,
+    QuantizedRows,
+    SplitSums,
+    quantize_rows,
+    reduce_sums_reference,
+    reference_linear_half,
+)
 from rapidserve.ops.torch_kv import write_kv as torch_write_kv
 
 
@@ -116,3 +123,15 @@ def add_rms_norm_fp8_sums(sums: SplitSums, residual: torch.Tensor, weight: torch
 def silu_and_mul_fp8(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
     """silu_and_mul(x [M, 2I]) quantized per token to `fp8`."""
     return quantize_rows(silu_and_mul(x), fp8)
+
+
+def no_w8a16(rows: int, layer: Fp8Linear) -> bool:
+    """`Ops.w8a16` of bundles that never run W8A16 (the torch bundle; ops/triton_w8a16.py is NVIDIA's): False."""
+    return False
+
+
+def fp8_linear_silu_and_mul(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
+    """silu_and_mul of the W8A16 product of float rows x with an fp8 gate|up (`fp8.reference_linear_half`): the
+    reference of `fp8_gpu.gpu_linear_silu_and_mul` where it runs W8A16."""
+    return silu_and_mul(reference_linear_half(x, layer))
+

@@ -66,7 +66,9 @@ import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops import triton_skinny
+from rapidserve.ops.fp8 import HALF_MAX as _HALF_MAX
 from rapidserve.ops.fp8 import QuantizedRows, SplitSums, cdiv
+from rapidserve.ops.fp8_skinny_steps import _epilogue, _gated_epilogue, _k_step
 from rapidserve.ops.fp8_tiles import MAX_ROWS, SCALED_MM, Fp8Tables, Fp8Tiles, load_tables, lookup
 from rapidserve.ops.triton_fp8 import quantize_tokens
 from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, prefetch_bytes, prefetch_rows, skinny_config
@@ -79,6 +81,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 PROMOTE_EVERY = 128
 RULE_ROWS = 16  # the untuned rule's rows: more go to torch._scaled_mm unless a table says otherwise
 TUNED: Fp8Tables = load_tables()  # the packaged tables, validated once at import (read-only)
+HALF_MAX = tl.constexpr(_HALF_MAX)  # W8A16's saturating cast of bf16 rows to fp16 (`fp8.to_half`)
 
 
 def fp8_config(n: int, k: int) -> SkinnyConfig:
@@ -144,16 +147,21 @@ def _planned(rows: int, weight: torch.Tensor, tables: Fp8Tables | None) -> Fp8Ti
 def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K_PER, stride_xm, stride_wn,
                        stride_om, prefetch, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PROMOTE: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr):
+                       PROMOTE: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr,
+                       A16: tl.constexpr = False, CAST_X: tl.constexpr = False, GATED: tl.constexpr = False):
     """Column tile program_id(0) over all of K; SPLIT: over K slice program_id(1), [s * K_PER, (s + 1) * K_PER) cut at
     K, its raw float32 sums stored at out_ptr, the workspace [splits, M, N] (module docstring). USE_GDC (`ops.pdl`):
     PREFETCH pulls the first `prefetch` bytes of its weight rows' slice into L2, then it waits for the kernel before;
-    it lets the next one start after its K loop."""
+    it lets the next one start after its K loop. A16 (W8A16, ops/triton_w8a16.py): x8_ptr holds float rows, not fp8,
+    and there is no sx: each K step's weight tile is widened to fp16 and the rows are fp16 already or, CAST_X, cast to
+    it in registers (clamped to +-HALF_MAX first: a saturating cast). GATED (A16, one pass, no bias): w is [2N, K] =
+    cat(gate, up) and the output silu_and_mul of the product (`_gated_epilogue`)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     x_rows = x8_ptr + rm[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    u_rows = w_ptr + (rn[:, None] + N).to(tl.int64) * stride_wn  # GATED: the up rows, N past the gate rows
     if SPLIT:
         k_lo = tl.program_id(1) * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K)
@@ -162,53 +170,43 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
         k_hi = K
     if USE_GDC:
         if PREFETCH:  # the weights (no kernel writes them; fp8: a byte an element), rows past N clamped to the last
-            prefetch_rows(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + k_lo,
-                          tl.minimum(prefetch, k_hi - k_lo))
+            rows = tl.minimum(rn, N - 1).to(tl.int64)
+            prefetch_rows(w_ptr + rows * stride_wn + k_lo, tl.minimum(prefetch, k_hi - k_lo))
+            if GATED:
+                prefetch_rows(w_ptr + (rows + N) * stride_wn + k_lo, tl.minimum(prefetch, k_hi - k_lo))
         tl.extra.cuda.gdc_wait()  # x8 and sx are the kernel before's output
     # SWAP: acc^T [BLOCK_N, BLOCK_M] = w8 @ x8^T, the weight tile as wgmma's 64-tall operand
     acc_t = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + rk
         x8 = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
-            w = tl.load(w_rows + kk[None, :])
-        else:
-            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        # PROMOTE: on sm_90 native fp8 wgmma sums in the tensor core at reduced precision; every PROMOTE products of
-        # K the partial sum is added into the fp32 accumulator (ignored by mma.sync and other targets)
-        if SWAP:
-            acc_t = tl.dot(w, tl.trans(x8), acc_t, max_num_imprecise_acc=PROMOTE)
-        else:
-            acc_t = tl.dot(x8, tl.trans(w), acc_t, max_num_imprecise_acc=PROMOTE)
+        if CAST_X:  # bf16 rows to fp16, saturating (`fp8.to_half`'s numbers)
+            x8 = tl.minimum(tl.maximum(x8.to(tl.float32), -HALF_MAX), HALF_MAX).to(tl.float16)
+        acc_t = _k_step(x8, w_rows, kk, rn, N, K, acc_t, EVEN, SWAP, A16, PROMOTE)
+        if GATED:
+            acc_u = _k_step(x8, u_rows, kk, rn, N, K, acc_u, EVEN, SWAP, A16, PROMOTE)
     if USE_GDC:  # after the K loop (`ops.pdl`, rule 3)
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.trans(acc_t) if SWAP else acc_t
     if SPLIT:  # this slice's raw sums; `_fp8_split_reduce_kernel` scales them
         part = out_ptr + tl.program_id(1).to(tl.int64) * M * N + rm[:, None].to(tl.int64) * N + rn[None, :]
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    elif GATED:
+        up = tl.trans(acc_u) if SWAP else acc_u
+        _gated_epilogue(acc, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om)
     else:
-        _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr):
-    """out[rm, rn] = acc * sx[rm] * sw[rn] (+ bias[rn]) in out's dtype, for the rows rm < M and columns rn < N."""
-    sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
-    acc = acc * sx[:, None] * tl.load(sw_ptr + rn, mask=rn < N, other=0.0)[None, :]
-    dt = out_ptr.dtype.element_ty
-    if HAS_BIAS:  # as reference_linear: the product in the output dtype, then the bias added
-        acc = acc.to(dt).to(tl.float32) + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, acc.to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS, not A16)
 
 
 @triton.jit
 def _fp8_split_reduce_kernel(ws_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
                              SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             USE_GDC: tl.constexpr):
+                             USE_GDC: tl.constexpr, HAS_SX: tl.constexpr = True):
     """out[rm, rn] for rows [program_id(0) * BLOCK_M, ...) and columns [program_id(1) * BLOCK_N, ...): the SPLITS
-    slices' float32 sums of the workspace [SPLITS, M, N] added in order 0, 1, ..., then `_epilogue`. USE_GDC
-    (`ops.pdl`): waits for the split kernel, then lets the next kernel start."""
+    slices' float32 sums of the workspace [SPLITS, M, N] added in order 0, 1, ..., then `_epilogue` (HAS_SX False:
+    W8A16's sums, no activation scales). USE_GDC (`ops.pdl`): waits for the split kernel, then lets the next kernel
+    start."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -219,7 +217,7 @@ def _fp8_split_reduce_kernel(ws_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, strid
     acc = tl.load(part, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(part + s * M * N, mask=mask, other=0.0)
-    _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS)
+    _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS, HAS_SX)
 
 
 def _fits(rows: int, cols: int, dense: bool, dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -257,44 +255,53 @@ def routed_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
 
 def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
             dtype: torch.dtype, config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None,
-            defer: bool = False) -> torch.Tensor | SplitSums:
+            defer: bool = False, a16: bool = False, gated: bool = False) -> torch.Tensor | SplitSums:
+    """The kernel's launch (and the reduce's where K is split). `a16` (ops/triton_w8a16.py): x8 is float rows, sx
+    unused; `gated` (with a16): weight is cat(gate, up) [2I, K], the output silu_and_mul of the product [M, I], in one
+    pass over K (split_k of the tiles ignored)."""
     n, k = weight.shape
+    n_out = n // 2 if gated else n
     m = x8.shape[0]
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]; got {tuple(bias.shape)}")
     cfg = config or _planned(m, weight, None) or rule_tiles(m, n, k)
     if cfg.block_m < m:
         raise ValueError(f"tiles {cfg.label()} hold {cfg.block_m} rows; the call has {m}")
+    if gated:
+        cfg = cfg._replace(split_k=1)
     b = bias if bias is not None else scale
     k_per, splits = split_slices(k, cfg)
     deferred = defer and splits > 1  # the sums are the result: no output tensor
-    out = torch.empty((m, n), dtype=dtype, device=x8.device) if not deferred else None
+    out = torch.empty((m, n_out), dtype=dtype, device=x8.device) if not deferred else None
     # splits > 1: the kernel writes its slices' sums to a float32 workspace, which the reduce kernel scales into out
-    ws = torch.empty((splits, m, n), dtype=torch.float32, device=x8.device) if splits > 1 else out
-    tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((splits, m, n_out), dtype=torch.float32, device=x8.device) if splits > 1 else out
+    tiles = triton.cdiv(n_out, cfg.block_n)
     on = pdl_launch.use_pdl(pdl, x8.device)
     budget = triton_skinny.PREFETCH_BYTES if prefetch is None else prefetch
-    ahead = prefetch_bytes(weight, tiles * splits * cfg.block_n, k_per, budget) if on else 0
+    ahead = prefetch_bytes(weight, tiles * splits * cfg.block_n * (2 if gated else 1), k_per, budget) if on else 0
+    # W8A16's constexprs only where on: W8A8's launches keep their arguments
+    half = {"A16": True, "CAST_X": x8.dtype != torch.float16, "GATED": gated} if a16 else {}
     _fp8_skinny_kernel[(tiles, splits)](
-        x8, sx, weight, scale, b, ws, m, n, k, k_per, x8.stride(0), weight.stride(0), n, ahead,
-        HAS_BIAS=bias is not None, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,
+        x8, sx, weight, scale, b, ws, m, n_out, k, k_per, x8.stride(0), weight.stride(0), n_out, ahead,
+        HAS_BIAS=bias is not None, EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,
         SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PROMOTE=min(cfg.block_k, PROMOTE_EVERY), PREFETCH=ahead > 0, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_launch.launch_options(on))
+        num_stages=cfg.num_stages, **half, **pdl_launch.launch_options(on))
     if deferred:
         return SplitSums(ws, sx, scale, bias, dtype)
     assert out is not None
-    return _reduce(SplitSums(ws, sx, scale, bias, dtype), out, on) if splits > 1 else out
+    return _reduce(SplitSums(ws, sx, scale, bias, dtype), out, on, not a16) if splits > 1 else out
 
 
-def _reduce(sums: SplitSums, out: torch.Tensor, on: bool) -> torch.Tensor:
-    """The reduce kernel's launch: `sums` added and scaled into `out` [M, N]; `on`: with PDL."""
+def _reduce(sums: SplitSums, out: torch.Tensor, on: bool, has_sx: bool = True) -> torch.Tensor:
+    """The reduce kernel's launch: `sums` added and scaled into `out` [M, N]; `on`: with PDL; `has_sx` False:
+    W8A16's sums, whose sx is not read."""
     splits, m, n = sums.ws.shape
     bm, bn = reduce_tile(m)
     _fp8_split_reduce_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         sums.ws, sums.sx, sums.sw, sums.bias if sums.bias is not None else sums.sw, out, m, n, out.stride(0),
         HAS_BIAS=sums.bias is not None, SPLITS=splits, BLOCK_M=bm, BLOCK_N=bn, num_warps=4,
-        **pdl_launch.launch_options(on))
+        **({} if has_sx else {"HAS_SX": False}), **pdl_launch.launch_options(on))
     return out
 
 

@@ -1,0 +1,132 @@
+"""W8A16 decode GEMMs (issue 39, route (c) of bench/results/issue39.md): fp8 (e4m3) weights with per-output-row scales,
+the activations in fp16 with no per-token scale, on the skinny fp8 kernel (ops/triton_fp8_skinny.py, its `A16` form).
+
+Why: at batch 1 on the H200 the fp8 decode step paid ~600 us a step more than bf16 in the kernels that quantize each
+projection's input per token (the RMSNorm's amax and e4m3 cast, the attention reduce's, SiLU-and-mul's), while its
+weight reads were 1.51x faster. W8A16 needs no quantizer: the projection takes the float rows the bf16 path's kernels
+write (plain RMSNorm, attention, and SiLU-and-mul in the gate|up GEMM's epilogue, `w8a16_linear_silu_and_mul`, as the
+bf16 skinny kernel does), so the producers are bf16's.
+
+The math (`fp8.reference_linear_half`, up to the order of float32 sums):
+    x16 = fp16(clamp(x, -65504, 65504))      x bf16 (or fp16) rows, saturated at fp16's max as e4m3's cast is at 448
+    out[m, n] = (sum_k x16[m, k] w8[n, k]) * sw[n] (+ bias[n] after a rounding to x's dtype), in x's dtype
+More accurate than W8A8 (fp16 has 10 mantissa bits, e4m3 3, and no per-row amax scales the small values away). The
+cast to fp16 happens in the kernel's registers each K step (CAST_X), on the x tile only: the numbers are those of a
+producer that wrote fp16 rows, and the producers stay bf16's kernels. Activations past 65504 saturate: Qwen3's
+down_proj inputs reach thousands, not 65504; a model whose rows pass it is distorted there (the table turns W8A16 on
+per GPU, not per model: measure the model's accuracy before putting an entry in).
+
+What the GPU runs (compiled for sm_90 on a CPU, Triton 3.9; tests/test_w8a16.py): the fp8 weight tile reaches shared
+memory by cp.async as before and is widened to fp16 (`cvt.rn.f16x2.e4m3x2`, 2 values an instruction) on its way into
+the product; the rows are never converted from e4m3 (there is none). With BLOCK_M 16 / 32 and no SWAP the product is
+mma.sync m16n8k16 f16 (as W8A8's, which widens BOTH operands: W8A16 converts half as many values at one 16-row tile
+of a 64-wide weight tile); with SWAP (the weight the 64-tall operand) it is wgmma m64nNk16 f16 with the widened weight
+as the register operand A and the rows from shared memory as B (W8A8's native e4m3 wgmma reads both from shared memory
+and converts nothing: W8A16 adds the weight's conversion there, and takes twice as many k16 steps as e4m3's k32). A
+non-swapped 64-row tile would put the widened weight back into shared memory for wgmma's B: `a16_fits` plans it out.
+
+Which call runs W8A16 is `plan`, a pure function of (rows, N, K, device, the fp8 tile tables, the W8A16 table): the
+W8A16 table's entry for the GPU takes the step's rows (ops/w8a16_table.py: EMPTY until a GPU measures it, so by
+default nothing runs here), the device is NVIDIA, and the fp8 kernel's own plan (`triton_fp8_skinny.plan`: its tuned
+table, else its untuned rule) gives tiles that `a16_fits`; W8A16 runs on those tiles (split-K included: its reduce
+kernel without sx). Elsewhere W8A8 as before (its tiles, `torch._scaled_mm`). ROCm: never (no skinny kernel there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rapidserve.ops import triton_fp8_skinny
+from rapidserve.ops.fp8_tiles import MAX_ROWS, Fp8Tables, Fp8Tiles
+from rapidserve.ops.triton_fp8_skinny import TUNED, _launch, device_name, fp8_ok, rule_tiles
+from rapidserve.ops.w8a16_table import W8A16_TABLE, W8a16Device, W8a16Table, w8a16_for_step
+
+
+def a16_fits(tiles: Fp8Tiles) -> bool:
+    """Whether W8A16 runs on these tiles with the widened weight in registers (module docstring): mma.sync (BLOCK_M
+    16 or 32, not swapped) or the swapped order (wgmma's register operand A); not a 64-row unswapped tile."""
+    return tiles.swap or tiles.block_m < 64
+
+
+def plan(rows: int, n: int, k: int, device: W8a16Device, tables: Fp8Tables, table: W8a16Table,
+         gated: bool = False) -> Fp8Tiles | None:
+    """The W8A16 tiles for `rows` rows of an [n, k] fp8 weight (gated: cat(gate, up), n = 2I, one pass over K), or
+    None for W8A8 (module docstring)."""
+    if not 0 < rows <= MAX_ROWS or not w8a16_for_step(rows, device, table) or (gated and n % 2):
+        return None
+    tiles = triton_fp8_skinny.plan(rows, n, k, device.name, tables)
+    if tiles is None or not a16_fits(tiles):
+        return None
+    return tiles._replace(split_k=1) if gated else tiles
+
+
+def device_of(weight: torch.Tensor) -> W8a16Device:
+    """The facts `plan` reads of the weight's device: its table key and whether it is an NVIDIA GPU."""
+    return W8a16Device(device_name(weight.device), weight.device.type == "cuda" and torch.version.hip is None)
+
+
+def planned(rows: int, weight: torch.Tensor, table: W8a16Table | None = None, gated: bool = False,
+            tables: Fp8Tables | None = None) -> Fp8Tiles | None:
+    """`plan` of a call on `weight`'s device (`table`: default the packaged one; `tables`: the fp8 tile tables, default
+    the packaged ones). An empty table answers None without asking the device anything."""
+    table = W8A16_TABLE if table is None else table
+    if not table:
+        return None
+    return plan(rows, *weight.shape, device_of(weight), TUNED if tables is None else tables, table, gated)
+
+
+def half_ok(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the W8A16 kernel takes this call: `triton_fp8_skinny.fp8_ok`'s bounds (1..MAX_ROWS bf16 / fp16 rows with
+    a contiguous last dim, a contiguous fp8 weight, float32 scales [N]) with an e4m3fn weight (NVIDIA's format)."""
+    return fp8_ok(x, weight, scale) and weight.dtype == torch.float8_e4m3fn
+
+
+def routed(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, table: W8a16Table | None = None,
+           gated: bool = False) -> bool:
+    """Whether `fp8_gpu.gpu_linear` (gated: `gpu_linear_silu_and_mul`) sends this call here: on an NVIDIA GPU, a call
+    that `half_ok` and that `plan` gives tiles."""
+    return x.is_cuda and half_ok(x, weight, scale) and planned(x.shape[0], weight, table, gated) is not None
+
+
+def _tiles(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Tiles | None,
+           table: W8a16Table | None, gated: bool) -> Fp8Tiles:
+    n, k = weight.shape
+    if not half_ok(x, weight, scale):
+        raise ValueError(f"W8A16 takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] with a contiguous last dim, a "
+                         f"contiguous e4m3fn weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+    if gated and n % 2:
+        raise ValueError(f"gated W8A16 takes a cat(gate, up) weight with an even row count; got {tuple(weight.shape)}")
+    cfg = config or planned(x.shape[0], weight, table, gated) or rule_tiles(x.shape[0], n, k)
+    if not a16_fits(cfg):
+        raise ValueError(f"W8A16 does not run on tiles {cfg.label()} (a 64-row tile must be swapped: a16_fits)")
+    return cfg
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: Fp8Tiles | None = None, pdl: bool | None = None, prefetch: int | None = None,
+                 table: W8a16Table | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16, M <= MAX_ROWS) through an fp8 projection (weight [N, K] e4m3fn, float32 scales [N]) as
+    W8A16 -> [M, N] in x's dtype (module docstring), on `config`'s tiles (default: `plan`'s under `table`, else the
+    untuned `rule_tiles`). `pdl`, `prefetch` as `triton_fp8_skinny.skinny_fp8_linear`'s. ValueError for what it
+    cannot take."""
+    cfg = _tiles(x, weight, scale, config, table, False)
+    out = _launch(x, scale, weight, scale, bias, x.dtype, cfg, pdl, prefetch, a16=True)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def w8a16_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                              config: Fp8Tiles | None = None, pdl: bool | None = None, prefetch: int | None = None,
+                              table: W8a16Table | None = None) -> torch.Tensor:
+    """silu_and_mul(w8a16_linear(x, weight, scale)) for an MLP's fp8 gate|up [2I, K] in one launch, the [M, 2I]
+    product never written (as `triton_skinny.linear_silu_and_mul`): [M, I] in x's dtype, the numbers of
+    `triton_ops.silu_and_mul` of the ungated output. One pass over K (the tiles' split_k ignored)."""
+    cfg = _tiles(x, weight, scale, config, table, True)
+    out = _launch(x, scale, weight, scale, None, x.dtype, cfg, pdl, prefetch, a16=True, gated=True)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+__all__ = ["a16_fits", "device_of", "half_ok", "plan", "planned", "routed", "w8a16_linear",
+           "w8a16_linear_silu_and_mul"]
