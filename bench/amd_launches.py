@@ -374,6 +374,28 @@ def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device)
                              torch.empty(t, k, device=device), torch.empty(t, k, dtype=torch.int32, device=device), cfg)
 
 
+def _w8a16_launches(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                    gated: bool) -> None:
+    """W8A16's launches of one projection (`_fp8_token_launches`): the tiles `triton_w8a16.plan` gives at 1, 16 and
+    64 rows with W8A16 forced, by the untuned rule and by each packaged fp8 table (gated: gate|up's launch)."""
+    from rapidserve.ops import triton_fp8_skinny as fsk
+    from rapidserve.ops import triton_w8a16
+    from rapidserve.ops.w8a16_table import W8a16Device, forced
+
+    if not triton_w8a16.half_ok(x, w8, sw):
+        return
+    n, k = w8.shape
+    for rows in (1, 16, 64):
+        for tables, dev in [({}, "rule"), *(({d: t}, d) for d, t in fsk.TUNED.items())]:
+            tiles = triton_w8a16.plan(rows, n, k, W8a16Device(dev, True), tables, forced(dev), gated)
+            if tiles is None:
+                continue
+            if gated:
+                triton_w8a16.w8a16_linear_silu_and_mul(x[:rows], w8, sw, config=tiles)
+            else:
+                triton_w8a16.w8a16_linear(x[:rows], w8, sw, bias, config=tiles)
+
+
 def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtype, hip: bool) -> None:
     """The launches of `ops.fp8_gpu.gpu_linear` for per-row fp8 weights of this layer's projections' shapes, with
     per-token activations: `triton_fp8.quantize_tokens` of each projection's input (the `torch._scaled_mm` path's
@@ -386,7 +408,9 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     RMSNorm alone (the first layer) and after the residual add, and the MLP's SiLU-and-mul, at one row (cut into
     slices) and at 256 (one program a row); their variants depend on the row width, x's dtype and the slices only.
     On NVIDIA the add + RMSNorm of a split-K GEMM's unreduced sums (`triton_fp8_fold`, SPLIT_K slices), at one row
-    (slices) and at 16 (one program a row).
+    (slices) and at 16 (one program a row), and W8A16 (`triton_w8a16`: the same kernel's A16 form on float rows, the
+    gate|up launch with SiLU-and-mul in its epilogue) with the tiles `triton_w8a16.plan` gives at 1, 16 and 64 rows
+    under a table forcing it, by the untuned rule and each packaged fp8 table.
     The experts of an MoE layer have no fp8 path (refused at load)."""
     from rapidserve.ops import triton_fp8, triton_fp8_fold, triton_fp8_fused
     from rapidserve.ops import triton_fp8_skinny as fsk
@@ -409,6 +433,8 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
             for rows in (1, 64):
                 tiles = fsk.rule_tiles(rows, n, k)._replace(split_k=SPLIT_K)
                 fsk.skinny_fp8_linear(x[:rows], w8, sw, bias, config=tiles)
+            if fp8 == torch.float8_e4m3fn:
+                _w8a16_launches(x, w8, sw, bias, gated=layer.moe is None and w is layer.gate_up_proj)
         triton_fp8.quantize_tokens(x, fp8)
     for rows in (1, 256):
         h = torch.empty(rows, layer.input_layernorm.shape[0], dtype=dtype, device=layer.input_layernorm.device)

@@ -3,6 +3,7 @@
     python bench/decode_profile.py [--model preset:qwen3-8b] [--batches 1,16,64] [--ctx 2048]
                                    [--variants fused,unfused] [--sweep] [--quantization fp8] [--out DIR]
                                    [--write-tables] [--budget-s 240] [--jobs 14] [--no-pdl-ab] [--write-pdl-table]
+                                   [--write-w8a16-table]
 
 For each decode batch (2048-token contexts, a CUDA-graph replay as the engine runs it, inputs in place):
   - the replay's wall time (CUDA events, median of 30) and its bytes (weights once + the batch's K/V) over
@@ -40,6 +41,9 @@ configuration of the skinny fp8 kernel (rows up to 64; its kernels compiled firs
 <out>/fp8_configs/device_name=<GPU>.json (ops/fp8_tiles.py's format, merged into the packaged table of this GPU if
 there is one); `--write-tables` also writes it into rapidserve/ops/fp8_configs/ of this checkout, where later runs
 (and the engine) load it: commit it from there.
+`--quantization fp8 --variants fused,w8a16`: the `w8a16` variant forces W8A16 (ops/triton_w8a16.py) at every row
+count the kernel takes, timed beside `fused` (W8A8), with its entry of ops/w8a16_table.json derived and, with
+`--write-w8a16-table`, written (bench/w8a16_ab.py says how).
 Writes <out>/decode_profile.json and .md; prints the table last.
 """
 
@@ -66,6 +70,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8_sweep  # noqa: E402
+import w8a16_ab  # noqa: E402
 from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
@@ -213,15 +218,21 @@ def main() -> int:
                     help="capture and time only the engine's graphs (no 'PDL' / 'no PDL' / 'no prefetch' replays)")
     ap.add_argument("--write-pdl-table", action="store_true",
                     help="also write this GPU's measured PDL entry into rapidserve/ops/pdl_table.json of this checkout")
+    ap.add_argument("--write-w8a16-table", action="store_true",
+                    help="fp8, variants fused and w8a16: also write this GPU's measured W8A16 entry into "
+                         "rapidserve/ops/w8a16_table.json of this checkout")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_profile needs a GPU", file=sys.stderr)
         return 2
     batches = tuple(int(b) for b in a.batches.split(","))
     variants = a.variants.split(",")
-    bad = [v for v in variants if v not in ("fused", "unfused")]
-    if bad:
-        print(f"--variants: unknown {bad}; use fused and/or unfused", file=sys.stderr)
+    bad = [v for v in variants if v not in ("fused", "unfused", w8a16_ab.VARIANT)]
+    if bad or (w8a16_ab.VARIANT in variants and a.quantization != "fp8"):
+        print(f"--variants: unknown {bad}; use fused, unfused and (with --quantization fp8) w8a16", file=sys.stderr)
+        return 2
+    if a.write_w8a16_table and not {"fused", w8a16_ab.VARIANT} <= set(variants):
+        print("--write-w8a16-table needs --quantization fp8 --variants fused,w8a16", file=sys.stderr)
         return 2
     pdl_ab = not a.no_pdl_ab and use_pdl(None, torch.device("cuda"))
     if a.write_pdl_table and not (pdl_ab and "fused" in variants):
@@ -251,6 +262,8 @@ def main() -> int:
         if v == "unfused":
             from rapidserve.ops import unfused_fp8, unfused_ops  # the A/B's other side: see the module docstring
             ops = unfused_fp8(fused) if fp8 else unfused_ops(fused)
+        elif v == w8a16_ab.VARIANT:  # W8A16 forced at every row count it takes (bench/w8a16_ab.py)
+            ops = w8a16_ab.variant_ops(fused, gpu)
         else:
             ops = fused
         runner.model.ops = ops
@@ -317,6 +330,9 @@ def main() -> int:
     if fp8 and a.sweep:
         res["fp8_table"] = fp8_sweep.write_table(lin_by_batch, str(res["gpu"]), f"{res['command']} ({res['date']})",
                                                  a.out, CONFIG_DIR if a.write_tables else None)
+    if w8a16_ab.VARIANT in variants:
+        res["w8a16_table"] = w8a16_ab.write_table(rows, gpu, f"{res['command']} ({res['date']})", a.out,
+                                                  w8a16_ab.wt.TABLE_PATH if a.write_w8a16_table else None)
     if forced:
         res["pdl_table"] = write_pdl_table(rows, gpu, forced["pdl"].prefetch_bytes,
                                            f"{res['command']} ({res['date']})", a.out,
@@ -353,6 +369,8 @@ def main() -> int:
             cfg = "x".join(str(c) for c in row["config"][:2]) + f" w{row['config'][2]} s{row['config'][3]}"
             lines.append(f"| {label} | {row['shape']} | {cb['us_each']:.1f} ({cb['tbps']:.2f}) | "
                          f"{en['us_each']:.1f} ({en['tbps']:.2f}) {cfg} | {best} |")
+    if "w8a16_table" in res:
+        lines += [*w8a16_ab.summary(rows), *(f"- {x}" for x in res["w8a16_table"])]
     if "pdl_table" in res:
         lines += ["\n## the PDL table's entry from this run (rapidserve/ops/pdl_table.py)\n",
                   *(f"- {x}" for x in res["pdl_table"])]

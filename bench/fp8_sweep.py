@@ -30,7 +30,7 @@ import torch
 from gpu_timing import time_ms
 
 from rapidserve.config import ModelConfig
-from rapidserve.ops import fp8, fp8_gpu, triton_fp8, triton_fp8_fused
+from rapidserve.ops import fp8, fp8_gpu, triton_fp8, triton_fp8_fused, triton_w8a16
 from rapidserve.ops import triton_fp8_skinny as fsk
 from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows
 from rapidserve.ops.fp8_tiles import (
@@ -148,7 +148,7 @@ def fp8_linears(model: Any, batch: int, sweep: bool, deadline: float, clock: Clo
             "scaled_mm": _timed([lambda w=w, q=rows: fp8_gpu._scaled_mm(q.q, q.scale, w, q.dtype, None)
                                  for w in layers], nbytes, clock),
             "engine": _timed([lambda w=w, q=rows: model.ops.fp8_linear_rows(q, w, None) for w in layers], nbytes,
-                             clock)}
+                             clock), **_w8a16(layers, batch, dtype, nbytes, clock)}
         if sweep and batch <= MAX_ROWS:
             if time.monotonic() > deadline:
                 row["sweep"] = "not reached (--budget-s)"
@@ -159,6 +159,24 @@ def fp8_linears(model: Any, batch: int, sweep: bool, deadline: float, clock: Clo
                      for w in layers], nbytes, clock))} for t in candidates(batch, n, k)}
         out[name] = row
     return out
+
+
+def _w8a16(layers: list[Fp8Linear], batch: int, dtype: torch.dtype, nbytes: int, clock: Clock) -> dict[str, Any]:
+    """W8A16's GEMM of `batch` float rows (ops/triton_w8a16.py) on the tiles its plan gives with it forced on this
+    device (as if an NVIDIA GPU: the CPU test interprets it): {"w8a16": timing, "w8a16_tiles": label}; "-" where the
+    plan keeps W8A8 (torch._scaled_mm, an unswapped 64-row tile)."""
+    from rapidserve.ops.w8a16_table import W8a16Device, forced
+
+    w = layers[0].weight
+    n, k = w.shape
+    dev = fsk.device_name(w.device)
+    tiles = triton_w8a16.plan(batch, n, k, W8a16Device(dev, True), fsk.TUNED, forced(dev))
+    if tiles is None:
+        return {"w8a16": {"error": "-"}, "w8a16_tiles": None}
+    x = torch.randn(batch, k, device=w.device, dtype=dtype)
+    return {"w8a16_tiles": tiles.label(), "w8a16": _timed(
+        [lambda lay=lay: triton_w8a16.w8a16_linear(x, lay.weight, lay.weight_scale, config=tiles) for lay in layers],
+        nbytes, clock)}
 
 
 def _wrong(rows: QuantizedRows, layer: Fp8Linear, tiles: Fp8Tiles, want: torch.Tensor) -> dict[str, str] | None:
@@ -294,8 +312,8 @@ def markdown(lin_by_batch: dict[int, dict[str, Any]], prod_by_batch: dict[int, d
     lines = []
     for b, lin in lin_by_batch.items():
         lines += [f"\n## fp8 projections alone at batch {b} (36 layers' weights in one graph; us per call, TB/s of "
-                  "fp8 weights)\n", "| layer | [N, K] | torch._scaled_mm | engine (its choice) | best swept |",
-                  "|---|---|---|---|---|"]
+                  "fp8 weights)\n", "| layer | [N, K] | torch._scaled_mm | engine (its choice) | best swept | "
+                  "W8A16 (its tiles) |", "|---|---|---|---|---|---|"]
         for name, row in lin.items():
             best = "-"
             if isinstance(row.get("sweep"), dict):
@@ -305,8 +323,9 @@ def markdown(lin_by_batch: dict[int, dict[str, Any]], prod_by_batch: dict[int, d
                     best = f"{cell(ok[c])} {c}"
             elif "sweep" in row:
                 best = row["sweep"]
+            half = f"{cell(row['w8a16'])} {row.get('w8a16_tiles') or ''}" if "w8a16" in row else "-"
             lines.append(f"| {name} | {row['shape']} | {cell(row['scaled_mm'])} | {cell(row['engine'])} "
-                         f"{row['current']} | {best} |")
+                         f"{row['current']} | {best} | {half.strip()} |")
     for b, prod in prod_by_batch.items():
         lines += [f"\n## fused producers at batch {b} (us per call by slice width)\n",
                   "| op | " + " | ".join(next(iter(prod.values()))) + " |", "|---|" + "---|" * len(SLICES)]

@@ -148,6 +148,9 @@ TABLES = {H200: Fp8Table(H200, "t", {QKV: ((1, M16_64), (64, SCALED_MM)),
     (1, OPROJ, W8a16Device(H100, True), forced(H100), False, Fp8Tiles(16, 32, 512, 4, 4, False)),  # untuned rule
     (17, OPROJ, W8a16Device(H100, True), forced(H100), False, None),  # the rule's 17+ rows: torch._scaled_mm
     (65, OPROJ, NV200, forced(H200), False, None),  # past the kernel's rows
+    # the untuned rule's gate|up tiles (16 x 64x512, 4 stages) take 4 x (32 + 128) x 512 bytes gated: 2 stages fit
+    (1, GATE_UP, W8a16Device(H100, True), forced(H100), True, Fp8Tiles(16, 64, 512, 4, 2, False)),
+    (1, GATE_UP, W8a16Device(H100, True), forced(H100), False, Fp8Tiles(16, 64, 512, 4, 4, False)),  # ungated fits
 ])
 def test_plan(rows: int, shape: tuple[int, int], device: W8a16Device, table: dict[str, W8a16Entry], gated: bool,
               want: Fp8Tiles | None) -> None:
@@ -155,6 +158,22 @@ def test_plan(rows: int, shape: tuple[int, int], device: W8a16Device, table: dic
     from rapidserve.ops import triton_w8a16
 
     assert triton_w8a16.plan(rows, *shape, device, TABLES, table, gated) == want
+
+
+@pytest.mark.parametrize(("tiles", "gated", "want"), [
+    (Fp8Tiles(16, 64, 512, 4, 4, False), False, 4),  # 196608 bytes: fits
+    (Fp8Tiles(16, 64, 512, 4, 4, False), True, 2),  # 327680, 245760 at 3: 163840 at 2
+    (Fp8Tiles(64, 64, 256, 4, 8, True), False, 4),
+    (Fp8Tiles(64, 256, 1024, 4, 3, True), True, None),  # over the limit even at 2 stages: W8A8
+])
+def test_fit_stages(tiles: Fp8Tiles, gated: bool, want: int | None) -> None:
+    pytest.importorskip("triton")
+    from rapidserve.ops.triton_w8a16 import SMEM_LIMIT, a16_smem_bytes, fit_stages
+
+    got = fit_stages(tiles, gated)
+    assert (got.num_stages if got is not None else None) == want
+    if got is not None:
+        assert a16_smem_bytes(got, gated) <= SMEM_LIMIT and got._replace(num_stages=tiles.num_stages) == tiles
 
 
 @needs_triton
@@ -167,6 +186,28 @@ def test_cpu_tensors_are_never_routed() -> None:
     assert not triton_w8a16.routed(x, layer.weight, layer.weight_scale, {"cpu": W8a16Entry(64, "t")})
     assert not fp8_gpu.w8a16_routed(1, layer, {"cpu": W8a16Entry(64, "t")})
     assert triton_w8a16.device_of(layer.weight) == W8a16Device("cpu", False)
+
+
+@needs_triton
+def test_rocm_never_asks_for_w8a16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On ROCm (torch.version.hip set) the fp8 GEMMs are torch._scaled_mm: with a table forcing W8A16, neither the
+    model's question (`w8a16_routed`) nor `gpu_linear` asks the W8A16 plan, and the plan says no for a non-NVIDIA
+    device."""
+    from rapidserve.ops import fp8_gpu, triton_w8a16
+
+    def asked(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the W8A16 plan was asked on ROCm")
+
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(triton_w8a16, "planned", asked)
+    monkeypatch.setattr(triton_w8a16, "routed", asked)
+    layer = _layer(64, 128, seed=3)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    table = forced("cpu")
+    assert not fp8_gpu.w8a16_routed(2, layer, table)
+    assert torch.equal(fp8_gpu.gpu_linear(x, layer, None, w8a16=table), fp8_gpu.gpu_linear(x, layer))
+    assert triton_w8a16.plan(2, 64, 128, W8a16Device("AMD Instinct MI300X", False), {}, forced("AMD Instinct MI300X")) \
+        is None
 
 
 # ---------------------------------------------------------------------------------------------- the numbers

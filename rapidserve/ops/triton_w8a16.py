@@ -24,6 +24,10 @@ of a 64-wide weight tile); with SWAP (the weight the 64-tall operand) it is wgmm
 as the register operand A and the rows from shared memory as B (W8A8's native e4m3 wgmma reads both from shared memory
 and converts nothing: W8A16 adds the weight's conversion there, and takes twice as many k16 steps as e4m3's k32). A
 non-swapped 64-row tile would put the widened weight back into shared memory for wgmma's B: `a16_fits` plans it out.
+The rows take twice W8A8's shared memory (2 bytes a value) and the gated launch two weight tiles a stage: a table's
+tiles that fit W8A8 may not fit W8A16, so the plan takes fewer pipeline stages where `a16_smem_bytes` passes
+SMEM_LIMIT (an upper bound: compiled for sm_90, m16 64x512 s4 took 147456 bytes against its 196608, gated 245760
+against 327680; m64 64x128 s6 swapped 139264 / 147456, gated 180224 / 196608), down to 2, else W8A8.
 
 Which call runs W8A16 is `plan`, a pure function of (rows, N, K, device, the fp8 tile tables, the W8A16 table): the
 W8A16 table's entry for the GPU takes the step's rows (ops/w8a16_table.py: EMPTY until a GPU measures it, so by
@@ -41,11 +45,28 @@ from rapidserve.ops.fp8_tiles import MAX_ROWS, Fp8Tables, Fp8Tiles
 from rapidserve.ops.triton_fp8_skinny import TUNED, _launch, device_name, fp8_ok, rule_tiles
 from rapidserve.ops.w8a16_table import W8A16_TABLE, W8a16Device, W8a16Table, w8a16_for_step
 
+SMEM_LIMIT = 227 * 1024  # shared memory a block may take on the H100 / H200 (sm_90)
+
 
 def a16_fits(tiles: Fp8Tiles) -> bool:
     """Whether W8A16 runs on these tiles with the widened weight in registers (module docstring): mma.sync (BLOCK_M
     16 or 32, not swapped) or the swapped order (wgmma's register operand A); not a 64-row unswapped tile."""
     return tiles.swap or tiles.block_m < 64
+
+
+def a16_smem_bytes(tiles: Fp8Tiles, gated: bool = False) -> int:
+    """An upper bound of W8A16's pipelined shared memory: stages x (2 x BLOCK_M fp16 row bytes + the weight tiles'
+    BLOCK_N bytes, two of them gated) x BLOCK_K (module docstring: the compiler's own figure is below it)."""
+    return tiles.num_stages * (2 * tiles.block_m + (2 if gated else 1) * tiles.block_n) * tiles.block_k
+
+
+def fit_stages(tiles: Fp8Tiles, gated: bool = False, limit: int = SMEM_LIMIT) -> Fp8Tiles | None:
+    """`tiles` with as many of its pipeline stages as keep `a16_smem_bytes` within `limit` (at least 2), or None."""
+    stages = tiles.num_stages
+    while stages > 2 and a16_smem_bytes(tiles._replace(num_stages=stages), gated) > limit:
+        stages -= 1
+    fitted = tiles._replace(num_stages=stages)
+    return fitted if a16_smem_bytes(fitted, gated) <= limit else None
 
 
 def plan(rows: int, n: int, k: int, device: W8a16Device, tables: Fp8Tables, table: W8a16Table,
@@ -57,7 +78,7 @@ def plan(rows: int, n: int, k: int, device: W8a16Device, tables: Fp8Tables, tabl
     tiles = triton_fp8_skinny.plan(rows, n, k, device.name, tables)
     if tiles is None or not a16_fits(tiles):
         return None
-    return tiles._replace(split_k=1) if gated else tiles
+    return fit_stages(tiles._replace(split_k=1) if gated else tiles, gated)
 
 
 def device_of(weight: torch.Tensor) -> W8a16Device:
@@ -97,8 +118,8 @@ def _tiles(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: F
                          f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
     if gated and n % 2:
         raise ValueError(f"gated W8A16 takes a cat(gate, up) weight with an even row count; got {tuple(weight.shape)}")
-    cfg = config or planned(x.shape[0], weight, table, gated) or rule_tiles(x.shape[0], n, k)
-    if not a16_fits(cfg):
+    cfg = config or planned(x.shape[0], weight, table, gated) or fit_stages(rule_tiles(x.shape[0], n, k), gated)
+    if cfg is None or not a16_fits(cfg):
         raise ValueError(f"W8A16 does not run on tiles {cfg.label()} (a 64-row tile must be swapped: a16_fits)")
     return cfg
 
@@ -128,5 +149,5 @@ def w8a16_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torc
     return out
 
 
-__all__ = ["a16_fits", "device_of", "half_ok", "plan", "planned", "routed", "w8a16_linear",
-           "w8a16_linear_silu_and_mul"]
+__all__ = ["SMEM_LIMIT", "a16_fits", "a16_smem_bytes", "device_of", "fit_stages", "half_ok", "plan", "planned",
+           "routed", "w8a16_linear", "w8a16_linear_silu_and_mul"]

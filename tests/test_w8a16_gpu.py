@@ -1,0 +1,177 @@
+"""W8A16 decode GEMMs (issue 39, ops/triton_w8a16.py) on an NVIDIA GPU with fp8 (sm_89+), the path forced whatever
+the packaged table says (it is empty until a GPU measures it):
+
+- the kernel against `fp8.reference_linear_half` at Qwen3-8B's shapes, 1 / 16 / 64 rows, on each tile family it takes
+  (16- and 32-row mma.sync tiles, swapped tiles on wgmma f16 with split-K and without, the plan's under a forced
+  table), bf16 rows (cast in the kernel) and fp16 rows, a value past 65504 (saturated, finite), a bias; the gated
+  gate|up launch equal to silu_and_mul of the ungated one;
+- a 2-layer Qwen3-8B-shaped model (the preset's random weights, in bf16 and quantized at load) in decode graphs at
+  batch 1 and 16: W8A16 (`with_w8a16(ops, w8a16_table.forced(gpu))`) launches no quantizer (no fp8 norm, SiLU-and-mul,
+  per-token quantizer or folded norm in the step's kernels) and its logits are nearer the bf16 model's than W8A8's,
+  within the fp8 bounds.
+Skipped without such a GPU, and on ROCm (W8A16 is NVIDIA's); the CPU checks: tests/test_w8a16.py,
+tests/test_w8a16_model.py. Not run on the CPU machines: the lead's GPU runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from rapidserve.ops import fp8
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+REL_BF16 = 0.06  # tests/test_fp8_checkpoints.py's fp8-vs-bf16 bound (relative L2 of the logits)
+QUANTIZERS = ("_rms_norm_fp8_kernel", "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel",
+              "_sums_rms_norm_fp8_kernel")
+
+
+def _nvidia_fp8() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None and fp8.fp8_supported(CUDA)
+
+
+needs_nvidia_fp8 = pytest.mark.skipif(not _nvidia_fp8(), reason="W8A16 runs on NVIDIA GPUs with fp8 (sm_89+)")
+
+
+def _layer(n: int, k: int, seed: int) -> fp8.Fp8Linear:
+    torch.manual_seed(seed)
+    layer = fp8.Fp8Linear(n, k, torch.float8_e4m3fn, "token", None, CUDA)
+    w8, s = fp8.quantize_weight(torch.randn(n, k, device=CUDA) / k**0.5, "channel", None, torch.float8_e4m3fn)
+    layer.weight.copy_(w8)
+    layer.weight_scale.copy_(s)
+    return layer
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, bias: torch.Tensor | None, label: object) -> None:
+    """One rounding of differently ordered float32 sums apart, at the magnitude of each value rounded (the product
+    before the bias too): tests/test_w8a16.py's bound, plus a float32 summation slack over K."""
+    eps = torch.finfo(got.dtype).eps
+    scale = want.float().abs().clamp(min=1.0)
+    if bias is not None:
+        scale = scale + (want.float() - bias.float()).abs()
+    err = float(((got.float() - want.float()).abs() / (scale * eps)).max())
+    assert err <= 2.0, (label, err)
+
+
+@needs_nvidia_fp8
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 6144, 4096), (1, 4096, 12288), (16, 4096, 4096), (64, 24576, 4096),
+                                           (3, 4096, 12288)])
+def test_every_tile_family_gives_the_reference(m: int, n: int, k: int) -> None:
+    from rapidserve.ops import triton_w8a16
+    from rapidserve.ops.fp8_tiles import Fp8Tiles
+    from rapidserve.ops.triton_fp8_skinny import device_name
+    from rapidserve.ops.w8a16_table import forced
+
+    layer = _layer(n, k, seed=m)
+    bm = next(t for t in (16, 32, 64) if m <= t)
+    families = [Fp8Tiles(bm, 64, 256, 4, 4, True), Fp8Tiles(bm, 64, 128, 4, 4, True, 4)]
+    if bm < 64:
+        families += [Fp8Tiles(bm, 64, 512, 4, 4, False), Fp8Tiles(bm, 32, 256, 4, 3, False, 4)]
+    planned = triton_w8a16.planned(m, layer.weight, forced(device_name(CUDA)))
+    families += [planned] if planned is not None else []
+    torch.manual_seed(k)
+    b = torch.randn(n, device=CUDA, dtype=torch.bfloat16)
+    for dt in (torch.bfloat16, torch.float16):
+        x = (torch.randn(m, k, device=CUDA) * 3).to(dt)
+        x[0, 0] = 1e5 if dt == torch.bfloat16 else 65504  # saturated at fp16's max, not inf
+        for tiles in families:
+            for bias in (None, b.to(dt)):
+                got = triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias, config=tiles)
+                assert got.dtype == dt and torch.isfinite(got).all(), tiles.label()
+                _close(got, fp8.reference_linear_half(x, layer, bias), bias, (m, n, k, dt, tiles.label()))
+
+
+@needs_nvidia_fp8
+@pytest.mark.parametrize("m", [1, 16])
+def test_the_gated_launch_is_silu_and_mul_of_the_ungated_one(m: int) -> None:
+    """Qwen3-8B's gate|up [24576, 4096]: SiLU-and-mul in the epilogue equals silu_and_mul of the ungated launch's
+    output on the same one-pass tiles (the same sums, the same epilogue)."""
+    from rapidserve.ops import triton_ops, triton_w8a16
+    from rapidserve.ops.fp8_tiles import Fp8Tiles
+
+    layer = _layer(24576, 4096, seed=7)
+    x = torch.randn(m, 4096, device=CUDA, dtype=torch.bfloat16)
+    for tiles in (Fp8Tiles(16, 64, 256, 4, 3, True), Fp8Tiles(16, 64, 512, 4, 2, False)):  # a16_smem_bytes fit
+        got = triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, config=tiles)
+        whole = triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, config=tiles)
+        want = triton_ops.silu_and_mul(whole)
+        assert got.shape == (m, 12288) and torch.equal(got, want), (tiles.label(), (got - want).abs().max())
+
+
+def _runner(quantization: object, batch: int, layers: int = 2, ctx: int = 256) -> object:
+    """A `layers`-layer Qwen3-8B-shaped runner (the preset's random weights, bf16), graphs at `batch`, quantized at
+    load with `quantization` (None: bf16), its KV pool random (seeded)."""
+    from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+    from rapidserve.loader import ModelSource, expected_tensor_shapes
+    from rapidserve.loader.preset_table import preset_table
+    from rapidserve.loader.presets import preset_tensor
+    from rapidserve.runner import ModelRunner
+
+    mcfg = dataclasses.replace(preset_table()["qwen3-8b"], num_layers=layers)
+    shapes = expected_tensor_shapes(mcfg)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, shape in shapes.items():
+            yield name, preset_tensor("qwen3-8b", mcfg, name, shape, device=CUDA, dtype=torch.bfloat16)
+
+    source = ModelSource(mcfg, weights, len(shapes), None, None, None, f"qwen3-8b ({layers} layers)")
+    cfg = EngineConfig(model="qwen3-8b", model_config=mcfg, cache=CacheConfig(num_blocks=1024),
+                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=ctx),
+                       runner=RunnerConfig(device="cuda", dtype="bfloat16", graph_batch_sizes=(batch,)))
+    runner = ModelRunner(dataclasses.replace(cfg, quantization=quantization) if quantization else cfg, source,
+                         show_progress=False)
+    torch.manual_seed(batch)
+    for layer in range(runner.kv_pool.tensor.shape[0]):
+        runner.kv_pool.tensor[layer].normal_()
+    return runner
+
+
+def _step_kernels(fn: object) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+    return {ev.name for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA}
+
+
+@needs_nvidia_fp8
+@pytest.mark.parametrize("batch", [1, 16])
+def test_a_w8a16_decode_step_is_nearer_bf16_than_w8a8(batch: int) -> None:
+    from typing import Any
+
+    from rapidserve.ops import with_w8a16
+    from rapidserve.ops.w8a16_table import forced
+    from rapidserve.quant_config import ONLINE_FP8
+    from rapidserve.runner import DecodeItem
+
+    ctx = 256
+    r8: Any = _runner(ONLINE_FP8, batch, ctx=ctx)
+    base = r8.model.ops
+    r8.capture_decode_graphs(key="w8a8", show_progress=False)
+    r8.model.ops = with_w8a16(base, forced(torch.cuda.get_device_name(CUDA)))
+    assert r8.model.ops.name.endswith("-w8a16")
+    r8.capture_decode_graphs(key="w8a16", show_progress=False)
+    r8.model.ops = base
+    per = ctx // r8.block_size
+    items = [DecodeItem(5 + i, ctx - 1, [(i * per + j) % r8.kv_pool.num_blocks for j in range(per)])
+             for i in range(batch)]
+    w8a8 = r8.decode(items, graph_key="w8a8").float().clone()
+    w8a16 = r8.decode(items, graph_key="w8a16").float().clone()  # rewrites the same slots with its own K/V
+    graph = r8.decode_graph(batch, "w8a16")
+    assert graph is not None
+    names = _step_kernels(graph.replay)
+    assert any("_fp8_skinny_kernel" in k for k in names), names
+    assert not any(q in k for q in QUANTIZERS for k in names), sorted(names)  # no quantizer in the step
+    del r8
+    torch.cuda.empty_cache()
+    rb: Any = _runner(None, batch, ctx=ctx)
+    rb.capture_decode_graphs(key="bf16", show_progress=False)
+    want = rb.decode(items, graph_key="bf16").float()
+    rel = {name: float((got - want).norm() / want.norm()) for name, got in (("w8a8", w8a8), ("w8a16", w8a16))}
+    assert torch.isfinite(w8a16).all() and rel["w8a16"] <= REL_BF16, rel
+    assert rel["w8a16"] < rel["w8a8"], rel
