@@ -402,7 +402,7 @@ def test_with_launch_binds_every_launcher() -> None:
 
     ops = triton_ops_bundle(skinny=True)
     gemms = ("linear", "linear_silu_and_mul", "fp8_linear", "fp8_linear_rows", "fp8_linear_sums",
-             "fp8_linear_silu_and_mul")
+             "fp8_linear_silu_and_mul", "fp8_linear_half")
     for choice in (LaunchChoice(True, MIB8), LaunchChoice(True, 0), OFF):
         for bundle in (ops, with_launch(ops, OFF), with_launch(ops, LaunchChoice(True, 64))):
             bound = with_launch(bundle, choice)

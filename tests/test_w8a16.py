@@ -6,8 +6,9 @@
 - the saturating cast to fp16 (`fp8.to_half`) at +-65504, and the reference (`fp8.reference_linear_half`);
 - the bundles: the torch bundle never runs W8A16, `with_w8a16` binds a table into the Triton bundle's fields;
 - under the Triton interpreter (a subprocess), the kernel against the reference: each tile family (16- and 32-row
-  mma.sync tiles, swapped tiles), split-K, N and K tails, a bias, bf16 rows (cast in the kernel) and fp16 rows, rows
-  past 65504, and the gated launch against silu_and_mul of the ungated one;
+  mma.sync tiles, swapped tiles), split-K, N and K tails, a bias, bf16 rows (cast in the kernel), fp16 rows and
+  `fp8.HalfRows`, rows past 65504; the gated launch against silu_and_mul of the ungated one (`HalfRows` out, saturated);
+  the RMSNorms that write `HalfRows` against the plain ones;
 - compiled for sm_90 (no GPU), the W8A16 kernel widens only the weight tile (`cvt.rn.f16x2.e4m3x2` for BLOCK_N x
   BLOCK_K values a K step, W8A8's widens the rows too) on mma.sync f16, and on a swapped tile runs wgmma f16 with the
   widened weight as the register operand.
@@ -265,13 +266,14 @@ def test_with_w8a16_binds_the_table_in_the_triton_bundle() -> None:
     table = forced(H200)
     bound = with_w8a16(ops, table)
     assert bound.name == "triton-w8a16"
-    for name in ("fp8_linear", "w8a16", "fp8_linear_silu_and_mul"):
+    for name in ("fp8_linear", "w8a16", "fp8_linear_silu_and_mul", "fp8_linear_half"):
         fn: Any = getattr(bound, name)
         assert fn.keywords == {"w8a16": table}, name
     launched: Any = with_launch(bound, LaunchChoice(True, 64)).fp8_linear_silu_and_mul  # the table kept
     assert launched.keywords == {"pdl": True, "prefetch": 64} and launched.func.keywords == {"w8a16": table}
     ref = fp8_ops(dataclasses.replace(bound, fp8_linear=lambda x, layer, bias=None: x), "cpu")  # a GPU without fp8
     assert ref.w8a16 is torch_ops.no_w8a16 and ref.fp8_linear_silu_and_mul is torch_ops.fp8_linear_silu_and_mul
+    assert ref.fp8_linear_half is fp8.reference_linear_half and ref.add_rms_norm_half is torch_ops.add_rms_norm_half
 
 
 # ------------------------------------------------------------------------------------ sm_90 compile (no GPU)
@@ -344,7 +346,8 @@ def test_w8a16_on_a_swapped_tile_is_wgmma_with_the_weight_in_registers() -> None
 
 
 # --------------------------------------------------------------------------------------- the interpreter checks
-INTERP_TESTS = {"kernel": "test_w8a16_kernel_interpreter", "gated": "test_w8a16_gated_interpreter"}
+INTERP_TESTS = {"kernel": "test_w8a16_kernel_interpreter", "gated": "test_w8a16_gated_interpreter",
+                "norms": "test_w8a16_norms_interpreter"}
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +366,12 @@ def test_w8a16_kernel_interpreter(interpreter: dict[str, str]) -> None:
 def test_w8a16_gated_interpreter(interpreter: dict[str, str]) -> None:
     """The gated launch against silu_and_mul of the ungated one (check_gated)."""
     assert interpreter["gated"] == "", interpreter["gated"]
+
+
+@needs_triton
+def test_w8a16_norms_interpreter(interpreter: dict[str, str]) -> None:
+    """The RMSNorms that write W8A16's fp16 rows against the plain ones, saturated (check_norms)."""
+    assert interpreter["norms"] == "", interpreter["norms"]
 
 
 # (rows, N, K, tiles): a 16-row mma.sync tile, a swapped one with split-K (its reduce without sx), a 32-row tile with
@@ -403,11 +412,15 @@ def check_kernel() -> None:
             want = fp8.reference_linear_half(x, layer, bias)
             assert got.dtype == dt and got.shape == (m, n) and torch.isfinite(got).all(), (tiles.label(), dt)
             assert _ulps(got, want, bias) <= 1.0, (tiles.label(), dt, _ulps(got, want, bias))
+            # the same rows as a producer's fp16 rows (`HalfRows`): no cast in the kernel, the same output
+            half = triton_w8a16.w8a16_linear(fp8.half_rows(x), layer.weight, layer.weight_scale, bias, config=tiles)
+            assert half.dtype == dt and torch.equal(half, got), (tiles.label(), dt)
 
 
 def check_gated() -> None:
     """`w8a16_linear_silu_and_mul` equals silu_and_mul of `w8a16_linear`'s output on the same tiles without split-K
-    (the same float32 sums, the same epilogue), bit for bit, in fp16 and bf16 rows."""
+    (the same float32 sums, the same epilogue), bit for bit, in fp16 and bf16 rows: as `HalfRows` for a W8A16 down
+    (that output saturated to fp16: `fp8.half_rows`), or in the rows' dtype; and from `HalfRows` too."""
     from rapidserve.ops import triton_ops, triton_w8a16
 
     g = torch.Generator().manual_seed(6)
@@ -416,10 +429,44 @@ def check_gated() -> None:
         one_pass = tiles._replace(split_k=1)
         for dt in (torch.float16, torch.bfloat16):
             x = (torch.randn(m, k, generator=g) * 2).to(dt)
+            x[0, :4] = 300.0  # a product past 65504 (the rows' own value, saturated in the fp16 rows)
+            want = triton_ops.silu_and_mul(triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale,
+                                                                      config=one_pass))
             got = triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, config=tiles)
-            whole = triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, config=one_pass)
-            assert got.shape == (m, n) and torch.equal(got, triton_ops.silu_and_mul(whole)), (tiles.label(), dt)
+            assert isinstance(got, fp8.HalfRows) and got.dtype == dt and got.x.dtype == torch.float16
+            assert torch.equal(got.x, fp8.to_half(want)), (tiles.label(), dt)
+            plain = triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, config=tiles,
+                                                           half_out=False)
+            assert isinstance(plain, torch.Tensor) and torch.equal(plain, want), (tiles.label(), dt)
+            rows = fp8.half_rows(x)  # the same numbers from fp16 rows: no cast in the kernel
+            again = triton_w8a16.w8a16_linear_silu_and_mul(rows, layer.weight, layer.weight_scale, config=tiles)
+            assert isinstance(again, fp8.HalfRows) and torch.equal(again.x, got.x), (tiles.label(), dt)
+
+
+def check_norms() -> None:
+    """`rms_norm_half` / `add_rms_norm_half` (the plain RMSNorm's launch writing fp16) equal `fp8.half_rows` of the
+    plain launches bit for bit, a row past 65504 saturated, in bf16 and fp16; a weight of another dtype takes the
+    plain launch."""
+    from rapidserve.ops import triton_ops, triton_w8a16
+
+    g = torch.Generator().manual_seed(8)
+    for dt in (torch.bfloat16, torch.float16):
+        for m, k in ((1, 256), (3, 200)):
+            x = torch.randn(m, k, generator=g).to(dt)
+            r = torch.randn(m, k, generator=g).to(dt)
+            w = (1 + 0.1 * torch.randn(k, generator=g)).to(dt)
+            w[:3] = 40000.0  # normed values of |h| > 1.64 pass 65504: saturated
+            got = triton_w8a16.rms_norm_half(x, w, 1e-6)
+            want = fp8.half_rows(triton_ops.rms_norm(x, w, 1e-6))
+            assert got.dtype == dt and torch.equal(got.x, want.x), (dt, m)
+            (rows, res), (plain, want_res) = (triton_w8a16.add_rms_norm_half(x, r, w, 1e-6),
+                                              triton_ops.add_rms_norm(x, r, w, 1e-6))
+            assert torch.equal(rows.x, fp8.to_half(plain)) and torch.equal(res, want_res), (dt, m)
+            if dt == torch.bfloat16:  # saturated; an fp16 model's own overflow stays its inf (`fp8.to_half`)
+                assert torch.isfinite(rows.x).all() and float(rows.x.float().abs().max()) == 65504
+            promoted = triton_w8a16.rms_norm_half(x, w.float(), 1e-6)
+            assert torch.equal(promoted.x, fp8.to_half(triton_ops.rms_norm(x, w.float(), 1e-6)))
 
 
 if __name__ == "__main__":
-    sys.exit(run_checks({"kernel": check_kernel, "gated": check_gated}, sys.argv[1:]))
+    sys.exit(run_checks({"kernel": check_kernel, "gated": check_gated, "norms": check_norms}, sys.argv[1:]))

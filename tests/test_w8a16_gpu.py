@@ -4,11 +4,12 @@ the packaged table says (it is empty until a GPU measures it):
 - the kernel against `fp8.reference_linear_half` at Qwen3-8B's shapes, 1 / 16 / 64 rows, on each tile family it takes
   (16- and 32-row mma.sync tiles, swapped tiles on wgmma f16 with split-K and without, the plan's under a forced
   table), bf16 rows (cast in the kernel) and fp16 rows, a value past 65504 (saturated, finite), a bias; the gated
-  gate|up launch equal to silu_and_mul of the ungated one;
+  gate|up launch equal to silu_and_mul of the ungated one, as fp16 rows; the RMSNorms that write fp16 rows equal the
+  plain ones saturated, bit for bit, and the GEMM of them its GEMM of the plain rows;
 - a 2-layer Qwen3-8B-shaped model (the preset's random weights, in bf16 and quantized at load) in decode graphs at
   batch 1 and 16: W8A16 (`with_w8a16(ops, w8a16_table.forced(gpu))`) launches no quantizer (no fp8 norm, SiLU-and-mul,
-  per-token quantizer or folded norm in the step's kernels) and its logits are nearer the bf16 model's than W8A8's,
-  within the fp8 bounds.
+  per-token quantizer or folded norm in the step's kernels, nor a separate SiLU-and-mul) and its logits are nearer the
+  bf16 model's than W8A8's, within the fp8 bounds.
 Skipped without such a GPU, and on ROCm (W8A16 is NVIDIA's); the CPU checks: tests/test_w8a16.py,
 tests/test_w8a16_model.py. Not run on the CPU machines: the lead's GPU runs."""
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 REL_BF16 = 0.06  # tests/test_fp8_checkpoints.py's fp8-vs-bf16 bound (relative L2 of the logits)
 QUANTIZERS = ("_rms_norm_fp8_kernel", "_silu_and_mul_fp8_kernel", "_quantize_tokens_kernel",
-              "_sums_rms_norm_fp8_kernel")
+              "_sums_rms_norm_fp8_kernel", "_silu_and_mul_kernel")
 
 
 def _nvidia_fp8() -> bool:
@@ -97,8 +98,32 @@ def test_the_gated_launch_is_silu_and_mul_of_the_ungated_one(m: int) -> None:
     for tiles in (Fp8Tiles(16, 64, 256, 4, 3, True), Fp8Tiles(16, 64, 512, 4, 2, False)):  # a16_smem_bytes fit
         got = triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, config=tiles)
         whole = triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, config=tiles)
-        want = triton_ops.silu_and_mul(whole)
-        assert got.shape == (m, 12288) and torch.equal(got, want), (tiles.label(), (got - want).abs().max())
+        want = fp8.to_half(triton_ops.silu_and_mul(whole))
+        assert isinstance(got, fp8.HalfRows) and got.dtype == torch.bfloat16 and got.x.shape == (m, 12288)
+        assert torch.equal(got.x, want), (tiles.label(), (got.x.float() - want.float()).abs().max())
+
+
+@needs_nvidia_fp8
+@pytest.mark.parametrize(("m", "k"), [(1, 4096), (16, 4096), (64, 5120)])
+def test_the_norms_write_the_plain_norms_rows_in_fp16(m: int, k: int) -> None:
+    """`rms_norm_half` / `add_rms_norm_half` (the plain RMSNorm's launch with a float16 output) equal `fp8.half_rows`
+    of the plain launches bit for bit (values past 65504 saturated), and the W8A16 GEMM of those rows equals its GEMM
+    of the plain bf16 rows (cast in the kernel) bit for bit."""
+    from rapidserve.ops import triton_ops, triton_w8a16
+
+    torch.manual_seed(m)
+    x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    r = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, device=CUDA)).to(torch.bfloat16)
+    w[:4] = 40000.0
+    got = triton_w8a16.rms_norm_half(x, w, 1e-6)
+    plain = triton_ops.rms_norm(x, w, 1e-6)
+    assert torch.equal(got.x, fp8.to_half(plain)) and float(got.x.float().abs().max()) == 65504
+    (rows, res), (plain2, res2) = triton_w8a16.add_rms_norm_half(x, r, w, 1e-6), triton_ops.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(rows.x, fp8.to_half(plain2)) and torch.equal(res, res2)
+    layer = _layer(4096, k, seed=1)
+    assert torch.equal(triton_w8a16.w8a16_linear(rows, layer.weight, layer.weight_scale),
+                       triton_w8a16.w8a16_linear(plain2, layer.weight, layer.weight_scale))
 
 
 def _runner(quantization: object, batch: int, layers: int = 2, ctx: int = 256) -> object:

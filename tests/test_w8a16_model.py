@@ -3,9 +3,9 @@ random init, tests/fp8_folders.py) under `--quantization fp8` (per-channel weigh
 bundle with W8A16 forced on every projection of at most 64 rows (`fp8.reference_linear_half`, the kernel's numbers:
 tests/test_w8a16.py), against the same model in bf16 and under W8A8 (the torch bundle as it is):
 
-- the plumbing: a W8A16 projection gets the plain producers' float rows (no fused quantizer, no quantized attention
-  output), and an MLP whose gate|up and down both run W8A16 takes SiLU-and-mul in gate|up's op
-  (`Ops.fp8_linear_silu_and_mul`);
+- the plumbing: a W8A16 projection gets fp16 rows from the plain producers (the norms' `*_half` ops write
+  `fp8.HalfRows`; no fused quantizer, no quantized attention output: o_proj takes the float rows), and an MLP whose
+  gate|up and down both run W8A16 takes SiLU-and-mul in gate|up's op (`Ops.fp8_linear_silu_and_mul`, fp16 rows out);
 - the numbers: prefill and decode logits nearer bf16's than W8A8's, and within the fp8 bounds of
   tests/test_fp8_checkpoints.py (REL_BF16, MAX_BF16).
 On the GPU (the kernel, Qwen3-8B-shaped layers): tests/test_w8a16_gpu.py.
@@ -42,7 +42,8 @@ def forced_w8a16(ops: Ops, max_rows: int = 64) -> Ops:
             return fp8.reference_linear_half(x, layer, bias)
         return ops.fp8_linear(x, layer, bias)
 
-    return dataclasses.replace(ops, name=ops.name + "-w8a16", w8a16=w8a16, fp8_linear=fp8_linear)
+    return dataclasses.replace(ops, name=ops.name + "-w8a16", w8a16=w8a16, fp8_linear=fp8_linear,
+                               fp8_linear_half=fp8.reference_linear_half)
 
 
 def _counting(ops: Ops, calls: Counter[str]) -> Ops:
@@ -52,7 +53,8 @@ def _counting(ops: Ops, calls: Counter[str]) -> Ops:
             return fn(*args)
         return wrapped
     names = ("rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "fp8_linear_rows", "fp8_linear",
-             "fp8_linear_silu_and_mul", "add_rms_norm", "silu_and_mul")
+             "fp8_linear_silu_and_mul", "add_rms_norm", "silu_and_mul", "rms_norm_half", "add_rms_norm_half",
+             "fp8_linear_half")
     return dataclasses.replace(ops, **{n: count(n, getattr(ops, n)) for n in names})
 
 
@@ -93,8 +95,10 @@ def test_w8a16_takes_the_plain_producers_and_is_nearer_bf16_than_w8a8(arch: str,
     # every projection of both steps (30 and 2 rows) ran W8A16: no quantizing producer, no quantized rows
     for name in ("rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "fp8_linear_rows", "silu_and_mul"):
         assert calls[name] == 0, (name, calls)
+    assert calls["rms_norm_half"] + calls["add_rms_norm_half"] == 2 * 2 * layers, calls  # the norms write fp16 rows
     assert calls["fp8_linear_silu_and_mul"] == 2 * layers, calls  # gate|up with SiLU-and-mul, each step and layer
-    assert calls["fp8_linear"] == 2 * 3 * layers, calls  # q|k|v, o, down
+    assert calls["fp8_linear_half"] == 2 * 2 * layers, calls  # q|k|v and down take the fp16 rows
+    assert calls["fp8_linear"] == 2 * layers, calls  # o_proj: the attention's float rows
     bf16 = _steps(_runner(folders[arch], None))
     for step, got, old, want in zip(("prefill", "decode"), w8a16, w8a8, bf16, strict=True):
         top = float(want.abs().max())

@@ -5,9 +5,10 @@ attention for o_proj) already quantized (`fused_fp8`, `ops.fp8.QuantizedRows`): 
 own quantizer, one launch and one pass over the rows fewer. A projection whose output only the next RMSNorm reads
 (o_proj, down_proj) may hand that norm its split-K sums unreduced (`linear_sums`, ops/fold_table.py): the norm adds
 them (`Ops.add_rms_norm_fp8_sums`), one launch fewer again. A projection that runs W8A16 at the step's rows
-(`Ops.w8a16`, ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes the float rows of the plain
-producers instead (`fused_fp8` of those rows says None), and an MLP whose gate|up and down both do takes SiLU-and-mul
-in gate|up's epilogue (`Ops.fp8_linear_silu_and_mul`), as the bf16 path does.
+(`Ops.w8a16`, ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes fp16 rows from the plain
+producers instead (`fused_fp8` of those rows says float16: the RMSNorm writes `fp8.HalfRows`; the attention's float
+output is cast in the GEMM), and an MLP whose gate|up and down both do takes SiLU-and-mul in gate|up's epilogue
+(`Ops.fp8_linear_silu_and_mul`, `HalfRows` out), as the bf16 path does.
 """
 
 from __future__ import annotations
@@ -16,22 +17,30 @@ import torch
 from torch import nn
 
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, SplitSums, takes_rows
+from rapidserve.ops.fp8 import Fp8Linear, HalfRows, QuantizedRows, SplitSums, takes_rows
 
 Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
-Rows = torch.Tensor | QuantizedRows  # a projection's input: float rows, or rows its producer quantized (fused_fp8)
+# a projection's input: float rows, rows its producer quantized, or W8A16's fp16 rows (fused_fp8)
+Rows = torch.Tensor | QuantizedRows | HalfRows
+HALF = torch.float16  # `fused_fp8`'s format for a W8A16 projection
 Hidden = torch.Tensor | SplitSums  # a projection's output, or a split-K fp8 GEMM's unreduced sums (`linear_sums`)
 
 
 def fused_fp8(ops: Ops, w: Weight | None, rows: int | None = None) -> torch.dtype | None:
-    """The fp8 format in which the op that makes projection `w`'s input quantizes it (RMSNorm, SiLU-and-mul: the
-    bundle's `*_fp8` ops), or None where `w` takes float rows: the fusion is on (`ops.fuse_fp8`) and `w` is fp8 with
-    dynamic per-token activations and per-row weight scales (`fp8.takes_rows`), and does not run W8A16 at the call's
-    `rows` (`ops.w8a16`; rows None: not asked). Static or per-tensor activation scales, block weight scales, float
-    projections (and MoE experts, w None) keep the float rows."""
-    if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w) and not (rows and ops.w8a16(rows, w)):
-        return w.weight.dtype
+    """The format in which the op that makes projection `w`'s input writes it, where the fusion is on
+    (`ops.fuse_fp8`) and `w` is fp8 with dynamic per-token activations and per-row weight scales (`fp8.takes_rows`):
+    float16 (`HALF`: `fp8.HalfRows`, the bundle's `*_half` ops) where `w` runs W8A16 at the call's `rows`
+    (`ops.w8a16`; rows None: not asked), else its fp8 format (quantized rows, the `*_fp8` ops). None where `w` takes
+    float rows: static or per-tensor activation scales, block weight scales, float projections (and MoE experts, w
+    None)."""
+    if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w):
+        return HALF if rows and ops.w8a16(rows, w) else w.weight.dtype
     return None
+
+
+def quantized_fp8(fmt: torch.dtype | None) -> torch.dtype | None:
+    """`fused_fp8`'s format where it is an fp8 one (a producer that only quantizes: the attention's), else None."""
+    return None if fmt == HALF else fmt
 
 
 def attention_rows(o: torch.Tensor | QuantizedRows, width: int) -> Rows:
@@ -46,6 +55,9 @@ def linear(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> to
     if isinstance(x, QuantizedRows):
         assert isinstance(w, Fp8Linear)  # only fused_fp8's projections are given quantized rows
         return ops.fp8_linear_rows(x, w, bias)
+    if isinstance(x, HalfRows):
+        assert isinstance(w, Fp8Linear)  # and W8A16's fp16 rows
+        return ops.fp8_linear_half(x, w, bias)
     return ops.fp8_linear(x, w, bias) if isinstance(w, Fp8Linear) else ops.linear(x, w, bias)
 
 
@@ -65,12 +77,13 @@ def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) ->
     if not isinstance(gate_up, Fp8Linear):
         assert not isinstance(x, QuantizedRows)
         return down_linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
-    rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.shape[0]
-    if isinstance(x, torch.Tensor) and isinstance(down, Fp8Linear) and rows and ops.w8a16(rows, gate_up) \
-            and ops.w8a16(rows, down):  # W8A16 both: SiLU-and-mul in gate|up's epilogue, float rows for down
+    rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.x.shape[0] if isinstance(x, HalfRows) else x.shape[0]
+    fmt = fused_fp8(ops, down, rows)
+    if fmt == HALF and not isinstance(x, QuantizedRows) and ops.w8a16(rows, gate_up):
+        # W8A16 both: SiLU-and-mul in gate|up's epilogue, written as down's fp16 rows
         return down_linear(ops, ops.fp8_linear_silu_and_mul(x, gate_up), down)
     h = linear(ops, x, gate_up)
-    fp8 = fused_fp8(ops, down, rows)
+    fp8 = quantized_fp8(fmt)  # a W8A16 down after a W8A8 gate|up takes SiLU-and-mul's float rows
     return down_linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
 
 
@@ -80,4 +93,5 @@ def norm_input(ops: Ops, hidden: Hidden) -> torch.Tensor:
     return ops.reduce_sums(hidden) if isinstance(hidden, SplitSums) else hidden
 
 
-__all__ = ["Hidden", "Rows", "Weight", "attention_rows", "fused_fp8", "linear", "linear_sums", "mlp", "norm_input"]
+__all__ = ["HALF", "Hidden", "Rows", "Weight", "attention_rows", "fused_fp8", "linear", "linear_sums", "mlp",
+           "norm_input", "quantized_fp8"]

@@ -47,6 +47,7 @@ from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.moe import MoeBlock
 from rapidserve.models.projections import (
+    HALF,
     Hidden,
     Rows,
     Weight,
@@ -56,6 +57,7 @@ from rapidserve.models.projections import (
     linear_sums,
     mlp,
     norm_input,
+    quantized_fp8,
 )
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
@@ -135,7 +137,7 @@ class DecoderLayer(nn.Module):
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them). `sums_out`:
         the next layer of a class with `split_sums` reads the output (`post_attention`'s); `hidden` may be sums."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj, q.shape[0]))
+        o = self.attention(q, kv, meta, attn, quantized_fp8(fused_fp8(ops, self.o_proj, q.shape[0])))
         if sums_out:
             return self.post_attention(o, residual, ops, sums_out=True)
         return self.post_attention(o, residual, ops)
@@ -185,9 +187,13 @@ class DecoderLayer(nn.Module):
         rows = hidden.ws.shape[1] if isinstance(hidden, SplitSums) else hidden.shape[0]
         eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w, rows)
         if isinstance(hidden, SplitSums):
-            if fp8 is not None and residual is not None:
+            if fp8 is not None and fp8 != HALF and residual is not None:
                 return ops.add_rms_norm_fp8_sums(hidden, residual, weight, eps, fp8)
             hidden = norm_input(ops, hidden)
+        if fp8 == HALF:  # W8A16's fp16 rows (`fused_fp8`)
+            if residual is None:
+                return ops.rms_norm_half(hidden, weight, eps), hidden
+            return ops.add_rms_norm_half(hidden, residual, weight, eps)
         if residual is None:
             normed = ops.rms_norm(hidden, weight, eps) if fp8 is None else ops.rms_norm_fp8(hidden, weight, eps, fp8)
             return normed, hidden

@@ -52,10 +52,13 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 - W8A16 (issue 39, ops/triton_w8a16.py: fp8 weights, the rows in fp16 with no per-token scale, no quantizer before the
   GEMM): ``w8a16(rows, layer) -> bool`` says whether `rows` float rows of an fp8 projection run W8A16 (the Triton
   bundle: `fp8_gpu.w8a16_routed`, by ops/w8a16_table.json, EMPTY until a GPU measures it: the engine runs W8A8; the
-  torch bundle: never), so the model hands that projection the float rows of the plain producers (`fused_fp8`), and
-  ``fp8_linear_silu_and_mul(x, gate_up) -> [T, I]``, SiLU-and-mul of an fp8 gate|up's product (W8A16: in the GEMM's
-  epilogue, one launch). `with_w8a16(bundle, table)` binds another table (`w8a16_table.forced`: every row count the
-  kernel takes; bench/decode_profile.py's `w8a16` variant and the GPU tests)
+  torch bundle: never), so the producer of that projection's rows writes them in fp16 (`fp8.HalfRows`: `fused_fp8`
+  says float16): ``rms_norm_half(x, weight, eps) -> HalfRows``, ``add_rms_norm_half(x, residual, weight, eps) ->
+  (HalfRows, residual + x)`` (the plain RMSNorm's launch, its output saturated to fp16), ``fp8_linear_silu_and_mul(x,
+  gate_up) -> HalfRows`` (SiLU-and-mul of an fp8 gate|up's product for a W8A16 down: in the GEMM's epilogue, one
+  launch), and ``fp8_linear_half(rows, layer, bias) -> [T, N]`` takes them (the attention's output stays float rows,
+  cast to fp16 inside the GEMM). `with_w8a16(bundle, table)` binds another table (`w8a16_table.forced`: every row
+  count the kernel takes; bench/decode_profile.py's `w8a16` variant and the GPU tests)
 
 The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
 `rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:
@@ -152,7 +155,13 @@ class Ops:
     # bundle's (whose skinny fp8 GEMM splits K); off in the torch bundle, whose GEMM never does
     fold_split_k: bool = False
     w8a16: Callable[[int, fp8.Fp8Linear], bool] = torch_ops.no_w8a16
-    fp8_linear_silu_and_mul: Callable[[torch.Tensor, fp8.Fp8Linear], torch.Tensor] = torch_ops.fp8_linear_silu_and_mul
+    fp8_linear_silu_and_mul: Callable[[torch.Tensor | fp8.HalfRows, fp8.Fp8Linear],
+                                      torch.Tensor | fp8.HalfRows] = torch_ops.fp8_linear_silu_and_mul
+    rms_norm_half: Callable[[torch.Tensor, torch.Tensor, float], fp8.HalfRows] = torch_ops.rms_norm_half
+    add_rms_norm_half: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float],
+                                tuple[fp8.HalfRows, torch.Tensor]] = torch_ops.add_rms_norm_half
+    fp8_linear_half: Callable[[fp8.HalfRows, fp8.Fp8Linear, torch.Tensor | None], torch.Tensor] = (
+        fp8.reference_linear_half)
 
 
 def torch_ops_bundle() -> Ops:
@@ -164,7 +173,7 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import fp8_gpu, triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny, triton_ops
+    from rapidserve.ops import fp8_gpu, triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny, triton_ops, triton_w8a16
 
     if skinny is None:
         skinny = torch.version.hip is None
@@ -174,7 +183,9 @@ def triton_ops_bundle(skinny: bool | None = None) -> Ops:
               triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
               fp8_gpu.gpu_linear_rows, fp8_linear_sums=fp8_gpu.gpu_linear_sums,
               add_rms_norm_fp8_sums=triton_fp8_fold.add_rms_norm_fp8_sums, reduce_sums=triton_fp8_skinny.reduce_sums,
-              fold_split_k=True, w8a16=fp8_gpu.w8a16_routed, fp8_linear_silu_and_mul=fp8_gpu.gpu_linear_silu_and_mul)
+              fold_split_k=True, w8a16=fp8_gpu.w8a16_routed, fp8_linear_silu_and_mul=fp8_gpu.gpu_linear_silu_and_mul,
+              rms_norm_half=triton_w8a16.rms_norm_half, add_rms_norm_half=triton_w8a16.add_rms_norm_half,
+              fp8_linear_half=fp8_gpu.gpu_linear_half)
     if not skinny:
         return ops
     from rapidserve.ops import triton_skinny
@@ -277,10 +288,13 @@ def fp8_ops(ops: Ops, device: torch.device | str) -> Ops:
     return dataclasses.replace(ops, name=ops.name + "-fp8ref", fp8_linear=fp8.reference_linear,
                                fp8_linear_rows=fp8.reference_linear_rows, fuse_fp8=False,
                                fp8_linear_sums=fp8.reference_linear_rows, fold_split_k=False,
-                               w8a16=torch_ops.no_w8a16, fp8_linear_silu_and_mul=torch_ops.fp8_linear_silu_and_mul)
+                               w8a16=torch_ops.no_w8a16, fp8_linear_silu_and_mul=torch_ops.fp8_linear_silu_and_mul,
+                               rms_norm_half=torch_ops.rms_norm_half, add_rms_norm_half=torch_ops.add_rms_norm_half,
+                               fp8_linear_half=fp8.reference_linear_half)
 
 
-W8A16_FIELDS = ("fp8_linear", "w8a16", "fp8_linear_silu_and_mul")  # the fields that read the W8A16 table
+# the fields that read the W8A16 table
+W8A16_FIELDS = ("fp8_linear", "w8a16", "fp8_linear_silu_and_mul", "fp8_linear_half")
 
 
 def with_w8a16(ops: Ops, table: Mapping[str, object]) -> Ops:

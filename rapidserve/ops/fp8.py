@@ -255,17 +255,33 @@ def to_half(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float16 else x.float().clamp(-HALF_MAX, HALF_MAX).to(torch.float16)
 
 
-def reference_linear_half(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A16 (ops/triton_w8a16.py) of float rows x [M, K] through a per-row-scaled fp8 layer: out[m, n] =
-    (sum_k to_half(x)[m, k] w8[n, k]) * sw[n] (+ bias[n] after a rounding to x's dtype), float32 sums, out in x's
-    dtype: the kernel's numbers up to the order of its float32 sums. No activation scale and no quantizer: fp16's 10
-    mantissa bits against e4m3's 3."""
+class HalfRows(NamedTuple):
+    """W8A16's input rows (ops/triton_w8a16.py) as the op before the projection wrote them (the RMSNorm, gate|up's
+    SiLU-and-mul epilogue): `x` [M, K] float16, `to_half` of the rows it would have written in `dtype`, and `dtype`,
+    the rows' own dtype (the projection's output dtype). No scale: fp16 holds the values themselves."""
+
+    x: torch.Tensor
+    dtype: torch.dtype
+
+
+def half_rows(x: torch.Tensor) -> HalfRows:
+    """x as `HalfRows` (`to_half`): the reference of the ops that write them (torch_ops' `*_half`)."""
+    return HalfRows(to_half(x), x.dtype)
+
+
+def reference_linear_half(x: torch.Tensor | HalfRows, layer: Fp8Linear, bias: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """W8A16 (ops/triton_w8a16.py) of float rows x [M, K] (or `HalfRows`) through a per-row-scaled fp8 layer:
+    out[m, n] = (sum_k to_half(x)[m, k] w8[n, k]) * sw[n] (+ bias[n] after a rounding to the rows' dtype), float32
+    sums, out in the rows' dtype: the kernel's numbers up to the order of its float32 sums. No activation scale and no
+    quantizer: fp16's 10 mantissa bits against e4m3's 3."""
     if layer.block is not None or layer.weight_scale.dim() != 1:
         raise ValueError(f"W8A16 takes per-row weight scales; got {layer.extra_repr()}")
-    acc = F.linear(to_half(x).float(), layer.weight.float()) * layer.weight_scale.float()
+    rows = x if isinstance(x, HalfRows) else half_rows(x)
+    acc = F.linear(rows.x.float(), layer.weight.float()) * layer.weight_scale.float()
     if bias is not None:
-        acc = acc.to(x.dtype).float() + bias.float()
-    return acc.to(x.dtype)
+        acc = acc.to(rows.dtype).float() + bias.float()
+    return acc.to(rows.dtype)
 
 
 def quantize_rows(x: torch.Tensor, fp8: torch.dtype) -> QuantizedRows:
@@ -305,7 +321,7 @@ def check_rows(rows: QuantizedRows, layer: Fp8Linear) -> None:
                          f"{s.dtype}")
 
 
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "HALF_MAX", "MIN_AMAX", "Fp8Linear", "QuantizedRows", "SplitSums",
-           "check_rows", "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max",
-           "fp8_supported", "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference",
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "HALF_MAX", "MIN_AMAX", "Fp8Linear", "HalfRows", "QuantizedRows",
+           "SplitSums", "check_rows", "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max",
+           "fp8_supported", "half_rows", "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference",
            "reference_linear", "reference_linear_half", "reference_linear_rows", "takes_rows", "to_fnuz", "to_half"]

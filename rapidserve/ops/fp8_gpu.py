@@ -10,8 +10,10 @@ SiLU-and-mul) through the same routing, minus the quantizer; `gpu_linear_sums` t
 output left unreduced for the RMSNorm after it where ops/fold_table.py says so.
 W8A16 (ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes float rows of per-token layers where the
 W8A16 table says (`w8a16_routed`: ops/w8a16_table.py, empty by default, so nothing goes there unless a GPU measured it
-or a caller passes a table, `w8a16=`): in `gpu_linear` and `gpu_linear_silu_and_mul` (gate|up with SiLU-and-mul in
-the GEMM's epilogue); the model asks `w8a16_routed` first so that the producers of those rows do not quantize them.
+or a caller passes a table, `w8a16=`): in `gpu_linear` (float rows, cast to fp16 in the kernel), `gpu_linear_half`
+(`fp8.HalfRows`, the fp16 rows an RMSNorm or gate|up's epilogue wrote for it) and `gpu_linear_silu_and_mul` (gate|up
+with SiLU-and-mul in the GEMM's epilogue, `HalfRows` out); the model asks `w8a16_routed` first so that the producers
+of those rows write them in fp16 rather than quantize them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from rapidserve.ops import fold_table, triton_fp8, triton_fp8_skinny, triton_ops, triton_w8a16
 from rapidserve.ops.fp8 import (
     Fp8Linear,
+    HalfRows,
     QuantizedRows,
     SplitSums,
     check_rows,
@@ -103,17 +106,30 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
     return reference_linear(x, layer, bias)
 
 
-def gpu_linear_silu_and_mul(x: torch.Tensor, layer: Fp8Linear, pdl: bool | None = None, prefetch: int | None = None,
-                            w8a16: W8a16Table | None = None) -> torch.Tensor:
-    """silu_and_mul(gpu_linear(x, layer)) for an MLP's fp8 gate|up [2I, K]: one W8A16 launch with SiLU-and-mul in its
-    epilogue where `triton_w8a16.routed(gated=True)` (`w8a16` as `gpu_linear`'s), else `gpu_linear` then
-    `triton_ops.silu_and_mul`: the same numbers either way up to the GEMM's float32 sums. `pdl`, `prefetch` as
-    `gpu_linear`'s."""
+def gpu_linear_half(rows: HalfRows, layer: Fp8Linear, bias: torch.Tensor | None = None, pdl: bool | None = None,
+                    prefetch: int | None = None, w8a16: W8a16Table | None = None) -> torch.Tensor:
+    """`gpu_linear` of the rows that W8A16's `rows` hold (a producer wrote them for this projection, where
+    `w8a16_routed` said so): the W8A16 kernel on them where `triton_w8a16.routed` (`w8a16` as `gpu_linear`'s), else
+    `gpu_linear` of them in their own dtype (float16 to bf16 is exact up to the saturation)."""
+    if takes_rows(layer) and torch.version.hip is None and triton_w8a16.routed(rows, layer.weight, layer.weight_scale,
+                                                                              w8a16):
+        return triton_w8a16.w8a16_linear(rows, layer.weight, layer.weight_scale, bias, pdl=pdl, prefetch=prefetch,
+                                         table=w8a16)
+    return gpu_linear(rows.x.to(rows.dtype), layer, bias, pdl, prefetch, w8a16)
+
+
+def gpu_linear_silu_and_mul(x: torch.Tensor | HalfRows, layer: Fp8Linear, pdl: bool | None = None,
+                            prefetch: int | None = None, w8a16: W8a16Table | None = None) -> HalfRows | torch.Tensor:
+    """silu_and_mul of an MLP's fp8 gate|up [2I, K] product of x, for a down projection that runs W8A16: one W8A16
+    launch with SiLU-and-mul in its epilogue writing `HalfRows` where `triton_w8a16.routed(gated=True)` (`w8a16` as
+    `gpu_linear`'s), else `gpu_linear` then `triton_ops.silu_and_mul` (float rows, which the W8A16 down casts
+    itself): the same numbers either way up to the GEMM's float32 sums. `pdl`, `prefetch` as `gpu_linear`'s."""
     if (takes_rows(layer) and torch.version.hip is None
             and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16, gated=True)):
         return triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, pdl=pdl,
                                                       prefetch=prefetch, table=w8a16)
-    return triton_ops.silu_and_mul(gpu_linear(x, layer, None, pdl, prefetch, w8a16), pdl=pdl)
+    rows = x.x.to(x.dtype) if isinstance(x, HalfRows) else x
+    return triton_ops.silu_and_mul(gpu_linear(rows, layer, None, pdl, prefetch, w8a16), pdl=pdl)
 
 
 def gpu_linear_rows(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | None = None,
@@ -146,5 +162,5 @@ def gpu_linear_sums(rows: QuantizedRows, layer: Fp8Linear, bias: torch.Tensor | 
     return gpu_linear_rows(rows, layer, bias, pdl, prefetch)
 
 
-__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_rows", "gpu_linear_silu_and_mul", "gpu_linear_sums",
-           "scaled_mm_linear", "scaled_mm_ok", "w8a16_routed"]
+__all__ = ["FAST_ACCUM", "gpu_linear", "gpu_linear_half", "gpu_linear_rows", "gpu_linear_silu_and_mul",
+           "gpu_linear_sums", "scaled_mm_linear", "scaled_mm_ok", "w8a16_routed"]

@@ -5,9 +5,9 @@ W8A16 (ops/triton_w8a16.py: fp16 rows, no sx) share them:
     K step:    acc += x @ w^T over BLOCK_K columns (SWAP: acc^T += w @ x^T), w the fp8 weight tile; W8A16 widens it
                to fp16 first (e4m3 -> fp16 is exact), so the product is fp16 x fp16 with float32 sums
     epilogue:  out[m, n] = acc[m, n] (* sx[m], W8A8 only) * sw[n] (+ bias[n] after a rounding to out's dtype)
-    gated:     out[m, n] = silu_and_mul(gate, up), gate and up each the epilogue's value rounded to out's dtype (the
-               up rows N past the gate rows), `triton_ops._silu_mul`'s operations: the numbers of
-               `triton_ops.silu_and_mul` of the ungated output
+    gated:     out[m, n] = silu_and_mul(gate, up), gate and up each the epilogue's value rounded to the rows' dtype
+               (the up rows N past the gate rows), `triton_ops._silu_mul`'s operations: the numbers of
+               `triton_ops.silu_and_mul` of the ungated output; for a W8A16 down, then saturated to fp16
 """
 
 from __future__ import annotations
@@ -61,11 +61,18 @@ def _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_
 
 
 @triton.jit
-def _gated_epilogue(gate, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om):
-    """out[rm, rn] = silu_and_mul of the gate and up products, each scaled (sw[rn], sw[N + rn]) and rounded to out's
-    dtype first: `triton_ops.silu_and_mul` of the ungated launch's output, the same operations."""
-    dt = out_ptr.dtype.element_ty
-    g = _scaled(gate, rm, rn, sw_ptr, sw_ptr, sw_ptr, M, N, dt, False, False).to(dt)
-    u = _scaled(up, rm, rn + N, sw_ptr, sw_ptr, sw_ptr, M, 2 * N, dt, False, False).to(dt)
+def _gated_epilogue(gate, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om, BF16: tl.constexpr, HALF_OUT: tl.constexpr):
+    """out[rm, rn] = silu_and_mul of the gate and up products, each scaled (sw[rn], sw[N + rn]) and rounded to the
+    rows' dtype first (BF16: bfloat16, else float16): `triton_ops.silu_and_mul` of the ungated launch's output, the
+    same operations; HALF_OUT: out is float16, that value clamped to +-65504 first where it was bf16 (`fp8.to_half`),
+    W8A16's rows for the down projection."""
+    g = _scaled(gate, rm, rn, sw_ptr, sw_ptr, sw_ptr, M, N, tl.float32, False, False)
+    u = _scaled(up, rm, rn + N, sw_ptr, sw_ptr, sw_ptr, M, 2 * N, tl.float32, False, False)
+    if BF16:
+        y = _silu_mul(g.to(tl.bfloat16), u.to(tl.bfloat16)).to(tl.bfloat16).to(tl.float32)
+        if HALF_OUT:  # saturated to fp16 (an fp16 model's own value is stored as it is)
+            y = tl.minimum(tl.maximum(y, -65504.0), 65504.0)
+    else:
+        y = _silu_mul(g.to(tl.float16), u.to(tl.float16)).to(tl.float16).to(tl.float32)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
-    tl.store(out, _silu_mul(g, u).to(dt), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 from rapidserve.ops.fp8 import (
     Fp8Linear,
+    HalfRows,
     QuantizedRows,
     SplitSums,
+    half_rows,
     quantize_rows,
     reduce_sums_reference,
     reference_linear_half,
@@ -130,8 +132,19 @@ def no_w8a16(rows: int, layer: Fp8Linear) -> bool:
     return False
 
 
-def fp8_linear_silu_and_mul(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
-    """silu_and_mul of the W8A16 product of float rows x with an fp8 gate|up (`fp8.reference_linear_half`): the
-    reference of `fp8_gpu.gpu_linear_silu_and_mul` where it runs W8A16."""
-    return silu_and_mul(reference_linear_half(x, layer))
+def fp8_linear_silu_and_mul(x: torch.Tensor | HalfRows, layer: Fp8Linear) -> HalfRows:
+    """silu_and_mul of the W8A16 product of rows x with an fp8 gate|up (`fp8.reference_linear_half`), as `HalfRows`
+    for a W8A16 down: the reference of `fp8_gpu.gpu_linear_silu_and_mul` where it runs W8A16."""
+    return half_rows(silu_and_mul(reference_linear_half(x, layer)))
 
+
+def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float) -> HalfRows:
+    """rms_norm(x) as W8A16's rows (`fp8.half_rows`)."""
+    return half_rows(rms_norm(x, weight, eps))
+
+
+def add_rms_norm_half(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[HalfRows, torch.Tensor]:
+    """add_rms_norm's (normed rows as W8A16's rows, residual + x)."""
+    normed, res = add_rms_norm(x, residual, weight, eps)
+    return half_rows(normed), res

@@ -148,14 +148,16 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
                        stride_om, prefetch, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PROMOTE: tl.constexpr, USE_GDC: tl.constexpr, PREFETCH: tl.constexpr,
-                       A16: tl.constexpr = False, CAST_X: tl.constexpr = False, GATED: tl.constexpr = False):
+                       A16: tl.constexpr = False, CAST_X: tl.constexpr = False, GATED: tl.constexpr = False,
+                       BF16: tl.constexpr = True, HALF_OUT: tl.constexpr = False):
     """Column tile program_id(0) over all of K; SPLIT: over K slice program_id(1), [s * K_PER, (s + 1) * K_PER) cut at
     K, its raw float32 sums stored at out_ptr, the workspace [splits, M, N] (module docstring). USE_GDC (`ops.pdl`):
     PREFETCH pulls the first `prefetch` bytes of its weight rows' slice into L2, then it waits for the kernel before;
     it lets the next one start after its K loop. A16 (W8A16, ops/triton_w8a16.py): x8_ptr holds float rows, not fp8,
     and there is no sx: each K step's weight tile is widened to fp16 and the rows are fp16 already or, CAST_X, cast to
     it in registers (clamped to +-HALF_MAX first: a saturating cast). GATED (A16, one pass, no bias): w is [2N, K] =
-    cat(gate, up) and the output silu_and_mul of the product (`_gated_epilogue`)."""
+    cat(gate, up) and the output silu_and_mul of the product in the rows' dtype (BF16: bfloat16, else float16),
+    HALF_OUT: stored as W8A16's float16 rows (`_gated_epilogue`)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -194,7 +196,7 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
     elif GATED:
         up = tl.trans(acc_u) if SWAP else acc_u
-        _gated_epilogue(acc, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om)
+        _gated_epilogue(acc, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om, BF16, HALF_OUT)
     else:
         _epilogue(acc, rm, rn, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_om, HAS_BIAS, not A16)
 
@@ -255,10 +257,12 @@ def routed_rows(rows: QuantizedRows, weight: torch.Tensor, scale: torch.Tensor,
 
 def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
             dtype: torch.dtype, config: Fp8Tiles | None, pdl: bool | None, prefetch: int | None,
-            defer: bool = False, a16: bool = False, gated: bool = False) -> torch.Tensor | SplitSums:
-    """The kernel's launch (and the reduce's where K is split). `a16` (ops/triton_w8a16.py): x8 is float rows, sx
-    unused; `gated` (with a16): weight is cat(gate, up) [2I, K], the output silu_and_mul of the product [M, I], in one
-    pass over K (split_k of the tiles ignored)."""
+            defer: bool = False, a16: bool = False, gated: bool = False,
+            half_out: bool = False) -> torch.Tensor | SplitSums:
+    """The kernel's launch (and the reduce's where K is split). `a16` (ops/triton_w8a16.py): x8 is float rows (fp16
+    or `dtype`), sx unused; `gated` (with a16): weight is cat(gate, up) [2I, K], the output silu_and_mul of the product
+    [M, I] in `dtype`, or with `half_out` as float16 rows for a W8A16 down, in one pass over K (split_k of the tiles
+    ignored)."""
     n, k = weight.shape
     n_out = n // 2 if gated else n
     m = x8.shape[0]
@@ -272,7 +276,8 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     b = bias if bias is not None else scale
     k_per, splits = split_slices(k, cfg)
     deferred = defer and splits > 1  # the sums are the result: no output tensor
-    out = torch.empty((m, n_out), dtype=dtype, device=x8.device) if not deferred else None
+    out_dtype = torch.float16 if half_out else dtype
+    out = torch.empty((m, n_out), dtype=out_dtype, device=x8.device) if not deferred else None
     # splits > 1: the kernel writes its slices' sums to a float32 workspace, which the reduce kernel scales into out
     ws = torch.empty((splits, m, n_out), dtype=torch.float32, device=x8.device) if splits > 1 else out
     tiles = triton.cdiv(n_out, cfg.block_n)
@@ -281,6 +286,8 @@ def _launch(x8: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: tor
     ahead = prefetch_bytes(weight, tiles * splits * cfg.block_n * (2 if gated else 1), k_per, budget) if on else 0
     # W8A16's constexprs only where on: W8A8's launches keep their arguments
     half = {"A16": True, "CAST_X": x8.dtype != torch.float16, "GATED": gated} if a16 else {}
+    if gated:
+        half.update(BF16=dtype == torch.bfloat16, HALF_OUT=half_out)
     _fp8_skinny_kernel[(tiles, splits)](
         x8, sx, weight, scale, b, ws, m, n_out, k, k_per, x8.stride(0), weight.stride(0), n_out, ahead,
         HAS_BIAS=bias is not None, EVEN=n_out % cfg.block_n == 0 and k % cfg.block_k == 0, SWAP=cfg.swap,

@@ -58,13 +58,18 @@ def _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_x
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
                      stride_xo, stride_xi, stride_ro, stride_ri, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+                     HALF: tl.constexpr = False):
+    """HALF (W8A16's rows of a bf16 x, ops/triton_w8a16.py): out is float16, each value the bf16 output clamped to
+    +-65504 first (`fp8.to_half` of the plain output)."""
     if USE_GDC:  # `ops.pdl`: the kernel before complete first, then the next may start
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     y, _ = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                     n_cols, eps, HAS_RESIDUAL, True, BLOCK)
+    if HALF:
+        y = tl.minimum(tl.maximum(y.to(x_ptr.dtype.element_ty).to(tl.float32), -65504.0), 65504.0)
     cols = tl.arange(0, BLOCK)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
@@ -81,11 +86,14 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _rms_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float, pdl: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                eps: float, pdl: bool | None, half: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`half` (weight of x's dtype): the output in float16, saturated from bf16 (the kernel's HALF; an fp16 x's is
+    its own output, `fp8.to_half`)."""
     n_cols = x.shape[-1]
     if weight.shape != (n_cols,):
         raise ValueError(f"weight must be [{n_cols}] (the last dim of x); got {tuple(weight.shape)}")
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = torch.float16 if half else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     num_rows = x.numel() // n_cols if n_cols else 0
     if num_rows == 0:
@@ -103,7 +111,8 @@ def _rms_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     _rms_norm_kernel[(num_rows,)](
         xv, rv, weight, out, res_out if res_out is not None else out, n_inner, sxo, sxi, sro, sri,
         n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
-        enable_fp_fusion=False, **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
+        enable_fp_fusion=False, **({"HALF": True} if half and x.dtype != torch.float16 else {}),
+        **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, x.device)))
     return out, res_out
 
 

@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import torch
 
-from rapidserve.ops import triton_fp8_skinny
+from rapidserve.ops import triton_fp8_skinny, triton_ops
+from rapidserve.ops.fp8 import HalfRows, half_rows
 from rapidserve.ops.fp8_tiles import MAX_ROWS, Fp8Tables, Fp8Tiles
 from rapidserve.ops.triton_fp8_skinny import TUNED, _launch, device_name, fp8_ok, rule_tiles
 from rapidserve.ops.w8a16_table import W8A16_TABLE, W8a16Device, W8a16Table, w8a16_for_step
 
+HALF = torch.float16
 SMEM_LIMIT = 227 * 1024  # shared memory a block may take on the H100 / H200 (sm_90)
 
 
@@ -96,58 +98,94 @@ def planned(rows: int, weight: torch.Tensor, table: W8a16Table | None = None, ga
     return plan(rows, *weight.shape, device_of(weight), TUNED if tables is None else tables, table, gated)
 
 
-def half_ok(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+def _split(x: torch.Tensor | HalfRows) -> tuple[torch.Tensor, torch.dtype]:
+    """(the rows the kernel reads, the output dtype) of float rows or `HalfRows`."""
+    return (x.x, x.dtype) if isinstance(x, HalfRows) else (x, x.dtype)
+
+
+def half_ok(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether the W8A16 kernel takes this call: `triton_fp8_skinny.fp8_ok`'s bounds (1..MAX_ROWS bf16 / fp16 rows with
-    a contiguous last dim, a contiguous fp8 weight, float32 scales [N]) with an e4m3fn weight (NVIDIA's format)."""
-    return fp8_ok(x, weight, scale) and weight.dtype == torch.float8_e4m3fn
+    a contiguous last dim, a contiguous fp8 weight, float32 scales [N]) with an e4m3fn weight (NVIDIA's format); rows
+    of `HalfRows` in float16, of a bf16 / fp16 dtype."""
+    rows, dtype = _split(x)
+    return (fp8_ok(rows, weight, scale) and weight.dtype == torch.float8_e4m3fn
+            and dtype in (torch.bfloat16, torch.float16) and (not isinstance(x, HalfRows) or rows.dtype == HALF))
 
 
-def routed(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, table: W8a16Table | None = None,
+def routed(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor, table: W8a16Table | None = None,
            gated: bool = False) -> bool:
-    """Whether `fp8_gpu.gpu_linear` (gated: `gpu_linear_silu_and_mul`) sends this call here: on an NVIDIA GPU, a call
-    that `half_ok` and that `plan` gives tiles."""
-    return x.is_cuda and half_ok(x, weight, scale) and planned(x.shape[0], weight, table, gated) is not None
+    """Whether `fp8_gpu.gpu_linear` (gated: `gpu_linear_silu_and_mul`; `HalfRows`: `gpu_linear_half`) sends this call
+    here: on an NVIDIA GPU, a call that `half_ok` and that `plan` gives tiles."""
+    rows = _split(x)[0]
+    return rows.is_cuda and half_ok(x, weight, scale) and planned(rows.shape[0], weight, table, gated) is not None
 
 
-def _tiles(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Tiles | None,
+def _tiles(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Tiles | None,
            table: W8a16Table | None, gated: bool) -> Fp8Tiles:
     n, k = weight.shape
+    rows = _split(x)[0]
     if not half_ok(x, weight, scale):
-        raise ValueError(f"W8A16 takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] with a contiguous last dim, a "
-                         f"contiguous e4m3fn weight and float32 scales [{n}]; got x {tuple(x.shape)} {x.dtype}, "
-                         f"weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+        raise ValueError(f"W8A16 takes 1..{MAX_ROWS} rows of bf16/fp16 [M, {k}] (HalfRows: float16) with a contiguous "
+                         f"last dim, a contiguous e4m3fn weight and float32 scales [{n}]; got x {tuple(rows.shape)} "
+                         f"{rows.dtype}, weight {tuple(weight.shape)} {weight.dtype}, scale {tuple(scale.shape)} "
+                         f"{scale.dtype}")
     if gated and n % 2:
         raise ValueError(f"gated W8A16 takes a cat(gate, up) weight with an even row count; got {tuple(weight.shape)}")
-    cfg = config or planned(x.shape[0], weight, table, gated) or fit_stages(rule_tiles(x.shape[0], n, k), gated)
+    m = rows.shape[0]
+    cfg = config or planned(m, weight, table, gated) or fit_stages(rule_tiles(m, n, k), gated)
     if cfg is None or not a16_fits(cfg):
-        raise ValueError(f"W8A16 does not run on tiles {cfg.label()} (a 64-row tile must be swapped: a16_fits)")
+        raise ValueError(f"W8A16 does not run on tiles {cfg.label() if cfg else None} (a 64-row tile must be "
+                         "swapped, and its stages fit: a16_fits, fit_stages)")
     return cfg
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: Fp8Tiles | None = None, pdl: bool | None = None, prefetch: int | None = None,
-                 table: W8a16Table | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16, M <= MAX_ROWS) through an fp8 projection (weight [N, K] e4m3fn, float32 scales [N]) as
-    W8A16 -> [M, N] in x's dtype (module docstring), on `config`'s tiles (default: `plan`'s under `table`, else the
-    untuned `rule_tiles`). `pdl`, `prefetch` as `triton_fp8_skinny.skinny_fp8_linear`'s. ValueError for what it
-    cannot take."""
+def w8a16_linear(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None, config: Fp8Tiles | None = None, pdl: bool | None = None,
+                 prefetch: int | None = None, table: W8a16Table | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 rows, cast to fp16 in the kernel, or `HalfRows`; M <= MAX_ROWS) through an fp8 projection
+    (weight [N, K] e4m3fn, float32 scales [N]) as W8A16 -> [M, N] in the rows' dtype (module docstring), on `config`'s
+    tiles (default: `plan`'s under `table`, else the untuned `rule_tiles`). `pdl`, `prefetch` as
+    `triton_fp8_skinny.skinny_fp8_linear`'s. ValueError for what it cannot take."""
     cfg = _tiles(x, weight, scale, config, table, False)
-    out = _launch(x, scale, weight, scale, bias, x.dtype, cfg, pdl, prefetch, a16=True)
+    rows, dtype = _split(x)
+    out = _launch(rows, scale, weight, scale, bias, dtype, cfg, pdl, prefetch, a16=True)
     assert isinstance(out, torch.Tensor)
     return out
 
 
-def w8a16_linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+def w8a16_linear_silu_and_mul(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor,
                               config: Fp8Tiles | None = None, pdl: bool | None = None, prefetch: int | None = None,
-                              table: W8a16Table | None = None) -> torch.Tensor:
+                              table: W8a16Table | None = None, half_out: bool = True) -> HalfRows | torch.Tensor:
     """silu_and_mul(w8a16_linear(x, weight, scale)) for an MLP's fp8 gate|up [2I, K] in one launch, the [M, 2I]
-    product never written (as `triton_skinny.linear_silu_and_mul`): [M, I] in x's dtype, the numbers of
-    `triton_ops.silu_and_mul` of the ungated output. One pass over K (the tiles' split_k ignored)."""
+    product never written (as `triton_skinny.linear_silu_and_mul`): [M, I], the numbers of `triton_ops.silu_and_mul`
+    of the ungated output in the rows' dtype, written as `HalfRows` for a W8A16 down (`half_out`: saturated to fp16 in
+    the epilogue; False: in the rows' dtype). One pass over K (the tiles' split_k ignored)."""
     cfg = _tiles(x, weight, scale, config, table, True)
-    out = _launch(x, scale, weight, scale, None, x.dtype, cfg, pdl, prefetch, a16=True, gated=True)
+    rows, dtype = _split(x)
+    out = _launch(rows, scale, weight, scale, None, dtype, cfg, pdl, prefetch, a16=True, gated=True,
+                  half_out=half_out)
     assert isinstance(out, torch.Tensor)
-    return out
+    return HalfRows(out, dtype) if half_out else out
 
 
-__all__ = ["SMEM_LIMIT", "a16_fits", "a16_smem_bytes", "device_of", "fit_stages", "half_ok", "plan", "planned",
-           "routed", "w8a16_linear", "w8a16_linear_silu_and_mul"]
+def rms_norm_half(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool | None = None) -> HalfRows:
+    """`triton_ops.rms_norm` written as W8A16's rows (`fp8.HalfRows`: the plain output saturated to fp16) in its one
+    launch; a weight of another dtype (whose product promotes) takes the plain launch, then `fp8.half_rows`."""
+    if weight.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        return half_rows(triton_ops.rms_norm(x, weight, eps, pdl=pdl))
+    return HalfRows(triton_ops._rms_launch(x, None, weight, eps, pdl, half=True)[0], x.dtype)
+
+
+def add_rms_norm_half(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      pdl: bool | None = None) -> tuple[HalfRows, torch.Tensor]:
+    """`triton_ops.add_rms_norm`'s (normed rows as `rms_norm_half`'s, residual + x) in its one launch."""
+    if weight.dtype != x.dtype or x.dtype not in (torch.bfloat16, torch.float16):
+        normed, res = triton_ops.add_rms_norm(x, residual, weight, eps, pdl=pdl)
+        return half_rows(normed), res
+    out, res_out = triton_ops._rms_launch(x, residual, weight, eps, pdl, half=True)
+    assert res_out is not None
+    return HalfRows(out, x.dtype), res_out
+
+
+__all__ = ["SMEM_LIMIT", "a16_fits", "a16_smem_bytes", "add_rms_norm_half", "device_of", "fit_stages", "half_ok",
+           "plan", "planned", "rms_norm_half", "routed", "w8a16_linear", "w8a16_linear_silu_and_mul"]
