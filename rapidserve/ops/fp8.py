@@ -30,6 +30,11 @@ Rows already quantized per token (`QuantizedRows`, by the fused RMSNorm / SiLU-a
 or `quantize_rows`) go through `reference_linear_rows` / `fp8_gpu.gpu_linear_rows`: the same routes on the same
 numbers, for the layers that `takes_rows` (per-token activations, per-row weight scales).
 
+W8A16 (ops/triton_w8a16.py, NVIDIA, where ops/w8a16_table.json says: empty until measured) takes the same per-row
+scaled weights without quantizing the activations: the rows in fp16 (`to_half`: saturated at HALF_MAX), float16 by
+float16 products of the widened weight, out[m, n] = (sum_k x16[m, k] w8[n, k]) * sw[n] (`reference_linear_half`);
+its producers write `HalfRows` (fp16 rows, the rows' dtype) instead of `QuantizedRows`.
+
 Activations are quantized by the same math on every path (per-token ones on a GPU by one Triton kernel,
 `triton_fp8.quantize_tokens`, equal up to the device's float32 division), so only the GEMM differs. Nothing
 reads a device value on the host: every path is CUDA-graph safe.

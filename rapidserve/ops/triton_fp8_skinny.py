@@ -48,6 +48,11 @@ Programmatic dependent launch (`ops.pdl`; NVIDIA sm_90+, on by default there, `p
 kernel before (`prefetch_rows`, `prefetch_bytes`: triton_skinny.PREFETCH_BYTES over the launch) and lets the next
 kernel start after its K loop; the split-K reduce kernel waits first and lets the next start at once (it is small).
 
+W8A16 (ops/triton_w8a16.py) runs on this kernel too, its `A16` form: x8_ptr holds fp16 rows (or bf16 rows cast to fp16
+in registers, CAST_X), there is no sx, and each K step widens the weight tile to fp16 before an fp16 product (`_k_step`,
+ops/fp8_skinny_steps.py); its GATED form takes cat(gate, up) and writes silu_and_mul of the product. W8A8's launches
+pass none of these constexprs and compile to the same PTX as before them (Triton 3.9).
+
 Which call goes here, with which tiles, is `plan`, a pure function of (rows, N, K, device, tables): the tuned table of
 this GPU (`fp8_tiles`, measured by bench/decode_profile.py --quantization fp8 --sweep) where it covers the call, its
 entry either tiles (split-K where the entry says so) or "scaled_mm"; else the untuned rule, the kernel as it was before

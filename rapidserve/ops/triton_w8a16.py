@@ -3,18 +3,25 @@ the activations in fp16 with no per-token scale, on the skinny fp8 kernel (ops/t
 
 Why: at batch 1 on the H200 the fp8 decode step paid ~600 us a step more than bf16 in the kernels that quantize each
 projection's input per token (the RMSNorm's amax and e4m3 cast, the attention reduce's, SiLU-and-mul's), while its
-weight reads were 1.51x faster. W8A16 needs no quantizer: the projection takes the float rows the bf16 path's kernels
-write (plain RMSNorm, attention, and SiLU-and-mul in the gate|up GEMM's epilogue, `w8a16_linear_silu_and_mul`, as the
-bf16 skinny kernel does), so the producers are bf16's.
+weight reads were 1.51x faster. W8A16 needs no quantizer, so its producers are the bf16 path's kernels: the RMSNorm's
+plain launch writes its output in fp16 (`rms_norm_half`, `add_rms_norm_half`: `fp8.HalfRows`), gate|up takes
+SiLU-and-mul in its epilogue and writes down's fp16 rows (`w8a16_linear_silu_and_mul`, as the bf16 skinny kernel
+fuses it), and o_proj takes the attention's float output as it is, cast to fp16 in the GEMM's registers (CAST_X).
 
 The math (`fp8.reference_linear_half`, up to the order of float32 sums):
-    x16 = fp16(clamp(x, -65504, 65504))      x bf16 (or fp16) rows, saturated at fp16's max as e4m3's cast is at 448
+    x16 = fp16(clamp(x, -65504, 65504))      x the bf16 rows the producer computes, saturated at fp16's max as e4m3's
+                                             cast is at 448 (an fp16 model's rows are fp16 already: as they are)
     out[m, n] = (sum_k x16[m, k] w8[n, k]) * sw[n] (+ bias[n] after a rounding to x's dtype), in x's dtype
-More accurate than W8A8 (fp16 has 10 mantissa bits, e4m3 3, and no per-row amax scales the small values away). The
-cast to fp16 happens in the kernel's registers each K step (CAST_X), on the x tile only: the numbers are those of a
-producer that wrote fp16 rows, and the producers stay bf16's kernels. Activations past 65504 saturate: Qwen3's
-down_proj inputs reach thousands, not 65504; a model whose rows pass it is distorted there (the table turns W8A16 on
-per GPU, not per model: measure the model's accuracy before putting an entry in).
+More accurate than W8A8 (fp16 has 10 mantissa bits, e4m3 3, and no per-row amax scales the small values away); bf16
+to fp16 is exact inside fp16's normal range, so x16 is the bf16 value itself there. The same numbers whether the
+producer wrote fp16 rows or the kernel casts bf16 rows (CAST_X): where the cast happens is a cost, not a number. The
+cost (compiled for sm_90): on a 16-row mma.sync tile every warp widens the whole row tile, so CAST_X adds ~900
+instructions a K step a thread on m16 64x512 (bf16 -> f32, the clamp's min and max, f32 -> f16x2) against the weight's
+128 conversions; on a swapped tile the rows are spread over the threads and it adds ~50. Hence the fp16 rows from the
+norms and the gated epilogue; the attention's reduce writing them too is left to do (o_proj's tiles at one row are
+swapped on the H200; at 16 rows they are m16 32x512). Activations past 65504 saturate: Qwen3's down_proj inputs reach
+thousands, not 65504; a model whose rows pass it is distorted there (the table turns W8A16 on per GPU, not per model:
+measure the model's accuracy before putting an entry in).
 
 What the GPU runs (compiled for sm_90 on a CPU, Triton 3.9; tests/test_w8a16.py): the fp8 weight tile reaches shared
 memory by cp.async as before and is widened to fp16 (`cvt.rn.f16x2.e4m3x2`, 2 values an instruction) on its way into
