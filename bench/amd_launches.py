@@ -11,7 +11,8 @@ weights (issue 39: its e4m3fnuz / e4m3fn weights, `ops.fp8_gpu.gpu_linear`'s Tri
 steps, and (every dtype) the layer over an fp8 KV pool of the target's format (`--kv-cache-dtype fp8`: the kernels'
 KV_FP8 variants) at decode, prefill and mixed steps, and per-row fp8 weights' launches (`_fp8_token_launches`: the
 per-token quantizer, the norms and SiLU-and-mul that quantize their output for them, and NVIDIA's skinny fp8 GEMM; the
-decode attention whose output is quantized for o_proj, `decode_attention_fp8`, at batch 1, 16 and 64).
+decode attention whose output is quantized for o_proj, `decode_attention_fp8`, at batch 1, 16 and 64, and on NVIDIA
+of a bf16 model also its W8A16 fp16 rows).
 Each
 `kernel[grid](*args, **kwargs)` is recorded instead of run: the kernels' launch code picks the constexprs,
 `num_warps` and the rest exactly as it would on that GPU, which `amd_compile_check` then compiles. The skinny
@@ -287,6 +288,9 @@ def capture(shape: Shape, target: Target) -> Capture:
                 assert attn.decode_attention_fp8 is not None
                 attn.decode_attention_fp8(q, *pool.layers[0], m.block_tables, m.context_lens, layer.scale,
                                           out_fp8=target.fp8, window=layer.window)
+                if not target.hip and dtype == torch.bfloat16:  # W8A16's fp16 rows (ops/triton_w8a16.py)
+                    attn.decode_attention_fp8(q, *pool.layers[0], m.block_tables, m.context_lens, layer.scale,
+                                              out_fp8=torch.float16, window=layer.window)
         if target.fp8 is not None:  # --kv-cache-dtype fp8: the same layer over a pool of the target's fp8 format
             kv_pool = KVPool(torch.empty(pool_spec(cfg, cache, target.fp8, num_blocks).shape, dtype=target.fp8,
                                          device=meta), shape.block_size)

@@ -8,7 +8,7 @@
 - under the Triton interpreter (a subprocess), the kernel against the reference: each tile family (16- and 32-row
   mma.sync tiles, swapped tiles), split-K, N and K tails, a bias, bf16 rows (cast in the kernel), fp16 rows and
   `fp8.HalfRows`, rows past 65504; the gated launch against silu_and_mul of the ungated one (`HalfRows` out, saturated);
-  the RMSNorms that write `HalfRows` against the plain ones;
+  the RMSNorms and the decode attention that write `HalfRows` against the plain ones;
 - compiled for sm_90 (no GPU), the W8A16 kernel widens only the weight tile (`cvt.rn.f16x2.e4m3x2` for BLOCK_N x
   BLOCK_K values a K step, W8A8's widens the rows too) on mma.sync f16, and on a swapped tile runs wgmma f16 with the
   widened weight as the register operand.
@@ -347,7 +347,7 @@ def test_w8a16_on_a_swapped_tile_is_wgmma_with_the_weight_in_registers() -> None
 
 # --------------------------------------------------------------------------------------- the interpreter checks
 INTERP_TESTS = {"kernel": "test_w8a16_kernel_interpreter", "gated": "test_w8a16_gated_interpreter",
-                "norms": "test_w8a16_norms_interpreter"}
+                "norms": "test_w8a16_norms_interpreter", "attention": "test_w8a16_attention_interpreter"}
 
 
 @pytest.fixture(scope="module")
@@ -366,6 +366,12 @@ def test_w8a16_kernel_interpreter(interpreter: dict[str, str]) -> None:
 def test_w8a16_gated_interpreter(interpreter: dict[str, str]) -> None:
     """The gated launch against silu_and_mul of the ungated one (check_gated)."""
     assert interpreter["gated"] == "", interpreter["gated"]
+
+
+@needs_triton
+def test_w8a16_attention_interpreter(interpreter: dict[str, str]) -> None:
+    """The decode attention's output as W8A16's rows against `fp8.half_rows` of its float output (check_attention)."""
+    assert interpreter["attention"] == "", interpreter["attention"]
 
 
 @needs_triton
@@ -468,5 +474,39 @@ def check_norms() -> None:
             assert torch.equal(promoted.x, fp8.to_half(triton_ops.rms_norm(x, w.float(), 1e-6)))
 
 
+def check_attention() -> None:
+    """`decode_attention_fp8(out_fp8=float16)`: W8A16's rows of the decode output, `fp8.half_rows` of
+    `decode_attention`'s output bit for bit: a bf16 output's written by the reduce kernel (2 and 5 splits, values past
+    65504 saturated), an fp16 output's the output itself, one split of a bf16 output the float output (the projection
+    casts it); the torch backend's the same numbers by definition."""
+    from test_attention import decode_seqs, make_batch
+
+    from rapidserve.attention import torch_ref
+    from rapidserve.attention import triton_paged_decode as tp
+    from rapidserve.ops import torch_kv
+
+    for dt in (torch.bfloat16, torch.float16):
+        b = make_batch(decode_seqs([40, 1, 17]), num_kv_heads=2, group=2, head_dim=32, block_size=16, dtype=dt,
+                       decode=True, seed=12)
+        b.v_new[:, :, :4] = 3e5 if dt == torch.bfloat16 else 6e4  # outputs past fp16's max (bf16)
+        torch_kv.write_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, b.meta.slot_mapping)
+        args = (b.q, b.k_cache, b.v_cache, b.meta.block_tables, b.meta.context_lens, 32**-0.5)
+        for n in (1, 2, 5):
+            out = tp.decode_attention(*args, num_splits=n)
+            flat = out.view(out.shape[0], -1)
+            got = tp.decode_attention_fp8(*args, out_fp8=torch.float16, num_splits=n)
+            if dt == torch.bfloat16 and n == 1:
+                assert isinstance(got, torch.Tensor) and torch.equal(got, flat), (dt, n)
+                continue
+            assert isinstance(got, fp8.HalfRows) and got.dtype == dt, (dt, n)
+            assert torch.equal(got.x, fp8.to_half(flat)), (dt, n)
+            if dt == torch.bfloat16:
+                assert float(got.x.float().abs().max()) == 65504, (dt, n)
+        ref = torch_ref.decode_attention_fp8(*args, out_fp8=torch.float16)
+        want = torch_ref.decode_attention(*args)
+        assert isinstance(ref, fp8.HalfRows) and torch.equal(ref.x, fp8.to_half(want.reshape(want.shape[0], -1)))
+
+
 if __name__ == "__main__":
-    sys.exit(run_checks({"kernel": check_kernel, "gated": check_gated, "norms": check_norms}, sys.argv[1:]))
+    sys.exit(run_checks({"kernel": check_kernel, "gated": check_gated, "norms": check_norms,
+                         "attention": check_attention}, sys.argv[1:]))

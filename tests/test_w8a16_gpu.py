@@ -4,8 +4,8 @@ the packaged table says (it is empty until a GPU measures it):
 - the kernel against `fp8.reference_linear_half` at Qwen3-8B's shapes, 1 / 16 / 64 rows, on each tile family it takes
   (16- and 32-row mma.sync tiles, swapped tiles on wgmma f16 with split-K and without, the plan's under a forced
   table), bf16 rows (cast in the kernel) and fp16 rows, a value past 65504 (saturated, finite), a bias; the gated
-  gate|up launch equal to silu_and_mul of the ungated one, as fp16 rows; the RMSNorms that write fp16 rows equal the
-  plain ones saturated, bit for bit, and the GEMM of them its GEMM of the plain rows;
+  gate|up launch equal to silu_and_mul of the ungated one, as fp16 rows; the RMSNorms and the decode attention that
+  write fp16 rows equal the plain ones saturated, bit for bit, and the GEMM of them its GEMM of the plain rows;
 - a 2-layer Qwen3-8B-shaped model (the preset's random weights, in bf16 and quantized at load) in decode graphs at
   batch 1 and 16: W8A16 (`with_w8a16(ops, w8a16_table.forced(gpu))`) launches no quantizer (no fp8 norm, SiLU-and-mul,
   per-token quantizer or folded norm in the step's kernels, nor a separate SiLU-and-mul) and its logits are nearer the
@@ -124,6 +124,31 @@ def test_the_norms_write_the_plain_norms_rows_in_fp16(m: int, k: int) -> None:
     layer = _layer(4096, k, seed=1)
     assert torch.equal(triton_w8a16.w8a16_linear(rows, layer.weight, layer.weight_scale),
                        triton_w8a16.w8a16_linear(plain2, layer.weight, layer.weight_scale))
+
+
+@needs_nvidia_fp8
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_the_decode_attention_writes_the_fp16_rows(batch: int) -> None:
+    """Qwen3-8B's heads (32 of 128, 8 kv heads), 2048-token contexts: `decode_attention_fp8(out_fp8=float16)` gives
+    `fp8.half_rows` of `decode_attention`'s output bit for bit where the reduce kernel writes them (2 and 8 splits),
+    and the float output itself with one split."""
+    from rapidserve.attention import triton_paged_decode as tp
+
+    torch.manual_seed(batch)
+    blocks, bs = 2048 // 16, 16
+    kc = torch.randn(batch * blocks, 8, bs, 128, device=CUDA, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc) * 100
+    q = torch.randn(batch, 32, 128, device=CUDA, dtype=torch.bfloat16)
+    tables = torch.arange(batch * blocks, device=CUDA, dtype=torch.int32).reshape(batch, blocks)
+    ctx = torch.full((batch,), 2047, device=CUDA, dtype=torch.int32)
+    for n in (1, 2, 8):
+        out = tp.decode_attention(q, kc, vc, tables, ctx, 128**-0.5, num_splits=n)
+        got = tp.decode_attention_fp8(q, kc, vc, tables, ctx, 128**-0.5, out_fp8=torch.float16, num_splits=n)
+        flat = out.view(batch, -1)
+        if n == 1:
+            assert isinstance(got, torch.Tensor) and torch.equal(got, flat)
+        else:
+            assert isinstance(got, fp8.HalfRows) and torch.equal(got.x, fp8.to_half(flat)), n
 
 
 def _runner(quantization: object, batch: int, layers: int = 2, ctx: int = 256) -> object:

@@ -50,7 +50,7 @@ from rapidserve.attention.metadata import (
 )
 from rapidserve.config import ATTENTION_BACKENDS
 from rapidserve.config_base import ConfigError
-from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.fp8 import HalfRows, QuantizedRows
 from rapidserve.ops.pdl import bind_pdl, takes_pdl
 
 BACKEND_NAMES: tuple[str, ...] = ATTENTION_BACKENDS
@@ -164,11 +164,13 @@ def with_pdl(attn: AttentionBackend, pdl: bool) -> AttentionBackend:
 
 def attend(attn: AttentionBackend, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, scale: float, k_scale: Scale = None, v_scale: Scale = None,
-           window: int | None = None, out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+           window: int | None = None,
+           out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows | HalfRows:
     """Attention of this step's queries (keys and values already written to the cache; an fp8 cache's scales
     `k_scale` / `v_scale`); `window`: a sliding-window layer's (None: every earlier key). `out_fp8`: the fp8 format
-    of an o projection that takes quantized rows; a decode step then returns its output as those rows
-    (`decode_attention_fp8`, where the backend has it), any other step the float output.
+    of an o projection that takes quantized rows, or float16 for a W8A16 one (`fp8.HalfRows`); a decode step then
+    returns its output as those rows (`decode_attention_fp8`, where the backend has it; a float output where it writes
+    none), any other step the float output.
 
     A mixed step's leading decode rows use the decode kernel: the prefill kernel would give each of
     them a whole query tile (one useful row of BLOCK_M) and recompute a tile of work per key block."""

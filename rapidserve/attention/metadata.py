@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:  # (rapidserve.ops imports this package's modules as it loads)
-    from rapidserve.ops.fp8 import QuantizedRows
+    from rapidserve.ops.fp8 import HalfRows, QuantizedRows
 
 
 @dataclass
@@ -94,11 +94,13 @@ class PrefillAttention(Protocol):
 class DecodeAttentionFp8(Protocol):
     """A backend's `decode_attention_fp8(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None,
     v_scale=None, *, out_fp8, window=None)`: `decode_attention`'s output [B, heads * head_dim] quantized per token to
-    `out_fp8` for an fp8 o projection (`ops.fp8.QuantizedRows`, the numbers of `fp8.quantize_rows` of that output)."""
+    `out_fp8` for an fp8 o projection (`ops.fp8.QuantizedRows`, the numbers of `fp8.quantize_rows` of that output), or
+    with `out_fp8` float16 W8A16's rows (`ops.fp8.HalfRows`, `fp8.half_rows` of it; or the float output [B, heads *
+    head_dim] where the backend writes none)."""
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: Scale = None, v_scale: Scale = None, /, *,
-                 out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows: ...
+                 out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows | HalfRows | torch.Tensor: ...
 
 
 class DecodeAttention(Protocol):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rapidserve.attention.metadata import AttentionMetadata
-from rapidserve.ops.fp8 import QuantizedRows, quantize_rows
+from rapidserve.ops.fp8 import HalfRows, QuantizedRows, half_rows, quantize_rows
 from rapidserve.ops.kv_quant import cache_scales, dequantize
 
 
@@ -151,11 +151,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
-                         out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows:
+                         out_fp8: torch.dtype, window: int | None = None) -> QuantizedRows | HalfRows:
     """`decode_attention`'s output [B, num_heads * head_dim] quantized per token to `out_fp8` (`fp8.quantize_rows`:
-    the reference of the Triton kernels' fused quantization, the numbers of the o projection's own quantizer)."""
+    the reference of the Triton kernels' fused quantization, the numbers of the o projection's own quantizer), or
+    with `out_fp8` float16 as W8A16's rows (`fp8.half_rows`)."""
     out = decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, window)
-    return quantize_rows(out.reshape(out.shape[0], -1), out_fp8)
+    flat = out.reshape(out.shape[0], -1)
+    return half_rows(flat) if out_fp8 == torch.float16 else quantize_rows(flat, out_fp8)
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

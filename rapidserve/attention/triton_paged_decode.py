@@ -18,6 +18,11 @@ separate quantizer launch. Costs: one atomic a (sequence, head) and one program 
 (heads x head_dim divisions), against the quantizer's launch of about 2 us a layer (H200, Qwen3-8B at batch 1-64,
 bench/results/fp8_sweep_h200/decode_profile.md).
 
+For a W8A16 o projection (`decode_attention_fp8(out_fp8=float16)`, ops/triton_w8a16.py) the reduce kernel stores each
+head of a bf16 output a second time in float16, saturated at +-65504 (`fp8.HalfRows`, `fp8.half_rows` of the output:
+no amax, no counters); an fp16 output is its own rows, and one split (no reduce kernel) returns the float output, which
+the projection casts in its registers.
+
 Programmatic dependent launch (`rapidserve/ops/pdl.py`; NVIDIA sm_90+, on by default there, `pdl=False` off) for
 decode: the split kernel waits for the kernel before (RoPE + KV write) first and lets the next start after its key
 loop (its grid is `waves` x the SMs); the reduce kernel waits, then lets the next start at once. write_kv and prefill
@@ -39,7 +44,7 @@ from rapidserve.attention.decode_config import (
     uses_fp16_dots,
 )
 from rapidserve.ops import pdl as pdl_launch
-from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.fp8 import HalfRows, QuantizedRows
 from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
 from rapidserve.ops.triton_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 
@@ -180,10 +185,11 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits, amax_ptr, coun
                           HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                           USE_GDC: tl.constexpr, FP8_OUT: tl.constexpr, NUM_HEADS: tl.constexpr,
                           BLOCK_H: tl.constexpr, Q_BLOCK: tl.constexpr, TOP: tl.constexpr, RCP: tl.constexpr,
-                          MIN_AMAX: tl.constexpr):
+                          MIN_AMAX: tl.constexpr, HALF_OUT: tl.constexpr = False):
     """Program (b * num_heads + h): merge the splits' partial outputs by their log2-sum-exp. USE_GDC (`ops.pdl`):
     waits for the split kernel, then lets the next kernel start. FP8_OUT: then the row's last program quantizes it
-    (`_quantize_row`, module docstring)."""
+    (`_quantize_row`, module docstring). HALF_OUT (a bf16 output for a W8A16 o projection): its head also stored at
+    q8_ptr as float16, saturated at +-65504 (`fp8.to_half`)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -201,6 +207,9 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits, amax_ptr, coun
     o = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
     o = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HEAD_DIM + d, o, mask=d < HEAD_DIM)
+    if HALF_OUT:
+        h = tl.minimum(tl.maximum(o.to(tl.float32), -65504.0), 65504.0)
+        tl.store(q8_ptr + row * HEAD_DIM + d, h.to(tl.float16), mask=d < HEAD_DIM)
     if FP8_OUT:
         _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, tl.max(tl.abs(o.to(tl.float32)), axis=0),
                       HEAD_DIM, NUM_HEADS, BLOCK_H, Q_BLOCK, TOP, RCP, MIN_AMAX)
@@ -273,24 +282,29 @@ def decode_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *,
                          out_fp8: torch.dtype, num_splits: int | None = None, window: int | None = None,
-                         config: DecodeConfig | None = None, pdl: bool | None = None) -> QuantizedRows:
+                         config: DecodeConfig | None = None,
+                         pdl: bool | None = None) -> QuantizedRows | HalfRows | torch.Tensor:
     """`decode_attention`'s output [B, num_heads * head_dim] quantized per token to `out_fp8` for an fp8 o
     projection (module docstring): the bits of `triton_fp8.quantize_tokens` of that output, with the quantization in
-    the reduce kernel (one split: the quantizer's launch after it). ValueError for a format that is not fp8."""
-    if out_fp8 not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
-        raise ValueError(f"out_fp8 must be float8_e4m3fn or float8_e4m3fnuz (the o projection's format); got {out_fp8}")
-    rows = _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out_fp8, num_splits,
-                   None, None, None, window, config, pdl)[1]
-    assert rows is not None
-    return rows
+    the reduce kernel (one split: the quantizer's launch after it). `out_fp8` float16: the rows of a W8A16 o projection
+    (`fp8.HalfRows`, `fp8.half_rows` of the output: written by the reduce kernel beside the output; an fp16 output is
+    itself; one split of a bf16 one: the output [B, heads * head_dim] itself, which the projection casts). ValueError
+    for another format."""
+    if out_fp8 not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float16):
+        raise ValueError(f"out_fp8 must be float8_e4m3fn or float8_e4m3fnuz (the o projection's format), or float16 "
+                         f"(W8A16's rows); got {out_fp8}")
+    out, rows = _decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, out_fp8,
+                        num_splits, None, None, None, window, config, pdl)
+    return rows if rows is not None else out.view(out.shape[0], -1)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
             out_fp8: torch.dtype | None, num_splits: int | None, block_n: int | None, num_warps: int | None,
             num_stages: int | None, window: int | None, config: DecodeConfig | None,
-            pdl: bool | None) -> tuple[torch.Tensor, QuantizedRows | None]:
-    """The decode launches: (the output [B, num_heads, head_dim], its rows quantized to `out_fp8` or None)."""
+            pdl: bool | None) -> tuple[torch.Tensor, QuantizedRows | HalfRows | None]:
+    """The decode launches: (the output [B, num_heads, head_dim], its rows quantized to `out_fp8` (float16: W8A16's
+    rows, None where the output itself is what the projection takes) or None)."""
     fp8 = check_cache(k_cache, v_cache, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, block_size, cache_head_dim = k_cache.shape
@@ -303,13 +317,18 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
                          f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
     out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
     width = num_heads * head_dim
+    half = out_fp8 == torch.float16  # W8A16's rows: the output itself (fp16), or written beside it (bf16)
+    if half:
+        out_fp8 = None
+        rows_16 = HalfRows(out.view(batch, width) if q.dtype == torch.float16 else torch.empty(
+            (batch, width), dtype=torch.float16, device=q.device), q.dtype)
 
     def new_rows(fp8_dtype: torch.dtype) -> QuantizedRows:
         return QuantizedRows(torch.empty((batch, width), dtype=fp8_dtype, device=q.device),
                              torch.empty((batch, 1), dtype=torch.float32, device=q.device), q.dtype)
 
     if batch == 0:
-        return out, None if out_fp8 is None else new_rows(out_fp8)
+        return out, rows_16 if half else None if out_fp8 is None else new_rows(out_fp8)
     q = _last_dim_contiguous(q)
     block_tables = _last_dim_contiguous(block_tables)
     group = num_heads // num_kv_heads
@@ -351,10 +370,18 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         else:  # one compiled variant for every model: nothing of the quantization is read
             quant = {"amax_ptr": out, "q8_ptr": out, "s8_ptr": out, "NUM_HEADS": 1, "BLOCK_H": 1, "Q_BLOCK": 1,
                      "TOP": 0.0, "RCP": 0.0, "MIN_AMAX": 0.0}
+        halves = half and q.dtype == torch.bfloat16  # the reduce kernel writes W8A16's rows beside the output
+        if halves:
+            quant["q8_ptr"] = rows_16.x
         _decode_reduce_kernel[(batch * num_heads,)](
             out, lse, part, num_splits, count_ptr=counts, HEAD_DIM=head_dim, BLOCK_S=block_s, BLOCK_D=block_d,
-            FP8_OUT=rows is not None, num_warps=reduce_warps(block_s, block_d, hip), **quant, **gdc)
+            FP8_OUT=rows is not None, num_warps=reduce_warps(block_s, block_d, hip), **quant,
+            **({"HALF_OUT": True} if halves else {}), **gdc)
     elif out_fp8 is not None:  # one split: the output is written by the split kernel, then quantized
         rows = QuantizedRows(*quantize_tokens(out.view(batch, width), out_fp8, pdl=on), q.dtype)
+    if half:  # an fp16 output is its own rows; a bf16 one's are written by the reduce kernel (none with one split:
+        # the projection casts the output itself), a float32 one has none (W8A16 takes bf16 / fp16 rows)
+        written = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not direct)
+        return out, rows_16 if written else None
     return out, rows
 

@@ -35,7 +35,7 @@ from rapidserve.models import fp8_weights
 from rapidserve.models.projections import attention_rows, linear
 from rapidserve.models.transformer import CausalLM, DecoderLayer, KVCache, _param
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import QuantizedRows
+from rapidserve.ops.fp8 import HalfRows, QuantizedRows
 from rapidserve.quant_config import QuantizationConfig
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class Gemma3DecoderLayer(DecoderLayer):
         """As DecoderLayer's, with this layer's RoPE table of the model's two (`cos_sin` [2, positions, D])."""
         return super().pre_attention(hidden, residual, positions, cos_sin[self.rope_table], kv, slot_mapping, ops)
 
-    def post_attention(self, o: torch.Tensor | QuantizedRows, residual: torch.Tensor,
+    def post_attention(self, o: torch.Tensor | QuantizedRows | HalfRows, residual: torch.Tensor,
                        ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
         """The o projection (of attention's output, or its rows quantized for an fp8 o_proj), its norm, the residual
         add and pre-feedforward norm, the GELU-tanh MLP and its norm. Returns (the MLP's normed output, the residual

@@ -6,8 +6,8 @@ own quantizer, one launch and one pass over the rows fewer. A projection whose o
 (o_proj, down_proj) may hand that norm its split-K sums unreduced (`linear_sums`, ops/fold_table.py): the norm adds
 them (`Ops.add_rms_norm_fp8_sums`), one launch fewer again. A projection that runs W8A16 at the step's rows
 (`Ops.w8a16`, ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes fp16 rows from the plain
-producers instead (`fused_fp8` of those rows says float16: the RMSNorm writes `fp8.HalfRows`; the attention's float
-output is cast in the GEMM), and an MLP whose gate|up and down both do takes SiLU-and-mul in gate|up's epilogue
+producers instead (`fused_fp8` of those rows says float16: the RMSNorm and a decode step's attention write
+`fp8.HalfRows`), and an MLP whose gate|up and down both do takes SiLU-and-mul in gate|up's epilogue
 (`Ops.fp8_linear_silu_and_mul`, `HalfRows` out), as the bf16 path does.
 """
 
@@ -39,15 +39,16 @@ def fused_fp8(ops: Ops, w: Weight | None, rows: int | None = None) -> torch.dtyp
 
 
 def quantized_fp8(fmt: torch.dtype | None) -> torch.dtype | None:
-    """`fused_fp8`'s format where it is an fp8 one (a producer that only quantizes: the attention's), else None."""
+    """`fused_fp8`'s format where it is an fp8 one, else None (for a producer that only quantizes: SiLU-and-mul after
+    a gate|up that is not W8A16, whose W8A16 down then takes its float rows)."""
     return None if fmt == HALF else fmt
 
 
-def attention_rows(o: torch.Tensor | QuantizedRows, width: int) -> Rows:
+def attention_rows(o: torch.Tensor | QuantizedRows | HalfRows, width: int) -> Rows:
     """Attention's output as the o projection's input rows [T, width]: the float output [T, heads, head_dim] (or
-    [T, width]) reshaped, or the rows a decode step's attention already quantized for it (`attention.attend`'s
-    `out_fp8`, which the layer passes where `fused_fp8` says the projection takes them)."""
-    return o if isinstance(o, QuantizedRows) else o.reshape(o.shape[0], width)
+    [T, width]) reshaped, or the rows a decode step's attention already wrote for it (`attention.attend`'s `out_fp8`,
+    which the layer passes where `fused_fp8` says the projection takes them: quantized, or W8A16's fp16 rows)."""
+    return o if isinstance(o, QuantizedRows | HalfRows) else o.reshape(o.shape[0], width)
 
 
 def linear(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -57,11 +57,10 @@ from rapidserve.models.projections import (
     linear_sums,
     mlp,
     norm_input,
-    quantized_fp8,
 )
 from rapidserve.models.rope import cos_sin_table
 from rapidserve.ops import Ops
-from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows, SplitSums, fp8_dtype
+from rapidserve.ops.fp8 import Fp8Linear, HalfRows, QuantizedRows, SplitSums, fp8_dtype
 from rapidserve.ops.kv_quant import FP8_KV_DTYPES
 from rapidserve.parallel.shard import shard_config
 from rapidserve.quant_config import FUSED_PROJECTIONS, QuantizationConfig
@@ -137,16 +136,16 @@ class DecoderLayer(nn.Module):
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them). `sums_out`:
         the next layer of a class with `split_sums` reads the output (`post_attention`'s); `hidden` may be sums."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = self.attention(q, kv, meta, attn, quantized_fp8(fused_fp8(ops, self.o_proj, q.shape[0])))
+        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj, q.shape[0]))
         if sums_out:
             return self.post_attention(o, residual, ops, sums_out=True)
         return self.post_attention(o, residual, ops)
 
     def attention(self, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata, attn: AttentionBackend,
-                  out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+                  out_fp8: torch.dtype | None = None) -> torch.Tensor | QuantizedRows | HalfRows:
         """This layer's attention of its queries over the cache (its scale and sliding window; an fp8 cache read
-        with the layer's scales). `out_fp8`: o_proj's format where it takes quantized rows (`fused_fp8`); a decode
-        step's output is then those rows (`attention.attend`)."""
+        with the layer's scales). `out_fp8`: o_proj's format where it takes quantized rows, or float16 for W8A16's
+        rows (`fused_fp8`); a decode step's output is then those rows (`attention.attend`)."""
         return attend(attn, q, kv[0], kv[1], meta, self.scale, self.k_scale, self.v_scale, window=self.window,
                       out_fp8=out_fp8)
 
@@ -201,7 +200,7 @@ class DecoderLayer(nn.Module):
             return ops.add_rms_norm(hidden, residual, weight, eps)
         return ops.add_rms_norm_fp8(hidden, residual, weight, eps, fp8)
 
-    def post_attention(self, o: torch.Tensor | QuantizedRows, residual: torch.Tensor,
+    def post_attention(self, o: torch.Tensor | QuantizedRows | HalfRows, residual: torch.Tensor,
                        ops: Ops, sums_out: bool = False) -> tuple[Hidden, torch.Tensor]:
         """Everything after attention, row by row: the o projection, the residual add and norm, the MLP
         (with the tensor-parallel all-reduces). `o`: attention's output, [T, heads, head_dim] or

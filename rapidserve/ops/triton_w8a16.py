@@ -6,7 +6,9 @@ projection's input per token (the RMSNorm's amax and e4m3 cast, the attention re
 weight reads were 1.51x faster. W8A16 needs no quantizer, so its producers are the bf16 path's kernels: the RMSNorm's
 plain launch writes its output in fp16 (`rms_norm_half`, `add_rms_norm_half`: `fp8.HalfRows`), gate|up takes
 SiLU-and-mul in its epilogue and writes down's fp16 rows (`w8a16_linear_silu_and_mul`, as the bf16 skinny kernel
-fuses it), and o_proj takes the attention's float output as it is, cast to fp16 in the GEMM's registers (CAST_X).
+fuses it), and a decode step's attention reduce writes o_proj's fp16 rows beside its output
+(`triton_paged_decode.decode_attention_fp8(out_fp8=float16)`; with one split, no reduce kernel: o_proj takes the float
+output and casts it to fp16 in the GEMM's registers, CAST_X, as it does any float rows).
 
 The math (`fp8.reference_linear_half`, up to the order of float32 sums):
     x16 = fp16(clamp(x, -65504, 65504))      x the bf16 rows the producer computes, saturated at fp16's max as e4m3's
@@ -18,8 +20,7 @@ producer wrote fp16 rows or the kernel casts bf16 rows (CAST_X): where the cast 
 cost (compiled for sm_90): on a 16-row mma.sync tile every warp widens the whole row tile, so CAST_X adds ~900
 instructions a K step a thread on m16 64x512 (bf16 -> f32, the clamp's min and max, f32 -> f16x2) against the weight's
 128 conversions; on a swapped tile the rows are spread over the threads and it adds ~50. Hence the fp16 rows from the
-norms and the gated epilogue; the attention's reduce writing them too is left to do (o_proj's tiles at one row are
-swapped on the H200; at 16 rows they are m16 32x512). Activations past 65504 saturate: Qwen3's down_proj inputs reach
+norms, the attention's reduce and the gated epilogue. Activations past 65504 saturate: Qwen3's down_proj inputs reach
 thousands, not 65504; a model whose rows pass it is distorted there (the table turns W8A16 on per GPU, not per model:
 measure the model's accuracy before putting an entry in).
 
