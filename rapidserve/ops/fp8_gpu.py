@@ -11,9 +11,9 @@ output left unreduced for the RMSNorm after it where ops/fold_table.py says so.
 W8A16 (ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes float rows of per-token layers where the
 W8A16 table says (`w8a16_routed`: ops/w8a16_table.py, empty by default, so nothing goes there unless a GPU measured it
 or a caller passes a table, `w8a16=`): in `gpu_linear` (float rows, cast to fp16 in the kernel), `gpu_linear_half`
-(`fp8.HalfRows`, the fp16 rows an RMSNorm or gate|up's epilogue wrote for it) and `gpu_linear_silu_and_mul` (gate|up
-with SiLU-and-mul in the GEMM's epilogue, `HalfRows` out); the model asks `w8a16_routed` first so that the producers
-of those rows write them in fp16 rather than quantize them.
+(`fp8.HalfRows`, the fp16 rows an RMSNorm, the decode attention or gate|up's epilogue wrote for it) and
+`gpu_linear_silu_and_mul` (gate|up with SiLU-and-mul in the GEMM's epilogue, `HalfRows` out); the model asks
+`w8a16_routed` first so that the producers of those rows write them in fp16 rather than quantize them.
 """
 
 from __future__ import annotations
