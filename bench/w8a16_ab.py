@@ -11,7 +11,7 @@ From them `measured_entry` (ops/w8a16_table.py: W8A16 up to the largest batch wh
 it and at every smaller batch measured) gives this GPU's entry, written with the packaged table's other entries as
 <out>/w8a16_table.json and, with `--write-w8a16-table`, into rapidserve/ops/w8a16_table.json of this checkout, where
 the engine loads it: commit it from there. Measure with the batches the engine captures around the threshold (e.g.
---batches 1,8,16,24,32,48,64): a batch not measured between two is not assumed to win.
+--batches 1,8,16,24,32,48,64): the entry is a threshold, so a batch not measured below it runs W8A16 too.
 """
 
 from __future__ import annotations

@@ -83,6 +83,22 @@ def test_the_torch_bundle_never_runs_w8a16() -> None:
     assert with_w8a16(ops, forced("cpu")) is ops  # nothing there reads a table
 
 
+@pytest.mark.parametrize(("dtype", "half"), [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False),
+                                             (None, False)])
+def test_only_a_bf16_or_fp16_models_producers_write_fp16_rows(dtype: torch.dtype | None, half: bool) -> None:
+    """`fused_fp8` says float16 (the producer writes `HalfRows`) only where W8A16's GEMM takes the rows: a float32
+    model's producers quantize as before even where the bundle would run W8A16 at those rows (the GEMM would refuse
+    fp16 rows of a float32 model and run W8A8 on rows already rounded to fp16: the review of 2026-12-01)."""
+    import dataclasses
+
+    from rapidserve.models.projections import HALF, fused_fp8
+
+    layer = _layer(32, 32, seed=0)
+    ops = dataclasses.replace(torch_ops_bundle(), w8a16=lambda rows, w: True)
+    assert fused_fp8(ops, layer, 4, dtype) == (HALF if half else layer.weight.dtype)
+    assert fused_fp8(ops, layer) == layer.weight.dtype  # rows not given: not asked
+
+
 @needs_triton
 def test_with_w8a16_binds_the_table_in_the_triton_bundle() -> None:
     from rapidserve.ops import fp8_gpu, fp8_ops, triton_ops_bundle, with_launch
@@ -174,7 +190,8 @@ def test_w8a16_on_a_swapped_tile_is_wgmma_with_the_weight_in_registers() -> None
 
 # --------------------------------------------------------------------------------------- the interpreter checks
 INTERP_TESTS = {"kernel": "test_w8a16_kernel_interpreter", "gated": "test_w8a16_gated_interpreter",
-                "norms": "test_w8a16_norms_interpreter", "attention": "test_w8a16_attention_interpreter"}
+                "norms": "test_w8a16_norms_interpreter", "attention": "test_w8a16_attention_interpreter",
+                "nan": "test_w8a16_keeps_nan_interpreter"}
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +225,12 @@ def test_w8a16_norms_interpreter(interpreter: dict[str, str]) -> None:
 
 
 # (rows, N, K, tiles): a 16-row mma.sync tile, a swapped one with split-K (its reduce without sx), a 32-row tile with
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_w8a16_keeps_nan_interpreter(interpreter: dict[str, str]) -> None:
+    """A NaN stays NaN through every saturating cast to fp16 (check_nan)."""
+    assert interpreter["nan"] == "", interpreter["nan"]
+
+
 # N and K tails and split-K, a swapped 64-row tile; small, for the interpreter
 KERNEL_CASES = (
     (1, 64, 128, Fp8Tiles(16, 32, 32, 4, 2, False)),
@@ -334,6 +357,30 @@ def check_attention() -> None:
         assert isinstance(ref, fp8.HalfRows) and torch.equal(ref.x, fp8.to_half(want.reshape(want.shape[0], -1)))
 
 
+def check_nan() -> None:
+    """A NaN stays NaN through each saturating cast to fp16, as `fp8.to_half` keeps it (a clamp by max/min drops a
+    NaN to -65504 unless it propagates NaN, and a model gone NaN would then give finite logits on one path and NaN
+    on another): the RMSNorm's fp16 rows (the whole row: its sum of squares is NaN), the kernel's cast of bf16 rows,
+    the gated epilogue's fp16 rows. (The decode attention's reduce clamps the same way; no NaN reaches it here: the
+    attention's running max drops a NaN score, so a NaN query gives finite output there, as in `decode_attention`.)"""
+    from rapidserve.ops import triton_ops, triton_w8a16
+
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    x[0, 5] = float("nan")
+    w = torch.ones(256, dtype=torch.bfloat16)
+    got = triton_w8a16.rms_norm_half(x, w, 1e-6).x
+    want = fp8.half_rows(triton_ops.rms_norm(x, w, 1e-6)).x
+    assert torch.equal(got.isnan(), want.isnan()) and bool(got[0].isnan().all()), got[0, :4]
+    m, n, k, tiles = KERNEL_CASES[0]
+    layer, gated = _layer(n, k, seed=30), _layer(2 * n, k, seed=31)
+    rows = torch.randn(m, k).to(torch.bfloat16)
+    rows[0, 3] = float("nan")
+    out = triton_w8a16.w8a16_linear(rows, layer.weight, layer.weight_scale, config=tiles)
+    assert bool(out[0].isnan().all()) and torch.equal(out.isnan(), fp8.reference_linear_half(rows, layer).isnan())
+    g = triton_w8a16.w8a16_linear_silu_and_mul(rows, gated.weight, gated.weight_scale, config=tiles._replace(split_k=1))
+    assert isinstance(g, fp8.HalfRows) and bool(g.x[0].isnan().all()), g.x[0, :4]
+
+
 if __name__ == "__main__":
     sys.exit(run_checks({"kernel": check_kernel, "gated": check_gated, "norms": check_norms,
-                         "attention": check_attention}, sys.argv[1:]))
+                         "attention": check_attention, "nan": check_nan}, sys.argv[1:]))

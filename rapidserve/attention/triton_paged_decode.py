@@ -208,7 +208,8 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits, amax_ptr, coun
     o = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HEAD_DIM + d, o, mask=d < HEAD_DIM)
     if HALF_OUT:
-        h = tl.minimum(tl.maximum(o.to(tl.float32), -65504.0), 65504.0)
+        h = tl.minimum(tl.maximum(o.to(tl.float32), -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
+                       propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as fp8.to_half
         tl.store(q8_ptr + row * HEAD_DIM + d, h.to(tl.float16), mask=d < HEAD_DIM)
     if FP8_OUT:
         _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, tl.max(tl.abs(o.to(tl.float32)), axis=0),

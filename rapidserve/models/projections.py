@@ -23,18 +23,21 @@ Weight = nn.Parameter | Fp8Linear  # a projection: float, or fp8 with its scales
 # a projection's input: float rows, rows its producer quantized, or W8A16's fp16 rows (fused_fp8)
 Rows = torch.Tensor | QuantizedRows | HalfRows
 HALF = torch.float16  # `fused_fp8`'s format for a W8A16 projection
+HALF_SOURCES = (torch.bfloat16, torch.float16)  # the model dtypes whose rows W8A16 takes (triton_w8a16.half_ok)
 Hidden = torch.Tensor | SplitSums  # a projection's output, or a split-K fp8 GEMM's unreduced sums (`linear_sums`)
 
 
-def fused_fp8(ops: Ops, w: Weight | None, rows: int | None = None) -> torch.dtype | None:
+def fused_fp8(ops: Ops, w: Weight | None, rows: int | None = None,
+              dtype: torch.dtype | None = None) -> torch.dtype | None:
     """The format in which the op that makes projection `w`'s input writes it, where the fusion is on
     (`ops.fuse_fp8`) and `w` is fp8 with dynamic per-token activations and per-row weight scales (`fp8.takes_rows`):
-    float16 (`HALF`: `fp8.HalfRows`, the bundle's `*_half` ops) where `w` runs W8A16 at the call's `rows`
-    (`ops.w8a16`; rows None: not asked), else its fp8 format (quantized rows, the `*_fp8` ops). None where `w` takes
+    float16 (`HALF`: `fp8.HalfRows`, the bundle's `*_half` ops) where `w` runs W8A16 at the call's `rows` of
+    `dtype` (`ops.w8a16`; rows None: not asked; W8A16's GEMM takes bf16 / fp16 models' rows only, so a float32
+    model's producers quantize as before), else its fp8 format (quantized rows, the `*_fp8` ops). None where `w` takes
     float rows: static or per-tensor activation scales, block weight scales, float projections (and MoE experts, w
     None)."""
     if ops.fuse_fp8 and isinstance(w, Fp8Linear) and takes_rows(w):
-        return HALF if rows and ops.w8a16(rows, w) else w.weight.dtype
+        return HALF if rows and dtype in HALF_SOURCES and ops.w8a16(rows, w) else w.weight.dtype
     return None
 
 
@@ -79,7 +82,7 @@ def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) ->
         assert not isinstance(x, QuantizedRows)
         return down_linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
     rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.x.shape[0] if isinstance(x, HalfRows) else x.shape[0]
-    fmt = fused_fp8(ops, down, rows)
+    fmt = fused_fp8(ops, down, rows, x.dtype)
     if fmt == HALF and not isinstance(x, QuantizedRows) and ops.w8a16(rows, gate_up):
         # W8A16 both: SiLU-and-mul in gate|up's epilogue, written as down's fp16 rows
         return down_linear(ops, ops.fp8_linear_silu_and_mul(x, gate_up), down)

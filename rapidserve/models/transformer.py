@@ -136,7 +136,7 @@ class DecoderLayer(nn.Module):
         rapidserve/runner/prefill_graphs.py, captures the two halves and runs attention between them). `sums_out`:
         the next layer of a class with `split_sums` reads the output (`post_attention`'s); `hidden` may be sums."""
         q, residual = self.pre_attention(hidden, residual, positions, cos_sin, kv, meta.slot_mapping, ops)
-        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj, q.shape[0]))
+        o = self.attention(q, kv, meta, attn, fused_fp8(ops, self.o_proj, q.shape[0], q.dtype))
         if sums_out:
             return self.post_attention(o, residual, ops, sums_out=True)
         return self.post_attention(o, residual, ops)
@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
         split-K GEMM's sums (`projections.linear_sums`): the fused norm adds them itself, any other is given them
         reduced. Returns (the normed rows, the residual stream)."""
         rows = hidden.ws.shape[1] if isinstance(hidden, SplitSums) else hidden.shape[0]
-        eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w, rows)
+        eps, fp8 = self.cfg.rms_norm_eps, fused_fp8(ops, w, rows, hidden.dtype)
         if isinstance(hidden, SplitSums):
             if fp8 is not None and fp8 != HALF and residual is not None:
                 return ops.add_rms_norm_fp8_sums(hidden, residual, weight, eps, fp8)

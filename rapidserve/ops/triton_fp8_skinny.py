@@ -189,7 +189,8 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
         kk = k0 + rk
         x8 = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         if CAST_X:  # bf16 rows to fp16, saturating (`fp8.to_half`'s numbers)
-            x8 = tl.minimum(tl.maximum(x8.to(tl.float32), -HALF_MAX), HALF_MAX).to(tl.float16)
+            x8 = tl.minimum(tl.maximum(x8.to(tl.float32), -HALF_MAX, propagate_nan=tl.PropagateNan.ALL), HALF_MAX,
+                            propagate_nan=tl.PropagateNan.ALL).to(tl.float16)  # NaN stays NaN, as fp8.to_half
         acc_t = _k_step(x8, w_rows, kk, rn, N, K, acc_t, EVEN, SWAP, A16, PROMOTE)
         if GATED:
             acc_u = _k_step(x8, u_rows, kk, rn, N, K, acc_u, EVEN, SWAP, A16, PROMOTE)

@@ -69,7 +69,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
     y, _ = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                     n_cols, eps, HAS_RESIDUAL, True, BLOCK)
     if HALF:
-        y = tl.minimum(tl.maximum(y.to(x_ptr.dtype.element_ty).to(tl.float32), -65504.0), 65504.0)
+        y = tl.minimum(tl.maximum(y.to(x_ptr.dtype.element_ty).to(tl.float32), -65504.0,
+                                   propagate_nan=tl.PropagateNan.ALL), 65504.0, propagate_nan=tl.PropagateNan.ALL)
     cols = tl.arange(0, BLOCK)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 

@@ -91,8 +91,9 @@ class W8a16Row(NamedTuple):
 
 def measured_entry(rows: Sequence[W8a16Row], source: str, margin: float = WIN_MARGIN) -> W8a16Entry:
     """The entry the measured batches give: `max_rows` the largest batch at which W8A16 beats W8A8 by more than
-    `margin` and does so at every smaller measured batch too (a loss caps it below; a batch not measured between two
-    is assumed to lose); 0 where it does not win at the smallest. ValueError for no rows or a batch measured twice."""
+    `margin` and does so at every smaller measured batch too (a loss caps it below the losing batch); a batch not
+    measured that lies below max_rows runs W8A16 too (the entry is a threshold: measure the batches the engine
+    captures near it); 0 where it does not win at the smallest. ValueError for no rows or a batch measured twice."""
     batches = [r.batch for r in rows]
     if not rows or len(set(batches)) != len(batches):
         raise ValueError(f"measured_entry needs each batch once; got {batches}")
