@@ -46,14 +46,19 @@ ROCm, the CPU, a Triton without it: `PdlDevice.capable`), else the device's entr
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
-from rapidserve.ops.table_files import read_table
+from rapidserve.ops.table_files import (
+    device_table_json,
+    parse_device_table,
+    read_table,
+    with_device_entry,
+    write_device_table,
+)
 
 TABLE_PATH = Path(__file__).resolve().parent / "pdl_table.json"
 FIELDS = ("max_rows", "prefetch_bytes", "source")
@@ -176,19 +181,12 @@ def parse_entry(d: object, path: str, where: str) -> PdlEntry:
 
 def parse_table(d: object, path: str) -> PdlTable:
     """The table from the file's parsed JSON (module docstring); `path` names it in errors."""
-    if not isinstance(d, dict):
-        raise _fail(path, "the file", f"must be a JSON object of device name -> entry, got {type(d).__name__}")
-    out: dict[str, PdlEntry] = {}
-    for name, entry in d.items():
-        if not name.strip():
-            raise _fail(path, repr(name), "a device name (torch.cuda.get_device_name) must not be empty")
-        out[name] = parse_entry(entry, path, name)
-    return MappingProxyType(out)
+    return parse_device_table(d, path, parse_entry, _fail)
 
 
 def table_json(table: PdlTable) -> dict[str, Any]:
     """The file's content of `table` (what `parse_table` reads back), by device name."""
-    return {name: e._asdict() for name, e in sorted(table.items())}
+    return device_table_json(table)
 
 
 def load_table(path: Path = TABLE_PATH) -> PdlTable:
@@ -200,17 +198,13 @@ def load_table(path: Path = TABLE_PATH) -> PdlTable:
 
 def with_entry(table: PdlTable, device_name: str, entry: PdlEntry) -> PdlTable:
     """`table` with `entry` as `device_name`'s (the other devices' entries kept)."""
-    if not device_name.strip():
-        raise ValueError("a device name (torch.cuda.get_device_name) must not be empty")
-    return MappingProxyType({**table, device_name: entry})
+    return with_device_entry(table, device_name, entry)
 
 
 def write_table(path: Path, table: PdlTable) -> PdlTable:
     """`table` written as the file at `path`, checked by reading it back (what the engine will load, or raise here);
     returns what was read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table_json(table), indent=1) + "\n")
-    return load_table(path)
+    return write_device_table(path, table, load_table)
 
 
 PDL_TABLE: PdlTable = load_table()  # the packaged table, validated once at import (read-only)

@@ -1,6 +1,7 @@
-"""Reading the packaged kernel tables (ops/fp8_tiles.py, ops/moe_tiles.py, ops/pdl_table.py): one JSON file, or every
-`*.json` of a folder, each handed to its module's validating `parse` (which names the field of a bad one). Plain
-files, no torch."""
+"""Reading the packaged kernel tables (ops/fp8_tiles.py, ops/moe_tiles.py, ops/pdl_table.py, ops/w8a16_table.py): one
+JSON file, or every `*.json` of a folder, each handed to its module's validating `parse` (which names the field of a
+bad one); and the by-device tables (pdl_table, w8a16_table: one JSON object of device name -> entry, each entry a
+NamedTuple its module parses), read, written back and extended by one device the same way. Plain files, no torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
+E = TypeVar("E")  # an entry: its module's NamedTuple
+DeviceTable = Mapping[str, Any]  # device name -> its module's entry (a NamedTuple), read-only
 
 
 def read_table(path: Path, parse: Callable[[Any, str], T], fail: Callable[[str, str, str], Exception]) -> T:
@@ -29,4 +32,39 @@ def read_tables(directory: Path, load: Callable[[Path], T], key: Callable[[T], K
     return MappingProxyType({key(t): t for t in map(load, files)})
 
 
-__all__ = ["read_table", "read_tables"]
+def parse_device_table(d: object, path: str, parse_entry: Callable[[object, str, str], E],
+                       fail: Callable[[str, str, str], Exception]) -> Mapping[str, E]:
+    """A by-device table from its file's parsed JSON: an object of non-empty device names (torch.cuda.get_device_name)
+    -> `parse_entry(entry, path, name)`; `fail(path, field, problem)` for what is wrong. Read-only."""
+    if not isinstance(d, dict):
+        raise fail(path, "the file", f"must be a JSON object of device name -> entry, got {type(d).__name__}")
+    out: dict[str, E] = {}
+    for name, entry in d.items():
+        if not name.strip():
+            raise fail(path, repr(name), "a device name (torch.cuda.get_device_name) must not be empty")
+        out[name] = parse_entry(entry, path, name)
+    return MappingProxyType(out)
+
+
+def device_table_json(table: DeviceTable) -> dict[str, Any]:
+    """The file's content of a by-device table (what `parse_device_table` reads back), by device name."""
+    return {name: e._asdict() for name, e in sorted(table.items())}
+
+
+def with_device_entry(table: Mapping[str, E], device_name: str, entry: E) -> Mapping[str, E]:
+    """`table` with `entry` as `device_name`'s (the other devices' entries kept)."""
+    if not device_name.strip():
+        raise ValueError("a device name (torch.cuda.get_device_name) must not be empty")
+    return MappingProxyType({**table, device_name: entry})
+
+
+def write_device_table(path: Path, table: DeviceTable, load: Callable[[Path], T]) -> T:
+    """`table` written as the file at `path`, checked by reading it back with `load` (what the engine will load, or
+    raise here); returns what was read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(device_table_json(table), indent=1) + "\n")
+    return load(path)
+
+
+__all__ = ["DeviceTable", "device_table_json", "parse_device_table", "read_table", "read_tables", "with_device_entry",
+           "write_device_table"]

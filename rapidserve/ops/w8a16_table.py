@@ -27,7 +27,6 @@ kernel runs there) or off a GPU, else the device's entry by rows.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -35,7 +34,13 @@ from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
 from rapidserve.ops.fp8_tiles import MAX_ROWS
-from rapidserve.ops.table_files import read_table
+from rapidserve.ops.table_files import (
+    device_table_json,
+    parse_device_table,
+    read_table,
+    with_device_entry,
+    write_device_table,
+)
 
 TABLE_PATH = Path(__file__).resolve().parent / "w8a16_table.json"
 FIELDS = ("max_rows", "source")
@@ -129,19 +134,12 @@ def parse_entry(d: object, path: str, where: str) -> W8a16Entry:
 
 def parse_table(d: object, path: str) -> W8a16Table:
     """The table from the file's parsed JSON (module docstring); `path` names it in errors."""
-    if not isinstance(d, dict):
-        raise _fail(path, "the file", f"must be a JSON object of device name -> entry, got {type(d).__name__}")
-    out: dict[str, W8a16Entry] = {}
-    for name, entry in d.items():
-        if not name.strip():
-            raise _fail(path, repr(name), "a device name (torch.cuda.get_device_name) must not be empty")
-        out[name] = parse_entry(entry, path, name)
-    return MappingProxyType(out)
+    return parse_device_table(d, path, parse_entry, _fail)
 
 
 def table_json(table: W8a16Table) -> dict[str, Any]:
     """The file's content of `table` (what `parse_table` reads back), by device name."""
-    return {name: e._asdict() for name, e in sorted(table.items())}
+    return device_table_json(table)
 
 
 def load_table(path: Path = TABLE_PATH) -> W8a16Table:
@@ -153,17 +151,13 @@ def load_table(path: Path = TABLE_PATH) -> W8a16Table:
 
 def with_entry(table: W8a16Table, device_name: str, entry: W8a16Entry) -> W8a16Table:
     """`table` with `entry` as `device_name`'s (the other devices' entries kept)."""
-    if not device_name.strip():
-        raise ValueError("a device name (torch.cuda.get_device_name) must not be empty")
-    return MappingProxyType({**table, device_name: entry})
+    return with_device_entry(table, device_name, entry)
 
 
 def write_table(path: Path, table: W8a16Table) -> W8a16Table:
     """`table` written as the file at `path`, checked by reading it back (what the engine will load, or raise here);
     returns what was read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table_json(table), indent=1) + "\n")
-    return load_table(path)
+    return write_device_table(path, table, load_table)
 
 
 W8A16_TABLE: W8a16Table = load_table()  # the packaged table, validated once at import (read-only; empty: W8A8 only)
