@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 from rapidserve.config_base import ConfigError
 from rapidserve.ops.table_files import (
     device_table_json,
+    entry_fields,
     parse_device_table,
     read_table,
     with_device_entry,
@@ -162,14 +163,7 @@ def _fail(path: str, field: str, problem: str) -> PdlTableError:
 
 def parse_entry(d: object, path: str, where: str) -> PdlEntry:
     """An entry from its parsed JSON, every field checked (`where` names it in errors)."""
-    if not isinstance(d, dict):
-        raise _fail(path, where, f"must be an object of {', '.join(FIELDS)}, got {type(d).__name__}")
-    extra = sorted(set(d) - set(FIELDS))
-    if extra:
-        raise _fail(path, f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(FIELDS)})")
-    missing = [f for f in FIELDS if f not in d]
-    if missing:
-        raise _fail(path, f"{where}.{missing[0]}", "missing")
+    d = entry_fields(d, path, where, FIELDS, _fail)
     for name in ("max_rows", "prefetch_bytes"):
         v = d[name]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

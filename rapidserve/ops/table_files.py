@@ -32,6 +32,21 @@ def read_tables(directory: Path, load: Callable[[Path], T], key: Callable[[T], K
     return MappingProxyType({key(t): t for t in map(load, files)})
 
 
+def entry_fields(d: object, path: str, where: str, fields: tuple[str, ...],
+                 fail: Callable[[str, str, str], Exception]) -> dict[str, Any]:
+    """An entry's parsed JSON `d` as an object holding exactly `fields` (`where` names it in `fail`'s errors: not an
+    object, an unknown field, a missing one); each field's value is its module's to check."""
+    if not isinstance(d, dict):
+        raise fail(path, where, f"must be an object of {', '.join(fields)}, got {type(d).__name__}")
+    extra = sorted(set(d) - set(fields))
+    if extra:
+        raise fail(path, f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(fields)})")
+    missing = [f for f in fields if f not in d]
+    if missing:
+        raise fail(path, f"{where}.{missing[0]}", "missing")
+    return d
+
+
 def parse_device_table(d: object, path: str, parse_entry: Callable[[object, str, str], E],
                        fail: Callable[[str, str, str], Exception]) -> Mapping[str, E]:
     """A by-device table from its file's parsed JSON: an object of non-empty device names (torch.cuda.get_device_name)
@@ -66,5 +81,5 @@ def write_device_table(path: Path, table: DeviceTable, load: Callable[[Path], T]
     return load(path)
 
 
-__all__ = ["DeviceTable", "device_table_json", "parse_device_table", "read_table", "read_tables", "with_device_entry",
-           "write_device_table"]
+__all__ = ["DeviceTable", "device_table_json", "entry_fields", "parse_device_table", "read_table", "read_tables",
+           "with_device_entry", "write_device_table"]

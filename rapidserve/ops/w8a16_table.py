@@ -36,6 +36,7 @@ from rapidserve.config_base import ConfigError
 from rapidserve.ops.fp8_tiles import MAX_ROWS
 from rapidserve.ops.table_files import (
     device_table_json,
+    entry_fields,
     parse_device_table,
     read_table,
     with_device_entry,
@@ -116,14 +117,7 @@ def _fail(path: str, field: str, problem: str) -> W8a16TableError:
 
 def parse_entry(d: object, path: str, where: str) -> W8a16Entry:
     """An entry from its parsed JSON, every field checked (`where` names it in errors)."""
-    if not isinstance(d, dict):
-        raise _fail(path, where, f"must be an object of {', '.join(FIELDS)}, got {type(d).__name__}")
-    extra = sorted(set(d) - set(FIELDS))
-    if extra:
-        raise _fail(path, f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(FIELDS)})")
-    missing = [f for f in FIELDS if f not in d]
-    if missing:
-        raise _fail(path, f"{where}.{missing[0]}", "missing")
+    d = entry_fields(d, path, where, FIELDS, _fail)
     v = d["max_rows"]
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_ROWS:
         raise _fail(path, f"{where}.max_rows", f"must be an integer in 0..{MAX_ROWS}, got {v!r}")
