@@ -98,13 +98,16 @@ def _torch_split_sums(splits: int) -> Callable[..., torch.Tensor | fp8.SplitSums
     return linear_sums
 
 
-def _counting(ops: Ops, calls: Counter[str]) -> Ops:
+FOLD_OPS = ("fp8_linear_sums", "add_rms_norm_fp8_sums", "reduce_sums", "add_rms_norm_fp8", "fp8_linear_rows")
+
+
+def counting(ops: Ops, calls: Counter[str], names: tuple[str, ...] = FOLD_OPS) -> Ops:
+    """`ops` with each of `names` counting its calls into `calls` (tests/test_w8a16_model.py counts its own)."""
     def count(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any) -> Any:
             calls[name] += 1
             return fn(*args)
         return wrapped
-    names = ("fp8_linear_sums", "add_rms_norm_fp8_sums", "reduce_sums", "add_rms_norm_fp8", "fp8_linear_rows")
     return dataclasses.replace(ops, **{n: count(n, getattr(ops, n)) for n in names})
 
 
@@ -138,7 +141,7 @@ def test_layers_pass_split_sums_to_the_norms_that_read_them(preset: str) -> None
     out: dict[str, torch.Tensor] = {}
     for name, ops in (("fold", folding), ("at_once", at_once), ("off", no_split_fold(folding))):
         calls: Counter[str] = Counter()
-        runner.model.ops = _counting(ops, calls)
+        runner.model.ops = counting(ops, calls)
         out[name + "-prefill"] = runner.prefill([PrefillItem(p, 0, t) for p, t in zip(prompts, tables, strict=True)])
         prefill = Counter(calls)
         out[name + "-decode"] = runner.decode(steps)  # the same slots written with the same values each time
@@ -163,7 +166,7 @@ def test_sums_a_norm_cannot_read_are_reduced_first() -> None:
     runner = _runner("tiny-llama")
     layer = runner.model.layers[1]
     calls: Counter[str] = Counter()
-    ops = _counting(unfused_fp8(runner.model.ops), calls)
+    ops = counting(unfused_fp8(runner.model.ops), calls)
     h = runner.model.cfg.hidden_size
     g = torch.Generator().manual_seed(3)
     sums = fp8.SplitSums(torch.randn(2, 3, h, generator=g), torch.rand(3, 1, generator=g), torch.rand(h, generator=g),

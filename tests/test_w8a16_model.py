@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from fp8_folders import float_folder
+from test_fp8_fold import counting
 
 from rapidserve.ops import Ops, fp8
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
@@ -46,16 +45,9 @@ def forced_w8a16(ops: Ops, max_rows: int = 64) -> Ops:
                                fp8_linear_half=fp8.reference_linear_half)
 
 
-def _counting(ops: Ops, calls: Counter[str]) -> Ops:
-    def count(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any) -> Any:
-            calls[name] += 1
-            return fn(*args)
-        return wrapped
-    names = ("rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "fp8_linear_rows", "fp8_linear",
+W8A16_OPS = ("rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "fp8_linear_rows", "fp8_linear",
              "fp8_linear_silu_and_mul", "add_rms_norm", "silu_and_mul", "rms_norm_half", "add_rms_norm_half",
              "fp8_linear_half")
-    return dataclasses.replace(ops, **{n: count(n, getattr(ops, n)) for n in names})
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +82,7 @@ def test_w8a16_takes_the_plain_producers_and_is_nearer_bf16_than_w8a8(arch: str,
     layers = r8.model.cfg.num_layers
     w8a8 = _steps(r8)
     calls: Counter[str] = Counter()
-    r8.model.ops = _counting(forced_w8a16(r8.model.ops), calls)
+    r8.model.ops = counting(forced_w8a16(r8.model.ops), calls, W8A16_OPS)
     w8a16 = _steps(r8)  # rewrites the same slots (the K/V of W8A16's own prefill)
     # every projection of both steps (30 and 2 rows) ran W8A16: no quantizing producer, no quantized rows
     for name in ("rms_norm_fp8", "add_rms_norm_fp8", "silu_and_mul_fp8", "fp8_linear_rows", "silu_and_mul"):
@@ -113,7 +105,7 @@ def test_w8a16_off_changes_nothing(folders: dict[str, Path]) -> None:
     r8 = _runner(folders["qwen3"], "fp8")
     want = _steps(r8)
     calls: Counter[str] = Counter()
-    r8.model.ops = _counting(forced_w8a16(r8.model.ops, max_rows=1), calls)  # steps of 30 and 2 rows: none
+    r8.model.ops = counting(forced_w8a16(r8.model.ops, max_rows=1), calls, W8A16_OPS)  # steps of 30 and 2 rows: none
     got = _steps(r8)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert calls["fp8_linear_silu_and_mul"] == 0 and calls["silu_and_mul_fp8"] == 2 * r8.model.cfg.num_layers
