@@ -45,7 +45,7 @@ from rapidserve.attention.decode_config import (
 )
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.fp8 import HalfRows, QuantizedRows
-from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, token_constants, token_scale
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_fp8, to_half, token_constants, token_scale
 from rapidserve.ops.triton_kv import _LOG2E, _dot, _last_dim_contiguous, _window, check_cache
 
 
@@ -208,9 +208,7 @@ def _decode_reduce_kernel(out_ptr, lse_ptr, part_ptr, num_splits, amax_ptr, coun
     o = o.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * HEAD_DIM + d, o, mask=d < HEAD_DIM)
     if HALF_OUT:
-        h = tl.minimum(tl.maximum(o.to(tl.float32), -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
-                       propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as fp8.to_half
-        tl.store(q8_ptr + row * HEAD_DIM + d, h.to(tl.float16), mask=d < HEAD_DIM)
+        tl.store(q8_ptr + row * HEAD_DIM + d, to_half(o.to(tl.float32)), mask=d < HEAD_DIM)
     if FP8_OUT:
         _quantize_row(out_ptr, amax_ptr, count_ptr, q8_ptr, s8_ptr, row, tl.max(tl.abs(o.to(tl.float32)), axis=0),
                       HEAD_DIM, NUM_HEADS, BLOCK_H, Q_BLOCK, TOP, RCP, MIN_AMAX)

@@ -80,6 +80,13 @@ def w8a16_routed(rows: int, layer: Fp8Linear, w8a16: W8a16Table | None = None, g
             and triton_w8a16.planned(rows, layer.weight, w8a16, gated) is not None)
 
 
+def _runs_w8a16(x: torch.Tensor | HalfRows, layer: Fp8Linear, w8a16: W8a16Table | None, gated: bool = False) -> bool:
+    """Whether this call of `layer` goes to the W8A16 kernel: a per-token layer with per-row scales, not on ROCm,
+    that `triton_w8a16.routed` takes (`w8a16`: the table, default the packaged one)."""
+    return (takes_rows(layer) and torch.version.hip is None
+            and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16, gated))
+
+
 def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = None,
                pdl: bool | None = None, prefetch: int | None = None, w8a16: W8a16Table | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
@@ -89,8 +96,7 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
     `reference_linear`. `pdl`: programmatic dependent launch of the skinny kernel and the per-token quantizer
     (`ops.pdl.use_pdl`; None: where the GPU has it); `prefetch`: the skinny kernel's weight bytes pulled into L2
     before its wait (None: triton_skinny.PREFETCH_BYTES; 0: none)."""
-    if (takes_rows(layer) and torch.version.hip is None
-            and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16)):
+    if _runs_w8a16(x, layer, w8a16):
         return triton_w8a16.w8a16_linear(x, layer.weight, layer.weight_scale, bias, pdl=pdl, prefetch=prefetch,
                                          table=w8a16)
     if layer.block is not None:
@@ -111,8 +117,7 @@ def gpu_linear_half(rows: HalfRows, layer: Fp8Linear, bias: torch.Tensor | None 
     """`gpu_linear` of the rows that W8A16's `rows` hold (a producer wrote them for this projection, where
     `w8a16_routed` said so): the W8A16 kernel on them where `triton_w8a16.routed` (`w8a16` as `gpu_linear`'s), else
     `gpu_linear` of them in their own dtype (float16 to bf16 is exact up to the saturation)."""
-    if takes_rows(layer) and torch.version.hip is None and triton_w8a16.routed(rows, layer.weight, layer.weight_scale,
-                                                                              w8a16):
+    if _runs_w8a16(rows, layer, w8a16):
         return triton_w8a16.w8a16_linear(rows, layer.weight, layer.weight_scale, bias, pdl=pdl, prefetch=prefetch,
                                          table=w8a16)
     return gpu_linear(rows.x.to(rows.dtype), layer, bias, pdl, prefetch, w8a16)
@@ -124,8 +129,7 @@ def gpu_linear_silu_and_mul(x: torch.Tensor | HalfRows, layer: Fp8Linear, pdl: b
     launch with SiLU-and-mul in its epilogue writing `HalfRows` where `triton_w8a16.routed(gated=True)` (`w8a16` as
     `gpu_linear`'s), else `gpu_linear` then `triton_ops.silu_and_mul` (float rows, which the W8A16 down casts
     itself): the same numbers either way up to the GEMM's float32 sums. `pdl`, `prefetch` as `gpu_linear`'s."""
-    if (takes_rows(layer) and torch.version.hip is None
-            and triton_w8a16.routed(x, layer.weight, layer.weight_scale, w8a16, gated=True)):
+    if _runs_w8a16(x, layer, w8a16, gated=True):
         return triton_w8a16.w8a16_linear_silu_and_mul(x, layer.weight, layer.weight_scale, pdl=pdl,
                                                       prefetch=prefetch, table=w8a16)
     rows = x.x.to(x.dtype) if isinstance(x, HalfRows) else x

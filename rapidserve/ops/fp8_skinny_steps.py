@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rapidserve.ops.triton_fp8 import to_half
 from rapidserve.ops.triton_ops import _silu_mul
 
 
@@ -71,8 +72,7 @@ def _gated_epilogue(gate, up, rm, rn, sw_ptr, out_ptr, M, N, stride_om, BF16: tl
     if BF16:
         y = _silu_mul(g.to(tl.bfloat16), u.to(tl.bfloat16)).to(tl.bfloat16).to(tl.float32)
         if HALF_OUT:  # saturated to fp16 (an fp16 model's own value is stored as it is)
-            y = tl.minimum(tl.maximum(y, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
-                           propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as fp8.to_half
+            y = to_half(y).to(tl.float32)
     else:
         y = _silu_mul(g.to(tl.float16), u.to(tl.float16)).to(tl.float16).to(tl.float32)
     out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]

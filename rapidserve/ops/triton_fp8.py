@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
+from rapidserve.ops.fp8 import HALF_MAX as _HALF_MAX
 from rapidserve.ops.fp8 import MIN_AMAX, fp8_max
 
 
@@ -139,6 +140,17 @@ def token_scale(amax, RCP: tl.constexpr, MIN_AMAX: tl.constexpr):
 def to_fp8(x, scale, TOP: tl.constexpr, fp8: tl.constexpr):
     """fp8(clamp(x / scale, -TOP, TOP)) of float32 x: IEEE division, as torch (also the fused producers')."""
     return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -TOP), TOP).to(fp8)
+
+
+HALF_MAX = tl.constexpr(_HALF_MAX)  # `to_half`'s bound (fp8.HALF_MAX, float16's largest finite value)
+
+
+@triton.jit
+def to_half(x):
+    """float16(clamp(x, -65504, 65504)) of float32 x: W8A16's saturating cast (`fp8.to_half`: as e4m3's at 448), a NaN
+    kept NaN (max and min that propagate it; their default drops a NaN to the bound)."""
+    return tl.minimum(tl.maximum(x, -HALF_MAX, propagate_nan=tl.PropagateNan.ALL), HALF_MAX,
+                      propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
 
 
 def token_constants(fp8: torch.dtype) -> dict[str, float]:

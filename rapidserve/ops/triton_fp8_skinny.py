@@ -71,11 +71,10 @@ import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops import triton_skinny
-from rapidserve.ops.fp8 import HALF_MAX as _HALF_MAX
 from rapidserve.ops.fp8 import QuantizedRows, SplitSums, cdiv
 from rapidserve.ops.fp8_skinny_steps import _epilogue, _gated_epilogue, _k_step
 from rapidserve.ops.fp8_tiles import MAX_ROWS, SCALED_MM, Fp8Tables, Fp8Tiles, load_tables, lookup
-from rapidserve.ops.triton_fp8 import quantize_tokens
+from rapidserve.ops.triton_fp8 import quantize_tokens, to_half
 from rapidserve.ops.triton_skinny import MIN_PROGRAMS, SkinnyConfig, prefetch_bytes, prefetch_rows, skinny_config
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -86,7 +85,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 PROMOTE_EVERY = 128
 RULE_ROWS = 16  # the untuned rule's rows: more go to torch._scaled_mm unless a table says otherwise
 TUNED: Fp8Tables = load_tables()  # the packaged tables, validated once at import (read-only)
-HALF_MAX = tl.constexpr(_HALF_MAX)  # W8A16's saturating cast of bf16 rows to fp16 (`fp8.to_half`)
 
 
 def fp8_config(n: int, k: int) -> SkinnyConfig:
@@ -160,9 +158,9 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
     PREFETCH pulls the first `prefetch` bytes of its weight rows' slice into L2, then it waits for the kernel before;
     it lets the next one start after its K loop. A16 (W8A16, ops/triton_w8a16.py): x8_ptr holds float rows, not fp8,
     and there is no sx: each K step's weight tile is widened to fp16 and the rows are fp16 already or, CAST_X, cast to
-    it in registers (clamped to +-HALF_MAX first: a saturating cast). GATED (A16, one pass, no bias): w is [2N, K] =
-    cat(gate, up) and the output silu_and_mul of the product in the rows' dtype (BF16: bfloat16, else float16),
-    HALF_OUT: stored as W8A16's float16 rows (`_gated_epilogue`)."""
+    it in registers (clamped to +-65504 first: a saturating cast, `triton_fp8.to_half`). GATED (A16, one pass, no
+    bias): w is [2N, K] = cat(gate, up) and the output silu_and_mul of the product in the rows' dtype (BF16: bfloat16,
+    else float16), HALF_OUT: stored as W8A16's float16 rows (`_gated_epilogue`)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -189,8 +187,7 @@ def _fp8_skinny_kernel(x8_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, M, N, K, K
         kk = k0 + rk
         x8 = tl.load(x_rows + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         if CAST_X:  # bf16 rows to fp16, saturating (`fp8.to_half`'s numbers)
-            x8 = tl.minimum(tl.maximum(x8.to(tl.float32), -HALF_MAX, propagate_nan=tl.PropagateNan.ALL), HALF_MAX,
-                            propagate_nan=tl.PropagateNan.ALL).to(tl.float16)  # NaN stays NaN, as fp8.to_half
+            x8 = to_half(x8.to(tl.float32))
         acc_t = _k_step(x8, w_rows, kk, rn, N, K, acc_t, EVEN, SWAP, A16, PROMOTE)
         if GATED:
             acc_u = _k_step(x8, u_rows, kk, rn, N, K, acc_u, EVEN, SWAP, A16, PROMOTE)

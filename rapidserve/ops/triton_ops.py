@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from rapidserve.ops import pdl as pdl_launch
+from rapidserve.ops.triton_fp8 import to_half
 from rapidserve.ops.triton_kv import check_cache, to_cache, write_kv
 
 
@@ -69,8 +70,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, n_inner,
     y, _ = _rms_row(x_ptr, r_ptr, w_ptr, res_out_ptr, row, n_inner, stride_xo, stride_xi, stride_ro, stride_ri,
                     n_cols, eps, HAS_RESIDUAL, True, BLOCK)
     if HALF:
-        y = tl.minimum(tl.maximum(y.to(x_ptr.dtype.element_ty).to(tl.float32), -65504.0,
-                                   propagate_nan=tl.PropagateNan.ALL), 65504.0, propagate_nan=tl.PropagateNan.ALL)
+        y = to_half(y.to(x_ptr.dtype.element_ty).to(tl.float32))
     cols = tl.arange(0, BLOCK)
     tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 

@@ -123,9 +123,10 @@ def half_ok(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tenso
 def routed(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor, table: W8a16Table | None = None,
            gated: bool = False) -> bool:
     """Whether `fp8_gpu.gpu_linear` (gated: `gpu_linear_silu_and_mul`; `HalfRows`: `gpu_linear_half`) sends this call
-    here: on an NVIDIA GPU, a call that `half_ok` and that `plan` gives tiles."""
+    here: on an NVIDIA GPU, a call that `plan` gives tiles and that `half_ok` (the plan first: with the packaged
+    table empty it answers at once, and every fp8 linear of the engine asks)."""
     rows = _split(x)[0]
-    return rows.is_cuda and half_ok(x, weight, scale) and planned(rows.shape[0], weight, table, gated) is not None
+    return rows.is_cuda and planned(rows.shape[0], weight, table, gated) is not None and half_ok(x, weight, scale)
 
 
 def _tiles(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor, config: Fp8Tiles | None,
