@@ -226,7 +226,13 @@ peer_install  # sets why_not when vLLM cannot be installed
 fp8_folder=()
 case "${VLLM_FP8:-}" in
     "") ;;
-    checkpoint) fp8_folder=(--fp8) ;;
+    checkpoint)
+        case " ${SERVE_ARGS:-} " in
+            *" --quantization fp8 "*|*" --quantization=fp8 "*) fp8_folder=(--fp8) ;;
+            *) echo "vs_vllm: VLLM_FP8=checkpoint serves vLLM fp8 weights; give ours the same scheme with" \
+                    "SERVE_ARGS=\"--quantization fp8\" (without it the comparison would be bf16 against fp8)" >&2
+               exit 2 ;;
+        esac ;;
     *) echo "vs_vllm: VLLM_FP8=${VLLM_FP8}: give checkpoint (vLLM's folder declares FP8_DYNAMIC) or leave it unset" >&2
        exit 2 ;;
 esac

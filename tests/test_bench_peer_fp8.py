@@ -74,8 +74,8 @@ def test_a_moe_preset_is_refused_in_fp8(tmp_path) -> None:  # type: ignore[no-un
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="the stand-in recipe runs bash")
 def test_vs_vllm_writes_the_fp8_folder_and_serves_vllm_from_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """VLLM_FP8=checkpoint: the folder <PEER_MODEL>-<preset>-fp8 written with --fp8, vLLM's command from it without
-    --quantization, ours with SERVE_ARGS' --quantization fp8 (compare.py --dry-run prints both); a bad value: exit 2
-    naming the knob."""
+    --quantization, ours with SERVE_ARGS' --quantization fp8 (compare.py --dry-run prints both); a bad value, or the
+    knob without ours in fp8 (bf16 against fp8): exit 2 naming it."""
     import subprocess
 
     from tests.test_bench_frontier_tp import _stand_in
@@ -97,3 +97,6 @@ def test_vs_vllm_writes_the_fp8_folder_and_serves_vllm_from_it(tmp_path) -> None
     bad = subprocess.run(["bash", "bench/vs_vllm.sh", "--dry-run"], cwd=ROOT, env={**env, "VLLM_FP8": "online"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "VLLM_FP8=online: give checkpoint" in bad.stderr
+    alone = subprocess.run(["bash", "bench/vs_vllm.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**env, "SERVE_ARGS": "--device cpu"})  # ours would stay bf16
+    assert alone.returncode == 2 and 'give ours the same scheme with SERVE_ARGS="--quantization fp8"' in alone.stderr
