@@ -18,9 +18,10 @@ names one of the earlier systems instead.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from rapidserve.jsonfile import DuplicateKeyError, load_unique
 
 MATCH = ("model", "serve_args", "workloads", "itl_bounds_ms", "rates", "per_rate", "arrival", "seed", "peak_fractions")
 # Also matched, absent from reports older than them (read as None there): the mode and the search's settings.
@@ -31,8 +32,9 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
     """The earlier report at `path`, checked against this run's `now` (its values of MATCH, as compare.py writes
     them into a report). ValueError naming the file and what is wrong."""
     try:
-        with open(path) as f:
-            prior = json.load(f)
+        prior = load_unique(path)
+    except DuplicateKeyError as e:
+        raise ValueError(f"--continue-from {e}") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"--continue-from {path}: cannot read it as JSON ({e}); give the <name>.json an earlier "
                          "compare.py run wrote") from None

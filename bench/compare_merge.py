@@ -17,7 +17,6 @@ missing or does not match is named and skipped; the merge fails (exit 1) only wh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -28,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_continue import MATCH, MATCH_NEWER, load_prior  # noqa: E402
 from compare_frontier import write_frontier_report  # noqa: E402
+
+from rapidserve.jsonfile import load_unique  # noqa: E402
 
 
 def merge_reports(paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -41,8 +42,7 @@ def merge_reports(paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
             continue
         try:
             if merged is None:
-                with open(path) as f:
-                    head = json.load(f)
+                head = load_unique(path)  # ValueError naming the file: not JSON, a key written twice
                 report = load_prior(path, head if isinstance(head, dict) else {})
                 if report.get("mode") != "goodput_search":
                     raise ValueError(f"{path} is a sweep's report: merge joins --goodput-search reports")

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 from rapidserve.benchmark.goodput import NOT_SEARCHED, bound_key
 from rapidserve.benchmark.search_run import KnownPeak
+from rapidserve.jsonfile import DuplicateKeyError, load_unique
 
 Hint = tuple[float | None, float, float | None, float | None]  # (bound ms or None: unbounded, share, lo, hi)
 Hints = dict[tuple[str, str], tuple[Hint, ...]]
@@ -166,10 +167,11 @@ def report_peaks(report: Mapping[str, Any], source: str) -> Peaks:
 def read_report(path: str) -> dict[str, Any]:
     """The JSON object at `path`; ValueError naming the file that cannot be read."""
     try:
-        with open(path) as f:
-            report = json.load(f)
+        report = load_unique(path)
     except OSError as e:
         raise ValueError(f"--search-start-from {path}: {e.strerror or e}") from None
+    except DuplicateKeyError as e:
+        raise ValueError(f"--search-start-from {e}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"--search-start-from {path}: not JSON ({e})") from None
     if not isinstance(report, dict):

@@ -30,6 +30,7 @@ import torch
 from gpu_timing import time_ms
 
 from rapidserve.config import ModelConfig
+from rapidserve.jsonfile import loads_unique
 from rapidserve.ops import fp8, fp8_gpu, triton_fp8, triton_fp8_fused, triton_w8a16
 from rapidserve.ops import triton_fp8_skinny as fsk
 from rapidserve.ops.fp8 import Fp8Linear, QuantizedRows
@@ -300,7 +301,8 @@ def write_table(lin_by_batch: dict[int, dict[str, Any]], device: str, source: st
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
         (d / file_name(device)).write_text(text)
-        parse_table(json.loads(text), str(d / file_name(device)))  # what the engine will load, or raise here
+        path = str(d / file_name(device))
+        parse_table(loads_unique(text, path), path)  # what the engine will load, or raise here
     return [*notes, "fp8 table written: " + ", ".join(str(d / file_name(device)) for d in dirs)]
 
 

@@ -12,7 +12,6 @@ from prefill to decode in rapid mode) or the steady stream is at fault.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import positive_float  # noqa: E402
 from rapidserve.benchmark.stats import RequestRecord, percentile  # noqa: E402
+from rapidserve.jsonfile import DuplicateKeyError, load_unique  # noqa: E402
 
 
 def gap_rows(label: str, result: dict, bound_ms: float) -> list[list[str]]:
@@ -52,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[list[str]] = []
     for path in a.files:
         try:
-            with open(path) as f:
-                result = json.load(f)
+            result = load_unique(path)
+        except DuplicateKeyError as e:
+            p.error(str(e))
         except (OSError, ValueError) as e:
             p.error(f"{path}: not a readable sweep result JSON ({e})")
         if not isinstance(result, dict) or not isinstance(result.get("runs"), list):

@@ -21,6 +21,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rapidserve.jsonfile import load_unique  # noqa: E402
+
 TIMES = Path(__file__).resolve().parent / "gpu_suite_times.json"
 
 
@@ -83,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.merge:
         joined: dict[str, float] = {}
         for path in a.merge:
-            joined.update(json.loads(Path(path).read_text()).get("file_seconds", {}))
+            joined.update(load_unique(path).get("file_seconds", {}))
         print(json.dumps(dict(sorted(joined.items())), indent=1))
         return 0
     try:
@@ -95,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds: dict[str, float] = {}
     if Path(a.times).is_file():
         try:
-            seconds = {str(f): float(s) for f, s in json.loads(Path(a.times).read_text()).items()}
+            seconds = {str(f): float(s) for f, s in load_unique(a.times).items()}
         except (ValueError, AttributeError) as e:
             print(f"gpu_suite_parts: {a.times}: not a table of file -> seconds ({e}); weighing every file 1",
                   file=sys.stderr)

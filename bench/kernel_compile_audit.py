@@ -52,6 +52,7 @@ from bench.amd_compile_check import Job, make_job  # noqa: E402
 from bench.amd_launches import TARGETS, Launch, Shape, capture, jit_function, recording, shapes  # noqa: E402
 from bench.json_rows import dump_report  # noqa: E402
 from bench.sm90_compile import compile_sm90, pdl_text, summarise, widths_text  # noqa: E402
+from rapidserve.jsonfile import load_unique  # noqa: E402
 
 DEFAULT_SHAPES = ("qwen3-8b:1:bfloat16", "gemma3-12b:1:bfloat16", "qwen3-30b-a3b:1:bfloat16", "mixtral-8x7b:2:bfloat16")
 FINDINGS = "findings.md"  # a hand-written reading of the table in --out, linked from the README when present
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, help="Triton's cache for the compiles (default: Triton's own)")
     a = p.parse_args(argv)
     kernels = set(a.kernels.split(",")) if a.kernels else None
-    before = json.loads(a.before.read_text()) if a.before else None
+    before = load_unique(a.before) if a.before else None  # ValueError naming the file: a key written twice
     report = run(parse_shapes(a.shapes), kernels, a.jobs, a.cache_dir)
     args = argv if argv is not None else sys.argv[1:]
     args = [x for i, x in enumerate(args) if x != "--cache-dir" and (i == 0 or args[i - 1] != "--cache-dir")]

@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rapidserve.jsonfile import load_unique  # noqa: E402
+
 
 def breakdown(requests: list[dict[str, Any]]) -> dict[str, float]:
     """The makespan of one run and its parts (seconds; ITL and TTFT of the last conversation in ms)."""
@@ -46,7 +50,7 @@ def breakdown(requests: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def runs_of(path: Path) -> list[tuple[str, dict[str, float]]]:
-    d = json.loads(path.read_text())
+    d = load_unique(path)  # ValueError naming the file: not JSON, a key written twice
     label = d.get("label", path.stem)
     return [(label, breakdown(run["requests"])) for run in d.get("runs", [])]
 

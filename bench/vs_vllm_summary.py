@@ -11,16 +11,18 @@ at each fraction of the reference's closed peak (the same Poisson rate for every
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_peak import fraction_rates, fractions_arg, rate_of  # noqa: E402
+
+from rapidserve.jsonfile import load_unique  # noqa: E402
 
 
 def _f(v: float | None, spec: str) -> str:
@@ -79,8 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     try:
-        with open(a.report) as f:
-            report = json.load(f)
+        report = load_unique(a.report)  # ValueError naming the file: not JSON, a key written twice
         fractions = fractions_arg(a.fractions) if a.fractions else tuple(report.get("peak_fractions") or ())
         text = summary(report, fractions)
     except (OSError, ValueError, KeyError, TypeError) as e:

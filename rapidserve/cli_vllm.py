@@ -29,13 +29,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from typing import Any, NoReturn
 
 from rapidserve.config import DTYPE_ALIASES, LOAD_FORMATS
 from rapidserve.config_base import LOG_LEVELS, ConfigError
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 from rapidserve.server_config import REASONING_PARSERS
 from rapidserve.vllm_serve_flags import add_no_op_flags, refusal
 
@@ -158,7 +158,9 @@ def _template_kwargs(text: str) -> dict[str, Any]:
     from rapidserve.tokenizer import RENDERER_OWNS  # (jinja2: only when the flag is given)
 
     try:
-        v = json.loads(text)
+        v = loads_unique(text, "--default-chat-template-kwargs")
+    except DuplicateKeyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e}): give an object, e.g. "
                                          "'{\"enable_thinking\": false}'") from None

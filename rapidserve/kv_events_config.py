@@ -13,8 +13,9 @@ Plain data: imports nothing of rapidserve (config.py imports it), so its errors 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
@@ -90,7 +91,9 @@ class KVEventsConfig:
             return value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = loads_unique(value, "--kv-events-config")
+            except DuplicateKeyError as e:
+                raise KVEventsConfigError(str(e)) from None
             except ValueError as e:
                 raise KVEventsConfigError(f"--kv-events-config is not valid JSON ({e}); give e.g. {EXAMPLE}") from None
         if not isinstance(value, dict):

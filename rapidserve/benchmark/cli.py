@@ -44,6 +44,7 @@ from rapidserve.benchmark.stats import SLO_METRICS, parse_slos
 from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpec
 from rapidserve.benchmark.vllm_flags import add_vllm_args, resolve_vllm_flags
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 
 DEFAULT_NUM_PROMPTS = 100
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -279,8 +280,6 @@ def config_from_args(a: argparse.Namespace) -> Any:
 
 def extra_body_arg(v: str) -> dict[str, Any]:
     """--extra-body: a JSON object, given inline or as @path."""
-    import json
-
     text = v
     if v.startswith("@"):
         try:
@@ -289,7 +288,9 @@ def extra_body_arg(v: str) -> dict[str, Any]:
         except OSError as e:
             raise argparse.ArgumentTypeError(f"cannot read {v[1:]}: {e}") from None
     try:
-        d = json.loads(text)
+        d = loads_unique(text, f"--extra-body {v[1:]}" if v.startswith("@") else "--extra-body")
+    except DuplicateKeyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(d, dict):

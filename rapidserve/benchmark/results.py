@@ -8,12 +8,12 @@ Below `report` and `goodput_report` (which write results, their markdown and the
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidserve.benchmark.goodput import NOT_SEARCHED, UNBOUNDED
+from rapidserve.jsonfile import load_unique
 
 
 def workload_title(workload: Mapping[str, Any]) -> str:
@@ -46,9 +46,9 @@ def trace_line(t: dict[str, Any]) -> str:
 
 
 def load_result(path: str) -> dict[str, Any]:
-    """A result JSON file as `rapidserve bench` wrote it (non-finite numbers are null there)."""
-    with open(path) as f:
-        return json.load(f)  # type: ignore[no-any-return]
+    """A result JSON file as `rapidserve bench` wrote it (non-finite numbers are null there); OSError where it
+    cannot be read, ValueError where it is not JSON or writes a key twice in one object (naming the file)."""
+    return load_unique(path)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- a goodput search's result (goodput_report.py)

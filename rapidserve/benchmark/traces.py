@@ -27,12 +27,13 @@ import datetime
 import functools
 import gzip
 import io
-import json
 import math
 import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 
 HASH_BLOCK_TOKENS = 512  # Mooncake: prompt tokens per hash id
 TRACE_ARRIVALS: tuple[str, ...] = ("timestamps", "poisson")
@@ -158,7 +159,9 @@ def _mooncake(path: str, text: str) -> Iterator[TraceRequest]:
         if not ln.strip():
             continue
         try:
-            d = json.loads(ln)
+            d = loads_unique(ln, path)
+        except DuplicateKeyError as e:
+            raise TraceError(path, (f"in `{e.where}`: " if e.where else "") + e.problem, n) from None
         except ValueError as e:
             raise TraceError(path, f"not a JSON object: {e}", n) from None
         if not isinstance(d, dict):

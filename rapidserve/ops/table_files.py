@@ -11,6 +11,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 E = TypeVar("E")  # an entry: its module's NamedTuple
@@ -18,9 +20,12 @@ DeviceTable = Mapping[str, Any]  # device name -> its module's entry (a NamedTup
 
 
 def read_table(path: Path, parse: Callable[[Any, str], T], fail: Callable[[str, str, str], Exception]) -> T:
-    """`parse(the file's JSON, its path)`; a file that is not JSON raises `fail(path, "the file", why)`."""
+    """`parse(the file's JSON, its path)`; a file that is not JSON raises `fail(path, "the file", why)`, one with a
+    key written twice in an object `fail(path, that object's JSON path, why)`."""
     try:
-        d = json.loads(path.read_text())
+        d = loads_unique(path.read_text(), str(path))
+    except DuplicateKeyError as e:
+        raise fail(str(path), e.where or "the file", e.problem) from None
     except json.JSONDecodeError as e:
         raise fail(str(path), "the file", f"is not JSON ({e})") from None
     return parse(d, str(path))

@@ -18,12 +18,15 @@ A profile is found by the model's name (`model_label`: a folder's last component
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 
 if TYPE_CHECKING:
     from rapidserve.config import EngineConfig, ModelConfig
@@ -257,9 +260,12 @@ def load_profile(
     except OSError as exc:
         raise ProfileError(f"profile {spath}: cannot read: {exc}") from exc
     try:
-        generic = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
+        msgspec.json.decode(raw)  # JSON at all, by msgspec's rules (its typed read follows)
+        generic = loads_unique(raw, spath)  # no key written twice (msgspec would keep the last)
+    except (msgspec.DecodeError, json.JSONDecodeError) as exc:
         raise ProfileError(f"profile {spath}: invalid JSON: {exc}") from exc
+    except DuplicateKeyError as exc:
+        raise _fail(spath, exc.where or "$", exc.problem) from None
     if not isinstance(generic, dict):
         raise _fail(spath, "$", "top level must be a JSON object")
     version = generic.get("schema_version", 1)
