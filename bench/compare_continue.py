@@ -26,6 +26,11 @@ from rapidserve.jsonfile import DuplicateKeyError, load_unique
 MATCH = ("model", "serve_args", "workloads", "itl_bounds_ms", "rates", "per_rate", "arrival", "seed", "peak_fractions")
 # Also matched, absent from reports older than them (read as None there): the mode and the search's settings.
 MATCH_NEWER = ("mode", "search")
+# Search settings that bound only how far and from where a search looks (its probes' length, its start, its limits,
+# the bounds it searches, when a bracket counts as closed), not what a probe measures: reports that differ in them
+# still compare (a bracket from 8 probes and one from 10 are brackets of the same frontier), so they are not matched.
+SEARCH_EXTENT = ("start_rate", "start_fraction", "min_rate", "max_rate", "tolerance", "max_probes", "budget_s",
+                 "only_bounds", "hints")
 
 
 def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,6 +65,8 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
                          f"between the two would mix them: give --search-repeats {was_n}, or start a new report")
     for k in (*MATCH, *MATCH_NEWER):
         was, want = (prior.get(k, "sweep" if k == "mode" else None), now.get(k, "sweep" if k == "mode" else None))
+        if k == "search":
+            was, want = _measured(was), _measured(want)
         if _norm(was) != _norm(want):
             if isinstance(was, dict) and isinstance(want, dict):  # name the settings that differ, not the whole dict
                 a, b = _norm(was), _norm(want)
@@ -70,6 +77,11 @@ def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"--continue-from {path} ran with {k} = {was!r}; this run has {want!r}: give "
                              "the same, or the two runs do not compare")
     return prior
+
+
+def _measured(search: Any) -> Any:
+    """A report's search settings less SEARCH_EXTENT: those that change what a probe measures."""
+    return {k: v for k, v in search.items() if k not in SEARCH_EXTENT} if isinstance(search, Mapping) else search
 
 
 def search_repeats(report: Mapping[str, Any]) -> int:

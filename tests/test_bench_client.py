@@ -54,6 +54,7 @@ class Fake:
         self.max_inflight = 0
         self.bodies: list[dict[str, Any]] = []
         self.auth: list[str | None] = []
+        self.peers: set[Any] = set()  # the client's (host, port) of each connection a completion came on
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -68,6 +69,7 @@ class Fake:
         body = await request.json()
         self.bodies.append(body)
         self.auth.append(request.headers.get("Authorization"))
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
         mode, n = body["prompt"][0], body["max_tokens"]
         if mode == 4:
             return web.json_response({"error": {"message": "'prompt' is too long", "type": "invalid_request_error"}},
@@ -225,3 +227,17 @@ def test_workload_too_long_for_the_server_is_refused() -> None:
         assert fake.bodies == []  # nothing was sent
 
     with_fake(test)
+
+
+def test_each_request_has_a_connection_of_its_own() -> None:
+    """The benchmark's requests never reuse a pooled keep-alive connection, which a server's idle timeout may close
+    as a request is sent on it (uvicorn's 5 s: a ServerDisconnectedError charged to that server): six requests one
+    after the other come on six connections."""
+    async def test(fake: Fake, url: str) -> tuple[dict[str, Any], Fake]:
+        cfg = BenchConfig(base_url=url, workload=WorkloadSpec("fixed", 8, 2, token_lo=1, token_hi=2),
+                          rates=(math.inf,), num_prompts=6, max_concurrency=1, quiet=True)
+        return await run_benchmark(cfg), fake
+
+    report, fake = with_fake(test)
+    assert report["runs"][0]["summary"]["completed"] == 6
+    assert len(fake.peers) == 6 and None not in fake.peers

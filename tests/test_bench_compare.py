@@ -640,3 +640,18 @@ def test_the_header_says_what_a_probe_sends(argvs: list[tuple[str, ...]], trace_
     a = argparse.Namespace(num_prompts=48, search=SearchConfig(trace_probe=trace_probe))
     text = probe_text(a, [Workload(tuple(v), f"w{i}") for i, v in enumerate(argvs)])
     assert text.startswith(want)
+
+
+@pytest.mark.parametrize("extent", [{"max_probes": 10}, {"only_bounds": [100.0]}, {"min_rate": 2.0, "max_rate": 40.0},
+                                    {"budget_s": 300.0, "start_rate": 7.5, "tolerance": 0.1}])
+def test_reports_whose_searches_differ_only_in_extent_compare(tmp_path, extent: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+    """How far and from where a search looked (its probe count, bounds, limits, start) does not change what a probe
+    measures: such reports compare (bench/compare_merge.py joins them); a setting that does (the warm-up) is refused."""
+    cont = _load("compare_continue")
+    settings = {"shares": [0.9, 0.99], "tolerance": 0.05, "discard": 16, "max_probes": 8, "only_bounds": None}
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(_prior(mode="frontier", search=settings)))
+    now = {**_prior(mode="frontier"), "search": {**settings, **extent}}
+    assert cont.load_prior(str(path), now)["mode"] == "frontier"
+    with pytest.raises(ValueError, match=r"other search settings \(discard: 16 there, 32 here\)"):
+        cont.load_prior(str(path), {**_prior(mode="frontier"), "search": {**settings, **extent, "discard": 32}})
