@@ -51,14 +51,15 @@ reference (numerically identical to transformers) elsewhere. Signatures:
 
 - W8A16 (issue 39, ops/triton_w8a16.py: fp8 weights, the rows in fp16 with no per-token scale, no quantizer before the
   GEMM): ``w8a16(rows, layer) -> bool`` says whether `rows` float rows of an fp8 projection run W8A16 (the Triton
-  bundle: `fp8_gpu.w8a16_routed`, by ops/w8a16_table.json, EMPTY until a GPU measures it: the engine runs W8A8; the
-  torch bundle: never), so the producer of that projection's rows writes them in fp16 (`fp8.HalfRows`: `fused_fp8`
-  says float16): ``rms_norm_half(x, weight, eps) -> HalfRows``, ``add_rms_norm_half(x, residual, weight, eps) ->
-  (HalfRows, residual + x)`` (the plain RMSNorm's launch, its output saturated to fp16), ``fp8_linear_silu_and_mul(x,
-  gate_up) -> HalfRows`` (SiLU-and-mul of an fp8 gate|up's product for a W8A16 down: in the GEMM's epilogue, one
-  launch), and ``fp8_linear_half(rows, layer, bias) -> [T, N]`` takes them (the attention's output stays float rows,
-  cast to fp16 inside the GEMM). `with_w8a16(bundle, table)` binds another table (`w8a16_table.forced`: every row
-  count the kernel takes; bench/decode_profile.py's `w8a16` variant and the GPU tests)
+  bundle: `fp8_gpu.w8a16_routed`, by ops/w8a16_table.json: the H200's entry 0 rows, W8A16 having lost at every batch on
+  2026-12-01, so the engine runs W8A8; the torch bundle: never), so the producer of that projection's rows writes them
+  in fp16 (`fp8.HalfRows`: `fused_fp8` says float16): ``rms_norm_half(x, weight, eps) -> HalfRows``,
+  ``add_rms_norm_half(x, residual, weight, eps) -> (HalfRows, residual + x)`` (the plain RMSNorm's launch, its output
+  saturated to fp16), ``fp8_linear_silu_and_mul(x, gate_up) -> HalfRows`` (SiLU-and-mul of an fp8 gate|up's product for
+  a W8A16 down: in the GEMM's epilogue, one launch), and ``fp8_linear_half(rows, layer, bias) -> [T, N]`` takes them
+  (the attention's output stays float rows, cast to fp16 inside the GEMM). `with_w8a16(bundle, table)` binds another
+  table (`w8a16_table.forced`: every row count the kernel takes; bench/decode_profile.py's `w8a16` variant and the GPU
+  tests)
 
 The Triton bundle's kernels launch with programmatic dependent launch where the GPU has it (NVIDIA sm_90+:
 `rapidserve/ops/pdl.py`, which says the rules they keep); each of its functions that launches takes `pdl` (None:

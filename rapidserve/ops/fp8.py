@@ -30,7 +30,8 @@ Rows already quantized per token (`QuantizedRows`, by the fused RMSNorm / SiLU-a
 or `quantize_rows`) go through `reference_linear_rows` / `fp8_gpu.gpu_linear_rows`: the same routes on the same
 numbers, for the layers that `takes_rows` (per-token activations, per-row weight scales).
 
-W8A16 (ops/triton_w8a16.py, NVIDIA, where ops/w8a16_table.json says: empty until measured) takes the same per-row
+W8A16 (ops/triton_w8a16.py, NVIDIA, where ops/w8a16_table.json says: on the H200, measured 2026-12-01,
+never: it lost to W8A8 at every batch 1-64) takes the same per-row
 scaled weights without quantizing the activations: the rows in fp16 (`to_half`: saturated at HALF_MAX), float16 by
 float16 products of the widened weight, out[m, n] = (sum_k x16[m, k] w8[n, k]) * sw[n] (`reference_linear_half`);
 its producers write `HalfRows` (fp16 rows, the rows' dtype) instead of `QuantizedRows`.

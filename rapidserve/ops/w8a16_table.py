@@ -154,7 +154,7 @@ def write_table(path: Path, table: W8a16Table) -> W8a16Table:
     return write_device_table(path, table, load_table)
 
 
-W8A16_TABLE: W8a16Table = load_table()  # the packaged table, validated once at import (read-only; empty: W8A8 only)
+W8A16_TABLE: W8a16Table = load_table()  # the packaged table, validated once at import (read-only)
 
 __all__ = ["EMPTY", "TABLE_PATH", "W8A16_TABLE", "WIN_MARGIN", "W8a16Device", "W8a16Entry", "W8a16Row", "W8a16Table",
            "W8a16TableError", "forced", "load_table", "measured_entry", "parse_entry", "parse_table", "table_json",
