@@ -26,11 +26,13 @@ from rapidserve.benchmark.goodput import (
     contradicted,
     counted,
     fits,
+    goodput_entry,
     measure_probe,
     misses_allowed,
     next_step,
     p95_itl_s,
     passes,
+    passes_above,
     pooled,
     round_rate,
     share_note,
@@ -38,6 +40,7 @@ from rapidserve.benchmark.goodput import (
     ttft_limit_s,
     widest_first,
 )
+from rapidserve.benchmark.goodput_report import goodput_cell
 from rapidserve.benchmark.search import AGAIN, search_frontier
 from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.search_run import no_peak_advice, start_from_peak
@@ -131,6 +134,22 @@ T = Target(None, 0.9)
 ])
 def test_bracket(probes: list[Probe], want: Bracket) -> None:
     assert bracket(probes, T) == want
+
+
+@pytest.mark.parametrize("probes,want", [
+    ([], None),
+    ([P(4, True), P(8, True)], None),  # nothing failed
+    ([P(4, True), P(8, False), P(6, True)], None),  # monotone
+    ([P(2, True), P(4, False), P(6, True), P(8, False)], 6),  # the pass above the failure, however noisy
+    ([P(2, True), P(4, False), P(6, True), P(10, True), P(8, False)], 10),  # the highest one
+    ([P(4, False), P(6, False)], None),
+])
+def test_passes_above(probes: list[Probe], want: float | None) -> None:
+    """A pass above the bracket's failure is named, not dropped: goodput by the highest passing rate alone."""
+    assert passes_above(probes, T) == want
+    e = goodput_entry(probes, T, UNFINISHED)
+    assert e["passes_above"] == want and (e["lo"], e["hi"]) == tuple(bracket(probes, T))
+    assert (goodput_cell(e).endswith(f"(passes {want:.3g})") if want is not None else "passes" not in goodput_cell(e))
 
 
 @pytest.mark.parametrize("b,want", [

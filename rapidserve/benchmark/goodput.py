@@ -15,7 +15,11 @@ Definitions (goodput as DistServe and DuetServe measure it):
 - A probe passes the target (B, q) when its attainment at B is >= q (`passes`).
 - goodput(B, q): the highest probed rate that passes (B, q) below the lowest probed rate that
   fails it (`bracket`'s lo; a pass above a failure is noise and not counted). Tighter bounds and
-  higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows.
+  higher shares pass at fewer rates, so goodput never rises as B shrinks or q grows. Where a pass above the
+  failure survives its re-probe (below), the attainment is not monotone in rate, and the entry says so
+  (`passes_above`: the highest passing rate above the bracket, the goodput by "the highest rate that passes"
+  alone): on an H200, 2026-12-01, vLLM on Qwen3-30B-A3B at p95-ITL 100 ms passed 10.1 req/s in two searches and
+  failed 7.57 in two probes, so its bracket [6.94, 7.57) hid a goodput of at least 10.1 by the papers' reading.
 - A failure below a pass contradicts it: one of the two is a short probe's noise (on an H200, 2026-11-30, one
   48-arrival probe at 17.8 req/s failed p95-ITL 50 ms while three longer ones at 20.9-24 passed, and set the
   bracket). The search then probes the failing rate once more (`contradicted`) and pools the two probes' requests
@@ -343,8 +347,19 @@ def fits(now: float, deadline: float | None, rate: float, n: int, drain_s: float
     return deadline is None or now + n / rate + drain_s <= deadline
 
 
+def passes_above(probes: Iterable[Probe], t: Target) -> float | None:
+    """The highest probed rate above t's bracket (above its lowest failing rate) that passes t, or None: where the
+    attainment was not monotone in rate (module docstring). Pure."""
+    ps = list(probes)
+    hi = bracket(ps, t).hi
+    above = [p.rate for p in ps if hi is not None and p.rate > hi and passes(p, t)]
+    return max(above) if above else None
+
+
 def goodput_entry(probes: Iterable[Probe], t: Target, status: str) -> dict[str, Any]:
-    """One target's result: goodput (lo, 0 when nothing passed), the bracket [lo, hi) and how its search ended."""
-    lo, hi = bracket(probes, t)
+    """One target's result: goodput (lo, 0 when nothing passed), the bracket [lo, hi), how its search ended, and
+    `passes_above` (a passing rate above the bracket, or None: `passes_above`)."""
+    ps = list(probes)
+    lo, hi = bracket(ps, t)
     return {"itl_bound_ms": t.itl_bound_ms, "share": t.share, "goodput": lo if lo is not None else 0.0,
-            "lo": lo, "hi": hi, "status": status}
+            "lo": lo, "hi": hi, "status": status, "passes_above": passes_above(ps, t)}

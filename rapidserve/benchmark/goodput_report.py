@@ -13,7 +13,8 @@ it}; "ramp" (its warm-up and whether it reached steady state: sustain.Ramp.to_js
 before the ramp rule); a rapidserve server's steps over the probe: "server_steps" and "server_step_correction",
 step_mix.py; a probe above the closed-loop peak: "above_peak" True, "arrivals" and "backlog"
 (sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
-unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds)}],
+unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds),
+"passes_above" (goodput.passes_above; absent before 2026-12-01)}],
 "finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace". The new keys are
 optional: a result written before them still reads.
 """
@@ -51,7 +52,9 @@ LEGEND = ("Cells: the goodput in requests/s; `< X`: even the lowest rate probed 
           "the search may probe (X, its ceiling: by default the closed-loop peak, past which a finite probe shows no "
           "sustained rate; where a ceiling above the peak was given, the probes above the peak were longer and judged "
           "by their TTFT backlog too) still passes; `[lo, hi)*`: the search stopped before the bracket closed (the "
-          "frontier lies in it); `-`: not searched.")
+          "frontier lies in it); `-`: not searched; `(passes X)`: a higher rate X passed as well, after the failure "
+          "below it was probed again (the attainment was not monotone in rate: the bracket counts that pass as noise; "
+          "by the highest passing rate alone the goodput would read X).")
 ABOVE_LEGEND = ("Above the peak: a probe at a rate above the server's own closed-loop peak (the search's ceiling lay "
                 "above it) sends more arrivals (--search-above-peak-factor x the counted requests) and fails every "
                 "target where its TTFT backlog grew: u = TTFT / the request's TTFT limit, the medians of its first and "
@@ -74,6 +77,12 @@ def goodput_cell(e: Mapping[str, Any] | None) -> str:
     """One target's goodput as a table cell (see LEGEND)."""
     if e is None or e.get("status") == NOT_SEARCHED:
         return "-"
+    above = e.get("passes_above")
+    head = _bracket_cell(e)
+    return head if above is None else f"{head} (passes {fmt(above, '.3g')})"
+
+
+def _bracket_cell(e: Mapping[str, Any]) -> str:
     lo, hi, status = e.get("lo"), e.get("hi"), e.get("status")
     if status == CONVERGED:
         return fmt(lo, ".3g")
