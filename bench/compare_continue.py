@@ -4,7 +4,8 @@ run's report. Pure helpers, tested on CPU (tests/test_bench_compare.py).
 The earlier report (<name>.json) must describe the same comparison: the same model, --serve-args, workloads (titles
 and bench flags), rates, prompts per rate, arrivals, seed, ITL bounds and --peak-fractions, and the same mode (a sweep
 or --goodput-search) with the same search settings (--search-repeats among them: a report of medians over N
-repetitions continues only with N); anything else is refused with what differs. A goodput search's
+repetitions continues only with N) but those of SEARCH_EXTENT (how far and from where a search looked: its probes,
+budget, limits and bounds searched); anything else is refused with what differs. A goodput search's
 report carries its systems' frontiers on as a sweep's carries its rows. Where the searches started
 (--search-start-from's brackets) and whether their closed-loop peaks were reused (--search-peak-from-prior) are not
 matched (the report's top-level "search_start_from" and "search_peak_from_prior", not its `search` settings): they
@@ -26,11 +27,13 @@ from rapidserve.jsonfile import DuplicateKeyError, load_unique
 MATCH = ("model", "serve_args", "workloads", "itl_bounds_ms", "rates", "per_rate", "arrival", "seed", "peak_fractions")
 # Also matched, absent from reports older than them (read as None there): the mode and the search's settings.
 MATCH_NEWER = ("mode", "search")
-# Search settings that bound only how far and from where a search looks (its probes' length, its start, its limits,
-# the bounds it searches, when a bracket counts as closed), not what a probe measures: reports that differ in them
-# still compare (a bracket from 8 probes and one from 10 are brackets of the same frontier), so they are not matched.
-SEARCH_EXTENT = ("start_rate", "start_fraction", "min_rate", "max_rate", "tolerance", "max_probes", "budget_s",
-                 "only_bounds", "hints")
+# Search settings that bound only how far and from where a search looks (its number of probes, its budget, its
+# limits, the bounds it searches, the fraction of the peak it starts at), not what a probe measures nor how exact a
+# settled cell is: reports that differ in them still compare (a bracket from 8 probes and one from 10 are brackets of
+# one frontier; a cell outside the limits says so), so they are not matched. Matched still: start_rate (given, it
+# skips the closed-loop peak, so no probe is judged above the peak and the ceiling is 8 x the start) and tolerance (a
+# converged cell is read as exact, to its report's tolerance).
+SEARCH_EXTENT = ("start_fraction", "min_rate", "max_rate", "max_probes", "budget_s", "only_bounds", "hints")
 
 
 def load_prior(path: str, now: Mapping[str, Any]) -> dict[str, Any]:

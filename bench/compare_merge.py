@@ -5,9 +5,9 @@ running anything again.
     python bench/compare_merge.py frontier_ours-tp.json frontier_hybrid-chunks.json frontier_vllm-default.json \\
         --out bench/results/h200x4_MMDD --name frontier_tp
 
-Every report must describe the same comparison as the first (compare_continue.load_prior's checks: model,
---serve-args with its TP size, workloads, search settings, ...: a report whose searches ran --search-repeats N times
-joins only reports of the same N); a system label may appear in one report only.
+Every report must describe the same comparison as the first (compare_continue.load_prior's checks: model, --serve-args
+with its TP size, workloads, search settings but how far each search looked, ...: a report whose searches ran
+--search-repeats N times joins only reports of the same N); a system label may appear in one report only.
 Writes <name>.json / .md (and the frontier plots, where matplotlib is there) as compare.py does: goodput by system
 and ITL bound (with the composite row of the duet@B systems, computed from the merged frontiers), the better vLLM,
 and the engine default's ratios to vLLM and to our other systems (compare_frontier.versus_ours). A report that is

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from types import ModuleType
@@ -643,7 +644,7 @@ def test_the_header_says_what_a_probe_sends(argvs: list[tuple[str, ...]], trace_
 
 
 @pytest.mark.parametrize("extent", [{"max_probes": 10}, {"only_bounds": [100.0]}, {"min_rate": 2.0, "max_rate": 40.0},
-                                    {"budget_s": 300.0, "start_rate": 7.5, "tolerance": 0.1}])
+                                    {"budget_s": 300.0, "start_fraction": 0.25, "hints": None}])
 def test_reports_whose_searches_differ_only_in_extent_compare(tmp_path, extent: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
     """How far and from where a search looked (its probe count, bounds, limits, start) does not change what a probe
     measures: such reports compare (bench/compare_merge.py joins them); a setting that does (the warm-up) is refused."""
@@ -655,3 +656,8 @@ def test_reports_whose_searches_differ_only_in_extent_compare(tmp_path, extent: 
     assert cont.load_prior(str(path), now)["mode"] == "frontier"
     with pytest.raises(ValueError, match=r"other search settings \(discard: 16 there, 32 here\)"):
         cont.load_prior(str(path), {**_prior(mode="frontier"), "search": {**settings, **extent, "discard": 32}})
+    # a start rate skips the closed-loop peak (no probe judged above it); a tolerance sets how exact a settled cell is
+    for other, said in (({"start_rate": 7.5}, "start_rate: None there, 7.5 here"),
+                        ({"tolerance": 0.5}, "tolerance: 0.05 there, 0.5 here")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            cont.load_prior(str(path), {**_prior(mode="frontier"), "search": {**settings, **extent, **other}})

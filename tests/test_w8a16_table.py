@@ -186,3 +186,19 @@ def test_rocm_never_asks_for_w8a16(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(fp8_gpu.gpu_linear(x, layer, None, w8a16=table), fp8_gpu.gpu_linear(x, layer))
     assert triton_w8a16.plan(2, 64, 128, W8a16Device("AMD Instinct MI300X", False), {}, forced("AMD Instinct MI300X")) \
         is None
+
+
+def test_a_table_of_zero_row_entries_asks_no_device() -> None:
+    """`triton_w8a16.planned` answers None at once where no entry is above 0 rows (the packaged table), as for an
+    empty one: every fp8 linear asks, and the device's name is not read for it."""
+    from rapidserve.ops import triton_w8a16
+
+    class NoDevice:  # any attribute read fails: the device must not be asked
+        shape = (64, 64)
+
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"asked the weight for {name}")
+
+    zero = {"NVIDIA H200": W8a16Entry(0, "measured"), "NVIDIA H100 80GB HBM3": W8a16Entry(0, "measured")}
+    for table in ({}, zero, None):
+        assert triton_w8a16.planned(1, NoDevice(), table) is None  # type: ignore[arg-type]

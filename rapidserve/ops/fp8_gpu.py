@@ -9,10 +9,10 @@ The math every path computes, and the reference, are in rapidserve/ops/fp8.py; t
 SiLU-and-mul) through the same routing, minus the quantizer; `gpu_linear_sums` the same, a split-K skinny GEMM's
 output left unreduced for the RMSNorm after it where ops/fold_table.py says so.
 W8A16 (ops/triton_w8a16.py: fp8 weights, fp16 rows, no per-token scale) takes float rows of per-token layers where the
-W8A16 table says (`w8a16_routed`: ops/w8a16_table.py, empty by default, so nothing goes there unless a GPU measured it
-or a caller passes a table, `w8a16=`): in `gpu_linear` (float rows, cast to fp16 in the kernel), `gpu_linear_half`
-(`fp8.HalfRows`, the fp16 rows an RMSNorm, the decode attention or gate|up's epilogue wrote for it) and
-`gpu_linear_silu_and_mul` (gate|up with SiLU-and-mul in the GEMM's epilogue, `HalfRows` out); the model asks
+W8A16 table says (`w8a16_routed`: ops/w8a16_table.py: no GPU's entry above 0 rows, so nothing goes there unless a GPU
+measures a win or a caller passes a table, `w8a16=`): in `gpu_linear` (float rows, cast to fp16 in the kernel),
+`gpu_linear_half` (`fp8.HalfRows`, the fp16 rows an RMSNorm, the decode attention or gate|up's epilogue wrote for it)
+and `gpu_linear_silu_and_mul` (gate|up with SiLU-and-mul in the GEMM's epilogue, `HalfRows` out); the model asks
 `w8a16_routed` first so that the producers of those rows write them in fp16 rather than quantize them.
 """
 
@@ -91,7 +91,7 @@ def gpu_linear(x: torch.Tensor, layer: Fp8Linear, bias: torch.Tensor | None = No
                pdl: bool | None = None, prefetch: int | None = None, w8a16: W8a16Table | None = None) -> torch.Tensor:
     """The fp8 linear of GPUs with fp8: block scales through our Triton kernel, per-row scales with per-token
     activations at 1-64 rows on NVIDIA through W8A16 where `triton_w8a16.routed` (the W8A16 table `w8a16`, default the
-    packaged one: empty), else through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
+    packaged one: 0 rows on the H200), else through the skinny kernel where `triton_fp8_skinny.routed`, other per-row
     ones through `torch._scaled_mm`, shapes it cannot take (K or N not a multiple of 16) through
     `reference_linear`. `pdl`: programmatic dependent launch of the skinny kernel and the per-token quantizer
     (`ops.pdl.use_pdl`; None: where the GPU has it); `prefetch`: the skinny kernel's weight bytes pulled into L2

@@ -38,10 +38,11 @@ SMEM_LIMIT (an upper bound: compiled for sm_90, m16 64x512 s4 took 147456 bytes 
 against 327680; m64 64x128 s6 swapped 139264 / 147456, gated 180224 / 196608), down to 2, else W8A8.
 
 Which call runs W8A16 is `plan`, a pure function of (rows, N, K, device, the fp8 tile tables, the W8A16 table): the
-W8A16 table's entry for the GPU takes the step's rows (ops/w8a16_table.py: EMPTY until a GPU measures it, so by
-default nothing runs here), the device is NVIDIA, and the fp8 kernel's own plan (`triton_fp8_skinny.plan`: its tuned
-table, else its untuned rule) gives tiles that `a16_fits`; W8A16 runs on those tiles (split-K included: its reduce
-kernel without sx). Elsewhere W8A8 as before (its tiles, `torch._scaled_mm`). ROCm: never (no skinny kernel there).
+W8A16 table's entry for the GPU takes the step's rows (ops/w8a16_table.py: the H200's entry is 0 rows, W8A16 having lost
+to W8A8 at every batch there, so by default nothing runs here), the device is NVIDIA, and the fp8 kernel's own plan
+(`triton_fp8_skinny.plan`: its tuned table, else its untuned rule) gives tiles that `a16_fits`; W8A16 runs on those
+tiles (split-K included: its reduce kernel without sx). Elsewhere W8A8 as before (its tiles, `torch._scaled_mm`). ROCm:
+never (no skinny kernel there).
 """
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ def device_of(weight: torch.Tensor) -> W8a16Device:
 def planned(rows: int, weight: torch.Tensor, table: W8a16Table | None = None, gated: bool = False,
             tables: Fp8Tables | None = None) -> Fp8Tiles | None:
     """`plan` of a call on `weight`'s device (`table`: default the packaged one; `tables`: the fp8 tile tables, default
-    the packaged ones). An empty table answers None without asking the device anything."""
+    the packaged ones). A table with no entry above 0 rows (the packaged one: the H200's is 0) answers None without
+    asking the device anything: every fp8 linear of the engine asks, prefill's and eager steps' too."""
     table = W8A16_TABLE if table is None else table
-    if not table:
+    if all(e.max_rows <= 0 for e in table.values()):
         return None
     return plan(rows, *weight.shape, device_of(weight), TUNED if tables is None else tables, table, gated)
 
@@ -123,8 +125,8 @@ def half_ok(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tenso
 def routed(x: torch.Tensor | HalfRows, weight: torch.Tensor, scale: torch.Tensor, table: W8a16Table | None = None,
            gated: bool = False) -> bool:
     """Whether `fp8_gpu.gpu_linear` (gated: `gpu_linear_silu_and_mul`; `HalfRows`: `gpu_linear_half`) sends this call
-    here: on an NVIDIA GPU, a call that `plan` gives tiles and that `half_ok` (the plan first: with the packaged
-    table empty it answers at once, and every fp8 linear of the engine asks)."""
+    here: on an NVIDIA GPU, a call that `plan` gives tiles and that `half_ok` (the plan first: with no entry of
+    the packaged table above 0 rows it answers at once, and every fp8 linear of the engine asks)."""
     rows = _split(x)[0]
     return rows.is_cuda and planned(rows.shape[0], weight, table, gated) is not None and half_ok(x, weight, scale)
 

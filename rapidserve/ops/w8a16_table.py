@@ -2,12 +2,13 @@
 fp16 with no per-token scale): a measured table per GPU and the pure decision from it. Plain data, no torch or Triton:
 tested on CPU.
 
-Why a table, and why it is EMPTY: W8A16 takes the per-token activation quantization off the decode step (the RMSNorm,
-the attention's reduce and SiLU-and-mul are then the bf16 path's kernels, and SiLU-and-mul moves into the gate|up
-GEMM's epilogue: bench/results/issue39.md, 2026-12-01, route (c)), but widens every weight tile to fp16 in registers.
-Whether that is faster than W8A8 at a given batch, on a given GPU, is for a GPU to say; nothing of it has run on one
-yet, so the packaged file has no entry and the engine runs W8A8 everywhere (its behaviour unchanged). A GPU without an
-entry never takes W8A16 (no default device: unlike ops/pdl_table.py, nothing was measured to default to).
+Why a table, and why no GPU takes it: W8A16 takes the per-token activation quantization off the decode step (the
+RMSNorm, the attention's reduce and SiLU-and-mul are then the bf16 path's kernels, and SiLU-and-mul moves into the
+gate|up GEMM's epilogue: bench/results/issue39.md, 2026-12-01, route (c)), but widens every weight tile to fp16 in
+registers. Whether that is faster than W8A8 at a given batch, on a given GPU, is for a GPU to say: on the H200
+(2026-12-01, bench/results/h200_1201/w8a16_ab.md) it lost at every batch 1-64 (+8% to +34% a step: its GEMMs 1.2-3x
+slower than W8A8's), so the H200's entry is 0 rows and the engine runs W8A8 everywhere. A GPU without an entry never
+takes W8A16 (no default device: unlike ops/pdl_table.py, nothing was measured to default to).
 
 The file, `rapidserve/ops/w8a16_table.json` (`TABLE_PATH`), maps `torch.cuda.get_device_name()` to an entry::
 
