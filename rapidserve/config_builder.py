@@ -45,6 +45,7 @@ from rapidserve.kv_events_config import KVEventsConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.loader import ModelSource, local_model_spec, resolve_model
 from rapidserve.loader.hub import DUMMY_PREFIX, find_snapshot, hub_cache_dirs, is_repo_id
+from rapidserve.ops.fp8 import check_fp8_weights_device
 from rapidserve.parallel.shard import block_shard_problem
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.policy_spec import RUN_SPECS, check_without_partition, given_settings
@@ -92,12 +93,13 @@ def resolve_kv_events(value: object, *, enable_prefix_caching: bool, hash_seed: 
 
 
 def resolve_quantization(flag: str | None, source: ModelSource, model: str | None,
-                         parallel: ParallelConfig) -> QuantizationConfig:
+                         parallel: ParallelConfig, device: torch.device | None = None) -> QuantizationConfig:
     """The tree's quantization section from `--quantization` (`flag`: "fp8" or None, checked by
     `engine_settings.check_unsupported_options`) and the resolved model: an FP8 checkpoint's own scheme (with
     fp8 or no flag), `quant_config.ONLINE_FP8` for --quantization fp8 on a float checkpoint or preset, else none.
-    ConfigError for --quantization fp8 on a GGUF file (quantized already: vLLM refuses the mix too), and for block
-    scales that the tensor-parallel size would cut inside a block."""
+    ConfigError for --quantization fp8 on a GGUF file (quantized already: vLLM refuses the mix too), for block
+    scales that the tensor-parallel size would cut inside a block, and for fp8 weights on a GPU `device` without fp8
+    (`check_fp8_weights_device`), before any weight is read."""
     if source.quantization is not None:
         quant = source.quantization
     elif flag == "fp8":
@@ -116,7 +118,10 @@ def resolve_quantization(flag: str | None, source: ModelSource, model: str | Non
     tp = parallel.tensor_parallel_size
     if quant.block is not None and tp > 1 and (problem := block_shard_problem(source.config, tp, quant.block)):
         raise ConfigError(f"--tensor-parallel-size {tp}: {problem}")
+    if device is not None:
+        check_fp8_weights_device(device, quant.enabled, quant.describe(), source.quantization is not None)
     return quant
+
 
 
 def device_facts(dev: torch.device) -> Device:
@@ -284,7 +289,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                        partition=sections.partition, parallel=parallel, tokenizer=tokenizer,
                        generation=(sections.generation if sections.generation is not None
                                    else resolve_generation_config("auto", source, model)), kv_events=kv_events,
-                       quantization=resolve_quantization(sections.quantization, source, model, parallel))
+                       quantization=resolve_quantization(sections.quantization, source, model, parallel, dev))
     check_partition_device(run, cfg.partition, dev)
     if dev.type == "cpu" and cfg.runner.prefill_graph_tokens and \
             "runner.prefill_graph_tokens" in given_settings({"runner": cfg.runner}):  # as vLLM's graph sizes on a CPU

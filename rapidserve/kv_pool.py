@@ -34,7 +34,7 @@ import torch
 
 from rapidserve.config import CacheConfig, ModelConfig
 from rapidserve.config_base import ConfigError
-from rapidserve.ops.fp8 import fp8_dtype, fp8_supported
+from rapidserve.ops.fp8 import FP8_NEEDS, fp8_device_problem, fp8_dtype
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,9 @@ def check_fp8_kv_device(device: torch.device, what: str = "--kv-cache-dtype fp8"
     """ConfigError, before anything loads, when `device` is a GPU without fp8 (ops.fp8.fp8_supported: NVIDIA before
     sm_89, AMD before gfx94x): an fp8 KV cache needs its conversions. A CPU stores fp8 as it is (its attention
     dequantizes in torch)."""
-    if device.type != "cuda" or fp8_supported(device):
-        return
-    if torch.version.hip is not None:
-        has = f"{torch.cuda.get_device_name(device)} has no fp8"
-    else:
-        major, minor = torch.cuda.get_device_capability(device)
-        has = f"{torch.cuda.get_device_name(device)} has compute capability {major}.{minor}"
-    raise ConfigError(f"{what}: {has}, and an fp8 KV cache needs fp8 support (NVIDIA compute capability 8.9 or "
-                      f"later: Ada, Hopper, Blackwell; AMD MI300 / gfx94x and later); {fix}")
+    has = fp8_device_problem(device)
+    if has is not None:
+        raise ConfigError(f"{what}: {has}, and an fp8 KV cache needs {FP8_NEEDS}; {fix}")
 
 
 def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -113,9 +113,9 @@ class FakeGpu:
     """torch.cuda as an sm_80 GPU (an A100): no fp8."""
 
     def __init__(self, mp: pytest.MonkeyPatch, capability: tuple[int, int] = (8, 0)) -> None:
-        import rapidserve.kv_pool as kv_pool
+        import rapidserve.ops.fp8 as fp8
 
-        mp.setattr(kv_pool, "fp8_supported", lambda dev: torch.device(dev).type == "cuda" and capability >= (8, 9))
+        mp.setattr(fp8, "fp8_supported", lambda dev: torch.device(dev).type == "cuda" and capability >= (8, 9))
         mp.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         mp.setattr(torch.version, "hip", None)
@@ -379,3 +379,39 @@ def test_the_metrics_report_the_cache_dtype() -> None:
 
     assert cache_config_labels(CacheConfig(kv_cache_dtype="fp8"), 10)["cache_dtype"] == "fp8"
     assert cache_config_labels(CacheConfig(), 10)["cache_dtype"] == "auto"
+
+
+@pytest.mark.parametrize("capability,hip,refused", [((8, 0), None, "compute capability 8.0"),
+                                                   ((8, 6), None, "compute capability 8.6"),
+                                                   ((9, 0), None, None), ((8, 9), None, None),
+                                                   ((9, 0), "6.2", "has no fp8")])
+def test_fp8_weights_on_a_gpu_without_fp8_are_refused_before_loading(monkeypatch: pytest.MonkeyPatch,
+                                                                      capability: tuple[int, int], hip: str | None,
+                                                                      refused: str | None) -> None:
+    """--quantization fp8, or an FP8 checkpoint, on a GPU without fp8 (an A100, an A10, an MI250): a ConfigError
+    naming the GPU and what to do, from the config builder (before any weight is read) and from the runner's own
+    check; a GPU with fp8, fp8 off, or the CPU (its reference path): nothing."""
+    from rapidserve.config import ParallelConfig
+    from rapidserve.config_builder import resolve_quantization
+    from rapidserve.loader import resolve_model
+    from rapidserve.ops.fp8 import check_fp8_weights_device
+
+    FakeGpu(monkeypatch, capability if hip is None else (0, 0))
+    monkeypatch.setattr(torch.version, "hip", hip)
+    gpu = torch.device("cuda", 0)
+    source = resolve_model("preset:tiny-llama")
+    cases = [(lambda: resolve_quantization("fp8", source, "preset:tiny-llama", ParallelConfig(), gpu),
+              r"--quantization fp8: NVIDIA A100-SXM4-80GB .*rapidserve's fp8 GEMMs need fp8 support \(NVIDIA compute "
+              r"capability 8\.9 or later.*drop --quantization fp8"),
+             (lambda: check_fp8_weights_device(gpu, True, "fp8 per-channel", True),
+              r"the model is an FP8 checkpoint \(fp8 per-channel\): .*serve the model's bf16 original")]
+    for call, says in cases:
+        if refused is None:
+            call()
+        else:
+            with pytest.raises(ConfigError, match=says) as ei:
+                call()
+            assert refused in str(ei.value)
+    check_fp8_weights_device(gpu, False, "none", False)  # fp8 off: nothing asked
+    check_fp8_weights_device(CPU, True, "fp8 per-channel", False)  # the CPU runs the reference path
+    assert resolve_quantization(None, source, "preset:tiny-llama", ParallelConfig(), gpu).method == "none"

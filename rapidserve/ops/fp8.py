@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rapidserve.config_base import ConfigError
+
 FP8_E4M3FN = torch.float8_e4m3fn
 FP8_E4M3FNUZ = torch.float8_e4m3fnuz
 MIN_AMAX = 1e-12  # a row (or group, tensor) of zeros gets this amax, not a 0 scale (0 / 0)
@@ -82,6 +84,42 @@ def fp8_supported(device: torch.device | str) -> bool:
     if torch.version.hip is not None:
         return _rocm_arch(device).startswith(("gfx94", "gfx95"))
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+FP8_NEEDS = ("fp8 support (NVIDIA compute capability 8.9 or later: Ada, Hopper, Blackwell; AMD MI300 / gfx94x and "
+             "later)")  # what an error on a GPU without fp8 says it needs (`fp8_device_problem`)
+
+
+def fp8_device_problem(device: torch.device | str) -> str | None:
+    """What stands in the way of fp8 on `device`, for an error message: a GPU without fp8 (`fp8_supported`) named
+    with its compute capability ("NVIDIA A100-SXM4-80GB has compute capability 8.0") or, on ROCm, as having none;
+    None for a GPU with fp8 and for the CPU (which runs fp8 layers as `reference_linear` and stores an fp8 KV cache
+    as it is). Callers refuse with it before anything loads (kv_pool.check_fp8_kv_device, config_builder)."""
+    device = torch.device(device)
+    if device.type != "cuda" or fp8_supported(device):
+        return None
+    name = torch.cuda.get_device_name(device)
+    if torch.version.hip is not None:
+        return f"{name} has no fp8"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{name} has compute capability {major}.{minor}"
+
+
+def check_fp8_weights_device(device: torch.device, enabled: bool, scheme: str, from_checkpoint: bool) -> None:
+    """ConfigError when fp8 weights (`enabled`; `scheme`: the quantization section's description) would run on a GPU
+    without fp8 (`fp8_device_problem`: NVIDIA before sm_89, AMD before gfx94x), before any weight is read.
+    rapidserve has no weight-only fp8 GEMM for such GPUs (vLLM runs one with Marlin kernels), and dequantizing every
+    weight at each call would serve, without a word, at a fraction of bf16's speed; so it says so. The CPU runs fp8
+    layers dequantized (`reference_linear`) and is let by."""
+    if not enabled or (has := fp8_device_problem(device)) is None:
+        return
+    if from_checkpoint:
+        what, fix = (f"the model is an FP8 checkpoint ({scheme})",
+                     "serve the model's bf16 original on this GPU, or this checkpoint on a GPU with fp8")
+    else:
+        what, fix = "--quantization fp8", "drop --quantization fp8 to serve the model in its own dtype on this GPU"
+    raise ConfigError(f"{what}: {has}, and rapidserve's fp8 GEMMs need {FP8_NEEDS} (it has no weight-only fp8 path "
+                      f"for older GPUs); {fix}")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -327,7 +365,8 @@ def check_rows(rows: QuantizedRows, layer: Fp8Linear) -> None:
                          f"{s.dtype}")
 
 
-__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "HALF_MAX", "MIN_AMAX", "Fp8Linear", "HalfRows", "QuantizedRows",
-           "SplitSums", "check_rows", "dequantize_input", "dequantize_weight", "expand_scale", "fp8_dtype", "fp8_max",
-           "fp8_supported", "half_rows", "quantize_input", "quantize_rows", "quantize_weight", "reduce_sums_reference",
-           "reference_linear", "reference_linear_half", "reference_linear_rows", "takes_rows", "to_fnuz", "to_half"]
+__all__ = ["FP8_E4M3FN", "FP8_E4M3FNUZ", "FP8_NEEDS", "Fp8Linear", "HALF_MAX", "HalfRows", "MIN_AMAX", "QuantizedRows",
+           "SplitSums", "check_fp8_weights_device", "check_rows", "dequantize_input", "dequantize_weight",
+           "expand_scale", "fp8_device_problem", "fp8_dtype", "fp8_max", "fp8_supported", "half_rows", "quantize_input",
+           "quantize_rows", "quantize_weight", "reduce_sums_reference", "reference_linear", "reference_linear_half",
+           "reference_linear_rows", "takes_rows", "to_fnuz", "to_half"]

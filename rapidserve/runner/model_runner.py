@@ -38,6 +38,7 @@ from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
 from rapidserve.models.registry import causal_lm_class
 from rapidserve.ops import fp8_ops, get_ops, with_launch
+from rapidserve.ops.fp8 import check_fp8_weights_device
 from rapidserve.ops.pdl import pdl_device
 from rapidserve.ops.pdl_table import OFF
 from rapidserve.parallel.shard import shard_config
@@ -116,8 +117,10 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.ops = get_ops(self.device)
         quant = cfg.quantization
-        if quant.enabled:
-            self.ops = fp8_ops(self.ops, self.device)  # the reference path on a device without fp8
+        if quant.enabled:  # a GPU without fp8 is refused (as the config builder does), before any weight is read
+            check_fp8_weights_device(self.device, True, quant.describe(),
+                                     source is not None and source.quantization is not None)
+            self.ops = fp8_ops(self.ops, self.device)  # the CPU's reference path
             log.info("quantization: %s; fp8 linear: %s", quant.describe(), self.ops.fp8_linear.__name__)
             if source is not None and source.quantization is not None and source.quantization != quant:
                 raise ConfigError(f"the model's FP8 scheme ({source.quantization.describe()}) is not the config's "
