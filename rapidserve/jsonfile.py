@@ -1,4 +1,4 @@
-"""JSON input that refuses a key written twice in one object.
+"""JSON input that refuses a key written twice in one object, and the words for a key an object may not hold.
 
 `json.loads` (and msgspec) keep the last of two values of one key without a word, so a hand-edited profile or
 device table with a key written twice (two entries for one GPU, a field repeated) would be half ignored. rapidserve's
@@ -9,13 +9,21 @@ of the object that holds it twice (`entries[2]`, `"NVIDIA H200"`). Loaders that 
 (`fail(path, field, problem)`) use its `where` and `problem`. Not read through it, on purpose: a model checkpoint's
 own files (config.json and its siblings: transformers and vLLM keep the last value there, and the checkpoint's
 authors tested that) and HTTP request bodies (as vLLM). Standard library only: the lowest layer.
+
+A key that a loader of configuration (profiles, device and tuning tables, --kv-events-config) does not know is
+refused too, never ignored (a misspelt optional field, `"quantisation"`, would otherwise leave its default in force
+without a word): `unknown_key` finds the first in an object, `closest` the allowed key it likely misspells, and
+`unknown_key_problem` says what is wrong (the key, the object's JSON path, the keys allowed there and the nearest),
+for the loaders' own `fail(path, field, problem)`. Traces are data others publish: their other keys are read past.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -94,4 +102,27 @@ def load_unique(path: str | os.PathLike[str]) -> Any:
         return loads_unique(f.read(), os.fspath(path))
 
 
-__all__ = ["DuplicateKeyError", "load_unique", "loads_unique"]
+def unknown_key(d: Iterable[str], allowed: Collection[str]) -> str | None:
+    """The first (in sorted order) of the keys of object `d` that is not in `allowed`; None when all are."""
+    return min((k for k in d if k not in allowed), default=None)
+
+
+def closest(key: str, allowed: Sequence[str]) -> str | None:
+    """The one of `allowed` that `key` most likely misspells, letter case aside (difflib's nearest, if close enough:
+    `split_k` -> `SPLIT_K`); None if none is."""
+    by_lower = {a.lower(): a for a in reversed(allowed)}  # the first of two alike in all but case
+    near = difflib.get_close_matches(key.lower(), list(by_lower), n=1)
+    return by_lower[near[0]] if near else None
+
+
+def unknown_key_problem(key: str, allowed: Sequence[str], where: str) -> str:
+    """What is wrong with `key` in the object at JSON path `where` ("" or "$": the top level), which may hold only
+    `allowed`: the key, the place, the keys allowed there and, where one is close (difflib), which was meant."""
+    where = where.rstrip(".")
+    place = f"in the object at `{where}`" if where not in ("", "$") else "at the top level (`$`)"
+    near = closest(key, allowed)
+    hint = f"; did you mean {json.dumps(near)}?" if near is not None else "; remove it, or correct its name"
+    return f"unknown field {json.dumps(key)} {place} (allowed: {', '.join(allowed)}){hint}"
+
+
+__all__ = ["DuplicateKeyError", "closest", "load_unique", "loads_unique", "unknown_key", "unknown_key_problem"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+from rapidserve.jsonfile import DuplicateKeyError, closest, loads_unique
 
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
@@ -100,8 +100,10 @@ class KVEventsConfig:
             raise KVEventsConfigError(f"--kv-events-config must be a JSON object, got {type(value).__name__}; give "
                                       f"e.g. {EXAMPLE}")
         unknown = sorted(map(str, set(value) - set(KEYS)))
+        near = [f"{m!r}" + (f" for {k!r}" if len(unknown) > 1 else "") for k in unknown
+                if (m := closest(k, KEYS)) is not None]
         _check(not unknown, f"--kv-events-config: unknown key(s) {', '.join(map(repr, unknown))}; the keys are "
-                            f"{', '.join(KEYS)}")
+                            f"{', '.join(KEYS)}" + (f" (did you mean {', '.join(near)}?)" if near else ""))
         for k, v in value.items():
             _check(isinstance(v, _TYPES[k]) and not (_TYPES[k] is int and isinstance(v, bool)),
                    f"--kv-events-config: {k}={v!r} has the wrong type")

@@ -100,7 +100,8 @@ def _set(d: dict, path: str, value: object) -> dict:
     ("shapes/4096x4096/1/split_k", 0, r"\.1\.split_k: must be one of"),
     ("shapes/4096x4096/1/split_k", True, r"\.1\.split_k: must be one of .*, got True"),
     ("shapes/4096x4096/1/split_k", "4", r"\.1\.split_k: must be one of .*, got '4'"),
-    ("shapes/4096x4096/1/splitk", 4, r"\.1\.splitk: unknown field \(allowed: BLOCK_M, .*, SWAP, split_k\)"),
+    ("shapes/4096x4096/1/splitk", 4, r"\.1\.splitk: unknown field \"splitk\" in the object at `shapes\.4096x4096\.1` "
+                                     r"\(allowed: BLOCK_M, .*, SWAP, split_k\); did you mean \"split_k\"\?"),
     ("shapes/6144x4096/16/BLOCK_M", 16, None),  # 16 rows in a 16-row tile: fine
     ("shapes/4096x12288/32/BLOCK_M", 16, r"shapes\.4096x12288\.32\.BLOCK_M: must hold the key's 32 rows, got 16"),
     ("shapes/6144x4096/65", "scaled_mm", r"shapes\.6144x4096\.65: the key must be a row count in 1\.\.64"),

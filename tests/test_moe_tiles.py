@@ -154,7 +154,9 @@ DEL = object()
     (_set("configs.4.BLOCK_M", 8), r"configs\.4\.BLOCK_M: must be one of"),
     (_set("configs.4.down.BLOCK_K", DEL), r"configs\.4\.down\.BLOCK_K: missing"),
     (_set("configs.4.down", DEL), r"configs\.4\.down: missing"),
-    (_set("configs.4.gate_up.split_k", 2), r"configs\.4\.gate_up\.split_k: unknown field \(allowed: BLOCK_N"),
+    (_set("configs.4.gate_up.split_k", 2), r"configs\.4\.gate_up\.split_k: unknown field \"split_k\" in the object "
+                                           r"at `configs\.4\.gate_up` \(allowed: BLOCK_N, .*\); did you mean "
+                                           r"\"SPLIT_K\"\?"),
     (_set("configs.4.gate_up.SPLIT_K", 0), r"configs\.4\.gate_up\.SPLIT_K: must be in \[1, 16\], got 0"),
     (_set("configs.4.gate_up.SPLIT_K", 2.0), r"configs\.4\.gate_up\.SPLIT_K: must be an integer, got 2\.0"),
     (_set("configs.4.gate_up.SPLIT_K", 17), r"configs\.4\.gate_up\.SPLIT_K: must be in \[1, 16\], got 17"),

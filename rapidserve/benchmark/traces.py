@@ -13,6 +13,7 @@ matter):
   `{"timestamp": ms from the start, "input_length", "output_length", "hash_ids": [...]}`, with
   `hash_ids` optional: one id per `HASH_BLOCK_TOKENS` (512) prompt tokens, exactly
   ceil(input_length / 512) of them; the same ids at the start of two prompts mean the same prefix.
+  Other keys are read past, as the CSV's other columns (a trace is data others publish, not configuration).
 
 Lengths are integers >= 0 (a 0 is sent as 1 token: no server takes an empty prompt or output).
 Requests are sorted by time (stably) and their times made relative to the earliest. Any problem

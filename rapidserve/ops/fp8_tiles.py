@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
+from rapidserve.jsonfile import unknown_key, unknown_key_problem
 from rapidserve.ops.table_files import read_table, read_tables
 
 CONFIG_DIR = Path(__file__).resolve().parent / "fp8_configs"
@@ -110,9 +111,9 @@ def _only(d: object, fields: tuple[str, ...], path: str, where: str,
           optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
     if not isinstance(d, dict):
         raise _fail(path, where.rstrip(".") or "the file", f"must be a JSON object, got {type(d).__name__}")
-    extra = sorted(set(d) - set(fields) - set(optional))
-    if extra:
-        raise _fail(path, f"{where}{extra[0]}", f"unknown field (allowed: {', '.join((*fields, *optional))})")
+    extra = unknown_key(d, (*fields, *optional))
+    if extra is not None:
+        raise _fail(path, f"{where}{extra}", unknown_key_problem(extra, (*fields, *optional), where))
     missing = [f for f in fields if f not in d]
     if missing:
         raise _fail(path, f"{where}{missing[0]}", "missing")

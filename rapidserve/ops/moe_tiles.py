@@ -47,6 +47,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from rapidserve.config_base import ConfigError
+from rapidserve.jsonfile import unknown_key, unknown_key_problem
 from rapidserve.ops.table_files import read_table, read_tables
 
 CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
@@ -190,9 +191,9 @@ def _int(d: Mapping[str, Any], name: str, path: str, where: str, allowed: Sequen
 def _only(d: object, fields: Sequence[str], path: str, where: str) -> Mapping[str, Any]:
     if not isinstance(d, dict):
         raise _fail(path, where.rstrip(".") or "the file", f"must be a JSON object, got {type(d).__name__}")
-    extra = sorted(set(d) - set(fields))
-    if extra:
-        raise _fail(path, f"{where}{extra[0]}", f"unknown field (allowed: {', '.join(fields)})")
+    extra = unknown_key(d, fields)
+    if extra is not None:
+        raise _fail(path, f"{where}{extra}", unknown_key_problem(extra, fields, where))
     return d
 
 

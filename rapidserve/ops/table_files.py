@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique, unknown_key, unknown_key_problem
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -40,12 +40,13 @@ def read_tables(directory: Path, load: Callable[[Path], T], key: Callable[[T], K
 def entry_fields(d: object, path: str, where: str, fields: tuple[str, ...],
                  fail: Callable[[str, str, str], Exception]) -> dict[str, Any]:
     """An entry's parsed JSON `d` as an object holding exactly `fields` (`where` names it in `fail`'s errors: not an
-    object, an unknown field, a missing one); each field's value is its module's to check."""
+    object, an unknown field (named, with the allowed ones and the nearest), a missing one); each field's value is
+    its module's to check."""
     if not isinstance(d, dict):
         raise fail(path, where, f"must be an object of {', '.join(fields)}, got {type(d).__name__}")
-    extra = sorted(set(d) - set(fields))
-    if extra:
-        raise fail(path, f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(fields)})")
+    extra = unknown_key(d, fields)
+    if extra is not None:
+        raise fail(path, f"{where}.{extra}", unknown_key_problem(extra, fields, where))
     missing = [f for f in fields if f not in d]
     if missing:
         raise fail(path, f"{where}.{missing[0]}", "missing")

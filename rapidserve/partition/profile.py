@@ -14,6 +14,10 @@ A profile is found by the model's name (`model_label`: a folder's last component
 (`/a/model` and `/b/model`, a dense model and a mixture-of-experts one): the file records the model's shape too
 (`model_shape`: the whole model's, for a shard profile as well; absent in older files: not checked), and
 `load_profile(expect_shape=...)` refuses one measured for another shape, naming both.
+
+A key the schema does not know, at the top level or in a configuration or an entry, is refused by name (a misspelt
+optional field would otherwise leave its default in force: `"quantisation": "fp8"` read as a bf16 profile), after the
+schema version check (a file of a newer version is refused as that).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique, unknown_key, unknown_key_problem
 
 if TYPE_CHECKING:
     from rapidserve.config import EngineConfig, ModelConfig
@@ -61,7 +65,7 @@ def variant_of(cfg: EngineConfig) -> ProfileVariant:
     return ProfileVariant(cfg.quantization.method, cfg.cache.kv_cache_dtype)
 
 
-class Configuration(msgspec.Struct, frozen=True):
+class Configuration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A compute split. decode_units == 0 means overallocated: decode (and prefill) use every unit."""
 
     name: str
@@ -80,7 +84,7 @@ class Configuration(msgspec.Struct, frozen=True):
 DEFAULT_BATCH_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512)
 
 
-class Entry(msgspec.Struct, frozen=True):
+class Entry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     config: str
     batch: int
     context: int
@@ -91,7 +95,7 @@ class Entry(msgspec.Struct, frozen=True):
     prefill_tokens_per_s: float
 
 
-class Profile(msgspec.Struct, frozen=True):
+class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpu: str
     model: str
     num_compute_units: int
@@ -145,6 +149,21 @@ class Profile(msgspec.Struct, frozen=True):
 
 def _fail(path: str, field: str, msg: str) -> ProfileError:
     return ProfileError(f"profile {path}: field `{field}`: {msg}")
+
+
+def _check_keys(path: str, top: dict[str, object]) -> None:
+    """A ProfileError naming the first key the schema does not know: at the top level (`$`), then in
+    `configurations[i]`, then in `entries[i]` (objects of another type are the typed read's to refuse)."""
+    objects: list[tuple[str, object, type[msgspec.Struct]]] = [("$", top, Profile)]
+    for name, typ in (("configurations", Configuration), ("entries", Entry)):
+        items = top.get(name)
+        objects += [(f"{name}[{i}]", d, typ) for i, d in enumerate(items)] if isinstance(items, list) else []
+    for where, d, typ in objects:
+        allowed = tuple(f.encode_name for f in msgspec.structs.fields(typ))
+        key = unknown_key(d, allowed) if isinstance(d, dict) else None
+        if key is not None:
+            field = key if where == "$" else f"{where}.{key}"
+            raise _fail(path, field, unknown_key_problem(key, allowed, where))
 
 
 def _check_buckets(path: str, name: str, values: list[int]) -> None:
@@ -275,6 +294,7 @@ def load_profile(
             "schema_version",
             f"unsupported version {version!r}; supported versions: {list(SUPPORTED_SCHEMA_VERSIONS)}",
         )
+    _check_keys(spath, generic)
     try:
         prof = msgspec.json.decode(raw, type=Profile)
     except msgspec.ValidationError as exc:
