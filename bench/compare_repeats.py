@@ -9,7 +9,9 @@ same arrivals, and no two repetitions share a salt), and the report reads their 
 The median of a target (ITL bound, share) over the repetitions (`median_entry`). Each repetition's entry gives a lower
 bound L and an upper bound U on its goodput (`entry_bounds`): a settled value (`converged`) L = U = the value; a
 bracket `[lo, hi)*` (the search stopped first) L = lo (0 where nothing passed), U = hi (none: infinite); `>= X` (it
-passed at its ceiling) L = X, U infinite; `< X` (it failed at its lowest rate) L = 0, U = X. The median is monotone in
+passed at its ceiling) L = X, U infinite; `< X` (it failed at its lowest rate) L = 0, U = X; one that passed above
+its bracket too (goodput.passes_above: not monotone in rate) L = that rate, U = the lowest failure above it (none:
+infinite), the papers' "highest rate that passes". The median is monotone in
 every repetition's value, so the median of the true values lies in [median of the L, median of the U]. The entry's
 `goodput` is the median of the L: the median over the lower bounds; a ratio to a median that did not settle is the
 range [median L, median U] allows (compare_frontier.py `ratio_range`).
@@ -68,7 +70,14 @@ def flatten(frontiers: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def entry_bounds(e: Mapping[str, Any]) -> tuple[float, float]:
-    """(L, U): a repetition's goodput lies in [L, U] (see the module docstring; U may be infinite)."""
+    """(L, U): a repetition's goodput lies in [L, U] (see the module docstring; U may be infinite). Where a rate above
+    the bracket passed as well (`passes_above`: the attainment was not monotone in rate), the goodput as the papers
+    read it, the highest rate that passes, lies in [passes_above, fails_above] (infinite where nothing failed above
+    it): those are the bounds, whatever the bracket below says."""
+    above = e.get("passes_above")
+    if above is not None:
+        fails = e.get("fails_above")
+        return float(above), math.inf if fails is None else float(fails)
     status, hi = e.get("status"), e.get("hi")
     low = float(e.get("goodput") or 0.0)
     up = math.inf if hi is None else float(hi)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rapidserve.benchmark.goodput_report import goodput_cell
 from tests.test_bench_compare import FAKE_SERVE_VLLM, _load
 
 compare = _load()
@@ -291,3 +292,15 @@ def test_a_ratio_is_exact_only_where_every_setting_that_could_be_the_better_vllm
     assert not x["exact"] and (x["ratio_lo"], x["ratio_hi"]) == (0.75, 1.5)
     (x,) = frontier.versus_better_vllm(frontiers[:2], frontier.vllm_labels(META))  # both settled: exact
     assert x["exact"] and x["ratio"] == 1.5
+
+
+def test_a_pass_above_the_bracket_sets_the_ratio() -> None:
+    """vLLM's 100-ms search of 2026-12-01 (Qwen3-30B-A3B; here at the table's 50-ms bound): bracket [6.94, 7.57), but
+    10.1 passed too and 15.1 failed: the ratio reads vLLM's highest passing rate, [10.1, 15.1), so duet's settled 15.1
+    is 1.00-1.50x, not 1.99-2.18x; the cell shows both."""
+    odd = {**g(50.0, 0.9, 6.94, 7.57, "unfinished"), "passes_above": 10.1, "fails_above": 15.1}
+    frontiers = [fr("ours", "w", [g(50.0, 0.9, 15.1, 15.1)]), fr("vllm", "w", [odd], False)]
+    (x,) = frontier.versus_better_vllm(frontiers, frontier.vllm_labels(META))
+    assert not x["exact"] and (round(x["ratio_lo"], 2), round(x["ratio_hi"], 2)) == (1.0, 1.5)
+    assert frontier.better_vllm(frontiers, frontier.vllm_labels(META), "w", 50.0, 0.9)["lower"] == 10.1
+    assert goodput_cell(odd) == "[6.94, 7.57)* (passes 10.1)"

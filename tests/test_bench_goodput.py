@@ -25,6 +25,7 @@ from rapidserve.benchmark.goodput import (
     bracket_width,
     contradicted,
     counted,
+    fails_above,
     fits,
     goodput_entry,
     measure_probe,
@@ -118,6 +119,24 @@ def test_targets_of_some_bounds_only(only: tuple[float | None, ...] | None, want
     assert SearchConfig(itl_bounds_ms=(50.0, 200.0), only_bounds=only).searched() == got
 
 
+def _entry_bounds(e: dict[str, object]) -> tuple[float, float]:
+    """bench/compare_repeats.entry_bounds (bench/ is not a package: loaded by path)."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    sys.path.insert(0, here)
+    try:
+        spec = importlib.util.spec_from_file_location("compare_repeats", os.path.join(here, "compare_repeats.py"))
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(here)
+    return mod.entry_bounds(e)  # type: ignore[no-any-return]
+
+
 def P(rate: float, ok: bool) -> Probe:  # noqa: N802 - a probe that passes Target(None, 0.9) or not
     return Probe(rate, 10, {"unbounded": 10 if ok else 0})
 
@@ -136,19 +155,26 @@ def test_bracket(probes: list[Probe], want: Bracket) -> None:
     assert bracket(probes, T) == want
 
 
-@pytest.mark.parametrize("probes,want", [
-    ([], None),
-    ([P(4, True), P(8, True)], None),  # nothing failed
-    ([P(4, True), P(8, False), P(6, True)], None),  # monotone
-    ([P(2, True), P(4, False), P(6, True), P(8, False)], 6),  # the pass above the failure, however noisy
-    ([P(2, True), P(4, False), P(6, True), P(10, True), P(8, False)], 10),  # the highest one
-    ([P(4, False), P(6, False)], None),
+@pytest.mark.parametrize("probes,want,fails", [
+    ([], None, None),
+    ([P(4, True), P(8, True)], None, None),  # nothing failed
+    ([P(4, True), P(8, False), P(6, True)], None, None),  # monotone
+    ([P(2, True), P(4, False), P(6, True), P(8, False)], 6, 8),  # the pass above the failure, however noisy
+    ([P(2, True), P(4, False), P(6, True), P(10, True), P(8, False)], 10, None),  # the highest one; none failed above
+    ([P(2, True), P(4, False), P(6, True), P(12, False), P(16, False)], 6, 12),  # the lowest failure above it
+    ([P(4, False), P(6, False)], None, None),
 ])
-def test_passes_above(probes: list[Probe], want: float | None) -> None:
-    """A pass above the bracket's failure is named, not dropped: goodput by the highest passing rate alone."""
-    assert passes_above(probes, T) == want
+def test_passes_above(probes: list[Probe], want: float | None, fails: float | None) -> None:
+    """A pass above the bracket's failure is named, not dropped: goodput by the highest passing rate alone lies in
+    [passes_above, fails_above), and the ratios read those bounds (compare_repeats.entry_bounds)."""
+    assert passes_above(probes, T) == want and fails_above(probes, T) == fails
     e = goodput_entry(probes, T, UNFINISHED)
-    assert e["passes_above"] == want and (e["lo"], e["hi"]) == tuple(bracket(probes, T))
+    assert e["passes_above"] == want and e["fails_above"] == fails and (e["lo"], e["hi"]) == tuple(bracket(probes, T))
+    bounds = _entry_bounds(e)
+    if want is None:
+        assert bounds[0] == (e["lo"] or 0.0)
+    else:
+        assert bounds == (want, math.inf if fails is None else fails)
     assert (goodput_cell(e).endswith(f"(passes {want:.3g})") if want is not None else "passes" not in goodput_cell(e))
 
 

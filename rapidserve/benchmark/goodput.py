@@ -356,10 +356,22 @@ def passes_above(probes: Iterable[Probe], t: Target) -> float | None:
     return max(above) if above else None
 
 
+def fails_above(probes: Iterable[Probe], t: Target) -> float | None:
+    """Where t passed above its bracket (`passes_above`): the lowest probed rate above that pass that fails t (None:
+    none probed), so that the highest passing rate, the goodput by "the highest rate that passes" alone, lies in
+    [passes_above, fails_above). None where nothing passed above the bracket. Pure."""
+    ps = list(probes)
+    top = passes_above(ps, t)
+    fails = [p.rate for p in ps if top is not None and p.rate > top and not passes(p, t)]
+    return min(fails) if fails else None
+
+
 def goodput_entry(probes: Iterable[Probe], t: Target, status: str) -> dict[str, Any]:
     """One target's result: goodput (lo, 0 when nothing passed), the bracket [lo, hi), how its search ended, and
-    `passes_above` (a passing rate above the bracket, or None: `passes_above`)."""
+    `passes_above` / `fails_above` (a passing rate above the bracket and the failure above it, or None: where the
+    attainment was not monotone in rate; the ratios read [passes_above, fails_above), compare_repeats.entry_bounds)."""
     ps = list(probes)
     lo, hi = bracket(ps, t)
     return {"itl_bound_ms": t.itl_bound_ms, "share": t.share, "goodput": lo if lo is not None else 0.0,
-            "lo": lo, "hi": hi, "status": status, "passes_above": passes_above(ps, t)}
+            "lo": lo, "hi": hi, "status": status, "passes_above": passes_above(ps, t),
+            "fails_above": fails_above(ps, t)}

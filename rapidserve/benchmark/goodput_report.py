@@ -14,7 +14,7 @@ before the ramp rule); a rapidserve server's steps over the probe: "server_steps
 step_mix.py; a probe above the closed-loop peak: "above_peak" True, "arrivals" and "backlog"
 (sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
 unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds),
-"passes_above" (goodput.passes_above; absent before 2026-12-01)}],
+"passes_above" and "fails_above" (goodput.passes_above / fails_above; absent before 2026-12-01)}],
 "finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace". The new keys are
 optional: a result written before them still reads.
 """
