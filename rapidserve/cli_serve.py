@@ -92,9 +92,9 @@ def add_serve_parser(sub: Any) -> None:
                        help="let tool_choice \"auto\" (the default when a request has tools) parse the model's own "
                             "tool calls; without it such requests get 400, as in vLLM")
     tools.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
-                       help="the format of the model's tool calls: hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), "
-                            "llama3_json (Llama 3.1/3.2 JSON), mistral ([TOOL_CALLS]: Mistral), or auto: from the chat "
-                            "template, else the model family")
+                       help="with --enable-auto-tool-choice (else refused), the format of the model's tool calls: "
+                            "hermes (<tool_call> JSON: Qwen2/2.5/3, Hermes), llama3_json (Llama 3.1/3.2 JSON), mistral "
+                            "([TOOL_CALLS]: Mistral), or auto: from the chat template, else the model family")
     chat = sv.add_argument_group("chat template")
     chat.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                       help="a Jinja chat template to use instead of the model's: a file, or the template itself "
@@ -105,8 +105,8 @@ def add_serve_parser(sub: Any) -> None:
     sv.add_argument("--mps", default="auto", choices=("auto", "on", "off"))
     sv.add_argument("--on-worker-death", default="restart", choices=("restart", "shutdown"))
     sv.add_argument("--max-restarts", type=nonneg_int, default=5,
-                    help="worker restarts allowed in any --restart-window-s; one more death and the server "
-                         "exits non-zero for its supervisor to restart it (0: never restart)")
+                    help="--on-worker-death restart: worker restarts allowed in any --restart-window-s; one more "
+                         "death and the server exits non-zero for its supervisor to restart it (0: never restart)")
     sv.add_argument("--restart-window-s", type=positive_float, default=600.0)
     sv.add_argument("--heartbeat-timeout-s", type=positive_float, default=None,
                     help="a worker silent this long is killed as hung (default: 60 on a GPU, 600 on a CPU)")

@@ -49,6 +49,13 @@ class LaunchConfig:
         check(self.step_trace is None or bool(self.step_trace), "step_trace='': give a file path, or None for none")
         check(self.on_worker_death in ("restart", "shutdown"),
                f"on_worker_death={self.on_worker_death!r}; use restart or shutdown")
+        restarts = self.on_worker_death == "restart"
+        check(restarts or self.max_restarts == LaunchConfig.max_restarts,
+              f"--max-restarts {self.max_restarts} (max_restarts): the restart budget, read only with "
+              "--on-worker-death restart; --on-worker-death shutdown restarts nothing: drop one of them")
+        check((restarts and self.max_restarts > 0) or self.restart_window_s == LaunchConfig.restart_window_s,
+              f"--restart-window-s {self.restart_window_s:g} (restart_window_s): the window of the restart budget, "
+              "read only where workers are restarted (--on-worker-death restart, --max-restarts above 0): drop it")
         check(self.startup_timeout_s > 0, f"startup_timeout_s={self.startup_timeout_s} must be > 0")
         check(self.max_restarts >= 0, f"max_restarts={self.max_restarts} must be >= 0 (0: never restart)")
         check(self.restart_window_s > 0, f"restart_window_s={self.restart_window_s} must be > 0 seconds")

@@ -9,6 +9,8 @@
   a bool is its flag or the flag's `--no-` form);
 - refused by name (`LLMArgumentError`, a ValueError) with why: OFFLINE's reason, else the flag's
   (vllm_serve_flags.REFUSED, the reason `rapidserve serve` gives for the same flag).
+Of build_engine_config's own, the serving sections the offline run never reads are refused by name when given other
+than their defaults (`serving_section_refusal`: `launch`, `parallel`, `partition`'s policy).
 An argument that is neither vLLM's nor build_engine_config's is a TypeError naming it, as Python's own would be.
 The audit that every vLLM 0.26 argument is one of these: tests/test_vllm_python_surface.py.
 """
@@ -20,7 +22,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from rapidserve.config import DTYPE_ALIASES
+from rapidserve.config import DTYPE_ALIASES, ParallelConfig
+from rapidserve.launch_config import LaunchConfig
+from rapidserve.partition_config import PartitionConfig
 from rapidserve.sampling_checks import short
 from rapidserve.vllm_reasons import WHY
 from rapidserve.vllm_serve_flags import ANY, NO_OP, REFUSED, SWITCH
@@ -174,11 +178,35 @@ def resolve(kwargs: Mapping[str, Any], builder_params: Mapping[str, inspect.Para
                 raise LLMArgumentError(f"LLM({name}={short(v)}) is not supported by rapidserve ({refused[0]}): "
                                        f"leave it out, or give {refused[1]}")
         elif name in builder_params and name != "run":
+            refused_section = serving_section_refusal(name, v)
+            if refused_section is not None:
+                raise LLMArgumentError(refused_section)
             out[name] = v
         else:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}: it is neither one of vLLM 0.26's "
                             "LLM arguments nor rapidserve's (build_engine_config's)")
     return out
+
+
+_IN_PROCESS = ("LLM runs the engine in this process, on one device, every step fused: there are no workers to launch, "
+               "supervise, trace or split")
+
+
+def serving_section_refusal(name: str, v: Any) -> str | None:
+    """Why `LLM(name=v)` is refused where `name` is one of build_engine_config's serving sections that the offline
+    run never reads (`launch`, `parallel`; of `partition`, its `policy`: its other fields policy_spec checks), given
+    other than its default; None when it is accepted (any other name, None, or the default)."""
+    if v is None:
+        return None
+    if name == "launch" and v != LaunchConfig():
+        return f"LLM(launch={short(v)}) is not supported ({_IN_PROCESS}): leave it out, or use `rapidserve serve`"
+    if name == "parallel" and v != ParallelConfig():
+        return (f"LLM(parallel={short(v)}) is not supported ({_IN_PROCESS}): leave it out, or use `rapidserve serve` "
+                "-tp N / -dp N")
+    if name == "partition" and getattr(v, "policy", None) != PartitionConfig().policy:
+        return (f"LLM(partition=PartitionConfig(policy={v.policy!r})) is not supported ({_IN_PROCESS}): leave the "
+                "policy out, or use `rapidserve serve --policy`")
+    return None
 
 
 def dtype_name(dtype: object) -> object:

@@ -85,3 +85,8 @@ class ServerConfig:
                          ("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", (None, *REASONING_PARSERS))):
             value = getattr(self, name)
             check(value in ok, f"{name}={value!r}; use one of {', '.join(map(str, ok))}")
+        check(self.enable_auto_tool_choice or self.tool_call_parser == "auto",
+              f"--tool-call-parser {self.tool_call_parser} (tool_call_parser): read only with "
+              "--enable-auto-tool-choice (enable_auto_tool_choice), which parses the model's own tool calls for "
+              "tool_choice \"auto\" (\"required\" and named functions need neither flag); add "
+              "--enable-auto-tool-choice, or drop --tool-call-parser")

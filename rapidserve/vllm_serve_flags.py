@@ -3,7 +3,9 @@ where it asks for what rapidserve does anyway (`NO_OP`: the values accepted, and
 by name with why and what to use instead (`REFUSED`; a NO_OP flag's other values too). Nothing is accepted and
 ignored unsaid, and no vLLM flag meets argparse's bare "unrecognized arguments".
 
-`add_no_op_flags` puts the NO_OP flags on `rapidserve serve` (their help is the reason); `refusal` is what
+`add_no_op_flags` puts the NO_OP flags on `rapidserve serve` (their help is the reason); a NO_OP `--no-X` whose
+`--X` is one of rapidserve's switches (--no-enforce-eager, --no-enable-auto-tool-choice ...) turns it off, the last
+of the two given winning, as vLLM's BooleanOptionalAction has it. `refusal` is what
 cli_vllm.CliParser says of a flag argparse did not take. The audit that every vLLM 0.26 flag is one of rapidserve's
 own, a NO_OP one or a REFUSED one: tests/test_vllm_surface_flags.py.
 """
@@ -256,6 +258,18 @@ class _Accepted(argparse.Action):
         if self.accepted and values not in self.accepted:
             raise argparse.ArgumentError(self, f"rapidserve does not support {values!r} ({self.why}): only "
                                                f"{' or '.join(self.accepted)}")
+        on = _switch_it_negates(parser, option_string)
+        if on is not None:  # `--X --no-X`: the last wins, as vLLM's BooleanOptionalAction has it
+            setattr(namespace, on.dest, False)
+
+
+def _switch_it_negates(parser: argparse.ArgumentParser, flag: str | None) -> argparse.Action | None:
+    """The parser's own switch that the NO_OP `--no-X` turns off (`--X`, a store_true: --enforce-eager,
+    --enable-auto-tool-choice ...), or None."""
+    if not flag or not flag.startswith("--no-"):
+        return None
+    on = parser._option_string_actions.get("--" + flag[len("--no-"):])
+    return on if isinstance(on, argparse._StoreTrueAction) else None
 
 
 def add_no_op_flags(p: argparse.ArgumentParser) -> None:

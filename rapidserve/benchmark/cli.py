@@ -49,6 +49,7 @@ from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 DEFAULT_NUM_PROMPTS = 100
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 1024, 128
+NUM_TURNS, TURN_INPUT_LEN = 4, 128  # multiturn's defaults (--num-turns, --turn-input-len)
 # --penalties: the three penalties at typical values (all on, so every penalty's work is measured)
 PENALTIES: dict[str, float] = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
 
@@ -128,8 +129,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help=f"fixed; multiturn: first turn's prompt (default {DEFAULT_INPUT_LEN})")
     w.add_argument("--output-len", type=positive_int, default=None,
                    help=f"fixed and multiturn (each turn) (default {DEFAULT_OUTPUT_LEN})")
-    w.add_argument("--num-turns", type=positive_int, default=4, help="multiturn")
-    w.add_argument("--turn-input-len", type=positive_int, default=128, help="multiturn: new tokens per later turn")
+    w.add_argument("--num-turns", type=positive_int, default=NUM_TURNS, help="multiturn")
+    w.add_argument("--turn-input-len", type=positive_int, default=TURN_INPUT_LEN,
+                   help="multiturn: new tokens per later turn")
     w.add_argument("--token-range", type=token_range_arg, default=(1000, 20000), metavar="LO:HI",
                    help="prompt token ids are drawn from [LO, HI) (default: 1000:20000)")
     w.add_argument("--max-model-len", type=positive_int, default=None,
@@ -200,9 +202,11 @@ def add_bench_parser(sub: Any) -> argparse.ArgumentParser:
 
 def check_flags_apply(a: argparse.Namespace) -> None:
     """ValueError naming the flags given that the chosen workload would ignore (this parser leaves
-    them None when not given): the trace flags without --workload trace, --arrival with a trace,
+    them None when not given): the length flags the workload does not read (`check_length_flags`), the trace flags
+    without --workload trace, --arrival with a trace,
     --request-rate with timestamps arrivals, --time-scale with poisson arrivals. `rapidserve bench`
     runs it; bench/compare.py, which sets its sweep flags as defaults, does not."""
+    check_length_flags(a)
     given = [flag for flag, dest in TRACE_FLAGS if getattr(a, dest, None) is not None]
     if a.workload != "trace":
         if given:
@@ -218,6 +222,25 @@ def check_flags_apply(a: argparse.Namespace) -> None:
     if arrivals == "poisson" and a.time_scale is not None:
         raise ValueError("--time-scale goes with --trace-arrivals timestamps: with poisson arrivals, "
                          "--request-rate sets the load")
+
+
+# the workloads whose request lengths each flag sets (the others draw theirs from a distribution or a trace)
+LENGTH_FLAGS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("--input-len", "input_len", ("fixed", "multiturn")), ("--output-len", "output_len", ("fixed", "multiturn")),
+    ("--num-turns", "num_turns", ("multiturn",)), ("--turn-input-len", "turn_input_len", ("multiturn",)))
+
+
+def check_length_flags(a: argparse.Namespace) -> None:
+    """ValueError naming the length flags given (not None, nor the parser's default) that the chosen workload does
+    not read: --input-len and --output-len set fixed and multiturn's lengths, --num-turns and --turn-input-len
+    multiturn's; a length distribution or a trace draws its own."""
+    parser_defaults = {"num_turns": NUM_TURNS, "turn_input_len": TURN_INPUT_LEN}
+    unread = [f"{flag} ({' or '.join(workloads)} only)" for flag, dest, workloads in LENGTH_FLAGS
+              if a.workload not in workloads and getattr(a, dest, None) not in (None, parser_defaults.get(dest))]
+    if unread:
+        raise ValueError(f"{', '.join(unread)}: not read by --workload {a.workload}, whose request lengths come "
+                         f"from {'the trace file' if a.workload == 'trace' else 'its length distribution'}; drop "
+                         f"{'them' if len(unread) > 1 else 'it'}")
 
 
 def trace_from_args(a: argparse.Namespace) -> TraceSpec | None:

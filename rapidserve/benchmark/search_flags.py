@@ -116,8 +116,9 @@ def search_from_args(a: argparse.Namespace, shared_ceiling: bool = False) -> Sea
 
 def check_search_flags(a: argparse.Namespace) -> None:
     """ValueError naming the flags that do not go with the choice: the search flags without --goodput-search;
-    with it, the sweep's load flags (the search picks the rates), fixed arrivals, and a trace replayed at its
-    timestamps (the search needs --trace-arrivals poisson)."""
+    with it, the sweep's load flags (the search picks the rates), the sweep table's statistics (--percentile-metrics,
+    --metric-percentiles), fixed arrivals, and a trace replayed at its timestamps (the search needs --trace-arrivals
+    poisson)."""
     searched = [flag for flag, _ in SEARCH_FLAGS if getattr(a, flag[2:].replace("-", "_")) is not None]
     if getattr(a, "budget_s", None) is not None:
         searched.append("--budget-s")
@@ -125,6 +126,11 @@ def check_search_flags(a: argparse.Namespace) -> None:
         if searched:
             raise ValueError(f"{', '.join(searched)} only apply with --goodput-search")
         return
+    table = [flag for flag in ("--percentile-metrics", "--metric-percentiles")
+             if getattr(a, flag[2:].replace("-", "_"), None) is not None]
+    if table:
+        raise ValueError(f"{', '.join(table)} choose the statistics of a sweep run's table (and --save-result's); a "
+                         "goodput search prints its goodput table instead: drop them")
     window = a.duration_s if a.workload != "trace" else None  # a trace's --duration-s is its window: allowed
     sweep = [flag for flag, v in (("--request-rate", a.request_rate), ("--time-scale", a.time_scale),
                                   ("--duration-s", window)) if v is not None]

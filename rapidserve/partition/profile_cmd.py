@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rapidserve.config import EngineConfig
+from rapidserve.config_base import ConfigError
 from rapidserve.partition.profile import DEFAULT_BATCH_BUCKETS, OVERALLOCATED, Profile, model_shape
 from rapidserve.partition_config import PartitionConfig
 
@@ -71,6 +72,9 @@ def add_profile_parser(sub: Any, add_model_args: Callable[[argparse.ArgumentPars
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
+    unread = unread_model_flags(a)  # before anything loads
+    if unread:
+        raise ConfigError("; ".join(unread))
     from rapidserve.config_builder import allow_long_max_model_len, build_engine_config
     from rapidserve.partition.backend import detect_kind, device_granularity, open_backend, plan_configurations
     from rapidserve.partition.plan import gpu_name
@@ -132,6 +136,21 @@ def cmd_profile(a: argparse.Namespace) -> int:
     print(slo_table(run.profile, a.slo_itl_ms))
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def unread_model_flags(a: argparse.Namespace) -> list[str]:
+    """The model flags (every command's, `cli_args.add_model_args`) given to `rapidserve profile` that it does not
+    read, one sentence each with its fix; those the engine's settings check refuses (policy_spec, run "profile") are
+    its. --tokenizer: the forwards are of token ids; --seed: nothing is sampled (random weights are seeded by their
+    names)."""
+    out = []
+    if a.tokenizer is not None:
+        out.append(f"--tokenizer {a.tokenizer}: `rapidserve profile` times forwards of token ids and reads no "
+                   "tokenizer; drop it")
+    if a.seed != 0:
+        out.append(f"--seed {a.seed}: `rapidserve profile` samples no tokens (it times forwards; random weights are "
+                   "seeded by their names); drop it")
+    return out
 
 
 def for_profiling(cfg: EngineConfig, spec: ProfileSpec, partition: PartitionConfig) -> EngineConfig:
