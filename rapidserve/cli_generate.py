@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from rapidserve.cli_args import add_model_args, engine_kwargs, positive_int
+from rapidserve.config_base import ConfigError
 
 
 def add_generate_parser(sub: Any) -> None:
@@ -17,11 +18,14 @@ def add_generate_parser(sub: Any) -> None:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--max-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--sample-seed", type=int, default=None, help="the sampling seed (with --temperature above 0)")
     g.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    if a.sample_seed is not None and a.temperature == 0:  # before the model loads
+        raise ConfigError(f"--sample-seed {a.sample_seed}: --temperature 0 decodes greedily and draws nothing; give a "
+                          "--temperature above 0, or drop --sample-seed")
     from rapidserve.llm import LLM
     from rapidserve.sampling_params import SamplingParams
 

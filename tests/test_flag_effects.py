@@ -59,6 +59,7 @@ def test_no_enable_auto_tool_choice_reaches_the_server_config() -> None:
     (["serve", "--max-restarts", "0", "--restart-window-s", "60"], ["--restart-window-s 60", "--max-restarts above 0"]),
     (["profile", "--device", "cpu", "--tokenizer", "/some/tokenizer"], ["--tokenizer /some/tokenizer", "token ids"]),
     (["profile", "--device", "cpu", "--seed", "7"], ["--seed 7", "samples no tokens"]),
+    (["generate", "--prompt", "hi", "--sample-seed", "3"], ["--sample-seed 3", "--temperature 0"]),
 ])
 def test_flag_that_would_change_nothing_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                 needles: list[str]) -> None:
