@@ -238,9 +238,10 @@ def check_length_flags(a: argparse.Namespace) -> None:
     unread = [f"{flag} ({' or '.join(workloads)} only)" for flag, dest, workloads in LENGTH_FLAGS
               if a.workload not in workloads and getattr(a, dest, None) not in (None, parser_defaults.get(dest))]
     if unread:
+        source = {"trace": "the trace file", "fixed": "--input-len and --output-len alone"}.get(a.workload,
+                                                                                           "its length distribution")
         raise ValueError(f"{', '.join(unread)}: not read by --workload {a.workload}, whose request lengths come "
-                         f"from {'the trace file' if a.workload == 'trace' else 'its length distribution'}; drop "
-                         f"{'them' if len(unread) > 1 else 'it'}")
+                         f"from {source}; drop {'them' if len(unread) > 1 else 'it'}")
 
 
 def trace_from_args(a: argparse.Namespace) -> TraceSpec | None:
