@@ -36,7 +36,7 @@ from rapidserve.llm_inputs import (
     progress,
 )
 from rapidserve.outputs import CompletionOutput, Logprob, RequestOutput
-from rapidserve.sampling_params import SamplingParams, resolve_bad_words
+from rapidserve.sampling_params import SamplingParams, SamplingParamsError, resolve_bad_words
 from rapidserve.stop_rules import first_stop_string
 from rapidserve.tokenizer import RENDERER_OWNS, Tokenizer, check_chat_template, load_chat_template
 
@@ -93,7 +93,11 @@ class LLM:
         return self.tokenizer.encode(tok.text(prompt.text), add_special_tokens=special)
 
     def _resolve(self, params: SamplingParams) -> SamplingParams:
-        """`bad_words` tokenized here, where the tokenizer is (sampling_params.resolve_bad_words)."""
+        """`bad_words` tokenized here, where the tokenizer is (sampling_params.resolve_bad_words); stop strings
+        refused without one (they are matched on the text, which a model without a tokenizer never makes)."""
+        if params.stop and self.tokenizer is None:
+            raise SamplingParamsError(f"stop={params.stop!r}: this model has no tokenizer (a preset?), so stop strings "
+                                      "cannot be matched: use stop_token_ids")
         if not params.bad_words:
             return params
         if self.tokenizer is None:
@@ -103,13 +107,15 @@ class LLM:
 
     def _stop_string_hit(self, seq: Generation) -> str | None:
         """"stop" once a stop string ends in the text, none of them within the first min_tokens outputs' (vLLM's
-        rule, stop_rules.first_stop_string); else None. Only the last 16 tokens' text is searched, once they all
-        follow the first min_tokens."""
+        rule, stop_rules.first_stop_string); else None. Only the last tokens' text is searched, once they all
+        follow the first min_tokens: 16 more than 4 per character of the longest stop string (a token makes at
+        least one byte of text, a character at most 4), so a long stop string is found as soon as it ends."""
         params, ids = seq.params, seq.output_token_ids
         if not params.stop or self.tokenizer is None or len(ids) <= params.min_tokens:
             return None
-        if len(ids) - params.min_tokens > 16:
-            text, floor = self.tokenizer.decode(ids[-16:], params.skip_special_tokens), 0
+        window = 16 + 4 * max(len(s) for s in params.stop)
+        if len(ids) - params.min_tokens > window:
+            text, floor = self.tokenizer.decode(ids[-window:], params.skip_special_tokens), 0
         else:
             text, floor = self._text_and_floor(ids, params)
         return "stop" if first_stop_string(text, params.stop, floor) is not None else None

@@ -30,7 +30,7 @@ from rapidserve.server.chat_render import render_options, template_failure
 from rapidserve.server.errors import APIError, bad_request, show
 from rapidserve.server.prompt_fields import truncated, truncation
 from rapidserve.server.reasoning_parsers import ReasoningPlan, plan_reasoning
-from rapidserve.server.sampling_fields import build_params, check_controls, resolve_max_tokens
+from rapidserve.server.sampling_fields import build_params, check_controls, refuse_text_fields, resolve_max_tokens
 from rapidserve.server.schemas import (
     MAX_PROMPTS,
     ChatCompletionRequest,
@@ -247,8 +247,8 @@ def _prepare(kind: str, body: bytes, ctx: ProtocolContext, max_choices: int | No
         t = next(t for t in r.stop_token_ids if t >= ctx.vocab_size)
         raise bad_request("stop_token_ids", f"'stop_token_ids' holds {t}: token ids must be integers in "
                                             f"[0, {ctx.vocab_size})")
-    if r.stop is not None and r.stop != [] and ctx.tokenizer is None:
-        raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
+    if ctx.tokenizer is None:
+        refuse_text_fields(r)
     if r.stream_options is not None and not r.stream:
         raise bad_request("stream_options", "'stream_options' is only allowed when 'stream' is true")
     so = structured_outputs_of(r, ctx.grammars)

@@ -20,7 +20,7 @@ from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs, resolve_bad_words
 from rapidserve.server.errors import bad_request, show
 from rapidserve.server.prompt_fields import asked_max_tokens
-from rapidserve.server.schemas import RequestBody
+from rapidserve.server.schemas import CompletionRequest, RequestBody
 from rapidserve.tokenizer import Tokenizer
 
 # vLLM's defaults of the fields a model's generation config may set
@@ -51,6 +51,22 @@ def check_controls(r: RequestBody, tokenizer: Tokenizer | None, vocab_size: int)
         raise bad_request("bad_words", "this model has no tokenizer: 'bad_words' cannot be tokenized")
     if r.bad_words and any(w.strip() == "" for w in r.bad_words):
         raise bad_request("bad_words", "'bad_words' must hold non-blank strings")
+
+
+def refuse_text_fields(r: RequestBody) -> None:
+    """On a model without a tokenizer (presets: token ids in, token ids out, the text empty), a 400 naming a field
+    that needs the text: stop strings (matched on it), completions' echo (the prompt as text) and logprobs (named
+    by their tokens' texts). The fields that only shape the text (skip_special_tokens, include_stop_str_in_output)
+    have nothing to shape and are accepted; bad_words are check_controls'."""
+    if r.stop is not None and r.stop != []:
+        raise bad_request("stop", "this model has no tokenizer: stop strings cannot be matched; use 'stop_token_ids'")
+    if isinstance(r, CompletionRequest) and r.echo:
+        raise bad_request("echo", "this model has no tokenizer: the prompt cannot be echoed as text; send 'echo' "
+                                  "false or leave it out (return_token_ids: true answers the prompt's token ids)")
+    if isinstance(r, CompletionRequest) and r.logprobs is not None:
+        raise bad_request("logprobs", "this model has no tokenizer: logprobs name their tokens by text, which it "
+                                      "cannot make; send 'logprobs' null or leave it out (return_token_ids: true "
+                                      "answers the token ids)")
 
 
 def resolve_max_tokens(r: RequestBody, longest_prompt: int, max_model_len: int, default: int) -> int:

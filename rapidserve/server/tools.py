@@ -12,7 +12,8 @@
 The constraint is `SamplingParams.structured_outputs` (a JSON schema), which the grammar engine enforces.
 
 `resolve_parser` picks the parser of `--tool-call-parser auto` from the chat template and the model
-family; `template_messages` turns the request's messages into what chat templates read (HF's shapes).
+family; `template_messages` turns the request's messages into what chat templates read (HF's shapes), and
+`template_tools` its tools (for /v1/chat/completions and /tokenize alike).
 Pure functions; no model, no server state.
 """
 
@@ -121,6 +122,18 @@ def _tool_dict(t: Tool) -> dict[str, Any]:
     return out
 
 
+def template_tools(tools: list[Tool]) -> tuple[dict[str, Any], ...]:
+    """The tools as the chat template gets them (`_tool_dict`), checked (400 naming 'tools'): the one rendering of
+    a request's tools, for /v1/chat/completions and /tokenize alike, so both count the same prompt."""
+    for i, t in enumerate(tools):
+        _check_parameters(i, t)
+    names = [t.function.name for t in tools]
+    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if dup is not None:
+        raise bad_request("tools", f"'tools' holds two functions named {dup!r}: function names must be distinct")
+    return tuple(_tool_dict(t) for t in tools)
+
+
 def _mode(choice: str | NamedToolChoice | None, has_tools: bool) -> ToolMode:
     if isinstance(choice, NamedToolChoice):
         return "named"
@@ -162,13 +175,8 @@ def plan_tools(r: ChatCompletionRequest, auto_parser: str | None) -> ToolPlan:
     """The request's tool plan, or a 400 naming the field. `auto_parser`: the server's tool-call format
     for "auto" (None: auto tool choice is not enabled, as vLLM without --enable-auto-tool-choice)."""
     tools = r.tools or []
-    for i, t in enumerate(tools):
-        _check_parameters(i, t)
+    dicts = template_tools(tools)
     names = tuple(t.function.name for t in tools)
-    dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if dup is not None:
-        raise bad_request("tools", f"'tools' holds two functions named {dup!r}: function names must be distinct")
-    dicts = tuple(_tool_dict(t) for t in tools)
     mode = _mode(r.tool_choice, bool(tools))
     if mode in ("none", "auto") and not tools:
         return ToolPlan("none", dicts, names)  # nothing to call: plain chat
@@ -219,7 +227,10 @@ def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name is not None:
         out["name"] = m.name
-    if m.role == "tool" and m.tool_call_id is not None:
+    if m.tool_call_id is not None:  # vLLM drops it from other roles' messages; refused here, never dropped
+        if m.role != "tool":
+            raise bad_request("messages", f"'messages[{i}].tool_call_id' is only allowed on tool messages (it names "
+                                          "the call a tool message answers)")
         out["tool_call_id"] = m.tool_call_id
     reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
     if m.reasoning is not None and m.reasoning_content is not None and m.reasoning != m.reasoning_content:

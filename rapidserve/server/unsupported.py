@@ -106,15 +106,24 @@ def _refuse(name: str, param: str, values: tuple[Any, ...], why: str) -> None:
     raise bad_request(param, f"'{name}' is not supported by this server ({why}): send {only}, or leave it out")
 
 
-def _nested(r: RequestBody) -> Iterator[tuple[str, str, str, Any]]:
+def _nested(r: Any) -> Iterator[tuple[str, str, str, Any]]:
     """(NESTED's key, the field's path, its top-level field, its value) of every nested field NESTED lists."""
     for key in NESTED:
         where, name = key.split(".", 1)
         if where == "messages[]":
             for i, m in enumerate(getattr(r, "messages", None) or []):
                 yield key, f"messages[{i}].{name}", "messages", getattr(m, name)
-        elif r.structured_outputs is not None:  # where == "structured_outputs"
+        elif getattr(r, "structured_outputs", None) is not None:  # where == "structured_outputs"
             yield key, key, where, getattr(r.structured_outputs, name)
+
+
+def refuse_nested(r: Any) -> None:
+    """A 400 naming the first nested field of `r` (a request body, or /tokenize's: its messages, its
+    structured_outputs where it has them) that asks for what this server does not do (see NESTED)."""
+    for key, path, param, v in _nested(r):
+        values, why = NESTED[key]
+        if not _idle(v, values):
+            _refuse(path, param, values, why)
 
 
 def refuse_unsupported(r: RequestBody, n: int) -> None:
@@ -123,10 +132,7 @@ def refuse_unsupported(r: RequestBody, n: int) -> None:
         v = getattr(r, name, None)
         if not _idle(v, values):
             _refuse(name, name, values, why)
-    for key, path, param, v in _nested(r):
-        values, why = NESTED[key]
-        if not _idle(v, values):
-            _refuse(path, param, values, why)
+    refuse_nested(r)
     if isinstance(r, CompletionRequest | ChatCompletionRequest) and r.best_of is not None and r.best_of != n:
         raise bad_request("best_of", f"'best_of' is not supported by this server (it returns every sample it "
                                      f"draws): only null or equal to n ({n})")

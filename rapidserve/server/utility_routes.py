@@ -23,7 +23,6 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-import msgspec
 from aiohttp import web
 from msgspec import Meta
 
@@ -46,7 +45,8 @@ from rapidserve.server.schemas import (
     TokenId,
     Tool,
 )
-from rapidserve.server.tools import template_messages
+from rapidserve.server.tools import template_messages, template_tools
+from rapidserve.server.unsupported import refuse_nested
 from rapidserve.server_config import ServerConfig
 
 UTILITY_PUBLIC_PATHS = frozenset({"/ping", "/version"})  # answered without the API key (vLLM's too)
@@ -166,10 +166,11 @@ async def tokenize(r: TokenizeRequest, ctx: ProtocolContext) -> list[int]:
         if len(r.prompt) > OFFLOAD_CHARS:
             return await asyncio.to_thread(tok.encode, r.prompt, special)
         return tok.encode(r.prompt, add_special_tokens=special)
-    # 400 naming a bad field, as on the chat route
+    # 400 naming a bad field, as on the chat route; the messages and tools rendered as the chat route renders them
+    refuse_nested(r)
     render = render_options(r, ctx.trust_request_chat_template, ctx.default_template_kwargs)
     messages = template_messages(ChatCompletionRequest(messages=r.messages or []))
-    tools = [msgspec.to_builtins(t) for t in r.tools] if r.tools else None
+    tools = list(template_tools(r.tools)) if r.tools else None
 
     def ids() -> list[int]:
         assert tok is not None
