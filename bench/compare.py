@@ -199,6 +199,7 @@ from rapidserve.benchmark.arrivals import rate_label  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402
 from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402, F401
+from rapidserve.redaction import redact_args, redact_command, redact_text, scrub_file, secret_values  # noqa: E402
 
 # ---------------------------------------------------------------- one system's run
 
@@ -220,9 +221,9 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
     trace = (os.path.join(a.out, "compare_logs", f"{a.name}__{safe_name(label)}.steps.jsonl")
              if a.step_traces and system.kind == RAPIDSERVE else None)
     server = make_server(a, system, port, trace)
-    info.update(url=url, log=log_path, status="ok", **({"step_trace": trace} if trace else {}))
-    if server.cmd is not None:
-        info["command"] = shlex.join(server.cmd)
+    info.update(url=redact_text(url), log=log_path, status="ok", **({"step_trace": trace} if trace else {}))
+    if server.cmd is not None:  # recorded and printed without its secrets (--api-key K in --serve-args...)
+        info["command"] = redact_command(server.cmd)
     print(f"== {label}: {info.get('command') or url}", flush=True)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
@@ -273,6 +274,7 @@ def run_system(a: argparse.Namespace, system: System, workloads: Sequence[Worklo
     finally:
         info["exit_code"] = server.stop()
         _append_log(log_path, server.extra_log())
+        scrub_file(log_path, secret_values(server.cmd or []))  # a server may echo its argv (vLLM's args line)
         if info["status"] != "ok":
             info["log_tail"] = _tail(log_path)
 
@@ -329,12 +331,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.dry_run:
         for s in systems:
             if s.kind == EXT:
-                print(f"{s.label}: external server at {s.url} (not started)")
+                print(f"{s.label}: external server at {redact_text(s.url or '')} (not started)")
             else:
                 server = make_server(a, s, a.port or 8000)
-                print(f"{s.label}: {shlex.join(server.cmd or [])}")
+                print(f"{s.label}: {redact_command(server.cmd or [])}")
         for w in workloads:
-            print(f"workload {w.title}: rapidserve bench {shlex.join([*shlex.split(a.bench_args), *w.argv])}")
+            print(f"workload {w.title}: rapidserve bench {workload_flags(a.bench_args, w.argv)}")
         if repeats(a) > 1:
             print(f"each search runs {repeats(a)} times (--search-repeats), each repetition with its own arrivals")
         for s in systems if a.search_start_from else ():
@@ -343,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{s.label} on {w.title}: " + (f"starts from its earlier brackets {hints_text(hints)}" if hints
                                                      else "no earlier brackets: starts from its closed-loop peak"))
                 if a.search_peak_from_prior:
-                    setup = {"model": a.model, "serve_args": a.serve_args,
+                    setup = {"model": a.model, "serve_args": redact_args(a.serve_args),
                              "workload": workload_flags(a.bench_args, w.argv)}
                     print(f"  {peak_for(a.search_peaks, s.label, w.title, setup)[1]}")
         return 0
@@ -359,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = write_frontier_report if a.goodput_search else write_report
     try:
         for s in systems:
-            info: dict[str, Any] = {"label": s.label, "kind": s.kind, "flags": s.describe()}
+            info: dict[str, Any] = {"label": s.label, "kind": s.kind, "flags": redact_text(s.describe())}
             infos.append(info)
             if deadline is not None and time.monotonic() >= deadline:
                 info["status"] = "skipped: duration budget spent"
@@ -370,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report(a, meta, results, plot=False, prior=prior)
     finally:
         for s in systems[len(infos) - n_prior:]:  # interrupted before their turn
-            infos.append({"label": s.label, "kind": s.kind, "flags": s.describe(),
+            infos.append({"label": s.label, "kind": s.kind, "flags": redact_text(s.describe()),
                           "status": "not run: the comparison was interrupted"})
         paths = report(a, meta, results, plot=True, prior=prior)
     with open(paths[1]) as f:
@@ -383,7 +385,8 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
     """The report's header from the flags (`compare_continue.MATCH` among them: what a continuation must share)."""
     probe_n = a.num_prompts or SEARCH_NUM_PROMPTS
     return {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": a.model, "serve_args": a.serve_args, "rates": ",".join(rate_label(r) for r in a.rates),
+            "model": a.model, "serve_args": redact_args(a.serve_args),  # what is recorded: never a secret
+            "rates": ",".join(rate_label(r) for r in a.rates),
             "per_rate": (f"{probe_n} Poisson arrivals per probe" if a.goodput_search
                          else f"{a.duration_s:g} s of arrivals" if a.duration_s
                          else f"{a.num_prompts or NUM_PROMPTS} requests"),
@@ -396,7 +399,7 @@ def report_meta(a: argparse.Namespace, workloads: Sequence[Workload]) -> dict[st
                                                      **({"shared_ceiling": True} if a.search_shared_ceiling else {}),
                                                      **({REPEATS: repeats(a)} if repeats(a) > 1 else {})},
             "arrival": a.arrival, "seed": a.seed, "vllm_model": a.vllm_model,
-            "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": a.bench_args,
+            "vllm_serve": getattr(a, "vllm_serve_path", None), "bench_args": redact_args(a.bench_args),
             "peak_fractions": a.peak_fractions, "itl_bounds_ms": a.itl_bounds_ms,
             "workloads": [{"title": w.title, "flags": workload_flags(a.bench_args, w.argv)}
                           for w in workloads],

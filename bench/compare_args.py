@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare_peak import fractions_arg  # noqa: E402
-from compare_prior import paths_arg  # noqa: E402
+from compare_prior import paths_arg, workload_flags  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -51,6 +51,7 @@ from rapidserve.benchmark.search_flags import (  # noqa: E402
     search_from_args,
 )
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
+from rapidserve.redaction import redact_text  # noqa: E402
 
 DESCRIPTION = "Engine configurations, and the real vLLM, side by side on one GPU: the same load against each."
 
@@ -274,7 +275,7 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
         try:
             spec = bench_config(a, argv).workload
         except ValueError as e:
-            raise ValueError(f"workload `{shlex.join([*shlex.split(a.bench_args), *argv])}`: {e}") from None
+            raise ValueError(redact_text(f"workload `{workload_flags(a.bench_args, argv)}`: {e}")) from None
         title = base = workload_title(spec.describe())
         k = 1
         while any(w.title == title for w in out):

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from rapidserve.benchmark.goodput import NOT_SEARCHED, bound_key
 from rapidserve.benchmark.search_run import KnownPeak
 from rapidserve.jsonfile import DuplicateKeyError, load_unique
+from rapidserve.redaction import redact_command
 
 Hint = tuple[float | None, float, float | None, float | None]  # (bound ms or None: unbounded, share, lo, hi)
 Hints = dict[tuple[str, str], tuple[Hint, ...]]
@@ -58,8 +59,9 @@ SETUP = ("model", "serve_args", "workload")
 
 
 def workload_flags(bench_args: str | None, argv: Iterable[str]) -> str:
-    """A workload's flags as compare.py's report header writes them ("workloads"[i]["flags"])."""
-    return shlex.join([*shlex.split(bench_args or ""), *argv])
+    """A workload's flags as compare.py's report header writes them ("workloads"[i]["flags"]), and prints them:
+    without their secrets (`--api-key K` for the benchmark's client)."""
+    return redact_command([*shlex.split(bench_args or ""), *argv])
 
 
 class PriorPeak(NamedTuple):

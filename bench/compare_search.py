@@ -39,6 +39,7 @@ from rapidserve.benchmark.results import bound_label  # noqa: E402
 from rapidserve.benchmark.runner import say  # noqa: E402
 from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402
 from rapidserve.benchmark.search_run import KnownPeak, run_goodput_search  # noqa: E402
+from rapidserve.redaction import redact_args  # noqa: E402
 
 # what a search (or a sweep) may raise that ends the workload's runs on that system, not the comparison
 RUN_ERRORS = (ValueError, ConnectionError, OSError, aiohttp.ClientError, asyncio.TimeoutError)
@@ -76,7 +77,8 @@ def search(a: argparse.Namespace, w: Workload, url: str, system: System, salt: i
     why: str | None = None
     if getattr(a, "search_peak_from_prior", False):
         known, why = peak_for(getattr(a, "search_peaks", {}), system.label, w.title,
-                              {"model": getattr(a, "model", None), "serve_args": getattr(a, "serve_args", None),
+                              {"model": getattr(a, "model", None),
+                               "serve_args": redact_args(getattr(a, "serve_args", None)),
                                "workload": workload_flags(getattr(a, "bench_args", None), w.argv)})
         if known is None:
             say(cfg, f"{system.label} on {w.title}: {why}")

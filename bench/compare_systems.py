@@ -27,6 +27,7 @@ from compare_slo import SLO_PREFIX, parse_slo_system  # noqa: E402
 from make_peer_model import vllm_quantization_flags  # noqa: E402
 
 from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
+from rapidserve.redaction import redact_text  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +141,7 @@ def special_system(text: str, label: str | None = None) -> System | None:
             url = base_url_arg(t[len(EXT) + 1:].strip())
         except argparse.ArgumentTypeError as e:
             raise ValueError(str(e)) from None
-        return System(label or url, EXT, url=url)
+        return System(label or redact_text(url), EXT, url=url)  # labelled without the URL's userinfo
     return None
 
 

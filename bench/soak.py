@@ -61,6 +61,7 @@ from soak_client import Tally, capacity_probe, counters_report, open_loop  # noq
 
 from rapidserve.benchmark.cli import base_url_arg, positive_float, positive_int, token_range_arg  # noqa: E402
 from rapidserve.benchmark.client import Target, fetch_models  # noqa: E402
+from rapidserve.redaction import redact_mapping, redact_text, scrub_file, secret_values  # noqa: E402
 
 
 class SoakError(RuntimeError):
@@ -232,7 +233,8 @@ async def soak(a: argparse.Namespace, launched: Launched | None, report: dict[st
                      a.chat_fraction if text else 0.0, a.stop_fraction if text else 0.0, a.abort_stream_fraction,
                      a.abort_timeout_fraction, a.abort_timeout_s, a.token_ids)
         report["server"] = {"model": model, "max_model_len": max_len, "text_prompts": text, "pid": root}
-        print(f"soak: {base} serving {model} (max_model_len {max_len}, text prompts {'yes' if text else 'no'}), "
+        print(f"soak: {redact_text(base)} serving {model} (max_model_len {max_len}, "
+              f"text prompts {'yes' if text else 'no'}), "
               f"server pid {root or 'unknown: no memory/fd samples'}", flush=True)
         rate = a.rate
         if a.capacity_probe:
@@ -413,12 +415,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
-    report: dict[str, Any] = {"settings": {k: v for k, v in vars(a).items()}, "started": time.strftime("%FT%T%z")}
+    # the settings as recorded: --api-key, a --launch command's secrets, a URL's userinfo as REDACTED
+    known = [a.api_key or "", *secret_values(shlex.split(a.launch or ""))]  # also where no flag names them
+    report: dict[str, Any] = {"settings": redact_mapping(dict(vars(a)), known), "started": time.strftime("%FT%T%z")}
     launched: Launched | None = None
     shm_pre = sl.shm_entries()
     try:
         if a.launch:
-            print(f"soak: launching {a.launch}", flush=True)
+            print(f"soak: launching {report['settings']['launch']}", flush=True)
             launched = Launched(a.launch, os.path.join(a.out_dir, "server.log"))
         asyncio.run(soak(a, launched, report))
     except SoakError as e:
@@ -431,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if launched is not None:
             finish_launched(a, launched, report, shm_pre)
+            scrub_file(os.path.join(a.out_dir, "server.log"), known)
     if isinstance(report.get("client"), Tally):
         report["client"] = report["client"].to_json()
     report["checks"] = soak_report.evaluate(report)

@@ -322,7 +322,8 @@ serve_args="--max-model-len ${MAX_MODEL_LEN:-8192} --gpu-memory-utilization ${GP
 cmd=("$py" bench/compare.py --model "preset:$preset" --systems "$systems" "${vllm_args[@]}" --serve-args "$serve_args"
      "${workload_args[@]}" "${load_args[@]}" "${continue_args[@]}" --warmup "${WARMUP:-4}"
      --startup-timeout-s 300 --budget-s $((left - 100)) --out "$work" --name "$name" "$@")
-say "$(printf '%q ' "${cmd[@]}")"
+# the command as logged: without its secrets (--api-key K in SERVE_ARGS or the flags given; rapidserve/redaction.py)
+say "$("$py" -m rapidserve.redaction "${cmd[@]}" 2>/dev/null || echo "compare.py (the command is not shown: redacting it failed)")"
 timeout -k 30 "$left" "${cmd[@]}" 2>&1 | tee "$work/compare_stdout.log"
 status=${PIPESTATUS[0]}
 say "compare.py exited with $status after $(elapsed) s in all"

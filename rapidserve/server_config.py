@@ -8,7 +8,7 @@ parsers, chat templates and the server's logs. Not a field of `EngineConfig`: on
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rapidserve.config_base import LOG_LEVELS, check
@@ -33,7 +33,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a repr (a log line, an error message)
     metrics_public: bool = False  # /metrics without the API key (for scrapers that cannot send one)
     # The names the model answers to (vLLM's --served-model-name A B...): the first is the one responses and
     # metrics report, a request naming any of them is served, /v1/models lists them all. (): the model's own name.

@@ -49,14 +49,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (`sampling_checks`, `structured_outputs`, `vllm_sampling_fields`). Plus the batch limits' defaults by device,
     # the seats and the decode graph buckets (`batch_limits`). Plus JSON input that refuses a key written twice
     # (`jsonfile`: standard library only; the loaders of profiles, device tables, traces, reports and JSON flags, the
-    # benchmark's too, read through it).
+    # benchmark's too, read through it). Plus keeping credentials out of what is printed, logged or written
+    # (`redaction`: standard library only; the server, `rapidserve bench` and bench/ redact through it).
     ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
                 "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
                 "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
                 "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
                 "rapidserve.moe_config", "rapidserve.vllm_serve_flags", "rapidserve.vllm_reasons",
                 "rapidserve.sampling_checks", "rapidserve.structured_outputs", "rapidserve.vllm_sampling_fields",
-                "rapidserve.batch_limits", "rapidserve.jsonfile")),
+                "rapidserve.batch_limits", "rapidserve.jsonfile", "rapidserve.redaction")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
@@ -79,7 +80,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The OpenAI-compatible HTTP server.
     ("server", ("rapidserve.server",)),
     # `rapidserve bench`: a load generator for any OpenAI-compatible server (imports nothing else of rapidserve but
-    # `jsonfile`, standard library only).
+    # `jsonfile` and `redaction`, standard library only).
     ("benchmark", ("rapidserve.benchmark",)),
     # The entry point: main and the parser (`cli`), the shared flags (`cli_args`), each command's flags and code
     # (`cli_generate`, `cli_serve`), vLLM's serve flags (`cli_vllm`; those it accepts or refuses: `vllm_serve_flags`,

@@ -45,6 +45,7 @@ from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpe
 from rapidserve.benchmark.vllm_flags import add_vllm_args, resolve_vllm_flags
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
 from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+from rapidserve.redaction import redact_text
 
 DEFAULT_NUM_PROMPTS = 100
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -95,7 +96,7 @@ def token_range_arg(text: str) -> tuple[int, int]:
 
 def base_url_arg(text: str) -> str:
     if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
+        raise argparse.ArgumentTypeError(f"{redact_text(text)!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
     return text.rstrip("/")
 
 
@@ -354,7 +355,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     try:
         result = asyncio.run(run_benchmark(cfg))
     except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as e:
-        print(f"rapidserve bench: error: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(redact_text(f"rapidserve bench: error: cannot benchmark {cfg.base_url}: {type(e).__name__}: {e}"),
+              file=sys.stderr)
         return 1
     written: list[str] = []
     if a.out_dir is not None:
@@ -385,7 +387,8 @@ def cmd_search(a: argparse.Namespace) -> int:
     try:
         result = asyncio.run(run_goodput_search(cfg, scfg))
     except (aiohttp.ClientError, ConnectionError, OSError, asyncio.TimeoutError) as e:
-        print(f"rapidserve bench: error: cannot search {cfg.base_url}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(redact_text(f"rapidserve bench: error: cannot search {cfg.base_url}: {type(e).__name__}: {e}"),
+              file=sys.stderr)
         return 1
     if not a.quiet:
         print(search_block(result), flush=True)

@@ -39,7 +39,7 @@ class Target:
 
     base_url: str
     model: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # sent as a header, never in a repr
     timeout_s: float = 600.0
     endpoint: str = "/v1/completions"
     sampling: Mapping[str, Any] = field(default_factory=dict)  # extra fields of every request (--penalties)

@@ -42,6 +42,7 @@ from rapidserve.benchmark.results import trace_line
 from rapidserve.benchmark.serving_result import DEFAULT_METRICS, DEFAULT_PERCENTILES, result_block, serving_metrics
 from rapidserve.benchmark.stats import RequestRecord, summarize
 from rapidserve.benchmark.workloads import BenchRequest, WorkloadSpec, make_conversation, make_request
+from rapidserve.redaction import redact_text
 
 WARMUP_SALT = 1_000_000  # warm-up prompts differ from every measured rate's
 
@@ -50,7 +51,7 @@ WARMUP_SALT = 1_000_000  # warm-up prompts differ from every measured rate's
 class BenchConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None  # None: the first id of GET /v1/models
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # sent, never recorded (results, reprs)
     label: str | None = None  # the system's name in reports and plots (default: the model id)
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     rates: tuple[float, ...] = (math.inf,)
@@ -177,7 +178,7 @@ async def resolve_target(session: aiohttp.ClientSession, cfg: BenchConfig) -> tu
     """The model to ask for and the server's max model length (None if it does not say)."""
     models = await fetch_models(session, cfg.base_url, cfg.api_key)
     if cfg.model is None and not models:
-        raise ConnectionError(f"{cfg.base_url}/v1/models lists no model: pass --model")
+        raise ConnectionError(f"{redact_text(cfg.base_url)}/v1/models lists no model: pass --model")
     model = cfg.model if cfg.model is not None else str(models[0]["id"])
     entry = next((m for m in models if m["id"] == model), models[0] if models else {})
     mml = entry.get("max_model_len")
@@ -254,7 +255,7 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
         points = load_points(cfg, replay)
         scaled = replay is not None and replay.spec.arrivals == "timestamps"
         label = cfg.label or target.model
-        say(cfg, f"bench: {label} at {cfg.base_url}, model {target.model}, workload {spec.name}, "
+        say(cfg, f"bench: {label} at {redact_text(cfg.base_url)}, model {target.model}, workload {spec.name}, "
                   + (f"time scales {', '.join(f'{s:g}' for s in points)}" if scaled else
                      f"rates {', '.join(rate_label(r) for r in cfg.rates)}"))
         if replay is not None:
@@ -283,7 +284,7 @@ async def run_benchmark(cfg: BenchConfig, on_run: Callable[[dict[str, Any]], Non
             if on_run is not None:
                 on_run(run)
     return {
-        "label": label, "base_url": cfg.base_url, "model": target.model, "workload": spec.describe(),
+        "label": label, "base_url": redact_text(cfg.base_url), "model": target.model, "workload": spec.describe(),
         "config": {**config_json(cfg), "rates": [rate_json(r) for r in cfg.rates],
                    **({"time_scales": list(points)} if scaled else {})},
         **({"trace": replay.describe()} if replay is not None else {}),

@@ -51,6 +51,7 @@ from rapidserve.benchmark.sustain import (
     probe_arrivals,
     realized_lifetime,
 )
+from rapidserve.redaction import redact_text
 
 
 class KnownPeak(NamedTuple):
@@ -181,7 +182,8 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
         # the flag's for the others
         scfg.check(n, trace=window is not None, window=window)
         label = cfg.label or target.model
-        say(cfg, f"goodput search: {label} at {cfg.base_url}, model {target.model}, workload {cfg.workload.name}, "
+        say(cfg, f"goodput search: {label} at {redact_text(cfg.base_url)}, model {target.model}, "
+                 f"workload {cfg.workload.name}, "
                  f"{n} arrivals per probe ({scfg.discard} discarded as warm-up)"
                  + (f", from a trace window of {window}" if window is not None and window > n else ""))
         if replay is not None:
@@ -251,7 +253,7 @@ async def run_goodput_search(cfg: BenchConfig, scfg: SearchConfig, deadline: flo
     probes = [{**run, "order": i + 1, "counted": p.n, "attainment": attainment_json(p, scfg.bounds()),
                **probe_extra(p, out)} for i, (p, run) in enumerate(zip(out.probes, runs, strict=True))]
     return {
-        "kind": "goodput_search", "label": label, "base_url": cfg.base_url, "model": target.model,
+        "kind": "goodput_search", "label": label, "base_url": redact_text(cfg.base_url), "model": target.model,
         "workload": cfg.workload.describe(), "config": config_json(cfg),
         "search": {"settings": asdict(scfg), "start_rate": out.start, "min_rate": out.min_rate,
                    "max_rate": out.max_rate, "probe_requests": n, "peak_request_throughput": peak,

@@ -37,6 +37,7 @@ from rapidserve.config_base import ConfigError
 from rapidserve.engine.launch import start_fork_server
 from rapidserve.policy_spec import policy_line
 from rapidserve.server.connections import GuardedRunner
+from rapidserve.server.redact import Redactor, install
 from rapidserve.server.startup import StartupGate, bind_sockets, configure_logging, off_loop, process_age_s
 from rapidserve.server_config import TOOL_CALL_PARSERS, ServerConfig
 
@@ -162,7 +163,18 @@ async def serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], 
     """Serve on `sockets` (bound already): the start-up gate at once, then `build()` (the config tree and the
     model's source: a bad flag or model raises ConfigError / ModelLoadError), the tokenizer, `start(ecfg)` (the
     engine: start_engine), then the server proper until a signal or the engine gives up. `t0`: when the process
-    started (time.monotonic()), for the "ready in" line. Returns the exit code."""
+    started (time.monotonic()), for the "ready in" line. Returns the exit code. From the first line to the last
+    (the start-up gate included, not only while the server proper runs) no log record carries the API key or an
+    Authorization value (server/redact.py)."""
+    undo = install(Redactor([scfg.api_key] if scfg.api_key is not None else []))
+    try:
+        return await _serve(scfg, build, sockets, model_spec, t0, start)
+    finally:
+        undo()
+
+
+async def _serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket], model_spec: str | None,
+                 t0: float | None, start: StartEngine | None) -> int:
     t0 = time.monotonic() if t0 is None else t0
     gate = StartupGate()
     await gate.open(make_runner(gate.app(), scfg), sockets)
