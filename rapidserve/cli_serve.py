@@ -59,8 +59,8 @@ def add_serve_parser(sub: Any) -> None:
     key = sv.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None, nargs="+", metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every route but /health and /openapi.json "
-                          "(visible in `ps`: prefer --api-key-file or $RAPIDSERVE_API_KEY, read when neither "
-                          "flag is given); one key (vLLM takes several: more is refused)")
+                          "(visible in `ps`: prefer --api-key-file or $RAPIDSERVE_API_KEY, else vLLM's $VLLM_API_KEY, "
+                          "read when neither flag is given); one key (vLLM takes several: more is refused)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="read the API key from the first line of this file")
     sv.add_argument("--metrics-public", action="store_true",
@@ -187,11 +187,14 @@ def server_config(a: argparse.Namespace, env: Mapping[str, str] | None = None) -
 
 
 API_KEY_ENV = "RAPIDSERVE_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's: its server reads it where --api-key is not given
 
 
 def api_key(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> str | None:
-    """The server's API key: --api-key, else the first line of --api-key-file, else $RAPIDSERVE_API_KEY
-    (empty: none). A file that is missing, unreadable or empty is a ConfigError naming it."""
+    """The server's API key: --api-key, else the first line of --api-key-file, else $RAPIDSERVE_API_KEY, else
+    $VLLM_API_KEY, as vLLM reads it (empty: none; a vLLM user's key in the environment must not leave the server
+    open). A file that is missing, unreadable or empty is a ConfigError naming it, and so are the two variables set
+    to different keys."""
     if a.api_key is not None:
         keys = [a.api_key] if isinstance(a.api_key, str) else list(a.api_key)
         if len(keys) > 1:
@@ -211,8 +214,12 @@ def api_key(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> str 
         if not key:
             raise ConfigError(f"--api-key-file {a.api_key_file}: the file is empty; its first line must be the key")
         return key
-    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
-    return key or None
+    env = os.environ if env is None else env
+    ours, vllms = env.get(API_KEY_ENV, "").strip(), env.get(VLLM_API_KEY_ENV, "").strip()
+    if ours and vllms and ours != vllms:
+        raise ConfigError(f"${API_KEY_ENV} and ${VLLM_API_KEY_ENV} are set to different keys: rapidserve takes one; "
+                          f"unset one of them, or pass --api-key-file PATH")
+    return ours or vllms or None
 
 
 def _port(text: str) -> int:

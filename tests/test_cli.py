@@ -192,3 +192,24 @@ def test_slo_itl_ms_is_a_number_of_ms_or_none(command: str, text: str, want: flo
         parser.parse_args([command, f"--slo-itl-ms={text}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument --slo-itl-ms: {want}" in err, err
+
+
+@pytest.mark.parametrize("argv,env,want", [
+    ([], {"VLLM_API_KEY": "v"}, "v"),  # a vLLM user's key in the environment: the server is not left open
+    ([], {"RAPIDSERVE_API_KEY": "r", "VLLM_API_KEY": "r"}, "r"),
+    ([], {"RAPIDSERVE_API_KEY": "r", "VLLM_API_KEY": " "}, "r"),
+    (["--api-key", "flag"], {"VLLM_API_KEY": "v", "RAPIDSERVE_API_KEY": "r"}, "flag"),  # the flag first, as vLLM
+    ([], {"VLLM_API_KEY": ""}, None),
+    ([], {"RAPIDSERVE_API_KEY": "r", "VLLM_API_KEY": "v"}, "different keys"),
+])
+def test_the_api_key_from_vllms_environment_variable(argv: list[str], env: dict[str, str], want: str | None) -> None:
+    from rapidserve.cli import build_parser
+    from rapidserve.cli_serve import server_config
+    from rapidserve.config_base import ConfigError
+
+    a = build_parser().parse_args(["serve", *argv])
+    if want == "different keys":
+        with pytest.raises(ConfigError, match=r"\$RAPIDSERVE_API_KEY and \$VLLM_API_KEY are set to different keys"):
+            server_config(a, env)
+    else:
+        assert server_config(a, env).api_key == want
