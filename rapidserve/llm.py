@@ -108,12 +108,12 @@ class LLM:
     def _stop_string_hit(self, seq: Generation) -> str | None:
         """"stop" once a stop string ends in the text, none of them within the first min_tokens outputs' (vLLM's
         rule, stop_rules.first_stop_string); else None. Only the last tokens' text is searched, once they all
-        follow the first min_tokens: 16 more than 4 per character of the longest stop string (a token makes at
-        least one byte of text, a character at most 4), so a long stop string is found as soon as it ends."""
+        follow the first min_tokens: 16 more than the longest stop string's UTF-8 bytes (a token makes at least one
+        byte of text), so a long stop string is found as soon as it ends."""
         params, ids = seq.params, seq.output_token_ids
         if not params.stop or self.tokenizer is None or len(ids) <= params.min_tokens:
             return None
-        window = 16 + 4 * max(len(s) for s in params.stop)
+        window = 16 + max(len(s.encode("utf-8")) for s in params.stop)
         if len(ids) - params.min_tokens > window:
             text, floor = self.tokenizer.decode(ids[-window:], params.skip_special_tokens), 0
         else:

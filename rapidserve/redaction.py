@@ -37,19 +37,26 @@ _SECRET_ANY = frozenset({"password", "passwd", "passphrase", "secret", "secrets"
 _NOT_SECRET = frozenset({"eos_token", "bos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"})
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"<>]+@")
 # an Authorization header's credential: after Bearer, after Basic (base64), or the header's whole value
-_AUTH_SCHEME = re.compile(r"(?i)\b(bearer)(\s+)(?!\*\*\*)[^\s'\"\\,;]+|\b(basic)(\s+)()[A-Za-z0-9+/]{8,}=*")
+_AUTH_SCHEME = re.compile(r"(?i)\b(bearer|basic)(\s+)(?!\*\*\*)([^\s'\"\\,;]+)")
+# flags that take several values (vLLM's --api-key KEY [KEY ...]): every value up to the next flag is hidden
+_MULTI_VALUE = frozenset({"api_key"})
+_JSON_LIST = re.compile(r"([\"'])([A-Za-z_][\w.-]*)\1(\s*:\s*)\[([^\]]*)\]")
 _AUTH_HEADER = re.compile(r"(?i)(authorization['\"]?\s*[:=]\s*['\"]?)(?!bearer\b|basic\b)[^\s'\"\\,;]+")
-_VALUE = r"('[^']*'|\"[^\"]*\"|['\"]?[^\s'\"]+)"  # quoted, bare, or after an open quote
+_VALUE = r"('[^']*'|\"[^\"]*\"|['\"]?(?!-)[^\s'\"]+)"  # quoted, bare (not a next flag), or after an open quote
 _FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w.-]*)(=|\s+)" + _VALUE)
 _ASSIGN = re.compile(r"(?<![\w-])([A-Za-z_][\w.]*)=" + _VALUE)
 _JSON_PAIR = re.compile(r"([\"'])([A-Za-z_][\w.-]*)\1(\s*:\s*)(\[\s*)?(\"[^\"]*\"|'[^']*'|[^\s,{}\[\]\"']+)")
+
+
+def _norm(name: str) -> str:
+    return name.lstrip("-").lower().replace("-", "_").replace(".", "_")
 
 
 def is_secret_name(name: str) -> bool:
     """Whether a flag, environment variable or settings key of this name holds a secret (module docstring)."""
     norm = name.lstrip("-").lower().replace("-", "_").replace(".", "_")
     parts = [p for p in norm.split("_") if p]
-    if not parts or norm in _NOT_SECRET:
+    if not parts or norm in _NOT_SECRET or parts[0] == "no":  # --no-allow-credentials: a switch, no value
         return False
     return parts[-1] in _SECRET_LAST or any(p in _SECRET_ANY for p in parts)
 
@@ -58,12 +65,29 @@ def redact_text(text: str) -> str:
     """`text` with every secret it shows replaced (URL userinfo, Authorization credentials, secret flags'
     values, `SECRET_NAME=value`, `"secret_name": value`)."""
     text = _URL_USERINFO.sub(lambda m: m.group(1) + REDACTED + "@", text)
-    text = _AUTH_SCHEME.sub(lambda m: (m.group(1) or m.group(3)) + (m.group(2) or m.group(4)) + REDACTED, text)
+    text = _AUTH_SCHEME.sub(lambda m: m.group(1) + m.group(2) + REDACTED if _credential_like(m.group(3))
+                            else m.group(0), text)
+    text = _JSON_LIST.sub(lambda m: m.group(0) if not is_secret_name(m.group(2)) else
+                          m.group(1) + m.group(2) + m.group(1) + m.group(3) + "[" + _redact_items(m.group(4)) + "]",
+                          text)
     text = _AUTH_HEADER.sub(lambda m: m.group(1) + REDACTED, text)
     text = _FLAG.sub(lambda m: _keep_or_cut(m, 1, m.group(1) + m.group(2)), text)
     text = _ASSIGN.sub(lambda m: _keep_or_cut(m, 1, m.group(1) + "="), text)
     return _JSON_PAIR.sub(lambda m: _keep_or_cut(m, 2, m.group(1) + m.group(2) + m.group(1) + m.group(3)
                                                  + (m.group(4) or "")), text)
+
+
+def _credential_like(word: str) -> bool:
+    """Whether the word after `Bearer` / `Basic` looks like a credential, not prose ("a basic tokenizer", "bearer
+    of"): 8+ characters with a digit or a token's punctuation, or upper case after the first letter (base64)."""
+    w = word.rstrip(".")
+    return len(w) >= 8 and (any(c.isdigit() or c in "+/=-_~." for c in w)
+                            or (any(c.isupper() for c in w[1:]) and any(c.islower() for c in w)))
+
+
+def _redact_items(items: str) -> str:
+    """A JSON / Python list's items, each quoted one replaced (`['K1', 'K2']` under a secret key)."""
+    return re.sub(r"([\"'])[^\"']*\1", lambda m: m.group(1) + REDACTED + m.group(1), items) if items.strip() else items
 
 
 def _keep_or_cut(m: re.Match[str], name_group: int, prefix: str) -> str:
@@ -78,19 +102,20 @@ def redact_argv(argv: Iterable[str]) -> list[str]:
     """A command's arguments with every secret replaced: the value after a secret flag, after `--secret=`, after
     `SECRET_NAME=`, and any secret inside an argument (a nested flag string, a URL's userinfo)."""
     out: list[str] = []
-    hide_next = False
+    hide = 0  # values still to hide after a secret flag: 1, or every one up to the next flag (_MULTI_VALUE)
     for arg in map(str, argv):
-        if hide_next:
+        if hide and not arg.startswith("-"):
             out.append(REDACTED)
-            hide_next = False
+            hide = hide if hide < 0 else hide - 1
             continue
+        hide = 0
         name, eq, _ = arg.partition("=")
         if arg.startswith("-") and is_secret_name(name):
             if eq:
                 out.append(name + "=" + REDACTED)
             else:
                 out.append(arg)
-                hide_next = True
+                hide = -1 if _norm(name) in _MULTI_VALUE else 1
             continue
         if eq and not arg.startswith("-") and re.fullmatch(r"[A-Za-z_][\w.]*", name) and is_secret_name(name):
             out.append(name + "=" + REDACTED)
@@ -146,7 +171,13 @@ def secret_values(argv: Iterable[str]) -> list[str]:
     for i, arg in enumerate(toks):
         name, eq, value = arg.partition("=")
         if arg.startswith("-") and is_secret_name(name):
-            found.add(value if eq else (toks[i + 1] if i + 1 < len(toks) else ""))
+            if eq:
+                found.add(value)
+            else:  # the value after it (every one up to the next flag for --api-key: vLLM takes several)
+                for v in toks[i + 1:i + 2] if _norm(name) not in _MULTI_VALUE else toks[i + 1:]:
+                    if v.startswith("-"):
+                        break
+                    found.add(v)
         elif eq and is_secret_name(name):
             found.add(value)
         elif " " in arg and arg != redact_text(arg):

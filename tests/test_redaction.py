@@ -181,3 +181,31 @@ def test_vs_vllm_logs_its_command_redacted() -> None:
     r = _run([sys.executable, "-m", "rapidserve.redaction", *cmd])
     assert r.returncode == 0 and SECRET not in r.stdout and "--api-key" in r.stdout
     assert shlex.split(r.stdout)[:2] == ["python", "bench/compare.py"]
+
+
+@pytest.mark.parametrize("argv,want", [
+    # a valueless switch whose name ends like a secret hides nothing after it (two configurations stay two)
+    (["serve", "m", "--no-allow-credentials", "--max-model-len", "4096"],
+     ["serve", "m", "--no-allow-credentials", "--max-model-len", "4096"]),
+    # vLLM's --api-key takes several keys: every one is hidden, up to the next flag
+    (["vllm", "serve", "m", "--api-key", "K1SECRETAAAA", "K2SECRETBBBB", "--port", "8001"],
+     ["vllm", "serve", "m", "--api-key", "***", "***", "--port", "8001"]),
+    (["--hf-token", "hf_abc", "model"], ["--hf-token", "***", "model"]),  # one value for the others
+    (["--chat-template", "You are a basic assistant. {{ messages }}"],
+     ["--chat-template", "You are a basic assistant. {{ messages }}"]),  # prose after Basic / Bearer stays
+])
+def test_redact_argv_review_cases(argv: list[str], want: list[str]) -> None:
+    assert redact_argv(argv) == want
+
+
+def test_every_key_of_several_is_a_secret_and_lists_under_a_secret_key_are_redacted() -> None:
+    argv = ["vllm", "serve", "m", "--api-key", "K1SECRETAAAA", "K2SECRETBBBB", "--port", "8001"]
+    assert sorted(secret_values(argv)) == ["K1SECRETAAAA", "K2SECRETBBBB"]
+    assert redact_text("{'api_key': ['K1SECRETAAAA', 'K2SECRETBBBB'], 'port': 8001}") == \
+        "{'api_key': ['***', '***'], 'port': 8001}"
+    assert redact_text("the model uses a basic tokenizer; bearer of news") == \
+        "the model uses a basic tokenizer; bearer of news"
+    assert redact_text("Authorization: Basic dXNlcjpwYXNz and Bearer sk-abc123def456") == \
+        "Authorization: Basic *** and Bearer ***"
+    assert redact_args("--no-allow-credentials --max-num-seqs 64") != redact_args(
+        "--no-allow-credentials --max-model-len 64")
