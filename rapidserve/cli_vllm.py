@@ -106,11 +106,11 @@ def add_vllm_serve_args(sv: argparse.ArgumentParser) -> None:
                       help="rapidserve's log, in the server and its workers")
     logs.add_argument("--uvicorn-log-level", default="info", choices=(*LOG_LEVELS, "trace"),
                       help="the HTTP server's own log (vLLM's flag; the HTTP server is aiohttp; trace = debug)")
-    req = logs.add_mutually_exclusive_group()
-    req.add_argument("--disable-log-requests", "--no-enable-log-requests", dest="log_requests",
-                     action="store_false", default=True, help="no log line per request")
-    req.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
-                     help="a log line per request (the default)")
+    # not mutually exclusive: the last of them wins, as vLLM's --enable-log-requests / --no-enable-log-requests
+    logs.add_argument("--disable-log-requests", "--no-enable-log-requests", dest="log_requests",
+                      action="store_false", default=True, help="no log line per request (the last of these wins)")
+    logs.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                      help="a log line per request (the default)")
     sv.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                     help="split chat answers into the model's reasoning (message.reasoning_content and .reasoning, "
                          "and the same in stream deltas) and its content: deepseek_r1 (DeepSeek-R1, QwQ: the answer "

@@ -307,8 +307,7 @@ def test_served_model_names_and_log_flags_map_to_the_configs() -> None:
     (["--served-model-name", "a", "a"], "distinct"),
     (["--log-level", "loud"], "--log-level"),
     (["--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
-    (["--disable-log-requests", "--enable-log-requests"], "--enable-log-requests"),
-])
+])  # --disable-log-requests with --enable-log-requests: the last wins (test_log_requests_switches_last_wins)
 def test_bad_name_and_log_flags_exit_2(capsys: pytest.CaptureFixture[str], args: list[str], needle: str) -> None:
     assert needle in exit_2(capsys, "serve", "preset:tiny-llama", "--device", "cpu", *args)
 
@@ -420,3 +419,15 @@ def test_bad_kv_events_config_exits_2_before_the_port_is_bound(capsys: pytest.Ca
         code = main(["serve", "preset:tiny-llama", "--device", "cpu", *args])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--enable-log-requests", "--no-enable-log-requests"], False), (["--no-enable-log-requests",
+                                                                      "--enable-log-requests"], True),
+    (["--disable-log-requests", "--enable-log-requests"], True), (["--enable-log-requests"], True), ([], True),
+])
+def test_log_requests_switches_last_wins(argv: list[str], want: bool) -> None:
+    """vLLM's pair is a BooleanOptionalAction: given both, the last wins (it was an argparse 'not allowed with')."""
+    from rapidserve.cli import build_parser
+
+    assert build_parser().parse_args(["serve", *argv]).log_requests is want
