@@ -15,20 +15,16 @@ not timings); a step past the largest graph runs eagerly with its own choice, an
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from preset_runners import preset_runner
 
 from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import no_pdl as no_pdl_attention
-from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
 from rapidserve.kv_pool import KVPool
-from rapidserve.loader import ModelSource, expected_tensor_shapes
 from rapidserve.loader.preset_table import preset_table
-from rapidserve.loader.presets import preset_tensor
 from rapidserve.models.transformer import DecoderLayer
 from rapidserve.ops import fp8, fp8_ops, get_ops, no_pdl, pdl, triton_fp8_skinny, triton_skinny
 from rapidserve.ops.pdl import pdl_device, use_pdl
@@ -121,20 +117,8 @@ def test_decode_graph_with_pdl_gives_the_eager_bits_without(quantized: bool, bat
 def _runner(quantized: bool) -> ModelRunner:
     """A ModelRunner of Qwen3-8B's shapes cut to LAYERS layers (the preset's deterministic random weights; fp8:
     quantized at load) with decode graphs of batch 1 and 64."""
-    mcfg = dataclasses.replace(preset_table()["qwen3-8b"], num_layers=LAYERS)
-    shapes = expected_tensor_shapes(mcfg)
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, shape in shapes.items():
-            yield name, preset_tensor("qwen3-8b", mcfg, name, shape, device=CUDA, dtype=torch.bfloat16)
-
-    source = ModelSource(mcfg, weights, len(shapes), None, None, None, f"qwen3-8b ({LAYERS} layers)")
-    cfg = EngineConfig(model="qwen3-8b", model_config=mcfg, cache=CacheConfig(num_blocks=1024),
-                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=CTX),
-                       runner=RunnerConfig(device="cuda", dtype="bfloat16", graph_batch_sizes=(1, 64)))
-    if quantized:
-        cfg = dataclasses.replace(cfg, quantization=ONLINE_FP8)
-    return ModelRunner(cfg, source, show_progress=False)
+    return preset_runner("qwen3-8b", LAYERS, ctx=CTX, graph_batches=(1, 64), max_num_seqs=64,
+                         max_num_batched_tokens=8192, quantization=ONLINE_FP8 if quantized else None)
 
 
 def _by_batch(log: list[tuple[str, Any]]) -> dict[int, list[tuple[str, Any]]]:

@@ -15,9 +15,6 @@ tests/test_w8a16_model.py. Not run on the CPU machines: the lead's GPU runs."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -157,25 +154,10 @@ def test_the_decode_attention_writes_the_fp16_rows(batch: int) -> None:
 def _runner(quantization: object, batch: int, layers: int = 2, ctx: int = 256) -> object:
     """A `layers`-layer Qwen3-8B-shaped runner (the preset's random weights, bf16), graphs at `batch`, quantized at
     load with `quantization` (None: bf16), its KV pool random (seeded)."""
-    from rapidserve.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
-    from rapidserve.loader import ModelSource, expected_tensor_shapes
-    from rapidserve.loader.preset_table import preset_table
-    from rapidserve.loader.presets import preset_tensor
-    from rapidserve.runner import ModelRunner
+    from preset_runners import preset_runner
 
-    mcfg = dataclasses.replace(preset_table()["qwen3-8b"], num_layers=layers)
-    shapes = expected_tensor_shapes(mcfg)
-
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, shape in shapes.items():
-            yield name, preset_tensor("qwen3-8b", mcfg, name, shape, device=CUDA, dtype=torch.bfloat16)
-
-    source = ModelSource(mcfg, weights, len(shapes), None, None, None, f"qwen3-8b ({layers} layers)")
-    cfg = EngineConfig(model="qwen3-8b", model_config=mcfg, cache=CacheConfig(num_blocks=1024),
-                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096, max_model_len=ctx),
-                       runner=RunnerConfig(device="cuda", dtype="bfloat16", graph_batch_sizes=(batch,)))
-    runner = ModelRunner(dataclasses.replace(cfg, quantization=quantization) if quantization else cfg, source,
-                         show_progress=False)
+    runner = preset_runner("qwen3-8b", layers, ctx=ctx, graph_batches=(batch,), max_num_seqs=16,
+                           max_num_batched_tokens=4096, quantization=quantization)  # type: ignore[arg-type]
     torch.manual_seed(batch)
     for layer in range(runner.kv_pool.tensor.shape[0]):
         runner.kv_pool.tensor[layer].normal_()
