@@ -59,12 +59,19 @@ def compile_sm90(fn: Any, signature: dict[str, str], constexprs: dict[tuple[int,
                  target: tuple[str, int, int] = SM90) -> Any:
     """`fn` (a JITFunction) compiled for `target` (default sm_90): `signature` by argument name ("*bf16", "i32",
     "constexpr", ...), `constexprs` and `attrs` ({(i,): [["tt.divisibility", 16]]}, ...) by argument path, as
-    Triton's JIT passes them to `triton.compile` (bench/amd_compile_check.make_job makes them from a launch)."""
+    Triton's JIT passes them to `triton.compile` (bench/amd_compile_check.make_job makes them from a launch).
+
+    Always compiled afresh, with every IR kept: callers read the PTX and TTGIR, which a kernel loaded from a cache
+    packed binary-only (bench/triton_cache.py, the GPU suite's seed) does not have."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*target), options=options)
+    with triton.knobs.compilation.scope():
+        triton.knobs.compilation.always_compile = True
+        triton.knobs.compilation.store_binary_only = False
+        return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*target),
+                              options=options)
 
 
 def _tool(name: str) -> Path:

@@ -63,6 +63,24 @@ def test_table_entry_streams_its_tiles_on_sm90() -> None:
     _assert_streams(dac.analyse(dac.compile_split(cfg, "bf16"), cfg), buffers=2)
 
 
+@pytest.mark.skipif(not HAS_NVIDIA, reason="triton's NVIDIA backend is not installed")
+def test_reads_its_irs_past_a_binary_only_cache(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache holding the kernel binary-only (as the GPU suite's packed seed does) is a hit without PTX or TTGIR;
+    the compile helper compiles afresh anyway, so the analysis still reads them (the GPU suite failed on this)."""
+    import triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    cfg = decode_config(False, torch.bfloat16, False, 128)
+    with triton.knobs.compilation.scope():
+        triton.knobs.compilation.store_binary_only = True
+        dac.compile_split(cfg, "bf16")  # seeds the cache binary-only (the helper's own knobs are scoped inside)
+    for f in tmp_path.rglob("*.ptx"):
+        f.unlink()  # what bench/triton_cache.py's pack leaves: no IRs
+    kernel = dac.compile_split(cfg, "bf16")
+    assert "ptx" in kernel.asm and "ttgir" in kernel.asm
+    _assert_streams(dac.analyse(kernel, cfg), buffers=2)
+
+
 @pytest.mark.gpu
 def test_entries_stream_their_tiles_with_this_gpus_triton() -> None:
     """The same with the GPU machine's Triton, for its own target: the bf16 and fp8 entries and prefetch variants
