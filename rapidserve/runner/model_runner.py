@@ -45,6 +45,7 @@ from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
 from rapidserve.runner.inputs import Carry, DecodeItem, PrefillItem
+from rapidserve.runner.kv_budget import KVBudget
 from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
 from rapidserve.runner.prefill_task import Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher
 from rapidserve.runner.sampling import Sampling
@@ -234,7 +235,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
 
     def _gpu_kv_budget(self) -> int:
-        """total * utilization - memory in use - the activation peak of the largest step."""
+        """total * utilization - memory in use - the activation peak of the largest step (runner/kv_budget.py)."""
         torch.cuda.synchronize()
         tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
@@ -248,11 +249,14 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         max_bs = config_seats(self.cfg)  # the largest decode step (not the largest bucket: buckets beyond go unused)
-        peak = max(peak, max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        return int(total * self.cfg.cache.gpu_memory_utilization - (total - free) - peak)
+        budget = KVBudget(total, self.cfg.cache.gpu_memory_utilization, total - free, torch.cuda.memory_allocated(),
+                          torch.cuda.memory_reserved(), tokens, peak,
+                          max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
+        log.info("%s", budget.describe())
+        return budget.kv_bytes
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None,
