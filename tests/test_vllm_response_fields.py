@@ -165,6 +165,17 @@ def test_user_and_request_id_are_in_the_request_log_line(tok: Tokenizer, caplog:
     assert any('request_id="q9" user="alice"' in r.getMessage() for r in caplog.records)
 
 
+def test_safety_identifier_is_in_the_request_log_line(tok: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+    """Chat's safety_identifier (OpenAI's successor to `user`) is honoured where it can be: the operator's log."""
+    async def check(post: Post) -> None:
+        assert (await post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 1, "safety_identifier": "hash-7"}))[0] == 200
+
+    with caplog.at_level(logging.INFO, logger=REQUEST_LOG):
+        with_server(tok, check)
+    assert any('safety_identifier="hash-7"' in r.getMessage() for r in caplog.records)
+
+
 # ---------------------------------------------------------------- at the edge
 
 @pytest.fixture(scope="module")

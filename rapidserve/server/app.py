@@ -227,6 +227,7 @@ class Server:
 
 
 def _asked_ids(req: GenRequest) -> str:
-    """The ids the request gave itself, for its log line: vLLM's request_id, OpenAI's user (an end-user id)."""
-    return "".join(f" {k}={json.dumps(v)}" for k, v in (("request_id", req.request_id), ("user", req.user))
-                   if v is not None)
+    """The ids the request gave itself, for its log line: vLLM's request_id, OpenAI's user and safety_identifier
+    (end-user ids for abuse monitoring: this log is where an operator finds them)."""
+    ids = (("request_id", req.request_id), ("user", req.user), ("safety_identifier", req.safety_identifier))
+    return "".join(f" {k}={json.dumps(v)}" for k, v in ids if v is not None)

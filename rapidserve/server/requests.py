@@ -98,6 +98,7 @@ class GenRequest:
     include_usage: bool
     echo: bool = False
     user: str | None = None
+    safety_identifier: str | None = None  # chat's end-user id for abuse monitoring: logged with `user`
     logprobs_style: Literal["completion", "chat"] | None = None
     tools: ToolPlan | None = None  # chat: what its tools ask for (mode "none" without tools); None: not a chat
     structured_param: str | None = None  # the field that set params.structured_outputs (errors name it)
@@ -348,7 +349,8 @@ def _finish(plan: _Plan, prompts: list[list[int]], texts: list[str | None], ctx:
                                             "needs 'stream_options.include_usage': true too")
     return GenRequest(kind=plan.kind, model=plan.model, prompts=prompts, prompt_texts=texts, params=params,
                       stream=bool(r.stream), include_usage=include_usage, echo=bool(getattr(r, "echo", False)),
-                      user=r.user, logprobs_style=style, tools=plan.tools, structured_param=plan.structured_param,
+                      user=r.user, safety_identifier=getattr(r, "safety_identifier", None), logprobs_style=style,
+                      tools=plan.tools, structured_param=plan.structured_param,
                       reasoning=plan.reasoning, request_id=r.request_id, return_token_ids=bool(r.return_token_ids),
                       continuous_usage=continuous)
 

@@ -267,7 +267,8 @@ class ChatCompletionRequest(_SamplingRequest, kw_only=True):
     prompt_cache_key: Annotated[str, Meta(description=(
         "accepted: this server's prefix cache is automatic and shared, so a key changes nothing"))] | None = None
     safety_identifier: Annotated[str, Meta(description=(
-        "accepted: an end-user id for a provider's abuse monitoring; it does not change the answer"))] | None = None
+        "an end-user id for abuse monitoring: written to the request's log line, as `user`; it does not change "
+        "the answer"))] | None = None
 
 
 class GenerateRequest(_SamplingRequest, kw_only=True):

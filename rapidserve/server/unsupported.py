@@ -89,7 +89,8 @@ NESTED: Idle = MappingProxyType({  # "where.field": as IDLE (where: messages[] o
 NO_EFFECT: MappingProxyType[str, str] = MappingProxyType({  # accepted with any (valid) value: why it changes nothing
     "length_penalty": "beam search's: no effect without beam search (as in vLLM), which this server does not do",
     "prompt_cache_key": "the prefix cache is automatic and shared by every request, so a key changes nothing",
-    "safety_identifier": "an end-user id for a provider's abuse monitoring: it does not change the answer",
+    "safety_identifier": "an end-user id for abuse monitoring: written to the request's log line (as `user`); "
+                         "it does not change the answer",
     "response_format.json_schema.name": "the schema's label: the schema is what is enforced (as in vLLM)",
     "response_format.json_schema.description": "not shown to the model (as in vLLM): say it in the messages",
     "response_format.json_schema.strict": "the schema is always enforced here, strict or not (as in vLLM)",
