@@ -96,6 +96,8 @@ def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
 
 
 class ModelRunner(DecodeGraphs, Sampling, Mirrored):
+    kv_budget: KVBudget | None = None  # how the GPU pool was sized (runner/kv_budget.py); None: not sized here
+
     def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
                  show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None) -> None:
         """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
@@ -256,6 +258,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                           torch.cuda.memory_reserved(), tokens, peak,
                           max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
         log.info("%s", budget.describe())
+        self.kv_budget = budget
         return budget.kv_bytes
 
     # ---- prefill ------------------------------------------------------------------------------
