@@ -142,7 +142,7 @@ def ladder_table(rungs: Sequence[dict[str, Any]]) -> str:
 
 
 def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladder: Sequence[int] = (),
-            fp8: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+            fp8: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[str]]:
     import torch
     from gpu_timing import back_to_back_ms
     from model_runner import engine_config, preset_source
@@ -164,11 +164,12 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladde
     for layer in range(pool.tensor.shape[0]):
         pool.tensor[layer].normal_()
     runner.capture_prefill_graphs(key="default", show_progress=False)  # the decode worker's fused-step graphs
-    out = []
+    out, left_out = [], []
     for s in shapes:
         try:
             items = step_items(s, runner.block_size, pool.num_blocks, mcfg.vocab_size)
         except ValueError as e:  # a large model's pool holds fewer blocks: that shape is left out, and said so
+            left_out.append(str(e))
             print(f"{s.label}: left out ({e})", flush=True)
             continue
 
@@ -186,7 +187,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladde
         items = step_items(Shape(0, 0, t, 0), runner.block_size, pool.num_blocks, mcfg.vocab_size)
         ms = statistics.median(back_to_back_ms(lambda items=items: runner.prefill(items), reps=steps))
         rungs.append({"tokens": t, "ms": ms, "tokens_per_s": 1e3 * t / ms})
-    return runner.attn.name, out, rungs
+    return runner.attn.name, out, rungs, left_out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from step_profile import CATEGORIES
 
     fp8 = a.quantization == "fp8"
-    backend, rows, rungs = measure(a.model, a.backend, a.steps, SHAPES, () if a.no_ladder else LADDER, fp8)
+    backend, rows, rungs, left_out = measure(a.model, a.backend, a.steps, SHAPES, () if a.no_ladder else LADDER, fp8)
     by_label = {r["label"]: r for r in rows}  # shapes that did not fit the KV pool are absent
     alone = [(s, by_label[s.label]["ms"]) for s in SHAPES if s.rows == 0 and s.label in by_label]
     f = fit(alone) if len(alone) >= 3 else None
@@ -219,14 +220,15 @@ def main(argv: Sequence[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
            "weights": "fp8" if fp8 else "bf16",
            "command": "python bench/fused_step_profile.py " + " ".join(sys.argv[1:]), "fit": f, "shapes": rows,
-           "ladder": rungs}
+           "ladder": rungs, "left_out": left_out}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fused_step_profile.json"), "w") as fh:
         json.dump(res, fh, indent=1)
     text = (f"# A fused step's time by kernel category: {a.model} {res['weights']} on {res['gpu']} "
             f"({res['date']}, {backend})\n\n"
             f"Command: `{res['command']}`. Milliseconds per step (median of {a.steps}); `gaps`: step time no "
-            "kernel ran.\n\n" + table(rows, cats, f) + "\n")
+            "kernel ran.\n\n" + table(rows, cats, f) + "\n"
+            + "".join(f"\nLeft out: {why}.\n" for why in left_out))
     if rungs:
         text += ("\nThe ladder: one chunk alone at each size (no profiler; median of the timed forwards):\n\n"
                  + ladder_table(rungs) + "\n")

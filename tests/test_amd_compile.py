@@ -157,6 +157,30 @@ def test_one_kernel_compiles_for_each_target(captures: dict[str, list[tuple[Shap
             assert res["reg"] > 0 and res["local"] == 0
 
 
+def test_a_binary_only_cache_hit_is_compiled_again(captures: dict[str, list[tuple[Shape, list]]], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry stored without its AMDGCN text (TRITON_STORE_BINARY_ONLY, or a cache packed binary-only by
+    bench/triton_cache.py) is a hit that cannot be read: the job compiles it again instead of raising KeyError."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bench.amd_compile_check import jit_function
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    launch = next(x for _, ls in captures["gfx942"] for x in ls if x.kernel == "_silu_and_mul_kernel")
+    job = make_job(launch, TARGETS["gfx942"], {})
+    t = TARGETS["gfx942"]
+    with triton.knobs.compilation.scope():  # the entry as a binary-only store writes it: json and hsaco
+        triton.knobs.compilation.store_binary_only = True
+        triton.compile(ASTSource(jit_function(job.kernel), job.signature, job.constexprs, job.attrs),
+                       target=GPUTarget(t.backend, t.arch, t.warp_size), options=job.options)
+    assert list(tmp_path.rglob("*.hsaco")) and not list(tmp_path.rglob("*.amdgcn"))
+    res = compile_job(job)
+    assert "error" not in res and res["vgpr"] > 0, res
+    assert triton.knobs.compilation.always_compile is False  # the knob was scoped to the job
+
+
 @pytest.mark.parametrize("vgpr, agpr, sgpr, lds, warps, waves, limiter", [
     (154, 0, 106, 0, 4, 3, "vgpr"),  # 160 after the granule: 512 // 160
     (157, 0, 97, 32768, 4, 2, "lds"),  # two 4-wave workgroups a CU

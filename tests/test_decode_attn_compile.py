@@ -73,9 +73,9 @@ def test_reads_its_irs_past_a_binary_only_cache(tmp_path: Any, monkeypatch: pyte
     cfg = decode_config(False, torch.bfloat16, False, 128)
     with triton.knobs.compilation.scope():
         triton.knobs.compilation.store_binary_only = True
-        dac.compile_split(cfg, "bf16")  # seeds the cache binary-only (the helper's own knobs are scoped inside)
+        dac.compile_split(cfg, "bf16")  # seeds the cache (binary-only under a helper that does not scope its knobs)
     for f in tmp_path.rglob("*.ptx"):
-        f.unlink()  # what bench/triton_cache.py's pack leaves: no IRs
+        f.unlink()  # and as bench/triton_cache.py's pack leaves it under one that does: no IRs
     kernel = dac.compile_split(cfg, "bf16")
     assert "ptx" in kernel.asm and "ttgir" in kernel.asm
     _assert_streams(dac.analyse(kernel, cfg), buffers=2)
