@@ -29,6 +29,7 @@ def _load(name: str = "compare") -> ModuleType:
 
 
 compare = _load()
+args = _load("compare_args")
 
 
 def req(ok: bool = True, prompt: int = 1000, ttft: float = 0.5, itl: tuple[float, ...] = (0.01,)) -> dict[str, Any]:
@@ -277,13 +278,13 @@ def test_workloads_pass_through_to_the_bench_parser() -> None:
     ws = compare.workload_list(a)
     assert [w.title for w in ws] == ["multiturn 2048:64 x6 (+256/turn)", "fixed 4096:64",
                                      "multiturn 2048:64 x2 (+256/turn)", "azure-conv"]
-    cfg = compare.bench_config(a, ws[0].argv, base_url="http://h:1", label="vllm", deadline=5.0)
+    cfg = args.bench_config(a, ws[0].argv, base_url="http://h:1", label="vllm", deadline=5.0)
     spec = cfg.workload
     assert (spec.name, spec.input_len, spec.turn_input_len, spec.output_len, spec.num_turns) == (
         "multiturn", 2048, 256, 64, 6)
     assert (spec.token_lo, spec.token_hi, cfg.rates, cfg.num_prompts, cfg.warmup) == (5, 900, (2.0, INF), 32, 3)
     assert (cfg.base_url, cfg.label, cfg.deadline, cfg.model) == ("http://h:1", "vllm", 5.0, None)
-    fixed = compare.bench_config(a, ws[1].argv).workload  # the workload's own flags win over --bench-args
+    fixed = args.bench_config(a, ws[1].argv).workload  # the workload's own flags win over --bench-args
     assert (fixed.name, fixed.input_len, fixed.output_len) == ("fixed", 4096, 64)
     # the same workload twice gets distinct titles; no --workloads nor --workload-args: the two defaults
     twice = compare.build_parser().parse_args(["--workloads", "azure-code,azure-code"])
@@ -294,13 +295,13 @@ def test_workloads_pass_through_to_the_bench_parser() -> None:
 
 def test_num_prompts_default_caps_the_synthetic_workloads_only() -> None:
     parse = compare.build_parser().parse_args
-    assert compare.bench_config(parse([]), ["--workload", "multiturn"]).num_prompts == compare.NUM_PROMPTS
-    assert compare.bench_config(parse(["--num-prompts", "5"]), ["--workload", "multiturn"]).num_prompts == 5
-    assert compare.bench_config(parse(["--bench-args", "--num-prompts 7"]), []).num_prompts == 7
+    assert args.bench_config(parse([]), ["--workload", "multiturn"]).num_prompts == compare.NUM_PROMPTS
+    assert args.bench_config(parse(["--num-prompts", "5"]), ["--workload", "multiturn"]).num_prompts == 5
+    assert args.bench_config(parse(["--bench-args", "--num-prompts 7"]), []).num_prompts == 7
     trace = os.path.join(ROOT, "tests", "data", "azure_code_2023_excerpt.csv.gz")
     if "trace" in compare.WORKLOADS and os.path.exists(trace):  # the trace workload (issue 15, item 1)
-        cfg = compare.bench_config(parse(["--bench-args", "--duration-s 30"]),
-                                   ["--workload", "trace", "--trace", trace])
+        cfg = args.bench_config(parse(["--bench-args", "--duration-s 30"]),
+                                ["--workload", "trace", "--trace", trace])
         assert cfg.workload.name == "trace" and cfg.num_prompts is None  # the window decides, uncapped
 
 
@@ -340,7 +341,7 @@ def test_versus_vllm_ratios() -> None:
 
 
 def test_ext_system_that_does_not_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    url = f"http://127.0.0.1:{compare.free_port()}"
+    url = f"http://127.0.0.1:{_load('compare_systems').free_port()}"
     rc = compare.main(["--systems", f"ext:{url}", "--startup-timeout-s", "1", "--workloads", "8:2",
                        "--out", str(tmp_path), "--name", "ext"])
     data = json.loads((tmp_path / "ext.json").read_text())
@@ -423,13 +424,15 @@ def test_peak_fraction_helpers() -> None:
 
 def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     seen: list[tuple[str | None, int, int, tuple[float, ...]]] = []  # (system, input len, salt base, rates)
-    real = compare.run_benchmark
+    import compare_run  # the module compare.main runs each system with (bench/ is on sys.path once compare is loaded)
+
+    real = compare_run.run_benchmark
 
     async def spy(cfg):  # type: ignore[no-untyped-def]
         seen.append((cfg.label, cfg.workload.input_len, cfg.salt_base, cfg.rates))
         return await real(cfg)
 
-    monkeypatch.setattr(compare, "run_benchmark", spy)
+    monkeypatch.setattr(compare_run, "run_benchmark", spy)
     rc = compare.main(["--model", "preset:tiny-llama", "--serve-args", "--device cpu --num-kv-blocks 64",
                        "--systems", "", "--system", "a=", "--system", "ref=--mode hybrid", "--peak-reference", "ref",
                        "--workloads", "24:4,40:4", "--rates", "inf", "--peak-fractions", "0.5",
@@ -447,7 +450,7 @@ def test_compare_rates_from_the_reference_peak_on_cpu(tmp_path, monkeypatch) -> 
     # each workload's salts apart from the other's (a 40-token prompt would else begin with the 24-token one).
     halves = {24: round(0.5 * data["peaks"]["fixed 24:4"], 2), 40: round(0.5 * data["peaks"]["fixed 40:4"], 2)}
     want = [(label, n, base + k, rates) for label in ("ref", "a")
-            for n, base in ((24, 0), (40, compare.SALT_STRIDE))
+            for n, base in ((24, 0), (40, args.SALT_STRIDE))
             for k, rates in ((0, (math.inf,)), (1, (halves[n],)))]
     assert seen == want
 
