@@ -157,6 +157,7 @@ from compare_prior import hints_text, load_searches, peak_for, workload_flags  #
 from compare_repeats import REPEATS  # noqa: E402
 from compare_run import run_system  # noqa: E402
 from compare_search import repeats, system_search  # noqa: E402
+from compare_servers import make_server  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -165,8 +166,6 @@ from compare_systems import (  # noqa: E402
     VLLM,
     System,
     find_vllm_serve,
-    group_alive,  # noqa: F401
-    make_server,
     parse_systems,
     shared_serve_flags,  # noqa: F401
     vllm_baseline,

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_args import SALT_STRIDE, Workload, bench_config  # noqa: E402
 from compare_peak import closed_peak, fraction_rates, merge_results  # noqa: E402
 from compare_search import RUN_ERRORS, workload_searches  # noqa: E402
-from compare_systems import EXT, RAPIDSERVE, System, _append_log, _tail, free_port, make_server  # noqa: E402
+from compare_servers import _append_log, _tail, free_port, make_server  # noqa: E402
+from compare_systems import EXT, RAPIDSERVE, System  # noqa: E402
 
 from rapidserve.benchmark import run_benchmark, write_outputs  # noqa: E402
 from rapidserve.benchmark.cli import safe_name  # noqa: E402

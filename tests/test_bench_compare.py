@@ -30,6 +30,7 @@ def _load(name: str = "compare") -> ModuleType:
 
 compare = _load()
 args = _load("compare_args")
+servers = _load("compare_servers")
 
 
 def req(ok: bool = True, prompt: int = 1000, ttft: float = 0.5, itl: tuple[float, ...] = (0.01,)) -> dict[str, Any]:
@@ -341,7 +342,7 @@ def test_versus_vllm_ratios() -> None:
 
 
 def test_ext_system_that_does_not_answer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    url = f"http://127.0.0.1:{_load('compare_systems').free_port()}"
+    url = f"http://127.0.0.1:{servers.free_port()}"
     rc = compare.main(["--systems", f"ext:{url}", "--startup-timeout-s", "1", "--workloads", "8:2",
                        "--out", str(tmp_path), "--name", "ext"])
     data = json.loads((tmp_path / "ext.json").read_text())
@@ -391,7 +392,7 @@ def test_compare_with_a_vllm_system_through_serve_vllm_sh(tmp_path, monkeypatch)
     assert vs["system"] == "plain" and vs["request_throughput"] > 0 and vs["ttft_p50_ms"] > 0
     assert all(x["summary"]["completed"] == 6 for s in data["sweeps"] for x in s["runs"])  # 3 conversations x 2
     pid = int((run_dir / f"vllm_{data['systems'][0]['url'].rsplit(':', 1)[1]}.pid").read_text())
-    assert not compare.group_alive(pid)  # the stop ended the server's whole session
+    assert not servers.group_alive(pid)  # the stop ended the server's whole session
     with open(data["systems"][0]["log"]) as f:
         log = f.read()  # the script's output, then vLLM's own log (here the stand-in's, down to its stop)
     assert "healthy" in log and "(the server's own log)" in log and "SIGTERM: stopping" in log
