@@ -31,15 +31,8 @@ from compare_systems import (  # noqa: E402
     VLLM_SETTINGS,
 )
 
-from rapidserve.benchmark.cli import (  # noqa: E402
-    add_bench_args,
-    config_from_args,
-    nonneg_int,
-    positive_float,
-    positive_int,
-    rates_arg,
-    token_range_arg,
-)
+from rapidserve.benchmark.cli import add_bench_args, config_from_args  # noqa: E402
+from rapidserve.benchmark.flags import nonneg_int, positive_float, positive_int, rates_arg, token_range_arg  # noqa: E402
 from rapidserve.benchmark.report import workload_title  # noqa: E402
 from rapidserve.benchmark.runner import BenchConfig  # noqa: E402
 from rapidserve.benchmark.search_config import SearchConfig  # noqa: E402

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compare_slo import SLO_PREFIX, parse_slo_system  # noqa: E402
 from make_peer_model import vllm_quantization_flags  # noqa: E402
 
-from rapidserve.benchmark.cli import base_url_arg  # noqa: E402
+from rapidserve.benchmark.flags import base_url_arg  # noqa: E402
 from rapidserve.redaction import redact_text  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -55,8 +55,8 @@ import soak_report  # noqa: E402
 from soak_client import Tally, capacity_probe, counters_report, open_loop  # noqa: E402
 from soak_server import Launched, Sampler, SoakError, local_pid, text_supported, wait_healthy  # noqa: E402
 
-from rapidserve.benchmark.cli import base_url_arg, positive_float, positive_int, token_range_arg  # noqa: E402
 from rapidserve.benchmark.client import Target, fetch_models  # noqa: E402
+from rapidserve.benchmark.flags import base_url_arg, positive_float, positive_int, token_range_arg  # noqa: E402
 from rapidserve.redaction import redact_mapping, redact_text, scrub_file, secret_values  # noqa: E402
 
 # ---------------------------------------------------------------- the soak

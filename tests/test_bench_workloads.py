@@ -186,7 +186,7 @@ def test_penalties_flag_adds_the_penalties_to_every_request() -> None:
 
 def test_extra_body_is_merged_into_every_request(tmp_path: Path) -> None:
     """`--extra-body`: e.g. a JSON schema on every request (the structured-outputs throughput bench)."""
-    from rapidserve.benchmark.cli import extra_body_arg
+    from rapidserve.benchmark.flags import extra_body_arg
 
     body_file = Path(__file__).parent.parent / "bench" / "structured_outputs_body.json"
     extra = extra_body_arg("@" + str(body_file))

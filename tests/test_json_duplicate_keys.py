@@ -189,14 +189,14 @@ def _result(tmp_path: Path) -> None:
 
 
 def _extra_body_inline(tmp_path: Path) -> None:
-    from rapidserve.benchmark.cli import extra_body_arg
+    from rapidserve.benchmark.flags import extra_body_arg
 
     assert extra_body_arg('{"guided_json": {"input_length": 1}}') == {"guided_json": {"input_length": 1}}
     extra_body_arg('{"guided_json": {"input_length": 1, "input_length": 2}}')
 
 
 def _extra_body_file(tmp_path: Path) -> None:
-    from rapidserve.benchmark.cli import extra_body_arg
+    from rapidserve.benchmark.flags import extra_body_arg
 
     extra_body_arg("@" + str(_copy(tmp_path, "body.json", '{"input_length": 1, "input_length": 1}')))
 
@@ -254,7 +254,7 @@ def test_bench_inputs_and_json_flags_refuse_a_key_written_twice(
 
 def test_json_flags_still_take_nan_as_before() -> None:
     """json.loads' own reading is kept (NaN included): only a key written twice is new."""
-    from rapidserve.benchmark.cli import extra_body_arg
+    from rapidserve.benchmark.flags import extra_body_arg
 
     assert math.isnan(extra_body_arg('{"temperature": NaN}')["temperature"])
 

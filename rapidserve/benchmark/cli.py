@@ -35,16 +35,26 @@ import re
 import sys
 from typing import Any
 
-from rapidserve.benchmark.arrivals import ARRIVAL_PROCESSES, parse_rates
-from rapidserve.benchmark.flags import nonneg_float, nonneg_int, positive_float, positive_int
+from rapidserve.benchmark.arrivals import ARRIVAL_PROCESSES
+from rapidserve.benchmark.flags import (
+    SlosAction,
+    base_url_arg,
+    extra_body_arg,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    rates_arg,
+    time_scales_arg,
+    token_range_arg,
+)
 from rapidserve.benchmark.save import add_output_args, check_output_flags, save_results
 from rapidserve.benchmark.search_flags import SEARCH_NUM_PROMPTS, add_search_args, check_search_flags, search_from_args
 from rapidserve.benchmark.serving_result import DEFAULT_METRICS, DEFAULT_PERCENTILES
-from rapidserve.benchmark.stats import SLO_METRICS, parse_slos
+from rapidserve.benchmark.stats import SLO_METRICS
 from rapidserve.benchmark.traces import TRACE_ARRIVALS, TRACE_OVERFLOW, TraceSpec
 from rapidserve.benchmark.vllm_flags import add_vllm_args, resolve_vllm_flags
 from rapidserve.benchmark.workloads import TRACES, WORKLOADS, WorkloadSpec
-from rapidserve.jsonfile import DuplicateKeyError, loads_unique
 from rapidserve.redaction import redact_text
 
 DEFAULT_NUM_PROMPTS = 100
@@ -58,57 +68,6 @@ PENALTIES: dict[str, float] = {"presence_penalty": 0.5, "frequency_penalty": 0.5
 TRACE_FLAGS: tuple[tuple[str, str], ...] = (("--trace", "trace"), ("--trace-arrivals", "trace_arrivals"),
                                             ("--time-scale", "time_scale"), ("--trace-start", "trace_start"),
                                             ("--trace-overflow", "trace_overflow"), ("--block-size", "block_size"))
-
-
-def rates_arg(text: str) -> tuple[float, ...]:
-    try:
-        return parse_rates(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def time_scales_arg(text: str) -> tuple[float, ...]:
-    """'1,2,4' -> (1.0, 2.0, 4.0): positive finite time scales, each at most once."""
-    allowed = ("a comma-separated list of positive numbers (2 = twice as fast: the trace's inter-arrival "
-               "times divided by 2), e.g. 1,2,4")
-    out: list[float] = []
-    for p in text.split(","):
-        try:
-            v = float(p)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a number: expected {allowed}") from None
-        if not (math.isfinite(v) and v > 0):
-            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a positive finite number: "
-                                             f"expected {allowed}")
-        if v in out:
-            raise argparse.ArgumentTypeError(f"{p.strip()!r} appears twice in {text!r}")
-        out.append(v)
-    return tuple(out)
-
-
-def token_range_arg(text: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) >= int(m.group(2)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI with integers 0 <= LO < HI (token ids are drawn "
-                                         "from [LO, HI)), e.g. 1000:20000")
-    return int(m.group(1)), int(m.group(2))
-
-
-def base_url_arg(text: str) -> str:
-    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
-        raise argparse.ArgumentTypeError(f"{redact_text(text)!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
-    return text.rstrip("/")
-
-
-class SlosAction(argparse.Action):
-    """--goodput ttft:MS tpot:MS ...: parsed into {metric: ms} or an argparse error saying what is allowed."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        try:
-            setattr(namespace, self.dest, parse_slos(values))
-        except ValueError as e:
-            parser.error(f"argument {option_string}: {e}")
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -301,26 +260,6 @@ def config_from_args(a: argparse.Namespace) -> Any:
                        time_scales=tuple(a.time_scale) if a.time_scale is not None else (1.0,),
                        sampling=dict(PENALTIES) if getattr(a, "penalties", False) else {},
                        extra_body=dict(getattr(a, "extra_body", {}) or {}))
-
-
-def extra_body_arg(v: str) -> dict[str, Any]:
-    """--extra-body: a JSON object, given inline or as @path."""
-    text = v
-    if v.startswith("@"):
-        try:
-            with open(v[1:], encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise argparse.ArgumentTypeError(f"cannot read {v[1:]}: {e}") from None
-    try:
-        d = loads_unique(text, f"--extra-body {v[1:]}" if v.startswith("@") else "--extra-body")
-    except DuplicateKeyError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"guided_json\": {...}}'")
-    return d
 
 
 def safe_name(text: str) -> str:

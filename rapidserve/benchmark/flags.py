@@ -1,11 +1,20 @@
-"""Number and list parsers for the bench flags (argparse types: a clear error saying what is allowed)."""
+"""Value parsers for the bench flags (argparse types and actions: a clear error saying what is allowed): numbers
+and lists of them, request rates, trace time scales, token-id ranges, base URLs, --goodput SLOs and --extra-body's
+JSON object.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 from typing import Any
+
+from rapidserve.benchmark.arrivals import parse_rates
+from rapidserve.benchmark.stats import parse_slos
+from rapidserve.jsonfile import DuplicateKeyError, loads_unique
+from rapidserve.redaction import redact_text
 
 
 def _number(kind: type, lo: float, lo_open: bool = False) -> Callable[[str], Any]:
@@ -77,3 +86,74 @@ def only_bounds_arg(text: str) -> tuple[float | None, ...]:
     except argparse.ArgumentTypeError as e:
         raise argparse.ArgumentTypeError(f"{e}; each is a bound in ms or unbounded") from None
     return (*([None] if free else []), *bounds)
+
+
+def rates_arg(text: str) -> tuple[float, ...]:
+    try:
+        return parse_rates(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def time_scales_arg(text: str) -> tuple[float, ...]:
+    """'1,2,4' -> (1.0, 2.0, 4.0): positive finite time scales, each at most once."""
+    allowed = ("a comma-separated list of positive numbers (2 = twice as fast: the trace's inter-arrival "
+               "times divided by 2), e.g. 1,2,4")
+    out: list[float] = []
+    for p in text.split(","):
+        try:
+            v = float(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a number: expected {allowed}") from None
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} in {text!r} is not a positive finite number: "
+                                             f"expected {allowed}")
+        if v in out:
+            raise argparse.ArgumentTypeError(f"{p.strip()!r} appears twice in {text!r}")
+        out.append(v)
+    return tuple(out)
+
+
+def token_range_arg(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) >= int(m.group(2)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not LO:HI with integers 0 <= LO < HI (token ids are drawn "
+                                         "from [LO, HI)), e.g. 1000:20000")
+    return int(m.group(1)), int(m.group(2))
+
+
+def base_url_arg(text: str) -> str:
+    if not re.fullmatch(r"https?://[^\s/]+(/\S*)?", text):
+        raise argparse.ArgumentTypeError(f"{redact_text(text)!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
+    return text.rstrip("/")
+
+
+class SlosAction(argparse.Action):
+    """--goodput ttft:MS tpot:MS ...: parsed into {metric: ms} or an argparse error saying what is allowed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        try:
+            setattr(namespace, self.dest, parse_slos(values))
+        except ValueError as e:
+            parser.error(f"argument {option_string}: {e}")
+
+
+def extra_body_arg(v: str) -> dict[str, Any]:
+    """--extra-body: a JSON object, given inline or as @path."""
+    text = v
+    if v.startswith("@"):
+        try:
+            with open(v[1:], encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot read {v[1:]}: {e}") from None
+    try:
+        d = loads_unique(text, f"--extra-body {v[1:]}" if v.startswith("@") else "--extra-body")
+    except DuplicateKeyError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"guided_json\": {...}}'")
+    return d
