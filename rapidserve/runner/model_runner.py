@@ -11,14 +11,14 @@ Sampling is separate (`sample`, `sample_next`: sampling.py), so the engine decid
 
 `ModelRunner` is composed of the parts in this package, each a class of the methods of one concept over the
 runner's state: `BatchInputs` (inputs.py), `DecodeGraphs` (decode_graphs.py), `Sampling` (sampling.py) and
-`Mirrored` (tp.py: the tensor-parallel hooks). This module holds start-up (device, dtype, weights, the KV
-pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_task.py) and stream ordering.
+`Mirrored` (tp.py: the tensor-parallel hooks). This module holds start-up (device and dtype as device.py resolves
+them, weights, the KV pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_task.py) and
+stream ordering.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -44,6 +44,7 @@ from rapidserve.ops.pdl_table import OFF
 from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
+from rapidserve.runner.device import resolve_device, resolve_dtype
 from rapidserve.runner.inputs import Carry, DecodeItem, PrefillItem
 from rapidserve.runner.kv_budget import KVBudget
 from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
@@ -57,35 +58,7 @@ if TYPE_CHECKING:
     from rapidserve.parallel.mirror import Leader
     from rapidserve.runner.model_sharing import SharedState
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"device={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device={name!r} is not supported; use auto, cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        mps = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
-        why = (f" to this process, which runs under the MPS daemon at {mps} (a daemon sees only the GPUs its own "
-               "CUDA_VISIBLE_DEVICES named; serve with --mps off, or start the daemon without it)") if mps else ""
-        raise ConfigError(f"device={name!r} but no CUDA/ROCm GPU is visible{why}; use --device cpu")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        if name not in DTYPES:
-            raise ConfigError(f"dtype={name!r} is not supported; use auto or one of {sorted(DTYPES)}")
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
