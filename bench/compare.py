@@ -146,6 +146,7 @@ from compare_args import (  # noqa: E402
     NUM_PROMPTS,
     Workload,
     build_parser,
+    check_flags,
     parse_workload,  # noqa: F401
     probe_text,
     search_config,
@@ -220,9 +221,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     systems = select_systems(p, a)
+    if a.step_traces and not any(s.kind == RAPIDSERVE for s in systems):
+        p.error("--step-traces starts rapidserve servers with --step-trace, and none of the systems is one (vLLM "
+                "and ext: servers write no step trace): add one of ours, or drop --step-traces")
     labels = [s.label for s in systems]
     try:
         a.search = search_config(a)
+        check_flags(a)
         for s in systems if a.search is not None else ():
             system_search(a.search, s)
         a.search_hints, a.search_peaks = load_searches(a.search_start_from) if a.search_start_from else ({}, {})

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -49,6 +50,11 @@ from rapidserve.redaction import redact_text  # noqa: E402
 DESCRIPTION = "Engine configurations, and the real vLLM, side by side on one GPU: the same load against each."
 
 NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no cap)
+# The defaults of the sweep-only flags, by identity: main tells a flag given (a new object) from its default, so that
+# --goodput-search refuses them by name instead of ignoring them (check_flags).
+RATES = (1.0, 2.0, 4.0, 8.0, math.inf)
+ITL_BOUNDS_MS = [100.0, 50.0]
+_IN_OUT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")  # ASCII digits only (str.isdigit takes '²' and '٤')
 
 
 def parse_workload(text: str) -> list[str]:
@@ -56,11 +62,78 @@ def parse_workload(text: str) -> list[str]:
     t = text.strip()
     if t in WORKLOADS:
         return ["--workload", t]
-    parts = t.split(":")
-    if len(parts) == 2 and all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        return ["--workload", "fixed", "--input-len", parts[0].strip(), "--output-len", parts[1].strip()]
+    m = _IN_OUT.fullmatch(t)
+    if m and all(int(g) > 0 for g in m.groups()):
+        return ["--workload", "fixed", "--input-len", str(int(m.group(1))), "--output-len", str(int(m.group(2)))]
     raise argparse.ArgumentTypeError(f"{text!r} is not IN:OUT (positive token counts, e.g. 4096:64) or one of "
                                      f"{', '.join(WORKLOADS)} (or give its flags with --workload-args)")
+
+
+def workloads_arg(text: str) -> list[list[str]]:
+    """--workloads: comma-separated IN:OUT or workload names, none empty (a stray comma, or an empty value that
+    would silently run the default workloads, is refused)."""
+    parts = text.split(",")
+    if not text.strip() or any(not x.strip() for x in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty item: give comma-separated IN:OUT (e.g. 4096:64) or "
+                                         f"workload names ({', '.join(WORKLOADS)}); leave the flag out for the "
+                                         "defaults, or give only --workload-args")
+    return [parse_workload(x) for x in parts]
+
+
+def itl_bounds_arg(text: str) -> list[float]:
+    """--itl-bounds-ms: comma-separated positive bounds in ms, each once, in the order given."""
+    out: list[float] = []
+    for part in text.split(","):
+        try:
+            v = float(positive_float(part.strip()))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (in {text!r}: expected positive bounds in ms, e.g. 100,50)") \
+                from None
+        if v in out:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r} appears twice in {text!r}: give each bound once")
+        out.append(v)
+    return out
+
+
+def port_arg(text: str) -> int:
+    """--port: 0 (a free one) or a TCP port, 1-65535."""
+    v = int(nonneg_int(text))
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a TCP port: give 1-65535, or 0 for a free one")
+    return v
+
+
+def stem_arg(text: str) -> str:
+    """--name: the reports' file stem (<out>/<name>.json ...): not empty, no folder in it."""
+    if not text.strip() or text in (".", "..") or "/" in text or os.sep in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file name stem: give a name without '/' (the files "
+                                         "go in --out), e.g. compare")
+    return text
+
+
+def folder_arg(text: str) -> str:
+    """--out: a folder path, not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("'' is not a folder: give the folder the reports go in, e.g. bench/results")
+    return text
+
+
+def flags_arg(text: str) -> str:
+    """A flag string (--serve-args, --bench-args, --workload-args) that the shell would split: unbalanced quotes are
+    refused here, naming the flag (not its text: it may hold an --api-key)."""
+    try:
+        shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e} (the flags are split as the shell splits them)") from None
+    return text
+
+
+def workload_flags_arg(text: str) -> str:
+    """--workload-args: one workload's `rapidserve bench` flags, not empty."""
+    if not shlex.split(flags_arg(text)):
+        raise argparse.ArgumentTypeError("no flags: give a workload's `rapidserve bench` flags, e.g. '--workload "
+                                         "multiturn --num-turns 6'")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", action="append", default=[], metavar="LABEL=SPEC",
                    help="an extra system: LABEL=FLAGS (ours, e.g. 'mine=--mode rapid --partition static:0.75'), "
                         "LABEL=vllm:FLAGS or LABEL=ext:URL (repeatable)")
-    p.add_argument("--serve-args", default="",
+    p.add_argument("--serve-args", type=flags_arg, default="",
                    help="flags every server of ours gets, e.g. '--max-model-len 8192 --gpu-memory-utilization 0.8'; "
                         f"vLLM gets those of {', '.join(SHARED_VALUE_FLAGS + SHARED_SWITCHES)}")
     v = p.add_argument_group("vLLM systems")
@@ -95,16 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the system the 'vs vLLM' ratios divide by (default: the first vllm system; with "
                         "--continue-from, the earlier report's)")
     w = p.add_argument_group("workloads and load")
-    w.add_argument("--workloads", type=lambda t: [parse_workload(x) for x in t.split(",") if x.strip()], default=None,
+    w.add_argument("--workloads", type=workloads_arg, default=None,
                    help="comma-separated IN:OUT or `rapidserve bench --workload` names: " + ", ".join(WORKLOADS)
                         + " (default, without --workload-args: 4096:64,4096:1024)")
-    w.add_argument("--workload-args", action="append", default=[], metavar="FLAGS",
+    w.add_argument("--workload-args", type=workload_flags_arg, action="append", default=[], metavar="FLAGS",
                    help="one more workload given as `rapidserve bench` flags, e.g. '--workload multiturn "
                         "--num-turns 6' (repeatable)")
-    w.add_argument("--bench-args", default="", metavar="FLAGS",
+    w.add_argument("--bench-args", type=flags_arg, default="", metavar="FLAGS",
                    help="`rapidserve bench` flags for every workload, e.g. '--input-len 2048 --turn-input-len 256 "
                         "--output-len 64 --num-turns 6' (a workload's own flags come after and win)")
-    w.add_argument("--rates", type=rates_arg, default=(1.0, 2.0, 4.0, 8.0, math.inf))
+    w.add_argument("--rates", type=rates_arg, default=RATES,
+                   help="the sweep's request rates, comma-separated, inf a closed loop (default: 1,2,4,8,inf; not "
+                        "with --goodput-search, which picks its rates)")
     w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
                    help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
                         "rate inf, run first) on each workload, for every system; needs inf in --rates")
@@ -126,21 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--warmup", type=nonneg_int, default=2, help="unrecorded requests before each sweep")
     w.add_argument("--seed", type=nonneg_int, default=0)
     w.add_argument("--timeout-s", type=positive_float, default=300.0, help="per request")
-    p.add_argument("--itl-bounds-ms", type=lambda t: [positive_float(x) for x in t.split(",")], default=[100.0, 50.0],
-                   help="the sweep's p99 ITL bounds (with --goodput-search: --search-itl-bounds-ms)")
+    p.add_argument("--itl-bounds-ms", type=itl_bounds_arg, default=ITL_BOUNDS_MS,
+                   help="the sweep's p99 ITL bounds, comma-separated, each once (default: 100,50; with "
+                        "--goodput-search: --search-itl-bounds-ms instead)")
     p.add_argument("--duration-budget-s", "--budget-s", dest="duration_budget_s", type=positive_float, default=None,
                    help="no new system or rate starts after this many seconds; with --goodput-search each search gets "
                         "a share of what is left and stops when it is spent, reporting its brackets so far "
                         "(unfinished)")
     p.add_argument("--startup-timeout-s", type=positive_float, default=900.0,
                    help="per server (vLLM takes 2-3 min: torch.compile and CUDA graphs)")
-    p.add_argument("--port", type=nonneg_int, default=0, help="server port (default: a free one)")
+    p.add_argument("--port", type=port_arg, default=0, help="server port, 1-65535 (default, 0: a free one)")
     p.add_argument("--step-traces", action="store_true",
                    help="start each rapidserve server with --step-trace "
                         "<out>/compare_logs/<name>__<system>.steps.jsonl (every landed step of its decode "
                         "worker; python bench/step_fit.py reads them)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--name", default="compare")
+    p.add_argument("--out", type=folder_arg,
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--name", type=stem_arg, default="compare", help="the reports' file stem (default: %(default)s)")
     p.add_argument("--dry-run", action="store_true", help="print the server commands and the workloads and exit")
     add_search_args(p, budget=False)
     p.add_argument("--search-shared-ceiling", action="store_true",
@@ -235,10 +312,23 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
     flags are wrong."""
     p = _BenchFlags(prog="rapidserve bench", add_help=False)
     add_bench_args(p)
-    p.set_defaults(request_rate=tuple(a.rates if rates is None else rates), arrival=a.arrival,
+    sweep_rates = tuple(a.rates if rates is None else rates)
+    p.set_defaults(request_rate=sweep_rates, arrival=a.arrival,
                    token_range=a.token_range, num_prompts=a.num_prompts, duration_s=a.duration_s,
                    max_concurrency=a.max_concurrency, seed=a.seed, warmup=a.warmup, timeout_s=a.timeout_s)
     ns = p.parse_args([*shlex.split(a.bench_args), *argv])
+    # compare.py sets these per system: given among the workload's flags they would be silently replaced
+    own = [f for f, v in (("--base-url", ns.base_url), ("--label", ns.label)) if v is not None]
+    if own:
+        raise ValueError(f"{', '.join(own)}: compare.py sets each system's server URL and label itself; drop "
+                         f"{'it' if len(own) == 1 else 'them'} from --bench-args/--workload-args")
+    if a.goodput_search:  # as `rapidserve bench --goodput-search` refuses them (search_flags.check_search_flags)
+        sweep = [f for f, given in (("--request-rate", ns.request_rate is not sweep_rates),
+                                    ("--time-scale", ns.time_scale is not None)) if given]
+        if sweep:
+            raise ValueError(f"{', '.join(sweep)} {'sets' if len(sweep) == 1 else 'set'} a sweep's load; "
+                             "--goodput-search picks the rates itself (each probe sends --num-prompts Poisson "
+                             "arrivals): drop it from --bench-args/--workload-args")
     if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
         ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
     if a.goodput_search:
@@ -278,9 +368,20 @@ def workload_list(a: argparse.Namespace) -> list[Workload]:
     return out
 
 
+def check_flags(a: argparse.Namespace) -> None:
+    """ValueError naming a flag that the other flags would make compare.py ignore (after search_config, which
+    refuses the sweep's flags with --goodput-search): --peak-reference without --peak-fractions."""
+    if a.peak_reference is not None and not a.peak_fractions:
+        raise ValueError("--peak-reference names the system whose closed peak sets --peak-fractions' rates: give "
+                         "--peak-fractions F,F,... (with inf in --rates) too, or drop --peak-reference")
+
+
 def search_config(a: argparse.Namespace) -> SearchConfig | None:
     """The goodput search's settings (None without --goodput-search); ValueError for flags that do not go."""
     given = [f for f, v in (("--duration-s", a.duration_s), ("--peak-fractions", a.peak_fractions)) if v is not None]
+    # the sweep's --rates and --itl-bounds-ms: given where they are not the default objects (RATES, ITL_BOUNDS_MS)
+    given += [f for f, v, default in (("--rates", a.rates, RATES), ("--itl-bounds-ms", a.itl_bounds_ms, ITL_BOUNDS_MS))
+              if v is not default]
     shared = getattr(a, "search_shared_ceiling", False)
     if not a.goodput_search:
         search_flags = [f for f, _ in SEARCH_FLAGS if getattr(a, f[2:].replace("-", "_")) is not None]
@@ -293,7 +394,8 @@ def search_config(a: argparse.Namespace) -> SearchConfig | None:
         return None
     if given:
         raise ValueError(f"{', '.join(given)} belong to a sweep; --goodput-search sends --num-prompts Poisson "
-                         "arrivals per probe at the rates it picks")
+                         "arrivals per probe at the rates it picks" + (" (its ITL bounds: --search-itl-bounds-ms)"
+                                                                       if "--itl-bounds-ms" in given else ""))
     cfg = search_from_args(a, shared_ceiling=shared)
     if shared and cfg.max_rate is not None:
         raise ValueError("--search-shared-ceiling takes the ceiling from the systems' peaks, --search-max-rate gives "

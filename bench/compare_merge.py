@@ -25,8 +25,10 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from compare_args import folder_arg, stem_arg  # noqa: E402
 from compare_continue import MATCH, MATCH_NEWER, load_prior  # noqa: E402
 from compare_frontier import write_frontier_report  # noqa: E402
+from compare_slo import COMPOSITE, is_part  # noqa: E402
 
 from rapidserve.jsonfile import load_unique  # noqa: E402
 
@@ -69,8 +71,8 @@ def merge_reports(paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("reports", nargs="+", help="compare.py --goodput-search reports (<name>.json), in table order")
-    p.add_argument("--out", required=True, help="folder of the merged <name>.json / .md")
-    p.add_argument("--name", default="frontier_merged")
+    p.add_argument("--out", type=folder_arg, required=True, help="folder of the merged <name>.json / .md")
+    p.add_argument("--name", type=stem_arg, default="frontier_merged")
     p.add_argument("--reference", default=None,
                    help="the system the ratios divide (default: the engine's default policy, the composite row "
                         "'default (SLO = bound)' where duet@B systems ran, else rapidserve)")
@@ -83,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for line in skipped:
         print(f"compare_merge: skipped {line}", file=sys.stderr)
+    labels = list(dict.fromkeys(f["label"] for f in merged["frontiers"]))
+    known = [*labels, *([COMPOSITE] if any(is_part(x) for x in labels) else [])]
+    if a.reference is not None and a.reference not in known:  # else every ratio row would be silently missing
+        p.error(f"--reference {a.reference!r} is none of the merged systems: give one of {', '.join(known)}")
     os.makedirs(a.out, exist_ok=True)
     meta = {**{k: v for k, v in merged.items() if k != "frontiers"}, "reference": a.reference}
     paths = write_frontier_report(argparse.Namespace(out=a.out, name=a.name), meta, [], plot=not a.no_plot,

@@ -148,13 +148,17 @@ def parse_systems(names: str, extra: Sequence[str], search: bool = False) -> lis
     each --system LABEL=SPEC (SPEC: vllm, vllm:FLAGS, ext:URL or rapidserve flags). With `search` (--goodput-search) a
     bare `vllm` in --systems is vllm-best (`vllm:` alone: vLLM's defaults only). ValueError saying what is wrong."""
     chosen: list[System] = []
-    for n in (s.strip() for s in names.split(",")):
-        if not n:
-            continue
+    items = [s.strip() for s in names.split(",")] if names.strip() else []  # "": only --system's systems
+    if any(not n for n in items):
+        raise ValueError(f"--systems {redact_text(names)!r} has an empty item: give comma-separated system names")
+    for n in items:
         if n == VLLM_BEST or (search and n == VLLM):
             chosen += vllm_settings()
             continue
-        s = special_system(n)
+        try:
+            s = special_system(n)
+        except ValueError as e:
+            raise ValueError(f"--systems {redact_text(n)!r}: {e}") from None
         slo = parse_slo_system(n) if s is None else None
         if slo is not None:
             s = System(slo[0], RAPIDSERVE, slo[1], only_bounds=(slo[2],))
@@ -168,10 +172,13 @@ def parse_systems(names: str, extra: Sequence[str], search: bool = False) -> lis
         label, sep, spec = item.partition("=")
         if not sep or not label.strip():
             raise ValueError(f"--system {item!r}: expected LABEL=FLAGS (or LABEL=vllm:FLAGS, LABEL=ext:URL)")
-        s = special_system(spec, label.strip())
-        if s is None:
-            shlex.split(spec)
-            s = System(label.strip(), RAPIDSERVE, spec.strip())
+        try:
+            s = special_system(spec, label.strip())
+            if s is None:
+                shlex.split(spec)
+                s = System(label.strip(), RAPIDSERVE, spec.strip())
+        except ValueError as e:  # unbalanced quotes, an ext: URL that is not one; the item without its secrets
+            raise ValueError(f"--system {redact_text(item)!r}: {e}") from None
         chosen.append(s)
     if not chosen:
         raise ValueError("no systems selected")

@@ -665,3 +665,67 @@ def test_reports_whose_searches_differ_only_in_extent_compare(tmp_path, extent: 
                         ({"tolerance": 0.5}, "tolerance: 0.05 there, 0.5 here")):
         with pytest.raises(ValueError, match=re.escape(said)):
             cont.load_prior(str(path), {**_prior(mode="frontier"), "search": {**settings, **extent, **other}})
+
+
+# Every flag's bad value, and every combination that would make compare.py ignore a flag, is refused at parse time
+# (exit 2, naming the flag and what is allowed), before any server starts. Each of these was accepted before: an
+# empty item dropped (an empty --workloads ran the default workloads), a duplicate ITL bound (a column twice), a port
+# past 65535, a --name with a folder in it (the report written at the end, after the GPU time, failed), --rates and
+# --itl-bounds-ms with --goodput-search (ignored), --peak-reference without --peak-fractions (ignored),
+# --step-traces with no rapidserve system (ignored), --base-url/--label among the bench flags (replaced per system),
+# --request-rate/--time-scale among them with --goodput-search (ignored), and unbalanced quotes reported without
+# the flag's name.
+@pytest.mark.parametrize("argv,match", [
+    (["--workloads", "4096:"], "argument --workloads: '4096:' is not IN:OUT"),
+    (["--workloads", ""], "argument --workloads: '' has an empty item"),
+    (["--workloads", "4096:64,"], "argument --workloads: '4096:64,' has an empty item"),
+    (["--workloads", "4096:64,,multiturn"], "has an empty item"),
+    (["--workloads", "\u0664:\u0665"], "is not IN:OUT"),  # Arabic-Indic digits: str.isdigit() took them
+    (["--rates", "abc"], "argument --rates: 'abc' in 'abc' is not a number"),
+    (["--itl-bounds-ms", "100,100"], "argument --itl-bounds-ms: '100' appears twice"),
+    (["--itl-bounds-ms", "100,"], "argument --itl-bounds-ms: '' is not a number"),
+    (["--port", "65536"], "argument --port: 65536 is not a TCP port: give 1-65535, or 0"),
+    (["--name", "a/b"], "argument --name: 'a/b' is not a file name stem"),
+    (["--name", ""], "argument --name: '' is not a file name stem"),
+    (["--out", ""], "argument --out: '' is not a folder"),
+    (["--serve-args", "--api-key 'k"], "argument --serve-args: No closing quotation"),
+    (["--bench-args", "--api-key 'k"], "argument --bench-args: No closing quotation"),
+    (["--workload-args", "--workload 'multiturn"], "argument --workload-args: No closing quotation"),
+    (["--workload-args", " "], "argument --workload-args: no flags"),
+    (["--systems", "rapid-adaptive,"], "--systems 'rapid-adaptive,' has an empty item"),
+    (["--systems", "", "--system", "x=--mode 'rapid"], "--system \"x=--mode 'rapid\": No closing quotation"),
+    (["--systems", "", "--system", "x=ext:ftp://u:pw@h"], "--system 'x=ext:ftp://***@h': 'ftp://***@h' is not"),
+    (["--goodput-search", "--rates", "1,2"], "--rates belong to a sweep; --goodput-search sends"),
+    (["--goodput-search", "--rates", "1,2,4,8,inf"], "--rates belong to a sweep"),  # given, even at the default
+    (["--goodput-search", "--itl-bounds-ms", "50"], "--itl-bounds-ms belong to a sweep; --goodput-search sends "
+     "--num-prompts Poisson arrivals per probe at the rates it picks (its ITL bounds: --search-itl-bounds-ms)"),
+    (["--peak-reference", "rapid-adaptive"], "--peak-reference names the system whose closed peak"),
+    (["--systems", "ext:http://h:1", "--step-traces"], "--step-traces starts rapidserve servers"),
+    (["--bench-args", "--base-url http://h:1"], "--base-url: compare.py sets each system's server URL"),
+    (["--workload-args", "--workload multiturn --label x"], "--label: compare.py sets"),
+    (["--goodput-search", "--bench-args", "--request-rate 3"], "--request-rate sets a sweep's load"),
+    (["--goodput-search", "--workload-args", "--workload multiturn --time-scale 2"], "--time-scale sets"),
+])
+def test_bad_flags_are_refused_by_name(argv: list[str], match: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as ei:
+        compare.main(["--dry-run", *(["--systems", "rapidserve"] if "--systems" not in argv else []), *argv])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and match in err, err
+    assert "pw@" not in err
+
+
+def test_good_flags_still_pass() -> None:
+    from compare_args import ITL_BOUNDS_MS, RATES
+
+    parse = compare.build_parser().parse_args
+    a = parse(["--workloads", " 4096 : 64,multiturn", "--itl-bounds-ms", "100,50,25", "--port", "65535",
+               "--name", "run_1.x", "--workload-args", "--workload multiturn"])
+    assert a.workloads == [["--workload", "fixed", "--input-len", "4096", "--output-len", "64"],
+                           ["--workload", "multiturn"]]
+    assert (a.itl_bounds_ms, a.port, a.name) == ([100.0, 50.0, 25.0], 65535, "run_1.x")
+    # the defaults are the module's own objects (how --goodput-search tells them from given ones)
+    assert parse([]).rates is RATES and parse([]).itl_bounds_ms is ITL_BOUNDS_MS
+    # --systems "" with --system: only those systems; the sweep's flags with their defaults go with a search
+    assert compare.main(["--dry-run", "--systems", "", "--system", "a=", "--goodput-search"]) == 0
+    assert compare.main(["--dry-run", "--systems", "rapidserve", "--peak-fractions", "0.5",
+                         "--peak-reference", "rapidserve", "--step-traces"]) == 0

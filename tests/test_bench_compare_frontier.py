@@ -48,7 +48,7 @@ def test_dry_run_defaults_to_the_frontier_systems(capsys: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("argv,match", [
     (["--search-tolerance", "0.1"], "--search-tolerance only apply with --goodput-search"),
-    (["--goodput-search", "--peak-fractions", "0.5", "--rates", "inf"], "--peak-fractions belong to a sweep"),
+    (["--goodput-search", "--peak-fractions", "0.5", "--rates", "inf"], "--peak-fractions, --rates belong to a sweep"),
     (["--goodput-search", "--duration-s", "30"], "--duration-s belong to a sweep"),
     (["--goodput-search", "--search-tolerance", "2"], "--search-tolerance 2"),
     (["--goodput-search", "--workload-args", "--workload trace --trace t.csv"], "--trace-arrivals poisson"),

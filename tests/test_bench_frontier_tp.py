@@ -240,6 +240,22 @@ def test_merge_joins_the_groups_and_skips_what_does_not_compare(tmp_path, capsys
     assert data["reference"] == "rapidserve"  # no duet@B ran: the engine's default as serve runs it
 
 
+def test_merge_refuses_a_reference_that_is_none_of_its_systems(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # an unknown --reference used to be taken as given: every ratio row silently missing from the merged report
+    a = _report(tmp_path, "a", OWN[:2])
+    out = tmp_path / "m"
+    with pytest.raises(SystemExit) as ei:
+        merge.main([a, "--out", str(out), "--reference", "rapidserv", "--no-plot"])
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and "--reference 'rapidserv' is none of the merged systems" in err
+    assert "rapidserve, disagg-npmd" in err and not out.exists()
+    for bad, match in ((["--name", "x/y"], "argument --name"), (["--out", ""], "argument --out")):
+        with pytest.raises(SystemExit) as ei:
+            merge.main([a, "--out", str(out), *bad])
+        assert ei.value.code == 2 and match in capsys.readouterr().err
+    assert merge.main([a, "--out", str(out), "--reference", "disagg-npmd", "--no-plot"]) == 0
+
+
 def test_merge_makes_the_composite_row_of_the_slo_group(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     # a report of before --search-only-bounds existed (no such setting) joins one with it at its default (None)
     older = _report(tmp_path, "older", OWN[2:3])
