@@ -25,7 +25,7 @@ from typing import Any
 from rapidserve.config import DTYPE_ALIASES, ParallelConfig
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.partition_config import PartitionConfig
-from rapidserve.sampling_checks import short
+from rapidserve.redaction import REDACTED, is_secret_name, redact_mapping, redact_text
 from rapidserve.vllm_reasons import WHY
 from rapidserve.vllm_serve_flags import ANY, NO_OP, REFUSED, SWITCH
 
@@ -139,6 +139,22 @@ def _allowed(name: str, values: tuple[Any, ...] = ()) -> str:
     return " or ".join(dict.fromkeys(shown))
 
 
+def shown(name: str, v: Any, limit: int = 120) -> str:
+    """`v` as an error message shows `LLM(name=v)`: never a credential. A secret-named argument (hf_token) is not
+    shown at all; any other is shown with the secrets inside it redacted (a `{"token": ...}` in hf_overrides, an
+    S3 key in model_loader_extra_config, `password=...` in a config object's repr), before it is cut to `limit`
+    characters (so that no cut leaves part of one)."""
+    if is_secret_name(name):
+        return repr(v) if isinstance(v, bool) else REDACTED  # hf_token=True is no credential
+    text = redact_text(repr(redact_mapping(v)))
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
+# vLLM's types of the arguments that carry a credential (its EngineArgs/ModelConfig validate them): anything else is
+# a TypeError naming the argument, never showing the value
+SECRET_TYPES: MappingProxyType[str, tuple[type, ...]] = MappingProxyType({"hf_token": (str, bool)})
+
+
 def refusal(name: str, v: Any) -> tuple[str, str] | None:
     """(why `LLM(name=v)` is refused, the values accepted), or None when it is accepted (`name`: vLLM's, not one
     of HONOURED or LLM_OWN)."""
@@ -153,6 +169,8 @@ def refusal(name: str, v: Any) -> tuple[str, str] | None:
         return None
     flag = "--" + name.replace("_", "-")
     form = flag if v is True else f"--no-{flag[2:]}" if v is False else flag
+    if form not in NO_OP and NO_OP.get(flag, ((), ""))[0] is ANY:  # hf_token=False (no token): the flag's any value
+        form = flag
     if form in NO_OP:
         values, why = NO_OP[form]
         if values is ANY or (values == SWITCH and isinstance(v, bool)) or (values and str(v) in values):
@@ -173,9 +191,13 @@ def resolve(kwargs: Mapping[str, Any], builder_params: Mapping[str, inspect.Para
             if v is not None:
                 out[HONOURED[name]] = v
         elif name in VLLM_NAMES:
+            types = SECRET_TYPES.get(name)
+            if types is not None and v is not None and not isinstance(v, types):
+                raise TypeError(f"LLM({name}=...) must be {' or '.join(t.__name__ for t in types)} (vLLM's type) or "
+                                f"None, not {type(v).__name__} (the value is not shown: it is a credential)")
             refused = refusal(name, v)
             if refused is not None:
-                raise LLMArgumentError(f"LLM({name}={short(v)}) is not supported by rapidserve ({refused[0]}): "
+                raise LLMArgumentError(f"LLM({name}={shown(name, v)}) is not supported by rapidserve ({refused[0]}): "
                                        f"leave it out, or give {refused[1]}")
         elif name in builder_params and name != "run":
             refused_section = serving_section_refusal(name, v)
@@ -199,10 +221,10 @@ def serving_section_refusal(name: str, v: Any) -> str | None:
     if v is None:
         return None
     if name == "launch" and v != LaunchConfig():
-        return f"LLM(launch={short(v)}) is not supported ({_IN_PROCESS}): leave it out, or use `rapidserve serve`"
+        return f"LLM(launch={shown(name, v)}) is not supported ({_IN_PROCESS}): leave it out, or use `rapidserve serve`"
     if name == "parallel" and v != ParallelConfig():
-        return (f"LLM(parallel={short(v)}) is not supported ({_IN_PROCESS}): leave it out, or use `rapidserve serve` "
-                "-tp N / -dp N")
+        return (f"LLM(parallel={shown(name, v)}) is not supported ({_IN_PROCESS}): leave it out, or use "
+                "`rapidserve serve` -tp N / -dp N")
     if name == "partition" and getattr(v, "policy", None) != PartitionConfig().policy:
         return (f"LLM(partition=PartitionConfig(policy={v.policy!r})) is not supported ({_IN_PROCESS}): leave the "
                 "policy out, or use `rapidserve serve --policy`")
