@@ -21,6 +21,8 @@
   (vLLM's), `--no-enable-log-requests` (= --disable-log-requests), `--shutdown-timeout` (= --shutdown-grace-s).
 - vLLM's flags that ask for what rapidserve does anyway (`-pp 1`, `--no-enable-lora`...): accepted, their help
   says why (vllm_serve_flags.NO_OP; another value is refused with the same reason).
+- A switch pair given together, `--X ... --no-X`: the last wins, as vLLM's BooleanOptionalAction has it
+  (`last_switch_wins`), also where `--X` alone is refused: `--enable-lora --no-enable-lora` is LoRA off, accepted.
 - Any other flag: argparse refuses it; `CliParser` rewrites that message to name each flag and say that
   rapidserve does not support it, with the reason and what to use instead for every vLLM 0.26 flag
   (vllm_serve_flags.REFUSED). Flags may be spelled with underscores (--max_model_len), as vLLM's parser allows.
@@ -46,7 +48,8 @@ class CliParser(argparse.ArgumentParser):
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """As argparse's, but the command whose flags were given reports what it does not take (not the top), and
         a flag may be spelled with underscores (--max_model_len), as vLLM's parser takes it."""
-        ns, extra = self.parse_known_args(dashed(sys.argv[1:] if args is None else list(args)), namespace)
+        argv = last_switch_wins(self, dashed(sys.argv[1:] if args is None else list(args)))
+        ns, extra = self.parse_known_args(argv, namespace)
         if extra:
             sub = next((a.choices.get(getattr(ns, "command", None) or "") for a in self._actions
                         if isinstance(a, argparse._SubParsersAction)), None)
@@ -69,6 +72,42 @@ def _refusal(prog: str, flag: str) -> str:
         return f"{prog} does not support {flag}" + (" (neither a rapidserve flag nor one of vLLM 0.26's)"
                                                     if prog.endswith(" serve") else "")
     return f"{prog} does not support vLLM's {flag} ({why})"
+
+
+def last_switch_wins(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with each vLLM switch pair given together, `--X` and `--no-X` (vLLM's BooleanOptionalAction), cut to
+    the last of them: the last wins, as in vLLM. So `--enable-lora --no-enable-lora` is LoRA off, accepted (the
+    NO_OP --no-enable-lora) where --enable-lora alone is refused by name, `--no-enable-chunked-prefill
+    --enable-chunked-prefill` is chunking on, and `--no-enable-lora --enable-lora` is still refused at
+    --enable-lora. A pair is one where the command (the first word of `args`) takes `--no-X` as a switch and
+    `--X` is its switch too, or a vLLM flag it refuses (vllm_serve_flags.REFUSED: --enable-lora, --enable-eplb...);
+    nothing after `--` is touched."""
+    sub = next((a.choices.get(args[0]) for a in parser._actions
+                if isinstance(a, argparse._SubParsersAction)), None) if args else None
+    if sub is None:
+        return args
+    opts = sub._option_string_actions
+    end = args.index("--") if "--" in args else len(args)
+
+    def pair(flag: str) -> str | None:
+        """The pair's `--no-X` for a token of one, else None."""
+        neg = flag if flag.startswith("--no-") else "--no-" + flag[2:]
+        on = "--" + neg[len("--no-"):]
+        if neg not in opts or opts[neg].nargs != 0:
+            return None
+        own = opts.get(on)
+        if own is None or own.dest.startswith("vllm_refused_"):  # not the command's: vLLM's switch, refused by name
+            return neg if refusal(on) is not None else None
+        return neg if own.nargs == 0 else None
+
+    last: dict[str, int] = {}
+    for i, t in enumerate(args[:end]):
+        key = pair(t) if t.startswith("--") and "=" not in t else None
+        if key is not None:
+            last[key] = i
+    keep = set(last.values())
+    return [t for i, t in enumerate(args)
+            if i >= end or i in keep or not (t.startswith("--") and "=" not in t and pair(t) in last)]
 
 
 def dashed(args: list[str]) -> list[str]:

@@ -431,3 +431,47 @@ def test_log_requests_switches_last_wins(argv: list[str], want: bool) -> None:
     from rapidserve.cli import build_parser
 
     assert build_parser().parse_args(["serve", *argv]).log_requests is want
+
+
+def _pairs() -> list[str]:
+    """Every vLLM switch `--X` that `serve` refuses by name while it takes `--no-X` (NO_OP: it asks for nothing)."""
+    from rapidserve.vllm_serve_flags import refusal
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    opts = sub.choices["serve"]._option_string_actions
+    return sorted("--" + f[len("--no-"):] for f, a in opts.items() if f.startswith("--no-") and a.nargs == 0
+                  and "--" + f[len("--no-"):] not in opts and refusal("--" + f[len("--no-"):]) is not None)
+
+
+@pytest.mark.parametrize("flag", _pairs())
+def test_a_refused_switch_negated_after_it_is_off_and_accepted(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --X / --no-X are a BooleanOptionalAction: given both, the last wins. `--enable-lora --no-enable-lora`
+    is LoRA off, which rapidserve does anyway: accepted (it was refused at --enable-lora). The other order, or --X
+    last again, asks for it: refused by name, as --X alone."""
+    no = "--no-" + flag[2:]
+    build_parser().parse_args(["serve", flag, no])
+    build_parser().parse_args(["serve", flag.replace("-", "_").replace("__", "--", 1), no, flag, no])
+    for argv in ([no, flag], [flag, no, flag], [flag, "--", no]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["serve", *argv])
+        assert e.value.code == 2 and f"does not support vLLM's {flag} (" in capsys.readouterr().err
+
+
+def test_the_last_switch_wins_on_rapidserves_own_and_always_on_pairs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert len(_pairs()) > 30 and "--enable-lora" in _pairs()
+    # --enable-chunked-prefill is always on: --no-... then --enable-... is on (was refused at the --no- form)
+    build_parser().parse_args(["serve", "--no-enable-chunked-prefill", "--enable-chunked-prefill"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--enable-chunked-prefill", "--no-enable-chunked-prefill"])
+    assert "rapidserve always chunks prompts" in capsys.readouterr().err
+    for argv, want in ((["--enforce-eager", "--no-enforce-eager"], False),
+                       (["--no-enforce-eager", "--enforce-eager"], True),
+                       (["--enforce-eager", "--no-enforce-eager", "--enforce-eager"], True)):
+        assert build_parser().parse_args(["serve", *argv]).enforce_eager is want
+    for argv, want in ((["--enable-prefix-caching", "--no-enable-prefix-caching"], False),
+                       (["--no-enable-prefix-caching", "--enable-prefix-caching"], True)):
+        assert build_parser().parse_args(["serve", *argv]).enable_prefix_caching is want
+    # not a vLLM pair: `bench --plot` is no flag at all, and stays refused beside --no-plot
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--plot", "--no-plot"])
+    assert "--plot" in capsys.readouterr().err
