@@ -162,6 +162,7 @@ from compare_servers import make_server  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
+    RAPIDSERVE,
     SWEEP_SYSTEMS,
     SYSTEMS,  # noqa: F401
     VLLM,
