@@ -1,6 +1,6 @@
-"""bench/compare.py's flags: its parser, the workload shorthand (IN:OUT or a bench workload name), each
-workload's BenchConfig through `rapidserve bench`'s own parser, and the goodput search's settings.
-bench/compare.py's docstring says what they do."""
+"""bench/compare.py's flags: its parser (each flag's value parser in bench/compare_flags.py, the workload shorthand
+IN:OUT among them), each workload's BenchConfig through `rapidserve bench`'s own parser, the combinations that would
+be ignored, and the goodput search's settings. bench/compare.py's docstring says what they do."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -17,8 +16,20 @@ from typing import NamedTuple, NoReturn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from compare_peak import fractions_arg  # noqa: E402
-from compare_prior import paths_arg, workload_flags  # noqa: E402
+from compare_flags import (  # noqa: E402
+    flags_arg,
+    folder_arg,
+    fractions_flag,
+    itl_bounds_arg,
+    parse_workload,
+    port_arg,
+    repeats_arg,
+    start_from_arg,
+    stem_arg,
+    workload_flags_arg,
+    workloads_arg,
+)
+from compare_prior import workload_flags  # noqa: E402
 from compare_systems import (  # noqa: E402
     EXT,
     FRONTIER_SYSTEMS,
@@ -54,88 +65,6 @@ NUM_PROMPTS = 32  # per rate, unless --num-prompts says otherwise (a trace: no c
 # --goodput-search refuses them by name instead of ignoring them (check_flags).
 RATES = (1.0, 2.0, 4.0, 8.0, math.inf)
 ITL_BOUNDS_MS = [100.0, 50.0]
-_IN_OUT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")  # ASCII digits only (str.isdigit takes '²' and '٤')
-
-
-def parse_workload(text: str) -> list[str]:
-    """'4096:64' (fixed input:output) or a `rapidserve bench --workload` name, as bench flags."""
-    t = text.strip()
-    if t in WORKLOADS:
-        return ["--workload", t]
-    m = _IN_OUT.fullmatch(t)
-    if m and all(int(g) > 0 for g in m.groups()):
-        return ["--workload", "fixed", "--input-len", str(int(m.group(1))), "--output-len", str(int(m.group(2)))]
-    raise argparse.ArgumentTypeError(f"{text!r} is not IN:OUT (positive token counts, e.g. 4096:64) or one of "
-                                     f"{', '.join(WORKLOADS)} (or give its flags with --workload-args)")
-
-
-def workloads_arg(text: str) -> list[list[str]]:
-    """--workloads: comma-separated IN:OUT or workload names, none empty (a stray comma, or an empty value that
-    would silently run the default workloads, is refused)."""
-    parts = text.split(",")
-    if not text.strip() or any(not x.strip() for x in parts):
-        raise argparse.ArgumentTypeError(f"{text!r} has an empty item: give comma-separated IN:OUT (e.g. 4096:64) or "
-                                         f"workload names ({', '.join(WORKLOADS)}); leave the flag out for the "
-                                         "defaults, or give only --workload-args")
-    return [parse_workload(x) for x in parts]
-
-
-def itl_bounds_arg(text: str) -> list[float]:
-    """--itl-bounds-ms: comma-separated positive bounds in ms, each once, in the order given."""
-    out: list[float] = []
-    for part in text.split(","):
-        try:
-            v = float(positive_float(part.strip()))
-        except argparse.ArgumentTypeError as e:
-            raise argparse.ArgumentTypeError(f"{e} (in {text!r}: expected positive bounds in ms, e.g. 100,50)") \
-                from None
-        if v in out:
-            raise argparse.ArgumentTypeError(f"{part.strip()!r} appears twice in {text!r}: give each bound once")
-        out.append(v)
-    return out
-
-
-def port_arg(text: str) -> int:
-    """--port: 0 (a free one) or a TCP port, 1-65535."""
-    v = int(nonneg_int(text))
-    if v > 65535:
-        raise argparse.ArgumentTypeError(f"{v} is not a TCP port: give 1-65535, or 0 for a free one")
-    return v
-
-
-def stem_arg(text: str) -> str:
-    """--name: the reports' file stem (<out>/<name>.json ...): not empty, no folder in it."""
-    if not text.strip() or text in (".", "..") or "/" in text or os.sep in text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a file name stem: give a name without '/' (the files "
-                                         "go in --out), e.g. compare")
-    return text
-
-
-def folder_arg(text: str) -> str:
-    """--out: a folder path, not empty."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("'' is not a folder: give the folder the reports go in, e.g. bench/results")
-    return text
-
-
-def flags_arg(text: str) -> str:
-    """A flag string (--serve-args, --bench-args, --workload-args) that the shell would split: unbalanced quotes are
-    refused here, naming the flag (not its text: it may hold an --api-key)."""
-    try:
-        shlex.split(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{e} (the flags are split as the shell splits them)") from None
-    return text
-
-
-def workload_flags_arg(text: str) -> str:
-    """--workload-args: one workload's `rapidserve bench` flags, not empty."""
-    if not shlex.split(flags_arg(text)):
-        raise argparse.ArgumentTypeError("no flags: give a workload's `rapidserve bench` flags, e.g. '--workload "
-                                         "multiturn --num-turns 6'")
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=DESCRIPTION)
     p.add_argument("--model", default="preset:qwen3-8b", help="our servers' --model")
@@ -180,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rates", type=rates_arg, default=RATES,
                    help="the sweep's request rates, comma-separated, inf a closed loop (default: 1,2,4,8,inf; not "
                         "with --goodput-search, which picks its rates)")
-    w.add_argument("--peak-fractions", type=_fractions, default=None, metavar="F,F,...",
+    w.add_argument("--peak-fractions", type=fractions_flag, default=None, metavar="F,F,...",
                    help="also Poisson rates at these fractions of the reference system's closed peak (its req/s at "
                         "rate inf, run first) on each workload, for every system; needs inf in --rates")
     w.add_argument("--peak-reference", default=None, metavar="LABEL",
@@ -250,33 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "each repetition's cells (bench/compare_repeats.py); each repetition gets its own share of "
                         "--budget-s and its own --search-max-probes (default 1: one search, as without the flag)")
     return p
-
-
-def start_from_arg(text: str) -> tuple[str, ...]:
-    """--search-start-from's report paths (read later, by compare.py: load_hints)."""
-    try:
-        return paths_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def repeats_arg(text: str) -> int:
-    """--search-repeats' N: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give how many times each search runs, "
-                                         ">= 1") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: give how many times each search runs, an integer >= 1 (1: once)")
-    return n
-
-
-def _fractions(text: str) -> tuple[float, ...]:
-    try:
-        return fractions_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class Workload(NamedTuple):
