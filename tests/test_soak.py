@@ -503,8 +503,15 @@ def test_fake_soak_fails_when_aborts_are_not_counted(fake: Fake, tmp_path: Any,
     rc, rep, _ = _fake_soak(fake, str(tmp_path), "--rate", "20", "--settle-s", "10")
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert rc == 1 and last.startswith("FAIL: ") and "request_success{abort} = client" in last
-    assert rep["counters"]["compare"]["abort"]["server"] == 0 < rep["counters"]["compare"]["abort"]["client"]
-    assert rep["counters"]["compare"]["length"]["ok"]
+    cmp = rep["counters"]["compare"]
+    assert cmp["abort"]["server"] == 0 < cmp["abort"]["client"]
+    # stop and length agree but for the one race soak_lib.compare_counts documents: a stream the client closed
+    # after the server had finished it is the client's abort and the server's stop or length. With the server's
+    # aborts uncounted that race is not reconciled, so it may show here (more often on a loaded machine: it failed
+    # once under two suites at once, 2026-12-01), never more than the client's stream aborts and never under.
+    over = [cmp[r]["diff"] for r in ("stop", "length") if r in cmp]
+    assert all(d is not None and d >= 0 for d in over), cmp
+    assert sum(over) <= rep["client"]["aborted_by_kind"].get("stream", 0), (cmp, rep["client"])
 
 
 def test_unreachable_server_is_a_fail_not_a_crash(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
