@@ -113,7 +113,7 @@ class SchedulerViews:
 
     def _waits_for_prefix(self, r: DecodeRequest) -> bool:
         """Its next `share_min_tokens` or more are being written by a prefilling or chunking request
-        (decode_scheduler.py's docstring). Never one that reads nothing from the cache (`reads_cache`)."""
+        (decode_admission.py's docstring). Never one that reads nothing from the cache (`reads_cache`)."""
         if not r.reads_cache:
             return False
         version = self.blocks.pending_version
