@@ -1,12 +1,9 @@
 """Single-producer / single-consumer byte-message ring in POSIX shared memory (see `ShmRing`). Its segment (memory
-layout, creating and attaching it) and its errors: ring_segment.py."""
+layout, creating and attaching it) and its errors: ring_segment.py; how a side sleeps: ring_sleep.py."""
 
 from __future__ import annotations
 
 import mmap
-import os
-import time
-from collections.abc import Callable
 from typing import Protocol
 
 import posix_ipc
@@ -21,15 +18,13 @@ from rapidserve.ipc.ring_segment import (
     create_segment,
     unlink_segment,
 )
+from rapidserve.ipc.ring_sleep import sleep_until
 from rapidserve.ipc.shm import (
     DOORBELL_NAME_MAX,
-    FIRST_NAP_S,
     HEADER_BYTES,
     NAME_PREFIX,
-    NAP_S,
     SHM_DIR,
     SLEEP_DOORBELL,
-    SLEEP_RING,
     W_CLOSED,
     W_HEAD,
     W_MAX_MESSAGE,
@@ -89,23 +84,16 @@ class ShmRing:
       (24 bits of its absolute index) and waits for it to match, which catches a stale slot
       word, not stale payload bytes. Use this ring only on x86-64 for a hard guarantee.
 
-    Sleeping, and why no wake-up is lost. An idle reader spins (with sched_yield) for `spin_s`,
-    then stores reader_sleeping = 1, RE-CHECKS head, and only then waits on the ``.rd``
-    semaphore; after every publication the writer loads reader_sleeping and posts if it is set.
-    Either the reader's re-check sees the new head, or the writer's load sees the flag: both
-    missing needs each side's load to pass its own older store. Even x86-TSO allows that
-    (store buffer) and Python cannot emit a fence, so the reader's first wait is short
-    (`FIRST_NAP_S`) and is followed by another head check; by then its flag store is globally
-    visible, so every later publication posts. A wake-up is thus at worst delayed by 1 ms in
-    that nanosecond window, never lost. The reader clears the flag only when it leaves the wait;
-    surplus posts just cause a spurious wake (after a wake it drains the count and re-checks).
-    The writer blocked on a full ring does the same with writer_sleeping, tail and ``.wr``.
+    Sleeping. An idle reader, or a writer blocked on a full ring, spins for `spin_s` and then sleeps on its
+    semaphore (``.rd``, ``.wr``) with its flag (reader_sleeping, writer_sleeping) set; after every publication the
+    writer loads reader_sleeping and posts if it is set, and after every consumption the reader does the same with
+    writer_sleeping. The protocol, and why no wake-up is lost: ring_sleep.py.
 
     Doorbell. reader_sleeping also says WHERE the reader sleeps: 1 on the ring's ``.rd``
     (`wait`, `get`), 2 on the ring's doorbell, a semaphore shared by all inbox rings of one
     reading thread (`rapidserve.ipc.doorbell.wait_any`, which documents that protocol). After a
     publication the writer posts ``.rd`` for 1, the doorbell for 2. The flag / re-check argument
-    above is per ring and holds unchanged; only the semaphore slept on differs.
+    (ring_sleep.py) is per ring and holds unchanged; only the semaphore slept on differs.
 
     `create` in the owner, `attach` in the peer; `close` unmaps, `unlink` (the owner, at shutdown)
     removes the names. A `ShmRing` object caches its side's indices, so use one object per role (one may serve as
@@ -243,7 +231,7 @@ class ShmRing:
             self._w_tail = q[W_TAIL]
             return head + need - self._w_tail <= slots
 
-        if not self._sleep_until(room, timeout, W_WSLEEP, self._wsem):
+        if not sleep_until(self, q, room, timeout, W_WSLEEP, self._wsem):
             raise RingFull(f"ring {self.name!r} full: no room for a {need}-slot message "
                            f"({slots} slots of {self.slot_size} bytes) within timeout={timeout}s")
 
@@ -307,7 +295,7 @@ class ShmRing:
             self._r_head = q[W_HEAD]
             return self._r_head != self._r_tail
 
-        return ready() or self._sleep_until(ready, timeout, W_RSLEEP, self._rsem)
+        return ready() or sleep_until(self, q, ready, timeout, W_RSLEEP, self._rsem)
 
     def _get_pieces(self, tail: int) -> tuple[bytes, int]:
         parts: list[memoryview] = []
@@ -337,42 +325,6 @@ class ShmRing:
             if (w >> 40) == k & _STAMP_MASK:
                 return w
         raise RingError(f"ring {self.name!r} corrupt: slot {k} has stamp {w >> 40} (two writers?)")
-
-    # ---- sleeping -----------------------------------------------------------------------
-    def _sleep_until(self, cond: Callable[[], bool], timeout: float | None, flag: int,
-                     sem: posix_ipc.Semaphore) -> bool:
-        """Spin briefly, then the flag / re-check / sleep protocol of the class docstring."""
-        q = self._q
-        now = time.monotonic()
-        deadline = None if timeout is None else now + timeout
-        spin_end = now + min(self.spin_s, timeout if timeout is not None else self.spin_s)
-        while True:
-            if cond():
-                return True
-            if q[W_CLOSED]:
-                raise RingClosed(f"ring {self.name!r} is closed")
-            if timeout == 0:
-                return False
-            if time.monotonic() >= spin_end:
-                break
-            os.sched_yield()
-        q[flag] = SLEEP_RING
-        try:
-            nap, posted = FIRST_NAP_S, True
-            while not cond():  # the re-check after setting the flag
-                if q[W_CLOSED]:
-                    raise RingClosed(f"ring {self.name!r} is closed")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self.sleeps += 1
-                posted = nap_on(sem, nap if left is None else min(nap, left))
-                nap = NAP_S
-            if not posted:  # the data came while a nap ran out: its post was missed or late
-                self.late_wakes += 1
-            return True
-        finally:
-            q[flag] = 0
 
     # ---- shutdown -----------------------------------------------------------------------
     def mark_closed(self) -> None:

@@ -3,9 +3,9 @@
 
 The lowest module of `rapidserve.ipc` (it imports nothing from rapidserve): ring_segment.py lays out
 the header, `ShmRing` (ring.py) reads and writes it, and `wait_any` (doorbell.py) stores the
-reader_sleeping word of every ring it sleeps on and naps like `ShmRing.wait`. Keeping these here lets
-doorbell.py use ring.py without ring.py knowing about doorbells. The header layout is documented in
-ring_segment.py, the wake-up argument on `ShmRing` and in doorbell.py.
+reader_sleeping word of every ring it sleeps on and naps like `ShmRing.wait` (ring_sleep.py). Keeping these here
+lets doorbell.py use ring.py without ring.py knowing about doorbells. The header layout is documented in
+ring_segment.py, the wake-up argument in ring_sleep.py and in doorbell.py.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ DOORBELL_OFF = W_DOORBELL_LEN * 8 + 8
 DOORBELL_NAME_MAX = HEADER_BYTES - DOORBELL_OFF  # 120 bytes
 # reader_sleeping values: where the sleeping reader waits, so the writer posts the right semaphore
 SLEEP_RING, SLEEP_DOORBELL = 1, 2
-FIRST_NAP_S = 0.001  # first sleep after the flag is set: bounds the store-buffer race (see ShmRing)
+FIRST_NAP_S = 0.001  # first sleep after the flag is set: bounds the store-buffer race (see ring_sleep.py)
 NAP_S = 0.25  # later sleeps; every publication while the flag is set posts the semaphore anyway
 HELD_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # delivered after a nap, not inside it (nap_on)
 
