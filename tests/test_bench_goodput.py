@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from rapidserve.benchmark.backlog import Backlog
 from rapidserve.benchmark.goodput import (
     AT_MAX,
     BELOW_MIN,
@@ -46,7 +47,6 @@ from rapidserve.benchmark.search import AGAIN, search_frontier
 from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.search_run import no_peak_advice, start_from_peak
 from rapidserve.benchmark.stats import RequestRecord
-from rapidserve.benchmark.sustain import Backlog
 
 
 def rec(prompt: int = 500, ttft: float = 0.5, itl: Sequence[float] = (0.01,) * 10, ok: bool = True,

@@ -1,7 +1,7 @@
-"""A goodput search above the server's own closed-loop peak (rapidserve/benchmark/sustain.py, goodput.py): the
-longer probes' arrivals, the backlog rule, the ceiling and the waypoint (pure, table-tested), and the search against
-two server models: one that sustains more than its closed-loop peak (a server with an ITL SLO) and one that does
-not (the search must settle above the peak for the first, and not be fooled by the second once probes are long)."""
+"""A goodput search above the server's own closed-loop peak (rapidserve/benchmark/sustain.py, backlog.py, goodput.py):
+the longer probes' arrivals, the backlog rule, the ceiling and the waypoint (pure, table-tested), and the search
+against two server models: one that sustains more than its closed-loop peak (a server with an ITL SLO) and one that
+does not (the search must settle above the peak for the first, and not be fooled by the second once probes are long)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from rapidserve.benchmark.backlog import MIN_TREND_REQUESTS, Backlog, backlog_trend
 from rapidserve.benchmark.goodput import (
     AT_MAX,
     CONVERGED,
@@ -31,7 +32,7 @@ from rapidserve.benchmark.goodput_report import backlog_cell, search_block, sear
 from rapidserve.benchmark.search import Outcome, search_frontier
 from rapidserve.benchmark.search_config import SearchConfig
 from rapidserve.benchmark.stats import RequestRecord
-from rapidserve.benchmark.sustain import MIN_TREND_REQUESTS, Backlog, backlog_trend, probe_arrivals
+from rapidserve.benchmark.sustain import probe_arrivals
 from rapidserve.cli import main
 
 
@@ -67,7 +68,7 @@ def test_backlog_trend(usage: list[float], first: float, last: float, projected:
 
 @pytest.mark.parametrize("growth,grew", [(0.0, False), (0.09, False), (0.11, True), (0.2, True)])
 def test_the_backlog_rules_resolution(growth: float, grew: bool) -> None:
-    """sustain.py's resolution: TTFT = 0.3 s + growth x t over T = 20 s of counted arrivals against a 4 s limit fires
+    """backlog.py's resolution: TTFT = 0.3 s + growth x t over T = 20 s of counted arrivals against a 4 s limit fires
     for growth > (4 - 0.3) / (1.875 x 20) = 0.099 s per s, while every one of these passes attainment at 90% (the
     steepest puts 7.5% of its requests over 4 s)."""
     usage = [(0.3 + growth * i * 0.1) / 4.0 for i in range(200)]

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from rapidserve.benchmark.backlog import MIN_TREND_REQUESTS
 from rapidserve.benchmark.goodput import (
     AT_MAX,
     CONVERGED,
@@ -29,7 +30,6 @@ from rapidserve.benchmark.stats import RequestRecord, percentile
 from rapidserve.benchmark.sustain import (
     CAP_FLAG,
     CAPPED,
-    MIN_TREND_REQUESTS,
     NO_RERUN_BUDGET,
     NO_RERUN_CAP,
     NO_RERUN_FAILS,

@@ -41,7 +41,7 @@ NOT_SEARCHED (their brackets are whatever those probes happened to show, not a s
 
 Above the peak (a ceiling above the server's own closed-loop peak: --search-max-rate, or bench/compare.py's
 --search-shared-ceiling): a probe at a rate above the peak counts --search-above-peak-factor x the requests, and fails
-every target where its TTFT backlog grew (sustain.py says why and how: `Probe.backlog`).
+every target where its TTFT backlog grew (sustain.py says why, backlog.py how: `Probe.backlog`).
 
 The search's settings, their checks and the rules read off them (ceiling, limits, probes above the peak):
 `SearchConfig`, rapidserve/benchmark/search_config.py.
@@ -57,14 +57,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from rapidserve.benchmark.backlog import Backlog, backlog_trend
 from rapidserve.benchmark.stats import RequestRecord, percentile
 from rapidserve.benchmark.sustain import (
-    Backlog,
     ProbePlan,
     Ramp,
     arrival_key,
     arrivals_of,
-    backlog_trend,
     steady_keys,
 )
 
@@ -161,7 +160,7 @@ class Probe:
 def measure_probe(rate: float, records: Sequence[RequestRecord], bounds_ms: Sequence[float | None],
                   discard: int, above_peak: bool = False, plan: ProbePlan | None = None) -> Probe:
     """A probe from one run's records: the counted ones, and those attaining each of `bounds_ms`; `above_peak`: also
-    their TTFT backlog trend (sustain.backlog_trend, in arrival order). With the `plan` it was sent by, the counted
+    their TTFT backlog trend (backlog.backlog_trend, in arrival order). With the `plan` it was sent by, the counted
     ones are the ramp rule's (sustain.steady_keys), else those after the `discard` first arrivals."""
     ramp = None
     if plan is None:

@@ -12,7 +12,7 @@ start rate or a reused peak),
 it}; "ramp" (its warm-up and whether it reached steady state: sustain.Ramp.to_json; absent from results written
 before the ramp rule); a rapidserve server's steps over the probe: "server_steps" and "server_step_correction",
 step_mix.py; a probe above the closed-loop peak: "above_peak" True, "arrivals" and "backlog"
-(sustain.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
+(backlog.Backlog.to_json)], "goodput": [{"itl_bound_ms" (None:
 unbounded), "share", "goodput", "lo", "hi", "status" (`not_searched`: a bound outside settings.only_bounds),
 "passes_above" and "fails_above" (goodput.passes_above / fails_above; absent before 2026-12-01)}],
 "finished", "stopped" (why probing stopped early, or None), "created"} and, for a trace, "trace". The new keys are

@@ -103,7 +103,7 @@ def start_from_peak(scfg: SearchConfig, peak: float) -> float:
 
 def probe_extra(p: Probe, out: Outcome) -> dict[str, Any]:
     """What a probe adds to its record: "ramp" (its warm-up and verdict: sustain.Ramp.to_json); above the closed-loop
-    peak also "above_peak", "arrivals" and "backlog" (sustain.Backlog.to_json, or None where too few requests to
+    peak also "above_peak", "arrivals" and "backlog" (backlog.Backlog.to_json, or None where too few requests to
     judge)."""
     extra: dict[str, Any] = {"ramp": p.ramp.to_json()} if p.ramp is not None else {}
     if not p.above_peak:

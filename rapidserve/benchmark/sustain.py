@@ -1,6 +1,6 @@
 """Probes judged at a load the server sustains: every probe's warm-up (the ramp rule), and above a server's own
-closed-loop peak how long probes are and whether the load they offered was sustained (the backlog rule) (pure, no
-I/O; goodput.py applies them, search.py runs them).
+closed-loop peak how long probes are and whether the load they offered was sustained (the backlog rule: backlog.py)
+(pure, no I/O; goodput.py applies them, search.py runs them).
 
 The ramp rule. A Poisson probe at rate r starts from an empty server. By Little's law the requests in flight are
 r x W at steady state, W being a request's lifetime (its end-to-end latency, a multiturn conversation's from its
@@ -58,41 +58,16 @@ its cells read `>= own peak`, floors that do not compare across systems. A searc
 
 1. Longer probes (`probe_arrivals`): a probe above the peak counts `factor` x the requests of one at or below it
    (--search-above-peak-factor; its warm-up the ramp rule's, as every probe's), because overload shows through the
-   TTFT rule only once the queue has grown for long enough (see the resolution below). A probe above the peak that
+   TTFT rule only once the queue has grown for long enough (backlog.py's resolution). A probe above the peak that
    the cap cut (--search-max-probe-arrivals, or a trace's window) and that counted fewer than it meant to (its
    shortened warm-up left arrivals before its lifetime) fails as CAPPED, even with the check's minimum counted: its
    counted span is shorter than planned, and the overload the backlog rule misses grows as that span shrinks. One
    whose cut warm-up still left every arrival it meant to count (none before its lifetime) spans what was planned,
    and is judged as any.
-2. The backlog rule (`backlog_trend`), applied to every probe above the peak: the probe fails every target when the
-   TTFT of its counted requests trends up so fast that, kept up for one more probe of the same length, it would put
-   the typical request over its TTFT limit. Its counted requests come after the ramp (the ramp rule), so the TTFT
-   that rises while the server fills up is not read as a backlog.
-
-The backlog rule. u = TTFT / the request's TTFT limit (`goodput.ttft_limit_s`; u <= 1 meets the rule; a failed
-request counts as u = inf), of the counted requests in arrival order, m of them. With k = max(2, m // 4):
-first = median u of the first k, last = median u of the last k, slope = (last - first) / (m - k) per arrival (the
-quarters' middles lie m - k arrivals apart), projected = last + max(0, slope) x m. The backlog grew when
-projected > 1. Below m = MIN_TREND_REQUESTS there is no verdict (None: the probe is judged on attainment alone).
-
-Why this rule: below the rate a server sustains, its TTFT is stationary (the queue stays bounded), so the first and
-last quarters' medians agree up to noise and the projection stays near the level the probe already showed. Above it,
-at rate r against a service rate mu, the backlog grows by r - mu requests per second and each later arrival waits
-(r - mu) / (r mu) s longer: u rises linearly in arrival index, and the TTFT rule breaks for the typical request after
-a finite time, which a short probe may not reach. A pass is therefore trusted only if the same load, held for another
-probe length, would still keep the typical (median) request within its limit. Medians of quarters, not a least-squares
-fit, so that a few outliers (one stall, one failed request) move neither end; an absolute threshold on u, not a ratio
-of the two medians, so that a tiny TTFT doubling (20 ms to 40 ms) is not read as overload.
-
-Resolution: with TTFT = b + g t (g = (r - mu) / mu, t the arrival time, the counted requests spanning T seconds, L
-the limit) the rule fires when b + g x 7T/8 + g x T > L, i.e. for g > (L - b) / (1.875 T), while attainment at share
-q alone fails only for g > (L - b) / (q T): the rule sees an overload about half as large. Either way the overload
-that goes unseen shrinks as 1 / T: doubling the probe (factor 2) halves it, which is what the longer probes above
-the peak buy. A rate a little above mu (g below that) can still pass: the goodput found above the peak is within
-that margin of the sustained rate, not exact; the report gives each such probe's first, last and projected u so a
-reader can judge. The other way round, just below mu the queue fills from empty slowly (its relaxation time grows as
-mu approaches), so the first quarter can read low and a sustainable rate close to mu can fail: just below mu the
-rule can err low, as just above it it can err high by the margin above.
+2. The backlog rule (backlog.py, `backlog_trend`), applied to every probe above the peak: the probe fails every
+   target when the TTFT of its counted requests trends up so fast that, kept up for one more probe of the same
+   length, it would put the typical request over its TTFT limit. Its counted requests come after the ramp (the ramp
+   rule), so the TTFT that rises while the server fills up is not read as a backlog.
 """
 
 from __future__ import annotations
@@ -103,9 +78,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from rapidserve.benchmark.backlog import MIN_TREND_REQUESTS
 from rapidserve.benchmark.stats import RequestRecord
 
-MIN_TREND_REQUESTS = 8  # fewer counted requests: no backlog verdict
 RAMP_MARGIN = 1.25  # a warm-up covers this many lifetimes (an estimate's, or a re-run's measured one)
 MIN_STEADY_SHARE = 0.5  # of the arrivals a probe means to count, those that must come after its lifetime
 DEFAULT_MAX_PROBE_ARRIVALS = 1024  # --search-max-probe-arrivals
@@ -247,7 +222,7 @@ class Ramp:
     def verdict(self) -> str:
         """STEADY: judged at steady state; SHORT or CAPPED (it needed more than the cap): fails every target. Above
         the peak a probe the cap cut is CAPPED where it counted fewer than it meant to, even the check's minimum:
-        the backlog rule's resolution is its counted span (module docstring), and such a probe is shorter than the
+        the backlog rule's resolution is its counted span (backlog.py), and such a probe is shorter than the
         one planned to show an overload (2026-11-30, a 64-request trace window: vLLM passed 24 req/s, 1.7x its
         closed-loop peak, on 27 requests over ~1 s). Where the cut took only warm-up (every arrival it meant to count
         counted) its span is the planned one, and it is judged as any."""
@@ -353,52 +328,3 @@ def cap_problem(cap: int, n: int | None, discard: int, factor: float | None) -> 
 
 def _rounded(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, 3)
-
-
-# ---------------------------------------------------------------- above the peak
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """A probe's TTFT trend (u = TTFT / its limit): the first and last quarters' medians and the projection one probe
-    length on; `grew` when the projection breaks the TTFT rule (see the module docstring)."""
-
-    first: float
-    last: float
-    projected: float
-    requests: int
-
-    @property
-    def grew(self) -> bool:
-        return self.projected > 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"first": _finite(self.first), "last": _finite(self.last), "projected": _finite(self.projected),
-                "requests": self.requests, "grew": self.grew}
-
-    def describe(self) -> str:
-        """'u 0.05 -> 0.31, projected 1.2: grew' (u = TTFT / its limit)."""
-        return (f"TTFT/limit {_text(self.first)} -> {_text(self.last)}, projected {_text(self.projected)}: "
-                + ("GREW (fails every target)" if self.grew else "steady"))
-
-
-def backlog_trend(usage: Sequence[float]) -> Backlog | None:
-    """The backlog rule over the counted requests' u = TTFT / limit in arrival order (inf: a failed request); None
-    below MIN_TREND_REQUESTS of them."""
-    m = len(usage)
-    if m < MIN_TREND_REQUESTS:
-        return None
-    k = max(2, m // 4)
-    first, last = statistics.median(usage[:k]), statistics.median(usage[-k:])
-    if math.isinf(last):
-        return Backlog(first, last, math.inf, m)
-    slope = 0.0 if math.isinf(first) else (last - first) / (m - k)
-    return Backlog(first, last, last + max(0.0, slope) * m, m)
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _text(x: float) -> str:
-    return f"{x:.2g}" if math.isfinite(x) else "inf"
