@@ -1,7 +1,7 @@
 """Every Triton launch the engine makes for a model shape, captured on meta tensors (no GPU, no memory).
 
 `capture(shape, target)` builds one decoder layer of the preset's tensor-parallel rank on the meta device
-(`rapidserve.models.transformer.DecoderLayer`, its KV pool as `rapidserve.kv_pool` lays it out, sized as on the
+(`rapidserve.models.decoder_layer.DecoderLayer`, its KV pool as `rapidserve.kv_pool` lays it out, sized as on the
 target GPU) and runs the engine's own code on it: the layer forward of a decode step at every decode-graph
 batch bucket, of a prefill step and of a mixed step (`attend` splits it), with the Triton `Ops` bundle and the
 Triton attention backend that the target's platform gets (`get_ops`, `get_attention_backend`, with
@@ -41,7 +41,7 @@ from rapidserve.attention import AttentionMetadata, get_attention_backend, split
 from rapidserve.config import DTYPES, CacheConfig, ModelConfig, RunnerConfig
 from rapidserve.kv_pool import KVPool, pool_spec
 from rapidserve.loader.preset_table import preset_table
-from rapidserve.models.transformer import DecoderLayer
+from rapidserve.models.decoder_layer import DecoderLayer
 from rapidserve.ops import get_ops, unfused_ops
 from rapidserve.parallel.shard import ShardError, block_shard_problem, shard_config, tp_layout
 from rapidserve.quant_config import QuantizationConfig
@@ -408,7 +408,7 @@ def _fp8_token_launches(layer: DecoderLayer, dtype: torch.dtype, fp8: torch.dtyp
     rows (the JIT's three specialisations of M) by the untuned rule and by each packaged table, and the split-K form
     (a table's `split_k`: the kernel's SPLIT variant, then the reduce kernel) of the rule's tiles at 1 and 64 rows,
     SPLIT_K slices, whether or not a packaged table names one yet. The fused producers
-    of those inputs (`triton_fp8_fused`, which the model takes for these layers: `transformer.fused_fp8`): the
+    of those inputs (`triton_fp8_fused`, which the model takes for these layers: `projections.fused_fp8`): the
     RMSNorm alone (the first layer) and after the residual add, and the MLP's SiLU-and-mul, at one row (cut into
     slices) and at 256 (one program a row); their variants depend on the row width, x's dtype and the slices only.
     On NVIDIA the add + RMSNorm of a split-K GEMM's unreduced sums (`triton_fp8_fold`, SPLIT_K slices), at one row

@@ -167,11 +167,11 @@ def test_rocm_fnuz_weights_dequantize_to_the_same_numbers(folders: dict[str, Pat
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """On ROCm's gfx94x the weights are e4m3fnuz (checked here on CPU: the model built in that format): the
     checkpoint's bits, -0 made +0, scales and input scales doubled; w8 * s is the same, logits stay close."""
-    import rapidserve.models.transformer as transformer
+    import rapidserve.models.decoder_layer as decoder_layer
 
     for scheme in ("ct-tensor-static", "hf-block"):
         fn = runner(folders[scheme])
-        monkeypatch.setattr(transformer, "fp8_dtype", lambda device: torch.float8_e4m3fnuz)
+        monkeypatch.setattr(decoder_layer, "fp8_dtype", lambda device: torch.float8_e4m3fnuz)
         fnuz = runner(folders[scheme])
         monkeypatch.undo()
         for a, b in zip(fn.model.modules(), fnuz.model.modules(), strict=True):

@@ -1,7 +1,7 @@
 """The producers of fp8 projections' inputs fused with their per-token quantization (issue 39: RMSNorm, the residual
 add + RMSNorm, SiLU-and-mul writing fp8 rows and scales; ops/triton_fp8_fused.py), the GEMM entry points that take
 those rows (`fp8.reference_linear_rows`, `fp8_gpu.gpu_linear_rows`, `triton_fp8_skinny.skinny_fp8_linear_rows`), and
-which projections the model feeds them to (`transformer.fused_fp8`), on CPU:
+which projections the model feeds them to (`projections.fused_fp8`), on CPU:
 
 - the decision as a table: dynamic per-token activations with per-row weight scales are fused, static / per-tensor
   activations, block weights, float projections and a bundle with the fusion off are not;
@@ -31,7 +31,7 @@ import pytest
 import torch
 from triton_interp import exit_passed, run_interpreted
 
-from rapidserve.models.transformer import fused_fp8
+from rapidserve.models.projections import fused_fp8
 from rapidserve.ops import Ops, fp8, fp8_ops, torch_ops, torch_ops_bundle, unfused_fp8, unfused_ops
 
 FN, FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz

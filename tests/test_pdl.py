@@ -176,8 +176,8 @@ def _decode_launches(target_name: str, pdl_off: bool) -> list[Any]:
     from rapidserve.attention import no_pdl as no_pdl_attention
     from rapidserve.kv_pool import KVPool
     from rapidserve.loader.preset_table import preset_table
+    from rapidserve.models.decoder_layer import DecoderLayer
     from rapidserve.models.moe import MoeBlock
-    from rapidserve.models.transformer import DecoderLayer
     from rapidserve.moe_config import MoeConfig
     from rapidserve.ops import get_ops, no_pdl, triton_skinny
     from rapidserve.ops import triton_fp8_skinny as fsk

@@ -25,7 +25,7 @@ from rapidserve.attention import AttentionMetadata, get_attention_backend
 from rapidserve.attention import no_pdl as no_pdl_attention
 from rapidserve.kv_pool import KVPool
 from rapidserve.loader.preset_table import preset_table
-from rapidserve.models.transformer import DecoderLayer
+from rapidserve.models.decoder_layer import DecoderLayer
 from rapidserve.ops import fp8, fp8_ops, get_ops, no_pdl, pdl, triton_fp8_skinny, triton_skinny
 from rapidserve.ops.pdl import pdl_device, use_pdl
 from rapidserve.ops.pdl_table import OFF, PDL_TABLE, LaunchChoice, pdl_for_step

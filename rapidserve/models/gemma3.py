@@ -17,7 +17,7 @@ What differs from the Llama-shaped layers, as transformers' modeling_gemma3 comp
 - the final logits are soft-capped, cap * tanh(logits / cap), when `final_logit_softcapping` is set (Gemma 3 has
   none; Gemma 2 had one). Attention logit soft-capping is refused by the loader (loader/hf_arch.py).
 The K/V of every token stay in the pool for every layer (no memory saved on the sliding layers).
-An fp8 KV cache (`kv_dtype`) works as in transformer.py: each layer keeps its k_scale / v_scale, which the inherited
+An fp8 KV cache (`kv_dtype`) works as in decoder_layer.py: each layer keeps its k_scale / v_scale, which the inherited
 K/V write and attention take (a sliding layer's windowed attention over the fp8 cache included).
 """
 
@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
+from rapidserve.models.decoder_layer import DecoderLayer, KVCache, _param
 from rapidserve.models.projections import attention_rows, linear
-from rapidserve.models.transformer import CausalLM, DecoderLayer, KVCache, _param
+from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import HalfRows, QuantizedRows
 from rapidserve.quant_config import QuantizationConfig
@@ -49,7 +50,7 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class Gemma3DecoderLayer(DecoderLayer):
-    """A Gemma 3 layer: transformer.py's with norms around the MLP too, GELU-tanh, and its own RoPE table."""
+    """A Gemma 3 layer: decoder_layer.py's with norms around the MLP too, GELU-tanh, and its own RoPE table."""
 
     split_sums: ClassVar[bool] = False  # its own pre_attention / post_attention: no split-K sums between layers
 

@@ -1,4 +1,4 @@
-"""How a decoder layer calls its projections (transformer.py, gemma3.py): a projection is a float weight or an fp8
+"""How a decoder layer calls its projections (decoder_layer.py, gemma3.py): a projection is a float weight or an fp8
 `ops.fp8.Fp8Linear` (issue 39), and its input is float rows or, for an fp8 projection with dynamic per-token
 activations and per-row weight scales, rows that the op before it (RMSNorm, SiLU-and-mul, a decode step's
 attention for o_proj) already quantized (`fused_fp8`, `ops.fp8.QuantizedRows`): the same numbers as the projection's

@@ -2,7 +2,7 @@
 
 A pool of dtype float8_e4m3fn (float8_e4m3fnuz on ROCm's gfx94x, kv_pool.py) holds each layer's keys and values
 quantized with that layer's per-tensor scales, float32 device tensors of shape [1] (`k_scale`, `v_scale`: the
-layer's parameters, models/transformer.py; read by the kernels on the device, so every call is CUDA-graph safe):
+layer's parameters, models/decoder_layer.py; read by the kernels on the device, so every call is CUDA-graph safe):
 
     write:  k8 = fp8(clamp(k / k_scale, -fp8_max, fp8_max))     (saturating: 448 for e4m3fn, 240 for e4m3fnuz)
     read:   k  = k8 * k_scale                                      (values alike with v_scale)

@@ -53,7 +53,7 @@ def producer_quantizes(quant: QuantizationConfig | None) -> bool:
 def fp8_layers(cfg: ModelConfig, quant: QuantizationConfig | None) -> dict[str, int]:
     """Per fused projection (quant_config.FUSED_PROJECTIONS), how many decoder layers hold it in fp8: every layer
     for q|k|v and o, the dense-MLP layers for gate|up and down, less the checkpoint's `float_layers` (whole fused
-    groups: their first HF projection's name says, as models/transformer.py builds them). All 0 for float weights
+    groups: their first HF projection's name says, as models/decoder_layer.py builds them). All 0 for float weights
     and for the MLPs of a mixture-of-experts model's sparse layers."""
     if not is_fp8(quant):
         return dict.fromkeys(FUSED_PROJECTIONS, 0)

@@ -61,7 +61,8 @@ from rapidserve.attention import AttentionMetadata
 from rapidserve.config import RunnerConfig
 
 if TYPE_CHECKING:
-    from rapidserve.models.transformer import CausalLM, KVCache
+    from rapidserve.models.decoder_layer import KVCache
+    from rapidserve.models.transformer import CausalLM
 
 
 class Piece(Protocol):

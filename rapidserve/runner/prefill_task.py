@@ -36,7 +36,8 @@ import torch
 from rapidserve.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from rapidserve.models.transformer import CausalLM, KVCache
+    from rapidserve.models.decoder_layer import KVCache
+    from rapidserve.models.transformer import CausalLM
     from rapidserve.parallel.mirror import Forward
 
 T = TypeVar("T")
