@@ -10,7 +10,7 @@ with its TP size, workloads, search settings but how far each search looked, ...
 --search-repeats N times joins only reports of the same N); a system label may appear in one report only.
 Writes <name>.json / .md (and the frontier plots, where matplotlib is there) as compare.py does: goodput by system
 and ITL bound (with the composite row of the duet@B systems, computed from the merged frontiers), the better vLLM,
-and the engine default's ratios to vLLM and to our other systems (compare_frontier.versus_ours). A report that is
+and the engine default's ratios to vLLM and to our other systems (compare_ratios.versus_ours). A report that is
 missing or does not match is named and skipped; the merge fails (exit 1) only when none is left.
 """
 

@@ -14,7 +14,7 @@ its bracket too (goodput.passes_above: not monotone in rate) L = that rate, U = 
 infinite), the papers' "highest rate that passes". The median is monotone in
 every repetition's value, so the median of the true values lies in [median of the L, median of the U]. The entry's
 `goodput` is the median of the L: the median over the lower bounds; a ratio to a median that did not settle is the
-range [median L, median U] allows (compare_frontier.py `ratio_range`).
+range [median L, median U] allows (compare_ratios.py `ratio_range`).
 
 - every repetition converged: `converged`, the cell `31 (30.9–33.5, n=3)`: the median, then the least and the
   greatest repetition's value;
