@@ -1,5 +1,6 @@
 """The goodput frontier's system groups, and the device-time plan of a session that measures them
-(bench/vs_vllm.sh and bench/frontier_parallel.sh read both; pure, tested on CPU).
+(bench/vs_vllm.sh and bench/frontier_parallel.sh read both; pure, tested on CPU). The groups and the model
+arithmetic behind them (GROUPS, group_systems, disagg_note, peak_guess) are bench/frontier_groups.py's.
 
 A group is what one device call runs (one after another on the same GPUs, inside the call's 10 minutes; `a+b`: both
 groups' systems in one call, for shapes whose searches are short):
@@ -81,34 +82,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rapidserve.config import ModelConfig, ParallelConfig  # noqa: E402
+from frontier_groups import H200_GIB, REF_PEAK, TP_GROUPS, group_systems, peak_guess, weights_gib  # noqa: E402
 
-GROUPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {  # name -> (our systems, vLLM's systems)
-    "ours": (("duet", "always-fused", "always-split"), ()),
-    "duet": (("duet",), ()),
-    "duet-none": (("duet", "duet@none"), ()),
-    "graphs-ab": (("duet", "duet-g512"), ()),
-    "fill-ab": (("duet", "duet-g256"), ()),
-    "g4096-ab": (("duet@100", "duet100-g4096"), ()),
-    "lookup-ab": (("duet", "duet-roundup", "duet-interp"), ()),
-    "margin-ab": (("duet", "duet-m90"), ()),
-    "correction-ab": (("duet", "duet-perkind"), ()),
-    "ours-slo": (("duet@25", "duet@50", "duet@100", "duet@200", "duet@none"), ()),
-    "baselines": (("always-fused", "always-split"), ()),
-    "vllm-a": ((), ("vllm:", "vllm:--max-num-batched-tokens 1024")),
-    "vllm-b": ((), ("vllm:--max-num-batched-tokens 2048", "vllm:--performance-mode interactivity")),
-    "ours-tp": (("rapidserve", "disagg-npmd"), ()),
-    "hybrid-chunks": (("hybrid-512", "hybrid-1024", "hybrid-2048"), ()),
-    "vllm-default": ((), ("vllm:",)),
-    "vllm-1024": ((), ("vllm:--max-num-batched-tokens 1024",)),
-    "vllm-2048": ((), ("vllm:--max-num-batched-tokens 2048",)),
-}
-TP_GROUPS: tuple[str, ...] = ("ours-tp", "hybrid-chunks", "vllm-default", "vllm-1024", "vllm-2048")
+from rapidserve.config import ModelConfig  # noqa: E402
 
-GIB = 1 << 30
-H200_GIB = 140.0  # nvidia-smi's 143771 MiB
-RESERVE_GIB = 10.0  # beside the weights: activations, graphs, communicators and a KV pool worth having
 SESSION_S = 1800  # a session's device time
 MACHINE_START_S = 120
 STASH_CALL_S = 8  # one `vs_vllm.sh --stash` call on a warm machine: ~55 MiB over; 9 took 56 s of lease on 2026-11-30
@@ -130,66 +109,6 @@ DRAIN_S = 2.0  # a probe's drain after its last arrival, at least (without a lif
 LIFE_BASE_S, LIFE_TOKEN_S = 0.3, 0.025  # a request's lifetime guess: s, and s per output token (see the docstring)
 CALL_S = 600  # a device call's limit
 MARGIN_S = 100  # vs_vllm.sh starts nothing new in a call's last 100 s
-REF_PEAK = 8.5  # req/s: qwen3-8b, one H200, 4096:64 (bench/results/h200x2_1128)
-REF_ACTIVE, REF_PROMPT = 8.19e9, 4096
-
-
-def params(cfg: ModelConfig) -> tuple[float, float]:
-    """(all parameters, those one token uses) of a model, from its shapes (the experts counted top_k of n)."""
-    h, q, kv, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.vocab_size
-    attn = h * (2 * q + 2 * kv)
-    if cfg.moe is None:
-        mlp = mlp_active = 3 * h * cfg.intermediate_size
-    else:
-        mlp = 3 * h * cfg.moe.intermediate_size * cfg.moe.num_experts + h * cfg.moe.num_experts
-        mlp_active = 3 * h * cfg.moe.intermediate_size * cfg.moe.top_k
-    head = v * h * (1 if cfg.tie_word_embeddings else 2)
-    return float(cfg.num_layers * (attn + mlp) + head), float(cfg.num_layers * (attn + mlp_active) + v * h)
-
-
-def weights_gib(cfg: ModelConfig, bytes_per_param: int = 2) -> float:
-    return params(cfg)[0] * bytes_per_param / GIB
-
-
-def disagg_note(cfg: ModelConfig, tp: int, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8) -> str | None:
-    """Why disagg-npmd cannot run beside the others at TP `tp` (None: it can): its two halves of the GPUs."""
-    if tp < 2 or tp % 2:
-        return f"disagg-npmd not run: it halves the TP {tp} GPUs (prefill, decode): give an even TP >= 2"
-    half = tp // 2
-    problem = ParallelConfig(tensor_parallel_size=half, prefill_tensor_parallel_size=half).disagg_problem(cfg)
-    if problem is not None:
-        return f"disagg-npmd not run: {problem}"
-    per_gpu, room = weights_gib(cfg) / half, gpu_gib * gpu_mem
-    if per_gpu + RESERVE_GIB > room:
-        return (f"disagg-npmd not run: each side holds the whole model over {half} GPU(s): {per_gpu:.0f} GiB of bf16 "
-                f"weights a GPU, + {RESERVE_GIB:.0f} GiB beside them > {gpu_mem:g} x {gpu_gib:.0f} GiB; needs TP >= "
-                f"{2 * math.ceil(weights_gib(cfg) / (room - RESERVE_GIB))}")
-    return None
-
-
-def group_systems(group: str, cfg: ModelConfig, tp: int, gpu_gib: float = H200_GIB,
-                  gpu_mem: float = 0.8) -> tuple[list[str], list[str], str]:
-    """(our systems, vLLM's systems, a note: what was dropped and why, or '') of a group at TP `tp`.
-    ValueError for an unknown group, or a TP the model cannot be split over."""
-    names = group.split("+")  # several groups in one call: ours-tp+hybrid-chunks
-    bad = [g for g in names if g not in GROUPS]
-    if bad:
-        raise ValueError(f"GROUP={group}: {', '.join(bad)}? give one of {', '.join(GROUPS)}, or several joined by +")
-    problem = cfg.tp_problem(tp, "TP") if tp > 1 else None
-    if problem is not None:
-        raise ValueError(problem)
-    ours = list(dict.fromkeys(s for g in names for s in GROUPS[g][0]))
-    vllm = list(dict.fromkeys(s for g in names for s in GROUPS[g][1]))
-    note = disagg_note(cfg, tp, gpu_gib, gpu_mem) if "disagg-npmd" in ours else None
-    if note is not None:
-        ours.remove("disagg-npmd")
-    return ours, vllm, note or ""
-
-
-def peak_guess(cfg: ModelConfig, tp: int, prompt: int) -> float:
-    """A prefill-bound guess of a system's closed-loop peak, req/s (see the docstring)."""
-    eff = 0.85 ** math.log2(tp) if tp > 1 else 1.0
-    return REF_PEAK * (REF_ACTIVE * REF_PROMPT) / (params(cfg)[1] * prompt) * tp * eff
 
 
 class Call(NamedTuple):
