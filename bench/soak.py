@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import soak_lib as sl  # noqa: E402
+import soak_proc as sp  # noqa: E402
 import soak_report  # noqa: E402
 from soak_client import Tally, capacity_probe, counters_report, open_loop  # noqa: E402
 from soak_server import Launched, Sampler, SoakError, local_pid, text_supported, wait_healthy  # noqa: E402
@@ -99,7 +100,7 @@ async def soak(a: argparse.Namespace, launched: Launched | None, report: dict[st
         sampler = Sampler(base, root, tally, t0, a.duration_s)
         report["samples"] = sampler.samples
         first = await sampler.sample(side, "idle-before")
-        report["shm"] = {"before": sl.shm_entries()}
+        report["shm"] = {"before": sp.shm_entries()}
         print(f"soak: {a.duration_s:g} s of Poisson arrivals at {rate:.3f} requests/s (at most {a.concurrency} "
               f"in flight), a sample every {a.sample_interval_s:g} s", flush=True)
         stop = asyncio.Event()
@@ -123,32 +124,32 @@ async def soak(a: argparse.Namespace, launched: Launched | None, report: dict[st
             sampler.samples.pop()
             await asyncio.sleep(1.0)
         print(sampler.progress(last), flush=True)
-        report["shm"]["after"] = sl.shm_entries()
+        report["shm"]["after"] = sp.shm_entries()
         load_pids = {int(p) for s in sampler.samples if s["phase"] == "load" for p in s["procs"]}
         first_pids = [int(p) for p in next((s["procs"] for s in sampler.samples if s["phase"] == "load"), {})]
         report["processes"] = {"labels": {str(p): lab for p, lab in sampler.labels.items()},
                                "seen": sorted(load_pids),
-                               "gone": [p for p in first_pids if sl.proc_stats(p) is None]}
+                               "gone": [p for p in first_pids if sp.proc_stats(p) is None]}
 
 
 def finish_launched(a: argparse.Namespace, launched: Launched, report: dict[str, Any], shm_pre: list[str]) -> None:
     """SIGTERM the launched server, wait for its whole tree, and (asked) look for what it left in /dev/shm."""
-    pids = set(sl.process_tree(launched.proc.pid)) | {launched.proc.pid}
+    pids = set(sp.process_tree(launched.proc.pid)) | {launched.proc.pid}
     pids |= {int(p) for s in report.get("samples") or [] for p in s.get("procs", {})}
     print(f"soak: stopping the launched server (pid {launched.proc.pid}) with SIGTERM", flush=True)
     rc = launched.stop()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(sl.proc_stats(p) is not None for p in pids):
+    while time.monotonic() < deadline and any(sp.proc_stats(p) is not None for p in pids):
         time.sleep(0.2)
-    report["server_exit"] = {"code": rc, "still_running": [p for p in pids if sl.proc_stats(p) is not None]}
+    report["server_exit"] = {"code": rc, "still_running": [p for p in pids if sp.proc_stats(p) is not None]}
     if not a.check_shm_after_exit:
         return
     deadline = time.monotonic() + 10
     while True:  # the resource tracker may unlink a moment after the rest has gone
-        after = sl.shm_entries()
+        after = sp.shm_entries()
         new = sorted(set(after) - set(shm_pre))
-        left = sl.attributable(new, pids)
-        left = sorted(set(left) - sl.held_elsewhere(left, pids))  # sem.mp-* another program holds: not the server's
+        left = sp.attributable(new, pids)
+        left = sorted(set(left) - sp.held_elsewhere(left, pids))  # sem.mp-* another program holds: not the server's
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
@@ -267,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     known = [a.api_key or "", *secret_values(shlex.split(a.launch or ""))]  # also where no flag names them
     report: dict[str, Any] = {"settings": redact_mapping(dict(vars(a)), known), "started": time.strftime("%FT%T%z")}
     launched: Launched | None = None
-    shm_pre = sl.shm_entries()
+    shm_pre = sp.shm_entries()
     try:
         if a.launch:
             print(f"soak: launching {report['settings']['launch']}", flush=True)

@@ -6,7 +6,7 @@ server pid, so no memory samples; a counter the server does not expose). The ver
 check is False.
 
 Memory is judged by each process's private memory (USS: Private_Clean + Private_Dirty from
-/proc/PID/smaps_rollup, soak_lib.private_mb), not RSS: RSS counts pages shared with another process,
+/proc/PID/smaps_rollup, soak_proc.private_mb), not RSS: RSS counts pages shared with another process,
 and the prefill worker's RSS grows while it touches more of the KV pool it maps from the decode worker
 (+19% in a soak whose private memory was flat). RSS is reported beside it for information only.
 """

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import soak_lib as sl
+import soak_proc as sp
 from soak_client import Tally
 
 from rapidserve.benchmark.client import Target
@@ -119,17 +120,17 @@ class Sampler:
         except (aiohttp.ClientError, OSError, ValueError) as e:
             s.setdefault("health", None)
             s["metrics"], s["metrics_error"] = None, f"{type(e).__name__}: {e}"[:200]
-        pids = sl.process_tree(self.root) if self.root else []
+        pids = sp.process_tree(self.root) if self.root else []
         if not self.labels and pids:
-            self.labels = sl.label_processes(self.root or 0, pids)
+            self.labels = sp.label_processes(self.root or 0, pids)
         procs = {}
         for p in pids:
-            st = sl.proc_stats(p)
+            st = sp.proc_stats(p)
             if st is not None:
-                self.labels.setdefault(p, f"{sl.proc_kind(p)}-{p}")
+                self.labels.setdefault(p, f"{sp.proc_kind(p)}-{p}")
                 procs[str(p)] = {"label": self.labels[p], **st}
         s["procs"] = procs
-        s["shm"] = sl.shm_summary(sl.shm_entries(), pids)
+        s["shm"] = sp.shm_summary(sp.shm_entries(), pids)
         s["client"] = self.tally.snapshot()
         self.samples.append(s)
         return s
@@ -164,4 +165,4 @@ def local_pid(base: str) -> int | None:
     u = urllib.parse.urlsplit(base)
     if u.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         return None
-    return sl.pid_listening_on(u.port or (443 if u.scheme == "https" else 80))
+    return sp.pid_listening_on(u.port or (443 if u.scheme == "https" else 80))

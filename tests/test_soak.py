@@ -31,6 +31,7 @@ BENCH = os.path.join(ROOT, "bench")
 sys.path.insert(0, BENCH)
 import soak_client  # noqa: E402
 import soak_lib as sl  # noqa: E402
+import soak_proc as sp  # noqa: E402
 import soak_report  # noqa: E402
 
 
@@ -172,31 +173,31 @@ def test_process_probes() -> None:
     try:
         lst.bind(("127.0.0.1", 0))
         lst.listen()
-        tree = sl.process_tree(os.getpid())
+        tree = sp.process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree
-        st = sl.proc_stats(os.getpid())
+        st = sp.proc_stats(os.getpid())
         assert st is not None and st["rss_mb"] > 10 and st["fds"] >= st["sockets"] >= 1
         assert st["uss_mb"] is not None and 1 < st["uss_mb"] <= st["rss_mb"]  # private memory: part of RSS
-        assert sl.pid_listening_on(lst.getsockname()[1]) == os.getpid()
-        assert sl.label_processes(os.getpid(), tree)[os.getpid()] == "server"
+        assert sp.pid_listening_on(lst.getsockname()[1]) == os.getpid()
+        assert sp.label_processes(os.getpid(), tree)[os.getpid()] == "server"
     finally:
         lst.close()
         child.kill()
         child.wait()
-    assert sl.proc_stats(child.pid) is None
+    assert sp.proc_stats(child.pid) is None
 
 
 def test_shm_attribution() -> None:
     entries = ["rapidserve-123-abc-r2d", "sem.rapidserve-123-abc-r2d.rd", "rapidserve-1234-x-r2d", "torch_123_9",
                "sem.mp-q1w2e3", "other-12345", "sem.foo"]
-    assert sl.attributable(entries, [123]) == ["rapidserve-123-abc-r2d", "sem.rapidserve-123-abc-r2d.rd",
+    assert sp.attributable(entries, [123]) == ["rapidserve-123-abc-r2d", "sem.rapidserve-123-abc-r2d.rd",
                                                "torch_123_9", "sem.mp-q1w2e3"]
-    assert sl.attributable(entries, [123], mp_sems=False)[-1] == "torch_123_9"
-    assert sl.attributable(entries, []) == ["sem.mp-q1w2e3"]
-    assert sl.shm_summary(entries, [1234]) == {"total": 7, "sem": 3, "sem_mp": 1, "server": 1}
+    assert sp.attributable(entries, [123], mp_sems=False)[-1] == "torch_123_9"
+    assert sp.attributable(entries, []) == ["sem.mp-q1w2e3"]
+    assert sp.shm_summary(entries, [1234]) == {"total": 7, "sem": 3, "sem_mp": 1, "server": 1}
 
 
-@pytest.mark.skipif(not os.path.isdir(sl.SHM_DIR), reason="needs /dev/shm")
+@pytest.mark.skipif(not os.path.isdir(sp.SHM_DIR), reason="needs /dev/shm")
 def test_a_semaphore_another_process_holds_was_not_left_behind() -> None:
     """A sem.mp-* that a live process outside the server's pids has mapped is that process's (another test
     beside the soak, under pytest-xdist); one nobody maps is left behind, whoever made it."""
@@ -204,14 +205,14 @@ def test_a_semaphore_another_process_holds_was_not_left_behind() -> None:
 
     held = posix_ipc.Semaphore(f"/mp-held-{os.getpid()}", posix_ipc.O_CREX, mode=0o600)  # mapped by this process
     orphan = f"sem.mp-orphan-{os.getpid()}"
-    open(os.path.join(sl.SHM_DIR, orphan), "wb").close()  # named like one, mapped by nobody
+    open(os.path.join(sp.SHM_DIR, orphan), "wb").close()  # named like one, mapped by nobody
     try:
         sems = [f"sem.mp-held-{os.getpid()}", orphan]
-        assert set(sems) <= set(sl.shm_entries())
-        assert sl.held_elsewhere(sems, [os.getpid() + 10**7]) == {sems[0]}  # this process: another program
-        assert sl.held_elsewhere(sems, [os.getpid()]) == set()  # this process is among the pids: its own
+        assert set(sems) <= set(sp.shm_entries())
+        assert sp.held_elsewhere(sems, [os.getpid() + 10**7]) == {sems[0]}  # this process: another program
+        assert sp.held_elsewhere(sems, [os.getpid()]) == set()  # this process is among the pids: its own
     finally:
-        os.unlink(os.path.join(sl.SHM_DIR, orphan))
+        os.unlink(os.path.join(sp.SHM_DIR, orphan))
         held.unlink()
         held.close()
 
@@ -291,11 +292,11 @@ def test_private_memory_from_smaps_rollup() -> None:
     rollup = ("55d0-7ffd ---p 00000000 00:00 0   [rollup]\nRss:  204800 kB\nPss:  120000 kB\n"
               "Shared_Clean:  4000 kB\nShared_Dirty:  100000 kB\nPrivate_Clean:  800 kB\n"
               "Private_Dirty:  99200 kB\nAnonymous:  99000 kB\nShared_Hugetlb:  0 kB\nPrivate_Hugetlb:  1024 kB\n")
-    assert sl.private_kb(rollup) == 800 + 99200 + 1024
+    assert sp.private_kb(rollup) == 800 + 99200 + 1024
     smaps = "Private_Clean:  4 kB\nPrivate_Dirty:  8 kB\n" * 3  # per mapping: summed
-    assert sl.private_kb(smaps) == 36
-    assert sl.private_kb("Rss:  10 kB\n") is None
-    assert sl.private_mb(os.getpid()) is not None
+    assert sp.private_kb(smaps) == 36
+    assert sp.private_kb("Rss:  10 kB\n") is None
+    assert sp.private_mb(os.getpid()) is not None
 
 
 # ---------------------------------------------------------------- arguments

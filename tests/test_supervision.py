@@ -20,7 +20,7 @@ from rapidserve.engine.errors import EngineError
 from rapidserve.engine.supervision import describe_exit
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.llm import build_engine_config
-from tests.test_soak import sl
+from tests.test_soak import sp
 
 
 def config(**launch: object) -> object:
@@ -38,7 +38,7 @@ def left_semaphores(before: set[str]) -> set[str]:
     """sem.mp-* made since `before` that no process but this one holds (the engine's workers are gone by then):
     a named semaphore another test's process has mapped (under pytest-xdist, beside this one) is not ours."""
     new = mp_semaphores() - before
-    return new - sl.held_elsewhere(new, [os.getpid()])
+    return new - sp.held_elsewhere(new, [os.getpid()])
 
 
 LONG = 8000  # tokens: a request still running when its worker is killed
