@@ -70,13 +70,15 @@ def _tree() -> str:
 
 
 sys.path.insert(0, _tree())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from host_step_standins import StandIn, WireIO  # noqa: E402
 
 from rapidserve.config import EngineConfig  # noqa: E402
 from rapidserve.config_builder import build_engine_config  # noqa: E402
 from rapidserve.engine import messages as m  # noqa: E402
 from rapidserve.engine import step_cycle  # noqa: E402
 from rapidserve.engine.decode_worker import DecodeWorker  # noqa: E402
-from rapidserve.engine.worker_io import RING_TYPES  # noqa: E402
 from rapidserve.partition.margin import DEFAULT_MARGIN  # noqa: E402
 from rapidserve.partition.plan import PartitionPlan  # noqa: E402
 from rapidserve.partition.policies import AdaptiveParams, DuetPolicy  # noqa: E402
@@ -93,57 +95,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "nvidia-h200__preset-qwen3-8b.json"
 PROMPT = 1024
 PHASES = ("inbox", "state", "decide", "plan", "inputs", "launch", "record", "publish", "other", "host")
-TOKEN = 7  # the stand-in's every sampled token (no EOS: 2)
-VOCAB = 32  # the stand-in's logits' width
-
-
-class StandIn:
-    """The model, minus its work: hidden states of zeros and logits that pick `TOKEN` (greedy). The logits are
-    `VOCAB` wide, so the sampler's argmax (device work on a GPU) costs next to nothing here."""
-
-    def __init__(self, model: Any) -> None:
-        self.ops, self.attn, self.cfg = model.ops, model.attn, model.cfg
-        self.hidden, self.vocab = model.cfg.hidden_size, VOCAB
-
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, layers: Any, meta: Any) -> torch.Tensor:
-        return torch.zeros(len(tokens), self.hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(len(hidden), self.vocab)
-        logits[:, TOKEN] = 1.0
-        return logits
-
-
-class _Wire:
-    def __init__(self, sink: list[bytes]) -> None:
-        self.sink, self.encode = sink, msgspec.msgpack.Encoder().encode
-
-    def send(self, msg: object, timeout: float | None = None) -> None:
-        self.sink.append(self.encode(msg))
-
-    def try_send(self, msg: object) -> bool:
-        self.send(msg)
-        return True
-
-
-class WireIO:
-    """A worker's channels as byte lists: what the rings would carry, encoded and decoded by msgspec."""
-
-    def __init__(self) -> None:
-        self.inbox: list[bytes] = []
-        self.sent: list[bytes] = []
-        self.decode = msgspec.msgpack.Decoder(RING_TYPES["r2d"].types).decode
-        self.to_router = self.to_prefill = _Wire(self.sent)
-
-    def drain(self) -> list[Any]:
-        raw, self.inbox = self.inbox, []
-        return [self.decode(b) for b in raw]
-
-    def wait(self, timeout: float) -> bool:
-        return bool(self.inbox)
-
-    def others_alive(self, every_s: float = 0.25) -> bool:
-        return True
 
 
 class Phases:
