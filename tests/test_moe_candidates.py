@@ -17,6 +17,7 @@ import torch
 from bench_module import load_bench
 from triton_interp import run_interpreted
 
+from bench import moe_candidate_kernels as mck
 from rapidserve.ops.moe import moe_experts_ref, route
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,8 +221,8 @@ def test_load_vllm_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     crash = fake_vllm(tmp_path / "crash")
     (crash / "vllm" / "__init__.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
     crashed = mc.load_vllm(crash)  # the child process dies, not this one
-    assert crashed.run is None and crashed.why == f"vllm not importable: importing {mc.VLLM_MODULE} killed the child " \
-        "process (signal 11)"
+    assert crashed.run is None and crashed.why == (f"vllm not importable: importing {mck.VLLM_MODULE} killed the "
+                                                   "child process (signal 11)")
     assert "vllm" not in sys.modules and str(crash) not in sys.path
 
 
