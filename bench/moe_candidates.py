@@ -71,7 +71,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import moe_gemm  # noqa: E402
+from bench import moe_gemm, moe_timing  # noqa: E402
 from bench.moe_candidate_kernels import Candidate, load_vllm, ours, short  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
 
@@ -95,8 +95,8 @@ def sync(device: str) -> None:
 
 def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, want: torch.Tensor, reps: int, device: str,
-            graph_ms: Callable[..., float] = moe_gemm.graph_ms,
-            eager_ms: Callable[..., float] = moe_gemm.back_to_back_ms) -> dict[str, object]:
+            graph_ms: Callable[..., float] = moe_timing.graph_ms,
+            eager_ms: Callable[..., float] = moe_timing.back_to_back_ms) -> dict[str, object]:
     """Each candidate on (x, ...): its output against `want` (the reference), then, where it agrees, its graph and
     eager ms; and the two outputs against each other ("between_err", relative to max |want|). Keys per candidate
     NAME: NAME_ms, NAME_eager_ms, NAME_err, NAME_config, NAME_why ("" when it was timed)."""
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM: {vllm.version + ' from ' + vllm.where if vllm.run else vllm.why}", flush=True)
     cands = [ours(tables), vllm]
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
-    copy_bw = moe_gemm.copy_bandwidth(device, 1 << 20 if args.dry_run else 1 << 29)
+    copy_bw = moe_timing.copy_bandwidth(device, 1 << 20 if args.dry_run else 1 << 29)
     rows: list[dict[str, object]] = []
     skipped: list[str] = []
 

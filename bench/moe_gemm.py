@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_timing import time_ms  # noqa: E402
+from bench.moe_timing import back_to_back_ms, copy_bandwidth, graph_ms, median, timer  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops import torch_ops  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, moe_layer_ref, route  # noqa: E402
@@ -77,34 +75,6 @@ PREFILL_TOKENS = (256, 1024, 4096, 8192)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ALIGN_CALLS = 8  # alignments a timed graph holds (the replay's own cost spread over them)
 ONE_PROGRAM_MAX = 4096  # pairs above which the one-program alignment is not timed (it is serial over the pairs)
-
-
-def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
-def cpu_time_ms(fn: Callable[[], object], reps: int, warmup: int = 0) -> list[float]:
-    """Milliseconds of each of `reps` calls of fn on the host clock (the CPU dry run)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def timer(device: str) -> Callable[..., list[float]]:
-    return time_ms if device == "cuda" else cpu_time_ms
-
-
-def copy_bandwidth(device: str = "cuda", numel: int = 1 << 29) -> float:
-    """Bytes/s (read + write) of a device copy (1 GiB of bf16 by default)."""
-    src = torch.empty(numel, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = median(timer(device)(lambda: dst.copy_(src), 20))
-    return 2 * src.numel() * src.element_size() / (ms / 1e3)
 
 
 def moe_presets() -> list[str]:
@@ -186,34 +156,6 @@ def check_layer(x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: to
     err = float((got - want).abs().max() / want.abs().max())
     if not err < 3e-2:
         raise SystemExit(f"routed_moe disagrees with the reference: relative error {err:.3g} at {tuple(x.shape)}")
-
-
-def graph_ms(fn: Callable[[], object], reps: int, device: str) -> float:
-    """Median ms of a CUDA-graph replay of fn (the engine's decode path); on the CPU, of fn."""
-    if device != "cuda":
-        return median(cpu_time_ms(fn, reps))
-    fn()
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        fn()
-    return median(time_ms(graph.replay, reps))
-
-
-def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
-    """ms per call of `calls` calls of fn launched back to back from Python (one pair of events around all of them,
-    after a warm-up): the larger of the host's time per call and the GPU's; on the CPU, of fn."""
-    if device != "cuda":
-        return median(cpu_time_ms(fn, calls))
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(calls):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / calls
 
 
 def experts_read(ids: torch.Tensor, w13: torch.Tensor) -> tuple[int, int]:

@@ -47,6 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import moe_gemm  # noqa: E402
 from bench import moe_tune_space as space  # noqa: E402
+from bench.gpu_timing import time_ms  # noqa: E402
+from bench.moe_timing import copy_bandwidth, median  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.ops.moe import Alignment, TailBlocks, route  # noqa: E402
 from rapidserve.ops.moe_tiles import (  # noqa: E402
@@ -110,9 +112,9 @@ def gpu_clock(launches: Sequence[Callable[[], object]]) -> float:
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for f in launches:
             f()
-    est = moe_gemm.median(moe_gemm.time_ms(graph.replay, 1, warmup=1))
+    est = median(time_ms(graph.replay, 1, warmup=1))
     reps = max(3, min(25, int(MIN_MS / max(est, 1e-3))))
-    ms = moe_gemm.median(moe_gemm.time_ms(graph.replay, reps, warmup=0))
+    ms = median(time_ms(graph.replay, reps, warmup=0))
     del graph
     return ms / len(launches)
 
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsweep: {len(points)} points in {time.perf_counter() - start:.0f} s; not reached (budget): "
           f"{skipped or 'none'}; candidates that could not run: {len(failed)}")
     print(summary(points) + "\n")
-    copy_bw = moe_gemm.copy_bandwidth(device, 1 << 20 if quick else 1 << 29)
+    copy_bw = copy_bandwidth(device, 1 << 20 if quick else 1 << 29)
     sizes = {"prefill_tokens": (4,), "decode_batches": (1,), "reps": (1, 1)} if quick else {}
     # at every TP size tuned: the check's rows are those of the tables this run wrote (before 2026-11-30 it timed
     # tp 1 only, so a --tp 2 run printed tp 1 rows on the untuned rule: the folder held no tp 1 table)
