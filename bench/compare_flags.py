@@ -9,6 +9,8 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -18,6 +20,8 @@ from compare_prior import paths_arg  # noqa: E402
 
 from rapidserve.benchmark.flags import nonneg_int, positive_float  # noqa: E402
 from rapidserve.benchmark.workloads import WORKLOADS  # noqa: E402
+
+T = TypeVar("T")
 
 _IN_OUT = re.compile(r"\s*([0-9]+)\s*:\s*([0-9]+)\s*")  # ASCII digits only (str.isdigit takes '²' and '٤')
 
@@ -101,12 +105,19 @@ def workload_flags_arg(text: str) -> str:
     return text
 
 
-def start_from_arg(text: str) -> tuple[str, ...]:
-    """--search-start-from's report paths (read later, by compare.py: load_hints)."""
-    try:
-        return paths_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _said(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """`parse` as a flag type whose ValueError message argparse shows (it hides a plain ValueError's text)."""
+    def flag(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return flag
+
+
+start_from_arg = _said(paths_arg)  # --search-start-from's report paths (read later, by compare.py: load_hints)
+fractions_flag = _said(fractions_arg)  # --peak-fractions
 
 
 def repeats_arg(text: str) -> int:
@@ -119,10 +130,3 @@ def repeats_arg(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n}: give how many times each search runs, an integer >= 1 (1: once)")
     return n
-
-
-def fractions_flag(text: str) -> tuple[float, ...]:
-    try:
-        return fractions_arg(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
