@@ -21,7 +21,6 @@ Medians over repeats with min/max. Writes <out>/fp8_speed.json and .md; prints t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -39,7 +38,6 @@ from model_runner import engine_config, preset_source, stats  # noqa: E402
 from rapidserve.config import EngineConfig, ModelConfig  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
 from rapidserve.ops import unfused_fp8  # noqa: E402
-from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 
 BATCHES = (1, 16, 64)
@@ -47,11 +45,8 @@ CTX = 2048
 
 
 def build(name: str, mcfg: ModelConfig, fp8: bool, kv_fp8: bool = False) -> ModelRunner:
-    cfg: EngineConfig = engine_config(name, mcfg, "bfloat16", BATCHES, 8192, 0.45)
-    if fp8:
-        cfg = dataclasses.replace(cfg, quantization=ONLINE_FP8)
-    if kv_fp8:
-        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_dtype="fp8"))
+    cfg: EngineConfig = engine_config(name, mcfg, "bfloat16", BATCHES, 8192, 0.45, fp8=fp8,
+                                      kv_cache_dtype="fp8" if kv_fp8 else "auto")
     return ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
 
 

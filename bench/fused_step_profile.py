@@ -153,12 +153,8 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladde
 
     name = model.removeprefix("preset:")
     mcfg = preset_config(name)
-    ecfg = engine_config(name, mcfg, "bfloat16", (512,), 16384, 0.9)  # max_num_seqs 512: SHAPES' 301 sequences
+    ecfg = engine_config(name, mcfg, "bfloat16", (512,), 16384, 0.9, fp8=fp8)  # 512 seqs: SHAPES' 301 sequences
     ecfg = dataclasses.replace(ecfg, runner=dataclasses.replace(ecfg.runner, attention_backend=backend))
-    if fp8:  # the weights quantized at load, as `serve --quantization fp8` (per-channel, dynamic per-token)
-        from rapidserve.quant_config import ONLINE_FP8
-
-        ecfg = dataclasses.replace(ecfg, quantization=ONLINE_FP8)
     runner = ModelRunner(ecfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     pool = runner.kv_pool
     for layer in range(pool.tensor.shape[0]):

@@ -17,7 +17,6 @@ and `table`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import sys
@@ -65,15 +64,12 @@ def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: 
     from model_runner import engine_config, preset_source
 
     from rapidserve.loader.presets import preset_config
-    from rapidserve.quant_config import ONLINE_FP8
     from rapidserve.runner import ModelRunner
 
     name = model.removeprefix("preset:")
     mcfg = preset_config(name)
-    cfg = engine_config(name, mcfg, "bfloat16", (512,), max_len, util)  # 512 seats: the server's default cap
-    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_dtype=kv_dtype))
-    if quantization == "fp8":
-        cfg = dataclasses.replace(cfg, quantization=ONLINE_FP8)
+    cfg = engine_config(name, mcfg, "bfloat16", (512,), max_len, util,  # 512 seats: the server's default cap
+                        fp8=quantization == "fp8", kv_cache_dtype=kv_dtype)
     runner = ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
     pool = runner.kv_pool.tensor
     r = row(kv_dtype, runner.kv_pool.num_blocks, runner.block_size, pool.numel() * pool.element_size(),

@@ -39,6 +39,7 @@ from rapidserve.config import CacheConfig, EngineConfig, ModelConfig, RunnerConf
 from rapidserve.core import EngineCore  # noqa: E402
 from rapidserve.loader import ModelSource, expected_tensor_shapes  # noqa: E402
 from rapidserve.loader.presets import hf_config_dict, preset_config, preset_tensor  # noqa: E402
+from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
 from rapidserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -82,13 +83,17 @@ def preset_source(name: str, cfg: ModelConfig, device: str, dtype: torch.dtype) 
 
 
 def engine_config(name: str, mcfg: ModelConfig, dtype: str, graph_sizes: tuple[int, ...],
-                  max_len: int, util: float, num_blocks: int | None = None, device: str = "cuda") -> EngineConfig:
+                  max_len: int, util: float, num_blocks: int | None = None, device: str = "cuda",
+                  fp8: bool = False, kv_cache_dtype: str = "auto") -> EngineConfig:
+    """A bench runner's config; `fp8`: the weights quantized at load as `serve --quantization fp8` does
+    (`quant_config.ONLINE_FP8`: per-channel weights, dynamic per-token activations)."""
     return EngineConfig(
         model=name, model_config=mcfg,
-        cache=CacheConfig(gpu_memory_utilization=util, num_blocks=num_blocks),
+        cache=CacheConfig(gpu_memory_utilization=util, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=max(graph_sizes), max_num_batched_tokens=8192,
                                   max_model_len=max_len),
         runner=RunnerConfig(device=device, dtype=dtype, graph_batch_sizes=graph_sizes),
+        **({"quantization": ONLINE_FP8} if fp8 else {}),
     )
 
 
