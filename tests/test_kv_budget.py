@@ -34,3 +34,13 @@ def test_describe_names_each_term_in_gib() -> None:
     floor = KVBudget(80 * G, 0.9, 20 * G, 19 * G, 19 * G, 2048, G // 2, 2 * G).describe()
     assert "activation peak of a 2048-token step 0.50 (under the decode logits floor 2.00, which is kept)" in floor
     assert KVBudget(16 * G, 0.5, 10 * G, 10 * G, 10 * G, 8192, G, 0).describe().startswith("KV budget 0.00 GiB")
+
+
+def test_a_step_that_fit_in_the_unused_cache_is_charged_what_it_reserved() -> None:
+    """The step's activations reused 2 GiB of the allocator's unused cache (already counted in use) and reserved
+    1 GiB more: the budget keeps 1 GiB for steps, not the 3 GiB its tensors peaked at, and the log says why."""
+    b = KVBudget(140 * G, 0.8, 72 * G, 68 * G, 71 * G, 8192, 1 * G, G // 2, step_allocated=3 * G)
+    assert b.reserved_for_steps == 1 * G
+    assert b.kv_bytes == int(140 * G * 0.8) - 72 * G - 1 * G
+    assert "step 1.00 (its tensors peaked at 3.00; the rest fit in the unused cache)" in b.describe()
+    assert "peaked" not in KVBudget(140 * G, 0.8, 70 * G, 68 * G, 69 * G, 8192, 3 * G, 1 * G, 3 * G).describe()

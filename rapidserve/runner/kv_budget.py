@@ -5,11 +5,15 @@ The decode worker sizes the one shared pool after loading the weights (runner/mo
     budget = total x utilization - in use on the device - max(activation peak, decode logits floor)
 
 where "in use on the device" is `total - free` from `cudaMemGetInfo` (this process's tensors, its caching allocator's
-unused segments, CUDA contexts and anything else on the GPU), the activation peak is what a dummy prefill of the
-largest step (`max_num_batched_tokens` tokens) allocated above what was allocated before it, and the floor is the
-largest decode step's logits and sampling scratch (seats x vocab x 4 bytes x 3). `KVBudget.describe` says each term
-in GiB, so a start-up log shows why the pool came out the size it did (on the H200 the Llama-3.1-70B fp8 shape got
-37.1 GiB where vLLM 0.26 got 41.6 GiB at the same 0.8, 2026-12-01: the line says which term holds the difference).
+unused segments, CUDA contexts and anything else on the GPU), the activation peak is the memory a dummy prefill of
+the largest step (`max_num_batched_tokens` tokens) made the allocator reserve beyond the segments it held before
+(activations that fit in the allocator's unused cache, which "in use" already counts, cost nothing more; counting
+their allocated bytes again charged them twice), and the floor is the largest decode step's logits and sampling
+scratch (seats x vocab x 4 bytes x 3). `KVBudget.describe` says each term in GiB, so a start-up log shows why the
+pool came out the size it did. On the H200 the Llama-3.1-70B fp8 shape got 37.13 GiB where vLLM 0.26 got 41.59 GiB at
+the same 0.8 (2026-12-01); the line said: 3.90 GiB of the allocator's unused cache (segments of the load's freed
+temporaries, split by later allocations, so neither released nor usable by the pool: the runner now empties the
+cache after the load) and a 2.34-GiB step peak counted beside it.
 Pure: the CUDA queries are the caller's.
 """
 
@@ -28,8 +32,9 @@ class KVBudget:
     torch_allocated: int  # this process's live tensors (weights, graphs' pools, ...)
     torch_reserved: int  # what its caching allocator holds (allocated + unused cached segments)
     step_tokens: int  # the profiled step's tokens
-    step_peak: int  # the activation peak of that step, above what was allocated before it
+    step_peak: int  # what that step made the allocator reserve beyond the segments it held before it
     logits_floor: int  # the largest decode step's logits and sampling scratch
+    step_allocated: int = 0  # that step's tensors' peak above what was allocated before it (for the log)
 
     @property
     def reserved_for_steps(self) -> int:
@@ -50,7 +55,9 @@ class KVBudget:
         def g(n: float) -> str:
             return f"{n / GIB:.2f}"
 
-        step = (f"activation peak of a {self.step_tokens}-token step {g(self.step_peak)}"
+        fit = (f" (its tensors peaked at {g(self.step_allocated)}; the rest fit in the unused cache)"
+               if self.step_allocated > self.step_peak else "")
+        step = (f"activation peak of a {self.step_tokens}-token step {g(self.step_peak)}{fit}"
                 + (f" (under the decode logits floor {g(self.logits_floor)}, which is kept)"
                    if self.logits_floor > self.step_peak else ""))
         return (f"KV budget {g(max(0, self.kv_bytes))} GiB = {self.utilization:g} x {g(self.total)} GiB "

@@ -137,6 +137,11 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                                                     **kv)
             log.info("loading weights: %s", source.description)
             self._load(source, show_progress)
+            if self.device.type == "cuda":
+                # The load's temporaries (each checkpoint or random tensor on the device, the fp8 quantizer's
+                # float copies) are freed but cached: left so, the next small persistent allocations split them
+                # and the rest of each segment is held, neither released nor usable by the pool (kv_budget.py).
+                torch.cuda.empty_cache()
             log.info("weights loaded in %.1f s", time.perf_counter() - t0)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
             log.info("KV cache: %d blocks of %d tokens, %s", self.kv_pool.num_blocks, self.block_size, self.kv_dtype)
@@ -217,19 +222,22 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                  tokens)
         scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.kv_dtype,
                                             -(-tokens // self.block_size)), self.device)
+        torch.cuda.empty_cache()  # what the allocator holds now is tensors and holes only (kept after the step too)
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base, held = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         item = PrefillItem([0] * tokens, 0, list(range(-(-tokens // self.block_size))))
         self._prefill_on(scratch, [item])
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        allocated_peak = torch.cuda.max_memory_allocated() - base
+        peak = max(0, torch.cuda.max_memory_reserved() - held)  # activations in the unused cache cost no more
         max_bs = config_seats(self.cfg)  # the largest decode step (not the largest bucket: buckets beyond go unused)
         del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         budget = KVBudget(total, self.cfg.cache.gpu_memory_utilization, total - free, torch.cuda.memory_allocated(),
                           torch.cuda.memory_reserved(), tokens, peak,
-                          max_bs * self.mcfg.vocab_size * 4 * 3)  # decode logits + sampling scratch
+                          max_bs * self.mcfg.vocab_size * 4 * 3,  # decode logits + sampling scratch
+                          step_allocated=allocated_peak)
         log.info("%s", budget.describe())
         self.kv_budget = budget
         return budget.kv_bytes
