@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kv_capacity needs a GPU", file=sys.stderr)
         return 2
     rows = [measure(a.model, a.quantization, k, a.gpu_memory_utilization, a.max_model_len) for k in kinds]
-    md = (f"KV capacity, {a.model} ({a.quantization} weights) on {torch.cuda.get_device_name()}, "
+    weights = "bf16" if a.quantization == "none" else a.quantization
+    md = (f"KV capacity, {a.model} ({weights} weights) on {torch.cuda.get_device_name()}, "
           f"--gpu-memory-utilization {a.gpu_memory_utilization}, --max-model-len {a.max_model_len} (GiB):\n\n"
           + table(rows))
     write_table_files(a.out, "kv_capacity", a, rows, md)
