@@ -1,6 +1,9 @@
 """FP8 weights against bf16 on one GPU, same model shape and weights (issue 39's "must show", first rows).
 
-    python bench/fp8_speed.py [--model preset:qwen3-8b] [--out bench/results] [--reps 10]
+    python bench/fp8_speed.py [--model preset:qwen3-8b] [--out bench/results] [--reps 10] [--num-layers N]
+
+--num-layers N keeps the preset's layer shapes and takes its first N layers: for a shape whose bf16 weights do not fit
+one GPU beside the fp8 copy (Llama-3.1-70B: 141 GB in bf16), its per-layer speed and an N-layer model's logits error.
 
 For the bf16 model and the same weights quantized at load (`--quantization fp8`: per-channel weight scales,
 dynamic per-token activation scales, the `quant_config.ONLINE_FP8` scheme), it measures:
@@ -21,6 +24,7 @@ Medians over repeats with min/max. Writes <out>/fp8_speed.json and .md; prints t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -114,15 +118,22 @@ def main() -> int:
     ap.add_argument("--model", default="preset:qwen3-8b")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the preset's first N layers (its shapes kept): a model too large in bf16 for one GPU")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("fp8_speed needs a GPU", file=sys.stderr)
         return 2
     name = a.model.removeprefix("preset:")
     mcfg = preset_config(name)
+    if a.num_layers is not None:
+        if not 1 <= a.num_layers <= mcfg.num_layers:
+            ap.error(f"--num-layers must be 1..{mcfg.num_layers} for {a.model}, got {a.num_layers}")
+        mcfg = dataclasses.replace(mcfg, num_layers=a.num_layers)
     res: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                              "model": a.model, "command": "python bench/fp8_speed.py " + " ".join(sys.argv[1:])}
+                              "model": a.model, "num_layers": mcfg.num_layers,
+                              "command": "python bench/fp8_speed.py " + " ".join(sys.argv[1:])}
     runs: dict[str, dict[str, object]] = {}
     for kind in ("bf16", "fp8", "fp8_kv"):
         runner = build(name, mcfg, kind != "bf16", kv_fp8=kind == "fp8_kv")
@@ -160,7 +171,8 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "fp8_speed.json"), "w") as fh:
         json.dump(res, fh, indent=2)
-    lines = [f"# FP8 weights vs bf16: {a.model} on {res['gpu']} ({res['date']})", "",
+    depth = "" if a.num_layers is None else f" (its first {a.num_layers} layers)"
+    lines = [f"# FP8 weights vs bf16: {a.model}{depth} on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`. Medians of {a.reps} (prefill) / {3 * a.reps} (decode replay) runs.", "",
              f"Weight bytes bf16 / fp8: {res['weight_bytes_ratio']:.2f}x. Logits rel. err fp8 vs bf16: "
              + ", ".join(f"{e:.4f}" for e in errs["fp8"]) + f"; argmax agrees: {agree['fp8']}; with the fp8 KV "
