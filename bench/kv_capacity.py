@@ -1,7 +1,8 @@
 """KV capacity at one memory share: the tokens the GPU pool holds per KV dtype, and where the rest of the share goes.
 
     python bench/kv_capacity.py [--model preset:qwen3-8b] [--quantization none|fp8] [--kv-dtypes auto,fp8]
-                                [--gpu-memory-utilization 0.8] [--max-model-len 8192] [--out DIR]
+                                [--gpu-memory-utilization 0.8] [--max-model-len 8192] [--step-processes 2]
+                                [--out DIR]
 
 For each KV dtype it builds the model runner alone in this process (weights loaded, the pool sized as the decode
 worker sizes it: runner/kv_budget.py), reads the pool's blocks and the budget's terms, and frees it before the next.
@@ -38,7 +39,8 @@ def row(kv_dtype: str, blocks: int, block_size: int, pool_bytes: int, budget: KV
     r: dict[str, Any] = {"kv_dtype": kv_dtype, "blocks": blocks, "tokens": blocks * block_size,
                          "pool_gib": round(pool_bytes / GIB, 2)}
     if budget is not None:
-        r.update(total_gib=round(budget.total / GIB, 2), in_use_gib=round(budget.device_used / GIB, 2),
+        r.update(total_gib=round(budget.total / GIB, 2), in_use_gib=round(budget.engine_used / GIB, 2),
+                 not_charged_gib=round(budget.baseline_used / GIB, 2), step_processes=budget.step_processes,
                  tensors_gib=round(budget.torch_allocated / GIB, 2),
                  cache_gib=round(max(0, budget.torch_reserved - budget.torch_allocated) / GIB, 2),
                  outside_torch_gib=round(budget.outside_torch / GIB, 2),
@@ -49,7 +51,7 @@ def row(kv_dtype: str, blocks: int, block_size: int, pool_bytes: int, budget: KV
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: a row per KV dtype; `vs first`: its tokens over the first row's."""
     cols = ["kv_dtype", "blocks", "tokens", "vs first", "pool_gib", "in_use_gib", "tensors_gib", "cache_gib",
-            "outside_torch_gib", "step_peak_gib", "logits_floor_gib"]
+            "outside_torch_gib", "step_peak_gib", "step_processes", "logits_floor_gib", "not_charged_gib"]
     out = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     first = rows[0]["tokens"] if rows else 0
     for r in rows:
@@ -59,7 +61,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: int) -> dict[str, Any]:
+def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: int,
+            step_processes: int = 2) -> dict[str, Any]:
     import torch
     from model_runner import engine_config, preset_source
 
@@ -70,7 +73,8 @@ def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: 
     mcfg = preset_config(name)
     cfg = engine_config(name, mcfg, "bfloat16", (512,), max_len, util,  # 512 seats: the server's default cap
                         fp8=quantization == "fp8", kv_cache_dtype=kv_dtype)
-    runner = ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False)
+    runner = ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False,
+                         step_processes=step_processes)
     pool = runner.kv_pool.tensor
     r = row(kv_dtype, runner.kv_pool.num_blocks, runner.block_size, pool.numel() * pool.element_size(),
             runner.kv_budget)
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated, each one of {', '.join(KV_DTYPES)} (the first is the `vs first` base)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--step-processes", type=int, choices=(1, 2), default=2,
+                    help="processes keeping a full step's activations: 2 as rapid mode serves (its prefill worker "
+                         "too), 1 as --mode hybrid and LLM")
     ap.add_argument("--out", type=Path, default=None, help="folder for kv_capacity.json and .md")
     a = ap.parse_args(argv)
     kinds = [k.strip() for k in a.kv_dtypes.split(",") if k.strip()]
@@ -104,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kv_capacity needs a GPU", file=sys.stderr)
         return 2
-    rows = [measure(a.model, a.quantization, k, a.gpu_memory_utilization, a.max_model_len) for k in kinds]
+    rows = [measure(a.model, a.quantization, k, a.gpu_memory_utilization, a.max_model_len, a.step_processes)
+            for k in kinds]
     weights = "bf16" if a.quantization == "none" else a.quantization
     md = (f"KV capacity, {a.model} ({weights} weights) on {torch.cuda.get_device_name()}, "
           f"--gpu-memory-utilization {a.gpu_memory_utilization}, --max-model-len {a.max_model_len} (GiB):\n\n"

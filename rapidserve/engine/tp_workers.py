@@ -327,7 +327,7 @@ def start_follower(role: str, seat: TPSeat, cfg: EngineConfig, inbox: Receiver[A
         parts = open_streams(wire, runner.device, ("prefill",))
         capture_prefill(cfg, runner, parts)  # as the leader (worker_build.build_prefill), in its order
     else:
-        runner = load_runner(cfg, tp)
+        runner = load_runner(cfg, tp, step_processes=2 if role == "decode" else 1)  # as its leader's
         if role == "decode":
             setup = wait_message(inbox, Setup, cfg.launch.startup_timeout_s)
             wire = msgspec.msgpack.decode(setup.plan, type=PlanWire)

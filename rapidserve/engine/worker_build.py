@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
                  seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
     _share_cpu_cores(cfg)
-    runner = load_runner(cfg, open_group(cfg, seat))
+    runner = load_runner(cfg, open_group(cfg, seat), step_processes=2)  # the prefill worker's steps: its own peak
     log.info("choosing the compute partition plan (from a measured profile, or a roofline of peaks measured now)")
     plan = resolve_plan(cfg, runner.device, runner.dtype)
     log.info("partition plan: %s", plan.source)

@@ -61,23 +61,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def load_runner(cfg: EngineConfig, tp: TPGroup | None = None) -> ModelRunner:
-    """Resolve `cfg.model` and load it (with `tp`: this rank's shard) on the configured device."""
+def load_runner(cfg: EngineConfig, tp: TPGroup | None = None, step_processes: int = 1) -> ModelRunner:
+    """Resolve `cfg.model` and load it (with `tp`: this rank's shard) on the configured device; `step_processes`:
+    this engine's processes that run full-size steps on this GPU (runner/kv_budget.py)."""
     dev = resolve_device(cfg.runner.device)
     source = resolve_model(cfg.model, preset_device=dev, preset_dtype=resolve_dtype(cfg.runner.dtype, dev))
-    return ModelRunner(cfg, source, show_progress=False, tp=tp)
+    return ModelRunner(cfg, source, show_progress=False, tp=tp, step_processes=step_processes)
 
 
 class ModelRunner(DecodeGraphs, Sampling, Mirrored):
     kv_budget: KVBudget | None = None  # how the GPU pool was sized (runner/kv_budget.py); None: not sized here
 
     def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
-                 show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None) -> None:
+                 show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None,
+                 step_processes: int = 1) -> None:
         """Load `source` and allocate a KV pool (or use `kv_pool`); or, in the prefill worker, use the
         weights and pool another process shares (`attached`), without a copy. With `tp` this process is
         one rank of a tensor-parallel group: it loads and computes its shard (its KV heads in its pool),
-        and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py)."""
-        self.cfg, self.tp = cfg, tp
+        and every rank must make the same calls in the same order (rapidserve/parallel/mirror.py).
+        `step_processes`: this engine's processes running full-size steps on this GPU, each keeping its activation
+        peak (2 for rapid mode's decode worker, whose prefill worker does too), which a GPU pool's budget keeps."""
+        self.cfg, self.tp, self.step_processes = cfg, tp, step_processes
+        self._baseline_used = 0  # in use on the device before this runner allocated (runner/kv_budget.py)
         self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
         self._prefill_graphs: PrefillGraphs | None = None  # piecewise prefill graphs (capture_prefill_graphs)
         self.mcfg = cfg.model_config
@@ -88,6 +93,8 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
             check_ipc_shareable_allocator(self.device)
+            free, total = torch.cuda.mem_get_info()
+            self._baseline_used = total - free  # other processes, and this one's CUDA context
         self.block_size = cfg.cache.block_size
         self.max_model_len = cfg.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -215,7 +222,8 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
 
     def _gpu_kv_budget(self) -> int:
-        """total * utilization - memory in use - the activation peak of the largest step (runner/kv_budget.py)."""
+        """total * utilization - this engine's use - the activation peak of the largest step, per process that
+        runs such steps here; at most what the device has free (runner/kv_budget.py)."""
         torch.cuda.synchronize()
         tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
         log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
@@ -237,8 +245,9 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         budget = KVBudget(total, self.cfg.cache.gpu_memory_utilization, total - free, torch.cuda.memory_allocated(),
                           torch.cuda.memory_reserved(), tokens, peak,
                           max_bs * self.mcfg.vocab_size * 4 * 3,  # decode logits + sampling scratch
-                          step_allocated=allocated_peak)
-        log.info("%s", budget.describe())
+                          step_allocated=allocated_peak, baseline_used=self._baseline_used,
+                          step_processes=self.step_processes)
+        (log.warning if budget.short_of_share else log.info)("%s", budget.describe())
         self.kv_budget = budget
         return budget.kv_bytes
 
