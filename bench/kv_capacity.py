@@ -2,7 +2,7 @@
 
     python bench/kv_capacity.py [--model preset:qwen3-8b] [--quantization none|fp8] [--kv-dtypes auto,fp8]
                                 [--gpu-memory-utilization 0.8] [--max-model-len 8192] [--step-processes 2]
-                                [--out DIR]
+                                [--peak-breakdown] [--out DIR]
 
 For each KV dtype it builds the model runner alone in this process (weights loaded, the pool sized as the decode
 worker sizes it: runner/kv_budget.py), reads the pool's blocks and the budget's terms, and frees it before the next.
@@ -11,6 +11,9 @@ row. Beside a served engine's start-up line ("KV cache: N blocks") it also says 
 cost: the runner here is alone on the GPU, the server's decode worker is not (the API server and the prefill worker
 may hold CUDA contexts by then). The 2026-12-01 H200 run that asked for it: Llama-3.1-70B fp8 got 37.13 GiB of KV
 served, vLLM 41.59 GiB, at 0.8.
+--peak-breakdown records the allocator's history while the first KV dtype's runner is built and lists the source
+lines whose tensors are alive at the profiled step's activation peak (bench/memory_peak.py): the budget keeps that
+peak once per process running full steps (`--step-processes`, 2 as rapid mode serves), so it is KV lost twice.
 Writes <out>/kv_capacity.json and .md with --out; prints the table last. Needs a GPU (the CPU test covers `row`
 and `table`).
 """
@@ -62,8 +65,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: int,
-            step_processes: int = 2) -> dict[str, Any]:
+            step_processes: int = 2, breakdown: bool = False) -> dict[str, Any]:
+    """One row; `breakdown`: with the sites alive at the profiled step's peak (bench/memory_peak.py) under
+    "peak_sites" and the table under "peak_table"."""
+    import contextlib
+
     import torch
+    from memory_peak import peak_sites, record
+    from memory_peak import table as peak_table
     from model_runner import engine_config, preset_source
 
     from rapidserve.loader.presets import preset_config
@@ -73,11 +82,19 @@ def measure(model: str, quantization: str, kv_dtype: str, util: float, max_len: 
     mcfg = preset_config(name)
     cfg = engine_config(name, mcfg, "bfloat16", (512,), max_len, util,  # 512 seats: the server's default cap
                         fp8=quantization == "fp8", kv_cache_dtype=kv_dtype)
-    runner = ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False,
-                         step_processes=step_processes)
+    trace: list[Any] = []
+    with record() if breakdown else contextlib.nullcontext():
+        runner = ModelRunner(cfg, preset_source(name, mcfg, "cuda", torch.bfloat16), show_progress=False,
+                             step_processes=step_processes)
+        if breakdown:
+            trace = torch.cuda.memory._snapshot()["device_traces"][runner.device.index or 0]
     pool = runner.kv_pool.tensor
     r = row(kv_dtype, runner.kv_pool.num_blocks, runner.block_size, pool.numel() * pool.element_size(),
             runner.kv_budget)
+    if breakdown:
+        peak, sites = peak_sites(trace, "_gpu_kv_budget", skip=("kv_pool.py:allocate",))
+        r["peak_sites"] = [{"where": x.where, "bytes": x.bytes, "blocks": x.blocks} for x in sites]
+        r["peak_table"] = peak_table(peak, sites)
     del runner, pool
     gc.collect()
     torch.cuda.empty_cache()
@@ -95,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-processes", type=int, choices=(1, 2), default=2,
                     help="processes keeping a full step's activations: 2 as rapid mode serves (its prefill worker "
                          "too), 1 as --mode hybrid and LLM")
+    ap.add_argument("--peak-breakdown", action="store_true",
+                    help="for the first KV dtype, record the allocator's history and list the source lines whose "
+                         "tensors are alive at the profiled step's activation peak (bench/memory_peak.py)")
     ap.add_argument("--out", type=Path, default=None, help="folder for kv_capacity.json and .md")
     a = ap.parse_args(argv)
     kinds = [k.strip() for k in a.kv_dtypes.split(",") if k.strip()]
@@ -111,12 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kv_capacity needs a GPU", file=sys.stderr)
         return 2
-    rows = [measure(a.model, a.quantization, k, a.gpu_memory_utilization, a.max_model_len, a.step_processes)
-            for k in kinds]
+    rows = [measure(a.model, a.quantization, k, a.gpu_memory_utilization, a.max_model_len, a.step_processes,
+                    breakdown=a.peak_breakdown and i == 0) for i, k in enumerate(kinds)]
+    peaks = [f"\n\n{r.pop('peak_table')}" for r in rows if "peak_table" in r]
     weights = "bf16" if a.quantization == "none" else a.quantization
     md = (f"KV capacity, {a.model} ({weights} weights) on {torch.cuda.get_device_name()}, "
           f"--gpu-memory-utilization {a.gpu_memory_utilization}, --max-model-len {a.max_model_len} (GiB):\n\n"
-          + table(rows))
+          + table(rows) + "".join(peaks))
     write_table_files(a.out, "kv_capacity", a, rows, md)
     print(md)
     return 0
