@@ -38,7 +38,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("hip_ext", ("hip_ext",)),
     # Plain data: the frozen config tree, per-request sampling parameters, the offline API's results.
     # Plus the package root (`__version__`; the names it resolves lazily count as imports of their modules).
-    # Plus ConfigError and what the tree's modules share (`config_base`), the launch, partition and server sections
+    # Plus ConfigError and what the tree's modules share (`config_base`), the model, KV cache, scheduler, runner and
+    # parallelism sections (`model_config`, `cache_config`, `scheduler_config`, `runner_config`, `parallel_config`;
+    # `config` holds the root and re-exports them), the launch, partition and server sections
     # (`launch_config`, `partition_config`, `server_config`), the model's sampling defaults (`generation_config`), the
     # --kv-events-config section (`kv_events_config`), the quantization section (`quant_config`), the model's
     # mixture-of-experts section and its tensors' names (`moe_config`), the policies'
@@ -51,7 +53,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (`jsonfile`: standard library only; the loaders of profiles, device tables, traces, reports and JSON flags, the
     # benchmark's too, read through it). Plus keeping credentials out of what is printed, logged or written
     # (`redaction`: standard library only; the server, `rapidserve bench` and bench/ redact through it).
-    ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.launch_config",
+    ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.model_config",
+                "rapidserve.cache_config", "rapidserve.scheduler_config", "rapidserve.runner_config",
+                "rapidserve.parallel_config", "rapidserve.launch_config",
                 "rapidserve.partition_config", "rapidserve.server_config", "rapidserve.generation_config",
                 "rapidserve.kv_events_config", "rapidserve.quant_config", "rapidserve.policy_spec",
                 "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
