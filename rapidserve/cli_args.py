@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from rapidserve.cli_vllm import add_source_args, dtype_name
 from rapidserve.config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
@@ -18,6 +19,9 @@ from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import allow_long_max_model_len
 from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, STEP_CORRECTIONS, PartitionConfig
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profile import Profile
 
 
 def int_at_least(lo: int) -> Callable[[str], int]:
@@ -254,11 +258,7 @@ def serve_mode(a: argparse.Namespace) -> str:
 
 def partition_config(a: argparse.Namespace) -> PartitionConfig:
     """The partition flags as a PartitionConfig, `--policy` left out resolved to the mode's default (hybrid: fused;
-    disagg: rapid). A `--profile` file is read and validated here, before any model loads (ProfileError names the
-    file and field), where the partition flags fit the mode and policy (else build_engine_config refuses them, all
-    the flags at once, policy_spec.check_settings); the engine checks its GPU and model."""
-    from rapidserve.partition.profile import load_profile
-
+    disagg: rapid). The `--profile` file is read by `given_profile`."""
     text = getattr(a, "partition", "adaptive")
     policy = resolve_policy(serve_mode(a), getattr(a, "policy", None), text.split(":", 1)[0])
     pcfg = PartitionConfig.parse(text, backend=a.partition_backend,
@@ -269,9 +269,20 @@ def partition_config(a: argparse.Namespace) -> PartitionConfig:
                                  profile_lookup=getattr(a, "profile_lookup", "auto"),
                                  slo_margin=getattr(a, "slo_margin", None),
                                  step_correction=getattr(a, "step_correction", "by-shape"))
-    if pcfg.profile is not None and not conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
-        load_profile(pcfg.profile)  # (with conflicts the builder refuses them all before any file is read)
     return pcfg
+
+
+def given_profile(a: argparse.Namespace, pcfg: PartitionConfig) -> Profile | None:
+    """The `--profile` file, read, parsed and validated before any model loads (ProfileError names the file and
+    field), where the partition flags fit the mode and policy (else build_engine_config refuses them, all the flags
+    at once, policy_spec.check_settings, before any file is read): the one parse of a start-up, handed down to the
+    engine (server.serve.start_engine), whose decode worker checks it against its GPU and model. None: no
+    --profile, or flags the builder refuses."""
+    from rapidserve.partition.profile import read_profile
+
+    if pcfg.profile is None or conflicts(serve_mode(a), pcfg.policy, given_settings({"partition": pcfg})):
+        return None
+    return read_profile(pcfg.profile)
 
 
 def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) -> dict[str, object]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from rapidserve.cli_args import (
     add_model_args,
     add_partition_args,
     engine_kwargs,
+    given_profile,
     int_at_least,
     nonneg_float,
     nonneg_int,
@@ -126,12 +128,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from rapidserve.config import ParallelConfig
     from rapidserve.engine.step_trace import check_trace_path
     from rapidserve.launch_config import LaunchConfig
-    from rapidserve.server.serve import run
+    from rapidserve.server.serve import run, start_engine
     from rapidserve.server.startup import BindError
 
     model = serve_model(a)  # MODEL or --model
     scfg = server_config(a)  # before the model loads: a bad key file fails at once
     pcfg = partition_config(a)
+    profile = given_profile(a, pcfg)  # --profile parsed once, here: the engine's decode workers get this object
     parallel = ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
                               prefill_tensor_parallel_size=a.prefill_tensor_parallel_size)
     if parallel.world_size > 1 and str(a.device).startswith("cuda:"):  # before the model loads, too
@@ -153,7 +156,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return auto_profile(ecfg, a.auto_profile, os.environ), source
 
     try:
-        return run(scfg, build, model)  # type: ignore[arg-type]
+        return run(scfg, build, model, start=functools.partial(start_engine, profile=profile))  # type: ignore[arg-type]
     except BindError as e:
         print(f"rapidserve: error: {e}", file=sys.stderr)
         return 1

@@ -26,7 +26,7 @@ def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
     from rapidserve.cli import main
 
-    def run(scfg: object, build: Any, model: object) -> int:
+    def run(scfg: object, build: Any, model: object, start: object = None) -> int:
         build()
         raise AssertionError("serve got past its checks")
 

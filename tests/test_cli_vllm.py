@@ -57,7 +57,7 @@ def serve_args(*args: str) -> tuple[Any, Any, str | None]:
 
 def exit_2(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     capsys.readouterr()
-    with mock.patch("rapidserve.server.serve.run", side_effect=lambda s, build, m: build() and 0):
+    with mock.patch("rapidserve.server.serve.run", side_effect=lambda s, build, m, **k: build() and 0):
         try:
             code = main(list(args))
         except SystemExit as e:

@@ -292,7 +292,7 @@ def test_one_engine_giving_up_is_the_engine_giving_up_and_health_lists_every_eng
 def test_an_engine_that_fails_to_start_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[Member] = []
 
-    async def start(c: EngineConfig, mps_plan: object = None) -> Member:
+    async def start(c: EngineConfig, mps_plan: object = None, profile: object = None) -> Member:
         assert c.runner.device == "cpu" and mps_plan is None  # the CPU: no MPS daemon
         member = Member()
         made.append(member)
@@ -314,7 +314,7 @@ def test_on_gpus_each_engine_gets_its_device_and_all_share_one_mps_daemon(monkey
     starts: list[tuple[str, object]] = []
     daemons: list[str] = []
 
-    async def start(c: EngineConfig, mps_plan: object = None) -> Member:
+    async def start(c: EngineConfig, mps_plan: object = None, profile: object = None) -> Member:
         starts.append((c.runner.device, mps_plan))
         return Member()
 

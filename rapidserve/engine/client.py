@@ -30,13 +30,14 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import functools
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
@@ -48,6 +49,9 @@ from rapidserve.engine.supervision import WorkerSupervision
 from rapidserve.ipc import wait_any
 from rapidserve.prompt import PromptError, PromptLimits
 from rapidserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profile import Profile
 
 INBOX_WAIT_S = 5.0  # how long a new request may wait for room in a worker's inbox ring
 
@@ -73,6 +77,9 @@ class _Stream:
 class AsyncEngine(WorkerSupervision):
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        # cfg.partition.profile parsed at start-up (the CLI's flag check), handed to every start and restart of the
+        # decode worker, which then does not parse the file again; None: the worker reads it (or finds one) itself.
+        self.profile: Profile | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.workers: WorkerSet | None = None
         self.streams: dict[str, _Stream] = {}
@@ -100,11 +107,14 @@ class AsyncEngine(WorkerSupervision):
 
     # ---- life cycle -------------------------------------------------------------------------
     @classmethod
-    async def start(cls, cfg: EngineConfig, mps_plan: MpsPlan | None = None) -> AsyncEngine:
+    async def start(cls, cfg: EngineConfig, mps_plan: MpsPlan | None = None,
+                    profile: Profile | None = None) -> AsyncEngine:
         """Start the workers. `mps_plan`: how they reach an MPS daemon someone else owns (data
-        parallelism: one daemon for every engine); None: this engine settles MPS itself."""
+        parallelism: one daemon for every engine); None: this engine settles MPS itself. `profile`: the file
+        `cfg.partition.profile` names, parsed already (profile.read_profile), for the decode worker's plan."""
         self = cls(cfg)
         self.mps_plan = mps_plan
+        self.profile = profile
         self.loop = asyncio.get_running_loop()
         if cfg.kv_events.publishing:  # its socket first: an address in use fails before the workers load
             self.kv_publisher = KVEventPublisher(cfg.kv_events)
@@ -133,7 +143,8 @@ class AsyncEngine(WorkerSupervision):
             self.mps_plan = self.mps.start(self.cfg.launch.mps, platform, tempfile.mkdtemp(prefix="rapidserve-mps-"))
             self.events.append(self.mps_plan.reason)
         env = self.mps_plan.worker_env()
-        self.workers = await self.loop.run_in_executor(None, WorkerSet.start, self.cfg, env)
+        self.workers = await self.loop.run_in_executor(
+            None, functools.partial(WorkerSet.start, self.cfg, env, profile=self.profile))
         self.dead_reason = None
         self.state = "ready"
         pids = ", ".join(f"{who} pid {p.pid}" for who, p in self.workers.procs.items())

@@ -34,7 +34,7 @@ import importlib
 import logging
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rapidserve.config import EngineConfig, ParallelConfig
 from rapidserve.config_base import ConfigError
@@ -45,6 +45,9 @@ from rapidserve.engine.errors import EngineError
 from rapidserve.engine.mps import MpsController, MpsPlan
 from rapidserve.engine.step_trace import trace_path
 from rapidserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profile import Profile
 
 log = logging.getLogger("rapidserve.engine")
 
@@ -135,9 +138,10 @@ class DataParallelEngine:
 
     # ---- life cycle -------------------------------------------------------------------------
     @classmethod
-    async def start(cls, cfg: EngineConfig) -> DataParallelEngine:
+    async def start(cls, cfg: EngineConfig, profile: Profile | None = None) -> DataParallelEngine:
         """Start every engine at once (each loads its model and captures its graphs in parallel);
-        if one fails to start, the others are stopped and its error is raised as it came."""
+        if one fails to start, the others are stopped and its error is raised as it came. `profile`: the file
+        `cfg.partition.profile` names, parsed once already, given to every engine (AsyncEngine.start)."""
         loop = asyncio.get_running_loop()
         platform = "cpu" if cfg.runner.device == "cpu" else await loop.run_in_executor(None, gpu_platform)
         visible = 0 if platform == "cpu" else await loop.run_in_executor(None, _gpu_count)
@@ -149,7 +153,7 @@ class DataParallelEngine:
             plan = mps.start(cfg.launch.mps, platform, tempfile.mkdtemp(prefix="rapidserve-mps-"))
         # The launcher imports torch in an executor thread; do it once here, not from N threads at once.
         await loop.run_in_executor(None, importlib.import_module, "rapidserve.engine.worker_build")
-        results = await asyncio.gather(*(AsyncEngine.start(c, mps_plan=plan) for c in configs),
+        results = await asyncio.gather(*(AsyncEngine.start(c, mps_plan=plan, profile=profile) for c in configs),
                                        return_exceptions=True)
         started = [r for r in results if not isinstance(r, BaseException)]
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]

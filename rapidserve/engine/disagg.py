@@ -86,6 +86,7 @@ from rapidserve.parallel.mirror import Setup, wait_message
 from rapidserve.parallel.staging import StagingAllocator
 from rapidserve.partition.backend import PartitionBackend
 from rapidserve.partition.plan import PlanWire, open_streams, resolve_plan
+from rapidserve.partition.profile import Profile
 from rapidserve.partition.roofline import kv_element_bytes
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition_config import PartitionConfig
@@ -187,14 +188,14 @@ def _connect(cfg: EngineConfig, runner: ModelRunner, handoff: Sequence[Any], ran
     return (parts[0] if len(parts) == 1 else ShardedConnector(parts)), blocks, wire
 
 
-def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any],
-                        seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
+def build_disagg_decode(cfg: EngineConfig, io: WorkerIO, handoff: Sequence[Any], seat: TPSeat | None = None,
+                        profile: Profile | None = None) -> tuple[dict[str, str], DecodeWorker]:
     """Rapid mode's decode worker on its own GPU (rank 0 of the decode side, with its followers under `seat`); the
-    hand-off carries only its KV pool, to each prefill rank it shares heads with."""
+    hand-off carries only its KV pool, to each prefill rank it shares heads with. `profile`: as build_decode's."""
     dev = disagg_devices(cfg)[1][0]
     cfg = instance_config(cfg)
     runner = _load(cfg, dev, seat)
-    plan = resolve_plan(cfg, runner.device, runner.dtype)
+    plan = resolve_plan(cfg, runner.device, runner.dtype, profile)
     wire = msgspec.structs.replace(plan.wire(), fused_graphs=fused_graph_key(cfg, plan))
     send_plan(seat, wire)  # decode followers capture the same graphs, in this order
     parts = open_streams(wire, runner.device, ("decode",))

@@ -21,16 +21,20 @@ left, and unlinks every shared-memory name.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rapidserve.config import EngineConfig
 from rapidserve.engine import messages as m
 from rapidserve.engine.worker_io import DOORBELLS, HYBRID_RINGS, RING_TYPES, ChannelNames, run_worker
 from rapidserve.ipc import Doorbell, Receiver, Sender, ShmRing, cleanup_stale, doorbell_name, new_engine_id, ring_name
+
+if TYPE_CHECKING:
+    from rapidserve.partition.profile import Profile
 
 
 class WorkerStartError(RuntimeError):
@@ -79,6 +83,13 @@ def _visible_gpus(cfg: EngineConfig) -> int:
     return int(torch.cuda.device_count())
 
 
+def role_builder(builders: dict[str, Any], role: str, profile: Profile | None) -> Any:
+    """`role`'s builder, given the parsed `profile` where it reads one: decode's (worker_build.build_decode,
+    disagg.build_disagg_decode: its plan, partition/plan.resolve_plan), when there is one to give."""
+    build = builders[role]
+    return functools.partial(build, profile=profile) if role == "decode" and profile is not None else build
+
+
 def _handoff(pipes: dict[tuple[int, int], tuple[Any, Any]], role: str, rank: int, disagg: bool) -> Any:
     """The hand-off ends of `role`'s rank `rank` (pipes by (decode rank, prefill rank)): rapid mode's one pipe end
     (None for hybrid); disagg's ends of every pair it is in, by the other side's rank."""
@@ -101,7 +112,10 @@ class WorkerSet:
     ready: dict[str, m.Ready]
 
     @classmethod
-    def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None) -> WorkerSet:
+    def start(cls, cfg: EngineConfig, env: dict[str, str | None], on_message: Any = None,
+              profile: Profile | None = None) -> WorkerSet:
+        """`profile`: the file `cfg.partition.profile` names, parsed already (profile.read_profile), handed to the
+        decode worker's builder (its plan checks it instead of parsing the file again); None: the worker reads it."""
         from rapidserve.engine.disagg import builders_for, handoff_pairs, start_disagg_follower
         from rapidserve.engine.tp_workers import (
             check_tp_gpus,
@@ -145,7 +159,8 @@ class WorkerSet:
                     renv = worker_env({**tp_env(role), **env} if seat is not None else env)
                     if rank == 0:
                         target: Any = run_worker
-                        args: tuple[Any, ...] = (role, builders[role], rcfg, names, os.getpid(), handoff, renv, seat)
+                        args: tuple[Any, ...] = (role, role_builder(builders, role, profile), rcfg, names,
+                                                 os.getpid(), handoff, renv, seat)
                     else:
                         target = run_follower
                         args = (role, seat, rcfg, os.getpid(), handoff, renv, start_disagg_follower if disagg else None)

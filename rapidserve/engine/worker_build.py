@@ -42,7 +42,7 @@ from rapidserve.engine.tp_workers import (
 from rapidserve.engine.worker_io import WorkerIO
 from rapidserve.partition.drift import LinearModel
 from rapidserve.partition.plan import PartitionPlan, open_streams, resolve_plan
-from rapidserve.partition.profile import OVERALLOCATED, Configuration
+from rapidserve.partition.profile import OVERALLOCATED, Configuration, Profile
 from rapidserve.partition.roofline import kv_element_bytes
 from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition.step_policies import AlwaysFused
@@ -52,12 +52,14 @@ from rapidserve.runner.model_sharing import export_shared
 log = logging.getLogger(__name__)
 
 
-def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any,
-                 seat: TPSeat | None = None) -> tuple[dict[str, str], DecodeWorker]:
+def build_decode(cfg: EngineConfig, io: WorkerIO, handoff: Any, seat: TPSeat | None = None,
+                 profile: Profile | None = None) -> tuple[dict[str, str], DecodeWorker]:
+    """`profile`: the file `cfg.partition.profile` names, parsed at start-up (launch.role_builder); None: the plan
+    reads whichever profile applies itself."""
     _share_cpu_cores(cfg)
     runner = load_runner(cfg, open_group(cfg, seat), step_processes=2)  # the prefill worker's steps: its own peak
     log.info("choosing the compute partition plan (from a measured profile, or a roofline of peaks measured now)")
-    plan = resolve_plan(cfg, runner.device, runner.dtype)
+    plan = resolve_plan(cfg, runner.device, runner.dtype, profile)
     log.info("partition plan: %s", plan.source)
     wire = msgspec.structs.replace(plan.wire(), fused_graphs=fused_graph_key(cfg, plan))
     send_plan(seat, wire)  # decode followers capture the same graphs, in this order

@@ -3,7 +3,8 @@ reads, fixed at start-up.
 
 `resolve_plan` (decode worker, at start-up) fixes the configurations and, for `adaptive`, the
 profile the manager reads: the one given (`--profile`, or the profile `rapidserve serve` measured or
-found in the user's cache at start, partition/autoprofile.py), else the measured
+found in the user's cache at start, partition/autoprofile.py; a `--profile` given arrives parsed already, read once
+by the CLI's flag check, and is only checked against this GPU and model here), else the measured
 `profiles/<gpu>__<model>.json` when it exists (validated, refused when it is for another GPU or model,
 or asks for splits this device cannot make), otherwise a roofline estimate from peaks measured now, and
 says so. The prefill worker receives the same
@@ -40,11 +41,12 @@ from rapidserve.partition.profile import (
     Configuration,
     Profile,
     ProfileVariant,
+    check_profile,
     default_profiles_dir,
-    load_profile,
     model_label,
     model_shape,
     profile_filename,
+    read_profile,
     variant_of,
 )
 from rapidserve.partition.roofline import collective_ops, kv_element_bytes
@@ -103,10 +105,15 @@ def gpu_name(device: Any) -> str:
     return str(torch.cuda.get_device_name(device))
 
 
-def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
+def resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None, given: Profile | None = None) -> PartitionPlan:
     """The run's plan; `source`, logged once at start (the decode worker's Ready), says where each cost model
-    came from and, under tensor parallelism, which of them hold the collectives (`tp_cost_models`)."""
-    plan = _resolve_plan(cfg, device, dtype)
+    came from and, under tensor parallelism, which of them hold the collectives (`tp_cost_models`). `given`: the
+    file `cfg.partition.profile` names, parsed already (the CLI read it at start-up: profile.read_profile), checked
+    here against this GPU and model instead of parsing the file again; None: the file is read here."""
+    if given is not None and not cfg.partition.profile:
+        raise ValueError("resolve_plan(given=...) is the parsed cfg.partition.profile, but the config names no "
+                         "profile file: pass given=None or set partition.profile")
+    plan = _resolve_plan(cfg, device, dtype, given)
     slo = slo_note(cfg.partition, plan)
     if slo:
         plan.source += f"; {slo}"
@@ -182,7 +189,7 @@ def with_prefill_models(plan: PartitionPlan, cfg: EngineConfig, device: Any, dty
     plan.source += f"; drift prefill model (roofline, contention-free): {fits}"
 
 
-def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> PartitionPlan:
+def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None, given: Profile | None = None) -> PartitionPlan:
     p = cfg.partition
     kind = detect_kind(device) if p.backend == "auto" else p.backend
     if p.mode == "off" or kind == "none":
@@ -201,9 +208,9 @@ def _resolve_plan(cfg: EngineConfig, device: Any, dtype: Any = None) -> Partitio
     variant = variant_of(cfg)
     path, why_not = profile_path(p.profile, default_profiles_dir(), gpu, cfg.model, tp, variant)
     if path is not None:
-        prof = load_profile(path, expect_gpu=gpu, expect_model=model_label(cfg.model),
-                            expect_tp=None if p.profile else tp, expect_variant=variant,
-                            expect_shape=model_shape(cfg.model_config))
+        prof = check_profile(given if given is not None and p.profile else read_profile(path), path,
+                             expect_gpu=gpu, expect_model=model_label(cfg.model), expect_tp=None if p.profile else tp,
+                             expect_variant=variant, expect_shape=model_shape(cfg.model_config))
         if prof.tensor_parallel_size not in (1, tp):
             fix = (f"run `rapidserve profile --shard-of-tp {tp}`" if tp > 1 else
                    f"give a whole-model profile (`rapidserve profile` without --shard-of-tp), or serve with "

@@ -270,9 +270,17 @@ def load_profile(
     path: str | os.PathLike[str], expect_gpu: str | None = None, expect_model: str | None = None,
     expect_tp: int | None = None, expect_variant: ProfileVariant | None = None, expect_shape: str | None = None,
 ) -> Profile:
-    """Read and validate a profile; optionally check it was measured for this GPU, model, tensor-parallel
-    size (a whole model: 1; a rank's shard: the size it was cut for), variant (fp8 weights, fp8 KV cache) and
-    model shape (`model_shape` of the whole model; a profile that records none is not checked)."""
+    """Read and validate a profile (`read_profile`); optionally check it was measured for this GPU, model,
+    tensor-parallel size, variant and model shape (`check_profile`)."""
+    return check_profile(read_profile(path), path, expect_gpu=expect_gpu, expect_model=expect_model,
+                         expect_tp=expect_tp, expect_variant=expect_variant, expect_shape=expect_shape)
+
+
+def read_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read, parse and validate the profile file `path` (ProfileError names the file and the field). The one place a
+    profile file is parsed: a start-up parses the --profile given once (the CLI's flag check) and hands the result
+    down (server.serve.start_engine -> the decode worker -> plan.resolve_plan), which checks it with
+    `check_profile` where the GPU is known."""
     spath = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -302,6 +310,18 @@ def load_profile(
         field = msg.rsplit("at `", 1)[1].rstrip("`") if "at `" in msg else "$"
         raise _fail(spath, field, msg) from exc
     validate_profile(prof, spath)
+    return prof
+
+
+def check_profile(
+    prof: Profile, path: str | os.PathLike[str], *, expect_gpu: str | None = None, expect_model: str | None = None,
+    expect_tp: int | None = None, expect_variant: ProfileVariant | None = None, expect_shape: str | None = None,
+) -> Profile:
+    """`prof` (read from `path`, which the messages name) when it was measured for this GPU, model, tensor-parallel
+    size (a whole model: 1; a rank's shard: the size it was cut for), variant (fp8 weights, fp8 KV cache) and model
+    shape (`model_shape` of the whole model; a profile that records none is not checked), each checked where not
+    None; else a ProfileError saying how to measure the right one."""
+    spath = str(path)
     mismatches = [
         f"{what}: profile is for {have!r}, this run uses {want!r}"
         for what, have, want in (("gpu", prof.gpu, expect_gpu), ("model", prof.model, expect_model))

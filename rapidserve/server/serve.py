@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the engine, the loader and the tokenizer import torch: load
     from rapidserve.engine.client import AsyncEngine
     from rapidserve.engine.data_parallel import DataParallelEngine
     from rapidserve.loader import ModelSource
+    from rapidserve.partition.profile import Profile
     from rapidserve.server.app import Server
     from rapidserve.structured import GrammarTrials
     from rapidserve.tokenizer import Tokenizer
@@ -266,14 +267,16 @@ async def _serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket],
     return EXIT_ENGINE_DOWN if fatal else 0
 
 
-async def start_engine(ecfg: EngineConfig) -> AsyncEngine | DataParallelEngine:
-    """One engine, or with `--data-parallel-size N` (N > 1) N of them behind this router."""
+async def start_engine(ecfg: EngineConfig, profile: Profile | None = None) -> AsyncEngine | DataParallelEngine:
+    """One engine, or with `--data-parallel-size N` (N > 1) N of them behind this router. `profile`: the file
+    `ecfg.partition.profile` names, parsed once at start-up (cli_serve: the flag check's read), which every
+    decode worker checks against its GPU instead of parsing the file again."""
     from rapidserve.engine.client import AsyncEngine
     from rapidserve.engine.data_parallel import DataParallelEngine
 
     if ecfg.parallel.data_parallel_size > 1:
-        return await DataParallelEngine.start(ecfg)
-    return await AsyncEngine.start(ecfg)
+        return await DataParallelEngine.start(ecfg, profile=profile)
+    return await AsyncEngine.start(ecfg, profile=profile)
 
 
 async def _first(*events: asyncio.Event, timeout: float | None = None) -> None:
@@ -306,14 +309,15 @@ def _address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run(scfg: ServerConfig, build: Build, model_spec: str | None = None) -> int:
+def run(scfg: ServerConfig, build: Build, model_spec: str | None = None, start: StartEngine | None = None) -> int:
     """`rapidserve serve` after its flags are checked: logging, the port (BindError at once when it cannot be
-    bound, before anything is loaded), then `serve`. `build` runs on a thread while the port answers 503."""
+    bound, before anything is loaded), then `serve`. `build` runs on a thread while the port answers 503; `start`:
+    how the engine starts (None: start_engine)."""
     configure_logging(scfg.log_level, scfg.http_log_level, scfg.log_requests)
     t0 = time.monotonic() - process_age_s()
     sockets = bind_sockets(scfg.host, scfg.port)
     try:
-        return asyncio.run(serve(scfg, build, sockets, model_spec, t0))
+        return asyncio.run(serve(scfg, build, sockets, model_spec, t0, start))
     finally:
         for sock in sockets:
             sock.close()
