@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# FlashAttention-3 on the GPU machine, in ONE device call after the six `bench/vs_vllm.sh --stash` calls:
+# FlashAttention-3 on the GPU machine, in ONE device call after the `bench/vs_vllm.sh --stash` calls (one per part
+# `bash bench/vs_vllm.sh --split` cut, .peer/c0 .. cN-1):
 # installs vLLM from the stashed parts (its FA3 build is the one rapidserve's fa3 backend loads), then the
 # parts named in PARTS (comma-separated, in this order; default kernels,suite):
 #   kernels  bench/attention_kernels.py: Triton vs FA3 (paged) vs torch SDPA, 4K/8K/16K, decode batches 1-256

@@ -90,8 +90,8 @@ repeats=$(echo "${SEARCH_ARGS:-}" | sed -n 's/.*--search-repeats[ =]*\(-*[0-9][0
 case " ${SEARCH_ARGS:-} " in *" --search-ttft-rate"*) probes=$(( ${probes:-12} + 1 ));; esac
 # the plan's prompt and output lengths: the first workload's, where WORKLOADS gives one as IN:OUT (else 4096:64; the
 # output length guesses a request's lifetime, which sets each probe's warm-up: the ramp rule); a probe's arrivals and
-# their cap (--search-max-probe-arrivals in SEARCH_ARGS; a trace: its window, below); the vLLM stash's part count:
-# this checkout's .peer/c* (bench/vs_vllm.sh --split made them), else the plan's default
+# their cap (--search-max-probe-arrivals in SEARCH_ARGS; a trace: its window, below). The vLLM stash's part count is
+# the plan's own (bench/frontier_plan.py stash_parts: this checkout's .peer/c*, which bench/vs_vllm.sh --split made)
 prompt=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^\([0-9][0-9]*\):[0-9].*/\1/p')
 output=$(echo "${WORKLOADS:-4096:64}" | sed -n 's/^[0-9][0-9]*:\([0-9][0-9]*\).*/\1/p')
 if [ "${WORKLOADS:-}" = multiturn ]; then  # an arrival is a conversation (vs_vllm.sh's multiturn defaults): 2048 + 5 x
@@ -116,11 +116,9 @@ if [ -n "${TRACE_WORKLOADS:-}" ]; then  # a trace's probe: --search-trace-probe 
     plan_n="${trace_probe:-${window:-$plan_n}}"
     [ -n "$window" ] && cap="$window"
 fi
-parts=$(find .peer -maxdepth 1 -name 'c[0-9]*' -type d 2>/dev/null | wc -l)
 plan_extra=(--prompt "${prompt:-4096}" --output "${output:-64}" --repeats "${repeats:-1}")
 [ -n "$cap" ] && plan_extra+=(--max-probe-arrivals "$cap")
 case " ${SEARCH_ARGS:-} " in *" --search-peak-from-prior "*) plan_extra+=(--peak-from-prior) ;; esac
-[ "$parts" -gt 0 ] && plan_extra+=(--vllm-parts "$parts")
 if [ "${1:-}" = --plan ]; then
     exec "$py" bench/frontier_plan.py plan --gpus "${KIND_GPUS:-${NGPU:-4}}" --tp "$tp" --preset "${PRESET:-qwen3-8b}" \
         --groups "$(IFS=,; echo "${groups[*]}")" --num-prompts "$plan_n" --budget-s "${BUDGET_S:-540}" \

@@ -34,7 +34,8 @@ the weights do not fit half the GPUs (each side holds a whole copy).
 The plan's times are estimates from earlier runs (bench/results: vLLM's start 180-190 s for the 70B shape at
 TP 2 with its dummy loader, ours 20-60 s, duet at TP 1 12-25 s with a committed profile (without one, its first
 start measures and caches one, up to 55 s more); a machine's start "a minute or more"; the stash calls ~8 s each
-on a warm machine), and a prefill-bound guess of each system's closed-loop peak
+on a warm machine, as many as `bash bench/vs_vllm.sh --split` cut parts: `stash_parts` counts its .peer/c0 ..
+.peer/cN-1, the folders the `--stash` calls carry one each), and a prefill-bound guess of each system's closed-loop peak
 (qwen3-8b's 8.5 req/s on one H200 at 4096:64, scaled by active parameters, prompt length and TP at 85% per
 doubling): a plan, not a measurement. A search of every bound wants --max-probes probes; a search of one bound
 (duet@B) ONE_BOUND_PROBES at most (h200x2_1129's searches settled a bound in 2 probes at the peak, 6-8 inside it).
@@ -79,6 +80,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -91,6 +93,11 @@ from rapidserve.config import ModelConfig  # noqa: E402
 SESSION_S = 1800  # a session's device time
 MACHINE_START_S = 120
 STASH_CALL_S = 8  # one `vs_vllm.sh --stash` call on a warm machine: ~55 MiB over; 9 took 56 s of lease on 2026-11-30
+# Where `bash bench/vs_vllm.sh --split` cuts vLLM's bundle: .peer/c0 .. .peer/cN-1, one part a `--stash` call
+PEER_DIR = Path(__file__).resolve().parent.parent / ".peer"
+# The part count where this checkout has no .peer/c* (not split yet): what `--split` cut last (2026-12-01: vLLM
+# 0.26.0's 387 MiB bundle beside a 20 MiB working tree, c0 .. c9); `--split` prints the real count
+STASH_PARTS_UNSPLIT = 10
 VLLM_INSTALL_S = 40  # install.sh (untar, pip --target) on the session's first group call; the model folder ~6 s
 CALL_OVERHEAD_S = 30  # the tree over, the wheels installed, the results back
 STARTUP_S = {"vllm": 190.0, "hybrid": 30.0, "ours": 60.0, "duet-tp1": 25.0}  # per system, by kind (kind_of)
@@ -116,6 +123,18 @@ class Call(NamedTuple):
     seconds: float
     detail: str
     note: str = ""  # what the plan says of it on a line of its own (BUDGET_S cannot fit --search-repeats)
+
+
+def stash_parts(peer: Path | None = None) -> tuple[int, str]:
+    """How many `bash bench/vs_vllm.sh --stash` calls install vLLM, and whence the count: one per part folder
+    `bash bench/vs_vllm.sh --split` made in `peer` (default PEER_DIR: .peer/c0 .. .peer/cN-1, which vs_vllm.sh
+    itself counts and the calls carry, `.peer/cK` each), else STASH_PARTS_UNSPLIT, said to be assumed."""
+    peer = PEER_DIR if peer is None else peer
+    n = sum(1 for d in peer.glob("c[0-9]*") if d.is_dir() and d.name[1:].isdigit())
+    if n:
+        return n, f"one part each, {peer.name}/c0 .. c{n - 1} (cut by `bash bench/vs_vllm.sh --split`)"
+    return STASH_PARTS_UNSPLIT, (f"one part each; {STASH_PARTS_UNSPLIT} assumed: no {peer}/c* here yet (`bash "
+                                 "bench/vs_vllm.sh --split` cuts them and says how many)")
 
 
 def kind_of(system: str, tp: int = 1) -> str:
@@ -211,13 +230,14 @@ def group_call(group: str, systems: Sequence[str], peak: float, num_prompts: int
 
 
 def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str], prompt: int = 4096,
-         num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int = 8,
+         num_prompts: int = 48, max_probes: int = 6, budget_s: float = 540, vllm_parts: int | None = None,
          stashed: bool = False, gpu_gib: float = H200_GIB, gpu_mem: float = 0.8,
          above_peak_factor: float = 1.0, lifetime_s: float | None = None,
          cap: int = DEFAULT_MAX_PROBE_ARRIVALS, repeats: int = 1, peak_from_prior: bool = False) -> list[str]:
     """The session's calls, in order, with their estimated device time and what fits in SESSION_S. `lifetime_s`: a
     request's lifetime, for the probes' warm-ups (None: the discard alone, as before the ramp rule). `repeats`: each
-    search's repetitions (compare.py --search-repeats). `peak_from_prior`: no closed-loop runs (`group_call`)."""
+    search's repetitions (compare.py --search-repeats). `peak_from_prior`: no closed-loop runs (`group_call`).
+    `vllm_parts`: the vLLM stash's part count (None: `stash_parts`, what `bash bench/vs_vllm.sh --split` cut)."""
     slots = gpus // tp
     if repeats < 1:
         raise ValueError(f"--search-repeats {repeats}: each search runs at least once (give N >= 1)")
@@ -234,8 +254,9 @@ def plan(cfg: ModelConfig, preset: str, gpus: int, tp: int, groups: Sequence[str
                 if lifetime_s is not None else "")]
     calls = [Call("machine start", MACHINE_START_S, "a minute or more, held")]
     if not stashed:  # vLLM's FA3 build serves ours too (FA3_FROM_VLLM=1): every group wants it installed
-        calls.append(Call(f"vLLM stash: {vllm_parts} calls", vllm_parts * STASH_CALL_S,
-                          "bash bench/vs_vllm.sh --stash, one part each, back to back"))
+        parts, whence = stash_parts() if vllm_parts is None else (vllm_parts, "one part each (--vllm-parts)")
+        calls.append(Call(f"vLLM stash: {parts} calls", parts * STASH_CALL_S,
+                          f"bash bench/vs_vllm.sh --stash, {whence}, back to back"))
     first_vllm = not stashed
     for i in range(0, len(groups), slots):
         side = []
@@ -286,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pl.add_argument("--num-prompts", type=int, default=48)
     pl.add_argument("--max-probes", type=int, default=6)
     pl.add_argument("--budget-s", type=float, default=540)
-    pl.add_argument("--vllm-parts", type=int, default=8)
+    pl.add_argument("--vllm-parts", type=int, default=None, help="the vLLM stash's part count (default: the "
+                    f".peer/c* folders `bash bench/vs_vllm.sh --split` made, else {STASH_PARTS_UNSPLIT})")
     pl.add_argument("--above-peak-factor", type=float, default=1.0,
                     help="SEARCH_ARGS' --search-above-peak-factor: plan each search's probes above the peak that long")
     pl.add_argument("--output", type=int, default=64, help="output tokens of the workload: the request lifetime's "

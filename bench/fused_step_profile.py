@@ -9,13 +9,14 @@ steps on 4096:64 to ~7.8 ms a step + 18.2 us a prompt token + the chunks' attent
 part lies. (Its first run, h200x2_1130g/fused_step_profile.md: 2.31 ms a step + 21.9 us a token over a ladder of
 256-8192 tokens; the 7.8 ms was an intercept the 1-2K-token serving steps do not determine.) On a bare GPU machine
 `--backend auto` finds no FA3 and runs the Triton kernels; serving beside vLLM prefills with vLLM's FA3 build. To
-profile that: after the nine `bash bench/vs_vllm.sh --stash` calls, install the stash as bench/fa3_check.sh does and put
-it on PYTHONPATH (bench/peer_env.sh `expose_fa3`), then `--backend fa3`. For each shape of `SHAPES` (decode rows at a
-context, one prompt chunk after a cached prefix) it builds the step's items the way `launch_step` does, times the
-forward (CUDA events, median of --steps after a warm-up, each right behind an untimed one as the engine launches its
-steps one ahead, so the host's work on it is not counted: gpu_timing.back_to_back_ms) and, under torch.profiler, sums
-its kernels' device time by category (bench/step_profile.py's) and the time no kernel ran (the gaps: launches between
-the graph pieces and the eager attention).
+profile that: after the `bash bench/vs_vllm.sh --stash` calls (one per part `bash bench/vs_vllm.sh --split` cut),
+install the stash as bench/fa3_check.sh does and put it on PYTHONPATH (bench/peer_env.sh `expose_fa3`), then
+`--backend fa3`. For each shape of `SHAPES` (decode rows at a context, one prompt chunk after a cached prefix) it builds
+the step's items the way `launch_step` does, times the forward (CUDA events, median of --steps after a warm-up, each
+right behind an untimed one as the engine launches its steps one ahead, so the host's work on it is not counted:
+gpu_timing.back_to_back_ms) and, under torch.profiler, sums its kernels' device time by category
+(bench/step_profile.py's) and the time no kernel ran (the gaps: launches between the graph pieces and the eager
+attention).
 
 Then a least-squares line through the shapes without decode rows, ms = fixed + per_token x T (+ the chunks' causal
 attention pairs), the fixed part of a step on this GPU, and per shape its tokens/s against the largest chunk's.

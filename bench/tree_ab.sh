@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An earlier commit's engine beside this one's, on the GPU machine, in ONE device call: the before/after of a
 # change measured with the same client, GPU and flags (vLLM's FlashAttention-3 found for both, as bench/vs_vllm.sh
-# does after the six --stash calls).
+# does after the --stash calls, one per part `bash bench/vs_vllm.sh --split` cut).
 #   Here:  git archive COMMIT | tar -x -C .oldtree     (.oldtree ignored in .git/info/exclude, carried)
 #   There: run(command="bash bench/tree_ab.sh ARGS...", carry=[".whl", ".oldtree"])
 # ARGS go to bench/compare.py in both trees (e.g. --systems rapid-adaptive --workloads multiturn,multiturn

@@ -92,13 +92,40 @@ def test_group_errors(group: str, size: int, match: str) -> None:
         plan.group_systems(group, MODEL["llama-3.1-70b"], size)
 
 
-def test_plan_says_what_fits_a_session() -> None:
+def split_parts(peer: Any, n: int) -> Any:
+    """A .peer folder as `bash bench/vs_vllm.sh --split` leaves it: c0 .. c{n-1}, a part each, and the recipe."""
+    for k in range(n):
+        (peer / f"c{k}").mkdir(parents=True)
+        (peer / f"c{k}" / f"part{k:02d}").write_bytes(b"x")
+    (peer / "peer_vllm").mkdir(exist_ok=True)
+    (peer / "bundle.tar").write_bytes(b"x")
+    return peer
+
+
+def test_the_stash_calls_are_the_parts_vs_vllm_cut(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One `vs_vllm.sh --stash` call per .peer/cK that `vs_vllm.sh --split` made (10 for vLLM 0.26.0's bundle),
+    not a count written into the plan; where nothing is split yet, STASH_PARTS_UNSPLIT, said to be assumed."""
+    peer = split_parts(tmp_path / ".peer", 10)
+    n, whence = plan.stash_parts(peer)
+    assert n == 10 and "c0 .. c9" in whence and "bash bench/vs_vllm.sh --split" in whence
+    assert plan.stash_parts(split_parts(tmp_path / "three", 3))[0] == 3
+    n, whence = plan.stash_parts(tmp_path / "nothing")
+    assert n == plan.STASH_PARTS_UNSPLIT == 10 and "assumed" in whence and "--split" in whence
+    monkeypatch.setattr(plan, "PEER_DIR", split_parts(tmp_path / "eleven", 11))
+    text = "\n".join(plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 1, 1, ["ours"]))
+    assert "vLLM stash: 11 calls: ~88 s" in text and "c0 .. c10" in text
+    text = "\n".join(plan.plan(MODEL["qwen3-8b"], "qwen3-8b", 1, 1, ["ours"], vllm_parts=4))  # --vllm-parts 4
+    assert "vLLM stash: 4 calls: ~32 s" in text
+
+
+def test_plan_says_what_fits_a_session(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan, "PEER_DIR", split_parts(tmp_path / ".peer", 10))
     lines = plan.plan(MODEL["llama-3.1-70b"], "llama-3.1-70b", 4, 4,
                       ["ours-tp", "hybrid-chunks", "vllm-default", "vllm-1024"])
     text = "\n".join(lines)
     assert "1 group(s) side by side" in lines[0] and "weights 131 GiB" in lines[1]
     assert [x.split(".", 1)[0].strip() for x in lines[2:-1]] == ["0", "1", "2", "3", "4", "5"]  # start, stash, 4 calls
-    assert "vLLM stash: 8 calls" in text and "4. vllm-default [vllm:]" in text and "over" not in lines[-3]
+    assert "vLLM stash: 10 calls" in text and "4. vllm-default [vllm:]" in text and "over" not in lines[-3]
     assert lines[-2].endswith("next session") and "over by" in lines[-1]
     two = plan.plan(MODEL["mixtral-8x7b"], "mixtral-8x7b", 8, 4, ["ours-tp", "hybrid-chunks"], stashed=True)
     assert "2 group(s) side by side" in two[0] and "ours-tp [rapidserve, disagg-npmd] | hybrid-chunks" in two[3]
@@ -445,6 +472,8 @@ def test_frontier_parallel_plan_reads_the_workload_and_the_stash() -> None:
     r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0 and "2048-token prompts" in r.stdout, r.stdout + r.stderr
+    n, whence = plan.stash_parts()  # the plan's own count of this checkout's .peer/c*
+    assert f"vLLM stash: {n} calls" in r.stdout and whence in r.stdout
     r = subprocess.run(["bash", "bench/frontier_parallel.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "WORKLOADS": "multiturn"}, timeout=60)
     # multiturn: an arrival is a whole conversation (2048 + 5 x 256 new prompt tokens, 6 x 64 output tokens), whose
