@@ -50,7 +50,6 @@ Writes <out>/decode_profile.json and .md; prints the table last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -75,12 +74,12 @@ from fp8_speed import weight_bytes as model_bytes  # noqa: E402
 from gpu_timing import time_ms  # noqa: E402
 from model_runner import ceilings, engine_config, preset_source  # noqa: E402
 
+from rapidserve.config import EngineConfig, ModelConfig  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
 from rapidserve.ops import no_split_fold, pdl_table, triton_skinny, with_launch  # noqa: E402
 from rapidserve.ops.fp8_tiles import CONFIG_DIR  # noqa: E402
 from rapidserve.ops.pdl import use_pdl  # noqa: E402
 from rapidserve.ops.pdl_table import OFF, LaunchChoice, PdlRow  # noqa: E402
-from rapidserve.quant_config import ONLINE_FP8  # noqa: E402
 from rapidserve.runner import DecodeItem, ModelRunner  # noqa: E402
 
 REPS = 30
@@ -197,6 +196,12 @@ def write_pdl_table(rows: list[dict[str, Any]], gpu: str, prefetch: int, source:
     return [*notes, "PDL table written: " + ", ".join(map(str, paths))]
 
 
+def profile_config(name: str, mcfg: ModelConfig, batches: tuple[int, ...], quantization: str) -> EngineConfig:
+    """The profiled engine's config: bf16, 8192 positions, 90% of the GPU, a decode graph per batch; `quantization`
+    fp8: the weights quantized at load (model_runner.engine_config(fp8=True): quant_config.ONLINE_FP8, as
+    bench/fp8_speed.py), the KV cache the model's dtype either way."""
+    return engine_config(name, mcfg, "bfloat16", batches, 8192, 0.9, fp8=quantization == "fp8")
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -243,10 +248,8 @@ def main() -> int:
     copy_tbps = float(ceil["copy_tbps"])  # type: ignore[arg-type]
     name = a.model.removeprefix("preset:")
     mcfg = preset_config(name)
-    ecfg = engine_config(name, mcfg, "bfloat16", batches, 8192, 0.9)
     fp8 = a.quantization == "fp8"
-    if fp8:
-        ecfg = dataclasses.replace(ecfg, quantization=ONLINE_FP8)
+    ecfg = profile_config(name, mcfg, batches, a.quantization)
     if fp8 and a.sweep:  # before this process takes the GPU's memory: the compiling processes need a little
         shapes = fp8_sweep.shapes_of(mcfg)
         print(fp8_sweep.precompile([(b, n, k) for b in batches if b <= fp8_sweep.MAX_ROWS for n, k in shapes],
