@@ -109,14 +109,13 @@ def fit(points: Sequence[tuple[Shape, float]]) -> dict[str, float]:
 def table(rows: Sequence[dict[str, Any]], cats: Sequence[str], f: dict[str, float] | None) -> str:
     """The report's table: per shape its step time, prompt tokens/s (and of the best chunk alone), the kernel
     categories and the gaps; then the fit."""
+    from table_out import md_table
+
     best = max((r["chunk_tokens_per_s"] for r in rows if r["rows"] == 0), default=0.0)
-    head = ["shape", "ms (min-max)", "prompt tok/s", "of best", *cats, "gaps"]
-    out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for r in rows:
-        c = r["categories_ms"]
-        out.append(f"| {r['label']} | {r['ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
-                   f"{r['chunk_tokens_per_s']:,.0f} | {r['chunk_tokens_per_s'] / best if best else 0:.2f} | "
-                   + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} |")
+    out = [md_table(["shape", "ms (min-max)", "prompt tok/s", "of best", *cats, "gaps"],
+                    ([r["label"], f"{r['ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f})",
+                      f"{r['chunk_tokens_per_s']:,.0f}", f"{r['chunk_tokens_per_s'] / best if best else 0:.2f}",
+                      *(f"{r['categories_ms'].get(k, 0.0):.2f}" for k in cats), f"{r['gaps_ms']:.2f}"] for r in rows))]
     if f is not None:
         out += ["", f"Fit over the shapes without decode rows: **{f['fixed_ms']:.2f} ms a step** + "
                     f"{f['per_token_us']:.2f} us a token + {f['per_mpair_ms']:.3f} ms per million query-key pairs "

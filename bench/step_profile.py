@@ -5,10 +5,10 @@
 For each backend it builds the model runner (bf16, random weights, KV pool filled with noise), then
 under torch.profiler runs a prefill forward of 2 x 4096 prompt tokens and a decode step at batch 64
 with 4096-token contexts (a CUDA-graph replay, as the engine runs it). Each device kernel is put in a
-category by its name (GEMM, attention, RMSNorm, RoPE, SiLU-and-mul, KV write, sampling/other), and the
-table gives each category's time per step and share of the step's wall time (CUDA events); the rest of
-the wall time is the gap no kernel ran in (launch overhead, host work). Writes <out>/step_profile.json
-and .md; prints the table last.
+category by its name (`CATEGORIES`: GEMM, attention, RMSNorm, RoPE, SiLU-and-mul, KV write, activation
+quantization, elementwise, other: sampling, copies), and the table gives each category's time per step and
+share of the step's wall time (CUDA events); the rest of the wall time is the gap no kernel ran in (launch
+overhead, host work). Writes <out>/step_profile.json and .md; prints the table last.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -31,19 +32,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gpu_timing import time_ms  # noqa: E402
-from model_runner import engine_config, preset_source  # noqa: E402
 
-from rapidserve.loader.presets import preset_config  # noqa: E402
-from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem  # noqa: E402
-
-# (category, substrings of kernel names), first match wins; matched lower-case.
+# (category, substrings of kernel names), first match wins; matched lower-case. Ours (Triton kernels named by op,
+# cuBLAS nvjet GEMMs) and vLLM's (bench/vllm_step_profile.py): CUDA ops `vllm::...` (reshape_and_cache_flash before
+# attention's "flash"), CUTLASS `cutlass::device_kernel<...>` GEMMs (FA3 is `cutlass::device_kernel<flash::...>`:
+# attention first), and torch.compile's Triton kernels, named by the aten ops they fuse (`triton_{poi,red,per}_fused_
+# <ops>_N`): RMSNorm's rsqrt (with the residual add and the next GEMM's fp8 quantization fused in: rmsnorm, as ours
+# `_rms_norm_fp8_kernel`), RoPE's cos/sin index_select, silu (with its quantization: silu-and-mul), a per-token fp8
+# quantization alone (abs, max, reciprocal: act quant, as ours `_quantize_tokens_kernel`), the rest pointwise.
 CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("flash", "fwd_kernel", "_prefill_kernel", "_decode_split", "_decode_reduce", "attn")),
-    ("kv write", ("_write_kv",)),
-    ("rmsnorm", ("_rms_norm",)),
-    ("rope", ("_rope",)),
-    ("silu-and-mul", ("_silu_and_mul",)),
+    ("kv write", ("_write_kv", "reshape_and_cache", "concat_and_cache")),
+    ("attention", ("flash", "fwd_kernel", "_prefill_kernel", "_decode_split", "_decode_reduce", "attn", "attention")),
+    ("rmsnorm", ("rms_norm", "rmsnorm", "rsqrt")),
+    ("rope", ("_rope", "rotary", "index_select")),
+    ("silu-and-mul", ("_silu_and_mul", "silu", "act_and_mul")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "sm90", "cublas", "splitk")),
+    ("act quant", ("quant", "_abs_")),
+    ("elementwise", ("triton_poi_", "elementwise", "gather", "copy")),
 )
 PREFILL_SHAPE = (2, 4096)
 DECODE_BATCH, DECODE_CTX = 64, 4096
@@ -57,36 +62,51 @@ def category(name: str) -> str:
     return "other"
 
 
-def kernel_times(prof: profile, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """(ms per step by category, ms per step of the 12 longest kernels by name)."""
+def device_events(prof: profile) -> list[Any]:
+    """The device's work in `prof`: its kernels, copies and memsets, without the user annotations (record_function
+    ranges mirrored on the GPU's timeline, e.g. torch.compile's `## Call CompiledFxGraph ##`: spans, not work)."""
+    return [ev for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)]
+
+
+def kernel_times(prof: profile, steps: int, top: int = 12, name_chars: int = 90,
+                 ) -> tuple[dict[str, float], dict[str, float]]:
+    """(ms per step by category, ms per step of the `top` longest kernels by name, cut to `name_chars`)."""
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for ev in device_events(prof):
         ms = ev.device_time / 1e3 / steps
         by_cat[category(ev.name)] += ms
-        by_name[ev.name[:90]] += ms
-    top = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:12])
-    return dict(by_cat), top
+        by_name[ev.name[:name_chars]] += ms
+    longest = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:top])
+    return dict(by_cat), longest
 
 
 def timed_and_profiled(fn: Callable[[], object], steps: int, timer: Callable[..., list[float]] = time_ms,
+                       inspect: Callable[[profile], object] | None = None, **kernel_args: int,
                        ) -> tuple[list[float], dict[str, float], dict[str, float]]:
     """`fn`'s ms over `steps` calls (`timer`: gpu_timing's time_ms, each call alone, or back_to_back_ms, its device
-    work behind the call before), then `kernel_times` of `steps` more under torch.profiler: (each call's ms, ms per
-    call by category, ms per call of the longest kernels)."""
+    work behind the call before), then `kernel_times` of `steps` more under torch.profiler (`kernel_args`: its top
+    and name_chars; `inspect`, when given, is called with the profile too): (each call's ms, ms per call by
+    category, ms per call of the longest kernels)."""
     wall = timer(fn, reps=steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    cats, top = kernel_times(prof, steps)
+    cats, top = kernel_times(prof, steps, **kernel_args)
+    if inspect is not None:
+        inspect(prof)
     return wall, cats, top
 
 
 def measure(model: str, backend: str, steps: int) -> dict[str, object]:
+    from model_runner import engine_config, preset_source
+
+    from rapidserve.loader.presets import preset_config
+    from rapidserve.runner import DecodeItem, ModelRunner, PrefillItem
+
     name = model.removeprefix("preset:")
     mcfg = preset_config(name)
     ecfg = engine_config(name, mcfg, "bfloat16", (DECODE_BATCH,), 8192, 0.9)
