@@ -1,6 +1,7 @@
 """The candidates bench/moe_candidates.py times (issue 40): `Candidate`, one experts kernel with what it takes at a
 row, ours (`ops/triton_moe.fused_moe` on the packaged tables) and vLLM's `fused_experts` (`load_vllm`: imported
-first in a child process, `probe_vllm`, so a crash or hang there costs only vLLM's rows), or why it is not there.
+first in a child process, `probe_import`, so a crash or hang there costs only vLLM's rows), or why it is not there;
+`import_vllm` / `import_probed` serve bench/fp8_gemm_candidates.py too.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -55,23 +57,48 @@ def ours(tables: MoeTables | None) -> Candidate:
                      describe=describe)
 
 
-def probe_vllm(path: Path | None, timeout: float = PROBE_S) -> str:
-    """Import vLLM's fused_moe module in a child process first ("" if it imports; else why not, its traceback's last
-    line): an import that crashes the process (a compiled op built against another torch) or hangs would otherwise
-    take our rows with it."""
+def probe_import(module: str, path: Path | None, timeout: float = PROBE_S) -> str:
+    """Import `module` in a child process first ("" if it imports; else why not, its traceback's last line), `path`
+    first on its sys.path: an import that crashes the process (a compiled op built against another torch) or hangs
+    would otherwise take our rows with it."""
     code = (f"import sys; sys.path.insert(0, {str(path)!r}); " if path is not None else "") + \
-        f"import importlib; importlib.import_module({VLLM_MODULE!r})"
+        f"import importlib; importlib.import_module({module!r})"
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"importing {VLLM_MODULE} took more than {timeout:g} s (in a child process)"
+        return f"importing {module} took more than {timeout:g} s (in a child process)"
     if proc.returncode == 0:
         return ""
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     if proc.returncode < 0:
-        return f"importing {VLLM_MODULE} killed the child process (signal {-proc.returncode})"
+        return f"importing {module} killed the child process (signal {-proc.returncode})"
     last = lines[-1].strip() if lines else f"exit {proc.returncode}, nothing on stderr"
     return last if len(last) <= 200 else last[:197] + "..."
+
+
+def import_probed(module: str, path: Path | None) -> ModuleType | str:
+    """`module`, imported here once a child process imported it (`probe_import`; `path` then put first on sys.path),
+    or why not."""
+    why = probe_import(module, path)
+    if why:
+        return why
+    if path is not None and str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure to import is the reason it is not measured
+        return short(e)
+
+
+def import_vllm(path: Path | None, module: str = VLLM_MODULE) -> tuple[ModuleType, ModuleType] | str:
+    """(the vllm package, its `module`) from `path` (a folder holding the vllm package, pip --target; None: as
+    installed), imported as `import_probed` does with vLLM's environment quietened; or why not."""
+    if path is not None and not (path / "vllm" / "__init__.py").is_file():
+        return f"--vllm-path {path} holds no vllm/__init__.py (install not run or failed?)"
+    for var, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("VLLM_LOGGING_LEVEL", "WARNING")):
+        os.environ.setdefault(var, value)
+    mod = import_probed(module, path)
+    return mod if isinstance(mod, str) else (importlib.import_module("vllm"), mod)
 
 
 def load_vllm(path: Path | None) -> Candidate:
@@ -80,21 +107,10 @@ def load_vllm(path: Path | None) -> Candidate:
     def missing(why: str) -> Candidate:
         return Candidate("vllm", "vLLM", None, why=f"vllm not importable: {why}")
 
-    if path is not None and not (path / "vllm" / "__init__.py").is_file():
-        return missing(f"--vllm-path {path} holds no vllm/__init__.py (install not run or failed?)")
-    for var, value in (("VLLM_NO_USAGE_STATS", "1"), ("DO_NOT_TRACK", "1"), ("VLLM_LOGGING_LEVEL", "WARNING")):
-        os.environ.setdefault(var, value)
-    why = probe_vllm(path)
-    if why:
-        return missing(why)
-    if path is not None and str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-    try:
-        import vllm
-
-        fm = importlib.import_module(VLLM_MODULE)
-    except Exception as e:  # noqa: BLE001 - any failure to import is the reason vLLM is not measured
-        return missing(short(e))
+    got = import_vllm(path)
+    if isinstance(got, str):
+        return missing(got)
+    vllm, fm = got
     version = str(getattr(vllm, "__version__", "?"))
     fused_experts = getattr(fm, "fused_experts", None)
     if fused_experts is None:

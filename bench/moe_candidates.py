@@ -40,10 +40,10 @@ runs; --json PATH is rewritten after every row (so a call cut short still return
 beside it as PATH with .md. The table comes last.
 
 GPU machine (H200), next session. It reaches no package index; vLLM 0.26.0 and its missing wheels are the peer
-benchmark's parts, /work/main/.peer/c0 ... c8 (bench/vs_vllm.sh step 0 made them: fetch.py, then --split; .peer is
+benchmark's parts, /work/main/.peer/c0 ... c9 (bench/vs_vllm.sh step 0 made them: fetch.py, then --split; .peer is
 git-ignored, so carry names them):
   1. One call a part, back to back (the machine keeps its disk only while held; if one of them lands on a fresh
-     machine, begin again at c0), K = 0 .. 8 (as many as there are .peer/c* folders):
+     machine, begin again at c0), K = 0 .. 9 (as many as there are .peer/c* folders):
         run(command="bash bench/vs_vllm.sh --stash", carry=[".peer/cK", ".peer/peer_vllm"], timeout_s=120)
   2. At once, on the same machine, the install (what bench/peer_env.sh's peer_install runs: install.sh, stashed by
      --stash, unpacks the parts and pip-installs them with --target /root/peersite, beside the image's torch; skipped
@@ -93,13 +93,47 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+Clock = Callable[[Callable[[], object], int, str], float]  # (fn, reps, device) -> ms (moe_timing's)
+
+
+def checked(label: str, call: Callable[[], torch.Tensor], want: torch.Tensor, device: str,
+            tol: float = TOL) -> tuple[torch.Tensor | None, float | None, str]:
+    """call()'s output against `want` (the reference, float32): (output, relative error, "") where it agrees within
+    `tol`; else (None, the error or None, why: it failed, returned another shape, or disagrees)."""
+    try:
+        got = call()
+        sync(device)
+    except Exception as e:  # noqa: BLE001 - one candidate failing leaves the others their rows
+        return None, None, f"{label} failed: {short(e)}"
+    if tuple(got.shape) != tuple(want.shape):
+        return None, None, f"{label} returned {tuple(got.shape)}, not {tuple(want.shape)}"
+    err = rel_err(got, want)
+    if not err < tol:  # NaN fails too
+        return None, err, f"{label} disagrees with the reference: relative error {err:.3g}"
+    return got, err, ""
+
+
+def timed(label: str, call: Callable[[], object], clocks: dict[str, Clock], reps: int,
+          device: str) -> tuple[dict[str, float | None], str]:
+    """Each clock's ms of call (key: what it is, e.g. "graph"; None where it failed), and the failures ("" if
+    none)."""
+    out: dict[str, float | None] = {}
+    why: list[str] = []
+    for what, clock in clocks.items():
+        try:
+            out[what] = clock(call, reps, device)
+        except Exception as e:  # noqa: BLE001 - e.g. a capture that fails: said in the row
+            out[what] = None
+            why.append(f"{label} {what} timing failed: {short(e)}")
+    return out, "; ".join(why)
+
+
 def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, want: torch.Tensor, reps: int, device: str,
-            graph_ms: Callable[..., float] = moe_timing.graph_ms,
-            eager_ms: Callable[..., float] = moe_timing.back_to_back_ms) -> dict[str, object]:
-    """Each candidate on (x, ...): its output against `want` (the reference), then, where it agrees, its graph and
-    eager ms; and the two outputs against each other ("between_err", relative to max |want|). Keys per candidate
-    NAME: NAME_ms, NAME_eager_ms, NAME_err, NAME_config, NAME_why ("" when it was timed)."""
+            graph_ms: Clock = moe_timing.graph_ms, eager_ms: Clock = moe_timing.back_to_back_ms) -> dict[str, object]:
+    """Each candidate on (x, ...): its output against `want` (the reference, `checked`), then, where it agrees, its
+    graph and eager ms; and the two outputs against each other ("between_err", relative to max |want|). Keys per
+    candidate NAME: NAME_ms, NAME_eager_ms, NAME_err, NAME_config, NAME_why ("" when it was timed)."""
     row: dict[str, object] = {}
     outs: dict[str, torch.Tensor] = {}
     t, k = ids.shape
@@ -115,28 +149,12 @@ def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torc
             except Exception as e:  # noqa: BLE001 - the description is a courtesy: the row goes on without it
                 row[f"{n}_config"] = f"? ({short(e, 60)})"
         call = lambda c=c: c.run(x, w13, w2, weights, ids)  # type: ignore[misc]  # run is not None here
-        try:
-            got = call()
-            sync(device)
-        except Exception as e:  # noqa: BLE001 - one candidate failing leaves the other its row
-            row[f"{n}_why"] = f"{c.label} failed: {short(e)}"
-            continue
-        if tuple(got.shape) != tuple(want.shape):
-            row[f"{n}_why"] = f"{c.label} returned {tuple(got.shape)}, not {tuple(want.shape)}"
-            continue
-        err = rel_err(got, want)
-        row[f"{n}_err"] = err
-        if not err < TOL:  # NaN fails too
-            row[f"{n}_why"] = f"{c.label} disagrees with the reference: relative error {err:.3g}"
+        got, row[f"{n}_err"], row[f"{n}_why"] = checked(c.label, call, want, device)
+        if got is None:
             continue
         outs[n] = got
-        for key, clock in ((f"{n}_ms", graph_ms), (f"{n}_eager_ms", eager_ms)):
-            try:
-                row[key] = clock(call, reps, device)
-            except Exception as e:  # noqa: BLE001 - e.g. a capture that fails: said in the row
-                what = "graph" if key == f"{n}_ms" else "eager"
-                row[f"{n}_why"] = f"{row[f'{n}_why']}; " * bool(row[f"{n}_why"]) + f"{c.label} {what} timing " \
-                    f"failed: {short(e)}"
+        ms, row[f"{n}_why"] = timed(c.label, call, {"graph": graph_ms, "eager": eager_ms}, reps, device)
+        row[f"{n}_ms"], row[f"{n}_eager_ms"] = ms["graph"], ms["eager"]
     pair = list(outs.values())
     row["between_err"] = float((pair[0].float() - pair[1].float()).abs().max() / want.abs().max()) \
         if len(pair) == 2 else None

@@ -82,13 +82,14 @@ def moe_presets() -> list[str]:
     return sorted(name for name, cfg in preset_table().items() if cfg.moe is not None)
 
 
-def parse_models(text: str) -> list[str]:
-    """--models: comma-separated MoE presets, each once; ValueError naming what is allowed otherwise."""
-    allowed = moe_presets()
+def parse_models(text: str, allowed: list[str] | None = None, kind: str = "mixture-of-experts") -> list[str]:
+    """--models: comma-separated presets of `allowed` (default the MoE presets; `kind` names them in the message),
+    each once; ValueError naming what is allowed otherwise."""
+    allowed = moe_presets() if allowed is None else allowed
     models = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in models if m not in allowed]
     if not models or bad or len(set(models)) != len(models):
-        why = f"{', '.join(bad)} not a mixture-of-experts preset" if bad else "empty or repeated"
+        why = f"{', '.join(bad)} not a {kind} preset" if bad else "empty or repeated"
         raise ValueError(f"--models {text!r}: {why}; allowed (comma-separated): {', '.join(allowed)}")
     return models
 
