@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # fp8_sweep imports gpu_timing as a top-level module
+sys.path.append(str(Path(__file__).resolve().parent))  # fp8_sweep imports gpu_timing as a top-level module
 
 from bench import moe_gemm, moe_timing  # noqa: E402
 from bench.fp8_sweep import shapes_of  # noqa: E402
