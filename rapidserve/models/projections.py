@@ -88,7 +88,9 @@ def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) ->
         return down_linear(ops, ops.fp8_linear_silu_and_mul(x, gate_up), down)
     h = linear(ops, x, gate_up)
     fp8 = quantized_fp8(fmt)  # a W8A16 down after a W8A8 gate|up takes SiLU-and-mul's float rows
-    return down_linear(ops, ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8), down)
+    act = ops.silu_and_mul(h) if fp8 is None else ops.silu_and_mul_fp8(h, fp8)
+    del h  # gate|up's [T, 2I] rows are dead: not held through down's GEMM (a step's activation peak is KV memory)
+    return down_linear(ops, act, down)
 
 
 def norm_input(ops: Ops, hidden: Hidden) -> torch.Tensor:
