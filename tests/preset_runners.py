@@ -19,8 +19,10 @@ from rapidserve.runner import ModelRunner
 
 def preset_runner(preset: str, layers: int, *, ctx: int, graph_batches: Sequence[int], max_num_seqs: int,
                   max_num_batched_tokens: int, quantization: QuantizationConfig | None = None,
-                  device: str = "cuda") -> ModelRunner:
-    """`preset`'s shapes with `layers` layers, decode graphs at `graph_batches`, 1024 KV blocks, `max_model_len`
+                  device: str = "cuda", num_blocks: int | None = 1024, gpu_memory_utilization: float = 0.9,
+                  step_processes: int = 1) -> ModelRunner:
+    """`preset`'s shapes with `layers` layers, decode graphs at `graph_batches`, 1024 KV blocks (`num_blocks` None:
+    the pool sized from `gpu_memory_utilization`, runner/kv_budget.py, with `step_processes`), `max_model_len`
     `ctx`; `quantization` None: bf16."""
     mcfg = dataclasses.replace(preset_table()[preset], num_layers=layers)
     shapes = expected_tensor_shapes(mcfg)
@@ -31,10 +33,11 @@ def preset_runner(preset: str, layers: int, *, ctx: int, graph_batches: Sequence
             yield name, preset_tensor(preset, mcfg, name, shape, device=dev, dtype=torch.bfloat16)
 
     source = ModelSource(mcfg, weights, len(shapes), None, None, None, f"{preset} ({layers} layers)")
-    cfg = EngineConfig(model=preset, model_config=mcfg, cache=CacheConfig(num_blocks=1024),
+    cfg = EngineConfig(model=preset, model_config=mcfg,
+                       cache=CacheConfig(num_blocks=num_blocks, gpu_memory_utilization=gpu_memory_utilization),
                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=ctx),
                        runner=RunnerConfig(device=device, dtype="bfloat16", graph_batch_sizes=tuple(graph_batches)))
     if quantization is not None:
         cfg = dataclasses.replace(cfg, quantization=quantization)
-    return ModelRunner(cfg, source, show_progress=False)
+    return ModelRunner(cfg, source, show_progress=False, step_processes=step_processes)
