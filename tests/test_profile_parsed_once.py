@@ -79,7 +79,7 @@ def decode_plan(build: Any, cfg: EngineConfig, device: Any, monkeypatch: pytest.
 
     real_resolve = partition_plan.resolve_plan
     monkeypatch.setattr(worker_build, "_share_cpu_cores", lambda cfg: None)
-    monkeypatch.setattr(worker_build, "load_runner", lambda cfg, group: SimpleNamespace(device=device,
+    monkeypatch.setattr(worker_build, "load_runner", lambda cfg, group, step_processes=1: SimpleNamespace(device=device,
                                                                                       dtype=torch.bfloat16))
     monkeypatch.setattr(worker_build, "resolve_plan", lambda *a: plans.append(real_resolve(*a)) or plans[-1])
     monkeypatch.setattr(worker_build, "open_streams", streams)
