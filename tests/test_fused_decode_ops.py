@@ -36,7 +36,7 @@ def _cache(num_blocks: int, num_kv: int, block: int, d: int, dtype: torch.dtype,
 
 def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> None:
     """Triton rope_write == torch (norm,) RoPE + write_kv: q, and the whole cache (untouched slots too)."""
-    from rapidserve.ops import triton_ops as xops
+    from rapidserve.ops import triton_rope as xrope
 
     for dtype in dtypes:
         for num_heads, num_kv, d, norm in ((6, 2, 64, True), (9, 3, 32, False), (32, 8, 128, True),
@@ -55,7 +55,7 @@ def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> No
             unf_q = unfused_ops(triton_ops_bundle()).rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table,
                                                                 unf_kc, unf_vc, slots)
             k_before = k.clone()
-            got_q = xops.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
+            got_q = xrope.rope_write(q, k, v, qw, kw, 1e-6, pos, table, kc, vc, slots)
             assert got_q.data_ptr() == q.data_ptr()  # in place
             assert torch.equal(k, k_before)  # k itself is left as it was
             close(got_q, want_q, dtype)
@@ -70,7 +70,7 @@ def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> No
         want_kc, want_vc = kc.clone(), vc.clone()
         slots = torch.tensor([0, 1, 2, 30, -1], device=device)
         want_q = tops.rope_write(q.clone(), k.clone(), v, qw32, kw32, 1e-6, pos, table, want_kc, want_vc, slots)
-        got_q = xops.rope_write(q, k, v, qw32, kw32, 1e-6, pos, table, kc, vc, slots)
+        got_q = xrope.rope_write(q, k, v, qw32, kw32, 1e-6, pos, table, kc, vc, slots)
         close(got_q, want_q, want_q.dtype)
         if dtype == torch.float32:
             close(kc, want_kc, dtype)
@@ -80,7 +80,7 @@ def check_rope_write(dtypes: list[torch.dtype], device: str, close: Close) -> No
         none = torch.empty(0, dtype=torch.long, device=device)
         kc, vc = _cache(2, 2, 16, 32, dtype, device)
         before = kc.clone()
-        xops.rope_write(q, k, k.clone(), None, None, 1e-6, none, table.to(device), kc, vc, none)
+        xrope.rope_write(q, k, k.clone(), None, None, 1e-6, none, table.to(device), kc, vc, none)
         assert torch.equal(kc, before)
 
 
@@ -192,7 +192,7 @@ def test_skinny_refuses_bad_shapes(make: Callable[[], tuple[torch.Tensor, torch.
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_rope_write_refuses_bad_shapes() -> None:
-    from rapidserve.ops import triton_ops as xops
+    from rapidserve.ops import triton_rope as xrope
 
     q, k, pos, table = rope_inputs(torch.float16, 4, 4, 2, 32)
     v = torch.randn(4, 2, 32, dtype=torch.float16)
@@ -210,7 +210,7 @@ def test_rope_write_refuses_bad_shapes() -> None:
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):
-            xops.rope_write(*args)
+            xrope.rope_write(*args)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

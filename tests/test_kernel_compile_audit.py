@@ -286,7 +286,7 @@ import torch
 from bench import kernel_compile_audit as kca
 from rapidserve.attention import triton_paged_decode
 from rapidserve.ops import triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny as fsk, triton_moe, triton_ops
-from rapidserve.ops import triton_skinny
+from rapidserve.ops import triton_rope, triton_skinny
 from rapidserve.ops.fp8 import SplitSums
 
 meta, bf16, fp8 = torch.device("meta"), torch.bfloat16, torch.float8_e4m3fn
@@ -299,7 +299,7 @@ def step():
     qkv = e(1, (heads + 2 * kv) * d)
     q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
     cache = e(4096, kv, 16, d)
-    q = triton_ops.rope_write(q.view(1, heads, d), k.view(1, kv, d), v.view(1, kv, d), e(d), e(d), 1e-6, e(1,
+    q = triton_rope.rope_write(q.view(1, heads, d), k.view(1, kv, d), v.view(1, kv, d), e(d), e(d), 1e-6, e(1,
         dtype=torch.int64), e(8192, d, dtype=torch.float32), cache, cache, e(1, dtype=torch.int64))
     triton_paged_decode.decode_attention(q, cache, cache, e(1, 128, dtype=torch.int32), e(1, dtype=torch.int32), 0.088)
     # the output quantized for an fp8 o_proj in the reduce kernel

@@ -322,7 +322,7 @@ def _interp_write() -> None:
 
 
 def _interp_rope_write() -> None:
-    from rapidserve.ops import torch_ops, triton_ops
+    from rapidserve.ops import torch_ops, triton_rope
 
     gen = torch.Generator().manual_seed(3)
     t, hq, hkv, d, bs, blocks = 7, 4, 2, 64, 8, 6
@@ -338,7 +338,7 @@ def _interp_rope_write() -> None:
         caches = [torch.zeros(blocks, hkv, bs, d).to(cache) for _ in range(4)]
         want_q = torch_ops.rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table, caches[0], caches[1], slots,
                                       ks, vs)
-        got_q = triton_ops.rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table, caches[2], caches[3], slots,
+        got_q = triton_rope.rope_write(q.clone(), k.clone(), v, qw, kw, 1e-6, pos, table, caches[2], caches[3], slots,
                                       ks, vs)
         torch.testing.assert_close(got_q, want_q, atol=2e-5, rtol=1e-5)
         interp_fp8_equal(caches[2], caches[0], off_by_one_step=0.01)

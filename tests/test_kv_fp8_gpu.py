@@ -49,7 +49,7 @@ def gpu_scales(k: float, v: float) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
     from rapidserve.ops import triton_kv as tp
-    from rapidserve.ops import triton_ops
+    from rapidserve.ops import triton_rope
 
     b = make_batch([(300, 0), (1, 700), (2, -1), (129, 64)], num_kv_heads=8, group=4, head_dim=128, block_size=16,
                    dtype=dtype, device="cuda", seed=3)
@@ -70,8 +70,8 @@ def test_triton_writes_store_the_references_bits(dtype: torch.dtype) -> None:
     table = torch.randn(512, d, device=CUDA, generator=gen)
     pos, slots = torch.arange(t, device=CUDA) + 100, torch.randperm(64 * 16, device=CUDA)[:t]
     caches = [torch.zeros(64, 8, 16, d, device=CUDA).to(fmt()) for _ in range(4)]
-    triton_ops.rope_write(q.clone(), k.clone(), v, None, None, 1e-6, pos, table, caches[0], caches[1], slots, ks, vs)
-    _, k_rot = triton_ops.apply_rope(q.clone(), k.clone(), pos, table)
+    triton_rope.rope_write(q.clone(), k.clone(), v, None, None, 1e-6, pos, table, caches[0], caches[1], slots, ks, vs)
+    _, k_rot = triton_rope.apply_rope(q.clone(), k.clone(), pos, table)
     torch_kv.write_kv(k_rot, v, caches[2], caches[3], slots, ks, vs)
     assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
     assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))

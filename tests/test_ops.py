@@ -111,18 +111,18 @@ def test_silu_and_mul_matches_transformers(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_rope_refuses_bad_shapes() -> None:
     """Checked on the host before any launch, so this runs on CPU."""
-    from rapidserve.ops import triton_ops as xops
+    from rapidserve.ops import triton_rope as xrope
 
     q, k, pos, table = rope_inputs(torch.float32, 5, 6, 2, 64)
     w = torch.ones(64)
     with pytest.raises(ValueError, match=r"q/k norm weights must be \[64\]"):
-        xops.qk_norm_rope(q, k, w, torch.ones(32), 1e-6, pos, table)
+        xrope.qk_norm_rope(q, k, w, torch.ones(32), 1e-6, pos, table)
     with pytest.raises(ValueError, match="positions must be"):
-        xops.qk_norm_rope(q, k, w, w, 1e-6, pos[:3], table)
+        xrope.qk_norm_rope(q, k, w, w, 1e-6, pos[:3], table)
     with pytest.raises(ValueError, match="cos_sin_cache must be"):
-        xops.apply_rope(q, k, pos, table[:, :32])
+        xrope.apply_rope(q, k, pos, table[:, :32])
     with pytest.raises(ValueError, match="one dtype"):
-        xops.apply_rope(q, k.half(), pos, table)
+        xrope.apply_rope(q, k.half(), pos, table)
 
 
 def test_get_ops_cpu_is_torch() -> None:
@@ -134,6 +134,7 @@ def test_get_ops_cpu_is_torch() -> None:
 def check_triton_ops(dtypes: list[torch.dtype], device: str,
                      close: Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]) -> None:
     from rapidserve.ops import triton_ops as xops
+    from rapidserve.ops import triton_rope as xrope
 
     for dtype in dtypes:
         w = (torch.rand(96) + 0.5).to(dtype).to(device)
@@ -150,7 +151,7 @@ def check_triton_ops(dtypes: list[torch.dtype], device: str,
         for num_heads, num_kv, d in ((6, 2, 64), (9, 3, 32), (4, 4, 128)):
             q, k, pos, table = (t.to(device) for t in rope_inputs(dtype, 13, num_heads, num_kv, d))
             want_q, want_k = tops.apply_rope(q, k, pos, table)
-            got_q, got_k = xops.apply_rope(q, k, pos, table)  # in place
+            got_q, got_k = xrope.apply_rope(q, k, pos, table)  # in place
             assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
             assert torch.equal(got_q, want_q), (dtype, num_heads, d)
             assert torch.equal(got_k, want_k), (dtype, num_heads, d)
@@ -159,13 +160,13 @@ def check_triton_ops(dtypes: list[torch.dtype], device: str,
             q, k, pos, table = (t.to(device) for t in rope_inputs(dtype, 13, num_heads, num_kv, d))
             qw, kw = ((torch.rand(d) + 0.5).to(dtype).to(device) for _ in range(2))
             want_q, want_k = tops.apply_rope(tops.rms_norm(q, qw, 1e-6), tops.rms_norm(k, kw, 1e-6), pos, table)
-            got_q, got_k = xops.qk_norm_rope(q, k, qw, kw, 1e-6, pos, table)  # in place
+            got_q, got_k = xrope.qk_norm_rope(q, k, qw, kw, 1e-6, pos, table)  # in place
             assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()
             close(got_q, want_q, dtype)
             close(got_k, want_k, dtype)
             q, k, pos, table = (t.to(device) for t in rope_inputs(dtype, 5, num_heads, num_kv, d))
             want = tops.qk_norm_rope(q, k, qw.float(), kw.float(), 1e-6, pos, table)  # promotes: unfused path
-            got = xops.qk_norm_rope(q, k, qw.float(), kw.float(), 1e-6, pos, table)
+            got = xrope.qk_norm_rope(q, k, qw.float(), kw.float(), 1e-6, pos, table)
             close(got[0], want[0], want[0].dtype)
             close(got[1], want[1], want[1].dtype)
 

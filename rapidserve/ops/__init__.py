@@ -174,12 +174,20 @@ def torch_ops_bundle() -> Ops:
 def triton_ops_bundle(skinny: bool | None = None) -> Ops:
     """The Triton kernels. `skinny` (default: on NVIDIA, off on ROCm, where it has not been measured)
     routes linear layers of small decode batches to `triton_skinny`."""
-    from rapidserve.ops import fp8_gpu, triton_fp8_fold, triton_fp8_fused, triton_fp8_skinny, triton_ops, triton_w8a16
+    from rapidserve.ops import (
+        fp8_gpu,
+        triton_fp8_fold,
+        triton_fp8_fused,
+        triton_fp8_skinny,
+        triton_ops,
+        triton_rope,
+        triton_w8a16,
+    )
 
     if skinny is None:
         skinny = torch.version.hip is None
-    ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.apply_rope,
-              triton_ops.silu_and_mul, triton_ops.qk_norm_rope, triton_ops.rope_write, torch_ops.linear,
+    ops = Ops("triton-noskinny", triton_ops.rms_norm, triton_ops.add_rms_norm, triton_rope.apply_rope,
+              triton_ops.silu_and_mul, triton_rope.qk_norm_rope, triton_rope.rope_write, torch_ops.linear,
               _cublas_then(triton_ops.silu_and_mul), fp8_gpu.gpu_linear, *_fused_moe(),
               triton_fp8_fused.rms_norm_fp8, triton_fp8_fused.add_rms_norm_fp8, triton_fp8_fused.silu_and_mul_fp8,
               fp8_gpu.gpu_linear_rows, fp8_linear_sums=fp8_gpu.gpu_linear_sums,

@@ -3,7 +3,7 @@ cache's layout and checks (`check_cache`), its fp8 store (`to_cache`), the KV wr
 helpers both attention kernels use. It sits in ops/, below the attention package, because both sides use it: the
 attention kernels (split-K decode in rapidserve/attention/triton_paged_decode.py, varlen prefill in
 rapidserve/attention/triton_paged_prefill.py) and the Triton op bundle's fused qk-norm + RoPE + KV write
-(rapidserve/ops/triton_ops.py, `to_cache`; `unfused_ops`' separate write, rapidserve/ops/__init__.py). Its torch
+(rapidserve/ops/triton_rope.py, `to_cache`; `unfused_ops`' separate write, rapidserve/ops/__init__.py). Its torch
 reference: rapidserve/ops/torch_kv.py.
 
 Layouts (see rapidserve/attention/metadata.py):
