@@ -204,13 +204,13 @@ def recording(target: Target, sink: list[Launch], step: Callable[[], str]) -> It
             stack.enter_context(mock.patch.object(importlib.import_module(module), name,
                                                   _Recorder(name, sink, step)))
         from rapidserve.attention import triton_paged_decode
-        from rapidserve.ops import pdl, triton_moe_gemm
+        from rapidserve.ops import pdl, triton_moe_grid
         stack.enter_context(mock.patch.object(triton_paged_decode, "_num_sms", lambda device: target.units))
         # programmatic dependent launch as on the target (NVIDIA sm_90: on; ROCm: off), not the meta device's (off),
         # and the MoE GEMMs' persistent grids sized for its SMs / CUs
         stack.enter_context(mock.patch.object(pdl, "use_pdl", lambda on, device: on is not False
                                               and not target.hip and pdl.pdl_available()))
-        stack.enter_context(mock.patch.object(triton_moe_gemm, "sm_count", lambda device: target.units))
+        stack.enter_context(mock.patch.object(triton_moe_grid, "sm_count", lambda device: target.units))
         stack.enter_context(mock.patch.object(torch.version, "hip", "6.4.0" if target.hip else None))
         yield
 

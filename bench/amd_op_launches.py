@@ -33,7 +33,7 @@ def _moe_launches(layer: DecoderLayer, dtype: torch.dtype, device: torch.device)
     (`GemmTiles.split_k` 2 on the rule's decode tiles: the SPLIT variants) at one token through `routed_moe`,
     `fused_moe` of a given routing at one token (the one-program alignment alone), and at a prefill of 1024 tokens
     on the rule's prefill tiles with the weights by TMA on a persistent grid (a tuned table may ask for both;
-    ops/triton_moe_gemm.py: NVIDIA takes the descriptors, ROCm the pointer loads whatever the tiles say); and the
+    ops/triton_moe_grid.py: NVIDIA takes the descriptors, ROCm the pointer loads whatever the tiles say); and the
     same prefill with a TAIL_BLOCK_M of 16 (`ops.moe.TailBlocks`), on the plain and the TMA + persistent tiles: the
     GEMMs' LISTS variants at BLOCK_M and at the tail block, and the alignment's scatter writing the lists (FULL_M),
     which no untuned step reaches and the interpreter's tests never compile."""

@@ -71,7 +71,7 @@ from rapidserve.ops.triton_moe import (  # noqa: E402
     launch_down,
     launch_gate_up,
 )
-from rapidserve.ops.triton_moe_gemm import m_lists  # noqa: E402
+from rapidserve.ops.triton_moe_grid import m_lists  # noqa: E402
 
 MIN_MS = 20.0  # measured GPU time per candidate
 DEFAULT_MODELS, DEFAULT_TPS = "mixtral-8x7b,qwen3-30b-a3b", "1,2"  # --models, --tp

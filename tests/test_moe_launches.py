@@ -129,10 +129,10 @@ def test_one_moe_layer_launches(tokens: int, want_kernels: list[str]) -> None:
 ])
 def test_grid_size(tiles: GemmTiles, m_blocks: int, n_blocks: int, splits: int, sms: int, want: int,
                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from rapidserve.ops import triton_moe_gemm
+    from rapidserve.ops import triton_moe_grid
 
-    monkeypatch.setattr(triton_moe_gemm, "sm_count", lambda device: sms)
-    assert triton_moe_gemm.grid_size(tiles, m_blocks, n_blocks, splits, torch.device("meta")) == want
+    monkeypatch.setattr(triton_moe_grid, "sm_count", lambda device: sms)
+    assert triton_moe_grid.grid_size(tiles, m_blocks, n_blocks, splits, torch.device("meta")) == want
 
 
 @needs_triton
@@ -157,7 +157,7 @@ def test_reduce_width(block_m: int, tiles: GemmTiles, top_k: int, want: int) -> 
 def test_tma_only_where_the_rows_and_platform_allow(monkeypatch: pytest.MonkeyPatch) -> None:
     """`use_tma`: the tiles ask, rows of 16-byte multiples (bf16 K a multiple of 8) at an aligned base, NVIDIA at
     compute capability 9.0 or later, not ROCm."""
-    from rapidserve.ops.triton_moe_gemm import use_tma
+    from rapidserve.ops.triton_moe_grid import use_tma
 
     tma, plain = GemmTiles(128, 64, 8, 4, 4, 1, 1), GemmTiles(128, 64, 8, 4, 4)
     w = torch.empty(8, 1536, 2048, dtype=torch.bfloat16)

@@ -272,7 +272,8 @@ def check_prefill_variants(dtypes: list[torch.dtype], device: str) -> None:
     into the next expert's rows, not stored); rows of 12 bytes cannot take a descriptor (`use_tma` falls back).
     Then `fused_moe` on such tables against the reference."""
     from rapidserve.ops.triton_moe import align, fused_moe, launch_down, launch_gate_up
-    from rapidserve.ops.triton_moe_gemm import grid_size, reduce_width, sm_count, use_tma
+    from rapidserve.ops.triton_moe_gemm import reduce_width
+    from rapidserve.ops.triton_moe_grid import grid_size, sm_count, use_tma
 
     for dtype in dtypes:
         for t, e, k, h, i, warps in [(9, 8, 2, 64, 64, 4), (11, 4, 2, 40, 24, 4), (6, 16, 8, 128, 32, 1)]:

@@ -88,7 +88,7 @@ def test_decode_tiles_spread_over_the_sms() -> None:
 
 def test_prefill_candidates_tma_and_persistent() -> None:
     """From BLOCK_M 32 up each GEMM's list holds the H200 tables' prefill winners with the weights by TMA and on a
-    persistent grid (ops/triton_moe_gemm.py); decode's BLOCK_M 16 none (its split-K grids are not persistent); a
+    persistent grid (ops/triton_moe_grid.py); decode's BLOCK_M 16 none (its split-K grids are not persistent); a
     persistent tile never splits K (the tables refuse it); the JIT compiles a persistent grid once whatever its
     programs an SM (a runtime grid size), a TMA tile apart from its pointer twin."""
     for bm in (32, 64, 128):

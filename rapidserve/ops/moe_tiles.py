@@ -22,7 +22,7 @@ the table may not ask for more splits than the GEMM has K steps (gate_up's K is 
 (optional, default 0): 1 reads the expert weights (the B operand, dense per expert) through a TMA tensor descriptor
 on NVIDIA GPUs of compute capability 9.0 and later, where the rows allow it (16-byte aligned; else, and on ROCm, the
 pointer loads). PERSISTENT (optional, default 0: one program a tile): n > 0 launches n programs an SM (at most the
-tiles), each looping over the tiles the alignment filled (`triton_moe_gemm.py`); it needs SPLIT_K 1. REDUCE_N
+tiles), each looping over the tiles the alignment filled (`triton_moe_grid.py`); it needs SPLIT_K 1. REDUCE_N
 (optional, down only, default 0: the rule `triton_moe_gemm.reduce_width`): the columns of the tile the top-k sum
 loads at a time, a power of two up to BLOCK_N (fewer registers, one more round of loads a chunk). TAIL_BLOCK_M
 (optional, next to BLOCK_M, shared by both GEMMs; default 0: none): the alignment pads each expert's run to this

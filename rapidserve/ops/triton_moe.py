@@ -12,10 +12,10 @@ device value on the host, with shapes fixed by the batch, so a decode step's CUD
    same launch zeroes the GEMMs' semaphores (below). `routed_moe` routes in it too (`ops/triton_moe_route.py`:
    softmax, top-k and renormalisation of the router's logits, then the alignment of those ids; above
    ALIGN_ONE_PROGRAM pairs a routing launch before the two).
-2. gate|up (`ops/triton_moe_gemm.py`'s `_gate_up_kernel`: its grid, its TMA and persistent variants): one BLOCK_M
-   run of one expert's pairs x BLOCK_N features: the pairs' token rows of x gathered (each loaded once per K step for
-   both products), times the expert's gate and up tiles (two accumulators, fp32), SiLU(gate) * up in the epilogue,
-   stored at the pairs' rows of act [T*k, I].
+2. gate|up (`ops/triton_moe_gemm.py`'s `_gate_up_kernel`; its grid, its TMA and persistent variants:
+   `ops/triton_moe_grid.py`): one BLOCK_M run of one expert's pairs x BLOCK_N features: the pairs' token rows of x
+   gathered (each loaded once per K step for both products), times the expert's gate and up tiles (two accumulators,
+   fp32), SiLU(gate) * up in the epilogue, stored at the pairs' rows of act [T*k, I].
 3. down (`_down_kernel`, the same module): act's rows of the run times the expert's down tile, scaled by each pair's
    routing weight, and the k rows of each token summed into out [T, h] in the same launch (below).
 

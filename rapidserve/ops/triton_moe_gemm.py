@@ -1,5 +1,7 @@
-"""The two grouped GEMMs of the fused MoE layer in Triton (issue 40; `ops/triton_moe.py` runs them after the
-alignment and documents the layer): the kernels and their launches.
+"""The two grouped GEMMs of the fused MoE layer in Triton (issue 40; `ops/triton_moe.py` runs them after the alignment
+and documents the layer): the kernels and their launches. Their program grid (the tiles' order, split K, persistent
+programs, tail-block lists) and the weights' loads by TMA: `ops/triton_moe_grid.py` (its docstring, and the device
+and host helpers both GEMMs share).
 
 - `_gate_up_kernel`: one BLOCK_M run of one expert's (token, slot) pairs x BLOCK_N features: the pairs' token rows of
   x gathered (each loaded once per K step for both products), times the expert's gate and up tiles (two fp32
@@ -7,30 +9,11 @@ alignment and documents the layer): the kernels and their launches.
 - `_down_kernel`: act's rows of the run times the expert's down tile, scaled by each pair's routing weight, and the k
   rows of each token summed into out [T, h] in the same launch (`triton_moe.py`: the semaphores, split K).
 
-The program grid. By default one program a (m block, n block) tile (and K split) of a 1-D grid over every tile the
-alignment could fill (`_program_tile`: GROUP_M m blocks a group, an L2 swizzle; a tile's splits side by side);
-programs past the padded total return at once. PERSISTENT (`GemmTiles.persistent` = n > 0, whole tiles only: no
-split K) launches min(tiles, n x the SMs) programs instead, each looping over the tiles the alignment did fill (its
-padded total / BLOCK_M m blocks x the n blocks: read on the device, so the grid stays fixed for a CUDA graph) in the
-same swizzled order, program p taking tiles p, p + programs, ...: no launch waves, no program start-up a tile. In
-gate|up the tile loop is flattened with the K loop (`tl.range(flatten=True)`; sm_90 under Triton 3.6: one loop, the
-cp.async / TMA pipeline carried across tiles), so the next tile's first K steps load during a tile's epilogue
-instead of the pipeline draining between tiles. down's is not: Triton 3.6's FuseNestedLoops pass fails on the
-branch around its top-k sum, and without that branch the flattened loop compiled with no cp.async pipeline at all,
-so each of its tiles pipelines its own K loop.
-
-Tail blocks (`launch_gate_up` / `launch_down` with `tails`, `ops.moe.TailBlocks`): two launches of each kernel with
-LISTS, the first over the experts' full BLOCK_M tiles, the second at BLOCK_M = the tail block over the rest; a tile's
-first row and expert come from the list (`_first_row`), the filled count from the list's (`_filled`), so grids stay
-fixed by the pairs count. Without LISTS the kernels compute pid_m x BLOCK_M and the padded total / BLOCK_M as before.
-
-The weights (the B operand: dense per expert). By pointer loads (cp.async on Hopper), or with TMA (`GemmTiles.tma`
-1, NVIDIA compute capability 9.0 and later, rows of 16-byte multiples at a 16-byte aligned base: `use_tma`) through a
-host-built tensor descriptor of w viewed [E * rows, K] (gate|up: the gate tile at row e * 2N + n0, the up tile N rows
-further; down: e * h + n0), box [BLOCK_N, BLOCK_K]: one thread issues each tile's copy, no per-thread addresses, and
-the copy zero-fills past K (no K mask on B); a box past N reads the next expert's rows (or zeros past the last),
-whose results are not stored, as the pointer path's wrapped columns are not. ROCm takes the pointer loads whatever
-the table says. The gathered x / act rows stay pointer loads (Hopper's TMA has no row gather).
+The tile loop of a persistent program (PERSISTENT: `triton_moe_grid.py`): gate|up's is flattened with the K loop
+(`tl.range(flatten=True)`; sm_90 under Triton 3.6: one loop, the cp.async / TMA pipeline carried across tiles), so
+the next tile's first K steps load during a tile's epilogue instead of the pipeline draining between tiles. down's
+is not: Triton 3.6's FuseNestedLoops pass fails on the branch around its top-k sum, and without that branch the
+flattened loop compiled with no cp.async pipeline at all, so each of its tiles pipelines its own K loop.
 
 Programmatic dependent launch (`ops.pdl`'s rules; `triton_moe.py` says why the trigger is late): every program
 waits (`gdc_wait`, USE_GDC) before its first global access (the filled-tile count, the sorted rows, the TMA loads:
@@ -50,60 +33,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rapidserve.ops import pdl as pdl_launch
 from rapidserve.ops.moe import Alignment, TailBlocks
 from rapidserve.ops.moe_plan import split_plan
 from rapidserve.ops.moe_tiles import GemmTiles
+from rapidserve.ops.triton_moe_grid import (
+    _filled,
+    _first_row,
+    _group_m,
+    _program_tile,
+    _sems,
+    _split_range,
+    _weights_arg,
+    grid_size,
+    m_lists,
+    use_tma,
+)
 
-OFF_GPU_SMS = 3  # the "SMs" a persistent grid is sized for off a GPU (the interpreter: a few programs, many tiles each)
 REDUCE_ELEMS = 512  # partial-row elements a thread of down's top-k sum loads at once by the rule (`reduce_width`)
-
-
-@triton.jit
-def _program_tile(pid, num_tiles, num_pid_n, group_m):
-    """(m block, n block) of tile `pid` of num_tiles = m blocks x num_pid_n: the m blocks in groups of group_m (the
-    last group smaller), each group's tiles m block fastest and the groups one after another, so programs running
-    together share the weight tiles of a few n blocks and the rows of a few m blocks in L2 (group_m >= the m blocks:
-    every m block of an n block before the next n block)."""
-    num_pid_m = num_tiles // num_pid_n
-    in_group = group_m * num_pid_n
-    first_m = pid // in_group * group_m
-    size_m = tl.minimum(num_pid_m - first_m, group_m)
-    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
-
-
-@triton.jit
-def _split_range(num_pid_n, group_m, splits, split_steps, K, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """(m block, n block, split, its K range [k_lo, k_hi)) of this program of a 1-D grid of tiles x splits: a tile's
-    splits side by side, the tiles in `_program_tile`'s order, each split_steps steps of BLOCK_K (SPLIT off: one
-    program a tile, the whole K). k_lo is a product with BLOCK_K, so the compiler knows the K offsets stay aligned
-    (vectorised loads; a runtime multiple of unknown alignment cost the sm_90 kernel 255 registers)."""
-    if SPLIT:
-        tile = tl.program_id(0) // splits
-        pid_m, pid_n = _program_tile(tile, tl.num_programs(0) // splits, num_pid_n, group_m)
-        pid_s = tl.program_id(0) - tile * splits
-        k_lo = pid_s * split_steps * BLOCK_K
-        k_hi = tl.minimum(k_lo + split_steps * BLOCK_K, K)
-    else:
-        pid_m, pid_n = _program_tile(tl.program_id(0), tl.num_programs(0), num_pid_n, group_m)
-        pid_s = 0
-        k_lo = 0
-        k_hi = K
-    return pid_m, pid_n, pid_s, k_lo, k_hi
-
-
-@triton.jit
-def _first_row(start_ptr, pid_m, BLOCK_M: tl.constexpr, LISTS: tl.constexpr):
-    """The first row of sorted_ids of m block pid_m: its entry of a `TailBlocks` list (LISTS), else pid_m x BLOCK_M."""
-    return tl.load(start_ptr + pid_m) if LISTS else pid_m * BLOCK_M
-
-
-@triton.jit
-def _filled(post_ptr, BLOCK_M: tl.constexpr, LISTS: tl.constexpr):
-    """The m blocks the alignment filled: a `TailBlocks` count (LISTS), else the padded total / BLOCK_M."""
-    return tl.load(post_ptr) if LISTS else tl.load(post_ptr) // BLOCK_M
 
 
 @triton.jit
@@ -336,39 +284,6 @@ def _down_kernel(a_ptr, w_ptr, w_desc, out_ptr, part_ptr, sem_ptr, weights_ptr, 
                    TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT, REDUCE, RED_N, IEEE, TMA, USE_GDC, True)
 
 
-def _group_m(tiles: GemmTiles, m_blocks: int) -> int:
-    return min(tiles.group_m, m_blocks)  # keeps group_m * n blocks within the grid (int32 in the kernel)
-
-
-def _sems(sems: torch.Tensor | None, need: int, device: torch.device) -> torch.Tensor:
-    """The caller's zeroed semaphores (at least `need`), else new zeros (standalone launches: the benches, tests)."""
-    if sems is None:
-        return torch.zeros(max(need, 1), dtype=torch.int32, device=device)
-    if sems.dtype != torch.int32 or sems.numel() < need:
-        raise ValueError(f"semaphores must be int32 of at least {need} elements, got {sems.dtype} x {sems.numel()}")
-    return sems
-
-
-def use_tma(tiles: GemmTiles, w: torch.Tensor) -> bool:
-    """Whether a launch reads the weights `w` [E, rows, K] by TMA (module docstring): the tiles ask for it, the
-    platform is NVIDIA's at compute capability 9.0 or later (or the interpreter's, or the compile check's meta
-    tensors), and the rows are 16-byte multiples at a 16-byte aligned base."""
-    if not tiles.tma or torch.version.hip is not None:
-        return False
-    if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return False
-    return (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-
-
-def _weights_arg(w: torch.Tensor, tiles: GemmTiles, tma: bool) -> torch.Tensor | TensorDescriptor:
-    """The kernels' w_desc: a TMA descriptor of w [E, rows, K] viewed [E * rows, K], box [BLOCK_N, BLOCK_K]; else w
-    itself (unused: the kernel takes w_ptr)."""
-    if not tma:
-        return w
-    flat = w.view(-1, w.shape[-1])
-    return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [tiles.block_n, tiles.block_k])
-
-
 def reduce_width(block_m: int, tiles: GemmTiles, top_k: int) -> int:
     """Columns of down's tile that its top-k sum (`_reduce_tokens`) loads at a time: the tiles' REDUCE_N where set,
     else all BLOCK_N unless the TOP_K partial tiles would be more than REDUCE_ELEMS elements a thread at once, then
@@ -383,38 +298,6 @@ def reduce_width(block_m: int, tiles: GemmTiles, top_k: int) -> int:
     while width > 16 and block_m * width * top_k > REDUCE_ELEMS * 32 * tiles.num_warps:
         width //= 2
     return width
-
-
-def sm_count(device: torch.device) -> int:
-    """SMs (CUs on ROCm) a persistent grid is sized for: the GPU's, else OFF_GPU_SMS. The whole GPU's, as
-    decode attention's split rule counts them, not a green-context partition's: on a prefill partition of fewer SMs the
-    grid's programs queue (correct, but a second, partial wave), and the tuner measured on the whole GPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return OFF_GPU_SMS
-
-
-def grid_size(tiles: GemmTiles, m_blocks: int, n_blocks: int, splits: int, device: torch.device) -> int:
-    """Programs of one GEMM launch: a tile's splits each (one program a tile without split K), or with PERSISTENT
-    (and one split) persistent x the SMs, at most the tiles."""
-    if tiles.persistent and splits == 1:
-        return min(m_blocks * n_blocks, tiles.persistent * sm_count(device))
-    return m_blocks * n_blocks * splits
-
-
-def m_lists(al: Alignment, block_m: int, tails: TailBlocks | None,
-            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]]:
-    """Each launch of a grouped GEMM: (block starts, their experts, the filled count, BLOCK_M, LISTS). One launch
-    over the alignment's BLOCK_M blocks; with `tails` (`ops.moe.TailBlocks`, `al` aligned at its tail block) the
-    full tiles' list at block_m, then the tail blocks' list at tails.tail_m."""
-    if tails is None:
-        return [(al.sorted_ids, al.expert_ids, al.num_post, block_m, False)]
-    if tails.block_m != block_m or al.expert_ids.numel() * tails.tail_m != al.sorted_ids.numel():
-        raise ValueError(f"tail block lists of BLOCK_M {tails.block_m} / tail {tails.tail_m} for a launch at "
-                         f"BLOCK_M {block_m} over an alignment of {al.sorted_ids.numel()} rows in "
-                         f"{al.expert_ids.numel()} blocks: align at the tail block (`align_tails`)")
-    return [(tails.main_starts, tails.main_experts, tails.counts[:1], block_m, True),
-            (tails.tail_starts, tails.tail_experts, tails.counts[1:], tails.tail_m, True)]
 
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor, al: Alignment, top_k: int, block_m: int,
@@ -482,5 +365,4 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, out: torch.Tensor, weights:
             **pdl_launch.launch_options(pdl_launch.use_pdl(pdl, out.device)))
 
 
-__all__ = ["OFF_GPU_SMS", "REDUCE_ELEMS", "grid_size", "launch_down", "launch_gate_up", "m_lists", "reduce_width",
-           "sm_count", "use_tma"]
+__all__ = ["REDUCE_ELEMS", "launch_down", "launch_gate_up", "reduce_width"]
