@@ -17,6 +17,7 @@ from rapidserve.cli_vllm import add_source_args, dtype_name
 from rapidserve.config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import allow_long_max_model_len
+from rapidserve.human_int import EXAMPLES, human_readable_int
 from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, STEP_CORRECTIONS, PartitionConfig
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
@@ -38,6 +39,25 @@ def int_at_least(lo: int) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1)
+
+
+def human_int_at_least(lo: int) -> Callable[[str], int]:
+    """An argument type for a flag vLLM 0.26 types `human_readable_int` (human_int.py: 8k, 8K, 25.6k, a plain
+    integer), at least `lo`; argparse names the flag in the usage error."""
+    def parse(text: str) -> int:
+        try:
+            v = human_readable_int(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if v < lo:
+            shown = str(v) if text.strip() == str(v) else f"{text.strip()!r} ({v})"
+            raise argparse.ArgumentTypeError(f"{shown} must be an integer >= {lo} ({EXAMPLES})")
+        return v
+
+    return parse
+
+
+positive_human_int = human_int_at_least(1)
 
 
 def _token_buckets(text: str) -> tuple[int, ...]:
@@ -79,9 +99,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "none: this gives it text prompts and structured outputs)")
     g.add_argument("--dtype", default="auto", type=dtype_name, choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=positive_int, default=None,
+    g.add_argument("--max-model-len", type=positive_human_int, default=None,
                    help="tokens of one request, prompt and output (default and most: the model's "
-                        "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set)")
+                        "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set); as "
+                        "vLLM's, 32k = 32000, 32K = 32768")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, default=None,
@@ -90,12 +111,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="most requests running at once (default, as vLLM's: 1024 on a GPU with >= 70 GiB that is "
                         "not an A100, such as the H100, H200 and MI300X; else 256, the CPU too). At most the "
                         "largest decode graph batch (512) and --max-num-batched-tokens run at once")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=positive_human_int, default=None,
                    help="token budget of one forward pass (default 8192; generate, as vLLM's LLM: 16384 on a GPU "
                         "with >= 70 GiB that is not an A100). rapid mode: prompts of one prefill batch (a longer "
                         "prompt is chunked). hybrid mode and generate: each step decodes every running "
                         "request (one token each) and fills the rest with prompt chunks in arrival order; "
-                        "at most min(--max-num-seqs, this) requests run at once")
+                        "at most min(--max-num-seqs, this) requests run at once. As vLLM's, 8k = 8000, 8K = 8192")
     g.add_argument("--prefill-batch-tokens", type=positive_int, default=None,
                    help="rapid mode: a prefill batch takes no more whole prompts once it holds this many tokens "
                         "(at most --max-num-batched-tokens; default: --max-num-batched-tokens; not with --mode "

@@ -52,7 +52,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # the seats and the decode graph buckets (`batch_limits`). Plus JSON input that refuses a key written twice
     # (`jsonfile`: standard library only; the loaders of profiles, device tables, traces, reports and JSON flags, the
     # benchmark's too, read through it). Plus keeping credentials out of what is printed, logged or written
-    # (`redaction`: standard library only; the server, `rapidserve bench` and bench/ redact through it).
+    # (`redaction`: standard library only; the server, `rapidserve bench` and bench/ redact through it). Plus vLLM's
+    # human-readable integers (`human_int`: standard library only; the CLI's flags that vLLM types so).
     ("config", ("rapidserve", "rapidserve.config_base", "rapidserve.config", "rapidserve.model_config",
                 "rapidserve.cache_config", "rapidserve.scheduler_config", "rapidserve.runner_config",
                 "rapidserve.parallel_config", "rapidserve.launch_config",
@@ -61,7 +62,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "rapidserve.engine_settings", "rapidserve.sampling_params", "rapidserve.prompt", "rapidserve.outputs",
                 "rapidserve.moe_config", "rapidserve.vllm_serve_flags", "rapidserve.vllm_reasons",
                 "rapidserve.sampling_checks", "rapidserve.structured_outputs", "rapidserve.vllm_sampling_fields",
-                "rapidserve.batch_limits", "rapidserve.jsonfile", "rapidserve.redaction")),
+                "rapidserve.batch_limits", "rapidserve.jsonfile", "rapidserve.redaction", "rapidserve.human_int")),
     # Shared-memory rings and doorbells between processes (no torch).
     ("ipc", ("rapidserve.ipc",)),
     # The model and its memory: loading weights, kernels, the transformer, the paged KV pool.
