@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from rapidserve.config_base import check as _check
 from rapidserve.quant_config import KV_CACHE_DTYPES, KVScales
 
+GPU_MEMORY_UTILIZATION = 0.92  # --gpu-memory-utilization's default: vLLM 0.26's (its CacheConfig's)
+
 
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool. `num_blocks=None` sizes it from free device memory."""
 
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     num_blocks: int | None = None
     # On CPU there is no "free device memory": the pool takes this many bytes unless num_blocks is set.
     cpu_kv_bytes: int = 512 * 1024 * 1024

@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from rapidserve.cache_config import GPU_MEMORY_UTILIZATION
 from rapidserve.cli_vllm import add_source_args, dtype_name
 from rapidserve.config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
 from rapidserve.config_base import ConfigError
@@ -103,7 +104,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of one request, prompt and output (default and most: the model's "
                         "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set); as "
                         "vLLM's, 32k = 32000, 32K = 32768")
-    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION,
+                   help=f"the share of the GPU's memory this engine takes, its KV pool sized to what the weights and "
+                        f"the activation peak leave of it (default {GPU_MEMORY_UTILIZATION}, vLLM 0.26's; per engine, "
+                        "as vLLM's is per instance). Not read with --num-kv-blocks")
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")

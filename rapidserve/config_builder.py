@@ -22,6 +22,7 @@ from rapidserve.batch_limits import (
     default_max_num_seqs,
     why_default,
 )
+from rapidserve.cache_config import GPU_MEMORY_UTILIZATION
 from rapidserve.config import (
     ALLOW_LONG_MAX_MODEL_LEN_ENV,
     LOAD_FORMATS,
@@ -212,7 +213,8 @@ def resolve_kv_cache(flag: str, source: ModelSource, dtype: torch.dtype, device:
 
 
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                        max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                        max_model_len: int | None = None,
+                        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                         prefill_batch_tokens: int | None = None,

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rapidserve.batch_limits import SERVER_BATCHED_TOKENS, SMALL_MAX_NUM_SEQS
+from rapidserve.cache_config import GPU_MEMORY_UTILIZATION
 from rapidserve.config import ALLOW_LONG_MAX_MODEL_LEN_ENV, CacheConfig, RunnerConfig, SchedulerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.generation_config import (
@@ -156,7 +157,8 @@ class EngineSections:
 
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                    gpu_memory_utilization: float = 0.9, block_size: int = 16, num_kv_blocks: int | None = None,
+                    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, block_size: int = 16,
+                    num_kv_blocks: int | None = None,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                     prefill_batch_tokens: int | None = None, enforce_eager: bool = False,
                     prefill_graph_tokens: Sequence[int] | None = None, seed: int = 0,

@@ -19,7 +19,8 @@ from rapidserve.runner import ModelRunner
 
 def preset_runner(preset: str, layers: int, *, ctx: int, graph_batches: Sequence[int], max_num_seqs: int,
                   max_num_batched_tokens: int, quantization: QuantizationConfig | None = None,
-                  device: str = "cuda", num_blocks: int | None = 1024, gpu_memory_utilization: float = 0.9,
+                  device: str = "cuda", num_blocks: int | None = 1024,
+                  gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
                   step_processes: int = 1) -> ModelRunner:
     """`preset`'s shapes with `layers` layers, decode graphs at `graph_batches`, 1024 KV blocks (`num_blocks` None:
     the pool sized from `gpu_memory_utilization`, runner/kv_budget.py, with `step_processes`), `max_model_len`
