@@ -16,13 +16,18 @@ GPU_MEMORY_UTILIZATION = 0.92  # --gpu-memory-utilization's default: vLLM 0.26's
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool. `num_blocks=None` sizes it from free device memory."""
+    """The paged KV pool. `num_blocks=None` sizes it from free device memory (the `gpu_memory_utilization` share),
+    or where `kv_cache_memory_bytes` is set takes that many bytes per GPU."""
 
     block_size: int = 16
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     num_blocks: int | None = None
     # On CPU there is no "free device memory": the pool takes this many bytes unless num_blocks is set.
     cpu_kv_bytes: int = 512 * 1024 * 1024
+    # vLLM's --kv-cache-memory-bytes: the pool's bytes on each GPU (each tensor-parallel rank's, each disagg side's),
+    # as given: no memory profiling, gpu_memory_utilization not read for the pool. On a CPU it is the pool's bytes
+    # (config_builder.cpu_kv_space puts it in cpu_kv_bytes). None: sized from the share.
+    kv_cache_memory_bytes: int | None = None
     # Share the K/V of equal prompt prefixes between requests (block_manager.py), as vLLM does by default.
     enable_prefix_caching: bool = True
     # What the pool holds (--kv-cache-dtype, resolved by config_builder.resolve_kv_cache): "auto" the model's dtype;
@@ -39,6 +44,13 @@ class CacheConfig:
                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         _check(self.num_blocks is None or self.num_blocks > 0,
                f"num_blocks={self.num_blocks} must be a positive integer or unset")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes} (kv_cache_memory_bytes) must be a positive "
+               "number of bytes (e.g. 8G), or unset to size the KV pool from --gpu-memory-utilization")
+        _check(self.kv_cache_memory_bytes is None or self.num_blocks is None,
+               f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes} and --num-kv-blocks {self.num_blocks} "
+               "(LLM's kv_cache_memory_bytes and num_gpu_blocks_override) both fix the KV pool's size: give one of "
+               "them")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES,
                f"kv_cache_dtype={self.kv_cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}")
         _check(self.kv_scales is None or self.fp8_kv,

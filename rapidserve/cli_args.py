@@ -107,10 +107,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION,
                    help=f"the share of the GPU's memory this engine takes, its KV pool sized to what the weights and "
                         f"the activation peak leave of it (default {GPU_MEMORY_UTILIZATION}, vLLM 0.26's; per engine, "
-                        "as vLLM's is per instance). Not read with --num-kv-blocks")
+                        "as vLLM's is per instance). Not read for the pool with --num-kv-blocks or "
+                        "--kv-cache-memory-bytes")
     g.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=positive_int, default=None,
                    help="fix the KV pool size instead of sizing it from free memory")
+    g.add_argument("--kv-cache-memory-bytes", type=positive_human_int, default=None, metavar="BYTES",
+                   help="vLLM's: the KV pool's bytes on each GPU (each tensor-parallel rank), as given: no memory "
+                        "profiling, and --gpu-memory-utilization is not used for the pool (8G = 8 GiB, 8g = 8e9 "
+                        "bytes); it must hold one --max-model-len sequence. On a CPU: the pool's bytes. Not with "
+                        "--num-kv-blocks")
     g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="most requests running at once (default, as vLLM's: 1024 on a GPU with >= 70 GiB that is "
                         "not an A100, such as the H100, H200 and MI300X; else 256, the CPU too). At most the "
@@ -317,7 +323,8 @@ def setting_kwargs(a: argparse.Namespace, env: Mapping[str, str] | None = None) 
     allow_long = allow_long_max_model_len(os.environ if env is None else env)
     return dict(dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, allow_long_max_model_len=allow_long,
                 gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
-                num_kv_blocks=a.num_kv_blocks, max_num_seqs=a.max_num_seqs,
+                num_kv_blocks=a.num_kv_blocks, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+                max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, prefill_batch_tokens=a.prefill_batch_tokens,
                 enforce_eager=a.enforce_eager, prefill_graph_tokens=a.prefill_graph_tokens, seed=a.seed,
                 attention_backend=a.attention_backend, kv_events_config=getattr(a, "kv_events_config", None),

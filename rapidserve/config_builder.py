@@ -216,6 +216,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                         max_model_len: int | None = None,
                         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                         block_size: int = 16, num_kv_blocks: int | None = None,
+                        kv_cache_memory_bytes: int | None = None,
                         max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                         prefill_batch_tokens: int | None = None,
                         enforce_eager: bool = False, prefill_graph_tokens: Sequence[int] | None = None,
@@ -254,12 +255,15 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     --generation-config; checked with the settings, `engine_settings.generation_defaults`; auto's file is read
     once the model is resolved, `resolve_generation_config`). `kv_events_config`: vLLM's --kv-events-config
     (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED). `max_num_seqs`, `max_num_batched_tokens`: None
-    (not given) resolves by device, as vLLM's defaults (`resolve_batch_limits`, batch_limits.py)."""
+    (not given) resolves by device, as vLLM's defaults (`resolve_batch_limits`, batch_limits.py).
+    `kv_cache_memory_bytes`: vLLM's; the KV pool's bytes per GPU as given, instead of the `gpu_memory_utilization`
+    share (not with `num_kv_blocks`); on a CPU the pool's bytes (`cpu_kv_space`)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     sections = engine_sections(
         dtype=dtype, device=device, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-        block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+        block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, prefill_batch_tokens=prefill_batch_tokens,
         enforce_eager=enforce_eager, prefill_graph_tokens=prefill_graph_tokens, seed=seed,
         attention_backend=attention_backend, enable_prefix_caching=enable_prefix_caching,
@@ -311,10 +315,16 @@ CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's: the CPU backend's KV
 
 def cpu_kv_space(cache: CacheConfig, env: Mapping[str, str]) -> CacheConfig:
     """The KV pool of a CPU run, as vLLM's CPU backend sizes it: `VLLM_CPU_KVCACHE_SPACE` GiB where set (a positive
-    number, else a ConfigError naming it), else `cpu_kv_bytes` (512 MiB); `--num-kv-blocks` still wins. A CPU has no
-    free device memory to take a share of, so `--gpu-memory-utilization` given there changes nothing: said in the
-    log, with what sizes the pool instead."""
+    number, else a ConfigError naming it; as in vLLM's CPU platform it replaces --kv-cache-memory-bytes too, said in
+    the log), else `--kv-cache-memory-bytes`, else `cpu_kv_bytes` (512 MiB): put in `cpu_kv_bytes`;
+    `--num-kv-blocks` still wins (CacheConfig refuses it beside --kv-cache-memory-bytes). A CPU has no free device
+    memory to take a share of, so `--gpu-memory-utilization` given there changes nothing: said in the log, with what
+    sizes the pool instead."""
     text = env.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    given = cache.kv_cache_memory_bytes
+    source = "512 MiB, the CPU default"
+    if given is not None:
+        cache, source = dataclasses.replace(cache, cpu_kv_bytes=given), f"--kv-cache-memory-bytes {given}"
     if text:
         try:
             gib = float(text)
@@ -323,11 +333,15 @@ def cpu_kv_space(cache: CacheConfig, env: Mapping[str, str]) -> CacheConfig:
         if not 0 < gib < float("inf"):
             raise ConfigError(f"{CPU_KVCACHE_SPACE_ENV}={text!r}: the CPU KV cache's size in GiB must be a positive "
                               "number (e.g. 4), or unset (512 MiB)")
-        cache = dataclasses.replace(cache, cpu_kv_bytes=int(gib * 2**30))
+        cache = dataclasses.replace(cache, cpu_kv_bytes=int(gib * 2**30), kv_cache_memory_bytes=None)
+        if given is not None:
+            log.warning("--kv-cache-memory-bytes %d: replaced by $%s=%s, as vLLM's CPU backend replaces it", given,
+                        CPU_KVCACHE_SPACE_ENV, text)
+        source = f"${CPU_KVCACHE_SPACE_ENV} GiB"
     if cache.gpu_memory_utilization != CacheConfig().gpu_memory_utilization and cache.num_blocks is None:
         log.warning("--gpu-memory-utilization %g: not read on a CPU (no device memory to take a share of); the KV pool "
-                    "takes %.2f GiB (%s, else 512 MiB), or size it with --num-kv-blocks", cache.gpu_memory_utilization,
-                    cache.cpu_kv_bytes / 2**30, f"${CPU_KVCACHE_SPACE_ENV} GiB")
+                    "takes %.2f GiB (%s), or size it with --num-kv-blocks or --kv-cache-memory-bytes",
+                    cache.gpu_memory_utilization, cache.cpu_kv_bytes / 2**30, source)
     return cache
 
 

@@ -158,7 +158,7 @@ class EngineSections:
 
 def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
                     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, block_size: int = 16,
-                    num_kv_blocks: int | None = None,
+                    num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                     prefill_batch_tokens: int | None = None, enforce_eager: bool = False,
                     prefill_graph_tokens: Sequence[int] | None = None, seed: int = 0,
@@ -180,7 +180,8 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
         raise ConfigError(f"run={run!r}; use one of {', '.join(RUN_SPECS)}")
     partition = partition or PartitionConfig(policy=resolve_policy(run, None, PartitionConfig().mode))
     cache = CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                        num_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                        num_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                        enable_prefix_caching=enable_prefix_caching,
                         kv_cache_dtype="fp8" if kv_flag == "fp8" else "auto")
     # None (not given): the field's default here, for the checks; the builder resolves it by device
     # (batch_limits, config_builder.resolve_batch_limits) once the device is known

@@ -92,21 +92,31 @@ def kv_cache_dtype(cache: CacheConfig, dtype: torch.dtype, device: torch.device)
     return fp8_dtype(device)
 
 
+# What gave a pool its byte budget (`num_blocks_for_budget`'s `sized_by`), which its error's remedy names
+SHARE = "share"  # the --gpu-memory-utilization share of a GPU (runner/kv_budget.py)
+CPU = "cpu"  # a CPU's fixed bytes: $VLLM_CPU_KVCACHE_SPACE, else 512 MiB (config_builder.cpu_kv_space)
+GIVEN = "given"  # --kv-cache-memory-bytes, on a GPU or a CPU
+
+
 def num_blocks_for_budget(budget_bytes: int, bytes_per_block: int, block_size: int, min_tokens: int,
-                          cpu: bool = False) -> int:
-    """Blocks that fit in `budget_bytes`; error if fewer than one max-length sequence needs (`cpu`: the
-    budget is the CPU pool's fixed one, so the error says what --max-model-len it allows)."""
+                          sized_by: str = SHARE) -> int:
+    """Blocks that fit in `budget_bytes`; a ConfigError if fewer than one sequence of `min_tokens` needs, whose
+    remedy fits what sized the budget (`sized_by`: SHARE, CPU, GIVEN; a fixed budget's says what --max-model-len it
+    allows)."""
     n = max(0, budget_bytes // bytes_per_block)
     need = -(-min_tokens // block_size)
-    if n < need:
-        remedy = (f"use --max-model-len <= {n * block_size} (what the CPU pool holds), or size the pool with "
-                  "--num-kv-blocks" if cpu else
-                  "raise --gpu-memory-utilization, lower --max-model-len, or use a GPU with more memory")
-        raise ConfigError(
-            f"the KV cache gets {n} blocks ({budget_bytes / 2**30:.2f} GiB) but one sequence of "
-            f"{min_tokens} tokens needs {need}; {remedy}"
-        )
-    return n
+    if n >= need:
+        return n
+    holds = n * block_size
+    got = f"the KV cache gets {n} blocks ({budget_bytes / 2**30:.2f} GiB) but one sequence of {min_tokens} tokens " \
+          f"needs {need}"
+    if sized_by == GIVEN:
+        raise ConfigError(f"--kv-cache-memory-bytes {budget_bytes}: {got} ({need * bytes_per_block} bytes); give at "
+                          f"least that, or use --max-model-len <= {holds} (what it holds)")
+    if sized_by == CPU:
+        raise ConfigError(f"{got}; use --max-model-len <= {holds} (what the CPU pool holds), or size the pool with "
+                          "--kv-cache-memory-bytes or --num-kv-blocks")
+    raise ConfigError(f"{got}; raise --gpu-memory-utilization, lower --max-model-len, or use a GPU with more memory")
 
 
 class KVPool:

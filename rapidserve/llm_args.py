@@ -39,7 +39,7 @@ HONOURED: MappingProxyType[str, str] = MappingProxyType({name: name for name in 
     "model", "dtype", "tokenizer", "revision", "download_dir", "load_format", "quantization", "kv_cache_dtype",
     "max_model_len", "gpu_memory_utilization", "block_size", "max_num_seqs", "max_num_batched_tokens",
     "enforce_eager", "seed", "attention_backend", "enable_prefix_caching", "async_scheduling", "generation_config",
-    "kv_events_config")} | {"num_gpu_blocks_override": "num_kv_blocks"})
+    "kv_events_config", "kv_cache_memory_bytes")} | {"num_gpu_blocks_override": "num_kv_blocks"})
 LLM_OWN = ("chat_template", "use_tqdm_on_load")  # honoured by LLM itself: its chat default, its progress bars
 _ONE_DEVICE = "rapidserve's LLM runs the model in this process, on one device"
 _TEXT = REFUSED["--limit-mm-per-prompt"]
@@ -72,8 +72,8 @@ _BY_DEFAULT: tuple[tuple[Any, str], ...] = (
            "max_cudagraph_capture_size distributed_executor_backend distributed_timeout_seconds "
            "cpu_distributed_timeout_seconds numa_bind_nodes numa_bind_cpus device_ids data_parallel_rank "
            "data_parallel_start_rank data_parallel_size_local data_parallel_address data_parallel_rpc_port "
-           "disable_nccl_for_dp_synchronization max_parallel_loading_workers kv_cache_memory_bytes "
-           "max_num_scheduled_tokens code_revision hf_token tokenizer_revision quantization_config mm_processor_kwargs "
+           "disable_nccl_for_dp_synchronization max_parallel_loading_workers max_num_scheduled_tokens "
+           "code_revision hf_token tokenizer_revision quantization_config mm_processor_kwargs "
            "mm_encoder_attn_backend mm_encoder_attn_dtype mm_encoder_fp8_scale_path mm_encoder_fp8_scale_save_path "
            "io_processor_plugin video_pruning_rate default_mm_loras max_cpu_loras lora_target_modules "
            "enable_chunked_prefill disable_hybrid_kv_cache_manager reasoning_parser_plugin speculative_config "

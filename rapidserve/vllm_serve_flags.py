@@ -41,7 +41,8 @@ _DOCS = "the OpenAPI document is /openapi.json (no Swagger UI, no ReDoc)"
 _NO_ACCESS_LOG = "rapidserve writes no HTTP access log (the request log line has every request)"
 _CHUNKS = ("prompts are chunked by --max-num-batched-tokens (rapid mode: whole prompts batched up to "
            "--prefill-batch-tokens)")
-_KV = "the KV pool is sized by --gpu-memory-utilization or --num-kv-blocks and stays in GPU memory"
+_KV = ("the KV pool is sized by --gpu-memory-utilization, --kv-cache-memory-bytes or --num-kv-blocks and stays in "
+       "GPU memory")
 
 # flag -> (the values accepted: SWITCH for a flag without one, ANY for any one value; why they change nothing)
 NO_OP: dict[str, tuple[tuple[str, ...] | None, str]] = {
@@ -130,7 +131,7 @@ REFUSED: dict[str, str] = {flag: why for why, flags in (
     (_SPEC, "--speculative-config -sc --spec-method --spec-model --spec-tokens"),
     (_OFFLOAD, "--cpu-offload-gb --cpu-offload-params --offload-backend --offload-group-size --offload-num-in-group "
                "--offload-params --offload-prefetch-step"),
-    (_KV, "--kv-cache-memory-bytes --kv-offloading-backend --kv-offloading-size --swap-space"),
+    (_KV, "--kv-offloading-backend --kv-offloading-size --swap-space"),
     (_TEXT, "--limit-mm-per-prompt --mm-processor-kwargs --media-io-kwargs --mm-processor-cache-gb "
             "--mm-processor-cache-type --mm-shm-cache-max-object-size-mb --mm-encoder-tp-mode --mm-encoder-only "
             "--mm-encoder-attn-backend --mm-encoder-attn-dtype --mm-encoder-fp8-scale-path "

@@ -372,7 +372,8 @@ def test_cache_config_info() -> None:
     m.set_engine_stats(0, 0, 500, 500, 0, "none")
     info = [dict(labels) for (n, labels), v in samples(m).items() if n == "vllm:cache_config_info" and v == 1]
     assert info == [{"engine": "0", "block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True",
-                     "gpu_memory_utilization": "0.85", "num_cpu_blocks": "None", "num_gpu_blocks": "500",
+                     "gpu_memory_utilization": "0.85", "kv_cache_memory_bytes": "None", "num_cpu_blocks": "None",
+                     "num_gpu_blocks": "500",
                      "num_gpu_blocks_override": "None", "prefix_caching_hash_algo": "sha256", "swap_space": "0"}]
     m.set_engine_stats(0, 0, 400, 400, 0, "none")  # a restart with another pool size: one current series
     info = [dict(labels)["num_gpu_blocks"] for (n, labels), _ in samples(m).items() if n == "vllm:cache_config_info"]

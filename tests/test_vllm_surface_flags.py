@@ -39,7 +39,7 @@ SAMPLES: dict[str, str] = {
     "--max-num-batched-tokens": "128", "--max-num-seqs": "4", "--model": "preset:tiny-llama",
     "--num-gpu-blocks-override": "40", "--quantization": "fp8", "-q": "fp8", "--revision": "v1", "--seed": "3",
     "--served-model-name": "a", "--tokenizer": "/tmp", "--default-chat-template-kwargs": '{"enable_thinking": false}',
-    "--shutdown-timeout": "5", "--dtype": "half",
+    "--shutdown-timeout": "5", "--dtype": "half", "--kv-cache-memory-bytes": "8G",
 }
 
 

@@ -98,6 +98,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
         a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
         allow_long_max_model_len=allow_long_max_model_len(os.environ),
         gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         prefill_batch_tokens=a.prefill_batch_tokens, enable_prefix_caching=a.enable_prefix_caching,
         async_scheduling=a.async_scheduling, prefill_graph_tokens=a.prefill_graph_tokens,

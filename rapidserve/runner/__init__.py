@@ -6,6 +6,8 @@ Modules, each one concept (imports point down this list only; none imports this 
 - `decode_graphs`: decode CUDA/HIP graphs per batch bucket and stream key, their capture and replay.
 - `sampling`: the runner's sampling entry points and the penalty-slot bookkeeping.
 - `tp`: the tensor-parallel mirroring hooks (publish, broadcast the sampled tokens, a follower's replay).
+- `kv_sizing`: what sizes the KV pool (--num-kv-blocks, --kv-cache-memory-bytes, a CPU's bytes, the GPU share).
+- `kv_budget`: the GPU share's byte budget and its logged terms.
 - `inputs`: `PrefillItem`, `DecodeItem`, `Carry`, and building the flat token batch and attention metadata.
 - `prefill_graphs`: piecewise CUDA graphs of the prefill forward.
 - `prefill_task`: a prefill launched a layer block at a time (DRIFT's block-wise prefill).

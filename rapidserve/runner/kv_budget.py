@@ -2,7 +2,8 @@
 
 The share is this engine's, as vLLM's is its instance's ("a per-instance limit": two engines at 0.45 each share a
 GPU): memory other processes held when this engine's decode worker started is not charged to it. The decode worker
-sizes the one shared pool after loading the weights (runner/model_runner.py `_gpu_kv_budget`):
+sizes the one shared pool after loading the weights (runner/kv_sizing.py `_gpu_kv_budget`; not with
+--kv-cache-memory-bytes, which gives the pool's bytes as they are, nor --num-kv-blocks):
 
     budget = total x utilization - this engine's use - steps
 

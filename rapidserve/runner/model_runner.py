@@ -10,10 +10,10 @@ captures one set per partition configuration. No capture on CPU.
 Sampling is separate (`sample`, `sample_next`: sampling.py), so the engine decides what to do with logits.
 
 `ModelRunner` is composed of the parts in this package, each a class of the methods of one concept over the
-runner's state: `BatchInputs` (inputs.py), `DecodeGraphs` (decode_graphs.py), `Sampling` (sampling.py) and
-`Mirrored` (tp.py: the tensor-parallel hooks). This module holds start-up (device and dtype as device.py resolves
-them, weights, the KV pool), the prefill and decode forwards, the block-wise prefill tasks (prefill_task.py) and
-stream ordering.
+runner's state: `BatchInputs` (inputs.py), `DecodeGraphs` (decode_graphs.py), `Sampling` (sampling.py),
+`Mirrored` (tp.py: the tensor-parallel hooks) and `KVSizing` (kv_sizing.py: what sizes the KV pool). This module
+holds start-up (device and dtype as device.py resolves them, weights, the KV pool), the prefill and decode
+forwards, the block-wise prefill tasks (prefill_task.py) and stream ordering.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ import torch
 from tqdm import tqdm
 
 from rapidserve.attention import get_attention_backend, with_pdl
-from rapidserve.batch_limits import config_seats
 from rapidserve.block_manager import BlockManager
 from rapidserve.config import EngineConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.kv_events import KVEventLog
-from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, kv_cache_dtype, num_blocks_for_budget, pool_spec
+from rapidserve.kv_pool import KVPool, check_ipc_shareable_allocator, kv_cache_dtype
 from rapidserve.loader import ModelSource, rank_weights, resolve_model
 from rapidserve.logit_controls import ControlPlan, TokenState
 from rapidserve.models.registry import causal_lm_class
@@ -41,12 +40,11 @@ from rapidserve.ops import fp8_ops, get_ops, with_launch
 from rapidserve.ops.fp8 import check_fp8_weights_device
 from rapidserve.ops.pdl import pdl_device
 from rapidserve.ops.pdl_table import OFF
-from rapidserve.parallel.shard import shard_config
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner.decode_graphs import DecodeGraph, DecodeGraphs
 from rapidserve.runner.device import resolve_device, resolve_dtype
 from rapidserve.runner.inputs import Carry, DecodeItem, PrefillItem
-from rapidserve.runner.kv_budget import KVBudget
+from rapidserve.runner.kv_sizing import KVSizing
 from rapidserve.runner.prefill_graphs import PrefillGraphs, usable_buckets
 from rapidserve.runner.prefill_task import Guard, PrefillTask, TaskInputs, TaskKind, TaskPublisher
 from rapidserve.runner.sampling import Sampling
@@ -69,9 +67,7 @@ def load_runner(cfg: EngineConfig, tp: TPGroup | None = None, step_processes: in
     return ModelRunner(cfg, source, show_progress=False, tp=tp, step_processes=step_processes)
 
 
-class ModelRunner(DecodeGraphs, Sampling, Mirrored):
-    kv_budget: KVBudget | None = None  # how the GPU pool was sized (runner/kv_budget.py); None: not sized here
-
+class ModelRunner(DecodeGraphs, Sampling, Mirrored, KVSizing):
     def __init__(self, cfg: EngineConfig, source: ModelSource | None, kv_pool: KVPool | None = None,
                  show_progress: bool = True, attached: SharedState | None = None, tp: TPGroup | None = None,
                  step_processes: int = 1) -> None:
@@ -151,7 +147,8 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
                 torch.cuda.empty_cache()
             log.info("weights loaded in %.1f s", time.perf_counter() - t0)
             self.kv_pool = kv_pool if kv_pool is not None else self._allocate_kv_pool(cpu_blocks)
-            log.info("KV cache: %d blocks of %d tokens, %s", self.kv_pool.num_blocks, self.block_size, self.kv_dtype)
+            log.info("KV cache: %d blocks of %d tokens, %s (%s)", self.kv_pool.num_blocks, self.block_size,
+                     self.kv_dtype, self.kv_sizing)
         if self.device.type == "cuda":
             # Stream ordering: the weights, the pool's zero-fill and (attached) the RoPE table were
             # written on the current stream; the engine computes on partition streams that do not wait
@@ -194,62 +191,6 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored):
         bar = tqdm(weights, total=source.num_tensors, desc=f"loading {source.description}",
                    unit="tensor", disable=not show_progress, leave=False)
         self.model.load_weights(bar)
-
-    def _cpu_kv_blocks(self) -> int | None:
-        """The CPU pool's blocks, from its byte budget alone (None on a GPU, or with cache.num_blocks): known
-        before the model is built, so a max_model_len that one sequence cannot fit is refused at once (naming
-        --max-model-len), not after the weights load and a RoPE table of that many rows is built."""
-        cache = self.cfg.cache
-        if cache.num_blocks is not None or self.device.type != "cpu":
-            return None
-        shard = self.mcfg if self.tp is None else shard_config(self.mcfg, self.tp.layout)  # this rank's KV heads
-        return num_blocks_for_budget(cache.cpu_kv_bytes, pool_spec(shard, cache, self.kv_dtype, 1).bytes_per_block,
-                                     self.block_size, self.max_model_len, cpu=True)
-
-    def _allocate_kv_pool(self, cpu_blocks: int | None) -> KVPool:
-        cache = self.cfg.cache
-        shard = self.model.cfg  # this rank's KV heads under tensor parallelism
-        probe = pool_spec(shard, cache, self.kv_dtype, 1)
-        if cache.num_blocks is not None:
-            n = cache.num_blocks
-        elif cpu_blocks is not None:
-            n = cpu_blocks
-        else:
-            n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
-                                      self.max_model_len)
-        if self.tp is not None:
-            n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
-        return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
-
-    def _gpu_kv_budget(self) -> int:
-        """total * utilization - this engine's use - the activation peak of the largest step, per process that
-        runs such steps here; at most what the device has free (runner/kv_budget.py)."""
-        torch.cuda.synchronize()
-        tokens = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len)
-        log.info("profiling memory: a %d-token dummy prefill measures the activation peak, to size the KV cache",
-                 tokens)
-        scratch = KVPool.allocate(pool_spec(self.model.cfg, self.cfg.cache, self.kv_dtype,
-                                            -(-tokens // self.block_size)), self.device)
-        torch.cuda.empty_cache()  # what the allocator holds now is tensors and holes only (kept after the step too)
-        torch.cuda.reset_peak_memory_stats()
-        base, held = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        item = PrefillItem([0] * tokens, 0, list(range(-(-tokens // self.block_size))))
-        self._prefill_on(scratch, [item])
-        torch.cuda.synchronize()
-        allocated_peak = torch.cuda.max_memory_allocated() - base
-        peak = max(0, torch.cuda.max_memory_reserved() - held)  # activations in the unused cache cost no more
-        max_bs = config_seats(self.cfg)  # the largest decode step (not the largest bucket: buckets beyond go unused)
-        del scratch
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = KVBudget(total, self.cfg.cache.gpu_memory_utilization, total - free, torch.cuda.memory_allocated(),
-                          torch.cuda.memory_reserved(), tokens, peak,
-                          max_bs * self.mcfg.vocab_size * 4 * 3,  # decode logits + sampling scratch
-                          step_allocated=allocated_peak, baseline_used=self._baseline_used,
-                          step_processes=self.step_processes)
-        (log.warning if budget.short_of_share else log.info)("%s", budget.describe())
-        self.kv_budget = budget
-        return budget.kv_bytes
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, items: Sequence[PrefillItem], stream: torch.cuda.Stream | None = None,

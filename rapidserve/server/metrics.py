@@ -113,7 +113,8 @@ def cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, st
     resolved one, "auto" or "fp8")."""
     return {"block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
             "enable_prefix_caching": str(cache.enable_prefix_caching),
-            "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_cpu_blocks": "None",
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(cache.kv_cache_memory_bytes), "num_cpu_blocks": "None",
             "num_gpu_blocks": str(num_gpu_blocks), "num_gpu_blocks_override": str(cache.num_blocks),
             "prefix_caching_hash_algo": PREFIX_CACHING_HASH_ALGO, "swap_space": "0"}
 
