@@ -60,6 +60,20 @@ def test_memory_other_processes_held_at_start_is_not_charged_to_the_share() -> N
     assert KVBudget(140 * G, 0.45, 10 * G, 19 * G, 19 * G, 8192, G, 0, baseline_used=5 * G).engine_used == 19 * G
 
 
+def test_an_earlier_engine_in_the_same_process_is_not_charged_to_the_share() -> None:
+    """A second `LLM` in one process: the allocator already held the first's 40 GiB when the second runner started;
+    the second is charged only what its allocator holds beyond that (before: the first's 40 GiB too, so 0 blocks)."""
+    b = KVBudget(140 * G, 0.3, 5 * G + 40 * G + 3 * G, 40 * G + 2 * G, 40 * G + 3 * G, 2048, G // 2, G // 4,
+                 baseline_used=5 * G + 40 * G, baseline_reserved=40 * G)
+    assert b.engine_used == 3 * G
+    assert b.outside_torch == 0
+    assert b.kv_bytes == int(140 * G * 0.3) - 3 * G - G // 2
+    assert "40.00 its allocator held: an earlier engine's" in b.describe()
+    # without a baseline the whole allocator is this engine's, as before
+    alone = KVBudget(140 * G, 0.3, 48 * G, 42 * G, 43 * G, 2048, G // 2, G // 4, baseline_used=5 * G)
+    assert alone.engine_used == 43 * G
+
+
 def test_a_gpu_with_less_free_than_the_share_gets_what_is_free_and_says_so() -> None:
     """Other processes hold 80 of 140 GiB and this engine asks for 0.9: the share would leave 104 GiB of KV, the device
     has 140 - 80 - 20 in use - 1 for steps = 39."""

@@ -9,8 +9,10 @@ sizes the one shared pool after loading the weights (runner/kv_sizing.py `_gpu_k
 
 - this engine's use: what is in use on the device now (`total - free`, cudaMemGetInfo) less what was in use when the
   runner started (`baseline_used`: other processes, and this process's CUDA context, which vLLM does not charge
-  either), and never less than this process's allocator holds. So it counts this process's tensors, its allocator's
-  unused segments, library workspaces made since, and the prefill worker's CUDA context if it was made since;
+  either), and never less than what this process's allocator holds beyond what it held then (`baseline_reserved`:
+  an earlier engine of the same process, e.g. a second `LLM`, is not this one's). So it counts this process's
+  tensors, its allocator's unused segments, library workspaces made since, and the prefill worker's CUDA context if
+  it was made since;
 - steps: the activation peak, i.e. the memory a dummy prefill of the largest step (`max_num_batched_tokens` tokens)
   made the allocator reserve beyond the segments it held before (activations that fit in the unused cache, which
   "this engine's use" already counts, cost nothing more), at least the largest decode step's logits and sampling
@@ -50,11 +52,12 @@ class KVBudget:
     step_allocated: int = 0  # that step's tensors' peak above what was allocated before it (for the log)
     baseline_used: int = 0  # total - free when the runner started: other processes, this process's CUDA context
     step_processes: int = 1  # this engine's processes that run steps of that size on this GPU
+    baseline_reserved: int = 0  # what this process's allocator held when the runner started (an earlier engine's)
 
     @property
     def engine_used(self) -> int:
         """In use on the device now and charged to this engine (module docstring)."""
-        return max(self.torch_reserved, self.device_used - self.baseline_used)
+        return max(self.torch_reserved - self.baseline_reserved, self.device_used - self.baseline_used)
 
     @property
     def reserved_for_steps(self) -> int:
@@ -66,7 +69,7 @@ class KVBudget:
     def outside_torch(self) -> int:
         """Charged to this engine but not held by this process's allocator: library workspaces (cuBLAS, NCCL),
         the prefill worker's CUDA context."""
-        return max(0, self.engine_used - self.torch_reserved)
+        return max(0, self.engine_used - (self.torch_reserved - self.baseline_reserved))
 
     @property
     def share_kv_bytes(self) -> int:
@@ -99,14 +102,17 @@ class KVBudget:
                    if self.logits_floor > self.step_peak else ""))
         if self.step_processes > 1:
             step += f", and {self.step_processes - 1} more for the prefill worker's steps"
+        earlier = (f", {g(self.baseline_reserved)} its allocator held: an earlier engine's"
+                   if self.baseline_reserved else "")
+        short = (f"; the GPU has less free than that share: the pool gets what is free, "
+                 f"{g(max(0, self.free_kv_bytes))} GiB (lower --gpu-memory-utilization or free memory on the GPU to "
+                 "have the share)" if self.short_of_share else "")
         return (f"KV budget {g(max(0, self.kv_bytes))} GiB = {self.utilization:g} x {g(self.total)} GiB "
                 f"- this engine's use {g(self.engine_used)} (this process's tensors {g(self.torch_allocated)}, its "
                 f"allocator's unused cache {g(max(0, self.torch_reserved - self.torch_allocated))}, outside torch "
                 f"{g(self.outside_torch)}: library workspaces, the prefill worker's CUDA context) - {step}; not "
                 f"charged: {g(self.baseline_used)} in use before it started (other processes, this process's CUDA "
-                "context)" + (f"; the GPU has less free than that share: the pool gets what is free, "
-                              f"{g(max(0, self.free_kv_bytes))} GiB (lower --gpu-memory-utilization or free memory on "
-                              "the GPU to have the share)" if self.short_of_share else ""))
+                f"context{earlier}){short}")
 
 
 

@@ -51,6 +51,7 @@ class KVSizing:
     model: CausalLM
     step_processes: int
     _baseline_used: int
+    _baseline_reserved: int
     kv_budget: KVBudget | None = None  # how the GPU pool was sized from the share (runner/kv_budget.py)
     kv_sizing: str = "as handed to the runner"  # what sized the pool, for the start-up log line
 
@@ -132,7 +133,7 @@ class KVSizing:
                           torch.cuda.memory_reserved(), tokens, peak,
                           max_bs * self.mcfg.vocab_size * 4 * 3,  # decode logits + sampling scratch
                           step_allocated=allocated_peak, baseline_used=self._baseline_used,
-                          step_processes=self.step_processes)
+                          step_processes=self.step_processes, baseline_reserved=self._baseline_reserved)
         (log.warning if budget.short_of_share else log.info)("%s", budget.describe())
         self.kv_budget = budget
         return budget.kv_bytes

@@ -79,6 +79,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored, KVSizing):
         peak (2 for rapid mode's decode worker, whose prefill worker does too), which a GPU pool's budget keeps."""
         self.cfg, self.tp, self.step_processes = cfg, tp, step_processes
         self._baseline_used = 0  # in use on the device before this runner allocated (runner/kv_budget.py)
+        self._baseline_reserved = 0  # what this process's allocator held then (an earlier engine's tensors)
         self.leader: Leader | None = None  # tensor parallelism: the followers hear of every call (mirror.py)
         self._prefill_graphs: PrefillGraphs | None = None  # piecewise prefill graphs (capture_prefill_graphs)
         self.mcfg = cfg.model_config
@@ -91,6 +92,7 @@ class ModelRunner(DecodeGraphs, Sampling, Mirrored, KVSizing):
             check_ipc_shareable_allocator(self.device)
             free, total = torch.cuda.mem_get_info()
             self._baseline_used = total - free  # other processes, and this one's CUDA context
+            self._baseline_reserved = torch.cuda.memory_reserved()
         self.block_size = cfg.cache.block_size
         self.max_model_len = cfg.max_model_len
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
