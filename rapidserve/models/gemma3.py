@@ -33,7 +33,7 @@ from rapidserve.attention import AttentionBackend
 from rapidserve.config import ModelConfig
 from rapidserve.models import fp8_weights
 from rapidserve.models.decoder_layer import DecoderLayer, KVCache, _param
-from rapidserve.models.projections import attention_rows, linear
+from rapidserve.models.projections import Rows, attention_rows, by_row_chunks, linear, row_wise
 from rapidserve.models.transformer import CausalLM
 from rapidserve.ops import Ops
 from rapidserve.ops.fp8 import HalfRows, QuantizedRows
@@ -83,7 +83,13 @@ class Gemma3DecoderLayer(DecoderLayer):
         # the pre-feedforward norm quantizes its rows for an fp8 gate|up as DecoderLayer's does (`fused_fp8`); the
         # GELU-tanh product has no fused quantizer, so down takes float rows
         normed, residual = self.norm_for(ops, self.gate_up_proj, hidden, residual, self.pre_feedforward_layernorm)
-        hidden = linear(ops, gelu_tanh_and_mul(linear(ops, normed, self.gate_up_proj)), self.down_proj)
+        gate_up, down = self.gate_up_proj, self.down_proj
+
+        def ffn(rows: Rows) -> torch.Tensor:
+            return linear(ops, gelu_tanh_and_mul(linear(ops, rows, gate_up)), down)
+
+        # by row slices past MLP_ROW_CHUNK rows (projections.by_row_chunks), as DecoderLayer's MLP
+        hidden = by_row_chunks(normed, ffn) if row_wise(gate_up) and row_wise(down) else ffn(normed)
         if self.tp is not None:
             self.tp.all_reduce(hidden)
         return ops.rms_norm(hidden, self.post_feedforward_layernorm, eps), residual

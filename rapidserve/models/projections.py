@@ -13,6 +13,8 @@ producers instead (`fused_fp8` of those rows says float16: the RMSNorm and a dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -74,14 +76,66 @@ def linear_sums(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) 
     return linear(ops, x, w, bias)
 
 
+MLP_ROW_CHUNK = 2048  # a step of more rows runs its MLP on row slices of this many (`by_row_chunks`)
+
+
+def row_count(x: Rows) -> int:
+    return x.q.shape[0] if isinstance(x, QuantizedRows) else x.x.shape[0] if isinstance(x, HalfRows) else x.shape[0]
+
+
+def row_slice(x: Rows, a: int, b: int) -> Rows:
+    """Rows a..b of x, in x's own form (a quantized row keeps its scale)."""
+    if isinstance(x, QuantizedRows):
+        return QuantizedRows(x.q[a:b], x.scale[a:b], x.dtype)
+    if isinstance(x, HalfRows):
+        return HalfRows(x.x[a:b], x.dtype)
+    return x[a:b]
+
+
+def by_row_chunks(x: Rows, fn: Callable[[Rows], torch.Tensor], chunk: int | None = None) -> torch.Tensor:
+    """fn(x), where fn maps each row on its own (an MLP), computed on slices of at most `chunk` rows into one output.
+    Why: an MLP's intermediate rows ([T, 2I] of gate|up, [T, I] after SiLU-and-mul) are a step's largest
+    activations, and the KV pool's budget keeps a step's activation peak once per step-running process
+    (runner/kv_budget.py): at 8192 tokens the Llama-3.1-70B shape's bf16 gate|up output alone is 0.88 GiB, sliced to
+    2048 rows 0.22. GEMMs of 2048 rows against these weights run at the rate of longer ones (the tile grid fills the
+    GPU many times over); the copy into the output is one pass over [T, hidden]. `chunk` None: `MLP_ROW_CHUNK`."""
+    chunk = MLP_ROW_CHUNK if chunk is None else chunk
+    rows = row_count(x)
+    if rows <= chunk:
+        return fn(x)
+    out: torch.Tensor | None = None
+    for a in range(0, rows, chunk):
+        part = fn(row_slice(x, a, min(rows, a + chunk)))
+        if out is None:
+            out = part.new_empty((rows, *part.shape[1:]))
+        out[a:a + part.shape[0]].copy_(part)
+        del part
+    assert out is not None
+    return out
+
+
+def row_wise(w: Weight) -> bool:
+    """Whether `w`'s output rows each depend on their own input row only: float, or fp8 with static, per-token or
+    per-token-group activation scales (not one dynamic scale over the step's rows)."""
+    return not isinstance(w, Fp8Linear) or w.activations != "tensor"
+
+
 def mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool = False) -> Hidden:
     """down(silu(gate) * up) of the (normed) rows x; with an fp8 gate|up, SiLU-and-mul quantizes its output for
-    `down` where `fused_fp8` says so. `sums`: the output is read by an RMSNorm only (`linear_sums`)."""
+    `down` where `fused_fp8` says so. `sums`: the output is read by an RMSNorm only (`linear_sums`). More than
+    `MLP_ROW_CHUNK` rows: by row slices (`by_row_chunks`; no split sums there, a split-K GEMM is a decode step's),
+    unless a projection takes one dynamic activation scale over all the rows ("tensor": a slice's would differ)."""
+    if row_count(x) > MLP_ROW_CHUNK and row_wise(gate_up) and row_wise(down):
+        return by_row_chunks(x, lambda part: _mlp(ops, part, gate_up, down, sums=False))
+    return _mlp(ops, x, gate_up, down, sums)
+
+
+def _mlp(ops: Ops, x: Rows, gate_up: Weight, down: Weight, sums: bool) -> Hidden:
     down_linear = linear_sums if sums else linear
     if not isinstance(gate_up, Fp8Linear):
         assert not isinstance(x, QuantizedRows)
         return down_linear(ops, ops.linear_silu_and_mul(x, gate_up), down)
-    rows = x.q.shape[0] if isinstance(x, QuantizedRows) else x.x.shape[0] if isinstance(x, HalfRows) else x.shape[0]
+    rows = row_count(x)
     fmt = fused_fp8(ops, down, rows, x.dtype)
     if fmt == HALF and not isinstance(x, QuantizedRows) and ops.w8a16(rows, gate_up):
         # W8A16 both: SiLU-and-mul in gate|up's epilogue, written as down's fp16 rows
@@ -99,5 +153,6 @@ def norm_input(ops: Ops, hidden: Hidden) -> torch.Tensor:
     return ops.reduce_sums(hidden) if isinstance(hidden, SplitSums) else hidden
 
 
-__all__ = ["HALF", "Hidden", "Rows", "Weight", "attention_rows", "fused_fp8", "linear", "linear_sums", "mlp",
-           "norm_input", "quantized_fp8"]
+__all__ = ["HALF", "MLP_ROW_CHUNK", "Hidden", "Rows", "Weight", "attention_rows", "by_row_chunks", "fused_fp8",
+           "linear", "linear_sums", "mlp", "norm_input", "quantized_fp8", "row_count", "row_slice",
+           "row_wise"]
