@@ -13,7 +13,6 @@ sizes (skinny_fp8_nNkKsS: BLOCK_N, BLOCK_K, stages). Writes <out>/fp8_linear_pro
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_ms  # noqa: E402
+from gpu_timing import run_record, time_ms, write_json  # noqa: E402
 
 from rapidserve.ops import fp8, fp8_gpu, get_ops, triton_fp8, triton_fp8_skinny, triton_skinny  # noqa: E402
 
@@ -87,12 +86,8 @@ def main() -> int:
             r["bytes_fp8"] = n * k + m * (k + n) * 2
             rows.append(r)
             print(json.dumps(r), flush=True)
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": "python bench/fp8_linear_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "fp8_linear_probe.json"), "w") as fh:
-        json.dump(res, fh, indent=2)
+    res = run_record("fp8_linear_probe.py", rows=rows)
+    write_json(a.out, "fp8_linear_probe", res)
     cols = ("bf16", "fp8", "quant_torch", "quant_triton", "mm_exact", "mm_fast", "skinny_fp8", "skinny_fp8_n32k256s4",
             "skinny_fp8_n32k512s3", "skinny_fp8_n64k512s4", "skinny_fp8_n32k1024s3", "skinny_fp8_n16k512s4")
     lines = [f"# fp8 linear, where the time goes: {res['gpu']} ({res['date']})", "",

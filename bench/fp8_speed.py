@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -36,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_ms  # noqa: E402
+from gpu_timing import run_record, time_ms, write_json  # noqa: E402
 from model_runner import engine_config, preset_source, stats  # noqa: E402
 
 from rapidserve.config import EngineConfig, ModelConfig  # noqa: E402
@@ -130,10 +128,7 @@ def main() -> int:
         if not 1 <= a.num_layers <= mcfg.num_layers:
             ap.error(f"--num-layers must be 1..{mcfg.num_layers} for {a.model}, got {a.num_layers}")
         mcfg = dataclasses.replace(mcfg, num_layers=a.num_layers)
-    res: dict[str, object] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-                              "model": a.model, "num_layers": mcfg.num_layers,
-                              "command": "python bench/fp8_speed.py " + " ".join(sys.argv[1:])}
+    res = run_record("fp8_speed.py", model=a.model, num_layers=mcfg.num_layers)
     runs: dict[str, dict[str, object]] = {}
     for kind in ("bf16", "fp8", "fp8_kv"):
         runner = build(name, mcfg, kind != "bf16", kv_fp8=kind == "fp8_kv")
@@ -168,9 +163,7 @@ def main() -> int:
                     for r, b, f, s, u, kv in rows]
     wb, wf = runs["bf16"]["weight_bytes"], runs["fp8"]["weight_bytes"]
     res["weight_bytes_ratio"] = wb / wf  # type: ignore[operator]
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "fp8_speed.json"), "w") as fh:
-        json.dump(res, fh, indent=2)
+    write_json(a.out, "fp8_speed", res)
     depth = "" if a.num_layers is None else f" (its first {a.num_layers} layers)"
     lines = [f"# FP8 weights vs bf16: {a.model}{depth} on {res['gpu']} ({res['date']})", "",
              f"Command: `{res['command']}`. Medians of {a.reps} (prefill) / {3 * a.reps} (decode replay) runs.", "",

@@ -3,6 +3,10 @@ without the engine's dependencies, e.g. bench/experiments/2026-11/pdl_probe.py, 
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -33,3 +37,20 @@ def back_to_back_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> lis
     host prepares a call faster than the device runs the one before (the engine's steps, launched one ahead), its
     host work (inputs, launches) is not counted, as it is not in the engine's step times."""
     return time_ms(fn, reps, warmup, behind=True)
+
+
+def run_record(script: str, **fields: object) -> dict[str, object]:
+    """A GPU bench run's record: the GPU, torch, the date (UTC) and `python bench/<script> <its arguments>`, then
+    `fields`."""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": f"python bench/{script} " + " ".join(sys.argv[1:]), **fields}
+
+
+def write_json(out: str, stem: str, res: object) -> str:
+    """`res` as <out>/<stem>.json (the folder made); its path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{stem}.json")
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=2)
+    return path

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -30,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import time_ms  # noqa: E402
+from gpu_timing import run_record, time_ms, write_json  # noqa: E402
 from model_runner import engine_config, preset_source  # noqa: E402
 
 from rapidserve.config import ModelConfig  # noqa: E402
@@ -150,12 +148,8 @@ def main() -> int:
         print("mlp_slices_ab needs a GPU", file=sys.stderr)
         return 2
     rows = [r for spec in specs for r in measure(spec, a.reps, a.rounds)]
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": "python bench/mlp_slices_ab.py " + " ".join(sys.argv[1:]), "rows": rows}
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "mlp_slices_ab.json"), "w") as fh:
-        json.dump(res, fh, indent=2)
+    res = run_record("mlp_slices_ab.py", rows=rows)
+    write_json(a.out, "mlp_slices_ab", res)
     lines = [f"# The MLP by row slices against whole, {res['gpu']} ({res['date']})", "", f"`{res['command']}`", "",
              *table(rows)]
     with open(os.path.join(a.out, "mlp_slices_ab.md"), "w") as fh:

@@ -38,3 +38,14 @@ def test_table_says_the_saving_and_the_time_ratio() -> None:
     lines = table([row])
     assert lines[-1] == ("| preset:m | 1x8192 | 2.500 | 1.250 | 1.250 | 100.00 [99.00, 101.00] | "
                          "102.00 [101.00, 103.00] | 1.020 | 1.00e-03 | DIFFERS |")
+
+
+def test_write_json_makes_the_folder_and_returns_the_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from gpu_timing import write_json
+
+    path = write_json(str(tmp_path / "new"), "mlp_slices_ab", {"rows": [1, 2]})
+    assert path == str(tmp_path / "new" / "mlp_slices_ab.json")
+    with open(path) as fh:
+        assert json.load(fh) == {"rows": [1, 2]}
