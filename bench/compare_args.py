@@ -231,6 +231,9 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
             raise ValueError(f"{', '.join(sweep)} {'sets' if len(sweep) == 1 else 'set'} a sweep's load; "
                              "--goodput-search picks the rates itself (each probe sends --num-prompts Poisson "
                              "arrivals): drop it from --bench-args/--workload-args")
+    if not a.goodput_search and ns.workload == "trace" and (ns.trace_arrivals or "timestamps") == "timestamps":
+        check_timestamps_sweep(a, ns.request_rate is not sweep_rates,
+                               rates is not None and tuple(rates) != tuple(a.rates))
     if ns.num_prompts is None and ns.workload != "trace":  # a trace's window sets its count unless capped
         ns.num_prompts = SEARCH_NUM_PROMPTS if a.goodput_search else NUM_PROMPTS
     if a.goodput_search:
@@ -247,6 +250,20 @@ def bench_config(a: argparse.Namespace, argv: Sequence[str], base_url: str = "ht
     if not isinstance(cfg, BenchConfig):
         raise ValueError(f"rapidserve bench made a {type(cfg).__name__}, not a BenchConfig")
     return dataclasses.replace(cfg, base_url=base_url, label=label, deadline=deadline)
+
+
+def check_timestamps_sweep(a: argparse.Namespace, workload_rate: bool, follow_up: bool) -> None:
+    """ValueError naming what sets Poisson rates for a trace replayed at its own timestamps, which reads none of them
+    (its load is --time-scale): --rates other than compare.py's default, --peak-fractions (`follow_up`: the
+    follow-up sweep at those fractions of a peak), a --request-rate among the workload's flags (`workload_rate`), as
+    `rapidserve bench` refuses it (benchmark/cli.check_flags_apply)."""
+    fractions = follow_up or bool(a.peak_fractions)
+    given = [f for f, on in (("--rates", tuple(a.rates) != RATES), ("--peak-fractions", fractions),
+                             ("--request-rate", workload_rate)) if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} set Poisson rates, which a trace replayed at its own timestamps does "
+                         "not read (its load is --time-scale): give the workload --trace-arrivals poisson to sweep "
+                         f"rates on its requests, or drop {'it' if len(given) == 1 else 'them'}")
 
 
 def workload_list(a: argparse.Namespace) -> list[Workload]:

@@ -70,7 +70,7 @@
 # judged by their TTFT backlog, rapidserve/benchmark/sustain.py; or "--search-max-rate R" for one ceiling; every
 # probe also warms up for 1.25 request lifetimes, at most --search-max-probe-arrivals, sustain.py's ramp rule; add
 # "--search-repeats 3" to run every search 3 times and report the medians with their spread),
-# RATES (sweep: inf), NUM_PROMPTS (frontier: 64
+# RATES (sweep: inf; with TRACE_WORKLOADS none, see load_args), NUM_PROMPTS (frontier: 64
 # arrivals per probe; sweep: 32 conversations), WARMUP (4), BUDGET_S (540: the whole script, setup included, ends
 # inside the 600 s of a device call), NAME (frontier | vs_vllm: the file stem of the tables), PRESET (qwen3-8b: the
 # model shape, ours `preset:PRESET`, vLLM's folder from make_model.py; another preset's folder comes from
@@ -309,7 +309,14 @@ if [ "$mode" = frontier ]; then
     read -ra search_args <<<"${SEARCH_ARGS:---search-max-probes 10}"
     load_args=(--goodput-search "${search_args[@]}" --num-prompts "${NUM_PROMPTS:-64}")
 else
-    load_args=(--rates "${RATES:-inf}" --num-prompts "${NUM_PROMPTS:-32}")
+    load_args=(--num-prompts "${NUM_PROMPTS:-32}")
+    # RATES, else inf (a closed loop); with TRACE_WORKLOADS and no RATES none: a trace at its own timestamps reads
+    # no rate (compare.py refuses --rates there), one at --trace-arrivals poisson needs RATES
+    if [ -n "${RATES:-}" ]; then
+        load_args+=(--rates "$RATES")
+    elif [ -z "${TRACE_WORKLOADS:-}" ]; then
+        load_args+=(--rates inf)
+    fi
 fi
 continue_args=()
 if [ -n "${CONTINUE_FROM:-}" ]; then

@@ -729,3 +729,32 @@ def test_good_flags_still_pass() -> None:
     assert compare.main(["--dry-run", "--systems", "", "--system", "a=", "--goodput-search"]) == 0
     assert compare.main(["--dry-run", "--systems", "rapidserve", "--peak-fractions", "0.5",
                          "--peak-reference", "rapidserve", "--step-traces"]) == 0
+
+
+TRACE = "mooncake_conversation_excerpt.jsonl.gz"
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+@pytest.mark.parametrize(("flags", "workload", "refused"), [
+    ([], ["--workload", "trace", "--trace", TRACE], None),  # the default rates: not given, nothing to refuse
+    (["--rates", "inf"], ["--workload", "trace", "--trace", TRACE], "--rates set Poisson rates"),
+    (["--rates", "1,2"], ["--workload", "trace", "--trace", TRACE, "--trace-arrivals", "timestamps"],
+     "--rates set Poisson rates"),
+    (["--peak-fractions", "0.5", "--rates", "inf"], ["--workload", "trace", "--trace", TRACE],
+     "--rates, --peak-fractions set Poisson rates"),
+    ([], ["--workload", "trace", "--trace", TRACE, "--request-rate", "2"], "--request-rate set Poisson rates"),
+    (["--rates", "1,2"], ["--workload", "trace", "--trace", TRACE, "--trace-arrivals", "poisson"], None),
+    (["--rates", "inf"], ["--workload", "fixed", "--input-len", "8", "--output-len", "4"], None),
+])
+def test_a_sweep_refuses_rates_a_timestamps_trace_would_ignore(flags: list[str], workload: list[str],
+                                                                refused: str | None) -> None:
+    """A trace replayed at its own timestamps reads no Poisson rate (its load is --time-scale): a sweep's --rates,
+    --peak-fractions or a workload's --request-rate given for it are refused by name (they ran the trace at its
+    timestamps before, as if not given); with --trace-arrivals poisson, or another workload, they are read."""
+    a = compare.build_parser().parse_args(flags)
+    workload = [os.path.join(DATA, w) if w == TRACE else w for w in workload]
+    if refused is None:
+        args.bench_config(a, workload)
+        return
+    with pytest.raises(ValueError, match=refused):
+        args.bench_config(a, workload)

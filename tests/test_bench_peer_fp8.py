@@ -100,3 +100,24 @@ def test_vs_vllm_writes_the_fp8_folder_and_serves_vllm_from_it(tmp_path) -> None
     alone = subprocess.run(["bash", "bench/vs_vllm.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                            timeout=60, env={**env, "SERVE_ARGS": "--device cpu"})  # ours would stay bf16
     assert alone.returncode == 2 and 'give ours the same scheme with SERVE_ARGS="--quantization fp8"' in alone.stderr
+
+
+def test_vs_vllm_passes_no_rates_to_a_timestamps_trace_sweep(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """MODE=sweep with TRACE_WORKLOADS (a trace at its own timestamps) and no RATES: compare.py gets no --rates (it
+    refuses them there: the trace reads none); RATES=inf given: refused by name (before: the trace ran at its
+    timestamps, the rate silently ignored)."""
+    import subprocess
+
+    from tests.test_bench_frontier_tp import _stand_in
+
+    trace = os.path.join(ROOT, "tests", "data", "mooncake_conversation_excerpt.jsonl.gz")
+    env, run_dir, _ = _stand_in(tmp_path, MODE="sweep", SYSTEMS="duet@none", VLLM_SYSTEMS="",
+                                TRACE_WORKLOADS=f"--workload trace --trace {trace} --num-prompts 4")
+    ok = subprocess.run(["bash", "bench/vs_vllm.sh", "--vllm-run-dir", str(run_dir), "--dry-run"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=240)
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-2000:]
+    given = subprocess.run(["bash", "bench/vs_vllm.sh", "--vllm-run-dir", str(run_dir), "--dry-run"], cwd=ROOT,
+                           env={**env, "RATES": "inf"}, capture_output=True, text=True, timeout=240)
+    assert given.returncode != 0
+    assert "--rates set Poisson rates, which a trace replayed at its own timestamps does not read" in (
+        given.stdout + given.stderr)
