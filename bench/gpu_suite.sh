@@ -220,8 +220,9 @@ summary = {"command": f"bench/gpu_suite.sh {args}".strip(), "gpu": gpu, "version
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": rows}
 if (work / "run1.xml").exists():  # seconds per file, for bench/gpu_suite_times.json (bench/gpu_suite_parts.py --merge)
     sys.path.insert(0, "bench")
-    from gpu_suite_parts import file_seconds
+    from gpu_suite_parts import file_seconds, slowest_tests
     summary["file_seconds"] = file_seconds(work / "run1.xml")
+    summary["slowest_tests"] = slowest_tests(work / "run1.xml")
 (out / "gpu_suite.json").write_text(json.dumps(summary, indent=2) + "\n")
 table = ["| run | passed | failed | errors | skipped | seconds |", "| --- | --- | --- | --- | --- | --- |"]
 table += [f"| {r['run']} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | {r['seconds']} |" for r in rows]
@@ -229,6 +230,8 @@ fails = [f"- run {r['run']}: {f}" for r in rows for f in r["failures"]]
 md = [f"# `pytest -m gpu` on {gpu} ({summary['date']})", "", f"`{summary['command']}`; {versions}.", "", *table]
 if fails:
     md += ["", "Failures:", *fails]
+if summary.get("slowest_tests"):
+    md += ["", "Slowest tests (run 1, s):", *(f"- {t:.1f} {name}" for name, t in summary["slowest_tests"][:10])]
 (out / "gpu_suite.md").write_text("\n".join(md) + "\n")
 print("\n".join(fails))
 print("\n".join(table))

@@ -50,6 +50,7 @@ def test_file_seconds_from_junit(tmp_path: Path) -> None:
                    '<testcase classname="tests.test_b" name="t3" time="4"/><testcase classname="" name="x" time="9"/>'
                    '</testsuite></testsuites>')
     assert parts.file_seconds(xml) == {"tests/test_a.py": 3.75, "tests/test_b.py": 4.0}
+    assert parts.slowest_tests(xml, 3) == [["::x", 9.0], ["tests.test_b::t3", 4.0], ["tests.test_a.TestX::t2", 2.25]]
 
 
 def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
