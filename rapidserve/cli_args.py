@@ -18,7 +18,7 @@ from rapidserve.cli_vllm import add_source_args, dtype_name
 from rapidserve.config import ATTENTION_BACKENDS, DTYPES, RunnerConfig
 from rapidserve.config_base import ConfigError
 from rapidserve.engine_settings import allow_long_max_model_len
-from rapidserve.human_int import EXAMPLES, human_readable_int
+from rapidserve.human_int import AUTO, EXAMPLES, human_readable_int, human_readable_int_or_auto
 from rapidserve.partition_config import POLICIES, PROFILE_LOOKUPS, STEP_CORRECTIONS, PartitionConfig
 from rapidserve.policy_spec import conflicts, given_settings, resolve_mode, resolve_policy
 
@@ -61,6 +61,15 @@ def human_int_at_least(lo: int) -> Callable[[str], int]:
 positive_human_int = human_int_at_least(1)
 
 
+def positive_human_int_or_auto(text: str) -> int:
+    """`positive_human_int`, or AUTO (-1) for 'auto' / '-1' (vLLM 0.26's --max-model-len: fit it to the KV cache)."""
+    try:
+        value = human_readable_int_or_auto(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or auto / -1 (the length that fits the KV cache)") from None
+    return value if value == AUTO else positive_human_int(text)
+
+
 def _token_buckets(text: str) -> tuple[int, ...]:
     """--prefill-graph-tokens: ascending positive integers separated by commas, or none."""
     if text.strip().lower() == "none":
@@ -100,10 +109,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "none: this gives it text prompts and structured outputs)")
     g.add_argument("--dtype", default="auto", type=dtype_name, choices=("auto", *DTYPES))
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--max-model-len", type=positive_human_int, default=None,
+    g.add_argument("--max-model-len", type=positive_human_int_or_auto, default=None,
                    help="tokens of one request, prompt and output (default and most: the model's "
                         "max_position_embeddings; more only with RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 set); as "
-                        "vLLM's, 32k = 32000, 32K = 32768")
+                        "vLLM's, 32k = 32000, 32K = 32768; auto or -1: the model's length where the KV cache "
+                        "holds one sequence of it, else what the KV cache holds (said at start)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=GPU_MEMORY_UTILIZATION,
                    help=f"the share of the GPU's memory this engine takes, its KV pool sized to what the weights and "
                         f"the activation peak leave of it (default {GPU_MEMORY_UTILIZATION}, vLLM 0.26's; per engine, "

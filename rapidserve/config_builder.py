@@ -213,7 +213,7 @@ def resolve_kv_cache(flag: str, source: ModelSource, dtype: torch.dtype, device:
 
 
 def build_engine_config(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                        max_model_len: int | None = None,
+                        max_model_len: int | str | None = None,
                         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                         block_size: int = 16, num_kv_blocks: int | None = None,
                         kv_cache_memory_bytes: int | None = None,
@@ -257,7 +257,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
     (`resolve_kv_events`, its hash seed `env`'s $PYTHONHASHSEED). `max_num_seqs`, `max_num_batched_tokens`: None
     (not given) resolves by device, as vLLM's defaults (`resolve_batch_limits`, batch_limits.py).
     `kv_cache_memory_bytes`: vLLM's; the KV pool's bytes per GPU as given, instead of the `gpu_memory_utilization`
-    share (not with `num_kv_blocks`); on a CPU the pool's bytes (`cpu_kv_space`)."""
+    share (not with `num_kv_blocks`); on a CPU the pool's bytes (`cpu_kv_space`). `max_model_len` -1 or "auto"
+    (vLLM 0.26's): the model's length where the KV pool holds one sequence of it, else what the pool holds
+    (`SchedulerConfig.fit_max_model_len`)."""
     from rapidserve.runner import resolve_device, resolve_dtype
 
     sections = engine_sections(
@@ -303,9 +305,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto", device
                     "buckets change nothing here", ",".join(map(str, cfg.runner.prefill_graph_tokens)))
     if run != "profile":  # (the profile's decode batches are its --batch-buckets)
         log.info("%s", describe_batch_limits(cfg, why_seqs))
-    if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
+    given_len = cfg.scheduler.max_model_len  # None for unset and for auto (fit_max_model_len)
+    if given_len is not None and given_len > mcfg.max_position_embeddings:  # allowed, or EngineConfig refused
         log.warning("max_model_len %d is more than the model's max_position_embeddings %d (%s), allowed by "
-                    "allow_long_max_model_len ($%s): outputs past position %d may be garbage", max_model_len,
+                    "allow_long_max_model_len ($%s): outputs past position %d may be garbage", given_len,
                     mcfg.max_position_embeddings, mcfg.name, ALLOW_LONG_MAX_MODEL_LEN_ENV, mcfg.max_position_embeddings)
     return cfg, source
 

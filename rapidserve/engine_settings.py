@@ -36,6 +36,7 @@ from rapidserve.generation_config import (
     SamplingDefaults,
     sampling_defaults,
 )
+from rapidserve.human_int import AUTO
 from rapidserve.kv_events_config import KVEventsConfig, KVEventsConfigError
 from rapidserve.launch_config import LaunchConfig
 from rapidserve.partition_config import PartitionConfig
@@ -156,7 +157,21 @@ class EngineSections:
     kv_cache_dtype: str = "auto"  # --kv-cache-dtype as KV_CACHE_FLAGS names it (config_builder.resolve_kv_cache)
 
 
-def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+def fit_max_model_len(max_model_len: int | str | None) -> tuple[int | None, bool]:
+    """`max_model_len` as (the scheduler's max_model_len, fit_max_model_len): vLLM 0.26's -1 and "auto" (any case)
+    fit the model's length to the KV pool (SchedulerConfig.fit_max_model_len); another string is a ConfigError
+    naming what is allowed."""
+    if isinstance(max_model_len, str):
+        if max_model_len.strip().lower() in ("auto", "-1"):
+            return None, True
+        raise ConfigError(f"max_model_len={max_model_len!r}: give a positive integer, -1 or 'auto' (the length that "
+                          "fits the KV cache), or leave it unset for the model's max_position_embeddings")
+    if max_model_len == AUTO:
+        return None, True
+    return max_model_len, False
+
+
+def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len: int | str | None = None,
                     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION, block_size: int = 16,
                     num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
                     max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
@@ -173,6 +188,7 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
     an unknown `run`, a bad value, a setting that `run` and its policy would not read (policy_spec), or a bad
     `--generation-config` (`generation_defaults`) or `--kv-events-config` (`kv_events_section`)."""
     quant, kv_flag = check_unsupported_options(quantization, kv_cache_dtype)
+    max_model_len, fit = fit_max_model_len(max_model_len)
     generation = generation_defaults(generation_config)
     launch = launch or LaunchConfig()
     run = run or launch.mode
@@ -189,7 +205,8 @@ def engine_sections(*, dtype: str = "auto", device: str = "auto", max_model_len:
                                 max_num_batched_tokens=(SERVER_BATCHED_TOKENS if max_num_batched_tokens is None
                                                         else max_num_batched_tokens),
                                 prefill_batch_tokens=prefill_batch_tokens, max_model_len=max_model_len,
-                                async_scheduling=async_scheduling, allow_long_max_model_len=allow_long_max_model_len)
+                                fit_max_model_len=fit, async_scheduling=async_scheduling,
+                                allow_long_max_model_len=allow_long_max_model_len)
     graphs = {} if prefill_graph_tokens is None else {"prefill_graph_tokens": tuple(prefill_graph_tokens)}
     runner = RunnerConfig(device=device, dtype=dtype, attention_backend=attention_backend,
                           use_cuda_graphs=not enforce_eager, seed=seed, **graphs)

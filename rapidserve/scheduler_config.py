@@ -21,6 +21,10 @@ class SchedulerConfig:
     # queue one batch sooner each (TTFT) once a forward is big enough to keep the GPU's GEMMs busy.
     prefill_batch_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # --max-model-len auto / -1 (vLLM 0.26's): the model's length where the KV pool holds one sequence of it, else
+    # what the pool holds (runner/kv_sizing.py sizes the pool without the one-sequence check and says so at start;
+    # every path caps a request's context at the pool, `PromptLimits.context_cap`; the server reports that length)
+    fit_max_model_len: bool = False
     # A max_model_len above the model's max_position_embeddings is refused unless this is set (from
     # $RAPIDSERVE_ALLOW_LONG_MAX_MODEL_LEN at the CLI / `LLM`; EngineConfig checks it).
     allow_long_max_model_len: bool = False
@@ -38,4 +42,7 @@ class SchedulerConfig:
         _check(self.max_model_len is None or self.max_model_len > 0,
                f"max_model_len={self.max_model_len} must be a positive integer, or unset for the model's "
                "max_position_embeddings")
+        _check(not (self.fit_max_model_len and self.max_model_len is not None),
+               f"max_model_len={self.max_model_len} with fit_max_model_len: give one (auto fits the model's length "
+               "to the KV pool)")
 

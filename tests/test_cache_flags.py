@@ -11,6 +11,7 @@ import pytest
 
 from rapidserve.cache_config import GPU_MEMORY_UTILIZATION, CacheConfig
 from rapidserve.cli import build_parser
+from rapidserve.config import SchedulerConfig
 from rapidserve.config_builder import build_engine_config
 from rapidserve.engine_settings import engine_sections
 
@@ -197,7 +198,8 @@ def test_the_gpu_path_skips_the_profiling_step() -> None:
 
     class Runner(KVSizing):
         def __init__(self) -> None:
-            self.cfg = type("Cfg", (), {"cache": CacheConfig(kv_cache_memory_bytes=50 * per_block)})()
+            self.cfg = type("Cfg", (), {"cache": CacheConfig(kv_cache_memory_bytes=50 * per_block),
+                                        "scheduler": SchedulerConfig()})()
             self.model = type("Model", (), {"cfg": mcfg})()
             self.device, self.tp, self.kv_dtype = torch.device("cuda", 0), None, torch.float32
             self.block_size, self.max_model_len, self.mcfg = 16, 256, mcfg

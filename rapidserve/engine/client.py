@@ -343,6 +343,13 @@ class AsyncEngine(WorkerSupervision):
     def running(self) -> bool:
         return self.workers is not None and self.state == "ready"
 
+    @property
+    def context_cap(self) -> int:
+        """The longest context a request may reach: max_model_len, at most what the KV pool holds (as the engine
+        worker reported it at start); max_model_len before the workers are up."""
+        pool = None if self.workers is None else self.workers.pool_tokens
+        return PromptLimits(self.cfg.model_config.vocab_size, self.cfg.max_model_len, pool).context_cap
+
 
 def memory_split(info: dict[str, str]) -> str:
     """A worker's Ready memory figures (per GPU: each tensor-parallel rank holds the same shard sizes)."""

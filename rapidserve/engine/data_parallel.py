@@ -66,6 +66,9 @@ class Member(Protocol):
     @property
     def running(self) -> bool: ...
 
+    @property
+    def context_cap(self) -> int: ...
+
     def generate(self, req_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncIterator[m.TokenOut]: ...
 
@@ -236,6 +239,11 @@ class DataParallelEngine:
     @property
     def running(self) -> bool:
         return not self.fatal.is_set() and any(e.running for e in self.engines)
+
+    @property
+    def context_cap(self) -> int:
+        """The longest context a request may reach on every engine (a request may go to any)."""
+        return min(e.context_cap for e in self.engines)
 
     @property
     def dead_reason(self) -> str | None:

@@ -10,8 +10,11 @@
 - else the `--gpu-memory-utilization` share left after a profiling step (`_gpu_kv_budget`, runner/kv_budget.py).
 
 Each byte budget must hold one `max_model_len` sequence, else a ConfigError whose remedy names what sized it
-(kv_pool.num_blocks_for_budget). Under tensor parallelism each rank sizes its own shard's pool from the same bytes
-per GPU, and the ranks agree on the fewest blocks. `kv_sizing` says what sized the pool, for the start-up log line.
+(kv_pool.num_blocks_for_budget); with `--max-model-len auto` (SchedulerConfig.fit_max_model_len, vLLM 0.26's) one
+block, and where the pool holds less than the model's length the start-up log says what a request may reach (the
+pool's tokens: `PromptLimits.context_cap`, which every path enforces, and the length the server reports). Under
+tensor parallelism each rank sizes its own shard's pool from the same bytes per GPU, and the ranks agree on the
+fewest blocks. `kv_sizing` says what sized the pool, for the start-up log line.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class KVSizing:
         self.kv_sizing = (f"--kv-cache-memory-bytes {given} ({given / GIB:.2f} GiB)" if given is not None
                           else f"{budget / GIB:.2f} GiB, the CPU's KV cache space")
         return num_blocks_for_budget(budget, pool_spec(shard, cache, self.kv_dtype, 1).bytes_per_block,
-                                     self.block_size, self.max_model_len, CPU if given is None else GIVEN)
+                                     self.block_size, self._one_sequence, CPU if given is None else GIVEN)
 
     def _allocate_kv_pool(self, cpu_blocks: int | None) -> KVPool:
         cache = self.cfg.cache
@@ -84,14 +87,23 @@ class KVSizing:
             n = cpu_blocks
         elif cache.kv_cache_memory_bytes is not None:
             n = num_blocks_for_budget(self._given_kv_bytes(), probe.bytes_per_block, self.block_size,
-                                      self.max_model_len, GIVEN)
+                                      self._one_sequence, GIVEN)
         else:
             n = num_blocks_for_budget(self._gpu_kv_budget(), probe.bytes_per_block, self.block_size,
-                                      self.max_model_len, SHARE)
+                                      self._one_sequence, SHARE)
             self.kv_sizing = f"--gpu-memory-utilization {cache.gpu_memory_utilization:g}'s share"
         if self.tp is not None:
             n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
+        if self.cfg.scheduler.fit_max_model_len and n * self.block_size < self.max_model_len:
+            log.warning("--max-model-len auto: the KV cache holds %d tokens, fewer than the model's %d: a request's "
+                        "prompt and output may reach %d tokens (max_model_len %d)", n * self.block_size,
+                        self.max_model_len, n * self.block_size, n * self.block_size)
         return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
+
+    @property
+    def _one_sequence(self) -> int:
+        """The tokens a byte budget must hold: one max_model_len sequence, or with --max-model-len auto one block."""
+        return self.block_size if self.cfg.scheduler.fit_max_model_len else self.max_model_len
 
     def _given_kv_bytes(self) -> int:
         """--kv-cache-memory-bytes on a GPU: its bytes as given (module docstring), at most what is free now."""

@@ -212,6 +212,7 @@ async def _serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket],
         raise
     for line in engine.events:
         log.info("%s", line)
+    ecfg = fitted_max_model_len(ecfg, engine.context_cap) if ecfg.scheduler.fit_max_model_len else ecfg
     server = Server(scfg, ecfg, engine, tokenizer, names[0], tool_parser, aliases=names[1:], trials=trials)
     runner = make_runner(server.app(), scfg)
     await runner.setup()
@@ -265,6 +266,17 @@ async def _serve(scfg: ServerConfig, build: Build, sockets: list[socket.socket],
     await engine.shutdown()
     print("rapidserve: stopped", flush=True)
     return EXIT_ENGINE_DOWN if fatal else 0
+
+
+def fitted_max_model_len(ecfg: EngineConfig, context_cap: int) -> EngineConfig:
+    """--max-model-len auto: `ecfg` with the length the engine's KV pool allows (`context_cap`) as its
+    max_model_len, the one the server checks requests against and reports (/v1/models, the metrics' buckets)."""
+    if context_cap >= ecfg.max_model_len:
+        return ecfg
+    log.info("--max-model-len auto: max_model_len %d (what the KV cache holds; the model's is %d)", context_cap,
+             ecfg.max_model_len)
+    sched = dataclasses.replace(ecfg.scheduler, max_model_len=context_cap, fit_max_model_len=False)
+    return dataclasses.replace(ecfg, scheduler=sched)
 
 
 async def start_engine(ecfg: EngineConfig, profile: Profile | None = None) -> AsyncEngine | DataParallelEngine:
