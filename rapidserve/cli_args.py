@@ -67,7 +67,10 @@ def positive_human_int_or_auto(text: str) -> int:
         value = human_readable_int_or_auto(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e}, or auto / -1 (the length that fits the KV cache)") from None
-    return value if value == AUTO else positive_human_int(text)
+    if value != AUTO and value < 1:
+        shown = str(value) if text.strip() == str(value) else f"{text.strip()!r} ({value})"
+        raise argparse.ArgumentTypeError(f"{shown} must be an integer >= 1 ({EXAMPLES}), or auto / -1")
+    return value
 
 
 def _token_buckets(text: str) -> tuple[int, ...]:

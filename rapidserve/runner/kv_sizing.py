@@ -94,10 +94,11 @@ class KVSizing:
             self.kv_sizing = f"--gpu-memory-utilization {cache.gpu_memory_utilization:g}'s share"
         if self.tp is not None:
             n = self.tp.agree_min(n)  # the ranks' pools hold the same blocks: the leader's tables index all
-        if self.cfg.scheduler.fit_max_model_len and n * self.block_size < self.max_model_len:
+        holds = n * self.block_size
+        if self.cfg.scheduler.fit_max_model_len and holds < self.max_model_len:
             log.warning("--max-model-len auto: the KV cache holds %d tokens, fewer than the model's %d: a request's "
-                        "prompt and output may reach %d tokens (max_model_len %d)", n * self.block_size,
-                        self.max_model_len, n * self.block_size, n * self.block_size)
+                        "prompt and output may reach %d tokens (max_model_len %d)", holds, self.max_model_len, holds,
+                        holds)
         return KVPool.allocate(pool_spec(shard, cache, self.kv_dtype, n), self.device)
 
     @property
