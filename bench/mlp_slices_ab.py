@@ -3,11 +3,11 @@ saves of a prefill step's activation peak (which the KV pool's budget keeps once
 runner/kv_budget.py) and what it costs in prefill time.
 
     python bench/mlp_slices_ab.py [--models preset:qwen3-8b,preset:qwen3-8b:fp8,preset:llama-3.1-70b:fp8:20]
-                                  [--reps 7] [--rounds 2] [--out bench/results]
+                                  [--chunk 2048] [--reps 7] [--rounds 2] [--out bench/results]
 
 A model is `preset:NAME[:fp8][:LAYERS]` (fp8: `--quantization fp8` at load; LAYERS: the preset's first N layers,
 for a shape whose weights do not fit otherwise). For each, one runner (random weights, 256 KV blocks), then for the
-prefill shapes 1x8192 and 2x4096 tokens, in `--rounds` alternating rounds of sliced (the default chunk) and whole
+prefill shapes 1x8192 and 2x4096 tokens, in `--rounds` alternating rounds of sliced (slices of `--chunk` rows) and whole
 (the chunk set above the step's rows):
   peak    the step's tensors' peak above what was allocated before it (torch.cuda.max_memory_allocated), GiB
   ms      the step's time (CUDA events), median of the rounds' medians, with min / max of every rep
@@ -78,7 +78,7 @@ def one(runner: ModelRunner, items: list[PrefillItem], chunk: int,
     return peak, ms, logits[-1].float().cpu()
 
 
-def measure(spec: str, reps: int, rounds: int) -> list[dict[str, object]]:
+def measure(spec: str, chunk: int, reps: int, rounds: int) -> list[dict[str, object]]:
     name, fp8, layers = parse_model(spec)
     mcfg = preset_config(name)
     if layers is not None:
@@ -94,13 +94,13 @@ def measure(spec: str, reps: int, rounds: int) -> list[dict[str, object]]:
             logits: dict[str, torch.Tensor] = {}
             for r in range(rounds):
                 for kind in (("sliced", "whole") if r % 2 == 0 else ("whole", "sliced")):
-                    peak, ms, last = one(runner, items, default if kind == "sliced" else WHOLE, reps)
+                    peak, ms, last = one(runner, items, chunk if kind == "sliced" else WHOLE, reps)
                     got[kind]["peak"].append(peak)
                     got[kind]["ms"] += ms
                     got[kind]["med"].append(statistics.median(ms))
                     logits[kind] = last
             s, w = logits["sliced"], logits["whole"]
-            row: dict[str, object] = {"model": spec, "shape": f"{nseq}x{qlen}", "chunk": default,
+            row: dict[str, object] = {"model": spec, "shape": f"{nseq}x{qlen}", "chunk": chunk,
                                       "logits_rel_err": float((s - w).norm() / w.norm()),
                                       "argmax_agrees": int(s.argmax()) == int(w.argmax())}
             for kind, v in got.items():
@@ -132,6 +132,8 @@ def table(rows: list[dict[str, object]]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="preset:qwen3-8b,preset:qwen3-8b:fp8,preset:llama-3.1-70b:fp8:20")
+    ap.add_argument("--chunk", type=int, default=2048, help="rows per slice in the sliced rounds (measured at "
+                    "2048 on 2026-12-02: the engine's MLP_ROW_CHUNK is 8192 since)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -142,12 +144,12 @@ def main() -> int:
             parse_model(m)
         except ValueError as e:
             ap.error(str(e))
-    if a.reps < 1 or a.rounds < 1:
-        ap.error("--reps and --rounds must be at least 1")
+    if a.reps < 1 or a.rounds < 1 or a.chunk < 1:
+        ap.error("--chunk, --reps and --rounds must be at least 1")
     if not torch.cuda.is_available():
         print("mlp_slices_ab needs a GPU", file=sys.stderr)
         return 2
-    rows = [r for spec in specs for r in measure(spec, a.reps, a.rounds)]
+    rows = [r for spec in specs for r in measure(spec, a.chunk, a.reps, a.rounds)]
     res = run_record("mlp_slices_ab.py", rows=rows)
     write_json(a.out, "mlp_slices_ab", res)
     lines = [f"# The MLP by row slices against whole, {res['gpu']} ({res['date']})", "", f"`{res['command']}`", "",

@@ -76,7 +76,7 @@ def linear_sums(ops: Ops, x: Rows, w: Weight, bias: torch.Tensor | None = None) 
     return linear(ops, x, w, bias)
 
 
-MLP_ROW_CHUNK = 2048  # a step of more rows runs its MLP on row slices of this many (`by_row_chunks`)
+MLP_ROW_CHUNK = 8192  # a step of more rows runs its MLP on row slices of this many (`by_row_chunks`): see there
 
 
 def row_count(x: Rows) -> int:
@@ -96,9 +96,12 @@ def by_row_chunks(x: Rows, fn: Callable[[Rows], torch.Tensor], chunk: int | None
     """fn(x), where fn maps each row on its own (an MLP), computed on slices of at most `chunk` rows into one output.
     Why: an MLP's intermediate rows ([T, 2I] of gate|up, [T, I] after SiLU-and-mul) are a step's largest
     activations, and the KV pool's budget keeps a step's activation peak once per step-running process
-    (runner/kv_budget.py): at 8192 tokens the Llama-3.1-70B shape's bf16 gate|up output alone is 0.88 GiB, sliced to
-    2048 rows 0.22. GEMMs of 2048 rows against these weights run at the rate of longer ones (the tile grid fills the
-    GPU many times over); the copy into the output is one pass over [T, hidden]. `chunk` None: `MLP_ROW_CHUNK`."""
+    (runner/kv_budget.py): at 8192 tokens the Llama-3.1-70B shape's bf16 gate|up output alone is 0.88 GiB. The chunk
+    is 8192, not smaller: on the H200 (2026-12-02, bench/mlp_slices_ab.py, bench/results/h200_1202b) slices of 2048
+    rows saved 0.29-0.70 GiB of an 8192-token step's peak (Qwen3-8B bf16 / fp8, Llama-3.1-70B fp8) but cost 0.7-2.0%
+    of its prefill time (the extra launches and the copy into the output, one pass over [T, hidden]): a worse trade
+    than the KV tokens it buys, so steps of the default token budgets run whole and only larger ones are sliced.
+    `chunk` None: `MLP_ROW_CHUNK`."""
     chunk = MLP_ROW_CHUNK if chunk is None else chunk
     rows = row_count(x)
     if rows <= chunk:
