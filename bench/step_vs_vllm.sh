@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Our prefill step beside vLLM 0.26's, one model shape, one GPU, one device call (issue 37 / 39: where the unbounded
+# peak's 5-15% goes on prompt-heavy work). After the `bash bench/vs_vllm.sh --stash` calls (one per part
+# `bash bench/vs_vllm.sh --split` cut, .peer/c0..cN-1, back to back on one machine):
+#     run(command="bash bench/step_vs_vllm.sh", carry=[".whl"], timeout_s=600)
+# 1. `bash bench/vs_vllm.sh --prepare` (PRESET, default qwen3-8b; VLLM_FP8=checkpoint with FP8=1): vLLM installed
+#    from the stash into /root/peersite and the model folder written (random weights, the preset's shape);
+# 2. ours: bench/fused_step_profile.py --backend fa3 (vLLM's FA3 build, as serving beside vLLM does) --no-ladder:
+#    each SHAPES step timed back to back and profiled by kernel category;
+# 3. vLLM's: bench/vllm_step_profile.py --compare (2)'s JSON: its prefill request of each PROMPT_LENS length
+#    (default 2048,4096,8192) timed and profiled, and the per-category difference ours - vLLM's.
+# $OUT (default bench/results/step_vs_vllm) gets prep/, ours/fused_step_profile.{json,md}, vllm_step_profile.{json,md}
+# and the logs; the comparison table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+out="${OUT:-bench/results/step_vs_vllm}"
+preset="${PRESET:-qwen3-8b}"
+export PYTHONUNBUFFERED=1
+mkdir -p "$out/prep" "$out/ours"
+t0=$(date +%s)
+say() { echo "step_vs_vllm [$(($(date +%s) - t0)) s]: $*"; }
+fp8_env=() ours_q=() vllm_q=() suffix=""
+if [ "${FP8:-0}" = 1 ]; then
+    fp8_env=(VLLM_FP8=checkpoint "SERVE_ARGS=--quantization fp8")
+    ours_q=(--quantization fp8) vllm_q=(--fp8) suffix="-fp8"
+fi
+env OUT="$out/prep" PRESET="$preset" "${fp8_env[@]}" bash bench/vs_vllm.sh --prepare || { say "prepare failed"; exit 2; }
+py=python3 site=/root/peersite
+# shellcheck source=bench/wheels.sh
+. bench/wheels.sh
+carried_wheels step_vs_vllm || exit 2
+# shellcheck source=bench/peer_env.sh
+. bench/peer_env.sh
+expose_fa3 || exit 2
+say "ours: fused_step_profile.py --backend fa3"
+"$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder "${ours_q[@]}" \
+    --out "$out/ours" >"$out/ours.log" 2>&1 || { tail -30 "$out/ours.log"; say "ours failed"; exit 1; }
+model_dir=/root/peermodel
+[ "$preset" != qwen3-8b ] || [ -n "$suffix" ] && model_dir="/root/peermodel-$preset$suffix"
+say "vLLM: vllm_step_profile.py ($model_dir)"
+PYTHONPATH="$site" "$py" bench/vllm_step_profile.py --preset "$preset" "${vllm_q[@]}" --model-dir "$model_dir" \
+    --prompt-lens "${PROMPT_LENS:-2048,4096,8192}" --compare "$out/ours/fused_step_profile.json" --out "$out" \
+    >"$out/vllm.log" 2>&1
+s=$?
+grep -v "^\(INFO\|WARNING\|DEBUG\)" "$out/vllm.log" | tail -60
+say "vllm_step_profile.py exited with $s"
+exit "$s"
