@@ -31,6 +31,19 @@ LAYERS = 36
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096))  # (K, N) of qkv, o, gate|up, down
 
 
+def step_flop(tokens: int) -> float:
+    """The floating-point operations of one step's GEMMs at `tokens` rows."""
+    return 2.0 * tokens * sum(k * n for k, n in SHAPES) * LAYERS
+
+
+def table(rows: list[dict[str, object]]) -> list[str]:
+    """The markdown table of `rows` (tokens, idle_ms, ms, ms_min, ms_max, tflops, clock_power)."""
+    out = ["| tokens | idle before each (ms) | ms [min, max] | TFLOP/s | SM clock, power |", "|---|---|---|---|---|"]
+    out += [f"| {r['tokens']} | {r['idle_ms']:g} | {r['ms']:.2f} [{r['ms_min']:.2f}, {r['ms_max']:.2f}] | "
+            f"{r['tflops']:.0f} | {r['clock_power']} |" for r in rows]
+    return out
+
+
 def sm_clock() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
@@ -61,7 +74,7 @@ def main() -> int:
     rows = []
     for t in tokens:
         xs = [torch.randn(t, k, device=dev, dtype=torch.bfloat16) for k, _ in SHAPES]
-        flop = 2.0 * t * sum(k * n for k, n in SHAPES) * LAYERS
+        flop = step_flop(t)
 
         def step(xs: list[torch.Tensor] = xs) -> None:
             for _ in range(LAYERS):
@@ -90,11 +103,7 @@ def main() -> int:
     res = run_record("gemm_duty_cycle.py", rows=rows)
     write_json(a.out, "gemm_duty_cycle", res)
     lines = [f"# A step's GEMMs (Qwen3-8B shape, bf16) by duty cycle, {res['gpu']} ({res['date']})", "",
-             f"`{res['command']}`", "",
-             "| tokens | idle before each (ms) | ms [min, max] | TFLOP/s | SM clock, power |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']} | {r['idle_ms']:g} | {r['ms']:.2f} [{r['ms_min']:.2f}, {r['ms_max']:.2f}] | "
-              f"{r['tflops']:.0f} | {r['clock_power']} |" for r in rows]
+             f"`{res['command']}`", "", *table(rows)]
     with open(os.path.join(a.out, "gemm_duty_cycle.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
