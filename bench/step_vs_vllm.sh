@@ -9,6 +9,12 @@
 #    each SHAPES step timed back to back and profiled by kernel category;
 # 3. vLLM's: bench/vllm_step_profile.py --compare (2)'s JSON: its prefill request of each PROMPT_LENS length
 #    (default 2048,4096,8192) timed and profiled, and the per-category difference ours - vLLM's.
+# STEPS (default 5): timed and profiled steps a shape, both sides. OURS_JSON=PATH: skip (2) and compare with that
+# fused_step_profile.json (e.g. the 70B shape in two calls on one machine, ours in the first:
+# PRESET=llama-3.1-70b FP8=1 STEPS=3 PROMPT_LENS=2048,8192; vLLM's start on it with its compile is ~3-4 min).
+# Read the GEMM rows with the clocks in mind: ours are timed back to back, vLLM's one request at a time with its
+# host's gaps, and a power-limited H200 runs the same cuBLASLt kernels 5-15% faster after idling
+# (bench/gemm_duty_cycle.py, bench/results/h200_1202b/: 2026-12-02's Qwen3-8B run saw exactly that).
 # $OUT (default bench/results/step_vs_vllm) gets prep/, ours/fused_step_profile.{json,md}, vllm_step_profile.{json,md}
 # and the logs; the comparison table is printed last.
 set -uo pipefail
@@ -32,14 +38,18 @@ carried_wheels step_vs_vllm || exit 2
 # shellcheck source=bench/peer_env.sh
 . bench/peer_env.sh
 expose_fa3 || exit 2
-say "ours: fused_step_profile.py --backend fa3"
-"$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder "${ours_q[@]}" \
-    --out "$out/ours" >"$out/ours.log" 2>&1 || { tail -30 "$out/ours.log"; say "ours failed"; exit 1; }
+ours_json="${OURS_JSON:-$out/ours/fused_step_profile.json}"
+if [ -z "${OURS_JSON:-}" ]; then
+    say "ours: fused_step_profile.py --backend fa3"
+    "$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder --steps "${STEPS:-5}" \
+        "${ours_q[@]}" --out "$out/ours" >"$out/ours.log" 2>&1 || { tail -30 "$out/ours.log"; say "ours failed"; exit 1; }
+    cat "$out/ours/fused_step_profile.md"
+fi
 model_dir=/root/peermodel
 [ "$preset" != qwen3-8b ] || [ -n "$suffix" ] && model_dir="/root/peermodel-$preset$suffix"
 say "vLLM: vllm_step_profile.py ($model_dir)"
 PYTHONPATH="$site" "$py" bench/vllm_step_profile.py --preset "$preset" "${vllm_q[@]}" --model-dir "$model_dir" \
-    --prompt-lens "${PROMPT_LENS:-2048,4096,8192}" --compare "$out/ours/fused_step_profile.json" --out "$out" \
+    --prompt-lens "${PROMPT_LENS:-2048,4096,8192}" --steps "${STEPS:-5}" --compare "$ours_json" --out "$out" \
     >"$out/vllm.log" 2>&1
 s=$?
 grep -v "^\(INFO\|WARNING\|DEBUG\)" "$out/vllm.log" | tail -60
