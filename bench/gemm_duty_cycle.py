@@ -19,13 +19,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import run_record, write_json  # noqa: E402
+from gpu_timing import run_record, time_ms, write_json, write_md  # noqa: E402
 
 LAYERS = 36
 SHAPES = ((4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096))  # (K, N) of qkv, o, gate|up, down
@@ -81,32 +80,15 @@ def main() -> int:
                 for x, w in zip(xs, weights, strict=True):
                     F.linear(x, w)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
         for idle in idles:
-            ms = []
-            for _ in range(a.reps):
-                if idle > 0:
-                    torch.cuda.synchronize()
-                    time.sleep(idle / 1000)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                step()
-                e.record()
-                e.synchronize()
-                ms.append(s.elapsed_time(e))
+            ms = time_ms(step, a.reps, warmup=3, idle_s=idle / 1000)
             med = statistics.median(ms)
             rows.append({"tokens": t, "idle_ms": idle, "ms": med, "ms_min": min(ms), "ms_max": max(ms),
                          "tflops": flop / med / 1e9, "clock_power": sm_clock()})
             print(f"{t} tokens, idle {idle} ms: {med:.2f} ms", flush=True)
     res = run_record("gemm_duty_cycle.py", rows=rows)
     write_json(a.out, "gemm_duty_cycle", res)
-    lines = [f"# A step's GEMMs (Qwen3-8B shape, bf16) by duty cycle, {res['gpu']} ({res['date']})", "",
-             f"`{res['command']}`", "", *table(rows)]
-    with open(os.path.join(a.out, "gemm_duty_cycle.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_md(a.out, "gemm_duty_cycle", "A step's GEMMs (Qwen3-8B shape, bf16) by duty cycle", res, table(rows))
     return 0
 
 

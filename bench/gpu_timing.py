@@ -7,19 +7,25 @@ import datetime
 import json
 import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 
-def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, behind: bool = False) -> list[float]:
+def time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, behind: bool = False,
+            idle_s: float = 0.0) -> list[float]:
     """Milliseconds of each of `reps` calls of fn (CUDA events around each), after `warmup` calls; `behind`: each
-    timed call right behind an untimed one (back_to_back_ms)."""
+    timed call right behind an untimed one (back_to_back_ms); `idle_s`: the device left idle that long before each
+    timed call (a power-limited GPU raises its clocks while idle: bench/gemm_duty_cycle.py)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
     for _ in range(reps):
+        if idle_s > 0:
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
         if behind:
             fn()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -45,6 +51,18 @@ def run_record(script: str, **fields: object) -> dict[str, object]:
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "command": f"python bench/{script} " + " ".join(sys.argv[1:]), **fields}
+
+
+def write_md(out: str, stem: str, title: str, res: dict[str, object], table: Sequence[str]) -> str:
+    """<out>/<stem>.md: `title` with the run record's GPU and date, its command, then the `table` lines; printed too
+    (a bench script's table comes last). Its path."""
+    lines = [f"# {title}, {res['gpu']} ({res['date']})", "", f"`{res['command']}`", "", *table]
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{stem}.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
 
 
 def write_json(out: str, stem: str, res: object) -> str:

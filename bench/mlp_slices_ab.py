@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from gpu_timing import run_record, time_ms, write_json  # noqa: E402
+from gpu_timing import run_record, time_ms, write_json, write_md  # noqa: E402
 from model_runner import engine_config, preset_source  # noqa: E402
 
 from rapidserve.config import ModelConfig  # noqa: E402
@@ -152,11 +152,7 @@ def main() -> int:
     rows = [r for spec in specs for r in measure(spec, a.chunk, a.reps, a.rounds)]
     res = run_record("mlp_slices_ab.py", rows=rows)
     write_json(a.out, "mlp_slices_ab", res)
-    lines = [f"# The MLP by row slices against whole, {res['gpu']} ({res['date']})", "", f"`{res['command']}`", "",
-             *table(rows)]
-    with open(os.path.join(a.out, "mlp_slices_ab.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_md(a.out, "mlp_slices_ab", "The MLP by row slices against whole", res, table(rows))
     return 0
 
 

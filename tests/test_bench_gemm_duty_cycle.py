@@ -34,3 +34,14 @@ def test_bad_flags_are_refused_by_name(flags: list[str]) -> None:
                          capture_output=True, text=True, timeout=120)
     assert got.returncode == 2
     assert "--" in got.stderr and "error:" in got.stderr
+
+
+def test_write_md_titles_the_table_with_the_run(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from gpu_timing import write_md
+
+    res = {"gpu": "NVIDIA H200", "date": "2026-12-02 13:33 UTC", "command": "python bench/gemm_duty_cycle.py"}
+    path = write_md(str(tmp_path), "gemm_duty_cycle", "A step's GEMMs", res, ["| a |", "|---|"])
+    want = "# A step's GEMMs, NVIDIA H200 (2026-12-02 13:33 UTC)\n\n`python bench/gemm_duty_cycle.py`\n\n| a |\n|---|\n"
+    with open(path) as fh:
+        assert fh.read() == want
+    assert capsys.readouterr().out == want
