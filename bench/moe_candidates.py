@@ -1,11 +1,19 @@
-"""Our fused MoE experts against a maintained kernel (issue 40: "use a maintained kernel where one installs and runs
-on the GPU machine ... measure candidates"): rapidserve's `fused_moe` (rapidserve/ops/triton_moe.py) and vLLM's
+"""Our fused MoE experts against maintained kernels (issue 40: "use a maintained kernel where one installs and runs
+on the GPU machine ... measure candidates"): rapidserve's `fused_moe` (rapidserve/ops/triton_moe.py), vLLM's
 `fused_experts` (vllm/model_executor/layers/fused_moe/fused_moe.py: Triton GEMMs on its tuned configs, the
-alignment from its compiled _moe_C), on one layer of a MoE preset with the same random weights and the same routing.
+alignment from its compiled _moe_C) and torch's own grouped GEMM, `torch._grouped_mm` ("torch_gmm": the pairs
+sorted by expert with torch ops, two CUTLASS grouped GEMMs, torch's silu_and_mul between, the weighted k-way sum;
+bench/moe_candidate_kernels.py's `grouped_mm_experts`, whose module docstring says what _grouped_mm requires), on
+one layer of a MoE preset with the same random weights and the same routing. torch_gmm is measured because ours
+reaches only 0.68 / 0.78 of the bound at Qwen3-30B-A3B's 4096 / 8192-token prefill and 0.75 at Mixtral's 1024
+(bench/results/issue40.md): a CUTLASS grouped GEMM that ships with torch (2.11 on the GPU machine, nothing to
+install) may do better there; at decode batches its sort, gathers and ~10 launches will probably lose. It has not
+run on a GPU yet: the first run is the next H200 session's, the command of the GPU recipe below as it stands.
+It runs CUTLASS only in bfloat16 on sm_90 / sm_100; elsewhere every row says why it is not measured.
 
     python bench/moe_candidates.py [--models qwen3-30b-a3b,mixtral-8x7b] [--tp 1[,2]] [--dtype bfloat16]
         [--decode-batches 1,2,4,8,16,32,64] [--prefill-tokens 1024,4096,8192] [--vllm-path DIR] [--tables DIR]
-        [--budget-s S] [--json PATH]
+        [--candidates ours,vllm,torch_gmm] [--budget-s S] [--json PATH]
     TRITON_INTERPRET=1 python bench/moe_candidates.py --dry-run [--vllm-path DIR] [--json PATH]   # CPU: the flow
 
 The layer, the routing and the limits are bench/moe_gemm.py's (imported, not copied): a rank's slice at each --tp
@@ -13,18 +21,21 @@ The layer, the routing and the limits are bench/moe_gemm.py's (imported, not cop
 N = 2I, so both get the same tensors), tokens routed uniformly at random (a random router's softmax top-k,
 renormalised; weights float32, ids int32 as vLLM's own fused_topk gives them). Per row, before any timing, each
 candidate's output is checked against the torch reference (`moe_experts_ref` in float32; relative error < 3e-2, as
-moe_gemm's check) and the two against each other; a candidate that fails or disagrees is not timed and the row says
-why. Times: "us", a CUDA-graph replay of the call (median; how the engine runs decode, and the GPU's time of a
-prefill); "eager us", calls launched back to back from Python (per call: the larger of host and GPU time).
+moe_gemm's check) and the candidates against each other ("between": the largest difference of two, relative to
+the reference's max); a candidate that fails or disagrees is not timed and the row says why. --candidates: which
+run (names from ours, vllm, torch_gmm; the columns keep that order whatever the flag's). Times: "us", a CUDA-graph
+replay of the call (median; how the engine runs decode, and the GPU's time of a prefill); "eager us", calls
+launched back to back from Python (per call: the larger of host and GPU time).
 Limits: decode, moe_gemm's copy ceiling (the weights of the experts the batch's routing reads, at the copy bandwidth
 of a 1 GiB device copy); prefill, moe_gemm's bound (the larger of the same flops on dense cuBLAS GEMMs and the
 compulsory bytes at the copy bandwidth). "of ceiling" / "of bound" = limit / time (1 = at the limit).
-"vLLM/ours" = vLLM's time / ours (above 1: ours is faster). Columns "ours tiles": BLOCK_M (+ TAIL_BLOCK_M) and
-whether a tuned table of this shape and device was found ("tuned") or the rule; "vLLM config": BLOCK_SIZE_M x _N x
-_K, GROUP_SIZE_M, warps, stages, "tuned" where vLLM found its shipped config file for this E, N = I/tp and device
-(E=128,N=768,device_name=NVIDIA_H200.json ...; it picks the entry whose batch key is nearest the token count),
-"naive" where vLLM 0.26 skips the alignment (tokens * top_k * 4 <= E: Qwen3-30B-A3B decode at batches 1-4,
-Mixtral at 1).
+"vLLM/ours", "torch/ours" = its time / ours (above 1: ours is faster). Columns "ours tiles": BLOCK_M
+(+ TAIL_BLOCK_M) and whether a tuned table of this shape and device was found ("tuned") or the rule; "vLLM config":
+BLOCK_SIZE_M x _N x _K, GROUP_SIZE_M, warps, stages, "tuned" where vLLM found its shipped config file for this E,
+N = I/tp and device (E=128,N=768,device_name=NVIDIA_H200.json ...; it picks the entry whose batch key is nearest
+the token count), "naive" where vLLM 0.26 skips the alignment (tokens * top_k * 4 <= E: Qwen3-30B-A3B decode at
+batches 1-4, Mixtral at 1); "torch config": the path _grouped_mm took ("cutlass grouped", or the CPU's "mm-loop
+fallback") and torch's version.
 
 vLLM is optional: --vllm-path DIR goes first on sys.path (after torch, Triton and rapidserve are imported; it is
 pip's --target of the peer install, /root/peersite on the GPU machine, whose only package the image also has is
@@ -37,7 +48,8 @@ variables (VLLM_LOGGING_LEVEL defaults to WARNING here).
 Rows run in order tp, model, decode batches then prefill tokens; none starts after --budget-s seconds (those left
 are listed as skipped); a row that fails outside the candidates (the reference, the bound) says so and the next
 runs; --json PATH is rewritten after every row (so a call cut short still returns what finished), the tables
-beside it as PATH with .md. The table comes last.
+(bench/moe_candidates_table.py) beside it as PATH with .md. The table comes last. The CPU dry run runs torch_gmm
+on torch's CPU fallback of _grouped_mm (float16 there), so its flow and numbers are checked against the reference.
 
 GPU machine (H200), next session. It reaches no package index; vLLM 0.26.0 and its missing wheels are the peer
 benchmark's parts, /work/main/.peer/c0 ... c9 (bench/vs_vllm.sh step 0 made them: fetch.py, then --split; .peer is
@@ -63,7 +75,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,7 +84,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import moe_gemm, moe_timing  # noqa: E402
-from bench.moe_candidate_kernels import Candidate, load_vllm, ours, short  # noqa: E402
+from bench.moe_candidate_kernels import GMM_NAME, Candidate, grouped_mm, load_vllm, ours, short  # noqa: E402
+from bench.moe_candidates_table import cell, note, table  # noqa: E402
 from rapidserve.ops.moe import moe_experts_ref, route  # noqa: E402
 
 DEFAULT_MODELS = "qwen3-30b-a3b,mixtral-8x7b"  # Qwen3 first: its decode is where ours is furthest from the ceiling
@@ -80,6 +93,7 @@ DECODE_BATCHES = moe_gemm.DECODE_BATCHES
 PREFILL_TOKENS = (1024, 4096, 8192)
 REPS = (10, 50)  # timings per prefill row, per decode row (moe_gemm's)
 TOL = 3e-2  # relative error against the reference (moe_gemm's check)
+CANDIDATES = ("ours", "vllm", GMM_NAME)  # --candidates' names, in the tables' order
 DRY_RUN = {"model": "tiny-qwen3-moe", "dtype": "float16", "decode": (1, 4), "prefill": (32,), "reps": (1, 1)}
 
 
@@ -132,8 +146,9 @@ def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torc
             ids: torch.Tensor, want: torch.Tensor, reps: int, device: str,
             graph_ms: Clock = moe_timing.graph_ms, eager_ms: Clock = moe_timing.back_to_back_ms) -> dict[str, object]:
     """Each candidate on (x, ...): its output against `want` (the reference, `checked`), then, where it agrees, its
-    graph and eager ms; and the two outputs against each other ("between_err", relative to max |want|). Keys per
-    candidate NAME: NAME_ms, NAME_eager_ms, NAME_err, NAME_config, NAME_why ("" when it was timed)."""
+    graph and eager ms; and the outputs against each other ("between_err": the largest max |a - b| of two that
+    agreed, relative to max |want|; None with fewer than two). Keys per candidate NAME: NAME_ms, NAME_eager_ms,
+    NAME_err, NAME_config, NAME_why ("" when it was timed)."""
     row: dict[str, object] = {}
     outs: dict[str, torch.Tensor] = {}
     t, k = ids.shape
@@ -155,9 +170,10 @@ def measure(cands: list[Candidate], x: torch.Tensor, w13: torch.Tensor, w2: torc
         outs[n] = got
         ms, row[f"{n}_why"] = timed(c.label, call, {"graph": graph_ms, "eager": eager_ms}, reps, device)
         row[f"{n}_ms"], row[f"{n}_eager_ms"] = ms["graph"], ms["eager"]
-    pair = list(outs.values())
-    row["between_err"] = float((pair[0].float() - pair[1].float()).abs().max() / want.abs().max()) \
-        if len(pair) == 2 else None
+    got_all = list(outs.values())
+    between = [float((a.float() - b.float()).abs().max() / want.abs().max())
+               for i, a in enumerate(got_all) for b in got_all[i + 1:]]
+    row["between_err"] = max(between) if between else None
     return row
 
 
@@ -165,10 +181,12 @@ def ratio(a: object, b: object) -> float | None:
     return float(a) / float(b) if isinstance(a, float) and isinstance(b, float) and b > 0 else None
 
 
-def finish_row(row: dict[str, object], limit_ms: float) -> dict[str, object]:
-    """The derived columns: vLLM/ours and each candidate's share of the limit (ceiling or bound)."""
-    row["vllm_over_ours"] = ratio(row.get("vllm_ms"), row.get("ours_ms"))
-    for n in ("ours", "vllm"):
+def finish_row(row: dict[str, object], limit_ms: float, names: Sequence[str]) -> dict[str, object]:
+    """The derived columns of the candidates `names`: each one's time over ours (NAME_over_ours, but ours) and its
+    share of the limit (ceiling or bound)."""
+    for n in names:
+        if n != "ours":
+            row[f"{n}_over_ours"] = ratio(row.get(f"{n}_ms"), row.get("ours_ms"))
         row[f"{n}_of_limit"] = ratio(limit_ms, row.get(f"{n}_ms"))
     return row
 
@@ -201,7 +219,7 @@ def bench_layer(model: str, tp: int, dtype: torch.dtype, copy_bw: float, cands: 
                     bound = moe_gemm.prefill_bound(x, ids, w13, w2, copy_bw, reps[0], device, g)
                     row.update(bound)
                     limit = float(bound["bound_ms"])  # type: ignore[arg-type]  # prefill_bound's float
-                finish_row(row, limit)
+                finish_row(row, limit, [c.name for c in cands])
             except Exception as e:  # noqa: BLE001 - the row says so and the next one runs (what finished is kept)
                 row["error"] = f"row failed: {short(e)}"
             emit(row)
@@ -209,49 +227,6 @@ def bench_layer(model: str, tp: int, dtype: torch.dtype, copy_bw: float, cands: 
     del router, w13, w2, w13f, w2f
     if device == "cuda":
         torch.cuda.empty_cache()
-
-
-def cell(v: object, fmt: str, scale: float = 1.0) -> str:
-    """v (scaled) in `fmt`; '-' where it is missing (None, NaN). fmt 'd': a whole number as it is."""
-    if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return format(v, fmt) if fmt == "d" else format(float(v) * scale, fmt)
-
-
-def err_cell(r: dict[str, object]) -> str:
-    return " / ".join(cell(r.get(key), ".1e") for key in ("ours_err", "vllm_err", "between_err"))
-
-
-def note(r: dict[str, object]) -> str:
-    return "; ".join(str(r[key]) for key in ("error", "ours_why", "vllm_why") if r.get(key)).replace("|", "/")
-
-
-def table(rows: list[dict[str, object]], copy_bw: float, vllm: Candidate) -> str:
-    """The decode table, then the prefill table (module docstring for the columns)."""
-    head = "vLLM " + (f"{vllm.version}: fused_experts" if vllm.run is not None else f"not measured: {vllm.why}")
-    out = [f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read+write); {head}", ""]
-    spec = {"decode": ("decode batch", "ceiling us", "of ceiling", "ceiling_ms", ".1f"),
-            "prefill": ("prefill tokens", "bound us", "of bound", "bound_ms", ".0f")}
-    for phase, (size, limit, of, limit_key, us) in spec.items():
-        mine = [r for r in rows if r["phase"] == phase]
-        if not mine:
-            continue
-        extra = " | bound by" if phase == "prefill" else ""
-        out += [f"| model | tp | {size} | unique experts | {limit}{extra} | ours us | vLLM us | vLLM/ours | ours {of} "
-                f"| vLLM {of} | ours eager us | vLLM eager us | rel err ours / vLLM / between | ours tiles "
-                f"| vLLM config | note |",
-                "|" + "---|" * (16 + bool(extra))]
-        for r in mine:
-            bound_by = f" | {r.get('bound_by', '-')}" if phase == "prefill" else ""
-            out.append(f"| {r['model']} | {r['tp']} | {r['tokens']} | {cell(r.get('unique_experts'), 'd')} | "
-                       f"{cell(r.get(limit_key), us, 1e3)}{bound_by} | {cell(r.get('ours_ms'), us, 1e3)} | "
-                       f"{cell(r.get('vllm_ms'), us, 1e3)} | {cell(r.get('vllm_over_ours'), '.2f')} | "
-                       f"{cell(r.get('ours_of_limit'), '.2f')} | {cell(r.get('vllm_of_limit'), '.2f')} | "
-                       f"{cell(r.get('ours_eager_ms'), us, 1e3)} | {cell(r.get('vllm_eager_ms'), us, 1e3)} | "
-                       f"{err_cell(r)} | {r.get('ours_config') or '-'} | {r.get('vllm_config') or '-'} | "
-                       f"{note(r) or '-'} |")
-        out.append("")
-    return "\n".join(out).rstrip("\n")
 
 
 def parse_counts(flag: str, text: str) -> tuple[int, ...]:
@@ -263,6 +238,16 @@ def parse_counts(flag: str, text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
         raise ValueError(f"{flag} {text!r}: comma-separated whole numbers >= 1, each once (e.g. 1,2,4)")
     return counts
+
+
+def parse_candidates(text: str) -> tuple[str, ...]:
+    """--candidates: comma-separated names from CANDIDATES, each once; returned in CANDIDATES' order (the tables')."""
+    names = [t.strip() for t in text.split(",")]
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown or len(set(names)) != len(names):
+        what = f"unknown {', '.join(map(repr, unknown))}: " if unknown else ""
+        raise ValueError(f"--candidates {text!r}: {what}comma-separated names from {', '.join(CANDIDATES)}, each once")
+    return tuple(n for n in CANDIDATES if n in names)
 
 
 def parse_budget(text: str) -> float:
@@ -298,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     "first on sys.path; without it, `import vllm` as installed")
     ap.add_argument("--tables", type=Path, help="our tuned tables from this folder (bench/moe_tune.py's "
                     "moe_configs/) instead of the packaged ones")
+    ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                    help=f"which run: comma-separated from {','.join(CANDIDATES)} (default all)")
     ap.add_argument("--budget-s", default="480", help="start no row after this many seconds (default 480)")
     ap.add_argument("--json", type=Path, help="write the rows here (after every row), the tables beside it (.md)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter: tiny-qwen3-moe, float16, "
@@ -306,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:  # every flag first: a bad one is refused by name on any machine
         budget = parse_budget(args.budget_s)
+        names = parse_candidates(args.candidates)
         if args.dry_run:
             fixed = [flag for flag, v in (("--models", args.models), ("--tp", args.tp), ("--dtype", args.dtype),
                                           ("--decode-batches", args.decode_batches),
@@ -340,9 +328,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = "cuda"
     dtype = getattr(torch, dtype_name)
-    vllm = load_vllm(args.vllm_path)
-    print(f"vLLM: {vllm.version + ' from ' + vllm.where if vllm.run else vllm.why}", flush=True)
-    cands = [ours(tables), vllm]
+    cands: list[Candidate] = []
+    vllm: Candidate | None = None
+    for n in names:
+        if n == "ours":
+            cands.append(ours(tables))
+        elif n == "vllm":
+            cands.append(vllm := load_vllm(args.vllm_path))
+            print(f"vLLM: {vllm.version + ' from ' + vllm.where if vllm.run else vllm.why}", flush=True)
+        else:
+            cands.append(gmm := grouped_mm(device, dtype))
+            print(gmm.title if gmm.run else f"{gmm.label}: {gmm.why}", flush=True)
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     copy_bw = moe_timing.copy_bandwidth(device, 1 << 20 if args.dry_run else 1 << 29)
     rows: list[dict[str, object]] = []
@@ -350,16 +346,21 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(done: bool) -> dict[str, object]:
         return {"device": dev_name, "copy_bw": copy_bw, "dtype": dtype_name, "torch": torch.__version__,
-                "vllm": {"version": vllm.version or None, "why": vllm.why or None, "from": vllm.where or None,
-                         "vllm_path": str(args.vllm_path) if args.vllm_path else None},
+                "vllm": None if vllm is None else {
+                    "version": vllm.version or None, "why": vllm.why or None, "from": vllm.where or None,
+                    "vllm_path": str(args.vllm_path) if args.vllm_path else None},
+                "candidates": {c.name: {"label": c.label, "version": c.version or None, "why": c.why or None}
+                               for c in cands},
                 "budget_s": budget, "done": done, "skipped": skipped, "rows": rows}
 
     def emit(row: dict[str, object]) -> None:
         rows.append(row)
+        said = [f"{c.head} {cell(row.get(f'{c.name}_ms'), '.1f', 1e3)} us" for c in cands] + \
+            [f"{c.head}/ours {cell(row.get(f'{c.name}_over_ours'), '.2f')}" for c in cands
+             if c.name != "ours" and "ours" in names]
+        why = note(row, list(names))
         print(f"[{time.perf_counter() - start:.0f} s] {row['model']} tp{row['tp']} {row['phase']} {row['tokens']}: "
-              f"ours {cell(row.get('ours_ms'), '.1f', 1e3)} us, vLLM {cell(row.get('vllm_ms'), '.1f', 1e3)} us, "
-              f"vLLM/ours {cell(row.get('vllm_over_ours'), '.2f')}{' (' + note(row) + ')' if note(row) else ''}",
-              flush=True)
+              f"{', '.join(said)}{' (' + why + ')' if why else ''}", flush=True)
         write_json(args.json, report(False))
 
     deadline = start + budget
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - e.g. the layer's weights not fitting: the next layer still runs
                 skipped.append(f"{model} tp{tp} (failed: {short(e)})")
                 print(f"{model} tp{tp} failed: {short(e)}", flush=True)
-    tables_text = table(rows, copy_bw, vllm)
+    tables_text = table(rows, copy_bw, cands)
     if skipped:
         tables_text += f"\n\nnot run (past --budget-s {budget:g}, or failed): {', '.join(skipped)}"
     write_json(args.json, report(True), tables_text)

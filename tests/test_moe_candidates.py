@@ -1,8 +1,10 @@
-"""bench/moe_candidates.py (issue 40: our fused MoE experts against vLLM's): its flags refused by name, the tables,
+"""bench/moe_candidates.py (issue 40: our fused MoE experts against vLLM's and torch._grouped_mm's): its flags refused
+by name, the tables (bench/moe_candidates_table.py: two candidates, three, and an older report's rows under three),
 the checks before timing (fake candidates and clocks, in this process), vLLM's import failing, and the whole script
 on the CPU under the Triton interpreter (--dry-run: our kernels interpreted) twice: with a vllm that does not import
 (every row says why, ours still timed) and with a stand-in vllm package laid out as 0.26's, whose `fused_experts`
-checks the arguments as 0.26's does and computes the experts in torch (both timed, compared)."""
+checks the arguments as 0.26's does and computes the experts in torch (both timed, compared); torch._grouped_mm runs
+on torch's CPU fallback in both (checked against the reference and timed)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ def fake_vllm(folder: Path, broken: bool = False) -> Path:
     (["--tables", "/nonexistent-folder"], "--tables"),
     (["--dry-run", "--models", "qwen3-30b-a3b", "--tp", "2"], "--models, --tp"),
     (["--dtype", "float32"], "--dtype"),
+    (["--candidates", "ours,cutlass"], "--candidates 'ours,cutlass': unknown 'cutlass': comma-separated names from "
+                                       "ours, vllm, torch_gmm"),
+    (["--candidates", "ours,ours"], "--candidates"),
+    (["--candidates", ""], "--candidates"),
 ])
 def test_flags_refused_by_name(argv: list[str], names: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Each bad flag is refused (exit 2) before anything runs, its name in the message."""
@@ -117,31 +123,42 @@ def test_dry_run_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch, capsys: 
 def test_parsers() -> None:
     assert mc.parse_counts("--decode-batches", "4,1,64") == (4, 1, 64)
     assert mc.parse_budget("12.5") == 12.5
+    assert mc.parse_candidates("torch_gmm,ours") == ("ours", "torch_gmm")  # the tables' order
     with pytest.raises(ValueError, match="--budget-s"):
         mc.parse_budget("inf")
 
 
-def row(phase: str, tokens: int, **kw: object) -> dict[str, object]:
+OURS = mc.Candidate("ours", "ours", lambda *a: a[0], config_head="tiles")
+VLLM = mc.Candidate("vllm", "vLLM", lambda *a: a[0], version="0.26.0", title="vLLM 0.26.0: fused_experts")
+GMM = mc.Candidate("torch_gmm", "torch._grouped_mm", lambda *a: a[0], column="torch",
+                   title="torch._grouped_mm (cutlass grouped, torch 2.11.0)")
+
+
+def row(phase: str, tokens: int, names: tuple[str, ...] = ("ours", "vllm"), **kw: object) -> dict[str, object]:
+    """A row as the script writes it for `names` (the default: a report from before torch_gmm)."""
     base: dict[str, object] = {"model": "qwen3-30b-a3b", "tp": 1, "phase": phase, "tokens": tokens,
                                "pairs": tokens * 8, "unique_experts": 8, "bytes_read": 75_000_000,
                                "ours_ms": None, "ours_eager_ms": None, "ours_err": None, "ours_config": None,
                                "ours_why": "", "vllm_ms": None, "vllm_eager_ms": None, "vllm_err": None,
                                "vllm_config": None, "vllm_why": "", "between_err": None}
+    if "torch_gmm" in names:
+        base.update({"torch_gmm_ms": None, "torch_gmm_eager_ms": None, "torch_gmm_err": None,
+                     "torch_gmm_config": None, "torch_gmm_why": ""})
     base.update(kw)
     limit = base["ceiling_ms"] if phase == "decode" else base["bound_ms"]
-    return mc.finish_row(base, float(limit))  # type: ignore[arg-type]
+    return mc.finish_row(base, float(limit), names)  # type: ignore[arg-type]
 
 
 def test_tables() -> None:
     """Decode then prefill; vLLM/ours = vLLM's time over ours, each against the limit; '-' where a candidate was not
     timed, and the row's note says why ('|' kept out of the cell)."""
-    vllm = mc.Candidate("vllm", "vLLM", lambda *a: a[0], version="0.26.0")
     rows = [row("decode", 1, ceiling_ms=0.019, ours_ms=0.038, ours_eager_ms=0.3, ours_err=1e-3, ours_config="16 tuned",
                 vllm_ms=0.057, vllm_eager_ms=0.09, vllm_err=2e-3, between_err=2.5e-3,
                 vllm_config="16x64x64 g1 w4 s5 tuned naive"),
             row("decode", 2, ceiling_ms=0.038, ours_ms=0.0587, vllm_why="vLLM failed: RuntimeError: a | b"),
             row("prefill", 8192, bound_ms=1.11, bound_by="flops", ours_ms=1.705, vllm_ms=1.5)]
-    text = mc.table(rows, 4.8e12, vllm)
+    assert "torch_gmm_over_ours" not in rows[0]
+    text = mc.table(rows, 4.8e12, [OURS, VLLM])
     lines = text.splitlines()
     assert lines[0] == "copy bandwidth 4.80 TB/s (read+write); vLLM 0.26.0: fused_experts"
     decode = [ln for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 | 1 |")][0].split(" | ")
@@ -157,12 +174,54 @@ def test_tables() -> None:
     assert all(ln.count("|") == head.count("|") for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 | 8192"))
     failed = {"model": "mixtral-8x7b", "tp": 2, "phase": "decode", "tokens": 64, "pairs": 128,
               "unique_experts": None, "bytes_read": None, "error": "row failed: OutOfMemoryError: CUDA out of memory"}
-    last = mc.table(rows + [failed], 4.8e12, vllm).splitlines()
+    last = mc.table(rows + [failed], 4.8e12, [OURS, VLLM]).splitlines()
     assert "| mixtral-8x7b | 2 | 64 | - | - | - | - | - | - | - | - | - | - / - / - | - | - | row failed: " \
         "OutOfMemoryError: CUDA out of memory |" in last
-    missing = mc.table(rows[1:2], 4.8e12, mc.Candidate("vllm", "vLLM", None, why="vllm not importable: X"))
+    missing = mc.table(rows[1:2], 4.8e12, [OURS, mc.Candidate("vllm", "vLLM", None, why="vllm not importable: X")])
     assert "vLLM not measured: vllm not importable: X" in missing.splitlines()[0]
     assert "prefill tokens" not in missing  # no prefill rows, no prefill table
+
+
+def test_tables_with_three_candidates() -> None:
+    """torch's columns beside each of ours and vLLM's, those keeping their names and order (a report from before it
+    renders, '-' in torch's cells); torch/ours = its time over ours; its missing reason in the heading and note."""
+    three = ("ours", "vllm", "torch_gmm")
+    rows = [row("decode", 1, three, ceiling_ms=0.019, ours_ms=0.038, ours_eager_ms=0.3, ours_err=1e-3,
+                ours_config="16 tuned", vllm_ms=0.057, vllm_eager_ms=0.09, vllm_err=2e-3, between_err=3e-3,
+                vllm_config="16x64x64 g1 w4 s5 tuned naive", torch_gmm_ms=0.076, torch_gmm_eager_ms=0.2,
+                torch_gmm_err=4e-3, torch_gmm_config="cutlass grouped (torch 2.11.0)"),
+            row("prefill", 8192, three, bound_ms=1.11, bound_by="flops", ours_ms=1.705, vllm_ms=1.5,
+                torch_gmm_why="torch._grouped_mm failed: RuntimeError: cutlass cannot implement"),
+            row("prefill", 4096, bound_ms=0.6, bound_by="bytes", ours_ms=0.8, vllm_ms=1.0)]  # an older report's
+    assert rows[0]["torch_gmm_over_ours"] == pytest.approx(2.0) and rows[0]["torch_gmm_of_limit"] == pytest.approx(0.25)
+    lines = mc.table(rows, 4.8e12, [OURS, VLLM, GMM]).splitlines()
+    assert lines[0] == ("copy bandwidth 4.80 TB/s (read+write); vLLM 0.26.0: fused_experts; "
+                        "torch._grouped_mm (cutlass grouped, torch 2.11.0)")
+    head = [ln for ln in lines if ln.startswith("| model | tp | decode batch")][0]
+    assert head == ("| model | tp | decode batch | unique experts | ceiling us | ours us | vLLM us | torch us | "
+                    "vLLM/ours | torch/ours | ours of ceiling | vLLM of ceiling | torch of ceiling | ours eager us | "
+                    "vLLM eager us | torch eager us | rel err ours / vLLM / torch / between | ours tiles | "
+                    "vLLM config | torch config | note |")
+    decode = [ln for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 | 1 |")][0].split(" | ")
+    assert decode[4:16] == ["19.0", "38.0", "57.0", "76.0", "1.50", "2.00", "0.50", "0.33", "0.25", "300.0", "90.0",
+                            "200.0"]
+    assert decode[16:20] == ["1.0e-03 / 2.0e-03 / 4.0e-03 / 3.0e-03", "16 tuned", "16x64x64 g1 w4 s5 tuned naive",
+                             "cutlass grouped (torch 2.11.0)"]
+    pre = [ln for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 | 8192 |")][0]
+    assert "| 1705 | 1500 | - | 0.88 | - | 0.65 | 0.74 | - |" in pre
+    assert pre.endswith("| torch._grouped_mm failed: RuntimeError: cutlass cannot implement |")
+    old = [ln for ln in lines if ln.startswith("| qwen3-30b-a3b | 1 | 4096 |")][0]
+    assert "| 600 | bytes | 800 | 1000 | - | 1.25 | - | 0.75 | 0.60 | - |" in old and old.endswith("| - |")
+    pre_head = [ln for ln in lines if ln.startswith("| model | tp | prefill tokens")][0]
+    assert pre_head.count("|") == head.count("|") + 1  # + bound by
+    assert pre.count("|") == old.count("|") == pre_head.count("|")
+    absent = mc.Candidate("torch_gmm", "torch._grouped_mm", None, column="torch",
+                          why="torch._grouped_mm runs CUTLASS on sm_90 / sm_100 only (this GPU: sm_80)")
+    alone = mc.table(rows[:1], 4.8e12, [absent]).splitlines()
+    assert alone[0].endswith("; torch._grouped_mm not measured: torch._grouped_mm runs CUTLASS on sm_90 / sm_100 "
+                             "only (this GPU: sm_80)")
+    assert alone[2] == ("| model | tp | decode batch | unique experts | ceiling us | torch us | torch of ceiling | "
+                        "torch eager us | rel err torch / between | torch config | note |")  # no ours: no ratio
 
 
 def test_measure_checks_before_timing() -> None:
@@ -203,8 +262,11 @@ def test_measure_checks_before_timing() -> None:
     r = mc.measure([good, other], x, w13, w2, weights, ids, want, 3, "cpu", clock(1.0), clock(2.0))
     assert r["vllm_ms"] == 1.0 and r["between_err"] == pytest.approx(2e-3, rel=0.05)
     assert str(r["vllm_config"]).startswith("? (ZeroDivisionError")
-    row = mc.finish_row(r, 0.5)
+    row = mc.finish_row(r, 0.5, ["ours", "vllm"])
     assert row["vllm_over_ours"] == 1.0 and row["ours_of_limit"] == 0.5
+    third = mc.Candidate("torch_gmm", "torch._grouped_mm", lambda *a: moe_experts_ref(*a) * (1 + 4e-3))
+    r = mc.measure([good, other, third], x, w13, w2, weights, ids, want, 3, "cpu", clock(1.0), clock(2.0))
+    assert r["torch_gmm_ms"] == 1.0 and r["between_err"] == pytest.approx(5e-3, rel=0.05)  # the widest pair
 
 
 def test_load_vllm_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,12 +301,18 @@ def test_dry_run_without_vllm(tmp_path: Path) -> None:
     why = "vllm not importable: ImportError: libcudart.so.13: cannot open shared object file"
     assert report["done"] and report["vllm"]["why"] == why and not report["skipped"]
     assert [(r["phase"], r["tokens"]) for r in report["rows"]] == [("decode", 1), ("decode", 4), ("prefill", 32)]
+    assert report["candidates"]["torch_gmm"] == {"label": "torch._grouped_mm", "version": torch.__version__,
+                                                 "why": None}
     for r in report["rows"]:
         assert r["vllm_why"] == why and r["vllm_ms"] is None and r["vllm_over_ours"] is None
         assert r["ours_why"] == "" and r["ours_ms"] > 0 and r["ours_err"] < mc.TOL and r["ours_of_limit"] > 0
+        assert r["torch_gmm_why"] == "" and r["torch_gmm_err"] < mc.TOL and r["torch_gmm_over_ours"] > 0
+        assert r["torch_gmm_config"] == f"mm-loop fallback (torch {torch.__version__})"
+        assert r["between_err"] < mc.TOL
     assert r["bound_by"] in ("flops", "bytes") and report["rows"][0]["ceiling_ms"] > 0
     tables = (tmp_path / "mc.md").read_text().strip()
     assert out.rstrip().endswith(tables.splitlines()[-1]) and tables.splitlines()[-1].endswith(f"| {why} |")
+    assert "| torch us |" in tables and "| torch/ours |" in tables
 
 
 def test_dry_run_with_a_stand_in_vllm(tmp_path: Path) -> None:
@@ -257,6 +325,7 @@ def test_dry_run_with_a_stand_in_vllm(tmp_path: Path) -> None:
     for r in report["rows"]:
         assert r["ours_why"] == "" and r["vllm_why"] == "", r
         assert r["vllm_err"] < mc.TOL and r["between_err"] < mc.TOL and r["vllm_over_ours"] > 0
+        assert r["torch_gmm_why"] == "" and r["torch_gmm_over_ours"] > 0
     naive = [r["vllm_config"] for r in report["rows"]]
     assert naive == ["16x64x64 g1 w4 s5 tuned naive", "16x64x64 g1 w4 s5 tuned", "16x64x64 g1 w4 s5 tuned"]
 
