@@ -4,7 +4,8 @@
 # `bash bench/vs_vllm.sh --split` cut, .peer/c0..cN-1, back to back on one machine):
 #     run(command="bash bench/step_vs_vllm.sh", carry=[".whl"], timeout_s=600)
 # 1. `bash bench/vs_vllm.sh --prepare` (PRESET, default qwen3-8b; VLLM_FP8=checkpoint with FP8=1): vLLM installed
-#    from the stash into /root/peersite and the model folder written (random weights, the preset's shape);
+#    from the stash into /root/peersite (vllm_step_profile.py writes its own model folder, the preset's shape,
+#    /root/peermodel-PRESET[-fp8], with make_peer_model.py where it is missing);
 # 2. ours: bench/fused_step_profile.py --backend fa3 (vLLM's FA3 build, as serving beside vLLM does) --no-ladder:
 #    each SHAPES step timed back to back and profiled by kernel category;
 # 3. vLLM's: bench/vllm_step_profile.py --compare (2)'s JSON: its prefill request of each PROMPT_LENS length
@@ -25,12 +26,14 @@ export PYTHONUNBUFFERED=1
 mkdir -p "$out/prep" "$out/ours"
 t0=$(date +%s)
 say() { echo "step_vs_vllm [$(($(date +%s) - t0)) s]: $*"; }
-fp8_env=() ours_q=() vllm_q=() suffix=""
+fp8_env=() ours_q=() vllm_q=()
 if [ "${FP8:-0}" = 1 ]; then
     fp8_env=(VLLM_FP8=checkpoint "SERVE_ARGS=--quantization fp8")
-    ours_q=(--quantization fp8) vllm_q=(--fp8) suffix="-fp8"
+    ours_q=(--quantization fp8) vllm_q=(--fp8)
 fi
-env OUT="$out/prep" PRESET="$preset" "${fp8_env[@]}" bash bench/vs_vllm.sh --prepare || { say "prepare failed"; exit 2; }
+if ! env OUT="$out/prep" PRESET="$preset" "${fp8_env[@]}" bash bench/vs_vllm.sh --prepare; then
+    say "prepare failed"; exit 2
+fi
 py=python3 site=/root/peersite
 # shellcheck source=bench/wheels.sh
 . bench/wheels.sh
@@ -41,14 +44,14 @@ expose_fa3 || exit 2
 ours_json="${OURS_JSON:-$out/ours/fused_step_profile.json}"
 if [ -z "${OURS_JSON:-}" ]; then
     say "ours: fused_step_profile.py --backend fa3"
-    "$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder --steps "${STEPS:-5}" \
-        "${ours_q[@]}" --out "$out/ours" >"$out/ours.log" 2>&1 || { tail -30 "$out/ours.log"; say "ours failed"; exit 1; }
+    if ! "$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder \
+            --steps "${STEPS:-5}" "${ours_q[@]}" --out "$out/ours" >"$out/ours.log" 2>&1; then
+        tail -30 "$out/ours.log"; say "ours failed"; exit 1
+    fi
     cat "$out/ours/fused_step_profile.md"
 fi
-model_dir=/root/peermodel
-[ "$preset" != qwen3-8b ] || [ -n "$suffix" ] && model_dir="/root/peermodel-$preset$suffix"
-say "vLLM: vllm_step_profile.py ($model_dir)"
-PYTHONPATH="$site" "$py" bench/vllm_step_profile.py --preset "$preset" "${vllm_q[@]}" --model-dir "$model_dir" \
+say "vLLM: vllm_step_profile.py (its model folder: /root/peermodel-$preset${vllm_q[*]:+-fp8}, written when missing)"
+PYTHONPATH="$site" "$py" bench/vllm_step_profile.py --preset "$preset" "${vllm_q[@]}" \
     --prompt-lens "${PROMPT_LENS:-2048,4096,8192}" --steps "${STEPS:-5}" --compare "$ours_json" --out "$out" \
     >"$out/vllm.log" 2>&1
 s=$?

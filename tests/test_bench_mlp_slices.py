@@ -49,3 +49,13 @@ def test_write_json_makes_the_folder_and_returns_the_path(tmp_path) -> None:  # 
     assert path == str(tmp_path / "new" / "mlp_slices_ab.json")
     with open(path) as fh:
         assert json.load(fh) == {"rows": [1, 2]}
+
+
+@pytest.mark.parametrize("flags", [["--chunk", "0"], ["--reps", "0"], ["--rounds", "0"], ["--models", "qwen3-8b"]])
+def test_bad_flags_are_refused_before_any_gpu_work(flags: list[str]) -> None:
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "mlp_slices_ab.py")
+    got = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2
+    assert "error:" in got.stderr and ("--chunk, --reps and --rounds" in got.stderr or "preset:NAME" in got.stderr)

@@ -15,11 +15,12 @@ sizes the one shared pool after loading the weights (runner/kv_sizing.py `_gpu_k
   it was made since;
 - steps: the activation peak, i.e. the memory a dummy prefill of the largest step (`max_num_batched_tokens` tokens)
   made the allocator reserve beyond the segments it held before (activations that fit in the unused cache, which
-  "this engine's use" already counts, cost nothing more; a step's MLP runs by row slices of MLP_ROW_CHUNK rows,
-  models/projections.py, so its intermediate rows are not the whole step's), at least the largest decode step's
-  logits and sampling scratch (seats x vocab x 4 bytes x 3); once per process of this engine that runs such steps on
-  this GPU (`step_processes`: 2 in rapid mode, whose prefill worker runs prefill steps of the same token budget in
-  its own allocator, which keeps its peak; 1 for the hybrid worker, `LLM` and a disaggregated decode GPU).
+  "this engine's use" already counts, cost nothing more; a step of more than MLP_ROW_CHUNK rows, 8192, runs its MLP
+  by row slices of that many, models/projections.py, so its intermediate rows are a slice's), at least the largest
+  decode step's logits and sampling scratch (seats x vocab x 4 bytes x 3); once per process of this engine that runs
+  such steps on this GPU (`step_processes`: 2 in rapid mode, whose prefill worker runs prefill steps of the same
+  token budget in its own allocator, which keeps its peak; 1 for the hybrid worker, `LLM` and a disaggregated decode
+  GPU).
 Not charged yet: the CUDA graphs' pools (the decode graphs, and the piecewise prefill graphs of both workers), which
 vLLM 0.26 charges since its v0.21 (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS); they are captured after the pool exists.
 
