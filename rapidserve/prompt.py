@@ -58,6 +58,15 @@ class PromptLimits:
                               f"'{where}' has {len(prompt)} tokens (it must leave room for at least one "
                               "generated token)", code="context_length_exceeded")
 
+    def within_cap(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`params` with max_tokens at most what a `prompt_len`-token prompt leaves within the context cap
+        (min_tokens with it): the same "length" finish as the stop rule at the cap, for a caller whose cap is
+        below the one the worker applies (disagg under --max-model-len auto: a smaller staging pool)."""
+        room = self.context_cap - prompt_len
+        if params.max_tokens is not None and params.max_tokens <= room:
+            return params
+        return params.replace(max_tokens=room, min_tokens=min(params.min_tokens, room))
+
     def check_params(self, params: SamplingParams) -> None:
         """Raise PromptError naming the field when a logit control names a token id outside the
         vocabulary, or `bad_words` were not tokenized (only an edge with a tokenizer can)."""

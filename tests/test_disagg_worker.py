@@ -188,3 +188,20 @@ def test_staging_must_hold_a_longest_request(base: tuple[EngineConfig, Any]) -> 
         DisaggPrefillWorker(cfg, runner, FakeIO(), backend, "overallocated", conn, 100)  # type: ignore[arg-type]
     w = DisaggPrefillWorker(cfg, runner, FakeIO(), backend, "overallocated", conn, 16)  # type: ignore[arg-type]
     assert w.context_cap == 256  # decode's pool, not max_model_len, caps the context
+
+
+def test_max_model_len_auto_fits_the_context_to_a_smaller_staging_pool(base: tuple[EngineConfig, Any],
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """--max-model-len auto (fit_max_model_len): staging (16 blocks) below decode's pool (60 blocks) caps the context
+    at staging's 256 tokens, with a warning, instead of refusing to start; the router reads it from the Ready."""
+    _, source = base
+    cfg, _ = build_engine_config("preset:tiny-llama", device="cpu", dtype="float32", num_kv_blocks=STAGING,
+                                 max_model_len="auto", max_num_batched_tokens=BUDGET)
+    assert cfg.scheduler.fit_max_model_len and cfg.max_model_len > 60 * BS  # the model's: more than decode holds
+    runner = ModelRunner(cfg, source, show_progress=False)
+    backend = open_streams(resolve_plan(cfg, torch.device("cpu")).wire(), torch.device("cpu"), ("prefill",))
+    conn = DevicePeerConnector(runner.kv_pool.tensor, torch.zeros_like(runner.kv_pool.tensor))
+    with caplog.at_level("WARNING", logger="rapidserve.engine.disagg"):
+        w = DisaggPrefillWorker(cfg, runner, FakeIO(), backend, "overallocated", conn, 60)  # type: ignore[arg-type]
+    assert w.context_cap == 16 * BS
+    assert "staging KV pool on cpu holds 256 tokens, fewer than decode's 960" in caplog.text

@@ -6,6 +6,7 @@ import pytest
 
 from rapidserve.block_manager import BlockManager
 from rapidserve.prompt import PromptError, PromptLimits
+from rapidserve.sampling_params import SamplingParams
 
 LIMITS = PromptLimits(vocab_size=1000, max_model_len=256)
 SMALL_POOL = PromptLimits(vocab_size=1000, max_model_len=256, pool_tokens=64)
@@ -44,6 +45,25 @@ def test_the_field_is_named() -> None:
 @pytest.mark.parametrize("max_len, pool, cap", [(256, None, 256), (256, 64, 64), (256, 4096, 256)])
 def test_context_cap(max_len: int, pool: int | None, cap: int) -> None:
     assert PromptLimits(1000, max_len, pool).context_cap == cap
+
+
+# within_cap: a caller whose cap (SMALL_POOL: 64) is below the worker's gives the request the max_tokens the stop
+# rule at 64 would end it with, and no more min_tokens than that.
+@pytest.mark.parametrize("prompt_len, max_tokens, min_tokens, want_max, want_min", [
+    (10, None, 0, 54, 0),  # "until the cap": the cap's room
+    (10, 100, 0, 54, 0),  # more than the room: cut to it
+    (10, 100, 80, 54, 54),  # min_tokens past the cap: the cap ended it there anyway
+    (10, 54, 5, 54, 5),  # exactly the room: unchanged
+    (10, 20, 5, 20, 5),  # within: unchanged
+    (63, None, 0, 1, 0),  # the longest prompt that fits leaves one token
+])
+def test_within_cap(prompt_len: int, max_tokens: int | None, min_tokens: int, want_max: int, want_min: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.5, seed=3)
+    got = SMALL_POOL.within_cap(params, prompt_len)
+    assert (got.max_tokens, got.min_tokens) == (want_max, want_min)
+    assert (got.temperature, got.seed) == (0.5, 3)  # nothing else changes
+    if max_tokens is not None and max_tokens <= 64 - prompt_len:
+        assert got is params
 
 
 # The admission rule every scheduler shares (BlockManager.can_admit): 100 blocks of 16 tokens, 1 kept

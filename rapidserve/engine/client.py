@@ -208,6 +208,8 @@ class AsyncEngine(WorkerSupervision):
             limits.check_params(params)
         except PromptError as e:
             raise RequestRejected(str(e)) from None
+        if limits.context_cap < min(self.cfg.max_model_len, self.workers.engine_pool_tokens):
+            params = limits.within_cap(params, len(prompt_token_ids))  # the engine worker's own cap is larger
         stream = _Stream(asyncio.Queue())
         self.streams[req_id] = stream
         try:  # to the decode (or hybrid) worker alone: it hands the request to prefill with its blocks

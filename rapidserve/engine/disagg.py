@@ -50,6 +50,7 @@ follower replays the fence before any later forward, in the mirror's order).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -92,6 +93,8 @@ from rapidserve.partition.runtime import DecodePartition
 from rapidserve.partition_config import PartitionConfig
 from rapidserve.prompt import PromptLimits
 from rapidserve.runner import ModelRunner, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
 
 
 def builders_for(cfg: EngineConfig) -> dict[str, Build]:
@@ -277,16 +280,25 @@ class DisaggPrefillWorker(PrefillWorker):
         super().__init__(cfg, runner, io, backend, partition)
         self.connector = connector
         self.bs = runner.block_size
-        # the stop rule's context cap is decode's (its pool's capacity), not this staging pool's
+        # the stop rule's context cap is decode's (its pool's capacity) ...
         self.context_cap = PromptLimits(cfg.model_config.vocab_size, cfg.max_model_len,
                                         decode_blocks * self.bs).context_cap
         self.staging = StagingAllocator(runner.kv_pool.num_blocks)
         self.staged: dict[int, Staged] = {}  # by id(job), while the job is in waiting_prefill
         need = -(-self.context_cap // self.bs)
-        if not self.staging.fits(need):
+        if not self.staging.fits(need) and cfg.scheduler.fit_max_model_len:
+            # ... and under --max-model-len auto at most this staging pool's: the router caps every request there
+            # (WorkerSet.pool_tokens reads this worker's Ready "staging_blocks"), so a preempted request, prefilled
+            # again whole, always fits
+            self.context_cap = self.staging.num_blocks * self.bs
+            log.warning("--max-model-len auto: the staging KV pool on %s holds %d tokens, fewer than decode's %d: "
+                        "a request's prompt and output may reach %d tokens", runner.device, self.context_cap,
+                        need * self.bs, self.context_cap)
+        elif not self.staging.fits(need):
             raise ConfigError(f"the staging KV pool on {runner.device} has {self.staging.num_blocks} blocks but one "
                               f"request may need {need} ({self.context_cap} tokens): raise --num-kv-blocks or "
-                              "--gpu-memory-utilization, or lower --max-model-len")
+                              "--gpu-memory-utilization, lower --max-model-len, or give --max-model-len auto (the "
+                              "length then fits the smaller pool)")
 
     # ---- staging: taken with the batch, freed with the job ------------------------------------
     def take_batch(self, hold: AbstractSet[str] = frozenset()) -> list[tuple[Job, int]]:

@@ -202,9 +202,17 @@ class WorkerSet:
         return "hybrid" if "hybrid" in self.procs else "decode"
 
     @property
-    def pool_tokens(self) -> int:
-        """The KV pool's capacity in tokens, as the engine worker reported it."""
+    def engine_pool_tokens(self) -> int:
+        """The engine worker's KV pool in tokens, as it reported it: the context cap its stop rule applies."""
         return int(self.ready[self.engine_role].info["kv_blocks"]) * self.cfg.cache.block_size
+
+    @property
+    def pool_tokens(self) -> int:
+        """The longest context every worker can hold, in tokens: the engine worker's pool, and in disagg mode at
+        most the prefill worker's staging pool (which, under --max-model-len auto, may hold less: a preempted
+        request is prefilled again whole, so no request may outgrow it)."""
+        staging = [int(r.info["staging_blocks"]) for r in self.ready.values() if "staging_blocks" in r.info]
+        return min([self.engine_pool_tokens // self.cfg.cache.block_size, *staging]) * self.cfg.cache.block_size
 
     def submit(self, msg: m.NewRequest) -> bool:
         """A new request to the engine worker; False when its inbox is full (try again later)."""
