@@ -1,6 +1,7 @@
 """What a fused step costs beyond its tokens, and in which kernels (issue 37: where the 50-ms SLO's time goes).
 
-    python bench/fused_step_profile.py [--model preset:qwen3-8b] [--backend auto] [--steps 8] [--out DIR]
+    python bench/fused_step_profile.py [--model preset:qwen3-8b] [--backend auto] [--steps 8] [--idle-ms 0]
+        [--quantization none|fp8] [--no-ladder] [--out DIR]
 
 A fused step is the decode worker's mixed forward (engine/step_launch.py `launch_step`): the running requests' decode
 rows as one-token prompt items first, then the prompt chunks, replaying the piecewise prefill graphs up to their largest
@@ -14,9 +15,11 @@ install the stash as bench/fa3_check.sh does and put it on PYTHONPATH (bench/pee
 `--backend fa3`. For each shape of `SHAPES` (decode rows at a context, one prompt chunk after a cached prefix) it builds
 the step's items the way `launch_step` does, times the forward (CUDA events, median of --steps after a warm-up, each
 right behind an untimed one as the engine launches its steps one ahead, so the host's work on it is not counted:
-gpu_timing.back_to_back_ms) and, under torch.profiler, sums its kernels' device time by category
-(bench/step_profile.py's) and the time no kernel ran (the gaps: launches between the graph pieces and the eager
-attention).
+gpu_timing.back_to_back_ms; `--idle-ms M`: each step after M ms with the GPU idle, timed alone, its profiled steps
+too, so a power-limited GPU runs them at the clocks of one request at a time, as bench/vllm_step_profile.py times
+vLLM's: bench/gemm_duty_cycle.py found that worth 5-15% on the same GEMMs) and, under torch.profiler, sums its
+kernels' device time by category (bench/step_profile.py's) and the time no kernel ran (the gaps: launches between the
+graph pieces and the eager attention).
 
 Then a least-squares line through the shapes without decode rows, ms = fixed + per_token x T (+ the chunks' causal
 attention pairs), the fixed part of a step on this GPU, and per shape its tokens/s against the largest chunk's.
@@ -142,9 +145,12 @@ def ladder_table(rungs: Sequence[dict[str, Any]]) -> str:
 
 
 def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladder: Sequence[int] = (),
-            fp8: bool = False) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+            fp8: bool = False, idle_s: float = 0.0,
+            ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """`idle_s` > 0: each timed and profiled step after that long idle, timed alone (its host's lead-in counted)
+    instead of back to back (--idle-ms, module docstring)."""
     import torch
-    from gpu_timing import back_to_back_ms
+    from gpu_timing import back_to_back_ms, time_ms
     from model_runner import engine_config, preset_source
     from step_profile import timed_and_profiled
 
@@ -172,7 +178,7 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladde
         def fn(items: list[Any] = items) -> Any:
             return runner.prefill(items)
 
-        wall, cats, top = timed_and_profiled(fn, steps, back_to_back_ms)
+        wall, cats, top = timed_and_profiled(fn, steps, time_ms if idle_s > 0 else back_to_back_ms, idle_s=idle_s)
         ms = statistics.median(wall)
         out.append({"label": s.label, **dataclasses.asdict(s), "ms": ms, "min_ms": min(wall), "max_ms": max(wall),
                     "chunk_tokens_per_s": 1e3 * s.chunk / ms, "categories_ms": cats, "top_kernels_ms": top,
@@ -186,6 +192,13 @@ def measure(model: str, backend: str, steps: int, shapes: Sequence[Shape], ladde
     return runner.attn.name, out, rungs, left_out
 
 
+def timing_note(idle_ms: float) -> str:
+    """How the steps were timed, for the table's heading."""
+    if idle_ms > 0:
+        return f"Each step after {idle_ms:g} ms idle, timed alone (its host's lead-in in `gaps`)"
+    return "Steps back to back (the device's work only)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="preset:qwen3-8b")
@@ -196,9 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-ladder", action="store_true", help="skip the ladder of chunk sizes (LADDER)")
     ap.add_argument("--quantization", choices=("none", "fp8"), default="none",
                     help="fp8: the weights quantized at load, as `serve --quantization fp8`")
+    ap.add_argument("--idle-ms", type=float, default=0.0,
+                    help="leave the GPU idle this long before each timed and profiled step (default 0: back to back)")
     a = ap.parse_args(argv)
     if a.steps < 1:
         ap.error("--steps must be >= 1")
+    if not a.idle_ms >= 0:
+        ap.error("--idle-ms must be >= 0")
     import torch
 
     if not torch.cuda.is_available():
@@ -207,14 +224,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from step_profile import CATEGORIES
 
     fp8 = a.quantization == "fp8"
-    backend, rows, rungs, left_out = measure(a.model, a.backend, a.steps, SHAPES, () if a.no_ladder else LADDER, fp8)
+    backend, rows, rungs, left_out = measure(a.model, a.backend, a.steps, SHAPES, () if a.no_ladder else LADDER, fp8,
+                                             a.idle_ms / 1000)
     by_label = {r["label"]: r for r in rows}  # shapes that did not fit the KV pool are absent
     alone = [(s, by_label[s.label]["ms"]) for s in SHAPES if s.rows == 0 and s.label in by_label]
     f = fit(alone) if len(alone) >= 3 else None
     cats = [c for c, _ in CATEGORIES] + ["other"]
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "backend": backend,
            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"), "model": a.model,
-           "weights": "fp8" if fp8 else "bf16",
+           "weights": "fp8" if fp8 else "bf16", "idle_ms": a.idle_ms,
            "command": "python bench/fused_step_profile.py " + " ".join(sys.argv[1:]), "fit": f, "shapes": rows,
            "ladder": rungs, "left_out": left_out}
     os.makedirs(a.out, exist_ok=True)
@@ -223,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = (f"# A fused step's time by kernel category: {a.model} {res['weights']} on {res['gpu']} "
             f"({res['date']}, {backend})\n\n"
             f"Command: `{res['command']}`. Milliseconds per step (median of {a.steps}); `gaps`: step time no "
-            "kernel ran.\n\n" + table(rows, cats, f) + "\n"
+            "kernel ran. " + timing_note(a.idle_ms) + ".\n\n" + table(rows, cats, f) + "\n"
             + "".join(f"\nLeft out: {why}.\n" for why in left_out))
     if rungs:
         text += ("\nThe ladder: one chunk alone at each size (no profiler; median of the timed forwards):\n\n"

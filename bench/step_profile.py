@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -83,16 +84,21 @@ def kernel_times(prof: profile, steps: int, top: int = 12, name_chars: int = 90,
 
 
 def timed_and_profiled(fn: Callable[[], object], steps: int, timer: Callable[..., list[float]] = time_ms,
-                       inspect: Callable[[profile], object] | None = None, **kernel_args: int,
+                       inspect: Callable[[profile], object] | None = None, idle_s: float = 0.0, **kernel_args: int,
                        ) -> tuple[list[float], dict[str, float], dict[str, float]]:
     """`fn`'s ms over `steps` calls (`timer`: gpu_timing's time_ms, each call alone, or back_to_back_ms, its device
     work behind the call before), then `kernel_times` of `steps` more under torch.profiler (`kernel_args`: its top
     and name_chars; `inspect`, when given, is called with the profile too): (each call's ms, ms per call by
-    category, ms per call of the longest kernels)."""
-    wall = timer(fn, reps=steps)
+    category, ms per call of the longest kernels). `idle_s` > 0: the device left idle that long before each timed
+    and each profiled call (`timer` is then called with idle_s: time_ms's), so a power-limited GPU runs every call at
+    the clocks of a duty cycle like a server's between requests (bench/gemm_duty_cycle.py)."""
+    wall = timer(fn, reps=steps, idle_s=idle_s) if idle_s > 0 else timer(fn, reps=steps)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
+            if idle_s > 0:
+                torch.cuda.synchronize()
+                time.sleep(idle_s)
             fn()
         torch.cuda.synchronize()
     cats, top = kernel_times(prof, steps, **kernel_args)

@@ -13,7 +13,9 @@
 # STEPS (default 5): timed and profiled steps a shape, both sides. OURS_JSON=PATH: skip (2) and compare with that
 # fused_step_profile.json (e.g. the 70B shape in two calls on one machine, ours in the first:
 # PRESET=llama-3.1-70b FP8=1 STEPS=3 PROMPT_LENS=2048,8192; vLLM's start on it with its compile is ~3-4 min).
-# Read the GEMM rows with the clocks in mind: ours are timed back to back, vLLM's one request at a time with its
+# IDLE_MS=M (default 0): each of our steps after M ms with the GPU idle (fused_step_profile.py --idle-ms), so both
+# sides run at the clocks of one request at a time (40 ms matched vLLM's GEMM times on Qwen3-8B). With 0, read the
+# GEMM rows with the clocks in mind: ours are timed back to back, vLLM's one request at a time with its
 # host's gaps, and a power-limited H200 runs the same cuBLASLt kernels 5-15% faster after idling
 # (bench/gemm_duty_cycle.py, bench/results/h200_1202b/: 2026-12-02's Qwen3-8B run saw exactly that).
 # $OUT (default bench/results/step_vs_vllm) gets prep/, ours/fused_step_profile.{json,md}, vllm_step_profile.{json,md}
@@ -45,7 +47,7 @@ ours_json="${OURS_JSON:-$out/ours/fused_step_profile.json}"
 if [ -z "${OURS_JSON:-}" ]; then
     say "ours: fused_step_profile.py --backend fa3"
     if ! "$py" bench/fused_step_profile.py --model "preset:$preset" --backend fa3 --no-ladder \
-            --steps "${STEPS:-5}" "${ours_q[@]}" --out "$out/ours" >"$out/ours.log" 2>&1; then
+            --steps "${STEPS:-5}" --idle-ms "${IDLE_MS:-0}" "${ours_q[@]}" --out "$out/ours" >"$out/ours.log" 2>&1; then
         tail -30 "$out/ours.log"; say "ours failed"; exit 1
     fi
     cat "$out/ours/fused_step_profile.md"

@@ -195,6 +195,12 @@ def compare(ours: dict[str, Any], rows: Sequence[dict[str, Any]], cats: Sequence
     return out
 
 
+def ours_timing(ours: dict[str, Any]) -> str:
+    """How fused_step_profile.py timed our steps (its --idle-ms), for the comparison's heading."""
+    idle = float(ours.get("idle_ms") or 0)
+    return f"ours each after {idle:g} ms idle, as vLLM's requests" if idle > 0 else "ours timed back to back"
+
+
 def compare_table(cmp: Sequence[dict[str, Any]], ours_name: str, ours_lens: Sequence[int]) -> str:
     """The side-by-side tables of `compare`, one a prompt length."""
     if not cmp:
@@ -312,8 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["compare"] = compare(ours, rows, CATS)
         ours_lens = [int(s["chunk"]) for s in ours.get("shapes", []) if s.get("rows") == 0 and not s.get("prefix")]
         text += (f"\nOurs ({a.compare}: {ours.get('model', '?')} {ours.get('weights', '?')}, {ours.get('backend', '?')}"
-                 f" attention, {ours.get('date', '?')}) beside vLLM, ms a step; step: device ms (ours timed back to "
-                 "back); the difference's share: of the steps' difference.\n\n"
+                 f" attention, {ours.get('date', '?')}) beside vLLM, ms a step; step: device ms ({ours_timing(ours)}); "
+                 "the difference's share: of the steps' difference.\n\n"
                  + compare_table(meta["compare"], a.compare.name, ours_lens) + "\n")
     write_table_files(a.out, "vllm_step_profile", a, list(rows), text, meta)
     print(text)

@@ -61,3 +61,17 @@ def test_the_ladder_says_where_a_larger_chunk_buys_fewer_tokens_a_second() -> No
     assert rows[2:] == ["| 1024 | 25.00 | 40,960 | 1.00 |", "| 1152 | 30.00 | 38,400 | 0.94 |",
                         "| 1280 | 30.50 | 41,967 | 1.00 |"]
     assert tuple(range(256, 4097, 128)) == fsp.LADDER
+
+
+def test_the_heading_says_how_the_steps_were_timed() -> None:
+    assert fsp.timing_note(0.0) == "Steps back to back (the device's work only)"
+    assert fsp.timing_note(40.0) == "Each step after 40 ms idle, timed alone (its host's lead-in in `gaps`)"
+
+
+@pytest.mark.parametrize("flags, said", [(["--idle-ms", "-5"], "--idle-ms must be >= 0"),
+                                         (["--idle-ms", "nan"], "--idle-ms must be >= 0"),
+                                         (["--steps", "0"], "--steps must be >= 1")])
+def test_bad_flags_are_refused_by_name(flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        fsp.main(flags)
+    assert e.value.code == 2 and said in capsys.readouterr().err

@@ -196,6 +196,13 @@ def test_main_writes_the_tables_from_an_earlier_run_without_a_gpu(tmp_path: Path
                                                  "share": 1.0}
     assert [r["prompt_tokens"] for r in written["rows"]] == [4096, 8192]
     assert "| 70.00 | 40.00 | +30.00 | 60% |" in (out / "vllm_step_profile.md").read_text()
+    assert "step: device ms (ours timed back to back)" in printed  # OURS has no idle_ms: fused_step_profile's default
+
+
+@pytest.mark.parametrize("ours, said", [({}, "ours timed back to back"), ({"idle_ms": 0.0}, "ours timed back to back"),
+                                        ({"idle_ms": 40.0}, "ours each after 40 ms idle, as vLLM's requests")])
+def test_the_comparison_says_how_ours_were_timed(ours: dict[str, Any], said: str) -> None:
+    assert vsp.ours_timing(ours) == said
 
 
 def test_the_model_folder_must_declare_what_was_asked(tmp_path: Path) -> None:
