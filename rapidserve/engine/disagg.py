@@ -291,9 +291,9 @@ class DisaggPrefillWorker(PrefillWorker):
             # (WorkerSet.pool_tokens reads this worker's Ready "staging_blocks"), so a preempted request, prefilled
             # again whole, always fits
             self.context_cap = self.staging.num_blocks * self.bs
-            log.warning("--max-model-len auto: the staging KV pool on %s holds %d tokens, fewer than decode's %d: "
-                        "a request's prompt and output may reach %d tokens", runner.device, self.context_cap,
-                        need * self.bs, self.context_cap)
+            log.warning("--max-model-len auto: the staging KV pool on %s holds %d tokens, fewer than the %d the "
+                        "model and decode's pool allow: a request's prompt and output may reach %d tokens",
+                        runner.device, self.context_cap, need * self.bs, self.context_cap)
         elif not self.staging.fits(need):
             raise ConfigError(f"the staging KV pool on {runner.device} has {self.staging.num_blocks} blocks but one "
                               f"request may need {need} ({self.context_cap} tokens): raise --num-kv-blocks or "
