@@ -204,4 +204,5 @@ def test_max_model_len_auto_fits_the_context_to_a_smaller_staging_pool(base: tup
     with caplog.at_level("WARNING", logger="rapidserve.engine.disagg"):
         w = DisaggPrefillWorker(cfg, runner, FakeIO(), backend, "overallocated", conn, 60)  # type: ignore[arg-type]
     assert w.context_cap == 16 * BS
-    assert "staging KV pool on cpu holds 256 tokens, fewer than the 960 the model and decode's pool allow" in caplog.text
+    said = "staging KV pool on cpu holds 256 tokens, fewer than the 960 the model and decode's pool allow"
+    assert said in caplog.text
