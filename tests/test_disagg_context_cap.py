@@ -7,7 +7,6 @@ The prefill worker's side (it starts, capped, instead of refusing): tests/test_d
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any
 
 import pytest
@@ -80,7 +79,7 @@ async def _submit(engine: AsyncEngine, prompt: list[int], params: SamplingParams
 ])
 def test_requests_get_the_cap_the_router_applies(engine_pool: int, pool: int, params: SamplingParams,
                                                  want_max: int | None) -> None:
-    engine = AsyncEngine(dataclasses.replace(cfg_auto()))
+    engine = AsyncEngine(cfg_auto())
     engine.workers, engine.state = Submitted(engine_pool, pool), "ready"  # type: ignore[assignment]
     sent = asyncio.run(_submit(engine, list(range(3, 103)), params))
     assert sent.params.max_tokens == want_max
