@@ -18,10 +18,14 @@ Memory layout: one set of static input buffers, sized for the largest bucket m a
 key: input_ids [m] int64, positions [m] int64, block_tables [m, max_blocks_per_seq] int32, context_lens [m]
 int32, slot_mapping [m] int64. A step of n rows fills rows [0, n); padding rows up to the bucket get slot -1
 (no K/V written) and context length 0 (attend to nothing). Every graph captures into one private memory pool,
-and its logits stay in the key's one output buffer ([largest bucket, vocab] float32, rows [0, bucket) each graph's)
-until the next replay of any graph of that key: the same as one graph replayed twice, which the steps on a key's stream
-already order (a step's logits are sampled on that stream before its next forward). One buffer a key, not one a graph:
-the buckets up to 512 would hold 4455 rows, 2.7 GB at a 151936-token vocabulary, per key (5 keys in rapid mode).
+and its logits stay in one output buffer shared by every graph of every key (`_static["logits"]`, [largest bucket,
+vocab] float32, rows [0, bucket) each graph's) until the next replay of any graph: the same as one graph replayed
+twice, which the steps on a key's stream already order (a step's logits are sampled on that stream before its next
+forward), and across keys the decode worker's switch of configuration orders it (it synchronizes the old key's
+stream before the first step on the new one: engine/decode_worker.py `_switch`; a TP follower replays the leader's
+keys in the leader's order). One buffer, not one a graph (the buckets up to 512 would hold 4455 rows, 2.7 GB at a
+151936-token vocabulary) nor one a key (311 MB each at 512 rows: 1.2 GB more in rapid mode's 5 keys, memory the KV
+budget does not charge).
 """
 
 from __future__ import annotations
@@ -197,7 +201,7 @@ class DecodeGraphs(BatchInputs):
         capture_stream = stream if stream is not None else torch.cuda.Stream(self.device)
         capture_stream.wait_stream(caller)  # static buffers, weights and pool are written before any read
         graphs: dict[int, DecodeGraph] = {}
-        out: torch.Tensor | None = None  # the key's one logits buffer, sized by its largest bucket (captured first)
+        out = s.get("logits")  # the one logits buffer (module doc), sized by the first key's largest bucket
         with torch.cuda.stream(capture_stream):
             for b in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode graphs [{key}]",
                           disable=not show_progress, leave=False):
@@ -213,8 +217,8 @@ class DecodeGraphs(BatchInputs):
                 choice = launch if launch is not None else self.decode_launch(b)
                 with self._launching(choice):
                     warm = step()  # warm-up: Triton compilation and cuBLAS handles happen outside capture
-                    if out is None:
-                        out = torch.empty(b, warm.shape[1], dtype=torch.float32, device=self.device)
+                    if out is None or out.shape[0] < b:
+                        out = s["logits"] = torch.empty(b, warm.shape[1], dtype=torch.float32, device=self.device)
                     del warm
                     capture_stream.synchronize()
                     g = torch.cuda.CUDAGraph()
