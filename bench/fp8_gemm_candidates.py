@@ -20,6 +20,11 @@ and per-token scales [M, 1] (the same for all: our quantizer's), "with quant" of
   [M, 1]); with quant, its `scaled_fp8_quant(x, use_per_token_if_dynamic=True)` first.
 - FlashInfer: `flashinfer.gemm.fp8_linear` (per-token x per-channel, SM100/103/107 only) where it imports and the GPU
   has it, else the row says why (its sm90 fp8 GEMMs take per-tensor or block scales: another scheme).
+- cuBLASLt tensor, vLLM tensor: the same two GEMMs with one scale for the rows and one for the weight, the scheme
+  vLLM's engine runs for `--quantization fp8` of a bf16 checkpoint (bench/fp8_gemm_kernels.py's docstring): not a
+  drop-in for ours (another accuracy); they say how much of an engine-level gap is the scales' granularity (the
+  epilogue) rather than the kernel. Their GEMM-only input is the per-token rows re-quantized per tensor (outside the
+  timing), checked at QUANT_TOL.
 Each call's output is first checked against the float32 GEMM of the dequantized x8 and weight (relative error <
 moe_candidates.TOL of max |ref|; with quant 2 x TOL, QUANT_TOL); one that fails or disagrees is not timed, its row
 says why. Times: a CUDA-graph
@@ -48,7 +53,6 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,12 +61,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.append(str(Path(__file__).resolve().parent))  # fp8_sweep imports gpu_timing as a top-level module
 
 from bench import moe_gemm, moe_timing  # noqa: E402
+from bench.fp8_gemm_kernels import (  # noqa: E402
+    GemmCandidate,
+    Kernel,
+    cublaslt,
+    cublaslt_tensor,
+    load_flashinfer,
+    load_vllm,
+    make_layer,
+    our_route,
+    ours,
+    quantizer,
+)
 from bench.fp8_sweep import shapes_of  # noqa: E402
-from bench.moe_candidate_kernels import import_probed, import_vllm, short  # noqa: E402
+from bench.moe_candidate_kernels import short  # noqa: E402
 from bench.moe_candidates import TOL, Clock, cell, checked, parse_budget, parse_counts, ratio, timed, write_json  # noqa: E402
 from rapidserve.loader.preset_table import preset_table  # noqa: E402
 from rapidserve.loader.presets import preset_config  # noqa: E402
-from rapidserve.ops import fp8, fp8_gpu, fp8_ops, get_ops, triton_fp8, triton_fp8_skinny  # noqa: E402
 
 DEFAULT_MODELS = "llama-3.1-70b,qwen3-8b"
 ROWS = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
@@ -72,121 +87,11 @@ MIXES = {**VARIANTS, "mix": "prefill mix"}  # the summary's: o with quant, the o
 QUANT_TOL = 2 * TOL  # with quant (its own x8): an element may round the other way (x / s vs x * (1 / s))
 REPS = (50, 20)  # replays per row: at most 64 rows, above
 DRY_RUN = {"model": "tiny-llama", "rows": (1, 5, 32), "reps": 1}
-Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x8 [M, K], sx [M, 1] float32) -> bf16 [M, N]
-Kernel = tuple[Gemm, Callable[[torch.Tensor], torch.Tensor]]  # a candidate's calls on a layer: GEMM only, with quant
-
-
-@dataclass
-class GemmCandidate:
-    """An fp8 GEMM: `bind(layer)` its calls on an `fp8.Fp8Linear` (None: not available, `why` says why)."""
-    name: str  # the rows' key prefix
-    label: str
-    bind: Callable[[fp8.Fp8Linear], Kernel] | None
-    why: str = ""
-    version: str = ""
 
 
 def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
     """{projection: (N, K)} of `model`'s decoder layer."""
     return dict(zip(PROJS, shapes_of(preset_config(model)), strict=True))
-
-
-def quantizer(device: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """The engine's per-token quantizer on `device` (the Triton kernel on a GPU, the torch definition elsewhere)."""
-    dt = fp8.fp8_dtype(device)
-    if device == "cuda":
-        return lambda x: triton_fp8.quantize_tokens(x, dt)
-    return lambda x: fp8.quantize_input(x, "token", dt)
-
-
-def ours(device: str) -> GemmCandidate:
-    ops = fp8_ops(get_ops(device), device)
-
-    def bind(layer: fp8.Fp8Linear) -> Kernel:
-        return (lambda x8, sx: ops.fp8_linear_rows(fp8.QuantizedRows(x8, sx, torch.bfloat16), layer, None),
-                lambda x: ops.fp8_linear(x, layer, None))
-
-    return GemmCandidate("ours", "ours", bind, version=f"{ops.name}: {ops.fp8_linear.__name__}")
-
-
-def our_route(x: torch.Tensor, layer: fp8.Fp8Linear) -> str:
-    """The kernel `fp8_gpu.gpu_linear` takes for x (the reference on the CPU)."""
-    if not x.is_cuda:
-        return "reference"
-    if fp8_gpu.w8a16_routed(x.shape[0], layer):
-        return "W8A16"
-    if triton_fp8_skinny.routed(x, layer.weight, layer.weight_scale):
-        return "skinny"
-    return "_scaled_mm" if fp8_gpu.scaled_mm_ok(x, layer) else "reference"
-
-
-def quantized(name: str, label: str, gemm_of: Callable[[fp8.Fp8Linear], Gemm],
-              quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], version: str) -> GemmCandidate:
-    """A candidate whose GEMM on a layer is `gemm_of(layer)` and whose with-quant call is `quantize`, then that."""
-    def bind(layer: fp8.Fp8Linear) -> Kernel:
-        gemm = gemm_of(layer)
-        return gemm, lambda x: gemm(*quantize(x))
-
-    return GemmCandidate(name, label, bind, version=version)
-
-
-def cublaslt(device: str) -> GemmCandidate:
-    def gemm_of(layer: fp8.Fp8Linear) -> Gemm:
-        wt, sw = layer.weight.t(), layer.weight_scale.reshape(1, -1)
-        return lambda x8, sx: torch._scaled_mm(x8, wt, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16,
-                                               use_fast_accum=True)
-
-    return quantized("cublaslt", "cuBLASLt", gemm_of, quantizer(device), f"torch {torch.__version__} _scaled_mm")
-
-
-def load_vllm(path: Path | None) -> GemmCandidate:
-    """vLLM's CUTLASS fp8 GEMM and per-token quantizer (module docstring), or why not."""
-    got = import_vllm(path, "vllm._custom_ops")
-    if isinstance(got, str):
-        return GemmCandidate("vllm", "vLLM", None, why=f"vllm not importable: {got}")
-    vllm, ops = got
-    version = str(getattr(vllm, "__version__", "?"))
-    lacks = [f for f in ("cutlass_scaled_mm", "scaled_fp8_quant") if not hasattr(ops, f)]
-    if lacks:
-        return GemmCandidate("vllm", "vLLM", None, why=f"vllm {version}: no {', '.join(lacks)} in vllm._custom_ops")
-
-    def gemm_of(layer: fp8.Fp8Linear) -> Gemm:
-        b, sb = layer.weight.t(), layer.weight_scale.reshape(-1, 1).contiguous()  # [K, N] column-major, [N, 1]
-        return lambda x8, sx: ops.cutlass_scaled_mm(x8, b, sx, sb, torch.bfloat16)
-
-    return quantized("vllm", "vLLM", gemm_of, lambda x: ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True),
-                     f"{version}: cutlass_scaled_mm")
-
-
-def load_flashinfer(path: Path | None, device: str) -> GemmCandidate:
-    """FlashInfer's per-token x per-channel fp8 GEMM (`gemm.fp8_linear`), or why not."""
-    def missing(why: str) -> GemmCandidate:
-        return GemmCandidate("flashinfer", "FlashInfer", None, why=why)
-
-    mod = import_probed("flashinfer", path)
-    if isinstance(mod, str):
-        return missing(f"flashinfer not importable: {mod}")
-    version = str(getattr(mod, "__version__", "?"))
-    linear = getattr(getattr(mod, "gemm", None), "fp8_linear", None)
-    if linear is None:
-        return missing(f"flashinfer {version} has no gemm.fp8_linear (its per-token x per-channel fp8 GEMM)")
-    cap = torch.cuda.get_device_capability() if device == "cuda" else None
-    if cap is None or cap < (10, 0):
-        on = "the CPU" if cap is None else f"sm_{cap[0]}{cap[1]}"
-        return missing(f"flashinfer {version}: gemm.fp8_linear runs on SM100/103/107 only, not {on}")
-    return quantized("flashinfer", "FlashInfer", lambda layer: lambda x8, sx: linear(
-        x8, layer.weight, sx.reshape(-1), layer.weight_scale, out_dtype=torch.bfloat16), quantizer(device),
-        f"{version}: gemm.fp8_linear")
-
-
-def make_layer(n: int, k: int, device: str, g: torch.Generator) -> fp8.Fp8Linear:
-    """An [n, k] projection quantized per output channel, as `--quantization fp8` does."""
-    dt = fp8.fp8_dtype(device)
-    layer = fp8.Fp8Linear(n, k, dt, "token", None, torch.device(device))
-    w8, s = fp8.quantize_weight(torch.randn(n, k, device=device, generator=g) / k ** 0.5, "channel", None, dt)
-    layer.weight.copy_(w8)
-    layer.weight_scale.copy_(s)
-    return layer
 
 
 def measure(kernels: dict[str, tuple[str, Kernel | None, str]], x: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor,
@@ -201,8 +106,11 @@ def measure(kernels: dict[str, tuple[str, Kernel | None, str]], x: torch.Tensor,
             row.update({f"{p}_us": None, f"{p}_err": None, f"{p}_timing": None, f"{p}_why": why})
             if kern is None:
                 continue
-            call, lab = (lambda k=kern: k[0](x8, sx)) if v == "gemm" else (lambda k=kern: k[1](x)), f"{label} ({v})"
-            got, row[f"{p}_err"], row[f"{p}_why"] = checked(lab, call, want, device, TOL if v == "gemm" else QUANT_TOL)
+            a, s = kern[2](x8, sx) if v == "gemm" and len(kern) > 2 else (x8, sx)  # type: ignore[misc]
+            lab = f"{label} ({v})"
+            call = (lambda k=kern, a=a, s=s: k[0](a, s)) if v == "gemm" else (lambda k=kern: k[1](x))
+            tol = TOL if v == "gemm" and len(kern) == 2 else QUANT_TOL
+            got, row[f"{p}_err"], row[f"{p}_why"] = checked(lab, call, want, device, tol)
             if got is None:
                 continue
             del got
@@ -266,8 +174,9 @@ def table(rows: list[dict[str, object]], summary: list[dict[str, object]], cands
     whys = {c.name: c.why for c in cands}
     out = ["; ".join(f"{c.label}: {c.version if c.bind else 'not measured: ' + c.why}" for c in cands), ""]
     others = [n for n in names if n != "ours"]
-    titles = {"gemm": "pre-quantized x8 and per-token scales (our quantizer's)",
-              "quant": "bf16 x, each candidate's own per-token quantizer (ours for cuBLASLt, FlashInfer)"}
+    titles = {"gemm": "pre-quantized x8 and per-token scales (our quantizer's; tensor-wise: re-quantized per tensor)",
+              "quant": "bf16 x, each candidate's own quantizer (ours for cuBLASLt, FlashInfer; tensor-wise: "
+                       "per tensor)"}
     for v in VARIANTS:
         out += [f"{VARIANTS[v]}: {titles[v]}", "", "| model | proj | N x K | rows | ours route | " + " | ".join(
             f"{labels[n]} us" for n in names) + " | " + " | ".join(f"{labels[n]} TFLOP/s" for n in names) + " | "
@@ -358,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
     device = "cpu" if args.dry_run else "cuda"
-    cands = [ours(device), cublaslt(device), load_vllm(args.vllm_path), load_flashinfer(args.vllm_path, device)]
+    vllm, vllm_t = load_vllm(args.vllm_path)
+    cands = [ours(device), cublaslt(device), vllm, load_flashinfer(args.vllm_path, device), cublaslt_tensor(device),
+             vllm_t]
     for c in cands:
         print(f"{c.label}: {c.version if c.bind else c.why}", flush=True)
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

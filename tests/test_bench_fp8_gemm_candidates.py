@@ -41,9 +41,13 @@ def cutlass_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
 
 def scaled_fp8_quant(input, scale=None, num_token_padding=None, scale_ub=None, use_per_token_if_dynamic=False,
                      output=None, group_shape=None):
-    assert input.ndim == 2 and scale is None and use_per_token_if_dynamic
+    # dynamic only: per token ([M, 1]) or, 0.26's default, per tensor ([1])
+    assert input.ndim == 2 and scale is None
     top = torch.finfo(torch.float8_e4m3fn).max
-    s = input.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
+    if use_per_token_if_dynamic:
+        s = input.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
+    else:
+        s = input.float().abs().amax().clamp(min=1e-12).reshape(1) / top
     return (input.float() / s).clamp(-top, top).to(torch.float8_e4m3fn), s
 '''
 
@@ -273,12 +277,16 @@ def test_dry_run_without_vllm(tmp_path: Path) -> None:
     assert [(r["rows"], r["proj"]) for r in report["rows"]] == [(m, p) for m in (1, 5, 32) for p in fg.PROJS]
     for r in report["rows"]:
         assert r["ours_route"] == "reference" and r["vllm_gemm_why"] == why and r["vllm_gemm_us"] is None
+        assert r["vllm_t_gemm_why"] == why and r["vllm_t_gemm_us"] is None
         for n in ("ours", "cublaslt"):
             for v in ("gemm", "quant"):
                 assert r[f"{n}_{v}_why"] == "" and r[f"{n}_{v}_us"] > 0 and r[f"{n}_{v}_err"] < fg.TOL, (n, v, r)
                 assert r[f"{n}_{v}_timing"] == "graph"
+        assert r["cublaslt_t_gemm_why"] == r["cublaslt_t_quant_why"] == "" and r["cublaslt_t_quant_us"] > 0
+        assert r["cublaslt_t_gemm_err"] < fg.QUANT_TOL and r["cublaslt_t_quant_err"] < fg.QUANT_TOL
     assert [(s["rows"], s["mix"]) for s in report["summary"]] == [(m, v) for m in (1, 5, 32) for v in fg.MIXES]
     assert all(0 < s["best_over_ours"] <= 1 and s["vllm_over_ours"] is None for s in report["summary"])
+    assert all(isinstance(s["cublaslt_t_over_ours"], float) for s in report["summary"])
     tables = (tmp_path / "fg.md").read_text().strip()
     assert out.rstrip().endswith(tables) and f"vLLM: not measured: {why}" in tables.splitlines()[0]
 
@@ -289,8 +297,38 @@ def test_dry_run_with_a_stand_in_vllm(tmp_path: Path) -> None:
     out, report = dry_run(tmp_path, site(tmp_path / "site"))
     assert report["candidates"]["vllm"] == {"label": "vLLM", "version": "0.26.0-fake: cutlass_scaled_mm", "why": None}
     assert "vLLM: 0.26.0-fake: cutlass_scaled_mm" in out
+    assert report["candidates"]["vllm_t"] == {"label": "vLLM tensor", "version": "0.26.0-fake: cutlass_scaled_mm, "
+                                              "scalar scales", "why": None}
     for r in report["rows"]:
         for v in ("gemm", "quant"):
             assert r[f"vllm_{v}_why"] == "" and r[f"vllm_{v}_over_ours"] > 0, r
             assert r[f"vllm_{v}_err"] < (fg.TOL if v == "gemm" else fg.QUANT_TOL)
+            assert r[f"vllm_t_{v}_why"] == "" and r[f"vllm_t_{v}_over_ours"] > 0 and r[f"vllm_t_{v}_err"] < fg.QUANT_TOL
     assert all(isinstance(s["vllm_over_ours"], float) for s in report["summary"])
+    assert all(isinstance(s["vllm_t_over_ours"], float) for s in report["summary"])
+    assert "| ours us | cuBLASLt us | vLLM us | FlashInfer us | cuBLASLt tensor us | vLLM tensor us |" in out
+
+
+def test_tensor_wise_candidates_share_one_scale() -> None:
+    """The tensor-wise calls: the rows re-quantized with one scale ([1, 1], the largest row's amax over fp8's max),
+    the weight with one ([1]); the GEMM is the float32 product of exactly those operands (not ours' per-channel
+    numbers), and within QUANT_TOL of the per-token reference, as the script checks before timing."""
+    from bench import fp8_gemm_kernels as fk
+    g = torch.Generator().manual_seed(3)
+    layer = fg.make_layer(48, 64, "cpu", g)
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    x[2] *= 8  # one outlier row: every row's scale follows it
+    x8, sx = fg.quantizer("cpu")(x)
+    a, s = fk.tensor_rows(x8, sx)
+    assert a.dtype == x8.dtype and tuple(s.shape) == (1, 1)
+    assert float(s) == pytest.approx(float((x8.float() * sx).abs().amax()) / torch.finfo(x8.dtype).max)
+    w8, sw = fk.tensor_weight(layer)
+    assert w8.shape == layer.weight.shape and tuple(sw.shape) == (1,)
+    gemm, quantized, prepare = fk.cublaslt_tensor("cpu").bind(layer)
+    assert prepare is fk.tensor_rows
+    got = gemm(a, s).float()
+    own = (a.float() * s) @ (w8.float() * sw).t()
+    assert float((got - own).abs().max() / own.abs().max()) < 1e-2
+    want = (x8.float() * sx) @ layer.dequantized().t()
+    for out in (got, quantized(x).float()):
+        assert float((out - want).abs().max() / want.abs().max()) < fg.QUANT_TOL
