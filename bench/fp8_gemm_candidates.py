@@ -32,7 +32,9 @@ replay of the call (median; where capture fails, calls back to back), us and TFL
 over ours (below 1: X faster). At decode rows a weight under the 60 MB L2 (Qwen3-8B's o: 16 MiB) may stay there
 between replays, for all alike. Summary per model and row count over one decoder layer's four GEMMs: the sum of the
 fastest candidate's times / the sum of ours ("best/ours": what switching each GEMM to its fastest leaves), and each
-candidate's sum / ours; for GEMM only, with quant, and the prefill mix (o with quant, the others GEMM only).
+candidate's sum / ours; for GEMM only, with quant, and the prefill mix (o with quant, the others GEMM only). Last,
+each GEMM-only call's longest kernel by name (torch's profiler, one call after its timing): which tile cuBLASLt's
+heuristic chose here, to set beside the kernels an engine step's profile names (bench/step_vs_vllm.sh).
 
 vLLM and flashinfer are imported as in bench/moe_candidates.py (`moe_candidate_kernels.import_vllm`/`import_probed`:
 --vllm-path first on sys.path, a child process first). Rows run per model, row count, projection; none starts after
@@ -96,14 +98,17 @@ def layer_shapes(model: str) -> dict[str, tuple[int, int]]:
 
 def measure(kernels: dict[str, tuple[str, Kernel | None, str]], x: torch.Tensor, x8: torch.Tensor, sx: torch.Tensor,
             want: torch.Tensor, reps: int, device: str, graph_ms: Clock = moe_timing.graph_ms,
-            eager_ms: Clock = moe_timing.back_to_back_ms) -> dict[str, object]:
+            eager_ms: Clock = moe_timing.back_to_back_ms,
+            kernel_names: Callable[[Callable[[], object], str], list[str]] = moe_timing.kernel_names,
+            ) -> dict[str, object]:
     """Each candidate's two calls ({name: (label, kernel or None, why)}): checked against `want`, then timed (graph
-    replay; back to back where that fails). Keys per NAME_VARIANT: _us, _err, _timing, _why ("" when timed)."""
+    replay; back to back where that fails) and its longest kernels named (`kernel_names`: [] on the CPU). Keys per
+    NAME_VARIANT: _us, _err, _timing, _why ("" when timed), _kernels."""
     row: dict[str, object] = {}
     for n, (label, kern, why) in kernels.items():
         for v in VARIANTS:
             p = f"{n}_{v}"
-            row.update({f"{p}_us": None, f"{p}_err": None, f"{p}_timing": None, f"{p}_why": why})
+            row.update({f"{p}_us": None, f"{p}_err": None, f"{p}_timing": None, f"{p}_why": why, f"{p}_kernels": []})
             if kern is None:
                 continue
             a, s = kern[2](x8, sx) if v == "gemm" and len(kern) > 2 else (x8, sx)  # type: ignore[misc]
@@ -119,6 +124,7 @@ def measure(kernels: dict[str, tuple[str, Kernel | None, str]], x: torch.Tensor,
                 row[f"{p}_why"] = "; ".join(filter(None, (row[f"{p}_why"], failed)))
                 if ms[what] is not None:
                     row[f"{p}_us"], row[f"{p}_timing"] = ms[what] * 1e3, what  # type: ignore[operator]
+                    row[f"{p}_kernels"] = kernel_names(call, device)
                     break
     return row
 
@@ -200,6 +206,14 @@ def table(rows: list[dict[str, object]], summary: list[dict[str, object]], cands
         out.append(f"| {s['model']} | {s['rows']} | {MIXES[str(s['mix'])]} | {cell(s['ours_us'], '.1f')} | "
                    f"{cell(s['best_us'], '.1f')} | {cell(s['best_over_ours'], '.3f')} | {best} | "
                    + " | ".join(cell(s.get(f"{n}_over_ours"), ".3f") for n in others) + " |")
+    named = [r for r in rows if any(r.get(f"{n}_gemm_kernels") for n in names)]
+    if named:  # which kernel each library chose: an engine's step profile names its kernels the same way
+        out += ["", "The longest kernel of each GEMM-only call (its first 60 characters):", "",
+                "| model | rows | proj | " + " | ".join(labels[n] for n in names) + " |",
+                "|" + "---|" * (3 + len(names))]
+        out += [f"| {r['model']} | {r['rows']} | {r['proj']} | " + " | ".join(
+            "`" + str(ks[0])[:60].replace("|", "/") + "`" if (ks := r.get(f"{n}_gemm_kernels")) else "-"
+            for n in names) + " |" for r in named]
     return "\n".join(out).rstrip("\n")
 
 

@@ -67,3 +67,24 @@ def back_to_back_ms(fn: Callable[[], object], calls: int, device: str) -> float:
     e.record()
     e.synchronize()
     return s.elapsed_time(e) / calls
+
+
+def kernel_names(fn: Callable[[], object], device: str, top: int = 2) -> list[str]:
+    """The names of the `top` device kernels of one call of fn that took the longest (the GEMM a library chose, for
+    one), from torch's profiler; [] on the CPU or where the profiler fails."""
+    if device != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - the names are a note: a profiler that cannot run leaves none
+        return []
+    us: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            us[ev.name] = us.get(ev.name, 0.0) + ev.device_time
+    return sorted(us, key=lambda n: -us[n])[:top]

@@ -139,8 +139,11 @@ def test_measure_checks_before_timing() -> None:
 
     kernels = {"ours": ("ours", good, ""), "cublaslt": ("cuBLASLt", wrong, ""),
                "vllm": ("vLLM", None, "vllm not importable: X"), "flashinfer": ("FlashInfer", (boom, good[1]), "")}
-    r = fg.measure(kernels, x, x8, sx, want, 3, "cpu", clock(0.25), clock(0.5))
+    names = lambda fn, device: ["nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT", "quant"]  # noqa: E731
+    r = fg.measure(kernels, x, x8, sx, want, 3, "cpu", clock(0.25), clock(0.5), names)
     assert r["ours_gemm_us"] == r["ours_quant_us"] == 250.0 and r["ours_gemm_timing"] == "graph"
+    assert r["ours_gemm_kernels"][0].startswith("nvjet_sm90") and r["cublaslt_gemm_kernels"] == []  # not timed
+    assert r["vllm_quant_kernels"] == [] and r["flashinfer_gemm_kernels"] == []
     assert r["ours_gemm_why"] == r["ours_quant_why"] == "" and r["ours_gemm_err"] < 0.03
     assert r["cublaslt_gemm_us"] is None and r["cublaslt_quant_us"] is None
     assert r["cublaslt_gemm_why"] == f"cuBLASLt (gemm) disagrees with the reference: relative error " \
@@ -231,6 +234,12 @@ def test_tables() -> None:
     assert lines[heads[1] - 4].endswith("| - | - | row failed: OOM |")
     assert all(ln.count("|") == lines[heads[0]].count("|") for ln in lines[heads[0]:heads[1] - 3] if ln)
     assert lines[-5].startswith("| model | rows | calls | ours us | best us | best/ours | fastest (qkv o gate_up")
+    rows[0]["ours_gemm_kernels"] = ["nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT" + "x" * 40, "other"]
+    rows[0]["flashinfer_gemm_kernels"] = ["a|b"]
+    named = fg.table(rows + [failed], fg.summarize(rows, NAMES), candidates()).splitlines()
+    assert named[:len(lines)] == lines and named[len(lines) + 1].startswith("The longest kernel of each GEMM-only")
+    assert named[-1] == "| m | 4096 | qkv | `nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNTxxxxxxxxx` | - | - " \
+        "| `a/b` |"
     assert lines[-3:] == [
         "| m | 4096 | GEMM only | 100.0 | 93.0 | 0.930 | FlashInfer cuBLASLt FlashInfer ours | - | - | 1.000 |",
         "| m | 4096 | with quant | 120.0 | 119.0 | 0.992 | cuBLASLt ours ours ours | 1.117 | - | - |",
